@@ -907,6 +907,63 @@ TEST(DdpFeaturesTest, ForwardThatThrowsOnOneRankAbortsTheGroup) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Join's shadowed optimizer step (JoinOptions::shadow_step) throws on the
+// rank that ran out of inputs: the active ranks, whose step runs a
+// collective it would have joined, fail within moments naming that rank
+// and the cause. They used to wait in it until the group's timeout (20 s
+// here) and report only that.
+DDP_TEST_WORKER(join_shadow_step_throws) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = Mlp(23);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  // A step that is collective, as a sharded optimizer's is.
+  auto step = [&] {
+    opt.Step();
+    Tensor token = nn::Ones({1});
+    pg->AllReduce(token, transport::ReduceOp::kSum, "step").Wait();
+  };
+  JoinOptions options;
+  options.shadow_step = [&] { throw std::runtime_error("the shadowed step failed on purpose"); };
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    Join join(ddp, options);
+    // Rank 0 has one batch, the others three.
+    for (int s = 0; s < (rank == 0 ? 1 : 3); ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      step();
+    }
+    join.Wait();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (rank == 0) {
+    WORKER_EXPECT(message == "the shadowed step failed on purpose", "rank 0: " + message);
+    // Alive a while, as a process that handles the error: the peers must
+    // not need its exit to stop waiting.
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+  } else {
+    WORKER_EXPECT(message.find("Join::Wait on rank 0: the shadowed optimizer step (JoinOptions::shadow_step) "
+                               "threw (the shadowed step failed on purpose)") != std::string::npos,
+                  message.empty() ? std::string("no error") : message);
+    WORKER_EXPECT(seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AShadowedStepThatThrowsOnTheJoinedRankAbortsTheGroupWithItsCause) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("join_shadow_step_throws", n, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks:\n" << testing::AllOutput(run);
+  }
+}
+
 // Gradual unfreezing after wrapping: a parameter that did not require grad
 // at construction has no bucket, so its gradient would stay local and the
 // replicas would drift apart silently. The next forward outside NoSync

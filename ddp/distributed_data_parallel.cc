@@ -719,7 +719,27 @@ void Join::Wait() {
       if (f[size] > 0 && s.reducer != nullptr) {
         s.reducer->ShadowBackward(options_.divide_by_initial_world_size ? size : active,
                                   /*write_gradients=*/static_cast<bool>(options_.shadow_step));
-        if (options_.shadow_step) options_.shadow_step();
+        if (options_.shadow_step) {
+          // The active ranks step too, and their step's collectives wait for
+          // this rank's: a step that fails here alone stops them now, with
+          // the cause, instead of at the group's timeout.
+          try {
+            options_.shadow_step();
+          } catch (...) {
+            std::string cause = "an exception that is not a std::exception";
+            try {
+              throw;
+            } catch (const std::exception& e) {
+              cause = e.what();
+            } catch (...) {
+            }
+            pg.Abort(transport::FailedPreconditionError(
+                "Join::Wait on rank " + std::to_string(pg.rank()) + ": the shadowed optimizer step "
+                "(JoinOptions::shadow_step) threw (" + cause + "); the active ranks would wait for this "
+                "rank in their step's collectives. The process group was aborted."));
+            throw;
+          }
+        }
       }
     }
     // Every rank is done. The ranks that ran the most iterations in this Join

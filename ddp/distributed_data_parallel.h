@@ -293,8 +293,10 @@ struct JoinOptions {
   /// gradients in its .grad, so that it updates its own shard as the
   /// others expect and joins their broadcasts. The active ranks must step
   /// exactly once after each synchronizing backward, before the next
-  /// forward. Empty: the optimizer is local (plain SGD, Adam, ...), and a
-  /// joined rank's .grad is left as it was.
+  /// forward. When it throws, Join::Wait aborts the group with that cause
+  /// (the active ranks wait in their step's collectives) and rethrows.
+  /// Empty: the optimizer is local (plain SGD, Adam, ...), and a joined
+  /// rank's .grad is left as it was.
   std::function<void()> shadow_step;
 };
 
