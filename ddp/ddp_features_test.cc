@@ -606,6 +606,44 @@ TEST(DdpFeaturesTest, AConstructionThatFailsOnOneRankAfterTheComparisonAbortsThe
   }
 }
 
+// A negative DdpOptions::log_stats_every (0 means never) on one rank: that
+// rank throws naming the option and the value, and the others, which may
+// log at another period (it is not compared across ranks), fail at their
+// first collective within moments with that cause. It used to be taken
+// silently as "never log", even under DDP_DEBUG=info.
+DDP_TEST_WORKER(log_stats_every_negative_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), failing = pg->size() - 1;
+  const std::string expected = "DdpOptions::log_stats_every must be at least 0 (0: never), got -5";
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    auto model = Mlp(9);
+    DistributedDataParallel ddp(model, {.process_group = pg, .log_stats_every = rank == failing ? -5 : 0});
+    WORKER_EXPECT(rank != failing, "a negative log_stats_every was accepted");
+    auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+    WORKER_EXPECT(rank == failing && message == expected, message);
+    // Alive a while: the peers must not need its exit to stop waiting.
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+  } catch (const std::exception& e) {
+    message = e.what();
+    WORKER_EXPECT(rank != failing && message.find(expected) != std::string::npos, message);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(!message.empty(), "no error");
+  WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ANegativeStatisticsPeriodIsRefusedNamingTheOption) {
+  auto run = RunWorkers("log_stats_every_negative_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // JoinOptions that differ between ranks (JOIN_OPTIONS_CASE picks which,
 // always on the last rank): every rank throws, quickly, the same message
 // naming the option and the ranks on each side. They used to be taken as

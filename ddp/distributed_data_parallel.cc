@@ -320,6 +320,13 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     // all throw this.
     if (!option_error.empty()) throw std::invalid_argument(option_error);
     compared = true;
+    // Not compared across ranks (only rank 0 logs, so the ranks may pass
+    // different values): a bad one is this rank's failure, which the peers
+    // learn through the abort below.
+    if (options_.log_stats_every < 0) {
+      throw std::invalid_argument("DdpOptions::log_stats_every must be at least 0 (0: never), got " +
+                                  std::to_string(options_.log_stats_every));
+    }
     // The timeline so far, appended at every forward: what a run that dies
     // without unwinding leaves (the complete file is written at the end).
     if (impl_->trace != nullptr) impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());

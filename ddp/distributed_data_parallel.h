@@ -104,6 +104,8 @@ struct DdpOptions {
   /// Rank 0 logs runtime statistics every this many iterations (0: never;
   /// DDP_DEBUG=info makes it 100), each line for the iterations since the
   /// last; the window Stats() reports is not restarted by it.
+  /// Negative: std::invalid_argument (the group is aborted, as for a
+  /// failure of this rank's alone after the replicas are compared).
   int64_t log_stats_every = 0;
   /// When set, each rank writes a Chrome-trace timeline to
   /// `<trace_prefix>rank<r>.json` when the wrapper is destroyed (and on
