@@ -121,6 +121,8 @@ class Reducer {
   /// rank (an iteration shadowed under Join counts).
   bool rebuild_pending() const { return rebuild_pending_; }
   /// Collective: rebuilds the buckets from rank 0's observed gradient order.
+  /// When the new buckets cannot be made on this rank, aborts the group
+  /// with the cause, rethrows, and every later forward throws that.
   void RebuildBuckets();
   /// The order the buckets were last built from when it was agreed (by the
   /// rebuild, or given as ReducerOptions::bucket_order); empty before.
