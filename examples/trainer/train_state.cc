@@ -444,9 +444,13 @@ int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainCo
 // the data sampler, far from the file; a negative epoch trains extra
 // epochs). `position` holds what was read from `m`; `saved_size` is the
 // saved training-set size (-1 when not recorded: an older trainer's file).
-void CheckPositionInRange(const std::string& path, const Metadata& m, const NamedTensors& optimizer,
-                          const TrainPosition& position, int64_t saved_world, int64_t saved_batch,
-                          int64_t saved_accum, int64_t saved_size) {
+// Returns the positions of the epoch's sample order trained so far: its
+// samples_in_epoch, or for an older trainer's file without that key, the
+// count worked out from the position.
+int64_t CheckPositionInRange(const std::string& path, const Metadata& m,
+                             const NamedTensors& optimizer, const TrainPosition& position,
+                             int64_t saved_world, int64_t saved_batch, int64_t saved_accum,
+                             int64_t saved_size) {
   const auto refuse = [&](const std::string& key, int64_t value, const std::string& range) {
     throw UsageError("--resume: checkpoint " + path + " has " + key + "=" + std::to_string(value) +
                      ", out of range (" + range +
@@ -468,9 +472,29 @@ void CheckPositionInRange(const std::string& path, const Metadata& m, const Name
   // Ranks are counted in an int: a larger count would wrap (to a negative
   // one, which the sampler below refuses without naming the file).
   if (saved_world > INT_MAX) refuse("world_size", saved_world, "1 to " + std::to_string(INT_MAX));
-  if (!Get(m, "samples_in_epoch").empty()) {
-    const int64_t trained = MetaInt(m, "samples_in_epoch", path);
+  const bool has_trained = !Get(m, "samples_in_epoch").empty();
+  int64_t trained = 0;
+  // The samples of one batch on all ranks (0: more than 64 bits hold).
+  int64_t per_batch = 0;
+  if (__builtin_mul_overflow(saved_batch, saved_world, &per_batch)) per_batch = 0;
+  if (has_trained) {
+    trained = MetaInt(m, "samples_in_epoch", path);
     if (trained < 0) refuse("samples_in_epoch", trained, "0 or more");
+  } else {
+    // An older trainer's file: epoch_start + batch_in_epoch * batch_size *
+    // world_size, which a large batch_in_epoch (unchecked without a
+    // train_size) wraps to a negative start that the sampler refuses
+    // without naming the file.
+    if ((per_batch == 0 && position.batch_in_epoch > 0) ||
+        __builtin_mul_overflow(position.batch_in_epoch, per_batch, &trained) ||
+        __builtin_add_overflow(trained, position.epoch_start, &trained)) {
+      const int64_t most =
+          per_batch > 0 ? (INT64_MAX - position.epoch_start) / per_batch : 0;
+      refuse("batch_in_epoch", position.batch_in_epoch,
+             "0 to " + std::to_string(most) +
+                 ", so that epoch_start + batch_in_epoch x batch_size x world_size, the samples "
+                 "of its epoch trained, fits in 64 bits");
+    }
   }
   if (saved_size >= 0) {
     if (position.epoch_start > saved_size) {
@@ -483,6 +507,22 @@ void CheckPositionInRange(const std::string& path, const Metadata& m, const Name
       refuse("batch_in_epoch", position.batch_in_epoch,
              "0 to " + std::to_string(batches) + ", the batches of its epoch on " +
                  std::to_string(saved_world) + " ranks");
+    }
+    // A run on other ranks starts its epoch after this many positions of
+    // the order: a larger value skips the rest of the epoch unseen. The
+    // last batch of an epoch may be padded, so an epoch trained to its end
+    // counts up to its batches' samples, a little past train_size.
+    int64_t covered = 0;
+    if (per_batch == 0 || __builtin_mul_overflow(batches, per_batch, &covered) ||
+        __builtin_add_overflow(covered, position.epoch_start, &covered)) {
+      covered = INT64_MAX;
+    }
+    const int64_t most = std::max(saved_size, covered);
+    if (has_trained && trained > most) {
+      refuse("samples_in_epoch", trained,
+             "0 to " + std::to_string(most) + ", the samples of its epoch's " +
+                 std::to_string(batches) + " batches on " + std::to_string(saved_world) +
+                 " ranks, of its train_size " + std::to_string(saved_size));
     }
   }
   // The scheduler counts the optimizer steps as well: the two disagree only
@@ -497,6 +537,7 @@ void CheckPositionInRange(const std::string& path, const Metadata& m, const Name
       refuse("scheduler.step", scheduler_step, "the step, " + std::to_string(position.step));
     }
   }
+  return trained;
 }
 
 }  // namespace
@@ -879,7 +920,8 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   const int64_t saved_accum = MetaInt(m, "grad_accum_steps", path);
   // The training-set size of the saved run (-1: an older trainer's file).
   const int64_t saved_size = Get(m, "train_size").empty() ? -1 : MetaInt(m, "train_size", path);
-  CheckPositionInRange(path, m, ckpt.optimizer, pos, saved_world, saved_batch, saved_accum, saved_size);
+  const int64_t trained = CheckPositionInRange(path, m, ckpt.optimizer, pos, saved_world,
+                                               saved_batch, saved_accum, saved_size);
 
   std::vector<std::string> notes;
   // The epoch's sample order is a function of the seed and the training
@@ -911,10 +953,6 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   const bool mid_epoch = pos.batch_in_epoch > 0 || pos.epoch_start > 0;
   if (!same_order && mid_epoch && same_samples) {
     // The same order cut otherwise: train the positions not yet trained.
-    const int64_t trained =
-        Get(m, "samples_in_epoch").empty()
-            ? pos.epoch_start + pos.batch_in_epoch * saved_batch * saved_world
-            : MetaInt(m, "samples_in_epoch", path);
     notes.push_back("the checkpoint was saved in the middle of epoch " +
                     std::to_string(pos.epoch + 1) + " by a run on " + std::to_string(saved_world) +
                     " ranks, batch " + std::to_string(saved_batch) +

@@ -449,6 +449,10 @@ TEST(TrainStateTest, PositionOutOfRangeIsRefusedNamingKeyValueAndFile) {
       // refused without naming the file.
       {"world_size", "2147483648", "1 to 2147483647"},
       {"samples_in_epoch", "-1", "0 or more"},
+      // Past the epoch's samples (its 19 batches of 8 on 2 ranks cover 304):
+      // a run on other ranks skipped the rest of the epoch.
+      {"samples_in_epoch", "305",
+       "0 to 304, the samples of its epoch's 19 batches on 2 ranks, of its train_size 300"},
       // The scheduler's own count of steps says 3.
       {"step", "4", ""},
   };
@@ -464,6 +468,45 @@ TEST(TrainStateTest, PositionOutOfRangeIsRefusedNamingKeyValueAndFile) {
     EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, 2, nullptr); }), expected)
         << c.key << "=" << c.value;
   }
+}
+
+// An older trainer's file has neither samples_in_epoch nor train_size; the
+// samples trained are worked out from the position, and a batch_in_epoch
+// so large that the count wraps is refused naming the file and the key. (It
+// made a negative start, which the data sampler refused without the file.)
+TEST(TrainStateTest, OlderFileWithWrappingBatchInEpochIsRefusedNamingIt) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.batch_size = 8;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  parts.train_size = 300;
+  const std::string path = Path("older_wrapping");
+  SaveTrainCheckpoint(path, parts, TrainPosition{.epoch = 0, .batch_in_epoch = 3}, config, 2);
+  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+  ckpt.metadata.erase("samples_in_epoch");
+  ckpt.metadata.erase("train_size");
+  // 2^62 batches of 8 on 2 ranks: 2^66 samples.
+  ckpt.metadata["batch_in_epoch"] = "4611686018427387904";
+  nn::io::SaveCheckpoint(path, ckpt);
+  // On 1 rank: the order is cut otherwise, and continues after the count.
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, 1, nullptr); }),
+            "--resume: checkpoint " + path +
+                " has batch_in_epoch=4611686018427387904, out of range (0 to "
+                "576460752303423487, so that epoch_start + batch_in_epoch x batch_size x "
+                "world_size, the samples of its epoch trained, fits in 64 bits); the file was "
+                "not written by this trainer, or changed since; delete it or pass another "
+                "--checkpoint to start afresh");
+
+  // Within range, the count is the position's.
+  ckpt.metadata["batch_in_epoch"] = "3";
+  nn::io::SaveCheckpoint(path, ckpt);
+  std::string note;
+  const TrainPosition pos = LoadTrainCheckpoint(path, parts, config, 1, &note);
+  EXPECT_EQ(pos.epoch_start, 48);
+  EXPECT_EQ(pos.batch_in_epoch, 0);
+  EXPECT_NE(note.find("after 48 samples of the epoch's order"), std::string::npos) << note;
 }
 
 // The data order depends on the training set, not on the flag that cut it:
