@@ -36,6 +36,20 @@ class RangeDataset : public Dataset {
   std::string name_;
 };
 
+// The name of `set` without the count and shape that its Name() appends
+// ("fashion_mnist/train (60000 x [1, 28, 28])" gives "fashion_mnist/train"),
+// for a copy of part of it, whose own Name() appends its own count.
+std::string NameWithoutSize(const InMemoryImageDataset& set) {
+  const std::string name = set.Name();
+  const std::string size =
+      " (" + std::to_string(set.Size()) + " x " + set.Shape().ToString() + ")";
+  if (name.size() >= size.size() &&
+      name.compare(name.size() - size.size(), size.size(), size) == 0) {
+    return name.substr(0, name.size() - size.size());
+  }
+  return name;
+}
+
 // The first `limit` samples (all when limit is 0) of `set`: the `split`
 // ("training" or "test") of `dataset` that the flag `flag` limits. A limit
 // past the set's size is refused: it would quietly train or evaluate on
@@ -55,7 +69,8 @@ std::shared_ptr<const Dataset> Head(std::shared_ptr<const Dataset> set, int64_t 
     std::vector<uint8_t> data(in_memory->Pixels(0), in_memory->Pixels(0) + limit * pixels);
     std::vector<uint8_t> labels(limit);
     for (int64_t i = 0; i < limit; ++i) labels[i] = static_cast<uint8_t>(set->Label(i));
-    return std::make_shared<InMemoryImageDataset>(set->Name(), set->Shape(), set->NumClasses(),
+    return std::make_shared<InMemoryImageDataset>(NameWithoutSize(*in_memory), set->Shape(),
+                                                  set->NumClasses(),
                                                   std::move(data), std::move(labels));
   }
   return std::make_shared<RangeDataset>(set, 0, limit, set->Name());

@@ -1,5 +1,11 @@
 #include "examples/trainer/zoo.h"
 
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
 #include "gtest/gtest.h"
 
 namespace ddp::examples::trainer {
@@ -70,6 +76,45 @@ TEST(ZooTest, MoreSamplesThanTheDatasetHasAreRefused) {
   const Datasets d = LoadDatasets(c);
   EXPECT_EQ(d.train->Size(), 50000);
   EXPECT_EQ(d.test->Size(), 10000);
+}
+
+// Writes an IDX image file of `n` black 28x28 images and an IDX label file
+// of `n` zeros as `dir`/`prefix`-images-idx3-ubyte and -labels-idx1-ubyte.
+void WriteIdx(const std::string& dir, const std::string& prefix, int n) {
+  const auto be32 = [](std::string& out, uint32_t v) {
+    for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>(v >> shift));
+  };
+  std::string images, labels;
+  be32(images, 0x803);
+  be32(images, n);
+  be32(images, 28);
+  be32(images, 28);
+  images.append(static_cast<size_t>(n) * 28 * 28, '\0');
+  be32(labels, 0x801);
+  be32(labels, n);
+  labels.append(static_cast<size_t>(n), '\0');
+  std::ofstream(dir + "/" + prefix + "-images-idx3-ubyte", std::ios::binary) << images;
+  std::ofstream(dir + "/" + prefix + "-labels-idx1-ubyte", std::ios::binary) << labels;
+}
+
+// A set cut by --train_samples / --test_samples is named once, with its own
+// count (it read "mnist/train (5 x [1, 28, 28]) (2 x [1, 28, 28])", in
+// loader errors and in the check that all ranks have the same settings).
+TEST(ZooTest, SamplesFlagsCutSetIsNamedWithItsOwnCount) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/idx_cut";
+  std::filesystem::create_directories(dir);
+  WriteIdx(dir, "train", 5);
+  WriteIdx(dir, "t10k", 3);
+  TrainConfig c;
+  c.dataset = "mnist";
+  c.data_dir = dir;
+  Datasets d = LoadDatasets(c);
+  EXPECT_EQ(d.train->Name(), "mnist/train (5 x [1, 28, 28])");
+  c.train_samples = 2;
+  c.test_samples = 1;
+  d = LoadDatasets(c);
+  EXPECT_EQ(d.train->Name(), "mnist/train (2 x [1, 28, 28])");
+  EXPECT_EQ(d.test->Name(), "mnist/test (1 x [1, 28, 28])");
 }
 
 TEST(ZooTest, MlpCannotTakeCifarImages) {
