@@ -29,7 +29,9 @@ std::string StringPrintf(const char* format, ...) {
 
 std::string FormatCount(int64_t n) {
   const bool negative = n < 0;
-  std::string digits = std::to_string(negative ? -n : n);
+  // The magnitude in unsigned arithmetic: -n overflows for INT64_MIN.
+  const uint64_t magnitude = negative ? 0 - static_cast<uint64_t>(n) : static_cast<uint64_t>(n);
+  const std::string digits = std::to_string(magnitude);
   std::string out;
   for (size_t i = 0; i < digits.size(); ++i) {
     if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');

@@ -1,6 +1,7 @@
 #include "examples/trainer/format.h"
 
 #include <cmath>
+#include <cstdint>
 
 #include "gtest/gtest.h"
 
@@ -13,6 +14,10 @@ TEST(FormatTest, CountsGetThousandsSeparators) {
   EXPECT_EQ(FormatCount(1000), "1,000");
   EXPECT_EQ(FormatCount(225034), "225,034");
   EXPECT_EQ(FormatCount(-1234567), "-1,234,567");
+  // -INT64_MIN does not fit in an int64_t: its negation was undefined, and
+  // gave "--9,223,...".
+  EXPECT_EQ(FormatCount(INT64_MIN), "-9,223,372,036,854,775,808");
+  EXPECT_EQ(FormatCount(INT64_MAX), "9,223,372,036,854,775,807");
 }
 
 TEST(FormatTest, ClockShowsMinutesAndHours) {
