@@ -59,7 +59,28 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
   // are written again by this run.
   std::string kept = std::string(CsvHeader()) + "\n";
   if (resume_step >= 0) {
-    std::ifstream in(csv_path());
+    // A metrics.csv that is there but cannot be read is refused: it would
+    // be replaced below by the header alone, and its rows lost. (Absent:
+    // nothing to keep.)
+    const auto unreadable = [&](const std::string& why) {
+      return std::runtime_error("--log_dir: cannot read " + csv_path() +
+                                " to keep its rows up to the resumed step " +
+                                std::to_string(resume_step) + ": " + why +
+                                "; fix or move it, or pass another --log_dir");
+    };
+    const std::filesystem::file_status status = std::filesystem::status(csv_path(), ec);
+    if (status.type() != std::filesystem::file_type::not_found) {
+      if (ec) throw unreadable(ec.message());
+      if (status.type() != std::filesystem::file_type::regular) {
+        throw unreadable("not a regular file");
+      }
+    }
+    std::ifstream in;
+    if (status.type() != std::filesystem::file_type::not_found) {
+      errno = 0;
+      in.open(csv_path());
+      if (!in.is_open()) throw unreadable(errno != 0 ? std::strerror(errno) : "open failed");
+    }
     std::string line;
     bool header = true;
     while (std::getline(in, line)) {
@@ -89,6 +110,8 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
       }
       kept += line + "\n";
     }
+    // getline stops on a read error as at the end: only the bad bit tells.
+    if (in.bad()) throw unreadable("read error");
     for (size_t i = 1; i < steps_.size(); ++i) {
       if (steps_[i].epoch != steps_[i - 1].epoch) {
         epoch_ends_.emplace_back(steps_[i - 1].epoch, steps_[i - 1].step);

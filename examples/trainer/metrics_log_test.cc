@@ -4,6 +4,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <stdexcept>
 #include <sstream>
 
 #include "gtest/gtest.h"
@@ -128,6 +130,45 @@ TEST(MetricsLogTest, ResumeAtAnEpochEndKeepsThatEpochsMark) {
   log.AddStep({40, 2, 0.7, 0.05, 100});
   log.WriteChart();
   EXPECT_NE(Read(dir + "/chart.svg").find(">epoch 1<"), std::string::npos);
+}
+
+std::string RuntimeErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A metrics.csv that is there but cannot be read is refused naming it: it
+// was replaced by the header alone, without a word. (The tests run as root,
+// for whom no file is unreadable for its mode; a link to a folder, or a
+// link to itself, is there and cannot be read.)
+TEST(MetricsLogTest, ResumeRefusesAMetricsCsvThatCannotBeRead) {
+  const std::string dir = TempDir("resume_unreadable");
+  std::filesystem::create_directories(dir + "/elsewhere");
+  const std::string csv = dir + "/metrics.csv";
+  std::filesystem::create_directory_symlink(dir + "/elsewhere", csv);
+  const std::string tail = "; fix or move it, or pass another --log_dir";
+  EXPECT_EQ(RuntimeErrorOf([&] { MetricsLog log(dir, "t", "s", 40); }),
+            "--log_dir: cannot read " + csv +
+                " to keep its rows up to the resumed step 40: not a regular file" + tail);
+  EXPECT_TRUE(std::filesystem::is_symlink(csv));
+
+  std::filesystem::remove(csv);
+  std::filesystem::create_symlink(csv, csv);
+  const std::string loop = RuntimeErrorOf([&] { MetricsLog log(dir, "t", "s", 40); });
+  EXPECT_EQ(loop.rfind("--log_dir: cannot read " + csv + " to keep its rows up to the resumed "
+                       "step 40: ", 0),
+            0u)
+      << loop;
+  EXPECT_TRUE(std::filesystem::is_symlink(csv));
+
+  // Absent: a fresh file.
+  std::filesystem::remove(csv);
+  MetricsLog log(dir, "t", "s", 40);
+  EXPECT_EQ(Read(csv), "step,epoch,loss,lr,samples_per_s,test_loss,test_acc\n");
 }
 
 }  // namespace
