@@ -80,16 +80,21 @@ void Pad(Range& r) {
 
 }  // namespace
 
-std::vector<double> NiceTicks(double lo, double hi, int target) {
+std::vector<double> NiceTicks(double lo, double hi, int target, bool integer) {
   std::vector<double> ticks;
   if (!(hi > lo) || target < 1) return ticks;
   const double raw = (hi - lo) / target;
   const double mag = std::pow(10.0, std::floor(std::log10(raw)));
-  double step = mag;
+  double step = 0;
   for (double m : {1.0, 2.0, 2.5, 5.0, 10.0}) {
+    // An integer axis (steps, ranks) has no ticks between its values: 0.5
+    // or 2.5 apart, half of them would be labelled with a value no point
+    // can have.
+    if (integer && m * mag != std::round(m * mag)) continue;
     step = m * mag;
     if (step >= raw) break;
   }
+  if (integer) step = std::max(step, 1.0);
   const double first = std::ceil(lo / step - 1e-9) * step;
   for (double v = first; v <= hi + step * 1e-9; v += step) {
     ticks.push_back(std::fabs(v) < step * 1e-9 ? 0.0 : v);
@@ -128,7 +133,7 @@ std::string RenderSvgChart(const Chart& chart) {
     svg += StringPrintf("<text x=\"%d\" y=\"48\" font-size=\"12\" fill=\"#666\">%s</text>\n", kLeft,
                         Escape(chart.subtitle).c_str());
   }
-  const std::vector<double> xticks = NiceTicks(xr.lo, xr.hi, 8);
+  const std::vector<double> xticks = NiceTicks(xr.lo, xr.hi, 8, chart.x_integer);
   const double xstep = xticks.size() > 1 ? xticks[1] - xticks[0] : 1;
 
   for (int pi = 0; pi < static_cast<int>(chart.panels.size()); ++pi) {

@@ -56,8 +56,9 @@ inline constexpr char kAccuracyColor[] = "#2ca02c";
 std::string RenderSvgChart(const Chart& chart);
 
 /// Tick positions for [lo, hi]: about `target` round values (1, 2, 2.5, 5 x
-/// 10^k steps) covering the range.
-std::vector<double> NiceTicks(double lo, double hi, int target);
+/// 10^k steps) covering the range. With `integer`, only whole steps of 1 or
+/// more (an axis of steps or ranks: no ticks between its values).
+std::vector<double> NiceTicks(double lo, double hi, int target, bool integer = false);
 
 }  // namespace ddp::examples::trainer
 

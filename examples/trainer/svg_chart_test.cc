@@ -17,6 +17,12 @@ TEST(NiceTicksTest, RoundStepsCoverTheRange) {
   EXPECT_EQ(NiceTicks(0.5, 1.0, 5).size(), 6u);  // 0.5, 0.6, ..., 1.0
   EXPECT_EQ(NiceTicks(0, 938, 8), (std::vector<double>{0, 200, 400, 600, 800}));
   EXPECT_TRUE(NiceTicks(1, 1, 5).empty());
+  // An integer axis takes whole steps of at least 1.
+  EXPECT_EQ(NiceTicks(0, 19.38, 8), (std::vector<double>{0, 2.5, 5, 7.5, 10, 12.5, 15, 17.5}));
+  EXPECT_EQ(NiceTicks(0, 19.38, 8, true), (std::vector<double>{0, 5, 10, 15}));
+  EXPECT_EQ(NiceTicks(0, 3.06, 8, true), (std::vector<double>{0, 1, 2, 3}));
+  EXPECT_EQ(NiceTicks(0, 0.5, 5, true), (std::vector<double>{0}));
+  EXPECT_EQ(NiceTicks(0, 2000, 8, true), (std::vector<double>{0, 250, 500, 750, 1000, 1250, 1500, 1750, 2000}));
 }
 
 Chart Example() {
@@ -140,6 +146,32 @@ TEST(SvgChartTest, TickLabelsAreTheTicksValues) {
           << "label " << value << " at " << at << " (the first two: " << first.second << " at "
           << first.first << ", " << second.second << " at " << second.first << ")";
     }
+  }
+}
+
+// The step axis is an integer axis: a run of 3 steps was labelled 0, 0.5,
+// 1, ... 3, and one of 19 steps 0, 2.5, 5, 7.5, ..., places no step has.
+TEST(SvgChartTest, StepAxisHasWholeNumberTicks) {
+  for (int steps : {3, 19}) {
+    Chart c;
+    c.x_label = "step";
+    ChartPanel loss;
+    loss.y_label = "loss";
+    ChartSeries series{"train loss", kTrainLossColor, {}, false, false};
+    for (int i = 1; i <= steps; ++i) series.points.emplace_back(i, 1.0 / i);
+    loss.series = {series};
+    c.panels = {loss};
+    const std::string svg = RenderSvgChart(c);
+    const std::regex label(
+        R"re(<text x="[-0-9.]+" y="[-0-9.]+" font-size="11" fill="#555" text-anchor="middle">([^<]*)</text>)re");
+    int labels = 0;
+    for (auto it = std::sregex_iterator(svg.begin(), svg.end(), label); it != std::sregex_iterator();
+         ++it) {
+      const std::string text = (*it)[1];
+      EXPECT_EQ(text.find('.'), std::string::npos) << steps << " steps: x label " << text;
+      ++labels;
+    }
+    EXPECT_GE(labels, 3) << svg;
   }
 }
 
