@@ -1066,7 +1066,10 @@ class WorkerGroup::Impl {
     for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
       std::string_view entry(*e);
       const std::string_view name = entry.substr(0, entry.find('='));
-      bool overridden = false;
+      // Without an error file of its own, a worker gets none: the
+      // launcher's own (from whoever started the launcher) is not the
+      // workers' to write, and each would overwrite the others' there.
+      bool overridden = w.error_path.empty() && name == kEnvErrorFile;
       for (const auto& [key, value] : spec_env) overridden = overridden || key == name;
       if (!overridden) env_strings.emplace_back(entry);
     }

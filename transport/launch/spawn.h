@@ -109,6 +109,8 @@ struct SpawnOptions {
   /// earlier run is removed before the worker starts. What a failed worker
   /// wrote goes into its WorkerExit::error, and the earliest such message
   /// into GroupResult::reason. A spec's own TORCHELASTIC_ERROR_FILE wins.
+  /// A worker left without one (false here, or no folder for them) finds
+  /// TORCHELASTIC_ERROR_FILE unset, not the launcher's own.
   bool error_files = true;
 };
 

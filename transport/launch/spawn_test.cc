@@ -472,6 +472,44 @@ TEST(SpawnTest, WorkersStartWithoutErrorFilesWhenNoTemporaryFolderCanBeMade) {
   EXPECT_EQ(result.ExitCode(), 4);
 }
 
+// A worker without an error file of its own does not get the launcher's:
+// TORCHELASTIC_ERROR_FILE, set for the launcher by whoever started it, is
+// unset for the workers (with error_files=false, and when no temporary
+// folder can be made), so that none writes the launcher's file.
+TEST(SpawnTest, WorkersWithoutErrorFilesDoNotGetTheLaunchersOwn) {
+  const std::string dir = TempDir("launchererrorfile");
+  const std::string own = dir + "/launcher.json";
+  setenv(kEnvErrorFile, own.c_str(), 1);
+  // Both ranks fail: each must get to its word before the group stops.
+  SpawnOptions both = Quiet();
+  both.stop_all_on_failure = false;
+  SpawnOptions off = both;
+  off.error_files = false;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "reports_error", {{"MSG0", "rank 0 failed"}, {"MSG1", "rank 1 failed"}}), off);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  for (int r = 0; r < 2; ++r) EXPECT_THAT(result.output[r], HasSubstr("error file: (none)\n")) << r;
+  EXPECT_EQ(access(own.c_str(), F_OK), -1) << "a worker wrote the launcher's error file";
+
+  const char* saved = std::getenv("TMPDIR");
+  const std::string before = saved != nullptr ? saved : "";
+  setenv("TMPDIR", "/proc/no_such_folder", 1);
+  group = WorkerGroup::Start(Specs(2, "reports_error", {{"MSG0", "rank 0 failed"}, {"MSG1", "rank 1 failed"}}),
+                             both);
+  if (saved != nullptr) {
+    setenv("TMPDIR", before.c_str(), 1);
+  } else {
+    unsetenv("TMPDIR");
+  }
+  unsetenv(kEnvErrorFile);
+  ASSERT_TRUE(group.ok()) << group.status();
+  result = (*group)->Wait(DeadlineIn(20s));
+  for (int r = 0; r < 2; ++r) EXPECT_THAT(result.output[r], HasSubstr("error file: (none)\n")) << r;
+  EXPECT_EQ(access(own.c_str(), F_OK), -1) << "a worker wrote the launcher's error file";
+  ExpectNoChildrenLeft();
+}
+
 // Under a log_dir the error files sit beside the logs and stay; one left
 // there by an earlier run is removed before the worker starts, and a file
 // that is not JSON is named.
