@@ -230,6 +230,11 @@ StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int
   if (port < 0 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [0, 65535]");
   }
+  if (host.empty()) {
+    return InvalidArgumentError("cannot listen at port " + std::to_string(port) +
+                                ": the address to bind is empty (\"\"); give a host name or "
+                                "address (0.0.0.0 or :: for every address)");
+  }
   DDP_ASSIGN_OR_RETURN(AddrInfoPtr found, Resolve(host, port, /*passive=*/true, deadline));
   // Every address the name has, each once (a name listed twice in
   // /etc/hosts comes back twice): clients try them in their own order, and
@@ -298,6 +303,11 @@ StatusOr<int> FreeTcpPort() {
 StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline) {
   if (port < 1 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [1, 65535]");
+  }
+  // No lookup of "" ever succeeds: refused now, not retried to the deadline.
+  if (host.empty()) {
+    return InvalidArgumentError("cannot connect to the store at port " + std::to_string(port) +
+                                ": the host is empty (\"\"); give a host name or address");
   }
   auto backoff = std::chrono::milliseconds(5);
   std::string last_error;

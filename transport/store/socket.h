@@ -49,7 +49,7 @@ std::string PeerAddress(int fd);
 /// address this host does not have or cannot use (::1 with IPv6 off) is
 /// skipped; any other failure at any address fails the whole. The name is
 /// looked up once, by `deadline` (TIMED_OUT past it). UNAVAILABLE names the
-/// address and the reason.
+/// address and the reason. An empty host is INVALID_ARGUMENT.
 StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int backlog,
                                           Deadline deadline);
 
@@ -71,7 +71,8 @@ StatusOr<int> FreeTcpPort();
 /// resolve (yet: a Kubernetes headless service has no record until its pod
 /// is up), looked up again every round. Past the deadline, UNAVAILABLE with
 /// the last reason (naming the host), or TIMED_OUT when the name service
-/// had not answered. The socket is non-blocking.
+/// had not answered. The socket is non-blocking. An empty host is
+/// INVALID_ARGUMENT at once.
 StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline);
 
 /// Sends all of `data` on a non-blocking socket before `deadline`.

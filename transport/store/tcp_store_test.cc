@@ -1519,6 +1519,28 @@ TEST(TcpStoreTest, NameThatDoesNotResolveIsLookedUpUntilTheDeadline) {
   EXPECT_LT(took, 5s) << client.status();
 }
 
+// An empty host is no name to wait for: the client refuses it at once,
+// naming it, instead of looking "" up again until its deadline; a server
+// with an empty bind_address is refused the same way.
+TEST(TcpStoreTest, EmptyHostIsRefusedAtOnce) {
+  const Deadline start = Clock::now();
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("", 29500, kToken, DeadlineIn(10s));
+  const auto took = Clock::now() - start;
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kInvalidArgument) << client.status();
+  EXPECT_THAT(client.status().message(), HasSubstr("the host is empty (\"\")"));
+  EXPECT_LT(took, 2s) << client.status();
+
+  TcpStoreServerOptions options;
+  options.job_token = kToken;
+  options.bind_address = "";
+  StatusOr<std::unique_ptr<TcpStoreServer>> server = TcpStoreServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), StatusCode::kInvalidArgument) << server.status();
+  EXPECT_THAT(server.status().message(), HasSubstr("the address to bind is empty"));
+}
+
 // A server on "localhost" listens at every address the name has: clients
 // that try 127.0.0.1 and ::1 both find it.
 TEST(TcpStoreTest, ServerOnANameListensAtEachOfItsAddresses) {
