@@ -398,9 +398,11 @@ Status TcpStoreClient::MultiGetPart(std::span<const std::string> part, Deadline 
   std::string what = "get of key " + Quote(part.front());
   if (part.size() > 1) what = "get of " + std::to_string(part.size()) + " keys from " + Quote(part.front());
   StatusOr<Reply> reply = Call(static_cast<uint8_t>(wire::Op::kMultiGet), true, w.body(), deadline, what);
-  if (!reply.ok() && reply.status().code() == StatusCode::kResourceExhausted && part.size() > 1) {
+  if (!reply.ok() && reply.status().code() == StatusCode::kResourceExhausted && part.size() > 1 &&
+      reply.status().message().find(wire::kReplyTooLarge) != std::string::npos) {
     // Values too large together for one reply (each fits one): half the
-    // keys at a time. Reads repeat safely.
+    // keys at a time. Reads repeat safely. Any other refusal (the server's
+    // limits on parked calls) would meet each half the same: it stands.
     const size_t half = part.size() / 2;
     DDP_RETURN_IF_ERROR(MultiGetPart(part.first(half), deadline, values));
     return MultiGetPart(part.subspan(half), deadline, values);

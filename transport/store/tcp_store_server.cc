@@ -866,7 +866,7 @@ class TcpStoreServer::Impl {
     if (bytes > wire::kMaxFrameBytes) {
       return ResourceExhaustedError("the values of the " + std::to_string(keys.size()) + " keys from '" +
                                     Printable(keys.front()) + "' total " + std::to_string(bytes) +
-                                    " bytes, more than one reply carries (" +
+                                    " bytes, " + wire::kReplyTooLarge + " (" +
                                     std::to_string(wire::kMaxFrameBytes) + "): ask for fewer keys at once");
     }
     wire::Writer w = OkReply(request_id);

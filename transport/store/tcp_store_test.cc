@@ -345,6 +345,36 @@ TEST(TcpStoreTest, MultiGetParksUntilEveryKeyIsSetAndKeepsTheOrder) {
   EXPECT_EQ(server->stats().requests - refused_before, 5u);
 }
 
+// A multi-get refused for the limit on parked keys is answered at once:
+// only values too large for one reply are read in halves. (The keys were
+// halved down to one, a request each time, every one refused alike, and the
+// error named that one key.)
+TEST(TcpStoreTest, MultiGetRefusedForTheParkedKeysLimitIsNotSplit) {
+  TcpStoreServerOptions options;
+  options.max_parked_key_bytes = 4096;
+  auto server = StartServer(options);
+  auto first = ConnectClient(*server);
+  auto second = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  std::vector<std::string> held;
+  for (int i = 0; i < 10; ++i) held.push_back(std::string(90, 'h') + std::to_string(i));
+  Status waited = InternalError("not run");
+  std::thread thread([&] { waited = first->Wait(held, DeadlineIn(20s)); });
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 1; }));
+  // Less room is left than any one of these keys takes parked.
+  std::vector<std::string> keys;
+  for (int i = 0; i < 4; ++i) keys.push_back("m" + std::to_string(i) + std::string(1000, 'k'));
+  const uint64_t before = server->stats().requests;
+  StatusOr<std::vector<std::string>> got = second->MultiGet(keys, DeadlineIn(5s));
+  EXPECT_EQ(got.status().code(), StatusCode::kResourceExhausted) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("get of 4 keys from 'm0k"));
+  EXPECT_THAT(got.status().message(), HasSubstr("max_parked_key_bytes"));
+  EXPECT_EQ(server->stats().requests - before, 1u);
+  for (const std::string& key : held) ASSERT_TRUE(setter->Set(key, "v", DeadlineIn(5s)).ok());
+  thread.join();
+  EXPECT_TRUE(waited.ok()) << waited;
+}
+
 // The keys of parked waits count against one limit for the whole server: a
 // wait past it is refused naming the option, and the room comes back when a
 // wait ends. (256 waits of 1,024 keys of 1 KiB on one connection held half

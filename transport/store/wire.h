@@ -64,6 +64,10 @@ inline constexpr uint32_t kMaxFrameBytes =
     static_cast<uint32_t>(kMaxValueBytes + kMaxWaitKeys * (kMaxKeyBytes + 4) + 64);
 /// Bytes of the length prefix.
 inline constexpr size_t kFrameHeaderBytes = 4;
+/// In the RESOURCE_EXHAUSTED message of a multi-get whose values are more
+/// than one reply carries: the one refusal that asking for fewer keys at
+/// once gets past (the server's limits on waiting calls are not).
+inline constexpr char kReplyTooLarge[] = "more than one reply carries";
 
 /// "set", "get", ...; "unknown" for anything else.
 const char* OpName(uint8_t op);
