@@ -50,7 +50,8 @@ ProgramRun WaitProgram(WorkerGroup& group, std::chrono::milliseconds timeout) {
   ProgramRun run;
   run.group = group.Wait(Clock::now() + timeout);
   const WorkerExit& w = run.group.workers.at(0);
-  run.exit_code = w.signaled ? 128 + w.code : w.code;
+  // Not reaped: no exit status is known (WorkerExit's code is then 0).
+  if (w.exited) run.exit_code = w.signaled ? 128 + w.code : w.code;
   run.output = run.group.output.at(0);
   return run;
 }

@@ -29,7 +29,7 @@ StatusOr<std::unique_ptr<WorkerGroup>> StartProgram(
     std::vector<std::string> argv, std::vector<std::pair<std::string, std::string>> env = {});
 
 struct ProgramRun {
-  int exit_code = -1;  ///< 128 + signal when killed.
+  int exit_code = -1;  ///< 128 + signal when killed; -1 when not reaped.
   std::string output;  ///< stdout and stderr, in arrival order.
   GroupResult group;
 };
