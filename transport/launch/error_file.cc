@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <nlohmann/json.hpp>
 
 namespace ddp::transport::launch {
@@ -51,6 +52,31 @@ bool ParseTimestamp(const nlohmann::json& value, int64_t max, int64_t& out) {
 constexpr int64_t kMaxSeconds = std::numeric_limits<int64_t>::max() / 1000000;
 constexpr int64_t kMaxMicroseconds = std::numeric_limits<int64_t>::max();
 
+// The process's file mode creation mask, read without changing it (the
+// umask() call sets it, and a file another thread creates in between would
+// get the wrong mask). Where /proc does not say (Linux before 4.7), 077:
+// the file stays as private as mkstemp made it.
+mode_t ProcessUmask() {
+  const int fd = open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 077;
+  std::string text;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof(buffer))) != 0) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  close(fd);
+  const size_t at = text.find("\nUmask:");
+  if (at == std::string::npos) return 077;
+  const char* start = text.c_str() + at + 7;
+  char* end = nullptr;
+  const unsigned long mask = std::strtoul(start, &end, 8);
+  if (end == start || mask > 0777) return 077;
+  return static_cast<mode_t>(mask);
+}
+
 }  // namespace
 
 Status WriteErrorFile(const std::string& path, std::string_view message,
@@ -73,8 +99,9 @@ Status WriteErrorFile(const std::string& path, std::string_view message,
   std::string temp = path + ".tmp.XXXXXX";
   const int fd = mkostemp(temp.data(), O_CLOEXEC);
   if (fd < 0) return InternalError("cannot write error file '" + temp + "': " + ErrnoText(errno));
-  // mkstemp's 0600; the file is no secret (0644 as before).
-  fchmod(fd, 0644);
+  // mkstemp's 0600; the file is no secret: 0644 less the umask, as a
+  // plain open(path, O_CREAT, 0644) makes it.
+  fchmod(fd, 0644 & ~ProcessUmask());
   size_t done = 0;
   while (done < text.size()) {
     const ssize_t n = write(fd, text.data() + done, text.size() - done);

@@ -65,6 +65,32 @@ TEST_F(ErrorFileTest, WhatIsWrittenReadsBackWithItsTime) {
   EXPECT_EQ(Entries(), std::vector<std::string>{"error.json"});
 }
 
+// The file's mode is 0644 less the umask, as a plain open() with 0644 makes
+// it: a worker run under umask 077 leaves no file others can read (fchmod
+// to 0644 ignored the umask).
+TEST_F(ErrorFileTest, TheFilesModeHonoursTheUmask) {
+  const std::string path = dir_ + "/error.json";
+  const mode_t saved = umask(077);
+  const Status private_write = WriteErrorFile(path, "private");
+  umask(027);
+  const std::string group_path = dir_ + "/group.json";
+  const Status group_write = WriteErrorFile(group_path, "group");
+  umask(022);
+  const std::string plain_path = dir_ + "/plain.json";
+  const Status plain_write = WriteErrorFile(plain_path, "plain");
+  umask(saved);
+  ASSERT_TRUE(private_write.ok()) << private_write.message();
+  ASSERT_TRUE(group_write.ok()) << group_write.message();
+  ASSERT_TRUE(plain_write.ok()) << plain_write.message();
+  struct stat st{};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(stat(group_path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  ASSERT_EQ(stat(plain_path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);
+}
+
 // Threads of one worker that fail at once each write whole: the file read
 // back is one of their messages, never a mix, and every write succeeds (a
 // temporary shared by the process was truncated under a writer, and the
