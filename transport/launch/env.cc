@@ -209,14 +209,15 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
     DDP_ASSIGN_OR_RETURN(out.world_size, ReadInt(env, kEnvWorldSize, 1, kIntMax));
     DDP_ASSIGN_OR_RETURN(out.rank, ReadInt(env, kEnvRank, 0, kIntMax));
     out.local_world_size = out.world_size;
-    // Without LOCAL_RANK: the rank within its node, as torchrun lays ranks
-    // out (node by node, LOCAL_WORLD_SIZE each). RANK itself is the local
-    // rank only where one node holds the whole job.
-    if (Has(env, kEnvLocalWorldSize) && !Has(env, kEnvLocalRank)) {
+    // Without LOCAL_RANK or GROUP_RANK: the rank within its node and the
+    // node's index, as torchrun lays ranks out (node by node,
+    // LOCAL_WORLD_SIZE each). RANK itself is the local rank, and the node
+    // the first, only where one node holds the whole job.
+    out.local_rank = out.rank;
+    if (Has(env, kEnvLocalWorldSize)) {
       DDP_ASSIGN_OR_RETURN(const int local_size, ReadInt(env, kEnvLocalWorldSize, 1, kIntMax));
       out.local_rank = out.rank % local_size;
-    } else {
-      out.local_rank = out.rank;
+      out.group_rank = out.rank / local_size;
     }
   } else if (InSlurmStep(env)) {
     out.source = LaunchSource::kSlurm;

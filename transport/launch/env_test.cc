@@ -212,6 +212,26 @@ TEST(ParseLaunchEnvTest, LocalRankWithoutTheVariableIsTheRankWithinItsNode) {
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->local_rank, 3);
   EXPECT_EQ(parsed->local_world_size, 4);
+  EXPECT_EQ(parsed->group_rank, 0);
+}
+
+// Without GROUP_RANK, the node's index follows the same layout: RANK=5 of
+// 8, four to a node, is on node 1 (it said node 0, while LOCAL_RANK, from
+// the same layout, said rank 1 of node 1). GROUP_RANK, when set, wins.
+TEST(ParseLaunchEnvTest, GroupRankWithoutTheVariableIsTheNodeOfTheRank) {
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv(
+      {{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "node0"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->group_rank, 1);
+  parsed = ParseLaunchEnv({{"RANK", "7"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                           {"MASTER_ADDR", "node0"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->local_rank, 1);
+  EXPECT_EQ(parsed->group_rank, 3);
+  parsed = ParseLaunchEnv({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "0"},
+                           {"MASTER_ADDR", "node0"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->group_rank, 0);
 }
 
 TEST(ParseLaunchEnvTest, MissingMasterAddrAcrossNodes) {
