@@ -1406,6 +1406,10 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
   // A forked child must not post to the parent's job.
   DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options_.rank) +
                                                 ": aborting the communicator"));
+  // Aborted already: that reason stands, without asking the store again
+  // (a store that stopped answering held every later failing call up to
+  // abort_store_time).
+  if (aborted()) return aborted_reason();
   // The job's first reason wins: a failure seen here may only be the echo
   // of another rank's (it reported, left, and its endpoints reset ours).
   Status first = reason;

@@ -1380,6 +1380,35 @@ int ScenarioAbortFromAnotherThread() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A second Abort returns the first reason without asking the store: here
+// the rank serving it is stopped (SIGSTOP) when rank 1 aborts again. Before,
+// the repeated Abort read the store's abort key first and waited out
+// abort_store_time (1 s) for the stopped server.
+int ScenarioRepeatedAbortAsksNoStore() {
+  auto comm = MustCreate();
+  int64_t pids[2] = {0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (comm->rank() == 1) {
+    comm->Abort(AbortedError("stopped by the test"));
+    kill(static_cast<pid_t>(pids[0]), SIGSTOP);
+    const auto start = Clock::now();
+    comm->Abort(InternalError("a second reason"));
+    const auto took = Clock::now() - start;
+    kill(static_cast<pid_t>(pids[0]), SIGCONT);
+    WORKER_CHECK(took < std::chrono::milliseconds(400),
+                 "the second Abort took " +
+                     std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) + " ms");
+    WORKER_CHECK(comm->aborted_reason().message().find("stopped by the test") != std::string::npos,
+                 "aborted_reason: " + comm->aborted_reason().ToString());
+  } else {
+    // Serves the store until rank 1 is done with it.
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A split whose creation fails on rank 1 alone (its UCX is given a
 // transport that does not exist): rank 0 learns it at once, with rank 1's
 // reason, instead of waiting for rank 1 until the split's timeout.
@@ -1432,6 +1461,7 @@ int RunScenario(const std::string& name) {
   if (name == "abort_ok") return ScenarioAbortWithOk();
   if (name == "abort_from_thread") return ScenarioAbortFromAnotherThread();
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
+  if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -1539,6 +1569,11 @@ TEST(Communicator, AbortFromAnotherThreadEndsTheCallInFlightSharedMemory) {
 
 TEST(Communicator, AbortFromAnotherThreadEndsTheCallInFlightUcx) {
   Job job = RunJob(2, "abort_from_thread", {{"DDP_SHARED_MEMORY", "0"}});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, ARepeatedAbortAsksNoStore) {
+  Job job = RunJob(2, "repeated_abort", {});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
