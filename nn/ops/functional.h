@@ -9,6 +9,7 @@
 // f64 and 16 bits: see autocast.h).
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -173,4 +174,34 @@ inline Tensor operator*(const Tensor& a, double s) { return ops::MulScalar(a, s)
 inline Tensor operator/(const Tensor& a, double s) { return ops::DivScalar(a, s); }
 inline Tensor operator*(double s, const Tensor& a) { return ops::MulScalar(a, s); }
 inline Tensor operator-(const Tensor& a) { return ops::Neg(a); }
+
+namespace detail {
+// An integer tensor with an integral scalar, as
+// PyTorch's wrapped numbers: int64 + 2 stays int64 (the scalar operators
+// above take a double and compute in floating point, f32 for an integer
+// tensor). A floating tensor takes the scalar as the double overloads do.
+inline Tensor WithIntegralScalar(const Tensor& a, int64_t s, Tensor (*op)(const Tensor&, const Tensor&),
+                                 Tensor (*floating)(const Tensor&, double)) {
+  if (!a.defined() || IsFloating(a.dtype())) return floating(a, static_cast<double>(s));
+  return op(a, Full({}, static_cast<double>(s), {.dtype = a.dtype(), .device = a.device()}));
+}
+}  // namespace detail
+
+template <std::integral I>
+Tensor operator+(const Tensor& a, I s) {
+  return detail::WithIntegralScalar(a, static_cast<int64_t>(s), &ops::Add, &ops::AddScalar);
+}
+template <std::integral I>
+Tensor operator-(const Tensor& a, I s) {
+  return detail::WithIntegralScalar(a, static_cast<int64_t>(s), &ops::Sub,
+                                    [](const Tensor& t, double v) { return ops::AddScalar(t, -v); });
+}
+template <std::integral I>
+Tensor operator*(const Tensor& a, I s) {
+  return detail::WithIntegralScalar(a, static_cast<int64_t>(s), &ops::Mul, &ops::MulScalar);
+}
+template <std::integral I>
+Tensor operator*(I s, const Tensor& a) {
+  return a * s;
+}
 }  // namespace ddp::nn

@@ -887,6 +887,29 @@ TEST(KernelsTest, LogSoftmaxOfLargeLogitsKeepsItsPrecision) {
   EXPECT_NEAR(y[0], -1e4 - std::log(2.0), 1e-3);
 }
 
+// An integral scalar keeps an integer tensor's dtype, as in PyTorch
+// (labels + 1 is int64, u8 stays u8); a double scalar, or a floating
+// tensor, computes in floating point as before. Before, every scalar
+// operator turned an integer tensor into f32.
+TEST(KernelsTest, IntegralScalarsKeepIntegerTensorsInteger) {
+  const Tensor labels = FromVectorOf<int64_t>({3, -1, 7}, {3});
+  const Tensor plus = labels + 2, minus = labels - 1, times = labels * 3, left = 2 * labels;
+  for (const Tensor* t : {&plus, &minus, &times, &left}) EXPECT_EQ(t->dtype(), DType::kInt64);
+  EXPECT_EQ(plus.ToVector<int64_t>(), (std::vector<int64_t>{5, 1, 9}));
+  EXPECT_EQ(minus.ToVector<int64_t>(), (std::vector<int64_t>{2, -2, 6}));
+  EXPECT_EQ(times.ToVector<int64_t>(), (std::vector<int64_t>{9, -3, 21}));
+  EXPECT_EQ(left.ToVector<int64_t>(), (std::vector<int64_t>{6, -2, 14}));
+  const Tensor big = FromVectorOf<int64_t>({int64_t{1} << 40}, {1}) + 1;
+  EXPECT_EQ(big.ToVector<int64_t>()[0], (int64_t{1} << 40) + 1);  // exact, where f32 has 24 bits
+  const Tensor bytes = FromVectorOf<uint8_t>({1, 200}, {2}) + 3;
+  EXPECT_EQ(bytes.dtype(), DType::kUInt8);
+  EXPECT_EQ(bytes.ToVector<int64_t>(), (std::vector<int64_t>{4, 203}));
+  EXPECT_EQ((labels + 0.5).dtype(), DType::kFloat32);
+  const Tensor x = FromVector({1.5, 2.5}, {2});
+  EXPECT_EQ((x + 1).dtype(), DType::kFloat32);
+  EXPECT_EQ((x * 2).ToVector<float>(), (std::vector<float>{3, 5}));
+}
+
 TEST(KernelsTest, SoftmaxOfAnIntegerTensorNamesSoftmax) {
   try {
     Softmax(Zeros({2, 3}, {.dtype = DType::kInt64}), 1);
