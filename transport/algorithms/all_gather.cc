@@ -19,6 +19,7 @@ Status RingAllGather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   shape.recv_elems = args.count * p;
   shape.recv_alias_offset = -2;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("ring all-gather", p2p, args, shape));
+  DDP_RETURN_IF_ERROR(internal::CheckBlockOwner("ring all-gather", p2p, args));
   const internal::Fingerprint fingerprint =
       internal::MakeFingerprint(args, internal::kAllGatherKind, /*uses_op=*/false, /*uses_root=*/false);
   if (args.count == 0) {

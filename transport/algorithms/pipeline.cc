@@ -85,6 +85,34 @@ Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
   return Status();
 }
 
+Status CheckBlockOwner(std::string_view collective, const p2p::PointToPoint& p2p,
+                       const CollectiveArgs& args) {
+  const std::vector<int>* owner = args.tuning.block_owner;
+  if (owner == nullptr) return Status();
+  const int p = p2p.size();
+  const std::string name(collective);
+  if (owner->size() != static_cast<size_t>(p)) {
+    return InvalidArgumentError(name + ": tuning.block_owner has " +
+                                std::to_string(owner->size()) + " entries for " +
+                                std::to_string(p) + " ranks");
+  }
+  std::vector<int> listed_at(p, -1);
+  for (int b = 0; b < p; ++b) {
+    const int q = (*owner)[b];
+    if (q < 0 || q >= p) {
+      return InvalidArgumentError(name + ": tuning.block_owner[" + std::to_string(b) + "] is " +
+                                  std::to_string(q) + ", outside [0, " + std::to_string(p) + ")");
+    }
+    if (listed_at[q] >= 0) {
+      return InvalidArgumentError(name + ": tuning.block_owner lists rank " + std::to_string(q) +
+                                  " twice (entries " + std::to_string(listed_at[q]) + " and " +
+                                  std::to_string(b) + ")");
+    }
+    listed_at[q] = b;
+  }
+  return Status();
+}
+
 size_t ChunkElems(const CollectiveArgs& args, size_t default_bytes) {
   const size_t bytes = args.tuning.chunk_bytes != 0 ? args.tuning.chunk_bytes : default_bytes;
   return std::max<size_t>(1, bytes / DataTypeSize(args.dtype));

@@ -38,6 +38,14 @@ struct BufferShape {
 Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
                  const CollectiveArgs& args, const BufferShape& shape);
 
+/// INVALID_ARGUMENT naming the entry at fault when args.tuning.block_owner
+/// is set but is not a permutation of [0, p2p.size()) (one entry per rank,
+/// each rank once), or OK. BlockLayout indexes it by rank and places blocks
+/// by its values, so anything else reads past it or lays two blocks over
+/// one another.
+Status CheckBlockOwner(std::string_view collective, const p2p::PointToPoint& p2p,
+                       const CollectiveArgs& args);
+
 /// `count` split into `blocks` nearly equal parts (the first count % blocks
 /// parts one element longer), as every ring and tree algorithm splits data.
 /// With `place`, block b is the part numbered place[b] (a ring view's rank

@@ -14,6 +14,8 @@ Status RingReduceScatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     return InvalidArgumentError("ring reduce-scatter: count " + std::to_string(args.count) +
                                 " times " + std::to_string(p) + " ranks overflows");
   }
+  // Before the layout, which reads it.
+  DDP_RETURN_IF_ERROR(internal::CheckBlockOwner("ring reduce-scatter", p2p, args));
   const size_t es = DataTypeSize(args.dtype);
   internal::BufferShape shape;
   shape.send_elems = args.count * p;

@@ -176,5 +176,41 @@ TEST(RingReduceScatterTest, OnARingViewBlocksKeepTheirRanksPlaces) {
   EXPECT_EQ(2 * crossing[1], crossing[0]);
 }
 
+// A block_owner that is not one entry per rank, each rank once, is refused
+// on every rank, naming the entry, before any block is placed by it (a
+// short one was read past its end, a repeated rank laid two blocks over one
+// another).
+TEST(RingReduceScatterTest, BlockOwnerThatIsNotAPermutationIsNamed) {
+  constexpr int kWorld = 3;
+  constexpr size_t kCount = 4;
+  const struct {
+    std::vector<int> owner;
+    const char* error;
+  } cases[] = {
+      {{0, 0, 2}, "tuning.block_owner lists rank 0 twice (entries 0 and 1)"},
+      {{0, 1, 3}, "tuning.block_owner[2] is 3, outside [0, 3)"},
+      {{2, -1, 0}, "tuning.block_owner[1] is -1, outside [0, 3)"},
+      {{0}, "tuning.block_owner has 1 entries for 3 ranks"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.error);
+    auto statuses = RunRanks(kWorld, [&](p2p::PointToPoint& p2p) -> Status {
+      std::vector<float> send(kCount * kWorld, 1.0f), recv(kCount, 0.0f);
+      CollectiveArgs args;
+      args.send = send.data();
+      args.recv = recv.data();
+      args.count = kCount;
+      args.dtype = DataType::kF32;
+      args.deadline = DeadlineIn(5s);
+      args.tuning.block_owner = &c.owner;
+      return RingReduceScatter(p2p, args);
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+      EXPECT_THAT(statuses[r].message(), HasSubstr(c.error)) << "rank " << r;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms
