@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "transport/algorithms/pipeline.h"
@@ -63,6 +64,14 @@ StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p,
 
 Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, int world_size,
                           const CollectiveArgs& args) {
+  // The divisor of avg: below the group's own size it can only be a wrong
+  // argument, and one of 0 or less aborted the process (DivideInPlace).
+  if (world_size < inter.size()) {
+    return InvalidArgumentError("hierarchical all-reduce (inter-host all-reduce): world_size " +
+                                std::to_string(world_size) + " is less than the " +
+                                std::to_string(inter.size()) +
+                                " ranks of the inter-host group");
+  }
   // Avg is finished here, by the world size rather than the number of hosts.
   CollectiveArgs across = args;
   across.send = shard;

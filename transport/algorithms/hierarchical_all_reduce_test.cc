@@ -1,6 +1,8 @@
 #include "transport/algorithms/hierarchical_all_reduce.h"
 
 #include <chrono>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -187,6 +189,31 @@ TEST(HierarchicalAllReduceTest, AbsentRankTimesOutAtTheDeadline) {
 
 TEST(HierarchicalAllReduceTest, BadArgumentsNameTheArgument) {
   testing::CheckBadArguments(With({}), "hierarchical all-reduce");
+}
+
+// The world size that InterHostAllReduce divides avg by cannot be below the
+// number of ranks it reduces over: 0 or less is refused, naming it, on every
+// rank (the division by 0 or less aborted the process).
+TEST(InterHostAllReduceTest, WorldSizeBelowTheGroupIsNamed) {
+  for (const auto& [ranks, world_size] : {std::pair{1, 0}, std::pair{1, -2}, std::pair{2, 1}}) {
+    SCOPED_TRACE("ranks " + std::to_string(ranks) + " world_size " + std::to_string(world_size));
+    auto statuses = ::ddp::transport::testing::RunRanks(ranks, [&](p2p::PointToPoint& p2p) -> Status {
+      std::vector<float> shard(5, 2.0f);
+      CollectiveArgs args;
+      args.dtype = DataType::kF32;
+      args.op = ReduceOp::kAvg;
+      args.tag = CollectiveTag(1);
+      args.deadline = DeadlineIn(5s);
+      return InterHostAllReduce(p2p, shard.data(), shard.size(), world_size, args);
+    });
+    for (int r = 0; r < ranks; ++r) {
+      EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+      EXPECT_THAT(statuses[r].message(),
+                  HasSubstr("world_size " + std::to_string(world_size) + " is less than the " +
+                            std::to_string(ranks) + " ranks"))
+          << "rank " << r;
+    }
+  }
 }
 
 }  // namespace
