@@ -27,6 +27,18 @@ internal::CollectiveStart StartRooted(p2p::PointToPoint& p2p, const CollectiveAr
     return refused;
   }
   const size_t es = DataTypeSize(args.dtype);
+  // The root's buffer of size() blocks, on every rank: the others' own
+  // block may fit while the root's buffer does not, and then only the root
+  // refused while they waited for it (and the root's overlap check below
+  // would compute with wrapped sums). A bad dtype (es 0) CheckArgs names.
+  if (es != 0 && args.count * p > std::numeric_limits<size_t>::max() / es) {
+    refused.status = InvalidArgumentError(std::string(what) + ": count " +
+                                          std::to_string(args.count) + " of " +
+                                          DataTypeName(args.dtype) + " times " +
+                                          std::to_string(p) +
+                                          " ranks overflows the address space");
+    return refused;
+  }
   if (gather && is_root && args.count > 0 && args.send != nullptr && args.recv != nullptr) {
     const auto send = reinterpret_cast<uintptr_t>(args.send);
     const auto recv = reinterpret_cast<uintptr_t>(args.recv);

@@ -1,7 +1,9 @@
 #include "transport/algorithms/gather_scatter.h"
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -177,6 +179,36 @@ TEST(GatherScatterTest, BadBuffersAreNamed) {
     return Scatter(p2p, args);
   });
   EXPECT_THAT(statuses[0].message(), HasSubstr("scatter: send buffer is null"));
+}
+
+// A count whose root buffer (size() blocks) overflows the address space,
+// though one block fits, is refused on every rank, naming the count, not
+// only on the root while the others wait for it; and the root names the
+// overflow, not an overlap found with wrapped sums.
+TEST(GatherScatterTest, CountWhoseRootBufferOverflowsIsRefusedOnEveryRank) {
+  constexpr int kWorld = 3;
+  const size_t count = std::numeric_limits<size_t>::max() / 8 / kWorld + 1;  // count * 8 fits
+  const std::string error = "count " + std::to_string(count) + " of i64 times 3 ranks overflows the address space";
+  for (bool gather : {true, false}) {
+    for (int root : {0, 2}) {
+      SCOPED_TRACE(std::string(gather ? "gather" : "scatter") + " root " + std::to_string(root));
+      auto statuses = RunRanks(kWorld, [&](p2p::PointToPoint& p2p) -> Status {
+        std::vector<int64_t> send(4, 1), recv(4, 0);
+        CollectiveArgs args;
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = count;
+        args.dtype = DataType::kI64;
+        args.root = root;
+        args.deadline = DeadlineIn(5s);
+        return gather ? Gather(p2p, args) : Scatter(p2p, args);
+      });
+      for (int r = 0; r < kWorld; ++r) {
+        EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+        EXPECT_THAT(statuses[r].message(), HasSubstr(error)) << "rank " << r;
+      }
+    }
+  }
 }
 
 TEST(GatherScatterTest, RanksDisagreeingOnCountOrRootFailFast) {
