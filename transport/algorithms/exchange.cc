@@ -1,5 +1,7 @@
 #include "transport/algorithms/exchange.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,43 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
     if ((b.send_bytes > 0 && b.send == nullptr) || (b.recv_bytes > 0 && b.recv == nullptr)) {
       return InvalidArgumentError(std::string(kWhat) + ": the block for rank " +
                                   std::to_string(q) + " has a null buffer");
+    }
+  }
+  // A receive lands while the other transfers still run: a block that lands
+  // on bytes another receive writes or a send reads leaves either of them
+  // unspecified. Sends may share bytes (one block to every peer).
+  struct Span {
+    uintptr_t begin, end;
+    int peer;
+  };
+  std::vector<Span> landing;
+  for (int q = 0; q < p; ++q) {
+    if (q == r || blocks[q].recv_bytes == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(blocks[q].recv);
+    landing.push_back({begin, begin + blocks[q].recv_bytes, q});
+  }
+  std::sort(landing.begin(), landing.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < landing.size(); ++i) {
+    if (landing[i].begin < landing[i - 1].end) {
+      return InvalidArgumentError(std::string(kWhat) + ": the recv blocks for ranks " +
+                                  std::to_string(std::min(landing[i - 1].peer, landing[i].peer)) +
+                                  " and " +
+                                  std::to_string(std::max(landing[i - 1].peer, landing[i].peer)) +
+                                  " overlap");
+    }
+  }
+  for (int q = 0; q < p; ++q) {
+    if (q == r || blocks[q].send_bytes == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(blocks[q].send);
+    const uintptr_t end = begin + blocks[q].send_bytes;
+    // The first landing span that ends after this send begins.
+    auto it = std::upper_bound(landing.begin(), landing.end(), begin,
+                               [](uintptr_t at, const Span& s) { return at < s.end; });
+    if (it != landing.end() && it->begin < end) {
+      return InvalidArgumentError(std::string(kWhat) + ": the send block for rank " +
+                                  std::to_string(q) + " overlaps the recv block for rank " +
+                                  std::to_string(it->peer));
     }
   }
   if (p == 1) return Status();

@@ -34,7 +34,9 @@ struct ExchangeBlock {
 /// range. With `empty_messages`, blocks of 0 bytes are sent and received
 /// too, so that a pair that disagrees on a block's size always fails on the
 /// receiving side (INVALID_ARGUMENT) instead of one side waiting for a block
-/// the other never sends.
+/// the other never sends. A recv block must not overlap another recv block
+/// or any send block (INVALID_ARGUMENT naming both ranks); send blocks may
+/// share bytes.
 Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blocks,
                       const CollectiveArgs& args, bool empty_messages = false);
 

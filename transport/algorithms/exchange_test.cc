@@ -71,7 +71,8 @@ TEST(DirectExchange, ARankRunningAnotherCollectiveFailsFastWithBothDescriptions)
       args.send = args.recv = data.data();
       return Broadcast(p2p, args);
     }
-    std::vector<ExchangeBlock> blocks(3, ExchangeBlock{data.data(), 1, data.data() + 4, 1});
+    std::vector<ExchangeBlock> blocks(3);
+    for (int q = 0; q < 3; ++q) blocks[q] = {data.data(), 1, data.data() + 4 + q, 1};  // own byte per peer
     return DirectExchange(p2p, blocks, Args(20s, data.size()));
   });
   EXPECT_LT(Clock::now() - start, 10s);
@@ -110,6 +111,58 @@ TEST(DirectExchange, WrongNumberOfBlocksIsRefused) {
   for (const Status& s : statuses) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(s.message(), HasSubstr("3 blocks for 2 ranks"));
+  }
+}
+
+// A recv block that overlaps another recv block or a send block is refused,
+// naming both ranks, before anything moves (the bytes that landed there were
+// whichever transfer came last, and the call returned OK); send blocks that
+// share bytes, one buffer for every peer, are fine.
+TEST(DirectExchange, RecvBlocksOverlappingOtherBlocksAreNamed) {
+  constexpr int kWorld = 3;
+  enum class Layout { kRecvOverlapsRecv, kSendOverlapsRecv, kSharedSend };
+  for (Layout layout : {Layout::kRecvOverlapsRecv, Layout::kSendOverlapsRecv, Layout::kSharedSend}) {
+    std::vector<std::string> wrong(kWorld);
+    auto statuses = RunRanks(kWorld, [&](p2p::PointToPoint& p2p) -> Status {
+      const int r = p2p.rank();
+      // 4 bytes to and from each peer; the peers in ascending order.
+      const int a = (r + 1) % kWorld < (r + 2) % kWorld ? (r + 1) % kWorld : (r + 2) % kWorld;
+      const int b = a == (r + 1) % kWorld ? (r + 2) % kWorld : (r + 1) % kWorld;
+      std::vector<unsigned char> buf(32, 0);
+      const std::vector<unsigned char> out(4, static_cast<unsigned char>(10 + r));
+      std::vector<ExchangeBlock> blocks(kWorld);
+      blocks[a] = {out.data(), 4, buf.data() + 8, 4};
+      blocks[b] = {out.data(), 4, buf.data() + 16, 4};
+      if (layout == Layout::kRecvOverlapsRecv) blocks[b].recv = buf.data() + 10;
+      if (layout == Layout::kSendOverlapsRecv) blocks[b].send = buf.data() + 14;
+      DDP_RETURN_IF_ERROR(DirectExchange(p2p, blocks, Args(5s)));
+      if (buf[8] != 10 + a || buf[16] != 10 + b) wrong[r] = "wrong bytes";
+      return Status();
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      const int a = r == 0 ? 1 : 0, b = r == 2 ? 1 : 2;
+      switch (layout) {
+        case Layout::kRecvOverlapsRecv:
+          EXPECT_THAT(statuses[r].message(),
+                      HasSubstr("the recv blocks for ranks " + std::to_string(a) + " and " +
+                                std::to_string(b) + " overlap"))
+              << "rank " << r << ": " << statuses[r];
+          break;
+        case Layout::kSendOverlapsRecv:
+          EXPECT_THAT(statuses[r].message(),
+                      HasSubstr("the send block for rank " + std::to_string(b) +
+                                " overlaps the recv block for rank " + std::to_string(b)))
+              << "rank " << r << ": " << statuses[r];
+          break;
+        case Layout::kSharedSend:
+          EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+          EXPECT_EQ(wrong[r], "") << "rank " << r;
+          break;
+      }
+      if (layout != Layout::kSharedSend) {
+        EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r;
+      }
+    }
   }
 }
 
