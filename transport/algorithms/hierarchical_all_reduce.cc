@@ -19,6 +19,22 @@ namespace {
 // larger ones by ring (bandwidth-bound).
 constexpr size_t kInterHostRhdBytes = 256 << 10;
 
+// The step between hosts is an all-reduce of its own at phase 1, whose
+// argument check wants a whole collective's range above its tag: the top
+// phase's worth of tags that a collective alone may start at cannot take it.
+constexpr p2p::Tag kMaxNestingTag =
+    p2p::kMaxTag - (kTagsPerCollective - 1) - (p2p::Tag{1} << kStepTagBits);
+
+// INVALID_ARGUMENT naming `tag` when the step between hosts has no room
+// above it; checked before any step, where that step named a tag of its own
+// after the first one had run.
+Status CheckNestingTag(const char* what, p2p::Tag tag) {
+  if (tag <= kMaxNestingTag) return Status::Ok();
+  return InvalidArgumentError(std::string(what) + ": tag " + std::to_string(tag) +
+                              " leaves no room for the step between hosts (at most " +
+                              std::to_string(kMaxNestingTag) + ")");
+}
+
 }  // namespace
 
 StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p,
@@ -72,6 +88,7 @@ Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, i
                                 std::to_string(inter.size()) +
                                 " ranks of the inter-host group");
   }
+  DDP_RETURN_IF_ERROR(CheckNestingTag("hierarchical all-reduce (inter-host all-reduce)", args.tag));
   // Avg is finished here, by the world size rather than the number of hosts.
   CollectiveArgs across = args;
   across.send = shard;
@@ -98,6 +115,7 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
   shape.recv_elems = args.count;
   shape.uses_op = true;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("hierarchical all-reduce", p2p, args, shape));
+  DDP_RETURN_IF_ERROR(CheckNestingTag("hierarchical all-reduce", args.tag));
   DDP_ASSIGN_OR_RETURN(const HostGroups groups, GroupByHost(p2p, host_of_rank));
   const internal::Fingerprint fingerprint = internal::MakeFingerprint(
       args, internal::kHierarchicalAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);

@@ -155,6 +155,50 @@ TEST(HierarchicalAllReduceTest, EverySequenceNumberLeavesRoomForTheStepBetweenHo
   }
 }
 
+// A tag that a collective alone may start at, but that leaves the step
+// between hosts no room, is refused on every rank, naming that tag, before
+// anything moves: the step's own check refused it, naming a tag the caller
+// never passed, after the reduce-scatter inside each host had run.
+TEST(HierarchicalAllReduceTest, TagWithoutRoomForTheStepBetweenHostsIsNamedUpFront) {
+  const p2p::Tag top = p2p::kMaxTag - (kTagsPerCollective - 1);
+  for (size_t count : {size_t{0}, size_t{1000}}) {
+    SCOPED_TRACE("count " + std::to_string(count));
+    p2p::LoopbackHub hub(4);
+    auto statuses = ::ddp::transport::testing::RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+      std::vector<float> send(count, 1.0f), recv(count, 0.0f);
+      CollectiveArgs args;
+      args.send = send.data();
+      args.recv = recv.data();
+      args.count = count;
+      args.tag = top;
+      args.deadline = DeadlineIn(5s);
+      return HierarchicalAllReduce(p2p, args, Contiguous(4, 2));
+    });
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+      EXPECT_THAT(statuses[r].message(),
+                  HasSubstr("hierarchical all-reduce: tag " + std::to_string(top) +
+                            " leaves no room for the step between hosts"))
+          << "rank " << r;
+      EXPECT_EQ(hub.Stats(r).messages_sent, 0u) << "rank " << r;
+    }
+  }
+  // The step between hosts on its own, as the communicator runs it.
+  auto statuses = ::ddp::transport::testing::RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
+    std::vector<float> shard(8, 1.0f);
+    CollectiveArgs args;
+    args.tag = top;
+    args.deadline = DeadlineIn(5s);
+    return InterHostAllReduce(p2p, shard.data(), shard.size(), 4, args);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(statuses[r].message(),
+                HasSubstr("(inter-host all-reduce): tag " + std::to_string(top) +
+                          " leaves no room for the step between hosts"))
+        << "rank " << r << ": " << statuses[r];
+  }
+}
+
 TEST(HierarchicalAllReduceTest, RandomValuesGiveEveryRankTheSameBits) {
   testing::SweepRandomValues(With(Contiguous(4, 2)), 4);
   testing::SweepRandomValues(With(Contiguous(6, 3)), 6);
