@@ -171,11 +171,20 @@ bool NoLocks(int err) {
 // Where the filesystem has no locks, `pid_gone` decides. A file that
 // cannot be opened, or whose lock fails otherwise, is left alone.
 void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
+  // A writer makes only regular files: a FIFO or a device of that name is
+  // someone else's, and is not even opened (opening a device may act on it).
+  struct stat st{};
+  if (::lstat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
   // Read-write: NFS refuses an exclusive lock on a read-only descriptor.
   // A file this user may only read is probed read-only.
   int fd = ::open(file.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0 && errno == EACCES) fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) return;
+  // The name may lead to another file by now than the lstat saw.
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return;
+  }
   if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || (NoLocks(errno) && pid_gone)) ::unlink(file.c_str());
   ::close(fd);  // EWOULDBLOCK: a writer lives
 }
@@ -183,13 +192,15 @@ void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
 // Removes `<name>.tmp.<pid>.<n>-<nonce>.<host>` files (`<name>.tmp.` as
 // TemporaryPrefix gives it) that writers on this host left when they were
 // killed (SIGKILL leaves no chance to clean up): each could be as large as
-// a whole checkpoint. Files of other hosts and of
-// other targets (`<name>.tmp.5`'s own temporaries) are kept; so is anything
-// not named exactly so. Names without a host (`.<pid>.<n>`, from before
-// hosts were named) are taken as this host's. The lock each writer holds on
-// its file decides, not the pid: in containers a restarted job gets the
-// same small pids and host name, so a dead writer's pid may be this
-// process's or a live stranger's, and a live writer's pid may name no
+// a whole checkpoint. Only names of exactly that form, as the constructor
+// makes them (the nonce lowercase hex digits, the host this one's), are
+// taken for temporaries: a user's own `<name>.tmp.1.2` or
+// `<name>.tmp.1.2.<host>` (a copy kept by hand, another tool's
+// temporary) is not this code's and stays, as do files of other hosts and
+// of other targets (`<name>.tmp.5`'s own temporaries). The lock each writer
+// holds on its file decides, not the pid: in containers a restarted job
+// gets the same small pids and host name, so a dead writer's pid may be
+// this process's or a live stranger's, and a live writer's pid may name no
 // process here (another PID namespace). Only where the filesystem has no
 // locks does the pid decide (one that names no process here). This
 // process's own open temporaries are not probed at all.
@@ -206,14 +217,19 @@ void RemoveStaleTemporaries(const std::string& path) {
     if (dot == std::string::npos) continue;
     const std::string pid_text = rest.substr(0, dot);
     const size_t dot2 = rest.find('.', dot + 1);
-    // `<n>-<nonce>`, or a bare counter (names from before the nonce).
-    std::string counter = rest.substr(dot + 1, dot2 == std::string::npos ? std::string::npos : dot2 - dot - 1);
-    if (const size_t dash = counter.find('-'); dash != std::string::npos) {
-      if (!AllHex(counter.substr(dash + 1))) continue;
-      counter.resize(dash);
+    if (dot2 == std::string::npos) continue;
+    // `<n>-<nonce>`: the nonce as ProcessNonce spells it.
+    std::string counter = rest.substr(dot + 1, dot2 - dot - 1);
+    const size_t dash = counter.find('-');
+    if (dash == std::string::npos) continue;
+    const std::string nonce = counter.substr(dash + 1);
+    counter.resize(dash);
+    const std::string host = rest.substr(dot2 + 1);
+    // 8 digits, or 16 from writers built before the nonce was shortened.
+    if (!AllDigits(pid_text) || !AllDigits(counter) || (nonce.size() != 8 && nonce.size() != 16) ||
+        !AllHex(nonce) || host != HostTag() || pid_text.size() > 9) {
+      continue;
     }
-    const std::string host = dot2 == std::string::npos ? HostTag() : rest.substr(dot2 + 1);
-    if (!AllDigits(pid_text) || !AllDigits(counter) || host != HostTag() || pid_text.size() > 9) continue;
     const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
     if (pid <= 0) continue;
     const std::string file = folder + "/" + name;

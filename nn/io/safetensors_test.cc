@@ -646,6 +646,18 @@ TEST(Safetensors, UnwritableFolderNamesThePath) {
               AllOf(HasSubstr("/nonexistent_dir_ddp/x.safetensors"), HasSubstr("No such file")));
 }
 
+// The pid of a process that has exited (reaped), and this host's name.
+pid_t ExitedPid() {
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  waitpid(gone, nullptr, 0);
+  return gone;
+}
+std::string HostName() {
+  char host[256] = {};
+  return gethostname(host, sizeof(host) - 1) == 0 ? std::string(host) : std::string();
+}
+
 // A writer killed at random points never leaves a file that loads as
 // something wrong: the old content or the new one.
 TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
@@ -686,8 +698,8 @@ TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
   const pid_t gone = fork();
   if (gone == 0) _exit(0);
   waitpid(gone, nullptr, 0);
-  WriteAll(path + ".tmp." + std::to_string(gone) + ".3", "x");
-  WriteAll(path + ".tmp." + std::to_string(getppid()) + ".0", "x");
+  WriteAll(path + ".tmp." + std::to_string(gone) + ".3-0123abcd." + HostName(), "x");
+  WriteAll(path + ".tmp." + std::to_string(getppid()) + ".0-89abcdef." + HostName(), "x");
   write_gen(1);
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
@@ -695,18 +707,6 @@ TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
 // Only this host's dead writers' temporaries go: on a shared folder another
 // host's pid says nothing here, and `c.safetensors.tmp.5` is a target of
 // its own whose temporaries start with `c.safetensors.tmp.`.
-// The pid of a process that has exited (reaped), and this host's name.
-pid_t ExitedPid() {
-  const pid_t gone = fork();
-  if (gone == 0) _exit(0);
-  waitpid(gone, nullptr, 0);
-  return gone;
-}
-std::string HostName() {
-  char host[256] = {};
-  return gethostname(host, sizeof(host) - 1) == 0 ? std::string(host) : std::string();
-}
-
 TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
   const std::string dir = TmpDir("st_hosts");
   const std::string path = dir + "/c.safetensors";
@@ -714,12 +714,12 @@ TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
   ASSERT_FALSE(host.empty());
   const std::string dead = std::to_string(ExitedPid());
   const std::vector<std::string> kept = {
-      "c.safetensors.tmp." + dead + ".0.some-other-host",            // another host's writer
-      "c.safetensors.tmp.5.tmp." + dead + ".0." + host,  // another target's
-      "c.safetensors.tmp." + dead + ".x." + host,        // not a temporary's name
+      "c.safetensors.tmp." + dead + ".0-0123abcd.some-other-host",  // another host's writer
+      "c.safetensors.tmp.5.tmp." + dead + ".0-0123abcd." + host,    // another target's
+      "c.safetensors.tmp." + dead + ".x-0123abcd." + host,          // not a temporary's name
   };
   for (const std::string& name : kept) WriteAll(dir + "/" + name, "x");
-  WriteAll(path + ".tmp." + dead + ".7." + host, "x");  // this host's, writer gone
+  WriteAll(path + ".tmp." + dead + ".7-0123abcd." + host, "x");  // this host's, writer gone
   float value = 1;
   WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
   std::vector<std::string> left = FilesIn(dir);
@@ -730,6 +730,40 @@ TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
   EXPECT_EQ(left, expected);
 }
 
+// Only names of the exact form a writer gives its temporaries are taken
+// for a dead writer's: a user's own `c.safetensors.tmp.<digits>.<digits>`
+// (a copy kept by hand, another tool's temporary), the same with a host,
+// a nonce of another length, or a FIFO of a temporary's name, are not this
+// code's and stay. Before, the first two were removed (unlocked, so taken
+// for a killed writer's) by the next write of c.safetensors.
+TEST(Safetensors, AUsersFileNamedLikeATemporaryIsKept) {
+  const std::string dir = TmpDir("st_users_tmp");
+  const std::string path = dir + "/c.safetensors";
+  const std::string host = HostName();
+  ASSERT_FALSE(host.empty());
+  const std::string dead = std::to_string(ExitedPid());
+  const std::vector<std::string> users = {
+      "c.safetensors.tmp." + dead + ".1",
+      "c.safetensors.tmp.20261205.1",
+      "c.safetensors.tmp." + dead + ".1." + host,
+      "c.safetensors.tmp." + dead + ".1-0123a." + host,
+      "c.safetensors.tmp." + dead + ".1-0123abcd",
+  };
+  for (const std::string& name : users) WriteAll(dir + "/" + name, "the user's own");
+  const std::string fifo = "c.safetensors.tmp." + dead + ".2-0123abcd." + host;
+  ASSERT_EQ(mkfifo((dir + "/" + fifo).c_str(), 0644), 0);
+  float value = 1;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  std::vector<std::string> left = FilesIn(dir);
+  std::sort(left.begin(), left.end());
+  std::vector<std::string> expected = users;
+  expected.push_back(fifo);
+  expected.push_back("c.safetensors");
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(left, expected);
+  for (const std::string& name : users) EXPECT_EQ(ReadAll(dir + "/" + name), "the user's own") << name;
+}
+
 // A temporary whose pid names no process here but whose writer holds its
 // lock (a live writer in another PID namespace: a container with this host
 // name writing to the same folder) is kept; once the lock is gone, removed.
@@ -738,7 +772,7 @@ TEST(Safetensors, ALockedTemporaryOfAnUnknownPidIsKept) {
   const std::string path = dir + "/c.safetensors";
   const std::string host = HostName();
   ASSERT_FALSE(host.empty());
-  const std::string other = "c.safetensors.tmp." + std::to_string(ExitedPid()) + ".0." + host;
+  const std::string other = "c.safetensors.tmp." + std::to_string(ExitedPid()) + ".0-0123abcd." + host;
   WriteAll(dir + "/" + other, "x");
   const int fd = open((dir + "/" + other).c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
@@ -779,9 +813,9 @@ TEST(Safetensors, AnUnlockedTemporaryGoesWhateverItsPidAndALockedOneStays) {
   const std::string path = dir + "/c.safetensors";
   const std::string host = HostName();
   ASSERT_FALSE(host.empty());
-  const std::string mine = "c.safetensors.tmp." + std::to_string(getpid()) + ".900." + host;
-  const std::string strangers = "c.safetensors.tmp." + std::to_string(getppid()) + ".901." + host;
-  const std::string locked = "c.safetensors.tmp." + std::to_string(getpid()) + ".902." + host;
+  const std::string mine = "c.safetensors.tmp." + std::to_string(getpid()) + ".900-0123abcd." + host;
+  const std::string strangers = "c.safetensors.tmp." + std::to_string(getppid()) + ".901-0123abcd." + host;
+  const std::string locked = "c.safetensors.tmp." + std::to_string(getpid()) + ".902-0123abcd." + host;
   const std::string with_nonce =
       "c.safetensors.tmp." + std::to_string(getppid()) + ".903-0123456789abcdef." + host;
   for (const std::string& name : {mine, strangers, locked, with_nonce}) WriteAll(dir + "/" + name, "x");
