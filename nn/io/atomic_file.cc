@@ -340,8 +340,22 @@ void AtomicFileWriter::CheckStop() const {
   }
 }
 
+// A Write or Commit after one that threw: the temporary file may be short
+// (a short write before ENOSPC, a stop between pieces) or its data not on
+// disk (a failed fsync reports its error once; a second one may succeed
+// without the lost pages), so it must not be renamed into place.
+void AtomicFileWriter::CheckNotFailed() const {
+  if (failed_) {
+    CheckStop();  // a stop explains it best
+    throw CheckpointError(path_ + ": an earlier write or commit of " + temp_path_ +
+                          " failed, so it cannot be committed; the file was left as it was");
+  }
+}
+
 void AtomicFileWriter::Write(const void* data, size_t nbytes) {
+  CheckNotFailed();
   if (committed_ || fd_ < 0) throw CheckpointError(path_ + ": write after commit");
+  failed_ = true;  // until every byte is written
   const char* p = static_cast<const char*>(data);
   while (nbytes > 0) {
     // Before the stop check, so that a stop asked for during the pause
@@ -362,10 +376,13 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
     p += n;
     nbytes -= static_cast<size_t>(n);
   }
+  failed_ = false;
 }
 
 void AtomicFileWriter::Commit() {
+  CheckNotFailed();
   if (committed_ || fd_ < 0) throw CheckpointError(path_ + ": committed twice");
+  failed_ = true;  // until the rename
   CheckStop();
   // The data must be on disk before the rename makes it visible under the
   // final name, or a crash could expose a renamed but empty file.
@@ -413,6 +430,7 @@ void AtomicFileWriter::Commit() {
     Fail(path_, "cannot rename " + temp_path_ + " to it", err);
   }
   committed_ = true;
+  failed_ = false;
   // The rename itself lives in the folder's entry table. Failing here, the
   // new file is already in place (readers see it); only its surviving a
   // crash is in doubt, which the error must say rather than "not saved".

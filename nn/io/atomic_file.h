@@ -39,6 +39,9 @@ class AtomicFileWriter {
   /// Appends bytes to the temporary file, kStopCheckBytes at a time.
   void Write(const void* data, size_t nbytes);
   /// fsync, rename over the target, fsync the folder. Call at most once.
+  /// After a Write or Commit that threw before the rename (the temporary may
+  /// hold part of the data, or data an fsync failed to keep), Write and
+  /// Commit throw, so that what is left is never renamed into place.
   void Commit();
   /// Path of the temporary file (for tests).
   const std::string& temp_path() const { return temp_path_; }
@@ -49,9 +52,13 @@ class AtomicFileWriter {
   const std::atomic<bool>* stop_;
   int fd_ = -1;
   bool committed_ = false;
+  // Set while a Write or Commit runs, and left set when one throws.
+  bool failed_ = false;
 
   // Throws when asked to stop.
   void CheckStop() const;
+  // Throws when an earlier Write or Commit threw.
+  void CheckNotFailed() const;
 };
 
 /// Puts the setting of a stop flag and the renames of the AtomicFileWriters

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -401,6 +402,56 @@ TEST(Safetensors, FailedWriteLeavesTheOldFileAndNoTemporary) {
               HasSubstr("`x` appears twice"));
   EXPECT_EQ(ReadAll(path), before);
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
+}
+
+// A write cut short by the disk (here the file size limit: part of the
+// bytes written, then EFBIG, as a full disk gives a short write and then
+// ENOSPC) leaves a temporary holding part of the data. A caller that
+// catches the error and commits anyway (or writes the rest again) gets an
+// error, and the old file stays. Before, the Commit renamed the short file
+// into place. Run in a child, whose file size limit goes with it.
+TEST(Safetensors, ACommitAfterAFailedWriteIsRefused) {
+  const std::string dir = TmpDir("st_short_write");
+  const std::string path = dir + "/c.bin";
+  WriteAll(path, "old");
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit{4096, 4096};
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) _exit(10);
+    const std::string data(3 * 4096, 'n');
+    int code = 0;
+    {
+      AtomicFileWriter out(path);  // its destructor removes the temporary
+      try {
+        out.Write(data.data(), data.size());
+        code |= 8;  // the limit did not cut the write short
+      } catch (const CheckpointError&) {
+      }
+      try {
+        out.Write(data.data(), 1);
+        code |= 1;
+      } catch (const CheckpointError& e) {
+        if (std::string(e.what()).find("earlier write or commit") == std::string::npos) code |= 4;
+      }
+      try {
+        out.Commit();
+        code |= 2;
+      } catch (const CheckpointError& e) {
+        if (std::string(e.what()).find("earlier write or commit") == std::string::npos) code |= 4;
+      }
+    }
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  // 1: the write after the failure went through; 2: the commit did; 4: an
+  // error other than the one saying why; 8: the first write was not cut.
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(ReadAll(path), "old");
+  EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.bin"});
 }
 
 // A caller past its deadline (ddp's SaveCheckpoint) sets the stop flag:
