@@ -130,6 +130,29 @@ TEST_F(LargeFile, StopFlagSetMidLoadEndsItAtTheNextPiece) {
                                                          std::to_string(size) + " bytes")));
 }
 
+// A file cut short while its tensors are read (another process rewriting
+// it in place, a network filesystem's file truncated by its writer): the
+// error names the tensor whose bytes ran out, as the check of a file found
+// short before the read does. Before, it gave only the byte count.
+TEST(LoadTensorsFromPath, AFileCutShortDuringTheReadNamesTheTensor) {
+  const std::string path = TmpPath("cut_during_read.safetensors");
+  Tensor a = Zeros({16}, {.dtype = DType::kFloat32});
+  Tensor b = Zeros({1000}, {.dtype = DType::kFloat32});
+  SaveTensors(path, {{"first", a}, {"second.weight", b}});
+  const uint64_t size = static_cast<uint64_t>(std::ifstream(path, std::ios::binary | std::ios::ate).tellg());
+  const uint64_t data_start = size - 16 * 4 - 1000 * 4;
+  int truncated = -1;
+  internal::SetReadPieceHookForTesting([&](uint64_t got) {
+    if (got == data_start) truncated = ::truncate(path.c_str(), static_cast<off_t>(data_start + 16 * 4 + 100));
+  });
+  const std::string error = ErrorOf([&] { LoadTensors(path); });
+  internal::SetReadPieceHookForTesting({});
+  ASSERT_EQ(truncated, 0) << "the read never reached the data region";
+  EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("in tensor `second.weight`"),
+                           HasSubstr("the file got shorter while read")));
+  std::remove(path.c_str());
+}
+
 // One byte of tensor data flipped: the data checksum, computed as the
 // tensors are read, refuses the file.
 TEST(LoadTensorsFromPath, OneFlippedByteOfTensorDataIsRefusedNamingTheChecksum) {

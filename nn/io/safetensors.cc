@@ -1039,7 +1039,8 @@ SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer&
         if (r <= 0) {
           const int err = errno;
           throw CheckpointError(path + ": read " + std::to_string(got + done) + " of " +
-                                std::to_string(size) + " bytes" +
+                                std::to_string(size) + " bytes, in tensor `" +
+                                NameForMessage(file.tensors_[t].name) + "`" +
                                 (r < 0 ? std::string(": ") + std::strerror(err)
                                        : std::string(": the file got shorter while read")));
         }
