@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -33,6 +34,12 @@ namespace {
 std::atomic<int64_t> write_pause_per_piece_ms{0};
 // internal::SetPauseBeforeRenameForTesting's pause, in milliseconds.
 std::atomic<int64_t> pause_before_rename_ms{0};
+
+// internal::SetTemporaryCreatedHookForTesting's hook.
+std::function<void(const std::string&)>& TemporaryCreatedHook() {
+  static auto* hook = new std::function<void(const std::string&)>;
+  return *hook;
+}
 
 // Guards the two registries below. Held only for a lookup, never across a
 // system call, so that a hung filesystem cannot block a stopper.
@@ -251,6 +258,9 @@ void SetWritePausePerPiece(std::chrono::milliseconds pause) {
 void SetPauseBeforeRenameForTesting(std::chrono::milliseconds pause) {
   pause_before_rename_ms.store(pause.count(), std::memory_order_relaxed);
 }
+void SetTemporaryCreatedHookForTesting(std::function<void(const std::string&)> hook) {
+  TemporaryCreatedHook() = std::move(hook);
+}
 }  // namespace internal
 
 AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* stop)
@@ -262,9 +272,16 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   // Before anything is written: the rename would fail (EISDIR) only after
   // the whole file was.
   struct stat target{};
-  if (::stat(path_.c_str(), &target) == 0 && S_ISDIR(target.st_mode)) {
+  const bool exists = ::stat(path_.c_str(), &target) == 0;
+  if (exists && S_ISDIR(target.st_mode)) {
     throw CheckpointError("cannot write a file at '" + path_ + "': it is a folder");
   }
+  // A file replaced keeps its permissions (a private checkpoint stays
+  // private), as an editor's save would. The temporary is created with
+  // them already, not widened and then narrowed: a reader who opened it in
+  // between would keep reading all that is written to it.
+  const bool replaces = exists && S_ISREG(target.st_mode);
+  const mode_t create_mode = replaces ? (target.st_mode & 0777) : 0644;
   RemoveStaleTemporaries(path_);
   // Held until the descriptor closes: another writer's cleanup (this
   // process's, another's, another PID namespace's) sees that this writer
@@ -290,7 +307,7 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
       std::lock_guard lock(RegistryMutex());
       OpenTemporaries().insert(entry);
     }
-    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, create_mode);
     if (fd_ < 0) {
       const int err = errno;  // before any string is built
       forget();
@@ -303,6 +320,7 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
                                           : std::string()),
            err);
     }
+    if (const auto& hook = TemporaryCreatedHook(); hook) hook(temp_path_);
     const bool locked = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
     if (!locked && errno != EWOULDBLOCK) break;  // no locks here
     struct stat mine{}, named{};
@@ -319,12 +337,8 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
                             std::to_string(attempt + 1) + " times");
     }
   }
-  // A file replaced keeps its permissions (a private checkpoint stays
-  // private), as an editor's save would.
-  struct stat old{};
-  if (::stat(path_.c_str(), &old) == 0 && S_ISREG(old.st_mode)) {
-    (void)::fchmod(fd_, old.st_mode & 07777);
-  }
+  // The umask may have narrowed the mode at creation.
+  if (replaces) (void)::fchmod(fd_, target.st_mode & 07777);
 }
 
 AtomicFileWriter::~AtomicFileWriter() {

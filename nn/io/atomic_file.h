@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <string>
 
 namespace ddp::nn::io {
@@ -106,6 +107,13 @@ void SetWritePausePerPiece(std::chrono::milliseconds pause);
 /// window in which a stop comes too late. Process-wide; zero (the default)
 /// turns it off. For tests only.
 void SetPauseBeforeRenameForTesting(std::chrono::milliseconds pause);
+
+/// Calls `hook` with the temporary file's path as soon as an
+/// AtomicFileWriter has created it (before anything else is done to it), so
+/// that a test can see what another process could at that moment.
+/// Process-wide; an empty function (the default) turns it off. Set it only
+/// while no writer runs. For tests only.
+void SetTemporaryCreatedHookForTesting(std::function<void(const std::string&)> hook);
 
 }  // namespace internal
 

@@ -1018,6 +1018,40 @@ TEST(Safetensors, ReplacedFileKeepsItsPermissions) {
   EXPECT_EQ(st.st_mode & 07777, 0600u);
 }
 
+// The temporary replacing a private file is private from the moment it
+// exists: another user who opened it while it was still 0644 (before, the
+// mode was narrowed only after the creation) could read the whole new
+// checkpoint through that descriptor, whatever the mode became. A new file
+// still gets 0644 less the umask.
+TEST(Safetensors, TheTemporaryOfAPrivateFileIsNeverReadableByOthers) {
+  const std::string dir = TmpDir("st_mode_at_creation");
+  const std::string path = dir + "/c.bin";
+  std::vector<mode_t> created;
+  internal::SetTemporaryCreatedHookForTesting([&](const std::string& temp) {
+    struct stat st{};
+    created.push_back(::stat(temp.c_str(), &st) == 0 ? st.st_mode & 07777 : 07777);
+  });
+  const mode_t umask_was = ::umask(022);
+  {
+    AtomicFileWriter out(path);
+    out.Write("new", 3);
+    out.Commit();
+  }
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+  {
+    AtomicFileWriter out(path);
+    out.Write("newer", 5);
+    out.Commit();
+  }
+  ::umask(umask_was);
+  internal::SetTemporaryCreatedHookForTesting({});
+  EXPECT_EQ(created, (std::vector<mode_t>{0644, 0600}));
+  struct stat st{};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(ReadAll(path), "newer");
+}
+
 // --- rejected input ---
 
 std::string Build(const std::string& header_json, const std::string& data) {
