@@ -629,8 +629,11 @@ nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
   return header;
 }
 
-// The header's "__metadata__" entry `value` as strings.
+// The header's "__metadata__" entry `value` as strings. A null stands for
+// no metadata, as for the reference reader (its metadata is an optional
+// map), and writers that put `"__metadata__": null` for none exist.
 Metadata MetadataOf(const nlohmann::json& value, const Parser& p) {
+  if (value.is_null()) return {};
   if (!value.is_object()) p.Fail("__metadata__ is not an object of strings");
   Metadata out;
   for (auto m = value.begin(); m != value.end(); ++m) {

@@ -1380,6 +1380,28 @@ TEST(SafetensorsErrors, MetadataMustBeStrings) {
   EXPECT_THAT(ParseError(Build(R"({"__metadata__":[1]})", "")), HasSubstr("not an object"));
 }
 
+// `"__metadata__": null` is a file without metadata, as Python's and Rust's
+// safetensors read it (an optional map); writers that do not leave the key
+// out put it there. Before, such a file was refused ("__metadata__ is not an
+// object of strings") by Parse, Read, ReadMetadata and LoadTensors.
+TEST(Safetensors, NullMetadataIsNoMetadata) {
+  const std::string bytes =
+      Build(R"({"__metadata__":null,"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", std::string(8, '\0'));
+  const SafetensorsFile parsed = SafetensorsFile::Parse(bytes, "null_metadata");
+  EXPECT_TRUE(parsed.metadata().empty());
+  ASSERT_EQ(parsed.tensors().size(), 1u);
+  EXPECT_EQ(parsed.tensors()[0].name, "w");
+  const std::string path = TmpDir("st_null_metadata") + "/n.safetensors";
+  WriteAll(path, bytes);
+  EXPECT_EQ(SafetensorsFile::Read(path).tensors().size(), 1u);
+  EXPECT_TRUE(SafetensorsFile::ReadMetadata(path).empty());
+  float got[2] = {1, 1};
+  const SafetensorsFile placed =
+      SafetensorsFile::ReadInto(path, [&](const SafetensorsFile&) { return std::vector<void*>{got}; });
+  EXPECT_TRUE(placed.metadata().empty());
+  EXPECT_EQ(got[0], 0.0f);
+}
+
 TEST(SafetensorsErrors, ChecksumMismatchIsReported) {
   EXPECT_THAT(ParseError(Build(R"({"__metadata__":{"ddp.data_crc32":"00000000"},)"
                                R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "a")),
