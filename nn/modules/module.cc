@@ -137,9 +137,32 @@ bool Module::IsPersistentBuffer(const std::string& name) const {
   return std::find(non_persistent_.begin(), non_persistent_.end(), name) == non_persistent_.end();
 }
 
+bool Module::IsWithin(const Module* other) const {
+  // Upwards over every registration: the modules whose subtrees hold this one.
+  std::vector<const Module*> todo = {this};
+  std::unordered_set<const Module*> seen;
+  while (!todo.empty()) {
+    const Module* m = todo.back();
+    todo.pop_back();
+    if (m == other) return true;
+    if (!seen.insert(m).second) continue;
+    for (const auto& [parent, name] : m->registrations_) todo.push_back(parent);
+  }
+  return false;
+}
+
+namespace {
+[[noreturn]] void ThrowCycle(const Module& parent, const std::string& name, const Module& module) {
+  throw std::invalid_argument(parent.Describe() + ": module `" + name + "` (" + module.ShortRepr() +
+                              ") is this module or one of its ancestors; registered here it would contain "
+                              "itself");
+}
+}  // namespace
+
 void Module::RegisterModuleImpl(std::string name, std::shared_ptr<Module> module) {
   CheckNewName(name, "module");
   if (!module) throw std::invalid_argument(Describe() + ": module `" + name + "` is null");
+  if (IsWithin(module.get())) ThrowCycle(*this, name, *module);
   module->registrations_.emplace_back(this, name);
   module->FollowFirstRegistration();
   children_.emplace_back(std::move(name), std::move(module));
@@ -244,6 +267,7 @@ void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replace
   }
   for (auto& [n, c] : parent->children_) {
     if (n == leaf) {
+      if (parent->IsWithin(replacement.get())) ThrowCycle(*parent, n, *replacement);
       // The replaced module may still be registered elsewhere (another
       // index of a Sequential, another parent): it follows that registration.
       if (c) c->Unregister(parent, &n);

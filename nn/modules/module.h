@@ -94,6 +94,9 @@ class Module {
   }
   /// Replaces the module at dotted `path` (e.g. "layer1.0.bn1") by
   /// `replacement`; the parent's Forward uses the new one from then on.
+  /// Throws std::invalid_argument, changing nothing, when `replacement` is
+  /// the parent of that path or one of its ancestors (the tree would become
+  /// a cycle, as RegisterModule refuses).
   void ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement);
 
   // --- state ---
@@ -159,7 +162,9 @@ class Module {
   /// not, but is listed by NamedBuffers, so To() moves it and DDP
   /// broadcasts it.
   Tensor RegisterBuffer(std::string name, Tensor value, bool persistent = true);
-  /// Registers a child module and returns it.
+  /// Registers a child module and returns it. Throws std::invalid_argument
+  /// when `module` is this module or one of its ancestors: every walk of the
+  /// tree (Train, GetStateDict, ToString) would follow the cycle without end.
   template <class M>
   std::shared_ptr<M> RegisterModule(std::string name, std::shared_ptr<M> module) {
     RegisterModuleImpl(std::move(name), module);
@@ -181,6 +186,9 @@ class Module {
   void Unregister(const Module* parent, const std::string* name);
   void FollowFirstRegistration();
   void CheckNewName(const std::string& name, const char* kind) const;
+  // Whether this module is `other` or lies below it along any registration:
+  // registering `other` under this module would then make the tree a cycle.
+  bool IsWithin(const Module* other) const;
   void CollectModules(const std::string& prefix, std::vector<std::pair<std::string, Module*>>* out,
                       std::unordered_set<const Module*>* seen);
   void ApplyOnce(const std::function<void(Module&)>& fn, std::unordered_set<const Module*>* seen);

@@ -838,6 +838,42 @@ TEST(ModuleTest, ModuleRegisteredTwiceIsNamedUnderItsFirstPath) {
   EXPECT_EQ(ErrorOf([&] { outer.Forward(Zeros({1, 3})); }), "Linear(2->2) `1.1`: expected input [..., 2], got [1, 3]");
 }
 
+// A module registered into its own subtree (itself, or an ancestor below
+// one of its descendants) is refused, naming both, and nothing changes: the
+// tree would be a cycle that Train, GetStateDict and ToString followed
+// until the stack overflowed.
+TEST(ModuleTest, RegisteringAModuleInsideItselfIsRefused) {
+  auto outer = std::make_shared<Sequential>();
+  auto inner = std::make_shared<Sequential>();
+  auto leaf = std::make_shared<Linear>(2, 2);
+  outer->Push(inner);
+  inner->Push(leaf);
+  EXPECT_EQ(ErrorOf([&] { outer->Push(outer); }),
+            "Sequential: module `1` (Sequential) is this module or one of its ancestors; registered here it "
+            "would contain itself");
+  EXPECT_EQ(ErrorOf([&] { inner->Push(outer); }),
+            "Sequential `0`: module `1` (Sequential) is this module or one of its ancestors; registered here "
+            "it would contain itself");
+  EXPECT_EQ(ErrorOf([&] { outer->ReplaceChild("0.0", inner); }),
+            "Sequential `0`: module `0` (Sequential) is this module or one of its ancestors; registered here "
+            "it would contain itself");
+  EXPECT_EQ(ErrorOf([&] { outer->ReplaceChild("0", outer); }),
+            "Sequential: module `0` (Sequential) is this module or one of its ancestors; registered here it "
+            "would contain itself");
+  EXPECT_EQ(outer->size(), 1u);
+  EXPECT_EQ(inner->size(), 1u);
+  EXPECT_EQ(inner->at(0), leaf);
+  EXPECT_EQ(leaf->FullName(), "0.0");
+  outer->Train(false);
+  EXPECT_FALSE(leaf->is_training());
+  EXPECT_EQ(Names(outer->GetStateDict()), (std::vector<std::string>{"0.0.weight", "0.0.bias"}));
+
+  // A module under two parents is no cycle: still taken.
+  outer->Push(leaf);
+  EXPECT_EQ(Names(outer->GetStateDict()),
+            (std::vector<std::string>{"0.0.weight", "0.0.bias", "1.weight", "1.bias"}));
+}
+
 // Registers the tensor it is given with the requires_grad it is given.
 class Registrar : public Module {
  public:
