@@ -488,6 +488,7 @@ namespace {
 // non-finite one) puts back the groups already set, so that nothing changed.
 internal::GroupRates RatesOf(Optimizer& optimizer) {
   return {.count = optimizer.num_groups(),
+          .current_count = [&optimizer] { return optimizer.num_groups(); },
           .get = [&optimizer](size_t k) { return optimizer.lr(k); },
           .set =
               [&optimizer](const std::vector<double>& lrs) {
@@ -828,7 +829,9 @@ void ReduceLrOnPlateau::Step(double metric) {
   if (bad > options_.patience) {
     std::vector<double> lrs;
     bool reduced = false;
-    for (size_t k = 0; k < rates_.count; ++k) {
+    // Every group the optimizer has now, those added since this was made included.
+    const size_t groups = rates_.current_count ? rates_.current_count() : rates_.count;
+    for (size_t k = 0; k < groups; ++k) {
       const double old_lr = rates_.get(k);
       const double new_lr = std::max(old_lr * options_.factor, options_.min_lr);
       // Reductions smaller than eps are not worth making (PyTorch's rule,

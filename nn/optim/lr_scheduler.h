@@ -188,6 +188,9 @@ namespace internal {
 /// leaves every rate as it was.
 struct GroupRates {
   size_t count = 1;
+  /// The number of rates now, where it may grow after the scheduler was
+  /// made (an Optimizer's param groups, with AddParamGroup); null: `count`.
+  std::function<size_t()> current_count;
   std::function<double(size_t)> get;
   std::function<void(const std::vector<double>&)> set;
 };
@@ -323,7 +326,9 @@ struct PlateauOptions {
 /// current rate by `factor` when the metric has not improved for more than
 /// `patience` steps. With param groups, each group's rate is reduced so
 /// (floored at min_lr, and left as it is where the reduction would be
-/// eps or less, group by group, as PyTorch's). It reads the rate from the optimizer at each reduction,
+/// eps or less, group by group, as PyTorch's); a group added to the
+/// optimizer (AddParamGroup) after this was made is reduced too, as
+/// PyTorch's reads param_groups at each reduction. It reads the rate from the optimizer at each reduction,
 /// so a rate set with set_lr in between (or one restored with the
 /// optimizer's state) is the one reduced. It does not drive the rate along
 /// a schedule: pairing it with an LrScheduler on the same optimizer would

@@ -258,6 +258,20 @@ TEST(ReduceLrOnPlateau, ReducesTheRateSetWithSetLr) {
   EXPECT_EQ(opt.lr(), 0.125);
 }
 
+// A param group added to the optimizer after the plateau scheduler was
+// made is reduced with the others, as PyTorch's (which reads param_groups
+// at each reduction); it was left at its rate.
+TEST(ReduceLrOnPlateau, ReducesAParamGroupAddedAfterIt) {
+  Tensor p = Zeros({1}), q = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 1.0});
+  ReduceLrOnPlateau r(opt, {.factor = 0.5, .patience = 0});
+  opt.AddParamGroup({.params = {{"q", q}}, .options = {{"lr", 0.4}}});
+  r.Step(3.0);
+  r.Step(3.0);  // no improvement, patience 0: both reduced
+  EXPECT_EQ(opt.lr(0), 0.5);
+  EXPECT_EQ(opt.lr(1), 0.2);
+}
+
 // Several targets are driven as the groups of one optimizer: each from its
 // own base rate, the state a base rate per group, and a rate one target
 // refuses puts back those already set.
