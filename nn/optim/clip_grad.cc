@@ -168,12 +168,23 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
   // strides.
   std::vector<Tensor> grads;
   std::vector<std::pair<Tensor, Tensor>> strided;  // (gradient, its copy in grads)
-  for (const Tensor& p : params) {
+  size_t first = 0;  // the position of the first parameter with a gradient
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& p = params[i];
     if (!p.defined() || !p.grad().defined()) continue;
     const Tensor& g = p.grad();
+    // Checked here, with every gradient, before any is read or scaled: the
+    // device path would take an integer one into the norm and then fail to
+    // scale it after scaling the ones before it.
+    if (!IsFloating(g.dtype())) {
+      throw std::invalid_argument("ClipGradNorm: the gradient of parameter " + std::to_string(i) + " has dtype " +
+                                  std::string(DTypeName(g.dtype())) + ", expected a floating type");
+    }
+    if (grads.empty()) first = i;
     if (!grads.empty() && g.device() != grads.front().device()) {
-      throw std::invalid_argument("ClipGradNorm: gradients on two devices, " + grads.front().device().ToString() +
-                                  " and " + g.device().ToString());
+      throw std::invalid_argument("ClipGradNorm: gradients on two devices: parameter " + std::to_string(first) +
+                                  "'s on " + grads.front().device().ToString() + ", parameter " + std::to_string(i) +
+                                  "'s on " + g.device().ToString());
     }
     if (g.is_contiguous()) {
       grads.push_back(g);

@@ -20,7 +20,9 @@ inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
 /// the step). Gradients on a device are reduced there (one host read of the
 /// total), the infinity norm included. Gradients may have any strides: a
 /// non-contiguous one is read as a contiguous copy, and the clipped values
-/// are written back through its strides.
+/// are written back through its strides. Throws std::invalid_argument,
+/// changing no gradient, for a gradient of a non-floating dtype or
+/// gradients on two devices, naming the parameters' positions in `params`.
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                     bool error_if_nonfinite = false);
 

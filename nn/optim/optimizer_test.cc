@@ -871,6 +871,18 @@ TEST(ClipGradNorm, RefusesANanOrNegativeMaxNorm) {
   EXPECT_EQ(a.grad().ToVector<float>(), (std::vector<float>{3, 4}));
 }
 
+// An integer gradient (set_grad takes one on an integer tensor) is refused
+// naming its position, before any gradient is scaled; the error named no
+// parameter ("unsupported dtype").
+TEST(ClipGradNorm, IntegerGradientIsRefusedNamingItsPosition) {
+  Tensor a = Zeros({2}), n = Zeros({2}, {.dtype = DType::kInt64});
+  a.set_grad(FromVector({30, 40}, {2}));
+  n.set_grad(Zeros({2}, {.dtype = DType::kInt64}));
+  EXPECT_EQ(ErrorOf([&] { ClipGradNorm({a, Tensor(), n}, 1.0); }),
+            "ClipGradNorm: the gradient of parameter 2 has dtype i64, expected a floating type");
+  EXPECT_EQ(a.grad().ToVector<float>(), (std::vector<float>{30, 40}));
+}
+
 // The scale lives in f32: an init_scale past its range (or an infinite
 // growth factor) would make every step's scale inf.
 TEST(GradScaler, RefusesAScaleOrGrowthBeyondF32) {
