@@ -703,6 +703,10 @@ void ZeroGrad(const NamedParameters& params, bool set_to_none) {
     if (set_to_none) {
       p.set_grad(Tensor());
     } else {
+      // Not recorded by autograd, as Module::ZeroGrad zeroes: a gradient
+      // that itself requires grad (set_grad takes one) is zeroed, not
+      // refused as a parameter written with grad mode on.
+      NoGradGuard guard;
       p.grad().Zero();
     }
   }

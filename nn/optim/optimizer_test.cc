@@ -345,6 +345,21 @@ TEST(Optimizer, SkipsParametersWithoutGradient) {
   EXPECT_FALSE(p[0].second.grad().defined());
 }
 
+// A gradient that itself requires grad (set_grad takes any tensor of the
+// parameter's shape, dtype and device) is zeroed in place, as
+// Module::ZeroGrad zeroes it; the optimizer's ZeroGrad(false) threw Fill's
+// "wrap parameter initialization in NoGradGuard".
+TEST(Optimizer, ZeroGradInPlaceZeroesAGradientThatRequiresGrad) {
+  Tensor p = Zeros({2});
+  Tensor g = FromVector({1, 2}, {2});
+  g.set_requires_grad(true);
+  p.set_grad(g);
+  Sgd opt({{"p", p}}, {.lr = 0.1});
+  opt.ZeroGrad(false);
+  EXPECT_TRUE(p.grad().is_same(g));
+  EXPECT_EQ(g.ToVector<float>(), (std::vector<float>{0, 0}));
+}
+
 // Every gradient is checked before any parameter is updated. Before, the
 // check ran inside the update loop: `fc.weight` was updated and its step
 // counted before `fc.bias`'s gradient was refused.
