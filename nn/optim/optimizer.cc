@@ -190,6 +190,25 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std:
 Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names)
     : Optimizer(std::move(groups), lr, std::move(slot_names), SlotRules()) {}
 
+namespace {
+void CheckParameterIndex(const char* what, size_t i, size_t count) {
+  if (i >= count) {
+    throw std::out_of_range("optimizer: " + std::string(what) + " of parameter " + std::to_string(i) +
+                            ", but it holds " + std::to_string(count));
+  }
+}
+}  // namespace
+
+int64_t Optimizer::step_count(size_t i) const {
+  CheckParameterIndex("step_count", i, steps_.size());
+  return steps_[i];
+}
+
+size_t Optimizer::group_of(size_t param) const {
+  CheckParameterIndex("group_of", param, group_of_.size());
+  return group_of_[param];
+}
+
 NamedParameters Optimizer::group_params(size_t group) const {
   if (group >= num_groups()) {
     throw std::out_of_range("optimizer: param group " + std::to_string(group) + " of " +

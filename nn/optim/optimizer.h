@@ -102,8 +102,9 @@ class Optimizer {
 
   /// Number of parameter groups (1 for an optimizer made from a plain list).
   size_t num_groups() const { return lrs_.size(); }
-  /// The group of parameter i (an index into params()).
-  size_t group_of(size_t param) const { return group_of_.at(param); }
+  /// The group of parameter i (an index into params()); throws as
+  /// step_count for an i past params().
+  size_t group_of(size_t param) const;
   /// The parameters of one group (a slice of params(), in its order).
   NamedParameters group_params(size_t group) const;
   /// Appends `group` as the last param group (PyTorch's add_param_group):
@@ -160,8 +161,10 @@ class Optimizer {
   bool maximize(size_t group) const { return maximize_.at(group); }
   /// Every parameter, the groups' lists one after another.
   const NamedParameters& params() const { return params_; }
-  /// Steps taken by parameter i (0 before its first update).
-  int64_t step_count(size_t i) const { return steps_[i]; }
+  /// Steps taken by parameter i (0 before its first update). Throws
+  /// std::out_of_range, naming i and the parameter count, for an i past
+  /// params().
+  int64_t step_count(size_t i) const;
   /// The device the parameters live on (the first parameter's; the CPU for
   /// an empty list). Step checks that every parameter is still there.
   Device device() const { return params_.empty() ? kCPU : params_.front().second.device(); }

@@ -360,6 +360,26 @@ TEST(Optimizer, ZeroGradInPlaceZeroesAGradientThatRequiresGrad) {
   EXPECT_EQ(g.ToVector<float>(), (std::vector<float>{0, 0}));
 }
 
+// An index past the parameters is refused naming it and the count;
+// step_count read past the end of its vector.
+TEST(Optimizer, ParameterIndexPastTheEndIsRefused) {
+  Sgd opt({{"a", Zeros({2})}, {"b", Zeros({1})}}, {.lr = 0.1});
+  EXPECT_EQ(opt.step_count(1), 0);
+  EXPECT_EQ(opt.group_of(1), 0u);
+  try {
+    opt.step_count(2);
+    ADD_FAILURE() << "step_count(2) of 2 parameters was accepted";
+  } catch (const std::out_of_range& e) {
+    EXPECT_STREQ(e.what(), "optimizer: step_count of parameter 2, but it holds 2");
+  }
+  try {
+    opt.group_of(7);
+    ADD_FAILURE() << "group_of(7) of 2 parameters was accepted";
+  } catch (const std::out_of_range& e) {
+    EXPECT_STREQ(e.what(), "optimizer: group_of of parameter 7, but it holds 2");
+  }
+}
+
 // Every gradient is checked before any parameter is updated. Before, the
 // check ran inside the update loop: `fc.weight` was updated and its step
 // counted before `fc.bias`'s gradient was refused.
