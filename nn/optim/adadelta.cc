@@ -49,8 +49,8 @@ void Adadelta::CheckOptions(const AdadeltaOptions& o) {
   // eps and weight_decay also finite: either inf makes the update NaN.
   if (!(o.rho >= 0 && o.rho <= 1 && o.eps >= 0 && o.weight_decay >= 0 && std::isfinite(o.eps) &&
         std::isfinite(o.weight_decay))) {
-    throw std::invalid_argument("Adadelta: rho " + std::to_string(o.rho) + " must be in [0, 1], eps " +
-                                std::to_string(o.eps) + " and weight_decay " + std::to_string(o.weight_decay) +
+    throw std::invalid_argument("Adadelta: rho " + internal::OptionValueText(o.rho) + " must be in [0, 1], eps " +
+                                internal::OptionValueText(o.eps) + " and weight_decay " + internal::OptionValueText(o.weight_decay) +
                                 " finite and >= 0");
   }
 }

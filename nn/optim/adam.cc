@@ -68,14 +68,14 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults, bool decoupled)
 
 void Adam::CheckOptions(const AdamOptions& o) const {
   if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
-    throw std::invalid_argument(std::string(Name()) + ": betas (" + std::to_string(o.beta1) + ", " +
-                                std::to_string(o.beta2) + ") must be in [0, 1)");
+    throw std::invalid_argument(std::string(Name()) + ": betas (" + internal::OptionValueText(o.beta1) + ", " +
+                                internal::OptionValueText(o.beta2) + ") must be in [0, 1)");
   }
   // Infinite ones are refused too: an infinite eps stalls every update at
   // 0, an infinite weight_decay makes it inf or NaN.
   if (!(o.eps >= 0 && o.weight_decay >= 0 && std::isfinite(o.eps) && std::isfinite(o.weight_decay))) {
-    throw std::invalid_argument(std::string(Name()) + ": eps " + std::to_string(o.eps) + " and weight_decay " +
-                                std::to_string(o.weight_decay) + " must be finite and >= 0");
+    throw std::invalid_argument(std::string(Name()) + ": eps " + internal::OptionValueText(o.eps) + " and weight_decay " +
+                                internal::OptionValueText(o.weight_decay) + " must be finite and >= 0");
   }
 }
 

@@ -392,7 +392,7 @@ TEST(OneCycle, SteppingPastTotalStepsThrowsAndChangesNothing) {
                                              .final_div_factor = 100, .cycle_momentum = false}));
   for (int i = 0; i < 24; ++i) lin.Step();
   EXPECT_DOUBLE_EQ(lin_opt.lr(), 0.5 / 10 / 100);
-  EXPECT_THAT(ErrorOf([&] { lin.Step(); }), HasSubstr("learning rate -0.0328"));
+  EXPECT_THAT(ErrorOf([&] { lin.Step(); }), HasSubstr("learning rate -0.03279999999999994 "));
   EXPECT_EQ(lin.step_count(), 24);
 }
 
@@ -626,7 +626,7 @@ TEST(OneCycleMomentum, MomentaTheOptimizerRefusesAreRefusedAtConstruction) {
   EXPECT_THAT(ErrorOf([&] {
                 LrScheduler(opt, OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .max_momentum = 1.0}));
               }),
-              HasSubstr("Adam: param group 0's beta1 1.000000 refused"));
+              HasSubstr("Adam: param group 0's beta1 1 refused"));
   EXPECT_EQ(opt.lr(), 0.5);
   EXPECT_EQ(opt.momentum(0), 0.9);
   EXPECT_EQ(ErrorOf([] { OneCycleSchedule({.max_lr = 1.0, .total_steps = 10, .base_momentum = -0.1}); }),

@@ -1,6 +1,7 @@
 #include "nn/optim/optimizer.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <tuple>
@@ -26,7 +27,7 @@ std::string GroupPrefix(size_t group) { return "param_groups." + std::to_string(
 // An infinite rate would make every updated parameter inf or NaN.
 void CheckRate(double lr, const std::string& who) {
   if (!(lr >= 0.0) || !std::isfinite(lr)) {
-    throw std::invalid_argument(who + ": learning rate " + std::to_string(lr) + " must be finite and >= 0");
+    throw std::invalid_argument(who + ": learning rate " + internal::OptionValueText(lr) + " must be finite and >= 0");
   }
 }
 
@@ -378,7 +379,7 @@ void Optimizer::CheckMomentum(size_t group, double momentum) const {
   }
   const std::string where = std::string(Name()) + ": param group " + std::to_string(group) + "'s " + option;
   if (!std::isfinite(momentum)) {
-    throw std::invalid_argument(where + " " + std::to_string(momentum) + " must be finite");
+    throw std::invalid_argument(where + " " + internal::OptionValueText(momentum) + " must be finite");
   }
   // SGD keeps a momentum buffer only when momentum != 0 (Hyperparameter's
   // structural): a switch between zero and non-zero would change the state.
@@ -395,7 +396,7 @@ void Optimizer::CheckMomentum(size_t group, double momentum) const {
   try {
     CheckHyperparameters(group, values);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(where + " " + std::to_string(momentum) + " refused: " + e.what());
+    throw std::invalid_argument(where + " " + internal::OptionValueText(momentum) + " refused: " + e.what());
   }
 }
 
@@ -1177,6 +1178,12 @@ bool GroupMembersOf(const Tensor& t, std::vector<std::string>* names) {
     if (end == std::string::npos) return true;
     start = end + 1;
   }
+}
+
+std::string OptionValueText(double value) {
+  char buf[64];
+  const auto result = std::to_chars(buf, buf + sizeof(buf), value);
+  return std::string(buf, result.ptr);
 }
 
 void CheckStateScalar(const char* who, const std::string& key, const Tensor* t, DType dtype) {

@@ -455,6 +455,11 @@ bool GroupMembersOf(const Tensor& t, std::vector<std::string>* names);
 /// saying what was found instead. For the scaler's and schedulers' states.
 void CheckStateScalar(const char* who, const std::string& key, const Tensor* t, DType dtype);
 
+/// An option's value for an error message: the shortest text that reads
+/// back as the same double ("-1e-07", "0.9", "inf", "nan"), where
+/// std::to_string's six fixed decimals show -1e-7 as "-0.000000".
+std::string OptionValueText(double value);
+
 }  // namespace internal
 
 }  // namespace ddp::nn::optim

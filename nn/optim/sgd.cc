@@ -24,13 +24,13 @@ void CheckOptions(const SgdOptions& o) {
   // or NaN.
   const auto ok = [](double x) { return x >= 0 && std::isfinite(x); };
   if (!(ok(o.momentum) && ok(o.weight_decay) && ok(o.dampening))) {
-    throw std::invalid_argument("SGD: momentum " + std::to_string(o.momentum) + ", dampening " +
-                                std::to_string(o.dampening) + " and weight_decay " +
-                                std::to_string(o.weight_decay) + " must be finite and >= 0");
+    throw std::invalid_argument("SGD: momentum " + internal::OptionValueText(o.momentum) + ", dampening " +
+                                internal::OptionValueText(o.dampening) + " and weight_decay " +
+                                internal::OptionValueText(o.weight_decay) + " must be finite and >= 0");
   }
   if (o.nesterov && (o.momentum <= 0 || o.dampening != 0)) {
     throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0, got momentum " +
-                                std::to_string(o.momentum) + " and dampening " + std::to_string(o.dampening));
+                                internal::OptionValueText(o.momentum) + " and dampening " + internal::OptionValueText(o.dampening));
   }
 }
 
