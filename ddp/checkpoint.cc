@@ -585,22 +585,31 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
         break;
     }
   }
-  auto check = [&problems](const std::function<void()>& f) {
+  // Any std::exception of a check is one more problem, named by the
+  // component: an invalid_argument names its part already, but another
+  // kind (a LambdaSchedule's function that throws for the saved step, say)
+  // would otherwise escape alone, without the other problems or the
+  // component it came from.
+  auto check = [&problems](const char* component, const std::function<void()>& f) {
     try {
       f();
     } catch (const std::invalid_argument& e) {
       problems.push_back(e.what());
+    } catch (const std::exception& e) {
+      problems.push_back(std::string("checking the ") + component + "'s state threw: " + e.what());
     }
   };
-  check([&] { target.CheckStateDict(checkpoint.model, /*strict=*/true); });
-  if (optimizer != nullptr) check([&] { optimizer->CheckStateDict(checkpoint.optimizer); });
-  if (scheduler != nullptr) check([&] { scheduler->CheckStateDict(checkpoint.optimizer); });
-  if (scaler != nullptr) check([&] { scaler->CheckStateDict(checkpoint.optimizer); });
+  check("model", [&] { target.CheckStateDict(checkpoint.model, /*strict=*/true); });
+  if (optimizer != nullptr) check("optimizer", [&] { optimizer->CheckStateDict(checkpoint.optimizer); });
+  if (scheduler != nullptr) check("scheduler", [&] { scheduler->CheckStateDict(checkpoint.optimizer); });
+  if (scaler != nullptr) check("scaler", [&] { scaler->CheckStateDict(checkpoint.optimizer); });
   const nn::modules::NamedTensors params = target.NamedParameters();
-  if (powersgd != nullptr) check([&] { powersgd->CheckStateDict(checkpoint.optimizer, params); });
-  if (averager != nullptr) check([&] { averager->CheckStateDict(checkpoint.optimizer); });
-  if (post_local_sgd != nullptr) check([&] { post_local_sgd->CheckStateDict(checkpoint.optimizer); });
-  if (plateau != nullptr) check([&] { plateau->CheckStateDict(checkpoint.optimizer); });
+  if (powersgd != nullptr) check("powersgd", [&] { powersgd->CheckStateDict(checkpoint.optimizer, params); });
+  if (averager != nullptr) check("averager", [&] { averager->CheckStateDict(checkpoint.optimizer); });
+  if (post_local_sgd != nullptr) {
+    check("post_local_sgd", [&] { post_local_sgd->CheckStateDict(checkpoint.optimizer); });
+  }
+  if (plateau != nullptr) check("plateau", [&] { plateau->CheckStateDict(checkpoint.optimizer); });
   if (!problems.empty()) {
     std::string msg = "RestoreCheckpoint: nothing was restored, " + std::to_string(problems.size()) + " problem(s):";
     for (const std::string& p : problems) msg += "\n  " + p;

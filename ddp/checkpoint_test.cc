@@ -746,6 +746,38 @@ TEST(DdpCheckpointTest, StateThatNoArgumentTakesIsAnErrorNamingTheArgument) {
   EXPECT_EQ(opt.step_count(0), 0);
 }
 
+// A component's check that throws something other than invalid_argument
+// (here a LambdaSchedule's function, for the saved step) is one more
+// problem in the list, named by the component, and nothing is restored.
+// It used to escape alone: the other problems were not reported, and the
+// message did not say which component it came from.
+TEST(DdpCheckpointTest, ACheckThatThrowsAnotherKindOfErrorIsListedWithTheComponent) {
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule(
+                                        [](int64_t t) -> double {
+                                          if (t > 1) throw std::runtime_error("no factor past step 1");
+                                          return 1.0;
+                                        },
+                                        "decay"));
+  const std::vector<std::string> before = StateBytes(*model);
+  ASSERT_TRUE(before != StateBytes(*saved));  // a restore would change them
+  nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  c.optimizer.emplace_back("ema.decay", nn::Zeros({}));
+  const std::string err = RestoreError([&] { RestoreCheckpoint(c, *model, &opt, &sched); });
+  EXPECT_THAT(err, AllOf(HasSubstr("nothing was restored, 2 problem(s)"),
+                         HasSubstr("checking the scheduler's state threw: no factor past step 1"),
+                         HasSubstr("keys that no component takes (`ema.decay`)")));
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_EQ(opt.lr(), 0.1);
+  EXPECT_EQ(sched.step_count(), 0);
+}
+
 // ReduceLrOnPlateau's state goes through the checkpoint like the other
 // components' (before, its keys were refused as no component's).
 TEST(DdpCheckpointTest, PlateauStateIsSavedAndRestored) {
