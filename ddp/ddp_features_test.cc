@@ -2823,6 +2823,67 @@ TEST(DdpFeaturesTest, ARebuildThatFailsOnOneRankAbortsTheGroupWithItsCause) {
   }
 }
 
+// A rank that ran out of inputs under Join cannot allocate the zero buckets
+// it contributes to the active ranks' backward: it throws the cause and
+// refuses later forwards, and the active ranks fail within moments naming
+// the rank and the cause. They used to wait in their bucket all-reduce
+// until the group's timeout (20 s here).
+DDP_TEST_WORKER(shadow_backward_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), failing = pg->size() - 1;
+  const std::string cause = "DistributedDataParallel on rank " + std::to_string(failing) +
+                            ": allocating the zero gradient buckets";
+  auto model = Mlp(21);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  std::string message;
+  std::chrono::steady_clock::time_point start;
+  try {
+    Join join(ddp);
+    // Two iterations everywhere (the second rebuilds the buckets), a third
+    // on the active ranks only.
+    for (int s = 0; s < (rank == failing ? 2 : 3); ++s) {
+      if (s == 2) start = std::chrono::steady_clock::now();
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    if (rank == failing) {
+      internal::FailNextBucketAllocationForTesting();
+      start = std::chrono::steady_clock::now();
+    }
+    join.Wait();
+    WORKER_EXPECT(false, "Join::Wait returned");
+  } catch (const std::bad_alloc& e) {
+    message = e.what();
+    WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
+    // Alive a while, as a process that handles the error: the peers must
+    // not need its exit to stop waiting.
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    try {
+      ddp(testing::Batch(data, 0, kBatch).first);
+      WORKER_EXPECT(false, "a forward ran after the failed shadow backward");
+    } catch (const std::runtime_error& later) {
+      WORKER_EXPECT(std::string(later.what()).find(cause) != std::string::npos, later.what());
+    }
+  } catch (const std::exception& e) {
+    message = e.what();
+    WORKER_EXPECT(rank != failing, std::string("the failing rank threw something else: ") + e.what());
+    WORKER_EXPECT(message.find(cause) != std::string::npos && message.find("std::bad_alloc") != std::string::npos,
+                  message);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(!message.empty(), "no error");
+  WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AShadowBackwardThatFailsOnAJoinedRankAbortsTheGroupWithItsCause) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("shadow_backward_fails_on_one_rank", n, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks:\n" << testing::AllOutput(run);
+  }
+}
+
 // On 3 ranks, where an element's sum depends on its place in the bucket:
 // A rebuilds its buckets after its first iteration; B, given A's
 // BucketOrder(), starts with A's rebuilt buckets and keeps them, and its

@@ -930,13 +930,26 @@ void Reducer::ShadowBackward(double divisor, bool write_gradients) {
   divisor_ = divisor;
   std::vector<Work> works;
   std::vector<nn::Tensor> results;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const Bucket& bucket = buckets_[b];
-    // Zeros of the bucket's kind: this rank contributes nothing, and its own
-    // gradients (a view in gradient_as_bucket_view mode) are not reduced.
-    results.push_back(nn::Zeros({bucket.numel}, {.dtype = bucket.dtype, .device = bucket.device}));
-    works.push_back(Launch(b, results.back()));
+  // Zeros of each bucket's kind: this rank contributes nothing, and its own
+  // gradients (a view in gradient_as_bucket_view mode) are not reduced.
+  // All are allocated before the first launch. Should an allocation fail,
+  // only this rank knows: the active ranks would wait in their bucket
+  // reductions until the group's timeout, so they are stopped now with the
+  // cause, and this rank refuses later forwards.
+  try {
+    for (const Bucket& bucket : buckets_) {
+      if (fail_next_bucket_allocation.exchange(false)) throw std::bad_alloc();
+      results.push_back(nn::Zeros({bucket.numel}, {.dtype = bucket.dtype, .device = bucket.device}));
+    }
+  } catch (const std::exception& e) {
+    pending_error_ = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+                     ": allocating the zero gradient buckets that this rank, which ran out of inputs under "
+                     "Join, contributes to the active ranks' backward failed (" + e.what() +
+                     "). The process group was aborted.";
+    pg_->Abort(transport::FailedPreconditionError(pending_error_));
+    throw;
   }
+  for (size_t b = 0; b < buckets_.size(); ++b) works.push_back(Launch(b, results[b]));
   nn::Tensor used;
   if (handles_unused()) {
     used = nn::ZerosLike(used_);

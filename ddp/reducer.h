@@ -47,9 +47,10 @@ std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& pa
 void SetReducerDeviceCopiesForTesting(bool on);
 
 /// Makes the next gradient bucket allocation of a Reducer in this process
-/// throw std::bad_alloc, as on a rank whose memory ran out (after the
-/// ranks' models were compared, when nothing else fails on one rank only).
-/// For tests.
+/// (its buckets, at construction or rebuild, or the zero buckets a rank
+/// that joined contributes) throw std::bad_alloc, as on a rank whose memory
+/// ran out (after the ranks' models were compared, when nothing else fails
+/// on one rank only). For tests.
 void FailNextBucketAllocationForTesting();
 
 struct ReducerOptions {
