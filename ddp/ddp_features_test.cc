@@ -17,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -2764,6 +2765,51 @@ DDP_TEST_WORKER(rebuild) {
 
 TEST(DdpFeaturesTest, BucketsAreRebuiltFromTheObservedOrder) {
   auto run = RunWorkers("rebuild", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// gradient_as_bucket_view: first.weight shares its first bucket with
+// first.bias at construction, and is alone in its bucket after the rebuild
+// (limit 1400 bytes: second's 1320 bytes and first.bias close the first
+// bucket). Its .grad, a view into the old bucket, gets storage of its own at
+// the rebuild; it used to keep that view, and with it the old bucket's
+// whole buffer, alive for as long as the .grad lived.
+DDP_TEST_WORKER(rebuild_solo_grad_leaves_the_old_bucket) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<TwoLayers>(true, 32, true);
+  DistributedDataParallel ddp(model, {.first_bucket_mb = 1400.0 / 1048576, .inplace_gradient_mb = 0,
+                                      .gradient_as_bucket_view = true, .process_group = pg});
+  const std::vector<std::vector<std::string>> before = ddp.BucketParameterNames();
+  WORKER_EXPECT((before == std::vector<std::vector<std::string>>{{"first.bias", "first.weight"},
+                                                                 {"second.bias", "second.weight"}}),
+                "initial buckets start with " + before[0][0]);
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  std::map<std::string, Tensor> params;
+  for (const auto& [name, p] : model->NamedParameters()) params.emplace(name, p);
+  const auto* old_bucket = params.at("first.weight").grad().storage().get();
+  WORKER_EXPECT(old_bucket == params.at("first.bias").grad().storage().get(),
+                "first.weight's .grad is not a view into its bucket");
+  std::map<std::string, std::vector<float>> grads;
+  for (const auto& [name, p] : params) grads.emplace(name, p.grad().ToVector<float>());
+  const Tensor out = ddp(x);  // rebuilds the buckets
+  const std::vector<std::vector<std::string>> after = ddp.BucketParameterNames();
+  // One of first's parameters, whichever backward reached last.
+  WORKER_EXPECT(after.size() == 2 && after[1].size() == 1 && after[1][0].rfind("first.", 0) == 0,
+                "rebuilt buckets end with " + after.back()[0]);
+  const Tensor& kept = params.at(after[1][0]).grad();
+  WORKER_EXPECT(kept.storage().get() != old_bucket,
+                "`" + after[1][0] + "`'s .grad still holds the old bucket's buffer");
+  for (const auto& [name, p] : params) {
+    WORKER_EXPECT(p.grad().ToVector<float>() == grads.at(name), "`" + name + "`'s .grad changed in the rebuild");
+  }
+  nn::Backward(nn::loss::CrossEntropy(out, y));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AGradientAloneInItsRebuiltBucketLeavesTheOldBucket) {
+  auto run = RunWorkers("rebuild_solo_grad_leaves_the_old_bucket", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -267,10 +267,20 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
   }
   if (options_.gradient_as_bucket_view) {
     // Gradients that exist (accumulated ones included) move into the new views.
+    // A parameter alone in its new bucket has no view: were its .grad a
+    // view into an old bucket, it would keep that whole buffer in memory
+    // for as long as the .grad lives, so it gets storage of its own.
     for (size_t i = 0; i < params_.size(); ++i) {
       const nn::Tensor& grad = params_[i].grad();
-      if (!grad.defined() || !slots[i].view.defined()) continue;
+      if (!grad.defined()) continue;
       nn::NoGradGuard guard;
+      if (!slots[i].view.defined()) {
+        const bool in_old_bucket =
+            !slots_.empty() && !buckets_[slots_[i].bucket].is_solo &&
+            grad.storage() == buckets_[slots_[i].bucket].buffer.storage();
+        if (in_old_bucket) params_[i].set_grad(grad.Clone());
+        continue;
+      }
       slots[i].view.CopyFrom(grad);
       params_[i].set_grad(slots[i].view);
     }
