@@ -92,6 +92,12 @@ struct Tuning {
   /// `root`: the communicator runs the rooted reduce on its ring's order,
   /// where `root` is the root's place, and errors should name its rank.
   std::optional<int> checked_root;
+  /// The count of the whole call that this one is a step of, compared
+  /// between ranks besides `count`: the hierarchical all-reduce's step
+  /// between hosts reduces one shard, whose size can agree between hosts
+  /// that passed different counts (the ranks holding it would pass the
+  /// check and then wait on their host's ranks that failed).
+  std::optional<size_t> checked_whole_count;
   /// All-gather and reduce-scatter on a ring's order (a GroupView): the
   /// block of p2p rank b is the job's rank (*block_owner)[b]'s, in the
   /// buffers' layout. nullptr: b's own. Equal-sized blocks only.

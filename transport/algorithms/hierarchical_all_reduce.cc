@@ -98,6 +98,10 @@ Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, i
   // Hosts calling avg and sum must not agree (nor an f16 average the caller
   // divided first and passed as a sum, with its avg as the checked op).
   across.tuning.checked_op = args.tuning.checked_op.value_or(args.op);
+  // Equal shards do not prove equal calls (10 and 11 elements over two
+  // ranks a host both give one shard of 5): hosts compare the whole count
+  // too, so that every rank of a mismatched call fails here.
+  across.tuning.checked_whole_count = args.tuning.checked_whole_count.value_or(args.count);
   across.tag = PhaseTag(args.tag, 1);
   Status status = count * DataTypeSize(args.dtype) <= kInterHostRhdBytes
                       ? RhdAllReduce(inter, across)

@@ -29,8 +29,9 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
 /// Step 2 on its own: `shard` (count elements, in place) all-reduced over
 /// `inter`, the ranks of every host that hold the same shard; with kAvg,
 /// divided by `world_size` (INVALID_ARGUMENT, naming it, when it is below
-/// inter.size()). args supply dtype, op, tag and deadline (its
-/// buffers and count are ignored). The communicator also runs it between
+/// inter.size()). args supply dtype, op, tag and deadline, and count the
+/// whole call's count, which the hosts compare besides the shard's (its
+/// buffers are ignored). The communicator also runs it between
 /// the shared-memory steps of a host (transport/collectives.h). Uses phases
 /// 1-2 of the tag range.
 Status InterHostAllReduce(p2p::PointToPoint& inter, void* shard, size_t count, int world_size,

@@ -213,6 +213,34 @@ TEST(HierarchicalAllReduceTest, MismatchedCountsFailOnEveryRank) {
   testing::CheckMismatchedCountsFailEverywhere(With(Contiguous(6, 3)), 6);
 }
 
+// Hosts passing 10 and 11 elements over two ranks each hold shards of 5
+// and 6 at local index 0 but 5 and 5 at index 1: the ranks at index 1
+// passed the check between hosts and waited, until their deadline, in the
+// all-gather inside their host for the rank at index 0 that had failed.
+TEST(HierarchicalAllReduceTest, HostsPassingCountsWithAnEqualShardFailAtOnce) {
+  // Nobody is killed: each rank must find the mismatch on its own.
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  const auto deadline = DeadlineIn(20s);
+  auto statuses = ::ddp::transport::testing::RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+    const size_t count = p2p.rank() < 2 ? 10 : 11;
+    std::vector<float> send(count, 1.0f), recv(count, 0.0f);
+    CollectiveArgs args;
+    args.send = send.data();
+    args.recv = recv.data();
+    args.count = count;
+    args.tag = CollectiveTag(3);
+    args.deadline = deadline;
+    return HierarchicalAllReduce(p2p, args, Contiguous(4, 2));
+  }, options);
+  EXPECT_LT(Clock::now() + 15s, deadline) << "ranks took until near the deadline";
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr("count 10")) << "rank " << r;
+    EXPECT_THAT(statuses[r].message(), HasSubstr("count 11")) << "rank " << r;
+  }
+}
+
 TEST(HierarchicalAllReduceTest, EmptyCallFailsEveryRank) {
   // One rank of a host, then every rank of a host: the others reach it only
   // in their inter-host step.

@@ -178,6 +178,7 @@ Fingerprint MakeFingerprint(const CollectiveArgs& args, FingerprintKind kind, bo
   f.op = uses_op ? static_cast<int32_t>(args.tuning.checked_op.value_or(args.op)) : -1;
   f.root = uses_root ? args.tuning.checked_root.value_or(args.root) : -1;
   f.kind = kind;
+  f.whole_count = args.tuning.checked_whole_count.value_or(args.count);
   return f;
 }
 
@@ -187,6 +188,7 @@ std::string Fingerprint::ToString() const {
                   DataTypeName(static_cast<DataType>(dtype));
   if (op >= 0) s += std::string(", op ") + ReduceOpName(static_cast<ReduceOp>(op));
   if (root >= 0) s += ", root " + std::to_string(root);
+  if (whole_count != count) s += ", a step of a call with count " + std::to_string(whole_count);
   return s;
 }
 

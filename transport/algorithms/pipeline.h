@@ -121,9 +121,12 @@ struct Fingerprint {
   int32_t op = 0;     ///< -1 when the collective does not reduce
   int32_t root = 0;   ///< -1 when the collective has no root
   int32_t kind = 0;   ///< FingerprintKind: which collective and algorithm
+  /// Tuning::checked_whole_count, else `count`.
+  uint64_t whole_count = 0;
 
   bool operator==(const Fingerprint&) const = default;
-  /// "ring all-reduce, count 120 of f32, op sum"
+  /// "ring all-reduce, count 120 of f32, op sum", plus ", a step of a call
+  /// with count 480" when whole_count differs from count.
   std::string ToString() const;
 };
 
