@@ -1,5 +1,7 @@
 #include "transport/algorithms/all_reduce.h"
 
+#include <string>
+
 #include "transport/algorithms/hierarchical_all_reduce.h"
 #include "transport/algorithms/rhd_all_reduce.h"
 #include "transport/algorithms/ring_all_reduce.h"
@@ -15,7 +17,14 @@ StatusOr<Algorithm> ResolveAllReduceAlgorithm(const p2p::PointToPoint& p2p,
   input.bytes = args.count * DataTypeSize(args.dtype);
   input.world_size = p2p.size();
   if (algorithm == Algorithm::kAuto) {
-    DDP_ASSIGN_OR_RETURN(const HostGroups groups, GroupByHost(p2p, host_of_rank));
+    // The hosts only inform the choice here: the caller may not have asked
+    // for the hierarchical algorithm, so the error names the choice.
+    StatusOr<HostGroups> grouped = GroupByHost(p2p, host_of_rank);
+    if (!grouped.ok()) {
+      return Status(grouped.status().code(),
+                    "all-reduce (automatic choice of algorithm): " + grouped.status().message());
+    }
+    const HostGroups& groups = *grouped;
     input.num_hosts = groups.num_hosts;
     input.uniform_hosts = groups.ranks_per_host > 0;
   }

@@ -18,6 +18,7 @@ namespace {
 using namespace std::chrono_literals;
 using testing::AllReduceFn;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr Algorithm kAll[] = {Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
                               Algorithm::kHierarchical};
@@ -95,6 +96,24 @@ TEST(AllReduceTest, AutoUsesTheTable) {
   auto bad = ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, std::vector<int>{0, 1});
   EXPECT_THAT(bad.status().message(), HasSubstr("host_of_rank has 2 entries for 8 ranks"));
   if (old) setenv(kAllReduceAlgoEnv, saved.c_str(), 1);
+}
+
+// The automatic choice reads host_of_rank only to pick an algorithm: a list
+// of the wrong size is named as that argument, with what was expected, not
+// as a failure of the hierarchical all-reduce the caller never asked for.
+TEST(AllReduceTest, AutoNamesAHostOfRankOfTheWrongSize) {
+  p2p::LoopbackHub hub(8);
+  auto ep = std::move(hub.Connect(0)).value();
+  CollectiveArgs args;
+  args.count = 1000;
+  for (const std::vector<int>& hosts : {std::vector<int>{0, 1}, std::vector<int>(9, 0)}) {
+    auto chosen = ResolveAllReduceAlgorithm(*ep, args, Algorithm::kAuto, hosts);
+    EXPECT_EQ(chosen.status().code(), StatusCode::kInvalidArgument) << chosen.status();
+    EXPECT_THAT(chosen.status().message(),
+                HasSubstr("all-reduce (automatic choice of algorithm): host_of_rank has " +
+                          std::to_string(hosts.size()) + " entries for 8 ranks; expected 8"));
+    EXPECT_THAT(chosen.status().message(), Not(HasSubstr("hierarchical")));
+  }
 }
 
 // A rank that runs another algorithm than the others (another per-call

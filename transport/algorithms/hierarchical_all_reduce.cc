@@ -41,9 +41,9 @@ StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p,
                                  std::span<const int> host_of_rank) {
   const int p = p2p.size(), r = p2p.rank();
   if (!host_of_rank.empty() && host_of_rank.size() != static_cast<size_t>(p)) {
-    return InvalidArgumentError("hierarchical all-reduce: host_of_rank has " +
-                                std::to_string(host_of_rank.size()) + " entries for " +
-                                std::to_string(p) + " ranks");
+    return InvalidArgumentError("host_of_rank has " + std::to_string(host_of_rank.size()) +
+                                " entries for " + std::to_string(p) + " ranks; expected " +
+                                std::to_string(p) + " (one host id per rank), or none for one host");
   }
   HostGroups groups;
   std::vector<std::vector<int>> hosts;
@@ -120,7 +120,9 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
   shape.uses_op = true;
   DDP_RETURN_IF_ERROR(internal::CheckArgs("hierarchical all-reduce", p2p, args, shape));
   DDP_RETURN_IF_ERROR(CheckNestingTag("hierarchical all-reduce", args.tag));
-  DDP_ASSIGN_OR_RETURN(const HostGroups groups, GroupByHost(p2p, host_of_rank));
+  StatusOr<HostGroups> grouped = GroupByHost(p2p, host_of_rank);
+  if (!grouped.ok()) return internal::Annotate(grouped.status(), "hierarchical all-reduce");
+  const HostGroups groups = *std::move(grouped);
   const internal::Fingerprint fingerprint = internal::MakeFingerprint(
       args, internal::kHierarchicalAllReduceKind, /*uses_op=*/true, /*uses_root=*/false);
   if (args.count == 0) {

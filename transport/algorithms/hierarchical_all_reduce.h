@@ -45,7 +45,9 @@ struct HostGroups {
   std::vector<int> inter;  ///< one rank per host with the caller's local index
 };
 
-/// INVALID_ARGUMENT when host_of_rank has a size other than 0 or p2p.size().
+/// INVALID_ARGUMENT, naming host_of_rank and both sizes (the caller
+/// prefixes what it was doing), when host_of_rank has a size other than 0
+/// or p2p.size().
 StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p, std::span<const int> host_of_rank);
 
 }  // namespace ddp::transport::algorithms

@@ -64,6 +64,17 @@ TEST(GroupByHostTest, UnevenHostsFallBackToOneGroup) {
   auto wrong = GroupByHost(*ep, std::vector<int>{0, 1});
   EXPECT_EQ(wrong.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(wrong.status().message(), HasSubstr("host_of_rank has 2 entries for 5 ranks"));
+  // The all-reduce says it was the one given the list.
+  std::vector<float> data(4, 1.0f);
+  CollectiveArgs args;
+  args.send = data.data();
+  args.recv = data.data();
+  args.count = data.size();
+  args.deadline = DeadlineIn(5s);
+  Status status = HierarchicalAllReduce(*ep, args, std::vector<int>{0, 1});
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(),
+              HasSubstr("hierarchical all-reduce: host_of_rank has 2 entries for 5 ranks; expected 5"));
 }
 
 class HierarchicalWorldTest : public ::testing::TestWithParam<int> {};
