@@ -67,7 +67,8 @@ class LoopbackHub {
   /// Simulates the death of `rank`: its queued messages are dropped, peers'
   /// pending and later operations with it fail with PEER_LOST, and its own
   /// pending and later operations fail with ABORTED. Wakes every waiter.
-  /// Idempotent.
+  /// Idempotent. These test hooks abort the process, naming the hook and
+  /// the rank, for a rank outside [0, size).
   void Kill(int rank);
 
   /// Whether Kill(rank) was called.

@@ -235,6 +235,25 @@ TEST(LoopbackTest, BadArgumentsAreNamed) {
   EXPECT_EQ(outside.status().code(), StatusCode::kInvalidArgument);
 }
 
+// The test hooks return no Status: a rank outside the hub was ignored (Kill
+// did nothing, Stats gave zeros, BytesBetween 0), so a test that named the
+// wrong rank passed on nothing. Now the process stops, naming the hook and
+// the rank.
+TEST(LoopbackDeathTest, TestHooksRefuseARankOutsideTheHub) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  LoopbackHub hub(3);
+  EXPECT_DEATH(hub.Kill(3), "LoopbackHub::Kill: rank 3 is outside \\[0, 3\\)");
+  EXPECT_DEATH(hub.Kill(-1), "LoopbackHub::Kill: rank -1 is outside \\[0, 3\\)");
+  EXPECT_DEATH(hub.IsKilled(5), "LoopbackHub::IsKilled: rank 5 is outside \\[0, 3\\)");
+  EXPECT_DEATH(hub.Stats(3), "LoopbackHub::Stats: rank 3 is outside \\[0, 3\\)");
+  EXPECT_DEATH(hub.BytesBetween(0, 7), "LoopbackHub::BytesBetween: to 7 is outside \\[0, 3\\)");
+  EXPECT_DEATH(hub.BytesBetween(-2, 1), "LoopbackHub::BytesBetween: from -2 is outside \\[0, 3\\)");
+  // Ranks inside still answer.
+  EXPECT_FALSE(hub.IsKilled(2));
+  EXPECT_EQ(hub.Stats(0).messages_sent, 0u);
+  EXPECT_EQ(hub.BytesBetween(2, 0), 0u);
+}
+
 TEST(LoopbackTest, KillFailsPeersWithPeerLostAndTheVictimWithAborted) {
   LoopbackHub hub(3);
   auto eps = ConnectAll(hub);
