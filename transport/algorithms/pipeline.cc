@@ -125,8 +125,15 @@ int PipelineDepth(const CollectiveArgs& args, int fallback) {
 std::string DescribePeer(const p2p::PointToPoint& p2p, int peer) {
   if (const auto* view = dynamic_cast<const p2p::GroupView*>(&p2p)) {
     if (peer >= 0 && peer < view->size()) {
-      return "group rank " + std::to_string(peer) + " (rank " +
-             std::to_string(view->ParentRank(peer)) + ")";
+      // Down through every level of views to the rank that the transport
+      // underneath, and so its own errors, name.
+      int rank = view->ParentRank(peer);
+      const p2p::PointToPoint* below = &view->parent();
+      while (const auto* lower = dynamic_cast<const p2p::GroupView*>(below)) {
+        rank = lower->ParentRank(rank);
+        below = &lower->parent();
+      }
+      return "group rank " + std::to_string(peer) + " (rank " + std::to_string(rank) + ")";
     }
   }
   return "rank " + std::to_string(peer);

@@ -91,7 +91,8 @@ inline p2p::Tag StepTag(p2p::Tag phase_tag, uint64_t index) {
 /// Tag of the fingerprint exchanged in the phase starting at `phase_tag`.
 inline p2p::Tag FingerprintTag(p2p::Tag phase_tag) { return phase_tag + kDataSteps; }
 
-/// "rank 3", or "group rank 1 (rank 5)" when `p2p` is a GroupView.
+/// "rank 3", or "group rank 1 (rank 5)" when `p2p` is a GroupView, 5 being
+/// the rank of the transport under every level of views.
 std::string DescribePeer(const p2p::PointToPoint& p2p, int peer);
 
 /// The same status with `context` and ": " prepended to its message.

@@ -9,6 +9,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport/p2p/group_view.h"
+#include "transport/p2p/loopback.h"
 
 // Array allocations fail on demand, as when memory runs out: Scratch's
 // arena allocates with new[]. (Replacing the global operator new[] is the
@@ -206,6 +208,26 @@ TEST(ScratchTest, BlocksOfAFailedCallWithConfirmedCancelsAreNotQuarantined) {
   }
   EXPECT_EQ(ScratchQuarantined().blocks, before.blocks);
   EXPECT_GE(ScratchRetainedBytes(), 1024u);
+}
+
+// A view of a view names the rank under both levels, the one the
+// transport's own errors name; only the first level's was given.
+TEST(DescribePeerTest, ViewOfAViewNamesTheRankUnderEveryLevel) {
+  p2p::LoopbackHub hub(6);
+  auto ep = std::move(hub.Connect(4)).value();
+  EXPECT_EQ(DescribePeer(*ep, 3), "rank 3");
+  // Outer group ranks 0..3 are ranks 1, 3, 4, 5; inner group ranks 0, 1
+  // are outer 3, 2, so ranks 5, 4.
+  auto outer = p2p::GroupView::Create(*ep, {1, 3, 4, 5});
+  ASSERT_TRUE(outer.ok()) << outer.status();
+  EXPECT_EQ(DescribePeer(*outer, 1), "group rank 1 (rank 3)");
+  auto inner = p2p::GroupView::Create(*outer, {3, 2});
+  ASSERT_TRUE(inner.ok()) << inner.status();
+  EXPECT_EQ(DescribePeer(*inner, 0), "group rank 0 (rank 5)");
+  EXPECT_EQ(DescribePeer(*inner, 1), "group rank 1 (rank 4)");
+  auto innermost = p2p::GroupView::Create(*inner, {1, 0});
+  ASSERT_TRUE(innermost.ok()) << innermost.status();
+  EXPECT_EQ(DescribePeer(*innermost, 1), "group rank 1 (rank 5)");
 }
 
 }  // namespace
