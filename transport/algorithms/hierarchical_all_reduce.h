@@ -18,8 +18,14 @@ namespace ddp::transport::algorithms {
 ///      (halving-doubling for small shards, ring otherwise): only 1/L of
 ///      the vector crosses the network per rank;
 ///   3. inside each host, a ring all-gather of the shards.
-/// host_of_rank[i] is rank i's host (any ids; identical on every rank);
-/// hosts are ordered by their lowest rank. Every host must hold the same
+/// host_of_rank[i] is rank i's host (any ids). It must be identical on
+/// every rank, and that is not checked: comparing it would cost a round of
+/// messages per call, and ranks that disagree build different groups, so
+/// their argument checks need not even meet; they wait for messages that
+/// are never sent, failing only at their deadline (TIMED_OUT). Derive it
+/// from something every rank shares (the communicator uses its topology,
+/// which the ranks compare once, when it is created).
+/// Hosts are ordered by their lowest rank. Every host must hold the same
 /// number of ranks; otherwise, or when host_of_rank is empty, all ranks are
 /// treated as one host (a flat ring). args as for RingAllReduce. Uses phases
 /// 0-3 of the tag range.
