@@ -253,6 +253,12 @@ void Module::ThrowWrongChildType(std::string_view name) const {
 
 void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement) {
   if (!replacement) throw std::invalid_argument(Describe() + ": replacement for `" + std::string(path) + "` is null");
+  // An empty segment ("a..b", ".a", "a.") names no child; walking past it
+  // would replace some other module than the one written.
+  if (path.empty() || path.front() == '.' || path.back() == '.' || path.find("..") != std::string_view::npos) {
+    throw std::invalid_argument(Describe() + ": child path `" + std::string(path) +
+                                "` is malformed (expected dot-separated, non-empty names)");
+  }
   const size_t dot = path.rfind('.');
   Module* parent = this;
   std::string_view leaf = path;

@@ -546,6 +546,24 @@ TEST(ModuleTest, ReplaceChildTakesEffectInForward) {
   EXPECT_NE(ErrorOf([&] { seq.ChildAs<Linear>("1"); }).find("is a Doubler"), std::string::npos);
 }
 
+// A path with an empty segment names no child: it is refused, naming the
+// path, instead of being read as the path without the empty segment.
+TEST(ModuleTest, ReplaceChildRefusesMalformedPaths) {
+  auto inner = std::make_shared<Sequential>();
+  inner->Push(std::make_shared<ReLU>());
+  auto outer = std::make_shared<Sequential>();
+  outer->Push(inner);
+  const std::shared_ptr<Module> kept = outer->at(0)->Child("0");
+  for (const std::string path : {"0..0", ".0", "0.", ".", ""}) {
+    EXPECT_EQ(ErrorOf([&] { outer->ReplaceChild(path, std::make_shared<Identity>()); }),
+              "Sequential: child path `" + path + "` is malformed (expected dot-separated, non-empty names)")
+        << path;
+  }
+  EXPECT_EQ(outer->at(0)->Child("0"), kept);
+  outer->ReplaceChild("0.0", std::make_shared<Identity>());
+  EXPECT_NE(outer->at(0)->Child("0"), kept);
+}
+
 TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   BatchNorm2d bn(3);
   Tensor x = Rand({4, 3, 5, 5});
