@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 #include <typeinfo>
 
 #include "nn/modules/init.h"
@@ -95,6 +96,12 @@ ResNet::ResNet(bool bottleneck, const std::vector<int64_t>& blocks, ResNetOption
   if (blocks.size() != 4 || std::any_of(blocks.begin(), blocks.end(), [](int64_t b) { return b < 1; })) {
     throw std::invalid_argument("ResNet: blocks " + ShapeToString(blocks) +
                                 " must give 4 stages of at least 1 block each");
+  }
+  // A value cast from an int past the enumerators would otherwise take the
+  // CIFAR branch below without anyone asking for it.
+  if (options.stem != ResNetStem::kImageNet && options.stem != ResNetStem::kCifar) {
+    throw std::invalid_argument("ResNet: stem " + std::to_string(static_cast<int>(options.stem)) +
+                                " is not a ResNetStem (0 = kImageNet, 1 = kCifar)");
   }
   const int64_t expansion = bottleneck ? Bottleneck::kExpansion : BasicBlock::kExpansion;
   if (options.stem == ResNetStem::kImageNet) {

@@ -564,6 +564,17 @@ TEST(ModuleTest, ReplaceChildRefusesMalformedPaths) {
   EXPECT_NE(outer->at(0)->Child("0"), kept);
 }
 
+// A stem value past the enumerators is refused, naming it, before anything
+// is drawn from the generator; it used to build the CIFAR stem.
+TEST(ModuleTest, ResNetRefusesAnUnknownStem) {
+  Generator gen(3);
+  for (int stem : {2, -1, 100}) {
+    EXPECT_EQ(ErrorOf([&] { ResNet(false, {1, 1, 1, 1}, {.stem = static_cast<ResNetStem>(stem)}, gen); }),
+              "ResNet: stem " + std::to_string(stem) + " is not a ResNetStem (0 = kImageNet, 1 = kCifar)");
+  }
+  EXPECT_EQ(gen.NextU64(), Generator(3).NextU64());
+}
+
 TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   BatchNorm2d bn(3);
   Tensor x = Rand({4, 3, 5, 5});
