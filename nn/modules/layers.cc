@@ -200,7 +200,9 @@ std::string MomentumRepr(const std::optional<double>& momentum) {
 }
 
 BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options) : num_features_(num_features), options_(options) {
-  if (num_features < 1) throw std::invalid_argument("BatchNorm: num_features must be positive");
+  if (num_features < 1) {
+    throw std::invalid_argument("BatchNorm: num_features must be positive, got " + std::to_string(num_features));
+  }
   CheckBatchNormOptions(options, "BatchNorm");
   if (options.affine) {
     weight_ = RegisterParameter("weight", Ones({num_features}));

@@ -575,6 +575,11 @@ TEST(ModuleTest, ResNetRefusesAnUnknownStem) {
   EXPECT_EQ(gen.NextU64(), Generator(3).NextU64());
 }
 
+TEST(ModuleTest, BatchNormRefusesNonPositiveNumFeaturesShowingIt) {
+  EXPECT_EQ(ErrorOf([] { BatchNorm2d bn(0); }), "BatchNorm: num_features must be positive, got 0");
+  EXPECT_EQ(ErrorOf([] { BatchNorm1d bn(-3); }), "BatchNorm: num_features must be positive, got -3");
+}
+
 TEST(ModuleTest, BatchNormTracksRunningStatistics) {
   BatchNorm2d bn(3);
   Tensor x = Rand({4, 3, 5, 5});
