@@ -1,5 +1,6 @@
 #include "nn/optim/clip_grad.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -188,6 +189,19 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
     }
     if (g.is_contiguous()) {
       grads.push_back(g);
+      continue;
+    }
+    // A gradient shared by two parameters is counted and scaled once per
+    // parameter, as PyTorch's foreach scaling does and as a shared
+    // contiguous one is here: the second gets the first's copy again, so the
+    // copy is scaled twice and written back once.
+    auto same_view = std::find_if(strided.begin(), strided.end(), [&g](const std::pair<Tensor, Tensor>& s) {
+      const Tensor& h = s.first;
+      return h.storage() == g.storage() && h.storage_offset() == g.storage_offset() && h.shape() == g.shape() &&
+             h.strides() == g.strides() && h.dtype() == g.dtype();
+    });
+    if (same_view != strided.end()) {
+      grads.push_back(same_view->second);
     } else {
       grads.push_back(g.Detach().Contiguous());
       strided.emplace_back(g, grads.back());

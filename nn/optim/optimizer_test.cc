@@ -989,6 +989,27 @@ TEST(ClipGradNorm, ClipsANonContiguousGradientThroughItsStrides) {
   EXPECT_NEAR(b.grad().ToVector<float>()[0], 2.0 / norm, 1e-6);
 }
 
+// A gradient shared by two parameters counts twice in the norm and is
+// scaled once per parameter, as in PyTorch (foreach_mul_ over the list of
+// gradients), whether it is contiguous or not. A non-contiguous one was
+// scaled once: each parameter scaled its own copy and both were written back.
+TEST(ClipGradNorm, SharedGradientIsScaledOncePerParameterWhateverItsStrides) {
+  const double norm = std::sqrt(2 * 91.0);
+  const double coef = static_cast<float>(1.0 / (norm + 1e-6));
+  const std::vector<double> logical = {1, 3, 5, 2, 4, 6};
+  for (bool contiguous : {true, false}) {
+    SCOPED_TRACE(contiguous ? "contiguous" : "transposed");
+    Tensor a = Zeros({2, 3}), b = Zeros({2, 3});
+    const Tensor g = contiguous ? FromVector(logical, {2, 3}) : TransposedGrad({1, 2, 3, 4, 5, 6});
+    a.set_grad(g);
+    b.set_grad(g);
+    EXPECT_NEAR(ClipGradNorm({a, b}, 1.0), norm, 1e-4);
+    const std::vector<float> got = g.ToVector<float>();
+    ASSERT_EQ(got.size(), logical.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], logical[i] * coef * coef, 1e-6) << i;
+  }
+}
+
 // torch.nn.utils.clip_grad_value_: each element clamped to [-c, c] in
 // place, NaN kept, parameters without a gradient skipped.
 TEST(ClipGradValue, ClampsEveryElementInPlaceAndKeepsNan) {
