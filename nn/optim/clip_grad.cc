@@ -9,6 +9,7 @@
 
 #include "nn/ops/dispatch.h"
 #include "nn/optim/device_kernels.h"
+#include "nn/optim/optimizer.h"
 
 namespace ddp::nn::optim {
 namespace {
@@ -113,7 +114,7 @@ void ClampValues(T* g, int64_t n, double c) {
 
 void ClipGradValue(const std::vector<Tensor>& params, double clip_value) {
   if (!(clip_value >= 0)) {
-    throw std::invalid_argument("ClipGradValue: clip_value must be >= 0, got " + std::to_string(clip_value));
+    throw std::invalid_argument("ClipGradValue: clip_value must be >= 0, got " + internal::OptionValueText(clip_value));
   }
   // Every gradient checked before any is changed.
   std::vector<Tensor> grads;
@@ -156,12 +157,12 @@ void ClipGradValue(const std::vector<Tensor>& params, double clip_value) {
 double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double norm_type,
                     bool error_if_nonfinite) {
   if (!(norm_type > 0)) {
-    throw std::invalid_argument("ClipGradNorm: norm_type must be > 0, got " + std::to_string(norm_type));
+    throw std::invalid_argument("ClipGradNorm: norm_type must be > 0, got " + internal::OptionValueText(norm_type));
   }
   // A NaN max_norm would turn every gradient into NaN; a negative one would
   // flip their signs.
   if (!(max_norm >= 0)) {
-    throw std::invalid_argument("ClipGradNorm: max_norm must be >= 0, got " + std::to_string(max_norm));
+    throw std::invalid_argument("ClipGradNorm: max_norm must be >= 0, got " + internal::OptionValueText(max_norm));
   }
   // The gradients as the loops and kernels read them: contiguous. One of
   // other strides (set_grad accepts any, as PyTorch) is read as a
@@ -222,8 +223,8 @@ double ClipGradNorm(const std::vector<Tensor>& params, double max_norm, double n
   }
   const double total = std::isinf(norm_type) ? acc : std::pow(acc, 1.0 / norm_type);
   if (!std::isfinite(total) && error_if_nonfinite) {
-    throw std::runtime_error("ClipGradNorm: the total norm of order " + std::to_string(norm_type) +
-                             " of the gradients is " + std::to_string(total));
+    throw std::runtime_error("ClipGradNorm: the total norm of order " + internal::OptionValueText(norm_type) +
+                             " of the gradients is " + internal::OptionValueText(total));
   }
   // Clamped at 1 as PyTorch does, and rounded per gradient to the type it
   // is scaled in (only f64 gradients take the f64 coefficient).

@@ -101,9 +101,9 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
       !(options_.backoff_factor > 0 && options_.backoff_factor < 1) || options_.growth_interval < 1) {
     throw std::invalid_argument(
         "GradScaler: need a finite init_scale > 0 (f32), a finite growth_factor > 1, backoff_factor in "
-        "(0, 1) and growth_interval >= 1; got init_scale " + std::to_string(options_.init_scale) +
-        ", growth_factor " + std::to_string(options_.growth_factor) + ", backoff_factor " +
-        std::to_string(options_.backoff_factor) + ", growth_interval " +
+        "(0, 1) and growth_interval >= 1; got init_scale " + internal::OptionValueText(options_.init_scale) +
+        ", growth_factor " + internal::OptionValueText(options_.growth_factor) + ", backoff_factor " +
+        internal::OptionValueText(options_.backoff_factor) + ", growth_interval " +
         std::to_string(options_.growth_interval));
   }
   scale_ = static_cast<float>(options_.init_scale);
@@ -311,11 +311,11 @@ ScalerState ReadScalerState(const NamedTensors& state, GradScalerOptions options
     const int64_t interval = growth_interval->To(kCPU).data<int64_t>()[0];
     // The constructor's conditions, one key at a time.
     if (!(growth > 1) || !std::isfinite(growth)) {
-      throw std::invalid_argument(std::string(kWho) + ": scaler.growth_factor " + std::to_string(growth) +
+      throw std::invalid_argument(std::string(kWho) + ": scaler.growth_factor " + internal::OptionValueText(growth) +
                                   " must be finite and > 1");
     }
     if (!(backoff > 0 && backoff < 1)) {
-      throw std::invalid_argument(std::string(kWho) + ": scaler.backoff_factor " + std::to_string(backoff) +
+      throw std::invalid_argument(std::string(kWho) + ": scaler.backoff_factor " + internal::OptionValueText(backoff) +
                                   " must be in (0, 1)");
     }
     if (interval < 1) {
@@ -330,7 +330,8 @@ ScalerState ReadScalerState(const NamedTensors& state, GradScalerOptions options
   internal::CheckStateScalar("GradScaler.LoadStateDict", "scaler.growth_tracker", tracker, DType::kInt64);
   const float s = scale->To(kCPU).data<float>()[0];
   if (!(s > 0) || !std::isfinite(s)) {
-    throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + std::to_string(s) + " must be finite and > 0");
+    throw std::invalid_argument("GradScaler.LoadStateDict: scaler.scale " + internal::OptionValueText(s) +
+                                " must be finite and > 0");
   }
   // One at or past growth_interval (a state saved by a scaler with a longer
   // interval, without its options): Update grows the scale at its next

@@ -296,7 +296,7 @@ std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma) {
   // A negative gamma gives negative rates every other period, and a NaN or
   // infinite one rates the optimizer refuses only when they come.
   if (!(gamma >= 0) || !std::isfinite(gamma)) {
-    throw std::invalid_argument("StepLR: gamma " + std::to_string(gamma) + " must be finite and >= 0");
+    throw std::invalid_argument("StepLR: gamma " + internal::OptionValueText(gamma) + " must be finite and >= 0");
   }
   return std::make_shared<StepImpl>(step_size, gamma);
 }
@@ -305,7 +305,8 @@ std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min, CosineTa
   if (t_max < 1) throw std::invalid_argument("CosineAnnealingLR: t_max " + std::to_string(t_max) + " must be >= 1");
   // eta_min is the rate reached at t_max: it must be one the optimizer takes.
   if (!(eta_min >= 0) || !std::isfinite(eta_min)) {
-    throw std::invalid_argument("CosineAnnealingLR: eta_min " + std::to_string(eta_min) + " must be finite and >= 0");
+    throw std::invalid_argument("CosineAnnealingLR: eta_min " + internal::OptionValueText(eta_min) +
+                                " must be finite and >= 0");
   }
   if (tail != CosineTail::kPeriodic && tail != CosineTail::kHold) {
     throw std::invalid_argument("CosineAnnealingLR: unknown tail " + std::to_string(static_cast<int>(tail)));
@@ -315,8 +316,8 @@ std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min, CosineTa
 
 std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters) {
   if (!(start_factor > 0 && start_factor <= 1 && end_factor >= 0 && end_factor <= 1)) {
-    throw std::invalid_argument("LinearLR: start_factor " + std::to_string(start_factor) +
-                                " must be in (0, 1] and end_factor " + std::to_string(end_factor) +
+    throw std::invalid_argument("LinearLR: start_factor " + internal::OptionValueText(start_factor) +
+                                " must be in (0, 1] and end_factor " + internal::OptionValueText(end_factor) +
                                 " in [0, 1]");
   }
   if (total_iters < 1) {
@@ -709,7 +710,7 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     if (!(base_lr >= 0) || !std::isfinite(base_lr)) {
       throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.base_lr " +
                                   (groups == 1 ? std::string() : "of param group " + std::to_string(k) + " ") +
-                                  std::to_string(base_lr) + " must be finite and >= 0");
+                                  internal::OptionValueText(base_lr) + " must be finite and >= 0");
     }
   }
   // Both problems are reported when both occur: the rate is the one this
@@ -734,10 +735,10 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
       break;
     }
     if (!(lr >= 0) || !std::isfinite(lr)) {
-      problems.push_back("the schedule gives learning rate " + std::to_string(lr) + " at scheduler.step " +
+      problems.push_back("the schedule gives learning rate " + internal::OptionValueText(lr) + " at scheduler.step " +
                          std::to_string(t) + " from scheduler.base_lr " +
                          (groups == 1 ? std::string() : "of param group " + std::to_string(k) + " ") +
-                         std::to_string(base_lr) + ", expected a finite rate >= 0");
+                         internal::OptionValueText(base_lr) + ", expected a finite rate >= 0");
     }
   }
   if (!problems.empty()) {
