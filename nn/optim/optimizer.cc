@@ -80,6 +80,15 @@ void CheckParameters(const NamedParameters& params, const std::string& who) {
   std::set<std::string> names;
   for (const auto& [name, p] : params) {
     if (name.empty()) throw std::invalid_argument(who + ": a parameter has an empty name");
+    // The state dict lists each param group's members one per line (a
+    // format files already hold), so a newline would split one name in two
+    // and the state would not load back.
+    if (name.find('\n') != std::string::npos) {
+      std::string shown;
+      for (char c : name) shown += c == '\n' ? std::string("\\n") : std::string(1, c);
+      throw std::invalid_argument(who + ": parameter `" + shown +
+                                  "` has a newline in its name (the saved param group lists are one name a line)");
+    }
     if (!names.insert(name).second) {
       throw std::invalid_argument(who + ": parameter `" + name + "` is listed twice");
     }
@@ -1008,6 +1017,11 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
                                (t.defined() ? std::string(DTypeName(t.dtype())) + " " + ShapeToString(t.shape())
                                             : std::string("undefined")) +
                                ", expected u8 text");
+          } else if (saved == static_cast<int64_t>(size) && members.size() != size) {
+            // The list is read apart from `size`: one longer than the group
+            // would be compared past the group's parameters.
+            problems.push_back("`" + members_key + "` lists " + std::to_string(members.size()) + " parameters and `" +
+                               key + "` says " + std::to_string(saved));
           } else if (saved == static_cast<int64_t>(size)) {
             for (size_t j = 0; j < members.size(); ++j) {
               const std::string& mine = params_[group_begin_[g] + j].first;

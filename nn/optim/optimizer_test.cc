@@ -2108,6 +2108,34 @@ TEST(ParamGroups, GroupsHoldingOtherParametersAreRefusedNamingTheFirst) {
   EXPECT_EQ(same.options(0).weight_decay, 0.01);
 }
 
+// The saved member lists hold one name a line: a name with a newline would
+// be split in two and the state would not load back into the optimizer that
+// saved it, so such a name is refused when the optimizer is made or a group
+// added, naming it. Before, both were taken.
+TEST(ParamGroups, NameWithANewlineIsRefusedNamingIt) {
+  Tensor a = Ones({2}), b = Ones({3}), c = Ones({1});
+  ExpectRefused([&] { Sgd({{.params = {{"a", a}}}, {.params = {{"fc\nweight", b}}}}, {.lr = 0.1}); },
+                {"parameter `fc\\nweight` has a newline in its name"});
+  ExpectRefused([&] { Sgd({{"x\n", a}}, {.lr = 0.1}); }, {"parameter `x\\n` has a newline in its name"});
+  Sgd opt({{"a", a}}, {.lr = 0.1});
+  ExpectRefused([&] { opt.AddParamGroup({.params = {{"\nb", b}}}); },
+                {"SGD.AddParamGroup: parameter `\\nb` has a newline in its name"});
+  EXPECT_EQ(opt.num_groups(), 1u);
+  opt.AddParamGroup({.params = {{"b", b}}});
+  Sgd same({{.params = {{"a", a}}}, {.params = {{"b", b}}}}, {.lr = 0.1});
+  same.LoadStateDict(opt.StateDict());
+  // A member list longer than its group (and its size) is refused. It was
+  // compared past the group's parameters: into the next group's (taken
+  // here), or past the last parameter.
+  Sgd three({{.params = {{"a", a}}}, {.params = {{"b", b}, {"c", c}}}}, {.lr = 0.1});
+  NamedTensors state = three.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "param_groups.0.params") t = FromVectorOf<uint8_t>({'a', '\n', 'b'}, {3});
+  }
+  ExpectRefused([&] { three.LoadStateDict(state); },
+                {"`param_groups.0.params` lists 2 parameters and `param_groups.0.size` says 1"});
+}
+
 // An empty optimizer name is a problem of its own, so that the options
 // (not checked against an unknown kind) are never half taken.
 TEST(ParamGroups, EmptyOptimizerNameIsRefusedAndChangesNothing) {
