@@ -337,8 +337,29 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
                             std::to_string(attempt + 1) + " times");
     }
   }
-  // The umask may have narrowed the mode at creation.
-  if (replaces) (void)::fchmod(fd_, target.st_mode & 07777);
+  // The umask may have narrowed the mode at creation. Only the permission
+  // bits are carried over: a setuid, setgid or sticky bit of the old file
+  // is not given to new contents written by this process.
+  if (replaces && ::fchmod(fd_, create_mode) != 0) {
+    const int err = errno;
+    struct stat now{};
+    // A filesystem without modes (its files all show one fixed mode) may
+    // refuse; what matters is whether the file ended with the old mode.
+    if (::fstat(fd_, &now) != 0 || (now.st_mode & 0777) != create_mode) {
+      char wanted[8];
+      std::snprintf(wanted, sizeof(wanted), "%04o", static_cast<unsigned>(create_mode));
+      // The destructor does not run for a constructor that throws.
+      ::close(fd_);
+      fd_ = -1;
+      ::unlink(temp_path_.c_str());
+      {
+        std::lock_guard lock(RegistryMutex());
+        OpenTemporaries().erase(Folder(path_) + "/" + BaseName(temp_path_));
+      }
+      Fail(temp_path_, std::string("cannot give the temporary file the replaced file's permissions ") + wanted,
+           err);
+    }
+  }
 }
 
 AtomicFileWriter::~AtomicFileWriter() {

@@ -1018,6 +1018,23 @@ TEST(Safetensors, ReplacedFileKeepsItsPermissions) {
   EXPECT_EQ(st.st_mode & 07777, 0600u);
 }
 
+// Only the permission bits of the replaced file are carried over: before,
+// its setuid, setgid and sticky bits went to the new contents too (a
+// checkpoint written over a setuid file became a setuid file).
+TEST(Safetensors, ReplacedFileKeepsOnlyItsPermissionBits) {
+  const std::string path = TmpDir("st_mode_special") + "/c.safetensors";
+  float value = 1;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  ASSERT_EQ(chmod(path.c_str(), 07750), 0);
+  struct stat st{};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  ASSERT_NE(st.st_mode & 07000, 0u) << "this filesystem keeps no special mode bits";
+  value = 2;
+  WriteSafetensorsFile(path, {{"w", StDtype::kF32, {1}, &value, 4}}, {});
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0750u);
+}
+
 // The temporary replacing a private file is private from the moment it
 // exists: another user who opened it while it was still 0644 (before, the
 // mode was narrowed only after the creation) could read the whole new
