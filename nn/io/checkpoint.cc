@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <exception>
 #include <stdexcept>
@@ -378,14 +379,16 @@ int64_t MetadataInt(const Metadata& metadata, const std::string& key, const std:
   if (it == metadata.end()) {
     throw CheckpointError(source + ": metadata has no `" + key + "`");
   }
-  try {
-    size_t used = 0;
-    const int64_t v = std::stoll(it->second, &used);
-    if (used == it->second.size()) return v;
-  } catch (const std::exception&) {
-  }
-  throw CheckpointError(source + ": metadata `" + key + "` is \"" + NameForMessage(it->second) +
-                        "\", expected an integer");
+  // An optional '-' and digits only: std::stoll also took leading
+  // whitespace and a '+' (" 5" and "+5" read as 5), which no writer here
+  // produces, so such a value was edited or corrupted.
+  const std::string& text = it->second;
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc() && end == text.data() + text.size()) return v;
+  throw CheckpointError(source + ": metadata `" + NameForMessage(key) + "` is \"" + NameForMessage(text) +
+                        "\", expected an integer" +
+                        (ec == std::errc::result_out_of_range ? " within 64 bits" : ""));
 }
 
 }  // namespace ddp::nn::io

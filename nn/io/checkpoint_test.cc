@@ -168,6 +168,18 @@ TEST(CheckpointErrors, MetadataIntNamesTheKey) {
               HasSubstr("`epoch` is \"3x\", expected an integer"));
 }
 
+// Only an optional '-' and digits are an integer: std::stoll took leading
+// whitespace and a '+', so " 5" and "+5" read as 5.
+TEST(CheckpointErrors, MetadataIntTakesOnlyAMinusSignAndDigits) {
+  EXPECT_EQ(MetadataInt({{"step", "-12"}}, "step", "c.st"), -12);
+  EXPECT_EQ(MetadataInt({{"step", "9223372036854775807"}}, "step", "c.st"), 9223372036854775807LL);
+  for (const std::string bad : {" 5", "+5", "\t5", "5 ", "", "-", "--5", "0x10", "9223372036854775808"}) {
+    EXPECT_THAT(ErrorOf([&] { MetadataInt({{"step", bad}}, "step", "c.st"); }),
+                AllOf(HasSubstr("c.st: metadata `step` is \""), HasSubstr("expected an integer")))
+        << "value \"" << bad << "\"";
+  }
+}
+
 // A checkpoint as a GPU rank writes it (model and optimizer state saved from
 // cuda:0, the learning rate from the CPU), written through the format layer
 // since this process has no CUDA backend.
