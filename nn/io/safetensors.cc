@@ -926,8 +926,12 @@ std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* vali
 
 // The whole file of `size` bytes whose first `head` bytes were read from
 // `f` already: the rest is read after them, kStopCheckBytes at a time.
+// `where`, when given, names what a file position holds (", in tensor
+// `w`"), given the bytes whose header was read, for the message of a read
+// that stops short.
+using PositionNamer = std::function<std::string(const std::string& bytes, uint64_t position)>;
 std::string ReadRest(const std::string& path, FILE* f, uint64_t size, std::string head,
-                     const StopCheck& stopped) {
+                     const StopCheck& stopped, const PositionNamer& where = {}) {
   std::string bytes;
   try {
     bytes.resize(static_cast<size_t>(size));
@@ -953,7 +957,7 @@ std::string ReadRest(const std::string& path, FILE* f, uint64_t size, std::strin
   if (got != bytes.size()) {
     // A short read without an error is a file that shrank since fstat.
     throw CheckpointError(path + ": read " + std::to_string(got) + " of " +
-                          std::to_string(bytes.size()) + " bytes" +
+                          std::to_string(bytes.size()) + " bytes" + (where ? where(bytes, got) : std::string()) +
                           (std::ferror(f) ? std::string(": ") + std::strerror(read_errno)
                                           : std::string(": the file got shorter while read")));
   }
@@ -978,7 +982,19 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     head = ReadHead(path, f.get(), size, &valid);
     if (!valid) return head;
   }
-  return ReadRest(path, f.get(), size, std::move(head), stopped);
+  // The header was found valid: a read that stops short names the tensor
+  // it stopped in, as ReadInto does.
+  const uint64_t data_start = head.size();
+  const PositionNamer where = [&](const std::string& bytes, uint64_t position) -> std::string {
+    if (data_start <= 8 || position < data_start) return "";
+    const SafetensorsFile layout =
+        ParseLayout(std::string_view(bytes).substr(8, data_start - 8), size - data_start, path);
+    for (const TensorEntry& e : layout.tensors()) {
+      if (position - data_start < e.offset + e.nbytes) return ", in tensor `" + NameForMessage(e.name) + "`";
+    }
+    return "";
+  };
+  return ReadRest(path, f.get(), size, std::move(head), stopped, where);
 }
 
 SafetensorsFile SafetensorsFile::Read(const std::string& path, const std::atomic<bool>* stop) {

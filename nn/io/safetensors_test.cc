@@ -676,6 +676,37 @@ TEST(Safetensors, ShortReadOfTheLengthFieldSaysTheFileGotShorter) {
               AllOf(HasSubstr(path), HasSubstr("cannot read its first 8 bytes: the file got shorter while being read")));
 }
 
+// A file cut short while ReadBytes (and so Read) reads its data: the error
+// names the tensor whose bytes ran out, as ReadInto's does. Before, it gave
+// only the byte counts.
+TEST(Safetensors, AFileCutShortDuringReadBytesNamesTheTensor) {
+  const std::string path = TmpDir("st_cut_read") + "/c.safetensors";
+  const std::vector<float> a(16, 1.0f), b(1000, 2.0f);
+  WriteSafetensorsFile(path, {{"first", StDtype::kF32, {16}, a.data(), 64},
+                              {"second.weight", StDtype::kF32, {1000}, b.data(), 4000}});
+  const uint64_t data_start = ReadAll(path).size() - 64 - 4000;
+  for (const bool parse : {false, true}) {
+    SCOPED_TRACE(parse ? "Read" : "ReadBytes");
+    WriteSafetensorsFile(path, {{"first", StDtype::kF32, {16}, a.data(), 64},
+                                {"second.weight", StDtype::kF32, {1000}, b.data(), 4000}});
+    int truncated = -1;
+    internal::SetReadPieceHookForTesting([&](uint64_t got) {
+      if (got == data_start) truncated = ::truncate(path.c_str(), static_cast<off_t>(data_start + 64 + 100));
+    });
+    const std::string error = ErrorOf([&] {
+      if (parse) {
+        (void)SafetensorsFile::Read(path);
+      } else {
+        (void)SafetensorsFile::ReadBytes(path);
+      }
+    });
+    internal::SetReadPieceHookForTesting({});
+    ASSERT_EQ(truncated, 0) << "the read never reached the data region";
+    EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("in tensor `second.weight`"),
+                             HasSubstr("the file got shorter while read")));
+  }
+}
+
 TEST(Safetensors, StoppedReadSaysHowFarItGot) {
   const std::string dir = TmpDir("st_stop_read");
   const std::string path = dir + "/c.safetensors";
