@@ -248,7 +248,10 @@ LoadedTensors MakeTensors(const SafetensorsFile& file, const std::string& source
   out.data_checksum = file.data_checksum();
   CheckDtypes(file, source);
   out.tensors.reserve(file.tensors().size());
-  for (const TensorEntry& e : file.tensors()) {
+  // In the order they were saved in, which the header keeps (the data
+  // region holds them by element size).
+  for (const size_t i : file.header_order()) {
+    const TensorEntry& e = file.tensors()[i];
     const Device target = TargetOf(e, saved, options, map);
     Tensor t;
     try {
@@ -304,6 +307,7 @@ LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
   // a file's data is read for the checksum only.
   LoadedTensors out;
   std::vector<Device> targets;
+  std::vector<size_t> entry_of;  // of each of out.tensors, in tensors()
   std::exception_ptr deferred;
   auto place = [&](const SafetensorsFile& layout) {
     std::vector<void*> where(layout.tensors().size(), nullptr);
@@ -312,7 +316,10 @@ LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
       CheckDtypes(layout, path);
       out.tensors.reserve(layout.tensors().size());
       targets.reserve(layout.tensors().size());
-      for (size_t i = 0; i < layout.tensors().size(); ++i) {
+      // In the order they were saved in, which the header keeps (the data
+      // region holds them by element size).
+      entry_of = layout.header_order();
+      for (const size_t i : entry_of) {
         const TensorEntry& e = layout.tensors()[i];
         const Device target = TargetOf(e, saved, options, map);
         Tensor t;
@@ -340,7 +347,7 @@ LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
     try {
       out.tensors[i].second = out.tensors[i].second.To(targets[i]);
     } catch (const std::exception& x) {
-      throw CannotLoad(path, file.tensors()[i], targets[i], x);
+      throw CannotLoad(path, file.tensors()[entry_of[i]], targets[i], x);
     }
   }
   out.metadata = file.metadata();

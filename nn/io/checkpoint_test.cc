@@ -168,6 +168,31 @@ TEST(CheckpointErrors, MetadataIntNamesTheKey) {
               HasSubstr("`epoch` is \"3x\", expected an integer"));
 }
 
+// The loaders give the tensors in the order they were saved, whatever
+// order their data takes in the file (by element size since the data is
+// aligned).
+TEST(Checkpoint, TensorsOfMixedDtypesLoadInTheOrderSaved) {
+  const std::string path = TmpPath("mixed_order.safetensors");
+  const NamedTensors saved = {{"z.small", Zeros({3}, {.dtype = DType::kInt32})},
+                              {"a.big", Zeros({1}, {.dtype = DType::kFloat64})},
+                              {"m.mid", Zeros({5}, {.dtype = DType::kFloat32})},
+                              {"b.big", Zeros({2}, {.dtype = DType::kInt64})}};
+  SaveTensors(path, saved);
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  for (const LoadedTensors& loaded : {LoadTensors(path), LoadTensorsFromBytes(bytes, "mem")}) {
+    ASSERT_EQ(loaded.tensors.size(), saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      EXPECT_EQ(loaded.tensors[i].first, saved[i].first);
+      EXPECT_EQ(loaded.tensors[i].second.dtype(), saved[i].second.dtype()) << saved[i].first;
+    }
+  }
+  std::remove(path.c_str());
+}
+
 // Only an optional '-' and digits are an integer: std::stoll took leading
 // whitespace and a '+', so " 5" and "+5" read as 5.
 TEST(CheckpointErrors, MetadataIntTakesOnlyAMinusSignAndDigits) {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_map>
 #include <utility>
 
 #include <fcntl.h>
@@ -54,13 +55,31 @@ std::vector<uLong> TensorCrcs(const std::vector<TensorView>& tensors) {
   return out;
 }
 
-// The CRC-32 of the tensors' bytes one after another, from theirs.
-uLong CombinedCrc(const std::vector<TensorView>& tensors, const std::vector<uLong>& crcs) {
+// The CRC-32 of the tensors' bytes one after another in the order
+// `order` (indices into `tensors`), from theirs.
+uLong CombinedCrc(const std::vector<TensorView>& tensors, const std::vector<uLong>& crcs,
+                  const std::vector<size_t>& order) {
   uLong crc = crc32(0L, Z_NULL, 0);
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  for (const size_t i : order) {
     crc = crc32_combine(crc, crcs[i], static_cast<z_off_t>(tensors[i].nbytes));
   }
   return crc;
+}
+
+// The order of the tensors' bytes in the data region (indices into
+// `tensors`): by element size, largest first, and as given within one
+// size, as the reference writer lays them out. The region starts 8-aligned
+// and every tensor's size is a multiple of its element size, so each
+// tensor then starts at a multiple of its element size with no padding
+// (given in order, an odd-length BF16 tensor left the F32 one after it
+// 2 bytes off alignment).
+std::vector<size_t> DataOrder(const std::vector<TensorView>& tensors) {
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return StDtypeSize(tensors[a].dtype) > StDtypeSize(tensors[b].dtype);
+  });
+  return order;
 }
 
 // The format itself has no checksum, and a flipped bit in a weight would
@@ -159,12 +178,13 @@ std::string ShapeForMessage(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// The header JSON of `tensors`, with offsets assigned in order, padded with
-// spaces to a multiple of 8 bytes.
+// The header JSON of `tensors`, listed in the order given, with offsets
+// assigned in DataOrder, padded with spaces to a multiple of 8 bytes.
 // `crcs` receives each tensor's CRC-32 as the data checksum was computed
-// from them, for the writer to check the bytes it writes against.
+// from them, for the writer to check the bytes it writes against, and
+// `order` the order in which the data is to be written.
 std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& metadata,
-                        std::vector<uLong>* crcs) {
+                        std::vector<uLong>* crcs, std::vector<size_t>* order) {
   for (const char* reserved : {kChecksumKey, kHeaderChecksumKey}) {
     if (metadata.count(reserved)) {
       throw std::invalid_argument(std::string("safetensors: metadata key ") + reserved +
@@ -195,6 +215,13 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
     }
   }
   *crcs = TensorCrcs(tensors);
+  *order = DataOrder(tensors);
+  std::vector<uint64_t> offsets(tensors.size());
+  uint64_t offset = 0;
+  for (const size_t i : *order) {
+    offsets[i] = offset;
+    offset += tensors[i].nbytes;
+  }
   // The object's text is put together here, key by key, as dump() would
   // write it: an ordered_json finds the place of every key it is given by a
   // linear search, which made a header of N tensors take time N^2 (5.7 s
@@ -205,16 +232,15 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
   try {
     json = "{" + quoted(kMetadataKey) + ":{";
     for (const auto& [k, v] : metadata) json += quoted(k) + ":" + quoted(v) + ",";
-    json += quoted(kChecksumKey) + ":" + quoted(CrcHex(CombinedCrc(tensors, *crcs))) + "," +
+    json += quoted(kChecksumKey) + ":" + quoted(CrcHex(CombinedCrc(tensors, *crcs, *order))) + "," +
             quoted(kHeaderChecksumKey) + ":" + quoted(kNoHeaderCrc) + "}";  // filled in below, over the text
-    uint64_t offset = 0;
-    for (const TensorView& t : tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const TensorView& t = tensors[i];
       nlohmann::ordered_json e = nlohmann::ordered_json::object();
       e["dtype"] = StDtypeName(t.dtype);
       e["shape"] = t.shape;
-      e["data_offsets"] = {offset, offset + t.nbytes};
+      e["data_offsets"] = {offsets[i], offsets[i] + t.nbytes};
       json += "," + quoted(t.name) + ":" + e.dump();
-      offset += t.nbytes;
     }
     json += "}";
   } catch (const nlohmann::json::exception& e) {
@@ -277,6 +303,9 @@ struct DuplicateKey {
 // tensor entries took time N^2 (40 s for 50,000 entries).
 class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
  public:
+  // `top_keys`, when given, receives the keys of the outermost object in
+  // the order of the text.
+  explicit DuplicateKeyWatcher(std::vector<std::string>* top_keys = nullptr) : top_keys_(top_keys) {}
   bool null() override { return true; }
   bool boolean(bool) override { return true; }
   bool number_integer(number_integer_t) override { return true; }
@@ -293,6 +322,7 @@ class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
     if (!open_.empty() && !open_.back().keys.insert(key).second) {
       throw DuplicateKey{key, open_.size() > 1 ? open_.back().name : std::string()};
     }
+    if (top_keys_ != nullptr && open_.size() == 1) top_keys_->push_back(key);
     return true;
   }
   bool end_object() override {
@@ -313,13 +343,14 @@ class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
   };
   std::vector<Object> open_;
   std::string last_key_;  // names the object that starts next
+  std::vector<std::string>* top_keys_;
 };
 
 // Parses `text` as nlohmann::json::parse does, but throws DuplicateKey for a
 // key given twice in one object (at the first such key, when it comes
 // before any syntax error). Both passes take time linear in the text.
-nlohmann::json ParseWithUniqueKeys(std::string_view text) {
-  DuplicateKeyWatcher watcher;
+nlohmann::json ParseWithUniqueKeys(std::string_view text, std::vector<std::string>* top_keys = nullptr) {
+  DuplicateKeyWatcher watcher(top_keys);
   (void)nlohmann::json::sax_parse(text.begin(), text.end(), &watcher);
   return nlohmann::json::parse(text.begin(), text.end());
 }
@@ -514,9 +545,10 @@ std::string ChangedDuringSave(const std::string& where, const TensorView& t, uLo
 
 std::string SerializeSafetensors(const std::vector<TensorView>& tensors, const Metadata& metadata) {
   std::vector<uLong> crcs;
-  const std::string header = BuildHeader(tensors, metadata, &crcs);
+  std::vector<size_t> order;
+  const std::string header = BuildHeader(tensors, metadata, &crcs, &order);
   std::string out = LengthPrefix(header.size()) + header;
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  for (const size_t i : order) {
     const TensorView& t = tensors[i];
     const size_t at = out.size();
     out.append(static_cast<const char*>(t.data), t.nbytes);
@@ -530,8 +562,9 @@ void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>
                           const Metadata& metadata, const std::atomic<bool>* stop) {
   std::string header;
   std::vector<uLong> crcs;
+  std::vector<size_t> order;
   try {
-    header = BuildHeader(tensors, metadata, &crcs);
+    header = BuildHeader(tensors, metadata, &crcs, &order);
   } catch (const std::invalid_argument& e) {
     throw CheckpointError(path + ": " + e.what());
   }
@@ -548,7 +581,7 @@ void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>
   size_t largest = 0;
   for (const TensorView& t : tensors) largest = std::max(largest, t.nbytes);
   std::unique_ptr<char[]> piece(new char[std::max<size_t>(1, std::min(largest, kStopCheckBytes))]);
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  for (const size_t i : order) {
     const TensorView& t = tensors[i];
     const char* p = static_cast<const char*>(t.data);
     uLong written = crc32(0L, Z_NULL, 0);
@@ -579,7 +612,8 @@ std::string ForeignEditNote() {
 
 // The JSON header `text` (the n bytes after the length), checked as Parse
 // checks it: an object, without NUL bytes, nesting or repeated keys.
-nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
+// `top_keys`, when given, receives its keys in the order of the text.
+nlohmann::json ParseHeader(std::string_view text, const Parser& p, std::vector<std::string>* top_keys = nullptr) {
   if (text.size() < 2 || text[0] != '{') p.Fail("header does not start with '{'");
   // Checked first: a corrupt header is reported as such, not as whatever
   // JSON error or wrong offset the corruption happens to make.
@@ -608,7 +642,7 @@ nlohmann::json ParseHeader(std::string_view text, const Parser& p) {
   if (NestingDepth(text) > 3) p.Fail("header JSON nests deeper than 3 levels");
   nlohmann::json header;
   try {
-    header = ParseWithUniqueKeys(text);
+    header = ParseWithUniqueKeys(text, top_keys);
   } catch (const nlohmann::json::exception& e) {
     p.Fail("header is not valid JSON: " + JsonErrorForMessage(e));
   } catch (const DuplicateKey& d) {
@@ -679,7 +713,8 @@ SafetensorsFile SafetensorsFile::ParseLayout(std::string_view header_text, uint6
                                              const std::string& source) {
   Parser p(source);
   const uint64_t n = header_text.size();
-  const nlohmann::json header = ParseHeader(header_text, p);
+  std::vector<std::string> listed;
+  const nlohmann::json header = ParseHeader(header_text, p, &listed);
 
   SafetensorsFile f;
   f.source_ = source;
@@ -720,6 +755,19 @@ SafetensorsFile SafetensorsFile::ParseLayout(std::string_view header_text, uint6
   if (pos != data_size) {
     p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(data_size) +
            ") of the data region belong to no tensor");
+  }
+  // The order the header lists the tensors in: the order a writer here
+  // was given them, which is not the data's (see DataOrder).
+  std::unordered_map<std::string_view, size_t> index;
+  index.reserve(f.tensors_.size());
+  for (size_t i = 0; i < f.tensors_.size(); ++i) index.emplace(f.tensors_[i].name, i);
+  f.header_order_.reserve(f.tensors_.size());
+  for (const std::string& key : listed) {
+    if (const auto it = index.find(key); it != index.end()) f.header_order_.push_back(it->second);
+  }
+  if (f.header_order_.size() != f.tensors_.size()) {
+    throw std::logic_error(source + ": the header lists " + std::to_string(f.header_order_.size()) +
+                           " of its " + std::to_string(f.tensors_.size()) + " tensors in order");
   }
   f.data_start_ = 8 + n;
   return f;

@@ -105,8 +105,11 @@ std::string NameForMessage(std::string_view name);
 /// Largest header accepted (100 MB, as the Python implementation).
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-/// The bytes of a safetensors file holding `tensors` (in this order) and
-/// `metadata` (plus the checksum). Throws std::invalid_argument for a
+/// The bytes of a safetensors file holding `tensors` and `metadata` (plus
+/// the checksum). The header lists the tensors in the order given; their
+/// bytes are laid out by element size, largest first (in the order given
+/// within one size), as the reference writer does, so that every tensor
+/// starts at a multiple of its element size. Throws std::invalid_argument for a
 /// duplicate or reserved name or metadata key,
 /// a negative size, a byte count that does not match dtype and shape, or a
 /// header longer than kMaxHeaderBytes.
@@ -174,8 +177,12 @@ class SafetensorsFile {
   /// the header.
   static Metadata ReadMetadata(const std::string& path);
 
-  /// Entries in data-region order.
+  /// Entries in data-region order (see header_order for the order listed).
   const std::vector<TensorEntry>& tensors() const { return tensors_; }
+  /// Indices into tensors() in the order the header lists the entries:
+  /// the order the writers here were given the tensors (the data region
+  /// holds them by element size, see SerializeSafetensors).
+  const std::vector<size_t>& header_order() const { return header_order_; }
   const Metadata& metadata() const { return metadata_; }
   /// The entry called `name`, or null.
   const TensorEntry* Find(std::string_view name) const;
@@ -204,6 +211,7 @@ class SafetensorsFile {
   std::string bytes_;
   uint64_t data_start_ = 0;
   std::vector<TensorEntry> tensors_;
+  std::vector<size_t> header_order_;
   Metadata metadata_;
 };
 

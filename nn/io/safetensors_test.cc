@@ -127,8 +127,9 @@ TEST(Safetensors, RoundTripIsBitExactForEveryDtype) {
   SafetensorsFile f = SafetensorsFile::Read(dir + "/m.safetensors");
   ExpectSame(f, s);
   EXPECT_EQ(f.metadata(), (Metadata{{"epoch", "4"}, {"note", "é ✓"}}));
-  // Entries come back in the order they were written.
-  for (size_t i = 0; i < s.names.size(); ++i) EXPECT_EQ(f.tensors()[i].name, s.names[i]);
+  // The header lists the entries in the order they were written.
+  ASSERT_EQ(f.header_order().size(), s.names.size());
+  for (size_t i = 0; i < s.names.size(); ++i) EXPECT_EQ(f.tensors()[f.header_order()[i]].name, s.names[i]);
   // Same bytes through the in-memory path; the data region starts 8-aligned.
   const std::string bytes = SerializeSafetensors(s.Views(), {{"epoch", "4"}, {"note", "é ✓"}});
   EXPECT_EQ(bytes, ReadAll(dir + "/m.safetensors"));
@@ -332,6 +333,75 @@ TEST(Safetensors, ReadsAFileWrittenByPython) {
   std::memcpy(bv, f.Data(*brain), 4);
   EXPECT_EQ(bv[1], 0xC040);
   EXPECT_EQ(f.Find("empty")->nbytes, 0u);
+}
+
+// Every tensor's data starts at a multiple of its element size, as in the
+// reference writer's files, so that it can be used in place (mapped
+// memory, a zero-copy view). Before, the data went in the order given: the
+// F32 tensor after 3 BF16 elements started 2 bytes off alignment. The
+// header still lists the tensors in the order given.
+TEST(Safetensors, EveryTensorStartsAtAMultipleOfItsElementSize) {
+  const uint16_t bf[3] = {1, 2, 3};
+  const float f32[2] = {1.5f, -2.5f};
+  const uint8_t u8[1] = {7};
+  const double f64[1] = {0.125};
+  const int16_t i16[3] = {-1, 2, -3};
+  const int64_t i64[1] = {-9};
+  const std::vector<TensorView> views = {
+      {"bf", StDtype::kBF16, {3}, bf, sizeof(bf)},    {"f32", StDtype::kF32, {2}, f32, sizeof(f32)},
+      {"u8", StDtype::kU8, {1}, u8, sizeof(u8)},      {"f64", StDtype::kF64, {1}, f64, sizeof(f64)},
+      {"i16", StDtype::kI16, {3}, i16, sizeof(i16)},  {"i64", StDtype::kI64, {1}, i64, sizeof(i64)},
+  };
+  const std::string path = TmpDir("st_aligned") + "/m.safetensors";
+  WriteSafetensorsFile(path, views);
+  const std::string bytes = SerializeSafetensors(views);
+  EXPECT_EQ(bytes, ReadAll(path));
+  for (const bool from_file : {false, true}) {
+    SCOPED_TRACE(from_file ? "Read" : "Parse");
+    const SafetensorsFile f = from_file ? SafetensorsFile::Read(path) : SafetensorsFile::Parse(bytes, "mem");
+    uint64_t n;
+    std::memcpy(&n, bytes.data(), 8);
+    ASSERT_EQ((8 + n) % 8, 0u);
+    ASSERT_EQ(f.tensors().size(), views.size());
+    for (const TensorEntry& e : f.tensors()) {
+      EXPECT_EQ(e.offset % StDtypeSize(e.dtype), 0u) << e.name << " starts at " << e.offset;
+    }
+    ASSERT_EQ(f.header_order().size(), views.size());
+    for (size_t i = 0; i < views.size(); ++i) {
+      const TensorEntry& e = f.tensors()[f.header_order()[i]];
+      EXPECT_EQ(e.name, views[i].name);
+      ASSERT_EQ(e.nbytes, views[i].nbytes);
+      EXPECT_EQ(std::memcmp(f.Data(e), views[i].data, e.nbytes), 0) << e.name;
+    }
+  }
+}
+
+// A file whose data is in the order its header lists (as this writer made
+// them before, unaligned) still loads, its entries listed in that order.
+TEST(Safetensors, AFileWithUnalignedDataStillLoads) {
+  std::string header =
+      R"({"bf":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]},)"
+      R"("f32":{"dtype":"F32","shape":[1],"data_offsets":[6,10]}})";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  const uint16_t bf[3] = {4, 5, 6};
+  const float value = 3.25f;
+  bytes += header;
+  bytes.append(reinterpret_cast<const char*>(bf), sizeof(bf));
+  bytes.append(reinterpret_cast<const char*>(&value), sizeof(value));
+  const std::string path = TmpDir("st_unaligned") + "/old.safetensors";
+  WriteAll(path, bytes);
+  const SafetensorsFile f = SafetensorsFile::Read(path);
+  ASSERT_EQ(f.header_order().size(), 2u);
+  EXPECT_EQ(f.tensors()[f.header_order()[0]].name, "bf");
+  EXPECT_EQ(f.tensors()[f.header_order()[1]].name, "f32");
+  const TensorEntry* e = f.Find("f32");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->offset, 6u);
+  float got = 0;
+  std::memcpy(&got, f.Data(*e), sizeof(got));
+  EXPECT_EQ(got, value);
 }
 
 // The file below was checked by hand with
@@ -1202,7 +1272,7 @@ TEST(SafetensorsErrors, FlippedHeaderBytes) {
         ASSERT_EQ(f.tensors().size(), s.names.size());
         bool name_or_meta_changed = f.metadata() != Metadata{{"epoch", "1"}};
         for (size_t i = 0; i < s.names.size(); ++i) {
-          const TensorEntry& e = f.tensors()[i];  // data order = written order
+          const TensorEntry& e = f.tensors()[f.header_order()[i]];  // header order = written order
           name_or_meta_changed |= e.name != s.names[i];
           ASSERT_EQ(e.dtype, s.dtypes[i]) << pos;
           // A tensor with no elements keeps 0 bytes under another shape
