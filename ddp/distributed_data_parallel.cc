@@ -84,6 +84,17 @@ class DistributedDataParallel::Impl {
 
 namespace {
 
+// The message of the exception being handled; call it inside a catch block.
+std::string CurrentExceptionCause() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 using StatsSnapshot = DistributedDataParallel::Impl::StatsSnapshot;
 
 StatsSnapshot TakeStatsSnapshot(const DistributedDataParallel::Impl& s, const ProcessGroup& pg) {
@@ -375,13 +386,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
       // rank's alone: the peers finish constructing and would wait for this
       // rank in their first collective until the group's timeout, without
       // the cause. The abort reaches them within moments, with it.
-      std::string cause = "an exception that is not a std::exception";
-      try {
-        throw;
-      } catch (const std::exception& e) {
-        cause = e.what();
-      } catch (...) {
-      }
+      const std::string cause = CurrentExceptionCause();
       pg_->Abort(transport::FailedPreconditionError(
           "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
           ": construction failed on this rank after the ranks' models were compared (" + cause +
@@ -733,13 +738,7 @@ void Join::Wait() {
           try {
             options_.shadow_step();
           } catch (...) {
-            std::string cause = "an exception that is not a std::exception";
-            try {
-              throw;
-            } catch (const std::exception& e) {
-              cause = e.what();
-            } catch (...) {
-            }
+            const std::string cause = CurrentExceptionCause();
             pg.Abort(transport::FailedPreconditionError(
                 "Join::Wait on rank " + std::to_string(pg.rank()) + ": the shadowed optimizer step "
                 "(JoinOptions::shadow_step) threw (" + cause + "); the active ranks would wait for this "
