@@ -2813,6 +2813,43 @@ TEST(DdpFeaturesTest, AGradientAloneInItsRebuiltBucketLeavesTheOldBucket) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Runs `body`, in which the bucket allocation of rank `failing` fails alone
+// (std::bad_alloc) and the group is aborted, and checks what each rank
+// sees. The failing rank gets the bad_alloc, runs `on_bad_alloc`, lives on
+// a while (as a process that handles the error: the peers must not need
+// its exit to stop waiting), and then has its next forward (`forward`)
+// refused naming `cause`. The others fail within 5 s of `start` (which
+// `body` may move) naming `cause` and std::bad_alloc.
+void ExpectAllocationFailureOnOneRank(int rank, int failing, const std::string& cause,
+                                      std::chrono::steady_clock::time_point& start,
+                                      const std::function<void()>& body, const std::function<void()>& forward,
+                                      const std::function<void()>& on_bad_alloc = {}) {
+  std::string message;
+  try {
+    body();
+    WORKER_EXPECT(false, "rank " + std::to_string(rank) + ": nothing failed");
+  } catch (const std::bad_alloc& e) {
+    message = e.what();
+    WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
+    if (on_bad_alloc) on_bad_alloc();
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    try {
+      forward();
+      WORKER_EXPECT(false, "a forward ran after the failure");
+    } catch (const std::runtime_error& later) {
+      WORKER_EXPECT(std::string(later.what()).find(cause) != std::string::npos, later.what());
+    }
+  } catch (const std::exception& e) {
+    message = e.what();
+    WORKER_EXPECT(rank != failing, std::string("the failing rank threw something else: ") + e.what());
+    WORKER_EXPECT(message.find(cause) != std::string::npos && message.find("std::bad_alloc") != std::string::npos,
+                  message);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(!message.empty(), "no error");
+  WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+}
+
 // The rebuild fails on one rank (its new bucket cannot be allocated): that
 // rank throws the cause and refuses every later forward, and its peers,
 // which rebuilt theirs, fail within moments naming the rank and the cause.
@@ -2832,33 +2869,14 @@ DDP_TEST_WORKER(rebuild_fails_on_one_rank) {
   nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
   const auto before = ddp.BucketParameterNames();
   if (rank == failing) internal::FailNextBucketAllocationForTesting();
-  const auto start = std::chrono::steady_clock::now();
-  std::string message;
-  try {
-    for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  } catch (const std::bad_alloc& e) {
-    message = e.what();
-    WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
-    WORKER_EXPECT(ddp.BucketParameterNames() == before && ddp.BucketOrder().empty(),
-                  "the failed rebuild reports an agreed order");
-    // Alive a while, as a process that handles the error: the peers must
-    // not need its exit to stop waiting.
-    std::this_thread::sleep_for(std::chrono::seconds(6));
-    try {
-      ddp(x);
-      WORKER_EXPECT(false, "a forward ran after the failed rebuild");
-    } catch (const std::runtime_error& later) {
-      WORKER_EXPECT(std::string(later.what()).find(cause) != std::string::npos, later.what());
-    }
-  } catch (const std::exception& e) {
-    message = e.what();
-    WORKER_EXPECT(rank != failing, std::string("the failing rank threw something else: ") + e.what());
-    WORKER_EXPECT(message.find(cause) != std::string::npos && message.find("std::bad_alloc") != std::string::npos,
-                  message);
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  WORKER_EXPECT(!message.empty(), "no error");
-  WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  auto start = std::chrono::steady_clock::now();
+  ExpectAllocationFailureOnOneRank(
+      rank, failing, cause, start, [&] { for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); },
+      [&] { ddp(x); },
+      [&] {
+        WORKER_EXPECT(ddp.BucketParameterNames() == before && ddp.BucketOrder().empty(),
+                      "the failed rebuild reports an agreed order");
+      });
   return testing::WorkerExit();
 }
 
@@ -2882,44 +2900,25 @@ DDP_TEST_WORKER(shadow_backward_fails_on_one_rank) {
                             ": allocating the zero gradient buckets";
   auto model = Mlp(21);
   DistributedDataParallel ddp(model, {.process_group = pg});
-  std::string message;
-  std::chrono::steady_clock::time_point start;
-  try {
-    Join join(ddp);
-    // Two iterations everywhere (the second rebuilds the buckets), a third
-    // on the active ranks only.
-    for (int s = 0; s < (rank == failing ? 2 : 3); ++s) {
-      if (s == 2) start = std::chrono::steady_clock::now();
-      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
-      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-    }
-    if (rank == failing) {
-      internal::FailNextBucketAllocationForTesting();
-      start = std::chrono::steady_clock::now();
-    }
-    join.Wait();
-    WORKER_EXPECT(false, "Join::Wait returned");
-  } catch (const std::bad_alloc& e) {
-    message = e.what();
-    WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
-    // Alive a while, as a process that handles the error: the peers must
-    // not need its exit to stop waiting.
-    std::this_thread::sleep_for(std::chrono::seconds(6));
-    try {
-      ddp(testing::Batch(data, 0, kBatch).first);
-      WORKER_EXPECT(false, "a forward ran after the failed shadow backward");
-    } catch (const std::runtime_error& later) {
-      WORKER_EXPECT(std::string(later.what()).find(cause) != std::string::npos, later.what());
-    }
-  } catch (const std::exception& e) {
-    message = e.what();
-    WORKER_EXPECT(rank != failing, std::string("the failing rank threw something else: ") + e.what());
-    WORKER_EXPECT(message.find(cause) != std::string::npos && message.find("std::bad_alloc") != std::string::npos,
-                  message);
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  WORKER_EXPECT(!message.empty(), "no error");
-  WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  auto start = std::chrono::steady_clock::now();
+  ExpectAllocationFailureOnOneRank(
+      rank, failing, cause, start,
+      [&] {
+        Join join(ddp);
+        // Two iterations everywhere (the second rebuilds the buckets), a
+        // third on the active ranks only.
+        for (int s = 0; s < (rank == failing ? 2 : 3); ++s) {
+          if (s == 2) start = std::chrono::steady_clock::now();
+          auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+          nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+        }
+        if (rank == failing) {
+          internal::FailNextBucketAllocationForTesting();
+          start = std::chrono::steady_clock::now();
+        }
+        join.Wait();
+      },
+      [&] { ddp(testing::Batch(data, 0, kBatch).first); });
   return testing::WorkerExit();
 }
 
