@@ -342,7 +342,9 @@ void FailNextSyncBatchNormForwardForTesting() { fail_next_forward.store(true); }
 SyncBatchNorm::SyncBatchNorm(int64_t num_features, nn::modules::BatchNormOptions options,
                              std::shared_ptr<ProcessGroup> group)
     : num_features_(num_features), options_(options), group_(std::move(group)) {
-  if (num_features < 1) throw std::invalid_argument("SyncBatchNorm: num_features must be positive");
+  if (num_features < 1) {
+    throw std::invalid_argument("SyncBatchNorm: num_features must be positive, got " + std::to_string(num_features));
+  }
   nn::modules::CheckBatchNormOptions(options, "SyncBatchNorm");
   if (options.affine) {
     weight_ = RegisterParameter("weight", nn::Ones({num_features}));

@@ -376,6 +376,16 @@ TEST(SyncBatchNormTest, RefusedBatchIsNotCounted) {
   EXPECT_EQ(sync.num_batches_tracked().Item(), 0);
 }
 
+// As BatchNorm's: the refused feature count is shown.
+TEST(SyncBatchNormTest, ANonPositiveFeatureCountIsShown) {
+  try {
+    SyncBatchNorm sync(-3, {}, ProcessGroup::Single());
+    ADD_FAILURE() << "constructed";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "SyncBatchNorm: num_features must be positive, got -3");
+  }
+}
+
 // The batch count in num_batches_tracked, on one rank (BatchNorm's path)
 // and on two (the host formulation or the building blocks). With momentum
 // None the factor is 1 / count, so the running mean shows which count a
