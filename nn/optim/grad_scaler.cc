@@ -110,7 +110,7 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
 }
 
 GradScaler::PerOptimizer& GradScaler::StateOf(const Optimizer& optimizer) {
-  auto [it, made] = optimizers_.try_emplace(&optimizer);
+  auto [it, made] = optimizers_.try_emplace(optimizer.instance_id());
   if (made) {
     for (auto flag = spare_flags_.begin(); flag != spare_flags_.end(); ++flag) {
       if (flag->device() == optimizer.device()) {

@@ -123,9 +123,10 @@ class GradScaler {
   GradScalerOptions options_;
   float scale_;  // f32 like PyTorch's scale tensor
   int64_t growth_tracker_ = 0;
-  // Keyed by address, from an optimizer's first Unscale or Step in an
-  // iteration until Update.
-  std::unordered_map<const Optimizer*, PerOptimizer> optimizers_;
+  // Keyed by Optimizer::instance_id (not the address, which a new optimizer
+  // may take over from a destroyed one), from an optimizer's first Unscale
+  // or Step in an iteration until Update.
+  std::unordered_map<uint64_t, PerOptimizer> optimizers_;
   // Device flags of past iterations, reused, so that a steady state
   // allocates none.
   std::vector<Tensor> spare_flags_;

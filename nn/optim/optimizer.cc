@@ -1,6 +1,7 @@
 #include "nn/optim/optimizer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -208,6 +209,11 @@ void CheckParameterIndex(const char* what, size_t i, size_t count) {
   }
 }
 }  // namespace
+
+uint64_t Optimizer::NextInstanceId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
 
 int64_t Optimizer::step_count(size_t i) const {
   CheckParameterIndex("step_count", i, steps_.size());

@@ -165,6 +165,10 @@ class Optimizer {
   /// std::out_of_range, naming i and the parameter count, for an i past
   /// params().
   int64_t step_count(size_t i) const;
+  /// Unique among the optimizers of this process, never reused (an address
+  /// is, once an optimizer is destroyed): what per-optimizer state held
+  /// elsewhere (GradScaler's) is keyed by.
+  uint64_t instance_id() const { return instance_id_; }
   /// The device the parameters live on (the first parameter's; the CPU for
   /// an empty list). Step checks that every parameter is still there.
   Device device() const { return params_.empty() ? kCPU : params_.front().second.device(); }
@@ -421,6 +425,9 @@ class Optimizer {
   // refuses a second one, which would fight the first over the rate.
   friend class LrScheduler;
   std::weak_ptr<const void> scheduler_;
+
+  static uint64_t NextInstanceId();
+  const uint64_t instance_id_ = NextInstanceId();
 
   NamedParameters params_;
   // Per parameter, its group; per group, its first parameter (and the end).

@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 
 #include "nn/io/checkpoint.h"
@@ -1160,6 +1161,27 @@ TEST(GradScaler, UpdateAfterUnscaleAloneBacksOff) {
   } catch (const std::logic_error& e) {
     EXPECT_STREQ(e.what(), "GradScaler: Update called without Unscale or Step");
   }
+}
+
+// An optimizer made in the storage of one destroyed mid-iteration (same
+// address) starts afresh: its Unscale is not refused as a second one, and
+// its gradient is unscaled. Before, the state was keyed by the address and
+// passed to the newcomer.
+TEST(GradScaler, ANewOptimizerAtADestroyedOnesAddressStartsAfresh) {
+  Tensor w = Zeros({2});
+  GradScaler scaler({.init_scale = 4});
+  std::optional<Sgd> opt;
+  opt.emplace(NamedParameters{{"w", w}}, SgdOptions{.lr = 1.0});
+  const Optimizer* first = &*opt;
+  w.set_grad(FromVector({4.0, 8.0}, {2}));
+  scaler.Unscale(*opt);
+  opt.reset();
+  opt.emplace(NamedParameters{{"w", w}}, SgdOptions{.lr = 1.0});
+  ASSERT_EQ(&*opt, first);
+  EXPECT_NE(opt->instance_id(), 0u);
+  w.set_grad(FromVector({4.0, 8.0}, {2}));
+  EXPECT_NO_THROW(scaler.Unscale(*opt));
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{1, 2}));
 }
 
 // Before, Step marked the optimizer as stepped before calling its Step:
