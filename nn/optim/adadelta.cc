@@ -13,7 +13,7 @@ namespace {
 // One Adadelta pass over n elements, coefficients by value so that the loop
 // vectorizes (see SgdLoop).
 template <bool kWd, typename T>
-void AdadeltaLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq,
+DDP_OPTIM_INLINE void AdadeltaLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sq,
                   T* __restrict__ acc, int64_t n, T grad_scale, T rho, T one_rho, T eps, T wd,
                   T neg_lr) {
   for (int64_t i = 0; i < n; ++i) {
@@ -104,7 +104,9 @@ void Adadelta::Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n
   const T wd = static_cast<T>(o.weight_decay);
   const T neg_lr = static_cast<T>(-lr(group));
   internal::WithFlag(o.weight_decay != 0, [&](auto w) {
-    AdadeltaLoop<w.value>(p, g, sq, acc, n, grad_scale, rho, one_rho, eps, wd, neg_lr);
+    internal::RunVectorized([&]() DDP_OPTIM_LAMBDA_INLINE {
+      AdadeltaLoop<w.value>(p, g, sq, acc, n, grad_scale, rho, one_rho, eps, wd, neg_lr);
+    });
   });
 }
 

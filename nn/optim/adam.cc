@@ -24,7 +24,7 @@ struct AdamCoefficients {
 // stores through p, m and v cannot change them and the loop vectorizes
 // (see SgdLoop).
 template <bool kCoupledWd, bool kDecoupledWd, bool kAmsgrad, typename T>
-void AdamLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+DDP_OPTIM_INLINE void AdamLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
               T* __restrict__ vmax, int64_t n, const AdamCoefficients<T> c) {
   for (int64_t i = 0; i < n; ++i) {
     T gi = g[i] * c.grad_scale;
@@ -152,7 +152,9 @@ void Adam::Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, in
   internal::WithFlag(!decoupled_ && o.weight_decay != 0, [&](auto cw) {
     internal::WithFlag(decoupled_, [&](auto dw) {
       internal::WithFlag(o.amsgrad, [&](auto ams) {
-        AdamLoop<cw.value, dw.value, ams.value>(p, g, m, v, vmax, n, c);
+        internal::RunVectorized([&]() DDP_OPTIM_LAMBDA_INLINE {
+          AdamLoop<cw.value, dw.value, ams.value>(p, g, m, v, vmax, n, c);
+        });
       });
     });
   });

@@ -107,7 +107,7 @@ namespace {
 // GCC could not rule out that the stores to p and buf change them, and left
 // the loop scalar (15 GB/s against 37 GB/s for Adam in optim_bench).
 template <bool kWd, bool kMom, bool kFirst, bool kNesterov, typename T>
-void SgdLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, int64_t n,
+DDP_OPTIM_INLINE void SgdLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, int64_t n,
              T grad_scale, T wd, T mom, T keep, T neg_lr) {
   for (int64_t i = 0; i < n; ++i) {
     T d = g[i] * grad_scale;
@@ -145,8 +145,10 @@ void Sgd::Kernel(size_t group, T* p, const T* g, T* buf, int64_t n, bool first, 
     internal::WithFlag(o.momentum != 0, [&](auto m) {
       internal::WithFlag(first, [&](auto f) {
         internal::WithFlag(o.nesterov, [&](auto nv) {
-          SgdLoop<w.value, m.value, f.value, nv.value>(p, g, buf, n, grad_scale, wd, mom, keep,
-                                                       neg_lr);
+          internal::RunVectorized([&]() DDP_OPTIM_LAMBDA_INLINE {
+            SgdLoop<w.value, m.value, f.value, nv.value>(p, g, buf, n, grad_scale, wd, mom, keep,
+                                                         neg_lr);
+          });
         });
       });
     });
