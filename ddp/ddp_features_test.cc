@@ -104,6 +104,62 @@ TEST(DdpFeaturesTest, NoSyncAccumulationEqualsOneStepOnTheCombinedBatch) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Where the group runs CPU collectives on the caller, no bucket is launched
+// before every parameter's gradient is in (its all-reduce would hold
+// backward until the peers reach it, overlapping nothing); with the
+// communication thread the first bucket goes while backward still runs.
+// Seen from a hook on every parameter, registered before the wrapper's
+// (so it runs first), and a communication hook counting them at each call.
+DDP_TEST_WORKER(bucket_launch_order) {
+  auto pg = testing::WorkerGroup();
+  const char* where = std::getenv("DDP_COLLECTIVE_THREAD");
+  const bool together = where != nullptr && std::string(where) == "caller";
+  WORKER_EXPECT(pg->collectives_on_caller() == together, "DDP_COLLECTIVE_THREAD was not taken");
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(23);
+  const std::vector<Tensor> params = model->Parameters();
+  size_t accumulated = 0;
+  std::vector<nn::HookHandle> handles;
+  for (const Tensor& p : params) {
+    handles.push_back(p.RegisterPostAccumulateGradHook([&accumulated](const Tensor&) { ++accumulated; }));
+  }
+  // One bucket per parameter.
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6, .process_group = pg});
+  std::vector<size_t> seen;
+  ddp.RegisterCommHook([&](ProcessGroup& group, GradBucket& bucket) {
+    seen.push_back(accumulated);
+    return group.AllReduce(bucket.buffer(), transport::ReduceOp::kAvg, "counting hook");
+  });
+  for (int s = 0; s < 3; ++s) {  // before and after the buckets' rebuild
+    auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+    accumulated = 0;
+    seen.clear();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    WORKER_EXPECT(seen.size() == params.size(), "step " + std::to_string(s) + ": " +
+                                                    std::to_string(seen.size()) + " hook calls for " +
+                                                    std::to_string(params.size()) + " buckets");
+    if (seen.empty()) continue;
+    if (together) {
+      WORKER_EXPECT(seen.front() == params.size(),
+                    "step " + std::to_string(s) + ": with collectives on the caller the first bucket was "
+                    "launched when " + std::to_string(seen.front()) + " of " +
+                    std::to_string(params.size()) + " gradients were in");
+    } else {
+      WORKER_EXPECT(seen.front() < params.size(),
+                    "step " + std::to_string(s) + ": with the communication thread the first bucket "
+                    "waited for every gradient");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, BucketsLaunchTogetherWhereCollectivesRunOnTheCaller) {
+  for (const char* where : {"caller", "comm"}) {
+    auto run = RunWorkers("bucket_launch_order", 2, {{"DDP_COLLECTIVE_THREAD", where}});
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
+}
+
 // NoSync with find_unused_parameters: head `b` gets gradients only in the
 // NoSync micro-batches, and the synchronizing one uses `a` on every rank.
 // b's accumulated gradient still counts as used, so it is averaged like

@@ -287,6 +287,8 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
   }
   buckets_ = std::move(buckets);
   slots_ = std::move(slots);
+  launch_together_ = pg_->collectives_on_caller() &&
+                     std::all_of(buckets_.begin(), buckets_.end(), [](const Bucket& b) { return b.device.is_cpu(); });
 }
 
 std::vector<size_t> Reducer::BucketBytes() const {
@@ -726,6 +728,18 @@ void Reducer::MarkReady(size_t index, bool used_here) {
 }
 
 void Reducer::LaunchReadyBuckets() {
+  // Where the group runs CPU collectives on the caller (its ranks' threads
+  // oversubscribe the cores), a bucket launched while backward still runs
+  // overlaps nothing: its all-reduce runs there and then, holding backward
+  // until every peer reaches the same bucket, and each such meeting waits
+  // out whatever the ranks drifted apart since the last. Launched together
+  // once the last is ready, the buckets cost one meeting per backward (the
+  // next all-reduces start in step) instead of one per bucket.
+  if (launch_together_) {
+    for (const Bucket& b : buckets_) {
+      if (b.pending != 0) return;
+    }
+  }
   // Buckets are launched in index order on every rank, so that the
   // collectives match even when gradients arrive in different orders.
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {

@@ -271,6 +271,10 @@ class Reducer {
                                   // .grad as it was, restored by Finalize when no rank used it
   size_t ready_count_ = 0;
   size_t next_launch_ = 0;
+  // Every bucket launches once the last is ready (set by BuildBuckets): the
+  // group runs CPU collectives on the caller, where one launched early
+  // overlaps nothing (see LaunchReadyBuckets).
+  bool launch_together_ = false;
   nn::Tensor used_;             // i32 [n]: 1 where a hook fired since the last synchronizing
                                 // backward ended (NoSync backwards included)
   Work used_work_;
