@@ -738,9 +738,16 @@ void ZeroGrad(const NamedParameters& params, bool set_to_none) {
     if (set_to_none) {
       p.set_grad(Tensor());
     } else {
-      // Not recorded by autograd, as Module::ZeroGrad zeroes: a gradient
-      // that itself requires grad (set_grad takes one) is zeroed, not
-      // refused as a parameter written with grad mode on.
+      // As PyTorch's zero_grad: a gradient that is itself part of a graph
+      // (set_grad takes any tensor) leaves it before it is zeroed, so that the
+      // zeros carry no history into the next backward. A recorded gradient is
+      // swapped for its detached alias (same storage: a bucket view stays a
+      // view); a leaf one just stops requiring grad.
+      if (p.grad().grad_fn() != nullptr) {
+        p.set_grad(p.grad().Detach());
+      } else if (p.grad().requires_grad()) {
+        p.grad().set_requires_grad(false);
+      }
       NoGradGuard guard;
       p.grad().Zero();
     }

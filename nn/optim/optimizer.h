@@ -76,7 +76,9 @@ struct ParamGroup {
 /// list among optimizers check the whole list.
 void CheckParameters(const NamedParameters& params, const std::string& who);
 
-/// Clears the gradients of `params`: undefined (set_to_none) or zeros.
+/// Clears the gradients of `params`: undefined (set_to_none) or zeros. Zeroed
+/// gradients are taken out of autograd first, as PyTorch's zero_grad: they
+/// end with no grad_fn and requires_grad false.
 /// Optimizer::ZeroGrad on its list; wrappers use it on theirs. The default,
 /// set_to_none, is PyTorch 2.x's; PyTorch 1.13 zeroes by default.
 void ZeroGrad(const NamedParameters& params, bool set_to_none = true);

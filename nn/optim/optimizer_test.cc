@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "nn/io/checkpoint.h"
+#include "nn/ops/functional.h"
 #include "nn/optim/adadelta.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/clip_grad.h"
@@ -398,6 +399,27 @@ TEST(Optimizer, ZeroGradInPlaceZeroesAGradientThatRequiresGrad) {
   opt.ZeroGrad(false);
   EXPECT_TRUE(p.grad().is_same(g));
   EXPECT_EQ(g.ToVector<float>(), (std::vector<float>{0, 0}));
+  // As PyTorch's zero_grad (requires_grad_(False) on a leaf gradient).
+  EXPECT_FALSE(p.grad().requires_grad());
+}
+
+// A gradient produced by a recorded operation is detached before it is
+// zeroed (PyTorch's grad.detach_()): the zeros have no grad_fn and do not
+// require grad, and they live in the same storage as before.
+TEST(Optimizer, ZeroGradInPlaceDetachesARecordedGradient) {
+  Tensor p = Zeros({2});
+  Tensor x = FromVector({1, 2}, {2});
+  x.set_requires_grad(true);
+  Tensor g = ops::MulScalar(x, 3.0);
+  ASSERT_NE(g.grad_fn(), nullptr);
+  p.set_grad(g);
+  Sgd opt({{"p", p}}, {.lr = 0.1});
+  opt.ZeroGrad(false);
+  EXPECT_EQ(p.grad().grad_fn(), nullptr);
+  EXPECT_FALSE(p.grad().requires_grad());
+  EXPECT_EQ(p.grad().ToVector<float>(), (std::vector<float>{0, 0}));
+  EXPECT_EQ(g.ToVector<float>(), (std::vector<float>{0, 0}));
+  EXPECT_EQ(x.ToVector<float>(), (std::vector<float>{1, 2}));
 }
 
 // An index past the parameters is refused naming it and the count;
