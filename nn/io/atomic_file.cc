@@ -249,6 +249,57 @@ void RemoveStaleTemporaries(const std::string& path) {
   ::closedir(dir);
 }
 
+// The file a write to `path` should replace: `path` itself, or, when its
+// last component is a symbolic link, the file the link leads to (following
+// links to links), so that the link stays and its target gets the new
+// contents, as a plain open-and-write (torch.save) would give. Links in the
+// folders above need nothing: the rename works through them. A dangling
+// link names the file to create; its folder must exist. Throws naming the
+// link and where it leads for a loop, a chain longer than the kernel
+// follows, or a target whose folder is missing.
+std::string ResolveFinalSymlinks(const std::string& path) {
+  // The kernel's own limit on links followed in one lookup (MAXSYMLINKS).
+  constexpr int kMostLinks = 40;
+  std::string current = path;
+  for (int links = 0;; ++links) {
+    struct stat st{};
+    if (::lstat(current.c_str(), &st) != 0) {
+      const int err = errno;
+      if (err != ENOENT || current == path) return current;  // the create reports other problems
+      // A dangling link: its target will be created, in a folder that must exist.
+      struct stat folder{};
+      if (::stat(Folder(current).c_str(), &folder) != 0 || !S_ISDIR(folder.st_mode)) {
+        throw CheckpointError("cannot write a file at '" + path + "': it is a symbolic link to '" + current +
+                              "', whose folder '" + Folder(current) + "' does not exist");
+      }
+      return current;
+    }
+    if (!S_ISLNK(st.st_mode)) return current;
+    if (links == kMostLinks) {
+      throw CheckpointError("cannot write a file at '" + path + "': more than " + std::to_string(kMostLinks) +
+                            " symbolic links in a row (a loop?), the last one '" + current + "'");
+    }
+    // PATH_MAX: the kernel follows no longer link.
+    std::string target(4096, '\0');
+    const ssize_t n = ::readlink(current.c_str(), target.data(), target.size());
+    if (n < 0) {
+      const int err = errno;
+      Fail(current, "cannot read the symbolic link", err);
+    }
+    if (static_cast<size_t>(n) == target.size()) {
+      throw CheckpointError("cannot write a file at '" + path + "': the symbolic link '" + current +
+                            "' leads to a path of 4096 bytes or more");
+    }
+    target.resize(static_cast<size_t>(n));
+    if (target.empty()) {
+      throw CheckpointError("cannot write a file at '" + path + "': the symbolic link '" + current +
+                            "' is empty");
+    }
+    // A relative target is relative to the link's folder.
+    current = target.front() == '/' ? target : Folder(current) + "/" + target;
+  }
+}
+
 }  // namespace
 
 namespace internal {
@@ -268,6 +319,15 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   static std::atomic<uint64_t> counter{0};
   if (path_.empty() || path_.back() == '/') {
     throw CheckpointError("cannot write a file at '" + path_ + "': not a file name");
+  }
+  // Renaming over a symbolic link would put a regular file in its place and
+  // leave the file it leads to with the old contents.
+  if (std::string target = ResolveFinalSymlinks(path_); target != path_) {
+    if (target.back() == '/') {
+      throw CheckpointError("cannot write a file at '" + path_ + "': it is a symbolic link to '" + target +
+                            "', not a file name");
+    }
+    path_ = std::move(target);
   }
   // Before anything is written: the rename would fail (EISDIR) only after
   // the whole file was.

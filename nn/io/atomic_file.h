@@ -20,6 +20,11 @@ inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
 /// Writes a new version of a file beside it and swaps it in on Commit().
 /// Destroying the writer without Commit() removes the temporary file and
 /// leaves `path` as it was. Errors throw CheckpointError naming the path.
+/// When `path` is a symbolic link (or a chain of them, up to 40), the file
+/// it leads to is the one replaced, from a temporary in that file's folder,
+/// and the link stays as it is (as torch.save writes through a link). A
+/// dangling link's target is created when its folder exists; otherwise, and
+/// for a loop, the error names the link and the target.
 class AtomicFileWriter {
  public:
   /// Creates `<path>.tmp.<pid>.<n>-<nonce>.<host>` (the nonce random, one

@@ -458,6 +458,66 @@ TEST(Safetensors, ReplacesAnExistingFileAtomically) {
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
+float ReadScalar(const std::string& path) {
+  SafetensorsFile f = SafetensorsFile::Read(path);
+  float v;
+  std::memcpy(&v, f.Data(f.tensors()[0]), 4);
+  return v;
+}
+
+bool IsSymlink(const std::string& path) {
+  struct stat st{};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+}
+
+// A save to a symbolic link writes the file it leads to (through a chain of
+// links, a relative one among them) and keeps the links, as torch.save
+// does. Before, the rename put a regular file in the link's place and the
+// target kept the old contents.
+TEST(Safetensors, SavingThroughASymlinkReplacesItsTargetAndKeepsTheLink) {
+  const std::string dir = TmpDir("st_link");
+  const std::string real_dir = TmpDir("st_link_target");
+  const std::string target = real_dir + "/real.safetensors";
+  const float a = 1, b = 2;
+  WriteSafetensorsFile(target, {{"x", StDtype::kF32, {}, &a, 4}});
+  ASSERT_EQ(::symlink(target.c_str(), (dir + "/middle").c_str()), 0);
+  ASSERT_EQ(::symlink("middle", (dir + "/c.safetensors").c_str()), 0);
+  WriteSafetensorsFile(dir + "/c.safetensors", {{"x", StDtype::kF32, {}, &b, 4}});
+  EXPECT_TRUE(IsSymlink(dir + "/c.safetensors"));
+  EXPECT_TRUE(IsSymlink(dir + "/middle"));
+  EXPECT_EQ(ReadScalar(target), 2.0f);
+  EXPECT_EQ(ReadScalar(dir + "/c.safetensors"), 2.0f);
+  EXPECT_THAT(FilesIn(dir), ::testing::UnorderedElementsAre("c.safetensors", "middle"));
+  EXPECT_EQ(FilesIn(real_dir), std::vector<std::string>{"real.safetensors"});
+}
+
+// A dangling link names the file to create when that file's folder exists;
+// when it does not, or the links loop, the error names the link and where
+// it leads, and nothing is written.
+TEST(Safetensors, SavingThroughADanglingSymlinkCreatesTheTargetOrNamesBoth) {
+  const std::string dir = TmpDir("st_dangling");
+  const float a = 3;
+  ASSERT_EQ(::symlink("new.safetensors", (dir + "/link").c_str()), 0);
+  WriteSafetensorsFile(dir + "/link", {{"x", StDtype::kF32, {}, &a, 4}});
+  EXPECT_TRUE(IsSymlink(dir + "/link"));
+  EXPECT_EQ(ReadScalar(dir + "/new.safetensors"), 3.0f);
+
+  const std::string missing = dir + "/no_such_folder/c.safetensors";
+  ASSERT_EQ(::symlink(missing.c_str(), (dir + "/lost").c_str()), 0);
+  EXPECT_THAT(ErrorOf([&] { WriteSafetensorsFile(dir + "/lost", {{"x", StDtype::kF32, {}, &a, 4}}); }),
+              AllOf(HasSubstr(dir + "/lost"), HasSubstr(missing), HasSubstr("does not exist")));
+  EXPECT_TRUE(IsSymlink(dir + "/lost"));
+
+  ASSERT_EQ(::symlink("loop_b", (dir + "/loop_a").c_str()), 0);
+  ASSERT_EQ(::symlink("loop_a", (dir + "/loop_b").c_str()), 0);
+  EXPECT_THAT(ErrorOf([&] { WriteSafetensorsFile(dir + "/loop_a", {{"x", StDtype::kF32, {}, &a, 4}}); }),
+              AllOf(HasSubstr(dir + "/loop_a"), HasSubstr("symbolic links in a row")));
+  EXPECT_TRUE(IsSymlink(dir + "/loop_a"));
+  EXPECT_TRUE(IsSymlink(dir + "/loop_b"));
+  EXPECT_THAT(FilesIn(dir),
+              ::testing::UnorderedElementsAre("link", "loop_a", "loop_b", "lost", "new.safetensors"));
+}
+
 TEST(Safetensors, FailedWriteLeavesTheOldFileAndNoTemporary) {
   const std::string dir = TmpDir("st_fail");
   const std::string path = dir + "/c.safetensors";
