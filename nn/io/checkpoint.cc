@@ -201,12 +201,14 @@ std::vector<std::pair<Device, Device>> CheckOptions(const LoadOptions& options) 
   return map;
 }
 
-// Throws, naming the first, when a tensor of `file` has a dtype that
-// nn::Tensor lacks: no tensor is made for a file that cannot load whole.
+// Throws, naming the first in the order saved (the header's, the order the
+// tensors load in), when a tensor of `file` has a dtype that nn::Tensor
+// lacks: no tensor is made for a file that cannot load whole.
 void CheckDtypes(const SafetensorsFile& file, const std::string& source) {
   // The file itself is valid, and SafetensorsFile gives the bytes of such a
   // tensor (and of the others) by name.
-  for (const TensorEntry& e : file.tensors()) {
+  for (const size_t i : file.header_order()) {
+    const TensorEntry& e = file.tensors()[i];
     try {
       (void)FromStDtype(e.dtype);
     } catch (const std::invalid_argument&) {

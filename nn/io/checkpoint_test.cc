@@ -63,6 +63,27 @@ TEST(Checkpoint, ATensorOfADtypeTensorsLackIsRefusedNamedAndTheRestStaysReadable
   std::remove(path.c_str());
 }
 
+// Of several tensors of dtypes nn::Tensor lacks, the one named is the first
+// the header lists (the order they were saved and load in), not the first
+// in the data region, which the writers order by element size. Before, the
+// U16 tensor, first in the data, was named.
+TEST(Checkpoint, OfSeveralTensorsOfDtypesTensorsLackTheFirstSavedIsNamed) {
+  const std::string path = TmpPath("two_bad.safetensors");
+  const std::string header =
+      R"({"z_mask":{"dtype":"BOOL","shape":[4],"data_offsets":[4,8]},)"
+      R"("y_half":{"dtype":"U16","shape":[2],"data_offsets":[0,4]}})";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  bytes += header + std::string("\1\0\2\0\1\0\1\1", 8);
+  std::ofstream(path, std::ios::binary) << bytes;
+  ASSERT_EQ(SafetensorsFile::Read(path).tensors()[0].name, "y_half");  // first in the data
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(path); }),
+              AllOf(HasSubstr(path), HasSubstr("tensor `z_mask` has dtype BOOL")));
+  EXPECT_THAT(ErrorOf([&] { LoadTensorsFromBytes(SafetensorsFile::ReadBytes(path), path); }),
+              AllOf(HasSubstr(path), HasSubstr("tensor `z_mask` has dtype BOOL")));
+  std::remove(path.c_str());
+}
+
 TEST(Checkpoint, TensorsRoundTripBitExactForEveryDtype) {
   std::mt19937_64 rng(7);
   NamedTensors in;
