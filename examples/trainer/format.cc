@@ -40,8 +40,19 @@ std::string FormatCount(int64_t n) {
   return negative ? "-" + out : out;
 }
 
+namespace {
+
+// Above this (1e15 s, about 32 million years; 1e15 per second for a rate),
+// values are shown as "%.3g": they are far past anything a run shows
+// exactly, and the conversion to an integer would overflow (undefined
+// behaviour) not far above, at 2^63.
+constexpr double kMostShownExactly = 1e15;
+
+}  // namespace
+
 std::string FormatClock(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "-";
+  if (seconds >= kMostShownExactly) return StringPrintf("%.3gs", seconds);
   const int64_t s = static_cast<int64_t>(seconds);
   if (s >= 3600) {
     return StringPrintf("%lld:%02lld:%02lld", static_cast<long long>(s / 3600),
@@ -53,6 +64,7 @@ std::string FormatClock(double seconds) {
 std::string FormatSeconds(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "-";
   if (seconds < 100) return StringPrintf("%.1fs", seconds);
+  if (seconds >= kMostShownExactly) return StringPrintf("%.3gs", seconds);
   const int64_t s = static_cast<int64_t>(std::lround(seconds));
   if (s < 3600) {
     return StringPrintf("%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
@@ -63,6 +75,7 @@ std::string FormatSeconds(double seconds) {
 
 std::string FormatRate(double per_second) {
   if (!std::isfinite(per_second) || per_second < 0) return "-";
+  if (per_second >= kMostShownExactly) return StringPrintf("%.3g", per_second);
   return FormatCount(std::llround(per_second));
 }
 

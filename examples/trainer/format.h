@@ -10,11 +10,14 @@ namespace ddp::examples::trainer {
 
 /// 1234567 -> "1,234,567".
 std::string FormatCount(int64_t n);
-/// Seconds as "0:09", "12:34" or "1:02:03" (rounded down; negative as "-").
+/// Seconds as "0:09", "12:34" or "1:02:03" (rounded down; negative, NaN and
+/// infinity as "-"; from 1e15 on as "1e+15s").
 std::string FormatClock(double seconds);
-/// Seconds as "0.8s", "23.4s", "2m05s".
+/// Seconds as "0.8s", "23.4s", "2m05s", "2h03m" ("-" and "1e+15s" as
+/// FormatClock).
 std::string FormatSeconds(double seconds);
-/// A rate with thousands separators and no decimals: "2,613".
+/// A rate with thousands separators and no decimals: "2,613" ("-" for a
+/// negative, NaN or infinite rate; from 1e15 on as "1e+15").
 std::string FormatRate(double per_second);
 /// printf into a std::string.
 std::string StringPrintf(const char* format, ...) __attribute__((format(printf, 1, 2)));

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "gtest/gtest.h"
 
@@ -33,6 +34,31 @@ TEST(FormatTest, SecondsReadNaturally) {
   EXPECT_EQ(FormatSeconds(23.44), "23.4s");
   EXPECT_EQ(FormatSeconds(125), "2m05s");
   EXPECT_EQ(FormatSeconds(7380), "2h03m");
+}
+
+// Values too large for an integer (a rate near zero gives a huge ETA) are
+// shown in exponent form; converting them to int64_t was undefined
+// behaviour. Non-finite and negative values show as "-".
+TEST(FormatTest, HugeAndNonFiniteValuesAreShownWithoutAnIntegerConversion) {
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(FormatClock(1e300), "1e+300s");
+  EXPECT_EQ(FormatClock(1e19), "1e+19s");
+  EXPECT_EQ(FormatClock(1e15), "1e+15s");
+  EXPECT_EQ(FormatClock(999999999999999.0), "277777777777:46:39");
+  EXPECT_EQ(FormatClock(inf), "-");
+  EXPECT_EQ(FormatClock(-inf), "-");
+  EXPECT_EQ(FormatSeconds(1e300), "1e+300s");
+  EXPECT_EQ(FormatSeconds(1e19), "1e+19s");
+  EXPECT_EQ(FormatSeconds(999999999999999.0), "277777777777h46m");
+  EXPECT_EQ(FormatSeconds(inf), "-");
+  EXPECT_EQ(FormatSeconds(NAN), "-");
+  EXPECT_EQ(FormatRate(1e300), "1e+300");
+  EXPECT_EQ(FormatRate(1e19), "1e+19");
+  EXPECT_EQ(FormatRate(999999999999999.0), "999,999,999,999,999");
+  EXPECT_EQ(FormatRate(2612.6), "2,613");
+  EXPECT_EQ(FormatRate(inf), "-");
+  EXPECT_EQ(FormatRate(NAN), "-");
+  EXPECT_EQ(FormatRate(-1), "-");
 }
 
 TEST(FormatTest, ExactDoubleRoundTrips) {
