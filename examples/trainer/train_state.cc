@@ -439,6 +439,55 @@ int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainCo
   return run_end;
 }
 
+// Throws UsageError naming the key, its value and the range it must be in.
+[[noreturn]] void RefuseOutOfRange(const std::string& path, const std::string& key, int64_t value,
+                                   const std::string& range) {
+  throw UsageError("--resume: checkpoint " + path + " has " + key + "=" + std::to_string(value) +
+                   ", out of range (" + range +
+                   "); the file was not written by this trainer, or changed since; delete it or "
+                   "pass another --checkpoint to start afresh");
+}
+
+// Throws UsageError when the position does not fit in an epoch of `size`
+// samples cut into batches of `saved_batch` on `saved_world` ranks: an
+// epoch_start or batch_in_epoch past it, or a samples_in_epoch (`trained`,
+// when the file has that key) past its batches' samples. `size_is` says
+// where the size comes from, for the message ("its train_size 300").
+void CheckPositionInSet(const std::string& path, const TrainPosition& position, int64_t trained,
+                        bool has_trained, int64_t saved_world, int64_t saved_batch, int64_t size,
+                        const std::string& size_is) {
+  const auto refuse = [&](const std::string& key, int64_t value, const std::string& range) {
+    RefuseOutOfRange(path, key, value, range);
+  };
+  int64_t per_batch = 0;
+  if (__builtin_mul_overflow(saved_batch, saved_world, &per_batch)) per_batch = 0;
+  if (position.epoch_start > size) {
+    refuse("epoch_start", position.epoch_start, "0 to " + std::to_string(size) + ", " + size_is);
+  }
+  const int64_t batches =
+      BatchesInEpoch(size, static_cast<int>(saved_world), saved_batch, position.epoch_start);
+  if (position.batch_in_epoch > batches) {
+    refuse("batch_in_epoch", position.batch_in_epoch,
+           "0 to " + std::to_string(batches) + ", the batches of its epoch on " +
+               std::to_string(saved_world) + " ranks");
+  }
+  // A run on other ranks starts its epoch after this many positions of
+  // the order: a larger value skips the rest of the epoch unseen. The
+  // last batch of an epoch may be padded, so an epoch trained to its end
+  // counts up to its batches' samples, a little past the set's size.
+  int64_t covered = 0;
+  if (per_batch == 0 || __builtin_mul_overflow(batches, per_batch, &covered) ||
+      __builtin_add_overflow(covered, position.epoch_start, &covered)) {
+    covered = INT64_MAX;
+  }
+  const int64_t most = std::max(size, covered);
+  if (has_trained && trained > most) {
+    refuse("samples_in_epoch", trained,
+           "0 to " + std::to_string(most) + ", the samples of its epoch's " + std::to_string(batches) +
+               " batches on " + std::to_string(saved_world) + " ranks, of " + size_is);
+  }
+}
+
 // Throws UsageError when a value of the checkpoint's position is out of
 // range: the load would go wrong with it (a negative epoch_start fails in
 // the data sampler, far from the file; a negative epoch trains extra
@@ -452,10 +501,7 @@ int64_t CheckPositionInRange(const std::string& path, const Metadata& m,
                              int64_t saved_world, int64_t saved_batch, int64_t saved_accum,
                              int64_t saved_size) {
   const auto refuse = [&](const std::string& key, int64_t value, const std::string& range) {
-    throw UsageError("--resume: checkpoint " + path + " has " + key + "=" + std::to_string(value) +
-                     ", out of range (" + range +
-                     "); the file was not written by this trainer, or changed since; delete it or "
-                     "pass another --checkpoint to start afresh");
+    RefuseOutOfRange(path, key, value, range);
   };
   for (const auto& [key, value] :
        {std::pair<const char*, int64_t>{"epoch", position.epoch}, {"step", position.step},
@@ -497,33 +543,8 @@ int64_t CheckPositionInRange(const std::string& path, const Metadata& m,
     }
   }
   if (saved_size >= 0) {
-    if (position.epoch_start > saved_size) {
-      refuse("epoch_start", position.epoch_start,
-             "0 to " + std::to_string(saved_size) + ", its train_size");
-    }
-    const int64_t batches =
-        BatchesInEpoch(saved_size, static_cast<int>(saved_world), saved_batch, position.epoch_start);
-    if (position.batch_in_epoch > batches) {
-      refuse("batch_in_epoch", position.batch_in_epoch,
-             "0 to " + std::to_string(batches) + ", the batches of its epoch on " +
-                 std::to_string(saved_world) + " ranks");
-    }
-    // A run on other ranks starts its epoch after this many positions of
-    // the order: a larger value skips the rest of the epoch unseen. The
-    // last batch of an epoch may be padded, so an epoch trained to its end
-    // counts up to its batches' samples, a little past train_size.
-    int64_t covered = 0;
-    if (per_batch == 0 || __builtin_mul_overflow(batches, per_batch, &covered) ||
-        __builtin_add_overflow(covered, position.epoch_start, &covered)) {
-      covered = INT64_MAX;
-    }
-    const int64_t most = std::max(saved_size, covered);
-    if (has_trained && trained > most) {
-      refuse("samples_in_epoch", trained,
-             "0 to " + std::to_string(most) + ", the samples of its epoch's " +
-                 std::to_string(batches) + " batches on " + std::to_string(saved_world) +
-                 " ranks, of its train_size " + std::to_string(saved_size));
-    }
+    CheckPositionInSet(path, position, trained, has_trained, saved_world, saved_batch, saved_size,
+                       "its train_size " + std::to_string(saved_size));
   }
   // The scheduler counts the optimizer steps as well: the two disagree only
   // in a file put together from two runs.
@@ -947,6 +968,15 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     compare("--train_samples", Get(m, "train_samples"), std::to_string(config.train_samples));
   }
   const bool same_samples = saved_samples.empty();
+  if (saved_size < 0 && parts.train_size >= 0 && same_samples) {
+    // An older trainer's file records no train_size; the same seed and
+    // --train_samples make it this run's set, so its position must fit that:
+    // a samples_in_epoch past it would start the epoch past its end.
+    CheckPositionInSet(path, pos, trained, !Get(m, "samples_in_epoch").empty(), saved_world, saved_batch,
+                       parts.train_size,
+                       "this run's training set of " + std::to_string(parts.train_size) +
+                           " samples (the file has no train_size)");
+  }
   const bool same_order = same_samples && saved_world == world_size &&
                           saved_batch == config.batch_size &&
                           saved_accum == config.grad_accum_steps;

@@ -441,7 +441,7 @@ TEST(TrainStateTest, PositionOutOfRangeIsRefusedNamingKeyValueAndFile) {
       {"batch_in_epoch", "-1", "0 or more"},
       {"batch_in_epoch", "20", "0 to 19, the batches of its epoch on 2 ranks"},
       {"epoch_start", "-5", "0 or more"},
-      {"epoch_start", "301", "0 to 300, its train_size"},
+      {"epoch_start", "301", "0 to 300, its train_size 300"},
       {"epoch_loss_count", "-1", "0 or more"},
       {"train_size", "-300", "0 or more"},
       {"world_size", "0", "1 or more"},
@@ -507,6 +507,53 @@ TEST(TrainStateTest, OlderFileWithWrappingBatchInEpochIsRefusedNamingIt) {
   EXPECT_EQ(pos.epoch_start, 48);
   EXPECT_EQ(pos.batch_in_epoch, 0);
   EXPECT_NE(note.find("after 48 samples of the epoch's order"), std::string::npos) << note;
+}
+
+// A file with samples_in_epoch but no train_size (a trainer between the two
+// keys) is checked against this run's training set, which the same seed and
+// --train_samples make the saved run's: a samples_in_epoch past the epoch
+// is refused naming the file and the key. (It became the start of the
+// epoch on other ranks, past its end, so the rest of the epoch was skipped.)
+TEST(TrainStateTest, OlderFileWithoutTrainSizeHasItsPositionCheckedAgainstThisRunsSet) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.batch_size = 8;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  parts.train_size = 300;
+  const std::string path = Path("older_no_train_size");
+  SaveTrainCheckpoint(path, parts, TrainPosition{.epoch = 0, .batch_in_epoch = 3}, config, 2);
+  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+  ckpt.metadata.erase("train_size");
+  const std::string tail =
+      "; the file was not written by this trainer, or changed since; delete it or pass another "
+      "--checkpoint to start afresh";
+  // 300 samples on 2 ranks: 19 batches of 8, covering 304 positions.
+  ckpt.metadata["samples_in_epoch"] = "305";
+  nn::io::SaveCheckpoint(path, ckpt);
+  for (const int world : {1, 2}) {
+    EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, world, nullptr); }),
+              "--resume: checkpoint " + path +
+                  " has samples_in_epoch=305, out of range (0 to 304, the samples of its epoch's 19 "
+                  "batches on 2 ranks, of this run's training set of 300 samples (the file has no "
+                  "train_size))" + tail)
+        << world << " ranks";
+  }
+  ckpt.metadata["samples_in_epoch"] = "48";
+  ckpt.metadata["batch_in_epoch"] = "20";
+  nn::io::SaveCheckpoint(path, ckpt);
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, 1, nullptr); }),
+            "--resume: checkpoint " + path +
+                " has batch_in_epoch=20, out of range (0 to 19, the batches of its epoch on 2 ranks)" + tail);
+
+  // Within range, a run on 1 rank continues after the samples trained.
+  ckpt.metadata["batch_in_epoch"] = "3";
+  nn::io::SaveCheckpoint(path, ckpt);
+  std::string note;
+  const TrainPosition pos = LoadTrainCheckpoint(path, parts, config, 1, &note);
+  EXPECT_EQ(pos.epoch_start, 48);
+  EXPECT_EQ(pos.batch_in_epoch, 0);
 }
 
 // The data order depends on the training set, not on the flag that cut it:
