@@ -1138,16 +1138,24 @@ std::string KeepAsPreviousCheckpoint(const std::string& path) {
   for (int n = 1; n <= kMaxPreviousCheckpoints; ++n) {
     previous = PreviousCheckpointPath(path, n);
     // A second name: `path` stays in place until the save renames the new
-    // checkpoint over it, so a save that fails leaves it there.
-    if (::link(path.c_str(), previous.c_str()) == 0) {
+    // checkpoint over it, so a save that fails leaves it there. Of the file
+    // a symbolic link at `path` leads to, not of the link: the save writes
+    // through the link (AtomicFileWriter), and a second name of the link
+    // would show the new file.
+    if (::linkat(AT_FDCWD, path.c_str(), AT_FDCWD, previous.c_str(), AT_SYMLINK_FOLLOW) == 0) {
       err = 0;
       break;
     }
     err = errno;
     if (err == EEXIST) continue;
-    if (err != EPERM && err != ENOTSUP && err != EOPNOTSUPP && err != EMLINK && err != ENOSYS) break;
+    if (err != EPERM && err != ENOTSUP && err != EOPNOTSUPP && err != EMLINK && err != ENOSYS &&
+        err != EXDEV) {
+      break;
+    }
     // No hard links here (some network and FUSE filesystems, or
-    // protected_hardlinks): move the file instead.
+    // protected_hardlinks), or a link at `path` to a file on another
+    // filesystem: move the entry instead (a link moved keeps leading to
+    // the old file, and the save makes a new one at `path`).
     if (::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, previous.c_str(), RENAME_NOREPLACE) == 0) {
       err = 0;
       break;

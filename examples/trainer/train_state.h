@@ -306,6 +306,9 @@ std::string FreePreviousCheckpointPath(const std::string& path);
 /// syncs the folder; returns that name. The file stays at `path` too (a
 /// hard link) until a save renames a new file over it; on a filesystem
 /// without hard links it is renamed instead, and `path` is then empty.
+/// When `path` is a symbolic link, the file it leads to is the one kept
+/// (the save writes through the link); a link to another filesystem is
+/// renamed.
 /// Call on rank 0 only, before a fresh run's first save over another run's
 /// checkpoint (IsAnotherRunsCheckpoint). Throws UsageError naming both
 /// paths when that fails; `path` is then as it was.

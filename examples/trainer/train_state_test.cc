@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/sampler.h"
+#include "nn/io/atomic_file.h"
 #include "nn/io/checkpoint.h"
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
@@ -720,6 +721,29 @@ TEST(TrainStateTest, AnotherRunsCheckpointIsKeptUnderAFreeNameAndStaysInPlace) {
             0u)
       << msg;
   EXPECT_EQ(ReadAll(previous), "older");
+}
+
+// A checkpoint path that is a symbolic link: the save writes through it, so
+// the file kept is the one it leads to, not the link (whose second name
+// would lead to the new file, losing the other run's checkpoint).
+TEST(TrainStateTest, ACheckpointBehindASymlinkIsKeptAsTheFileItLeadsTo) {
+  const std::string path = Path("keep_link");
+  const std::string target = Path("keep_link_target");
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(target) << "another run's";
+  std::filesystem::create_symlink(std::filesystem::path(target).filename(), path);
+  const std::string kept = KeepAsPreviousCheckpoint(path);
+  EXPECT_EQ(kept, PreviousCheckpointPath(path));
+  EXPECT_FALSE(std::filesystem::is_symlink(kept));
+  {
+    nn::io::AtomicFileWriter out(path);
+    const std::string bytes = "this run's";
+    out.Write(bytes.data(), bytes.size());
+    out.Commit();
+  }
+  EXPECT_TRUE(std::filesystem::is_symlink(path));
+  EXPECT_EQ(ReadAll(target), "this run's");
+  EXPECT_EQ(ReadAll(kept), "another run's");
 }
 
 // After a save that failed, the file kept is still at the path: its second
