@@ -22,7 +22,8 @@ std::string Describe(bool is_send, int owner, int peer, Tag tag, size_t bytes) {
          std::to_string(peer) + " (tag " + HexTag(tag) + ")";
 }
 
-// The test hooks (Kill, IsKilled, Stats, BytesBetween) return no Status:
+// The test hooks (Kill, IsKilled, Stats, BytesBetween, BytesBetweenGroups)
+// return no Status:
 // a rank outside the hub is a broken test, which must not pass on the
 // nothing or zero it would otherwise be handed.
 void CheckHookRank(const char* hook, const char* argument, int rank, int size) {
@@ -147,11 +148,20 @@ bool LoopbackHub::IsKilled(int rank) const {
 }
 
 uint64_t LoopbackHub::BytesBetweenGroups(const std::vector<int>& group_of_rank) const {
+  // A list shorter than the hub left the ranks past its end out of every
+  // group (their bytes never counted); a longer one named ranks that do not
+  // exist. Either is a broken test that would pass on a smaller count.
+  if (group_of_rank.size() != static_cast<size_t>(size_)) {
+    std::fprintf(stderr,
+                 "fatal: LoopbackHub::BytesBetweenGroups: group_of_rank has %zu entries, "
+                 "expected one per rank (%d)\n",
+                 group_of_rank.size(), size_);
+    std::abort();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t bytes = 0;
-  const int n = std::min(size_, static_cast<int>(group_of_rank.size()));
-  for (int a = 0; a < n; ++a) {
-    for (int b = 0; b < n; ++b) {
+  for (int a = 0; a < size_; ++a) {
+    for (int b = 0; b < size_; ++b) {
       if (group_of_rank[a] != group_of_rank[b]) bytes += pair_bytes_[static_cast<size_t>(a) * size_ + b];
     }
   }

@@ -81,6 +81,7 @@ class LoopbackHub {
   uint64_t BytesBetween(int from, int to) const;
   /// Bytes delivered so far between ranks of different groups, rank r being
   /// in group group_of_rank[r] (hosts, say): what would cross a network.
+  /// Aborts, naming both sizes, unless group_of_rank has one entry per rank.
   uint64_t BytesBetweenGroups(const std::vector<int>& group_of_rank) const;
 
  private:

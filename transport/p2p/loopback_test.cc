@@ -254,6 +254,32 @@ TEST(LoopbackDeathTest, TestHooksRefuseARankOutsideTheHub) {
   EXPECT_EQ(hub.BytesBetween(2, 0), 0u);
 }
 
+// BytesBetweenGroups took min(list size, hub size) ranks into account, so a
+// short list silently left ranks out of the count and a long one was cut.
+TEST(LoopbackDeathTest, BytesBetweenGroupsRefusesAListOfTheWrongSize) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  LoopbackHub hub(3);
+  EXPECT_DEATH(hub.BytesBetweenGroups({0, 1}),
+               "LoopbackHub::BytesBetweenGroups: group_of_rank has 2 entries, expected one per "
+               "rank \\(3\\)");
+  EXPECT_DEATH(hub.BytesBetweenGroups({0, 1, 0, 1}),
+               "LoopbackHub::BytesBetweenGroups: group_of_rank has 4 entries, expected one per "
+               "rank \\(3\\)");
+  EXPECT_DEATH(hub.BytesBetweenGroups({}), "group_of_rank has 0 entries");
+  auto eps = ConnectAll(hub);
+  const int value = 7;
+  int got = 0;
+  auto recv = eps[2]->PostRecv(0, 1, &got, sizeof(got));
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  auto send = eps[0]->PostSend(2, 1, &value, sizeof(value));
+  ASSERT_TRUE(send.ok()) << send.status();
+  ASSERT_TRUE(eps[0]->WaitAll({&send.value(), 1}, Soon()).ok());
+  ASSERT_TRUE(eps[2]->WaitAll({&recv.value(), 1}, Soon()).ok());
+  // Rank 2 alone in group 1: its bytes cross; all in one group: none do.
+  EXPECT_EQ(hub.BytesBetweenGroups({0, 0, 1}), sizeof(int));
+  EXPECT_EQ(hub.BytesBetweenGroups({0, 1, 0}), 0u);
+}
+
 TEST(LoopbackTest, KillFailsPeersWithPeerLostAndTheVictimWithAborted) {
   LoopbackHub hub(3);
   auto eps = ConnectAll(hub);
