@@ -12,6 +12,7 @@ Status Barrier(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     return InvalidArgumentError("barrier: tag " + std::to_string(args.tag) +
                                 " leaves no room for the collective's tag range");
   }
+  DDP_RETURN_IF_ERROR(internal::CheckWorldSize("barrier", p2p));
   const int p = p2p.size(), r = p2p.rank();
   if (p == 1) return Status();
   const p2p::Tag tag = PhaseTag(args.tag, 0);

@@ -67,6 +67,13 @@ inline p2p::Tag PhaseTag(p2p::Tag tag, int phase) {
   return tag + (static_cast<p2p::Tag>(phase) << kStepTagBits);
 }
 
+/// The most ranks a collective accepts. The algorithms compute ranks as
+/// int, and the largest value they form is below twice the world size (a
+/// heap tree's child 2v + 2, a rotation r + p - 1, the power of two above
+/// p): a world of 2^30 or more would overflow, so every collective refuses
+/// it up front. UCX's own limit (tag bits for the source rank) is far lower.
+inline constexpr int kMaxWorldSize = (1 << 30) - 1;
+
 /// The largest Tuning::pipeline_depth accepted.
 inline constexpr int kMaxPipelineDepth = 64;
 

@@ -39,6 +39,8 @@ Status CheckNestingTag(const char* what, p2p::Tag tag) {
 
 StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p,
                                  std::span<const int> host_of_rank) {
+  // Before the per-rank lists below, which a refused world would allocate.
+  DDP_RETURN_IF_ERROR(internal::CheckWorldSize("host grouping", p2p));
   const int p = p2p.size(), r = p2p.rank();
   if (!host_of_rank.empty() && host_of_rank.size() != static_cast<size_t>(p)) {
     return InvalidArgumentError("host_of_rank has " + std::to_string(host_of_rank.size()) +

@@ -53,7 +53,7 @@ struct HostGroups {
 
 /// INVALID_ARGUMENT, naming host_of_rank and both sizes (the caller
 /// prefixes what it was doing), when host_of_rank has a size other than 0
-/// or p2p.size().
+/// or p2p.size(), or when p2p.size() exceeds kMaxWorldSize.
 StatusOr<HostGroups> GroupByHost(const p2p::PointToPoint& p2p, std::span<const int> host_of_rank);
 
 }  // namespace ddp::transport::algorithms

@@ -20,8 +20,16 @@ bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 
 }  // namespace
 
+Status CheckWorldSize(std::string_view collective, const p2p::PointToPoint& p2p) {
+  if (p2p.size() <= kMaxWorldSize) return Status();
+  return InvalidArgumentError(std::string(collective) + ": world size " +
+                              std::to_string(p2p.size()) + " exceeds the limit of " +
+                              std::to_string(kMaxWorldSize) + " ranks");
+}
+
 Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
                  const CollectiveArgs& args, const BufferShape& shape) {
+  DDP_RETURN_IF_ERROR(CheckWorldSize(collective, p2p));
   const std::string name(collective);
   auto invalid = [&](const std::string& why) { return InvalidArgumentError(name + ": " + why); };
   if (args.deadline == Deadline{}) return invalid("deadline is not set");
@@ -87,6 +95,7 @@ Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
 
 Status CheckBlockOwner(std::string_view collective, const p2p::PointToPoint& p2p,
                        const CollectiveArgs& args) {
+  DDP_RETURN_IF_ERROR(CheckWorldSize(collective, p2p));
   const std::vector<int>* owner = args.tuning.block_owner;
   if (owner == nullptr) return Status();
   const int p = p2p.size();

@@ -34,7 +34,12 @@ struct BufferShape {
   int64_t recv_alias_offset = -1;
 };
 
+/// INVALID_ARGUMENT naming the collective, p2p.size() and kMaxWorldSize
+/// when the world is larger than the algorithms' rank arithmetic allows.
+Status CheckWorldSize(std::string_view collective, const p2p::PointToPoint& p2p);
+
 /// INVALID_ARGUMENT naming the collective and the argument at fault, or OK.
+/// Includes CheckWorldSize.
 Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
                  const CollectiveArgs& args, const BufferShape& shape);
 
@@ -42,7 +47,7 @@ Status CheckArgs(std::string_view collective, const p2p::PointToPoint& p2p,
 /// is set but is not a permutation of [0, p2p.size()) (one entry per rank,
 /// each rank once), or OK. BlockLayout indexes it by rank and places blocks
 /// by its values, so anything else reads past it or lays two blocks over
-/// one another.
+/// one another. Includes CheckWorldSize (it runs before CheckArgs).
 Status CheckBlockOwner(std::string_view collective, const p2p::PointToPoint& p2p,
                        const CollectiveArgs& args);
 
