@@ -5,9 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "transport/p2p/group_view.h"
+#include "transport/algorithms/block_owner_test_util.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
 #include "transport/testing/data_types.h"
@@ -21,7 +20,6 @@ using ::ddp::transport::testing::Compare;
 using ::ddp::transport::testing::Contributions;
 using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::RunRanks;
-using ::testing::HasSubstr;
 
 enum class Placement { kSeparate, kInPlace, kSendAtRecvStart };
 
@@ -113,15 +111,12 @@ TEST(RingAllGatherTest, MismatchedCountsFailOnEveryRank) {
   }
 }
 
-// On a ring view in another order than the ranks' (hosts {0, 1, 0, 1}, as a
-// cyclic placement gives: the ring 0, 2, 1, 3 leaves each host once), every
-// block keeps its rank's place in the buffers, and half as many bytes cross
-// between hosts as on the ring in rank order.
+// On a ring view in another order than the ranks' (RingViewOrder over
+// RingViewHosts), every block keeps its rank's place in the buffers, and half
+// as many bytes cross between hosts as on the ring in rank order.
 TEST(RingAllGatherTest, OnARingViewBlocksKeepTheirRanksPlaces) {
-  constexpr int kWorld = 4;
+  constexpr int kWorld = testing::kRingViewWorld;
   constexpr size_t kCount = 1000;
-  const std::vector<int> order = {0, 2, 1, 3};
-  const std::vector<int> host = {0, 1, 0, 1};
   uint64_t crossing[2] = {0, 0};
   for (bool on_view : {false, true}) {
     SCOPED_TRACE(on_view ? "on the ring view" : "in rank order");
@@ -138,10 +133,7 @@ TEST(RingAllGatherTest, OnARingViewBlocksKeepTheirRanksPlaces) {
       args.dtype = DataType::kF32;
       args.tag = CollectiveTag(3);
       args.deadline = DeadlineIn(30s);
-      if (!on_view) return RingAllGather(p2p, args);
-      DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(p2p, order));
-      args.tuning.block_owner = &order;
-      return RingAllGather(view, args);
+      return on_view ? testing::RunOnRingView(p2p, args, RingAllGather) : RingAllGather(p2p, args);
     });
     for (int r = 0; r < kWorld; ++r) {
       ASSERT_TRUE(statuses[r].ok()) << statuses[r];
@@ -150,10 +142,9 @@ TEST(RingAllGatherTest, OnARingViewBlocksKeepTheirRanksPlaces) {
         EXPECT_EQ(out[r][q * kCount + kCount - 1], static_cast<float>(q + 1)) << "rank " << r << " block " << q;
       }
     }
-    crossing[on_view] = hub.BytesBetweenGroups(host);
+    crossing[on_view] = hub.BytesBetweenGroups(testing::RingViewHosts());
   }
-  EXPECT_GT(crossing[0], 0u);
-  EXPECT_EQ(2 * crossing[1], crossing[0]);
+  testing::ExpectRingViewHalvesTheCrossing(crossing);
 }
 
 // A block_owner that is not one entry per rank, each rank once, is refused
@@ -161,35 +152,8 @@ TEST(RingAllGatherTest, OnARingViewBlocksKeepTheirRanksPlaces) {
 // short one was read past its end, a repeated rank laid two blocks over one
 // another).
 TEST(RingAllGatherTest, BlockOwnerThatIsNotAPermutationIsNamed) {
-  constexpr int kWorld = 3;
-  constexpr size_t kCount = 4;
-  const struct {
-    std::vector<int> owner;
-    const char* error;
-  } cases[] = {
-      {{0, 0, 2}, "tuning.block_owner lists rank 0 twice (entries 0 and 1)"},
-      {{0, 1, 3}, "tuning.block_owner[2] is 3, outside [0, 3)"},
-      {{2, -1, 0}, "tuning.block_owner[1] is -1, outside [0, 3)"},
-      {{0}, "tuning.block_owner has 1 entries for 3 ranks"},
-  };
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.error);
-    auto statuses = RunRanks(kWorld, [&](p2p::PointToPoint& p2p) -> Status {
-      std::vector<float> send(kCount, 1.0f), recv(kCount * kWorld, 0.0f);
-      CollectiveArgs args;
-      args.send = send.data();
-      args.recv = recv.data();
-      args.count = kCount;
-      args.dtype = DataType::kF32;
-      args.deadline = DeadlineIn(5s);
-      args.tuning.block_owner = &c.owner;
-      return RingAllGather(p2p, args);
-    });
-    for (int r = 0; r < kWorld; ++r) {
-      EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
-      EXPECT_THAT(statuses[r].message(), HasSubstr(c.error)) << "rank " << r;
-    }
-  }
+  testing::ExpectBlockOwnersThatAreNotPermutationsRefused(RingAllGather, /*send_blocks=*/1,
+                                                          /*recv_blocks=*/3);
 }
 
 }  // namespace
