@@ -237,6 +237,14 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
     return InvalidArgumentError("shared-memory group: " + std::to_string(options.pids.size()) +
                                 " pids for a group of " + std::to_string(options.size));
   }
+  // Names only go into messages, but a short list named some ranks by
+  // their job rank and the rest by their group rank, so an error could
+  // blame the wrong process.
+  if (!options.names.empty() && static_cast<int>(options.names.size()) != options.size) {
+    return InvalidArgumentError("shared-memory group: " + std::to_string(options.names.size()) +
+                                " names for a group of " + std::to_string(options.size) +
+                                " (one per rank, or none)");
+  }
   // Two areas of this per rank are mapped: a larger one would make the
   // segment's size wrap around (2^62 gave one page, and the first staged
   // call wrote past it).

@@ -1375,6 +1375,22 @@ TEST(ShmAllReduce, BadGroupShapesAreNamed) {
   EXPECT_EQ(error(0, 2, 3), "shared-memory group: 3 pids for a group of 2");
 }
 
+// A names list that is not one per rank is refused: it was taken as it
+// came, and the ranks past its end were named by their group rank, the
+// others by their job rank, so a message could name another process.
+TEST(ShmAllReduce, NamesThatAreNotOnePerRankAreRefused) {
+  testing::InMemoryStore store;
+  auto error = [&](std::vector<int> names) {
+    ShmOptions options{.rank = 0, .size = 3, .pids = std::vector<int>(3, getpid()),
+                       .names = std::move(names)};
+    auto engine = ShmAllReduce::Create(store, "names/", options, DeadlineIn(milliseconds(500)));
+    return engine.ok() ? std::string("created") : engine.status().message();
+  };
+  EXPECT_EQ(error({4, 9}), "shared-memory group: 2 names for a group of 3 (one per rank, or none)");
+  EXPECT_EQ(error({4, 9, 11, 12}),
+            "shared-memory group: 4 names for a group of 3 (one per rank, or none)");
+}
+
 // Buffers in shareable memory: peers copy with them through a mapping of
 // the owner's memfd instead of CMA, with the same results; ranks whose
 // buffers are not shareable mix with ones whose buffers are.
