@@ -425,15 +425,7 @@ void Module::Train(bool on) {
 }
 
 void Module::ZeroGrad(bool set_to_none) {
-  for (const Tensor& p : Parameters()) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      p.set_grad(Tensor());
-    } else {
-      NoGradGuard guard;
-      p.grad().Zero();
-    }
-  }
+  for (const Tensor& p : Parameters()) ZeroGradOf(p, set_to_none);
 }
 
 void Module::Apply(const std::function<void(Module&)>& fn) {

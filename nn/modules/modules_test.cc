@@ -458,6 +458,30 @@ TEST(ModuleTest, StateDictListsATiedWeightUnderEachName) {
   EXPECT_NO_THROW(b.LoadStateDict(one_name, /*strict=*/false));
 }
 
+// Zeroing in place takes a gradient out of autograd first, as PyTorch's
+// zero_grad and the optimizers' ZeroGrad: a recorded one becomes its
+// detached alias (same memory), a leaf one stops requiring grad.
+TEST(ModuleTest, ZeroGradInPlaceDetachesGradientsThatArePartOfAGraph) {
+  auto mlp = MakeMlp();
+  const std::vector<Tensor> params = mlp->Parameters();
+  Tensor x = Ones(params[0].shape());
+  x.set_requires_grad(true);
+  const Tensor recorded = ops::MulScalar(x, 2.0);
+  ASSERT_NE(recorded.grad_fn(), nullptr);
+  params[0].set_grad(recorded);
+  Tensor leaf = Ones(params[1].shape());
+  leaf.set_requires_grad(true);
+  params[1].set_grad(leaf);
+  mlp->ZeroGrad(/*set_to_none=*/false);
+  EXPECT_EQ(params[0].grad().grad_fn(), nullptr);
+  EXPECT_FALSE(params[0].grad().requires_grad());
+  EXPECT_EQ(params[0].grad().data_ptr(), recorded.data_ptr());
+  EXPECT_EQ(recorded.ToVector<float>()[0], 0.0f);
+  EXPECT_TRUE(params[1].grad().is_same(leaf));
+  EXPECT_FALSE(leaf.requires_grad());
+  EXPECT_EQ(leaf.ToVector<float>()[0], 0.0f);
+}
+
 TEST(ModuleTest, TrainEvalZeroGradApplyTo) {
   auto r = MakeResNet18({.num_classes = 10, .stem = ResNetStem::kCifar});
   r->Eval();

@@ -733,25 +733,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
 }
 
 void ZeroGrad(const NamedParameters& params, bool set_to_none) {
-  for (const auto& [name, p] : params) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      p.set_grad(Tensor());
-    } else {
-      // As PyTorch's zero_grad: a gradient that is itself part of a graph
-      // (set_grad takes any tensor) leaves it before it is zeroed, so that the
-      // zeros carry no history into the next backward. A recorded gradient is
-      // swapped for its detached alias (same storage: a bucket view stays a
-      // view); a leaf one just stops requiring grad.
-      if (p.grad().grad_fn() != nullptr) {
-        p.set_grad(p.grad().Detach());
-      } else if (p.grad().requires_grad()) {
-        p.grad().set_requires_grad(false);
-      }
-      NoGradGuard guard;
-      p.grad().Zero();
-    }
-  }
+  for (const auto& [name, p] : params) ZeroGradOf(p, set_to_none);
 }
 
 void Optimizer::ZeroGrad(bool set_to_none) { optim::ZeroGrad(params_, set_to_none); }

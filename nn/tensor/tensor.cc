@@ -960,4 +960,20 @@ Tensor FromVector(const std::vector<double>& values, const Shape& shape, TensorO
   return out;
 }
 
+void ZeroGradOf(const Tensor& param, bool set_to_none) {
+  const Tensor& grad = param.grad();
+  if (!grad.defined()) return;
+  if (set_to_none) {
+    param.set_grad(Tensor());
+    return;
+  }
+  if (grad.grad_fn() != nullptr) {
+    param.set_grad(grad.Detach());
+  } else if (grad.requires_grad()) {
+    grad.set_requires_grad(false);
+  }
+  NoGradGuard guard;
+  param.grad().Zero();
+}
+
 }  // namespace ddp::nn

@@ -387,4 +387,11 @@ Tensor FromVectorOf(const std::vector<T>& values, const Shape& shape) {
 /// Broadcast shape of a and b (numpy rules); throws naming both shapes.
 Shape BroadcastShapes(const Shape& a, const Shape& b);
 
+/// Clears `param`'s .grad (set_to_none), or zeroes it in place as PyTorch's
+/// zero_grad: a gradient that is itself part of a graph first leaves it
+/// (replaced by its detached alias, same storage; a leaf one stops
+/// requiring grad), so that the zeros carry no history into the next
+/// backward. Module::ZeroGrad and the optimizers' ZeroGrad use it.
+void ZeroGradOf(const Tensor& param, bool set_to_none);
+
 }  // namespace ddp::nn
