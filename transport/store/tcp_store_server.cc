@@ -495,6 +495,15 @@ class TcpStoreServer::Impl {
       MarkDead(*c);
       return;
     }
+    if ((events & EPOLLRDHUP) && waiting_for_memory_.count(id)) {
+      // Its client hung up while the frame waited for room (the connection
+      // is not read meanwhile, so only this says so): the frame's place in
+      // the queue and the connection's slot go now, not when its turn comes.
+      Log("dropped connection from " + c->peer +
+          ": its client closed while its request waited for room in the store's buffers");
+      MarkDead(*c);
+      return;
+    }
     if (events & EPOLLOUT) Flush(*c);
     if (!c->dead && (events & EPOLLIN)) OnReadable(*c);
     Touch(*c);
@@ -1176,7 +1185,11 @@ class TcpStoreServer::Impl {
 
   void UpdateInterest(Connection& c) {
     uint32_t want = 0;
-    if (!c.closing && !waiting_for_memory_.count(c.id)) want |= EPOLLIN;
+    if (!c.closing) {
+      // A connection waiting for room is not read; it watches for its
+      // client's hang-up instead (a FIN alone raises no EPOLLHUP).
+      want |= waiting_for_memory_.count(c.id) ? EPOLLRDHUP : EPOLLIN;
+    }
     if (c.pending_out() > 0) want |= EPOLLOUT;
     if (want == c.events) return;
     epoll_event ev{};

@@ -136,6 +136,8 @@ class RawConnection {
       if (s.code() == StatusCode::kTimedOut) return false;
     }
   }
+  // Closes this end, as a client that gives up does.
+  void Close() { fd_.Reset(); }
   // Status code and message of a request reply.
   static std::pair<StatusCode, std::string> ParseReply(const std::string& body, uint32_t* id) {
     wire::Reader r(body);
@@ -907,6 +909,52 @@ TEST(TcpStoreTest, FramesWaitingForRoomGetItInTheOrderTheyCame) {
   EXPECT_EQ(RawConnection::ParseReply(*reply, &id).first, StatusCode::kOk);
   older_set.join();
   EXPECT_TRUE(older_status.ok()) << older_status;
+}
+
+// A client that closes while its frame waits for room is dropped at once,
+// with its place in the queue: its connection is not read while it waits,
+// and its close used to go unseen until the room came (here, never: the
+// holder's frame is neither finished nor dropped within the test).
+TEST(TcpStoreTest, AClientThatClosesWhileWaitingForRoomIsDroppedPromptly) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 5 << 20;  // one 3 MiB frame at a time
+  auto server = StartServer(options);
+  RawConnection holder(server->port()), quitter(server->port()), stays(server->port());
+  holder.Handshake();
+  quitter.Handshake();
+  stays.Handshake();
+  const std::string held = SetFrame(1, "held"), quits = SetFrame(2, "quits"),
+                    waits = SetFrame(3, "stays");
+  holder.Send(std::string_view(held).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes >= held.size();
+  })) << "the holder's frame never got its room: " << server->stats().buffered_bytes
+      << " bytes buffered";
+  quitter.Send(std::string_view(quits).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 1;
+  })) << server->stats().frames_waiting_for_room << " frames waiting";
+  stays.Send(std::string_view(waits).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 2;
+  })) << server->stats().frames_waiting_for_room << " frames waiting";
+  ASSERT_EQ(server->stats().open_connections, 3u);
+  quitter.Close();
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.open_connections == 2 && s.frames_waiting_for_room == 1;
+  }, 3s)) << "the closed client was kept: " << server->stats().open_connections
+          << " connections open, " << server->stats().frames_waiting_for_room
+          << " frames waiting";
+  // The holder's room goes to the frame still waiting, which completes.
+  holder.Send(std::string_view(held).substr(1000));
+  std::optional<std::string> reply = holder.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_EQ(RawConnection::ParseReply(*reply, nullptr).first, StatusCode::kOk);
+  stays.Send(std::string_view(waits).substr(1000));
+  reply = stays.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_EQ(RawConnection::ParseReply(*reply, nullptr).first, StatusCode::kOk);
+  EXPECT_EQ(server->stats().dropped_stalled, 0u);
 }
 
 // A rank that connects while the frames of others hold every bit of room
