@@ -2465,6 +2465,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   for (int r = 0; r < size(); ++r) {
     if (all[2 * r] != kNoColor) ++ranks_of_color[all[2 * r]];
   }
+  Status registered;
   if (impl_->server_ != nullptr) {
     std::lock_guard lock(impl_->server_->mu);
     for (const auto& [c, ranks] : ranks_of_color) {
@@ -2475,9 +2476,12 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     for (const auto& [c, ranks] : ranks_of_color) {
       users += child_name(c) + "/ " + std::to_string(ranks) + "\n";
     }
-    DDP_RETURN_IF_ERROR(impl_->RegisterSplit(users, call));
+    registered = impl_->RegisterSplit(users, call);
   }
-  if (color == kNoColor) return std::unique_ptr<Communicator>();
+  if (color == kNoColor) {
+    if (!registered.ok()) return registered;
+    return std::unique_ptr<Communicator>();
+  }
   std::vector<int> members;  // ranks of this communicator with this color
   for (int r = 0; r < size(); ++r) {
     if (all[2 * r] == color) members.push_back(r);
@@ -2496,6 +2500,19 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     if (!parent.real_topology_.SameHost(r, rank())) continue;
     if (r == rank()) o.local_rank = o.local_world_size;
     ++o.local_world_size;
+  }
+  if (!registered.ok()) {
+    // This rank creates no communicator of its color; the other members,
+    // already on their way to create it, would wait for it until the
+    // split's timeout. Their creation waits watch the new communicator's
+    // abort key (as after a failed Init): the reason goes there.
+    const Status reason(registered.code(), "creating its communicator: " + registered.message());
+    impl_->store_
+        ->CompareSet(child_name(color) + "/abort", std::nullopt, fault::PeerMonitor::EncodeAbort(o.rank, reason),
+                     DeadlineIn(impl_->options_.abort_store_time))
+        .status()
+        .IgnoreError();
+    return registered;
   }
   o.host_store = false;      // the store is served already
   o.bind_to_core = false;    // a pinned creating thread stays pinned

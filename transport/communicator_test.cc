@@ -1427,6 +1427,47 @@ int ScenarioSplitFailsOnOneRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A split of a split without rank 0 (which serves the store), where the
+// first member cannot register the new communicator with the store (the
+// registrations' key is made full beforehand): its split fails, and the
+// other member learns why at once instead of waiting for it until the
+// split's timeout.
+int ScenarioSplitRegistrationFails() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  // Rank 0 serves the store until the others have left the child.
+  if (me == 0) return testing::worker_failures == 0 ? 0 : 1;
+  std::unique_ptr<Communicator> kept = std::move(*child);
+  comm.reset();
+  if (kept->rank() == 0) {
+    const char* token = std::getenv("DDP_JOB_TOKEN");
+    auto client = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
+                                                 token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+    WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
+    if (!client.ok()) return 1;
+    // The job's root communicator's key for registrations: its name under
+    // the launch's key prefix (LaunchEnv::StoreKeyPrefix; no restarts here).
+    const Status filled = (*client)->Set("r0/default/splits", std::string(store::kMaxValueBytes - 8, 'x'),
+                                         DeadlineIn(milliseconds(5000)));
+    WORKER_CHECK(filled.ok(), "filling the registrations' key: " + filled.ToString());
+  }
+  const auto start = Clock::now();
+  auto grandchild = kept->Split(0, kept->rank(), {.timeout = std::chrono::seconds(15)});
+  const auto took = Clock::now() - start;
+  WORKER_CHECK(!grandchild.ok(), "the split was made");
+  WORKER_CHECK(grandchild.status().message().find("registering the new communicators") != std::string::npos,
+               "rank " + std::to_string(kept->rank()) + ": " + grandchild.status().ToString());
+  if (kept->rank() == 1) {
+    WORKER_CHECK(took < std::chrono::seconds(8),
+                 "rank 1 waited for the split's timeout: " + grandchild.status().ToString());
+  }
+  std::printf("SPLIT rank %d: %s\n", kept->rank(), grandchild.status().ToString().c_str());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -1461,6 +1502,7 @@ int RunScenario(const std::string& name) {
   if (name == "abort_ok") return ScenarioAbortWithOk();
   if (name == "abort_from_thread") return ScenarioAbortFromAnotherThread();
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
+  if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
@@ -1579,6 +1621,11 @@ TEST(Communicator, ARepeatedAbortAsksNoStore) {
 
 TEST(Communicator, ASplitFailingOnOneRankFailsTheOthersAtOnce) {
   Job job = RunJob(2, "split_fails", {});
+  for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, ASplitThatCannotBeRegisteredFailsItsOtherMembersAtOnce) {
+  Job job = RunJob(3, "split_registration_fails", {});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
