@@ -69,6 +69,14 @@ constexpr milliseconds kP2pPollHold{5};
 // another thread's collective holds, to settle its request, and then (the
 // cancel handed to that thread) for the cancel to be done.
 constexpr milliseconds kBlockingP2pAllowance{250};
+// After an abort, how long the rank serving the store keeps it for the
+// ranks that have not left: first for all of them, then, up to the longer
+// time, only while some rank that has not left may still be alive (not
+// seen exited on this host). A rank busy elsewhere at the abort reads the
+// reason there when it next calls; a rank that died never leaves, and
+// where nothing says so (another host) it holds the store up to the end.
+constexpr milliseconds kAbortedStoreTime{1000};
+constexpr milliseconds kAbortedStoreTimeForLatePeers{3000};
 
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
@@ -1358,8 +1366,18 @@ void Communicator::Impl::Shutdown() {
       // After a failed creation that posted no abort, the others may still
       // be on their way to the store to read the reason: they get until
       // the creation deadline, which Create or Split keeps to.
-      Deadline wait_until = aborted() ? DeadlineIn(milliseconds(1000)) : deadline;
+      Deadline wait_until = aborted() ? std::min(deadline, DeadlineIn(kAbortedStoreTimeForLatePeers)) : deadline;
       if (creation_failed_ && creation_deadline_) wait_until = std::min(wait_until, *creation_deadline_);
+      // Past this, an aborted communicator's own ranks are waited for only
+      // while one not yet left may be alive.
+      const Deadline all_until = aborted() ? std::min(wait_until, DeadlineIn(kAbortedStoreTime)) : wait_until;
+      // Whether the ranks of this communicator that are not counted as left
+      // are all seen exited. A rank that left and then exited is counted
+      // twice, which at worst ends the wait as early as before.
+      const auto rest_exited = [&](int64_t left) {
+        if (monitor_ == nullptr) return false;
+        return left + static_cast<int64_t>(monitor_->ExitedPeers().size()) >= options_.world_size;
+      };
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
       // all left, and one may have split again meanwhile.
@@ -1370,6 +1388,7 @@ void Communicator::Impl::Shutdown() {
           while (Clock::now() < wait_until) {
             auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
             if (!count.ok() || *count >= ranks) break;
+            if (prefix == prefix_ && Clock::now() >= all_until && rest_exited(*count)) break;
             std::this_thread::sleep_for(milliseconds(5));
           }
         }

@@ -1468,6 +1468,53 @@ int ScenarioSplitRegistrationFails() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Rank 0, which serves the store, aborts and destroys its communicator
+// while rank 1 is busy elsewhere; rank 1 calls 2 s later, well within its
+// deadline, and learns rank 0's reason (the store was kept for 1 s).
+int ScenarioLatePeerAfterTheStoreRanksAbort() {
+  auto comm = MustCreate();
+  Status s = comm->Barrier();
+  WORKER_CHECK(s.ok(), "barrier: " + s.ToString());
+  if (comm->rank() == 0) {
+    comm->Abort(AbortedError("rank zero gave up"));
+    const auto start = Clock::now();
+    comm.reset();
+    const auto took = Clock::now() - start;
+    const long long took_ms = std::chrono::duration_cast<milliseconds>(took).count();
+    // Kept until rank 1 left, which is some time after its late call.
+    WORKER_CHECK(took < std::chrono::seconds(8), "destroying took " + std::to_string(took_ms) + " ms");
+    std::printf("DESTROYED in %lld ms\n", took_ms);
+    // The process stays: its exit is not what tells rank 1.
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  std::this_thread::sleep_for(milliseconds(2000));
+  std::vector<float> all(1000, 1.0f);
+  s = comm->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(!s.ok() && s.message().find("rank zero gave up") != std::string::npos,
+               "the late all-reduce: " + s.ToString());
+  std::printf("LATE rank 1: %s\n", s.ToString().c_str());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// The same abort with rank 1 gone (exited without leaving): rank 0 keeps
+// the store no longer than before, as no rank that has not left is alive.
+int ScenarioStoreRankAbortsAfterItsPeerExited() {
+  auto comm = MustCreate();
+  Status s = comm->Barrier();
+  WORKER_CHECK(s.ok(), "barrier: " + s.ToString());
+  if (comm->rank() == 1) _exit(testing::worker_failures == 0 ? 0 : 1);
+  std::this_thread::sleep_for(milliseconds(500));
+  comm->Abort(AbortedError("rank zero gave up"));
+  const auto start = Clock::now();
+  comm.reset();
+  const auto took = Clock::now() - start;
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(took).count();
+  WORKER_CHECK(took < milliseconds(2500), "destroying took " + std::to_string(took_ms) + " ms");
+  std::printf("DESTROYED in %lld ms\n", took_ms);
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -1502,6 +1549,8 @@ int RunScenario(const std::string& name) {
   if (name == "abort_ok") return ScenarioAbortWithOk();
   if (name == "abort_from_thread") return ScenarioAbortFromAnotherThread();
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
+  if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
+  if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
@@ -1627,6 +1676,16 @@ TEST(Communicator, ASplitFailingOnOneRankFailsTheOthersAtOnce) {
 TEST(Communicator, ASplitThatCannotBeRegisteredFailsItsOtherMembersAtOnce) {
   Job job = RunJob(3, "split_registration_fails", {});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, ALatePeerLearnsTheAbortOfTheRankServingTheStore) {
+  Job job = RunJob(2, "late_peer_after_store_abort", {});
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, TheRankServingTheStoreWaitsForNoExitedPeerAfterAnAbort) {
+  Job job = RunJob(2, "store_abort_after_peer_exited", {});
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
 TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
