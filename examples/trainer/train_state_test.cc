@@ -471,21 +471,39 @@ TEST(TrainStateTest, PositionOutOfRangeIsRefusedNamingKeyValueAndFile) {
   }
 }
 
+// An MLP's checkpoint after 3 batches of 8 on 2 ranks of a 300-sample
+// training set, saved at Path(name), and the file as loaded (`ckpt`), for a
+// test to turn into an older trainer's (keys dropped) and save back.
+struct SavedMlpRun {
+  explicit SavedMlpRun(const std::string& name) : path(Path(name)) {
+    parts.train_size = 300;
+    SaveTrainCheckpoint(path, parts, TrainPosition{.epoch = 0, .batch_in_epoch = 3}, config, 2);
+    ckpt = nn::io::LoadCheckpoint(path);
+  }
+  static TrainConfig Config() {
+    TrainConfig c;
+    c.model = "mlp";
+    c.batch_size = 8;
+    return c;
+  }
+  TrainConfig config = Config();
+  std::shared_ptr<nn::modules::Sequential> model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt{model->NamedParameters(), {.lr = config.lr}};
+  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
+  std::string path;
+  nn::io::Checkpoint ckpt;
+};
+
 // An older trainer's file has neither samples_in_epoch nor train_size; the
 // samples trained are worked out from the position, and a batch_in_epoch
 // so large that the count wraps is refused naming the file and the key. (It
 // made a negative start, which the data sampler refused without the file.)
 TEST(TrainStateTest, OlderFileWithWrappingBatchInEpochIsRefusedNamingIt) {
-  TrainConfig config;
-  config.model = "mlp";
-  config.batch_size = 8;
-  auto model = nn::modules::MakeMlp();
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
-  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
-  parts.train_size = 300;
-  const std::string path = Path("older_wrapping");
-  SaveTrainCheckpoint(path, parts, TrainPosition{.epoch = 0, .batch_in_epoch = 3}, config, 2);
-  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+  SavedMlpRun run("older_wrapping");
+  const TrainConfig& config = run.config;
+  TrainComponents& parts = run.parts;
+  const std::string& path = run.path;
+  nn::io::Checkpoint& ckpt = run.ckpt;
   ckpt.metadata.erase("samples_in_epoch");
   ckpt.metadata.erase("train_size");
   // 2^62 batches of 8 on 2 ranks: 2^66 samples.
@@ -516,16 +534,11 @@ TEST(TrainStateTest, OlderFileWithWrappingBatchInEpochIsRefusedNamingIt) {
 // is refused naming the file and the key. (It became the start of the
 // epoch on other ranks, past its end, so the rest of the epoch was skipped.)
 TEST(TrainStateTest, OlderFileWithoutTrainSizeHasItsPositionCheckedAgainstThisRunsSet) {
-  TrainConfig config;
-  config.model = "mlp";
-  config.batch_size = 8;
-  auto model = nn::modules::MakeMlp();
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
-  TrainComponents parts{model.get(), &opt, nullptr, nullptr};
-  parts.train_size = 300;
-  const std::string path = Path("older_no_train_size");
-  SaveTrainCheckpoint(path, parts, TrainPosition{.epoch = 0, .batch_in_epoch = 3}, config, 2);
-  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+  SavedMlpRun run("older_no_train_size");
+  const TrainConfig& config = run.config;
+  TrainComponents& parts = run.parts;
+  const std::string& path = run.path;
+  nn::io::Checkpoint& ckpt = run.ckpt;
   ckpt.metadata.erase("train_size");
   const std::string tail =
       "; the file was not written by this trainer, or changed since; delete it or pass another "

@@ -36,6 +36,13 @@ bool SameBytes(const Tensor& a, const Tensor& b) {
          std::memcmp(a.Contiguous().data_ptr(), b.Contiguous().data_ptr(), a.nbytes()) == 0;
 }
 
+// A safetensors file's first 8 bytes: the length of `header`, little-endian.
+std::string HeaderLength(const std::string& header) {
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  return bytes;
+}
+
 // A file from Python holding a dtype nn::Tensor lacks (BOOL here) is
 // valid: loading it as tensors is refused naming that tensor and its
 // dtype, and its other tensors stay readable by name.
@@ -44,8 +51,7 @@ TEST(Checkpoint, ATensorOfADtypeTensorsLackIsRefusedNamedAndTheRestStaysReadable
   const std::string header =
       R"({"mask":{"dtype":"BOOL","shape":[4],"data_offsets":[0,4]},)"
       R"("w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
-  std::string bytes(8, '\0');
-  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::string bytes = HeaderLength(header);
   const float w[2] = {1.5f, -2.0f};
   bytes += header + std::string("\1\0\1\1", 4) + std::string(reinterpret_cast<const char*>(w), 8);
   std::ofstream(path, std::ios::binary) << bytes;
@@ -72,8 +78,7 @@ TEST(Checkpoint, OfSeveralTensorsOfDtypesTensorsLackTheFirstSavedIsNamed) {
   const std::string header =
       R"({"z_mask":{"dtype":"BOOL","shape":[4],"data_offsets":[4,8]},)"
       R"("y_half":{"dtype":"U16","shape":[2],"data_offsets":[0,4]}})";
-  std::string bytes(8, '\0');
-  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::string bytes = HeaderLength(header);
   bytes += header + std::string("\1\0\2\0\1\0\1\1", 8);
   std::ofstream(path, std::ios::binary) << bytes;
   ASSERT_EQ(SafetensorsFile::Read(path).tensors()[0].name, "y_half");  // first in the data

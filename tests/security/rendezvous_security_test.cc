@@ -61,43 +61,11 @@ constexpr char kToken[] = "security-test-token-5d1c";
 
 // ---- probes an outsider can run ----
 
-// Addresses (dotted IPv4, or "ipv6:<hex>") of sockets listening on `port`,
-// from /proc/net/tcp and /proc/net/tcp6 (this network namespace).
-std::vector<std::string> ListeningAddresses(int port) {
-  std::vector<std::string> out;
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state;
-      fields >> slot >> local >> remote >> state;
-      if (state != "0A") continue;  // TCP_LISTEN
-      const size_t colon = local.find(':');
-      if (colon == std::string::npos) continue;
-      if (std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
-      const std::string hex = local.substr(0, colon);
-      if (hex.size() == 8) {
-        // The kernel prints the address as a host-order (little-endian) word.
-        in_addr addr;
-        addr.s_addr = static_cast<in_addr_t>(std::stoul(hex, nullptr, 16));
-        char text[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &addr, text, sizeof(text));
-        out.push_back(text);
-      } else {
-        out.push_back("ipv6:" + hex);
-      }
-    }
-  }
-  return out;
-}
-
-// Bytes received by established sockets whose local port is `port` that
-// nobody has read yet (the rx_queue column of /proc/net/tcp): how much a
-// server on that port has left unread.
-size_t UnreadBytesAtPort(int port) {
-  size_t total = 0;
+// Calls f(local address hex, state hex, queues "tx:rx" hex) for every
+// socket of /proc/net/tcp and /proc/net/tcp6 (this network namespace) whose
+// local port is `port`.
+template <typename F>
+void ForEachSocketOnPort(int port, F f) {
   for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
     std::ifstream in(table);
     std::string line;
@@ -106,14 +74,43 @@ size_t UnreadBytesAtPort(int port) {
       std::istringstream fields(line);
       std::string slot, local, remote, state, queues;
       fields >> slot >> local >> remote >> state >> queues;
-      if (state != "01") continue;  // TCP_ESTABLISHED
       const size_t colon = local.find(':');
-      const size_t queue_colon = queues.find(':');
-      if (colon == std::string::npos || queue_colon == std::string::npos) continue;
+      if (colon == std::string::npos) continue;
       if (std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
-      total += std::stoul(queues.substr(queue_colon + 1), nullptr, 16);
+      f(local.substr(0, colon), state, queues);
     }
   }
+}
+
+// Addresses (dotted IPv4, or "ipv6:<hex>") of sockets listening on `port`.
+std::vector<std::string> ListeningAddresses(int port) {
+  std::vector<std::string> out;
+  ForEachSocketOnPort(port, [&](const std::string& hex, const std::string& state, const std::string&) {
+    if (state != "0A") return;  // TCP_LISTEN
+    if (hex.size() == 8) {
+      // The kernel prints the address as a host-order (little-endian) word.
+      in_addr addr;
+      addr.s_addr = static_cast<in_addr_t>(std::stoul(hex, nullptr, 16));
+      char text[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &addr, text, sizeof(text));
+      out.push_back(text);
+    } else {
+      out.push_back("ipv6:" + hex);
+    }
+  });
+  return out;
+}
+
+// Bytes received by established sockets on local port `port` that nobody
+// has read yet (the rx_queue column): how much a server on that port has
+// left unread.
+size_t UnreadBytesAtPort(int port) {
+  size_t total = 0;
+  ForEachSocketOnPort(port, [&](const std::string&, const std::string& state, const std::string& queues) {
+    const size_t colon = queues.find(':');
+    if (state != "01" || colon == std::string::npos) return;  // TCP_ESTABLISHED
+    total += std::stoul(queues.substr(colon + 1), nullptr, 16);
+  });
   return total;
 }
 
