@@ -2,6 +2,7 @@
 // must get one line that says how to fix them (exit status 2, nothing
 // started).
 
+#include <unistd.h>
 #include <gflags/gflags.h>
 
 #include <cstdint>
@@ -380,6 +381,24 @@ TEST(TrainCliTest, UnwritableCheckpointFailsBeforeTraining) {
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=/proc/self/ckpt.safetensors"})),
             "train: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: "
             "not writable); choose a writable path, or --checkpoint=none");
+}
+
+// A symbolic link at --checkpoint is written through: the folder checked at
+// the start is its target's (an unwritable one was found only at the first
+// save), and a link whose target's folder is missing is refused naming both.
+TEST(TrainCliTest, CheckpointLinkIsCheckedWhereItLeads) {
+  const std::string dir = testing::MakeTempDir("ckpt_link");
+  const std::string link = dir + "/ckpt.safetensors";
+  ASSERT_EQ(::symlink("/proc/self/ckpt.safetensors", link.c_str()), 0);
+  EXPECT_EQ(OneErrorLine(Train({"--checkpoint=" + link})),
+            "train: cannot write --checkpoint=" + link + " (folder /proc/self: not writable); choose a "
+            "writable path, or --checkpoint=none");
+  const std::string dangling = dir + "/dangling.safetensors";
+  ASSERT_EQ(::symlink((dir + "/missing/ckpt.safetensors").c_str(), dangling.c_str()), 0);
+  EXPECT_EQ(OneErrorLine(Train({"--checkpoint=" + dangling})),
+            "train: cannot write --checkpoint=" + dangling + " (cannot write a file at '" + dangling +
+                "': it is a symbolic link to '" + dir + "/missing/ckpt.safetensors', whose folder '" + dir +
+                "/missing' does not exist); choose a writable path, or --checkpoint=none");
 }
 
 // A folder for --checkpoint would be found only when the first epoch's

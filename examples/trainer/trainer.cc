@@ -25,6 +25,8 @@
 #include "nn/autograd/engine.h"
 #include "nn/data/data_loader.h"
 #include "nn/data/sampler.h"
+#include "nn/io/atomic_file.h"
+#include "nn/io/safetensors.h"
 #include "nn/loss/loss.h"
 #include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
@@ -194,7 +196,16 @@ void CheckCheckpointIsAFile(const TrainConfig& config) {
 // missing). Throws UsageError.
 void CheckOutputFolders(const TrainConfig& config) {
   if (!config.checkpoint.empty()) {
-    const std::string parent = std::filesystem::path(config.checkpoint).parent_path().string();
+    // A symbolic link at --checkpoint is written through (nn::io's atomic
+    // writer): its target's folder is the one that must be writable.
+    std::string target;
+    try {
+      target = nn::io::AtomicWriteTarget(config.checkpoint);
+    } catch (const nn::io::CheckpointError& e) {
+      throw UsageError("cannot write --checkpoint=" + config.checkpoint + " (" + e.what() +
+                       "); choose a writable path, or --checkpoint=none");
+    }
+    const std::string parent = std::filesystem::path(target).parent_path().string();
     CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
   }
   if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);

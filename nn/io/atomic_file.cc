@@ -249,6 +249,8 @@ void RemoveStaleTemporaries(const std::string& path) {
   ::closedir(dir);
 }
 
+}  // namespace
+
 // The file a write to `path` should replace: `path` itself, or, when its
 // last component is a symbolic link, the file the link leads to (following
 // links to links), so that the link stays and its target gets the new
@@ -257,7 +259,7 @@ void RemoveStaleTemporaries(const std::string& path) {
 // link names the file to create; its folder must exist. Throws naming the
 // link and where it leads for a loop, a chain longer than the kernel
 // follows, or a target whose folder is missing.
-std::string ResolveFinalSymlinks(const std::string& path) {
+std::string AtomicWriteTarget(const std::string& path) {
   // The kernel's own limit on links followed in one lookup (MAXSYMLINKS).
   constexpr int kMostLinks = 40;
   std::string current = path;
@@ -300,8 +302,6 @@ std::string ResolveFinalSymlinks(const std::string& path) {
   }
 }
 
-}  // namespace
-
 namespace internal {
 void SetWritePausePerPiece(std::chrono::milliseconds pause) {
   write_pause_per_piece_ms.store(pause.count(), std::memory_order_relaxed);
@@ -322,7 +322,7 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   }
   // Renaming over a symbolic link would put a regular file in its place and
   // leave the file it leads to with the old contents.
-  if (std::string target = ResolveFinalSymlinks(path_); target != path_) {
+  if (std::string target = AtomicWriteTarget(path_); target != path_) {
     if (target.back() == '/') {
       throw CheckpointError("cannot write a file at '" + path_ + "': it is a symbolic link to '" + target +
                             "', not a file name");

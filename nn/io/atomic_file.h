@@ -17,6 +17,11 @@ namespace ddp::nn::io {
 /// back within one piece's time.
 inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
 
+/// The file an AtomicFileWriter at `path` replaces: `path` itself, or the
+/// file the symbolic link(s) at `path` lead to. Throws CheckpointError, as
+/// the writer would, for a loop or a dangling link whose folder is missing.
+std::string AtomicWriteTarget(const std::string& path);
+
 /// Writes a new version of a file beside it and swaps it in on Commit().
 /// Destroying the writer without Commit() removes the temporary file and
 /// leaves `path` as it was. Errors throw CheckpointError naming the path.
