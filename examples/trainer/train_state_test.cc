@@ -480,6 +480,12 @@ struct SavedMlpRun {
     SaveTrainCheckpoint(path, parts, TrainPosition{.epoch = 0, .batch_in_epoch = 3}, config, 2);
     ckpt = nn::io::LoadCheckpoint(path);
   }
+  // ckpt with its batch_in_epoch set to `batch`, saved and loaded on 1 rank.
+  TrainPosition LoadOnOneRankAtBatch(const std::string& batch, std::string* note) {
+    ckpt.metadata["batch_in_epoch"] = batch;
+    nn::io::SaveCheckpoint(path, ckpt);
+    return LoadTrainCheckpoint(path, parts, config, 1, note);
+  }
   static TrainConfig Config() {
     TrainConfig c;
     c.model = "mlp";
@@ -500,18 +506,14 @@ struct SavedMlpRun {
 // made a negative start, which the data sampler refused without the file.)
 TEST(TrainStateTest, OlderFileWithWrappingBatchInEpochIsRefusedNamingIt) {
   SavedMlpRun run("older_wrapping");
-  const TrainConfig& config = run.config;
-  TrainComponents& parts = run.parts;
-  const std::string& path = run.path;
-  nn::io::Checkpoint& ckpt = run.ckpt;
-  ckpt.metadata.erase("samples_in_epoch");
-  ckpt.metadata.erase("train_size");
+  run.ckpt.metadata.erase("samples_in_epoch");
+  run.ckpt.metadata.erase("train_size");
   // 2^62 batches of 8 on 2 ranks: 2^66 samples.
-  ckpt.metadata["batch_in_epoch"] = "4611686018427387904";
-  nn::io::SaveCheckpoint(path, ckpt);
+  run.ckpt.metadata["batch_in_epoch"] = "4611686018427387904";
+  nn::io::SaveCheckpoint(run.path, run.ckpt);
   // On 1 rank: the order is cut otherwise, and continues after the count.
-  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, 1, nullptr); }),
-            "--resume: checkpoint " + path +
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(run.path, run.parts, run.config, 1, nullptr); }),
+            "--resume: checkpoint " + run.path +
                 " has batch_in_epoch=4611686018427387904, out of range (0 to "
                 "576460752303423487, so that epoch_start + batch_in_epoch x batch_size x "
                 "world_size, the samples of its epoch trained, fits in 64 bits); the file was "
@@ -519,10 +521,8 @@ TEST(TrainStateTest, OlderFileWithWrappingBatchInEpochIsRefusedNamingIt) {
                 "--checkpoint to start afresh");
 
   // Within range, the count is the position's.
-  ckpt.metadata["batch_in_epoch"] = "3";
-  nn::io::SaveCheckpoint(path, ckpt);
   std::string note;
-  const TrainPosition pos = LoadTrainCheckpoint(path, parts, config, 1, &note);
+  const TrainPosition pos = run.LoadOnOneRankAtBatch("3", &note);
   EXPECT_EQ(pos.epoch_start, 48);
   EXPECT_EQ(pos.batch_in_epoch, 0);
   EXPECT_NE(note.find("after 48 samples of the epoch's order"), std::string::npos) << note;
@@ -535,37 +535,31 @@ TEST(TrainStateTest, OlderFileWithWrappingBatchInEpochIsRefusedNamingIt) {
 // epoch on other ranks, past its end, so the rest of the epoch was skipped.)
 TEST(TrainStateTest, OlderFileWithoutTrainSizeHasItsPositionCheckedAgainstThisRunsSet) {
   SavedMlpRun run("older_no_train_size");
-  const TrainConfig& config = run.config;
-  TrainComponents& parts = run.parts;
-  const std::string& path = run.path;
-  nn::io::Checkpoint& ckpt = run.ckpt;
-  ckpt.metadata.erase("train_size");
+  run.ckpt.metadata.erase("train_size");
   const std::string tail =
       "; the file was not written by this trainer, or changed since; delete it or pass another "
       "--checkpoint to start afresh";
   // 300 samples on 2 ranks: 19 batches of 8, covering 304 positions.
-  ckpt.metadata["samples_in_epoch"] = "305";
-  nn::io::SaveCheckpoint(path, ckpt);
+  run.ckpt.metadata["samples_in_epoch"] = "305";
+  nn::io::SaveCheckpoint(run.path, run.ckpt);
   for (const int world : {1, 2}) {
-    EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, world, nullptr); }),
-              "--resume: checkpoint " + path +
+    EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(run.path, run.parts, run.config, world, nullptr); }),
+              "--resume: checkpoint " + run.path +
                   " has samples_in_epoch=305, out of range (0 to 304, the samples of its epoch's 19 "
                   "batches on 2 ranks, of this run's training set of 300 samples (the file has no "
                   "train_size))" + tail)
         << world << " ranks";
   }
-  ckpt.metadata["samples_in_epoch"] = "48";
-  ckpt.metadata["batch_in_epoch"] = "20";
-  nn::io::SaveCheckpoint(path, ckpt);
-  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, 1, nullptr); }),
-            "--resume: checkpoint " + path +
+  run.ckpt.metadata["samples_in_epoch"] = "48";
+  run.ckpt.metadata["batch_in_epoch"] = "20";
+  nn::io::SaveCheckpoint(run.path, run.ckpt);
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(run.path, run.parts, run.config, 1, nullptr); }),
+            "--resume: checkpoint " + run.path +
                 " has batch_in_epoch=20, out of range (0 to 19, the batches of its epoch on 2 ranks)" + tail);
 
   // Within range, a run on 1 rank continues after the samples trained.
-  ckpt.metadata["batch_in_epoch"] = "3";
-  nn::io::SaveCheckpoint(path, ckpt);
   std::string note;
-  const TrainPosition pos = LoadTrainCheckpoint(path, parts, config, 1, &note);
+  const TrainPosition pos = run.LoadOnOneRankAtBatch("3", &note);
   EXPECT_EQ(pos.epoch_start, 48);
   EXPECT_EQ(pos.batch_in_epoch, 0);
 }
