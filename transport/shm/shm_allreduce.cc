@@ -120,6 +120,56 @@ constexpr uint64_t kMappingIdleCalls = 1000;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
+// A rank's verdict on its own options in the store (Create) starts with
+// this mark when it refused them, followed by its error message.
+constexpr char kRefusedMark = '!';
+
+// How messages about `options` name group rank `rank`: by its name (its
+// rank in the job) when the names are usable, else by its rank in the
+// group ("local rank" where a names list was given but cannot be used).
+std::string NameOf(const ShmOptions& options, int rank) {
+  if (rank >= 0 && rank < options.size &&
+      static_cast<int>(options.names.size()) == options.size) {
+    return "rank " + std::to_string(options.names[static_cast<size_t>(rank)]);
+  }
+  return (options.names.empty() ? "rank " : "local rank ") + std::to_string(rank);
+}
+
+// What is wrong with one rank's options, naming the rank and the option;
+// empty when nothing is.
+std::string OptionsProblem(const ShmOptions& options) {
+  const std::string prefix = "shared-memory group: ";
+  const std::string who = prefix + NameOf(options, options.rank) + ": ";
+  if (options.size < 1 || options.size >= (1 << 16) - 1) {
+    return who + "size " + std::to_string(options.size) + " is outside [1, " +
+           std::to_string((1 << 16) - 2) + "]";
+  }
+  if (options.rank < 0 || options.rank >= options.size) {
+    return prefix + "rank " + std::to_string(options.rank) + " is outside a group of " +
+           std::to_string(options.size);
+  }
+  if (static_cast<int>(options.pids.size()) != options.size) {
+    return who + std::to_string(options.pids.size()) + " pids for a group of " +
+           std::to_string(options.size);
+  }
+  // Names only go into messages, but a short list named some ranks by
+  // their job rank and the rest by their group rank, so an error could
+  // blame the wrong process.
+  if (!options.names.empty() && static_cast<int>(options.names.size()) != options.size) {
+    return who + std::to_string(options.names.size()) + " names for a group of " +
+           std::to_string(options.size) + " (one per rank, or none)";
+  }
+  // Two areas of this per rank are mapped: a larger one would make the
+  // segment's size wrap around (2^62 gave one page, and the first staged
+  // call wrote past it).
+  if (options.staging_bytes > kMostStagingBytes) {
+    return who + "staging_bytes (DDP_SHM_STAGING_BYTES) of " +
+           std::to_string(options.staging_bytes) + " is more than the most, " +
+           std::to_string(kMostStagingBytes);
+  }
+  return "";
+}
+
 // Control::touching's value while writing into `peer`'s memory in `call`; group
 // sizes stay below 2^16 (checked in Create).
 uint64_t Touching(uint64_t call, int peer) { return (call << 16) | static_cast<uint64_t>(peer + 1); }
@@ -225,33 +275,44 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
                                                              const std::string& key_prefix,
                                                              const ShmOptions& options,
                                                              Deadline deadline) {
-  if (options.size < 1 || options.size >= (1 << 16) - 1) {
-    return InvalidArgumentError("shared-memory group: size " + std::to_string(options.size) +
-                                " is outside [1, " + std::to_string((1 << 16) - 2) + "]");
+  // Every rank checks its own options and posts its verdict, then reads
+  // every rank's before anything else: a rank that refused its options
+  // alone used to return at once while its peers waited for it in the
+  // segment's set-up until their deadline. Now they all fail together,
+  // with the refusing rank's message (which names it and the option).
+  // The verdict also carries the group's size, so ranks that disagree on
+  // it fail at once too (each reads the verdicts of the ranks it counts).
+  const std::string verdict_key = key_prefix + "options/";
+  const std::string problem = OptionsProblem(options);
+  if (!problem.empty()) {
+    const Status error = InvalidArgumentError(problem);
+    // Best effort, within the deadline: a store that fails here fails the
+    // peers too. A negative rank has no slot that a peer reads.
+    if (options.rank >= 0) {
+      store.Set(verdict_key + std::to_string(options.rank), kRefusedMark + error.message(),
+                deadline)
+          .IgnoreError();
+    }
+    return error;
   }
-  if (options.rank < 0 || options.rank >= options.size) {
-    return InvalidArgumentError("shared-memory group: rank " + std::to_string(options.rank) +
-                                " is outside a group of " + std::to_string(options.size));
-  }
-  if (static_cast<int>(options.pids.size()) != options.size) {
-    return InvalidArgumentError("shared-memory group: " + std::to_string(options.pids.size()) +
-                                " pids for a group of " + std::to_string(options.size));
-  }
-  // Names only go into messages, but a short list named some ranks by
-  // their job rank and the rest by their group rank, so an error could
-  // blame the wrong process.
-  if (!options.names.empty() && static_cast<int>(options.names.size()) != options.size) {
-    return InvalidArgumentError("shared-memory group: " + std::to_string(options.names.size()) +
-                                " names for a group of " + std::to_string(options.size) +
-                                " (one per rank, or none)");
-  }
-  // Two areas of this per rank are mapped: a larger one would make the
-  // segment's size wrap around (2^62 gave one page, and the first staged
-  // call wrote past it).
-  if (options.staging_bytes > kMostStagingBytes) {
-    return InvalidArgumentError("shared-memory group: staging_bytes (DDP_SHM_STAGING_BYTES) of " +
-                                std::to_string(options.staging_bytes) +
-                                " is more than the most, " + std::to_string(kMostStagingBytes));
+  const std::string my_verdict = "ok " + std::to_string(options.size);
+  DDP_RETURN_IF_ERROR(store.Set(verdict_key + std::to_string(options.rank), my_verdict, deadline));
+  {
+    std::vector<std::string> keys;
+    keys.reserve(static_cast<size_t>(options.size));
+    for (int r = 0; r < options.size; ++r) keys.push_back(verdict_key + std::to_string(r));
+    DDP_ASSIGN_OR_RETURN(const std::vector<std::string> verdicts, store.MultiGet(keys, deadline));
+    for (int r = 0; r < options.size; ++r) {
+      const std::string& theirs = verdicts[static_cast<size_t>(r)];
+      if (!theirs.empty() && theirs[0] == kRefusedMark) return InvalidArgumentError(theirs.substr(1));
+      if (theirs != my_verdict) {
+        return InvalidArgumentError("shared-memory group: ranks disagree on the group's size: " +
+                                    NameOf(options, options.rank) + " has " +
+                                    std::to_string(options.size) + ", " + NameOf(options, r) +
+                                    " has " +
+                                    (theirs.starts_with("ok ") ? theirs.substr(3) : "'" + theirs + "'"));
+      }
+    }
   }
   // The staging area's size (the segment's layout) and the limits that
   // choose each call's path must be the same on every rank: a call staged

@@ -1369,10 +1369,10 @@ TEST(ShmAllReduce, BadGroupShapesAreNamed) {
     auto engine = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(2000)));
     return engine.ok() ? std::string("created") : engine.status().message();
   };
-  EXPECT_EQ(error(0, 70000, 70000), "shared-memory group: size 70000 is outside [1, 65534]");
-  EXPECT_EQ(error(0, 0, 0), "shared-memory group: size 0 is outside [1, 65534]");
+  EXPECT_EQ(error(0, 70000, 70000), "shared-memory group: rank 0: size 70000 is outside [1, 65534]");
+  EXPECT_EQ(error(0, 0, 0), "shared-memory group: rank 0: size 0 is outside [1, 65534]");
   EXPECT_EQ(error(2, 2, 2), "shared-memory group: rank 2 is outside a group of 2");
-  EXPECT_EQ(error(0, 2, 3), "shared-memory group: 3 pids for a group of 2");
+  EXPECT_EQ(error(0, 2, 3), "shared-memory group: rank 0: 3 pids for a group of 2");
 }
 
 // A names list that is not one per rank is refused: it was taken as it
@@ -1386,9 +1386,102 @@ TEST(ShmAllReduce, NamesThatAreNotOnePerRankAreRefused) {
     auto engine = ShmAllReduce::Create(store, "names/", options, DeadlineIn(milliseconds(500)));
     return engine.ok() ? std::string("created") : engine.status().message();
   };
-  EXPECT_EQ(error({4, 9}), "shared-memory group: 2 names for a group of 3 (one per rank, or none)");
+  EXPECT_EQ(error({4, 9}),
+            "shared-memory group: local rank 0: 2 names for a group of 3 (one per rank, or none)");
   EXPECT_EQ(error({4, 9, 11, 12}),
-            "shared-memory group: 4 names for a group of 3 (one per rank, or none)");
+            "shared-memory group: local rank 0: 4 names for a group of 3 (one per rank, or none)");
+}
+
+// One rank's bad options fail creation on every rank at once, with that
+// rank's INVALID_ARGUMENT naming it and the option. (The bad rank returned
+// at once while its peers waited for it in the segment's set-up until
+// their deadline.)
+TEST(ShmAllReduce, ABadOptionOfOneRankFailsCreationOnEveryRankAtOnce) {
+  struct Bad {
+    const char* what;
+    std::function<void(ShmOptions&)> spoil;
+    std::function<std::string(int)> message;  // of the bad rank, by its group rank
+  };
+  const std::vector<Bad> bads = {
+      {"pids", [](ShmOptions& o) { o.pids.push_back(getpid()); },
+       [](int b) { return "rank " + std::to_string(10 + b) + ": "; }},
+      {"names", [](ShmOptions& o) { o.names.pop_back(); },
+       [](int b) { return "local rank " + std::to_string(b) + ": "; }},
+      {"staging_bytes", [](ShmOptions& o) { o.staging_bytes = size_t{1} << 62; },
+       [](int b) {
+         return "rank " + std::to_string(10 + b) + ": staging_bytes (DDP_SHM_STAGING_BYTES) of " +
+                std::to_string(size_t{1} << 62) + " is more than the most";
+       }},
+  };
+  for (int n : {2, 3, 4}) {
+    for (const Bad& bad : bads) {
+      for (int b = 0; b < n; ++b) {
+        testing::InMemoryStore store;
+        std::vector<Status> statuses(n);
+        const auto start = Clock::now();
+        RunRanks(n, [&](int r) {
+          ShmOptions options{.rank = r, .size = n, .pids = std::vector<int>(n, getpid())};
+          for (int q = 0; q < n; ++q) options.names.push_back(10 + q);
+          if (r == b) bad.spoil(options);
+          statuses[r] =
+              ShmAllReduce::Create(store, "shm/", options, DeadlineIn(kFailFastDeadline)).status();
+        });
+        const std::string where =
+            std::to_string(n) + " ranks, bad " + bad.what + " on local rank " + std::to_string(b);
+        // (ASSERT: one case that waits out the deadline is enough to show.)
+        ASSERT_LT(Clock::now() - start, kFailFastDeadline / 2) << where;
+        EXPECT_NE(statuses[b].message().find("shared-memory group: " + bad.message(b)),
+                  std::string::npos)
+            << where << ": " << statuses[b];
+        EXPECT_NE(statuses[b].message().find(bad.what), std::string::npos)
+            << where << ": " << statuses[b];
+        for (int r = 0; r < n; ++r) {
+          EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument)
+              << where << ", rank " << r << ": " << statuses[r];
+          EXPECT_EQ(statuses[r].message(), statuses[b].message()) << where << ", rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// Ranks that disagree on the group's size fail at once on every rank: a
+// rank outside its own group (rank 2 of 2) among ranks of a group of 3 is
+// refused by all of them with its own message, and a rank that counts 2
+// among ranks that count 3 fails with them, each naming both sizes.
+TEST(ShmAllReduce, RanksThatDisagreeOnTheGroupSizeFailAtOnce) {
+  auto create = [](const std::vector<int>& sizes) {
+    testing::InMemoryStore store;
+    const int n = static_cast<int>(sizes.size());
+    std::vector<Status> statuses(n);
+    RunRanks(n, [&](int r) {
+      ShmOptions options{.rank = r, .size = sizes[r],
+                         .pids = std::vector<int>(sizes[r], getpid())};
+      statuses[r] =
+          ShmAllReduce::Create(store, "shm/", options, DeadlineIn(kFailFastDeadline)).status();
+    });
+    return statuses;
+  };
+  auto start = Clock::now();
+  std::vector<Status> outside = create({3, 3, 2});
+  ASSERT_LT(Clock::now() - start, kFailFastDeadline / 2);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(outside[r].code(), StatusCode::kInvalidArgument) << outside[r];
+    EXPECT_EQ(outside[r].message(), "shared-memory group: rank 2 is outside a group of 2")
+        << "rank " << r;
+  }
+  start = Clock::now();
+  std::vector<Status> fewer = create({2, 3, 3});
+  ASSERT_LT(Clock::now() - start, kFailFastDeadline / 2);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(fewer[r].code(), StatusCode::kInvalidArgument) << fewer[r];
+    EXPECT_NE(fewer[r].message().find("ranks disagree on the group's size"), std::string::npos)
+        << fewer[r];
+  }
+  EXPECT_EQ(fewer[0].message(),
+            "shared-memory group: ranks disagree on the group's size: rank 0 has 2, rank 1 has 3");
+  EXPECT_EQ(fewer[1].message(),
+            "shared-memory group: ranks disagree on the group's size: rank 1 has 3, rank 0 has 2");
 }
 
 // Buffers in shareable memory: peers copy with them through a mapping of
