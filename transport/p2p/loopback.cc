@@ -68,8 +68,11 @@ class LoopbackEndpoint final : public PointToPoint {
 };
 
 LoopbackHub::LoopbackHub(int size) : size_(size) {
-  if (size < 1) {
-    std::fprintf(stderr, "fatal: LoopbackHub: size %d must be at least 1\n", size);
+  if (size < 1 || size > kMaxSize) {
+    std::fprintf(stderr,
+                 "fatal: LoopbackHub: size %d is outside [1, %d] (the hub keeps a byte counter "
+                 "per pair of ranks)\n",
+                 size, kMaxSize);
     std::abort();
   }
   for (int i = 0; i < size; ++i) ranks_.push_back(std::make_unique<RankState>());

@@ -51,7 +51,12 @@ struct LoopbackStats {
 
 class LoopbackHub {
  public:
-  /// A group of `size` ranks (size >= 1).
+  /// The most ranks a hub takes: it keeps a byte counter per pair of ranks
+  /// (size² of them, 128 MiB here), and its ranks are usually threads.
+  static constexpr int kMaxSize = 1 << 12;
+
+  /// A group of `size` ranks, 1 to kMaxSize; another size aborts the
+  /// process naming it (a larger one failed with std::bad_alloc).
   explicit LoopbackHub(int size);
   ~LoopbackHub();
 

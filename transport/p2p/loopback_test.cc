@@ -254,6 +254,33 @@ TEST(LoopbackDeathTest, TestHooksRefuseARankOutsideTheHub) {
   EXPECT_EQ(hub.BytesBetween(2, 0), 0u);
 }
 
+// A hub's size is checked against its limit: a huge one went on to
+// allocate a counter per pair of ranks and died of std::bad_alloc, which
+// named neither the size nor the limit.
+TEST(LoopbackDeathTest, SizeOutsideTheLimitsIsNamed) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(LoopbackHub(LoopbackHub::kMaxSize + 1),
+               "LoopbackHub: size 4097 is outside \\[1, 4096\\] \\(the hub keeps a byte counter "
+               "per pair of ranks\\)");
+  EXPECT_DEATH(LoopbackHub(1 << 20), "LoopbackHub: size 1048576 is outside \\[1, 4096\\]");
+  EXPECT_DEATH(LoopbackHub(0), "LoopbackHub: size 0 is outside \\[1, 4096\\]");
+  EXPECT_DEATH(LoopbackHub(-1), "LoopbackHub: size -1 is outside \\[1, 4096\\]");
+  // The limit itself is a hub whose farthest ranks still talk.
+  LoopbackHub hub(LoopbackHub::kMaxSize);
+  auto first = hub.Connect(0);
+  auto last = hub.Connect(LoopbackHub::kMaxSize - 1);
+  ASSERT_TRUE(first.ok() && last.ok());
+  const int value = 3;
+  int got = 0;
+  auto recv = (*last)->PostRecv(0, 1, &got, sizeof(got));
+  auto send = (*first)->PostSend(LoopbackHub::kMaxSize - 1, 1, &value, sizeof(value));
+  ASSERT_TRUE(recv.ok() && send.ok());
+  ASSERT_TRUE((*first)->WaitAll(std::vector<RequestId>{*send}, Soon()).ok());
+  ASSERT_TRUE((*last)->WaitAll(std::vector<RequestId>{*recv}, Soon()).ok());
+  EXPECT_EQ(got, 3);
+  EXPECT_EQ(hub.BytesBetween(0, LoopbackHub::kMaxSize - 1), sizeof(int));
+}
+
 // BytesBetweenGroups took min(list size, hub size) ranks into account, so a
 // short list silently left ranks out of the count and a long one was cut.
 TEST(LoopbackDeathTest, BytesBetweenGroupsRefusesAListOfTheWrongSize) {
