@@ -88,6 +88,12 @@ StatusOr<std::unique_ptr<UcxPointToPoint>> UcxPointToPoint::Create(
     return InvalidArgumentError("world size " + std::to_string(options.size) +
                                 " does not fit in the tag's rank bits");
   }
+  if (options.polls_per_clock_read < 1 ||
+      (options.polls_per_clock_read & (options.polls_per_clock_read - 1)) != 0) {
+    return InvalidArgumentError("polls_per_clock_read " +
+                                std::to_string(options.polls_per_clock_read) +
+                                " is not a power of two");
+  }
   if (options.idle_mode == IdleMode::kSleep && !context->wakeup()) {
     return InvalidArgumentError("idle mode kSleep needs a UCX context created with wakeup");
   }
@@ -611,15 +617,25 @@ bool UcxPointToPoint::Poll(Polls& polls) {
 Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point started,
                              std::span<Slot* const> pending, bool any) {
   const bool busy = Poll(polls);
-  // Reading the clock costs ~20 ns; doing it every 16 polls keeps the
-  // deadline check well under a microsecond late while idle. Polls that
+  // Reading the clock costs ~20 ns; doing it every 16 polls (the default
+  // polls_per_clock_read) keeps the deadline check well under a
+  // microsecond late while idle. Polls that
   // found work count too: a peer that keeps this worker busy (a stream of
   // messages on other tags) must not hold a wait past its deadline.
-  if ((++polls.total & 15) != 0) return Status::Ok();
+  const unsigned clock_mask = static_cast<unsigned>(options_.polls_per_clock_read) - 1;
+  if ((++polls.total & clock_mask) != 0) return Status::Ok();
   const Clock::time_point now = Clock::now();
   if (now >= deadline) {
+    // The poll above may have completed what the wait needs: it came in
+    // time, and the caller finds it done (it was reported TIMED_OUT).
+    auto done = [](const Slot* slot) { return slot->done; };
+    if (any ? std::any_of(pending.begin(), pending.end(), done)
+            : std::all_of(pending.begin(), pending.end(), done)) {
+      return Status::Ok();
+    }
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - started);
-    return TimedOutError((any && pending.size() > 1 ? DescribeAny(pending) : Describe(pending[0])) +
+    const Slot* first = *std::find_if_not(pending.begin(), pending.end(), done);
+    return TimedOutError((any && pending.size() > 1 ? DescribeAny(pending) : Describe(first)) +
                          " still pending after " +
                          std::to_string(waited.count()) + " ms (deadline passed)");
   }

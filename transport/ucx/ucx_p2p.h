@@ -70,6 +70,10 @@ struct P2pOptions {
   IdleMode idle_mode = IdleMode::kSpin;
   /// Idle polls before yielding or sleeping.
   int idle_polls_before_backoff = 256;
+  /// A wait reads the clock (for its deadline and the watchdog) once per
+  /// this many polls, a power of two (a read costs ~20 ns). Tests set 1 to
+  /// meet a deadline that has passed at the wait's first poll.
+  int polls_per_clock_read = 16;
   /// How often a wait runs the watchdog (waits longer than a millisecond).
   std::chrono::milliseconds watchdog_period{100};
   /// Messages at least this large are sent with the memory handle of a
@@ -213,10 +217,13 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status BackOff(const Polls& polls, Clock::time_point now, Deadline deadline,
                  std::chrono::milliseconds max_sleep);
   // One poll of the worker plus back-off, deadline and watchdog handling,
-  // for a wait on `pending` (the first not done yet). A timeout names the
-  // first, or every one when `any` (WaitAny) and there are several. The
-  // watchdog hears of every pending request's peer, and its failure ends
-  // the wait unless the drain after it completes one of `pending`.
+  // for a wait on `pending` (the first not done yet). Past the deadline,
+  // the wait still succeeds when that very poll completed what it needs
+  // (every request, or with `any` one of them); otherwise a timeout names
+  // the first still pending, or every one when `any` (WaitAny) and there
+  // are several. The watchdog hears of every pending request's peer, and
+  // its failure ends the wait unless the drain after it completes one of
+  // `pending`.
   Status Idle(Polls& polls, Deadline deadline, Clock::time_point started,
               std::span<Slot* const> pending, bool any);
   // One poll plus back-off, for loops that wait on UCX alone until `until`

@@ -24,7 +24,8 @@ using std::chrono::milliseconds;
 // all-to-all over shared memory. Each rank is driven by its own thread.
 std::vector<std::unique_ptr<UcxPointToPoint>> MakeRanks(int n, IdleMode idle = IdleMode::kSpin,
                                                         milliseconds recall_grace = P2pOptions{}.recall_grace,
-                                                        milliseconds watchdog_period = P2pOptions{}.watchdog_period) {
+                                                        milliseconds watchdog_period = P2pOptions{}.watchdog_period,
+                                                        int polls_per_clock_read = P2pOptions{}.polls_per_clock_read) {
   std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
   std::vector<std::string> addresses;
   for (int r = 0; r < n; ++r) {
@@ -32,6 +33,7 @@ std::vector<std::unique_ptr<UcxPointToPoint>> MakeRanks(int n, IdleMode idle = I
     EXPECT_TRUE(context.ok()) << context.status();
     auto p2p = UcxPointToPoint::Create(*context, {.rank = r, .size = n, .idle_mode = idle,
                                                   .idle_polls_before_backoff = 64,
+                                                  .polls_per_clock_read = polls_per_clock_read,
                                                   .watchdog_period = watchdog_period,
                                                   .recall_grace = recall_grace});
     EXPECT_TRUE(p2p.ok()) << p2p.status();
@@ -220,6 +222,55 @@ TEST(UcxPointToPoint, MissingSenderTimesOutNamingThePeer) {
   EXPECT_LT(waited, milliseconds(1000));
   // The handle is released: using it again is an error, not a crash.
   EXPECT_EQ(p2p.Test(*r).status().code(), StatusCode::kInvalidArgument);
+}
+
+// The poll that finds a wait's deadline passed may itself complete what the
+// wait needs; the wait then succeeded (it was reported TIMED_OUT). Made
+// deterministic: the clock is read at every poll, the deadline has passed
+// before the wait begins, and the message already sits in rank 0's
+// shared-memory queue, so the wait's first poll both receives it and
+// finds the deadline passed. For WaitAll and WaitAny.
+TEST(UcxPointToPoint, ARequestThatThePollMeetingTheDeadlineCompletesSucceeds) {
+  for (bool any : {false, true}) {
+    auto ranks = MakeRanks(2, IdleMode::kSpin, P2pOptions{}.recall_grace,
+                           P2pOptions{}.watchdog_period, /*polls_per_clock_read=*/1);
+    int in = 0;
+    const int out = 42;
+    auto recv = ranks[0]->PostRecv(1, 7, &in, sizeof(in));
+    ASSERT_TRUE(recv.ok()) << recv.status();
+    // An eager send completes without the receiver's progress.
+    auto send = ranks[1]->PostSend(0, 7, &out, sizeof(out));
+    ASSERT_TRUE(send.ok()) << send.status();
+    p2p::RequestId sent[] = {*send};
+    ASSERT_TRUE(ranks[1]->WaitAll(sent, DeadlineIn(milliseconds(10000))).ok());
+    ASSERT_EQ(in, 0) << "received before rank 0's wait polled";
+    p2p::RequestId ids[] = {*recv};
+    const Deadline passed = Clock::now() - milliseconds(1);
+    Status s = any ? ranks[0]->WaitAny(ids, passed).status() : ranks[0]->WaitAll(ids, passed);
+    EXPECT_TRUE(s.ok()) << (any ? "WaitAny: " : "WaitAll: ") << s;
+    EXPECT_EQ(in, 42);
+  }
+}
+
+// Past the deadline, a WaitAll whose first request completed names the one
+// still pending, not the first.
+TEST(UcxPointToPoint, TimeoutNamesTheRequestStillPending) {
+  auto ranks = MakeRanks(2, IdleMode::kSpin, P2pOptions{}.recall_grace,
+                         P2pOptions{}.watchdog_period, /*polls_per_clock_read=*/1);
+  int first = 0, second = 0;
+  const int out = 5;
+  auto r1 = ranks[0]->PostRecv(1, 30, &first, sizeof(first));
+  auto r2 = ranks[0]->PostRecv(1, 31, &second, sizeof(second));
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  auto send = ranks[1]->PostSend(0, 30, &out, sizeof(out));
+  ASSERT_TRUE(send.ok()) << send.status();
+  p2p::RequestId sent[] = {*send};
+  ASSERT_TRUE(ranks[1]->WaitAll(sent, DeadlineIn(milliseconds(10000))).ok());
+  p2p::RequestId ids[] = {*r1, *r2};
+  Status s = ranks[0]->WaitAll(ids, Clock::now() - milliseconds(1));
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_NE(s.message().find("(tag 31)"), std::string::npos) << s;
+  EXPECT_EQ(first, 5);
 }
 
 // What rank 0's wait in WaitDuringAFlood returned.
@@ -659,6 +710,11 @@ TEST(UcxPointToPoint, BadArgumentsAreRejected) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("request id 12346 unknown or released"), std::string::npos) << s;
   EXPECT_FALSE(UcxPointToPoint::Create(*Context::Create({}), {.rank = 3, .size = 2}).ok());
+  auto uneven = UcxPointToPoint::Create(*Context::Create({}), {.polls_per_clock_read = 3});
+  EXPECT_EQ(uneven.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(uneven.status().message().find("polls_per_clock_read 3 is not a power of two"),
+            std::string::npos)
+      << uneven.status();
 }
 
 TEST(UcxPointToPoint, WaitAllRejectsARequestListedTwice) {
