@@ -104,7 +104,8 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
       // closed", so a peer that died while the store stays unreadable is
       // still reported, one round later. A round counts as the next one
       // only if it asked after the first failed one had its answer: rounds
-      // of two threads that overlap met the same hiccup.
+      // of two threads that overlap met the same hiccup. With no time left
+      // there is no next round: the peer is reported (see the header).
       const int64_t answered = std::max<int64_t>(1, Clock::now().time_since_epoch().count());
       int64_t first = 0;
       if (first_unread_[r].compare_exchange_strong(first, answered, std::memory_order_relaxed) ||

@@ -19,7 +19,13 @@
 // left the job early (ranks stopping at different points, e.g. on a signal)
 // and what the wait needs from it will never come. When its mark cannot be
 // read (the store hiccups), that round skips the peer rather than calling
-// it lost; a second unreadable round in a row reports it.
+// it lost; a second unreadable round in a row reports it. With no time left
+// (the call's deadline passed, or the read ran into it) there is no next
+// round, and a mark not read counts as not set: the exited peer is lost.
+// The call fails at its deadline either way; PEER_LOST names a peer that
+// crashed, which is what this check is for, at the cost of misnaming one
+// that closed cleanly, was not awaited and whose mark was unreadable at
+// that very moment (the wait's own TIMED_OUT would have been right).
 //
 // Every store access takes the deadline of the call it serves: a store that
 // stopped answering (its host cut off) must not hold a call past its own
