@@ -10,6 +10,7 @@
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -75,6 +76,10 @@ struct Connection {
   std::string peer;
   bool authenticated = false;
   bool closing = false;  // no more input; close once `out` drains
+  // Its client shut down its sending side (a half-close) after the whole
+  // of the frame that waits for room: that frame is still read and
+  // answered, and no further hang-up is watched for while it waits.
+  bool input_ended = false;
   bool dead = false;     // close at the end of this round
   Deadline timer{};      // handshake deadline; when authenticated, when to check
                          // a partly received frame for progress; when closing,
@@ -496,9 +501,20 @@ class TcpStoreServer::Impl {
       return;
     }
     if ((events & EPOLLRDHUP) && waiting_for_memory_.count(id)) {
-      // Its client hung up while the frame waited for room (the connection
-      // is not read meanwhile, so only this says so): the frame's place in
-      // the queue and the connection's slot go now, not when its turn comes.
+      // Its client ended its stream while the frame waited for room (the
+      // connection is not read meanwhile, so only this says so). When the
+      // rest of the frame arrived before that end (a client that sent its
+      // request and shut down its sending side), the request is answered
+      // in its turn, as one read at once would be; cut short, it never can
+      // be, and the frame's place in the queue and the connection's slot
+      // go now, not when its turn comes. A client that closed altogether
+      // after a whole request looks the same from here: its request is
+      // handled, and the reply meets the reset.
+      if (RestOfFrameArrived(*c)) {
+        c->input_ended = true;
+        Touch(*c);  // stops watching for the hang-up it has seen
+        return;
+      }
       Log("dropped connection from " + c->peer +
           ": its client closed while its request waited for room in the store's buffers");
       MarkDead(*c);
@@ -507,6 +523,15 @@ class TcpStoreServer::Impl {
     if (events & EPOLLOUT) Flush(*c);
     if (!c->dead && (events & EPOLLIN)) OnReadable(*c);
     Touch(*c);
+  }
+
+  // Whether the socket holds the rest of the frame whose header is in `c.in`
+  // (the connection is not read while that frame waits for room).
+  static bool RestOfFrameArrived(const Connection& c) {
+    const std::optional<uint32_t> length = wire::PeekFrameLength(c.in);
+    int queued = 0;
+    if (!length || ioctl(c.fd.get(), FIONREAD, &queued) != 0) return false;
+    return wire::kFrameHeaderBytes + *length <= c.in.size() + static_cast<size_t>(queued);
   }
 
   size_t FrameLimit(const Connection& c) const {
@@ -581,7 +606,15 @@ class TcpStoreServer::Impl {
       }
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      MarkDead(c);  // peer closed or reset: nothing to answer
+      if (n == 0 && c.pending_out() > 0) {
+        // The end of the client's stream, with replies not yet sent: it may
+        // have shut down only its sending side (a half-close) and still be
+        // reading them. Nothing more comes in (a request cut short by the
+        // end is not answered); the connection closes once they are out.
+        CloseOnceSent(c, options_.frame_stall_timeout);
+        return;
+      }
+      MarkDead(c);  // peer closed or reset, every reply sent: nothing more to answer
       return;
     }
   }
@@ -1143,10 +1176,16 @@ class TcpStoreServer::Impl {
   void Refuse(Connection& c, const std::string& frame) {
     QueueReply(c, frame);
     if (c.dead) return;
+    CloseOnceSent(c, kClosingGrace);
+  }
+
+  // Reads nothing more from `c` and closes it once its replies are out, or
+  // `grace` from now.
+  void CloseOnceSent(Connection& c, std::chrono::milliseconds grace) {
     c.closing = true;
     unauthenticated_.erase(c.id);
     ClearTimer(c);
-    c.timer = Clock::now() + kClosingGrace;
+    c.timer = Clock::now() + grace;
     timers_.emplace(c.timer, c.id);
     Touch(c);
   }
@@ -1187,8 +1226,13 @@ class TcpStoreServer::Impl {
     uint32_t want = 0;
     if (!c.closing) {
       // A connection waiting for room is not read; it watches for its
-      // client's hang-up instead (a FIN alone raises no EPOLLHUP).
-      want |= waiting_for_memory_.count(c.id) ? EPOLLRDHUP : EPOLLIN;
+      // client's hang-up instead (a FIN alone raises no EPOLLHUP), until it
+      // has seen one after a whole frame (input_ended).
+      if (!waiting_for_memory_.count(c.id)) {
+        want |= EPOLLIN;
+      } else if (!c.input_ended) {
+        want |= EPOLLRDHUP;
+      }
     }
     if (c.pending_out() > 0) want |= EPOLLOUT;
     if (want == c.events) return;

@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -138,6 +140,12 @@ class RawConnection {
   }
   // Closes this end, as a client that gives up does.
   void Close() { fd_.Reset(); }
+  // Shuts down the sending side only (a half-close): the server reads the
+  // end of the stream after what was sent, and this end can still read.
+  void SetReceiveBuffer(int bytes) {
+    ASSERT_EQ(setsockopt(fd_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes)), 0) << std::strerror(errno);
+  }
+  void ShutdownWrite() { ASSERT_EQ(shutdown(fd_.get(), SHUT_WR), 0) << std::strerror(errno); }
   // Status code and message of a request reply.
   static std::pair<StatusCode, std::string> ParseReply(const std::string& body, uint32_t* id) {
     wire::Reader r(body);
@@ -955,6 +963,119 @@ TEST(TcpStoreTest, AClientThatClosesWhileWaitingForRoomIsDroppedPromptly) {
   ASSERT_TRUE(reply.has_value());
   EXPECT_EQ(RawConnection::ParseReply(*reply, nullptr).first, StatusCode::kOk);
   EXPECT_EQ(server->stats().dropped_stalled, 0u);
+}
+
+// A client that sends a whole request and then shuts down its sending side
+// (a half-close) while that request waits for room still gets its answer,
+// as it does when the request is read at once: it used to be dropped
+// unanswered, its end of stream taken for a hang-up. One whose request is
+// cut short by the half-close is still dropped at once (nothing to answer).
+TEST(TcpStoreTest, AHalfClosedClientWhoseRequestWaitsForRoomIsAnswered) {
+  LogSink log;
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 5 << 20;  // one 3 MiB frame at a time
+  options.log = log.Fn();
+  auto server = StartServer(options);
+  RawConnection holder(server->port()), large(server->port()), whole(server->port()),
+      cut(server->port());
+  holder.Handshake();
+  large.Handshake();
+  whole.Handshake();
+  cut.Handshake();
+  const std::string held = SetFrame(1, "held"), waits = SetFrame(2, "large");
+  holder.Send(std::string_view(held).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes >= held.size();
+  })) << "the holder's frame never got its room: " << server->stats().buffered_bytes
+      << " bytes buffered";
+  large.Send(std::string_view(waits).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 1;
+  })) << server->stats().frames_waiting_for_room << " frames waiting";
+  // A small Set, whole, waits behind the large frame, and so does a request
+  // of which only the first bytes come; then both clients half-close.
+  wire::Writer set;
+  set.U8(static_cast<uint8_t>(wire::Op::kSet));
+  set.U32(7);
+  set.String("half-closed");
+  set.String("its value");
+  const std::string set_frame = set.Frame();
+  whole.Send(set_frame);
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 2;
+  })) << server->stats().frames_waiting_for_room << " frames waiting";
+  cut.Send(std::string_view(set_frame).substr(0, 8));
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 3;
+  })) << server->stats().frames_waiting_for_room << " frames waiting";
+  whole.ShutdownWrite();
+  cut.ShutdownWrite();
+  // The cut request's end is seen after the whole one's, which came first.
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.open_connections <= 3 && s.frames_waiting_for_room <= 2;
+  }, 3s)) << "the cut request's connection was kept: " << server->stats().open_connections
+          << " connections open, " << server->stats().frames_waiting_for_room << " frames waiting";
+  EXPECT_TRUE(log.Contains("its client closed while its request waited for room"));
+  ASSERT_EQ(server->stats().open_connections, 3u) << "the half-closed client with a whole request was dropped";
+  ASSERT_EQ(server->stats().frames_waiting_for_room, 2u);
+  // The room goes to the large frame, and what is left to the small one.
+  holder.Send(std::string_view(held).substr(1000));
+  ASSERT_TRUE(holder.ReadFrame(5s).has_value());
+  std::optional<std::string> reply = whole.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value()) << "the half-closed client got no answer";
+  uint32_t id = 0;
+  EXPECT_EQ(RawConnection::ParseReply(*reply, &id).first, StatusCode::kOk);
+  EXPECT_EQ(id, 7u);
+  // Then its end of stream: the server closes the connection.
+  EXPECT_TRUE(whole.ClosedWithin(5s)) << "the half-closed client's connection stayed open";
+  EXPECT_TRUE(cut.ClosedWithin(1s)) << "the cut request's connection stayed open";
+  auto client = ConnectClient(*server);
+  StatusOr<std::optional<std::string>> stored = client->TryGet("half-closed", DeadlineIn(5s));
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->value_or("(absent)"), "its value");
+  large.Send(std::string_view(waits).substr(1000));
+  reply = large.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_EQ(RawConnection::ParseReply(*reply, nullptr).first, StatusCode::kOk);
+  EXPECT_EQ(server->stats().dropped_stalled, 0u);
+}
+
+// A half-closed client gets the whole of a reply larger than the socket
+// buffers take at once: the server used to drop the connection at the end
+// of stream with the rest of the reply unsent.
+TEST(TcpStoreTest, AHalfClosedClientGetsAllOfALargeReply) {
+  auto server = StartServer();
+  auto setter = ConnectClient(*server);
+  const std::string value(kMaxValueBytes, 'v');
+  ASSERT_TRUE(setter->Set("large", value, DeadlineIn(5s)).ok());
+  RawConnection reader(server->port());
+  reader.Handshake();
+  // A small receive buffer, read late: most of the reply waits in the
+  // server when it reads the end of stream.
+  reader.SetReceiveBuffer(64 << 10);
+  wire::Writer get;
+  get.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+  get.U32(3);
+  get.String("large");
+  reader.Send(get.Frame());
+  reader.ShutdownWrite();
+  std::this_thread::sleep_for(500ms);
+  std::optional<std::string> reply = reader.ReadFrame(10s);
+  ASSERT_TRUE(reply.has_value()) << "the reply was cut short";
+  wire::Reader r(*reply);
+  uint32_t id = 0;
+  uint8_t code = 255, present = 0;
+  std::string_view got;
+  ASSERT_TRUE(r.U32(id) && r.U8(code) && r.U8(present) && r.String(got, kMaxValueBytes));
+  EXPECT_EQ(id, 3u);
+  EXPECT_EQ(code, 0);
+  EXPECT_EQ(present, 1);
+  EXPECT_EQ(got.size(), value.size());
+  EXPECT_TRUE(reader.ClosedWithin(5s));
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.open_connections == 1 && s.buffered_bytes == 0;
+  }, 5s)) << server->stats().open_connections << " connections open, "
+          << server->stats().buffered_bytes << " bytes buffered";
 }
 
 // A rank that connects while the frames of others hold every bit of room
