@@ -77,6 +77,9 @@ constexpr milliseconds kBlockingP2pAllowance{250};
 // where nothing says so (another host) it holds the store up to the end.
 constexpr milliseconds kAbortedStoreTime{1000};
 constexpr milliseconds kAbortedStoreTimeForLatePeers{3000};
+// Most bytes of rank 0's reason for a failed registration of a split's
+// communicators that it passes on to the other ranks.
+constexpr int64_t kMostSplitReasonBytes = 4096;
 
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
@@ -1250,8 +1253,8 @@ Status Communicator::Impl::RegisterSplit(const std::string& users, const CallOpt
     StatusOr<std::optional<std::string>> now =
         store_->CompareSet(key, held ? std::optional<std::string_view>(*held) : std::nullopt, desired, deadline);
     if (!now.ok()) {
-      return Status(now.status().code(), "split: registering the new communicators with the rendezvous store: " +
-                                             now.status().message());
+      return Status(now.status().code(),
+                    "registering the new communicators with the rendezvous store: " + now.status().message());
     }
     if (*now == desired) return Status::Ok();
     held = std::move(*now);
@@ -2476,41 +2479,78 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   };
   // The store must stay up until every new communicator is done with it,
   // those without the rank serving it too: that rank notes them itself, and
-  // where it is not a member (a split of a split it has left), the first
-  // rank registers them in the store, where it reads them before leaving.
+  // where it is not a member (a split of a split it has left), rank 0 here
+  // registers them in the store, where it reads them before leaving.
   // This rank's own children are registered before it can post that it left
   // this communicator, so the serving rank, which waits for that, sees them.
   std::map<int64_t, int> ranks_of_color;
   for (int r = 0; r < size(); ++r) {
     if (all[2 * r] != kNoColor) ++ranks_of_color[all[2 * r]];
   }
-  Status registered;
+  const std::string this_split =
+      color == kNoColor ? std::string("split") : "split (color " + std::to_string(color) + ")";
+  std::vector<int> members;  // ranks of this communicator with this color
+  for (int r = 0; r < size(); ++r) {
+    if (color != kNoColor && all[2 * r] == color) members.push_back(r);
+  }
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
   if (impl_->server_ != nullptr) {
     std::lock_guard lock(impl_->server_->mu);
     for (const auto& [c, ranks] : ranks_of_color) {
       impl_->server_->users.emplace_back(child_name(c) + "/", ranks);
     }
-  } else if (impl_->store_rank_ == -2 && rank() == 0 && !ranks_of_color.empty()) {
-    std::string users;
-    for (const auto& [c, ranks] : ranks_of_color) {
-      users += child_name(c) + "/ " + std::to_string(ranks) + "\n";
+  } else if (impl_->store_rank_ == -2 && !ranks_of_color.empty()) {
+    // Every rank learns from rank 0 whether the registration went through:
+    // had only rank 0 known, the members of the colors without it would
+    // make theirs unregistered, and the serving rank could stop the store
+    // while they still need it. On a failure none is made, of any color.
+    Status registered;
+    if (rank() == 0) {
+      std::string users;
+      for (const auto& [c, ranks] : ranks_of_color) {
+        users += child_name(c) + "/ " + std::to_string(ranks) + "\n";
+      }
+      registered = impl_->RegisterSplit(users, call);
     }
-    registered = impl_->RegisterSplit(users, call);
+    std::string reason = registered.message().substr(0, kMostSplitReasonBytes);
+    int64_t outcome[2] = {static_cast<int64_t>(registered.code()), static_cast<int64_t>(reason.size())};
+    Status shared = Broadcast(outcome, 2, DataType::kI64, 0, call);
+    if (shared.ok() && outcome[0] != 0 && outcome[1] > 0) {
+      reason.resize(static_cast<size_t>(std::clamp<int64_t>(outcome[1], 0, kMostSplitReasonBytes)));
+      shared = Broadcast(reason.data(), reason.size(), DataType::kU8, 0, call);
+    }
+    if (!shared.ok()) {
+      // This rank cannot tell whether the others make theirs: those of its
+      // color that do wait for it, watching the new communicator's abort
+      // key (as after a failed Init), where the reason goes.
+      const Status why(shared.code(), "learning whether rank 0 registered the new communicators with the "
+                                      "rendezvous store: " + shared.message());
+      if (color != kNoColor) {
+        impl_->store_
+            ->CompareSet(child_name(color) + "/abort", std::nullopt,
+                         fault::PeerMonitor::EncodeAbort(new_rank, Status(why.code(), "creating its communicator: " +
+                                                                                       why.message())),
+                         DeadlineIn(impl_->options_.abort_store_time))
+            .status()
+            .IgnoreError();
+      }
+      return Status(why.code(), this_split + ": " + why.message());
+    }
+    if (outcome[0] != 0) {
+      const StatusCode code = outcome[0] > 0 && outcome[0] <= static_cast<int64_t>(StatusCode::kResourceExhausted)
+                                  ? static_cast<StatusCode>(outcome[0])
+                                  : StatusCode::kInternal;
+      return Status(code, this_split + ": no communicator was made, of any color: " +
+                              (rank() == 0 ? "" : "rank 0 of this communicator failed ") + reason);
+    }
   }
-  if (color == kNoColor) {
-    if (!registered.ok()) return registered;
-    return std::unique_ptr<Communicator>();
-  }
-  std::vector<int> members;  // ranks of this communicator with this color
-  for (int r = 0; r < size(); ++r) {
-    if (all[2 * r] == color) members.push_back(r);
-  }
-  std::stable_sort(members.begin(), members.end(),
-                   [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  if (color == kNoColor) return std::unique_ptr<Communicator>();
 
   const Impl& parent = *impl_;
   CommunicatorOptions o = parent.options_;  // as Init settled them
-  o.rank = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+  o.rank = new_rank;
   o.world_size = static_cast<int>(members.size());
   // Local ranks among the members on this rank's (real) host.
   o.local_rank = 0;
@@ -2519,19 +2559,6 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     if (!parent.real_topology_.SameHost(r, rank())) continue;
     if (r == rank()) o.local_rank = o.local_world_size;
     ++o.local_world_size;
-  }
-  if (!registered.ok()) {
-    // This rank creates no communicator of its color; the other members,
-    // already on their way to create it, would wait for it until the
-    // split's timeout. Their creation waits watch the new communicator's
-    // abort key (as after a failed Init): the reason goes there.
-    const Status reason(registered.code(), "creating its communicator: " + registered.message());
-    impl_->store_
-        ->CompareSet(child_name(color) + "/abort", std::nullopt, fault::PeerMonitor::EncodeAbort(o.rank, reason),
-                     DeadlineIn(impl_->options_.abort_store_time))
-        .status()
-        .IgnoreError();
-    return registered;
   }
   o.host_store = false;      // the store is served already
   o.bind_to_core = false;    // a pinned creating thread stays pinned

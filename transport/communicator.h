@@ -444,7 +444,12 @@ class Communicator {
   /// every rank of every communicator that uses the store to leave. A
   /// color below kNoColor on any rank: INVALID_ARGUMENT on every rank,
   /// naming that rank (the colors are exchanged first); no communicator is
-  /// formed and this one stays usable.
+  /// formed and this one stays usable. Where a process outside this
+  /// communicator serves the store, rank 0 registers the new communicators
+  /// there (so that it stays up for them) and tells every rank how that
+  /// went: if it failed, no communicator is formed, of any color, every
+  /// rank returns rank 0's reason naming its own color, and this one stays
+  /// usable.
   StatusOr<std::unique_ptr<Communicator>> Split(int color, int key, const CallOptions& call = {});
 
   /// Aborts the communicator with `reason` (posted to the store); later calls

@@ -1427,11 +1427,14 @@ int ScenarioSplitFailsOnOneRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
-// A split of a split without rank 0 (which serves the store), where the
-// first member cannot register the new communicator with the store (the
-// registrations' key is made full beforehand): its split fails, and the
-// other member learns why at once instead of waiting for it until the
-// split's timeout.
+// A split of a split without rank 0 (which serves the store), where rank 0
+// of that split cannot register the new communicators with the store (the
+// registrations' key is made full beforehand), into two colors: no
+// communicator is made, of either color, and every rank learns why at once,
+// naming its color. The members of the color without the registering rank
+// used to make theirs unregistered, so that the store could stop under
+// them; the registering rank's fellow member used to wait for it until the
+// split's timeout. The communicator split stays usable.
 int ScenarioSplitRegistrationFails() {
   auto comm = MustCreate();
   const int me = comm->rank();
@@ -1454,17 +1457,21 @@ int ScenarioSplitRegistrationFails() {
                                          DeadlineIn(milliseconds(5000)));
     WORKER_CHECK(filled.ok(), "filling the registrations' key: " + filled.ToString());
   }
+  const int color = kept->rank() % 2;
   const auto start = Clock::now();
-  auto grandchild = kept->Split(0, kept->rank(), {.timeout = std::chrono::seconds(15)});
+  auto grandchild = kept->Split(color, kept->rank(), {.timeout = std::chrono::seconds(15)});
   const auto took = Clock::now() - start;
-  WORKER_CHECK(!grandchild.ok(), "the split was made");
+  const std::string who = "rank " + std::to_string(kept->rank()) + " (color " + std::to_string(color) + ")";
+  WORKER_CHECK(!grandchild.ok(), who + ": the split was made");
   WORKER_CHECK(grandchild.status().message().find("registering the new communicators") != std::string::npos,
-               "rank " + std::to_string(kept->rank()) + ": " + grandchild.status().ToString());
-  if (kept->rank() == 1) {
-    WORKER_CHECK(took < std::chrono::seconds(8),
-                 "rank 1 waited for the split's timeout: " + grandchild.status().ToString());
-  }
-  std::printf("SPLIT rank %d: %s\n", kept->rank(), grandchild.status().ToString().c_str());
+               who + ": " + grandchild.status().ToString());
+  WORKER_CHECK(grandchild.status().message().find("split (color " + std::to_string(color) + "): no communicator was made") !=
+                   std::string::npos,
+               who + ": " + grandchild.status().ToString());
+  WORKER_CHECK(took < std::chrono::seconds(8), who + " waited for the split's timeout: " + grandchild.status().ToString());
+  const Status barrier = kept->Barrier({.timeout = std::chrono::seconds(15)});
+  WORKER_CHECK(barrier.ok(), who + ": the communicator split was left unusable: " + barrier.ToString());
+  std::printf("SPLIT %s: %s\n", who.c_str(), grandchild.status().ToString().c_str());
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -1673,8 +1680,8 @@ TEST(Communicator, ASplitFailingOnOneRankFailsTheOthersAtOnce) {
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
-TEST(Communicator, ASplitThatCannotBeRegisteredFailsItsOtherMembersAtOnce) {
-  Job job = RunJob(3, "split_registration_fails", {});
+TEST(Communicator, ASplitThatCannotBeRegisteredFailsEveryColorAtOnce) {
+  Job job = RunJob(5, "split_registration_fails", {});
   for (const auto& r : job.results) ASSERT_EQ(r.exit_code, 0) << job.Describe();
 }
 
