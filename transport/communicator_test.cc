@@ -1504,6 +1504,51 @@ int ScenarioLatePeerAfterTheStoreRanksAbort() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// The same, with rank 1 calling only after rank 0 stopped serving the store
+// (once rank 1 had not left for 3 s): rank 0's reason is gone with it, and
+// rank 1's error says what it can, naming rank 0, its pid on this host and
+// that it is still running, so it left the communicator (an abort or its
+// end) rather than died, instead of only "the store cannot be reached".
+int ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore() {
+  auto comm = MustCreate();
+  const std::string done = EnvOr("TEST_TMPDIR", "/tmp") + "/late_call_done_" + EnvOr("MASTER_PORT", "0");
+  Status s = comm->Barrier();
+  WORKER_CHECK(s.ok(), "barrier: " + s.ToString());
+  if (comm->rank() == 0) {
+    comm->Abort(AbortedError("rank zero gave up"));
+    comm.reset();
+    // The process stays until rank 1 has called: its exit is not what
+    // tells rank 1.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    WORKER_CHECK(std::filesystem::exists(done), "rank 1 never made its late call");
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  // Rank 1 watches the store with a connection of its own, parked on a key
+  // nobody sets, until the server goes away.
+  const char* token = std::getenv("DDP_JOB_TOKEN");
+  auto watcher = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
+                                                token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+  WORKER_CHECK(watcher.ok(), "connecting to the store: " + watcher.status().ToString());
+  if (!watcher.ok()) return 1;
+  auto never = (*watcher)->Get("never set", DeadlineIn(std::chrono::seconds(10)));
+  WORKER_CHECK(never.status().code() == StatusCode::kUnavailable,
+               "the store did not stop within 10 s: " + never.status().ToString());
+  std::vector<float> all(1000, 1.0f);
+  s = comm->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+  std::ofstream(done) << "done";
+  std::printf("LATE rank 1: %s\n", s.ToString().c_str());
+  WORKER_CHECK(s.code() == StatusCode::kPeerLost, "the late all-reduce: " + s.ToString());
+  for (const std::string& said : {std::string("rank 0"), std::string("still running"),
+                                  std::string("left this communicator"), std::string("after aborting it")}) {
+    WORKER_CHECK(s.message().find(said) != std::string::npos, "the late all-reduce does not say \"" + said +
+                                                                   "\": " + s.ToString());
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // The same abort with rank 1 gone (exited without leaving): rank 0 keeps
 // the store no longer than before, as no rank that has not left is alive.
 int ScenarioStoreRankAbortsAfterItsPeerExited() {
@@ -1557,6 +1602,7 @@ int RunScenario(const std::string& name) {
   if (name == "abort_from_thread") return ScenarioAbortFromAnotherThread();
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
+  if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
@@ -1687,6 +1733,11 @@ TEST(Communicator, ASplitThatCannotBeRegisteredFailsEveryColorAtOnce) {
 
 TEST(Communicator, ALatePeerLearnsTheAbortOfTheRankServingTheStore) {
   Job job = RunJob(2, "late_peer_after_store_abort", {});
+  for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
+}
+
+TEST(Communicator, APeerLaterThanTheStoreAfterAnAbortIsToldTheServingRankLeft) {
+  Job job = RunJob(2, "late_peer_after_store_stopped", {});
   for (const auto& r : job.results) EXPECT_EQ(r.exit_code, 0) << job.Describe();
 }
 
