@@ -610,7 +610,11 @@ class TcpStoreServer::Impl {
         // The end of the client's stream, with replies not yet sent: it may
         // have shut down only its sending side (a half-close) and still be
         // reading them. Nothing more comes in (a request cut short by the
-        // end is not answered); the connection closes once they are out.
+        // end is not answered, and the room held for it goes now); the
+        // connection closes once they are out.
+        buffered_ -= c.reserved;
+        c.reserved = 0;
+        std::string().swap(c.in);
         CloseOnceSent(c, options_.frame_stall_timeout);
         return;
       }

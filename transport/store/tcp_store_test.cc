@@ -1078,6 +1078,41 @@ TEST(TcpStoreTest, AHalfClosedClientGetsAllOfALargeReply) {
           << server->stats().buffered_bytes << " bytes buffered";
 }
 
+// A client that ends its stream part-way through a request while replies
+// to it are still unsent: the request is not answered, and the room held
+// for it goes at once, not when the connection closes after the replies.
+TEST(TcpStoreTest, AClientEndingItsStreamMidRequestLetsGoOfItsRoomAtOnce) {
+  auto server = StartServer();
+  auto setter = ConnectClient(*server);
+  ASSERT_TRUE(setter->Set("large", std::string(kMaxValueBytes, 'v'), DeadlineIn(5s)).ok());
+  RawConnection reader(server->port());
+  reader.Handshake();
+  reader.SetReceiveBuffer(64 << 10);  // most of the reply waits in the server
+  wire::Writer get;
+  get.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+  get.U32(4);
+  get.String("large");
+  reader.Send(get.Frame());
+  const std::string cut = SetFrame(5, "cut");
+  reader.Send(std::string_view(cut).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes > cut.size();  // the room and part of the reply
+  })) << "the reply and the cut frame's room were never held: " << server->stats().buffered_bytes
+      << " bytes buffered";
+  const uint64_t held = server->stats().buffered_bytes;
+  reader.ShutdownWrite();
+  EXPECT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes + cut.size() <= held;
+  }, 3s)) << "the cut frame's room was kept: " << server->stats().buffered_bytes << " bytes buffered, "
+          << held << " before the end of the stream";
+  std::optional<std::string> reply = reader.ReadFrame(10s);
+  ASSERT_TRUE(reply.has_value()) << "the reply was cut short";
+  uint32_t id = 0;
+  EXPECT_EQ(RawConnection::ParseReply(*reply, &id).first, StatusCode::kOk);
+  EXPECT_EQ(id, 4u);
+  EXPECT_TRUE(reader.ClosedWithin(5s)) << "the cut request was answered, or the connection kept";
+}
+
 // A rank that connects while the frames of others hold every bit of room
 // under max_buffered_bytes is let in at once: its handshake used to wait
 // for room like a request, until the frames ahead were done or its
