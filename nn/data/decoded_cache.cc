@@ -148,7 +148,10 @@ bool StatSources(const std::vector<std::string>& sources, std::vector<SourceStat
 // The entry at `path` when it is whole and describes `sources`; else an
 // empty array.
 SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sources) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO at the entry's name would otherwise hold the open
+  // until some process writes to it; here it is refused as not a regular
+  // file. The flag changes nothing for the mapping of one.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return {};
   struct stat st;
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) < sizeof(Header)) {

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
 #include <utility>
 #include <vector>
@@ -130,6 +131,37 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
   std::filesystem::resize_file(entries[0], 40);
   EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(80));
   EXPECT_EQ(decode.calls, 3);
+}
+
+// A FIFO where the entry should be is no entry: the load decodes and puts a
+// real entry in its place (opening the FIFO for reading waited for a writer,
+// so the load hung without a word).
+TEST(DecodedCache, AFifoAtTheEntryIsDecodedWithoutWaitingForAWriter) {
+  const std::string dir = FreshDir("decoded_fifo");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({10, 8}, Pixels(80)));
+  CountingDecode decode{src};
+  LoadDecoded(src, std::ref(decode), 0);
+  const auto entries = Entries(dir + "/cache");
+  ASSERT_EQ(entries.size(), 1u);
+  std::filesystem::remove(entries[0]);
+  ASSERT_EQ(::mkfifo(entries[0].c_str(), 0644), 0) << entries[0];
+  auto load = std::async(std::launch::async, [&] { return Bytes(LoadDecoded(src, std::ref(decode), 0)); });
+  const bool returned = load.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  // Lets a load stuck in the FIFO's opens (it tries the entry twice) go on,
+  // so that the test ends.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (load.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready &&
+         std::chrono::steady_clock::now() < deadline) {
+    const int fd = ::open(entries[0].c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd >= 0) ::close(fd);
+  }
+  ASSERT_EQ(load.wait_for(std::chrono::seconds(0)), std::future_status::ready) << "stuck in " << entries[0];
+  EXPECT_TRUE(returned) << "the load waited on the FIFO at " << entries[0];
+  EXPECT_EQ(load.get(), Want(80));
+  EXPECT_EQ(decode.calls, 2);
+  EXPECT_TRUE(std::filesystem::is_regular_file(entries[0])) << "no entry written in the FIFO's place";
 }
 
 TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
