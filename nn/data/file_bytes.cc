@@ -173,9 +173,23 @@ size_t GzipReader::Read(void* dst, size_t n) {
         ended_ = true;
         break;
       }
-      // Another gzip member follows (gzip files may be concatenations);
-      // the reset starts total_in again at 0.
-      earlier_members_in_ += zs.total_in;
+      // What follows a member's end is another member (gzip files may be
+      // concatenations), or zeros padding the file to a block size, which
+      // gzip(1) and Python's gzip ignore. Anything else is not gzip data:
+      // said so plainly, rather than as a corrupt member header.
+      const uint64_t end_at = earlier_members_in_ + zs.total_in;
+      const uint8_t* rest = zs.next_in;
+      if (std::all_of(rest, rest + zs.avail_in, [](uint8_t b) { return b == 0; })) {
+        ended_ = true;
+        break;
+      }
+      if (zs.avail_in < 2 || rest[0] != 0x1f || rest[1] != 0x8b) {
+        throw DatasetError(source_ + ": " + std::to_string(zs.avail_in) +
+                           " bytes after the gzip data, which ends at compressed byte " + std::to_string(end_at) +
+                           ", are neither another gzip member nor zero padding");
+      }
+      // The reset starts total_in again at 0.
+      earlier_members_in_ = end_at;
       if (inflateReset(&zs) != Z_OK) throw DatasetError(source_ + ": zlib inflateReset failed");
       continue;
     }

@@ -120,6 +120,24 @@ TEST(Idx, ConcatenatedGzipMembersAreOneStream) {
   EXPECT_EQ(a.data.size(), 12u);
 }
 
+// Zeros after the last member (a file padded to a block size) end the data,
+// as gzip(1) and Python's gzip take them (the reader called them a corrupt
+// header); other bytes there are named as what they are.
+TEST(Idx, ZeroPaddingAfterTheGzipDataIsIgnored) {
+  TinySet t;
+  const std::string dir = FreshDir("idx_gz_padding");
+  const std::string gz = Gzip(t.images.substr(0, 7)) + Gzip(t.images.substr(7));
+  WriteFile(dir + "/a.gz", gz + std::string(512, '\0'));
+  IdxArray a = ReadIdxFile(dir + "/a.gz", 3);
+  EXPECT_EQ(a.dims, (std::vector<int64_t>{3, 2, 2}));
+  EXPECT_EQ(std::string(a.data.begin(), a.data.end()), t.images.substr(16));
+  WriteFile(dir + "/b.gz", gz + std::string(3, '\0') + "junk");
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/b.gz"); }),
+              AllOf(HasSubstr(dir + "/b.gz: 7 bytes after the gzip data, which ends at compressed byte " +
+                              std::to_string(gz.size())),
+                    HasSubstr("neither another gzip member nor zero padding")));
+}
+
 TEST(Idx, FourDimensionalImagesKeepChannels) {
   const std::string dir = FreshDir("idx_4d");
   WriteFile(dir + "/im", IdxBytes({2, 3, 1, 1}, "abcdef"));
