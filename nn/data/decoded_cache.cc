@@ -350,8 +350,14 @@ class EntryLock {
 std::string DecodedCacheDir() {
   const char* env = std::getenv("DDP_DATA_CACHE");
   if (env != nullptr && env[0] != '\0') {
-    const std::string v = env;
-    if (v == "0" || v == "off") return "";
+    // The usual ways of saying "off", in any case: a value taken for a
+    // folder name instead (DDP_DATA_CACHE=false) cached into ./false,
+    // relative to each rank's working directory, without a word.
+    std::string v = env, lower = v;
+    for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    for (const char* off : {"0", "off", "false", "no", "none"}) {
+      if (lower == off) return "";
+    }
     return v;
   }
   const char* xdg = std::getenv("XDG_CACHE_HOME");

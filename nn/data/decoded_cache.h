@@ -25,7 +25,8 @@
 // load decode and write it again. A process that has an entry mapped keeps
 // reading it after the removal.
 //
-// Where: $DDP_DATA_CACHE (a folder; "0" or "off" turns the cache off), else
+// Where: $DDP_DATA_CACHE (a folder; "0", "off", "false", "no" or "none", in
+// any case, turns the cache off), else
 // $XDG_CACHE_HOME/ddp/datasets, else $HOME/.cache/ddp/datasets.
 
 #include <chrono>

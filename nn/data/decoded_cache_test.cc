@@ -663,6 +663,29 @@ TEST(DecodedCache, EntriesThisProcessUsesStayPastTheLimit) {
   EXPECT_EQ(count, 1u) << warned;
 }
 
+// Every usual spelling of "off" turns the cache off; each was taken for a
+// folder name, relative to the working directory, and cached into.
+TEST(DecodedCache, OffInAnySpellingCachesNothing) {
+  const std::string dir = FreshDir("decoded_off_spellings");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  const std::filesystem::path cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir);
+  for (const char* off : {"0", "off", "OFF", "Off", "false", "False", "no", "NO", "none", "None"}) {
+    const CacheDir cache(off);
+    EXPECT_EQ(DecodedCacheDir(), "") << off;
+    CountingDecode decode{src};
+    EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9)) << off;
+    LoadDecoded(src, std::ref(decode), 0);
+    EXPECT_EQ(decode.calls, 2) << off;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/" + off)) << "cached into ./" << off;
+  }
+  std::filesystem::current_path(cwd);
+  // A folder name that only contains one of them is a folder.
+  const CacheDir cache(dir + "/offline");
+  EXPECT_EQ(DecodedCacheDir(), dir + "/offline");
+}
+
 TEST(DecodedCache, SizeLimitComesFromTheEnvironment) {
   {
     const ScopedEnv unset("DDP_DATA_CACHE_MAX_BYTES", nullptr);
