@@ -48,7 +48,8 @@ std::shared_ptr<InMemoryImageDataset> LoadCifar10(const std::string& dir, Split 
   }
   if (folder.empty()) {
     throw DatasetError("CIFAR-10 file not found: looked for " + base + first + " and " + base +
-                       "cifar-10-batches-bin/" + first +
+                       "cifar-10-batches-bin/" + first + internal::NotAFileNote(base + first) +
+                       internal::NotAFileNote(base + "cifar-10-batches-bin/" + first) +
                        ". Unpack CIFAR-10's binary version there and point --data_dir at it "
                        "(--dataset=synthetic gives CIFAR's shapes for timing without files).");
   }
@@ -60,8 +61,8 @@ std::shared_ptr<InMemoryImageDataset> LoadCifar10(const std::string& dir, Split 
   }
   for (const std::string& f : files) {
     if (!internal::FileExists(f)) {
-      throw DatasetError("CIFAR-10 file not found: " + f + " (the training set is data_batch_1.bin "
-                         "to data_batch_5.bin in one folder)");
+      throw DatasetError("CIFAR-10 file not found: " + f + internal::NotAFileNote(f) +
+                         " (the training set is data_batch_1.bin to data_batch_5.bin in one folder)");
     }
   }
   // Through the decoded cache (mapped, shared by every process that loads

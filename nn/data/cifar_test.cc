@@ -78,6 +78,20 @@ TEST(Cifar10Errors, MissingFolderNamesBothPlacesAndDataDir) {
                     HasSubstr("--data_dir"), HasSubstr("synthetic")));
 }
 
+// A folder by a batch's name is said to be one.
+TEST(Cifar10Errors, AFolderByABatchsNameIsNamedAsOne) {
+  const std::string dir = FreshDir("cifar_folder");
+  ASSERT_EQ(::mkdir((dir + "/data_batch_1.bin").c_str(), 0755), 0);
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
+              HasSubstr("(" + dir + "/data_batch_1.bin is a folder)"));
+  const std::string later = FreshDir("cifar_later_folder");
+  WriteCifarDir(later);
+  ASSERT_EQ(std::remove((later + "/data_batch_4.bin").c_str()), 0);
+  ASSERT_EQ(::mkdir((later + "/data_batch_4.bin").c_str(), 0755), 0);
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(later, Split::kTrain); }),
+              HasSubstr("(" + later + "/data_batch_4.bin is a folder)"));
+}
+
 TEST(Cifar10Errors, MissingLaterBatch) {
   const std::string dir = FreshDir("cifar_partial");
   WriteCifarDir(dir);

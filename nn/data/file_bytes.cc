@@ -22,6 +22,23 @@ bool FileExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+std::string NotAFileNote(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return "";
+  const char* what = "not a regular file";
+  if (S_ISLNK(st.st_mode)) {
+    struct stat target;
+    if (::stat(path.c_str(), &target) != 0) {
+      what = "a symbolic link to nothing";
+    } else if (S_ISDIR(target.st_mode)) {
+      what = "a symbolic link to a folder";
+    }
+  } else if (S_ISDIR(st.st_mode)) {
+    what = "a folder";
+  }
+  return " (" + path + " is " + what + ")";
+}
+
 namespace {
 
 // Opens the regular file `path` for reading. O_NONBLOCK lets the open of a

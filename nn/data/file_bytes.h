@@ -20,6 +20,10 @@ inline constexpr uint64_t kMaxDecompressedBytes = uint64_t{4} << 30;
 /// True if `path` names an existing regular file.
 bool FileExists(const std::string& path);
 
+/// For a message about a file that is not there: what is at `path` instead,
+/// as " (<path> is a folder)" or another such note; "" when nothing is.
+std::string NotAFileNote(const std::string& path);
+
 /// Reads the whole file. Throws DatasetError naming `path` and the OS error.
 std::string ReadFileBytes(const std::string& path);
 

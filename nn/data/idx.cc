@@ -55,8 +55,11 @@ std::string FindFile(const std::string& dir, const std::string& base,
   const std::string plain = prefix + base;
   if (internal::FileExists(gz)) return gz;
   if (internal::FileExists(plain)) return plain;
-  throw DatasetError("dataset file not found: looked for " + gz + " and " + plain + ". " +
-                     missing_hint);
+  // A folder by the file's name (unpackers make one of `x.gz`, holding the
+  // file) is named as such: "not found" alone sent the user looking for a
+  // path that is there.
+  throw DatasetError("dataset file not found: looked for " + gz + " and " + plain +
+                     internal::NotAFileNote(gz) + internal::NotAFileNote(plain) + ". " + missing_hint);
 }
 
 std::shared_ptr<InMemoryImageDataset> LoadMnistFormat(const std::string& dataset,

@@ -27,6 +27,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::FreshDir;
 using testing::Gzip;
 using testing::IdxBytes;
@@ -85,6 +86,20 @@ TEST(Mnist, MissingFilesNameDataDir) {
   const std::string dir = FreshDir("mnist_missing");
   const std::string msg = ErrorOf([&] { LoadMnist(dir, Split::kTest); });
   EXPECT_THAT(msg, AllOf(HasSubstr(dir + "/t10k-images-idx3-ubyte"), HasSubstr("--data_dir")));
+}
+
+// A folder or a broken link by a file's name is said to be one ("not
+// found" alone named a path that is there): Kaggle's MNIST unpacks into
+// folders named as the files.
+TEST(Mnist, AFolderByTheFilesNameIsNamedAsOne) {
+  const std::string dir = FreshDir("mnist_folders");
+  ASSERT_EQ(::mkdir((dir + "/train-images-idx3-ubyte").c_str(), 0755), 0);
+  ASSERT_EQ(::symlink("nowhere", (dir + "/train-images-idx3-ubyte.gz").c_str()), 0);
+  EXPECT_THAT(ErrorOf([&] { LoadMnist(dir, Split::kTrain); }),
+              AllOf(HasSubstr("(" + dir + "/train-images-idx3-ubyte.gz is a symbolic link to nothing)"),
+                    HasSubstr("(" + dir + "/train-images-idx3-ubyte is a folder)"), HasSubstr("--data_dir")));
+  const std::string plain = FreshDir("mnist_plain_missing");
+  EXPECT_THAT(ErrorOf([&] { LoadMnist(plain, Split::kTrain); }), Not(HasSubstr(" is a")));
 }
 
 // A tiny MNIST-format dataset: 3 images of 2x2, labels 0..2.
