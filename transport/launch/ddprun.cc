@@ -1810,6 +1810,16 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   // failed or timed out, unless the launcher's environment says otherwise
   // (which the workers inherit).
   const bool nccl_async_default = std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr;
+  // Worker output that passes through this launcher (a "[rank] " prefix, log
+  // files, --local_ranks_filter) reaches a worker as a pipe, and Python
+  // buffers a pipe's stdout in 8 KiB blocks: a PyTorch program's print()
+  // lines showed up minutes late, out of order with its stderr, and were
+  // lost with a worker that was killed. Under torchrun (no --tee) the
+  // workers write to the terminal itself, line by line; PYTHONUNBUFFERED=1
+  // keeps that, unless the launcher's environment says otherwise.
+  const bool output_piped = (o.prefix && o.nproc_per_node > 1) || !o.log_dir.empty() ||
+                            !o.local_ranks_filter.empty();
+  const bool python_unbuffered_default = output_piped && std::getenv("PYTHONUNBUFFERED") == nullptr;
   const int max_nodes = o.nnodes;
   // Node 0 ends a c10d job instead of forming round `round`: the launchers
   // waiting for it learn the exit status; those seen so far are given up to
@@ -2094,6 +2104,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       spec.env.emplace_back(kEnvRunId, run_id);
       if (omp_default) spec.env.emplace_back("OMP_NUM_THREADS", "1");
       if (nccl_async_default) spec.env.emplace_back("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
+      if (python_unbuffered_default) spec.env.emplace_back("PYTHONUNBUFFERED", "1");
       specs.push_back(std::move(spec));
     }
     SpawnOptions spawn;

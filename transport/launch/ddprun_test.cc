@@ -174,6 +174,42 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
                                     "--log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log\n"));
 }
 
+// Worker output that passes through ddprun (prefixes, log files, a ranks
+// filter) reaches Python as a pipe, which it buffers in 8 KiB blocks: a
+// PyTorch program's print() lines came minutes late, and were lost with a
+// killed worker. Under torchrun they reach the terminal line by line.
+// ddprun sets PYTHONUNBUFFERED=1 then, unless its environment sets it.
+TEST(DdprunTest, PythonOutputThroughTheLauncherIsUnbuffered) {
+  unsetenv("PYTHONUNBUFFERED");  // the test's own environment, which the launcher gets
+  const std::vector<std::string> print = {"/bin/sh", "-c", "echo unbuffered=${PYTHONUNBUFFERED-unset}"};
+  auto with = [&](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), Ddprun());
+    flags.insert(flags.end(), print.begin(), print.end());
+    return flags;
+  };
+  auto run = RunProgram(with({"--standalone", "--nproc_per_node=2"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] unbuffered=1\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] unbuffered=1\n"));
+  const std::string dir = testing::MakeTempDir("ddprun_unbuffered");
+  run = RunProgram(with({"--standalone", "--log_dir=" + dir, "--tee"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("unbuffered=1\n"));
+  // One worker, nothing in between: it writes to the launcher's own output,
+  // as under torchrun, and Python buffers as it would there.
+  run = RunProgram(with({"--standalone"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("unbuffered=unset\n"));
+  run = RunProgram(with({"--standalone", "--nproc_per_node=2", "--no_prefix"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(CountLines(run.output, "unbuffered=unset"), 2) << run.output;
+  // The launcher's environment decides when it says anything.
+  run = RunProgram(with({"--standalone", "--nproc_per_node=2"}), {{"PYTHONUNBUFFERED", ""}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(CountLines(run.output, "unbuffered=\n"), 0);
+  EXPECT_THAT(run.output, HasSubstr("[1] unbuffered=\n"));
+}
+
 TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
   const std::string dir = testing::MakeTempDir("ddprun_exit");
   const auto start = Clock::now();
