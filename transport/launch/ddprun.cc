@@ -148,7 +148,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        of its own per run, as torchrun; printed at start)
   --tee                with --log_dir, also write it to the terminal
                        (torchrun's --tee=3; --tee=0 and --redirects=3 accepted,
-                       and torchrun's -t CODE and -r CODE for them)
+                       and torchrun's -t CODE and -r CODE for them); without
+                       --log_dir, --tee or --redirects=3 log into a fresh
+                       $TMPDIR/torchelastic_XXXXXX, as torchrun
   --no_prefix          do not start terminal lines with "[rank] "
   --local_ranks_filter=R[,R...]
                        show only these local ranks' output on the terminal
@@ -718,14 +720,15 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         "several nodes need a shared job token: set DDP_JOB_TOKEN (or --job_token) to the same "
         "secret on every node");
   }
-  if (o.tee && o.log_dir.empty()) return InvalidArgumentError("--tee needs --log_dir");
+  // torchrun's --tee 3 or --redirects 3 without --log_dir (torchtitan's and
+  // torchchat's launch lines) log into a temporary folder of their own.
+  o.temp_log_dir = o.log_dir.empty() && (o.tee || redirects);
   if (!o.local_ranks_filter.empty() && o.local_ranks_filter.back() >= o.nproc_per_node) {
     return InvalidArgumentError("--local_ranks_filter names local rank " +
                                 std::to_string(o.local_ranks_filter.back()) + ", but --nproc_per_node=" +
                                 std::to_string(o.nproc_per_node) + " gives local ranks 0 to " +
                                 std::to_string(o.nproc_per_node - 1));
   }
-  if (redirects && o.log_dir.empty()) return InvalidArgumentError("--redirects needs --log_dir");
   return o;
 }
 
@@ -1676,6 +1679,18 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   if (!program.ok()) {
     Say(program.status().message() + ProgramHint(o.command[0]));
     return 2;
+  }
+  if (o.log_dir.empty() && o.temp_log_dir) {
+    // As torchrun's DefaultLogsSpecs without a log_dir: tempfile.mkdtemp(
+    // prefix="torchelastic_"), with this run's folder inside it.
+    const char* tmp = std::getenv("TMPDIR");
+    std::string base = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/torchelastic_XXXXXX";
+    if (mkdtemp(base.data()) == nullptr) {
+      Say("cannot create a temporary folder for the logs of --tee/--redirects ('" + base +
+          "'): " + std::strerror(errno) + "; give --log_dir=DIR");
+      return 2;
+    }
+    o.log_dir = base;
   }
   if (!o.log_dir.empty()) {
     StatusOr<std::string> run_dir = MakeRunLogDir(o.log_dir, o.rdzv_id);

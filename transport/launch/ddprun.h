@@ -85,6 +85,9 @@ struct DdprunOptions {
   int max_restarts = 0;
   std::string log_dir;           ///< Per-rank log files under attempt_<k>/.
   bool tee = false;              ///< With log_dir: also write to the terminal.
+  /// --tee or --redirects without --log_dir: as torchrun, the logs go to a
+  /// fresh $TMPDIR/torchelastic_XXXXXX (RunDdprun makes it and names it).
+  bool temp_log_dir = false;
   bool prefix = true;            ///< "[rank] " on terminal lines (when >1 worker).
   /// --local_ranks_filter: only these local ranks' output reaches the
   /// terminal (log files get all); empty: every rank's. Sorted, unique.

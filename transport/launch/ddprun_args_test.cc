@@ -374,11 +374,40 @@ TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
       "1, 2 and per-rank maps are not supported";
   ExpectRefused({"--log_dir=/tmp/x", "-t", "1", "p"}, "--tee=1" + codes);
   ExpectRefused({"--log_dir=/tmp/x", "-r2", "p"}, "--redirects=2" + codes);
-  ExpectRefused({"-t", "3", "p"}, "--tee needs --log_dir");
   ExpectRefused({"-r", "p"}, "--redirects needs a value");
   ExpectRefused({"-x", "p"},
                 "unknown flag -x (ddprun's short flags are torchrun's -t for --tee and -r for --redirects; "
                 "see ddprun --help)");
+}
+
+// torchrun takes --tee 3 and --redirects 3 without --log_dir (it logs into
+// a tempfile.mkdtemp(prefix="torchelastic_") folder): torchtitan's and
+// torchchat's launch lines, "--local-ranks-filter 0 --role rank --tee 3",
+// were refused with "--tee needs --log_dir".
+TEST(DdprunArgsTest, TeeOrRedirectsWithoutLogDirLogIntoATemporaryFolder) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc-per-node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0",
+                                     "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "train"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->tee);
+  EXPECT_TRUE(o->temp_log_dir);
+  EXPECT_EQ(o->log_dir, "");
+  EXPECT_EQ(o->command, std::vector<std::string>{"train"});
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"-t", "3", "p"}, {"--tee", "p"}, {"--redirects=3", "p"}, {"-r3", "p"}}) {
+    o = Parse(args);
+    ASSERT_TRUE(o.ok()) << o.status() << " " << args[0];
+    EXPECT_TRUE(o->temp_log_dir) << args[0];
+  }
+  o = Parse({"--tee=3", "p"}, {{"PET_REDIRECTS", "3"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->temp_log_dir);
+  // Nothing asked for logs, or a folder given: no temporary one.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"p"}, {"--tee=0", "--redirects=0", "p"}, {"--log_dir=/tmp/x", "--tee", "p"}}) {
+    o = Parse(args);
+    ASSERT_TRUE(o.ok()) << o.status() << " " << args[0];
+    EXPECT_FALSE(o->temp_log_dir) << args[0];
+  }
 }
 
 TEST(DdprunArgsTest, LocalRanksFilter) {
@@ -547,7 +576,6 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--max_restarts=-1", "p"}, "--max_restarts=-1 must be in [0, 1000000]");
   ExpectRefused({"--node_timeout=0", "p"}, "--node_timeout=0 is not a positive number of seconds");
   ExpectRefused({"--grace_period=soon", "p"}, "--grace_period=soon is not a number of seconds");
-  ExpectRefused({"--tee", "p"}, "--tee needs --log_dir");
   auto codes = [](const std::string& flag) {
     return flag +
            ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr, which it keeps "
@@ -556,7 +584,6 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--tee=yes", "p"}, codes("--tee=yes"));
   ExpectRefused({"--log_dir=/tmp/x", "--redirects=1", "p"}, codes("--redirects=1"));
   ExpectRefused({"--log_dir=/tmp/x", "--tee=0:1,1:2", "p"}, codes("--tee=0:1,1:2"));
-  ExpectRefused({"--redirects=3", "p"}, "--redirects needs --log_dir");
   ExpectRefused({"--frobnicate", "p"}, "unknown flag --frobnicate (see ddprun --help)");
   ExpectRefused({"--nproc_per_node=2"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   ExpectRefused({"--job_token=" + std::string(300, 't'), "p"},

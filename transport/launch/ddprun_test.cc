@@ -210,6 +210,35 @@ TEST(DdprunTest, PythonOutputThroughTheLauncherIsUnbuffered) {
   EXPECT_THAT(run.output, HasSubstr("[1] unbuffered=\n"));
 }
 
+// torchtitan's and torchchat's launch line: torchrun's --tee 3 without
+// --log_dir (and --redirects 3) log into a fresh $TMPDIR/torchelastic_*
+// folder, as torchrun does, instead of being refused.
+TEST(DdprunTest, TeeWithoutLogDirLogsIntoATemporaryFolder) {
+  const std::string tmp = testing::MakeTempDir("ddprun_tee_tmp");
+  auto run = RunProgram({Ddprun(), "--nproc-per-node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0",
+                         "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "/bin/sh", "-c",
+                         "echo \"rank $RANK role $ROLE_NAME\""},
+                        {{"TMPDIR", tmp}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] rank 0 role rank\n"));
+  EXPECT_THAT(run.output, Not(HasSubstr("[1] ")));
+  const std::string base = RunDir(tmp);
+  EXPECT_THAT(base, ContainsRegex("/torchelastic_[A-Za-z0-9]{6}$"));
+  const std::string run_dir = RunDir(base);
+  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + run_dir + "/attempt_K/rank_R.log\n"));
+  EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_0.log"), "rank 0 role rank\n");
+  EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_1.log"), "rank 1 role rank\n");
+
+  // --redirects 3: into the files only.
+  const std::string tmp2 = testing::MakeTempDir("ddprun_redirects_tmp");
+  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--redirects", "3", "/bin/sh", "-c",
+                    "echo \"rank $RANK\""},
+                   {{"TMPDIR", tmp2}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("rank 1\n")));
+  EXPECT_EQ(ReadFile(RunDir(RunDir(tmp2)) + "/attempt_0/rank_1.log"), "rank 1\n");
+}
+
 TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
   const std::string dir = testing::MakeTempDir("ddprun_exit");
   const auto start = Clock::now();
