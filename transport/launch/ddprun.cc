@@ -1619,7 +1619,12 @@ int RunJob(const DdprunOptions& options, RootCause& cause);
 void RecordLauncherError(const DdprunOptions& o, const RootCause& cause, int exit_code) {
   if (o.error_file.empty() || exit_code == 0) return;
   Status written;
-  if (cause.worker && !cause.worker->error.empty()) {
+  if (cause.worker && !cause.worker->error_record.empty()) {
+    // As torchrun: the worker's whole record (its traceback included), with
+    // the worker's exit code, or minus its signal, as the errorCode.
+    const WorkerExit& w = *cause.worker;
+    written = CopyErrorRecord(o.error_file, w.error_record, w.signaled ? -w.code : w.code);
+  } else if (cause.worker && !cause.worker->error.empty()) {
     const auto when = cause.worker->error_timestamp_us > 0
                           ? std::chrono::system_clock::time_point(
                                 std::chrono::microseconds(cause.worker->error_timestamp_us))

@@ -669,12 +669,17 @@ TEST(DdprunTest, TheLaunchersOwnErrorFileGetsTheRootCause) {
   const std::string own = dir + "/launcher.error.json";
   const std::string script =
       "if [ \"$RANK\" = 1 ]; then printf '{\"message\": {\"message\": \"ValueError: shard missing\", "
-      "\"extraInfo\": {\"timestamp\": \"1700000000\"}}}' > \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi; "
-      "sleep 30";
+      "\"extraInfo\": {\"py_callstack\": \"Traceback: train.py line 7\", \"timestamp\": \"1700000000\"}}}' "
+      "> \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi; sleep 30";
   auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c", script},
                         {{"TORCHELASTIC_ERROR_FILE", own}});
   EXPECT_NE(run.exit_code, 0) << run.output;
-  EXPECT_THAT(ReadFile(own), HasSubstr("\"ValueError: shard missing\"")) << run.output;
+  // As torchrun's: the worker's whole record (its traceback too), with the
+  // worker's exit code.
+  EXPECT_EQ(ReadFile(own),
+            "{\"message\":{\"errorCode\":3,\"extraInfo\":{\"py_callstack\":\"Traceback: train.py line 7\","
+            "\"timestamp\":\"1700000000\"},\"message\":\"ValueError: shard missing\"}}\n")
+      << run.output;
 
   // No worker wrote one: the launcher's own line.
   unlink(own.c_str());

@@ -77,21 +77,10 @@ mode_t ProcessUmask() {
   return static_cast<mode_t>(mask);
 }
 
-}  // namespace
-
-Status WriteErrorFile(const std::string& path, std::string_view message,
-                      std::chrono::system_clock::time_point when) {
+// Writes `text` to `path` whole or not at all (a temporary file renamed
+// over it).
+Status WriteWhole(const std::string& path, const std::string& text) {
   if (path.empty()) return InvalidArgumentError("no error file path given");
-  const int64_t us =
-      std::chrono::duration_cast<std::chrono::microseconds>(when.time_since_epoch()).count();
-  nlohmann::json doc;
-  // Invalid UTF-8 in the message would make dump() throw: replace it.
-  doc["message"]["message"] = std::string(message);
-  doc["message"]["extraInfo"]["timestamp"] = std::to_string(us / 1000000);
-  doc["message"]["extraInfo"]["timestamp_us"] = std::to_string(us);
-  const std::string text =
-      doc.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace) + "\n";
-
   // A temporary of its own for every call (mkstemp): two threads of one
   // worker failing at once shared "<path>.tmp.<pid>", one truncated and
   // wrote into the file the other was renaming into place, and the
@@ -125,6 +114,36 @@ Status WriteErrorFile(const std::string& path, std::string_view message,
     return InternalError("cannot move error file '" + temp + "' to '" + path + "': " + ErrnoText(err));
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status WriteErrorFile(const std::string& path, std::string_view message,
+                      std::chrono::system_clock::time_point when) {
+  if (path.empty()) return InvalidArgumentError("no error file path given");
+  const int64_t us =
+      std::chrono::duration_cast<std::chrono::microseconds>(when.time_since_epoch()).count();
+  nlohmann::json doc;
+  // Invalid UTF-8 in the message would make dump() throw: replace it.
+  doc["message"]["message"] = std::string(message);
+  doc["message"]["extraInfo"]["timestamp"] = std::to_string(us / 1000000);
+  doc["message"]["extraInfo"]["timestamp_us"] = std::to_string(us);
+  return WriteWhole(path, doc.dump(-1, ' ', /*ensure_ascii=*/false,
+                                   nlohmann::json::error_handler_t::replace) +
+                              "\n");
+}
+
+Status CopyErrorRecord(const std::string& path, const std::string& record, int error_code) {
+  if (path.empty()) return InvalidArgumentError("no error file path given");
+  nlohmann::json doc = nlohmann::json::parse(record, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return InvalidArgumentError("the error record to copy is not JSON");
+  // As torchrun: a worker killed by a signal could not write its own code.
+  if (error_code != 0 && doc.is_object() && doc.contains("message") && doc["message"].is_object()) {
+    doc["message"]["errorCode"] = error_code;
+  }
+  return WriteWhole(path, doc.dump(-1, ' ', /*ensure_ascii=*/false,
+                                   nlohmann::json::error_handler_t::replace) +
+                              "\n");
 }
 
 Status RecordWorkerError(std::string_view message) {
@@ -181,6 +200,7 @@ StatusOr<WorkerError> ReadErrorFile(const std::string& path) {
   if (!doc.is_object() || !doc.contains("message")) return malformed("no \"message\"");
   const nlohmann::json& message = doc["message"];
   WorkerError out;
+  out.record = text;
   int64_t seconds = 0;
   if (message.is_string()) {
     // {"message": "...", "timestamp": N}

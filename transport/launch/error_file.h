@@ -35,12 +35,25 @@ struct WorkerError {
   /// Unix time in microseconds (whole seconds for files that give only
   /// those); 0 when the file gave none. The launcher reports the earliest.
   int64_t timestamp_us = 0;
+  /// The whole file as written (with a PyTorch @record: the traceback in
+  /// extraInfo.py_callstack, the error's name), for CopyErrorRecord.
+  std::string record;
 };
 
 /// Writes `message` to `path` whole or not at all (a temporary file renamed
 /// over it), stamped with `when`.
 Status WriteErrorFile(const std::string& path, std::string_view message,
                       std::chrono::system_clock::time_point when = std::chrono::system_clock::now());
+
+/// torchrun's way of passing the root-cause worker's error up (its
+/// ErrorHandler.dump_error_file, which its @record-decorated main calls
+/// with the worker's exit code): `record`, a file ReadErrorFile read, is
+/// written to `path` whole or not at all, keeping everything the worker
+/// wrote (a PyTorch program's traceback in extraInfo.py_callstack), with
+/// "errorCode" in its "message" object set to `error_code` (the worker's
+/// exit code, or minus the signal that killed it) unless that is 0 or the
+/// message is a plain string. INVALID_ARGUMENT when `record` is not JSON.
+Status CopyErrorRecord(const std::string& path, const std::string& record, int error_code);
 
 /// For a worker about to exit with a failure: writes `message` to the file
 /// its launcher named in TORCHELASTIC_ERROR_FILE. OK and nothing written

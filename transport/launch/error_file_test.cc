@@ -150,6 +150,40 @@ TEST_F(ErrorFileTest, ReadsWhatTorchElasticsRecordWrites) {
   EXPECT_EQ(read->timestamp_us, 0);
 }
 
+// torchrun's launcher copies the root-cause worker's file into its own
+// whole (ErrorHandler.dump_error_file), so that whoever reads the launcher's
+// file (a scheduler, TorchX) gets the traceback, with the worker's exit code
+// as errorCode. ddprun wrote only the message and time before.
+TEST_F(ErrorFileTest, CopyErrorRecordKeepsTheWholeRecordAndSetsTheErrorCode) {
+  Write("record.json",
+        R"({"message": {"message": "ValueError: bad batch", "extraInfo": )"
+        R"({"py_callstack": "Traceback (most recent call last): ...", "timestamp": "1700000001"}}})");
+  StatusOr<WorkerError> read = ReadErrorFile(dir_ + "/record.json");
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  const std::string own = dir_ + "/launcher.json";
+  ASSERT_TRUE(CopyErrorRecord(own, read->record, 3).ok());
+  EXPECT_EQ(Read("launcher.json"),
+            R"({"message":{"errorCode":3,"extraInfo":{"py_callstack":"Traceback (most recent call last): ...",)"
+            R"("timestamp":"1700000001"},"message":"ValueError: bad batch"}})"
+            "\n");
+  // What the copy says reads back as what the worker said.
+  StatusOr<WorkerError> copied = ReadErrorFile(own);
+  ASSERT_TRUE(copied.ok()) << copied.status().message();
+  EXPECT_EQ(copied->message, "ValueError: bad batch");
+  EXPECT_EQ(copied->timestamp_us, int64_t{1700000001} * 1000000);
+  // Killed by a signal: minus the signal, as torchrun's exit code. 0 leaves
+  // the worker's own errorCode alone, and the older layout has no place for
+  // one.
+  ASSERT_TRUE(CopyErrorRecord(own, read->record, -9).ok());
+  EXPECT_NE(Read("launcher.json").find(R"("errorCode":-9)"), std::string::npos);
+  ASSERT_TRUE(CopyErrorRecord(own, R"({"message": {"message": "m", "errorCode": 5}})", 0).ok());
+  EXPECT_EQ(Read("launcher.json"), R"({"message":{"errorCode":5,"message":"m"}})" "\n");
+  ASSERT_TRUE(CopyErrorRecord(own, R"({"message": "old", "timestamp": 1700000002})", 1).ok());
+  EXPECT_EQ(Read("launcher.json"), R"({"message":"old","timestamp":1700000002})" "\n");
+  EXPECT_EQ(CopyErrorRecord(own, "not json", 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Entries(), (std::vector<std::string>{"launcher.json", "record.json"}));  // no temporaries left
+}
+
 // A time that is negative, or too large to be had in microseconds, is no
 // time: it used to overflow (or stay negative) and then read as the
 // earliest of all, naming its worker the root cause.

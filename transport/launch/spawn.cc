@@ -917,9 +917,11 @@ class WorkerGroup::Impl {
       }
       w.exit.error = std::move(error->message);
       w.exit.error_timestamp_us = error->timestamp_us;
+      w.exit.error_record = std::move(error->record);
       if (result.first_failure && result.first_failure->pid == w.exit.pid) {
         result.first_failure->error = w.exit.error;
         result.first_failure->error_timestamp_us = w.exit.error_timestamp_us;
+        result.first_failure->error_record = w.exit.error_record;
       }
       const bool first = result.first_failure && result.first_failure->pid == w.exit.pid;
       if (earliest == nullptr || w.exit.error_timestamp_us < earliest->exit.error_timestamp_us ||

@@ -125,6 +125,9 @@ struct WorkerExit {
   /// error_files); empty when it succeeded or wrote none.
   std::string error;
   int64_t error_timestamp_us = 0;  ///< When it wrote it (unix time), 0 unknown.
+  /// The whole error file (WorkerError::record), for a launcher that passes
+  /// it up as torchrun does (CopyErrorRecord); empty with `error`.
+  std::string error_record;
 
   bool ok() const { return exited && !signaled && code == 0; }
   /// "rank 1 (pid 4242) exited with code 3" / "... was killed by signal 9 (SIGKILL)".
