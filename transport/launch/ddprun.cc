@@ -175,7 +175,11 @@ give the interpreter as PROGRAM: ddprun ... python3 train.py. Also accepted:
 --monitor_interval=SEC (ddprun sees a worker exit at once, without polling),
 --start_method=spawn|fork|forkserver (ddprun always starts a fresh process
 with exec, so all three are the same), and, with a note that they are
-ignored, --local_addr, --logs_specs and --node_rank with c10d (as torchrun).
+ignored, --local_addr, --logs_specs, --event_log_handler, --signals_to_handle
+(ddprun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT and stops the job, and
+passes SIGUSR1 and SIGUSR2 on without stopping it) and --node_rank with c10d
+(as torchrun). ARGS may use torchrun's ${local_rank}, replaced by each
+worker's LOCAL_RANK.
 )";
 }
 
@@ -234,7 +238,8 @@ constexpr PetFlag kPetFlags[] = {
     {"start_method", false},   {"role", false},        {"log_dir", false},
     {"redirects", false},      {"tee", false},         {"local_ranks_filter", false},
     {"local_addr", false},     {"logs_specs", false},  {"no_python", true},
-    {"module", true},          {"run_path", true},
+    {"module", true},          {"run_path", true},     {"event_log_handler", false},
+    {"signals_to_handle", false},
 };
 
 using FlagNames = std::set<std::string, std::less<>>;
@@ -461,6 +466,21 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
             // torchrun's deadline of one call on the store.
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
             o.store_call_time = seconds;
+          } else if (key == "use_libuv" || key == "store_connect_wait_seconds") {
+            // Settings of PyTorch's own TCPStore, which ddprun does not use.
+            std::string lower = raw;
+            for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+            if (key == "use_libuv" && lower != "1" && lower != "true" && lower != "t" && lower != "yes" &&
+                lower != "y" && lower != "0" && lower != "false" && lower != "f" && lower != "no" &&
+                lower != "n") {
+              return bad_item(item, "use_libuv takes true or false (1/0, yes/no)");
+            }
+            if (key == "store_connect_wait_seconds" && (!ParseInt(raw) || *ParseInt(raw) < 0)) {
+              return bad_item(item, "store_connect_wait_seconds takes a whole number of seconds");
+            }
+            o.notes.push_back(Flag(name, item) +
+                              " is ignored: it sets PyTorch's TCPStore, and ddprun's launchers meet in "
+                              "a store of their own");
           } else if (key == "close_timeout") {
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
             o.notes.push_back(Flag(name, item) +
@@ -470,7 +490,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
             return bad_item(item,
                             "not one of last_call_timeout, join_timeout (or timeout), read_timeout, "
                             "close_timeout, keep_alive_interval (SEC), keep_alive_max_attempt=N, "
-                            "is_host=BOOL");
+                            "is_host=BOOL, use_libuv=BOOL, store_connect_wait_seconds=N");
           }
         }
       } else if (name == "node_rank") {
@@ -499,6 +519,44 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         o.notes.push_back(Flag(name, addr) +
                           " is ignored: launchers other than node 0 need no address of their own "
                           "(they connect to node 0's store)");
+      } else if (name == "event_log_handler") {
+        DDP_ASSIGN_OR_RETURN(std::string handler, take_value());
+        if (handler != "null") {
+          o.notes.push_back(Flag(name, handler) +
+                            " is ignored: ddprun records no torchelastic events (its lines on stderr "
+                            "and the error files say what happened)");
+        }
+      } else if (name == "signals_to_handle") {
+        // torchrun's list of the signals its agent catches, forwards to the
+        // workers and then stops the job on. ddprun's set is fixed.
+        DDP_ASSIGN_OR_RETURN(std::string list, take_value());
+        static constexpr std::string_view kKnown[] = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT",
+                                                      "SIGUSR1", "SIGUSR2"};
+        size_t start = 0;
+        bool usr = false;
+        std::set<std::string, std::less<>> listed;
+        while (true) {
+          const size_t comma = list.find(',', start);
+          std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+          item.erase(0, item.find_first_not_of(" \t"));
+          item.erase(item.find_last_not_of(" \t") + 1);
+          if (std::find(std::begin(kKnown), std::end(kKnown), item) == std::end(kKnown)) {
+            return InvalidArgumentError(Flag(name, list) + ": '" + item +
+                                        "' is not one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 "
+                                        "(the signals ddprun passes on to the workers)");
+          }
+          usr = usr || item == "SIGUSR1" || item == "SIGUSR2";
+          listed.insert(item);
+          if (comma == std::string::npos) break;
+          start = comma + 1;
+        }
+        // torchrun's default is what ddprun does anyway: nothing to say.
+        if (listed != std::set<std::string, std::less<>>{"SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM"}) {
+          o.notes.push_back(Flag(name, list) +
+                          " is ignored: ddprun always forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to "
+                          "the workers and stops the job" +
+                          (usr ? ", and passes SIGUSR1 and SIGUSR2 on to them without stopping it" : ""));
+        }
       } else if (name == "logs_specs") {
         DDP_ASSIGN_OR_RETURN(std::string specs, take_value());
         o.notes.push_back(Flag(name, specs) +
@@ -1032,6 +1090,35 @@ std::string ProgramHint(const std::string& program) {
   }
   if (script) hint += "; for a Python script give the interpreter: ddprun ... python3 " + program;
   return hint;
+}
+
+// torchrun's only argument macro (macros.substitute): "${local_rank}" or
+// "$local_rank" (not followed by a letter, digit or '_') in an argument of
+// PROGRAM becomes the worker's local rank. "$$" is left alone (and does not
+// start one: "$${local_rank}" stays), so that a shell's "$$" still works.
+std::string SubstituteLocalRank(const std::string& arg, int local_rank) {
+  if (arg.find('$') == std::string::npos) return arg;
+  static constexpr std::string_view kBraced = "${local_rank}";
+  static constexpr std::string_view kBare = "$local_rank";
+  std::string out;
+  for (size_t i = 0; i < arg.size();) {
+    const std::string_view rest = std::string_view(arg).substr(i);
+    if (rest.substr(0, 2) == "$$") {
+      out += "$$";
+      i += 2;
+    } else if (rest.substr(0, kBraced.size()) == kBraced) {
+      out += std::to_string(local_rank);
+      i += kBraced.size();
+    } else if (rest.substr(0, kBare.size()) == kBare &&
+               (rest.size() == kBare.size() ||
+                !(std::isalnum(static_cast<unsigned char>(rest[kBare.size()])) || rest[kBare.size()] == '_'))) {
+      out += std::to_string(local_rank);
+      i += kBare.size();
+    } else {
+      out += arg[i++];
+    }
+  }
+  return out;
 }
 
 std::string Hostname() {
@@ -2104,7 +2191,8 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       WorkerSpec spec;
       spec.rank = env.rank;
       spec.program = *program;
-      spec.argv = o.command;
+      spec.argv.push_back(o.command[0]);
+      for (size_t a = 1; a < o.command.size(); ++a) spec.argv.push_back(SubstituteLocalRank(o.command[a], local));
       spec.env = ToEnvironment(env);
       // The store is at DDP_STORE_ADDR:DDP_STORE_PORT; MASTER_PORT is left to
       // a PyTorch program, whose rank 0 listens there (as under torchrun with

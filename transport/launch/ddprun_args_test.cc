@@ -171,7 +171,7 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--rdzv_conf=frob=5", "p"},
                 "--rdzv_conf=frob=5: 'frob=5': not one of last_call_timeout, join_timeout (or timeout), "
                 "read_timeout, close_timeout, keep_alive_interval (SEC), keep_alive_max_attempt=N, "
-                "is_host=BOOL");
+                "is_host=BOOL, use_libuv=BOOL, store_connect_wait_seconds=N");
   ExpectRefused({"--rdzv_conf=join_timeout=0", "p"},
                 "--rdzv_conf=join_timeout=0: 'join_timeout=0': join_timeout takes a positive number of "
                 "seconds");
@@ -408,6 +408,42 @@ TEST(DdprunArgsTest, TeeOrRedirectsWithoutLogDirLogIntoATemporaryFolder) {
     ASSERT_TRUE(o.ok()) << o.status() << " " << args[0];
     EXPECT_FALSE(o->temp_log_dir) << args[0];
   }
+}
+
+// Newer torchrun flags and rendezvous settings that mean nothing to ddprun
+// are accepted with a note, as --logs_specs is; bad values are still refused.
+TEST(DdprunArgsTest, NewerTorchrunFlagsAreAcceptedWithANote) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--event-log-handler=console", "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
+             "--rdzv-conf=use_libuv=False,store_connect_wait_seconds=5", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes,
+            (std::vector<std::string>{
+                "--event_log_handler=console is ignored: ddprun records no torchelastic events (its lines on "
+                "stderr and the error files say what happened)",
+                "--signals_to_handle=SIGTERM,SIGINT,SIGUSR1 is ignored: ddprun always forwards SIGTERM, "
+                "SIGINT, SIGHUP and SIGQUIT to the workers and stops the job, and passes SIGUSR1 and SIGUSR2 "
+                "on to them without stopping it",
+                "--rdzv_conf=use_libuv=False is ignored: it sets PyTorch's TCPStore, and ddprun's launchers "
+                "meet in a store of their own",
+                "--rdzv_conf=store_connect_wait_seconds=5 is ignored: it sets PyTorch's TCPStore, and "
+                "ddprun's launchers meet in a store of their own"}));
+  // torchrun's defaults are what ddprun does: nothing to say.
+  o = Parse({"--event_log_handler=null", "--signals_to_handle=SIGINT, SIGTERM,SIGHUP,SIGQUIT", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->notes.empty());
+  o = Parse({"p"}, {{"PET_SIGNALS_TO_HANDLE", "SIGTERM"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes.size(), 1u);
+  ExpectRefused({"--signals_to_handle=SIGTERM,SIGKILL", "p"},
+                "--signals_to_handle=SIGTERM,SIGKILL: 'SIGKILL' is not one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, "
+                "SIGUSR1, SIGUSR2 (the signals ddprun passes on to the workers)");
+  ExpectRefused({"--rdzv_conf=use_libuv=perhaps", "p"},
+                "--rdzv_conf=use_libuv=perhaps: 'use_libuv=perhaps': use_libuv takes true or false (1/0, "
+                "yes/no)");
+  ExpectRefused({"--rdzv_conf=store_connect_wait_seconds=-1", "p"},
+                "--rdzv_conf=store_connect_wait_seconds=-1: 'store_connect_wait_seconds=-1': "
+                "store_connect_wait_seconds takes a whole number of seconds");
 }
 
 TEST(DdprunArgsTest, LocalRanksFilter) {

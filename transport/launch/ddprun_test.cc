@@ -210,6 +210,17 @@ TEST(DdprunTest, PythonOutputThroughTheLauncherIsUnbuffered) {
   EXPECT_THAT(run.output, HasSubstr("[1] unbuffered=\n"));
 }
 
+// torchrun's argument macro: ${local_rank} (or $local_rank) in PROGRAM's
+// arguments is each worker's local rank; a shell's $$ is left alone.
+TEST(DdprunTest, LocalRankMacroInArguments) {
+  const auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c",
+                               "echo \"args $1 $2 $3 pid=$(($$ > 0))\"", "sh", "--device=cuda:${local_rank}",
+                               "$local_rank", "$local_ranks"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] args --device=cuda:0 0 $local_ranks pid=1\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] args --device=cuda:1 1 $local_ranks pid=1\n"));
+}
+
 // torchtitan's and torchchat's launch line: torchrun's --tee 3 without
 // --log_dir (and --redirects 3) log into a fresh $TMPDIR/torchelastic_*
 // folder, as torchrun does, instead of being refused.
