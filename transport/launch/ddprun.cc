@@ -1832,7 +1832,13 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       not_served = started.status().message();
       o.node_rank = -1;
     } else {
-      Say("cannot serve the rendezvous store: " + started.status().message());
+      std::string hint;
+      if (o.nnodes == 1 && started.status().message().find(std::strerror(EADDRINUSE)) != std::string::npos) {
+        // Two single-node jobs on one host both on the default 29500.
+        hint = "; another job on this host may hold the port: give another --master_port, or "
+               "--standalone (a free port)";
+      }
+      Say("cannot serve the rendezvous store: " + started.status().message() + hint);
       return 2;
     }
   }
@@ -2208,7 +2214,11 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       spec.env.emplace_back("ROLE_WORLD_SIZE", std::to_string(world_size));
       spec.env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(failures));
       spec.env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
-      spec.env.emplace_back("TORCHELASTIC_RUN_ID", o.rdzv_id.empty() ? "none" : o.rdzv_id);
+      // torchrun's --standalone makes up a run id (a uuid4) for every run;
+      // otherwise its --rdzv_id defaults to "none".
+      spec.env.emplace_back("TORCHELASTIC_RUN_ID", !o.rdzv_id.empty() ? o.rdzv_id
+                                                   : o.standalone       ? run_id
+                                                                        : "none");
       spec.env.emplace_back(kEnvRunId, run_id);
       if (omp_default) spec.env.emplace_back("OMP_NUM_THREADS", "1");
       if (nccl_async_default) spec.env.emplace_back("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");

@@ -152,7 +152,8 @@ TEST(DdprunTest, WorkersGetTorchNcclAsyncErrorHandlingAsUnderTorchrun) {
 TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
   const std::string print =
       "echo vars $GROUP_WORLD_SIZE $ROLE_NAME $ROLE_RANK $ROLE_WORLD_SIZE $TORCHELASTIC_RESTART_COUNT "
-      "$TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID omp=$OMP_NUM_THREADS";
+      "$TORCHELASTIC_MAX_RESTARTS $([ \"$TORCHELASTIC_RUN_ID\" = \"$DDP_RUN_ID\" ] && echo run-id || "
+      "echo $TORCHELASTIC_RUN_ID) omp=$OMP_NUM_THREADS";
   auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--max_restarts=3", "--rdzv_id=j9",
                          "/bin/sh", "-c", print});
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -161,15 +162,17 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
   run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c", print},
                    {{"OMP_NUM_THREADS", "4"}});
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_THAT(run.output, HasSubstr("[1] vars 1 default 1 2 0 0 none omp=4\n"));
-  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=1", "/bin/sh", "-c", print});
+  // torchrun's --standalone makes up a run id for each run (a uuid4): the
+  // workers' TORCHELASTIC_RUN_ID is the run's DDP_RUN_ID, not "none".
+  EXPECT_THAT(run.output, HasSubstr("[1] vars 1 default 1 2 0 0 run-id omp=4\n"));
+  run = RunProgram({Ddprun(), "--nproc_per_node=1", "--master_port=0", "/bin/sh", "-c", print});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("vars 1 default 0 1 0 0 none omp=\n"));
   // --role names the role; flags without a meaning here get a note.
   run = RunProgram({Ddprun(), "--standalone", "--role=trainer", "--logs-specs=x", "--monitor_interval=1",
                     "--start_method=spawn", "/bin/sh", "-c", print});
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_THAT(run.output, HasSubstr("vars 1 trainer 0 1 0 0 none omp=\n"));
+  EXPECT_THAT(run.output, HasSubstr("vars 1 trainer 0 1 0 0 run-id omp=\n"));
   EXPECT_THAT(run.output, HasSubstr("ddprun: note: --logs_specs=x is ignored: ddprun writes "
                                     "--log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log\n"));
 }
@@ -779,6 +782,16 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
                  "program 'no-such-program-xyz' not found in PATH");
   ExpectBadInput({Ddprun(), "--standalone", "/nonexistent/worker"},
                  "program '/nonexistent/worker': No such file or directory");
+  // A script whose #! interpreter is missing: exec says ENOENT of a file
+  // that is there; the line names the interpreter.
+  const std::string dir = testing::MakeTempDir("ddprun_shebang");
+  const std::string script = dir + "/train.sh";
+  std::ofstream(script) << "#!/nonexistent/python3 -u\nprint(1)\n";
+  ASSERT_EQ(chmod(script.c_str(), 0755), 0);
+  ExpectBadInput({Ddprun(), "--standalone", script},
+                 "cannot start rank 0: exec '" + script +
+                     "': No such file or directory (the interpreter '/nonexistent/python3' named on its #! line "
+                     "does not exist)");
   const std::string plain = testing::MakeTempDir("ddprun_bad") + "/not_executable";
   std::ofstream(plain) << "#!/bin/sh\n";
   chmod(plain.c_str(), 0644);
@@ -823,9 +836,12 @@ TEST(DdprunTest, PortInUseIsReported) {
   ASSERT_EQ(listen(fd, 1), 0);
   ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   const std::string port = std::to_string(ntohs(addr.sin_port));
+  // On one node, most likely another job on the default port: the line says
+  // what to do.
   ExpectBadInput({Ddprun(), "--master_port=" + port, Worker()},
                  "cannot serve the rendezvous store: cannot listen on 127.0.0.1:" + port +
-                     ": Address already in use");
+                     ": Address already in use; another job on this host may hold the port: give another "
+                     "--master_port, or --standalone (a free port)");
   // A c10d launcher told to serve (torchrun's is_host) does not join instead.
   ExpectBadInput({Ddprun(), "--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:" + port,
                   "--rdzv_conf=is_host=true", Worker()},

@@ -167,6 +167,38 @@ struct ChildFailure {
 };
 enum ChildStep : int { kStepSetpgid = 1, kStepDup = 2, kStepExec = 3 };
 
+// Why exec of `program` (a file that is there: the launcher checked) failed
+// with `err`, where errno alone misleads: ENOENT for a script whose #!
+// interpreter is missing ("#!/usr/bin/python" on a host with python3 only),
+// ENOEXEC for a file that is neither a binary nor a #! script.
+std::string ExecFailureHint(const std::string& program, int err) {
+  if (err != ENOENT && err != ENOEXEC) return "";
+  const int fd = open(program.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return "";
+  char head[256];
+  ssize_t n;
+  do {
+    n = read(fd, head, sizeof(head));
+  } while (n < 0 && errno == EINTR);
+  close(fd);
+  if (n <= 0) return err == ENOEXEC ? " (it is empty)" : "";
+  const std::string_view text(head, static_cast<size_t>(n));
+  if (text.substr(0, 2) == "#!") {
+    std::string_view line = text.substr(2, text.find('\n') == std::string_view::npos ? std::string_view::npos
+                                                                                   : text.find('\n') - 2);
+    const size_t start = line.find_first_not_of(" \t");
+    if (start == std::string_view::npos) return " (its #! line names no interpreter)";
+    line = line.substr(start);
+    const std::string interpreter(line.substr(0, line.find_first_of(" \t\r")));
+    if (err == ENOENT) {
+      return " (the interpreter '" + interpreter + "' named on its #! line does not exist)";
+    }
+    return " (its #! interpreter '" + interpreter + "' cannot be run)";
+  }
+  if (err == ENOEXEC) return " (it is neither a binary for this machine nor a script starting with #!)";
+  return "";
+}
+
 const char* ChildStepName(int step) {
   switch (step) {
     case kStepSetpgid: return "setpgid";
@@ -1146,7 +1178,8 @@ class WorkerGroup::Impl {
       w.exit.code = 127;
       return InvalidArgumentError("cannot start rank " + std::to_string(spec.rank) + ": " +
                                   ChildStepName(failure.step) + " '" + spec.program +
-                                  "': " + ErrnoText(failure.error));
+                                  "': " + ErrnoText(failure.error) +
+                                  (failure.step == kStepExec ? ExecFailureHint(spec.program, failure.error) : ""));
     }
     if (pgid_ == 0) pgid_ = pid;
     w.pidfd.Reset(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
