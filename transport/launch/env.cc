@@ -5,11 +5,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <system_error>
+#include <vector>
 
 #include "transport/topology/cpus.h"
 
@@ -435,32 +439,43 @@ StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(std::string_view spec) {
 }
 
 int VisibleGpuCount(const EnvMap& env, const std::string& proc_gpus) {
-  if (auto it = env.find("CUDA_VISIBLE_DEVICES"); it != env.end()) {
-    // As CUDA reads it: entries up to the first that is neither an index
-    // nor a GPU-/MIG- UUID ("-1", the usual way to hide every GPU, ends it).
-    int count = 0;
-    size_t start = 0;
-    const std::string& list = it->second;
-    while (start < list.size()) {
-      size_t end = list.find(',', start);
-      if (end == std::string::npos) end = list.size();
-      const std::string_view entry(list.data() + start, end - start);
-      const bool index = !entry.empty() && entry.find_first_not_of("0123456789") == std::string_view::npos;
-      const bool uuid = entry.substr(0, 4) == "GPU-" || entry.substr(0, 4) == "MIG-";
-      if (!index && !uuid) break;
-      ++count;
-      start = end + 1;
+  // The GPUs the driver lists (every GPU of the host, or of the container).
+  int listed = 0;
+  if (DIR* dir = opendir(proc_gpus.c_str())) {
+    while (const dirent* entry = readdir(dir)) {
+      if (entry->d_name[0] != '.') ++listed;
     }
-    return count;
+    closedir(dir);
   }
-  DIR* dir = opendir(proc_gpus.c_str());
-  if (dir == nullptr) return 0;
-  int count = 0;
-  while (const dirent* entry = readdir(dir)) {
-    if (entry->d_name[0] != '.') ++count;
+  auto it = env.find("CUDA_VISIBLE_DEVICES");
+  if (it == env.end()) return listed;
+  // As CUDA reads it, and torch.cuda.device_count() with it: entries (blanks
+  // around them dropped) up to the first that is neither an index nor a
+  // GPU-/MIG- UUID ("-1", the usual way to hide every GPU, ends it), or an
+  // index beyond the GPUs the driver lists; a repeated entry makes it name
+  // none at all.
+  std::vector<std::string_view> seen;
+  size_t start = 0;
+  const std::string& list = it->second;
+  while (start < list.size()) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    std::string_view entry(list.data() + start, end - start);
+    start = end + 1;
+    while (!entry.empty() && std::isspace(static_cast<unsigned char>(entry.front()))) entry.remove_prefix(1);
+    while (!entry.empty() && std::isspace(static_cast<unsigned char>(entry.back()))) entry.remove_suffix(1);
+    const bool index = !entry.empty() && entry.find_first_not_of("0123456789") == std::string_view::npos;
+    const bool uuid = entry.substr(0, 4) == "GPU-" || entry.substr(0, 4) == "MIG-";
+    if (!index && !uuid) break;
+    if (index && listed > 0) {
+      int64_t ordinal = 0;
+      const auto [ptr, ec] = std::from_chars(entry.data(), entry.data() + entry.size(), ordinal);
+      if (ec != std::errc() || ordinal >= listed) break;
+    }
+    if (std::find(seen.begin(), seen.end(), entry) != seen.end()) return 0;
+    seen.push_back(entry);
   }
-  closedir(dir);
-  return count;
+  return static_cast<int>(seen.size());
 }
 
 StatusOr<int> ParseNprocPerNode(std::string_view text, const EnvMap& env, const std::string& proc_gpus) {

@@ -163,8 +163,10 @@ inline constexpr int kMaxProcPerNode = 4096;
 /// Where the NVIDIA driver lists the GPUs (one entry per GPU).
 inline constexpr char kNvidiaProcGpus[] = "/proc/driver/nvidia/gpus";
 
-/// GPUs this process may use: the entries of CUDA_VISIBLE_DEVICES when it is
-/// set (empty: none), otherwise the entries of `proc_gpus` (0 when absent).
+/// GPUs this process may use, as torch.cuda.device_count() counts them: the
+/// entries of CUDA_VISIBLE_DEVICES when it is set (empty: none; up to one
+/// that names no GPU, or an index beyond those `proc_gpus` lists; a repeated
+/// one: none), otherwise the entries of `proc_gpus` (0 when absent).
 int VisibleGpuCount(const EnvMap& env, const std::string& proc_gpus = kNvidiaProcGpus);
 
 /// The value of --nproc_per_node, in torchrun's forms: a number in [1,

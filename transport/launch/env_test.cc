@@ -474,6 +474,18 @@ TEST(NprocPerNodeTest, NumbersGpuCpuAndAuto) {
   EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "-1"}}, dir), 0);
   EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "0,1,-1,2"}}, dir), 2);
   EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "0,,1"}}, dir), 1);
+  // As torch.cuda.device_count(): an index beyond the GPUs the driver lists
+  // ends the list (three here: "0,1,2,3" made ddprun start a fourth worker
+  // with no GPU), blanks around an entry are dropped, and a repeated entry
+  // leaves no GPU at all. Without the driver's listing, indexes are taken
+  // as they are.
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "0,1,2,3"}}, dir), 3);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "5,0"}}, dir), 0);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "99999999999999999999"}}, dir), 0);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "0,1,2,3"}}, none), 4);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", " 0, 2 "}}, dir), 2);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "0,1,0"}}, dir), 0);
+  EXPECT_EQ(VisibleGpuCount({{"CUDA_VISIBLE_DEVICES", "GPU-8f2a,GPU-8f2a"}}, dir), 0);
 
   // The affinity mask capped by a cgroup quota (cpus_test checks both).
   const int cpus = topology::UsableCpus();
