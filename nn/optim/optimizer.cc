@@ -383,6 +383,12 @@ double Optimizer::momentum(size_t group) const {
   std::abort();  // MomentumOption names one of Hyperparameters()
 }
 
+std::string Optimizer::RefusalText(const std::exception& e) const {
+  const std::string what = e.what();
+  const std::string own = std::string(Name()) + ": ";
+  return what.rfind(own, 0) == 0 ? what.substr(own.size()) : what;
+}
+
 void Optimizer::CheckMomentum(size_t group, double momentum) const {
   const double current = this->momentum(group);  // throws without momentum
   const char* option = MomentumOption();
@@ -411,7 +417,7 @@ void Optimizer::CheckMomentum(size_t group, double momentum) const {
   try {
     CheckHyperparameters(group, values);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(where + " " + internal::OptionValueText(momentum) + " refused: " + e.what());
+    throw std::invalid_argument(where + " " + internal::OptionValueText(momentum) + " refused: " + RefusalText(e));
   }
 }
 
@@ -1033,7 +1039,7 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
           try {
             CheckHyperparameters(g, plan.options[g]);
           } catch (const std::invalid_argument& e) {
-            problems.push_back(in_group(g) + "the state's options are refused: " + e.what());
+            problems.push_back(in_group(g) + "the state's options are refused: " + RefusalText(e));
           }
         }
       }

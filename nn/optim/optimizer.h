@@ -369,9 +369,13 @@ class Optimizer {
       return check();
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(std::string(Name()) + ": param group " + std::to_string(group) +
-                                  ": " + e.what());
+                                  ": " + RefusalText(e));
     }
   }
+  /// The message of a refusal by this optimizer's own checks, without the
+  /// leading "<Name()>: ", for a message that already names the optimizer
+  /// (which read "Adam: param group 1: Adam: betas ...").
+  std::string RefusalText(const std::exception& e) const;
 
  private:
   struct State {

@@ -2085,6 +2085,33 @@ TEST(ParamGroups, BadValueIsRefusedNamingTheGroup) {
                 {"SGD: param group 1", "nesterov"});
 }
 
+// A value the optimizer's own check refuses is reported with the
+// optimizer's name once: the group's prefix came on top of the check's,
+// "AdamW: param group 1: AdamW: betas ...", as did set_momentum's and a
+// loaded state's.
+TEST(ParamGroups, ARefusedValueNamesTheOptimizerOnce) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  EXPECT_EQ(ErrorOf([&] { AdamW(TwoGroups(p, {{"beta2", 1.0}}), {}); }),
+            "AdamW: param group 1: betas (0.9, 1) must be in [0, 1)");
+  EXPECT_EQ(ErrorOf([&] { Sgd(TwoGroups(p, {{"weight_decay", -1}}), {}); }),
+            "SGD: param group 1: momentum 0, dampening 0 and weight_decay -1 must be finite and >= 0");
+  Adadelta adadelta(TwoGroups(p, {}), {});
+  EXPECT_EQ(ErrorOf([&] {
+              adadelta.AddParamGroup({.params = {{"extra", Zeros({2})}}, .options = {{"rho", 2.0}}});
+            }),
+            "Adadelta: param group 2: rho 2 must be in [0, 1], eps 1e-06 and weight_decay 0 finite and >= 0");
+  Adam adam(p, {});
+  EXPECT_EQ(ErrorOf([&] { adam.set_momentum(0, 1.0); }),
+            "Adam: param group 0's beta1 1 refused: betas (1, 0.999) must be in [0, 1)");
+  NamedTensors bad = adam.StateDict();
+  for (auto& [k, t] : bad) {
+    if (k == "group.beta1") t = FromVector({1.5}, {}, {.dtype = DType::kFloat64});
+  }
+  EXPECT_THAT(ErrorOf([&] { adam.LoadStateDict(bad); }),
+              AllOf(HasSubstr("the state's options are refused: betas (1.5, 0.999) must be in [0, 1)"),
+                    Not(HasSubstr("Adam: betas"))));
+}
+
 TEST(ParamGroups, StructuralOptionDifferingFromTheDefaultsIsRefused) {
   NamedParameters p = MakeParams(DType::kFloat32, 1);
   ExpectRefused([&] { Sgd(TwoGroups(p, {{"momentum", 0}}), {.momentum = 0.9}); },
@@ -2344,7 +2371,7 @@ TEST(ParamGroups, BadStateListsEveryProblemPerGroupAndChangesNothing) {
   std::erase_if(state, [](const auto& e) { return e.first == "param_groups.1.dampening"; });
   ExpectRefused([&] { loader.LoadStateDict(state); },
                 {"3 problem(s)", "`param_groups.1.lr` is -1", "missing `param_groups.1.dampening`",
-                 "param group 0: the state's options are refused: SGD: momentum"});
+                 "param group 0: the state's options are refused: momentum"});
   // Structural options must match group by group.
   Sgd plain(TwoGroups(MakeParams(DType::kFloat32, 3)), {.lr = 0.2, .momentum = 0.9});
   ExpectRefused([&] { plain.LoadStateDict(saved.StateDict()); },
