@@ -311,7 +311,8 @@ std::vector<std::map<std::string, double>> Optimizer::GroupOptionValues(
         throw std::invalid_argument(who + "unknown option `" + name + "` (known: " + known + ")");
       }
       if (h->flag && value != 0 && value != 1) {
-        throw std::invalid_argument(who + "option `" + name + "` is a flag, 0 or 1, got " + std::to_string(value));
+        throw std::invalid_argument(who + "option `" + name + "` is a flag, 0 or 1, got " +
+                                    internal::OptionValueText(value));
       }
       // One slot layout for all groups: the state's slots are the
       // optimizer's, not a group's.
@@ -319,7 +320,8 @@ std::vector<std::map<std::string, double>> Optimizer::GroupOptionValues(
         throw std::invalid_argument(who + "option `" + name + "` " +
                                     (h->flag ? std::string("differs from the default's")
                                              : std::string("is zero or non-zero where the default's is not")) +
-                                    " (" + std::to_string(value) + " against " + std::to_string(h->value) +
+                                    " (" + internal::OptionValueText(value) + " against " +
+                                    internal::OptionValueText(h->value) +
                                     "): it decides which state is kept, and per-group state layouts are not "
                                     "supported; give every group the same");
       }
@@ -892,7 +894,7 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
         const double lr = t.Item();
         plan.lrs[k] = lr;
         if (!(lr >= 0) || !std::isfinite(lr)) {
-          problems.push_back("`" + key + "` is " + std::to_string(lr) + ", expected finite and >= 0");
+          problems.push_back("`" + key + "` is " + internal::OptionValueText(lr) + ", expected finite and >= 0");
         }
       }
     }

@@ -2112,6 +2112,33 @@ TEST(ParamGroups, ARefusedValueNamesTheOptimizerOnce) {
                     Not(HasSubstr("Adam: betas"))));
 }
 
+// Group options and loaded rates in refusals are shown as given, as the
+// constructors' checks show theirs: std::to_string showed a flag of 1e-9 as
+// "0.000000" (a value that looks allowed), a momentum of 1e-9 against 0 as
+// "(0.000000 against 0.000000)" and a loaded rate of -1e-7 as "-0.000000".
+TEST(ParamGroups, RefusedGroupAndStateValuesAreShownAsGiven) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  EXPECT_THAT(ErrorOf([&] { Sgd(TwoGroups(p, {{"maximize", 1e-9}}), {}); }),
+              HasSubstr("SGD: param group 1: option `maximize` is a flag, 0 or 1, got 1e-09"));
+  EXPECT_THAT(ErrorOf([&] { Sgd(TwoGroups(p, {{"momentum", 1e-9}}), {}); }),
+              HasSubstr("SGD: param group 1: option `momentum` is zero or non-zero where the default's is not "
+                        "(1e-09 against 0)"));
+  Sgd one(p, {.lr = 0.1});
+  NamedTensors state = one.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "lr") t = FromVector({-1e-7}, {}, {.dtype = DType::kFloat64});
+  }
+  EXPECT_THAT(ErrorOf([&] { one.LoadStateDict(state); }), HasSubstr("`lr` is -1e-07, expected finite and >= 0"));
+  Sgd two(TwoGroups(p, {}), {.lr = 0.1});
+  state = two.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "param_groups.1.lr") t = FromVector({-1e-7}, {}, {.dtype = DType::kFloat64});
+  }
+  EXPECT_THAT(ErrorOf([&] { two.LoadStateDict(state); }),
+              HasSubstr("`param_groups.1.lr` is -1e-07, expected finite and >= 0"));
+  EXPECT_EQ(two.lr(1), 0.1);
+}
+
 TEST(ParamGroups, StructuralOptionDifferingFromTheDefaultsIsRefused) {
   NamedParameters p = MakeParams(DType::kFloat32, 1);
   ExpectRefused([&] { Sgd(TwoGroups(p, {{"momentum", 0}}), {.momentum = 0.9}); },
