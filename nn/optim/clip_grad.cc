@@ -37,7 +37,12 @@ double Accumulate(const T* g, int64_t n, double q) {
 }
 
 // Multiplies by the coefficient rounded to the type g is computed in (f64
-// for f64 gradients, f32 for the others), as PyTorch's mul_ does.
+// for f64 gradients, f32 for the others). PyTorch's mul_ does the same for
+// f32 and f64 gradients; for bf16 and f16 ones it differs, as it computes
+// the norm in the gradients' own type and rounds the coefficient to it
+// (bf16 [1, 3, -7, 100]: norm 100.5 and coefficient 0.02978 for a max_norm
+// of 3, where the f64 norm here gives 100.29 and 0.02991): the f64 norm is
+// kept on purpose (nn/optim/README.md, ClipGradNorm).
 template <typename T>
 void Scale(T* g, int64_t n, double coef) {
   const acc_t<T> c = static_cast<acc_t<T>>(coef);
