@@ -1119,10 +1119,76 @@ std::string PreviousCheckpointPath(const std::string& path, int n) {
   return (p.parent_path() / (p.stem().string() + ".prev" + number + p.extension().string())).string();
 }
 
+namespace {
+
+// Where the kept names of the file at `path` go: beside `path`, or, when
+// `path` is a symbolic link to a file on another filesystem, beside that
+// file (a hard link cannot cross filesystems; see KeepAsPreviousCheckpoint).
+std::string KeptNamesBeside(const std::string& path) {
+  struct stat link{};
+  if (::lstat(path.c_str(), &link) != 0 || !S_ISLNK(link.st_mode)) return path;
+  std::string target;
+  try {
+    target = nn::io::AtomicWriteTarget(path);
+  } catch (const nn::io::CheckpointError&) {
+    return path;
+  }
+  const std::string folder = std::filesystem::path(path).parent_path().string();
+  struct stat file{}, here{};
+  if (::stat(target.c_str(), &file) != 0 || ::stat(folder.empty() ? "." : folder.c_str(), &here) != 0) {
+    return path;
+  }
+  return file.st_dev == here.st_dev ? path : target;
+}
+
+// Whether errno `err` from link(2) says that the filesystem makes no hard
+// link here (some network and FUSE filesystems, protected_hardlinks, a file
+// on another filesystem), rather than that something is wrong.
+bool NoHardLinkHere(int err) {
+  return err == EPERM || err == ENOTSUP || err == EOPNOTSUPP || err == EMLINK || err == ENOSYS ||
+         err == EXDEV;
+}
+
+// Gives `file` the first free PreviousCheckpointPath(named_after, n) name
+// (*kept), as a second name (a hard link; of the file a symbolic link at
+// `file` leads to when `follow`) or, where there are no hard links, by
+// renaming it. Returns 0 or the errno of the failure (EEXIST: every name
+// is taken). With `follow`, a symbolic link at `file` that cannot be given
+// a hard link there is not renamed: the result is then kLinkNotKept.
+constexpr int kLinkNotKept = -1;
+int KeepUnderAFreeName(const std::string& file, const std::string& named_after, bool follow, std::string* kept) {
+  int err = 0;
+  for (int n = 1; n <= kMaxPreviousCheckpoints; ++n) {
+    *kept = PreviousCheckpointPath(named_after, n);
+    if (::linkat(AT_FDCWD, file.c_str(), AT_FDCWD, kept->c_str(), follow ? AT_SYMLINK_FOLLOW : 0) == 0) return 0;
+    err = errno;
+    if (err == EEXIST) continue;
+    if (!NoHardLinkHere(err)) return err;
+    if (follow) {
+      struct stat st{};
+      if (::lstat(file.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) return kLinkNotKept;
+    }
+    if (::renameat2(AT_FDCWD, file.c_str(), AT_FDCWD, kept->c_str(), RENAME_NOREPLACE) == 0) return 0;
+    err = errno;
+    if (err == EEXIST) continue;
+    if (err != EINVAL && err != ENOSYS) return err;
+    // Nor RENAME_NOREPLACE: a plain rename to a name free a moment ago.
+    if (NameTaken(*kept)) {
+      err = EEXIST;
+      continue;
+    }
+    return ::rename(file.c_str(), kept->c_str()) == 0 ? 0 : errno;
+  }
+  return err;
+}
+
+}  // namespace
+
 std::string FreePreviousCheckpointPath(const std::string& path) {
+  const std::string named_after = KeptNamesBeside(path);
   std::string candidate;
   for (int n = 1; n <= kMaxPreviousCheckpoints; ++n) {
-    candidate = PreviousCheckpointPath(path, n);
+    candidate = PreviousCheckpointPath(named_after, n);
     if (!NameTaken(candidate)) break;
   }
   return candidate;
@@ -1133,43 +1199,31 @@ std::string KeepAsPreviousCheckpoint(const std::string& path) {
   // rename(2) with RENAME_NOREPLACE) rather than checked first: two jobs
   // keeping files at once cannot both take it, and nothing kept before is
   // ever replaced.
+  //
+  // A second name: `path` stays in place until the save renames the new
+  // checkpoint over it, so a save that fails leaves it there. Of the file
+  // a symbolic link at `path` leads to, not of the link: the save writes
+  // through the link (AtomicFileWriter), and a second name of the link
+  // would show the new file. Where there are no hard links (some network
+  // and FUSE filesystems, or protected_hardlinks), the file is renamed
+  // instead, and the save makes a new one at `path`.
   std::string previous;
-  int err = 0;
-  for (int n = 1; n <= kMaxPreviousCheckpoints; ++n) {
-    previous = PreviousCheckpointPath(path, n);
-    // A second name: `path` stays in place until the save renames the new
-    // checkpoint over it, so a save that fails leaves it there. Of the file
-    // a symbolic link at `path` leads to, not of the link: the save writes
-    // through the link (AtomicFileWriter), and a second name of the link
-    // would show the new file.
-    if (::linkat(AT_FDCWD, path.c_str(), AT_FDCWD, previous.c_str(), AT_SYMLINK_FOLLOW) == 0) {
-      err = 0;
-      break;
+  int err = KeepUnderAFreeName(path, path, /*follow=*/true, &previous);
+  if (err == kLinkNotKept) {
+    // A link at `path` to a file that cannot have a second name beside the
+    // link (on another filesystem, or on one without hard links). Moving
+    // the link would keep the old file, but the save would then make a
+    // plain file at `path` rather than write through the link to where
+    // it leads. The file it leads to is kept beside itself instead (a hard
+    // link, or renamed where there are none), and the link stays.
+    std::string target;
+    try {
+      target = nn::io::AtomicWriteTarget(path);
+    } catch (const nn::io::CheckpointError& e) {
+      throw UsageError("cannot keep another run's checkpoint " + path + ": " + e.what() +
+                       "; move it yourself, or pass another --checkpoint path");
     }
-    err = errno;
-    if (err == EEXIST) continue;
-    if (err != EPERM && err != ENOTSUP && err != EOPNOTSUPP && err != EMLINK && err != ENOSYS &&
-        err != EXDEV) {
-      break;
-    }
-    // No hard links here (some network and FUSE filesystems, or
-    // protected_hardlinks), or a link at `path` to a file on another
-    // filesystem: move the entry instead (a link moved keeps leading to
-    // the old file, and the save makes a new one at `path`).
-    if (::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, previous.c_str(), RENAME_NOREPLACE) == 0) {
-      err = 0;
-      break;
-    }
-    err = errno;
-    if (err == EEXIST) continue;
-    if (err != EINVAL && err != ENOSYS) break;
-    // Nor RENAME_NOREPLACE: a plain rename to a name free a moment ago.
-    if (NameTaken(previous)) {
-      err = EEXIST;
-      continue;
-    }
-    err = ::rename(path.c_str(), previous.c_str()) == 0 ? 0 : errno;
-    break;
+    err = KeepUnderAFreeName(target, target, /*follow=*/false, &previous);
   }
   if (err != 0) {
     throw UsageError("cannot keep another run's checkpoint " + path + " as " + previous + ": " +

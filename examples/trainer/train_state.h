@@ -298,7 +298,8 @@ std::string PreviousCheckpointPath(const std::string& path, int n = 1);
 
 /// The first PreviousCheckpointPath(path, n) that no file has now: where
 /// KeepAsPreviousCheckpoint would keep the file at `path` (unless another
-/// process takes that name first).
+/// process takes that name first). For a symbolic link to a file on another
+/// filesystem, the first free PreviousCheckpointPath of that file.
 std::string FreePreviousCheckpointPath(const std::string& path);
 
 /// Gives the file at `path` the first free PreviousCheckpointPath name,
@@ -307,8 +308,11 @@ std::string FreePreviousCheckpointPath(const std::string& path);
 /// hard link) until a save renames a new file over it; on a filesystem
 /// without hard links it is renamed instead, and `path` is then empty.
 /// When `path` is a symbolic link, the file it leads to is the one kept
-/// (the save writes through the link); a link to another filesystem is
-/// renamed.
+/// (the save writes through the link), and the link stays: where that file
+/// cannot have a second name beside the link (it is on another filesystem,
+/// or hard links are missing), its kept name is beside the file itself
+/// (PreviousCheckpointPath of the file), a hard link or, without them,
+/// the file renamed, and the save makes a new file there through the link.
 /// Call on rank 0 only, before a fresh run's first save over another run's
 /// checkpoint (IsAnotherRunsCheckpoint). Throws UsageError naming both
 /// paths when that fails; `path` is then as it was.

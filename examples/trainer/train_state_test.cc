@@ -1,5 +1,8 @@
 #include "examples/trainer/train_state.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -692,6 +695,11 @@ TEST(TrainStateTest, PowerSgdThatWouldCompressNothingIsRefused) {
   EXPECT_EQ(UsageErrorOf([&] { CheckPowerSgdStarts(config, 469); }), "");
 }
 
+bool NameTakenForTest(const std::string& name) {
+  struct stat st;
+  return ::lstat(name.c_str(), &st) == 0;
+}
+
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
@@ -750,6 +758,63 @@ TEST(TrainStateTest, ACheckpointBehindASymlinkIsKeptAsTheFileItLeadsTo) {
   }
   EXPECT_TRUE(std::filesystem::is_symlink(path));
   EXPECT_EQ(ReadAll(target), "this run's");
+  EXPECT_EQ(ReadAll(kept), "another run's");
+}
+
+// A checkpoint path that is a symbolic link to a file on another
+// filesystem (/dev/shm here): no hard link of that file can be made beside
+// the link (EXDEV), so it is kept beside itself, and the link stays a link
+// that the save writes through. The link itself used to be renamed to
+// <stem>.prev: the old file was kept, but the save then made a plain file
+// at the path, on the link's filesystem, instead of writing where the link
+// led.
+TEST(TrainStateTest, ACheckpointBehindASymlinkToAnotherFilesystemIsKeptBesideTheFileItLeadsTo) {
+  const std::string path = Path("keep_link_elsewhere");
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  const std::string dir = "/dev/shm/ddp_train_state_test_" + std::to_string(::getpid());
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  struct stat here{}, there{};
+  if (ec || ::stat(std::filesystem::path(path).parent_path().c_str(), &here) != 0 ||
+      ::stat(dir.c_str(), &there) != 0 || here.st_dev == there.st_dev) {
+    std::filesystem::remove_all(dir, ec);
+    GTEST_SKIP() << "no writable /dev/shm on another filesystem than TEST_TMPDIR";
+  }
+  const std::shared_ptr<void> cleanup(nullptr, [&dir](void*) {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  });
+  const std::string target = dir + "/ckpt.safetensors";
+  std::ofstream(target) << "another run's";
+  std::filesystem::create_symlink(target, path);
+  const std::string beside_target = PreviousCheckpointPath(target);
+  EXPECT_EQ(FreePreviousCheckpointPath(path), beside_target);
+
+  const std::string kept = KeepAsPreviousCheckpoint(path);
+  EXPECT_EQ(kept, beside_target);
+  EXPECT_FALSE(NameTakenForTest(PreviousCheckpointPath(path))) << "the link was moved";
+  EXPECT_TRUE(std::filesystem::is_symlink(path));
+  EXPECT_EQ(ReadAll(path), "another run's") << "the file left its path before the save";
+  EXPECT_EQ(ReadAll(kept), "another run's");
+  // A save that failed: the kept name goes, the file is as it was.
+  EXPECT_TRUE(ForgetKeptCheckpoint(path, kept));
+  EXPECT_FALSE(std::filesystem::exists(kept));
+  EXPECT_EQ(ReadAll(target), "another run's");
+
+  EXPECT_EQ(KeepAsPreviousCheckpoint(path), kept);
+  {
+    nn::io::AtomicFileWriter out(path);
+    const std::string bytes = "this run's";
+    out.Write(bytes.data(), bytes.size());
+    out.Commit();
+  }
+  EXPECT_TRUE(std::filesystem::is_symlink(path)) << "the save made a plain file at the link's place";
+  EXPECT_EQ(ReadAll(target), "this run's");
+  EXPECT_EQ(ReadAll(kept), "another run's");
+  EXPECT_FALSE(ForgetKeptCheckpoint(path, kept));
+  // A later run keeps this one under the next free name beside the target.
+  EXPECT_EQ(KeepAsPreviousCheckpoint(path), PreviousCheckpointPath(target, 2));
+  EXPECT_EQ(ReadAll(PreviousCheckpointPath(target, 2)), "this run's");
   EXPECT_EQ(ReadAll(kept), "another run's");
 }
 
