@@ -771,15 +771,21 @@ TEST(TrainStateTest, ACheckpointBehindASymlinkIsKeptAsTheFileItLeadsTo) {
 TEST(TrainStateTest, ACheckpointBehindASymlinkToAnotherFilesystemIsKeptBesideTheFileItLeadsTo) {
   const std::string path = Path("keep_link_elsewhere");
   std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-  const std::string dir = "/dev/shm/ddp_train_state_test_" + std::to_string(::getpid());
+  // A folder on another filesystem than TEST_TMPDIR's: /dev/shm (tmpfs)
+  // where there is one.
+  struct stat here{};
+  ASSERT_EQ(::stat(std::filesystem::path(path).parent_path().c_str(), &here), 0);
+  std::string dir;
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  struct stat here{}, there{};
-  if (ec || ::stat(std::filesystem::path(path).parent_path().c_str(), &here) != 0 ||
-      ::stat(dir.c_str(), &there) != 0 || here.st_dev == there.st_dev) {
-    std::filesystem::remove_all(dir, ec);
-    GTEST_SKIP() << "no writable /dev/shm on another filesystem than TEST_TMPDIR";
+  for (const char* base : {"/dev/shm", "/run/shm", "/tmp", "/var/tmp"}) {
+    struct stat there{};
+    if (::stat(base, &there) != 0 || there.st_dev == here.st_dev || ::access(base, W_OK) != 0) continue;
+    dir = std::string(base) + "/ddp_train_state_test_" + std::to_string(::getpid());
+    if (std::filesystem::create_directories(dir, ec) && !ec) break;
+    dir.clear();
   }
+  ASSERT_FALSE(dir.empty()) << "this test needs a writable folder on another filesystem than TEST_TMPDIR "
+                               "(it tried /dev/shm, /run/shm, /tmp and /var/tmp)";
   const std::shared_ptr<void> cleanup(nullptr, [&dir](void*) {
     std::error_code ignored;
     std::filesystem::remove_all(dir, ignored);
