@@ -6,7 +6,9 @@
 #include <charconv>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <stdexcept>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -61,36 +63,110 @@ std::vector<std::pair<Device, Device>> ParseDeviceMap(const std::map<std::string
   return out;
 }
 
+// Reads a file's device record (a flat JSON object: tensor name -> device
+// name) while it is parsed, keeping only the map it gives: a DOM of the
+// record, and the sets of keys watched for repeats before it, took about 20
+// times the record's text, which a hostile header may make 100 MB long.
+// Stops at the first problem in the text: a syntax error, nesting, a key
+// given twice, a value that is no device name, or a tensor the file does
+// not hold (so the map holds at most one entry per tensor of the file).
+class DeviceRecordReader final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  DeviceRecordReader(const std::unordered_set<std::string_view>& held, std::unordered_map<std::string, Device>* out)
+      : held_(held), out_(out) {}
+
+  bool null() override { return NotAString(); }
+  bool boolean(bool) override { return NotAString(); }
+  bool number_integer(number_integer_t) override { return NotAString(); }
+  bool number_unsigned(number_unsigned_t) override { return NotAString(); }
+  bool number_float(number_float_t, const string_t&) override { return NotAString(); }
+  bool binary(binary_t&) override { return NotAString(); }
+  bool string(string_t& v) override {
+    if (depth_ == 0) return Malformed("not a JSON object");
+    if (top_is_array_) return true;
+    try {
+      out_->emplace(key_, Device::Parse(v));
+    } catch (const std::exception& e) {
+      return Malformed(e.what());
+    }
+    return true;
+  }
+  bool start_object(std::size_t) override {
+    // A flat object of strings: depth 1. Refused as soon as it is seen: a
+    // value of millions of nested brackets must cost no more than its text.
+    return ++depth_ > 1 ? Malformed("JSON nests deeper than 1 level") : true;
+  }
+  bool start_array(std::size_t) override {
+    if (++depth_ > 1) return Malformed("JSON nests deeper than 1 level");
+    top_is_array_ = true;  // refused at the end, unless nesting is found first
+    return true;
+  }
+  bool end_object() override {
+    --depth_;
+    return true;
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool key(string_t& k) override {
+    // Keys are unique: a tensor's device given twice, which one holds?
+    if (out_->count(k) != 0) return Malformed("key `" + NameForMessage(k) + "` appears twice");
+    if (held_.count(k) == 0) {
+      not_held_ = k;
+      return false;
+    }
+    key_ = k;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override {
+    return Malformed(std::string("not valid JSON: ") + e.what());
+  }
+
+  // Why the record was refused (the cause may quote the file's text),
+  // empty when it was not.
+  const std::string& problem() const {
+    static const std::string kNotAnObject = "not a JSON object";
+    return problem_.empty() && top_is_array_ ? kNotAnObject : problem_;
+  }
+  // A tensor named that the file does not hold, when that refused it.
+  const std::optional<std::string>& not_held() const { return not_held_; }
+
+ private:
+  bool NotAString() {
+    if (top_is_array_) return true;
+    return Malformed(depth_ == 0 ? std::string("not a JSON object")
+                                 : "the device of `" + NameForMessage(key_) + "` is not a string");
+  }
+  bool Malformed(std::string why) {
+    problem_ = std::move(why);
+    return false;
+  }
+
+  const std::unordered_set<std::string_view>& held_;
+  std::unordered_map<std::string, Device>* out_;
+  int depth_ = 0;
+  bool top_is_array_ = false;
+  std::string key_;
+  std::string problem_;
+  std::optional<std::string> not_held_;
+};
+
 // The saved device of each tensor named in the file's device record.
 std::unordered_map<std::string, Device> SavedDevices(const std::string& path, const SafetensorsFile& file) {
   std::unordered_map<std::string, Device> out;
   auto it = file.metadata().find(kDevicesKey);
   if (it == file.metadata().end()) return out;
-  try {
-    // A flat object of strings: depth 1. The limit comes first, as the
-    // header's own does: the record is text from the file, and parsing a
-    // value of millions of nested brackets took gigabytes and seconds.
-    // Keys are unique: a tensor's device given twice, which one holds?
-    CheckJsonKeysUnique(it->second, 1);
-    const nlohmann::json j = nlohmann::json::parse(it->second);
-    if (!j.is_object()) throw std::invalid_argument("not a JSON object");
-    for (const auto& [name, dev] : j.items()) {
-      if (!dev.is_string()) {
-        throw std::invalid_argument("the device of `" + NameForMessage(name) + "` is not a string");
-      }
-      out.emplace(name, Device::Parse(dev.get<std::string>()));
-    }
-  } catch (const std::exception& e) {
-    // The cause may quote the file's text (a device name, a JSON token).
-    throw CheckpointError(path + ": metadata `" + kDevicesKey + "` is malformed: " + NameForMessage(e.what()));
-  }
   std::unordered_set<std::string_view> held;
   for (const TensorEntry& e : file.tensors()) held.insert(e.name);
-  for (const auto& [name, dev] : out) {
-    if (held.count(name) == 0) {
-      throw CheckpointError(path + ": metadata `" + kDevicesKey + "` names tensor `" + NameForMessage(name) +
-                            "`, which the file does not hold");
+  DeviceRecordReader reader(held, &out);
+  const std::string& record = it->second;
+  if (!nlohmann::json::sax_parse(record.begin(), record.end(), &reader) || !reader.problem().empty()) {
+    if (reader.not_held()) {
+      throw CheckpointError(path + ": metadata `" + kDevicesKey + "` names tensor `" +
+                            NameForMessage(*reader.not_held()) + "`, which the file does not hold");
     }
+    throw CheckpointError(path + ": metadata `" + kDevicesKey + "` is malformed: " + NameForMessage(reader.problem()));
   }
   return out;
 }

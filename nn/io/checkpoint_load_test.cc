@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -61,14 +63,16 @@ class LargeFile : public ::testing::Test {
 };
 std::string* LargeFile::path_ = nullptr;
 
-// Bytes by which the peak resident size grew while loading the file, as a
-// forked child measures it (so that nothing this process did before counts),
-// or -1 when the load failed or gave wrong values.
-int64_t PeakGrowthOfLoading(const std::string& path) {
+// Bytes by which the peak resident size grew while `run` ran, as a forked
+// child measures it (so that nothing this process did before counts), or -1
+// when `run` returned false or threw.
+int64_t PeakGrowthOf(const std::function<bool()>& run) {
   // The child starts with this process's resident pages as its peak: blocks
   // the allocator keeps from writing the file would hide the growth (the
   // load would reuse them), so they are given back first.
   CpuAllocator().EmptyCache();
+  // So are the pages malloc keeps of freed blocks (building a test's file).
+  malloc_trim(0);
   int fds[2];
   if (pipe(fds) != 0) return -1;
   const pid_t pid = fork();
@@ -78,14 +82,8 @@ int64_t PeakGrowthOfLoading(const std::string& path) {
     try {
       struct rusage before, after;
       getrusage(RUSAGE_SELF, &before);
-      const LoadedTensors loaded = LoadTensors(path);
+      const bool right = run();
       getrusage(RUSAGE_SELF, &after);
-      bool right = loaded.tensors.size() == static_cast<size_t>(kTensors);
-      for (int k = 0; right && k < kTensors; ++k) {
-        const auto* p = static_cast<const float*>(loaded.tensors[k].second.data_ptr());
-        for (int64_t i = 0; i < kElements; i += 4093) right = right && p[i] == ValueAt(k, i);
-        right = right && p[kElements - 1] == ValueAt(k, kElements - 1);
-      }
       if (right) result = (static_cast<int64_t>(after.ru_maxrss) - before.ru_maxrss) * 1024;  // KiB
     } catch (...) {
     }
@@ -100,6 +98,20 @@ int64_t PeakGrowthOfLoading(const std::string& path) {
   return result;
 }
 
+// The same for loading `path`, -1 also when the values read are wrong.
+int64_t PeakGrowthOfLoading(const std::string& path) {
+  return PeakGrowthOf([&] {
+    const LoadedTensors loaded = LoadTensors(path);
+    bool right = loaded.tensors.size() == static_cast<size_t>(kTensors);
+    for (int k = 0; right && k < kTensors; ++k) {
+      const auto* p = static_cast<const float*>(loaded.tensors[k].second.data_ptr());
+      for (int64_t i = 0; i < kElements; i += 4093) right = right && p[i] == ValueAt(k, i);
+      right = right && p[kElements - 1] == ValueAt(k, kElements - 1);
+    }
+    return right;
+  });
+}
+
 // Before, the whole file was read into memory and each tensor copied out of
 // it: loading took twice the file's size.
 TEST_F(LargeFile, LoadingGrowsThePeakResidentSizeByAboutTheFileNotTwice) {
@@ -108,6 +120,88 @@ TEST_F(LargeFile, LoadingGrowsThePeakResidentSizeByAboutTheFileNotTwice) {
   std::printf("peak resident growth: %.1f MiB for %.1f MiB of tensor data\n", growth / 1048576.0,
               kDataBytes / 1048576.0);
   EXPECT_LT(static_cast<double>(growth), 1.3 * static_cast<double>(kDataBytes));
+}
+
+// A file of `header` (padded to 8 bytes) and `data` at `path`.
+void WriteFile(const std::string& path, std::string header, const std::string& data) {
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string length(8, '\0');
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << length << header << data;
+}
+
+// Hostile headers of 32 MiB (the format allows 100 MB): 700,000 small
+// entries whose last one is bad; one entry with another key holding a list
+// of 16 million numbers; a device record naming 2 million tensors the file
+// does not hold. Before, each was parsed into a JSON value of the whole
+// header (or record), with a set of every object's keys beside it: loading
+// them grew the peak resident size by 15, 20 and 13 times the header's size
+// (706 and 947 MiB for 48 MiB headers, 404 MiB for this record), and
+// reading the first one's metadata alone by 12 times. Now the readers keep
+// only what they return: the first and third are refused naming the file
+// and the entry, the second loads, each within 6 times the header's size
+// (about 3.5, 1 and 4: the record is held as metadata, and nlohmann's lexer
+// holds a string token twice while reading it).
+TEST(LoadTensorsFromPath, AHostileHeaderTakesAFewTimesItsSizeToReadNotTwentyTimes) {
+  constexpr size_t kHeaderBytes = size_t{32} << 20;
+  const std::string many = TmpPath("many_entries.safetensors");
+  {
+    std::string header = "{";
+    for (int i = 0; header.size() < kHeaderBytes; ++i) {
+      header += "\"t" + std::to_string(i) + R"(":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},)";
+    }
+    WriteFile(many, header + R"("zz":1})", "");
+  }
+  const std::string junk = TmpPath("junk_key.safetensors");
+  {
+    std::string header = R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"note":[0)";
+    while (header.size() < kHeaderBytes) header += ",0";
+    WriteFile(junk, header + "]}}", "ab");
+  }
+  const std::string record = TmpPath("device_record.safetensors");
+  {
+    std::string devices = "{";
+    for (int i = 0; devices.size() < kHeaderBytes - 1000; ++i) {
+      devices += (i ? ",\\\"t" : "\\\"t") + std::to_string(i) + "\\\":\\\"cpu\\\"";
+    }
+    WriteFile(record, R"({"__metadata__":{")" + std::string(kDevicesKey) + R"(":")" + devices +
+                          R"(}"},"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})",
+              "ab");
+  }
+  const int64_t refused = PeakGrowthOf([&] {
+    try {
+      LoadTensors(many);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what()).find("tensor `zz`: entry is number") != std::string::npos;
+    }
+    return false;
+  });
+  const int64_t loaded = PeakGrowthOf([&] { return LoadTensors(junk).tensors.size() == 1; });
+  const int64_t metadata = PeakGrowthOf([&] { return SafetensorsFile::ReadMetadata(many).empty(); });
+  const int64_t devices = PeakGrowthOf([&] {
+    try {
+      LoadTensors(record);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what()).find("`, which the file does not hold") != std::string::npos;
+    }
+    return false;
+  });
+  EXPECT_THAT(ErrorOf([&] { LoadTensors(many); }), AllOf(HasSubstr(many), HasSubstr("tensor `zz`: entry is number")));
+  std::remove(many.c_str());
+  std::remove(junk.c_str());
+  std::remove(record.c_str());
+  ASSERT_GE(refused, 0) << "loading the file of a million entries did not end with the error naming `zz`";
+  ASSERT_GE(loaded, 0) << "the file whose entry has another key did not load";
+  ASSERT_GE(metadata, 0) << "ReadMetadata of the file of a million entries failed";
+  ASSERT_GE(devices, 0) << "loading the file whose device record names other tensors did not end naming one";
+  std::printf("peak resident growth for a %.0f MiB header: %.1f MiB refused, %.1f MiB loaded, %.1f MiB metadata, "
+              "%.1f MiB device record\n",
+              kHeaderBytes / 1048576.0, refused / 1048576.0, loaded / 1048576.0, metadata / 1048576.0,
+              devices / 1048576.0);
+  EXPECT_LT(static_cast<double>(refused), 6.0 * kHeaderBytes);
+  EXPECT_LT(static_cast<double>(loaded), 6.0 * kHeaderBytes);
+  EXPECT_LT(static_cast<double>(metadata), 6.0 * kHeaderBytes);
+  EXPECT_LT(static_cast<double>(devices), 6.0 * kHeaderBytes);
 }
 
 // The stop flag is looked at between pieces of kStopCheckBytes: set while

@@ -371,8 +371,8 @@ TEST(DeviceMap, MalformedDeviceRecordNamesTheFile) {
               AllOf(HasSubstr(path), HasSubstr("malformed"), HasSubstr("key `w` appears twice")));
 }
 
-// The record is a flat object, and its depth is checked on the text before
-// it is parsed: before, a record of millions of nested brackets in a file's
+// The record is a flat object, and nesting is refused where the parser
+// meets it: before, a record of millions of nested brackets in a file's
 // metadata was parsed twice into as many nested values (1.6 GB and 13 s
 // for a 40 MB header) before being refused as not an object.
 TEST(DeviceMap, DeviceRecordNestedDeeperThanAFlatObjectIsRefusedUnparsed) {

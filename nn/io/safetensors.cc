@@ -9,7 +9,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <unordered_map>
 #include <utility>
 
 #include <fcntl.h>
@@ -191,8 +190,19 @@ std::string BuildHeader(const std::vector<TensorView>& tensors, const Metadata& 
                                   " is reserved");
     }
   }
+  // The writers add the two checksums.
+  if (metadata.size() > kMaxMetadataEntries - 2) {
+    throw std::invalid_argument("safetensors: " + std::to_string(metadata.size()) +
+                                " metadata entries, more than the " + std::to_string(kMaxMetadataEntries - 2) +
+                                " that readers accept besides the checksums (kMaxMetadataEntries)");
+  }
   std::set<std::string_view> names;
   for (const TensorView& t : tensors) {
+    if (t.shape.size() > kMaxShapeDims) {
+      throw std::invalid_argument("safetensors: tensor `" + NameForMessage(t.name) + "` has " +
+                                  std::to_string(t.shape.size()) + " dimensions, more than the " +
+                                  std::to_string(kMaxShapeDims) + " that readers accept (kMaxShapeDims)");
+    }
     if (t.name == kMetadataKey) {
       throw std::invalid_argument("safetensors: tensor name __metadata__ is reserved");
     }
@@ -295,17 +305,14 @@ struct DuplicateKey {
 };
 
 // Follows a JSON text's parse events and throws DuplicateKey when an object
-// at any level holds a key twice: the parser keeps the last one silently (a
-// second `__metadata__` could drop the data checksum). It watches only;
-// the value is built by a separate plain parse. A parse callback would do
-// both in one pass, but nlohmann's callback parser searches the enclosing
-// object from its start every time an inner object ends, so a header of N
-// tensor entries took time N^2 (40 s for 50,000 entries).
+// at any level holds a key twice: a parser keeps the last one silently. It
+// watches only, building no value (a parse callback would, but nlohmann's
+// callback parser searches the enclosing object from its start every time
+// an inner object ends: time N^2 for N entries). For JSON in metadata
+// values (CheckJsonKeysUnique); headers are read by HeaderReader below.
 class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
  public:
-  // `top_keys`, when given, receives the keys of the outermost object in
-  // the order of the text.
-  explicit DuplicateKeyWatcher(std::vector<std::string>* top_keys = nullptr) : top_keys_(top_keys) {}
+  DuplicateKeyWatcher() = default;
   bool null() override { return true; }
   bool boolean(bool) override { return true; }
   bool number_integer(number_integer_t) override { return true; }
@@ -322,7 +329,6 @@ class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
     if (!open_.empty() && !open_.back().keys.insert(key).second) {
       throw DuplicateKey{key, open_.size() > 1 ? open_.back().name : std::string()};
     }
-    if (top_keys_ != nullptr && open_.size() == 1) top_keys_->push_back(key);
     return true;
   }
   bool end_object() override {
@@ -331,10 +337,9 @@ class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
   }
   bool start_array(std::size_t) override { return true; }
   bool end_array() override { return true; }
-  // Ends the watch; the plain parse then throws the parser's own error.
-  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception&) override {
-    return false;
-  }
+  // Ends the watch, keeping the parser's message (see JsonErrorForMessage).
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override;
+  const std::string& error() const { return error_; }
 
  private:
   struct Object {
@@ -343,17 +348,8 @@ class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
   };
   std::vector<Object> open_;
   std::string last_key_;  // names the object that starts next
-  std::vector<std::string>* top_keys_;
+  std::string error_;
 };
-
-// Parses `text` as nlohmann::json::parse does, but throws DuplicateKey for a
-// key given twice in one object (at the first such key, when it comes
-// before any syntax error). Both passes take time linear in the text.
-nlohmann::json ParseWithUniqueKeys(std::string_view text, std::vector<std::string>* top_keys = nullptr) {
-  DuplicateKeyWatcher watcher(top_keys);
-  (void)nlohmann::json::sax_parse(text.begin(), text.end(), &watcher);
-  return nlohmann::json::parse(text.begin(), text.end());
-}
 
 // The JSON parser's message, which quotes the last token read (a string
 // token may be megabytes long), cut to a few hundred bytes.
@@ -364,6 +360,11 @@ std::string JsonErrorForMessage(const nlohmann::json::exception& e) {
   size_t cut = kMax;
   while (cut > 0 && (static_cast<unsigned char>(what[cut]) & 0xC0) == 0x80) --cut;
   return std::string(what.substr(0, cut)) + "... (" + std::to_string(what.size()) + " bytes)";
+}
+
+bool DuplicateKeyWatcher::parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) {
+  error_ = JsonErrorForMessage(e);
+  return false;
 }
 
 std::string DuplicateKeyMessage(const DuplicateKey& d) {
@@ -391,64 +392,32 @@ int NestingDepth(std::string_view json) {
   return max_depth;
 }
 
+// Objects that open at the second level of `json`, outside strings: in a
+// header, the entries (and "__metadata__").
+size_t SecondLevelObjects(std::string_view json) {
+  size_t count = 0;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : json) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '{' || c == '[') count += ++depth == 2 && c == '{';
+    else if (c == '}' || c == ']') --depth;
+  }
+  return count;
+}
+
 class Parser {
  public:
   explicit Parser(const std::string& source) : source_(source) {}
 
   [[noreturn]] void Fail(const std::string& what) const {
     throw CheckpointError(source_ + ": invalid safetensors file: " + what);
-  }
-
-  uint64_t Offset(const nlohmann::json& v, const std::string& name, int which) const {
-    if (!v.is_number_unsigned()) {
-      Fail("tensor `" + NameForMessage(name) + "`: data_offsets[" + std::to_string(which) + "] is " + NameForMessage(v.dump()) +
-           ", expected a non-negative integer");
-    }
-    return v.get<uint64_t>();
-  }
-
-  TensorEntry Entry(const std::string& name, const nlohmann::json& info) const {
-    if (!info.is_object()) Fail("tensor `" + NameForMessage(name) + "`: entry is " + std::string(info.type_name()) + ", expected an object");
-    TensorEntry e;
-    e.name = name;
-    auto dt = info.find("dtype");
-    if (dt == info.end() || !dt->is_string()) Fail("tensor `" + NameForMessage(name) + "`: missing dtype string");
-    const std::optional<StDtype> dtype = StDtypeFromName(dt->get_ref<const std::string&>());
-    if (!dtype) {
-      Fail("tensor `" + NameForMessage(name) + "`: dtype " + NameForMessage(dt->dump()) +
-           " is not supported (" + DtypeNames() + " are)");
-    }
-    e.dtype = *dtype;
-    auto shape = info.find("shape");
-    if (shape == info.end() || !shape->is_array()) Fail("tensor `" + NameForMessage(name) + "`: missing shape array");
-    for (const auto& d : *shape) {
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 62)) {
-        Fail("tensor `" + NameForMessage(name) + "`: shape " + NameForMessage(shape->dump()) +
-             " must hold non-negative integers");
-      }
-      e.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-    }
-    auto offsets = info.find("data_offsets");
-    if (offsets == info.end() || !offsets->is_array() || offsets->size() != 2) {
-      Fail("tensor `" + NameForMessage(name) + "`: missing data_offsets [begin, end]");
-    }
-    const uint64_t begin = Offset((*offsets)[0], name, 0);
-    const uint64_t end = Offset((*offsets)[1], name, 1);
-    if (end < begin) {
-      Fail("tensor `" + NameForMessage(name) + "`: data_offsets [" + std::to_string(begin) + ", " +
-           std::to_string(end) + "] end before they begin");
-    }
-    const std::optional<uint64_t> expected = ByteCount(e.shape, e.dtype);
-    if (!expected || *expected != end - begin) {
-      Fail("tensor `" + NameForMessage(name) + "`: dtype " + StDtypeName(e.dtype) + " and shape " +
-           ShapeForMessage(e.shape) + " need " +
-           (expected ? std::to_string(*expected) : std::string("more than 2^62")) +
-           " bytes, data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-           "] hold " + std::to_string(end - begin));
-    }
-    e.offset = begin;
-    e.nbytes = end - begin;
-    return e;
   }
 
  private:
@@ -489,16 +458,20 @@ std::string EscapeControlBytes(std::string_view text) {
   return out;
 }
 
-}  // namespace
-
-std::string NameForMessage(std::string_view name) {
+// `head`, the first bytes of a text of `total` bytes (at least 201 of them
+// when there are more than 200), cut as NameForMessage cuts the text.
+std::string CutForMessage(std::string_view head, size_t total) {
   constexpr size_t kMax = 200;
-  if (name.size() <= kMax) return EscapeControlBytes(name);
+  if (total <= kMax) return EscapeControlBytes(head.substr(0, total));
   size_t cut = kMax;
   // Not inside a UTF-8 sequence: back up over its continuation bytes.
-  while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xC0) == 0x80) --cut;
-  return EscapeControlBytes(name.substr(0, cut)) + "... (" + std::to_string(name.size()) + " bytes)";
+  while (cut > 0 && (static_cast<unsigned char>(head[cut]) & 0xC0) == 0x80) --cut;
+  return EscapeControlBytes(head.substr(0, cut)) + "... (" + std::to_string(total) + " bytes)";
 }
+
+}  // namespace
+
+std::string NameForMessage(std::string_view name) { return CutForMessage(name, name.size()); }
 
 const char* StDtypeName(StDtype dtype) {
   for (const DtypeInfo& d : kDtypes) {
@@ -526,10 +499,11 @@ void CheckJsonKeysUnique(std::string_view json, int max_depth) {
     throw std::invalid_argument("JSON nests deeper than " + std::to_string(max_depth) +
                                 (max_depth == 1 ? " level" : " levels"));
   }
+  DuplicateKeyWatcher watcher;
   try {
-    ParseWithUniqueKeys(json);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument("not valid JSON: " + JsonErrorForMessage(e));
+    if (!nlohmann::json::sax_parse(json.begin(), json.end(), &watcher)) {
+      throw std::invalid_argument("not valid JSON: " + watcher.error());
+    }
   } catch (const DuplicateKey& d) {
     throw std::invalid_argument(DuplicateKeyMessage(d));
   }
@@ -610,27 +584,511 @@ std::string ForeignEditNote() {
          kChecksumKey + " and " + kHeaderChecksumKey + " keys";
 }
 
+// A text put together piece by piece, of which only what a message quotes
+// is kept (its first 201 bytes) with its length: the JSON text of a value
+// that a message names, which a hostile header may make megabytes long.
+class CappedText {
+ public:
+  void Append(std::string_view piece) {
+    total_ += piece.size();
+    if (head_.size() < kKeep) head_.append(piece.substr(0, kKeep - head_.size()));
+  }
+  // The whole text as NameForMessage quotes it.
+  std::string ForMessage() const { return CutForMessage(head_, total_); }
+
+ private:
+  static constexpr size_t kKeep = 201;
+  std::string head_;
+  size_t total_ = 0;
+};
+
+// What a header holds, as ParseHeader reads it from its text.
+struct ParsedHeader {
+  // The tensors' entries in the order the header lists them: all of them
+  // when they were asked for and the header has no problem; else none.
+  std::vector<TensorEntry> tensors;
+  // "__metadata__", the checksum keys included; without meaning when
+  // `metadata_problem` is set.
+  Metadata metadata;
+  // The problem that Parse reports for this header, if any (without the
+  // "<source>: invalid safetensors file: " before it): of the top-level
+  // keys with a problem (an entry, "__metadata__"), the first in sorted
+  // order, as the loop over a nlohmann::json object (a sorted map) that
+  // checked them before found it first.
+  std::optional<std::string> problem;
+  // The problem of "__metadata__" alone (ReadMetadata's): of its keys with
+  // a value that is no string, the first in sorted order.
+  std::optional<std::string> metadata_problem;
+};
+
+// Reads a header's JSON text while the parser goes through it (nlohmann's
+// SAX interface), keeping only what a reader wants of it: the entries, the
+// metadata, and what a message quotes. The DOM of the whole header that
+// this replaces took about 20 times the text's size (a node for every
+// value, a map entry for every key; one for each element of a shape), and
+// the watcher of repeated keys that ran first as much again (a set of the
+// keys of every object): a hostile header of 100 MB, as long as the format
+// allows, made a reader take 2 to 3 GB. Here the entries, metadata and
+// names are kept, no more (see nn/io/README.md for numbers); a metadata of
+// more than kMaxMetadataEntries entries and a shape of more than
+// kMaxShapeDims dimensions are refused, as their cost per byte of text is
+// the highest.
+//
+// A key given twice in the top-level object, in "__metadata__", or (dtype,
+// shape, data_offsets) in an entry is refused, the first in the text, as
+// before, unless a syntax error comes first. Keys that the reader ignores
+// (an entry's other keys, keys inside their values or inside a metadata
+// value, which is refused anyway) are not checked: which one a parser
+// would keep makes no difference, holding them all is what cost the
+// memory, and Python's reader (serde) ignores them too.
+class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  explicit HeaderReader(bool want_tensors) : want_tensors_(want_tensors) {}
+
+  // Room for `entries` entries, so that the vector does not grow by
+  // doubling (its old and new blocks held at once).
+  void Reserve(size_t entries) {
+    if (want_tensors_) result_.tensors.reserve(entries);
+  }
+
+  bool null() override { return Scalar("null", "null", std::nullopt); }
+  bool boolean(bool v) override { return Scalar("boolean", v ? "true" : "false", std::nullopt); }
+  bool number_integer(number_integer_t v) override { return Scalar("number", std::to_string(v), std::nullopt); }
+  bool number_unsigned(number_unsigned_t v) override {
+    return Scalar("number", std::to_string(v), static_cast<uint64_t>(v));
+  }
+  bool number_float(number_float_t v, const string_t&) override {
+    return Scalar("number", nlohmann::json(v).dump(), std::nullopt);
+  }
+  bool string(string_t& v) override {
+    if (Top() == Kind::kMetadataObject) {
+      *meta_value_ = v;
+      if (meta_key_ == kHeaderChecksumKey) header_crc_value_ = v;
+      return true;
+    }
+    if (Top() == Kind::kEntryObject && field_ == Field::kDtype) {
+      entry_.dtype_seen = true;
+      entry_.dtype = StDtypeFromName(v);
+      if (!entry_.dtype) entry_.dtype_text = NameForMessage(nlohmann::json(v).dump());
+      return true;
+    }
+    return Scalar("string", nlohmann::json(v).dump(), std::nullopt);
+  }
+  bool binary(binary_t&) override { return Scalar("binary", "<binary>", std::nullopt); }
+
+  bool start_object(std::size_t) override { return Open(/*object=*/true); }
+  bool start_array(std::size_t) override { return Open(/*object=*/false); }
+  bool end_object() override { return Close(/*object=*/true); }
+  bool end_array() override { return Close(/*object=*/false); }
+
+  bool key(string_t& k) override {
+    switch (Top()) {
+      case Kind::kTop:
+        // An entry's name is not copied: it is the last of names_.
+        top_is_metadata_ = k == kMetadataKey;
+        if (top_is_metadata_) {
+          if (metadata_seen_) return Twice(k, "");
+          metadata_seen_ = true;
+        } else {
+          names_.append(k);
+          name_ends_.push_back(names_.size());
+        }
+        return true;
+      case Kind::kMetadataObject: {
+        if (result_.metadata.size() >= kMaxMetadataEntries) {
+          stop_ = "__metadata__ has more than " + std::to_string(kMaxMetadataEntries) +
+                  " entries, the most a header may hold (kMaxMetadataEntries)";
+          return false;
+        }
+        const auto [it, added] = result_.metadata.emplace(k, std::string());
+        if (!added) return Twice(k, kMetadataKey);
+        meta_key_ = k;
+        meta_value_ = &it->second;
+        return true;
+      }
+      case Kind::kEntryObject: {
+        field_ = k == "dtype" ? Field::kDtype
+                 : k == "shape" ? Field::kShape
+                 : k == "data_offsets" ? Field::kOffsets
+                                       : Field::kOther;
+        if (field_ == Field::kOther) return true;
+        const unsigned bit = 1u << static_cast<int>(field_);
+        if (entry_.fields_seen & bit) return Twice(k, std::string(EntryName()));
+        entry_.fields_seen |= bit;
+        return true;
+      }
+      case Kind::kDumped:
+        if (!dump_first_.back()) dump_.Append(",");
+        dump_first_.back() = false;
+        dump_.Append(nlohmann::json(k).dump());
+        dump_.Append(":");
+        dump_after_key_ = true;
+        return true;
+      default:
+        return true;
+    }
+  }
+
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override {
+    syntax_error_ = JsonErrorForMessage(e);
+    return false;
+  }
+
+  // After the parse (`parsed`: whether it went to the end): the header, or
+  // a CheckpointError from `p` for a key given twice, a limit passed or a
+  // syntax error, the first of them in the text. `crc_found`: whether the
+  // caller found the header checksum entry, and checked the header by
+  // `crc_said`.
+  ParsedHeader Finish(const Parser& p, bool parsed, bool crc_found, std::string_view crc_said) {
+    // A top-level key given twice is found now, over the keys read: its
+    // second place comes before wherever the parse stopped.
+    if (const std::optional<std::string_view> twice = FirstTopLevelKeyTwice()) {
+      p.Fail("header " + DuplicateKeyMessage(DuplicateKey{std::string(*twice), ""}));
+    }
+    if (duplicate_) p.Fail("header " + DuplicateKeyMessage(*duplicate_));
+    if (!stop_.empty()) p.Fail(stop_);
+    if (!parsed) p.Fail("header is not valid JSON: " + syntax_error_);
+    if (!top_is_object_) p.Fail("header is not a JSON object");
+    // The entry checked by the caller must be the one in __metadata__: a
+    // header whose metadata holds the key where the scan did not find it
+    // (or with another value) went unchecked.
+    if (metadata_is_object_ && result_.metadata.count(kHeaderChecksumKey) != 0 &&
+        (!crc_found || header_crc_value_ != crc_said)) {
+      p.Fail(std::string("__metadata__ holds ") + kHeaderChecksumKey +
+             " but not as the header checksum entry the header was checked by");
+    }
+    if (metadata_problem_) {
+      result_.metadata_problem = metadata_problem_->second;
+      Problem(kMetadataKey, metadata_problem_->second);
+    }
+    if (problem_) {
+      result_.problem = problem_->second;
+    } else if (want_tensors_) {
+      if (result_.tensors.size() != name_ends_.size()) {
+        throw std::logic_error("safetensors: " + std::to_string(result_.tensors.size()) + " entries read for " +
+                               std::to_string(name_ends_.size()) + " names");
+      }
+      for (size_t i = 0; i < result_.tensors.size(); ++i) result_.tensors[i].name = Name(i);
+    }
+    return std::move(result_);
+  }
+
+ private:
+  // What the innermost open container is.
+  enum class Kind {
+    kNone,            // none is open (before the top-level value)
+    kTop,             // the header object
+    kMetadataObject,  // "__metadata__"
+    kEntryObject,     // a tensor's entry
+    kShapeArray,      // its "shape"
+    kOffsetsArray,    // its "data_offsets"
+    kDumped,          // (in) a metadata value that is no string, written out for the message
+    kSkipped,         // (in) a value read for nothing: another key's of an entry, one refused
+  };
+  // Which key of an entry the value that comes next is of.
+  enum class Field { kDtype = 0, kShape = 1, kOffsets = 2, kOther = 3 };
+
+  // What is known of the entry being read.
+  struct Entry {
+    unsigned fields_seen = 0;  // bits 1 << Field
+    bool dtype_seen = false;   // as a string
+    std::optional<StDtype> dtype;
+    std::string dtype_text;    // one not handled, as the message quotes it
+    bool shape_seen = false;   // as an array
+    bool shape_bad = false;    // an element that is no integer in [0, 2^62]
+    size_t rank = 0;
+    std::vector<int64_t> shape;  // kept while rank <= kMaxShapeDims
+    CappedText shape_text;
+    bool offsets_seen = false;  // as an array
+    size_t offsets_count = 0;
+    std::optional<uint64_t> offsets[2];
+    std::string offsets_text[2];  // as the message quotes one that is no offset
+  };
+
+  Kind Top() const { return open_.empty() ? Kind::kNone : open_.back(); }
+
+  std::string_view Name(size_t i) const {
+    const size_t begin = i == 0 ? 0 : name_ends_[i - 1];
+    return std::string_view(names_).substr(begin, name_ends_[i] - begin);
+  }
+
+  // The top-level key (but "__metadata__") given twice whose second place
+  // is the first in the text, if any.
+  std::optional<std::string_view> FirstTopLevelKeyTwice() const {
+    const size_t n = name_ends_.size();
+    std::vector<size_t> order(n);
+    for (size_t i = 0; i < n; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const std::string_view x = Name(a), y = Name(b);
+      return x != y ? x < y : a < b;
+    });
+    size_t first = n;
+    for (size_t k = 1; k < n; ++k) {
+      if (Name(order[k]) == Name(order[k - 1])) first = std::min(first, order[k]);
+    }
+    if (first == n) return std::nullopt;
+    return Name(first);
+  }
+
+  bool Twice(const std::string& key, const std::string& in) {
+    duplicate_ = DuplicateKey{key, in};
+    return false;
+  }
+
+  // Records `message` as the problem of top-level key `key` (of the keys
+  // with one, the first in sorted order is reported); the entries read are
+  // no longer wanted.
+  void Problem(std::string_view key, std::string message) {
+    if (!problem_ || key < problem_->first) problem_.emplace(std::string(key), std::move(message));
+    std::vector<TensorEntry>().swap(result_.tensors);
+  }
+
+  void MetadataProblem(const std::string& meta_key, std::string message) {
+    if (!metadata_problem_ || meta_key < metadata_problem_->first) {
+      metadata_problem_.emplace(meta_key, std::move(message));
+    }
+  }
+
+  // The name of the entry being read.
+  std::string_view EntryName() const { return Name(name_ends_.size() - 1); }
+  std::string EntryPrefix() const { return "tensor `" + NameForMessage(EntryName()) + "`: "; }
+
+  // A value that is no container: `type` as nlohmann's type_name() names
+  // it, `text` as its dump() writes it, `unsigned_value` for an integer
+  // that is not negative.
+  bool Scalar(const char* type, const std::string& text, std::optional<uint64_t> unsigned_value) {
+    switch (Top()) {
+      case Kind::kNone:
+        top_is_object_ = false;
+        break;
+      case Kind::kTop:
+        if (top_is_metadata_) {
+          // A null stands for no metadata, as for the reference reader (its
+          // metadata is an optional map); writers that put
+          // `"__metadata__": null` for none exist.
+          if (std::string_view(type) != "null") MetadataProblem("", "__metadata__ is not an object of strings");
+        } else {
+          Problem(EntryName(), EntryPrefix() + "entry is " + type + ", expected an object");
+        }
+        break;
+      case Kind::kMetadataObject:
+        MetadataProblem(meta_key_, "__metadata__ value for `" + NameForMessage(meta_key_) + "` is " +
+                                       NameForMessage(text) + ", expected a string");
+        break;
+      case Kind::kShapeArray:
+        entry_.shape_text.Append(entry_.rank == 0 ? text : "," + text);
+        ++entry_.rank;
+        if (!unsigned_value || *unsigned_value > (uint64_t{1} << 62)) entry_.shape_bad = true;
+        if (!entry_.shape_bad && entry_.rank <= kMaxShapeDims) {
+          entry_.shape.push_back(static_cast<int64_t>(*unsigned_value));
+        }
+        break;
+      case Kind::kOffsetsArray:
+        OffsetElement(unsigned_value, text);
+        break;
+      case Kind::kDumped:
+        DumpValue(text);
+        break;
+      case Kind::kEntryObject:  // a dtype that is no string is missing at the entry's end
+      case Kind::kSkipped:
+        break;
+    }
+    return true;
+  }
+
+  void OffsetElement(std::optional<uint64_t> value, const std::string& text) {
+    if (entry_.offsets_count < 2) {
+      entry_.offsets[entry_.offsets_count] = value;
+      if (!value) entry_.offsets_text[entry_.offsets_count] = NameForMessage(text);
+    }
+    ++entry_.offsets_count;
+  }
+
+  // A scalar, or the bracket opening a container, in the metadata value
+  // being written out.
+  void DumpValue(std::string_view text) {
+    if (!dump_first_.empty()) {
+      if (!dump_after_key_ && !dump_first_.back()) dump_.Append(",");
+      dump_first_.back() = false;
+    }
+    dump_after_key_ = false;
+    dump_.Append(text);
+  }
+
+  bool Open(bool object) {
+    Kind kind = Kind::kSkipped;
+    switch (Top()) {
+      case Kind::kNone:
+        if (object) kind = Kind::kTop;
+        else top_is_object_ = false;
+        break;
+      case Kind::kTop:
+        if (top_is_metadata_) {
+          if (object) {
+            kind = Kind::kMetadataObject;
+            metadata_is_object_ = true;
+          } else {
+            MetadataProblem("", "__metadata__ is not an object of strings");
+          }
+        } else if (object) {
+          kind = Kind::kEntryObject;
+          entry_ = Entry();
+        } else {
+          Problem(EntryName(), EntryPrefix() + "entry is array, expected an object");
+        }
+        break;
+      case Kind::kMetadataObject:
+        dump_ = CappedText();
+        dump_first_.clear();
+        [[fallthrough]];
+      case Kind::kDumped:
+        DumpValue(object ? "{" : "[");
+        dump_first_.push_back(true);
+        kind = Kind::kDumped;
+        break;
+      case Kind::kEntryObject:
+        if (!object && field_ == Field::kShape) {
+          kind = Kind::kShapeArray;
+          entry_.shape_seen = true;
+          entry_.shape_text.Append("[");
+        } else if (!object && field_ == Field::kOffsets) {
+          kind = Kind::kOffsetsArray;
+          entry_.offsets_seen = true;
+        }
+        break;
+      case Kind::kShapeArray:  // nesting deeper than is allowed, refused before
+        entry_.shape_bad = true;
+        break;
+      case Kind::kOffsetsArray:
+        OffsetElement(std::nullopt, object ? "{...}" : "[...]");
+        break;
+      case Kind::kSkipped:
+        break;
+    }
+    open_.push_back(kind);
+    return true;
+  }
+
+  bool Close(bool object) {
+    const Kind kind = Top();
+    open_.pop_back();
+    switch (kind) {
+      case Kind::kEntryObject:
+        EndEntry();
+        break;
+      case Kind::kShapeArray:
+        entry_.shape_text.Append("]");
+        break;
+      case Kind::kDumped:
+        dump_first_.pop_back();
+        dump_.Append(object ? "}" : "]");
+        dump_after_key_ = false;
+        if (dump_first_.empty()) {
+          MetadataProblem(meta_key_, "__metadata__ value for `" + NameForMessage(meta_key_) + "` is " +
+                                         dump_.ForMessage() + ", expected a string");
+        }
+        break;
+      default:
+        break;
+    }
+    return true;
+  }
+
+  // The checks of an entry, in the order they were made on the DOM.
+  void EndEntry() {
+    Entry& e = entry_;
+    const auto fail = [&](const std::string& what) { Problem(EntryName(), EntryPrefix() + what); };
+    if (!e.dtype_seen) return fail("missing dtype string");
+    if (!e.dtype) return fail("dtype " + e.dtype_text + " is not supported (" + DtypeNames() + " are)");
+    if (!e.shape_seen) return fail("missing shape array");
+    if (e.shape_bad) return fail("shape " + e.shape_text.ForMessage() + " must hold non-negative integers");
+    if (e.rank > kMaxShapeDims) {
+      return fail("shape has " + std::to_string(e.rank) + " dimensions, more than the " +
+                  std::to_string(kMaxShapeDims) + " a header may give (kMaxShapeDims)");
+    }
+    if (!e.offsets_seen || e.offsets_count != 2) return fail("missing data_offsets [begin, end]");
+    for (int i = 0; i < 2; ++i) {
+      if (!e.offsets[i]) {
+        return fail("data_offsets[" + std::to_string(i) + "] is " + e.offsets_text[i] +
+                    ", expected a non-negative integer");
+      }
+    }
+    const uint64_t begin = *e.offsets[0], end = *e.offsets[1];
+    if (end < begin) {
+      return fail("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                  "] end before they begin");
+    }
+    const std::optional<uint64_t> expected = ByteCount(e.shape, *e.dtype);
+    if (!expected || *expected != end - begin) {
+      return fail("dtype " + std::string(StDtypeName(*e.dtype)) + " and shape " + ShapeForMessage(e.shape) +
+                  " need " + (expected ? std::to_string(*expected) : std::string("more than 2^62")) +
+                  " bytes, data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "] hold " +
+                  std::to_string(end - begin));
+    }
+    if (!want_tensors_ || problem_) return;
+    TensorEntry t;  // named in Finish, from names_
+    t.dtype = *e.dtype;
+    t.shape = std::move(e.shape);
+    t.offset = begin;
+    t.nbytes = end - begin;
+    result_.tensors.push_back(std::move(t));
+  }
+
+  const bool want_tensors_;
+  ParsedHeader result_;
+  std::vector<Kind> open_;
+  bool top_is_object_ = true;
+  bool top_is_metadata_ = false;  // whether the last key of the header object read is "__metadata__"
+  bool metadata_seen_ = false;
+  bool metadata_is_object_ = false;
+  std::string meta_key_;  // the last key of "__metadata__" read
+  std::string* meta_value_ = nullptr;
+  std::optional<std::string> header_crc_value_;  // the header checksum entry's, when a string
+  Field field_ = Field::kOther;
+  Entry entry_;
+  // A metadata value that is no string, being written out; whether the
+  // container open at each level has no element yet, and whether a key
+  // was just written.
+  CappedText dump_;
+  std::vector<bool> dump_first_;
+  bool dump_after_key_ = false;
+  // The top-level keys but "__metadata__" one after another, in the order
+  // of the text, and where each ends: for keys given twice, and the names
+  // of the entries at the end (they are not copied twice while read).
+  std::string names_;
+  std::vector<size_t> name_ends_;
+  std::optional<std::pair<std::string, std::string>> problem_;           // top-level key, message
+  std::optional<std::pair<std::string, std::string>> metadata_problem_;  // metadata key, message
+  std::optional<DuplicateKey> duplicate_;
+  std::string stop_;          // a limit passed
+  std::string syntax_error_;  // the parser's message
+};
+
 // The JSON header `text` (the n bytes after the length), checked as Parse
-// checks it: an object, without NUL bytes, nesting or repeated keys.
-// `top_keys`, when given, receives its keys in the order of the text.
-nlohmann::json ParseHeader(std::string_view text, const Parser& p, std::vector<std::string>* top_keys = nullptr) {
+// checks it: its checksum (when it has one), an object without NUL bytes,
+// nesting deeper than 3 or repeated keys, and read (the entries, only when
+// `want_tensors`). Throws CheckpointError from `p` for those problems; the
+// problems of entries and metadata are in the result.
+ParsedHeader ParseHeader(std::string_view text, const Parser& p, bool want_tensors) {
   if (text.size() < 2 || text[0] != '{') p.Fail("header does not start with '{'");
   // Checked first: a corrupt header is reported as such, not as whatever
   // JSON error or wrong offset the corruption happens to make.
   const size_t crc_at = FindHeaderCrcKey(text);
   std::string crc_said;
-  if (const size_t at = crc_at; at != std::string_view::npos) {
-    const size_t value = at + HeaderCrcMark().size();
+  if (crc_at != std::string_view::npos) {
+    const size_t value = crc_at + HeaderCrcMark().size();
     if (value + 9 > text.size() || text[value + 8] != '"') {
       p.Fail("header checksum entry is cut short or malformed");
     }
-    const std::string said(text.substr(value, 8));
-    crc_said = said;
-    std::string zeroed(text);
-    zeroed.replace(value, 8, kNoHeaderCrc);
-    const std::string got = HeaderCrc32Hex(zeroed);
-    if (got != said) {
-      p.Fail("header checksum is " + got + ", the header says " + said +
+    crc_said = std::string(text.substr(value, 8));
+    // Over the text with the value read as kNoHeaderCrc (without a copy of
+    // the text).
+    uLong crc = CrcUpdate(crc32(0L, Z_NULL, 0), text.data(), value);
+    crc = CrcUpdate(crc, kNoHeaderCrc, 8);
+    crc = CrcUpdate(crc, text.data() + value + 8, text.size() - value - 8);
+    const std::string got = CrcHex(crc);
+    if (got != crc_said) {
+      p.Fail("header checksum is " + got + ", the header says " + crc_said +
              " (the header is corrupt: " + ForeignEditNote() + ")");
     }
   }
@@ -640,44 +1098,14 @@ nlohmann::json ParseHeader(std::string_view text, const Parser& p, std::vector<s
     p.Fail("header has a NUL byte at offset " + std::to_string(nul));
   }
   if (NestingDepth(text) > 3) p.Fail("header JSON nests deeper than 3 levels");
-  nlohmann::json header;
-  try {
-    header = ParseWithUniqueKeys(text, top_keys);
-  } catch (const nlohmann::json::exception& e) {
-    p.Fail("header is not valid JSON: " + JsonErrorForMessage(e));
-  } catch (const DuplicateKey& d) {
-    p.Fail("header " + DuplicateKeyMessage(d));
-  }
-  if (!header.is_object()) p.Fail("header is not a JSON object");
-  // The entry checked above must be the one in __metadata__: a header whose
-  // metadata holds the key where the scan did not find it (or with another
-  // value) went unchecked.
-  if (const auto m = header.find(kMetadataKey); m != header.end() && m->is_object()) {
-    if (const auto h = m->find(kHeaderChecksumKey); h != m->end()) {
-      if (crc_at == std::string_view::npos || !h->is_string() || h->get<std::string>() != crc_said) {
-        p.Fail(std::string("__metadata__ holds ") + kHeaderChecksumKey +
-               " but not as the header checksum entry the header was checked by");
-      }
-    }
-  }
-  return header;
-}
-
-// The header's "__metadata__" entry `value` as strings. A null stands for
-// no metadata, as for the reference reader (its metadata is an optional
-// map), and writers that put `"__metadata__": null` for none exist.
-Metadata MetadataOf(const nlohmann::json& value, const Parser& p) {
-  if (value.is_null()) return {};
-  if (!value.is_object()) p.Fail("__metadata__ is not an object of strings");
-  Metadata out;
-  for (auto m = value.begin(); m != value.end(); ++m) {
-    if (!m->is_string()) {
-      p.Fail("__metadata__ value for `" + NameForMessage(m.key()) + "` is " + NameForMessage(m->dump()) +
-             ", expected a string");
-    }
-    out[m.key()] = m->get<std::string>();
-  }
-  return out;
+  HeaderReader reader(want_tensors);
+  // No more than a header of such entries could hold, whatever the count
+  // says: an entry takes at least 49 bytes (`"":{"dtype":"U8","shape":[0],
+  // "data_offsets":[0,0]}`), while `"a":{}` takes 6.
+  constexpr size_t kSmallestEntry = 49;
+  if (want_tensors) reader.Reserve(std::min(SecondLevelObjects(text), text.size() / kSmallestEntry));
+  const bool parsed = nlohmann::json::sax_parse(text.begin(), text.end(), &reader);
+  return reader.Finish(p, parsed, crc_at != std::string_view::npos, crc_said);
 }
 
 }  // namespace
@@ -713,24 +1141,46 @@ SafetensorsFile SafetensorsFile::ParseLayout(std::string_view header_text, uint6
                                              const std::string& source) {
   Parser p(source);
   const uint64_t n = header_text.size();
-  std::vector<std::string> listed;
-  const nlohmann::json header = ParseHeader(header_text, p, &listed);
+  ParsedHeader header = ParseHeader(header_text, p, /*want_tensors=*/true);
+  if (header.problem) p.Fail(*header.problem);
 
   SafetensorsFile f;
   f.source_ = source;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == kMetadataKey) {
-      f.metadata_ = MetadataOf(*it, p);
-      continue;
-    }
-    f.tensors_.push_back(p.Entry(it.key(), *it));
-  }
-
+  f.metadata_ = std::move(header.metadata);
+  f.tensors_ = std::move(header.tensors);  // in the order the header lists them
   // The entries must tile the data region: sorted by offset, each begins
   // where the previous one ended and the last ends at the file's end.
-  std::stable_sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorEntry& a, const TensorEntry& b) {
-    return a.offset != b.offset ? a.offset < b.offset : a.nbytes < b.nbytes;
+  // Equal offsets (empty tensors) go by size, then by name.
+  const size_t count = f.tensors_.size();
+  std::vector<size_t> order(count);  // order[k]: the listed entry that goes k-th
+  for (size_t i = 0; i < count; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const TensorEntry& x = f.tensors_[a];
+    const TensorEntry& y = f.tensors_[b];
+    if (x.offset != y.offset) return x.offset < y.offset;
+    if (x.nbytes != y.nbytes) return x.nbytes < y.nbytes;
+    return x.name < y.name;
   });
+  // The order the header lists the tensors in: the order a writer here
+  // was given them, which is not the data's (see DataOrder).
+  f.header_order_.resize(count);
+  for (size_t k = 0; k < count; ++k) f.header_order_[order[k]] = k;
+  // The entries put in that order where they are, a cycle at a time.
+  constexpr size_t kPlaced = static_cast<size_t>(-1);
+  for (size_t start = 0; start < count; ++start) {
+    if (order[start] == kPlaced) continue;
+    TensorEntry first = std::move(f.tensors_[start]);
+    size_t k = start;
+    while (order[k] != start) {
+      const size_t from = order[k];
+      f.tensors_[k] = std::move(f.tensors_[from]);
+      order[k] = kPlaced;
+      k = from;
+    }
+    f.tensors_[k] = std::move(first);
+    order[k] = kPlaced;
+  }
+
   uint64_t pos = 0;
   const TensorEntry* prev = nullptr;
   auto range = [](const TensorEntry& e) {
@@ -755,19 +1205,6 @@ SafetensorsFile SafetensorsFile::ParseLayout(std::string_view header_text, uint6
   if (pos != data_size) {
     p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(data_size) +
            ") of the data region belong to no tensor");
-  }
-  // The order the header lists the tensors in: the order a writer here
-  // was given them, which is not the data's (see DataOrder).
-  std::unordered_map<std::string_view, size_t> index;
-  index.reserve(f.tensors_.size());
-  for (size_t i = 0; i < f.tensors_.size(); ++i) index.emplace(f.tensors_[i].name, i);
-  f.header_order_.reserve(f.tensors_.size());
-  for (const std::string& key : listed) {
-    if (const auto it = index.find(key); it != index.end()) f.header_order_.push_back(it->second);
-  }
-  if (f.header_order_.size() != f.tensors_.size()) {
-    throw std::logic_error(source + ": the header lists " + std::to_string(f.header_order_.size()) +
-                           " of its " + std::to_string(f.tensors_.size()) + " tensors in order");
   }
   f.data_start_ = 8 + n;
   return f;
@@ -856,10 +1293,9 @@ Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
                           (std::ferror(f.get()) ? std::string(std::strerror(err))
                                                 : std::string("the file got shorter while being read")));
   }
-  const nlohmann::json header = ParseHeader(text, p);
-  const auto it = header.find(kMetadataKey);
-  if (it == header.end()) return {};
-  Metadata metadata = MetadataOf(*it, p);
+  ParsedHeader header = ParseHeader(text, p, /*want_tensors=*/false);
+  if (header.metadata_problem) p.Fail(*header.metadata_problem);
+  Metadata metadata = std::move(header.metadata);
   metadata.erase(kChecksumKey);
   metadata.erase(kHeaderChecksumKey);
   return metadata;
@@ -939,16 +1375,14 @@ std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* vali
   std::optional<uint64_t> data_end;
   std::optional<TensorEntry> last;
   try {
-    const nlohmann::json header = ParseHeader(std::string_view(header_text).substr(8), p);
+    ParsedHeader header = ParseHeader(std::string_view(header_text).substr(8), p, /*want_tensors=*/true);
+    if (header.problem) p.Fail(*header.problem);
+    // The entry that ends last (of those, the last by name).
     uint64_t end = 0;
-    for (auto it = header.begin(); it != header.end(); ++it) {
-      if (it.key() == kMetadataKey) {
-        (void)MetadataOf(*it, p);
-        continue;
-      }
-      TensorEntry e = p.Entry(it.key(), *it);
-      if (e.offset + e.nbytes >= end) {
-        end = e.offset + e.nbytes;
+    for (TensorEntry& e : header.tensors) {
+      const uint64_t e_end = e.offset + e.nbytes;
+      if (!last || e_end > end || (e_end == end && e.name > last->name)) {
+        end = e_end;
         last = std::move(e);
       }
     }

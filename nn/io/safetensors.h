@@ -104,6 +104,16 @@ std::string NameForMessage(std::string_view name);
 
 /// Largest header accepted (100 MB, as the Python implementation).
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+/// Most entries a header's "__metadata__" may hold, the two checksums the
+/// writers add included. Each one costs a reader about 100 bytes besides
+/// its text (a std::map entry), ten times what a short one takes in the
+/// header: without a bound, a hostile header of many short entries made
+/// reading it take about a gigabyte.
+inline constexpr size_t kMaxMetadataEntries = 65'536;
+/// Most dimensions a tensor's shape may have in a header (NumPy allows 64).
+/// Each costs a reader 8 bytes for 2 of text ("1,"), more while its vector
+/// grows; without a bound one shape of a hostile header took gigabytes.
+inline constexpr size_t kMaxShapeDims = 1024;
 
 /// The bytes of a safetensors file holding `tensors` and `metadata` (plus
 /// the checksum). The header lists the tensors in the order given; their
@@ -111,8 +121,10 @@ inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 /// within one size), as the reference writer does, so that every tensor
 /// starts at a multiple of its element size. Throws std::invalid_argument for a
 /// duplicate or reserved name or metadata key,
-/// a negative size, a byte count that does not match dtype and shape, or a
-/// header longer than kMaxHeaderBytes.
+/// a negative size, a byte count that does not match dtype and shape, a
+/// shape of more than kMaxShapeDims dimensions, more than
+/// kMaxMetadataEntries - 2 metadata entries (the writers add two), or a
+/// header longer than kMaxHeaderBytes: what readers would refuse.
 std::string SerializeSafetensors(const std::vector<TensorView>& tensors,
                                  const Metadata& metadata = {});
 

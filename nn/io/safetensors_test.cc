@@ -1469,17 +1469,74 @@ TEST(SafetensorsErrors, MessagesStayShortWhateverTheHeaderHolds) {
   }
 }
 
-// A shape is header text too: one of a million dimensions whose size does
-// not match its offsets made a 3 MB message before.
-TEST(SafetensorsErrors, AShapeOfAMillionDimensionsIsCutInMessages) {
+// A shape is header text too: one of a thousand dimensions whose size does
+// not match its offsets made a 3 KB message before (a 3 MB one for a
+// million dimensions, which are now refused by the limit below).
+TEST(SafetensorsErrors, AShapeOfAThousandDimensionsIsCutInMessages) {
   std::string shape = "[";
-  for (int i = 0; i < 1000000; ++i) shape += i ? ",1" : "1";
+  for (int i = 0; i < 1000; ++i) shape += i ? ",1" : "1";
   shape += "]";
   const std::string msg = ParseError(
       Build("{\"w\":{\"dtype\":\"F32\",\"shape\":" + shape + ",\"data_offsets\":[0,8]}}", std::string(8, '\0')));
   EXPECT_THAT(msg, AllOf(HasSubstr("bad.safetensors"), HasSubstr("`w`: dtype F32 and shape [1, 1, 1"),
-                         HasSubstr(", ... (1000000 dimensions)] need 4 bytes, data_offsets [0, 8] hold 8")));
+                         HasSubstr(", ... (1000 dimensions)] need 4 bytes, data_offsets [0, 8] hold 8")));
   EXPECT_LT(msg.size(), 1024u);
+}
+
+// A header is read without building a JSON value of it (HeaderReader), but
+// what it holds is still kept: a metadata entry costs about 100 bytes
+// besides its text, a dimension 8 bytes for the 2 of "1,". Before these
+// limits, a 50 MB header of short metadata entries took 1.1 GB to read and
+// one of a 25-million-dimension shape 1.1 GB. Both are refused now, naming
+// the file and the limit, and the writers refuse what readers would.
+TEST(SafetensorsErrors, MoreMetadataEntriesOrDimensionsThanTheLimitsAreRefused) {
+  const std::string dir = TmpDir("limits");
+  std::string metadata = "{";
+  for (size_t i = 0; i <= kMaxMetadataEntries; ++i) metadata += (i ? ",\"" : "\"") + std::to_string(i) + "\":\"\"";
+  metadata += "}";
+  const std::string path = dir + "/many_metadata.safetensors";
+  WriteAll(path, Build("{\"__metadata__\":" + metadata + "}", ""));
+  const std::string limit = std::to_string(kMaxMetadataEntries);
+  for (const std::string& error : {ErrorOf([&] { SafetensorsFile::ReadMetadata(path); }),
+                                   ErrorOf([&] { SafetensorsFile::Read(path); })}) {
+    EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("__metadata__ has more than " + limit + " entries")));
+  }
+  Metadata at_limit;
+  for (size_t i = 0; i + 2 < kMaxMetadataEntries; ++i) at_limit[std::to_string(i)] = "";
+  const std::string full = dir + "/full_metadata.safetensors";
+  WriteSafetensorsFile(full, {}, at_limit);
+  EXPECT_EQ(SafetensorsFile::ReadMetadata(full), at_limit);
+  at_limit["one more"] = "";
+  EXPECT_THAT(ErrorOf([&] { WriteSafetensorsFile(dir + "/over.safetensors", {}, at_limit); }),
+              AllOf(HasSubstr("over.safetensors"), HasSubstr(std::to_string(kMaxMetadataEntries - 2))));
+
+  std::string shape = "[0";
+  for (size_t i = 1; i <= kMaxShapeDims; ++i) shape += ",1";
+  shape += "]";
+  EXPECT_THAT(ParseError(Build("{\"w\":{\"dtype\":\"F32\",\"shape\":" + shape + ",\"data_offsets\":[0,0]}}", "")),
+              AllOf(HasSubstr("bad.safetensors"), HasSubstr("tensor `w`: shape has " + std::to_string(kMaxShapeDims + 1) +
+                                                             " dimensions, more than the " +
+                                                             std::to_string(kMaxShapeDims))));
+  std::vector<int64_t> dims(kMaxShapeDims, 1);
+  dims[0] = 0;
+  const std::string widest = dir + "/widest.safetensors";
+  WriteSafetensorsFile(widest, {{"w", StDtype::kF32, dims, nullptr, 0}});
+  EXPECT_EQ(SafetensorsFile::Read(widest).tensors().at(0).shape, dims);
+  dims.push_back(1);
+  EXPECT_THAT(ErrorOf([&] { WriteSafetensorsFile(dir + "/wider.safetensors", {{"w", StDtype::kF32, dims, nullptr, 0}}); }),
+              AllOf(HasSubstr("wider.safetensors"), HasSubstr("`w` has " + std::to_string(kMaxShapeDims + 1) +
+                                                               " dimensions")));
+}
+
+// Keys that no reader reads (an entry's own besides dtype, shape and
+// data_offsets) are not checked for repeats, as Python's reader does not:
+// whichever one is kept makes no difference. The keys it reads still are.
+TEST(SafetensorsErrors, AnIgnoredKeyOfAnEntryMayRepeat) {
+  const SafetensorsFile f = SafetensorsFile::Parse(
+      Build(R"({"w":{"dtype":"U8","note":1,"shape":[2],"note":[2],"data_offsets":[0,2]}})", "ab"), "ok");
+  EXPECT_EQ(f.tensors().at(0).nbytes, 2u);
+  EXPECT_THAT(ParseError(Build(R"({"w":{"dtype":"U8","shape":[2],"shape":[2],"data_offsets":[0,2]}})", "ab")),
+              HasSubstr("key `shape` appears twice in `w`"));
 }
 
 // A name may hold any character escaped in the JSON header. Before, a NUL
