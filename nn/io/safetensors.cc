@@ -372,11 +372,10 @@ std::string DuplicateKeyMessage(const DuplicateKey& d) {
          (d.in.empty() ? std::string() : " in `" + NameForMessage(d.in) + "`");
 }
 
-// Deepest nesting of arrays and objects in `json`, outside strings. A valid
-// header nests 3 deep; checking first keeps hostile input from driving the
-// JSON parser into deep recursion.
-int NestingDepth(std::string_view json) {
-  int depth = 0, max_depth = 0;
+// Calls `bracket(c)` for every '{', '[', '}' and ']' of `json` outside
+// strings, in order.
+template <typename Fn>
+void ForEachBracket(std::string_view json, Fn&& bracket) {
   bool in_string = false, escaped = false;
   for (char c : json) {
     if (in_string) {
@@ -386,9 +385,19 @@ int NestingDepth(std::string_view json) {
       continue;
     }
     if (c == '"') in_string = true;
-    else if (c == '{' || c == '[') max_depth = std::max(max_depth, ++depth);
-    else if (c == '}' || c == ']') --depth;
+    else if (c == '{' || c == '[' || c == '}' || c == ']') bracket(c);
   }
+}
+
+// Deepest nesting of arrays and objects in `json`, outside strings. A valid
+// header nests 3 deep; checking first keeps hostile input from driving the
+// JSON parser into deep recursion.
+int NestingDepth(std::string_view json) {
+  int depth = 0, max_depth = 0;
+  ForEachBracket(json, [&](char c) {
+    if (c == '{' || c == '[') max_depth = std::max(max_depth, ++depth);
+    else --depth;
+  });
   return max_depth;
 }
 
@@ -397,18 +406,10 @@ int NestingDepth(std::string_view json) {
 size_t SecondLevelObjects(std::string_view json) {
   size_t count = 0;
   int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : json) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-      continue;
-    }
-    if (c == '"') in_string = true;
-    else if (c == '{' || c == '[') count += ++depth == 2 && c == '{';
-    else if (c == '}' || c == ']') --depth;
-  }
+  ForEachBracket(json, [&](char c) {
+    if (c == '{' || c == '[') count += ++depth == 2 && c == '{';
+    else --depth;
+  });
   return count;
 }
 
