@@ -148,7 +148,7 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
             ? std::string("rank 0 of the communicator this one was split from (not a member here)")
             : std::string("the launcher");
     return PeerLostError("the rendezvous store cannot be reached (" + server +
-                         " serves it and may have died): " + posted.status().ToString());
+                         " serves it, and has died or stopped serving it): " + posted.status().ToString());
   }
   if (posted->has_value()) return DecodeAbort(**posted);
   return Status::Ok();
