@@ -5,6 +5,8 @@
 #include <unistd.h>
 #include <gflags/gflags.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -447,6 +449,35 @@ TEST(TrainCliTest, ResumeWithoutACheckpointSaysHowToMakeOne) {
   EXPECT_EQ(line, "train: --resume: no checkpoint at " + dir +
                       "/none.safetensors; run once without --resume to create it, or pass "
                       "--checkpoint=PATH");
+}
+
+// Two runs at once saving to one checkpoint file replaced each other's saves,
+// and a later --resume continued whichever wrote last; both ended with exit
+// status 0. The second is refused at the start, naming the file, while the
+// first trains on.
+TEST(TrainCliTest, SecondRunOnACheckpointInUseIsRefused) {
+  const std::string dir = testing::MakeTempDir("ckpt_in_use");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  const std::vector<std::string> args = {"--dataset=synthetic", "--model=mlp",     "--batch_size=16",
+                                         "--workers=0",         "--nproc_per_node=1", "--checkpoint=" + ckpt};
+  std::vector<std::string> first = {Runfile("examples/train"), "--epochs=1000"};
+  first.insert(first.end(), args.begin(), args.end());
+  testing::Subprocess running(first);
+  // The first run's progress lines start once rank 0 has claimed the file.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (running.Stdout().find("epoch 1/1000") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the first run did not start:\n"
+                                                         << running.Stdout() << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(50)), -1) << "the first run ended:\n" << running.Stderr();
+  }
+  std::vector<std::string> second = {"--epochs=1", "--train_samples=64", "--test_samples=16"};
+  second.insert(second.end(), args.begin(), args.end());
+  EXPECT_EQ(OneErrorLine(Train(second)),
+            "train: --checkpoint=" + ckpt + " is in use: another run on this host saves to it now; wait "
+            "for that run to end, or pass another --checkpoint (or --checkpoint=none)");
+  EXPECT_EQ(running.Wait(std::chrono::milliseconds(0)), -1) << "the first run ended:\n" << running.Stderr();
+  running.Signal(SIGINT);
+  EXPECT_NE(running.Wait(std::chrono::seconds(60)), -1) << "the first run did not stop on SIGINT";
 }
 
 }  // namespace

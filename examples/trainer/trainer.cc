@@ -1,20 +1,26 @@
 #include "examples/trainer/trainer.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "examples/trainer/device.h"
 #include "examples/trainer/format.h"
@@ -211,6 +217,52 @@ void CheckOutputFolders(const TrainConfig& config) {
   if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);
 }
 
+// While it lives, this process's claim on one checkpoint file for this
+// host: an abstract Unix socket named after the file's absolute path. Two
+// runs saving to one file would replace each other's saves (and a resume
+// would continue whichever wrote last); the kernel drops the claim however
+// the process ends, and it leaves no file behind. Where no socket can be
+// made, nothing is claimed. Throws UsageError when another process holds it.
+class CheckpointClaim {
+ public:
+  CheckpointClaim() = default;
+  explicit CheckpointClaim(const std::string& checkpoint) {
+    std::error_code ec;
+    const std::string target = nn::io::AtomicWriteTarget(checkpoint);
+    const std::filesystem::path absolute = std::filesystem::absolute(target, ec);
+    if (ec) return;
+    const std::string name = "ddp-train-checkpoint:" +
+                             std::to_string(std::hash<std::string>{}(absolute.lexically_normal().string()));
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: abstract
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return;
+    const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&address), length) == 0) {
+      fd_ = fd;
+      return;
+    }
+    const int error = errno;
+    ::close(fd);
+    if (error != EADDRINUSE) return;
+    throw UsageError("--checkpoint=" + checkpoint + " is in use: another run on this host saves to it "
+                     "now; wait for that run to end, or pass another --checkpoint (or --checkpoint=none)");
+  }
+  ~CheckpointClaim() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  CheckpointClaim(const CheckpointClaim&) = delete;
+  CheckpointClaim& operator=(const CheckpointClaim&) = delete;
+  CheckpointClaim& operator=(CheckpointClaim&& other) noexcept {
+    std::swap(fd_, other.fd_);
+    return *this;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
 struct Evaluation {
   double loss = 0;
   double accuracy = 0;
@@ -394,6 +446,8 @@ class Run {
   std::optional<Evaluation> last_eval_;
   int64_t last_eval_step_ = -1;
   double last_epoch_train_loss_ = NAN;
+  // Rank 0: held from the start to the end of the run.
+  CheckpointClaim checkpoint_claim_;
   std::string checkpoint_saved_;
   int64_t checkpoint_saved_step_ = -1;
   int64_t last_checkpoint_step_ = -1;
@@ -659,6 +713,7 @@ void Run::Setup() {
     try {
       CheckCheckpointIsAFile(c_);
       CheckOutputFolders(c_);
+      if (!c_.checkpoint.empty()) checkpoint_claim_ = CheckpointClaim(c_.checkpoint);
       if (!c_.log_dir.empty()) {
         log_ = std::make_unique<MetricsLog>(
             c_.log_dir, c_.model + " on " + c_.dataset,
@@ -1360,6 +1415,9 @@ void CheckSetup(const TrainConfig& config, int world_size) {
   }
   // Folders are made last: a run refused for another reason leaves none.
   CheckOutputFolders(config);
+  // Only a look, for a refusal in one line before any rank starts: rank 0
+  // claims the file for the run.
+  if (!config.checkpoint.empty()) CheckpointClaim look(config.checkpoint);
 }
 
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options) {
