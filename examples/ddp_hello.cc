@@ -174,6 +174,18 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before the launch, which would start every rank to print gflags' help
+  // of every linked library: this program's flags, once.
+  gflags::SetUsageMessage(
+      "the MLP on Fashion-MNIST on --nproc_per_node ranks (default 2) with DistributedDataParallel\n"
+      "Usage: bazel run //examples:ddp_hello -- [--nproc_per_node=N] [--flag=value ...]");
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpshort") {
+      gflags::ShowUsageWithFlagsRestrict(argv[0], "examples/ddp_hello");
+      return 0;
+    }
+  }
   // Before anything touches UCX or starts a thread: become N ranks.
   ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.default_nproc_per_node = 2});
   gflags::ParseCommandLineFlags(&argc, &argv, true);

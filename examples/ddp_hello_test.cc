@@ -23,6 +23,19 @@ using testing::RunOutput;
 using testing::RunToEnd;
 using testing::Runfile;
 
+// --help started both ranks, each printing "SetUsageMessage() never called"
+// and the flags of every linked library.
+TEST(DdpHelloTest, HelpListsItsOwnFlagsOnce) {
+  const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("--nproc_per_node"), std::string::npos) << all;
+  EXPECT_NE(all.find("-checkpoint"), std::string::npos) << all;
+  EXPECT_EQ(all.find("-epochs"), all.rfind("-epochs")) << "listed more than once:\n" << all;
+  EXPECT_EQ(all.find("SetUsageMessage"), std::string::npos) << all;
+  EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
+}
+
 TEST(DdpHelloTest, TrainsEvaluatesAndCheckpoints) {
   const std::string path = testing::MakeTempDir("hello") + "/hello.safetensors";
   const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--checkpoint=" + path});
