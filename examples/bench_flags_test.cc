@@ -27,6 +27,17 @@ std::vector<std::string> Fields(const std::string& line) {
   return fields;
 }
 
+// --help started every rank to print the flags of every linked library
+// (gflags' own among them), and exited 1.
+TEST(AllreduceBenchTest, HelpListsItsOwnFlagsOnce) {
+  const testing::RunOutput r = testing::RunToEnd({testing::Runfile("examples/allreduce_bench"), "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("-algo ("), std::string::npos) << all;
+  EXPECT_EQ(all.find("-algo ("), all.rfind("-algo (")) << "listed more than once:\n" << all;
+  EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
+}
+
 TEST(DdpBenchTest, TwoRanksPrintOneLineOfFigures) {
   const testing::RunOutput r =
       testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=3",
