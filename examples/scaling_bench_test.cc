@@ -25,6 +25,16 @@ namespace {
 // first as its own baseline, 2.00x, and the 1-rank row replaced it). A
 // relative --chart is the user's (under `bazel run`, from
 // $BUILD_WORKING_DIRECTORY), not the runfiles folder's.
+// --help printed the flags of every linked library, gflags' own among them,
+// and exited 1.
+TEST(ScalingBenchTest, HelpListsItsOwnFlags) {
+  const testing::RunOutput r = testing::RunToEnd({testing::Runfile("examples/scaling_bench"), "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("-ranks ("), std::string::npos) << all;
+  EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
+}
+
 TEST(ScalingBenchTest, PrintsOneRowPerRankCountFromTheSmallestAndTheChart) {
   const std::string dir = testing::MakeTempDir("scaling");
   const testing::RunOutput r = testing::RunToEnd(
