@@ -3727,5 +3727,153 @@ TEST(DdpFeaturesTest, StatisticsAndTrace) {
   EXPECT_EQ(run.Output(1).find("[ddp] iterations"), std::string::npos) << "only rank 0 logs";
 }
 
+
+// ---------------------------------------------- unusual parameters ----
+
+// A zero-size parameter that forward uses, and a frozen layer beside a
+// trained one.
+class ZeroSizeAndFrozen : public Module {
+ public:
+  explicit ZeroSizeAndFrozen(uint64_t seed) {
+    nn::Generator gen(seed);
+    trained_ = RegisterModule("trained", std::make_shared<nn::modules::Linear>(784, 10, true, gen));
+    frozen_ = RegisterModule("frozen", std::make_shared<nn::modules::Linear>(784, 10, true, gen));
+    for (auto& [name, p] : frozen_->NamedParameters()) p.set_requires_grad(false);
+    empty_ = RegisterParameter("empty", nn::Zeros({0}), true);
+  }
+  Tensor Forward(const Tensor& x) override {
+    const Tensor flat = nn::ops::Flatten(x, 1);
+    return (*trained_)(flat) + (*frozen_)(flat) * 0.1 + nn::ops::Sum(empty_);
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "ZeroSizeAndFrozen"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> trained_, frozen_;
+  Tensor empty_;
+};
+
+// Three steps of ZeroSizeAndFrozen with `options`, each of two
+// micro-batches per rank (the first under NoSync) when `no_sync`, else of
+// one: they equal three steps on the combined batches.
+void CheckZeroSizeAndFrozen(ProcessGroup& pg, DdpOptions options, bool no_sync) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  const int micro = no_sync ? 2 : 1;
+  auto model = std::make_shared<ZeroSizeAndFrozen>(rank == 0 ? 3 : 40);
+  options.process_group = Borrow(pg);
+  DistributedDataParallel ddp(model, options);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = std::make_shared<ZeroSizeAndFrozen>(3);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  for (int s = 0; s < 3; ++s) {
+    const int64_t base = s * micro * world * kBatch;
+    opt.ZeroGrad();
+    for (int j = 0; j < micro; ++j) {
+      auto [x, y] = testing::Batch(data, base + (rank * micro + j) * kBatch, kBatch);
+      if (j < micro - 1) {
+        auto guard = ddp.NoSync();
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * (1.0 / micro));
+      } else {
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * (1.0 / micro));
+      }
+    }
+    opt.Step();
+    ref_opt.ZeroGrad();
+    auto [x, y] = testing::Batch(data, base, micro * world * kBatch);
+    nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+}
+
+DDP_TEST_WORKER(zero_size_and_frozen) {
+  auto pg = testing::WorkerGroup();
+  for (const bool no_sync : {false, true}) {
+    // 1e-9 MiB: every parameter a bucket of its own, the empty one too.
+    for (const double cap : {25.0, 1e-9}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        DdpOptions options{.bucket_cap_mb = cap, .first_bucket_mb = cap};
+        options.find_unused_parameters = variant == 1;
+        options.gradient_as_bucket_view = variant == 2;
+        options.static_graph = variant == 3;
+        std::fprintf(stderr, "no_sync %d, bucket_cap_mb %g, variant %d\n", no_sync, cap, variant);
+        CheckZeroSizeAndFrozen(*pg, options, no_sync);
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ZeroSizeAndFrozenParametersTrainAsOneProcess) {
+  auto run = RunWorkers("zero_size_and_frozen", 2, {}, 120000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A hook registered before the wrapper that doubles each accumulated
+// gradient runs before DDP's, so the doubled gradient is what is averaged:
+// for gradients copied into buckets, bucket views and gradients reduced in
+// place, with and without a NoSync micro-batch first (whose gradient the
+// second backward's hook doubles again).
+void CheckGradientDoubledBeforeTheWrapper(ProcessGroup& pg, DdpOptions options, bool no_sync) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  auto model = Mlp(rank == 0 ? 3 : 40);
+  for (const auto& [name, p] : model->NamedParameters()) {
+    p.RegisterPostAccumulateGradHook([](const Tensor& q) { q.grad().CopyFrom(nn::ops::MulScalar(q.grad(), 2.0)); });
+  }
+  options.process_group = Borrow(pg);
+  DistributedDataParallel ddp(model, options);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = Mlp(3);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  const int first = no_sync ? 0 : 1;
+  for (int s = 0; s < 3; ++s) {
+    const int64_t base = s * 2 * world * kBatch;
+    opt.ZeroGrad();
+    for (int j = first; j < 2; ++j) {
+      auto [x, y] = testing::Batch(data, base + (rank * 2 + j) * kBatch, kBatch);
+      if (j == 0) {
+        auto guard = ddp.NoSync();
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
+      } else {
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
+      }
+    }
+    opt.Step();
+    ref_opt.ZeroGrad();
+    for (int r = 0; r < world; ++r) {
+      for (int j = first; j < 2; ++j) {
+        auto [x, y] = testing::Batch(data, base + (r * 2 + j) * kBatch, kBatch);
+        const double doubled = j == 0 ? 4.0 : 2.0;
+        nn::Backward(nn::loss::CrossEntropy((*reference)(x), y) * (0.5 * doubled / world));
+      }
+    }
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+}
+
+DDP_TEST_WORKER(gradient_doubled_before_the_wrapper) {
+  auto pg = testing::WorkerGroup();
+  for (const bool no_sync : {false, true}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      DdpOptions options;
+      options.gradient_as_bucket_view = variant == 1;
+      options.inplace_gradient_mb = variant == 2 ? 1e-6 : 0.5;
+      std::fprintf(stderr, "no_sync %d, variant %d\n", no_sync, variant);
+      CheckGradientDoubledBeforeTheWrapper(*pg, options, no_sync);
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AGradientChangedByAHookBeforeTheWrapperIsTheOneAveraged) {
+  auto run = RunWorkers("gradient_doubled_before_the_wrapper", 2, {}, 120000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
