@@ -3875,5 +3875,59 @@ TEST(DdpFeaturesTest, AGradientChangedByAHookBeforeTheWrapperIsTheOneAveraged) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// static_graph whose first iteration starts with a NoSync micro-batch, on
+// a model with a layer no iteration uses (Branchy's `never`): the used set
+// is learned from the synchronizing backward, and four steps equal four on
+// the combined batches, with and without find_unused_parameters and
+// bucket views.
+DDP_TEST_WORKER(static_graph_after_no_sync) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  for (int variant = 0; variant < 4; ++variant) {
+    auto model = std::make_shared<Branchy>(rank == 0 ? 3 : 9, true);
+    DdpOptions options{.process_group = pg};
+    options.static_graph = true;
+    options.find_unused_parameters = variant % 2 == 1;
+    options.gradient_as_bucket_view = variant >= 2;
+    DistributedDataParallel ddp(model, options);
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    auto reference = std::make_shared<Branchy>(3, true);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    try {
+      for (int s = 0; s < 4; ++s) {
+        const int64_t base = s * 2 * world * kBatch;
+        opt.ZeroGrad();
+        for (int j = 0; j < 2; ++j) {
+          auto [x, y] = testing::Batch(data, base + (rank * 2 + j) * kBatch, kBatch);
+          if (j == 0) {
+            auto guard = ddp.NoSync();
+            nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
+          } else {
+            nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
+          }
+        }
+        opt.Step();
+        ref_opt.ZeroGrad();
+        auto [x, y] = testing::Batch(data, base, 2 * world * kBatch);
+        nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
+        ref_opt.Step();
+      }
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, "variant " + std::to_string(variant) + " threw: " + e.what());
+      return testing::WorkerExit();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, "variant " + std::to_string(variant) + ": `" + worst + "` off by " +
+                                    std::to_string(diff));
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, StaticGraphWhoseFirstIterationStartsUnderNoSyncTrainsAsOneProcess) {
+  auto run = RunWorkers("static_graph_after_no_sync", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
