@@ -3929,5 +3929,79 @@ TEST(DdpFeaturesTest, StaticGraphWhoseFirstIterationStartsUnderNoSyncTrainsAsOne
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Linear, BatchNorm1d (buffers broadcast at each training forward), ReLU,
+// Linear.
+class LinearBatchNorm : public Module {
+ public:
+  explicit LinearBatchNorm(uint64_t seed) {
+    nn::Generator gen(seed);
+    first_ = RegisterModule("first", std::make_shared<nn::modules::Linear>(784, 16, true, gen));
+    bn_ = RegisterModule("bn", std::make_shared<nn::modules::BatchNorm1d>(16));
+    last_ = RegisterModule("last", std::make_shared<nn::modules::Linear>(16, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    return (*last_)(nn::ops::Relu((*bn_)((*first_)(nn::ops::Flatten(x, 1)))));
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "LinearBatchNorm"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> first_, last_;
+  std::shared_ptr<nn::modules::BatchNorm1d> bn_;
+};
+
+// Rank r runs 2 + 2r steps of LinearBatchNorm under Join (rank 0, the
+// buffers' first root, runs out first), one bucket per parameter, with
+// `hook`: 0 none, 1 AllReduceHook, 2 a hook on local gradients that
+// divides by the bucket's divisor itself.
+std::shared_ptr<Module> TrainUnderJoin(ProcessGroup& pg, int hook, bool divide_by_initial_world_size) {
+  const auto& data = testing::FashionMnist();
+  const int rank = pg.rank();
+  auto model = std::make_shared<LinearBatchNorm>(3);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 1e-9, .first_bucket_mb = 1e-9, .process_group = Borrow(pg)});
+  if (hook == 1) ddp.RegisterCommHook(hooks::AllReduceHook());
+  if (hook == 2) {
+    ddp.RegisterCommHook(CommHook::OnLocalGradients([](ProcessGroup& group, GradBucket& bucket) {
+      bucket.buffer().CopyFrom(nn::ops::MulScalar(bucket.buffer(), 1.0 / bucket.divisor()));
+      return group.AllReduce(bucket.buffer());
+    }));
+  }
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  Join join(ddp, {.divide_by_initial_world_size = divide_by_initial_world_size});
+  for (int s = 0; s < 2 + 2 * rank; ++s) {
+    opt.ZeroGrad();
+    auto [x, y] = testing::Batch(data, (s * 4 + rank) * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+  }
+  join.Wait();
+  return model;
+}
+
+// Under Join the ranks that ran out shadow the hook's collectives with
+// zero gradients and the divisor the option gives: with either hook the
+// replicas end where they do without one.
+DDP_TEST_WORKER(join_with_hooks) {
+  auto pg = testing::WorkerGroup();
+  for (const bool initial : {true, false}) {
+    auto plain = TrainUnderJoin(*pg, 0, initial);
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*plain)), "replicas differ");
+    for (const int hook : {1, 2}) {
+      auto hooked = TrainUnderJoin(*pg, hook, initial);
+      const auto [diff, worst] = testing::MaxRelativeDifference(*hooked, *plain);
+      WORKER_EXPECT(diff <= 1e-6, "hook " + std::to_string(hook) + ", divide_by_initial_world_size " +
+                                      std::to_string(initial) + ": `" + worst + "` off by " + std::to_string(diff));
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, JoinWithCommunicationHooksAndBufferBroadcasts) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("join_with_hooks", n, {}, 120000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks\n" << testing::AllOutput(run);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::dist
