@@ -480,5 +480,22 @@ TEST(TrainCliTest, SecondRunOnACheckpointInUseIsRefused) {
   EXPECT_NE(running.Wait(std::chrono::seconds(60)), -1) << "the first run did not stop on SIGINT";
 }
 
+// More ranks than usable CPUs start, with a note before they do (999 ranks
+// on 2 cores started without a word). One CPU (taskset) and 2 ranks.
+TEST(TrainCliTest, MoreRanksThanCpusGetANote) {
+  const RunOutput r = RunToEnd({"/usr/bin/taskset", "-c", "0", Runfile("examples/train"), "--nproc_per_node=2",
+                                "--dataset=synthetic", "--model=mlp", "--batch_size=16", "--workers=0",
+                                "--epochs=1", "--train_samples=64", "--test_samples=16", "--checkpoint=none"},
+                               {}, std::chrono::seconds(120));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("train: note: 2 ranks on 1 usable CPUs: ranks share cores"), std::string::npos) << r.err;
+  // One rank, on any host, says nothing of it.
+  const RunOutput fits = Train({"--nproc_per_node=1", "--dataset=synthetic", "--model=mlp", "--batch_size=16",
+                                "--workers=0", "--epochs=1", "--train_samples=64", "--test_samples=16",
+                                "--checkpoint=none"});
+  ASSERT_EQ(fits.exit_code, 0) << fits.err;
+  EXPECT_EQ(fits.err.find("usable CPUs"), std::string::npos) << fits.err;
+}
+
 }  // namespace
 }  // namespace ddp::examples

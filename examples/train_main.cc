@@ -609,6 +609,16 @@ int main(int argc, char** argv) {
     } catch (const std::exception& e) {
       Fail(1, 0, 1, std::string("error: ") + e.what());
     }
+    // More ranks than the CPUs this process may use still start (a check
+    // of many ranks may want that), but each step then waits for ranks
+    // that share a core: said once, before they start.
+    const auto cpus = launch::ParseNprocPerNode("cpu", launch::CurrentEnvironment());
+    if (cpus.ok() && world_size > *cpus) {
+      std::fprintf(stderr,
+                   "train: note: %d ranks on %d usable CPUs: ranks share cores and every step waits for "
+                   "the slowest (--nproc_per_node=cpu starts one per CPU)\n",
+                   world_size, *cpus);
+    }
     // The workers run with the launch variables set, where --max_restarts
     // is refused: it is this launcher's flag, as --nproc_per_node, which
     // SelfLaunch takes out itself. Taken out of the command line, and set
