@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/own_help.h"
 #include "transport/communicator.h"
 #include "transport/launch/self_launch.h"
 #include "transport/shm/shareable.h"
@@ -164,13 +165,7 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage("all-reduce benchmark; --nproc_per_node=N spawns N ranks");
   // Before the launch, which would start every rank to print gflags' help
   // of every linked library and exit 1: this program's flags, once.
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpshort") {
-      gflags::ShowUsageWithFlagsRestrict(argv[0], "examples/allreduce_bench");
-      return 0;
-    }
-  }
+  if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/allreduce_bench")) return 0;
   // Only rank 0 prints, in a fixed format: no "[rank] " prefixes.
   ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.prefix_output = false});
   gflags::ParseCommandLineFlags(&argc, &argv, true);

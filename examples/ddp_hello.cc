@@ -28,6 +28,7 @@
 #include "ddp/checkpoint.h"
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
+#include "examples/own_help.h"
 #include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/data_loader.h"
@@ -179,13 +180,7 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "the MLP on Fashion-MNIST on --nproc_per_node ranks (default 2) with DistributedDataParallel\n"
       "Usage: bazel run //examples:ddp_hello -- [--nproc_per_node=N] [--flag=value ...]");
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpshort") {
-      gflags::ShowUsageWithFlagsRestrict(argv[0], "examples/ddp_hello");
-      return 0;
-    }
-  }
+  if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/ddp_hello")) return 0;
   // Before anything touches UCX or starts a thread: become N ranks.
   ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.default_nproc_per_node = 2});
   gflags::ParseCommandLineFlags(&argc, &argv, true);

@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "examples/own_help.h"
 #include "examples/scaling_median.h"
 #include "examples/trainer/config.h"
 #include "examples/trainer/format.h"
@@ -217,13 +218,7 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage("samples/s, speed-up and scaling efficiency of DDP training on 1, 2, 4 ranks");
   // gflags' --help lists the flags of every linked library and exits 1:
   // this program's flags instead.
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpshort") {
-      gflags::ShowUsageWithFlagsRestrict(argv[0], "examples/scaling_bench");
-      return 0;
-    }
-  }
+  if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/scaling_bench")) return 0;
   std::vector<std::string> original(argv, argv + argc);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
 
