@@ -1,11 +1,51 @@
 #include "nn/data/cifar.h"
 
+#include <cctype>
 #include <utility>
 
 #include "nn/data/decoded_cache.h"
 #include "nn/data/file_bytes.h"
 
 namespace ddp::nn::data {
+namespace {
+
+// Bytes per CIFAR-100 binary record: a coarse and a fine label, then the
+// same 3x32x32 image as CIFAR-10's.
+constexpr int64_t kCifar100RecordBytes = 2 + 3 * 32 * 32;
+
+// What a file that is no CIFAR-10 batch looks like instead, as the end of an
+// error naming it; "" when it looks like nothing known. Asked only of a file
+// that is no whole number of records or whose first byte is no label (both
+// true of '<' and of 0x80), so a real batch is never taken for another kind.
+std::string WhatItLooksLike(std::string_view bytes) {
+  const std::string size = std::to_string(bytes.size()) + " bytes";
+  size_t start = 0;
+  while (start < bytes.size() && start < 256 && std::isspace(static_cast<unsigned char>(bytes[start]))) ++start;
+  std::string head(bytes.substr(start, 16));
+  for (char& c : head) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (bytes[0] == '<' || head.rfind("<!doctype", 0) == 0 || head.rfind("<html", 0) == 0) {
+    // A download that got the server's error or login page saved under the
+    // batch's name.
+    return "looks like an HTML page (" + size +
+           "), not a CIFAR-10 batch: most likely a failed download; download CIFAR-10's binary version "
+           "(cifar-10-binary.tar.gz) again and unpack it";
+  }
+  if (static_cast<uint8_t>(bytes[0]) == 0x80) {
+    // Pickle protocol 2 and later start with the PROTO opcode, 0x80.
+    return "looks like CIFAR-10's Python version (a pickle, " + size +
+           "); this loader reads the binary version (cifar-10-binary.tar.gz, which unpacks to "
+           "cifar-10-batches-bin/ with data_batch_1.bin .. data_batch_5.bin and test_batch.bin)";
+  }
+  if (bytes.size() % kCifar100RecordBytes == 0) {
+    return "looks like CIFAR-100's binary version (" + size + " is a whole number of " +
+           std::to_string(kCifar100RecordBytes) +
+           "-byte records: a coarse and a fine label byte, then the image), which this loader does not "
+           "read; it reads CIFAR-10's " + std::to_string(kCifarRecordBytes) + "-byte records";
+  }
+  return "";
+}
+
+}  // namespace
 
 void ParseCifar10Batch(std::string_view bytes, const std::string& source,
                        std::vector<uint8_t>* pixels, std::vector<uint8_t>* labels) {
@@ -14,6 +54,10 @@ void ParseCifar10Batch(std::string_view bytes, const std::string& source,
                        std::to_string(kCifarRecordBytes) + " bytes");
   }
   const uint64_t rem = bytes.size() % kCifarRecordBytes;
+  if (const std::string looks = rem != 0 || static_cast<uint8_t>(bytes[0]) >= 10 ? WhatItLooksLike(bytes) : "";
+      !looks.empty()) {
+    throw DatasetError(source + ": " + looks);
+  }
   if (rem != 0) {
     throw DatasetError(source + ": truncated CIFAR-10 batch: " + std::to_string(bytes.size()) +
                        " bytes is not a whole number of " + std::to_string(kCifarRecordBytes) +

@@ -109,6 +109,51 @@ TEST(Cifar10Errors, TruncatedRecord) {
                     HasSubstr("last record has 2973 bytes")));
 }
 
+// Files of another kind under a batch's name are named as that kind, with
+// what to get instead (each was called a truncated CIFAR-10 batch).
+TEST(Cifar10Errors, Cifar100BatchIsNamedAsCifar100) {
+  const std::string dir = FreshDir("cifar_100");
+  WriteCifarDir(dir);
+  std::string records;
+  for (int i = 0; i < 3; ++i) {
+    records.push_back(static_cast<char>(i));       // coarse label
+    records.push_back(static_cast<char>(40 + i));  // fine label
+    records.append(3072, static_cast<char>(i));
+  }
+  WriteFile(dir + "/test_batch.bin", records);
+  const std::string error = ErrorOf([&] { LoadCifar10(dir, Split::kTest); });
+  EXPECT_THAT(error, AllOf(HasSubstr(dir + "/test_batch.bin: looks like CIFAR-100"),
+                           HasSubstr("9222 bytes is a whole number of 3074-byte records"),
+                           HasSubstr("does not read")));
+  EXPECT_THAT(error, ::testing::Not(HasSubstr("truncated")));
+}
+
+TEST(Cifar10Errors, HtmlPageIsNamedAsAFailedDownload) {
+  const std::string dir = FreshDir("cifar_html");
+  WriteCifarDir(dir);
+  const std::string page = "<!DOCTYPE html>\n<html><body>404 Not Found</body></html>\n";
+  WriteFile(dir + "/data_batch_2.bin", page);
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
+              AllOf(HasSubstr(dir + "/data_batch_2.bin: looks like an HTML page (" +
+                              std::to_string(page.size()) + " bytes)"),
+                    HasSubstr("failed download"), HasSubstr("cifar-10-binary.tar.gz")));
+  // Leading white space, in any case.
+  std::vector<uint8_t> px, lb;
+  EXPECT_THAT(ErrorOf([&] { ParseCifar10Batch("\r\n  <HTML><head></head></HTML>", "b.bin", &px, &lb); }),
+              HasSubstr("b.bin: looks like an HTML page (30 bytes)"));
+}
+
+TEST(Cifar10Errors, PythonVersionIsNamedAsSuch) {
+  const std::string dir = FreshDir("cifar_pickle");
+  WriteCifarDir(dir);
+  // The start of a protocol-2 pickle of a dict, as cifar-10-batches-py holds.
+  const std::string pickle = std::string("\x80\x02}q\x00(U\x0b" "batch_labelq\x01U", 22) + std::string(5000, 'x');
+  WriteFile(dir + "/data_batch_1.bin", pickle);
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
+              AllOf(HasSubstr(dir + "/data_batch_1.bin: looks like CIFAR-10's Python version (a pickle, 5022 bytes)"),
+                    HasSubstr("binary version")));
+}
+
 TEST(Cifar10Errors, EmptyFile) {
   const std::string dir = FreshDir("cifar_empty");
   WriteCifarDir(dir);
