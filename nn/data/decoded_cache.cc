@@ -61,6 +61,7 @@ struct SourceStat {
 // written fails the same way for every set and rank, and one line says it.
 std::atomic<bool> write_failure_reported{false};
 std::atomic<bool> limit_below_use_reported{false};
+std::atomic<bool> lock_failure_reported{false};
 
 // The entries this process wrote or loaded (full paths): eviction leaves
 // them. Evicting one (a run whose training and test sets together exceed
@@ -231,6 +232,18 @@ bool WriteEntry(const std::string& dir, const std::string& path, const std::vect
   return true;
 }
 
+// A lock file that could be made but not locked (NFS mounted without locks
+// answers flock with ENOLCK): no entry is written without the lock, so every
+// load decodes; the run says once where and why.
+void ReportLockFailure(const std::string& lock_path, int err) {
+  if (lock_failure_reported.exchange(true)) return;
+  std::fprintf(stderr,
+               "[ddp] warning: decoded dataset cache: cannot lock %s: %s; the cache is not used and datasets "
+               "are decoded in memory on every load (DDP_DATA_CACHE=<folder> on a local disk moves the cache, "
+               "DDP_DATA_CACHE=off turns it off)\n",
+               lock_path.c_str(), std::strerror(err));
+}
+
 // Marks the entry at `path` used now: eviction goes by modification time,
 // oldest first. Best effort (a read-only cache keeps its times).
 void MarkUsed(const std::string& path) { ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0); }
@@ -294,8 +307,9 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
 // An exclusive flock on `<entry>.lock`, so that the processes of a host
 // loading one set into a cold cache decode and write it once: the others wait
 // for the entry and map it. Not held when the file cannot be made (an
-// unwritable folder) or another process holds it past `wait` (a stuck
-// writer: the caller then decodes alone). The holder removes the file before
+// unwritable folder), cannot be locked (a filesystem without locks), or
+// another process holds it past `wait` (a stuck writer: the caller then
+// decodes alone). The holder removes the file before
 // unlocking it, so none is left; a waiter whose lock is on a removed file
 // (it opened the file before the removal) locks the path again.
 class EntryLock {
@@ -309,7 +323,12 @@ class EntryLock {
         return;
       }
       while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-        if ((errno != EWOULDBLOCK && errno != EINTR) || std::chrono::steady_clock::now() >= deadline) {
+        if (errno != EWOULDBLOCK && errno != EINTR) {
+          lock_errno_ = errno;
+          Drop();
+          return;
+        }
+        if (std::chrono::steady_clock::now() >= deadline) {
           Drop();
           return;
         }
@@ -334,6 +353,8 @@ class EntryLock {
   bool held() const { return fd_ >= 0; }
   /// The errno of a lock file that could not be made (0: it could).
   int open_errno() const { return open_errno_; }
+  /// The errno of a lock file that was made but could not be locked (0: none).
+  int lock_errno() const { return lock_errno_; }
 
  private:
   void Drop() {
@@ -343,6 +364,7 @@ class EntryLock {
   std::string path_;
   int fd_ = -1;
   int open_errno_ = 0;
+  int lock_errno_ = 0;
 };
 
 }  // namespace
@@ -389,6 +411,7 @@ uint64_t DecodedCacheMaxBytes() {
 void ResetDecodedCacheWarningsForTesting() {
   write_failure_reported = false;
   limit_below_use_reported = false;
+  lock_failure_reported = false;
 }
 
 void ForgetDecodedEntriesInUseForTesting() {
@@ -431,6 +454,9 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     // failure: that one writes the entry.)
     ReportWriteFailure(path, mkdir_error ? "cannot make the folder " + dir + ": " + mkdir_error.message()
                                          : std::string(std::strerror(lock->open_errno())));
+  }
+  if (lock != nullptr && lock->lock_errno() != 0 && bytes.size() >= min_bytes) {
+    ReportLockFailure(path + ".lock", lock->lock_errno());
   }
   // Only the lock's holder writes: one whole entry per host, not one per rank.
   if (lock != nullptr && lock->held() && bytes.size() >= min_bytes) {

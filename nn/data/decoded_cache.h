@@ -15,7 +15,9 @@
 // a temporary file and renamed into place, so a reader sees a whole entry or
 // none. The cache is best effort: where it cannot be read or written, loads
 // decode as before (the first entry that cannot be written says so on
-// stderr, once per process, with the path and the cause).
+// stderr, once per process, with the path and the cause; so does the first
+// lock file that cannot be locked, as on NFS mounted without locks, since
+// no entry is written without its lock).
 //
 // Size: after writing an entry, the least recently used others (by
 // modification time, which a load from an entry sets to now) are removed

@@ -5,19 +5,29 @@
 #include "nn/data/decoded_cache.h"
 
 #include <fcntl.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sched.h>
+#include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -545,6 +555,64 @@ TEST(DecodedCache, AFailedWriteWarnsOnceNamingThePathAndTheCause) {
     EXPECT_EQ(decode.calls, 3);
     EXPECT_EQ(Count(warned, "cannot write " + entries[0].string() + ": "), 1u) << warned;
   }
+}
+
+// A lock file that can be made but not locked (flock answers ENOLCK on NFS
+// mounted without locks) leaves every load decoding, since no entry is
+// written without the lock: said once, with the lock file and the cause (it
+// was silent). A child process stands for that filesystem: a seccomp filter
+// makes the kernel answer its flock calls with ENOLCK.
+TEST(DecodedCache, ALockFileThatCannotBeLockedWarnsOnceNamingItAndTheCause) {
+  const std::string dir = FreshDir("decoded_nolock");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  const std::string stderr_file = dir + "/child_stderr";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+#if defined(__x86_64__)
+    constexpr uint32_t kArch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+    constexpr uint32_t kArch = AUDIT_ARCH_AARCH64;
+#else
+#error "the seccomp filter below names no audit architecture for this CPU"
+#endif
+    sock_filter filter[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kArch, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_flock, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (ENOLCK & SECCOMP_RET_DATA)),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    const sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+      ::_exit(2);
+    }
+    const int probe = ::open(src.c_str(), O_RDONLY | O_CLOEXEC);
+    if (probe < 0 || ::flock(probe, LOCK_EX | LOCK_NB) == 0 || errno != ENOLCK) ::_exit(3);
+    ::close(probe);
+    ResetDecodedCacheWarningsForTesting();
+    ::testing::internal::CaptureStderr();
+    CountingDecode decode{src};
+    const bool right = Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) &&
+                       Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) && decode.calls == 2;
+    WriteFile(stderr_file, ::testing::internal::GetCapturedStderr());
+    ::_exit(right ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
+  ASSERT_NE(WEXITSTATUS(status), 2) << "the seccomp filter could not be installed";
+  ASSERT_NE(WEXITSTATUS(status), 3) << "the seccomp filter did not make flock fail with ENOLCK";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the loads gave wrong bytes or did not decode twice";
+  std::ifstream in(stderr_file);
+  const std::string warned((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(Count(warned, "warning: decoded dataset cache: cannot lock " + cache_dir + "/images-"), 1u) << warned;
+  EXPECT_NE(warned.find(".decoded.lock: " + std::string(std::strerror(ENOLCK))), std::string::npos) << warned;
 }
 
 // Past DDP_DATA_CACHE_MAX_BYTES, writing an entry removes the least recently
