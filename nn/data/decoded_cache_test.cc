@@ -97,6 +97,21 @@ std::vector<uint8_t> Want(size_t n) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
 
+// Writes a source of 10x8 bytes at `dir`/images and loads it once, through
+// `decode` (which reads that file), into the cache folder `dir`/cache that
+// the caller has set: the entry's path, the folder's only file (empty, with a
+// failure added, when the folder holds another number of files).
+std::filesystem::path LoadIntoOneEntry(const std::string& dir, CountingDecode& decode) {
+  WriteFile(decode.path, IdxBytes({10, 8}, Pixels(80)));
+  LoadDecoded(decode.path, std::ref(decode), 0);
+  const auto entries = Entries(dir + "/cache");
+  if (entries.size() != 1) {
+    ADD_FAILURE() << dir << "/cache holds " << entries.size() << " files, not one entry";
+    return {};
+  }
+  return entries[0];
+}
+
 TEST(DecodedCache, SecondLoadMapsTheEntryTheFirstWrote) {
   const std::string dir = FreshDir("decoded_hit");
   const CacheDir cache(dir + "/cache");
@@ -117,14 +132,12 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
   const std::string dir = FreshDir("decoded_corrupt");
   const CacheDir cache(dir + "/cache");
   const std::string src = dir + "/images";
-  WriteFile(src, IdxBytes({10, 8}, Pixels(80)));
   CountingDecode decode{src};
-  LoadDecoded(src, std::ref(decode), 0);
-  const auto entries = Entries(dir + "/cache");
-  ASSERT_EQ(entries.size(), 1u);
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, decode);
+  ASSERT_FALSE(entry.empty());
   // Flip one data byte (the last): the CRC no longer matches.
   {
-    std::fstream f(entries[0], std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(entry, std::ios::in | std::ios::out | std::ios::binary);
     f.seekg(-1, std::ios::end);
     char c = 0;
     f.read(&c, 1);
@@ -138,7 +151,7 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
   LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2) << "the rewritten entry was not used";
   // A truncated entry likewise.
-  std::filesystem::resize_file(entries[0], 40);
+  std::filesystem::resize_file(entry, 40);
   EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(80));
   EXPECT_EQ(decode.calls, 3);
 }
@@ -150,13 +163,11 @@ TEST(DecodedCache, AFifoAtTheEntryIsDecodedWithoutWaitingForAWriter) {
   const std::string dir = FreshDir("decoded_fifo");
   const CacheDir cache(dir + "/cache");
   const std::string src = dir + "/images";
-  WriteFile(src, IdxBytes({10, 8}, Pixels(80)));
   CountingDecode decode{src};
-  LoadDecoded(src, std::ref(decode), 0);
-  const auto entries = Entries(dir + "/cache");
-  ASSERT_EQ(entries.size(), 1u);
-  std::filesystem::remove(entries[0]);
-  ASSERT_EQ(::mkfifo(entries[0].c_str(), 0644), 0) << entries[0];
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, decode);
+  ASSERT_FALSE(entry.empty());
+  std::filesystem::remove(entry);
+  ASSERT_EQ(::mkfifo(entry.c_str(), 0644), 0) << entry;
   auto load = std::async(std::launch::async, [&] { return Bytes(LoadDecoded(src, std::ref(decode), 0)); });
   const bool returned = load.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
   // Lets a load stuck in the FIFO's opens (it tries the entry twice) go on,
@@ -164,14 +175,14 @@ TEST(DecodedCache, AFifoAtTheEntryIsDecodedWithoutWaitingForAWriter) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (load.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready &&
          std::chrono::steady_clock::now() < deadline) {
-    const int fd = ::open(entries[0].c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    const int fd = ::open(entry.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd >= 0) ::close(fd);
   }
-  ASSERT_EQ(load.wait_for(std::chrono::seconds(0)), std::future_status::ready) << "stuck in " << entries[0];
-  EXPECT_TRUE(returned) << "the load waited on the FIFO at " << entries[0];
+  ASSERT_EQ(load.wait_for(std::chrono::seconds(0)), std::future_status::ready) << "stuck in " << entry;
+  EXPECT_TRUE(returned) << "the load waited on the FIFO at " << entry;
   EXPECT_EQ(load.get(), Want(80));
   EXPECT_EQ(decode.calls, 2);
-  EXPECT_TRUE(std::filesystem::is_regular_file(entries[0])) << "no entry written in the FIFO's place";
+  EXPECT_TRUE(std::filesystem::is_regular_file(entry)) << "no entry written in the FIFO's place";
 }
 
 TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
