@@ -146,49 +146,68 @@ bool StatSources(const std::vector<std::string>& sources, std::vector<SourceStat
   return !out->empty() && out->size() <= kMaxSources;
 }
 
+// Reads `n` bytes at `offset` of `fd`; false when the file has fewer.
+bool ReadAt(int fd, void* dst, size_t n, off_t offset) {
+  for (size_t got = 0; got < n;) {
+    const ssize_t r = ::pread(fd, static_cast<char*>(dst) + got, n - got, offset + static_cast<off_t>(got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
 // The entry at `path` when it is whole and describes `sources`; else an
-// empty array.
+// empty array. The header, source stats and dimensions are read and checked
+// before the file is mapped: the mapping reads it whole (MAP_POPULATE), which
+// a file of another kind at the entry's name, or an entry of sources that
+// changed since, would cost for nothing.
 SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sources) {
   // O_NONBLOCK: a FIFO at the entry's name would otherwise hold the open
   // until some process writes to it; here it is refused as not a regular
-  // file. The flag changes nothing for the mapping of one.
+  // file. The flag changes nothing for the reads and the mapping of one.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return {};
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat st;
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) < sizeof(Header)) {
-    ::close(fd);
     return {};
   }
   const size_t bytes = static_cast<size_t>(st.st_size);
-  void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
-  ::close(fd);
-  if (base == MAP_FAILED) return {};
-  std::shared_ptr<const void> owner(base, [bytes](const void* p) { ::munmap(const_cast<void*>(p), bytes); });
-  const char* at = static_cast<const char*>(base);
   Header h;
-  std::memcpy(&h, at, sizeof(h));
-  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.ndims == 0 || h.ndims > kMaxDims ||
-      h.nsources != sources.size()) {
+  if (!ReadAt(fd, &h, sizeof(h), 0) || std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.ndims == 0 ||
+      h.ndims > kMaxDims || h.nsources != sources.size()) {
     return {};
   }
   const size_t header_bytes = sizeof(Header) + sizeof(SourceStat) * h.nsources + 8 * h.ndims;
   if (bytes < header_bytes || bytes - header_bytes != h.data_bytes) return {};
+  std::vector<char> head(header_bytes);
+  if (!ReadAt(fd, head.data(), header_bytes, 0)) return {};
   for (uint32_t i = 0; i < h.nsources; ++i) {
     SourceStat recorded;
-    std::memcpy(&recorded, at + sizeof(Header) + sizeof(SourceStat) * i, sizeof(recorded));
+    std::memcpy(&recorded, head.data() + sizeof(Header) + sizeof(SourceStat) * i, sizeof(recorded));
     if (!(recorded == sources[i])) return {};
   }
   SharedArray out;
   uint64_t count = 1;
   for (uint32_t d = 0; d < h.ndims; ++d) {
     uint64_t dim;
-    std::memcpy(&dim, at + sizeof(Header) + sizeof(SourceStat) * h.nsources + 8 * d, sizeof(dim));
+    std::memcpy(&dim, head.data() + sizeof(Header) + sizeof(SourceStat) * h.nsources + 8 * d, sizeof(dim));
     if (dim > static_cast<uint64_t>(INT64_MAX) || (dim != 0 && count > UINT64_MAX / dim)) return {};
     count *= dim;
     out.dims.push_back(static_cast<int64_t>(dim));
   }
   if (count != h.data_bytes) return {};
-  out.data = reinterpret_cast<const uint8_t*>(at) + header_bytes;
+  void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (base == MAP_FAILED) return {};
+  std::shared_ptr<const void> owner(base, [bytes](const void* p) { ::munmap(const_cast<void*>(p), bytes); });
+  // The mapping's header is the one checked (the file is the same, and
+  // entries are replaced, never rewritten; this costs nothing to make sure).
+  if (std::memcmp(base, head.data(), header_bytes) != 0) return {};
+  out.data = static_cast<const uint8_t*>(base) + header_bytes;
   out.size = h.data_bytes;
   if (Crc(out.data, out.size) != h.crc) return {};
   out.owner = std::move(owner);

@@ -9,6 +9,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -20,6 +21,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <chrono>
 #include <cstddef>
 #include <cstdlib>
@@ -183,6 +185,49 @@ TEST(DecodedCache, AFifoAtTheEntryIsDecodedWithoutWaitingForAWriter) {
   EXPECT_EQ(load.get(), Want(80));
   EXPECT_EQ(decode.calls, 2);
   EXPECT_TRUE(std::filesystem::is_regular_file(entry)) << "no entry written in the FIFO's place";
+}
+
+// The pages of the open file `fd` of `bytes` bytes that are in memory.
+size_t ResidentPages(int fd, size_t bytes) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return SIZE_MAX;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((bytes + page - 1) / page);
+  const bool ok = ::mincore(p, bytes, in.data()) == 0;
+  ::munmap(p, bytes);
+  if (!ok) return SIZE_MAX;
+  return static_cast<size_t>(std::count_if(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; }));
+}
+
+// A large file of another kind at the entry's name is refused on its first
+// bytes and replaced by an entry, without reading it (the file was mapped
+// and read whole, 64 MiB here, before its header was looked at). The file
+// is sparse, so only what the load reads of it comes into memory.
+TEST(DecodedCache, ALargeForeignFileAtTheEntryIsRefusedWithoutReadingIt) {
+  const std::string dir = FreshDir("decoded_foreign");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  CountingDecode decode{src};
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, decode);
+  ASSERT_FALSE(entry.empty());
+  constexpr size_t kForeignBytes = size_t{64} << 20;
+  WriteFile(entry, "<!DOCTYPE html> not a decoded cache entry");
+  std::filesystem::resize_file(entry, kForeignBytes);
+  const int foreign = ::open(entry.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(foreign, 0) << entry;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t before = ResidentPages(foreign, kForeignBytes);
+  ASSERT_LE(before, 2u) << "the sparse file's holes are in memory before the load";
+  EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(80));
+  EXPECT_EQ(decode.calls, 2);
+  EXPECT_LT(std::filesystem::file_size(entry), size_t{4096}) << "no entry in the foreign file's place";
+  // A header read may bring its readahead window (128 KiB by default) in.
+  const size_t after = ResidentPages(foreign, kForeignBytes);
+  EXPECT_LE(after * page, size_t{4} << 20) << "the load read " << after << " of the foreign file's "
+                                          << kForeignBytes / page << " pages";
+  ::close(foreign);
+  LoadDecoded(src, std::ref(decode), 0);
+  EXPECT_EQ(decode.calls, 2) << "the entry written in the foreign file's place was not used";
 }
 
 TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
