@@ -191,22 +191,29 @@ size_t GzipReader::Read(void* dst, size_t n) {
         break;
       }
       // What follows a member's end is another member (gzip files may be
-      // concatenations), or zeros padding the file to a block size, which
-      // gzip(1) and Python's gzip ignore. Anything else is not gzip data:
-      // said so plainly, rather than as a corrupt member header.
+      // concatenations), zeros padding the file to a block size, or zeros
+      // and then another member (padded members concatenated): Python's
+      // gzip (so torchvision) skips zeros between members and reads on.
+      // Anything else is not gzip data: said so plainly, rather than as a
+      // corrupt member header.
       const uint64_t end_at = earlier_members_in_ + zs.total_in;
       const uint8_t* rest = zs.next_in;
-      if (std::all_of(rest, rest + zs.avail_in, [](uint8_t b) { return b == 0; })) {
+      const uint8_t* next = std::find_if(rest, rest + zs.avail_in, [](uint8_t b) { return b != 0; });
+      if (next == rest + zs.avail_in) {
         ended_ = true;
         break;
       }
-      if (zs.avail_in < 2 || rest[0] != 0x1f || rest[1] != 0x8b) {
+      const size_t after = static_cast<size_t>(rest + zs.avail_in - next);
+      if (after < 2 || next[0] != 0x1f || next[1] != 0x8b) {
         throw DatasetError(source_ + ": " + std::to_string(zs.avail_in) +
                            " bytes after the gzip data, which ends at compressed byte " + std::to_string(end_at) +
                            ", are neither another gzip member nor zero padding");
       }
-      // The reset starts total_in again at 0.
-      earlier_members_in_ = end_at;
+      zs.next_in = const_cast<Bytef*>(next);
+      zs.avail_in = static_cast<uInt>(after);
+      // The reset starts total_in again at 0; the zeros skipped count as
+      // compressed bytes before the next member.
+      earlier_members_in_ = end_at + static_cast<uint64_t>(next - rest);
       if (inflateReset(&zs) != Z_OK) throw DatasetError(source_ + ": zlib inflateReset failed");
       continue;
     }

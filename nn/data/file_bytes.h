@@ -52,8 +52,8 @@ class FileContents {
 /// True if `bytes` starts with the gzip magic (1f 8b).
 bool IsGzip(std::string_view bytes);
 
-/// Decompresses one or more concatenated gzip members (zeros after the last
-/// are padding, ignored as gzip(1) does) as they are read, so
+/// Decompresses one or more concatenated gzip members (zeros after a member
+/// are padding, skipped as Python's gzip does) as they are read, so
 /// that a reader can put the output straight where it belongs. `source`
 /// names the data in errors: corrupt or truncated data, and more than
 /// `max_bytes` of output. `bytes` must outlive the reader.

@@ -153,6 +153,24 @@ TEST(Idx, ZeroPaddingAfterTheGzipDataIsIgnored) {
                     HasSubstr("neither another gzip member nor zero padding")));
 }
 
+// Zeros between members (members padded to a block size, then
+// concatenated) are skipped and the next member read, as Python's gzip does
+// (the reader refused them); positions in later errors count the zeros.
+TEST(Idx, ZeroPaddingBetweenGzipMembersIsSkipped) {
+  TinySet t;
+  const std::string dir = FreshDir("idx_gz_inner_padding");
+  const std::string first = Gzip(t.images.substr(0, 7)) + std::string(100, '\0');
+  const std::string second = Gzip(t.images.substr(7));
+  WriteFile(dir + "/a.gz", first + second + std::string(20, '\0'));
+  IdxArray a = ReadIdxFile(dir + "/a.gz", 3);
+  EXPECT_EQ(a.dims, (std::vector<int64_t>{3, 2, 2}));
+  EXPECT_EQ(std::string(a.data.begin(), a.data.end()), t.images.substr(16));
+  WriteFile(dir + "/b.gz", first + second.substr(0, second.size() - 6));
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/b.gz"); }),
+              HasSubstr(dir + "/b.gz: gzip data is truncated after " +
+                        std::to_string(first.size() + second.size() - 6) + " compressed bytes"));
+}
+
 TEST(Idx, FourDimensionalImagesKeepChannels) {
   const std::string dir = FreshDir("idx_4d");
   WriteFile(dir + "/im", IdxBytes({2, 3, 1, 1}, "abcdef"));
