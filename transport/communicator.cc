@@ -204,65 +204,6 @@ std::shared_ptr<ServedStore> ServedStoreFor(const std::string& endpoint, const s
   return *started;
 }
 
-// The store as the peer monitor reads it once the communicator is formed:
-// when the connection to a store that answered until then breaks, the
-// error says what this rank knows of the rank serving it (`serving`, asked
-// at that moment), since the abort reason that rank may have posted went
-// with the store. Everything else passes through unchanged.
-class ServerNamingStore final : public store::Store {
- public:
-  ServerNamingStore(store::Store& inner, std::function<std::string()> serving)
-      : inner_(inner), serving_(std::move(serving)) {}
-
-  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
-    return Named(inner_.Set(key, value, deadline));
-  }
-  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override {
-    return Named(inner_.Get(key, deadline));
-  }
-  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
-    return Named(inner_.TryGet(key, deadline));
-  }
-  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
-    return Named(inner_.Add(key, delta, deadline));
-  }
-  Status Wait(std::span<const std::string> keys, Deadline deadline) override {
-    return Named(inner_.Wait(keys, deadline));
-  }
-  StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline) override {
-    return Named(inner_.MultiGet(keys, deadline));
-  }
-  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
-    return Named(inner_.Delete(key, deadline));
-  }
-  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
-                                                  std::string_view desired, Deadline deadline) override {
-    return Named(inner_.CompareSet(key, expected, desired, deadline));
-  }
-
- private:
-  // A connection the server ended (TcpStoreClient's words), not one this
-  // process closed or a call that ran out of time.
-  static bool ServerEndedIt(const Status& s) {
-    return s.code() == StatusCode::kUnavailable && s.message().rfind("lost the connection", 0) == 0;
-  }
-  Status Named(Status s) const {
-    if (!ServerEndedIt(s)) return s;
-    const std::string serving = serving_();
-    // Ahead of the client's words, which end in the call's own (its key):
-    // the same loss seen by two calls still reads as one (LocalCause).
-    return serving.empty() ? s : Status(s.code(), serving + "; " + s.message());
-  }
-  template <typename T>
-  StatusOr<T> Named(StatusOr<T> s) const {
-    if (s.ok()) return s;
-    return Named(s.status());
-  }
-
-  store::Store& inner_;
-  std::function<std::string()> serving_;
-};
-
 }  // namespace
 
 namespace internal {
@@ -800,8 +741,6 @@ class Communicator::Impl {
   // client, then the server.
   std::shared_ptr<ServedStore> server_;
   std::unique_ptr<store::TcpStoreClient> store_;
-  // store_ as the monitor reads it (ServerNamingStore); destroyed after it.
-  std::unique_ptr<store::Store> monitor_store_;
   std::unique_ptr<internal::WatchfulStore> setup_store_;  // store_ as Init waits on it
   // The name of this communicator's store keys: its options' name, and for
   // the second and later communicators of that name made by this process
@@ -1158,10 +1097,10 @@ Status Communicator::Impl::Init() {
   ring_view_ = std::make_unique<p2p::GroupView>(std::move(view));
 
   // 4. Fault detection inside waits.
-  monitor_store_ = std::make_unique<ServerNamingStore>(*store_, [this, local_pids] {
-    // What this rank can tell of another member that serves the store
-    // (Shutdown: it serves until the ranks have left, after an abort for
-    // at most kAbortedStoreTimeForLatePeers).
+  // What this rank can tell of another member that serves the store, for
+  // when the connection to it breaks (Shutdown: it serves until the ranks
+  // have left, after an abort for at most kAbortedStoreTimeForLatePeers).
+  auto describe_server = [this, local_pids] {
     if (store_rank_ < 0 || store_rank_ >= static_cast<int>(local_pids.size()) || store_rank_ == options_.rank) {
       return std::string();
     }
@@ -1181,12 +1120,12 @@ Status Communicator::Impl::Init() {
     }
     return who + ", which serves the store (pid " + std::to_string(pid) +
            " on this host), is still running: it left this communicator, most likely after aborting it" + stops;
-  });
+  };
   monitor_ = std::make_unique<fault::PeerMonitor>(
       fault::PeerMonitorOptions{.rank = o.rank, .local_pids = local_pids, .key_prefix = prefix_,
-                                .store_rank = store_rank_,
+                                .store_rank = store_rank_, .describe_server = std::move(describe_server),
                                 .store_call_cap = o.store_call_cap},
-      monitor_store_.get());
+      store_.get());
   watchdog_ = [this](Deadline deadline, int awaited_peer) {
     // Called inside waits, by the thread holding run_mu_.
     CancelDeferred();
@@ -1505,7 +1444,6 @@ void Communicator::Impl::Shutdown() {
   }
   p2p_.reset();
   monitor_.reset();
-  monitor_store_.reset();
   store_.reset();
   server_.reset();
 }

@@ -18,6 +18,13 @@ int PidfdOpen(int pid) {
   return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
 }
 
+// A connection the server ended (TcpStoreClient's words), not one this
+// process closed, one left unusable by a request that timed out half-sent,
+// or a call that ran out of time.
+bool ServerEndedConnection(const Status& s) {
+  return s.code() == StatusCode::kUnavailable && s.message().starts_with("lost the connection");
+}
+
 }  // namespace
 
 Deadline PeerMonitor::StoreDeadline(Deadline deadline) const {
@@ -147,8 +154,13 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
         : options_.store_rank == -2
             ? std::string("rank 0 of the communicator this one was split from (not a member here)")
             : std::string("the launcher");
+    Status lost = posted.status();
+    const std::string serving =
+        ServerEndedConnection(lost) && options_.describe_server ? options_.describe_server() : "";
+    // Ahead of the client's words, which end with the call that met the loss.
+    if (!serving.empty()) lost = Status(lost.code(), serving + "; " + lost.message());
     return PeerLostError("the rendezvous store cannot be reached (" + server +
-                         " serves it, and has died or stopped serving it): " + posted.status().ToString());
+                         " serves it, and has died or stopped serving it): " + lost.ToString());
   }
   if (posted->has_value()) return DecodeAbort(**posted);
   return Status::Ok();

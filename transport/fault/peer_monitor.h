@@ -36,6 +36,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -61,6 +62,12 @@ struct PeerMonitorOptions {
   /// outside this group, rank 0 of the group it was split from), for
   /// messages.
   int store_rank = 0;
+  /// What this rank knows of the rank serving the store ("rank 0, which
+  /// serves the store (pid 41 on this host), has exited"), asked when the
+  /// server ended the connection to it: the abort reason that rank may have
+  /// posted went with the store, so this is all there is to say. It goes
+  /// ahead of the store's own words. Unset, or an empty answer: nothing.
+  std::function<std::string()> describe_server;
   /// Longest a single store access may take before the store counts as
   /// unreachable (when the caller's deadline is further away).
   std::chrono::milliseconds store_call_cap = kStoreCallCap;

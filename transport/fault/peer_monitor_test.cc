@@ -406,9 +406,11 @@ TEST(PeerMonitor, GarbledAbortValueIsStillAnError) {
   EXPECT_EQ(round.message(), "rank 5 aborted the job: t");
 }
 
-// A store that cannot be reached, as when the rank serving it died.
+// A store that cannot be reached, as when the rank serving it died; every
+// call fails with UNAVAILABLE and `why`.
 class DeadStore final : public store::Store {
  public:
+  explicit DeadStore(std::string why = "connection reset") : why_(std::move(why)) {}
   Status Set(std::string_view, std::string_view, Deadline) override { return Down(); }
   StatusOr<std::string> Get(std::string_view, Deadline) override { return Down(); }
   StatusOr<std::optional<std::string>> TryGet(std::string_view, Deadline) override { return Down(); }
@@ -421,7 +423,8 @@ class DeadStore final : public store::Store {
   }
 
  private:
-  static Status Down() { return UnavailableError("connection reset"); }
+  Status Down() const { return UnavailableError(why_); }
+  std::string why_;
 };
 
 // A store whose host was cut off: requests go out, no reply ever comes, so
@@ -541,6 +544,35 @@ TEST(PeerMonitor, UnreachableStoreIsPeerLostOfItsServer) {
   Status s = monitor.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("rank 0 serves it"), std::string::npos) << s;
+}
+
+// When the server ended the connection (the TCP client's words), what the
+// caller knows of the rank serving the store goes ahead of the store's
+// words; other failures (here a bare reset) are told as they are, without
+// asking.
+TEST(PeerMonitor, AServerThatEndedTheConnectionIsDescribedByTheCaller) {
+  int asked = 0;
+  const auto describe = [&asked] {
+    ++asked;
+    return std::string("rank 0, which serves the store (pid 7 on this host), has exited");
+  };
+  DeadStore ended("lost the connection to the store at h:1: connection reset (during the try-get of j/abort)");
+  PeerMonitor monitor({.rank = 1, .key_prefix = "j/", .store_rank = 0, .describe_server = describe}, &ended);
+  Status s = monitor.Check(Soon());
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 0 serves it, and has died or stopped serving it): UNAVAILABLE: rank 0, "
+                             "which serves the store (pid 7 on this host), has exited; lost the connection "
+                             "to the store at h:1"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(asked, 1);
+
+  DeadStore reset;
+  PeerMonitor other({.rank = 1, .key_prefix = "j/", .store_rank = 0, .describe_server = describe}, &reset);
+  s = other.Check(Soon());
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_EQ(s.message().find("has exited"), std::string::npos) << s;
+  EXPECT_EQ(asked, 1);
 }
 
 }  // namespace
