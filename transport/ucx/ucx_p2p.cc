@@ -633,6 +633,12 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
             : std::all_of(pending.begin(), pending.end(), done)) {
       return Status::Ok();
     }
+    // Or failed one of its requests (a truncated message, a peer lost):
+    // that failure is the cause, the deadline only came after it.
+    for (const Slot* slot : pending) {
+      Status failure = slot->done ? SlotStatus(slot) : PendingSlotStatus(slot);
+      if (!failure.ok()) return failure;
+    }
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - started);
     const Slot* first = *std::find_if_not(pending.begin(), pending.end(), done);
     return TimedOutError((any && pending.size() > 1 ? DescribeAny(pending) : Describe(first)) +

@@ -219,9 +219,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   // One poll of the worker plus back-off, deadline and watchdog handling,
   // for a wait on `pending` (the first not done yet). Past the deadline,
   // the wait still succeeds when that very poll completed what it needs
-  // (every request, or with `any` one of them); otherwise a timeout names
-  // the first still pending, or every one when `any` (WaitAny) and there
-  // are several. The watchdog hears of every pending request's peer, and
+  // (every request, or with `any` one of them), and fails with the error of
+  // a request that poll failed (or whose peer is lost); otherwise a timeout
+  // names the first still pending, or every one when `any` (WaitAny) and
+  // there are several. The watchdog hears of every pending request's peer, and
   // its failure ends the wait unless the drain after it completes one of
   // `pending`.
   Status Idle(Polls& polls, Deadline deadline, Clock::time_point started,

@@ -273,6 +273,33 @@ TEST(UcxPointToPoint, TimeoutNamesTheRequestStillPending) {
   EXPECT_EQ(first, 5);
 }
 
+// The poll that finds the deadline passed may also be the one in which a
+// request fails: that failure is the cause, reported instead of the time-out
+// of another request still pending. Made deterministic as above: rank 1's
+// eager message, longer than the receive (a truncation), already sits in
+// rank 0's queue when a wait whose deadline has passed polls once.
+TEST(UcxPointToPoint, AFailureInThePollMeetingTheDeadlineWinsOverTheTimeOut) {
+  for (bool any : {false, true}) {
+    auto ranks = MakeRanks(2, IdleMode::kSpin, P2pOptions{}.recall_grace,
+                           P2pOptions{}.watchdog_period, /*polls_per_clock_read=*/1);
+    std::vector<float> small(10), large(100, 1.0f);
+    int never_sent = 0;
+    auto truncated = ranks[0]->PostRecv(1, 40, small.data(), small.size() * sizeof(float));
+    auto pending = ranks[0]->PostRecv(1, 41, &never_sent, sizeof(never_sent));
+    ASSERT_TRUE(truncated.ok() && pending.ok());
+    auto send = ranks[1]->PostSend(0, 40, large.data(), large.size() * sizeof(float));
+    ASSERT_TRUE(send.ok()) << send.status();
+    p2p::RequestId sent[] = {*send};
+    ranks[1]->WaitAll(sent, DeadlineIn(milliseconds(10000))).IgnoreError();  // eager
+    p2p::RequestId ids[] = {*pending, *truncated};
+    const Deadline passed = Clock::now() - milliseconds(1);
+    Status s = any ? ranks[0]->WaitAny(ids, passed).status() : ranks[0]->WaitAll(ids, passed);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << (any ? "WaitAny: " : "WaitAll: ") << s;
+    EXPECT_NE(s.message().find("from rank 1 (tag 40)"), std::string::npos) << s;
+    if (any) ranks[0]->Cancel(*pending);
+  }
+}
+
 // What rank 0's wait in WaitDuringAFlood returned.
 struct FloodedWait {
   Status status;
