@@ -140,11 +140,12 @@ class RawConnection {
   }
   // Closes this end, as a client that gives up does.
   void Close() { fd_.Reset(); }
-  // Shuts down the sending side only (a half-close): the server reads the
-  // end of the stream after what was sent, and this end can still read.
+  // Asks the kernel for a receive buffer of `bytes` (SO_RCVBUF).
   void SetReceiveBuffer(int bytes) {
     ASSERT_EQ(setsockopt(fd_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes)), 0) << std::strerror(errno);
   }
+  // Shuts down the sending side only (a half-close): the server reads the
+  // end of the stream after what was sent, and this end can still read.
   void ShutdownWrite() { ASSERT_EQ(shutdown(fd_.get(), SHUT_WR), 0) << std::strerror(errno); }
   // Status code and message of a request reply.
   static std::pair<StatusCode, std::string> ParseReply(const std::string& body, uint32_t* id) {
@@ -163,6 +164,15 @@ class RawConnection {
   UniqueFd fd_;
   std::string buffer_;
 };
+
+// A whole TryGet frame (request `id`) of `key`.
+std::string TryGetFrame(uint32_t id, std::string_view key) {
+  wire::Writer w;
+  w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
+  w.U32(id);
+  w.String(key);
+  return w.Frame();
+}
 
 // Whether other hosts can reach the server: not on loopback addresses (what
 // the launchers warn about for a job across hosts), yes on the wildcard.
@@ -727,11 +737,7 @@ TEST(TcpStoreTest, MalformedRequestsAreRefusedAndTheServerKeepsServing) {
   {  // A key over the bound inside a well-formed frame: answered, not closed.
     RawConnection raw(server->port());
     raw.Handshake();
-    wire::Writer w;
-    w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
-    w.U32(8);
-    w.String(std::string(kMaxKeyBytes + 1, 'k'));
-    raw.Send(w.Frame());
+    raw.Send(TryGetFrame(8, std::string(kMaxKeyBytes + 1, 'k')));
     std::optional<std::string> reply = raw.ReadFrame(5s);
     ASSERT_TRUE(reply.has_value());
     auto [code, message] = RawConnection::ParseReply(*reply, nullptr);
@@ -812,13 +818,7 @@ TEST(TcpStoreTest, ClientThatStopsReadingIsDropped) {
   greedy.Handshake();
   // Ask for the 1 MiB value many times and never read: the replies pile up
   // past the socket buffers and then past the per-connection bound.
-  for (uint32_t i = 0; i < 64; ++i) {
-    wire::Writer w;
-    w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
-    w.U32(i + 1);
-    w.String("blob");
-    greedy.Send(w.Frame());
-  }
+  for (uint32_t i = 0; i < 64; ++i) greedy.Send(TryGetFrame(i + 1, "blob"));
   const Deadline deadline = DeadlineIn(5s);
   while (server->stats().open_connections > 1 && Clock::now() < deadline) {
     std::this_thread::sleep_for(10ms);
@@ -1053,11 +1053,7 @@ TEST(TcpStoreTest, AHalfClosedClientGetsAllOfALargeReply) {
   // A small receive buffer, read late: most of the reply waits in the
   // server when it reads the end of stream.
   reader.SetReceiveBuffer(64 << 10);
-  wire::Writer get;
-  get.U8(static_cast<uint8_t>(wire::Op::kTryGet));
-  get.U32(3);
-  get.String("large");
-  reader.Send(get.Frame());
+  reader.Send(TryGetFrame(3, "large"));
   reader.ShutdownWrite();
   std::this_thread::sleep_for(500ms);
   std::optional<std::string> reply = reader.ReadFrame(10s);
@@ -1088,11 +1084,7 @@ TEST(TcpStoreTest, AClientEndingItsStreamMidRequestLetsGoOfItsRoomAtOnce) {
   RawConnection reader(server->port());
   reader.Handshake();
   reader.SetReceiveBuffer(64 << 10);  // most of the reply waits in the server
-  wire::Writer get;
-  get.U8(static_cast<uint8_t>(wire::Op::kTryGet));
-  get.U32(4);
-  get.String("large");
-  reader.Send(get.Frame());
+  reader.Send(TryGetFrame(4, "large"));
   const std::string cut = SetFrame(5, "cut");
   reader.Send(std::string_view(cut).substr(0, 1000));
   ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
@@ -1975,11 +1967,7 @@ TEST(TcpStoreTest, RequestStalledMidFrameIsDropped) {
   RawConnection slow(server->port());
   slow.Handshake();
   std::this_thread::sleep_for(kStall + 500ms);  // idle between requests is fine
-  wire::Writer w;
-  w.U8(static_cast<uint8_t>(wire::Op::kTryGet));
-  w.U32(9);
-  w.String("slow-key");
-  const std::string frame = w.Frame();
+  const std::string frame = TryGetFrame(9, "slow-key");
   const Deadline slow_start = Clock::now();
   for (char byte : frame) {
     slow.Send(std::string_view(&byte, 1));
