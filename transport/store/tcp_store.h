@@ -115,6 +115,9 @@ struct TcpStoreServerStats {
   uint64_t open_connections = 0;      ///< Connections open now.
   uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now, with 128 per entry.
   uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
+  /// Of buffered_bytes, the room held for requests still arriving (each
+  /// one's whole size from its header on), now.
+  uint64_t receiving_bytes = 0;
   uint64_t parked_waits = 0;          ///< Get/Wait calls parked now, on all connections.
   uint64_t parked_key_bytes = 0;      ///< What the parked calls' keys count against max_parked_key_bytes.
   uint64_t requests = 0;              ///< Requests received so far (every op, after the handshake).

@@ -192,6 +192,7 @@ class TcpStoreServer::Impl {
     s.open_connections = open_connections_.load();
     s.stored_bytes = stored_bytes_.load();
     s.buffered_bytes = buffered_bytes_.load();
+    s.receiving_bytes = receiving_bytes_.load();
     s.parked_waits = parked_waits_.load();
     s.parked_key_bytes = parked_key_bytes_.load();
     s.requests = requests_.load();
@@ -228,6 +229,7 @@ class TcpStoreServer::Impl {
       FireTimers();
       FinishRound();
       buffered_bytes_.store(buffered_);
+      receiving_bytes_.store(receiving_);
       frames_waiting_for_room_.store(waiting_for_memory_.size());
       buffer_capacity_bytes_.store(buffer_capacity_);
     }
@@ -336,8 +338,7 @@ class TcpStoreServer::Impl {
       }
       const size_t frame_bytes = wire::kFrameHeaderBytes + *wire::PeekFrameLength(c->in);
       if (!Fits(frame_bytes)) break;  // first come, first served
-      c->reserved = frame_bytes;
-      buffered_ += frame_bytes;
+      HoldRoom(*c, frame_bytes);
       c->last_read = Clock::now();  // the client's stall clock starts again
       touched.push_back(id);
       waiting_for_memory_.erase(id);
@@ -589,8 +590,7 @@ class TcpStoreServer::Impl {
             Touch(c);
             return;
           }
-          c.reserved = frame_bytes;
-          buffered_ += frame_bytes;
+          HoldRoom(c, frame_bytes);
         }
         c.in.reserve(frame_bytes);  // once per frame
         want = frame_bytes - c.in.size();
@@ -612,8 +612,7 @@ class TcpStoreServer::Impl {
         // reading them. Nothing more comes in (a request cut short by the
         // end is not answered, and the room held for it goes now); the
         // connection closes once they are out.
-        buffered_ -= c.reserved;
-        c.reserved = 0;
+        ReleaseRoom(c);
         std::string().swap(c.in);
         CloseOnceSent(c, options_.frame_stall_timeout);
         return;
@@ -621,6 +620,20 @@ class TcpStoreServer::Impl {
       MarkDead(c);  // peer closed or reset, every reply sent: nothing more to answer
       return;
     }
+  }
+
+  // The room under max_buffered_bytes held for the frame `c` is receiving
+  // (its whole size, from its header on), and its release when the frame is
+  // whole or will never be.
+  void HoldRoom(Connection& c, size_t frame_bytes) {
+    c.reserved = frame_bytes;
+    buffered_ += frame_bytes;
+    receiving_ += frame_bytes;
+  }
+  void ReleaseRoom(Connection& c) {
+    buffered_ -= c.reserved;
+    receiving_ -= c.reserved;
+    c.reserved = 0;
   }
 
   void RefuseOversized(Connection& c, uint32_t length) {
@@ -635,8 +648,7 @@ class TcpStoreServer::Impl {
 
   void HandleFrame(Connection& c) {
     if (c.authenticated) ClearTimer(c);  // the frame is whole: no stall to watch for
-    buffered_ -= c.reserved;
-    c.reserved = 0;
+    ReleaseRoom(c);
     // The frame is handled where it lies, moved out of the connection; the
     // buffer comes back empty, with its memory only when that is small.
     std::string frame;
@@ -1214,7 +1226,8 @@ class TcpStoreServer::Impl {
     for (uint64_t waiter_id : waiter_ids) RemoveWaiter(waiter_id);
     ClearTimer(c);
     unauthenticated_.erase(id);
-    buffered_ -= c.reserved + c.pending_out();
+    ReleaseRoom(c);
+    buffered_ -= c.pending_out();
     buffer_capacity_ -= c.capacity;
     waiting_for_memory_.erase(id);
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
@@ -1310,6 +1323,7 @@ class TcpStoreServer::Impl {
   std::vector<uint64_t> touched_;
   // Bytes reserved for frames being received plus replies not yet sent.
   size_t buffered_ = 0;
+  size_t receiving_ = 0;  // of which reserved for frames being received
   // Capacity of every connection's buffers, as of each one's last activity.
   size_t buffer_capacity_ = 0;
   std::unordered_set<std::string> deferred_wakes_;  // keys whose waits await room (WakeWaiters)
@@ -1340,6 +1354,7 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> open_connections_{0};
   std::atomic<uint64_t> stored_bytes_{0};
   std::atomic<uint64_t> buffered_bytes_{0};  // buffered_ at the end of the last round, for stats()
+  std::atomic<uint64_t> receiving_bytes_{0};  // receiving_, likewise
   std::atomic<uint64_t> parked_waits_{0};    // waiters_.size(), for stats()
   std::atomic<uint64_t> parked_key_bytes_{0};  // ParkedKeyBytes of every waiter's keys
   std::atomic<uint64_t> requests_{0};        // requests received, for stats()
