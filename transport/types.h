@@ -64,12 +64,18 @@ using Deadline = Clock::time_point;
 /// The deadline `timeout` from now (a non-positive timeout: now or
 /// earlier, never "no deadline": every wait in the project has one). A
 /// timeout too long for the clock's range (hundreds of years) gives
-/// Deadline::max() instead of wrapping into the past.
+/// Deadline::max() instead of wrapping into the past; one reaching back
+/// past the clock's epoch gives the epoch instead of wrapping into the
+/// future (and stays far from Deadline::min(), whose distance to now
+/// overflows).
 inline Deadline DeadlineIn(std::chrono::milliseconds timeout) {
+  using std::chrono::duration_cast;
+  using std::chrono::milliseconds;
   const Deadline now = Clock::now();
-  if (timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(Deadline::max() - now)) {
-    return Deadline::max();
-  }
+  if (timeout >= duration_cast<milliseconds>(Deadline::max() - now)) return Deadline::max();
+  // Compared in milliseconds: the timeout in the clock's nanoseconds may
+  // not fit.
+  if (timeout <= -duration_cast<milliseconds>(now.time_since_epoch())) return Deadline{};
   return now + timeout;
 }
 

@@ -27,5 +27,15 @@ TEST(DeadlineInTest, TooLongATimeoutSaturatesInsteadOfWrapping) {
             Clock::now() + std::chrono::years(99));
 }
 
+TEST(DeadlineInTest, TooNegativeATimeoutIsInThePastInsteadOfWrapping) {
+  // -400 years in the clock's nanoseconds leaves int64's range: it used to
+  // wrap into the future (about 185 years from now).
+  const auto centuries = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::years(-400));
+  EXPECT_LE(DeadlineIn(centuries), Clock::now());
+  EXPECT_LE(DeadlineIn(std::chrono::milliseconds::min()), Clock::now());
+  // Still a usable distance from now, both ways.
+  EXPECT_GT(Clock::now() - DeadlineIn(centuries), 0ms);
+}
+
 }  // namespace
 }  // namespace ddp::transport
