@@ -2,15 +2,16 @@
 // team would run it: real processes, the launch environment, the public
 // headers only. Each rank creates its communicator with
 // Communicator::CreateFromEnvironment, then all-reduces (the README's
-// snippet, value by value), broadcasts, all-gathers, reduce-scatters (out of
-// place and in the in-place layouts the API table documents), passes a
-// count of 0, and meets a barrier; another job lets a deadline pass and
-// checks the documented TIMED_OUT and its spread to the other ranks. If the
-// README's calls or claims drift from the headers, this stops compiling or
-// fails.
+// snippet, value by value), broadcasts, all-gathers, reduce-scatters (out
+// of place and in the in-place layouts the API table documents),
+// all-reduces asynchronously, passes a count of 0, and meets a barrier.
+// Other jobs pass mismatched counts, and let a deadline pass, checking the
+// documented INVALID_ARGUMENT and TIMED_OUT and their spread to the other
+// ranks. If the README's calls or claims drift from the headers, this
+// stops compiling or fails.
 //
-// World size 3: not a power of two, so the ring and halving-doubling paths
-// see an odd split.
+// World size 3: not a power of two, so over UCX the halving-doubling
+// all-reduce takes its fold-in steps.
 
 #include <algorithm>
 #include <chrono>
@@ -133,6 +134,18 @@ DDP_TEST_WORKER(readme_collectives) {
     EXPECT_IN_WORKER(std::vector<float>(send.begin() + me * kCount,
                                         send.begin() + (me + 1) * kCount) == expected,
                      "in-place reduce-scatter: wrong block");
+  }
+
+  // The same through ...Async and its Work (README, API in brief).
+  {
+    double sum = me + 0.5;
+    Work work = comm->AllReduceAsync(&sum, &sum, 1, DataType::kF64, ReduceOp::kSum);
+    s = work.Wait();
+    EXPECT_IN_WORKER(s.ok(), "async all-reduce: " + s.ToString());
+    EXPECT_IN_WORKER(sum == n * (n - 1) / 2.0 + n * 0.5,
+                     "async all-reduce gave " + std::to_string(sum));
+    StatusOr<bool> done = work.Test();
+    EXPECT_IN_WORKER(done.ok() && *done, "Test() after Wait(): " + done.status().ToString());
   }
 
   // A count of 0 moves nothing and succeeds (null buffers allowed).
