@@ -21,6 +21,11 @@
 //               {"host": 0, "numa_node": 0, "gpu": 1}]
 //   }
 //
+// "boot_id" (optional, a host's) is the kernel's boot id
+// (/proc/sys/kernel/random/boot_id): hosts with one boot id share a kernel
+// and its cores when waits choose to spin or yield, whatever their names
+// (containers on one node); without it, only a host shares with itself.
+//
 // "pci_bus_id" (optional) names a GPU ("0000:3b:00.0"), so that ranks that
 // see different GPUs of one host can be told apart when views are merged.
 //
