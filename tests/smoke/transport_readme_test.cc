@@ -5,9 +5,9 @@
 // snippet, value by value), broadcasts, all-gathers, reduce-scatters (out
 // of place and in the in-place layouts the API table documents),
 // all-reduces asynchronously, passes a count of 0, and meets a barrier.
-// Other jobs pass mismatched counts, and let a deadline pass, checking the
-// documented INVALID_ARGUMENT and TIMED_OUT and their spread to the other
-// ranks. If the README's calls or claims drift from the headers, this
+// Other jobs pass mismatched counts, fail creation on one rank, and let a
+// deadline pass, checking the documented INVALID_ARGUMENT, the creation
+// error and TIMED_OUT, and their spread to the other ranks. If the README's calls or claims drift from the headers, this
 // stops compiling or fails.
 //
 // World size 3: not a power of two, so over UCX the halving-doubling
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -44,6 +45,14 @@ void Expect(bool ok, int line, const std::string& what) {
   std::fprintf(stderr, "FAIL transport_readme_test.cc:%d: %s\n", line, what.c_str());
 }
 #define EXPECT_IN_WORKER(cond, what) Expect((cond), __LINE__, (what))
+
+// A topology file that rank 1 is told to read and that does not exist.
+constexpr char kMissingTopology[] = "/nonexistent/transport_readme_test/topology.json";
+
+std::string EnvOrEmpty(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? "" : value;
+}
 
 // The README's creation: the launch variables say who is who. A deadline a
 // test can wait out, instead of the 5-minute default.
@@ -223,11 +232,39 @@ DDP_TEST_WORKER(readme_count_mismatch) {
   return failures == 0 ? 0 : 1;
 }
 
-void RunAndExpectSuccess(const char* worker, std::vector<std::pair<std::string, std::string>> env) {
+// A rank whose creation fails (here: a topology file that does not exist)
+// names the cause; the ranks waiting for it fail within moments with "rank
+// R aborted the job: creating its communicator: ..." (README, Error model)
+// instead of at their creation deadline.
+DDP_TEST_WORKER(readme_creation_failure) {
+  CommunicatorOptions defaults;
+  defaults.timeout = 20s;
+  const auto started = std::chrono::steady_clock::now();
+  StatusOr<std::unique_ptr<Communicator>> comm = Communicator::CreateFromEnvironment(defaults);
+  const std::string me = EnvOrEmpty("RANK");
+  const std::string what = "rank " + me + "'s creation: " + comm.status().ToString();
+  EXPECT_IN_WORKER(!comm.ok(), "rank " + me + " created a communicator");
+  if (me == "1") {
+    EXPECT_IN_WORKER(comm.status().message().find(kMissingTopology) != std::string::npos,
+                     what + " (the missing file is not named)");
+  } else {
+    EXPECT_IN_WORKER(comm.status().message().find("rank 1 aborted the job: creating its communicator") !=
+                             std::string::npos &&
+                         comm.status().message().find(kMissingTopology) != std::string::npos,
+                     what);
+  }
+  EXPECT_IN_WORKER(std::chrono::steady_clock::now() - started < 10s,
+                   "rank " + me + " failed only near its creation deadline");
+  return failures == 0 ? 0 : 1;
+}
+
+void RunAndExpectSuccess(const char* worker, std::vector<std::pair<std::string, std::string>> env,
+                         std::map<int, std::vector<std::pair<std::string, std::string>>> rank_env = {}) {
   launch_testing::TestRunOptions options;
   options.world_size = 3;
   options.timeout = 60s;
   options.env = std::move(env);
+  options.rank_env = std::move(rank_env);
   StatusOr<launch_testing::TestRunResult> run = launch_testing::RunTestWorkers(worker, options);
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_TRUE(run->AllSucceeded()) << run->Summary();
@@ -248,6 +285,11 @@ TEST(TransportReadme, MismatchedCountsAreInvalidArgumentOnEveryRank) {
 
 TEST(TransportReadme, MismatchedCountsAreInvalidArgumentOnEveryRankOverUcx) {
   RunAndExpectSuccess("readme_count_mismatch", {{"DDP_SHARED_MEMORY", "0"}});
+}
+
+TEST(TransportReadme, FailedCreationOnOneRankFailsEveryRankAtOnce) {
+  RunAndExpectSuccess("readme_creation_failure", {},
+                      {{1, {{"DDP_TOPOLOGY_FILE", kMissingTopology}}}});
 }
 
 TEST(TransportReadme, ExpiredDeadlineIsTimedOutOnEveryRank) {
