@@ -1,10 +1,11 @@
 #include "transport/topology/topology.h"
 
 #include <algorithm>
-#include <fstream>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <map>
 #include <set>
-#include <sstream>
 #include <tuple>
 
 #include <nlohmann/json.hpp>
@@ -389,11 +390,24 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
 }
 
 StatusOr<Topology> LoadTopologyFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return NotFoundError("topology file " + path + " cannot be opened");
-  std::stringstream text;
-  text << in.rdbuf();
-  return ParseTopologyJson(text.str(), path);
+  // stdio, for errno: a path that is not there and one that may not be read
+  // need different fixes, and a directory opens but fails at the first read
+  // (an ifstream read it as an empty file: "not valid JSON").
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    const int error = errno;
+    return NotFoundError("topology file " + path + " cannot be opened: " + std::strerror(error));
+  }
+  std::string text;
+  char block[4096];
+  size_t got = 0;
+  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) text.append(block, got);
+  const int error = std::ferror(file) ? errno : 0;
+  std::fclose(file);
+  if (error != 0) {
+    return InvalidArgumentError("topology file " + path + " cannot be read: " + std::strerror(error));
+  }
+  return ParseTopologyJson(text, path);
 }
 
 std::string TopologyToJson(const Topology& topology) {

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
 namespace ddp::transport::topology {
@@ -93,6 +95,20 @@ TEST(LoadTopologyFile, MissingFileIsNotFound) {
   auto t = LoadTopologyFile("/nonexistent/topology.json");
   EXPECT_EQ(t.status().code(), StatusCode::kNotFound);
   EXPECT_NE(t.status().message().find("/nonexistent/topology.json"), std::string::npos);
+  // Says why, so that a missing file is told from one that may not be read.
+  EXPECT_NE(t.status().message().find(std::strerror(ENOENT)), std::string::npos) << t.status();
+}
+
+// DDP_TOPOLOGY_FILE naming a directory (a path missing its file name) is
+// named as one, not parsed as an empty file ("not valid JSON").
+TEST(LoadTopologyFile, DirectoryIsNamedAsOne) {
+  const std::string dir = ::testing::TempDir();
+  auto t = LoadTopologyFile(dir);
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("topology file " + dir + " cannot be read: " +
+                                      std::strerror(EISDIR)),
+            std::string::npos)
+      << t.status();
 }
 
 TEST(LoadTopologyFile, RoundTripsThroughJson) {
