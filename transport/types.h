@@ -44,11 +44,17 @@ enum class ReduceOp : int {
 /// "sum", "avg", "max", "min", "prod".
 const char* ReduceOpName(ReduceOp op);
 
-/// All-reduce algorithms. kAuto picks per message size and topology.
+/// All-reduce algorithms (CommunicatorOptions::algorithm,
+/// CallOptions::algorithm, DDP_ALLREDUCE_ALGO). kAuto picks per message
+/// size and topology. A Reduce takes kAuto, kTree, kRing or kSharedMemory
+/// (its meanings in parentheses).
 enum class Algorithm : int {
   kAuto = 0,
-  kRing = 1,          ///< Reduce-scatter then all-gather around a ring, pipelined.
-  kTree = 2,          ///< Double binary tree, pipelined.
+  /// Reduce-scatter then all-gather around a ring, pipelined (Reduce: the
+  /// reduce-scatter, then each block to the root).
+  kRing = 1,
+  /// Double binary tree, pipelined (Reduce: a binomial tree to the root).
+  kTree = 2,
   kRhd = 3,           ///< Recursive halving-doubling (Rabenseifner).
   kHierarchical = 4,  ///< Inside each host, across hosts, inside each host.
   kSharedMemory = 5,  ///< One host: shared memory and CMA, no UCX (transport/shm).
