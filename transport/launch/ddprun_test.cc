@@ -131,6 +131,32 @@ TEST(DdprunTest, MasterPortIsLeftToPyTorchsOwnRendezvous) {
   EXPECT_THAT(run.output, HasSubstr("[1] ports 127.0.0.1 False 127.0.0.1 1\n"));
 }
 
+// As torchrun's, the workers read the launcher's stdin: `echo hello |
+// ddprun --nproc_per_node=1 prog` hands the line to the worker (pdb in a
+// lone worker takes its commands so). They got /dev/null.
+TEST(DdprunTest, WorkersReadTheLaunchersStdin) {
+  int p[2];
+  ASSERT_EQ(pipe2(p, O_CLOEXEC), 0);
+  const int saved = dup(STDIN_FILENO);
+  dup2(p[0], STDIN_FILENO);  // not close-on-exec: ddprun inherits it
+  close(p[0]);
+  const std::string text = "hello\n";
+  const bool written = write(p[1], text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  close(p[1]);
+  const auto run = written ? RunProgram({Ddprun(), "--standalone", "--nproc_per_node=1", "/bin/sh", "-c",
+                                         "read line; echo \"got '$line'\""})
+                           : testing::ProgramRun{};
+  if (saved >= 0) {
+    dup2(saved, STDIN_FILENO);
+    close(saved);
+  } else {
+    close(STDIN_FILENO);
+  }
+  ASSERT_TRUE(written);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("got 'hello'\n"));
+}
+
 // As torchrun: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless the launcher's
 // environment sets it, which then reaches the workers as it is.
 TEST(DdprunTest, WorkersGetTorchNcclAsyncErrorHandlingAsUnderTorchrun) {

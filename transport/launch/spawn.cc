@@ -649,10 +649,10 @@ class WorkerGroup::Impl {
     const OutputOptions& out = options_.output;
     use_pipes_ = out.prefix || out.capture || !out.log_dir.empty() || !out.to_terminal ||
                  !out.terminal_ranks.empty();
+    // Before anything here opens a descriptor, which could take number 0.
+    DDP_RETURN_IF_ERROR(ChooseWorkersStdin());
     stop_event_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!stop_event_.valid()) return InternalError("eventfd: " + ErrnoText(errno));
-    dev_null_.Reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
-    if (!dev_null_.valid()) return InternalError("open /dev/null: " + ErrnoText(errno));
     if (options_.forward_signals) DDP_RETURN_IF_ERROR(InstallSignalForwarding());
     WaitForChildren();
     if (options_.error_files && out.log_dir.empty()) {
@@ -1045,6 +1045,35 @@ class WorkerGroup::Impl {
     return Status::Ok();
   }
 
+  // Workers read this process's stdin, as torchrun's do (it starts them
+  // without redirecting it): input piped into the launcher reaches them,
+  // and a debugger in a lone worker takes its commands from the pipe. All
+  // workers share the one descriptor; who reads which bytes is up to them.
+  // None of it holds the launcher up: it never reads stdin itself, a worker
+  // blocked in a read ends on SIGTERM (or SIGKILL after the grace) like any
+  // other, and one that reads the terminal from its background process group
+  // is stopped by SIGTTIN, which Wait reports (StoppedByTheTerminal).
+  // Only when stdin is closed here, or close-on-exec (some descriptor of
+  // the host program that took number 0), do the workers get /dev/null
+  // instead: else the first file a worker opened would become its stdin.
+  Status ChooseWorkersStdin() {
+    const int flags = fcntl(STDIN_FILENO, F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC) == 0) return Status::Ok();
+    const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return InternalError("open /dev/null for the workers' stdin: " + ErrnoText(errno));
+    if (fd > STDERR_FILENO) {
+      dev_null_.Reset(fd);
+      return Status::Ok();
+    }
+    // It took a free standard number (0, stdin being closed): the child's
+    // dup3 onto the same number would fail, so move it above them.
+    dev_null_.Reset(fcntl(fd, F_DUPFD_CLOEXEC, STDERR_FILENO + 1));
+    const int dup_errno = errno;
+    close(fd);
+    if (!dev_null_.valid()) return InternalError("fcntl F_DUPFD_CLOEXEC of /dev/null: " + ErrnoText(dup_errno));
+    return Status::Ok();
+  }
+
   Status StartOne(const WorkerSpec& spec, Worker& w) {
     w.rank = spec.rank;
     const OutputOptions& out = options_.output;
@@ -1122,7 +1151,7 @@ class WorkerGroup::Impl {
     args.envp = envp.data();
     args.pgid = pgid_;
     args.parent = getpid();
-    args.stdin_fd = dev_null_.get();
+    args.stdin_fd = dev_null_.get();  // -1 (inherit) unless ChooseWorkersStdin opened it
     args.stdout_fd = child_out.get();
     args.stderr_fd = child_err.get();
     args.fd_bound = DescriptorBound();
@@ -1492,7 +1521,7 @@ class WorkerGroup::Impl {
   pid_t watcher_ = -1;   // the group's watcher process (StartWatcher)
   Fd watcher_write_;     // its pipe; closing it unannounced kills the group
   Fd stop_event_;
-  Fd dev_null_;
+  Fd dev_null_;  // the workers' stdin when this process has none to pass on (ChooseWorkersStdin)
   int signal_read_ = -1;  // ProcessSignalPipe's read end, while forwarding
   bool forwarding_ = false;
   struct sigaction old_actions_[std::size(kForwardedSignals)] = {};

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -93,6 +94,29 @@ DDP_TEST_WORKER(fd_probe) {
   if (fcntl(fd, F_GETFD) != -1) {
     std::printf("descriptor %d is open in the worker\n", fd);
     return 5;
+  }
+  return 0;
+}
+
+// Prints what its stdin is ("stdin: pipe:[123]"), then, with $READ_LINE,
+// reads one line from it byte by byte ("read 'LINE'", or "read nothing: end
+// of input" at the end); with $PID_DIR, writes $PID_DIR/rank<R> just
+// before the read.
+DDP_TEST_WORKER(reads_stdin) {
+  char target[256] = {};
+  const ssize_t n = readlink("/proc/self/fd/0", target, sizeof(target) - 1);
+  std::printf("stdin: %s\n", n > 0 ? target : "(closed)");
+  std::fflush(stdout);
+  if (!EnvInt("READ_LINE", 0)) return 0;
+  WritePid("rank" + std::to_string(EnvInt("RANK", -1)));
+  std::string line;
+  char c = 0;
+  ssize_t got = 0;
+  while ((got = read(STDIN_FILENO, &c, 1)) == 1 && c != '\n') line.push_back(c);
+  if (got == 0 && line.empty()) {
+    std::printf("read nothing: end of input\n");
+  } else {
+    std::printf("read '%s'\n", line.c_str());
   }
   return 0;
 }
@@ -585,6 +609,113 @@ TEST(SpawnTest, WorkerStoppedByTheTerminalStopsTheOthers) {
   }
   for (pid_t pid : pids) EXPECT_TRUE(ProcessGone(pid)) << pid;
   ExpectNoChildrenLeft();
+}
+
+// What a descriptor is, as /proc/self/fd shows it ("pipe:[123]").
+std::string DescriptorTarget(int fd) {
+  char target[256] = {};
+  const ssize_t n = readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), target, sizeof(target) - 1);
+  return n > 0 ? target : "(closed)";
+}
+
+// Puts a pipe in place of this process's stdin for the life of the object
+// and puts the old stdin back after.
+class PipedStdin {
+ public:
+  PipedStdin() {
+    saved_ = dup(STDIN_FILENO);
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0) return;
+    dup2(p[0], STDIN_FILENO);  // dup2 clears close-on-exec on stdin
+    close(p[0]);
+    write_end_ = p[1];
+  }
+  ~PipedStdin() {
+    if (write_end_ >= 0) close(write_end_);
+    if (saved_ >= 0) {
+      dup2(saved_, STDIN_FILENO);
+      close(saved_);
+    } else {
+      close(STDIN_FILENO);
+    }
+  }
+  bool Write(const std::string& text) {
+    return write(write_end_, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  }
+  void CloseWriteEnd() {
+    close(write_end_);
+    write_end_ = -1;
+  }
+
+ private:
+  int saved_ = -1;
+  int write_end_ = -1;
+};
+
+// Workers inherit the launcher's stdin, as torchrun's do (`echo 3 | ddprun
+// ... prog`, pdb in a lone worker reading from a pipe). They got /dev/null.
+TEST(SpawnTest, WorkersReadTheLaunchersStdin) {
+  PipedStdin in;
+  const std::string pipe_name = DescriptorTarget(STDIN_FILENO);
+  ASSERT_EQ(pipe_name.rfind("pipe:", 0), 0u) << pipe_name;
+  ASSERT_TRUE(in.Write("first line\nsecond\n"));
+  in.CloseWriteEnd();
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "reads_stdin", {{"READ_LINE", "1"}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  ASSERT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  EXPECT_EQ(result.output[0], "stdin: " + pipe_name + "\nread 'first line'\n");
+  // Every worker of a group shares the one stdin.
+  group = WorkerGroup::Start(Specs(3, "reads_stdin"), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  result = (*group)->Wait(DeadlineIn(20s));
+  ASSERT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(result.output[r], "stdin: " + pipe_name + "\n") << "rank " << r;
+}
+
+// A worker blocked reading stdin (a pipe whose writer never writes) does
+// not hold up the group's stop: SIGTERM ends it.
+TEST(SpawnTest, AWorkerWaitingOnStdinIsStopped) {
+  PipedStdin in;
+  const std::string dir = TempDir("waiting_on_stdin");
+  for (int r = 0; r < 2; ++r) unlink((dir + "/rank" + std::to_string(r)).c_str());
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "reads_stdin", {{"READ_LINE", "1"}, {"PID_DIR", dir}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  for (int r = 0; r < 2; ++r) EXPECT_GT(ReadPid(dir + "/rank" + std::to_string(r), 20s), 0);
+  (*group)->RequestStop("test asked to stop");
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_EQ(result.outcome, GroupOutcome::kStopped) << result.reason;
+  for (const WorkerExit& w : result.workers) {
+    EXPECT_TRUE(w.signaled) << w.Describe() << "\n" << result.output[w.rank];
+    EXPECT_EQ(w.code, SIGTERM) << w.Describe();
+  }
+  ExpectNoChildrenLeft();
+}
+
+// A launcher whose stdin is closed gives its workers /dev/null there, so
+// that the first file a worker opens does not become its stdin.
+TEST(SpawnTest, WorkersOfALauncherWithoutStdinGetDevNull) {
+  const int saved = dup(STDIN_FILENO);
+  close(STDIN_FILENO);
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "reads_stdin", {{"READ_LINE", "1"}}), Quiet());
+  GroupResult result;
+  if (group.ok()) result = (*group)->Wait(DeadlineIn(20s));
+  // Only once the group is gone: one of its descriptors may have number 0.
+  if (group.ok()) group->reset();
+  if (saved >= 0) {
+    dup2(saved, STDIN_FILENO);
+    close(saved);
+  }
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(result.output[r], "stdin: /dev/null\nread nothing: end of input\n") << "rank " << r;
+  }
 }
 
 TEST(SpawnTest, WithoutStopAllSurvivorsRunToTheirEnd) {
