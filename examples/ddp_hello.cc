@@ -51,9 +51,13 @@ namespace {
 using namespace ddp;
 using nn::Tensor;
 
-// The flags' ranges, checked before the ranks connect or read data; "" when
-// they are fine, else what is wrong, naming the flag.
-std::string FlagProblem() {
+// What gflags left of the command line (`argc`, `argv`) and the flags'
+// ranges, checked before the ranks connect or read data; "" when they are
+// fine, else what is wrong, naming the argument or the flag.
+std::string FlagProblem(int argc, char** argv) {
+  if (argc > 1) {
+    return std::string("unexpected argument '") + argv[1] + "'; flags are written --name=value (see --help)";
+  }
   if (FLAGS_epochs < 0) return "--epochs=" + std::to_string(FLAGS_epochs) + " must be at least 0";
   if (FLAGS_batch_size < 1) {
     return "--batch_size=" + std::to_string(FLAGS_batch_size) + " must be at least 1";
@@ -82,6 +86,18 @@ std::string CheckpointPathProblem(const std::string& path) {
     return flag + ": the folder " + folder.string() + " is not writable (" + std::strerror(errno) + ")";
   }
   return "";
+}
+
+// For SelfLaunchOptions::check_arguments: in the process that starts the
+// ranks, the flags as every rank will parse them, so that a wrong one is
+// refused once and nothing starts. gflags refuses an unknown flag or a
+// malformed value itself (one line, exit 1, as train's launcher does).
+std::string LaunchFlagProblem(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  if (std::string problem = FlagProblem(argc, argv); !problem.empty()) return problem;
+  // Rank 0 runs on this host: its --checkpoint can be checked here too.
+  if (FLAGS_checkpoint.empty()) return "";
+  return CheckpointPathProblem(ddp::examples::UserPath(FLAGS_checkpoint));
 }
 
 int Run() {
@@ -181,12 +197,15 @@ int main(int argc, char** argv) {
       "the MLP on Fashion-MNIST on --nproc_per_node ranks (default 2) with DistributedDataParallel\n"
       "Usage: bazel run //examples:ddp_hello -- [--nproc_per_node=N] [--flag=value ...]");
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/ddp_hello")) return 0;
-  // Before anything touches UCX or starts a thread: become N ranks.
-  ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.default_nproc_per_node = 2});
+  // Before anything touches UCX or starts a thread: become N ranks, once
+  // the flags are found fine.
+  ddp::transport::launch::SelfLaunchOrExit(
+      argc, argv, {.default_nproc_per_node = 2, .check_arguments = LaunchFlagProblem});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach the launcher as they are printed
-  // Every rank checks (the launcher does not parse the flags): all refuse.
-  if (const std::string problem = FlagProblem(); !problem.empty()) {
+  // Under another launcher (ddprun, srun, mpirun), which does not know
+  // these flags, every rank checks them: all refuse.
+  if (const std::string problem = FlagProblem(argc, argv); !problem.empty()) {
     std::fprintf(stderr, "ddp_hello: %s\n", problem.c_str());
     return 2;
   }

@@ -8,20 +8,39 @@
 
 #include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "transport/communicator.h"
 #include "transport/launch/self_launch.h"
 
+namespace {
+
+constexpr char kUsage[] = "usage: transport_hello [--nproc_per_node=N]";
+
+// Its one flag, --nproc_per_node, is gone from argv when this is called:
+// anything left is a typo, refused rather than run as if it were not there.
+std::string ArgumentProblem(int argc, char** argv) {
+  if (argc <= 1) return "";
+  return std::string("unknown argument '") + argv[1] + "'; " + kUsage;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  // Before anything touches UCX: spawn the ranks (fork-safe).
-  ddp::transport::launch::SelfLaunchOrExit(argc, argv);
-  // Its one flag, --nproc_per_node, is gone from argv by now: anything left
-  // is a typo, refused rather than run as if it were not there.
-  if (argc > 1) {
-    const bool help = std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0;
-    if (!help) std::fprintf(stderr, "transport_hello: unknown argument '%s'\n", argv[1]);
-    std::fprintf(help ? stdout : stderr, "usage: transport_hello [--nproc_per_node=N]\n");
-    return help ? 0 : 2;
+  // Before the launch, which would start every rank to print it.
+  for (int i = 1; i < argc && std::strcmp(argv[i], "--") != 0; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf("%s\n", kUsage);
+      return 0;
+    }
+  }
+  // Before anything touches UCX: spawn the ranks (fork-safe), once the
+  // arguments are found fine.
+  ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.check_arguments = ArgumentProblem});
+  // Under another launcher (ddprun, srun, mpirun) every rank checks.
+  if (const std::string problem = ArgumentProblem(argc, argv); !problem.empty()) {
+    std::fprintf(stderr, "transport_hello: %s\n", problem.c_str());
+    return 2;
   }
 
   using namespace ddp::transport;

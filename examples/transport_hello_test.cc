@@ -3,6 +3,7 @@
 // program itself exits 1 when the sum is wrong).
 
 #include <string>
+#include <vector>
 
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
@@ -21,20 +22,32 @@ TEST(TransportHelloTest, RanksSumTheirNumbers) {
   }
 }
 
-// Anything but --nproc_per_node is refused with the usage line, and --help
+// Anything but --nproc_per_node is refused with the usage, and --help
 // prints it; before, both were ignored and the program ran on one rank.
-TEST(TransportHelloTest, AnUnknownArgumentIsRefusedAndHelpPrintsTheUsage) {
+// Both happen once, before any rank starts: every rank of
+// --nproc_per_node=3 used to start and refuse the typo (three errors and the
+// launcher's line), and --help was printed by every rank.
+TEST(TransportHelloTest, AnUnknownArgumentIsRefusedOnceAndHelpPrintsTheUsage) {
   const std::string hello = testing::Runfile("examples/transport_hello");
-  const testing::RunOutput typo = testing::RunToEnd({hello, "--nprocs=2"});
-  EXPECT_EQ(typo.exit_code, 2) << typo.out << typo.err;
-  EXPECT_NE(typo.err.find("transport_hello: unknown argument '--nprocs=2'\n"
-                          "usage: transport_hello [--nproc_per_node=N]\n"),
-            std::string::npos)
-      << typo.err;
-  EXPECT_EQ(typo.out, "");
-  const testing::RunOutput help = testing::RunToEnd({hello, "--help"});
-  EXPECT_EQ(help.exit_code, 0) << help.out << help.err;
-  EXPECT_EQ(help.out, "usage: transport_hello [--nproc_per_node=N]\n");
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--nprocs=2"}, {"--nproc_per_node=3", "--nprocs=2"}}) {
+    std::vector<std::string> argv = {hello};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const testing::RunOutput typo = testing::RunToEnd(argv);
+    EXPECT_EQ(typo.exit_code, 2) << args.size() << "\n" << typo.out << typo.err;
+    EXPECT_EQ(typo.err,
+              "transport_hello: unknown argument '--nprocs=2'; usage: transport_hello [--nproc_per_node=N]\n");
+    EXPECT_EQ(typo.out, "");
+  }
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--help"}, {"--nproc_per_node=2", "-h"}}) {
+    std::vector<std::string> argv = {hello};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const testing::RunOutput help = testing::RunToEnd(argv);
+    EXPECT_EQ(help.exit_code, 0) << help.out << help.err;
+    EXPECT_EQ(help.out, "usage: transport_hello [--nproc_per_node=N]\n");
+    EXPECT_EQ(help.err, "");
+  }
 }
 
 }  // namespace

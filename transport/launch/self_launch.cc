@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "transport/launch/env.h"
@@ -60,6 +61,15 @@ StatusOr<std::optional<NprocFlag>> TakeNprocFlag(int& argc, char** argv) {
   argc = out;
   argv[argc] = nullptr;
   return flag;
+}
+
+// What the launcher calls itself in its lines: argv[0] without its folder
+// (`bazel run` gives a long runfiles path), as command-line tools do.
+std::string ProgramName(int argc, char** argv) {
+  if (argc < 1 || argv[0] == nullptr || argv[0][0] == '\0') return "self-launch";
+  const std::string_view path = argv[0];
+  const size_t slash = path.rfind('/');
+  return std::string(slash == std::string_view::npos ? path : path.substr(slash + 1));
 }
 
 // "NAME=VALUE" for a variable of `env` ("NAME unset" when absent).
@@ -154,6 +164,13 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
     return InvalidArgumentError("max_restarts=" + std::to_string(options.max_restarts) +
                                 " must not be negative");
   }
+  if (options.check_arguments) {
+    std::vector<char*> copy(argv, argv + argc);
+    copy.push_back(nullptr);
+    if (std::string problem = options.check_arguments(argc, copy.data()); !problem.empty()) {
+      return InvalidArgumentError(problem);
+    }
+  }
 
   DDP_ASSIGN_OR_RETURN(std::string token, GenerateJobToken());
   store::TcpStoreServerOptions server_options;
@@ -163,7 +180,7 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
   DDP_ASSIGN_OR_RETURN(std::unique_ptr<store::TcpStoreServer> server,
                        store::TcpStoreServer::Start(server_options));
 
-  const char* program = argc > 0 ? argv[0] : "self-launch";
+  const std::string program = ProgramName(argc, argv);
   // One deadline for the whole run, restarts included.
   const Deadline deadline = options.max_run_time.count() > 0
                                 ? Clock::now() + options.max_run_time
@@ -231,8 +248,7 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
 void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options) {
   StatusOr<SelfLaunchResult> result = SelfLaunch(argc, argv, options);
   if (!result.ok()) {
-    std::fprintf(stderr, "%s: %s\n", argc > 0 ? argv[0] : "self-launch",
-                 result.status().message().c_str());
+    std::fprintf(stderr, "%s: %s\n", ProgramName(argc, argv).c_str(), result.status().message().c_str());
     std::fflush(stderr);
     std::exit(2);
   }

@@ -29,6 +29,8 @@
 // touches UCX or CUDA.
 
 #include <chrono>
+#include <functional>
+#include <string>
 
 #include "transport/status.h"
 
@@ -53,6 +55,15 @@ struct SelfLaunchOptions {
   /// Programs whose output comes from rank 0 alone (benchmarks with a fixed
   /// output format) turn it off.
   bool prefix_output = true;
+  /// Called in the process that is to start the workers, before anything
+  /// starts, with its arguments less --nproc_per_node (argv[0] first; a
+  /// copy, which the callee may reorder as gflags' parser does): "" when
+  /// they are fine, else one line naming what is wrong, which SelfLaunch
+  /// returns as INVALID_ARGUMENT (SelfLaunchOrExit prints it and exits 2).
+  /// A wrong flag is then refused once, instead of by every worker after
+  /// they all started. Not called under a launcher, where each worker
+  /// checks its own arguments.
+  std::function<std::string(int argc, char** argv)> check_arguments;
 };
 
 /// What the caller does next.
@@ -74,7 +85,8 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv,
 /// the process with the workers' status (a launcher interrupted by SIGINT,
 /// SIGTERM or SIGHUP dies of that signal once its workers are gone, see
 /// DieOfInterruptSignal), or with 2 after printing a one-line error for bad
-/// input.
+/// input ("NAME: ...", NAME being argv[0] without its folder, as in the
+/// launcher's other lines).
 void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options = {});
 
 /// 32 hex characters from the kernel's random source; a fresh job token.

@@ -62,6 +62,21 @@ TEST(SelfLaunchTest, BadProcessCountIsRefusedBeforeAnythingStarts) {
   EXPECT_THAT(run.output, HasSubstr("--nproc_per_node needs a value"));
 }
 
+// SelfLaunchOptions::check_arguments: the launcher refuses what the
+// program's own check refuses, once, with exit 2 and nothing started
+// (test_worker refuses an unknown argument); every worker used to start and
+// refuse it (exit 64), then the launcher named the first. The line names
+// the program without its folder. Under a launcher the check is the
+// worker's own.
+TEST(SelfLaunchTest, TheProgramsOwnCheckRefusesArgumentsBeforeAnythingStarts) {
+  auto run = RunProgram({Worker(), "--nproc_per_node=3", "--bogus", "--print_env"});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_EQ(run.output, "test_worker: unknown argument --bogus\n");
+  run = RunProgram({Worker(), "--bogus"}, {{"RANK", "0"}, {"WORLD_SIZE", "1"}});
+  EXPECT_EQ(run.exit_code, 64) << run.output;
+  EXPECT_EQ(run.output, "test_worker: unknown argument --bogus\n");
+}
+
 TEST(SelfLaunchTest, WorkerFailureGivesItsExitCodeAndNamesTheRank) {
   const auto run = RunProgram({Worker(), "--nproc_per_node=3", "--exit_code=2:5", "--sleep_ms=20000"});
   EXPECT_EQ(run.exit_code, 5) << run.output;

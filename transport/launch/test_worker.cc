@@ -80,8 +80,8 @@ bool ParsePair(std::string_view text, int& a, int& b) {
   return true;
 }
 
-Flags ParseFlags(int argc, char** argv) {
-  Flags f;
+// Reads argv into `f`; "" when every argument is known, else which is not.
+std::string ParseFlags(int argc, char** argv, Flags& f) {
   for (int i = 1; i < argc; ++i) {
     std::string_view arg(argv[i]);
     auto value = [&](std::string_view name) -> std::optional<std::string_view> {
@@ -104,12 +104,9 @@ Flags ParseFlags(int argc, char** argv) {
     else if (auto v = value("--sleep_before_restart")) f.sleep_before_restart = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--pid_dir")) f.pid_dir = std::string(*v);
     else if (value("--self_launch_restarts")) continue;  // read by main
-    else {
-      std::fprintf(stderr, "test_worker: unknown argument %s\n", argv[i]);
-      std::exit(64);
-    }
+    else return "unknown argument " + std::string(arg);
   }
-  return f;
+  return "";
 }
 
 // --ignore_sigterm --pid_dir: the marker's path and contents, set before
@@ -294,8 +291,17 @@ int main(int argc, char** argv) {
       self_launch.max_restarts = std::atoi(argv[i] + flag.size());
     }
   }
+  // The launcher refuses an unknown argument once, before any worker starts.
+  self_launch.check_arguments = [](int argc, char** argv) {
+    Flags unused;
+    return ParseFlags(argc, argv, unused);
+  };
   launch::SelfLaunchOrExit(argc, argv, self_launch);
-  const Flags flags = ParseFlags(argc, argv);
+  Flags flags;
+  if (const std::string problem = ParseFlags(argc, argv, flags); !problem.empty()) {
+    std::fprintf(stderr, "test_worker: %s\n", problem.c_str());
+    return 64;
+  }
   if (flags.ignore_sigterm) signal(SIGTERM, SIG_IGN);
   StatusOr<launch::LaunchEnv> env = launch::LaunchEnvFromProcess();
   if (!env.ok()) return Fail("launch env", env.status());
