@@ -167,7 +167,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --role=NAME          the workers' ROLE_NAME (default: default)
 
 SEC is a number of seconds, digits with an optional fraction (30, 0.5).
-Dashes and underscores in flag names are interchangeable. As under torchrun,
+Dashes and underscores in flag names are interchangeable, and any unique start
+of a name stands for it (--nproc=4), as in torchrun's parser. As under torchrun,
 a torchrun flag missing from the command line is taken from PET_<FLAG> in the
 environment (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...). torchrun's
 --no_python is accepted (ddprun always runs PROGRAM itself); for Python,
@@ -241,6 +242,37 @@ constexpr PetFlag kPetFlags[] = {
     {"module", true},          {"run_path", true},     {"event_log_handler", false},
     {"signals_to_handle", false},
 };
+
+// ddprun's own flags, which no PET_ variable sets.
+constexpr const char* kOwnFlags[] = {"no_prefix",    "job_token",    "rdzv_timeout",
+                                     "node_timeout", "grace_period", "max_run_time"};
+
+// argparse, torchrun's parser, takes any unique start of a long flag's name
+// (`--nproc=4`, `--max_restart 3`, `--standalon`); so does ddprun, among
+// its own flags and torchrun's. Returns the flag `name` (dashes as
+// underscores) stands for: itself when it is one or starts none (left to
+// the caller to refuse); INVALID_ARGUMENT naming them when it starts
+// several.
+StatusOr<std::string> CompleteFlagName(const std::string& name) {
+  if (name.empty()) return name;
+  std::vector<std::string_view> flags;
+  for (const PetFlag& flag : kPetFlags) flags.push_back(flag.name);
+  for (const char* flag : kOwnFlags) flags.push_back(flag);
+  std::vector<std::string_view> starts;
+  for (std::string_view flag : flags) {
+    if (flag == name) return name;
+    if (flag.substr(0, name.size()) == name) starts.push_back(flag);
+  }
+  if (starts.empty()) return name;
+  if (starts.size() == 1) return std::string(starts[0]);
+  std::sort(starts.begin(), starts.end());
+  std::string list;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    list += (i == 0 ? "--" : i + 1 < starts.size() ? ", --" : " and --") + std::string(starts[i]);
+  }
+  return InvalidArgumentError("--" + name + " is ambiguous: it starts " + list +
+                              " (give more of the name; see ddprun --help)");
+}
 
 using FlagNames = std::set<std::string, std::less<>>;
 
@@ -352,6 +384,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           name.resize(eq);
         }
         for (char& c : name) c = c == '-' ? '_' : c;
+        DDP_ASSIGN_OR_RETURN(name, CompleteFlagName(name));
       }
       if (on_command_line) given.insert(name);
 

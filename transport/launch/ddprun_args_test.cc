@@ -49,6 +49,29 @@ TEST(DdprunArgsTest, TorchrunSpellings) {
   EXPECT_EQ(o->command, (std::vector<std::string>{"train", "--lr=0.1"}));
 }
 
+// As under torchrun, whose argparse takes any unique start of a long flag:
+// `--nproc=4`, `--max-restart 3`, `--standalon` are the flags they start,
+// on the command line (so a PET_ variable does not override them); a start
+// of several is refused, naming them. All were unknown flags.
+TEST(DdprunArgsTest, AUniqueStartOfAFlagIsTheFlag) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc=4", "--max-restart", "3", "--standalon", "--rdzv_i=job7", "train"},
+                                    {{"PET_NPROC_PER_NODE", "2"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 4);
+  EXPECT_EQ(o->max_restarts, 3);
+  EXPECT_TRUE(o->standalone);
+  EXPECT_EQ(o->rdzv_id, "job7");
+  EXPECT_EQ(o->command, (std::vector<std::string>{"train"}));
+  ExpectRefused({"--no=1", "p"},
+                "--no is ambiguous: it starts --no_prefix, --no_python, --node_rank and --node_timeout "
+                "(give more of the name; see ddprun --help)");
+  ExpectRefused({"--rdzv=c10d", "p"},
+                "--rdzv is ambiguous: it starts --rdzv_backend, --rdzv_conf, --rdzv_endpoint, --rdzv_id "
+                "and --rdzv_timeout (give more of the name; see ddprun --help)");
+  // Messages name the whole flag.
+  ExpectRefused({"--nproc", "p"}, "--nproc_per_node=p is not an integer, gpu, cpu or auto");
+}
+
 TEST(DdprunArgsTest, ProgramFlagsAreLeftAlone) {
   StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=2", "--", "prog", "--nproc_per_node=5"});
   ASSERT_TRUE(o.ok()) << o.status();
