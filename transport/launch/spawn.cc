@@ -1298,9 +1298,12 @@ class WorkerGroup::Impl {
       if (!w.running) continue;
       const int signal = StopSignalOf(w);
       if (signal != SIGTTOU && signal != SIGTTIN) continue;
+      // Reading is the one a user can mend: workers read the launcher's
+      // stdin (ChooseWorkersStdin), which may be a pipe or a file.
       return "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ") was stopped by " +
              SignalName(signal) + ": it " + (signal == SIGTTOU ? "wrote to or changed" : "read from") +
-             " the terminal, which workers (in a process group of their own) may not do";
+             " the terminal, which workers (in a process group of their own) may not do" +
+             (signal == SIGTTIN ? " (give the launcher its input from a pipe or a file instead)" : "");
     }
     return std::nullopt;
   }

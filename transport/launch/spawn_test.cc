@@ -718,6 +718,22 @@ TEST(SpawnTest, WorkersOfALauncherWithoutStdinGetDevNull) {
   }
 }
 
+// A worker that reads the terminal (pdb, input()) is stopped by SIGTTIN;
+// the reason says how to give the workers their input after all.
+TEST(SpawnTest, AWorkerStoppedForReadingTheTerminalIsToldOfPipes) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(2, "fail_rank1", {{"HOW", std::to_string(SIGTTIN)}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) +
+                               ") was stopped by SIGTTIN: it read from the terminal, which workers (in a "
+                               "process group of their own) may not do (give the launcher its input from a "
+                               "pipe or a file instead); stopping the workers");
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, WithoutStopAllSurvivorsRunToTheirEnd) {
   SpawnOptions options = Quiet();
   options.stop_all_on_failure = false;
