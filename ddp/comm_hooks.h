@@ -16,7 +16,10 @@
 // parameters, on purpose. It is called on the thread running backward, must not block,
 // and must issue the same collectives on every rank: run the communication
 // through ProcessGroup (Run() executes a function on the communication
-// thread, in order with everything else).
+// thread, in order with everything else). While the hook runs, a collective
+// it issues without a label is labelled with the bucket ("all_reduce bucket
+// 3 of 4 parameters `fc2.bias` ... `fc1.weight`(sum, f32 [4106])"), so that
+// DDP_DEBUG=detail's desync report and failure messages say which bucket.
 
 #include <cstddef>
 #include <functional>

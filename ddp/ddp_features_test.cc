@@ -2572,6 +2572,47 @@ TEST(DdpFeaturesTest, DebugModeReportsRanksThatDiverge) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A user's hook calling AllReduce without a label, on a part of the bucket
+// that differs across ranks (rank 1 leaves the last element out): with
+// DDP_DEBUG=detail both ranks name the bucket, by index and parameters
+// (the first and last of more than two), which the reducer lends such
+// calls while the hook runs.
+DDP_TEST_WORKER(hook_desync) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(3);
+  // Nothing reduced alone in place: bucket 0 holds 4 parameters.
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05,
+                                      .inplace_gradient_mb = 100, .process_group = pg});
+  int64_t numel = 0;
+  ddp.RegisterCommHook([&numel](ProcessGroup& group, GradBucket& bucket) {
+    if (bucket.index() == 0) numel = bucket.buffer().numel();
+    const int64_t n = bucket.buffer().numel() - (group.rank() == 1 ? 1 : 0);
+    return group.AllReduce(bucket.buffer().Narrow(0, 0, n));
+  });
+  const std::vector<std::string> names = ddp.BucketParameterNames().at(0);
+  WORKER_EXPECT(names.size() > 2, "bucket 0 has " + std::to_string(names.size()) + " parameters");
+  std::string message;
+  try {
+    auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  std::fprintf(stderr, "reported: %s\n", message.c_str());
+  WORKER_EXPECT(message.find("collective desync detected") != std::string::npos, message);
+  const std::string bucket = "all_reduce bucket 0 of " + std::to_string(names.size()) + " parameters `" +
+                             names.front() + "` ... `" + names.back() + "`(sum, f32 [";
+  WORKER_EXPECT(message.find(bucket + std::to_string(numel) + "])") != std::string::npos, message);
+  WORKER_EXPECT(message.find(bucket + std::to_string(numel - 1) + "])") != std::string::npos, message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, DebugModeNamesTheBucketOfAHooksUnlabelledCollective) {
+  auto run = RunWorkers("hook_desync", 2, {{"DDP_DEBUG", "detail"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Debug mode on one rank only: its fingerprint all-gathers would pair with
 // the other rank's collectives; every rank fails when the group is made.
 DDP_TEST_WORKER(debug_mode_on_one_rank) {

@@ -1151,12 +1151,33 @@ Status LocalCopy(internal::DeviceFence* fence, void* dst, const void* src, size_
   return Status::Ok();
 }
 
+// The label that collectives issued on this thread with none take (set by
+// internal::ScopedDefaultLabel), or null.
+thread_local const std::string* tls_default_label = nullptr;
+
+// A collective's kind as descriptions give it: "all_reduce bucket 3", with
+// the caller's label, else this thread's default label, else none.
+std::string Labelled(const std::string& kind, const std::string& label) {
+  if (!label.empty()) return kind + " " + label;
+  if (tls_default_label != nullptr && !tls_default_label->empty()) {
+    return kind + " " + *tls_default_label;
+  }
+  return kind;
+}
+
 }  // namespace
+
+internal::ScopedDefaultLabel::ScopedDefaultLabel(std::string label)
+    : label_(std::move(label)), previous_(tls_default_label) {
+  tls_default_label = &label_;
+}
+
+internal::ScopedDefaultLabel::~ScopedDefaultLabel() { tls_default_label = previous_; }
 
 Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
                              const std::string& label) {
   CheckTensor(tensor, "AllReduce", "tensor");
-  CollectiveDescription d{label.empty() ? "all_reduce" : "all_reduce " + label, tensor.dtype(),
+  CollectiveDescription d{Labelled("all_reduce", label), tensor.dtype(),
                           tensor.shape(), -1, op, true};
   const transport::DataType type = ToTransportType(tensor.dtype());
   // The task holds the tensor, so its memory outlives the collective.
@@ -1176,7 +1197,7 @@ Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::stri
     throw std::invalid_argument("ProcessGroup::Broadcast: root " + std::to_string(root) +
                                 " is outside a group of size " + std::to_string(size_));
   }
-  CollectiveDescription d{label.empty() ? "broadcast" : "broadcast " + label, tensor.dtype(),
+  CollectiveDescription d{Labelled("broadcast", label), tensor.dtype(),
                           tensor.shape(), root, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(tensor.dtype());
   return impl_->Enqueue(std::move(d), [tensor, root, type](transport::Communicator* comm,
@@ -1203,7 +1224,7 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
   CheckOverlap("AllGather", output, "output", input, "input",
                -static_cast<std::ptrdiff_t>(rank_) * static_cast<std::ptrdiff_t>(input.nbytes()),
                "input may only be output's block rank()");
-  CollectiveDescription d{label.empty() ? "all_gather" : "all_gather " + label, input.dtype(),
+  CollectiveDescription d{Labelled("all_gather", label), input.dtype(),
                           input.shape(), -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "AllGather");
@@ -1277,7 +1298,7 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
   }
   CheckOverlap("AllToAll", output, "output", input, "input", std::nullopt,
                "AllToAll has no in-place form");
-  CollectiveDescription d{label.empty() ? "all_to_all" : "all_to_all " + label, input.dtype(),
+  CollectiveDescription d{Labelled("all_to_all", label), input.dtype(),
                           {static_cast<int64_t>(size_)}, -1, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(input.dtype());
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "AllToAll");
@@ -1308,7 +1329,7 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
   CheckOverlap("ReduceScatter", output, "output", input, "input",
                static_cast<std::ptrdiff_t>(rank_) * static_cast<std::ptrdiff_t>(output.nbytes()),
                "output may only be input's block rank()");
-  CollectiveDescription d{label.empty() ? "reduce_scatter" : "reduce_scatter " + label,
+  CollectiveDescription d{Labelled("reduce_scatter", label),
                           input.dtype(), input.shape(), -1, op, true};
   const transport::DataType type = ToTransportType(input.dtype());
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({output, input}, "ReduceScatter");
@@ -1329,7 +1350,7 @@ Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceO
                           const std::string& label) {
   CheckTensor(tensor, "Reduce", "tensor");
   CheckRoot(root, size_, "Reduce", "root");
-  CollectiveDescription d{label.empty() ? "reduce" : "reduce " + label, tensor.dtype(),
+  CollectiveDescription d{Labelled("reduce", label), tensor.dtype(),
                           tensor.shape(), root, op, true};
   const transport::DataType type = ToTransportType(tensor.dtype());
   std::shared_ptr<internal::DeviceFence> fence = FenceFor({tensor}, "Reduce");
@@ -1381,7 +1402,7 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
     }
   }
   const std::string kind = gather ? "gather" : "scatter";
-  CollectiveDescription d{label.empty() ? kind : kind + " " + label, local.dtype(), local.shape(),
+  CollectiveDescription d{Labelled(kind, label), local.dtype(), local.shape(),
                           root, transport::ReduceOp::kSum, false};
   const transport::DataType type = ToTransportType(local.dtype());
   std::shared_ptr<internal::DeviceFence> fence = FenceFor(

@@ -92,6 +92,24 @@ class DeviceFence;
 /// the task's `deadline` (at least 1 ms, so that a call made just at the
 /// deadline reports TIMED_OUT itself), never a fresh full timeout.
 transport::CallOptions Within(transport::Deadline deadline);
+
+/// While one lives, the collectives that this thread issues with an empty
+/// label (on any group) take `label` instead. DDP's reducer holds one,
+/// naming the bucket, while a communication hook runs: a desync report or a
+/// failure of the hook's unlabelled all-reduce then says which bucket it
+/// was. Labels given by the caller, and Run's descriptions, are kept. The
+/// previous label comes back when it is destroyed (scopes nest).
+class ScopedDefaultLabel {
+ public:
+  explicit ScopedDefaultLabel(std::string label);
+  ~ScopedDefaultLabel();
+  ScopedDefaultLabel(const ScopedDefaultLabel&) = delete;
+  ScopedDefaultLabel& operator=(const ScopedDefaultLabel&) = delete;
+
+ private:
+  std::string label_;
+  const std::string* previous_;
+};
 }  // namespace internal
 
 /// The API version of //ddp (bumped on incompatible change).

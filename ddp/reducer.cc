@@ -55,6 +55,20 @@ void WriteBack(const nn::Tensor& grad, const nn::Tensor& reduced) {
   }
 }
 
+// The label a hook's unlabelled collectives take for bucket `b`: its index
+// and parameters, at most two names whatever its size ("bucket 3 of 4
+// parameters `fc2.bias` ... `fc1.weight`"), so that the debug-mode
+// fingerprint keeps room for the dtype and shape.
+std::string HookLabel(size_t b, const std::vector<size_t>& params,
+                      const std::vector<std::string>& names) {
+  std::string label = "bucket " + std::to_string(b) + " of ";
+  if (params.size() > 2) label += std::to_string(params.size()) + " parameters ";
+  label += "`" + names[params.front()] + "`";
+  if (params.size() == 2) label += ", `" + names[params.back()] + "`";
+  if (params.size() > 2) label += " ... `" + names[params.back()] + "`";
+  return label;
+}
+
 }  // namespace
 
 void SetReducerDeviceCopiesForTesting(bool on) {
@@ -252,6 +266,7 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
     }
     bucket.numel = numel;
     bucket.is_solo = bucket.params.size() == 1;
+    bucket.hook_label = HookLabel(b, bucket.params, names_);
     if (!bucket.is_solo) {
       if (fail_next_bucket_allocation.exchange(false)) throw std::bad_alloc();
       bucket.buffer = pg_->CollectiveZeros({numel}, {.dtype = bucket.dtype, .device = bucket.device});
@@ -762,6 +777,7 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
   // collective: they are told at once, as for the reducer's own errors.
   Work work;
   try {
+    ScopedDefaultLabel label(bucket.hook_label);
     work = hook_(*pg_, grad_bucket);
   } catch (const std::exception& e) {
     pg_->Abort(transport::FailedPreconditionError(

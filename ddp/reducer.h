@@ -192,6 +192,9 @@ class Reducer {
     bool solo_copied = false;     // `solo` is a copy, written back into .grad by Finalize
     std::vector<size_t> params;   // indices into params_
     std::vector<int64_t> offsets; // element offset of each parameter
+    // "bucket 3 of 4 parameters `fc2.bias` ... `fc1.weight`": the default
+    // label of the collectives a communication hook issues without one.
+    std::string hook_label;
     size_t pending = 0;           // gradients still missing this iteration
     Work work;
   };
