@@ -49,13 +49,39 @@ std::shared_ptr<Module> Mlp(uint64_t seed) {
   return nn::modules::MakeMlp(gen);
 }
 
+// This rank's backwards in a step of `micro` micro-batches per rank, each
+// of kBatch samples (rank r's micro-batch j starts at base + (r * micro +
+// j) * kBatch), from micro-batch `first` on: all but the last under NoSync,
+// each loss scaled by `scale`.
+void MicroBatchBackwards(DistributedDataParallel& ddp, int64_t base, int rank, int micro,
+                         double scale, int first = 0) {
+  const auto& data = testing::FashionMnist();
+  for (int j = first; j < micro; ++j) {
+    auto [x, y] = testing::Batch(data, base + (rank * micro + j) * kBatch, kBatch);
+    if (j < micro - 1) {
+      auto guard = ddp.NoSync();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * scale);
+    } else {
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * scale);
+    }
+  }
+}
+
+// One step of the one-process `reference` on the combined batch: `count`
+// samples from `base`.
+void ReferenceStep(Module& reference, nn::optim::Sgd& opt, int64_t base, int64_t count) {
+  opt.ZeroGrad();
+  auto [x, y] = testing::Batch(testing::FashionMnist(), base, count);
+  nn::Backward(nn::loss::CrossEntropy(reference(x), y));
+  opt.Step();
+}
+
 // ------------------------------------------------------------- NoSync ----
 
 // Three micro-batches per rank, the first two under NoSync, each loss
 // scaled by 1/3: one step equals one step on the combined batch of
 // 3 * world * B samples.
 void CheckNoSync(ProcessGroup& pg, bool view) {
-  const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
   constexpr int kMicro = 3, kOuter = 3;
   auto model = Mlp(rank == 0 ? 3 : 50 + rank);
@@ -66,24 +92,9 @@ void CheckNoSync(ProcessGroup& pg, bool view) {
   for (int s = 0; s < kOuter; ++s) {
     const int64_t base = s * kMicro * world * kBatch;
     opt.ZeroGrad();
-    for (int j = 0; j < kMicro; ++j) {
-      auto [x, y] = testing::Batch(data, base + (rank * kMicro + j) * kBatch, kBatch);
-      auto step = [&] {
-        Tensor loss = nn::loss::CrossEntropy(ddp(x), y) * (1.0 / kMicro);
-        nn::Backward(loss);
-      };
-      if (j < kMicro - 1) {
-        auto guard = ddp.NoSync();
-        step();
-      } else {
-        step();
-      }
-    }
+    MicroBatchBackwards(ddp, base, rank, kMicro, 1.0 / kMicro);
     opt.Step();
-    ref_opt.ZeroGrad();
-    auto [x, y] = testing::Batch(data, base, kMicro * world * kBatch);
-    nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
-    ref_opt.Step();
+    ReferenceStep(*reference, ref_opt, base, kMicro * world * kBatch);
   }
   const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
   const std::string what = std::string("NoSync") + (view ? " (views)" : "");
@@ -3798,7 +3809,6 @@ class ZeroSizeAndFrozen : public Module {
 // micro-batches per rank (the first under NoSync) when `no_sync`, else of
 // one: they equal three steps on the combined batches.
 void CheckZeroSizeAndFrozen(ProcessGroup& pg, DdpOptions options, bool no_sync) {
-  const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
   const int micro = no_sync ? 2 : 1;
   auto model = std::make_shared<ZeroSizeAndFrozen>(rank == 0 ? 3 : 40);
@@ -3810,20 +3820,9 @@ void CheckZeroSizeAndFrozen(ProcessGroup& pg, DdpOptions options, bool no_sync) 
   for (int s = 0; s < 3; ++s) {
     const int64_t base = s * micro * world * kBatch;
     opt.ZeroGrad();
-    for (int j = 0; j < micro; ++j) {
-      auto [x, y] = testing::Batch(data, base + (rank * micro + j) * kBatch, kBatch);
-      if (j < micro - 1) {
-        auto guard = ddp.NoSync();
-        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * (1.0 / micro));
-      } else {
-        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * (1.0 / micro));
-      }
-    }
+    MicroBatchBackwards(ddp, base, rank, micro, 1.0 / micro);
     opt.Step();
-    ref_opt.ZeroGrad();
-    auto [x, y] = testing::Batch(data, base, micro * world * kBatch);
-    nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
-    ref_opt.Step();
+    ReferenceStep(*reference, ref_opt, base, micro * world * kBatch);
   }
   const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
   WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
@@ -3873,15 +3872,7 @@ void CheckGradientDoubledBeforeTheWrapper(ProcessGroup& pg, DdpOptions options, 
   for (int s = 0; s < 3; ++s) {
     const int64_t base = s * 2 * world * kBatch;
     opt.ZeroGrad();
-    for (int j = first; j < 2; ++j) {
-      auto [x, y] = testing::Batch(data, base + (rank * 2 + j) * kBatch, kBatch);
-      if (j == 0) {
-        auto guard = ddp.NoSync();
-        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
-      } else {
-        nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
-      }
-    }
+    MicroBatchBackwards(ddp, base, rank, 2, 0.5, first);
     opt.Step();
     ref_opt.ZeroGrad();
     for (int r = 0; r < world; ++r) {
@@ -3923,7 +3914,6 @@ TEST(DdpFeaturesTest, AGradientChangedByAHookBeforeTheWrapperIsTheOneAveraged) {
 // bucket views.
 DDP_TEST_WORKER(static_graph_after_no_sync) {
   auto pg = testing::WorkerGroup();
-  const auto& data = testing::FashionMnist();
   const int world = pg->size(), rank = pg->rank();
   for (int variant = 0; variant < 4; ++variant) {
     auto model = std::make_shared<Branchy>(rank == 0 ? 3 : 9, true);
@@ -3939,20 +3929,9 @@ DDP_TEST_WORKER(static_graph_after_no_sync) {
       for (int s = 0; s < 4; ++s) {
         const int64_t base = s * 2 * world * kBatch;
         opt.ZeroGrad();
-        for (int j = 0; j < 2; ++j) {
-          auto [x, y] = testing::Batch(data, base + (rank * 2 + j) * kBatch, kBatch);
-          if (j == 0) {
-            auto guard = ddp.NoSync();
-            nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
-          } else {
-            nn::Backward(nn::loss::CrossEntropy(ddp(x), y) * 0.5);
-          }
-        }
+        MicroBatchBackwards(ddp, base, rank, 2, 0.5);
         opt.Step();
-        ref_opt.ZeroGrad();
-        auto [x, y] = testing::Batch(data, base, 2 * world * kBatch);
-        nn::Backward(nn::loss::CrossEntropy((*reference)(x), y));
-        ref_opt.Step();
+        ReferenceStep(*reference, ref_opt, base, 2 * world * kBatch);
       }
     } catch (const std::exception& e) {
       WORKER_EXPECT(false, "variant " + std::to_string(variant) + " threw: " + e.what());
