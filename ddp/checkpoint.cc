@@ -344,6 +344,19 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options) {
   CheckWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace);
+  // A group already aborted (a rank failed, a collective timed out): rank
+  // 0's state follows a failed collective and may not match the other
+  // replicas, and no rank could learn how the write went. The file keeps
+  // the last checkpoint the group saved, so that a SaveCheckpoint that
+  // throws before it writes leaves no doubt about what `path` holds. (A
+  // group that fails while rank 0 writes lets the write finish: see
+  // RunOnRootWhileOthersWait.)
+  const transport::Status aborted = pg.aborted_reason();
+  if (!aborted.ok()) {
+    throw DistributedError(transport::Status(
+        aborted.code(), "SaveCheckpoint " + path + ": not written, the file is left as it was: the group "
+                        "was aborted before the save: " + aborted.message()));
+  }
   // The work owns its copies (the checkpoint's tensors are shared, not
   // copied): a write stuck in the filesystem outlives this call.
   nn::io::Checkpoint saved = checkpoint;

@@ -109,7 +109,11 @@ inline constexpr char kWorldSizeKey[] = "world_size";
 /// Every rank throws the same error when rank 0 failed or ran out of time.
 /// `checkpoint` is read on a thread of rank 0's while its caller's thread
 /// keeps the others informed. The file's metadata also records pg.size()
-/// under kWorldSizeKey (replacing a value the caller put there).
+/// under kWorldSizeKey (replacing a value the caller put there). On a
+/// group already aborted (a rank failed before the call), every rank
+/// throws DistributedError at once, naming `path` and the group's reason,
+/// and rank 0 leaves the file as it was: its state follows a failed
+/// collective and may not match the other replicas.
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
 

@@ -267,6 +267,49 @@ TEST(DdpCheckpointTest, FailuresReachEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A save after another rank failed: rank 1 aborts the group, rank 0 sees
+// its next collective fail (as a trainer's backward would), and both then
+// call SaveCheckpoint, as an error handler might. Every rank throws, naming
+// the path and the reason, and the file keeps the last checkpoint the group
+// saved (step 2): rank 0's state follows a failed collective and may not
+// match the other replicas. Before, rank 0 wrote it over the last one and
+// then threw the group's error, which said nothing of the file.
+DDP_TEST_WORKER(save_after_a_rank_failed) {
+  auto pg = testing::WorkerGroup();
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  const std::string path = dir + "/last.safetensors";
+  SaveCheckpoint(*pg, path, MakeCheckpoint(*Mlp(1), nullptr, {{"step", "2"}}));
+  if (pg->rank() == 1) {
+    pg->Abort(transport::FailedPreconditionError("rank 1 failed, on purpose"));
+  } else {
+    const std::string error = NextCollectivesError(*pg);
+    WORKER_EXPECT(error.find("on purpose") != std::string::npos, "rank 0's collective: " + error);
+  }
+  std::string message;
+  try {
+    SaveCheckpoint(*pg, path, MakeCheckpoint(*Mlp(2), nullptr, {{"step", "4"}}));
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("SaveCheckpoint " + path + ": not written, the file is left as it was") !=
+                        std::string::npos &&
+                    message.find("on purpose") != std::string::npos,
+                "reported: " + message);
+  const nn::io::Checkpoint kept = nn::io::LoadCheckpoint(path);
+  WORKER_EXPECT(nn::io::MetadataInt(kept.metadata, "step", path) == 2,
+                "the file holds step " + kept.metadata.at("step"));
+  WORKER_EXPECT(ListDir(dir) == std::vector<std::string>{"last.safetensors"}, "a file beside the checkpoint");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ASaveAfterARankFailedThrowsEverywhereAndKeepsTheLastCheckpoint) {
+  const std::string dir = TempDir();
+  // Each rank checks the file itself: one failing must not stop the other.
+  auto run = RunWorkers("save_after_a_rank_failed", 2, {{"DDP_TEST_CKPT", dir}}, 60000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ----------------------------------------------- the file on one rank ----
 
 DDP_TEST_WORKER(from_rank) {
