@@ -251,6 +251,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
     const Clock::time_point deadline = Clock::now() + timeout;
     std::exception_ptr group_error;
     bool timed_out = false;
+    std::string work_outcome;  // how `work` ended, once the group failed
     {
       Background background(work, abort_reason, stop_grace);
       while (true) {
@@ -288,9 +289,29 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
         if (static_cast<const char*>(record.data_ptr())[0] != kStillGoing) break;
       }
       if (timed_out && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
-      background.Finish(deadline);
+      // As Finish, knowing whether the work had to be stopped.
+      const bool stopped = !background.WaitUntil(deadline);
+      if (stopped) background.Stop();
+      if (group_error) {
+        // The group's error alone would leave root's caller guessing
+        // whether the work it let go on (a write: is the new file in
+        // place?) completed.
+        const std::string went_on = "meanwhile rank " + std::to_string(root) + " went on with " + task + ", which ";
+        if (stopped) {
+          work_outcome = went_on + "did not finish within " + limit + " and was asked to stop";
+        } else {
+          const std::string error = background.error();
+          work_outcome = went_on + (error.empty() ? "completed" : "failed: " + error);
+        }
+      }
     }  // the work ends here
-    if (group_error) std::rethrow_exception(group_error);
+    if (group_error) {
+      try {
+        std::rethrow_exception(group_error);
+      } catch (const DistributedError& e) {
+        throw DistributedError(transport::Status(e.code(), e.status().message() + "; " + work_outcome));
+      }
+    }
   }
   const char* p = static_cast<const char*>(record.data_ptr());
   return p[0] == 1 ? std::string() : std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));

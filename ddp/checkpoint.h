@@ -204,7 +204,10 @@ using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 /// heartbeat more for its outcome, and otherwise the error adds that the
 /// new file may be in place), root returns once it ends, and the group is
 /// aborted with `abort_reason` and that limit. When the group fails while `work` goes on, root lets it go on
-/// until `timeout` before it rethrows. A `work` still going `stop_grace`
+/// until `timeout` before it rethrows the group's DistributedError, its
+/// message ending with how `work` ended ("; meanwhile rank 0 went on with
+/// <task>, which completed", "which failed: <reason>", or "which did not
+/// finish within <option> (N ms) and was asked to stop"). A `work` still going `stop_grace`
 /// after it was asked to stop is left running on a detached thread, with
 /// a line on stderr starting with `abort_reason` that says so.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,

@@ -414,6 +414,47 @@ TEST(DdpCheckpointTest, TheOthersWaitForTheRootsLongWorkAndLearnItsOutcome) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The group fails while root's work goes on (the work aborts it, as a rank
+// failing meanwhile would): root lets the work go on, then throws the
+// group's error saying how the work ended, so that a SaveCheckpoint caller
+// knows whether the new file is in place. Before, the group's error said
+// nothing of it. DDP_TEST_CASE: completed, failed (the work throws after
+// the abort) or stopped (it goes on past its 1 s timeout).
+DDP_TEST_WORKER(group_fails_while_root_works) {
+  auto pg = testing::WorkerGroup();
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  using std::chrono::milliseconds;
+  auto work = [&pg, which](const std::atomic<bool>& stop) {
+    pg->Abort(transport::FailedPreconditionError("a rank failed meanwhile, on purpose"));
+    if (which == "failed") throw std::runtime_error("no luck");
+    // Until asked to stop (at most 10 s).
+    for (int i = 0; which == "stopped" && i < 1000 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+  };
+  std::string message;
+  try {
+    internal::RunOnRootWhileOthersWait(*pg, 0, work, milliseconds(1000), milliseconds(100), "the nap",
+                                       "Nap::timeout", "the nap failed");
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("on purpose") != std::string::npos, "reported: " + message);
+  if (pg->rank() == 0) {
+    const std::string ended = which == "completed" ? "completed"
+                              : which == "failed"  ? "failed: no luck"
+                                                   : "did not finish within Nap::timeout (1000 ms) and was asked to stop";
+    WORKER_EXPECT(message.find("; meanwhile rank 0 went on with the nap, which " + ended) != std::string::npos,
+                  "reported: " + message);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, TheRootSaysHowItsWorkEndedWhenTheGroupFailedMeanwhile) {
+  for (const char* which : {"completed", "failed", "stopped"}) {
+    auto run = RunWorkers("group_fails_while_root_works", 2, {{"DDP_TEST_CASE", which}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
+}
+
 // LoadCheckpoint's reads, one per rank, take as long as each rank's storage
 // does (the host that wrote the file has it in memory): the ranks done first
 // wait for the last as long as it goes on, past the group's timeout (here
