@@ -296,7 +296,8 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
         // The group's error alone would leave root's caller guessing
         // whether the work it let go on (a write: is the new file in
         // place?) completed.
-        const std::string went_on = "meanwhile rank " + std::to_string(root) + " went on with " + task + ", which ";
+        const std::string went_on =
+            "meanwhile rank " + std::to_string(root) + " went on with " + task + ", which ";
         if (stopped) {
           work_outcome = went_on + "did not finish within " + limit + " and was asked to stop";
         } else {

@@ -428,7 +428,9 @@ DDP_TEST_WORKER(group_fails_while_root_works) {
     pg->Abort(transport::FailedPreconditionError("a rank failed meanwhile, on purpose"));
     if (which == "failed") throw std::runtime_error("no luck");
     // Until asked to stop (at most 10 s).
-    for (int i = 0; which == "stopped" && i < 1000 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+    for (int i = 0; which == "stopped" && i < 1000 && !stop; ++i) {
+      std::this_thread::sleep_for(milliseconds(10));
+    }
   };
   std::string message;
   try {
@@ -439,9 +441,10 @@ DDP_TEST_WORKER(group_fails_while_root_works) {
   }
   WORKER_EXPECT(message.find("on purpose") != std::string::npos, "reported: " + message);
   if (pg->rank() == 0) {
-    const std::string ended = which == "completed" ? "completed"
-                              : which == "failed"  ? "failed: no luck"
-                                                   : "did not finish within Nap::timeout (1000 ms) and was asked to stop";
+    const std::string ended =
+        which == "completed" ? "completed"
+        : which == "failed"  ? "failed: no luck"
+                             : "did not finish within Nap::timeout (1000 ms) and was asked to stop";
     WORKER_EXPECT(message.find("; meanwhile rank 0 went on with the nap, which " + ended) != std::string::npos,
                   "reported: " + message);
   }
