@@ -1141,14 +1141,19 @@ SafetensorsFile SafetensorsFile::Parse(std::string bytes, const std::string& sou
 SafetensorsFile SafetensorsFile::ParseLayout(std::string_view header_text, uint64_t data_size,
                                              const std::string& source) {
   Parser p(source);
-  const uint64_t n = header_text.size();
   ParsedHeader header = ParseHeader(header_text, p, /*want_tensors=*/true);
   if (header.problem) p.Fail(*header.problem);
+  return Layout(std::move(header.tensors), std::move(header.metadata), 8 + header_text.size(), data_size,
+                source);
+}
 
+SafetensorsFile SafetensorsFile::Layout(std::vector<TensorEntry> entries, Metadata metadata,
+                                        uint64_t data_start, uint64_t data_size, const std::string& source) {
+  Parser p(source);
   SafetensorsFile f;
   f.source_ = source;
-  f.metadata_ = std::move(header.metadata);
-  f.tensors_ = std::move(header.tensors);  // in the order the header lists them
+  f.metadata_ = std::move(metadata);
+  f.tensors_ = std::move(entries);  // in the order the header lists them
   // The entries must tile the data region: sorted by offset, each begins
   // where the previous one ended and the last ends at the file's end.
   // Equal offsets (empty tensors) go by size, then by name.
@@ -1207,7 +1212,7 @@ SafetensorsFile SafetensorsFile::ParseLayout(std::string_view header_text, uint6
     p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(data_size) +
            ") of the data region belong to no tensor");
   }
-  f.data_start_ = 8 + n;
+  f.data_start_ = data_start;
   return f;
 }
 
@@ -1331,8 +1336,11 @@ void BeforePiece(uint64_t got) {
 // from the start of `f` and checked as Parse checks them. `valid` is false
 // when the header or an entry is bad: Parse refuses the returned bytes with
 // the message it would give for the whole file. A valid header whose
-// entries end before or after the file's end is refused here.
-std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* valid) {
+// entries end before or after the file's end is refused here. `parsed`,
+// when given, receives a valid header's entries and metadata, so that the
+// caller need not parse the text again.
+std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* valid,
+                     ParsedHeader* parsed = nullptr) {
   // The header's length first: a file that is no safetensors file at all
   // (a dataset archive given by mistake) is refused before its whole size
   // is allocated. Parse checks the rest.
@@ -1373,37 +1381,37 @@ std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* vali
   // the whole file's size in memory and time, or fail for want of memory,
   // before the real problem were named.
   Parser p(path);
-  std::optional<uint64_t> data_end;
-  std::optional<TensorEntry> last;
+  ParsedHeader header;
   try {
-    ParsedHeader header = ParseHeader(std::string_view(header_text).substr(8), p, /*want_tensors=*/true);
+    header = ParseHeader(std::string_view(header_text).substr(8), p, /*want_tensors=*/true);
     if (header.problem) p.Fail(*header.problem);
-    // The entry that ends last (of those, the last by name).
-    uint64_t end = 0;
-    for (TensorEntry& e : header.tensors) {
-      const uint64_t e_end = e.offset + e.nbytes;
-      if (!last || e_end > end || (e_end == end && e.name > last->name)) {
-        end = e_end;
-        last = std::move(e);
-      }
-    }
-    data_end = end;
   } catch (const CheckpointError&) {
     *valid = false;
     return header_text;
   }
+  // The entry that ends last (of those, the last by name).
+  const TensorEntry* last = nullptr;
+  uint64_t data_end = 0;
+  for (const TensorEntry& e : header.tensors) {
+    const uint64_t e_end = e.offset + e.nbytes;
+    if (!last || e_end > data_end || (e_end == data_end && e.name > last->name)) {
+      data_end = e_end;
+      last = &e;
+    }
+  }
   const uint64_t data_size = size - 8 - n;
-  if (data_end && *data_end > data_size) {
+  if (data_end > data_size) {
     p.Fail("tensor `" + NameForMessage(last->name) + "`: data_offsets [" +
-           std::to_string(last->offset) + ", " + std::to_string(*data_end) + "] extend past the " +
+           std::to_string(last->offset) + ", " + std::to_string(data_end) + "] extend past the " +
            std::to_string(data_size) + "-byte data region (truncated file?)");
   }
-  if (data_end && *data_end < data_size) {
-    p.Fail("bytes [" + std::to_string(*data_end) + ", " + std::to_string(data_size) +
-           ") of the data region belong to no tensor (" + std::to_string(data_size - *data_end) +
+  if (data_end < data_size) {
+    p.Fail("bytes [" + std::to_string(data_end) + ", " + std::to_string(data_size) +
+           ") of the data region belong to no tensor (" + std::to_string(data_size - data_end) +
            " trailing bytes after the last tensor's end)");
   }
   *valid = true;
+  if (parsed != nullptr) *parsed = std::move(header);
   return header_text;
 }
 
@@ -1491,7 +1499,8 @@ SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer&
   stopped(0);
   std::string head;
   bool valid = false;
-  if (size >= 8) head = ReadHead(path, f.get(), size, &valid);
+  ParsedHeader header;
+  if (size >= 8) head = ReadHead(path, f.get(), size, &valid, &header);
   if (!valid) {
     // Parse names the problem, as Read does; a file under 8 bytes is read
     // whole first (it is no bigger than the length field).
@@ -1500,9 +1509,10 @@ SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer&
     throw std::logic_error(path + ": a header found bad was accepted by Parse");
   }
   const uint64_t data_start = head.size();
-  SafetensorsFile file =
-      ParseLayout(std::string_view(head).substr(8), size - data_start, path);
   std::string().swap(head);
+  // The header as ReadHead read it: its text is not parsed a second time.
+  SafetensorsFile file =
+      Layout(std::move(header.tensors), std::move(header.metadata), data_start, size - data_start, path);
 
   const std::vector<void*> where = place(file);
   if (where.size() != file.tensors_.size()) {

@@ -214,6 +214,12 @@ class SafetensorsFile {
   // checksum keys stay in metadata_.
   static SafetensorsFile ParseLayout(std::string_view header_text, uint64_t data_size,
                                      const std::string& source);
+  // The file of a parsed header's `entries` (in the order the header lists
+  // them, without a problem) and `metadata`: the entries are put in
+  // data-region order and checked to tile a data region of `data_size`
+  // bytes, which starts `data_start` bytes into the file.
+  static SafetensorsFile Layout(std::vector<TensorEntry> entries, Metadata metadata, uint64_t data_start,
+                                uint64_t data_size, const std::string& source);
   // Compares `got` (the data region's CRC-32 in hex) with the header's,
   // when it has one, and takes the checksum keys out of metadata_.
   void CheckDataCrc(const std::string& got);
