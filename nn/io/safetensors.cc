@@ -304,53 +304,6 @@ struct DuplicateKey {
   std::string in;
 };
 
-// Follows a JSON text's parse events and throws DuplicateKey when an object
-// at any level holds a key twice: a parser keeps the last one silently. It
-// watches only, building no value (a parse callback would, but nlohmann's
-// callback parser searches the enclosing object from its start every time
-// an inner object ends: time N^2 for N entries). For JSON in metadata
-// values (CheckJsonKeysUnique); headers are read by HeaderReader below.
-class DuplicateKeyWatcher final : public nlohmann::json_sax<nlohmann::json> {
- public:
-  DuplicateKeyWatcher() = default;
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override {
-    open_.push_back({last_key_, {}});
-    return true;
-  }
-  bool key(string_t& key) override {
-    last_key_ = key;
-    if (!open_.empty() && !open_.back().keys.insert(key).second) {
-      throw DuplicateKey{key, open_.size() > 1 ? open_.back().name : std::string()};
-    }
-    return true;
-  }
-  bool end_object() override {
-    if (!open_.empty()) open_.pop_back();
-    return true;
-  }
-  bool start_array(std::size_t) override { return true; }
-  bool end_array() override { return true; }
-  // Ends the watch, keeping the parser's message (see JsonErrorForMessage).
-  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override;
-  const std::string& error() const { return error_; }
-
- private:
-  struct Object {
-    std::string name;  // the key it is the value of ("" at the top)
-    std::set<std::string> keys;
-  };
-  std::vector<Object> open_;
-  std::string last_key_;  // names the object that starts next
-  std::string error_;
-};
-
 // The JSON parser's message, which quotes the last token read (a string
 // token may be megabytes long), cut to a few hundred bytes.
 std::string JsonErrorForMessage(const nlohmann::json::exception& e) {
@@ -360,11 +313,6 @@ std::string JsonErrorForMessage(const nlohmann::json::exception& e) {
   size_t cut = kMax;
   while (cut > 0 && (static_cast<unsigned char>(what[cut]) & 0xC0) == 0x80) --cut;
   return std::string(what.substr(0, cut)) + "... (" + std::to_string(what.size()) + " bytes)";
-}
-
-bool DuplicateKeyWatcher::parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) {
-  error_ = JsonErrorForMessage(e);
-  return false;
 }
 
 std::string DuplicateKeyMessage(const DuplicateKey& d) {
@@ -493,21 +441,6 @@ std::optional<StDtype> StDtypeFromName(std::string_view name) {
     if (name == d.name) return d.dtype;
   }
   return std::nullopt;
-}
-
-void CheckJsonKeysUnique(std::string_view json, int max_depth) {
-  if (NestingDepth(json) > max_depth) {
-    throw std::invalid_argument("JSON nests deeper than " + std::to_string(max_depth) +
-                                (max_depth == 1 ? " level" : " levels"));
-  }
-  DuplicateKeyWatcher watcher;
-  try {
-    if (!nlohmann::json::sax_parse(json.begin(), json.end(), &watcher)) {
-      throw std::invalid_argument("not valid JSON: " + watcher.error());
-    }
-  } catch (const DuplicateKey& d) {
-    throw std::invalid_argument(DuplicateKeyMessage(d));
-  }
 }
 
 // The message refusing a save during which tensor `t` changed.

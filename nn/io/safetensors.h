@@ -140,14 +140,6 @@ std::string SerializeSafetensors(const std::vector<TensorView>& tensors,
 void WriteSafetensorsFile(const std::string& path, const std::vector<TensorView>& tensors,
                           const Metadata& metadata = {}, const std::atomic<bool>* stop = nullptr);
 
-/// Throws std::invalid_argument when `json` nests arrays and objects deeper
-/// than `max_depth` (counted on the text, before anything is parsed, so a
-/// hostile value of a million brackets costs no more than its own bytes),
-/// is not JSON, or has an object, at any level, that holds a key twice
-/// ("key `w` appears twice"): JSON parsers keep the last silently. For JSON
-/// kept in metadata values.
-void CheckJsonKeysUnique(std::string_view json, int max_depth);
-
 /// A fully validated safetensors file held in memory.
 class SafetensorsFile {
  public:
