@@ -9,6 +9,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include <fcntl.h>
@@ -1322,21 +1323,26 @@ std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* vali
     *valid = false;
     return header_text;
   }
-  // The entry that ends last (of those, the last by name).
-  const TensorEntry* last = nullptr;
+  const uint64_t data_size = size - 8 - n;
+  // Where the entries end, and the first of them in data-region order
+  // (offset, size, name, as Parse sorts them) that ends past the file: in
+  // a file cut short, the first tensor whose bytes are missing, which Parse
+  // names for the same bytes (the one that ends last said the tensors
+  // before it were whole).
   uint64_t data_end = 0;
+  const TensorEntry* cut = nullptr;
   for (const TensorEntry& e : header.tensors) {
     const uint64_t e_end = e.offset + e.nbytes;
-    if (!last || e_end > data_end || (e_end == data_end && e.name > last->name)) {
-      data_end = e_end;
-      last = &e;
+    data_end = std::max(data_end, e_end);
+    if (e_end > data_size &&
+        (!cut || std::tie(e.offset, e.nbytes, e.name) < std::tie(cut->offset, cut->nbytes, cut->name))) {
+      cut = &e;
     }
   }
-  const uint64_t data_size = size - 8 - n;
-  if (data_end > data_size) {
-    p.Fail("tensor `" + NameForMessage(last->name) + "`: data_offsets [" +
-           std::to_string(last->offset) + ", " + std::to_string(data_end) + "] extend past the " +
-           std::to_string(data_size) + "-byte data region (truncated file?)");
+  if (cut != nullptr) {
+    p.Fail("tensor `" + NameForMessage(cut->name) + "`: data_offsets [" + std::to_string(cut->offset) + ", " +
+           std::to_string(cut->offset + cut->nbytes) + "] extend past the " + std::to_string(data_size) +
+           "-byte data region (truncated file?)");
   }
   if (data_end < data_size) {
     p.Fail("bytes [" + std::to_string(data_end) + ", " + std::to_string(data_size) +

@@ -271,6 +271,51 @@ TEST(Safetensors, TruncatedDataIsRefusedNamingTheLastTensor) {
               AllOf(HasSubstr(path), HasSubstr("tensor `y`"), HasSubstr("truncated file?")));
 }
 
+// A file cut in the middle of its data: the readers of a path name the
+// first tensor whose bytes are missing, as Parse does for the same bytes.
+// Before, Read and ReadInto named the tensor that ends last (`z` here),
+// which suggested the tensors before it were whole.
+TEST(Safetensors, TruncatedDataIsRefusedNamingTheFirstTensorCut) {
+  const std::string path = TmpDir("st_cut_mid") + "/t.safetensors";
+  const float a[3] = {1, 2, 3};
+  WriteSafetensorsFile(path, {{"x", StDtype::kF32, {1}, a, 4},
+                              {"y", StDtype::kF32, {1}, a + 1, 4},
+                              {"z", StDtype::kF32, {1}, a + 2, 4}});
+  const std::string whole = ReadAll(path);
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(whole.size() - 6)), 0);  // 2 bytes of y left
+  const std::string expected = "tensor `y`: data_offsets [4, 8] extend past the 6-byte data region (truncated file?)";
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Parse(whole.substr(0, whole.size() - 6), path); }),
+              AllOf(HasSubstr(path), HasSubstr(expected)));
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Read(path); }), AllOf(HasSubstr(path), HasSubstr(expected)));
+  EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadBytes(path); }), AllOf(HasSubstr(path), HasSubstr(expected)));
+  EXPECT_THAT(ErrorOf([&] {
+                SafetensorsFile::ReadInto(path, [](const SafetensorsFile& f) {
+                  return std::vector<void*>(f.tensors().size(), nullptr);
+                });
+              }),
+              AllOf(HasSubstr(path), HasSubstr(expected)));
+}
+
+// An empty file and a directory at the path: every reader of a path gives
+// one error naming the path and what is wrong. A review probe; these
+// already behaved.
+TEST(Safetensors, AnEmptyFileOrADirectoryIsRefusedByEveryReaderNamingThePath) {
+  const std::string dir = TmpDir("st_not_a_file");
+  const std::string empty = dir + "/empty.safetensors";
+  WriteAll(empty, "");
+  const std::string folder = dir + "/folder.safetensors";
+  ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0) << std::strerror(errno);
+  const auto nowhere = [](const SafetensorsFile& f) { return std::vector<void*>(f.tensors().size(), nullptr); };
+  for (const auto& [path, says] : {std::pair<std::string, std::string>{empty, "file is 0 bytes, shorter than the "
+                                                                              "8-byte header length"},
+                                   std::pair<std::string, std::string>{folder, "not a regular file but a directory"}}) {
+    SCOPED_TRACE(path);
+    EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Read(path); }), AllOf(HasSubstr(path), HasSubstr(says)));
+    EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadInto(path, nowhere); }), AllOf(HasSubstr(path), HasSubstr(says)));
+    EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadMetadata(path); }), AllOf(HasSubstr(path), HasSubstr(says)));
+  }
+}
+
 // A name that is not valid UTF-8 cannot be written or printed: the error
 // gives the file and the tensor's place.
 TEST(Safetensors, NameThatCannotBeEncodedIsNamedByItsPlace) {
