@@ -999,6 +999,42 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
   std::string syntax_error_;  // the parser's message
 };
 
+// Checks that entries tile a data region of `data_size` bytes: `at(k)` is
+// the k-th of `count` in data-region order (by offset, size, then name).
+// Fails through `p` on the first problem in that order: an entry past the
+// region's end, one overlapping the one before, bytes between two entries,
+// or bytes after the last one.
+template <typename At>
+void CheckTiling(size_t count, const At& at, uint64_t data_size, const Parser& p) {
+  uint64_t pos = 0;
+  const TensorEntry* prev = nullptr;
+  auto range = [](const TensorEntry& e) {
+    return "[" + std::to_string(e.offset) + ", " + std::to_string(e.offset + e.nbytes) + "]";
+  };
+  for (size_t k = 0; k < count; ++k) {
+    const TensorEntry& e = at(k);
+    if (e.offset + e.nbytes > data_size) {
+      p.Fail("tensor `" + NameForMessage(e.name) + "`: data_offsets " + range(e) + " extend past the " +
+             std::to_string(data_size) + "-byte data region (truncated file?)");
+    }
+    if (e.offset < pos) {
+      p.Fail("tensor `" + NameForMessage(e.name) + "`: data_offsets " + range(e) + " overlap tensor `" +
+             NameForMessage(prev->name) + "` " + range(*prev));
+    }
+    if (e.offset > pos) {
+      p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(e.offset) +
+             ") of the data region belong to no tensor");
+    }
+    pos = e.offset + e.nbytes;
+    prev = &e;
+  }
+  if (pos != data_size) {
+    p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(data_size) +
+           ") of the data region belong to no tensor (" + std::to_string(data_size - pos) +
+           " trailing bytes after the last tensor's end)");
+  }
+}
+
 // The JSON header `text` (the n bytes after the length), checked as Parse
 // checks it: its checksum (when it has one), an object without NUL bytes,
 // nesting deeper than 3 or repeated keys, and read (the entries, only when
@@ -1121,31 +1157,7 @@ SafetensorsFile SafetensorsFile::Layout(std::vector<TensorEntry> entries, Metada
     order[k] = kPlaced;
   }
 
-  uint64_t pos = 0;
-  const TensorEntry* prev = nullptr;
-  auto range = [](const TensorEntry& e) {
-    return "[" + std::to_string(e.offset) + ", " + std::to_string(e.offset + e.nbytes) + "]";
-  };
-  for (const TensorEntry& e : f.tensors_) {
-    if (e.offset + e.nbytes > data_size) {
-      p.Fail("tensor `" + NameForMessage(e.name) + "`: data_offsets " + range(e) + " extend past the " +
-             std::to_string(data_size) + "-byte data region (truncated file?)");
-    }
-    if (e.offset < pos) {
-      p.Fail("tensor `" + NameForMessage(e.name) + "`: data_offsets " + range(e) + " overlap tensor `" +
-             NameForMessage(prev->name) + "` " + range(*prev));
-    }
-    if (e.offset > pos) {
-      p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(e.offset) +
-             ") of the data region belong to no tensor");
-    }
-    pos = e.offset + e.nbytes;
-    prev = &e;
-  }
-  if (pos != data_size) {
-    p.Fail("bytes [" + std::to_string(pos) + ", " + std::to_string(data_size) +
-           ") of the data region belong to no tensor");
-  }
+  CheckTiling(count, [&](size_t k) -> const TensorEntry& { return f.tensors_[k]; }, data_size, p);
   f.data_start_ = data_start;
   return f;
 }
@@ -1323,31 +1335,23 @@ std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* vali
     *valid = false;
     return header_text;
   }
+  // A header that does not tile the file's data region is refused here,
+  // before the data is allocated or read (a huge tail after the last
+  // tensor, a file cut short), with the problem Parse reports for the same
+  // bytes: the first in data-region order.
   const uint64_t data_size = size - 8 - n;
-  // Where the entries end, and the first of them in data-region order
-  // (offset, size, name, as Parse sorts them) that ends past the file: in
-  // a file cut short, the first tensor whose bytes are missing, which Parse
-  // names for the same bytes (the one that ends last said the tensors
-  // before it were whole).
   uint64_t data_end = 0;
-  const TensorEntry* cut = nullptr;
-  for (const TensorEntry& e : header.tensors) {
-    const uint64_t e_end = e.offset + e.nbytes;
-    data_end = std::max(data_end, e_end);
-    if (e_end > data_size &&
-        (!cut || std::tie(e.offset, e.nbytes, e.name) < std::tie(cut->offset, cut->nbytes, cut->name))) {
-      cut = &e;
-    }
-  }
-  if (cut != nullptr) {
-    p.Fail("tensor `" + NameForMessage(cut->name) + "`: data_offsets [" + std::to_string(cut->offset) + ", " +
-           std::to_string(cut->offset + cut->nbytes) + "] extend past the " + std::to_string(data_size) +
-           "-byte data region (truncated file?)");
-  }
-  if (data_end < data_size) {
-    p.Fail("bytes [" + std::to_string(data_end) + ", " + std::to_string(data_size) +
-           ") of the data region belong to no tensor (" + std::to_string(data_size - data_end) +
-           " trailing bytes after the last tensor's end)");
+  for (const TensorEntry& e : header.tensors) data_end = std::max(data_end, e.offset + e.nbytes);
+  if (data_end != data_size) {
+    std::vector<const TensorEntry*> order;
+    order.reserve(header.tensors.size());
+    for (const TensorEntry& e : header.tensors) order.push_back(&e);
+    std::sort(order.begin(), order.end(), [](const TensorEntry* x, const TensorEntry* y) {
+      return std::tie(x->offset, x->nbytes, x->name) < std::tie(y->offset, y->nbytes, y->name);
+    });
+    CheckTiling(order.size(), [&](size_t k) -> const TensorEntry& { return *order[k]; }, data_size, p);
+    throw std::logic_error(path + ": entries that end at " + std::to_string(data_end) + " tile a data region of " +
+                           std::to_string(data_size) + " bytes");
   }
   *valid = true;
   if (parsed != nullptr) *parsed = std::move(header);

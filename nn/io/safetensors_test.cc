@@ -1634,6 +1634,30 @@ TEST(SafetensorsErrors, OverlappingOffsets) {
               AllOf(HasSubstr("`b`: data_offsets [2, 5] overlap tensor `a` [0, 3]")));
 }
 
+// Offsets that overlap, or leave a gap, in a file with bytes after its last
+// tensor: the readers of a path report the first problem in data-region
+// order, as Parse does for the same bytes. Before, they checked the file's
+// end first and blamed the trailing bytes alone, naming no tensor.
+TEST(SafetensorsErrors, OverlapOrGapBeforeTrailingBytesIsReportedAsParseReportsIt) {
+  const std::string dir = TmpDir("st_layout");
+  const auto nowhere = [](const SafetensorsFile& f) { return std::vector<void*>(f.tensors().size(), nullptr); };
+  const std::pair<std::string, std::string> cases[] = {
+      {R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})",
+       "tensor `b`: data_offsets [2, 6] overlap tensor `a` [0, 4]"},
+      {R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}})",
+       "bytes [2, 4) of the data region belong to no tensor"},
+  };
+  for (const auto& [header, says] : cases) {
+    SCOPED_TRACE(says);
+    const std::string bytes = Build(header, "abcdefgh");
+    const std::string path = dir + "/l.safetensors";
+    WriteAll(path, bytes);
+    EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Parse(bytes, path); }), AllOf(HasSubstr(path), HasSubstr(says)));
+    EXPECT_THAT(ErrorOf([&] { SafetensorsFile::Read(path); }), AllOf(HasSubstr(path), HasSubstr(says)));
+    EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadInto(path, nowhere); }), AllOf(HasSubstr(path), HasSubstr(says)));
+  }
+}
+
 TEST(SafetensorsErrors, OffsetsOutOfRange) {
   EXPECT_THAT(ParseError(Build(R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},)"
                                R"("b":{"dtype":"U8","shape":[3],"data_offsets":[3,6]}})",
