@@ -132,13 +132,25 @@ class ExponentialImpl : public Schedule {
 
 class LambdaImpl : public Schedule {
  public:
-  LambdaImpl(std::function<double(int64_t)> factor, std::string description)
-      : factor_(std::move(factor)), description_(std::move(description)) {}
-  double Lr(double base, int64_t t) const override { return base * factor_(t); }
+  // `per_group`: factors[k] is group k's (else factors holds one, every
+  // group's).
+  LambdaImpl(std::vector<std::function<double(int64_t)>> factors, bool per_group, std::string description)
+      : factors_(std::move(factors)), per_group_(per_group), description_(std::move(description)) {}
+  double Lr(double base, int64_t t) const override { return base * factors_.front()(t); }
+  size_t GroupCount() const override { return per_group_ ? factors_.size() : 0; }
+  double GroupLr(size_t group, double base, int64_t t) const override {
+    if (!per_group_) return Lr(base, t);
+    if (group >= factors_.size()) {
+      throw std::out_of_range("LambdaLR: param group " + std::to_string(group) + " of a schedule with factors for " +
+                              std::to_string(factors_.size()) + " groups");
+    }
+    return base * factors_[group](t);
+  }
   std::string Describe() const override { return description_.empty() ? "" : "LambdaLR(" + description_ + ")"; }
 
  private:
-  std::function<double(int64_t)> factor_;
+  std::vector<std::function<double(int64_t)>> factors_;
+  bool per_group_;
   std::string description_;
 };
 
@@ -390,7 +402,22 @@ std::shared_ptr<Schedule> ExponentialSchedule(double gamma) {
 
 std::shared_ptr<Schedule> LambdaSchedule(std::function<double(int64_t)> factor, std::string description) {
   if (!factor) throw std::invalid_argument("LambdaLR: factor is an empty function");
-  return std::make_shared<LambdaImpl>(std::move(factor), std::move(description));
+  return std::make_shared<LambdaImpl>(std::vector<std::function<double(int64_t)>>{std::move(factor)}, false,
+                                      std::move(description));
+}
+
+std::shared_ptr<Schedule> LambdaSchedule(std::vector<std::function<double(int64_t)>> factors,
+                                         std::string description) {
+  if (factors.empty()) {
+    throw std::invalid_argument("LambdaLR: no factors given; give one function per param group");
+  }
+  for (size_t k = 0; k < factors.size(); ++k) {
+    if (!factors[k]) {
+      throw std::invalid_argument("LambdaLR: factors[" + std::to_string(k) + "] (param group " + std::to_string(k) +
+                                  "'s) is an empty function");
+    }
+  }
+  return std::make_shared<LambdaImpl>(std::move(factors), true, std::move(description));
 }
 
 std::shared_ptr<Schedule> CosineWarmRestartsSchedule(int64_t t_0, int64_t t_mult, double eta_min) {
@@ -571,7 +598,9 @@ LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> s
   if (!rates_.get || !rates_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
   if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
   if (schedule_->GroupCount() != 0 && schedule_->GroupCount() != rates_.count) {
-    throw std::invalid_argument("LrScheduler: " + schedule_->Describe() + " has values for " +
+    const std::string described = schedule_->Describe();
+    throw std::invalid_argument("LrScheduler: " + (described.empty() ? std::string("the schedule") : described) +
+                                " has values for " +
                                 std::to_string(schedule_->GroupCount()) + " param group(s), and the " +
                                 (optimizer != nullptr ? std::string(optimizer->Name()) + " optimizer" : "target") +
                                 " has " + std::to_string(rates_.count));
@@ -766,16 +795,17 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
 }
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)
-    : ReduceLrOnPlateau(RatesOf(optimizer), options) {}
+    : ReduceLrOnPlateau(RatesOf(optimizer), std::move(options),
+                        "param group(s) of the optimizer") {}
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(LrTarget target, PlateauOptions options)
-    : ReduceLrOnPlateau(RatesOf(std::move(target)), options) {}
+    : ReduceLrOnPlateau(RatesOf(std::move(target)), std::move(options), "target") {}
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(std::vector<LrTarget> targets, PlateauOptions options)
-    : ReduceLrOnPlateau(RatesOf(std::move(targets), "ReduceLROnPlateau"), options) {}
+    : ReduceLrOnPlateau(RatesOf(std::move(targets), "ReduceLROnPlateau"), std::move(options), "targets") {}
 
-ReduceLrOnPlateau::ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions options)
-    : rates_(std::move(rates)), options_(options) {
+ReduceLrOnPlateau::ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions options, const std::string& groups)
+    : rates_(std::move(rates)), options_(std::move(options)) {
   constexpr const char* kWho = "ReduceLROnPlateau";
   if (!rates_.get || !rates_.set) throw std::invalid_argument("ReduceLROnPlateau: the target lacks get or set");
   if (options_.mode != PlateauOptions::Mode::kMin && options_.mode != PlateauOptions::Mode::kMax) {
@@ -800,6 +830,22 @@ ReduceLrOnPlateau::ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions 
   CheckFiniteNonNegative(kWho, "threshold", options_.threshold);
   CheckFiniteNonNegative(kWho, "min_lr", options_.min_lr);
   CheckFiniteNonNegative(kWho, "eps", options_.eps);
+  const std::vector<double>& floors = options_.group_min_lr;
+  if (!floors.empty()) {
+    if (options_.min_lr != 0) {
+      throw std::invalid_argument("ReduceLROnPlateau: both min_lr " + Number(options_.min_lr) +
+                                  " and group_min_lr are given; leave min_lr 0 with the list");
+    }
+    if (floors.size() != rates_.count) {
+      throw std::invalid_argument("ReduceLROnPlateau: group_min_lr has " + std::to_string(floors.size()) +
+                                  " values for " + std::to_string(rates_.count) + " " + groups +
+                                  ": give one min_lr per param group");
+    }
+    for (size_t k = 0; k < floors.size(); ++k) {
+      const std::string field = "group_min_lr[" + std::to_string(k) + "]";
+      CheckFiniteNonNegative(kWho, field.c_str(), floors[k]);
+    }
+  }
   best_ = options_.mode == PlateauOptions::Mode::kMin ? std::numeric_limits<double>::infinity()
                                                       : -std::numeric_limits<double>::infinity();
 }
@@ -813,7 +859,22 @@ bool ReduceLrOnPlateau::IsBetter(double metric) const {
   return rel ? metric > best_ * (options_.threshold + 1.0) : metric > best_ + options_.threshold;
 }
 
+double ReduceLrOnPlateau::MinLr(size_t group) const {
+  return options_.group_min_lr.empty() ? options_.min_lr : options_.group_min_lr[group];
+}
+
 void ReduceLrOnPlateau::Step(double metric) {
+  // Every group the optimizer has now, those added since this was made included.
+  const size_t groups = rates_.current_count ? rates_.current_count() : rates_.count;
+  // Checked at every step, not only at a reduction, so that the mistake
+  // shows at once rather than epochs later.
+  if (!options_.group_min_lr.empty() && groups > options_.group_min_lr.size()) {
+    throw std::logic_error("ReduceLROnPlateau: the optimizer has " + std::to_string(groups) +
+                           " param groups and group_min_lr " + std::to_string(options_.group_min_lr.size()) +
+                           " values: param group " + std::to_string(options_.group_min_lr.size()) +
+                           " was added after this scheduler was made and has no min_lr; make the scheduler "
+                           "after adding the groups");
+  }
   // Worked on copies, stored only once the target took any new rate.
   double best = best_;
   int64_t bad = num_bad_, cooldown = cooldown_counter_;
@@ -830,11 +891,9 @@ void ReduceLrOnPlateau::Step(double metric) {
   if (bad > options_.patience) {
     std::vector<double> lrs;
     bool reduced = false;
-    // Every group the optimizer has now, those added since this was made included.
-    const size_t groups = rates_.current_count ? rates_.current_count() : rates_.count;
     for (size_t k = 0; k < groups; ++k) {
       const double old_lr = rates_.get(k);
-      const double new_lr = std::max(old_lr * options_.factor, options_.min_lr);
+      const double new_lr = std::max(old_lr * options_.factor, MinLr(k));
       // Reductions smaller than eps are not worth making (PyTorch's rule,
       // group by group).
       const bool worth_it = old_lr - new_lr > options_.eps;
@@ -853,11 +912,19 @@ void ReduceLrOnPlateau::Step(double metric) {
 
 std::string ReduceLrOnPlateau::Describe() const {
   const PlateauOptions& o = options_;
+  // A list replaces the scalar it stands for; without one, the text is as
+  // before lists existed, so that saved states still load.
+  std::string min_lr = Number(o.min_lr);
+  if (!o.group_min_lr.empty()) {
+    min_lr = "[";
+    for (size_t k = 0; k < o.group_min_lr.size(); ++k) min_lr += (k ? ", " : "") + Number(o.group_min_lr[k]);
+    min_lr += "]";
+  }
   return std::string("ReduceLROnPlateau(mode=") + (o.mode == PlateauOptions::Mode::kMin ? "min" : "max") +
          ", factor=" + Number(o.factor) + ", patience=" + std::to_string(o.patience) +
          ", threshold=" + Number(o.threshold) +
          ", threshold_mode=" + (o.threshold_mode == PlateauOptions::ThresholdMode::kRel ? "rel" : "abs") +
-         ", cooldown=" + std::to_string(o.cooldown) + ", min_lr=" + Number(o.min_lr) + ", eps=" + Number(o.eps) + ")";
+         ", cooldown=" + std::to_string(o.cooldown) + ", min_lr=" + min_lr + ", eps=" + Number(o.eps) + ")";
 }
 
 NamedTensors ReduceLrOnPlateau::StateDict() const {

@@ -95,6 +95,15 @@ std::shared_ptr<Schedule> ExponentialSchedule(double gamma);
 /// refused by the optimizer when it comes. Throws std::invalid_argument when
 /// `factor` is empty.
 std::shared_ptr<Schedule> LambdaSchedule(std::function<double(int64_t)> factor, std::string description = "");
+/// One factor per param group (LambdaLR given a list of functions): group
+/// k's rate is base_lr(k) * factors[k](t). An LrScheduler refuses an
+/// optimizer (or targets) with another number of groups than factors,
+/// naming both; Lr() answers for group 0. `description` as above, naming
+/// the functions. Throws std::invalid_argument when `factors` is empty or
+/// one of them is (naming its index). Pass a std::vector: a braced list of
+/// one function would be ambiguous.
+std::shared_ptr<Schedule> LambdaSchedule(std::vector<std::function<double(int64_t)>> factors,
+                                         std::string description = "");
 /// eta_min + (base_lr - eta_min) * (1 + cos(pi * t_cur / t_i)) / 2, where the
 /// cycle restarts at base_lr after t_0 steps, each later cycle t_mult times
 /// as long as the one before (CosineAnnealingWarmRestarts stepped without an
@@ -320,24 +329,34 @@ struct PlateauOptions {
   double min_lr = 0;
   /// A reduction smaller than eps is not made.
   double eps = 1e-8;
+  /// Per param group, as PyTorch's list form of min_lr: given (not empty),
+  /// one floor per group of the optimizer (or per target), group k's rate
+  /// never reduced below element k; it replaces min_lr (left 0). A list of
+  /// another length than the number of groups is refused at construction,
+  /// naming both; a group added to the optimizer afterwards has no floor,
+  /// and Step refuses it (see ReduceLrOnPlateau::Step).
+  std::vector<double> group_min_lr;
 };
 
 /// PyTorch's ReduceLROnPlateau: Step(metric) multiplies the optimizer's
 /// current rate by `factor` when the metric has not improved for more than
 /// `patience` steps. With param groups, each group's rate is reduced so
-/// (floored at min_lr, and left as it is where the reduction would be
-/// eps or less, group by group, as PyTorch's); a group added to the
-/// optimizer (AddParamGroup) after this was made is reduced too, as
-/// PyTorch's reads param_groups at each reduction. It reads the rate from the optimizer at each reduction,
-/// so a rate set with set_lr in between (or one restored with the
-/// optimizer's state) is the one reduced. It does not drive the rate along
+/// (floored at min_lr, or at its own group_min_lr, and left as it is where
+/// the reduction would be eps or less, group by group, as PyTorch's); a
+/// group added to the optimizer (AddParamGroup) after this was made is
+/// reduced too (floored at min_lr), as PyTorch's reads param_groups at each
+/// reduction. It reads the rate from the optimizer at each reduction, so a
+/// rate set with set_lr in between (or one restored with the optimizer's
+/// state) is the one reduced. It does not drive the rate along
 /// a schedule: pairing it with an LrScheduler on the same optimizer would
 /// have the scheduler overwrite every reduction at its next step.
 class ReduceLrOnPlateau {
  public:
   /// Throws std::invalid_argument naming the option unless factor is in
   /// [0, 1), patience and cooldown >= 0, threshold, min_lr and eps finite
-  /// and >= 0, and the modes known. The optimizer must outlive this.
+  /// and >= 0, and the modes known; with group_min_lr, unless it has one
+  /// value per param group (naming both counts), each finite and >= 0
+  /// (naming the index), and min_lr is 0. The optimizer must outlive this.
   ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options = {});
   /// Throws std::invalid_argument when `target` lacks get or set.
   ReduceLrOnPlateau(LrTarget target, PlateauOptions options = {});
@@ -348,6 +367,9 @@ class ReduceLrOnPlateau {
   /// Takes one metric (after the epoch's validation, say) and reduces the
   /// rate on a plateau. A NaN metric counts as no improvement, as in
   /// PyTorch. When the target refuses the rate, throws and changes nothing.
+  /// With group_min_lr, throws std::logic_error, changing nothing, naming
+  /// the group when the optimizer has more param groups than the list
+  /// (one added with AddParamGroup since), whose floor would be unknown.
   void Step(double metric);
   /// The current learning rate (group 0's with several groups).
   double lr() const { return rates_.get(0); }
@@ -375,7 +397,11 @@ class ReduceLrOnPlateau {
   bool IsBetter(double metric) const;
   std::string Describe() const;
 
-  ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions options);
+  /// `groups` names what the rates are, for errors ("param groups of the
+  /// SGD optimizer", "targets").
+  ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions options, const std::string& groups);
+  /// Group k's floor.
+  double MinLr(size_t group) const;
 
   internal::GroupRates rates_;
   PlateauOptions options_;

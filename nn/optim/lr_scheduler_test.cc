@@ -738,5 +738,145 @@ TEST(OneCycleMomentum, AStateSavedWithOtherMomentumSettingsIsRefused) {
               HasSubstr("three_phase=false), this scheduler's is"));
 }
 
+// PyTorch's min_lr given as a list: each group has its own floor. The
+// expected rates follow PyTorch 1.13's _reduce_lr, worked by hand:
+// new_lr(k) = max(old_lr(k) * factor, min_lrs[k]), set only when
+// old_lr(k) - new_lr(k) > eps. With factor 0.5 and a constant metric, the
+// first step sets best and every later one reduces.
+TEST(ReduceLrOnPlateau, GroupMinLrFloorsEachGroupAtItsOwn) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}, .options = {{"lr", 0.5}}}}, {.lr = 1.0});
+  ReduceLrOnPlateau r(opt, {.factor = 0.5, .patience = 0, .group_min_lr = {0.3, 0.01}});
+  const std::vector<std::vector<double>> want = {
+      {1.0, 0.5},  {0.5, 0.25},   {0.3, 0.125},     {0.3, 0.0625},
+      {0.3, 0.03125}, {0.3, 0.015625}, {0.3, 0.01}, {0.3, 0.01}};
+  for (size_t i = 0; i < want.size(); ++i) {
+    r.Step(1.0);
+    EXPECT_EQ(opt.lr(0), want[i][0]) << "step " << i;
+    EXPECT_EQ(opt.lr(1), want[i][1]) << "step " << i;
+  }
+  // The options' text names the list, and a state saved with another list
+  // is refused; one saved with the same loads.
+  ReduceLrOnPlateau other(opt, {.factor = 0.5, .patience = 0, .group_min_lr = {0.3, 0.02}});
+  EXPECT_THAT(ErrorOf([&] { other.LoadStateDict(r.StateDict()); }),
+              AllOf(HasSubstr("saved with ReduceLROnPlateau(mode=min, factor=0.5, patience=0, threshold=1e-04, "
+                              "threshold_mode=rel, cooldown=0, min_lr=[0.3, 0.01], eps=1e-08)"),
+                    HasSubstr("this one is ReduceLROnPlateau(mode=min, factor=0.5, patience=0, threshold=1e-04, "
+                              "threshold_mode=rel, cooldown=0, min_lr=[0.3, 0.02], eps=1e-08)")));
+  ReduceLrOnPlateau same(opt, {.factor = 0.5, .patience = 0, .group_min_lr = {0.3, 0.01}});
+  same.LoadStateDict(r.StateDict());
+  EXPECT_EQ(same.step_count(), 8);
+  // Over targets: one floor per target.
+  std::vector<double> rates = {1.0, 1.0};
+  std::vector<LrTarget> targets = {{[&] { return rates[0]; }, [&](double x) { rates[0] = x; }},
+                                   {[&] { return rates[1]; }, [&](double x) { rates[1] = x; }}};
+  ReduceLrOnPlateau over_targets(targets, {.factor = 0.1, .patience = 0, .group_min_lr = {0.5, 0.0}});
+  over_targets.Step(1.0);
+  over_targets.Step(1.0);
+  EXPECT_EQ(rates, (std::vector<double>{0.5, 0.1}));
+}
+
+// A list of another length than the optimizer's groups is refused naming
+// both counts (PyTorch: "expected 2 min_lrs, got 3"), and each value is
+// checked as min_lr is, naming its index.
+TEST(ReduceLrOnPlateau, GroupMinLrIsCheckedNamingWhatIsWrong) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.group_min_lr = {0.1, 0.2, 0.3}}); }),
+            "ReduceLROnPlateau: group_min_lr has 3 values for 2 param group(s) of the optimizer: give one "
+            "min_lr per param group");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.group_min_lr = {0.1}}); }),
+            "ReduceLROnPlateau: group_min_lr has 1 values for 2 param group(s) of the optimizer: give one "
+            "min_lr per param group");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.group_min_lr = {0.1, -1}}); }),
+            "ReduceLROnPlateau: group_min_lr[1] -1 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.group_min_lr = {std::nan(""), 0}}); }),
+            "ReduceLROnPlateau: group_min_lr[0] nan must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.min_lr = 0.1, .group_min_lr = {0.1, 0.2}}); }),
+            "ReduceLROnPlateau: both min_lr 0.1 and group_min_lr are given; leave min_lr 0 with the list");
+  double rate = 1.0;
+  EXPECT_EQ(ErrorOf([&] {
+              ReduceLrOnPlateau(LrTarget{[&] { return rate; }, [&](double x) { rate = x; }},
+                                {.group_min_lr = {0.1, 0.2}});
+            }),
+            "ReduceLROnPlateau: group_min_lr has 2 values for 1 target: give one min_lr per param group");
+}
+
+// A group added after the scheduler was made has no floor in the list:
+// Step refuses it, naming the group, and changes nothing (PyTorch fails
+// with an IndexError at the next reduction).
+TEST(ReduceLrOnPlateau, GroupMinLrRefusesAGroupAddedAfterIt) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd opt({{"a", a}}, {.lr = 1.0});
+  ReduceLrOnPlateau r(opt, {.factor = 0.5, .patience = 0, .group_min_lr = {0.1}});
+  r.Step(1.0);
+  opt.AddParamGroup({.params = {{"b", b}}});
+  std::string error;
+  try {
+    r.Step(1.0);
+  } catch (const std::logic_error& e) {
+    error = e.what();
+  }
+  EXPECT_EQ(error,
+            "ReduceLROnPlateau: the optimizer has 2 param groups and group_min_lr 1 values: param group 1 was "
+            "added after this scheduler was made and has no min_lr; make the scheduler after adding the groups");
+  EXPECT_EQ(r.step_count(), 1);
+  EXPECT_EQ(r.num_bad_steps(), 0);
+  EXPECT_EQ(opt.lr(0), 1.0);
+  EXPECT_EQ(opt.lr(1), 1.0);
+}
+
+// PyTorch's LambdaLR given a list: group k's rate is
+// base_lrs[k] * lr_lambdas[k](last_epoch) (LambdaLR.get_lr), computed here
+// from that formula.
+TEST(LambdaGroups, EachGroupFollowsItsOwnFactor) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}, .options = {{"lr", 0.5}}}}, {.lr = 1.0});
+  const std::function<double(int64_t)> decay = [](int64_t e) { return std::pow(0.9, static_cast<double>(e)); };
+  const std::function<double(int64_t)> inverse = [](int64_t e) { return 1.0 / static_cast<double>(e + 1); };
+  LrScheduler sched(opt, LambdaSchedule(std::vector{decay, inverse}, "[0.9^t, 1/(t+1)]"));
+  for (int64_t t = 0; t <= 6; ++t) {
+    if (t > 0) sched.Step();
+    EXPECT_DOUBLE_EQ(opt.lr(0), 1.0 * std::pow(0.9, static_cast<double>(t))) << "step " << t;
+    EXPECT_DOUBLE_EQ(opt.lr(1), 0.5 / static_cast<double>(t + 1)) << "step " << t;
+  }
+  EXPECT_EQ(sched.lr(), opt.lr(0));
+  // Resumed mid-schedule into another optimizer, each group's rate is its own.
+  Sgd other({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}, .options = {{"lr", 0.5}}}},
+            {.lr = 1.0});
+  LrScheduler resumed(other, LambdaSchedule(std::vector{decay, inverse}, "[0.9^t, 1/(t+1)]"));
+  resumed.LoadStateDict(sched.StateDict());
+  EXPECT_EQ(other.lr(0), opt.lr(0));
+  EXPECT_EQ(other.lr(1), opt.lr(1));
+  resumed.Step();
+  EXPECT_DOUBLE_EQ(other.lr(1), 0.5 / 8);
+}
+
+// A list of another length than the groups is refused naming both counts
+// (PyTorch: "Expected 3 lr_lambdas, but got 2"); so are an empty list and
+// an empty function, naming its index.
+TEST(LambdaGroups, ListsAreCheckedNamingWhatIsWrong) {
+  Tensor a = Zeros({1}), b = Zeros({1}), c = Zeros({1});
+  Sgd three({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}, ParamGroup{.params = {{"c", c}}}},
+            {.lr = 0.1});
+  const std::function<double(int64_t)> one = [](int64_t) { return 1.0; };
+  const std::function<double(int64_t)> half = [](int64_t) { return 0.5; };
+  EXPECT_EQ(ErrorOf([&] { LrScheduler(three, LambdaSchedule(std::vector{one, half}, "pair")); }),
+            "LrScheduler: LambdaLR(pair) has values for 2 param group(s), and the SGD optimizer has 3");
+  EXPECT_EQ(ErrorOf([&] { LrScheduler(three, LambdaSchedule(std::vector{one, half})); }),
+            "LrScheduler: the schedule has values for 2 param group(s), and the SGD optimizer has 3");
+  EXPECT_EQ(three.lr(1), 0.1);
+  EXPECT_EQ(ErrorOf([] { LambdaSchedule(std::vector<std::function<double(int64_t)>>{}); }),
+            "LambdaLR: no factors given; give one function per param group");
+  EXPECT_EQ(ErrorOf([&] { LambdaSchedule(std::vector<std::function<double(int64_t)>>{one, nullptr}); }),
+            "LambdaLR: factors[1] (param group 1's) is an empty function");
+  EXPECT_THAT(ErrorOf([&] { SequentialSchedule({LambdaSchedule(std::vector{one, half}, "pair"), StepSchedule(2)}, {5}); }),
+              HasSubstr("has values per param group, which SequentialLR does not pass on"));
+  // One function in a list of one drives a bare target as a group.
+  double rate = 2.0;
+  LrScheduler target(LrTarget{[&] { return rate; }, [&](double x) { rate = x; }}, LambdaSchedule(std::vector{half}));
+  EXPECT_EQ(rate, 1.0);
+}
+
 }  // namespace
 }  // namespace ddp::nn::optim
