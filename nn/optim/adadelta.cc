@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace ddp::nn::optim {
 namespace {
@@ -34,7 +35,7 @@ Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
     : Adadelta(std::vector<ParamGroup>{{.params = std::move(params)}}, options) {}
 
 Adadelta::Adadelta(std::vector<ParamGroup> groups, AdadeltaOptions defaults)
-    : Optimizer(groups, defaults.lr, {"square_avg", "acc_delta"}) {
+    : Optimizer("Adadelta", groups, defaults.lr, {"square_avg", "acc_delta"}) {
   CheckOptions(defaults);
   defaults_ = defaults;
   const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
@@ -45,13 +46,18 @@ Adadelta::Adadelta(std::vector<ParamGroup> groups, AdadeltaOptions defaults)
   }
 }
 
+// Each refusal names the one option at fault, with its value as given.
 void Adadelta::CheckOptions(const AdadeltaOptions& o) {
+  if (!(o.rho >= 0 && o.rho <= 1)) {
+    throw std::invalid_argument("Adadelta: rho " + internal::OptionValueText(o.rho) + " must be in [0, 1]");
+  }
   // eps and weight_decay also finite: either inf makes the update NaN.
-  if (!(o.rho >= 0 && o.rho <= 1 && o.eps >= 0 && o.weight_decay >= 0 && std::isfinite(o.eps) &&
-        std::isfinite(o.weight_decay))) {
-    throw std::invalid_argument("Adadelta: rho " + internal::OptionValueText(o.rho) + " must be in [0, 1], eps " +
-                                internal::OptionValueText(o.eps) + " and weight_decay " + internal::OptionValueText(o.weight_decay) +
-                                " finite and >= 0");
+  const std::pair<const char*, double> finite_non_negative[] = {{"eps", o.eps}, {"weight_decay", o.weight_decay}};
+  for (const auto& [name, x] : finite_non_negative) {
+    if (!(x >= 0) || !std::isfinite(x)) {
+      throw std::invalid_argument(std::string("Adadelta: ") + name + " " + internal::OptionValueText(x) +
+                                  " must be finite and >= 0");
+    }
   }
 }
 

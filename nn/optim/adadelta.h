@@ -21,7 +21,9 @@ struct AdadeltaOptions {
 /// State slots: "square_avg", "acc_delta".
 class Adadelta : public Optimizer {
  public:
-  /// Throws std::invalid_argument for rho outside [0, 1] or negative values.
+  /// Throws std::invalid_argument, naming "Adadelta" and the one option at
+  /// fault with its value, for rho outside [0, 1], or a negative, NaN or
+  /// infinite lr, eps or weight_decay.
   Adadelta(NamedParameters params, AdadeltaOptions options);
   /// Parameter groups (ParamGroup), each with `defaults` overridden by its
   /// options ("lr", "rho", "eps", "weight_decay", "maximize"). Throws

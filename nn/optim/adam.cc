@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace ddp::nn::optim {
 namespace {
@@ -55,7 +56,7 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults) : Adam(std::mov
 // amsgrad is structural (GroupOptionValues holds every group to the
 // defaults'), so the defaults decide the slots for all groups.
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults, bool decoupled)
-    : Optimizer(groups, defaults.lr, Slots(defaults.amsgrad)), decoupled_(decoupled) {
+    : Optimizer(decoupled ? "AdamW" : "Adam", groups, defaults.lr, Slots(defaults.amsgrad)), decoupled_(decoupled) {
   CheckOptions(defaults);
   defaults_ = defaults;
   const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
@@ -66,16 +67,23 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults, bool decoupled)
   }
 }
 
+// Each refusal names the one option at fault, with its value as given.
 void Adam::CheckOptions(const AdamOptions& o) const {
-  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
-    throw std::invalid_argument(std::string(Name()) + ": betas (" + internal::OptionValueText(o.beta1) + ", " +
-                                internal::OptionValueText(o.beta2) + ") must be in [0, 1)");
+  const std::pair<const char*, double> betas[] = {{"beta1", o.beta1}, {"beta2", o.beta2}};
+  for (const auto& [name, x] : betas) {
+    if (!(x >= 0 && x < 1)) {
+      throw std::invalid_argument(std::string(Name()) + ": " + name + " " + internal::OptionValueText(x) +
+                                  " must be in [0, 1)");
+    }
   }
   // Infinite ones are refused too: an infinite eps stalls every update at
   // 0, an infinite weight_decay makes it inf or NaN.
-  if (!(o.eps >= 0 && o.weight_decay >= 0 && std::isfinite(o.eps) && std::isfinite(o.weight_decay))) {
-    throw std::invalid_argument(std::string(Name()) + ": eps " + internal::OptionValueText(o.eps) + " and weight_decay " +
-                                internal::OptionValueText(o.weight_decay) + " must be finite and >= 0");
+  const std::pair<const char*, double> finite_non_negative[] = {{"eps", o.eps}, {"weight_decay", o.weight_decay}};
+  for (const auto& [name, x] : finite_non_negative) {
+    if (!(x >= 0) || !std::isfinite(x)) {
+      throw std::invalid_argument(std::string(Name()) + ": " + name + " " + internal::OptionValueText(x) +
+                                  " must be finite and >= 0");
+    }
   }
 }
 

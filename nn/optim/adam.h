@@ -34,8 +34,9 @@ struct AdamWOptions {
 /// State slots: "exp_avg", "exp_avg_sq", and "max_exp_avg_sq" with amsgrad.
 class Adam : public Optimizer {
  public:
-  /// Throws std::invalid_argument for betas outside [0, 1) or negative
-  /// lr, eps or weight decay.
+  /// Throws std::invalid_argument, naming the optimizer (Adam, AdamW) and
+  /// the one option at fault with its value, for beta1 or beta2 outside
+  /// [0, 1), or a negative, NaN or infinite lr, eps or weight_decay.
   Adam(NamedParameters params, AdamOptions options);
   /// Parameter groups (ParamGroup), each with `defaults` overridden by its
   /// options ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad",

@@ -145,10 +145,10 @@ void CheckParameters(const NamedParameters& params, const std::string& who) {
   }
 }
 
-Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
+Optimizer::Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
                      SlotRules rules)
     : default_lr_(lr), slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
-  CheckRate(lr, "optimizer");
+  CheckRate(lr, name);
   if (groups.empty()) {
     throw std::invalid_argument("optimizer: no parameter group (a plain list of parameters makes one; a group "
                                 "may be empty)");
@@ -156,7 +156,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std:
   for (size_t k = 0; k < groups.size(); ++k) {
     auto it = groups[k].options.find("lr");
     const double group_lr = it == groups[k].options.end() ? lr : it->second;
-    CheckRate(group_lr, "optimizer: param group " + std::to_string(k));
+    CheckRate(group_lr, std::string(name) + ": param group " + std::to_string(k));
     lrs_.push_back(group_lr);
   }
   // A parameter in two groups would be updated twice per step, with two
@@ -198,8 +198,8 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std:
   state_.resize(params_.size());
 }
 
-Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names)
-    : Optimizer(std::move(groups), lr, std::move(slot_names), SlotRules()) {}
+Optimizer::Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names)
+    : Optimizer(name, std::move(groups), lr, std::move(slot_names), SlotRules()) {}
 
 namespace {
 void CheckParameterIndex(const char* what, size_t i, size_t count) {
@@ -364,7 +364,7 @@ void Optimizer::set_lr(size_t group, double lr) {
     throw std::out_of_range("optimizer: set_lr of param group " + std::to_string(group) + ", but there are " +
                             std::to_string(num_groups()));
   }
-  CheckRate(lr, "optimizer");
+  CheckRate(lr, num_groups() > 1 ? std::string(Name()) + ": param group " + std::to_string(group) : Name());
   lrs_[group] = lr;
 }
 

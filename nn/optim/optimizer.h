@@ -130,7 +130,8 @@ class Optimizer {
   /// std::out_of_range for a group the optimizer lacks.
   double lr(size_t group) const;
   /// Sets the rate of the only group. Throws std::invalid_argument, changing
-  /// nothing, unless `lr` is finite and >= 0, and std::logic_error with
+  /// nothing, unless `lr` is finite and >= 0 (naming the optimizer, and the
+  /// group when there are several), and std::logic_error with
   /// several groups: one rate for all would lose their ratios; set each
   /// with set_lr(group, lr) (LrScheduler does).
   void set_lr(double lr);
@@ -265,10 +266,12 @@ class Optimizer {
   /// all groups' parameters together: a parameter in two groups is
   /// refused naming both), parameters on two devices (naming one of each),
   /// no group at all, or a bad `lr` (the default) or group "lr" (naming
-  /// the group). The groups' other options are the subclass's to check
-  /// (GroupOptionValues).
-  Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names, SlotRules rules);
-  Optimizer(std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names);
+  /// the group, and the optimizer by `name`, the subclass's Name(), which a
+  /// base constructor cannot call). The groups' other options are the
+  /// subclass's to check (GroupOptionValues).
+  Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
+            SlotRules rules);
+  Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names);
   /// `maximize` (PyTorch's option) of one group: the gradient is negated as
   /// Step reads it, before weight decay is added, as PyTorch negates it.
   void set_maximize(size_t group, bool maximize) { maximize_.at(group) = maximize; }

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ddp::nn::optim {
@@ -19,18 +20,25 @@ std::vector<std::string> BufferIf(bool wanted) {
 }
 
 // The constructor's checks of everything but lr (the base checks that).
+// Each refusal names the one option at fault, with its value as given.
 void CheckOptions(const SgdOptions& o) {
   // Written so that NaN fails it too; an infinite one makes the update inf
   // or NaN.
-  const auto ok = [](double x) { return x >= 0 && std::isfinite(x); };
-  if (!(ok(o.momentum) && ok(o.weight_decay) && ok(o.dampening))) {
-    throw std::invalid_argument("SGD: momentum " + internal::OptionValueText(o.momentum) + ", dampening " +
-                                internal::OptionValueText(o.dampening) + " and weight_decay " +
-                                internal::OptionValueText(o.weight_decay) + " must be finite and >= 0");
+  const std::pair<const char*, double> finite_non_negative[] = {
+      {"momentum", o.momentum}, {"dampening", o.dampening}, {"weight_decay", o.weight_decay}};
+  for (const auto& [name, x] : finite_non_negative) {
+    if (!(x >= 0) || !std::isfinite(x)) {
+      throw std::invalid_argument(std::string("SGD: ") + name + " " + internal::OptionValueText(x) +
+                                  " must be finite and >= 0");
+    }
   }
-  if (o.nesterov && (o.momentum <= 0 || o.dampening != 0)) {
-    throw std::invalid_argument("SGD: nesterov needs momentum > 0 and dampening 0, got momentum " +
-                                internal::OptionValueText(o.momentum) + " and dampening " + internal::OptionValueText(o.dampening));
+  if (o.nesterov && o.momentum <= 0) {
+    throw std::invalid_argument("SGD: momentum " + internal::OptionValueText(o.momentum) +
+                                " must be > 0 with nesterov");
+  }
+  if (o.nesterov && o.dampening != 0) {
+    throw std::invalid_argument("SGD: dampening " + internal::OptionValueText(o.dampening) +
+                                " must be 0 with nesterov");
   }
 }
 
@@ -46,7 +54,7 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
 // Momentum zero or not is structural (GroupOptionValues holds every group
 // to the defaults'), so the defaults decide the buffer for all groups.
 Sgd::Sgd(std::vector<ParamGroup> groups, SgdOptions defaults)
-    : Optimizer(groups, defaults.lr, BufferIf(defaults.momentum != 0),
+    : Optimizer("SGD", groups, defaults.lr, BufferIf(defaults.momentum != 0),
                 {.may_be_absent = true, .dropped = BufferIf(defaults.momentum == 0)}) {
   CheckOptions(defaults);
   defaults_ = defaults;

@@ -27,8 +27,9 @@ struct SgdOptions {
 /// (states saved by earlier versions hold a zero one) and is dropped.
 class Sgd : public Optimizer {
  public:
-  /// Throws std::invalid_argument for negative or NaN values, or nesterov without
-  /// momentum or with dampening.
+  /// Throws std::invalid_argument, naming "SGD" and the one option at fault
+  /// with its value, for a negative, NaN or infinite lr, momentum, dampening
+  /// or weight_decay, or nesterov without momentum or with dampening.
   Sgd(NamedParameters params, SgdOptions options);
   /// Parameter groups (ParamGroup), each with `defaults` overridden by its
   /// options ("lr", "momentum", "dampening", "weight_decay", "nesterov",
