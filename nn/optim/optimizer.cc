@@ -145,18 +145,18 @@ void CheckParameters(const NamedParameters& params, const std::string& who) {
   }
 }
 
-Optimizer::Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
+Optimizer::Optimizer(const char* who, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
                      SlotRules rules)
     : default_lr_(lr), slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
-  CheckRate(lr, name);
+  CheckRate(lr, who);
   if (groups.empty()) {
-    throw std::invalid_argument("optimizer: no parameter group (a plain list of parameters makes one; a group "
+    throw std::invalid_argument(std::string(who) + ": no parameter group (a plain list of parameters makes one; a group "
                                 "may be empty)");
   }
   for (size_t k = 0; k < groups.size(); ++k) {
     auto it = groups[k].options.find("lr");
     const double group_lr = it == groups[k].options.end() ? lr : it->second;
-    CheckRate(group_lr, std::string(name) + ": param group " + std::to_string(k));
+    CheckRate(group_lr, std::string(who) + ": param group " + std::to_string(k));
     lrs_.push_back(group_lr);
   }
   // A parameter in two groups would be updated twice per step, with two
@@ -169,15 +169,15 @@ Optimizer::Optimizer(const char* name, std::vector<ParamGroup> groups, double lr
       for (const auto& [name, p] : groups[k].params) {
         auto [n, fresh_name] = by_name.emplace(name, k);
         if (!fresh_name && n->second != k) {
-          throw std::invalid_argument("optimizer: parameter `" + name + "` is in param groups " +
+          throw std::invalid_argument(std::string(who) + ": parameter `" + name + "` is in param groups " +
                                       std::to_string(n->second) + " and " + std::to_string(k) +
                                       " (a parameter may be in one group only)");
         }
         if (!p.defined()) continue;
         auto [t, fresh_tensor] = by_tensor.emplace(p.impl(), std::make_pair(k, name));
         if (!fresh_tensor && t->second.first != k) {
-          throw std::invalid_argument("optimizer: one tensor is in param groups " + std::to_string(t->second.first) +
-                                      " (as `" + t->second.second + "`) and " + std::to_string(k) + " (as `" +
+          throw std::invalid_argument(std::string(who) + ": one tensor is in param groups " +
+                                      std::to_string(t->second.first) + " (as `" + t->second.second + "`) and " + std::to_string(k) + " (as `" +
                                       name + "`) (a parameter may be in one group only)");
         }
       }
@@ -192,19 +192,19 @@ Optimizer::Optimizer(const char* name, std::vector<ParamGroup> groups, double lr
   }
   group_begin_.push_back(params_.size());
   maximize_.assign(groups.size(), false);
-  CheckParameters(params_, "optimizer");
-  CheckOneDevice();
+  CheckParameters(params_, who);
+  CheckOneDevice(who);
   steps_.assign(params_.size(), 0);
   state_.resize(params_.size());
 }
 
-Optimizer::Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names)
-    : Optimizer(name, std::move(groups), lr, std::move(slot_names), SlotRules()) {}
+Optimizer::Optimizer(const char* who, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names)
+    : Optimizer(who, std::move(groups), lr, std::move(slot_names), SlotRules()) {}
 
 namespace {
-void CheckParameterIndex(const char* what, size_t i, size_t count) {
+void CheckParameterIndex(const char* who, const char* what, size_t i, size_t count) {
   if (i >= count) {
-    throw std::out_of_range("optimizer: " + std::string(what) + " of parameter " + std::to_string(i) +
+    throw std::out_of_range(std::string(who) + ": " + what + " of parameter " + std::to_string(i) +
                             ", but it holds " + std::to_string(count));
   }
 }
@@ -216,18 +216,18 @@ uint64_t Optimizer::NextInstanceId() {
 }
 
 int64_t Optimizer::step_count(size_t i) const {
-  CheckParameterIndex("step_count", i, steps_.size());
+  CheckParameterIndex(Name(), "step_count", i, steps_.size());
   return steps_[i];
 }
 
 size_t Optimizer::group_of(size_t param) const {
-  CheckParameterIndex("group_of", param, group_of_.size());
+  CheckParameterIndex(Name(), "group_of", param, group_of_.size());
   return group_of_[param];
 }
 
 NamedParameters Optimizer::group_params(size_t group) const {
   if (group >= num_groups()) {
-    throw std::out_of_range("optimizer: param group " + std::to_string(group) + " of " +
+    throw std::out_of_range(std::string(Name()) + ": param group " + std::to_string(group) + " of " +
                             std::to_string(num_groups()));
   }
   return NamedParameters(params_.begin() + static_cast<std::ptrdiff_t>(group_begin_[group]),
@@ -332,10 +332,10 @@ std::vector<std::map<std::string, double>> Optimizer::GroupOptionValues(
   return out;
 }
 
-void Optimizer::CheckOneDevice() const {
+void Optimizer::CheckOneDevice(const char* who) const {
   for (const auto& [name, p] : params_) {
     if (p.device() != params_.front().second.device()) {
-      throw std::invalid_argument("optimizer: parameters on two devices: `" + params_.front().first + "` on " +
+      throw std::invalid_argument(std::string(who) + ": parameters on two devices: `" + params_.front().first + "` on " +
                                   params_.front().second.device().ToString() + ", `" + name + "` on " +
                                   p.device().ToString() + " (one optimizer updates one device's parameters)");
     }
@@ -344,7 +344,7 @@ void Optimizer::CheckOneDevice() const {
 
 double Optimizer::lr(size_t group) const {
   if (group >= num_groups()) {
-    throw std::out_of_range("optimizer: lr of param group " + std::to_string(group) + ", but there are " +
+    throw std::out_of_range(std::string(Name()) + ": lr of param group " + std::to_string(group) + ", but there are " +
                             std::to_string(num_groups()));
   }
   return lrs_[group];
@@ -352,7 +352,7 @@ double Optimizer::lr(size_t group) const {
 
 void Optimizer::set_lr(double lr) {
   if (num_groups() > 1) {
-    throw std::logic_error("optimizer: set_lr(lr) with " + std::to_string(num_groups()) +
+    throw std::logic_error(std::string(Name()) + ": set_lr(lr) with " + std::to_string(num_groups()) +
                            " param groups would give them one rate and lose their ratios; set each with "
                            "set_lr(group, lr)");
   }
@@ -361,7 +361,7 @@ void Optimizer::set_lr(double lr) {
 
 void Optimizer::set_lr(size_t group, double lr) {
   if (group >= num_groups()) {
-    throw std::out_of_range("optimizer: set_lr of param group " + std::to_string(group) + ", but there are " +
+    throw std::out_of_range(std::string(Name()) + ": set_lr of param group " + std::to_string(group) + ", but there are " +
                             std::to_string(num_groups()));
   }
   CheckRate(lr, num_groups() > 1 ? std::string(Name()) + ": param group " + std::to_string(group) : Name());
@@ -584,7 +584,7 @@ void Optimizer::Step() {
   std::vector<double> scratch_d;
   // Parameters may have moved since construction (Module::To keeps the
   // tensor objects): check again, and take the state along below.
-  CheckOneDevice();
+  CheckOneDevice(Name());
   const Device device = this->device();
   const bool device_path = internal::UsesDevicePath(device);
   if (device_path) CheckDeviceKernels(device);

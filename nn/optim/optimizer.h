@@ -266,12 +266,12 @@ class Optimizer {
   /// all groups' parameters together: a parameter in two groups is
   /// refused naming both), parameters on two devices (naming one of each),
   /// no group at all, or a bad `lr` (the default) or group "lr" (naming
-  /// the group, and the optimizer by `name`, the subclass's Name(), which a
-  /// base constructor cannot call). The groups' other options are the
-  /// subclass's to check (GroupOptionValues).
-  Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
+  /// the group). Every message starts with `who`, the subclass's Name(),
+  /// which a base constructor cannot call. The groups' other options are
+  /// the subclass's to check (GroupOptionValues).
+  Optimizer(const char* who, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
             SlotRules rules);
-  Optimizer(const char* name, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names);
+  Optimizer(const char* who, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names);
   /// `maximize` (PyTorch's option) of one group: the gradient is negated as
   /// Step reads it, before weight decay is added, as PyTorch negates it.
   void set_maximize(size_t group, bool maximize) { maximize_.at(group) = maximize; }
@@ -428,7 +428,8 @@ class Optimizer {
   DeviceUpdateItem PrepareDeviceStep(size_t i, const Tensor& grad);
   void FinishDeviceStep(size_t i);
 
-  void CheckOneDevice() const;
+  /// `who`: the optimizer's name (the constructor's `who`, then Name()).
+  void CheckOneDevice(const char* who) const;
 
   // The LrScheduler that drives this optimizer's lr (expired: none); it
   // refuses a second one, which would fight the first over the rate.

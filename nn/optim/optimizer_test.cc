@@ -432,13 +432,13 @@ TEST(Optimizer, ParameterIndexPastTheEndIsRefused) {
     opt.step_count(2);
     ADD_FAILURE() << "step_count(2) of 2 parameters was accepted";
   } catch (const std::out_of_range& e) {
-    EXPECT_STREQ(e.what(), "optimizer: step_count of parameter 2, but it holds 2");
+    EXPECT_STREQ(e.what(), "SGD: step_count of parameter 2, but it holds 2");
   }
   try {
     opt.group_of(7);
     ADD_FAILURE() << "group_of(7) of 2 parameters was accepted";
   } catch (const std::out_of_range& e) {
-    EXPECT_STREQ(e.what(), "optimizer: group_of of parameter 7, but it holds 2");
+    EXPECT_STREQ(e.what(), "SGD: group_of of parameter 7, but it holds 2");
   }
 }
 
@@ -855,7 +855,7 @@ TEST(Optimizer, RejectsBadParametersAndOptions) {
 TEST(Optimizer, RefusesATensorListedTwiceOrOverlappingViews) {
   const Tensor w = Zeros({4});
   EXPECT_EQ(ErrorOf([&] { Sgd({{"a", w}, {"x", Zeros({2})}, {"b", w}}, {}); }),
-            "optimizer: parameters `a` and `b` share memory (bytes [0, 16) and [0, 16) of one storage): "
+            "SGD: parameters `a` and `b` share memory (bytes [0, 16) and [0, 16) of one storage): "
             "elements listed twice would be updated twice per step");
   const Tensor flat = Zeros({8});
   EXPECT_THAT(ErrorOf([&] { Adam({{"hi", flat.Narrow(0, 4, 4)}, {"lo", flat.Narrow(0, 0, 5)}}, {}); }),
@@ -2180,6 +2180,33 @@ TEST(OptimizerOptions, ARefusedRateNamesTheOptimizerAndTheGroup) {
   Adadelta adadelta(p, {});
   EXPECT_EQ(ErrorOf([&] { adadelta.set_lr(-1e-7); }), "Adadelta: learning rate -1e-07 must be finite and >= 0");
   EXPECT_EQ(adadelta.lr(), 1.0);
+}
+
+// The base's own refusals name the optimizer too, from the constructor
+// (which cannot call Name(): the subclass passes it) and after; they said
+// "optimizer:", which of several optimizers in a program it was unknown.
+TEST(OptimizerOptions, TheBasesRefusalsNameTheOptimizer) {
+  NamedParameters p = MakeParams(DType::kFloat32, 1);
+  const Tensor w = Zeros({2});
+  EXPECT_EQ(ErrorOf([] { Adadelta(std::vector<ParamGroup>{}, {}); }),
+            "Adadelta: no parameter group (a plain list of parameters makes one; a group may be empty)");
+  EXPECT_EQ(ErrorOf([&] { Adam({{"a", w}, {"a", Zeros({1})}}, {}); }), "Adam: parameter `a` is listed twice");
+  EXPECT_EQ(ErrorOf([&] { AdamW(std::vector<ParamGroup>{{.params = {p[0]}}, {.params = {p[0]}}}, {}); }),
+            "AdamW: parameter `" + p[0].first + "` is in param groups 0 and 1 (a parameter may be in one group only)");
+  EXPECT_THAT(ErrorOf([&] { Sgd({{"a", w}, {"b", w}}, {}); }), HasSubstr("SGD: parameters `a` and `b` share memory"));
+  Sgd sgd(TwoGroups(p, {}), {.lr = 0.1});
+  auto what = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(what([&] { sgd.lr(2); }), "SGD: lr of param group 2, but there are 2");
+  EXPECT_EQ(what([&] { sgd.set_lr(2, 0.1); }), "SGD: set_lr of param group 2, but there are 2");
+  EXPECT_THAT(what([&] { sgd.set_lr(0.1); }), HasSubstr("SGD: set_lr(lr) with 2 param groups"));
+  EXPECT_EQ(what([&] { sgd.group_params(3); }), "SGD: param group 3 of 2");
 }
 
 // Group options and loaded rates in refusals are shown as given, as the
