@@ -600,8 +600,8 @@ LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> s
   if (schedule_->GroupCount() != 0 && schedule_->GroupCount() != rates_.count) {
     const std::string described = schedule_->Describe();
     throw std::invalid_argument("LrScheduler: " + (described.empty() ? std::string("the schedule") : described) +
-                                " has values for " +
-                                std::to_string(schedule_->GroupCount()) + " param group(s), and the " +
+                                " has values for " + std::to_string(schedule_->GroupCount()) +
+                                " param group(s), and the " +
                                 (optimizer != nullptr ? std::string(optimizer->Name()) + " optimizer" : "target") +
                                 " has " + std::to_string(rates_.count));
   }
@@ -795,8 +795,7 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
 }
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)
-    : ReduceLrOnPlateau(RatesOf(optimizer), std::move(options),
-                        "param group(s) of the optimizer") {}
+    : ReduceLrOnPlateau(RatesOf(optimizer), std::move(options), "param group(s) of the optimizer") {}
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(LrTarget target, PlateauOptions options)
     : ReduceLrOnPlateau(RatesOf(std::move(target)), std::move(options), "target") {}

@@ -870,7 +870,9 @@ TEST(LambdaGroups, ListsAreCheckedNamingWhatIsWrong) {
             "LambdaLR: no factors given; give one function per param group");
   EXPECT_EQ(ErrorOf([&] { LambdaSchedule(std::vector<std::function<double(int64_t)>>{one, nullptr}); }),
             "LambdaLR: factors[1] (param group 1's) is an empty function");
-  EXPECT_THAT(ErrorOf([&] { SequentialSchedule({LambdaSchedule(std::vector{one, half}, "pair"), StepSchedule(2)}, {5}); }),
+  EXPECT_THAT(ErrorOf([&] {
+                SequentialSchedule({LambdaSchedule(std::vector{one, half}, "pair"), StepSchedule(2)}, {5});
+              }),
               HasSubstr("has values per param group, which SequentialLR does not pass on"));
   // One function in a list of one drives a bare target as a group.
   double rate = 2.0;

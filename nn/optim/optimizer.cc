@@ -150,8 +150,8 @@ Optimizer::Optimizer(const char* who, std::vector<ParamGroup> groups, double lr,
     : default_lr_(lr), slot_names_(std::move(slot_names)), slot_rules_(std::move(rules)) {
   CheckRate(lr, who);
   if (groups.empty()) {
-    throw std::invalid_argument(std::string(who) + ": no parameter group (a plain list of parameters makes one; a group "
-                                "may be empty)");
+    throw std::invalid_argument(std::string(who) +
+                                ": no parameter group (a plain list of parameters makes one; a group may be empty)");
   }
   for (size_t k = 0; k < groups.size(); ++k) {
     auto it = groups[k].options.find("lr");
@@ -177,8 +177,9 @@ Optimizer::Optimizer(const char* who, std::vector<ParamGroup> groups, double lr,
         auto [t, fresh_tensor] = by_tensor.emplace(p.impl(), std::make_pair(k, name));
         if (!fresh_tensor && t->second.first != k) {
           throw std::invalid_argument(std::string(who) + ": one tensor is in param groups " +
-                                      std::to_string(t->second.first) + " (as `" + t->second.second + "`) and " + std::to_string(k) + " (as `" +
-                                      name + "`) (a parameter may be in one group only)");
+                                      std::to_string(t->second.first) + " (as `" + t->second.second + "`) and " +
+                                      std::to_string(k) + " (as `" + name +
+                                      "`) (a parameter may be in one group only)");
         }
       }
     }
@@ -335,8 +336,8 @@ std::vector<std::map<std::string, double>> Optimizer::GroupOptionValues(
 void Optimizer::CheckOneDevice(const char* who) const {
   for (const auto& [name, p] : params_) {
     if (p.device() != params_.front().second.device()) {
-      throw std::invalid_argument(std::string(who) + ": parameters on two devices: `" + params_.front().first + "` on " +
-                                  params_.front().second.device().ToString() + ", `" + name + "` on " +
+      throw std::invalid_argument(std::string(who) + ": parameters on two devices: `" + params_.front().first +
+                                  "` on " + params_.front().second.device().ToString() + ", `" + name + "` on " +
                                   p.device().ToString() + " (one optimizer updates one device's parameters)");
     }
   }
@@ -344,8 +345,8 @@ void Optimizer::CheckOneDevice(const char* who) const {
 
 double Optimizer::lr(size_t group) const {
   if (group >= num_groups()) {
-    throw std::out_of_range(std::string(Name()) + ": lr of param group " + std::to_string(group) + ", but there are " +
-                            std::to_string(num_groups()));
+    throw std::out_of_range(std::string(Name()) + ": lr of param group " + std::to_string(group) +
+                            ", but there are " + std::to_string(num_groups()));
   }
   return lrs_[group];
 }
@@ -361,8 +362,8 @@ void Optimizer::set_lr(double lr) {
 
 void Optimizer::set_lr(size_t group, double lr) {
   if (group >= num_groups()) {
-    throw std::out_of_range(std::string(Name()) + ": set_lr of param group " + std::to_string(group) + ", but there are " +
-                            std::to_string(num_groups()));
+    throw std::out_of_range(std::string(Name()) + ": set_lr of param group " + std::to_string(group) +
+                            ", but there are " + std::to_string(num_groups()));
   }
   CheckRate(lr, num_groups() > 1 ? std::string(Name()) + ": param group " + std::to_string(group) : Name());
   lrs_[group] = lr;
