@@ -404,6 +404,35 @@ std::string Fingerprint(const nn::io::Checkpoint& c) {
          " bytes, step " + (c.metadata.count("step") ? c.metadata.at("step") : std::string("unset"));
 }
 
+// Every rank's record (Record(ok, what)), in rank order: one collective,
+// bound by the group's timeout, whatever happened on each rank.
+nn::Tensor GatherRecords(ProcessGroup& pg, bool ok, const std::string& what, const char* name) {
+  nn::Tensor mine = Record(ok, what);
+  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+  pg.AllGather(all, mine, name).Wait();
+  return all;
+}
+
+// The text of rank r's record in GatherRecords' result.
+std::string RecordText(const nn::Tensor& all, int r) {
+  const char* p = static_cast<const char*>(all.data_ptr()) + r * kRecordBytes;
+  return std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
+}
+
+// "rank 1: why; rank 3: why" over the ranks whose record says they failed,
+// empty when none did. A record holds the first kRecordBytes - 2 bytes of
+// a reason; `full`, when not empty, stands for this rank's own reason in
+// whole.
+std::string FailedRanks(const ProcessGroup& pg, const nn::Tensor& all, const std::string& full = "") {
+  std::string failures;
+  for (int r = 0; r < pg.size(); ++r) {
+    if (static_cast<const char*>(all.data_ptr())[r * kRecordBytes] == 1) continue;
+    const std::string why = r == pg.rank() && !full.empty() ? full : RecordText(all, r);
+    failures += (failures.empty() ? "rank " : "; rank ") + std::to_string(r) + ": " + why;
+  }
+  return failures;
+}
+
 // Every rank's outcome, exchanged; throws one error naming each rank that
 // failed when any did. A rank that loaded puts what it read (Fingerprint)
 // in its record: ranks that read different files (a node-local disk with
@@ -411,26 +440,16 @@ std::string Fingerprint(const nn::io::Checkpoint& c) {
 // the file) fail together, naming what each read, instead of training from
 // different states.
 void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::string& what) {
-  nn::Tensor mine = Record(ok, what);
-  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
-  pg.AllGather(all, mine, "checkpoint load status").Wait();
-  std::string failures;
-  const char* base = static_cast<const char*>(all.data_ptr());
-  for (int r = 0; r < pg.size(); ++r) {
-    const char* p = base + r * kRecordBytes;
-    if (p[0] == 1) continue;
-    failures += (failures.empty() ? "rank " : "; rank ") + std::to_string(r) + ": " +
-                std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
-  }
+  const nn::Tensor all = GatherRecords(pg, ok, what, "checkpoint load status");
+  const std::string failures = FailedRanks(pg, all);
   if (!failures.empty()) {
     throw std::runtime_error("LoadCheckpoint " + path + " failed on " + failures);
   }
   std::string read;
   bool differ = false;
   for (int r = 0; r < pg.size(); ++r) {
-    const char* p = base + r * kRecordBytes;
-    const std::string what(p + 1, strnlen(p + 1, kRecordBytes - 1));
-    differ = differ || what != std::string(base + 1, strnlen(base + 1, kRecordBytes - 1));
+    const std::string what = RecordText(all, r);
+    differ = differ || what != RecordText(all, 0);
     read += (r == 0 ? "rank " : "; rank ") + std::to_string(r) + " read " + what;
   }
   if (differ) {
@@ -561,15 +580,31 @@ std::string KeyList(const std::vector<std::string>& keys) {
   return out;
 }
 
-}  // namespace
+// What RestoreCheckpoint restores: the model (unwrapped) and the
+// components given, each of which may be null.
+struct RestoreTargets {
+  nn::modules::Module& model;
+  nn::optim::Optimizer* optimizer;
+  nn::optim::LrScheduler* scheduler;
+  nn::optim::GradScaler* scaler;
+  PowerSgdState* powersgd;
+  PeriodicModelAverager* averager;
+  PostLocalSgdState* post_local_sgd;
+  nn::optim::ReduceLrOnPlateau* plateau;
+};
 
-void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
-                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
-                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
-                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau) {
-  nn::modules::Module& target = Unwrap(model);
-  // Everything is checked before anything is copied: a failure on the
-  // optimizer's part must not leave the model's weights replaced.
+// Every reason `checkpoint` cannot be restored into `to`, checking
+// everything and changing nothing; empty when it can.
+std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to) {
+  // The names RestoreCheckpoint's arguments have, which its messages use.
+  nn::modules::Module& target = to.model;
+  auto* const optimizer = to.optimizer;
+  auto* const scheduler = to.scheduler;
+  auto* const scaler = to.scaler;
+  auto* const powersgd = to.powersgd;
+  auto* const averager = to.averager;
+  auto* const post_local_sgd = to.post_local_sgd;
+  auto* const plateau = to.plateau;
   std::vector<std::string> problems;
   std::map<Owner, std::vector<std::string>> unused;
   for (const auto& [key, t] : checkpoint.optimizer) {
@@ -645,21 +680,68 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
     check("post_local_sgd", [&] { post_local_sgd->CheckStateDict(checkpoint.optimizer); });
   }
   if (plateau != nullptr) check("plateau", [&] { plateau->CheckStateDict(checkpoint.optimizer); });
-  if (!problems.empty()) {
-    std::string msg = "RestoreCheckpoint: nothing was restored, " + std::to_string(problems.size()) + " problem(s):";
-    for (const std::string& p : problems) msg += "\n  " + p;
-    throw std::invalid_argument(msg);
-  }
-  target.LoadStateDict(checkpoint.model, /*strict=*/true);
+  return problems;
+}
+
+// "2 problem(s):\n  first\n  second".
+std::string ProblemList(const std::vector<std::string>& problems) {
+  std::string list = std::to_string(problems.size()) + " problem(s):";
+  for (const std::string& p : problems) list += "\n  " + p;
+  return list;
+}
+
+// Copies `checkpoint` into `to`, once RestoreProblems found nothing.
+void LoadRestoreTargets(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to) {
+  to.model.LoadStateDict(checkpoint.model, /*strict=*/true);
   // The optimizer before the scheduler, which sets the lr for its step.
-  if (optimizer != nullptr) optimizer->LoadStateDict(checkpoint.optimizer);
-  if (scheduler != nullptr) scheduler->LoadStateDict(checkpoint.optimizer);
-  if (scaler != nullptr) scaler->LoadStateDict(checkpoint.optimizer);
-  if (powersgd != nullptr) powersgd->LoadStateDict(checkpoint.optimizer, params);
-  if (averager != nullptr) averager->LoadStateDict(checkpoint.optimizer);
-  if (post_local_sgd != nullptr) post_local_sgd->LoadStateDict(checkpoint.optimizer);
+  if (to.optimizer != nullptr) to.optimizer->LoadStateDict(checkpoint.optimizer);
+  if (to.scheduler != nullptr) to.scheduler->LoadStateDict(checkpoint.optimizer);
+  if (to.scaler != nullptr) to.scaler->LoadStateDict(checkpoint.optimizer);
+  if (to.powersgd != nullptr) to.powersgd->LoadStateDict(checkpoint.optimizer, to.model.NamedParameters());
+  if (to.averager != nullptr) to.averager->LoadStateDict(checkpoint.optimizer);
+  if (to.post_local_sgd != nullptr) to.post_local_sgd->LoadStateDict(checkpoint.optimizer);
   // After the optimizer: the plateau keeps the rate the optimizer restored.
-  if (plateau != nullptr) plateau->LoadStateDict(checkpoint.optimizer);
+  if (to.plateau != nullptr) to.plateau->LoadStateDict(checkpoint.optimizer);
+}
+
+}  // namespace
+
+void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
+                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
+                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
+                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau) {
+  const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
+  // Everything is checked before anything is copied: a failure on the
+  // optimizer's part must not leave the model's weights replaced.
+  const std::vector<std::string> problems = RestoreProblems(checkpoint, to);
+  if (!problems.empty()) {
+    throw std::invalid_argument("RestoreCheckpoint: nothing was restored, " + ProblemList(problems));
+  }
+  LoadRestoreTargets(checkpoint, to);
+}
+
+void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
+                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
+                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
+                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau) {
+  const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
+  // Every rank reaches the exchange below whatever its checks found, or
+  // the others would wait for it until the group's timeout.
+  std::string mine;
+  try {
+    const std::vector<std::string> problems = RestoreProblems(checkpoint, to);
+    if (!problems.empty()) mine = ProblemList(problems);
+  } catch (const std::exception& e) {
+    mine = std::string("checking the checkpoint threw: ") + e.what();
+  }
+  // Between the checks and the first change: a rank whose peers failed
+  // leaves its model as it was, so no replica goes on from another state.
+  const nn::Tensor all = GatherRecords(pg, mine.empty(), mine, "checkpoint restore status");
+  const std::string failures = FailedRanks(pg, all, mine);
+  if (!failures.empty()) {
+    throw std::invalid_argument("RestoreCheckpoint: nothing was restored on any rank, it failed on " + failures);
+  }
+  LoadRestoreTargets(checkpoint, to);
 }
 
 }  // namespace ddp::dist

@@ -11,7 +11,7 @@
 //   dist::SaveCheckpoint(pg, path, dist::MakeCheckpoint(*model, &opt, {{"step", "120"}}, &sched, &scaler));
 //   // resume (every rank; LoadCheckpointFromRank when only rank 0 has the file)
 //   nn::io::Checkpoint c = dist::LoadCheckpoint(pg, path);
-//   dist::RestoreCheckpoint(c, *model, &opt, &sched, &scaler);
+//   dist::RestoreCheckpoint(pg, c, *model, &opt, &sched, &scaler);
 //
 // The model is the wrapped module (a DistributedDataParallel is unwrapped
 // automatically, so keys never carry its "module." prefix and a checkpoint
@@ -173,8 +173,27 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// `averager`, "post_local_sgd.*" without `post_local_sgd`, "plateau.*"
 /// without `plateau`, or keys none of them takes. (A sharded optimizer loads its
 /// own state: clear checkpoint.optimizer in a copy to restore the model
-/// alone.) Call before the first backward of the resumed run.
+/// alone.) Call before the first backward of the resumed run. Runs on
+/// this rank alone: with several ranks, the collective overload below
+/// makes a failure on one rank an error on every rank.
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
+                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
+                       nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
+                       PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
+                       nn::optim::ReduceLrOnPlateau* plateau = nullptr);
+
+/// Collective RestoreCheckpoint, for a resume on every rank: each rank
+/// checks its own model and components as above, then the ranks exchange
+/// their outcomes (one all-gather, bound by the group's timeout) before
+/// any of them changes anything. When a rank's checks failed (a rank that
+/// built another model, passed no scheduler...), every rank throws one
+/// std::invalid_argument naming each failing rank and its problems, and
+/// every rank's model and components are left as they were: no rank goes
+/// on to train and then hang at its next collective. Another rank's
+/// problems come cut at about 1 KB; a rank's own are given in full. On a
+/// group that fails during the exchange, it throws the group's
+/// DistributedError, also with nothing changed.
+void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
                        nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
                        PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,

@@ -267,6 +267,78 @@ TEST(DdpCheckpointTest, FailuresReachEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Mlp's layers with 11 outputs instead of 10: the same keys, with
+// `5.weight` and `5.bias` of other shapes.
+std::shared_ptr<nn::modules::Module> MlpWithElevenClasses(uint64_t seed) {
+  nn::Generator gen(seed);
+  using namespace nn::modules;
+  return std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<Flatten>(), std::make_shared<Linear>(784, 512, true, gen), std::make_shared<ReLU>(),
+      std::make_shared<Linear>(512, 256, true, gen), std::make_shared<ReLU>(),
+      std::make_shared<Linear>(256, 11, true, gen)});
+}
+
+// Rank 1 built another model than the checkpoint's. Restored rank by rank,
+// only rank 1 fails: the others restore and would go on to their first
+// collective, to wait for rank 1 until the group's timeout (minutes in a
+// real job). Restored collectively, every rank throws at once, naming rank
+// 1 and the parameter, and no rank's model or optimizer has changed.
+DDP_TEST_WORKER(restore_on_every_rank) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  SaveCheckpoint(*pg, path, MakeCheckpoint(*saved, &saved_opt));
+  const nn::io::Checkpoint c = LoadCheckpoint(*pg, path);
+  auto build = [&pg] { return pg->rank() == 1 ? MlpWithElevenClasses(99) : Mlp(99); };
+  {
+    auto alone = build();
+    nn::optim::Sgd alone_opt(alone->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+    std::string error;
+    try {
+      RestoreCheckpoint(c, *alone, &alone_opt);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    WORKER_EXPECT(error.empty() == (pg->rank() != 1), "the rank-local restore: " + error);
+  }
+  auto model = build();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  const uint64_t before = testing::HashState(*model);
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt);
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(error.find("RestoreCheckpoint: nothing was restored on any rank, it failed on rank 1: ") == 0 &&
+                    error.find("`5.weight`: expected [11, 256]") != std::string::npos &&
+                    error.find("rank 0:") == std::string::npos && error.find("rank 2:") == std::string::npos,
+                "rank " + std::to_string(pg->rank()) + " got: " + error);
+  // Well within the group's 60 s, which a rank left waiting would spend.
+  WORKER_EXPECT(took < 20, "the failure took " + std::to_string(took) + " s to reach every rank");
+  WORKER_EXPECT(testing::HashState(*model) == before, "the model was changed");
+  WORKER_EXPECT(opt.lr() == 0.01, "the optimizer's lr is " + std::to_string(opt.lr()));
+  // Nothing was aborted: the group goes on, and with the checkpoint's
+  // model on every rank the collective restore restores it everywhere.
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the refused restore");
+  auto right = Mlp(99);
+  nn::optim::Sgd right_opt(right->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  RestoreCheckpoint(*pg, c, *right, &right_opt);
+  WORKER_EXPECT(testing::HashState(*right) == testing::HashState(*saved), "the restored model differs");
+  WORKER_EXPECT(right_opt.lr() == 0.05, "the restored lr is " + std::to_string(right_opt.lr()));
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankThatCannotRestoreFailsEveryRankPromptlyAndChangesNothing) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("restore_on_every_rank", 3, {{"DDP_TEST_CKPT", dir}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                        180000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A save after another rank failed: rank 1 aborts the group, rank 0 sees
 // its next collective fail (as a trainer's backward would), and both then
 // call SaveCheckpoint, as an error handler might. Every rank throws, naming
