@@ -244,7 +244,9 @@ int ScenarioMismatch() {
   }
   // DDP_TEST_F16=1: f16 data, whose average is divided before a sum (the
   // ranks must still compare avg, not the sum it became). DDP_TEST_CALL:
-  // "reduce_scatter" or "reduce" (to rank 0) instead of the all-reduce.
+  // "reduce_scatter", "reduce" (to rank 0) or "broadcast" (from
+  // DDP_TEST_ROOT, default 0; set per rank to disagree) instead of the
+  // all-reduce.
   const bool f16 = EnvOr("DDP_TEST_F16") == "1";
   std::vector<uint16_t> halves(std::max<size_t>(count, 1000) * comm->size(), 0x3c00);  // 1.0
   const DataType dtype = f16 ? DataType::kF16 : DataType::kF32;
@@ -258,6 +260,8 @@ int ScenarioMismatch() {
   } else if (call == "reduce") {
     std::vector<uint16_t> out(count);
     s = comm->Reduce(halves.data(), out.data(), count, DataType::kF16, op, 0, {.algorithm = algorithm});
+  } else if (call == "broadcast") {
+    s = comm->Broadcast(buffer, count, dtype, std::atoi(EnvOr("DDP_TEST_ROOT", "0").c_str()));
   } else {
     s = comm->AllReduce(buffer, count, dtype, op, {.algorithm = algorithm});
   }
@@ -2398,6 +2402,25 @@ TEST(Faults, CountAcrossTheTreeRingThresholdOnOneRankFailsEverywhere) {
   ExpectMismatchFailsEverywhere(8, Algorithm::kAuto, -1,
                                 {{"DDP_SHARED_MEMORY", "0"}, {"DDP_TEST_COUNT", "524288"}},
                                 {{2, {{"DDP_TEST_COUNT", "524289"}}}});
+}
+
+// Over UCX, rank 2 of 3 broadcasts from itself, the others from rank 0.
+// Rank 0, the root, used to send its data before it compared its
+// neighbours' arguments, and rank 1, whose own neighbours agree with it,
+// took that data and returned OK. Every rank must fail, naming the
+// disagreement (rank 1 through the job's abort reason).
+TEST(Faults, BroadcastWithMismatchedRootsFailsEverywhereUcx) {
+  Job job = RunJob(3, "mismatch",
+                   {{"DDP_SHARED_MEMORY", "0"}, {"DDP_TEST_CALL", "broadcast"},
+                    {"DDP_TEST_COUNT", "1000"}, {"DDP_TEST_TIMEOUT_MS", "10000"}},
+                   milliseconds(60000), nullptr, {{2, {{"DDP_TEST_ROOT", "2"}}}});
+  for (const auto& r : job.results) {
+    ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    const size_t at = r.output.find("ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LE(std::atoi(r.output.c_str() + at + 3), 3000) << job.Describe();
+    EXPECT_NE(r.output.find("ranks disagree on the arguments"), std::string::npos) << job.Describe();
+  }
 }
 
 // f16 averages are divided first and then summed: a rank averaging and one

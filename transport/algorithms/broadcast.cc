@@ -50,19 +50,33 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto chunk_n = [&](size_t c) { return std::min(ce, args.count - c * ce); };
 
   internal::Requests requests(p2p, args.deadline);
-  // Each rank checks its ring predecessor's arguments and its parent's
-  // (before its first wait, so before using or forwarding any data). The
-  // ring, unlike the tree, does not depend on the root, so ranks that
-  // disagree on the root are caught too; the parent is where the data comes
-  // from, and a parent that took itself for the root sends its own buffer
-  // before it learns that it is wrong: its children must not take that data
-  // on the strength of their ring predecessor's agreement alone. In the
-  // chain the parent is the ring predecessor, so this adds nothing there.
+  // Each rank checks the arguments of its ring predecessor, its parent and
+  // its children, before it sends any data (a non-root rank verifies at its
+  // first wait, which comes before it forwards; the root verifies before
+  // its first send). The ring, unlike the tree, does not depend on the
+  // root, so ranks that disagree on the root are caught too; the parent is
+  // where the data comes from, and a parent that took itself for the root
+  // must not have its buffer taken on the strength of the ring
+  // predecessor's agreement alone. The children are checked because a rank
+  // whose own neighbours agree returns OK once it has the data: when the
+  // root sent before it compared (roots 0, 0, 2 on three ranks), rank 1
+  // took rank 0's data and returned OK while ranks 0 and 2 failed. This
+  // costs the root one wait for its children's fingerprints, posted at the
+  // start of their calls. Ranks farther from the one that disagrees than
+  // its neighbours may still return OK with the root's data; the abort the
+  // others post fails their next call.
   std::vector<int> check_to = {(r + 1) % p}, check_from = {(r + p - 1) % p};
+  auto add = [](std::vector<int>& peers, int peer) {
+    if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
+  };
   for (int child : node.children) {
-    if (child != check_to[0]) check_to.push_back(child);
+    add(check_to, child);
+    add(check_from, child);
   }
-  if (node.parent >= 0 && node.parent != check_from[0]) check_from.push_back(node.parent);
+  if (node.parent >= 0) {
+    add(check_to, node.parent);
+    add(check_from, node.parent);
+  }
   internal::PeerCheck check(what, fingerprint);
   DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
 
@@ -87,6 +101,9 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   };
 
   if (is_root) {
+    // As they arrive: a child that disagrees on the root may never send
+    // here, while the predecessor's mismatch is already in.
+    DDP_RETURN_IF_ERROR(check.VerifyAsTheyArrive(requests));
     const size_t first = std::min(k, depth);
     for (size_t c = 0; c < first; ++c) DDP_RETURN_IF_ERROR(forward(send, c));
     // Copy while the first chunks travel.
