@@ -728,7 +728,7 @@ Status ShmAllReduce::CheckAgreement(uint64_t call, size_t count, DataType dtype,
     if (k == static_cast<int32_t>(Kind::kReduce)) {
       return "reduce " + what + " " + ReduceOpName(static_cast<ReduceOp>(o)) + to_root;
     }
-    return what + " " + ReduceOpName(static_cast<ReduceOp>(o)) +
+    return "all-reduce " + what + " " + ReduceOpName(static_cast<ReduceOp>(o)) +
            (k == static_cast<int32_t>(Kind::kThrough) ? " (hierarchical)"
             : k == static_cast<int32_t>(Kind::kApply) ? " (through a slice function)"
                                                        : "");

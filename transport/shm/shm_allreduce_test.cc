@@ -1341,10 +1341,11 @@ TEST(ShmAllReduce, BarrierAgainstAllReduceIsAMismatch) {
     Status s = r == 0 ? group[r]->Barrier(DeadlineIn(milliseconds(300)), nullptr)
                       : group[r]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
                                             DeadlineIn(milliseconds(300)), nullptr);
-    // Both ranks fail, the barrier too (it returned OK), naming both calls.
+    // Both ranks fail, the barrier too (it returned OK), naming both calls
+    // (the all-reduce side used to be "passed count 1 f32 sum", unnamed).
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << s;
     EXPECT_NE(s.message().find("passed barrier"), std::string::npos) << s;
-    EXPECT_NE(s.message().find("passed count 1 f32 sum"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("passed all-reduce count 1 f32 sum"), std::string::npos) << s;
   });
 }
 
