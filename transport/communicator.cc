@@ -23,6 +23,8 @@
 #include <span>
 #include <sstream>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 #include <thread>
 
 #include "transport/algorithms/collective.h"
@@ -644,12 +646,24 @@ class Communicator::Impl {
   std::ptrdiff_t OwnBlock(size_t count, DataType dtype) const {
     return static_cast<std::ptrdiff_t>(static_cast<size_t>(options_.rank) * count * DataTypeSize(dtype));
   }
-  Status CheckTypes(DataType dtype, ReduceOp op, bool uses_op) const {
+  // `what` names the call ("all-reduce"); an unknown value's error lists
+  // the valid ones, as a caller passing a cast integer needs them.
+  Status CheckTypes(DataType dtype, ReduceOp op, bool uses_op, std::string_view what) const {
     if (!ValidDataType(dtype)) {
-      return InvalidArgumentError("unknown dtype " + std::to_string(static_cast<int>(dtype)));
+      std::string valid;
+      for (int d = 0; d <= static_cast<int>(DataType::kU8); ++d) {
+        valid += (d == 0 ? "" : ", ") + std::to_string(d) + " " + DataTypeName(static_cast<DataType>(d));
+      }
+      return InvalidArgumentError(std::string(what) + ": unknown dtype " +
+                                  std::to_string(static_cast<int>(dtype)) + " (valid: " + valid + ")");
     }
     if (uses_op && !ValidOp(op)) {
-      return InvalidArgumentError("unknown reduce op " + std::to_string(static_cast<int>(op)));
+      std::string valid;
+      for (int o = 0; o <= static_cast<int>(ReduceOp::kProd); ++o) {
+        valid += (o == 0 ? "" : ", ") + std::to_string(o) + " " + ReduceOpName(static_cast<ReduceOp>(o));
+      }
+      return InvalidArgumentError(std::string(what) + ": unknown reduce op " +
+                                  std::to_string(static_cast<int>(op)) + " (valid: " + valid + ")");
     }
     return Status::Ok();
   }
@@ -1826,7 +1840,7 @@ StatusOr<int> Communicator::Impl::CheckRooted(Rooted which, const void* send, co
   const std::string what = which == Rooted::kReduce   ? "reduce"
                            : which == Rooted::kGather ? "gather"
                                                       : "scatter";
-  DDP_RETURN_IF_ERROR(CheckTypes(dtype, op, which == Rooted::kReduce));
+  DDP_RETURN_IF_ERROR(CheckTypes(dtype, op, which == Rooted::kReduce, what));
   DDP_RETURN_IF_ERROR(CheckRank(root, (what + " root").c_str()));
   if (which == Rooted::kReduce && algorithm != Algorithm::kAuto && algorithm != Algorithm::kTree &&
       algorithm != Algorithm::kRing && algorithm != Algorithm::kSharedMemory) {
@@ -2653,7 +2667,7 @@ Algorithm Communicator::SelectedReduceAlgorithm(size_t bytes, Algorithm requeste
 Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataType dtype,
                                ReduceOp op, const CallOptions& call) {
   // Agreed checks, then local ones (Impl::Refuse: they abort).
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true, "all-reduce"));
   DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_RETURN_IF_ERROR(Impl::CheckAlgorithm(call.algorithm, "all-reduce"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce"));
@@ -2679,7 +2693,7 @@ Status Communicator::AllReduce(void* buffer, size_t count, DataType dtype, Reduc
 
 Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& apply, const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true, "all-reduce-through"));
   DDP_RETURN_IF_ERROR(Impl::CheckAlgorithm(call.algorithm, "all-reduce-through"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce-through"));
   auto local = [&]() -> Status {
@@ -2718,7 +2732,7 @@ std::vector<std::pair<size_t, size_t>> Communicator::ThroughPieces(size_t count,
 
 Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int root,
                                const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "broadcast"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(root, "broadcast root"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "broadcast"));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(buffer, count, "broadcast buffer"), call));
@@ -2739,7 +2753,7 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
 
 Status Communicator::AllGather(const void* send, void* recv, size_t count, DataType dtype,
                                const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "all-gather"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-gather"));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(send, count, "all-gather send buffer"), call));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-gather receive buffer"), call));
@@ -2757,7 +2771,7 @@ Status Communicator::AllGather(const void* send, void* recv, size_t count, DataT
 
 Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, DataType dtype,
                                    ReduceOp op, const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true, "reduce-scatter"));
   DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "reduce-scatter"));
   DDP_RETURN_IF_ERROR(
@@ -2785,7 +2799,7 @@ StatusOr<int> Communicator::Impl::CheckAllToAll(const void* send,
                                                 const void* recv,
                                                 std::span<const size_t> recv_counts,
                                                 DataType dtype, const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(CheckTypes(dtype, ReduceOp::kSum, false, "all-to-all"));
   return Refuse(CheckAllToAllLocal(send, send_counts, recv, recv_counts, dtype), call);
 }
 
@@ -2882,7 +2896,7 @@ Status Communicator::Impl::AllToAll(const void* send, void* recv, size_t count, 
 
 Status Communicator::AllToAll(const void* send, void* recv, size_t count, DataType dtype,
                               const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "all-to-all"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-to-all"));
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
   DDP_ASSIGN_OR_RETURN(const int device,
@@ -2943,7 +2957,7 @@ Status Communicator::Barrier(const CallOptions& call) {
 
 Status Communicator::Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "send"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "send"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "send to rank"));
@@ -2963,7 +2977,7 @@ Status Communicator::Send(const void* data, size_t count, DataType dtype, int pe
 
 Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
-  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "receive"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "receive"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "receive from rank"));
@@ -3005,7 +3019,7 @@ Work Communicator::NewWork(std::shared_ptr<Work::State> state) { return Work(std
 
 Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true, "all-reduce"));
   DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_ASYNC_CHECK(Impl::CheckAlgorithm(call.algorithm, "all-reduce"));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "all-reduce"));
@@ -3026,7 +3040,7 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
 
 Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, int root,
                                   const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "broadcast"));
   DDP_ASYNC_CHECK(impl_->CheckRank(root, "broadcast root"));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "broadcast"));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(buffer, count, "broadcast buffer"), call));
@@ -3045,7 +3059,7 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
 
 Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "all-gather"));
   DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-gather"));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(send, count, "all-gather send buffer"), call));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-gather receive buffer"), call));
@@ -3063,7 +3077,7 @@ Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, Da
 
 Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true));
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true, "reduce-scatter"));
   DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
   DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "reduce-scatter"));
   DDP_ASYNC_CHECK(
@@ -3088,7 +3102,7 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
 
 Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, DataType dtype,
                                  const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "all-to-all"));
   DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-to-all"));
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
   DDP_ASYNC_ASSIGN(const int device,
@@ -3149,7 +3163,7 @@ Work Communicator::BarrierAsync(const CallOptions& call) {
 
 Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int peer,
                              uint32_t tag, const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "send"));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "send"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "send to rank"));
@@ -3161,7 +3175,7 @@ Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int
 
 Work Communicator::RecvAsync(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                              const CallOptions& call) {
-  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false));
+  DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "receive"));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "receive"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "receive from rank"));

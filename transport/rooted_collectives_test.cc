@@ -230,12 +230,17 @@ int ScenarioLocalErrors() {
     expect(comm->Broadcast(a.data(), 4, DataType::kF32, root), StatusCode::kInvalidArgument,
            "broadcast root " + r + outside);
   }
+  // Unknown enum values name the call and list the valid values.
+  const std::string dtypes = " (valid: 0 f32, 1 f64, 2 f16, 3 bf16, 4 i32, 5 i64, 6 u8)";
+  const std::string ops = " (valid: 0 sum, 1 avg, 2 max, 3 min, 4 prod)";
   expect(comm->Reduce(a.data(), b.data(), 4, static_cast<DataType>(99), ReduceOp::kSum, 0),
-         StatusCode::kInvalidArgument, "unknown dtype 99");
+         StatusCode::kInvalidArgument, "reduce: unknown dtype 99" + dtypes);
   expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, static_cast<ReduceOp>(42), 0),
-         StatusCode::kInvalidArgument, "unknown reduce op 42");
+         StatusCode::kInvalidArgument, "reduce: unknown reduce op 42" + ops);
   expect(comm->AllReduceAsync(a.data(), b.data(), 4, DataType::kF32, static_cast<ReduceOp>(42)).Wait(),
-         StatusCode::kInvalidArgument, "unknown reduce op 42");
+         StatusCode::kInvalidArgument, "all-reduce: unknown reduce op 42" + ops);
+  expect(comm->Send(a.data(), 4, static_cast<DataType>(-1), 0, 7), StatusCode::kInvalidArgument,
+         "send: unknown dtype -1" + dtypes);
   expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, 0,
                       {.algorithm = Algorithm::kRhd}),
          StatusCode::kInvalidArgument, "reduce: algorithm rhd is not auto, tree, ring or shm");
