@@ -145,7 +145,9 @@ struct CommunicatorOptions {
 
 /// Per-call settings.
 struct CallOptions {
-  /// 0: the communicator's default timeout.
+  /// This call's deadline from its start; 0 or below: the communicator's
+  /// timeout (a negative value is not an expired deadline: a caller whose
+  /// time is up must fail the call itself).
   std::chrono::milliseconds timeout{0};
   /// All-reduce: kAuto follows the communicator's choice. Reduce: kTree,
   /// kRing, kSharedMemory or kAuto (see Communicator::Reduce).
