@@ -975,12 +975,18 @@ Status Communicator::Impl::Init() {
       server_->roots.push_back(prefix_);
     }
     if (o.world_size > o.local_world_size && server_->server->loopback_only()) {
-      // The other hosts will only time out connecting; say why here.
+      // Ranks on other hosts would only time out connecting; say why here,
+      // before they do. Worded as a possibility: options filled by hand may
+      // leave local_world_size at 1 on a one-host job, and which hosts the
+      // ranks run on is learned only once they reach the store.
       std::fprintf(stderr,
-                   "[ddp] rank 0: warning: the job spans hosts, but the rendezvous store listens on "
-                   "loopback addresses only (what %s resolves to on this host), which other hosts "
-                   "cannot reach; set MASTER_ADDR to an address of this host that they can reach\n",
-                   o.store_host.c_str());
+                   "[ddp] rank 0: warning: world_size %d is more than local_world_size %d, so "
+                   "ranks may run on other hosts, but the rendezvous store listens on loopback "
+                   "addresses only (what %s resolves to on this host), which other hosts cannot "
+                   "reach; if ranks run elsewhere, set MASTER_ADDR (store_host) to an address of "
+                   "this host that they can reach; if every rank runs on this host, set "
+                   "local_world_size (LOCAL_WORLD_SIZE) to %d\n",
+                   o.world_size, o.local_world_size, o.store_host.c_str(), o.world_size);
     }
   }
   if (o.host_store) {  // a Split's child has it off and these set already

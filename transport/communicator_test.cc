@@ -1666,6 +1666,22 @@ int ListenWithFreeNextPort(int& port) {
 // (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch 2's default), rank 0 serves
 // this job's store on the next port; when that one is taken as well, the
 // error says what happened and how to choose a port.
+// Options filled by hand that leave local_world_size at its default 1, on
+// one host: rank 0's warning about a loopback store must not claim that the
+// job spans hosts (it used to), only that it may, and say what to set.
+TEST(CommunicatorCreate, LocalWorldSizeLeftAtOneMakesNoFalseClaimOfOtherHosts) {
+  Job job = RunJob(2, "create",
+                   {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
+  const std::string& out = job.results[0].output;
+  EXPECT_EQ(out.find("the job spans hosts"), std::string::npos) << job.Describe();
+  EXPECT_NE(out.find("world_size 2 is more than local_world_size 1, so ranks may run on other hosts"),
+            std::string::npos)
+      << job.Describe();
+  EXPECT_NE(out.find("set local_world_size (LOCAL_WORLD_SIZE) to 2"), std::string::npos)
+      << job.Describe();
+}
+
 TEST(CommunicatorCreate, UnderTorchrunsAgentStoreRankZeroServesOnTheNextPort) {
   int agent_port = 0;
   const int agent = ListenWithFreeNextPort(agent_port);
