@@ -927,8 +927,14 @@ Status Communicator::Impl::Init() {
                                 " is outside a local world of size " +
                                 std::to_string(o.local_world_size));
   }
-  if (o.store_port < 1 || o.store_port > 65535) {
-    return InvalidArgumentError("store_port " + std::to_string(o.store_port) + " is not a TCP port");
+  // One rank that serves its own store needs no agreed port (as an MPI
+  // program of one process needs no setup): 0 takes any free one.
+  const bool any_port = o.world_size == 1 && o.host_store && o.store_port == 0;
+  if (!any_port && (o.store_port < 1 || o.store_port > 65535)) {
+    return InvalidArgumentError(
+        "store_port " + std::to_string(o.store_port) + " is not a TCP port" +
+        (o.store_port == 0 ? " (0, any free port, is only for a one-rank job that serves its store)"
+                           : ""));
   }
   if (o.timeout.count() <= 0) return InvalidArgumentError("timeout must be positive");
   if (o.abort_store_time.count() <= 0) return InvalidArgumentError("abort_store_time must be positive");
@@ -968,6 +974,9 @@ Status Communicator::Impl::Init() {
         },
         error);
     if (server_ == nullptr) return environment.ok() ? error : environment;
+    // The port chosen, for the connection below and for Splits, which
+    // connect to these options' store.
+    if (any_port) options_.store_port = server_->server->port();
     {
       std::lock_guard lock(server_->mu);
       ++server_->holders;  // released in Shutdown

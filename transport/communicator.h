@@ -74,7 +74,7 @@ struct CommunicatorOptions {
   int local_rank = 0;           ///< Rank among the processes of this host.
   int local_world_size = 1;     ///< Processes of this job on this host.
   std::string store_host = "127.0.0.1";  ///< Where the rendezvous store listens.
-  int store_port = 0;           ///< Its TCP port.
+  int store_port = 0;           ///< Its TCP port; 0 with world_size 1 and host_store: any free one.
   bool host_store = true;       ///< Rank 0 serves the store (else a launcher does).
   std::string job_token;        ///< Shared secret every rank presents to the store.
   /// Prefix of this communicator's store keys. A process that makes a

@@ -330,6 +330,25 @@ int ScenarioCreateOnly() {
   return s.ok() && x == (*comm)->size() ? 0 : 1;
 }
 
+// One rank, CommunicatorOptions left at their defaults (no store port, no
+// launch environment), as an MPI program of one process needs no setup:
+// creation, a collective, and a split that reaches the same store.
+int ScenarioOneRankDefaults() {
+  auto comm = Communicator::Create(CommunicatorOptions{});
+  std::printf("CREATE %s\n", comm.ok() ? "OK" : comm.status().ToString().c_str());
+  if (!comm.ok()) return 2;
+  float x = 3;
+  Status s = (*comm)->AllReduce(&x, 1, DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(s.ok() && x == 3, "all-reduce: " + s.ToString());
+  auto child = (*comm)->Split(0, 0);
+  WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+  if (child.ok() && *child != nullptr) {
+    s = (*child)->Barrier();
+    WORKER_CHECK(s.ok(), "barrier of the split: " + s.ToString());
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Forks after creation: a child that execs runs its program; a child that
 // enters the transport (a collective, an asynchronous one, a point-to-point
 // message, a new communicator) is refused with the explanation, and the
@@ -1589,6 +1608,7 @@ int RunScenario(const std::string& name) {
   if (name == "mismatch") return ScenarioMismatch();
   if (name == "unreadable_input") return ScenarioUnreadableInput();
   if (name == "create") return ScenarioCreateOnly();
+  if (name == "one_rank_defaults") return ScenarioOneRankDefaults();
   if (name == "fork") return ScenarioFork();
   if (name == "fork_while_testing") return ScenarioForkWhileTesting();
   if (name == "early") return ScenarioEarly();
@@ -1680,6 +1700,12 @@ TEST(CommunicatorCreate, LocalWorldSizeLeftAtOneMakesNoFalseClaimOfOtherHosts) {
       << job.Describe();
   EXPECT_NE(out.find("set local_world_size (LOCAL_WORLD_SIZE) to 2"), std::string::npos)
       << job.Describe();
+}
+
+// Used to fail with "store_port 0 is not a TCP port".
+TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
+  Job job = RunJob(1, "one_rank_defaults", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(CommunicatorCreate, UnderTorchrunsAgentStoreRankZeroServesOnTheNextPort) {
