@@ -1398,6 +1398,34 @@ std::string ReadRest(const std::string& path, FILE* f, uint64_t size, std::strin
   return bytes;
 }
 
+// The header of `f` (open at `path`, `size` bytes) when it is valid, read
+// and parsed once into `*header`; a bad one throws what Parse says of it.
+std::string ReadValidHead(const std::string& path, FILE* f, uint64_t size, const StopCheck& stopped,
+                          ParsedHeader* header) {
+  std::string head;
+  bool valid = false;
+  if (size >= 8) head = ReadHead(path, f, size, &valid, header);
+  if (!valid) {
+    // A file under 8 bytes is read whole first (it is no bigger than the
+    // length field).
+    if (size < 8) head = ReadRest(path, f, size, std::move(head), stopped);
+    (void)SafetensorsFile::Parse(std::move(head), path);
+    throw std::logic_error(path + ": a header found bad was accepted by Parse");
+  }
+  return head;
+}
+
+// The tensor a data position (counted from the file's start; the data
+// begins at `data_start`) falls in, as the end of a message: ", in tensor
+// `w`"; "" in the header or past every tensor.
+std::string TensorAt(const std::vector<TensorEntry>& tensors, uint64_t data_start, uint64_t position) {
+  if (position < data_start) return "";
+  for (const TensorEntry& e : tensors) {
+    if (position - data_start < e.offset + e.nbytes) return ", in tensor `" + NameForMessage(e.name) + "`";
+  }
+  return "";
+}
+
 }  // namespace
 
 namespace internal {
@@ -1423,10 +1451,7 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
     if (data_start <= 8 || position < data_start) return "";
     const SafetensorsFile layout =
         ParseLayout(std::string_view(bytes).substr(8, data_start - 8), size - data_start, path);
-    for (const TensorEntry& e : layout.tensors()) {
-      if (position - data_start < e.offset + e.nbytes) return ", in tensor `" + NameForMessage(e.name) + "`";
-    }
-    return "";
+    return TensorAt(layout.tensors(), data_start, position);
   };
   return ReadRest(path, f.get(), size, std::move(head), stopped, where);
 }
@@ -1437,27 +1462,14 @@ SafetensorsFile SafetensorsFile::Read(const std::string& path, const std::atomic
   auto [f, size] = OpenRegularFile(path);
   const StopCheck stopped{path, size, stop};
   stopped(0);
-  std::string head;
-  bool valid = false;
   ParsedHeader header;
-  if (size >= 8) head = ReadHead(path, f.get(), size, &valid, &header);
-  if (!valid) {
-    // Parse names the problem, as for ReadBytes' bytes; a file under 8
-    // bytes is read whole first (it is no bigger than the length field).
-    if (size < 8) head = ReadRest(path, f.get(), size, std::move(head), stopped);
-    (void)Parse(std::move(head), path);
-    throw std::logic_error(path + ": a header found bad was accepted by Parse");
-  }
+  std::string head = ReadValidHead(path, f.get(), size, stopped, &header);
   const uint64_t data_start = head.size();
   SafetensorsFile file =
       Layout(std::move(header.tensors), std::move(header.metadata), data_start, size - data_start, path);
   // A read that stops short names the tensor it stopped in, as ReadBytes does.
-  const PositionNamer where = [&](const std::string&, uint64_t position) -> std::string {
-    if (position < data_start) return "";
-    for (const TensorEntry& e : file.tensors_) {
-      if (position - data_start < e.offset + e.nbytes) return ", in tensor `" + NameForMessage(e.name) + "`";
-    }
-    return "";
+  const PositionNamer where = [&](const std::string&, uint64_t position) {
+    return TensorAt(file.tensors_, data_start, position);
   };
   std::string bytes = ReadRest(path, f.get(), size, std::move(head), stopped, where);
   std::string got;
@@ -1474,19 +1486,8 @@ SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer&
   auto [f, size] = OpenRegularFile(path);
   const StopCheck stopped{path, size, stop};
   stopped(0);
-  std::string head;
-  bool valid = false;
   ParsedHeader header;
-  if (size >= 8) head = ReadHead(path, f.get(), size, &valid, &header);
-  if (!valid) {
-    // Parse names the problem, as Read does; a file under 8 bytes is read
-    // whole first (it is no bigger than the length field).
-    if (size < 8) head = ReadRest(path, f.get(), size, std::move(head), stopped);
-    (void)Parse(std::move(head), path);
-    throw std::logic_error(path + ": a header found bad was accepted by Parse");
-  }
-  const uint64_t data_start = head.size();
-  std::string().swap(head);
+  const uint64_t data_start = ReadValidHead(path, f.get(), size, stopped, &header).size();
   // The header as ReadHead read it: its text is not parsed a second time.
   SafetensorsFile file =
       Layout(std::move(header.tensors), std::move(header.metadata), data_start, size - data_start, path);
