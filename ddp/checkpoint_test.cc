@@ -127,11 +127,12 @@ TEST(DdpCheckpointTest, ResumeEqualsUninterruptedRun) {
 
 // ---------------------------------------------------------- slow write ----
 
-// A group whose collectives time out after 200 ms (its creation after 20 s),
-// for work that outlasts that timeout.
-std::shared_ptr<ProcessGroup> GroupWithAShortTimeout() {
+// A group whose collectives time out after `timeout` (its creation after
+// 20 s), for work that outlasts that timeout.
+std::shared_ptr<ProcessGroup> GroupWithAShortTimeout(
+    std::chrono::milliseconds timeout = std::chrono::milliseconds(200)) {
   ProcessGroupOptions options;
-  options.timeout = std::chrono::milliseconds(200);
+  options.timeout = timeout;
   transport::CommunicatorOptions comm_options;
   comm_options.timeout = std::chrono::milliseconds(20000);
   return ProcessGroup::CreateFromEnvironment(options, comm_options);
@@ -149,29 +150,31 @@ std::string NextCollectivesError(ProcessGroup& pg) {
   return "";
 }
 
-// A write that takes longer than the group's timeout (here 200 ms; in real
+// A write that takes longer than the group's timeout (here 1 s; in real
 // jobs, many GB to slow storage): rank 0 tells the others every quarter of
 // it that it is still writing, so they wait for it instead of timing out.
+// (With 200 ms, a rank 0 kept off the CPU that long on a loaded host missed
+// its turn: the timeout must stay well above scheduling delays.)
 // With SaveOptions::timeout shorter than the write, every rank throws the
 // same error, the group is aborted, and rank 0 stops writing (within a
 // 64 MiB piece), leaving no file behind. The write is made slow on purpose
 // (every piece waits kPiecePause first), not left to the disk: on NVMe,
 // tmpfs or the page cache 512 MiB can take less than the group's timeout.
 DDP_TEST_WORKER(slow_write) {
-  constexpr auto kPiecePause = std::chrono::milliseconds(100);
-  // Made before the group, whose 200 ms would not wait for it.
+  constexpr auto kPiecePause = std::chrono::milliseconds(400);
+  // Made before the group, whose timeout would not wait for it.
   nn::io::Checkpoint big;
   if (std::string(std::getenv("RANK")) == "0") big.model.emplace_back("w", nn::Ones({int64_t{1} << 27}));  // 512 MiB
-  nn::io::internal::SetWritePausePerPiece(kPiecePause);  // 8 pieces: at least 0.8 s
-  auto pg = GroupWithAShortTimeout();
+  nn::io::internal::SetWritePausePerPiece(kPiecePause);  // 8 pieces: at least 3.2 s
+  auto pg = GroupWithAShortTimeout(std::chrono::milliseconds(1000));
   const std::string dir = std::getenv("DDP_TEST_CKPT");
   const auto start = std::chrono::steady_clock::now();
   SaveCheckpoint(*pg, dir + "/slow.safetensors", big);
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "rank %d: the save took %.2f s\n", pg->rank(), took);
   // Not a test at all if the write was quicker than the group's timeout
-  // (the pauses alone make it 0.8 s).
-  WORKER_EXPECT(took > 0.4, "the write took only " + std::to_string(took) + " s");
+  // (the pauses alone make it 3.2 s).
+  WORKER_EXPECT(took > 2.0, "the write took only " + std::to_string(took) + " s");
   std::string error;
   const auto late_start = std::chrono::steady_clock::now();
   try {
@@ -181,7 +184,7 @@ DDP_TEST_WORKER(slow_write) {
   }
   const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
   // The stop, asked for during the first piece's pause, ends the write
-  // before that piece (0.1 s); the whole save took at least 0.8 s.
+  // before that piece (0.4 s); the whole save took at least 3.2 s.
   WORKER_EXPECT(late_took < took / 2, "the stopped save took " + std::to_string(late_took) + " s, the whole one " +
                                           std::to_string(took) + " s");
   WORKER_EXPECT(error.find("rank 0 could not write " + dir + "/late.safetensors: the write did not finish "
