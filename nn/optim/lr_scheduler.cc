@@ -795,7 +795,8 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
 }
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)
-    : ReduceLrOnPlateau(RatesOf(optimizer), std::move(options), "param group(s) of the optimizer") {}
+    : ReduceLrOnPlateau(RatesOf(optimizer), std::move(options),
+                        "param group(s) of the " + std::string(optimizer.Name()) + " optimizer") {}
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(LrTarget target, PlateauOptions options)
     : ReduceLrOnPlateau(RatesOf(std::move(target)), std::move(options), "target") {}

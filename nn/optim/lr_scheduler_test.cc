@@ -783,10 +783,10 @@ TEST(ReduceLrOnPlateau, GroupMinLrIsCheckedNamingWhatIsWrong) {
   Tensor a = Zeros({1}), b = Zeros({1});
   Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
   EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.group_min_lr = {0.1, 0.2, 0.3}}); }),
-            "ReduceLROnPlateau: group_min_lr has 3 values for 2 param group(s) of the optimizer: give one "
+            "ReduceLROnPlateau: group_min_lr has 3 values for 2 param group(s) of the SGD optimizer: give one "
             "min_lr per param group");
   EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.group_min_lr = {0.1}}); }),
-            "ReduceLROnPlateau: group_min_lr has 1 values for 2 param group(s) of the optimizer: give one "
+            "ReduceLROnPlateau: group_min_lr has 1 values for 2 param group(s) of the SGD optimizer: give one "
             "min_lr per param group");
   EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.group_min_lr = {0.1, -1}}); }),
             "ReduceLROnPlateau: group_min_lr[1] -1 must be finite and >= 0");

@@ -434,6 +434,7 @@ class Optimizer {
   // The LrScheduler that drives this optimizer's lr (expired: none); it
   // refuses a second one, which would fight the first over the rate.
   friend class LrScheduler;
+  friend class ReduceLrOnPlateau;  // names the optimizer (Name()) in its messages
   std::weak_ptr<const void> scheduler_;
 
   static uint64_t NextInstanceId();
