@@ -1167,9 +1167,8 @@ std::string Labelled(const std::string& kind, const std::string& label) {
 
 }  // namespace
 
-internal::ScopedDefaultLabel::ScopedDefaultLabel(std::string label)
-    : label_(std::move(label)), previous_(tls_default_label) {
-  tls_default_label = &label_;
+internal::ScopedDefaultLabel::ScopedDefaultLabel(const std::string& label) : previous_(tls_default_label) {
+  tls_default_label = &label;
 }
 
 internal::ScopedDefaultLabel::~ScopedDefaultLabel() { tls_default_label = previous_; }

@@ -98,16 +98,17 @@ transport::CallOptions Within(transport::Deadline deadline);
 /// naming the bucket, while a communication hook runs: a desync report or a
 /// failure of the hook's unlabelled all-reduce then says which bucket it
 /// was. Labels given by the caller, and Run's descriptions, are kept. The
-/// previous label comes back when it is destroyed (scopes nest).
+/// previous label comes back when it is destroyed (scopes nest). `label`
+/// is referred to, not copied (the reducer's runs on every bucket of every
+/// step): it must outlive the scope.
 class ScopedDefaultLabel {
  public:
-  explicit ScopedDefaultLabel(std::string label);
+  explicit ScopedDefaultLabel(const std::string& label);
   ~ScopedDefaultLabel();
   ScopedDefaultLabel(const ScopedDefaultLabel&) = delete;
   ScopedDefaultLabel& operator=(const ScopedDefaultLabel&) = delete;
 
  private:
-  std::string label_;
   const std::string* previous_;
 };
 }  // namespace internal
