@@ -252,14 +252,15 @@ bool WriteEntry(const std::string& dir, const std::string& path, const std::vect
 }
 
 // A lock file that could be made but not locked (NFS mounted without locks
-// answers flock with ENOLCK): no entry is written without the lock, so every
-// load decodes; the run says once where and why.
+// answers flock with ENOLCK): the entry is written without the lock, so
+// processes that load a set into a cold cache at once each decode it (and
+// write it) instead of one; the run says once where and why.
 void ReportLockFailure(const std::string& lock_path, int err) {
   if (lock_failure_reported.exchange(true)) return;
   std::fprintf(stderr,
-               "[ddp] warning: decoded dataset cache: cannot lock %s: %s; the cache is not used and datasets "
-               "are decoded in memory on every load (DDP_DATA_CACHE=<folder> on a local disk moves the cache, "
-               "DDP_DATA_CACHE=off turns it off)\n",
+               "[ddp] warning: decoded dataset cache: cannot lock %s: %s; entries are written without the lock, "
+               "so ranks loading a set into a cold cache each decode it (DDP_DATA_CACHE=<folder> on a local "
+               "disk moves the cache, DDP_DATA_CACHE=off turns it off)\n",
                lock_path.c_str(), std::strerror(err));
 }
 
@@ -330,7 +331,10 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
 // another process holds it past `wait` (a stuck writer: the caller then
 // decodes alone). The holder removes the file before
 // unlocking it, so none is left; a waiter whose lock is on a removed file
-// (it opened the file before the removal) locks the path again.
+// (it opened the file before the removal) locks the path again. A file
+// that cannot be locked is removed at once: the filesystem refuses every
+// process of this host alike (the entry's name is this host's), so no one
+// could hold it, and it would stay beside the entry forever.
 class EntryLock {
  public:
   EntryLock(std::string path, std::chrono::milliseconds wait) : path_(std::move(path)) {
@@ -344,6 +348,7 @@ class EntryLock {
       while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
         if (errno != EWOULDBLOCK && errno != EINTR) {
           lock_errno_ = errno;
+          ::unlink(path_.c_str());
           Drop();
           return;
         }
@@ -474,11 +479,14 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     ReportWriteFailure(path, mkdir_error ? "cannot make the folder " + dir + ": " + mkdir_error.message()
                                          : std::string(std::strerror(lock->open_errno())));
   }
-  if (lock != nullptr && lock->lock_errno() != 0 && bytes.size() >= min_bytes) {
-    ReportLockFailure(path + ".lock", lock->lock_errno());
-  }
-  // Only the lock's holder writes: one whole entry per host, not one per rank.
-  if (lock != nullptr && lock->held() && bytes.size() >= min_bytes) {
+  const bool no_locks = lock != nullptr && lock->lock_errno() != 0;
+  if (no_locks && bytes.size() >= min_bytes) ReportLockFailure(path + ".lock", lock->lock_errno());
+  // Only the lock's holder writes: one whole entry per host, not one per
+  // rank. Where the filesystem has no locks, every load writes: the writes
+  // are atomic (each rename puts a whole entry in place), so the only cost
+  // is ranks of a cold cache each writing one, against decoding the set on
+  // every load of every later run when none was written.
+  if (lock != nullptr && (lock->held() || no_locks) && bytes.size() >= min_bytes) {
     // A source replaced or rewritten during the decode may have given either
     // file's bytes: an entry would pair the identity stated before with the
     // other contents, so none is written.

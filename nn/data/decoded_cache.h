@@ -16,8 +16,8 @@
 // none. The cache is best effort: where it cannot be read or written, loads
 // decode as before (the first entry that cannot be written says so on
 // stderr, once per process, with the path and the cause; so does the first
-// lock file that cannot be locked, as on NFS mounted without locks, since
-// no entry is written without its lock).
+// lock file that cannot be locked, as on NFS mounted without locks: entries
+// are then written without the lock, so concurrent first loads each decode).
 //
 // Size: after writing an entry, the least recently used others (by
 // modification time, which a load from an entry sets to now) are removed
@@ -88,7 +88,8 @@ inline constexpr std::chrono::milliseconds kEntryLockWait{60000};
 /// bytes. Concurrent first loads on one host take turns on a lock file next
 /// to the entry (`<entry>.lock`, removed after): the first decodes and
 /// writes, the others then map its entry; one that waits more than
-/// `lock_wait` decodes alone and writes nothing.
+/// `lock_wait` decodes alone and writes nothing. Where the lock file cannot
+/// be locked (a filesystem without locks), every load writes its entry.
 using DecodeFn = std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>;
 SharedArray LoadDecoded(const std::vector<std::string>& sources, const DecodeFn& decode,
                         size_t min_bytes = kMinCachedBytes, std::chrono::milliseconds lock_wait = kEntryLockWait);
