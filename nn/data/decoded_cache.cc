@@ -268,6 +268,31 @@ void ReportLockFailure(const std::string& lock_path, int err) {
 // oldest first. Best effort (a read-only cache keeps its times).
 void MarkUsed(const std::string& path) { ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0); }
 
+// Removes the lock file `path` (`<entry>.lock`) unless a process holds it.
+// A holder removes its lock file itself (EntryLock), so one that no one
+// holds was left by a process killed while it decoded; nothing else
+// removes it (a set not loaded again kept its lock file forever). The
+// file is unlinked while this locks it, and only when the name still leads
+// to the file locked: a process that opened the file before the unlink and
+// locks it after finds it gone (EntryLock checks the same) and makes
+// another. Only an empty regular file is taken for a lock file.
+void RemoveLockUnlessHeld(const std::string& path) {
+  struct stat st{};
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != 0) return;
+  // Read-write, as EntryLock opens it: NFS refuses an exclusive lock on a
+  // read-only descriptor; a file this user may only read is tried read-only.
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == EACCES) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return;
+  struct stat held{}, named{};
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &held) == 0 && S_ISREG(held.st_mode) &&
+      held.st_size == 0 && ::lstat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+      held.st_ino == named.st_ino) {
+    ::unlink(path.c_str());
+  }
+  ::close(fd);  // EWOULDBLOCK: a load is decoding that set now
+}
+
 // Removes the least recently used entries of `dir` (by modification time,
 // see MarkUsed) until those left take at most `max_bytes`, never one this
 // process wrote or loaded (NoteInUse), kept even when they alone are
@@ -275,7 +300,9 @@ void MarkUsed(const std::string& path) { ::utimensat(AT_FDCWD, path.c_str(), nul
 // (`*.decoded`) are candidates: temporaries being written and lock files
 // have other names. Safe beside other processes: one that has an entry
 // mapped keeps reading it after the unlink, and one that was about to open
-// it decodes and writes it again. Best effort, otherwise silent.
+// it decodes and writes it again. Lock files (`*.decoded.lock`) that no
+// process holds are removed too, whatever the size (RemoveLockUnlessHeld).
+// Best effort, otherwise silent.
 void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
   struct Candidate {
     int64_t mtime_ns;
@@ -283,16 +310,22 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
     uint64_t bytes;
   };
   std::vector<Candidate> entries;
+  std::vector<std::string> locks;
   uint64_t total = 0, in_use_bytes = 0;
   std::error_code ec;
   constexpr std::string_view kSuffix = ".decoded";
+  constexpr std::string_view kLockSuffix = ".decoded.lock";
+  auto ends_with = [](const std::string& name, std::string_view suffix) {
+    return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
   std::lock_guard<std::mutex> l(InUse().mu);
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name.size() <= kSuffix.size() || name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0 ||
-        name.find(".decoded.tmp.") != std::string::npos) {
+    if (ends_with(name, kLockSuffix)) {
+      locks.push_back(it->path().string());
       continue;
     }
+    if (!ends_with(name, kSuffix) || name.find(".decoded.tmp.") != std::string::npos) continue;
     struct stat st;
     const std::string path = it->path().string();
     if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
@@ -314,6 +347,7 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
                  dir.c_str(), static_cast<unsigned long long>(max_bytes),
                  static_cast<unsigned long long>(in_use_bytes));
   }
+  for (const std::string& lock : locks) RemoveLockUnlessHeld(lock);
   if (total <= max_bytes) return;
   std::sort(entries.begin(), entries.end(), [](const Candidate& a, const Candidate& b) {
     return std::tie(a.mtime_ns, a.path) < std::tie(b.mtime_ns, b.path);
@@ -331,10 +365,11 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
 // another process holds it past `wait` (a stuck writer: the caller then
 // decodes alone). The holder removes the file before
 // unlocking it, so none is left; a waiter whose lock is on a removed file
-// (it opened the file before the removal) locks the path again. A file
-// that cannot be locked is removed at once: the filesystem refuses every
-// process of this host alike (the entry's name is this host's), so no one
-// could hold it, and it would stay beside the entry forever.
+// (it opened the file before the removal, or eviction removed it as
+// unheld) locks the path again. A file that cannot be locked is removed
+// at once: the filesystem refuses every process of this host alike (the
+// entry's name is this host's), so no one could hold it, and it would
+// stay beside the entry forever.
 class EntryLock {
  public:
   EntryLock(std::string path, std::chrono::milliseconds wait) : path_(std::move(path)) {

@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -724,6 +725,60 @@ TEST(DecodedCache, WithoutLocksTheEntryIsStillWrittenAndTheNextRunMapsIt) {
   EXPECT_EQ(warned, "") << "the next run warned";
 }
 
+// A process killed while it decoded (SIGKILL: no destructor runs) leaves
+// its `<entry>.lock`, and nothing removed it: a set not loaded again kept an
+// empty lock file in the cache forever. The next entry written removes the
+// lock files no process holds, and leaves one that is held, and a file of
+// that name that is no lock file (not empty).
+TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedAtTheNextWrite) {
+  const std::string dir = FreshDir("decoded_stale_lock");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  const std::string killed_src = dir + "/killed_images", src = dir + "/images";
+  WriteFile(killed_src, IdxBytes({3, 3}, Pixels(9)));
+  WriteFile(src, IdxBytes({4, 2}, Pixels(8)));
+  int decoding[2];
+  ASSERT_EQ(::pipe(decoding), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(decoding[0]);
+    auto killed = [&]() -> std::pair<std::vector<int64_t>, std::vector<uint8_t>> {
+      if (::write(decoding[1], "d", 1) != 1) ::_exit(5);
+      ::sleep(60);  // killed long before
+      ::_exit(6);
+    };
+    LoadDecoded(killed_src, killed, 0);
+    ::_exit(7);
+  }
+  ::close(decoding[1]);
+  char c;
+  const bool started = ::read(decoding[0], &c, 1) == 1;
+  ::close(decoding[0]);
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(started) << "the child did not start decoding (exit status " << status << ")";
+  const auto left = Entries(cache_dir);
+  ASSERT_EQ(left.size(), 1u);
+  const std::string killed_lock = left[0].string();
+  ASSERT_EQ(killed_lock.substr(killed_lock.size() - 13), ".decoded.lock") << killed_lock;
+  // Held by this process through a descriptor of its own: the load's probe
+  // opens another, and flock locks conflict between descriptions.
+  const std::string held = cache_dir + "/held-0123456789abcdef.decoded.lock";
+  const int held_fd = ::open(held.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(held_fd, 0);
+  ASSERT_EQ(::flock(held_fd, LOCK_EX | LOCK_NB), 0);
+  const std::string not_a_lock = cache_dir + "/notes.decoded.lock";
+  WriteFile(not_a_lock, "kept by hand");
+  CountingDecode decode{src};
+  EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(8));
+  EXPECT_FALSE(std::filesystem::exists(killed_lock)) << "the killed process's lock file was left";
+  EXPECT_TRUE(std::filesystem::exists(held)) << "a lock file in use was removed";
+  EXPECT_TRUE(std::filesystem::exists(not_a_lock)) << "a file that is not a lock file was removed";
+  ::close(held_fd);
+}
+
 // Past DDP_DATA_CACHE_MAX_BYTES, writing an entry removes the least recently
 // used others (the cache grew without bound): loading an entry counts as a
 // use, the entry just written stays even alone over the limit, and files
@@ -772,6 +827,11 @@ TEST(DecodedCache, EntriesPastTheSizeLimitAreEvictedLeastRecentlyUsedFirst) {
   WriteFile(lock, "");
   set_age(temporary, 1000);
   set_age(lock, 1000);
+  // A lock file is removed only when no one holds it
+  // (LockFilesNoOneHoldsAreRemovedAtTheNextWrite); this one is held.
+  const int lock_fd = ::open(lock.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(lock_fd, 0);
+  ASSERT_EQ(::flock(lock_fd, LOCK_EX | LOCK_NB), 0);
   LoadDecoded(src[0], std::ref(decode[0]), 0);  // a's entry used: now the newest
   EXPECT_EQ(decode[0].calls, 1);
   LoadDecoded(src[2], std::ref(decode[2]), 0);  // over the limit: b goes
@@ -780,6 +840,7 @@ TEST(DecodedCache, EntriesPastTheSizeLimitAreEvictedLeastRecentlyUsedFirst) {
   EXPECT_NE(entry_of(2), "");
   EXPECT_TRUE(std::filesystem::exists(temporary));
   EXPECT_TRUE(std::filesystem::exists(lock));
+  ::close(lock_fd);
   LoadDecoded(src[0], std::ref(decode[0]), 0);
   EXPECT_EQ(decode[0].calls, 1) << "a recently used entry was removed";
   ForgetDecodedEntriesInUseForTesting();
