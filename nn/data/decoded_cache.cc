@@ -515,7 +515,19 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
                                          : std::string(std::strerror(lock->open_errno())));
   }
   const bool no_locks = lock != nullptr && lock->lock_errno() != 0;
-  if (no_locks && bytes.size() >= min_bytes) ReportLockFailure(path + ".lock", lock->lock_errno());
+  if (no_locks && bytes.size() >= min_bytes) {
+    ReportLockFailure(path + ".lock", lock->lock_errno());
+    // Without the lock, another process may have written the entry while
+    // this one decoded: it is mapped, not written again (a whole write and
+    // fsync for nothing, and this load's bytes would be a private copy
+    // beside the page cache's).
+    SharedArray hit = MapEntry(path, stats);
+    if (hit.owner != nullptr) {
+      MarkUsed(path);
+      NoteInUse(path);
+      return hit;
+    }
+  }
   // Only the lock's holder writes: one whole entry per host, not one per
   // rank. Where the filesystem has no locks, every load writes: the writes
   // are atomic (each rename puts a whole entry in place), so the only cost

@@ -90,7 +90,8 @@ inline constexpr std::chrono::milliseconds kEntryLockWait{60000};
 /// to the entry (`<entry>.lock`, removed after): the first decodes and
 /// writes, the others then map its entry; one that waits more than
 /// `lock_wait` decodes alone and writes nothing. Where the lock file cannot
-/// be locked (a filesystem without locks), every load writes its entry.
+/// be locked (a filesystem without locks), each load writes the entry,
+/// unless another wrote it during its decode: it then maps that one.
 using DecodeFn = std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>;
 SharedArray LoadDecoded(const std::vector<std::string>& sources, const DecodeFn& decode,
                         size_t min_bytes = kMinCachedBytes, std::chrono::milliseconds lock_wait = kEntryLockWait);

@@ -8,6 +8,7 @@
 #include <linux/audit.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/file.h>
@@ -615,14 +616,13 @@ TEST(DecodedCache, AFailedWriteWarnsOnceNamingThePathAndTheCause) {
   }
 }
 
-// Runs `body` in a child process whose flock calls a seccomp filter answers
-// with ENOLCK, as NFS mounted without locks does, and returns the child's
-// exit status: what `body` returned, 2 when the filter could not be
-// installed, 3 when a flock of `probe` still did not fail so, -1 when the
-// child did not exit.
-int InChildWithoutLocks(const std::string& probe, const std::function<int()>& body) {
+// Starts `body` in a child process whose flock calls a seccomp filter
+// answers with ENOLCK, as NFS mounted without locks does. The child exits
+// with what `body` returned, 2 when the filter could not be installed, 3
+// when a flock of `probe` still did not fail so. Returns its pid (-1: no
+// child).
+pid_t StartWithoutLocks(const std::string& probe, const std::function<int()>& body) {
   const pid_t pid = ::fork();
-  if (pid < 0) return -1;
   if (pid == 0) {
 #if defined(__x86_64__)
     constexpr uint32_t kArch = AUDIT_ARCH_X86_64;
@@ -649,9 +649,19 @@ int InChildWithoutLocks(const std::string& probe, const std::function<int()>& bo
     ::close(fd);
     ::_exit(body());
   }
+  return pid;
+}
+
+// The exit status of child `pid` (-1 when there is none, or it did not exit).
+int ExitStatus(pid_t pid) {
   int status = 0;
-  if (::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+  if (pid < 0 || ::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
   return WEXITSTATUS(status);
+}
+
+// Runs `body` as StartWithoutLocks does and returns the child's exit status.
+int InChildWithoutLocks(const std::string& probe, const std::function<int()>& body) {
+  return ExitStatus(StartWithoutLocks(probe, body));
 }
 
 // A lock file that can be made but not locked (flock answers ENOLCK on NFS
@@ -777,6 +787,61 @@ TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedAtTheNextWrite) {
   EXPECT_TRUE(std::filesystem::exists(held)) << "a lock file in use was removed";
   EXPECT_TRUE(std::filesystem::exists(not_a_lock)) << "a file that is not a lock file was removed";
   ::close(held_fd);
+}
+
+// Without locks, a load whose decode outlasts another process's load of the
+// same set finds that one's entry in place when it is done: it maps it
+// instead of writing a second copy over it (a whole write and fsync for
+// nothing). The entry in place keeps its inode.
+TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheDecodeIsMappedNotReplaced) {
+  const std::string dir = FreshDir("decoded_nolock_race");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  int started[2], go[2];
+  ASSERT_EQ(::pipe(started), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  // Exit statuses: 1 for wrong bytes, 5 when `go` did not come in 20 s.
+  const pid_t slow = StartWithoutLocks(src, [&] {
+    ::close(started[0]);
+    ::close(go[1]);
+    auto decode = [&] {
+      if (::write(started[1], "d", 1) != 1) ::_exit(6);
+      ::close(started[1]);
+      pollfd p{go[0], POLLIN, 0};
+      if (::poll(&p, 1, 20000) != 1) ::_exit(5);  // the parent closes its end when the other load is done
+      IdxArray a = ReadIdxFile(src);
+      return std::make_pair(a.dims, a.data);
+    };
+    return Bytes(LoadDecoded(src, decode, 0)) == Want(9) ? 0 : 1;
+  });
+  ASSERT_GT(slow, 0);
+  ::close(started[1]);
+  ::close(go[0]);
+  char c;
+  const bool decoding = ::read(started[0], &c, 1) == 1;
+  ::close(started[0]);
+  int fast = -1;
+  if (decoding) {
+    fast = InChildWithoutLocks(src, [&] {
+      CountingDecode decode{src};
+      return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) && decode.calls == 1 ? 0 : 1;
+    });
+  }
+  struct stat written{};
+  const auto entries = Entries(cache_dir);
+  const bool one_entry = entries.size() == 1 && ::stat(entries[0].c_str(), &written) == 0;
+  ::close(go[1]);
+  ASSERT_EQ(ExitStatus(slow), 0) << "the slow load failed";
+  ASSERT_TRUE(decoding) << "the slow load did not start decoding";
+  ASSERT_EQ(fast, 0) << "the other load did not decode and write the entry";
+  ASSERT_TRUE(one_entry) << "no entry, or more files than one, after the other load";
+  const auto after = Entries(cache_dir);
+  ASSERT_EQ(after.size(), 1u);
+  struct stat now{};
+  ASSERT_EQ(::stat(after[0].c_str(), &now), 0);
+  EXPECT_EQ(now.st_ino, written.st_ino) << "the slow load wrote its copy over the entry in place";
 }
 
 // Past DDP_DATA_CACHE_MAX_BYTES, writing an entry removes the least recently
