@@ -101,18 +101,22 @@ uint32_t Crc(const uint8_t* data, size_t n) {
   return static_cast<uint32_t>(crc);
 }
 
-// The first source's file name and an FNV-1a hash of this host's name and
-// every source's absolute path: the entry's file name. The host is in it
-// because an entry is valid only for the source files it was decoded from
-// (device, inode, size, time), which differ between hosts: hosts sharing a
-// cache folder (a home directory on NFS) would otherwise replace each
-// other's entry on every load, under a rank that has it mapped.
-std::string EntryName(const std::vector<std::string>& sources) {
+// The first source's file name and an FNV-1a hash of every source's
+// absolute path and identity (SourceStat): the entry's file name. An entry
+// is valid only for the source files it was decoded from, so hosts sharing
+// a cache folder (a home directory on NFS) whose copies of a set differ
+// (another device, inode or change time) get an entry each, instead of
+// replacing each other's at every load under ranks that have it mapped;
+// hosts that see the same files (same identity) share one. The name used
+// to hash the host name for that: a container whose host name changes at
+// each restart then missed its own entries on a persistent volume. A
+// source that changes gets a new name; its old entry is never read again
+// and goes with the least recently used (EvictLeastRecentlyUsed).
+std::string EntryName(const std::vector<std::string>& sources, const std::vector<SourceStat>& stats) {
   uint64_t h = 1469598103934665603ull;
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  for (const char* c = host; *c != '\0'; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
-  h = (h ^ 0xff) * 1099511628211ull;
+  auto mix = [&h](uint64_t v) {
+    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((v >> (8 * byte)) & 0xff)) * 1099511628211ull;
+  };
   std::string first;
   for (const std::string& source : sources) {
     char* real = ::realpath(source.c_str(), nullptr);
@@ -121,6 +125,13 @@ std::string EntryName(const std::vector<std::string>& sources) {
     if (first.empty()) first = path;
     for (unsigned char c : path) h = (h ^ c) * 1099511628211ull;
     h = (h ^ 0xff) * 1099511628211ull;  // a separator between paths
+  }
+  for (const SourceStat& st : stats) {
+    mix(st.dev);
+    mix(st.ino);
+    mix(st.size);
+    mix(static_cast<uint64_t>(st.mtime_ns));
+    mix(static_cast<uint64_t>(st.ctime_ns));
   }
   const size_t slash = first.find_last_of('/');
   std::string base = slash == std::string::npos ? first : first.substr(slash + 1);
@@ -367,9 +378,11 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
 // unlocking it, so none is left; a waiter whose lock is on a removed file
 // (it opened the file before the removal, or eviction removed it as
 // unheld) locks the path again. A file that cannot be locked is removed
-// at once: the filesystem refuses every process of this host alike (the
-// entry's name is this host's), so no one could hold it, and it would
-// stay beside the entry forever.
+// at once: the filesystem refuses every process that reaches it through
+// this mount alike, so no one here could hold it, and it would stay beside
+// the entry forever. (A host that shares the cache folder through a mount
+// that does lock, and sees the same sources, may hold it meanwhile: it
+// then only loses its turn, and writes a whole entry too.)
 class EntryLock {
  public:
   EntryLock(std::string path, std::chrono::milliseconds wait) : path_(std::move(path)) {
@@ -485,7 +498,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
   const std::string dir = DecodedCacheDir();
   std::vector<SourceStat> stats;
   const bool cacheable = !dir.empty() && StatSources(sources, &stats);
-  const std::string path = cacheable ? dir + "/" + EntryName(sources) : "";
+  const std::string path = cacheable ? dir + "/" + EntryName(sources, stats) : "";
   std::unique_ptr<EntryLock> lock;
   std::error_code mkdir_error;
   if (cacheable) {
@@ -497,8 +510,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     }
     std::filesystem::create_directories(dir, mkdir_error);
     lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
-    // Another process of this host may have written the entry while this
-    // one waited.
+    // Another process may have written the entry while this one waited.
     if (lock->held()) hit = MapEntry(path, stats);
     if (hit.owner != nullptr) {
       MarkUsed(path);
@@ -520,7 +532,10 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     // Without the lock, another process may have written the entry while
     // this one decoded: it is mapped, not written again (a whole write and
     // fsync for nothing, and this load's bytes would be a private copy
-    // beside the page cache's).
+    // beside the page cache's). Where hosts share the entry (a cache folder
+    // on NFS, the same source files), a rename over it would also unlink
+    // the file under another host's ranks that have it mapped (an NFS
+    // client keeps an unlinked file readable only when it unlinked it).
     SharedArray hit = MapEntry(path, stats);
     if (hit.owner != nullptr) {
       MarkUsed(path);
@@ -528,11 +543,11 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
       return hit;
     }
   }
-  // Only the lock's holder writes: one whole entry per host, not one per
-  // rank. Where the filesystem has no locks, every load writes: the writes
-  // are atomic (each rename puts a whole entry in place), so the only cost
-  // is ranks of a cold cache each writing one, against decoding the set on
-  // every load of every later run when none was written.
+  // Only the lock's holder writes: one whole entry, not one per rank. Where
+  // the filesystem has no locks, every load writes: the writes are atomic
+  // (each rename puts a whole entry in place), so the only cost is ranks of
+  // a cold cache each writing one, against decoding the set on every load
+  // of every later run when none was written.
   if (lock != nullptr && (lock->held() || no_locks) && bytes.size() >= min_bytes) {
     // A source replaced or rewritten during the decode may have given either
     // file's bytes: an entry would pair the identity stated before with the

@@ -10,14 +10,19 @@
 // An entry is keyed by its source files (their paths, devices, inodes, sizes,
 // modification and change times, stated before the decode and again after
 // it: a source that changed meanwhile gets no entry) and carries a CRC-32 of
-// its data: an entry that does not match is ignored and written again, under
-// the same name (one entry per source path and host). Entries are written to
-// a temporary file and renamed into place, so a reader sees a whole entry or
-// none. The cache is best effort: where it cannot be read or written, loads
-// decode as before (the first entry that cannot be written says so on
-// stderr, once per process, with the path and the cause; so does the first
-// lock file that cannot be locked, as on NFS mounted without locks: entries
-// are then written without the lock, so concurrent first loads each decode).
+// its data: an entry that does not match is ignored and written again. The
+// entry's name hashes the same key, not the host name: hosts sharing a cache
+// folder keep an entry each for copies of a set that differ, share one for
+// the same files, and a container whose host name changes at each restart
+// finds its entries on a persistent volume; a source that changes gets a
+// new name (its old entry goes with the least recently used, see Size).
+// Entries are written to a temporary file and renamed into place, so a
+// reader sees a whole entry or none. The cache is best effort: where it
+// cannot be read or written, loads decode as before (the first entry that
+// cannot be written says so on stderr, once per process, with the path and
+// the cause; so does the first lock file that cannot be locked, as on NFS
+// mounted without locks: entries are then written without the lock, so
+// concurrent first loads each decode).
 //
 // Size: after writing an entry, the least recently used others (by
 // modification time, which a load from an entry sets to now) are removed
@@ -77,9 +82,9 @@ void ForgetDecodedEntriesInUseForTesting();
 /// microseconds, and tests' scratch files would pile up.
 inline constexpr size_t kMinCachedBytes = size_t{1} << 20;
 
-/// How long a load into a cold cache waits for another process of this host
-/// that is decoding the same sources (and will write their entry) before it
-/// decodes alone, writing nothing.
+/// How long a load into a cold cache waits for another process that is
+/// decoding the same sources (and will write their entry) before it decodes
+/// alone, writing nothing.
 inline constexpr std::chrono::milliseconds kEntryLockWait{60000};
 
 /// The decoded contents of `sources` (one or more files, decoded together):

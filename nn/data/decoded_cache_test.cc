@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -251,9 +252,11 @@ TEST(DecodedCache, ChangedSourceIsDecodedAgain) {
   const SharedArray now = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2);
   EXPECT_EQ(Bytes(now), std::vector<uint8_t>(other.begin(), other.end()));
-  // The new entry took the old one's name: one entry per source, not one per
-  // version of it.
-  EXPECT_EQ(Entries(dir + "/cache").size(), 1u);
+  // The new version has an entry of its own (the name hashes the source's
+  // stats), mapped from now on; the old one is left to eviction.
+  EXPECT_EQ(Entries(dir + "/cache").size(), 2u);
+  EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), std::vector<uint8_t>(other.begin(), other.end()));
+  EXPECT_EQ(decode.calls, 2) << "the new version's entry was not used";
 }
 
 // A source rewritten in place with its old size and modification time
@@ -332,7 +335,10 @@ TEST(DecodedCache, SeveralSourcesAreAllPartOfTheKey) {
   WriteFile(sources[1], "changed");  // another size
   EXPECT_EQ(LoadDecoded(sources, decode, 0).data[3], 3);
   EXPECT_EQ(calls, 3);
-  EXPECT_EQ(Entries(dir + "/cache").size(), 2u);
+  // The pair's old version is left to eviction beside the new one.
+  EXPECT_EQ(Entries(dir + "/cache").size(), 3u);
+  EXPECT_EQ(LoadDecoded(sources, decode, 0).data[3], 3);
+  EXPECT_EQ(calls, 3) << "the new version's entry was not used";
 }
 
 // CIFAR-10 through the cache: a second load maps the entry and gives the
@@ -488,13 +494,12 @@ TEST(DecodedCache, AWriterPastTheWaitIsNotWaitedFor) {
   EXPECT_EQ(decode.calls, 1) << "the writer's entry was not used";
 }
 
-// Another host sharing the cache folder (a home directory on NFS), played by
-// a child in a UTS namespace of its own with another host name: it writes an
-// entry of its own beside this host's instead of replacing it (an entry is
-// valid for the source files' inodes, which differ between hosts, so the
-// two replaced each other at every load, under ranks that had them mapped).
-TEST(DecodedCache, AnotherHostKeepsAnEntryOfItsOwn) {
-  const std::string dir = FreshDir("decoded_hosts");
+// A container restarted under another host name, played by a child in a
+// UTS namespace of its own: it maps the entry written before (the entry's
+// name hashed the host name, so on a persistent volume every restart
+// decoded the set again and wrote another entry).
+TEST(DecodedCache, AnotherHostNameMapsTheEntryOfTheSameFiles) {
+  const std::string dir = FreshDir("decoded_restarted");
   const CacheDir cache(dir + "/cache");
   const std::string src = dir + "/images.gz";
   WriteFile(src, Gzip(IdxBytes({5, 4, 3}, Pixels(60))));
@@ -505,17 +510,61 @@ TEST(DecodedCache, AnotherHostKeepsAnEntryOfItsOwn) {
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     // Needs root (CAP_SYS_ADMIN), as the other namespace tests here.
-    if (::unshare(CLONE_NEWUTS) != 0 || ::sethostname("another-host", 12) != 0) ::_exit(2);
-    CountingDecode other{src};
-    ::_exit(LoadDecoded(src, std::ref(other), 0).size == 60 && other.calls == 1 ? 0 : 1);
+    if (::unshare(CLONE_NEWUTS) != 0 || ::sethostname("restarted-host", 14) != 0) ::_exit(2);
+    CountingDecode restarted{src};
+    const SharedArray a = LoadDecoded(src, std::ref(restarted), 0);
+    ::_exit(Bytes(a) != Want(60) ? 1 : restarted.calls == 0 ? 0 : 4);
   }
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
   ASSERT_NE(WEXITSTATUS(status), 2) << "unshare(CLONE_NEWUTS) or sethostname failed (this test needs root)";
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "the other host did not decode its own copy";
-  EXPECT_EQ(Entries(dir + "/cache").size(), 2u) << "the other host's entry replaced this host's";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child read wrong bytes (1) or decoded again (4)";
+  EXPECT_EQ(Entries(dir + "/cache").size(), 1u) << "the child wrote an entry of its own";
+}
+
+// Another host sharing the cache folder (a home directory on NFS), with its
+// own copy of the set at the same path, played by a child in UTS and mount
+// namespaces of its own, another file bind-mounted over the source: it
+// decodes its copy and keeps an entry of its own beside this host's instead
+// of being served this host's or replacing it (an entry is valid for the
+// source files' inodes, so the two would replace each other at every load,
+// under ranks that had them mapped).
+TEST(DecodedCache, AnotherHostsCopyAtTheSamePathKeepsAnEntryOfItsOwn) {
+  const std::string dir = FreshDir("decoded_hosts");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images.gz", other_copy = dir + "/other_images.gz";
+  WriteFile(src, Gzip(IdxBytes({5, 4, 3}, Pixels(60))));
+  std::string other = Pixels(60);
+  std::reverse(other.begin(), other.end());
+  WriteFile(other_copy, Gzip(IdxBytes({5, 4, 3}, other)));
+  CountingDecode decode{src};
   LoadDecoded(src, std::ref(decode), 0);
+  ASSERT_EQ(Entries(dir + "/cache").size(), 1u);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Needs root (CAP_SYS_ADMIN). The root made private first, so that the
+    // bind mount stays in the child's namespace.
+    if (::unshare(CLONE_NEWUTS | CLONE_NEWNS) != 0 || ::sethostname("another-host", 12) != 0 ||
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount(other_copy.c_str(), src.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+      ::_exit(2);
+    }
+    CountingDecode other_host{src};
+    const std::vector<uint8_t> want(other.begin(), other.end());
+    const bool right = Bytes(LoadDecoded(src, std::ref(other_host), 0)) == want &&
+                       Bytes(LoadDecoded(src, std::ref(other_host), 0)) == want;
+    ::_exit(!right ? 1 : other_host.calls == 1 ? 0 : 4);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
+  ASSERT_NE(WEXITSTATUS(status), 2) << "unshare, sethostname or the bind mount failed (this test needs root)";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "the other host was served this host's entry (1) or did not map its own the second time (4)";
+  EXPECT_EQ(Entries(dir + "/cache").size(), 2u) << "the other host's entry replaced this host's";
+  EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(60));
   EXPECT_EQ(decode.calls, 1) << "this host's entry was replaced";
 }
 
