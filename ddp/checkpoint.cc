@@ -44,6 +44,35 @@ nn::Tensor Record(bool ok, const std::string& message) {
   return r;
 }
 
+// Every rank's record (Record(ok, what)), in rank order: one collective,
+// bound by the group's timeout, whatever happened on each rank.
+nn::Tensor GatherRecords(ProcessGroup& pg, bool ok, const std::string& what, const char* name) {
+  nn::Tensor mine = Record(ok, what);
+  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+  pg.AllGather(all, mine, name).Wait();
+  return all;
+}
+
+// The text of rank r's record in GatherRecords' result.
+std::string RecordText(const nn::Tensor& all, int r) {
+  const char* p = static_cast<const char*>(all.data_ptr()) + r * kRecordBytes;
+  return std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
+}
+
+// "rank 1: why; rank 3: why" over the ranks whose record says they failed,
+// empty when none did. A record holds the first kRecordBytes - 2 bytes of
+// a reason; `full`, when not empty, stands for this rank's own reason in
+// whole.
+std::string FailedRanks(const ProcessGroup& pg, const nn::Tensor& all, const std::string& full = "") {
+  std::string failures;
+  for (int r = 0; r < pg.size(); ++r) {
+    if (static_cast<const char*>(all.data_ptr())[r * kRecordBytes] == 1) continue;
+    const std::string why = r == pg.rank() && !full.empty() ? full : RecordText(all, r);
+    failures += (failures.empty() ? "rank " : "; rank ") + std::to_string(r) + ": " + why;
+  }
+  return failures;
+}
+
 const nn::modules::Module& Unwrap(const nn::modules::Module& model) {
   if (auto* ddp = dynamic_cast<const DistributedDataParallel*>(&model)) return *ddp->module();
   return model;
@@ -211,6 +240,81 @@ void CheckWait(const char* name, std::chrono::milliseconds timeout, std::chrono:
   }
 }
 
+// 62 bits of the FNV-1a hash of `text`: nonnegative, so that one
+// all-reduce of the maximum of it and of its negation gives the largest
+// and the smallest over the ranks.
+int64_t Digest(const std::string& text) {
+  uint64_t h = 14695981039346656037ull;
+  for (const unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
+
+// "rank 2" or "ranks 1, 3, 4", the list cut after a few.
+std::string RankList(const std::vector<int>& ranks) {
+  constexpr size_t kShown = 8;
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size() && i < kShown; ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (ranks.size() > kShown) out += " and " + std::to_string(ranks.size() - kShown) + " more";
+  return out;
+}
+
+// SaveCheckpoint's check before anything is written: every rank passed
+// valid SaveOptions (`options_error` is this rank's complaint, empty when
+// they are valid) and the same path. Rank 0 alone writes, so a rank that
+// passed another path (one per rank, expecting each rank to write its
+// own) would learn nothing of it; and a rank whose options were refused
+// threw alone, leaving the others to wait for it until the group's
+// timeout while rank 0 wrote. One all-reduce of three numbers when the
+// ranks agree; only when they do not, an all-gather of every rank's record
+// names who passed what. Every rank throws the same std::invalid_argument.
+void AgreeOnSave(ProcessGroup& pg, const std::string& path, const std::string& options_error) {
+  const int64_t digest = Digest(path);
+  nn::Tensor summary = nn::Zeros({3}, {.dtype = nn::DType::kInt64});
+  int64_t* s = static_cast<int64_t*>(summary.data_ptr());
+  s[0] = options_error.empty() ? 0 : 1;
+  s[1] = digest;
+  s[2] = -digest;
+  pg.AllReduce(summary, transport::ReduceOp::kMax, "checkpoint save agreement").Wait();
+  if (s[0] == 0 && s[1] == -s[2]) return;
+  // Every rank has the same sums, so every rank gets here too. A record:
+  // the digest in 16 hex digits, then the path (its first 1006 bytes).
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(digest));
+  const bool ok = options_error.empty();
+  const nn::Tensor all = GatherRecords(pg, ok, ok ? hex + path : options_error, "checkpoint save paths");
+  const std::string failures = FailedRanks(pg, all, options_error);
+  if (!failures.empty()) {
+    throw std::invalid_argument("SaveCheckpoint " + path + ": not written, the file is left as it was: invalid "
+                                "SaveOptions on " + failures);
+  }
+  // The ranks grouped by path, in the order of each path's first rank.
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < pg.size(); ++r) {
+    const std::string text = RecordText(all, r);
+    auto same = std::find_if(groups.begin(), groups.end(),
+                             [&text](const auto& g) { return g.first.compare(0, 16, text, 0, 16) == 0; });
+    if (same == groups.end()) {
+      groups.emplace_back(text, std::vector<int>{r});
+    } else {
+      same->second.push_back(r);
+    }
+  }
+  constexpr size_t kShown = 8;
+  std::string passed;
+  for (size_t i = 0; i < groups.size() && i < kShown; ++i) {
+    const auto& [text, ranks] = groups[i];
+    const bool cut = text.size() == static_cast<size_t>(kRecordBytes - 2);
+    passed += std::string(i ? "; " : "") + RankList(ranks) + " passed '" + text.substr(16) + (cut ? "...'" : "'");
+  }
+  if (groups.size() > kShown) passed += "; and " + std::to_string(groups.size() - kShown) + " other paths";
+  throw std::invalid_argument(
+      "SaveCheckpoint: not written, the ranks passed different paths (rank 0 writes the file, and every rank "
+      "must pass its path): " + passed);
+}
+
 }  // namespace
 
 namespace internal {
@@ -365,7 +469,6 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
 
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options) {
-  CheckWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace);
   // A group already aborted (a rank failed, a collective timed out): rank
   // 0's state follows a failed collective and may not match the other
   // replicas, and no rank could learn how the write went. The file keeps
@@ -378,6 +481,21 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
     throw DistributedError(transport::Status(
         aborted.code(), "SaveCheckpoint " + path + ": not written, the file is left as it was: the group "
                         "was aborted before the save: " + aborted.message()));
+  }
+  // Options refused on one rank, or another path on one: every rank throws
+  // before rank 0 writes anything.
+  std::string options_error;
+  try {
+    CheckWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace);
+  } catch (const std::invalid_argument& e) {
+    options_error = e.what();
+  }
+  try {
+    AgreeOnSave(pg, path, options_error);
+  } catch (const DistributedError& e) {
+    throw DistributedError(transport::Status(
+        e.code(), "SaveCheckpoint " + path + ": not written, the file is left as it was: the group failed "
+                  "while the ranks compared their paths: " + e.status().message()));
   }
   // The work owns its copies (the checkpoint's tensors are shared, not
   // copied): a write stuck in the filesystem outlives this call.
@@ -402,35 +520,6 @@ std::string Fingerprint(const nn::io::Checkpoint& c) {
   return "data checksum " + (c.data_checksum.empty() ? std::string("none") : c.data_checksum) + ", " +
          std::to_string(c.model.size() + c.optimizer.size()) + " tensors of " + std::to_string(bytes) +
          " bytes, step " + (c.metadata.count("step") ? c.metadata.at("step") : std::string("unset"));
-}
-
-// Every rank's record (Record(ok, what)), in rank order: one collective,
-// bound by the group's timeout, whatever happened on each rank.
-nn::Tensor GatherRecords(ProcessGroup& pg, bool ok, const std::string& what, const char* name) {
-  nn::Tensor mine = Record(ok, what);
-  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
-  pg.AllGather(all, mine, name).Wait();
-  return all;
-}
-
-// The text of rank r's record in GatherRecords' result.
-std::string RecordText(const nn::Tensor& all, int r) {
-  const char* p = static_cast<const char*>(all.data_ptr()) + r * kRecordBytes;
-  return std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
-}
-
-// "rank 1: why; rank 3: why" over the ranks whose record says they failed,
-// empty when none did. A record holds the first kRecordBytes - 2 bytes of
-// a reason; `full`, when not empty, stands for this rank's own reason in
-// whole.
-std::string FailedRanks(const ProcessGroup& pg, const nn::Tensor& all, const std::string& full = "") {
-  std::string failures;
-  for (int r = 0; r < pg.size(); ++r) {
-    if (static_cast<const char*>(all.data_ptr())[r * kRecordBytes] == 1) continue;
-    const std::string why = r == pg.rank() && !full.empty() ? full : RecordText(all, r);
-    failures += (failures.empty() ? "rank " : "; rank ") + std::to_string(r) + ": " + why;
-  }
-  return failures;
 }
 
 // Every rank's outcome, exchanged; throws one error naming each rank that

@@ -113,7 +113,12 @@ inline constexpr char kWorldSizeKey[] = "world_size";
 /// group already aborted (a rank failed before the call), every rank
 /// throws DistributedError at once, naming `path` and the group's reason,
 /// and rank 0 leaves the file as it was: its state follows a failed
-/// collective and may not match the other replicas.
+/// collective and may not match the other replicas. Every rank must pass
+/// the same `path` (the one rank 0 writes) and valid `options`: the ranks
+/// compare them first (one all-reduce of three numbers), and when a rank
+/// passed another path or options it refuses, every rank throws the same
+/// std::invalid_argument naming the ranks and what they passed, nothing is
+/// written, and the group stays usable.
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
 

@@ -270,6 +270,63 @@ TEST(DdpCheckpointTest, FailuresReachEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Ranks that pass SaveCheckpoint different paths (here rank 2 its own, as
+// if each rank wrote its file) or options that one rank refuses. Before,
+// rank 0 wrote its path and nobody heard of rank 2's; and a rank whose
+// options were refused threw alone while rank 0 wrote, then waited for it
+// until the group's timeout (60 s here). Now every rank throws the same
+// error at once, naming the ranks and what they passed, nothing is
+// written, and the group goes on.
+DDP_TEST_WORKER(save_paths_differ) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  const std::string shared = dir + "/c.safetensors";
+  const std::string own = dir + "/rank2.safetensors";
+  const nn::io::Checkpoint c = MakeCheckpoint(*Mlp(1), nullptr);
+  auto error_of = [](const std::function<void()>& save) {
+    try {
+      save();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto start = std::chrono::steady_clock::now();
+  std::string error = error_of([&] { SaveCheckpoint(*pg, pg->rank() == 2 ? own : shared, c); });
+  double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(error == "SaveCheckpoint: not written, the ranks passed different paths (rank 0 writes the file, "
+                         "and every rank must pass its path): ranks 0, 1 passed '" + shared + "'; rank 2 passed '" +
+                         own + "'",
+                "rank " + std::to_string(pg->rank()) + " got: " + error);
+  WORKER_EXPECT(took < 20, "the paths' error took " + std::to_string(took) + " s");
+  start = std::chrono::steady_clock::now();
+  error = error_of([&] {
+    SaveOptions options;
+    if (pg->rank() == 1) options.heartbeat = std::chrono::milliseconds(0);
+    SaveCheckpoint(*pg, shared, c, options);
+  });
+  took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(error == "SaveCheckpoint " + shared + ": not written, the file is left as it was: invalid "
+                         "SaveOptions on rank 1: SaveOptions::heartbeat must be positive, got 0 ms",
+                "rank " + std::to_string(pg->rank()) + " got: " + error);
+  WORKER_EXPECT(took < 20, "the options' error took " + std::to_string(took) + " s");
+  // Nothing was written, and the group is still usable.
+  pg->Barrier().Wait();
+  const std::vector<std::string> left = ListDir(dir);
+  WORKER_EXPECT(left.empty(), "written although the ranks disagreed: " + (left.empty() ? "" : left.front()));
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the refused saves");
+  SaveCheckpoint(*pg, shared, c);
+  WORKER_EXPECT(nn::io::LoadCheckpoint(shared).model.size() == c.model.size(), "the agreed save");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, RanksThatPassDifferentPathsOrRefusedOptionsFailEveryRankAndNothingIsWritten) {
+  const std::string dir = TempDir();
+  auto run = RunWorkers("save_paths_differ", 3, {{"DDP_TEST_CKPT", dir}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                        180000, /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Mlp's layers with 11 outputs instead of 10: the same keys, with
 // `5.weight` and `5.bias` of other shapes.
 std::shared_ptr<nn::modules::Module> MlpWithElevenClasses(uint64_t seed) {
@@ -393,10 +450,11 @@ DDP_TEST_WORKER(from_rank) {
   auto model = Mlp(1);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   // Only rank 0's "disk" has the file: each rank's own folder, as on hosts
-  // without a shared filesystem.
+  // without a shared filesystem. Every rank saves to the same path, which
+  // rank 0 alone writes: here rank 0's folder.
   const std::string own = dir + "/rank" + std::to_string(pg->rank());
   mkdir(own.c_str(), 0700);
-  SaveCheckpoint(*pg, own + "/c.safetensors", MakeCheckpoint(*model, &opt, {{"step", "5"}}));
+  SaveCheckpoint(*pg, dir + "/rank0/c.safetensors", MakeCheckpoint(*model, &opt, {{"step", "5"}}));
   struct stat st;
   WORKER_EXPECT((stat((own + "/c.safetensors").c_str(), &st) == 0) == (pg->rank() == 0),
                 "rank 0 alone should have written the file");
