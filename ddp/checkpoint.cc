@@ -756,6 +756,12 @@ std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, c
       problems.push_back(e.what());
     } catch (const std::exception& e) {
       problems.push_back(std::string("checking the ") + component + "'s state threw: " + e.what());
+    } catch (...) {
+      // A user's function (a LambdaSchedule's) may throw anything: escaping
+      // here, it would skip the collective restore's exchange, and the
+      // other ranks would wait for this one until the group's timeout.
+      problems.push_back(std::string("checking the ") + component +
+                         "'s state threw an exception that is not a std::exception");
     }
   };
   check("model", [&] { target.CheckStateDict(checkpoint.model, /*strict=*/true); });
@@ -822,6 +828,8 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
     if (!problems.empty()) mine = ProblemList(problems);
   } catch (const std::exception& e) {
     mine = std::string("checking the checkpoint threw: ") + e.what();
+  } catch (...) {
+    mine = "checking the checkpoint threw an exception that is not a std::exception";
   }
   // Between the checks and the first change: a rank whose peers failed
   // leaves its model as it was, so no replica goes on from another state.

@@ -170,7 +170,9 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// scheduler (which sets the optimizer's lr for its restored step), the
 /// scaler, PowerSGD's state, the averager's, the post-local-SGD hook's and
 /// ReduceLrOnPlateau's; each of the last seven may be null. All or nothing: every part is checked before anything changes,
-/// and one std::invalid_argument lists every problem. A key of
+/// and one std::invalid_argument lists every problem (a component's check
+/// that throws anything else, a LambdaSchedule's function included, even
+/// what is no std::exception, is one more problem). A key of
 /// checkpoint.optimizer that no given component takes is a problem too,
 /// naming the argument to pass: optimizer state ("lr", "group.*", "state.*") without
 /// an optimizer, "scheduler.*" without a scheduler, "scaler.*" without a

@@ -399,6 +399,53 @@ TEST(DdpCheckpointTest, ARankThatCannotRestoreFailsEveryRankPromptlyAndChangesNo
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rank 1's scheduler function throws something that is no std::exception
+// (an int) for the saved step. Before, it escaped rank 1's checks past the
+// exchange of outcomes, and the other ranks waited for rank 1 until the
+// group's timeout (60 s here). Now it is rank 1's problem like any other:
+// every rank throws at once naming rank 1, and nothing is restored.
+DDP_TEST_WORKER(restore_check_throws_a_non_std_exception) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  const bool throws = pg->rank() == 1;
+  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule(
+                                        [throws](int64_t t) -> double {
+                                          if (throws && t > 1) throw 42;
+                                          return 1.0;
+                                        },
+                                        "decay"));
+  const uint64_t before = testing::HashState(*model);
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  } catch (...) {
+    error = "an exception that is not a std::invalid_argument";
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(error == "RestoreCheckpoint: nothing was restored on any rank, it failed on rank 1: 1 problem(s):\n"
+                         "  checking the scheduler's state threw an exception that is not a std::exception",
+                "rank " + std::to_string(pg->rank()) + " got: " + error);
+  WORKER_EXPECT(took < 20, "the failure took " + std::to_string(took) + " s to reach every rank");
+  WORKER_EXPECT(testing::HashState(*model) == before, "the model was changed");
+  WORKER_EXPECT(opt.lr() == 0.1 && sched.step_count() == 0, "the optimizer or the scheduler was changed");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNamingIt) {
+  auto run = RunWorkers("restore_check_throws_a_non_std_exception", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A save after another rank failed: rank 1 aborts the group, rank 0 sees
 // its next collective fail (as a trainer's backward would), and both then
 // call SaveCheckpoint, as an error handler might. Every rank throws, naming
