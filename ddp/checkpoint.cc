@@ -261,36 +261,62 @@ std::string RankList(const std::vector<int>& ranks) {
   return out;
 }
 
-// SaveCheckpoint's check before anything is written: every rank passed
-// valid SaveOptions (`options_error` is this rank's complaint, empty when
-// they are valid) and the same path. Rank 0 alone writes, so a rank that
-// passed another path (one per rank, expecting each rank to write its
-// own) would learn nothing of it; and a rank whose options were refused
-// threw alone, leaving the others to wait for it until the group's
-// timeout while rank 0 wrote. One all-reduce of three numbers when the
-// ranks agree; only when they do not, an all-gather of every rank's record
-// names who passed what. Every rank throws the same std::invalid_argument.
-void AgreeOnSave(ProcessGroup& pg, const std::string& path, const std::string& options_error) {
-  const int64_t digest = Digest(path);
+// What the ranks of a collective call must agree on before it does
+// anything, and how its errors read.
+struct Agreement {
+  std::string call;      // "SaveCheckpoint"
+  std::string path;      // this rank's
+  std::string not_done;  // "not written"
+  // This rank's complaint about its own arguments (empty when none), and
+  // what they are ("SaveOptions").
+  std::string refused;
+  std::string arguments;
+  // What every rank must pass alike (empty on every rank: nothing), as
+  // the message shows it ("'/a/c.safetensors'", "root 1"), and the error's
+  // words for values that differ ("different paths (rank 0 writes...)").
+  std::string value;
+  std::string shown;
+  std::string differ;
+};
+
+// Before a collective call does anything: every rank found its arguments
+// valid and passed the same value. A rank whose arguments were refused
+// used to throw alone, leaving the others to wait for it until the
+// group's timeout; ranks that passed different values went on each with
+// its own (SaveCheckpoint: rank 0 wrote its path, and a rank that passed
+// another, expecting to write its own file, learned nothing of it). One
+// all-reduce of three numbers when they agree; only when they do not, an
+// all-gather of every rank's record names who passed what. Every rank
+// then throws the same std::invalid_argument.
+void Agree(ProcessGroup& pg, const Agreement& a) {
+  const int64_t digest = Digest(a.value);
   nn::Tensor summary = nn::Zeros({3}, {.dtype = nn::DType::kInt64});
   int64_t* s = static_cast<int64_t*>(summary.data_ptr());
-  s[0] = options_error.empty() ? 0 : 1;
+  s[0] = a.refused.empty() ? 0 : 1;
   s[1] = digest;
   s[2] = -digest;
-  pg.AllReduce(summary, transport::ReduceOp::kMax, "checkpoint save agreement").Wait();
-  if (s[0] == 0 && s[1] == -s[2]) return;
-  // Every rank has the same sums, so every rank gets here too. A record:
-  // the digest in 16 hex digits, then the path (its first 1006 bytes).
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(digest));
-  const bool ok = options_error.empty();
-  const nn::Tensor all = GatherRecords(pg, ok, ok ? hex + path : options_error, "checkpoint save paths");
-  const std::string failures = FailedRanks(pg, all, options_error);
-  if (!failures.empty()) {
-    throw std::invalid_argument("SaveCheckpoint " + path + ": not written, the file is left as it was: invalid "
-                                "SaveOptions on " + failures);
+  const bool ok = a.refused.empty();
+  nn::Tensor all;
+  try {
+    pg.AllReduce(summary, transport::ReduceOp::kMax, "checkpoint arguments").Wait();
+    if (s[0] == 0 && s[1] == -s[2]) return;
+    // Every rank has the same result, so every rank gets here too. A
+    // record: the digest in 16 hex digits, then the value as shown (its
+    // first 1006 bytes).
+    char hex[17];
+    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(digest));
+    all = GatherRecords(pg, ok, ok ? hex + a.shown : a.refused, "checkpoint arguments");
+  } catch (const DistributedError& e) {
+    throw DistributedError(transport::Status(e.code(), a.call + " " + a.path + ": " + a.not_done +
+                                                           ": the group failed while the ranks compared their "
+                                                           "arguments: " + e.status().message()));
   }
-  // The ranks grouped by path, in the order of each path's first rank.
+  const std::string failures = FailedRanks(pg, all, a.refused);
+  if (!failures.empty()) {
+    throw std::invalid_argument(a.call + " " + a.path + ": " + a.not_done + ": invalid " + a.arguments + " on " +
+                                failures);
+  }
+  // The ranks grouped by value, in the order of each value's first rank.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (int r = 0; r < pg.size(); ++r) {
     const std::string text = RecordText(all, r);
@@ -307,12 +333,21 @@ void AgreeOnSave(ProcessGroup& pg, const std::string& path, const std::string& o
   for (size_t i = 0; i < groups.size() && i < kShown; ++i) {
     const auto& [text, ranks] = groups[i];
     const bool cut = text.size() == static_cast<size_t>(kRecordBytes - 2);
-    passed += std::string(i ? "; " : "") + RankList(ranks) + " passed '" + text.substr(16) + (cut ? "...'" : "'");
+    passed += std::string(i ? "; " : "") + RankList(ranks) + " passed " + text.substr(16) + (cut ? "..." : "");
   }
-  if (groups.size() > kShown) passed += "; and " + std::to_string(groups.size() - kShown) + " other paths";
-  throw std::invalid_argument(
-      "SaveCheckpoint: not written, the ranks passed different paths (rank 0 writes the file, and every rank "
-      "must pass its path): " + passed);
+  if (groups.size() > kShown) passed += "; and " + std::to_string(groups.size() - kShown) + " other values";
+  throw std::invalid_argument(a.call + ": " + a.not_done + ", the ranks passed " + a.differ + ": " + passed);
+}
+
+// This rank's complaint about its wait options, empty when they are valid.
+std::string RefusedWait(const char* name, std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                        std::chrono::milliseconds stop_grace) {
+  try {
+    CheckWait(name, timeout, heartbeat, stop_grace);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace
@@ -484,19 +519,14 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
   }
   // Options refused on one rank, or another path on one: every rank throws
   // before rank 0 writes anything.
-  std::string options_error;
-  try {
-    CheckWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace);
-  } catch (const std::invalid_argument& e) {
-    options_error = e.what();
-  }
-  try {
-    AgreeOnSave(pg, path, options_error);
-  } catch (const DistributedError& e) {
-    throw DistributedError(transport::Status(
-        e.code(), "SaveCheckpoint " + path + ": not written, the file is left as it was: the group failed "
-                  "while the ranks compared their paths: " + e.status().message()));
-  }
+  Agree(pg, {.call = "SaveCheckpoint",
+             .path = path,
+             .not_done = "not written",
+             .refused = RefusedWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace),
+             .arguments = "SaveOptions",
+             .value = path,
+             .shown = "'" + path + "'",
+             .differ = "different paths (rank 0 writes the file, and every rank must pass its path)"});
   // The work owns its copies (the checkpoint's tensors are shared, not
   // copied): a write stuck in the filesystem outlives this call.
   nn::io::Checkpoint saved = checkpoint;
@@ -575,7 +605,12 @@ void WarnOnOtherWorldSize(const ProcessGroup& pg, const std::string& path,
 
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
-  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace);
+  // Options refused on one rank: every rank throws, before any reads.
+  Agree(pg, {.call = "LoadCheckpoint",
+             .path = path,
+             .not_done = "nothing was read",
+             .refused = RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace),
+             .arguments = "LoadWaitOptions"});
   // Owned by the work too: a read stuck in the filesystem outlives this call.
   auto read = std::make_shared<nn::io::Checkpoint>();
   // The reads take as long as each rank's storage does (the host that
@@ -607,12 +642,20 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root,
                                           const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
-  if (root < 0 || root >= pg.size()) {
-    throw std::invalid_argument("LoadCheckpointFromRank: root " + std::to_string(root) +
-                                " is not a rank of the group (size " + std::to_string(pg.size()) +
-                                ")");
-  }
-  CheckWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace);
+  // A root or options refused on one rank, or another root on one (two
+  // ranks would each read and send, as roots of collectives that do not
+  // match): every rank throws, before any read.
+  Agree(pg, {.call = "LoadCheckpointFromRank",
+             .path = path,
+             .not_done = "nothing was read",
+             .refused = root < 0 || root >= pg.size()
+                            ? "root " + std::to_string(root) + " is not a rank of the group (size " +
+                                  std::to_string(pg.size()) + ")"
+                            : RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace),
+             .arguments = "arguments",
+             .value = std::to_string(root),
+             .shown = "root " + std::to_string(root),
+             .differ = "different roots (every rank must pass the rank that reads the file)"});
   // Root reads (for as long as it takes, within wait.timeout, while the
   // others hear that it is still reading), then sends the bytes.
   // Owned by the work: a read stuck in the filesystem outlives this call.

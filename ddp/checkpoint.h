@@ -147,7 +147,9 @@ struct LoadWaitOptions {
 /// count and bytes, the "step" entry differ: a stale copy on a node's own
 /// disk, a network filesystem's client cache just after rank 0 replaced
 /// the file), naming what each rank read.
-/// The ranks wait for each other's reads up to `wait.timeout`.
+/// The ranks wait for each other's reads up to `wait.timeout`. A `wait`
+/// that one rank refuses fails every rank alike with std::invalid_argument,
+/// naming the rank, before any read (as SaveCheckpoint's options).
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options = {}, const LoadWaitOptions& wait = {});
 
@@ -159,8 +161,11 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 /// rank. The others wait for the read as long as it goes on, up to
 /// `wait.timeout` (the group's timeout then bounds sending the bytes).
 /// When `root` cannot read it, or any rank cannot load it, every rank
-/// throws one error naming each failing rank and its reason. Throws
-/// std::invalid_argument for a root outside the group.
+/// throws one error naming each failing rank and its reason. Every rank
+/// must pass the same `root`, inside the group, and valid `wait`: the
+/// ranks compare them first, and otherwise every rank throws the same
+/// std::invalid_argument naming the ranks and what they passed, before
+/// any read.
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root = 0,
                                           const nn::io::LoadOptions& options = {},
                                           const LoadWaitOptions& wait = {});

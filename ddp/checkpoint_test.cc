@@ -306,8 +306,8 @@ DDP_TEST_WORKER(save_paths_differ) {
     SaveCheckpoint(*pg, shared, c, options);
   });
   took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  WORKER_EXPECT(error == "SaveCheckpoint " + shared + ": not written, the file is left as it was: invalid "
-                         "SaveOptions on rank 1: SaveOptions::heartbeat must be positive, got 0 ms",
+  WORKER_EXPECT(error == "SaveCheckpoint " + shared + ": not written: invalid SaveOptions on rank 1: "
+                         "SaveOptions::heartbeat must be positive, got 0 ms",
                 "rank " + std::to_string(pg->rank()) + " got: " + error);
   WORKER_EXPECT(took < 20, "the options' error took " + std::to_string(took) + " s");
   // Nothing was written, and the group is still usable.
@@ -327,6 +327,63 @@ TEST(DdpCheckpointTest, RanksThatPassDifferentPathsOrRefusedOptionsFailEveryRank
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+
+// The loads' arguments that one rank refuses (a root outside the group,
+// a zero timeout) or that differ between ranks (the root). Before, the
+// rank that refused them threw alone, and the others waited for it until
+// the group's timeout (60 s here); ranks given different roots each read
+// and sent as a root, in collectives that did not match. Now every rank
+// throws the same error at once, naming the ranks and what they passed,
+// and the group goes on.
+DDP_TEST_WORKER(load_arguments_differ) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  SaveCheckpoint(*pg, path, MakeCheckpoint(*Mlp(1), nullptr));
+  auto error_of = [](const std::function<void()>& load) {
+    try {
+      load();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("not an invalid_argument: ") + e.what();
+    }
+    return std::string("no error");
+  };
+  const struct {
+    std::function<void()> load;
+    std::string expected;
+  } cases[] = {
+      {[&] { LoadCheckpointFromRank(*pg, path, pg->rank() == 2 ? 1 : 0); },
+       "LoadCheckpointFromRank: nothing was read, the ranks passed different roots (every rank must pass the rank "
+       "that reads the file): ranks 0, 1 passed root 0; rank 2 passed root 1"},
+      {[&] { LoadCheckpointFromRank(*pg, path, pg->rank() == 1 ? 5 : 0); },
+       "LoadCheckpointFromRank " + path + ": nothing was read: invalid arguments on rank 1: root 5 is not a rank "
+       "of the group (size 3)"},
+      {[&] {
+         LoadWaitOptions wait;
+         if (pg->rank() == 2) wait.timeout = std::chrono::milliseconds(0);
+         LoadCheckpoint(*pg, path, {}, wait);
+       },
+       "LoadCheckpoint " + path + ": nothing was read: invalid LoadWaitOptions on rank 2: LoadWaitOptions::timeout "
+       "must be in (0 ms, 30 days], got 0 ms"},
+  };
+  for (const auto& c : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = error_of(c.load);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WORKER_EXPECT(error == c.expected, "rank " + std::to_string(pg->rank()) + " got: " + error);
+    WORKER_EXPECT(took < 20, "the error took " + std::to_string(took) + " s: " + error);
+  }
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the refused loads");
+  WORKER_EXPECT(LoadCheckpointFromRank(*pg, path, 1).model.size() == 6, "the agreed load");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, LoadArgumentsThatOneRankRefusesOrThatDifferFailEveryRankAtOnce) {
+  auto run = RunWorkers("load_arguments_differ", 3, {{"DDP_TEST_CKPT", TempDir()}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                        180000, /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
 // Mlp's layers with 11 outputs instead of 10: the same keys, with
 // `5.weight` and `5.bias` of other shapes.
 std::shared_ptr<nn::modules::Module> MlpWithElevenClasses(uint64_t seed) {
