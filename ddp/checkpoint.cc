@@ -267,10 +267,9 @@ struct Agreement {
   std::string call;      // "SaveCheckpoint"
   std::string path;      // this rank's
   std::string not_done;  // "not written"
-  // This rank's complaint about its own arguments (empty when none), and
-  // what they are ("SaveOptions").
+  // This rank's complaint about its own arguments (an empty path, options
+  // CheckWait refuses), empty when none.
   std::string refused;
-  std::string arguments;
   // What every rank must pass alike (empty on every rank: nothing), as
   // the message shows it ("'/a/c.safetensors'", "root 1"), and the error's
   // words for values that differ ("different paths (rank 0 writes...)").
@@ -289,6 +288,8 @@ struct Agreement {
 // all-gather of every rank's record names who passed what. Every rank
 // then throws the same std::invalid_argument.
 void Agree(ProcessGroup& pg, const Agreement& a) {
+  // An empty path would vanish from the messages.
+  const std::string call_and_path = a.call + " " + (a.path.empty() ? "''" : a.path);
   const int64_t digest = Digest(a.value);
   nn::Tensor summary = nn::Zeros({3}, {.dtype = nn::DType::kInt64});
   int64_t* s = static_cast<int64_t*>(summary.data_ptr());
@@ -307,14 +308,13 @@ void Agree(ProcessGroup& pg, const Agreement& a) {
     std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(digest));
     all = GatherRecords(pg, ok, ok ? hex + a.shown : a.refused, "checkpoint arguments");
   } catch (const DistributedError& e) {
-    throw DistributedError(transport::Status(e.code(), a.call + " " + a.path + ": " + a.not_done +
+    throw DistributedError(transport::Status(e.code(), call_and_path + ": " + a.not_done +
                                                            ": the group failed while the ranks compared their "
                                                            "arguments: " + e.status().message()));
   }
   const std::string failures = FailedRanks(pg, all, a.refused);
   if (!failures.empty()) {
-    throw std::invalid_argument(a.call + " " + a.path + ": " + a.not_done + ": invalid " + a.arguments + " on " +
-                                failures);
+    throw std::invalid_argument(call_and_path + ": " + a.not_done + ": invalid arguments on " + failures);
   }
   // The ranks grouped by value, in the order of each value's first rank.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
@@ -517,13 +517,14 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
         aborted.code(), "SaveCheckpoint " + path + ": not written, the file is left as it was: the group "
                         "was aborted before the save: " + aborted.message()));
   }
-  // Options refused on one rank, or another path on one: every rank throws
-  // before rank 0 writes anything.
+  // An empty path or options refused on one rank, or another path on one:
+  // every rank throws before rank 0 writes anything.
   Agree(pg, {.call = "SaveCheckpoint",
              .path = path,
              .not_done = "not written",
-             .refused = RefusedWait("SaveOptions", options.timeout, options.heartbeat, options.stop_grace),
-             .arguments = "SaveOptions",
+             .refused = path.empty() ? "the path is empty"
+                                     : RefusedWait("SaveOptions", options.timeout, options.heartbeat,
+                                                   options.stop_grace),
              .value = path,
              .shown = "'" + path + "'",
              .differ = "different paths (rank 0 writes the file, and every rank must pass its path)"});
@@ -605,12 +606,14 @@ void WarnOnOtherWorldSize(const ProcessGroup& pg, const std::string& path,
 
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
-  // Options refused on one rank: every rank throws, before any reads.
+  // An empty path or options refused on one rank: every rank throws,
+  // before any read.
   Agree(pg, {.call = "LoadCheckpoint",
              .path = path,
              .not_done = "nothing was read",
-             .refused = RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace),
-             .arguments = "LoadWaitOptions"});
+             .refused = path.empty() ? "the path is empty"
+                                     : RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat,
+                                                   wait.stop_grace)});
   // Owned by the work too: a read stuck in the filesystem outlives this call.
   auto read = std::make_shared<nn::io::Checkpoint>();
   // The reads take as long as each rank's storage does (the host that
@@ -642,17 +645,22 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root,
                                           const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
-  // A root or options refused on one rank, or another root on one (two
-  // ranks would each read and send, as roots of collectives that do not
-  // match): every rank throws, before any read.
+  // A root, root's path or options refused on one rank, or another root
+  // on one (two ranks would each read and send, as roots of collectives
+  // that do not match): every rank throws, before any read. The others'
+  // paths are only named in messages, and may be empty.
+  std::string refused;
+  if (root < 0 || root >= pg.size()) {
+    refused = "root " + std::to_string(root) + " is not a rank of the group (size " + std::to_string(pg.size()) + ")";
+  } else if (pg.rank() == root && path.empty()) {
+    refused = "the path is empty (rank " + std::to_string(root) + " reads it)";
+  } else {
+    refused = RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace);
+  }
   Agree(pg, {.call = "LoadCheckpointFromRank",
              .path = path,
              .not_done = "nothing was read",
-             .refused = root < 0 || root >= pg.size()
-                            ? "root " + std::to_string(root) + " is not a rank of the group (size " +
-                                  std::to_string(pg.size()) + ")"
-                            : RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace),
-             .arguments = "arguments",
+             .refused = refused,
              .value = std::to_string(root),
              .shown = "root " + std::to_string(root),
              .differ = "different roots (every rank must pass the rank that reads the file)"});

@@ -114,11 +114,12 @@ inline constexpr char kWorldSizeKey[] = "world_size";
 /// throws DistributedError at once, naming `path` and the group's reason,
 /// and rank 0 leaves the file as it was: its state follows a failed
 /// collective and may not match the other replicas. Every rank must pass
-/// the same `path` (the one rank 0 writes) and valid `options`: the ranks
-/// compare them first (one all-reduce of three numbers), and when a rank
-/// passed another path or options it refuses, every rank throws the same
-/// std::invalid_argument naming the ranks and what they passed, nothing is
-/// written, and the group stays usable.
+/// the same, non-empty `path` (the one rank 0 writes) and valid
+/// `options`: the ranks compare them first (one all-reduce of three
+/// numbers), and when a rank passed another path, an empty one or options
+/// it refuses, every rank throws the same std::invalid_argument naming
+/// the ranks and what they passed, nothing is written, and the group
+/// stays usable.
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
 
@@ -147,9 +148,10 @@ struct LoadWaitOptions {
 /// count and bytes, the "step" entry differ: a stale copy on a node's own
 /// disk, a network filesystem's client cache just after rank 0 replaced
 /// the file), naming what each rank read.
-/// The ranks wait for each other's reads up to `wait.timeout`. A `wait`
-/// that one rank refuses fails every rank alike with std::invalid_argument,
-/// naming the rank, before any read (as SaveCheckpoint's options).
+/// The ranks wait for each other's reads up to `wait.timeout`. An empty
+/// `path` or a `wait` that one rank refuses fails every rank alike with
+/// std::invalid_argument, naming the rank, before any read (as
+/// SaveCheckpoint's options).
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options = {}, const LoadWaitOptions& wait = {});
 
@@ -162,7 +164,8 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 /// `wait.timeout` (the group's timeout then bounds sending the bytes).
 /// When `root` cannot read it, or any rank cannot load it, every rank
 /// throws one error naming each failing rank and its reason. Every rank
-/// must pass the same `root`, inside the group, and valid `wait`: the
+/// must pass the same `root`, inside the group, and valid `wait`, and
+/// root a non-empty `path` (the others' is only named in messages): the
 /// ranks compare them first, and otherwise every rank throws the same
 /// std::invalid_argument naming the ranks and what they passed, before
 /// any read.
