@@ -561,7 +561,9 @@ std::string Fingerprint(const nn::io::Checkpoint& c) {
 // different states.
 void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::string& what) {
   const nn::Tensor all = GatherRecords(pg, ok, what, "checkpoint load status");
-  const std::string failures = FailedRanks(pg, all);
+  // This rank's own reason in full: a record holds its first 1 KB, which
+  // a long path can fill before the reason itself.
+  const std::string failures = FailedRanks(pg, all, ok ? "" : what);
   if (!failures.empty()) {
     throw std::runtime_error("LoadCheckpoint " + path + " failed on " + failures);
   }

@@ -143,7 +143,8 @@ struct LoadWaitOptions {
 };
 
 /// Collective. Every rank reads `path`. When any rank fails, every rank
-/// throws one error naming each failing rank and its reason; so it does
+/// throws one error naming each failing rank and its reason (another
+/// rank's cut at about 1 KB, this rank's own in full); so it does
 /// when the ranks read different contents (the data checksum, the tensors'
 /// count and bytes, the "step" entry differ: a stale copy on a node's own
 /// disk, a network filesystem's client cache just after rank 0 replaced

@@ -238,6 +238,22 @@ DDP_TEST_WORKER(checkpoint_errors) {
                       m.find("rank 0:") == std::string::npos,
                   m);
   }
+  // Rank 1's path is longer than the 1 KB record that carries its reason
+  // to the others: rank 1's own error gives it in full. Before, it was cut
+  // there too, in the middle of the path, without the reason.
+  std::string deep = dir;
+  for (int i = 0; i < 5; ++i) deep += "/" + std::string(250, 'a');
+  deep += "/missing.safetensors";
+  try {
+    LoadCheckpoint(*pg, pg->rank() == 1 ? deep : good);
+    WORKER_EXPECT(false, "load succeeded although rank 1's file is missing");
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("failed on rank 1: ") != std::string::npos, m);
+    if (pg->rank() == 1) {
+      WORKER_EXPECT(m.find(deep + ": cannot open: No such file or directory") != std::string::npos, m);
+    }
+  }
   // Rank 1 reads an older copy (a node-local disk, a stale cache): every
   // rank learns that the ranks read different files, and what each read.
   const std::string older = dir + "/older.safetensors";
