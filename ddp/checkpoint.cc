@@ -373,6 +373,9 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
   const char* what = "checkpoint status";
   nn::Tensor record;
+  // Root's outcome in full: the record carries its first 1 KB to the
+  // others, which a long path can fill before the reason itself.
+  std::string root_outcome;
   if (pg.rank() != root) {
     // Records until one is not "still going": root sends a final one by
     // `timeout` at the latest.
@@ -395,8 +398,8 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
       Background background(work, abort_reason, stop_grace);
       while (true) {
         if (background.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
-          const std::string error = background.error();
-          record = Record(error.empty(), error);
+          root_outcome = background.error();
+          record = Record(root_outcome.empty(), root_outcome);
         } else if (Clock::now() >= deadline) {
           // Stopped before the others hear that the file is as it was, in
           // step with the writer's last check before its rename; a writer
@@ -404,13 +407,14 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
           // ended.
           const bool renaming = background.Stop();
           if (renaming && background.WaitUntil(Clock::now() + heartbeat)) {
-            const std::string error = background.error();
-            record = Record(error.empty(), error);
+            root_outcome = background.error();
+            record = Record(root_outcome.empty(), root_outcome);
           } else {
-            record = Record(false, task + " did not finish within " + limit +
-                                       (renaming ? "; it was renaming the new file into place, which may have "
-                                                   "happened or may yet happen"
-                                                 : ""));
+            root_outcome = task + " did not finish within " + limit +
+                           (renaming ? "; it was renaming the new file into place, which may have happened or "
+                                       "may yet happen"
+                                     : "");
+            record = Record(false, root_outcome);
             static_cast<char*>(record.data_ptr())[0] = kOutOfTime;
             timed_out = true;
           }
@@ -453,6 +457,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
       }
     }
   }
+  if (pg.rank() == root) return root_outcome;
   const char* p = static_cast<const char*>(record.data_ptr());
   return p[0] == 1 ? std::string() : std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
 }

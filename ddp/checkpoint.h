@@ -232,7 +232,7 @@ using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 /// own and tells the others every `heartbeat` (at most a quarter of the
 /// group's timeout) that it is still going, so they wait as long as it
 /// does, up to `timeout`. Returns root's outcome on every rank: empty, or
-/// what `work` threw. Past `timeout`, every rank gets "<task> did not
+/// what `work` threw (in full on root, its first 1 KB elsewhere). Past `timeout`, every rank gets "<task> did not
 /// finish within <option> (N ms)" (root asks `work` to stop before the
 /// others hear it, through nn::io::OrderedStop; when a writer in `work` had
 /// already passed its last check before its rename, root waits a

@@ -225,6 +225,22 @@ DDP_TEST_WORKER(checkpoint_errors) {
                       std::string::npos,
                   e.what());
   }
+  // A path longer than the 1 KB record that carries rank 0's reason to
+  // the others: rank 0's own error gives it in full. Before, it was cut
+  // there too, in the middle of the path, without the reason.
+  std::string deep = dir;
+  for (int i = 0; i < 5; ++i) deep += "/" + std::string(250, 'a');
+  deep += "/missing.safetensors";
+  try {
+    SaveCheckpoint(*pg, deep, MakeCheckpoint(*model, nullptr));
+    WORKER_EXPECT(false, "save into a missing directory succeeded");
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(m.find("rank 0 could not write " + deep) != std::string::npos, m);
+    if (pg->rank() == 0) {
+      WORKER_EXPECT(m.find(": cannot create temporary file: No such file or directory") != std::string::npos, m);
+    }
+  }
   // One rank cannot read: every rank learns which one and why.
   const std::string good = dir + "/good.safetensors";
   SaveCheckpoint(*pg, good, MakeCheckpoint(*model, nullptr));
@@ -241,9 +257,6 @@ DDP_TEST_WORKER(checkpoint_errors) {
   // Rank 1's path is longer than the 1 KB record that carries its reason
   // to the others: rank 1's own error gives it in full. Before, it was cut
   // there too, in the middle of the path, without the reason.
-  std::string deep = dir;
-  for (int i = 0; i < 5; ++i) deep += "/" + std::string(250, 'a');
-  deep += "/missing.safetensors";
   try {
     LoadCheckpoint(*pg, pg->rank() == 1 ? deep : good);
     WORKER_EXPECT(false, "load succeeded although rank 1's file is missing");
