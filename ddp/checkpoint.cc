@@ -279,11 +279,12 @@ struct Agreement {
 };
 
 // Before a collective call does anything: every rank found its arguments
-// valid and passed the same value. A rank whose arguments were refused
-// used to throw alone, leaving the others to wait for it until the
-// group's timeout; ranks that passed different values went on each with
-// its own (SaveCheckpoint: rank 0 wrote its path, and a rank that passed
-// another, expecting to write its own file, learned nothing of it). One
+// valid and passed the same value. Unchecked, a rank whose arguments were
+// refused would throw alone, leaving the others to wait for it until the
+// group's timeout, and ranks that passed different values would go on
+// each with its own (SaveCheckpoint: rank 0 writes its path, and a rank
+// that passed another, expecting to write its own file, would learn
+// nothing of it). One
 // all-reduce of three numbers when they agree; only when they do not, an
 // all-gather of every rank's record names who passed what. Every rank
 // then throws the same std::invalid_argument.
