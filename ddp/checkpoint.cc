@@ -564,14 +564,14 @@ std::string Fingerprint(const nn::io::Checkpoint& c) {
 // in its record: ranks that read different files (a node-local disk with
 // an older copy, a network filesystem's client cache after rank 0 replaced
 // the file) fail together, naming what each read, instead of training from
-// different states.
-void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::string& what) {
+// different states. `call` begins every message: "LoadCheckpoint /a/c".
+void AgreeOnLoad(ProcessGroup& pg, const std::string& call, bool ok, const std::string& what) {
   const nn::Tensor all = GatherRecords(pg, ok, what, "checkpoint load status");
   // This rank's own reason in full: a record holds its first 1 KB, which
   // a long path can fill before the reason itself.
   const std::string failures = FailedRanks(pg, all, ok ? "" : what);
   if (!failures.empty()) {
-    throw std::runtime_error("LoadCheckpoint " + path + " failed on " + failures);
+    throw std::runtime_error(call + " failed on " + failures);
   }
   std::string read;
   bool differ = false;
@@ -581,17 +581,15 @@ void AgreeOnLoad(ProcessGroup& pg, const std::string& path, bool ok, const std::
     read += (r == 0 ? "rank " : "; rank ") + std::to_string(r) + " read " + what;
   }
   if (differ) {
-    throw std::runtime_error("LoadCheckpoint " + path +
-                             ": the ranks read different files (a stale copy on a node's own disk, "
+    throw std::runtime_error(call + ": the ranks read different files (a stale copy on a node's own disk, "
                              "or a network filesystem's cache?): " + read);
   }
 }
 
 // One warning, on rank 0, when `checkpoint` was saved by a group of
 // another size (kWorldSizeKey). Not an error: DDP's state does not depend
-// on the size, and elastic resumes are legitimate.
-void WarnOnOtherWorldSize(const ProcessGroup& pg, const std::string& path,
-                          const nn::io::Checkpoint& checkpoint) {
+// on the size, and elastic resumes are legitimate. `call` as AgreeOnLoad's.
+void WarnOnOtherWorldSize(const ProcessGroup& pg, const std::string& call, const nn::io::Checkpoint& checkpoint) {
   if (pg.rank() != 0) return;
   const auto it = checkpoint.metadata.find(kWorldSizeKey);
   if (it == checkpoint.metadata.end()) return;  // older, or not saved by SaveCheckpoint
@@ -602,11 +600,11 @@ void WarnOnOtherWorldSize(const ProcessGroup& pg, const std::string& path,
   if (error != std::errc() || end != value.data() + value.size() || saved < 1) return;
   if (saved == pg.size()) return;
   std::fprintf(stderr,
-               "[ddp] LoadCheckpoint %s: saved by a group of %s ranks, loaded by a group of %d; the model and "
+               "[ddp] %s: saved by a group of %s ranks, loaded by a group of %d; the model and "
                "optimizer state load as they are, but what the training script derives from the world "
                "size (per-rank batch, data sampler position, a learning rate scaled by it) may need "
                "adjusting\n",
-               path.c_str(), it->second.c_str(), pg.size());
+               call.c_str(), it->second.c_str(), pg.size());
   std::fflush(stderr);
 }
 
@@ -646,8 +644,8 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   nn::io::Checkpoint checkpoint = std::move(*read);
   const bool ok = what.empty();
   if (ok) what = Fingerprint(checkpoint);
-  AgreeOnLoad(pg, path, ok, what);
-  WarnOnOtherWorldSize(pg, path, checkpoint);
+  AgreeOnLoad(pg, "LoadCheckpoint " + path, ok, what);
+  WarnOnOtherWorldSize(pg, "LoadCheckpoint " + path, checkpoint);
   return checkpoint;
 }
 
@@ -672,6 +670,18 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
              .value = std::to_string(root),
              .shown = "root " + std::to_string(root),
              .differ = "different roots (every rank must pass the rank that reads the file)"});
+  // Root's path on every rank, for the messages: another rank's may be
+  // empty, or name a file that rank has not got (its own disk).
+  const std::string from = "rank " + std::to_string(root);
+  std::string root_path = pg.rank() == root ? path : std::string();
+  try {
+    pg.BroadcastObject(&root_path, root);
+  } catch (const DistributedError& e) {
+    throw DistributedError(transport::Status(
+        e.code(), "LoadCheckpointFromRank '" + path + "': nothing was read: the group failed while " + from +
+                      " sent the path it reads: " + e.status().message()));
+  }
+  const std::string call = "LoadCheckpointFromRank '" + root_path + "' (read by " + from + ")";
   // Root reads (for as long as it takes, within wait.timeout, while the
   // others hear that it is still reading), then sends the bytes.
   // Owned by the work: a read stuck in the filesystem outlives this call.
@@ -680,25 +690,22 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
       pg, root,
       [bytes, path](const std::atomic<bool>& stop) { *bytes = nn::io::SafetensorsFile::ReadBytes(path, &stop); },
       wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
-      "LoadCheckpoint: rank " + std::to_string(root) + " could not read " + path, wait.stop_grace);
-  if (!error.empty()) {
-    throw std::runtime_error("LoadCheckpoint " + path + " failed on rank " + std::to_string(root) + ": " + error);
-  }
+      "LoadCheckpointFromRank: " + from + " could not read '" + root_path + "'", wait.stop_grace);
+  if (!error.empty()) throw std::runtime_error(call + " failed on " + from + ": " + error);
   std::string shared = std::move(*bytes);
   pg.BroadcastObject(&shared, root);
   nn::io::Checkpoint checkpoint;
   bool ok = true;
   std::string what;  // the error, or what was read
   try {
-    checkpoint = nn::io::LoadCheckpointFromBytes(
-        std::move(shared), path + " (read by rank " + std::to_string(root) + ")", options);
+    checkpoint = nn::io::LoadCheckpointFromBytes(std::move(shared), root_path + " (read by " + from + ")", options);
     what = Fingerprint(checkpoint);
   } catch (const std::exception& e) {
     ok = false;
     what = e.what();
   }
-  AgreeOnLoad(pg, path, ok, what);
-  WarnOnOtherWorldSize(pg, path, checkpoint);
+  AgreeOnLoad(pg, call, ok, what);
+  WarnOnOtherWorldSize(pg, call, checkpoint);
   return checkpoint;
 }
 

@@ -164,7 +164,10 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 /// rank. The others wait for the read as long as it goes on, up to
 /// `wait.timeout` (the group's timeout then bounds sending the bytes).
 /// When `root` cannot read it, or any rank cannot load it, every rank
-/// throws one error naming each failing rank and its reason. Every rank
+/// throws one error naming each failing rank and its reason; messages
+/// begin "LoadCheckpointFromRank '<root's path>' (read by rank <root>)",
+/// whatever path this rank passed (root sends its path to the others
+/// first, a broadcast of a few bytes). Every rank
 /// must pass the same `root`, inside the group, and valid `wait`, and
 /// root a non-empty `path` (the others' is only named in messages): the
 /// ranks compare them first, and otherwise every rank throws the same

@@ -614,13 +614,21 @@ DDP_TEST_WORKER(from_rank) {
   RestoreCheckpoint(c, *other, &other_opt);
   WORKER_EXPECT(testing::HashState(*other) == testing::HashState(*model), "the loaded model differs");
   WORKER_EXPECT(nn::io::MetadataInt(c.metadata, "step", "c") == 5, "step");
-  // Rank 1 as the root: it has no file, so every rank fails naming it.
-  try {
-    LoadCheckpointFromRank(*pg, own + "/c.safetensors", 1);
-    WORKER_EXPECT(false, "a load from a rank without the file succeeded");
-  } catch (const std::runtime_error& e) {
-    const std::string m = e.what();
-    WORKER_EXPECT(m.find("failed on rank 1: ") != std::string::npos && m.find("rank1/c.safetensors") != std::string::npos, m);
+  // Rank 1 as the root: it has no file, so every rank fails naming it,
+  // the call, and the path rank 1 read, whatever path this rank passed
+  // (its own, or none). Before, each rank's message began "LoadCheckpoint"
+  // and gave the path it passed itself, unquoted.
+  const std::string rank1_path = dir + "/rank1/c.safetensors";
+  for (const bool others_pass_none : {false, true}) {
+    try {
+      LoadCheckpointFromRank(*pg, others_pass_none && pg->rank() != 1 ? "" : own + "/c.safetensors", 1);
+      WORKER_EXPECT(false, "a load from a rank without the file succeeded");
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      WORKER_EXPECT(m.rfind("LoadCheckpointFromRank '" + rank1_path + "' (read by rank 1) failed on rank 1: ", 0) == 0 &&
+                        m.find(rank1_path + ": cannot open: No such file or directory") != std::string::npos,
+                    "rank " + std::to_string(pg->rank()) + " got: " + m);
+    }
   }
   // A file that rank 0 reads whole but that is no checkpoint (a header of
   // 2 bytes, not a JSON object): every rank parses it and fails the same way.
@@ -958,10 +966,14 @@ TEST(DdpCheckpointTest, TheWorldSizeIsRecordedAndAnotherOneOnLoadIsNamed) {
   of_four.metadata[kWorldSizeKey] = "4";
   nn::io::SaveCheckpoint(dir + "/four.safetensors", of_four);
   nn::io::SaveCheckpoint(dir + "/old.safetensors", made);
-  const std::string warning = "[ddp] LoadCheckpoint " + dir +
-                              "/four.safetensors: saved by a group of 4 ranks, loaded by a group of 1; the model "
-                              "and optimizer state load as they are";
   for (const bool from_rank : {false, true}) {
+    // Each call names itself (LoadCheckpointFromRank's warning said
+    // "LoadCheckpoint", with the path unquoted).
+    const std::string file = dir + "/four.safetensors";
+    const std::string warning = (from_rank ? "[ddp] LoadCheckpointFromRank '" + file + "' (read by rank 0)"
+                                           : "[ddp] LoadCheckpoint " + file) +
+                                ": saved by a group of 4 ranks, loaded by a group of 1; the model and optimizer "
+                                "state load as they are";
     auto load = [&](const std::string& name) {
       const std::string path = dir + "/" + name;
       return from_rank ? LoadCheckpointFromRank(*pg, path) : LoadCheckpoint(*pg, path);
