@@ -852,17 +852,58 @@ std::string ProblemList(const std::vector<std::string>& problems) {
 }
 
 // Copies `checkpoint` into `to`, once RestoreProblems found nothing.
-void LoadRestoreTargets(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to) {
+// `begun`, when given, receives the name of each part as its load begins:
+// after a throw, its last entry is the part that threw, and the others
+// were loaded.
+void LoadRestoreTargets(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to,
+                        std::vector<const char*>* begun = nullptr) {
+  auto begin = [begun](const char* part) {
+    if (begun != nullptr) begun->push_back(part);
+  };
+  begin("model");
   to.model.LoadStateDict(checkpoint.model, /*strict=*/true);
   // The optimizer before the scheduler, which sets the lr for its step.
-  if (to.optimizer != nullptr) to.optimizer->LoadStateDict(checkpoint.optimizer);
-  if (to.scheduler != nullptr) to.scheduler->LoadStateDict(checkpoint.optimizer);
-  if (to.scaler != nullptr) to.scaler->LoadStateDict(checkpoint.optimizer);
-  if (to.powersgd != nullptr) to.powersgd->LoadStateDict(checkpoint.optimizer, to.model.NamedParameters());
-  if (to.averager != nullptr) to.averager->LoadStateDict(checkpoint.optimizer);
-  if (to.post_local_sgd != nullptr) to.post_local_sgd->LoadStateDict(checkpoint.optimizer);
+  if (to.optimizer != nullptr) {
+    begin("optimizer");
+    to.optimizer->LoadStateDict(checkpoint.optimizer);
+  }
+  if (to.scheduler != nullptr) {
+    begin("scheduler");
+    to.scheduler->LoadStateDict(checkpoint.optimizer);
+  }
+  if (to.scaler != nullptr) {
+    begin("scaler");
+    to.scaler->LoadStateDict(checkpoint.optimizer);
+  }
+  if (to.powersgd != nullptr) {
+    begin("powersgd");
+    to.powersgd->LoadStateDict(checkpoint.optimizer, to.model.NamedParameters());
+  }
+  if (to.averager != nullptr) {
+    begin("averager");
+    to.averager->LoadStateDict(checkpoint.optimizer);
+  }
+  if (to.post_local_sgd != nullptr) {
+    begin("post_local_sgd");
+    to.post_local_sgd->LoadStateDict(checkpoint.optimizer);
+  }
   // After the optimizer: the plateau keeps the rate the optimizer restored.
-  if (to.plateau != nullptr) to.plateau->LoadStateDict(checkpoint.optimizer);
+  if (to.plateau != nullptr) {
+    begin("plateau");
+    to.plateau->LoadStateDict(checkpoint.optimizer);
+  }
+}
+
+// "loading the scheduler's state threw: why (the model and the optimizer
+// were loaded before it)", from LoadRestoreTargets' `begun`.
+std::string LoadFailure(const std::vector<const char*>& begun, const std::string& why) {
+  std::string loaded;
+  for (size_t i = 0; i + 1 < begun.size(); ++i) {
+    loaded += std::string(i == 0 ? "the " : i + 2 == begun.size() ? " and the " : ", the ") + begun[i];
+  }
+  return std::string("loading the ") + (begun.empty() ? "checkpoint" : begun.back()) + "'s state threw: " + why +
+         (loaded.empty() ? " (nothing was loaded before it)"
+                         : " (" + loaded + (begun.size() == 2 ? " was" : " were") + " loaded before it)");
 }
 
 }  // namespace
@@ -904,7 +945,37 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   if (!failures.empty()) {
     throw std::invalid_argument("RestoreCheckpoint: nothing was restored on any rank, it failed on " + failures);
   }
-  LoadRestoreTargets(checkpoint, to);
+  // A load can still throw once every check passed (a schedule's function
+  // that answers the check and throws when asked again, memory running
+  // out). That rank would throw alone while the others went on to train
+  // and then waited for it at their next collective: one more all-reduce
+  // of a number tells every rank, and only on a failure an all-gather
+  // names who failed and why.
+  std::vector<const char*> begun;
+  std::string failed;
+  try {
+    LoadRestoreTargets(checkpoint, to, &begun);
+  } catch (const std::exception& e) {
+    failed = LoadFailure(begun, e.what());
+  } catch (...) {
+    failed = LoadFailure(begun, "an exception that is not a std::exception");
+  }
+  nn::Tensor any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
+  static_cast<int64_t*>(any_failed.data_ptr())[0] = failed.empty() ? 0 : 1;
+  nn::Tensor loads;
+  try {
+    pg.AllReduce(any_failed, transport::ReduceOp::kMax, "checkpoint restore loads").Wait();
+    if (static_cast<const int64_t*>(any_failed.data_ptr())[0] == 0) return;
+    loads = GatherRecords(pg, failed.empty(), failed, "checkpoint restore loads");
+  } catch (const DistributedError& e) {
+    throw DistributedError(transport::Status(
+        e.code(), "RestoreCheckpoint: the group failed while the ranks compared their loads, after this rank " +
+                      (failed.empty() ? std::string("loaded every part") : failed) + ": " + e.status().message()));
+  }
+  throw std::runtime_error("RestoreCheckpoint: every rank's checks passed, but loading failed on " +
+                           FailedRanks(pg, loads, failed) +
+                           "; the ranks that did not fail loaded every part: restore again on every rank before "
+                           "training");
 }
 
 }  // namespace ddp::dist

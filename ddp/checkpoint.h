@@ -211,7 +211,19 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 /// on to train and then hang at its next collective. Another rank's
 /// problems come cut at about 1 KB; a rank's own are given in full. On a
 /// group that fails during the exchange, it throws the group's
-/// DistributedError, also with nothing changed.
+/// DistributedError, also with nothing changed. Once every rank's checks
+/// passed, a load can still throw on one rank (a scheduler function that
+/// answers the check and throws when asked again, memory running out):
+/// the ranks then compare their loads (one all-reduce of a number) and
+/// every rank throws one std::runtime_error naming each failing rank, the
+/// part whose load threw, why, and the parts loaded before it. That is not
+/// all or nothing: a rank that did not fail holds the checkpoint's state
+/// in every part; a failing rank holds it in the parts loaded before the
+/// one that threw (in the order above), that part may be half loaded, and
+/// the rest is as it was. The group stays usable: restore again on every
+/// rank (or rebuild the objects) before training. A group that fails
+/// during this comparison gives its DistributedError, which says how this
+/// rank's load went.
 void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
                        nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,

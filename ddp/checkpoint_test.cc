@@ -548,6 +548,67 @@ TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNa
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Every rank's checks pass, then rank 1's load throws: its scheduler
+// function answers the check for the saved step and throws when the load
+// asks again. Before, rank 1 threw alone, its model and optimizer already
+// restored, and ranks 0 and 2 returned as if all went well, to go on and
+// wait for rank 1 at their next collective. Now every rank throws at once,
+// naming rank 1, the part that failed and what had been loaded before it;
+// the objects are where the header says, and the group goes on.
+DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  // Rank 1's function: the saved step's factor once (the check), then a throw.
+  auto asked = std::make_shared<int>(0);
+  const bool fickle = pg->rank() == 1;
+  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule(
+                                        [fickle, asked](int64_t t) -> double {
+                                          if (fickle && t == 3 && ++*asked == 2) {
+                                            throw std::runtime_error("rank 1's factor failed when asked again");
+                                          }
+                                          return 1.0;
+                                        },
+                                        "decay"));
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  } catch (...) {
+    error = "an exception that is not a std::runtime_error";
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
+                         "the scheduler's state threw: rank 1's factor failed when asked again (the model and "
+                         "the optimizer were loaded before it); the ranks that did not fail loaded every part: "
+                         "restore again on every rank before training",
+                "rank " + std::to_string(pg->rank()) + " got: " + error);
+  WORKER_EXPECT(took < 20, "the failure took " + std::to_string(took) + " s to reach every rank");
+  // As the header says: every rank's model and optimizer hold the
+  // checkpoint's state; rank 1's scheduler is as it was, the others' loaded.
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved), "the model was not loaded");
+  WORKER_EXPECT(sched.step_count() == (fickle ? 0 : 3), "the scheduler's step is " +
+                                                            std::to_string(sched.step_count()));
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
+  // Restored again (the function now answers), every rank succeeds.
+  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  WORKER_EXPECT(sched.step_count() == 3 && opt.lr() == 0.05, "the second restore");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksFailsEveryRankPromptlyNamingIt) {
+  auto run = RunWorkers("restore_load_throws_after_the_checks", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A save after another rank failed: rank 1 aborts the group, rank 0 sees
 // its next collective fail (as a trainer's backward would), and both then
 // call SaveCheckpoint, as an error handler might. Every rank throws, naming
