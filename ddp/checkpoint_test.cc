@@ -686,7 +686,8 @@ DDP_TEST_WORKER(from_rank) {
       WORKER_EXPECT(false, "a load from a rank without the file succeeded");
     } catch (const std::runtime_error& e) {
       const std::string m = e.what();
-      WORKER_EXPECT(m.rfind("LoadCheckpointFromRank '" + rank1_path + "' (read by rank 1) failed on rank 1: ", 0) == 0 &&
+      const std::string start = "LoadCheckpointFromRank '" + rank1_path + "' (read by rank 1) failed on rank 1: ";
+      WORKER_EXPECT(m.rfind(start, 0) == 0 &&
                         m.find(rank1_path + ": cannot open: No such file or directory") != std::string::npos,
                     "rank " + std::to_string(pg->rank()) + " got: " + m);
     }
