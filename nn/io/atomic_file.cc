@@ -76,6 +76,20 @@ std::string Folder(const std::string& path) {
   throw CheckpointError(path + ": " + what + ": " + std::strerror(err));
 }
 
+// What a file of mode `mode` that is not a regular file is, for messages:
+// "a folder", "a FIFO"...
+std::string NonRegularKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a folder";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  char octal[16];
+  std::snprintf(octal, sizeof(octal), "%06o", static_cast<unsigned>(mode & S_IFMT));
+  return std::string("a file of type ") + octal;
+}
+
 std::string BaseName(const std::string& path) {
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
@@ -322,6 +336,7 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
   }
   // Renaming over a symbolic link would put a regular file in its place and
   // leave the file it leads to with the old contents.
+  const std::string asked = path_;
   if (std::string target = AtomicWriteTarget(path_); target != path_) {
     if (target.back() == '/') {
       throw CheckpointError("cannot write a file at '" + path_ + "': it is a symbolic link to '" + target +
@@ -329,18 +344,26 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
     }
     path_ = std::move(target);
   }
-  // Before anything is written: the rename would fail (EISDIR) only after
-  // the whole file was.
+  // Before anything is written. Only a regular file may be replaced: the
+  // rename would fail over a folder (EISDIR) only after the whole file was
+  // written, and would silently put a regular file in the place of a FIFO,
+  // a socket or a device (a checkpoint saved to /dev/null replaced the
+  // system's /dev/null).
   struct stat target{};
   const bool exists = ::stat(path_.c_str(), &target) == 0;
-  if (exists && S_ISDIR(target.st_mode)) {
-    throw CheckpointError("cannot write a file at '" + path_ + "': it is a folder");
+  if (exists && !S_ISREG(target.st_mode)) {
+    const std::string what = NonRegularKind(target.st_mode);
+    throw CheckpointError(
+        asked == path_ ? "cannot write a file at '" + path_ + "': it is " + what +
+                             ", not a regular file; it was left as it is"
+                       : "cannot write a file at '" + asked + "': it is a symbolic link to '" + path_ +
+                             "', which is " + what + ", not a regular file; both were left as they are");
   }
   // A file replaced keeps its permissions (a private checkpoint stays
   // private), as an editor's save would. The temporary is created with
   // them already, not widened and then narrowed: a reader who opened it in
   // between would keep reading all that is written to it.
-  const bool replaces = exists && S_ISREG(target.st_mode);
+  const bool replaces = exists;
   const mode_t create_mode = replaces ? (target.st_mode & 0777) : 0644;
   RemoveStaleTemporaries(path_);
   // Held until the descriptor closes: another writer's cleanup (this

@@ -37,11 +37,14 @@ class AtomicFileWriter {
   /// file name too long to take that within 255 bytes, its first 100 bytes
   /// and its CRC-32 stand for it) in the folder of `path`, first
   /// removing such files that no writer holds locked any more (killed
-  /// writers; see RemoveStaleTemporaries in the .cc). Throws naming `path`
-  /// when it is a folder. Once `*stop` (when given) is true, Write and
-  /// Commit throw CheckpointError ("stopped") before their next piece,
-  /// leaving `path` as it was; Commit looks again after its fsync, before
-  /// the rename (in step with OrderedStop::Stop when the flag has one).
+  /// writers; see RemoveStaleTemporaries in the .cc). Throws naming `path`,
+  /// and what it is, when it (or the file its link leads to) exists but is
+  /// not a regular file (a folder, a FIFO, a socket, a device), before any
+  /// file is made or removed: the rename would replace it. Once `*stop`
+  /// (when given) is true, Write and Commit throw CheckpointError
+  /// ("stopped") before their next piece, leaving `path` as it was; Commit
+  /// looks again after its fsync, before the rename (in step with
+  /// OrderedStop::Stop when the flag has one).
   explicit AtomicFileWriter(std::string path, const std::atomic<bool>* stop = nullptr);
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;

@@ -1,0 +1,142 @@
+#include "nn/io/atomic_file.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "nn/io/safetensors.h"
+#include "nn/io/testing/io_test_util.h"
+
+namespace ddp::nn::io {
+namespace {
+
+using test_util::ErrorOf;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// A new, empty folder of this test's own under TEST_TMPDIR: every file the
+// tests make or let the writer replace lies inside it.
+std::string FreshDir() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string templ = std::string(base ? base : "/tmp") + "/atomic_XXXXXX";
+  if (::mkdtemp(templ.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << templ << ": " << std::strerror(errno);
+    return "";
+  }
+  return templ;
+}
+
+std::vector<std::string> SortedFilesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  while (dirent* e = d != nullptr ? ::readdir(d) : nullptr) {
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) names.push_back(e->d_name);
+  }
+  if (d != nullptr) ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Writes `bytes` to `path` through an AtomicFileWriter and commits.
+void SaveThroughWriter(const std::string& path, const std::string& bytes) {
+  AtomicFileWriter out(path);
+  out.Write(bytes.data(), bytes.size());
+  out.Commit();
+}
+
+// A listening-free UNIX socket bound at `dir`/`name`, its descriptor
+// returned. Bound through /proc/self/fd so that a long TEST_TMPDIR does not
+// overflow sun_path's 108 bytes.
+int BindUnixSocket(const std::string& dir, const std::string& name) {
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) {
+    ADD_FAILURE() << dir << ": " << std::strerror(errno);
+    return -1;
+  }
+  const std::string via = "/proc/self/fd/" + std::to_string(dfd) + "/" + name;
+  const int sfd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (sfd < 0 || via.size() >= sizeof(addr.sun_path)) {
+    ADD_FAILURE() << "socket for " << via << ": " << std::strerror(errno);
+    ::close(dfd);
+    return -1;
+  }
+  std::memcpy(addr.sun_path, via.c_str(), via.size() + 1);
+  if (::bind(sfd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ADD_FAILURE() << "bind " << via << ": " << std::strerror(errno);
+  }
+  ::close(dfd);
+  return sfd;
+}
+
+// Before, only a folder was refused: a FIFO or a socket at the target (or
+// at the end of a symbolic link) was replaced by the new regular file
+// through the rename, as a checkpoint saved to /dev/null once replaced the
+// system's /dev/null. Now the writer refuses it before making any file,
+// naming the path and what it is, and leaves it as it was.
+TEST(AtomicFileWriter, AFifoASocketOrALinkToOneIsRefusedAndLeftAsItIs) {
+  const std::string dir = FreshDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/c.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0) << std::strerror(errno);
+  const std::string sock = dir + "/c.sock";
+  const int sfd = BindUnixSocket(dir, "c.sock");
+  ASSERT_GE(sfd, 0);
+  const std::string link = dir + "/link";
+  ASSERT_EQ(::symlink("c.fifo", link.c_str()), 0) << std::strerror(errno);
+  struct stat fifo_before{}, sock_before{};
+  ASSERT_EQ(::lstat(fifo.c_str(), &fifo_before), 0);
+  ASSERT_EQ(::lstat(sock.c_str(), &sock_before), 0);
+  ASSERT_TRUE(S_ISSOCK(sock_before.st_mode));
+  const std::vector<std::string> all = {"c.fifo", "c.sock", "link"};
+  ASSERT_EQ(SortedFilesIn(dir), all);
+
+  EXPECT_EQ(ErrorOf([&] { SaveThroughWriter(fifo, "new"); }),
+            "cannot write a file at '" + fifo + "': it is a FIFO, not a regular file; it was left as it is");
+  EXPECT_EQ(ErrorOf([&] { SaveThroughWriter(sock, "new"); }),
+            "cannot write a file at '" + sock + "': it is a socket, not a regular file; it was left as it is");
+  EXPECT_EQ(ErrorOf([&] { SaveThroughWriter(link, "new"); }),
+            "cannot write a file at '" + link + "': it is a symbolic link to '" + fifo +
+                "', which is a FIFO, not a regular file; both were left as they are");
+
+  struct stat fifo_after{}, sock_after{}, link_after{};
+  ASSERT_EQ(::lstat(fifo.c_str(), &fifo_after), 0);
+  ASSERT_EQ(::lstat(sock.c_str(), &sock_after), 0);
+  ASSERT_EQ(::lstat(link.c_str(), &link_after), 0);
+  EXPECT_TRUE(S_ISFIFO(fifo_after.st_mode));
+  EXPECT_EQ(fifo_after.st_ino, fifo_before.st_ino);
+  EXPECT_TRUE(S_ISSOCK(sock_after.st_mode));
+  EXPECT_EQ(sock_after.st_ino, sock_before.st_ino);
+  EXPECT_TRUE(S_ISLNK(link_after.st_mode));
+  // No temporary left behind, nothing new made.
+  EXPECT_EQ(SortedFilesIn(dir), all);
+  ::close(sfd);
+}
+
+// A folder is refused as before, now in the same words as the others.
+TEST(AtomicFileWriter, AFolderIsRefusedNamingIt) {
+  const std::string dir = FreshDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string folder = dir + "/c.bin";
+  ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
+  EXPECT_THAT(ErrorOf([&] { SaveThroughWriter(folder, "new"); }),
+              AllOf(HasSubstr("'" + folder + "'"), HasSubstr("it is a folder, not a regular file")));
+  EXPECT_EQ(SortedFilesIn(dir), std::vector<std::string>{"c.bin"});
+}
+
+}  // namespace
+}  // namespace ddp::nn::io
