@@ -6,6 +6,7 @@
 #include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -183,15 +184,24 @@ bool NoLocks(int err) {
   return err == ENOLCK || err == ENOSYS || err == EINVAL || err == EBADF || err == ENOTSUP || err == EOPNOTSUPP;
 }
 
+// How long another host's temporary must have gone unchanged, besides
+// unlocked, before its writer is taken for dead (RemoveStaleTemporaries).
+// Writers write their pieces back to back (every caller here does), each
+// piece moving the mtime, so the file of a live writer that is not stopped
+// changes far more often than that, even on a slow disk.
+constexpr std::chrono::hours kForeignTemporaryIdle{1};
+
 // Removes `file` unless a writer holds its lock (the writer takes it as it
 // creates the file, and the kernel drops it when the writer dies). Locks
 // belong to the open file description, so a writer thread of this process
 // conflicts with this probe as another process's would. The unlink happens
 // while the probe holds the lock: a writer that locks its new file after
 // that finds it gone (AtomicFileWriter's constructor) and starts another.
-// Where the filesystem has no locks, `pid_gone` decides. A file that
-// cannot be opened, or whose lock fails otherwise, is left alone.
-void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
+// Where the filesystem has no locks, `pid_gone` decides. With `idle_too`
+// (another host's temporary), a file also stays unless its mtime is
+// kForeignTemporaryIdle old. A file that cannot be opened, or whose lock
+// fails otherwise, is left alone.
+void RemoveUnlessLocked(const std::string& file, bool pid_gone, bool idle_too) {
   // A writer makes only regular files: a FIFO or a device of that name is
   // someone else's, and is not even opened (opening a device may act on it).
   struct stat st{};
@@ -206,25 +216,47 @@ void RemoveUnlessLocked(const std::string& file, bool pid_gone) {
     ::close(fd);
     return;
   }
-  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 || (NoLocks(errno) && pid_gone)) ::unlink(file.c_str());
+  bool gone = ::flock(fd, LOCK_EX | LOCK_NB) == 0 || (NoLocks(errno) && pid_gone);
+  if (gone && idle_too) {
+    // Looked at under the lock, so that the window for a write unseen is
+    // as short as it can be.
+    timespec now{};
+    gone = ::fstat(fd, &st) == 0 && ::clock_gettime(CLOCK_REALTIME, &now) == 0 &&
+           now.tv_sec - st.st_mtim.tv_sec >= std::chrono::seconds(kForeignTemporaryIdle).count();
+  }
+  if (gone) ::unlink(file.c_str());
   ::close(fd);  // EWOULDBLOCK: a writer lives
 }
 
 // Removes `<name>.tmp.<pid>.<n>-<nonce>.<host>` files (`<name>.tmp.` as
-// TemporaryPrefix gives it) that writers on this host left when they were
-// killed (SIGKILL leaves no chance to clean up): each could be as large as
-// a whole checkpoint. Only names of exactly that form, as the constructor
-// makes them (the nonce lowercase hex digits, the host this one's), are
-// taken for temporaries: a user's own `<name>.tmp.1.2` or
-// `<name>.tmp.1.2.<host>` (a copy kept by hand, another tool's
-// temporary) is not this code's and stays, as do files of other hosts and
-// of other targets (`<name>.tmp.5`'s own temporaries). The lock each writer
-// holds on its file decides, not the pid: in containers a restarted job
-// gets the same small pids and host name, so a dead writer's pid may be
+// TemporaryPrefix gives it) that writers left when they were killed
+// (SIGKILL leaves no chance to clean up): each could be as large as a whole
+// checkpoint. Only names of exactly that form, as the constructor makes
+// them (the nonce lowercase hex digits), are taken for temporaries: a
+// user's own `<name>.tmp.1.2` or `<name>.tmp.1.2.<host>` (a copy kept by
+// hand, another tool's temporary) is not this code's and stays, as do
+// files of other targets (`<name>.tmp.5`'s own temporaries). The lock each
+// writer holds on its file decides, not the pid: in containers a restarted
+// job gets the same small pids and host name, so a dead writer's pid may be
 // this process's or a live stranger's, and a live writer's pid may name no
 // process here (another PID namespace). Only where the filesystem has no
-// locks does the pid decide (one that names no process here). This
-// process's own open temporaries are not probed at all.
+// locks does the pid decide (one that names no process here).
+//
+// Another host's temporaries (a container restarted under a new host name
+// leaves its old name on those its killed writers left in a persistent
+// folder) go only when unlocked and also unchanged for
+// kForeignTemporaryIdle. On one kernel (a local disk, whatever the
+// container's name) the lock alone would tell, but across hosts it may
+// not: NFS mounted with nolock or local_lock=flock, or Lustre with
+// localflock, grants every host its own flock locks without an error, so a
+// live writer elsewhere looks unlocked here. Its mtime still moves with each
+// piece it writes. Should even that mislead (a writer stopped for an hour
+// between pieces, or this host's clock an hour ahead of the file server's),
+// the writer's Commit fails (its fsync or its rename finds the file gone)
+// and its target stays as it was: a failed save, never a mixed file.
+// Without locks at all, another host's pid says nothing, and its
+// temporaries stay. This process's own open temporaries are not probed at
+// all.
 void RemoveStaleTemporaries(const std::string& path) {
   const std::string folder = Folder(path);
   const std::string prefix = TemporaryPrefix(path);
@@ -248,7 +280,7 @@ void RemoveStaleTemporaries(const std::string& path) {
     const std::string host = rest.substr(dot2 + 1);
     // 8 digits, or 16 from writers built before the nonce was shortened.
     if (!AllDigits(pid_text) || !AllDigits(counter) || (nonce.size() != 8 && nonce.size() != 16) ||
-        !AllHex(nonce) || host != HostTag() || pid_text.size() > 9) {
+        !AllHex(nonce) || host.empty() || pid_text.size() > 9) {
       continue;
     }
     const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
@@ -258,7 +290,10 @@ void RemoveStaleTemporaries(const std::string& path) {
       std::lock_guard lock(RegistryMutex());
       if (OpenTemporaries().count(file) != 0) continue;
     }
-    RemoveUnlessLocked(file, pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH);
+    const bool here = host == HostTag();
+    RemoveUnlessLocked(file,
+                       here && pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH,
+                       /*idle_too=*/!here);
   }
   ::closedir(dir);
 }

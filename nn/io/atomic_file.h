@@ -37,7 +37,8 @@ class AtomicFileWriter {
   /// file name too long to take that within 255 bytes, its first 100 bytes
   /// and its CRC-32 stand for it) in the folder of `path`, first
   /// removing such files that no writer holds locked any more (killed
-  /// writers; see RemoveStaleTemporaries in the .cc). Throws naming `path`,
+  /// writers; another host's only once also unchanged for an hour; see
+  /// RemoveStaleTemporaries in the .cc). Throws naming `path`,
   /// and what it is, when it (or the file its link leads to) exists but is
   /// not a regular file (a folder, a FIFO, a socket, a device), before any
   /// file is made or removed: the rename would replace it. Once `*stop`

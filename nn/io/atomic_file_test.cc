@@ -5,9 +5,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,6 +50,21 @@ std::vector<std::string> SortedFilesIn(const std::string& dir) {
   if (d != nullptr) ::closedir(d);
   std::sort(names.begin(), names.end());
   return names;
+}
+
+void MakeFile(const std::string& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0) << path << ": " << std::strerror(errno);
+  ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size())) << path;
+  ::close(fd);
+}
+
+// Sets `path`'s access and modification times to `seconds_ago` before now.
+void MakeOld(const std::string& path, time_t seconds_ago) {
+  timespec now{};
+  ASSERT_EQ(::clock_gettime(CLOCK_REALTIME, &now), 0);
+  const timespec times[2] = {{now.tv_sec - seconds_ago, 0}, {now.tv_sec - seconds_ago, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0) << path << ": " << std::strerror(errno);
 }
 
 // Writes `bytes` to `path` through an AtomicFileWriter and commits.
@@ -136,6 +153,54 @@ TEST(AtomicFileWriter, AFolderIsRefusedNamingIt) {
   EXPECT_THAT(ErrorOf([&] { SaveThroughWriter(folder, "new"); }),
               AllOf(HasSubstr("'" + folder + "'"), HasSubstr("it is a folder, not a regular file")));
   EXPECT_EQ(SortedFilesIn(dir), std::vector<std::string>{"c.bin"});
+}
+
+// Before, only temporaries carrying this host's name were ever removed: a
+// container restarted under a new host name (a new pod's name) never got
+// back the space its killed writers' temporaries took in a persistent
+// folder. Now another host's temporary goes once nobody holds it locked
+// and it has not changed for an hour; one written to lately (a live writer
+// on another host whose lock this host may not see, as on NFS with
+// local_lock) or a locked one stays.
+TEST(AtomicFileWriter, AnotherHostsTemporaryGoesWhenUnlockedAndAnHourIdle) {
+  const std::string dir = FreshDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string path = dir + "/c.bin";
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  // The name a writer here gives its temporary, less its host.
+  std::string stem;
+  {
+    AtomicFileWriter probe(path);
+    stem = probe.temp_path().substr(dir.size() + 1);
+  }
+  const std::string suffix = std::string(".") + host;
+  ASSERT_GT(stem.size(), suffix.size());
+  ASSERT_EQ(stem.substr(stem.size() - suffix.size()), suffix) << stem;
+  stem.resize(stem.size() - suffix.size());
+
+  const std::string idle = stem + ".old-pod-7f9c.cluster.local";  // killed two hours ago
+  const std::string recent = stem + ".pod-on-another-node";     // written ten minutes ago
+  const std::string locked = stem + ".pod-holding-its-lock";     // idle, but its writer lives
+  for (const std::string& name : {idle, recent, locked}) MakeFile(dir + "/" + name, "partial");
+  MakeOld(dir + "/" + idle, 2 * 3600);
+  MakeOld(dir + "/" + recent, 10 * 60);
+  MakeOld(dir + "/" + locked, 2 * 3600);
+  const int lock_fd = ::open((dir + "/" + locked).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(lock_fd, 0);
+  ASSERT_EQ(::flock(lock_fd, LOCK_EX | LOCK_NB), 0);
+
+  SaveThroughWriter(path, "new");
+  std::vector<std::string> expected = {"c.bin", recent, locked};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(SortedFilesIn(dir), expected);
+
+  // Once its writer's lock is gone, the idle one goes too.
+  ::close(lock_fd);
+  SaveThroughWriter(path, "newer");
+  expected = {"c.bin", recent};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(SortedFilesIn(dir), expected);
 }
 
 }  // namespace
