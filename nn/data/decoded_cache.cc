@@ -243,6 +243,14 @@ bool WriteEntry(const std::string& dir, const std::string& path, const std::vect
   h.ndims = static_cast<uint32_t>(dims.size());
   h.nsources = static_cast<uint32_t>(sources.size());
   h.crc = Crc(data.data(), data.size());
+  // A FIFO, socket or device under an entry's name in the cache folder is
+  // in the cache's own namespace, not a file of the user's: it goes, and
+  // the entry takes its place (AtomicFileWriter refuses to replace one).
+  struct stat st{};
+  if (::lstat(path.c_str(), &st) == 0 &&
+      (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode))) {
+    ::unlink(path.c_str());
+  }
   try {
     io::AtomicFileWriter out(path);
     out.Write(&h, sizeof(h));
