@@ -260,8 +260,9 @@ TEST(Safetensors, CorruptHeaderOfAHugeFileFailsBeforeItsDataIsRead) {
   ::unlink(path.c_str());
 }
 
-// A header whose tensors end past the file's end is refused the same way.
-TEST(Safetensors, TruncatedDataIsRefusedNamingTheLastTensor) {
+// A header whose tensors end past the file's end is refused the same way:
+// here only the last tensor is cut, and the message names it.
+TEST(Safetensors, DataCutShortInTheLastTensorIsRefusedNamingIt) {
   const std::string dir = TmpDir("st_cut");
   const std::string path = dir + "/t.safetensors";
   const float a[2] = {1, 2};
