@@ -14,6 +14,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <zlib.h>
@@ -1426,6 +1427,12 @@ std::string TensorAt(const std::vector<TensorEntry>& tensors, uint64_t data_star
   return "";
 }
 
+// Most buffers one preadv may take.
+size_t IovMax() {
+  const long n = ::sysconf(_SC_IOV_MAX);
+  return n > 0 ? static_cast<size_t>(n) : size_t{16};  // POSIX's least
+}
+
 }  // namespace
 
 namespace internal {
@@ -1497,49 +1504,81 @@ SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer&
     throw std::logic_error(path + ": the placer gave " + std::to_string(where.size()) +
                            " destinations for " + std::to_string(file.tensors_.size()) + " tensors");
   }
-  // Tensors given no destination are read here, only for the checksum.
+  // Neighbouring tensors are read with one preadv, up to IOV_MAX
+  // destinations a call (destinations that touch merged into one): with
+  // one pread per tensor, 200,000 tensors of 4 bytes took 0.63 s of CPU
+  // time against 0.20 s so (safetensors_bench). Tensors given no
+  // destination are read into `scratch`, at their place in the piece, only
+  // for the checksum.
   std::unique_ptr<char[]> scratch;
   const int fd = ::fileno(f.get());
+  const size_t iov_max = IovMax();
+  std::vector<iovec> batch;    // where the bytes [got, batch_end) go, in order
+  std::vector<iovec> pending;  // what of `batch` is still to be read
   uLong crc = crc32(0L, Z_NULL, 0);
   uint64_t got = data_start;  // file position reached, as ReadBytes counts it
-  size_t t = 0;               // tensor being read
-  uint64_t in_t = 0;          // bytes of it read
+  size_t t = 0;               // tensor the next batch starts in
+  uint64_t in_t = 0;          // bytes of it before the next batch
   while (got < size) {
     BeforePiece(got);
     stopped(got);
-    uint64_t piece = std::min<uint64_t>(size - got, kStopCheckBytes);
-    while (piece > 0) {
-      while (in_t == file.tensors_[t].nbytes) {
-        ++t;
-        in_t = 0;
+    const uint64_t piece_start = got;
+    const uint64_t piece_end = got + std::min<uint64_t>(size - got, kStopCheckBytes);
+    while (got < piece_end) {
+      batch.clear();
+      uint64_t batch_end = got;
+      while (batch_end < piece_end) {
+        while (in_t == file.tensors_[t].nbytes) {
+          ++t;
+          in_t = 0;
+        }
+        char* dest;
+        if (where[t] != nullptr) {
+          dest = static_cast<char*>(where[t]) + in_t;
+        } else {
+          if (!scratch) scratch = std::make_unique<char[]>(kStopCheckBytes);
+          dest = scratch.get() + (batch_end - piece_start);
+        }
+        const uint64_t k = std::min(piece_end - batch_end, file.tensors_[t].nbytes - in_t);
+        if (!batch.empty() && static_cast<char*>(batch.back().iov_base) + batch.back().iov_len == dest) {
+          batch.back().iov_len += k;
+        } else if (batch.size() == iov_max) {
+          break;
+        } else {
+          batch.push_back(iovec{dest, static_cast<size_t>(k)});
+        }
+        batch_end += k;
+        in_t += k;
       }
-      const uint64_t k = std::min(piece, file.tensors_[t].nbytes - in_t);
-      char* dest;
-      if (where[t] != nullptr) {
-        dest = static_cast<char*>(where[t]) + in_t;
-      } else {
-        if (!scratch) scratch = std::make_unique<char[]>(kStopCheckBytes);
-        dest = scratch.get();
-      }
-      uint64_t done = 0;
-      while (done < k) {
-        const ssize_t r = ::pread(fd, dest + done, static_cast<size_t>(k - done),
-                                  static_cast<off_t>(got + done));
+      pending = batch;
+      size_t first = 0;  // of `pending`, the first not read whole
+      while (got < batch_end) {
+        const ssize_t r = ::preadv(fd, pending.data() + first, static_cast<int>(pending.size() - first),
+                                   static_cast<off_t>(got));
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) {
+          // The tensor named is the first whose bytes are missing (empty
+          // ones before it are whole).
           const int err = errno;
-          throw CheckpointError(path + ": read " + std::to_string(got + done) + " of " +
-                                std::to_string(size) + " bytes, in tensor `" +
-                                NameForMessage(file.tensors_[t].name) + "`" +
+          throw CheckpointError(path + ": read " + std::to_string(got) + " of " + std::to_string(size) +
+                                " bytes" + TensorAt(file.tensors_, data_start, got) +
                                 (r < 0 ? std::string(": ") + std::strerror(err)
                                        : std::string(": the file got shorter while read")));
         }
-        done += static_cast<uint64_t>(r);
+        got += static_cast<uint64_t>(r);
+        // A short read leaves the rest for the next call.
+        for (size_t left = static_cast<size_t>(r); left > 0;) {
+          iovec& v = pending[first];
+          const size_t n = std::min(left, v.iov_len);
+          v.iov_base = static_cast<char*>(v.iov_base) + n;
+          v.iov_len -= n;
+          left -= n;
+          if (v.iov_len == 0) ++first;
+        }
       }
-      crc = CrcUpdate(crc, dest, k);
-      got += k;
-      in_t += k;
-      piece -= k;
+      // Destinations do not overlap (the Placer's contract), so each holds
+      // what was read into it.
+      for (const iovec& v : batch) crc = CrcUpdate(crc, v.iov_base, v.iov_len);
     }
   }
   file.CheckDataCrc(CrcHex(crc));

@@ -163,14 +163,16 @@ class SafetensorsFile {
   /// Given a file's validated entries (tensors() in data-region order,
   /// metadata() still holding the checksum keys), where each entry's bytes
   /// are to go: one pointer per entry, to entry.nbytes writable bytes, or
-  /// null to read that entry's bytes for the checksum only.
+  /// null to read that entry's bytes for the checksum only. The bytes of
+  /// two entries must not overlap.
   using Placer = std::function<std::vector<void*>(const SafetensorsFile&)>;
   /// Read without holding the file in memory: the header is read and
   /// checked, and every error is the one Read gives for the same file (the
   /// data checksum still last, after all the data). Then `place` is called
-  /// once and each entry's bytes are read (pread, in file order) straight to
-  /// where it says, the data checksum computed as they come; at most one
-  /// piece of kStopCheckBytes is held besides. `stop` as for ReadBytes. The
+  /// once and each entry's bytes are read (in file order, neighbouring
+  /// entries with one preadv) straight to where it says, the data checksum
+  /// computed as they come; at most one piece of kStopCheckBytes is held
+  /// besides. `stop` as for ReadBytes. The
   /// file returned holds no bytes (Data() gives null). An
   /// exception from `place` ends the read and passes through.
   static SafetensorsFile ReadInto(const std::string& path, const Placer& place,

@@ -883,6 +883,107 @@ TEST(Safetensors, AFileCutShortDuringReadBytesNamesTheTensor) {
   }
 }
 
+// Read calls this process has made so far (syscr of /proc/self/io).
+uint64_t ReadCallsSoFar() {
+  std::ifstream in("/proc/self/io");
+  std::string key;
+  uint64_t value = 0;
+  while (in >> key >> value) {
+    if (key == "syscr:") return value;
+  }
+  ADD_FAILURE() << "/proc/self/io gives no syscr: line";
+  return 0;
+}
+
+// A file of many small tensors for ReadInto: 3 * IOV_MAX + 5 of one float
+// each, `t<i>` holding i. Fills `data_start` with where its data begins.
+std::string ManySmallTensors(const std::string& tag, size_t* count, uint64_t* data_start) {
+  const long iov_max = ::sysconf(_SC_IOV_MAX);
+  EXPECT_GT(iov_max, 0);
+  *count = 3 * static_cast<size_t>(std::max(iov_max, 16L)) + 5;
+  std::vector<float> values(*count);
+  std::vector<TensorView> views(*count);
+  for (size_t i = 0; i < *count; ++i) {
+    values[i] = static_cast<float>(i);
+    views[i] = TensorView{"t" + std::to_string(i), StDtype::kF32, {1}, &values[i], 4};
+  }
+  const std::string path = TmpDir(tag) + "/many.safetensors";
+  WriteSafetensorsFile(path, views);
+  *data_start = ReadAll(path).size() - 4 * *count;
+  return path;
+}
+
+// Where ManySmallTensors' tensor i goes: every third float of `apart`
+// (the two between left alone), but every seventh tensor has none (read
+// for the checksum only), and tensors [100, 200) go one after another to
+// `touching`, which one buffer of the read covers.
+std::vector<void*> ScatteredPlaces(size_t count, std::vector<float>& apart, std::vector<float>& touching) {
+  apart.assign(3 * count, -1.0f);
+  touching.assign(100, -1.0f);
+  std::vector<void*> where(count);
+  for (size_t i = 0; i < count; ++i) {
+    if (i >= 100 && i < 200) where[i] = &touching[i - 100];
+    else if (i % 7 != 0) where[i] = &apart[3 * i];
+  }
+  return where;
+}
+
+// ReadInto reads neighbouring tensors with one preadv of up to IOV_MAX
+// buffers: three IOV_MAX's worth of tensors take a few read calls, not one
+// each (3,081 before). Every tensor lands where the placer said and nothing
+// beside it is written, across the batches' boundaries.
+TEST(Safetensors, ReadIntoReadsNeighbouringTensorsInFewCallsAcrossIovMaxBatches) {
+  size_t count = 0;
+  uint64_t data_start = 0;
+  const std::string path = ManySmallTensors("st_batched", &count, &data_start);
+  std::vector<float> apart, touching;
+  const std::vector<void*> where = ScatteredPlaces(count, apart, touching);
+  const uint64_t calls_before = ReadCallsSoFar();
+  const SafetensorsFile file = SafetensorsFile::ReadInto(path, [&](const SafetensorsFile& f) {
+    EXPECT_EQ(f.tensors().size(), count);
+    return where;
+  });
+  const uint64_t calls = ReadCallsSoFar() - calls_before;
+  EXPECT_LT(calls, count / 10) << "read calls for " << count << " tensors";
+  EXPECT_FALSE(file.data_checksum().empty());
+  for (size_t i = 0; i < count; ++i) {
+    SCOPED_TRACE("tensor t" + std::to_string(i));
+    ASSERT_EQ(file.tensors()[i].name, "t" + std::to_string(i));
+    const bool apart_has_it = where[i] != nullptr && (i < 100 || i >= 200);
+    EXPECT_EQ(apart[3 * i], apart_has_it ? static_cast<float>(i) : -1.0f);
+    EXPECT_EQ(apart[3 * i + 1], -1.0f);
+    EXPECT_EQ(apart[3 * i + 2], -1.0f);
+  }
+  for (size_t i = 100; i < 200; ++i) EXPECT_EQ(touching[i - 100], static_cast<float>(i));
+}
+
+// A file cut short while ReadInto reads a batch, in the middle of a tensor
+// that is neither the batch's first nor its last: the error names that
+// tensor and the position where the bytes ran out.
+TEST(Safetensors, AFileCutShortInTheMiddleOfAReadIntoBatchNamesTheTensor) {
+  size_t count = 0;
+  uint64_t data_start = 0;
+  const std::string path = ManySmallTensors("st_batch_cut", &count, &data_start);
+  const uint64_t size = data_start + 4 * count;
+  const size_t cut_in = count / 2;  // in the second batch
+  const uint64_t cut_at = data_start + 4 * cut_in + 2;
+  std::vector<float> apart, touching;
+  const std::vector<void*> where = ScatteredPlaces(count, apart, touching);
+  int truncated = -1;
+  internal::SetReadPieceHookForTesting([&](uint64_t got) {
+    if (got == data_start) truncated = ::truncate(path.c_str(), static_cast<off_t>(cut_at));
+  });
+  const std::string error =
+      ErrorOf([&] { SafetensorsFile::ReadInto(path, [&](const SafetensorsFile&) { return where; }); });
+  internal::SetReadPieceHookForTesting({});
+  ASSERT_EQ(truncated, 0) << "the read never reached the data region";
+  EXPECT_THAT(error, HasSubstr(path + ": read " + std::to_string(cut_at) + " of " + std::to_string(size) +
+                               " bytes, in tensor `t" + std::to_string(cut_in) +
+                               "`: the file got shorter while read"));
+  // The tensors before the cut were read.
+  EXPECT_EQ(apart[3 * (cut_in - 1)], static_cast<float>(cut_in - 1));
+}
+
 TEST(Safetensors, StoppedReadSaysHowFarItGot) {
   const std::string dir = TmpDir("st_stop_read");
   const std::string path = dir + "/c.safetensors";
