@@ -420,6 +420,11 @@ std::shared_ptr<Schedule> LambdaSchedule(std::vector<std::function<double(int64_
   return std::make_shared<LambdaImpl>(std::move(factors), true, std::move(description));
 }
 
+std::shared_ptr<Schedule> LambdaSchedule(std::initializer_list<std::function<double(int64_t)>> factors,
+                                         std::string description) {
+  return LambdaSchedule(std::vector<std::function<double(int64_t)>>(factors), std::move(description));
+}
+
 std::shared_ptr<Schedule> CosineWarmRestartsSchedule(int64_t t_0, int64_t t_mult, double eta_min) {
   if (t_0 < 1) throw std::invalid_argument("CosineAnnealingWarmRestarts: T_0 " + std::to_string(t_0) + " must be >= 1");
   if (t_mult < 1) {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,9 +101,14 @@ std::shared_ptr<Schedule> LambdaSchedule(std::function<double(int64_t)> factor, 
 /// optimizer (or targets) with another number of groups than factors,
 /// naming both; Lr() answers for group 0. `description` as above, naming
 /// the functions. Throws std::invalid_argument when `factors` is empty or
-/// one of them is (naming its index). Pass a std::vector: a braced list of
-/// one function would be ambiguous.
+/// one of them is (naming its index).
 std::shared_ptr<Schedule> LambdaSchedule(std::vector<std::function<double(int64_t)>> factors,
+                                         std::string description = "");
+/// The same from a braced list, `LambdaSchedule({f}, "f")`: a list of one
+/// function is a list (for one param group), as in PyTorch. Without this
+/// overload a braced lambda converted as well to either form above and the
+/// call did not compile.
+std::shared_ptr<Schedule> LambdaSchedule(std::initializer_list<std::function<double(int64_t)>> factors,
                                          std::string description = "");
 /// eta_min + (base_lr - eta_min) * (1 + cos(pi * t_cur / t_i)) / 2, where the
 /// cycle restarts at base_lr after t_0 steps, each later cycle t_mult times

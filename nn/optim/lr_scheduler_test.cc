@@ -880,5 +880,32 @@ TEST(LambdaGroups, ListsAreCheckedNamingWhatIsWrong) {
   EXPECT_EQ(rate, 1.0);
 }
 
+// A braced list of functions is PyTorch's list of lr_lambdas, one per
+// param group, as a std::vector is: `LambdaSchedule({f}, ...)` with one
+// lambda did not compile (both overloads took it equally well), and one
+// std::function in braces meant the single-function form.
+TEST(LambdaGroups, ABracedListOfFunctionsIsAListOfFactors) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd one({ParamGroup{.params = {{"a", a}}}}, {.lr = 1.0});
+  LrScheduler sched(one, LambdaSchedule({[](int64_t e) { return 1.0 / static_cast<double>(e + 1); }}, "1/(t+1)"));
+  sched.Step();
+  EXPECT_DOUBLE_EQ(one.lr(0), 0.5);
+  Sgd two({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  const std::function<double(int64_t)> same = [](int64_t) { return 1.0; };
+  EXPECT_EQ(ErrorOf([&] { LrScheduler(two, LambdaSchedule({[](int64_t) { return 1.0; }}, "one")); }),
+            "LrScheduler: LambdaLR(one) has values for 1 param group(s), and the SGD optimizer has 2");
+  EXPECT_EQ(ErrorOf([&] { LrScheduler(two, LambdaSchedule({same}, "same")); }),
+            "LrScheduler: LambdaLR(same) has values for 1 param group(s), and the SGD optimizer has 2");
+  EXPECT_EQ(ErrorOf([] { LambdaSchedule({}); }), "LambdaLR: no factors given; give one function per param group");
+  LrScheduler pair(two, LambdaSchedule({same, [](int64_t) { return 0.5; }}));
+  EXPECT_EQ(two.lr(0), 1.0);
+  EXPECT_EQ(two.lr(1), 0.5);
+  // Unbraced, one function is still the factor of every group.
+  Sgd other({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  LrScheduler every(other, LambdaSchedule([](int64_t) { return 0.25; }));
+  EXPECT_EQ(other.lr(0), 0.25);
+  EXPECT_EQ(other.lr(1), 0.25);
+}
+
 }  // namespace
 }  // namespace ddp::nn::optim
