@@ -38,8 +38,12 @@ void Convert(const void* src, To* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<To>(static_cast<float>(s[i]));
 }
 
+// `src` (a floating dtype) converted into `dst`. `who` (the optimizer's
+// Name()), `what` ("gradient", "parameter") and `name` name `src` in the
+// message refusing another dtype; Step refuses such gradients before it
+// updates anything, so this only guards a new caller.
 template <typename To>
-void ConvertTo(const Tensor& src, To* dst) {
+void ConvertTo(const Tensor& src, To* dst, const char* who, const char* what, const std::string& name) {
   const int64_t n = src.numel();
   switch (src.dtype()) {
     case DType::kFloat32: Convert<float>(src.data_ptr(), dst, n); break;
@@ -50,7 +54,9 @@ void ConvertTo(const Tensor& src, To* dst) {
     }
     case DType::kFloat16: Convert<Half>(src.data_ptr(), dst, n); break;
     case DType::kBFloat16: Convert<BFloat16>(src.data_ptr(), dst, n); break;
-    default: throw std::invalid_argument("optimizer: gradient dtype " + std::string(DTypeName(src.dtype())));
+    default:
+      throw std::invalid_argument(std::string(who) + ": " + what + " of `" + name + "` has dtype " +
+                                  std::string(DTypeName(src.dtype())) + ", expected a floating type");
   }
 }
 
@@ -440,11 +446,11 @@ namespace {
 
 bool Is16Bit(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
 
-// An f32 copy of a 16-bit parameter.
-Tensor MasterOf(const Tensor& p) {
+// An f32 copy of a 16-bit parameter, `name` of optimizer `who`.
+Tensor MasterOf(const Tensor& p, const char* who, const std::string& name) {
   if (!p.device().is_cpu()) return p.Detach().To(DType::kFloat32);
   Tensor master = Empty(p.shape(), {.dtype = DType::kFloat32});
-  ConvertTo(p, master.data<float>());
+  ConvertTo(p, master.data<float>(), who, "parameter", name);
   return master;
 }
 
@@ -542,7 +548,7 @@ Optimizer::State Optimizer::CurrentState(size_t i) const {
   if (!Is16Bit(p.dtype())) {
     s.master = Tensor();
   } else if (!s.master.defined()) {
-    s.master = MasterOf(p);
+    s.master = MasterOf(p, Name(), params_[i].first);
     MarkSynced(s, p);
   } else if (!MasterSynced(s, p)) {
     // Written from outside since the master last agreed with it: merged
@@ -712,7 +718,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
       gp = g.data<double>();
     } else {
       scratch_d.resize(n);
-      ConvertTo(g, scratch_d.data());
+      ConvertTo(g, scratch_d.data(), Name(), "gradient", params_[i].first);
       gp = scratch_d.data();
     }
     Update(group, p.data<double>(), gp, slots.data(), n, step, fresh, StepScale(group));
@@ -724,7 +730,7 @@ void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scrat
       gp = g.data<float>();
     } else {
       scratch_f.resize(n);
-      ConvertTo(g, scratch_f.data());
+      ConvertTo(g, scratch_f.data(), Name(), "gradient", params_[i].first);
       gp = scratch_f.data();
     }
     float* target = s.master.defined() ? s.master.data<float>() : p.data<float>();
