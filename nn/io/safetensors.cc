@@ -525,9 +525,16 @@ std::string ForeignEditNote() {
 // that a message names, which a hostile header may make megabytes long.
 class CappedText {
  public:
+  CappedText() = default;
+  explicit CappedText(std::string_view text) { Append(text); }
   void Append(std::string_view piece) {
     total_ += piece.size();
     if (head_.size() < kKeep) head_.append(piece.substr(0, kKeep - head_.size()));
+  }
+  // What `text` kept is all that this one keeps of it.
+  void Append(const CappedText& text) {
+    total_ += text.total_;
+    if (head_.size() < kKeep) head_.append(std::string_view(text.head_).substr(0, kKeep - head_.size()));
   }
   // The whole text as NameForMessage quotes it.
   std::string ForMessage() const { return CutForMessage(head_, total_); }
@@ -537,6 +544,26 @@ class CappedText {
   std::string head_;
   size_t total_ = 0;
 };
+
+// `text` (UTF-8, as the JSON parser gives strings) as a JSON string token,
+// as nlohmann's dump() writes it, of which CappedText keeps what a message
+// quotes: written out a piece of whole characters at a time, so that a
+// token of megabytes is not copied and written out whole (twice its size
+// again, besides what the parser holds) for 200 bytes of a message.
+CappedText JsonStringForMessage(std::string_view text) {
+  constexpr size_t kPiece = 4096;
+  CappedText out("\"");
+  while (!text.empty()) {
+    size_t n = std::min(text.size(), kPiece);
+    while (n > 0 && n < text.size() && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;
+    if (n == 0) n = std::min(text.size(), kPiece);  // no UTF-8: dump() names the problem
+    const std::string piece = nlohmann::json(std::string(text.substr(0, n))).dump();
+    out.Append(std::string_view(piece).substr(1, piece.size() - 2));
+    text.remove_prefix(n);
+  }
+  out.Append("\"");
+  return out;
+}
 
 // What a header holds, as ParseHeader reads it from its text.
 struct ParsedHeader {
@@ -598,17 +625,19 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
   }
   bool string(string_t& v) override {
     if (Top() == Kind::kMetadataObject) {
-      *meta_value_ = v;
-      if (meta_key_ == kHeaderChecksumKey) header_crc_value_ = v;
+      if (*meta_key_ == kHeaderChecksumKey) header_crc_value_ = v;
+      // Taken from the parser, not copied: a value may be nearly as long as
+      // the header (one of 90 MiB took 4 times its size to read, 3.2 now).
+      *meta_value_ = std::move(v);
       return true;
     }
     if (Top() == Kind::kEntryObject && field_ == Field::kDtype) {
       entry_.dtype_seen = true;
       entry_.dtype = StDtypeFromName(v);
-      if (!entry_.dtype) entry_.dtype_text = NameForMessage(nlohmann::json(v).dump());
+      if (!entry_.dtype) entry_.dtype_text = JsonStringForMessage(v).ForMessage();
       return true;
     }
-    return Scalar("string", nlohmann::json(v).dump(), std::nullopt);
+    return Scalar("string", JsonStringForMessage(v), std::nullopt);
   }
   bool binary(binary_t&) override { return Scalar("binary", "<binary>", std::nullopt); }
 
@@ -636,9 +665,12 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
                   " entries, the most a header may hold (kMaxMetadataEntries)";
           return false;
         }
-        const auto [it, added] = result_.metadata.emplace(k, std::string());
+        // The key is taken from the parser, not copied (twice, with
+        // meta_key_ a copy): a key of 90 MiB took 5 times its size to read.
+        // try_emplace leaves `k` as it was when the map holds it already.
+        const auto [it, added] = result_.metadata.try_emplace(std::move(k));
         if (!added) return Twice(k, kMetadataKey);
-        meta_key_ = k;
+        meta_key_ = &it->first;
         meta_value_ = &it->second;
         return true;
       }
@@ -656,7 +688,7 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
       case Kind::kDumped:
         if (!dump_first_.back()) dump_.Append(",");
         dump_first_.back() = false;
-        dump_.Append(nlohmann::json(k).dump());
+        dump_.Append(JsonStringForMessage(k));
         dump_.Append(":");
         dump_after_key_ = true;
         return true;
@@ -792,7 +824,10 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
   // A value that is no container: `type` as nlohmann's type_name() names
   // it, `text` as its dump() writes it, `unsigned_value` for an integer
   // that is not negative.
-  bool Scalar(const char* type, const std::string& text, std::optional<uint64_t> unsigned_value) {
+  bool Scalar(const char* type, std::string_view text, std::optional<uint64_t> unsigned_value) {
+    return Scalar(type, CappedText(text), unsigned_value);
+  }
+  bool Scalar(const char* type, const CappedText& text, std::optional<uint64_t> unsigned_value) {
     switch (Top()) {
       case Kind::kNone:
         top_is_object_ = false;
@@ -808,11 +843,12 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
         }
         break;
       case Kind::kMetadataObject:
-        MetadataProblem(meta_key_, "__metadata__ value for `" + NameForMessage(meta_key_) + "` is " +
-                                       NameForMessage(text) + ", expected a string");
+        MetadataProblem(*meta_key_, "__metadata__ value for `" + NameForMessage(*meta_key_) + "` is " +
+                                        text.ForMessage() + ", expected a string");
         break;
       case Kind::kShapeArray:
-        entry_.shape_text.Append(entry_.rank == 0 ? text : "," + text);
+        if (entry_.rank > 0) entry_.shape_text.Append(",");
+        entry_.shape_text.Append(text);
         ++entry_.rank;
         if (!unsigned_value || *unsigned_value > (uint64_t{1} << 62)) entry_.shape_bad = true;
         if (!entry_.shape_bad && entry_.rank <= kMaxShapeDims) {
@@ -832,17 +868,17 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
     return true;
   }
 
-  void OffsetElement(std::optional<uint64_t> value, const std::string& text) {
+  void OffsetElement(std::optional<uint64_t> value, const CappedText& text) {
     if (entry_.offsets_count < 2) {
       entry_.offsets[entry_.offsets_count] = value;
-      if (!value) entry_.offsets_text[entry_.offsets_count] = NameForMessage(text);
+      if (!value) entry_.offsets_text[entry_.offsets_count] = text.ForMessage();
     }
     ++entry_.offsets_count;
   }
 
   // A scalar, or the bracket opening a container, in the metadata value
   // being written out.
-  void DumpValue(std::string_view text) {
+  void DumpValue(const CappedText& text) {
     if (!dump_first_.empty()) {
       if (!dump_after_key_ && !dump_first_.back()) dump_.Append(",");
       dump_first_.back() = false;
@@ -878,7 +914,7 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
         dump_first_.clear();
         [[fallthrough]];
       case Kind::kDumped:
-        DumpValue(object ? "{" : "[");
+        DumpValue(CappedText(object ? "{" : "["));
         dump_first_.push_back(true);
         kind = Kind::kDumped;
         break;
@@ -896,7 +932,7 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
         entry_.shape_bad = true;
         break;
       case Kind::kOffsetsArray:
-        OffsetElement(std::nullopt, object ? "{...}" : "[...]");
+        OffsetElement(std::nullopt, CappedText(object ? "{...}" : "[...]"));
         break;
       case Kind::kSkipped:
         break;
@@ -920,8 +956,8 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
         dump_.Append(object ? "}" : "]");
         dump_after_key_ = false;
         if (dump_first_.empty()) {
-          MetadataProblem(meta_key_, "__metadata__ value for `" + NameForMessage(meta_key_) + "` is " +
-                                         dump_.ForMessage() + ", expected a string");
+          MetadataProblem(*meta_key_, "__metadata__ value for `" + NameForMessage(*meta_key_) + "` is " +
+                                          dump_.ForMessage() + ", expected a string");
         }
         break;
       default:
@@ -977,7 +1013,7 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
   bool top_is_metadata_ = false;  // whether the last key of the header object read is "__metadata__"
   bool metadata_seen_ = false;
   bool metadata_is_object_ = false;
-  std::string meta_key_;  // the last key of "__metadata__" read
+  const std::string* meta_key_ = nullptr;  // the last key of "__metadata__" read, in the map
   std::string* meta_value_ = nullptr;
   std::optional<std::string> header_crc_value_;  // the header checksum entry's, when a string
   Field field_ = Field::kOther;
