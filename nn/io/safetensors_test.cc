@@ -1065,10 +1065,12 @@ TEST(Safetensors, KilledWriterLeavesOldOrNewFile) {
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
-// Only this host's dead writers' temporaries go: on a shared folder another
-// host's pid says nothing here, and `c.safetensors.tmp.5` is a target of
-// its own whose temporaries start with `c.safetensors.tmp.`.
-TEST(Safetensors, OnlyThisHostsDeadWritersTemporariesAreRemoved) {
+// This host's dead writers' temporaries go at once; another host's fresh
+// one stays (on a shared folder its pid says nothing here, and only an
+// unlocked one idle for an hour goes: atomic_file_test), and
+// `c.safetensors.tmp.5` is a target of its own whose temporaries start
+// with `c.safetensors.tmp.`.
+TEST(Safetensors, ThisHostsDeadWritersTemporariesGoAndAnotherHostsFreshOneStays) {
   const std::string dir = TmpDir("st_hosts");
   const std::string path = dir + "/c.safetensors";
   const std::string host = HostName();
