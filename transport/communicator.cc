@@ -1408,8 +1408,12 @@ void Communicator::Impl::Shutdown() {
     // creation, never past the creation deadline: its Create or Split
     // returns only after this.
     const bool failed = aborted() || creation_failed_;
-    auto left = store_->Add(prefix_ + "left", 1,
-                            DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000)));
+    const Deadline leave_by = DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000));
+    // Which ranks left, for the serving rank's wait after an abort (see
+    // rest_gone): marked before the count, so that a rank counted as left
+    // has its mark unless the store failed it in between.
+    store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
+    auto left = store_->Add(prefix_ + "left", 1, leave_by);
     if (server_ != nullptr && left.ok()) {
       // The last communicator here to hold the server waits for the ranks
       // of every communicator using it (those split off included).
@@ -1428,11 +1432,38 @@ void Communicator::Impl::Shutdown() {
       // while one not yet left may be alive.
       const Deadline all_until = aborted() ? std::min(wait_until, DeadlineIn(kAbortedStoreTime)) : wait_until;
       // Whether the ranks of this communicator that are not counted as left
-      // are all seen exited. A rank that left and then exited is counted
-      // twice, which at worst ends the wait as early as before.
-      const auto rest_exited = [&](int64_t left) {
-        if (monitor_ == nullptr) return false;
-        return left + static_cast<int64_t>(monitor_->ExitedPeers().size()) >= options_.world_size;
+      // are all gone: exited (ranks on this host), or, on other hosts, their
+      // UCX connection broke. UCX reports that for a process that died, and
+      // also for one that closed its endpoint to this rank by force: on
+      // leaving, or when a call of its own failed, which it aborts at once,
+      // reading the posted reason; after that it uses the store only to
+      // leave, best effort. (A link that broke under a process that lives
+      // on counts as gone too: a risk taken only past all_until.) A gone
+      // rank that left too (its "left/<rank>" mark) counts once: counted
+      // twice, it hid a rank still on its way to read the abort.
+      std::vector<int> seen_left;  // gone ranks whose mark was read
+      const auto rest_gone = [&](int64_t left) {
+        std::vector<int> gone = monitor_ != nullptr ? monitor_->ExitedPeers() : std::vector<int>();
+        if (p2p_ != nullptr) {
+          for (int r : p2p_->PeersWithFailedEndpoints()) gone.push_back(r);
+        }
+        std::sort(gone.begin(), gone.end());
+        gone.erase(std::unique(gone.begin(), gone.end()), gone.end());
+        const int64_t not_left = options_.world_size - left;
+        if (static_cast<int64_t>(gone.size()) < not_left) return false;
+        int64_t gone_not_left = 0;
+        for (int r : gone) {
+          if (std::find(seen_left.begin(), seen_left.end(), r) != seen_left.end()) continue;
+          auto mark = store_->TryGet(prefix_ + "left/" + std::to_string(r),
+                                     std::min(wait_until, DeadlineIn(milliseconds(1000))));
+          if (!mark.ok()) return false;  // cannot tell: wait on
+          if (mark->has_value()) {
+            seen_left.push_back(r);
+          } else {
+            ++gone_not_left;
+          }
+        }
+        return gone_not_left >= not_left;
       };
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
@@ -1444,7 +1475,7 @@ void Communicator::Impl::Shutdown() {
           while (Clock::now() < wait_until) {
             auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
             if (!count.ok() || *count >= ranks) break;
-            if (prefix == prefix_ && Clock::now() >= all_until && rest_exited(*count)) break;
+            if (prefix == prefix_ && Clock::now() >= all_until && rest_gone(*count)) break;
             std::this_thread::sleep_for(milliseconds(5));
           }
         }

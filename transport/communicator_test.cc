@@ -5,10 +5,12 @@
 #include "transport/communicator.h"
 
 #include <netinet/in.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -1593,6 +1596,90 @@ int ScenarioStoreRankAbortsAfterItsPeerExited() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Blocks until the process `pid` has exited (its pidfd turns readable),
+// at most `limit`; false when it did not, or cannot be watched.
+bool AwaitExit(int64_t pid, milliseconds limit) {
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+  if (pidfd < 0) return false;
+  pollfd p{pidfd, POLLIN, 0};
+  const bool exited = poll(&p, 1, static_cast<int>(limit.count())) == 1;
+  close(pidfd);
+  return exited;
+}
+
+// The same abort with rank 1 on another host (a UTS namespace of its own,
+// under another host name), killed (SIGKILL) after a barrier: rank 0 cannot
+// see its process exit, but UCX sees its connections break, and rank 0
+// keeps the store no longer than for a rank on its own host. Before, it
+// waited the whole kAbortedStoreTimeForLatePeers (3 s) for rank 1 to leave.
+int ScenarioStoreRankAbortsAfterARemotePeerWasKilled() {
+  if (EnvOr("RANK") == "1") {
+    // Before the communicator exists: the host name is read when it is made.
+    const char other[] = "ddp-test-other-host";
+    if (unshare(CLONE_NEWUTS) != 0 || sethostname(other, sizeof(other) - 1) != 0) {
+      std::fprintf(stderr, "rank 1 could not take a host name of its own (this test needs root): %s\n",
+                   std::strerror(errno));
+      return 4;
+    }
+  }
+  auto comm = MustCreate();
+  int64_t pids[2] = {0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  WORKER_CHECK(comm->info().num_hosts == 2,
+               "rank " + std::to_string(comm->rank()) + " sees " + std::to_string(comm->info().num_hosts) +
+                   " host(s), not 2");
+  if (comm->rank() == 1) {
+    kill(getpid(), SIGKILL);
+    return 1;  // not reached
+  }
+  WORKER_CHECK(AwaitExit(pids[1], milliseconds(10000)), "rank 1 (pid " + std::to_string(pids[1]) +
+                                                            ") did not exit within 10 s");
+  comm->Abort(AbortedError("rank zero gave up"));
+  const auto start = Clock::now();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("DESTROYED in %lld ms\n", took_ms);
+  WORKER_CHECK(took_ms < 2000, "destroying took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// Three ranks on this host: rank 1 leaves (destroys its communicator) and
+// exits, then rank 0, which serves the store, aborts; rank 2 calls 2 s
+// later and learns rank 0's reason, as in late_peer_after_store_abort.
+// Rank 1, counted as left and as exited, used to count twice: rank 0 then
+// took every rank not left for gone after 1 s and stopped the store under
+// rank 2, which read "the rendezvous store cannot be reached".
+int ScenarioLatePeerAfterAnotherLeftAndExited() {
+  auto comm = MustCreate();
+  int64_t pids[3] = {0, 0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  const int me = comm->rank();
+  if (me == 1) {
+    comm.reset();
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  WORKER_CHECK(AwaitExit(pids[1], milliseconds(10000)), "rank 1 (pid " + std::to_string(pids[1]) +
+                                                            ") did not exit within 10 s");
+  if (me == 0) {
+    comm->Abort(AbortedError("rank zero gave up"));
+    comm.reset();
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  std::this_thread::sleep_for(milliseconds(2000));
+  std::vector<float> all(1000, 1.0f);
+  s = comm->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+  std::printf("LATE rank 2: %s\n", s.ToString().c_str());
+  WORKER_CHECK(!s.ok() && s.message().find("rank zero gave up") != std::string::npos,
+               "the late all-reduce: " + s.ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 int RunScenario(const std::string& name) {
   if (name == "split") return ScenarioSplit();
   if (name == "split_outlives") return ScenarioSplitOutlivesParent();
@@ -1631,6 +1718,8 @@ int RunScenario(const std::string& name) {
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
   if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
+  if (name == "late_peer_after_another_left_and_exited") return ScenarioLatePeerAfterAnotherLeftAndExited();
+  if (name == "store_abort_after_remote_peer_killed") return ScenarioStoreRankAbortsAfterARemotePeerWasKilled();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
@@ -1807,6 +1896,17 @@ TEST(Communicator, APeerLaterThanTheStoreAfterAnAbortIsToldTheServingRankLeft) {
 TEST(Communicator, TheRankServingTheStoreWaitsForNoExitedPeerAfterAnAbort) {
   Job job = RunJob(2, "store_abort_after_peer_exited", {});
   EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, ALatePeerLearnsTheAbortAfterAnotherRankLeftAndExited) {
+  Job job = RunJob(3, "late_peer_after_another_left_and_exited", {});
+  EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheRankServingTheStoreWaitsForNoKilledPeerOnAnotherHostAfterAnAbort) {
+  Job job = RunJob(2, "store_abort_after_remote_peer_killed", {});
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
+  EXPECT_EQ(job.results[1].signal, SIGKILL) << job.Describe();
 }
 
 TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {

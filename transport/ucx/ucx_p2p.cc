@@ -184,8 +184,18 @@ void UcxPointToPoint::MarkPeerLost(int peer, Status reason) {
   if (peers_[peer]->failure.ok()) peers_[peer]->failure = std::move(reason);
 }
 
+std::vector<int> UcxPointToPoint::PeersWithFailedEndpoints() {
+  worker_->Progress();
+  std::vector<int> failed;
+  for (const auto& peer : peers_) {
+    if (peer->endpoint_failed) failed.push_back(peer->rank);
+  }
+  return failed;
+}
+
 void UcxPointToPoint::EndpointErrorCallback(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* peer = static_cast<PeerState*>(arg);
+  peer->endpoint_failed = true;
   if (peer->failure.ok()) {
     Status s = FromUcs(status, "connection to rank " + std::to_string(peer->rank));
     // Whatever UCX calls it, an endpoint error means the peer is unreachable.

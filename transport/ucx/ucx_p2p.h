@@ -118,6 +118,14 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// pending and later operations with it fail with `reason`.
   void MarkPeerLost(int peer, Status reason);
 
+  /// Progresses the worker once, so that UCX reports the connections it
+  /// found broken meanwhile, and returns the ranks whose endpoint UCX
+  /// reported failed (only endpoints to other hosts can: peer error mode).
+  /// Such a rank's process died or closed its endpoint to this one by force
+  /// (it gave up on this rank). Ranks only marked lost here (MarkPeerLost,
+  /// a recalled request) are not listed: those may be well.
+  std::vector<int> PeersWithFailedEndpoints();
+
   /// Flushes and closes every endpoint, waiting at most until `deadline`;
   /// a remote endpoint whose flush did not finish by then (a peer that
   /// hangs) is closed by force, waiting at most 1 s more, so that none is
@@ -162,7 +170,8 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   struct PeerState {
     UcxPointToPoint* owner = nullptr;
     int rank = 0;
-    Status failure;  // set once the endpoint reported an error
+    Status failure;  // set once the endpoint reported an error, or MarkPeerLost
+    bool endpoint_failed = false;  // UCX called the endpoint's error handler
     bool peer_error_mode = false;
   };
 
