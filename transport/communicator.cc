@@ -1409,10 +1409,13 @@ void Communicator::Impl::Shutdown() {
     // returns only after this.
     const bool failed = aborted() || creation_failed_;
     const Deadline leave_by = DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000));
-    // Which ranks left, for the serving rank's wait after an abort (see
-    // rest_gone): marked before the count, so that a rank counted as left
-    // has its mark unless the store failed it in between.
-    store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
+    // Which ranks left, for the wait after an abort of a member serving the
+    // store (see rest_gone; a launcher's store keeps keys for good): marked
+    // before the count, so that a rank counted as left has its mark unless
+    // the store failed it in between.
+    if (store_rank_ >= 0) {
+      store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
+    }
     auto left = store_->Add(prefix_ + "left", 1, leave_by);
     if (server_ != nullptr && left.ok()) {
       // The last communicator here to hold the server waits for the ranks
