@@ -496,6 +496,56 @@ TEST(UcxPointToPoint, PeerMarkedLostFailsPendingAndLaterOperations) {
   EXPECT_EQ(p2p.PostSend(1, 1, &value, 4).status().code(), StatusCode::kPeerLost);
 }
 
+// Three ranks over TCP, as on three hosts (peer error mode). Rank 1 goes
+// away (its endpoints closed by force, its worker destroyed): rank 0 lists
+// it among the peers with failed endpoints once UCX has seen its connection
+// break. Rank 2, only marked lost by rank 0, is not listed: it may be well.
+TEST(UcxPointToPoint, PeersWithFailedEndpointsListsAPeerThatWentAwayNotOneOnlyMarkedLost) {
+  constexpr int kRanks = 3;
+  std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < kRanks; ++r) {
+    auto context = Context::Create({.default_tls = "tcp,self"});
+    ASSERT_TRUE(context.ok()) << context.status();
+    auto p2p = UcxPointToPoint::Create(*context, {.rank = r, .size = kRanks});
+    ASSERT_TRUE(p2p.ok()) << p2p.status();
+    addresses.push_back((*p2p)->address());
+    ranks.push_back(std::move(*p2p));
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    std::vector<bool> same_host(kRanks, false);
+    same_host[r] = true;
+    ASSERT_TRUE(ranks[r]->Connect(addresses, same_host).ok()) << "rank " << r;
+  }
+  // A message each way between every pair, so that every connection is up.
+  RunRanks(ranks, [](UcxPointToPoint& p2p) {
+    std::vector<int> out(kRanks, p2p.rank()), in(kRanks, -1);
+    std::vector<p2p::RequestId> ids;
+    for (int peer = 0; peer < kRanks; ++peer) {
+      if (peer == p2p.rank()) continue;
+      auto recv = p2p.PostRecv(peer, 3, &in[peer], sizeof(int));
+      auto send = p2p.PostSend(peer, 3, &out[peer], sizeof(int));
+      ASSERT_TRUE(recv.ok() && send.ok());
+      ids.push_back(*recv);
+      ids.push_back(*send);
+    }
+    ASSERT_TRUE(p2p.WaitAll(ids, DeadlineIn(milliseconds(10000))).ok()) << "rank " << p2p.rank();
+  });
+  EXPECT_TRUE(ranks[0]->PeersWithFailedEndpoints().empty());
+  ranks[0]->MarkPeerLost(2, PeerLostError("rank 2 given up by the test"));
+  ranks[1]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+  ranks[1].reset();
+  std::vector<int> failed;
+  const Deadline deadline = DeadlineIn(milliseconds(10000));
+  while (failed.empty() && Clock::now() < deadline) {
+    failed = ranks[0]->PeersWithFailedEndpoints();
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  EXPECT_EQ(failed, std::vector<int>{1});
+  ranks[0]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+  ranks[2]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+}
+
 TEST(UcxPointToPoint, SendStillRunningWhenItsWaitFailsGivesUpThePeer) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
