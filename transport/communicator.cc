@@ -239,6 +239,9 @@ struct Work::State {
   // goes while the call is unfinished (see PostP2p). Set before the state
   // is shared, never changed.
   std::function<void()> release_unfinished;
+  // The call, for Wait's timeout ("all-reduce", "receive from rank 1 (tag
+  // 7, 32 bytes)"). Set before the state is shared, never changed.
+  std::string what;
 
   ~State() {
     // No lock: nobody else holds this state any more.
@@ -277,6 +280,16 @@ Status InForkedChildStatus(Work::State& state, const char* what) {
 }
 }  // namespace
 
+namespace {
+// Work::Wait's timeout, naming the call (the call goes on: its own deadline
+// may be later).
+Status NotFinishedByWaitDeadline(const Work::State& state) {
+  const std::string what = state.what.empty() ? std::string("call") : state.what;
+  return TimedOutError("asynchronous " + what + " not finished by the deadline given to Work::Wait "
+                       "(the call itself runs on until its own deadline)");
+}
+}  // namespace
+
 Status Work::Wait(Deadline deadline) {
   if (state_ == nullptr) return FailedPreconditionError("Wait on an empty Work handle");
   if (fork::InForkedChild()) return InForkedChildStatus(*state_, "waiting for an asynchronous call");
@@ -287,15 +300,13 @@ Status Work::Wait(Deadline deadline) {
       if (state_->done) return state_->status;
       if (!state_->poll) {
         if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
-          return TimedOutError("asynchronous call not finished by the caller's deadline");
+          return NotFinishedByWaitDeadline(*state_);
         }
         return state_->status;
       }
       poll = state_->poll;
     }
-    if (Clock::now() >= deadline) {
-      return TimedOutError("asynchronous call not finished by the caller's deadline");
-    }
+    if (Clock::now() >= deadline) return NotFinishedByWaitDeadline(*state_);
     poll();
   }
 }
@@ -352,8 +363,8 @@ class Communicator::Impl {
 
   // Runs `body` on the caller's thread after earlier async calls finished.
   Status RunBlocking(const CallOptions& call, const Body& body);
-  // Queues `body` for the communicator's thread.
-  Work Enqueue(const CallOptions& call, Body body);
+  // Queues `body` (the call `what`, for messages) for the communicator's thread.
+  Work Enqueue(const CallOptions& call, std::string what, Body body);
 
   Status AllReduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                    Algorithm requested, Deadline deadline);
@@ -1647,8 +1658,9 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
   return status;
 }
 
-Work Communicator::Impl::Enqueue(const CallOptions& call, Body body) {
+Work Communicator::Impl::Enqueue(const CallOptions& call, std::string what, Body body) {
   auto state = std::make_shared<Work::State>();
+  state->what = std::move(what);
   Work work = Communicator::NewWork(state);
   if (Status forked = fork::CheckNotForkedChild("rank " + std::to_string(options_.rank) +
                                                 ": an asynchronous collective call");
@@ -2272,6 +2284,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
   }
   if (!id.ok()) return Communicator::FinishedWork(Abort(id.status(), deadline));
   auto state = std::make_shared<Work::State>();
+  state->what = what;
   std::weak_ptr<Work::State> weak = state;
   if (!send && !blocking) {
     // The last handle of an unfinished receive is gone: nobody will use
@@ -3078,7 +3091,7 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
       impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"), call));
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-reduce"), call));
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "all-reduce", [=, this](Deadline d) {
     if (device >= 0) {
       return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm,
                                     call.staged_reduce, d);
@@ -3099,7 +3112,7 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
                    impl_->Refuse(impl_->DeviceOf({buffer}, count, "broadcast"), call));
   const bool staged = device >= 0 && impl_->Plan({.kind = cuda::StagedKind::kBroadcast,
                                                   .size = size()}) != cuda::StagedPlan::kDirect;
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "broadcast", [=, this](Deadline d) {
     if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
     if (device >= 0) DDP_RETURN_IF_ERROR(impl_->DeviceReady(device, d));
     return impl_->Broadcast(buffer, count, dtype, root, d, /*host_memory=*/device < 0);
@@ -3118,7 +3131,7 @@ Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, Da
       call));
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-gather"), call));
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "all-gather", [=, this](Deadline d) {
     if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
     return impl_->AllGather(send, recv, count, dtype, d);
   });
@@ -3140,7 +3153,7 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
       call));
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->Refuse(impl_->DeviceOf({send, recv}, count, "reduce-scatter"), call));
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "reduce-scatter", [=, this](Deadline d) {
     if (device >= 0) {
       return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, call.staged_reduce,
                                         d);
@@ -3156,7 +3169,7 @@ Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, Dat
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckAllToAll(send, counts, recv, counts, dtype, call));
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "all-to-all", [=, this](Deadline d) {
     return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d, /*equal_blocks=*/true);
   });
 }
@@ -3166,11 +3179,11 @@ Work Communicator::AllToAllVAsync(const void* send, std::span<const size_t> send
                                   const CallOptions& call) {
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype, call));
-  return impl_->Enqueue(call, [=, this, sends = std::vector<size_t>(send_counts.begin(), send_counts.end()),
-                               receives = std::vector<size_t>(recv_counts.begin(), recv_counts.end())](
-                                  Deadline d) {
-    return impl_->AllToAllVOn(device, send, sends, recv, receives, dtype, d);
-  });
+  return impl_->Enqueue(call, "all-to-all (uneven blocks)",
+                        [=, this, sends = std::vector<size_t>(send_counts.begin(), send_counts.end()),
+                         receives = std::vector<size_t>(recv_counts.begin(), recv_counts.end())](Deadline d) {
+                          return impl_->AllToAllVOn(device, send, sends, recv, receives, dtype, d);
+                        });
 }
 
 Work Communicator::ReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
@@ -3178,7 +3191,7 @@ Work Communicator::ReduceAsync(const void* send, void* recv, size_t count, DataT
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
                                       call));
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "reduce", [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kReduce, device, send, recv, count, dtype, op, root,
                             call.algorithm, d);
   });
@@ -3189,7 +3202,7 @@ Work Communicator::GatherAsync(const void* send, void* recv, size_t count, DataT
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
                                       ReduceOp::kSum, root, call));
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "gather", [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kGather, device, send, recv, count, dtype, ReduceOp::kSum,
                             root, call.algorithm, d);
   });
@@ -3200,14 +3213,14 @@ Work Communicator::ScatterAsync(const void* send, void* recv, size_t count, Data
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
                                       ReduceOp::kSum, root, call));
-  return impl_->Enqueue(call, [=, this](Deadline d) {
+  return impl_->Enqueue(call, "scatter", [=, this](Deadline d) {
     return impl_->RunRooted(Impl::Rooted::kScatter, device, send, recv, count, dtype,
                             ReduceOp::kSum, root, call.algorithm, d);
   });
 }
 
 Work Communicator::BarrierAsync(const CallOptions& call) {
-  return impl_->Enqueue(call, [this](Deadline d) { return impl_->Barrier(d); });
+  return impl_->Enqueue(call, "barrier", [this](Deadline d) { return impl_->Barrier(d); });
 }
 
 Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int peer,

@@ -1016,6 +1016,47 @@ int ScenarioDestroyWithPendingCall() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A Work::Wait whose own deadline passes names the call it waited for
+// (before: "asynchronous call not finished by the caller's deadline" for
+// every call). Rank 0 waits 200 ms on an all-reduce and on a receive from
+// rank 1, which joins both only once rank 0 has seen them time out; then
+// both finish.
+int ScenarioWorkWaitTimeoutNamesTheCall() {
+  auto comm = MustCreate();
+  const std::string waited = EnvOr("TEST_TMPDIR", "/tmp") + "/waited_" + EnvOr("MASTER_PORT", "0");
+  std::vector<float> values(1000, 1.0f);
+  int64_t message[4] = {0, 0, 0, 0};
+  if (comm->rank() == 0) {
+    // The receive first: posting it needs the worker, which the queued
+    // all-reduce holds until rank 1 joins.
+    Work recv = comm->RecvAsync(message, 4, DataType::kI64, 1, 9);
+    Work reduce = comm->AllReduceAsync(values.data(), values.data(), values.size(), DataType::kF32,
+                                       ReduceOp::kSum);
+    Status s = reduce.Wait(DeadlineIn(milliseconds(200)));
+    WORKER_CHECK(s.code() == StatusCode::kTimedOut && s.message().find("asynchronous all-reduce") != std::string::npos,
+                 "the all-reduce's wait: " + s.ToString());
+    s = recv.Wait(DeadlineIn(milliseconds(200)));
+    WORKER_CHECK(s.code() == StatusCode::kTimedOut &&
+                     s.message().find("asynchronous receive from rank 1 (tag 9, 32 bytes)") != std::string::npos,
+                 "the receive's wait: " + s.ToString());
+    std::ofstream(waited) << "waited";
+    s = reduce.Wait();
+    WORKER_CHECK(s.ok() && values[0] == 2.0f, "the all-reduce: " + s.ToString());
+    s = recv.Wait();
+    WORKER_CHECK(s.ok() && message[0] == 42, "the receive: " + s.ToString());
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  const auto until = Clock::now() + std::chrono::seconds(30);
+  while (!std::filesystem::exists(waited) && Clock::now() < until) std::this_thread::sleep_for(milliseconds(20));
+  WORKER_CHECK(std::filesystem::exists(waited), "rank 0 did not see its waits time out within 30 s");
+  Status s = comm->AllReduce(values.data(), values.size(), DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(s.ok(), "the all-reduce: " + s.ToString());
+  for (int64_t& m : message) m = 42;
+  s = comm->Send(message, 4, DataType::kI64, 0, 9);
+  WORKER_CHECK(s.ok(), "the send: " + s.ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A receive whose every handle was dropped takes no message: rank 1 posts
 // a receive with tag 7 and drops its Work, then posts another with tag 7
 // and waits on it; rank 0 sends one message with tag 7 once both are
@@ -1705,6 +1746,7 @@ int RunScenario(const std::string& name) {
   if (name == "busy_recv") return ScenarioBusyRecv();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
+  if (name == "work_wait_timeout") return ScenarioWorkWaitTimeoutNamesTheCall();
   if (name == "poll_fails_during_shutdown") return ScenarioPollFailsDuringShutdown();
   if (name == "dropped_recv_collective") return ScenarioDroppedRecvThenCollective();
   if (name == "destroy_while_waiting") return ScenarioDestroyWhileWaiting();
@@ -2018,6 +2060,11 @@ TEST(Communicator, DestructionIsBoundedWithACallPeersNeverJoin) {
   const std::string& out = job.results[1].output;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("DESTROYED in (\\d+) ms"))) << job.Describe();
   EXPECT_LT(std::stoll(m[1]), 15000) << job.Describe();
+}
+
+TEST(Communicator, AWorkWaitThatTimesOutNamesTheCall) {
+  Job job = RunJob(2, "work_wait_timeout", {});
+  EXPECT_TRUE(EveryRankPassed(job));
 }
 
 TEST(Communicator, AReceiveWhoseHandlesWereDroppedTakesNoMessage) {
