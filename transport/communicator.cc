@@ -794,7 +794,8 @@ class Communicator::Impl {
   uint64_t splits_ = 0;          // Split calls so far (names the children)
   // Which rank of this communicator serves the store: -1 a launcher (or
   // another outside store), -2 a process outside this communicator (rank 0
-  // of the one it was split from, at some depth). For messages.
+  // of the one it was split from, at some depth). For messages, and
+  // whether ranks mark that they left (Shutdown).
   int store_rank_ = -1;
   // When a rank serves the store: the key prefix of the first communicator
   // of this family (Create's, which Splits descend from), under which splits
