@@ -1421,8 +1421,8 @@ void Communicator::Impl::Shutdown() {
     // returns only after this.
     const bool failed = aborted() || creation_failed_;
     const Deadline leave_by = DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000));
-    // Which ranks left, for the wait after an abort of a member serving the
-    // store (see rest_gone; a launcher's store keeps keys for good): marked
+    // Which ranks left, for the wait of a member serving the store (see
+    // rest_gone; a launcher's store keeps keys for good): marked
     // before the count, so that a rank counted as left has its mark unless
     // the store failed it in between.
     if (store_rank_ >= 0) {
@@ -1443,9 +1443,12 @@ void Communicator::Impl::Shutdown() {
       // the creation deadline, which Create or Split keeps to.
       Deadline wait_until = aborted() ? std::min(deadline, DeadlineIn(kAbortedStoreTimeForLatePeers)) : deadline;
       if (creation_failed_ && creation_deadline_) wait_until = std::min(wait_until, *creation_deadline_);
-      // Past this, an aborted communicator's own ranks are waited for only
-      // while one not yet left may be alive.
-      const Deadline all_until = aborted() ? std::min(wait_until, DeadlineIn(kAbortedStoreTime)) : wait_until;
+      // Past this, the communicator's own ranks are waited for only while
+      // one not yet left may be alive: from the start when it was not
+      // aborted (a rank that crashed after this one's last call never
+      // leaves, and held this exit for the whole timeout, up to 30 s).
+      const Deadline all_until =
+          aborted() ? std::min(wait_until, DeadlineIn(kAbortedStoreTime)) : Clock::now();
       // Whether the ranks of this communicator that are not counted as left
       // are all gone: exited (ranks on this host), or, on other hosts, their
       // UCX connection broke. UCX reports that for a process that died, and
@@ -1453,7 +1456,8 @@ void Communicator::Impl::Shutdown() {
       // leaving, or when a call of its own failed, which it aborts at once,
       // reading the posted reason; after that it uses the store only to
       // leave, best effort. (A link that broke under a process that lives
-      // on counts as gone too: a risk taken only past all_until.) A gone
+      // on counts as gone too, at the risk that it still wanted the
+      // store: it then reads that the store cannot be reached.) A gone
       // rank that left too (its "left/<rank>" mark) counts once: counted
       // twice, it hid a rank still on its way to read the abort.
       std::vector<int> seen_left;  // gone ranks whose mark was read

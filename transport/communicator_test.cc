@@ -1648,6 +1648,28 @@ bool AwaitExit(int64_t pid, milliseconds limit) {
   return exited;
 }
 
+// Rank 1 dies (exits without destroying its communicator) after the last
+// call; rank 0, which serves the store and did not abort, destroys its
+// communicator without waiting for rank 1 to leave: it never will. Before,
+// rank 0 waited for it until its timeout (20 s here).
+int ScenarioStoreRankClosesAfterItsPeerDied() {
+  auto comm = MustCreate();
+  int64_t pids[2] = {0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  if (comm->rank() == 1) _exit(testing::worker_failures == 0 ? 0 : 1);
+  WORKER_CHECK(AwaitExit(pids[1], milliseconds(10000)), "rank 1 (pid " + std::to_string(pids[1]) +
+                                                            ") did not exit within 10 s");
+  const auto start = Clock::now();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("DESTROYED in %lld ms\n", took_ms);
+  WORKER_CHECK(took_ms < 5000, "destroying took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // The same abort with rank 1 on another host (a UTS namespace of its own,
 // under another host name), killed (SIGKILL) after a barrier: rank 0 cannot
 // see its process exit, but UCX sees its connections break, and rank 0
@@ -1760,6 +1782,7 @@ int RunScenario(const std::string& name) {
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
   if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
+  if (name == "store_close_after_peer_died") return ScenarioStoreRankClosesAfterItsPeerDied();
   if (name == "late_peer_after_another_left_and_exited") return ScenarioLatePeerAfterAnotherLeftAndExited();
   if (name == "store_abort_after_remote_peer_killed") return ScenarioStoreRankAbortsAfterARemotePeerWasKilled();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
@@ -1937,6 +1960,11 @@ TEST(Communicator, APeerLaterThanTheStoreAfterAnAbortIsToldTheServingRankLeft) {
 
 TEST(Communicator, TheRankServingTheStoreWaitsForNoExitedPeerAfterAnAbort) {
   Job job = RunJob(2, "store_abort_after_peer_exited", {});
+  EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheRankServingTheStoreWaitsForNoDeadPeerWhenItClosesWithoutAnAbort) {
+  Job job = RunJob(2, "store_close_after_peer_died", {});
   EXPECT_TRUE(EveryRankPassed(job));
 }
 
