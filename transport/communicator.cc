@@ -1399,7 +1399,8 @@ void Communicator::Impl::Shutdown() {
     std::lock_guard lock(p2p_works_mu_);
     for (auto& posted : p2p_works_) {
       if (auto state = posted.work.lock()) {
-        state->Finish(FailedPreconditionError("communicator destroyed before the call finished"));
+        state->Finish(
+            FailedPreconditionError(state->what + ": the communicator was destroyed before the call finished"));
       }
     }
     p2p_works_.clear();
@@ -2324,7 +2325,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
     if (state == nullptr) return;
     std::shared_lock open(gate->mu);
     if (gate->closed) {
-      state->Finish(FailedPreconditionError("communicator destroyed before the call finished"));
+      state->Finish(FailedPreconditionError(what + ": the communicator was destroyed before the call finished"));
       return;
     }
     Status failure;
