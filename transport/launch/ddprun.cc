@@ -248,8 +248,8 @@ constexpr const char* kOwnFlags[] = {"no_prefix",    "job_token",    "rdzv_timeo
                                      "node_timeout", "grace_period", "max_run_time"};
 
 // argparse, torchrun's parser, takes any unique start of a long flag's name
-// (`--nproc=4`, `--max_restart 3`, `--standalon`); so does ddprun, among
-// its own flags and torchrun's. Returns the flag `name` (dashes as
+// (`--nproc=4`, `--max_restart 3`, `--standalon`, `--he` for --help); so
+// does ddprun, among its own flags, torchrun's and --help. Returns the flag `name` (dashes as
 // underscores) stands for: itself when it is one or starts none (left to
 // the caller to refuse); INVALID_ARGUMENT naming them when it starts
 // several.
@@ -258,6 +258,7 @@ StatusOr<std::string> CompleteFlagName(const std::string& name) {
   std::vector<std::string_view> flags;
   for (const PetFlag& flag : kPetFlags) flags.push_back(flag.name);
   for (const char* flag : kOwnFlags) flags.push_back(flag);
+  flags.push_back("help");
   std::vector<std::string_view> starts;
   for (std::string_view flag : flags) {
     if (flag == name) return name;
@@ -354,7 +355,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         ++i;
         break;
       }
-      if (arg == "-h" || arg == "--help") {
+      if (arg == "-h") {
         o.help = true;
         return -1;
       }
@@ -385,6 +386,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         }
         for (char& c : name) c = c == '-' ? '_' : c;
         DDP_ASSIGN_OR_RETURN(name, CompleteFlagName(name));
+      }
+      if (name == "help") {
+        if (value) return InvalidArgumentError("--help takes no value");
+        o.help = true;
+        return -1;
       }
       if (on_command_line) given.insert(name);
 

@@ -112,6 +112,24 @@ TEST(DdprunArgsTest, HelpNeedsNoProgram) {
   EXPECT_THAT(DdprunUsage(), ::testing::HasSubstr("--nproc_per_node=N"));
 }
 
+// argparse (torchrun) takes any unique start of --help too: --h, --he and
+// --hel print the help, as -h does; they were unknown flags. --help after
+// a bad flag is not reached, as under argparse, and takes no value.
+TEST(DdprunArgsTest, AStartOfHelpIsHelp) {
+  for (const char* start : {"--h", "--he", "--hel", "--help", "-h"}) {
+    StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=2", start, "--frob"});
+    ASSERT_TRUE(o.ok()) << start << ": " << o.status();
+    EXPECT_TRUE(o->help) << start;
+  }
+  ExpectRefused({"--he=1"}, "--help takes no value");
+  ExpectRefused({"--frob", "--help"}, "unknown flag --frob (see ddprun --help)");
+  // A start of help and of nothing else; --n starts several flags, help
+  // not among them.
+  ExpectRefused({"--n=1", "p"},
+                "--n is ambiguous: it starts --nnodes, --no_prefix, --no_python, --node_rank, "
+                "--node_timeout and --nproc_per_node (give more of the name; see ddprun --help)");
+}
+
 TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   // torchrun's usual multi-node line: no --node_rank with c10d.
   StatusOr<DdprunOptions> o =
