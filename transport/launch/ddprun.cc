@@ -728,6 +728,12 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
     o.master_addr = endpoint_addr;
     o.master_port = endpoint_port;
   }
+  // Before the range check: --standalone with --nnodes=1:2 wants one node
+  // too, and --rdzv_backend=c10d would not help it.
+  if (o.standalone && o.nnodes > 1) {
+    return InvalidArgumentError("--standalone runs one node; it cannot be combined with --nnodes=" +
+                                (o.nnodes_spec.empty() ? std::to_string(o.nnodes) : o.nnodes_spec));
+  }
   if (o.min_nodes > 0 && o.rdzv_backend != "c10d") {
     return InvalidArgumentError("--nnodes=" + o.nnodes_spec +
                                 ": a range of nodes needs --rdzv_backend=c10d (nodes numbered as "
@@ -781,10 +787,6 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                                 " is not below --nnodes=" + std::to_string(o.nnodes));
   }
   if (o.standalone) {
-    if (o.nnodes > 1) {
-      return InvalidArgumentError("--standalone runs one node; it cannot be combined with --nnodes=" +
-                                  std::to_string(o.nnodes));
-    }
     o.master_addr = "127.0.0.1";
     o.master_port = 0;
   }

@@ -292,6 +292,19 @@ TEST(DdprunArgsTest, StandaloneOverridesTheEndpointWithANote) {
                           "free port"});
 }
 
+// --standalone with a range of nodes is refused as --standalone with
+// several nodes, naming the range as given; it was refused for wanting
+// --rdzv_backend=c10d, which would not have helped.
+TEST(DdprunArgsTest, StandaloneWithARangeOfNodesNamesStandalone) {
+  ExpectRefused({"--standalone", "--nnodes=1:2", "p"},
+                "--standalone runs one node; it cannot be combined with --nnodes=1:2");
+  ExpectRefused({"--standalone", "--nnodes=1:2", "--rdzv_backend=c10d", "p"},
+                "--standalone runs one node; it cannot be combined with --nnodes=1:2");
+  StatusOr<DdprunOptions> o = Parse({"--standalone", "--nnodes=1:1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nnodes, 1);
+}
+
 TEST(DdprunArgsTest, MonitorIntervalZeroIsAccepted) {
   StatusOr<DdprunOptions> o = Parse({"--monitor_interval=0", "p"});
   ASSERT_TRUE(o.ok()) << o.status();
