@@ -176,8 +176,9 @@ give the interpreter as PROGRAM: ddprun ... python3 train.py. Also accepted:
 --monitor_interval=SEC (ddprun sees a worker exit at once, without polling),
 --start_method=spawn|fork|forkserver (ddprun always starts a fresh process
 with exec, so all three are the same), and, with a note that they are
-ignored, --local_addr, --logs_specs, --event_log_handler, --signals_to_handle
-(ddprun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT and stops the job, and
+ignored, --local_addr, --logs_specs, --numa_binding (node, socket, exclusive
+or core-complex: ddprun leaves placement to the workers), --event_log_handler,
+--signals_to_handle (ddprun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT and stops the job, and
 passes SIGUSR1 and SIGUSR2 on without stopping it) and --node_rank with c10d
 (as torchrun). ARGS may use torchrun's ${local_rank}, replaced by each
 worker's LOCAL_RANK.
@@ -238,14 +239,15 @@ constexpr PetFlag kPetFlags[] = {
     {"standalone", true},      {"max_restarts", false}, {"monitor_interval", false},
     {"start_method", false},   {"role", false},        {"log_dir", false},
     {"redirects", false},      {"tee", false},         {"local_ranks_filter", false},
-    {"local_addr", false},     {"logs_specs", false},  {"no_python", true},
+    {"local_addr", false},     {"no_python", true},
     {"module", true},          {"run_path", true},     {"event_log_handler", false},
     {"signals_to_handle", false},
 };
 
-// ddprun's own flags, which no PET_ variable sets.
-constexpr const char* kOwnFlags[] = {"no_prefix",    "job_token",    "rdzv_timeout",
-                                     "node_timeout", "grace_period", "max_run_time"};
+// ddprun's own flags, and torchrun's that have no `env` action
+// (--logs_specs, --numa_binding): no PET_ variable sets them.
+constexpr const char* kOwnFlags[] = {"no_prefix",    "job_token",    "rdzv_timeout", "node_timeout",
+                                     "grace_period", "max_run_time", "logs_specs",   "numa_binding"};
 
 // argparse, torchrun's parser, takes any unique start of a long flag's name
 // (`--nproc=4`, `--max_restart 3`, `--standalon`, `--he` for --help); so
@@ -600,6 +602,16 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         DDP_ASSIGN_OR_RETURN(std::string specs, take_value());
         o.notes.push_back(Flag(name, specs) +
                           " is ignored: ddprun writes --log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log");
+      } else if (name == "numa_binding") {
+        // torchrun pins each worker's CPUs near its GPU (LOCAL_RANK's);
+        // ddprun starts the workers where it runs and leaves placement to
+        // them, so the mode is checked and then noted as ignored.
+        DDP_ASSIGN_OR_RETURN(std::string mode, take_value());
+        if (mode != "node" && mode != "socket" && mode != "exclusive" && mode != "core-complex") {
+          return InvalidArgumentError(Flag(name, mode) + ": expected node, socket, exclusive or core-complex");
+        }
+        o.notes.push_back(Flag(name, mode) +
+                          " is ignored: ddprun leaves the workers' CPU and memory placement to them");
       } else if (name == "master_addr") {
         DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
         if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");

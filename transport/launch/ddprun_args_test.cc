@@ -127,7 +127,8 @@ TEST(DdprunArgsTest, AStartOfHelpIsHelp) {
   // not among them.
   ExpectRefused({"--n=1", "p"},
                 "--n is ambiguous: it starts --nnodes, --no_prefix, --no_python, --node_rank, "
-                "--node_timeout and --nproc_per_node (give more of the name; see ddprun --help)");
+                "--node_timeout, --nproc_per_node and --numa_binding (give more of the name; see ddprun "
+                "--help)");
 }
 
 TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
@@ -498,6 +499,33 @@ TEST(DdprunArgsTest, NewerTorchrunFlagsAreAcceptedWithANote) {
   ExpectRefused({"--rdzv_conf=store_connect_wait_seconds=-1", "p"},
                 "--rdzv_conf=store_connect_wait_seconds=-1: 'store_connect_wait_seconds=-1': "
                 "store_connect_wait_seconds takes a whole number of seconds");
+}
+
+// torchrun's --numa-binding (2.8) is accepted with a note, its modes
+// checked; it was an unknown flag.
+TEST(DdprunArgsTest, NumaBindingIsAcceptedWithANote) {
+  for (const char* mode : {"node", "socket", "exclusive", "core-complex"}) {
+    StatusOr<DdprunOptions> o = Parse({"--numa-binding", mode, "p"});
+    ASSERT_TRUE(o.ok()) << mode << ": " << o.status();
+    EXPECT_EQ(o->notes, std::vector<std::string>{
+                            "--numa_binding=" + std::string(mode) +
+                            " is ignored: ddprun leaves the workers' CPU and memory placement to them"});
+  }
+  ExpectRefused({"--numa_binding=core", "p"},
+                "--numa_binding=core: expected node, socket, exclusive or core-complex");
+  // Unique starts still work around the new name.
+  StatusOr<DdprunOptions> o = Parse({"--nu=node", "--npro=2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 2);
+}
+
+// torchrun's --logs_specs and --numa_binding have no `env` action: no
+// PET_ variable sets them there, and none does here (a PET_LOGS_SPECS
+// made a note that it was ignored).
+TEST(DdprunArgsTest, FlagsWithoutAnEnvActionReadNoPetVariable) {
+  StatusOr<DdprunOptions> o = Parse({"p"}, {{"PET_NUMA_BINDING", "node"}, {"PET_LOGS_SPECS", "mine"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->notes.empty()) << o->notes[0];
 }
 
 TEST(DdprunArgsTest, LocalRanksFilter) {
