@@ -181,7 +181,9 @@ or core-complex: ddprun leaves placement to the workers), --event_log_handler,
 --signals_to_handle (ddprun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT and stops the job, and
 passes SIGUSR1 and SIGUSR2 on without stopping it) and --node_rank with c10d
 (as torchrun). ARGS may use torchrun's ${local_rank}, replaced by each
-worker's LOCAL_RANK.
+worker's LOCAL_RANK. Run in the foreground of a terminal (its stdin), ddprun
+hands the terminal to the workers while they run, so that they may read it
+(pdb, input()); Ctrl-C there stops the job, Ctrl-Z stops it as a shell job.
 )";
 }
 
@@ -2280,6 +2282,11 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     SpawnOptions spawn;
     spawn.grace = o.grace;
+    // As under torchrun, whose workers share its process group: a worker
+    // may read the terminal (pdb, input()) when ddprun runs in its
+    // foreground; Ctrl-C there still stops the job, Ctrl-Z stops it as a
+    // shell's job.
+    spawn.share_terminal = true;
     spawn.on_notice = [&o](const std::string& line) { Say("node " + std::to_string(o.node_rank) + ": " + line); };
     spawn.output.to_terminal = o.log_dir.empty() || o.tee;
     spawn.output.prefix = o.prefix && o.nproc_per_node > 1;

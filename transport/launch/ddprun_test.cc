@@ -2,16 +2,20 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <dirent.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -875,6 +879,228 @@ TEST(DdprunTest, PortInUseIsReported) {
                      ": Address already in use",
                  {{"DDP_JOB_TOKEN", "t"}});
   close(fd);
+}
+
+
+// ---- a terminal of its own: a pseudo-terminal session ----
+
+// `argv` run in a new session whose controlling terminal is a fresh
+// pseudo-terminal (stdin, stdout and stderr); the test holds the other end.
+struct PtySession {
+  pid_t pid = -1;
+  int master = -1;
+  std::string output;  // everything the terminal showed so far
+
+  explicit PtySession(const std::vector<std::string>& argv) {
+    master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (master < 0 || grantpt(master) != 0 || unlockpt(master) != 0) return;
+    const std::string slave = ptsname(master);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    pid = fork();
+    if (pid == 0) {
+      // Only async-signal-safe calls from here on.
+      setsid();
+      const int fd = open(slave.c_str(), O_RDWR);
+      if (fd < 0 || ioctl(fd, TIOCSCTTY, 0) != 0) _exit(126);
+      dup2(fd, 0);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      if (fd > 2) close(fd);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  ~PtySession() {
+    if (pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0) {
+      kill(-pid, SIGKILL);  // the session's first group; its workers die with their launcher
+      waitpid(pid, nullptr, 0);
+    }
+    if (master >= 0) close(master);
+  }
+
+  // Reads what the terminal shows until `needle` is in it, at `from` or
+  // after (true), or `timeout` passes or the session ends (false).
+  bool ReadUntil(const std::string& needle, size_t from = 0, std::chrono::milliseconds timeout = 20s) {
+    const auto give_up = std::chrono::steady_clock::now() + timeout;
+    while (output.find(needle, from) == std::string::npos) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          give_up - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      pollfd p{master, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+      char buffer[4096];
+      const ssize_t n = read(master, buffer, sizeof(buffer));
+      if (n <= 0) return output.find(needle, from) != std::string::npos;  // EIO: every holder closed it
+      output.append(buffer, static_cast<size_t>(n));
+    }
+    return true;
+  }
+  void Type(const std::string& text) {
+    ASSERT_EQ(write(master, text.data(), text.size()), static_cast<ssize_t>(text.size()));
+  }
+
+  // The session leader's exit status (128 + signal when killed), after up
+  // to 20 s; -1 when it did not end.
+  int Wait() {
+    const auto give_up = std::chrono::steady_clock::now() + 20s;
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() >= give_up) return -1;
+      ReadUntil("\x01", 0, 100ms);  // drains the terminal meanwhile
+    }
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+};
+
+// A worker that says it runs, then reads a line from its stdin and shows it.
+constexpr char kReadALine[] = " /bin/sh -c 'echo ready; read line; echo got:$line'";
+
+// A shell line that runs ddprun and then says its exit status and whether
+// the terminal's foreground group is the shell's own again: /bin/sh -c has
+// no job control, so ddprun runs in the shell's group, its caller's.
+std::string ThenReportTheTerminal(const std::string& ddprun_line) {
+  return ddprun_line + "; echo rc=$?; set -- $(cat /proc/$$/stat); echo \"group=$5 foreground=$8.\"";
+}
+
+void ExpectTheTerminalIsTheCallers(PtySession& session) {
+  ASSERT_TRUE(session.ReadUntil("foreground=")) << session.output;
+  ASSERT_TRUE(session.ReadUntil(".\r\n", session.output.find("foreground="))) << session.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(session.output, m, std::regex("group=([0-9]+) foreground=([0-9]+)\\.")))
+      << session.output;
+  EXPECT_EQ(m[1].str(), m[2].str()) << session.output;
+}
+
+// As under torchrun, whose workers share its process group: a worker reads
+// the terminal ddprun runs in (a debugger, input()), and once the job is
+// over the terminal is its caller's again. On the old code the worker was
+// stopped by SIGTTIN, and the job failed.
+TEST(DdprunTest, AWorkerReadsTheTerminal) {
+  PtySession session({"/bin/sh", "-c",
+                      ThenReportTheTerminal(Ddprun() + " --standalone --nproc_per_node=1" + kReadALine)});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("ready")) << session.output;
+  session.Type("hello\n");
+  EXPECT_TRUE(session.ReadUntil("got:hello")) << session.output;
+  EXPECT_TRUE(session.ReadUntil("rc=0")) << session.output;
+  ExpectTheTerminalIsTheCallers(session);
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+  EXPECT_THAT(session.output, Not(HasSubstr("SIGTTIN")));
+}
+
+// Ctrl-C reaches the workers, which hold the terminal; ddprun reads it off
+// them and stops the job as interrupted (no restart, 128 + SIGINT), and
+// passes it to its own group, as the terminal would have: its caller there
+// (a shell whose trap here says so) gets it, so that a script looping over
+// launches stops at Ctrl-C, as under torchrun. The terminal goes back.
+TEST(DdprunTest, CtrlCAtTheTerminalStopsTheJobWithoutARestart) {
+  PtySession session({"/bin/sh", "-c",
+                      "trap 'echo caller got SIGINT' INT; " +
+                          ThenReportTheTerminal(Ddprun() + " --standalone --nproc_per_node=2 --max_restarts=2" +
+                                                kReadALine)});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("[0] ready")) << session.output;
+  ASSERT_TRUE(session.ReadUntil("[1] ready")) << session.output;
+  session.Type("\x03");
+  EXPECT_TRUE(session.ReadUntil("caller got SIGINT")) << session.output;
+  EXPECT_TRUE(session.ReadUntil("rc=130")) << session.output;
+  EXPECT_THAT(session.output, HasSubstr("interrupted by SIGINT from the terminal"));
+  EXPECT_THAT(session.output, Not(HasSubstr("restart")));
+  ExpectTheTerminalIsTheCallers(session);
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+}
+
+// ddprun killed by SIGTERM while a worker waits for a line from the
+// terminal: the worker ends, and the terminal is the caller's again.
+TEST(DdprunTest, SigtermWhileAWorkerReadsTheTerminalGivesTheTerminalBack) {
+  PtySession session({"/bin/sh", "-c",
+                      ThenReportTheTerminal(Ddprun() +
+                                            " --standalone --nproc_per_node=1 /bin/sh -c "
+                                            "'echo \"ready $PPID.\"; read line; echo got:$line'")});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("ready ")) << session.output;
+  ASSERT_TRUE(session.ReadUntil(".")) << session.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(session.output, m, std::regex("ready ([0-9]+)\\."))) << session.output;
+  // The worker's parent is ddprun.
+  ASSERT_EQ(kill(std::stoi(m[1].str()), SIGTERM), 0);
+  EXPECT_TRUE(session.ReadUntil("rc=143")) << session.output;
+  ExpectTheTerminalIsTheCallers(session);
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+  EXPECT_THAT(session.output, Not(HasSubstr("SIGTTIN")));
+}
+
+// ddprun killed by SIGKILL while its worker holds the terminal: the
+// watcher of the workers' group gives the terminal back to ddprun's group
+// (here the shell's) as it kills the workers. The shell polls for that
+// (it happens just after ddprun's end), for up to 5 s.
+TEST(DdprunTest, SigkillOfDdprunGivesTheTerminalBack) {
+  PtySession session({"/bin/sh", "-c",
+                      Ddprun() +
+                          " --standalone --nproc_per_node=1 /bin/sh -c "
+                          "'echo \"ready $PPID.\"; read line; echo got:$line; read line'; echo rc=$?; "
+                          "i=0; while [ $i -lt 100 ]; do set -- $(cat /proc/$$/stat); "
+                          "[ \"$5\" = \"$8\" ] && break; i=$((i + 1)); sleep 0.05; done; "
+                          "echo \"group=$5 foreground=$8.\""});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("ready ")) << session.output;
+  ASSERT_TRUE(session.ReadUntil(".")) << session.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(session.output, m, std::regex("ready ([0-9]+)\\."))) << session.output;
+  const pid_t ddprun = std::stoi(m[1].str());  // the worker's parent; before the output grows
+  session.Type("hello\n");
+  ASSERT_TRUE(session.ReadUntil("got:hello")) << session.output;
+  ASSERT_EQ(kill(ddprun, SIGKILL), 0);
+  EXPECT_TRUE(session.ReadUntil("rc=137")) << session.output;
+  ExpectTheTerminalIsTheCallers(session);
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+}
+
+// The first worker takes the terminal before its exec; one whose exec
+// fails (a file that is neither a binary nor a script) must not leave the
+// terminal to its dead group.
+TEST(DdprunTest, AWorkerThatCannotStartLeavesTheTerminalToTheCaller) {
+  const std::string garbage = testing::MakeTempDir("ddprun_pty_garbage") + "/not_a_program";
+  {
+    std::ofstream file(garbage);
+    file << "garbage\x01\x02\n";
+  }
+  ASSERT_EQ(chmod(garbage.c_str(), 0755), 0);
+  PtySession session(
+      {"/bin/sh", "-c", ThenReportTheTerminal(Ddprun() + " --standalone --nproc_per_node=2 " + garbage)});
+  ASSERT_GT(session.pid, 0);
+  EXPECT_TRUE(session.ReadUntil("rc=2")) << session.output;
+  EXPECT_THAT(session.output, HasSubstr("Exec format error"));
+  ExpectTheTerminalIsTheCallers(session);
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+}
+
+// Ctrl-Z in an interactive shell (job control): the workers stop, ddprun
+// gives the terminal back and stops, and the shell reports the job stopped;
+// `fg` gives the workers the terminal again, and the worker reads its line.
+TEST(DdprunTest, CtrlZStopsTheJobAndFgContinuesIt) {
+  PtySession session({"/usr/bin/env", "PS1=prompt$ ", "/bin/bash", "--norc", "--noprofile", "-i"});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("prompt$ ")) << session.output;
+  session.Type(Ddprun() + " --standalone --nproc_per_node=1" + kReadALine + "\n");
+  ASSERT_TRUE(session.ReadUntil("ready\r\n")) << session.output;
+  session.Type("\x1a");
+  ASSERT_TRUE(session.ReadUntil("Stopped")) << session.output;
+  ASSERT_TRUE(session.ReadUntil("prompt$ ", session.output.find("Stopped"))) << session.output;
+  const size_t before_fg = session.output.size();
+  session.Type("fg\n");
+  // bash names the job it continues; the line then waits in the terminal
+  // until the worker reads it.
+  ASSERT_TRUE(session.ReadUntil("got:$line'", before_fg)) << session.output;
+  session.Type("hello\n");
+  EXPECT_TRUE(session.ReadUntil("got:hello")) << session.output;
+  session.Type("echo rc=$?.\n");
+  EXPECT_TRUE(session.ReadUntil("rc=0.")) << session.output;
+  session.Type("exit\n");
+  EXPECT_EQ(session.Wait(), 0) << session.output;
 }
 
 }  // namespace

@@ -5,12 +5,14 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -157,6 +159,9 @@ struct ChildArgs {
   // descriptor from 3 below this is marked close-on-exec one by one.
   int fd_bound = 0;
   bool skip_close_range = false;  // ForceCloseRangeFallbackForTesting
+  // The first worker of a group that shares the terminal (stdin, fd 0)
+  // makes its new group the terminal's foreground group.
+  bool take_terminal = false;
   bool ignored[_NSIG] = {};  // signals the parent ignores; they stay ignored
 };
 
@@ -239,6 +244,14 @@ RunChild(const ChildArgs* a) {
     if (sources[target] >= 0 && syscall(SYS_dup3, sources[target], target, 0) < 0) {
       ChildFail(a, kStepDup);
     }
+  }
+  // Every signal is blocked here (StartOne), SIGTTOU too, which lets a
+  // background group take the terminal. Before exec: no worker may read the
+  // terminal while it is not yet theirs. A failure (the terminal changed
+  // hands meanwhile) leaves it where it is; the parent checks.
+  if (a->take_terminal) {
+    const pid_t self = static_cast<pid_t>(syscall(SYS_getpid));
+    syscall(SYS_ioctl, 0, TIOCSPGRP, &self);
   }
   // Descriptors the host program opened without O_CLOEXEC stay out of the
   // workers. CLOSE_RANGE_CLOEXEC needs Linux 5.11 (ENOSYS before 5.9, EINVAL
@@ -651,6 +664,19 @@ class WorkerGroup::Impl {
                  !out.terminal_ranks.empty();
     // Before anything here opens a descriptor, which could take number 0.
     DDP_RETURN_IF_ERROR(ChooseWorkersStdin());
+    // SpawnOptions::share_terminal: only for a launcher in the foreground
+    // of the terminal its stdin is (the workers' too), with the signals
+    // forwarded (the terminal's then come off the workers, see Wait).
+    if (options_.share_terminal && options_.forward_signals && !dev_null_.valid() && isatty(STDIN_FILENO) &&
+        tcgetpgrp(STDIN_FILENO) == getpgrp()) {
+      launcher_pgrp_ = getpgrp();
+      // Its own writes to the terminal from the background (under `stty
+      // tostop`) and taking the terminal back would stop this process.
+      struct sigaction ignore{};
+      ignore.sa_handler = SIG_IGN;
+      sigemptyset(&ignore.sa_mask);
+      ttou_ignored_ = sigaction(SIGTTOU, &ignore, &ttou_old_) == 0;
+    }
     stop_event_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!stop_event_.valid()) return InternalError("eventfd: " + ErrnoText(errno));
     if (options_.forward_signals) DDP_RETURN_IF_ERROR(InstallSignalForwarding());
@@ -709,11 +735,44 @@ class WorkerGroup::Impl {
     // the forwarded signal; see below).
     bool interrupted_while_running = false;
     bool interrupt_reported = false;  // on_interrupt was called
+    // A terminal's signal this Wait sent to this process's own group (see
+    // below), whose byte from the handler is not a second interruption.
+    int echo_signal = 0;
 
     auto stop_workers = [&](int signal) {
       SignalRunning(signal);
       phase = Phase::kStopping;
       phase_deadline = Clock::now() + options_.grace;
+    };
+    // SIGINT, SIGTERM, SIGHUP or SIGQUIT for this process (`how` says how
+    // it came, when not to this process itself).
+    auto interrupt = [&](int signo, const std::string& how) {
+      if (!interrupt_reported && options_.on_interrupt) {
+        interrupt_reported = true;
+        options_.on_interrupt(signo);
+      }
+      if (phase == Phase::kRunning) {
+        result.outcome = GroupOutcome::kInterrupted;
+        result.signal = signo;
+        result.reason = "interrupted by " + SignalName(signo) + how + "; forwarded it to every worker";
+        interrupted_while_running = true;
+        stop_workers(signo);
+      } else if (result.outcome != GroupOutcome::kInterrupted) {
+        // The workers are already being stopped (one failed, a stop
+        // was requested, the deadline passed) or are gone. The signal
+        // still counts: the caller must end rather than restart them.
+        // Those still running get it too; the grace goes on.
+        result.outcome = GroupOutcome::kInterrupted;
+        result.signal = signo;
+        result.reason = (result.reason.empty() ? "every worker had ended" : result.reason) +
+                        "; then interrupted by " + SignalName(signo) + how;
+        if (phase == Phase::kStopping) SignalRunning(signo);
+      } else if (phase == Phase::kStopping) {
+        // Asked twice: no more grace.
+        SignalRunning(SIGKILL);
+        phase = Phase::kKilling;
+        phase_deadline = Clock::now() + kReapTime;
+      }
     };
 
     while (true) {
@@ -782,6 +841,10 @@ class WorkerGroup::Impl {
           const ssize_t got = read(signal_read_, signals, sizeof(signals));
           for (ssize_t j = 0; j < got; ++j) {
             const int signo = signals[j];
+            if (signo == echo_signal) {
+              echo_signal = 0;
+              continue;
+            }
             if (IsPassedOn(signo)) {
               // A checkpoint request, say: to whoever still runs; nothing
               // else changes.
@@ -791,34 +854,7 @@ class WorkerGroup::Impl {
               }
               continue;
             }
-            if (!interrupt_reported && options_.on_interrupt) {
-              interrupt_reported = true;
-              options_.on_interrupt(signo);
-            }
-            if (phase == Phase::kRunning) {
-              result.outcome = GroupOutcome::kInterrupted;
-              result.signal = signo;
-              result.reason = "interrupted by " + SignalName(signo) +
-                              "; forwarded it to every worker";
-              interrupted_while_running = true;
-              stop_workers(signo);
-            } else if (result.outcome != GroupOutcome::kInterrupted) {
-              // The workers are already being stopped (one failed, a stop
-              // was requested, the deadline passed) or are gone. The signal
-              // still counts: the caller must end rather than restart them.
-              // Those still running get it too; the grace goes on.
-              result.outcome = GroupOutcome::kInterrupted;
-              result.signal = signo;
-              result.reason = (result.reason.empty() ? "every worker had ended"
-                                                     : result.reason) +
-                              "; then interrupted by " + SignalName(signo);
-              if (phase == Phase::kStopping) SignalRunning(signo);
-            } else if (phase == Phase::kStopping) {
-              // Asked twice: no more grace.
-              SignalRunning(SIGKILL);
-              phase = Phase::kKilling;
-              phase_deadline = Clock::now() + kReapTime;
-            }
+            interrupt(signo, "");
           }
         } else if (owner == -2) {
           uint64_t value;
@@ -845,12 +881,30 @@ class WorkerGroup::Impl {
       // exited with a code (often a peer that noticed the crash and gave
       // up), and among those alike, the first in the group's order.
       Worker* failed = nullptr;
+      int terminal_signal = 0;  // a worker killed by the terminal's Ctrl-C, say (share_terminal)
       for (Worker& w : workers_) {
         if (!w.running || !Observe(w)) continue;
         if (w.exit.ok() || phase != Phase::kRunning || result.first_failure) continue;
+        if (terminal_shared_ && w.exit.signaled && IsTerminalSignal(w.exit.code)) {
+          if (terminal_signal == 0) terminal_signal = w.exit.code;
+          continue;
+        }
         if (failed == nullptr || (w.exit.signaled && !failed->exit.signaled)) failed = &w;
       }
-      if (failed != nullptr) {
+      if (terminal_signal != 0) {
+        // As if it had reached this process, as it does under torchrun,
+        // whose workers share its group: the job stops, and stays stopped.
+        int none = 0;
+        g_interrupt_signal.compare_exchange_strong(none, terminal_signal, std::memory_order_relaxed);
+        interrupt(terminal_signal, " from the terminal (the workers hold it)");
+        // And to the group the terminal had before the workers, as the
+        // terminal would have sent it: whoever runs this process in its
+        // group (a script that loops over launches stops at Ctrl-C, as
+        // under torchrun) and this process, whose handler's byte is
+        // skipped above.
+        if (Catches(terminal_signal)) echo_signal = terminal_signal;
+        kill(-launcher_pgrp_, terminal_signal);
+      } else if (failed != nullptr) {
         result.first_failure = failed->exit;
         result.outcome = GroupOutcome::kWorkerFailed;
         result.reason = failed->exit.Describe();
@@ -870,6 +924,10 @@ class WorkerGroup::Impl {
         stop_workers(SIGTERM);
       }
 
+      if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded && terminal_shared_ &&
+          AnyStoppedBy(SIGTSTP)) {
+        StopLikeAJob();
+      }
       if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded) {
         if (std::optional<std::string> stopped = StoppedByTheTerminal()) {
           result.outcome = GroupOutcome::kWorkerFailed;
@@ -899,6 +957,9 @@ class WorkerGroup::Impl {
       }
     }
 
+    // Before the leader is reaped: its pid is the id the terminal is
+    // compared with.
+    TakeTerminalBack();
     // The group was killed whole once the workers were gone: the watcher
     // has nothing left to do (told so before the leader, whose pid is the
     // group id, is reaped and that id becomes free).
@@ -1160,6 +1221,10 @@ class WorkerGroup::Impl {
       struct sigaction current{};
       if (sigaction(s, nullptr, &current) == 0) args.ignored[s] = current.sa_handler == SIG_IGN;
     }
+    // Ignored here only while the workers hold the terminal: theirs is what
+    // this process had.
+    if (ttou_ignored_) args.ignored[SIGTTOU] = ttou_old_.sa_handler == SIG_IGN;
+    args.take_terminal = launcher_pgrp_ > 0 && pgid_ == 0;
 
     int report[2];
     if (pipe2(report, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
@@ -1199,6 +1264,10 @@ class WorkerGroup::Impl {
       got = read(report_read.get(), &failure, sizeof(failure));
     } while (got < 0 && errno == EINTR);
     if (got == static_cast<ssize_t>(sizeof(failure))) {
+      // A first worker that took the terminal before its exec failed: back
+      // to this process's group (SIGTTOU is ignored), before its pid, the
+      // terminal's group id, is reaped.
+      if (args.take_terminal && tcgetpgrp(STDIN_FILENO) == pid) tcsetpgrp(STDIN_FILENO, launcher_pgrp_);
       // The child is already dead (exit 127); reap it here.
       int status = 0;
       waitpid(pid, &status, 0);
@@ -1210,7 +1279,13 @@ class WorkerGroup::Impl {
                                   "': " + ErrnoText(failure.error) +
                                   (failure.step == kStepExec ? ExecFailureHint(spec.program, failure.error) : ""));
     }
-    if (pgid_ == 0) pgid_ = pid;
+    if (pgid_ == 0) {
+      pgid_ = pid;
+      if (launcher_pgrp_ > 0) {
+        terminal_shared_ = tcgetpgrp(STDIN_FILENO) == pgid_;
+        if (!terminal_shared_) TakeTerminalBack();  // not handed over: nothing to undo but SIGTTOU
+      }
+    }
     w.pidfd.Reset(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
     if (w.pidfd.valid()) fcntl(w.pidfd.get(), F_SETFD, FD_CLOEXEC);
     return Status::Ok();
@@ -1257,6 +1332,60 @@ class WorkerGroup::Impl {
       if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
       kill(w.pid, signal);
     }
+  }
+
+  // SpawnOptions::share_terminal: the terminal back to this process's group
+  // if the workers' group still has it (not if someone else took it since),
+  // and SIGTTOU back to what it was. Idempotent.
+  void TakeTerminalBack() {
+    if (terminal_shared_ && pgid_ > 0 && tcgetpgrp(STDIN_FILENO) == pgid_) {
+      tcsetpgrp(STDIN_FILENO, launcher_pgrp_);  // SIGTTOU is still ignored here
+    }
+    terminal_shared_ = false;
+    if (ttou_ignored_) sigaction(SIGTTOU, &ttou_old_, nullptr);
+    ttou_ignored_ = false;
+  }
+
+  // Ctrl-C, Ctrl-\ and a hangup reach the foreground group only: while the
+  // workers hold the terminal, a worker killed by one of them is this
+  // process's interruption.
+  static bool IsTerminalSignal(int signal) { return signal == SIGINT || signal == SIGQUIT || signal == SIGHUP; }
+
+  // Ctrl-Z reached the workers only (they hold the terminal), and whoever
+  // runs this process (a shell) waits on this process's group. As a shell
+  // does with a job: stop every worker (one that ignores SIGTSTP too), take
+  // the terminal back and stop this process's group, so that the shell
+  // sees the job stopped and gets its terminal. kill returns once this
+  // process is continued, or at once where SIGTSTP is ignored or the group
+  // is orphaned (no job control could continue it; the kernel drops the
+  // signal). Continued in the foreground (`fg`), the workers get the
+  // terminal again; in the background (`bg`) they run on without it.
+  void StopLikeAJob() {
+    kill(-pgid_, SIGSTOP);
+    if (tcgetpgrp(STDIN_FILENO) == pgid_) tcsetpgrp(STDIN_FILENO, launcher_pgrp_);
+    kill(0, SIGTSTP);
+    if (tcgetpgrp(STDIN_FILENO) == launcher_pgrp_) {
+      tcsetpgrp(STDIN_FILENO, pgid_);
+    } else {
+      TakeTerminalBack();
+    }
+    kill(-pgid_, SIGCONT);
+  }
+
+  // Whether this group's handler records `signal` (SIGINT, SIGTERM, SIGHUP
+  // or SIGQUIT that this process did not ignore).
+  bool Catches(int signal) const {
+    for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
+      if (kForwardedSignals[i] == signal) return forwarding_ && installed_[i];
+    }
+    return false;
+  }
+
+  bool AnyStoppedBy(int signal) const {
+    for (const Worker& w : workers_) {
+      if (w.running && StopSignalOf(w) == signal) return true;
+    }
+    return false;
   }
 
   // The signal that stopped running worker `w`, or 0 when it is not stopped.
@@ -1375,6 +1504,9 @@ class WorkerGroup::Impl {
 
   // SIGKILLs everything still running and reaps it, within kReapTime.
   void KillAndReap() {
+    // While the leader, whose pid the terminal's group is compared with,
+    // is not yet reaped.
+    TakeTerminalBack();
     if (RunningCount() == 0) {
       StopWatcher();
       ReapLeader();
@@ -1417,6 +1549,8 @@ class WorkerGroup::Impl {
     sigset_t all, old_mask;
     sigfillset(&all);
     const pid_t group = pgid_;
+    // share_terminal: the group to give the terminal back to.
+    const pid_t launcher_group = terminal_shared_ ? launcher_pgrp_ : 0;
     const int fd_bound = DescriptorBound();
     const bool skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
     // Every signal blocked across the clone, as in StartOne: a signal that
@@ -1452,7 +1586,21 @@ class WorkerGroup::Impl {
       do {
         n = syscall(SYS_read, p[0], &byte, 1);
       } while (n < 0 && errno == EINTR);
-      if (n == 0) syscall(SYS_kill, -group, SIGKILL);
+      if (n == 0) {
+        // The launcher could not give the terminal back itself. The
+        // watcher shares its session, so /dev/tty is that terminal; every
+        // signal is blocked here, SIGTTOU too. Only if the workers still
+        // hold it; a launcher's group that is gone by now refuses it
+        // (EPERM), and its shell takes the terminal back.
+        if (launcher_group > 0) {
+          const long tty = syscall(SYS_openat, AT_FDCWD, "/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+          pid_t foreground = 0;
+          if (tty >= 0 && syscall(SYS_ioctl, tty, TIOCGPGRP, &foreground) == 0 && foreground == group) {
+            syscall(SYS_ioctl, tty, TIOCSPGRP, &launcher_group);
+          }
+        }
+        syscall(SYS_kill, -group, SIGKILL);
+      }
       syscall(SYS_exit_group, 0);
     }
     const int clone_errno = errno;
@@ -1526,6 +1674,14 @@ class WorkerGroup::Impl {
   Fd stop_event_;
   Fd dev_null_;  // the workers' stdin when this process has none to pass on (ChooseWorkersStdin)
   int signal_read_ = -1;  // ProcessSignalPipe's read end, while forwarding
+  // SpawnOptions::share_terminal: this process's group, when it was the
+  // terminal's foreground group at Start (0: not sharing); whether the
+  // workers' group holds the terminal; SIGTTOU's disposition before it was
+  // ignored for that time.
+  pid_t launcher_pgrp_ = 0;
+  bool terminal_shared_ = false;
+  bool ttou_ignored_ = false;
+  struct sigaction ttou_old_ = {};
   bool forwarding_ = false;
   struct sigaction old_actions_[std::size(kForwardedSignals)] = {};
   bool installed_[std::size(kForwardedSignals)] = {};  // false: was ignored, left so

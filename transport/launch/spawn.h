@@ -112,6 +112,28 @@ struct SpawnOptions {
   /// A worker left without one (false here, or no folder for them) finds
   /// TORCHELASTIC_ERROR_FILE unset, not the launcher's own.
   bool error_files = true;
+  /// Let the workers read the terminal, as torchrun's do (they share its
+  /// process group there). When this process's stdin is its controlling
+  /// terminal and this process's group is the terminal's foreground one,
+  /// the workers' group is made the foreground group while they run (the
+  /// first worker does it before exec, so that none reads too early), and
+  /// the terminal goes back to this process's group when they are gone
+  /// (end of Wait, destruction; the watcher does it for a launcher killed
+  /// by SIGKILL). Meanwhile this process ignores SIGTTOU (its own writes
+  /// under `stty tostop`; the workers get the disposition it had), and the
+  /// terminal's signals reach the workers only, so Wait reads them off the
+  /// workers: one killed by SIGINT, SIGQUIT or SIGHUP counts as this
+  /// process interrupted by that signal (kInterrupted, InterruptSignal,
+  /// on_interrupt: no restart), which Wait also sends to this process's
+  /// group, as the terminal would have (a script that runs the launcher
+  /// gets it too); one stopped by SIGTSTP (Ctrl-Z) stops the
+  /// group, gives the terminal back and stops this process's group, as a
+  /// shell stops a job; continued in the foreground (`fg`), it gives the
+  /// terminal to the workers again and continues them; in the background
+  /// (`bg`) the workers go on without it (and one that reads the terminal
+  /// fails the job, as without this option). Otherwise (no terminal, a
+  /// launcher in the background, forward_signals off) nothing changes.
+  bool share_terminal = false;
 };
 
 /// How one worker ended.
