@@ -117,7 +117,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        restart (elastic)
   --node_rank=R        this node, in [0, nnodes) (default 0)
   --master_addr=ADDR   address of node 0, where the store listens
-                       (required with several nodes; default 127.0.0.1)
+                       (required with several nodes; default 127.0.0.1;
+                       an IPv6 address bare or in brackets: [::1])
   --master_port=PORT   port of the store (default 29500; 0: any free port)
   --rdzv_endpoint=HOST[:PORT]
                        torchrun's spelling of --master_addr and --master_port,
@@ -617,6 +618,21 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "master_addr") {
         DDP_ASSIGN_OR_RETURN(o.master_addr, take_value());
         if (o.master_addr.empty()) return InvalidArgumentError("--master_addr is empty");
+        // torchrun's help spells an IPv6 address in brackets
+        // ([0:0:0:0:0:0:0:1]); the address is what is inside.
+        if (o.master_addr[0] == '[') {
+          const std::string given = o.master_addr;
+          const size_t close = given.find(']');
+          if (close == std::string::npos) {
+            return InvalidArgumentError(Flag(name, given) + ": no ']' after the IPv6 address");
+          }
+          if (close + 1 != given.size()) {
+            return InvalidArgumentError(Flag(name, given) +
+                                        ": the port goes in --master_port, not after the ']'");
+          }
+          if (close == 1) return InvalidArgumentError(Flag(name, given) + ": no address inside the brackets");
+          o.master_addr = given.substr(1, close - 1);
+        }
         addr_given = true;
       } else if (name == "master_port") {
         DDP_RETURN_IF_ERROR(take_int(0, 65535, o.master_port));

@@ -306,6 +306,22 @@ TEST(DdprunArgsTest, StandaloneWithARangeOfNodesNamesStandalone) {
   EXPECT_EQ(o->nnodes, 1);
 }
 
+// torchrun's help asks for an IPv6 --master_addr in brackets
+// ([0:0:0:0:0:0:0:1]); it names the address inside them, as in
+// --rdzv_endpoint. The brackets were kept, and no resolver knows "[::1]".
+TEST(DdprunArgsTest, MasterAddrInBracketsIsTheAddressInside) {
+  StatusOr<DdprunOptions> o = Parse({"--master_addr=[0:0:0:0:0:0:0:1]", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "0:0:0:0:0:0:0:1");
+  o = Parse({"--master_addr", "::1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "::1");
+  ExpectRefused({"--master_addr=[::1", "p"}, "--master_addr=[::1: no ']' after the IPv6 address");
+  ExpectRefused({"--master_addr=[::1]:80", "p"},
+                "--master_addr=[::1]:80: the port goes in --master_port, not after the ']'");
+  ExpectRefused({"--master_addr=[]", "p"}, "--master_addr=[]: no address inside the brackets");
+}
+
 TEST(DdprunArgsTest, MonitorIntervalZeroIsAccepted) {
   StatusOr<DdprunOptions> o = Parse({"--monitor_interval=0", "p"});
   ASSERT_TRUE(o.ok()) << o.status();
