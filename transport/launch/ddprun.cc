@@ -181,7 +181,7 @@ ignored, --local_addr, --logs_specs, --numa_binding (node, socket, exclusive
 or core-complex: ddprun leaves placement to the workers), --event_log_handler,
 --signals_to_handle (ddprun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT and stops the job, and
 passes SIGUSR1 and SIGUSR2 on without stopping it) and --node_rank with c10d
-(as torchrun). ARGS may use torchrun's ${local_rank}, replaced by each
+or --standalone (as torchrun). ARGS may use torchrun's ${local_rank}, replaced by each
 worker's LOCAL_RANK. Run in the foreground of a terminal (its stdin), ddprun
 hands the terminal to the workers while they run, so that they may read it
 (pdb, input()); Ctrl-C there stops the job, Ctrl-Z stops it as a shell job.
@@ -763,6 +763,12 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (o.standalone && o.nnodes > 1) {
     return InvalidArgumentError("--standalone runs one node; it cannot be combined with --nnodes=" +
                                 (o.nnodes_spec.empty() ? std::to_string(o.nnodes) : o.nnodes_spec));
+  }
+  // torchrun's --standalone is c10d on one node, which ignores --node_rank.
+  if (o.standalone && o.node_rank != 0) {
+    o.notes.push_back("--node_rank=" + std::to_string(o.node_rank) +
+                      " is ignored with --standalone: it runs one node, node 0");
+    o.node_rank = 0;
   }
   if (o.min_nodes > 0 && o.rdzv_backend != "c10d") {
     return InvalidArgumentError("--nnodes=" + o.nnodes_spec +

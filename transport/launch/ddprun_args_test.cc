@@ -322,6 +322,22 @@ TEST(DdprunArgsTest, MasterAddrInBracketsIsTheAddressInside) {
   ExpectRefused({"--master_addr=[]", "p"}, "--master_addr=[]: no address inside the brackets");
 }
 
+// torchrun's --standalone is c10d on one node, where --node_rank means
+// nothing: a node rank other than 0 is ignored with a note, as with c10d.
+// It was refused as not below --nnodes=1.
+TEST(DdprunArgsTest, StandaloneIgnoresTheNodeRankWithANote) {
+  StatusOr<DdprunOptions> o = Parse({"--standalone", "--node_rank=1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_rank, 0);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--node_rank=1 is ignored with --standalone: it runs one node, node 0"});
+  o = Parse({"--standalone", "--node_rank=0", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->notes.empty());
+  // Without --standalone it is still checked against --nnodes.
+  ExpectRefused({"--node_rank=1", "p"}, "--node_rank=1 is not below --nnodes=1");
+}
+
 TEST(DdprunArgsTest, MonitorIntervalZeroIsAccepted) {
   StatusOr<DdprunOptions> o = Parse({"--monitor_interval=0", "p"});
   ASSERT_TRUE(o.ok()) << o.status();
