@@ -27,10 +27,18 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   DDP_RETURN_IF_ERROR(internal::CheckArgs("broadcast", p2p, args, shape));
   const internal::Fingerprint fingerprint = internal::MakeFingerprint(
       args, internal::kBroadcastKind, /*uses_op=*/false, /*uses_root=*/true);
-  if (args.count == 0) {
-    return internal::CheckEmptyCall(p2p, args.deadline, "broadcast", fingerprint,
-                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
-  }
+  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  // Every rank proves that all the others agree before any data moves. A
+  // check of its neighbours alone let ranks farther from the one that
+  // disagreed return OK: with roots 0, 0, 3, 0, 0, ranks 1, 3 and 4 failed,
+  // but the root, whose neighbours all agreed, sent, and rank 2, a leaf
+  // under it, took the data; both returned OK. Costs ceil(log2 p) rounds of small messages before the
+  // root's first send (it waited one round for its children's before);
+  // with the verdict the same on every rank, a disagreement fails them all
+  // at once and leaves every receive buffer untouched. A count of 0 is
+  // proven the same way (no algorithm other than this one answers it).
+  DDP_RETURN_IF_ERROR(internal::CheckEveryRank(p2p, args.deadline, "broadcast", fingerprint, tag));
+  if (args.count == 0) return Status();
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
   auto* recv = static_cast<unsigned char*>(args.recv);
@@ -46,40 +54,9 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const internal::TreeNode node =
       chain ? internal::ChainTree(p, args.root, r) : internal::HeapTree(p, args.root, r);
   const char* what = chain ? "broadcast (chain)" : "broadcast (tree)";
-  const p2p::Tag tag = PhaseTag(args.tag, 0);
   auto chunk_n = [&](size_t c) { return std::min(ce, args.count - c * ce); };
 
   internal::Requests requests(p2p, args.deadline);
-  // Each rank checks the arguments of its ring predecessor, its parent and
-  // its children, before it sends any data (a non-root rank verifies at its
-  // first wait, which comes before it forwards; the root verifies before
-  // its first send). The ring, unlike the tree, does not depend on the
-  // root, so ranks that disagree on the root are caught too; the parent is
-  // where the data comes from, and a parent that took itself for the root
-  // must not have its buffer taken on the strength of the ring
-  // predecessor's agreement alone. The children are checked because a rank
-  // whose own neighbours agree returns OK once it has the data: when the
-  // root sent before it compared (roots 0, 0, 2 on three ranks), rank 1
-  // took rank 0's data and returned OK while ranks 0 and 2 failed. This
-  // costs the root one wait for its children's fingerprints, posted at the
-  // start of their calls. Ranks farther from the one that disagrees than
-  // its neighbours may still return OK with the root's data; the abort the
-  // others post fails their next call.
-  std::vector<int> check_to = {(r + 1) % p}, check_from = {(r + p - 1) % p};
-  auto add = [](std::vector<int>& peers, int peer) {
-    if (std::find(peers.begin(), peers.end(), peer) == peers.end()) peers.push_back(peer);
-  };
-  for (int child : node.children) {
-    add(check_to, child);
-    add(check_from, child);
-  }
-  if (node.parent >= 0) {
-    add(check_to, node.parent);
-    add(check_from, node.parent);
-  }
-  internal::PeerCheck check(what, fingerprint);
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
-
   // At most a pipeline's depth of chunks in flight to each child: a child
   // holds any more as unexpected messages (the root used to post every
   // chunk at once), so chunk c waits for the sends of chunk c - depth.
@@ -101,9 +78,6 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   };
 
   if (is_root) {
-    // As they arrive: a child that disagrees on the root may never send
-    // here, while the predecessor's mismatch is already in.
-    DDP_RETURN_IF_ERROR(check.VerifyAsTheyArrive(requests));
     const size_t first = std::min(k, depth);
     for (size_t c = 0; c < first; ++c) DDP_RETURN_IF_ERROR(forward(send, c));
     // Copy while the first chunks travel.

@@ -253,6 +253,132 @@ TEST(BroadcastTest, RankTakingItselfForTheRootFailsEveryRankInTheTree) {
   }
 }
 
+// One rank passes another root, count or dtype than the rest, at every
+// place of a 5- and a 6-rank tree and chain. Every rank must fail, at once,
+// naming a rank that differs and both values, and no receive buffer may
+// have been written. Ranks checked only their neighbours: without the
+// harness killing failed ranks, those farther from the odd one returned OK
+// with the root's data (5 ranks, roots 0, 0, 3, 0, 0: the root and rank 2,
+// a leaf under it, whose own neighbours agreed), and with it, the others
+// failed as PEER_LOST, not naming the disagreement. Every rank must learn
+// of it from the check itself, not from a peer's death.
+TEST(BroadcastTest, OneRankDisagreeingFailsEveryRankNamingIt) {
+  enum class Odd { kRoot, kCount, kDtype };
+  for (bool kill : {true, false}) {
+    for (int world : {5, 6}) {
+      for (bool chain : {false, true}) {
+        for (int root : {0, world - 2}) {
+          for (int odd = 0; odd < world; ++odd) {
+            for (Odd differs : {Odd::kRoot, Odd::kCount, Odd::kDtype}) {
+              // A chain needs at least as many chunks as ranks: 16 floats
+              // in 4-byte chunks; the tree gets them in one chunk.
+              constexpr size_t kCount = 16;
+              const size_t chunk = chain ? 4 : 0;
+              const int odd_root = odd == root ? (root + 3) % world : odd;
+              const size_t odd_count = kCount + 1;
+              const DataType odd_dtype = DataType::kI32;  // the size of f32
+              std::string want_odd, want_rest;
+              switch (differs) {
+                case Odd::kRoot:
+                  want_odd = "root " + std::to_string(odd_root);
+                  want_rest = "root " + std::to_string(root);
+                  break;
+                case Odd::kCount:
+                  want_odd = "count " + std::to_string(odd_count) + " of f32";
+                  want_rest = "count " + std::to_string(kCount) + " of f32";
+                  break;
+                case Odd::kDtype:
+                  want_odd = "of i32";
+                  want_rest = "of f32";
+                  break;
+              }
+              const std::string what =
+                  std::string(kill ? "" : "no kill, ") + "world=" + std::to_string(world) +
+                  (chain ? " chain" : " tree") + " root=" + std::to_string(root) +
+                  " odd rank " + std::to_string(odd) + " passed " + want_odd;
+              std::vector<int> written(world, 0);
+              const auto deadline = DeadlineIn(10s);
+              ::ddp::transport::testing::HarnessOptions options;
+              options.kill_on_error = kill;
+              auto statuses = RunRanks(
+                  world,
+                  [&](p2p::PointToPoint& p2p) -> Status {
+                    const int r = p2p.rank();
+                    std::vector<float> send(kCount + 1, 1.0f);
+                    std::vector<float> recv(kCount + 1, -1.0f);
+                    CollectiveArgs args;
+                    args.send = send.data();
+                    args.recv = recv.data();
+                    args.count = kCount;
+                    args.dtype = DataType::kF32;
+                    args.root = root;
+                    args.deadline = deadline;
+                    args.tuning.chunk_bytes = chunk;
+                    if (r == odd && differs == Odd::kRoot) args.root = odd_root;
+                    if (r == odd && differs == Odd::kCount) args.count = odd_count;
+                    if (r == odd && differs == Odd::kDtype) args.dtype = odd_dtype;
+                    Status status = Broadcast(p2p, args);
+                    for (float x : recv) written[r] += x != -1.0f;
+                    return status;
+                  },
+                  options);
+              EXPECT_LT(Clock::now() + 8s, deadline) << what;
+              for (int r = 0; r < world; ++r) {
+                const Status& s = statuses[r];
+                EXPECT_FALSE(s.ok()) << what << ": rank " << r << " returned OK";
+                EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+                EXPECT_THAT(s.message(), HasSubstr("disagree")) << what << ": rank " << r;
+                EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed"))
+                    << what << ": rank " << r;
+                EXPECT_THAT(s.message(), HasSubstr(want_odd)) << what << ": rank " << r;
+                EXPECT_THAT(s.message(), HasSubstr(want_rest)) << what << ": rank " << r;
+                EXPECT_EQ(written[r], 0) << what << ": rank " << r << " had its recv written";
+              }
+              // The first case that fails says enough; the rest would
+              // repeat it, some waiting for their deadline.
+              if (HasFailure()) return;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// An empty call on one rank fails every rank at once with both counts, with
+// or without the harness killing failed ranks (it used to fail only the
+// empty rank and those that compared with it; the rest waited for data
+// until the deadline, or returned OK).
+TEST(BroadcastTest, EmptyCallOnOneRankFailsEveryRank) {
+  for (bool kill : {true, false}) {
+    for (int odd : {0, 3}) {
+      const std::string what = std::string(kill ? "" : "no kill, ") + "empty on rank " +
+                               std::to_string(odd);
+      const auto deadline = DeadlineIn(10s);
+      ::ddp::transport::testing::HarnessOptions options;
+      options.kill_on_error = kill;
+      auto statuses = RunRanks(
+          5,
+          [&](p2p::PointToPoint& p2p) -> Status {
+            std::vector<float> buf(16, 1.0f);
+            CollectiveArgs args;
+            args.send = buf.data();
+            args.recv = buf.data();
+            args.count = p2p.rank() == odd ? 0 : buf.size();
+            args.deadline = deadline;
+            return Broadcast(p2p, args);
+          },
+          options);
+      EXPECT_LT(Clock::now() + 8s, deadline) << what;
+      for (int r = 0; r < 5; ++r) {
+        EXPECT_THAT(statuses[r].message(), HasSubstr("count 0 of f32")) << what << ": rank " << r;
+        EXPECT_THAT(statuses[r].message(), HasSubstr("count 16 of f32")) << what << ": rank " << r;
+      }
+      if (HasFailure()) return;
+    }
+  }
+}
+
 TEST(BroadcastTest, KilledRootFailsEveryOtherRank) {
   p2p::LoopbackHub hub(5);
   const auto deadline = DeadlineIn(20s);

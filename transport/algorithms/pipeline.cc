@@ -212,7 +212,7 @@ Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, const std::vector
                        const std::vector<int>& from) {
   const p2p::Tag tag = FingerprintTag(phase_tag);
   from_ = from;
-  Fingerprint* held = requests.HoldFingerprints(1 + from_.size());
+  Fingerprint* held = requests.Hold<Fingerprint>(1 + from_.size());
   held[0] = mine_;
   sent_ = held;
   theirs_ = held + 1;
@@ -279,6 +279,117 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   return requests.WaitAll(what);
 }
 
+namespace {
+
+// What a rank of CheckEveryRank knows of the ranks it has heard from,
+// directly or through others: the fingerprint they all passed (`rank` is
+// one of them), or, once two of them differ, both (other_rank >= 0). Sent
+// as raw bytes: no padding.
+struct Verdict {
+  Fingerprint fingerprint;
+  int64_t rank = 0;
+  Fingerprint other;
+  int64_t other_rank = -1;
+
+  bool agrees() const { return other_rank < 0; }
+};
+static_assert(sizeof(Verdict) == 2 * sizeof(Fingerprint) + 2 * sizeof(int64_t));
+
+// `mine` widened by what `theirs` knows. A disagreement already found is
+// kept: any one proves the call wrong.
+void Merge(Verdict& mine, const Verdict& theirs) {
+  if (!mine.agrees()) return;
+  if (!theirs.agrees()) {
+    mine = theirs;
+  } else if (!(theirs.fingerprint == mine.fingerprint)) {
+    mine.other = mine.fingerprint;
+    mine.other_rank = mine.rank;
+    mine.fingerprint = theirs.fingerprint;
+    mine.rank = theirs.rank;
+  }
+}
+
+}  // namespace
+
+Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
+                      const Fingerprint& mine, p2p::Tag phase_tag) {
+  const int p = p2p.size(), r = p2p.rank();
+  if (p == 1) return Status();
+  int rounds = 0;
+  while ((int64_t{1} << rounds) < p) ++rounds;
+  auto peer_at = [&](int64_t offset) { return static_cast<int>(((r + offset) % p + p) % p); };
+  const std::string check = std::string(what) + ", argument check";
+  const p2p::Tag tag = FingerprintTag(phase_tag);
+  Requests requests(p2p, deadline);
+  // Message buffers live in `requests`, so they outlast its cancellations.
+  Fingerprint* plain = requests.Hold<Fingerprint>(2);  // [0] sent, [1] received in round 0
+  Verdict* sent = requests.Hold<Verdict>(rounds);
+  Verdict* got = requests.Hold<Verdict>(rounds);
+  plain[0] = mine;
+  std::vector<p2p::RequestId> recv_ids(rounds);
+  for (int k = 0; k < rounds; ++k) {
+    const int from = peer_at(-(int64_t{1} << k));
+    Where where{check.c_str(), k, rounds, Where::kNoChunk, false, from};
+    if (k == 0) {
+      DDP_ASSIGN_OR_RETURN(recv_ids[k], requests.Recv(where, tag, &plain[1], sizeof(Fingerprint)));
+    } else {
+      DDP_ASSIGN_OR_RETURN(recv_ids[k], requests.Recv(where, tag + 1, &got[k], sizeof(Verdict)));
+    }
+  }
+  {
+    Where where{check.c_str(), 0, rounds, Where::kNoChunk, true, peer_at(1)};
+    DDP_RETURN_IF_ERROR(requests.Send(where, tag, &plain[0], sizeof(Fingerprint)).status());
+  }
+  Verdict state;
+  state.fingerprint = mine;
+  state.rank = r;
+  auto disagreement = [&] {
+    return InvalidArgumentError(check + ": ranks disagree on the arguments: " +
+                                DescribePeer(p2p, static_cast<int>(state.rank)) + " passed " +
+                                state.fingerprint.ToString() + " but " +
+                                DescribePeer(p2p, static_cast<int>(state.other_rank)) +
+                                " passed " + state.other.ToString());
+  };
+  // Once a disagreement is known it is the cause: a wait that fails after
+  // it (a peer running another collective never sends the later rounds,
+  // and fails, or has the job aborted) reports the disagreement.
+  auto wait = [&](int k) -> Status {
+    const int from = peer_at(-(int64_t{1} << k));
+    Status status =
+        requests.Wait(recv_ids[k], Where{check.c_str(), k, rounds, Where::kNoChunk, false, from});
+    if (!status.ok() && !state.agrees()) return disagreement();
+    return status;
+  };
+  // Round k's message is merged before round k + 1 is sent, until a
+  // disagreement is known: from then on the rounds go out at once.
+  std::vector<int> unmerged;
+  for (int k = 0; k < rounds; ++k) {
+    if (k > 0) {
+      sent[k] = state;
+      Where where{check.c_str(), k, rounds, Where::kNoChunk, true, peer_at(int64_t{1} << k)};
+      DDP_RETURN_IF_ERROR(requests.Send(where, tag + 1, &sent[k], sizeof(Verdict)).status());
+    }
+    if (!state.agrees()) {
+      unmerged.push_back(k);
+      continue;
+    }
+    DDP_RETURN_IF_ERROR(wait(k));
+    if (k == 0) {
+      Verdict theirs;
+      theirs.fingerprint = plain[1];
+      theirs.rank = peer_at(-1);
+      Merge(state, theirs);
+    } else {
+      Merge(state, got[k]);
+    }
+  }
+  // The rest are taken all the same: their senders wait for that.
+  for (int k : unmerged) DDP_RETURN_IF_ERROR(wait(k));
+  Status sends = requests.WaitAll(check.c_str());
+  if (!state.agrees()) return disagreement();
+  return sends;
+}
+
 std::vector<int> OtherRanks(const p2p::PointToPoint& p2p) {
   std::vector<int> others;
   for (int q = 0; q < p2p.size(); ++q) {
@@ -336,7 +447,7 @@ thread_local uint64_t unconfirmed_releases = 0;
 struct QuarantineList {
   std::mutex mutex;
   std::vector<std::unique_ptr<unsigned char[]>> blocks;
-  std::vector<std::deque<std::vector<Fingerprint>>> fingerprints;  // Requests' held_
+  std::vector<std::deque<std::vector<std::max_align_t>>> messages;  // Requests' held_
   size_t bytes = 0;
 };
 QuarantineList& TheQuarantine() {
@@ -349,12 +460,12 @@ void QuarantineBlock(std::unique_ptr<unsigned char[]> block, size_t bytes) {
   q.blocks.push_back(std::move(block));
   q.bytes += bytes;
 }
-void QuarantineFingerprints(std::deque<std::vector<Fingerprint>> held) {
+void QuarantineMessages(std::deque<std::vector<std::max_align_t>> held) {
   size_t bytes = 0;
-  for (const auto& v : held) bytes += v.size() * sizeof(Fingerprint);
+  for (const auto& v : held) bytes += v.size() * sizeof(std::max_align_t);
   QuarantineList& q = TheQuarantine();
   std::lock_guard<std::mutex> lock(q.mutex);
-  q.fingerprints.push_back(std::move(held));  // a move: the vectors' memory stays put
+  q.messages.push_back(std::move(held));  // a move: the vectors' memory stays put
   q.bytes += bytes;
 }
 }  // namespace
@@ -422,12 +533,13 @@ Requests::~Requests() {
   if (p2p_.UnconfirmedReleases() != unconfirmed_at_start_) {
     ++unconfirmed_releases;
     // The argument checks' messages may be among them.
-    if (!held_.empty()) QuarantineFingerprints(std::move(held_));
+    if (!held_.empty()) QuarantineMessages(std::move(held_));
   }
 }
 
-Fingerprint* Requests::HoldFingerprints(size_t n) {
-  return held_.emplace_back(n).data();
+void* Requests::HoldBytes(size_t bytes) {
+  const size_t unit = sizeof(std::max_align_t);
+  return held_.emplace_back(std::max<size_t>(1, (bytes + unit - 1) / unit)).data();
 }
 
 void Requests::Track(p2p::RequestId id) {

@@ -10,8 +10,10 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <new>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -218,6 +220,25 @@ struct CheckRound {
 Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
                       const Fingerprint& mine, const std::vector<CheckRound>& rounds);
 
+/// Proves that every rank of `p2p` passed the same fingerprint, with every
+/// rank ending on the same verdict: INVALID_ARGUMENT naming two ranks that
+/// differ and both their values on every rank, or OK on every rank. A
+/// neighbour check (PeerCheck) fails only the ranks next to the one that
+/// disagrees, and the others fail later, at their deadline or as the
+/// failure reaches them; where ranks can finish without data from the
+/// failing ones (a broadcast's other subtrees), they would return OK. Must
+/// be called on every rank before any data moves, in ceil(log2 p) rounds
+/// of a dissemination pattern: in round k, rank r hears from rank r - 2^k
+/// (mod p) and tells rank r + 2^k what it has heard so far, so that after
+/// the last round each rank has heard from all p. Round 0 carries plain
+/// fingerprints with FingerprintTag(phase_tag), as every PeerCheck does, so
+/// a ring neighbour running another collective is caught there; the later
+/// rounds use the next tag. A rank that has found a disagreement sends it
+/// on in all its remaining rounds at once, and every rank waits for all its
+/// messages either way, so that none leaves another waiting for a send.
+Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
+                      const Fingerprint& mine, p2p::Tag phase_tag);
+
 /// Every rank of `p2p` but this one.
 std::vector<int> OtherRanks(const p2p::PointToPoint& p2p);
 
@@ -329,11 +350,20 @@ class Requests {
 
  private:
   friend class PeerCheck;
+  friend Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
+                               const Fingerprint& mine, p2p::Tag phase_tag);
   void Track(p2p::RequestId id);
   void Forget(p2p::RequestId id);
-  // `n` fingerprints that live as long as this object (a PeerCheck's
-  // message buffers).
-  Fingerprint* HoldFingerprints(size_t n);
+  // `n` value-initialised messages that live as long as this object (an
+  // argument check's message buffers).
+  template <typename T>
+  T* Hold(size_t n) {
+    static_assert(std::is_trivially_copyable_v<T> && alignof(T) <= alignof(std::max_align_t));
+    T* held = static_cast<T*>(HoldBytes(n * sizeof(T)));
+    for (size_t i = 0; i < n; ++i) new (held + i) T();
+    return held;
+  }
+  void* HoldBytes(size_t bytes);
   // Runs the registered PeerCheck before the first blocking wait.
   Status VerifyFirst();
 
@@ -348,7 +378,7 @@ class Requests {
   // its end, and a search per wait made it quadratic in the chunks.
   std::vector<p2p::RequestId> outstanding_;
   std::unordered_map<p2p::RequestId, size_t> position_;
-  std::deque<std::vector<Fingerprint>> held_;  // HoldFingerprints
+  std::deque<std::vector<std::max_align_t>> held_;  // Hold
 };
 
 }  // namespace ddp::transport::algorithms::internal
