@@ -151,5 +151,63 @@ TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
   }
 }
 
+// One rank passes another dtype of the same size (i32 against f32: the
+// messages match in size), another op or another count, at every place of
+// 5 and 6 ranks, on every algorithm: no rank may return OK (with bits
+// reduced as another type or op). With the harness killing failed ranks,
+// every rank fails well before the deadline; without, by it at the latest
+// (the existing sweeps move only the count, of the rank in the middle).
+TEST(AllReduceTest, OneRankWithAnotherDtypeOpOrCountFailsEveryRank) {
+  enum class Odd { kDtype, kOp, kCount };
+  for (Algorithm algo : kAll) {
+    for (int world : {5, 6}) {
+      const std::vector<int> hosts = TwoPerHost(world);
+      for (int odd = 0; odd < world; ++odd) {
+        for (Odd differs : {Odd::kDtype, Odd::kOp, Odd::kCount}) {
+          // Without the kill, ranks not next to the odd one wait for their
+          // (short) deadline: on 5 ranks only, to keep the test short.
+          for (bool kill : {true, false}) {
+            if (!kill && world != 5) continue;
+            const std::string what =
+                std::string(AlgorithmName(algo)) + " world=" + std::to_string(world) +
+                " odd rank " + std::to_string(odd) +
+                (differs == Odd::kDtype ? " i32" : differs == Odd::kOp ? " max" : " count+1") +
+                (kill ? "" : " (nobody killed)");
+            const auto timeout = kill ? Clock::duration(10s) : Clock::duration(300ms);
+            std::vector<Clock::duration> took(world);
+            ::ddp::transport::testing::HarnessOptions options;
+            options.kill_on_error = kill;
+            auto statuses = ::ddp::transport::testing::RunRanks(
+                world,
+                [&](p2p::PointToPoint& p2p) -> Status {
+                  const bool is_odd = p2p.rank() == odd;
+                  std::vector<float> data(65, 1.0f);
+                  CollectiveArgs args;
+                  args.send = data.data();
+                  args.recv = data.data();
+                  args.count = is_odd && differs == Odd::kCount ? 65 : 64;
+                  args.dtype = is_odd && differs == Odd::kDtype ? DataType::kI32 : DataType::kF32;
+                  args.op = is_odd && differs == Odd::kOp ? ReduceOp::kMax : ReduceOp::kSum;
+                  args.tuning.chunk_bytes = 16;
+                  const auto start = Clock::now();
+                  args.deadline = start + timeout;
+                  Status status = AllReduce(p2p, args, algo, hosts);
+                  took[p2p.rank()] = Clock::now() - start;
+                  return status;
+                },
+                options);
+            for (int r = 0; r < world; ++r) {
+              EXPECT_FALSE(statuses[r].ok()) << what << ": rank " << r << " returned OK";
+              EXPECT_LT(took[r], kill ? Clock::duration(2s) : timeout + 2s)
+                  << what << ": rank " << r << ": " << statuses[r];
+            }
+            if (HasFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms
