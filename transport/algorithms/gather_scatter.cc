@@ -12,7 +12,8 @@ namespace {
 
 // How both begin: the block count fits, the root's send either is its
 // block of recv or lies outside recv (gather; CheckArgs allows any overlap
-// there), then StartCollective with the root's whole buffer on the root.
+// there), then CheckArgs with the root's whole buffer on the root, and the
+// check that every rank passed the same arguments.
 internal::CollectiveStart StartRooted(p2p::PointToPoint& p2p, const CollectiveArgs& args,
                                       bool gather) {
   const char* what = gather ? "gather" : "scatter";
@@ -62,37 +63,31 @@ internal::CollectiveStart StartRooted(p2p::PointToPoint& p2p, const CollectiveAr
     shape.recv_elems = args.count;
     shape.recv_alias_offset = is_root ? static_cast<int64_t>(args.root * args.count * es) : -1;
   }
-  return internal::StartCollective(p2p, args, gather ? internal::kGatherKind : internal::kScatterKind,
-                                   shape);
-}
-
-// Whom rank r sends its fingerprint to, and whom it takes one from: its
-// ring neighbours, and besides the root and the ranks whose data it takes
-// or gives (gather: every rank sends one to the root; scatter: the root
-// sends one to every rank). Each rank's data then comes from, or goes to,
-// a rank whose arguments it has seen.
-std::vector<int> RootedCheckTo(int p, int r, int root, bool gather) {
-  const int next = (r + 1) % p;
-  std::vector<int> to = {next};
-  if (gather && r != root && next != root) to.push_back(root);
-  if (!gather && r == root) {
-    for (int q = 0; q < p; ++q) {
-      if (q != r && q != next) to.push_back(q);
-    }
+  internal::CollectiveStart start;
+  start.status = internal::CheckArgs(what, p2p, args, shape);
+  if (!start.status.ok()) {
+    start.finished = true;
+    return start;
   }
-  return to;
-}
-
-std::vector<int> RootedCheckFrom(int p, int r, int root, bool gather) {
-  const int prev = (r + p - 1) % p;
-  std::vector<int> from = {prev};
-  if (gather && r == root) {
-    for (int q = 0; q < p; ++q) {
-      if (q != r && q != prev) from.push_back(q);
-    }
+  start.fingerprint = internal::MakeFingerprint(
+      args, gather ? internal::kGatherKind : internal::kScatterKind, /*uses_op=*/false,
+      /*uses_root=*/true);
+  // Every rank proves that all the others agree before any data moves, as
+  // the broadcast does (CheckEveryRank): checking its ring neighbours and
+  // the root only, a rank whose own checks passed returned OK while a rank
+  // elsewhere disagreed (a scatter's ranks took their blocks from the root
+  // while a rank that took itself for the root failed). The root's check
+  // costs ceil(log2 p) small messages instead of one from or to every rank.
+  // A count of 0 is proven the same way (only these answer it).
+  start.status = internal::CheckEveryRank(p2p, args.deadline, what, start.fingerprint,
+                                          PhaseTag(args.tag, 0));
+  if (!start.status.ok() || args.count == 0) {
+    start.finished = true;
+  } else if (p == 1) {
+    start.finished = true;
+    if (args.recv != args.send) std::memmove(args.recv, args.send, args.count * es);
   }
-  if (!gather && r != root && prev != root) from.push_back(root);
-  return from;
+  return start;
 }
 
 }  // namespace
@@ -107,12 +102,6 @@ Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const p2p::Tag tag = PhaseTag(args.tag, 0);
 
   internal::Requests requests(p2p, args.deadline);
-  internal::PeerCheck check(kWhat, start.fingerprint);
-  // The ring check, and every sender's fingerprint to the root: checking
-  // only its predecessor, the root took the blocks of a rank further round
-  // the ring that passed another dtype of the same size and returned OK.
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, RootedCheckTo(p, r, args.root, /*gather=*/true),
-                                 RootedCheckFrom(p, r, args.root, /*gather=*/true)));
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, args.root};
     DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, 0), args.send, bytes).status());
@@ -147,12 +136,6 @@ Status Scatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const p2p::Tag tag = PhaseTag(args.tag, 0);
 
   internal::Requests requests(p2p, args.deadline);
-  internal::PeerCheck check(kWhat, start.fingerprint);
-  // The ring check, and the root's fingerprint to every rank: checking only
-  // their predecessors, the ranks took blocks from a root that passed
-  // another dtype of the same size and returned OK.
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, RootedCheckTo(p, r, args.root, /*gather=*/false),
-                                 RootedCheckFrom(p, r, args.root, /*gather=*/false)));
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, args.root};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,

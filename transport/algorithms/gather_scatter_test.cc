@@ -272,6 +272,90 @@ TEST(GatherScatterTest, ADtypeOfTheSameSizeOnOneRankFailsEveryRankThatTakesItsDa
   }
 }
 
+// One rank passes another root, count or dtype of the same size, at every
+// place of 5 and 6 ranks: every rank fails at once, naming a rank that
+// differs and both values, with no scatter block delivered. Ranks checked
+// their ring neighbours and the root only: without the harness killing
+// failed ranks, those whose checks passed returned OK (a scatter's ranks
+// with their blocks while a rank that took itself for the root failed; a
+// gather's senders while the root failed). Run without the kill too: every
+// rank must learn of it from the check, not from a peer's death.
+TEST(GatherScatterTest, OneRankDisagreeingFailsEveryRankNamingIt) {
+  enum class Odd { kRoot, kCount, kDtype };
+  for (bool gather : {true, false}) {
+    for (bool kill : {true, false}) {
+      for (int world : {5, 6}) {
+        for (int root : {0, world - 2}) {
+          for (int odd = 0; odd < world; ++odd) {
+            for (Odd differs : {Odd::kRoot, Odd::kCount, Odd::kDtype}) {
+              constexpr size_t kCount = 4;
+              const int odd_root = odd == root ? (root + 3) % world : odd;
+              std::string want_odd, want_rest;
+              switch (differs) {
+                case Odd::kRoot:
+                  want_odd = "root " + std::to_string(odd_root);
+                  want_rest = "root " + std::to_string(root);
+                  break;
+                case Odd::kCount:
+                  want_odd = "count " + std::to_string(kCount + 1) + " of f32";
+                  want_rest = "count " + std::to_string(kCount) + " of f32";
+                  break;
+                case Odd::kDtype:
+                  want_odd = "of i32";
+                  want_rest = "of f32";
+                  break;
+              }
+              const std::string what = std::string(gather ? "gather" : "scatter") +
+                                       (kill ? "" : ", no kill") + ", world=" +
+                                       std::to_string(world) + " root=" + std::to_string(root) +
+                                       " odd rank " + std::to_string(odd) + " passed " + want_odd;
+              std::vector<int> written(world, 0);
+              const auto deadline = DeadlineIn(10s);
+              ::ddp::transport::testing::HarnessOptions options;
+              options.kill_on_error = kill;
+              auto statuses = RunRanks(
+                  world,
+                  [&](p2p::PointToPoint& p2p) -> Status {
+                    const int r = p2p.rank();
+                    std::vector<float> send(world * (kCount + 1), 1.0f);
+                    std::vector<float> recv(world * (kCount + 1), -1.0f);
+                    CollectiveArgs args;
+                    args.send = send.data();
+                    args.recv = recv.data();
+                    args.count = kCount;
+                    args.dtype = DataType::kF32;
+                    args.root = root;
+                    args.deadline = deadline;
+                    if (r == odd && differs == Odd::kRoot) args.root = odd_root;
+                    if (r == odd && differs == Odd::kCount) args.count = kCount + 1;
+                    if (r == odd && differs == Odd::kDtype) args.dtype = DataType::kI32;
+                    Status status = gather ? Gather(p2p, args) : Scatter(p2p, args);
+                    for (float x : recv) written[r] += x != -1.0f;
+                    return status;
+                  },
+                  options);
+              EXPECT_LT(Clock::now() + 8s, deadline) << what;
+              for (int r = 0; r < world; ++r) {
+                const Status& s = statuses[r];
+                EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+                EXPECT_THAT(s.message(), HasSubstr("disagree")) << what << ": rank " << r;
+                EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed"))
+                    << what << ": rank " << r;
+                EXPECT_THAT(s.message(), HasSubstr(want_odd)) << what << ": rank " << r;
+                EXPECT_THAT(s.message(), HasSubstr(want_rest)) << what << ": rank " << r;
+                EXPECT_EQ(written[r], 0) << what << ": rank " << r << " had its recv written";
+              }
+              // The first case that fails says enough; the rest would
+              // repeat it, some waiting for their deadline.
+              if (HasFailure()) return;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(GatherScatterTest, KilledRankFailsTheRoot) {
   for (bool gather : {true, false}) {
     p2p::LoopbackHub hub(4);
