@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "transport/p2p/group_view.h"
 #include "transport/p2p/loopback.h"
+#include "transport/testing/thread_harness.h"
 
 // Array allocations fail on demand, as when memory runs out: Scratch's
 // arena allocates with new[]. (Replacing the global operator new[] is the
@@ -31,6 +32,9 @@ void operator delete[](void* p, std::size_t) noexcept { ::operator delete(p); }
 
 namespace ddp::transport::algorithms::internal {
 namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
 
 // The arena keeps its largest block and hands it out again; a nested
 // Scratch gets a block of its own.
@@ -228,6 +232,87 @@ TEST(DescribePeerTest, ViewOfAViewNamesTheRankUnderEveryLevel) {
   auto innermost = p2p::GroupView::Create(*inner, {1, 0});
   ASSERT_TRUE(innermost.ok()) << innermost.status();
   EXPECT_EQ(DescribePeer(*innermost, 1), "group rank 1 (rank 5)");
+}
+
+// CheckEveryRank: with every rank agreeing, OK everywhere, each rank
+// sending ceil(log2 p) messages; with one rank differing, wherever it is,
+// INVALID_ARGUMENT on every rank naming it and both values, at once and
+// with nobody killed (no rank may learn of it from a peer's death).
+TEST(CheckEveryRankTest, OneDifferenceAnywhereFailsEveryRankAndAgreementPasses) {
+  Fingerprint mine;
+  mine.count = 16;
+  mine.dtype = static_cast<int32_t>(DataType::kF32);
+  mine.op = -1;
+  mine.root = 0;
+  mine.kind = kBroadcastKind;
+  mine.whole_count = 16;
+  Fingerprint odd_one = mine;
+  odd_one.count = 17;
+  odd_one.whole_count = 17;
+  ::ddp::transport::testing::HarnessOptions no_kill;
+  no_kill.kill_on_error = false;
+  for (int world : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16}) {
+    int rounds = 0;
+    while ((1 << rounds) < world) ++rounds;
+    // -1: every rank agrees (a world of one rank has no one to differ).
+    for (int odd = -1; odd < (world > 1 ? world : 0); ++odd) {
+      const std::string what = std::to_string(world) + " ranks, odd rank " + std::to_string(odd);
+      const Deadline deadline = DeadlineIn(10s);
+      p2p::LoopbackHub hub(world);
+      auto statuses = ::ddp::transport::testing::RunRanks(
+          hub,
+          [&](p2p::PointToPoint& p2p) {
+            return CheckEveryRank(p2p, deadline, "test", p2p.rank() == odd ? odd_one : mine,
+                                  /*phase_tag=*/0);
+          },
+          no_kill);
+      EXPECT_LT(Clock::now() + 8s, deadline) << what;
+      for (int r = 0; r < world; ++r) {
+        EXPECT_EQ(hub.Stats(r).messages_sent, static_cast<uint64_t>(rounds)) << what << " rank " << r;
+        if (odd < 0) {
+          EXPECT_TRUE(statuses[r].ok()) << what << " rank " << r << ": " << statuses[r];
+          continue;
+        }
+        EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << what << " rank " << r;
+        EXPECT_THAT(statuses[r].message(),
+                    HasSubstr("test, argument check: ranks disagree on the arguments: rank "))
+            << what << " rank " << r;
+        EXPECT_THAT(statuses[r].message(), HasSubstr("rank " + std::to_string(odd) + " passed "))
+            << what << " rank " << r;
+        EXPECT_THAT(statuses[r].message(), HasSubstr("count 17 of f32"))
+            << what << " rank " << r;
+        EXPECT_THAT(statuses[r].message(), HasSubstr("count 16 of f32"))
+            << what << " rank " << r;
+      }
+      if (HasFailure()) return;
+    }
+  }
+}
+
+// Two ranks that differ from the rest, each in its own way: every rank
+// fails, naming one of the differences it heard of.
+TEST(CheckEveryRankTest, TwoDifferentDisagreementsFailEveryRank) {
+  Fingerprint mine;
+  mine.count = 8;
+  mine.kind = kScatterKind;
+  mine.whole_count = 8;
+  ::ddp::transport::testing::HarnessOptions no_kill;
+  no_kill.kill_on_error = false;
+  const Deadline deadline = DeadlineIn(10s);
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      7,
+      [&](p2p::PointToPoint& p2p) {
+        Fingerprint f = mine;
+        if (p2p.rank() == 1) f.root = 3;
+        if (p2p.rank() == 5) f.dtype = static_cast<int32_t>(DataType::kI32);
+        return CheckEveryRank(p2p, deadline, "test", f, /*phase_tag=*/0);
+      },
+      no_kill);
+  EXPECT_LT(Clock::now() + 8s, deadline);
+  for (int r = 0; r < 7; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr("disagree on the arguments")) << "rank " << r;
+  }
 }
 
 }  // namespace
