@@ -66,23 +66,18 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     return scratch.data() + ((i * depth) + c % depth) * slot_elems * es;
   };
 
-  internal::Requests requests(p2p, args.deadline);
-  // Each rank checks its ring predecessor's arguments and each of its
-  // children's before its first wait, so before it folds any of their data.
-  // The ring, unlike the tree, does not depend on the root, so ranks that
-  // disagree on it are caught too; the children are where the data comes
-  // from, and a leaf posts its data right after its fingerprint, before its
-  // own check can fail: its parent must not fold those bytes (another dtype
-  // of the same size) on the strength of its ring predecessor's agreement
-  // alone. O(log p) more small messages, at the root.
-  std::vector<int> check_to = {(r + 1) % p}, check_from = {(r + p - 1) % p};
-  if (node.parent >= 0 && node.parent != check_to[0]) check_to.push_back(node.parent);
-  for (int child : node.children) {
-    if (child != check_from[0]) check_from.push_back(child);
-  }
-  internal::PeerCheck check(kWhat, start.fingerprint);
+  // Every rank proves that all the others agree before any data moves
+  // (CheckEveryRank, as the broadcast): checking its ring predecessor and
+  // its children, a rank whose own checks passed (a leaf, whose only work
+  // is to send) returned OK while the root failed. That check was also
+  // what kept a parent from folding a leaf's bytes of another dtype of the
+  // same size, posted before the leaf's own check could fail; now no bytes
+  // move before every rank knows all agree. Costs ceil(log2 p) rounds of
+  // small messages before the first chunk moves.
   const p2p::Tag tag = PhaseTag(args.tag, 0);
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
+  DDP_RETURN_IF_ERROR(
+      internal::CheckEveryRank(p2p, args.deadline, kWhat, start.fingerprint, tag));
+  internal::Requests requests(p2p, args.deadline);
 
   std::vector<p2p::RequestId> ids(children * depth, 0);
   auto post = [&](size_t c) -> Status {

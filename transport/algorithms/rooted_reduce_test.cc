@@ -310,6 +310,145 @@ TEST(ReduceTest, ChildWithAnotherDtypeOfTheSameSizeFailsTheRoot) {
   }
 }
 
+// One rank passes another root, count, op or dtype of the same size to the
+// tree reduce, at every place of 5 and 6 ranks: every rank fails at once,
+// naming a rank that differs and both values, and the root's recv is not
+// written. Ranks checked their ring predecessor and their children: without
+// the harness killing failed ranks, leaves whose checks passed sent their
+// data and returned OK while the root failed. Run without the kill too:
+// every rank must learn of it from the check, not from a peer's death.
+TEST(ReduceTest, OneRankDisagreeingFailsEveryRankOfTheTreeNamingIt) {
+  enum class Odd { kRoot, kCount, kOp, kDtype };
+  for (bool kill : {true, false}) {
+    for (int world : {5, 6}) {
+      for (int root : {0, world - 2}) {
+        for (int odd = 0; odd < world; ++odd) {
+          for (Odd differs : {Odd::kRoot, Odd::kCount, Odd::kOp, Odd::kDtype}) {
+            constexpr size_t kCount = 16;
+            const int odd_root = odd == root ? (root + 3) % world : odd;
+            std::string want_odd, want_rest;
+            switch (differs) {
+              case Odd::kRoot:
+                want_odd = "root " + std::to_string(odd_root);
+                want_rest = "root " + std::to_string(root);
+                break;
+              case Odd::kCount:
+                want_odd = "count " + std::to_string(kCount + 1) + " of f32";
+                want_rest = "count " + std::to_string(kCount) + " of f32";
+                break;
+              case Odd::kOp:
+                want_odd = "op max";
+                want_rest = "op sum";
+                break;
+              case Odd::kDtype:
+                want_odd = "of i32";
+                want_rest = "of f32";
+                break;
+            }
+            const std::string what = std::string(kill ? "" : "no kill, ") + "world=" +
+                                     std::to_string(world) + " root=" + std::to_string(root) +
+                                     " odd rank " + std::to_string(odd) + " passed " + want_odd;
+            std::vector<int> written(world, 0);
+            const auto deadline = DeadlineIn(10s);
+            ::ddp::transport::testing::HarnessOptions options;
+            options.kill_on_error = kill;
+            auto statuses = RunRanks(
+                world,
+                [&](p2p::PointToPoint& p2p) -> Status {
+                  const int r = p2p.rank();
+                  std::vector<float> send(kCount + 1, 1.0f);
+                  std::vector<float> recv(kCount + 1, -1.0f);
+                  CollectiveArgs args;
+                  args.send = send.data();
+                  args.recv = recv.data();
+                  args.count = kCount;
+                  args.dtype = DataType::kF32;
+                  args.op = ReduceOp::kSum;
+                  args.root = root;
+                  args.deadline = deadline;
+                  if (r == odd && differs == Odd::kRoot) args.root = odd_root;
+                  if (r == odd && differs == Odd::kCount) args.count = kCount + 1;
+                  if (r == odd && differs == Odd::kOp) args.op = ReduceOp::kMax;
+                  if (r == odd && differs == Odd::kDtype) args.dtype = DataType::kI32;
+                  Status status = TreeReduce(p2p, args);
+                  for (float x : recv) written[r] += x != -1.0f;
+                  return status;
+                },
+                options);
+            EXPECT_LT(Clock::now() + 8s, deadline) << what;
+            for (int r = 0; r < world; ++r) {
+              const Status& s = statuses[r];
+              EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+              EXPECT_THAT(s.message(), HasSubstr("disagree")) << what << ": rank " << r;
+              EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed"))
+                  << what << ": rank " << r;
+              EXPECT_THAT(s.message(), HasSubstr(want_odd)) << what << ": rank " << r;
+              EXPECT_THAT(s.message(), HasSubstr(want_rest)) << what << ": rank " << r;
+              EXPECT_EQ(written[r], 0) << what << ": rank " << r << " had its recv written";
+            }
+            // The first case that fails says enough; the rest would repeat
+            // it, some waiting for their deadline.
+            if (HasFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The ring reduce keeps its ring check: one rank passing another root,
+// count, op or dtype of the same size, at every place of 5 and 6 ranks,
+// still makes every rank fail (at once with the harness killing failed
+// ranks; without, by the deadline at the latest: the ranks not next to the
+// odd one wait for blocks that never come).
+TEST(ReduceTest, OneRankDisagreeingFailsEveryRankOfTheRing) {
+  enum class Odd { kRoot, kCount, kOp, kDtype };
+  for (bool kill : {true, false}) {
+    for (int world : {5, 6}) {
+      if (!kill && world != 5) continue;  // short deadlines, one world: keeps it short
+      for (int odd = 0; odd < world; ++odd) {
+        for (Odd differs : {Odd::kRoot, Odd::kCount, Odd::kOp, Odd::kDtype}) {
+          const std::string what = std::string(kill ? "" : "no kill, ") + "world=" +
+                                   std::to_string(world) + " odd rank " + std::to_string(odd) +
+                                   " differs in " + std::to_string(static_cast<int>(differs));
+          const auto timeout = kill ? Clock::duration(10s) : Clock::duration(300ms);
+          std::vector<Clock::duration> took(world);
+          ::ddp::transport::testing::HarnessOptions options;
+          options.kill_on_error = kill;
+          auto statuses = RunRanks(
+              world,
+              [&](p2p::PointToPoint& p2p) -> Status {
+                const int r = p2p.rank();
+                std::vector<float> send(41, 1.0f), recv(41);
+                CollectiveArgs args;
+                args.send = send.data();
+                args.recv = recv.data();
+                args.count = r == odd && differs == Odd::kCount ? 41 : 40;
+                args.dtype = r == odd && differs == Odd::kDtype ? DataType::kI32 : DataType::kF32;
+                args.op = r == odd && differs == Odd::kOp ? ReduceOp::kMax : ReduceOp::kSum;
+                // The odd rank takes itself for the root (rank 0, the root,
+                // takes rank 2).
+                args.root = r == odd && differs == Odd::kRoot ? (odd == 0 ? 2 : odd) : 0;
+                args.tuning.chunk_bytes = 16;
+                const auto start = Clock::now();
+                args.deadline = start + timeout;
+                Status status = RingReduce(p2p, args);
+                took[r] = Clock::now() - start;
+                return status;
+              },
+              options);
+          for (int r = 0; r < world; ++r) {
+            EXPECT_FALSE(statuses[r].ok()) << what << ": rank " << r << " returned OK";
+            EXPECT_LT(took[r], kill ? Clock::duration(2s) : timeout + 2s)
+                << what << ": rank " << r << ": " << statuses[r];
+          }
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
 TEST(ReduceTest, EmptyCallOnOneRankFailsFast) {
   const auto deadline = DeadlineIn(10s);
   auto statuses = RunRanks(3, [&](p2p::PointToPoint& p2p) -> Status {
