@@ -69,13 +69,24 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   const p2p::Tag tag = PhaseTag(args.tag, 0);
 
   internal::Requests requests(p2p, args.deadline);
-  // Each rank checks its ring predecessor, before its first wait: a rank
-  // that runs another collective (or another chunk size) fails here at once
-  // instead of at the deadline.
+  // Each rank checks its ring predecessor, so that a rank running another
+  // collective (or another chunk size) fails at once instead of at the
+  // deadline, and every rank it takes a block from: the sends go out before
+  // the first wait, and a rank that checked its predecessor only took the
+  // block of a rank elsewhere that passed another dtype of the same size
+  // (i32 for f32) and returned OK (the staged device reduce then folds
+  // those bytes). One small message more per block, in the same round.
+  const int next = (r + 1) % p, prev = (r + p - 1) % p;
+  std::vector<int> check_to = {next}, check_from = {prev};
+  for (int q = 0; q < p; ++q) {
+    if (q == r) continue;
+    if (q != next && (blocks[q].send_bytes > 0 || empty_messages)) check_to.push_back(q);
+    if (q != prev && (blocks[q].recv_bytes > 0 || empty_messages)) check_from.push_back(q);
+  }
   internal::PeerCheck check(kWhat, internal::MakeFingerprint(args, internal::kDirectExchangeKind,
                                                              /*uses_op=*/false,
                                                              /*uses_root=*/false));
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
   // Receives first, so that no message waits unexpected; then the sends,
   // starting with the next rank so that not every rank sends to rank 0
   // first.
@@ -99,6 +110,9 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
                                       blocks[q].send_bytes)
                             .status());
   }
+  // As they arrive: a peer running another collective may never send one
+  // here, while another's mismatch is already in.
+  DDP_RETURN_IF_ERROR(check.VerifyAsTheyArrive(requests));
   for (size_t i = 0; i < receives.size(); ++i) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, from[i]};
     DDP_RETURN_IF_ERROR(requests.Wait(receives[i], where));

@@ -166,5 +166,69 @@ TEST(DirectExchange, RecvBlocksOverlappingOtherBlocksAreNamed) {
   }
 }
 
+// One rank passes another dtype of the same size (i32 where the others
+// pass f32) or another count, at every place of 5 and 6 ranks, every pair
+// exchanging 4 bytes: no rank may return OK, and the difference is named.
+// Each rank checked its ring predecessor only, and the sends go out before
+// the first wait: without the harness killing failed ranks, ranks
+// elsewhere took the odd rank's bytes as f32 and returned OK. A rank whose
+// peer failed before that peer's fingerprint reached it fails as PEER_LOST
+// (killed) or at its deadline (not killed) instead of naming the
+// difference: short deadlines without the kill.
+TEST(DirectExchange, OneRankWithAnotherDtypeOrCountFailsEveryRank) {
+  for (bool empty_messages : {false, true}) {
+    for (bool kill : {true, false}) {
+      for (int world : {5, 6}) {
+        if (!kill && world != 5) continue;  // deadlines: keeps the test short
+        for (int odd = 0; odd < world; ++odd) {
+          for (bool dtype : {true, false}) {
+            const std::string what = std::string(empty_messages ? "empty messages, " : "") +
+                                     (kill ? "" : "no kill, ") + "world=" +
+                                     std::to_string(world) + " odd rank " +
+                                     std::to_string(odd) + (dtype ? " i32" : " count 5");
+            const std::string want_odd = dtype ? "count 4 of i32" : "count 5 of f32";
+            const auto timeout = kill ? Clock::duration(10s) : Clock::duration(300ms);
+            std::vector<Clock::duration> took(world);
+            ::ddp::transport::testing::HarnessOptions options;
+            options.kill_on_error = kill;
+            auto statuses = RunRanks(
+                world,
+                [&](p2p::PointToPoint& p2p) -> Status {
+                  const int r = p2p.rank();
+                  std::vector<float> out(world, 1.0f), in(world, 0.0f);
+                  std::vector<ExchangeBlock> blocks(world);
+                  for (int q = 0; q < world; ++q) blocks[q] = {&out[q], 4, &in[q], 4};
+                  CollectiveArgs args;
+                  args.count = r == odd && !dtype ? 5 : 4;
+                  args.dtype = r == odd && dtype ? DataType::kI32 : DataType::kF32;
+                  const auto start = Clock::now();
+                  args.deadline = start + timeout;
+                  Status status = DirectExchange(p2p, blocks, args, empty_messages);
+                  took[r] = Clock::now() - start;
+                  return status;
+                },
+                options);
+            int named = 0;
+            for (int r = 0; r < world; ++r) {
+              const Status& s = statuses[r];
+              EXPECT_FALSE(s.ok()) << what << ": rank " << r << " returned OK";
+              EXPECT_LT(took[r], kill ? Clock::duration(2s) : timeout + 2s)
+                  << what << ": rank " << r << ": " << s;
+              named += s.code() == StatusCode::kInvalidArgument &&
+                       s.message().find("rank " + std::to_string(odd) + " passed") !=
+                           std::string::npos &&
+                       s.message().find(want_odd) != std::string::npos &&
+                       s.message().find("count 4 of f32") != std::string::npos;
+            }
+            EXPECT_GT(named, 0) << what << ": no rank named the difference";
+            // The first case that fails says enough.
+            if (HasFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms
