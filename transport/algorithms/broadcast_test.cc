@@ -159,9 +159,8 @@ TEST(BroadcastTest, NullBuffersAreNamed) {
 }
 
 // The empty rank and whoever checks it fail at once, and nobody waits for
-// the deadline. A rank that got the root's data before the failure may
-// return OK (its data is right); through a Communicator, the failure posted
-// by the others fails its next call.
+// the deadline (EmptyCallOnOneRankFailsEveryRank below asks more: every
+// rank fails, naming both counts).
 TEST(BroadcastTest, EmptyCallOnOneRankFailsFast) {
   for (int odd : {0, 2}) {  // the root, then another rank
     const auto deadline = DeadlineIn(10s);
