@@ -518,6 +518,7 @@ class TcpStoreServer::Impl {
       }
       Log("dropped connection from " + c->peer +
           ": its client closed while its request waited for room in the store's buffers");
+      AnswerParkedAtEndOfStream(*c);
       MarkDead(*c);
       return;
     }
@@ -606,6 +607,10 @@ class TcpStoreServer::Impl {
       }
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n == 0 && !c.waiters.empty()) {
+        AnswerParkedAtEndOfStream(c);
+        if (c.dead) return;
+      }
       if (n == 0 && c.pending_out() > 0) {
         // The end of the client's stream, with replies not yet sent: it may
         // have shut down only its sending side (a half-close) and still be
@@ -619,6 +624,31 @@ class TcpStoreServer::Impl {
       }
       MarkDead(c);  // peer closed or reset, every reply sent: nothing more to answer
       return;
+    }
+  }
+
+  // The end of the stream of a client with calls parked: each is answered
+  // now, in the order they parked, naming why, instead of being dropped
+  // unanswered (its caller waited for its deadline). A client that shut
+  // down only its sending side (a half-close) can still read the answer,
+  // but it looks the same here as one that exited or called Close()
+  // (shutdown of both sides: nothing of the reading side shows on the
+  // wire), and keeping the calls until their keys are set would hold every
+  // closed client's connection and parked keys until its deadline.
+  void AnswerParkedAtEndOfStream(Connection& c) {
+    std::vector<uint64_t> ids(c.waiters.begin(), c.waiters.end());
+    std::sort(ids.begin(), ids.end());  // waiter ids grow as calls park
+    for (uint64_t waiter_id : ids) {
+      auto it = waiters_.find(waiter_id);
+      if (it == waiters_.end()) continue;
+      const uint32_t request_id = it->second.request_id;
+      RemoveWaiter(waiter_id);
+      QueueReply(c, ErrorReply(request_id,
+                               UnavailableError("the store stopped waiting: the client ended its "
+                                                "stream (a half-close or an exit, which the "
+                                                "store cannot tell apart), and a wait is not "
+                                                "kept past that")));
+      if (c.dead) return;
     }
   }
 

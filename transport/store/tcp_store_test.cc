@@ -1196,6 +1196,35 @@ void SendGets(RawConnection& c, int n, uint32_t timeout_ms, const std::string& k
   }
 }
 
+// A client that half-closes while calls of its wait parked gets an answer
+// to each, naming why, and then the close; they used to be dropped
+// unanswered, leaving it waiting for its deadline (20 s here). The store
+// cannot keep them until their keys are set: a client that exited or
+// called Close() ends its stream the same way (CloseWakesAParkedCall).
+TEST(TcpStoreTest, AHalfClosedClientsParkedCallsAreAnsweredAtTheEndOfItsStream) {
+  auto server = StartServer();
+  RawConnection waiter(server->port());
+  waiter.Handshake();
+  SendGets(waiter, 2, 20000, "never");
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 2; }))
+      << server->stats().parked_waits << " waits parked";
+  waiter.ShutdownWrite();
+  for (uint32_t want : {1u, 2u}) {
+    std::optional<std::string> reply = waiter.ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value()) << "no answer to parked call " << want;
+    uint32_t id = 0;
+    const auto [code, message] = RawConnection::ParseReply(*reply, &id);
+    EXPECT_EQ(id, want);
+    EXPECT_EQ(code, StatusCode::kUnavailable);
+    EXPECT_THAT(message, HasSubstr("the store stopped waiting: the client ended its stream"));
+  }
+  EXPECT_TRUE(waiter.ClosedWithin(5s)) << "the half-closed client's connection stayed open";
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.parked_waits == 0 && s.open_connections == 0;
+  })) << server->stats().parked_waits << " waits parked, " << server->stats().open_connections
+      << " connections open";
+}
+
 // A wait held back for room until its deadline is told that the key was
 // set and the store had no room, not that the key was never set (which
 // sends the caller looking for a rank that did write it).
