@@ -1225,6 +1225,42 @@ TEST(TcpStoreTest, AHalfClosedClientsParkedCallsAreAnsweredAtTheEndOfItsStream) 
       << " connections open";
 }
 
+// The same when the stream ends part-way through a request that waits for
+// room: the connection is dropped at once (the request can never be
+// answered), but its parked call is answered first.
+TEST(TcpStoreTest, AParkedCallIsAnsweredWhenItsClientEndsItsStreamInARequestWaitingForRoom) {
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 5 << 20;  // one 3 MiB frame at a time
+  auto server = StartServer(options);
+  RawConnection holder(server->port()), cut(server->port());
+  holder.Handshake();
+  cut.Handshake();
+  SendGets(cut, 1, 20000, "never");
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 1; }))
+      << server->stats().parked_waits << " waits parked";
+  const std::string held = SetFrame(7, "held"), waits = SetFrame(2, "cut");
+  holder.Send(std::string_view(held).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [&](const TcpStoreServerStats& s) {
+    return s.buffered_bytes >= held.size();
+  })) << "the holder's frame never got its room";
+  cut.Send(std::string_view(waits).substr(0, 1000));
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.frames_waiting_for_room == 1;
+  })) << server->stats().frames_waiting_for_room << " frames waiting";
+  cut.ShutdownWrite();
+  std::optional<std::string> reply = cut.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value()) << "the parked call got no answer";
+  uint32_t id = 0;
+  const auto [code, message] = RawConnection::ParseReply(*reply, &id);
+  EXPECT_EQ(id, 1u);
+  EXPECT_EQ(code, StatusCode::kUnavailable);
+  EXPECT_THAT(message, HasSubstr("the store stopped waiting: the client ended its stream"));
+  EXPECT_TRUE(cut.ClosedWithin(5s));
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) {
+    return s.parked_waits == 0 && s.frames_waiting_for_room == 0;
+  }));
+}
+
 // A wait held back for room until its deadline is told that the key was
 // set and the store had no room, not that the key was never set (which
 // sends the caller looking for a rank that did write it).
