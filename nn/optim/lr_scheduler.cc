@@ -645,7 +645,10 @@ std::vector<double> LrScheduler::RatesAt(const std::vector<double>& base_lrs, in
 }
 
 void LrScheduler::SetAt(const std::vector<double>& base_lrs, int64_t t) {
-  const std::vector<double> lrs = RatesAt(base_lrs, t);
+  SetRates(RatesAt(base_lrs, t), t);
+}
+
+void LrScheduler::SetRates(const std::vector<double>& lrs, int64_t t) {
   if (momentum_of_ == nullptr) {
     rates_.set(lrs);
     return;
@@ -685,6 +688,11 @@ namespace {
 struct SchedulerState {
   int64_t step;
   std::vector<double> base_lrs;
+  // The schedule's rate of each group at `step`, as the checks computed
+  // it: the load sets these rather than asking the schedule again, so that
+  // a user's function (LambdaSchedule's) is called once per group and the
+  // rates set are the ones checked.
+  std::vector<double> lrs;
 };
 
 // The saved schedule description ("scheduler.schedule", null: absent);
@@ -756,11 +764,13 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     problems.push_back("the state was saved with schedule " + saved + ", this scheduler's is " + current +
                        " (its step count would give another rate): make the scheduler with the saved schedule");
   }
+  std::vector<double> lrs;
   for (size_t k = 0; k < base_lrs.size(); ++k) {
     const double base_lr = base_lrs[k];
     double lr = 0;
     try {
       lr = schedule.GroupLr(k, base_lr, t);
+      lrs.push_back(lr);
     } catch (const std::out_of_range& e) {
       // A step past the schedule's end (OneCycle's total_steps): one more
       // problem, not another kind of error. The same for every group.
@@ -780,7 +790,7 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
     for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
     throw std::invalid_argument(message);
   }
-  return {t, base_lrs};
+  return {t, base_lrs, lrs};
 }
 
 }  // namespace
@@ -794,7 +804,7 @@ void LrScheduler::LoadStateDict(const NamedTensors& state) {
   // The rates are set first: if the target refuses one (a schedule may
   // still compute a rate the optimizer takes as invalid), nothing has
   // changed.
-  SetAt(s.base_lrs, s.step);
+  SetRates(s.lrs, s.step);
   t_ = s.step;
   base_lrs_ = std::move(s.base_lrs);
 }

@@ -289,7 +289,8 @@ class LrScheduler {
   /// nothing then, nor when the target refuses the restored rate. A state
   /// without "scheduler.schedule" (saved before it existed, or from a
   /// schedule that does not describe itself) is taken as from an unknown
-  /// schedule and not compared.
+  /// schedule and not compared. Each group's rate at the restored step is
+  /// asked of the schedule once, and the rate checked is the rate set.
   void LoadStateDict(const NamedTensors& state);
   /// The checks of LoadStateDict alone: throws as it would, changes nothing.
   void CheckStateDict(const NamedTensors& state) const;
@@ -303,6 +304,8 @@ class LrScheduler {
   /// Sets the rates (and a cycled momentum) for step t; throws, changing
   /// nothing, when the optimizer refuses one.
   void SetAt(const std::vector<double>& base_lrs, int64_t t);
+  /// The same with the rates given (one per group, the schedule's for t).
+  void SetRates(const std::vector<double>& lrs, int64_t t);
 
   internal::GroupRates rates_;
   std::shared_ptr<Schedule> schedule_;

@@ -880,6 +880,37 @@ TEST(LambdaGroups, ListsAreCheckedNamingWhatIsWrong) {
   EXPECT_EQ(rate, 1.0);
 }
 
+// LoadStateDict asks each group's function for the saved step once: its
+// check computes the rates (to refuse one the optimizer would not take)
+// and the load sets those. It asked twice, so a function with side
+// effects ran twice, and one that answers differently the second time
+// (here: a rate the optimizer refuses) made the load throw after its check
+// had passed.
+TEST(LambdaGroups, LoadStateDictCallsEachFunctionOncePerGroup) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd saved_opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  const std::function<double(int64_t)> half = [](int64_t) { return 0.5; };
+  LrScheduler saved(saved_opt, LambdaSchedule(std::vector{half, half}, "counted"));
+  for (int i = 0; i < 3; ++i) saved.Step();
+  const NamedTensors state = saved.StateDict();
+
+  std::vector<int> calls(2, 0);
+  // Answers 0.5 the first time each group asks, -1 (refused) after.
+  auto counted = [&calls](size_t group) {
+    return std::function<double(int64_t)>([&calls, group](int64_t) { return ++calls[group] == 1 ? 0.5 : -1.0; });
+  };
+  Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  LrScheduler sched(opt, LambdaSchedule(std::vector{counted(0), counted(1)}, "counted"));
+  calls = {0, 0};  // the constructor's own calls are not the load's
+  opt.set_lr(0, 1.0);
+  opt.set_lr(1, 1.0);
+  EXPECT_NO_THROW(sched.LoadStateDict(state));
+  EXPECT_EQ(calls, (std::vector<int>{1, 1}));
+  EXPECT_EQ(sched.step_count(), 3);
+  EXPECT_EQ(opt.lr(0), 0.5);
+  EXPECT_EQ(opt.lr(1), 0.5);
+}
+
 // A braced list of functions is PyTorch's list of lr_lambdas, one per
 // param group, as a std::vector is: `LambdaSchedule({f}, ...)` with one
 // lambda did not compile (both overloads took it equally well), and one
