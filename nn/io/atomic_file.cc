@@ -558,6 +558,21 @@ void AtomicFileWriter::Commit() {
     const int err = errno;
     Fail(temp_path_, "close failed", err);
   }
+  // The constructor refused a target that was not a regular file, but a
+  // long write leaves time for something to take its place: a FIFO, a
+  // device or a link the rename would silently replace. Looked at again
+  // here, with lstat, as the rename sees the name (the constructor resolved
+  // any links, so a link now was put there since). Before the stop check
+  // below, so that a writer marked past its last check does rename. A
+  // replacement after this look still wins: rename has no "only over a
+  // regular file" form.
+  struct stat now{};
+  if (::lstat(path_.c_str(), &now) == 0 && !S_ISREG(now.st_mode)) {
+    ::unlink(temp_path_.c_str());
+    throw CheckpointError("cannot write a file at '" + path_ + "': it is " + NonRegularKind(now.st_mode) +
+                          " now (put there while the new contents were written), not a regular file; it was "
+                          "left as it is, and the new contents were not saved");
+  }
   // Most of the disk work happens in fsync: a caller whose deadline passed
   // meanwhile may have told every rank that the save failed, so the new
   // file must not appear under the final name after all. Under the

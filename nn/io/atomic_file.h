@@ -54,6 +54,10 @@ class AtomicFileWriter {
   /// Appends bytes to the temporary file, kStopCheckBytes at a time.
   void Write(const void* data, size_t nbytes);
   /// fsync, rename over the target, fsync the folder. Call at most once.
+  /// Throws as the constructor does, removing the temporary and leaving the
+  /// target as it is, when something other than a regular file has taken
+  /// the target's place since the writer was made (a FIFO, a device, a
+  /// folder, a symbolic link).
   /// After a Write or Commit that threw before the rename (the temporary may
   /// hold part of the data, or data an fsync failed to keep), Write and
   /// Commit throw, so that what is left is never renamed into place.

@@ -144,6 +144,36 @@ TEST(AtomicFileWriter, AFifoASocketOrALinkToOneIsRefusedAndLeftAsItIs) {
   ::close(sfd);
 }
 
+// The target was looked at only when the writer was made: a FIFO put in
+// its place during a long write was replaced by the rename in Commit. Now
+// Commit looks again before the rename and refuses the same way, leaving
+// the FIFO as it is and no temporary behind.
+TEST(AtomicFileWriter, AFifoPutAtTheTargetDuringTheWriteIsRefusedByCommit) {
+  const std::string dir = FreshDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string path = dir + "/c.bin";
+  {
+    AtomicFileWriter out(path);
+    out.Write("new", 3);
+    ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0) << path << ": " << std::strerror(errno);
+    struct stat before{};
+    ASSERT_EQ(::lstat(path.c_str(), &before), 0);
+    const std::string temp = out.temp_path();
+    EXPECT_THAT(ErrorOf([&] { out.Commit(); }),
+                AllOf(HasSubstr("cannot write a file at '" + path + "'"), HasSubstr("it is a FIFO now"),
+                      HasSubstr("it was left as it is")));
+    struct stat after{};
+    ASSERT_EQ(::lstat(path.c_str(), &after), 0) << path << ": " << std::strerror(errno);
+    EXPECT_TRUE(S_ISFIFO(after.st_mode));
+    EXPECT_EQ(after.st_ino, before.st_ino);
+    // Gone already, not only once the writer is destroyed.
+    EXPECT_NE(::access(temp.c_str(), F_OK), 0) << temp;
+    // And nothing is renamed into place by a second try.
+    EXPECT_THAT(ErrorOf([&] { out.Commit(); }), HasSubstr(path));
+  }
+  EXPECT_EQ(SortedFilesIn(dir), std::vector<std::string>{"c.bin"});
+}
+
 // A folder is refused as before, now in the same words as the others.
 TEST(AtomicFileWriter, AFolderIsRefusedNamingIt) {
   const std::string dir = FreshDir();
