@@ -23,6 +23,7 @@
 #include <set>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <zlib.h>
 
@@ -134,22 +135,18 @@ const std::string& ProcessNonce() {
   return nonce;
 }
 
-// The start of the names of `path`'s temporary files: `<name>.tmp.`. For a
-// name so long that the rest (pid, counter, nonce and host) would take the
-// whole over NAME_MAX, 255 bytes, it is `<first 100 bytes>.<crc>.tmp.`,
-// the CRC-32 of the whole name standing for the part cut off; the creation
-// of the temporary file would fail otherwise, though the target's own name
-// is legal. The same for every writer of `path` on this host, so that the
-// cleanup finds the temporaries their killed writers left.
-std::string TemporaryPrefix(const std::string& path) {
-  constexpr size_t kNameMax = 255;
-  constexpr size_t kKept = 100;
-  const std::string base = BaseName(path);
-  // ".tmp." + pid (7 digits at most) + "." + counter (20 at most) + "-" +
-  // nonce (8) + "." + host.
-  const size_t rest = 5 + 7 + 1 + 20 + 1 + 8 + 1 + HostTag().size();
-  if (base.size() + rest <= kNameMax) return base + ".tmp.";
-  size_t cut = kKept;
+constexpr size_t kNameMax = 255;
+// Bytes of a long file name kept in its temporaries' names.
+constexpr size_t kKeptOfLongName = 100;
+// The longest host name Linux gives (HOST_NAME_MAX).
+constexpr size_t kHostNameMax = 64;
+
+// `<first 100 bytes of base>.<crc>.tmp.`: the start of the temporaries'
+// names of a file whose name is too long to take their suffix, the CRC-32
+// of the whole name standing for the part cut off. `base` is longer than
+// kKeptOfLongName.
+std::string ShortenedPrefix(const std::string& base) {
+  size_t cut = kKeptOfLongName;
   // Not inside a UTF-8 sequence: back up over its continuation bytes.
   while (cut > 0 && (static_cast<unsigned char>(base[cut]) & 0xC0) == 0x80) --cut;
   const uLong crc = crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(base.data()),
@@ -157,6 +154,25 @@ std::string TemporaryPrefix(const std::string& path) {
   char hex[9];
   std::snprintf(hex, sizeof(hex), "%08lx", static_cast<unsigned long>(crc & 0xffffffffu));
   return base.substr(0, cut) + "." + hex + ".tmp.";
+}
+
+// The start of the names of `path`'s temporary files: `<name>.tmp.`, or
+// ShortenedPrefix for a name so long that the rest (pid, counter, nonce
+// and host) could take the whole over NAME_MAX, 255 bytes; the creation of
+// the temporary file would fail otherwise, though the target's own name is
+// legal. The rest is counted with the longest host name, not this host's,
+// so that every writer of `path`, on any host sharing the folder, uses the
+// same prefix, and the cleanup finds the temporaries their killed writers
+// left: counted with this host's name, a 149-byte name was cut on a host
+// with a 64-byte name and kept whole on one with a short name, whose
+// cleanup then never looked at the other's.
+std::string TemporaryPrefix(const std::string& path) {
+  const std::string base = BaseName(path);
+  // ".tmp." + pid (7 digits at most) + "." + counter (20 at most) + "-" +
+  // nonce (8) + "." + host (a name longer than Linux gives counted as it is).
+  const size_t rest = 5 + 7 + 1 + 20 + 1 + 8 + 1 + std::max(kHostNameMax, HostTag().size());
+  if (base.size() + rest <= kNameMax) return base + ".tmp.";
+  return ShortenedPrefix(base);
 }
 
 // Whether `text` is a run of lowercase hexadecimal digits.
@@ -228,8 +244,8 @@ void RemoveUnlessLocked(const std::string& file, bool pid_gone, bool idle_too) {
   ::close(fd);  // EWOULDBLOCK: a writer lives
 }
 
-// Removes `<name>.tmp.<pid>.<n>-<nonce>.<host>` files (`<name>.tmp.` as
-// TemporaryPrefix gives it) that writers left when they were killed
+// Removes `<name>.tmp.<pid>.<n>-<nonce>.<host>` files (`<name>.tmp.` or
+// the shortened form TemporaryPrefix gives) that writers left when they were killed
 // (SIGKILL leaves no chance to clean up): each could be as large as a whole
 // checkpoint. Only names of exactly that form, as the constructor makes
 // them (the nonce lowercase hex digits), are taken for temporaries: a
@@ -259,13 +275,21 @@ void RemoveUnlessLocked(const std::string& file, bool pid_gone, bool idle_too) {
 // all.
 void RemoveStaleTemporaries(const std::string& path) {
   const std::string folder = Folder(path);
-  const std::string prefix = TemporaryPrefix(path);
+  // Both forms, whichever TemporaryPrefix gives now: writers built before
+  // it ignored the host's name length cut a name near the limit on one
+  // host and kept it whole on another.
+  const std::string base = BaseName(path);
+  std::vector<std::string> prefixes = {base + ".tmp."};
+  if (base.size() > kKeptOfLongName) prefixes.push_back(ShortenedPrefix(base));
   DIR* dir = ::opendir(folder.c_str());
   if (dir == nullptr) return;  // the create below reports the real problem
   while (dirent* e = ::readdir(dir)) {
     const std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::string rest = name.substr(prefix.size());
+    const auto prefix = std::find_if(prefixes.begin(), prefixes.end(), [&name](const std::string& p) {
+      return name.compare(0, p.size(), p) == 0;
+    });
+    if (prefix == prefixes.end()) continue;
+    const std::string rest = name.substr(prefix->size());
     const size_t dot = rest.find('.');
     if (dot == std::string::npos) continue;
     const std::string pid_text = rest.substr(0, dot);

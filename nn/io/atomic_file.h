@@ -34,9 +34,10 @@ class AtomicFileWriter {
  public:
   /// Creates `<path>.tmp.<pid>.<n>-<nonce>.<host>` (the nonce random, one
   /// per process; a name already taken is passed over for the next; for a
-  /// file name too long to take that within 255 bytes, its first 100 bytes
-  /// and its CRC-32 stand for it) in the folder of `path`, first
-  /// removing such files that no writer holds locked any more (killed
+  /// file name too long to take that within 255 bytes with any host name
+  /// (up to 64 bytes), that is longer than 148 bytes, its first 100 bytes
+  /// and its CRC-32 stand for it, on every host alike) in the folder of
+  /// `path`, first removing such files that no writer holds locked any more (killed
   /// writers; another host's only once also unchanged for an hour; see
   /// RemoveStaleTemporaries in the .cc). Throws naming `path`,
   /// and what it is, when it (or the file its link leads to) exists but is

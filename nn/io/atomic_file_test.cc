@@ -14,10 +14,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <zlib.h>
 
 #include "nn/io/safetensors.h"
 #include "nn/io/testing/io_test_util.h"
@@ -231,6 +234,55 @@ TEST(AtomicFileWriter, AnotherHostsTemporaryGoesWhenUnlockedAndAnHourIdle) {
   expected = {"c.bin", recent};
   std::sort(expected.begin(), expected.end());
   EXPECT_EQ(SortedFilesIn(dir), expected);
+}
+
+// `<first 100 bytes>.<crc>.tmp.`: how a writer starts its temporaries'
+// names for a file name too long to keep whole, computed here from its
+// definition (a 149-byte ASCII name: no UTF-8 sequence to back up over).
+std::string ShortenedPrefixOf(const std::string& base) {
+  const uLong crc = crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(base.data()),
+                          static_cast<uInt>(base.size()));
+  char hex[9];
+  std::snprintf(hex, sizeof(hex), "%08lx", static_cast<unsigned long>(crc & 0xffffffffu));
+  return base.substr(0, 100) + "." + hex + ".tmp.";
+}
+
+// Before, whether a long file name was cut in its temporaries' names
+// depended on the length of the writing host's name: a 149-byte name was
+// kept whole on a host with a short name and cut on one whose name has 64
+// bytes (Linux's longest), and each host's cleanup looked only for its own
+// form, so the other host's dead writers' temporaries were never removed.
+// Now the cut is made for every name longer than 148 bytes, whatever the
+// host, and the cleanup looks for both forms (writers built before left
+// the other).
+TEST(AtomicFileWriter, ALongNamesTemporariesAreFoundWhateverTheHostNamesLength) {
+  const std::string dir = FreshDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string longest = std::string(145, 'n') + ".bin";  // 149 bytes: cut
+  const std::string kept = std::string(144, 'k') + ".bin";     // 148 bytes: kept whole
+  const std::string cut_prefix = ShortenedPrefixOf(longest);
+  {
+    AtomicFileWriter probe(dir + "/" + longest);
+    EXPECT_EQ(probe.temp_path().rfind(dir + "/" + cut_prefix, 0), 0u) << probe.temp_path();
+    AtomicFileWriter whole(dir + "/" + kept);
+    EXPECT_EQ(whole.temp_path().rfind(dir + "/" + kept + ".tmp.", 0), 0u) << whole.temp_path();
+  }
+  ASSERT_EQ(SortedFilesIn(dir), std::vector<std::string>{});
+
+  const std::string long_host = "node-" + std::string(59, 'h');  // 64 bytes
+  // Dead writers' temporaries of `longest`, unlocked and idle for two
+  // hours: one from a host with a 64-byte name (cut), one from a host with
+  // a short name by a writer built before (kept whole).
+  const std::string cut = cut_prefix + "4242.3-0123abcd." + long_host;
+  const std::string whole = longest + ".tmp.4243.0-89abcdef.short-host";
+  ASSERT_LE(cut.size(), 255u);
+  ASSERT_LE(whole.size(), 255u);
+  for (const std::string& name : {cut, whole}) {
+    MakeFile(dir + "/" + name, "partial");
+    MakeOld(dir + "/" + name, 2 * 3600);
+  }
+  SaveThroughWriter(dir + "/" + longest, "new");
+  EXPECT_EQ(SortedFilesIn(dir), std::vector<std::string>{longest});
 }
 
 }  // namespace
