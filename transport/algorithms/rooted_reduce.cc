@@ -19,7 +19,14 @@ constexpr size_t kTreeReduceChunkBytes = 64 << 10;
 constexpr int kTreeReduceDepth = 4;
 
 // CheckArgs, fingerprint, count 0 and one rank (StartCollective): recv is
-// written on the root only.
+// written on the root only. A tree reduce of count 0 proves its arguments
+// the way a tree reduce of any other count does (CheckEveryRank), so that
+// a rank passing 0 where the others pass more fails every rank at once: the
+// all-pairs check of StartCollective sends each rank a lone fingerprint,
+// which the tree ranks' rounds never take, and the ranks that waited for a
+// round's message from the empty rank waited for their deadline. A ring
+// reduce of count 0 keeps the all-pairs check: the ring's own check is its
+// neighbours', which the lone fingerprints match.
 internal::CollectiveStart StartReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
                                       internal::FingerprintKind kind) {
   internal::BufferShape shape;
@@ -27,7 +34,18 @@ internal::CollectiveStart StartReduce(p2p::PointToPoint& p2p, const CollectiveAr
   shape.recv_elems = p2p.rank() == args.root ? args.count : 0;
   shape.uses_root = true;
   shape.uses_op = true;
-  return internal::StartCollective(p2p, args, kind, shape);
+  if (args.count != 0 || kind != internal::kTreeReduceKind) {
+    return internal::StartCollective(p2p, args, kind, shape);
+  }
+  constexpr const char* kWhat = "tree reduce";
+  internal::CollectiveStart start;
+  start.finished = true;
+  start.status = internal::CheckArgs(kWhat, p2p, args, shape);
+  if (!start.status.ok()) return start;
+  start.fingerprint = internal::MakeFingerprint(args, kind, shape.uses_op, shape.uses_root);
+  start.status = internal::CheckEveryRank(p2p, args.deadline, kWhat, start.fingerprint,
+                                          PhaseTag(args.tag, 0));
+  return start;
 }
 
 }  // namespace

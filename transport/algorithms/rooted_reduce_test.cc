@@ -465,6 +465,63 @@ TEST(ReduceTest, EmptyCallOnOneRankFailsFast) {
   EXPECT_FALSE(statuses[0].ok());
 }
 
+// One rank passes count 0 to a reduce of a short vector (the tree, chosen
+// or forced), at every place of 5 and 6 ranks, with nobody killed: every
+// rank fails well before its deadline, naming the empty rank and both
+// counts, and no recv is written. The count-0 call used to send each rank
+// a lone fingerprint, which the tree ranks' check (CheckEveryRank) never
+// takes, so the ranks expecting a later round's message from the empty
+// rank waited for their deadline.
+TEST(ReduceTest, EmptyCallOnOneRankFailsEveryRankOfTheTreeAtOnce) {
+  constexpr size_t kCount = 16;
+  for (Algorithm algorithm : {Algorithm::kAuto, Algorithm::kTree}) {
+    for (int world : {5, 6}) {
+      for (int empty = 0; empty < world; ++empty) {
+        const std::string what = std::string(AlgorithmName(algorithm)) +
+                                 " world=" + std::to_string(world) + " empty rank " +
+                                 std::to_string(empty);
+        const auto timeout = Clock::duration(5s);
+        std::vector<Clock::duration> took(world);
+        std::vector<int> written(world, 0);
+        ::ddp::transport::testing::HarnessOptions options;
+        options.kill_on_error = false;
+        auto statuses = RunRanks(
+            world,
+            [&](p2p::PointToPoint& p2p) -> Status {
+              const int r = p2p.rank();
+              std::vector<float> send(kCount, 1.0f), recv(kCount, -1.0f);
+              CollectiveArgs args;
+              args.send = send.data();
+              args.recv = recv.data();
+              args.count = r == empty ? 0 : kCount;
+              args.root = 1;
+              const auto start = Clock::now();
+              args.deadline = start + timeout;
+              Status status = Reduce(p2p, args, algorithm);
+              took[r] = Clock::now() - start;
+              for (float x : recv) written[r] += x != -1.0f;
+              return status;
+            },
+            options);
+        for (int r = 0; r < world; ++r) {
+          const Status& s = statuses[r];
+          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+          EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(empty) +
+                                             " passed tree reduce, count 0 of f32"))
+              << what << ": rank " << r;
+          EXPECT_THAT(s.message(), HasSubstr("count " + std::to_string(kCount) + " of f32"))
+              << what << ": rank " << r;
+          EXPECT_LT(took[r], 2s) << what << ": rank " << r << ": " << s;
+          EXPECT_EQ(written[r], 0) << what << ": rank " << r << " had its recv written";
+        }
+        // The first case that fails says enough; the rest would repeat it,
+        // each waiting for its deadline.
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
 TEST(ReduceTest, KilledRankFailsTheRoot) {
   for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
     p2p::LoopbackHub hub(5);
