@@ -2946,7 +2946,8 @@ Status Communicator::Impl::AllToAllV(const void* send, const std::vector<size_t>
   }
   if (blocks[me].send_bytes > 0) std::memcpy(blocks[me].recv, blocks[me].send, blocks[me].send_bytes);
   // The count the ranks compare is the world size: the blocks differ per
-  // rank, and each pair's sizes are checked by the receiving side.
+  // rank, and each pair compares its two blocks' sizes (empty messages), so
+  // that both ranks of a pair that disagrees fail, naming both sizes.
   return algorithms::DirectExchange(
       *p2p_, blocks, Args(send, recv, static_cast<size_t>(n), dtype, ReduceOp::kSum, 0, deadline),
       /*empty_messages=*/true);

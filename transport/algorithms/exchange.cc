@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,29 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   }
   if (p == 1) return Status();
   const p2p::Tag tag = PhaseTag(args.tag, 0);
+  // With empty messages every pair trades a message both ways, so each
+  // rank also tells each peer the sizes it has for the pair's two blocks
+  // (what it sends the peer, what it expects back) and compares the peer's
+  // before awaiting any data: a pair that disagrees on a block's size fails
+  // on both sides, naming both ranks and both sizes. Only the receiver
+  // failed before (its receive was the wrong size), while the sender's
+  // block went out and it returned OK. One 16-byte message more per peer,
+  // in the same round as the fingerprints, on the fingerprint range's third
+  // tag (CheckEveryRank, run by other collectives, takes the first two).
+  constexpr const char* kSizeWhat = "direct exchange, block size check";
+  const p2p::Tag size_tag = internal::FingerprintTag(tag) + 2;
+  // Declared before `requests`, so that it outlives the cancellations (and
+  // is quarantined with it when a release is unconfirmed): [2q] is what
+  // this rank sends q and [2q + 1] what it expects from q; the received
+  // pairs follow, with q's view.
+  std::optional<internal::Scratch> size_scratch;
+  uint64_t* sizes_sent = nullptr;
+  uint64_t* sizes_got = nullptr;
+  if (empty_messages) {
+    size_scratch.emplace(4 * static_cast<size_t>(p) * sizeof(uint64_t));
+    sizes_sent = reinterpret_cast<uint64_t*>(size_scratch->data());
+    sizes_got = sizes_sent + 2 * p;
+  }
 
   internal::Requests requests(p2p, args.deadline);
   // Each rank checks its ring predecessor, so that a rank running another
@@ -87,6 +111,23 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
                                                              /*uses_op=*/false,
                                                              /*uses_root=*/false));
   DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
+  std::vector<p2p::RequestId> size_ids(empty_messages ? p : 0, 0);
+  if (empty_messages) {
+    for (int q = 0; q < p; ++q) {
+      if (q == r) continue;
+      internal::Where where{kSizeWhat, 0, 0, internal::Where::kNoChunk, false, q};
+      DDP_ASSIGN_OR_RETURN(size_ids[q], requests.Recv(where, size_tag, sizes_got + 2 * q,
+                                                      2 * sizeof(uint64_t)));
+    }
+    for (int i = 1; i < p; ++i) {
+      const int q = (r + i) % p;
+      sizes_sent[2 * q] = blocks[q].send_bytes;
+      sizes_sent[2 * q + 1] = blocks[q].recv_bytes;
+      internal::Where where{kSizeWhat, 0, 0, internal::Where::kNoChunk, true, q};
+      DDP_RETURN_IF_ERROR(
+          requests.Send(where, size_tag, sizes_sent + 2 * q, 2 * sizeof(uint64_t)).status());
+    }
+  }
   // Receives first, so that no message waits unexpected; then the sends,
   // starting with the next rank so that not every rank sends to rank 0
   // first.
@@ -113,6 +154,22 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   // As they arrive: a peer running another collective may never send one
   // here, while another's mismatch is already in.
   DDP_RETURN_IF_ERROR(check.VerifyAsTheyArrive(requests));
+  // Every peer now runs this exchange, so each sends its sizes at once.
+  for (int i = 1; i < p && empty_messages; ++i) {
+    const int q = (r + p - i) % p;
+    internal::Where where{kSizeWhat, 0, 0, internal::Where::kNoChunk, false, q};
+    DDP_RETURN_IF_ERROR(requests.Wait(size_ids[q], where));
+    const uint64_t q_sends = sizes_got[2 * q], q_expects = sizes_got[2 * q + 1];
+    auto differ = [&](int from, int to, uint64_t sent, uint64_t expected) {
+      return InvalidArgumentError(std::string(kSizeWhat) + ": ranks disagree on a block's size: " +
+                                  internal::DescribePeer(p2p, from) + " sends " +
+                                  internal::DescribePeer(p2p, to) + " " + std::to_string(sent) +
+                                  " bytes but " + internal::DescribePeer(p2p, to) + " expects " +
+                                  std::to_string(expected));
+    };
+    if (q_sends != blocks[q].recv_bytes) return differ(q, r, q_sends, blocks[q].recv_bytes);
+    if (q_expects != blocks[q].send_bytes) return differ(r, q, blocks[q].send_bytes, q_expects);
+  }
   for (size_t i = 0; i < receives.size(); ++i) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, from[i]};
     DDP_RETURN_IF_ERROR(requests.Wait(receives[i], where));

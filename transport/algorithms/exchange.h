@@ -32,11 +32,15 @@ struct ExchangeBlock {
 /// sizes must agree pairwise. Returns when every block arrived and every
 /// send completed; on error nothing stays posted. Uses phase 0 of the tag
 /// range. With `empty_messages`, blocks of 0 bytes are sent and received
-/// too, so that a pair that disagrees on a block's size always fails on the
-/// receiving side (INVALID_ARGUMENT) instead of one side waiting for a block
-/// the other never sends. A recv block must not overlap another recv block
-/// or any send block (INVALID_ARGUMENT naming both ranks); send blocks may
-/// share bytes.
+/// too, and each pair compares the sizes of both its blocks (one small
+/// message more per peer) before any data is awaited, so that a pair that
+/// disagrees on a block's size fails on both its ranks (INVALID_ARGUMENT
+/// naming both ranks and both sizes) instead of one side waiting for a
+/// block the other never sends, or the sender returning OK. Without it,
+/// the sizes must agree by construction (the staged device collectives
+/// compute them alike on every rank). A recv block must not overlap
+/// another recv block or any send block (INVALID_ARGUMENT naming both
+/// ranks); send blocks may share bytes.
 Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blocks,
                       const CollectiveArgs& args, bool empty_messages = false);
 

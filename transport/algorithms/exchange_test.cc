@@ -230,5 +230,47 @@ TEST(DirectExchange, OneRankWithAnotherDtypeOrCountFailsEveryRank) {
   }
 }
 
+// With empty messages (as the communicator's all-to-all with a size per
+// pair runs it), a pair that disagrees on one block's size fails on both
+// of its ranks, each naming both ranks and both sizes: rank `from` sends 4
+// bytes to rank `to`, which expects 2 or 8. Only the receiver failed
+// before (its receive was the wrong size); the sender returned OK. The
+// other ranks are not asserted on: the pair's failed ranks may cancel
+// blocks meant for them (short deadline, nobody killed).
+TEST(DirectExchange, APairDisagreeingOnABlockSizeFailsBothOfItsRanks) {
+  constexpr int kWorld = 4;
+  for (int from = 0; from < kWorld; ++from) {
+    for (int to = 0; to < kWorld; ++to) {
+      if (from == to) continue;
+      for (size_t expected : {size_t{2}, size_t{8}}) {
+        const std::string what = "rank " + std::to_string(from) + " sends rank " +
+                                 std::to_string(to) + " 4 bytes, which expects " +
+                                 std::to_string(expected);
+        auto statuses = RunRanks(
+            kWorld,
+            [&](p2p::PointToPoint& p2p) -> Status {
+              const int r = p2p.rank();
+              std::vector<unsigned char> out(4 * kWorld, 1), in(8 * kWorld, 0);
+              std::vector<ExchangeBlock> blocks(kWorld);
+              for (int q = 0; q < kWorld; ++q) {
+                blocks[q] = {&out[4 * q], 4, &in[8 * q], r == to && q == from ? expected : 4};
+              }
+              return DirectExchange(p2p, blocks, Args(2s), /*empty_messages=*/true);
+            },
+            {.kill_on_error = false});
+        const std::string want = "rank " + std::to_string(from) + " sends rank " +
+                                 std::to_string(to) + " 4 bytes but rank " + std::to_string(to) +
+                                 " expects " + std::to_string(expected);
+        for (int r : {from, to}) {
+          EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument)
+              << what << ": rank " << r << ": " << statuses[r];
+          EXPECT_THAT(statuses[r].message(), HasSubstr(want)) << what << ": rank " << r;
+        }
+        if (HasFailure()) return;  // the first case says enough
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms
