@@ -639,9 +639,12 @@ TEST(RootedCollectives, OneRanksRefusalOfAnUnrootedCallFailsEveryRank) {
 
 // Rank 1 passes another count or root: well before the 10 s deadline, a
 // rank finds it (INVALID_ARGUMENT naming both values) and every rank fails
-// the call, with that or the job's abort reason, except one whose part was
-// done before anyone could tell (a scatter's root whose blocks went out):
-// that one fails its next call.
+// the call, with that or the job's abort reason, except, in shared memory,
+// a rank other than the root that agreed with the root in a staged reduce
+// or gather or in a scatter: it waits for the root alone and may take its
+// part and return OK before the root's failure reaches it. That one fails
+// its next call. (Over UCX the tree reduce, gather and scatter fail every
+// rank's call with the disagreement itself.)
 void ExpectDisagreementFailsEverywhere(const std::string& collective, const std::string& what,
                                        bool shared_memory, Algorithm algorithm = Algorithm::kAuto,
                                        int ranks = 3, const std::string& topology_file = "") {
