@@ -439,7 +439,8 @@ int ScenarioRefused() {
   return 0;
 }
 
-// DDP_TEST_DISAGREE=count|root on rank 1, for DDP_TEST_COLLECTIVE; every
+// DDP_TEST_DISAGREE=count|root on rank 1, for DDP_TEST_COLLECTIVE (reduce,
+// gather, scatter, or alltoallv, which knows count only); every
 // rank prints how its call ended and how long it took.
 int ScenarioDisagree() {
   auto comm = MustCreate();
@@ -471,6 +472,11 @@ int ScenarioDisagree() {
                      {.algorithm = algorithm});
   } else if (collective == "gather") {
     s = comm->Gather(send.data(), recv.data(), count, DataType::kF32, root);
+  } else if (collective == "alltoallv") {
+    // 100 elements to every rank; with "count", rank 1 sends rank 0 99.
+    std::vector<size_t> sends(n, 100), receives(n, 100);
+    if (me == 1 && disagree == "count") sends[0] = 99;
+    s = comm->AllToAllV(send.data(), sends, recv.data(), receives, DataType::kF32);
   } else {
     s = comm->Scatter(send.data(), recv.data(), count, DataType::kF32, root);
   }
@@ -687,6 +693,33 @@ TEST(RootedCollectives, DisagreeingRootFailsEverywhereUcx) {
   ExpectDisagreementFailsEverywhere("reduce", "root", false, Algorithm::kRing);
   ExpectDisagreementFailsEverywhere("gather", "root", false);
   ExpectDisagreementFailsEverywhere("scatter", "root", false);
+}
+
+// All-to-all with a size per pair (over UCX, also with shared memory on):
+// rank 1 sends rank 0 one element less than rank 0 expects. Both ranks of
+// the pair fail the call, well before the deadline, naming both ranks and
+// both sizes; the sender returned OK before (only the receiver's receive
+// was the wrong size).
+TEST(RootedCollectives, AllToAllVPairDisagreeingOnABlockSizeFailsBothOfItsRanks) {
+  for (bool shared_memory : {true, false}) {
+    SCOPED_TRACE(shared_memory ? "shm" : "ucx");
+    Job job = RunJob(3, "disagree",
+                     {{"DDP_TEST_TIMEOUT_MS", "10000"},
+                      {"DDP_TEST_DISAGREE", "count"},
+                      {"DDP_TEST_COLLECTIVE", "alltoallv"},
+                      {"DDP_SHARED_MEMORY", shared_memory ? "1" : "0"}},
+                     milliseconds(30000));
+    for (int r : {0, 1}) {
+      ASSERT_EQ(job.results[r].exit_code, 0) << job.Describe();
+      const std::string result = Line(job.results[r].output, "RESULT ");
+      EXPECT_NE(result.find("INVALID_ARGUMENT"), std::string::npos)
+          << "rank " << r << "\n" << job.Describe();
+      EXPECT_NE(result.find("rank 1 sends rank 0 396 bytes but rank 0 expects 400"),
+                std::string::npos)
+          << "rank " << r << "\n" << job.Describe();
+      EXPECT_LT(ResultMs(result), 5000) << "rank " << r << "\n" << job.Describe();
+    }
+  }
 }
 
 // Rank 1 runs the ring reduce (forced, or chosen for a count past the
