@@ -1998,9 +1998,10 @@ Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, Da
   algorithms::CollectiveArgs args = Args(send, recv, count, dtype, op, root, deadline);
   if (checked_op) args.tuning.checked_op = checked_op;
   // Both in topology order, as the all-reduce's, the root by its place in
-  // it (errors name its rank): each checks its ring predecessor's
-  // arguments, so a rank running the other (another CallOptions::algorithm,
-  // or a count past the tree's size) is met only when both take one ring.
+  // it (errors name its rank): the ring reduce checks its ring
+  // predecessor's arguments, the tree reduce every rank's (CheckEveryRank),
+  // so a rank that took the other (another CallOptions::algorithm, or a
+  // count past the tree's size) is met only at its deadline.
   args.root = static_cast<int>(std::find(ring_order_.begin(), ring_order_.end(), root) -
                                ring_order_.begin());
   args.tuning.checked_root = root;
