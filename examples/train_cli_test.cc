@@ -2,6 +2,7 @@
 // must get one line that says how to fix them (exit status 2, nothing
 // started).
 
+#include <sys/stat.h>
 #include <unistd.h>
 #include <gflags/gflags.h>
 
@@ -422,6 +423,59 @@ TEST(TrainCliTest, CheckpointThatNamesAFolderIsRefusedAtTheStart) {
             "pass --checkpoint=" + dir + "/new/mlp_synthetic.safetensors, for example, or "
             "--checkpoint=none");
   EXPECT_FALSE(std::filesystem::exists(dir + "/new")) << "a refused run made the folder";
+}
+
+// The trainer's outputs are written beside their path and renamed over it,
+// which is refused for anything but a regular file. A FIFO (or socket, or
+// device) at --checkpoint, or at metrics.csv, chart.svg or a trace file in
+// --log_dir, is refused before training, naming the flag and the file: the
+// checkpoint's was found only at the first save, after the FIFO had been
+// linked to <stem>.prev as "another run's checkpoint"; chart.svg's and the
+// trace's only as a warning during or after the run (exit status 0); and
+// metrics.csv's in words that named neither --log_dir nor what to do.
+TEST(TrainCliTest, OutputPathThatIsAFifoIsRefusedAtTheStart) {
+  const std::string dir = testing::MakeTempDir("output_fifo");
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=128",
+                                          "--test_samples=32",   "--batch_size=16", "--max_steps=2",
+                                          "--workers=0",         "--nproc_per_node=1"};
+  const std::string fifo = dir + "/ckpt.safetensors";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::vector<std::string> args = quick;
+  args.push_back("--checkpoint=" + fifo);
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --checkpoint=" + fifo + " is a FIFO, not a regular file, and each save would replace "
+            "it; pass the path of a checkpoint file (new or old), or --checkpoint=none");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/ckpt.prev.safetensors")) << "the FIFO was kept as a checkpoint";
+  const std::string link = dir + "/link.safetensors";
+  ASSERT_EQ(::symlink(fifo.c_str(), link.c_str()), 0);
+  args = quick;
+  args.push_back("--checkpoint=" + link);
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --checkpoint=" + link + " leads to " + fifo + ", a FIFO, not a regular file, and each "
+            "save would replace it; pass the path of a checkpoint file (new or old), or --checkpoint=none");
+  for (const char* name : {"metrics.csv", "chart.svg"}) {
+    const std::string logs = dir + "/logs_" + name;
+    std::filesystem::create_directories(logs);
+    ASSERT_EQ(::mkfifo((logs + "/" + name).c_str(), 0600), 0);
+    args = quick;
+    args.insert(args.end(), {"--checkpoint=none", "--log_dir=" + logs});
+    EXPECT_EQ(OneErrorLine(Train(args)),
+              "train: --log_dir=" + logs + ": " + logs + "/" + name + " is a FIFO, not a regular file, and "
+              "the run would replace it with its " + name + "; move it away, or pass another --log_dir");
+  }
+  const std::string traces = dir + "/traces";
+  std::filesystem::create_directories(traces);
+  ASSERT_EQ(::mkfifo((traces + "/trace_rank0.json").c_str(), 0600), 0);
+  args = quick;
+  args.insert(args.end(), {"--checkpoint=none", "--log_dir=" + traces, "--trace"});
+  const RunOutput r = Train(args);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--trace cannot write this rank's trace into --log_dir=" + traces + ": " + traces +
+                       "/trace_rank0.json is a FIFO, not a regular file, and the trace would replace it; "
+                       "move it away, pass another --log_dir, or drop --trace\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("done in"), std::string::npos) << "it trained: " << r.out;
 }
 
 // An empty path (a script's `--checkpoint="$CKPT"` with CKPT unset) is

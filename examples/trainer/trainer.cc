@@ -154,6 +154,32 @@ std::string UnwritableFolder(const std::string& dir) {
   return "";
 }
 
+// What `path` is when it exists, through symbolic links, but is not a
+// regular file ("a FIFO"); "" when it is absent or a regular file. The
+// trainer's outputs are written beside their path and renamed over it,
+// which nn::io refuses for anything but a regular file: found only at the
+// first save or chart, after training, and a FIFO at --checkpoint was taken
+// for another run's checkpoint and linked to <stem>.prev first.
+std::string NonRegularKind(const std::string& path) {
+  std::error_code ec;
+  switch (std::filesystem::status(path, ec).type()) {
+    case std::filesystem::file_type::directory:
+      return "a folder";
+    case std::filesystem::file_type::fifo:
+      return "a FIFO";
+    case std::filesystem::file_type::socket:
+      return "a socket";
+    case std::filesystem::file_type::block:
+      return "a block device";
+    case std::filesystem::file_type::character:
+      return "a character device";
+    case std::filesystem::file_type::unknown:
+      return "not a file";
+    default:
+      return "";  // absent, regular, or not looked at (the write reports why)
+  }
+}
+
 // Throws UsageError unless files can be created in `dir` (made if missing),
 // so that an unwritable --checkpoint or --log_dir fails now, not after an
 // epoch of training.
@@ -169,17 +195,24 @@ void CheckWritable(const std::string& dir, const char* flag, const std::string& 
 // `folder` (its --log_dir, or the working directory): the trace is written
 // when the rank ends, and a folder found unwritable only then would cost the
 // trace of a whole run. Every rank writes its own, on its own host.
-void CheckTraceFolder(const TrainConfig& config, const std::string& folder) {
+void CheckTraceFolder(const TrainConfig& config, const std::string& folder, int rank) {
   if (!config.trace || folder.empty()) return;
-  const std::string why = UnwritableFolder(folder);
-  if (why.empty()) return;
-  throw UsageError("--trace cannot write this rank's trace into " +
-                   (config.log_dir.empty() ? std::string("the working directory")
-                                           : "--log_dir=" + config.log_dir) +
-                   " (" + why + "); " +
-                   (config.log_dir.empty() ? "run from a writable folder, or pass a writable --log_dir"
-                                           : std::string("pass a writable --log_dir")) +
-                   ", or drop --trace");
+  const std::string where = config.log_dir.empty() ? std::string("the working directory")
+                                                   : "--log_dir=" + config.log_dir;
+  if (const std::string why = UnwritableFolder(folder); !why.empty()) {
+    throw UsageError("--trace cannot write this rank's trace into " + where + " (" + why + "); " +
+                     (config.log_dir.empty() ? "run from a writable folder, or pass a writable --log_dir"
+                                             : std::string("pass a writable --log_dir")) +
+                     ", or drop --trace");
+  }
+  const std::string file = folder + "/trace_rank" + std::to_string(rank) + ".json";
+  if (const std::string kind = NonRegularKind(file); !kind.empty()) {
+    throw UsageError("--trace cannot write this rank's trace into " + where + ": " + file + " is " +
+                     kind + ", not a regular file, and the trace would replace it; move it away, " +
+                     (config.log_dir.empty() ? "run from another folder, pass a --log_dir"
+                                             : std::string("pass another --log_dir")) +
+                     ", or drop --trace");
+  }
 }
 
 // Throws UsageError when --checkpoint names a folder (an existing one, or a
@@ -211,10 +244,26 @@ void CheckOutputFolders(const TrainConfig& config) {
       throw UsageError("cannot write --checkpoint=" + config.checkpoint + " (" + e.what() +
                        "); choose a writable path, or --checkpoint=none");
     }
+    if (const std::string kind = NonRegularKind(target); !kind.empty()) {
+      throw UsageError("--checkpoint=" + config.checkpoint +
+                       (target == config.checkpoint ? " is " : " leads to " + target + ", ") + kind +
+                       ", not a regular file, and each save would replace it; pass the path of a "
+                       "checkpoint file (new or old), or --checkpoint=none");
+    }
     const std::string parent = std::filesystem::path(target).parent_path().string();
     CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
   }
-  if (!config.log_dir.empty()) CheckWritable(config.log_dir, "log_dir", config.log_dir);
+  if (!config.log_dir.empty()) {
+    CheckWritable(config.log_dir, "log_dir", config.log_dir);
+    for (const char* name : {"metrics.csv", "chart.svg"}) {
+      const std::string file = config.log_dir + "/" + name;
+      if (const std::string kind = NonRegularKind(file); !kind.empty()) {
+        throw UsageError("--log_dir=" + config.log_dir + ": " + file + " is " + kind +
+                         ", not a regular file, and the run would replace it with its " + name +
+                         "; move it away, or pass another --log_dir");
+      }
+    }
+  }
 }
 
 // While it lives, this process's claim on one checkpoint file for this
@@ -607,7 +656,7 @@ void Run::Setup() {
   std::string own_refusal;
   try {
     device_ = WorkerDevice(c_.device, opt_.local_rank);
-    CheckTraceFolder(c_, par_.TraceFolder());
+    CheckTraceFolder(c_, par_.TraceFolder(), rank_);
   } catch (const std::exception& e) {
     own_refusal = e.what();
   }
