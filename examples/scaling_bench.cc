@@ -167,6 +167,16 @@ std::string ChartPathProblem(const std::string& path) {
   const std::string flag = "--chart=" + FLAGS_chart;
   std::error_code ec;
   if (fs::is_directory(path, ec)) return flag + " is a folder; give the path of an .svg file";
+  // The chart is written beside the path and renamed over it, which nn::io
+  // refuses for anything but a regular file: found here, not after the runs.
+  const fs::file_type type = fs::status(path, ec).type();
+  if (type != fs::file_type::not_found && type != fs::file_type::regular && !ec) {
+    return flag + " is " +
+           (type == fs::file_type::fifo     ? "a FIFO"
+            : type == fs::file_type::socket ? "a socket"
+                                            : "a device or other special file") +
+           ", not a regular file, and the chart would replace it; give the path of an .svg file";
+  }
   const fs::path folder = fs::path(path).parent_path();
   if (!fs::exists(folder, ec)) return flag + ": the folder " + folder.string() + " does not exist";
   if (!fs::is_directory(folder, ec)) return flag + ": " + folder.string() + " is not a folder";

@@ -3,6 +3,7 @@
 // see docs/benchmarks.md), and checks its --chart path before the runs.
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <cmath>
@@ -98,6 +99,15 @@ TEST(ScalingBenchTest, AChartPathThatCannotBeWrittenIsRefusedBeforeAnyRun) {
   EXPECT_EQ(folder.exit_code, 2) << folder.out << folder.err;
   EXPECT_EQ(folder.err, "scaling_bench: --chart=" + dir + " is a folder; give the path of an .svg file\n");
   EXPECT_EQ(folder.out, "");
+  // A FIFO was found only after every run, by the chart's atomic write.
+  const std::string fifo = dir + "/fifo.svg";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const testing::RunOutput special =
+      testing::RunToEnd({bench, "--model=mlp", "--ranks=1", "--steps=1", "--chart=" + fifo});
+  EXPECT_EQ(special.exit_code, 2) << special.out << special.err;
+  EXPECT_EQ(special.err, "scaling_bench: --chart=" + fifo + " is a FIFO, not a regular file, and the chart "
+                         "would replace it; give the path of an .svg file\n");
+  EXPECT_EQ(special.out, "");
 }
 
 // The chart's folder vanishes while the runs go on: the write fails at the
