@@ -166,6 +166,17 @@ TEST(BenchTimeoutTest, ATimeoutBelowOneMillisecondIsRefusedByName) {
   }
 }
 
+// --help printed "SetUsageMessage() never called" and the flags of every
+// linked library, its own among them, and exited 1.
+TEST(NnBenchTest, HelpListsItsOwnFlags) {
+  const testing::RunOutput r = testing::RunToEnd({testing::Runfile("examples/nn_bench"), "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("-eval_batch ("), std::string::npos) << all;
+  EXPECT_EQ(all.find("SetUsageMessage"), std::string::npos) << all;
+  EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
+}
+
 TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
   const std::string bench = testing::Runfile("examples/nn_bench");
   const testing::RunOutput ok = testing::RunToEnd({bench, "--model=mlp", "--steps=3", "--eval=false"});

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "examples/own_help.h"
 #include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/idx.h"
@@ -171,6 +172,8 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  gflags::SetUsageMessage("one-process training throughput (samples/s) and peak memory of the MLP or CNN");
+  if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/nn_bench")) return 0;
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   // Relative: the user's directory, not the runfiles folder of `bazel run`.
   FLAGS_data = ddp::examples::UserPath(FLAGS_data);
