@@ -535,6 +535,48 @@ TEST(TrainRunTest, ResumeWithoutALogMakesTheEvaluationAtTheCheckpointAgain) {
   EXPECT_NE(r.out.find("epoch 2/2"), std::string::npos) << r.out;
 }
 
+// `--resume` after a run that had finished (the README's next command
+// after the default run) trained nothing and said only "resumed at epoch 2"
+// of a 1-epoch run, then "- samples/s": a note says the run had ended and
+// what would train more, which depends on whether the schedule ends with
+// the run.
+TEST(TrainRunTest, ResumingARunThatHadEndedSaysSoAndHowToTrainMore) {
+  const std::string dir = testing::MakeTempDir("resume_ended");
+  const std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp", "--train_samples=512",
+      "--test_samples=64",       "--batch_size=32",     "--workers=0", "--epochs=1"};
+  std::vector<std::string> cosine = args;
+  cosine.push_back("--checkpoint=" + dir + "/cosine.safetensors");
+  ASSERT_EQ(RunToEnd(cosine).exit_code, 0);
+  cosine.push_back("--resume");
+  const RunOutput again = RunToEnd(cosine);
+  ASSERT_EQ(again.exit_code, 0) << again.out << again.err;
+  EXPECT_NE(again.out.find("\n  note: the run of this checkpoint had ended after --epochs=1: nothing is left "
+                           "to train; its --scheduler=cosine schedule ended there too, so to train more "
+                           "start a new run, without --resume\n"),
+            std::string::npos)
+      << again.out;
+
+  std::vector<std::string> flat = args;
+  flat.insert(flat.end(), {"--scheduler=none", "--checkpoint=" + dir + "/flat.safetensors"});
+  std::vector<std::string> first = flat;
+  first.push_back("--max_steps=4");
+  ASSERT_EQ(RunToEnd(first).exit_code, 0);
+  first.push_back("--resume");
+  const RunOutput stopped = RunToEnd(first);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.out << stopped.err;
+  EXPECT_NE(stopped.out.find("\n  note: the run of this checkpoint had ended at --max_steps=4: nothing is "
+                             "left to train; pass a larger --epochs or --max_steps to train on\n"),
+            std::string::npos)
+      << stopped.out;
+  // As the note says: a larger --max_steps trains on, and says nothing of an end.
+  flat.insert(flat.end(), {"--max_steps=8", "--resume"});
+  const RunOutput more = RunToEnd(flat);
+  ASSERT_EQ(more.exit_code, 0) << more.out << more.err;
+  EXPECT_NE(more.out.find("epoch 1/1  train loss"), std::string::npos) << more.out;
+  EXPECT_EQ(more.out.find("had ended"), std::string::npos) << more.out;
+}
+
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};

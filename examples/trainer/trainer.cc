@@ -831,6 +831,21 @@ void Run::Setup() {
                      static_cast<long long>(StepsBeforeStart() +
                                             pos_.batch_in_epoch / c_.grad_accum_steps),
                      static_cast<long long>(steps_per_epoch_)));
+    // `--resume` after a run that finished (the README's next command
+    // after the default run) trains nothing: say so, and what would.
+    if (pos_.epoch >= c_.epochs || StepLimitReached()) {
+      const std::string end = StepLimitReached()
+                                  ? "at --max_steps=" + std::to_string(c_.max_steps)
+                                  : "after --epochs=" + std::to_string(c_.epochs);
+      const bool schedule_ends_with_run =
+          c_.scheduler == "step" || c_.scheduler == "cosine" || c_.scheduler == "onecycle";
+      Say("  note: the run of this checkpoint had ended " + end + ": nothing is left to train" +
+          (schedule_ends_with_run
+               ? "; its --scheduler=" + c_.scheduler +
+                     " schedule ended there too, so to train more start a new run, without --resume"
+               : std::string("; pass a larger --epochs") + (c_.max_steps > 0 ? " or --max_steps" : "") +
+                     " to train on"));
+    }
   }
 }
 
