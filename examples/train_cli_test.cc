@@ -151,6 +151,24 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
             "train: --resume needs a checkpoint to read; drop --checkpoint=none or give a path");
 }
 
+// A misspelt flag got gflags' "ERROR: unknown command line flag 'modle'"
+// and exit status 1: no program name, no hint. It is one line as the other
+// mistakes are, with the trainer's flag it is nearest to when there is one.
+// Flags spelt as gflags allows still pass the check.
+TEST(TrainCliTest, AnUnknownFlagIsRefusedWithTheNearestFlag) {
+  EXPECT_EQ(OneErrorLine(Train({"--modle=mlp"})),
+            "train: unknown flag --modle; did you mean --model? (--help lists the trainer's flags)");
+  EXPECT_EQ(OneErrorLine(Train({"--model=mlp", "-nproc_per_nod", "1"})),
+            "train: unknown flag -nproc_per_nod; did you mean --nproc_per_node? (--help lists the "
+            "trainer's flags)");
+  EXPECT_EQ(OneErrorLine(Train({"--learning_rate=0.1"})),
+            "train: unknown flag --learning_rate (--help lists the trainer's flags)");
+  // A value after its flag, a negated bool, a negative value and "--"
+  // are not taken for flags: the run goes on to the next check.
+  EXPECT_EQ(OneErrorLine(Train({"--model", "foo", "--nozero", "--lr_gamma", "-0.5", "--", "--x"})),
+            "train: unexpected argument '--x'; flags are written --name=value (see --help)");
+}
+
 // --decay_norm_and_bias=false needs a weight decay to spare the biases and
 // norms from. (With --zero_overlap it is taken: train_resume_test's
 // OverlappedShardedStepWithDecayGroupsTrainsAndResumesLikeTheUnsharded.)

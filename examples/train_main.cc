@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -508,6 +509,64 @@ std::vector<std::string> WithoutFlag(const std::vector<std::string>& args, const
   return out;
 }
 
+// Levenshtein distance, for suggesting a flag for a misspelt one.
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// The first flag in argv that no library defines, with the trainer's
+// flag nearest to it, as "unknown flag --modle; did you mean --model?
+// ...", or "". gflags' own message for it ("ERROR: unknown command line
+// flag 'modle'", exit status 1) named neither the program nor what to do.
+std::string UnknownFlagProblem(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;  // gflags stops there too
+    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+    // Not a flag: a value of the one before, or a stray argument (refused
+    // after parsing); "-0.5" is a value.
+    if (dashes == 0 || arg.size() == dashes || !std::isalpha(static_cast<unsigned char>(arg[dashes]))) continue;
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
+    gflags::CommandLineFlagInfo info;
+    if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      // "--model mlp": the next argument is the value.
+      if (eq == std::string::npos && info.type != "bool") ++i;
+      continue;
+    }
+    if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
+        info.type == "bool") {
+      continue;  // --nozero
+    }
+    std::string nearest;
+    size_t best = 3;  // suggest only what is at most two edits away
+    std::vector<gflags::CommandLineFlagInfo> all;
+    gflags::GetAllFlags(&all);
+    for (const gflags::CommandLineFlagInfo& flag : all) {
+      if (flag.filename.find("train_main.cc") == std::string::npos) continue;
+      const size_t d = EditDistance(name, flag.name);
+      if (d < best) {
+        best = d;
+        nearest = flag.name;
+      }
+    }
+    return "unknown flag " + arg.substr(0, eq) + (nearest.empty() ? "" : "; did you mean --" + nearest + "?") +
+           " (--help lists the trainer's flags)";
+  }
+  return "";
+}
+
 [[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message) {
   std::fflush(stdout);
   if (world_size > 1 && rank > 0) {
@@ -533,6 +592,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "-h") == 0) argv[i] = const_cast<char*>("--help");
   }
   gflags::SetUsageMessage("trains an image classifier data-parallel; see --help");
+  if (const std::string problem = UnknownFlagProblem(argc, argv); !problem.empty()) Fail(2, 0, 1, problem);
   gflags::ParseCommandLineNonHelpFlags(&argc, &argv, /*remove_flags=*/true);
   if (FLAGS_help || FLAGS_helpshort) {
     PrintHelp();
