@@ -167,6 +167,13 @@ TEST(TrainCliTest, AnUnknownFlagIsRefusedWithTheNearestFlag) {
   // are not taken for flags: the run goes on to the next check.
   EXPECT_EQ(OneErrorLine(Train({"--model", "foo", "--nozero", "--lr_gamma", "-0.5", "--", "--x"})),
             "train: unexpected argument '--x'; flags are written --name=value (see --help)");
+  // A value not of the flag's type got gflags' "ERROR: illegal value '-1'
+  // specified for uint64 flag 'seed'" and exit status 1 too.
+  EXPECT_EQ(OneErrorLine(Train({"--seed=-1"})), "train: --seed=-1: the flag takes a whole number, at least 0");
+  EXPECT_EQ(OneErrorLine(Train({"--epochs", "two"})), "train: --epochs=two: the flag takes a whole number");
+  EXPECT_EQ(OneErrorLine(Train({"--lr=fast"})), "train: --lr=fast: the flag takes a number");
+  EXPECT_EQ(OneErrorLine(Train({"--zero=maybe"})), "train: --zero=maybe: the flag takes true or false");
+  EXPECT_EQ(OneErrorLine(Train({"--epochs"})), "train: --epochs needs a value: --epochs=VALUE");
 }
 
 // --decay_norm_and_bias=false needs a weight decay to spare the biases and

@@ -527,7 +527,8 @@ size_t EditDistance(const std::string& a, const std::string& b) {
 
 // The first flag in argv that no library defines, with the trainer's
 // flag nearest to it, as "unknown flag --modle; did you mean --model?
-// ...", or "". gflags' own message for it ("ERROR: unknown command line
+// ...", or the first trainer flag whose value is not of its type
+// ("--seed=-1: the flag takes a whole number, at least 0"), or "". gflags' own message for it ("ERROR: unknown command line
 // flag 'modle'", exit status 1) named neither the program nor what to do.
 std::string UnknownFlagProblem(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
@@ -542,7 +543,24 @@ std::string UnknownFlagProblem(int argc, char** argv) {
     gflags::CommandLineFlagInfo info;
     if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
       // "--model mlp": the next argument is the value.
-      if (eq == std::string::npos && info.type != "bool") ++i;
+      const bool separate = eq == std::string::npos && info.type != "bool";
+      if (separate) ++i;
+      // A value of the wrong type: gflags' "ERROR: illegal value '-1'
+      // specified for uint64 flag 'seed'" exits 1. Setting it here is what
+      // parsing does next anyway (the trainer's own flags only: gflags'
+      // --flagfile and the like act when set).
+      if (info.filename.find("train_main.cc") != std::string::npos && (eq != std::string::npos || separate)) {
+        if (separate && i >= argc) return "--" + name + " needs a value: --" + name + "=VALUE";
+        const std::string value = separate ? argv[i] : arg.substr(eq + 1);
+        if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
+          const std::string takes = info.type == "bool"     ? "true or false"
+                                    : info.type == "double" ? "a number"
+                                    : info.type == "uint64" ? "a whole number, at least 0"
+                                    : info.type == "string" ? "a string"
+                                                            : "a whole number";
+          return "--" + name + "=" + value + ": the flag takes " + takes;
+        }
+      }
       continue;
     }
     if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
