@@ -551,8 +551,8 @@ TEST(TrainRunTest, ResumingARunThatHadEndedSaysSoAndHowToTrainMore) {
   cosine.push_back("--resume");
   const RunOutput again = RunToEnd(cosine);
   ASSERT_EQ(again.exit_code, 0) << again.out << again.err;
-  EXPECT_NE(again.out.find("\n  note: the run of this checkpoint had ended after --epochs=1: nothing is left "
-                           "to train; its --scheduler=cosine schedule ended there too, so to train more "
+  EXPECT_NE(again.out.find("\n  note: nothing is left to train: the checkpoint is already where --epochs=1 "
+                           "ends the run; its --scheduler=cosine schedule ended there too, so to train more "
                            "start a new run, without --resume\n"),
             std::string::npos)
       << again.out;
@@ -565,8 +565,8 @@ TEST(TrainRunTest, ResumingARunThatHadEndedSaysSoAndHowToTrainMore) {
   first.push_back("--resume");
   const RunOutput stopped = RunToEnd(first);
   ASSERT_EQ(stopped.exit_code, 0) << stopped.out << stopped.err;
-  EXPECT_NE(stopped.out.find("\n  note: the run of this checkpoint had ended at --max_steps=4: nothing is "
-                             "left to train; pass a larger --epochs or --max_steps to train on\n"),
+  EXPECT_NE(stopped.out.find("\n  note: nothing is left to train: the checkpoint is already where --max_steps=4 "
+                             "ends the run; pass a larger --epochs or --max_steps to train on\n"),
             std::string::npos)
       << stopped.out;
   // As the note says: a larger --max_steps trains on, and says nothing of an end.
@@ -574,7 +574,7 @@ TEST(TrainRunTest, ResumingARunThatHadEndedSaysSoAndHowToTrainMore) {
   const RunOutput more = RunToEnd(flat);
   ASSERT_EQ(more.exit_code, 0) << more.out << more.err;
   EXPECT_NE(more.out.find("epoch 1/1  train loss"), std::string::npos) << more.out;
-  EXPECT_EQ(more.out.find("had ended"), std::string::npos) << more.out;
+  EXPECT_EQ(more.out.find("nothing is left to train"), std::string::npos) << more.out;
 }
 
 int FreePort() {

@@ -834,12 +834,11 @@ void Run::Setup() {
     // `--resume` after a run that finished (the README's next command
     // after the default run) trains nothing: say so, and what would.
     if (pos_.epoch >= c_.epochs || StepLimitReached()) {
-      const std::string end = StepLimitReached()
-                                  ? "at --max_steps=" + std::to_string(c_.max_steps)
-                                  : "after --epochs=" + std::to_string(c_.epochs);
+      const std::string end = StepLimitReached() ? "--max_steps=" + std::to_string(c_.max_steps)
+                                                 : "--epochs=" + std::to_string(c_.epochs);
       const bool schedule_ends_with_run =
           c_.scheduler == "step" || c_.scheduler == "cosine" || c_.scheduler == "onecycle";
-      Say("  note: the run of this checkpoint had ended " + end + ": nothing is left to train" +
+      Say("  note: nothing is left to train: the checkpoint is already where " + end + " ends the run" +
           (schedule_ends_with_run
                ? "; its --scheduler=" + c_.scheduler +
                      " schedule ended there too, so to train more start a new run, without --resume"
