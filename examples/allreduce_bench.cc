@@ -166,6 +166,11 @@ int main(int argc, char** argv) {
   // Before the launch, which would start every rank to print gflags' help
   // of every linked library and exit 1: this program's flags, once.
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/allreduce_bench")) return 0;
+  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/allreduce_bench");
+      !problem.empty()) {
+    std::fprintf(stderr, "allreduce_bench: %s\n", problem.c_str());
+    return 2;
+  }
   // Only rank 0 prints, in a fixed format: no "[rank] " prefixes.
   ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.prefix_output = false});
   gflags::ParseCommandLineFlags(&argc, &argv, true);

@@ -177,6 +177,24 @@ TEST(NnBenchTest, HelpListsItsOwnFlags) {
   EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
 }
 
+// A misspelt flag or a value of the wrong type got gflags' "ERROR: unknown
+// command line flag 'step'" and exit status 1 (allreduce_bench: from every
+// rank it had started); now one line with the program's name, the nearest
+// flag, and exit status 2.
+TEST(BenchFlagsTest, AMisspeltFlagOrABadValueIsOneLineWithTheNearestFlag) {
+  const testing::RunOutput nn = testing::RunToEnd({testing::Runfile("examples/nn_bench"), "--step=3"});
+  EXPECT_EQ(nn.exit_code, 2) << nn.err;
+  EXPECT_EQ(nn.err, "nn_bench: unknown flag --step; did you mean --steps? (--help lists the flags)\n");
+  const testing::RunOutput ar =
+      testing::RunToEnd({testing::Runfile("examples/allreduce_bench"), "--nproc_per_node=2", "--max_byte=1M"});
+  EXPECT_EQ(ar.exit_code, 2) << ar.err;
+  EXPECT_EQ(ar.err, "allreduce_bench: unknown flag --max_byte; did you mean --max_bytes? (--help lists the "
+                    "flags)\n");
+  const testing::RunOutput value = testing::RunToEnd({testing::Runfile("examples/nn_bench"), "--steps=many"});
+  EXPECT_EQ(value.exit_code, 2) << value.err;
+  EXPECT_EQ(value.err, "nn_bench: --steps=many: the flag takes a whole number\n");
+}
+
 TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
   const std::string bench = testing::Runfile("examples/nn_bench");
   const testing::RunOutput ok = testing::RunToEnd({bench, "--model=mlp", "--steps=3", "--eval=false"});

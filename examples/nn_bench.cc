@@ -174,6 +174,10 @@ int Run() {
 int main(int argc, char** argv) {
   gflags::SetUsageMessage("one-process training throughput (samples/s) and peak memory of the MLP or CNN");
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/nn_bench")) return 0;
+  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/nn_bench"); !problem.empty()) {
+    std::fprintf(stderr, "nn_bench: %s\n", problem.c_str());
+    return 2;
+  }
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   // Relative: the user's directory, not the runfiles folder of `bazel run`.
   FLAGS_data = ddp::examples::UserPath(FLAGS_data);

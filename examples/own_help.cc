@@ -2,9 +2,97 @@
 
 #include <gflags/gflags.h>
 
+#include <algorithm>
+#include <cctype>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace ddp::examples {
+namespace {
+
+bool EndsWith(const std::string& s, const std::string& end) {
+  return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
+}
+
+// Levenshtein distance, for suggesting a flag for a misspelt one.
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::string FlagProblem(int argc, char** argv, const char* source) {
+  const std::string file = std::string(source) + ".cc";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;  // gflags stops there too
+    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+    // Not a flag: a value of the one before, or a stray argument (refused
+    // after parsing); "-0.5" is a value.
+    if (dashes == 0 || arg.size() == dashes || !std::isalpha(static_cast<unsigned char>(arg[dashes]))) continue;
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
+    gflags::CommandLineFlagInfo info;
+    if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      // "--model mlp": the next argument is the value.
+      const bool separate = eq == std::string::npos && info.type != "bool";
+      if (separate) ++i;
+      // A value of the wrong type: gflags' "ERROR: illegal value '-1'
+      // specified for uint64 flag 'seed'" exits 1. Setting it here is what
+      // parsing does next anyway (this program's own flags only: gflags'
+      // --flagfile and the like act when set).
+      if (EndsWith(info.filename, file) && (eq != std::string::npos || separate)) {
+        if (separate && i >= argc) return "--" + name + " needs a value: --" + name + "=VALUE";
+        const std::string value = separate ? argv[i] : arg.substr(eq + 1);
+        if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
+          const std::string takes = info.type == "bool"     ? "true or false"
+                                    : info.type == "double" ? "a number"
+                                    : info.type == "uint64" ? "a whole number, at least 0"
+                                    : info.type == "string" ? "a string"
+                                                            : "a whole number";
+          return "--" + name + "=" + value + ": the flag takes " + takes;
+        }
+      }
+      continue;
+    }
+    if (name == "nproc_per_node") {
+      // SelfLaunchOrExit's own (it checks the value), when no gflags flag.
+      if (eq == std::string::npos) ++i;
+      continue;
+    }
+    if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
+        info.type == "bool") {
+      continue;  // --nozero
+    }
+    std::string nearest;
+    size_t best = 3;  // suggest only what is at most two edits away
+    std::vector<gflags::CommandLineFlagInfo> all;
+    gflags::GetAllFlags(&all);
+    for (const gflags::CommandLineFlagInfo& flag : all) {
+      if (!EndsWith(flag.filename, file)) continue;
+      const size_t d = EditDistance(name, flag.name);
+      if (d < best) {
+        best = d;
+        nearest = flag.name;
+      }
+    }
+    return "unknown flag " + arg.substr(0, eq) + (nearest.empty() ? "" : "; did you mean --" + nearest + "?") +
+           " (--help lists the flags)";
+  }
+  return "";
+}
 
 bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source) {
   for (int i = 1; i < argc; ++i) {

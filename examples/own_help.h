@@ -1,6 +1,8 @@
 #ifndef DDP_EXAMPLES_OWN_HELP_H_
 #define DDP_EXAMPLES_OWN_HELP_H_
 
+#include <string>
+
 namespace ddp::examples {
 
 /// When argv asks for help (-h, -help, --help, --helpshort), prints the
@@ -10,6 +12,20 @@ namespace ddp::examples {
 /// library and exits 1, and a self-launching program would print it once
 /// per rank.
 bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
+
+/// What is wrong with the first flag in argv that gflags would refuse, in
+/// one line for "<program>: <line>" and exit status 2, or "": a flag no
+/// linked library defines ("unknown flag --modle; did you mean --model?
+/// (--help lists the flags)", suggesting a flag of `source` at most two
+/// edits away), a flag of `source` whose value is not of its type
+/// ("--seed=-1: the flag takes a whole number, at least 0"; such values
+/// are set, as parsing sets them next), or one missing its value. gflags'
+/// own messages for these ("ERROR: unknown command line flag 'modle'")
+/// name no program and exit 1. What gflags accepts passes: a value after
+/// its flag, --noBOOL, a negative value, anything after "--", and
+/// --nproc_per_node, which SelfLaunchOrExit takes in programs without
+/// such a gflags flag.
+std::string FlagProblem(int argc, char** argv, const char* source);
 
 }  // namespace ddp::examples
 

@@ -82,6 +82,16 @@ TEST(ScalingBenchTest, OverlapReadsCallerWhenCollectivesRunOnTheTrainingThread) 
       << lines[2];
 }
 
+// A misspelt flag got gflags' "ERROR: unknown command line flag 'rank'"
+// and exit status 1.
+TEST(ScalingBenchTest, AMisspeltFlagIsOneLineWithTheNearestFlag) {
+  const testing::RunOutput r =
+      testing::RunToEnd({testing::Runfile("examples/scaling_bench"), "--model=mlp", "--rank=1"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err, "scaling_bench: unknown flag --rank; did you mean --ranks? (--help lists the flags)\n");
+  EXPECT_EQ(r.out, "");
+}
+
 // A chart that could not be written is found out before the runs, not
 // after them (before, the benchmark ran to the end and then died in
 // std::terminate).

@@ -157,12 +157,12 @@ TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {
 // Flags spelt as gflags allows still pass the check.
 TEST(TrainCliTest, AnUnknownFlagIsRefusedWithTheNearestFlag) {
   EXPECT_EQ(OneErrorLine(Train({"--modle=mlp"})),
-            "train: unknown flag --modle; did you mean --model? (--help lists the trainer's flags)");
+            "train: unknown flag --modle; did you mean --model? (--help lists the flags)");
   EXPECT_EQ(OneErrorLine(Train({"--model=mlp", "-nproc_per_nod", "1"})),
             "train: unknown flag -nproc_per_nod; did you mean --nproc_per_node? (--help lists the "
-            "trainer's flags)");
+            "flags)");
   EXPECT_EQ(OneErrorLine(Train({"--learning_rate=0.1"})),
-            "train: unknown flag --learning_rate (--help lists the trainer's flags)");
+            "train: unknown flag --learning_rate (--help lists the flags)");
   // A value after its flag, a negated bool, a negative value and "--"
   // are not taken for flags: the run goes on to the next check.
   EXPECT_EQ(OneErrorLine(Train({"--model", "foo", "--nozero", "--lr_gamma", "-0.5", "--", "--x"})),
