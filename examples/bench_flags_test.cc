@@ -177,6 +177,20 @@ TEST(NnBenchTest, HelpListsItsOwnFlags) {
   EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
 }
 
+// ddp_bench too: --help started both ranks to print every linked library's
+// flags and exit 1, and a misspelt flag got gflags' message from each.
+TEST(DdpBenchTest, HelpListsItsOwnFlagsOnceAndAMisspeltFlagIsOneLine) {
+  const testing::RunOutput r = testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("-hook ("), std::string::npos) << all;
+  EXPECT_EQ(all.find("-hook ("), all.rfind("-hook (")) << "listed more than once:\n" << all;
+  EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
+  const testing::RunOutput bad = testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--step=3"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_EQ(bad.err, "ddp_bench: unknown flag --step; did you mean --steps? (--help lists the flags)\n");
+}
+
 // A misspelt flag or a value of the wrong type got gflags' "ERROR: unknown
 // command line flag 'step'" and exit status 1 (allreduce_bench: from every
 // rank it had started); now one line with the program's name, the nearest

@@ -37,6 +37,7 @@
 #include "ddp/powersgd_hook.h"
 #include "ddp/process_group.h"
 #include "ddp/zero_redundancy_optimizer.h"
+#include "examples/own_help.h"
 #include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/idx.h"
@@ -343,6 +344,15 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  gflags::SetUsageMessage("DDP training throughput of the MLP or CNN (samples/s), one line per run, "
+                          "comparable with PyTorch DDP");
+  // Before the launch, which would start every rank to print gflags' help
+  // of every linked library and exit 1: this program's flags, once.
+  if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/ddp_bench")) return 0;
+  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/ddp_bench"); !problem.empty()) {
+    std::fprintf(stderr, "ddp_bench: %s\n", problem.c_str());
+    return 2;
+  }
   // Spawn the ranks before anything touches UCX; rank 0 alone prints.
   ddp::transport::launch::SelfLaunchOrExit(argc, argv,
                                            {.default_nproc_per_node = 2, .prefix_output = false});
