@@ -252,7 +252,7 @@ TEST(NnBenchTest, AnEvalBatchLargerThanTheTestSetEvaluatesItInOneBatch) {
   const std::string dir = FolderOfImages("images_28", 28, 28);
   const testing::RunOutput r =
       testing::RunToEnd({testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1",
-                         "--batch=16", "--eval_batch=2000000000", "--data=" + dir});
+                         "--batch=16", "--eval_batch=2000000000", "--data_dir=" + dir});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const std::vector<std::string> lines = testing::Lines(r.out);
   ASSERT_EQ(lines.size(), 1u) << r.out;
@@ -272,16 +272,16 @@ TEST(BenchDataTest, ImagesOtherThan28x28AreRefused) {
   const std::string wide_test = FolderOfImages("test_images_32", 28, 32);
   for (const char* model : {"--model=mlp", "--model=cnn"}) {
     const testing::RunOutput nn = testing::RunToEnd(
-        {testing::Runfile("examples/nn_bench"), model, "--steps=1", "--data=" + wide});
+        {testing::Runfile("examples/nn_bench"), model, "--steps=1", "--data_dir=" + wide});
     EXPECT_EQ(nn.exit_code, 2) << nn.out << nn.err;
-    EXPECT_EQ(nn.err, "nn_bench: --data=" + wide + ": the training images are [1, 32, 32]; " +
+    EXPECT_EQ(nn.err, "nn_bench: --data_dir=" + wide + ": the training images are [1, 32, 32]; " +
                           model + " takes Fashion-MNIST's [1, 28, 28]\n");
     EXPECT_EQ(nn.out, "");
     const testing::RunOutput ddp =
         testing::RunToEnd({testing::Runfile("examples/ddp_bench"), model, "--steps=1",
-                           "--batch=16", "--nproc_per_node=2", "--data=" + wide});
+                           "--batch=16", "--nproc_per_node=2", "--data_dir=" + wide});
     EXPECT_EQ(ddp.exit_code, 2) << ddp.out << ddp.err;
-    EXPECT_NE(ddp.err.find("ddp_bench: --data=" + wide + ": the training images are [1, 32, 32]; " +
+    EXPECT_NE(ddp.err.find("ddp_bench: --data_dir=" + wide + ": the training images are [1, 32, 32]; " +
                            model + " takes Fashion-MNIST's [1, 28, 28]\n"),
               std::string::npos)
         << ddp.err;
@@ -289,24 +289,24 @@ TEST(BenchDataTest, ImagesOtherThan28x28AreRefused) {
   }
   // Test images are checked before training too, unless there is no evaluation.
   const testing::RunOutput nn = testing::RunToEnd(
-      {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--data=" + wide_test});
+      {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--data_dir=" + wide_test});
   EXPECT_EQ(nn.exit_code, 2) << nn.out << nn.err;
-  EXPECT_EQ(nn.err, "nn_bench: --data=" + wide_test +
+  EXPECT_EQ(nn.err, "nn_bench: --data_dir=" + wide_test +
                         ": the test images are [1, 32, 32]; --model=mlp takes Fashion-MNIST's [1, 28, 28]\n");
   const testing::RunOutput ddp = testing::RunToEnd({testing::Runfile("examples/ddp_bench"),
                                                     "--model=mlp", "--steps=1", "--batch=16",
-                                                    "--nproc_per_node=2", "--data=" + wide_test});
+                                                    "--nproc_per_node=2", "--data_dir=" + wide_test});
   EXPECT_EQ(ddp.exit_code, 2) << ddp.out << ddp.err;
-  EXPECT_NE(ddp.err.find("ddp_bench: --data=" + wide_test + ": the test images are [1, 32, 32]"),
+  EXPECT_NE(ddp.err.find("ddp_bench: --data_dir=" + wide_test + ": the test images are [1, 32, 32]"),
             std::string::npos)
       << ddp.err;
   const testing::RunOutput no_eval = testing::RunToEnd(
       {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--batch=16",
-       "--eval=false", "--data=" + wide_test});
+       "--eval=false", "--data_dir=" + wide_test});
   EXPECT_EQ(no_eval.exit_code, 0) << no_eval.out << no_eval.err;
 }
 
-// Relative --data and --trace_prefix are the user's (under `bazel run`,
+// Relative --data_dir and --trace_prefix are the user's (under `bazel run`,
 // from $BUILD_WORKING_DIRECTORY), not the runfiles folder's the binary
 // starts in.
 TEST(BenchDataTest, RelativePathsAreFromTheUsersDirectory) {
@@ -316,15 +316,31 @@ TEST(BenchDataTest, RelativePathsAreFromTheUsersDirectory) {
   const std::vector<std::pair<std::string, std::string>> env = {{"BUILD_WORKING_DIRECTORY", dir}};
   const testing::RunOutput nn = testing::RunToEnd(
       {testing::Runfile("examples/nn_bench"), "--model=mlp", "--steps=1", "--eval=false",
-       "--data=fmnist"},
+       "--data_dir=fmnist"},
       env);
   EXPECT_EQ(nn.exit_code, 0) << nn.out << nn.err;
   const testing::RunOutput ddp = testing::RunToEnd(
       {testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=1", "--eval=false",
-       "--nproc_per_node=1", "--data=./fmnist", "--trace_prefix=traces/run_"},
+       "--nproc_per_node=1", "--data_dir=./fmnist", "--trace_prefix=traces/run_"},
       env);
   EXPECT_EQ(ddp.exit_code, 0) << ddp.out << ddp.err;
   EXPECT_TRUE(std::filesystem::exists(dir + "/traces/run_rank0.json")) << ddp.out << ddp.err;
+}
+
+// The loader's message for missing files names --data_dir: the benches'
+// flag is called that, as the trainer's and ddp_hello's (it was --data, so
+// the advice named a flag they did not have).
+TEST(BenchDataTest, MissingFilesNameTheFlagThatPointsAtThem) {
+  const std::string empty = testing::MakeTempDir("bench_no_data");
+  for (const std::string bench : {"nn_bench", "ddp_bench"}) {
+    std::vector<std::string> args = {testing::Runfile("examples/" + bench), "--model=mlp", "--steps=1",
+                                     "--data_dir=" + empty};
+    if (bench == "ddp_bench") args.push_back("--nproc_per_node=1");
+    const testing::RunOutput r = testing::RunToEnd(args);
+    EXPECT_NE(r.exit_code, 0) << bench;
+    EXPECT_NE(r.err.find(empty), std::string::npos) << bench << ": " << r.err;
+    EXPECT_NE(r.err.find("--data_dir can point"), std::string::npos) << bench << ": " << r.err;
+  }
 }
 
 TEST(AllreduceBenchTest, ChecksItsResultsAndRefusesSizesTheHostCannotHold) {

@@ -54,7 +54,7 @@ DEFINE_bool(flush_denormal, false,
             "subnormal floats as zero (the trainer's default; off here to match the PyTorch peer's "
             "IEEE arithmetic)");
 DEFINE_int32(batch, 64, "batch size per rank");
-DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
+DEFINE_string(data_dir, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
 DEFINE_double(bucket_cap_mb, 25, "DdpOptions::bucket_cap_mb");
 DEFINE_double(first_bucket_mb, 1, "DdpOptions::first_bucket_mb");
 DEFINE_double(inplace_gradient_mb, 0.5, "DdpOptions::inplace_gradient_mb");
@@ -106,9 +106,9 @@ void Gather(const nn::data::InMemoryImageDataset& data, const int64_t* idx, int6
 bool TakesTheImagesOf(const nn::data::InMemoryImageDataset& data, const char* split) {
   if (data.Shape() == nn::data::ImageShape{1, 28, 28}) return true;
   std::fprintf(stderr,
-               "ddp_bench: --data=%s: the %s images are %s; --model=%s takes Fashion-MNIST's "
+               "ddp_bench: --data_dir=%s: the %s images are %s; --model=%s takes Fashion-MNIST's "
                "[1, 28, 28]\n",
-               FLAGS_data.c_str(), split, data.Shape().ToString().c_str(), FLAGS_model.c_str());
+               FLAGS_data_dir.c_str(), split, data.Shape().ToString().c_str(), FLAGS_model.c_str());
   return false;
 }
 
@@ -256,14 +256,14 @@ int Run() {
     plain = make_sgd(model->NamedParameters());
   }
 
-  const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
+  const auto train = nn::data::LoadFashionMnist(FLAGS_data_dir, nn::data::Split::kTrain);
   // Every rank loads the same files: all of them refuse, or none. The test
   // set too (rank 0 evaluates after training): a shape found wrong there
   // would leave the other ranks waiting at the last barrier.
   if (!TakesTheImagesOf(*train, "training")) return 2;
   std::shared_ptr<nn::data::InMemoryImageDataset> test;
   if (FLAGS_eval) {
-    test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
+    test = nn::data::LoadFashionMnist(FLAGS_data_dir, nn::data::Split::kTest);
     if (!TakesTheImagesOf(*test, "test")) return 2;
   }
   nn::Generator gen(1);
@@ -280,7 +280,7 @@ int Run() {
                  "ddp_bench: --batch=%d must be in [1, %lld): each of the %d ranks draws its batches from "
                  "its %lld-sample share of %s\n",
                  FLAGS_batch, static_cast<long long>(smallest), world, static_cast<long long>(smallest),
-                 FLAGS_data.c_str());
+                 FLAGS_data_dir.c_str());
     return 2;
   }
   Tensor images = nn::Empty({bs, 1, 28, 28});
@@ -358,7 +358,7 @@ int main(int argc, char** argv) {
                                            {.default_nproc_per_node = 2, .prefix_output = false});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   // Relative: the user's directory, not the runfiles folder of `bazel run`.
-  FLAGS_data = ddp::examples::UserPath(FLAGS_data);
+  FLAGS_data_dir = ddp::examples::UserPath(FLAGS_data_dir);
   FLAGS_trace_prefix = ddp::examples::UserPath(FLAGS_trace_prefix);
   try {
     return Run();

@@ -31,7 +31,7 @@ DEFINE_string(model, "cnn", "mlp or cnn (the peers' models)");
 DEFINE_int32(steps, 300, "timed training steps");
 DEFINE_int32(batch, 64, "batch size");
 DEFINE_int32(threads, 1, "threads per GEMM/convolution");
-DEFINE_string(data, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
+DEFINE_string(data_dir, ddp::nn::data::kFashionMnistDebianDir, "Fashion-MNIST directory");
 DEFINE_bool(eval, true, "measure test accuracy after training");
 DEFINE_int32(eval_batch, 1000,
              "test-set batch size (PyTorch's script uses 1000); at most the test set's size is used");
@@ -61,9 +61,9 @@ void Gather(const nn::data::InMemoryImageDataset& data, const int64_t* idx, int6
 bool TakesTheImagesOf(const nn::data::InMemoryImageDataset& data, const char* split) {
   if (data.Shape() == nn::data::ImageShape{1, 28, 28}) return true;
   std::fprintf(stderr,
-               "nn_bench: --data=%s: the %s images are %s; --model=%s takes Fashion-MNIST's "
+               "nn_bench: --data_dir=%s: the %s images are %s; --model=%s takes Fashion-MNIST's "
                "[1, 28, 28]\n",
-               FLAGS_data.c_str(), split, data.Shape().ToString().c_str(), FLAGS_model.c_str());
+               FLAGS_data_dir.c_str(), split, data.Shape().ToString().c_str(), FLAGS_model.c_str());
   return false;
 }
 
@@ -98,14 +98,14 @@ int Run() {
     return 2;
   }
   if (FLAGS_verbose) std::printf("peak RSS before loading data: %.1f MB\n", PeakRssMb());
-  const auto train = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTrain);
+  const auto train = nn::data::LoadFashionMnist(FLAGS_data_dir, nn::data::Split::kTrain);
   if (FLAGS_verbose) std::printf("peak RSS after loading the training set: %.1f MB\n", PeakRssMb());
   if (!TakesTheImagesOf(*train, "training")) return 2;
   // Loaded (and checked) before training, so that a wrong shape costs no
   // training; it stays resident to the end either way.
   std::shared_ptr<nn::data::InMemoryImageDataset> test;
   if (FLAGS_eval) {
-    test = nn::data::LoadFashionMnist(FLAGS_data, nn::data::Split::kTest);
+    test = nn::data::LoadFashionMnist(FLAGS_data_dir, nn::data::Split::kTest);
     if (!TakesTheImagesOf(*test, "test")) return 2;
   }
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
@@ -117,7 +117,7 @@ int Run() {
   if (bs < 1 || span < 1) {
     std::fprintf(stderr, "nn_bench: --batch=%d must be in [1, %lld): the batches are drawn from the %lld samples of %s\n",
                  FLAGS_batch, static_cast<long long>(train->Size()), static_cast<long long>(train->Size()),
-                 FLAGS_data.c_str());
+                 FLAGS_data_dir.c_str());
     return 2;
   }
   Tensor images = nn::Empty({bs, 1, 28, 28});
@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
   }
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   // Relative: the user's directory, not the runfiles folder of `bazel run`.
-  FLAGS_data = ddp::examples::UserPath(FLAGS_data);
+  FLAGS_data_dir = ddp::examples::UserPath(FLAGS_data_dir);
   try {
     return Run();
   } catch (const std::exception& e) {
