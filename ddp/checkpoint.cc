@@ -715,7 +715,10 @@ namespace {
 enum class Owner { kOptimizer, kScheduler, kScaler, kPowerSgd, kAverager, kPostLocalSgd, kPlateau, kNone };
 
 Owner OwnerOf(const std::string& key) {
-  if (key == "lr" || key.rfind("state.", 0) == 0 || key.rfind("group.", 0) == 0) return Owner::kOptimizer;
+  if (key == "lr" || key.rfind("state.", 0) == 0 || key.rfind("group.", 0) == 0 ||
+      key.rfind("param_groups.", 0) == 0) {
+    return Owner::kOptimizer;
+  }
   if (key.rfind("scheduler.", 0) == 0) return Owner::kScheduler;
   if (key.rfind("scaler.", 0) == 0) return Owner::kScaler;
   if (key.rfind("powersgd.", 0) == 0) return Owner::kPowerSgd;
@@ -804,7 +807,8 @@ std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, c
         break;
       case Owner::kNone:
         problems.push_back("optimizer-list keys that no component takes (" + KeyList(keys) +
-                           "): the optimizer takes `lr`, `group.*` and `state.*`, the scheduler `scheduler.*`, "
+                           "): the optimizer takes `lr`, `group.*`, `param_groups.*` and `state.*`, the scheduler "
+                           "`scheduler.*`, "
                            "the scaler `scaler.*`, PowerSGD `powersgd.*`, the averager `averager.*`, "
                            "the post-local-SGD hook `post_local_sgd.*`, ReduceLrOnPlateau `plateau.*`");
         break;

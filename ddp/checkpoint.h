@@ -16,8 +16,9 @@
 // The model is the wrapped module (a DistributedDataParallel is unwrapped
 // automatically, so keys never carry its "module." prefix and a checkpoint
 // loads into a plain model too). The optimizer, scheduler and scaler share
-// the checkpoint's optimizer list ("lr", "group.*" and "state.*", "scheduler.*",
-// "scaler.*"), as nn/io/checkpoint.h and the example trainer lay it out.
+// the checkpoint's optimizer list ("lr", "group.*", "param_groups.*" and
+// "state.*", "scheduler.*", "scaler.*"), as nn/io/checkpoint.h and the
+// example trainer lay it out.
 // So do PowerSGD's state ("powersgd.*": its iteration and Q's, not the
 // per-rank residuals, which a resumed run starts at zero; see
 // powersgd_hook.h), a PeriodicModelAverager's step ("averager.*") and the
@@ -186,7 +187,8 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// that throws anything else, a LambdaSchedule's function included, even
 /// what is no std::exception, is one more problem). A key of
 /// checkpoint.optimizer that no given component takes is a problem too,
-/// naming the argument to pass: optimizer state ("lr", "group.*", "state.*") without
+/// naming the argument to pass: optimizer state ("lr", "group.*",
+/// "param_groups.*", "state.*") without
 /// an optimizer, "scheduler.*" without a scheduler, "scaler.*" without a
 /// scaler, "powersgd.*" without `powersgd`, "averager.*" without
 /// `averager`, "post_local_sgd.*" without `post_local_sgd`, "plateau.*"

@@ -56,6 +56,14 @@ std::shared_ptr<nn::modules::Module> Mlp(uint64_t seed) {
   return nn::modules::MakeMlp(gen);
 }
 
+// The model's first two parameters as one param group, the rest as another.
+std::vector<nn::optim::ParamGroup> TwoParamGroups(nn::modules::Module& model) {
+  std::vector<nn::optim::ParamGroup> groups(2);
+  const nn::modules::NamedTensors params = model.NamedParameters();
+  for (size_t i = 0; i < params.size(); ++i) groups[i < 2 ? 0 : 1].params.push_back(params[i]);
+  return groups;
+}
+
 void TrainStep(DistributedDataParallel& ddp, nn::optim::Sgd& opt, ProcessGroup& pg, int step) {
   const auto& data = testing::FashionMnist();
   auto [x, y] = testing::Batch(data, (step * pg.size() + pg.rank()) * kBatch, kBatch);
@@ -1153,6 +1161,26 @@ TEST(DdpCheckpointTest, MissingOrForeignOptimizerStateThrowsAndLeavesTheModelUnc
   EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
   EXPECT_EQ(opt.lr(), 0.05);
   EXPECT_EQ(opt.step_count(0), 0);
+}
+
+// An optimizer with several param groups saves "param_groups.*" keys
+// (Optimizer::StateDict). Before, RestoreCheckpoint took them for keys no
+// component takes and refused every such checkpoint, so a run with param
+// groups could not resume.
+TEST(DdpCheckpointTest, AnOptimizerWithSeveralParamGroupsIsRestored) {
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(TwoParamGroups(*saved), {.lr = 0.05, .momentum = 0.9});
+  saved_opt.set_lr(1, 0.02);
+  nn::optim::GradScaler unit({.init_scale = 1});
+  ScaledStep(*saved, saved_opt, unit, 0);
+
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(TwoParamGroups(*model), {.lr = 0.1, .momentum = 0.9});
+  EXPECT_EQ(RestoreError([&] { RestoreCheckpoint(MakeCheckpoint(*saved, &saved_opt), *model, &opt); }), "");
+  EXPECT_TRUE(StateBytes(*model) == StateBytes(*saved)) << "the model was not restored";
+  EXPECT_EQ(opt.lr(0), 0.05);
+  EXPECT_EQ(opt.lr(1), 0.02);
+  EXPECT_EQ(opt.step_count(0), 1);
 }
 
 // Before, keys no argument took were dropped: a resumed run's scheduler
