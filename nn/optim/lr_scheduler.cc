@@ -644,22 +644,30 @@ std::vector<double> LrScheduler::RatesAt(const std::vector<double>& base_lrs, in
   return lrs;
 }
 
-void LrScheduler::SetAt(const std::vector<double>& base_lrs, int64_t t) {
-  SetRates(RatesAt(base_lrs, t), t);
+std::vector<double> LrScheduler::MomentaAt(int64_t t) const {
+  std::vector<double> momenta;
+  if (momentum_of_ == nullptr) return momenta;
+  for (size_t k = 0; k < momentum_of_->num_groups(); ++k) momenta.push_back(schedule_->GroupMomentum(k, t));
+  return momenta;
 }
 
-void LrScheduler::SetRates(const std::vector<double>& lrs, int64_t t) {
+void LrScheduler::SetAt(const std::vector<double>& base_lrs, int64_t t) {
+  SetRates(RatesAt(base_lrs, t), MomentaAt(t));
+}
+
+void LrScheduler::SetRates(const std::vector<double>& lrs, const std::vector<double>& momenta) {
   if (momentum_of_ == nullptr) {
     rates_.set(lrs);
     return;
   }
   // Every momentum checked before any rate is set; the rates set all or
   // none; the momenta, checked, then cannot fail.
-  std::vector<double> momenta;
-  for (size_t k = 0; k < momentum_of_->num_groups(); ++k) {
-    momenta.push_back(schedule_->GroupMomentum(k, t));
-    momentum_of_->CheckMomentum(k, momenta.back());
+  if (momenta.size() != momentum_of_->num_groups()) {
+    throw std::invalid_argument("LrScheduler: " + std::to_string(momenta.size()) + " momenta for the " +
+                                std::to_string(momentum_of_->num_groups()) + " param group(s) of the " +
+                                momentum_of_->Name() + " optimizer (a group was added since they were computed)");
   }
+  for (size_t k = 0; k < momenta.size(); ++k) momentum_of_->CheckMomentum(k, momenta[k]);
   rates_.set(lrs);
   for (size_t k = 0; k < momenta.size(); ++k) momentum_of_->set_momentum(k, momenta[k]);
 }
@@ -693,6 +701,10 @@ struct SchedulerState {
   // a user's function (LambdaSchedule's) is called once per group and the
   // rates set are the ones checked.
   std::vector<double> lrs;
+  // The same for a cycled momentum: one per param group of the optimizer
+  // whose momentum the schedule drives, checked against it; empty when
+  // the schedule cycles none.
+  std::vector<double> momenta;
 };
 
 // The saved schedule description ("scheduler.schedule", null: absent);
@@ -712,8 +724,12 @@ std::string SavedScheduleOf(const Tensor* t) {
 // The checks of LoadStateDict: the state it would load, or throws. The
 // rate `schedule` gives for the loaded step is checked too, so that a
 // restore which would end in a refused rate (StepLR's gamma^k overflowing
-// after many periods, say) fails here, before any component was changed.
-SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& schedule, size_t groups) {
+// after many periods, say) fails here, before any component was changed;
+// and so is the momentum it gives each group of `momentum_of` (null: none
+// cycled), which a schedule defined elsewhere may give outside the bounds
+// it declared.
+SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& schedule, size_t groups,
+                                  const Optimizer* momentum_of) {
   const Tensor* step = nullptr;
   const Tensor* base = nullptr;
   const Tensor* described = nullptr;
@@ -765,6 +781,7 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
                        " (its step count would give another rate): make the scheduler with the saved schedule");
   }
   std::vector<double> lrs;
+  bool outside = false;
   for (size_t k = 0; k < base_lrs.size(); ++k) {
     const double base_lr = base_lrs[k];
     double lr = 0;
@@ -776,6 +793,7 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
       // problem, not another kind of error. The same for every group.
       problems.push_back(std::string("scheduler.step ") + std::to_string(t) + " is outside the schedule: " +
                          e.what());
+      outside = true;
       break;
     }
     if (!(lr >= 0) || !std::isfinite(lr)) {
@@ -785,26 +803,45 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
                          internal::OptionValueText(base_lr) + ", expected a finite rate >= 0");
     }
   }
+  std::vector<double> momenta;
+  for (size_t k = 0; momentum_of != nullptr && !outside && k < momentum_of->num_groups(); ++k) {
+    double momentum = 0;
+    try {
+      momentum = schedule.GroupMomentum(k, t);
+    } catch (const std::out_of_range& e) {
+      problems.push_back(std::string("scheduler.step ") + std::to_string(t) + " is outside the schedule: " +
+                         e.what());
+      break;
+    }
+    momenta.push_back(momentum);
+    try {
+      momentum_of->CheckMomentum(k, momentum);
+    } catch (const std::invalid_argument& e) {
+      problems.push_back("the schedule gives param group " + std::to_string(k) + " momentum " +
+                         internal::OptionValueText(momentum) + " at scheduler.step " + std::to_string(t) +
+                         ", which the optimizer refuses: " + e.what());
+    }
+  }
   if (!problems.empty()) {
     std::string message = "LrScheduler.LoadStateDict: ";
     for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
     throw std::invalid_argument(message);
   }
-  return {t, base_lrs, lrs};
+  return {t, base_lrs, lrs, momenta};
 }
 
 }  // namespace
 
 void LrScheduler::CheckStateDict(const NamedTensors& state) const {
-  ReadSchedulerState(state, *schedule_, rates_.count);
+  ReadSchedulerState(state, *schedule_, rates_.count, momentum_of_);
 }
 
 void LrScheduler::LoadStateDict(const NamedTensors& state) {
-  SchedulerState s = ReadSchedulerState(state, *schedule_, rates_.count);
+  SchedulerState s = ReadSchedulerState(state, *schedule_, rates_.count, momentum_of_);
   // The rates are set first: if the target refuses one (a schedule may
   // still compute a rate the optimizer takes as invalid), nothing has
   // changed.
-  SetRates(s.lrs, s.step);
+  SetRates(s.lrs, s.momenta);
   t_ = s.step;
   base_lrs_ = std::move(s.base_lrs);
 }

@@ -289,10 +289,13 @@ class LrScheduler {
   /// nothing then, nor when the target refuses the restored rate. A state
   /// without "scheduler.schedule" (saved before it existed, or from a
   /// schedule that does not describe itself) is taken as from an unknown
-  /// schedule and not compared. Each group's rate at the restored step is
-  /// asked of the schedule once, and the rate checked is the rate set.
+  /// schedule and not compared. Each group's rate (and cycled momentum) at
+  /// the restored step is asked of the schedule once, and the value
+  /// checked is the value set.
   void LoadStateDict(const NamedTensors& state);
-  /// The checks of LoadStateDict alone: throws as it would, changes nothing.
+  /// The checks of LoadStateDict alone: throws as it would (a rate or a
+  /// cycled momentum the optimizer would refuse included), changes
+  /// nothing.
   void CheckStateDict(const NamedTensors& state) const;
 
  private:
@@ -301,11 +304,15 @@ class LrScheduler {
   LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> schedule, Optimizer* optimizer);
   /// The schedule's rate for every group at step t.
   std::vector<double> RatesAt(const std::vector<double>& base_lrs, int64_t t) const;
+  /// The schedule's momentum for every group of momentum_of_ at step t
+  /// (empty without one).
+  std::vector<double> MomentaAt(int64_t t) const;
   /// Sets the rates (and a cycled momentum) for step t; throws, changing
   /// nothing, when the optimizer refuses one.
   void SetAt(const std::vector<double>& base_lrs, int64_t t);
-  /// The same with the rates given (one per group, the schedule's for t).
-  void SetRates(const std::vector<double>& lrs, int64_t t);
+  /// The same with the values given (the schedule's for one step: a rate
+  /// per group, a momentum per group of momentum_of_).
+  void SetRates(const std::vector<double>& lrs, const std::vector<double>& momenta);
 
   internal::GroupRates rates_;
   std::shared_ptr<Schedule> schedule_;

@@ -911,6 +911,41 @@ TEST(LambdaGroups, LoadStateDictCallsEachFunctionOncePerGroup) {
   EXPECT_EQ(opt.lr(1), 0.5);
 }
 
+// A schedule defined elsewhere that cycles momentum and, from step 3 on,
+// gives a momentum outside the bounds it declared (which the scheduler's
+// constructor checked): -0.5, which SGD refuses.
+class StrayMomentumSchedule : public Schedule {
+ public:
+  double Lr(double base_lr, int64_t /*t*/) const override { return base_lr; }
+  std::string Describe() const override { return "StrayMomentum"; }
+  bool CyclesMomentum() const override { return true; }
+  double Momentum(int64_t t) const override { return t < 3 ? 0.9 : -0.5; }
+  std::vector<double> MomentumBounds() const override { return {0.85, 0.95}; }
+};
+
+// CheckStateDict refuses a state whose step gives a momentum the optimizer
+// would refuse, as LoadStateDict does. It checked the rates alone, so a
+// load (a checkpoint restore, which checks every part before loading any)
+// threw after its check had passed.
+TEST(SchedulerState, CheckStateDictRefusesACycledMomentumTheOptimizerRefuses) {
+  Tensor p = Zeros({1});
+  Sgd saved_opt({{"p", p}}, {.lr = 1.0, .momentum = 0.9});
+  LrScheduler saved(saved_opt, std::make_shared<StrayMomentumSchedule>());
+  for (int i = 0; i < 2; ++i) saved.Step();
+  NamedTensors state = saved.StateDict();
+  ASSERT_EQ(state[0].first, "scheduler.step");
+  state[0].second = FromVectorOf<int64_t>({3}, {});
+
+  Sgd opt({{"p", p}}, {.lr = 1.0, .momentum = 0.9});
+  LrScheduler sched(opt, std::make_shared<StrayMomentumSchedule>());
+  const auto refused = AllOf(HasSubstr("LrScheduler.LoadStateDict: "), HasSubstr("momentum -0.5"),
+                             HasSubstr("scheduler.step 3"), HasSubstr("param group 0"));
+  EXPECT_THAT(ErrorOf([&] { sched.CheckStateDict(state); }), refused);
+  EXPECT_THAT(ErrorOf([&] { sched.LoadStateDict(state); }), refused);
+  EXPECT_EQ(sched.step_count(), 0);
+  EXPECT_EQ(opt.momentum(0), 0.9);
+}
+
 // A braced list of functions is PyTorch's list of lr_lambdas, one per
 // param group, as a std::vector is: `LambdaSchedule({f}, ...)` with one
 // lambda did not compile (both overloads took it equally well), and one
