@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -751,9 +752,15 @@ struct RestoreTargets {
   nn::optim::ReduceLrOnPlateau* plateau;
 };
 
+// What the scheduler's check computed, which its load sets: its
+// functions are asked once per group for the check and the load together.
+using CheckedSchedulerState = std::optional<nn::optim::LrScheduler::CheckedState>;
+
 // Every reason `checkpoint` cannot be restored into `to`, checking
-// everything and changing nothing; empty when it can.
-std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to) {
+// everything and changing nothing; empty when it can. `scheduler_state`
+// receives the scheduler's checked state when it passed its check.
+std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to,
+                                         CheckedSchedulerState& scheduler_state) {
   // The names RestoreCheckpoint's arguments have, which its messages use.
   nn::modules::Module& target = to.model;
   auto* const optimizer = to.optimizer;
@@ -836,7 +843,9 @@ std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, c
   };
   check("model", [&] { target.CheckStateDict(checkpoint.model, /*strict=*/true); });
   if (optimizer != nullptr) check("optimizer", [&] { optimizer->CheckStateDict(checkpoint.optimizer); });
-  if (scheduler != nullptr) check("scheduler", [&] { scheduler->CheckStateDict(checkpoint.optimizer); });
+  if (scheduler != nullptr) {
+    check("scheduler", [&] { scheduler_state = scheduler->CheckStateDict(checkpoint.optimizer); });
+  }
   if (scaler != nullptr) check("scaler", [&] { scaler->CheckStateDict(checkpoint.optimizer); });
   const nn::modules::NamedTensors params = target.NamedParameters();
   if (powersgd != nullptr) check("powersgd", [&] { powersgd->CheckStateDict(checkpoint.optimizer, params); });
@@ -855,12 +864,12 @@ std::string ProblemList(const std::vector<std::string>& problems) {
   return list;
 }
 
-// Copies `checkpoint` into `to`, once RestoreProblems found nothing.
-// `begun`, when given, receives the name of each part as its load begins:
-// after a throw, its last entry is the part that threw, and the others
-// were loaded.
+// Copies `checkpoint` into `to`, once RestoreProblems found nothing (and
+// gave `scheduler_state`). `begun`, when given, receives the name of each
+// part as its load begins: after a throw, its last entry is the part that
+// threw, and the others were loaded.
 void LoadRestoreTargets(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to,
-                        std::vector<const char*>* begun = nullptr) {
+                        const CheckedSchedulerState& scheduler_state, std::vector<const char*>* begun = nullptr) {
   auto begin = [begun](const char* part) {
     if (begun != nullptr) begun->push_back(part);
   };
@@ -873,7 +882,7 @@ void LoadRestoreTargets(const nn::io::Checkpoint& checkpoint, const RestoreTarge
   }
   if (to.scheduler != nullptr) {
     begin("scheduler");
-    to.scheduler->LoadStateDict(checkpoint.optimizer);
+    to.scheduler->LoadChecked(scheduler_state.value());
   }
   if (to.scaler != nullptr) {
     begin("scaler");
@@ -919,11 +928,12 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
   // Everything is checked before anything is copied: a failure on the
   // optimizer's part must not leave the model's weights replaced.
-  const std::vector<std::string> problems = RestoreProblems(checkpoint, to);
+  CheckedSchedulerState scheduler_state;
+  const std::vector<std::string> problems = RestoreProblems(checkpoint, to, scheduler_state);
   if (!problems.empty()) {
     throw std::invalid_argument("RestoreCheckpoint: nothing was restored, " + ProblemList(problems));
   }
-  LoadRestoreTargets(checkpoint, to);
+  LoadRestoreTargets(checkpoint, to, scheduler_state);
 }
 
 void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
@@ -934,8 +944,9 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   // Every rank reaches the exchange below whatever its checks found, or
   // the others would wait for it until the group's timeout.
   std::string mine;
+  CheckedSchedulerState scheduler_state;
   try {
-    const std::vector<std::string> problems = RestoreProblems(checkpoint, to);
+    const std::vector<std::string> problems = RestoreProblems(checkpoint, to, scheduler_state);
     if (!problems.empty()) mine = ProblemList(problems);
   } catch (const std::exception& e) {
     mine = std::string("checking the checkpoint threw: ") + e.what();
@@ -949,16 +960,16 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   if (!failures.empty()) {
     throw std::invalid_argument("RestoreCheckpoint: nothing was restored on any rank, it failed on " + failures);
   }
-  // A load can still throw once every check passed (a schedule's function
-  // that answers the check and throws when asked again, memory running
-  // out). That rank would throw alone while the others went on to train
-  // and then waited for it at their next collective: one more all-reduce
-  // of a number tells every rank, and only on a failure an all-gather
-  // names who failed and why.
+  // A load can still throw once every check passed (a learning-rate
+  // target that refuses the restored rate, memory running out). That rank
+  // would throw alone while the others went on to train and then waited
+  // for it at their next collective: one more all-reduce of a number tells
+  // every rank, and only on a failure an all-gather names who failed and
+  // why.
   std::vector<const char*> begun;
   std::string failed;
   try {
-    LoadRestoreTargets(checkpoint, to, &begun);
+    LoadRestoreTargets(checkpoint, to, scheduler_state, &begun);
   } catch (const std::exception& e) {
     failed = LoadFailure(begun, e.what());
   } catch (...) {

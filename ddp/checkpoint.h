@@ -185,7 +185,8 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// ReduceLrOnPlateau's; each of the last seven may be null. All or nothing: every part is checked before anything changes,
 /// and one std::invalid_argument lists every problem (a component's check
 /// that throws anything else, a LambdaSchedule's function included, even
-/// what is no std::exception, is one more problem). A key of
+/// what is no std::exception, is one more problem; the scheduler's rates
+/// are computed once, by its check, and the load sets those). A key of
 /// checkpoint.optimizer that no given component takes is a problem too,
 /// naming the argument to pass: optimizer state ("lr", "group.*",
 /// "param_groups.*", "state.*") without
@@ -214,8 +215,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 /// problems come cut at about 1 KB; a rank's own are given in full. On a
 /// group that fails during the exchange, it throws the group's
 /// DistributedError, also with nothing changed. Once every rank's checks
-/// passed, a load can still throw on one rank (a scheduler function that
-/// answers the check and throws when asked again, memory running out):
+/// passed, a load can still throw on one rank (a learning-rate target that
+/// refuses the restored rate, memory running out):
 /// the ranks then compare their loads (one all-reduce of a number) and
 /// every rank throws one std::runtime_error naming each failing rank, the
 /// part whose load threw, why, and the parts loaded before it. That is not

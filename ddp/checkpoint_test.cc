@@ -556,13 +556,16 @@ TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNa
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
-// Every rank's checks pass, then rank 1's load throws: its scheduler
-// function answers the check for the saved step and throws when the load
-// asks again. Before, rank 1 threw alone, its model and optimizer already
-// restored, and ranks 0 and 2 returned as if all went well, to go on and
-// wait for rank 1 at their next collective. Now every rank throws at once,
-// naming rank 1, the part that failed and what had been loaded before it;
-// the objects are where the header says, and the group goes on.
+// Every rank's checks pass, then rank 1's load throws: its scheduler drives
+// the optimizer's rate through a target (as one drives a sharded
+// optimizer's slices) that refuses rates above 0.02, and the saved rate is
+// 0.05. The check cannot ask the target, as asking would set the rate:
+// the refusal comes during the load. Before, rank 1 threw alone, its model
+// and optimizer already restored, and ranks 0 and 2 returned as if all
+// went well, to go on and wait for rank 1 at their next collective. Now
+// every rank throws at once, naming rank 1, the part that failed and what
+// had been loaded before it; the objects are where the header says, and
+// the group goes on.
 DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
   auto saved = Mlp(1);
@@ -571,18 +574,16 @@ DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   for (int s = 0; s < 3; ++s) saved_sched.Step();
   const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
   auto model = Mlp(99);
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
-  // Rank 1's function: the saved step's factor once (the check), then a throw.
-  auto asked = std::make_shared<int>(0);
-  const bool fickle = pg->rank() == 1;
-  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule(
-                                        [fickle, asked](int64_t t) -> double {
-                                          if (fickle && t == 3 && ++*asked == 2) {
-                                            throw std::runtime_error("rank 1's factor failed when asked again");
-                                          }
-                                          return 1.0;
-                                        },
-                                        "decay"));
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01});
+  auto refuses = std::make_shared<bool>(pg->rank() == 1);
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt, refuses](double lr) {
+                               if (*refuses && lr > 0.02) {
+                                 throw std::runtime_error("rank 1's target refuses rates above 0.02");
+                               }
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
   std::string error = "no error";
   const auto start = std::chrono::steady_clock::now();
   try {
@@ -594,7 +595,7 @@ DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   }
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
-                         "the scheduler's state threw: rank 1's factor failed when asked again (the model and "
+                         "the scheduler's state threw: rank 1's target refuses rates above 0.02 (the model and "
                          "the optimizer were loaded before it); the ranks that did not fail loaded every part: "
                          "restore again on every rank before training",
                 "rank " + std::to_string(pg->rank()) + " got: " + error);
@@ -602,10 +603,11 @@ DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   // As the header says: every rank's model and optimizer hold the
   // checkpoint's state; rank 1's scheduler is as it was, the others' loaded.
   WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved), "the model was not loaded");
-  WORKER_EXPECT(sched.step_count() == (fickle ? 0 : 3), "the scheduler's step is " +
-                                                            std::to_string(sched.step_count()));
+  WORKER_EXPECT(sched.step_count() == (*refuses ? 0 : 3), "the scheduler's step is " +
+                                                              std::to_string(sched.step_count()));
   WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
-  // Restored again (the function now answers), every rank succeeds.
+  // Restored again (the target now takes the rate), every rank succeeds.
+  *refuses = false;
   RestoreCheckpoint(*pg, c, *model, &opt, &sched);
   WORKER_EXPECT(sched.step_count() == 3 && opt.lr() == 0.05, "the second restore");
   return testing::WorkerExit();
@@ -614,6 +616,43 @@ DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
 TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksFailsEveryRankPromptlyNamingIt) {
   auto run = RunWorkers("restore_load_throws_after_the_checks", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
                         /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A collective restore asks each param group's LambdaSchedule function
+// once for the saved step: the scheduler's check computes the rates, and
+// the load sets those. Before, the check asked and the load asked again,
+// so a function with side effects ran twice per group.
+DDP_TEST_WORKER(restore_asks_each_function_once) {
+  auto pg = testing::WorkerGroup();
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(TwoParamGroups(*saved), {.lr = 0.05});
+  const std::function<double(int64_t)> half = [](int64_t) { return 0.5; };
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule(std::vector{half, half}, "halves"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(TwoParamGroups(*model), {.lr = 0.1});
+  auto calls = std::make_shared<std::vector<int>>(2, 0);
+  auto counted = [calls](size_t group) {
+    return std::function<double(int64_t)>([calls, group](int64_t) {
+      ++(*calls)[group];
+      return 0.5;
+    });
+  };
+  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule(std::vector{counted(0), counted(1)}, "halves"));
+  *calls = {0, 0};  // the constructor's own calls are not the restore's
+  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  WORKER_EXPECT(*calls == std::vector<int>({1, 1}), "the functions were called " + std::to_string((*calls)[0]) +
+                                                        " and " + std::to_string((*calls)[1]) + " time(s)");
+  WORKER_EXPECT(sched.step_count() == 3 && opt.lr(0) == 0.025 && opt.lr(1) == 0.025,
+                "restored step " + std::to_string(sched.step_count()) + ", rates " + std::to_string(opt.lr(0)) +
+                    " and " + std::to_string(opt.lr(1)));
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ACollectiveRestoreAsksEachScheduleFunctionOncePerGroup) {
+  auto run = RunWorkers("restore_asks_each_function_once", 2, {}, 180000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -832,18 +832,34 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
 
 }  // namespace
 
-void LrScheduler::CheckStateDict(const NamedTensors& state) const {
-  ReadSchedulerState(state, *schedule_, rates_.count, momentum_of_);
+LrScheduler::CheckedState LrScheduler::CheckStateDict(const NamedTensors& state) const {
+  SchedulerState s = ReadSchedulerState(state, *schedule_, rates_.count, momentum_of_);
+  CheckedState checked;
+  checked.schedule_ = schedule_.get();
+  checked.step_ = s.step;
+  checked.base_lrs_ = std::move(s.base_lrs);
+  checked.lrs_ = std::move(s.lrs);
+  checked.momenta_ = std::move(s.momenta);
+  return checked;
 }
 
-void LrScheduler::LoadStateDict(const NamedTensors& state) {
-  SchedulerState s = ReadSchedulerState(state, *schedule_, rates_.count, momentum_of_);
+void LrScheduler::LoadStateDict(const NamedTensors& state) { LoadChecked(CheckStateDict(state)); }
+
+void LrScheduler::LoadChecked(const CheckedState& checked) {
+  // The values are the schedule's: another scheduler's schedule would
+  // have given others.
+  if (checked.schedule_ != schedule_.get() || checked.base_lrs_.size() != rates_.count) {
+    throw std::invalid_argument(
+        "LrScheduler.LoadChecked: the checked state (" + std::to_string(checked.base_lrs_.size()) +
+        " param group(s)) was not checked by this scheduler (" + std::to_string(rates_.count) +
+        " param group(s)) or another of its schedule: load what this scheduler's CheckStateDict returned");
+  }
   // The rates are set first: if the target refuses one (a schedule may
   // still compute a rate the optimizer takes as invalid), nothing has
   // changed.
-  SetRates(s.lrs, s.momenta);
-  t_ = s.step;
-  base_lrs_ = std::move(s.base_lrs);
+  SetRates(checked.lrs_, checked.momenta_);
+  t_ = checked.step_;
+  base_lrs_ = checked.base_lrs_;
 }
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)

@@ -293,10 +293,36 @@ class LrScheduler {
   /// the restored step is asked of the schedule once, and the value
   /// checked is the value set.
   void LoadStateDict(const NamedTensors& state);
+
+  /// A state that CheckStateDict found loadable, with the rates (and
+  /// cycled momenta) the schedule gives for its step; only CheckStateDict
+  /// makes one.
+  class CheckedState {
+   private:
+    friend class LrScheduler;
+    CheckedState() = default;
+    // The schedule that computed the values (compared, not dereferenced).
+    const Schedule* schedule_ = nullptr;
+    int64_t step_ = 0;
+    std::vector<double> base_lrs_;
+    // Per param group, at step_.
+    std::vector<double> lrs_;
+    // Per param group of the optimizer whose momentum the schedule
+    // cycles, at step_; empty when it cycles none.
+    std::vector<double> momenta_;
+  };
   /// The checks of LoadStateDict alone: throws as it would (a rate or a
   /// cycled momentum the optimizer would refuse included), changes
-  /// nothing.
-  void CheckStateDict(const NamedTensors& state) const;
+  /// nothing. Returns what it checked, for LoadChecked.
+  CheckedState CheckStateDict(const NamedTensors& state) const;
+  /// Loads a state this scheduler's CheckStateDict returned: sets the
+  /// rates and momenta the check computed, without asking the schedule
+  /// again (a restore that checks every component before loading any asks
+  /// a LambdaSchedule's functions once per group). Throws
+  /// std::invalid_argument, changing nothing, when `checked` came from a
+  /// scheduler of another schedule or number of param groups, and as
+  /// LoadStateDict(state) does when the target refuses a rate.
+  void LoadChecked(const CheckedState& checked);
 
  private:
   /// `optimizer`: the optimizer behind `rates`, claimed for this scheduler

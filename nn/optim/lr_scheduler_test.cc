@@ -946,6 +946,50 @@ TEST(SchedulerState, CheckStateDictRefusesACycledMomentumTheOptimizerRefuses) {
   EXPECT_EQ(opt.momentum(0), 0.9);
 }
 
+// CheckStateDict returns what it checked, and LoadStateDict of that sets
+// the rates the check computed: a caller that checks every part before
+// loading any (a checkpoint restore) asks each group's function once. A
+// checked state is refused, changing nothing, by a scheduler of another
+// schedule, whose functions would have given other rates.
+TEST(LambdaGroups, ACheckedStateLoadsWithoutAskingTheFunctionsAgain) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd saved_opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  const std::function<double(int64_t)> half = [](int64_t) { return 0.5; };
+  LrScheduler saved(saved_opt, LambdaSchedule(std::vector{half, half}, "counted"));
+  for (int i = 0; i < 3; ++i) saved.Step();
+  const NamedTensors state = saved.StateDict();
+
+  std::vector<int> calls(2, 0);
+  auto counted = [&calls](size_t group) {
+    return std::function<double(int64_t)>([&calls, group](int64_t) {
+      ++calls[group];
+      return 0.5;
+    });
+  };
+  Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  LrScheduler sched(opt, LambdaSchedule(std::vector{counted(0), counted(1)}, "counted"));
+  calls = {0, 0};  // the constructor's own calls are not the load's
+  const LrScheduler::CheckedState checked = sched.CheckStateDict(state);
+  EXPECT_EQ(calls, (std::vector<int>{1, 1}));
+  opt.set_lr(0, 1.0);
+  opt.set_lr(1, 1.0);
+
+  Sgd other_opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}}}, {.lr = 1.0});
+  LrScheduler other(other_opt, LambdaSchedule(std::vector{half, half}, "counted"));
+  other_opt.set_lr(0, 1.0);
+  EXPECT_THAT(ErrorOf([&] { other.LoadChecked(checked); }),
+              HasSubstr("LrScheduler.LoadChecked: the checked state (2 param group(s)) was not checked by this "
+                        "scheduler"));
+  EXPECT_EQ(other.step_count(), 0);
+  EXPECT_EQ(other_opt.lr(0), 1.0);
+
+  sched.LoadChecked(checked);
+  EXPECT_EQ(calls, (std::vector<int>{1, 1}));
+  EXPECT_EQ(sched.step_count(), 3);
+  EXPECT_EQ(opt.lr(0), 0.5);
+  EXPECT_EQ(opt.lr(1), 0.5);
+}
+
 // A braced list of functions is PyTorch's list of lr_lambdas, one per
 // param group, as a std::vector is: `LambdaSchedule({f}, ...)` with one
 // lambda did not compile (both overloads took it equally well), and one
