@@ -10,6 +10,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport/algorithms/disagreement_test_util.h"
 #include "transport/algorithms/pipeline.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
@@ -376,16 +377,7 @@ TEST(ReduceTest, OneRankDisagreeingFailsEveryRankOfTheTreeNamingIt) {
                 },
                 options);
             EXPECT_LT(Clock::now() + 8s, deadline) << what;
-            for (int r = 0; r < world; ++r) {
-              const Status& s = statuses[r];
-              EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
-              EXPECT_THAT(s.message(), HasSubstr("disagree")) << what << ": rank " << r;
-              EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed"))
-                  << what << ": rank " << r;
-              EXPECT_THAT(s.message(), HasSubstr(want_odd)) << what << ": rank " << r;
-              EXPECT_THAT(s.message(), HasSubstr(want_rest)) << what << ": rank " << r;
-              EXPECT_EQ(written[r], 0) << what << ": rank " << r << " had its recv written";
-            }
+            testing::ExpectEveryRankNamesTheOddRank(statuses, odd, want_odd, want_rest, written, what);
             // The first case that fails says enough; the rest would repeat
             // it, some waiting for their deadline.
             if (HasFailure()) return;
