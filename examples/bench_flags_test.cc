@@ -4,6 +4,8 @@
 // crash; a --max_bytes beyond the host's memory was left to the kernel's
 // out-of-memory killer).
 
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -68,6 +70,24 @@ TEST(DdpBenchTest, ABatchAsLargeAsARanksShareIsRefused) {
         << r.err;
     EXPECT_EQ(r.out, "");
   }
+}
+
+// A trace name that is a FIFO (or another file that is not a regular
+// one) is refused before training, naming the flag; the traces are written
+// at the end, and the run only warned then, with exit status 0.
+TEST(DdpBenchTest, ATraceNameThatIsNotARegularFileIsRefusedBeforeTraining) {
+  const std::string dir = testing::MakeTempDir("bench_trace_fifo");
+  ASSERT_EQ(::mkfifo((dir + "/t_rank1.json").c_str(), 0644), 0);
+  const testing::RunOutput r =
+      testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=3", "--nproc_per_node=2",
+                         "--eval=false", "--trace_prefix=" + dir + "/t_"});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("ddp_bench: --trace_prefix=" + dir + "/t_: rank 1's trace " + dir +
+                       "/t_rank1.json exists and is not a regular file"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out, "");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/t_rank0.json"));
 }
 
 TEST(DdpBenchTest, LocalSgdAndNoopHooksRunAndBadPeriodsAreRefused) {

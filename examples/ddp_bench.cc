@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -171,6 +172,27 @@ int Run() {
   comm_options.bind_to_core = FLAGS_bind_to_core;
   auto pg = dist::ProcessGroup::CreateFromEnvironment(pg_options, comm_options);
   const int rank = pg->rank(), world = pg->size();
+  // The traces are written when the run ends, beside their names and
+  // renamed over them, which is refused for anything but a regular file:
+  // found now, not after the timed steps. Every rank looks at every rank's
+  // name, so that all of them stop together.
+  if (!FLAGS_trace_prefix.empty()) {
+    for (int r = 0; r < world; ++r) {
+      const std::string trace = FLAGS_trace_prefix + "rank" + std::to_string(r) + ".json";
+      std::error_code ec;
+      const auto type = std::filesystem::status(trace, ec).type();
+      if (type != std::filesystem::file_type::not_found && type != std::filesystem::file_type::regular &&
+          type != std::filesystem::file_type::none) {
+        if (rank == 0) {
+          std::fprintf(stderr,
+                       "ddp_bench: --trace_prefix=%s: rank %d's trace %s exists and is not a regular file; "
+                       "pass another --trace_prefix\n",
+                       FLAGS_trace_prefix.c_str(), r, trace.c_str());
+        }
+        return 2;
+      }
+    }
+  }
 
   nn::ManualSeed(0);
   std::shared_ptr<nn::modules::Sequential> model;
