@@ -649,6 +649,11 @@ int main(int argc, char** argv) {
     // --save_stop_grace_s more (the ranks end it there themselves). A
     // second Ctrl-C does not wait.
     options.grace = std::chrono::seconds(30 + config.save_timeout_s + config.save_stop_grace_s);
+    // The ranks learn from it whether a restart follows a failure (said
+    // in rank 0's "stopped by" line), as ddprun's and torchrun's ranks do;
+    // they count the restarts in DDP_RESTART_COUNT, which SelfLaunch sets.
+    setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(FLAGS_max_restarts).c_str(), 1);
+    unsetenv("TORCHELASTIC_RESTART_COUNT");
     launch::SelfLaunchOrExit(args_count, args.data(), options);
     return 0;  // not reached: the launcher exits with the workers' status
   }

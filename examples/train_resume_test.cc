@@ -319,6 +319,14 @@ TEST(TrainResumeTest, KilledRankRestartsAndResumesToTheSameEnd) {
             std::string::npos)
       << run.Stdout();
   EXPECT_NE(run.Stdout().find("resumed at epoch"), std::string::npos) << run.Stdout();
+  // Rank 0, stopped by the launcher's TERM, does not send the user to
+  // --resume: the launcher, with its one restart left, resumes itself.
+  EXPECT_NE(run.Stdout().find(" in " + restarted +
+                              " (if a rank failed, the launcher restarts the job from it: restart "
+                              "1 of 1; otherwise continue with --resume)"),
+            std::string::npos)
+      << run.Stdout();
+  EXPECT_EQ(run.Stdout().find("(continue with --resume)"), std::string::npos) << run.Stdout();
   ExpectSameModel(reference, restarted);
 }
 

@@ -41,6 +41,29 @@
 namespace ddp::examples::trainer {
 namespace {
 
+// The launcher's next restart of this job, as {restart, of max}, when it
+// has one left: ddprun and torchrun give the ranks the failures so far in
+// TORCHELASTIC_RESTART_COUNT (train's own launcher, DDP_RESTART_COUNT) and
+// the restarts allowed in TORCHELASTIC_MAX_RESTARTS. Nothing when no
+// restart was asked, none is left, or a value is not a count: the message
+// that uses it then says to resume by hand.
+std::optional<std::pair<int, int>> NextLauncherRestart() {
+  const auto count = [](const char* name) -> std::optional<int> {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v < '0' || *v > '9') return std::nullopt;
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(v, &end, 10);
+    if (*end != '\0' || errno != 0 || n > 1000000) return std::nullopt;
+    return static_cast<int>(n);
+  };
+  const std::optional<int> max = count("TORCHELASTIC_MAX_RESTARTS");
+  std::optional<int> done = count("TORCHELASTIC_RESTART_COUNT");
+  if (!done) done = count("DDP_RESTART_COUNT");
+  if (!max || !done || *done >= *max) return std::nullopt;
+  return std::make_pair(*done + 1, *max);
+}
+
 using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -1359,9 +1382,20 @@ RunResult Run::Go() {
                                        static_cast<long long>(pos_.epoch + 1),
                                        static_cast<long long>(pos_.step));
       if (!checkpoint_saved_.empty()) {
-        where += StringPrintf("; checkpoint of step %lld in %s (continue with --resume)",
-                              static_cast<long long>(checkpoint_saved_step_),
-                              checkpoint_saved_.c_str());
+        // A launcher with restarts left sends TERM to the ranks still up
+        // when one fails, then starts the job again from this checkpoint
+        // itself. It sends the same TERM when it is itself stopped, and
+        // then does not restart: the rank cannot tell which, so both are
+        // said. Ctrl-C is never restarted.
+        const std::optional<std::pair<int, int>> next =
+            signal == SIGINT ? std::nullopt : NextLauncherRestart();
+        where += StringPrintf(
+            "; checkpoint of step %lld in %s", static_cast<long long>(checkpoint_saved_step_),
+            checkpoint_saved_.c_str());
+        where += next ? StringPrintf(" (if a rank failed, the launcher restarts the job from it: "
+                                     "restart %d of %d; otherwise continue with --resume)",
+                                     next->first, next->second)
+                      : std::string(" (continue with --resume)");
       }
       if (kept) {
         where += "; the checkpoint at " + c_.checkpoint +
