@@ -2,7 +2,8 @@
 // - a run killed (SIGKILL) in the middle and resumed with --resume ends with
 //   exactly the parameters of a run that was never interrupted;
 // - a rank killed under --max_restarts=1 is restarted with its peer, and
-//   the run resumes from its own last checkpoint to the same end;
+//   the run resumes from its own last checkpoint to the same end; killed
+//   again with no restart left, the job ends and rank 0 says to --resume;
 // - Ctrl-C (SIGINT to the self-launching parent), or a signal to one rank
 //   only, stops every rank at the same step, and the checkpoint on disk is
 //   that step's, complete and loadable.
@@ -328,6 +329,44 @@ TEST(TrainResumeTest, KilledRankRestartsAndResumesToTheSameEnd) {
       << run.Stdout();
   EXPECT_EQ(run.Stdout().find("(continue with --resume)"), std::string::npos) << run.Stdout();
   ExpectSameModel(reference, restarted);
+}
+
+// The same kill once more after the one restart: with none left, the
+// launcher ends the job, and rank 0's "stopped by TERM" line sends the user
+// to --resume without promising a restart.
+TEST(TrainResumeTest, KilledRankWithNoRestartLeftSaysContinueWithResume) {
+  const std::string dir = testing::MakeTempDir("restart_spent");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  // The MLP for speed; 384 steps leave room for both kills.
+  Subprocess run({Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",
+                  "--train_samples=2048", "--test_samples=64", "--batch_size=16", "--epochs=3",
+                  "--workers=1", "--checkpoint_every=4", "--max_restarts=1",
+                  "--checkpoint=" + ckpt});
+  ASSERT_GT(WaitForCheckpoint(ckpt, 8, run), 0) << run.Stdout() << run.Stderr();
+  const std::vector<pid_t> first = run.Children();
+  ASSERT_EQ(first.size(), 2u);
+  ASSERT_EQ(kill(first[1], SIGKILL), 0);
+
+  // The restarted ranks: new processes, past their first save of their own.
+  const std::string resuming = "restart 1 of the job: resuming";
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (run.Stdout().find(resuming) == std::string::npos && Clock::now() < deadline &&
+         run.Wait(std::chrono::milliseconds(0)) == -1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_NE(run.Stdout().find(resuming), std::string::npos) << run.Stdout() << run.Stderr();
+  ASSERT_GT(WaitForCheckpoint(ckpt, CheckpointStep(ckpt) + 1, run), 0)
+      << run.Stdout() << run.Stderr();
+  const std::vector<pid_t> second = run.Children();
+  ASSERT_EQ(second.size(), 2u);
+  ASSERT_TRUE(std::find(first.begin(), first.end(), second[1]) == first.end());
+  ASSERT_EQ(kill(second[1], SIGKILL), 0);
+
+  EXPECT_NE(run.Wait(std::chrono::seconds(120)), 0) << run.Stdout() << run.Stderr();
+  EXPECT_EQ(run.Stderr().find("restart 2 of 1"), std::string::npos) << run.Stderr();
+  const std::string after = run.Stdout().substr(run.Stdout().find(resuming));
+  EXPECT_NE(after.find(" in " + ckpt + " (continue with --resume)"), std::string::npos) << after;
+  EXPECT_EQ(after.find("the launcher restarts"), std::string::npos) << after;
 }
 
 TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
