@@ -619,6 +619,62 @@ TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksFailsEveryRankPromp
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The group fails while the ranks compare their loads: rank 1's target
+// ends its process when the load sets the rate, after every check passed,
+// and rank 0's target refuses that rate. Ranks 0 and 2 get a PEER_LOST
+// DistributedError naming rank 1, well within the group's timeout (60 s
+// here), that says how their own load went: a survivor knows which of its
+// objects were restored before the group was lost.
+constexpr int kDiedDuringTheLoad = 7;
+
+DDP_TEST_WORKER(restore_group_fails_after_the_loads) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01});
+  const int rank = pg->rank();
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt, rank](double lr) {
+                               if (lr > 0.02 && rank == 1) _exit(kDiedDuringTheLoad);
+                               if (lr > 0.02 && rank == 0) throw std::runtime_error("rank 0's target refuses it");
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const DistributedError& e) {
+    error = e.code() == transport::StatusCode::kPeerLost ? e.status().message() : e.what();
+  } catch (const std::exception& e) {
+    error = std::string("not a DistributedError: ") + e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string own = rank == 0 ? "loading the scheduler's state threw: rank 0's target refuses it (the model "
+                                      "and the optimizer were loaded before it)"
+                                    : "loaded every part";
+  WORKER_EXPECT(error.rfind("RestoreCheckpoint: the group failed while the ranks compared their loads, after this "
+                            "rank " + own + ": ",
+                            0) == 0 &&
+                    error.find("rank 1") != std::string::npos,
+                "rank " + std::to_string(rank) + " got: " + error);
+  WORKER_EXPECT(took < 20, "the failure took " + std::to_string(took) + " s");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AGroupThatFailsWhileTheRanksCompareTheirLoadsSaysHowEachRanksLoadWent) {
+  auto run = RunWorkers("restore_group_fails_after_the_loads", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
+  const std::string out = testing::AllOutput(run);
+  EXPECT_EQ(run.ExitCode(1), kDiedDuringTheLoad) << out;
+  EXPECT_EQ(run.ExitCode(0), 0) << out;
+  EXPECT_EQ(run.ExitCode(2), 0) << out;
+}
+
 // A collective restore asks each param group's LambdaSchedule function
 // once for the saved step: the scheduler's check computes the rates, and
 // the load sets those. Before, the check asked and the load asked again,
