@@ -1,6 +1,8 @@
 #include "transport/algorithms/block_owner_test_util.h"
 
 #include <chrono>
+#include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -10,6 +12,7 @@
 namespace ddp::transport::algorithms::testing {
 
 using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
 
 const std::vector<int>& RingViewOrder() {
   static const std::vector<int> order = {0, 2, 1, 3};
@@ -62,6 +65,55 @@ void ExpectBlockOwnersThatAreNotPermutationsRefused(const BlockCollectiveFn& fn,
       EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument)
           << "rank " << r << ": " << statuses[r];
       EXPECT_THAT(statuses[r].message(), ::testing::HasSubstr(c.error)) << "rank " << r;
+    }
+  }
+}
+
+void ExpectOneRankWithAnotherCountOrDtypeFailsEveryRank(const BlockCollectiveFn& fn, bool send_has_every_block) {
+  for (int world : {5, 6}) {
+    for (size_t chunk : {size_t{0}, size_t{8}}) {
+      for (int odd = 0; odd < world; ++odd) {
+        for (bool dtype : {false, true}) {
+          // Without the kill, ranks not next to the odd one wait for their
+          // (short) deadline: in many chunks only, to keep the test short.
+          for (bool kill : {true, false}) {
+            if (!kill && chunk == 0) continue;
+            const std::string what = "world=" + std::to_string(world) + " chunk=" +
+                                     std::to_string(chunk) + " odd rank " + std::to_string(odd) +
+                                     (dtype ? " i32" : " count 9") + (kill ? "" : " (nobody killed)");
+            const auto timeout = kill ? Clock::duration(10s) : Clock::duration(300ms);
+            std::vector<Clock::duration> took(world);
+            transport::testing::HarnessOptions options;
+            options.kill_on_error = kill;
+            auto statuses = transport::testing::RunRanks(
+                world,
+                [&](p2p::PointToPoint& p2p) -> Status {
+                  const bool is_odd = p2p.rank() == odd;
+                  const size_t count = is_odd && !dtype ? 9 : 8;
+                  std::vector<float> send(count * (send_has_every_block ? world : 1), 1.0f);
+                  std::vector<float> recv(count * (send_has_every_block ? 1 : world));
+                  CollectiveArgs args;
+                  args.send = send.data();
+                  args.recv = recv.data();
+                  args.count = count;
+                  args.dtype = is_odd && dtype ? DataType::kI32 : DataType::kF32;
+                  args.tuning.chunk_bytes = chunk;
+                  const auto start = Clock::now();
+                  args.deadline = start + timeout;
+                  Status status = fn(p2p, args);
+                  took[p2p.rank()] = Clock::now() - start;
+                  return status;
+                },
+                options);
+            for (int r = 0; r < world; ++r) {
+              EXPECT_FALSE(statuses[r].ok()) << what << ": rank " << r << " returned OK";
+              EXPECT_LT(took[r], kill ? Clock::duration(2s) : timeout + 2s)
+                  << what << ": rank " << r << ": " << statuses[r];
+            }
+            if (::testing::Test::HasFailure()) return;
+          }
+        }
+      }
     }
   }
 }

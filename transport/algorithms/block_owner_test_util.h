@@ -42,6 +42,16 @@ void ExpectRingViewHalvesTheCrossing(const uint64_t crossing[2]);
 void ExpectBlockOwnersThatAreNotPermutationsRefused(const BlockCollectiveFn& fn,
                                                     size_t send_blocks, size_t recv_blocks);
 
+/// Runs `fn` on 5 and 6 ranks, in one chunk and in 8-byte chunks, with one
+/// rank at every place passing another count (9 for 8) or a dtype of the
+/// same size (i32 for f32), and records a gtest failure unless no rank
+/// returns OK: within 2 s with the harness killing failed ranks, and by its
+/// (300 ms) deadline plus 2 s without (chunked runs only, to keep it
+/// short). The send buffer holds one block per rank when
+/// `send_has_every_block` (reduce-scatter), else the receive buffer does
+/// (all-gather).
+void ExpectOneRankWithAnotherCountOrDtypeFailsEveryRank(const BlockCollectiveFn& fn, bool send_has_every_block);
+
 }  // namespace ddp::transport::algorithms::testing
 
 #endif  // DDP_TRANSPORT_ALGORITHMS_BLOCK_OWNER_TEST_UTIL_H_
