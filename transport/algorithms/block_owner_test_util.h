@@ -1,9 +1,10 @@
 #ifndef DDP_TRANSPORT_ALGORITHMS_BLOCK_OWNER_TEST_UTIL_H_
 #define DDP_TRANSPORT_ALGORITHMS_BLOCK_OWNER_TEST_UTIL_H_
 
-// What the all-gather and reduce-scatter tests share about
-// Tuning::block_owner: the ring view they run on, and the owner lists that
-// are not permutations, which both must refuse the same way.
+// What the all-gather and reduce-scatter tests share: about
+// Tuning::block_owner, the ring view they run on and the owner lists that
+// are not permutations, which both must refuse the same way; and the sweep
+// of one rank passing another count or dtype, which neither may answer OK.
 
 #include <cstddef>
 #include <cstdint>
