@@ -312,6 +312,30 @@ void RemoveLockUnlessHeld(const std::string& path) {
   ::close(fd);  // EWOULDBLOCK: a load is decoding that set now
 }
 
+constexpr std::string_view kEntrySuffix = ".decoded";
+constexpr std::string_view kLockSuffix = ".decoded.lock";
+
+bool EndsWith(const std::string& name, std::string_view suffix) {
+  return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Removes the lock files (`*.decoded.lock`) of `dir` that no process holds
+// (RemoveLockUnlessHeld), after a load from an entry: a job whose loads all
+// find their entries writes none, so eviction, which removes them too, never
+// ran and they stayed. Safe beside a writer for the reasons eviction is: a
+// held lock is left, and one unlinked under a process about to lock it is
+// made again by that process. Costs a read of the folder and an lstat per
+// lock file (microseconds for a folder of a few hundred files, against the
+// milliseconds of the CRC of an entry).
+void RemoveUnheldLocks(const std::string& dir) {
+  std::vector<std::string> locks;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (EndsWith(it->path().filename().string(), kLockSuffix)) locks.push_back(it->path().string());
+  }
+  for (const std::string& lock : locks) RemoveLockUnlessHeld(lock);
+}
+
 // Removes the least recently used entries of `dir` (by modification time,
 // see MarkUsed) until those left take at most `max_bytes`, never one this
 // process wrote or loaded (NoteInUse), kept even when they alone are
@@ -332,19 +356,14 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
   std::vector<std::string> locks;
   uint64_t total = 0, in_use_bytes = 0;
   std::error_code ec;
-  constexpr std::string_view kSuffix = ".decoded";
-  constexpr std::string_view kLockSuffix = ".decoded.lock";
-  auto ends_with = [](const std::string& name, std::string_view suffix) {
-    return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
   std::lock_guard<std::mutex> l(InUse().mu);
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (ends_with(name, kLockSuffix)) {
+    if (EndsWith(name, kLockSuffix)) {
       locks.push_back(it->path().string());
       continue;
     }
-    if (!ends_with(name, kSuffix) || name.find(".decoded.tmp.") != std::string::npos) continue;
+    if (!EndsWith(name, kEntrySuffix) || name.find(".decoded.tmp.") != std::string::npos) continue;
     struct stat st;
     const std::string path = it->path().string();
     if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
@@ -384,8 +403,8 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
 // another process holds it past `wait` (a stuck writer: the caller then
 // decodes alone). The holder removes the file before
 // unlocking it, so none is left; a waiter whose lock is on a removed file
-// (it opened the file before the removal, or eviction removed it as
-// unheld) locks the path again. A file that cannot be locked is removed
+// (it opened the file before the removal, or a sweep removed it as
+// unheld: RemoveUnheldLocks) locks the path again. A file that cannot be locked is removed
 // at once: the filesystem refuses every process that reaches it through
 // this mount alike, so no one here could hold it, and it would stay beside
 // the entry forever. (A host that shares the cache folder through a mount
@@ -509,22 +528,22 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
   const std::string path = cacheable ? dir + "/" + EntryName(sources, stats) : "";
   std::unique_ptr<EntryLock> lock;
   std::error_code mkdir_error;
+  // An entry mapped: marked used and kept, and the stale lock files of the
+  // folder removed (RemoveUnheldLocks), since this load writes nothing.
+  const auto use = [&](SharedArray hit) {
+    MarkUsed(path);
+    NoteInUse(path);
+    RemoveUnheldLocks(dir);
+    return hit;
+  };
   if (cacheable) {
     SharedArray hit = MapEntry(path, stats);
-    if (hit.owner != nullptr) {
-      MarkUsed(path);
-      NoteInUse(path);
-      return hit;
-    }
+    if (hit.owner != nullptr) return use(std::move(hit));
     std::filesystem::create_directories(dir, mkdir_error);
     lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
     // Another process may have written the entry while this one waited.
     if (lock->held()) hit = MapEntry(path, stats);
-    if (hit.owner != nullptr) {
-      MarkUsed(path);
-      NoteInUse(path);
-      return hit;
-    }
+    if (hit.owner != nullptr) return use(std::move(hit));
   }
   auto [dims, bytes] = decode();
   if (lock != nullptr && !lock->held() && lock->open_errno() != 0 && bytes.size() >= min_bytes) {
@@ -545,11 +564,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     // the file under another host's ranks that have it mapped (an NFS
     // client keeps an unlinked file readable only when it unlinked it).
     SharedArray hit = MapEntry(path, stats);
-    if (hit.owner != nullptr) {
-      MarkUsed(path);
-      NoteInUse(path);
-      return hit;
-    }
+    if (hit.owner != nullptr) return use(std::move(hit));
   }
   // Only the lock's holder writes: one whole entry, not one per rank. Where
   // the filesystem has no locks, every load writes: the writes are atomic

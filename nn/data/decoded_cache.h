@@ -31,7 +31,8 @@
 // warning, once per process), since removing one would only make the next
 // load decode and write it again. A process that has an entry mapped keeps
 // reading it after the removal. Lock files that no process holds (left by
-// a process killed while decoding) are removed then too.
+// a process killed while decoding) are removed then too, and at each load
+// from an entry (a job whose loads all hit writes nothing).
 //
 // Where: $DDP_DATA_CACHE (a folder; "0", "off", "false", "no" or "none", in
 // any case, turns the cache off), else

@@ -838,6 +838,38 @@ TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedAtTheNextWrite) {
   ::close(held_fd);
 }
 
+// A job whose loads all find their entries writes none, so the removal at
+// the next write never came and lock files no process held stayed. A load
+// from an entry removes them too, with the same care: a held one and a
+// non-empty file of that name are left.
+TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedByALoadFromAnEntry) {
+  const std::string dir = FreshDir("decoded_stale_lock_hit");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  CountingDecode decode{dir + "/images"};
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, decode);
+  ASSERT_FALSE(entry.empty());
+  // What a process killed while decoding another set leaves: an empty file
+  // that no one holds.
+  const std::string stale = cache_dir + "/killed-0123456789abcdef.decoded.lock";
+  WriteFile(stale, "");
+  // Held by this process through a descriptor of its own (flock locks
+  // conflict between open file descriptions).
+  const std::string held = cache_dir + "/held-0123456789abcdef.decoded.lock";
+  const int held_fd = ::open(held.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(held_fd, 0);
+  ASSERT_EQ(::flock(held_fd, LOCK_EX | LOCK_NB), 0);
+  const std::string not_a_lock = cache_dir + "/notes.decoded.lock";
+  WriteFile(not_a_lock, "kept by hand");
+  EXPECT_EQ(Bytes(LoadDecoded(decode.path, std::ref(decode), 0)), Want(80));
+  EXPECT_EQ(decode.calls, 1) << "the second load did not map the entry";
+  EXPECT_FALSE(std::filesystem::exists(stale)) << "a lock file no one holds was left by the load from the entry";
+  EXPECT_TRUE(std::filesystem::exists(held)) << "a lock file in use was removed";
+  EXPECT_TRUE(std::filesystem::exists(not_a_lock)) << "a file that is not a lock file was removed";
+  EXPECT_TRUE(std::filesystem::exists(entry));
+  ::close(held_fd);
+}
+
 // Without locks, a load whose decode outlasts another process's load of the
 // same set finds that one's entry in place when it is done: it maps it
 // instead of writing a second copy over it (a whole write and fsync for
