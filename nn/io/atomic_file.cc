@@ -78,6 +78,10 @@ std::string Folder(const std::string& path) {
   throw CheckpointError(path + ": " + what + ": " + std::strerror(err));
 }
 
+// Whether errno `err` from link(2) says the filesystem makes no hard links
+// (vfat, some FUSE and network filesystems), rather than that it failed.
+bool NoHardLinks(int err) { return err == EPERM || err == ENOTSUP || err == EOPNOTSUPP || err == ENOSYS; }
+
 // What a file of mode `mode` that is not a regular file is, for messages:
 // "a folder", "a FIFO"...
 std::string NonRegularKind(mode_t mode) {
@@ -556,7 +560,11 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
   failed_ = false;
 }
 
-void AtomicFileWriter::Commit() {
+void AtomicFileWriter::Commit() { (void)Place(/*replace=*/true); }
+
+bool AtomicFileWriter::CommitUnlessPresent() { return Place(/*replace=*/false); }
+
+bool AtomicFileWriter::Place(bool replace) {
   CheckNotFailed();
   if (committed_ || fd_ < 0) throw CheckpointError(path_ + ": committed twice");
   failed_ = true;  // until the rename
@@ -617,9 +625,34 @@ void AtomicFileWriter::Commit() {
   if (const int64_t ms = pause_before_rename_ms.load(std::memory_order_relaxed); ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   }
-  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    const int err = errno;  // building the message may change errno
-    Fail(path_, "cannot rename " + temp_path_ + " to it", err);
+  if (replace) {
+    if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+      const int err = errno;  // building the message may change errno
+      Fail(path_, "cannot rename " + temp_path_ + " to it", err);
+    }
+  } else if (::link(temp_path_.c_str(), path_.c_str()) == 0) {
+    ::unlink(temp_path_.c_str());  // the new file stays, under the target's name
+  } else {
+    const int err = errno;
+    struct stat linked{};
+    if (err == EEXIST && ::fstat(lock_keeper.fd, &linked) == 0 && linked.st_nlink >= 2) {
+      // The link was made, but its reply was lost and the retried call
+      // found the name taken (NFS): the temporary has the target's name too.
+      ::unlink(temp_path_.c_str());
+    } else if (err == EEXIST || (NoHardLinks(err) && ::lstat(path_.c_str(), &now) == 0)) {
+      ::unlink(temp_path_.c_str());
+      failed_ = false;  // nothing went wrong, and nothing is left to commit (fd_ is closed)
+      return false;
+    } else if (NoHardLinks(err)) {
+      // Only a rename puts the file in place here: a file put at the target
+      // between the look above and the rename is replaced after all.
+      if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+        const int rename_err = errno;
+        Fail(path_, "cannot rename " + temp_path_ + " to it", rename_err);
+      }
+    } else {
+      Fail(path_, "cannot link " + temp_path_ + " to it", err);
+    }
   }
   committed_ = true;
   failed_ = false;
@@ -631,6 +664,7 @@ void AtomicFileWriter::Commit() {
   } catch (const CheckpointError& e) {
     throw CheckpointError(path_ + ": written and renamed into place, but it may not survive a crash: " + e.what());
   }
+  return true;
 }
 
 OrderedStop::OrderedStop(std::atomic<bool>& stop) : stop_(stop) {

@@ -63,6 +63,17 @@ class AtomicFileWriter {
   /// hold part of the data, or data an fsync failed to keep), Write and
   /// Commit throw, so that what is left is never renamed into place.
   void Commit();
+  /// As Commit, but never replaces a file at the target: the temporary is
+  /// hard-linked to the target's name, which fails where the name is
+  /// taken, then its own name is removed. Returns false, removing the
+  /// temporary and leaving the file at the target as it is, when a file is
+  /// there (put there before the writer was made or since); true
+  /// when the new file is in place. For writers of one content that several
+  /// processes may write at once without a lock (each would otherwise unlink
+  /// the other's file under its readers). Where the filesystem makes no hard
+  /// links, the target is looked up just before a rename: a file put there
+  /// between the two is replaced. Call at most once, instead of Commit.
+  [[nodiscard]] bool CommitUnlessPresent();
   /// Path of the temporary file (for tests).
   const std::string& temp_path() const { return temp_path_; }
 
@@ -75,6 +86,8 @@ class AtomicFileWriter {
   // Set while a Write or Commit runs, and left set when one throws.
   bool failed_ = false;
 
+  // Commit (`replace`) or CommitUnlessPresent.
+  bool Place(bool replace);
   // Throws when asked to stop.
   void CheckStop() const;
   // Throws when an earlier Write or Commit threw.

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <zlib.h>
@@ -175,6 +176,44 @@ TEST(AtomicFileWriter, AFifoPutAtTheTargetDuringTheWriteIsRefusedByCommit) {
     EXPECT_THAT(ErrorOf([&] { out.Commit(); }), HasSubstr(path));
   }
   EXPECT_EQ(SortedFilesIn(dir), std::vector<std::string>{"c.bin"});
+}
+
+// CommitUnlessPresent puts the new file in place where no file is, and
+// leaves one that is there (here, put there during the write, as another
+// process writing the same content would), removing its temporary.
+TEST(AtomicFileWriter, CommitUnlessPresentNeverReplacesAFileAtTheTarget) {
+  const std::string dir = FreshDir();
+  ASSERT_FALSE(dir.empty());
+  const std::string placed = dir + "/placed.bin", taken = dir + "/taken.bin";
+  {
+    AtomicFileWriter out(placed);
+    out.Write("new", 3);
+    EXPECT_TRUE(out.CommitUnlessPresent());
+  }
+  {
+    AtomicFileWriter out(taken);
+    out.Write("new", 3);
+    MakeFile(taken, "theirs");
+    struct stat before{};
+    ASSERT_EQ(::lstat(taken.c_str(), &before), 0);
+    const std::string temp = out.temp_path();
+    EXPECT_FALSE(out.CommitUnlessPresent());
+    EXPECT_NE(::access(temp.c_str(), F_OK), 0) << temp << " was left";
+    struct stat after{};
+    ASSERT_EQ(::lstat(taken.c_str(), &after), 0);
+    EXPECT_EQ(after.st_ino, before.st_ino) << taken << " was replaced";
+    // Nothing is left to put in place by a later Commit.
+    EXPECT_THAT(ErrorOf([&] { out.Commit(); }), HasSubstr(taken));
+  }
+  EXPECT_EQ(SortedFilesIn(dir), (std::vector<std::string>{"placed.bin", "taken.bin"}));
+  for (const auto& [path, bytes] : {std::pair<std::string, std::string>{placed, "new"}, {taken, "theirs"}}) {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    ASSERT_NE(f, nullptr) << path;
+    char buf[16];
+    const size_t n = std::fread(buf, 1, sizeof(buf), f);
+    std::fclose(f);
+    EXPECT_EQ(std::string(buf, n), bytes) << path;
+  }
 }
 
 // A folder is refused as before, now in the same words as the others.
