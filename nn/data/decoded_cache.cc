@@ -225,17 +225,26 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
   return out;
 }
 
+// What WriteEntry did.
+enum class Written {
+  kInPlace,  // the entry written is at its name
+  kFailed,   // nothing was put in place (reported)
+  kPresent,  // another file was at the name, and was left there (`replace` false)
+};
+
 // Writes an entry for `sources` (best effort) through AtomicFileWriter:
 // readers never see part of one, and the temporary files of killed writers
-// are removed by the next one. Returns whether the entry is in place; a
-// failure is reported (once per process).
-bool WriteEntry(const std::string& dir, const std::string& path, const std::vector<SourceStat>& sources,
-                const std::vector<int64_t>& dims, const std::vector<uint8_t>& data) {
-  if (dims.empty() || dims.size() > kMaxDims) return false;
+// are removed by the next one. With `replace` false, a file at the entry's
+// name (put there since the caller looked) is left as it is
+// (AtomicFileWriter::CommitUnlessPresent). A failure is reported (once per
+// process).
+Written WriteEntry(const std::string& dir, const std::string& path, const std::vector<SourceStat>& sources,
+                   const std::vector<int64_t>& dims, const std::vector<uint8_t>& data, bool replace) {
+  if (dims.empty() || dims.size() > kMaxDims) return Written::kFailed;
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
     ReportWriteFailure(path, dir + " is not a folder" + (ec ? " (" + ec.message() + ")" : ""));
-    return false;
+    return Written::kFailed;
   }
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
@@ -260,14 +269,15 @@ bool WriteEntry(const std::string& dir, const std::string& path, const std::vect
       out.Write(&dim, sizeof(dim));
     }
     out.Write(data.data(), data.size());
+    if (!replace) return out.CommitUnlessPresent() ? Written::kInPlace : Written::kPresent;
     out.Commit();
   } catch (const io::CheckpointError& e) {
     // An unwritable cache (full disk, read-only folder) leaves loads as
     // they were, decoding.
     ReportWriteFailure(path, e.what());
-    return false;
+    return Written::kFailed;
   }
-  return true;
+  return Written::kInPlace;
 }
 
 // A lock file that could be made but not locked (NFS mounted without locks
@@ -568,17 +578,37 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
   }
   // Only the lock's holder writes: one whole entry, not one per rank. Where
   // the filesystem has no locks, every load writes: the writes are atomic
-  // (each rename puts a whole entry in place), so the only cost is ranks of
-  // a cold cache each writing one, against decoding the set on every load
-  // of every later run when none was written.
+  // (each puts a whole entry in place), so the only cost is ranks of a cold
+  // cache each writing one, against decoding the set on every load of every
+  // later run when none was written.
   if (lock != nullptr && (lock->held() || no_locks) && bytes.size() >= min_bytes) {
     // A source replaced or rewritten during the decode may have given either
     // file's bytes: an entry would pair the identity stated before with the
     // other contents, so none is written.
     std::vector<SourceStat> after;
-    if (StatSources(sources, &after) && after == stats && WriteEntry(dir, path, stats, dims, bytes)) {
-      NoteInUse(path);
-      EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes());
+    if (StatSources(sources, &after) && after == stats) {
+      // Without the lock, another process may put its entry in place while
+      // this one writes (the look above comes a whole write and fsync
+      // before): where no file is at the name, the entry is linked into
+      // place, never over one that came meanwhile, which is mapped instead.
+      // A file that is there already (no valid entry, as the look found) is
+      // replaced: two loads that replace a corrupt entry at once may still
+      // replace each other's.
+      struct stat st{};
+      const bool replace = !no_locks || ::lstat(path.c_str(), &st) == 0;
+      switch (WriteEntry(dir, path, stats, dims, bytes, replace)) {
+        case Written::kInPlace:
+          NoteInUse(path);
+          EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes());
+          break;
+        case Written::kPresent: {
+          SharedArray hit = MapEntry(path, stats);
+          if (hit.owner != nullptr) return use(std::move(hit));
+          break;
+        }
+        case Written::kFailed:
+          break;
+      }
     }
   }
   lock.reset();

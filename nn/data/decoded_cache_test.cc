@@ -41,6 +41,7 @@
 #include "nn/data/cifar.h"
 #include "nn/data/idx.h"
 #include "nn/data/test_files.h"
+#include "nn/io/atomic_file.h"
 
 namespace ddp::nn::data::internal {
 namespace {
@@ -923,6 +924,65 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheDecodeIsMappedNotReplaced)
   struct stat now{};
   ASSERT_EQ(::stat(after[0].c_str(), &now), 0);
   EXPECT_EQ(now.st_ino, written.st_ino) << "the slow load wrote its copy over the entry in place";
+}
+
+// Without locks, the look for another process's entry after the decode
+// came a whole write and fsync before the rename: an entry put in place in
+// between was replaced (unlinked under the ranks that had it mapped, which
+// on NFS lose it when another client unlinks it). The entry is now linked
+// into place, which never replaces one: the load maps the entry in place.
+// Here the other load writes while this one's temporary exists.
+TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheWriteIsMappedNotReplaced) {
+  const std::string dir = FreshDir("decoded_nolock_write_race");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  int started[2], go[2];
+  ASSERT_EQ(::pipe(started), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  // Exit statuses: 1 for wrong bytes, 5 when `go` did not come in 20 s.
+  const pid_t slow = StartWithoutLocks(src, [&] {
+    ::close(started[0]);
+    ::close(go[1]);
+    io::internal::SetTemporaryCreatedHookForTesting([&](const std::string&) {
+      if (::write(started[1], "t", 1) != 1) ::_exit(6);
+      ::close(started[1]);
+      pollfd p{go[0], POLLIN, 0};
+      if (::poll(&p, 1, 20000) != 1) ::_exit(5);  // the parent closes its end when the other load is done
+    });
+    CountingDecode decode{src};
+    return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) ? 0 : 1;
+  });
+  ASSERT_GT(slow, 0);
+  ::close(started[1]);
+  ::close(go[0]);
+  char c;
+  const bool writing = ::read(started[0], &c, 1) == 1;
+  ::close(started[0]);
+  int fast = -1;
+  if (writing) {
+    fast = InChildWithoutLocks(src, [&] {
+      CountingDecode decode{src};
+      return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) && decode.calls == 1 ? 0 : 1;
+    });
+  }
+  struct stat written{};
+  std::string entry;
+  for (const auto& e : Entries(cache_dir)) {
+    if (e.string().find(".tmp.") == std::string::npos) entry = e.string();
+  }
+  const bool placed = !entry.empty() && ::stat(entry.c_str(), &written) == 0;
+  ::close(go[1]);
+  ASSERT_EQ(ExitStatus(slow), 0) << "the slow load failed";
+  ASSERT_TRUE(writing) << "the slow load did not start writing";
+  ASSERT_EQ(fast, 0) << "the other load did not decode and write the entry";
+  ASSERT_TRUE(placed) << "no entry after the other load";
+  const auto after = Entries(cache_dir);
+  ASSERT_EQ(after.size(), 1u) << "a temporary was left beside the entry";
+  struct stat now{};
+  ASSERT_EQ(::stat(after[0].c_str(), &now), 0);
+  EXPECT_EQ(now.st_ino, written.st_ino) << "the slow load put its copy over the entry in place";
 }
 
 // Past DDP_DATA_CACHE_MAX_BYTES, writing an entry removes the least recently
