@@ -29,8 +29,9 @@
 namespace ddp::nn::data::internal {
 namespace {
 
-// Version 3 added the change time to SourceStat.
-constexpr char kMagic[8] = {'D', 'D', 'P', 'D', 'E', 'C', '3', '\0'};
+// Version 3 added the change time to SourceStat, version 4 took the
+// device number out.
+constexpr char kMagic[8] = {'D', 'D', 'P', 'D', 'E', 'C', '4', '\0'};
 constexpr uint32_t kMaxDims = 8;
 constexpr uint32_t kMaxSources = 64;
 
@@ -47,9 +48,14 @@ struct Header {
 
 // What identifies a source file's contents without reading it. The change
 // time is there because the modification time can be set back (`cp -p` or
-// `touch -r` onto the file), the change time cannot.
+// `touch -r` onto the file), the change time cannot. The device number is
+// not: an overlay (a container's root) or an NFS mount gets another one
+// each time it is mounted, for the same files with the same inodes and
+// times, so every restart of a container decoded its sets again and wrote
+// new entries. Another file at the same path with the same inode, size
+// and both times is all but impossible without the device (its change
+// time is when it was made or last changed).
 struct SourceStat {
-  uint64_t dev;
   uint64_t ino;
   uint64_t size;
   int64_t mtime_ns;
@@ -105,7 +111,7 @@ uint32_t Crc(const uint8_t* data, size_t n) {
 // absolute path and identity (SourceStat): the entry's file name. An entry
 // is valid only for the source files it was decoded from, so hosts sharing
 // a cache folder (a home directory on NFS) whose copies of a set differ
-// (another device, inode or change time) get an entry each, instead of
+// (another inode or change time) get an entry each, instead of
 // replacing each other's at every load under ranks that have it mapped;
 // hosts that see the same files (same identity) share one. The name used
 // to hash the host name for that: a container whose host name changes at
@@ -127,7 +133,6 @@ std::string EntryName(const std::vector<std::string>& sources, const std::vector
     h = (h ^ 0xff) * 1099511628211ull;  // a separator between paths
   }
   for (const SourceStat& st : stats) {
-    mix(st.dev);
     mix(st.ino);
     mix(st.size);
     mix(static_cast<uint64_t>(st.mtime_ns));
@@ -149,8 +154,7 @@ bool StatSources(const std::vector<std::string>& sources, std::vector<SourceStat
   for (const std::string& source : sources) {
     struct stat st;
     if (::stat(source.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
-    out->push_back({static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
-                    static_cast<uint64_t>(st.st_size),
+    out->push_back({static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_size),
                     static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
                     static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec});
   }

@@ -7,9 +7,10 @@
 // run). Fashion-MNIST's training images take ~0.3 s and 47 MB of fresh memory
 // per process to decompress, and ~15 ms to map and check.
 //
-// An entry is keyed by its source files (their paths, devices, inodes, sizes,
+// An entry is keyed by its source files (their paths, inodes, sizes,
 // modification and change times, stated before the decode and again after
-// it: a source that changed meanwhile gets no entry) and carries a CRC-32 of
+// it: a source that changed meanwhile gets no entry; not their device
+// numbers, which an overlay or NFS mount changes at each mount) and carries a CRC-32 of
 // its data: an entry that does not match is ignored and written again. The
 // entry's name hashes the same key, not the host name: hosts sharing a cache
 // folder keep an entry each for copies of a set that differ, share one for

@@ -524,6 +524,53 @@ TEST(DecodedCache, AnotherHostNameMapsTheEntryOfTheSameFiles) {
   EXPECT_EQ(Entries(dir + "/cache").size(), 1u) << "the child wrote an entry of its own";
 }
 
+// A container restarted on the same image, played by a child in a mount
+// namespace of its own that mounts an overlay of the set's folder, loads
+// it, then mounts another overlay of it on the same place: the same files,
+// inodes and times at the same path, under another device number (as an
+// overlay or NFS mount gets at each mount). It maps the entry the first
+// mount's load wrote; the entry's name hashed the device number, so every
+// restart decoded the set again and wrote another entry.
+TEST(DecodedCache, AnotherMountOfTheSameFilesMapsTheirEntry) {
+  const std::string dir = FreshDir("decoded_overlay");
+  const CacheDir cache(dir + "/cache");
+  const std::string lower = dir + "/lower", empty = dir + "/empty", root = dir + "/root";
+  for (const std::string& d : {lower, empty, root}) ASSERT_EQ(::mkdir(d.c_str(), 0755), 0) << d;
+  WriteFile(lower + "/images.gz", Gzip(IdxBytes({5, 4, 3}, Pixels(60))));
+  const std::string src = root + "/images.gz";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Needs root (CAP_SYS_ADMIN) and overlayfs. The root made private
+    // first, so that the mounts stay in the child's namespace; two lower
+    // folders, as an overlay without an upper one needs.
+    const std::string options = "lowerdir=" + lower + ":" + empty;
+    const auto mount_overlay = [&] {
+      return ::mount("overlay", root.c_str(), "overlay", MS_RDONLY, options.c_str()) == 0;
+    };
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        !mount_overlay()) {
+      ::_exit(2);
+    }
+    struct stat first{}, second{};
+    CountingDecode decode{src};
+    if (::stat(src.c_str(), &first) != 0 || Bytes(LoadDecoded(src, std::ref(decode), 0)) != Want(60)) ::_exit(1);
+    if (!mount_overlay()) ::_exit(2);
+    if (::stat(src.c_str(), &second) != 0 || second.st_dev == first.st_dev || second.st_ino != first.st_ino) {
+      ::_exit(3);
+    }
+    if (Bytes(LoadDecoded(src, std::ref(decode), 0)) != Want(60)) ::_exit(1);
+    ::_exit(decode.calls == 1 ? 0 : 4);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
+  ASSERT_NE(WEXITSTATUS(status), 2) << "unshare or an overlay mount failed (this test needs root and overlayfs)";
+  ASSERT_NE(WEXITSTATUS(status), 3) << "the second overlay did not show the file under another device number";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child read wrong bytes (1) or decoded again under the second mount (4)";
+  EXPECT_EQ(Entries(dir + "/cache").size(), 1u) << "the second mount's load wrote an entry of its own";
+}
+
 // Another host sharing the cache folder (a home directory on NFS), with its
 // own copy of the set at the same path, played by a child in UTS and mount
 // namespaces of its own, another file bind-mounted over the source: it
