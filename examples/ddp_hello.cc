@@ -54,7 +54,7 @@ using nn::Tensor;
 // What gflags left of the command line (`argc`, `argv`) and the flags'
 // ranges, checked before the ranks connect or read data; "" when they are
 // fine, else what is wrong, naming the argument or the flag.
-std::string FlagProblem(int argc, char** argv) {
+std::string RangeProblem(int argc, char** argv) {
   if (argc > 1) {
     return std::string("unexpected argument '") + argv[1] + "'; flags are written --name=value (see --help)";
   }
@@ -90,11 +90,11 @@ std::string CheckpointPathProblem(const std::string& path) {
 
 // For SelfLaunchOptions::check_arguments: in the process that starts the
 // ranks, the flags as every rank will parse them, so that a wrong one is
-// refused once and nothing starts. gflags refuses an unknown flag or a
-// malformed value itself (one line, exit 1, as train's launcher does).
+// refused once and nothing starts. An unknown flag or a malformed value
+// was refused before (ddp::examples::FlagProblem in main).
 std::string LaunchFlagProblem(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
-  if (std::string problem = FlagProblem(argc, argv); !problem.empty()) return problem;
+  if (std::string problem = RangeProblem(argc, argv); !problem.empty()) return problem;
   // Rank 0 runs on this host: its --checkpoint can be checked here too.
   if (FLAGS_checkpoint.empty()) return "";
   return CheckpointPathProblem(ddp::examples::UserPath(FLAGS_checkpoint));
@@ -197,6 +197,14 @@ int main(int argc, char** argv) {
       "the MLP on Fashion-MNIST on --nproc_per_node ranks (default 2) with DistributedDataParallel\n"
       "Usage: bazel run //examples:ddp_hello -- [--nproc_per_node=N] [--flag=value ...]");
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/ddp_hello")) return 0;
+  // A misspelt flag or a value of the wrong type, in one line that names
+  // the nearest flag (gflags' own message names no program and exits 1),
+  // as train and the benchmarks say it; every rank under another launcher.
+  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/ddp_hello");
+      !problem.empty()) {
+    std::fprintf(stderr, "ddp_hello: %s\n", problem.c_str());
+    return 2;
+  }
   // Before anything touches UCX or starts a thread: become N ranks, once
   // the flags are found fine.
   ddp::transport::launch::SelfLaunchOrExit(
@@ -205,7 +213,7 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach the launcher as they are printed
   // Under another launcher (ddprun, srun, mpirun), which does not know
   // these flags, every rank checks them: all refuse.
-  if (const std::string problem = FlagProblem(argc, argv); !problem.empty()) {
+  if (const std::string problem = RangeProblem(argc, argv); !problem.empty()) {
     std::fprintf(stderr, "ddp_hello: %s\n", problem.c_str());
     return 2;
   }

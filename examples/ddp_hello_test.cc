@@ -139,19 +139,31 @@ TEST(DdpHelloTest, BadFlagsAreRefusedBeforeAnythingStarts) {
   }
 }
 
-// An unknown flag or a malformed value is gflags' to refuse (one line, exit
-// 1, as train does), and it is refused before any rank starts: each of the
-// ranks used to start and print it, then the launcher its own line.
-TEST(DdpHelloTest, AnUnknownFlagIsRefusedOnce) {
+// A misspelt flag or a malformed value gets one line naming the nearest
+// flag, exit 2, as train and the benchmarks answer (gflags' own "ERROR:
+// unknown command line flag 'epoch'" named no program and exited 1), and it
+// is refused before any rank starts; one rank under another launcher
+// refuses it the same way.
+TEST(DdpHelloTest, AnUnknownFlagIsRefusedOnceNamingTheNearest) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--epoch=2", "ERROR: unknown command line flag 'epoch'"},
-      {"--epochs=two", "ERROR: illegal value 'two' specified for int32 flag 'epochs'"},
+      {"--epoch=2", "unknown flag --epoch; did you mean --epochs? (--help lists the flags)"},
+      {"--batchsize", "unknown flag --batchsize; did you mean --batch_size? (--help lists the flags)"},
+      {"--epochs=two", "--epochs=two: the flag takes a whole number"},
+      {"--lr=fast", "--lr=fast: the flag takes a number"},
   };
+  const std::vector<std::pair<std::string, std::string>> one_rank = {
+      {"RANK", "0"},         {"WORLD_SIZE", "1"},         {"LOCAL_RANK", "0"},
+      {"LOCAL_WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
   for (const auto& [flag, message] : cases) {
-    const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--nproc_per_node=3", flag});
-    EXPECT_EQ(r.exit_code, 1) << flag << "\n" << r.out << r.err;
-    EXPECT_EQ(r.err, message + "\n") << flag;
-    EXPECT_EQ(r.out, "") << flag;
+    for (const bool launched : {false, true}) {
+      const std::string what = flag + (launched ? " under a launcher" : "");
+      const RunOutput r =
+          launched ? RunToEnd({Runfile("examples/ddp_hello"), flag}, one_rank)
+                   : RunToEnd({Runfile("examples/ddp_hello"), "--nproc_per_node=3", flag});
+      EXPECT_EQ(r.exit_code, 2) << what << "\n" << r.out << r.err;
+      EXPECT_EQ(r.err, "ddp_hello: " + message + "\n") << what;
+      EXPECT_EQ(r.out, "") << what;
+    }
   }
 }
 
