@@ -2,6 +2,7 @@
 // must get one line that says how to fix them (exit status 2, nothing
 // started).
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <gflags/gflags.h>
@@ -452,12 +453,12 @@ TEST(TrainCliTest, CheckpointThatNamesAFolderIsRefusedAtTheStart) {
 
 // The trainer's outputs are written beside their path and renamed over it,
 // which is refused for anything but a regular file. A FIFO (or socket, or
-// device) at --checkpoint, or at metrics.csv, chart.svg or a trace file in
-// --log_dir, is refused before training, naming the flag and the file: the
+// device) at --checkpoint, or at chart.svg or a trace file in --log_dir,
+// is refused before training, naming the flag and the file: the
 // checkpoint's was found only at the first save, after the FIFO had been
 // linked to <stem>.prev as "another run's checkpoint"; chart.svg's and the
-// trace's only as a warning during or after the run (exit status 0); and
-// metrics.csv's in words that named neither --log_dir nor what to do.
+// trace's only as a warning during or after the run (exit status 0).
+// (metrics.csv may be one: AFifoAtMetricsCsvStreamsTheRows.)
 TEST(TrainCliTest, OutputPathThatIsAFifoIsRefusedAtTheStart) {
   const std::string dir = testing::MakeTempDir("output_fifo");
   const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=128",
@@ -478,16 +479,14 @@ TEST(TrainCliTest, OutputPathThatIsAFifoIsRefusedAtTheStart) {
   EXPECT_EQ(OneErrorLine(Train(args)),
             "train: --checkpoint=" + link + " leads to " + fifo + ", a FIFO, not a regular file, and each "
             "save would replace it; pass the path of a checkpoint file (new or old), or --checkpoint=none");
-  for (const char* name : {"metrics.csv", "chart.svg"}) {
-    const std::string logs = dir + "/logs_" + name;
-    std::filesystem::create_directories(logs);
-    ASSERT_EQ(::mkfifo((logs + "/" + name).c_str(), 0600), 0);
-    args = quick;
-    args.insert(args.end(), {"--checkpoint=none", "--log_dir=" + logs});
-    EXPECT_EQ(OneErrorLine(Train(args)),
-              "train: --log_dir=" + logs + ": " + logs + "/" + name + " is a FIFO, not a regular file, and "
-              "the run would replace it with its " + name + "; move it away, or pass another --log_dir");
-  }
+  const std::string logs = dir + "/logs";
+  std::filesystem::create_directories(logs);
+  ASSERT_EQ(::mkfifo((logs + "/chart.svg").c_str(), 0600), 0);
+  args = quick;
+  args.insert(args.end(), {"--checkpoint=none", "--log_dir=" + logs});
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --log_dir=" + logs + ": " + logs + "/chart.svg is a FIFO, not a regular file, and "
+            "the run would replace it with its chart.svg; move it away, or pass another --log_dir");
   const std::string traces = dir + "/traces";
   std::filesystem::create_directories(traces);
   ASSERT_EQ(::mkfifo((traces + "/trace_rank0.json").c_str(), 0600), 0);
@@ -501,6 +500,36 @@ TEST(TrainCliTest, OutputPathThatIsAFifoIsRefusedAtTheStart) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("done in"), std::string::npos) << "it trained: " << r.out;
+}
+
+// A named pipe at metrics.csv in --log_dir (metrics streamed to a reader,
+// as a PyTorch script prints them into `| tee`) gets the header and every
+// row, line by line, and stays a pipe; chart.svg beside it is a file. It
+// was refused, as a FIFO that the run would replace.
+TEST(TrainCliTest, AFifoAtMetricsCsvStreamsTheRows) {
+  const std::string logs = testing::MakeTempDir("metrics_fifo");
+  const std::string csv = logs + "/metrics.csv";
+  ASSERT_EQ(::mkfifo(csv.c_str(), 0600), 0);
+  // Opened first, as `cat logs/metrics.csv &` would be; read once the run
+  // ended (its few rows fit in the pipe).
+  const int reader = ::open(csv.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0);
+  const RunOutput r = Train({"--dataset=synthetic", "--model=mlp", "--train_samples=128", "--test_samples=32",
+                             "--batch_size=16", "--max_steps=2", "--log_every=1", "--workers=0",
+                             "--nproc_per_node=1", "--checkpoint=none", "--log_dir=" + logs});
+  std::string streamed;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(reader, buffer, sizeof(buffer))) > 0;) streamed.append(buffer, n);
+  ::close(reader);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> rows = Lines(streamed);
+  ASSERT_GE(rows.size(), 3u) << streamed;
+  EXPECT_EQ(rows[0], "step,epoch,loss,lr,samples_per_s,test_loss,test_acc");
+  EXPECT_EQ(rows[1].rfind("1,1,", 0), 0u) << streamed;
+  EXPECT_EQ(rows[2].rfind("2,1,", 0), 0u) << streamed;
+  EXPECT_EQ(streamed.back(), '\n') << streamed;
+  EXPECT_EQ(std::filesystem::status(csv).type(), std::filesystem::file_type::fifo);
+  EXPECT_TRUE(std::filesystem::is_regular_file(logs + "/chart.svg"));
 }
 
 // An empty path (a script's `--checkpoint="$CKPT"` with CKPT unset) is

@@ -1,5 +1,9 @@
 #include "examples/trainer/metrics_log.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -7,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "examples/trainer/format.h"
 #include "examples/trainer/svg_chart.h"
@@ -54,6 +59,11 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
   std::filesystem::create_directories(dir_, ec);
   if (ec) {
     throw std::runtime_error("cannot create --log_dir " + dir_ + ": " + ec.message());
+  }
+  const std::filesystem::file_type type = std::filesystem::status(csv_path(), ec).type();
+  if (type == std::filesystem::file_type::fifo || type == std::filesystem::file_type::character) {
+    OpenStream();
+    return;
   }
   // Keep the rows of the interrupted run up to the resumed step; later rows
   // are written again by this run.
@@ -130,9 +140,62 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
 
 MetricsLog::~MetricsLog() {
   if (csv_ != nullptr) std::fclose(csv_);
+  if (stream_fd_ >= 0) ::close(stream_fd_);
+}
+
+void MetricsLog::OpenStream() {
+  using Clock = std::chrono::steady_clock;
+  // Non-blocking: a FIFO's open would otherwise wait for a reader without
+  // end (here it fails with ENXIO until one comes), and a row would wait
+  // for a reader that stopped taking them.
+  const Clock::time_point until = Clock::now() + kStreamReaderWait;
+  for (;;) {
+    stream_fd_ = ::open(csv_path().c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (stream_fd_ >= 0 || errno != ENXIO || Clock::now() >= until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (stream_fd_ < 0 && errno == ENXIO) {
+    throw std::runtime_error("--log_dir: " + csv_path() + " is a FIFO, and nothing opened it for reading within " +
+                             std::to_string(kStreamReaderWait.count()) + " s of the start; start its reader " +
+                             "first (cat " + csv_path() + "), or move it away");
+  }
+  if (stream_fd_ < 0) throw std::runtime_error("cannot open " + csv_path() + ": " + std::strerror(errno));
+  WriteToStream(std::string(CsvHeader()) + "\n");
+}
+
+void MetricsLog::WriteToStream(const std::string& text) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point until = Clock::now() + kStreamWriteDeadline;
+  size_t done = 0;
+  // A row is far below PIPE_BUF, so a pipe takes it whole or not at all:
+  // a reader never sees half a line.
+  while (done < text.size()) {
+    const ssize_t n = ::write(stream_fd_, text.data() + done, text.size() - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+      if (left.count() <= 0) {
+        throw std::runtime_error("cannot write " + csv_path() + ": its reader took no row for " +
+                                 std::to_string(kStreamWriteDeadline.count()) + " s");
+      }
+      pollfd p{stream_fd_, POLLOUT, 0};
+      ::poll(&p, 1, static_cast<int>(left.count()));
+      continue;
+    }
+    throw std::runtime_error("cannot write " + csv_path() + ": " +
+                             (n < 0 ? std::strerror(errno) : "nothing written"));
+  }
 }
 
 void MetricsLog::Append(const std::string& line) {
+  if (stream_fd_ >= 0) {
+    WriteToStream(line + "\n");
+    return;
+  }
   std::fputs(line.c_str(), csv_);
   std::fputc('\n', csv_);
   if (std::fflush(csv_) != 0) {

@@ -13,7 +13,17 @@
 //
 // On --resume, rows after the checkpoint's step are dropped (the resumed
 // run writes them again) and the chart continues from the earlier rows.
+//
+// A metrics.csv that is (through links) a FIFO or a character device, say
+// a named pipe made with mkfifo or a link to /dev/stdout where that is a
+// pipe or a terminal, is a stream: the header and then each row are
+// written into it as they come, whole lines, nothing replaced or read back
+// (a resumed run's chart then has this run's rows only). A FIFO's reader
+// must open it within kStreamReaderWait of the start, and take each row
+// within kStreamWriteDeadline; else the constructor, or the row's Add*,
+// throws naming the file.
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -40,6 +50,11 @@ struct EvalRecord {
 
 class MetricsLog {
  public:
+  /// How long the constructor waits for a reader of a FIFO at metrics.csv.
+  static constexpr std::chrono::seconds kStreamReaderWait{10};
+  /// How long a row waits for room in a stream (a reader that stopped).
+  static constexpr std::chrono::seconds kStreamWriteDeadline{10};
+
   /// Creates `dir` (and parents). `title` and `subtitle` head the chart.
   /// With `resume_step` >= 0, keeps the rows of an existing metrics.csv up
   /// to that step; otherwise starts a new file. `resume_at_epoch_end`: the
@@ -66,17 +81,24 @@ class MetricsLog {
   /// Whether an evaluation at `step` is logged (kept from before a resume
   /// or added since).
   bool HasEvalAt(int64_t step) const;
+  /// Whether metrics.csv is a stream (a FIFO or a character device), whose
+  /// earlier rows were not read back.
+  bool streaming() const { return stream_fd_ >= 0; }
 
   /// The CSV's header line (without newline).
   static const char* CsvHeader();
 
  private:
   void Append(const std::string& line);
+  // Opens the stream at metrics.csv and writes the header into it.
+  void OpenStream();
+  void WriteToStream(const std::string& text);
 
   std::string dir_;
   std::string title_;
   std::string subtitle_;
-  std::FILE* csv_ = nullptr;
+  std::FILE* csv_ = nullptr;   // a regular metrics.csv
+  int stream_fd_ = -1;         // a stream's (non-blocking)
   std::vector<StepRecord> steps_;
   std::vector<EvalRecord> evals_;
   std::vector<std::pair<int64_t, int64_t>> epoch_ends_;  // (epoch, step)

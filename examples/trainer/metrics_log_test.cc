@@ -1,6 +1,14 @@
 #include "examples/trainer/metrics_log.h"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <termios.h>
+#include <unistd.h>
+
+#include <chrono>
 
 #include <filesystem>
 #include <fstream>
@@ -169,6 +177,125 @@ TEST(MetricsLogTest, ResumeRefusesAMetricsCsvThatCannotBeRead) {
   std::filesystem::remove(csv);
   MetricsLog log(dir, "t", "s", 40);
   EXPECT_EQ(Read(csv), "step,epoch,loss,lr,samples_per_s,test_loss,test_acc\n");
+}
+
+// What `fd` (non-blocking) holds now, waiting up to 5 s for `want` bytes.
+std::string ReadAvailable(int fd, size_t want) {
+  std::string out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (out.size() < want && std::chrono::steady_clock::now() < until) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    char buffer[4096];
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n <= 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+constexpr char kStreamed[] =
+    "step,epoch,loss,lr,samples_per_s,test_loss,test_acc\n"
+    "10,1,2.25,0.05,1234.5,,\n"
+    "10,1,,,,0.5,0.8125\n";
+
+// A named pipe at metrics.csv (a PyTorch user's `| grep`, `| tee`) gets
+// the header and each row as they come, and stays a pipe: nothing is
+// written beside it and renamed over it (the atomic writer refused it,
+// and the run with it). A resumed run reads nothing back from it.
+TEST(MetricsLogTest, AFifoAtMetricsCsvGetsTheRowsAsAStream) {
+  const std::string dir = TempDir("fifo");
+  std::filesystem::create_directories(dir);
+  const std::string csv = dir + "/metrics.csv";
+  ASSERT_EQ(::mkfifo(csv.c_str(), 0600), 0);
+  const int reader = ::open(csv.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0);
+  {
+    MetricsLog log(dir, "t", "s", /*resume_step=*/40);
+    EXPECT_TRUE(log.streaming());
+    EXPECT_TRUE(log.steps().empty());
+    log.AddStep({10, 1, 2.25, 0.05, 1234.5});
+    log.AddEval({10, 1, 0.5, 0.8125});
+    EXPECT_EQ(ReadAvailable(reader, sizeof(kStreamed) - 1), kStreamed);
+    log.WriteChart();
+  }
+  ::close(reader);
+  EXPECT_EQ(std::filesystem::status(csv).type(), std::filesystem::file_type::fifo);
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir + "/chart.svg"));
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 2) << "a temporary was left beside the pipe";
+}
+
+// A character device through a link (here a terminal this test opens, as
+// metrics.csv -> /dev/stdout on a terminal) takes the rows too.
+TEST(MetricsLogTest, ATerminalAtMetricsCsvGetsTheRows) {
+  const std::string dir = TempDir("terminal");
+  std::filesystem::create_directories(dir);
+  const int master = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+  ASSERT_GE(master, 0);
+  ASSERT_EQ(::grantpt(master), 0);
+  ASSERT_EQ(::unlockpt(master), 0);
+  const std::string terminal = ::ptsname(master);
+  // Held open, raw (no "\r\n" for "\n"), so that the rows arrive as written.
+  const int held = ::open(terminal.c_str(), O_RDWR | O_NOCTTY | O_CLOEXEC);
+  ASSERT_GE(held, 0);
+  termios mode{};
+  ASSERT_EQ(::tcgetattr(held, &mode), 0);
+  ::cfmakeraw(&mode);
+  ASSERT_EQ(::tcsetattr(held, TCSANOW, &mode), 0);
+  ASSERT_EQ(::fcntl(master, F_SETFL, O_NONBLOCK), 0);
+  std::filesystem::create_symlink(terminal, dir + "/metrics.csv");
+  {
+    MetricsLog log(dir, "t", "s", -1);
+    EXPECT_TRUE(log.streaming());
+    log.AddStep({10, 1, 2.25, 0.05, 1234.5});
+    log.AddEval({10, 1, 0.5, 0.8125});
+    EXPECT_EQ(ReadAvailable(master, sizeof(kStreamed) - 1), kStreamed);
+  }
+  EXPECT_TRUE(std::filesystem::is_symlink(dir + "/metrics.csv"));
+  ::close(held);
+  ::close(master);
+}
+
+// Opening a FIFO for writing waits for a reader: with none within
+// kStreamReaderWait, the log is refused naming the file, instead of the
+// run waiting for ever.
+TEST(MetricsLogTest, AFifoThatNobodyReadsIsRefusedNamingIt) {
+  const std::string dir = TempDir("fifo_unread");
+  std::filesystem::create_directories(dir);
+  const std::string csv = dir + "/metrics.csv";
+  ASSERT_EQ(::mkfifo(csv.c_str(), 0600), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(RuntimeErrorOf([&] { MetricsLog log(dir, "t", "s", -1); }),
+            "--log_dir: " + csv + " is a FIFO, and nothing opened it for reading within 10 s of the "
+            "start; start its reader first (cat " + csv + "), or move it away");
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, MetricsLog::kStreamReaderWait);
+  EXPECT_EQ(std::filesystem::status(csv).type(), std::filesystem::file_type::fifo);
+}
+
+// A reader that stops taking rows (a stopped pager) leaves the pipe full:
+// the row that does not fit within kStreamWriteDeadline fails naming the
+// file (the trainer then stops logging), instead of blocking training.
+TEST(MetricsLogTest, AStreamWhoseReaderStoppedFailsTheRowAfterTheDeadline) {
+  const std::string dir = TempDir("fifo_full");
+  std::filesystem::create_directories(dir);
+  const std::string csv = dir + "/metrics.csv";
+  ASSERT_EQ(::mkfifo(csv.c_str(), 0600), 0);
+  const int reader = ::open(csv.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0);
+  MetricsLog log(dir, "t", "s", -1);
+  std::string error;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int s = 1; s <= 100000 && error.empty(); ++s) {
+    error = RuntimeErrorOf([&] { log.AddStep({s, 1, 2.25, 0.05, 1234.5}); });
+  }
+  EXPECT_EQ(error, "cannot write " + csv + ": its reader took no row for 10 s");
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, MetricsLog::kStreamWriteDeadline);
+  ::close(reader);
 }
 
 }  // namespace

@@ -278,12 +278,18 @@ void CheckOutputFolders(const TrainConfig& config) {
   }
   if (!config.log_dir.empty()) {
     CheckWritable(config.log_dir, "log_dir", config.log_dir);
-    for (const char* name : {"metrics.csv", "chart.svg"}) {
+    for (const std::string name : {"metrics.csv", "chart.svg"}) {
       const std::string file = config.log_dir + "/" + name;
-      if (const std::string kind = NonRegularKind(file); !kind.empty()) {
+      const std::string kind = NonRegularKind(file);
+      // A FIFO or a character device at metrics.csv is a stream of its
+      // rows (MetricsLog), written into, never replaced.
+      if (name == "metrics.csv" && (kind == "a FIFO" || kind == "a character device")) continue;
+      if (!kind.empty()) {
         throw UsageError("--log_dir=" + config.log_dir + ": " + file + " is " + kind +
                          ", not a regular file, and the run would replace it with its " + name +
-                         "; move it away, or pass another --log_dir");
+                         "; move it away, or pass another --log_dir" +
+                         (name == "metrics.csv" ? " (a FIFO or a character device there takes the rows as a stream)"
+                                                : ""));
       }
     }
   }
@@ -1042,15 +1048,19 @@ int Run::EvaluateMissedAtResume() {
   // Rank 0 keeps the log; every rank evaluates (a collective) or none.
   // Without a log nothing tells whether the run before finished that
   // evaluation: it is made again rather than perhaps never.
-  std::string missed = lead_ && (log_ == nullptr || !log_->HasEvalAt(pos_.step)) ? "1" : "";
+  // A streamed metrics.csv was not read back: it tells nothing either.
+  const bool no_record = log_ == nullptr || log_->streaming();
+  std::string missed = lead_ && (no_record || !log_->HasEvalAt(pos_.step)) ? "1" : "";
   if (par_.ShareFromLead(std::move(missed)).empty()) return 0;
   const int64_t epoch_number =
       epoch_end || pos_.untrained_epochs > 0 ? pos_.epoch : pos_.epoch + 1;
   if (!RecordEvaluation(Evaluate(), epoch_number)) return StopNow();
   Say(StringPrintf("  evaluated at step %lld (epoch %lld), %s: test loss %.4f  test acc %.2f%%",
                    static_cast<long long>(pos_.step), static_cast<long long>(epoch_number),
-                   log_ != nullptr ? "missing from the metrics"
-                                   : "where the run before was to evaluate (no --log_dir says whether it did)",
+                   !no_record ? "missing from the metrics"
+                              : log_ == nullptr
+                                  ? "where the run before was to evaluate (no --log_dir says whether it did)"
+                                  : "where the run before was to evaluate (a streamed metrics.csv is not read back)",
                    last_eval_->loss, last_eval_->accuracy * 100));
   return 0;
 }
