@@ -532,6 +532,27 @@ TEST(TrainCliTest, AFifoAtMetricsCsvStreamsTheRows) {
   EXPECT_TRUE(std::filesystem::is_regular_file(logs + "/chart.svg"));
 }
 
+// metrics.csv linked to the run's own stdout (/proc/self/fd/1, as through
+// /dev/stdout) where that is a regular file (`> out.txt`): the run would
+// replace the file its progress goes to, and the output so far would be
+// gone. Refused at the start, naming the file and the way that streams
+// (stdout into a pipe). The test's stdout is a file in its own folder.
+TEST(TrainCliTest, MetricsCsvThatIsTheRunsOwnStdoutFileIsRefused) {
+  const std::string logs = testing::MakeTempDir("metrics_own_stdout");
+  const std::string csv = logs + "/metrics.csv";
+  ASSERT_EQ(::symlink("/proc/self/fd/1", csv.c_str()), 0);
+  const RunOutput r = Train({"--dataset=synthetic", "--model=mlp", "--train_samples=128", "--test_samples=32",
+                             "--batch_size=16", "--max_steps=2", "--workers=0", "--nproc_per_node=1",
+                             "--checkpoint=none", "--log_dir=" + logs});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_EQ(OneErrorLine(r),
+            "train: --log_dir=" + logs + ": " + csv + " is this run's stdout, a regular file, and the run "
+            "would replace it with its metrics.csv (and lose what was written there); pass another "
+            "--log_dir, or send stdout into a pipe (| tee FILE), where metrics.csv streams");
+  EXPECT_EQ(r.out, "");
+  EXPECT_TRUE(std::filesystem::is_symlink(csv));
+}
+
 // An empty path (a script's `--checkpoint="$CKPT"` with CKPT unset) is
 // refused, naming the flag and its meaningful values. Before, an empty
 // --checkpoint meant no checkpoints: hours of training saved nothing, and

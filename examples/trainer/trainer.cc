@@ -1,6 +1,7 @@
 #include "examples/trainer/trainer.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -203,6 +204,20 @@ std::string NonRegularKind(const std::string& path) {
   }
 }
 
+// "stdout" or "stderr" when `path`, through links, is the regular file that
+// this process's stdout or stderr writes to (a link to /dev/stdout under
+// `> out.txt`); else "". Replacing it would lose what was written there,
+// and the output after it would go to a file no longer in any folder.
+std::string OwnOutputAt(const std::string& path) {
+  struct stat target{};
+  if (::stat(path.c_str(), &target) != 0 || !S_ISREG(target.st_mode)) return "";
+  for (const auto& [fd, name] : {std::pair<int, const char*>{STDOUT_FILENO, "stdout"}, {STDERR_FILENO, "stderr"}}) {
+    struct stat own{};
+    if (::fstat(fd, &own) == 0 && own.st_dev == target.st_dev && own.st_ino == target.st_ino) return name;
+  }
+  return "";
+}
+
 // Throws UsageError unless files can be created in `dir` (made if missing),
 // so that an unwritable --checkpoint or --log_dir fails now, not after an
 // epoch of training.
@@ -284,6 +299,12 @@ void CheckOutputFolders(const TrainConfig& config) {
       // A FIFO or a character device at metrics.csv is a stream of its
       // rows (MetricsLog), written into, never replaced.
       if (name == "metrics.csv" && (kind == "a FIFO" || kind == "a character device")) continue;
+      if (const std::string own = OwnOutputAt(file); !own.empty()) {
+        throw UsageError("--log_dir=" + config.log_dir + ": " + file + " is this run's " + own +
+                         ", a regular file, and the run would replace it with its " + name +
+                         " (and lose what was written there); pass another --log_dir, or send " + own +
+                         " into a pipe (| tee FILE), where metrics.csv streams");
+      }
       if (!kind.empty()) {
         throw UsageError("--log_dir=" + config.log_dir + ": " + file + " is " + kind +
                          ", not a regular file, and the run would replace it with its " + name +
