@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 #include <gflags/gflags.h>
 
@@ -530,6 +531,22 @@ TEST(TrainCliTest, AFifoAtMetricsCsvStreamsTheRows) {
   EXPECT_EQ(streamed.back(), '\n') << streamed;
   EXPECT_EQ(std::filesystem::status(csv).type(), std::filesystem::file_type::fifo);
   EXPECT_TRUE(std::filesystem::is_regular_file(logs + "/chart.svg"));
+}
+
+// A device at metrics.csv other than a terminal (here a node of the null
+// device's number made in the test's folder) is refused at the start,
+// before anything opens it: only a named pipe or a terminal is a stream.
+TEST(TrainCliTest, ADeviceAtMetricsCsvThatIsNoTerminalIsRefused) {
+  const std::string logs = testing::MakeTempDir("metrics_device");
+  const std::string csv = logs + "/metrics.csv";
+  ASSERT_EQ(::mknod(csv.c_str(), S_IFCHR | 0600, makedev(1, 3)), 0);
+  const RunOutput r = Train({"--dataset=synthetic", "--model=mlp", "--train_samples=128", "--test_samples=32",
+                             "--batch_size=16", "--max_steps=2", "--workers=0", "--nproc_per_node=1",
+                             "--checkpoint=none", "--log_dir=" + logs});
+  EXPECT_EQ(OneErrorLine(r),
+            "train: --log_dir=" + logs + ": " + csv + " is a character device, not a regular file, and the "
+            "run would replace it with its metrics.csv; move it away, or pass another --log_dir (a named "
+            "pipe or a terminal there takes the rows as a stream)");
 }
 
 // metrics.csv linked to the run's own stdout (/proc/self/fd/1, as through

@@ -14,9 +14,9 @@
 // On --resume, rows after the checkpoint's step are dropped (the resumed
 // run writes them again) and the chart continues from the earlier rows.
 //
-// A metrics.csv that is (through links) a FIFO or a character device, say
-// a named pipe made with mkfifo or a link to /dev/stdout where that is a
-// pipe or a terminal, is a stream: the header and then each row are
+// A metrics.csv that is (through links) a FIFO or a terminal, say a named
+// pipe made with mkfifo or a link to /dev/stdout where that is a pipe or a
+// terminal, is a stream (IsStream): the header and then each row are
 // written into it as they come, whole lines, nothing replaced or read back
 // (a resumed run's chart then has this run's rows only). A FIFO's reader
 // must open it within kStreamReaderWait of the start, and take each row
@@ -81,7 +81,11 @@ class MetricsLog {
   /// Whether an evaluation at `step` is logged (kept from before a resume
   /// or added since).
   bool HasEvalAt(int64_t step) const;
-  /// Whether metrics.csv is a stream (a FIFO or a character device), whose
+  /// Whether `path`, through links, is a FIFO or a terminal (a character
+  /// device of the tty, console or pseudo-terminal majors): a metrics.csv
+  /// there is a stream. Other devices (/dev/null, /dev/mem) are not.
+  static bool IsStream(const std::string& path);
+  /// Whether metrics.csv is a stream (a FIFO or a terminal), whose
   /// earlier rows were not read back.
   bool streaming() const { return stream_fd_ >= 0; }
 

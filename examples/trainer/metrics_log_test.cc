@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <termios.h>
 #include <unistd.h>
 
@@ -259,6 +260,28 @@ TEST(MetricsLogTest, ATerminalAtMetricsCsvGetsTheRows) {
   EXPECT_TRUE(std::filesystem::is_symlink(dir + "/metrics.csv"));
   ::close(held);
   ::close(master);
+}
+
+// Only a FIFO or a terminal is a stream, told without opening it: a node of
+// the null device's number (1, 3) made in the test's folder is not, nor a
+// regular file or nothing.
+TEST(MetricsLogTest, OnlyAFifoOrATerminalIsAStream) {
+  const std::string dir = TempDir("is_stream");
+  std::filesystem::create_directories(dir);
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  EXPECT_TRUE(MetricsLog::IsStream(dir + "/fifo"));
+  const int master = ::posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+  ASSERT_GE(master, 0);
+  ASSERT_EQ(::grantpt(master), 0);
+  ASSERT_EQ(::unlockpt(master), 0);
+  std::filesystem::create_symlink(::ptsname(master), dir + "/terminal");
+  EXPECT_TRUE(MetricsLog::IsStream(dir + "/terminal"));
+  ::close(master);
+  ASSERT_EQ(::mknod((dir + "/null").c_str(), S_IFCHR | 0600, makedev(1, 3)), 0);
+  EXPECT_FALSE(MetricsLog::IsStream(dir + "/null"));
+  std::ofstream(dir + "/file") << "x";
+  EXPECT_FALSE(MetricsLog::IsStream(dir + "/file"));
+  EXPECT_FALSE(MetricsLog::IsStream(dir + "/absent"));
 }
 
 // Opening a FIFO for writing waits for a reader: with none within

@@ -296,9 +296,9 @@ void CheckOutputFolders(const TrainConfig& config) {
     for (const std::string name : {"metrics.csv", "chart.svg"}) {
       const std::string file = config.log_dir + "/" + name;
       const std::string kind = NonRegularKind(file);
-      // A FIFO or a character device at metrics.csv is a stream of its
-      // rows (MetricsLog), written into, never replaced.
-      if (name == "metrics.csv" && (kind == "a FIFO" || kind == "a character device")) continue;
+      // A FIFO or a terminal at metrics.csv is a stream of its rows
+      // (MetricsLog), written into, never replaced.
+      if (name == "metrics.csv" && MetricsLog::IsStream(file)) continue;
       if (const std::string own = OwnOutputAt(file); !own.empty()) {
         throw UsageError("--log_dir=" + config.log_dir + ": " + file + " is this run's " + own +
                          ", a regular file, and the run would replace it with its " + name +
@@ -309,7 +309,7 @@ void CheckOutputFolders(const TrainConfig& config) {
         throw UsageError("--log_dir=" + config.log_dir + ": " + file + " is " + kind +
                          ", not a regular file, and the run would replace it with its " + name +
                          "; move it away, or pass another --log_dir" +
-                         (name == "metrics.csv" ? " (a FIFO or a character device there takes the rows as a stream)"
+                         (name == "metrics.csv" ? " (a named pipe or a terminal there takes the rows as a stream)"
                                                 : ""));
       }
     }
