@@ -1,6 +1,7 @@
 #include "nn/optim/lr_scheduler.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -600,6 +601,8 @@ void CheckCycledMomentum(const Optimizer& optimizer, const Schedule& schedule) {
 
 LrScheduler::LrScheduler(internal::GroupRates rates, std::shared_ptr<Schedule> schedule, Optimizer* optimizer)
     : rates_(std::move(rates)), schedule_(std::move(schedule)) {
+  static std::atomic<uint64_t> next_serial{1};
+  serial_ = next_serial.fetch_add(1);
   if (!rates_.get || !rates_.set) throw std::invalid_argument("LrScheduler: the target lacks get or set");
   if (!schedule_) throw std::invalid_argument("LrScheduler: no schedule");
   if (schedule_->GroupCount() != 0 && schedule_->GroupCount() != rates_.count) {
@@ -835,7 +838,7 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
 LrScheduler::CheckedState LrScheduler::CheckStateDict(const NamedTensors& state) const {
   SchedulerState s = ReadSchedulerState(state, *schedule_, rates_.count, momentum_of_);
   CheckedState checked;
-  checked.schedule_ = schedule_.get();
+  checked.scheduler_ = serial_;
   checked.step_ = s.step;
   checked.base_lrs_ = std::move(s.base_lrs);
   checked.lrs_ = std::move(s.lrs);
@@ -846,13 +849,13 @@ LrScheduler::CheckedState LrScheduler::CheckStateDict(const NamedTensors& state)
 void LrScheduler::LoadStateDict(const NamedTensors& state) { LoadChecked(CheckStateDict(state)); }
 
 void LrScheduler::LoadChecked(const CheckedState& checked) {
-  // The values are the schedule's: another scheduler's schedule would
-  // have given others.
-  if (checked.schedule_ != schedule_.get() || checked.base_lrs_.size() != rates_.count) {
+  // The values are this scheduler's schedule's, checked against its
+  // optimizer: another scheduler's could have given or refused others.
+  if (checked.scheduler_ != serial_ || checked.base_lrs_.size() != rates_.count) {
     throw std::invalid_argument(
         "LrScheduler.LoadChecked: the checked state (" + std::to_string(checked.base_lrs_.size()) +
         " param group(s)) was not checked by this scheduler (" + std::to_string(rates_.count) +
-        " param group(s)) or another of its schedule: load what this scheduler's CheckStateDict returned");
+        " param group(s)): load what this scheduler's CheckStateDict returned");
   }
   // The rates are set first: if the target refuses one (a schedule may
   // still compute a rate the optimizer takes as invalid), nothing has

@@ -301,8 +301,11 @@ class LrScheduler {
    private:
     friend class LrScheduler;
     CheckedState() = default;
-    // The schedule that computed the values (compared, not dereferenced).
-    const Schedule* schedule_ = nullptr;
+    // The serial number of the scheduler that computed the values. Not its
+    // schedule's address: a schedule destroyed with its scheduler may have
+    // its memory reused by another scheduler's schedule, which would then
+    // take values it did not compute.
+    uint64_t scheduler_ = 0;
     int64_t step_ = 0;
     std::vector<double> base_lrs_;
     // Per param group, at step_.
@@ -319,8 +322,8 @@ class LrScheduler {
   /// rates and momenta the check computed, without asking the schedule
   /// again (a restore that checks every component before loading any asks
   /// a LambdaSchedule's functions once per group). Throws
-  /// std::invalid_argument, changing nothing, when `checked` came from a
-  /// scheduler of another schedule or number of param groups, and as
+  /// std::invalid_argument, changing nothing, when `checked` came from
+  /// another scheduler (even one since destroyed), and as
   /// LoadStateDict(state) does when the target refuses a rate.
   void LoadChecked(const CheckedState& checked);
 
@@ -349,6 +352,9 @@ class LrScheduler {
   Optimizer* momentum_of_ = nullptr;
   std::vector<double> base_lrs_;
   int64_t t_ = 0;
+  // Unique among the schedulers of this process (a moved-to scheduler
+  // takes its source's): what CheckedState is matched by.
+  uint64_t serial_ = 0;
 };
 
 /// ReduceLROnPlateau's parameters, with PyTorch's defaults.

@@ -16,7 +16,9 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <new>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -988,6 +990,51 @@ TEST(LambdaGroups, ACheckedStateLoadsWithoutAskingTheFunctionsAgain) {
   EXPECT_EQ(sched.step_count(), 3);
   EXPECT_EQ(opt.lr(0), 0.5);
   EXPECT_EQ(opt.lr(1), 0.5);
+}
+
+// base_lr * factor, describing itself as nothing: a state loads whatever
+// the factor it was saved with.
+class ScaledSchedule : public Schedule {
+ public:
+  explicit ScaledSchedule(double factor) : factor_(factor) {}
+  double Lr(double base_lr, int64_t /*t*/) const override { return base_lr * factor_; }
+
+ private:
+  double factor_;
+};
+
+// A checked state belongs to the scheduler that checked it. Before, it was
+// matched by its schedule's address: a scheduler destroyed with its
+// schedule, and another made whose schedule took the same memory (as an
+// allocator reuses a freed block; a buffer here, so that it always does),
+// took the first one's rate, 0.5 where its own schedule gives 0.25.
+TEST(SchedulerState, ACheckedStateIsRefusedByALaterSchedulerWhoseScheduleTookTheSameAddress) {
+  Tensor p = Zeros({1});
+  Sgd saved_opt({{"p", p}}, {.lr = 1.0});
+  LrScheduler saved(saved_opt, std::make_shared<ScaledSchedule>(1.0));
+  saved.Step();
+  const NamedTensors state = saved.StateDict();
+
+  alignas(ScaledSchedule) unsigned char storage[sizeof(ScaledSchedule)];
+  auto placed = [&storage](double factor) {
+    return std::shared_ptr<Schedule>(new (storage) ScaledSchedule(factor), [](Schedule* s) { s->~Schedule(); });
+  };
+  Sgd opt({{"p", p}}, {.lr = 1.0});
+  std::optional<LrScheduler::CheckedState> checked;
+  {
+    LrScheduler first(opt, placed(0.5));
+    checked.emplace(first.CheckStateDict(state));
+  }
+  LrScheduler second(opt, placed(0.25));
+  ASSERT_EQ(opt.lr(), 0.125);  // 0.25 of the 0.5 the first left
+  EXPECT_THAT(ErrorOf([&] { second.LoadChecked(*checked); }),
+              HasSubstr("LrScheduler.LoadChecked: the checked state (1 param group(s)) was not checked by this "
+                        "scheduler (1 param group(s))"));
+  EXPECT_EQ(opt.lr(), 0.125);
+  EXPECT_EQ(second.step_count(), 0);
+  second.LoadChecked(second.CheckStateDict(state));
+  EXPECT_EQ(opt.lr(), 0.25);
+  EXPECT_EQ(second.step_count(), 1);
 }
 
 // A braced list of functions is PyTorch's list of lr_lambdas, one per
