@@ -36,6 +36,9 @@ constexpr char kStillGoing = 2;
 // A final record: root's work ran past the timeout (a failure; every rank
 // aborts the group).
 constexpr char kOutOfTime = 3;
+// A final record of RestoreCheckpoint's loads: this rank could not put
+// back the state it had before the call (a failure).
+constexpr char kNotPutBack = 4;
 
 nn::Tensor Record(bool ok, const std::string& message) {
   nn::Tensor r = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
@@ -907,6 +910,85 @@ void LoadRestoreTargets(const nn::io::Checkpoint& checkpoint, const RestoreTarge
   }
 }
 
+// Every restored object's state before a collective restore, held on the
+// CPU so that a load that fails on any rank can be undone on every rank.
+// Its size is RestoreOptions::rollback's cost (see checkpoint.h).
+struct RestoreSnapshot {
+  nn::modules::StateDict model;
+  nn::modules::NamedTensors optimizer;
+  std::optional<nn::optim::LrScheduler::Snapshot> scheduler;
+  nn::modules::NamedTensors scaler;
+  nn::modules::NamedTensors powersgd;
+  nn::modules::NamedTensors averager;
+  nn::modules::NamedTensors post_local_sgd;
+  nn::modules::NamedTensors plateau;
+};
+
+// `fresh` (a copy nothing else holds) on the CPU: moved there when on a
+// device, otherwise kept as it is.
+nn::modules::NamedTensors OnCpu(nn::modules::NamedTensors fresh) {
+  for (auto& [name, t] : fresh) {
+    if (!t.device().is_cpu()) t = t.To(nn::kCPU);
+  }
+  return fresh;
+}
+
+RestoreSnapshot TakeSnapshot(const RestoreTargets& to) {
+  RestoreSnapshot s;
+  // The model's state dict holds handles on its memory: copied. The
+  // components' StateDict give copies already (the optimizer's all at
+  // once on the parameters' device, then moved here).
+  for (const auto& [name, t] : to.model.GetStateDict()) {
+    s.model.emplace_back(name, t.device().is_cpu() ? t.Clone() : t.To(nn::kCPU));
+  }
+  if (to.optimizer != nullptr) s.optimizer = OnCpu(to.optimizer->StateDict());
+  if (to.scheduler != nullptr) s.scheduler = to.scheduler->TakeSnapshot();
+  if (to.scaler != nullptr) s.scaler = to.scaler->StateDict();
+  // With the residuals: this rank's own, which a checkpoint leaves out.
+  if (to.powersgd != nullptr) s.powersgd = OnCpu(to.powersgd->StateDict(to.model.NamedParameters(), true));
+  if (to.averager != nullptr) s.averager = to.averager->StateDict();
+  if (to.post_local_sgd != nullptr) s.post_local_sgd = to.post_local_sgd->StateDict();
+  if (to.plateau != nullptr) s.plateau = to.plateau->StateDict();
+  return s;
+}
+
+// Puts back, from `s`, each part whose load began (`begun`, as
+// LoadRestoreTargets fills it), the last first: the scheduler before the
+// optimizer, so that the optimizer's own rates and momenta are the ones
+// left. Empty when every part was put back; otherwise what threw, the
+// remaining parts still put back.
+std::string PutBack(const RestoreSnapshot& s, const RestoreTargets& to, const std::vector<const char*>& begun) {
+  std::string failures;
+  for (auto it = begun.rbegin(); it != begun.rend(); ++it) {
+    const std::string part = *it;
+    try {
+      if (part == "model") {
+        to.model.LoadStateDict(s.model, /*strict=*/true);
+      } else if (part == "optimizer") {
+        to.optimizer->LoadStateDict(s.optimizer);
+      } else if (part == "scheduler") {
+        to.scheduler->RestoreSnapshot(s.scheduler.value());
+      } else if (part == "scaler") {
+        to.scaler->LoadStateDict(s.scaler);
+      } else if (part == "powersgd") {
+        to.powersgd->LoadStateDict(s.powersgd, to.model.NamedParameters());
+      } else if (part == "averager") {
+        to.averager->LoadStateDict(s.averager);
+      } else if (part == "post_local_sgd") {
+        to.post_local_sgd->LoadStateDict(s.post_local_sgd);
+      } else if (part == "plateau") {
+        to.plateau->LoadStateDict(s.plateau);
+      }
+    } catch (const std::exception& e) {
+      failures += (failures.empty() ? "putting the " : "; putting the ") + part + "'s state back threw: " + e.what();
+    } catch (...) {
+      failures += (failures.empty() ? "putting the " : "; putting the ") + part +
+                  "'s state back threw an exception that is not a std::exception";
+    }
+  }
+  return failures;
+}
+
 // "loading the scheduler's state threw: why (the model and the optimizer
 // were loaded before it)", from LoadRestoreTargets' `begun`.
 std::string LoadFailure(const std::vector<const char*>& begun, const std::string& why) {
@@ -939,7 +1021,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
                        nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
-                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau) {
+                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau,
+                       const RestoreOptions& options) {
   const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
   // Every rank reaches the exchange below whatever its checks found, or
   // the others would wait for it until the group's timeout.
@@ -952,6 +1035,20 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
     mine = std::string("checking the checkpoint threw: ") + e.what();
   } catch (...) {
     mine = "checking the checkpoint threw an exception that is not a std::exception";
+  }
+  // Taken before the exchange, so that a rank that cannot take it (memory
+  // running out) fails every rank with nothing changed.
+  std::optional<RestoreSnapshot> snapshot;
+  if (mine.empty() && options.rollback) {
+    const std::string why_not = " (RestoreOptions::rollback = false restores without one)";
+    try {
+      snapshot = TakeSnapshot(to);
+    } catch (const std::exception& e) {
+      mine = std::string("copying this rank's state, to put it back if a load fails, threw: ") + e.what() + why_not;
+    } catch (...) {
+      mine = "copying this rank's state, to put it back if a load fails, threw an exception that is not a "
+             "std::exception" + why_not;
+    }
   }
   // Between the checks and the first change: a rank whose peers failed
   // leaves its model as it was, so no replica goes on from another state.
@@ -975,22 +1072,58 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   } catch (...) {
     failed = LoadFailure(begun, "an exception that is not a std::exception");
   }
+  // Every rank that throws first puts back what it loaded (with
+  // RestoreOptions::rollback): empty, or what it could not put back.
+  auto put_back = [&]() -> std::string {
+    if (!snapshot.has_value()) return "";
+    const std::string why = PutBack(*snapshot, to, begun);
+    snapshot.reset();  // the memory goes back before the throw
+    return why;
+  };
   nn::Tensor any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
   static_cast<int64_t*>(any_failed.data_ptr())[0] = failed.empty() ? 0 : 1;
+  std::string not_put_back;
   nn::Tensor loads;
   try {
     pg.AllReduce(any_failed, transport::ReduceOp::kMax, "checkpoint restore loads").Wait();
     if (static_cast<const int64_t*>(any_failed.data_ptr())[0] == 0) return;
-    loads = GatherRecords(pg, failed.empty(), failed, "checkpoint restore loads");
+    not_put_back = put_back();
+    std::string story = failed.empty() ? std::string("loaded every part") : failed;
+    if (!not_put_back.empty()) story += ", then " + not_put_back;
+    const bool ok = failed.empty() && not_put_back.empty();
+    // Whether a rank could not put its state back is its record's first
+    // byte, since the text may be cut.
+    nn::Tensor record = Record(ok, ok ? "" : story);
+    if (!not_put_back.empty()) static_cast<char*>(record.data_ptr())[0] = kNotPutBack;
+    loads = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+    pg.AllGather(loads, record, "checkpoint restore loads").Wait();
+    failed = story;
   } catch (const DistributedError& e) {
+    if (snapshot.has_value()) not_put_back = put_back();
+    const std::string own = failed.empty() ? std::string("loaded every part") : failed;
+    const std::string after =
+        !options.rollback ? ""
+        : not_put_back.empty() ? "; it put every part back as it was before the call"
+                               : "; then " + not_put_back;
     throw DistributedError(transport::Status(
         e.code(), "RestoreCheckpoint: the group failed while the ranks compared their loads, after this rank " +
-                      (failed.empty() ? std::string("loaded every part") : failed) + ": " + e.status().message()));
+                      own + after + ": " + e.status().message()));
   }
-  throw std::runtime_error("RestoreCheckpoint: every rank's checks passed, but loading failed on " +
-                           FailedRanks(pg, loads, failed) +
-                           "; the ranks that did not fail loaded every part: restore again on every rank before "
-                           "training");
+  if (!options.rollback) {
+    throw std::runtime_error("RestoreCheckpoint: every rank's checks passed, but loading failed on " +
+                             FailedRanks(pg, loads, failed) +
+                             "; the ranks that did not fail loaded every part: restore again on every rank before "
+                             "training");
+  }
+  bool all_put_back = true;
+  for (int r = 0; r < pg.size(); ++r) {
+    if (static_cast<const char*>(loads.data_ptr())[r * kRecordBytes] == kNotPutBack) all_put_back = false;
+  }
+  throw std::runtime_error(
+      "RestoreCheckpoint: every rank's checks passed, but loading failed on " + FailedRanks(pg, loads, failed) +
+      (all_put_back ? "; every rank put its model and components back as they were before the call"
+                    : "; not every rank could put its state back as it was (said above): restore again on every "
+                      "rank, or rebuild the objects, before training"));
 }
 
 }  // namespace ddp::dist

@@ -204,6 +204,26 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
                        PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
                        nn::optim::ReduceLrOnPlateau* plateau = nullptr);
 
+/// How the collective RestoreCheckpoint undoes a load that failed.
+struct RestoreOptions {
+  /// Once every rank's checks passed, each rank copies the state of the
+  /// objects it restores to the CPU before loading, so that when a load
+  /// fails on any rank, every rank puts its objects back as they were
+  /// before the call. The cost, per rank, for the length of the call:
+  /// host memory for the model's state dict (its parameters and persistent
+  /// buffers, a tied weight once per name), the optimizer's state (SGD with
+  /// momentum: one more copy of the parameters; Adam: two, plus an f32
+  /// master of each 16-bit parameter) and PowerSGD's Q's and residuals
+  /// (with `powersgd`), the other components a few numbers each: about 3x
+  /// the f32 parameters' bytes with Adam. With parameters on a GPU, the
+  /// optimizer's StateDict makes its copies there first, so the device
+  /// also needs room for the optimizer's state once more, briefly. A rank
+  /// that cannot make the copy fails every rank's restore before anything
+  /// changes, saying so. Set false where that memory is not there (a model
+  /// near the host's memory): a failed load is then not undone (see below).
+  bool rollback = true;
+};
+
 /// Collective RestoreCheckpoint, for a resume on every rank: each rank
 /// checks its own model and components as above, then the ranks exchange
 /// their outcomes (one all-gather, bound by the group's timeout) before
@@ -214,24 +234,37 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 /// on to train and then hang at its next collective. Another rank's
 /// problems come cut at about 1 KB; a rank's own are given in full. On a
 /// group that fails during the exchange, it throws the group's
-/// DistributedError, also with nothing changed. Once every rank's checks
-/// passed, a load can still throw on one rank (a learning-rate target that
-/// refuses the restored rate, memory running out):
-/// the ranks then compare their loads (one all-reduce of a number) and
-/// every rank throws one std::runtime_error naming each failing rank, the
-/// part whose load threw, why, and the parts loaded before it. That is not
-/// all or nothing: a rank that did not fail holds the checkpoint's state
-/// in every part; a failing rank holds it in the parts loaded before the
-/// one that threw (in the order above), that part may be half loaded, and
-/// the rest is as it was. The group stays usable: restore again on every
-/// rank (or rebuild the objects) before training. A group that fails
-/// during this comparison gives its DistributedError, which says how this
-/// rank's load went.
+/// DistributedError, also with nothing changed.
+///
+/// Once every rank's checks passed, a load can still throw on one rank (a
+/// learning-rate target that refuses the restored rate, memory running
+/// out): the ranks then compare their loads (one all-reduce of a number)
+/// and every rank throws one std::runtime_error naming each failing rank,
+/// the part whose load threw, why, and the parts loaded before it. All or
+/// nothing, with options.rollback (the default): before throwing, every
+/// rank puts back the parts it loaded from the copy it made, the last
+/// loaded first, so that every rank's model, optimizer (its slots, steps,
+/// rates and options), scheduler (its step, base rates and the rates it
+/// drives, even ones set by hand since its last step), scaler, PowerSGD
+/// state (Q's and this rank's residuals), averager, post-local-SGD hook
+/// and plateau are bitwise as they were before the call, and the message
+/// says so. A rank that cannot put a part back (putting back throws) is
+/// named with the part and why, and the message then asks to restore
+/// again (or rebuild the objects) before training. Without rollback, a
+/// rank that did not fail holds the checkpoint's state in every part; a
+/// failing rank holds it in the parts loaded before the one that threw
+/// (in the order above), that part may be half loaded, and the rest is as
+/// it was. The group stays usable: restore again on every rank (or
+/// rebuild the objects) before training. A group that fails during this
+/// comparison gives its DistributedError, which says how this rank's load
+/// went and, with rollback, that this rank put its parts back (or which
+/// it could not): a rank whose comparison had completed before the group
+/// failed may have returned with the checkpoint loaded.
 void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
                        nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
                        PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
-                       nn::optim::ReduceLrOnPlateau* plateau = nullptr);
+                       nn::optim::ReduceLrOnPlateau* plateau = nullptr, const RestoreOptions& options = {});
 
 namespace internal {
 

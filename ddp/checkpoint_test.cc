@@ -564,8 +564,8 @@ TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNa
 // and optimizer already restored, and ranks 0 and 2 returned as if all
 // went well, to go on and wait for rank 1 at their next collective. Now
 // every rank throws at once, naming rank 1, the part that failed and what
-// had been loaded before it; the objects are where the header says, and
-// the group goes on.
+// had been loaded before it; without RestoreOptions::rollback, the objects
+// are where the header says, and the group goes on.
 DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
   auto saved = Mlp(1);
@@ -587,7 +587,7 @@ DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   std::string error = "no error";
   const auto start = std::chrono::steady_clock::now();
   try {
-    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched, nullptr, nullptr, nullptr, nullptr, nullptr, {.rollback = false});
   } catch (const std::runtime_error& e) {
     error = e.what();
   } catch (...) {
@@ -619,12 +619,108 @@ TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksFailsEveryRankPromp
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Every byte of the model's parameters and buffers.
+std::vector<std::string> StateBytes(const nn::modules::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : m.GetStateDict()) {
+    const Tensor c = t.Detach().Contiguous();
+    out.emplace_back(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  }
+  return out;
+}
+
+std::vector<std::string> StateBytes(const nn::optim::NamedTensors& state) {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : state) {
+    const Tensor c = t.Detach().Contiguous();
+    out.emplace_back(name + "=" + std::string(static_cast<const char*>(c.data_ptr()), c.nbytes()));
+  }
+  return out;
+}
+
+// One SGD step of `model` alone on the batch at `at`.
+void LocalStep(nn::modules::Module& model, nn::optim::Sgd& opt, int64_t at) {
+  auto [x, y] = testing::Batch(testing::FashionMnist(), at, kBatch);
+  opt.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(model(x), y));
+  opt.Step();
+}
+
+// As above, rank 1's target refuses the saved rate during the load, after
+// every check passed; now with RestoreOptions::rollback, the default. All
+// or nothing: every rank puts its model, its optimizer (momentum buffers,
+// steps, rate) and its scheduler (step, base rate, and the rate set by
+// hand since its last step) back, bitwise as they were before the call.
+// Before, ranks 0 and 2 kept the checkpoint's state in every part and rank
+// 1 in its model and optimizer.
+DDP_TEST_WORKER(restore_load_throws_and_every_rank_puts_its_state_back) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  LocalStep(*saved, saved_opt, 0);
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  auto refuses = std::make_shared<bool>(pg->rank() == 1);
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt, refuses](double lr) {
+                               if (*refuses && lr > 0.02) {
+                                 throw std::runtime_error("rank 1's target refuses rates above 0.02");
+                               }
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  LocalStep(*model, opt, kBatch * (1 + pg->rank()));
+  sched.Step();
+  opt.set_lr(0.0125);  // by hand, after the scheduler's step
+  const std::vector<std::string> model_before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
+  const std::vector<double> base_lrs_before = sched.base_lrs();
+  std::string error = "no error";
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  } catch (...) {
+    error = "an exception that is not a std::runtime_error";
+  }
+  const std::string rank = "rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
+                         "the scheduler's state threw: rank 1's target refuses rates above 0.02 (the model and "
+                         "the optimizer were loaded before it); every rank put its model and components back as "
+                         "they were before the call",
+                rank + " got: " + error);
+  WORKER_EXPECT(StateBytes(*model) == model_before, rank + ": the model is not as it was");
+  WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before, rank + ": the optimizer is not as it was");
+  WORKER_EXPECT(opt.lr() == 0.0125, rank + ": the rate is " + std::to_string(opt.lr()));
+  WORKER_EXPECT(sched.step_count() == 1 && sched.base_lrs() == base_lrs_before,
+                rank + ": the scheduler's step is " + std::to_string(sched.step_count()) + ", its base rate " +
+                    std::to_string(sched.base_lr()));
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
+  // Restored again (the target now takes the rate), every rank succeeds.
+  *refuses = false;
+  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved) && sched.step_count() == 3 &&
+                    opt.lr() == 0.05 && StateBytes(opt.StateDict()) == StateBytes(saved_opt.StateDict()),
+                rank + ": the second restore");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksPutsEveryRanksStateBackBitwise) {
+  auto run = RunWorkers("restore_load_throws_and_every_rank_puts_its_state_back", 3,
+                        {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000, /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // The group fails while the ranks compare their loads: rank 1's target
 // ends its process when the load sets the rate, after every check passed,
 // and rank 0's target refuses that rate. Ranks 0 and 2 get a PEER_LOST
 // DistributedError naming rank 1, well within the group's timeout (60 s
-// here), that says how their own load went: a survivor knows which of its
-// objects were restored before the group was lost.
+// here), that says how their own load went and that they put their
+// objects back as they were before the call (RestoreOptions::rollback),
+// which they did.
 constexpr int kDiedDuringTheLoad = 7;
 
 DDP_TEST_WORKER(restore_group_fails_after_the_loads) {
@@ -644,6 +740,8 @@ DDP_TEST_WORKER(restore_group_fails_after_the_loads) {
                                opt.set_lr(lr);
                              }};
   nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  const std::vector<std::string> model_before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
   std::string error = "no error";
   const auto start = std::chrono::steady_clock::now();
   try {
@@ -658,11 +756,14 @@ DDP_TEST_WORKER(restore_group_fails_after_the_loads) {
                                       "and the optimizer were loaded before it)"
                                     : "loaded every part";
   WORKER_EXPECT(error.rfind("RestoreCheckpoint: the group failed while the ranks compared their loads, after this "
-                            "rank " + own + ": ",
+                            "rank " + own + "; it put every part back as it was before the call: ",
                             0) == 0 &&
                     error.find("rank 1") != std::string::npos,
                 "rank " + std::to_string(rank) + " got: " + error);
   WORKER_EXPECT(took < 20, "the failure took " + std::to_string(took) + " s");
+  WORKER_EXPECT(StateBytes(*model) == model_before && StateBytes(opt.StateDict()) == opt_before &&
+                    sched.step_count() == 0,
+                "rank " + std::to_string(rank) + "'s objects are not as they were");
   return testing::WorkerExit();
 }
 
@@ -1195,25 +1296,6 @@ TEST(DdpCheckpointTest, AnotherWorldSizeIsNamedOnceByRankZero) {
 }
 
 // ------------------------------------------------------ all or nothing ----
-
-// Every byte of the model's parameters and buffers.
-std::vector<std::string> StateBytes(const nn::modules::Module& m) {
-  std::vector<std::string> out;
-  for (const auto& [name, t] : m.GetStateDict()) {
-    const Tensor c = t.Detach().Contiguous();
-    out.emplace_back(static_cast<const char*>(c.data_ptr()), c.nbytes());
-  }
-  return out;
-}
-
-std::vector<std::string> StateBytes(const nn::optim::NamedTensors& state) {
-  std::vector<std::string> out;
-  for (const auto& [name, t] : state) {
-    const Tensor c = t.Detach().Contiguous();
-    out.emplace_back(name + "=" + std::string(static_cast<const char*>(c.data_ptr()), c.nbytes()));
-  }
-  return out;
-}
 
 // One real training step of a plain model, the loss scaled by `scaler`.
 void ScaledStep(nn::modules::Module& model, nn::optim::Optimizer& opt, nn::optim::GradScaler& scaler, int step) {

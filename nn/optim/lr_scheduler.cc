@@ -865,6 +865,30 @@ void LrScheduler::LoadChecked(const CheckedState& checked) {
   base_lrs_ = checked.base_lrs_;
 }
 
+LrScheduler::Snapshot LrScheduler::TakeSnapshot() const {
+  Snapshot snapshot;
+  snapshot.scheduler_ = serial_;
+  snapshot.step_ = t_;
+  snapshot.base_lrs_ = base_lrs_;
+  for (size_t k = 0; k < rates_.count; ++k) snapshot.lrs_.push_back(rates_.get(k));
+  if (momentum_of_ != nullptr) {
+    for (size_t k = 0; k < momentum_of_->num_groups(); ++k) snapshot.momenta_.push_back(momentum_of_->momentum(k));
+  }
+  return snapshot;
+}
+
+void LrScheduler::RestoreSnapshot(const Snapshot& snapshot) {
+  if (snapshot.scheduler_ != serial_) {
+    throw std::invalid_argument(
+        "LrScheduler.RestoreSnapshot: the snapshot was taken of another scheduler: restore what this "
+        "scheduler's TakeSnapshot returned");
+  }
+  // All or nothing, as a load: the rates first.
+  SetRates(snapshot.lrs_, snapshot.momenta_);
+  t_ = snapshot.step_;
+  base_lrs_ = snapshot.base_lrs_;
+}
+
 ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)
     : ReduceLrOnPlateau(RatesOf(optimizer), std::move(options),
                         "param group(s) of the " + std::string(optimizer.Name()) + " optimizer") {}

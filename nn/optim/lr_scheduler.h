@@ -327,6 +327,28 @@ class LrScheduler {
   /// LoadStateDict(state) does when the target refuses a rate.
   void LoadChecked(const CheckedState& checked);
 
+  /// The scheduler as it is now, for RestoreSnapshot: its step and base
+  /// rates, the rate of each group it drives (read from the optimizer or
+  /// targets, which may differ from the schedule's after a set_lr) and
+  /// the momenta it cycles. A few numbers per param group.
+  class Snapshot {
+   private:
+    friend class LrScheduler;
+    Snapshot() = default;
+    uint64_t scheduler_ = 0;  // the serial number of the scheduler taken
+    int64_t step_ = 0;
+    std::vector<double> base_lrs_;
+    std::vector<double> lrs_;
+    std::vector<double> momenta_;
+  };
+  Snapshot TakeSnapshot() const;
+  /// Puts back what TakeSnapshot took from this scheduler, without asking
+  /// the schedule (to undo a load that another part of a restore made
+  /// fail). Throws std::invalid_argument, changing nothing, for another
+  /// scheduler's snapshot, and as Step does when the target refuses a rate
+  /// (or the optimizer has gained a param group since).
+  void RestoreSnapshot(const Snapshot& snapshot);
+
  private:
   /// `optimizer`: the optimizer behind `rates`, claimed for this scheduler
   /// (null for a bare target).
@@ -353,7 +375,7 @@ class LrScheduler {
   std::vector<double> base_lrs_;
   int64_t t_ = 0;
   // Unique among the schedulers of this process (a moved-to scheduler
-  // takes its source's): what CheckedState is matched by.
+  // takes its source's): what CheckedState and Snapshot are matched by.
   uint64_t serial_ = 0;
 };
 

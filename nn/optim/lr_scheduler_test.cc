@@ -1037,6 +1037,35 @@ TEST(SchedulerState, ACheckedStateIsRefusedByALaterSchedulerWhoseScheduleTookThe
   EXPECT_EQ(second.step_count(), 1);
 }
 
+// A snapshot puts back the step, the base rates and the rates as they
+// were, a rate set by hand included, without asking the schedule; another
+// scheduler's snapshot is refused, changing nothing.
+TEST(SchedulerState, ASnapshotPutsBackStepBaseRatesAndRatesAsTheyWere) {
+  Tensor a = Zeros({1}), b = Zeros({1});
+  Sgd opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}, .options = {{"lr", 2.0}}}}, {.lr = 1.0});
+  int calls = 0;
+  LrScheduler sched(opt, LambdaSchedule([&calls](int64_t t) {
+                      ++calls;
+                      return 1.0 / static_cast<double>(t + 1);
+                    }));
+  sched.Step();
+  opt.set_lr(1, 0.3);  // by hand: not the schedule's 1.0
+  const LrScheduler::Snapshot snapshot = sched.TakeSnapshot();
+  for (int i = 0; i < 3; ++i) sched.Step();
+  Sgd other_opt({{"a", a}}, {.lr = 1.0});
+  LrScheduler other(other_opt, StepSchedule(2));
+  EXPECT_THAT(ErrorOf([&] { other.RestoreSnapshot(snapshot); }),
+              HasSubstr("LrScheduler.RestoreSnapshot: the snapshot was taken of another scheduler"));
+  EXPECT_EQ(other.step_count(), 0);
+  calls = 0;
+  sched.RestoreSnapshot(snapshot);
+  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(sched.step_count(), 1);
+  EXPECT_EQ(sched.base_lrs(), (std::vector<double>{1.0, 2.0}));
+  EXPECT_EQ(opt.lr(0), 0.5);
+  EXPECT_EQ(opt.lr(1), 0.3);
+}
+
 // A braced list of functions is PyTorch's list of lr_lambdas, one per
 // param group, as a std::vector is: `LambdaSchedule({f}, ...)` with one
 // lambda did not compile (both overloads took it equally well), and one
