@@ -714,6 +714,65 @@ TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksPutsEveryRanksState
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// As above, rank 1's load fails; rank 2's loads, but its target then
+// refuses the rate it had before the call (armed after the scheduler set
+// it), so rank 2 cannot put its scheduler back. Every rank throws one
+// error naming rank 1's load and rank 2's put-back and asking for another
+// restore; rank 2 still put back the parts before the scheduler (its model
+// and optimizer, bitwise), and the others put back everything.
+DDP_TEST_WORKER(restore_put_back_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  LocalStep(*saved, saved_opt, 0);
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  LocalStep(*model, opt, kBatch * (1 + pg->rank()));
+  const int rank = pg->rank();
+  auto armed = std::make_shared<bool>(false);
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt, rank, armed](double lr) {
+                               if (rank == 1 && lr > 0.02) throw std::runtime_error("rank 1's target refuses it");
+                               if (rank == 2 && *armed && lr < 0.02) {
+                                 throw std::runtime_error("rank 2's target refuses rates below 0.02");
+                               }
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  *armed = true;
+  const std::vector<std::string> model_before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
+  std::string error = "no error";
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  }
+  const std::string who = "rank " + std::to_string(rank);
+  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
+                         "the scheduler's state threw: rank 1's target refuses it (the model and the optimizer "
+                         "were loaded before it); rank 2: loaded every part, then putting the scheduler's state "
+                         "back threw: rank 2's target refuses rates below 0.02; not every rank could put its "
+                         "state back as it was (said above): restore again on every rank, or rebuild the "
+                         "objects, before training",
+                who + " got: " + error);
+  WORKER_EXPECT(StateBytes(*model) == model_before, who + ": the model is not as it was");
+  WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before, who + ": the optimizer is not as it was");
+  WORKER_EXPECT(sched.step_count() == (rank == 2 ? 3 : 0),
+                who + ": the scheduler's step is " + std::to_string(sched.step_count()));
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankThatCannotPutItsStateBackIsNamedAndTheOthersStillPutTheirsBack) {
+  auto run = RunWorkers("restore_put_back_fails_on_one_rank", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // The group fails while the ranks compare their loads: rank 1's target
 // ends its process when the load sets the rate, after every check passed,
 // and rank 0's target refuses that rate. Ranks 0 and 2 get a PEER_LOST
