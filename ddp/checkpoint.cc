@@ -1006,7 +1006,8 @@ std::string LoadFailure(const std::vector<const char*>& begun, const std::string
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
                        nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
-                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau) {
+                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau,
+                       const RestoreOptions& options) {
   const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
   // Everything is checked before anything is copied: a failure on the
   // optimizer's part must not leave the model's weights replaced.
@@ -1015,7 +1016,30 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   if (!problems.empty()) {
     throw std::invalid_argument("RestoreCheckpoint: nothing was restored, " + ProblemList(problems));
   }
-  LoadRestoreTargets(checkpoint, to, scheduler_state);
+  if (!options.rollback) {
+    LoadRestoreTargets(checkpoint, to, scheduler_state);
+    return;
+  }
+  // A copy that cannot be made (memory running out) throws here, before
+  // anything changed.
+  const RestoreSnapshot snapshot = TakeSnapshot(to);
+  std::vector<const char*> begun;
+  try {
+    LoadRestoreTargets(checkpoint, to, scheduler_state, &begun);
+  } catch (...) {
+    const std::exception_ptr load_error = std::current_exception();
+    const std::string not_put_back = PutBack(snapshot, to, begun);
+    if (not_put_back.empty()) throw;  // the load's own error, nothing changed
+    std::string why = "an exception that is not a std::exception";
+    try {
+      std::rethrow_exception(load_error);
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+    }
+    throw std::runtime_error("RestoreCheckpoint: " + LoadFailure(begun, why) + ", then " + not_put_back +
+                             ": restore again, or rebuild the objects, before training");
+  }
 }
 
 void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,

@@ -178,6 +178,27 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
                                           const nn::io::LoadOptions& options = {},
                                           const LoadWaitOptions& wait = {});
 
+/// How RestoreCheckpoint undoes a load that failed.
+struct RestoreOptions {
+  /// Once the checks passed (on every rank, for the collective restore),
+  /// the state of the objects restored is copied to the CPU before
+  /// loading, so that when a load fails (on any rank), the objects are put
+  /// back as they were before the call. The cost, per rank, for the
+  /// length of the call: host memory for the model's state dict (its
+  /// parameters and persistent buffers, a tied weight once per name), the
+  /// optimizer's state (SGD with
+  /// momentum: one more copy of the parameters; Adam: two, plus an f32
+  /// master of each 16-bit parameter) and PowerSGD's Q's and residuals
+  /// (with `powersgd`), the other components a few numbers each: about 3x
+  /// the f32 parameters' bytes with Adam. With parameters on a GPU, the
+  /// optimizer's StateDict makes its copies there first, so the device
+  /// also needs room for the optimizer's state once more, briefly. A copy
+  /// that cannot be made fails the restore (every rank's) before anything
+  /// changes. Set false where that memory is not there (a model near the
+  /// host's memory): a failed load is then not undone.
+  bool rollback = true;
+};
+
 /// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
 /// must match, see Module::LoadStateDict), the optimizer, then the
 /// scheduler (which sets the optimizer's lr for its restored step), the
@@ -195,34 +216,20 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// `averager`, "post_local_sgd.*" without `post_local_sgd`, "plateau.*"
 /// without `plateau`, or keys none of them takes. (A sharded optimizer loads its
 /// own state: clear checkpoint.optimizer in a copy to restore the model
-/// alone.) Call before the first backward of the resumed run. Runs on
+/// alone.) A load can still throw once the checks passed (a
+/// learning-rate target that refuses the restored rate, memory running
+/// out): with options.rollback (the default), the parts loaded are then
+/// put back, bitwise as they were, and the load's own exception is
+/// rethrown; when a part cannot be put back, a std::runtime_error names
+/// the load's failure and the part, asking to restore again or rebuild
+/// the objects. Call before the first backward of the resumed run. Runs on
 /// this rank alone: with several ranks, the collective overload below
 /// makes a failure on one rank an error on every rank.
 void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
                        nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
                        PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
-                       nn::optim::ReduceLrOnPlateau* plateau = nullptr);
-
-/// How the collective RestoreCheckpoint undoes a load that failed.
-struct RestoreOptions {
-  /// Once every rank's checks passed, each rank copies the state of the
-  /// objects it restores to the CPU before loading, so that when a load
-  /// fails on any rank, every rank puts its objects back as they were
-  /// before the call. The cost, per rank, for the length of the call:
-  /// host memory for the model's state dict (its parameters and persistent
-  /// buffers, a tied weight once per name), the optimizer's state (SGD with
-  /// momentum: one more copy of the parameters; Adam: two, plus an f32
-  /// master of each 16-bit parameter) and PowerSGD's Q's and residuals
-  /// (with `powersgd`), the other components a few numbers each: about 3x
-  /// the f32 parameters' bytes with Adam. With parameters on a GPU, the
-  /// optimizer's StateDict makes its copies there first, so the device
-  /// also needs room for the optimizer's state once more, briefly. A rank
-  /// that cannot make the copy fails every rank's restore before anything
-  /// changes, saying so. Set false where that memory is not there (a model
-  /// near the host's memory): a failed load is then not undone (see below).
-  bool rollback = true;
-};
+                       nn::optim::ReduceLrOnPlateau* plateau = nullptr, const RestoreOptions& options = {});
 
 /// Collective RestoreCheckpoint, for a resume on every rank: each rank
 /// checks its own model and components as above, then the ranks exchange

@@ -1552,6 +1552,48 @@ TEST(DdpCheckpointTest, ScheduleRateTheOptimizerRefusesThrowsAndLeavesModelAndOp
   EXPECT_EQ(opt.lr(), 0.1);
 }
 
+// The same restore on one rank: every check passes, then the scheduler's
+// target refuses the saved rate during the load. The load's own error
+// comes out, and the model, the optimizer (momentum buffers, steps, rate)
+// and the scheduler (step, base rate, the rate set by hand) are bitwise as
+// before the call. Before, the model and the optimizer held the
+// checkpoint's state and the scheduler its old one.
+TEST(DdpCheckpointTest, ALoadThatFailsAfterTheChecksPutsTheObjectsBackBitwise) {
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  LocalStep(*saved, saved_opt, 0);
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  LocalStep(*model, opt, kBatch);
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt](double lr) {
+                               if (lr > 0.02) throw std::runtime_error("the target refuses rates above 0.02");
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  sched.Step();
+  opt.set_lr(0.0125);
+  const std::vector<std::string> before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
+  ASSERT_TRUE(before != StateBytes(*saved));  // a restore would change them
+  ASSERT_TRUE(opt_before != StateBytes(saved_opt.StateDict()));
+  std::string err = "no error";
+  try {
+    RestoreCheckpoint(c, *model, &opt, &sched);
+  } catch (const std::runtime_error& e) {
+    err = e.what();
+  }
+  EXPECT_EQ(err, "the target refuses rates above 0.02");
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was changed";
+  EXPECT_TRUE(StateBytes(opt.StateDict()) == opt_before) << "the optimizer was changed";
+  EXPECT_EQ(opt.lr(), 0.0125);
+  EXPECT_EQ(sched.step_count(), 1);
+  EXPECT_EQ(sched.base_lrs(), std::vector<double>{0.01});
+}
+
 TEST(DdpCheckpointTest, SchedulerAndScalerRoundTripThroughAFile) {
   auto model = Mlp(1);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
