@@ -649,8 +649,9 @@ void LocalStep(nn::modules::Module& model, nn::optim::Sgd& opt, int64_t at) {
 // As above, rank 1's target refuses the saved rate during the load, after
 // every check passed; now with RestoreOptions::rollback, the default. All
 // or nothing: every rank puts its model, its optimizer (momentum buffers,
-// steps, rate) and its scheduler (step, base rate, and the rate set by
-// hand since its last step) back, bitwise as they were before the call.
+// steps, rate), its scheduler (step, base rate, and the rate set by hand
+// since its last step) and its scaler (which ranks 0 and 2 loaded) back,
+// bitwise as they were before the call.
 // Before, ranks 0 and 2 kept the checkpoint's state in every part and rank
 // 1 in its model and optimizer.
 DDP_TEST_WORKER(restore_load_throws_and_every_rank_puts_its_state_back) {
@@ -660,7 +661,8 @@ DDP_TEST_WORKER(restore_load_throws_and_every_rank_puts_its_state_back) {
   LocalStep(*saved, saved_opt, 0);
   nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
   for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  nn::optim::GradScaler saved_scaler({.init_scale = 1024});
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched, &saved_scaler);
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
   auto refuses = std::make_shared<bool>(pg->rank() == 1);
@@ -678,9 +680,11 @@ DDP_TEST_WORKER(restore_load_throws_and_every_rank_puts_its_state_back) {
   const std::vector<std::string> model_before = StateBytes(*model);
   const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
   const std::vector<double> base_lrs_before = sched.base_lrs();
+  nn::optim::GradScaler scaler({.init_scale = 8});
+  const std::vector<std::string> scaler_before = StateBytes(scaler.StateDict());
   std::string error = "no error";
   try {
-    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched, &scaler);
   } catch (const std::runtime_error& e) {
     error = e.what();
   } catch (...) {
@@ -695,15 +699,17 @@ DDP_TEST_WORKER(restore_load_throws_and_every_rank_puts_its_state_back) {
   WORKER_EXPECT(StateBytes(*model) == model_before, rank + ": the model is not as it was");
   WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before, rank + ": the optimizer is not as it was");
   WORKER_EXPECT(opt.lr() == 0.0125, rank + ": the rate is " + std::to_string(opt.lr()));
+  WORKER_EXPECT(StateBytes(scaler.StateDict()) == scaler_before, rank + ": the scaler is not as it was");
   WORKER_EXPECT(sched.step_count() == 1 && sched.base_lrs() == base_lrs_before,
                 rank + ": the scheduler's step is " + std::to_string(sched.step_count()) + ", its base rate " +
                     std::to_string(sched.base_lr()));
   WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
   // Restored again (the target now takes the rate), every rank succeeds.
   *refuses = false;
-  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  RestoreCheckpoint(*pg, c, *model, &opt, &sched, &scaler);
   WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved) && sched.step_count() == 3 &&
-                    opt.lr() == 0.05 && StateBytes(opt.StateDict()) == StateBytes(saved_opt.StateDict()),
+                    opt.lr() == 0.05 && StateBytes(opt.StateDict()) == StateBytes(saved_opt.StateDict()) &&
+                    StateBytes(scaler.StateDict()) == StateBytes(saved_scaler.StateDict()),
                 rank + ": the second restore");
   return testing::WorkerExit();
 }
