@@ -583,6 +583,11 @@ int ScenarioAllToAll() {
   std::vector<int64_t> out(n + 1), in(n + 1);
   s = comm->AllToAllV(out.data(), mine, in.data(), theirs, DataType::kI64);
   std::printf("MISMATCH rank %d %s\n", me, s.ToString().c_str());
+  // The pair's failure aborts the communicator on every rank: a rank whose
+  // own exchange went through fails its next call with that reason.
+  const Status after = comm->Barrier();
+  std::printf("AFTER rank %d %s\n", me, after.ToString().c_str());
+  std::printf("CHECKED rank %d failures %d\n", me, testing::worker_failures);
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -2018,14 +2023,32 @@ TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalOverUcxWithoutSharedM
 
 // Equal blocks go through shared memory on one host, or UCX without it;
 // uneven ones always through UCX.
+// Every rank checks the blocks it received (its exit code) and says so;
+// both ranks of the pair that disagrees name both sizes, and every rank's
+// next call fails with that reason.
 TEST(Communicator, AllToAllEqualAndUnevenBlocks) {
   for (auto [n, shm] : {std::pair{1, "1"}, {2, "1"}, {3, "1"}, {3, "0"}}) {
+    SCOPED_TRACE(std::to_string(n) + " ranks, DDP_SHARED_MEMORY=" + shm);
     Job job = RunJob(n, "alltoall", {{"DDP_TEST_TIMEOUT_MS", "5000"}, {"DDP_SHARED_MEMORY", shm}});
     ASSERT_TRUE(EveryRankPassed(job));
-    if (n > 1) {
-      // The receiving side of the pair that disagrees names both sizes.
-      EXPECT_NE(job.results[0].output.find("MISMATCH rank 0 INVALID_ARGUMENT"), std::string::npos)
-          << job.Describe();
+    // Rank 1 sends rank 0 one i64 (8 bytes) where rank 0 expects two.
+    const std::string sizes = "rank 1 sends rank 0 8 bytes but rank 0 expects 16";
+    for (int r = 0; r < n; ++r) {
+      const std::string& out = job.results[r].output;
+      const std::string me = "rank " + std::to_string(r) + " ";
+      EXPECT_NE(out.find("CHECKED " + me + "failures 0"), std::string::npos) << job.Describe();
+      std::smatch line;
+      ASSERT_TRUE(std::regex_search(out, line, std::regex("MISMATCH " + me + "(.*)"))) << job.Describe();
+      if (r <= 1 && n > 1) {
+        EXPECT_EQ(line[1].str().rfind("INVALID_ARGUMENT", 0), 0u) << job.Describe();
+        EXPECT_NE(line[1].str().find(sizes), std::string::npos) << job.Describe();
+      }
+      ASSERT_TRUE(std::regex_search(out, line, std::regex("AFTER " + me + "(.*)"))) << job.Describe();
+      if (n > 1) {
+        EXPECT_NE(line[1].str().find(sizes), std::string::npos) << job.Describe();
+      } else {
+        EXPECT_EQ(line[1].str(), "OK") << job.Describe();
+      }
     }
   }
 }
