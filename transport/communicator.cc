@@ -73,12 +73,19 @@ constexpr milliseconds kP2pPollHold{5};
 constexpr milliseconds kBlockingP2pAllowance{250};
 // After an abort, how long the rank serving the store keeps it for the
 // ranks that have not left: first for all of them, then, up to the longer
-// time, only while some rank that has not left may still be alive (not
-// seen exited on this host). A rank busy elsewhere at the abort reads the
-// reason there when it next calls; a rank that died never leaves, and
-// where nothing says so (another host) it holds the store up to the end.
+// time, only while some rank that has not left may still come for the
+// reason (not seen exited, or stopped for kStoppedPeerTime, on this
+// host). A rank busy elsewhere at the abort reads the reason there when it
+// next calls; a rank that died never leaves, and where nothing says so
+// (another host) it holds the store up to the end.
 constexpr milliseconds kAbortedStoreTime{1000};
 constexpr milliseconds kAbortedStoreTimeForLatePeers{3000};
+// A rank on this host seen stopped (SIGSTOP, SIGTSTP, a debugger) at every
+// look for this long counts, after an abort, as one that will not come for
+// the reason in time: it reads nothing while stopped, and held the store up
+// to kAbortedStoreTimeForLatePeers. Shorter stops (a sampling profiler's)
+// never add up to it; a rank that merely runs slowly is never stopped.
+constexpr milliseconds kStoppedPeerTime{500};
 // Most bytes of rank 0's reason for a failed registration of a split's
 // communicators that it passes on to the other ranks.
 constexpr int64_t kMostSplitReasonBytes = 4096;
@@ -153,6 +160,24 @@ void BindToCore(int index) {
   CPU_ZERO(&one);
   CPU_SET(cpus[index % cpus.size()], &one);
   sched_setaffinity(0, sizeof(one), &one);
+}
+
+// Whether process `pid` of this host is stopped: by a signal (state T) or
+// by a tracer (t). False when its state cannot be read (gone: the monitor
+// tells that apart).
+bool ProcessStopped(int pid) {
+  if (pid <= 0) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "re");
+  if (f == nullptr) return false;
+  char line[512];
+  const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
+  std::fclose(f);
+  line[n] = '\0';
+  // The state follows the name, which is in parentheses and may hold ')'.
+  const char* p = std::strrchr(line, ')');
+  return p != nullptr && p[1] == ' ' && (p[2] == 'T' || p[2] == 't');
 }
 
 // CPUs this process may keep busy (its affinity mask, capped by a cgroup
@@ -803,6 +828,8 @@ class Communicator::Impl {
   // for them (ServedStore::roots lists each family's). Empty otherwise.
   std::string served_root_prefix_;
   bool single_host_ = true;      // as discovered, whatever the file says
+  // Per rank: its pid when on this host (as the monitor watches it), else 0.
+  std::vector<int> local_pids_;
   // What the idle policy is chosen from (ApplyIdlePolicy).
   int available_cpus_ = 1;
   bool kernel_network_ = false;
@@ -1137,6 +1164,8 @@ Status Communicator::Impl::Init() {
   DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(*p2p_, ring_order_));
   ring_view_ = std::make_unique<p2p::GroupView>(std::move(view));
 
+  local_pids_ = local_pids;
+
   // 4. Fault detection inside waits.
   // What this rank can tell of another member that serves the store, for
   // when the connection to it breaks (Shutdown: it serves until the ranks
@@ -1450,9 +1479,25 @@ void Communicator::Impl::Shutdown() {
       // leaves, and held this exit for the whole timeout, up to 30 s).
       const Deadline all_until =
           aborted() ? std::min(wait_until, DeadlineIn(kAbortedStoreTime)) : Clock::now();
+      // After an abort, a rank of this host that stays stopped counts as
+      // gone too (kStoppedPeerTime): per rank, since when every look found
+      // it stopped (a look that did not restarts it).
+      std::vector<std::optional<Clock::time_point>> stopped_since(local_pids_.size());
+      const auto note_stopped = [&] {
+        if (!aborted()) return;
+        const Clock::time_point now = Clock::now();
+        for (size_t r = 0; r < local_pids_.size(); ++r) {
+          if (!ProcessStopped(local_pids_[r])) {
+            stopped_since[r].reset();
+          } else if (!stopped_since[r]) {
+            stopped_since[r] = now;
+          }
+        }
+      };
       // Whether the ranks of this communicator that are not counted as left
-      // are all gone: exited (ranks on this host), or, on other hosts, their
-      // UCX connection broke. UCX reports that for a process that died, and
+      // are all gone: exited or, after an abort, stopped (ranks on this
+      // host; note_stopped), or, on other hosts, their UCX connection
+      // broke. UCX reports that for a process that died, and
       // also for one that closed its endpoint to this rank by force: on
       // leaving, or when a call of its own failed, which it aborts at once,
       // reading the posted reason; after that it uses the store only to
@@ -1464,6 +1509,11 @@ void Communicator::Impl::Shutdown() {
       std::vector<int> seen_left;  // gone ranks whose mark was read
       const auto rest_gone = [&](int64_t left) {
         std::vector<int> gone = monitor_ != nullptr ? monitor_->ExitedPeers() : std::vector<int>();
+        for (size_t r = 0; r < stopped_since.size(); ++r) {
+          if (stopped_since[r] && Clock::now() - *stopped_since[r] >= kStoppedPeerTime) {
+            gone.push_back(static_cast<int>(r));
+          }
+        }
         if (p2p_ != nullptr) {
           for (int r : p2p_->PeersWithFailedEndpoints()) gone.push_back(r);
         }
@@ -1495,6 +1545,7 @@ void Communicator::Impl::Shutdown() {
           while (Clock::now() < wait_until) {
             auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
             if (!count.ok() || *count >= ranks) break;
+            if (prefix == prefix_) note_stopped();
             if (prefix == prefix_ && Clock::now() >= all_until && rest_gone(*count)) break;
             std::this_thread::sleep_for(milliseconds(5));
           }

@@ -243,7 +243,15 @@ class Communicator {
 
   /// Leaves the job: waits for pending async calls (within the timeout),
   /// tells the store this rank closed cleanly, closes UCX. Rank 0, when it
-  /// serves the store, waits (bounded) for the other ranks to leave first.
+  /// serves the store, waits (bounded) for the other ranks to leave first:
+  /// without an abort, at most min(timeout, 30 s), and no longer than until
+  /// each rank not yet left is gone (exited, or its connection broke); after
+  /// an abort, 1 s for every rank (to read the reason), then up to 3 s in all
+  /// only for ranks that may still come: one that is gone, or that sits
+  /// stopped on this host (SIGSTOP, SIGTSTP, a debugger) and has been for
+  /// 0.5 s, holds it no longer. A rank that merely runs slowly is waited for
+  /// the whole 3 s; a stopped rank on another host cannot be seen and is
+  /// waited for as a slow one.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

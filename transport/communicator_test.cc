@@ -1716,6 +1716,78 @@ int ScenarioStoreRankAbortsAfterARemotePeerWasKilled() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Whether process `pid` shows as stopped (state T) in /proc, waiting up to
+// `limit` for the stop to take effect.
+bool AwaitStopped(int64_t pid, milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (true) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+}
+
+// Rank 1 sits stopped (SIGSTOP) when rank 0, which serves the store,
+// aborts and leaves: a stopped rank reads nothing, so rank 0 keeps the store
+// about as long as for a rank that exited (1 s, then 0.5 s of stop seen),
+// not for the 3 s it keeps for a rank that may still come. Before, it
+// waited the whole 3 s for the stopped rank. DDP_TEST_STOP_MS > 0: rank 1
+// is continued that long after the stop instead, and, a rank that runs
+// again, gets the store's time to read the reason (it calls 2 s on).
+int ScenarioStoreRankAbortsWithAStoppedPeer() {
+  auto comm = MustCreate();
+  int64_t pids[2] = {0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  const int stop_ms = std::atoi(EnvOr("DDP_TEST_STOP_MS", "0").c_str());
+  const std::string done = EnvOr("TEST_TMPDIR", "/tmp") + "/stopped_peer_done_" + EnvOr("MASTER_PORT", "0");
+  if (comm->rank() == 1) {
+    if (stop_ms > 0) {
+      // Stopped by rank 0 in this sleep, continued, then late to call.
+      std::this_thread::sleep_for(milliseconds(2000));
+      std::vector<float> all(1000, 1.0f);
+      s = comm->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+      std::printf("LATE rank 1: %s\n", s.ToString().c_str());
+      WORKER_CHECK(!s.ok() && s.message().find("rank zero gave up") != std::string::npos,
+                   "the late all-reduce: " + s.ToString());
+      return testing::worker_failures == 0 ? 0 : 1;
+    }
+    // Stopped by rank 0 here, and continued once it has left.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    WORKER_CHECK(std::filesystem::exists(done), "rank 0 never said it was done");
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  const pid_t peer = static_cast<pid_t>(pids[1]);
+  kill(peer, SIGSTOP);
+  WORKER_CHECK(AwaitStopped(pids[1], milliseconds(5000)), "rank 1 did not stop");
+  std::thread continuer;
+  if (stop_ms > 0) {
+    continuer = std::thread([peer, stop_ms] {
+      std::this_thread::sleep_for(milliseconds(stop_ms));
+      kill(peer, SIGCONT);
+    });
+  }
+  comm->Abort(AbortedError("rank zero gave up"));
+  const auto start = Clock::now();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  if (continuer.joinable()) continuer.join();
+  kill(peer, SIGCONT);
+  std::ofstream(done) << "done";
+  std::printf("DESTROYED in %lld ms\n", took_ms);
+  if (stop_ms == 0) WORKER_CHECK(took_ms < 2500, "destroying took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Three ranks on this host: rank 1 leaves (destroys its communicator) and
 // exits, then rank 0, which serves the store, aborts; rank 2 calls 2 s
 // later and learns rank 0's reason, as in late_peer_after_store_abort.
@@ -1794,6 +1866,7 @@ int RunScenario(const std::string& name) {
   if (name == "store_abort_after_remote_peer_killed") return ScenarioStoreRankAbortsAfterARemotePeerWasKilled();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
+  if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -1972,6 +2045,18 @@ TEST(Communicator, TheRankServingTheStoreWaitsForNoExitedPeerAfterAnAbort) {
 
 TEST(Communicator, TheRankServingTheStoreWaitsForNoDeadPeerWhenItClosesWithoutAnAbort) {
   Job job = RunJob(2, "store_close_after_peer_died", {});
+  EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheRankServingTheStoreWaitsForNoStoppedPeerAfterAnAbort) {
+  Job job = RunJob(2, "store_abort_with_stopped_peer", {});
+  EXPECT_TRUE(EveryRankPassed(job));
+}
+
+// A stop shorter than what counts (0.5 s) is a slow rank's: it still reads
+// the reason.
+TEST(Communicator, APeerStoppedBrieflyStillLearnsTheAbort) {
+  Job job = RunJob(2, "store_abort_with_stopped_peer", {{"DDP_TEST_STOP_MS", "200"}});
   EXPECT_TRUE(EveryRankPassed(job));
 }
 
