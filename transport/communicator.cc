@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <shared_mutex>
 #include <span>
 #include <sstream>
@@ -201,6 +202,12 @@ struct ServedStore {
   // Key prefixes of the communicators that started or shared it as rank 0,
   // under which splits made without this process register; under mu.
   std::vector<std::string> roots;
+  // Key prefixes (of `users`) of the communicators of this process whose
+  // leaving found every rank left or gone (see Shutdown): the last holder
+  // does not wait for their ranks again; under mu. Counting their "left"
+  // marks alone, it waited out its whole deadline (up to 30 s) for a rank
+  // that had died, which the communicator's own leaving had seen.
+  std::set<std::string> settled;
 };
 
 // The stores this process serves, by "host:port": a communicator made again
@@ -1542,12 +1549,31 @@ void Communicator::Impl::Shutdown() {
       for (size_t next = 0; next < awaited.size() && Clock::now() < wait_until;) {
         for (; next < awaited.size(); ++next) {
           const auto& [prefix, ranks] = awaited[next];
+          const bool own = prefix == prefix_;
+          bool settled = false;  // every rank of `prefix` left or gone
           while (Clock::now() < wait_until) {
+            // Another communicator of this process (on another thread, may
+            // be) found its own ranks left or gone.
+            if (!own) {
+              std::lock_guard lock(server_->mu);
+              if (server_->settled.count(prefix) > 0) break;
+            }
             auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
-            if (!count.ok() || *count >= ranks) break;
-            if (prefix == prefix_) note_stopped();
-            if (prefix == prefix_ && Clock::now() >= all_until && rest_gone(*count)) break;
+            if (!count.ok()) break;
+            if (*count >= ranks) {
+              settled = true;
+              break;
+            }
+            if (own) note_stopped();
+            if (own && Clock::now() >= all_until && rest_gone(*count)) {
+              settled = true;
+              break;
+            }
             std::this_thread::sleep_for(milliseconds(5));
+          }
+          if (own && settled) {
+            std::lock_guard lock(server_->mu);
+            server_->settled.insert(prefix_);
           }
         }
         if (last) ReadRegisteredSplits(registered, awaited, wait_until);

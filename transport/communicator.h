@@ -451,7 +451,9 @@ class Communicator {
   /// communicator's timeout). When rank 0 of this communicator serves the
   /// store (host_store), the store stays up while any communicator split
   /// from it lives there, and the last to go waits (within its timeout) for
-  /// every rank of every communicator that uses the store to leave. A
+  /// every rank of every communicator that uses the store to leave, except
+  /// for a communicator whose own leaving here found each of its ranks
+  /// left or gone (see ~Communicator). A
   /// color below kNoColor on any rank: INVALID_ARGUMENT on every rank,
   /// naming that rank (the colors are exchanged first); no communicator is
   /// formed and this one stays usable. Where a process outside this

@@ -1788,6 +1788,38 @@ int ScenarioStoreRankAbortsWithAStoppedPeer() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Three ranks split into one communicator of all three; rank 2 dies (exits
+// without leaving either) after a barrier on the split. Rank 0, which
+// serves the store, leaves the split (it sees rank 2 gone), then the
+// parent, the last holder of the store: it waits no longer than for its
+// own ranks. Before, the last holder counted the split's "left" marks alone
+// and waited out its whole deadline (20 s here) for rank 2 there.
+int ScenarioStoreRankLeavesASplitWhoseRankDied() {
+  auto comm = MustCreate();
+  int64_t pids[3] = {0, 0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  const int me = comm->rank();
+  auto child = comm->Split(0, me);
+  WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+  if (!child.ok() || *child == nullptr) return 1;
+  s = (*child)->Barrier();
+  WORKER_CHECK(s.ok(), "barrier on the split: " + s.ToString());
+  if (me == 2) _exit(testing::worker_failures == 0 ? 0 : 1);
+  WORKER_CHECK(AwaitExit(pids[2], milliseconds(10000)), "rank 2 (pid " + std::to_string(pids[2]) +
+                                                            ") did not exit within 10 s");
+  const auto start = Clock::now();
+  child->reset();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("DESTROYED rank %d in %lld ms\n", me, took_ms);
+  WORKER_CHECK(took_ms < 5000, "rank " + std::to_string(me) + ": destroying the split and its parent took " +
+                                   std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Three ranks on this host: rank 1 leaves (destroys its communicator) and
 // exits, then rank 0, which serves the store, aborts; rank 2 calls 2 s
 // later and learns rank 0's reason, as in late_peer_after_store_abort.
@@ -1867,6 +1899,7 @@ int RunScenario(const std::string& name) {
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
+  if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -2057,6 +2090,11 @@ TEST(Communicator, TheRankServingTheStoreWaitsForNoStoppedPeerAfterAnAbort) {
 // the reason.
 TEST(Communicator, APeerStoppedBrieflyStillLearnsTheAbort) {
   Job job = RunJob(2, "store_abort_with_stopped_peer", {{"DDP_TEST_STOP_MS", "200"}});
+  EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitLeftBefore) {
+  Job job = RunJob(3, "store_leaves_split_whose_rank_died", {});
   EXPECT_TRUE(EveryRankPassed(job));
 }
 
