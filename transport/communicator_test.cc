@@ -1645,10 +1645,12 @@ int ScenarioStoreRankAbortsAfterItsPeerExited() {
 }
 
 // Blocks until the process `pid` has exited (its pidfd turns readable),
-// at most `limit`; false when it did not, or cannot be watched.
+// at most `limit`; false when it did not, or cannot be watched. A process
+// already reaped (the test's parent waits for its ranks) has no pid left
+// to open: it has exited too.
 bool AwaitExit(int64_t pid, milliseconds limit) {
   const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
-  if (pidfd < 0) return false;
+  if (pidfd < 0) return errno == ESRCH;
   pollfd p{pidfd, POLLIN, 0};
   const bool exited = poll(&p, 1, static_cast<int>(limit.count())) == 1;
   close(pidfd);
