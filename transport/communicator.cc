@@ -163,22 +163,36 @@ void BindToCore(int index) {
   sched_setaffinity(0, sizeof(one), &one);
 }
 
-// Whether process `pid` of this host is stopped: by a signal (state T) or
-// by a tracer (t). False when its state cannot be read (gone: the monitor
-// tells that apart).
-bool ProcessStopped(int pid) {
-  if (pid <= 0) return false;
+// The state letter of process `pid` of this host (field 3 of
+// /proc/PID/stat: R, S, D, T, t, Z, X...); 0 when there is no such process
+// (or /proc cannot be read).
+char ProcessState(int pid) {
+  if (pid <= 0) return 0;
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
   FILE* f = std::fopen(path, "re");
-  if (f == nullptr) return false;
+  if (f == nullptr) return 0;
   char line[512];
   const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
   std::fclose(f);
   line[n] = '\0';
   // The state follows the name, which is in parentheses and may hold ')'.
   const char* p = std::strrchr(line, ')');
-  return p != nullptr && p[1] == ' ' && (p[2] == 'T' || p[2] == 't');
+  return p != nullptr && p[1] == ' ' ? p[2] : 0;
+}
+
+// Whether process `pid` of this host is stopped: by a signal (state T) or
+// by a tracer (t). False when gone: the monitor tells that apart.
+bool ProcessStopped(int pid) {
+  const char state = ProcessState(pid);
+  return state == 'T' || state == 't';
+}
+
+// Whether process `pid` of this host has exited: no such process, or a
+// zombie (exited, not yet reaped by its parent, its launcher).
+bool ProcessExited(int pid) {
+  const char state = ProcessState(pid);
+  return state == 0 || state == 'Z' || state == 'X';
 }
 
 // CPUs this process may keep busy (its affinity mask, capped by a cgroup
@@ -208,6 +222,12 @@ struct ServedStore {
   // marks alone, it waited out its whole deadline (up to 30 s) for a rank
   // that had died, which the communicator's own leaving had seen.
   std::set<std::string> settled;
+  // Per key prefix (of `users`): the pid of each of its ranks on this host,
+  // by that communicator's rank (0: on another host), as the communicator
+  // that noted it learned them (not known for splits registered in the
+  // store). The last holder tells with it a rank that died from one still
+  // to come, in communicators it is not a member of; under mu.
+  std::map<std::string, std::vector<int>> member_pids;
 };
 
 // The stores this process serves, by "host:port": a communicator made again
@@ -1172,6 +1192,10 @@ Status Communicator::Impl::Init() {
   ring_view_ = std::make_unique<p2p::GroupView>(std::move(view));
 
   local_pids_ = local_pids;
+  if (server_ != nullptr) {
+    std::lock_guard lock(server_->mu);
+    server_->member_pids.emplace(prefix_, local_pids);
+  }
 
   // 4. Fault detection inside waits.
   // What this rank can tell of another member that serves the store, for
@@ -1458,11 +1482,12 @@ void Communicator::Impl::Shutdown() {
     // returns only after this.
     const bool failed = aborted() || creation_failed_;
     const Deadline leave_by = DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000));
-    // Which ranks left, for the wait of a member serving the store (see
-    // rest_gone; a launcher's store keeps keys for good): marked
-    // before the count, so that a rank counted as left has its mark unless
-    // the store failed it in between.
-    if (store_rank_ >= 0) {
+    // Which ranks left, for the wait of the rank serving the store (see
+    // rest_gone, and members_gone for communicators without it; a
+    // launcher's store keeps keys for good): marked before the count, so
+    // that a rank counted as left has its mark unless the store failed it
+    // in between.
+    if (store_rank_ != -1) {
       store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
     }
     auto left = store_->Add(prefix_ + "left", 1, leave_by);
@@ -1542,6 +1567,42 @@ void Communicator::Impl::Shutdown() {
         }
         return gone_not_left >= not_left;
       };
+      // The same for another communicator using the store, by the pids of
+      // its ranks on this host (ServedStore::member_pids): its ranks not
+      // yet left have all exited, each without its "left/<rank>" mark. One
+      // on another host, or of a communicator whose pids are not known
+      // here, is waited for by the count alone. A pid taken since by
+      // another process looks alive: waited for, to the bound.
+      std::map<std::string, std::set<int>> marked;  // per prefix: gone ranks seen left
+      const auto members_gone = [&](const std::string& prefix, int ranks, int64_t left) {
+        std::vector<int> pids;
+        {
+          std::lock_guard lock(server_->mu);
+          auto it = server_->member_pids.find(prefix);
+          if (it == server_->member_pids.end()) return false;
+          pids = it->second;
+        }
+        if (pids.size() != static_cast<size_t>(ranks)) return false;
+        const int64_t not_left = ranks - left;
+        std::vector<int> gone;
+        for (size_t r = 0; r < pids.size(); ++r) {
+          if (pids[r] > 0 && ProcessExited(pids[r])) gone.push_back(static_cast<int>(r));
+        }
+        if (static_cast<int64_t>(gone.size()) < not_left) return false;
+        int64_t gone_not_left = 0;
+        for (int r : gone) {
+          if (marked[prefix].count(r) > 0) continue;
+          auto mark = store_->TryGet(prefix + "left/" + std::to_string(r),
+                                     std::min(wait_until, DeadlineIn(milliseconds(1000))));
+          if (!mark.ok()) return false;  // cannot tell: wait on
+          if (mark->has_value()) {
+            marked[prefix].insert(r);
+          } else {
+            ++gone_not_left;
+          }
+        }
+        return gone_not_left >= not_left;
+      };
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
       // all left, and one may have split again meanwhile.
@@ -1569,6 +1630,7 @@ void Communicator::Impl::Shutdown() {
               settled = true;
               break;
             }
+            if (!own && Clock::now() >= all_until && members_gone(prefix, ranks, *count)) break;
             std::this_thread::sleep_for(milliseconds(5));
           }
           if (own && settled) {
@@ -2684,6 +2746,19 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     std::lock_guard lock(impl_->server_->mu);
     for (const auto& [c, ranks] : ranks_of_color) {
       impl_->server_->users.emplace_back(child_name(c) + "/", ranks);
+      // Its ranks' pids on this host in its rank order (by key, ties by
+      // rank here), so that the last holder can tell one that died.
+      std::vector<int> of_color;
+      for (int r = 0; r < size(); ++r) {
+        if (all[2 * r] == c) of_color.push_back(r);
+      }
+      std::stable_sort(of_color.begin(), of_color.end(),
+                       [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+      std::vector<int> pids;
+      for (int r : of_color) {
+        pids.push_back(static_cast<size_t>(r) < impl_->local_pids_.size() ? impl_->local_pids_[r] : 0);
+      }
+      impl_->server_->member_pids.emplace(child_name(c) + "/", std::move(pids));
     }
   } else if (impl_->store_rank_ == -2 && !ranks_of_color.empty()) {
     // Every rank learns from rank 0 whether the registration went through:

@@ -453,10 +453,11 @@ class Communicator {
   /// from it lives there, and the last to go waits (within its timeout) for
   /// every rank of every communicator that uses the store to leave, except
   /// for a communicator whose own leaving here found each of its ranks
-  /// left or gone (see ~Communicator). A
-  /// color below kNoColor on any rank: INVALID_ARGUMENT on every rank,
-  /// naming that rank (the colors are exchanged first); no communicator is
-  /// formed and this one stays usable. Where a process outside this
+  /// left or gone (see ~Communicator), and for the ranks of that host that
+  /// exited without leaving a communicator split where the serving rank
+  /// took part in the Split (of any color). A color below kNoColor on any
+  /// rank: INVALID_ARGUMENT on every rank, naming that rank (the colors are
+  /// exchanged first); no communicator is formed and this one stays usable. Where a process outside this
   /// communicator serves the store, rank 0 registers the new communicators
   /// there (so that it stays up for them) and tells every rank how that
   /// went: if it failed, no communicator is formed, of any color, every

@@ -1822,6 +1822,39 @@ int ScenarioStoreRankLeavesASplitWhoseRankDied() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Ranks 1 and 2 split off without rank 0, which serves the store; rank 2
+// dies (exits without leaving either) after a barrier on the split. Rank 0,
+// the store's last holder once it destroys its communicator, is not a
+// member of the split, but knows its ranks' pids: it waits for rank 1 to
+// leave and not for rank 2. Before, it counted the split's "left" marks
+// alone and waited out its whole deadline (20 s here) for rank 2.
+int ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied() {
+  auto comm = MustCreate();
+  int64_t pids[3] = {0, 0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok() && (*child != nullptr) == (me != 0), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  if (me != 0) {
+    s = (*child)->Barrier();
+    WORKER_CHECK(s.ok(), "barrier on the split: " + s.ToString());
+    if (me == 2) _exit(testing::worker_failures == 0 ? 0 : 1);
+  }
+  WORKER_CHECK(AwaitExit(pids[2], milliseconds(10000)), "rank 2 (pid " + std::to_string(pids[2]) +
+                                                            ") did not exit within 10 s");
+  const auto start = Clock::now();
+  child->reset();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("DESTROYED rank %d in %lld ms\n", me, took_ms);
+  WORKER_CHECK(took_ms < 5000, "rank " + std::to_string(me) + ": destroying took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Three ranks on this host: rank 1 leaves (destroys its communicator) and
 // exits, then rank 0, which serves the store, aborts; rank 2 calls 2 s
 // later and learns rank 0's reason, as in late_peer_after_store_abort.
@@ -1902,6 +1935,9 @@ int RunScenario(const std::string& name) {
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
+  if (name == "store_outlives_split_without_it_whose_rank_died") {
+    return ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied();
+  }
   std::fprintf(stderr, "unknown scenario %s\n", name.c_str());
   return 2;
 }
@@ -2097,6 +2133,11 @@ TEST(Communicator, APeerStoppedBrieflyStillLearnsTheAbort) {
 
 TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitLeftBefore) {
   Job job = RunJob(3, "store_leaves_split_whose_rank_died", {});
+  EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitWithoutIt) {
+  Job job = RunJob(3, "store_outlives_split_without_it_whose_rank_died", {});
   EXPECT_TRUE(EveryRankPassed(job));
 }
 
