@@ -35,11 +35,25 @@ std::string Quote(std::string_view key) {
   return out + "'";
 }
 
-Status CheckKey(std::string_view key) {
-  if (key.empty()) return InvalidArgumentError("store key is empty");
+// Refuses a key the server would refuse, naming the call and the key (its
+// first bytes: the key itself may be megabytes), before anything is sent.
+// `position` names where it stands in a list of keys ("" for one key).
+Status CheckKey(std::string_view key, const char* op, const std::string& position = "") {
+  const std::string where = position.empty() ? "" : " (" + position + ")";
+  if (key.empty()) return InvalidArgumentError(std::string("store ") + op + ": a key is empty" + where);
   if (key.size() > kMaxKeyBytes) {
-    return ResourceExhaustedError("store key of " + std::to_string(key.size()) +
-                                  " bytes exceeds the limit of " + std::to_string(kMaxKeyBytes));
+    return ResourceExhaustedError(std::string("store ") + op + ": key " + Quote(key) + where + " is " +
+                                  std::to_string(key.size()) + " bytes, more than the limit of " +
+                                  std::to_string(kMaxKeyBytes));
+  }
+  return Status::Ok();
+}
+
+// Every key of a Wait's or MultiGet's list, each named by its place in it.
+Status CheckKeys(std::span<const std::string> keys, const char* op) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    DDP_RETURN_IF_ERROR(CheckKey(keys[i], op,
+                                 "key " + std::to_string(i + 1) + " of " + std::to_string(keys.size())));
   }
   return Status::Ok();
 }
@@ -292,7 +306,7 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
 }
 
 Status TcpStoreClient::Set(std::string_view key, std::string_view value, Deadline deadline) {
-  DDP_RETURN_IF_ERROR(CheckKey(key));
+  DDP_RETURN_IF_ERROR(CheckKey(key, "set"));
   if (value.size() > kMaxValueBytes) {
     return ResourceExhaustedError("store value of " + std::to_string(value.size()) +
                                   " bytes for key " + Quote(key) + " exceeds the limit of " +
@@ -308,7 +322,7 @@ Status TcpStoreClient::Set(std::string_view key, std::string_view value, Deadlin
 }
 
 StatusOr<std::string> TcpStoreClient::Get(std::string_view key, Deadline deadline) {
-  DDP_RETURN_IF_ERROR(CheckKey(key));
+  DDP_RETURN_IF_ERROR(CheckKey(key, "get"));
   wire::Writer w;
   w.String(key);
   DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kGet), true, w.body(),
@@ -323,7 +337,7 @@ StatusOr<std::string> TcpStoreClient::Get(std::string_view key, Deadline deadlin
 
 StatusOr<std::optional<std::string>> TcpStoreClient::TryGet(std::string_view key,
                                                             Deadline deadline) {
-  DDP_RETURN_IF_ERROR(CheckKey(key));
+  DDP_RETURN_IF_ERROR(CheckKey(key, "try_get"));
   wire::Writer w;
   w.String(key);
   DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kTryGet), false, w.body(),
@@ -339,7 +353,7 @@ StatusOr<std::optional<std::string>> TcpStoreClient::TryGet(std::string_view key
 }
 
 StatusOr<int64_t> TcpStoreClient::Add(std::string_view key, int64_t delta, Deadline deadline) {
-  DDP_RETURN_IF_ERROR(CheckKey(key));
+  DDP_RETURN_IF_ERROR(CheckKey(key, "add"));
   wire::Writer w;
   w.I64(delta);
   w.String(key);
@@ -357,6 +371,7 @@ Status TcpStoreClient::Wait(std::span<const std::string> keys, Deadline deadline
   // One request names at most wire::kMaxWaitKeys keys (the server bounds its
   // frames). A longer list is waited for a piece at a time, every piece
   // against the same deadline: all keys exist once every piece returned.
+  DDP_RETURN_IF_ERROR(CheckKeys(keys, "wait"));
   while (keys.size() > wire::kMaxWaitKeys) {
     DDP_RETURN_IF_ERROR(Wait(keys.first(wire::kMaxWaitKeys), deadline));
     keys = keys.subspan(wire::kMaxWaitKeys);
@@ -365,7 +380,6 @@ Status TcpStoreClient::Wait(std::span<const std::string> keys, Deadline deadline
   wire::Writer w;
   w.U32(static_cast<uint32_t>(keys.size()));
   for (const std::string& key : keys) {
-    DDP_RETURN_IF_ERROR(CheckKey(key));
     w.String(key);
   }
   std::string what = "wait for key " + Quote(keys.front());
@@ -378,6 +392,7 @@ Status TcpStoreClient::Wait(std::span<const std::string> keys, Deadline deadline
 
 StatusOr<std::vector<std::string>> TcpStoreClient::MultiGet(std::span<const std::string> keys,
                                                             Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKeys(keys, "multi_get"));
   std::vector<std::string> values;
   values.reserve(keys.size());
   for (size_t first = 0; first < keys.size(); first += kMaxMultiGetKeys) {
@@ -392,7 +407,6 @@ Status TcpStoreClient::MultiGetPart(std::span<const std::string> part, Deadline 
   wire::Writer w;
   w.U32(static_cast<uint32_t>(part.size()));
   for (const std::string& key : part) {
-    DDP_RETURN_IF_ERROR(CheckKey(key));
     w.String(key);
   }
   std::string what = "get of key " + Quote(part.front());
@@ -421,7 +435,7 @@ Status TcpStoreClient::MultiGetPart(std::span<const std::string> part, Deadline 
 }
 
 StatusOr<bool> TcpStoreClient::Delete(std::string_view key, Deadline deadline) {
-  DDP_RETURN_IF_ERROR(CheckKey(key));
+  DDP_RETURN_IF_ERROR(CheckKey(key, "delete"));
   wire::Writer w;
   w.String(key);
   DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kDelete), false, w.body(),
@@ -438,7 +452,7 @@ StatusOr<std::optional<std::string>> TcpStoreClient::CompareSet(std::string_view
                                                                 std::optional<std::string_view> expected,
                                                                 std::string_view desired,
                                                                 Deadline deadline) {
-  DDP_RETURN_IF_ERROR(CheckKey(key));
+  DDP_RETURN_IF_ERROR(CheckKey(key, "compare_set"));
   const size_t bytes = desired.size() + (expected ? expected->size() : 0);
   if (bytes > kMaxValueBytes) {
     return ResourceExhaustedError("store compare_set of key " + Quote(key) + " carries " +

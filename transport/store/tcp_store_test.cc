@@ -586,6 +586,33 @@ TEST(TcpStoreTest, SizeBounds) {
   EXPECT_TRUE(client->Set("big4", big, DeadlineIn(10s)).ok());
 }
 
+// A key over the limit or empty is refused before anything is sent, naming
+// the call and the key (its first bytes) or its place in a list: "store key
+// of 1025 bytes exceeds the limit" left the caller to guess which of its
+// keys, in which call.
+TEST(TcpStoreTest, ABadKeyIsRefusedNamingTheCallAndTheKey) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  const std::string long_key = "rank/7/" + std::string(kMaxKeyBytes, 'k');
+  Status set = client->Set(long_key, "v", DeadlineIn(5s));
+  EXPECT_EQ(set.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(set.message(), HasSubstr("store set: key 'rank/7/kkk"));
+  EXPECT_THAT(set.message(), HasSubstr(std::to_string(long_key.size()) + " bytes, more than the limit of " +
+                                       std::to_string(kMaxKeyBytes)));
+  StatusOr<std::string> get = client->Get(long_key, DeadlineIn(5s));
+  EXPECT_THAT(get.status().message(), HasSubstr("store get: key 'rank/7/kkk"));
+  const std::vector<std::string> keys = {"a", "b", long_key};
+  Status wait = client->Wait(keys, DeadlineIn(5s));
+  EXPECT_EQ(wait.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(wait.message(), HasSubstr("store wait: key 'rank/7/kkk"));
+  EXPECT_THAT(wait.message(), HasSubstr("(key 3 of 3)"));
+  const std::vector<std::string> with_empty = {"a", ""};
+  StatusOr<std::vector<std::string>> got = client->MultiGet(with_empty, DeadlineIn(5s));
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(got.status().message(), HasSubstr("store multi_get: a key is empty (key 2 of 2)"));
+  EXPECT_EQ(server->stats().requests, 0u) << "a refused key reached the server";
+}
+
 // Each entry counts its bookkeeping against max_stored_bytes, not only its
 // key and value: keys of a few bytes with empty values used to fit by the
 // hundred thousand into a bound meant for a few MiB.
