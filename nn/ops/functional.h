@@ -176,6 +176,19 @@ inline Tensor operator*(double s, const Tensor& a) { return ops::MulScalar(a, s)
 inline Tensor operator-(const Tensor& a) { return ops::Neg(a); }
 
 namespace detail {
+// s as a 0-d tensor of the integer dtype `dtype`, taken modulo its width
+// (u8 300 is 44, u8 -1 is 255), as PyTorch casts a wrapped number; built
+// from the integer itself, not a double, so an i64 beyond 2^53 stays exact.
+inline Tensor IntegralScalarOf(int64_t s, DType dtype, Device device) {
+  Tensor t;
+  switch (dtype) {
+    case DType::kUInt8: t = FromVectorOf<uint8_t>({static_cast<uint8_t>(s)}, {}); break;
+    case DType::kInt32: t = FromVectorOf<int32_t>({static_cast<int32_t>(s)}, {}); break;
+    default: t = FromVectorOf<int64_t>({s}, {}); break;
+  }
+  return t.To(device);
+}
+
 // An integer tensor with an integral scalar, as
 // PyTorch's wrapped numbers: int64 + 2 stays int64 (the scalar operators
 // above take a double and compute in floating point, f32 for an integer
@@ -183,7 +196,7 @@ namespace detail {
 inline Tensor WithIntegralScalar(const Tensor& a, int64_t s, Tensor (*op)(const Tensor&, const Tensor&),
                                  Tensor (*floating)(const Tensor&, double)) {
   if (!a.defined() || IsFloating(a.dtype())) return floating(a, static_cast<double>(s));
-  return op(a, Full({}, static_cast<double>(s), {.dtype = a.dtype(), .device = a.device()}));
+  return op(a, IntegralScalarOf(s, a.dtype(), a.device()));
 }
 }  // namespace detail
 

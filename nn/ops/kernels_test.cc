@@ -910,6 +910,28 @@ TEST(KernelsTest, IntegralScalarsKeepIntegerTensorsInteger) {
   EXPECT_EQ((x * 2).ToVector<float>(), (std::vector<float>{3, 5}));
 }
 
+// An integral scalar enters an integer tensor's arithmetic modulo the
+// tensor's width and exactly, as PyTorch casts its wrapped number: u8 + 300
+// adds 44, u8 - (-1) adds 1, i32 * 2^32 gives 0, and i64 + (2^60 + 1) keeps
+// the last bit. Before, the scalar went through a double and was saturated
+// into the dtype: u8 + 300 added 255, u8 + (-1) added 0, and i64 lost the
+// bits below 2^53's precision.
+TEST(KernelsTest, IntegralScalarsWrapToTheTensorsWidthExactly) {
+  const Tensor bytes = FromVectorOf<uint8_t>({1, 200}, {2});
+  EXPECT_EQ((bytes + 300).ToVector<int64_t>(), (std::vector<int64_t>{45, 244}));
+  EXPECT_EQ((bytes + (-1)).ToVector<int64_t>(), (std::vector<int64_t>{0, 199}));
+  EXPECT_EQ((bytes - (-1)).ToVector<int64_t>(), (std::vector<int64_t>{2, 201}));
+  EXPECT_EQ((bytes * -1).ToVector<int64_t>(), (std::vector<int64_t>{255, 56}));
+  const Tensor ints = FromVectorOf<int32_t>({3, -5}, {2});
+  EXPECT_EQ((ints * (int64_t{1} << 32)).ToVector<int64_t>(), (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ((ints + ((int64_t{1} << 32) + 2)).ToVector<int64_t>(), (std::vector<int64_t>{5, -3}));
+  const int64_t huge = (int64_t{1} << 60) + 1;  // not a double
+  const Tensor longs = FromVectorOf<int64_t>({0, -1}, {2});
+  EXPECT_EQ((longs + huge).ToVector<int64_t>(), (std::vector<int64_t>{huge, huge - 1}));
+  EXPECT_EQ((longs - huge).ToVector<int64_t>(), (std::vector<int64_t>{-huge, -huge - 1}));
+  EXPECT_EQ((huge * FromVectorOf<int64_t>({1}, {1})).ToVector<int64_t>(), (std::vector<int64_t>{huge}));
+}
+
 TEST(KernelsTest, SoftmaxOfAnIntegerTensorNamesSoftmax) {
   try {
     Softmax(Zeros({2, 3}, {.dtype = DType::kInt64}), 1);
