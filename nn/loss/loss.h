@@ -71,7 +71,8 @@ struct SmoothL1Options {
 };
 
 /// F.smooth_l1_loss: with z = |input - target|, 0.5 z^2 / beta where
-/// z < beta, else z - 0.5 beta. An infinite z gives NaN (PyTorch: inf).
+/// z < beta, else z - 0.5 beta. An infinite z gives inf with gradient
+/// +-1, as PyTorch.
 Tensor SmoothL1(const Tensor& input, const Tensor& target, const SmoothL1Options& options = {});
 
 struct HuberOptions {
@@ -82,7 +83,7 @@ struct HuberOptions {
 
 /// F.huber_loss: with z = |input - target|, 0.5 z^2 where z < delta, else
 /// delta (z - 0.5 delta) (= delta * SmoothL1 with beta = delta). An infinite
-/// z gives NaN (PyTorch: inf).
+/// z gives inf with gradient +-delta, as PyTorch.
 Tensor Huber(const Tensor& input, const Tensor& target, const HuberOptions& options = {});
 
 struct BceWithLogitsOptions {
