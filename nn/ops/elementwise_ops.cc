@@ -254,7 +254,14 @@ Tensor DivScalar(const Tensor& x_in, double s) {
   detail::ConnectNode(node, {&x}, {&out});
   return out;
 }
-Tensor Neg(const Tensor& x) { return UnaryOpImpl(UnaryOp::kNeg, x); }
+Tensor Neg(const Tensor& x) {
+  // An integer tensor negates in its own dtype, as torch.neg (u8 wraps:
+  // -1 is 255): a product with -1 taken at the tensor's width. No gradient.
+  if (x.defined() && !IsFloating(x.dtype())) {
+    return Mul(x, ::ddp::nn::detail::IntegralScalarOf(-1, x.dtype(), x.device()));
+  }
+  return UnaryOpImpl(UnaryOp::kNeg, x);
+}
 Tensor Relu(const Tensor& x) { return UnaryOpImpl(UnaryOp::kRelu, x); }
 
 Tensor ReluOwned(Tensor x) {

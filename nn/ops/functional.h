@@ -36,6 +36,7 @@ Tensor MulScalar(const Tensor& x, double s);
 /// x / s, a true division (not x * (1 / s)): f32 [7] / 3 is 2.3333333, and a
 /// tiny s does not overflow a reciprocal. Computed in f32 for 16-bit x.
 Tensor DivScalar(const Tensor& x, double s);
+/// -x; an integer tensor keeps its dtype (u8 wraps, as torch.neg).
 Tensor Neg(const Tensor& x);
 Tensor Relu(const Tensor& x);
 /// Relu(Add(a, b)) in one pass over memory, as a residual block ends; its

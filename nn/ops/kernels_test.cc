@@ -932,6 +932,22 @@ TEST(KernelsTest, IntegralScalarsWrapToTheTensorsWidthExactly) {
   EXPECT_EQ((huge * FromVectorOf<int64_t>({1}, {1})).ToVector<int64_t>(), (std::vector<int64_t>{huge}));
 }
 
+// -labels on an integer tensor, as torch.neg: the same dtype, wrapping
+// (u8 -1 is 255), no gradient. Before, Neg refused every integer tensor
+// ("needs a floating tensor").
+TEST(KernelsTest, NegOfAnIntegerTensorKeepsItsDtypeAndWraps) {
+  const Tensor longs = -FromVectorOf<int64_t>({3, -7, 0}, {3});
+  EXPECT_EQ(longs.dtype(), DType::kInt64);
+  EXPECT_EQ(longs.ToVector<int64_t>(), (std::vector<int64_t>{-3, 7, 0}));
+  const Tensor ints = Neg(FromVectorOf<int32_t>({5, -2}, {2}));
+  EXPECT_EQ(ints.dtype(), DType::kInt32);
+  EXPECT_EQ(ints.ToVector<int64_t>(), (std::vector<int64_t>{-5, 2}));
+  const Tensor bytes = Neg(FromVectorOf<uint8_t>({0, 1, 200}, {3}));
+  EXPECT_EQ(bytes.dtype(), DType::kUInt8);
+  EXPECT_EQ(bytes.ToVector<int64_t>(), (std::vector<int64_t>{0, 255, 56}));
+  EXPECT_FALSE(bytes.requires_grad());
+}
+
 TEST(KernelsTest, SoftmaxOfAnIntegerTensorNamesSoftmax) {
   try {
     Softmax(Zeros({2, 3}, {.dtype = DType::kInt64}), 1);
