@@ -816,15 +816,32 @@ void Reducer::Finalize() {
   static_learning_ = false;
   if (ready_count_ < params_.size()) {
     std::string names;
-    size_t listed = 0, missing = 0;
+    size_t listed = 0, missing = 0, frozen = 0;
     for (size_t i = 0; i < params_.size(); ++i) {
       if (ready_[i]) continue;
       ++missing;
-      if (listed++ < 8) names += (names.empty() ? "`" : ", `") + names_[i] + "` (index " + std::to_string(i) + ")";
+      // Frozen after wrapping: backward gives it no gradient by design.
+      const bool now_frozen = !params_[i].requires_grad();
+      frozen += now_frozen ? 1 : 0;
+      if (listed++ < 8) {
+        names += (names.empty() ? "`" : ", `") + names_[i] + "` (index " + std::to_string(i) +
+                 (now_frozen ? ", requires_grad is false now" : "") + ")";
+      }
     }
     if (missing > listed) names += " and " + std::to_string(missing - listed) + " more";
     std::string advice;
-    if (options_.static_graph) {
+    if (frozen > 0) {
+      // The walk of find_unused_parameters takes a parameter frozen before
+      // the forward as unused; one frozen between forward and backward was
+      // reached by that forward, and is missing here however it is set.
+      advice = std::to_string(frozen) + " of them required grad when the model was wrapped and no longer do "
+               "(frozen after wrapping), so backward gives them no gradient. To freeze and unfreeze parameters "
+               "of a wrapped model, set DdpOptions::find_unused_parameters = true and change requires_grad "
+               "before the forward, never between forward and backward; or freeze them before wrapping." +
+               (options_.static_graph ? " DdpOptions::static_graph keeps the parameters used in the first "
+                                        "iteration for good, so it cannot follow such a change."
+                                      : "");
+    } else if (options_.static_graph) {
       advice = "DdpOptions::static_graph is set, and these parameters had gradients in the first "
                "iteration: every iteration must use the same parameters (use find_unused_parameters "
                "where the set changes).";

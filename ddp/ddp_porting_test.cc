@@ -1,0 +1,206 @@
+// DistributedDataParallel under the habits of a training script ported
+// from PyTorch, over real processes: parameters frozen and unfrozen after
+// wrapping, a model with no parameters under Join, and an exception inside
+// NoSync.
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using nn::modules::Module;
+using testing::RunWorkers;
+
+constexpr int64_t kBatch = 8;
+
+std::shared_ptr<Module> Mlp(uint64_t seed) {
+  nn::Generator gen(seed);
+  return nn::modules::MakeMlp(gen);
+}
+
+void SetFrozen(Module& model, const std::string& prefix, bool frozen) {
+  for (const auto& [name, p] : model.NamedParameters()) {
+    if (name.rfind(prefix, 0) == 0) p.set_requires_grad(!frozen);
+  }
+}
+
+// ------------------------------------------------- freeze and unfreeze ----
+
+// The first Linear is frozen (requires_grad off) for steps 1 and 2 and
+// trains again from step 3, as a fine-tuning script does with a backbone.
+// With find_unused_parameters each step equals one step on the combined
+// batch: a frozen parameter is unused, its stale gradient (ZeroGrad keeps
+// it at zero when set_to_none is false) is not averaged into anything.
+void CheckFreezeAndUnfreeze(ProcessGroup& pg, DdpOptions options, bool set_to_none, const std::string& what) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  auto model = Mlp(rank == 0 ? 3 : 70 + rank);
+  options.find_unused_parameters = true;
+  options.process_group = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+  DistributedDataParallel ddp(model, options);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto reference = Mlp(3);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  try {
+    for (int s = 0; s < 5; ++s) {
+      const bool frozen = s == 1 || s == 2;
+      SetFrozen(*model, "1.", frozen);
+      SetFrozen(*reference, "1.", frozen);
+      opt.ZeroGrad(set_to_none);
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+      ref_opt.ZeroGrad(set_to_none);
+      auto [xr, yr] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xr), yr));
+      ref_opt.Step();
+      const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+      WORKER_EXPECT(diff <= 1e-5, what + ": step " + std::to_string(s) + ": `" + worst + "` off by " +
+                                      std::to_string(diff));
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, what + " threw: " + e.what());
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+}
+
+DDP_TEST_WORKER(freeze_and_unfreeze) {
+  auto pg = testing::WorkerGroup();
+  for (const bool set_to_none : {true, false}) {
+    const std::string zero = set_to_none ? " (set_to_none)" : " (zeroed)";
+    CheckFreezeAndUnfreeze(*pg, {}, set_to_none, "buckets" + zero);
+    CheckFreezeAndUnfreeze(*pg, {.gradient_as_bucket_view = true}, set_to_none, "views" + zero);
+    CheckFreezeAndUnfreeze(*pg, {.inplace_gradient_mb = 0}, set_to_none, "no solo buckets" + zero);
+    CheckFreezeAndUnfreeze(*pg, {.bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}, set_to_none,
+                           "one bucket per parameter" + zero);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, ParametersFrozenAndUnfrozenAfterWrappingTrainAsOneProcess) {
+  auto run = RunWorkers("freeze_and_unfreeze", 2, {}, 120000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A parameter frozen after wrapping gets no gradient. Without
+// find_unused_parameters, or frozen between forward and backward (the
+// forward reached it), that backward fails on every rank naming it and
+// saying that it no longer requires grad, rather than blaming the loss.
+void CheckFrozenIsNamed(ProcessGroup& pg, bool find_unused, const std::string& what) {
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(3);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = find_unused,
+                                      .process_group = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {})});
+  auto [x, y] = testing::Batch(data, pg.rank() * kBatch, kBatch);
+  if (!find_unused) SetFrozen(*model, "1.", true);
+  std::string error;
+  try {
+    const Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+    if (find_unused) SetFrozen(*model, "1.", true);
+    nn::Backward(loss);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(error.find("`1.weight` (index 0, requires_grad is false now)") != std::string::npos &&
+                    error.find("frozen after wrapping") != std::string::npos,
+                what + ": " + error);
+}
+
+DDP_TEST_WORKER(frozen_after_wrapping_is_named) {
+  auto pg = testing::WorkerGroup();
+  CheckFrozenIsNamed(*pg, false, "without find_unused_parameters");
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(frozen_before_backward_is_named) {
+  auto pg = testing::WorkerGroup();
+  CheckFrozenIsNamed(*pg, true, "find_unused_parameters, frozen between forward and backward");
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, AParameterFrozenAfterWrappingThatGetsNoGradientIsNamedAsFrozen) {
+  // The failure aborts the group: one group per case.
+  for (const char* worker : {"frozen_after_wrapping_is_named", "frozen_before_backward_is_named"}) {
+    auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
+  }
+}
+
+// ------------------------------------------------ no parameters, Join ----
+
+DDP_TEST_WORKER(no_parameters_join) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<nn::modules::Flatten>();
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  {
+    Join join(ddp);
+    for (int s = 0; s < 2 + pg->rank(); ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      Tensor out = ddp(x);
+      WORKER_EXPECT(out.dim() == 2, "flattened");
+    }
+    join.Wait();
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, AModelWithoutParametersRunsUnderJoin) {
+  auto run = RunWorkers("no_parameters_join", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------- NoSync and an exception ----
+
+DDP_TEST_WORKER(no_sync_exception) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = Mlp(rank == 0 ? 3 : 11);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = Mlp(3);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  try {
+    auto guard = ddp.NoSync();
+    {
+      auto inner = ddp.NoSync();
+    }
+    (void)ddp(nn::Zeros({2, 5}));  // wrong width: the module throws
+  } catch (const std::exception& e) {
+  }
+  for (int s = 0; s < 2; ++s) {
+    opt.ZeroGrad();
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    ref_opt.ZeroGrad();
+    auto [xr, yr] = testing::Batch(data, s * world * kBatch, world * kBatch);
+    nn::Backward(nn::loss::CrossEntropy((*reference)(xr), yr));
+    ref_opt.Step();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, NoSyncLeftByAnExceptionSynchronizesTheNextStep) {
+  auto run = RunWorkers("no_sync_exception", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+}  // namespace
+}  // namespace ddp::dist
