@@ -1,7 +1,7 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
-// wrapping, a model with no parameters under Join, and an exception inside
-// NoSync.
+// wrapping, a model with no parameters under Join, an exception inside
+// NoSync, and the wrapped module called directly.
 
 #include <gtest/gtest.h>
 
@@ -199,6 +199,49 @@ DDP_TEST_WORKER(no_sync_exception) {
 
 TEST(DdpPortingTest, NoSyncLeftByAnExceptionSynchronizesTheNextStep) {
   auto run = RunWorkers("no_sync_exception", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------- the wrapped module called alone ----
+
+// After a synchronizing backward, a gradient from the wrapped module called
+// directly (as a port calling ddp.module for an auxiliary loss does), or
+// from a penalty on the parameters backpropagated on its own, would go into
+// .grad unsynchronized: the error names the rank, the parameter and these
+// causes, not only a second backward of one forward.
+DDP_TEST_WORKER(gradient_from_outside_the_wrapper) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(3);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  for (const bool penalty : {false, true}) {
+    const std::string what = penalty ? "penalty" : "module called directly";
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    std::string error;
+    try {
+      if (penalty) {
+        const Tensor w = model->NamedParameters().at(4).second;
+        nn::Backward(nn::ops::Sum(w * w) * 1e-4);
+      } else {
+        nn::Backward(nn::loss::CrossEntropy((*model)(x), y));
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    // The last layer's gradients come first; which of its two is the engine's choice.
+    const std::string first = penalty ? "`5.weight`" : "`5.";
+    WORKER_EXPECT(error.find("on rank " + std::to_string(pg->rank()) + ": parameter " + first) != std::string::npos,
+                  what + ": " + error);
+    WORKER_EXPECT(error.find("the wrapped module called directly") != std::string::npos, what + ": " + error);
+    WORKER_EXPECT(error.find("a loss term computed outside the wrapper's forward") != std::string::npos,
+                  what + ": " + error);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, AGradientFromOutsideTheWrapperAfterItsBackwardNamesTheCauses) {
+  auto run = RunWorkers("gradient_from_outside_the_wrapper", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

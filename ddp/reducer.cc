@@ -566,13 +566,16 @@ void Reducer::OnGradReady(size_t index) {
       // PyTorch ignores such a gradient; here it is an error, since it
       // silently makes the replicas differ.
       throw std::logic_error(
-          "DistributedDataParallel: parameter `" + names_[index] +
+          "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + names_[index] +
           "` received a gradient after this iteration's gradients were averaged (its backward had "
-          "finished and no forward has run since). A second backward through the outputs of one "
-          "forward is not supported: its gradients go into .grad on top of the averaged ones "
-          "without being synchronized (this one already has, on this rank), so the replicas drift "
-          "apart. Backpropagate the sum of the losses once, or run the further backward under "
-          "NoSync to accumulate its gradients locally on purpose.");
+          "finished and no forward of the wrapper has run since). Such a gradient goes into .grad on "
+          "top of the averaged one without being synchronized (this one already has, on this rank), so "
+          "the replicas drift apart. It comes from a second backward through the outputs of one forward, "
+          "from a loss term computed outside the wrapper's forward (a penalty on the parameters, "
+          "backpropagated on its own), or from the wrapped module called directly instead of through "
+          "DistributedDataParallel. Backpropagate the sum of the losses once, call the wrapper rather "
+          "than the module it wraps, or run the further backward under NoSync to accumulate its "
+          "gradients locally on purpose.");
     }
     // NoSync, or a backward this reducer did not prepare: the
     // gradient accumulates in .grad and is reduced by the next
