@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <utility>
 #include <stdexcept>
 #include <string>
 
@@ -135,6 +136,87 @@ TEST(DdpPortingTest, AParameterFrozenAfterWrappingThatGetsNoGradientIsNamedAsFro
   // The failure aborts the group: one group per case.
   for (const char* worker : {"frozen_after_wrapping_is_named", "frozen_before_backward_is_named"}) {
     auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
+  }
+}
+
+// ------------------------------------- a discriminator frozen for G ----
+
+// A GAN step as PyTorch scripts write it (pix2pix, CycleGAN): the
+// discriminator, a model wrapped of its own, is frozen (every parameter's
+// requires_grad off) while the generator's loss goes through it, and
+// unfrozen for its own step. Its forward then records no path to its
+// parameters, so there is nothing to synchronize, and the discriminator's
+// next step must not take it for an iteration whose backward never came.
+// Both models follow the one-process run on the combined batch.
+void CheckFrozenDiscriminator(ProcessGroup& pg, bool find_unused, const std::string& what) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  auto borrow = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
+  auto g = Mlp(rank == 0 ? 5 : 30 + rank);
+  nn::Generator gen(rank == 0 ? 6 : 40 + rank);
+  std::shared_ptr<Module> d = std::make_shared<nn::modules::Linear>(10, 1, true, gen);
+  DistributedDataParallel ddp_g(g, {.find_unused_parameters = find_unused, .process_group = borrow});
+  DistributedDataParallel ddp_d(d, {.find_unused_parameters = find_unused, .process_group = borrow});
+  nn::optim::Sgd opt_g(g->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::optim::Sgd opt_d(d->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  auto ref_g = Mlp(5);
+  nn::Generator ref_gen(6);
+  std::shared_ptr<Module> ref_d = std::make_shared<nn::modules::Linear>(10, 1, true, ref_gen);
+  nn::optim::Sgd ref_opt_g(ref_g->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::optim::Sgd ref_opt_d(ref_d->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  try {
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      const Tensor fake = ddp_g(x);
+      // Discriminator step on the generated batch, detached.
+      SetFrozen(*d, "", false);
+      opt_d.ZeroGrad();
+      nn::Backward(nn::ops::Mean(ddp_d(fake.Detach())));
+      opt_d.Step();
+      // Generator step through the frozen discriminator.
+      SetFrozen(*d, "", true);
+      opt_g.ZeroGrad();
+      nn::Backward(nn::ops::Mean(ddp_d(fake)) * -1.0);
+      opt_g.Step();
+
+      auto [xr, yr] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      const Tensor ref_fake = (*ref_g)(xr);
+      SetFrozen(*ref_d, "", false);
+      ref_opt_d.ZeroGrad();
+      nn::Backward(nn::ops::Mean((*ref_d)(ref_fake.Detach())));
+      ref_opt_d.Step();
+      SetFrozen(*ref_d, "", true);
+      ref_opt_g.ZeroGrad();
+      nn::Backward(nn::ops::Mean((*ref_d)(ref_fake)) * -1.0);
+      ref_opt_g.Step();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, what + " threw: " + e.what());
+    return;
+  }
+  for (const auto& [model, ref] : {std::pair{g, ref_g}, std::pair{d, ref_d}}) {
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *ref);
+    WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+  }
+}
+
+DDP_TEST_WORKER(frozen_discriminator) {
+  auto pg = testing::WorkerGroup();
+  CheckFrozenDiscriminator(*pg, false, "plain");
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(frozen_discriminator_find_unused) {
+  auto pg = testing::WorkerGroup();
+  CheckFrozenDiscriminator(*pg, true, "find_unused_parameters");
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, AModelFrozenWholeForAnotherModelsStepTrainsAsOneProcess) {
+  // A failure aborts the group: one group per case.
+  for (const char* worker : {"frozen_discriminator", "frozen_discriminator_find_unused"}) {
+    auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 120000);
     EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
   }
 }

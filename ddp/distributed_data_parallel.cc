@@ -437,7 +437,15 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // be followed by a backward. Under Join the joined ranks shadow training
   // iterations only, so there an eval-mode forward does not synchronize
   // and a backward through it is refused.
-  const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync;
+  // A forward while every synchronized parameter is frozen (a GAN's
+  // discriminator during the generator's step, frozen with requires_grad
+  // as PyTorch scripts do) records no path to them: its backward fires no
+  // gradient hook and reduces nothing, so it does not synchronize, as under
+  // NoSync. Prepared, it was an iteration whose backward never came, and
+  // the model's next forward threw and aborted the group; PyTorch lets it
+  // pass.
+  const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync &&
+                         s.reducer->AnyParameterRequiresGrad();
   const bool sync = grad_sync && (training || !s.join_enabled);
   // Under Join, a forward that does not synchronize between a training
   // forward and its backward (an evaluation) sends neither Join's flags nor

@@ -211,8 +211,10 @@ class DistributedDataParallel : public nn::modules::Module {
   /// call To() before wrapping. It aborts the group first: the peers would
   /// wait for this rank in a later synchronizing backward, even after a
   /// forward under NoSync.
-  /// A synchronizing forward (training mode, grad enabled, outside NoSync)
-  /// throws std::runtime_error, after aborting the group, when the previous
+  /// A synchronizing forward (training mode, grad enabled, outside NoSync,
+  /// some synchronized parameter requiring grad: a forward while all are
+  /// frozen records no path to them and needs no backward) throws
+  /// std::runtime_error, after aborting the group, when the previous
   /// one's backward did not finish on this rank (none ran, none reached a
   /// parameter, or it threw). When the wrapped module's forward throws in a
   /// synchronizing forward, the group is aborted with that reason (the

@@ -339,6 +339,10 @@ std::string Reducer::ParameterChange() const {
   return "";
 }
 
+bool Reducer::AnyParameterRequiresGrad() const {
+  return std::any_of(params_.begin(), params_.end(), [](const nn::Tensor& p) { return p.requires_grad(); });
+}
+
 void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool eval_forward_in_join) {
   if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
   if (!unfinished_) return;

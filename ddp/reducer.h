@@ -113,6 +113,12 @@ class Reducer {
   /// The caller adds whether it aborted the group.
   std::string ParameterChange() const;
 
+  /// Whether some parameter of the buckets requires grad now. A forward
+  /// while none does (every one frozen after wrapping) records no path to
+  /// them: its backward fires no gradient hook. Stops at the first that
+  /// does (usually the first parameter).
+  bool AnyParameterRequiresGrad() const;
+
   /// Whether a synchronizing training forward prepared an iteration whose
   /// backward has not started (no gradient hook fired since).
   bool awaiting_backward() const { return unfinished_ && !finalize_queued_ && !backward_optional_; }
