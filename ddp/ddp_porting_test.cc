@@ -148,7 +148,9 @@ TEST(DdpPortingTest, AParameterFrozenAfterWrappingThatGetsNoGradientIsNamedAsFro
 // unfrozen for its own step. Its forward then records no path to its
 // parameters, so there is nothing to synchronize, and the discriminator's
 // next step must not take it for an iteration whose backward never came.
-// Both models follow the one-process run on the combined batch.
+// Both models follow the one-process run on the combined batch, and the
+// frozen forwards are no iterations (on one rank, which has no reducer,
+// as on two).
 void CheckFrozenDiscriminator(ProcessGroup& pg, bool find_unused, const std::string& what) {
   const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
@@ -199,6 +201,10 @@ void CheckFrozenDiscriminator(ProcessGroup& pg, bool find_unused, const std::str
     const auto [diff, worst] = testing::MaxRelativeDifference(*model, *ref);
     WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
   }
+  // The discriminator's own steps only, on one rank as on N.
+  WORKER_EXPECT(ddp_d.iterations() == 3 && ddp_g.iterations() == 3,
+                what + ": iterations " + std::to_string(ddp_g.iterations()) + " and " +
+                    std::to_string(ddp_d.iterations()));
 }
 
 DDP_TEST_WORKER(frozen_discriminator) {
@@ -216,8 +222,10 @@ DDP_TEST_WORKER(frozen_discriminator_find_unused) {
 TEST(DdpPortingTest, AModelFrozenWholeForAnotherModelsStepTrainsAsOneProcess) {
   // A failure aborts the group: one group per case.
   for (const char* worker : {"frozen_discriminator", "frozen_discriminator_find_unused"}) {
-    auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 120000);
-    EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
+    for (const int world : {1, 2}) {
+      auto run = RunWorkers(worker, world, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 120000);
+      EXPECT_TRUE(run.AllSucceeded()) << worker << " on " << world << " rank(s)\n" << testing::AllOutput(run);
+    }
   }
 }
 

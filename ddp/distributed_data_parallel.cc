@@ -444,8 +444,17 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // NoSync. Prepared, it was an iteration whose backward never came, and
   // the model's next forward threw and aborted the group; PyTorch lets it
   // pass.
-  const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync &&
-                         s.reducer->AnyParameterRequiresGrad();
+  // One rank without a hook has no reducer, and counts such a forward out
+  // of iterations() likewise.
+  bool all_frozen = false;
+  if (nn::GradMode::IsEnabled() && s.require_sync) {
+    all_frozen = s.reducer != nullptr
+                     ? !s.reducer->AnyParameterRequiresGrad()
+                     : !s.single_trainable.empty() &&
+                           std::none_of(s.single_trainable.begin(), s.single_trainable.end(),
+                                        [](const auto& entry) { return entry.second.requires_grad(); });
+  }
+  const bool grad_sync = s.reducer != nullptr && nn::GradMode::IsEnabled() && s.require_sync && !all_frozen;
   const bool sync = grad_sync && (training || !s.join_enabled);
   // Under Join, a forward that does not synchronize between a training
   // forward and its backward (an evaluation) sends neither Join's flags nor
@@ -606,7 +615,9 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     s.reducer->Disarm(outputs, /*reject_gradients=*/grad_sync);
   }
   if (training && nn::GradMode::IsEnabled() && s.require_sync) ++s.forwards;
-  if (nn::GradMode::IsEnabled() && s.require_sync && (training || !s.join_enabled)) ++s.sync_forwards;
+  if (nn::GradMode::IsEnabled() && s.require_sync && !all_frozen && (training || !s.join_enabled)) {
+    ++s.sync_forwards;
+  }
   const Clock::time_point end = Clock::now();
   if (training) {
     ++s.forward_count;
