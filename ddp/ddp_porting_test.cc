@@ -148,18 +148,20 @@ TEST(DdpPortingTest, AParameterFrozenAfterWrappingThatGetsNoGradientIsNamedAsFro
 // unfrozen for its own step. Its forward then records no path to its
 // parameters, so there is nothing to synchronize, and the discriminator's
 // next step must not take it for an iteration whose backward never came.
-// Both models follow the one-process run on the combined batch, and the
+// Both models follow the one-process run on the combined batch (plain,
+// find_unused_parameters, static_graph), and the
 // frozen forwards are no iterations (on one rank, which has no reducer,
 // as on two).
-void CheckFrozenDiscriminator(ProcessGroup& pg, bool find_unused, const std::string& what) {
+void CheckFrozenDiscriminator(ProcessGroup& pg, DdpOptions options, const std::string& what) {
   const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
   auto borrow = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {});
   auto g = Mlp(rank == 0 ? 5 : 30 + rank);
   nn::Generator gen(rank == 0 ? 6 : 40 + rank);
   std::shared_ptr<Module> d = std::make_shared<nn::modules::Linear>(10, 1, true, gen);
-  DistributedDataParallel ddp_g(g, {.find_unused_parameters = find_unused, .process_group = borrow});
-  DistributedDataParallel ddp_d(d, {.find_unused_parameters = find_unused, .process_group = borrow});
+  options.process_group = borrow;
+  DistributedDataParallel ddp_g(g, options);
+  DistributedDataParallel ddp_d(d, options);
   nn::optim::Sgd opt_g(g->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   nn::optim::Sgd opt_d(d->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   auto ref_g = Mlp(5);
@@ -209,19 +211,26 @@ void CheckFrozenDiscriminator(ProcessGroup& pg, bool find_unused, const std::str
 
 DDP_TEST_WORKER(frozen_discriminator) {
   auto pg = testing::WorkerGroup();
-  CheckFrozenDiscriminator(*pg, false, "plain");
+  CheckFrozenDiscriminator(*pg, {}, "plain");
   return testing::WorkerExit();
 }
 
 DDP_TEST_WORKER(frozen_discriminator_find_unused) {
   auto pg = testing::WorkerGroup();
-  CheckFrozenDiscriminator(*pg, true, "find_unused_parameters");
+  CheckFrozenDiscriminator(*pg, {.find_unused_parameters = true}, "find_unused_parameters");
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(frozen_discriminator_static_graph) {
+  auto pg = testing::WorkerGroup();
+  CheckFrozenDiscriminator(*pg, {.static_graph = true}, "static_graph");
   return testing::WorkerExit();
 }
 
 TEST(DdpPortingTest, AModelFrozenWholeForAnotherModelsStepTrainsAsOneProcess) {
   // A failure aborts the group: one group per case.
-  for (const char* worker : {"frozen_discriminator", "frozen_discriminator_find_unused"}) {
+  for (const char* worker : {"frozen_discriminator", "frozen_discriminator_find_unused",
+                             "frozen_discriminator_static_graph"}) {
     for (const int world : {1, 2}) {
       auto run = RunWorkers(worker, world, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 120000);
       EXPECT_TRUE(run.AllSucceeded()) << worker << " on " << world << " rank(s)\n" << testing::AllOutput(run);
