@@ -238,6 +238,57 @@ TEST(DdpPortingTest, AModelFrozenWholeForAnotherModelsStepTrainsAsOneProcess) {
   }
 }
 
+// ------------------------------------------------- two Joins, one group ----
+
+// Two models trained together (a GAN), each in a Join of its own on one
+// group: a rank in the generator's Join::Wait would pair its collectives
+// with the discriminator's on the ranks still training, and fail on
+// arguments that differ. The second Join is refused on every rank, naming
+// the cause; one Join after the other's Wait returned is fine.
+DDP_TEST_WORKER(two_joins) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto g = Mlp(5);
+  nn::Generator gen(6);
+  std::shared_ptr<Module> d = std::make_shared<nn::modules::Linear>(10, 1, true, gen);
+  DistributedDataParallel ddp_g(g, {.process_group = pg});
+  DistributedDataParallel ddp_d(d, {.process_group = pg});
+  std::string error;
+  try {
+    Join join_g(ddp_g);
+    Join join_d(ddp_d);
+    for (int s = 0; s < 1 + (rank == 0 ? 2 : 0); ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      nn::Backward(nn::ops::Mean(ddp_d(ddp_g(x))));
+    }
+    join_g.Wait();
+    join_d.Wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(error.find("Join on rank " + std::to_string(rank) + ": another DistributedDataParallel model on "
+                           "this process group is in a Join") != std::string::npos,
+                "error: " + error);
+  // Neither Join is left in progress: one model's Join, then the other's.
+  try {
+    for (DistributedDataParallel* ddp : {&ddp_g, &ddp_d}) {
+      Join join(*ddp);
+      join.Wait();
+      Join again(ddp == &ddp_g ? ddp_d : ddp_g);
+      again.Wait();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("sequential Joins threw: ") + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, ASecondModelsJoinOnOneGroupIsRefused) {
+  auto run = RunWorkers("two_joins", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------ no parameters, Join ----
 
 DDP_TEST_WORKER(no_parameters_join) {

@@ -4,6 +4,8 @@
 #include <charconv>
 #include <cinttypes>
 #include <cstdio>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 
 #include "ddp/debug_mode.h"
@@ -261,6 +263,15 @@ void CheckJoinOptions(ProcessGroup& pg, const int32_t* f, int size) {
       ". Every rank must construct its Join with the same options. The process group was aborted.");
   pg.Abort(error);
   throw DistributedError(error);
+}
+
+// The process groups of this process that have a Join in progress (from
+// its construction until its Wait returns or it is destroyed). A group
+// outlives its Joins: each wrapper holds it.
+std::mutex join_groups_mutex;
+std::set<const ProcessGroup*>& JoinGroups() {
+  static auto* groups = new std::set<const ProcessGroup*>();
+  return *groups;
 }
 
 }  // namespace
@@ -707,12 +718,43 @@ NoSyncGuard::~NoSyncGuard() {
 
 Join::Join(DistributedDataParallel& ddp, JoinOptions options) : ddp_(ddp), options_(options) {
   if (ddp_.impl_->join_enabled) throw std::logic_error("Join: this model is already in a Join");
+  {
+    // A rank in one model's Wait shadows that model's collectives only:
+    // the other model's (its Join's flags, its buckets) would pair with
+    // them, and the ranks fail later on arguments that differ, or not at
+    // all where the sizes happen to match. Every rank refuses it here.
+    std::lock_guard lock(join_groups_mutex);
+    if (!JoinGroups().insert(ddp_.pg_.get()).second) {
+      throw std::logic_error(
+          "Join on rank " + std::to_string(ddp_.pg_->rank()) + ": another DistributedDataParallel model on this "
+          "process group is in a Join that has not finished (its Wait has not returned). A Join shadows the "
+          "collectives of its own model only: a rank waiting in one model's Join::Wait would pair them with the "
+          "other model's, so two models trained together (a GAN's generator and discriminator) cannot both be "
+          "in a Join. Give every rank the same number of batches (a DistributedSampler with drop_last), or "
+          "finish one model's Join before starting the next.");
+    }
+  }
+  holds_group_ = true;
   ddp_.impl_->join_enabled = true;
   ddp_.impl_->join_options = options_;
   ddp_.impl_->forwards_at_join = ddp_.impl_->forwards;
 }
 
-Join::~Join() { ddp_.impl_->join_enabled = false; }
+namespace {
+
+void ReleaseJoinGroup(const ProcessGroup* pg, bool& holds) {
+  if (!holds) return;
+  std::lock_guard lock(join_groups_mutex);
+  JoinGroups().erase(pg);
+  holds = false;
+}
+
+}  // namespace
+
+Join::~Join() {
+  ddp_.impl_->join_enabled = false;
+  ReleaseJoinGroup(ddp_.pg_.get(), holds_group_);
+}
 
 void Join::Wait() {
   if (waited_) throw std::logic_error("Join::Wait called twice");
@@ -781,6 +823,7 @@ void Join::Wait() {
     internal::BroadcastCoalesced(pg, state, root, "final parameters after join");
   }
   s.join_enabled = false;
+  ReleaseJoinGroup(ddp_.pg_.get(), holds_group_);
 }
 
 }  // namespace ddp::dist

@@ -319,6 +319,10 @@ struct JoinOptions {
 /// has called Wait(); then the parameters and buffers of the rank that ran
 /// the most iterations are broadcast to all, so replicas end identical.
 /// Collective: every rank constructs a Join and calls Wait().
+/// One model per process group: a Join shadows the collectives of its own
+/// model only, so while one is in progress (constructed, Wait not returned)
+/// a Join of another model on the same group throws std::logic_error
+/// (PyTorch's Join([model_a, model_b]) has no counterpart here).
 class Join {
  public:
   explicit Join(DistributedDataParallel& ddp, JoinOptions options = {});
@@ -337,6 +341,8 @@ class Join {
   DistributedDataParallel& ddp_;
   JoinOptions options_;
   bool waited_ = false;
+  // This Join is the one its process group has in progress (see Join::Join).
+  bool holds_group_ = false;
 };
 
 }  // namespace ddp::dist
