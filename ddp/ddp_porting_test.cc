@@ -1,14 +1,16 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
-// wrapping, a model with no parameters under Join, an exception inside
-// NoSync, and the wrapped module called directly.
+// wrapping, a GAN's discriminator frozen for the generator's step, two
+// models' Joins on one group, a model with no parameters under Join, an
+// exception inside nested NoSync scopes, and gradients from outside the
+// wrapper (the wrapped module called directly, a penalty of its own).
 
 #include <gtest/gtest.h>
 
 #include <memory>
-#include <utility>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/testing/ddp_test_util.h"
@@ -291,6 +293,8 @@ TEST(DdpPortingTest, ASecondModelsJoinOnOneGroupIsRefused) {
 
 // ------------------------------------------------ no parameters, Join ----
 
+// A wrapper of a module without parameters (nothing to reduce) under Join
+// with uneven inputs: every rank's Wait returns.
 DDP_TEST_WORKER(no_parameters_join) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
@@ -315,6 +319,9 @@ TEST(DdpPortingTest, AModelWithoutParametersRunsUnderJoin) {
 
 // ------------------------------------------- NoSync and an exception ----
 
+// The module throws inside nested NoSync scopes (a batch of the wrong
+// width, caught by the script): the guards restore synchronization on the
+// way out, and the next steps train as one process.
 DDP_TEST_WORKER(no_sync_exception) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
@@ -324,14 +331,15 @@ DDP_TEST_WORKER(no_sync_exception) {
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
   auto reference = Mlp(3);
   nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  bool threw = false;
   try {
     auto guard = ddp.NoSync();
-    {
-      auto inner = ddp.NoSync();
-    }
+    auto inner = ddp.NoSync();
     (void)ddp(nn::Zeros({2, 5}));  // wrong width: the module throws
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
+    threw = true;
   }
+  WORKER_EXPECT(threw, "the forward of a batch of the wrong width did not throw");
   for (int s = 0; s < 2; ++s) {
     opt.ZeroGrad();
     auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
