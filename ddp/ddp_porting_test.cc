@@ -1,9 +1,10 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
-// wrapping, a GAN's discriminator frozen for the generator's step, two
-// models' Joins on one group, a model with no parameters under Join, an
-// exception inside nested NoSync scopes, and gradients from outside the
-// wrapper (the wrapped module called directly, a penalty of its own).
+// wrapping, a submodule replaced after wrapping, a GAN's discriminator
+// frozen for the generator's step, two models' Joins on one group, a model
+// with no parameters under Join, an exception inside nested NoSync scopes,
+// and gradients from outside the wrapper (the wrapped module called
+// directly, a penalty of its own).
 
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/testing/ddp_test_util.h"
@@ -237,6 +239,62 @@ TEST(DdpPortingTest, AModelFrozenWholeForAnotherModelsStepTrainsAsOneProcess) {
       auto run = RunWorkers(worker, world, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 120000);
       EXPECT_TRUE(run.AllSucceeded()) << worker << " on " << world << " rank(s)\n" << testing::AllOutput(run);
     }
+  }
+}
+
+// ---------------------------------------- a submodule replaced later ----
+
+// The head replaced after wrapping (Module::ReplaceChild, as a fine-tuning
+// script swaps the classifier): the wrapper synchronizes the parameters the
+// model had when it was wrapped, so the new head's gradients would stay
+// local and its values differ across ranks. Without find_unused_parameters
+// the old head gets no gradient, and the error says it is no longer in the
+// model (rather than suggesting find_unused_parameters, which would let
+// the replicas drift silently); with it, the forward that reaches the new
+// head is refused naming it.
+void CheckReplacedHead(ProcessGroup& pg, bool find_unused, const std::vector<std::string>& expected,
+                       const std::string& what) {
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(3);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = find_unused,
+                                      .process_group = std::shared_ptr<ProcessGroup>(&pg, [](ProcessGroup*) {})});
+  nn::Generator gen(100 + pg.rank());
+  model->ReplaceChild("5", std::make_shared<nn::modules::Linear>(256, 10, true, gen));
+  auto [x, y] = testing::Batch(data, pg.rank() * kBatch, kBatch);
+  std::string error;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (const std::string& part : expected) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
+  }
+}
+
+DDP_TEST_WORKER(replaced_head) {
+  auto pg = testing::WorkerGroup();
+  CheckReplacedHead(*pg, false,
+                    {"`5.weight` (index 4, no longer a parameter of the model)", "the model again after changing it"},
+                    "without find_unused_parameters");
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(replaced_head_find_unused) {
+  auto pg = testing::WorkerGroup();
+  // The new head's weight or bias, whichever the walk meets first.
+  CheckReplacedHead(*pg, true,
+                    {"parameter `5.", "` of the model was reached by this forward but is not one the wrapper synchronizes",
+                     "the model again after changing it"},
+                    "find_unused_parameters");
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, ASubmoduleReplacedAfterWrappingIsNamed) {
+  // The failure aborts the group: one group per case.
+  for (const char* worker : {"replaced_head", "replaced_head_find_unused"}) {
+    auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
   }
 }
 

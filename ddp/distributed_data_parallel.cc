@@ -7,6 +7,8 @@
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "ddp/debug_mode.h"
 #include "ddp/reducer.h"
@@ -51,6 +53,11 @@ class DistributedDataParallel::Impl {
   std::vector<std::pair<std::string, nn::Tensor>> left_out;
   std::shared_ptr<TraceRecorder> trace;
   bool require_sync = true;
+  // Every parameter of the model when it was wrapped (held, so that the
+  // addresses stay theirs): a reached leaf that is a parameter now and
+  // was none then was added after wrapping (ModelNames).
+  std::vector<nn::Tensor> wrapped;
+  std::unordered_set<const nn::TensorImpl*> wrapped_impls;
 
   // Join state.
   bool join_enabled = false;
@@ -174,6 +181,27 @@ std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& m
   }
   option("bucket_order", order.empty() ? "none" : order);
   return entries;
+}
+
+// The reducer's view of the wrapped model (Reducer::SetModelParameterNames):
+// one walk of its parameters per call, on error paths and in the graph walk
+// of find_unused_parameters for leaves that are no bucket's.
+internal::Reducer::ModelParameterNames ModelNames(const nn::modules::Module* module,
+                                                  const DistributedDataParallel::Impl* impl) {
+  return [module, impl](const std::vector<nn::Tensor>& tensors) {
+    std::unordered_map<const nn::TensorImpl*, std::string> now;
+    for (const auto& [name, p] : module->NamedParameters()) now.emplace(p.impl(), name);
+    std::vector<internal::Reducer::ModelParameter> out;
+    for (const nn::Tensor& t : tensors) {
+      internal::Reducer::ModelParameter found;
+      if (auto it = now.find(t.impl()); it != now.end()) {
+        found.name = it->second;
+        found.added = impl->wrapped_impls.count(t.impl()) == 0;
+      }
+      out.push_back(std::move(found));
+    }
+    return out;
+  };
 }
 
 // mb MiB in bytes. NaN, infinities and sizes past 2^40 MiB (whose byte
@@ -355,7 +383,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
 
     // 2. Rank 0's values everywhere.
     std::vector<nn::Tensor> state;
-    for (const auto& [name, p] : module_->NamedParameters()) state.push_back(p);
+    for (const auto& [name, p] : module_->NamedParameters()) {
+      state.push_back(p);
+      impl_->wrapped.push_back(p);
+      impl_->wrapped_impls.insert(p.impl());
+    }
     for (const auto& [name, b] : module_->NamedBuffers()) {
       state.push_back(b);
       impl_->buffers.push_back(b);
@@ -376,6 +408,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
       if (!trainable.empty()) {
         impl_->reducer = std::make_unique<internal::Reducer>(std::move(trainable), pg_, reducer_options,
                                                              impl_->trace);
+        impl_->reducer->SetModelParameterNames(ModelNames(module_.get(), impl_.get()));
       }
     } else {
       for (const auto& [name, p] : module_->NamedParameters()) {
@@ -661,6 +694,7 @@ void DistributedDataParallel::RegisterCommHook(CommHook hook) {
           "before the first forward with grad enabled outside NoSync)");
     }
     s.reducer = std::make_unique<internal::Reducer>(std::move(s.single_trainable), pg_, s.single_options, s.trace);
+    s.reducer->SetModelParameterNames(ModelNames(module_.get(), impl_.get()));
     s.single_trainable.clear();
   }
   if (s.reducer != nullptr) s.reducer->SetCommHook(std::move(hook));

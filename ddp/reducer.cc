@@ -452,18 +452,43 @@ void Reducer::RebuildBuckets() {
   agreed_order_ = agreed;
 }
 
-std::vector<size_t> Reducer::UnreachableParameters(const std::vector<nn::Tensor>& outputs) const {
+std::vector<size_t> Reducer::UnreachableParameters(const std::vector<nn::Tensor>& outputs,
+                                                   std::vector<nn::Tensor>* others) const {
   std::unordered_map<const nn::TensorImpl*, size_t> index;
   for (size_t i = 0; i < params_.size(); ++i) index.emplace(params_[i].impl(), i);
   std::vector<char> reached(params_.size(), 0);
   for (const nn::Tensor& leaf : nn::autograd::ReachableLeaves(outputs)) {
-    if (auto it = index.find(leaf.impl()); it != index.end()) reached[it->second] = 1;
+    if (auto it = index.find(leaf.impl()); it != index.end()) {
+      reached[it->second] = 1;
+    } else if (others != nullptr) {
+      others->push_back(leaf);
+    }
   }
   std::vector<size_t> unreachable;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!reached[i]) unreachable.push_back(i);
   }
   return unreachable;
+}
+
+void Reducer::RefuseAddedParameters(const std::vector<nn::Tensor>& leaves) {
+  if (leaves.empty() || !model_names_) return;
+  for (const ModelParameter& found : model_names_(leaves)) {
+    // An input that requires grad, or a parameter frozen at wrapping (one
+    // process keeps no list of those; several refuse it before this).
+    if (found.name.empty() || !found.added) continue;
+    const std::string& name = found.name;
+    pending_error_ =
+        "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + name +
+        "` of the model was reached by this forward but is not one the wrapper synchronizes: it was added "
+        "after the model was wrapped (a submodule replaced with Module::ReplaceChild, say). Its gradient would "
+        "stay local on each rank, and its values differ across ranks (no broadcast from rank 0 made them "
+        "equal), so the replicas would drift apart without a word. The wrapper synchronizes the parameters "
+        "the model had when it was wrapped: wrap the model again after changing it. The process group was "
+        "aborted.";
+    pg_->Abort(transport::FailedPreconditionError(pending_error_));
+    throw std::invalid_argument(pending_error_);
+  }
 }
 
 void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor,
@@ -507,7 +532,9 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   if (!unused_from_walk_) {
     unused_ = static_unused_;
   } else {
-    unused_ = UnreachableParameters(outputs);
+    std::vector<nn::Tensor> others;
+    unused_ = UnreachableParameters(outputs, &others);
+    RefuseAddedParameters(others);
     if (options_.static_graph && !backward_optional) {
       static_unused_ = unused_;
       static_known_ = true;
@@ -822,22 +849,41 @@ void Reducer::Finalize() {
   }
   static_learning_ = false;
   if (ready_count_ < params_.size()) {
-    std::string names;
-    size_t listed = 0, missing = 0, frozen = 0;
+    std::vector<size_t> absent;
+    std::vector<nn::Tensor> absent_tensors;
     for (size_t i = 0; i < params_.size(); ++i) {
       if (ready_[i]) continue;
+      absent.push_back(i);
+      absent_tensors.push_back(params_[i]);
+    }
+    // Which of them the model still has (one walk of the model).
+    std::vector<ModelParameter> in_model;
+    if (model_names_) in_model = model_names_(absent_tensors);
+    std::string names;
+    size_t listed = 0, missing = 0, frozen = 0, removed = 0;
+    for (size_t k = 0; k < absent.size(); ++k) {
+      const size_t i = absent[k];
       ++missing;
       // Frozen after wrapping: backward gives it no gradient by design.
       const bool now_frozen = !params_[i].requires_grad();
+      // Taken out of the model after wrapping (its submodule replaced).
+      const bool now_removed = k < in_model.size() && in_model[k].name.empty();
       frozen += now_frozen ? 1 : 0;
+      removed += now_removed ? 1 : 0;
       if (listed++ < 8) {
         names += (names.empty() ? "`" : ", `") + names_[i] + "` (index " + std::to_string(i) +
+                 (now_removed ? ", no longer a parameter of the model" : "") +
                  (now_frozen ? ", requires_grad is false now" : "") + ")";
       }
     }
     if (missing > listed) names += " and " + std::to_string(missing - listed) + " more";
     std::string advice;
-    if (frozen > 0) {
+    if (removed > 0) {
+      advice = std::to_string(removed) + " of them are no longer parameters of the model: it was changed after "
+               "wrapping (a submodule replaced with Module::ReplaceChild, say). The wrapper synchronizes the "
+               "parameters the model had when it was wrapped; the new ones' gradients would stay local on each "
+               "rank (find_unused_parameters would not help). Wrap the model again after changing it.";
+    } else if (frozen > 0) {
       // The walk of find_unused_parameters takes a parameter frozen before
       // the forward as unused; one frozen between forward and backward was
       // reached by that forward, and is missing here however it is set.

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -90,6 +91,23 @@ class Reducer {
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
+
+  /// What the wrapped model says of a tensor now: its name where it is one
+  /// of the model's parameters ("" otherwise), and whether it became one
+  /// after the model was wrapped.
+  struct ModelParameter {
+    std::string name;
+    bool added = false;
+  };
+  /// One answer per tensor (one walk of the model).
+  using ModelParameterNames = std::function<std::vector<ModelParameter>(const std::vector<nn::Tensor>&)>;
+  /// Lets errors tell a parameter taken out of the model after wrapping
+  /// (Module::ReplaceChild) from one that got no gradient, and lets the
+  /// graph walk of find_unused_parameters refuse a parameter added after
+  /// wrapping, whose gradient no bucket would take. Called on error paths
+  /// and, in that walk, only for leaves that require grad and are not
+  /// parameters of the buckets (none, unless an input requires grad).
+  void SetModelParameterNames(ModelParameterNames names) { model_names_ = std::move(names); }
 
   /// Replaces the communication hook; throws after the first backward.
   void SetCommHook(CommHook hook);
@@ -243,7 +261,13 @@ class Reducer {
   // still runs after the group was aborted for it: its memory is not free.
   bool WaitInFlight();
   bool IsView(size_t index, const nn::Tensor& grad) const;
-  std::vector<size_t> UnreachableParameters(const std::vector<nn::Tensor>& outputs) const;
+  // `others`, when given, receives the reached leaves that require grad and
+  // are not parameters of the buckets.
+  std::vector<size_t> UnreachableParameters(const std::vector<nn::Tensor>& outputs,
+                                            std::vector<nn::Tensor>* others = nullptr) const;
+  // Throws (after aborting the group) when one of `leaves` is a parameter
+  // of the model now: added after wrapping, no bucket has it.
+  void RefuseAddedParameters(const std::vector<nn::Tensor>& leaves);
 
   std::vector<std::string> names_;
   std::vector<nn::Tensor> params_;
@@ -255,6 +279,7 @@ class Reducer {
   bool local_gradients_ = false;  // the hook takes undivided gradients
   bool grad_write_back_ = true;   // buckets are copied back into .grad after backward
   std::vector<nn::HookHandle> hook_handles_;
+  ModelParameterNames model_names_;
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;
