@@ -390,6 +390,37 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   return sends;
 }
 
+Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerprint& mine,
+                           p2p::Tag phase_tag) {
+  p2p::PointToPoint& p2p = requests.p2p();
+  const int p = p2p.size(), r = p2p.rank();
+  int rounds = 0;
+  while ((int64_t{1} << rounds) < p) ++rounds;
+  if (rounds == 0) return Status();
+  auto peer_at = [&](int64_t offset) { return static_cast<int>(((r + offset) % p + p) % p); };
+  const std::string check = std::string(what) + ", argument check";
+  const p2p::Tag tag = FingerprintTag(phase_tag);
+  Fingerprint* plain = requests.Hold<Fingerprint>(1);
+  Verdict* sent = requests.Hold<Verdict>(1);
+  Verdict* got = requests.Hold<Verdict>(rounds);
+  *plain = mine;
+  sent->fingerprint = mine;
+  sent->rank = r;
+  for (int k = 1; k < rounds; ++k) {
+    Where where{check.c_str(), k, rounds, Where::kNoChunk, false, peer_at(-(int64_t{1} << k))};
+    DDP_RETURN_IF_ERROR(requests.Recv(where, tag + 1, &got[k], sizeof(Verdict)).status());
+  }
+  {
+    Where where{check.c_str(), 0, rounds, Where::kNoChunk, true, peer_at(1)};
+    DDP_RETURN_IF_ERROR(requests.Send(where, tag, plain, sizeof(Fingerprint)).status());
+  }
+  for (int k = 1; k < rounds; ++k) {
+    Where where{check.c_str(), k, rounds, Where::kNoChunk, true, peer_at(int64_t{1} << k)};
+    DDP_RETURN_IF_ERROR(requests.Send(where, tag + 1, sent, sizeof(Verdict)).status());
+  }
+  return Status();
+}
+
 std::vector<int> OtherRanks(const p2p::PointToPoint& p2p) {
   std::vector<int> others;
   for (int q = 0; q < p2p.size(); ++q) {

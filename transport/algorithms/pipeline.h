@@ -243,6 +243,27 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
                       const Fingerprint& mine, p2p::Tag phase_tag);
 
+/// What a collective (`what`, for errors) that checks only its ring
+/// predecessor (a PeerCheck from rank r - 1 at FingerprintTag(phase_tag),
+/// which is also round 0 of CheckEveryRank) adds so that ranks running
+/// CheckEveryRank at the same tags never wait for it: the ring reduce,
+/// where a rank whose count puts it on the other side of
+/// kTreeReduceMaxBytes runs the tree reduce. Posts
+/// the PeerCheck's own send (round 0: `mine` to rank r + 1; the PeerCheck
+/// then only receives, RingParams::fingerprint_sent) and CheckEveryRank's
+/// rounds 1 and later at once, each carrying `mine` as is (no merging: its
+/// kind alone tells a tree rank that the call is wrong), and the receives
+/// of those rounds, so that every rank of CheckEveryRank gets all its
+/// rounds and fails at once, where the ones waiting for a round from this
+/// rank waited for their deadline. All in `requests`, which the caller
+/// waits for at its end and on its error path too: a message cancelled
+/// before a tree rank took it (the PeerCheck's, when this rank failed it)
+/// left that rank waiting, and its senders wait for their sends to be
+/// taken. Costs ceil(log2 p) - 1 small messages each way more than the
+/// PeerCheck, none waited for before the data.
+Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerprint& mine,
+                           p2p::Tag phase_tag);
+
 /// Every rank of `p2p` but this one.
 std::vector<int> OtherRanks(const p2p::PointToPoint& p2p);
 
@@ -356,6 +377,8 @@ class Requests {
   friend class PeerCheck;
   friend Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
                                const Fingerprint& mine, p2p::Tag phase_tag);
+  friend Status PostEveryRankRounds(Requests& requests, const char* what,
+                                    const Fingerprint& mine, p2p::Tag phase_tag);
   void Track(p2p::RequestId id);
   void Forget(p2p::RequestId id);
   // `n` value-initialised messages that live as long as this object (an

@@ -84,7 +84,9 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
   Where where{params.what, 0, steps, 0, false, 0};
   PeerCheck check(params.what, params.fingerprint ? *params.fingerprint : Fingerprint{});
   if (params.fingerprint != nullptr) {
-    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, {next}, {prev}));
+    const std::vector<int> to =
+        params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
+    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));
   }
 
   // Posts the receive of message m and, at step 0, the matching raw send of
@@ -174,7 +176,9 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
   Where where{params.what, 0, steps, 0, false, 0};
   PeerCheck check(params.what, params.fingerprint ? *params.fingerprint : Fingerprint{});
   if (params.fingerprint != nullptr) {
-    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, {next}, {prev}));
+    const std::vector<int> to =
+        params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
+    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));
   }
 
   auto post = [&](size_t m) -> Status {

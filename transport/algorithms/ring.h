@@ -36,6 +36,10 @@ struct RingParams {
   /// first data is used (see PeerCheck); null when an earlier phase of the
   /// same collective already checked.
   const Fingerprint* fingerprint = nullptr;
+  /// The caller has already sent `fingerprint` to the ring successor with
+  /// FingerprintTag(tag), in a Requests that outlives this phase
+  /// (PostEveryRankRounds); only the predecessor's is received here.
+  bool fingerprint_sent = false;
 };
 
 /// Default chunk for the ring phases: large enough that per-message costs

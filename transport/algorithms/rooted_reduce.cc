@@ -174,7 +174,21 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);
   params.what = "ring reduce (reduce-scatter)";
-  DDP_RETURN_IF_ERROR(internal::RingReduceScatterBlocks(p2p, args.send, block, layout, params));
+  // A rank whose count the automatic choice (ChooseReduce) sends to the
+  // tree runs CheckEveryRank at the tags of this ring's check: the rounds
+  // it expects from this rank go out with the ring's check, and stay
+  // posted when the check fails here, so it fails at once instead of at its
+  // deadline (PostEveryRankRounds).
+  internal::Requests rounds(p2p, args.deadline);
+  DDP_RETURN_IF_ERROR(
+      internal::PostEveryRankRounds(rounds, "ring reduce", start.fingerprint, params.tag));
+  params.fingerprint_sent = true;
+  if (Status scattered = internal::RingReduceScatterBlocks(p2p, args.send, block, layout, params);
+      !scattered.ok()) {
+    // Tree ranks wait for their round messages to be taken; they all send.
+    rounds.WaitAll("ring reduce, argument check").IgnoreError();
+    return scattered;
+  }
   // Every rank divides its own block: p divisions of N/p at once.
   if (args.op == ReduceOp::kAvg) reduce::DivideInPlace(args.dtype, block, layout.size(r), p);
 
@@ -195,7 +209,8 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     DDP_RETURN_IF_ERROR(
         requests.Send(where, internal::StepTag(tag, 0), block, layout.size(r) * es).status());
   }
-  return requests.WaitAll(kGatherWhat);
+  DDP_RETURN_IF_ERROR(requests.WaitAll(kGatherWhat));
+  return rounds.WaitAll("ring reduce, argument check");
 }
 
 Algorithm ChooseReduce(size_t bytes) {

@@ -514,6 +514,81 @@ TEST(ReduceTest, EmptyCallOnOneRankFailsEveryRankOfTheTreeAtOnce) {
   }
 }
 
+// Under the automatic choice, one rank whose count puts it on the other
+// side of kTreeReduceMaxBytes runs the other algorithm: the tree (count 0
+// or a short vector) among ring ranks, or the ring among tree ranks, at
+// every place of 3, 5 and 8 ranks, with nobody killed. The tree ranks and
+// the ring ranks next to a tree rank fail well before the deadline, naming
+// the odd rank and both counts, and no tree rank's recv is written. The
+// ring ranks further on wait for blocks that never come (as in any ring
+// mismatch; the communicator's abort ends their wait). The tree ranks'
+// check (CheckEveryRank) waited for later rounds from ring ranks, which
+// sent only their ring check, so a lone tree rank among ring ranks, and
+// tree ranks two or more places after a lone ring rank, waited for their
+// deadline.
+TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
+  constexpr size_t kLong = kTreeReduceMaxBytes / sizeof(float) + 1;  // the ring
+  struct Mix {
+    size_t odd_count, rest_count;
+  };
+  const Mix mixes[] = {{0, kLong}, {16, kLong}, {kLong, 16}};
+  for (const Mix& mix : mixes) {
+    for (int world : {3, 5, 8}) {
+      for (int odd = 0; odd < world; ++odd) {
+        const std::string what = "world=" + std::to_string(world) + " rank " + std::to_string(odd) +
+                                 " count " + std::to_string(mix.odd_count) + ", the others " +
+                                 std::to_string(mix.rest_count);
+        const auto timeout = Clock::duration(4s);
+        std::vector<Clock::duration> took(world);
+        std::vector<int> written(world, 0);
+        std::vector<char> tree(world, 0);  // not vector<bool>: one thread writes each
+        ::ddp::transport::testing::HarnessOptions options;
+        options.kill_on_error = false;
+        auto statuses = RunRanks(
+            world,
+            [&](p2p::PointToPoint& p2p) -> Status {
+              const int r = p2p.rank();
+              const size_t count = r == odd ? mix.odd_count : mix.rest_count;
+              tree[r] = ChooseReduce(count * sizeof(float)) == Algorithm::kTree;
+              std::vector<float> send(count, 1.0f), recv(count, -1.0f);
+              CollectiveArgs args;
+              args.send = send.data();
+              args.recv = recv.data();
+              args.count = count;
+              args.root = world - 1;
+              const auto start = Clock::now();
+              args.deadline = start + timeout;
+              Status status = Reduce(p2p, args, Algorithm::kAuto);
+              took[r] = Clock::now() - start;
+              for (float x : recv) written[r] += x != -1.0f;
+              return status;
+            },
+            options);
+        for (int r = 0; r < world; ++r) {
+          const Status& s = statuses[r];
+          EXPECT_FALSE(s.ok()) << what << ": rank " << r << " returned OK";
+          const bool knows = tree[r] || tree[(r + world - 1) % world];
+          if (!knows) continue;
+          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+          EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed"))
+              << what << ": rank " << r;
+          EXPECT_THAT(s.message(), HasSubstr("count " + std::to_string(mix.odd_count) + " of f32"))
+              << what << ": rank " << r;
+          EXPECT_THAT(s.message(), HasSubstr("count " + std::to_string(mix.rest_count) + " of f32"))
+              << what << ": rank " << r;
+          EXPECT_LT(took[r], 2s) << what << ": rank " << r << ": " << s;
+          if (tree[r]) {
+            EXPECT_EQ(written[r], 0) << what << ": rank " << r << " had its recv written";
+          }
+        }
+        // The first case that fails says enough; the rest would repeat it,
+        // each waiting for its deadline.
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
 TEST(ReduceTest, KilledRankFailsTheRoot) {
   for (Algorithm algorithm : {Algorithm::kTree, Algorithm::kRing}) {
     p2p::LoopbackHub hub(5);
