@@ -151,6 +151,53 @@ TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
   }
 }
 
+// Under the automatic choice, a rank whose short count takes it to
+// halving-doubling while the others' long one takes them to the ring, on 5,
+// 6 and 7 ranks, nobody killed: where it is a rank of the fold that takes
+// its partner's share (odd, below 2 (p - 4)), it fails at once, naming
+// itself and both counts. Its partner, rank r - 1, runs the ring and sends
+// it a fingerprint; it waited first for one from its predecessor in the
+// exchanging ranks' ring, which the ring never sends, until its deadline.
+TEST(AllReduceTest, AFoldRankChoosingRhdAmongRingRanksFailsAtOnce) {
+  constexpr size_t kShort = 16, kLong = 65536;  // 64 B: rhd; 256 KiB: the ring on 5-7 ranks
+  for (int world : {5, 6, 7}) {
+    for (int odd = 1; odd < 2 * (world - 4); odd += 2) {
+      const std::string what = std::to_string(world) + " ranks, rank " + std::to_string(odd);
+      std::vector<Clock::duration> took(world);
+      std::vector<Algorithm> chose(world);
+      ::ddp::transport::testing::HarnessOptions options;
+      options.kill_on_error = false;
+      auto statuses = ::ddp::transport::testing::RunRanks(
+          world,
+          [&](p2p::PointToPoint& p2p) -> Status {
+            std::vector<float> data(kLong, 1.0f);
+            CollectiveArgs args;
+            args.send = data.data();
+            args.recv = data.data();
+            args.count = p2p.rank() == odd ? kShort : kLong;
+            DDP_ASSIGN_OR_RETURN(chose[p2p.rank()],
+                                 ResolveAllReduceAlgorithm(p2p, args, Algorithm::kAuto, {}));
+            const auto start = Clock::now();
+            args.deadline = start + 4s;
+            Status status = AllReduce(p2p, args, Algorithm::kAuto);
+            took[p2p.rank()] = Clock::now() - start;
+            return status;
+          },
+          options);
+      ASSERT_EQ(chose[odd], Algorithm::kRhd) << what;
+      ASSERT_EQ(chose[odd - 1], Algorithm::kRing) << what;
+      const Status& s = statuses[odd];
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": " << s;
+      EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) +
+                                         " passed rhd all-reduce, count 16 of f32"))
+          << what;
+      EXPECT_THAT(s.message(), HasSubstr("ring all-reduce, count 65536 of f32")) << what;
+      EXPECT_LT(took[odd], 2s) << what << ": " << s;
+      for (int r = 0; r < world; ++r) EXPECT_FALSE(statuses[r].ok()) << what << ": rank " << r;
+    }
+  }
+}
+
 // One rank passes another dtype of the same size (i32 against f32: the
 // messages match in size), another op or another count, at every place of
 // 5 and 6 ranks, on every algorithm: no rank may return OK (with bits

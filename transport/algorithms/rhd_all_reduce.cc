@@ -67,13 +67,21 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   internal::Requests requests(p2p, args.deadline);
   // Fingerprints go around the ring of the p2 exchanging ranks, plus from
   // each handing-off rank to its partner: every rank is checked by an
-  // exchanging rank before that one sends anything the others need.
+  // exchanging rank before that one sends anything the others need. The
+  // partner, rank r - 1, is awaited first: whichever flat all-reduce it
+  // runs, it sends its fingerprint to rank r (the ring's and the tree's
+  // successor, the fold's partner), while the ring predecessor here is a
+  // rank that the ring and the tree never send to. So a rank whose count
+  // took it to halving-doubling while the others run the ring fails at
+  // once on its partner's fingerprint; it waited on the other one until
+  // its deadline.
   internal::PeerCheck check("rhd all-reduce", fingerprint);
   if (folded) {
     DDP_RETURN_IF_ERROR(check.Post(requests, tag, {r + 1}, {}));
   } else {
-    std::vector<int> from = {real((nr + p2 - 1) % p2)};
+    std::vector<int> from;
     if (r < 2 * extra) from.push_back(r - 1);
+    from.push_back(real((nr + p2 - 1) % p2));
     DDP_RETURN_IF_ERROR(check.Post(requests, tag, {real((nr + 1) % p2)}, from));
   }
 
