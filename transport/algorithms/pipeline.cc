@@ -258,8 +258,9 @@ Status PeerCheck::VerifyAsTheyArrive(Requests& requests) {
   return Status();
 }
 
-Status PeerCheck::Compare(const p2p::PointToPoint& p2p, size_t i) const {
+Status PeerCheck::Compare(const p2p::PointToPoint& p2p, size_t i) {
   if (theirs_[i] == mine_) return Status();
+  if (differing_kind_ == 0) differing_kind_ = theirs_[i].kind;
   return InvalidArgumentError(what_ + ": ranks disagree on the arguments: " +
                               DescribePeer(p2p, from_[i]) + " passed " +
                               theirs_[i].ToString() + " but " + DescribePeer(p2p, p2p.rank()) +
@@ -388,6 +389,11 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   Status sends = requests.WaitAll(check.c_str());
   if (!state.agrees()) return disagreement();
   return sends;
+}
+
+bool ChecksEveryRank(int32_t kind) {
+  return kind == kBroadcastKind || kind == kGatherKind || kind == kScatterKind ||
+         kind == kTreeReduceKind;
 }
 
 Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerprint& mine,

@@ -187,9 +187,11 @@ class PeerCheck {
   /// (CheckEmptyCall's peers may never send).
   Status VerifyAsTheyArrive(Requests& requests);
   bool verified() const { return verified_; }
+  /// Fingerprint::kind of the first peer found to differ, 0 while none has.
+  int32_t differing_kind() const { return differing_kind_; }
 
  private:
-  Status Compare(const p2p::PointToPoint& p2p, size_t i) const;
+  Status Compare(const p2p::PointToPoint& p2p, size_t i);
 
   std::string what_;  // "<collective>, argument check", for errors
   Fingerprint mine_;
@@ -201,6 +203,7 @@ class PeerCheck {
   Fingerprint* theirs_ = nullptr;
   std::vector<p2p::RequestId> ids_;
   bool verified_ = false;
+  int32_t differing_kind_ = 0;
 };
 
 /// The whole of a collective whose count is 0, on a world of more than one
@@ -243,6 +246,10 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
                       const Fingerprint& mine, p2p::Tag phase_tag);
 
+/// Whether a collective of this FingerprintKind proves its arguments with
+/// CheckEveryRank (broadcast, gather, scatter, tree reduce).
+bool ChecksEveryRank(int32_t kind);
+
 /// What a collective (`what`, for errors) that checks only its ring
 /// predecessor (a PeerCheck from rank r - 1 at FingerprintTag(phase_tag),
 /// which is also round 0 of CheckEveryRank) adds so that ranks running
@@ -256,10 +263,13 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// of those rounds, so that every rank of CheckEveryRank gets all its
 /// rounds and fails at once, where the ones waiting for a round from this
 /// rank waited for their deadline. All in `requests`, which the caller
-/// waits for at its end and on its error path too: a message cancelled
-/// before a tree rank took it (the PeerCheck's, when this rank failed it)
-/// left that rank waiting, and its senders wait for their sends to be
-/// taken. Costs ceil(log2 p) - 1 small messages each way more than the
+/// waits for at its end, and on its error path when the PeerCheck met a
+/// collective that ChecksEveryRank (PeerCheck::differing_kind): a message
+/// cancelled before a tree rank took it (the PeerCheck's, when this rank
+/// failed it) left that rank waiting, and its senders wait for their sends
+/// to be taken. Not otherwise: a rank of another collective at these tags
+/// (a ring all-reduce) never takes nor sends these rounds, and waiting for
+/// them held the failure until the deadline. Costs ceil(log2 p) - 1 small messages each way more than the
 /// PeerCheck, none waited for before the data.
 Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerprint& mine,
                            p2p::Tag phase_tag);

@@ -88,6 +88,14 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
         params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
     DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));
   }
+  // On every return, error paths included.
+  struct ReportDifferingKind {
+    const PeerCheck& check;
+    int32_t* out;
+    ~ReportDifferingKind() {
+      if (out != nullptr) *out = check.differing_kind();
+    }
+  } report_differing_kind{check, params.differing_kind};
 
   // Posts the receive of message m and, at step 0, the matching raw send of
   // this rank's own contribution, which needs no reduction.

@@ -40,6 +40,10 @@ struct RingParams {
   /// FingerprintTag(tag), in a Requests that outlives this phase
   /// (PostEveryRankRounds); only the predecessor's is received here.
   bool fingerprint_sent = false;
+  /// When set, the reduce-scatter stores here, as it returns, the
+  /// Fingerprint::kind of a predecessor whose fingerprint differed (0 when
+  /// none did or none arrived).
+  int32_t* differing_kind = nullptr;
 };
 
 /// Default chunk for the ring phases: large enough that per-message costs

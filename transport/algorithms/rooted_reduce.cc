@@ -183,10 +183,14 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   DDP_RETURN_IF_ERROR(
       internal::PostEveryRankRounds(rounds, "ring reduce", start.fingerprint, params.tag));
   params.fingerprint_sent = true;
+  int32_t differing_kind = 0;
+  params.differing_kind = &differing_kind;
   if (Status scattered = internal::RingReduceScatterBlocks(p2p, args.send, block, layout, params);
       !scattered.ok()) {
     // Tree ranks wait for their round messages to be taken; they all send.
-    rounds.WaitAll("ring reduce, argument check").IgnoreError();
+    if (internal::ChecksEveryRank(differing_kind)) {
+      rounds.WaitAll("ring reduce, argument check").IgnoreError();
+    }
     return scattered;
   }
   // Every rank divides its own block: p divisions of N/p at once.

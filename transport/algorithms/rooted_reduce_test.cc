@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "transport/algorithms/disagreement_test_util.h"
 #include "transport/algorithms/pipeline.h"
+#include "transport/algorithms/rhd_all_reduce.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
 #include "transport/testing/data_types.h"
@@ -587,6 +588,40 @@ TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
       }
     }
   }
+}
+
+// A rank of another collective that takes no part in the tree reduce's
+// check rounds, among ring reduce ranks, nobody killed: rank 0 of 5 runs
+// the halving-doubling all-reduce, where it hands its data to rank 1 and
+// checks nobody. Rank 1 fails at once, naming it. The ring reduce ranks
+// also send the tree reduce's later check rounds (PostEveryRankRounds); a
+// failed one waited for them to be taken, which rank 0 never does, until
+// its deadline.
+TEST(ReduceTest, ARankOfAnotherCollectiveAmongRingReduceRanksFailsItsSuccessorAtOnce) {
+  constexpr int kWorld = 5;
+  std::vector<Clock::duration> took(kWorld);
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  auto statuses = RunRanks(
+      kWorld,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        std::vector<float> send(70000, 1.0f), recv(send.size());
+        CollectiveArgs args;
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = send.size();
+        const auto start = Clock::now();
+        args.deadline = start + 4s;
+        Status status = p2p.rank() == 0 ? RhdAllReduce(p2p, args) : RingReduce(p2p, args);
+        took[p2p.rank()] = Clock::now() - start;
+        return status;
+      },
+      options);
+  const Status& s = statuses[1];
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("rank 0 passed rhd all-reduce"));
+  EXPECT_LT(took[1], 2s) << s;
+  for (int r = 0; r < kWorld; ++r) EXPECT_FALSE(statuses[r].ok()) << "rank " << r;
 }
 
 TEST(ReduceTest, KilledRankFailsTheRoot) {
