@@ -2139,8 +2139,10 @@ Status Communicator::Impl::Reduce(const void* send, void* recv, size_t count, Da
   // Both in topology order, as the all-reduce's, the root by its place in
   // it (errors name its rank): the ring reduce checks its ring
   // predecessor's arguments, the tree reduce every rank's (CheckEveryRank),
-  // so a rank that took the other (another CallOptions::algorithm, or a
-  // count past the tree's size) is met only at its deadline.
+  // and the ring's ranks post the tree's check rounds too, so a rank that
+  // took the other (another CallOptions::algorithm, or a count past the
+  // tree's size) fails every tree rank and its ring neighbours at once; the
+  // other ring ranks learn it from the abort that follows.
   args.root = static_cast<int>(std::find(ring_order_.begin(), ring_order_.end(), root) -
                                ring_order_.begin());
   args.tuning.checked_root = root;
