@@ -141,8 +141,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        call on the store (default 10, at most --node_timeout);
                        is_host (c10d): serve the store (true) or join (false)
                        instead of trying to listen; close_timeout is ignored
-  --standalone         one node on 127.0.0.1 with a free port (overrides
-                       --rdzv_endpoint, as under torchrun)
+  --standalone         one node on 127.0.0.1 with a free port and a run id
+                       of its own (overrides --rdzv_endpoint and --rdzv_id,
+                       as under torchrun)
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        write each worker's output to
                        DIR/<rdzv_id>_<random>/attempt_K/rank_R.log (a folder
@@ -757,6 +758,13 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
     }
     o.master_addr = endpoint_addr;
     o.master_port = endpoint_port;
+  }
+  // torchrun's --standalone replaces --rdzv_id too, with a run id of its
+  // own (a uuid4) for every run; here the run's DDP_RUN_ID, made in RunJob.
+  if (o.standalone && !o.rdzv_id.empty()) {
+    o.notes.push_back(Flag("rdzv_id", o.rdzv_id) +
+                      " is ignored: --standalone makes up a run id for each run, as torchrun's does");
+    o.rdzv_id.clear();
   }
   // Before the range check: --standalone with --nnodes=1:2 wants one node
   // too, and --rdzv_backend=c10d would not help it.
@@ -1861,8 +1869,19 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     o.log_dir = base;
   }
+  std::string run_id;  // DDP_RUN_ID: node 0's, for the whole run
+  if (o.standalone) {
+    // Made before the log folder, which is named after it as torchrun
+    // names it after its --standalone run id.
+    StatusOr<std::string> fresh = GenerateJobToken();
+    if (!fresh.ok()) {
+      Say(fresh.status().message());
+      return 2;
+    }
+    run_id = fresh->substr(0, 16);
+  }
   if (!o.log_dir.empty()) {
-    StatusOr<std::string> run_dir = MakeRunLogDir(o.log_dir, o.rdzv_id);
+    StatusOr<std::string> run_dir = MakeRunLogDir(o.log_dir, o.standalone ? run_id : o.rdzv_id);
     if (!run_dir.ok()) {
       Say(run_dir.status().message());
       return 2;
@@ -2088,7 +2107,6 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   int returning = 0;       // node 0: nodes of the last round expected back
   bool started = false;    // this launcher has started workers before
   int torch_port = 0;  // the workers' MASTER_PORT, for PyTorch's own rendezvous
-  std::string run_id;  // DDP_RUN_ID: node 0's, for the whole run
   for (int attempt = first_attempt;; ++attempt) {
     // Each attempt reports its own cause: one that fails before its workers
     // run (rendezvous, store, spawn) must not leave the last attempt's worker
@@ -2291,10 +2309,10 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       spec.env.emplace_back("ROLE_WORLD_SIZE", std::to_string(world_size));
       spec.env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(failures));
       spec.env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
-      // torchrun's --standalone makes up a run id (a uuid4) for every run;
-      // otherwise its --rdzv_id defaults to "none".
-      spec.env.emplace_back("TORCHELASTIC_RUN_ID", !o.rdzv_id.empty() ? o.rdzv_id
-                                                   : o.standalone       ? run_id
+      // torchrun's --standalone makes up a run id (a uuid4) for every run,
+      // whatever --rdzv_id says; otherwise its --rdzv_id defaults to "none".
+      spec.env.emplace_back("TORCHELASTIC_RUN_ID", o.standalone          ? run_id
+                                                   : !o.rdzv_id.empty() ? o.rdzv_id
                                                                         : "none");
       spec.env.emplace_back(kEnvRunId, run_id);
       if (omp_default) spec.env.emplace_back("OMP_NUM_THREADS", "1");

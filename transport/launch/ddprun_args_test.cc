@@ -60,7 +60,10 @@ TEST(DdprunArgsTest, AUniqueStartOfAFlagIsTheFlag) {
   EXPECT_EQ(o->nproc_per_node, 4);
   EXPECT_EQ(o->max_restarts, 3);
   EXPECT_TRUE(o->standalone);
-  EXPECT_EQ(o->rdzv_id, "job7");
+  // --standalone makes up its own run id over --rdzv_id's (see below).
+  EXPECT_EQ(o->rdzv_id, "");
+  EXPECT_EQ(o->notes, std::vector<std::string>{"--rdzv_id=job7 is ignored: --standalone makes up a run id for "
+                                               "each run, as torchrun's does"});
   EXPECT_EQ(o->command, (std::vector<std::string>{"train"}));
   ExpectRefused({"--no=1", "p"},
                 "--no is ambiguous: it starts --no_prefix, --no_python, --node_rank and --node_timeout "
@@ -291,6 +294,28 @@ TEST(DdprunArgsTest, StandaloneOverridesTheEndpointWithANote) {
   EXPECT_EQ(o->notes, std::vector<std::string>{
                           "--rdzv_endpoint=h:1 is ignored: --standalone runs the store on 127.0.0.1 with a "
                           "free port"});
+}
+
+// torchrun's --standalone replaces --rdzv_id (from the command line or
+// PET_RDZV_ID) with a uuid4 of its own, and logs it; ddprun drops it with a
+// note, and its run id (DDP_RUN_ID) names the run instead.
+TEST(DdprunArgsTest, StandaloneOverridesTheRdzvIdWithANote) {
+  for (const auto& [args, env] : std::vector<std::pair<std::vector<std::string>, EnvMap>>{
+           {{"--standalone", "--rdzv_id=job7", "p"}, {}},
+           {{"--standalone", "p"}, {{"PET_RDZV_ID", "job7"}}},
+           {{"p"}, {{"PET_STANDALONE", "1"}, {"PET_RDZV_ID", "job7"}}}}) {
+    StatusOr<DdprunOptions> o = Parse(args, env);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_TRUE(o->standalone);
+    EXPECT_EQ(o->rdzv_id, "");
+    EXPECT_EQ(o->notes, std::vector<std::string>{"--rdzv_id=job7 is ignored: --standalone makes up a run id "
+                                                 "for each run, as torchrun's does"});
+  }
+  // Without --standalone it is kept.
+  StatusOr<DdprunOptions> o = Parse({"--rdzv_id=job7", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->rdzv_id, "job7");
+  EXPECT_TRUE(o->notes.empty());
 }
 
 // --standalone with a range of nodes is refused as --standalone with

@@ -184,7 +184,7 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
       "echo vars $GROUP_WORLD_SIZE $ROLE_NAME $ROLE_RANK $ROLE_WORLD_SIZE $TORCHELASTIC_RESTART_COUNT "
       "$TORCHELASTIC_MAX_RESTARTS $([ \"$TORCHELASTIC_RUN_ID\" = \"$DDP_RUN_ID\" ] && echo run-id || "
       "echo $TORCHELASTIC_RUN_ID) omp=$OMP_NUM_THREADS";
-  auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--max_restarts=3", "--rdzv_id=j9",
+  auto run = RunProgram({Ddprun(), "--nproc_per_node=2", "--master_port=0", "--max_restarts=3", "--rdzv_id=j9",
                          "/bin/sh", "-c", print});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("[0] vars 1 default 0 2 0 3 j9 omp=1\n"));
@@ -195,6 +195,19 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
   // torchrun's --standalone makes up a run id for each run (a uuid4): the
   // workers' TORCHELASTIC_RUN_ID is the run's DDP_RUN_ID, not "none".
   EXPECT_THAT(run.output, HasSubstr("[1] vars 1 default 1 2 0 0 run-id omp=4\n"));
+  // It does so over --rdzv_id (and PET_RDZV_ID) too, and says so.
+  for (const bool from_env : {false, true}) {
+    std::vector<std::string> argv = {Ddprun(), "--standalone", "--nproc_per_node=2"};
+    if (!from_env) argv.push_back("--rdzv_id=j9");
+    for (const std::string a : {"/bin/sh", "-c"}) argv.push_back(a);
+    argv.push_back(print);
+    run = RunProgram(argv, from_env ? std::vector<std::pair<std::string, std::string>>{{"PET_RDZV_ID", "j9"}}
+                                    : std::vector<std::pair<std::string, std::string>>{});
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_THAT(run.output, HasSubstr("[1] vars 1 default 1 2 0 0 run-id omp=1\n"));
+    EXPECT_THAT(run.output, HasSubstr("ddprun: note: --rdzv_id=j9 is ignored: --standalone makes up a run id "
+                                      "for each run, as torchrun's does\n"));
+  }
   run = RunProgram({Ddprun(), "--nproc_per_node=1", "--master_port=0", "/bin/sh", "-c", print});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("vars 1 default 0 1 0 0 none omp=\n"));
@@ -658,30 +671,49 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
 
 // As torchrun's <log_dir>/<run_id>_<random>/: a second run with the same
 // --log_dir writes a folder of its own and leaves the first run's logs and
-// error files as they were.
+// error files as they were. The folder is named after --rdzv_id; with
+// --standalone, after the run id it makes up, as torchrun's.
 TEST(DdprunTest, EachRunKeepsItsLogsInAFolderOfItsOwn) {
-  const std::string dir = testing::MakeTempDir("ddprun_two_runs");
   const std::string script =
-      "echo \"run $0 rank $RANK\"; if [ \"$RANK\" = 1 ]; then echo \"$0\" > \"$TORCHELASTIC_ERROR_FILE\"; "
-      "exit 3; fi";
-  auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--rdzv_id=job7", "--log_dir=" + dir,
-                         "/bin/sh", "-c", script, "first"});
-  EXPECT_NE(run.exit_code, 0) << run.output;
-  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--rdzv_id=job7", "--log_dir=" + dir,
-                    "/bin/sh", "-c", script, "second"});
-  EXPECT_NE(run.exit_code, 0) << run.output;
-  const std::vector<std::string> runs = RunDirs(dir);
-  ASSERT_EQ(runs.size(), 2u) << run.output;
-  std::vector<std::string> seen;
-  for (const std::string& run_dir : runs) {
-    EXPECT_THAT(run_dir, ContainsRegex("/job7_[A-Za-z0-9]{6}$"));
-    const std::string log = ReadFile(run_dir + "/attempt_0/rank_1.log");
-    seen.push_back(log);
-    EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_1.error.json"),
-              log.find("first") != std::string::npos ? "first\n" : "second\n");
+      "echo \"run $0 rank $RANK\"; echo \"id $TORCHELASTIC_RUN_ID\"; if [ \"$RANK\" = 1 ]; then "
+      "echo \"$0\" > \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi";
+  for (const bool standalone : {false, true}) {
+    SCOPED_TRACE(standalone ? "--standalone" : "--rdzv_id=job7");
+    const std::string dir = testing::MakeTempDir(standalone ? "ddprun_two_standalone_runs" : "ddprun_two_runs");
+    auto launch = [&](const std::string& which) {
+      return RunProgram({Ddprun(), standalone ? "--standalone" : "--master_port=0", "--nproc_per_node=2",
+                         "--rdzv_id=job7", "--log_dir=" + dir, "/bin/sh", "-c", script, which});
+    };
+    auto run = launch("first");
+    EXPECT_NE(run.exit_code, 0) << run.output;
+    run = launch("second");
+    EXPECT_NE(run.exit_code, 0) << run.output;
+    const std::vector<std::string> runs = RunDirs(dir);
+    ASSERT_EQ(runs.size(), 2u) << run.output;
+    std::vector<std::string> seen;
+    std::set<std::string> ids;
+    for (const std::string& run_dir : runs) {
+      const std::string log = ReadFile(run_dir + "/attempt_0/rank_1.log");
+      const size_t at = log.find("\nid ");
+      ASSERT_NE(at, std::string::npos) << log;
+      const std::string id = log.substr(at + 4, log.find('\n', at + 1) - at - 4);
+      ids.insert(id);
+      // Named after the run id the workers got (TORCHELASTIC_RUN_ID).
+      EXPECT_THAT(run_dir, ContainsRegex("/" + id + "_[A-Za-z0-9]{6}$"));
+      seen.push_back(log.substr(0, at + 1));
+      EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_1.error.json"),
+                log.find("first") != std::string::npos ? "first\n" : "second\n");
+    }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen, (std::vector<std::string>{"run first rank 1\n", "run second rank 1\n"}));
+    if (standalone) {
+      // A run id of its own for each run, not --rdzv_id.
+      EXPECT_EQ(ids.size(), 2u);
+      EXPECT_EQ(ids.count("job7"), 0u);
+    } else {
+      EXPECT_EQ(ids, std::set<std::string>{"job7"});
+    }
   }
-  std::sort(seen.begin(), seen.end());
-  EXPECT_EQ(seen, (std::vector<std::string>{"run first rank 1\n", "run second rank 1\n"}));
 }
 
 // torchrun's TORCHELASTIC_ERROR_FILE: what a failed worker wrote there (here
