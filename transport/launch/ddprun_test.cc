@@ -654,7 +654,8 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, Not(HasSubstr("rank 0 done")));  // files only
   const std::string run_dir = RunDir(dir);
-  EXPECT_THAT(run_dir, ContainsRegex("/none_[A-Za-z0-9]{6}$"));
+  // Named after the run id --standalone makes up (DDP_RUN_ID).
+  EXPECT_THAT(run_dir, ContainsRegex("/[0-9a-f]{16}_[A-Za-z0-9]{6}$"));
   EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + run_dir + "/attempt_K/rank_R.log\n"));
   for (int r = 0; r < 2; ++r) {
     const std::string log = ReadFile(run_dir + "/attempt_0/rank_" + std::to_string(r) + ".log");
@@ -662,10 +663,12 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
     EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + " done\n"));
   }
   const std::string tee_dir = testing::MakeTempDir("ddprun_tee");
-  run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--log_dir=" + tee_dir, "--tee"},
+  run = RunProgram(Cmd({"--master_port=0", "--nproc_per_node=2", "--log_dir=" + tee_dir, "--tee"},
                        {"--print_env"}));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done"));
+  // Without --rdzv_id (torchrun's default "none").
+  EXPECT_THAT(RunDir(tee_dir), ContainsRegex("/none_[A-Za-z0-9]{6}$"));
   EXPECT_THAT(ReadFile(RunDir(tee_dir) + "/attempt_0/rank_1.log"), HasSubstr("rank 1 done\n"));
 }
 
