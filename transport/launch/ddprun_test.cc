@@ -1048,6 +1048,30 @@ TEST(DdprunTest, CtrlCAtTheTerminalStopsTheJobWithoutARestart) {
   EXPECT_EQ(session.Wait(), 0) << session.output;
 }
 
+// A worker that catches Ctrl-C itself and exits 1 (a program's own
+// handler): it was still the terminal's interrupt, which under torchrun
+// reaches the launcher too and ends the job. On the old code ddprun saw
+// only a worker that exited 1, and restarted the job.
+TEST(DdprunTest, CtrlCEndsTheJobWithoutARestartAlsoWhenTheWorkersCatchIt) {
+  PtySession session({"/bin/sh", "-c",
+                      "trap 'echo caller got SIGINT' INT; " +
+                          ThenReportTheTerminal(Ddprun() +
+                                                " --standalone --nproc_per_node=2 --max_restarts=2 /bin/sh -c "
+                                                "'trap \"echo caught; exit 1\" INT; echo ready; "
+                                                "while :; do sleep 1; done'")});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("[0] ready")) << session.output;
+  ASSERT_TRUE(session.ReadUntil("[1] ready")) << session.output;
+  session.Type("\x03");
+  EXPECT_TRUE(session.ReadUntil("caller got SIGINT")) << session.output;
+  EXPECT_TRUE(session.ReadUntil("rc=130")) << session.output;
+  EXPECT_THAT(session.output, HasSubstr("interrupted by SIGINT from the terminal"));
+  EXPECT_THAT(session.output, Not(HasSubstr("restart")));
+  EXPECT_EQ(CountLines(session.output, "ready"), 2) << session.output;
+  ExpectTheTerminalIsTheCallers(session);
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+}
+
 // ddprun killed by SIGTERM while a worker waits for a line from the
 // terminal: the worker ends, and the terminal is the caller's again.
 TEST(DdprunTest, SigtermWhileAWorkerReadsTheTerminalGivesTheTerminalBack) {
@@ -1134,6 +1158,62 @@ TEST(DdprunTest, CtrlZStopsTheJobAndFgContinuesIt) {
   EXPECT_TRUE(session.ReadUntil("got:hello")) << session.output;
   session.Type("echo rc=$?.\n");
   EXPECT_TRUE(session.ReadUntil("rc=0.")) << session.output;
+  session.Type("exit\n");
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+}
+
+// Ctrl-Z stops the job when the workers ignore SIGTSTP too: ddprun hears
+// the terminal's signal itself (at once), as a shell stops a job whatever
+// its processes do with it. On the old code ddprun looked only for a
+// worker stopped by SIGTSTP (once a second), and the job ran on.
+TEST(DdprunTest, CtrlZStopsTheJobAlsoWhenTheWorkersIgnoreIt) {
+  PtySession session({"/usr/bin/env", "PS1=prompt$ ", "/bin/bash", "--norc", "--noprofile", "-i"});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("prompt$ ")) << session.output;
+  session.Type(Ddprun() +
+               " --standalone --nproc_per_node=1 /bin/sh -c 'trap \"\" TSTP; echo ready; read line; "
+               "echo got:$line'\n");
+  ASSERT_TRUE(session.ReadUntil("ready\r\n")) << session.output;
+  session.Type("\x1a");
+  ASSERT_TRUE(session.ReadUntil("Stopped")) << session.output;
+  ASSERT_TRUE(session.ReadUntil("prompt$ ", session.output.find("Stopped"))) << session.output;
+  const size_t before_fg = session.output.size();
+  session.Type("fg\n");
+  ASSERT_TRUE(session.ReadUntil("got:$line'", before_fg)) << session.output;
+  session.Type("hello\n");
+  EXPECT_TRUE(session.ReadUntil("got:hello")) << session.output;
+  session.Type("echo rc=$?.\n");
+  EXPECT_TRUE(session.ReadUntil("rc=0.")) << session.output;
+  session.Type("exit\n");
+  EXPECT_EQ(session.Wait(), 0) << session.output;
+}
+
+// Ctrl-Z, `bg`, then `fg`: the workers get the terminal again and the
+// worker reads its line. In the background, its read stops it (SIGTTIN),
+// and ddprun stops the job as a shell's background job is stopped, until
+// `fg`. On the old code the workers never got the terminal back after
+// `bg`, and the read failed the job ("stopped by SIGTTIN").
+TEST(DdprunTest, FgAfterBgGivesTheWorkersTheTerminalAgain) {
+  PtySession session({"/usr/bin/env", "PS1=prompt$ ", "/bin/bash", "--norc", "--noprofile", "-i"});
+  ASSERT_GT(session.pid, 0);
+  ASSERT_TRUE(session.ReadUntil("prompt$ ")) << session.output;
+  session.Type(Ddprun() + " --standalone --nproc_per_node=1" + kReadALine + "\n");
+  ASSERT_TRUE(session.ReadUntil("ready\r\n")) << session.output;
+  session.Type("\x1a");
+  ASSERT_TRUE(session.ReadUntil("Stopped")) << session.output;
+  ASSERT_TRUE(session.ReadUntil("prompt$ ", session.output.find("Stopped"))) << session.output;
+  size_t before = session.output.size();
+  session.Type("bg\n");
+  ASSERT_TRUE(session.ReadUntil("&", before)) << session.output;
+  ASSERT_TRUE(session.ReadUntil("prompt$ ", before)) << session.output;
+  before = session.output.size();
+  session.Type("fg\n");
+  ASSERT_TRUE(session.ReadUntil("got:$line'", before)) << session.output;
+  session.Type("hello\n");
+  EXPECT_TRUE(session.ReadUntil("got:hello")) << session.output;
+  session.Type("echo rc=$?.\n");
+  EXPECT_TRUE(session.ReadUntil("rc=0.")) << session.output;
+  EXPECT_THAT(session.output, Not(HasSubstr("SIGTTIN")));
   session.Type("exit\n");
   EXPECT_EQ(session.Wait(), 0) << session.output;
 }

@@ -52,6 +52,9 @@ constexpr auto kTerminalStallTime = std::chrono::milliseconds(2000);
 // bound only matters when a signal handler's run is deferred (ThreadSanitizer
 // delays handlers on threads that are not in a system call).
 constexpr int kMaxPollMs = 1000;
+// How long Wait waits for the terminal listener's answer (see
+// StartListener), which it gives at once unless it is stopped.
+constexpr auto kListenerAnswerTime = std::chrono::milliseconds(1000);
 
 std::string ErrnoText(int err) {
   char buf[256];
@@ -160,7 +163,8 @@ struct ChildArgs {
   int fd_bound = 0;
   bool skip_close_range = false;  // ForceCloseRangeFallbackForTesting
   // The first worker of a group that shares the terminal (stdin, fd 0)
-  // makes its new group the terminal's foreground group.
+  // makes its group (new, or the listener's) the terminal's foreground
+  // group.
   bool take_terminal = false;
   bool ignored[_NSIG] = {};  // signals the parent ignores; they stay ignored
 };
@@ -250,8 +254,8 @@ RunChild(const ChildArgs* a) {
   // terminal while it is not yet theirs. A failure (the terminal changed
   // hands meanwhile) leaves it where it is; the parent checks.
   if (a->take_terminal) {
-    const pid_t self = static_cast<pid_t>(syscall(SYS_getpid));
-    syscall(SYS_ioctl, 0, TIOCSPGRP, &self);
+    const pid_t group = a->pgid != 0 ? a->pgid : static_cast<pid_t>(syscall(SYS_getpid));
+    syscall(SYS_ioctl, 0, TIOCSPGRP, &group);
   }
   // Descriptors the host program opened without O_CLOEXEC stay out of the
   // workers. CLOSE_RANGE_CLOEXEC needs Linux 5.11 (ENOSYS before 5.9, EINVAL
@@ -695,6 +699,10 @@ class WorkerGroup::Impl {
     }
 
     workers_.resize(specs.size());
+    // Before the workers, so that it hears the terminal from the moment
+    // they hold it; it leads their group. Without it, Wait falls back to
+    // reading the terminal's signals off the workers' ends.
+    if (launcher_pgrp_ > 0) StartListener();
     for (size_t i = 0; i < specs.size(); ++i) {
       Status started = StartOne(specs[i], workers_[i]);
       // The first worker's pid is the group's: watch it from now on.
@@ -774,6 +782,25 @@ class WorkerGroup::Impl {
         phase_deadline = Clock::now() + kReapTime;
       }
     };
+    // The terminal's SIGINT, SIGQUIT or SIGHUP to the workers, who hold it:
+    // as if it had reached this process, as it does under torchrun, whose
+    // workers share its group: the job stops, and stays stopped (no
+    // restart), however the workers end.
+    auto interrupt_from_terminal = [&](int signo) {
+      // A second one (an impatient Ctrl-C) only ends the grace: the first
+      // was passed on, and this process's handler is reset by now.
+      const bool first = result.outcome != GroupOutcome::kInterrupted;
+      int none = 0;
+      g_interrupt_signal.compare_exchange_strong(none, signo, std::memory_order_relaxed);
+      interrupt(signo, " from the terminal (the workers hold it)");
+      if (!first) return;
+      // And to the group the terminal had before the workers, as the
+      // terminal would have sent it: whoever runs this process in its group
+      // (a script that loops over launches stops at Ctrl-C, as under
+      // torchrun) and this process, whose handler's byte is skipped above.
+      if (Catches(signo)) echo_signal = signo;
+      kill(-launcher_pgrp_, signo);
+    };
 
     while (true) {
       // Move on when every worker is gone: reap leftovers of the group,
@@ -793,6 +820,10 @@ class WorkerGroup::Impl {
       }
       fds.push_back({stop_event_.get(), POLLIN, 0});
       owners.emplace_back(-2, 0);
+      if (listener_read_.valid()) {
+        fds.push_back({listener_read_.get(), POLLIN, 0});
+        owners.emplace_back(-3, 0);
+      }
       bool need_fallback_poll = false;
       for (size_t i = 0; i < workers_.size(); ++i) {
         Worker& w = workers_[i];
@@ -833,6 +864,8 @@ class WorkerGroup::Impl {
       }
 
       bool stop_requested = false;  // RequestStop was called (the stop event is readable)
+      bool exits_to_read = need_fallback_poll;  // a pidfd is readable
+      std::vector<int> heard;  // the terminal's signals to the workers' group (the listener's)
       for (size_t k = 0; n > 0 && k < fds.size(); ++k) {
         if (fds[k].revents == 0) continue;
         const auto [owner, stream] = owners[k];
@@ -861,6 +894,10 @@ class WorkerGroup::Impl {
           ssize_t got = read(stop_event_.get(), &value, sizeof(value));
           (void)got;
           stop_requested = true;  // acted on once the exits are in, below
+        } else if (owner == -3) {
+          ReadListener(heard, /*until_answer=*/false);
+        } else if (stream == -1) {
+          exits_to_read = true;
         } else if (stream >= 0) {
           ReadStream(workers_[owner], stream);
         }
@@ -880,30 +917,36 @@ class WorkerGroup::Impl {
       // crash, the OOM killer: most likely the cause), over one that
       // exited with a code (often a peer that noticed the crash and gave
       // up), and among those alike, the first in the group's order.
+      //
+      // A worker that caught the terminal's Ctrl-C and exited may be seen
+      // before the listener's word of it: before exits are read, the
+      // listener is asked, and says what it heard first.
+      if (exits_to_read && listener_read_.valid()) ReadListener(heard, /*until_answer=*/true);
+      // Before the exits: those it ended are the interruption's, however
+      // they exited (a worker that caught SIGINT and exited 1, say).
+      bool ctrl_z = false;  // the terminal's SIGTSTP, heard by the listener
+      for (int signo : heard) {
+        if (signo == SIGTSTP) {
+          ctrl_z = true;
+        } else {
+          interrupt_from_terminal(signo);
+        }
+      }
       Worker* failed = nullptr;
-      int terminal_signal = 0;  // a worker killed by the terminal's Ctrl-C, say (share_terminal)
+      int terminal_signal = 0;  // a worker killed by the terminal's Ctrl-C, say (no listener)
       for (Worker& w : workers_) {
         if (!w.running || !Observe(w)) continue;
         if (w.exit.ok() || phase != Phase::kRunning || result.first_failure) continue;
-        if (terminal_shared_ && w.exit.signaled && IsTerminalSignal(w.exit.code)) {
+        // Without a listener, a worker killed by one of the terminal's
+        // signals is the best sign of them.
+        if (terminal_shared_ && !listener_read_.valid() && w.exit.signaled && IsTerminalSignal(w.exit.code)) {
           if (terminal_signal == 0) terminal_signal = w.exit.code;
           continue;
         }
         if (failed == nullptr || (w.exit.signaled && !failed->exit.signaled)) failed = &w;
       }
       if (terminal_signal != 0) {
-        // As if it had reached this process, as it does under torchrun,
-        // whose workers share its group: the job stops, and stays stopped.
-        int none = 0;
-        g_interrupt_signal.compare_exchange_strong(none, terminal_signal, std::memory_order_relaxed);
-        interrupt(terminal_signal, " from the terminal (the workers hold it)");
-        // And to the group the terminal had before the workers, as the
-        // terminal would have sent it: whoever runs this process in its
-        // group (a script that loops over launches stops at Ctrl-C, as
-        // under torchrun) and this process, whose handler's byte is
-        // skipped above.
-        if (Catches(terminal_signal)) echo_signal = terminal_signal;
-        kill(-launcher_pgrp_, terminal_signal);
+        interrupt_from_terminal(terminal_signal);
       } else if (failed != nullptr) {
         result.first_failure = failed->exit;
         result.outcome = GroupOutcome::kWorkerFailed;
@@ -924,9 +967,20 @@ class WorkerGroup::Impl {
         stop_workers(SIGTERM);
       }
 
+      if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded && lent_back_) {
+        if (tcgetpgrp(STDIN_FILENO) == launcher_pgrp_) {
+          // `fg` of the running job: a shell sends no SIGCONT then, and
+          // this round is the first to see it (within kMaxPollMs).
+          ResumeWithTheTerminal();
+        } else if (const int stop = TerminalStopOfAny()) {
+          // A worker read from (or wrote to) the terminal in the
+          // background: as a shell's job, the job stops until `fg`.
+          StopLikeAJob(stop);
+        }
+      }
       if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded && terminal_shared_ &&
-          AnyStoppedBy(SIGTSTP)) {
-        StopLikeAJob();
+          (ctrl_z || (!listener_read_.valid() && AnyStoppedBy(SIGTSTP)))) {
+        StopLikeAJob(SIGTSTP);
       }
       if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded) {
         if (std::optional<std::string> stopped = StoppedByTheTerminal()) {
@@ -964,6 +1018,7 @@ class WorkerGroup::Impl {
     // has nothing left to do (told so before the leader, whose pid is the
     // group id, is reaped and that id becomes free).
     if (RunningCount() == 0) StopWatcher();
+    StopListener();
     ReapLeader();
     ReadErrorFiles(result);
     for (Worker& w : workers_) {
@@ -1224,7 +1279,8 @@ class WorkerGroup::Impl {
     // Ignored here only while the workers hold the terminal: theirs is what
     // this process had.
     if (ttou_ignored_) args.ignored[SIGTTOU] = ttou_old_.sa_handler == SIG_IGN;
-    args.take_terminal = launcher_pgrp_ > 0 && pgid_ == 0;
+    const bool first = &w == &workers_[0];
+    args.take_terminal = launcher_pgrp_ > 0 && first;
 
     int report[2];
     if (pipe2(report, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
@@ -1267,7 +1323,9 @@ class WorkerGroup::Impl {
       // A first worker that took the terminal before its exec failed: back
       // to this process's group (SIGTTOU is ignored), before its pid, the
       // terminal's group id, is reaped.
-      if (args.take_terminal && tcgetpgrp(STDIN_FILENO) == pid) tcsetpgrp(STDIN_FILENO, launcher_pgrp_);
+      if (args.take_terminal && tcgetpgrp(STDIN_FILENO) == (pgid_ != 0 ? pgid_ : pid)) {
+        tcsetpgrp(STDIN_FILENO, launcher_pgrp_);
+      }
       // The child is already dead (exit 127); reap it here.
       int status = 0;
       waitpid(pid, &status, 0);
@@ -1279,8 +1337,8 @@ class WorkerGroup::Impl {
                                   "': " + ErrnoText(failure.error) +
                                   (failure.step == kStepExec ? ExecFailureHint(spec.program, failure.error) : ""));
     }
-    if (pgid_ == 0) {
-      pgid_ = pid;
+    if (first) {
+      if (pgid_ == 0) pgid_ = pid;
       if (launcher_pgrp_ > 0) {
         terminal_shared_ = tcgetpgrp(STDIN_FILENO) == pgid_;
         if (!terminal_shared_) TakeTerminalBack();  // not handed over: nothing to undo but SIGTTOU
@@ -1342,6 +1400,7 @@ class WorkerGroup::Impl {
       tcsetpgrp(STDIN_FILENO, launcher_pgrp_);  // SIGTTOU is still ignored here
     }
     terminal_shared_ = false;
+    lent_back_ = false;
     if (ttou_ignored_) sigaction(SIGTTOU, &ttou_old_, nullptr);
     ttou_ignored_ = false;
   }
@@ -1354,22 +1413,48 @@ class WorkerGroup::Impl {
   // Ctrl-Z reached the workers only (they hold the terminal), and whoever
   // runs this process (a shell) waits on this process's group. As a shell
   // does with a job: stop every worker (one that ignores SIGTSTP too), take
-  // the terminal back and stop this process's group, so that the shell
-  // sees the job stopped and gets its terminal. kill returns once this
-  // process is continued, or at once where SIGTSTP is ignored or the group
-  // is orphaned (no job control could continue it; the kernel drops the
-  // signal). Continued in the foreground (`fg`), the workers get the
-  // terminal again; in the background (`bg`) they run on without it.
-  void StopLikeAJob() {
+  // the terminal back and stop this process's group by `signal`, so that
+  // the shell sees the job stopped and gets its terminal. kill returns once
+  // this process is continued, or at once where the signal is ignored or
+  // the group is orphaned (no job control could continue it; the kernel
+  // drops the signal). Continued in the foreground (`fg`), the workers get
+  // the terminal again; in the background (`bg`) they run on without it
+  // until a later `fg` (lent_back_). Also for a worker stopped by SIGTTIN
+  // or SIGTTOU meanwhile, as a shell's background job is stopped by them.
+  void StopLikeAJob(int signal) {
     kill(-pgid_, SIGSTOP);
     if (tcgetpgrp(STDIN_FILENO) == pgid_) tcsetpgrp(STDIN_FILENO, launcher_pgrp_);
-    kill(0, SIGTSTP);
+    terminal_shared_ = false;
+    lent_back_ = true;
+    kill(0, signal);
     if (tcgetpgrp(STDIN_FILENO) == launcher_pgrp_) {
-      tcsetpgrp(STDIN_FILENO, pgid_);
+      ResumeWithTheTerminal();
     } else {
-      TakeTerminalBack();
+      kill(-pgid_, SIGCONT);
+    }
+  }
+
+  // This process's group is the terminal's foreground one again, while the
+  // terminal was lent back to it (StopLikeAJob): the workers get it again,
+  // and go on (one stopped for touching it meanwhile too). SIGTTOU is still
+  // ignored here.
+  void ResumeWithTheTerminal() {
+    if (tcsetpgrp(STDIN_FILENO, pgid_) == 0) {
+      terminal_shared_ = true;
+      lent_back_ = false;
     }
     kill(-pgid_, SIGCONT);
+  }
+
+  // SIGTTIN or SIGTTOU when a running worker is stopped by one (it touched
+  // the terminal from the background), else 0.
+  int TerminalStopOfAny() const {
+    for (const Worker& w : workers_) {
+      if (!w.running) continue;
+      const int signal = StopSignalOf(w);
+      if (signal == SIGTTIN || signal == SIGTTOU) return signal;
+    }
+    return 0;
   }
 
   // Whether this group's handler records `signal` (SIGINT, SIGTERM, SIGHUP
@@ -1507,6 +1592,7 @@ class WorkerGroup::Impl {
     // While the leader, whose pid the terminal's group is compared with,
     // is not yet reaped.
     TakeTerminalBack();
+    StopListener();
     if (RunningCount() == 0) {
       StopWatcher();
       ReapLeader();
@@ -1615,6 +1701,136 @@ class WorkerGroup::Impl {
     return Status::Ok();
   }
 
+  // The listener (SpawnOptions::share_terminal): a small process that
+  // leads the workers' group (made before them, so that no worker holds
+  // the terminal before it listens), where the terminal sends its signals
+  // while the workers hold it. It tells this process of each SIGINT, SIGQUIT, SIGHUP and
+  // SIGTSTP the terminal sent (one byte each on a pipe), whatever the
+  // workers do with them: a worker that catches Ctrl-C and exits 1 is
+  // still an interrupted job (no restart, as under torchrun, where the
+  // terminal's signal reaches the launcher itself), and Ctrl-Z wakes Wait
+  // at once (a stop wakes no pidfd). Signals sent by a process (SI_USER:
+  // those this process forwards to the group, say) are not the terminal's
+  // and are dropped. Every signal stays blocked there; it takes them with
+  // rt_sigtimedwait, so none ever acts on it but SIGKILL and SIGSTOP.
+  //
+  // ListenerQuerySignal() from this process asks it to answer (a kListenerAnswer
+  // byte) once it has told all it heard before: the terminal's signal is
+  // pending in the listener before any worker can have died of it (the
+  // kernel signals the group in one pass, which an exit waits for), and
+  // rt_sigtimedwait takes lower signals first, so the answer comes after
+  // the news of it. Started like the watcher (a bare clone, raw system
+  // calls only); killed with the group, or by SIGKILL when this process
+  // dies. Where it cannot start, the first worker leads the group.
+  void StartListener() {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC | O_NONBLOCK) != 0) return;
+    Fd read_end(p[0]);
+    Fd write_end(p[1]);
+    sigset_t all, old_mask, wanted;
+    sigfillset(&all);
+    sigemptyset(&wanted);
+    for (int signo : {SIGINT, SIGQUIT, SIGHUP, SIGTSTP, ListenerQuerySignal()}) sigaddset(&wanted, signo);
+    const int query = ListenerQuerySignal();
+    const pid_t parent = getpid();
+    const int fd_bound = DescriptorBound();
+    const bool skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
+    pthread_sigmask(SIG_SETMASK, &all, &old_mask);  // as in StartWatcher; the child keeps it
+    const pid_t pid = static_cast<pid_t>(syscall(SYS_clone, SIGCHLD, 0, nullptr, nullptr, 0));
+    if (pid == 0) {
+      syscall(SYS_prctl, PR_SET_NAME, "ddp-listener", 0, 0, 0);
+      syscall(SYS_setpgid, 0, 0);  // as the parent does too, whichever comes first
+      syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+      if (syscall(SYS_getppid) != parent) syscall(SYS_exit_group, 1);
+      const unsigned fd = static_cast<unsigned>(p[1]);
+      const bool closed = !skip_close_range &&
+                          (fd == 0 || syscall(SYS_close_range, 0u, fd - 1, 0u) == 0) &&
+                          syscall(SYS_close_range, fd + 1, ~0u, 0u) == 0;
+      if (!closed) {
+        const int bound = WatcherBound(fd_bound);
+        for (int other = 0; other < bound; ++other) {
+          if (other != p[1]) syscall(SYS_close, other);
+        }
+      }
+      while (true) {
+        siginfo_t info{};
+        const long signo = syscall(SYS_rt_sigtimedwait, &wanted, &info, nullptr, _NSIG / 8);
+        if (signo < 0) {
+          if (errno == EINTR) continue;
+          syscall(SYS_exit_group, 1);
+        }
+        unsigned char byte = static_cast<unsigned char>(signo);
+        if (signo == query) {
+          if (info.si_pid != parent) continue;
+          byte = kListenerAnswer;
+        } else if (info.si_code != SI_KERNEL) {
+          continue;
+        }
+        // The pipe's 64 KiB would take years of Ctrl-C; a full one (this
+        // process stuck) drops the byte rather than block.
+        syscall(SYS_write, p[1], &byte, 1);
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+    if (pid < 0) return;
+    listener_ = pid;
+    if (setpgid(pid, pid) != 0 && getpgid(pid) != pid) {
+      StopListener();  // workers lead their own group then
+      return;
+    }
+    // The workers join its group, whose id it keeps while it is unreaped
+    // (StopListener, last), as the first worker's zombie keeps it without.
+    pgid_ = pid;
+    listener_read_ = std::move(read_end);
+  }
+
+  // The signal the listener answers (a real-time one: after every standard
+  // signal it may have pending), and its answer.
+  static int ListenerQuerySignal() { return SIGRTMIN + 1; }
+  static constexpr unsigned char kListenerAnswer = 0;
+
+  // Appends what the listener told to `heard`. With `until_answer`, asks it
+  // first and waits for the answer (at most kListenerAnswerTime: a
+  // listener that does not answer, stopped by someone, is left out).
+  // A listener that is gone (killed with the group) is no longer read.
+  void ReadListener(std::vector<int>& heard, bool until_answer) {
+    if (until_answer && kill(listener_, ListenerQuerySignal()) != 0) until_answer = false;
+    const Deadline give_up = Clock::now() + kListenerAnswerTime;
+    while (listener_read_.valid()) {
+      unsigned char bytes[64];
+      const ssize_t got = read(listener_read_.get(), bytes, sizeof(bytes));
+      if (got == 0) {
+        listener_read_.Reset();
+        return;
+      }
+      bool answered = false;
+      for (ssize_t j = 0; j < got; ++j) {
+        if (bytes[j] == kListenerAnswer) {
+          answered = true;
+        } else {
+          heard.push_back(bytes[j]);
+        }
+      }
+      if (!until_answer || answered) return;
+      if (got < 0 && errno != EAGAIN && errno != EINTR) return;
+      const int left = MillisecondsUntil(give_up);
+      if (left == 0) return;
+      pollfd p{listener_read_.get(), POLLIN, 0};
+      poll(&p, 1, left);
+    }
+  }
+
+  // Kills the listener (it may still run, its group alive) and reaps it
+  // (bounded).
+  void StopListener() {
+    listener_read_.Reset();
+    if (listener_ <= 0) return;
+    kill(listener_, SIGKILL);
+    const Deadline give_up = Clock::now() + kReapTime;
+    while (waitpid(listener_, nullptr, WNOHANG) == 0 && Clock::now() < give_up) usleep(1000);
+    listener_ = -1;
+  }
+
   // Tells the watcher to leave without killing, and reaps it (bounded).
   void StopWatcher() {
     if (watcher_ <= 0) return;
@@ -1680,6 +1896,12 @@ class WorkerGroup::Impl {
   // ignored for that time.
   pid_t launcher_pgrp_ = 0;
   bool terminal_shared_ = false;
+  // The terminal was taken back from the workers when this process was
+  // stopped as a job, and it was continued in the background (`bg`): a
+  // later `fg` gives it to them again (see StopLikeAJob).
+  bool lent_back_ = false;
+  pid_t listener_ = -1;   // hears the terminal's signals to the workers (StartListener)
+  Fd listener_read_;      // its pipe
   bool ttou_ignored_ = false;
   struct sigaction ttou_old_ = {};
   bool forwarding_ = false;

@@ -121,18 +121,23 @@ struct SpawnOptions {
   /// (end of Wait, destruction; the watcher does it for a launcher killed
   /// by SIGKILL). Meanwhile this process ignores SIGTTOU (its own writes
   /// under `stty tostop`; the workers get the disposition it had), and the
-  /// terminal's signals reach the workers only, so Wait reads them off the
-  /// workers: one killed by SIGINT, SIGQUIT or SIGHUP counts as this
-  /// process interrupted by that signal (kInterrupted, InterruptSignal,
-  /// on_interrupt: no restart), which Wait also sends to this process's
-  /// group, as the terminal would have (a script that runs the launcher
-  /// gets it too); one stopped by SIGTSTP (Ctrl-Z) stops the
-  /// group, gives the terminal back and stops this process's group, as a
-  /// shell stops a job; continued in the foreground (`fg`), it gives the
+  /// terminal's signals reach the workers' group only, where a listener
+  /// process hears them for Wait: the terminal's SIGINT, SIGQUIT or SIGHUP
+  /// counts as this process interrupted by that signal (kInterrupted,
+  /// InterruptSignal, on_interrupt: no restart), however the workers end
+  /// (one that catches it and exits 1 too), which Wait also sends to this
+  /// process's group, as the terminal would have (a script that runs the
+  /// launcher gets it too); SIGTSTP (Ctrl-Z) at once stops the group,
+  /// gives the terminal back and stops this process's group, as a shell
+  /// stops a job; continued in the foreground (`fg`), it gives the
   /// terminal to the workers again and continues them; in the background
-  /// (`bg`) the workers go on without it (and one that reads the terminal
-  /// fails the job, as without this option). Otherwise (no terminal, a
-  /// launcher in the background, forward_signals off) nothing changes.
+  /// (`bg`) the workers go on without it until a later `fg` (seen within
+  /// a second), and one that reads the terminal meanwhile stops the job
+  /// again, as a shell's background job is stopped. (Without the listener,
+  /// should it fail to start, a worker killed by SIGINT, SIGQUIT or SIGHUP,
+  /// or stopped by SIGTSTP, stands for the terminal's signal.) Otherwise
+  /// (no terminal, a launcher in the background, forward_signals off)
+  /// nothing changes.
   bool share_terminal = false;
 };
 
