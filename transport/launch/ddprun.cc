@@ -109,7 +109,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1,
 and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 (as torchrun). Node 0's launcher serves the rendezvous store.
 
-  --nproc_per_node=N   workers on this node (default 1); gpu: one per visible
+  --nproc_per_node=N   workers on this node (default 1; with c10d each node
+                       may give its own); gpu: one per visible
                        GPU, cpu: one per CPU (of the affinity mask, capped
                        by a cgroup CPU quota), auto: gpu if any, else cpu
   --nnodes=N           nodes in the job (default 1); MIN:MAX with c10d: as
@@ -1117,9 +1118,11 @@ std::string SecondsText(milliseconds ms) {
 // RoundFormingTime).
 std::string ConfigLine(const DdprunOptions& o) {
   const std::string nnodes = o.nnodes_spec.empty() ? std::to_string(o.nnodes) : o.nnodes_spec;
-  std::string line = "--nnodes=" + nnodes + " --nproc_per_node=" +
-                     std::to_string(o.nproc_per_node) + " --max_restarts=" +
-                     std::to_string(o.max_restarts) + " --rdzv_backend=" + o.rdzv_backend;
+  std::string line = "--nnodes=" + nnodes;
+  // With c10d each node may run its own number of workers, as under
+  // torchrun: node 0 publishes them with each round's members.
+  if (o.rdzv_backend != "c10d") line += " --nproc_per_node=" + std::to_string(o.nproc_per_node);
+  line += " --max_restarts=" + std::to_string(o.max_restarts) + " --rdzv_backend=" + o.rdzv_backend;
   if (!o.rdzv_id.empty()) line += " --rdzv_id=" + o.rdzv_id;
   line += " --rdzv_timeout=" + SecondsText(o.rdzv_timeout);
   line += " --rdzv_conf=last_call_timeout=" + SecondsText(o.last_call);
@@ -1488,7 +1491,23 @@ struct Seat {
   int node_rank = 0;
   int nnodes = 1;
   int failures = 0;  // failure restarts before this round
+  std::vector<int> nprocs;  // --nproc_per_node of node 0, 1, ... in this round
 };
+
+// A round's "nprocs" record ("2 1 4": --nproc_per_node of node 0, 1, ...)
+// for `nnodes` nodes; nullopt when malformed.
+std::optional<std::vector<int>> ParseNprocs(const std::string& record, int nnodes) {
+  std::vector<int> nprocs;
+  for (size_t at = 0; at < record.size();) {
+    const size_t space = std::min(record.find(' ', at), record.size());
+    const std::optional<int64_t> value = ParseInt(std::string_view(record).substr(at, space - at));
+    if (!value || *value < 1 || *value > kMaxProcPerNode) return std::nullopt;
+    nprocs.push_back(static_cast<int>(*value));
+    at = space + 1;
+  }
+  if (static_cast<int>(nprocs.size()) != nnodes) return std::nullopt;
+  return nprocs;
+}
 
 // How long node 0 may take to form a round: --rdzv_timeout for MIN nodes,
 // the last call, and the wait for the previous round's nodes.
@@ -1503,7 +1522,7 @@ milliseconds RoundFormingTime(const DdprunOptions& o) {
 // before anyone else takes a place or the last call starts, so that a
 // restart keeps its nodes and their ranks.
 StatusOr<int> FormRound(store::TcpStoreClient& store, const DdprunOptions& o, int max_nodes, int round,
-                        int failures, int returning) {
+                        int failures, int returning, std::vector<int>& nprocs) {
   const Deadline start = Clock::now();
   const Deadline deadline = start + o.rdzv_timeout;
   const Deadline rejoin_deadline = start + RejoinTime(o);
@@ -1516,6 +1535,7 @@ StatusOr<int> FormRound(store::TcpStoreClient& store, const DdprunOptions& o, in
   // none). A slot counts once its launcher has written that (right after
   // taking it); one that died in between never counts.
   std::map<int64_t, int64_t> entries;
+  std::map<int64_t, int> slot_nprocs;  // slot -> its launcher's --nproc_per_node
   // Slot -> its launcher's last heartbeat while it waits for the round
   // ("alive/<slot>"), when node 0 saw it change, and whether the slot
   // counts. One taken while node 0 watches counts at once; one it finds
@@ -1551,8 +1571,17 @@ StatusOr<int> FormRound(store::TcpStoreClient& store, const DdprunOptions& o, in
         DDP_ASSIGN_OR_RETURN(std::optional<std::string> previous,
                              store.TryGet(Key(round, "join/" + std::to_string(slot)), DeadlineIn(o.store_call_time)));
         if (!previous) continue;
-        const std::optional<int64_t> rank = ParseInt(*previous);
+        // "<previous rank> <nproc_per_node>"
+        const size_t space = previous->find(' ');
+        const std::optional<int64_t> rank = ParseInt(std::string_view(*previous).substr(0, space));
+        const std::optional<int64_t> nproc =
+            space == std::string::npos ? std::nullopt : ParseInt(std::string_view(*previous).substr(space + 1));
+        if (!nproc || *nproc < 1 || *nproc > kMaxProcPerNode) {
+          return InternalError("malformed join entry '" + *previous + "' of slot " + std::to_string(slot) +
+                               " in the store");
+        }
         entries[slot] = rank && *rank > 0 ? *rank : -1;
+        slot_nprocs[slot] = static_cast<int>(*nproc);
       }
       live.clear();
       int back = 0;
@@ -1649,6 +1678,12 @@ StatusOr<int> FormRound(store::TcpStoreClient& store, const DdprunOptions& o, in
   }
   std::string record = std::to_string(failures);
   for (int i = 0; i + 1 < members; ++i) record += " " + std::to_string(order[i].second);
+  // Before "members", which the others wait for: they find it with it.
+  nprocs = {o.nproc_per_node};
+  for (int i = 0; i + 1 < members; ++i) nprocs.push_back(slot_nprocs[order[i].second]);
+  std::string nprocs_record;
+  for (int n : nprocs) nprocs_record += (nprocs_record.empty() ? "" : " ") + std::to_string(n);
+  DDP_RETURN_IF_ERROR(store.Set(Key(round, "nprocs"), nprocs_record, DeadlineIn(o.store_call_time)));
   DDP_RETURN_IF_ERROR(store.Set(Key(round, "members"), record, DeadlineIn(o.store_call_time)));
   return members;
 }
@@ -1704,7 +1739,8 @@ StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions
     DDP_ASSIGN_OR_RETURN(int64_t slot,
                          answered([&](Deadline d) { return store.Add(Key(round, "joined"), 1, d); }));
     DDP_RETURN_IF_ERROR(answered([&](Deadline d) {
-      return store.Set(Key(round, "join/" + std::to_string(slot)), std::to_string(previous), d);
+      return store.Set(Key(round, "join/" + std::to_string(slot)),
+                       std::to_string(previous) + " " + std::to_string(o.nproc_per_node), d);
     }));
     StatusOr<std::string> record = TimedOutError("");
     while (true) {
@@ -1745,7 +1781,16 @@ StatusOr<JoinResult> JoinRound(store::TcpStoreClient& store, const DdprunOptions
     if (fields.empty()) return InternalError("empty membership record in the store");
     const int nnodes = static_cast<int>(fields.size());  // node 0 and the seated slots
     for (int node = 1; node < nnodes; ++node) {
-      if (fields[node] == slot) return JoinResult{Seat{round, node, nnodes, static_cast<int>(fields[0])}};
+      if (fields[node] != slot) continue;
+      DDP_ASSIGN_OR_RETURN(std::optional<std::string> nprocs_record,
+                           answered([&](Deadline d) { return store.TryGet(Key(round, "nprocs"), d); }));
+      std::optional<std::vector<int>> nprocs =
+          nprocs_record ? ParseNprocs(*nprocs_record, nnodes) : std::nullopt;
+      if (!nprocs) {
+        return InternalError("malformed or missing workers-per-node record '" + nprocs_record.value_or("") +
+                             "' for " + std::to_string(nnodes) + " nodes in the store");
+      }
+      return JoinResult{Seat{round, node, nnodes, static_cast<int>(fields[0]), *std::move(nprocs)}};
     }
     // Left out: no longer a member of the job; wait for the next round.
     previous = -1;
@@ -1870,6 +1915,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     o.log_dir = base;
   }
   std::string run_id;  // DDP_RUN_ID: node 0's, for the whole run
+  std::vector<int> node_nprocs;  // c10d: --nproc_per_node of node 0, 1, ... this round
   if (o.standalone) {
     // Made before the log folder, which is named after it as torchrun
     // names it after its --standalone run id.
@@ -2143,7 +2189,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     if (multi_node && o.assign_node_rank) {
       if (o.node_rank == 0) {
-        StatusOr<int> members = FormRound(*client, o, max_nodes, attempt, failures, returning);
+        StatusOr<int> members = FormRound(*client, o, max_nodes, attempt, failures, returning, node_nprocs);
         if (!members.ok()) {
           int code = 1;
           if (members.status().code() != StatusCode::kAborted) {
@@ -2209,6 +2255,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
         failures = seat.failures;
         o.node_rank = previous_rank = seat.node_rank;
         o.nnodes = seat.nnodes;
+        node_nprocs = seat.nprocs;
         Say((attempt == 0 ? "joined as node " : "restart " + std::to_string(attempt) + ": joined as node ") +
             std::to_string(o.node_rank) + " of " + std::to_string(o.nnodes));
       }
@@ -2231,7 +2278,17 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
         return joined.code() == StatusCode::kInvalidArgument && !started ? 2 : 1;
       }
     }
-    const int world_size = o.nnodes * o.nproc_per_node;
+    // Ranks by node order, as torchrun assigns them: with c10d the nodes may
+    // run different numbers of workers (node_nprocs, this round's).
+    int world_size = o.nnodes * o.nproc_per_node;
+    int first_rank = o.node_rank * o.nproc_per_node;  // this node's first worker's
+    if (multi_node && o.assign_node_rank) {
+      world_size = first_rank = 0;
+      for (int node = 0; node < o.nnodes; ++node) {
+        if (node < o.node_rank) first_rank += node_nprocs[node];
+        world_size += node_nprocs[node];
+      }
+    }
 
     // While the workers run, a watcher thread follows the other nodes on a
     // connection of its own (it parks in Get); closing that connection wakes
@@ -2279,7 +2336,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     std::vector<WorkerSpec> specs;
     for (int local = 0; local < o.nproc_per_node; ++local) {
       LaunchEnv env;
-      env.rank = o.node_rank * o.nproc_per_node + local;
+      env.rank = first_rank + local;
       env.world_size = world_size;
       env.local_rank = local;
       env.local_world_size = o.nproc_per_node;
@@ -2331,7 +2388,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     spawn.output.to_terminal = o.log_dir.empty() || o.tee;
     spawn.output.prefix = o.prefix && o.nproc_per_node > 1;
     for (int local : o.local_ranks_filter) {
-      spawn.output.terminal_ranks.push_back(o.node_rank * o.nproc_per_node + local);
+      spawn.output.terminal_ranks.push_back(first_rank + local);
     }
     spawn.output.log_dir = o.log_dir;
     spawn.output.log_name_prefix = "attempt_" + std::to_string(attempt) + "/";

@@ -700,6 +700,33 @@ TEST(DdprunMultinodeTest, C10dRendezvousNumbersTheNodesAsTheyJoin) {
   EXPECT_THAT(runs[first_is_node0 ? 1 : 0].output, HasSubstr("rank 3/4 local 1/2 group 1"));
 }
 
+// As under torchrun's c10d rendezvous, nodes may run different numbers of
+// workers: ranks follow the node order, WORLD_SIZE is their sum, and
+// LOCAL_WORLD_SIZE is each node's own. The old code refused the second
+// launcher ("every node needs the same flags").
+TEST(DdprunMultinodeTest, C10dNodesMayRunDifferentNumbersOfWorkers) {
+  const auto runs = RunC10dJob(2, 2, {"--rdzv_timeout=20"}, {"--store", "--print_env"},
+                               {{0, {"--nproc_per_node=1"}}, {1, {"--nproc_per_node=2"}}});
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0].exit_code, 0) << runs[0].output;
+  EXPECT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  const std::string all = runs[0].output + runs[1].output;
+  EXPECT_EQ(CountLines(all, "met 3 ranks"), 3) << all;
+  // Whichever launcher serves the store is node 0, with ranks 0..n0-1.
+  const bool one_is_node0 = runs[0].output.find("group 0 ") != std::string::npos;
+  const std::string& one = runs[0].output;  // --nproc_per_node=1
+  const std::string& two = runs[1].output;  // --nproc_per_node=2
+  if (one_is_node0) {
+    EXPECT_THAT(one, HasSubstr("rank 0/3 local 0/1 group 0 restart 0")) << all;
+    EXPECT_THAT(two, HasSubstr("rank 1/3 local 0/2 group 1 restart 0")) << all;
+    EXPECT_THAT(two, HasSubstr("rank 2/3 local 1/2 group 1 restart 0")) << all;
+  } else {
+    EXPECT_THAT(two, HasSubstr("rank 0/3 local 0/2 group 0 restart 0")) << all;
+    EXPECT_THAT(two, HasSubstr("rank 1/3 local 1/2 group 0 restart 0")) << all;
+    EXPECT_THAT(one, HasSubstr("rank 2/3 local 0/1 group 1 restart 0")) << all;
+  }
+}
+
 TEST(DdprunMultinodeTest, C10dLauncherBeyondNnodesWaitsAsASpare) {
   // The workers stay 6 s, so that the job is still running when the third
   // launcher arrives on a loaded machine; it waits for a restart that never
@@ -1069,13 +1096,14 @@ TEST(DdprunMultinodeTest, C10dNodeZeroInterruptedBeforeItsWorkersStartTellsTheSp
   // A spare waits in the next round.
   StatusOr<int64_t> slot = store.Add("ddprun/a1/joined", 1, DeadlineIn(5s));
   ASSERT_TRUE(slot.ok() && *slot == 1) << slot.status();
-  ASSERT_TRUE(store.Set("ddprun/a1/join/1", "-1", DeadlineIn(5s)).ok());
+  // A join entry: the previous round's node rank (none), --nproc_per_node.
+  ASSERT_TRUE(store.Set("ddprun/a1/join/1", "-1 1", DeadlineIn(5s)).ok());
   // Node 1 takes slot 1 and beats, then counts (its entry written): the
   // round closes.
   slot = store.Add("ddprun/a0/joined", 1, DeadlineIn(5s));
   ASSERT_TRUE(slot.ok() && *slot == 1) << slot.status();
   ASSERT_TRUE(store.Add("ddprun/a0/alive/1", 1, DeadlineIn(5s)).ok());
-  ASSERT_TRUE(store.Set("ddprun/a0/join/1", "-1", DeadlineIn(5s)).ok());
+  ASSERT_TRUE(store.Set("ddprun/a0/join/1", "-1 1", DeadlineIn(5s)).ok());
   // Node 0 now waits up to 2.5 s (two monitor slices and a half second)
   // for node 1's confirming beat; it is interrupted meanwhile, and the beat
   // comes after the signal.
