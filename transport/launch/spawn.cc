@@ -55,6 +55,9 @@ constexpr int kMaxPollMs = 1000;
 // How long Wait waits for the terminal listener's answer (see
 // StartListener), which it gives at once unless it is stopped.
 constexpr auto kListenerAnswerTime = std::chrono::milliseconds(1000);
+// How long a stop as a job waits for every worker to be stopped (one in
+// uninterruptible sleep may take long) before it takes the terminal back.
+constexpr auto kStopTime = std::chrono::milliseconds(1000);
 
 std::string ErrnoText(int err) {
   char buf[256];
@@ -983,12 +986,14 @@ class WorkerGroup::Impl {
         StopLikeAJob(SIGTSTP);
       }
       if (phase == Phase::kRunning && result.outcome == GroupOutcome::kSucceeded) {
-        if (std::optional<std::string> stopped = StoppedByTheTerminal()) {
+        // While the terminal is lent back, a worker stopped for touching it
+        // (perhaps since the look above) stops the job in the next round.
+        if (std::optional<std::string> stopped = lent_back_ ? std::nullopt : StoppedByTheTerminal()) {
           result.outcome = GroupOutcome::kWorkerFailed;
           result.reason = *stopped + "; stopping the workers";
           stop_workers(SIGTERM);
         } else {
-          TellStops();
+          TellStops(/*terminal_stops_too=*/!lent_back_);
         }
       }
 
@@ -1423,6 +1428,13 @@ class WorkerGroup::Impl {
   // or SIGTTOU meanwhile, as a shell's background job is stopped by them.
   void StopLikeAJob(int signal) {
     kill(-pgid_, SIGSTOP);
+    // Before the terminal goes: a worker woken inside a read of it, not
+    // yet stopped, would still take what is typed next into the shell.
+    const Deadline give_up = Clock::now() + kStopTime;
+    while (Clock::now() < give_up &&
+           !std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return StoppedOrGone(w); })) {
+      usleep(1000);
+    }
     if (tcgetpgrp(STDIN_FILENO) == pgid_) tcsetpgrp(STDIN_FILENO, launcher_pgrp_);
     terminal_shared_ = false;
     lent_back_ = true;
@@ -1473,6 +1485,14 @@ class WorkerGroup::Impl {
     return false;
   }
 
+  // Whether worker `w` is stopped, has exited (its exit left to Observe),
+  // or was observed to have exited.
+  static bool StoppedOrGone(const Worker& w) {
+    if (!w.running || StopSignalOf(w) != 0) return true;
+    siginfo_t info{};
+    return waitid(P_PID, static_cast<id_t>(w.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == w.pid;
+  }
+
   // The signal that stopped running worker `w`, or 0 when it is not stopped.
   static int StopSignalOf(const Worker& w) {
     siginfo_t info{};
@@ -1485,12 +1505,15 @@ class WorkerGroup::Impl {
 
   // Tells on_notice of workers stopped otherwise than by the terminal, once
   // per stop, and of their continuing: the launcher says nothing else
-  // while the peers wait for a stopped rank until their timeout.
-  void TellStops() {
+  // while the peers wait for a stopped rank until their timeout. Without
+  // `terminal_stops_too`, those stopped by SIGTTIN or SIGTTOU are left out
+  // (the terminal lent back: they stop the job instead).
+  void TellStops(bool terminal_stops_too) {
     if (!options_.on_notice) return;
     for (Worker& w : workers_) {
       if (!w.running) continue;
       const int signal = StopSignalOf(w);
+      if (!terminal_stops_too && (signal == SIGTTIN || signal == SIGTTOU)) continue;
       const std::string who = "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ")";
       if (signal != 0 && !w.stop_told) {
         w.stop_told = true;
