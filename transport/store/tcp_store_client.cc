@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <random>
 #include <thread>
 
 #include "transport/store/socket.h"
@@ -107,7 +108,38 @@ std::string ElapsedMs(Deadline start) {
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count());
 }
 
+// First and longest pauses between handshakes turned away: closed before
+// any answer (the server evicting while flooded, or restarting), and "full"
+// (every place held; one frees up only when a client leaves, so sooner
+// tries are wasted). Hundreds of ranks refused at once retried in step at a
+// fixed 10 or 50 ms, each wave refused alike.
+constexpr auto kClosedRetryFirst = std::chrono::milliseconds(10);
+constexpr auto kClosedRetryMost = std::chrono::milliseconds(500);
+constexpr auto kFullRetryFirst = std::chrono::milliseconds(50);
+constexpr auto kFullRetryMost = std::chrono::milliseconds(1000);
+
+// This thread's draw in [0, 1) for spreading retries; seeded per thread,
+// so ranks started together draw apart.
+double RetryDraw() {
+  thread_local std::mt19937_64 engine{std::random_device{}() ^
+                                      (static_cast<uint64_t>(getpid()) << 32)};
+  return std::uniform_real_distribution<double>(0.0, 1.0)(engine);
+}
+
 }  // namespace
+
+Clock::duration HandshakeRetryPause(int retry, double unit, Clock::duration first,
+                                    Clock::duration most, Clock::duration left) {
+  if (left <= Clock::duration::zero()) return Clock::duration::zero();
+  Clock::duration ceiling = std::min(first, most);
+  for (int i = 0; i < retry && ceiling < most; ++i) ceiling = std::min(ceiling * 2, most);
+  unit = std::clamp(unit, 0.0, 1.0);
+  const auto half = ceiling / 2;
+  const auto pause = half + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double, Clock::period>(
+                                    static_cast<double>((ceiling - half).count()) * unit));
+  return std::min(pause, left);
+}
 
 StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::string& host,
                                                                   int port,
@@ -127,6 +159,7 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
   const std::string hello_frame = hello.Frame();
 
   std::string last_error;
+  int retries = 0;  // handshakes turned away so far, in a row
   while (true) {
     StatusOr<UniqueFd> connected = ConnectTcp(host, port, deadline);
     // Out of time after a refusal: the refusal is the news.
@@ -154,8 +187,8 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
       // restarting. Try again while there is time.
       last_error = reply.status().message();
       if (Clock::now() >= deadline) break;
-      std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(10),
-                                                            deadline - Clock::now()));
+      std::this_thread::sleep_for(HandshakeRetryPause(retries++, RetryDraw(), kClosedRetryFirst,
+                                                      kClosedRetryMost, deadline - Clock::now()));
       continue;
     }
     wire::Reader r(*reply);
@@ -187,8 +220,8 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
       // Full for now (every place held by the job); a place may free up.
       last_error = "it refused the connection: " + std::string(message);
       if (Clock::now() >= deadline) break;
-      std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50),
-                                                            deadline - Clock::now()));
+      std::this_thread::sleep_for(HandshakeRetryPause(retries++, RetryDraw(), kFullRetryFirst,
+                                                      kFullRetryMost, deadline - Clock::now()));
       continue;
     }
     if (status_code != StatusCode::kOk) {

@@ -1983,6 +1983,60 @@ TEST(TcpStoreTest, HandshakeReplyOfAnotherVersionIsRefused) {
   EXPECT_THAT(client.status().message(), HasSubstr("speaks store protocol version 2"));
 }
 
+// A store that closes every connection before answering (evicting while
+// flooded, or restarting): the client tries again, each time waiting longer.
+// Before, it came back every 10 ms until its deadline, well over a hundred
+// times in 1.5 s, and every rank turned away with it came back in step.
+TEST(TcpStoreTest, AClientTurnedAwayBacksOffInsteadOfRetryingInStep) {
+  StatusOr<std::vector<UniqueFd>> fds = ListenTcp("127.0.0.1", 0, 64, DeadlineIn(5s));
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  UniqueFd listener = std::move(fds->front());
+  const int port = *LocalPort(listener.get());
+  std::atomic<bool> done{false};
+  std::atomic<int> accepted{0};
+  std::thread closer([&] {
+    while (!done.load()) {
+      pollfd pfd{listener.get(), POLLIN, 0};
+      if (poll(&pfd, 1, 20) != 1) continue;
+      UniqueFd conn(accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (conn.valid()) ++accepted;
+    }
+  });
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(1500ms));
+  done = true;
+  closer.join();
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kUnavailable) << client.status();
+  EXPECT_THAT(client.status().message(), HasSubstr("cannot connect to the store at 127.0.0.1:" +
+                                                   std::to_string(port)));
+  // Doubling from 10 ms to at most 500 ms, each pause at least half its
+  // ceiling: at most 11 tries fit in 1.5 s.
+  EXPECT_GE(accepted.load(), 2) << "never tried again";
+  EXPECT_LE(accepted.load(), 12) << "retried without backing off";
+}
+
+// The retry schedule itself: doubling to a cap, spread by the draw over the
+// upper half of the ceiling, and never past the deadline.
+TEST(TcpStoreTest, HandshakeRetryPausesDoubleToACapSpreadByTheDrawWithinTheDeadline) {
+  const Clock::duration first = 10ms, most = 500ms, lots = 1h;
+  EXPECT_EQ(HandshakeRetryPause(0, 0.0, first, most, lots), Clock::duration(5ms));
+  EXPECT_EQ(HandshakeRetryPause(1, 0.0, first, most, lots), Clock::duration(10ms));
+  EXPECT_EQ(HandshakeRetryPause(3, 0.0, first, most, lots), Clock::duration(40ms));
+  EXPECT_EQ(HandshakeRetryPause(6, 0.0, first, most, lots), Clock::duration(250ms));
+  EXPECT_EQ(HandshakeRetryPause(1000, 0.0, first, most, lots), Clock::duration(250ms));
+  EXPECT_EQ(HandshakeRetryPause(0, 0.5, first, most, lots), Clock::duration(7500us));
+  // Two clients refused together with different draws come back apart.
+  EXPECT_EQ(HandshakeRetryPause(2, 0.25, first, most, lots), Clock::duration(25ms));
+  EXPECT_EQ(HandshakeRetryPause(2, 0.75, first, most, lots), Clock::duration(35ms));
+  EXPECT_LE(HandshakeRetryPause(1000, 0.999999, first, most, lots), most);
+  EXPECT_GT(HandshakeRetryPause(1000, 0.999999, first, most, lots), Clock::duration(499ms));
+  // Never past the deadline; none once it has passed.
+  EXPECT_EQ(HandshakeRetryPause(6, 0.5, first, most, 3ms), Clock::duration(3ms));
+  EXPECT_EQ(HandshakeRetryPause(6, 0.5, first, most, Clock::duration::zero()), Clock::duration::zero());
+  EXPECT_EQ(HandshakeRetryPause(6, 0.5, first, most, -5ms), Clock::duration::zero());
+}
+
 std::string OkHandshakeReply(const std::string&) {
   wire::Writer w;
   w.Bytes(std::string_view(wire::kMagic, 4));
