@@ -217,8 +217,9 @@ struct ServedStore {
   // under which splits made without this process register; under mu.
   std::vector<std::string> roots;
   // Key prefixes (of `users`) of the communicators of this process whose
-  // leaving found every rank left or gone (see Shutdown): the last holder
-  // does not wait for their ranks again; under mu. Counting their "left"
+  // leaving found every rank left or gone, or waited for them until its
+  // deadline (see Shutdown): the last holder does not wait for their ranks
+  // again; under mu. Counting their "left"
   // marks alone, it waited out its whole deadline (up to 30 s) for a rank
   // that had died, which the communicator's own leaving had seen.
   std::set<std::string> settled;
@@ -1633,7 +1634,10 @@ void Communicator::Impl::Shutdown() {
             if (!own && Clock::now() >= all_until && members_gone(prefix, ranks, *count)) break;
             std::this_thread::sleep_for(milliseconds(5));
           }
-          if (own && settled) {
+          // Waited for until the deadline counts too: the last holder,
+          // waiting for them again, made the waits add up (a rank that
+          // lives on but never leaves held each holder to its deadline).
+          if (own && (settled || Clock::now() >= wait_until)) {
             std::lock_guard lock(server_->mu);
             server_->settled.insert(prefix_);
           }

@@ -1855,6 +1855,52 @@ int ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Two ranks split into one communicator of both; rank 1 leaves the parent
+// but holds the split (alive) until rank 0 is done. Rank 0, which serves
+// the store, leaves the split first and waits for rank 1 until its deadline
+// (3 s here); then the parent, the last holder of the store, whose own
+// ranks have all left: it does not wait for the split's rank 1 a second
+// time. Before, it did, up to its own deadline: the waits added up (6 s).
+int ScenarioStoreRankWaitsOnceForARankThatOutlivesItsDeadline() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  auto child = comm->Split(0, me);
+  WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
+  if (!child.ok() || *child == nullptr) return 1;
+  Status s = (*child)->Barrier();
+  WORKER_CHECK(s.ok(), "barrier on the split: " + s.ToString());
+  const std::string dir = EnvOr("TEST_TMPDIR", "/tmp");
+  const std::string port = EnvOr("MASTER_PORT", "0");
+  const std::string parent_left = dir + "/outliving_rank_left_parent_" + port;
+  const std::string done = dir + "/outliving_rank_done_" + port;
+  const auto await_file = [](const std::string& path) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!std::filesystem::exists(path) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    return std::filesystem::exists(path);
+  };
+  if (me == 1) {
+    comm.reset();
+    std::ofstream(parent_left) << "left";
+    WORKER_CHECK(await_file(done), "rank 0 never said it was done (" + done + ")");
+    child->reset();
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  WORKER_CHECK(await_file(parent_left), "rank 1 never left the parent (" + parent_left + ")");
+  const auto start = Clock::now();
+  child->reset();
+  const long long split_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  comm.reset();
+  const long long parent_ms =
+      std::chrono::duration_cast<milliseconds>(Clock::now() - start).count() - split_ms;
+  std::ofstream(done) << "done";
+  std::printf("DESTROYED split in %lld ms, parent in %lld ms\n", split_ms, parent_ms);
+  WORKER_CHECK(parent_ms < 1500, "destroying the parent after the split took " + std::to_string(parent_ms) +
+                                     " ms: it waited again for the split's rank 1");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Three ranks on this host: rank 1 leaves (destroys its communicator) and
 // exits, then rank 0, which serves the store, aborts; rank 2 calls 2 s
 // later and learns rank 0's reason, as in late_peer_after_store_abort.
@@ -1935,6 +1981,9 @@ int RunScenario(const std::string& name) {
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
+  if (name == "store_waits_once_for_a_rank_outliving_its_deadline") {
+    return ScenarioStoreRankWaitsOnceForARankThatOutlivesItsDeadline();
+  }
   if (name == "store_outlives_split_without_it_whose_rank_died") {
     return ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied();
   }
@@ -2139,6 +2188,11 @@ TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitLeftBefore) 
 TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitWithoutIt) {
   Job job = RunJob(3, "store_outlives_split_without_it_whose_rank_died", {});
   EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheLastHolderOfTheStoreWaitsNoMoreForRanksASplitWaitedForToItsDeadline) {
+  Job job = RunJob(2, "store_waits_once_for_a_rank_outliving_its_deadline", {{"DDP_TEST_TIMEOUT_MS", "3000"}});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(Communicator, ALatePeerLearnsTheAbortAfterAnotherRankLeftAndExited) {
