@@ -225,8 +225,8 @@ struct ServedStore {
   std::set<std::string> settled;
   // Per key prefix (of `users`): the pid of each of its ranks on this host,
   // by that communicator's rank (0: on another host), as the communicator
-  // that noted it learned them (not known for splits registered in the
-  // store). The last holder tells with it a rank that died from one still
+  // that noted it learned them, or as a split registered in the store
+  // (made without this process) listed them. The last holder tells with it a rank that died from one still
   // to come, in communicators it is not a member of; under mu.
   std::map<std::string, std::vector<int>> member_pids;
 };
@@ -806,7 +806,9 @@ class Communicator::Impl {
   void AsyncLoop();
   Status WaitForQueue(Deadline deadline);
   void Shutdown();
-  // Notes `users` ("<key prefix> <ranks>" lines) under served_root_prefix_.
+  // Notes `users` ("<key prefix> <ranks> <pids>" lines; <pids>: "-", or
+  // "<rank>=<pid>" for each rank on the serving process's host, joined by
+  // commas) under served_root_prefix_.
   Status RegisterSplit(const std::string& users, const CallOptions& call);
   // Appends to `users` the communicators registered under each family
   // this process serves (ServedStore::roots) past `read[root]`, the bytes
@@ -858,6 +860,13 @@ class Communicator::Impl {
   bool single_host_ = true;      // as discovered, whatever the file says
   // Per rank: its pid when on this host (as the monitor watches it), else 0.
   std::vector<int> local_pids_;
+  // Per rank: its pid when it shares a host (as SameHost tells it: name,
+  // boot id and namespaces) with the process serving the store, else 0;
+  // empty when no member of this family serves it. A split without that
+  // process takes its members' from its parent: its rank 0 registers them
+  // with the split (RegisterSplit), so that the serving process can tell a
+  // member that died from one still to come.
+  std::vector<int> server_host_pids_;
   // What the idle policy is chosen from (ApplyIdlePolicy).
   int available_cpus_ = 1;
   bool kernel_network_ = false;
@@ -1188,6 +1197,12 @@ Status Communicator::Impl::Init() {
     same_host[r] = real.SameHost(r, o.rank);
     if (same_host[r]) local_pids[r] = exchanged.pids[r];
   }
+  if (store_rank_ >= 0 && store_rank_ < o.world_size) {
+    server_host_pids_.assign(static_cast<size_t>(o.world_size), 0);
+    for (int r = 0; r < o.world_size; ++r) {
+      if (real.SameHost(r, store_rank_)) server_host_pids_[r] = exchanged.pids[r];
+    }
+  }
   DDP_RETURN_IF_ERROR(p2p_->Connect(addresses, same_host));
   DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(*p2p_, ring_order_));
   ring_view_ = std::make_unique<p2p::GroupView>(std::move(view));
@@ -1401,13 +1416,36 @@ void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, size_t>& rea
     if (!value.ok() || !value->has_value() || (*value)->size() <= at) continue;
     const std::string& all = **value;
     while (at < all.size()) {
-      // "<key prefix> <ranks>\n"; the prefix is a communicator's name,
-      // which may hold spaces.
+      // "<key prefix> <ranks> <pids>\n" (RegisterSplit); the prefix is a
+      // communicator's name, which may hold spaces.
       const size_t end = all.find('\n', at);
       if (end == std::string::npos) break;
-      const size_t space = all.rfind(' ', end);
+      const size_t pids_at = all.rfind(' ', end);
+      const size_t space = pids_at == std::string::npos || pids_at <= at ? std::string::npos
+                                                                        : all.rfind(' ', pids_at - 1);
       if (space != std::string::npos && space >= at) {
-        users.emplace_back(all.substr(at, space - at), std::atoi(all.c_str() + space + 1));
+        const std::string prefix = all.substr(at, space - at);
+        const int ranks = std::atoi(all.c_str() + space + 1);
+        users.emplace_back(prefix, ranks);
+        // Its members on this host, by pid: members_gone in Shutdown tells
+        // one that died. A malformed entry leaves the pid unknown (0),
+        // waited for by the count alone.
+        std::vector<int> pids(static_cast<size_t>(std::max(ranks, 0)), 0);
+        const std::string list = all.substr(pids_at + 1, end - pids_at - 1);
+        for (size_t from = 0; list != "-" && from < list.size();) {
+          size_t comma = list.find(',', from);
+          if (comma == std::string::npos) comma = list.size();
+          const std::string entry = list.substr(from, comma - from);
+          const size_t eq = entry.find('=');
+          if (eq != std::string::npos) {
+            const int r = std::atoi(entry.c_str());
+            const int pid = std::atoi(entry.c_str() + eq + 1);
+            if (r >= 0 && r < ranks && pid > 0) pids[static_cast<size_t>(r)] = pid;
+          }
+          from = comma + 1;
+        }
+        std::lock_guard lock(server_->mu);
+        server_->member_pids.emplace(prefix, std::move(pids));
       }
       at = end + 1;
     }
@@ -2775,7 +2813,22 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     if (rank() == 0) {
       std::string users;
       for (const auto& [c, ranks] : ranks_of_color) {
-        users += child_name(c) + "/ " + std::to_string(ranks) + "\n";
+        // Its ranks (by key, ties by rank here) on the serving process's
+        // host, with their pids.
+        std::vector<int> of_color;
+        for (int r = 0; r < size(); ++r) {
+          if (all[2 * r] == c) of_color.push_back(r);
+        }
+        std::stable_sort(of_color.begin(), of_color.end(),
+                         [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+        std::string pids;
+        for (size_t i = 0; i < of_color.size(); ++i) {
+          const size_t r = static_cast<size_t>(of_color[i]);
+          const int pid = r < impl_->server_host_pids_.size() ? impl_->server_host_pids_[r] : 0;
+          if (pid <= 0) continue;
+          pids += (pids.empty() ? "" : ",") + std::to_string(i) + "=" + std::to_string(pid);
+        }
+        users += child_name(c) + "/ " + std::to_string(ranks) + " " + (pids.empty() ? "-" : pids) + "\n";
       }
       registered = impl_->RegisterSplit(users, call);
     }
@@ -2841,6 +2894,10 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   if (parent.store_rank_ >= 0) {
     const auto it = std::find(members.begin(), members.end(), parent.store_rank_);
     impl->store_rank_ = it == members.end() ? -2 : static_cast<int>(it - members.begin());
+  }
+  if (!parent.server_host_pids_.empty()) {
+    // Init recomputes them where the serving rank is a member.
+    for (int r : members) impl->server_host_pids_.push_back(parent.server_host_pids_[static_cast<size_t>(r)]);
   }
   impl->place_local_rank_ = parent.place_local_rank_;
   impl->place_local_world_size_ = parent.place_local_world_size_;

@@ -1855,6 +1855,45 @@ int ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Ranks 1 and 2 split off without rank 0, which serves the store, and split
+// that again: the second split is registered in the store (by the first's
+// rank 0), not noted by rank 0 itself. Rank 2 is killed (SIGKILL) after a
+// barrier on it. Rank 0, the store's last holder once it destroys its
+// communicator, reads the registered split's pids of its host and waits
+// for rank 1 to leave, not for rank 2. Before, registrations carried no
+// pids: it counted "left" marks alone and waited out its deadline (10 s).
+int ScenarioStoreRankOutlivesARegisteredSplitWhoseRankWasKilled() {
+  auto comm = MustCreate();
+  int64_t pids[3] = {0, 0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok() && (*child != nullptr) == (me != 0), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  StatusOr<std::unique_ptr<Communicator>> grandchild = std::unique_ptr<Communicator>();
+  if (me != 0) {
+    grandchild = (*child)->Split(0, me);
+    WORKER_CHECK(grandchild.ok() && *grandchild != nullptr, "split of the split: " + grandchild.status().ToString());
+    if (!grandchild.ok() || *grandchild == nullptr) return 1;
+    s = (*grandchild)->Barrier();
+    WORKER_CHECK(s.ok(), "barrier on the split of the split: " + s.ToString());
+    if (me == 2) kill(getpid(), SIGKILL);
+  }
+  WORKER_CHECK(AwaitExit(pids[2], milliseconds(10000)), "rank 2 (pid " + std::to_string(pids[2]) +
+                                                            ") did not exit within 10 s");
+  const auto start = Clock::now();
+  grandchild->reset();
+  child->reset();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("DESTROYED rank %d in %lld ms\n", me, took_ms);
+  WORKER_CHECK(took_ms < 5000, "rank " + std::to_string(me) + ": destroying took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Two ranks split into one communicator of both; rank 1 leaves the parent
 // but holds the split (alive) until rank 0 is done. Rank 0, which serves
 // the store, leaves the split first and waits for rank 1 until its deadline
@@ -1981,6 +2020,9 @@ int RunScenario(const std::string& name) {
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
+  if (name == "store_outlives_registered_split_whose_rank_was_killed") {
+    return ScenarioStoreRankOutlivesARegisteredSplitWhoseRankWasKilled();
+  }
   if (name == "store_waits_once_for_a_rank_outliving_its_deadline") {
     return ScenarioStoreRankWaitsOnceForARankThatOutlivesItsDeadline();
   }
@@ -2188,6 +2230,13 @@ TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitLeftBefore) 
 TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitWithoutIt) {
   Job job = RunJob(3, "store_outlives_split_without_it_whose_rank_died", {});
   EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoKilledRankOfASplitRegisteredInTheStore) {
+  Job job = RunJob(3, "store_outlives_registered_split_whose_rank_was_killed", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
+  EXPECT_EQ(job.results[1].exit_code, 0) << job.Describe();
+  EXPECT_EQ(job.results[2].signal, SIGKILL) << job.Describe();
 }
 
 TEST(Communicator, TheLastHolderOfTheStoreWaitsNoMoreForRanksASplitWaitedForToItsDeadline) {
