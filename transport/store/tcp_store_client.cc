@@ -118,11 +118,22 @@ constexpr auto kClosedRetryMost = std::chrono::milliseconds(500);
 constexpr auto kFullRetryFirst = std::chrono::milliseconds(50);
 constexpr auto kFullRetryMost = std::chrono::milliseconds(1000);
 
+// A seed that differs between processes and threads started together:
+// the system's entropy where it can be read (std::random_device throws
+// where it cannot), else the clock; the pid either way.
+uint64_t RetrySeed() {
+  uint64_t seed = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  try {
+    seed = (static_cast<uint64_t>(std::random_device{}()) << 16) ^ seed;
+  } catch (const std::exception&) {
+  }
+  return seed ^ (static_cast<uint64_t>(getpid()) << 40);
+}
+
 // This thread's draw in [0, 1) for spreading retries; seeded per thread,
 // so ranks started together draw apart.
 double RetryDraw() {
-  thread_local std::mt19937_64 engine{std::random_device{}() ^
-                                      (static_cast<uint64_t>(getpid()) << 32)};
+  thread_local std::mt19937_64 engine{RetrySeed()};
   return std::uniform_real_distribution<double>(0.0, 1.0)(engine);
 }
 
