@@ -179,8 +179,45 @@ bool SavesOutput(UnaryOp op) {
          op == UnaryOp::kRelu;
 }
 
+// An elementwise map of an integer tensor (i64, i32, u8) that keeps its
+// dtype, as PyTorch's abs, relu and clamp of integers: f takes and returns
+// i64, the result stored at the tensor's width (so i32 abs(-2^31) wraps to
+// -2^31 as in PyTorch). No gradient: an integer tensor never requires one.
+// Only on the CPU: the device kernels take floating tensors alone.
+template <typename F>
+Tensor IntegerMap(const char* op, const Tensor& x, F f) {
+  if (!x.device().is_cpu()) {
+    throw std::invalid_argument(std::string(op) + ": an integer tensor (" + std::string(DTypeName(x.dtype())) +
+                                ") is implemented on the CPU only, not on " + x.device().ToString());
+  }
+  const Tensor xc = x.Detach().Contiguous();
+  Tensor out = Empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
+  const auto map = [&]<typename T>(T*) {
+    const T* src = xc.data<T>();
+    T* dst = out.data<T>();
+    for (int64_t i = 0; i < out.numel(); ++i) dst[i] = static_cast<T>(f(static_cast<int64_t>(src[i])));
+  };
+  switch (x.dtype()) {
+    case DType::kInt64: map(static_cast<int64_t*>(nullptr)); break;
+    case DType::kInt32: map(static_cast<int32_t*>(nullptr)); break;
+    case DType::kUInt8: map(static_cast<uint8_t*>(nullptr)); break;
+    default:
+      throw std::invalid_argument(std::string(op) + ": unsupported dtype " + std::string(DTypeName(x.dtype())));
+  }
+  return out;
+}
+
+// |v| with two's-complement wrap at the most negative value, without the
+// undefined behaviour of negating it in i64.
+int64_t WrappingAbs(int64_t v) { return v < 0 ? static_cast<int64_t>(0 - static_cast<uint64_t>(v)) : v; }
+
 Tensor UnaryOpImpl(UnaryOp op, const Tensor& x) {
   if (!x.defined()) throw std::invalid_argument(detail::ForwardName(UnaryName(op)) + ": undefined input");
+  // torch.abs and torch.relu keep an integer tensor's dtype.
+  if (op == UnaryOp::kAbs && !IsFloating(x.dtype())) return IntegerMap("Abs", x, &WrappingAbs);
+  if (op == UnaryOp::kRelu && !IsFloating(x.dtype())) {
+    return IntegerMap("Relu", x, [](int64_t v) { return v < 0 ? int64_t{0} : v; });
+  }
   if (!IsFloating(x.dtype())) {
     throw std::invalid_argument(detail::ForwardName(UnaryName(op)) + ": needs a floating tensor, got " +
                                 std::string(DTypeName(x.dtype())));
@@ -310,9 +347,10 @@ double RoundToDType(double v, DType dtype) {
 
 Tensor Clamp(const Tensor& x, std::optional<double> min, std::optional<double> max) {
   if (!x.defined()) throw std::invalid_argument("Clamp: undefined input");
-  if (!IsFloating(x.dtype())) {
-    throw std::invalid_argument("Clamp: needs a floating tensor, got " + std::string(DTypeName(x.dtype())));
-  }
+  // Bounds given as doubles are floating scalars: an integer x is clamped
+  // as f32, as torch.clamp promotes with float bounds (the integral
+  // overload keeps the dtype).
+  if (!IsFloating(x.dtype())) return Clamp(Cast(x, DType::kFloat32), min, max);
   if (!min.has_value() && !max.has_value()) {
     throw std::invalid_argument("Clamp: at least one of min and max must be given");
   }
@@ -340,6 +378,47 @@ Tensor Clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   detail::ConnectNode(node, {&x}, {&out});
   return out;
 }
+
+namespace detail {
+
+Tensor ClampIntegral(const Tensor& x, std::optional<int64_t> min, std::optional<int64_t> max) {
+  if (!x.defined()) throw std::invalid_argument("Clamp: undefined input");
+  if (IsFloating(x.dtype())) {
+    const auto as_double = [](std::optional<int64_t> b) {
+      return b.has_value() ? std::optional<double>(static_cast<double>(*b)) : std::nullopt;
+    };
+    return Clamp(x, as_double(min), as_double(max));
+  }
+  if (!min.has_value() && !max.has_value()) {
+    throw std::invalid_argument("Clamp: at least one of min and max must be given");
+  }
+  // A bound must fit the dtype: PyTorch wraps one for u8 (-10 becomes 246,
+  // so clamp(-10, 10) gives 10 everywhere) and refuses one for i8; refusing
+  // is the choice that cannot silently give a wrong answer.
+  int64_t lowest = std::numeric_limits<int64_t>::min(), highest = std::numeric_limits<int64_t>::max();
+  if (x.dtype() == DType::kUInt8) {
+    lowest = 0;
+    highest = 255;
+  } else if (x.dtype() == DType::kInt32) {
+    lowest = std::numeric_limits<int32_t>::min();
+    highest = std::numeric_limits<int32_t>::max();
+  }
+  for (const auto& [what, bound] : {std::pair<const char*, std::optional<int64_t>>{"min", min}, {"max", max}}) {
+    if (bound.has_value() && (*bound < lowest || *bound > highest)) {
+      throw std::invalid_argument(std::string("Clamp: ") + what + " " + std::to_string(*bound) +
+                                  " is outside the range of " + std::string(DTypeName(x.dtype())) + " [" +
+                                  std::to_string(lowest) + ", " + std::to_string(highest) + "]");
+    }
+  }
+  const int64_t lo = min.value_or(lowest), hi = max.value_or(highest);
+  // max, then min: lo > hi gives hi everywhere, as torch.clamp.
+  return IntegerMap("Clamp", x, [lo, hi](int64_t v) {
+    const int64_t t = v < lo ? lo : v;
+    return t > hi ? hi : t;
+  });
+}
+
+}  // namespace detail
 
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen) {
   // Written so that NaN fails it too.

@@ -12,6 +12,9 @@
 #include <concepts>
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/ops/dispatch.h"
@@ -38,6 +41,7 @@ Tensor MulScalar(const Tensor& x, double s);
 Tensor DivScalar(const Tensor& x, double s);
 /// -x; an integer tensor keeps its dtype (u8 wraps, as torch.neg).
 Tensor Neg(const Tensor& x);
+/// max(x, 0); an integer tensor keeps its dtype (CPU only, as torch.relu).
 Tensor Relu(const Tensor& x);
 /// Relu(Add(a, b)) in one pass over memory, as a residual block ends; its
 /// backward is ReLU's, from the output, shared by a and b (each summed to
@@ -59,15 +63,48 @@ Tensor Log(const Tensor& x);
 Tensor Log1p(const Tensor& x);
 Tensor Sqrt(const Tensor& x);
 Tensor Square(const Tensor& x);
+/// |x|; an integer tensor keeps its dtype (CPU only; the most negative
+/// value stays itself, as torch.abs).
 Tensor Abs(const Tensor& x);
-/// torch.clamp: min(max(x, min), max) for a floating x; each bound is
-/// optional, but one must be given. NaN elements stay NaN; min > max gives max
-/// everywhere. The bounds are rounded to x's dtype first (as PyTorch
-/// compares a 16-bit tensor with a scalar in 16 bits). Gradient: passed
-/// where min <= x <= max (the bounds themselves included, as PyTorch), 0
-/// elsewhere and at NaN. Throws std::invalid_argument for a NaN bound
-/// (PyTorch would return NaN everywhere), no bound, or an integer x.
+/// torch.clamp: min(max(x, min), max); each bound is optional, but one
+/// must be given. NaN elements stay NaN; min > max gives max everywhere.
+/// The bounds are rounded to x's dtype first (as PyTorch compares a 16-bit
+/// tensor with a scalar in 16 bits). Gradient: passed where min <= x <= max
+/// (the bounds themselves included, as PyTorch), 0 elsewhere and at NaN.
+/// The bounds are floating scalars: an integer x gives f32, as torch.clamp
+/// with float bounds; integral bounds (the overload below) keep its dtype.
+/// Throws std::invalid_argument for a NaN bound (PyTorch would return NaN
+/// everywhere) or no bound.
 Tensor Clamp(const Tensor& x, std::optional<double> min, std::optional<double> max);
+
+namespace detail {
+/// A bound of the integral Clamp: an integer type (not bool) or std::nullopt.
+template <typename B>
+concept IntegralBound = (std::integral<B> && !std::same_as<B, bool>) || std::same_as<B, std::nullopt_t>;
+Tensor ClampIntegral(const Tensor& x, std::optional<int64_t> min, std::optional<int64_t> max);
+template <typename B>
+std::optional<int64_t> IntegralBoundValue(B bound, const char* what) {
+  if constexpr (std::same_as<B, std::nullopt_t>) {
+    return std::nullopt;
+  } else {
+    if (!std::in_range<int64_t>(bound)) {
+      throw std::invalid_argument(std::string("Clamp: ") + what + " " + std::to_string(bound) +
+                                  " is outside the range of i64");
+    }
+    return static_cast<int64_t>(bound);
+  }
+}
+}  // namespace detail
+
+/// torch.clamp with integral bounds (std::nullopt for a missing one), as
+/// `labels.clamp(0, C - 1)`: an integer x (i64, i32, u8; CPU only) keeps
+/// its dtype, without a gradient, compared in i64 so that i64 bounds beyond
+/// 2^53 hold exactly; a bound outside x's dtype range is refused, naming
+/// it. A floating x takes the bounds as the double overload does.
+template <detail::IntegralBound Lo, detail::IntegralBound Hi>
+Tensor Clamp(const Tensor& x, Lo min, Hi max) {
+  return detail::ClampIntegral(x, detail::IntegralBoundValue(min, "min"), detail::IntegralBoundValue(max, "max"));
+}
 /// Zeroes each element with probability p and scales the rest by 1/(1-p)
 /// when training; the identity otherwise.
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen = DefaultGenerator());

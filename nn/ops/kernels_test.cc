@@ -574,7 +574,8 @@ TEST(KernelsTest, ForwardErrorsNameTheOp) {
   };
   const Tensor ints = Zeros({2, 3}, {.dtype = DType::kInt64});
   EXPECT_EQ(error([&] { Mean(ints); }).rfind("Mean: needs a floating tensor", 0), 0u) << error([&] { Mean(ints); });
-  EXPECT_EQ(error([&] { Relu(ints); }).rfind("Relu: needs a floating tensor", 0), 0u) << error([&] { Relu(ints); });
+  EXPECT_EQ(error([&] { Sigmoid(ints); }).rfind("Sigmoid: needs a floating tensor", 0), 0u)
+      << error([&] { Sigmoid(ints); });
   const std::string repeated = error([&] { Sum(Zeros({2, 3}), {1, 1}); });
   EXPECT_EQ(repeated.rfind("Sum: dimension 1 repeated", 0), 0u) << repeated;
 }
@@ -946,6 +947,118 @@ TEST(KernelsTest, NegOfAnIntegerTensorKeepsItsDtypeAndWraps) {
   EXPECT_EQ(bytes.dtype(), DType::kUInt8);
   EXPECT_EQ(bytes.ToVector<int64_t>(), (std::vector<int64_t>{0, 255, 56}));
   EXPECT_FALSE(bytes.requires_grad());
+}
+
+// Abs and Relu of an integer tensor, as torch.abs and torch.relu: the same
+// dtype, no gradient; abs of the most negative value wraps to itself. Read
+// through a transposed view too. Before, both refused every integer tensor.
+TEST(KernelsTest, AbsAndReluOfIntegerTensorsKeepTheirDtype) {
+  const int64_t lowest = std::numeric_limits<int64_t>::min();
+  const Tensor longs = FromVectorOf<int64_t>({-3, 7, 0, lowest}, {4});
+  const Tensor abs = Abs(longs);
+  EXPECT_EQ(abs.dtype(), DType::kInt64);
+  EXPECT_EQ(abs.ToVector<int64_t>(), (std::vector<int64_t>{3, 7, 0, lowest}));
+  EXPECT_FALSE(abs.requires_grad());
+  const Tensor relu = Relu(longs);
+  EXPECT_EQ(relu.dtype(), DType::kInt64);
+  EXPECT_EQ(relu.ToVector<int64_t>(), (std::vector<int64_t>{0, 7, 0, 0}));
+  const Tensor ints = FromVectorOf<int32_t>({-5, 2, std::numeric_limits<int32_t>::min(), -1}, {2, 2});
+  const Tensor ints_abs = Abs(ints.Transpose(0, 1));
+  EXPECT_EQ(ints_abs.dtype(), DType::kInt32);
+  EXPECT_EQ(ints_abs.ToVector<int64_t>(), (std::vector<int64_t>{5, -2147483648LL, 2, 1}));
+  EXPECT_EQ(ReluOwned(ints.Transpose(0, 1)).ToVector<int64_t>(), (std::vector<int64_t>{0, 0, 2, 0}));
+  const Tensor bytes = FromVectorOf<uint8_t>({0, 1, 200}, {3});
+  EXPECT_EQ(Abs(bytes).dtype(), DType::kUInt8);
+  EXPECT_EQ(Abs(bytes).ToVector<int64_t>(), (std::vector<int64_t>{0, 1, 200}));
+  EXPECT_EQ(Relu(bytes).ToVector<int64_t>(), (std::vector<int64_t>{0, 1, 200}));
+}
+
+// labels.clamp(0, C - 1): integral bounds keep an integer tensor's dtype and
+// compare exactly in i64, also beyond 2^53 where a double would round the
+// bound (2^53 + 1 would become 2^53). Before, Clamp refused integer tensors.
+TEST(KernelsTest, ClampOfIntegerTensorsWithIntegralBoundsKeepsTheDtypeExactly) {
+  const int64_t classes = 10;
+  const Tensor labels = FromVectorOf<int64_t>({-1, 3, 12, 9}, {4});
+  const Tensor clamped = Clamp(labels, 0, classes - 1);
+  EXPECT_EQ(clamped.dtype(), DType::kInt64);
+  EXPECT_EQ(clamped.ToVector<int64_t>(), (std::vector<int64_t>{0, 3, 9, 9}));
+  EXPECT_FALSE(clamped.requires_grad());
+  EXPECT_EQ(Clamp(labels, 0, std::nullopt).ToVector<int64_t>(), (std::vector<int64_t>{0, 3, 12, 9}));
+  EXPECT_EQ(Clamp(labels, std::nullopt, 4).ToVector<int64_t>(), (std::vector<int64_t>{-1, 3, 4, 4}));
+  // min > max gives max everywhere, as torch.clamp.
+  EXPECT_EQ(Clamp(labels, 5, 2).ToVector<int64_t>(), (std::vector<int64_t>{2, 2, 2, 2}));
+  const int64_t big = (int64_t{1} << 53) + 1;
+  const Tensor huge = FromVectorOf<int64_t>({big + 1, big, big - 2}, {3});
+  EXPECT_EQ(Clamp(huge, big - 1, big).ToVector<int64_t>(), (std::vector<int64_t>{big, big, big - 1}));
+  const Tensor ints = Clamp(FromVectorOf<int32_t>({-7, 0, 7}, {3}), -2, 2);
+  EXPECT_EQ(ints.dtype(), DType::kInt32);
+  EXPECT_EQ(ints.ToVector<int64_t>(), (std::vector<int64_t>{-2, 0, 2}));
+  const Tensor bytes = Clamp(FromVectorOf<uint8_t>({0, 100, 255}, {3}), 10, 200);
+  EXPECT_EQ(bytes.dtype(), DType::kUInt8);
+  EXPECT_EQ(bytes.ToVector<int64_t>(), (std::vector<int64_t>{10, 100, 200}));
+  // A floating tensor takes integral bounds as the double overload.
+  EXPECT_EQ(Clamp(FromVector({-1.5f, 0.5f, 7.0f}, {3}), 0, 1).ToVector<float>(), (std::vector<float>{0, 0.5f, 1}));
+}
+
+// A bound the dtype cannot hold is refused naming it (PyTorch wraps it for
+// u8, which makes clamp(-10, 10) give 10 everywhere).
+TEST(KernelsTest, ClampRefusesAnIntegralBoundOutsideTheDtype) {
+  const auto error_of = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const Tensor bytes = FromVectorOf<uint8_t>({0, 100}, {2});
+  EXPECT_EQ(error_of([&] { Clamp(bytes, -10, 10); }), "Clamp: min -10 is outside the range of u8 [0, 255]");
+  EXPECT_EQ(error_of([&] { Clamp(bytes, std::nullopt, 300); }), "Clamp: max 300 is outside the range of u8 [0, 255]");
+  EXPECT_EQ(error_of([&] { Clamp(FromVectorOf<int32_t>({1}, {1}), int64_t{1} << 40, std::nullopt); }),
+            "Clamp: min 1099511627776 is outside the range of i32 [-2147483648, 2147483647]");
+  EXPECT_EQ(error_of([&] { Clamp(bytes, std::numeric_limits<uint64_t>::max(), std::nullopt); }),
+            "Clamp: min 18446744073709551615 is outside the range of i64");
+  EXPECT_EQ(error_of([&] { Clamp(bytes, std::nullopt, std::nullopt); }),
+            "Clamp: at least one of min and max must be given");
+}
+
+// Double bounds are float scalars: an integer tensor clamps as f32, as
+// torch.clamp with float bounds (arange(5).clamp(0.5, 3.5)).
+TEST(KernelsTest, ClampOfAnIntegerTensorWithDoubleBoundsGivesF32) {
+  const Tensor y = Clamp(FromVectorOf<int64_t>({0, 1, 2, 3, 4}, {5}), 0.5, 3.5);
+  EXPECT_EQ(y.dtype(), DType::kFloat32);
+  EXPECT_EQ(y.ToVector<float>(), (std::vector<float>{0.5f, 1, 2, 3, 3.5f}));
+}
+
+// The device kernels take floating tensors alone: integer Abs, Relu and
+// Clamp elsewhere are refused naming the op, the dtype and the device.
+// Runs in the child: prints each op's error (or that it was accepted).
+void TryIntegerOpsOnHostAsCuda() {
+  nn::testing::RegisterHostAsCuda();
+  ops::RegisterKernels(DeviceType::kCUDA, ops::KernelsFor(DeviceType::kCPU));
+  const Tensor x = Zeros({2}, {.dtype = DType::kInt64}).To(Device(DeviceType::kCUDA, 0));
+  const std::function<Tensor()> calls[] = {[&] { return Abs(x); }, [&] { return Relu(x); },
+                                           [&] { return Clamp(x, 0, 1); }};
+  for (const auto& call : calls) {
+    try {
+      call();
+      std::fprintf(stderr, "accepted;");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[%s]", e.what());
+    }
+  }
+}
+
+TEST(KernelsTest, IntegerAbsReluAndClampOffTheCpuAreRefused) {
+  EXPECT_EXIT(
+      {
+        TryIntegerOpsOnHostAsCuda();
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0),
+      "\\[Abs: an integer tensor \\(i64\\) is implemented on the CPU only, not on cuda:0\\]"
+      "\\[Relu: an integer tensor \\(i64\\) is implemented on the CPU only, not on cuda:0\\]"
+      "\\[Clamp: an integer tensor \\(i64\\) is implemented on the CPU only, not on cuda:0\\]");
 }
 
 TEST(KernelsTest, SoftmaxOfAnIntegerTensorNamesSoftmax) {
