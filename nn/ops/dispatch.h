@@ -81,7 +81,9 @@ struct KernelTable {
   /// clamp_backward), else 0 (NaN x too); grad_out and x broadcast to grad_in.
   void (*clamp_backward)(const Tensor& grad_out, const Tensor& x, double lo, double hi,
                          const Tensor& grad_in) = nullptr;
-  /// out = alpha * x + beta (x broadcast to out; out may alias x).
+  /// out = alpha * x + beta (x broadcast to out; out may alias x). A pure
+  /// scale passes beta = -0.0, the additive identity that keeps -0 (+0.0
+  /// would turn alpha * -0 into +0).
   void (*affine)(const Tensor& x, double alpha, double beta, const Tensor& out) = nullptr;
   /// out = x / s, a true division in the math type (f32 for 16-bit types, as
   /// `affine`; never x * (1 / s), which is a last bit off and overflows for a

@@ -100,7 +100,7 @@ Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
         if (n.needs_input_grad(0)) ga = detail::SumToShape(go, as);
         if (n.needs_input_grad(1)) {
           Tensor t = NewLike(go);
-          DDP_KERNEL(dev, affine)(go, -1.0, 0.0, t);
+          DDP_KERNEL(dev, affine)(go, -1.0, -0.0, t);  // -0.0: see MulScalar
           gb = detail::SumToShape(t, bs);
         }
         break;
@@ -128,7 +128,7 @@ Tensor BinaryOpImpl(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
           Tensor q = NewLike(go), r = NewLike(go);
           DDP_KERNEL(dev, binary)(BinaryOp::kDiv, av, bv, q);
           DDP_KERNEL(dev, binary)(BinaryOp::kMul, t, q, r);
-          DDP_KERNEL(dev, affine)(r, -1.0, 0.0, r);
+          DDP_KERNEL(dev, affine)(r, -1.0, -0.0, r);
           gb = detail::SumToShape(r, bs);
         }
         break;
@@ -255,7 +255,7 @@ Tensor AffineImpl(const Tensor& x_in, double alpha, double beta, const char* nam
   auto node = std::make_shared<LambdaNode>(name, [alpha](LambdaNode&, std::vector<Tensor>& g) {
     if (alpha == 1.0) return std::vector<Tensor>{g[0]};
     Tensor gi = NewLike(g[0]);
-    DDP_KERNEL(gi.device(), affine)(g[0], alpha, 0.0, gi);
+    DDP_KERNEL(gi.device(), affine)(g[0], alpha, -0.0, gi);  // a pure scale: see MulScalar
     return std::vector<Tensor>{gi};
   });
   detail::ConnectNode(node, {&x}, {&out});
@@ -276,7 +276,10 @@ Tensor AddRelu(const Tensor& a, const Tensor& b) {
   return BinaryOpImpl(BinaryOp::kAddRelu, a, b);
 }
 Tensor AddScalar(const Tensor& x, double s) { return AffineImpl(x, 1.0, s, "AddScalarBackward"); }
-Tensor MulScalar(const Tensor& x, double s) { return AffineImpl(x, s, 0.0, "MulScalarBackward"); }
+// -0.0, not +0.0, is the additive identity: -0.0 + y is y for every y, -0
+// included, so -0.0 * 2 and -0.0 * 1 stay -0 as in PyTorch (+0.0 would turn
+// them into +0). The same add, so no slower.
+Tensor MulScalar(const Tensor& x, double s) { return AffineImpl(x, s, -0.0, "MulScalarBackward"); }
 
 Tensor DivScalar(const Tensor& x_in, double s) {
   const Tensor x = FloatingOperand(x_in, "DivScalarBackward");

@@ -1061,6 +1061,28 @@ TEST(KernelsTest, IntegerAbsReluAndClampOffTheCpuAreRefused) {
       "\\[Clamp: an integer tensor \\(i64\\) is implemented on the CPU only, not on cuda:0\\]");
 }
 
+// x * s keeps the sign of a zero, as PyTorch: -0 * 2 and -0 * 1 are -0, and
+// so are the gradients of Sub and a scaled Mean at a -0 incoming gradient.
+// Before, the scale added +0.0 and turned every -0 into +0.
+TEST(KernelsTest, ScalingKeepsTheSignOfZero) {
+  for (const DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+    const Tensor zero = FromVector({-0.0f, 0.0f}, {2}).To(dt);
+    for (const double s : {2.0, 1.0, -1.0}) {
+      const std::vector<double> y = MulScalar(zero, s).ToVector<double>();
+      EXPECT_EQ(std::signbit(y[0]), s > 0) << DTypeName(dt) << " * " << s;
+      EXPECT_EQ(std::signbit(y[1]), s < 0) << DTypeName(dt) << " * " << s;
+    }
+  }
+  Tensor a = FromVector({1.0f}, {1});
+  a.set_requires_grad(true);
+  Backward(Sum(Mean(a) * -0.0));  // d/da = 1 * -0 / 1 = -0
+  EXPECT_TRUE(std::signbit(a.grad().ToVector<float>()[0]));
+  Tensor b = FromVector({1.0f}, {1});
+  b.set_requires_grad(true);
+  Backward(Sum(Sub(Zeros({1}), b) * 0.0));  // d/db = -(+0) = -0
+  EXPECT_TRUE(std::signbit(b.grad().ToVector<float>()[0]));
+}
+
 TEST(KernelsTest, SoftmaxOfAnIntegerTensorNamesSoftmax) {
   try {
     Softmax(Zeros({2, 3}, {.dtype = DType::kInt64}), 1);

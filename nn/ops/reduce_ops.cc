@@ -103,7 +103,7 @@ Tensor Reduce(const Tensor& x_in, const std::vector<int64_t>& dims, bool keepdim
     Tensor gk = g[0].Reshape(kept);
     if (scale != 1.0) {
       Tensor s = Empty(kept, {.dtype = gk.dtype(), .device = gk.device()});
-      DDP_KERNEL(gk.device(), affine)(gk, scale, 0.0, s);
+      DDP_KERNEL(gk.device(), affine)(gk, scale, -0.0, s);  // -0.0: a pure scale, as MulScalar
       gk = s;
     }
     return std::vector<Tensor>{gk.Expand(in)};

@@ -153,7 +153,7 @@ void Gemm(const Tensor& a, const Tensor& b, const Tensor& c, double alpha, doubl
   const int64_t ldc = direct ? (m == 1 ? std::max<int64_t>(n, 1) : c.stride(0)) : n;
   if (k == 0) {
     NoGradGuard guard;
-    if (beta == 0) cc.Zero(); else Affine(cc, beta, 0.0, cc);
+    if (beta == 0) cc.Zero(); else Affine(cc, beta, -0.0, cc);  // -0.0 keeps -0 (see ops::MulScalar)
   } else {
     const Operand oa = Describe(a, compute), ob = Describe(b, compute);
     if (compute == DType::kFloat32) {
