@@ -39,6 +39,7 @@
 #include "transport/cuda/staging_pipeline.h"
 #include "transport/env_value.h"
 #include "transport/fault/peer_monitor.h"
+#include "transport/fault/process.h"
 #include "transport/fork/fork_guard.h"
 #include "transport/launch/env.h"
 #include "transport/p2p/group_view.h"
@@ -163,35 +164,17 @@ void BindToCore(int index) {
   sched_setaffinity(0, sizeof(one), &one);
 }
 
-// The state letter of process `pid` of this host (field 3 of
-// /proc/PID/stat: R, S, D, T, t, Z, X...); 0 when there is no such process
-// (or /proc cannot be read).
-char ProcessState(int pid) {
-  if (pid <= 0) return 0;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  FILE* f = std::fopen(path, "re");
-  if (f == nullptr) return 0;
-  char line[512];
-  const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
-  std::fclose(f);
-  line[n] = '\0';
-  // The state follows the name, which is in parentheses and may hold ')'.
-  const char* p = std::strrchr(line, ')');
-  return p != nullptr && p[1] == ' ' ? p[2] : 0;
-}
-
 // Whether process `pid` of this host is stopped: by a signal (state T) or
 // by a tracer (t). False when gone: the monitor tells that apart.
 bool ProcessStopped(int pid) {
-  const char state = ProcessState(pid);
+  const char state = fault::ProcessState(pid);
   return state == 'T' || state == 't';
 }
 
 // Whether process `pid` of this host has exited: no such process, or a
 // zombie (exited, not yet reaped by its parent, its launcher).
 bool ProcessExited(int pid) {
-  const char state = ProcessState(pid);
+  const char state = fault::ProcessState(pid);
   return state == 0 || state == 'Z' || state == 'X';
 }
 

@@ -9,23 +9,41 @@
 
 namespace ddp::transport::fault {
 
-uint64_t ProcessStartTime(int pid) {
+namespace {
+
+// Reads /proc/PID/stat of process `pid` of this host into `line` and
+// returns the ')' that closes the name (field 2, in parentheses, may hold
+// spaces and ')': the other fields follow the last ')'), or nullptr when
+// there is no such process or /proc cannot be read.
+const char* StatNameEnd(int pid, char (&line)[1024]) {
+  if (pid <= 0) return nullptr;
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
   FILE* f = std::fopen(path, "re");
-  if (f == nullptr) return 0;
-  char line[1024];
+  if (f == nullptr) return nullptr;
   const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
   std::fclose(f);
   line[n] = '\0';
-  // The name (field 2) is in parentheses and may hold spaces and ')': the
-  // fields after it follow the last ')'. Field 22 is the 20th after it.
   const char* p = std::strrchr(line, ')');
-  if (p == nullptr) return 0;
+  return p != nullptr && p[1] == ' ' ? p : nullptr;
+}
+
+}  // namespace
+
+uint64_t ProcessStartTime(int pid) {
+  char line[1024];
+  const char* p = StatNameEnd(pid, line);
+  // Field 22 is the 20th after the name (field 2).
   for (int field = 2; field < 22 && p != nullptr; ++field) p = std::strchr(p + 1, ' ');
   if (p == nullptr) return 0;
   unsigned long long ticks = 0;
   return std::sscanf(p + 1, "%llu", &ticks) == 1 ? ticks : 0;
+}
+
+char ProcessState(int pid) {
+  char line[1024];
+  const char* p = StatNameEnd(pid, line);
+  return p != nullptr ? p[2] : 0;
 }
 
 bool ProcessGoneNow(int pid, uint64_t start_time) {

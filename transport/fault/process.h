@@ -10,6 +10,11 @@ namespace ddp::transport::fault {
 /// process). A pid names one process for as long as this stays the same.
 uint64_t ProcessStartTime(int pid);
 
+/// The state letter of process `pid` of this host (field 3 of
+/// /proc/PID/stat: R, S, D, T, t, Z, X...); 0 when there is no such
+/// process or /proc cannot be read.
+char ProcessState(int pid);
+
 /// Whether process `pid` of this host is gone for a peer's purposes: no
 /// such process, a zombie (exited, not yet reaped by its parent, which for
 /// a rank is its launcher), or past releasing its memory on the way out.

@@ -324,6 +324,22 @@ int WatcherBound(int parent_bound) {
   return soft > parent_bound ? soft : parent_bound;
 }
 
+// In a child of a raw clone (the watcher, the terminal listener): closes
+// every descriptor but `keep`, so that the child does not hold the
+// launcher's sockets, files or pipes open after the launcher closed them.
+// close_range needs Linux 5.9 (`skip_close_range` forces the fallback in
+// tests); before, one close per descriptor up to WatcherBound.
+void CloseAllBut(int keep, bool skip_close_range, int parent_bound) {
+  const unsigned fd = static_cast<unsigned>(keep);
+  const bool closed = !skip_close_range && (fd == 0 || syscall(SYS_close_range, 0u, fd - 1, 0u) == 0) &&
+                      syscall(SYS_close_range, fd + 1, ~0u, 0u) == 0;
+  if (closed) return;
+  const int bound = WatcherBound(parent_bound);
+  for (int other = 0; other < bound; ++other) {
+    if (other != keep) syscall(SYS_close, other);
+  }
+}
+
 Status MakeDirectories(const std::string& path) {
   std::string partial;
   size_t pos = 0;
@@ -1677,19 +1693,7 @@ class WorkerGroup::Impl {
       // supervisor that ends a dead launcher's group, `kill -9 -PGID`)
       // must not take the watcher along before it has killed the workers'.
       syscall(SYS_setpgid, 0, 0);
-      // Every descriptor but the pipe's read end: it must not keep the
-      // launcher's sockets, files or pipes open after the launcher closed
-      // them. close_range needs Linux 5.9; before, one close per descriptor.
-      const unsigned fd = static_cast<unsigned>(p[0]);
-      const bool closed = !skip_close_range &&
-                          (fd == 0 || syscall(SYS_close_range, 0u, fd - 1, 0u) == 0) &&
-                          syscall(SYS_close_range, fd + 1, ~0u, 0u) == 0;
-      if (!closed) {
-        const int bound = WatcherBound(fd_bound);
-        for (int other = 0; other < bound; ++other) {
-          if (other != p[0]) syscall(SYS_close, other);
-        }
-      }
+      CloseAllBut(p[0], skip_close_range, fd_bound);  // all but the pipe's read end
       char byte = 0;
       long n;
       do {
@@ -1765,16 +1769,7 @@ class WorkerGroup::Impl {
       syscall(SYS_setpgid, 0, 0);  // as the parent does too, whichever comes first
       syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
       if (syscall(SYS_getppid) != parent) syscall(SYS_exit_group, 1);
-      const unsigned fd = static_cast<unsigned>(p[1]);
-      const bool closed = !skip_close_range &&
-                          (fd == 0 || syscall(SYS_close_range, 0u, fd - 1, 0u) == 0) &&
-                          syscall(SYS_close_range, fd + 1, ~0u, 0u) == 0;
-      if (!closed) {
-        const int bound = WatcherBound(fd_bound);
-        for (int other = 0; other < bound; ++other) {
-          if (other != p[1]) syscall(SYS_close, other);
-        }
-      }
+      CloseAllBut(p[1], skip_close_range, fd_bound);  // all but the pipe's write end
       while (true) {
         siginfo_t info{};
         const long signo = syscall(SYS_rt_sigtimedwait, &wanted, &info, nullptr, _NSIG / 8);
