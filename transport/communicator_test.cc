@@ -1790,6 +1790,17 @@ int ScenarioStoreRankAbortsWithAStoppedPeer() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Every rank's pid, by rank (one all-gather); empty, reported, when the
+// all-gather fails.
+std::vector<int64_t> RankPids(Communicator& comm) {
+  std::vector<int64_t> pids(comm.size(), 0);
+  const int64_t mine = getpid();
+  const Status s = comm.AllGather(&mine, pids.data(), 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) pids.clear();
+  return pids;
+}
+
 // Three ranks split into one communicator of all three; rank 2 dies (exits
 // without leaving either) after a barrier on the split. Rank 0, which
 // serves the store, leaves the split (it sees rank 2 gone), then the
@@ -1798,11 +1809,9 @@ int ScenarioStoreRankAbortsWithAStoppedPeer() {
 // and waited out its whole deadline (20 s here) for rank 2 there.
 int ScenarioStoreRankLeavesASplitWhoseRankDied() {
   auto comm = MustCreate();
-  int64_t pids[3] = {0, 0, 0};
-  const int64_t mine = getpid();
-  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
-  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
-  if (!s.ok()) return 1;
+  const std::vector<int64_t> pids = RankPids(*comm);
+  if (pids.empty()) return 1;
+  Status s;
   const int me = comm->rank();
   auto child = comm->Split(0, me);
   WORKER_CHECK(child.ok() && *child != nullptr, "split: " + child.status().ToString());
@@ -1830,11 +1839,9 @@ int ScenarioStoreRankLeavesASplitWhoseRankDied() {
 // alone and waited out its whole deadline (20 s here) for rank 2.
 int ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied() {
   auto comm = MustCreate();
-  int64_t pids[3] = {0, 0, 0};
-  const int64_t mine = getpid();
-  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
-  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
-  if (!s.ok()) return 1;
+  const std::vector<int64_t> pids = RankPids(*comm);
+  if (pids.empty()) return 1;
+  Status s;
   const int me = comm->rank();
   auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
   WORKER_CHECK(child.ok() && (*child != nullptr) == (me != 0), "split: " + child.status().ToString());
@@ -1864,11 +1871,9 @@ int ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied() {
 // pids: it counted "left" marks alone and waited out its deadline (10 s).
 int ScenarioStoreRankOutlivesARegisteredSplitWhoseRankWasKilled() {
   auto comm = MustCreate();
-  int64_t pids[3] = {0, 0, 0};
-  const int64_t mine = getpid();
-  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
-  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
-  if (!s.ok()) return 1;
+  const std::vector<int64_t> pids = RankPids(*comm);
+  if (pids.empty()) return 1;
+  Status s;
   const int me = comm->rank();
   auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
   WORKER_CHECK(child.ok() && (*child != nullptr) == (me != 0), "split: " + child.status().ToString());
@@ -1948,11 +1953,9 @@ int ScenarioStoreRankWaitsOnceForARankThatOutlivesItsDeadline() {
 // rank 2, which read "the rendezvous store cannot be reached".
 int ScenarioLatePeerAfterAnotherLeftAndExited() {
   auto comm = MustCreate();
-  int64_t pids[3] = {0, 0, 0};
-  const int64_t mine = getpid();
-  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
-  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
-  if (!s.ok()) return 1;
+  const std::vector<int64_t> pids = RankPids(*comm);
+  if (pids.empty()) return 1;
+  Status s;
   const int me = comm->rank();
   if (me == 1) {
     comm.reset();
