@@ -1,6 +1,6 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
-// wrapping, a submodule replaced after wrapping, a GAN's discriminator
+// wrapping, a submodule replaced or added after wrapping, a GAN's discriminator
 // frozen for the generator's step, two models' Joins on one group, a model
 // with no parameters under Join, an exception inside nested NoSync scopes,
 // and gradients from outside the wrapper (the wrapped module called
@@ -248,10 +248,10 @@ TEST(DdpPortingTest, AModelFrozenWholeForAnotherModelsStepTrainsAsOneProcess) {
 // script swaps the classifier): the wrapper synchronizes the parameters the
 // model had when it was wrapped, so the new head's gradients would stay
 // local and its values differ across ranks. Without find_unused_parameters
-// the old head gets no gradient, and the error says it is no longer in the
-// model (rather than suggesting find_unused_parameters, which would let
-// the replicas drift silently); with it, the forward that reaches the new
-// head is refused naming it.
+// the next forward is refused naming the new head (a parameter added after
+// wrapping), rather than its backward suggesting find_unused_parameters,
+// which would let the replicas drift silently; with it, the forward that
+// reaches the new head is refused naming it.
 void CheckReplacedHead(ProcessGroup& pg, bool find_unused, const std::vector<std::string>& expected,
                        const std::string& what) {
   const auto& data = testing::FashionMnist();
@@ -275,7 +275,8 @@ void CheckReplacedHead(ProcessGroup& pg, bool find_unused, const std::vector<std
 DDP_TEST_WORKER(replaced_head) {
   auto pg = testing::WorkerGroup();
   CheckReplacedHead(*pg, false,
-                    {"`5.weight` (index 4, no longer a parameter of the model)", "the model again after changing it"},
+                    {"parameter `5.weight` was added to the model after it was wrapped",
+                     "the model again after changing it"},
                     "without find_unused_parameters");
   return testing::WorkerExit();
 }
@@ -293,6 +294,85 @@ DDP_TEST_WORKER(replaced_head_find_unused) {
 TEST(DdpPortingTest, ASubmoduleReplacedAfterWrappingIsNamed) {
   // The failure aborts the group: one group per case.
   for (const char* worker : {"replaced_head", "replaced_head_find_unused"}) {
+    auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
+  }
+}
+
+// ------------------------------------------ a submodule added later ----
+
+// A Linear appended to the wrapped model after wrapping and used by its
+// forward (Sequential::Push, RegisterModule underneath): no bucket has its
+// parameters, so without find_unused_parameters its gradient would stay
+// local and its values (never broadcast) differ across ranks. The first
+// step, before the change, trains; the next forward is refused on every
+// rank, naming the new parameter.
+DDP_TEST_WORKER(added_layer) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  nn::Generator init(3);
+  auto model = nn::modules::MakeMlp(init);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("the step before the change threw: ") + e.what());
+  }
+  nn::Generator gen(100 + pg->rank());
+  model->Push(std::make_shared<nn::modules::Linear>(10, 10, true, gen));
+  std::string error;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": parameter `6.weight`",
+                                 std::string("added to the model after it was wrapped"),
+                                 std::string("the model again after changing it")}) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
+  }
+  return testing::WorkerExit();
+}
+
+// Modules built after wrapping elsewhere in the process (another model, a
+// Sequential grown with Push) change nothing the wrapper synchronizes:
+// training goes on, each step still equal to one step on the combined batch.
+DDP_TEST_WORKER(unrelated_module_added) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = Mlp(3);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = Mlp(3);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  std::vector<std::shared_ptr<Module>> others;
+  try {
+    for (int s = 0; s < 3; ++s) {
+      nn::Generator gen(200 + s);
+      auto other = nn::modules::MakeMlp(gen);
+      other->Push(std::make_shared<nn::modules::Linear>(10, 10, true, gen));
+      others.push_back(other);
+      opt.ZeroGrad();
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+      ref_opt.ZeroGrad();
+      auto [xr, yr] = testing::Batch(data, s * world * kBatch, world * kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*reference)(xr), yr));
+      ref_opt.Step();
+      const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+      WORKER_EXPECT(diff <= 1e-5, "step " + std::to_string(s) + ": `" + worst + "` off by " + std::to_string(diff));
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("threw: ") + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, ASubmoduleAddedAfterWrappingIsNamedAtTheNextForward) {
+  for (const char* worker : {"added_layer", "unrelated_module_added"}) {
     auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
     EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
   }

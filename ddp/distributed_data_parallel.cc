@@ -58,6 +58,9 @@ class DistributedDataParallel::Impl {
   // was none then was added after wrapping (ModelNames).
   std::vector<nn::Tensor> wrapped;
   std::unordered_set<const nn::TensorImpl*> wrapped_impls;
+  // Module::StructureVersion() when the model was last seen to hold no
+  // trainable parameter outside `wrapped` (at wrapping, then at forwards).
+  uint64_t structure_seen = 0;
 
   // Join state.
   bool join_enabled = false;
@@ -382,6 +385,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     if (impl_->trace != nullptr) impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());
 
     // 2. Rank 0's values everywhere.
+    // Read before the walk: a registration during it is walked again.
+    impl_->structure_seen = nn::modules::Module::StructureVersion();
     std::vector<nn::Tensor> state;
     for (const auto& [name, p] : module_->NamedParameters()) {
       state.push_back(p);
@@ -550,6 +555,28 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
              "required grad then are synchronized (the buckets are fixed at construction), so its gradient "
              "would stay local and the replicas would drift apart. Wrap the model again after changing "
              "requires_grad.");
+    }
+    // Added after wrapping (RegisterParameter / RegisterModule on the model
+    // or a child, ReplaceChild): no bucket has it, so its gradient would stay
+    // local and its values, never broadcast, differ across ranks. One
+    // integer comparison per forward; the model is walked only after some
+    // module of the process changed (another model's registrations too,
+    // which then pass). With find_unused_parameters the graph walk refuses
+    // such a parameter where this forward reaches it (Reducer::
+    // RefuseAddedParameters), and one it does not reach is simply unused.
+    const uint64_t version = nn::modules::Module::StructureVersion();
+    if (!options_.find_unused_parameters && version != s.structure_seen) {
+      for (const auto& [name, p] : module_->NamedParameters()) {
+        if (!p.requires_grad() || s.wrapped_impls.count(p.impl()) != 0) continue;
+        refuse("DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + name +
+               "` was added to the model after it was wrapped (with Module::RegisterParameter, RegisterModule "
+               "or ReplaceChild) and requires grad, but is not one the wrapper synchronizes: its gradient "
+               "would stay local on each rank, and its values differ across ranks (no broadcast from rank 0 "
+               "made them equal), so the replicas would drift apart without a word. The wrapper "
+               "synchronizes the parameters the model had when it was wrapped: wrap the model again after "
+               "changing it.");
+      }
+      s.structure_seen = version;
     }
   }
   if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {

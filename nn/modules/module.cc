@@ -11,6 +11,8 @@
 
 namespace ddp::nn::modules {
 
+std::atomic<uint64_t> Module::structure_version_{0};
+
 Module::~Module() {
   for (auto& [name, child] : children_) {
     if (child) child->Unregister(this, nullptr);
@@ -123,6 +125,7 @@ Tensor Module::RegisterParameter(std::string name, Tensor value, std::optional<b
     ParameterMarks::Get().Mark(value);
   }
   params_.emplace_back(std::move(name), value);
+  StructureChanged();
   return value;
 }
 
@@ -130,6 +133,7 @@ Tensor Module::RegisterBuffer(std::string name, Tensor value, bool persistent) {
   CheckNewName(name, "buffer");
   if (!persistent) non_persistent_.push_back(name);
   buffers_.emplace_back(std::move(name), value);
+  StructureChanged();
   return value;
 }
 
@@ -166,6 +170,7 @@ void Module::RegisterModuleImpl(std::string name, std::shared_ptr<Module> module
   module->registrations_.emplace_back(this, name);
   module->FollowFirstRegistration();
   children_.emplace_back(std::move(name), std::move(module));
+  StructureChanged();
 }
 
 namespace {
@@ -280,6 +285,7 @@ void Module::ReplaceChild(std::string_view path, std::shared_ptr<Module> replace
       replacement->registrations_.emplace_back(parent, n);
       replacement->FollowFirstRegistration();
       c = std::move(replacement);
+      StructureChanged();
       return;
     }
   }

@@ -7,6 +7,8 @@
 // checkpoints depend on that order.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -98,6 +100,12 @@ class Module {
   /// the parent of that path or one of its ancestors (the tree would become
   /// a cycle, as RegisterModule refuses).
   void ReplaceChild(std::string_view path, std::shared_ptr<Module> replacement);
+  /// A process-wide count of registry changes, in any module: one more at
+  /// every RegisterParameter, RegisterBuffer, RegisterModule and
+  /// ReplaceChild. Unchanged since a reading, no module of the process got
+  /// a parameter, buffer or child since (DDP compares it at each forward,
+  /// so that it walks the model only after a change).
+  static uint64_t StructureVersion() { return structure_version_.load(std::memory_order_relaxed); }
 
   // --- state ---
   /// Parameters and persistent buffers in state-dict order. As PyTorch's
@@ -198,6 +206,9 @@ class Module {
   StateDict LiveState(std::vector<bool>* optional = nullptr) const;
   bool IsPersistentBuffer(const std::string& name) const;
   [[noreturn]] void ThrowWrongChildType(std::string_view name) const;
+
+  static void StructureChanged() { structure_version_.fetch_add(1, std::memory_order_relaxed); }
+  static std::atomic<uint64_t> structure_version_;
 
   // name_ and parent_ follow registrations_.front() (""/null when empty).
   std::string name_;
