@@ -306,18 +306,21 @@ TEST(DdpPortingTest, ASubmoduleReplacedAfterWrappingIsNamed) {
 // parameters, so without find_unused_parameters its gradient would stay
 // local and its values (never broadcast) differ across ranks. The first
 // step, before the change, trains; the next forward is refused on every
-// rank, naming the new parameter.
-DDP_TEST_WORKER(added_layer) {
+// rank, naming the new parameter. With find_unused_parameters and
+// static_graph the graph walk stops after the first iteration, so the
+// second forward is refused the same way.
+void CheckAddedLayer(DdpOptions options, const std::string& what) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
   nn::Generator init(3);
   auto model = nn::modules::MakeMlp(init);
-  DistributedDataParallel ddp(model, {.process_group = pg});
+  options.process_group = pg;
+  DistributedDataParallel ddp(model, options);
   auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
   try {
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
   } catch (const std::exception& e) {
-    WORKER_EXPECT(false, std::string("the step before the change threw: ") + e.what());
+    WORKER_EXPECT(false, what + ": a step before the change threw: " + e.what());
   }
   nn::Generator gen(100 + pg->rank());
   model->Push(std::make_shared<nn::modules::Linear>(10, 10, true, gen));
@@ -330,8 +333,17 @@ DDP_TEST_WORKER(added_layer) {
   for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": parameter `6.weight`",
                                  std::string("added to the model after it was wrapped"),
                                  std::string("the model again after changing it")}) {
-    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
+    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
   }
+}
+
+DDP_TEST_WORKER(added_layer) {
+  CheckAddedLayer({}, "default options");
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(added_layer_static_graph) {
+  CheckAddedLayer({.find_unused_parameters = true, .static_graph = true}, "find_unused_parameters, static_graph");
   return testing::WorkerExit();
 }
 
@@ -372,7 +384,7 @@ DDP_TEST_WORKER(unrelated_module_added) {
 }
 
 TEST(DdpPortingTest, ASubmoduleAddedAfterWrappingIsNamedAtTheNextForward) {
-  for (const char* worker : {"added_layer", "unrelated_module_added"}) {
+  for (const char* worker : {"added_layer", "added_layer_static_graph", "unrelated_module_added"}) {
     auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
     EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
   }

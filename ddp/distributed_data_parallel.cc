@@ -563,9 +563,11 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     // module of the process changed (another model's registrations too,
     // which then pass). With find_unused_parameters the graph walk refuses
     // such a parameter where this forward reaches it (Reducer::
-    // RefuseAddedParameters), and one it does not reach is simply unused.
+    // RefuseAddedParameters), and one it does not reach is simply unused;
+    // but under static_graph that walk runs in the first iteration only.
     const uint64_t version = nn::modules::Module::StructureVersion();
-    if (!options_.find_unused_parameters && version != s.structure_seen) {
+    const bool graph_walked = options_.find_unused_parameters && !options_.static_graph;
+    if (!graph_walked && version != s.structure_seen) {
       for (const auto& [name, p] : module_->NamedParameters()) {
         if (!p.requires_grad() || s.wrapped_impls.count(p.impl()) != 0) continue;
         refuse("DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + name +
