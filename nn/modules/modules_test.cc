@@ -980,6 +980,36 @@ class WithCache : public Module {
   std::string TypeName() const override { return "WithCache"; }
 };
 
+// Module::StructureVersion, the process-wide count of registry changes
+// that DDP compares at each forward to tell whether a wrapped model may
+// have changed: one more for each parameter, buffer and child registered
+// and each ReplaceChild, in any module; reading a model or running it
+// changes nothing, and a ReplaceChild that is refused counts nothing.
+TEST(ModuleTest, StructureVersionCountsEveryRegistryChange) {
+  uint64_t before = Module::StructureVersion();
+  const WithCache cache;  // a parameter and two buffers
+  EXPECT_EQ(Module::StructureVersion(), before + 3);
+
+  auto seq = std::make_shared<Sequential>();
+  auto linear = std::make_shared<Linear>(2, 2);  // weight and bias
+  before = Module::StructureVersion();
+  seq->Push(linear);
+  EXPECT_EQ(Module::StructureVersion(), before + 1);
+
+  before = Module::StructureVersion();
+  (void)seq->NamedParameters();
+  (void)seq->GetStateDict();
+  (void)seq->Forward(Ones({1, 2}));
+  EXPECT_EQ(Module::StructureVersion(), before);
+
+  auto relu = std::make_shared<ReLU>();
+  before = Module::StructureVersion();
+  seq->ReplaceChild("0", relu);
+  EXPECT_EQ(Module::StructureVersion(), before + 1);
+  EXPECT_THROW(seq->ReplaceChild("no_such_child", std::make_shared<ReLU>()), std::out_of_range);
+  EXPECT_EQ(Module::StructureVersion(), before + 1);
+}
+
 // As PyTorch's register_buffer(persistent=False): left out of the state
 // dict and not expected by a strict load, but listed with the buffers and
 // converted by To().
