@@ -1137,14 +1137,15 @@ TEST(DdprunTest, AWorkerThatCannotStartLeavesTheTerminalToTheCaller) {
   EXPECT_EQ(session.Wait(), 0) << session.output;
 }
 
-// Ctrl-Z in an interactive shell (job control): the workers stop, ddprun
-// gives the terminal back and stops, and the shell reports the job stopped;
-// `fg` gives the workers the terminal again, and the worker reads its line.
-TEST(DdprunTest, CtrlZStopsTheJobAndFgContinuesIt) {
+// In an interactive bash, runs ddprun with one worker running `worker` (a
+// shell line that prints "ready", reads a line and prints "got:" and it),
+// stops the job with Ctrl-Z and continues it with `fg`: the shell reports
+// the job stopped, and the worker then reads its line from the terminal.
+void CtrlZThenFgReadsALine(const std::string& worker) {
   PtySession session({"/usr/bin/env", "PS1=prompt$ ", "/bin/bash", "--norc", "--noprofile", "-i"});
   ASSERT_GT(session.pid, 0);
   ASSERT_TRUE(session.ReadUntil("prompt$ ")) << session.output;
-  session.Type(Ddprun() + " --standalone --nproc_per_node=1" + kReadALine + "\n");
+  session.Type(Ddprun() + " --standalone --nproc_per_node=1" + worker + "\n");
   ASSERT_TRUE(session.ReadUntil("ready\r\n")) << session.output;
   session.Type("\x1a");
   ASSERT_TRUE(session.ReadUntil("Stopped")) << session.output;
@@ -1162,30 +1163,17 @@ TEST(DdprunTest, CtrlZStopsTheJobAndFgContinuesIt) {
   EXPECT_EQ(session.Wait(), 0) << session.output;
 }
 
+// Ctrl-Z in an interactive shell (job control): the workers stop, ddprun
+// gives the terminal back and stops, and the shell reports the job stopped;
+// `fg` gives the workers the terminal again, and the worker reads its line.
+TEST(DdprunTest, CtrlZStopsTheJobAndFgContinuesIt) { CtrlZThenFgReadsALine(kReadALine); }
+
 // Ctrl-Z stops the job when the workers ignore SIGTSTP too: ddprun hears
 // the terminal's signal itself (at once), as a shell stops a job whatever
 // its processes do with it. On the old code ddprun looked only for a
 // worker stopped by SIGTSTP (once a second), and the job ran on.
 TEST(DdprunTest, CtrlZStopsTheJobAlsoWhenTheWorkersIgnoreIt) {
-  PtySession session({"/usr/bin/env", "PS1=prompt$ ", "/bin/bash", "--norc", "--noprofile", "-i"});
-  ASSERT_GT(session.pid, 0);
-  ASSERT_TRUE(session.ReadUntil("prompt$ ")) << session.output;
-  session.Type(Ddprun() +
-               " --standalone --nproc_per_node=1 /bin/sh -c 'trap \"\" TSTP; echo ready; read line; "
-               "echo got:$line'\n");
-  ASSERT_TRUE(session.ReadUntil("ready\r\n")) << session.output;
-  session.Type("\x1a");
-  ASSERT_TRUE(session.ReadUntil("Stopped")) << session.output;
-  ASSERT_TRUE(session.ReadUntil("prompt$ ", session.output.find("Stopped"))) << session.output;
-  const size_t before_fg = session.output.size();
-  session.Type("fg\n");
-  ASSERT_TRUE(session.ReadUntil("got:$line'", before_fg)) << session.output;
-  session.Type("hello\n");
-  EXPECT_TRUE(session.ReadUntil("got:hello")) << session.output;
-  session.Type("echo rc=$?.\n");
-  EXPECT_TRUE(session.ReadUntil("rc=0.")) << session.output;
-  session.Type("exit\n");
-  EXPECT_EQ(session.Wait(), 0) << session.output;
+  CtrlZThenFgReadsALine(" /bin/sh -c 'trap \"\" TSTP; echo ready; read line; echo got:$line'");
 }
 
 // Ctrl-Z, `bg`, then `fg`: the workers get the terminal again and the
