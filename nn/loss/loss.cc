@@ -35,7 +35,7 @@ class CrossEntropyBackward final : public autograd::Node {
     Tensor g = grads[0];
     if (options_.reduction == Reduction::kMean) {
       Tensor scaled = Empty(g.shape(), {.dtype = g.dtype(), .device = g.device()});
-      DDP_KERNEL(g.device(), affine)(g, 1.0 / count_, 0.0, scaled);
+      DDP_KERNEL(g.device(), affine)(g, 1.0 / count_, -0.0, scaled);  // -0.0: a pure scale, as MulScalar
       g = scaled;
     }
     Tensor dlogits = Empty(lp.shape(), {.dtype = logits_dtype_, .device = lp.device()});
@@ -76,7 +76,7 @@ class NllLossBackward final : public autograd::Node {
     Tensor g = grads[0];
     if (scale_ != 1.0) {
       Tensor scaled = Empty(g.shape(), {.dtype = g.dtype(), .device = g.device()});
-      DDP_KERNEL(g.device(), affine)(g, scale_, 0.0, scaled);
+      DDP_KERNEL(g.device(), affine)(g, scale_, -0.0, scaled);  // -0.0: a pure scale, as MulScalar
       g = scaled;
     }
     Tensor dlp = Empty(input_shape_, {.dtype = dtype_, .device = g.device()});
@@ -234,7 +234,9 @@ Tensor NllLoss(const Tensor& input, const Tensor& target_in, const NllLossOption
     if (options.reduction == Reduction::kMean) {
       // 0 / 0 = NaN when nothing is kept, as PyTorch.
       scale = 1.0 / KeptWeight(target, weight, options.ignore_index);
-      DDP_KERNEL(out.device(), affine)(out, scale, 0.0, out);
+      // -0.0: a pure scale, as MulScalar. (sum_to sums from +0, so no -0
+      // reaches this today; the scalings of the backward do receive one.)
+      DDP_KERNEL(out.device(), affine)(out, scale, -0.0, out);
     }
   }
   if (!autograd::AnyRequiresGrad({&lp})) return out;
@@ -290,7 +292,8 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
   } else {
     out = Empty({}, {.dtype = compute, .device = logits.device()});
     DDP_KERNEL(logits.device(), sum_to)(losses, out.View({1}), 1.0);
-    if (options.reduction == Reduction::kMean) DDP_KERNEL(out.device(), affine)(out, 1.0 / count, 0.0, out);
+    // -0.0: a pure scale, as in NllLoss.
+    if (options.reduction == Reduction::kMean) DDP_KERNEL(out.device(), affine)(out, 1.0 / count, -0.0, out);
   }
   if (!autograd::AnyRequiresGrad({&logits})) return out;
   auto node = std::make_shared<CrossEntropyBackward>(log_probs, target, options, count, logits.dtype());

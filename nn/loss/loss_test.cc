@@ -112,6 +112,25 @@ TEST(CrossEntropyTest, SixteenBitLogitsComputeInF32) {
   EXPECT_EQ(logits.grad().dtype(), DType::kBFloat16);
 }
 
+// A -0 gradient reaching the kMean loss keeps its sign through the 1 / N
+// scale, as PyTorch's x * s: the logits' gradient is -0 * (softmax - onehot),
+// -0 off the target and +0 on it, the zero signs kSum (no scale) gives.
+// Before, the scale added +0.0 and turned the incoming -0 into +0.
+TEST(CrossEntropyTest, MeanScalingKeepsTheSignOfAZeroGradient) {
+  const Tensor target = FromVectorOf<int64_t>({2, 0}, {2});
+  for (Reduction r : {Reduction::kMean, Reduction::kSum}) {
+    Tensor logits = FromVector({1, 2, 3, 1, 0, -1}, {2, 3}, {.dtype = DType::kFloat64, .requires_grad = true});
+    Backward(ops::MulScalar(CrossEntropy(logits, target, {.reduction = r}), -0.0));
+    const std::vector<double> g = logits.grad().ToVector<double>();
+    ASSERT_EQ(g.size(), 6u);
+    for (int i = 0; i < 6; ++i) {
+      const bool on_target = i == 2 || i == 3;
+      EXPECT_EQ(g[i], 0.0) << i;
+      EXPECT_EQ(std::signbit(g[i]), !on_target) << "element " << i << (r == Reduction::kMean ? " kMean" : " kSum");
+    }
+  }
+}
+
 // Log-probabilities [4, 3] (any values: NLL does not normalize), targets
 // {0, 1, 2, ignored}, weights {2, 0.5, 1}: per-sample 2 * 0.5, 0.5 * 0.25,
 // 1 * 1.2 and 0; the mean divides by the kept weights 2 + 0.5 + 1.
@@ -192,6 +211,24 @@ TEST(NllLossTest, SpatialTargets) {
   EXPECT_NEAR(NllLoss(lp, target, {.weight = w}).Item(), 3.5 / 6.0, 1e-15);
   std::string err = ErrorOf([&] { NllLoss(lp, FromVectorOf<int64_t>({2, 0, 3, 1}, {2, 2})); });
   EXPECT_EQ(err, "nll_loss: target 3 (sample 1, position 0) is out of range for 3 classes [0, 2]");
+}
+
+// As for cross-entropy: kMean's 1 / (kept weight) keeps a -0 incoming
+// gradient -0, so the gradient at each target is -w * -0 = +0, as kSum
+// gives. Before, the scale made it +0 and the gradient -0.
+TEST(NllLossTest, MeanScalingKeepsTheSignOfAZeroGradient) {
+  const Tensor target = FromVectorOf<int64_t>({0, 1, 0}, {3});
+  for (Reduction r : {Reduction::kMean, Reduction::kSum}) {
+    Tensor lp = FromVector({-0.5, -1.0, -2.0, -0.25, -0.1, -3.0}, {3, 2},
+                           {.dtype = DType::kFloat64, .requires_grad = true});
+    Backward(ops::MulScalar(NllLoss(lp, target, {.reduction = r}), -0.0));
+    const std::vector<double> g = lp.grad().ToVector<double>();
+    ASSERT_EQ(g.size(), 6u);
+    for (int i : {0, 3, 4}) {
+      EXPECT_EQ(g[i], 0.0) << i;
+      EXPECT_FALSE(std::signbit(g[i])) << "element " << i << (r == Reduction::kMean ? " kMean" : " kSum");
+    }
+  }
 }
 
 TEST(NllLossTest, Gradients) {
