@@ -1,9 +1,11 @@
-// Shapes: cross-entropy on logits [N, C] with target [N] and per-sample
-// losses [N]; NLL on log_probs [N, C, d...] with target and per-element
-// losses [N, d...]; class weights [C]. The pointwise losses (MSE, L1,
-// smooth L1, Huber, BCE with logits, KL divergence) take input and target of
-// one shape [*] and give per-element losses [*]; BCE's weights broadcast to
-// [*], its pos_weight usually [C] for the last dimension C.
+// Shapes: cross-entropy on logits [N, C, d...] (d... possibly none) with
+// class indices [N, d...] or probabilities [N, C, d...], per-element losses
+// [N, d...] (unbatched [C] runs as [1, C]); NLL on log_probs [N, C, d...]
+// with target and per-element losses [N, d...]; class weights [C]. The
+// pointwise losses (MSE, L1, smooth L1, Huber, BCE with logits, KL
+// divergence) take input and target of one shape [*] and give per-element
+// losses [*]; BCE's weights broadcast to [*], its pos_weight usually [C] for
+// the last dimension C.
 #include "nn/loss/loss.h"
 
 #include <any>
@@ -134,38 +136,70 @@ double KeptWeight(const Tensor& target, const Tensor& weight, int64_t ignore_ind
   return total;
 }
 
-// Cross-entropy with class weights, composed of differentiable ops: log-softmax,
-// the weighted NLL, and with label smoothing the weighted uniform part.
-Tensor WeightedCrossEntropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options,
+Tensor CastTo(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : ops::Cast(x, dtype); }
+
+// The shape [1, C, 1, ...] of `dims` dimensions that broadcasts class
+// weights [C] over logits [N, C, d1, ...].
+Shape ClassShape(int64_t dims, int64_t classes) {
+  Shape shape(static_cast<size_t>(dims), 1);
+  shape[1] = classes;
+  return shape;
+}
+
+// Where element i of a target [N] or [N, d1, ...] sits, for errors:
+// "sample n", "sample n, position p" or "sample n, position [p1, p2, ...]".
+std::string TargetPosition(const Shape& shape, int64_t i) {
+  if (shape.size() <= 1) return "sample " + std::to_string(i);
+  int64_t inner = 1;
+  for (size_t d = 1; d < shape.size(); ++d) inner *= shape[d];
+  const std::string where = "sample " + std::to_string(i / inner) + ", position ";
+  int64_t rest = i % inner;
+  if (shape.size() == 2) return where + std::to_string(rest);
+  std::vector<int64_t> index(shape.size() - 1);
+  for (size_t d = shape.size() - 1; d >= 1; --d) {
+    index[d - 1] = rest % shape[d];
+    rest /= shape[d];
+  }
+  std::string text = where + "[";
+  for (size_t k = 0; k < index.size(); ++k) text += (k == 0 ? "" : ", ") + std::to_string(index[k]);
+  return text + "]";
+}
+
+// Cross-entropy of class indices composed of differentiable ops: log-softmax
+// over the class dim, the (weighted) NLL, and with label smoothing the
+// (weighted) uniform part. Logits [N, C, d1, ...], target [N, d1, ...] (i64),
+// per-element losses [N, d1, ...]. Serves class weights and spatial logits;
+// unweighted [N, C] keeps the fused kernels.
+Tensor ComposedCrossEntropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options,
                             DType compute) {
   const int64_t c = logits.size(1);
-  const Tensor lp = ops::LogSoftmax(logits.dtype() == compute ? logits : ops::Cast(logits, compute), 1);
-  const Tensor w = options.weight.Detach().To(compute);
-  // Checked here so that the error names cross_entropy, as without weights.
+  const Tensor lp = ops::LogSoftmax(CastTo(logits, compute), 1);
+  const Tensor w = options.weight.defined() ? options.weight.Detach().To(compute) : Tensor();
+  // Checked here so that the error names cross_entropy and the position.
   const Tensor ht = target.Detach().To(kCPU).Contiguous();
   const int64_t* t = ht.data<int64_t>();
   const int64_t n = ht.numel();
-  // Per sample: 0 when its uniform term counts, 1 when it is ignored.
+  // Per element: 0 when its uniform term counts, 1 when it is ignored.
   std::vector<int64_t> skip(static_cast<size_t>(n));
   bool any_ignored = false;
   for (int64_t i = 0; i < n; ++i) {
     skip[i] = t[i] == options.ignore_index ? 1 : 0;
     any_ignored |= skip[i] != 0;
     if (t[i] != options.ignore_index && (t[i] < 0 || t[i] >= c)) {
-      throw std::out_of_range("cross_entropy: target " + std::to_string(t[i]) + " (sample " + std::to_string(i) +
-                              ") is out of range for " + std::to_string(c) + " classes [0, " +
-                              std::to_string(c - 1) + "]");
+      throw std::out_of_range("cross_entropy: target " + std::to_string(t[i]) + " (" +
+                              TargetPosition(target.shape(), i) + ") is out of range for " + std::to_string(c) +
+                              " classes [0, " + std::to_string(c - 1) + "]");
     }
   }
   Tensor per = NllLoss(lp, target, {.reduction = Reduction::kNone, .weight = w, .ignore_index = options.ignore_index});
   const double eps = options.label_smoothing;
   if (eps > 0.0) {
-    // -sum_k weight[k] * log_probs[i, k], 0 for ignored samples.
-    const Tensor weighted = ops::Mul(lp, w.View({1, c}));
+    // -sum_k weight[k] * log_probs[i, k, ...], 0 for ignored elements.
+    const Tensor weighted = w.defined() ? ops::Mul(lp, w.View(ClassShape(lp.dim(), c))) : lp;
     Tensor uniform;
     if (!any_ignored) {
       uniform = ops::Neg(ops::Sum(weighted, {1}));
-    } else {
+    } else if (logits.dim() == 2) {
       // An ignored row must give 0 by selection, in the forward and the
       // backward: multiplying by a 0 mask makes inf * 0 = NaN for a row with
       // a -inf log-probability, and for the inf gradient scale of a mean
@@ -177,13 +211,50 @@ Tensor WeightedCrossEntropy(const Tensor& logits, const Tensor& target, const Cr
       uniform = ops::Sum(NllLoss(ops::View(weighted, {n, 1, c}), sel,
                                  {.reduction = Reduction::kNone, .ignore_index = 1}),
                          {1});
+    } else {
+      // The same selection after the class sum, on [N * d1 * ..., 1]: a
+      // selector of the target's size rather than C times it (a segmentation
+      // batch has millions of pixels). The NLL's gradient is 0 at an ignored
+      // element, so the sum of a -inf row there sends back zeros, not NaN.
+      const Tensor summed = ops::Sum(weighted, {1});
+      const Tensor sel = FromVectorOf<int64_t>(skip, {n}).To(logits.device());
+      uniform = ops::Reshape(NllLoss(ops::Reshape(summed, {n, 1}), sel,
+                                     {.reduction = Reduction::kNone, .ignore_index = 1}),
+                             summed.shape());
     }
     per = ops::Add(ops::MulScalar(per, 1.0 - eps), ops::MulScalar(uniform, eps / static_cast<double>(c)));
   }
   switch (options.reduction) {
     case Reduction::kNone: return per;
     case Reduction::kSum: return ops::Sum(per);
-    case Reduction::kMean: return ops::MulScalar(ops::Sum(per), 1.0 / KeptWeight(target, w, options.ignore_index));
+    case Reduction::kMean: return ops::MulScalar(ops::Sum(per), 1.0 / KeptWeight(ht, w, options.ignore_index));
+  }
+  return per;
+}
+
+// Cross-entropy of class probabilities ("soft labels"), as PyTorch's: logits
+// and target [N, C, d1, ...], per-element losses [N, d1, ...]
+// -sum_c weight[c] * q[n, c, ...] * log_softmax(logits)[n, c, ...] with
+// q = (1 - s) target + s / C. kMean divides by N * d1 * ... (not by the
+// weights). Gradients flow to the target too.
+Tensor ProbabilityCrossEntropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options,
+                               DType compute) {
+  const int64_t c = logits.size(1);
+  const Tensor lp = ops::LogSoftmax(CastTo(logits, compute), 1);
+  Tensor q = CastTo(target, compute);
+  const double eps = options.label_smoothing;
+  if (eps > 0.0) q = ops::AddScalar(ops::MulScalar(q, 1.0 - eps), eps / static_cast<double>(c));
+  Tensor product = ops::Mul(lp, q);
+  if (options.weight.defined()) {
+    product = ops::Mul(product, options.weight.Detach().To(compute).View(ClassShape(lp.dim(), c)));
+  }
+  const Tensor per = ops::Neg(ops::Sum(product, {1}));
+  switch (options.reduction) {
+    case Reduction::kNone: return per;
+    case Reduction::kSum: return ops::Sum(per);
+    case Reduction::kMean:
+      // PyTorch divides by numel / C, and gives NaN when there is nothing.
+      return ops::DivScalar(ops::Sum(per), logits.numel() == 0 ? 0.0 : static_cast<double>(per.numel()));
   }
   return per;
 }
@@ -246,21 +317,38 @@ Tensor NllLoss(const Tensor& input, const Tensor& target_in, const NllLossOption
 }
 
 Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEntropyOptions& options) {
-  if (logits.dim() != 2) {
-    throw std::invalid_argument("cross_entropy: expected logits [N, C], got " + ShapeToString(logits.shape()));
+  if (!logits.defined()) throw std::invalid_argument("cross_entropy: logits are undefined");
+  if (!target_in.defined()) throw std::invalid_argument("cross_entropy: target is undefined");
+  if (logits.dim() < 1) {
+    throw std::invalid_argument("cross_entropy: expected logits [C], [N, C] or [N, C, d1, ...], got " +
+                                ShapeToString(logits.shape()));
   }
   if (!IsFloating(logits.dtype())) {
     throw std::invalid_argument("cross_entropy: logits must be floating, got " +
                                 std::string(DTypeName(logits.dtype())));
   }
-  if (target_in.dim() != 1 || target_in.size(0) != logits.size(0)) {
-    throw std::invalid_argument("cross_entropy: target of shape " + ShapeToString(target_in.shape()) +
-                                " does not match logits " + ShapeToString(logits.shape()) + " (expected [" +
-                                std::to_string(logits.size(0)) + "])");
+  const bool probabilities = IsFloating(target_in.dtype());
+  // Class indices have the logits' shape less the class dim (dim 0 of
+  // unbatched [C] logits, else dim 1); probabilities the logits' shape.
+  Shape indices_shape = logits.shape();
+  indices_shape.erase(indices_shape.begin() + (logits.dim() == 1 ? 0 : 1));
+  if (probabilities && target_in.shape() != logits.shape()) {
+    throw std::invalid_argument("cross_entropy: floating target of shape " + ShapeToString(target_in.shape()) +
+                                " does not match logits " + ShapeToString(logits.shape()) +
+                                " (a floating target holds class probabilities, of the logits' shape; class "
+                                "indices " + ShapeToString(indices_shape) + " must be i64, i32 or u8)");
   }
-  if (IsFloating(target_in.dtype())) {
-    throw std::invalid_argument("cross_entropy: target must hold class indices (i64, i32 or u8), got " +
-                                std::string(DTypeName(target_in.dtype())));
+  if (!probabilities && target_in.shape() != indices_shape) {
+    if (target_in.shape() == logits.shape()) {
+      throw std::invalid_argument("cross_entropy: target of shape " + ShapeToString(target_in.shape()) +
+                                  " is " + std::string(DTypeName(target_in.dtype())) +
+                                  ", but a target of the logits' shape holds class probabilities and must be "
+                                  "floating (class indices have shape " + ShapeToString(indices_shape) + ")");
+    }
+    throw std::invalid_argument("cross_entropy: target of shape " + ShapeToString(target_in.shape()) +
+                                " does not match logits " + ShapeToString(logits.shape()) + " (expected " +
+                                ShapeToString(indices_shape) + " for class indices, or " +
+                                ShapeToString(logits.shape()) + " floating for probabilities)");
   }
   if (target_in.device() != logits.device()) {
     throw std::invalid_argument("cross_entropy: target is on " + target_in.device().ToString() +
@@ -271,13 +359,18 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
     throw std::invalid_argument("cross_entropy: label_smoothing must be in [0, 1], got " +
                                 std::to_string(options.label_smoothing));
   }
-  const Tensor target = target_in.dtype() == DType::kInt64 ? target_in : target_in.Detach().To(DType::kInt64);
-  const int64_t n = logits.size(0);
-  const DType compute = logits.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
-  if (options.weight.defined()) {
-    CheckWeight("cross_entropy", options.weight, logits.size(1), logits.device());
-    return WeightedCrossEntropy(logits, target, options, compute);
+  if (logits.dim() == 1) {
+    // Unbatched: a batch of one, and kNone's loss back to 0-d.
+    const Tensor batched_target = probabilities ? ops::Unsqueeze(target_in, 0) : target_in.Detach().Reshape({1});
+    const Tensor loss = CrossEntropy(ops::Unsqueeze(logits, 0), batched_target, options);
+    return options.reduction == Reduction::kNone ? ops::Reshape(loss, {}) : loss;
   }
+  const DType compute = logits.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  CheckWeight("cross_entropy", options.weight, logits.size(1), logits.device());
+  if (probabilities) return ProbabilityCrossEntropy(logits, target_in, options, compute);
+  const Tensor target = target_in.dtype() == DType::kInt64 ? target_in : target_in.Detach().To(DType::kInt64);
+  if (options.weight.defined() || logits.dim() > 2) return ComposedCrossEntropy(logits, target, options, compute);
+  const int64_t n = logits.size(0);
   Tensor log_probs = Empty(logits.shape(), {.dtype = compute, .device = logits.device()});
   Tensor losses = Empty({n}, {.dtype = compute, .device = logits.device()});
   DDP_KERNEL(logits.device(), cross_entropy_forward)(logits, target, options.label_smoothing, options.ignore_index,
@@ -355,8 +448,6 @@ Tensor Reduce(const Tensor& per_element, Reduction reduction) {
 DType WideDType(const Tensor& a, const Tensor& b) {
   return a.dtype() == DType::kFloat64 || b.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
 }
-
-Tensor CastTo(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : ops::Cast(x, dtype); }
 
 // Whether `from` broadcasts to `to` without changing `to` (numpy rules).
 bool BroadcastsTo(const Shape& from, const Shape& to) {

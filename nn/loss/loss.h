@@ -13,15 +13,19 @@ enum class Reduction : int8_t { kMean = 0, kSum = 1, kNone = 2 };
 
 struct CrossEntropyOptions {
   Reduction reduction = Reduction::kMean;
-  /// Mixes the one-hot target with the uniform distribution: (1 - s) onehot + s / C.
+  /// Mixes the target with the uniform distribution: (1 - s) onehot + s / C
+  /// for class indices, (1 - s) target + s / C for probabilities. In [0, 1].
   double label_smoothing = 0.0;
-  /// Samples with this target contribute nothing (and are not counted by kMean).
+  /// Class-index elements with this target contribute nothing (and are not
+  /// counted by kMean). Probability targets have no ignored elements.
   int64_t ignore_index = -100;
-  /// Per-class weights [C] (floating, on the logits' device), or undefined
-  /// for all ones. Sample i's loss is scaled by weight[target_i] (with label
-  /// smoothing, the uniform part by the weights of every class), and kMean
-  /// divides by the sum of weight[target_i] over non-ignored samples, as
-  /// PyTorch. Weighted cross-entropy runs through NllLoss.
+  /// Per-class weights [C] (floating, on the logits' device, needing no
+  /// gradient), or undefined for all ones. With class indices, element i's
+  /// loss is scaled by weight[target_i] (with label smoothing, the uniform
+  /// part by the weights of every class), and kMean divides by the sum of
+  /// weight[target_i] over non-ignored elements, as PyTorch. With
+  /// probabilities, class c's term is scaled by weight[c] and kMean still
+  /// divides by the element count, as PyTorch.
   Tensor weight;
 };
 
@@ -34,11 +38,25 @@ struct NllLossOptions {
   int64_t ignore_index = -100;
 };
 
-/// Cross-entropy of logits [N, C] against class indices target [N] (i64; u8
-/// and i32 are converted). Computed in f32 for 16-bit logits (the loss is
-/// then f32; the gradient returns in the logits' dtype). A target outside
-/// [0, C) that is not ignore_index is an error naming the target, the
-/// sample and the class count.
+/// torch.nn.functional.cross_entropy. Logits [N, C], [N, C, d1, ...] (e.g.
+/// segmentation) or unbatched [C], and a target of one of two kinds:
+///  - class indices (i64; u8 and i32 are converted) of the logits' shape
+///    less the class dim ([N], [N, d1, ...], or 0-d for [C]): per element
+///    -weight[t] log_softmax(logits)[n, t, ...], 0 where t is ignore_index;
+///    kMean divides by the sum of weight[t] over the non-ignored elements
+///    (NaN when that is 0). A target outside [0, C) that is not
+///    ignore_index is an error naming it, its position and the class count.
+///  - class probabilities (floating, the logits' shape): per element
+///    -sum_c weight[c] target[n, c, ...] log_softmax(logits)[n, c, ...];
+///    kMean divides by the element count N * d1 * ...; the target receives
+///    a gradient too.
+/// kNone returns the per-element losses ([N], [N, d1, ...], or 0-d for
+/// unbatched logits), kSum their sum. Computed in f32 for 16-bit logits
+/// (the loss is then f32; the gradient returns in the logits' dtype).
+/// Unweighted class indices on [N, C] run on the fused cross_entropy
+/// kernels; the other cases are compositions of the differentiable ops
+/// (log-softmax over dim 1, NllLoss). Errors name the shapes of a target
+/// that fits neither kind.
 Tensor CrossEntropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options = {});
 
 /// Negative log-likelihood (PyTorch's nll_loss) of log-probabilities

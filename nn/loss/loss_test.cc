@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -88,8 +89,286 @@ TEST(CrossEntropyTest, BadInputsAreNamed) {
   EXPECT_NE(err.find("target -1"), std::string::npos) << err;
   err = ErrorOf([&] { CrossEntropy(logits, FromVectorOf<int64_t>({1, 2}, {2})); });
   EXPECT_NE(err.find("target of shape [2] does not match logits [3, 10]"), std::string::npos) << err;
-  err = ErrorOf([&] { CrossEntropy(Zeros({3}), FromVectorOf<int64_t>({1}, {1})); });
-  EXPECT_NE(err.find("expected logits [N, C]"), std::string::npos) << err;
+  err = ErrorOf([&] { CrossEntropy(Zeros(Shape{}), FromVectorOf<int64_t>({1}, {1})); });
+  EXPECT_EQ(err, "cross_entropy: expected logits [C], [N, C] or [N, C, d1, ...], got []");
+}
+
+// --- cross-entropy on [N, C, d1, ...], probability targets, unbatched [C] ---
+
+// A naive f64 cross-entropy, PyTorch's definition written out: logits
+// [N, C, S] row-major (S = d1 * ... , 1 for [N, C]), and either class
+// indices [N, S] or probabilities [N, C, S]; weights [C] (empty: all ones).
+struct CeReference {
+  std::vector<double> per;  // [N, S]
+  double sum = 0, mean = 0;
+};
+
+CeReference ReferenceCrossEntropy(const std::vector<double>& x, int64_t n, int64_t c, int64_t s,
+                                  const std::vector<int64_t>* index, const std::vector<double>* prob,
+                                  const std::vector<double>& w, double eps, int64_t ignore_index) {
+  CeReference ref;
+  double divisor = 0;
+  const auto weight = [&](int64_t k) { return w.empty() ? 1.0 : w[static_cast<size_t>(k)]; };
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < s; ++j) {
+      const auto at = [&](int64_t k) { return static_cast<size_t>((i * c + k) * s + j); };
+      double top = -std::numeric_limits<double>::infinity();
+      for (int64_t k = 0; k < c; ++k) top = std::max(top, x[at(k)]);
+      double z = 0;
+      for (int64_t k = 0; k < c; ++k) z += std::exp(x[at(k)] - top);
+      std::vector<double> lp(static_cast<size_t>(c));
+      for (int64_t k = 0; k < c; ++k) lp[k] = x[at(k)] - top - std::log(z);
+      double loss = 0;
+      if (index != nullptr) {
+        const int64_t t = (*index)[static_cast<size_t>(i * s + j)];
+        if (t != ignore_index) {
+          double uniform = 0;
+          for (int64_t k = 0; k < c; ++k) uniform -= weight(k) * lp[k];
+          loss = (1 - eps) * -weight(t) * lp[t] + eps / c * uniform;
+          divisor += weight(t);
+        }
+      } else {
+        for (int64_t k = 0; k < c; ++k) loss -= weight(k) * ((1 - eps) * (*prob)[at(k)] + eps / c) * lp[k];
+        divisor += 1;
+      }
+      ref.per.push_back(loss);
+      ref.sum += loss;
+    }
+  }
+  ref.mean = ref.sum / divisor;
+  return ref;
+}
+
+// Runs the three reductions and compares them with the reference.
+void ExpectCrossEntropy(const Tensor& logits, const Tensor& target, const CeReference& ref, const Shape& per_shape,
+                        CrossEntropyOptions options, double tol = 1e-12) {
+  options.reduction = Reduction::kNone;
+  const Tensor none = CrossEntropy(logits, target, options);
+  ASSERT_EQ(none.shape(), per_shape);
+  const std::vector<double> got = none.ToVector<double>();
+  ASSERT_EQ(got.size(), ref.per.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], ref.per[i], tol) << "element " << i;
+  options.reduction = Reduction::kSum;
+  EXPECT_NEAR(CrossEntropy(logits, target, options).Item(), ref.sum, tol);
+  options.reduction = Reduction::kMean;
+  const Tensor mean = CrossEntropy(logits, target, options);
+  EXPECT_EQ(mean.shape(), Shape{});
+  EXPECT_NEAR(mean.Item(), ref.mean, tol);
+}
+
+// Every shape's per-element target shape: the logits' less dim 1.
+Shape WithoutClassDim(Shape shape) {
+  shape.erase(shape.begin() + 1);
+  return shape;
+}
+
+// Class indices on [N, C, d1, ...] (segmentation): per-element losses of
+// the target's shape, weights, label smoothing and ignored elements, and
+// kMean over the kept elements' weights, against the naive loop.
+TEST(CrossEntropyTest, SpatialClassIndicesMatchANaiveLoop) {
+  const std::vector<double> w = {0.5, 2.0, 1.0, 1.5};
+  for (const Shape& shape : {Shape{2, 4, 3}, Shape{2, 4, 2, 3}, Shape{3, 4, 1}, Shape{1, 4, 2, 1, 2}}) {
+    const int64_t n = shape[0], c = shape[1];
+    const int64_t s = Zeros(shape).numel() / (n * c);
+    const std::vector<double> x = ops::MulScalar(RandomLeaf(shape, 41, false), 3.0).ToVector<double>();
+    // Every class and some ignored elements (the value c stands for them).
+    std::vector<int64_t> t(static_cast<size_t>(n * s));
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int64_t>((i * 3 + 1) % (c + 1));
+    for (int64_t& v : t) v = v == c ? -100 : v;
+    const Tensor logits = FromVector(x, shape, {.dtype = DType::kFloat64});
+    const Tensor target = FromVectorOf<int64_t>(t, WithoutClassDim(shape));
+    for (const std::vector<double>& weight : {std::vector<double>{}, w}) {
+      for (double eps : {0.0, 0.2}) {
+        SCOPED_TRACE(ShapeToString(shape) + (weight.empty() ? " unweighted" : " weighted") + " eps " +
+                     std::to_string(eps));
+        const Tensor wt = weight.empty() ? Tensor() : FromVector(weight, {c}, {.dtype = DType::kFloat64});
+        ExpectCrossEntropy(logits, target, ReferenceCrossEntropy(x, n, c, s, &t, nullptr, weight, eps, -100),
+                           WithoutClassDim(shape), {.label_smoothing = eps, .weight = wt});
+        // u8 labels, as segmentation masks are stored, with ignore_index 255.
+        std::vector<uint8_t> t8;
+        for (int64_t v : t) t8.push_back(static_cast<uint8_t>(v == -100 ? 255 : v));
+        ExpectCrossEntropy(logits, FromVectorOf<uint8_t>(t8, WithoutClassDim(shape)),
+                           ReferenceCrossEntropy(x, n, c, s, &t, nullptr, weight, eps, -100), WithoutClassDim(shape),
+                           {.label_smoothing = eps, .ignore_index = 255, .weight = wt});
+      }
+    }
+  }
+}
+
+// Probability ("soft label") targets of the logits' shape, [N, C] and
+// [N, C, d1, ...]: weights scale each class's term, label smoothing mixes in
+// the uniform distribution, kMean divides by the element count whatever the
+// weights, and ignore_index does not apply (here it names class 0).
+TEST(CrossEntropyTest, ProbabilityTargetsMatchANaiveLoop) {
+  const std::vector<double> w = {0.5, 2.0, 1.0};
+  for (const Shape& shape : {Shape{4, 3}, Shape{2, 3, 4}, Shape{2, 3, 2, 2}}) {
+    const int64_t n = shape[0], c = shape[1];
+    const int64_t s = Zeros(shape).numel() / (n * c);
+    const std::vector<double> x = ops::MulScalar(RandomLeaf(shape, 42, false), 3.0).ToVector<double>();
+    // Distributions over dim 1 (one of them one-hot), and unnormalized
+    // values, which PyTorch accepts as well.
+    const std::vector<double> p = ops::Softmax(ops::MulScalar(RandomLeaf(shape, 43, false), 2.0), 1).ToVector<double>();
+    std::vector<double> one_hot(p.size(), 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < s; ++j) one_hot[static_cast<size_t>((i * c + (i + j) % c) * s + j)] = 1.0;
+    }
+    const std::vector<double> raw = RandomLeaf(shape, 44, false).ToVector<double>();
+    const Tensor logits = FromVector(x, shape, {.dtype = DType::kFloat64});
+    for (const std::vector<double>* q : std::vector<const std::vector<double>*>{&p, &one_hot, &raw}) {
+      for (const std::vector<double>& weight : {std::vector<double>{}, w}) {
+        for (double eps : {0.0, 0.3}) {
+          SCOPED_TRACE(ShapeToString(shape) + (weight.empty() ? " unweighted" : " weighted") + " eps " +
+                       std::to_string(eps) + (q == &p ? " softmax" : q == &one_hot ? " one-hot" : " raw"));
+          const Tensor wt = weight.empty() ? Tensor() : FromVector(weight, {c}, {.dtype = DType::kFloat64});
+          ExpectCrossEntropy(logits, FromVector(*q, shape, {.dtype = DType::kFloat64}),
+                             ReferenceCrossEntropy(x, n, c, s, nullptr, q, weight, eps, 0), WithoutClassDim(shape),
+                             {.label_smoothing = eps, .ignore_index = 0, .weight = wt});
+        }
+      }
+    }
+  }
+}
+
+// Unbatched logits [C]: a 0-d class index or a [C] probability target, and
+// a 0-d loss for every reduction, equal to the batch of one's.
+TEST(CrossEntropyTest, UnbatchedLogitsAreABatchOfOne) {
+  const Tensor logits = FromVector({0.3, -1.2, 2.0, 0.7}, {4}, {.dtype = DType::kFloat64});
+  const Tensor probs = FromVector({0.1, 0.2, 0.3, 0.4}, {4}, {.dtype = DType::kFloat64});
+  const Tensor weight = FromVector({1.0, 0.5, 2.0, 1.5}, {4}, {.dtype = DType::kFloat64});
+  for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+    for (double eps : {0.0, 0.1}) {
+      const CrossEntropyOptions o = {.reduction = r, .label_smoothing = eps, .weight = weight};
+      const Tensor index = CrossEntropy(logits, FromVectorOf<int64_t>({2}, Shape{}), o);
+      EXPECT_EQ(index.shape(), Shape{});
+      const Tensor batched = CrossEntropy(logits.View({1, 4}), FromVectorOf<int64_t>({2}, {1}), o);
+      EXPECT_NEAR(index.Item(), batched.ToVector<double>()[0], 1e-15);
+      const Tensor soft = CrossEntropy(logits, probs, o);
+      EXPECT_EQ(soft.shape(), Shape{});
+      EXPECT_NEAR(soft.Item(), CrossEntropy(logits.View({1, 4}), probs.View({1, 4}), o).ToVector<double>()[0], 1e-15);
+    }
+  }
+  // An ignored 0-d target: no loss, a NaN mean, as PyTorch.
+  EXPECT_EQ(CrossEntropy(logits, FromVectorOf<int64_t>({-100}, Shape{}), {.reduction = Reduction::kNone}).Item(), 0.0);
+  EXPECT_TRUE(std::isnan(CrossEntropy(logits, FromVectorOf<int64_t>({-100}, Shape{})).Item()));
+}
+
+TEST(CrossEntropyTest, SpatialProbabilityAndUnbatchedGradients) {
+  const Tensor w = FromVector({0.3, 2.0, 1.0, 0.5}, {4}, {.dtype = DType::kFloat64});
+  const Tensor target = FromVectorOf<int64_t>({2, 0, -100, 1, 3, 3, 0, -100, 1, 2, 2, 0}, {2, 2, 3});
+  const Tensor none_ignored = FromVectorOf<int64_t>({2, 0, 1, 3, 0, 1}, {2, 3});
+  for (double eps : {0.0, 0.1}) {
+    for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+      for (const Tensor& weight : {Tensor(), w}) {
+        SCOPED_TRACE("eps " + std::to_string(eps) + (weight.defined() ? " weighted" : ""));
+        const CrossEntropyOptions o = {.reduction = r, .label_smoothing = eps, .weight = weight};
+        EXPECT_TRUE(
+            GradCheck([&](const V& in) { return CrossEntropy(in[0], target, o); }, {RandomLeaf({2, 4, 2, 3}, 51)}));
+        EXPECT_TRUE(GradCheck([&](const V& in) { return CrossEntropy(in[0], none_ignored, o); },
+                              {RandomLeaf({2, 4, 3}, 52)}));
+        // Probabilities: the gradient reaches the logits and the target.
+        EXPECT_TRUE(GradCheck([&](const V& in) { return CrossEntropy(in[0], in[1], o); },
+                              {RandomLeaf({3, 4}, 53), RandomLeaf({3, 4}, 54)}));
+        EXPECT_TRUE(GradCheck([&](const V& in) { return CrossEntropy(in[0], in[1], o); },
+                              {RandomLeaf({2, 4, 3}, 55), RandomLeaf({2, 4, 3}, 56)}));
+        EXPECT_TRUE(GradCheck([&](const V& in) { return CrossEntropy(in[0], in[1], o); },
+                              {RandomLeaf({4}, 57), RandomLeaf({4}, 58)}));
+        EXPECT_TRUE(GradCheck([&](const V& in) { return CrossEntropy(in[0], FromVectorOf<int64_t>({1}, Shape{}), o); },
+                              {RandomLeaf({4}, 59)}));
+      }
+    }
+  }
+}
+
+// [N, C, d] with label smoothing: an ignored element whose logits hold -inf
+// contributes 0, not inf * 0 = NaN, and gets a zero gradient, as on [N, C];
+// every element ignored gives a NaN mean and a zero gradient.
+TEST(CrossEntropyTest, SpatialSmoothingIgnoredElementWithInfiniteLogitStaysFinite) {
+  const double inf = std::numeric_limits<double>::infinity();
+  // [1, 3, 2]: position 0 has logits {1, 2, 3} (target 2), position 1 {-inf, 0, 0} (ignored).
+  for (const Tensor& weight : {Tensor(), FromVector({0.5, 1.0, 2.0}, {3}, {.dtype = DType::kFloat64})}) {
+    Tensor logits = FromVector({1, -inf, 2, 0, 3, 0}, {1, 3, 2}, {.dtype = DType::kFloat64, .requires_grad = true});
+    const Tensor target = FromVectorOf<int64_t>({2, -100}, {1, 2});
+    const std::vector<double> wv = weight.defined() ? weight.ToVector<double>() : std::vector<double>{};
+    const std::vector<int64_t> kept_target = {2};
+    const CeReference ref = ReferenceCrossEntropy({1, 2, 3}, 1, 3, 1, &kept_target, nullptr, wv, 0.1, -100);
+    const std::vector<double> none =
+        CrossEntropy(logits, target, {.reduction = Reduction::kNone, .label_smoothing = 0.1, .weight = weight})
+            .ToVector<double>();
+    ASSERT_EQ(none.size(), 2u);
+    EXPECT_NEAR(none[0], ref.per[0], 1e-12);
+    EXPECT_EQ(none[1], 0.0);
+    Tensor mean = CrossEntropy(logits, target, {.label_smoothing = 0.1, .weight = weight});
+    EXPECT_NEAR(mean.Item(), ref.mean, 1e-12);
+    Backward(mean);
+    const std::vector<double> g = logits.grad().ToVector<double>();
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_TRUE(std::isfinite(g[2 * k])) << k;
+      EXPECT_EQ(g[2 * k + 1], 0.0) << k;
+    }
+    logits.set_grad(Tensor());
+    Tensor all_ignored = CrossEntropy(logits, FromVectorOf<int64_t>({-100, -100}, {1, 2}),
+                                      {.label_smoothing = 0.1, .weight = weight});
+    EXPECT_TRUE(std::isnan(all_ignored.Item()));
+    Backward(all_ignored);
+    EXPECT_EQ(logits.grad().ToVector<double>(), std::vector<double>(6, 0.0));
+  }
+}
+
+TEST(CrossEntropyTest, SpatialAndProbabilitySixteenBitLogitsComputeInF32) {
+  for (bool probabilities : {false, true}) {
+    Tensor logits =
+        FromVector({1, 2, 3, 1, 0, -1, 0.5, 0.25}, {1, 4, 2}, {.dtype = DType::kBFloat16, .requires_grad = true});
+    const Tensor target = probabilities ? Full({1, 4, 2}, 0.25, {.dtype = DType::kBFloat16})
+                                        : FromVectorOf<int64_t>({3, 0}, {1, 2});
+    const Tensor loss = CrossEntropy(logits, target, {.label_smoothing = 0.1});
+    EXPECT_EQ(loss.dtype(), DType::kFloat32) << probabilities;
+    const std::vector<double> x = logits.Detach().ToVector<double>();
+    const std::vector<int64_t> t = {3, 0};
+    const std::vector<double> q(8, 0.25);
+    EXPECT_NEAR(loss.Item(),
+                ReferenceCrossEntropy(x, 1, 4, 2, probabilities ? nullptr : &t, probabilities ? &q : nullptr, {}, 0.1,
+                                      -100)
+                    .mean,
+                1e-6)
+        << probabilities;
+    Backward(loss);
+    EXPECT_EQ(logits.grad().dtype(), DType::kBFloat16) << probabilities;
+  }
+}
+
+// A target that fits neither kind is refused naming both shapes (and which
+// kind it was taken for); an out-of-range class names its position.
+TEST(CrossEntropyTest, SpatialAndProbabilityBadInputsAreNamed) {
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3, 4}), FromVectorOf<int64_t>({0, 0, 0, 0, 0, 0}, {2, 3})); }),
+            "cross_entropy: target of shape [2, 3] does not match logits [2, 3, 4] (expected [2, 4] for class "
+            "indices, or [2, 3, 4] floating for probabilities)");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({3}), FromVectorOf<int64_t>({1}, {1})); }),
+            "cross_entropy: target of shape [1] does not match logits [3] (expected [] for class indices, or [3] "
+            "floating for probabilities)");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Zeros({2, 4})); }),
+            "cross_entropy: floating target of shape [2, 4] does not match logits [2, 3] (a floating target holds "
+            "class probabilities, of the logits' shape; class indices [2] must be i64, i32 or u8)");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Zeros({2})); }),
+            "cross_entropy: floating target of shape [2] does not match logits [2, 3] (a floating target holds "
+            "class probabilities, of the logits' shape; class indices [2] must be i64, i32 or u8)");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3, 5}), Zeros({2, 3, 5}, {.dtype = DType::kInt64})); }),
+            "cross_entropy: target of shape [2, 3, 5] is i64, but a target of the logits' shape holds class "
+            "probabilities and must be floating (class indices have shape [2, 5])");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Zeros({2, 3}), {.weight = Ones({4})}); }),
+            "cross_entropy: weight of shape [4] does not match 3 classes (expected [3])");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Zeros({2, 3}), {.label_smoothing = 2.0}); }),
+            "cross_entropy: label_smoothing must be in [0, 1], got 2.000000");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Tensor()); }), "cross_entropy: target is undefined");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Tensor(), Zeros({2, 3})); }), "cross_entropy: logits are undefined");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3, 2}), FromVectorOf<int64_t>({0, 1, 3, 0}, {2, 2})); }),
+            "cross_entropy: target 3 (sample 1, position 0) is out of range for 3 classes [0, 2]");
+  EXPECT_EQ(ErrorOf([] {
+              CrossEntropy(Zeros({2, 3, 2, 3}), FromVectorOf<int64_t>({0, 1, 2, 0, 1, 2, 0, 1, 2, 2, -1, 0}, {2, 2, 3}),
+                           {.label_smoothing = 0.1});
+            }),
+            "cross_entropy: target -1 (sample 1, position [1, 1]) is out of range for 3 classes [0, 2]");
+  EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({3}), FromVectorOf<int64_t>({3}, Shape{})); }),
+            "cross_entropy: target 3 (sample 0) is out of range for 3 classes [0, 2]");
 }
 
 // label_smoothing outside [0, 1] is refused, NaN included. Before, NaN
