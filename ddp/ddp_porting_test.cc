@@ -1,10 +1,11 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
-// wrapping, a submodule replaced or added after wrapping, a GAN's discriminator
-// frozen for the generator's step, two models' Joins on one group, a model
-// with no parameters under Join, an exception inside nested NoSync scopes,
-// and gradients from outside the wrapper (the wrapped module called
-// directly, a penalty of its own).
+// wrapping, a submodule replaced or added after wrapping (with parameters,
+// frozen ones, or buffers), a GAN's discriminator frozen for the
+// generator's step, two models' Joins on one group, a model with no
+// parameters under Join, an exception inside nested NoSync scopes, and
+// gradients from outside the wrapper (the wrapped module called directly,
+// a penalty of its own).
 
 #include <gtest/gtest.h>
 
@@ -385,6 +386,149 @@ DDP_TEST_WORKER(unrelated_module_added) {
 
 TEST(DdpPortingTest, ASubmoduleAddedAfterWrappingIsNamedAtTheNextForward) {
   for (const char* worker : {"added_layer", "added_layer_static_graph", "unrelated_module_added"}) {
+    auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
+  }
+}
+
+// ------------------------- a buffer or frozen parameter added later ----
+
+// FNV-1a over the bytes of `tensors`, to compare them across ranks.
+uint64_t HashTensors(const std::vector<Tensor>& tensors) {
+  uint64_t h = 1469598103934665603ull;
+  for (const Tensor& t : tensors) {
+    const Tensor c = t.Detach().Contiguous();
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    for (size_t i = 0; i < c.nbytes(); ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+// The MLP with a BatchNorm1d (statistics only, no parameters) on its
+// output: `6.running_mean`, `6.running_var`, `6.num_batches_tracked`.
+std::shared_ptr<nn::modules::Sequential> MlpWithNorm() {
+  nn::Generator init(3);
+  auto model = nn::modules::MakeMlp(init);
+  model->Push(std::make_shared<nn::modules::BatchNorm1d>(10, nn::modules::BatchNormOptions{.affine = false}));
+  return model;
+}
+
+// The BatchNorm swapped for a fresh one after wrapping (ReplaceChild, as a
+// script converting or resetting its normalization layers does): the
+// buffer broadcast was fixed at wrapping, so with broadcast_buffers the new
+// statistics would differ across ranks without a word. The model's own
+// buffers and a BatchNorm built elsewhere in the process pass; the forward
+// after the swap is refused on every rank, naming the new buffer.
+DDP_TEST_WORKER(added_buffer) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = MlpWithNorm();
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  std::vector<std::shared_ptr<Module>> others;
+  try {
+    for (int s = 0; s < 2; ++s) {
+      others.push_back(std::make_shared<nn::modules::BatchNorm1d>(10));
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("a step before the swap threw: ") + e.what());
+  }
+  model->ReplaceChild("6", std::make_shared<nn::modules::BatchNorm1d>(
+                               10, nn::modules::BatchNormOptions{.affine = false}));
+  std::string error;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": buffer `6.running_mean`",
+                                 std::string("added to the model after it was wrapped"),
+                                 std::string("the model again after changing it"),
+                                 std::string("broadcast_buffers = false")}) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
+  }
+  return testing::WorkerExit();
+}
+
+// Without broadcast_buffers every buffer is each rank's own after wrapping,
+// so the swapped-in BatchNorm's are too: training goes on, the parameters
+// equal on every rank.
+DDP_TEST_WORKER(added_buffer_not_broadcast) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = MlpWithNorm();
+  DistributedDataParallel ddp(model, {.broadcast_buffers = false, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  model->ReplaceChild("6", std::make_shared<nn::modules::BatchNorm1d>(
+                               10, nn::modules::BatchNormOptions{.affine = false}));
+  try {
+    for (int s = 0; s < 2; ++s) {
+      opt.ZeroGrad();
+      auto [x, y] = testing::Batch(data, (s * pg->size() + pg->rank()) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("threw: ") + e.what());
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, HashTensors(model->Parameters())), "the parameters differ");
+  return testing::WorkerExit();
+}
+
+// A frozen head appended after wrapping, each rank's initialized
+// differently (PyTorch broadcasts frozen parameters at wrapping too): no
+// gradient of it is synchronized, nor can a graph walk meet it, yet its
+// values differ across ranks and reach the outputs. The next forward is
+// refused on every rank, naming it, with or without find_unused_parameters.
+void CheckAddedFrozen(DdpOptions options, const std::string& what) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  nn::Generator init(3);
+  auto model = nn::modules::MakeMlp(init);
+  options.process_group = pg;
+  DistributedDataParallel ddp(model, options);
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, what + ": a step before the change threw: " + e.what());
+  }
+  nn::Generator gen(100 + pg->rank());
+  auto head = std::make_shared<nn::modules::Linear>(10, 10, true, gen);
+  for (const Tensor& p : head->Parameters()) p.set_requires_grad(false);
+  model->Push(head);
+  std::string error;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": parameter `6.weight`",
+                                 std::string("added to the model after it was wrapped"),
+                                 std::string("does not require grad (frozen)"),
+                                 std::string("the model again after changing it")}) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
+  }
+}
+
+DDP_TEST_WORKER(added_frozen) {
+  CheckAddedFrozen({}, "default options");
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(added_frozen_find_unused) {
+  CheckAddedFrozen({.find_unused_parameters = true}, "find_unused_parameters");
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, ABufferOrFrozenParameterAddedAfterWrappingIsNamedAtTheNextForward) {
+  // A refusal aborts the group: one group per case.
+  for (const char* worker :
+       {"added_buffer", "added_buffer_not_broadcast", "added_frozen", "added_frozen_find_unused"}) {
     auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
     EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
   }

@@ -58,8 +58,12 @@ class DistributedDataParallel::Impl {
   // was none then was added after wrapping (ModelNames).
   std::vector<nn::Tensor> wrapped;
   std::unordered_set<const nn::TensorImpl*> wrapped_impls;
-  // Module::StructureVersion() when the model was last seen to hold no
-  // trainable parameter outside `wrapped` (at wrapping, then at forwards).
+  // The tensors of `buffers`: a buffer of the model outside it was added
+  // after wrapping.
+  std::unordered_set<const nn::TensorImpl*> buffer_impls;
+  // Module::StructureVersion() when the model was last seen to hold
+  // nothing added after wrapping that the forwards refuse (at wrapping,
+  // then at forwards).
   uint64_t structure_seen = 0;
 
   // Join state.
@@ -396,6 +400,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     for (const auto& [name, b] : module_->NamedBuffers()) {
       state.push_back(b);
       impl_->buffers.push_back(b);
+      impl_->buffer_impls.insert(b.impl());
     }
     internal::BroadcastCoalesced(*pg_, state, 0, "initial parameters and buffers");
 
@@ -556,30 +561,61 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
              "would stay local and the replicas would drift apart. Wrap the model again after changing "
              "requires_grad.");
     }
-    // Added after wrapping (RegisterParameter / RegisterModule on the model
-    // or a child, ReplaceChild): no bucket has it, so its gradient would stay
-    // local and its values, never broadcast, differ across ranks. One
-    // integer comparison per forward; the model is walked only after some
-    // module of the process changed (another model's registrations too,
-    // which then pass). With find_unused_parameters the graph walk refuses
-    // such a parameter where this forward reaches it (Reducer::
-    // RefuseAddedParameters), and one it does not reach is simply unused;
-    // but under static_graph that walk runs in the first iteration only.
-    const uint64_t version = nn::modules::Module::StructureVersion();
+  }
+  // Added after wrapping (RegisterParameter, RegisterBuffer or
+  // RegisterModule on the model or a child, ReplaceChild): rank 0's values
+  // were broadcast at wrapping, not the new tensor's, so its values may
+  // differ across ranks; and no bucket has a new parameter, nor does the
+  // buffer broadcast have a new buffer. Refused at the next forward that
+  // synchronizes something (gradients, or buffers), naming it. No
+  // collective: whether the version moved is this process's own view
+  // (another model's registrations move it too), so a rank that changed
+  // its model refuses alone and the abort stops the others. One integer
+  // comparison per forward; the model is walked only after some module of
+  // the process changed (another model's registrations then pass).
+  // - A parameter that requires grad: with find_unused_parameters the
+  //   graph walk refuses it where a forward reaches it (Reducer::
+  //   RefuseAddedParameters), and one no forward reaches is simply unused;
+  //   but under static_graph that walk runs in the first iteration only.
+  // - A frozen one: no graph walk meets it, yet its values reach the
+  //   outputs. PyTorch broadcasts frozen parameters at wrapping too. Proving
+  //   it equal across ranks would take a collective on a path that only
+  //   some ranks may take, so it is refused like a trainable one.
+  // - A buffer, while broadcast_buffers is set; without it every buffer is
+  //   each rank's own after wrapping (running statistics of the local
+  //   batches), so a new one is too.
+  const bool syncs_gradients = nn::GradMode::IsEnabled() && s.require_sync;
+  const bool syncs_buffers = training && options_.broadcast_buffers && !before_backward;
+  const uint64_t version = nn::modules::Module::StructureVersion();
+  if (size > 1 && version != s.structure_seen && (syncs_gradients || syncs_buffers)) {
+    const std::string on_rank = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": ";
+    const std::string how = " was added to the model after it was wrapped (with Module::RegisterParameter, "
+                            "RegisterBuffer, RegisterModule or ReplaceChild)";
     const bool graph_walked = options_.find_unused_parameters && !options_.static_graph;
-    if (!graph_walked && version != s.structure_seen) {
-      for (const auto& [name, p] : module_->NamedParameters()) {
-        if (!p.requires_grad() || s.wrapped_impls.count(p.impl()) != 0) continue;
-        refuse("DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + name +
-               "` was added to the model after it was wrapped (with Module::RegisterParameter, RegisterModule "
-               "or ReplaceChild) and requires grad, but is not one the wrapper synchronizes: its gradient "
-               "would stay local on each rank, and its values differ across ranks (no broadcast from rank 0 "
-               "made them equal), so the replicas would drift apart without a word. The wrapper "
-               "synchronizes the parameters the model had when it was wrapped: wrap the model again after "
-               "changing it.");
+    for (const auto& [name, p] : module_->NamedParameters()) {
+      if (s.wrapped_impls.count(p.impl()) != 0 || (graph_walked && p.requires_grad())) continue;
+      if (p.requires_grad()) {
+        refuse(on_rank + "parameter `" + name + "`" + how + " and requires grad, but is not one the wrapper "
+               "synchronizes: its gradient would stay local on each rank, and its values differ across ranks "
+               "(no broadcast from rank 0 made them equal), so the replicas would drift apart without a word. "
+               "The wrapper synchronizes the parameters the model had when it was wrapped: wrap the model "
+               "again after changing it.");
       }
-      s.structure_seen = version;
+      refuse(on_rank + "parameter `" + name + "`" + how + " and does not require grad (frozen), but the "
+             "wrapper broadcast rank 0's values of the parameters the model had when it was wrapped, not of "
+             "this one: its values may differ across ranks, and so would the outputs, without a word. Wrap the "
+             "model again after changing it (frozen parameters are broadcast at wrapping too).");
     }
+    if (options_.broadcast_buffers) {
+      for (const auto& [name, b] : module_->NamedBuffers()) {
+        if (s.buffer_impls.count(b.impl()) != 0) continue;
+        refuse(on_rank + "buffer `" + name + "`" + how + ", but DdpOptions::broadcast_buffers broadcasts "
+               "the buffers the model had when it was wrapped at every training forward, not this one: its "
+               "values would differ across ranks without a word. Wrap the model again after changing it, or set "
+               "broadcast_buffers = false to keep every buffer each rank's own.");
+      }
+    }
+    s.structure_seen = version;
   }
   if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
     // Module::To() after wrapping: the buckets keep the dtype and device
