@@ -1,7 +1,7 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
 // wrapping, a submodule replaced or added after wrapping (with parameters,
-// frozen ones, or buffers), a GAN's discriminator frozen for the
+// frozen ones, buffers, or none), a GAN's discriminator frozen for the
 // generator's step, two models' Joins on one group, a model with no
 // parameters under Join, an exception inside nested NoSync scopes, and
 // gradients from outside the wrapper (the wrapped module called directly,
@@ -532,6 +532,50 @@ TEST(DdpPortingTest, ABufferOrFrozenParameterAddedAfterWrappingIsNamedAtTheNextF
     auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
     EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
   }
+}
+
+// -------------------------------- a head replaced by no parameters ----
+
+// The head replaced between forward and backward by a module without
+// parameters: that backward still reaches the old head (the graph holds
+// it), so its gradients are synchronized. The next forward adds nothing to
+// refuse, but its backward gives the old head no gradient: it fails on
+// every rank naming those parameters as no longer in the model.
+DDP_TEST_WORKER(head_removed) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(3);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  const std::shared_ptr<Module> old_head = model->Child("5");
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  try {
+    const Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+    model->ReplaceChild("5", std::make_shared<nn::modules::Identity>());
+    nn::Backward(loss);
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("the backward of the forward before the change threw: ") + e.what());
+  }
+  std::vector<Tensor> grads;
+  for (const Tensor& p : old_head->Parameters()) grads.push_back(p.grad());
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, HashTensors(grads)), "the old head's gradients differ");
+  std::string error;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (const std::string& part : {"on rank " + std::to_string(pg->rank()) + ": 2 parameter(s) received no gradient",
+                                 std::string("`5.weight` (index 4, no longer a parameter of the model)"),
+                                 std::string("no forward reaches them now"),
+                                 std::string("wrap the model again after changing it")}) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, AHeadReplacedByAModuleWithoutParametersIsNamedAsNoLongerInTheModel) {
+  auto run = RunWorkers("head_removed", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // ------------------------------------------------- two Joins, one group ----

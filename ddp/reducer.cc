@@ -879,10 +879,15 @@ void Reducer::Finalize() {
     if (missing > listed) names += " and " + std::to_string(missing - listed) + " more";
     std::string advice;
     if (removed > 0) {
+      // A parameter added in their place is refused at the forward
+      // (DistributedDataParallel::Forward), so here the replacement added
+      // none. find_unused_parameters (without static_graph) would take
+      // these as unused, but the buckets would carry them for good:
+      // wrapping again is the advice.
       advice = std::to_string(removed) + " of them are no longer parameters of the model: it was changed after "
-               "wrapping (a submodule replaced with Module::ReplaceChild, say). The wrapper synchronizes the "
-               "parameters the model had when it was wrapped; the new ones' gradients would stay local on each "
-               "rank (find_unused_parameters would not help). Wrap the model again after changing it.";
+               "wrapping (a submodule replaced with Module::ReplaceChild, say), and no forward reaches them "
+               "now. The wrapper synchronizes the parameters the model had when it was wrapped: wrap the model "
+               "again after changing it.";
     } else if (frozen > 0) {
       // The walk of find_unused_parameters takes a parameter frozen before
       // the forward as unused; one frozen between forward and backward was
