@@ -720,6 +720,76 @@ TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksPutsEveryRanksState
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// What rank 1's learning-rate target throws below: no std::exception.
+struct RateRefused {
+  double lr;
+};
+
+// As above, every check passes and rank 1's load throws, but what it
+// throws is no std::exception (a RateRefused, as a user's function may
+// throw anything). Had the load's outcome been caught as a std::exception
+// only, rank 1 would leave the call alone, its model and optimizer half
+// restored, while ranks 0 and 2 waited for it in the comparison of the
+// loads until the group's timeout (60 s here). Every rank throws at once
+// instead, naming rank 1 and the part whose load threw, and puts its
+// objects back bitwise; the group goes on.
+DDP_TEST_WORKER(restore_load_throws_a_non_std_exception) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  LocalStep(*saved, saved_opt, 0);
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  LocalStep(*model, opt, kBatch * (1 + pg->rank()));
+  auto refuses = std::make_shared<bool>(pg->rank() == 1);
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt, refuses](double lr) {
+                               if (*refuses && lr > 0.02) throw RateRefused{lr};
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  const std::vector<std::string> model_before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  } catch (const RateRefused& e) {
+    error = "the target's RateRefused (" + std::to_string(e.lr) + ") escaped";
+  } catch (...) {
+    error = "an exception that is not a std::runtime_error";
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string rank = "rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
+                         "the scheduler's state threw: an exception that is not a std::exception (the model and "
+                         "the optimizer were loaded before it); every rank put its model and components back as "
+                         "they were before the call",
+                rank + " got: " + error);
+  WORKER_EXPECT(took < 20, rank + ": the failure took " + std::to_string(took) + " s");
+  WORKER_EXPECT(StateBytes(*model) == model_before, rank + ": the model is not as it was");
+  WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before && opt.lr() == 0.01,
+                rank + ": the optimizer is not as it was");
+  WORKER_EXPECT(sched.step_count() == 0, rank + ": the scheduler's step is " + std::to_string(sched.step_count()));
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
+  *refuses = false;
+  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved) && sched.step_count() == 3,
+                rank + ": the second restore");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ALoadThatThrowsANonStdExceptionOnOneRankFailsEveryRankPromptlyNamingIt) {
+  auto run = RunWorkers("restore_load_throws_a_non_std_exception", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // As above, rank 1's load fails; rank 2's loads, but its target then
 // refuses the rate it had before the call (armed after the scheduler set
 // it), so rank 2 cannot put its scheduler back. Every rank throws one
