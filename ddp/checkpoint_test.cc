@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -1854,6 +1855,142 @@ DDP_TEST_WORKER(resume_powersgd) {
 TEST(DdpCheckpointTest, ResumedPowerSgdAndAveragerContinueTheUninterruptedRun) {
   const std::string dir = TempDir();
   auto run = RunWorkers("resume_powersgd", 2, {{"DDP_TEST_CKPT", dir + "/model.safetensors"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Rank 1 from iteration 2, with error feedback and warm start: the state
+// is the iteration, the Q's and this rank's residuals. (No random state is
+// kept: a Q drawn again comes from the seed, the bucket, the tensor and
+// the iteration.)
+constexpr PowerSgdOptions kPowerSgdWithFeedback{.matrix_approximation_rank = 1, .start_iteration = 2};
+
+// Each entry's bytes by its name: PowerSgdState lists the state it loaded
+// and has not yet placed in a bucket after the buckets' own, in an order
+// of its own, so only what each name holds is compared.
+std::map<std::string, std::string> BytesByName(const nn::optim::NamedTensors& state) {
+  std::map<std::string, std::string> out;
+  for (const auto& [name, t] : state) {
+    const Tensor c = t.Detach().Contiguous();
+    out[name] = std::string(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  }
+  return out;
+}
+
+// An MLP trained under DDP with PowerSGD (kPowerSgdWithFeedback), SGD
+// with momentum and a scheduler driving the rate through a target that,
+// when `refuses`, throws for rates above 0.02.
+struct PowerSgdTraining {
+  PowerSgdTraining(const std::shared_ptr<ProcessGroup>& pg, bool refuses)
+      : model(Mlp(1)),
+        ddp(model, {.process_group = pg}),
+        state(std::make_shared<PowerSgdState>(kPowerSgdWithFeedback)),
+        opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9}),
+        sched(nn::optim::LrTarget{[this] { return opt.lr(); },
+                                  [this, refuses](double lr) {
+                                    if (refuses && lr > 0.02) {
+                                      throw std::runtime_error("rank 1's target refuses rates above 0.02");
+                                    }
+                                    opt.set_lr(lr);
+                                  }},
+              nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay")) {
+    ddp.RegisterCommHook(hooks::PowerSgdHook(state));
+  }
+  void Train(ProcessGroup& pg, int from, int to) {
+    for (int s = from; s < to; ++s) {
+      TrainStep(ddp, opt, pg, s);
+      sched.Step();
+    }
+  }
+  std::map<std::string, std::string> PowerSgdBytes() const {
+    return BytesByName(state->StateDict(model->NamedParameters(), /*with_residuals=*/true));
+  }
+  std::shared_ptr<nn::modules::Module> model;
+  DistributedDataParallel ddp;
+  std::shared_ptr<PowerSgdState> state;
+  nn::optim::Sgd opt;
+  nn::optim::LrScheduler sched;
+};
+
+// A collective restore whose load fails on rank 1 (its target refuses the
+// saved rate) after ranks 0 and 2 loaded every part, PowerSGD's included:
+// PowerSGD's state is put back through its own StateDict and LoadStateDict
+// (with this rank's residuals), which leaves it in a form of its own (the
+// buckets emptied, their state waiting for the next backward). Every
+// rank's hook then holds bitwise what it held before the call (iteration,
+// Q's, residuals), and training goes on exactly as a run that never
+// attempted the restore: the same weights and the same PowerSGD state
+// after three more steps.
+DDP_TEST_WORKER(restore_fails_and_powersgd_is_put_back) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string rank = "rank " + std::to_string(pg->rank());
+  // The checkpoint: another model, with its own hook's state.
+  auto saved = Mlp(7);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  auto saved_state = std::make_shared<PowerSgdState>(kPowerSgdWithFeedback);
+  {
+    DistributedDataParallel ddp(saved, {.process_group = pg});
+    ddp.RegisterCommHook(hooks::PowerSgdHook(saved_state));
+    for (int s = 10; s < 13; ++s) {
+      TrainStep(ddp, saved_opt, *pg, s);
+      saved_sched.Step();
+    }
+  }
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched, nullptr, saved_state.get());
+  // Two identical runs, trained side by side: one attempts the restore.
+  PowerSgdTraining attempted(pg, pg->rank() == 1);
+  PowerSgdTraining untouched(pg, false);
+  attempted.Train(*pg, 0, 4);
+  untouched.Train(*pg, 0, 4);
+  const std::map<std::string, std::string> powersgd_before = attempted.PowerSgdBytes();
+  WORKER_EXPECT(attempted.state->iteration() == 4 && powersgd_before.count("powersgd.q.1.weight") == 1 &&
+                    powersgd_before.count("powersgd.residual.1.weight") == 1,
+                rank + ": PowerSGD has not compressed yet (iteration " +
+                    std::to_string(attempted.state->iteration()) + ")");
+  WORKER_EXPECT(powersgd_before == untouched.PowerSgdBytes(), rank + ": the two runs differ before the restore");
+  // Not a test if the checkpoint held the run's own Q's.
+  const std::map<std::string, std::string> in_checkpoint = BytesByName(c.optimizer);
+  WORKER_EXPECT(in_checkpoint.count("powersgd.q.1.weight") == 1 &&
+                    in_checkpoint.at("powersgd.q.1.weight") != powersgd_before.at("powersgd.q.1.weight"),
+                rank + ": the checkpoint's Q is the run's");
+  const std::vector<std::string> model_before = StateBytes(*attempted.model);
+  const std::vector<std::string> opt_before = StateBytes(attempted.opt.StateDict());
+  std::string error = "no error";
+  try {
+    RestoreCheckpoint(*pg, c, attempted.ddp, &attempted.opt, &attempted.sched, nullptr, attempted.state.get());
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
+                         "the scheduler's state threw: rank 1's target refuses rates above 0.02 (the model and "
+                         "the optimizer were loaded before it); every rank put its model and components back as "
+                         "they were before the call",
+                rank + " got: " + error);
+  WORKER_EXPECT(attempted.state->iteration() == 4,
+                rank + ": PowerSGD's iteration is " + std::to_string(attempted.state->iteration()));
+  const std::map<std::string, std::string> powersgd_after = attempted.PowerSgdBytes();
+  for (const auto& [name, bytes] : powersgd_before) {
+    const auto it = powersgd_after.find(name);
+    WORKER_EXPECT(it != powersgd_after.end() && it->second == bytes,
+                  rank + ": PowerSGD's `" + name + "` is " + (it == powersgd_after.end() ? "gone" : "not as it was"));
+  }
+  WORKER_EXPECT(powersgd_after.size() == powersgd_before.size(),
+                rank + ": PowerSGD holds " + std::to_string(powersgd_after.size()) + " entries, " +
+                    std::to_string(powersgd_before.size()) + " before");
+  WORKER_EXPECT(StateBytes(*attempted.model) == model_before && StateBytes(attempted.opt.StateDict()) == opt_before,
+                rank + ": the model or the optimizer is not as it was");
+  attempted.Train(*pg, 4, 7);
+  untouched.Train(*pg, 4, 7);
+  WORKER_EXPECT(testing::HashState(*attempted.model) == testing::HashState(*untouched.model),
+                rank + ": training after the failed restore differs from the run that never attempted it");
+  WORKER_EXPECT(attempted.PowerSgdBytes() == untouched.PowerSgdBytes(),
+                rank + ": PowerSGD's state after the failed restore differs from the run that never attempted it");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AFailedRestorePutsPowerSgdStateBackBitwiseAndTrainingGoesOnAsIfNeverAttempted) {
+  auto run = RunWorkers("restore_fails_and_powersgd_is_put_back", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
