@@ -17,6 +17,8 @@
 #include <mutex>
 #include <thread>
 
+#include "transport/store/backoff.h"
+
 namespace ddp::transport::store {
 
 UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
@@ -74,6 +76,8 @@ using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
 
 // One connect attempt to an address when more addresses follow it.
 constexpr auto kConnectAttemptTime = std::chrono::seconds(2);
+// First pause between connect rounds (before the draw takes up to half).
+constexpr auto kConnectBackoffFirst = std::chrono::milliseconds(5);
 // Longest pause between connect rounds while nobody listens yet.
 constexpr auto kRefusedBackoffMax = std::chrono::milliseconds(200);
 // Longest pause between lookups of a name that does not resolve yet: a
@@ -300,6 +304,12 @@ StatusOr<int> FreeTcpPort() {
   return LocalPort(fd.get());
 }
 
+Clock::duration ConnectRetryPause(int retry, bool lookup_failed, double unit,
+                                  Clock::duration left) {
+  return RetryPause(retry, unit, kConnectBackoffFirst,
+                    lookup_failed ? kLookupBackoffMax : kRefusedBackoffMax, left);
+}
+
 StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline) {
   if (port < 1 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [1, 65535]");
@@ -309,7 +319,7 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
     return InvalidArgumentError("cannot connect to the store at port " + std::to_string(port) +
                                 ": the host is empty (\"\"); give a host name or address");
   }
-  auto backoff = std::chrono::milliseconds(5);
+  int retries = 0;  // failed rounds so far
   std::string last_error;
   bool lookup_failed = false;  // the last round ended at the name lookup
   while (true) {
@@ -370,9 +380,7 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
     // Nobody listens yet (the store host may start after us), or the name
     // has no address yet: try again.
     std::this_thread::sleep_for(
-        std::min<Clock::duration>(backoff, deadline - Clock::now()));
-    backoff = std::min<std::chrono::milliseconds>(
-        backoff * 2, lookup_failed ? kLookupBackoffMax : kRefusedBackoffMax);
+        ConnectRetryPause(retries++, lookup_failed, RetryDraw(), deadline - Clock::now()));
     if (Clock::now() >= deadline) break;
   }
   if (lookup_failed) {

@@ -169,16 +169,6 @@ class TcpStoreServer {
   bool loopback_only_ = false;
 };
 
-/// Pause before the client's next handshake after the store turned it away
-/// `retry` times in a row (0: the first time), when `unit`, in [0, 1), is
-/// this client's random draw: between half and all of a ceiling that starts
-/// at `first` and doubles with each retry up to `most`, and never past
-/// `left` (the time to the call's deadline; none when that is not
-/// positive). Ranks turned away together (a full store, a restarting
-/// server) so come back spread out, and fewer times, instead of all in step.
-Clock::duration HandshakeRetryPause(int retry, double unit, Clock::duration first,
-                                    Clock::duration most, Clock::duration left);
-
 /// A connection to a TcpStoreServer.
 ///
 /// Thread-safe; calls from several threads take turns, and a blocking Get or

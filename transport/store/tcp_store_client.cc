@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
-#include <random>
 #include <thread>
 
+#include "transport/store/backoff.h"
 #include "transport/store/socket.h"
 #include "transport/store/tcp_store.h"
 #include "transport/store/wire.h"
@@ -118,39 +118,7 @@ constexpr auto kClosedRetryMost = std::chrono::milliseconds(500);
 constexpr auto kFullRetryFirst = std::chrono::milliseconds(50);
 constexpr auto kFullRetryMost = std::chrono::milliseconds(1000);
 
-// A seed that differs between processes and threads started together:
-// the system's entropy where it can be read (std::random_device throws
-// where it cannot), else the clock; the pid either way.
-uint64_t RetrySeed() {
-  uint64_t seed = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  try {
-    seed = (static_cast<uint64_t>(std::random_device{}()) << 16) ^ seed;
-  } catch (const std::exception&) {
-  }
-  return seed ^ (static_cast<uint64_t>(getpid()) << 40);
-}
-
-// This thread's draw in [0, 1) for spreading retries; seeded per thread,
-// so ranks started together draw apart.
-double RetryDraw() {
-  thread_local std::mt19937_64 engine{RetrySeed()};
-  return std::uniform_real_distribution<double>(0.0, 1.0)(engine);
-}
-
 }  // namespace
-
-Clock::duration HandshakeRetryPause(int retry, double unit, Clock::duration first,
-                                    Clock::duration most, Clock::duration left) {
-  if (left <= Clock::duration::zero()) return Clock::duration::zero();
-  Clock::duration ceiling = std::min(first, most);
-  for (int i = 0; i < retry && ceiling < most; ++i) ceiling = std::min(ceiling * 2, most);
-  unit = std::clamp(unit, 0.0, 1.0);
-  const auto half = ceiling / 2;
-  const auto pause = half + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double, Clock::period>(
-                                    static_cast<double>((ceiling - half).count()) * unit));
-  return std::min(pause, left);
-}
 
 StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::string& host,
                                                                   int port,
@@ -198,8 +166,8 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
       // restarting. Try again while there is time.
       last_error = reply.status().message();
       if (Clock::now() >= deadline) break;
-      std::this_thread::sleep_for(HandshakeRetryPause(retries++, RetryDraw(), kClosedRetryFirst,
-                                                      kClosedRetryMost, deadline - Clock::now()));
+      std::this_thread::sleep_for(RetryPause(retries++, RetryDraw(), kClosedRetryFirst,
+                                             kClosedRetryMost, deadline - Clock::now()));
       continue;
     }
     wire::Reader r(*reply);
@@ -231,8 +199,8 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
       // Full for now (every place held by the job); a place may free up.
       last_error = "it refused the connection: " + std::string(message);
       if (Clock::now() >= deadline) break;
-      std::this_thread::sleep_for(HandshakeRetryPause(retries++, RetryDraw(), kFullRetryFirst,
-                                                      kFullRetryMost, deadline - Clock::now()));
+      std::this_thread::sleep_for(RetryPause(retries++, RetryDraw(), kFullRetryFirst,
+                                             kFullRetryMost, deadline - Clock::now()));
       continue;
     }
     if (status_code != StatusCode::kOk) {

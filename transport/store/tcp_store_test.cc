@@ -2016,27 +2016,6 @@ TEST(TcpStoreTest, AClientTurnedAwayBacksOffInsteadOfRetryingInStep) {
   EXPECT_LE(accepted.load(), 12) << "retried without backing off";
 }
 
-// The retry schedule itself: doubling to a cap, spread by the draw over the
-// upper half of the ceiling, and never past the deadline.
-TEST(TcpStoreTest, HandshakeRetryPausesDoubleToACapSpreadByTheDrawWithinTheDeadline) {
-  const Clock::duration first = 10ms, most = 500ms, lots = 1h;
-  EXPECT_EQ(HandshakeRetryPause(0, 0.0, first, most, lots), Clock::duration(5ms));
-  EXPECT_EQ(HandshakeRetryPause(1, 0.0, first, most, lots), Clock::duration(10ms));
-  EXPECT_EQ(HandshakeRetryPause(3, 0.0, first, most, lots), Clock::duration(40ms));
-  EXPECT_EQ(HandshakeRetryPause(6, 0.0, first, most, lots), Clock::duration(250ms));
-  EXPECT_EQ(HandshakeRetryPause(1000, 0.0, first, most, lots), Clock::duration(250ms));
-  EXPECT_EQ(HandshakeRetryPause(0, 0.5, first, most, lots), Clock::duration(7500us));
-  // Two clients refused together with different draws come back apart.
-  EXPECT_EQ(HandshakeRetryPause(2, 0.25, first, most, lots), Clock::duration(25ms));
-  EXPECT_EQ(HandshakeRetryPause(2, 0.75, first, most, lots), Clock::duration(35ms));
-  EXPECT_LE(HandshakeRetryPause(1000, 0.999999, first, most, lots), most);
-  EXPECT_GT(HandshakeRetryPause(1000, 0.999999, first, most, lots), Clock::duration(499ms));
-  // Never past the deadline; none once it has passed.
-  EXPECT_EQ(HandshakeRetryPause(6, 0.5, first, most, 3ms), Clock::duration(3ms));
-  EXPECT_EQ(HandshakeRetryPause(6, 0.5, first, most, Clock::duration::zero()), Clock::duration::zero());
-  EXPECT_EQ(HandshakeRetryPause(6, 0.5, first, most, -5ms), Clock::duration::zero());
-}
-
 std::string OkHandshakeReply(const std::string&) {
   wire::Writer w;
   w.Bytes(std::string_view(wire::kMagic, 4));
