@@ -1553,6 +1553,35 @@ TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
   EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
 }
 
+// A client parked in a Wait when the store restarts on the same port fails
+// UNAVAILABLE naming the store's host:port, and stays failed: there is no
+// reconnection (README), although a new client reaches the new server.
+TEST(TcpStoreTest, AWaitParkedAcrossAStoreRestartFailsNamingHostPortAndDoesNotReconnect) {
+  auto server = StartServer();
+  const int port = server->port();
+  const std::string endpoint = "127.0.0.1:" + std::to_string(port);
+  auto parked = ConnectClient(*server);
+  Status waited = InternalError("not run");
+  std::thread thread([&] {
+    const std::vector<std::string> keys = {"never"};
+    waited = parked->Wait(keys, DeadlineIn(30s));
+  });
+  EXPECT_TRUE(ParkedWithin(*server, 1, 10s)) << "the Wait never reached the server";
+  server->Stop();
+  server.reset();
+  thread.join();
+  auto restarted = StartServer({.port = port});
+  ASSERT_NE(restarted, nullptr);
+  EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited;
+  EXPECT_THAT(waited.message(), HasSubstr("the store at " + endpoint)) << waited;
+
+  Status later = parked->Set("k", "v", DeadlineIn(5s));
+  EXPECT_EQ(later.code(), StatusCode::kUnavailable) << later;
+  EXPECT_THAT(later.message(), HasSubstr(endpoint)) << later;
+  auto fresh = ConnectClient(*restarted);
+  EXPECT_TRUE(fresh->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
 // A child forked without exec that sleeps holding copies of the process's
 // descriptors (a data loader worker), killed when the test ends.
 class SleepingChild {
