@@ -77,9 +77,11 @@ constexpr milliseconds kBlockingP2pAllowance{250};
 // ranks that have not left: first for all of them, then, up to the longer
 // time, only while some rank that has not left may still come for the
 // reason (not seen exited, or stopped for kStoppedPeerTime, on this
-// host). A rank busy elsewhere at the abort reads the reason there when it
-// next calls; a rank that died never leaves, and where nothing says so
-// (another host) it holds the store up to the end.
+// host; on another host, its UCX connection unbroken). A rank busy
+// elsewhere at the abort reads the reason there when it next calls; a
+// rank that died never leaves, and where nothing says so (another host,
+// in a communicator this rank has no connection to) it holds the store up
+// to the end.
 constexpr milliseconds kAbortedStoreTime{1000};
 constexpr milliseconds kAbortedStoreTimeForLatePeers{3000};
 // A rank on this host seen stopped (SIGSTOP, SIGTSTP, a debugger) at every
@@ -212,6 +214,12 @@ struct ServedStore {
   // (made without this process) listed them. The last holder tells with it a rank that died from one still
   // to come, in communicators it is not a member of; under mu.
   std::map<std::string, std::vector<int>> member_pids;
+  // Per key prefix (of `users`) of a split made in this process: the key
+  // prefix of the communicator it was split from, and each of its ranks'
+  // rank there, in its rank order. When that parent is the last holder, a
+  // member on another host whose UCX connection to the parent broke counts
+  // as gone (its pid, above, is 0: not on this host); under mu.
+  std::map<std::string, std::pair<std::string, std::vector<int>>> member_parent_ranks;
 };
 
 // The stores this process serves, by "host:port": a communicator made again
@@ -1589,26 +1597,63 @@ void Communicator::Impl::Shutdown() {
         }
         return gone_not_left >= not_left;
       };
-      // The same for another communicator using the store, by the pids of
-      // its ranks on this host (ServedStore::member_pids): its ranks not
-      // yet left have all exited, each without its "left/<rank>" mark. One
-      // on another host, or of a communicator whose pids are not known
-      // here, is waited for by the count alone. A pid taken since by
-      // another process looks alive: waited for, to the bound.
+      // The same for another communicator using the store: its ranks not
+      // yet left are all gone, each without its "left/<rank>" mark. Gone:
+      // on this host, exited (by the pids of ServedStore::member_pids); on
+      // another host, for a split of this communicator after an abort, its
+      // UCX connection to this rank broke while it had not left this
+      // communicator (ServedStore::member_parent_ranks; as rest_gone tells
+      // it for this communicator's own ranks). Any other rank (on
+      // another host of a split not made from this communicator, or of a
+      // communicator whose pids are not known here) is waited for by the
+      // count alone. A pid taken since by another process looks alive:
+      // waited for, to the bound.
       std::map<std::string, std::set<int>> marked;  // per prefix: gone ranks seen left
+      std::set<int> parent_left;  // ranks of this communicator seen left (their mark)
       const auto members_gone = [&](const std::string& prefix, int ranks, int64_t left) {
         std::vector<int> pids;
+        std::vector<int> parent_ranks;  // in this communicator, when split from it
         {
           std::lock_guard lock(server_->mu);
-          auto it = server_->member_pids.find(prefix);
-          if (it == server_->member_pids.end()) return false;
-          pids = it->second;
+          if (auto it = server_->member_pids.find(prefix); it != server_->member_pids.end()) {
+            pids = it->second;
+          }
+          if (auto it = server_->member_parent_ranks.find(prefix);
+              it != server_->member_parent_ranks.end() && it->second.first == prefix_) {
+            parent_ranks = it->second.second;
+          }
         }
-        if (pids.size() != static_cast<size_t>(ranks)) return false;
+        if (pids.size() != static_cast<size_t>(ranks) && parent_ranks.size() != static_cast<size_t>(ranks)) {
+          return false;
+        }
         const int64_t not_left = ranks - left;
         std::vector<int> gone;
-        for (size_t r = 0; r < pids.size(); ++r) {
-          if (pids[r] > 0 && ProcessExited(pids[r])) gone.push_back(static_cast<int>(r));
+        if (pids.size() == static_cast<size_t>(ranks)) {
+          for (size_t r = 0; r < pids.size(); ++r) {
+            if (pids[r] > 0 && ProcessExited(pids[r])) gone.push_back(static_cast<int>(r));
+          }
+        }
+        if (aborted() && p2p_ != nullptr && parent_ranks.size() == static_cast<size_t>(ranks)) {
+          const std::vector<int> failed = p2p_->PeersWithFailedEndpoints();
+          for (size_t r = 0; r < parent_ranks.size(); ++r) {
+            const int in_parent = parent_ranks[r];
+            if (std::find(failed.begin(), failed.end(), in_parent) == failed.end()) continue;
+            if (parent_left.count(in_parent) > 0) continue;
+            // A member that left this communicator closed its endpoints to
+            // it, which reads the same as a death, while the split may
+            // live on and still need the store: counted only without its
+            // mark here.
+            auto mark = store_->TryGet(prefix_ + "left/" + std::to_string(in_parent),
+                                       std::min(wait_until, DeadlineIn(milliseconds(1000))));
+            if (!mark.ok()) return false;  // cannot tell: wait on
+            if (mark->has_value()) {
+              parent_left.insert(in_parent);
+            } else {
+              gone.push_back(static_cast<int>(r));
+            }
+          }
+          std::sort(gone.begin(), gone.end());
+          gone.erase(std::unique(gone.begin(), gone.end()), gone.end());
         }
         if (static_cast<int64_t>(gone.size()) < not_left) return false;
         int64_t gone_not_left = 0;
@@ -2786,6 +2831,8 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
         pids.push_back(static_cast<size_t>(r) < impl_->local_pids_.size() ? impl_->local_pids_[r] : 0);
       }
       impl_->server_->member_pids.emplace(child_name(c) + "/", std::move(pids));
+      impl_->server_->member_parent_ranks.emplace(child_name(c) + "/",
+                                                  std::make_pair(impl_->prefix_, std::move(of_color)));
     }
   } else if (impl_->store_rank_ == -2 && !ranks_of_color.empty()) {
     // Every rank learns from rank 0 whether the registration went through:

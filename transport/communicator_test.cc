@@ -1684,7 +1684,10 @@ int ScenarioStoreRankClosesAfterItsPeerDied() {
 // see its process exit, but UCX sees its connections break, and rank 0
 // keeps the store no longer than for a rank on its own host. Before, it
 // waited the whole kAbortedStoreTimeForLatePeers (3 s) for rank 1 to leave.
-int ScenarioStoreRankAbortsAfterARemotePeerWasKilled() {
+// `remote_split`: rank 1 first splits off a communicator of its own, which
+// rank 0 (not a member, serving the store) also keeps the store up for;
+// rank 0 tells that rank 1 there is gone by the same broken connection.
+int StoreRankAbortsAfterARemotePeerWasKilled(bool remote_split) {
   if (EnvOr("RANK") == "1") {
     // Before the communicator exists: the host name is read when it is made.
     const char other[] = "ddp-test-other-host";
@@ -1703,6 +1706,15 @@ int ScenarioStoreRankAbortsAfterARemotePeerWasKilled() {
   WORKER_CHECK(comm->info().num_hosts == 2,
                "rank " + std::to_string(comm->rank()) + " sees " + std::to_string(comm->info().num_hosts) +
                    " host(s), not 2");
+  std::unique_ptr<Communicator> child;
+  if (remote_split) {
+    auto made = comm->Split(comm->rank() == 1 ? 0 : Communicator::kNoColor, 0);
+    WORKER_CHECK(made.ok(), "split: " + made.status().ToString());
+    if (!made.ok()) return 1;
+    child = std::move(*made);
+    WORKER_CHECK((child != nullptr) == (comm->rank() == 1), "rank " + std::to_string(comm->rank()) +
+                                                                " got the wrong side of the split");
+  }
   if (comm->rank() == 1) {
     kill(getpid(), SIGKILL);
     return 1;  // not reached
@@ -1715,6 +1727,49 @@ int ScenarioStoreRankAbortsAfterARemotePeerWasKilled() {
   const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   std::printf("DESTROYED in %lld ms\n", took_ms);
   WORKER_CHECK(took_ms < 2000, "destroying took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// Rank 1, on another host, splits off a communicator of its own and leaves
+// the parent (which closes its UCX connections to rank 0, as a death would)
+// while rank 0 aborts the parent. Rank 1's split lives on: past rank 0's
+// kAbortedStoreTime (1 s), it makes a split of its own, which reads the
+// store; rank 0 must still serve it, telling the rank that left from one
+// that died by its "left" mark.
+int ScenarioStoreRankKeepsTheStoreForARemoteSplitWhoseMemberLeftTheParent() {
+  if (EnvOr("RANK") == "1") {
+    const char other[] = "ddp-test-other-host";
+    if (unshare(CLONE_NEWUTS) != 0 || sethostname(other, sizeof(other) - 1) != 0) {
+      std::fprintf(stderr, "rank 1 could not take a host name of its own (this test needs root): %s\n",
+                   std::strerror(errno));
+      return 4;
+    }
+  }
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  WORKER_CHECK(comm->info().num_hosts == 2,
+               "rank " + std::to_string(me) + " sees " + std::to_string(comm->info().num_hosts) +
+                   " host(s), not 2");
+  auto made = comm->Split(me == 1 ? 0 : Communicator::kNoColor, 0);
+  WORKER_CHECK(made.ok(), "split: " + made.status().ToString());
+  if (!made.ok()) return 1;
+  std::unique_ptr<Communicator> child = std::move(*made);
+  Status s = comm->Barrier();
+  WORKER_CHECK(s.ok(), "barrier: " + s.ToString());
+  const auto after_barrier = Clock::now();
+  if (me == 0) {
+    comm->Abort(AbortedError("rank zero gave up"));
+    comm.reset();
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  comm.reset();
+  // Past rank 0's first second, before its 3 s bound.
+  const auto use_at = after_barrier + milliseconds(1800);
+  WORKER_CHECK(Clock::now() < use_at, "leaving the parent took past 1.8 s");
+  std::this_thread::sleep_until(use_at);
+  auto grandchild = child->Split(0, 0);
+  WORKER_CHECK(grandchild.ok(), "the split's own split, 1.8 s after the parent's abort: " +
+                                    grandchild.status().ToString());
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -2018,7 +2073,13 @@ int RunScenario(const std::string& name) {
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
   if (name == "store_close_after_peer_died") return ScenarioStoreRankClosesAfterItsPeerDied();
   if (name == "late_peer_after_another_left_and_exited") return ScenarioLatePeerAfterAnotherLeftAndExited();
-  if (name == "store_abort_after_remote_peer_killed") return ScenarioStoreRankAbortsAfterARemotePeerWasKilled();
+  if (name == "store_abort_after_remote_peer_killed") return StoreRankAbortsAfterARemotePeerWasKilled(false);
+  if (name == "store_abort_keeps_store_for_remote_split_left_parent") {
+    return ScenarioStoreRankKeepsTheStoreForARemoteSplitWhoseMemberLeftTheParent();
+  }
+  if (name == "store_abort_after_remote_split_member_killed") {
+    return StoreRankAbortsAfterARemotePeerWasKilled(true);
+  }
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
@@ -2256,6 +2317,22 @@ TEST(Communicator, TheRankServingTheStoreWaitsForNoKilledPeerOnAnotherHostAfterA
   Job job = RunJob(2, "store_abort_after_remote_peer_killed", {});
   EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
   EXPECT_EQ(job.results[1].signal, SIGKILL) << job.Describe();
+}
+
+// The same for a rank on another host killed while a communicator split off
+// without rank 0 (its only member) still used the store: rank 0 waited
+// 3 s for that split's rank to leave.
+TEST(Communicator, TheRankServingTheStoreWaitsForNoKilledMemberOfASplitOnAnotherHostAfterAnAbort) {
+  Job job = RunJob(2, "store_abort_after_remote_split_member_killed", {});
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
+  EXPECT_EQ(job.results[1].signal, SIGKILL) << job.Describe();
+}
+
+// A member that left the parent closed its connections to rank 0 as a dead
+// one would, but its split still needs the store: not counted as gone.
+TEST(Communicator, TheRankServingTheStoreKeepsItForASplitOnAnotherHostWhoseMemberLeftTheAbortedParent) {
+  Job job = RunJob(2, "store_abort_keeps_store_for_remote_split_left_parent", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
