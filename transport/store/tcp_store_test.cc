@@ -844,8 +844,13 @@ TEST(TcpStoreTest, ClientThatStopsReadingIsDropped) {
   RawConnection greedy(server->port());
   greedy.Handshake();
   // Ask for the 1 MiB value many times and never read: the replies pile up
-  // past the socket buffers and then past the per-connection bound.
-  for (uint32_t i = 0; i < 64; ++i) greedy.Send(TryGetFrame(i + 1, "blob"));
+  // past the socket buffers and then past the per-connection bound. All
+  // requests in one send (about 1 KiB): sent one by one, a client thread
+  // descheduled part-way on a loaded machine found the connection already
+  // dropped, and its next send failed.
+  std::string requests;
+  for (uint32_t i = 0; i < 64; ++i) requests += TryGetFrame(i + 1, "blob");
+  greedy.Send(requests);
   const Deadline deadline = DeadlineIn(5s);
   while (server->stats().open_connections > 1 && Clock::now() < deadline) {
     std::this_thread::sleep_for(10ms);
