@@ -1,11 +1,11 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
 // wrapping, a submodule replaced or added after wrapping (with parameters,
-// frozen ones, buffers, or none), a GAN's discriminator frozen for the
-// generator's step, two models' Joins on one group, a model with no
-// parameters under Join, an exception inside nested NoSync scopes, and
-// gradients from outside the wrapper (the wrapped module called directly,
-// a penalty of its own).
+// frozen ones, buffers, or none; an unused one frozen later), a GAN's
+// discriminator frozen for the generator's step, two models' Joins on one
+// group, a model with no parameters under Join, an exception inside nested
+// NoSync scopes, and gradients from outside the wrapper (the wrapped module
+// called directly, a penalty of its own).
 
 #include <gtest/gtest.h>
 
@@ -575,6 +575,81 @@ DDP_TEST_WORKER(head_removed) {
 
 TEST(DdpPortingTest, AHeadReplacedByAModuleWithoutParametersIsNamedAsNoLongerInTheModel) {
   auto run = RunWorkers("head_removed", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------- an unused added parameter, later ----
+
+// A Linear body (784 -> 10) and, once AddSpare registered it, a spare head
+// (10 -> 10) applied after the body while set_use_spare(true): a
+// parameter added after wrapping that the forward can leave unused.
+class WithSpare : public Module {
+ public:
+  WithSpare() {
+    nn::Generator gen(3);
+    body_ = RegisterModule("body", std::make_shared<nn::modules::Linear>(784, 10, true, gen));
+  }
+  void AddSpare(uint64_t seed) {
+    nn::Generator gen(seed);
+    spare_ = RegisterModule("spare", std::make_shared<nn::modules::Linear>(10, 10, true, gen));
+  }
+  void set_use_spare(bool use) { use_spare_ = use; }
+  Tensor Forward(const Tensor& x) override {
+    const Tensor h = (*body_)(nn::ops::Flatten(x, 1));
+    return use_spare_ ? (*spare_)(h) : h;
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "WithSpare"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> body_, spare_;
+  bool use_spare_ = false;
+};
+
+// Under find_unused_parameters a trainable parameter added after wrapping
+// is left to the graph walk, and one the forward does not reach is merely
+// unused: training goes on. Frozen later and used by the forward, no walk
+// meets it, yet its values (each rank's own initialization) reach the
+// outputs: the forward after the freeze is refused on every rank, naming
+// it, as a frozen parameter added after wrapping is.
+DDP_TEST_WORKER(added_unused_then_frozen) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<WithSpare>();
+  DistributedDataParallel ddp(model, {.find_unused_parameters = true, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  try {
+    for (int s = 0; s < 3; ++s) {
+      if (s == 1) model->AddSpare(100 + pg->rank());
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("a step with the spare head unused threw: ") + e.what());
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, HashTensors(model->Child("body")->Parameters())),
+                "the body's parameters differ");
+  for (const Tensor& p : model->Child("spare")->Parameters()) p.set_requires_grad(false);
+  model->set_use_spare(true);
+  std::string error;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": parameter `spare.weight`",
+                                 std::string("added to the model after it was wrapped"),
+                                 std::string("does not require grad (frozen)"),
+                                 std::string("the model again after changing it")}) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, AnUnusedParameterAddedAfterWrappingAndFrozenLaterIsNamedAtTheNextForward) {
+  auto run = RunWorkers("added_unused_then_frozen", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

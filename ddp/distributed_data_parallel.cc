@@ -65,6 +65,13 @@ class DistributedDataParallel::Impl {
   // nothing added after wrapping that the forwards refuse (at wrapping,
   // then at forwards).
   uint64_t structure_seen = 0;
+  // Under find_unused_parameters without static_graph: the parameters
+  // added after wrapping that required grad at that look, left to the
+  // graph walk, which refuses one a forward reaches. The walk meets a
+  // parameter only while it requires grad, so one frozen since sends the
+  // next synchronizing forward back to the model's parameters (where it is
+  // refused as an added frozen one, if still there).
+  std::vector<nn::Tensor> added_trainable;
 
   // Join state.
   bool join_enabled = false;
@@ -575,8 +582,10 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // the process changed (another model's registrations then pass).
   // - A parameter that requires grad: with find_unused_parameters the
   //   graph walk refuses it where a forward reaches it (Reducer::
-  //   RefuseAddedParameters), and one no forward reaches is simply unused;
-  //   but under static_graph that walk runs in the first iteration only.
+  //   RefuseAddedParameters), and one no forward reaches is simply unused
+  //   (kept in `added_trainable`, and refused as a frozen one below once
+  //   it stops requiring grad); but under static_graph that walk runs in
+  //   the first iteration only.
   // - A frozen one: no graph walk meets it, yet its values reach the
   //   outputs. PyTorch broadcasts frozen parameters at wrapping too. Proving
   //   it equal across ranks would take a collective on a path that only
@@ -587,13 +596,26 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   const bool syncs_gradients = nn::GradMode::IsEnabled() && s.require_sync;
   const bool syncs_buffers = training && options_.broadcast_buffers && !before_backward;
   const uint64_t version = nn::modules::Module::StructureVersion();
-  if (size > 1 && version != s.structure_seen && (syncs_gradients || syncs_buffers)) {
+  const bool checks_structure = size > 1 && (syncs_gradients || syncs_buffers);
+  // A parameter left to the graph walk (added, trainable) and frozen since:
+  // no walk meets it now, yet its values (never broadcast) reach the
+  // outputs. Empty unless one was added: no cost otherwise.
+  const bool added_frozen_since =
+      checks_structure && std::any_of(s.added_trainable.begin(), s.added_trainable.end(),
+                                      [](const nn::Tensor& p) { return !p.requires_grad(); });
+  if (checks_structure && (version != s.structure_seen || added_frozen_since)) {
     const std::string on_rank = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": ";
     const std::string how = " was added to the model after it was wrapped (with Module::RegisterParameter, "
                             "RegisterBuffer, RegisterModule or ReplaceChild)";
     const bool graph_walked = options_.find_unused_parameters && !options_.static_graph;
+    // Taken again from the model: one no longer in it is dropped.
+    s.added_trainable.clear();
     for (const auto& [name, p] : module_->NamedParameters()) {
-      if (s.wrapped_impls.count(p.impl()) != 0 || (graph_walked && p.requires_grad())) continue;
+      if (s.wrapped_impls.count(p.impl()) != 0) continue;
+      if (graph_walked && p.requires_grad()) {
+        s.added_trainable.push_back(p);
+        continue;
+      }
       if (p.requires_grad()) {
         refuse(on_rank + "parameter `" + name + "`" + how + " and requires grad, but is not one the wrapper "
                "synchronizes: its gradient would stay local on each rank, and its values differ across ranks "
