@@ -1,11 +1,12 @@
 // DistributedDataParallel under the habits of a training script ported
 // from PyTorch, over real processes: parameters frozen and unfrozen after
 // wrapping, a submodule replaced or added after wrapping (with parameters,
-// frozen ones, buffers, or none; an unused one frozen later), a GAN's
-// discriminator frozen for the generator's step, two models' Joins on one
-// group, a model with no parameters under Join, an exception inside nested
-// NoSync scopes, and gradients from outside the wrapper (the wrapped module
-// called directly, a penalty of its own).
+// frozen ones, buffers, or none; an unused one frozen later, or added on
+// one rank under Join), a GAN's discriminator frozen for the generator's
+// step, two models' Joins on one group, a model with no parameters under
+// Join, an exception inside nested NoSync scopes, and gradients from
+// outside the wrapper (the wrapped module called directly, a penalty of its
+// own).
 
 #include <gtest/gtest.h>
 
@@ -650,6 +651,45 @@ DDP_TEST_WORKER(added_unused_then_frozen) {
 
 TEST(DdpPortingTest, AnUnusedParameterAddedAfterWrappingAndFrozenLaterIsNamedAtTheNextForward) {
   auto run = RunWorkers("added_unused_then_frozen", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Under Join, rank 1 alone added a spare head after wrapping and leaves it
+// unused (find_unused_parameters lets it): the ranks' models now list
+// different parameters. Join::Wait's final broadcast takes the parameters
+// every rank had at wrapping, so it lines up across ranks (the model's
+// current lists differ in length) and the body ends equal on both ranks,
+// rank 1's (it ran the most iterations).
+DDP_TEST_WORKER(join_after_added_unused) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = std::make_shared<WithSpare>();
+  DistributedDataParallel ddp(model, {.find_unused_parameters = true, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  if (rank == 1) model->AddSpare(100);
+  uint64_t last = 0;
+  try {
+    Join join(ddp);
+    for (int s = 0; s < 2 + 2 * rank; ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+    last = HashTensors(model->Child("body")->Parameters());
+    join.Wait();
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("threw: ") + e.what());
+  }
+  const uint64_t body = HashTensors(model->Child("body")->Parameters());
+  if (rank == 1) WORKER_EXPECT(body == last, "the last active rank's body was overwritten");
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, body), "the body's parameters differ after Join::Wait");
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, JoinWaitBroadcastsTheParametersOfWrappingWhenOneRankAddedAnUnusedOne) {
+  auto run = RunWorkers("join_after_added_unused", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

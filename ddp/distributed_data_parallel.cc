@@ -938,8 +938,14 @@ void Join::Wait() {
         nn::FromVectorOf<int64_t>({(s.forwards - s.forwards_at_join) * size + pg.rank()}, {1});
     pg.AllReduce(source, transport::ReduceOp::kMax, "join source").Wait();
     const int root = static_cast<int>(source.data<int64_t>()[0] % size);
-    std::vector<nn::Tensor> state;
-    for (const auto& [name, p] : ddp_.module_->NamedParameters()) state.push_back(p);
+    // The parameters and buffers the model had at wrapping, which every
+    // rank agreed on (PyTorch takes the module's parameters now): a model
+    // changed since on some ranks only (a parameter added there and left
+    // unused under find_unused_parameters, or one removed) would make the
+    // lists differ: the broadcast failed on every rank on counts that
+    // differ, or, where the counts happened to match, wrote one rank's
+    // tensors into another's.
+    std::vector<nn::Tensor> state = s.wrapped;
     for (const nn::Tensor& b : s.buffers) state.push_back(b);
     internal::BroadcastCoalesced(pg, state, root, "final parameters after join");
   }
