@@ -717,6 +717,8 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     if (sync) rebuild = f[size + 1] > 0;
   }
   if (rebuild) s.reducer->RebuildBuckets();
+  // The buffers of wrapping, also those of a module replaced since: dropped
+  // on the ranks that replaced it, the lists would differ across ranks.
   if (sync_buffers) internal::BroadcastCoalesced(*pg_, s.buffers, buffer_root, "buffers");
 
   std::vector<nn::Tensor> outputs;
