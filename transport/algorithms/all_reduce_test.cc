@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -146,6 +147,61 @@ TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
           named += s.message().find("tree all-reduce, count 64") != std::string::npos;
         }
         EXPECT_GT(named, 0);
+      }
+    }
+  }
+}
+
+// One rank runs the tree where the others run the ring (or the ring with
+// another count), on 5 and 6 ranks, nobody killed: every ring rank fails
+// well before the deadline, naming the disagreement. The rank after the odd
+// one finds it and sends a note on around the ring; the ring ranks further
+// on waited for its data until their deadline. The odd rank starts last,
+// so that the others are inside the call when the note comes.
+TEST(AllReduceTest, RingRanksFarFromADisagreeingRankFailPromptly) {
+  enum class Odd { kTree, kCount };
+  for (int world : {5, 6}) {
+    for (int odd = 0; odd < world; ++odd) {
+      for (Odd differs : {Odd::kTree, Odd::kCount}) {
+        const std::string what = std::to_string(world) + " ranks, rank " + std::to_string(odd) +
+                                 (differs == Odd::kTree ? " runs the tree" : " passes count 65");
+        std::vector<Clock::duration> took(world);
+        ::ddp::transport::testing::HarnessOptions options;
+        options.kill_on_error = false;
+        const auto start = Clock::now();
+        const auto deadline = start + 6s;
+        auto statuses = ::ddp::transport::testing::RunRanks(
+            world,
+            [&](p2p::PointToPoint& p2p) -> Status {
+              const bool is_odd = p2p.rank() == odd;
+              if (is_odd) std::this_thread::sleep_for(300ms);
+              std::vector<float> data(65, 1.0f);
+              CollectiveArgs args;
+              args.send = data.data();
+              args.recv = data.data();
+              args.count = is_odd && differs == Odd::kCount ? 65 : 64;
+              args.deadline = deadline;
+              const Algorithm algo =
+                  is_odd && differs == Odd::kTree ? Algorithm::kTree : Algorithm::kRing;
+              Status status = AllReduce(p2p, args, algo);
+              took[p2p.rank()] = Clock::now() - start;
+              return status;
+            },
+            options);
+        const std::string odd_one = differs == Odd::kTree ? "tree all-reduce, count 64"
+                                                          : "ring all-reduce, count 65";
+        for (int r = 0; r < world; ++r) {
+          const Status& s = statuses[r];
+          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+          EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed " + odd_one))
+              << what << ": rank " << r;
+          EXPECT_THAT(s.message(), HasSubstr("passed ring all-reduce, count 64"))
+              << what << ": rank " << r;
+          EXPECT_LT(took[r], 3s) << what << ": rank " << r << ": " << s;
+        }
+        // The first case that fails says enough; the rest would each wait
+        // for the deadline.
+        if (HasFailure()) return;
       }
     }
   }

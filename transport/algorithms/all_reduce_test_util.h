@@ -58,8 +58,9 @@ void SweepRandomValues(const AllReduceFn& fn, int world, size_t count = 301,
 /// that fails, as a crashed process looks to its peers, every rank must fail
 /// well before the deadline; with nobody killed, every rank must still fail,
 /// by its deadline at the latest. Only the ranks that check the odd one's
-/// fingerprint fail at once then: the others wait for data from ranks that
-/// have given up, as nothing tells them (a known limitation).
+/// fingerprint, and the ring ranks a stop note reaches (RelayStops), fail
+/// at once then: the others wait for data from ranks that have given up,
+/// as nothing tells them (a known limitation).
 void CheckMismatchedCountsFailEverywhere(const AllReduceFn& fn, int world);
 
 /// The ranks in `empty_ranks` (default: world / 2) pass count 0 to

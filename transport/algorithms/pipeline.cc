@@ -260,7 +260,11 @@ Status PeerCheck::VerifyAsTheyArrive(Requests& requests) {
 
 Status PeerCheck::Compare(const p2p::PointToPoint& p2p, size_t i) {
   if (theirs_[i] == mine_) return Status();
-  if (differing_kind_ == 0) differing_kind_ = theirs_[i].kind;
+  if (differing_peer_ < 0) {
+    differing_kind_ = theirs_[i].kind;
+    differing_peer_ = from_[i];
+    differing_ = theirs_[i];
+  }
   return InvalidArgumentError(what_ + ": ranks disagree on the arguments: " +
                               DescribePeer(p2p, from_[i]) + " passed " +
                               theirs_[i].ToString() + " but " + DescribePeer(p2p, p2p.rank()) +
@@ -612,13 +616,72 @@ StatusOr<p2p::RequestId> Requests::Recv(const Where& where, p2p::Tag tag, void* 
   return *id;
 }
 
+Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int to) {
+  relay_what_ = what;
+  relay_to_ = to;
+  stop_tag_ = StopNoteTag(phase_tag);
+  stop_got_ = Hold<StopNote>(1);
+  Where where{what, 0, 0, Where::kNoChunk, false, from};
+  DDP_ASSIGN_OR_RETURN(stop_recv_, Recv(where, stop_tag_, stop_got_, sizeof(StopNote)));
+  return Status();
+}
+
+Status Requests::SendStopNote(const StopNote& note) {
+  // The finder has failed; on two ranks the other one checks the finder
+  // itself.
+  if (relay_to_ == note.finder || relay_to_ == note.their_rank) return Status();
+  StopNote* held = Hold<StopNote>(1);
+  *held = note;
+  Where where{relay_what_, 0, 0, Where::kNoChunk, true, relay_to_};
+  return Send(where, stop_tag_, held, sizeof(StopNote)).status();
+}
+
 Status Requests::VerifyFirst() {
   if (check_ == nullptr || check_->verified()) return Status();
-  return check_->Verify(*this);
+  Status status = check_->Verify(*this);
+  if (!status.ok() && stop_got_ != nullptr && check_->differing_peer() >= 0) {
+    StopNote note;
+    note.theirs = check_->differing();
+    note.finders = check_->mine();
+    note.their_rank = check_->differing_peer();
+    note.finder = p2p_.rank();
+    // Not waited for (RelayStops); the check's own error is the one to report.
+    SendStopNote(note).IgnoreError();
+  }
+  return status;
+}
+
+Status Requests::WaitOrStop(p2p::RequestId id) {
+  // The request first: a deadline names it.
+  const p2p::RequestId both[2] = {id, stop_recv_};
+  StatusOr<size_t> got = p2p_.WaitAny(both, deadline_);
+  // On error WaitAny releases the failed request only; the destructor's
+  // CancelAll skips released ids, so both stay listed.
+  if (!got.ok()) return got.status();
+  if (*got == 0) {
+    Forget(id);
+    return Status();
+  }
+  Forget(stop_recv_);
+  stop_recv_ = 0;
+  const StopNote note = *stop_got_;
+  stopped_by_kind_ = note.theirs.kind;
+  SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
+  const int finder = static_cast<int>(note.finder);
+  return InvalidArgumentError(DescribePeer(p2p_, finder) +
+                              " found that ranks disagree on the arguments, and the ring passed "
+                              "that on: " +
+                              DescribePeer(p2p_, static_cast<int>(note.their_rank)) + " passed " +
+                              note.theirs.ToString() + " but " + DescribePeer(p2p_, finder) +
+                              " passed " + note.finders.ToString());
 }
 
 Status Requests::Wait(p2p::RequestId id, const Where& where) {
   DDP_RETURN_IF_ERROR(VerifyFirst());
+  if (stop_recv_ != 0) {
+    Status status = WaitOrStop(id);
+    return status.ok() ? status : Annotate(status, Describe(p2p_, where));
+  }
   const p2p::RequestId one[1] = {id};
   Status status = p2p_.WaitAll(one, deadline_);
   Forget(id);  // released by WaitAll either way
@@ -637,6 +700,14 @@ StatusOr<bool> Requests::Test(p2p::RequestId id, const Where& where) {
 
 Status Requests::WaitAll(const char* what) {
   DDP_RETURN_IF_ERROR(VerifyFirst());
+  if (stop_recv_ != 0) {
+    // This rank has all its data, which passed every other rank after that
+    // rank's check (or came straight from the predecessor, checked here):
+    // no note can come any more.
+    Forget(stop_recv_);
+    p2p_.Cancel(stop_recv_);
+    stop_recv_ = 0;
+  }
   if (outstanding_.empty()) return Status();
   std::vector<p2p::RequestId> all;
   all.swap(outstanding_);

@@ -96,7 +96,13 @@ inline p2p::Tag StepTag(p2p::Tag phase_tag, uint64_t index) {
 }
 
 /// Tag of the fingerprint exchanged in the phase starting at `phase_tag`.
+/// The next tags carry CheckEveryRank's later rounds (+1), DirectExchange's
+/// block sizes (+2) and the ring's stop notes (+3, StopNoteTag).
 inline p2p::Tag FingerprintTag(p2p::Tag phase_tag) { return phase_tag + kDataSteps; }
+
+/// Tag of the note a ring rank that found a disagreement sends on around
+/// the ring (Requests::RelayStops).
+inline p2p::Tag StopNoteTag(p2p::Tag phase_tag) { return FingerprintTag(phase_tag) + 3; }
 
 /// "rank 3", or "group rank 1 (rank 5)" when `p2p` is a GroupView, 5 being
 /// the rank of the transport under every level of views.
@@ -189,6 +195,10 @@ class PeerCheck {
   bool verified() const { return verified_; }
   /// Fingerprint::kind of the first peer found to differ, 0 while none has.
   int32_t differing_kind() const { return differing_kind_; }
+  /// The first peer found to differ (-1 while none has), and what it passed.
+  int differing_peer() const { return differing_peer_; }
+  const Fingerprint& differing() const { return differing_; }
+  const Fingerprint& mine() const { return mine_; }
 
  private:
   Status Compare(const p2p::PointToPoint& p2p, size_t i);
@@ -204,6 +214,8 @@ class PeerCheck {
   std::vector<p2p::RequestId> ids_;
   bool verified_ = false;
   int32_t differing_kind_ = 0;
+  int differing_peer_ = -1;
+  Fingerprint differing_;
 };
 
 /// The whole of a collective whose count is 0, on a world of more than one
@@ -380,6 +392,28 @@ class Requests {
   /// Completed without blocking? Releases it when so.
   StatusOr<bool> Test(p2p::RequestId id, const Where& where);
 
+  /// Makes a ring's argument check stop the whole ring, not only the rank
+  /// that checks the one that differs: without it, the ranks further on
+  /// waited for data from the failed rank until their deadline (nothing
+  /// flows to them from the rank that disagrees, which may run another
+  /// algorithm altogether). Posts the receive of a stop note from `from`
+  /// (the ring predecessor) at StopNoteTag(phase_tag), which every later
+  /// Wait watches besides its own request. A rank whose PeerCheck (checking
+  /// `from`) finds a disagreement sends a note naming both ranks and values
+  /// to `to` (the successor) as it fails; a rank that receives one fails
+  /// with it, INVALID_ARGUMENT, and sends it on, until the next rank is the
+  /// one that found it. Call before the PeerCheck's Post. The notes are not
+  /// waited for (the next rank may run another collective, or have failed
+  /// on its own check, and never take one): this object's end cancels a
+  /// note not yet taken, so a rank that had not yet posted its receive by
+  /// then waits for its deadline, as it did before. Costs the agreeing
+  /// call one receive posted and cancelled, and every Wait watching two
+  /// requests instead of one.
+  Status RelayStops(const char* what, p2p::Tag phase_tag, int from, int to);
+  /// Fingerprint::kind of the rank that differed, as a stop note received
+  /// here named it; 0 while none came.
+  int32_t stopped_by_kind() const { return stopped_by_kind_; }
+
   p2p::PointToPoint& p2p() { return p2p_; }
   Deadline deadline() const { return deadline_; }
 
@@ -401,8 +435,21 @@ class Requests {
     return held;
   }
   void* HoldBytes(size_t bytes);
-  // Runs the registered PeerCheck before the first blocking wait.
+  // Runs the registered PeerCheck before the first blocking wait (and
+  // starts a stop note when it fails and RelayStops was called).
   Status VerifyFirst();
+  // Waits for `id` or a stop note, whichever comes first (RelayStops); the
+  // caller annotates errors.
+  Status WaitOrStop(p2p::RequestId id);
+  // What a rank that found a disagreement sends on around the ring.
+  struct StopNote {
+    Fingerprint theirs;    // what `their_rank` passed
+    Fingerprint finders;   // what `finder` passed
+    int64_t their_rank = 0;
+    int64_t finder = 0;    // the rank whose check found it
+  };
+  // Posts `note` to relay_to_, unless that rank is one of the two it names.
+  Status SendStopNote(const StopNote& note);
 
   PeerCheck* check_ = nullptr;
   p2p::PointToPoint& p2p_;
@@ -416,6 +463,14 @@ class Requests {
   std::vector<p2p::RequestId> outstanding_;
   std::unordered_map<p2p::RequestId, size_t> position_;
   std::deque<std::vector<std::max_align_t>> held_;  // Hold
+  // RelayStops: the stop note's receive (0 when none is posted), its
+  // buffer, the rank to send notes on to, and the tag.
+  p2p::RequestId stop_recv_ = 0;
+  StopNote* stop_got_ = nullptr;
+  int relay_to_ = -1;
+  p2p::Tag stop_tag_ = 0;
+  const char* relay_what_ = "";
+  int32_t stopped_by_kind_ = 0;
 };
 
 }  // namespace ddp::transport::algorithms::internal

@@ -84,18 +84,25 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
   Where where{params.what, 0, steps, 0, false, 0};
   PeerCheck check(params.what, params.fingerprint ? *params.fingerprint : Fingerprint{});
   if (params.fingerprint != nullptr) {
+    // A disagreement stops the whole ring, not only the rank that checks
+    // the one that differs.
+    DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.tag, prev, next));
     const std::vector<int> to =
         params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
     DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));
   }
-  // On every return, error paths included.
+  // On every return, error paths included. A stop note counts as the
+  // check's finding: the rank that differs may run CheckEveryRank and wait
+  // for this rank's rounds (the ring reduce).
   struct ReportDifferingKind {
     const PeerCheck& check;
+    const Requests& requests;
     int32_t* out;
     ~ReportDifferingKind() {
-      if (out != nullptr) *out = check.differing_kind();
+      if (out == nullptr) return;
+      *out = check.differing_kind() != 0 ? check.differing_kind() : requests.stopped_by_kind();
     }
-  } report_differing_kind{check, params.differing_kind};
+  } report_differing_kind{check, requests, params.differing_kind};
 
   // Posts the receive of message m and, at step 0, the matching raw send of
   // this rank's own contribution, which needs no reduction.
@@ -184,6 +191,9 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
   Where where{params.what, 0, steps, 0, false, 0};
   PeerCheck check(params.what, params.fingerprint ? *params.fingerprint : Fingerprint{});
   if (params.fingerprint != nullptr) {
+    // A disagreement stops the whole ring, not only the rank that checks
+    // the one that differs.
+    DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.tag, prev, next));
     const std::vector<int> to =
         params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
     DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));

@@ -41,8 +41,9 @@ struct RingParams {
   /// (PostEveryRankRounds); only the predecessor's is received here.
   bool fingerprint_sent = false;
   /// When set, the reduce-scatter stores here, as it returns, the
-  /// Fingerprint::kind of a predecessor whose fingerprint differed (0 when
-  /// none did or none arrived).
+  /// Fingerprint::kind of a predecessor whose fingerprint differed, or of
+  /// the rank a stop note named (Requests::RelayStops); 0 when none did or
+  /// none arrived.
   int32_t* differing_kind = nullptr;
 };
 

@@ -19,8 +19,9 @@
 // fail too. The tree proves that every rank agrees (CheckEveryRank, count 0
 // included), so one rank that differs fails every rank at once, naming it.
 // The ring checks each rank against its ring predecessor (count 0: against
-// every rank); ranks not next to the one that differs fail as the failure
-// reaches them, or at their deadline. Ring ranks also send the tree's later
+// every rank); ranks not next to the one that differs fail as the stop note
+// of the rank that found it reaches them (Requests::RelayStops), or, when
+// they entered the call after it passed, at their deadline. Ring ranks also send the tree's later
 // check rounds (PostEveryRankRounds), so that ranks whose count took them
 // to the other algorithm fail at once instead of at their deadline.
 

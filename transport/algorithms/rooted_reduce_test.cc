@@ -393,7 +393,8 @@ TEST(ReduceTest, OneRankDisagreeingFailsEveryRankOfTheTreeNamingIt) {
 // count, op or dtype of the same size, at every place of 5 and 6 ranks,
 // still makes every rank fail (at once with the harness killing failed
 // ranks; without, by the deadline at the latest: the ranks not next to the
-// odd one wait for blocks that never come).
+// odd one fail on the stop note, or, when they entered after it passed,
+// wait for blocks that never come).
 TEST(ReduceTest, OneRankDisagreeingFailsEveryRankOfTheRing) {
   enum class Odd { kRoot, kCount, kOp, kDtype };
   for (bool kill : {true, false}) {
@@ -521,8 +522,9 @@ TEST(ReduceTest, EmptyCallOnOneRankFailsEveryRankOfTheTreeAtOnce) {
 // every place of 3, 5 and 8 ranks, with nobody killed. The tree ranks and
 // the ring ranks next to a tree rank fail well before the deadline, naming
 // the odd rank and both counts, and no tree rank's recv is written. The
-// ring ranks further on wait for blocks that never come (as in any ring
-// mismatch; the communicator's abort ends their wait). The tree ranks'
+// ring ranks further on fail on the stop note (Requests::RelayStops), or,
+// when they entered after it passed, wait for blocks that never come (the
+// communicator's abort ends that wait): not checked here. The tree ranks'
 // check (CheckEveryRank) waited for later rounds from ring ranks, which
 // sent only their ring check, so a lone tree rank among ring ranks, and
 // tree ranks two or more places after a lone ring rank, waited for their
