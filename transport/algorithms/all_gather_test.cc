@@ -164,5 +164,12 @@ TEST(RingAllGatherTest, OneRankWithAnotherCountOrDtypeFailsEveryRank) {
   testing::ExpectOneRankWithAnotherCountOrDtypeFailsEveryRank(RingAllGather, /*send_has_every_block=*/false);
 }
 
+// Nobody killed: the ranks further from the odd one than its successor
+// waited for blocks until their deadline; the successor's stop note now
+// fails them at once.
+TEST(RingAllGatherTest, OneRankWithAnotherCountStopsTheWholeRing) {
+  testing::ExpectOneRankWithAnotherCountStopsTheRing(RingAllGather, /*send_has_every_block=*/false);
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms

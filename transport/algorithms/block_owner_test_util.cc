@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -115,6 +116,47 @@ void ExpectOneRankWithAnotherCountOrDtypeFailsEveryRank(const BlockCollectiveFn&
         }
       }
     }
+  }
+}
+
+void ExpectOneRankWithAnotherCountStopsTheRing(const BlockCollectiveFn& fn, bool send_has_every_block) {
+  constexpr int kWorld = 5;
+  for (int odd = 0; odd < kWorld; ++odd) {
+    const std::string what = "rank " + std::to_string(odd) + " of " + std::to_string(kWorld) +
+                             " passes count 9, nobody killed";
+    std::vector<Clock::duration> took(kWorld);
+    transport::testing::HarnessOptions options;
+    options.kill_on_error = false;
+    const auto start = Clock::now();
+    auto statuses = transport::testing::RunRanks(
+        kWorld,
+        [&](p2p::PointToPoint& p2p) -> Status {
+          const bool is_odd = p2p.rank() == odd;
+          // The others are inside the call when the note comes.
+          if (is_odd) std::this_thread::sleep_for(300ms);
+          const size_t count = is_odd ? 9 : 8;
+          std::vector<float> send(count * (send_has_every_block ? kWorld : 1), 1.0f);
+          std::vector<float> recv(count * (send_has_every_block ? 1 : kWorld));
+          CollectiveArgs args;
+          args.send = send.data();
+          args.recv = recv.data();
+          args.count = count;
+          args.deadline = start + 6s;
+          Status status = fn(p2p, args);
+          took[p2p.rank()] = Clock::now() - start;
+          return status;
+        },
+        options);
+    for (int r = 0; r < kWorld; ++r) {
+      const Status& s = statuses[r];
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+      EXPECT_THAT(s.message(), ::testing::ContainsRegex("rank " + std::to_string(odd) +
+                                                        " passed [a-z -]+, count 9 of f32"))
+          << what << ": rank " << r;
+      EXPECT_THAT(s.message(), ::testing::HasSubstr("count 8 of f32")) << what << ": rank " << r;
+      EXPECT_LT(took[r], 3s) << what << ": rank " << r << ": " << s;
+    }
+    if (::testing::Test::HasFailure()) return;
   }
 }
 

@@ -53,6 +53,14 @@ void ExpectBlockOwnersThatAreNotPermutationsRefused(const BlockCollectiveFn& fn,
 /// (all-gather).
 void ExpectOneRankWithAnotherCountOrDtypeFailsEveryRank(const BlockCollectiveFn& fn, bool send_has_every_block);
 
+/// Runs `fn` on 5 ranks, nobody killed, with one rank at every place
+/// passing count 9 where the others pass 8 and entering 300 ms after them,
+/// and records a gtest failure unless every rank fails with
+/// INVALID_ARGUMENT naming both counts within 3 s of a 6 s deadline: the
+/// rank that finds the difference stops the whole ring (a stop note,
+/// Requests::RelayStops). Buffers as above.
+void ExpectOneRankWithAnotherCountStopsTheRing(const BlockCollectiveFn& fn, bool send_has_every_block);
+
 }  // namespace ddp::transport::algorithms::testing
 
 #endif  // DDP_TRANSPORT_ALGORITHMS_BLOCK_OWNER_TEST_UTIL_H_

@@ -187,5 +187,12 @@ TEST(RingReduceScatterTest, OneRankWithAnotherCountOrDtypeFailsEveryRank) {
   testing::ExpectOneRankWithAnotherCountOrDtypeFailsEveryRank(RingReduceScatter, /*send_has_every_block=*/true);
 }
 
+// Nobody killed: the ranks further from the odd one than its successor
+// waited for data until their deadline; the successor's stop note now
+// fails them at once.
+TEST(RingReduceScatterTest, OneRankWithAnotherCountStopsTheWholeRing) {
+  testing::ExpectOneRankWithAnotherCountStopsTheRing(RingReduceScatter, /*send_has_every_block=*/true);
+}
+
 }  // namespace
 }  // namespace ddp::transport::algorithms
