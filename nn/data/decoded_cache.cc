@@ -172,12 +172,23 @@ bool ReadAt(int fd, void* dst, size_t n, off_t offset) {
   return true;
 }
 
+// Which file a name led to (its device and inode), to tell later whether
+// the name still leads to it.
+struct FileId {
+  bool found = false;
+  dev_t dev = 0;
+  ino_t ino = 0;
+};
+
 // The entry at `path` when it is whole and describes `sources`; else an
-// empty array. The header, source stats and dimensions are read and checked
-// before the file is mapped: the mapping reads it whole (MAP_POPULATE), which
-// a file of another kind at the entry's name, or an entry of sources that
-// changed since, would cost for nothing.
-SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sources) {
+// empty array, with the file that was there and was refused in `*refused`
+// (when given; `found` false when no file could be opened). The header,
+// source stats and dimensions are read and checked before the file is
+// mapped: the mapping reads it whole (MAP_POPULATE), which a file of
+// another kind at the entry's name, or an entry of sources that changed
+// since, would cost for nothing.
+SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sources, FileId* refused = nullptr) {
+  if (refused != nullptr) *refused = FileId{};
   // O_NONBLOCK: a FIFO at the entry's name would otherwise hold the open
   // until some process writes to it; here it is refused as not a regular
   // file. The flag changes nothing for the reads and the mapping of one.
@@ -188,9 +199,10 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
     ~Closer() { ::close(fd); }
   } closer{fd};
   struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) < sizeof(Header)) {
-    return {};
-  }
+  if (::fstat(fd, &st) != 0) return {};
+  // Taken back below when the file is a whole entry.
+  if (refused != nullptr) *refused = FileId{true, st.st_dev, st.st_ino};
+  if (!S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) < sizeof(Header)) return {};
   const size_t bytes = static_cast<size_t>(st.st_size);
   Header h;
   if (!ReadAt(fd, &h, sizeof(h), 0) || std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.ndims == 0 ||
@@ -226,6 +238,7 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
   out.size = h.data_bytes;
   if (Crc(out.data, out.size) != h.crc) return {};
   out.owner = std::move(owner);
+  if (refused != nullptr) *refused = FileId{};
   return out;
 }
 
@@ -568,6 +581,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
                                          : std::string(std::strerror(lock->open_errno())));
   }
   const bool no_locks = lock != nullptr && lock->lock_errno() != 0;
+  FileId refused;  // the file at the entry's name that the look below found no valid entry
   if (no_locks && bytes.size() >= min_bytes) {
     ReportLockFailure(path + ".lock", lock->lock_errno());
     // Without the lock, another process may have written the entry while
@@ -577,7 +591,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     // on NFS, the same source files), a rename over it would also unlink
     // the file under another host's ranks that have it mapped (an NFS
     // client keeps an unlinked file readable only when it unlinked it).
-    SharedArray hit = MapEntry(path, stats);
+    SharedArray hit = MapEntry(path, stats, &refused);
     if (hit.owner != nullptr) return use(std::move(hit));
   }
   // Only the lock's holder writes: one whole entry, not one per rank. Where
@@ -593,14 +607,21 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     if (StatSources(sources, &after) && after == stats) {
       // Without the lock, another process may put its entry in place while
       // this one writes (the look above comes a whole write and fsync
-      // before): where no file is at the name, the entry is linked into
-      // place, never over one that came meanwhile, which is mapped instead.
-      // A file that is there already (no valid entry, as the look found) is
-      // replaced: two loads that replace a corrupt entry at once may still
-      // replace each other's.
+      // before): the entry is linked into place, never over a file at the
+      // name, and one that came meanwhile is mapped instead. A file that the
+      // look refused (a corrupt entry) is unlinked first, and only while the
+      // name still leads to it: renaming over it, as the lock's holder does,
+      // let two loads that found it corrupt replace each other's whole
+      // entries, under ranks that had the first mapped. (Removing another
+      // load's entry here would take that load unlinking the same file and
+      // writing, fsyncing and linking a whole entry between this lstat and
+      // this unlink.)
       struct stat st{};
-      const bool replace = !no_locks || ::lstat(path.c_str(), &st) == 0;
-      switch (WriteEntry(dir, path, stats, dims, bytes, replace)) {
+      if (no_locks && refused.found && ::lstat(path.c_str(), &st) == 0 && st.st_dev == refused.dev &&
+          st.st_ino == refused.ino) {
+        ::unlink(path.c_str());
+      }
+      switch (WriteEntry(dir, path, stats, dims, bytes, /*replace=*/!no_locks)) {
         case Written::kInPlace:
           NoteInUse(path);
           EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes());

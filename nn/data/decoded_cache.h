@@ -100,7 +100,8 @@ inline constexpr std::chrono::milliseconds kEntryLockWait{60000};
 /// be locked (a filesystem without locks), each load writes the entry,
 /// unless another wrote it during its decode or its write: it then maps
 /// that one (the entry is linked into place, never over one that came
-/// meanwhile; only a file at the name that was no valid entry is replaced).
+/// meanwhile; a file at the name that was no valid entry is unlinked
+/// first, never renamed over).
 using DecodeFn = std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>;
 SharedArray LoadDecoded(const std::vector<std::string>& sources, const DecodeFn& decode,
                         size_t min_bytes = kMinCachedBytes, std::chrono::milliseconds lock_wait = kEntryLockWait);

@@ -119,6 +119,18 @@ std::filesystem::path LoadIntoOneEntry(const std::string& dir, CountingDecode& d
   return entries[0];
 }
 
+// Flips the last byte of `entry` (a data byte): its CRC no longer matches.
+void FlipLastByte(const std::filesystem::path& entry) {
+  std::fstream f(entry, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-1, std::ios::end);
+  char c = 0;
+  f.read(&c, 1);
+  f.seekp(-1, std::ios::end);
+  c = static_cast<char>(c ^ 0x5a);
+  f.write(&c, 1);
+  if (!f) ADD_FAILURE() << "cannot flip the last byte of " << entry;
+}
+
 TEST(DecodedCache, SecondLoadMapsTheEntryTheFirstWrote) {
   const std::string dir = FreshDir("decoded_hit");
   const CacheDir cache(dir + "/cache");
@@ -142,16 +154,7 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
   CountingDecode decode{src};
   const std::filesystem::path entry = LoadIntoOneEntry(dir, decode);
   ASSERT_FALSE(entry.empty());
-  // Flip one data byte (the last): the CRC no longer matches.
-  {
-    std::fstream f(entry, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(-1, std::ios::end);
-    char c = 0;
-    f.read(&c, 1);
-    f.seekp(-1, std::ios::end);
-    c = static_cast<char>(c ^ 0x5a);
-    f.write(&c, 1);
-  }
+  FlipLastByte(entry);
   const SharedArray again = LoadDecoded(src, std::ref(decode), 0);
   EXPECT_EQ(decode.calls, 2);
   EXPECT_EQ(Bytes(again), Want(80));
@@ -973,18 +976,14 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheDecodeIsMappedNotReplaced)
   EXPECT_EQ(now.st_ino, written.st_ino) << "the slow load wrote its copy over the entry in place";
 }
 
-// Without locks, the look for another process's entry after the decode
-// came a whole write and fsync before the rename: an entry put in place in
-// between was replaced (unlinked under the ranks that had it mapped, which
-// on NFS lose it when another client unlinks it). The entry is now linked
-// into place, which never replaces one: the load maps the entry in place.
-// Here the other load writes while this one's temporary exists.
-TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheWriteIsMappedNotReplaced) {
-  const std::string dir = FreshDir("decoded_nolock_write_race");
+// Two loads of `src` (which decodes to `want`) without locks into the cache
+// folder `dir`/cache: the slow one is paused once its temporary exists
+// (after it chose how to put its entry in place) while the other loads the
+// set whole and puts its entry in place. The slow one must then map that
+// entry, leaving it in place (the same inode) with nothing beside it.
+void ExpectAnEntryWrittenDuringTheWriteIsMappedNotReplaced(const std::string& dir, const std::string& src,
+                                                           const std::vector<uint8_t>& want) {
   const std::string cache_dir = dir + "/cache";
-  const CacheDir cache(cache_dir);
-  const std::string src = dir + "/images";
-  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
   int started[2], go[2];
   ASSERT_EQ(::pipe(started), 0);
   ASSERT_EQ(::pipe(go), 0);
@@ -999,7 +998,7 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheWriteIsMappedNotReplaced) 
       if (::poll(&p, 1, 20000) != 1) ::_exit(5);  // the parent closes its end when the other load is done
     });
     CountingDecode decode{src};
-    return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) ? 0 : 1;
+    return Bytes(LoadDecoded(src, std::ref(decode), 0)) == want ? 0 : 1;
   });
   ASSERT_GT(slow, 0);
   ::close(started[1]);
@@ -1011,7 +1010,7 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheWriteIsMappedNotReplaced) 
   if (writing) {
     fast = InChildWithoutLocks(src, [&] {
       CountingDecode decode{src};
-      return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) && decode.calls == 1 ? 0 : 1;
+      return Bytes(LoadDecoded(src, std::ref(decode), 0)) == want && decode.calls == 1 ? 0 : 1;
     });
   }
   struct stat written{};
@@ -1030,6 +1029,38 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheWriteIsMappedNotReplaced) 
   struct stat now{};
   ASSERT_EQ(::stat(after[0].c_str(), &now), 0);
   EXPECT_EQ(now.st_ino, written.st_ino) << "the slow load put its copy over the entry in place";
+}
+
+// Without locks, the look for another process's entry after the decode
+// came a whole write and fsync before the rename: an entry put in place in
+// between was replaced (unlinked under the ranks that had it mapped, which
+// on NFS lose it when another client unlinks it). The entry is now linked
+// into place, which never replaces one: the load maps the entry in place.
+// Here the other load writes while this one's temporary exists.
+TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheWriteIsMappedNotReplaced) {
+  const std::string dir = FreshDir("decoded_nolock_write_race");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  ExpectAnEntryWrittenDuringTheWriteIsMappedNotReplaced(dir, src, Want(9));
+}
+
+// The same race over a corrupt entry: both loads found a file at the name
+// that was no valid entry, and each renamed its own over it, so the slow
+// one replaced the other's whole entry (under ranks that may have mapped
+// it). The corrupt file is now unlinked and the entry linked into place as
+// into an empty name.
+TEST(DecodedCache, WithoutLocksTwoLoadsOverACorruptEntryDoNotReplaceEachOthers) {
+  const std::string dir = FreshDir("decoded_nolock_corrupt_race");
+  const CacheDir cache(dir + "/cache");
+  CountingDecode decode{dir + "/images"};
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, decode);
+  ASSERT_FALSE(entry.empty());
+  FlipLastByte(entry);
+  ExpectAnEntryWrittenDuringTheWriteIsMappedNotReplaced(dir, decode.path, Want(80));
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(Bytes(LoadDecoded(decode.path, std::ref(decode), 0)), Want(80));
+  EXPECT_EQ(decode.calls, 1) << "the entry left in place was not whole";
 }
 
 // Past DDP_DATA_CACHE_MAX_BYTES, writing an entry removes the least recently
