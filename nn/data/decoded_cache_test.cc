@@ -764,6 +764,104 @@ int InChildWithoutLocks(const std::string& probe, const std::function<int()>& bo
   return ExitStatus(StartWithoutLocks(probe, body));
 }
 
+// The text of the file at `path` ("" when there is none).
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Runs `body` in a child process with a mount namespace of its own (mounts
+// made there go with it), its stderr captured into `stderr_file`. `mount`
+// makes the child's mounts: the child exits with 2 when it fails (or the
+// namespace cannot be made: this needs root), else with what `body`
+// returned. Returns the exit status (-1 when the child did not exit).
+int InChildWithMounts(const std::function<bool()>& mount, const std::string& stderr_file,
+                      const std::function<int()>& body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // The root made private first, so that the mounts stay in the child's
+    // namespace.
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        !mount()) {
+      ::_exit(2);
+    }
+    ResetDecodedCacheWarningsForTesting();
+    ::testing::internal::CaptureStderr();
+    const int status = body();
+    WriteFile(stderr_file, ::testing::internal::GetCapturedStderr());
+    ::_exit(status);
+  }
+  return ExitStatus(pid);
+}
+
+// A cache folder on a full filesystem (a 64 KiB tmpfs, for a set of
+// 256 KiB): each load gives the decoded bytes, nothing is left in the
+// folder (no part of an entry, no lock file), and one warning names the
+// entry and the cause, for the run's two loads together.
+TEST(DecodedCache, AFullDiskLeavesNothingHalfWrittenAndWarnsOnce) {
+  const std::string dir = FreshDir("decoded_full");
+  const std::string cache_dir = dir + "/cache";
+  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
+  const CacheDir cache(cache_dir);
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({256, 1024}, Pixels(256 << 10)));
+  const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
+  // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
+  // 5 for files left in the cache folder (listed in `left_file`).
+  const int status = InChildWithMounts(
+      [&] { return ::mount("tmpfs", cache_dir.c_str(), "tmpfs", 0, "size=64k") == 0; }, stderr_file, [&] {
+        CountingDecode decode{src};
+        const bool right = Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(256 << 10) &&
+                           Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(256 << 10);
+        std::string left;
+        for (const auto& e : Entries(cache_dir)) left += e.string() + "\n";
+        WriteFile(left_file, left);
+        return !right ? 1 : decode.calls != 2 ? 4 : !left.empty() ? 5 : 0;
+      });
+  ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), decodes (4), or files left on the full disk (5): " << ReadText(left_file);
+  const std::string warned = ReadText(stderr_file);
+  EXPECT_EQ(Count(warned, "[ddp] warning"), 1u) << warned;
+  EXPECT_EQ(Count(warned, "warning: decoded dataset cache: cannot write " + cache_dir + "/images-"), 1u) << warned;
+  EXPECT_NE(warned.find(std::strerror(ENOSPC)), std::string::npos) << warned;
+}
+
+// A cache folder mounted read-only (a shared cache filled beforehand): its
+// entry is mapped, and a set without one is decoded at each load, with one
+// warning naming the entry that could not be written and the cause.
+TEST(DecodedCache, AReadOnlyCacheMapsItsEntriesAndDecodesTheRestWithOneWarning) {
+  const std::string dir = FreshDir("decoded_read_only");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  CountingDecode images{dir + "/images"};
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, images);
+  ASSERT_FALSE(entry.empty());
+  CountingDecode labels{dir + "/labels"};
+  WriteFile(labels.path, IdxBytes({6, 2}, Pixels(12)));
+  const std::string stderr_file = dir + "/child_stderr";
+  // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes.
+  const int status = InChildWithMounts(
+      [&] {
+        return ::mount(cache_dir.c_str(), cache_dir.c_str(), nullptr, MS_BIND, nullptr) == 0 &&
+               ::mount(nullptr, cache_dir.c_str(), nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY, nullptr) == 0;
+      },
+      stderr_file, [&] {
+        const bool right = Bytes(LoadDecoded(images.path, std::ref(images), 0)) == Want(80) &&
+                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(12) &&
+                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(12);
+        return !right ? 1 : images.calls != 1 || labels.calls != 2 ? 4 : 0;
+      });
+  ASSERT_NE(status, 2) << "unshare or the read-only bind mount failed (this test needs root)";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), or the entry not mapped or the other set not decoded each time (4)";
+  const std::string warned = ReadText(stderr_file);
+  EXPECT_EQ(Count(warned, "[ddp] warning"), 1u) << warned;
+  EXPECT_EQ(Count(warned, "warning: decoded dataset cache: cannot write " + cache_dir + "/labels-"), 1u) << warned;
+  EXPECT_NE(warned.find(std::strerror(EROFS)), std::string::npos) << warned;
+  const auto left = Entries(cache_dir);
+  ASSERT_EQ(left.size(), 1u) << "files other than the entry in the read-only folder";
+  EXPECT_EQ(left[0], entry);
+}
+
 // A lock file that can be made but not locked (flock answers ENOLCK on NFS
 // mounted without locks) makes concurrent first loads each decode: said
 // once per process, with the lock file and the cause (it was silent). Two
