@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -249,6 +250,42 @@ enum class Written {
   kPresent,  // another file was at the name, and was left there (`replace` false)
 };
 
+void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes, uint64_t free_bytes = 0);
+
+// The bytes free to this user on the filesystem of `dir`, or UINT64_MAX when
+// statvfs cannot say.
+uint64_t FreeBytes(const std::string& dir) {
+  struct statvfs fs{};
+  if (::statvfs(dir.c_str(), &fs) != 0 || fs.f_frsize == 0) return UINT64_MAX;
+  return static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+}
+
+// Whether the filesystem of `dir` has room for an entry of `bytes` at
+// `path`, after removing the least recently used entries (as eviction does,
+// never one in use) for what it lacks: a cache on a full disk (a small home
+// partition) otherwise kept its old entries (of sources since changed, of
+// sets no longer loaded) and failed to write every new one, every run.
+// Where there is still no room, the failure is reported and nothing is
+// written: a write fills the disk to its last block before it fails, and a
+// checkpoint or a log written meanwhile (by this job or another) would fail
+// with it. Space counts in whole blocks (one more for the file's own
+// metadata); a filesystem that statvfs cannot measure is written to as before.
+bool MakeRoom(const std::string& dir, const std::string& path, uint64_t bytes) {
+  struct statvfs fs{};
+  if (::statvfs(dir.c_str(), &fs) != 0 || fs.f_frsize == 0) return true;
+  const uint64_t block = fs.f_frsize;
+  const uint64_t need = (bytes / block + 2) * block;
+  uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * block;
+  if (free_bytes >= need) return true;
+  EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes(), need - free_bytes);
+  free_bytes = FreeBytes(dir);
+  if (free_bytes >= need) return true;
+  ReportWriteFailure(path, std::string(std::strerror(ENOSPC)) + " (the entry takes " + std::to_string(bytes) +
+                               " bytes, " + std::to_string(free_bytes) + " are free in " + dir +
+                               " after removing the least recently used entries)");
+  return false;
+}
+
 // Writes an entry for `sources` (best effort) through AtomicFileWriter:
 // readers never see part of one, and the temporary files of killed writers
 // are removed by the next one. With `replace` false, a file at the entry's
@@ -269,6 +306,9 @@ Written WriteEntry(const std::string& dir, const std::string& path, const std::v
   h.ndims = static_cast<uint32_t>(dims.size());
   h.nsources = static_cast<uint32_t>(sources.size());
   h.crc = Crc(data.data(), data.size());
+  if (!MakeRoom(dir, path, sizeof(h) + sizeof(SourceStat) * sources.size() + 8 * dims.size() + data.size())) {
+    return Written::kFailed;
+  }
   // A FIFO, socket or device under an entry's name in the cache folder is
   // in the cache's own namespace, not a file of the user's: it goes, and
   // the entry takes its place (AtomicFileWriter refuses to replace one).
@@ -364,7 +404,8 @@ void RemoveUnheldLocks(const std::string& dir) {
 }
 
 // Removes the least recently used entries of `dir` (by modification time,
-// see MarkUsed) until those left take at most `max_bytes`, never one this
+// see MarkUsed) until those left take at most `max_bytes` and those removed
+// at least `free_bytes` (room for a new entry, see MakeRoom), never one this
 // process wrote or loaded (NoteInUse), kept even when they alone are
 // larger: then a warning says so, once per process. Only whole entries
 // (`*.decoded`) are candidates: temporaries being written and lock files
@@ -373,7 +414,7 @@ void RemoveUnheldLocks(const std::string& dir) {
 // it decodes and writes it again. Lock files (`*.decoded.lock`) that no
 // process holds are removed too, whatever the size (RemoveLockUnlessHeld).
 // Best effort, otherwise silent.
-void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
+void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes, uint64_t free_bytes) {
   struct Candidate {
     int64_t mtime_ns;
     std::string path;
@@ -413,13 +454,17 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes) {
                  static_cast<unsigned long long>(in_use_bytes));
   }
   for (const std::string& lock : locks) RemoveLockUnlessHeld(lock);
-  if (total <= max_bytes) return;
+  if (total <= max_bytes && free_bytes == 0) return;
   std::sort(entries.begin(), entries.end(), [](const Candidate& a, const Candidate& b) {
     return std::tie(a.mtime_ns, a.path) < std::tie(b.mtime_ns, b.path);
   });
+  uint64_t freed = 0;
   for (const Candidate& e : entries) {
-    if (total <= max_bytes) break;
-    if (::unlink(e.path.c_str()) == 0 || errno == ENOENT) total -= e.bytes;
+    if (total <= max_bytes && freed >= free_bytes) break;
+    if (::unlink(e.path.c_str()) == 0 || errno == ENOENT) {
+      total -= e.bytes;
+      freed += e.bytes;
+    }
   }
 }
 

@@ -31,9 +31,13 @@
 // those this process wrote or loaded: they stay even past the limit (with a
 // warning, once per process), since removing one would only make the next
 // load decode and write it again. A process that has an entry mapped keeps
-// reading it after the removal. Lock files that no process holds (left by
-// a process killed while decoding) are removed then too, and at each load
-// from an entry (a job whose loads all hit writes nothing).
+// reading it after the removal. Where the disk has no room for a new entry,
+// the least recently used others (not those) are removed first for what it
+// lacks; when that is not enough, the entry is not written (a write would
+// fill the disk before failing) and the first such load says so. Lock
+// files that no process holds (left by a process killed while decoding)
+// are removed then too, and at each load from an entry (a job whose loads
+// all hit writes nothing).
 //
 // Where: $DDP_DATA_CACHE (a folder; "0", "off", "false", "no" or "none", in
 // any case, turns the cache off), else

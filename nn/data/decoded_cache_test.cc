@@ -797,7 +797,9 @@ int InChildWithMounts(const std::function<bool()>& mount, const std::string& std
 // A cache folder on a full filesystem (a 64 KiB tmpfs, for a set of
 // 256 KiB): each load gives the decoded bytes, nothing is left in the
 // folder (no part of an entry, no lock file), and one warning names the
-// entry and the cause, for the run's two loads together.
+// entry and the cause, for the run's two loads together. No write is
+// started: each one filled the disk to its last block before it failed,
+// making any other file written then fail too.
 TEST(DecodedCache, AFullDiskLeavesNothingHalfWrittenAndWarnsOnce) {
   const std::string dir = FreshDir("decoded_full");
   const std::string cache_dir = dir + "/cache";
@@ -807,23 +809,66 @@ TEST(DecodedCache, AFullDiskLeavesNothingHalfWrittenAndWarnsOnce) {
   WriteFile(src, IdxBytes({256, 1024}, Pixels(256 << 10)));
   const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
   // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
-  // 5 for files left in the cache folder (listed in `left_file`).
+  // 5 for files left in the cache folder (listed in `left_file`), 6 for a
+  // write started.
   const int status = InChildWithMounts(
       [&] { return ::mount("tmpfs", cache_dir.c_str(), "tmpfs", 0, "size=64k") == 0; }, stderr_file, [&] {
+        int writes = 0;
+        io::internal::SetTemporaryCreatedHookForTesting([&](const std::string&) { ++writes; });
         CountingDecode decode{src};
         const bool right = Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(256 << 10) &&
                            Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(256 << 10);
         std::string left;
         for (const auto& e : Entries(cache_dir)) left += e.string() + "\n";
         WriteFile(left_file, left);
-        return !right ? 1 : decode.calls != 2 ? 4 : !left.empty() ? 5 : 0;
+        return !right ? 1 : decode.calls != 2 ? 4 : !left.empty() ? 5 : writes != 0 ? 6 : 0;
       });
   ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
-  EXPECT_EQ(status, 0) << "wrong bytes (1), decodes (4), or files left on the full disk (5): " << ReadText(left_file);
+  EXPECT_EQ(status, 0) << "wrong bytes (1), decodes (4), files left on the full disk (5: " << ReadText(left_file)
+                       << "), or a write started on a disk without room for the entry (6)";
   const std::string warned = ReadText(stderr_file);
   EXPECT_EQ(Count(warned, "[ddp] warning"), 1u) << warned;
   EXPECT_EQ(Count(warned, "warning: decoded dataset cache: cannot write " + cache_dir + "/images-"), 1u) << warned;
   EXPECT_NE(warned.find(std::strerror(ENOSPC)), std::string::npos) << warned;
+}
+
+// A cache folder on a disk with room for one entry (a 512 KiB tmpfs), full
+// with an earlier run's entry of another set: writing this set's entry
+// removes it to make room (the disk stayed full of entries no run used,
+// and every run decoded the set again and warned), and the next load maps
+// the new entry, without a warning.
+TEST(DecodedCache, AFullDiskMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
+  const std::string dir = FreshDir("decoded_full_evict");
+  const std::string cache_dir = dir + "/cache";
+  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
+  const CacheDir cache(cache_dir);
+  const ScopedEnv no_limit("DDP_DATA_CACHE_MAX_BYTES", nullptr);
+  CountingDecode old_set{dir + "/old_images"}, labels{dir + "/labels"};
+  WriteFile(old_set.path, IdxBytes({200, 1024}, Pixels(200 << 10)));
+  WriteFile(labels.path, IdxBytes({400, 1024}, Pixels(400 << 10)));
+  const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
+  // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
+  // 5 for other files than the new entry in the folder (listed in
+  // `left_file`), 6 when the earlier run's entry was not written.
+  const int status = InChildWithMounts(
+      [&] { return ::mount("tmpfs", cache_dir.c_str(), "tmpfs", 0, "size=512k") == 0; }, stderr_file, [&] {
+        if (Bytes(LoadDecoded(old_set.path, std::ref(old_set), 0)) != Want(200 << 10)) return 1;
+        if (Entries(cache_dir).size() != 1) return 6;
+        ForgetDecodedEntriesInUseForTesting();  // the entry stands for an earlier run's
+        const bool right = Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(400 << 10) &&
+                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(400 << 10);
+        std::string left;
+        for (const auto& e : Entries(cache_dir)) left += e.filename().string() + "\n";
+        WriteFile(left_file, left);
+        const bool only_new = Entries(cache_dir).size() == 1 && left.rfind("labels-", 0) == 0;
+        return !right ? 1 : labels.calls != 1 ? 4 : !only_new ? 5 : 0;
+      });
+  ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
+  ASSERT_NE(status, 6) << "the first set's entry was not written on the empty tmpfs";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files than its "
+                          "entry in the folder (5: "
+                       << ReadText(left_file) << ")";
+  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
 }
 
 // A cache folder mounted read-only (a shared cache filled beforehand): its
