@@ -197,7 +197,9 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
   if (fd < 0) return {};
   struct Closer {
     int fd;
-    ~Closer() { ::close(fd); }
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
   } closer{fd};
   struct stat st;
   if (::fstat(fd, &st) != 0) return {};
@@ -229,9 +231,33 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
     out.dims.push_back(static_cast<int64_t>(dim));
   }
   if (count != h.data_bytes) return {};
+  // A shared lock on the entry, held while it is mapped: eviction in any
+  // process (EvictLeastRecentlyUsed) leaves an entry locked so. Unlinked
+  // under this mapping by another host sharing the folder over NFS, its
+  // pages would be lost (an NFS client keeps an unlinked file readable only
+  // when it unlinked it itself): a SIGBUS at the next page read back after
+  // the page cache dropped it. An evictor holds the exclusive lock from
+  // just before its unlink: the entry is then taken as missing, as is a
+  // file no longer at the name once locked. A filesystem without locks
+  // gives no such guard; the entry is mapped all the same.
+  if (::flock(fd, LOCK_SH | LOCK_NB) == 0) {
+    struct stat named{};
+    if (::lstat(path.c_str(), &named) != 0 || named.st_dev != st.st_dev || named.st_ino != st.st_ino) {
+      if (refused != nullptr) *refused = FileId{};
+      return {};
+    }
+  } else if (errno == EWOULDBLOCK) {
+    if (refused != nullptr) *refused = FileId{};  // a whole entry, being removed
+    return {};
+  }
   void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) return {};
-  std::shared_ptr<const void> owner(base, [bytes](const void* p) { ::munmap(const_cast<void*>(p), bytes); });
+  // The descriptor (and its lock) goes with the mapping.
+  closer.fd = -1;
+  std::shared_ptr<const void> owner(base, [bytes, fd](const void* p) {
+    ::munmap(const_cast<void*>(p), bytes);
+    ::close(fd);
+  });
   // The mapping's header is the one checked (the file is the same, and
   // entries are replaced, never rewritten; this costs nothing to make sure).
   if (std::memcmp(base, head.data(), header_bytes) != 0) return {};
@@ -403,15 +429,39 @@ void RemoveUnheldLocks(const std::string& dir) {
   for (const std::string& lock : locks) RemoveLockUnlessHeld(lock);
 }
 
+// Unlinks the entry at `path` unless a process has it mapped (MapEntry
+// holds a shared lock on it meanwhile); true when it is gone. Unlinked
+// while this holds the exclusive lock, and only when the name still leads
+// to the file locked (an entry put in its place since is another's). Where
+// the filesystem has no locks it is unlinked unguarded, as before there
+// were any.
+bool RemoveEntryUnlessMapped(const std::string& path) {
+  // Read-write: NFS refuses an exclusive lock on a read-only descriptor.
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == EACCES) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return ::unlink(path.c_str()) == 0 || errno == ENOENT;
+  bool gone = false;
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    struct stat held{}, named{};
+    gone = ::fstat(fd, &held) == 0 && ::lstat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+           held.st_ino == named.st_ino && ::unlink(path.c_str()) == 0;
+  } else if (errno != EWOULDBLOCK && errno != EINTR) {
+    gone = ::unlink(path.c_str()) == 0 || errno == ENOENT;
+  }
+  ::close(fd);
+  return gone;
+}
+
 // Removes the least recently used entries of `dir` (by modification time,
 // see MarkUsed) until those left take at most `max_bytes` and those removed
 // at least `free_bytes` (room for a new entry, see MakeRoom), never one this
 // process wrote or loaded (NoteInUse), kept even when they alone are
 // larger: then a warning says so, once per process. Only whole entries
 // (`*.decoded`) are candidates: temporaries being written and lock files
-// have other names. Safe beside other processes: one that has an entry
-// mapped keeps reading it after the unlink, and one that was about to open
-// it decodes and writes it again. Lock files (`*.decoded.lock`) that no
+// have other names. An entry another process has mapped is left too
+// (RemoveEntryUnlessMapped), past the limit as well. Safe beside other
+// processes: one that was about to open an entry removed decodes and
+// writes it again. Lock files (`*.decoded.lock`) that no
 // process holds are removed too, whatever the size (RemoveLockUnlessHeld).
 // Best effort, otherwise silent.
 void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes, uint64_t free_bytes) {
@@ -461,7 +511,7 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes, uint64_t
   uint64_t freed = 0;
   for (const Candidate& e : entries) {
     if (total <= max_bytes && freed >= free_bytes) break;
-    if (::unlink(e.path.c_str()) == 0 || errno == ENOENT) {
+    if (RemoveEntryUnlessMapped(e.path)) {
       total -= e.bytes;
       freed += e.bytes;
     }

@@ -30,7 +30,10 @@
 // until the folder's entries take at most DecodedCacheMaxBytes(), except
 // those this process wrote or loaded: they stay even past the limit (with a
 // warning, once per process), since removing one would only make the next
-// load decode and write it again. A process that has an entry mapped keeps
+// load decode and write it again; nor those another process has mapped (it
+// holds a shared lock on the entry meanwhile: on NFS, a file another host
+// unlinks is lost to the processes that have it mapped). Where the
+// filesystem has no locks, such an entry may go; a local process keeps
 // reading it after the removal. Where the disk has no room for a new entry,
 // the least recently used others (not those) are removed first for what it
 // lacks; when that is not enough, the entry is not written (a write would

@@ -1286,6 +1286,58 @@ TEST(DecodedCache, EntriesPastTheSizeLimitAreEvictedLeastRecentlyUsedFirst) {
   EXPECT_NE(entry_of(2), "");
 }
 
+// An entry another process has mapped (a job still training on it) is
+// left by eviction, even past the limit: it was unlinked under that process
+// (on NFS, by another host's eviction, which loses that process's pages).
+// Once no process has it mapped, the next write removes it.
+TEST(DecodedCache, AnEntryAnotherProcessHasMappedIsNotEvicted) {
+  const std::string dir = FreshDir("decoded_mapped_elsewhere");
+  const CacheDir cache(dir + "/cache");
+  CountingDecode images{dir + "/images"};
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, images);  // written; not mapped here
+  ASSERT_FALSE(entry.empty());
+  ForgetDecodedEntriesInUseForTesting();
+  int holding[2], done[2];
+  ASSERT_EQ(::pipe(holding), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Exit statuses: 1 for wrong bytes, 4 for a decode instead of the
+    // entry, 5 when `done` did not come in 20 s.
+    ::close(holding[0]);
+    ::close(done[1]);
+    CountingDecode decode{images.path};
+    const SharedArray mapped = LoadDecoded(decode.path, std::ref(decode), 0);
+    if (decode.calls != 0) ::_exit(4);
+    if (::write(holding[1], "m", 1) != 1) ::_exit(6);
+    pollfd p{done[0], POLLIN, 0};
+    if (::poll(&p, 1, 20000) != 1) ::_exit(5);  // the parent closes its end when it has written
+    ::_exit(Bytes(mapped) == Want(80) ? 0 : 1);
+  }
+  ::close(holding[1]);
+  ::close(done[0]);
+  char c;
+  const bool held = ::read(holding[0], &c, 1) == 1;
+  ::close(holding[0]);
+  const ScopedEnv tiny("DDP_DATA_CACHE_MAX_BYTES", "0");  // each write evicts every entry it may
+  CountingDecode labels{dir + "/labels"};
+  WriteFile(labels.path, IdxBytes({4, 2}, Pixels(8)));
+  if (held) {
+    EXPECT_EQ(Bytes(LoadDecoded(labels.path, std::ref(labels), 0)), Want(8));
+  }
+  const bool kept = std::filesystem::exists(entry);
+  ::close(done[1]);
+  ASSERT_EQ(ExitStatus(pid), 0) << "the child read wrong bytes (1), decoded (4) or waited in vain (5)";
+  ASSERT_TRUE(held) << "the child did not map the entry";
+  EXPECT_TRUE(kept) << "the entry another process had mapped was evicted";
+  ForgetDecodedEntriesInUseForTesting();
+  CountingDecode more{dir + "/more"};
+  WriteFile(more.path, IdxBytes({4, 3}, Pixels(12)));
+  EXPECT_EQ(Bytes(LoadDecoded(more.path, std::ref(more), 0)), Want(12));
+  EXPECT_FALSE(std::filesystem::exists(entry)) << "an entry no process has mapped any more stayed past the limit";
+}
+
 // A limit below what one run uses (its training and test sets together)
 // kept only the entry last written: each load evicted the other set's
 // entry, so every run decoded and wrote both again, and the cache cost more
