@@ -239,7 +239,11 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
   // the page cache dropped it. An evictor holds the exclusive lock from
   // just before its unlink: the entry is then taken as missing, as is a
   // file no longer at the name once locked. A filesystem without locks
-  // gives no such guard; the entry is mapped all the same.
+  // gives no such guard; the entry is mapped all the same. (NFS makes
+  // flock a POSIX lock, which a process drops when it closes any of its
+  // descriptors of the file: a second load of the entry in the process
+  // that lets its array go also drops the first one's. The guard is best
+  // effort there.)
   if (::flock(fd, LOCK_SH | LOCK_NB) == 0) {
     struct stat named{};
     if (::lstat(path.c_str(), &named) != 0 || named.st_dev != st.st_dev || named.st_ino != st.st_ino) {
