@@ -282,12 +282,11 @@ enum class Written {
 
 void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes, uint64_t free_bytes = 0);
 
-// The bytes free to this user on the filesystem of `dir`, or UINT64_MAX when
-// statvfs cannot say.
-uint64_t FreeBytes(const std::string& dir) {
-  struct statvfs fs{};
-  if (::statvfs(dir.c_str(), &fs) != 0 || fs.f_frsize == 0) return UINT64_MAX;
-  return static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+// The filesystem of `dir` in `*fs`, when statvfs measures it: some report
+// no size at all (zero blocks: a tmpfs mounted with size=0, which has no
+// limit, some FUSE filesystems), which says nothing of their free space.
+bool Measure(const std::string& dir, struct statvfs* fs) {
+  return ::statvfs(dir.c_str(), fs) == 0 && fs->f_frsize != 0 && fs->f_blocks != 0;
 }
 
 // Whether the filesystem of `dir` has room for an entry of `bytes` at
@@ -299,16 +298,18 @@ uint64_t FreeBytes(const std::string& dir) {
 // written: a write fills the disk to its last block before it fails, and a
 // checkpoint or a log written meanwhile (by this job or another) would fail
 // with it. Space counts in whole blocks (one more for the file's own
-// metadata); a filesystem that statvfs cannot measure is written to as before.
+// metadata); a filesystem that statvfs cannot measure (Measure) is written
+// to as before.
 bool MakeRoom(const std::string& dir, const std::string& path, uint64_t bytes) {
   struct statvfs fs{};
-  if (::statvfs(dir.c_str(), &fs) != 0 || fs.f_frsize == 0) return true;
+  if (!Measure(dir, &fs)) return true;
   const uint64_t block = fs.f_frsize;
   const uint64_t need = (bytes / block + 2) * block;
   uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * block;
   if (free_bytes >= need) return true;
   EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes(), need - free_bytes);
-  free_bytes = FreeBytes(dir);
+  if (!Measure(dir, &fs)) return true;
+  free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
   if (free_bytes >= need) return true;
   ReportWriteFailure(path, std::string(std::strerror(ENOSPC)) + " (the entry takes " + std::to_string(bytes) +
                                " bytes, " + std::to_string(free_bytes) + " are free in " + dir +

@@ -15,6 +15,7 @@
 #include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -868,6 +869,34 @@ TEST(DecodedCache, AFullDiskMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
   EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files than its "
                           "entry in the folder (5: "
                        << ReadText(left_file) << ")";
+  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+}
+
+// A filesystem that reports no size (a tmpfs mounted with size=0 has no
+// limit, and statvfs gives it zero blocks, zero free) is no full disk: the
+// entry is written and the next load maps it.
+TEST(DecodedCache, AFilesystemWithoutASizeIsWrittenTo) {
+  const std::string dir = FreshDir("decoded_unsized");
+  const std::string cache_dir = dir + "/cache";
+  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
+  const CacheDir cache(cache_dir);
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({10, 8}, Pixels(80)));
+  const std::string stderr_file = dir + "/child_stderr";
+  // Exit statuses: 1 for wrong bytes, 3 when statvfs gives the tmpfs a
+  // size, 4 when the second load decoded again.
+  const int status = InChildWithMounts(
+      [&] { return ::mount("tmpfs", cache_dir.c_str(), "tmpfs", 0, "size=0") == 0; }, stderr_file, [&] {
+        struct statvfs fs{};
+        if (::statvfs(cache_dir.c_str(), &fs) != 0 || fs.f_blocks != 0) return 3;
+        CountingDecode decode{src};
+        const bool right = Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(80) &&
+                           Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(80);
+        return !right ? 1 : decode.calls != 1 ? 4 : 0;
+      });
+  ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
+  ASSERT_NE(status, 3) << "statvfs gave the unlimited tmpfs a size: this test shows nothing here";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), or no entry written (4)";
   EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
 }
 
