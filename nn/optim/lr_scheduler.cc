@@ -891,7 +891,9 @@ void LrScheduler::RestoreSnapshot(const Snapshot& snapshot) {
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options)
     : ReduceLrOnPlateau(RatesOf(optimizer), std::move(options),
-                        "param group(s) of the " + std::string(optimizer.Name()) + " optimizer") {}
+                        "param group(s) of the " + std::string(optimizer.Name()) + " optimizer") {
+  optimizer_name_ = optimizer.Name();
+}
 
 ReduceLrOnPlateau::ReduceLrOnPlateau(LrTarget target, PlateauOptions options)
     : ReduceLrOnPlateau(RatesOf(std::move(target)), std::move(options), "target") {}
@@ -964,7 +966,7 @@ void ReduceLrOnPlateau::Step(double metric) {
   // Checked at every step, not only at a reduction, so that the mistake
   // shows at once rather than epochs later.
   if (!options_.group_min_lr.empty() && groups > options_.group_min_lr.size()) {
-    throw std::logic_error("ReduceLROnPlateau: the optimizer has " + std::to_string(groups) +
+    throw std::logic_error("ReduceLROnPlateau: the " + optimizer_name_ + " optimizer has " + std::to_string(groups) +
                            " param groups and group_min_lr " + std::to_string(options_.group_min_lr.size()) +
                            " values: param group " + std::to_string(options_.group_min_lr.size()) +
                            " was added after this scheduler was made and has no min_lr; make the scheduler "

@@ -438,7 +438,7 @@ class ReduceLrOnPlateau {
   /// rate on a plateau. A NaN metric counts as no improvement, as in
   /// PyTorch. When the target refuses the rate, throws and changes nothing.
   /// With group_min_lr, throws std::logic_error, changing nothing, naming
-  /// the group when the optimizer has more param groups than the list
+  /// the optimizer and the group when it has more param groups than the list
   /// (one added with AddParamGroup since), whose floor would be unknown.
   void Step(double metric);
   /// The current learning rate (group 0's with several groups).
@@ -475,6 +475,9 @@ class ReduceLrOnPlateau {
 
   internal::GroupRates rates_;
   PlateauOptions options_;
+  /// The driven optimizer's Name(), for Step's refusals; empty over targets
+  /// (whose number cannot change).
+  std::string optimizer_name_;
   double best_ = 0;
   int64_t num_bad_ = 0;
   int64_t cooldown_counter_ = 0;

@@ -805,8 +805,8 @@ TEST(ReduceLrOnPlateau, GroupMinLrIsCheckedNamingWhatIsWrong) {
 }
 
 // A group added after the scheduler was made has no floor in the list:
-// Step refuses it, naming the group, and changes nothing (PyTorch fails
-// with an IndexError at the next reduction).
+// Step refuses it, naming the optimizer and the group, and changes nothing
+// (PyTorch fails with an IndexError at the next reduction).
 TEST(ReduceLrOnPlateau, GroupMinLrRefusesAGroupAddedAfterIt) {
   Tensor a = Zeros({1}), b = Zeros({1});
   Sgd opt({{"a", a}}, {.lr = 1.0});
@@ -820,7 +820,7 @@ TEST(ReduceLrOnPlateau, GroupMinLrRefusesAGroupAddedAfterIt) {
     error = e.what();
   }
   EXPECT_EQ(error,
-            "ReduceLROnPlateau: the optimizer has 2 param groups and group_min_lr 1 values: param group 1 was "
+            "ReduceLROnPlateau: the SGD optimizer has 2 param groups and group_min_lr 1 values: param group 1 was "
             "added after this scheduler was made and has no min_lr; make the scheduler after adding the groups");
   EXPECT_EQ(r.step_count(), 1);
   EXPECT_EQ(r.num_bad_steps(), 0);
