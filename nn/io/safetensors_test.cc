@@ -26,6 +26,7 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <map>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -984,6 +985,77 @@ TEST(Safetensors, AFileCutShortInTheMiddleOfAReadIntoBatchNamesTheTensor) {
                                "`: the file got shorter while read"));
   // The tensors before the cut were read.
   EXPECT_EQ(apart[3 * (cut_in - 1)], static_cast<float>(cut_in - 1));
+}
+
+// ReadInto with destinations that do not follow the file: tensors of
+// several dtypes (so the header lists them in another order than the data
+// region holds them), some not asked for between ones that are, one placed
+// right after a tensor two places before it in the file (the one between
+// not asked for), and one placed right before the tensor it follows in the
+// file. Each lands whole where it was sent (the bytes Read gives), nothing
+// around it is written, and a file cut inside a tensor not asked for names
+// that tensor.
+TEST(Safetensors, ReadIntoPlacesTensorsOutOfFileOrderAndSkipsThoseNotAskedFor) {
+  const std::string path = TmpDir("st_out_of_order") + "/o.safetensors";
+  const int64_t i64[2] = {-3, 1ll << 40};
+  const double f64[1] = {2.5};
+  const float f32a[3] = {1, 2, 3}, f32c[1] = {9};
+  const uint16_t f16[5] = {0x3c00, 0x4000, 0x4200, 0x4400, 0x4500};
+  const uint8_t u8[7] = {1, 2, 3, 4, 5, 6, 7};
+  WriteSafetensorsFile(path, {{"a", StDtype::kF32, {3}, f32a, 12},
+                              {"h", StDtype::kF16, {5}, f16, 10},
+                              {"b", StDtype::kI64, {2}, i64, 16},
+                              {"c", StDtype::kF32, {1}, f32c, 4},
+                              {"s", StDtype::kU8, {7}, u8, 7},
+                              {"d", StDtype::kF64, {1}, f64, 8}});
+  const SafetensorsFile whole = SafetensorsFile::Read(path);
+  std::vector<std::string> file_order;
+  for (const TensorEntry& e : whole.tensors()) file_order.push_back(e.name);
+  ASSERT_EQ(file_order, (std::vector<std::string>{"b", "d", "a", "c", "h", "s"}));
+
+  // Not asked for: d and c. a begins where b ends (d, between them in the
+  // file, skipped); s, after h in the file, ends where h begins.
+  constexpr uint8_t kUntouched = 0xab;
+  std::vector<uint8_t> buffer(64, kUntouched);
+  const std::map<std::string, size_t> at = {{"b", 1}, {"a", 17}, {"s", 33}, {"h", 40}};
+  const auto place = [&](const SafetensorsFile& f) {
+    std::vector<void*> where(f.tensors().size(), nullptr);
+    for (size_t i = 0; i < where.size(); ++i) {
+      const auto it = at.find(f.tensors()[i].name);
+      if (it != at.end()) where[i] = buffer.data() + it->second;
+    }
+    return where;
+  };
+  const SafetensorsFile file = SafetensorsFile::ReadInto(path, place);
+  EXPECT_EQ(file.data_checksum(), whole.data_checksum());
+  EXPECT_FALSE(file.data_checksum().empty());
+  std::vector<bool> written(buffer.size(), false);
+  for (const auto& [name, offset] : at) {
+    SCOPED_TRACE("tensor " + name);
+    const TensorEntry* e = whole.Find(name);
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(std::memcmp(buffer.data() + offset, whole.Data(*e), e->nbytes), 0);
+    for (size_t k = offset; k < offset + e->nbytes; ++k) written[k] = true;
+  }
+  for (size_t k = 0; k < buffer.size(); ++k) {
+    if (!written[k]) {
+      EXPECT_EQ(buffer[k], kUntouched) << "byte " << k << " of the buffer";
+    }
+  }
+
+  // Cut 2 bytes into c, which is read for the checksum only.
+  const uint64_t size = ReadAll(path).size();
+  const uint64_t data_start = size - whole.tensors().back().offset - whole.tensors().back().nbytes;
+  const uint64_t cut_at = data_start + whole.Find("c")->offset + 2;
+  int truncated = -1;
+  internal::SetReadPieceHookForTesting([&](uint64_t got) {
+    if (got == data_start) truncated = ::truncate(path.c_str(), static_cast<off_t>(cut_at));
+  });
+  const std::string error = ErrorOf([&] { SafetensorsFile::ReadInto(path, place); });
+  internal::SetReadPieceHookForTesting({});
+  ASSERT_EQ(truncated, 0) << "the read never reached the data region";
+  EXPECT_THAT(error, HasSubstr(path + ": read " + std::to_string(cut_at) + " of " + std::to_string(size) +
+                               " bytes, in tensor `c`: the file got shorter while read"));
 }
 
 TEST(Safetensors, StoppedReadSaysHowFarItGot) {
