@@ -109,8 +109,8 @@ with several workers per node and no OMP_NUM_THREADS set, OMP_NUM_THREADS=1,
 and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 (as torchrun). Node 0's launcher serves the rendezvous store.
 
-  --nproc_per_node=N   workers on this node (default 1; with c10d each node
-                       may give its own); gpu: one per visible
+  --nproc_per_node=N   workers on this node (default 1; each node may give
+                       its own); gpu: one per visible
                        GPU, cpu: one per CPU (of the affinity mask, capped
                        by a cgroup CPU quota), auto: gpu if any, else cpu
   --nnodes=N           nodes in the job (default 1); MIN:MAX with c10d: as
@@ -1118,10 +1118,10 @@ std::string SecondsText(milliseconds ms) {
 // RoundFormingTime).
 std::string ConfigLine(const DdprunOptions& o) {
   const std::string nnodes = o.nnodes_spec.empty() ? std::to_string(o.nnodes) : o.nnodes_spec;
+  // --nproc_per_node is not compared: each node may run its own number of
+  // workers, as under torchrun (c10d: node 0 publishes them with each
+  // round's members; static: each node records its own, see Rendezvous).
   std::string line = "--nnodes=" + nnodes;
-  // With c10d each node may run its own number of workers, as under
-  // torchrun: node 0 publishes them with each round's members.
-  if (o.rdzv_backend != "c10d") line += " --nproc_per_node=" + std::to_string(o.nproc_per_node);
   line += " --max_restarts=" + std::to_string(o.max_restarts) + " --rdzv_backend=" + o.rdzv_backend;
   if (!o.rdzv_id.empty()) line += " --rdzv_id=" + o.rdzv_id;
   line += " --rdzv_timeout=" + SecondsText(o.rdzv_timeout);
@@ -1249,6 +1249,16 @@ void Say(const std::string& line) {
 
 constexpr char kAttemptKey[] = "ddprun/attempt";
 
+// Each node's --nproc_per_node ("ddprun/nproc/<R>"), which may differ from
+// node to node, as under torchrun: RANK and WORLD_SIZE follow from them all
+// (node R's first rank is the sum of nodes 0 to R - 1's counts). Recorded
+// once per job by the first launcher that registers for R, with a
+// compare-and-set, so that it is the same in every attempt: a launcher
+// relaunched for R (a takeover, or one joining a restart) with another
+// count would shift the ranks of the nodes after it under them, and may
+// have registered before they read the counts; it is refused instead.
+constexpr char kNprocKeyPrefix[] = "ddprun/nproc/";
+
 // `holder` is "<host> <pid>" of the launcher that claimed a node rank: its
 // pid when that launcher ran on this host and is gone.
 std::optional<pid_t> GoneLauncherHere(const std::string& holder) {
@@ -1343,11 +1353,25 @@ std::optional<std::string> DuplicateRank(store::TcpStoreClient& store, const Ddp
 // and records the fact; every launcher that was waiting refuses the job
 // when the wait ends (and posts the refusal, which stops any launcher that
 // already started its workers). A duplicate that comes after everyone
-// looked is refused alone; the job it did not join goes on.
-Status Rendezvous(store::TcpStoreClient& store, const DdprunOptions& o, int& attempt) {
+// looked is refused alone; the job it did not join goes on. On success
+// `nprocs` holds the --nproc_per_node of node 0, 1, ... (kNprocKeyPrefix);
+// INVALID_ARGUMENT, before the rank is claimed, when this node's count
+// differs from the one recorded for it in this job.
+Status Rendezvous(store::TcpStoreClient& store, const DdprunOptions& o, int& attempt, std::vector<int>& nprocs) {
   const std::string rank = std::to_string(o.node_rank);
   const std::string me = Hostname() + " " + std::to_string(getpid());
   auto call = [&] { return DeadlineIn(o.store_call_time); };
+  const std::string nproc = std::to_string(o.nproc_per_node);
+  DDP_ASSIGN_OR_RETURN(std::optional<std::string> recorded,
+                       store.CompareSet(kNprocKeyPrefix + rank, std::nullopt, nproc, call()));
+  if (recorded != nproc) {
+    return InvalidArgumentError(
+        "--nproc_per_node=" + nproc + " differs from node " + rank + "'s --nproc_per_node=" +
+        recorded.value_or("?") + ", recorded by its first launcher in this job; a node keeps its number of "
+        "workers for the whole job (restarts included), since the ranks of the nodes after it and WORLD_SIZE "
+        "follow from it: relaunch it with --nproc_per_node=" + recorded.value_or("?") +
+        ", or restart every node");
+  }
   auto all_registered = [&]() -> StatusOr<bool> {
     for (int node = 0; node < o.nnodes; ++node) {
       DDP_ASSIGN_OR_RETURN(std::optional<std::string> present,
@@ -1443,7 +1467,22 @@ Status Rendezvous(store::TcpStoreClient& store, const DdprunOptions& o, int& att
       return InvalidArgumentError(*duplicate);
     }
   }
-  if (joined.ok()) return joined;
+  if (joined.ok()) {
+    // Every node recorded its count before it registered.
+    std::vector<std::string> nproc_keys;
+    for (int node = 0; node < o.nnodes; ++node) nproc_keys.push_back(kNprocKeyPrefix + std::to_string(node));
+    DDP_ASSIGN_OR_RETURN(std::vector<std::string> counts, store.MultiGet(nproc_keys, call()));
+    nprocs.clear();
+    for (int node = 0; node < o.nnodes; ++node) {
+      const std::optional<int64_t> count = ParseInt(counts[node]);
+      if (!count || *count < 1 || *count > kMaxProcPerNode) {
+        return InternalError("malformed --nproc_per_node '" + counts[node] + "' of node " + std::to_string(node) +
+                             " in the store (" + nproc_keys[node] + ")");
+      }
+      nprocs.push_back(static_cast<int>(*count));
+    }
+    return joined;
+  }
   if (joined.code() != StatusCode::kTimedOut) return joined;
   // The first few missing nodes by name, then how many more.
   constexpr int kNamed = 10;
@@ -1915,7 +1954,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     o.log_dir = base;
   }
   std::string run_id;  // DDP_RUN_ID: node 0's, for the whole run
-  std::vector<int> node_nprocs;  // c10d: --nproc_per_node of node 0, 1, ... this round
+  std::vector<int> node_nprocs;  // several nodes: --nproc_per_node of node 0, 1, ... this attempt
   if (o.standalone) {
     // Made before the log folder, which is named after it as torchrun
     // names it after its --standalone run id.
@@ -2026,7 +2065,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       }
       if (*config != ConfigLine(o)) {
         Say(node_name() + " was started with " + ConfigDifference(ConfigLine(o), *config) +
-            "; every node needs the same flags (gpu, cpu and auto are counted on each node)" +
+            "; every node needs the same flags" +
             serve_note);
         return 2;
       }
@@ -2260,7 +2299,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
             std::to_string(o.node_rank) + " of " + std::to_string(o.nnodes));
       }
     } else if (multi_node) {
-      Status joined = Rendezvous(*client, o, attempt);
+      Status joined = Rendezvous(*client, o, attempt, node_nprocs);
       failures = attempt;  // static restarts are all failure restarts
       if (joined.code() == StatusCode::kAborted) {
         int code = 1;
@@ -2278,11 +2317,12 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
         return joined.code() == StatusCode::kInvalidArgument && !started ? 2 : 1;
       }
     }
-    // Ranks by node order, as torchrun assigns them: with c10d the nodes may
-    // run different numbers of workers (node_nprocs, this round's).
+    // Ranks by node order, as torchrun assigns them: the nodes may run
+    // different numbers of workers (node_nprocs: c10d, this round's;
+    // static, the job's).
     int world_size = o.nnodes * o.nproc_per_node;
     int first_rank = o.node_rank * o.nproc_per_node;  // this node's first worker's
-    if (multi_node && o.assign_node_rank) {
+    if (multi_node) {
       world_size = first_rank = 0;
       for (int node = 0; node < o.nnodes; ++node) {
         if (node < o.node_rank) first_rank += node_nprocs[node];

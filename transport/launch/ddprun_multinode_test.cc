@@ -123,6 +123,28 @@ TEST(DdprunMultinodeTest, TwoNodesFormOneJob) {
             4);
 }
 
+// As under torchrun's static rendezvous, nodes may run different numbers of
+// workers: node k's first rank is the sum of nodes 0 to k - 1's counts,
+// WORLD_SIZE and ROLE_WORLD_SIZE are their sum, LOCAL_WORLD_SIZE is the
+// node's own. The old code refused node 1 ("every node needs the same
+// flags").
+TEST(DdprunMultinodeTest, StaticNodesMayRunDifferentNumbersOfWorkers) {
+  Job job(2, {}, {"--store", "--print_env", "--print_roles"},
+          {{0, {"--nproc_per_node=1"}}, {1, {"--nproc_per_node=2"}}});
+  const auto runs = job.Wait();
+  ASSERT_EQ(runs.size(), 2u);
+  const std::string all = runs[0].output + runs[1].output;
+  EXPECT_EQ(runs[0].exit_code, 0) << all;
+  EXPECT_EQ(runs[1].exit_code, 0) << all;
+  EXPECT_EQ(CountLines(all, "met 3 ranks"), 3) << all;
+  EXPECT_THAT(runs[0].output, HasSubstr("rank 0/3 local 0/1 group 0 restart 0")) << all;
+  EXPECT_THAT(runs[0].output, HasSubstr("rank 0 role_rank 0 of 3 group_world_size 2")) << all;
+  EXPECT_THAT(runs[1].output, HasSubstr("[1] rank 1/3 local 0/2 group 1 restart 0")) << all;
+  EXPECT_THAT(runs[1].output, HasSubstr("[2] rank 2/3 local 1/2 group 1 restart 0")) << all;
+  EXPECT_THAT(runs[1].output, HasSubstr("[1] rank 1 role_rank 1 of 3 group_world_size 2")) << all;
+  EXPECT_THAT(runs[1].output, HasSubstr("[2] rank 2 role_rank 2 of 3 group_world_size 2")) << all;
+}
+
 // Node 0 picks the workers' MASTER_PORT, free for a PyTorch program's rank 0
 // on node 0, and every node's workers reach it there; the restart gets one too.
 TEST(DdprunMultinodeTest, EveryNodesWorkersReachMasterPortOnNodeZero) {
@@ -504,6 +526,53 @@ TEST(DdprunMultinodeTest, LauncherRelaunchedWhileTheJobRunsJoinsTheRestart) {
   EXPECT_TRUE(testing::GoneWithin(stale_worker, 5s));
 }
 
+// Static nodes with different counts (node 0 one worker, node 1 two): node
+// 1's launcher goes silent while the workers run, and node 0 waits for it at
+// restart 1. A launcher relaunched for node 1 with another --nproc_per_node
+// would move the ranks and WORLD_SIZE of the job under the others: it is
+// refused (exit 2), naming both counts, and the job waits on; relaunched
+// with node 1's count, it joins restart 1 with node 1's ranks.
+TEST(DdprunMultinodeTest, StaticRelaunchedNodeKeepsItsNumberOfWorkers) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::string dir = testing::MakeTempDir("static_relaunch_count");
+  auto launch = [&](int node_rank, int nproc) {
+    return StartStaticNode(2, node_rank, *port,
+                           {"--max_restarts=1", "--node_timeout=3", "--rdzv_timeout=30",
+                            "--nproc_per_node=" + std::to_string(nproc)},
+                           {"--store", "--print_env", "--sleep_ms=30000", "--sleep_before_restart=1",
+                            "--pid_dir=" + dir});
+  };
+  auto node0 = launch(0, 1);
+  auto first = launch(1, 2);
+  const pid_t stale_worker = testing::ReadPidFile(dir + "/rank2.restart0.pid", 30s);
+  ASSERT_GT(stale_worker, 0);  // the job runs, ranks 1 and 2 on node 1
+  ASSERT_EQ(kill(first->pids()[0], SIGSTOP), 0);
+  ASSERT_TRUE(StoreReaches(*port, "ddprun/a1/node/0"));  // node 0 waits at restart 1
+  auto wrong = launch(1, 3);
+  const testing::ProgramRun wrong_run = testing::WaitProgram(*wrong, 30s);
+  EXPECT_EQ(wrong_run.exit_code, 2) << wrong_run.output;
+  EXPECT_THAT(wrong_run.output,
+              HasSubstr("ddprun: node 1: --nproc_per_node=3 differs from node 1's --nproc_per_node=2, recorded by "
+                        "its first launcher in this job; a node keeps its number of workers for the whole job"));
+  EXPECT_THAT(wrong_run.output, Not(HasSubstr(" local "))) << "no worker started";
+  auto relaunched = launch(1, 2);
+  const testing::ProgramRun relaunched_run = testing::WaitProgram(*relaunched, 30s);
+  const testing::ProgramRun node0_run = testing::WaitProgram(*node0, 30s);
+  ASSERT_EQ(kill(first->pids()[0], SIGKILL), 0);
+  EXPECT_EQ(testing::WaitProgram(*first, 10s).exit_code, 128 + SIGKILL);
+  const std::string all = node0_run.output + relaunched_run.output;
+  EXPECT_EQ(relaunched_run.exit_code, 0) << all;
+  EXPECT_EQ(node0_run.exit_code, 0) << all;
+  EXPECT_THAT(node0_run.output, HasSubstr("rank 0/3 local 0/1 group 0 restart 1")) << all;
+  EXPECT_THAT(relaunched_run.output, HasSubstr("[1] rank 1/3 local 0/2 group 1 restart 1")) << all;
+  EXPECT_THAT(relaunched_run.output, HasSubstr("[2] rank 2/3 local 1/2 group 1 restart 1")) << all;
+  EXPECT_EQ(CountLines(node0_run.output, "rank 0 met 3 ranks"), 2) << all;  // at the start and restart 1
+  EXPECT_THAT(relaunched_run.output, HasSubstr("[1] rank 1 met 3 ranks")) << all;
+  EXPECT_THAT(relaunched_run.output, HasSubstr("[2] rank 2 met 3 ranks")) << all;
+  EXPECT_TRUE(testing::GoneWithin(stale_worker, 5s));
+}
+
 // The failure notice used to be two writes: a count of notices, then the
 // first one's text. A launcher that died between them left the count
 // without the notice, and every later notice of the attempt was dropped as
@@ -543,13 +612,14 @@ TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
   // Node 1 starts first and waits for node 0's store (up to 30 s); node 0
   // refuses it and times out 5 s later, missing it. The refusal names the
   // flags that differ, and only those.
-  Job job(2, {}, {}, {{0, {"--nproc_per_node=2", "--rdzv_timeout=5"}}, {1, {"--nproc_per_node=3", "--rdzv_timeout=30"}}},
-          {}, /*node0_last=*/true);
+  Job job(2, {"--nproc_per_node=1"}, {},
+          {{0, {"--max_restarts=2", "--rdzv_timeout=5"}}, {1, {"--max_restarts=3", "--rdzv_timeout=30"}}}, {},
+          /*node0_last=*/true);
   const auto runs = job.Wait();
   EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
   EXPECT_THAT(runs[1].output,
-              HasSubstr("ddprun: node 1 was started with --nproc_per_node=3 --rdzv_timeout=30 but node 0 with "
-                        "--nproc_per_node=2 --rdzv_timeout=5; every node needs the same flags"));
+              HasSubstr("ddprun: node 1 was started with --max_restarts=3 --rdzv_timeout=30 but node 0 with "
+                        "--max_restarts=2 --rdzv_timeout=5; every node needs the same flags"));
   EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
   EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
 }

@@ -3,6 +3,7 @@
 //
 //   --store               rendezvous through the store of the launch env
 //   --print_env           print what the launch env says
+//   --print_roles         print torchrun's ROLE_RANK, ROLE_WORLD_SIZE and GROUP_WORLD_SIZE
 //   --exit_code=R:C       rank R exits with code C (after the rendezvous)
 //   --signal=R:S          rank R raises signal S
 //   --fail_before_restart=K  rank 1 exits 1 while DDP_RESTART_COUNT < K
@@ -60,6 +61,7 @@ namespace launch = ddp::transport::launch;
 struct Flags {
   bool store = false;
   bool print_env = false;
+  bool print_roles = false;
   int exit_rank = -1, exit_code = 0;
   int signal_rank = -1, signal = 0;
   int fail_before_restart = 0;
@@ -93,6 +95,7 @@ std::string ParseFlags(int argc, char** argv, Flags& f) {
     };
     if (arg == "--store") f.store = true;
     else if (arg == "--print_env") f.print_env = true;
+    else if (arg == "--print_roles") f.print_roles = true;
     else if (arg == "--ignore_sigterm") f.ignore_sigterm = true;
     else if (arg == "--exit_when_peer_gone") f.exit_when_peer_gone = true;
     else if (arg == "--meet_on_master_port") f.meet_on_master_port = true;
@@ -338,6 +341,16 @@ int main(int argc, char** argv) {
                 env->store_hosted_by_launcher ? "launcher" : "rank0", env->job_token.size());
     const char* run_id = std::getenv(launch::kEnvRunId);
     std::printf("rank %d run_id %s\n", env->rank, run_id != nullptr ? run_id : "-");
+    std::fflush(stdout);
+  }
+  if (flags.print_roles) {
+    // torchrun's variables that LaunchEnv does not read.
+    auto var = [](const char* name) {
+      const char* value = std::getenv(name);
+      return value != nullptr ? value : "-";
+    };
+    std::printf("rank %d role_rank %s of %s group_world_size %s\n", env->rank, var("ROLE_RANK"),
+                var("ROLE_WORLD_SIZE"), var("GROUP_WORLD_SIZE"));
     std::fflush(stdout);
   }
   if (env->rank == 1 && env->restart_count < flags.fail_before_restart) {
