@@ -24,6 +24,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "transport/launch/error_file.h"
@@ -277,6 +278,7 @@ RunChild(const ChildArgs* a) {
 // ---- helpers ----
 
 std::atomic<bool> g_force_close_range_fallback{false};
+std::atomic<int64_t> g_pause_after_first_worker_ms{0};  // PauseAfterFirstWorkerForTesting
 
 // The most descriptors the fallbacks of close_range go through.
 constexpr int kMostDescriptors = 1 << 20;
@@ -403,6 +405,10 @@ int InterruptSignal() { return g_interrupt_signal.load(std::memory_order_relaxed
 
 void ForceCloseRangeFallbackForTesting(bool force) {
   g_force_close_range_fallback.store(force, std::memory_order_relaxed);
+}
+
+void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause) {
+  g_pause_after_first_worker_ms.store(pause.count(), std::memory_order_relaxed);
 }
 
 void DieOfInterruptSignal(int exit_code) {
@@ -722,10 +728,28 @@ class WorkerGroup::Impl {
     // they hold it; it leads their group. Without it, Wait falls back to
     // reading the terminal's signals off the workers' ends.
     if (launcher_pgrp_ > 0) StartListener();
+    // The watcher covers a launcher that dies before it ended the group.
+    // With the listener leading the group, whose id is known before any
+    // worker, it starts first: the first worker takes the terminal before
+    // its exec, and a launcher killed right after that (before a watcher
+    // started after the worker) left the terminal to the dead group, its
+    // shell stopped for reading it (seen under ThreadSanitizer, which
+    // widens that window). Without the listener the first worker leads the
+    // group, and the watcher starts right after it.
+    if (pgid_ > 0) {
+      if (Status watching = StartWatcher(); !watching.ok()) {
+        KillAndReap();
+        return watching;
+      }
+    }
     for (size_t i = 0; i < specs.size(); ++i) {
       Status started = StartOne(specs[i], workers_[i]);
-      // The first worker's pid is the group's: watch it from now on.
-      if (started.ok() && i == 0) started = StartWatcher();
+      if (started.ok() && i == 0) {
+        if (const int64_t pause = g_pause_after_first_worker_ms.load(std::memory_order_relaxed); pause > 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+        }
+        if (watcher_ <= 0) started = StartWatcher();
+      }
       if (!started.ok()) {
         KillAndReap();
         return started;
@@ -1674,8 +1698,10 @@ class WorkerGroup::Impl {
     sigset_t all, old_mask;
     sigfillset(&all);
     const pid_t group = pgid_;
-    // share_terminal: the group to give the terminal back to.
-    const pid_t launcher_group = terminal_shared_ ? launcher_pgrp_ : 0;
+    // share_terminal: the group to give the terminal back to, should the
+    // workers' group hold it (Start may run this before the first worker
+    // took it; one that did not take it leaves it elsewhere).
+    const pid_t launcher_group = launcher_pgrp_;
     const int fd_bound = DescriptorBound();
     const bool skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
     // Every signal blocked across the clone, as in StartOne: a signal that

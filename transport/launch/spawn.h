@@ -286,6 +286,11 @@ void WriteLauncherLine(std::string_view text);
 /// descriptor close-on-exec one by one, the watcher closes them one by one.
 void ForceCloseRangeFallbackForTesting(bool force);
 
+/// For tests: each group started from now on waits `pause` (0: not at all)
+/// right after its first worker started, which may already hold the
+/// terminal: a launcher killed meanwhile is a case its watcher must cover.
+void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause);
+
 /// "SIGKILL", "SIGTERM", ... or "signal 42".
 std::string SignalName(int signal);
 
