@@ -1348,10 +1348,17 @@ TEST(SpawnTest, LaunchersDescriptorsStayOutOfWorkersAndWatcher) {
     StatusOr<std::unique_ptr<WorkerGroup>> group =
         WorkerGroup::Start(Specs(2, "fd_probe", {{"PROBE_FD", std::to_string(kLeaked)}}), Quiet());
     ASSERT_TRUE(group.ok()) << group.status();
-    const std::vector<pid_t> watchers = ChildrenNamed("ddp-watcher");
+    // The watcher names itself once it runs, which on a loaded machine may
+    // come after Start returned (it was looked for at once, and not found
+    // in one run of the whole test target).
+    const auto give_up = Clock::now() + 5s;
+    std::vector<pid_t> watchers = ChildrenNamed("ddp-watcher");
+    while (watchers.empty() && Clock::now() < give_up) {
+      std::this_thread::sleep_for(10ms);
+      watchers = ChildrenNamed("ddp-watcher");
+    }
     ASSERT_EQ(watchers.size(), 1u);
     // It closes the others right after it starts: only its pipe stays.
-    const auto give_up = Clock::now() + 5s;
     while (OpenDescriptors(watchers[0]) > 1 && Clock::now() < give_up) std::this_thread::sleep_for(10ms);
     EXPECT_EQ(OpenDescriptors(watchers[0]), 1);
     GroupResult result = (*group)->Wait(DeadlineIn(20s));
