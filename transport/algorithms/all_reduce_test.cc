@@ -207,6 +207,84 @@ TEST(AllReduceTest, RingRanksFarFromADisagreeingRankFailPromptly) {
   }
 }
 
+// The same for the tree and halving-doubling, each forced on every rank, one
+// rank passing count 65 among ranks passing 64, nobody killed: only the
+// ranks whose check sees the odd one find the mismatch; the others waited
+// for data that the failed ranks never sent, until their deadline, unless
+// a stop note reaches them. Every rank fails within 3 s (the deadline is
+// 6 s), INVALID_ARGUMENT naming both ranks' counts, or, where the odd
+// rank's data reached a rank before any check named it, both ranks and
+// the sizes there, and the others' count on the ranks that rank told.
+TEST(AllReduceTest, TreeAndRhdRanksFarFromADisagreeingRankFailPromptly) {
+  struct Forced {
+    Algorithm algo;
+    const char* name;               // as the fingerprint names it
+    size_t rhd_doubling_bytes = 0;  // 1: halving-doubling even for 256 B
+  };
+  const Forced forced[] = {{Algorithm::kTree, "tree all-reduce"},
+                           {Algorithm::kRhd, "rhd all-reduce"},
+                           {Algorithm::kRhd, "rhd all-reduce", 1}};
+  for (const Forced& f : forced) {
+    for (int world : {5, 6}) {
+      for (int odd = 0; odd < world; ++odd) {
+        const std::string what = std::string(f.name) +
+                                 (f.rhd_doubling_bytes != 0 ? " (halving)" : "") + ", " +
+                                 std::to_string(world) + " ranks, rank " + std::to_string(odd) +
+                                 " passes count 65";
+        std::vector<Clock::duration> took(world);
+        ::ddp::transport::testing::HarnessOptions options;
+        options.kill_on_error = false;
+        const auto start = Clock::now();
+        const auto deadline = start + 6s;
+        auto statuses = ::ddp::transport::testing::RunRanks(
+            world,
+            [&](p2p::PointToPoint& p2p) -> Status {
+              const bool is_odd = p2p.rank() == odd;
+              if (is_odd) std::this_thread::sleep_for(300ms);
+              std::vector<float> data(65, 1.0f);
+              CollectiveArgs args;
+              args.send = data.data();
+              args.recv = data.data();
+              args.count = is_odd ? 65 : 64;
+              args.deadline = deadline;
+              args.tuning.rhd_doubling_bytes = f.rhd_doubling_bytes;
+              Status status = AllReduce(p2p, args, f.algo);
+              took[p2p.rank()] = Clock::now() - start;
+              return status;
+            },
+            options);
+        for (int r = 0; r < world; ++r) {
+          const Status& s = statuses[r];
+          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+          // A rank receiving the odd one's data before any check names it
+          // fails on the data's size, which names both ranks too.
+          // That rank passes on a note naming the odd rank and its own
+          // arguments.
+          const std::string odd_rank = "rank " + std::to_string(odd);
+          const std::string& m = s.message();
+          if (m.find("message size mismatch: " + odd_rank + " sent") != std::string::npos) {
+            EXPECT_THAT(m, HasSubstr("but rank " + std::to_string(r) + " expected"))
+                << what << ": rank " << r << ": " << s;
+          } else if (m.find("data from " + odd_rank + " that did not match") !=
+                     std::string::npos) {
+            EXPECT_THAT(m, HasSubstr("own arguments (" + std::string(f.name) + ", count 64"))
+                << what << ": rank " << r << ": " << s;
+          } else {
+            EXPECT_THAT(m, HasSubstr(odd_rank + " passed " + f.name + ", count 65"))
+                << what << ": rank " << r << ": " << s;
+            EXPECT_THAT(m, HasSubstr("passed " + std::string(f.name) + ", count 64"))
+                << what << ": rank " << r << ": " << s;
+          }
+          EXPECT_LT(took[r], 3s) << what << ": rank " << r << ": " << s;
+        }
+        // The first case that fails says enough; the rest would each wait
+        // for the deadline.
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
 // Under the automatic choice, a rank whose short count takes it to
 // halving-doubling while the others' long one takes them to the ring, on 5,
 // 6 and 7 ranks, nobody killed: where it is a rank of the fold that takes

@@ -616,9 +616,10 @@ StatusOr<p2p::RequestId> Requests::Recv(const Where& where, p2p::Tag tag, void* 
   return *id;
 }
 
-Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int to) {
+Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf) {
   relay_what_ = what;
   relay_to_ = to;
+  relay_leaf_ = leaf;
   stop_tag_ = StopNoteTag(phase_tag);
   stop_got_ = Hold<StopNote>(1);
   Where where{what, 0, 0, Where::kNoChunk, false, from};
@@ -627,13 +628,19 @@ Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int 
 }
 
 Status Requests::SendStopNote(const StopNote& note) {
-  // The finder has failed; on two ranks the other one checks the finder
-  // itself.
-  if (relay_to_ == note.finder || relay_to_ == note.their_rank) return Status();
   StopNote* held = Hold<StopNote>(1);
   *held = note;
-  Where where{relay_what_, 0, 0, Where::kNoChunk, true, relay_to_};
-  return Send(where, stop_tag_, held, sizeof(StopNote)).status();
+  // The finder has failed; on two ranks the other one checks the finder
+  // itself.
+  if (relay_to_ >= 0 && relay_to_ != note.finder && relay_to_ != note.their_rank) {
+    Where where{relay_what_, 0, 0, Where::kNoChunk, true, relay_to_};
+    DDP_RETURN_IF_ERROR(Send(where, stop_tag_, held, sizeof(StopNote)).status());
+  }
+  if (relay_leaf_ >= 0 && relay_leaf_ != note.finder) {
+    Where where{relay_what_, 0, 0, Where::kNoChunk, true, relay_leaf_};
+    DDP_RETURN_IF_ERROR(Send(where, stop_tag_, held, sizeof(StopNote)).status());
+  }
+  return Status();
 }
 
 Status Requests::VerifyFirst() {
@@ -668,6 +675,13 @@ Status Requests::WaitOrStop(p2p::RequestId id) {
   stopped_by_kind_ = note.theirs.kind;
   SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
   const int finder = static_cast<int>(note.finder);
+  if (note.theirs.kind == 0) {
+    return InvalidArgumentError(
+        DescribePeer(p2p_, finder) + " received data from " +
+        DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
+        " that did not match its own arguments (" + note.finders.ToString() +
+        "), so ranks disagree on the arguments, and that was passed on");
+  }
   return InvalidArgumentError(DescribePeer(p2p_, finder) +
                               " found that ranks disagree on the arguments, and the ring passed "
                               "that on: " +
@@ -680,7 +694,20 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
   DDP_RETURN_IF_ERROR(VerifyFirst());
   if (stop_recv_ != 0) {
     Status status = WaitOrStop(id);
-    return status.ok() ? status : Annotate(status, Describe(p2p_, where));
+    if (status.ok()) return status;
+    if (stop_recv_ != 0 && !where.is_send && status.code() == StatusCode::kInvalidArgument &&
+        check_ != nullptr) {
+      // Data that does not fit (another count) from a peer this rank does
+      // not check: a rank that does check it stops the others, but its
+      // note would end here, as this rank returns. So this rank stops them
+      // itself, with what it knows: the peer, and its own arguments.
+      StopNote note;
+      note.finders = check_->mine();
+      note.their_rank = where.peer;
+      note.finder = p2p_.rank();
+      SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
+    }
+    return Annotate(status, Describe(p2p_, where));
   }
   const p2p::RequestId one[1] = {id};
   Status status = p2p_.WaitAll(one, deadline_);
@@ -696,6 +723,23 @@ StatusOr<bool> Requests::Test(p2p::RequestId id, const Where& where) {
   }
   if (*done) Forget(id);
   return *done;
+}
+
+Status Requests::WaitAllInStep(const char* what) {
+  if (stop_recv_ == 0) return WaitAll(what);
+  DDP_RETURN_IF_ERROR(VerifyFirst());
+  std::vector<p2p::RequestId> pending;
+  pending.reserve(outstanding_.size());
+  for (p2p::RequestId id : outstanding_) {
+    if (id != stop_recv_) pending.push_back(id);
+  }
+  // One by one, each with the note (a WaitAny of two per request): a
+  // WaitAny of them all at once would search them all on every return.
+  for (p2p::RequestId id : pending) {
+    Status status = WaitOrStop(id);
+    if (!status.ok()) return Annotate(status, std::string(what) + ": completing sends");
+  }
+  return Status();
 }
 
 Status Requests::WaitAll(const char* what) {

@@ -389,6 +389,12 @@ class Requests {
   /// the collective in errors.
   Status WaitAll(const char* what);
 
+  /// WaitAll at the end of one step of a collective whose later steps still
+  /// need the stop note (RelayStops): the note's receive stays posted, and
+  /// each request is awaited with it, so a rank whose partner stopped does
+  /// not wait for its sends until the deadline. Without RelayStops, WaitAll.
+  Status WaitAllInStep(const char* what);
+
   /// Completed without blocking? Releases it when so.
   StatusOr<bool> Test(p2p::RequestId id, const Where& where);
 
@@ -408,8 +414,15 @@ class Requests {
   /// note not yet taken, so a rank that had not yet posted its receive by
   /// then waits for its deadline, as it did before. Costs the agreeing
   /// call one receive posted and cancelled, and every Wait watching two
-  /// requests instead of one.
-  Status RelayStops(const char* what, p2p::Tag phase_tag, int from, int to);
+  /// requests instead of one. `to` -1: this rank passes notes on to no one.
+  /// `leaf` (-1 for none): a rank that checks nobody and passes nothing on,
+  /// whose only note comes from here (halving-doubling's folded rank, whose
+  /// `from` is this rank): it is sent every note, even one naming it as
+  /// the rank that differs, as nothing else would stop it. A receive that
+  /// fails INVALID_ARGUMENT (data of another size, from a peer this rank
+  /// does not check) sends a note too, naming that peer and this rank's
+  /// own arguments only, as this rank's return would end the others' notes.
+  Status RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf = -1);
   /// Fingerprint::kind of the rank that differed, as a stop note received
   /// here named it; 0 while none came.
   int32_t stopped_by_kind() const { return stopped_by_kind_; }
@@ -443,12 +456,15 @@ class Requests {
   Status WaitOrStop(p2p::RequestId id);
   // What a rank that found a disagreement sends on around the ring.
   struct StopNote {
-    Fingerprint theirs;    // what `their_rank` passed
+    // What `their_rank` passed; kind 0 when not known, as `finder` found
+    // only that the data `their_rank` sent did not fit its own arguments.
+    Fingerprint theirs;
     Fingerprint finders;   // what `finder` passed
     int64_t their_rank = 0;
     int64_t finder = 0;    // the rank whose check found it
   };
-  // Posts `note` to relay_to_, unless that rank is one of the two it names.
+  // Posts `note` to relay_to_, unless that rank is one of the two it names,
+  // and to relay_leaf_, unless that rank found it.
   Status SendStopNote(const StopNote& note);
 
   PeerCheck* check_ = nullptr;
@@ -468,6 +484,7 @@ class Requests {
   p2p::RequestId stop_recv_ = 0;
   StopNote* stop_got_ = nullptr;
   int relay_to_ = -1;
+  int relay_leaf_ = -1;
   p2p::Tag stop_tag_ = 0;
   const char* relay_what_ = "";
   int32_t stopped_by_kind_ = 0;

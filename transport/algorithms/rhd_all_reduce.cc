@@ -75,14 +75,24 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // took it to halving-doubling while the others run the ring fails at
   // once on its partner's fingerprint; it waited on the other one until
   // its deadline.
+  //
+  // A disagreement one rank's check finds stops every rank: a stop note
+  // goes around the exchanging ranks' ring, and each of those tells its
+  // folded partner (Requests::RelayStops). Without it, only the ranks
+  // checking the odd one failed, and their partners in later steps, and
+  // the folded ones, waited for them until their deadline.
   internal::PeerCheck check("rhd all-reduce", fingerprint);
   if (folded) {
+    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", tag, r + 1, -1));
     DDP_RETURN_IF_ERROR(check.Post(requests, tag, {r + 1}, {}));
   } else {
+    const int next = real((nr + 1) % p2), prev = real((nr + p2 - 1) % p2);
+    const int partner = r < 2 * extra ? r - 1 : -1;
+    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", tag, prev, next, partner));
     std::vector<int> from;
-    if (r < 2 * extra) from.push_back(r - 1);
-    from.push_back(real((nr + p2 - 1) % p2));
-    DDP_RETURN_IF_ERROR(check.Post(requests, tag, {real((nr + 1) % p2)}, from));
+    if (partner >= 0) from.push_back(partner);
+    from.push_back(prev);
+    DDP_RETURN_IF_ERROR(check.Post(requests, tag, {next}, from));
   }
 
   // One exchange with `peer` at `step`: send `send_n` elements from `out`,
@@ -124,7 +134,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       DDP_RETURN_IF_ERROR(requests.Wait(recv_ids[m % depth], where));
       if (combine) {
         // Doubling reduces into the vector it is sending: wait for the send.
-        if (doubling) DDP_RETURN_IF_ERROR(requests.WaitAll(what));
+        if (doubling) DDP_RETURN_IF_ERROR(requests.WaitAllInStep(what));
         const size_t n = std::min(ce, recv_n - m * ce);
         unsigned char* mine = in + m * ce * es;
         const unsigned char* theirs = scratch.data() + (m % depth) * slot_elems * es;
@@ -138,7 +148,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
         }
       }
     }
-    return requests.WaitAll(what);
+    return requests.WaitAllInStep(what);
   };
 
   int step = 0;

@@ -109,9 +109,14 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // not the successor: on 4 ranks sharing 2 cores, a forced tree of 4 KiB
   // took about 10 us more (45 -> 55 us in the quietest runs); no change was
   // seen at 256 KiB and 4 MiB (the table takes the tree from 64 KiB).
+  // A disagreement one rank's check finds stops every rank: a stop note
+  // goes around the ring of the check (Requests::RelayStops). Without it,
+  // only the ranks checking the odd one failed, and the others waited for
+  // the reduction the failed ones never passed on, until their deadline.
   internal::PeerCheck check("tree all-reduce", fingerprint);
   {
     const int next = (r + 1) % p, prev = (r + p - 1) % p;
+    DDP_RETURN_IF_ERROR(requests.RelayStops("tree all-reduce", PhaseTag(args.tag, 0), prev, next));
     std::vector<int> to = {next}, from = {prev};
     if (trees[0].node.parent >= 0 && trees[0].node.parent != next) {
       to.push_back(trees[0].node.parent);
