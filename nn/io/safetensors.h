@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -148,7 +149,9 @@ class SafetensorsFile {
   /// exactly, size = elements * dtype size). Throws CheckpointError naming
   /// `source` and the first problem found.
   static SafetensorsFile Parse(std::string bytes, const std::string& source);
-  /// Reads and parses a file.
+  /// Reads and parses a file: the header as ReadBytes checks it, then the
+  /// data region alone, read as ReadInto reads it (the same errors, `stop`
+  /// as there) into memory the file keeps and its copies share.
   static SafetensorsFile Read(const std::string& path, const std::atomic<bool>* stop = nullptr);
   /// A file's bytes (to hand to Parse here or on another rank). The header
   /// is read and checked first. When it is not valid, only the length field
@@ -220,8 +223,13 @@ class SafetensorsFile {
 
   std::string source_;
   std::string data_checksum_;
+  // The whole file, for one from Parse; its data region starts at
+  // data_start_.
   std::string bytes_;
   uint64_t data_start_ = 0;
+  // The data region alone, for one from Read (shared by copies; never
+  // written once read).
+  std::shared_ptr<const std::byte> region_;
   std::vector<TensorEntry> tensors_;
   std::vector<size_t> header_order_;
   Metadata metadata_;

@@ -27,6 +27,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -853,6 +854,45 @@ TEST(Safetensors, ShortReadOfTheLengthFieldSaysTheFileGotShorter) {
   errno = EAGAIN;  // a stale value the old message reported
   EXPECT_THAT(ErrorOf([&] { SafetensorsFile::ReadBytes(path); }),
               AllOf(HasSubstr(path), HasSubstr("cannot read its first 8 bytes: the file got shorter while being read")));
+}
+
+// Read keeps the data region in memory of its own (mapped for huge pages
+// over 2 MiB): every tensor's bytes are there, at odd sizes of every
+// element size, and a copy of the file keeps them once the original is
+// gone.
+TEST(Safetensors, ReadGivesEveryTensorsBytesAndCopiesKeepThem) {
+  const std::string path = TmpDir("st_read_region") + "/c.safetensors";
+  struct Spec {
+    const char* name;
+    StDtype dtype;
+    int64_t count;
+  };
+  const std::vector<Spec> specs = {{"u8", StDtype::kU8, 3},
+                                   {"bf16", StDtype::kBF16, 5},
+                                   {"big", StDtype::kF32, (int64_t{3} << 20) / 4 + 1},
+                                   {"f64", StDtype::kF64, 7}};
+  std::vector<std::string> bytes;
+  std::vector<TensorView> views;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    std::string b(static_cast<size_t>(specs[i].count * StDtypeSize(specs[i].dtype)), '\0');
+    for (size_t k = 0; k < b.size(); ++k) b[k] = static_cast<char>((k * 131 + i * 17) >> 3);
+    bytes.push_back(std::move(b));
+  }
+  for (size_t i = 0; i < specs.size(); ++i) {
+    views.push_back({specs[i].name, specs[i].dtype, {specs[i].count}, bytes[i].data(), bytes[i].size()});
+  }
+  WriteSafetensorsFile(path, views);
+  std::optional<SafetensorsFile> copy;
+  {
+    const SafetensorsFile f = SafetensorsFile::Read(path);
+    copy = f;
+  }
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const TensorEntry* e = copy->Find(specs[i].name);
+    ASSERT_NE(e, nullptr) << specs[i].name;
+    ASSERT_EQ(e->nbytes, bytes[i].size()) << specs[i].name;
+    EXPECT_EQ(std::memcmp(copy->Data(*e), bytes[i].data(), e->nbytes), 0) << specs[i].name;
+  }
 }
 
 // A file cut short while ReadBytes (and so Read) reads its data: the error
