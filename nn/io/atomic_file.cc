@@ -75,7 +75,7 @@ std::string Folder(const std::string& path) {
 }
 
 [[noreturn]] void Fail(const std::string& path, const std::string& what, int err) {
-  throw CheckpointError(path + ": " + what + ": " + std::strerror(err));
+  throw FileWriteError(path + ": " + what + ": " + std::strerror(err), err);
 }
 
 // Whether errno `err` from link(2) says the filesystem makes no hard links

@@ -10,12 +10,27 @@
 #include <functional>
 #include <string>
 
+#include "nn/io/safetensors.h"
+
 namespace ddp::nn::io {
 
 /// Long writes and reads check their stop flag (when given one) before each
 /// piece of this size, so that a caller past its deadline gets its thread
 /// back within one piece's time.
 inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
+
+/// A system call of an AtomicFileWriter (or SyncFolder) that failed, with
+/// its errno: a caller that can make room (a cache evicting entries) tells
+/// a full disk (ENOSPC) or a quota reached (EDQUOT) from other failures.
+class FileWriteError : public CheckpointError {
+ public:
+  FileWriteError(const std::string& what, int err) : CheckpointError(what), error_number_(err) {}
+  /// The errno of the failed call.
+  int error_number() const { return error_number_; }
+
+ private:
+  int error_number_;
+};
 
 /// The file an AtomicFileWriter at `path` replaces: `path` itself, or the
 /// file the symbolic link(s) at `path` lead to. Throws CheckpointError, as
