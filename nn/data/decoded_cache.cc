@@ -593,6 +593,30 @@ class EntryLock {
   int lock_errno_ = 0;
 };
 
+// The outermost folder on the way to `dir` that does not exist yet ("" when
+// `dir` exists): what create_directories(dir) would make, from there down.
+std::string FirstMissingFolder(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::path missing;
+  for (std::filesystem::path p = dir; !p.empty() && !std::filesystem::exists(p, ec) && !ec;
+       p = p.parent_path()) {
+    missing = p;
+    if (p == p.parent_path()) break;
+  }
+  return missing.string();
+}
+
+// Removes the folders from `dir` up to `made_from` (FirstMissingFolder
+// before they were made) while they are empty: rmdir leaves a folder that
+// another process has put a file in meanwhile, and that process makes the
+// folder again when this one removed it first (LoadDecoded).
+void RemoveFoldersMade(const std::string& dir, const std::string& made_from) {
+  if (made_from.empty()) return;
+  for (std::filesystem::path p = dir;; p = p.parent_path()) {
+    if (::rmdir(p.c_str()) != 0 || p == std::filesystem::path(made_from) || p == p.parent_path()) return;
+  }
+}
+
 }  // namespace
 
 std::string DecodedCacheDir() {
@@ -655,6 +679,7 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
   const std::string path = cacheable ? dir + "/" + EntryName(sources, stats) : "";
   std::unique_ptr<EntryLock> lock;
   std::error_code mkdir_error;
+  std::string made_from;  // the outermost folder of `dir` this load makes ("" when none)
   // An entry mapped: marked used and kept, and the stale lock files of the
   // folder removed (RemoveUnheldLocks), since this load writes nothing.
   const auto use = [&](SharedArray hit) {
@@ -666,13 +691,27 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
   if (cacheable) {
     SharedArray hit = MapEntry(path, stats);
     if (hit.owner != nullptr) return use(std::move(hit));
+    made_from = FirstMissingFolder(dir);
     std::filesystem::create_directories(dir, mkdir_error);
     lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
+    if (!lock->held() && lock->open_errno() == ENOENT) {
+      // A load of a set too small to cache removed the folder it had made
+      // (RemoveFoldersMade) between the making above and the lock file.
+      std::filesystem::create_directories(dir, mkdir_error);
+      lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
+    }
     // Another process may have written the entry while this one waited.
     if (lock->held()) hit = MapEntry(path, stats);
     if (hit.owner != nullptr) return use(std::move(hit));
   }
   auto [dims, bytes] = decode();
+  if (bytes.size() < min_bytes && lock != nullptr) {
+    // Too small to cache: the lock file goes now, and the folders this
+    // load made for nothing with it (a test's scratch set made the cache
+    // folder in the user's home).
+    lock.reset();
+    RemoveFoldersMade(dir, made_from);
+  }
   if (lock != nullptr && !lock->held() && lock->open_errno() != 0 && bytes.size() >= min_bytes) {
     // No lock file: the folder cannot be written (or made), so no entry
     // can be either. (A lock held too long by another process is no

@@ -108,7 +108,8 @@ inline constexpr std::chrono::milliseconds kEntryLockWait{60000};
 /// unless another wrote it during its decode or its write: it then maps
 /// that one (the entry is linked into place, never over one that came
 /// meanwhile; a file at the name that was no valid entry is unlinked
-/// first, never renamed over).
+/// first, never renamed over). A set of fewer than `min_bytes` leaves no
+/// lock file, nor the cache folders the load made for it.
 using DecodeFn = std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>;
 SharedArray LoadDecoded(const std::vector<std::string>& sources, const DecodeFn& decode,
                         size_t min_bytes = kMinCachedBytes, std::chrono::milliseconds lock_wait = kEntryLockWait);

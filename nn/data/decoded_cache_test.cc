@@ -643,6 +643,18 @@ TEST(DecodedCache, UnwritableFolderAndOffDecodeEveryTime) {
   }
 }
 
+// A set too small to cache, loaded with the cache in folders that do not
+// exist yet, leaves none of them (nor a lock file): every test's scratch set
+// made the cache folder in the user's home.
+TEST(DecodedCache, ASetTooSmallToCacheMakesNoFolder) {
+  const std::string dir = FreshDir("decoded_tiny");
+  const CacheDir cache(dir + "/made/cache");
+  CountingDecode decode{dir + "/images"};
+  WriteFile(decode.path, IdxBytes({3, 3}, Pixels(9)));
+  EXPECT_EQ(Bytes(LoadDecoded(decode.path, std::ref(decode))), Want(9));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/made")) << "the load made the cache folder for a set it does not cache";
+}
+
 // Sets an environment variable for a scope (unset: nullptr).
 class ScopedEnv {
  public:
