@@ -699,6 +699,13 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
       // (RemoveFoldersMade) between the making above and the lock file.
       std::filesystem::create_directories(dir, mkdir_error);
       lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
+    } else if (!lock->held() && (lock->open_errno() == ENOSPC || lock->open_errno() == EDQUOT)) {
+      // A disk (or quota) so full that not even the empty lock file fits:
+      // the least recently used entries not in use make room for it (and
+      // stale lock files go), as they do for an entry (MakeRoom). Without
+      // this the disk stayed full, and every run decoded and warned.
+      EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes(), /*free_bytes=*/1);
+      lock = std::make_unique<EntryLock>(path + ".lock", lock_wait);
     }
     // Another process may have written the entry while this one waited.
     if (lock->held()) hit = MapEntry(path, stats);

@@ -884,6 +884,50 @@ TEST(DecodedCache, AFullDiskMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
   EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
 }
 
+// A cache folder so full that not even the empty lock file fits (a tmpfs
+// of 3 inodes: its root, an earlier run's entry of another set and a lock
+// file left by a killed process): the load removes them to make room for
+// its lock file and its entry, and the next load maps the entry, without a
+// warning. The cache only warned there, so the disk stayed full and every
+// run decoded the set again.
+TEST(DecodedCache, NoRoomForTheLockFileMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
+  const std::string dir = FreshDir("decoded_full_lock");
+  const std::string cache_dir = dir + "/cache";
+  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
+  const CacheDir cache(cache_dir);
+  const ScopedEnv no_limit("DDP_DATA_CACHE_MAX_BYTES", nullptr);
+  CountingDecode old_set{dir + "/old_images"}, labels{dir + "/labels"};
+  WriteFile(old_set.path, IdxBytes({10, 1024}, Pixels(10 << 10)));
+  WriteFile(labels.path, IdxBytes({20, 1024}, Pixels(20 << 10)));
+  const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
+  // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
+  // 5 for other files than the new entry in the folder (listed in
+  // `left_file`), 6 when the set-up did not fill the inodes.
+  const int status = InChildWithMounts(
+      [&] { return ::mount("tmpfs", cache_dir.c_str(), "tmpfs", 0, "size=1m,nr_inodes=3") == 0; }, stderr_file,
+      [&] {
+        if (Bytes(LoadDecoded(old_set.path, std::ref(old_set), 0)) != Want(10 << 10)) return 1;
+        WriteFile(cache_dir + "/killed-0000000000000000.decoded.lock", "");
+        const std::string probe = cache_dir + "/probe";
+        const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+        if (fd >= 0 || errno != ENOSPC) return 6;
+        ForgetDecodedEntriesInUseForTesting();  // the entry stands for an earlier run's
+        const bool right = Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(20 << 10) &&
+                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(20 << 10);
+        std::string left;
+        for (const auto& e : Entries(cache_dir)) left += e.filename().string() + "\n";
+        WriteFile(left_file, left);
+        const bool only_new = Entries(cache_dir).size() == 1 && left.rfind("labels-", 0) == 0;
+        return !right ? 1 : labels.calls != 1 ? 4 : !only_new ? 5 : 0;
+      });
+  ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
+  ASSERT_NE(status, 6) << "the tmpfs still had an inode free after the set-up";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files than its "
+                          "entry in the folder (5: "
+                       << ReadText(left_file) << ")";
+  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+}
+
 // A filesystem that reports no size (a tmpfs mounted with size=0 has no
 // limit, and statvfs gives it zero blocks, zero free) is no full disk: the
 // entry is written and the next load maps it.
