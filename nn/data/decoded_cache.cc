@@ -337,7 +337,8 @@ Written WriteEntry(const std::string& dir, const std::string& path, const std::v
   h.ndims = static_cast<uint32_t>(dims.size());
   h.nsources = static_cast<uint32_t>(sources.size());
   h.crc = Crc(data.data(), data.size());
-  if (!MakeRoom(dir, path, sizeof(h) + sizeof(SourceStat) * sources.size() + 8 * dims.size() + data.size())) {
+  const uint64_t entry_bytes = sizeof(h) + sizeof(SourceStat) * sources.size() + 8 * dims.size() + data.size();
+  if (!MakeRoom(dir, path, entry_bytes)) {
     return Written::kFailed;
   }
   // A FIFO, socket or device under an entry's name in the cache folder is
@@ -348,24 +349,38 @@ Written WriteEntry(const std::string& dir, const std::string& path, const std::v
       (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode))) {
     ::unlink(path.c_str());
   }
-  try {
-    io::AtomicFileWriter out(path);
-    out.Write(&h, sizeof(h));
-    for (const SourceStat& source : sources) out.Write(&source, sizeof(source));
-    for (int64_t d : dims) {
-      const uint64_t dim = static_cast<uint64_t>(d);
-      out.Write(&dim, sizeof(dim));
+  // A write that runs out of room despite MakeRoom (a quota, EDQUOT, which
+  // statvfs does not show; another file written meanwhile) makes room as
+  // MakeRoom would, for the whole entry, and is tried once more: the cache
+  // over its quota otherwise never evicted, and every run decoded again.
+  for (int attempt = 0;; ++attempt) {
+    try {
+      io::AtomicFileWriter out(path);
+      out.Write(&h, sizeof(h));
+      for (const SourceStat& source : sources) out.Write(&source, sizeof(source));
+      for (int64_t d : dims) {
+        const uint64_t dim = static_cast<uint64_t>(d);
+        out.Write(&dim, sizeof(dim));
+      }
+      out.Write(data.data(), data.size());
+      if (!replace) return out.CommitUnlessPresent() ? Written::kInPlace : Written::kPresent;
+      out.Commit();
+      return Written::kInPlace;
+    } catch (const io::FileWriteError& e) {
+      // The writer has removed its temporary by now (its destructor ran).
+      if (attempt == 0 && (e.error_number() == ENOSPC || e.error_number() == EDQUOT)) {
+        EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes(), entry_bytes);
+        continue;
+      }
+      ReportWriteFailure(path, e.what());
+      return Written::kFailed;
+    } catch (const io::CheckpointError& e) {
+      // An unwritable cache (full disk, read-only folder) leaves loads as
+      // they were, decoding.
+      ReportWriteFailure(path, e.what());
+      return Written::kFailed;
     }
-    out.Write(data.data(), data.size());
-    if (!replace) return out.CommitUnlessPresent() ? Written::kInPlace : Written::kPresent;
-    out.Commit();
-  } catch (const io::CheckpointError& e) {
-    // An unwritable cache (full disk, read-only folder) leaves loads as
-    // they were, decoding.
-    ReportWriteFailure(path, e.what());
-    return Written::kFailed;
   }
-  return Written::kInPlace;
 }
 
 // A lock file that could be made but not locked (NFS mounted without locks

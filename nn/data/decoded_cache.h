@@ -37,8 +37,10 @@
 // reading it after the removal. Where the disk has no room for a new entry,
 // the least recently used others (not those) are removed first for what it
 // lacks; when that is not enough, the entry is not written (a write would
-// fill the disk before failing) and the first such load says so. A lock
-// file that does not fit makes room the same way, and is tried once more. Lock
+// fill the disk before failing) and the first such load says so. A write
+// that runs out of room all the same (a quota, EDQUOT, which statvfs does
+// not show; a file written meanwhile) removes them for the whole entry and
+// is tried once more; so is a lock file that does not fit. Lock
 // files that no process holds (left by a process killed while decoding)
 // are removed then too, and at each load from an entry (a job whose loads
 // all hit writes nothing).

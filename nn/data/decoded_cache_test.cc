@@ -928,6 +928,60 @@ TEST(DecodedCache, NoRoomForTheLockFileMakesRoomByRemovingTheLeastRecentlyUsedEn
   EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
 }
 
+// A write that runs out of room although statvfs showed enough (another
+// file took it between the look and the write, as a quota, which statvfs
+// does not show, would refuse it all along): the least recently used
+// entries make room and the write is tried again, so the next load maps
+// the entry, without a warning. (EDQUOT itself cannot be made here: root
+// is not held to quotas.)
+TEST(DecodedCache, AWriteOutOfRoomMakesRoomAndIsTriedAgain) {
+  const std::string dir = FreshDir("decoded_full_retry");
+  const std::string cache_dir = dir + "/cache";
+  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
+  const CacheDir cache(cache_dir);
+  const ScopedEnv no_limit("DDP_DATA_CACHE_MAX_BYTES", nullptr);
+  CountingDecode old_set{dir + "/old_images"}, labels{dir + "/labels"};
+  WriteFile(old_set.path, IdxBytes({200, 1024}, Pixels(200 << 10)));
+  WriteFile(labels.path, IdxBytes({200, 1024}, Pixels(200 << 10)));
+  const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
+  // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
+  // 5 for other files than the new entry and the filler in the folder
+  // (listed in `left_file`), 6 when the filler could not be written.
+  const int status = InChildWithMounts(
+      [&] { return ::mount("tmpfs", cache_dir.c_str(), "tmpfs", 0, "size=512k") == 0; }, stderr_file, [&] {
+        if (Bytes(LoadDecoded(old_set.path, std::ref(old_set), 0)) != Want(200 << 10)) return 1;
+        ForgetDecodedEntriesInUseForTesting();  // the entry stands for an earlier run's
+        // Once the first temporary is made (after the look at the free
+        // space), another entry takes 250 of the ~310 KiB left.
+        bool filled = false, filler_written = true;
+        io::internal::SetTemporaryCreatedHookForTesting([&](const std::string&) {
+          if (filled) return;
+          filled = true;
+          const std::string filler = cache_dir + "/filler-0000000000000000.decoded";
+          FILE* f = std::fopen(filler.c_str(), "wb");
+          const std::string bytes(250 << 10, 'x');
+          filler_written = f != nullptr && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+          if (f != nullptr && std::fclose(f) != 0) filler_written = false;
+        });
+        const bool right = Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(200 << 10) &&
+                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(200 << 10);
+        io::internal::SetTemporaryCreatedHookForTesting({});
+        if (!filler_written) return 6;
+        std::string left;
+        for (const auto& e : Entries(cache_dir)) left += e.filename().string() + "\n";
+        WriteFile(left_file, left);
+        const bool kept = Entries(cache_dir).size() == 2 && left.find("labels-") != std::string::npos &&
+                          left.find("filler-") != std::string::npos;
+        return !right ? 1 : labels.calls != 1 ? 4 : !kept ? 5 : 0;
+      });
+  ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
+  ASSERT_NE(status, 6) << "the filler that takes the room could not be written";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files than its "
+                          "entry and the filler in the folder (5: "
+                       << ReadText(left_file) << ")";
+  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+}
+
 // A filesystem that reports no size (a tmpfs mounted with size=0 has no
 // limit, and statvfs gives it zero blocks, zero free) is no full disk: the
 // entry is written and the next load maps it.
