@@ -69,6 +69,7 @@ struct SourceStat {
 std::atomic<bool> write_failure_reported{false};
 std::atomic<bool> limit_below_use_reported{false};
 std::atomic<bool> lock_failure_reported{false};
+std::atomic<bool> sync_failure_reported{false};
 
 // The entries this process wrote or loaded (full paths): eviction leaves
 // them. Evicting one (a run whose training and test sets together exceed
@@ -95,6 +96,16 @@ void ReportWriteFailure(const std::string& path, const std::string& cause) {
                "[ddp] warning: decoded dataset cache: cannot write %s: %s; datasets are decoded in memory "
                "on every load (DDP_DATA_CACHE=<folder> moves the cache, DDP_DATA_CACHE=off turns it off)\n",
                path.c_str(), cause.c_str());
+}
+
+// An entry written and in place whose folder could not be fsynced: said
+// once, apart from the failures to write, since the entry is used.
+void ReportSyncFailure(const std::string& cause) {
+  if (sync_failure_reported.exchange(true)) return;
+  std::fprintf(stderr,
+               "[ddp] warning: decoded dataset cache: %s; the entry is used, and written again if a crash loses "
+               "it\n",
+               cause.c_str());
 }
 
 uint32_t Crc(const uint8_t* data, size_t n) {
@@ -367,6 +378,13 @@ Written WriteEntry(const std::string& dir, const std::string& path, const std::v
       out.Commit();
       return Written::kInPlace;
     } catch (const io::FileWriteError& e) {
+      if (e.in_place()) {
+        // The entry is whole at its name (only the folder's fsync failed):
+        // it is used, as any entry written; a crash may lose its name, and
+        // the load after it then writes it again.
+        ReportSyncFailure(e.what());
+        return Written::kInPlace;
+      }
       // The writer has removed its temporary by now (its destructor ran).
       if (attempt == 0 && (e.error_number() == ENOSPC || e.error_number() == EDQUOT)) {
         EvictLeastRecentlyUsed(dir, DecodedCacheMaxBytes(), entry_bytes);
@@ -677,6 +695,7 @@ void ResetDecodedCacheWarningsForTesting() {
   write_failure_reported = false;
   limit_below_use_reported = false;
   lock_failure_reported = false;
+  sync_failure_reported = false;
 }
 
 void ForgetDecodedEntriesInUseForTesting() {

@@ -23,7 +23,8 @@
 // cannot be written says so on stderr, once per process, with the path and
 // the cause; so does the first lock file that cannot be locked, as on NFS
 // mounted without locks: entries are then written without the lock, so
-// concurrent first loads each decode).
+// concurrent first loads each decode; and the first entry put in place
+// whose folder then cannot be fsynced: it is used all the same).
 //
 // Size: after writing an entry, the least recently used others (by
 // modification time, which a load from an entry sets to now) are removed

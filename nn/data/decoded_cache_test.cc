@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -23,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <chrono>
@@ -36,6 +38,7 @@
 #include <future>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -980,6 +983,101 @@ TEST(DecodedCache, AWriteOutOfRoomMakesRoomAndIsTriedAgain) {
                           "entry and the filler in the folder (5: "
                        << ReadText(left_file) << ")";
   EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+}
+
+// An entry put in place whose folder's fsync then fails (a seccomp filter
+// hands each fsync to a thread that answers EIO for a folder, during the
+// first load) is used as written: kept as in use when the next set's write
+// evicts every other entry (the limit is 0), and mapped by the next load;
+// the warning says it was written and may not survive a crash. It said
+// "cannot write", and the entry was evicted as another process's.
+TEST(DecodedCache, AFailedFolderFsyncAfterTheEntryIsInPlaceKeepsItInUse) {
+  const std::string dir = FreshDir("decoded_folder_fsync");
+  const std::string cache_dir = dir + "/cache";
+  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
+  const CacheDir cache(cache_dir);
+  const ScopedEnv limit("DDP_DATA_CACHE_MAX_BYTES", "0");
+  CountingDecode images{dir + "/images"}, labels{dir + "/labels"};
+  WriteFile(images.path, IdxBytes({10, 8}, Pixels(80)));
+  WriteFile(labels.path, IdxBytes({12, 8}, Pixels(96)));
+  const std::string stderr_file = dir + "/child_stderr";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+#if defined(__x86_64__)
+    constexpr uint32_t kArch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+    constexpr uint32_t kArch = AUDIT_ARCH_AARCH64;
+#else
+#error "the seccomp filter below names no audit architecture for this CPU"
+#endif
+    sock_filter filter[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kArch, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_fsync, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    const sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+    // The thread that answers is made before the filter, which then holds
+    // only for this (the main) thread; it shares the descriptors, so it
+    // fstats the one fsync was given. It stops when the child exits.
+    std::atomic<int> listener{-1};
+    std::atomic<bool> fail_folders{true};
+    std::thread answer([&listener, &fail_folders] {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (listener.load() < 0) {
+        if (std::chrono::steady_clock::now() > deadline) return;
+        ::usleep(1000);
+      }
+      while (std::chrono::steady_clock::now() < deadline) {
+        pollfd p{listener.load(), POLLIN, 0};
+        if (::poll(&p, 1, 100) <= 0) continue;
+        seccomp_notif req{};
+        if (::ioctl(listener.load(), SECCOMP_IOCTL_NOTIF_RECV, &req) != 0) continue;
+        seccomp_notif_resp resp{};
+        resp.id = req.id;
+        struct stat st{};
+        if (fail_folders.load() && ::fstat(static_cast<int>(req.data.args[0]), &st) == 0 && S_ISDIR(st.st_mode)) {
+          resp.error = -EIO;
+        } else {
+          resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+        }
+        ::ioctl(listener.load(), SECCOMP_IOCTL_NOTIF_SEND, &resp);
+      }
+    });
+    answer.detach();
+    const int fd = ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                       ? -1
+                       : static_cast<int>(::syscall(__NR_seccomp, SECCOMP_SET_MODE_FILTER,
+                                                    SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog));
+    if (fd < 0) ::_exit(2);
+    listener = fd;
+    // Folders' fsyncs fail, files' pass.
+    const int folder = ::open(cache_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    const int file = ::open(images.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (folder < 0 || file < 0 || ::fsync(folder) == 0 || errno != EIO || ::fsync(file) != 0) ::_exit(3);
+    ::close(folder);
+    ::close(file);
+    ResetDecodedCacheWarningsForTesting();
+    ::testing::internal::CaptureStderr();
+    bool right = Bytes(LoadDecoded(images.path, std::ref(images), 0)) == Want(80);
+    fail_folders = false;
+    right = right && Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(96) &&
+            Bytes(LoadDecoded(images.path, std::ref(images), 0)) == Want(80);
+    const size_t entries = Entries(cache_dir).size();
+    WriteFile(stderr_file, ::testing::internal::GetCapturedStderr());
+    ::_exit(!right ? 1 : images.calls != 1 ? 4 : entries != 2 ? 5 : 0);
+  }
+  const int status = ExitStatus(pid);
+  ASSERT_NE(status, 2) << "the seccomp filter could not be installed";
+  ASSERT_NE(status, 3) << "the seccomp filter did not fail a folder's fsync alone";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), the entry evicted and decoded again (4), or not both entries kept (5)";
+  const std::string warned = ReadText(stderr_file);
+  EXPECT_EQ(Count(warned, "cannot write"), 0u) << warned;
+  EXPECT_EQ(Count(warned, "written and renamed into place, but it may not survive a crash"), 1u) << warned;
 }
 
 // A filesystem that reports no size (a tmpfs mounted with size=0 has no

@@ -661,8 +661,9 @@ bool AtomicFileWriter::Place(bool replace) {
   // crash is in doubt, which the error must say rather than "not saved".
   try {
     SyncFolder(Folder(path_));
-  } catch (const CheckpointError& e) {
-    throw CheckpointError(path_ + ": written and renamed into place, but it may not survive a crash: " + e.what());
+  } catch (const FileWriteError& e) {
+    throw FileWriteError(path_ + ": written and renamed into place, but it may not survive a crash: " + e.what(),
+                         e.error_number(), /*in_place=*/true);
   }
   return true;
 }

@@ -24,12 +24,18 @@ inline constexpr size_t kStopCheckBytes = size_t{64} << 20;
 /// a full disk (ENOSPC) or a quota reached (EDQUOT) from other failures.
 class FileWriteError : public CheckpointError {
  public:
-  FileWriteError(const std::string& what, int err) : CheckpointError(what), error_number_(err) {}
+  FileWriteError(const std::string& what, int err, bool in_place = false)
+      : CheckpointError(what), error_number_(err), in_place_(in_place) {}
   /// The errno of the failed call.
   int error_number() const { return error_number_; }
+  /// Whether the new file was already in place (renamed or linked to the
+  /// target's name, whole and fsynced) when the fsync of its folder failed:
+  /// readers see it; only its name's surviving a crash is in doubt.
+  bool in_place() const { return in_place_; }
 
  private:
   int error_number_;
+  bool in_place_;
 };
 
 /// The file an AtomicFileWriter at `path` replaces: `path` itself, or the
@@ -70,6 +76,7 @@ class AtomicFileWriter {
   /// Appends bytes to the temporary file, kStopCheckBytes at a time.
   void Write(const void* data, size_t nbytes);
   /// fsync, rename over the target, fsync the folder. Call at most once.
+  /// A failed folder fsync throws FileWriteError with in_place() true.
   /// Throws as the constructor does, removing the temporary and leaving the
   /// target as it is, when something other than a regular file has taken
   /// the target's place since the writer was made (a FIFO, a device, a
