@@ -609,20 +609,21 @@ TEST(DdprunTest, LauncherKilledBySigkillTakesItsWorkers) {
   ExpectAllGone(workers);
 }
 
-// Starts ddprun with two shell workers that each start a child of their
-// own (which has no death signal), sends SIGKILL to `target(launcher)`,
-// and expects the workers and their children gone: the group's watcher
-// kills the children.
-void ExpectSigkillTakesTheWorkersChildren(const std::string& name,
+// Starts `ddprun` (a ddprun binary) with `nproc` shell workers that each
+// start a child of their own (which has no death signal), sends SIGKILL to
+// `target(launcher)`, and expects the workers and their children gone: the
+// group's watcher kills the children. Any that survive (a failure) are
+// killed at the end, by their own pids.
+void ExpectSigkillTakesTheWorkersChildren(const std::string& name, const std::string& ddprun, int nproc,
                                          pid_t (*target)(const WorkerGroup&)) {
   const std::string dir = testing::MakeTempDir(name);
   auto group = testing::StartProgram(
-      {Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c",
+      {ddprun, "--standalone", "--nproc_per_node=" + std::to_string(nproc), "/bin/sh", "-c",
        "cd '" + dir + "'; echo $$ > w$RANK.tmp; mv w$RANK.tmp w$RANK.pid; " +
            "sleep 60 & echo $! > c$RANK.tmp; mv c$RANK.tmp c$RANK.pid; wait"});
   ASSERT_TRUE(group.ok()) << group.status();
   std::vector<pid_t> pids;
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < nproc; ++r) {
     pids.push_back(testing::ReadPidFile(dir + "/w" + std::to_string(r) + ".pid", 10s));
     pids.push_back(testing::ReadPidFile(dir + "/c" + std::to_string(r) + ".pid", 10s));
   }
@@ -630,11 +631,15 @@ void ExpectSigkillTakesTheWorkersChildren(const std::string& name,
   const auto run = testing::WaitProgram(**group, 20s);
   EXPECT_EQ(run.exit_code, 128 + SIGKILL);
   ExpectAllGone(pids);
+  for (pid_t pid : pids) {
+    if (pid > 0 && !testing::ProcessGone(pid)) kill(pid, SIGKILL);
+  }
 }
 
+pid_t TheLauncher(const WorkerGroup& g) { return g.pids()[0]; }
+
 TEST(DdprunTest, LauncherKilledBySigkillTakesTheWorkersChildrenToo) {
-  ExpectSigkillTakesTheWorkersChildren(
-      "ddprun_sigkill_children", [](const WorkerGroup& g) { return g.pids()[0]; });
+  ExpectSigkillTakesTheWorkersChildren("ddprun_sigkill_children", Ddprun(), 2, TheLauncher);
 }
 
 TEST(DdprunTest, SigkillToTheLaunchersWholeProcessGroupTakesTheWorkersChildrenToo) {
@@ -643,8 +648,18 @@ TEST(DdprunTest, SigkillToTheLaunchersWholeProcessGroupTakesTheWorkersChildrenTo
   // its work. (Within the launcher's group it died at the same time, and
   // the children were left running; a group-wide kill of the launcher's
   // group by the test's own harness raced it the same way.)
-  ExpectSigkillTakesTheWorkersChildren(
-      "ddprun_sigkill_group", [](const WorkerGroup& g) { return -g.process_group(); });
+  ExpectSigkillTakesTheWorkersChildren("ddprun_sigkill_group", Ddprun(), 2,
+                                       [](const WorkerGroup& g) { return -g.process_group(); });
+}
+
+// Without a terminal (output to a pipe, as in batch jobs) the first worker
+// leads the workers' group, and ddprun may be killed right after starting
+// it: here ddprun_pausing waits 10 s there, and is killed once the worker's
+// child runs. The watcher used to start only after the first worker, so
+// none was there, and the child outlived everything.
+TEST(DdprunTest, SigkillRightAfterTheFirstWorkerStartedTakesItsChildrenToo) {
+  ExpectSigkillTakesTheWorkersChildren("ddprun_sigkill_pausing",
+                                       testing::Runfile("transport/launch/ddprun_pausing"), 1, TheLauncher);
 }
 
 TEST(DdprunTest, PerRankLogFilesAndTee) {

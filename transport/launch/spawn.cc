@@ -170,6 +170,10 @@ struct ChildArgs {
   // makes its group (new, or the listener's) the terminal's foreground
   // group.
   bool take_terminal = false;
+  // The first worker of a group it leads (pgid 0) writes its pid, the
+  // group's id, here: the write end of the watcher's pipe (see
+  // StartWatcher). -1: not this worker.
+  int watcher_fd = -1;
   bool ignored[_NSIG] = {};  // signals the parent ignores; they stay ignored
 };
 
@@ -247,6 +251,15 @@ RunChild(const ChildArgs* a) {
   // Die with the launcher; if it already died, do not run at all.
   syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
   if (syscall(SYS_getppid) != a->parent) syscall(SYS_exit_group, 127);
+  // From here on it either dies with the launcher (its death signal) or
+  // has told the watcher its group before it can start a child: a
+  // launcher killed at any point leaves no child of the workers running.
+  if (a->watcher_fd >= 0) {
+    const pid_t group = static_cast<pid_t>(syscall(SYS_getpid));
+    // (A watcher someone killed cannot be told; the worker runs without
+    // it, as it would had the watcher been killed a moment later.)
+    syscall(SYS_write, a->watcher_fd, &group, sizeof(group));
+  }
   const int sources[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
   for (int target = 0; target < 3; ++target) {
     if (sources[target] >= 0 && syscall(SYS_dup3, sources[target], target, 0) < 0) {
@@ -340,6 +353,64 @@ void CloseAllBut(int keep, bool skip_close_range, int parent_bound) {
   for (int other = 0; other < bound; ++other) {
     if (other != keep) syscall(SYS_close, other);
   }
+}
+
+// Everything the watcher (WorkerGroup::Impl::StartWatcher) needs, prepared
+// before the clone.
+struct WatcherArgs {
+  int read_fd = -1;        // its pipe's read end
+  pid_t group = 0;         // the workers' group; 0: the first worker tells
+  pid_t launcher_group = 0;  // share_terminal: the group to give the terminal back to
+  int fd_bound = 0;        // DescriptorBound(), for CloseAllBut
+  bool skip_close_range = false;
+};
+
+// The watcher's whole life, in the child of a raw clone: raw system calls
+// only. The pipe carries pid_t
+// values: a group id (from the first worker, which leads the group), or 0
+// from the launcher, which ended the group itself. On end-of-file it kills
+// the group it knows.
+[[noreturn]] void RunWatcher(const WatcherArgs* a) {
+  // Named for ps and top, which would show a second launcher.
+  syscall(SYS_prctl, PR_SET_NAME, "ddp-watcher", 0, 0, 0);
+  // A group of its own: whoever kills the launcher's group (a supervisor
+  // that ends a dead launcher's group, `kill -9 -PGID`) must not take the
+  // watcher along before it has killed the workers'.
+  syscall(SYS_setpgid, 0, 0);
+  CloseAllBut(a->read_fd, a->skip_close_range, a->fd_bound);  // all but the pipe's read end
+  pid_t group = a->group;
+  pid_t message = 0;
+  size_t have = 0;  // bytes of `message` read so far (each write is whole)
+  while (true) {
+    const long n = syscall(SYS_read, a->read_fd, reinterpret_cast<char*>(&message) + have, sizeof(message) - have);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) syscall(SYS_exit_group, 0);
+    if (n == 0) break;
+    have += static_cast<size_t>(n);
+    if (have < sizeof(message)) continue;
+    have = 0;
+    if (message == 0) syscall(SYS_exit_group, 0);  // disarmed
+    group = message;
+  }
+  // The launcher is gone without having ended the group. No group yet:
+  // no worker passed its start (one that had would have told).
+  if (group > 0) {
+    // The launcher could not give the terminal back itself. The watcher
+    // shares its session, so /dev/tty is that terminal; every signal is
+    // blocked here, SIGTTOU too. Only if the workers still hold it; a
+    // launcher's group that is gone by now refuses it (EPERM), and its
+    // shell takes the terminal back.
+    if (a->launcher_group > 0) {
+      const long tty = syscall(SYS_openat, AT_FDCWD, "/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+      pid_t foreground = 0;
+      if (tty >= 0 && syscall(SYS_ioctl, tty, TIOCGPGRP, &foreground) == 0 && foreground == group) {
+        syscall(SYS_ioctl, tty, TIOCSPGRP, &a->launcher_group);
+      }
+    }
+    syscall(SYS_kill, -group, SIGKILL);
+  }
+  syscall(SYS_exit_group, 0);
+  __builtin_unreachable();
 }
 
 Status MakeDirectories(const std::string& path) {
@@ -728,19 +799,18 @@ class WorkerGroup::Impl {
     // they hold it; it leads their group. Without it, Wait falls back to
     // reading the terminal's signals off the workers' ends.
     if (launcher_pgrp_ > 0) StartListener();
-    // The watcher covers a launcher that dies before it ended the group.
-    // With the listener leading the group, whose id is known before any
-    // worker, it starts first: the first worker takes the terminal before
-    // its exec, and a launcher killed right after that (before a watcher
-    // started after the worker) left the terminal to the dead group, its
-    // shell stopped for reading it (seen under ThreadSanitizer, which
-    // widens that window). Without the listener the first worker leads the
-    // group, and the watcher starts right after it.
-    if (pgid_ > 0) {
-      if (Status watching = StartWatcher(); !watching.ok()) {
-        KillAndReap();
-        return watching;
-      }
+    // The watcher covers a launcher that dies before it ended the group,
+    // from before the first worker: that worker takes the terminal before
+    // its exec, and may start children of its own right after it. A
+    // launcher killed before a watcher that started after that worker
+    // left the terminal to the dead group (its shell stopped for reading
+    // it; seen under ThreadSanitizer, which widens that window), and the
+    // worker's children running. The group's id is the listener's when it
+    // leads the group; otherwise the first worker, which leads it, tells
+    // the watcher before its exec (ChildArgs::watcher_fd).
+    if (Status watching = StartWatcher(); !watching.ok()) {
+      KillAndReap();
+      return watching;
     }
     for (size_t i = 0; i < specs.size(); ++i) {
       Status started = StartOne(specs[i], workers_[i]);
@@ -748,7 +818,6 @@ class WorkerGroup::Impl {
         if (const int64_t pause = g_pause_after_first_worker_ms.load(std::memory_order_relaxed); pause > 0) {
           std::this_thread::sleep_for(std::chrono::milliseconds(pause));
         }
-        if (watcher_ <= 0) started = StartWatcher();
       }
       if (!started.ok()) {
         KillAndReap();
@@ -1326,6 +1395,7 @@ class WorkerGroup::Impl {
     if (ttou_ignored_) args.ignored[SIGTTOU] = ttou_old_.sa_handler == SIG_IGN;
     const bool first = &w == &workers_[0];
     args.take_terminal = launcher_pgrp_ > 0 && first;
+    if (first && pgid_ == 0) args.watcher_fd = watcher_write_.get();
 
     int report[2];
     if (pipe2(report, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
@@ -1371,6 +1441,10 @@ class WorkerGroup::Impl {
       if (args.take_terminal && tcgetpgrp(STDIN_FILENO) == (pgid_ != 0 ? pgid_ : pid)) {
         tcsetpgrp(STDIN_FILENO, launcher_pgrp_);
       }
+      // It may have told the watcher its pid as the group's id, which the
+      // reap below frees for reuse: the watcher leaves first (Start fails
+      // now, and nothing else runs yet).
+      if (args.watcher_fd >= 0) StopWatcher();
       // The child is already dead (exit 127); reap it here.
       int status = 0;
       waitpid(pid, &status, 0);
@@ -1677,11 +1751,13 @@ class WorkerGroup::Impl {
   // The watcher: a small process outside the group that kills the whole
   // group when this launcher dies without having ended it (SIGKILL, a
   // crash). The workers die of their death signal anyway, but their own
-  // children do not have it; the watcher reads a pipe whose only writer is
-  // this process and on end-of-file, which the kernel delivers however the
-  // launcher died, sends SIGKILL to the group. A launcher that ends the
-  // group itself writes one byte first, and the watcher leaves without
-  // killing anything (the group id may be a stranger's by then).
+  // children do not have it; the watcher reads a pipe whose only writers
+  // are this process and, until its exec, the first worker (which writes
+  // the group's id when it leads the group), and on end-of-file, which the
+  // kernel delivers however the launcher died, sends SIGKILL to the group.
+  // A launcher that ends the group itself writes a 0 first, and the
+  // watcher leaves without killing anything (the group id may be a
+  // stranger's by then). Started before any worker (see Start).
   //
   // Started with a bare clone, as the workers are under ThreadSanitizer: no
   // pthread_atfork handler runs, and the child makes raw system calls only
@@ -1697,13 +1773,15 @@ class WorkerGroup::Impl {
     watcher_write_.Reset(p[1]);
     sigset_t all, old_mask;
     sigfillset(&all);
-    const pid_t group = pgid_;
+    WatcherArgs args;
+    args.read_fd = read_end.get();
+    args.group = pgid_;  // 0 until the first worker leads the group: it tells
     // share_terminal: the group to give the terminal back to, should the
-    // workers' group hold it (Start may run this before the first worker
-    // took it; one that did not take it leaves it elsewhere).
-    const pid_t launcher_group = launcher_pgrp_;
-    const int fd_bound = DescriptorBound();
-    const bool skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
+    // workers' group hold it (it runs before the first worker took it; one
+    // that did not take it leaves it elsewhere).
+    args.launcher_group = launcher_pgrp_;
+    args.fd_bound = DescriptorBound();
+    args.skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
     // Every signal blocked across the clone, as in StartOne: a signal that
     // came between the clone and the child's own mask would run this
     // process's handler in the copy, which writes the signal's byte into
@@ -1712,36 +1790,7 @@ class WorkerGroup::Impl {
     // full mask.
     pthread_sigmask(SIG_SETMASK, &all, &old_mask);
     const pid_t pid = static_cast<pid_t>(syscall(SYS_clone, SIGCHLD, 0, nullptr, nullptr, 0));
-    if (pid == 0) {
-      // Named for ps and top, which would show a second launcher.
-      syscall(SYS_prctl, PR_SET_NAME, "ddp-watcher", 0, 0, 0);
-      // A group of its own: whoever kills the launcher's group (a
-      // supervisor that ends a dead launcher's group, `kill -9 -PGID`)
-      // must not take the watcher along before it has killed the workers'.
-      syscall(SYS_setpgid, 0, 0);
-      CloseAllBut(p[0], skip_close_range, fd_bound);  // all but the pipe's read end
-      char byte = 0;
-      long n;
-      do {
-        n = syscall(SYS_read, p[0], &byte, 1);
-      } while (n < 0 && errno == EINTR);
-      if (n == 0) {
-        // The launcher could not give the terminal back itself. The
-        // watcher shares its session, so /dev/tty is that terminal; every
-        // signal is blocked here, SIGTTOU too. Only if the workers still
-        // hold it; a launcher's group that is gone by now refuses it
-        // (EPERM), and its shell takes the terminal back.
-        if (launcher_group > 0) {
-          const long tty = syscall(SYS_openat, AT_FDCWD, "/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
-          pid_t foreground = 0;
-          if (tty >= 0 && syscall(SYS_ioctl, tty, TIOCGPGRP, &foreground) == 0 && foreground == group) {
-            syscall(SYS_ioctl, tty, TIOCSPGRP, &launcher_group);
-          }
-        }
-        syscall(SYS_kill, -group, SIGKILL);
-      }
-      syscall(SYS_exit_group, 0);
-    }
+    if (pid == 0) RunWatcher(&args);
     const int clone_errno = errno;
     pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
     if (pid < 0) {
@@ -1878,10 +1927,10 @@ class WorkerGroup::Impl {
   // Tells the watcher to leave without killing, and reaps it (bounded).
   void StopWatcher() {
     if (watcher_ <= 0) return;
-    const char disarm = 'x';
+    const pid_t disarm = 0;  // see RunWatcher
     ssize_t n;
     do {
-      n = write(watcher_write_.get(), &disarm, 1);
+      n = write(watcher_write_.get(), &disarm, sizeof(disarm));
     } while (n < 0 && errno == EINTR);
     watcher_write_.Reset();
     const Deadline give_up = Clock::now() + kReapTime;

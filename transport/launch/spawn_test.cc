@@ -1271,15 +1271,20 @@ TEST(SpawnTest, ChildrenOfWorkersDoNotOutliveTheGroup) {
   EXPECT_TRUE(GoneWithin(grandchild, 5s));
 }
 
+// The last rank, and the first (which leads the group and has told the
+// watcher its id, and whose failure ends the watcher before it is reaped).
 TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
-  std::vector<WorkerSpec> specs = Specs(3, "sleeper");
-  specs[2].program = "/nonexistent/program";
-  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, Quiet());
-  ASSERT_FALSE(group.ok());
-  EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(group.status().message(),
-            "cannot start rank 2: exec '/nonexistent/program': No such file or directory");
-  ExpectNoChildrenLeft();
+  for (const int bad : {2, 0}) {
+    SCOPED_TRACE("rank " + std::to_string(bad));
+    std::vector<WorkerSpec> specs = Specs(3, "sleeper");
+    specs[bad].program = "/nonexistent/program";
+    StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, Quiet());
+    ASSERT_FALSE(group.ok());
+    EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(group.status().message(), "cannot start rank " + std::to_string(bad) +
+                                            ": exec '/nonexistent/program': No such file or directory");
+    ExpectNoChildrenLeft();
+  }
 }
 
 // An atfork handler that exits the child of any fork() (as the transport's
