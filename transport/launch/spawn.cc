@@ -328,8 +328,9 @@ int DescriptorBound() {
 // clone. Every descriptor opened is below the soft limit of its time, so
 // the soft limit now (at most kMostDescriptors) covers those other threads
 // opened after DescriptorBound looked; `parent_bound` (DescriptorBound)
-// covers any left above a limit lowered since.
-int WatcherBound(int parent_bound) {
+// covers any left above a limit lowered since. Not instrumented, as
+// RunChild, and for the same reason: it runs in a raw clone's child.
+__attribute__((noinline, no_sanitize("address", "thread", "undefined"))) int WatcherBound(int parent_bound) {
   rlimit limit{};
   if (syscall(SYS_prlimit64, 0, RLIMIT_NOFILE, nullptr, &limit) != 0 ||
       limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur > rlim_t{kMostDescriptors}) {
@@ -343,8 +344,13 @@ int WatcherBound(int parent_bound) {
 // every descriptor but `keep`, so that the child does not hold the
 // launcher's sockets, files or pipes open after the launcher closed them.
 // close_range needs Linux 5.9 (`skip_close_range` forces the fallback in
-// tests); before, one close per descriptor up to WatcherBound.
-void CloseAllBut(int keep, bool skip_close_range, int parent_bound) {
+// tests); before, one close per descriptor up to WatcherBound. Not
+// instrumented, as RunChild: the sanitizers' hooks may take a lock that
+// another thread of the launcher held at the clone, which in the child
+// nobody ever releases.
+__attribute__((noinline, no_sanitize("address", "thread", "undefined"))) void CloseAllBut(int keep,
+                                                                                          bool skip_close_range,
+                                                                                          int parent_bound) {
   const unsigned fd = static_cast<unsigned>(keep);
   const bool closed = !skip_close_range && (fd == 0 || syscall(SYS_close_range, 0u, fd - 1, 0u) == 0) &&
                       syscall(SYS_close_range, fd + 1, ~0u, 0u) == 0;
@@ -366,11 +372,12 @@ struct WatcherArgs {
 };
 
 // The watcher's whole life, in the child of a raw clone: raw system calls
-// only. The pipe carries pid_t
+// only, and not instrumented (see CloseAllBut). The pipe carries pid_t
 // values: a group id (from the first worker, which leads the group), or 0
 // from the launcher, which ended the group itself. On end-of-file it kills
 // the group it knows.
-[[noreturn]] void RunWatcher(const WatcherArgs* a) {
+[[noreturn]] __attribute__((noinline, no_sanitize("address", "thread", "undefined"))) void
+RunWatcher(const WatcherArgs* a) {
   // Named for ps and top, which would show a second launcher.
   syscall(SYS_prctl, PR_SET_NAME, "ddp-watcher", 0, 0, 0);
   // A group of its own: whoever kills the launcher's group (a supervisor
@@ -411,6 +418,47 @@ struct WatcherArgs {
   }
   syscall(SYS_exit_group, 0);
   __builtin_unreachable();
+}
+
+// Everything the terminal listener (WorkerGroup::Impl::StartListener)
+// needs, prepared before the clone.
+struct ListenerArgs {
+  int write_fd = -1;  // its pipe's write end
+  sigset_t wanted{};  // the terminal's signals and `query`
+  int query = 0;      // the launcher's question
+  unsigned char answer = 0;  // written for `query`
+  pid_t parent = 0;
+  int fd_bound = 0;  // DescriptorBound(), for CloseAllBut
+  bool skip_close_range = false;
+};
+
+// The listener's whole life, in the child of a raw clone: raw system calls
+// only, and not instrumented (see CloseAllBut).
+[[noreturn]] __attribute__((noinline, no_sanitize("address", "thread", "undefined"))) void
+RunListener(const ListenerArgs* a) {
+  syscall(SYS_prctl, PR_SET_NAME, "ddp-listener", 0, 0, 0);
+  syscall(SYS_setpgid, 0, 0);  // as the parent does too, whichever comes first
+  syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+  if (syscall(SYS_getppid) != a->parent) syscall(SYS_exit_group, 1);
+  CloseAllBut(a->write_fd, a->skip_close_range, a->fd_bound);  // all but the pipe's write end
+  while (true) {
+    siginfo_t info;  // filled by the kernel; not zeroed (no memset here)
+    const long signo = syscall(SYS_rt_sigtimedwait, &a->wanted, &info, nullptr, _NSIG / 8);
+    if (signo < 0) {
+      if (errno == EINTR) continue;
+      syscall(SYS_exit_group, 1);
+    }
+    unsigned char byte = static_cast<unsigned char>(signo);
+    if (signo == a->query) {
+      if (info.si_pid != a->parent) continue;
+      byte = a->answer;
+    } else if (info.si_code != SI_KERNEL) {
+      continue;
+    }
+    // The pipe's 64 KiB would take years of Ctrl-C; a full one (the
+    // launcher stuck) drops the byte rather than block.
+    syscall(SYS_write, a->write_fd, &byte, 1);
+  }
 }
 
 Status MakeDirectories(const std::string& path) {
@@ -1829,41 +1877,20 @@ class WorkerGroup::Impl {
     if (pipe2(p, O_CLOEXEC | O_NONBLOCK) != 0) return;
     Fd read_end(p[0]);
     Fd write_end(p[1]);
-    sigset_t all, old_mask, wanted;
+    sigset_t all, old_mask;
     sigfillset(&all);
-    sigemptyset(&wanted);
-    for (int signo : {SIGINT, SIGQUIT, SIGHUP, SIGTSTP, ListenerQuerySignal()}) sigaddset(&wanted, signo);
-    const int query = ListenerQuerySignal();
-    const pid_t parent = getpid();
-    const int fd_bound = DescriptorBound();
-    const bool skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
+    ListenerArgs args;
+    args.write_fd = write_end.get();
+    sigemptyset(&args.wanted);
+    for (int signo : {SIGINT, SIGQUIT, SIGHUP, SIGTSTP, ListenerQuerySignal()}) sigaddset(&args.wanted, signo);
+    args.query = ListenerQuerySignal();
+    args.answer = kListenerAnswer;
+    args.parent = getpid();
+    args.fd_bound = DescriptorBound();
+    args.skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
     pthread_sigmask(SIG_SETMASK, &all, &old_mask);  // as in StartWatcher; the child keeps it
     const pid_t pid = static_cast<pid_t>(syscall(SYS_clone, SIGCHLD, 0, nullptr, nullptr, 0));
-    if (pid == 0) {
-      syscall(SYS_prctl, PR_SET_NAME, "ddp-listener", 0, 0, 0);
-      syscall(SYS_setpgid, 0, 0);  // as the parent does too, whichever comes first
-      syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
-      if (syscall(SYS_getppid) != parent) syscall(SYS_exit_group, 1);
-      CloseAllBut(p[1], skip_close_range, fd_bound);  // all but the pipe's write end
-      while (true) {
-        siginfo_t info{};
-        const long signo = syscall(SYS_rt_sigtimedwait, &wanted, &info, nullptr, _NSIG / 8);
-        if (signo < 0) {
-          if (errno == EINTR) continue;
-          syscall(SYS_exit_group, 1);
-        }
-        unsigned char byte = static_cast<unsigned char>(signo);
-        if (signo == query) {
-          if (info.si_pid != parent) continue;
-          byte = kListenerAnswer;
-        } else if (info.si_code != SI_KERNEL) {
-          continue;
-        }
-        // The pipe's 64 KiB would take years of Ctrl-C; a full one (this
-        // process stuck) drops the byte rather than block.
-        syscall(SYS_write, p[1], &byte, 1);
-      }
-    }
+    if (pid == 0) RunListener(&args);
     pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
     if (pid < 0) return;
     listener_ = pid;
