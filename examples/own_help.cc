@@ -4,6 +4,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,6 +33,38 @@ size_t EditDistance(const std::string& a, const std::string& b) {
     }
   }
   return row[b.size()];
+}
+
+// For a value gflags refused for a flag of type `type` ("int32", "int64",
+// "uint64", "double"): the range the flag takes, when the value is written
+// as one of its type but does not fit in it ("99999999999" for an int32,
+// "1e400" for a double); else "". Such a value is a number all the same,
+// so "the flag takes a whole number" would tell the user nothing.
+std::string OutOfRange(const std::string& type, const std::string& value) {
+  const size_t sign = !value.empty() && (value[0] == '-' || value[0] == '+') ? 1 : 0;
+  const bool digits = value.size() > sign && value.find_first_not_of("0123456789", sign) == std::string::npos;
+  if (type == "int32" && digits) {
+    return "a whole number from " + std::to_string(std::numeric_limits<int32_t>::min()) + " to " +
+           std::to_string(std::numeric_limits<int32_t>::max());
+  }
+  if (type == "int64" && digits) {
+    return "a whole number from " + std::to_string(std::numeric_limits<int64_t>::min()) + " to " +
+           std::to_string(std::numeric_limits<int64_t>::max());
+  }
+  // A negative one is no whole number "at least 0" either: said as before.
+  if (type == "uint64" && digits && value[0] != '-') {
+    return "a whole number from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
+  }
+  if (type == "double" && !value.empty()) {
+    // Written as a number, but past what a double holds (either way).
+    char* end = nullptr;
+    errno = 0;
+    std::strtod(value.c_str(), &end);
+    if (errno == ERANGE && end == value.c_str() + value.size()) {
+      return "a number of magnitude from about 2.2e-308 to 1.8e308, or 0";
+    }
+  }
+  return "";
 }
 
 }  // namespace
@@ -57,6 +93,9 @@ std::string FlagProblem(int argc, char** argv, const char* source) {
         if (separate && i >= argc) return "--" + name + " needs a value: --" + name + "=VALUE";
         const std::string value = separate ? argv[i] : arg.substr(eq + 1);
         if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
+          if (const std::string range = OutOfRange(info.type, value); !range.empty()) {
+            return "--" + name + "=" + value + " is out of range: the flag takes " + range;
+          }
           const std::string takes = info.type == "bool"     ? "true or false"
                                     : info.type == "double" ? "a number"
                                     : info.type == "uint64" ? "a whole number, at least 0"

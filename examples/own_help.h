@@ -18,8 +18,10 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// linked library defines ("unknown flag --modle; did you mean --model?
 /// (--help lists the flags)", suggesting a flag of `source` at most two
 /// edits away), a flag of `source` whose value is not of its type
-/// ("--seed=-1: the flag takes a whole number, at least 0"; such values
-/// are set, as parsing sets them next), or one missing its value. gflags'
+/// ("--seed=-1: the flag takes a whole number, at least 0"), or of its
+/// type but past its range ("--workers=99999999999 is out of range: the
+/// flag takes a whole number from -2147483648 to 2147483647"); such values
+/// are set, as parsing sets them next. Or a flag missing its value. gflags'
 /// own messages for these ("ERROR: unknown command line flag 'modle'")
 /// name no program and exit 1. What gflags accepts passes: a value after
 /// its flag, --noBOOL, a negative value, anything after "--", and

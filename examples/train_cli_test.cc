@@ -178,6 +178,31 @@ TEST(TrainCliTest, AnUnknownFlagIsRefusedWithTheNearestFlag) {
   EXPECT_EQ(OneErrorLine(Train({"--epochs"})), "train: --epochs needs a value: --epochs=VALUE");
 }
 
+// A number too large for its flag's type (or a double past a double's
+// range) was refused as no number at all ("--batch_size=99999999999999999999:
+// the flag takes a whole number"), which sent the user looking for a typo.
+// The refusal names the range instead.
+TEST(TrainCliTest, AValuePastItsTypesRangeSaysTheRange) {
+  EXPECT_EQ(OneErrorLine(Train({"--batch_size=99999999999999999999"})),
+            "train: --batch_size=99999999999999999999 is out of range: the flag takes a whole number "
+            "from -9223372036854775808 to 9223372036854775807");
+  EXPECT_EQ(OneErrorLine(Train({"--workers", "-99999999999"})),
+            "train: --workers=-99999999999 is out of range: the flag takes a whole number from "
+            "-2147483648 to 2147483647");
+  EXPECT_EQ(OneErrorLine(Train({"--seed=99999999999999999999"})),
+            "train: --seed=99999999999999999999 is out of range: the flag takes a whole number from 0 "
+            "to 18446744073709551615");
+  EXPECT_EQ(OneErrorLine(Train({"--lr=1e400"})),
+            "train: --lr=1e400 is out of range: the flag takes a number of magnitude from about "
+            "2.2e-308 to 1.8e308, or 0");
+  EXPECT_EQ(OneErrorLine(Train({"--lr=-1e-400"})),
+            "train: --lr=-1e-400 is out of range: the flag takes a number of magnitude from about "
+            "2.2e-308 to 1.8e308, or 0");
+  // Values that are no number of the type are still said to be so.
+  EXPECT_EQ(OneErrorLine(Train({"--workers=1.5"})), "train: --workers=1.5: the flag takes a whole number");
+  EXPECT_EQ(OneErrorLine(Train({"--lr=1e400x"})), "train: --lr=1e400x: the flag takes a number");
+}
+
 // --decay_norm_and_bias=false needs a weight decay to spare the biases and
 // norms from. (With --zero_overlap it is taken: train_resume_test's
 // OverlappedShardedStepWithDecayGroupsTrainsAndResumesLikeTheUnsharded.)
