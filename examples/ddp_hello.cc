@@ -88,6 +88,19 @@ std::string CheckpointPathProblem(const std::string& path) {
   return "";
 }
 
+// Why the Fashion-MNIST files in `dir` cannot be read (the loader's own
+// message, which names the files looked for and the package), or "".
+std::string DataProblem(const std::string& dir) {
+  try {
+    for (const nn::data::Split split : {nn::data::Split::kTrain, nn::data::Split::kTest}) {
+      nn::data::LoadFashionMnist(dir, split);
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // For SelfLaunchOptions::check_arguments: in the process that starts the
 // ranks, the flags as every rank will parse them, so that a wrong one is
 // refused once and nothing starts. An unknown flag or a malformed value
@@ -95,6 +108,13 @@ std::string CheckpointPathProblem(const std::string& path) {
 std::string LaunchFlagProblem(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (std::string problem = RangeProblem(argc, argv); !problem.empty()) return problem;
+  // The ranks run on this host and read the same files: a wrong
+  // --data_dir is said once here, not by every rank after it connected.
+  // (Once decoded, the images are mapped from the data cache, by this
+  // process and then by each rank.)
+  if (std::string problem = DataProblem(ddp::examples::UserPath(FLAGS_data_dir)); !problem.empty()) {
+    return problem;
+  }
   // Rank 0 runs on this host: its --checkpoint can be checked here too.
   if (FLAGS_checkpoint.empty()) return "";
   return CheckpointPathProblem(ddp::examples::UserPath(FLAGS_checkpoint));

@@ -84,6 +84,25 @@ TEST(DdpHelloTest, ACheckpointPathThatCannotBeWrittenIsRefusedBeforeTraining) {
   }
 }
 
+// A --data_dir without Fashion-MNIST's files is refused in one line, exit
+// 2, before any rank starts. Before, both ranks connected, each printed the
+// loader's message prefixed with its rank, and the launcher added a third
+// line; the run ended with exit status 1.
+TEST(DdpHelloTest, AFolderWithoutTheDataIsRefusedOnceBeforeAnyRankStarts) {
+  const std::string dir = testing::MakeTempDir("hello_no_data") + "/empty";
+  std::filesystem::create_directory(dir);
+  const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--data_dir=" + dir});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_EQ(r.err.rfind("ddp_hello: dataset file not found: looked for " + dir +
+                            "/train-images-idx3-ubyte.gz and " + dir + "/train-images-idx3-ubyte. ",
+                        0),
+            0u)
+      << r.err;
+  EXPECT_NE(r.err.find("--data_dir"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "more than one line:\n" << r.err;
+  EXPECT_EQ(r.out, "") << "a rank started";
+}
+
 // Relative --data_dir and --checkpoint are the user's (under `bazel run`,
 // from $BUILD_WORKING_DIRECTORY), not the runfiles folder's the binary
 // starts in.
