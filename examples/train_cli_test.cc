@@ -141,7 +141,8 @@ TEST(TrainCliTest, BatchLargerThanTheShardSaysTheLimit) {
   EXPECT_EQ(OneErrorLine(Train({"--dataset=synthetic", "--model=mlp", "--train_samples=1000",
                                 "--batch_size=600", "--nproc_per_node=2"})),
             "train: --batch_size=600 is larger than the 500 training samples each of the 2 "
-            "ranks gets (synthetic has 1,000); use --batch_size=500 or less, or fewer ranks");
+            "ranks gets (--train_samples=1000 of synthetic); use --batch_size=500 or less, fewer "
+            "ranks, or a larger --train_samples");
 }
 
 TEST(TrainCliTest, StrayArgumentsAndBadValuesAreRefused) {

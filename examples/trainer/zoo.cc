@@ -205,11 +205,19 @@ void CheckBatchFitsShard(const TrainConfig& c, int64_t train_size, int world_siz
   // DistributedSampler pads every rank's share to ceil(N / W).
   const int64_t shard = (train_size + world_size - 1) / world_size;
   if (c.batch_size > shard) {
+    // With --train_samples the run has that many, not the dataset's all.
+    const std::string source = c.train_samples > 0
+                                   ? "--train_samples=" + std::to_string(c.train_samples) + " of " + c.dataset
+                                   : c.dataset + " has " + FormatCount(train_size);
+    std::vector<std::string> fixes = {"--batch_size=" + std::to_string(shard) + " or less"};
+    if (world_size > 1) fixes.push_back("fewer ranks");
+    if (c.train_samples > 0) fixes.push_back("a larger --train_samples");
+    std::string use = "use " + fixes[0];
+    for (size_t i = 1; i < fixes.size(); ++i) use += (i + 1 == fixes.size() ? ", or " : ", ") + fixes[i];
     throw UsageError("--batch_size=" + std::to_string(c.batch_size) + " is larger than the " +
-                     FormatCount(shard) + " training samples each of the " +
-                     std::to_string(world_size) + " ranks gets (" + c.dataset + " has " +
-                     FormatCount(train_size) + "); use --batch_size=" + std::to_string(shard) +
-                     " or less, or fewer ranks");
+                     FormatCount(shard) + (shard == 1 ? " training sample" : " training samples") +
+                     " each of the " + std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") +
+                     " gets (" + source + "); " + use);
   }
 }
 

@@ -148,5 +148,23 @@ TEST(ZooTest, BatchLargerThanTheShardSaysTheLimit) {
   EXPECT_EQ(UsageErrorOf([&] { CheckBatchFitsShard(c, 60000, 2); }), "");
 }
 
+// With --train_samples the run has that many samples, not the dataset's
+// all: the refusal said "(fashion_mnist has 1)" for --train_samples=1, and
+// "1 training samples each of the 1 ranks".
+TEST(ZooTest, BatchLargerThanATrainSamplesShardNamesTheFlag) {
+  TrainConfig c;
+  c.train_samples = 1;
+  EXPECT_EQ(UsageErrorOf([&] { CheckBatchFitsShard(c, 1, 1); }),
+            "--batch_size=64 is larger than the 1 training sample each of the 1 rank gets "
+            "(--train_samples=1 of fashion_mnist); use --batch_size=1 or less, or a larger "
+            "--train_samples");
+  c.train_samples = 1000;
+  c.batch_size = 600;
+  EXPECT_EQ(UsageErrorOf([&] { CheckBatchFitsShard(c, 1000, 2); }),
+            "--batch_size=600 is larger than the 500 training samples each of the 2 ranks gets "
+            "(--train_samples=1000 of fashion_mnist); use --batch_size=500 or less, fewer ranks, or a "
+            "larger --train_samples");
+}
+
 }  // namespace
 }  // namespace ddp::examples::trainer
