@@ -191,8 +191,8 @@ int Run() {
   pg->AllReduce(counts).Wait();
   const std::vector<double> total = counts.ToVector<double>();
   if (rank == 0) {
-    std::printf("test accuracy %.2f%% (%d ranks, %.0f images)\n", 100 * total[0] / total[1], world,
-                total[1]);
+    std::printf("test accuracy %.2f%% (%d rank%s, %.0f images)\n", 100 * total[0] / total[1], world,
+                world == 1 ? "" : "s", total[1]);
   }
 
   // Rank 0 writes the file atomically; the others wait for it.

@@ -84,6 +84,13 @@ TEST(DdpHelloTest, ACheckpointPathThatCannotBeWrittenIsRefusedBeforeTraining) {
   }
 }
 
+// One rank is one rank: the summary said "(1 ranks, 10000 images)".
+TEST(DdpHelloTest, OneRankIsCountedInTheSingular) {
+  const RunOutput r = RunToEnd({Runfile("examples/ddp_hello"), "--nproc_per_node=1", "--epochs=0"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("% (1 rank, 10000 images)\n"), std::string::npos) << r.out;
+}
+
 // A --data_dir without Fashion-MNIST's files is refused in one line, exit
 // 2, before any rank starts. Before, both ranks connected, each printed the
 // loader's message prefixed with its rank, and the launcher added a third
