@@ -419,8 +419,18 @@ int64_t ResumedHorizon(const std::string& path, const Metadata& m, const TrainCo
     }
   }
   if (!then.empty()) {
+    // The flag that put the end where it is: --max_steps when it binds,
+    // else --epochs. Listing only the changed ones named --max_steps=0 (no
+    // limit) as what set the end of a run that ran all its epochs.
+    const std::string saved_epochs = Get(m, "epochs"), saved_max_steps = Get(m, "max_steps");
+    std::string set_by = then;
+    if (!saved_max_steps.empty() && saved_max_steps != "0" && saved_max_steps == std::to_string(saved)) {
+      set_by = " --max_steps=" + saved_max_steps;
+    } else if (!saved_epochs.empty()) {
+      set_by = " --epochs=" + saved_epochs;
+    }
     throw UsageError("the " + kind + " schedule of checkpoint " + path + " ends at step " +
-                     std::to_string(saved) + ", as" + then + " set it, and this run's" + now +
+                     std::to_string(saved) + ", as" + set_by + " set it, and this run's" + now +
                      " would end it at step " + std::to_string(run_end) + "; pass" + then +
                      " to continue that run, or another --checkpoint path to start afresh");
   }

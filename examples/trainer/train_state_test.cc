@@ -1261,7 +1261,7 @@ TEST(TrainStateTest, RunLengthThatMovesTheScheduleIsRefused) {
             "continue that run, or another --checkpoint path to start afresh");
   longer.epochs = 3;
   EXPECT_NE(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, longer, 2, nullptr); })
-                .find("as --epochs=2 --max_steps=6 set it, and this run's --epochs=3 --max_steps=0 "
+                .find("as --max_steps=6 set it, and this run's --epochs=3 --max_steps=0 "
                       "would end it at step 12; pass --epochs=2 --max_steps=6 to"),
             std::string::npos);
   EXPECT_EQ(schedule->steps(), 6) << "a refused checkpoint changed the schedule";
@@ -1269,6 +1269,33 @@ TEST(TrainStateTest, RunLengthThatMovesTheScheduleIsRefused) {
   capped.epochs = 5;
   EXPECT_EQ(LoadTrainCheckpoint(path, parts, capped, 2, nullptr).step, 6);
   EXPECT_EQ(schedule->steps(), 6);
+}
+
+// A run that ended after all its epochs, resumed with a --max_steps that
+// would end its schedule early: the refusal named --max_steps=0 (no
+// limit) as what set the end, which --epochs did.
+TEST(TrainStateTest, RunLengthRefusalNamesTheFlagThatSetTheEnd) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.epochs = 2;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4));
+  EXPECT_EQ(schedule->steps(), 8);
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  for (int i = 0; i < 3; ++i) scheduler.Step();
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+  parts.schedule = schedule.get();
+  parts.batches_per_epoch = 4;
+  const std::string path = Path("run_length_epochs");
+  SaveTrainCheckpoint(path, parts, {.epoch = 0, .batch_in_epoch = 3, .step = 3}, config, 2);
+
+  TrainConfig shorter = config;
+  shorter.max_steps = 5;
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, shorter, 2, nullptr); }),
+            "the cosine schedule of checkpoint " + path + " ends at step 8, as --epochs=2 set it, "
+            "and this run's --max_steps=5 would end it at step 5; pass --max_steps=0 to continue "
+            "that run, or another --checkpoint path to start afresh");
 }
 
 // Checkpoints from before the schedule was recorded load as they always
