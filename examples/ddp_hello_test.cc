@@ -34,6 +34,8 @@ TEST(DdpHelloTest, HelpListsItsOwnFlagsOnce) {
   EXPECT_EQ(all.find("-epochs"), all.rfind("-epochs")) << "listed more than once:\n" << all;
   EXPECT_EQ(all.find("SetUsageMessage"), std::string::npos) << all;
   EXPECT_EQ(all.find("tab_completion"), std::string::npos) << all;
+  // The default rate as written, not gflags' "0.050000000000000003".
+  EXPECT_NE(all.find("type: double default: 0.05\n"), std::string::npos) << all;
 }
 
 TEST(DdpHelloTest, TrainsEvaluatesAndCheckpoints) {

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -65,6 +66,44 @@ std::string OutOfRange(const std::string& type, const std::string& value) {
     }
   }
   return "";
+}
+
+// A double as it was most likely written: the fewest digits that read back
+// as the same value ("0.05", where gflags shows "0.050000000000000003").
+std::string ShortestDouble(const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == text.c_str()) return text;
+  char out[32];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(out, sizeof(out), "%.*g", digits, v);
+    if (std::strtod(out, nullptr) == v) break;
+  }
+  return out;
+}
+
+// gflags' ShowUsageWithFlagsRestrict(argv0, source), in its layout (usage
+// message, "Flags from FILE:", one DescribeOneFlag each), for the flags of
+// `source` alone, with double defaults as written.
+void PrintOwnFlags(const char* argv0, const char* source) {
+  const std::string file = std::string(source) + ".cc";
+  const std::string program = argv0;
+  std::printf("%s: %s\n", program.substr(program.rfind('/') + 1).c_str(), gflags::ProgramUsage());
+  std::vector<gflags::CommandLineFlagInfo> all;
+  gflags::GetAllFlags(&all);
+  bool header = false;
+  for (gflags::CommandLineFlagInfo flag : all) {
+    if (!EndsWith(flag.filename, file)) continue;
+    if (!header) {
+      std::printf("\n  Flags from %s:\n", flag.filename.c_str());
+      header = true;
+    }
+    if (flag.type == "double") {
+      flag.default_value = ShortestDouble(flag.default_value);
+      flag.current_value = ShortestDouble(flag.current_value);
+    }
+    std::printf("%s", gflags::DescribeOneFlag(flag).c_str());
+  }
 }
 
 }  // namespace
@@ -137,7 +176,7 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
     if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpshort") {
-      gflags::ShowUsageWithFlagsRestrict(argv[0], source);
+      PrintOwnFlags(argv[0], source);
       return true;
     }
   }
