@@ -559,6 +559,35 @@ TEST(TrainCliTest, AFifoAtMetricsCsvStreamsTheRows) {
   EXPECT_TRUE(std::filesystem::is_regular_file(logs + "/chart.svg"));
 }
 
+// A second run into the first one's --log_dir replaced its metrics.csv
+// and chart.svg without a word. It keeps them beside the new ones, and
+// says where.
+TEST(TrainCliTest, ASecondRunIntoALogDirKeepsTheFirstRunsMetrics) {
+  const std::string logs = testing::MakeTempDir("log_dir_again");
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=128",
+                                          "--test_samples=32",   "--batch_size=16", "--max_steps=2",
+                                          "--log_every=1",       "--workers=0",     "--nproc_per_node=1",
+                                          "--checkpoint=none",   "--log_dir=" + logs};
+  const RunOutput first = Train(quick);
+  ASSERT_EQ(first.exit_code, 0) << first.out << first.err;
+  std::stringstream rows;
+  rows << std::ifstream(logs + "/metrics.csv").rdbuf();
+  std::vector<std::string> args = quick;
+  args.push_back("--lr=0.01");
+  const RunOutput second = Train(args);
+  ASSERT_EQ(second.exit_code, 0) << second.out << second.err;
+  EXPECT_NE(second.out.find("  note: --log_dir held an earlier run's metrics; kept as " + logs +
+                            "/metrics.prev.csv and " + logs +
+                            "/chart.prev.svg (--resume continues a run's rows instead)\n"),
+            std::string::npos)
+      << second.out;
+  std::stringstream kept;
+  kept << std::ifstream(logs + "/metrics.prev.csv").rdbuf();
+  EXPECT_EQ(kept.str(), rows.str());
+  EXPECT_TRUE(std::filesystem::is_regular_file(logs + "/chart.prev.svg"));
+  EXPECT_EQ(first.out.find("note: --log_dir"), std::string::npos) << first.out;
+}
+
 // A device at metrics.csv other than a terminal (here a node of the null
 // device's number made in the test's folder) is refused at the start,
 // before anything opens it: only a named pipe or a terminal is a stream.

@@ -168,9 +168,11 @@ DEFINE_bool(resume, false,
             "exponential, warm_restarts and plateau; --comm_hook=powersgd's iteration and "
             "low-rank state are saved too, so compression goes on where it was)");
 DEFINE_string(log_dir, "",
-              "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder; a "
-              "named pipe (mkfifo) or a terminal already at metrics.csv gets the rows as a stream, "
-              "line by line (its reader must open it within 10 s of the start)");
+              "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder (an "
+              "earlier run's there are kept as metrics.prev.csv and chart.prev.svg; --resume "
+              "continues them instead); a named pipe (mkfifo) or a terminal already at metrics.csv "
+              "gets the rows as a stream, line by line (its reader must open it within 10 s of the "
+              "start)");
 DEFINE_int64(log_every, 10, "with --log_dir (needed): steps per metrics.csv row");
 
 // gflags' own help flags (defined in gflags_reporting.cc).

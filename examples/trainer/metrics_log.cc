@@ -52,6 +52,50 @@ std::string EvalRow(const EvalRecord& r) {
 
 }  // namespace
 
+// A fresh run's metrics.csv replaced the one an earlier run had left in
+// the same --log_dir, and its rows were gone without a word (a second
+// experiment started with the first one's --log_dir). They are kept, as
+// the trainer keeps another run's checkpoint, under the first free pair of
+// names: metrics.prev.csv and chart.prev.svg, then metrics.prev.2.csv and
+// chart.prev.2.svg, ... A metrics.csv with no row (a run stopped before
+// its first) has nothing to keep.
+void MetricsLog::KeepEarlierRun() {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(csv_path(), ec)) return;
+  const uintmax_t size = std::filesystem::file_size(csv_path(), ec);
+  if (ec || size <= std::strlen(CsvHeader()) + 1) return;
+  const auto absent = [](const std::string& path) {
+    std::error_code e;
+    return std::filesystem::symlink_status(path, e).type() == std::filesystem::file_type::not_found;
+  };
+  constexpr int kMostKept = 10000;
+  for (int n = 1; n <= kMostKept; ++n) {
+    const std::string suffix = n == 1 ? ".prev" : ".prev." + std::to_string(n);
+    const std::string csv = dir_ + "/metrics" + suffix + ".csv";
+    const std::string chart = dir_ + "/chart" + suffix + ".svg";
+    if (!absent(csv) || !absent(chart)) continue;
+    const auto keep = [&](const std::string& from, const std::string& to) {
+      std::error_code e;
+      std::filesystem::rename(from, to, e);
+      if (e) {
+        throw std::runtime_error("--log_dir=" + dir_ + ": cannot keep the earlier run's " + from +
+                                 " as " + to + ": " + e.message() +
+                                 "; move it away, or pass another --log_dir");
+      }
+    };
+    keep(csv_path(), csv);
+    kept_previous_ = csv;
+    if (std::filesystem::is_regular_file(chart_path(), ec)) {
+      keep(chart_path(), chart);
+      kept_previous_chart_ = chart;
+    }
+    return;
+  }
+  throw std::runtime_error("--log_dir=" + dir_ + " holds " + std::to_string(kMostKept) +
+                           " earlier runs' metrics (metrics.prev.*.csv); delete those you no longer "
+                           "need, or pass another --log_dir");
+}
+
 const char* MetricsLog::CsvHeader() { return "step,epoch,loss,lr,samples_per_s,test_loss,test_acc"; }
 
 MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
@@ -130,6 +174,8 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
     }
     // The last kept epoch's end has no row of the next epoch after it.
     if (resume_at_epoch_end && !steps_.empty()) epoch_ends_.emplace_back(steps_.back().epoch, resume_step);
+  } else {
+    KeepEarlierRun();
   }
   WriteFileAtomically(csv_path(), kept);
   // "e": O_CLOEXEC, so that processes started meanwhile do not inherit it.

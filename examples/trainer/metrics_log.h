@@ -13,6 +13,9 @@
 //
 // On --resume, rows after the checkpoint's step are dropped (the resumed
 // run writes them again) and the chart continues from the earlier rows.
+// Without it, a metrics.csv with rows of an earlier run is kept as
+// metrics.prev.csv, its chart.svg as chart.prev.svg (then .prev.2, ...:
+// the first pair of names both free), and the new run starts new files.
 //
 // A metrics.csv that is (through links) a FIFO or a terminal, say a named
 // pipe made with mkfifo or a link to /dev/stdout where that is a pipe or a
@@ -92,7 +95,16 @@ class MetricsLog {
   /// The CSV's header line (without newline).
   static const char* CsvHeader();
 
+  /// Where an earlier run's metrics.csv was kept (a fresh run only), or ""
+  /// when there was none to keep; likewise its chart.svg.
+  const std::string& kept_previous() const { return kept_previous_; }
+  const std::string& kept_previous_chart() const { return kept_previous_chart_; }
+
  private:
+  // Without a resume: renames an earlier run's metrics.csv (with rows) and
+  // chart.svg to the first free metrics.prev[.N].csv and chart.prev[.N].svg.
+  // Throws std::runtime_error naming the files when it cannot.
+  void KeepEarlierRun();
   void Append(const std::string& line);
   // Opens the stream at metrics.csv and writes the header into it.
   void OpenStream();
@@ -106,6 +118,8 @@ class MetricsLog {
   std::vector<StepRecord> steps_;
   std::vector<EvalRecord> evals_;
   std::vector<std::pair<int64_t, int64_t>> epoch_ends_;  // (epoch, step)
+  std::string kept_previous_;
+  std::string kept_previous_chart_;
 };
 
 }  // namespace ddp::examples::trainer

@@ -86,6 +86,46 @@ TEST(MetricsLogTest, ChartHasBothPanels) {
   EXPECT_EQ(files, 2);
 }
 
+// A fresh run into a --log_dir that holds an earlier run's rows replaced
+// its metrics.csv and chart.svg, and the rows were gone. They are kept
+// under the first free pair of .prev names; a file with no row has nothing
+// to keep, and a resumed run continues the rows instead.
+TEST(MetricsLogTest, AFreshRunKeepsAnEarlierRunsRowsAndChart) {
+  namespace fs = std::filesystem;
+  const std::string dir = TempDir("earlier_run");
+  const std::string header = std::string(MetricsLog::CsvHeader()) + "\n";
+  {
+    MetricsLog first(dir, "t", "s", -1);
+    first.AddStep({10, 1, 2.25, 0.05, 100});
+    first.WriteChart();
+  }
+  const std::string first_chart = Read(dir + "/chart.svg");
+  {
+    MetricsLog second(dir, "t", "s", -1);
+    second.AddStep({10, 1, 1.5, 0.05, 100});
+  }
+  EXPECT_EQ(Read(dir + "/metrics.prev.csv"), header + "10,1,2.25,0.05,100.0,,\n");
+  EXPECT_EQ(Read(dir + "/chart.prev.svg"), first_chart);
+  EXPECT_EQ(Read(dir + "/metrics.csv"), header + "10,1,1.5,0.05,100.0,,\n");
+  // The second run wrote no chart: the third keeps its rows alone, under
+  // the next free pair, and the first run's stay as they were.
+  { MetricsLog third(dir, "t", "s", -1); }
+  EXPECT_EQ(Read(dir + "/metrics.prev.2.csv"), header + "10,1,1.5,0.05,100.0,,\n");
+  EXPECT_FALSE(fs::exists(dir + "/chart.prev.2.svg"));
+  EXPECT_EQ(Read(dir + "/metrics.prev.csv"), header + "10,1,2.25,0.05,100.0,,\n");
+  // The third run logged no row: nothing to keep.
+  { MetricsLog fourth(dir, "t", "s", -1); }
+  EXPECT_FALSE(fs::exists(dir + "/metrics.prev.3.csv"));
+  // A resumed run continues the rows in place.
+  {
+    MetricsLog fifth(dir, "t", "s", -1);
+    fifth.AddStep({10, 1, 0.75, 0.05, 100});
+  }
+  { MetricsLog resumed(dir, "t", "s", 10); }
+  EXPECT_FALSE(fs::exists(dir + "/metrics.prev.3.csv"));
+  EXPECT_EQ(Read(dir + "/metrics.csv"), header + "10,1,0.75,0.05,100.0,,\n");
+}
+
 TEST(MetricsLogTest, ResumeKeepsRowsUpToTheCheckpointStep) {
   const std::string dir = TempDir("resume");
   {

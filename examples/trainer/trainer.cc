@@ -873,6 +873,11 @@ void Run::Setup() {
         " (--resume continues it instead)");
   }
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
+  if (log_ && !log_->kept_previous().empty()) {
+    Say("  note: --log_dir held an earlier run's metrics; kept as " + log_->kept_previous() +
+        (log_->kept_previous_chart().empty() ? "" : " and " + log_->kept_previous_chart()) +
+        " (--resume continues a run's rows instead)");
+  }
   if (c_.resume) {
     if (!resume_note.empty()) Say("  note: " + resume_note);
     train_sampler_->set_start(pos_.epoch_start);
