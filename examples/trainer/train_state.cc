@@ -223,12 +223,19 @@ std::vector<int64_t> ParseBucketOrder(const std::string& text) {
   return order;
 }
 
+// The end of a refusal of a file whose metadata this trainer did not
+// write (another program's safetensors file, ddp_hello's checkpoint): what
+// to do instead. A fresh run's first save keeps such a file beside it.
+constexpr char kNotThisTrainers[] =
+    "; the file was not written by this trainer: pass another --checkpoint, or drop --resume to "
+    "start afresh (the first save then keeps this file beside it, as <stem>.prev.safetensors)";
+
 int64_t MetaInt(const Metadata& m, const std::string& key, const std::string& path) {
   try {
     return nn::io::MetadataInt(m, key, path);
   } catch (const nn::io::CheckpointError& e) {
     throw UsageError(std::string("--resume: ") + e.what() +
-                     "; the file was not written by this trainer");
+                     kNotThisTrainers);
   }
 }
 
@@ -314,7 +321,7 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
   const std::string decay = config.decay_norm_and_bias ? "true" : "false";
   if (saved_decay != "true" && saved_decay != "false") {
     throw UsageError("--resume: checkpoint " + path +
-                     " has no valid decay_norm_and_bias; the file was not written by this trainer");
+                     " has no valid decay_norm_and_bias" + kNotThisTrainers);
   }
   if (saved_decay != decay) {
     throw UsageError("checkpoint " + path + " was saved with --decay_norm_and_bias=" + saved_decay +
@@ -339,7 +346,7 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
         shown = FlagDouble(ParseExactDouble(saved));
       } catch (const std::invalid_argument&) {
         throw UsageError("--resume: checkpoint " + path +
-                         " has no valid lr_gamma; the file was not written by this trainer");
+                         " has no valid lr_gamma" + kNotThisTrainers);
       }
       if (shown == setting.shown) continue;
     }
@@ -353,7 +360,7 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
     saved_lr = ParseExactDouble(Get(m, "lr"));
   } catch (const std::invalid_argument&) {
     throw UsageError("--resume: checkpoint " + path +
-                     " has no valid lr; the file was not written by this trainer");
+                     " has no valid lr" + kNotThisTrainers);
   }
   if (saved_lr != config.lr) {
     throw UsageError("checkpoint " + path + " was saved with --lr=" + FlagDouble(saved_lr) +
@@ -372,7 +379,7 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
       saved = ParseExactDouble(Get(m, flag));
     } catch (const std::invalid_argument&) {
       throw UsageError("--resume: checkpoint " + path + " has no valid " + flag +
-                       "; the file was not written by this trainer");
+                       kNotThisTrainers);
     }
     if (saved != value) {
       throw UsageError("checkpoint " + path + " was saved with --" + flag + "=" + FlagDouble(saved) +
@@ -938,7 +945,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     pos.epoch_loss_sum = ParseExactDouble(Get(m, "epoch_loss_sum"));
   } catch (const std::invalid_argument&) {
     throw UsageError("--resume: checkpoint " + path +
-                     " has no valid epoch_loss_sum; the file was not written by this trainer");
+                     " has no valid epoch_loss_sum" + kNotThisTrainers);
   }
 
   pos.epoch_start = Get(m, "epoch_start").empty() ? 0 : MetaInt(m, "epoch_start", path);

@@ -503,6 +503,21 @@ struct SavedMlpRun {
   nn::io::Checkpoint ckpt;
 };
 
+// A file another program wrote (ddp_hello's checkpoint of the same MLP,
+// a safetensors file exported from Python) has none of the trainer's
+// metadata. --resume refused it without a way on ("metadata has no
+// `epoch`; the file was not written by this trainer"); the line now says
+// what to do instead.
+TEST(TrainStateTest, ResumeFromAnotherProgramsFileSaysWhatToDoInstead) {
+  SavedMlpRun run("another_programs");
+  run.ckpt.metadata.clear();
+  nn::io::SaveCheckpoint(run.path, run.ckpt);
+  EXPECT_EQ(UsageErrorOf([&] { LoadTrainCheckpoint(run.path, run.parts, run.config, 2, nullptr); }),
+            "--resume: " + run.path + ": metadata has no `epoch`; the file was not written by this "
+            "trainer: pass another --checkpoint, or drop --resume to start afresh (the first save then "
+            "keeps this file beside it, as <stem>.prev.safetensors)");
+}
+
 // An older trainer's file has neither samples_in_epoch nor train_size; the
 // samples trained are worked out from the position, and a batch_in_epoch
 // so large that the count wraps is refused naming the file and the key. (It
@@ -996,7 +1011,9 @@ TEST(TrainStateTest, AnotherDecayNormAndBiasIsRefusedAndAnOlderCheckpointCountsA
   older.metadata["decay_norm_and_bias"] = "maybe";
   nn::io::SaveCheckpoint(path, older);
   EXPECT_EQ(error(saved), "--resume: checkpoint " + path +
-                              " has no valid decay_norm_and_bias; the file was not written by this trainer");
+                              " has no valid decay_norm_and_bias; the file was not written by this "
+                              "trainer: pass another --checkpoint, or drop --resume to start afresh (the "
+                              "first save then keeps this file beside it, as <stem>.prev.safetensors)");
 }
 
 // Another --comm_hook or --sync_bn changes how the run goes on (gradient
