@@ -588,6 +588,32 @@ TEST(TrainCliTest, ASecondRunIntoALogDirKeepsTheFirstRunsMetrics) {
   EXPECT_EQ(first.out.find("note: --log_dir"), std::string::npos) << first.out;
 }
 
+// A fresh run on a safetensors file another program wrote (weights from
+// Python, ddp_hello's checkpoint) keeps it, as it keeps another run's
+// checkpoint, but called it "another run's checkpoint" and offered
+// "(--resume continues it instead)", which --resume then refused.
+TEST(TrainCliTest, AFileAnotherProgramWroteIsKeptWithoutOfferingResume) {
+  const std::string dir = testing::MakeTempDir("foreign_checkpoint");
+  const std::string path = dir + "/weights.safetensors";
+  // A safetensors file with no tensor and no metadata: an 8-byte header
+  // length, then the header, "{}" padded with spaces.
+  std::ofstream(path, std::ios::binary) << std::string("\x08\0\0\0\0\0\0\0", 8) << "{}      ";
+  const RunOutput r = Train({"--dataset=synthetic", "--model=mlp", "--train_samples=128", "--test_samples=32",
+                             "--batch_size=16", "--max_steps=2", "--workers=0", "--nproc_per_node=1",
+                             "--checkpoint=" + path});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string kept = dir + "/weights.prev.safetensors";
+  EXPECT_NE(r.out.find("  note: " + path + " holds a file this trainer did not write; this run's first "
+                       "save keeps it as " + kept + "\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("  a file this trainer did not write, which was at " + path + ", is now " + kept + "\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("--resume continues it"), std::string::npos) << r.out;
+  EXPECT_EQ(std::filesystem::file_size(kept), 16u);
+}
+
 // A device at metrics.csv other than a terminal (here a node of the null
 // device's number made in the test's folder) is refused at the start,
 // before anything opens it: only a named pipe or a terminal is a stream.

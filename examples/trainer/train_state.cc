@@ -1130,6 +1130,17 @@ bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
   }
 }
 
+std::string KeptFileKind(const std::string& path) {
+  try {
+    if (Get(nn::io::SafetensorsFile::ReadMetadata(path), "format").empty()) {
+      return "a file this trainer did not write";
+    }
+  } catch (const std::exception&) {
+    // Unreadable: perhaps a good checkpoint a retry could read.
+  }
+  return "another run's checkpoint";
+}
+
 std::string PreviousCheckpointPath(const std::string& path, int n) {
   const std::filesystem::path p(path);
   const std::string number = n > 1 ? "." + std::to_string(n) : "";

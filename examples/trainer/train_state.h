@@ -290,6 +290,12 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart);
 /// fresh run's first save leaves such a file alone.
 bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job);
 
+/// What such a file is, for the messages that say it is kept: "a file this
+/// trainer did not write" when its header reads and has none of the
+/// trainer's metadata (--resume cannot continue it), else "another run's
+/// checkpoint".
+std::string KeptFileKind(const std::string& path);
+
 /// Where a fresh run keeps another run's checkpoint at `path` instead of
 /// replacing it: `<stem>.prev<extension>` beside it for n = 1
 /// (".../cnn_fashion_mnist.prev.safetensors"), `<stem>.prev.<n><extension>`

@@ -554,6 +554,8 @@ class Run {
   // start, to be kept under a PreviousCheckpointPath name at this run's first save
   // (the default path is the same for every run of a model and dataset).
   bool keep_previous_ = false;
+  // What keep_previous_'s file is (KeptFileKind), for the messages.
+  std::string kept_kind_ = "another run's checkpoint";
 };
 
 // What every rank must share: the flags that shape the run, and the data
@@ -868,9 +870,13 @@ void Run::Setup() {
   keep_previous_ = lead_ && !c_.resume && !c_.checkpoint.empty() &&
                    IsAnotherRunsCheckpoint(c_.checkpoint, c_.job);
   if (keep_previous_) {
-    Say("  note: " + c_.checkpoint + " holds another run's checkpoint; this run's first save " +
+    // Only a checkpoint of this trainer's can be resumed: a file another
+    // program wrote is refused by --resume.
+    kept_kind_ = KeptFileKind(c_.checkpoint);
+    const bool checkpoint = kept_kind_ == "another run's checkpoint";
+    Say("  note: " + c_.checkpoint + " holds " + kept_kind_ + "; this run's first save " +
         "keeps it as " + FreePreviousCheckpointPath(c_.checkpoint) +
-        " (--resume continues it instead)");
+        (checkpoint ? " (--resume continues it instead)" : ""));
   }
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
   if (log_ && !log_->kept_previous().empty()) {
@@ -1242,7 +1248,7 @@ void Run::SaveCheckpoint() {
     checkpoint_saved_ = c_.checkpoint;
     checkpoint_saved_step_ = pos_.step;
     if (const std::string kept = kept_now(); !kept.empty()) {
-      Say("  another run's checkpoint, which was at " + c_.checkpoint + ", is now " + kept);
+      Say("  " + kept_kind_ + ", which was at " + c_.checkpoint + ", is now " + kept);
     }
   }
 }
