@@ -433,6 +433,29 @@ TEST(TrainCliTest, CheckpointOfAnotherScheduleOrRateIsRefusedInOneLine) {
             "--max_steps=2 to continue that run, or another --checkpoint path to start afresh");
 }
 
+// A file where --log_dir or the checkpoint's folder must be, at the
+// folder itself or above it, is named: the refusal said "folder
+// DIR/notes.txt/run1: Not a directory".
+TEST(TrainCliTest, AFileWhereAFolderMustBeIsNamed) {
+  const std::string dir = testing::MakeTempDir("file_for_folder");
+  const std::string file = dir + "/notes.txt";
+  std::ofstream(file) << "not a folder\n";
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--nproc_per_node=1"};
+  std::vector<std::string> args = quick;
+  args.insert(args.end(), {"--checkpoint=none", "--log_dir=" + file});
+  EXPECT_EQ(OneErrorLine(Train(args)), "train: cannot write --log_dir=" + file + " (" + file +
+                                           " is a file, not a folder); choose a writable path");
+  args = quick;
+  args.insert(args.end(), {"--checkpoint=none", "--log_dir=" + file + "/run1/logs"});
+  EXPECT_EQ(OneErrorLine(Train(args)), "train: cannot write --log_dir=" + file + "/run1/logs (" + file +
+                                           " is a file, not a folder); choose a writable path");
+  args = quick;
+  args.push_back("--checkpoint=" + file + "/ckpt.safetensors");
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: cannot write --checkpoint=" + file + "/ckpt.safetensors (" + file +
+                " is a file, not a folder); choose a writable path, or --checkpoint=none");
+}
+
 TEST(TrainCliTest, UnwritableCheckpointFailsBeforeTraining) {
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=/proc/self/ckpt.safetensors"})),
             "train: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: "
