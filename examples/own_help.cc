@@ -1,6 +1,8 @@
 #include "examples/own_help.h"
 
 #include <gflags/gflags.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -8,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -106,6 +109,24 @@ void PrintOwnFlags(const char* argv0, const char* source) {
   }
 }
 
+// Why a --flagfile value (files separated by commas, as gflags reads it)
+// cannot be read as files of flags, or "".
+std::string FlagfileProblem(const std::string& value) {
+  size_t at = 0;
+  while (true) {
+    const size_t end = std::min(value.find(',', at), value.size());
+    const std::string path = value.substr(at, end - at);
+    struct stat st{};
+    if (path.empty()) return "an empty file name; give the path of a file of flags";
+    if (::stat(path.c_str(), &st) != 0 || ::access(path.c_str(), R_OK) != 0) {
+      return "cannot read " + path + " (" + std::strerror(errno) + ")";
+    }
+    if (S_ISDIR(st.st_mode)) return path + " is a folder; give the path of a file of flags";
+    if (end == value.size()) return "";
+    at = end + 1;
+  }
+}
+
 }  // namespace
 
 std::string FlagProblem(int argc, char** argv, const char* source) {
@@ -120,6 +141,18 @@ std::string FlagProblem(int argc, char** argv, const char* source) {
     const size_t eq = arg.find('=');
     const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
     gflags::CommandLineFlagInfo info;
+    if (name == "flagfile") {
+      // gflags' own: a missing file ended the program with "PATH: No such
+      // file or directory" and exit status 1, and a folder was read as an
+      // empty file, so the run went on with the defaults.
+      const bool separate = eq == std::string::npos;
+      if (separate && i + 1 >= argc) return "--flagfile needs a value: --flagfile=PATH";
+      const std::string value = separate ? argv[++i] : arg.substr(eq + 1);
+      if (const std::string problem = FlagfileProblem(value); !problem.empty()) {
+        return "--flagfile=" + value + ": " + problem;
+      }
+      continue;
+    }
     if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
       // "--model mlp": the next argument is the value.
       const bool separate = eq == std::string::npos && info.type != "bool";

@@ -21,7 +21,9 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// ("--seed=-1: the flag takes a whole number, at least 0"), or of its
 /// type but past its range ("--workers=99999999999 is out of range: the
 /// flag takes a whole number from -2147483648 to 2147483647"); such values
-/// are set, as parsing sets them next. Or a flag missing its value. gflags'
+/// are set, as parsing sets them next. Or a flag missing its value, or a
+/// --flagfile (gflags' own) that names a file that cannot be read or a
+/// folder ("--flagfile=x: cannot read x (No such file or directory)"). gflags'
 /// own messages for these ("ERROR: unknown command line flag 'modle'")
 /// name no program and exit 1. What gflags accepts passes: a value after
 /// its flag, --noBOOL, a negative value, anything after "--", and

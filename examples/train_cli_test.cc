@@ -204,6 +204,37 @@ TEST(TrainCliTest, AValuePastItsTypesRangeSaysTheRange) {
   EXPECT_EQ(OneErrorLine(Train({"--lr=1e400x"})), "train: --lr=1e400x: the flag takes a number");
 }
 
+// gflags' --flagfile: a missing file ended the run with gflags' "PATH: No
+// such file or directory" and exit status 1, and a folder was read as an
+// empty file, so the run went on with the defaults. Both are one line now.
+TEST(TrainCliTest, AFlagfileThatCannotBeReadIsRefused) {
+  const std::string dir = testing::MakeTempDir("flagfile");
+  const std::string flags = dir + "/flags";
+  std::ofstream(flags) << "--model=mlp\n";
+  // Quick, should a refused one run anyway.
+  const std::vector<std::string> quick = {"--dataset=synthetic", "--train_samples=64", "--test_samples=16",
+                                          "--batch_size=16",     "--max_steps=1",      "--workers=0",
+                                          "--nproc_per_node=1",  "--checkpoint=none"};
+  std::vector<std::string> args = {"--flagfile=" + dir + "/missing"};
+  args.insert(args.end(), quick.begin(), quick.end());
+  EXPECT_EQ(OneErrorLine(Train(args)), "train: --flagfile=" + dir + "/missing: cannot read " + dir +
+                                           "/missing (No such file or directory)");
+  args = {"--flagfile", dir};
+  args.insert(args.end(), quick.begin(), quick.end());
+  EXPECT_EQ(OneErrorLine(Train(args)),
+            "train: --flagfile=" + dir + ": " + dir + " is a folder; give the path of a file of flags");
+  args = {"--flagfile=" + flags + "," + dir};
+  args.insert(args.end(), quick.begin(), quick.end());
+  EXPECT_EQ(OneErrorLine(Train(args)), "train: --flagfile=" + flags + "," + dir + ": " + dir +
+                                           " is a folder; give the path of a file of flags");
+  // A readable one is read.
+  args = {"--flagfile=" + flags};
+  args.insert(args.end(), quick.begin(), quick.end());
+  const RunOutput read = Train(args);
+  ASSERT_EQ(read.exit_code, 0) << read.err;
+  EXPECT_NE(read.out.find("RESULT model=mlp "), std::string::npos) << read.out;
+}
+
 // --decay_norm_and_bias=false needs a weight decay to spare the biases and
 // norms from. (With --zero_overlap it is taken: train_resume_test's
 // OverlappedShardedStepWithDecayGroupsTrainsAndResumesLikeTheUnsharded.)
