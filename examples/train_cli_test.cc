@@ -761,6 +761,28 @@ TEST(TrainCliTest, SecondRunOnACheckpointInUseIsRefused) {
   EXPECT_NE(running.Wait(std::chrono::seconds(60)), -1) << "the first run did not stop on SIGINT";
 }
 
+// chart.svg was drawn at epoch ends only: a run stopped by Ctrl-C in its
+// first epoch left metrics.csv with its rows and no chart. The stop draws
+// it too.
+TEST(TrainCliTest, CtrlCInTheFirstEpochLeavesAChart) {
+  const std::string logs = testing::MakeTempDir("ctrl_c_chart");
+  // 50,000 images per epoch: the stop comes long before its end.
+  testing::Subprocess running({Runfile("examples/train"), "--dataset=synthetic", "--model=cnn", "--batch_size=16",
+                               "--workers=0", "--nproc_per_node=1", "--epochs=1", "--checkpoint=none",
+                               "--log_every=1", "--log_dir=" + logs});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (Lines(testing::ReadFile(logs + "/metrics.csv")).size() < 3) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no rows:\n" << running.Stdout() << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(50)), -1) << "the run ended:\n" << running.Stderr();
+  }
+  running.Signal(SIGINT);
+  ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
+  ASSERT_NE(running.Stdout().find("stopped by Ctrl-C at epoch 1, step "), std::string::npos) << running.Stdout();
+  const std::string chart = testing::ReadFile(logs + "/chart.svg");
+  EXPECT_NE(chart.find("<svg"), std::string::npos) << "no chart at the stop";
+  EXPECT_NE(chart.find("</svg>"), std::string::npos) << chart;
+}
+
 // More ranks than usable CPUs start, with a note before they do (999 ranks
 // on 2 cores started without a word). One CPU (taskset) and 2 ranks.
 TEST(TrainCliTest, MoreRanksThanCpusGetANote) {

@@ -9,7 +9,7 @@
 //                and flushed as the run goes, so `tail -f` follows it.
 //   chart.svg    training loss and test loss (top), test accuracy (bottom)
 //                over steps, epoch boundaries dotted; rewritten atomically at
-//                each epoch end.
+//                each epoch end (the trainer also draws it when stopped).
 //
 // On --resume, rows after the checkpoint's step are dropped (the resumed
 // run writes them again) and the chart continues from the earlier rows.

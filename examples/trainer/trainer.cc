@@ -1425,6 +1425,9 @@ RunResult Run::Go() {
     // metrics row go into the epoch's loss and metrics.csv first, as at a
     // row: the checkpoint's epoch loss then covers every step it holds.
     if (!job_failed) FlushMetrics();
+    // The chart is otherwise drawn at epoch ends only: a run stopped in its
+    // first epoch (a long one: a ResNet on the CPU) left rows and no chart.
+    if (!job_failed) Log([](MetricsLog& log) { log.WriteChart(); });
     // A fresh run stopped before its first save (started at the default
     // path without --resume, and Ctrl-C at once) would replace another
     // run's checkpoint with a few steps of its own: that one is kept.
