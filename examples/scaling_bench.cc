@@ -274,8 +274,13 @@ int main(int argc, char** argv) {
   // Smallest first: its result is the baseline of the rows printed after it.
   std::sort(counts.begin(), counts.end());
   counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
-  if (FLAGS_steps < 1 || FLAGS_repeat < 1) {
-    std::fprintf(stderr, "scaling_bench: --steps and --repeat must be at least 1\n");
+  // The flag and its value, as every other refusal names them.
+  if (FLAGS_steps < 1) {
+    std::fprintf(stderr, "scaling_bench: --steps=%lld must be at least 1\n", static_cast<long long>(FLAGS_steps));
+    return 2;
+  }
+  if (FLAGS_repeat < 1) {
+    std::fprintf(stderr, "scaling_bench: --repeat=%d must be at least 1\n", FLAGS_repeat);
     return 2;
   }
   // The runs count the warm-up steps too (Config): a larger --steps would

@@ -229,6 +229,20 @@ TEST(ScalingBenchTest, BadRankCountsAreRefused) {
   }
 }
 
+// --steps=0 and --repeat=-1 were refused together as "--steps and --repeat
+// must be at least 1", naming neither value nor which of the two.
+TEST(ScalingBenchTest, StepsOrRepeatBelowOneIsRefusedNamingTheFlag) {
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--steps=0", "scaling_bench: --steps=0 must be at least 1\n"},
+           {"--repeat=-1", "scaling_bench: --repeat=-1 must be at least 1\n"}}) {
+    const testing::RunOutput r =
+        testing::RunToEnd({testing::Runfile("examples/scaling_bench"), "--ranks=1", flag});
+    EXPECT_EQ(r.exit_code, 2) << flag << "\n" << r.out << r.err;
+    EXPECT_EQ(r.err, message);
+    EXPECT_EQ(r.out, "") << flag;
+  }
+}
+
 // A --steps so large that the warm-up steps added to it wrap past INT64_MAX
 // is refused by name (before, the message named --max_steps, a flag
 // scaling_bench does not have, with a negative value).
