@@ -248,7 +248,11 @@ TEST(NnBenchTest, RunsAndRefusesBatchesAndStepsOutOfRange) {
   EXPECT_EQ(steps.err, "nn_bench: --steps=0 must be at least 1\n");
   const testing::RunOutput threads = testing::RunToEnd({bench, "--threads=0"});
   EXPECT_EQ(threads.exit_code, 2) << threads.out << threads.err;
-  EXPECT_EQ(threads.err, "nn_bench: --threads=0 must be at least 1\n");
+  EXPECT_EQ(threads.err, "nn_bench: --threads=0 must be in [1, 4096]\n");
+  // 100,000 threads crashed the process (SIGSEGV) in the first GEMM.
+  const testing::RunOutput many = testing::RunToEnd({bench, "--steps=1", "--threads=100000"});
+  EXPECT_EQ(many.exit_code, 2) << many.out << many.err;
+  EXPECT_EQ(many.err, "nn_bench: --threads=100000 must be in [1, 4096]\n");
   const testing::RunOutput eval_batch = testing::RunToEnd({bench, "--eval_batch=0"});
   EXPECT_EQ(eval_batch.exit_code, 2) << eval_batch.out << eval_batch.err;
   EXPECT_EQ(eval_batch.err, "nn_bench: --eval_batch=0 must be at least 1\n");
