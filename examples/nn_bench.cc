@@ -78,11 +78,9 @@ int Run() {
     std::fprintf(stderr, "nn_bench: --steps=%d must be at least 1\n", FLAGS_steps);
     return 2;
   }
-  // Past a few thousand, OpenMP's thread pool for the first GEMM could not
-  // be made and the process crashed (SIGSEGV with --threads=100000).
-  constexpr int kMostThreads = 4096;
-  if (FLAGS_threads < 1 || FLAGS_threads > kMostThreads) {
-    std::fprintf(stderr, "nn_bench: --threads=%d must be in [1, %d]\n", FLAGS_threads, kMostThreads);
+  // nn::ops::SetNumThreads's range (past it the first GEMM crashed).
+  if (FLAGS_threads < 1 || FLAGS_threads > nn::ops::kMaxNumThreads) {
+    std::fprintf(stderr, "nn_bench: --threads=%d must be in [1, %d]\n", FLAGS_threads, nn::ops::kMaxNumThreads);
     return 2;
   }
   if (FLAGS_eval_batch < 1) {

@@ -9,7 +9,9 @@
 namespace ddp::nn::ops {
 
 /// Threads used by one GEMM or convolution (default 1: one thread per rank,
-/// ranks are the unit of parallelism; DDP_NN_THREADS overrides).
+/// ranks are the unit of parallelism; DDP_NN_THREADS overrides). Throws
+/// std::invalid_argument outside [1, kMaxNumThreads].
+inline constexpr int kMaxNumThreads = 4096;
 void SetNumThreads(int threads);
 int GetNumThreads();
 

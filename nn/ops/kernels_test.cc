@@ -1195,6 +1195,10 @@ TEST(KernelsTest, FlushDenormalAppliesToThisThreadAndThreadsStartedLater) {
 TEST(KernelsTest, ThreadsSetting) {
   EXPECT_EQ(GetNumThreads(), 1);
   EXPECT_THROW(SetNumThreads(0), std::invalid_argument);
+  // A count libgomp cannot make crashed the first GEMM (nn_bench --threads=100000).
+  EXPECT_THROW(SetNumThreads(kMaxNumThreads + 1), std::invalid_argument);
+  EXPECT_THROW(SetNumThreads(100000), std::invalid_argument);
+  EXPECT_EQ(GetNumThreads(), 1);
 }
 
 // x / s is a true division, as torch.div with a scalar: x * (1 / s) was a

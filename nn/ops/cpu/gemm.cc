@@ -42,7 +42,12 @@ thread_local int tls_generation = -1;
 }  // namespace
 
 void SetNumThreads(int threads) {
-  if (threads < 1) throw std::invalid_argument("SetNumThreads: need at least 1 thread, got " + std::to_string(threads));
+  // Past a few thousand, libgomp's team (each thread with its own stack)
+  // cannot be made and the first GEMM crashes the process instead of failing.
+  if (threads < 1 || threads > kMaxNumThreads) {
+    throw std::invalid_argument("SetNumThreads: the thread count must be in [1, " + std::to_string(kMaxNumThreads) +
+                                "], got " + std::to_string(threads));
+  }
   g_threads = threads;
   ++g_thread_generation;
 }
