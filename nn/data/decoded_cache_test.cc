@@ -848,6 +848,32 @@ TEST(DecodedCache, AFullDiskLeavesNothingHalfWrittenAndWarnsOnce) {
   EXPECT_NE(warned.find(std::strerror(ENOSPC)), std::string::npos) << warned;
 }
 
+// The end of the full-disk scenarios below, in the child: loads `set`
+// twice (decoded once, then its entry mapped), lists the files left in
+// `cache_dir` in `left_file`, one per line, and returns 0, or 1 for wrong
+// bytes, 4 when the set was not decoded exactly once, 5 when the files left
+// are not one per name prefix of `want_left`.
+int LoadTwiceAndList(CountingDecode& set, size_t bytes, const std::string& cache_dir, const std::string& left_file,
+                     const std::vector<std::string>& want_left) {
+  const bool right = Bytes(LoadDecoded(set.path, std::ref(set), 0)) == Want(bytes) &&
+                     Bytes(LoadDecoded(set.path, std::ref(set), 0)) == Want(bytes);
+  std::string left;
+  for (const auto& e : Entries(cache_dir)) left += e.filename().string() + "\n";
+  WriteFile(left_file, left);
+  bool as_wanted = Entries(cache_dir).size() == want_left.size();
+  for (const std::string& prefix : want_left) as_wanted &= left.find(prefix) != std::string::npos;
+  return !right ? 1 : set.calls != 1 ? 4 : !as_wanted ? 5 : 0;
+}
+
+// The parent's side of LoadTwiceAndList: the child returned 0 and warned
+// nothing.
+void ExpectLoadedTwiceWithoutAWarning(int status, const std::string& stderr_file, const std::string& left_file) {
+  EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files in the "
+                          "folder than expected (5: "
+                       << ReadText(left_file) << ")";
+  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+}
+
 // A cache folder on a disk with room for one entry (a 512 KiB tmpfs), full
 // with an earlier run's entry of another set: writing this set's entry
 // removes it to make room (the disk stayed full of entries no run used,
@@ -871,20 +897,11 @@ TEST(DecodedCache, AFullDiskMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
         if (Bytes(LoadDecoded(old_set.path, std::ref(old_set), 0)) != Want(200 << 10)) return 1;
         if (Entries(cache_dir).size() != 1) return 6;
         ForgetDecodedEntriesInUseForTesting();  // the entry stands for an earlier run's
-        const bool right = Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(400 << 10) &&
-                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(400 << 10);
-        std::string left;
-        for (const auto& e : Entries(cache_dir)) left += e.filename().string() + "\n";
-        WriteFile(left_file, left);
-        const bool only_new = Entries(cache_dir).size() == 1 && left.rfind("labels-", 0) == 0;
-        return !right ? 1 : labels.calls != 1 ? 4 : !only_new ? 5 : 0;
+        return LoadTwiceAndList(labels, 400 << 10, cache_dir, left_file, {"labels-"});
       });
   ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
   ASSERT_NE(status, 6) << "the first set's entry was not written on the empty tmpfs";
-  EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files than its "
-                          "entry in the folder (5: "
-                       << ReadText(left_file) << ")";
-  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+  ExpectLoadedTwiceWithoutAWarning(status, stderr_file, left_file);
 }
 
 // A cache folder so full that not even the empty lock file fits (a tmpfs
@@ -915,20 +932,11 @@ TEST(DecodedCache, NoRoomForTheLockFileMakesRoomByRemovingTheLeastRecentlyUsedEn
         const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
         if (fd >= 0 || errno != ENOSPC) return 6;
         ForgetDecodedEntriesInUseForTesting();  // the entry stands for an earlier run's
-        const bool right = Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(20 << 10) &&
-                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(20 << 10);
-        std::string left;
-        for (const auto& e : Entries(cache_dir)) left += e.filename().string() + "\n";
-        WriteFile(left_file, left);
-        const bool only_new = Entries(cache_dir).size() == 1 && left.rfind("labels-", 0) == 0;
-        return !right ? 1 : labels.calls != 1 ? 4 : !only_new ? 5 : 0;
+        return LoadTwiceAndList(labels, 20 << 10, cache_dir, left_file, {"labels-"});
       });
   ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
   ASSERT_NE(status, 6) << "the tmpfs still had an inode free after the set-up";
-  EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files than its "
-                          "entry in the folder (5: "
-                       << ReadText(left_file) << ")";
-  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+  ExpectLoadedTwiceWithoutAWarning(status, stderr_file, left_file);
 }
 
 // A write that runs out of room although statvfs showed enough (another
@@ -966,23 +974,13 @@ TEST(DecodedCache, AWriteOutOfRoomMakesRoomAndIsTriedAgain) {
           filler_written = f != nullptr && std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
           if (f != nullptr && std::fclose(f) != 0) filler_written = false;
         });
-        const bool right = Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(200 << 10) &&
-                           Bytes(LoadDecoded(labels.path, std::ref(labels), 0)) == Want(200 << 10);
+        const int loaded = LoadTwiceAndList(labels, 200 << 10, cache_dir, left_file, {"labels-", "filler-"});
         io::internal::SetTemporaryCreatedHookForTesting({});
-        if (!filler_written) return 6;
-        std::string left;
-        for (const auto& e : Entries(cache_dir)) left += e.filename().string() + "\n";
-        WriteFile(left_file, left);
-        const bool kept = Entries(cache_dir).size() == 2 && left.find("labels-") != std::string::npos &&
-                          left.find("filler-") != std::string::npos;
-        return !right ? 1 : labels.calls != 1 ? 4 : !kept ? 5 : 0;
+        return filler_written ? loaded : 6;
       });
   ASSERT_NE(status, 2) << "unshare or the tmpfs mount failed (this test needs root)";
   ASSERT_NE(status, 6) << "the filler that takes the room could not be written";
-  EXPECT_EQ(status, 0) << "wrong bytes (1), the set decoded again instead of mapped (4), or other files than its "
-                          "entry and the filler in the folder (5: "
-                       << ReadText(left_file) << ")";
-  EXPECT_EQ(ReadText(stderr_file), "") << "a warning";
+  ExpectLoadedTwiceWithoutAWarning(status, stderr_file, left_file);
 }
 
 // An entry put in place whose folder's fsync then fails (a seccomp filter
