@@ -44,6 +44,21 @@ void SetFrozen(Module& model, const std::string& prefix, bool frozen) {
   }
 }
 
+// One training step of `ddp` on (x, y) that must fail: every one of
+// `parts` is in its error (`what` says which case, in the failure).
+void ExpectStepRefused(DistributedDataParallel& ddp, const Tensor& x, const Tensor& y,
+                       const std::vector<std::string>& parts, const std::string& what) {
+  std::string error;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  for (const std::string& part : parts) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
+  }
+}
+
 // ------------------------------------------------- freeze and unfreeze ----
 
 // The first Linear is frozen (requires_grad off) for steps 1 and 2 and
@@ -263,15 +278,7 @@ void CheckReplacedHead(ProcessGroup& pg, bool find_unused, const std::vector<std
   nn::Generator gen(100 + pg.rank());
   model->ReplaceChild("5", std::make_shared<nn::modules::Linear>(256, 10, true, gen));
   auto [x, y] = testing::Batch(data, pg.rank() * kBatch, kBatch);
-  std::string error;
-  try {
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  for (const std::string& part : expected) {
-    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
-  }
+  ExpectStepRefused(ddp, x, y, expected, what);
 }
 
 DDP_TEST_WORKER(replaced_head) {
@@ -326,17 +333,9 @@ void CheckAddedLayer(DdpOptions options, const std::string& what) {
   }
   nn::Generator gen(100 + pg->rank());
   model->Push(std::make_shared<nn::modules::Linear>(10, 10, true, gen));
-  std::string error;
-  try {
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": parameter `6.weight`",
-                                 std::string("added to the model after it was wrapped"),
-                                 std::string("the model again after changing it")}) {
-    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
-  }
+  ExpectStepRefused(ddp, x, y, {"rank " + std::to_string(pg->rank()) + ": parameter `6.weight`",
+                                std::string("added to the model after it was wrapped"),
+                                std::string("the model again after changing it")}, what);
 }
 
 DDP_TEST_WORKER(added_layer) {
@@ -440,18 +439,10 @@ DDP_TEST_WORKER(added_buffer) {
   }
   model->ReplaceChild("6", std::make_shared<nn::modules::BatchNorm1d>(
                                10, nn::modules::BatchNormOptions{.affine = false}));
-  std::string error;
-  try {
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": buffer `6.running_mean`",
-                                 std::string("added to the model after it was wrapped"),
-                                 std::string("the model again after changing it"),
-                                 std::string("broadcast_buffers = false")}) {
-    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
-  }
+  ExpectStepRefused(ddp, x, y, {"rank " + std::to_string(pg->rank()) + ": buffer `6.running_mean`",
+                                std::string("added to the model after it was wrapped"),
+                                std::string("the model again after changing it"),
+                                std::string("broadcast_buffers = false")}, "added_buffer");
   return testing::WorkerExit();
 }
 
@@ -502,18 +493,10 @@ void CheckAddedFrozen(DdpOptions options, const std::string& what) {
   auto head = std::make_shared<nn::modules::Linear>(10, 10, true, gen);
   for (const Tensor& p : head->Parameters()) p.set_requires_grad(false);
   model->Push(head);
-  std::string error;
-  try {
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": parameter `6.weight`",
-                                 std::string("added to the model after it was wrapped"),
-                                 std::string("does not require grad (frozen)"),
-                                 std::string("the model again after changing it")}) {
-    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
-  }
+  ExpectStepRefused(ddp, x, y, {"rank " + std::to_string(pg->rank()) + ": parameter `6.weight`",
+                                std::string("added to the model after it was wrapped"),
+                                std::string("does not require grad (frozen)"),
+                                std::string("the model again after changing it")}, what);
 }
 
 DDP_TEST_WORKER(added_frozen) {
@@ -559,18 +542,10 @@ DDP_TEST_WORKER(head_removed) {
   std::vector<Tensor> grads;
   for (const Tensor& p : old_head->Parameters()) grads.push_back(p.grad());
   WORKER_EXPECT(testing::SameOnAllRanks(*pg, HashTensors(grads)), "the old head's gradients differ");
-  std::string error;
-  try {
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  for (const std::string& part : {"on rank " + std::to_string(pg->rank()) + ": 2 parameter(s) received no gradient",
-                                 std::string("`5.weight` (index 4, no longer a parameter of the model)"),
-                                 std::string("no forward reaches them now"),
-                                 std::string("wrap the model again after changing it")}) {
-    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
-  }
+  ExpectStepRefused(ddp, x, y, {"on rank " + std::to_string(pg->rank()) + ": 2 parameter(s) received no gradient",
+                                std::string("`5.weight` (index 4, no longer a parameter of the model)"),
+                                std::string("no forward reaches them now"),
+                                std::string("wrap the model again after changing it")}, "head_removed");
   return testing::WorkerExit();
 }
 
@@ -634,18 +609,10 @@ DDP_TEST_WORKER(added_unused_then_frozen) {
                 "the body's parameters differ");
   for (const Tensor& p : model->Child("spare")->Parameters()) p.set_requires_grad(false);
   model->set_use_spare(true);
-  std::string error;
-  try {
-    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  for (const std::string& part : {"rank " + std::to_string(pg->rank()) + ": parameter `spare.weight`",
-                                 std::string("added to the model after it was wrapped"),
-                                 std::string("does not require grad (frozen)"),
-                                 std::string("the model again after changing it")}) {
-    WORKER_EXPECT(error.find(part) != std::string::npos, "no \"" + part + "\" in: " + error);
-  }
+  ExpectStepRefused(ddp, x, y, {"rank " + std::to_string(pg->rank()) + ": parameter `spare.weight`",
+                                std::string("added to the model after it was wrapped"),
+                                std::string("does not require grad (frozen)"),
+                                std::string("the model again after changing it")}, "added_unused_then_frozen");
   return testing::WorkerExit();
 }
 
