@@ -1207,6 +1207,25 @@ TEST(TrainStateTest, OlderAmpCheckpointLoadsOnItsDeviceAndNamesDeviceOnTheOther)
   EXPECT_EQ(error.find("pass the same flags"), std::string::npos) << error;
 }
 
+// The state of an MLP run of `config` (4 batches an epoch, SGD) under a
+// cosine schedule that ends where that run ends, stepped `steps` times.
+struct CosineMlpRun {
+  CosineMlpRun(const TrainConfig& config, int steps)
+      : model(nn::modules::MakeMlp()),
+        opt(model->NamedParameters(), {.lr = config.lr}),
+        schedule(std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4))),
+        scheduler(opt, schedule) {
+    for (int i = 0; i < steps; ++i) scheduler.Step();
+    parts.schedule = schedule.get();
+    parts.batches_per_epoch = 4;
+  }
+  std::shared_ptr<nn::modules::Module> model;
+  nn::optim::Sgd opt;
+  std::shared_ptr<RunSchedule> schedule;
+  nn::optim::LrScheduler scheduler;
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+};
+
 // The same run resumed on 1 rank instead of 2 takes twice the steps per
 // epoch: the schedule ends where this run ends (step 4 + 8), not at the 16
 // steps this run's flags alone give, where it never reaches 0.
@@ -1214,15 +1233,9 @@ TEST(TrainStateTest, ScheduleEndsWhereTheRunEndsOnAnotherNumberOfRanks) {
   TrainConfig config;
   config.model = "mlp";
   config.epochs = 2;
-  auto model = nn::modules::MakeMlp();
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
-  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4));
+  CosineMlpRun run(config, 4);
+  auto& [model, opt, schedule, scheduler, parts] = run;
   EXPECT_EQ(schedule->steps(), 8);
-  nn::optim::LrScheduler scheduler(opt, schedule);
-  for (int i = 0; i < 4; ++i) scheduler.Step();
-  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
-  parts.schedule = schedule.get();
-  parts.batches_per_epoch = 4;
   const std::string path = Path("horizon");
   SaveTrainCheckpoint(path, parts, {.epoch = 1, .batch_in_epoch = 0, .step = 4}, config, 2);
 
@@ -1258,15 +1271,9 @@ TEST(TrainStateTest, RunLengthThatMovesTheScheduleIsRefused) {
   config.model = "mlp";
   config.epochs = 2;
   config.max_steps = 6;
-  auto model = nn::modules::MakeMlp();
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
-  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4));
+  CosineMlpRun run(config, 6);  // at step 6, as the position
+  auto& [model, opt, schedule, scheduler, parts] = run;
   EXPECT_EQ(schedule->steps(), 6);
-  nn::optim::LrScheduler scheduler(opt, schedule);
-  for (int i = 0; i < 6; ++i) scheduler.Step();  // at step 6, as the position
-  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
-  parts.schedule = schedule.get();
-  parts.batches_per_epoch = 4;
   const std::string path = Path("run_length");
   SaveTrainCheckpoint(path, parts, {.epoch = 1, .batch_in_epoch = 2, .step = 6}, config, 2);
 
@@ -1295,15 +1302,9 @@ TEST(TrainStateTest, RunLengthRefusalNamesTheFlagThatSetTheEnd) {
   TrainConfig config;
   config.model = "mlp";
   config.epochs = 2;
-  auto model = nn::modules::MakeMlp();
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
-  auto schedule = std::make_shared<RunSchedule>("cosine", RunEndStep(config, 4));
+  CosineMlpRun run(config, 3);
+  auto& [model, opt, schedule, scheduler, parts] = run;
   EXPECT_EQ(schedule->steps(), 8);
-  nn::optim::LrScheduler scheduler(opt, schedule);
-  for (int i = 0; i < 3; ++i) scheduler.Step();
-  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
-  parts.schedule = schedule.get();
-  parts.batches_per_epoch = 4;
   const std::string path = Path("run_length_epochs");
   SaveTrainCheckpoint(path, parts, {.epoch = 0, .batch_in_epoch = 3, .step = 3}, config, 2);
 
