@@ -68,9 +68,15 @@ constexpr uint32_t kHeaderChannel = 1u << 30;  // a Send's header
 constexpr uint32_t kMonitoredBarrierTag = 2u << 30;
 
 // Work::WaitFor on a point-to-point message: polls without a pause, then
-// polls yielding the core, then sleeps of 50 us between polls.
+// polls yielding the core, then sleeps between polls of a hundredth of the
+// time slept so far, from 50 us up to 1 ms: a message that comes late is
+// noticed at most 1% (or 50 us) late. Sleeps of 50 us throughout took
+// 0.19-0.34 s of CPU over a sender's 1.5 s delay, a core's fifth that the
+// late rank may need on a host whose cores are all busy.
 constexpr int kSpinPolls = 2000;
 constexpr int kYieldPolls = 2000;
+constexpr std::chrono::microseconds kShortestPollSleep{50};
+constexpr std::chrono::microseconds kLongestPollSleep{1000};
 
 // A Send's header: dtype, element count, rank, and up to kHeaderDims sizes.
 constexpr int kHeaderDims = 8;
@@ -337,15 +343,20 @@ Status Work::WaitFor(Deadline deadline) {
   // Posted messages: this thread drives them (the communication thread
   // polls them only every millisecond or so). Polled flat out at first, for
   // latency; a peer that is late (seconds, perhaps, on a host whose cores
-  // are all busy, this one included) is then waited for in short sleeps.
+  // are all busy, this one included) is then waited for in sleeps that
+  // grow with the wait (kShortestPollSleep to kLongestPollSleep).
+  Clock::time_point sleeping_since{};
   for (int polls = 0; !state_->Drive(); ++polls) {
-    if (Clock::now() >= deadline) {
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) {
       return transport::TimedOutError(
           (state_->what.empty() ? std::string("point-to-point message") : state_->what) +
           ": not finished by the waiter's deadline");
     }
     if (polls >= kSpinPolls + kYieldPolls) {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (polls == kSpinPolls + kYieldPolls) sleeping_since = now;
+      const auto slept = std::chrono::duration_cast<std::chrono::microseconds>(now - sleeping_since);
+      std::this_thread::sleep_for(std::clamp(slept / 100, kShortestPollSleep, kLongestPollSleep));
     } else if (polls >= kSpinPolls) {
       std::this_thread::yield();
     }
