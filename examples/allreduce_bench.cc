@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -123,10 +124,12 @@ size_t ParseBytes(const std::string& flag, const std::string& text) {
   if (suffix == "K" || suffix == "k") scale = 1024;
   else if (suffix == "M" || suffix == "m") scale = 1024.0 * 1024;
   else if (suffix == "G" || suffix == "g") scale = 1024.0 * 1024 * 1024;
-  else if (!suffix.empty()) Fail("--" + flag + "=" + text + ": expected a number with an optional K, M or G");
+  else if (!suffix.empty()) {
+    throw std::invalid_argument("--" + flag + "=" + text + ": expected a number with an optional K, M or G");
+  }
   // Also refuses NaN, infinities and sizes past 2^60 bytes, which no size_t holds safely.
   if (end == text.c_str() || !(value >= 0) || !(value * scale <= 0x1p60)) {
-    Fail("--" + flag + "=" + text + ": expected a non-negative size");
+    throw std::invalid_argument("--" + flag + "=" + text + ": expected a non-negative size");
   }
   return static_cast<size_t>(value * scale);
 }
@@ -152,11 +155,106 @@ E ParseEnum(const std::string& flag, const std::string& text, std::initializer_l
     if (text == name(v)) return v;
     accepted += std::string(accepted.empty() ? "" : ", ") + name(v);
   }
-  Fail("--" + flag + "=" + text + " is not recognised; expected one of " + accepted);
+  throw std::invalid_argument("--" + flag + "=" + text + " is not recognised; expected one of " + accepted);
 }
 
 void Check(const Status& status, const char* what) {
   if (!status.ok()) Fail(std::string(what) + ": " + status.ToString());
+}
+
+// The flags once parsed; ParseFlags found them fine.
+struct ParsedFlags {
+  Algorithm algo = Algorithm::kAuto;
+  DataType dtype = DataType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  size_t min_bytes = 0;
+  size_t max_bytes = 0;
+};
+
+// Every check that needs the flags alone (not the number of ranks or the
+// host's memory); throws std::invalid_argument naming the first wrong one.
+ParsedFlags ParseFlags() {
+  ParsedFlags flags;
+  const Algorithm algo = flags.algo = ParseEnum<Algorithm>(
+      "algo", FLAGS_algo,
+      {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
+       Algorithm::kHierarchical, Algorithm::kSharedMemory},
+      ddp::transport::AlgorithmName);
+  flags.dtype = ParseEnum<DataType>(
+      "dtype", FLAGS_dtype,
+      {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16, DataType::kI32,
+       DataType::kI64, DataType::kU8},
+      ddp::transport::DataTypeName);
+  const ReduceOp op = flags.op = ParseEnum<ReduceOp>(
+      "op", FLAGS_op, {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProd},
+      ddp::transport::ReduceOpName);
+  flags.min_bytes = ParseBytes("min_bytes", FLAGS_min_bytes);
+  flags.max_bytes = ParseBytes("max_bytes", FLAGS_max_bytes);
+  if (flags.max_bytes < flags.min_bytes) {
+    throw std::invalid_argument("--max_bytes is smaller than --min_bytes");
+  }
+  if (!std::isfinite(FLAGS_step_factor) || !(FLAGS_step_factor > 1)) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%g", FLAGS_step_factor);
+    throw std::invalid_argument(std::string("--step_factor=") + text +
+                                " must be a finite number greater than 1");
+  }
+  if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) {
+    throw std::invalid_argument("--iters and --warmup_iters must be >= 0");
+  }
+  // The communicator refuses it too, but in words that name no flag.
+  if (FLAGS_timeout_ms < 1) {
+    throw std::invalid_argument("--timeout_ms=" + std::to_string(FLAGS_timeout_ms) + " must be at least 1");
+  }
+  const std::string& collective = FLAGS_collective;
+  if (collective != "allreduce" && collective != "broadcast" && collective != "alltoall" &&
+      collective != "reduce" && collective != "gather" && collective != "scatter") {
+    throw std::invalid_argument("--collective=" + collective +
+                                ": expected allreduce, broadcast, alltoall, reduce, gather or scatter");
+  }
+  const bool alltoall = collective == "alltoall";
+  const bool reduce = collective == "reduce";
+  const bool gather = collective == "gather";
+  const bool scatter = collective == "scatter";
+  // Blocks of count / n elements, one per rank, in one rank's buffer.
+  const bool blocked = alltoall || gather || scatter;
+  // They move data without combining it: an --op would be printed in the
+  // header and ignored. (Broadcast's --op chooses its input values, which
+  // --check then expects.)
+  if (blocked && op != ReduceOp::kSum) {
+    throw std::invalid_argument("--op=" + FLAGS_op + " does not apply to --collective=" + collective +
+                                ", which reduces nothing; drop --op");
+  }
+  // --algo chooses all-reduce's and reduce's algorithm only; --root is
+  // the root of the rooted collectives only.
+  if (reduce && algo != Algorithm::kAuto && algo != Algorithm::kTree && algo != Algorithm::kRing &&
+      algo != Algorithm::kSharedMemory) {
+    throw std::invalid_argument("--algo=" + FLAGS_algo +
+                                " does not apply to --collective=reduce, which runs auto, tree, ring or shm");
+  }
+  if (algo != Algorithm::kAuto && collective != "allreduce" && !reduce) {
+    throw std::invalid_argument("--algo=" + FLAGS_algo + " does not apply to --collective=" + collective +
+                                ", which has one algorithm; drop --algo");
+  }
+  if (FLAGS_root != 0 && (collective == "allreduce" || alltoall)) {
+    throw std::invalid_argument("--root=" + std::to_string(FLAGS_root) +
+                                " does not apply to --collective=" + collective +
+                                ", which has no root; drop --root");
+  }
+  return flags;
+}
+
+// For SelfLaunchOptions::check_arguments: the flags as every rank will
+// parse them, checked once in the process that would start the ranks (each
+// rank printed its refusal before).
+std::string LaunchFlagProblem(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  try {
+    ParseFlags();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace
@@ -172,41 +270,22 @@ int main(int argc, char** argv) {
     return 2;
   }
   // Only rank 0 prints, in a fixed format: no "[rank] " prefixes.
-  ddp::transport::launch::SelfLaunchOrExit(argc, argv, {.prefix_output = false});
+  ddp::transport::launch::SelfLaunchOrExit(argc, argv,
+                                           {.prefix_output = false, .check_arguments = LaunchFlagProblem});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
 
-  const Algorithm algo = ParseEnum<Algorithm>(
-      "algo", FLAGS_algo,
-      {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree, Algorithm::kRhd,
-       Algorithm::kHierarchical, Algorithm::kSharedMemory},
-      ddp::transport::AlgorithmName);
-  const DataType dtype = ParseEnum<DataType>(
-      "dtype", FLAGS_dtype,
-      {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16, DataType::kI32,
-       DataType::kI64, DataType::kU8},
-      ddp::transport::DataTypeName);
-  const ReduceOp op = ParseEnum<ReduceOp>(
-      "op", FLAGS_op, {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProd},
-      ddp::transport::ReduceOpName);
-  const size_t min_bytes = ParseBytes("min_bytes", FLAGS_min_bytes);
-  const size_t max_bytes = ParseBytes("max_bytes", FLAGS_max_bytes);
-  if (max_bytes < min_bytes) Fail("--max_bytes is smaller than --min_bytes");
-  if (!std::isfinite(FLAGS_step_factor) || !(FLAGS_step_factor > 1)) {
-    char text[64];
-    std::snprintf(text, sizeof(text), "%g", FLAGS_step_factor);
-    Fail(std::string("--step_factor=") + text + " must be a finite number greater than 1");
+  ParsedFlags flags;
+  try {
+    flags = ParseFlags();
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
   }
-  if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) Fail("--iters and --warmup_iters must be >= 0");
-  // The communicator refuses it too, but in words that name no flag.
-  if (FLAGS_timeout_ms < 1) {
-    Fail("--timeout_ms=" + std::to_string(FLAGS_timeout_ms) + " must be at least 1");
-  }
+  const Algorithm algo = flags.algo;
+  const DataType dtype = flags.dtype;
+  const ReduceOp op = flags.op;
+  const size_t min_bytes = flags.min_bytes;
+  const size_t max_bytes = flags.max_bytes;
   const std::string& collective = FLAGS_collective;
-  if (collective != "allreduce" && collective != "broadcast" && collective != "alltoall" &&
-      collective != "reduce" && collective != "gather" && collective != "scatter") {
-    Fail("--collective=" + collective +
-         ": expected allreduce, broadcast, alltoall, reduce, gather or scatter");
-  }
   const bool broadcast = collective == "broadcast";
   const bool alltoall = collective == "alltoall";
   const bool reduce = collective == "reduce";
@@ -214,28 +293,6 @@ int main(int argc, char** argv) {
   const bool scatter = collective == "scatter";
   // Blocks of count / n elements, one per rank, in one rank's buffer.
   const bool blocked = alltoall || gather || scatter;
-  // They move data without combining it: an --op would be printed in the
-  // header and ignored. (Broadcast's --op chooses its input values, which
-  // --check then expects.)
-  if (blocked && op != ReduceOp::kSum) {
-    Fail("--op=" + FLAGS_op + " does not apply to --collective=" + collective +
-         ", which reduces nothing; drop --op");
-  }
-  // --algo chooses all-reduce's and reduce's algorithm only; --root is
-  // the root of the rooted collectives only.
-  if (reduce && algo != Algorithm::kAuto && algo != Algorithm::kTree && algo != Algorithm::kRing &&
-      algo != Algorithm::kSharedMemory) {
-    Fail("--algo=" + FLAGS_algo +
-         " does not apply to --collective=reduce, which runs auto, tree, ring or shm");
-  }
-  if (algo != Algorithm::kAuto && collective != "allreduce" && !reduce) {
-    Fail("--algo=" + FLAGS_algo + " does not apply to --collective=" + collective +
-         ", which has one algorithm; drop --algo");
-  }
-  if (FLAGS_root != 0 && (collective == "allreduce" || alltoall)) {
-    Fail("--root=" + std::to_string(FLAGS_root) + " does not apply to --collective=" + collective +
-         ", which has no root; drop --root");
-  }
   const int root = FLAGS_root;
   // Broadcast always runs in place; all-to-all, gather and scatter never do.
   const bool separate = blocked || (!FLAGS_in_place && !broadcast);

@@ -165,6 +165,26 @@ TEST(AllreduceBenchTest, AnUnknownEnumValueListsTheAcceptedOnes) {
   }
 }
 
+// Spawning two ranks, a wrong flag is refused once, by the process that
+// would start them, before any starts: each rank printed the refusal
+// before, and the launcher a line of its own about the failed ranks.
+TEST(BenchLaunchTest, AWrongFlagIsRefusedOnceBeforeAnyRankStarts) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{testing::Runfile("examples/ddp_bench"), "--model=foo"}, "ddp_bench: unknown --model=foo (mlp or cnn)\n"},
+      {{testing::Runfile("examples/ddp_bench"), "--steps=-1"}, "ddp_bench: --steps=-1 must be at least 1\n"},
+      {{testing::Runfile("examples/allreduce_bench"), "--algo=foo"},
+       "allreduce_bench: --algo=foo is not recognised; expected one of auto, ring, tree, rhd, hierarchical, shm\n"},
+  };
+  for (const auto& [flags, message] : cases) {
+    std::vector<std::string> argv = flags;
+    argv.push_back("--nproc_per_node=2");
+    const testing::RunOutput r = testing::RunToEnd(argv);
+    EXPECT_EQ(r.exit_code, 2) << flags[1] << "\n" << r.out << r.err;
+    EXPECT_EQ(r.err, message) << flags[1];
+    EXPECT_EQ(r.out, "") << flags[1];
+  }
+}
+
 // A deadline of zero or less is refused naming --timeout_ms, before any
 // rank connects (the communicator's own refusal said only "timeout must be
 // positive").

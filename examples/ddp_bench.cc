@@ -139,18 +139,49 @@ std::string HookFlagProblem() {
   return "";
 }
 
-int Run() {
-  if (const std::string problem = HookFlagProblem(); !problem.empty()) {
-    std::fprintf(stderr, "ddp_bench: %s\n", problem.c_str());
-    return 2;
-  }
-  if (FLAGS_steps < 1) {
-    std::fprintf(stderr, "ddp_bench: --steps=%d must be at least 1\n", FLAGS_steps);
-    return 2;
-  }
+// "" when the flags, taken alone, are fine; else one line naming the first
+// that is not. Needs no process group: the launching process asks it before
+// any rank starts (LaunchFlagProblem), and each rank again under another
+// launcher.
+std::string FlagsProblem() {
+  if (std::string problem = HookFlagProblem(); !problem.empty()) return problem;
+  if (FLAGS_steps < 1) return "--steps=" + std::to_string(FLAGS_steps) + " must be at least 1";
   // The process group refuses it too, but in words that name no flag.
-  if (FLAGS_timeout_ms < 1) {
-    std::fprintf(stderr, "ddp_bench: --timeout_ms=%d must be at least 1\n", FLAGS_timeout_ms);
+  if (FLAGS_timeout_ms < 1) return "--timeout_ms=" + std::to_string(FLAGS_timeout_ms) + " must be at least 1";
+  if (FLAGS_collective_thread != "auto" && FLAGS_collective_thread != "comm" &&
+      FLAGS_collective_thread != "caller") {
+    return "--collective_thread must be auto, comm or caller, got '" + FLAGS_collective_thread + "'";
+  }
+  if (FLAGS_model != "mlp" && FLAGS_model != "cnn") return "unknown --model=" + FLAGS_model + " (mlp or cnn)";
+  const std::string& hook = FLAGS_hook;
+  if (hook != "allreduce" && hook != "fp16" && hook != "bf16" && hook != "powersgd" && hook != "noop" &&
+      hook != "local_sgd") {
+    return "unknown --hook=" + hook + " (allreduce, fp16, bf16, powersgd, noop, local_sgd)";
+  }
+  if (hook == "local_sgd") {
+    // ZeRO broadcasts each shard from its owner: the replicas would never differ.
+    if (FLAGS_zero) return "--hook=local_sgd cannot be combined with --zero";
+    if (FLAGS_local_sgd_start < 0 || FLAGS_average_period < 1) {
+      return "--local_sgd_start=" + std::to_string(FLAGS_local_sgd_start) +
+             " must be at least 0 and --average_period=" + std::to_string(FLAGS_average_period) + " at least 1";
+    }
+  }
+  if (FLAGS_zero_overlap && (FLAGS_zero || hook != "allreduce")) {
+    return "--zero_overlap is its own hook and optimizer: not with --zero or --hook=" + hook;
+  }
+  return "";
+}
+
+// For SelfLaunchOptions::check_arguments: the flags as every rank will
+// parse them, checked once in the process that would start the ranks.
+std::string LaunchFlagProblem(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  return FlagsProblem();
+}
+
+int Run() {
+  if (const std::string problem = FlagsProblem(); !problem.empty()) {
+    std::fprintf(stderr, "ddp_bench: %s\n", problem.c_str());
     return 2;
   }
   nn::ops::SetNumThreads(1);
@@ -163,10 +194,6 @@ int Run() {
     pg_options.collective_thread = dist::CollectiveThread::kCommThread;
   } else if (FLAGS_collective_thread == "caller") {
     pg_options.collective_thread = dist::CollectiveThread::kCaller;
-  } else if (FLAGS_collective_thread != "auto") {
-    std::fprintf(stderr, "ddp_bench: --collective_thread must be auto, comm or caller, got '%s'\n",
-                 FLAGS_collective_thread.c_str());
-    return 2;
   }
   ddp::transport::CommunicatorOptions comm_options;
   comm_options.bind_to_core = FLAGS_bind_to_core;
@@ -198,11 +225,8 @@ int Run() {
   std::shared_ptr<nn::modules::Sequential> model;
   if (FLAGS_model == "mlp") {
     model = nn::modules::MakeMlp();
-  } else if (FLAGS_model == "cnn") {
-    model = nn::modules::MakeCnn();
   } else {
-    std::fprintf(stderr, "ddp_bench: unknown --model=%s (mlp or cnn)\n", FLAGS_model.c_str());
-    return 2;
+    model = nn::modules::MakeCnn();
   }
   dist::DdpOptions options;
   options.process_group = pg;
@@ -241,23 +265,9 @@ int Run() {
   } else if (FLAGS_hook == "noop") {
     ddp_model.RegisterCommHook(dist::hooks::NoopHook());
   } else if (FLAGS_hook == "local_sgd") {
-    if (FLAGS_zero) {
-      // ZeRO broadcasts each shard from its owner: the replicas would never differ.
-      std::fprintf(stderr, "ddp_bench: --hook=local_sgd cannot be combined with --zero\n");
-      return 2;
-    }
-    if (FLAGS_local_sgd_start < 0 || FLAGS_average_period < 1) {
-      std::fprintf(stderr, "ddp_bench: --local_sgd_start=%d must be at least 0 and --average_period=%d at least 1\n",
-                   FLAGS_local_sgd_start, FLAGS_average_period);
-      return 2;
-    }
     ddp_model.RegisterCommHook(dist::hooks::PostLocalSgdHook({.start_iteration = FLAGS_local_sgd_start}));
     averager = std::make_unique<dist::PeriodicModelAverager>(dist::ModelAveragerOptions{
         .period = FLAGS_average_period, .warmup_steps = FLAGS_local_sgd_start, .process_group = pg});
-  } else if (FLAGS_hook != "allreduce") {
-    std::fprintf(stderr, "ddp_bench: unknown --hook=%s (allreduce, fp16, bf16, powersgd, noop, local_sgd)\n",
-                 FLAGS_hook.c_str());
-    return 2;
   }
   auto make_sgd = [](nn::optim::NamedParameters params) {
     return std::make_unique<nn::optim::Sgd>(std::move(params), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
@@ -266,11 +276,6 @@ int Run() {
   std::unique_ptr<dist::ZeroRedundancyOptimizer> zero;
   std::unique_ptr<dist::OverlappedZeroOptimizer> overlapped;
   if (FLAGS_zero_overlap) {
-    if (FLAGS_zero || FLAGS_hook != "allreduce") {
-      std::fprintf(stderr, "ddp_bench: --zero_overlap is its own hook and optimizer: not with --zero or --hook=%s\n",
-                   FLAGS_hook.c_str());
-      return 2;
-    }
     overlapped = std::make_unique<dist::OverlappedZeroOptimizer>(ddp_model, make_sgd);
   } else if (FLAGS_zero) {
     zero = std::make_unique<dist::ZeroRedundancyOptimizer>(model->NamedParameters(), pg, make_sgd);
@@ -375,9 +380,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ddp_bench: %s\n", problem.c_str());
     return 2;
   }
-  // Spawn the ranks before anything touches UCX; rank 0 alone prints.
-  ddp::transport::launch::SelfLaunchOrExit(argc, argv,
-                                           {.default_nproc_per_node = 2, .prefix_output = false});
+  // Spawn the ranks before anything touches UCX, once the flags are found
+  // fine (a wrong one said once, not by every rank); rank 0 alone prints.
+  ddp::transport::launch::SelfLaunchOrExit(
+      argc, argv, {.default_nproc_per_node = 2, .prefix_output = false, .check_arguments = LaunchFlagProblem});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   // Relative: the user's directory, not the runfiles folder of `bazel run`.
   FLAGS_data_dir = ddp::examples::UserPath(FLAGS_data_dir);
