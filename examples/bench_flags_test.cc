@@ -206,6 +206,21 @@ TEST(BenchTimeoutTest, ATimeoutBelowOneMillisecondIsRefusedByName) {
   }
 }
 
+// nn_bench starts no ranks: --nproc_per_node is refused in one line that
+// says so (gflags' "ERROR: unknown command line flag", exit 1, before).
+TEST(NnBenchTest, NprocPerNodeIsRefusedSayingItRunsOneProcess) {
+  for (const std::vector<std::string>& flag :
+       {std::vector<std::string>{"--nproc_per_node=2"}, {"--nproc_per_node", "2"}}) {
+    std::vector<std::string> argv = {testing::Runfile("examples/nn_bench")};
+    argv.insert(argv.end(), flag.begin(), flag.end());
+    const testing::RunOutput r = testing::RunToEnd(argv);
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    EXPECT_EQ(r.err, "nn_bench: " + flag[0] +
+                         ": nn_bench runs one process; drop the flag (ddp_bench runs several ranks)\n");
+    EXPECT_EQ(r.out, "");
+  }
+}
+
 // --help printed "SetUsageMessage() never called" and the flags of every
 // linked library, its own among them, and exited 1.
 TEST(NnBenchTest, HelpListsItsOwnFlags) {

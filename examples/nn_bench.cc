@@ -175,6 +175,20 @@ int Run() {
 int main(int argc, char** argv) {
   gflags::SetUsageMessage("one-process training throughput (samples/s) and peak memory of the MLP or CNN");
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/nn_bench")) return 0;
+  // It times one process and starts no ranks: --nproc_per_node, which the
+  // other benchmarks take (and FlagProblem lets through for them), is
+  // refused by name here; gflags' "unknown command line flag" exited 1.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    const std::string name = arg.substr(0, arg.find('='));
+    if (name == "--nproc_per_node" || name == "-nproc_per_node" || name == "--nproc-per-node") {
+      std::fprintf(stderr,
+                   "nn_bench: %s: nn_bench runs one process; drop the flag (ddp_bench runs several ranks)\n",
+                   arg.c_str());
+      return 2;
+    }
+  }
   if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/nn_bench"); !problem.empty()) {
     std::fprintf(stderr, "nn_bench: %s\n", problem.c_str());
     return 2;
