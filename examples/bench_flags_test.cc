@@ -185,6 +185,17 @@ TEST(BenchLaunchTest, AWrongFlagIsRefusedOnceBeforeAnyRankStarts) {
   }
 }
 
+// SelfLaunchOrExit takes --nproc-per-node as well as --nproc_per_node; the
+// flag check before it called the first an unknown flag.
+TEST(BenchLaunchTest, TheHyphenatedNprocPerNodeIsTaken) {
+  const testing::RunOutput r = testing::RunToEnd(
+      {testing::Runfile("examples/ddp_bench"), "--nproc-per-node=2", "--model=mlp", "--steps=1", "--eval=false"});
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::vector<std::string> lines = testing::Lines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out << r.err;
+  EXPECT_EQ(Fields(lines[0]).at(1), "2") << "ranks: " << lines[0];
+}
+
 // A deadline of zero or less is refused naming --timeout_ms, before any
 // rank connects (the communicator's own refusal said only "timeout must be
 // positive").

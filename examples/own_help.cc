@@ -178,8 +178,9 @@ std::string FlagProblem(int argc, char** argv, const char* source) {
       }
       continue;
     }
-    if (name == "nproc_per_node") {
-      // SelfLaunchOrExit's own (it checks the value), when no gflags flag.
+    if (name == "nproc_per_node" || name == "nproc-per-node") {
+      // SelfLaunchOrExit's own, in both its spellings (it checks the
+      // value), when no gflags flag.
       if (eq == std::string::npos) ++i;
       continue;
     }

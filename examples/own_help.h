@@ -27,8 +27,8 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// own messages for these ("ERROR: unknown command line flag 'modle'")
 /// name no program and exit 1. What gflags accepts passes: a value after
 /// its flag, --noBOOL, a negative value, anything after "--", and
-/// --nproc_per_node, which SelfLaunchOrExit takes in programs without
-/// such a gflags flag.
+/// --nproc_per_node (or --nproc-per-node), which SelfLaunchOrExit takes in
+/// programs without such a gflags flag.
 std::string FlagProblem(int argc, char** argv, const char* source);
 
 }  // namespace ddp::examples
