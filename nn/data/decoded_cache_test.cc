@@ -848,6 +848,30 @@ TEST(DecodedCache, AFullDiskLeavesNothingHalfWrittenAndWarnsOnce) {
   EXPECT_NE(warned.find(std::strerror(ENOSPC)), std::string::npos) << warned;
 }
 
+// The set-up of the make-room scenarios below: a fresh empty cache folder
+// (a tmpfs is mounted on it in the child) with no size limit, an earlier
+// run's set (`old_set`, `old_kib` KiB of images) and this run's (`labels`,
+// `new_kib` KiB).
+struct MakeRoomScenario {
+  MakeRoomScenario(const std::string& tag, uint32_t old_kib, uint32_t new_kib)
+      : dir(FreshDir(tag)),
+        cache_dir(dir + "/cache"),
+        cache(cache_dir),
+        old_set{dir + "/old_images"},
+        labels{dir + "/labels"},
+        stderr_file(dir + "/child_stderr"),
+        left_file(dir + "/left") {
+    EXPECT_EQ(::mkdir(cache_dir.c_str(), 0755), 0) << cache_dir;
+    WriteFile(old_set.path, IdxBytes({old_kib, 1024}, Pixels(size_t{old_kib} << 10)));
+    WriteFile(labels.path, IdxBytes({new_kib, 1024}, Pixels(size_t{new_kib} << 10)));
+  }
+  const std::string dir, cache_dir;
+  const CacheDir cache;
+  const ScopedEnv no_limit{"DDP_DATA_CACHE_MAX_BYTES", nullptr};
+  CountingDecode old_set, labels;
+  const std::string stderr_file, left_file;
+};
+
 // The end of the full-disk scenarios below, in the child: loads `set`
 // twice (decoded once, then its entry mapped), lists the files left in
 // `cache_dir` in `left_file`, one per line, and returns 0, or 1 for wrong
@@ -880,15 +904,8 @@ void ExpectLoadedTwiceWithoutAWarning(int status, const std::string& stderr_file
 // and every run decoded the set again and warned), and the next load maps
 // the new entry, without a warning.
 TEST(DecodedCache, AFullDiskMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
-  const std::string dir = FreshDir("decoded_full_evict");
-  const std::string cache_dir = dir + "/cache";
-  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
-  const CacheDir cache(cache_dir);
-  const ScopedEnv no_limit("DDP_DATA_CACHE_MAX_BYTES", nullptr);
-  CountingDecode old_set{dir + "/old_images"}, labels{dir + "/labels"};
-  WriteFile(old_set.path, IdxBytes({200, 1024}, Pixels(200 << 10)));
-  WriteFile(labels.path, IdxBytes({400, 1024}, Pixels(400 << 10)));
-  const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
+  MakeRoomScenario scenario("decoded_full_evict", 200, 400);
+  auto& [dir, cache_dir, cache, no_limit, old_set, labels, stderr_file, left_file] = scenario;
   // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
   // 5 for other files than the new entry in the folder (listed in
   // `left_file`), 6 when the earlier run's entry was not written.
@@ -911,15 +928,8 @@ TEST(DecodedCache, AFullDiskMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
 // warning. The cache only warned there, so the disk stayed full and every
 // run decoded the set again.
 TEST(DecodedCache, NoRoomForTheLockFileMakesRoomByRemovingTheLeastRecentlyUsedEntries) {
-  const std::string dir = FreshDir("decoded_full_lock");
-  const std::string cache_dir = dir + "/cache";
-  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
-  const CacheDir cache(cache_dir);
-  const ScopedEnv no_limit("DDP_DATA_CACHE_MAX_BYTES", nullptr);
-  CountingDecode old_set{dir + "/old_images"}, labels{dir + "/labels"};
-  WriteFile(old_set.path, IdxBytes({10, 1024}, Pixels(10 << 10)));
-  WriteFile(labels.path, IdxBytes({20, 1024}, Pixels(20 << 10)));
-  const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
+  MakeRoomScenario scenario("decoded_full_lock", 10, 20);
+  auto& [dir, cache_dir, cache, no_limit, old_set, labels, stderr_file, left_file] = scenario;
   // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
   // 5 for other files than the new entry in the folder (listed in
   // `left_file`), 6 when the set-up did not fill the inodes.
@@ -946,15 +956,8 @@ TEST(DecodedCache, NoRoomForTheLockFileMakesRoomByRemovingTheLeastRecentlyUsedEn
 // the entry, without a warning. (EDQUOT itself cannot be made here: root
 // is not held to quotas.)
 TEST(DecodedCache, AWriteOutOfRoomMakesRoomAndIsTriedAgain) {
-  const std::string dir = FreshDir("decoded_full_retry");
-  const std::string cache_dir = dir + "/cache";
-  ASSERT_EQ(::mkdir(cache_dir.c_str(), 0755), 0);
-  const CacheDir cache(cache_dir);
-  const ScopedEnv no_limit("DDP_DATA_CACHE_MAX_BYTES", nullptr);
-  CountingDecode old_set{dir + "/old_images"}, labels{dir + "/labels"};
-  WriteFile(old_set.path, IdxBytes({200, 1024}, Pixels(200 << 10)));
-  WriteFile(labels.path, IdxBytes({200, 1024}, Pixels(200 << 10)));
-  const std::string stderr_file = dir + "/child_stderr", left_file = dir + "/left";
+  MakeRoomScenario scenario("decoded_full_retry", 200, 200);
+  auto& [dir, cache_dir, cache, no_limit, old_set, labels, stderr_file, left_file] = scenario;
   // Exit statuses: 1 for wrong bytes, 4 for the wrong number of decodes,
   // 5 for other files than the new entry and the filler in the folder
   // (listed in `left_file`), 6 when the filler could not be written.
