@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -152,6 +153,38 @@ TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
   }
 }
 
+// Runs an all-reduce of 64 or 65 floats on `world` ranks, nobody killed,
+// under a 6 s deadline; rank `odd` starts 300 ms late, so that the others
+// are inside the call when it comes. `setup` gives each rank its count,
+// algorithm and tuning (by whether it is the odd one). Returns every rank's
+// status, and in `took` each rank's time from the start.
+std::vector<Status> RunWithALateOddRank(int world, int odd,
+                                        const std::function<Algorithm(bool is_odd, CollectiveArgs&)>& setup,
+                                        std::vector<Clock::duration>* took) {
+  took->assign(world, Clock::duration::zero());
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  const auto start = Clock::now();
+  const auto deadline = start + 6s;
+  return ::ddp::transport::testing::RunRanks(
+      world,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const bool is_odd = p2p.rank() == odd;
+        if (is_odd) std::this_thread::sleep_for(300ms);
+        std::vector<float> data(65, 1.0f);
+        CollectiveArgs args;
+        args.send = data.data();
+        args.recv = data.data();
+        args.count = 64;
+        args.deadline = deadline;
+        const Algorithm algo = setup(is_odd, args);
+        Status status = AllReduce(p2p, args, algo);
+        (*took)[p2p.rank()] = Clock::now() - start;
+        return status;
+      },
+      options);
+}
+
 // One rank runs the tree where the others run the ring (or the ring with
 // another count), on 5 and 6 ranks, nobody killed: every ring rank fails
 // well before the deadline, naming the disagreement. The rank after the odd
@@ -165,29 +198,14 @@ TEST(AllReduceTest, RingRanksFarFromADisagreeingRankFailPromptly) {
       for (Odd differs : {Odd::kTree, Odd::kCount}) {
         const std::string what = std::to_string(world) + " ranks, rank " + std::to_string(odd) +
                                  (differs == Odd::kTree ? " runs the tree" : " passes count 65");
-        std::vector<Clock::duration> took(world);
-        ::ddp::transport::testing::HarnessOptions options;
-        options.kill_on_error = false;
-        const auto start = Clock::now();
-        const auto deadline = start + 6s;
-        auto statuses = ::ddp::transport::testing::RunRanks(
-            world,
-            [&](p2p::PointToPoint& p2p) -> Status {
-              const bool is_odd = p2p.rank() == odd;
-              if (is_odd) std::this_thread::sleep_for(300ms);
-              std::vector<float> data(65, 1.0f);
-              CollectiveArgs args;
-              args.send = data.data();
-              args.recv = data.data();
-              args.count = is_odd && differs == Odd::kCount ? 65 : 64;
-              args.deadline = deadline;
-              const Algorithm algo =
-                  is_odd && differs == Odd::kTree ? Algorithm::kTree : Algorithm::kRing;
-              Status status = AllReduce(p2p, args, algo);
-              took[p2p.rank()] = Clock::now() - start;
-              return status;
+        std::vector<Clock::duration> took;
+        const std::vector<Status> statuses = RunWithALateOddRank(
+            world, odd,
+            [&](bool is_odd, CollectiveArgs& args) {
+              if (is_odd && differs == Odd::kCount) args.count = 65;
+              return is_odd && differs == Odd::kTree ? Algorithm::kTree : Algorithm::kRing;
             },
-            options);
+            &took);
         const std::string odd_one = differs == Odd::kTree ? "tree all-reduce, count 64"
                                                           : "ring all-reduce, count 65";
         for (int r = 0; r < world; ++r) {
@@ -231,28 +249,15 @@ TEST(AllReduceTest, TreeAndRhdRanksFarFromADisagreeingRankFailPromptly) {
                                  (f.rhd_doubling_bytes != 0 ? " (halving)" : "") + ", " +
                                  std::to_string(world) + " ranks, rank " + std::to_string(odd) +
                                  " passes count 65";
-        std::vector<Clock::duration> took(world);
-        ::ddp::transport::testing::HarnessOptions options;
-        options.kill_on_error = false;
-        const auto start = Clock::now();
-        const auto deadline = start + 6s;
-        auto statuses = ::ddp::transport::testing::RunRanks(
-            world,
-            [&](p2p::PointToPoint& p2p) -> Status {
-              const bool is_odd = p2p.rank() == odd;
-              if (is_odd) std::this_thread::sleep_for(300ms);
-              std::vector<float> data(65, 1.0f);
-              CollectiveArgs args;
-              args.send = data.data();
-              args.recv = data.data();
-              args.count = is_odd ? 65 : 64;
-              args.deadline = deadline;
+        std::vector<Clock::duration> took;
+        const std::vector<Status> statuses = RunWithALateOddRank(
+            world, odd,
+            [&](bool is_odd, CollectiveArgs& args) {
+              if (is_odd) args.count = 65;
               args.tuning.rhd_doubling_bytes = f.rhd_doubling_bytes;
-              Status status = AllReduce(p2p, args, f.algo);
-              took[p2p.rank()] = Clock::now() - start;
-              return status;
+              return f.algo;
             },
-            options);
+            &took);
         for (int r = 0; r < world; ++r) {
           const Status& s = statuses[r];
           EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
