@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace ddp::nn::ops {
@@ -53,5 +54,16 @@ int64_t OneDnnConvCacheSize();
 /// (--flush_denormal). Returns false where unsupported (not x86).
 bool SetFlushDenormal(bool on);
 bool GetFlushDenormal();
+
+namespace internal {
+/// The defaults above from their environment variables' text (null: unset).
+/// A value that is not one the variable takes keeps the default and sets
+/// `*problem` to a line naming the variable, the value and what it takes,
+/// which the kernels print once, as a warning, at start-up.
+int ThreadsFromEnvText(const char* text, std::string* problem);
+GemmBackend GemmFromEnvText(const char* text, std::string* problem);
+ConvAlgorithm ConvFromEnvText(const char* text, std::string* problem);
+int64_t Im2colBytesFromEnvText(const char* text, std::string* problem);
+}  // namespace internal
 
 }  // namespace ddp::nn::ops

@@ -1192,6 +1192,43 @@ TEST(KernelsTest, FlushDenormalAppliesToThisThreadAndThreadsStartedLater) {
   EXPECT_EQ(MultiplyAtRunTime(tiny, 1.0f), tiny);
 }
 
+// The kernels' environment variables: a value the variable does not take
+// kept the default without a word (DDP_NN_THREADS=four ran one thread,
+// DDP_NN_CONV=onednnn the automatic choice); it still does, with a warning
+// line naming the variable, the value and what it takes.
+TEST(KernelsTest, EnvironmentValuesThatDoNotParseAreNamed) {
+  std::string problem;
+  EXPECT_EQ(internal::ThreadsFromEnvText(nullptr, &problem), 1);
+  EXPECT_EQ(internal::ThreadsFromEnvText("4", &problem), 4);
+  EXPECT_EQ(problem, "");
+  for (const char* bad : {"four", "0", "-2", "4x", "", "4097", "99999999999999999999"}) {
+    problem.clear();
+    EXPECT_EQ(internal::ThreadsFromEnvText(bad, &problem), 1) << bad;
+    EXPECT_EQ(problem, "DDP_NN_THREADS=" + std::string(bad) +
+                           " is not a thread count in [1, 4096]; using 1 thread per GEMM and convolution");
+  }
+  problem.clear();
+  EXPECT_EQ(internal::GemmFromEnvText("openblas", &problem), GemmBackend::kOpenBlas);
+  EXPECT_EQ(internal::GemmFromEnvText("onednn", &problem), GemmBackend::kOneDnn);
+  EXPECT_EQ(internal::GemmFromEnvText(nullptr, &problem), GemmBackend::kOneDnn);
+  EXPECT_EQ(problem, "");
+  EXPECT_EQ(internal::GemmFromEnvText("OpenBLAS", &problem), GemmBackend::kOneDnn);
+  EXPECT_EQ(problem, "DDP_NN_GEMM=OpenBLAS is neither onednn nor openblas; using onednn");
+  problem.clear();
+  EXPECT_EQ(internal::ConvFromEnvText("im2col", &problem), ConvAlgorithm::kIm2col);
+  EXPECT_EQ(internal::ConvFromEnvText("onednn", &problem), ConvAlgorithm::kOneDnn);
+  EXPECT_EQ(internal::ConvFromEnvText("auto", &problem), ConvAlgorithm::kAuto);
+  EXPECT_EQ(problem, "");
+  EXPECT_EQ(internal::ConvFromEnvText("onednnn", &problem), ConvAlgorithm::kAuto);
+  EXPECT_EQ(problem, "DDP_NN_CONV=onednnn is not im2col, onednn or auto; using auto");
+  problem.clear();
+  EXPECT_EQ(internal::Im2colBytesFromEnvText(nullptr, &problem), int64_t{1} << 20);
+  EXPECT_EQ(internal::Im2colBytesFromEnvText("4096", &problem), 4096);
+  EXPECT_EQ(problem, "");
+  EXPECT_EQ(internal::Im2colBytesFromEnvText("1M", &problem), int64_t{1} << 20);
+  EXPECT_EQ(problem, "DDP_NN_IM2COL_BYTES=1M is not a positive whole number of bytes; using 1048576");
+}
+
 TEST(KernelsTest, ThreadsSetting) {
   EXPECT_EQ(GetNumThreads(), 1);
   EXPECT_THROW(SetNumThreads(0), std::invalid_argument);

@@ -10,9 +10,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "nn/ops/config.h"
@@ -23,21 +27,48 @@ namespace ddp::nn::ops {
 
 namespace {
 ConvAlgorithm ConvFromEnv() {
-  const char* env = std::getenv("DDP_NN_CONV");
-  if (env == nullptr) return ConvAlgorithm::kAuto;
-  const std::string_view v(env);
-  if (v == "im2col") return ConvAlgorithm::kIm2col;
-  if (v == "onednn") return ConvAlgorithm::kOneDnn;
-  return ConvAlgorithm::kAuto;
+  std::string problem;
+  const ConvAlgorithm algorithm = internal::ConvFromEnvText(std::getenv("DDP_NN_CONV"), &problem);
+  if (!problem.empty()) std::fprintf(stderr, "[ddp] warning: %s\n", problem.c_str());
+  return algorithm;
 }
 std::atomic<ConvAlgorithm> g_conv{ConvFromEnv()};
 
 int64_t Im2colBudgetFromEnv() {
-  const char* env = std::getenv("DDP_NN_IM2COL_BYTES");
-  return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : (int64_t{1} << 20);
+  std::string problem;
+  const int64_t bytes = internal::Im2colBytesFromEnvText(std::getenv("DDP_NN_IM2COL_BYTES"), &problem);
+  if (!problem.empty()) std::fprintf(stderr, "[ddp] warning: %s\n", problem.c_str());
+  return bytes;
 }
 const int64_t g_im2col_budget = Im2colBudgetFromEnv();
 }  // namespace
+
+namespace internal {
+
+ConvAlgorithm ConvFromEnvText(const char* text, std::string* problem) {
+  if (text == nullptr) return ConvAlgorithm::kAuto;
+  const std::string_view v(text);
+  if (v == "im2col") return ConvAlgorithm::kIm2col;
+  if (v == "onednn") return ConvAlgorithm::kOneDnn;
+  if (v != "auto") *problem = "DDP_NN_CONV=" + std::string(v) + " is not im2col, onednn or auto; using auto";
+  return ConvAlgorithm::kAuto;
+}
+
+int64_t Im2colBytesFromEnvText(const char* text, std::string* problem) {
+  constexpr int64_t kDefault = int64_t{1} << 20;
+  if (text == nullptr) return kDefault;
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(text, &end, 10);
+  if (end == text || *end != '\0' || errno != 0 || n < 1) {
+    *problem = "DDP_NN_IM2COL_BYTES=" + std::string(text) + " is not a positive whole number of bytes; using " +
+               std::to_string(kDefault);
+    return kDefault;
+  }
+  return n;
+}
+
+}  // namespace internal
 
 void SetConvAlgorithm(ConvAlgorithm algorithm) { g_conv = algorithm; }
 ConvAlgorithm GetConvAlgorithm() { return g_conv; }

@@ -5,6 +5,8 @@
 #include <dnnl.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -22,16 +24,17 @@ namespace ddp::nn::ops {
 namespace {
 
 int ThreadsFromEnv() {
-  const char* env = std::getenv("DDP_NN_THREADS");
-  if (env == nullptr) return 1;
-  const int n = std::atoi(env);
-  return n > 0 ? n : 1;
+  std::string problem;
+  const int threads = internal::ThreadsFromEnvText(std::getenv("DDP_NN_THREADS"), &problem);
+  if (!problem.empty()) std::fprintf(stderr, "[ddp] warning: %s\n", problem.c_str());
+  return threads;
 }
 
 GemmBackend GemmFromEnv() {
-  const char* env = std::getenv("DDP_NN_GEMM");
-  if (env != nullptr && std::string_view(env) == "openblas") return GemmBackend::kOpenBlas;
-  return GemmBackend::kOneDnn;
+  std::string problem;
+  const GemmBackend backend = internal::GemmFromEnvText(std::getenv("DDP_NN_GEMM"), &problem);
+  if (!problem.empty()) std::fprintf(stderr, "[ddp] warning: %s\n", problem.c_str());
+  return backend;
 }
 
 std::atomic<int> g_threads{ThreadsFromEnv()};
@@ -40,6 +43,33 @@ std::atomic<GemmBackend> g_gemm{GemmFromEnv()};
 thread_local int tls_generation = -1;
 
 }  // namespace
+
+namespace internal {
+
+int ThreadsFromEnvText(const char* text, std::string* problem) {
+  if (text == nullptr) return 1;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(text, &end, 10);
+  if (end == text || *end != '\0' || errno != 0 || n < 1 || n > kMaxNumThreads) {
+    *problem = "DDP_NN_THREADS=" + std::string(text) + " is not a thread count in [1, " +
+               std::to_string(kMaxNumThreads) + "]; using 1 thread per GEMM and convolution";
+    return 1;
+  }
+  return static_cast<int>(n);
+}
+
+GemmBackend GemmFromEnvText(const char* text, std::string* problem) {
+  if (text == nullptr) return GemmBackend::kOneDnn;
+  const std::string_view v(text);
+  if (v == "openblas") return GemmBackend::kOpenBlas;
+  if (v != "onednn") {
+    *problem = "DDP_NN_GEMM=" + std::string(v) + " is neither onednn nor openblas; using onednn";
+  }
+  return GemmBackend::kOneDnn;
+}
+
+}  // namespace internal
 
 void SetNumThreads(int threads) {
   // Past a few thousand, libgomp's team (each thread with its own stack)
