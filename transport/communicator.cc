@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <shared_mutex>
@@ -214,13 +215,101 @@ struct ServedStore {
   // (made without this process) listed them. The last holder tells with it a rank that died from one still
   // to come, in communicators it is not a member of; under mu.
   std::map<std::string, std::vector<int>> member_pids;
-  // Per key prefix (of `users`) of a split made in this process: the key
-  // prefix of the communicator it was split from, and each of its ranks'
-  // rank there, in its rank order. When that parent is the last holder, a
-  // member on another host whose UCX connection to the parent broke counts
-  // as gone (its pid, above, is 0: not on this host); under mu.
-  std::map<std::string, std::pair<std::string, std::vector<int>>> member_parent_ranks;
+  // Per key prefix (of `users`) of a split, made in this process or
+  // registered in the store: the key prefix of its family's first
+  // communicator (Create's; a `roots` entry), and each of its ranks' rank
+  // there, in its rank order. Whichever communicator of that family is the
+  // last holder, a member on another host (its pid, above, is 0) whose UCX
+  // connection to the last holder broke counts as gone, however deep the
+  // split; under mu.
+  std::map<std::string, std::pair<std::string, std::vector<int>>> member_root_ranks;
 };
+
+// A split as its rank 0 registers it in the store (RegisterSplit), one
+// line: "<key prefix> <ranks> <pids> <root ranks>\n". <pids>: "-", or
+// "<rank>=<pid>" for each rank on the serving process's host, joined by
+// commas; <root ranks>: each rank's rank in the family's first
+// communicator, in its rank order, joined by commas. The prefix is a
+// communicator's name, which may hold spaces; the other fields hold none.
+struct SplitRegistration {
+  std::string prefix;
+  int ranks = 0;
+  std::vector<int> pids;        // by rank; 0: not on the serving process's host
+  std::vector<int> root_ranks;  // by rank
+};
+
+std::string FormatSplitRegistration(const SplitRegistration& split) {
+  std::string pids;
+  for (size_t r = 0; r < split.pids.size(); ++r) {
+    if (split.pids[r] <= 0) continue;
+    pids += (pids.empty() ? "" : ",") + std::to_string(r) + "=" + std::to_string(split.pids[r]);
+  }
+  std::string roots;
+  for (int root : split.root_ranks) roots += (roots.empty() ? "" : ",") + std::to_string(root);
+  return split.prefix + " " + std::to_string(split.ranks) + " " + (pids.empty() ? "-" : pids) + " " + roots + "\n";
+}
+
+// A whole decimal number in [least, most], or nothing.
+std::optional<int> ParseBoundedInt(std::string_view text, int least, int most) {
+  if (text.empty() || text.size() > 10) return std::nullopt;
+  int64_t value = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return std::nullopt;
+    value = value * 10 + (c - '0');
+  }
+  if (value < least || value > most) return std::nullopt;
+  return static_cast<int>(value);
+}
+
+// One line of FormatSplitRegistration's, without its newline; what is
+// wrong with it otherwise.
+StatusOr<SplitRegistration> ParseSplitRegistration(std::string_view line) {
+  constexpr int kMostInt = std::numeric_limits<int>::max();
+  const size_t roots_at = line.rfind(' ');
+  const size_t pids_at = roots_at == std::string_view::npos || roots_at == 0 ? std::string_view::npos
+                                                                             : line.rfind(' ', roots_at - 1);
+  const size_t ranks_at = pids_at == std::string_view::npos || pids_at == 0 ? std::string_view::npos
+                                                                           : line.rfind(' ', pids_at - 1);
+  if (ranks_at == std::string_view::npos || ranks_at == 0) {
+    return InvalidArgumentError("not \"<key prefix> <ranks> <pids> <root ranks>\"");
+  }
+  SplitRegistration split;
+  split.prefix = std::string(line.substr(0, ranks_at));
+  const std::optional<int> ranks = ParseBoundedInt(line.substr(ranks_at + 1, pids_at - ranks_at - 1), 1, kMostInt);
+  if (!ranks) return InvalidArgumentError("its rank count is not a positive number");
+  split.ranks = *ranks;
+  split.pids.assign(static_cast<size_t>(split.ranks), 0);
+  const std::string_view pids = line.substr(pids_at + 1, roots_at - pids_at - 1);
+  for (size_t from = 0; pids != "-" && from <= pids.size();) {
+    const size_t comma = std::min(pids.find(',', from), pids.size());
+    const std::string_view entry = pids.substr(from, comma - from);
+    const size_t eq = entry.find('=');
+    const bool paired = eq != std::string_view::npos;
+    const std::optional<int> r = paired ? ParseBoundedInt(entry.substr(0, eq), 0, split.ranks - 1) : std::nullopt;
+    const std::optional<int> pid = paired ? ParseBoundedInt(entry.substr(eq + 1), 1, kMostInt) : std::nullopt;
+    if (!r || !pid) {
+      return InvalidArgumentError("pid entry \"" + std::string(entry) + "\" is not <rank>=<pid> with a rank below " +
+                                  std::to_string(split.ranks));
+    }
+    split.pids[static_cast<size_t>(*r)] = *pid;
+    from = comma + 1;
+  }
+  const std::string_view roots = line.substr(roots_at + 1);
+  for (size_t from = 0; from <= roots.size();) {
+    const size_t comma = std::min(roots.find(',', from), roots.size());
+    const std::optional<int> root = ParseBoundedInt(roots.substr(from, comma - from), 0, kMostInt);
+    if (!root) {
+      return InvalidArgumentError("root rank list \"" + std::string(roots) + "\" is not numbers joined by commas");
+    }
+    split.root_ranks.push_back(*root);
+    from = comma + 1;
+  }
+  if (split.root_ranks.size() != static_cast<size_t>(split.ranks)) {
+    return InvalidArgumentError("it lists " + std::to_string(split.root_ranks.size()) + " root ranks for " +
+                                std::to_string(split.ranks) + " ranks");
+  }
+  return split;
+}
 
 // The stores this process serves, by "host:port": a communicator made again
 // on rank 0's store while a split of the previous one still holds that
@@ -797,9 +886,8 @@ class Communicator::Impl {
   void AsyncLoop();
   Status WaitForQueue(Deadline deadline);
   void Shutdown();
-  // Notes `users` ("<key prefix> <ranks> <pids>" lines; <pids>: "-", or
-  // "<rank>=<pid>" for each rank on the serving process's host, joined by
-  // commas) under served_root_prefix_.
+  // Notes `users` (FormatSplitRegistration's lines) under
+  // served_root_prefix_.
   Status RegisterSplit(const std::string& users, const CallOptions& call);
   // Appends to `users` the communicators registered under each family
   // this process serves (ServedStore::roots) past `read[root]`, the bytes
@@ -858,6 +946,12 @@ class Communicator::Impl {
   // with the split (RegisterSplit), so that the serving process can tell a
   // member that died from one still to come.
   std::vector<int> server_host_pids_;
+  // Per rank: its rank in the first communicator of this family (Create's,
+  // which Splits descend from), which names one process at any depth of
+  // splits. Split carries it to its children and their registration, so
+  // that the store's last holder can tell a member of any split that died
+  // on another host by its own connection to that process (Shutdown).
+  std::vector<int> root_ranks_;
   // What the idle policy is chosen from (ApplyIdlePolicy).
   int available_cpus_ = 1;
   bool kernel_network_ = false;
@@ -1068,6 +1162,10 @@ Status Communicator::Impl::Init() {
   if (o.host_store) {  // a Split's child has it off and these set already
     store_rank_ = 0;
     served_root_prefix_ = prefix_;
+  }
+  if (root_ranks_.empty()) {  // Create's: the family's first
+    root_ranks_.resize(static_cast<size_t>(o.world_size));
+    std::iota(root_ranks_.begin(), root_ranks_.end(), 0);
   }
   {
     const Deadline connect_by =
@@ -1407,37 +1505,27 @@ void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, size_t>& rea
     if (!value.ok() || !value->has_value() || (*value)->size() <= at) continue;
     const std::string& all = **value;
     while (at < all.size()) {
-      // "<key prefix> <ranks> <pids>\n" (RegisterSplit); the prefix is a
-      // communicator's name, which may hold spaces.
       const size_t end = all.find('\n', at);
-      if (end == std::string::npos) break;
-      const size_t pids_at = all.rfind(' ', end);
-      const size_t space = pids_at == std::string::npos || pids_at <= at ? std::string::npos
-                                                                        : all.rfind(' ', pids_at - 1);
-      if (space != std::string::npos && space >= at) {
-        const std::string prefix = all.substr(at, space - at);
-        const int ranks = std::atoi(all.c_str() + space + 1);
-        users.emplace_back(prefix, ranks);
-        // Its members on this host, by pid: members_gone in Shutdown tells
-        // one that died. A malformed entry leaves the pid unknown (0),
-        // waited for by the count alone.
-        std::vector<int> pids(static_cast<size_t>(std::max(ranks, 0)), 0);
-        const std::string list = all.substr(pids_at + 1, end - pids_at - 1);
-        for (size_t from = 0; list != "-" && from < list.size();) {
-          size_t comma = list.find(',', from);
-          if (comma == std::string::npos) comma = list.size();
-          const std::string entry = list.substr(from, comma - from);
-          const size_t eq = entry.find('=');
-          if (eq != std::string::npos) {
-            const int r = std::atoi(entry.c_str());
-            const int pid = std::atoi(entry.c_str() + eq + 1);
-            if (r >= 0 && r < ranks && pid > 0) pids[static_cast<size_t>(r)] = pid;
-          }
-          from = comma + 1;
-        }
-        std::lock_guard lock(server_->mu);
-        server_->member_pids.emplace(prefix, std::move(pids));
+      if (end == std::string::npos) break;  // never so: each is appended whole
+      const std::string_view line = std::string_view(all).substr(at, end - at);
+      StatusOr<SplitRegistration> split = ParseSplitRegistration(line);
+      if (!split.ok()) {
+        // Every rank runs this binary, which writes them: a bug, or a
+        // writer that is not this job's. Its ranks cannot be counted.
+        std::fprintf(stderr,
+                     "[ddp] rank %d: warning: rendezvous store key \"%ssplits\" holds a malformed split "
+                     "registration \"%.*s\" (%s); the store is not kept up for its ranks\n",
+                     options_.rank, root.c_str(), static_cast<int>(line.size()), line.data(),
+                     split.status().message().c_str());
+        at = end + 1;
+        continue;
       }
+      users.emplace_back(split->prefix, split->ranks);
+      // Its members, by pid on this host and by rank in the family's first
+      // communicator: members_gone in Shutdown tells one that died.
+      std::lock_guard lock(server_->mu);
+      server_->member_pids.emplace(split->prefix, std::move(split->pids));
+      server_->member_root_ranks.emplace(split->prefix, std::make_pair(root, std::move(split->root_ranks)));
       at = end + 1;
     }
   }
@@ -1600,30 +1688,33 @@ void Communicator::Impl::Shutdown() {
       // The same for another communicator using the store: its ranks not
       // yet left are all gone, each without its "left/<rank>" mark. Gone:
       // on this host, exited (by the pids of ServedStore::member_pids); on
-      // another host, for a split of this communicator after an abort, its
-      // UCX connection to this rank broke while it had not left this
-      // communicator (ServedStore::member_parent_ranks; as rest_gone tells
-      // it for this communicator's own ranks). Any other rank (on
-      // another host of a split not made from this communicator, or of a
-      // communicator whose pids are not known here) is waited for by the
-      // count alone. A pid taken since by another process looks alive:
-      // waited for, to the bound.
+      // another host, for a split of this communicator's family at any
+      // depth (ServedStore::member_root_ranks), its process's UCX
+      // connection to this rank broke while it had not left this
+      // communicator (as rest_gone tells it for this communicator's own
+      // ranks). Any other rank (on another host, a process this
+      // communicator has no connection to, or of a communicator of another
+      // family or whose pids are not known here) is waited for by the count
+      // alone. A pid taken since by another process looks alive: waited
+      // for, to the bound.
       std::map<std::string, std::set<int>> marked;  // per prefix: gone ranks seen left
-      std::set<int> parent_left;  // ranks of this communicator seen left (their mark)
+      std::map<int, int> rank_of_root;  // this communicator's rank of each process it holds
+      for (size_t r = 0; r < root_ranks_.size(); ++r) rank_of_root[root_ranks_[r]] = static_cast<int>(r);
+      std::set<int> here_left;  // ranks of this communicator seen left (their mark)
       const auto members_gone = [&](const std::string& prefix, int ranks, int64_t left) {
         std::vector<int> pids;
-        std::vector<int> parent_ranks;  // in this communicator, when split from it
+        std::vector<int> roots;  // in the family's first communicator, when of this family
         {
           std::lock_guard lock(server_->mu);
           if (auto it = server_->member_pids.find(prefix); it != server_->member_pids.end()) {
             pids = it->second;
           }
-          if (auto it = server_->member_parent_ranks.find(prefix);
-              it != server_->member_parent_ranks.end() && it->second.first == prefix_) {
-            parent_ranks = it->second.second;
+          if (auto it = server_->member_root_ranks.find(prefix);
+              it != server_->member_root_ranks.end() && it->second.first == served_root_prefix_) {
+            roots = it->second.second;
           }
         }
-        if (pids.size() != static_cast<size_t>(ranks) && parent_ranks.size() != static_cast<size_t>(ranks)) {
+        if (pids.size() != static_cast<size_t>(ranks) && roots.size() != static_cast<size_t>(ranks)) {
           return false;
         }
         const int64_t not_left = ranks - left;
@@ -1633,21 +1724,23 @@ void Communicator::Impl::Shutdown() {
             if (pids[r] > 0 && ProcessExited(pids[r])) gone.push_back(static_cast<int>(r));
           }
         }
-        if (aborted() && p2p_ != nullptr && parent_ranks.size() == static_cast<size_t>(ranks)) {
+        if (p2p_ != nullptr && roots.size() == static_cast<size_t>(ranks)) {
           const std::vector<int> failed = p2p_->PeersWithFailedEndpoints();
-          for (size_t r = 0; r < parent_ranks.size(); ++r) {
-            const int in_parent = parent_ranks[r];
-            if (std::find(failed.begin(), failed.end(), in_parent) == failed.end()) continue;
-            if (parent_left.count(in_parent) > 0) continue;
+          for (size_t r = 0; r < roots.size(); ++r) {
+            const auto held = rank_of_root.find(roots[r]);
+            if (held == rank_of_root.end()) continue;  // no connection to it here
+            const int here = held->second;
+            if (std::find(failed.begin(), failed.end(), here) == failed.end()) continue;
+            if (here_left.count(here) > 0) continue;
             // A member that left this communicator closed its endpoints to
             // it, which reads the same as a death, while the split may
             // live on and still need the store: counted only without its
-            // mark here.
-            auto mark = store_->TryGet(prefix_ + "left/" + std::to_string(in_parent),
+            // mark here (set before the endpoints close).
+            auto mark = store_->TryGet(prefix_ + "left/" + std::to_string(here),
                                        std::min(wait_until, DeadlineIn(milliseconds(1000))));
             if (!mark.ok()) return false;  // cannot tell: wait on
             if (mark->has_value()) {
-              parent_left.insert(in_parent);
+              here_left.insert(here);
             } else {
               gone.push_back(static_cast<int>(r));
             }
@@ -2830,9 +2923,11 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
       for (int r : of_color) {
         pids.push_back(static_cast<size_t>(r) < impl_->local_pids_.size() ? impl_->local_pids_[r] : 0);
       }
+      std::vector<int> roots;
+      for (int r : of_color) roots.push_back(impl_->root_ranks_[static_cast<size_t>(r)]);
       impl_->server_->member_pids.emplace(child_name(c) + "/", std::move(pids));
-      impl_->server_->member_parent_ranks.emplace(child_name(c) + "/",
-                                                  std::make_pair(impl_->prefix_, std::move(of_color)));
+      impl_->server_->member_root_ranks.emplace(child_name(c) + "/",
+                                                std::make_pair(impl_->served_root_prefix_, std::move(roots)));
     }
   } else if (impl_->store_rank_ == -2 && !ranks_of_color.empty()) {
     // Every rank learns from rank 0 whether the registration went through:
@@ -2843,22 +2938,22 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     if (rank() == 0) {
       std::string users;
       for (const auto& [c, ranks] : ranks_of_color) {
-        // Its ranks (by key, ties by rank here) on the serving process's
-        // host, with their pids.
+        // Its ranks (by key, ties by rank here): their pids on the serving
+        // process's host, and their ranks in the family's first
+        // communicator.
         std::vector<int> of_color;
         for (int r = 0; r < size(); ++r) {
           if (all[2 * r] == c) of_color.push_back(r);
         }
         std::stable_sort(of_color.begin(), of_color.end(),
                          [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
-        std::string pids;
-        for (size_t i = 0; i < of_color.size(); ++i) {
-          const size_t r = static_cast<size_t>(of_color[i]);
-          const int pid = r < impl_->server_host_pids_.size() ? impl_->server_host_pids_[r] : 0;
-          if (pid <= 0) continue;
-          pids += (pids.empty() ? "" : ",") + std::to_string(i) + "=" + std::to_string(pid);
+        SplitRegistration split{.prefix = child_name(c) + "/", .ranks = ranks};
+        for (int r : of_color) {
+          const size_t at = static_cast<size_t>(r);
+          split.pids.push_back(at < impl_->server_host_pids_.size() ? impl_->server_host_pids_[at] : 0);
+          split.root_ranks.push_back(impl_->root_ranks_[at]);
         }
-        users += child_name(c) + "/ " + std::to_string(ranks) + " " + (pids.empty() ? "-" : pids) + "\n";
+        users += FormatSplitRegistration(split);
       }
       registered = impl_->RegisterSplit(users, call);
     }
@@ -2929,6 +3024,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     // Init recomputes them where the serving rank is a member.
     for (int r : members) impl->server_host_pids_.push_back(parent.server_host_pids_[static_cast<size_t>(r)]);
   }
+  for (int r : members) impl->root_ranks_.push_back(parent.root_ranks_[static_cast<size_t>(r)]);
   impl->place_local_rank_ = parent.place_local_rank_;
   impl->place_local_world_size_ = parent.place_local_world_size_;
   if (!parent.options_.topology_file.empty()) {

@@ -1679,41 +1679,58 @@ int ScenarioStoreRankClosesAfterItsPeerDied() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
-// The same abort with rank 1 on another host (a UTS namespace of its own,
-// under another host name), killed (SIGKILL) after a barrier: rank 0 cannot
-// see its process exit, but UCX sees its connections break, and rank 0
-// keeps the store no longer than for a rank on its own host. Before, it
-// waited the whole kAbortedStoreTimeForLatePeers (3 s) for rank 1 to leave.
-// `remote_split`: rank 1 first splits off a communicator of its own, which
-// rank 0 (not a member, serving the store) also keeps the store up for;
-// rank 0 tells that rank 1 there is gone by the same broken connection.
-int StoreRankAbortsAfterARemotePeerWasKilled(bool remote_split) {
+// Rank 1 takes a host of its own (a UTS namespace of its own, under another
+// host name; this needs root) before the communicator exists, as the host
+// name is read when it is made. The communicator, checked to span two
+// hosts; null, with the exit code in `failed`, when rank 1 could not.
+std::unique_ptr<Communicator> CreateWithRankOneOnAnotherHost(int& failed) {
   if (EnvOr("RANK") == "1") {
-    // Before the communicator exists: the host name is read when it is made.
     const char other[] = "ddp-test-other-host";
     if (unshare(CLONE_NEWUTS) != 0 || sethostname(other, sizeof(other) - 1) != 0) {
       std::fprintf(stderr, "rank 1 could not take a host name of its own (this test needs root): %s\n",
                    std::strerror(errno));
-      return 4;
+      failed = 4;
+      return nullptr;
     }
   }
   auto comm = MustCreate();
+  WORKER_CHECK(comm->info().num_hosts == 2,
+               "rank " + std::to_string(comm->rank()) + " sees " + std::to_string(comm->info().num_hosts) +
+                   " host(s), not 2");
+  return comm;
+}
+
+// Rank 1, on another host, is killed (SIGKILL) after a barrier; rank 0,
+// which serves the store, aborts (when `abort`) and destroys its
+// communicator: it cannot see rank 1's process exit, but UCX sees its
+// connections break, and rank 0 keeps the store no longer than for a rank
+// on its own host. Before, it waited the whole kAbortedStoreTimeForLatePeers
+// (3 s) for rank 1 to leave. `split_depth` 1: rank 1 first splits off a
+// communicator of its own, which rank 0 (not a member, serving the store)
+// also keeps the store up for; 2: that one splits again, registering the
+// split in the store. Rank 0 tells that rank 1 there is gone by its broken
+// connection to rank 1's process. Before, the split of the split was
+// waited for by its count alone: 3 s after an abort, the whole timeout
+// (20 s) without.
+int StoreRankLeavesAfterARemotePeerWasKilled(int split_depth, bool abort) {
+  int failed = 0;
+  auto comm = CreateWithRankOneOnAnotherHost(failed);
+  if (comm == nullptr) return failed;
   int64_t pids[2] = {0, 0};
   const int64_t mine = getpid();
   Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
   WORKER_CHECK(s.ok(), "pids: " + s.ToString());
   if (!s.ok()) return 1;
-  WORKER_CHECK(comm->info().num_hosts == 2,
-               "rank " + std::to_string(comm->rank()) + " sees " + std::to_string(comm->info().num_hosts) +
-                   " host(s), not 2");
-  std::unique_ptr<Communicator> child;
-  if (remote_split) {
-    auto made = comm->Split(comm->rank() == 1 ? 0 : Communicator::kNoColor, 0);
-    WORKER_CHECK(made.ok(), "split: " + made.status().ToString());
+  std::vector<std::unique_ptr<Communicator>> splits;  // rank 1's, deepest last
+  for (int depth = 1; depth <= split_depth; ++depth) {
+    Communicator& from = depth == 1 ? *comm : *splits.back();
+    auto made = from.Split(comm->rank() == 1 ? 0 : Communicator::kNoColor, 0);
+    WORKER_CHECK(made.ok(), "split at depth " + std::to_string(depth) + ": " + made.status().ToString());
     if (!made.ok()) return 1;
-    child = std::move(*made);
-    WORKER_CHECK((child != nullptr) == (comm->rank() == 1), "rank " + std::to_string(comm->rank()) +
+    WORKER_CHECK((*made != nullptr) == (comm->rank() == 1), "rank " + std::to_string(comm->rank()) +
                                                                 " got the wrong side of the split");
+    if (*made == nullptr) break;  // rank 0 is in none of them
+    splits.push_back(std::move(*made));
   }
   if (comm->rank() == 1) {
     kill(getpid(), SIGKILL);
@@ -1721,7 +1738,7 @@ int StoreRankAbortsAfterARemotePeerWasKilled(bool remote_split) {
   }
   WORKER_CHECK(AwaitExit(pids[1], milliseconds(10000)), "rank 1 (pid " + std::to_string(pids[1]) +
                                                             ") did not exit within 10 s");
-  comm->Abort(AbortedError("rank zero gave up"));
+  if (abort) comm->Abort(AbortedError("rank zero gave up"));
   const auto start = Clock::now();
   comm.reset();
   const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
@@ -1737,19 +1754,10 @@ int StoreRankAbortsAfterARemotePeerWasKilled(bool remote_split) {
 // store; rank 0 must still serve it, telling the rank that left from one
 // that died by its "left" mark.
 int ScenarioStoreRankKeepsTheStoreForARemoteSplitWhoseMemberLeftTheParent() {
-  if (EnvOr("RANK") == "1") {
-    const char other[] = "ddp-test-other-host";
-    if (unshare(CLONE_NEWUTS) != 0 || sethostname(other, sizeof(other) - 1) != 0) {
-      std::fprintf(stderr, "rank 1 could not take a host name of its own (this test needs root): %s\n",
-                   std::strerror(errno));
-      return 4;
-    }
-  }
-  auto comm = MustCreate();
+  int failed = 0;
+  auto comm = CreateWithRankOneOnAnotherHost(failed);
+  if (comm == nullptr) return failed;
   const int me = comm->rank();
-  WORKER_CHECK(comm->info().num_hosts == 2,
-               "rank " + std::to_string(me) + " sees " + std::to_string(comm->info().num_hosts) +
-                   " host(s), not 2");
   auto made = comm->Split(me == 1 ? 0 : Communicator::kNoColor, 0);
   WORKER_CHECK(made.ok(), "split: " + made.status().ToString());
   if (!made.ok()) return 1;
@@ -1770,6 +1778,34 @@ int ScenarioStoreRankKeepsTheStoreForARemoteSplitWhoseMemberLeftTheParent() {
   auto grandchild = child->Split(0, 0);
   WORKER_CHECK(grandchild.ok(), "the split's own split, 1.8 s after the parent's abort: " +
                                     grandchild.status().ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// Rank 0, which serves the store, finds a malformed split registration
+// under its communicator's key (here the format before root ranks were
+// added) as it leaves: it says so, naming the key, instead of waiting for
+// ranks it cannot tell.
+int ScenarioStoreRankNamesAMalformedSplitRegistration() {
+  auto comm = MustCreate();
+  if (comm->rank() == 0) {
+    const char* token = std::getenv("DDP_JOB_TOKEN");
+    auto client = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
+                                                 token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+    WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
+    if (!client.ok()) return 1;
+    // The root communicator's registrations key (as in
+    // ScenarioSplitRegistrationFails).
+    const Status set = (*client)->Set("r0/default/splits", "r0/default/split9/0/ 1 -\n",
+                                      DeadlineIn(milliseconds(5000)));
+    WORKER_CHECK(set.ok(), "writing the registration: " + set.ToString());
+  }
+  const Status s = comm->Barrier();
+  WORKER_CHECK(s.ok(), "barrier: " + s.ToString());
+  const auto start = Clock::now();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("DESTROYED in %lld ms\n", took_ms);
+  WORKER_CHECK(took_ms < 5000, "destroying took " + std::to_string(took_ms) + " ms");
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -2073,13 +2109,23 @@ int RunScenario(const std::string& name) {
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
   if (name == "store_close_after_peer_died") return ScenarioStoreRankClosesAfterItsPeerDied();
   if (name == "late_peer_after_another_left_and_exited") return ScenarioLatePeerAfterAnotherLeftAndExited();
-  if (name == "store_abort_after_remote_peer_killed") return StoreRankAbortsAfterARemotePeerWasKilled(false);
+  if (name == "store_abort_after_remote_peer_killed") return StoreRankLeavesAfterARemotePeerWasKilled(0, true);
   if (name == "store_abort_keeps_store_for_remote_split_left_parent") {
     return ScenarioStoreRankKeepsTheStoreForARemoteSplitWhoseMemberLeftTheParent();
   }
   if (name == "store_abort_after_remote_split_member_killed") {
-    return StoreRankAbortsAfterARemotePeerWasKilled(true);
+    return StoreRankLeavesAfterARemotePeerWasKilled(1, true);
   }
+  if (name == "store_abort_after_remote_split_of_split_member_killed") {
+    return StoreRankLeavesAfterARemotePeerWasKilled(2, true);
+  }
+  if (name == "store_close_after_remote_split_member_killed") {
+    return StoreRankLeavesAfterARemotePeerWasKilled(1, false);
+  }
+  if (name == "store_close_after_remote_split_of_split_member_killed") {
+    return StoreRankLeavesAfterARemotePeerWasKilled(2, false);
+  }
+  if (name == "store_names_malformed_split_registration") return ScenarioStoreRankNamesAMalformedSplitRegistration();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
@@ -2333,6 +2379,36 @@ TEST(Communicator, TheRankServingTheStoreWaitsForNoKilledMemberOfASplitOnAnother
 TEST(Communicator, TheRankServingTheStoreKeepsItForASplitOnAnotherHostWhoseMemberLeftTheAbortedParent) {
   Job job = RunJob(2, "store_abort_keeps_store_for_remote_split_left_parent", {});
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
+}
+
+// The same for a member of a split of such a split, registered in the store
+// (rank 0 is in neither): rank 0 maps its members to their processes by
+// their ranks in the root communicator. Before, it waited 3 s.
+TEST(Communicator, TheRankServingTheStoreWaitsForNoKilledMemberOfASplitOfASplitOnAnotherHostAfterAnAbort) {
+  Job job = RunJob(2, "store_abort_after_remote_split_of_split_member_killed", {});
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
+  EXPECT_EQ(job.results[1].signal, SIGKILL) << job.Describe();
+}
+
+// Without an abort, for a split and a split of a split: before, rank 0
+// waited for their killed member until its timeout (20 s).
+TEST(Communicator, TheRankServingTheStoreWaitsForNoKilledMemberOfASplitOnAnotherHostWithoutAnAbort) {
+  for (const char* scenario :
+       {"store_close_after_remote_split_member_killed", "store_close_after_remote_split_of_split_member_killed"}) {
+    SCOPED_TRACE(scenario);
+    Job job = RunJob(2, scenario, {});
+    EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
+    EXPECT_EQ(job.results[1].signal, SIGKILL) << job.Describe();
+  }
+}
+
+TEST(Communicator, TheRankServingTheStoreNamesTheKeyOfAMalformedSplitRegistration) {
+  Job job = RunJob(2, "store_names_malformed_split_registration", {});
+  ASSERT_TRUE(EveryRankPassed(job));
+  EXPECT_NE(job.results[0].output.find("rendezvous store key \"r0/default/splits\" holds a malformed split "
+                                       "registration \"r0/default/split9/0/ 1 -\""),
+            std::string::npos)
+      << job.Describe();
 }
 
 TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
