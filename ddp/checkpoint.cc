@@ -48,6 +48,26 @@ nn::Tensor Record(bool ok, const std::string& message) {
   return r;
 }
 
+// Makes `record` (from Record) say `flag` and the first kRecordBytes - 2
+// bytes of `message`, in place: nothing is allocated.
+void Rewrite(nn::Tensor& record, char flag, const char* message) {
+  char* p = static_cast<char*>(record.data_ptr());
+  std::memset(p, 0, kRecordBytes);
+  p[0] = flag;
+  std::strncpy(p + 1, message, kRecordBytes - 2);
+}
+
+// What the exception `e` says, valid while `e` lives; nothing is allocated.
+const char* WhatOf(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "an exception that is not a std::exception";
+}
+
 // Every rank's record (Record(ok, what)), in rank order: one collective,
 // bound by the group's timeout, whatever happened on each rank.
 nn::Tensor GatherRecords(ProcessGroup& pg, bool ok, const std::string& what, const char* name) {
@@ -1044,6 +1064,41 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   }
 }
 
+namespace {
+
+// SetFaultWhileTellingLoadsForTesting's function.
+struct LoadAccountFault {
+  std::mutex mu;
+  std::function<void()> fault;
+};
+
+LoadAccountFault& TheLoadAccountFault() {
+  static auto* f = new LoadAccountFault;  // never destroyed
+  return *f;
+}
+
+void RunLoadAccountFault() {
+  std::function<void()> fault;
+  {
+    LoadAccountFault& f = TheLoadAccountFault();
+    std::lock_guard<std::mutex> lock(f.mu);
+    fault = f.fault;
+  }
+  if (fault) fault();
+}
+
+}  // namespace
+
+namespace internal {
+
+void SetFaultWhileTellingLoadsForTesting(std::function<void()> fault) {
+  LoadAccountFault& f = TheLoadAccountFault();
+  std::lock_guard<std::mutex> lock(f.mu);
+  f.fault = std::move(fault);
+}
+
+}  // namespace internal
+
 void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
                        nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
@@ -1076,6 +1131,21 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
              "std::exception" + why_not;
     }
   }
+  // The buffers of the comparison of the loads below, made here for the
+  // same reason, and so that a rank whose account of its load throws
+  // there (memory running out) still has a record to send in its place.
+  nn::Tensor any_failed;
+  nn::Tensor record;
+  nn::Tensor loads;
+  if (mine.empty()) {
+    try {
+      any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
+      record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
+      loads = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+    } catch (...) {
+      mine = std::string("making the buffers to compare the loads threw: ") + WhatOf(std::current_exception());
+    }
+  }
   // Between the checks and the first change: a rank whose peers failed
   // leaves its model as it was, so no replica goes on from another state.
   const nn::Tensor all = GatherRecords(pg, mine.empty(), mine, "checkpoint restore status");
@@ -1090,14 +1160,15 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   // every rank, and only on a failure an all-gather names who failed and
   // why.
   std::vector<const char*> begun;
-  std::string failed;
+  std::exception_ptr load_error;
   try {
     LoadRestoreTargets(checkpoint, to, scheduler_state, &begun);
-  } catch (const std::exception& e) {
-    failed = LoadFailure(begun, e.what());
   } catch (...) {
-    failed = LoadFailure(begun, "an exception that is not a std::exception");
+    load_error = std::current_exception();
   }
+  auto own_load = [&]() -> std::string {
+    return load_error ? LoadFailure(begun, WhatOf(load_error)) : std::string("loaded every part");
+  };
   // Every rank that throws first puts back what it loaded (with
   // RestoreOptions::rollback): empty, or what it could not put back.
   auto put_back = [&]() -> std::string {
@@ -1106,38 +1177,56 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
     snapshot.reset();  // the memory goes back before the throw
     return why;
   };
-  nn::Tensor any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
-  static_cast<int64_t*>(any_failed.data_ptr())[0] = failed.empty() ? 0 : 1;
+  static_cast<int64_t*>(any_failed.data_ptr())[0] = load_error ? 1 : 0;
   std::string not_put_back;
-  nn::Tensor loads;
+  // This rank's account in full (its record holds the first 1 KB), empty
+  // when only its record has one.
+  std::string story;
+  // Whether telling the others threw before this rank's put-back ended.
+  bool in_doubt = false;
   try {
     pg.AllReduce(any_failed, transport::ReduceOp::kMax, "checkpoint restore loads").Wait();
     if (static_cast<const int64_t*>(any_failed.data_ptr())[0] == 0) return;
-    not_put_back = put_back();
-    std::string story = failed.empty() ? std::string("loaded every part") : failed;
-    if (!not_put_back.empty()) story += ", then " + not_put_back;
-    const bool ok = failed.empty() && not_put_back.empty();
-    // Whether a rank could not put its state back is its record's first
-    // byte, since the text may be cut.
-    nn::Tensor record = Record(ok, ok ? "" : story);
-    if (!not_put_back.empty()) static_cast<char*>(record.data_ptr())[0] = kNotPutBack;
-    loads = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+    // Whatever throws from here to the all-gather (memory running out),
+    // this rank still takes part in it, with a record saying what threw:
+    // the others would otherwise wait for it until the group's timeout.
+    try {
+      not_put_back = put_back();
+      RunLoadAccountFault();
+      const bool ok = !load_error && not_put_back.empty();
+      if (!ok) story = own_load() + (not_put_back.empty() ? "" : ", then " + not_put_back);
+      // Whether a rank could not put its state back is its record's first
+      // byte, since the text may be cut.
+      Rewrite(record, ok ? 1 : not_put_back.empty() ? 0 : kNotPutBack, story.c_str());
+    } catch (...) {
+      story.clear();
+      // A put-back cut short, or one that failed, leaves this rank's state
+      // in doubt.
+      in_doubt = snapshot.has_value() || !not_put_back.empty();
+      snapshot.reset();
+      // In place, with nothing allocated: memory may be what ran out.
+      Rewrite(record, in_doubt ? kNotPutBack : 0, "");
+      std::snprintf(static_cast<char*>(record.data_ptr()) + 1, kRecordBytes - 1,
+                    "%s%s, then telling the other ranks how its load went threw: %s%s",
+                    load_error ? "loading threw: " : "loaded every part", load_error ? WhatOf(load_error) : "",
+                    WhatOf(std::current_exception()), in_doubt ? "; its state may not all be put back" : "");
+    }
     pg.AllGather(loads, record, "checkpoint restore loads").Wait();
-    failed = story;
   } catch (const DistributedError& e) {
     if (snapshot.has_value()) not_put_back = put_back();
-    const std::string own = failed.empty() ? std::string("loaded every part") : failed;
+    const std::string own = own_load();
     const std::string after =
         !options.rollback ? ""
-        : not_put_back.empty() ? "; it put every part back as it was before the call"
-                               : "; then " + not_put_back;
+        : !not_put_back.empty() ? "; then " + not_put_back
+        : in_doubt              ? "; its state may not all be put back"
+                                : "; it put every part back as it was before the call";
     throw DistributedError(transport::Status(
         e.code(), "RestoreCheckpoint: the group failed while the ranks compared their loads, after this rank " +
                       own + after + ": " + e.status().message()));
   }
   if (!options.rollback) {
     throw std::runtime_error("RestoreCheckpoint: every rank's checks passed, but loading failed on " +
-                             FailedRanks(pg, loads, failed) +
+                             FailedRanks(pg, loads, story) +
                              "; the ranks that did not fail loaded every part: restore again on every rank before "
                              "training");
   }
@@ -1146,7 +1235,7 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
     if (static_cast<const char*>(loads.data_ptr())[r * kRecordBytes] == kNotPutBack) all_put_back = false;
   }
   throw std::runtime_error(
-      "RestoreCheckpoint: every rank's checks passed, but loading failed on " + FailedRanks(pg, loads, failed) +
+      "RestoreCheckpoint: every rank's checks passed, but loading failed on " + FailedRanks(pg, loads, story) +
       (all_put_back ? "; every rank put its model and components back as they were before the call"
                     : "; not every rank could put its state back as it was (said above): restore again on every "
                       "rank, or rebuild the objects, before training"));

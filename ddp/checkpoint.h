@@ -257,7 +257,9 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 /// and plateau are bitwise as they were before the call, and the message
 /// says so. A rank that cannot put a part back (putting back throws) is
 /// named with the part and why, and the message then asks to restore
-/// again (or rebuild the objects) before training. Without rollback, a
+/// again (or rebuild the objects) before training. A rank on which telling
+/// the others how its load went throws (memory running out) still takes
+/// part in the comparison, and is named with what threw. Without rollback, a
 /// rank that did not fail holds the checkpoint's state in every part; a
 /// failing rank holds it in the parts loaded before the one that threw
 /// (in the order above), that part may be half loaded, and the rest is as
@@ -323,6 +325,13 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
                                           const std::string& task, const std::string& option,
                                           const std::string& abort_reason,
                                           std::chrono::milliseconds stop_grace = kMostTimeout);
+
+/// Test only: from now on, the collective RestoreCheckpoint runs `fault`
+/// on this process where, after some rank's load failed and this rank put
+/// its state back, it tells the others how its load went; what `fault`
+/// throws stands for what may throw there (memory running out). An empty
+/// function: nothing runs.
+void SetFaultWhileTellingLoadsForTesting(std::function<void()> fault);
 
 }  // namespace internal
 

@@ -22,6 +22,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -789,6 +790,83 @@ TEST(DdpCheckpointTest, ALoadThatThrowsANonStdExceptionOnOneRankFailsEveryRankPr
   auto run = RunWorkers("restore_load_throws_a_non_std_exception", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
                         /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Every check passes and rank 1's load throws (its target refuses the
+// saved rate); then rank 2, once it has put its state back, throws while it
+// tells the others how its own load went (DDP_TEST_CASE: bad_alloc, as
+// when memory runs out there, or non_std, anything that is no
+// std::exception). Before, only a DistributedError was caught there: rank
+// 2 left the call alone, and ranks 0 and 1 waited for it in the comparison
+// of the loads until the group's timeout (60 s here). Now rank 2 still
+// takes part, its record saying what threw, and every rank throws at once
+// naming ranks 1 and 2, each with its objects back bitwise as they were.
+DDP_TEST_WORKER(restore_telling_the_loads_throws) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  auto saved = Mlp(1);
+  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+  LocalStep(*saved, saved_opt, 0);
+  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  LocalStep(*model, opt, kBatch * (1 + pg->rank()));
+  const int rank = pg->rank();
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt, rank](double lr) {
+                               if (rank == 1 && lr > 0.02) {
+                                 throw std::runtime_error("rank 1's target refuses rates above 0.02");
+                               }
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  if (rank == 2) {
+    internal::SetFaultWhileTellingLoadsForTesting([which] {
+      if (which == "bad_alloc") throw std::bad_alloc();
+      throw RateRefused{0.0};
+    });
+  }
+  const std::vector<std::string> model_before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  } catch (const std::bad_alloc&) {
+    error = "the std::bad_alloc escaped";
+  } catch (...) {
+    error = "an exception that is not a std::runtime_error";
+  }
+  internal::SetFaultWhileTellingLoadsForTesting({});
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string who = "rank " + std::to_string(rank);
+  const std::string why = which == "bad_alloc" ? "std::bad_alloc" : "an exception that is not a std::exception";
+  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
+                         "the scheduler's state threw: rank 1's target refuses rates above 0.02 (the model and "
+                         "the optimizer were loaded before it); rank 2: loaded every part, then telling the other "
+                         "ranks how its load went threw: " + why + "; every rank put its model and components "
+                         "back as they were before the call",
+                who + " got: " + error);
+  WORKER_EXPECT(took < 20, who + ": the failure took " + std::to_string(took) + " s");
+  WORKER_EXPECT(StateBytes(*model) == model_before, who + ": the model is not as it was");
+  WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before && opt.lr() == 0.01,
+                who + ": the optimizer is not as it was");
+  WORKER_EXPECT(sched.step_count() == 0, who + ": the scheduler's step is " + std::to_string(sched.step_count()));
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the failed restore");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankThatThrowsWhileTellingHowItsLoadWentIsNamedOnEveryRankPromptly) {
+  for (const char* which : {"bad_alloc", "non_std"}) {
+    auto run = RunWorkers("restore_telling_the_loads_throws", 3,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                          /*stop_all_on_failure=*/false);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
 }
 
 // As above, rank 1's load fails; rank 2's loads, but its target then
