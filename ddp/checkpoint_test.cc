@@ -511,6 +511,32 @@ TEST(DdpCheckpointTest, ARankThatCannotRestoreFailsEveryRankPromptlyAndChangesNo
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// One SGD step of `model` alone on the batch at `at`.
+void LocalStep(nn::modules::Module& model, nn::optim::Sgd& opt, int64_t at) {
+  auto [x, y] = testing::Batch(testing::FashionMnist(), at, kBatch);
+  opt.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(model(x), y));
+  opt.Step();
+}
+
+// What most restore tests restore: Mlp(1) with SGD at rate 0.05 under a
+// constant LambdaSchedule ("decay") three steps in, saved with `scaler`
+// when given. `trained`: the SGD has momentum 0.9 and took one step (on
+// the batch at 0) first, so that it has momentum buffers to save.
+struct SavedMlp {
+  explicit SavedMlp(bool trained, const nn::optim::GradScaler* scaler = nullptr)
+      : model(Mlp(1)), opt(model->NamedParameters(), {.lr = 0.05, .momentum = trained ? 0.9 : 0.0}) {
+    if (trained) LocalStep(*model, opt, 0);
+    sched.emplace(opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+    for (int s = 0; s < 3; ++s) sched->Step();
+    checkpoint = MakeCheckpoint(*model, &opt, {}, &*sched, scaler);
+  }
+  std::shared_ptr<nn::modules::Module> model;
+  nn::optim::Sgd opt;
+  std::optional<nn::optim::LrScheduler> sched;  // made after the step
+  nn::io::Checkpoint checkpoint;
+};
+
 // Rank 1's scheduler function throws something that is no std::exception
 // (an int) for the saved step. Before, it escaped rank 1's checks past the
 // exchange of outcomes, and the other ranks waited for rank 1 until the
@@ -518,11 +544,8 @@ TEST(DdpCheckpointTest, ARankThatCannotRestoreFailsEveryRankPromptlyAndChangesNo
 // every rank throws at once naming rank 1, and nothing is restored.
 DDP_TEST_WORKER(restore_check_throws_a_non_std_exception) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  const SavedMlp saved(/*trained=*/false);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
   const bool throws = pg->rank() == 1;
@@ -570,11 +593,8 @@ TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNa
 // are where the header says, and the group goes on.
 DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  const SavedMlp saved(/*trained=*/false);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01});
   auto refuses = std::make_shared<bool>(pg->rank() == 1);
@@ -604,7 +624,7 @@ DDP_TEST_WORKER(restore_load_throws_after_the_checks) {
   WORKER_EXPECT(took < 20, "the failure took " + std::to_string(took) + " s to reach every rank");
   // As the header says: every rank's model and optimizer hold the
   // checkpoint's state; rank 1's scheduler is as it was, the others' loaded.
-  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved), "the model was not loaded");
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved.model), "the model was not loaded");
   WORKER_EXPECT(sched.step_count() == (*refuses ? 0 : 3), "the scheduler's step is " +
                                                               std::to_string(sched.step_count()));
   WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
@@ -640,14 +660,6 @@ std::vector<std::string> StateBytes(const nn::optim::NamedTensors& state) {
   return out;
 }
 
-// One SGD step of `model` alone on the batch at `at`.
-void LocalStep(nn::modules::Module& model, nn::optim::Sgd& opt, int64_t at) {
-  auto [x, y] = testing::Batch(testing::FashionMnist(), at, kBatch);
-  opt.ZeroGrad();
-  nn::Backward(nn::loss::CrossEntropy(model(x), y));
-  opt.Step();
-}
-
 // As above, rank 1's target refuses the saved rate during the load, after
 // every check passed; now with RestoreOptions::rollback, the default. All
 // or nothing: every rank puts its model, its optimizer (momentum buffers,
@@ -658,13 +670,9 @@ void LocalStep(nn::modules::Module& model, nn::optim::Sgd& opt, int64_t at) {
 // 1 in its model and optimizer.
 DDP_TEST_WORKER(restore_load_throws_and_every_rank_puts_its_state_back) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
-  LocalStep(*saved, saved_opt, 0);
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
   nn::optim::GradScaler saved_scaler({.init_scale = 1024});
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched, &saved_scaler);
+  const SavedMlp saved(/*trained=*/true, &saved_scaler);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
   auto refuses = std::make_shared<bool>(pg->rank() == 1);
@@ -709,8 +717,8 @@ DDP_TEST_WORKER(restore_load_throws_and_every_rank_puts_its_state_back) {
   // Restored again (the target now takes the rate), every rank succeeds.
   *refuses = false;
   RestoreCheckpoint(*pg, c, *model, &opt, &sched, &scaler);
-  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved) && sched.step_count() == 3 &&
-                    opt.lr() == 0.05 && StateBytes(opt.StateDict()) == StateBytes(saved_opt.StateDict()) &&
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved.model) && sched.step_count() == 3 &&
+                    opt.lr() == 0.05 && StateBytes(opt.StateDict()) == StateBytes(saved.opt.StateDict()) &&
                     StateBytes(scaler.StateDict()) == StateBytes(saved_scaler.StateDict()),
                 rank + ": the second restore");
   return testing::WorkerExit();
@@ -737,12 +745,8 @@ struct RateRefused {
 // objects back bitwise; the group goes on.
 DDP_TEST_WORKER(restore_load_throws_a_non_std_exception) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
-  LocalStep(*saved, saved_opt, 0);
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  const SavedMlp saved(/*trained=*/true);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
   LocalStep(*model, opt, kBatch * (1 + pg->rank()));
@@ -781,7 +785,7 @@ DDP_TEST_WORKER(restore_load_throws_a_non_std_exception) {
   WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
   *refuses = false;
   RestoreCheckpoint(*pg, c, *model, &opt, &sched);
-  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved) && sched.step_count() == 3,
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved.model) && sched.step_count() == 3,
                 rank + ": the second restore");
   return testing::WorkerExit();
 }
@@ -804,12 +808,8 @@ TEST(DdpCheckpointTest, ALoadThatThrowsANonStdExceptionOnOneRankFailsEveryRankPr
 DDP_TEST_WORKER(restore_telling_the_loads_throws) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
   const std::string which = std::getenv("DDP_TEST_CASE");
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
-  LocalStep(*saved, saved_opt, 0);
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  const SavedMlp saved(/*trained=*/true);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
   LocalStep(*model, opt, kBatch * (1 + pg->rank()));
@@ -877,12 +877,8 @@ TEST(DdpCheckpointTest, ARankThatThrowsWhileTellingHowItsLoadWentIsNamedOnEveryR
 // and optimizer, bitwise), and the others put back everything.
 DDP_TEST_WORKER(restore_put_back_fails_on_one_rank) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
-  LocalStep(*saved, saved_opt, 0);
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  const SavedMlp saved(/*trained=*/true);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
   LocalStep(*model, opt, kBatch * (1 + pg->rank()));
@@ -939,11 +935,8 @@ constexpr int kDiedDuringTheLoad = 7;
 
 DDP_TEST_WORKER(restore_group_fails_after_the_loads) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  const SavedMlp saved(/*trained=*/false);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01});
   const int rank = pg->rank();
@@ -1614,10 +1607,7 @@ TEST(DdpCheckpointTest, StateThatNoArgumentTakesIsAnErrorNamingTheArgument) {
 // It used to escape alone: the other problems were not reported, and the
 // message did not say which component it came from.
 TEST(DdpCheckpointTest, ACheckThatThrowsAnotherKindOfErrorIsListedWithTheComponent) {
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05});
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
+  const SavedMlp saved(/*trained=*/false);
 
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
@@ -1628,8 +1618,8 @@ TEST(DdpCheckpointTest, ACheckThatThrowsAnotherKindOfErrorIsListedWithTheCompone
                                         },
                                         "decay"));
   const std::vector<std::string> before = StateBytes(*model);
-  ASSERT_TRUE(before != StateBytes(*saved));  // a restore would change them
-  nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  ASSERT_TRUE(before != StateBytes(*saved.model));  // a restore would change them
+  nn::io::Checkpoint c = saved.checkpoint;
   c.optimizer.emplace_back("ema.decay", nn::Zeros({}));
   const std::string err = RestoreError([&] { RestoreCheckpoint(c, *model, &opt, &sched); });
   EXPECT_THAT(err, AllOf(HasSubstr("nothing was restored, 2 problem(s)"),
@@ -1714,12 +1704,8 @@ TEST(DdpCheckpointTest, ScheduleRateTheOptimizerRefusesThrowsAndLeavesModelAndOp
 // before the call. Before, the model and the optimizer held the
 // checkpoint's state and the scheduler its old one.
 TEST(DdpCheckpointTest, ALoadThatFailsAfterTheChecksPutsTheObjectsBackBitwise) {
-  auto saved = Mlp(1);
-  nn::optim::Sgd saved_opt(saved->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
-  LocalStep(*saved, saved_opt, 0);
-  nn::optim::LrScheduler saved_sched(saved_opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  for (int s = 0; s < 3; ++s) saved_sched.Step();
-  const nn::io::Checkpoint c = MakeCheckpoint(*saved, &saved_opt, {}, &saved_sched);
+  const SavedMlp saved(/*trained=*/true);
+  const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
   LocalStep(*model, opt, kBatch);
@@ -1733,8 +1719,8 @@ TEST(DdpCheckpointTest, ALoadThatFailsAfterTheChecksPutsTheObjectsBackBitwise) {
   opt.set_lr(0.0125);
   const std::vector<std::string> before = StateBytes(*model);
   const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
-  ASSERT_TRUE(before != StateBytes(*saved));  // a restore would change them
-  ASSERT_TRUE(opt_before != StateBytes(saved_opt.StateDict()));
+  ASSERT_TRUE(before != StateBytes(*saved.model));  // a restore would change them
+  ASSERT_TRUE(opt_before != StateBytes(saved.opt.StateDict()));
   std::string err = "no error";
   try {
     RestoreCheckpoint(c, *model, &opt, &sched);
