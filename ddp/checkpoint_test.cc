@@ -139,8 +139,7 @@ TEST(DdpCheckpointTest, ResumeEqualsUninterruptedRun) {
 
 // A group whose collectives time out after `timeout` (its creation after
 // 20 s), for work that outlasts that timeout.
-std::shared_ptr<ProcessGroup> GroupWithAShortTimeout(
-    std::chrono::milliseconds timeout = std::chrono::milliseconds(200)) {
+std::shared_ptr<ProcessGroup> GroupWithAShortTimeout(std::chrono::milliseconds timeout) {
   ProcessGroupOptions options;
   options.timeout = timeout;
   transport::CommunicatorOptions comm_options;
@@ -1135,14 +1134,16 @@ DDP_TEST_WORKER(from_rank) {
 }
 
 // What the root does alone, a write (SaveCheckpoint) or a read
-// (LoadCheckpointFromRank) longer than the group's timeout (here 200 ms):
-// the others wait for it as long as it goes on, whichever rank is the root,
-// and learn its outcome; past the work's own timeout every rank fails with
-// it and the group is aborted.
+// (LoadCheckpointFromRank) longer than the group's timeout (here 1 s, as
+// for the slow write: with 200 ms a rank kept off the CPU that long on a
+// loaded host would time out): the others wait for it as long as it goes
+// on, whichever rank is the root, and learn its outcome; past the work's
+// own timeout every rank fails with it and the group is aborted.
 DDP_TEST_WORKER(root_works_alone) {
-  auto pg = GroupWithAShortTimeout();
+  auto pg = GroupWithAShortTimeout(std::chrono::milliseconds(1000));
   using std::chrono::milliseconds;
-  auto nap = [](const std::atomic<bool>&) { std::this_thread::sleep_for(milliseconds(1000)); };
+  // Twice the group's timeout.
+  auto nap = [](const std::atomic<bool>&) { std::this_thread::sleep_for(milliseconds(2000)); };
   // 1 s unless asked to stop.
   auto stoppable_nap = [](const std::atomic<bool>& stop) {
     for (int i = 0; i < 100 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
@@ -1153,7 +1154,7 @@ DDP_TEST_WORKER(root_works_alone) {
         *pg, root, nap, milliseconds(20000), milliseconds(1000), "the nap", "Nap::timeout", "the nap failed");
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     WORKER_EXPECT(outcome.empty(), "root " + std::to_string(root) + ": " + outcome);
-    WORKER_EXPECT(took > 0.9, "root " + std::to_string(root) + " took only " + std::to_string(took) + " s");
+    WORKER_EXPECT(took > 1.9, "root " + std::to_string(root) + " took only " + std::to_string(took) + " s");
   }
   const std::string failed = internal::RunOnRootWhileOthersWait(
       *pg, 1, [](const std::atomic<bool>&) { throw std::runtime_error("no luck"); }, milliseconds(20000), milliseconds(1000), "the nap",
@@ -1224,22 +1225,22 @@ TEST(DdpCheckpointTest, TheRootSaysHowItsWorkEndedWhenTheGroupFailedMeanwhile) {
 // LoadCheckpoint's reads, one per rank, take as long as each rank's storage
 // does (the host that wrote the file has it in memory): the ranks done first
 // wait for the last as long as it goes on, past the group's timeout (here
-// 200 ms); each learns its own outcome; past the reads' own timeout every
-// rank fails with it and the group is aborted.
+// 1 s, as above); each learns its own outcome; past the reads' own timeout
+// every rank fails with it and the group is aborted.
 DDP_TEST_WORKER(every_rank_reads) {
-  auto pg = GroupWithAShortTimeout();
+  auto pg = GroupWithAShortTimeout(std::chrono::milliseconds(1000));
   using std::chrono::milliseconds;
   const bool slow = pg->rank() == 2;
-  // 1 s on rank 2 unless asked to stop.
+  // 2 s (twice the group's timeout) on rank 2 unless asked to stop.
   auto read = [slow](const std::atomic<bool>& stop) {
-    for (int i = 0; slow && i < 100 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+    for (int i = 0; slow && i < 200 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
   };
   const auto start = std::chrono::steady_clock::now();
   const std::string outcome = internal::RunOnEveryRankWhileOthersWait(
       *pg, read, milliseconds(20000), milliseconds(1000), "the read", "Read::timeout", "the read failed");
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   WORKER_EXPECT(outcome.empty(), outcome);
-  WORKER_EXPECT(took > 0.9, "returned after " + std::to_string(took) + " s, before rank 2's read ended");
+  WORKER_EXPECT(took > 1.9, "returned after " + std::to_string(took) + " s, before rank 2's read ended");
   const std::string mine = internal::RunOnEveryRankWhileOthersWait(
       *pg,
       [&](const std::atomic<bool>&) {
