@@ -1052,15 +1052,8 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
     const std::exception_ptr load_error = std::current_exception();
     const std::string not_put_back = PutBack(snapshot, to, begun);
     if (not_put_back.empty()) throw;  // the load's own error, nothing changed
-    std::string why = "an exception that is not a std::exception";
-    try {
-      std::rethrow_exception(load_error);
-    } catch (const std::exception& e) {
-      why = e.what();
-    } catch (...) {
-    }
-    throw std::runtime_error("RestoreCheckpoint: " + LoadFailure(begun, why) + ", then " + not_put_back +
-                             ": restore again, or rebuild the objects, before training");
+    throw std::runtime_error("RestoreCheckpoint: " + LoadFailure(begun, WhatOf(load_error)) + ", then " +
+                             not_put_back + ": restore again, or rebuild the objects, before training");
   }
 }
 

@@ -1736,6 +1736,40 @@ TEST(DdpCheckpointTest, ALoadThatFailsAfterTheChecksPutsTheObjectsBackBitwise) {
   EXPECT_EQ(sched.base_lrs(), std::vector<double>{0.01});
 }
 
+// As above, alone, but what the load throws is no std::exception, and the
+// target then refuses the rate it had before the call when the scheduler
+// is put back: the error names both, and asks for another restore; the
+// model and the optimizer are still put back bitwise.
+TEST(DdpCheckpointTest, ALoadThatFailsThenAPartThatCannotBePutBackAreBothNamed) {
+  const SavedMlp saved(/*trained=*/true);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
+  LocalStep(*model, opt, kBatch);
+  auto armed = std::make_shared<bool>(false);
+  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
+                             [&opt, armed](double lr) {
+                               if (lr > 0.02) throw RateRefused{lr};
+                               if (*armed && lr < 0.02) throw std::runtime_error("the target refuses rates below 0.02");
+                               opt.set_lr(lr);
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  *armed = true;
+  const std::vector<std::string> before = StateBytes(*model);
+  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
+  std::string err = "no error";
+  try {
+    RestoreCheckpoint(saved.checkpoint, *model, &opt, &sched);
+  } catch (const std::runtime_error& e) {
+    err = e.what();
+  }
+  EXPECT_EQ(err, "RestoreCheckpoint: loading the scheduler's state threw: an exception that is not a "
+                 "std::exception (the model and the optimizer were loaded before it), then putting the "
+                 "scheduler's state back threw: the target refuses rates below 0.02: restore again, or rebuild "
+                 "the objects, before training");
+  EXPECT_TRUE(StateBytes(*model) == before) << "the model was not put back";
+  EXPECT_TRUE(StateBytes(opt.StateDict()) == opt_before) << "the optimizer was not put back";
+}
+
 TEST(DdpCheckpointTest, SchedulerAndScalerRoundTripThroughAFile) {
   auto model = Mlp(1);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
