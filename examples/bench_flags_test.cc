@@ -196,6 +196,23 @@ TEST(BenchLaunchTest, TheHyphenatedNprocPerNodeIsTaken) {
   EXPECT_EQ(Fields(lines[0]).at(1), "2") << "ranks: " << lines[0];
 }
 
+// With one dash SelfLaunchOrExit takes neither spelling: the ranks started
+// without it, and gflags then refused it as unknown (exit status 1). It is
+// refused before anything starts, naming the spelling that is taken.
+TEST(BenchLaunchTest, NprocPerNodeWithOneDashIsRefusedNamingTheSpellingTaken) {
+  for (const std::vector<std::string>& flag :
+       {std::vector<std::string>{"-nproc_per_node=1"}, {"-nproc-per-node", "1"}}) {
+    std::vector<std::string> argv = {testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=1",
+                                     "--eval=false"};
+    argv.insert(argv.end(), flag.begin(), flag.end());
+    const testing::RunOutput r = testing::RunToEnd(argv);
+    const std::string given = flag.size() == 1 ? flag[0] : flag[0] + " " + flag[1];
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    EXPECT_EQ(r.err, "ddp_bench: " + given + ": the launcher takes this flag with two dashes: -" + given + "\n");
+    EXPECT_EQ(r.out, "");
+  }
+}
+
 // A deadline of zero or less is refused naming --timeout_ms, before any
 // rank connects (the communicator's own refusal said only "timeout must be
 // positive").
@@ -221,7 +238,8 @@ TEST(BenchTimeoutTest, ATimeoutBelowOneMillisecondIsRefusedByName) {
 // says so (gflags' "ERROR: unknown command line flag", exit 1, before).
 TEST(NnBenchTest, NprocPerNodeIsRefusedSayingItRunsOneProcess) {
   for (const std::vector<std::string>& flag :
-       {std::vector<std::string>{"--nproc_per_node=2"}, {"--nproc_per_node", "2"}}) {
+       {std::vector<std::string>{"--nproc_per_node=2"}, {"--nproc_per_node", "2"}, {"-nproc-per-node=2"},
+        {"--nproc-per-node", "2"}}) {
     std::vector<std::string> argv = {testing::Runfile("examples/nn_bench")};
     argv.insert(argv.end(), flag.begin(), flag.end());
     const testing::RunOutput r = testing::RunToEnd(argv);

@@ -181,8 +181,11 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--") break;
-    const std::string name = arg.substr(0, arg.find('='));
-    if (name == "--nproc_per_node" || name == "-nproc_per_node" || name == "--nproc-per-node") {
+    // In every spelling gflags takes: one dash or two, '-' or '_'.
+    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
+    if (dashes > 0 && (name == "nproc_per_node" || name == "nproc-per-node")) {
       std::fprintf(stderr,
                    "nn_bench: %s: nn_bench runs one process; drop the flag (ddp_bench runs several ranks)\n",
                    arg.c_str());

@@ -11,9 +11,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace ddp::examples {
@@ -127,6 +127,104 @@ std::string FlagfileProblem(const std::string& value) {
   }
 }
 
+// Whether `value` is one of gflags' spellings of a bool (any case), and
+// which one in `truth`.
+bool BoolText(std::string value, bool* truth) {
+  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const auto in = [&value](std::initializer_list<const char*> spellings) {
+    return std::find(spellings.begin(), spellings.end(), value) != spellings.end();
+  };
+  *truth = in({"1", "t", "true", "y", "yes"});
+  return *truth || in({"0", "f", "false", "n", "no"});
+}
+
+// The flag of `file` at most two edits away from `name` ("" when none), for
+// "did you mean --model?".
+std::string NearestFlag(const std::string& name, const std::string& file) {
+  std::string nearest;
+  size_t best = 3;
+  std::vector<gflags::CommandLineFlagInfo> all;
+  gflags::GetAllFlags(&all);
+  for (const gflags::CommandLineFlagInfo& flag : all) {
+    if (!EndsWith(flag.filename, file)) continue;
+    const size_t d = EditDistance(name, flag.name);
+    if (d < best) {
+      best = d;
+      nearest = flag.name;
+    }
+  }
+  return nearest;
+}
+
+// Sets flag `info` to `value`, as parsing would next; when gflags refuses
+// the value, the refusal, starting with `shown` (how the user gave it:
+// "--seed=-1", or "--fromenv=seed: FLAGS_seed=-1"). A bool's values are
+// checked without setting it (the help flags are bools, and gflags acts on
+// them only when it parses).
+std::string SetOrRefuse(const gflags::CommandLineFlagInfo& info, const std::string& value,
+                        const std::string& shown) {
+  bool truth = false;
+  if (info.type == "bool" ? BoolText(value, &truth)
+                          : !gflags::SetCommandLineOption(info.name.c_str(), value.c_str()).empty()) {
+    return "";
+  }
+  if (const std::string range = OutOfRange(info.type, value); !range.empty()) {
+    return shown + " is out of range: the flag takes " + range;
+  }
+  const std::string takes = info.type == "bool"     ? "true or false"
+                            : info.type == "double" ? "a number"
+                            : info.type == "uint64" ? "a whole number, at least 0"
+                            : info.type == "string" ? "a string"
+                                                    : "a whole number";
+  return shown + ": the flag takes " + takes;
+}
+
+// What is wrong with --fromenv=`names` (or --tryfromenv, `flag`): flags
+// separated by commas, each set from the variable FLAGS_<name>, which
+// --fromenv requires and --tryfromenv reads when set. gflags refuses each
+// of these in its own words and exits 1 ("ERROR: FLAGS_seed not found in
+// environment"); a value is checked as on the command line.
+std::string FromEnvProblem(const std::string& flag, const std::string& names, const std::string& file) {
+  const std::string shown = "--" + flag + "=" + names;
+  // Split as gflags splits: a comma at the end ends the list.
+  for (size_t at = 0; at < names.size();) {
+    const size_t end = std::min(names.find(',', at), names.size());
+    const std::string name = names.substr(at, end - at);
+    at = end + 1;
+    if (name.empty()) return shown + ": an empty name in the list; give flag names separated by commas";
+    if (name[0] == '-') {
+      const size_t letters = name.find_first_not_of('-');
+      return shown + ": " + name + " is written with dashes; give the flag's name alone (--" + flag + "=" +
+             (letters == std::string::npos ? "NAME" : name.substr(letters)) + ")";
+    }
+    gflags::CommandLineFlagInfo info;
+    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      const std::string nearest = NearestFlag(name, file);
+      return shown + ": unknown flag " + name + (nearest.empty() ? "" : "; did you mean " + nearest + "?") +
+             " (--help lists the flags)";
+    }
+    const std::string variable = "FLAGS_" + name;
+    const char* value = std::getenv(variable.c_str());
+    if (value == nullptr) {
+      if (flag == "tryfromenv") continue;
+      return shown + ": " + variable + " is not set; set it (export " + variable +
+             "=VALUE), or use --tryfromenv, which skips a flag whose variable is unset";
+    }
+    const std::string text = value;
+    if (text == "fromenv" || text == "tryfromenv") {
+      return shown + ": " + variable + "=" + text + " is refused by gflags (it would read the environment again)";
+    }
+    // Strings of other files are left alone: any text is one, and gflags'
+    // (--flagfile and the like) act when set.
+    if (EndsWith(info.filename, file) || info.type != "string") {
+      if (std::string refused = SetOrRefuse(info, text, shown + ": " + variable + "=" + text); !refused.empty()) {
+        return refused;
+      }
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 std::string FlagProblem(int argc, char** argv, const char* source) {
@@ -153,53 +251,58 @@ std::string FlagProblem(int argc, char** argv, const char* source) {
       }
       continue;
     }
+    if (name == "fromenv" || name == "tryfromenv") {
+      // gflags' own too, read when parsing reaches them.
+      const bool separate = eq == std::string::npos;
+      if (separate && i + 1 >= argc) return "--" + name + " needs a value: --" + name + "=FLAG[,FLAG...]";
+      const std::string value = separate ? argv[++i] : arg.substr(eq + 1);
+      if (std::string problem = FromEnvProblem(name, value, file); !problem.empty()) return problem;
+      continue;
+    }
     if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
       // "--model mlp": the next argument is the value.
       const bool separate = eq == std::string::npos && info.type != "bool";
       if (separate) ++i;
+      // gflags' "ERROR: flag '--helpon' is missing its argument; flag
+      // description: ..." exited 1.
+      if (separate && i >= argc) return "--" + name + " needs a value: --" + name + "=VALUE";
       // A value of the wrong type: gflags' "ERROR: illegal value '-1'
       // specified for uint64 flag 'seed'" exits 1. Setting it here is what
-      // parsing does next anyway (this program's own flags only: gflags'
-      // --flagfile and the like act when set).
-      if (EndsWith(info.filename, file) && (eq != std::string::npos || separate)) {
-        if (separate && i >= argc) return "--" + name + " needs a value: --" + name + "=VALUE";
+      // parsing does next anyway. Any text is a string: string flags of
+      // other files are left alone, since gflags' (--flagfile, --helpon, ...)
+      // act when set. The help flags are bools: "--help=foo" is refused here,
+      // "--help=true" asks for help (ShowOwnHelpIfAsked); gflags' other help
+      // flags (--helpfull, --helpon=FILE, --helpmatch=TEXT, --helpxml,
+      // --helppackage, --version) pass, and gflags prints what they ask for
+      // (for every linked library, which is their point) and exits.
+      if ((eq != std::string::npos || separate) && (EndsWith(info.filename, file) || info.type != "string")) {
         const std::string value = separate ? argv[i] : arg.substr(eq + 1);
-        if (gflags::SetCommandLineOption(name.c_str(), value.c_str()).empty()) {
-          if (const std::string range = OutOfRange(info.type, value); !range.empty()) {
-            return "--" + name + "=" + value + " is out of range: the flag takes " + range;
-          }
-          const std::string takes = info.type == "bool"     ? "true or false"
-                                    : info.type == "double" ? "a number"
-                                    : info.type == "uint64" ? "a whole number, at least 0"
-                                    : info.type == "string" ? "a string"
-                                                            : "a whole number";
-          return "--" + name + "=" + value + ": the flag takes " + takes;
+        if (std::string refused = SetOrRefuse(info, value, "--" + name + "=" + value); !refused.empty()) {
+          return refused;
         }
       }
       continue;
     }
     if (name == "nproc_per_node" || name == "nproc-per-node") {
-      // SelfLaunchOrExit's own, in both its spellings (it checks the
-      // value), when no gflags flag.
-      if (eq == std::string::npos) ++i;
+      // SelfLaunchOrExit's own, when no gflags flag: it takes it in both
+      // spellings with two dashes (and checks the value). With one dash it
+      // takes neither, and gflags, parsing next, refused it as unknown
+      // ("ERROR: unknown command line flag", exit 1) once the ranks it had
+      // started without it parsed their flags.
+      const bool separate = eq == std::string::npos;
+      if (dashes == 1) {
+        const bool value_next = separate && i + 1 < argc && argv[i + 1][0] != '-';
+        const std::string given = value_next ? arg + " " + argv[i + 1] : arg;
+        return given + ": the launcher takes this flag with two dashes: -" + given;
+      }
+      if (separate) ++i;
       continue;
     }
     if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
         info.type == "bool") {
       continue;  // --nozero
     }
-    std::string nearest;
-    size_t best = 3;  // suggest only what is at most two edits away
-    std::vector<gflags::CommandLineFlagInfo> all;
-    gflags::GetAllFlags(&all);
-    for (const gflags::CommandLineFlagInfo& flag : all) {
-      if (!EndsWith(flag.filename, file)) continue;
-      const size_t d = EditDistance(name, flag.name);
-      if (d < best) {
-        best = d;
-        nearest = flag.name;
-      }
-    }
+    const std::string nearest = NearestFlag(name, file);
     return "unknown flag " + arg.substr(0, eq) + (nearest.empty() ? "" : "; did you mean --" + nearest + "?") +
            " (--help lists the flags)";
   }
@@ -208,8 +311,16 @@ std::string FlagProblem(int argc, char** argv, const char* source) {
 
 bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source) {
   for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg == "-h" || arg == "--help" || arg == "-help" || arg == "--helpshort") {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
+    // "--help=true" as well: gflags takes it, and would print the flags of
+    // every linked library ("--help=false" asks for nothing).
+    bool asked = true;
+    if (arg == "-h" || (dashes > 0 && (name == "help" || name == "helpshort") &&
+                        (eq == std::string::npos || (BoolText(arg.substr(eq + 1), &asked) && asked)))) {
       PrintOwnFlags(argv[0], source);
       return true;
     }

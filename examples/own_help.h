@@ -5,30 +5,37 @@
 
 namespace ddp::examples {
 
-/// When argv asks for help (-h, -help, --help, --helpshort), prints the
-/// usage message and the flags defined in `source` (a path without its
-/// ".cc", e.g. "examples/ddp_hello") and returns true; the caller exits 0.
-/// Called first in main: gflags' own --help lists the flags of every linked
-/// library and exits 1, and a self-launching program would print it once
-/// per rank.
+/// When argv asks for help (-h, -help, --help, --helpshort, or one of these
+/// with a true value: --help=true), prints the usage message and the flags
+/// defined in `source` (a path without its ".cc", e.g. "examples/ddp_hello")
+/// and returns true; the caller exits 0. Called first in main: gflags' own
+/// --help lists the flags of every linked library and exits 1, and a
+/// self-launching program would print it once per rank.
 bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 
 /// What is wrong with the first flag in argv that gflags would refuse, in
 /// one line for "<program>: <line>" and exit status 2, or "": a flag no
 /// linked library defines ("unknown flag --modle; did you mean --model?
 /// (--help lists the flags)", suggesting a flag of `source` at most two
-/// edits away), a flag of `source` whose value is not of its type
-/// ("--seed=-1: the flag takes a whole number, at least 0"), or of its
-/// type but past its range ("--workers=99999999999 is out of range: the
-/// flag takes a whole number from -2147483648 to 2147483647"); such values
-/// are set, as parsing sets them next. Or a flag missing its value, or a
-/// --flagfile (gflags' own) that names a file that cannot be read or a
-/// folder ("--flagfile=x: cannot read x (No such file or directory)"). gflags'
-/// own messages for these ("ERROR: unknown command line flag 'modle'")
-/// name no program and exit 1. What gflags accepts passes: a value after
-/// its flag, --noBOOL, a negative value, anything after "--", and
-/// --nproc_per_node (or --nproc-per-node), which SelfLaunchOrExit takes in
-/// programs without such a gflags flag.
+/// edits away), a value not of its flag's type ("--seed=-1: the flag takes
+/// a whole number, at least 0"; "--help=foo: the flag takes true or
+/// false"), or of its type but past its range ("--workers=99999999999 is out
+/// of range: the flag takes a whole number from -2147483648 to
+/// 2147483647"); such values are set, as parsing sets them next (strings of
+/// other files, such as gflags' own, are left alone). Or a flag missing its
+/// value ("--helpon needs a value: --helpon=VALUE"), a --flagfile (gflags'
+/// own) that names a file that cannot be read or a folder ("--flagfile=x:
+/// cannot read x (No such file or directory)"), or a --fromenv/--tryfromenv
+/// (gflags' own) that names an unknown flag, a variable FLAGS_<flag> that is
+/// unset (--fromenv) or a value its flag refuses ("--fromenv=seed:
+/// FLAGS_seed=-1: the flag takes ..."). gflags' own messages for these
+/// ("ERROR: unknown command line flag 'modle'") name no program and exit 1.
+/// What gflags accepts passes: a value after its flag, --noBOOL, a negative
+/// value, anything after "--", gflags' help flags that print what they ask
+/// for (--helpfull, --helpon=FILE, ...), and --nproc_per_node (or
+/// --nproc-per-node), which SelfLaunchOrExit takes in programs without such
+/// a gflags flag; since it takes them with two dashes only, one dash
+/// (-nproc_per_node=2) is refused, naming the spelling it takes.
 std::string FlagProblem(int argc, char** argv, const char* source);
 
 }  // namespace ddp::examples

@@ -235,6 +235,22 @@ TEST(TrainCliTest, AFlagfileThatCannotBeReadIsRefused) {
   EXPECT_NE(read.out.find("RESULT model=mlp "), std::string::npos) << read.out;
 }
 
+// gflags' own flags: a bad value of a help flag, a missing value, and what
+// --fromenv and --tryfromenv cannot set got gflags' "ERROR: illegal value
+// 'foo' specified for bool flag 'help'", "ERROR: FLAGS_seed not found in
+// environment" and the like, with exit status 1. One line each now.
+TEST(TrainCliTest, GflagsOwnFlagsWithBadValuesAreOneLine) {
+  EXPECT_EQ(OneErrorLine(Train({"--help=foo"})), "train: --help=foo: the flag takes true or false");
+  EXPECT_EQ(OneErrorLine(Train({"--helpon"})), "train: --helpon needs a value: --helpon=VALUE");
+  EXPECT_EQ(OneErrorLine(Train({"--fromenv=seed"})),
+            "train: --fromenv=seed: FLAGS_seed is not set; set it (export FLAGS_seed=VALUE), or use --tryfromenv, "
+            "which skips a flag whose variable is unset");
+  EXPECT_EQ(OneErrorLine(Train({"--tryfromenv=sed"})),
+            "train: --tryfromenv=sed: unknown flag sed; did you mean seed? (--help lists the flags)");
+  EXPECT_EQ(OneErrorLine(RunToEnd({Runfile("examples/train"), "--tryfromenv=seed"}, {{"FLAGS_seed", "-1"}})),
+            "train: --tryfromenv=seed: FLAGS_seed=-1: the flag takes a whole number, at least 0");
+}
+
 // --decay_norm_and_bias=false needs a weight decay to spare the biases and
 // norms from. (With --zero_overlap it is taken: train_resume_test's
 // OverlappedShardedStepWithDecayGroupsTrainsAndResumesLikeTheUnsharded.)
