@@ -8,9 +8,11 @@
 #include <unistd.h>
 #include <gflags/gflags.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -797,6 +799,40 @@ TEST(TrainCliTest, CtrlCInTheFirstEpochLeavesAChart) {
   const std::string chart = testing::ReadFile(logs + "/chart.svg");
   EXPECT_NE(chart.find("<svg"), std::string::npos) << "no chart at the stop";
   EXPECT_NE(chart.find("</svg>"), std::string::npos) << chart;
+}
+
+// Ctrl-C while the launcher still checked its setup ended it by the
+// signal's default action, printing nothing (exit status 130). It says so in
+// one line, and stops before anything is made: no rank, no folder. The
+// --flagfile is a FIFO, which holds the program in its setup (reading its
+// flags) until the test closes its end.
+TEST(TrainCliTest, CtrlCDuringSetupSaysSoInOneLineAndMakesNothing) {
+  const std::string dir = testing::MakeTempDir("ctrl_c_setup");
+  const std::string fifo = dir + "/flags";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+  testing::Subprocess running({Runfile("examples/train"), "--flagfile=" + fifo, "--dataset=synthetic",
+                               "--model=mlp", "--batch_size=16", "--workers=0", "--nproc_per_node=1", "--epochs=1",
+                               "--train_samples=64", "--test_samples=16", "--log_dir=" + dir + "/logs",
+                               "--checkpoint=" + dir + "/saved/model.ckpt"});
+  // Opens once the program has the FIFO open for reading (ENXIO before):
+  // it then waits in its read for this end to be closed.
+  int writer = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while ((writer = open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+    ASSERT_EQ(errno, ENXIO) << fifo << ": " << std::strerror(errno);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the --flagfile was never opened:\n" << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the run ended first:\n" << running.Stderr();
+  }
+  running.Signal(SIGINT);
+  close(writer);  // an empty file of flags
+  ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
+  EXPECT_EQ(running.Stderr(), "train: interrupted by Ctrl-C during setup; stopping before any rank starts\n");
+  EXPECT_EQ(running.Stdout(), "");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/logs"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/saved"));
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) left.push_back(entry.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{"flags"});
 }
 
 // More ranks than usable CPUs start, with a note before they do (999 ranks

@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <string>
 #include <thread>
@@ -270,6 +271,58 @@ void WatchStopSignals() {
   }).detach();
 }
 
+// Set (to the signal number) by OnSetupSignal: the launcher was asked to
+// stop while it still checked the flags, the data and the paths.
+std::atomic<int> g_setup_signal{0};
+
+// While the launcher checks its setup. The line is said at once; the
+// process then ends at the next StopIfInterruptedInSetup, once the check
+// under way has finished: none is cut short halfway (leaving the probe file
+// of a folder's check, say). The default action, back for a second signal,
+// ends it at once. Async-signal-safe.
+void OnSetupSignal(int signo) {
+  g_setup_signal.store(signo);
+  const char* line =
+      signo == SIGINT    ? "train: interrupted by Ctrl-C during setup; stopping before any rank starts\n"
+      : signo == SIGTERM ? "train: interrupted by SIGTERM during setup; stopping before any rank starts\n"
+                         : "train: interrupted by SIGHUP during setup; stopping before any rank starts\n";
+  (void)!write(STDERR_FILENO, line, std::strlen(line));
+}
+
+constexpr int kSetupSignals[] = {SIGINT, SIGTERM, SIGHUP};
+struct sigaction g_before_setup[std::size(kSetupSignals)];
+
+// SIGINT, SIGTERM and SIGHUP during the launcher's setup: before, their
+// default action ended it printing nothing (exit status 130 for Ctrl-C).
+// One ignored (nohup, `&` in a script) stays ignored, as SelfLaunch leaves
+// it too.
+void WatchSetupSignals() {
+  struct sigaction action{};
+  action.sa_handler = OnSetupSignal;
+  action.sa_flags = SA_RESTART | SA_RESETHAND;
+  sigemptyset(&action.sa_mask);
+  for (size_t i = 0; i < std::size(kSetupSignals); ++i) {
+    sigaction(kSetupSignals[i], nullptr, &g_before_setup[i]);
+    if (g_before_setup[i].sa_handler != SIG_IGN) sigaction(kSetupSignals[i], &action, nullptr);
+  }
+}
+
+// Before SelfLaunch, which puts its own handlers in place (it forwards the
+// signals to the ranks) and the ones it found back when it returns.
+void EndSetupSignals() {
+  for (size_t i = 0; i < std::size(kSetupSignals); ++i) sigaction(kSetupSignals[i], &g_before_setup[i], nullptr);
+}
+
+// Ends the process by the signal OnSetupSignal took, if any: as it would
+// have ended, with the line already said.
+void StopIfInterruptedInSetup() {
+  const int signo = g_setup_signal.load();
+  if (signo == 0) return;
+  std::signal(signo, SIG_DFL);
+  std::raise(signo);
+  std::_Exit(128 + signo);  // not reached
+}
+
 // The flags of this file, grouped as --help shows them.
 const std::vector<std::pair<const char*, std::vector<const char*>>>& HelpSections() {
   static const std::vector<std::pair<const char*, std::vector<const char*>>> kSections = {
@@ -514,6 +567,7 @@ std::vector<std::string> WithoutFlag(const std::vector<std::string>& args, const
 }
 
 [[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message) {
+  StopIfInterruptedInSetup();  // said already: the refusal is beside the point
   std::fflush(stdout);
   if (world_size > 1 && rank > 0) {
     std::fprintf(stderr, "%s: rank %d: %s\n", kProgram, rank, message.c_str());
@@ -531,6 +585,11 @@ std::vector<std::string> WithoutFlag(const std::vector<std::string>& args, const
 
 int main(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
+  namespace launch = ddp::transport::launch;
+  const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
+  // A rank's own setup is short; its signals are watched from before it
+  // starts a thread (WatchStopSignals).
+  if (!is_worker) WatchSetupSignals();
   // SelfLaunch re-executes this program with the arguments as given, so keep
   // them before gflags reorders them.
   std::vector<std::string> original(argv, argv + argc);
@@ -548,6 +607,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   gflags::HandleCommandLineHelpFlags();  // --helpfull, --version, ...
+  StopIfInterruptedInSetup();  // a --flagfile can take its time to read
   // Output into a pipe whose reader is gone (`train ... | tee log`, and
   // Ctrl-C ends tee as well) must not end a rank before it saves, nor the
   // launcher, whose end ends the ranks: a write fails with EPIPE instead,
@@ -561,11 +621,9 @@ int main(int argc, char** argv) {
 
   if (const std::string problem = EmptyPathFlagProblem(); !problem.empty()) Fail(2, 0, 1, problem);
 
-  namespace launch = ddp::transport::launch;
   if (FLAGS_max_restarts < 0) {
     Fail(2, 0, 1, "--max_restarts=" + std::to_string(FLAGS_max_restarts) + " must not be negative");
   }
-  const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
   int world_size = 1;
   int rank = 0;
   int restart = 0;
@@ -611,6 +669,7 @@ int main(int argc, char** argv) {
 
   if (!is_worker) {
     // The launcher checks once, then starts the ranks; it never touches UCX.
+    StopIfInterruptedInSetup();
     try {
       ddp::examples::trainer::CheckSetup(config, world_size);
     } catch (const UsageError& e) {
@@ -658,6 +717,8 @@ int main(int argc, char** argv) {
     // they count the restarts in DDP_RESTART_COUNT, which SelfLaunch sets.
     setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(FLAGS_max_restarts).c_str(), 1);
     unsetenv("TORCHELASTIC_RESTART_COUNT");
+    EndSetupSignals();
+    StopIfInterruptedInSetup();
     launch::SelfLaunchOrExit(args_count, args.data(), options);
     return 0;  // not reached: the launcher exits with the workers' status
   }
