@@ -225,10 +225,38 @@ std::string FromEnvProblem(const std::string& flag, const std::string& names, co
   return "";
 }
 
+// The names in argv's --undefok (gflags' own: flags it lets pass though no
+// library defines them, wherever --undefok comes; the last one counts), up
+// to "--".
+std::vector<std::string> UndefinedOk(int argc, char** argv) {
+  std::vector<std::string> names;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    std::string list;
+    if (arg == "--undefok" || arg == "-undefok") {
+      if (i + 1 >= argc) break;
+      list = argv[++i];
+    } else if (arg.rfind("--undefok=", 0) == 0 || arg.rfind("-undefok=", 0) == 0) {
+      list = arg.substr(arg.find('=') + 1);
+    } else {
+      continue;
+    }
+    names.clear();
+    for (size_t at = 0; at < list.size();) {
+      const size_t end = std::min(list.find(',', at), list.size());
+      names.push_back(list.substr(at, end - at));
+      at = end + 1;
+    }
+  }
+  return names;
+}
+
 }  // namespace
 
 std::string FlagProblem(int argc, char** argv, const char* source) {
   const std::string file = std::string(source) + ".cc";
+  const std::vector<std::string> undefined_ok = UndefinedOk(argc, argv);
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--") break;  // gflags stops there too
@@ -302,6 +330,12 @@ std::string FlagProblem(int argc, char** argv, const char* source) {
         info.type == "bool") {
       continue;  // --nozero
     }
+    // gflags lets these pass (--nofoo too for --undefok=foo), taking no
+    // value after them: it does not know their type.
+    const auto ok = [&undefined_ok](const std::string& n) {
+      return std::find(undefined_ok.begin(), undefined_ok.end(), n) != undefined_ok.end();
+    };
+    if (ok(name) || (name.rfind("no", 0) == 0 && ok(name.substr(2)))) continue;
     const std::string nearest = NearestFlag(name, file);
     return "unknown flag " + arg.substr(0, eq) + (nearest.empty() ? "" : "; did you mean --" + nearest + "?") +
            " (--help lists the flags)";

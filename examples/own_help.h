@@ -31,11 +31,12 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// FLAGS_seed=-1: the flag takes ..."). gflags' own messages for these
 /// ("ERROR: unknown command line flag 'modle'") name no program and exit 1.
 /// What gflags accepts passes: a value after its flag, --noBOOL, a negative
-/// value, anything after "--", gflags' help flags that print what they ask
-/// for (--helpfull, --helpon=FILE, ...), and --nproc_per_node (or
-/// --nproc-per-node), which SelfLaunchOrExit takes in programs without such
-/// a gflags flag; since it takes them with two dashes only, one dash
-/// (-nproc_per_node=2) is refused, naming the spelling it takes.
+/// value, anything after "--", a flag --undefok names, gflags' help flags
+/// that print what they ask for (--helpfull, --helpon=FILE, ...), and
+/// --nproc_per_node (or --nproc-per-node), which SelfLaunchOrExit takes in
+/// programs without such a gflags flag; since it takes them with two dashes
+/// only, one dash (-nproc_per_node=2) is refused, naming the spelling it
+/// takes.
 std::string FlagProblem(int argc, char** argv, const char* source);
 
 }  // namespace ddp::examples

@@ -126,5 +126,17 @@ TEST(FlagProblemTest, FromenvAndTryfromenvProblemsNameTheFlagAndTheVariable) {
   unsetenv("FLAGS_model");
 }
 
+// gflags lets a flag no library defines pass when --undefok names it
+// (wherever --undefok comes, the last one counting); FlagProblem called it
+// unknown.
+TEST(FlagProblemTest, FlagsThatUndefokNamesPass) {
+  EXPECT_EQ(Problem({"--foo=1", "--undefok=foo,bar", "--nobar", "-bar"}), "");
+  EXPECT_EQ(Problem({"--undefok", "foo", "-foo"}), "");
+  EXPECT_EQ(Problem({"--undefok=foo", "--baz=1"}), "unknown flag --baz (--help lists the flags)");
+  EXPECT_EQ(Problem({"--undefok=foo", "--undefok=bar", "--foo"}), "unknown flag --foo (--help lists the flags)");
+  EXPECT_EQ(Problem({"--", "--undefok=foo"}), "");
+  EXPECT_EQ(Problem({"--foo", "--", "--undefok=foo"}), "unknown flag --foo (--help lists the flags)");
+}
+
 }  // namespace
 }  // namespace ddp::examples
