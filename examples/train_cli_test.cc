@@ -826,7 +826,8 @@ TEST(TrainCliTest, CtrlCDuringSetupSaysSoInOneLineAndMakesNothing) {
   running.Signal(SIGINT);
   close(writer);  // an empty file of flags
   ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
-  EXPECT_EQ(running.Stderr(), "train: interrupted by Ctrl-C during setup; stopping before any rank starts\n");
+  EXPECT_EQ(running.Stderr(),
+            "train: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n");
   EXPECT_EQ(running.Stdout(), "");
   EXPECT_FALSE(std::filesystem::exists(dir + "/logs"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/saved"));

@@ -283,9 +283,11 @@ std::atomic<int> g_setup_signal{0};
 void OnSetupSignal(int signo) {
   g_setup_signal.store(signo);
   const char* line =
-      signo == SIGINT    ? "train: interrupted by Ctrl-C during setup; stopping before any rank starts\n"
-      : signo == SIGTERM ? "train: interrupted by SIGTERM during setup; stopping before any rank starts\n"
-                         : "train: interrupted by SIGHUP during setup; stopping before any rank starts\n";
+      signo == SIGINT
+          ? "train: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n"
+      : signo == SIGTERM
+          ? "train: interrupted by SIGTERM during setup; stopping before any rank starts (SIGTERM again: at once)\n"
+          : "train: interrupted by SIGHUP during setup; stopping before any rank starts (SIGHUP again: at once)\n";
   (void)!write(STDERR_FILENO, line, std::strlen(line));
 }
 
