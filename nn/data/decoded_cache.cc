@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <tuple>
@@ -706,7 +707,29 @@ void ForgetDecodedEntriesInUseForTesting() {
 SharedArray LoadDecoded(const std::vector<std::string>& sources,
                         const DecodeFn& decode,
                         size_t min_bytes,
-                        std::chrono::milliseconds lock_wait) {
+                        std::chrono::milliseconds lock_wait,
+                        const DecodedSizeFn& decoded_size) {
+  // The decoded bytes, owned by the result (no entry behind them).
+  const auto in_memory = [](std::vector<int64_t> dims, std::vector<uint8_t> bytes) {
+    auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
+    SharedArray out;
+    out.dims = std::move(dims);
+    out.data = owned->data();
+    out.size = owned->size();
+    out.owner = std::move(owned);
+    return out;
+  };
+  // A set too small to cache by its headers is decoded without a look at
+  // the folder: the lock file made and removed around its decode (and the
+  // folder, where it did not exist) changed the folder's times and woke
+  // whatever watched it, for a set never written there.
+  if (decoded_size != nullptr) {
+    const std::optional<uint64_t> size = decoded_size();
+    if (size.has_value() && *size < min_bytes) {
+      auto [dims, bytes] = decode();
+      return in_memory(std::move(dims), std::move(bytes));
+    }
+  }
   const std::string dir = DecodedCacheDir();
   std::vector<SourceStat> stats;
   const bool cacheable = !dir.empty() && StatSources(sources, &stats);
@@ -817,20 +840,15 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
     }
   }
   lock.reset();
-  auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
-  SharedArray out;
-  out.dims = std::move(dims);
-  out.data = owned->data();
-  out.size = owned->size();
-  out.owner = std::move(owned);
-  return out;
+  return in_memory(std::move(dims), std::move(bytes));
 }
 
 SharedArray LoadDecoded(const std::string& source,
                         const DecodeFn& decode,
                         size_t min_bytes,
-                        std::chrono::milliseconds lock_wait) {
-  return LoadDecoded(std::vector<std::string>{source}, decode, min_bytes, lock_wait);
+                        std::chrono::milliseconds lock_wait,
+                        const DecodedSizeFn& decoded_size) {
+  return LoadDecoded(std::vector<std::string>{source}, decode, min_bytes, lock_wait, decoded_size);
 }
 
 }  // namespace ddp::nn::data::internal

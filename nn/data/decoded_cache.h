@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -112,13 +113,23 @@ inline constexpr std::chrono::milliseconds kEntryLockWait{60000};
 /// unless another wrote it during its decode or its write: it then maps
 /// that one (the entry is linked into place, never over one that came
 /// meanwhile; a file at the name that was no valid entry is unlinked
-/// first, never renamed over). A set of fewer than `min_bytes` leaves no
-/// lock file, nor the cache folders the load made for it.
+/// first, never renamed over). A set that `decoded_size` says has fewer
+/// than `min_bytes` is decoded with the cache folder untouched: no look-up,
+/// no lock file, no folder made. One whose size it does not give (no
+/// `decoded_size`, or it returns std::nullopt) takes the lock before its
+/// decode, as above; when it then has fewer than `min_bytes`, it leaves no
+/// lock file, nor the cache folders the load made for it, though both
+/// existed during the decode.
 using DecodeFn = std::function<std::pair<std::vector<int64_t>, std::vector<uint8_t>>()>;
+/// The number of bytes `decode` will return, read from the sources' headers
+/// without decoding them; std::nullopt where they do not say.
+using DecodedSizeFn = std::function<std::optional<uint64_t>()>;
 SharedArray LoadDecoded(const std::vector<std::string>& sources, const DecodeFn& decode,
-                        size_t min_bytes = kMinCachedBytes, std::chrono::milliseconds lock_wait = kEntryLockWait);
+                        size_t min_bytes = kMinCachedBytes, std::chrono::milliseconds lock_wait = kEntryLockWait,
+                        const DecodedSizeFn& decoded_size = nullptr);
 SharedArray LoadDecoded(const std::string& source, const DecodeFn& decode, size_t min_bytes = kMinCachedBytes,
-                        std::chrono::milliseconds lock_wait = kEntryLockWait);
+                        std::chrono::milliseconds lock_wait = kEntryLockWait,
+                        const DecodedSizeFn& decoded_size = nullptr);
 
 }  // namespace ddp::nn::data::internal
 

@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/file.h>
+#include <sys/inotify.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -656,6 +657,95 @@ TEST(DecodedCache, ASetTooSmallToCacheMakesNoFolder) {
   WriteFile(decode.path, IdxBytes({3, 3}, Pixels(9)));
   EXPECT_EQ(Bytes(LoadDecoded(decode.path, std::ref(decode))), Want(9));
   EXPECT_FALSE(std::filesystem::exists(dir + "/made")) << "the load made the cache folder for a set it does not cache";
+}
+
+// The changes to one folder's listing (a file or folder made, removed or
+// renamed in it, the folder's own attributes) from its making to a call of
+// Changes, through inotify: a lock file made and removed at once leaves no
+// trace in the listing, and may leave the folder's times as they were.
+class FolderWatch {
+ public:
+  explicit FolderWatch(const std::string& dir) : fd_(::inotify_init1(IN_NONBLOCK | IN_CLOEXEC)) {
+    if (fd_ < 0 || ::inotify_add_watch(fd_, dir.c_str(),
+                                       IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB) < 0) {
+      ADD_FAILURE() << "cannot watch " << dir << ": " << std::strerror(errno);
+    }
+  }
+  ~FolderWatch() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FolderWatch(const FolderWatch&) = delete;
+  FolderWatch& operator=(const FolderWatch&) = delete;
+
+  /// The names the changes since the last call were about ("." for the folder itself).
+  std::vector<std::string> Changes() {
+    std::vector<std::string> out;
+    alignas(struct inotify_event) char buf[4096];
+    for (ssize_t n; fd_ >= 0 && (n = ::read(fd_, buf, sizeof(buf))) > 0;) {
+      for (ssize_t at = 0; at < n;) {
+        const auto* e = reinterpret_cast<const struct inotify_event*>(buf + at);
+        out.push_back(e->len > 0 ? std::string(e->name) : std::string("."));
+        at += static_cast<ssize_t>(sizeof(struct inotify_event) + e->len);
+      }
+    }
+    return out;
+  }
+
+ private:
+  int fd_;
+};
+
+std::string Joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+// A data set that its IDX header shows too small to cache leaves the cache
+// folder as it was, whether its images are compressed or not: no lock file
+// made and removed during the decode (each changed the folder's times and
+// woke its watchers), and a folder that did not exist is not made (and
+// removed). A set large enough, by the same header, still gets its entry.
+TEST(DecodedCache, AnIdxSetTooSmallToCacheLeavesTheCacheFolderAlone) {
+  const std::string dir = FreshDir("decoded_alone");
+  const std::string labels = dir + "/labels";
+  WriteFile(labels, IdxBytes({3}, std::string("\0\1\2", 3)));
+  for (const bool gz : {false, true}) {
+    SCOPED_TRACE(gz ? "gzip-compressed images" : "raw images");
+    const std::string images = dir + (gz ? "/images.gz" : "/images");
+    const std::string idx = IdxBytes({3, 3, 3}, Pixels(27));
+    WriteFile(images, gz ? Gzip(idx) : idx);
+    {
+      const std::string cache_dir = dir + "/cache";
+      std::filesystem::create_directories(cache_dir);
+      struct stat before{}, after{};
+      ASSERT_EQ(::stat(cache_dir.c_str(), &before), 0);
+      const CacheDir cache(cache_dir);
+      FolderWatch watch(cache_dir);
+      const auto set = LoadIdxDataset("tiny", images, labels, 10);
+      EXPECT_EQ(set->Size(), 3);
+      EXPECT_EQ(Joined(watch.Changes()), "") << "the load changed " << cache_dir << " for a set it does not cache";
+      ASSERT_EQ(::stat(cache_dir.c_str(), &after), 0);
+      EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
+      EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
+      EXPECT_TRUE(Entries(cache_dir).empty());
+    }
+    {
+      const CacheDir cache(dir + "/missing/cache");
+      FolderWatch watch(dir);
+      LoadIdxDataset("tiny", images, labels, 10);
+      EXPECT_EQ(Joined(watch.Changes()), "") << "the load made and removed folders in " << dir;
+      EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
+    }
+  }
+  // 1 MiB and 9 bytes of pixels: at least kMinCachedBytes, so cached.
+  const std::string big_labels = dir + "/big_labels";
+  WriteFile(big_labels, IdxBytes({1025}, std::string(1025, '\1')));
+  const std::string big = dir + "/big_images.gz";
+  WriteFile(big, Gzip(IdxBytes({1025, 32, 32}, Pixels(1025 * 1024))));
+  const CacheDir cache(dir + "/big_cache");
+  LoadIdxDataset("big", big, big_labels, 10);
+  EXPECT_EQ(Entries(dir + "/big_cache").size(), 1u) << "a set of " << 1025 * 1024 << " bytes was not cached";
 }
 
 // Sets an environment variable for a scope (unset: nullptr).

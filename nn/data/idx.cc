@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <utility>
 
 #include "nn/data/decoded_cache.h"
@@ -190,6 +191,38 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
   return out;
 }
 
+// The bytes of data the IDX file at `path` holds by its header (the
+// product of its dimensions), read without the data: the decoded cache
+// then leaves its folder alone for a set too small to cache. std::nullopt
+// where the header cannot be read; the decode then says what is wrong.
+std::optional<uint64_t> IdxDataBytes(const std::string& path) {
+  try {
+    const internal::FileContents file(path);
+    uint8_t header[4 + 4 * kMaxDims] = {};
+    size_t got = 0;
+    if (internal::IsGzip(file.bytes())) {
+      internal::GzipReader gzip(file.bytes(), path, sizeof(header));
+      got = gzip.Read(header, 4);
+      if (got == 4 && header[3] >= 1 && header[3] <= kMaxDims) got += gzip.Read(header + 4, 4 * size_t{header[3]});
+    } else {
+      got = std::min(file.bytes().size(), sizeof(header));
+      std::memcpy(header, file.bytes().data(), got);
+    }
+    const int ndims = got >= 4 ? header[3] : 0;
+    if (ndims < 1 || ndims > kMaxDims || got < 4 + 4 * static_cast<size_t>(ndims)) return std::nullopt;
+    uint64_t count = 1;
+    for (int d = 0; d < ndims; ++d) {
+      const uint8_t* q = header + 4 + 4 * d;
+      const uint64_t dim = (uint64_t{q[0]} << 24) | (uint64_t{q[1]} << 16) | (uint64_t{q[2]} << 8) | uint64_t{q[3]};
+      if (dim != 0 && count > (uint64_t{1} << 62) / dim) return std::nullopt;
+      count *= dim;
+    }
+    return count;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 }  // namespace
 
 IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expected_dims) {
@@ -226,10 +259,13 @@ std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
                                                      int64_t num_classes) {
   // The images through the decoded cache (mapped, shared by every process
   // that loads them); the labels are small.
-  const internal::SharedArray images = internal::LoadDecoded(images_path, [&] {
-    IdxArray a = ReadIdxFile(images_path);
-    return std::make_pair(std::move(a.dims), std::move(a.data));
-  });
+  const internal::SharedArray images = internal::LoadDecoded(
+      images_path,
+      [&] {
+        IdxArray a = ReadIdxFile(images_path);
+        return std::make_pair(std::move(a.dims), std::move(a.data));
+      },
+      internal::kMinCachedBytes, internal::kEntryLockWait, [&] { return IdxDataBytes(images_path); });
   if (images.dims.size() != 3 && images.dims.size() != 4) {
     throw DatasetError(images_path + ": image file has " + std::to_string(images.dims.size()) +
                        " dimensions " + DimsString(images.dims) +
