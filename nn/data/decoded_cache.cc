@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <mutex>
 #include <optional>
@@ -415,6 +416,19 @@ void ReportLockFailure(const std::string& lock_path, int err) {
                lock_path.c_str(), std::strerror(err));
 }
 
+// How old a lock file must be to be removed where the filesystem has no
+// locks (RemoveLockUnlessHeld): far beyond any decode and write, and beyond
+// the clock skew between an NFS server, whose clock sets the file's time,
+// and this host.
+constexpr std::chrono::hours kUnlockableLockAge{1};
+
+// Whether the file `st` describes was last modified more than `age` ago.
+bool OlderThan(const struct stat& st, std::chrono::seconds age) {
+  struct timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  return now.tv_sec - st.st_mtim.tv_sec > static_cast<time_t>(age.count());
+}
+
 // Marks the entry at `path` used now: eviction goes by modification time,
 // oldest first. Best effort (a read-only cache keeps its times).
 void MarkUsed(const std::string& path) { ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0); }
@@ -427,6 +441,17 @@ void MarkUsed(const std::string& path) { ::utimensat(AT_FDCWD, path.c_str(), nul
 // to the file locked: a process that opened the file before the unlink and
 // locks it after finds it gone (EntryLock checks the same) and makes
 // another. Only an empty regular file is taken for a lock file.
+//
+// Where this mount has no locks (flock fails with other than EWOULDBLOCK),
+// whether a process holds the file cannot be known: it is removed once it
+// is older than kUnlockableLockAge. Such a file was left by a process
+// killed while it decoded (EntryLock removes at once a file it cannot lock,
+// so none stays from a load here otherwise), or is held by a load of a host
+// that mounts the folder with locks: no decode and write takes that long,
+// and that host's waiters stop waiting after kEntryLockWait. Were one held
+// all the same, its holder would only lose its turn, as with EntryLock's
+// own removal: the entry is written whole whoever writes it. Without this,
+// such a file stayed beside the entries forever.
 void RemoveLockUnlessHeld(const std::string& path) {
   struct stat st{};
   if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != 0) return;
@@ -436,12 +461,14 @@ void RemoveLockUnlessHeld(const std::string& path) {
   if (fd < 0 && errno == EACCES) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) return;
   struct stat held{}, named{};
-  if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &held) == 0 && S_ISREG(held.st_mode) &&
-      held.st_size == 0 && ::lstat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
-      held.st_ino == named.st_ino) {
+  const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+  const bool no_locks = !locked && errno != EWOULDBLOCK && errno != EINTR;  // EWOULDBLOCK: a load is decoding
+  if ((locked || no_locks) && ::fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && held.st_size == 0 &&
+      (locked || OlderThan(held, kUnlockableLockAge)) && ::lstat(path.c_str(), &named) == 0 &&
+      held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
     ::unlink(path.c_str());
   }
-  ::close(fd);  // EWOULDBLOCK: a load is decoding that set now
+  ::close(fd);
 }
 
 constexpr std::string_view kEntrySuffix = ".decoded";

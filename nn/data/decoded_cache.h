@@ -44,7 +44,8 @@
 // is tried once more; so is a lock file that does not fit. Lock
 // files that no process holds (left by a process killed while decoding)
 // are removed then too, and at each load from an entry (a job whose loads
-// all hit writes nothing).
+// all hit writes nothing); where the filesystem has no locks, once they are
+// an hour old (whether one is held cannot be known there).
 //
 // Where: $DDP_DATA_CACHE (a folder; "0", "off", "false", "no" or "none", in
 // any case, turns the cache off), else

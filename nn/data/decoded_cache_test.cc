@@ -1392,6 +1392,42 @@ TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedByALoadFromAnEntry) {
   ::close(held_fd);
 }
 
+// Where the filesystem has no locks, a lock file left by a process killed
+// while it decoded (or by a host that mounts the folder with locks) could
+// never be locked, so it was never removed. A load from an entry there
+// removes one over an hour old, and leaves a fresh one (a load of another
+// host may be decoding under it) and a non-empty file of that name.
+TEST(DecodedCache, WithoutLocksALockFileOverAnHourOldIsRemovedByALoadFromAnEntry) {
+  const std::string dir = FreshDir("decoded_nolock_stale");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  CountingDecode decode{dir + "/images"};
+  const std::filesystem::path entry = LoadIntoOneEntry(dir, decode);
+  ASSERT_FALSE(entry.empty());
+  const std::string stale = cache_dir + "/killed-0123456789abcdef.decoded.lock";
+  WriteFile(stale, "");
+  const struct timespec two_hours_ago[2] = {{::time(nullptr) - 7200, 0}, {::time(nullptr) - 7200, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, stale.c_str(), two_hours_ago, 0), 0) << std::strerror(errno);
+  const std::string fresh = cache_dir + "/decoding-0123456789abcdef.decoded.lock";
+  WriteFile(fresh, "");
+  const std::string not_a_lock = cache_dir + "/notes.decoded.lock";
+  WriteFile(not_a_lock, "kept by hand");
+  ASSERT_EQ(::utimensat(AT_FDCWD, not_a_lock.c_str(), two_hours_ago, 0), 0) << std::strerror(errno);
+  // Exit statuses: 1 for wrong bytes, 4 for a decode instead of the entry.
+  const int status = InChildWithoutLocks(decode.path, [&] {
+    CountingDecode again{decode.path};
+    const bool right = Bytes(LoadDecoded(again.path, std::ref(again), 0)) == Want(80);
+    return !right ? 1 : again.calls == 0 ? 0 : 4;
+  });
+  ASSERT_NE(status, 2) << "the seccomp filter could not be installed";
+  ASSERT_NE(status, 3) << "the seccomp filter did not make flock fail with ENOLCK";
+  EXPECT_EQ(status, 0) << "the load gave wrong bytes (1) or decoded instead of mapping the entry (4)";
+  EXPECT_FALSE(std::filesystem::exists(stale)) << "a lock file two hours old was left where there are no locks";
+  EXPECT_TRUE(std::filesystem::exists(fresh)) << "a fresh lock file was removed where there are no locks";
+  EXPECT_TRUE(std::filesystem::exists(not_a_lock)) << "a file that is not a lock file was removed";
+  EXPECT_TRUE(std::filesystem::exists(entry));
+}
+
 // Without locks, a load whose decode outlasts another process's load of the
 // same set finds that one's entry in place when it is done: it maps it
 // instead of writing a second copy over it (a whole write and fsync for
