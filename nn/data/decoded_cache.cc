@@ -90,10 +90,52 @@ void NoteInUse(const std::string& path) {
   InUse().paths.insert(path);
 }
 
+// Set by a process that said the cache cannot be written, to the cache
+// folder, for the ranks it starts after (SaysForTheJob).
+constexpr char kReportedEnv[] = "DDP_DATA_CACHE_REPORTED";
+
+// This process's rank among its node's ranks, as launchers give it (null
+// when it runs under none).
+const char* LocalRank() {
+  for (const char* name : {"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"}) {
+    if (const char* v = std::getenv(name); v != nullptr && v[0] != '\0') return v;
+  }
+  return nullptr;
+}
+
+// Made empty before main in a process under no launcher (one that may
+// start ranks), so that SaysForTheJob only ever replaces its value: glibc
+// replaces a variable's value in place, safe beside a getenv in another
+// thread (the launcher's signal thread, a library's pool), but adding one
+// reallocates the environment's array and frees the old one under it.
+const bool reported_env_made = [] {
+  if (LocalRank() == nullptr && std::getenv(kReportedEnv) == nullptr) ::setenv(kReportedEnv, "", 0);
+  return true;
+}();
+
+// Whether this process says that the cache folder `dir` cannot be written:
+// every process of a job fails alike, and a trainer that launches its own
+// ranks loads the sets first (to check them), so the line came once from
+// the launcher and once from each rank. A rank says it only as its node's
+// first (local rank 0: ddprun and torchrun load nothing themselves) and
+// only when the process that started it has not (kReportedEnv names
+// `dir`). A process under no launcher that says it puts `dir` in
+// kReportedEnv for the ranks it starts after.
+bool SaysForTheJob(const std::string& dir) {
+  const char* reported = std::getenv(kReportedEnv);
+  if (reported != nullptr && dir == reported) return false;
+  const char* local_rank = LocalRank();
+  if (local_rank != nullptr) return std::string_view(local_rank) == "0";
+  if (reported_env_made && reported != nullptr) ::setenv(kReportedEnv, dir.c_str(), 1);  // in place only
+  return true;
+}
+
 // An entry that could not be written: loads go on decoding in memory, but
-// each one pays the decode again, so the run says once where and why.
+// each one pays the decode again, so the job says once where and why
+// (SaysForTheJob).
 void ReportWriteFailure(const std::string& path, const std::string& cause) {
   if (write_failure_reported.exchange(true)) return;
+  if (!SaysForTheJob(DecodedCacheDir())) return;
   std::fprintf(stderr,
                "[ddp] warning: decoded dataset cache: cannot write %s: %s; datasets are decoded in memory "
                "on every load (DDP_DATA_CACHE=<folder> moves the cache, DDP_DATA_CACHE=off turns it off)\n",
@@ -720,6 +762,7 @@ uint64_t DecodedCacheMaxBytes() {
 }
 
 void ResetDecodedCacheWarningsForTesting() {
+  if (std::getenv(kReportedEnv) != nullptr) ::setenv(kReportedEnv, "", 1);  // in place, as SaysForTheJob
   write_failure_reported = false;
   limit_below_use_reported = false;
   lock_failure_reported = false;

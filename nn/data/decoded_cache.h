@@ -20,8 +20,9 @@
 // Entries are written to a temporary file and renamed into place, so a
 // reader sees a whole entry or none. The cache is best effort: where it
 // cannot be read or written, loads decode as before (the first entry that
-// cannot be written says so on stderr, once per process, with the path and
-// the cause; so does the first lock file that cannot be locked, as on NFS
+// cannot be written says so on stderr, once per job (once per process
+// outside a launcher; under one, only local rank 0 of those whose launcher
+// has not said it already), with the path and the cause; so does the first lock file that cannot be locked, as on NFS
 // mounted without locks: entries are then written without the lock, so
 // concurrent first loads each decode; and the first entry put in place
 // whose folder then cannot be fsynced: it is used all the same).
@@ -86,7 +87,8 @@ inline constexpr uint64_t kDefaultCacheMaxBytes = uint64_t{4} << 30;
 /// a warning).
 uint64_t DecodedCacheMaxBytes();
 
-/// For tests only: lets the next failed write report itself again.
+/// For tests only: lets the next failed write report itself again (and
+/// forgets that this process reported one to the ranks it starts).
 void ResetDecodedCacheWarningsForTesting();
 
 /// For tests only: forgets the entries this process wrote or loaded, so

@@ -1392,6 +1392,81 @@ TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedByALoadFromAnEntry) {
   ::close(held_fd);
 }
 
+// Runs `body` in a child process, its stderr into `stderr_file`, after
+// ResetDecodedCacheWarningsForTesting (but with the report to started ranks,
+// DDP_DATA_CACHE_REPORTED, it inherited) and then with the variables `env`
+// set (nullptr: unset). Returns the child's exit status (9: no stderr file).
+int InChildWithEnv(const std::vector<std::pair<const char*, const char*>>& env, const std::string& stderr_file,
+                   const std::function<int()>& body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(stderr_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0 || ::dup2(fd, 2) < 0) ::_exit(9);
+    const char* inherited = std::getenv("DDP_DATA_CACHE_REPORTED");
+    const std::string reported = inherited != nullptr ? inherited : "";
+    ResetDecodedCacheWarningsForTesting();
+    if (inherited != nullptr) ::setenv("DDP_DATA_CACHE_REPORTED", reported.c_str(), 1);
+    for (const auto& [name, value] : env) {
+      if (value != nullptr) {
+        ::setenv(name, value, 1);
+      } else {
+        ::unsetenv(name);
+      }
+    }
+    ::_exit(body());
+  }
+  return ExitStatus(pid);
+}
+
+// A cache folder that cannot be made is the same failure for every process
+// of a job: a trainer that starts its own ranks said it from the launcher
+// (which loads the sets to check them) and again from each rank. It is
+// said once: by the launcher, whose ranks then stay quiet; under a
+// launcher that loads nothing (ddprun, torchrun), by local rank 0 alone;
+// and a rank whose launcher reported another folder still says it.
+TEST(DecodedCache, AnUnwritableCacheIsReportedOncePerJob) {
+  const std::string dir = FreshDir("decoded_once_per_job");
+  WriteFile(dir + "/file", "a file, not a folder");
+  const std::string cache_dir = dir + "/file/cache";
+  const CacheDir cache(cache_dir);
+  const std::string src = dir + "/images";
+  WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+  const auto load = [&] {
+    CountingDecode decode{src};
+    return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) ? 0 : 1;
+  };
+  const std::string warning = "[ddp] warning: decoded dataset cache: cannot write " + cache_dir + "/images-";
+  const auto warnings = [&](const std::string& file) { return Count(ReadText(file), warning); };
+  const std::vector<std::pair<const char*, const char*>> no_launcher = {
+      {"LOCAL_RANK", nullptr},
+      {"SLURM_LOCALID", nullptr},
+      {"OMPI_COMM_WORLD_LOCAL_RANK", nullptr},
+      {"DDP_DATA_CACHE_REPORTED", ""}};  // as made before main outside a launcher
+  // A launcher, then the two ranks it starts (its children, inheriting
+  // what it set).
+  const int launcher = InChildWithEnv(no_launcher, dir + "/launcher_stderr", [&] {
+    if (load() != 0) return 1;
+    for (const char* rank : {"0", "1"}) {
+      const int status = InChildWithEnv({{"LOCAL_RANK", rank}}, dir + "/self_launched_rank" + rank + "_stderr", load);
+      if (status != 0) return 10 + status;
+    }
+    return 0;
+  });
+  ASSERT_EQ(launcher, 0) << "wrong bytes, or a child failed";
+  EXPECT_EQ(warnings(dir + "/launcher_stderr"), 1u) << ReadText(dir + "/launcher_stderr");
+  for (const char* rank : {"0", "1"}) {
+    const std::string file = dir + "/self_launched_rank" + rank + "_stderr";
+    EXPECT_EQ(warnings(file), 0u) << "local rank " << rank << " of a launcher that said it: " << ReadText(file);
+  }
+  // Ranks of a launcher that loads nothing, told of another folder.
+  const std::string other = dir + "/other";
+  for (const char* rank : {"0", "1"}) {
+    const std::string file = dir + "/rank" + rank + "_stderr";
+    ASSERT_EQ(InChildWithEnv({{"LOCAL_RANK", rank}, {"DDP_DATA_CACHE_REPORTED", other.c_str()}}, file, load), 0);
+    EXPECT_EQ(warnings(file), rank == std::string("0") ? 1u : 0u) << "local rank " << rank << ": " << ReadText(file);
+  }
+}
+
 // Where the filesystem has no locks, a lock file left by a process killed
 // while it decoded (or by a host that mounts the folder with locks) could
 // never be locked, so it was never removed. A load from an entry there
