@@ -738,14 +738,23 @@ TEST(DecodedCache, AnIdxSetTooSmallToCacheLeavesTheCacheFolderAlone) {
       EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
     }
   }
-  // 1 MiB and 9 bytes of pixels: at least kMinCachedBytes, so cached.
+  // 1 MiB and 1 KiB of pixels, at least kMinCachedBytes, so cached; bytes
+  // that do not compress, so that the gzip file too is longer than what
+  // the header is looked for in.
   const std::string big_labels = dir + "/big_labels";
   WriteFile(big_labels, IdxBytes({1025}, std::string(1025, '\1')));
-  const std::string big = dir + "/big_images.gz";
-  WriteFile(big, Gzip(IdxBytes({1025, 32, 32}, Pixels(1025 * 1024))));
-  const CacheDir cache(dir + "/big_cache");
-  LoadIdxDataset("big", big, big_labels, 10);
-  EXPECT_EQ(Entries(dir + "/big_cache").size(), 1u) << "a set of " << 1025 * 1024 << " bytes was not cached";
+  std::string noise(1025 * 1024, '\0');
+  uint32_t x = 12345;
+  for (char& c : noise) c = static_cast<char>((x = x * 1664525u + 1013904223u) >> 24);
+  for (const bool gz : {false, true}) {
+    const std::string big = dir + (gz ? "/big_images.gz" : "/big_images");
+    const std::string idx = IdxBytes({1025, 32, 32}, noise);
+    WriteFile(big, gz ? Gzip(idx) : idx);
+    const std::string cache_dir = dir + (gz ? "/big_gz_cache" : "/big_cache");
+    const CacheDir cache(cache_dir);
+    LoadIdxDataset("big", big, big_labels, 10);
+    EXPECT_EQ(Entries(cache_dir).size(), 1u) << "a set of " << noise.size() << " bytes was not cached from " << big;
+  }
 }
 
 // Sets an environment variable for a scope (unset: nullptr).
