@@ -20,12 +20,13 @@
 // Entries are written to a temporary file and renamed into place, so a
 // reader sees a whole entry or none. The cache is best effort: where it
 // cannot be read or written, loads decode as before (the first entry that
-// cannot be written says so on stderr, once per job (once per process
-// outside a launcher; under one, only local rank 0 of those whose launcher
-// has not said it already), with the path and the cause; so does the first lock file that cannot be locked, as on NFS
-// mounted without locks: entries are then written without the lock, so
-// concurrent first loads each decode; and the first entry put in place
-// whose folder then cannot be fsynced: it is used all the same).
+// cannot be written says so on stderr with the path and the cause, once
+// per job: from the process outside a launcher that meets it, else from
+// each node's local rank 0; so does, once per process, the first lock file
+// that cannot be locked, as on NFS mounted without locks: entries are
+// then written without the lock, so concurrent first loads each decode;
+// and the first entry put in place whose folder then cannot be fsynced:
+// it is used all the same).
 //
 // Size: after writing an entry, the least recently used others (by
 // modification time, which a load from an entry sets to now) are removed
