@@ -1,5 +1,6 @@
 #include "transport/algorithms/rhd_all_reduce.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -76,6 +77,17 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // once on its partner's fingerprint; it waited on the other one until
   // its deadline.
   //
+  // An exchanging rank also swaps fingerprints with its partner of every
+  // step, so that it never takes data from a rank whose arguments it has
+  // not compared with its own. Without that, a rank whose step partner
+  // passed another count failed on the data's size ("message size
+  // mismatch: rank 5 sent 260 bytes but rank 4 expected 256") without
+  // the other's count, and told the others only its own. The step partners
+  // are awaited after the two above, so a rank running another algorithm
+  // is still met first where it is. Costs an exchanging rank up to log2(p2)
+  // more small messages each way, one fewer where a step partner is its
+  // ring neighbour (none on 2 or 3 ranks), all posted before any data.
+  //
   // A disagreement one rank's check finds stops every rank: a stop note
   // goes around the exchanging ranks' ring, and each of those tells its
   // folded partner (Requests::RelayStops). Without it, only the ranks
@@ -89,10 +101,17 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     const int next = real((nr + 1) % p2), prev = real((nr + p2 - 1) % p2);
     const int partner = r < 2 * extra ? r - 1 : -1;
     DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", tag, prev, next, partner));
-    std::vector<int> from;
+    std::vector<int> to = {next}, from;
     if (partner >= 0) from.push_back(partner);
     from.push_back(prev);
-    DDP_RETURN_IF_ERROR(check.Post(requests, tag, {next}, from));
+    // One fingerprint each way per pair: a step partner that is also a
+    // ring neighbour is listed once.
+    for (int mask = 1; mask < p2; mask *= 2) {
+      const int peer = real(nr ^ mask);
+      if (std::find(to.begin(), to.end(), peer) == to.end()) to.push_back(peer);
+      if (std::find(from.begin(), from.end(), peer) == from.end()) from.push_back(peer);
+    }
+    DDP_RETURN_IF_ERROR(check.Post(requests, tag, to, from));
   }
 
   // One exchange with `peer` at `step`: send `send_n` elements from `out`,

@@ -3,8 +3,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "transport/algorithms/all_reduce_test_util.h"
 #include "transport/algorithms/ring_all_reduce.h"
@@ -16,6 +20,7 @@ namespace {
 using testing::AllReduceCase;
 using testing::AllReduceFn;
 using testing::CheckAllReduce;
+using ::testing::HasSubstr;
 
 // Halving-doubling for everything but 1-byte messages.
 const AllReduceFn kHalving = [](p2p::PointToPoint& p2p, const CollectiveArgs& args) {
@@ -147,6 +152,62 @@ TEST(RhdAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5, 6}) {
     testing::CheckMismatchedCountsFailEverywhere(kHalving, world);
     testing::CheckMismatchedCountsFailEverywhere(kDoubling, world);
+  }
+}
+
+// Runs `fn` on `world` ranks, nobody killed, every rank passing 64 floats
+// but rank `odd`, which passes 65 and enters 300 ms after the others, so
+// that they are all inside the call when its messages come.
+std::vector<Status> RunWithALateOddCount(const AllReduceFn& fn, int world, int odd) {
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  const Deadline deadline = DeadlineIn(std::chrono::seconds(6));
+  return transport::testing::RunRanks(
+      world,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        if (p2p.rank() == odd) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        std::vector<float> data(65, 1.0f);
+        CollectiveArgs args;
+        args.send = data.data();
+        args.recv = data.data();
+        args.count = p2p.rank() == odd ? 65 : 64;
+        args.dtype = DataType::kF32;
+        args.op = ReduceOp::kSum;
+        args.tag = CollectiveTag(7);
+        args.deadline = deadline;
+        return fn(p2p, args);
+      },
+      options);
+}
+
+// One rank passes count 65 among ranks passing 64: every rank fails naming
+// the odd rank's count and the others', as every ring rank does. A rank
+// whose partner in a step was the odd one, and which did not check it, got
+// that rank's data first and failed on its size ("message size mismatch:
+// rank 5 sent 260 bytes but rank 4 expected 256"), and the ranks its note
+// reached learnt only their own count.
+TEST(RhdAllReduceTest, EveryRankNamesBothCountsOfADisagreement) {
+  const std::pair<const char*, const AllReduceFn*> modes[] = {{"doubling", &kDoubling},
+                                                              {"halving", &kHalving}};
+  for (const auto& [mode, fn] : modes) {
+    for (int world : {5, 6, 8}) {
+      for (int odd = 0; odd < world; ++odd) {
+        const std::string what = std::string(mode) + ", " + std::to_string(world) +
+                                 " ranks, rank " + std::to_string(odd) + " passes count 65";
+        const std::vector<Status> statuses = RunWithALateOddCount(*fn, world, odd);
+        for (int r = 0; r < world; ++r) {
+          const Status& s = statuses[r];
+          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+          EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) +
+                                             " passed rhd all-reduce, count 65 of f32"))
+              << what << ": rank " << r;
+          EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, count 64 of f32"))
+              << what << ": rank " << r;
+        }
+        // The first case that fails says enough.
+        if (HasFailure()) return;
+      }
+    }
   }
 }
 
