@@ -616,8 +616,11 @@ StatusOr<p2p::RequestId> Requests::Recv(const Where& where, p2p::Tag tag, void* 
   return *id;
 }
 
-Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf) {
+Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf,
+                            bool from_partner) {
   relay_what_ = what;
+  relay_from_ = from;
+  relay_from_partner_ = from_partner;
   relay_to_ = to;
   relay_leaf_ = leaf;
   stop_tag_ = StopNoteTag(phase_tag);
@@ -675,19 +678,25 @@ Status Requests::WaitOrStop(p2p::RequestId id) {
   stopped_by_kind_ = note.theirs.kind;
   SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
   const int finder = static_cast<int>(note.finder);
+  // Who told this rank: the finder itself, or a rank that passed it on.
+  const std::string role =
+      relay_from_partner_ ? "halving-doubling partner" : "ring predecessor";
+  const bool from_finder = relay_from_ == finder;
+  const std::string who = DescribePeer(p2p_, finder) +
+                          (from_finder ? ", this rank's " + role + "," : std::string());
+  const std::string how = from_finder ? "told this rank"
+                                      : "this rank's " + role + " " +
+                                            DescribePeer(p2p_, relay_from_) + " passed that on";
   if (note.theirs.kind == 0) {
     return InvalidArgumentError(
-        DescribePeer(p2p_, finder) + " received data from " +
-        DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
+        who + " received data from " + DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
         " that did not match its own arguments (" + note.finders.ToString() +
-        "), so ranks disagree on the arguments, and that was passed on");
+        "), so ranks disagree on the arguments, and " + how);
   }
-  return InvalidArgumentError(DescribePeer(p2p_, finder) +
-                              " found that ranks disagree on the arguments, and the ring passed "
-                              "that on: " +
-                              DescribePeer(p2p_, static_cast<int>(note.their_rank)) + " passed " +
-                              note.theirs.ToString() + " but " + DescribePeer(p2p_, finder) +
-                              " passed " + note.finders.ToString());
+  return InvalidArgumentError(who + " found that ranks disagree on the arguments, and " + how +
+                              ": " + DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
+                              " passed " + note.theirs.ToString() + " but " +
+                              DescribePeer(p2p_, finder) + " passed " + note.finders.ToString());
 }
 
 Status Requests::Wait(p2p::RequestId id, const Where& where) {

@@ -422,7 +422,11 @@ class Requests {
   /// fails INVALID_ARGUMENT (data of another size, from a peer this rank
   /// does not check) sends a note too, naming that peer and this rank's
   /// own arguments only, as this rank's return would end the others' notes.
-  Status RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf = -1);
+  /// `from_partner`: `from` is this rank's halving-doubling partner (a
+  /// folded rank's), not its ring predecessor; a note's error says which
+  /// of the two passed it on.
+  Status RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf = -1,
+                    bool from_partner = false);
   /// Fingerprint::kind of the rank that differed, as a stop note received
   /// here named it; 0 while none came.
   int32_t stopped_by_kind() const { return stopped_by_kind_; }
@@ -480,9 +484,12 @@ class Requests {
   std::unordered_map<p2p::RequestId, size_t> position_;
   std::deque<std::vector<std::max_align_t>> held_;  // Hold
   // RelayStops: the stop note's receive (0 when none is posted), its
-  // buffer, the rank to send notes on to, and the tag.
+  // buffer, the rank it comes from and whether that is a halving-doubling
+  // partner, the rank to send notes on to, and the tag.
   p2p::RequestId stop_recv_ = 0;
   StopNote* stop_got_ = nullptr;
+  int relay_from_ = -1;
+  bool relay_from_partner_ = false;
   int relay_to_ = -1;
   int relay_leaf_ = -1;
   p2p::Tag stop_tag_ = 0;

@@ -95,7 +95,8 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // the folded ones, waited for them until their deadline.
   internal::PeerCheck check("rhd all-reduce", fingerprint);
   if (folded) {
-    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", tag, r + 1, -1));
+    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", tag, r + 1, -1, -1,
+                                            /*from_partner=*/true));
     DDP_RETURN_IF_ERROR(check.Post(requests, tag, {r + 1}, {}));
   } else {
     const int next = real((nr + 1) % p2), prev = real((nr + p2 - 1) % p2);

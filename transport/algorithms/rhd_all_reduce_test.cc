@@ -211,6 +211,51 @@ TEST(RhdAllReduceTest, EveryRankNamesBothCountsOfADisagreement) {
   }
 }
 
+// A rank told of a disagreement by a stop note says which neighbour told
+// it: a folded rank (even, below 2 (p - p2)) checks nobody and hears from
+// its halving-doubling partner, rank r + 1; an exchanging rank hears from
+// its predecessor in the exchanging ranks' ring. Both said "the ring passed
+// that on", though a folded rank is on no ring.
+TEST(RhdAllReduceTest, ANoteSaysWhichNeighbourPassedItOn) {
+  const std::pair<const char*, const AllReduceFn*> modes[] = {{"doubling", &kDoubling},
+                                                              {"halving", &kHalving}};
+  for (const auto& [mode, fn] : modes) {
+    for (int world : {5, 6, 7}) {
+      int p2 = 1;
+      while (p2 * 2 <= world) p2 *= 2;
+      const int extra = world - p2;
+      auto real = [extra](int v) { return v < extra ? 2 * v + 1 : v + extra; };
+      for (int odd = 0; odd < world; ++odd) {
+        const std::string what = std::string(mode) + ", " + std::to_string(world) +
+                                 " ranks, rank " + std::to_string(odd) + " passes count 65";
+        const std::vector<Status> statuses = RunWithALateOddCount(*fn, world, odd);
+        int folded_seen = 0;
+        for (int r = 0; r < world; ++r) {
+          const std::string& m = statuses[r].message();
+          const bool folded = r < 2 * extra && r % 2 == 0;
+          const bool relayed = m.find("found that ranks disagree") != std::string::npos ||
+                               m.find("did not match its own arguments") != std::string::npos;
+          EXPECT_TRUE(relayed || !folded) << what << ": folded rank " << r << ": " << m;
+          if (!relayed) continue;  // this rank's own check found it
+          const std::string role = folded ? "halving-doubling partner" : "ring predecessor";
+          const int nr = r < 2 * extra ? r / 2 : r - extra;
+          const int from = folded ? r + 1 : real((nr + p2 - 1) % p2);
+          const std::string by = "rank " + std::to_string(from);
+          // Relayed by `from`, or found by it.
+          const bool names_it =
+              m.find("this rank's " + role + " " + by + " passed that on") != std::string::npos ||
+              m.find(by + ", this rank's " + role + ",") != std::string::npos;
+          EXPECT_TRUE(names_it) << what << ": rank " << r << " should name its " << role << " "
+                                << by << ": " << m;
+          folded_seen += folded;
+        }
+        EXPECT_EQ(folded_seen, extra) << what;
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
 TEST(RhdAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
   for (int world : {2, 3, 5, 6}) {
     testing::CheckEmptyAgainstNonEmptyFailsEverywhere(kHalving, kHalving, world);

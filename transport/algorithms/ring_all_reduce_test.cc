@@ -76,9 +76,12 @@ TEST(RingAllReduceTest, MismatchInAGroupNamesEachRankByItsRealRank) {
     EXPECT_FALSE(statuses[real].ok()) << "rank " << real;
     if (m.find("disagree on the arguments") == std::string::npos) continue;  // may see a peer's failure instead
     ++reported;
-    if (m.find("the ring passed that on") != std::string::npos) {
-      // A rank further on, told by a stop note: it names the two ranks that
-      // differ (the odd one, group rank 2, and the one after it), each by both.
+    if (m.find("found that ranks disagree") != std::string::npos) {
+      // A rank further on, told by a stop note from its ring predecessor:
+      // it names the two ranks that differ (the odd one, group rank 2, and
+      // the one after it), each by both.
+      EXPECT_NE(m.find("this rank's ring predecessor"), std::string::npos)
+          << "rank " << real << ": " << m;
       EXPECT_NE(m.find("group rank 2 (rank 1) passed ring all-reduce, count 121"),
                 std::string::npos)
           << "rank " << real << ": " << m;
