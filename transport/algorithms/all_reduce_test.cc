@@ -261,13 +261,20 @@ TEST(AllReduceTest, TreeAndRhdRanksFarFromADisagreeingRankFailPromptly) {
         for (int r = 0; r < world; ++r) {
           const Status& s = statuses[r];
           EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
-          // A rank receiving the odd one's data before any check names it
-          // fails on the data's size, which names both ranks too.
-          // That rank passes on a note naming the odd rank and its own
-          // arguments.
+          // A tree rank receiving the odd one's data before any check names
+          // it fails on the data's size, which names both ranks too. That
+          // rank passes on a note naming the odd rank and its own
+          // arguments. Halving-doubling checks every rank it takes data
+          // from first, so its ranks all name both counts.
           const std::string odd_rank = "rank " + std::to_string(odd);
           const std::string& m = s.message();
-          if (m.find("message size mismatch: " + odd_rank + " sent") != std::string::npos) {
+          if (f.algo != Algorithm::kTree) {
+            EXPECT_THAT(m, HasSubstr(odd_rank + " passed " + f.name + ", count 65"))
+                << what << ": rank " << r << ": " << s;
+            EXPECT_THAT(m, HasSubstr("passed " + std::string(f.name) + ", count 64"))
+                << what << ": rank " << r << ": " << s;
+          } else if (m.find("message size mismatch: " + odd_rank + " sent") !=
+                     std::string::npos) {
             EXPECT_THAT(m, HasSubstr("but rank " + std::to_string(r) + " expected"))
                 << what << ": rank " << r << ": " << s;
           } else if (m.find("data from " + odd_rank + " that did not match") !=
