@@ -164,7 +164,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        torchrun's join_timeout)
   --node_timeout=SEC   heartbeat silence after which a node is dead (default 30;
                        node 0's counts: a node given a longer one beats by it)
-  --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5)
+  --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5;
+                       torchrun's --shutdown_timeout, PET_SHUTDOWN_TIMEOUT and
+                       TORCH_ELASTIC_SHUTDOWN_TIMEOUT set it too)
   --max_run_time=SEC   stop the workers after this long (default: no limit)
 
   --role=NAME          the workers' ROLE_NAME (default: default)
@@ -246,7 +248,7 @@ constexpr PetFlag kPetFlags[] = {
     {"redirects", false},      {"tee", false},         {"local_ranks_filter", false},
     {"local_addr", false},     {"no_python", true},
     {"module", true},          {"run_path", true},     {"event_log_handler", false},
-    {"signals_to_handle", false},
+    {"signals_to_handle", false}, {"shutdown_timeout", false},
 };
 
 // ddprun's own flags, and torchrun's that have no `env` action
@@ -349,6 +351,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   std::optional<int> keep_alive_attempts;
   bool token_given = false;
   bool redirects = false;
+  // --grace_period or torchrun's --shutdown_timeout (or PET_SHUTDOWN_TIMEOUT)
+  // was given: TORCH_ELASTIC_SHUTDOWN_TIMEOUT then does not count.
+  bool grace_given = false;
   // The flags on the command line, by name (dashes as underscores): a
   // PET_ variable stands in only for the others.
   FlagNames given;
@@ -399,7 +404,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         o.help = true;
         return -1;
       }
-      if (on_command_line) given.insert(name);
+      if (on_command_line) {
+        given.insert(name);
+        // The same setting: PET_SHUTDOWN_TIMEOUT must not override it.
+        if (name == "grace_period") given.insert("shutdown_timeout");
+      }
 
       auto take_value = [&]() -> StatusOr<std::string> {
         if (value) return *value;
@@ -723,8 +732,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "node_timeout") {
         DDP_RETURN_IF_ERROR(take_seconds(o.node_timeout, /*positive=*/true));
         node_timeout_given = true;
-      } else if (name == "grace_period") {
+      } else if (name == "grace_period" || name == "shutdown_timeout") {
+        // torchrun's --shutdown_timeout (torch 2.12 on) is the same wait
+        // between SIGTERM and SIGKILL.
         DDP_RETURN_IF_ERROR(take_seconds(o.grace, /*positive=*/false));
+        grace_given = true;
       } else if (name == "max_run_time") {
         DDP_RETURN_IF_ERROR(take_seconds(o.max_run_time, /*positive=*/false));
       } else {
@@ -848,6 +860,18 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
     }
   }
   if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
+  // torchrun's launcher takes its shutdown timeout from
+  // TORCH_ELASTIC_SHUTDOWN_TIMEOUT when no flag gives it: a job that saves
+  // a checkpoint on SIGTERM sets it to the time the save takes, and was
+  // killed after ddprun's 5 s instead.
+  if (auto it = env.find("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"); !grace_given && it != env.end() && !it->second.empty()) {
+    const std::optional<milliseconds> v = ParseSeconds(it->second);
+    if (!v) {
+      return InvalidArgumentError("TORCH_ELASTIC_SHUTDOWN_TIMEOUT='" + it->second +
+                                  "' (from the environment) is not a number of seconds");
+    }
+    o.grace = *v;
+  }
   if (!token_given) {
     if (auto it = env.find(kEnvJobToken); it != env.end()) o.job_token = it->second;
   }

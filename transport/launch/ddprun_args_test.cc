@@ -685,6 +685,29 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
                 {{"PET_NNODES", "4"}, {"PET_NODE_RANK", "4"}, {"PET_MASTER_ADDR", "h"}, {"DDP_JOB_TOKEN", "t"}});
 }
 
+// torchrun's --shutdown_timeout is --grace_period; PET_SHUTDOWN_TIMEOUT and
+// then TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's launcher reads it) stand
+// in when neither flag is given. The flag was an unknown one, and both
+// variables were ignored.
+TEST(DdprunArgsTest, ShutdownTimeoutIsTheGracePeriod) {
+  StatusOr<DdprunOptions> o = Parse({"--shutdown-timeout", "30", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 30000ms);
+  o = Parse({"p"}, {{"PET_SHUTDOWN_TIMEOUT", "40"}, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "50"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 40000ms);
+  o = Parse({"p"}, {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "50"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 50000ms);
+  // The command line wins, in either spelling.
+  o = Parse({"--grace_period=2", "p"}, {{"PET_SHUTDOWN_TIMEOUT", "40"}, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "50"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 2000ms);
+  ExpectRefused({"--shutdown_timeout=soon", "p"}, "--shutdown_timeout=soon is not a number of seconds");
+  ExpectRefused({"p"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='30s' (from the environment) is not a number of seconds",
+                {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30s"}});
+}
+
 // Seconds are digits with an optional fraction; a positive value too small
 // for a millisecond counts as one rather than as zero.
 TEST(DdprunArgsTest, SecondsAreDigitsWithAnOptionalFraction) {

@@ -319,6 +319,33 @@ TEST(DdprunTest, AWorkersExitCodeIsNotPassedThrough) {
                                         "workers\n"));
 }
 
+// torchrun's --shutdown_timeout (and TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which
+// its launcher reads when no flag is given) is the wait between SIGTERM and
+// SIGKILL: a worker that saves a checkpoint on SIGTERM gets that long. The
+// flag was refused as unknown, and the variable ignored (the save, 6 s,
+// was killed after ddprun's default 5 s).
+TEST(DdprunTest, TorchrunsShutdownTimeoutIsTheGracePeriod) {
+  // Rank 1 saves for 6 s on SIGTERM; rank 0 fails once rank 1 is ready.
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then trap 'sleep 6; echo saved > \"$1/saved\"; exit 0' TERM; : > \"$1/ready\"; "
+      "while :; do sleep 0.1; done; fi; "
+      "i=0; while [ ! -e \"$1/ready\" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done; exit 1";
+  for (const bool from_env : {false, true}) {
+    const std::string dir = testing::MakeTempDir(from_env ? "ddprun_shutdown_env" : "ddprun_shutdown_flag");
+    std::vector<std::string> argv = {Ddprun(), "--standalone", "--nproc_per_node=2"};
+    if (!from_env) argv.push_back("--shutdown-timeout=20");
+    for (const std::string a : {"/bin/sh", "-c", script.c_str(), "sh"}) argv.push_back(a);
+    argv.push_back(dir);
+    const auto run = RunProgram(argv, from_env ? std::vector<std::pair<std::string, std::string>>{
+                                                     {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "20"}}
+                                               : std::vector<std::pair<std::string, std::string>>{});
+    EXPECT_EQ(run.exit_code, 1) << run.output;
+    EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 0 \\(pid [0-9]+\\) exited with code 1"));
+    EXPECT_EQ(ReadFile(dir + "/saved"), "saved\n") << (from_env ? "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" : "flag")
+                                                   << "\n" << run.output;
+  }
+}
+
 TEST(DdprunTest, WorkerKilledBySignalStopsTheGroupAndNamesTheSignal) {
   const std::string dir = testing::MakeTempDir("ddprun_signal");
   const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=3"},
