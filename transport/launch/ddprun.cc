@@ -170,6 +170,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --max_run_time=SEC   stop the workers after this long (default: no limit)
 
   --role=NAME          the workers' ROLE_NAME (default: default)
+  --virtual_local_rank each worker gets LOCAL_RANK=0 and one device as
+                       CUDA_VISIBLE_DEVICES (its local rank's entry there, or
+                       its local rank), as torchrun's
 
 SEC is a number of seconds, digits with an optional fraction (30, 0.5).
 Dashes and underscores in flag names are interchangeable, and any unique start
@@ -248,7 +251,7 @@ constexpr PetFlag kPetFlags[] = {
     {"redirects", false},      {"tee", false},         {"local_ranks_filter", false},
     {"local_addr", false},     {"no_python", true},
     {"module", true},          {"run_path", true},     {"event_log_handler", false},
-    {"signals_to_handle", false}, {"shutdown_timeout", false},
+    {"signals_to_handle", false}, {"shutdown_timeout", false}, {"virtual_local_rank", true},
 };
 
 // ddprun's own flags, and torchrun's that have no `env` action
@@ -354,6 +357,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // --grace_period or torchrun's --shutdown_timeout (or PET_SHUTDOWN_TIMEOUT)
   // was given: TORCH_ELASTIC_SHUTDOWN_TIMEOUT then does not count.
   bool grace_given = false;
+  bool virtual_local_rank = false;
   // The flags on the command line, by name (dashes as underscores): a
   // PET_ variable stands in only for the others.
   FlagNames given;
@@ -719,6 +723,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "job_token") {
         DDP_ASSIGN_OR_RETURN(o.job_token, take_value());
         token_given = true;
+      } else if (name == "virtual_local_rank") {
+        DDP_RETURN_IF_ERROR(no_value());
+        virtual_local_rank = true;
       } else if (name == "no_python") {
         // torchrun's way of saying "PROGRAM is not a Python script": ddprun
         // always runs PROGRAM itself.
@@ -891,6 +898,37 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // torchrun's --tee 3 or --redirects 3 without --log_dir (torchtitan's and
   // torchchat's launch lines) log into a temporary folder of their own.
   o.temp_log_dir = o.log_dir.empty() && (o.tee || redirects);
+  if (virtual_local_rank) {
+    // As torchrun: each worker sees one device, as device 0 with
+    // LOCAL_RANK=0: the local rank's entry of CUDA_VISIBLE_DEVICES, or the
+    // local rank itself when that is not set.
+    const auto visible = env.find("CUDA_VISIBLE_DEVICES");
+    if (visible == env.end()) {
+      for (int local = 0; local < o.nproc_per_node; ++local) o.virtual_devices.push_back(std::to_string(local));
+    } else {
+      const std::string& list = visible->second;
+      size_t start = 0;
+      while (!list.empty()) {
+        const size_t comma = list.find(',', start);
+        std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        item.erase(0, item.find_first_not_of(" \t"));
+        item.erase(item.find_last_not_of(" \t") + 1);
+        if (item.empty()) {
+          return InvalidArgumentError("--virtual_local_rank: CUDA_VISIBLE_DEVICES='" + list +
+                                      "' has an empty entry (each worker is given one device of it)");
+        }
+        o.virtual_devices.push_back(item);
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+      if (static_cast<int>(o.virtual_devices.size()) < o.nproc_per_node) {
+        return InvalidArgumentError("--virtual_local_rank gives each worker one device of CUDA_VISIBLE_DEVICES='" +
+                                    list + "', which names " + std::to_string(o.virtual_devices.size()) +
+                                    ", fewer than --nproc_per_node=" + std::to_string(o.nproc_per_node));
+      }
+      o.virtual_devices.resize(o.nproc_per_node);
+    }
+  }
   if (!o.local_ranks_filter.empty() && o.local_ranks_filter.back() >= o.nproc_per_node) {
     return InvalidArgumentError("--local_ranks_filter names local rank " +
                                 std::to_string(o.local_ranks_filter.back()) + ", but --nproc_per_node=" +
@@ -2421,7 +2459,9 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       // TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
       for (auto& [name, value] : spec.env) {
         if (name == kEnvMasterPort) value = std::to_string(torch_port);
+        if (name == kEnvLocalRank && !o.virtual_devices.empty()) value = "0";
       }
+      if (!o.virtual_devices.empty()) spec.env.emplace_back("CUDA_VISIBLE_DEVICES", o.virtual_devices[local]);
       spec.env.emplace_back(kEnvTorchAgentStore, "False");
       // torchrun's other variables, for programs written against it.
       spec.env.emplace_back("GROUP_WORLD_SIZE", std::to_string(o.nnodes));

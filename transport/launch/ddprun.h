@@ -106,6 +106,10 @@ struct DdprunOptions {
   /// endpoint.
   std::optional<bool> is_host;
   std::string role = "default";  ///< --role: the workers' ROLE_NAME.
+  /// --virtual_local_rank (torchrun's): worker L gets LOCAL_RANK=0 and
+  /// CUDA_VISIBLE_DEVICES=virtual_devices[L], one device each (the L-th of
+  /// the launcher's CUDA_VISIBLE_DEVICES, else L). Empty: off.
+  std::vector<std::string> virtual_devices;
   /// TORCHELASTIC_ERROR_FILE of the launcher's own environment (its own
   /// launcher or scheduler asked for its error), taken before the workers
   /// get theirs. On a failure RunDdprun writes the root-cause worker's

@@ -708,6 +708,29 @@ TEST(DdprunArgsTest, ShutdownTimeoutIsTheGracePeriod) {
                 {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30s"}});
 }
 
+// torchrun's --virtual_local_rank (and PET_VIRTUAL_LOCAL_RANK=1): one device
+// per worker, from CUDA_VISIBLE_DEVICES when set. It was an unknown flag.
+TEST(DdprunArgsTest, VirtualLocalRankTakesOneDeviceEach) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=3", "--virtual_local_rank", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->virtual_devices, (std::vector<std::string>{"0", "1", "2"}));
+  o = Parse({"--nproc_per_node=2", "p"}, {{"PET_VIRTUAL_LOCAL_RANK", "1"}, {"CUDA_VISIBLE_DEVICES", "GPU-a, GPU-b,2"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->virtual_devices, (std::vector<std::string>{"GPU-a", "GPU-b"}));
+  o = Parse({"--nproc_per_node=2", "p"}, {{"CUDA_VISIBLE_DEVICES", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->virtual_devices.empty());
+  ExpectRefused({"--nproc_per_node=2", "--virtual_local_rank", "p"},
+                "--virtual_local_rank: CUDA_VISIBLE_DEVICES='0,,1' has an empty entry (each worker is given one "
+                "device of it)",
+                {{"CUDA_VISIBLE_DEVICES", "0,,1"}});
+  ExpectRefused({"--nproc_per_node=2", "--virtual_local_rank", "p"},
+                "--virtual_local_rank gives each worker one device of CUDA_VISIBLE_DEVICES='', which names 0, "
+                "fewer than --nproc_per_node=2",
+                {{"CUDA_VISIBLE_DEVICES", ""}});
+  ExpectRefused({"--virtual_local_rank=1", "p"}, "--virtual_local_rank takes no value");
+}
+
 // Seconds are digits with an optional fraction; a positive value too small
 // for a millisecond counts as one rather than as zero.
 TEST(DdprunArgsTest, SecondsAreDigitsWithAnOptionalFraction) {

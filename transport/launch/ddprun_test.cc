@@ -220,6 +220,38 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
                                     "--log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log\n"));
 }
 
+// torchrun's --virtual_local_rank: every worker gets LOCAL_RANK=0 and one
+// device, its local rank's entry of CUDA_VISIBLE_DEVICES (or its local rank
+// when that is not set), which it then sees as device 0. It was refused as
+// an unknown flag.
+TEST(DdprunTest, VirtualLocalRankGivesEachWorkerOneDevice) {
+  const std::vector<std::string> argv = {Ddprun(), "--standalone", "--nproc_per_node=2", "--virtual-local-rank",
+                                         "/bin/sh", "-c",
+                                         "echo \"rank $RANK local $LOCAL_RANK/$LOCAL_WORLD_SIZE "
+                                         "devices ${CUDA_VISIBLE_DEVICES-unset}\""};
+  auto run = RunProgram(argv, {{"CUDA_VISIBLE_DEVICES", "3, 5,6"}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] rank 0 local 0/2 devices 3\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1 local 0/2 devices 5\n"));
+  unsetenv("CUDA_VISIBLE_DEVICES");  // the test's own environment, which the launcher gets
+  run = RunProgram(argv);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] rank 0 local 0/2 devices 0\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1 local 0/2 devices 1\n"));
+  // Without it, LOCAL_RANK is the local rank and the devices are left alone.
+  run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "/bin/sh", "-c",
+                    "echo \"rank $RANK local $LOCAL_RANK devices ${CUDA_VISIBLE_DEVICES-unset}\""},
+                   {{"CUDA_VISIBLE_DEVICES", "3,5"}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1 local 1 devices 3,5\n"));
+  // Fewer devices than workers: refused before anything starts.
+  run = RunProgram(argv, {{"CUDA_VISIBLE_DEVICES", "7"}});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_EQ(run.output,
+            "ddprun: --virtual_local_rank gives each worker one device of CUDA_VISIBLE_DEVICES='7', which "
+            "names 1, fewer than --nproc_per_node=2\n");
+}
+
 // Worker output that passes through ddprun (prefixes, log files, a ranks
 // filter) reaches Python as a pipe, which it buffers in 8 KiB blocks: a
 // PyTorch program's print() lines came minutes late, and were lost with a
