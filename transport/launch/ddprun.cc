@@ -683,9 +683,13 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         // --tee=3 or --tee 3. ddprun keeps a worker's two streams together,
         // so only 0 and 3 mean anything here. A bare --tee is --tee=3;
         // --redirects=3 is what --log_dir does anyway.
+        // The next argument is the value when it looks like one: a code
+        // (`--tee 3`) or a per-rank map (`-r 0:3,1:2`), so that a value
+        // ddprun does not take is refused as such instead of being run as
+        // the program ('0:3,1:2' not found).
         std::string code = value.value_or("");
-        if (!value && i + 1 < argc && std::string_view(argv[i + 1]).size() == 1 &&
-            argv[i + 1][0] >= '0' && argv[i + 1][0] <= '3') {
+        if (!value && i + 1 < argc && argv[i + 1][0] != '\0' &&
+            std::string_view(argv[i + 1]).find_first_not_of("0123456789:,") == std::string_view::npos) {
           code = argv[++i];
         }
         if (code.empty() && name == "redirects") return InvalidArgumentError("--redirects needs a value");

@@ -805,6 +805,9 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--tee=yes", "p"}, codes("--tee=yes"));
   ExpectRefused({"--log_dir=/tmp/x", "--redirects=1", "p"}, codes("--redirects=1"));
   ExpectRefused({"--log_dir=/tmp/x", "--tee=0:1,1:2", "p"}, codes("--tee=0:1,1:2"));
+  // Also given as the next argument, which was taken for the program.
+  ExpectRefused({"--log_dir=/tmp/x", "--tee", "0:1,1:2", "p"}, codes("--tee=0:1,1:2"));
+  ExpectRefused({"-r", "1", "p"}, codes("--redirects=1"));
   ExpectRefused({"--frobnicate", "p"}, "unknown flag --frobnicate (see ddprun --help)");
   ExpectRefused({"--nproc_per_node=2"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   ExpectRefused({"--job_token=" + std::string(300, 't'), "p"},

@@ -938,6 +938,24 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
   ExpectBadInput({Ddprun(), "--standalone"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
 }
 
+// torchrun's per-rank stream maps given as the next argument (`--tee
+// 0:3,1:3`, `-r 0:1`) are values ddprun does not take: refused naming the
+// flag, as with `=`. They were taken for the program ('0:3,1:3' not found
+// in PATH), or for a missing value (`-r 0:1`: --redirects needs a value).
+TEST(DdprunTest, TorchrunsPerRankStreamMapsAreRefusedNamed) {
+  const std::string codes =
+      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr, which it keeps together); 1, 2 "
+      "and per-rank maps are not supported";
+  ExpectBadInput({Ddprun(), "--standalone", "--tee", "0:3,1:3", "/bin/true"}, "--tee=0:3,1:3" + codes);
+  ExpectBadInput({Ddprun(), "--standalone", "-r", "0:1", "/bin/true"}, "--redirects=0:1" + codes);
+  ExpectBadInput({Ddprun(), "--standalone", "--tee", "4", "/bin/true"}, "--tee=4" + codes);
+  // Codes ddprun takes still work that way, and a bare --tee is --tee 3.
+  const auto run = RunProgram({Ddprun(), "--standalone", "--log_dir=" + testing::MakeTempDir("ddprun_tee_next"),
+                               "--tee", "/bin/sh", "-c", "echo teed"});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("teed\n"));
+}
+
 // `bazel run //:ddprun -- ... ./train` runs ddprun in its runfiles folder
 // with the user's folder in BUILD_WORKING_DIRECTORY: a relative program,
 // --log_dir and program argument are the user's, and the workers run there.
