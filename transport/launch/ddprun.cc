@@ -487,9 +487,16 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           if (end == std::string::npos) end = text.size();
           const std::string item = text.substr(start, end - start);
           start = end + 1;
+          // As torchrun, spaces around a key and its value do not count
+          // ("join_timeout=900, last_call_timeout=60").
+          auto trimmed = [](std::string text) {
+            text.erase(0, text.find_first_not_of(" \t"));
+            text.erase(text.find_last_not_of(" \t") + 1);
+            return text;
+          };
           const size_t eq = item.find('=');
-          const std::string key = item.substr(0, eq);
-          const std::string raw = eq == std::string::npos ? "" : item.substr(eq + 1);
+          const std::string key = trimmed(item.substr(0, eq));
+          const std::string raw = eq == std::string::npos ? "" : trimmed(item.substr(eq + 1));
           const std::optional<milliseconds> parsed = eq == std::string::npos ? std::nullopt : ParseSeconds(raw);
           const milliseconds seconds = parsed.value_or(milliseconds(-1));  // -1: not a time
           const bool positive = seconds.count() > 0;

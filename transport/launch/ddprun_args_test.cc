@@ -731,6 +731,18 @@ TEST(DdprunArgsTest, VirtualLocalRankTakesOneDeviceEach) {
   ExpectRefused({"--virtual_local_rank=1", "p"}, "--virtual_local_rank takes no value");
 }
 
+// Spaces around --rdzv_conf's keys and values do not count, as under
+// torchrun; they made the key unknown.
+TEST(DdprunArgsTest, RdzvConfTakesSpacesAroundItsItems) {
+  StatusOr<DdprunOptions> o = Parse({"--rdzv_conf= join_timeout =900, read_timeout= 5 ,last_call_timeout=\t2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->rdzv_timeout, 900000ms);
+  EXPECT_EQ(o->store_call_time, 5000ms);
+  EXPECT_EQ(o->last_call, 2000ms);
+  ExpectRefused({"--rdzv_conf=read_timeout= ", "p"},
+                "--rdzv_conf=read_timeout= : 'read_timeout= ': read_timeout takes a positive number of seconds");
+}
+
 // Seconds are digits with an optional fraction; a positive value too small
 // for a millisecond counts as one rather than as zero.
 TEST(DdprunArgsTest, SecondsAreDigitsWithAnOptionalFraction) {

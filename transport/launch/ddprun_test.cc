@@ -956,6 +956,16 @@ TEST(DdprunTest, TorchrunsPerRankStreamMapsAreRefusedNamed) {
   EXPECT_THAT(run.output, HasSubstr("teed\n"));
 }
 
+// As torchrun's, --rdzv_conf takes spaces around its keys and values
+// ("join_timeout=900, read_timeout=5", as people write it); the second
+// item was refused as an unknown key ' read_timeout'.
+TEST(DdprunTest, RdzvConfTakesSpacesAroundItsItems) {
+  const auto run = RunProgram({Ddprun(), "--standalone", "--rdzv-conf", "join_timeout=900, read_timeout = 5",
+                               "/bin/sh", "-c", "echo conf ok"});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("conf ok\n"));
+}
+
 // `bazel run //:ddprun -- ... ./train` runs ddprun in its runfiles folder
 // with the user's folder in BUILD_WORKING_DIRECTORY: a relative program,
 // --log_dir and program argument are the user's, and the workers run there.
