@@ -252,6 +252,7 @@ constexpr PetFlag kPetFlags[] = {
     {"local_addr", false},     {"no_python", true},
     {"module", true},          {"run_path", true},     {"event_log_handler", false},
     {"signals_to_handle", false}, {"shutdown_timeout", false}, {"virtual_local_rank", true},
+    {"duplicate_stdout_filters", false}, {"duplicate_stderr_filters", false},
 };
 
 // ddprun's own flags, and torchrun's that have no `env` action
@@ -734,6 +735,16 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "job_token") {
         DDP_ASSIGN_OR_RETURN(o.job_token, take_value());
         token_given = true;
+      } else if (name == "duplicate_stdout_filters" || name == "duplicate_stderr_filters") {
+        // torchrun copies the lines of one stream that match a filter to a
+        // file of their own; ddprun keeps a worker's two streams together
+        // and has no such file: refused, rather than the copy silently
+        // missing.
+        DDP_ASSIGN_OR_RETURN(std::string filters, take_value());
+        return InvalidArgumentError(Flag(name, filters) +
+                                    " is not supported: ddprun copies no matching lines to a file of their "
+                                    "own (a worker's stdout and stderr go together to the terminal and, with "
+                                    "--log_dir or --tee, to its rank_R.log, which grep can filter)");
       } else if (name == "virtual_local_rank") {
         DDP_RETURN_IF_ERROR(no_value());
         virtual_local_rank = true;

@@ -966,6 +966,20 @@ TEST(DdprunTest, RdzvConfTakesSpacesAroundItsItems) {
   EXPECT_THAT(run.output, HasSubstr("conf ok\n"));
 }
 
+// torchrun's --duplicate_stdout_filters and --duplicate_stderr_filters copy
+// matching lines to a file ddprun does not make: refused with the reason,
+// and where the lines are instead. They were "unknown" flags.
+TEST(DdprunTest, DuplicateOutputFiltersAreRefusedWithTheReason) {
+  const std::string why =
+      " is not supported: ddprun copies no matching lines to a file of their own (a worker's stdout and stderr go "
+      "together to the terminal and, with --log_dir or --tee, to its rank_R.log, which grep can filter)";
+  ExpectBadInput({Ddprun(), "--standalone", "--duplicate-stdout-filters", "loss,step", "/bin/true"},
+                 "--duplicate_stdout_filters=loss,step" + why);
+  ExpectBadInput({Ddprun(), "--standalone", "/bin/true"},
+                 "PET_DUPLICATE_STDERR_FILTERS='nan' (from the environment): --duplicate_stderr_filters=nan" + why,
+                 {{"PET_DUPLICATE_STDERR_FILTERS", "nan"}});
+}
+
 // `bazel run //:ddprun -- ... ./train` runs ddprun in its runfiles folder
 // with the user's folder in BUILD_WORKING_DIRECTORY: a relative program,
 // --log_dir and program argument are the user's, and the workers run there.
