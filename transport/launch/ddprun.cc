@@ -154,7 +154,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        and torchrun's -t CODE and -r CODE for them); without
                        --log_dir, --tee or --redirects=3 log into a fresh
                        $TMPDIR/torchelastic_XXXXXX, as torchrun
-  --no_prefix          do not start terminal lines with "[rank] "
+  --no_prefix          do not start terminal lines with "[rank] " (or with
+                       torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
+                       $rank, $local_rank and $role_name filled in, if set)
   --local_ranks_filter=R[,R...]
                        show only these local ranks' output on the terminal
                        (log files still get every rank's)
@@ -907,6 +909,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (auto it = env.find(kEnvErrorFile); it != env.end()) {
     o.error_file = it->second;
   }
+  if (auto it = env.find("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"); it != env.end()) {
+    o.line_prefix_template = it->second;
+  }
   if (o.job_token.size() > kMaxJobTokenBytes) {
     return InvalidArgumentError("the job token is " + std::to_string(o.job_token.size()) +
                                 " bytes long, more than the limit of " +
@@ -1289,6 +1294,49 @@ std::string SubstituteLocalRank(const std::string& arg, int local_rank) {
     } else {
       out += arg[i++];
     }
+  }
+  return out;
+}
+
+// torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, filled in as Python's
+// string.Template.safe_substitute does: "$name" or "${name}" for rank,
+// local_rank and role_name, "$$" for "$", anything else left as it is.
+std::string LinePrefix(const std::string& pattern, int rank, int local_rank, const std::string& role) {
+  auto value_of = [&](std::string_view name) -> std::optional<std::string> {
+    if (name == "rank") return std::to_string(rank);
+    if (name == "local_rank") return std::to_string(local_rank);
+    if (name == "role_name") return role;
+    return std::nullopt;
+  };
+  auto is_start = [](char c) { return std::isalpha(static_cast<unsigned char>(c)) || c == '_'; };
+  auto is_part = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  std::string out;
+  for (size_t i = 0; i < pattern.size();) {
+    if (pattern[i] != '$' || i + 1 == pattern.size()) {
+      out += pattern[i++];
+      continue;
+    }
+    if (pattern[i + 1] == '$') {
+      out += '$';
+      i += 2;
+      continue;
+    }
+    const bool braced = pattern[i + 1] == '{';
+    const size_t start = i + (braced ? 2 : 1);
+    size_t end = start;
+    if (end < pattern.size() && is_start(pattern[end])) {
+      while (end < pattern.size() && is_part(pattern[end])) ++end;
+    }
+    const std::optional<std::string> value =
+        end > start && (!braced || (end < pattern.size() && pattern[end] == '}'))
+            ? value_of(std::string_view(pattern).substr(start, end - start))
+            : std::nullopt;
+    if (!value) {
+      out += pattern[i++];
+      continue;
+    }
+    out += *value;
+    i = end + (braced ? 1 : 0);
   }
   return out;
 }
@@ -2474,6 +2522,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       spec.rank = env.rank;
       spec.program = *program;
       spec.argv.push_back(o.command[0]);
+      if (!o.line_prefix_template.empty()) spec.line_prefix = LinePrefix(o.line_prefix_template, env.rank, local, o.role);
       for (size_t a = 1; a < o.command.size(); ++a) spec.argv.push_back(SubstituteLocalRank(o.command[a], local));
       spec.env = ToEnvironment(env);
       // The store is at DDP_STORE_ADDR:DDP_STORE_PORT; MASTER_PORT is left to

@@ -106,6 +106,11 @@ struct DdprunOptions {
   /// endpoint.
   std::optional<bool> is_host;
   std::string role = "default";  ///< --role: the workers' ROLE_NAME.
+  /// torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE from the launcher's
+  /// environment: with $rank, $local_rank and $role_name (or ${...}), the
+  /// prefix of the workers' terminal lines instead of "[rank] ". Empty:
+  /// "[rank] ".
+  std::string line_prefix_template;
   /// --virtual_local_rank (torchrun's): worker L gets LOCAL_RANK=0 and
   /// CUDA_VISIBLE_DEVICES=virtual_devices[L], one device each (the L-th of
   /// the launcher's CUDA_VISIBLE_DEVICES, else L). Empty: off.

@@ -902,6 +902,26 @@ TEST(DdprunTest, NoPrefix) {
   EXPECT_THAT(run.output, Not(HasSubstr("[1]")));
 }
 
+// torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE ($rank, $local_rank and
+// $role_name, braced or not; $$ is $) is the prefix of the workers' lines
+// instead of "[rank] ". It was ignored.
+TEST(DdprunTest, TorchrunsLinePrefixTemplateStartsTheWorkersLines) {
+  const std::vector<std::string> argv = {Ddprun(), "--standalone", "--nproc_per_node=2", "--role=trainer",
+                                         "/bin/sh", "-c", "echo \"hello from $RANK\""};
+  auto run = RunProgram(argv, {{"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "${role_name}$rank/${local_rank} $$$ranks: "}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("trainer0/0 $$ranks: hello from 0\n"));
+  EXPECT_THAT(run.output, HasSubstr("trainer1/1 $$ranks: hello from 1\n"));
+  EXPECT_THAT(run.output, Not(HasSubstr("[1] ")));
+  // --no_prefix still turns it off.
+  std::vector<std::string> plain = argv;
+  plain.insert(plain.begin() + 1, "--no_prefix");
+  run = RunProgram(plain, {{"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[$rank]: "}});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(CountLines(run.output, "hello from"), 2) << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("]: hello")));
+}
+
 // Bad input: exit status 2 and exactly one line, before any worker starts.
 void ExpectBadInput(std::vector<std::string> argv, const std::string& message,
                     std::vector<std::pair<std::string, std::string>> env = {}) {

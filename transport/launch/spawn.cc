@@ -746,6 +746,7 @@ namespace {
 
 struct Worker {
   int rank = 0;
+  std::string line_prefix;  // "[rank] " unless the spec gives one
   pid_t pid = -1;
   Fd pidfd;
   bool running = false;
@@ -1354,6 +1355,7 @@ class WorkerGroup::Impl {
 
   Status StartOne(const WorkerSpec& spec, Worker& w) {
     w.rank = spec.rank;
+    w.line_prefix = spec.line_prefix.empty() ? "[" + std::to_string(spec.rank) + "] " : spec.line_prefix;
     const OutputOptions& out = options_.output;
     w.to_terminal = out.to_terminal &&
                     (out.terminal_ranks.empty() ||
@@ -1767,7 +1769,7 @@ class WorkerGroup::Impl {
   // One whole line with its prefix in a single write, so that lines of
   // different workers never interleave mid-line.
   void WriteLine(const Worker& w, int s, std::string_view line) {
-    std::string text = "[" + std::to_string(w.rank) + "] ";
+    std::string text = w.line_prefix;
     text.append(line);
     terminals_[s].Write(text);
   }

@@ -54,6 +54,9 @@ struct WorkerSpec {
   std::vector<std::string> argv;  ///< Full argument vector, argv[0] included.
   /// Set on top of the launcher's own environment (later entries win).
   std::vector<std::pair<std::string, std::string>> env;
+  /// With OutputOptions::prefix: what starts each of its terminal lines;
+  /// empty: "[rank] ".
+  std::string line_prefix;
 };
 
 /// Where worker output goes. With every option off but `to_terminal`, the
