@@ -754,10 +754,16 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         // torchrun's way of saying "PROGRAM is not a Python script": ddprun
         // always runs PROGRAM itself.
         DDP_RETURN_IF_ERROR(no_value());
-      } else if (name == "module" || name == "run_path") {
-        return InvalidArgumentError("--" + name +
-                                    " is torchrun's way of running Python; ddprun starts programs: "
-                                    "give the program (e.g. python3 -m MODULE)");
+      } else if (name == "module") {
+        return InvalidArgumentError(
+            "--module is torchrun's way of running Python; ddprun starts programs: give the program "
+            "(e.g. python3 -m MODULE)");
+      } else if (name == "run_path") {
+        // torchrun runs the script in its own interpreter (runpy); here
+        // every worker is a process of its own, so the interpreter runs it.
+        return InvalidArgumentError(
+            "--run_path runs a Python script inside torchrun's own interpreter; ddprun starts programs: "
+            "give the interpreter and the script (e.g. python3 /abs/path/script.py)");
       } else if (name == "rdzv_timeout") {
         DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
       } else if (name == "node_timeout") {

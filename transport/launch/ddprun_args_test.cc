@@ -184,8 +184,8 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "-m runs a Python module under torchrun; ddprun starts programs: give the program "
                 "(e.g. python3 -m MODULE)");
   ExpectRefused({"--run_path", "x.py"},
-                "--run_path is torchrun's way of running Python; ddprun starts programs: give the "
-                "program (e.g. python3 -m MODULE)");
+                "--run_path runs a Python script inside torchrun's own interpreter; ddprun starts programs: "
+                "give the interpreter and the script (e.g. python3 /abs/path/script.py)");
   ExpectRefused({"--no_python=1", "p"}, "--no_python takes no value");
   // torchrun's worker counts by device; CUDA_VISIBLE_DEVICES decides here.
   o = Parse({"--nproc_per_node=gpu", "p"}, {{"CUDA_VISIBLE_DEVICES", "0,1,2,3"}});

@@ -1000,6 +1000,22 @@ TEST(DdprunTest, DuplicateOutputFiltersAreRefusedWithTheReason) {
                  {{"PET_DUPLICATE_STDERR_FILTERS", "nan"}});
 }
 
+// torchrun's ways of running Python inside itself are refused with what to
+// run instead: the interpreter with -m, or with the script. --run_path
+// was told to use `python3 -m MODULE`, which is not what it runs.
+TEST(DdprunTest, TorchrunsInProcessPythonFlagsAreRefusedWithWhatToRunInstead) {
+  ExpectBadInput({Ddprun(), "--standalone", "-m", "mypkg.train"},
+                 "-m runs a Python module under torchrun; ddprun starts programs: give the program (e.g. "
+                 "python3 -m MODULE)");
+  ExpectBadInput({Ddprun(), "--standalone", "--run-path", "/abs/train.py"},
+                 "--run_path runs a Python script inside torchrun's own interpreter; ddprun starts programs: "
+                 "give the interpreter and the script (e.g. python3 /abs/path/script.py)");
+  ExpectBadInput({Ddprun(), "--standalone", "/bin/true"},
+                 "PET_MODULE='1' (from the environment): --module is torchrun's way of running Python; ddprun "
+                 "starts programs: give the program (e.g. python3 -m MODULE)",
+                 {{"PET_MODULE", "1"}});
+}
+
 // `bazel run //:ddprun -- ... ./train` runs ddprun in its runfiles folder
 // with the user's folder in BUILD_WORKING_DIRECTORY: a relative program,
 // --log_dir and program argument are the user's, and the workers run there.
