@@ -3,6 +3,9 @@
 // without find_unused_parameters), models that differ across ranks, the
 // bucket rebuild, communication hooks, statistics and the trace file.
 
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -3680,6 +3683,102 @@ TEST(DdpFeaturesTest, AnUnwritableTracePrefixFailsConstruction) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/t_rank0.partial.json"), std::string::npos)
         << e.what();
   }
+}
+
+// A fresh folder under the test's temporary one, for FIFOs of its own.
+std::string FreshTraceFolder() {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string pattern = std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_trace_fifo_XXXXXX";
+  return ::mkdtemp(pattern.data()) != nullptr ? pattern : "";
+}
+
+// Reads `fifo` as `cat fifo &` would, opened before the run (non-blocking,
+// so that the open does not wait for a writer), until the writer closes it
+// or `deadline` passes; `*ended` tells which.
+std::thread ReadFifo(const std::string& fifo, std::chrono::seconds deadline, std::string* text, bool* ended) {
+  const int fd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  return std::thread([fd, deadline, text, ended] {
+    *ended = false;
+    if (fd < 0) return;
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    char buffer[4096];
+    for (auto now = std::chrono::steady_clock::now(); now < until; now = std::chrono::steady_clock::now()) {
+      // Until a writer has come, Linux reports nothing here (no POLLHUP).
+      pollfd p{fd, POLLIN, 0};
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
+      if (::poll(&p, 1, static_cast<int>(left.count()) + 1) <= 0) continue;
+      const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+      if (n == 0) {
+        *ended = true;
+        break;
+      }
+      if (n > 0) text->append(buffer, static_cast<size_t>(n));
+    }
+    ::close(fd);
+  });
+}
+
+// A trace path that is a FIFO (mkfifo t_rank0.json; cat t_rank0.json) is
+// streamed: its reader gets one complete JSON document when the wrapper
+// ends, with every iteration's events; no partial file is made, and the
+// FIFO stays a FIFO. Before, nothing was written to the FIFO (the end's
+// write refused to replace it, with a warning), and its reader waited.
+TEST(DdpFeaturesTest, ATraceThatIsAFifoIsStreamedToItsReader) {
+  const std::string dir = FreshTraceFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/t_rank0.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::string text;
+  bool ended = false;
+  std::thread reader = ReadFifo(fifo, std::chrono::seconds(60), &text, &ended);
+  {
+    DistributedDataParallel ddp(nn::modules::MakeMlp(), {.process_group = ProcessGroup::Single(),
+                                                         .trace_prefix = dir + "/t_"});
+    const auto& data = testing::FashionMnist();
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+  }
+  reader.join();
+  EXPECT_TRUE(ended) << "the stream was not ended: " << text;
+  nlohmann::json doc;
+  ASSERT_NO_THROW(doc = nlohmann::json::parse(text)) << text;
+  std::map<std::string, int> names;
+  for (const auto& e : doc["traceEvents"]) {
+    EXPECT_EQ(e["pid"], 0) << e.dump();
+    if (e["ph"] == "X") ++names[e["name"].get<std::string>()];
+  }
+  EXPECT_EQ(names["forward"], 3) << text;
+  EXPECT_EQ(doc["otherData"]["dropped_events"], 0) << text;
+  EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/t_rank0.partial.json"));
+}
+
+// A FIFO trace that nothing reads does not hang the run: construction
+// waits trace_reader_wait for a reader, then fails naming the FIFO. Before,
+// construction went on, and the trace was lost at the end with a warning.
+TEST(DdpFeaturesTest, AFifoTraceThatNothingReadsFailsConstructionNamingIt) {
+  const std::string dir = FreshTraceFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/t_rank0.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    DistributedDataParallel ddp(nn::modules::MakeMlp(),
+                                {.process_group = ProcessGroup::Single(), .trace_prefix = dir + "/t_",
+                                 .trace_reader_wait = std::chrono::milliseconds(300)});
+    ADD_FAILURE() << "constructed with a FIFO trace that nothing reads";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("trace: " + fifo + " is a FIFO, and nothing opened it for reading "
+                                         "within 300 ms"),
+              std::string::npos)
+        << e.what();
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 10.0);
+  EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/t_rank0.partial.json"));
 }
 
 // Two DDPs on disjoint one-rank subgroups, one per process: both are rank 0

@@ -393,7 +393,14 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     }
     // The timeline so far, appended at every forward: what a run that dies
     // without unwinding leaves (the complete file is written at the end).
-    if (impl_->trace != nullptr) impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());
+    // A FIFO or a terminal is the stream itself: it cannot be renamed over.
+    if (impl_->trace != nullptr) {
+      if (TraceRecorder::IsStreamTarget(TracePath())) {
+        impl_->trace->StreamDocumentTo(TracePath(), pg_->root_rank(), options_.trace_reader_wait);
+      } else {
+        impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());
+      }
+    }
 
     // 2. Rank 0's values everywhere.
     // Read before the walk: a registration during it is walked again.
@@ -463,7 +470,11 @@ DistributedDataParallel::~DistributedDataParallel() {
   if (impl_->trace != nullptr) {
     bool written = false;
     try {
-      WriteTrace();
+      if (impl_->trace->streams_document()) {
+        impl_->trace->EndDocument();
+      } else {
+        WriteTrace();
+      }
       written = true;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[ddp] rank %d: writing the trace failed: %s\n", pg_->rank(), e.what());
@@ -801,9 +812,16 @@ void DistributedDataParallel::WriteTrace() const {
   if (impl_->trace == nullptr) {
     throw std::logic_error("DistributedDataParallel::WriteTrace: DdpOptions::trace_prefix is empty");
   }
-  // Named by the rank in the job: two subgroups' DDPs share group ranks.
-  impl_->trace->Write(options_.trace_prefix + "rank" + std::to_string(pg_->root_rank()) + ".json",
-                      pg_->root_rank());
+  if (impl_->trace->streams_document()) {
+    impl_->trace->Flush();  // the document ends with the wrapper
+    return;
+  }
+  impl_->trace->Write(TracePath(), pg_->root_rank());
+}
+
+// Named by the rank in the job: two subgroups' DDPs share group ranks.
+std::string DistributedDataParallel::TracePath() const {
+  return options_.trace_prefix + "rank" + std::to_string(pg_->root_rank()) + ".json";
 }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::BucketParameterNames() const {

@@ -116,7 +116,22 @@ struct DdpOptions {
   /// trace viewers open unterminated), removed once the complete file is
   /// written: a run that dies without unwinding leaves that one. A
   /// directory that cannot be written fails construction.
+  /// When `<trace_prefix>rank<r>.json` is a FIFO (named pipe) or a terminal,
+  /// it is streamed instead, with no partial file and no rename (which
+  /// would replace the pipe): construction opens it, every forward appends
+  /// the events so far, and the wrapper's destruction ends the JSON
+  /// document (WriteTrace appends without ending it). Such a path names one
+  /// rank's trace: give each rank that streams its own FIFO; two ranks'
+  /// links to one pipe are refused (the second fails construction, naming
+  /// the path). A FIFO that nothing opens for reading within
+  /// trace_reader_wait fails construction, naming it; a reader that goes
+  /// away (or takes nothing for trace_reader_wait) later is a warning on
+  /// stderr naming the path, and the run goes on without the trace.
   std::string trace_prefix;
+  /// How long a streamed trace (above) waits for its FIFO's reader, at
+  /// construction and at each write. Keep it well under the group's
+  /// timeout: the other ranks wait for this one meanwhile.
+  std::chrono::milliseconds trace_reader_wait{30000};
 };
 
 /// Averages over the iterations of a statistics window, in milliseconds.
@@ -243,7 +258,8 @@ class DistributedDataParallel : public nn::modules::Module {
   /// Statistics since the last ResetStats (or construction).
   DdpStats Stats() const;
   void ResetStats();
-  /// Writes this rank's trace now (needs options.trace_prefix).
+  /// Writes this rank's trace now (needs options.trace_prefix); a streamed
+  /// one (a FIFO's, a terminal's) gets the events so far appended.
   void WriteTrace() const;
 
   /// Buckets in launch order, as parameter names (for tests and logs).
@@ -271,6 +287,7 @@ class DistributedDataParallel : public nn::modules::Module {
   friend class NoSyncGuard;
   friend class Join;
   std::string PartialTracePath() const;
+  std::string TracePath() const;
   std::shared_ptr<nn::modules::Module> module_;
   DdpOptions options_;
   std::shared_ptr<ProcessGroup> pg_;

@@ -1,6 +1,12 @@
 #include "ddp/trace.h"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,6 +15,7 @@
 #include <map>
 #include <stdexcept>
 #include <string_view>
+#include <thread>
 
 #include "nn/io/atomic_file.h"
 
@@ -97,18 +104,66 @@ std::string LaneNameJson(int rank, int tid, const std::string& lane) {
          ", \"tid\": " + std::to_string(tid) + ", \"args\": {\"name\": \"" + JsonEscape(lane) + "\"}}";
 }
 
-// Writes all of `text` to `fd`; false (errno set) on failure.
-bool WriteAll(int fd, std::string_view text) {
-  while (!text.empty()) {
-    const ssize_t n = ::write(fd, text.data(), text.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      if (n == 0) errno = EIO;
-      return false;
+// write(2) that returns EPIPE without raising SIGPIPE, whose default action
+// would end the whole run when a trace's reader goes away: the signal is
+// held blocked over the write and the one it raised is taken back, leaving
+// the process's handling of SIGPIPE as it was.
+ssize_t WriteWithoutSigpipe(int fd, std::string_view text) {
+  sigset_t pipe_only, old_mask, pending;
+  sigemptyset(&pipe_only);
+  sigaddset(&pipe_only, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_only, &old_mask);
+  sigpending(&pending);
+  const bool already_pending = sigismember(&pending, SIGPIPE) == 1;
+  const ssize_t n = ::write(fd, text.data(), text.size());
+  const int error = errno;
+  if (n < 0 && error == EPIPE && !already_pending) {
+    const timespec now{};  // takes the pending signal back, never waits
+    while (sigtimedwait(&pipe_only, nullptr, &now) < 0 && errno == EINTR) {
     }
-    text.remove_prefix(static_cast<size_t>(n));
   }
-  return true;
+  pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+  errno = error;
+  return n;
+}
+
+// Writes all of `text` to `fd`; "" or what went wrong. A non-blocking `fd`
+// (a FIFO's, a terminal's) that takes nothing is waited for up to `wait`
+// in all.
+std::string WriteAll(int fd, std::string_view text, std::chrono::milliseconds wait) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point until = Clock::now() + wait;
+  while (!text.empty()) {
+    const ssize_t n = WriteWithoutSigpipe(fd, text);
+    if (n > 0) {
+      text.remove_prefix(static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+      if (left.count() <= 0) {
+        return "its reader took nothing for " + std::to_string(wait.count()) + " ms";
+      }
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, static_cast<int>(left.count()));
+      continue;
+    }
+    if (n < 0 && errno == EPIPE) return "its reader went away (EPIPE)";
+    return n < 0 ? std::strerror(errno) : "nothing written";
+  }
+  return "";
+}
+
+// The document's head and end (Write's, streamed in pieces between them).
+constexpr std::string_view kDocumentHead = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+
+std::string DocumentEnd(size_t max_events, size_t dropped) {
+  // The events past max_events were not kept: say how many, in the file's
+  // metadata (otherData, shown by chrome://tracing and Perfetto), so that a
+  // timeline that stops early is not read as a run that did.
+  return "\n], \"otherData\": {\"max_events\": " + std::to_string(max_events) +
+         ", \"dropped_events\": " + std::to_string(dropped) + "}}\n";
 }
 
 }  // namespace
@@ -151,7 +206,7 @@ size_t TraceRecorder::dropped() const {
 }
 
 void TraceRecorder::Write(const std::string& path, int rank) const {
-  std::string json = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+  std::string json(kDocumentHead);
   size_t dropped = 0;
   {
     std::lock_guard lock(mu_);
@@ -177,11 +232,7 @@ void TraceRecorder::Write(const std::string& path, int rank) const {
       json += EventJson(e, rank, lanes[e.lane]);
     }
   }
-  // The events past max_events_ were not kept: say how many, in the file's
-  // metadata (otherData, shown by chrome://tracing and Perfetto), so that a
-  // timeline that stops early is not read as a run that did.
-  json += "\n], \"otherData\": {\"max_events\": " + std::to_string(max_events_) +
-          ", \"dropped_events\": " + std::to_string(dropped) + "}}\n";
+  json += DocumentEnd(max_events_, dropped);
   nn::io::AtomicFileWriter writer(path);
   writer.Write(json.data(), json.size());
   writer.Commit();
@@ -201,32 +252,136 @@ void TraceRecorder::StreamTo(const std::string& path, int rank) {
   }
   // Each later piece starts with its separator, so the file never ends in
   // a dangling comma, wherever the process stops.
-  if (!WriteAll(fd, "[\n" + ProcessNameJson(rank))) {
-    const int error = errno;
+  if (const std::string error = WriteAll(fd, "[\n" + ProcessNameJson(rank), std::chrono::milliseconds(0));
+      !error.empty()) {
     ::close(fd);
     ::unlink(path.c_str());
-    throw std::runtime_error("trace: cannot write " + path + ": " + std::strerror(error));
+    throw std::runtime_error("trace: cannot write " + path + ": " + error);
   }
   stream_fd_ = fd;
   stream_path_ = path;
   stream_rank_ = rank;
 }
 
+bool TraceRecorder::IsStreamTarget(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return false;
+  if (S_ISFIFO(st.st_mode)) return true;
+  if (!S_ISCHR(st.st_mode)) return false;
+  // A terminal, told by its device number without opening it (an open
+  // alone acts on some devices). Linux's tty majors: 4 (virtual consoles,
+  // serial ports), 5 (/dev/tty, /dev/console), 136-143 (/dev/pts/N).
+  const unsigned major_number = major(st.st_rdev);
+  return major_number == 4 || major_number == 5 || (major_number >= 136 && major_number <= 143);
+}
+
+void TraceRecorder::StreamDocumentTo(const std::string& path, int rank, std::chrono::milliseconds wait) {
+  using Clock = std::chrono::steady_clock;
+  if (stream_fd_ >= 0 || !stream_path_.empty()) {
+    throw std::logic_error("TraceRecorder::StreamDocumentTo: already streaming to " + stream_path_);
+  }
+  if (wait.count() < 0) wait = std::chrono::milliseconds(0);
+  // Non-blocking: a FIFO's open would wait for a reader without end (here
+  // it fails with ENXIO until one comes), and a write for a reader that
+  // stopped taking the trace. O_NOCTTY: a terminal stays the session's.
+  const Clock::time_point until = Clock::now() + wait;
+  struct stat st{};
+  const bool fifo = ::stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
+  int fd = -1;
+  for (;;) {
+    fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd >= 0 || (errno != EINTR && !(fifo && errno == ENXIO))) break;
+    if (errno == ENXIO && Clock::now() >= until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (fd < 0 && fifo && errno == ENXIO) {
+    throw std::runtime_error("trace: " + path + " is a FIFO, and nothing opened it for reading within " +
+                             std::to_string(wait.count()) + " ms; start its reader first (cat " + path +
+                             "), or move it away");
+  }
+  if (fd < 0) throw std::runtime_error("trace: cannot open " + path + ": " + std::strerror(errno));
+  // The path was looked at before this open: it may have been replaced by
+  // a regular file since, which this descriptor would write without
+  // truncating it.
+  if (::fstat(fd, &st) != 0 || !(S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode))) {
+    ::close(fd);
+    throw std::runtime_error("trace: " + path + " is no longer a FIFO or a terminal; nothing was written to it");
+  }
+  // One writer per pipe or terminal: another one's document would be cut
+  // into this one's.
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    ::close(fd);
+    if (error == EWOULDBLOCK) {
+      throw std::runtime_error("trace: " + path + " is being written by another trace (another rank's, "
+                               "through a link to the same pipe or terminal?); a FIFO or terminal takes "
+                               "one rank's trace: give each rank its own");
+    }
+    throw std::runtime_error("trace: cannot lock " + path + ": " + std::strerror(error));
+  }
+  if (const std::string error = WriteAll(fd, std::string(kDocumentHead) + ProcessNameJson(rank), wait);
+      !error.empty()) {
+    ::close(fd);
+    throw std::runtime_error("trace: cannot write " + path + ": " + error);
+  }
+  stream_fd_ = fd;
+  stream_path_ = path;
+  stream_rank_ = rank;
+  stream_wait_ = wait;
+  document_ = true;
+}
+
+std::string TraceRecorder::TakeUnflushed() {
+  std::string text;
+  std::lock_guard lock(mu_);
+  for (; streamed_ < events_.size(); ++streamed_) {
+    const Event& e = events_[streamed_];
+    auto [lane, added] = stream_lanes_.emplace(e.lane, static_cast<int>(stream_lanes_.size()) + 1);
+    if (added) text += ",\n" + LaneNameJson(stream_rank_, lane->second, lane->first);
+    text += ",\n" + EventJson(e, stream_rank_, lane->second);
+  }
+  return text;
+}
+
+std::string TraceRecorder::WriteToStream(const std::string& text) {
+  if (text.empty()) return "";
+  const std::string error = WriteAll(stream_fd_, text, stream_wait_);
+  if (!error.empty()) {
+    ::close(stream_fd_);
+    stream_fd_ = -1;
+    stream_failed_ = true;
+  }
+  return error;
+}
+
 void TraceRecorder::Flush() {
   if (stream_fd_ < 0) return;
-  std::string text;
+  const std::string error = WriteToStream(TakeUnflushed());
+  if (error.empty()) return;
+  if (document_) {
+    std::fprintf(stderr, "[ddp] trace: writing %s failed (%s); its reader got the trace cut there, and "
+                 "the run goes on without it\n", stream_path_.c_str(), error.c_str());
+  } else {
+    std::fprintf(stderr, "[ddp] trace: writing %s failed (%s); it stops here, and the complete trace is "
+                 "still written at the end\n", stream_path_.c_str(), error.c_str());
+  }
+}
+
+void TraceRecorder::EndDocument() {
+  if (!document_) throw std::logic_error("TraceRecorder::EndDocument: no StreamDocumentTo stream");
+  if (stream_fd_ < 0) {
+    throw std::runtime_error("trace: " + stream_path_ + (stream_failed_ ? " failed before the end of the run; "
+                             "its reader got the trace cut there" : " was already ended"));
+  }
+  std::string text = TakeUnflushed();
   {
     std::lock_guard lock(mu_);
-    for (; streamed_ < events_.size(); ++streamed_) {
-      const Event& e = events_[streamed_];
-      auto [lane, added] = stream_lanes_.emplace(e.lane, static_cast<int>(stream_lanes_.size()) + 1);
-      if (added) text += ",\n" + LaneNameJson(stream_rank_, lane->second, lane->first);
-      text += ",\n" + EventJson(e, stream_rank_, lane->second);
-    }
+    text += DocumentEnd(max_events_, dropped_);
   }
-  if (text.empty() || WriteAll(stream_fd_, text)) return;
-  std::fprintf(stderr, "[ddp] trace: writing %s failed (%s); it stops here, and the complete trace is still "
-               "written at the end\n", stream_path_.c_str(), std::strerror(errno));
+  if (const std::string error = WriteToStream(text); !error.empty()) {
+    throw std::runtime_error("trace: cannot end the trace in " + stream_path_ + ": " + error +
+                             "; its reader got it cut there");
+  }
   ::close(stream_fd_);
   stream_fd_ = -1;
 }
@@ -234,7 +389,7 @@ void TraceRecorder::Flush() {
 void TraceRecorder::EndStream(bool remove) {
   if (stream_fd_ >= 0) ::close(stream_fd_);
   stream_fd_ = -1;
-  if (remove && !stream_path_.empty()) ::unlink(stream_path_.c_str());
+  if (remove && !document_ && !stream_path_.empty()) ::unlink(stream_path_.c_str());
 }
 
 }  // namespace ddp::dist

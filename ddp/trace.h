@@ -7,9 +7,18 @@
 // the files of several ranks together to see them side by side (the rank is
 // the trace's process id; times count from the host's monotonic clock's
 // epoch, so the ranks of one host line up).
+//
+// A trace path that is a FIFO (named pipe) or a terminal is streamed
+// instead (StreamDocumentTo): opened for writing, the events appended as
+// they are flushed, and the document ended by EndDocument, with no
+// temporary file and no rename (which would replace the pipe). Such a path
+// takes one writer: a second recorder (another rank's, through a link to
+// the same pipe) is refused, naming it, as two documents interleaved in one
+// pipe would be neither.
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -44,12 +53,35 @@ class TraceRecorder {
   /// flushed before. Throws std::runtime_error naming the path when it
   /// cannot be created or written; a second call is refused.
   void StreamTo(const std::string& path, int rank);
+  /// Whether `path` (through links) is a FIFO or a terminal: a trace there
+  /// is streamed with StreamDocumentTo, not written by Write. Told by the
+  /// file's type and device number alone, without opening it.
+  static bool IsStreamTarget(const std::string& path);
+  /// Starts streaming the whole document to `path`, a FIFO or a terminal:
+  /// Flush appends the events recorded since the last flush, EndDocument
+  /// the rest and the document's end (Write's document, in pieces). A
+  /// FIFO's open waits up to `wait` for a reader, and each later write up
+  /// to `wait` for the reader to take it. Throws std::runtime_error naming
+  /// the path when nothing opened it for reading within `wait`, when
+  /// another writer holds it, or when it cannot be opened or written; a
+  /// second call (or StreamTo) is refused.
+  void StreamDocumentTo(const std::string& path, int rank, std::chrono::milliseconds wait);
+  /// Whether StreamDocumentTo started the stream.
+  bool streams_document() const { return document_; }
   /// Appends the unflushed events (nothing without a stream). A failed
-  /// write is reported once on stderr and ends the streaming; Write is
-  /// unaffected. Called by one thread at a time; Complete may run meanwhile.
+  /// write (a reader gone, EPIPE, without SIGPIPE; one that took nothing
+  /// for the stream's wait) is reported once on stderr, naming the path,
+  /// and ends the streaming; Write is unaffected. Called by one thread at a
+  /// time; Complete may run meanwhile.
   void Flush();
+  /// Ends StreamDocumentTo's stream: appends the unflushed events and the
+  /// document's end, then closes it. Throws std::runtime_error naming the
+  /// path when the stream failed before (its reader got a cut document) or
+  /// fails now, or when there is no such stream.
+  void EndDocument();
   /// Stops streaming and removes the streamed file when `remove` (the
-  /// complete file was written); otherwise leaves it as it is.
+  /// complete file was written) and it was StreamTo's; otherwise leaves it
+  /// as it is (a FIFO or terminal is never removed).
   void EndStream(bool remove);
 
   ~TraceRecorder();
@@ -67,14 +99,22 @@ class TraceRecorder {
     std::string args_json;
   };
   static std::string EventJson(const Event& e, int rank, int tid);
+  // The unflushed events (and their lanes' names) as the stream's next
+  // piece; marks them streamed.
+  std::string TakeUnflushed();
+  // Writes `text` to the stream within its wait; "" or the failure's text.
+  std::string WriteToStream(const std::string& text);
   const Clock::time_point origin_;
   const size_t max_events_;
   mutable std::mutex mu_;
   std::vector<Event> events_;
   size_t dropped_ = 0;
-  // The stream (StreamTo): its file, the events written to it, and its
-  // lanes' thread ids in the order they appeared.
+  // The stream (StreamTo, StreamDocumentTo): its file, the events written
+  // to it, and its lanes' thread ids in the order they appeared.
   int stream_fd_ = -1;
+  bool document_ = false;    // StreamDocumentTo's: never removed
+  bool stream_failed_ = false;
+  std::chrono::milliseconds stream_wait_{0};  // per write; 0: no bound (a file)
   std::string stream_path_;
   int stream_rank_ = 0;
   size_t streamed_ = 0;

@@ -1,13 +1,22 @@
 // TraceRecorder's file: the events it kept, and how many it dropped once
-// full, in the document's metadata.
+// full, in the document's metadata; a FIFO streamed as one document.
 
 #include "ddp/trace.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -121,6 +130,206 @@ TEST(TraceTest, FlushAppendsOnlyTheNewEvents) {
   }
   TraceRecorder trace;
   EXPECT_THROW(trace.StreamTo("/nonexistent-dir/trace.json", 0), std::runtime_error);
+}
+
+// A fresh folder under the test's temporary one, for FIFOs of its own.
+std::string FreshFolder() {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string pattern = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_fifo_XXXXXX";
+  if (::mkdtemp(pattern.data()) == nullptr) return "";
+  return pattern;
+}
+
+// Reads a FIFO on a thread of its own, as `cat fifo` would: opened before
+// the writer (non-blocking, so the open does not wait), read until the
+// writer closes it or `deadline` passes. With `leave_after` set, it closes
+// its end once that much arrived (a reader that goes away mid-run).
+class FifoReader {
+ public:
+  FifoReader(const std::string& path, std::chrono::milliseconds deadline, size_t leave_after = 0)
+      : fd_(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)) {
+    thread_ = std::thread([this, deadline, leave_after] { Read(deadline, leave_after); });
+  }
+  ~FifoReader() { Join(); }
+  bool opened() const { return fd_ >= 0; }
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+  std::string text() {
+    std::lock_guard lock(mu_);
+    return text_;
+  }
+  bool ended() {
+    std::lock_guard lock(mu_);
+    return ended_;
+  }
+  // Waits, up to `deadline`, for `piece` to arrive.
+  bool WaitFor(const std::string& piece, std::chrono::milliseconds deadline) {
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    while (std::chrono::steady_clock::now() < until) {
+      if (text().find(piece) != std::string::npos) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return text().find(piece) != std::string::npos;
+  }
+
+ private:
+  void Read(std::chrono::milliseconds deadline, size_t leave_after) {
+    if (fd_ < 0) return;
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    char buffer[4096];
+    for (;;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      // Until a writer has come, Linux reports nothing here (no POLLHUP).
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+      const ssize_t n = ::read(fd_, buffer, sizeof(buffer));
+      if (n < 0) continue;  // EAGAIN, EINTR
+      std::lock_guard lock(mu_);
+      if (n == 0) {
+        ended_ = true;  // the writer closed its end
+        break;
+      }
+      text_.append(buffer, static_cast<size_t>(n));
+      if (leave_after > 0 && text_.size() >= leave_after) break;
+    }
+    ::close(fd_);
+  }
+
+  int fd_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::string text_;
+  bool ended_ = false;
+};
+
+std::vector<std::string> CompleteEventNames(const nlohmann::json& doc) {
+  std::vector<std::string> names;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "X") names.push_back(e["name"].get<std::string>());
+  }
+  return names;
+}
+
+// A FIFO's reader gets the events as they are flushed, then one complete
+// JSON document (the one Write makes) once the stream is ended; the FIFO
+// stays a FIFO (no temporary file renamed over it).
+TEST(TraceTest, AFifoIsStreamedAsOneCompleteDocument) {
+  const std::string dir = FreshFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/trace_rank3.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_TRUE(TraceRecorder::IsStreamTarget(fifo));
+  EXPECT_FALSE(TraceRecorder::IsStreamTarget(dir));
+  EXPECT_FALSE(TraceRecorder::IsStreamTarget(dir + "/missing.json"));
+  FifoReader reader(fifo, std::chrono::seconds(60));
+  ASSERT_TRUE(reader.opened());
+  TraceRecorder trace(3);
+  const auto now = TraceRecorder::Clock::now();
+  trace.Complete("before", "compute", now, now);
+  trace.StreamDocumentTo(fifo, 3, std::chrono::seconds(10));
+  EXPECT_TRUE(trace.streams_document());
+  EXPECT_THROW(trace.StreamDocumentTo(fifo, 3, std::chrono::seconds(10)), std::logic_error);
+  trace.Complete("a", "comm", now, now, "\"bytes\": 64");
+  trace.Flush();
+  EXPECT_TRUE(reader.WaitFor("\"name\": \"a\"", std::chrono::seconds(30))) << reader.text();
+  EXPECT_FALSE(reader.ended());
+  trace.Complete("b", "compute", now, now);
+  trace.Complete("dropped", "compute", now, now);
+  trace.EndDocument();
+  reader.Join();
+  EXPECT_TRUE(reader.ended()) << reader.text();
+  nlohmann::json doc;
+  ASSERT_NO_THROW(doc = nlohmann::json::parse(reader.text())) << reader.text();
+  EXPECT_EQ(CompleteEventNames(doc), (std::vector<std::string>{"before", "a", "b"})) << doc.dump();
+  for (const auto& e : doc["traceEvents"]) EXPECT_EQ(e["pid"], 3) << e.dump();
+  EXPECT_EQ(doc["otherData"]["dropped_events"], 1) << doc.dump();
+  EXPECT_EQ(doc["otherData"]["max_events"], 3) << doc.dump();
+  trace.EndStream(/*remove=*/true);
+  EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir), std::filesystem::directory_iterator()), 1)
+      << "something beside the FIFO";
+}
+
+// Opening a FIFO for writing waits for a reader: with none, the wait ends
+// at its deadline with an error naming the FIFO, and nothing replaced it.
+TEST(TraceTest, AFifoWithNoReaderIsAnErrorNamingItAtTheDeadline) {
+  const std::string dir = FreshFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/trace_rank0.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  TraceRecorder trace;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    trace.StreamDocumentTo(fifo, 0, std::chrono::milliseconds(300));
+    ADD_FAILURE() << "streaming to a FIFO nobody reads started";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "trace: " + fifo + " is a FIFO, and nothing opened it for reading within "
+                                     "300 ms; start its reader first (cat " + fifo + "), or move it away");
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(waited, 0.3);
+  EXPECT_LT(waited, 10.0);
+  EXPECT_FALSE(trace.streams_document());
+  EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+}
+
+// A reader that goes away mid-run: the next write fails with EPIPE, which
+// is a warning naming the FIFO (not SIGPIPE, whose default action would end
+// the test's process), and ending the document says it was cut.
+TEST(TraceTest, AReaderThatGoesAwayIsAWarningNamingTheFifo) {
+  const std::string dir = FreshFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/trace_rank1.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  FifoReader reader(fifo, std::chrono::seconds(60), /*leave_after=*/1);
+  ASSERT_TRUE(reader.opened());
+  TraceRecorder trace;
+  trace.StreamDocumentTo(fifo, 1, std::chrono::seconds(10));
+  reader.Join();  // it read the document's head and closed its end
+  const auto now = TraceRecorder::Clock::now();
+  trace.Complete("after the reader left", "compute", now, now);
+  testing::internal::CaptureStderr();
+  trace.Flush();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err, "[ddp] trace: writing " + fifo + " failed (its reader went away (EPIPE)); its reader got the "
+                 "trace cut there, and the run goes on without it\n");
+  try {
+    trace.EndDocument();
+    ADD_FAILURE() << "a cut document was ended";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "trace: " + fifo + " failed before the end of the run; its reader got "
+                                     "the trace cut there");
+  }
+  EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+}
+
+// One FIFO takes one rank's trace: a second recorder (another rank's
+// through a link to the same pipe) is refused, naming the path.
+TEST(TraceTest, ASecondWriterOfOneFifoIsRefused) {
+  const std::string dir = FreshFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/trace_rank0.json";
+  const std::string link = dir + "/trace_rank1.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(::symlink(fifo.c_str(), link.c_str()), 0);
+  FifoReader reader(fifo, std::chrono::seconds(60));
+  ASSERT_TRUE(reader.opened());
+  TraceRecorder first, second;
+  first.StreamDocumentTo(fifo, 0, std::chrono::seconds(10));
+  try {
+    second.StreamDocumentTo(link, 1, std::chrono::seconds(10));
+    ADD_FAILURE() << "two recorders stream into one FIFO";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("trace: " + link + " is being written by another trace"),
+              std::string::npos) << e.what();
+  }
+  first.EndDocument();
+  reader.Join();
+  nlohmann::json doc;
+  EXPECT_NO_THROW(doc = nlohmann::json::parse(reader.text())) << reader.text();
 }
 
 }  // namespace
