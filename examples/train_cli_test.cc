@@ -3,11 +3,14 @@
 // started).
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 #include <gflags/gflags.h>
+#include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -18,6 +21,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -552,12 +556,13 @@ TEST(TrainCliTest, CheckpointThatNamesAFolderIsRefusedAtTheStart) {
 
 // The trainer's outputs are written beside their path and renamed over it,
 // which is refused for anything but a regular file. A FIFO (or socket, or
-// device) at --checkpoint, or at chart.svg or a trace file in --log_dir,
-// is refused before training, naming the flag and the file: the
-// checkpoint's was found only at the first save, after the FIFO had been
-// linked to <stem>.prev as "another run's checkpoint"; chart.svg's and the
-// trace's only as a warning during or after the run (exit status 0).
-// (metrics.csv may be one: AFifoAtMetricsCsvStreamsTheRows.)
+// device) at --checkpoint, or at chart.svg in --log_dir, or a folder at a
+// trace file, is refused before training, naming the flag and the file:
+// the checkpoint's was found only at the first save, after the FIFO had
+// been linked to <stem>.prev as "another run's checkpoint"; chart.svg's and
+// the trace's only as a warning during or after the run (exit status 0).
+// (metrics.csv and trace files may be FIFOs: AFifoAtMetricsCsvStreamsTheRows,
+// AFifoAtATraceFileStreamsTheTrace.)
 TEST(TrainCliTest, OutputPathThatIsAFifoIsRefusedAtTheStart) {
   const std::string dir = testing::MakeTempDir("output_fifo");
   const std::vector<std::string> quick = {"--dataset=synthetic", "--model=mlp", "--train_samples=128",
@@ -588,13 +593,13 @@ TEST(TrainCliTest, OutputPathThatIsAFifoIsRefusedAtTheStart) {
             "the run would replace it with its chart.svg; move it away, or pass another --log_dir");
   const std::string traces = dir + "/traces";
   std::filesystem::create_directories(traces);
-  ASSERT_EQ(::mkfifo((traces + "/trace_rank0.json").c_str(), 0600), 0);
+  std::filesystem::create_directories(traces + "/trace_rank0.json");
   args = quick;
   args.insert(args.end(), {"--checkpoint=none", "--log_dir=" + traces, "--trace"});
   const RunOutput r = Train(args);
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--trace cannot write this rank's trace into --log_dir=" + traces + ": " + traces +
-                       "/trace_rank0.json is a FIFO, not a regular file, and the trace would replace it; "
+                       "/trace_rank0.json is a folder, not a regular file, and the trace would replace it; "
                        "move it away, pass another --log_dir, or drop --trace\n"),
             std::string::npos)
       << r.err;
@@ -629,6 +634,60 @@ TEST(TrainCliTest, AFifoAtMetricsCsvStreamsTheRows) {
   EXPECT_EQ(streamed.back(), '\n') << streamed;
   EXPECT_EQ(std::filesystem::status(csv).type(), std::filesystem::file_type::fifo);
   EXPECT_TRUE(std::filesystem::is_regular_file(logs + "/chart.svg"));
+}
+
+// A named pipe at a rank's trace file in --log_dir (mkfifo
+// logs/trace_rank0.json; cat logs/trace_rank0.json) is streamed: its reader
+// gets one complete JSON document, the rank's timeline, and the pipe stays
+// a pipe. It was refused, as a FIFO that the trace's rename would replace.
+TEST(TrainCliTest, AFifoAtATraceFileStreamsTheTrace) {
+  const std::string logs = testing::MakeTempDir("trace_fifo");
+  const std::string fifo = logs + "/trace_rank0.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // Opened first, as `cat logs/trace_rank0.json &` would be (non-blocking:
+  // the open does not wait for the writer), and read on a thread of its
+  // own as the run goes, until the writer ends it, or the run ended and
+  // nothing more comes, or the deadline passes.
+  const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0);
+  std::string streamed;
+  bool ended = false;
+  std::atomic<bool> run_over{false};
+  std::thread read([&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(150);
+    char buffer[4096];
+    while (std::chrono::steady_clock::now() < until) {
+      // Until a writer has come, Linux reports nothing here (no POLLHUP).
+      pollfd p{reader, POLLIN, 0};
+      const int ready = ::poll(&p, 1, 100);
+      if (ready == 0 && run_over) break;
+      if (ready <= 0) continue;
+      const ssize_t n = ::read(reader, buffer, sizeof(buffer));
+      if (n == 0) {
+        ended = true;
+        break;
+      }
+      if (n > 0) streamed.append(buffer, static_cast<size_t>(n));
+    }
+  });
+  const RunOutput r = Train({"--dataset=synthetic", "--model=mlp", "--train_samples=128", "--test_samples=32",
+                             "--batch_size=16", "--max_steps=2", "--workers=0", "--nproc_per_node=1",
+                             "--checkpoint=none", "--log_dir=" + logs, "--trace"});
+  run_over = true;
+  read.join();
+  ::close(reader);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("  trace streamed into " + fifo), std::string::npos) << r.out;
+  EXPECT_TRUE(ended) << "the trace was not ended: " << streamed;
+  nlohmann::json doc;
+  ASSERT_NO_THROW(doc = nlohmann::json::parse(streamed)) << streamed;
+  int forwards = 0;
+  for (const auto& e : doc["traceEvents"]) {
+    EXPECT_EQ(e["pid"], 0) << e.dump();
+    forwards += e["ph"] == "X" && e["name"] == "forward";
+  }
+  EXPECT_GE(forwards, 2) << streamed;
+  EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
 }
 
 // A second run into the first one's --log_dir replaced its metrics.csv

@@ -23,6 +23,7 @@
 #include <thread>
 #include <utility>
 
+#include "ddp/trace.h"
 #include "examples/trainer/device.h"
 #include "examples/trainer/format.h"
 #include "examples/trainer/metrics_log.h"
@@ -241,10 +242,18 @@ void CheckWritable(const std::string& dir, const char* flag, const std::string& 
   }
 }
 
+// This rank's --trace file in `folder`, as DDP names it.
+std::string TraceFile(const std::string& folder, int rank) {
+  return folder + "/trace_rank" + std::to_string(rank) + ".json";
+}
+
 // Throws UsageError unless this rank can write its --trace file into
 // `folder` (its --log_dir, or the working directory): the trace is written
 // when the rank ends, and a folder found unwritable only then would cost the
-// trace of a whole run. Every rank writes its own, on its own host.
+// trace of a whole run. Every rank writes its own, on its own host. A
+// trace file that is a FIFO or a terminal is streamed (DDP opens it at the
+// start, waiting a bounded time for its reader): it takes that one rank's
+// trace, and is never replaced.
 void CheckTraceFolder(const TrainConfig& config, const std::string& folder, int rank) {
   if (!config.trace || folder.empty()) return;
   const std::string where = config.log_dir.empty() ? std::string("the working directory")
@@ -255,7 +264,8 @@ void CheckTraceFolder(const TrainConfig& config, const std::string& folder, int 
                                              : std::string("pass a writable --log_dir")) +
                      ", or drop --trace");
   }
-  const std::string file = folder + "/trace_rank" + std::to_string(rank) + ".json";
+  const std::string file = TraceFile(folder, rank);
+  if (dist::TraceRecorder::IsStreamTarget(file)) return;
   if (const std::string kind = NonRegularKind(file); !kind.empty()) {
     throw UsageError("--trace cannot write this rank's trace into " + where + ": " + file + " is " +
                      kind + ", not a regular file, and the trace would replace it; move it away, " +
@@ -1465,8 +1475,13 @@ RunResult Run::Go() {
   if (c_.trace && !par_.TraceFolder().empty()) {
     // DDP writes it once, when the rank ends (a failure then is a warning
     // on stderr: the run itself finished).
-    Say(console_.Dim("  trace " + par_.TraceFolder() + "/trace_rank" + std::to_string(rank_) +
-                     ".json when the ranks end (one per rank; open them in ui.perfetto.dev)"));
+    const std::string file = TraceFile(par_.TraceFolder(), rank_);
+    if (dist::TraceRecorder::IsStreamTarget(file)) {
+      Say(console_.Dim("  trace streamed into " + file + " as the run goes (a FIFO or terminal: one JSON "
+                       "document, ended when the rank ends)"));
+    } else {
+      Say(console_.Dim("  trace " + file + " when the ranks end (one per rank; open them in ui.perfetto.dev)"));
+    }
   }
 
   result.steps = pos_.step;
