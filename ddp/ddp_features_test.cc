@@ -3781,6 +3781,31 @@ TEST(DdpFeaturesTest, AFifoTraceThatNothingReadsFailsConstructionNamingIt) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/t_rank0.partial.json"));
 }
 
+// The FIFO's wait for a reader is at most half the group's timeout: the
+// other ranks wait for this one meanwhile, and must hear why (through the
+// abort) before their own timeout. Before, it waited trace_reader_wait
+// (30 s here) whatever the group's timeout (600 ms here).
+TEST(DdpFeaturesTest, AFifoTraceWaitsForItsReaderAtMostHalfTheGroupsTimeout) {
+  const std::string dir = FreshTraceFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/t_rank0.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    DistributedDataParallel ddp(nn::modules::MakeMlp(),
+                                {.process_group = ProcessGroup::Single({.timeout = std::chrono::milliseconds(600)}),
+                                 .trace_prefix = dir + "/t_"});
+    ADD_FAILURE() << "constructed with a FIFO trace that nothing reads";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("trace: " + fifo + " is a FIFO, and nothing opened it for reading "
+                                         "within 300 ms"),
+              std::string::npos)
+        << e.what();
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 10.0);
+}
+
 // Two DDPs on disjoint one-rank subgroups, one per process: both are rank 0
 // of their group, and each still writes its own trace file (named by the
 // rank in the job), not one file both overwrite.

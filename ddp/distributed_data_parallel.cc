@@ -396,7 +396,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     // A FIFO or a terminal is the stream itself: it cannot be renamed over.
     if (impl_->trace != nullptr) {
       if (TraceRecorder::IsStreamTarget(TracePath())) {
-        impl_->trace->StreamDocumentTo(TracePath(), pg_->root_rank(), options_.trace_reader_wait);
+        // The other ranks wait for this one meanwhile, up to the group's
+        // timeout: they must hear of a reader that never came (through the
+        // abort below) before they time out without the cause.
+        const auto wait = std::min(options_.trace_reader_wait, pg_->options().timeout / 2);
+        impl_->trace->StreamDocumentTo(TracePath(), pg_->root_rank(), wait);
       } else {
         impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());
       }

@@ -129,8 +129,8 @@ struct DdpOptions {
   /// stderr naming the path, and the run goes on without the trace.
   std::string trace_prefix;
   /// How long a streamed trace (above) waits for its FIFO's reader, at
-  /// construction and at each write. Keep it well under the group's
-  /// timeout: the other ranks wait for this one meanwhile.
+  /// construction and at each write; at most half the process group's
+  /// timeout, as the other ranks wait for this one meanwhile.
   std::chrono::milliseconds trace_reader_wait{30000};
 };
 
