@@ -150,7 +150,8 @@ DEFINE_bool(trace, false,
             "write a Chrome trace per rank (trace_rank<N>.json in --log_dir, else the "
             "working directory); one that is a FIFO or a terminal takes that rank's trace "
             "streamed, ended when the rank ends (mkfifo logs/trace_rank0.json; cat "
-            "logs/trace_rank0.json), and its reader must open it within 30 s of the start");
+            "logs/trace_rank0.json), and its reader must open it within 30 s of the start (at most "
+            "half --timeout_s)");
 // Files.
 DEFINE_string(checkpoint, "auto",
               "checkpoint path, saved by rank 0 at each epoch end; auto: "

@@ -1474,11 +1474,12 @@ RunResult Run::Go() {
 
   if (c_.trace && !par_.TraceFolder().empty()) {
     // DDP writes it once, when the rank ends (a failure then is a warning
-    // on stderr: the run itself finished).
+    // on stderr: the run itself finished); a FIFO's or terminal's was
+    // streamed all along, and is ended then.
     const std::string file = TraceFile(par_.TraceFolder(), rank_);
     if (dist::TraceRecorder::IsStreamTarget(file)) {
-      Say(console_.Dim("  trace streamed into " + file + " as the run goes (a FIFO or terminal: one JSON "
-                       "document, ended when the rank ends)"));
+      Say(console_.Dim("  trace streamed into " + file + " (a FIFO or terminal: one JSON document, ended "
+                       "when the rank ends)"));
     } else {
       Say(console_.Dim("  trace " + file + " when the ranks end (one per rank; open them in ui.perfetto.dev)"));
     }
