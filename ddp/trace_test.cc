@@ -306,6 +306,34 @@ TEST(TraceTest, AReaderThatGoesAwayIsAWarningNamingTheFifo) {
   EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
 }
 
+// A reader that stays but stops reading (the pipe full) does not hold the
+// run: a write waits the stream's wait at most, then is a warning naming
+// the FIFO, and the stream ends.
+TEST(TraceTest, AReaderThatStopsReadingHoldsAFlushOnlyForTheWait) {
+  const std::string dir = FreshFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string fifo = dir + "/trace_rank2.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const int idle_reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(idle_reader, 0);
+  TraceRecorder trace;
+  trace.StreamDocumentTo(fifo, 2, std::chrono::milliseconds(300));
+  // Far more than a pipe holds (64 KiB by default).
+  const auto now = TraceRecorder::Clock::now();
+  for (int i = 0; i < 4000; ++i) trace.Complete("event " + std::to_string(i), "compute", now, now);
+  const auto start = std::chrono::steady_clock::now();
+  testing::internal::CaptureStderr();
+  trace.Flush();
+  const std::string err = testing::internal::GetCapturedStderr();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(waited, 0.3);
+  EXPECT_LT(waited, 10.0);
+  EXPECT_EQ(err, "[ddp] trace: writing " + fifo + " failed (its reader took nothing for 300 ms); its reader "
+                 "got the trace cut there, and the run goes on without it\n");
+  EXPECT_THROW(trace.EndDocument(), std::runtime_error);
+  ::close(idle_reader);
+}
+
 // One FIFO takes one rank's trace: a second recorder (another rank's
 // through a link to the same pipe) is refused, naming the path.
 TEST(TraceTest, ASecondWriterOfOneFifoIsRefused) {
