@@ -114,7 +114,7 @@ class TraceRecorder {
   int stream_fd_ = -1;
   bool document_ = false;    // StreamDocumentTo's: never removed
   bool stream_failed_ = false;
-  std::chrono::milliseconds stream_wait_{0};  // per write; 0: no bound (a file)
+  std::chrono::milliseconds stream_wait_{0};  // per write (a file never makes one wait)
   std::string stream_path_;
   int stream_rank_ = 0;
   size_t streamed_ = 0;
