@@ -1,6 +1,13 @@
 #include "nn/data/cifar.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cctype>
+#include <cerrno>
+#include <cstdint>
+#include <optional>
 #include <utility>
 
 #include "nn/data/decoded_cache.h"
@@ -43,6 +50,75 @@ std::string WhatItLooksLike(std::string_view bytes) {
            "read; it reads CIFAR-10's " + std::to_string(kCifarRecordBytes) + "-byte records";
   }
   return "";
+}
+
+// Reads `n` bytes at `offset` of `fd` into `dst`; false when fewer came.
+bool ReadAt(int fd, void* dst, size_t n, off_t offset) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::pread(fd, static_cast<char*>(dst) + got, n - got, offset + static_cast<off_t>(got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// The bytes the file at `path` holds once decompressed (its size, when it
+// is no gzip file), where they are fewer than `below`; std::nullopt where
+// they are not, or cannot be told without decompressing a large file. Only
+// a small answer must be sure (LoadDecoded then leaves the cache folder
+// alone, and never caches the set): std::nullopt takes the usual path,
+// which is right for any size.
+std::optional<uint64_t> BytesBelow(const std::string& path, uint64_t below) {
+  // O_NONBLOCK: a FIFO is not waited on (nor read: only a regular file is).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return std::nullopt;
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st{};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  char magic[2] = {};
+  if (size < sizeof(magic) || !ReadAt(fd, magic, sizeof(magic), 0) ||
+      !internal::IsGzip(std::string_view(magic, sizeof(magic)))) {
+    return size < below ? std::optional<uint64_t>(size) : std::nullopt;
+  }
+  // A gzip file: the trailer's ISIZE is the last member's size (mod 2^32),
+  // so at most the whole output; at least `below` of it settles the answer
+  // with 4 bytes read (a real training batch, compressed, takes ~30 MB).
+  uint8_t isize[4] = {};
+  if (!ReadAt(fd, isize, sizeof(isize), static_cast<off_t>(size - sizeof(isize)))) return std::nullopt;
+  const uint64_t last_member =
+      uint64_t{isize[0]} | (uint64_t{isize[1]} << 8) | (uint64_t{isize[2]} << 16) | (uint64_t{isize[3]} << 24);
+  if (last_member >= below) return std::nullopt;
+  // ISIZE alone is no upper bound (earlier members, zeros padded after the
+  // last), so the file is decompressed, up to `below` bytes of output: only
+  // a file short enough to hold less than `below` (deflate's stored blocks
+  // add 5 bytes per 64 KiB; 64 KiB more for the header's file name) is read.
+  if (size > below + below / 8192 + (uint64_t{64} << 10)) return std::nullopt;
+  std::string compressed(size, '\0');
+  if (!ReadAt(fd, compressed.data(), compressed.size(), 0)) return std::nullopt;
+  try {
+    return internal::Gunzip(compressed, path, below - 1).size();
+  } catch (const std::exception&) {
+    return std::nullopt;  // corrupt, or `below` bytes or more: the decode says which
+  }
+}
+
+// The bytes LoadCifar10's decode gives for `files` (n x 3073: their
+// records, decompressed), where fewer than `below`; std::nullopt where not,
+// or where that cannot be told cheaply (BytesBelow).
+std::optional<uint64_t> CifarBytesBelow(const std::vector<std::string>& files, uint64_t below) {
+  uint64_t total = 0;
+  for (const std::string& f : files) {
+    const std::optional<uint64_t> bytes = BytesBelow(f, below - total);
+    if (!bytes.has_value()) return std::nullopt;
+    total += *bytes;
+  }
+  return total;
 }
 
 }  // namespace
@@ -113,13 +189,19 @@ std::shared_ptr<InMemoryImageDataset> LoadCifar10(const std::string& dir, Split 
   // the set): the records' pixels, then their labels, as one array of
   // n x 3073 bytes.
   constexpr int64_t kPixels = kCifarRecordBytes - 1;
-  const internal::SharedArray all = internal::LoadDecoded(files, [&] {
-    std::vector<uint8_t> pixels, labels;
-    for (const std::string& f : files) ParseCifar10Batch(internal::ReadMaybeGzipFile(f), f, &pixels, &labels);
-    const int64_t n = static_cast<int64_t>(labels.size());
-    pixels.insert(pixels.end(), labels.begin(), labels.end());
-    return std::make_pair(std::vector<int64_t>{n, kCifarRecordBytes}, std::move(pixels));
-  });
+  // A set that the files' sizes show too small to cache (a test's few
+  // records) leaves the cache folder alone.
+  const internal::SharedArray all = internal::LoadDecoded(
+      files,
+      [&] {
+        std::vector<uint8_t> pixels, labels;
+        for (const std::string& f : files) ParseCifar10Batch(internal::ReadMaybeGzipFile(f), f, &pixels, &labels);
+        const int64_t n = static_cast<int64_t>(labels.size());
+        pixels.insert(pixels.end(), labels.begin(), labels.end());
+        return std::make_pair(std::vector<int64_t>{n, kCifarRecordBytes}, std::move(pixels));
+      },
+      internal::kMinCachedBytes, internal::kEntryLockWait,
+      [&] { return CifarBytesBelow(files, internal::kMinCachedBytes); });
   const int64_t n = all.dims.size() == 2 ? all.dims[0] : 0;
   if (all.dims.size() != 2 || all.dims[1] != kCifarRecordBytes) {
     throw DatasetError(files.front() + ": decoded CIFAR-10 array has an unexpected shape");

@@ -757,6 +757,89 @@ TEST(DecodedCache, AnIdxSetTooSmallToCacheLeavesTheCacheFolderAlone) {
   }
 }
 
+// CIFAR-10 records (label, then 3072 pixel bytes) `first` to `first + n - 1`:
+// pixels that do not compress when `noise`, else a repeating pattern.
+std::string CifarRecords(int64_t first, int64_t n, bool noise) {
+  std::string out(n * kCifarRecordBytes, '\0');
+  uint32_t x = static_cast<uint32_t>(first) * 2654435761u + 1;
+  for (int64_t r = 0; r < n; ++r) {
+    out[r * kCifarRecordBytes] = static_cast<char>((first + r) % 10);
+    for (int64_t p = 1; p < kCifarRecordBytes; ++p) {
+      out[r * kCifarRecordBytes + p] =
+          static_cast<char>(noise ? (x = x * 1664525u + 1013904223u) >> 24 : (first + r) * 31 + p);
+    }
+  }
+  return out;
+}
+
+// A CIFAR-10 set that its files' sizes show too small to cache leaves the
+// cache folder as it was, its batch compressed or not (each load made and
+// removed a lock file there, and made and removed a missing folder); so
+// does a compressed one whose trailer would let a larger set pass for
+// small (zeros padded after it). A set large enough still gets its entry:
+// raw, compressed, and compressed in two members of which the last, the
+// one the trailer tells of, is small.
+TEST(DecodedCache, ACifarSetTooSmallToCacheLeavesTheCacheFolderAlone) {
+  const std::string dir = FreshDir("decoded_cifar_alone");
+  const std::string tiny = CifarRecords(0, 3, /*noise=*/true);
+  const std::vector<std::pair<const char*, std::string>> small_batches = {
+      {"raw", tiny}, {"gzip", Gzip(tiny)}, {"gzip padded with zeros", Gzip(tiny) + std::string(64, '\0')}};
+  int small_number = 0;
+  for (const auto& [kind, batch] : small_batches) {
+    SCOPED_TRACE(kind);
+    const std::string data = FreshDir("decoded_cifar_small_" + std::to_string(small_number++));
+    WriteFile(data + "/test_batch.bin", batch);
+    {
+      const std::string cache_dir = dir + "/cache";
+      std::filesystem::create_directories(cache_dir);
+      struct stat before{}, after{};
+      ASSERT_EQ(::stat(cache_dir.c_str(), &before), 0);
+      const CacheDir cache(cache_dir);
+      FolderWatch watch(cache_dir);
+      const auto set = LoadCifar10(data, Split::kTest);
+      ASSERT_EQ(set->Size(), 3);
+      EXPECT_EQ(set->Label(2), 2);
+      EXPECT_EQ(set->Pixels(1)[7], static_cast<uint8_t>(tiny[kCifarRecordBytes + 8]));
+      EXPECT_EQ(Joined(watch.Changes()), "") << "the load changed " << cache_dir << " for a set it does not cache";
+      ASSERT_EQ(::stat(cache_dir.c_str(), &after), 0);
+      EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
+      EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
+      EXPECT_TRUE(Entries(cache_dir).empty());
+    }
+    {
+      const CacheDir cache(dir + "/missing/cache");
+      FolderWatch watch(dir);
+      LoadCifar10(data, Split::kTest);
+      EXPECT_EQ(Joined(watch.Changes()), "") << "the load made and removed folders in " << dir;
+      EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
+    }
+  }
+  // 342 records: 1,050,966 bytes decoded, at least kMinCachedBytes.
+  constexpr int64_t kRecords = 342;
+  static_assert(kRecords * kCifarRecordBytes >= static_cast<int64_t>(kMinCachedBytes));
+  const std::string big = CifarRecords(0, kRecords, /*noise=*/true);
+  const std::string pattern = CifarRecords(0, kRecords, /*noise=*/false);
+  const std::vector<std::pair<const char*, std::string>> big_batches = {
+      {"raw", big},
+      {"gzip", Gzip(big)},
+      {"gzip of a compressible set", Gzip(pattern)},
+      {"gzip in two members, the last small",
+       Gzip(pattern.substr(0, (kRecords - 2) * kCifarRecordBytes)) +
+           Gzip(pattern.substr((kRecords - 2) * kCifarRecordBytes))}};
+  int case_number = 0;
+  for (const auto& [kind, batch] : big_batches) {
+    SCOPED_TRACE(kind);
+    const std::string data = FreshDir("decoded_cifar_big_" + std::to_string(case_number));
+    const std::string cache_dir = dir + "/big_cache_" + std::to_string(case_number++);
+    WriteFile(data + "/test_batch.bin", batch);
+    const CacheDir cache(cache_dir);
+    const auto set = LoadCifar10(data, Split::kTest);
+    ASSERT_EQ(set->Size(), kRecords);
+    EXPECT_EQ(set->Label(kRecords - 1), (kRecords - 1) % 10);
+    EXPECT_EQ(Entries(cache_dir).size(), 1u) << "a set of " << big.size() << " bytes was not cached";
+  }
+}
+
 // Sets an environment variable for a scope (unset: nullptr).
 class ScopedEnv {
  public:
