@@ -90,9 +90,13 @@ void NoteInUse(const std::string& path) {
   InUse().paths.insert(path);
 }
 
-// Set by a process that said the cache cannot be written, to the cache
-// folder, for the ranks it starts after (SaysForTheJob).
-constexpr char kReportedEnv[] = "DDP_DATA_CACHE_REPORTED";
+// Set by a process that said a warning for its job, to the cache folder,
+// for the ranks it starts after (SaysForTheJob): one variable per kind of
+// warning, so that a launcher that said the cache cannot be written leaves
+// its ranks free to say that it cannot be locked.
+constexpr char kWriteReportedEnv[] = "DDP_DATA_CACHE_REPORTED";
+constexpr char kLockReportedEnv[] = "DDP_DATA_CACHE_LOCK_REPORTED";
+constexpr const char* kReportedEnvs[] = {kWriteReportedEnv, kLockReportedEnv};
 
 // This process's rank among its node's ranks, as launchers give it (null
 // when it runs under none).
@@ -103,30 +107,34 @@ const char* LocalRank() {
   return nullptr;
 }
 
-// Made empty before main in a process under no launcher (one that may
-// start ranks), so that SaysForTheJob only ever replaces its value: glibc
-// replaces a variable's value in place, safe beside a getenv in another
-// thread (the launcher's signal thread, a library's pool), but adding one
-// reallocates the environment's array and frees the old one under it.
+// The kReportedEnvs, made empty before main in a process under no
+// launcher (one that may start ranks), so that SaysForTheJob only ever
+// replaces a value: glibc replaces a variable's value in place, safe beside
+// a getenv in another thread (the launcher's signal thread, a library's
+// pool), but adding one reallocates the environment's array and frees the
+// old one under it.
 const bool reported_env_made = [] {
-  if (LocalRank() == nullptr && std::getenv(kReportedEnv) == nullptr) ::setenv(kReportedEnv, "", 0);
+  for (const char* name : kReportedEnvs) {
+    if (LocalRank() == nullptr && std::getenv(name) == nullptr) ::setenv(name, "", 0);
+  }
   return true;
 }();
 
-// Whether this process says that the cache folder `dir` cannot be written:
-// every process of a job fails alike, and a trainer that launches its own
-// ranks loads the sets first (to check them), so the line came once from
-// the launcher and once from each rank. A rank says it only as its node's
-// first (local rank 0: ddprun and torchrun load nothing themselves) and
-// only when the process that started it has not (kReportedEnv names
-// `dir`). A process under no launcher that says it puts `dir` in
-// kReportedEnv for the ranks it starts after.
-bool SaysForTheJob(const std::string& dir) {
-  const char* reported = std::getenv(kReportedEnv);
+// Whether this process says a warning about the cache folder `dir` that
+// every process of a job meets alike (that the folder cannot be written,
+// or locked): a trainer that launches its own ranks loads the sets first
+// (to check them), so the line came once from the launcher and once from
+// each rank. A rank says it only as its node's first (local rank 0: ddprun
+// and torchrun load nothing themselves) and only when the process that
+// started it has not (`reported_env`, the warning's kind's variable,
+// names `dir`). A process under no launcher that says it puts `dir` in
+// `reported_env` for the ranks it starts after.
+bool SaysForTheJob(const char* reported_env, const std::string& dir) {
+  const char* reported = std::getenv(reported_env);
   if (reported != nullptr && dir == reported) return false;
   const char* local_rank = LocalRank();
   if (local_rank != nullptr) return std::string_view(local_rank) == "0";
-  if (reported_env_made && reported != nullptr) ::setenv(kReportedEnv, dir.c_str(), 1);  // in place only
+  if (reported_env_made && reported != nullptr) ::setenv(reported_env, dir.c_str(), 1);  // in place only
   return true;
 }
 
@@ -135,7 +143,7 @@ bool SaysForTheJob(const std::string& dir) {
 // (SaysForTheJob).
 void ReportWriteFailure(const std::string& path, const std::string& cause) {
   if (write_failure_reported.exchange(true)) return;
-  if (!SaysForTheJob(DecodedCacheDir())) return;
+  if (!SaysForTheJob(kWriteReportedEnv, DecodedCacheDir())) return;
   std::fprintf(stderr,
                "[ddp] warning: decoded dataset cache: cannot write %s: %s; datasets are decoded in memory "
                "on every load (DDP_DATA_CACHE=<folder> moves the cache, DDP_DATA_CACHE=off turns it off)\n",
@@ -143,7 +151,11 @@ void ReportWriteFailure(const std::string& path, const std::string& cause) {
 }
 
 // An entry written and in place whose folder could not be fsynced: said
-// once, apart from the failures to write, since the entry is used.
+// once, apart from the failures to write, since the entry is used. Said by
+// each process that meets it, not once per job (SaysForTheJob): only the
+// process that wrote an entry meets it (the others map that entry), and
+// that is any rank, so a line left to local rank 0 would often be said by
+// no one. Where the filesystem has locks, one process writes each set.
 void ReportSyncFailure(const std::string& cause) {
   if (sync_failure_reported.exchange(true)) return;
   std::fprintf(stderr,
@@ -448,9 +460,14 @@ Written WriteEntry(const std::string& dir, const std::string& path, const std::v
 // A lock file that could be made but not locked (NFS mounted without locks
 // answers flock with ENOLCK): the entry is written without the lock, so
 // processes that load a set into a cold cache at once each decode it (and
-// write it) instead of one; the run says once where and why.
+// write it) instead of one; the job says once where and why
+// (SaysForTheJob): every one of its processes that loads a set into a cold
+// cache meets it, on the same filesystem. (A local rank 0 that finds the
+// entry another rank wrote, at its first look, meets it not: it decoded
+// nothing.)
 void ReportLockFailure(const std::string& lock_path, int err) {
   if (lock_failure_reported.exchange(true)) return;
+  if (!SaysForTheJob(kLockReportedEnv, DecodedCacheDir())) return;
   std::fprintf(stderr,
                "[ddp] warning: decoded dataset cache: cannot lock %s: %s; entries are written without the lock, "
                "so ranks loading a set into a cold cache each decode it (DDP_DATA_CACHE=<folder> on a local "
@@ -601,6 +618,10 @@ void EvictLeastRecentlyUsed(const std::string& dir, uint64_t max_bytes, uint64_t
     entries.push_back({static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec, path,
                        static_cast<uint64_t>(st.st_size)});
   }
+  // Said by each process that meets it, not once per job (SaysForTheJob):
+  // it names the bytes this process uses, and only a process that writes an
+  // entry evicts (one that maps its sets from entries never does), which
+  // may be any rank.
   if (in_use_bytes > max_bytes && !limit_below_use_reported.exchange(true)) {
     std::fprintf(stderr,
                  "[ddp] warning: the decoded dataset cache %s may keep %llu bytes "
@@ -762,7 +783,9 @@ uint64_t DecodedCacheMaxBytes() {
 }
 
 void ResetDecodedCacheWarningsForTesting() {
-  if (std::getenv(kReportedEnv) != nullptr) ::setenv(kReportedEnv, "", 1);  // in place, as SaysForTheJob
+  for (const char* name : kReportedEnvs) {
+    if (std::getenv(name) != nullptr) ::setenv(name, "", 1);  // in place, as SaysForTheJob
+  }
   write_failure_reported = false;
   limit_below_use_reported = false;
   lock_failure_reported = false;

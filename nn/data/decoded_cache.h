@@ -22,11 +22,11 @@
 // cannot be read or written, loads decode as before (the first entry that
 // cannot be written says so on stderr with the path and the cause, once
 // per job: from the process outside a launcher that meets it, else from
-// each node's local rank 0; so does, once per process, the first lock file
-// that cannot be locked, as on NFS mounted without locks: entries are
-// then written without the lock, so concurrent first loads each decode;
-// and the first entry put in place whose folder then cannot be fsynced:
-// it is used all the same).
+// each node's local rank 0; so does, and apart, the first lock file that
+// cannot be locked, as on NFS mounted without locks: entries are then
+// written without the lock, so concurrent first loads each decode; and,
+// once per process that meets it, the first entry put in place whose
+// folder then cannot be fsynced: it is used all the same).
 //
 // Size: after writing an entry, the least recently used others (by
 // modification time, which a load from an entry sets to now) are removed

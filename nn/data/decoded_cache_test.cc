@@ -1485,8 +1485,9 @@ TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedByALoadFromAnEntry) {
 }
 
 // Runs `body` in a child process, its stderr into `stderr_file`, after
-// ResetDecodedCacheWarningsForTesting (but with the report to started ranks,
-// DDP_DATA_CACHE_REPORTED, it inherited) and then with the variables `env`
+// ResetDecodedCacheWarningsForTesting (but with the reports to started
+// ranks, DDP_DATA_CACHE_REPORTED and DDP_DATA_CACHE_LOCK_REPORTED, it
+// inherited) and then with the variables `env`
 // set (nullptr: unset). Returns the child's exit status (9: no stderr file).
 int InChildWithEnv(const std::vector<std::pair<const char*, const char*>>& env, const std::string& stderr_file,
                    const std::function<int()>& body) {
@@ -1494,10 +1495,12 @@ int InChildWithEnv(const std::vector<std::pair<const char*, const char*>>& env, 
   if (pid == 0) {
     const int fd = ::open(stderr_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0 || ::dup2(fd, 2) < 0) ::_exit(9);
-    const char* inherited = std::getenv("DDP_DATA_CACHE_REPORTED");
-    const std::string reported = inherited != nullptr ? inherited : "";
+    std::vector<std::pair<const char*, std::string>> inherited;
+    for (const char* name : {"DDP_DATA_CACHE_REPORTED", "DDP_DATA_CACHE_LOCK_REPORTED"}) {
+      if (const char* value = std::getenv(name); value != nullptr) inherited.emplace_back(name, value);
+    }
     ResetDecodedCacheWarningsForTesting();
-    if (inherited != nullptr) ::setenv("DDP_DATA_CACHE_REPORTED", reported.c_str(), 1);
+    for (const auto& [name, value] : inherited) ::setenv(name, value.c_str(), 1);
     for (const auto& [name, value] : env) {
       if (value != nullptr) {
         ::setenv(name, value, 1);
@@ -1555,6 +1558,67 @@ TEST(DecodedCache, AnUnwritableCacheIsReportedOncePerJob) {
   for (const char* rank : {"0", "1"}) {
     const std::string file = dir + "/rank" + rank + "_stderr";
     ASSERT_EQ(InChildWithEnv({{"LOCAL_RANK", rank}, {"DDP_DATA_CACHE_REPORTED", other.c_str()}}, file, load), 0);
+    EXPECT_EQ(warnings(file), rank == std::string("0") ? 1u : 0u) << "local rank " << rank << ": " << ReadText(file);
+  }
+}
+
+// A lock file that cannot be locked (NFS mounted without locks) is met
+// alike by every process of a job that loads a set into a cold cache: a
+// trainer that starts its own ranks said it from the launcher and again
+// from each rank. It is said once, as an unwritable cache is: by the
+// launcher, whose ranks then stay quiet; under a launcher that loads
+// nothing, by local rank 0 alone, even when told that the cache could not
+// be written (another kind of warning, which must not silence this one).
+// Each process loads a set of its own, so that each meets a cold cache.
+TEST(DecodedCache, ALockFileThatCannotBeLockedIsReportedOncePerJob) {
+  const std::string dir = FreshDir("decoded_nolock_once_per_job");
+  const std::string cache_dir = dir + "/cache";
+  const CacheDir cache(cache_dir);
+  const auto load = [&](const std::string& name) {
+    const std::string src = dir + "/" + name;
+    WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
+    CountingDecode decode{src};
+    return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) ? 0 : 1;
+  };
+  const std::string probe = dir + "/probe";
+  WriteFile(probe, "");
+  const std::string warning = "[ddp] warning: decoded dataset cache: cannot lock " + cache_dir + "/";
+  const auto warnings = [&](const std::string& file) { return Count(ReadText(file), warning); };
+  const std::vector<std::pair<const char*, const char*>> no_launcher = {
+      {"LOCAL_RANK", nullptr},
+      {"SLURM_LOCALID", nullptr},
+      {"OMPI_COMM_WORLD_LOCAL_RANK", nullptr},
+      {"DDP_DATA_CACHE_REPORTED", ""},  // as made before main outside a launcher
+      {"DDP_DATA_CACHE_LOCK_REPORTED", ""}};
+  // Exit statuses: 1 for wrong bytes, 10 + a rank's status.
+  const int status = InChildWithoutLocks(probe, [&] {
+    return InChildWithEnv(no_launcher, dir + "/launcher_stderr", [&] {
+      if (load("launcher_images") != 0) return 1;
+      for (const char* rank : {"0", "1"}) {
+        const int status = InChildWithEnv({{"LOCAL_RANK", rank}}, dir + "/self_launched_rank" + rank + "_stderr",
+                                          [&] { return load(std::string("self_launched_rank") + rank + "_images"); });
+        if (status != 0) return 10 + status;
+      }
+      return 0;
+    });
+  });
+  ASSERT_NE(status, 2) << "the seccomp filter could not be installed";
+  ASSERT_NE(status, 3) << "the seccomp filter did not make flock fail with ENOLCK";
+  ASSERT_EQ(status, 0) << "wrong bytes, or a child failed";
+  EXPECT_EQ(warnings(dir + "/launcher_stderr"), 1u) << ReadText(dir + "/launcher_stderr");
+  for (const char* rank : {"0", "1"}) {
+    const std::string file = dir + "/self_launched_rank" + rank + "_stderr";
+    EXPECT_EQ(warnings(file), 0u) << "local rank " << rank << " of a launcher that said it: " << ReadText(file);
+  }
+  // Ranks of a launcher that loads nothing, told that the cache folder
+  // could not be written.
+  for (const char* rank : {"0", "1"}) {
+    const std::string file = dir + "/rank" + rank + "_stderr";
+    const int status = InChildWithoutLocks(probe, [&] {
+      return InChildWithEnv({{"LOCAL_RANK", rank}, {"DDP_DATA_CACHE_REPORTED", cache_dir.c_str()}}, file,
+                            [&] { return load(std::string("rank") + rank + "_images"); });
+    });
+    ASSERT_EQ(status, 0) << "local rank " << rank << ": wrong bytes, or no filter (2, 3)";
     EXPECT_EQ(warnings(file), rank == std::string("0") ? 1u : 0u) << "local rank " << rank << ": " << ReadText(file);
   }
 }
