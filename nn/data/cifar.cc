@@ -90,7 +90,9 @@ std::optional<uint64_t> BytesBelow(const std::string& path, uint64_t below) {
   // so at most the whole output; at least `below` of it settles the answer
   // with 4 bytes read (a real training batch, compressed, takes ~30 MB).
   uint8_t isize[4] = {};
-  if (!ReadAt(fd, isize, sizeof(isize), static_cast<off_t>(size - sizeof(isize)))) return std::nullopt;
+  if (size < sizeof(isize) || !ReadAt(fd, isize, sizeof(isize), static_cast<off_t>(size - sizeof(isize)))) {
+    return std::nullopt;
+  }
   const uint64_t last_member =
       uint64_t{isize[0]} | (uint64_t{isize[1]} << 8) | (uint64_t{isize[2]} << 16) | (uint64_t{isize[3]} << 24);
   if (last_member >= below) return std::nullopt;
