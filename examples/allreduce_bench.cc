@@ -47,7 +47,9 @@
 #include <vector>
 
 #include "examples/own_help.h"
+#include "examples/setup_signals.h"
 #include "transport/communicator.h"
+#include "transport/launch/env.h"
 #include "transport/launch/self_launch.h"
 #include "transport/shm/shareable.h"
 #include "transport/testing/expected_values.h"
@@ -264,14 +266,24 @@ int main(int argc, char** argv) {
   // Before the launch, which would start every rank to print gflags' help
   // of every linked library and exit 1: this program's flags, once.
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/allreduce_bench")) return 0;
+  // Ctrl-C while the process that starts the ranks checks the flags is
+  // said in one line (it ended without a word), as train says it.
+  namespace launch = ddp::transport::launch;
+  if (!launch::HasLaunchVariables(launch::CurrentEnvironment())) {
+    ddp::examples::WatchSetupSignals("allreduce_bench");
+  }
   if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/allreduce_bench");
       !problem.empty()) {
+    ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
     std::fprintf(stderr, "allreduce_bench: %s\n", problem.c_str());
     return 2;
   }
   // Only rank 0 prints, in a fixed format: no "[rank] " prefixes.
-  ddp::transport::launch::SelfLaunchOrExit(argc, argv,
-                                           {.prefix_output = false, .check_arguments = LaunchFlagProblem});
+  launch::SelfLaunchOrExit(argc, argv, {.prefix_output = false, .check_arguments = [](int argc, char** argv) {
+                                          std::string problem = LaunchFlagProblem(argc, argv);
+                                          ddp::examples::EndSetup();
+                                          return problem;
+                                        }});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
 
   ParsedFlags flags;

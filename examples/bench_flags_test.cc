@@ -4,9 +4,15 @@
 // crash; a --max_bytes beyond the host's memory was left to the kernel's
 // out-of-memory killer).
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
+#include <csignal>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -182,6 +188,39 @@ TEST(BenchLaunchTest, AWrongFlagIsRefusedOnceBeforeAnyRankStarts) {
     EXPECT_EQ(r.exit_code, 2) << flags[1] << "\n" << r.out << r.err;
     EXPECT_EQ(r.err, message) << flags[1];
     EXPECT_EQ(r.out, "") << flags[1];
+  }
+}
+
+// Ctrl-C while the process that starts the ranks checks the flags ended it
+// without a word. Held in that check by a --flagfile that is a FIFO (the
+// check's parse waits in its read until this end is closed), it now says
+// so in one line, ends by the signal once the check returns, and starts no
+// rank.
+TEST(BenchLaunchTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
+  for (const std::string program : {"ddp_bench", "allreduce_bench"}) {
+    SCOPED_TRACE(program);
+    const std::string dir = testing::MakeTempDir("ctrl_c_setup_" + program);
+    const std::string fifo = dir + "/flags";
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+    testing::Subprocess running(
+        {testing::Runfile("examples/" + program), "--flagfile=" + fifo, "--nproc_per_node=1"});
+    // Opens once the program has the FIFO open for reading (ENXIO before).
+    int writer = -1;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while ((writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+      ASSERT_EQ(errno, ENXIO) << fifo << ": " << std::strerror(errno);
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the --flagfile was never opened:\n"
+                                                            << running.Stderr();
+      ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "it ended first:\n" << running.Stderr();
+    }
+    running.Signal(SIGINT);
+    ::close(writer);  // an empty file of flags
+    ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
+    EXPECT_EQ(running.Stderr(), program +
+                                    ": interrupted by Ctrl-C during setup; stopping before any rank starts "
+                                    "(Ctrl-C again: at once)\n");
+    EXPECT_EQ(running.Stdout(), "");
+    EXPECT_TRUE(running.Children().empty());
   }
 }
 

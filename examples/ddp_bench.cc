@@ -39,6 +39,7 @@
 #include "ddp/process_group.h"
 #include "ddp/zero_redundancy_optimizer.h"
 #include "examples/own_help.h"
+#include "examples/setup_signals.h"
 #include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/idx.h"
@@ -47,6 +48,7 @@
 #include "nn/ops/config.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
+#include "transport/launch/env.h"
 #include "transport/launch/self_launch.h"
 
 DEFINE_string(model, "cnn", "mlp or cnn (the peers' models)");
@@ -376,14 +378,25 @@ int main(int argc, char** argv) {
   // Before the launch, which would start every rank to print gflags' help
   // of every linked library and exit 1: this program's flags, once.
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/ddp_bench")) return 0;
+  // Ctrl-C while the process that starts the ranks checks the flags and
+  // the data is said in one line (it ended without a word), as train says it.
+  namespace launch = ddp::transport::launch;
+  if (!launch::HasLaunchVariables(launch::CurrentEnvironment())) ddp::examples::WatchSetupSignals("ddp_bench");
   if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/ddp_bench"); !problem.empty()) {
+    ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
     std::fprintf(stderr, "ddp_bench: %s\n", problem.c_str());
     return 2;
   }
   // Spawn the ranks before anything touches UCX, once the flags are found
   // fine (a wrong one said once, not by every rank); rank 0 alone prints.
-  ddp::transport::launch::SelfLaunchOrExit(
-      argc, argv, {.default_nproc_per_node = 2, .prefix_output = false, .check_arguments = LaunchFlagProblem});
+  launch::SelfLaunchOrExit(argc, argv,
+                           {.default_nproc_per_node = 2,
+                            .prefix_output = false,
+                            .check_arguments = [](int argc, char** argv) {
+                              std::string problem = LaunchFlagProblem(argc, argv);
+                              ddp::examples::EndSetup();
+                              return problem;
+                            }});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   // Relative: the user's directory, not the runfiles folder of `bazel run`.
   FLAGS_data_dir = ddp::examples::UserPath(FLAGS_data_dir);

@@ -29,6 +29,7 @@
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
 #include "examples/own_help.h"
+#include "examples/setup_signals.h"
 #include "examples/user_path.h"
 #include "nn/autograd/engine.h"
 #include "nn/data/data_loader.h"
@@ -38,6 +39,7 @@
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
+#include "transport/launch/env.h"
 #include "transport/launch/self_launch.h"
 
 DEFINE_int32(epochs, 1, "passes over the training set (0: evaluate and save the initial model)");
@@ -217,18 +219,27 @@ int main(int argc, char** argv) {
       "the MLP on Fashion-MNIST on --nproc_per_node ranks (default 2) with DistributedDataParallel\n"
       "Usage: bazel run //examples:ddp_hello -- [--nproc_per_node=N] [--flag=value ...]");
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/ddp_hello")) return 0;
+  // Ctrl-C while the process that starts the ranks checks the flags and
+  // the data is said in one line (it ended without a word), as train says it.
+  namespace launch = ddp::transport::launch;
+  if (!launch::HasLaunchVariables(launch::CurrentEnvironment())) ddp::examples::WatchSetupSignals("ddp_hello");
   // A misspelt flag or a value of the wrong type, in one line that names
   // the nearest flag (gflags' own message names no program and exits 1),
   // as train and the benchmarks say it; every rank under another launcher.
   if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/ddp_hello");
       !problem.empty()) {
+    ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
     std::fprintf(stderr, "ddp_hello: %s\n", problem.c_str());
     return 2;
   }
   // Before anything touches UCX or starts a thread: become N ranks, once
   // the flags are found fine.
-  ddp::transport::launch::SelfLaunchOrExit(
-      argc, argv, {.default_nproc_per_node = 2, .check_arguments = LaunchFlagProblem});
+  launch::SelfLaunchOrExit(argc, argv,
+                           {.default_nproc_per_node = 2, .check_arguments = [](int argc, char** argv) {
+                              std::string problem = LaunchFlagProblem(argc, argv);
+                              ddp::examples::EndSetup();
+                              return problem;
+                            }});
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach the launcher as they are printed
   // Under another launcher (ddprun, srun, mpirun), which does not know

@@ -4,7 +4,15 @@
 // with the MLP's parameters; a checkpoint path that cannot be written is
 // refused before training, and the ranks say which path.
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -165,6 +173,34 @@ TEST(DdpHelloTest, BadFlagsAreRefusedBeforeAnythingStarts) {
       EXPECT_EQ(r.out, "") << what;
     }
   }
+}
+
+// Ctrl-C while the launching process checks the flags and the data ended
+// it without a word. Held in that check by a --flagfile that is a FIFO (the
+// check waits in its read until this end is closed), it now says so in one
+// line, ends by the signal once the check returns, and starts no rank.
+TEST(DdpHelloTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
+  const std::string dir = testing::MakeTempDir("ctrl_c_setup");
+  const std::string fifo = dir + "/flags";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+  testing::Subprocess running({Runfile("examples/ddp_hello"), "--flagfile=" + fifo, "--nproc_per_node=1",
+                               "--checkpoint=" + dir + "/saved/model.ckpt"});
+  // Opens once the program has the FIFO open for reading (ENXIO before).
+  int writer = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while ((writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+    ASSERT_EQ(errno, ENXIO) << fifo << ": " << std::strerror(errno);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the --flagfile was never opened:\n" << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "it ended first:\n" << running.Stderr();
+  }
+  running.Signal(SIGINT);
+  ::close(writer);  // an empty file of flags
+  ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
+  EXPECT_EQ(running.Stderr(),
+            "ddp_hello: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n");
+  EXPECT_EQ(running.Stdout(), "");
+  EXPECT_TRUE(running.Children().empty());
+  EXPECT_FALSE(std::filesystem::exists(dir + "/saved"));
 }
 
 // A misspelt flag or a malformed value gets one line naming the nearest

@@ -24,13 +24,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "examples/own_help.h"
+#include "examples/setup_signals.h"
 #include "examples/trainer/config.h"
 #include "examples/trainer/parallel.h"
 #include "examples/trainer/train_state.h"
@@ -272,60 +272,6 @@ void WatchStopSignals() {
       raise(signo);
     }
   }).detach();
-}
-
-// Set (to the signal number) by OnSetupSignal: the launcher was asked to
-// stop while it still checked the flags, the data and the paths.
-std::atomic<int> g_setup_signal{0};
-
-// While the launcher checks its setup. The line is said at once; the
-// process then ends at the next StopIfInterruptedInSetup, once the check
-// under way has finished: none is cut short halfway (leaving the probe file
-// of a folder's check, say). The default action, back for a second signal,
-// ends it at once. Async-signal-safe.
-void OnSetupSignal(int signo) {
-  g_setup_signal.store(signo);
-  const char* line =
-      signo == SIGINT
-          ? "train: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n"
-      : signo == SIGTERM
-          ? "train: interrupted by SIGTERM during setup; stopping before any rank starts (SIGTERM again: at once)\n"
-          : "train: interrupted by SIGHUP during setup; stopping before any rank starts (SIGHUP again: at once)\n";
-  (void)!write(STDERR_FILENO, line, std::strlen(line));
-}
-
-constexpr int kSetupSignals[] = {SIGINT, SIGTERM, SIGHUP};
-struct sigaction g_before_setup[std::size(kSetupSignals)];
-
-// SIGINT, SIGTERM and SIGHUP during the launcher's setup: before, their
-// default action ended it printing nothing (exit status 130 for Ctrl-C).
-// One ignored (nohup, `&` in a script) stays ignored, as SelfLaunch leaves
-// it too.
-void WatchSetupSignals() {
-  struct sigaction action{};
-  action.sa_handler = OnSetupSignal;
-  action.sa_flags = SA_RESTART | SA_RESETHAND;
-  sigemptyset(&action.sa_mask);
-  for (size_t i = 0; i < std::size(kSetupSignals); ++i) {
-    sigaction(kSetupSignals[i], nullptr, &g_before_setup[i]);
-    if (g_before_setup[i].sa_handler != SIG_IGN) sigaction(kSetupSignals[i], &action, nullptr);
-  }
-}
-
-// Before SelfLaunch, which puts its own handlers in place (it forwards the
-// signals to the ranks) and the ones it found back when it returns.
-void EndSetupSignals() {
-  for (size_t i = 0; i < std::size(kSetupSignals); ++i) sigaction(kSetupSignals[i], &g_before_setup[i], nullptr);
-}
-
-// Ends the process by the signal OnSetupSignal took, if any: as it would
-// have ended, with the line already said.
-void StopIfInterruptedInSetup() {
-  const int signo = g_setup_signal.load();
-  if (signo == 0) return;
-  std::signal(signo, SIG_DFL);
-  std::raise(signo);
-  std::_Exit(128 + signo);  // not reached
 }
 
 // The flags of this file, grouped as --help shows them.
@@ -572,7 +518,7 @@ std::vector<std::string> WithoutFlag(const std::vector<std::string>& args, const
 }
 
 [[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message) {
-  StopIfInterruptedInSetup();  // said already: the refusal is beside the point
+  ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
   std::fflush(stdout);
   if (world_size > 1 && rank > 0) {
     std::fprintf(stderr, "%s: rank %d: %s\n", kProgram, rank, message.c_str());
@@ -594,7 +540,7 @@ int main(int argc, char** argv) {
   const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
   // A rank's own setup is short; its signals are watched from before it
   // starts a thread (WatchStopSignals).
-  if (!is_worker) WatchSetupSignals();
+  if (!is_worker) ddp::examples::WatchSetupSignals(kProgram);
   // SelfLaunch re-executes this program with the arguments as given, so keep
   // them before gflags reorders them.
   std::vector<std::string> original(argv, argv + argc);
@@ -612,7 +558,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   gflags::HandleCommandLineHelpFlags();  // --helpfull, --version, ...
-  StopIfInterruptedInSetup();  // a --flagfile can take its time to read
+  ddp::examples::StopIfInterruptedInSetup();  // a --flagfile can take its time to read
   // Output into a pipe whose reader is gone (`train ... | tee log`, and
   // Ctrl-C ends tee as well) must not end a rank before it saves, nor the
   // launcher, whose end ends the ranks: a write fails with EPIPE instead,
@@ -674,7 +620,7 @@ int main(int argc, char** argv) {
 
   if (!is_worker) {
     // The launcher checks once, then starts the ranks; it never touches UCX.
-    StopIfInterruptedInSetup();
+    ddp::examples::StopIfInterruptedInSetup();
     try {
       ddp::examples::trainer::CheckSetup(config, world_size);
     } catch (const UsageError& e) {
@@ -722,8 +668,8 @@ int main(int argc, char** argv) {
     // they count the restarts in DDP_RESTART_COUNT, which SelfLaunch sets.
     setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(FLAGS_max_restarts).c_str(), 1);
     unsetenv("TORCHELASTIC_RESTART_COUNT");
-    EndSetupSignals();
-    StopIfInterruptedInSetup();
+    ddp::examples::EndSetupSignals();
+    ddp::examples::StopIfInterruptedInSetup();
     launch::SelfLaunchOrExit(args_count, args.data(), options);
     return 0;  // not reached: the launcher exits with the workers' status
   }

@@ -1,0 +1,35 @@
+#ifndef DDP_EXAMPLES_SETUP_SIGNALS_H_
+#define DDP_EXAMPLES_SETUP_SIGNALS_H_
+
+namespace ddp::examples {
+
+/// Ctrl-C (SIGINT), SIGTERM and SIGHUP while a self-launching program checks
+/// its flags, data and paths, before it starts any rank. Their default
+/// action ended it printing nothing; from this call on, the first one prints
+/// "<program>: interrupted by Ctrl-C during setup; stopping before any rank
+/// starts (Ctrl-C again: at once)" at once, and the process ends by that
+/// signal at the next StopIfInterruptedInSetup, once the check under way has
+/// returned (none is cut short halfway, leaving a probe file behind, say).
+/// The same signal again ends it at once. A signal found ignored (nohup) stays
+/// ignored. Called once, in the process that would start the ranks only (a
+/// rank's signals are its launcher's business); `program` must outlive it.
+void WatchSetupSignals(const char* program);
+
+/// Puts back the actions WatchSetupSignals found; called before the ranks
+/// start, since the launcher puts its own handlers in place (it forwards the
+/// signals to them).
+void EndSetupSignals();
+
+/// Ends the process by the signal taken since WatchSetupSignals, if any (its
+/// line said already), as that signal ends it by default; else returns.
+void StopIfInterruptedInSetup();
+
+/// EndSetupSignals, then StopIfInterruptedInSetup: once the last check
+/// before the ranks start has returned (in SelfLaunchOptions::
+/// check_arguments). In this order, a signal after it ends the process by
+/// its own action, never taken and left undone.
+void EndSetup();
+
+}  // namespace ddp::examples
+
+#endif  // DDP_EXAMPLES_SETUP_SIGNALS_H_
