@@ -289,6 +289,28 @@ TEST(NnBenchTest, NprocPerNodeIsRefusedSayingItRunsOneProcess) {
   }
 }
 
+// Flags in a --flagfile were left to gflags, which ignored a misspelt one
+// without a word (the run went on with the default) and refused a bad
+// value in its own words, exit status 1. Both are one line now, naming the
+// file and the line, exit status 2, before any rank starts.
+TEST(BenchFlagsTest, AMisspeltFlagOrABadValueInAFlagfileIsOneLineNamingTheFileAndLine) {
+  const std::string dir = testing::MakeTempDir("bench_flagfile");
+  const std::string typo = dir + "/typo";
+  std::ofstream(typo) << "# one quick step\n--steps=1\n--eval=false\n--modle=cnn\n";
+  const std::string value = dir + "/value";
+  std::ofstream(value) << "--steps=many\n";
+  for (const auto& [file, problem] :
+       {std::pair<std::string, std::string>{typo, ":4: unknown flag --modle; did you mean --model? (--help lists "
+                                                  "the flags)"},
+        {value, ":1: --steps=many: the flag takes a whole number"}}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {testing::Runfile("examples/ddp_bench"), "--model=mlp", "--nproc_per_node=1", "--flagfile=" + file});
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    EXPECT_EQ(r.err, "ddp_bench: " + file + problem + "\n");
+    EXPECT_EQ(r.out, "");
+  }
+}
+
 // --help printed "SetUsageMessage() never called" and the flags of every
 // linked library, its own among them, and exited 1.
 TEST(NnBenchTest, HelpListsItsOwnFlags) {

@@ -1,6 +1,7 @@
 #include "examples/own_help.h"
 
 #include <gflags/gflags.h>
+#include <fnmatch.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +12,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -106,24 +109,6 @@ void PrintOwnFlags(const char* argv0, const char* source) {
       flag.current_value = ShortestDouble(flag.current_value);
     }
     std::printf("%s", gflags::DescribeOneFlag(flag).c_str());
-  }
-}
-
-// Why a --flagfile value (files separated by commas, as gflags reads it)
-// cannot be read as files of flags, or "".
-std::string FlagfileProblem(const std::string& value) {
-  size_t at = 0;
-  while (true) {
-    const size_t end = std::min(value.find(',', at), value.size());
-    const std::string path = value.substr(at, end - at);
-    struct stat st{};
-    if (path.empty()) return "an empty file name; give the path of a file of flags";
-    if (::stat(path.c_str(), &st) != 0 || ::access(path.c_str(), R_OK) != 0) {
-      return "cannot read " + path + " (" + std::strerror(errno) + ")";
-    }
-    if (S_ISDIR(st.st_mode)) return path + " is a folder; give the path of a file of flags";
-    if (end == value.size()) return "";
-    at = end + 1;
   }
 }
 
@@ -252,93 +237,246 @@ std::vector<std::string> UndefinedOk(int argc, char** argv) {
   return names;
 }
 
+// What one check carries from argument to argument and into the files of
+// flags it reads.
+struct Check {
+  std::string file;                       // the program's source, "examples/train_main.cc"
+  std::string argv0;                      // for the program-name sections of a file of flags
+  std::vector<std::string> undefined_ok;  // names --undefok lets through
+  std::vector<std::string> reading;       // files of flags being read, outermost first
+};
+
+std::string ArgProblem(const std::vector<std::string>& args, size_t* i, bool in_file, Check& check,
+                       bool* located);
+
+// Whether a line of a file of flags that names programs (gflags' sections:
+// "train ddp_bench", or globs such as "*_bench") names this one, as gflags
+// matches it: the whole argv[0] or its last component.
+bool NamesThisProgram(const std::string& line, const std::string& argv0) {
+  const std::string base = argv0.substr(argv0.rfind('/') + 1);
+  for (size_t at = 0; at <= line.size();) {
+    const size_t end = std::min(line.find(' ', at), line.size());
+    const std::string glob = line.substr(at, end - at);
+    if (glob == argv0 || glob == base || ::fnmatch(glob.c_str(), argv0.c_str(), FNM_PATHNAME) == 0 ||
+        ::fnmatch(glob.c_str(), base.c_str(), FNM_PATHNAME) == 0) {
+      return true;
+    }
+    at = end + 1;
+  }
+  return false;
+}
+
+// What is wrong with the flags in file `path` (a regular file), as gflags
+// reads it: one flag a line ("--name=value", or "--name" for a bool),
+// leading blanks skipped, "#" comments and empty lines ignored, and a line
+// of program names starting a section whose flags apply to those programs
+// only. gflags ignores an unknown flag there without a word (a misspelt one
+// ran with the default) and refuses a bad value in its own words (exit 1):
+// both are refused here as on the command line, with the file and the line
+// ("flags.txt:3: unknown flag --modle; did you mean --model? ..."), and
+// *located is set: the problem names its file and line.
+std::string FileLinesProblem(const std::string& path, Check& check, bool* located) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "cannot read " + path + " (" + std::strerror(errno) + ")";
+  const std::string content{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (in.bad()) return "cannot read " + path + " (" + std::strerror(errno) + ")";
+  bool relevant = true;
+  bool in_names = false;
+  int line_number = 0;
+  for (size_t at = 0; at < content.size();) {
+    // gflags ends a line at "\r" or "\n" ("\r\n": both).
+    size_t end = content.find_first_of("\r\n", at);
+    if (end == std::string::npos) end = content.size();
+    std::string line = content.substr(at, end - at);
+    ++line_number;
+    at = end + (content.compare(end, 2, "\r\n") == 0 ? 2 : 1);
+    line.erase(0, std::min(line.size(), line.find_first_not_of(" \t\v\f")));
+    if (line.empty() || line[0] == '#') continue;
+    if (line[0] != '-') {
+      if (!in_names) relevant = false;  // a new section: for other programs unless it names this one
+      in_names = true;
+      relevant = relevant || NamesThisProgram(line, check.argv0);
+      continue;
+    }
+    in_names = false;
+    if (!relevant) continue;  // another program's flags
+    const std::vector<std::string> one = {line};
+    size_t i = 0;
+    bool named = false;  // by a file of flags this line reads
+    if (std::string problem = ArgProblem(one, &i, /*in_file=*/true, check, &named); !problem.empty()) {
+      *located = true;
+      return named ? problem : path + ":" + std::to_string(line_number) + ": " + problem;
+    }
+  }
+  return "";
+}
+
+// What is wrong with --flagfile=`value` (files separated by commas, read in
+// turn as gflags reads them), or "". *located: the problem is in a file's
+// line and names it.
+std::string FlagfileProblem(const std::string& value, Check& check, bool* located) {
+  size_t at = 0;
+  while (true) {
+    const size_t end = std::min(value.find(',', at), value.size());
+    const std::string path = value.substr(at, end - at);
+    struct stat st{};
+    if (path.empty()) return "an empty file name; give the path of a file of flags";
+    if (::stat(path.c_str(), &st) != 0 || ::access(path.c_str(), R_OK) != 0) {
+      return "cannot read " + path + " (" + std::strerror(errno) + ")";
+    }
+    if (S_ISDIR(st.st_mode)) return path + " is a folder; give the path of a file of flags";
+    // A FIFO, a terminal or /dev/stdin is not read here: what is read from
+    // it is gone, and gflags, which reads it next, would find it empty (or
+    // wait on it a second time). Its flags are left to gflags.
+    if (S_ISREG(st.st_mode)) {
+      if (std::find(check.reading.begin(), check.reading.end(), path) != check.reading.end()) {
+        return path + " reads itself again through --flagfile (gflags would go round without end)";
+      }
+      check.reading.push_back(path);
+      const std::string problem = FileLinesProblem(path, check, located);
+      check.reading.pop_back();
+      if (!problem.empty()) return problem;
+    }
+    if (end == value.size()) return "";
+    at = end + 1;
+  }
+}
+
+// What is wrong with the flag args[*i], or "". On the command line
+// (!in_file) a flag's value may be the next argument, which it then takes
+// (*i moves past it); in a file of flags each line is one argument, and a
+// problem there is prefixed with the file and line by the caller unless
+// *located says it names them already (a file of flags that another one
+// reads).
+std::string ArgProblem(const std::vector<std::string>& args, size_t* i, bool in_file, Check& check,
+                       bool* located) {
+  const std::string& arg = args[*i];
+  const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+  // Not a flag: a value of the one before, or a stray argument (refused
+  // after parsing); "-0.5" is a value. In a file, a line that starts with a
+  // dash is always a flag.
+  if (!in_file &&
+      (dashes == 0 || arg.size() == dashes || !std::isalpha(static_cast<unsigned char>(arg[dashes])))) {
+    return "";
+  }
+  const size_t eq = arg.find('=');
+  std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
+  gflags::CommandLineFlagInfo info;
+  if (in_file && eq == std::string::npos) {
+    // "--seed 3": gflags takes no value after a blank in a file, and
+    // ignored the whole line (the flag kept its default).
+    const size_t blank = name.find_first_of(" \t");
+    if (blank != std::string::npos && gflags::GetCommandLineFlagInfo(name.substr(0, blank).c_str(), &info)) {
+      const size_t value = name.find_first_not_of(" \t", blank);
+      return arg + ": in a file of flags the value follows '=': --" + name.substr(0, blank) + "=" +
+             (value == std::string::npos ? "VALUE" : name.substr(value));
+    }
+  }
+  // Only a separate value may follow on the command line.
+  const bool value_next_allowed = !in_file && eq == std::string::npos;
+  if (name == "flagfile") {
+    // gflags' own: a missing file ended the program with "PATH: No such
+    // file or directory" and exit status 1, and a folder was read as an
+    // empty file, so the run went on with the defaults.
+    if (eq == std::string::npos && (in_file || *i + 1 >= args.size())) {
+      return "--flagfile needs a value: --flagfile=PATH";
+    }
+    const std::string value = value_next_allowed ? args[++*i] : arg.substr(eq + 1);
+    bool nested = false;
+    if (const std::string problem = FlagfileProblem(value, check, &nested); !problem.empty()) {
+      *located = nested;
+      return nested ? problem : "--flagfile=" + value + ": " + problem;
+    }
+    return "";
+  }
+  if (name == "fromenv" || name == "tryfromenv") {
+    // gflags' own too, read when parsing reaches them.
+    if (eq == std::string::npos && (in_file || *i + 1 >= args.size())) {
+      return "--" + name + " needs a value: --" + name + "=FLAG[,FLAG...]";
+    }
+    const std::string value = value_next_allowed ? args[++*i] : arg.substr(eq + 1);
+    return FromEnvProblem(name, value, check.file);
+  }
+  if (in_file && name == "undefok" && eq != std::string::npos) {
+    // gflags' own; the names pass in the lines after it too.
+    const std::string list = arg.substr(eq + 1);
+    for (size_t at = 0; at < list.size();) {
+      const size_t end = std::min(list.find(',', at), list.size());
+      check.undefined_ok.push_back(list.substr(at, end - at));
+      at = end + 1;
+    }
+    return "";
+  }
+  if (!name.empty() && gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+    // "--model mlp": the next argument is the value.
+    const bool separate = eq == std::string::npos && info.type != "bool";
+    // gflags' "ERROR: flag '--helpon' is missing its argument; flag
+    // description: ..." exited 1 (in a file, it ignored the line).
+    if (separate && (in_file || *i + 1 >= args.size())) return "--" + name + " needs a value: --" + name + "=VALUE";
+    if (separate) ++*i;
+    // A value of the wrong type: gflags' "ERROR: illegal value '-1'
+    // specified for uint64 flag 'seed'" exits 1. Setting it here is what
+    // parsing does next anyway. Any text is a string: string flags of
+    // other files are left alone, since gflags' (--flagfile, --helpon, ...)
+    // act when set. The help flags are bools: "--help=foo" is refused here,
+    // "--help=true" asks for help (ShowOwnHelpIfAsked); gflags' other help
+    // flags (--helpfull, --helpon=FILE, --helpmatch=TEXT, --helpxml,
+    // --helppackage, --version) pass, and gflags prints what they ask for
+    // (for every linked library, which is their point) and exits.
+    if ((eq != std::string::npos || separate) && (EndsWith(info.filename, check.file) || info.type != "string")) {
+      const std::string value = separate ? args[*i] : arg.substr(eq + 1);
+      return SetOrRefuse(info, value, "--" + name + "=" + value);
+    }
+    return "";
+  }
+  if (name == "nproc_per_node" || name == "nproc-per-node") {
+    // SelfLaunchOrExit's own, when no gflags flag: it takes it in both
+    // spellings with two dashes (and checks the value), from the command
+    // line only. With one dash it takes neither, and gflags, parsing next,
+    // refused it as unknown ("ERROR: unknown command line flag", exit 1)
+    // once the ranks it had started without it parsed their flags; in a
+    // file gflags ignored it, and the default number of ranks started.
+    if (in_file) {
+      return arg + ": the launcher takes this flag on the command line only, not in a --flagfile; give it "
+                   "there (--" + name + "=N)";
+    }
+    if (dashes == 1) {
+      const bool value_next = value_next_allowed && *i + 1 < args.size() && args[*i + 1][0] != '-';
+      const std::string given = value_next ? arg + " " + args[*i + 1] : arg;
+      return given + ": the launcher takes this flag with two dashes: -" + given;
+    }
+    if (value_next_allowed) ++*i;
+    return "";
+  }
+  if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
+      info.type == "bool") {
+    return "";  // --nozero
+  }
+  // gflags lets these pass (--nofoo too for --undefok=foo), taking no
+  // value after them: it does not know their type.
+  const auto ok = [&check](const std::string& n) {
+    return std::find(check.undefined_ok.begin(), check.undefined_ok.end(), n) != check.undefined_ok.end();
+  };
+  if (!name.empty() && (ok(name) || (name.rfind("no", 0) == 0 && ok(name.substr(2))))) return "";
+  const std::string nearest = name.empty() ? "" : NearestFlag(name, check.file);
+  return "unknown flag " + arg.substr(0, eq) + (nearest.empty() ? "" : "; did you mean --" + nearest + "?") +
+         " (--help lists the flags)";
+}
+
 }  // namespace
 
 std::string FlagProblem(int argc, char** argv, const char* source) {
-  const std::string file = std::string(source) + ".cc";
-  const std::vector<std::string> undefined_ok = UndefinedOk(argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--") break;  // gflags stops there too
-    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
-    // Not a flag: a value of the one before, or a stray argument (refused
-    // after parsing); "-0.5" is a value.
-    if (dashes == 0 || arg.size() == dashes || !std::isalpha(static_cast<unsigned char>(arg[dashes]))) continue;
-    const size_t eq = arg.find('=');
-    const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
-    gflags::CommandLineFlagInfo info;
-    if (name == "flagfile") {
-      // gflags' own: a missing file ended the program with "PATH: No such
-      // file or directory" and exit status 1, and a folder was read as an
-      // empty file, so the run went on with the defaults.
-      const bool separate = eq == std::string::npos;
-      if (separate && i + 1 >= argc) return "--flagfile needs a value: --flagfile=PATH";
-      const std::string value = separate ? argv[++i] : arg.substr(eq + 1);
-      if (const std::string problem = FlagfileProblem(value); !problem.empty()) {
-        return "--flagfile=" + value + ": " + problem;
-      }
-      continue;
+  Check check;
+  check.file = std::string(source) + ".cc";
+  check.argv0 = argc > 0 ? argv[0] : "";
+  check.undefined_ok = UndefinedOk(argc, argv);
+  const std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--") break;  // gflags stops there too
+    bool located = false;
+    if (std::string problem = ArgProblem(args, &i, /*in_file=*/false, check, &located); !problem.empty()) {
+      return problem;
     }
-    if (name == "fromenv" || name == "tryfromenv") {
-      // gflags' own too, read when parsing reaches them.
-      const bool separate = eq == std::string::npos;
-      if (separate && i + 1 >= argc) return "--" + name + " needs a value: --" + name + "=FLAG[,FLAG...]";
-      const std::string value = separate ? argv[++i] : arg.substr(eq + 1);
-      if (std::string problem = FromEnvProblem(name, value, file); !problem.empty()) return problem;
-      continue;
-    }
-    if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
-      // "--model mlp": the next argument is the value.
-      const bool separate = eq == std::string::npos && info.type != "bool";
-      if (separate) ++i;
-      // gflags' "ERROR: flag '--helpon' is missing its argument; flag
-      // description: ..." exited 1.
-      if (separate && i >= argc) return "--" + name + " needs a value: --" + name + "=VALUE";
-      // A value of the wrong type: gflags' "ERROR: illegal value '-1'
-      // specified for uint64 flag 'seed'" exits 1. Setting it here is what
-      // parsing does next anyway. Any text is a string: string flags of
-      // other files are left alone, since gflags' (--flagfile, --helpon, ...)
-      // act when set. The help flags are bools: "--help=foo" is refused here,
-      // "--help=true" asks for help (ShowOwnHelpIfAsked); gflags' other help
-      // flags (--helpfull, --helpon=FILE, --helpmatch=TEXT, --helpxml,
-      // --helppackage, --version) pass, and gflags prints what they ask for
-      // (for every linked library, which is their point) and exits.
-      if ((eq != std::string::npos || separate) && (EndsWith(info.filename, file) || info.type != "string")) {
-        const std::string value = separate ? argv[i] : arg.substr(eq + 1);
-        if (std::string refused = SetOrRefuse(info, value, "--" + name + "=" + value); !refused.empty()) {
-          return refused;
-        }
-      }
-      continue;
-    }
-    if (name == "nproc_per_node" || name == "nproc-per-node") {
-      // SelfLaunchOrExit's own, when no gflags flag: it takes it in both
-      // spellings with two dashes (and checks the value). With one dash it
-      // takes neither, and gflags, parsing next, refused it as unknown
-      // ("ERROR: unknown command line flag", exit 1) once the ranks it had
-      // started without it parsed their flags.
-      const bool separate = eq == std::string::npos;
-      if (dashes == 1) {
-        const bool value_next = separate && i + 1 < argc && argv[i + 1][0] != '-';
-        const std::string given = value_next ? arg + " " + argv[i + 1] : arg;
-        return given + ": the launcher takes this flag with two dashes: -" + given;
-      }
-      if (separate) ++i;
-      continue;
-    }
-    if (name.rfind("no", 0) == 0 && gflags::GetCommandLineFlagInfo(name.substr(2).c_str(), &info) &&
-        info.type == "bool") {
-      continue;  // --nozero
-    }
-    // gflags lets these pass (--nofoo too for --undefok=foo), taking no
-    // value after them: it does not know their type.
-    const auto ok = [&undefined_ok](const std::string& n) {
-      return std::find(undefined_ok.begin(), undefined_ok.end(), n) != undefined_ok.end();
-    };
-    if (ok(name) || (name.rfind("no", 0) == 0 && ok(name.substr(2)))) continue;
-    const std::string nearest = NearestFlag(name, file);
-    return "unknown flag " + arg.substr(0, eq) + (nearest.empty() ? "" : "; did you mean --" + nearest + "?") +
-           " (--help lists the flags)";
   }
   return "";
 }

@@ -25,7 +25,13 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// other files, such as gflags' own, are left alone). Or a flag missing its
 /// value ("--helpon needs a value: --helpon=VALUE"), a --flagfile (gflags'
 /// own) that names a file that cannot be read or a folder ("--flagfile=x:
-/// cannot read x (No such file or directory)"), or a --fromenv/--tryfromenv
+/// cannot read x (No such file or directory)"), a flag inside such a file
+/// (read as gflags reads it: one flag a line, "#" comments, sections for
+/// other programs, nested --flagfile) that is wrong in any of these ways,
+/// named with its file and line ("flags.txt:3: unknown flag --modle; did
+/// you mean --model? ..."; gflags ignored an unknown one there without a
+/// word; a FIFO or other file that is not a regular one is left to gflags,
+/// since reading it would take what it holds), or a --fromenv/--tryfromenv
 /// (gflags' own) that names an unknown flag, a variable FLAGS_<flag> that is
 /// unset (--fromenv) or a value its flag refuses ("--fromenv=seed:
 /// FLAGS_seed=-1: the flag takes ..."). gflags' own messages for these

@@ -8,6 +8,8 @@
 #include <gflags/gflags.h>
 #include <stdlib.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -136,6 +138,84 @@ TEST(FlagProblemTest, FlagsThatUndefokNamesPass) {
   EXPECT_EQ(Problem({"--undefok=foo", "--undefok=bar", "--foo"}), "unknown flag --foo (--help lists the flags)");
   EXPECT_EQ(Problem({"--", "--undefok=foo"}), "");
   EXPECT_EQ(Problem({"--foo", "--", "--undefok=foo"}), "unknown flag --foo (--help lists the flags)");
+}
+
+// A fresh folder under TEST_TMPDIR.
+std::string TempDir() {
+  const char* root = std::getenv("TEST_TMPDIR");
+  std::string pattern = std::string(root != nullptr ? root : "/tmp") + "/own_help_XXXXXX";
+  if (mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern;
+  return pattern;
+}
+
+// Writes `text` to `dir`/`name` and returns its path.
+std::string WriteFile(const std::string& dir, const std::string& name, const std::string& text) {
+  const std::string path = dir + "/" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+// Flags inside a --flagfile were not checked: gflags ignores an unknown one
+// there without a word (a misspelt flag ran with its default), and refuses
+// a bad value in its own words, exit status 1. They are checked as on the
+// command line now, naming the file and the line.
+TEST(FlagProblemTest, FlagsInAFlagfileAreCheckedNamingTheFileAndLine) {
+  const std::string dir = TempDir();
+  const std::string typo = WriteFile(dir, "typo", "# the model\n\n  --model=mlp\n--modle=cnn\n");
+  EXPECT_EQ(Problem({"--flagfile=" + typo}),
+            typo + ":4: unknown flag --modle; did you mean --model? (--help lists the flags)");
+  const std::string value = WriteFile(dir, "value", "--zero\r\n--seed=-1\r\n");
+  EXPECT_EQ(Problem({"--flagfile", value}), value + ":2: --seed=-1: the flag takes a whole number, at least 0");
+  const std::string blank = WriteFile(dir, "blank", "--seed 3\n");
+  EXPECT_EQ(Problem({"--flagfile=" + blank}),
+            blank + ":1: --seed 3: in a file of flags the value follows '=': --seed=3");
+  const std::string missing_value = WriteFile(dir, "missing_value", "--seed\n");
+  EXPECT_EQ(Problem({"--flagfile=" + missing_value}), missing_value + ":1: --seed needs a value: --seed=VALUE");
+  const std::string nproc = WriteFile(dir, "nproc", "--nproc_per_node=2\n");
+  EXPECT_EQ(Problem({"--flagfile=" + nproc}),
+            nproc + ":1: --nproc_per_node=2: the launcher takes this flag on the command line only, not in a "
+                    "--flagfile; give it there (--nproc_per_node=N)");
+  // Good flags pass, and are set as parsing sets them next.
+  const std::string good = WriteFile(dir, "good", "--zero\n--nozero\n-seed=7\n--model=mlp");
+  EXPECT_EQ(Problem({"--flagfile=" + good}), "");
+  EXPECT_EQ(FLAGS_seed, 7u);
+  // Several files, comma-separated: each is read.
+  EXPECT_EQ(Problem({"--flagfile=" + good + "," + typo}),
+            typo + ":4: unknown flag --modle; did you mean --model? (--help lists the flags)");
+  // --undefok on the command line covers the files too.
+  EXPECT_EQ(Problem({"--undefok=modle", "--flagfile=" + typo}), "");
+  FLAGS_seed = 0;
+  FLAGS_model = "cnn";
+}
+
+// A file of flags that another one reads (nested --flagfile) is checked the
+// same way; one that cannot be read is named with the line that names it,
+// and one that reads itself again is refused (gflags went round until its
+// stack overflowed).
+TEST(FlagProblemTest, NestedFlagfilesAreCheckedAndNamed) {
+  const std::string dir = TempDir();
+  const std::string inner = WriteFile(dir, "inner", "\n--sed=1\n");
+  const std::string outer = WriteFile(dir, "outer", "--zero\n--flagfile=" + inner + "\n");
+  EXPECT_EQ(Problem({"--flagfile=" + outer}),
+            inner + ":2: unknown flag --sed; did you mean --seed? (--help lists the flags)");
+  const std::string lost = WriteFile(dir, "lost", "--flagfile=" + dir + "/missing\n");
+  EXPECT_EQ(Problem({"--flagfile=" + lost}), lost + ":1: --flagfile=" + dir + "/missing: cannot read " + dir +
+                                                 "/missing (No such file or directory)");
+  const std::string loop = dir + "/loop";
+  WriteFile(dir, "loop", "--flagfile=" + loop + "\n");
+  EXPECT_EQ(Problem({"--flagfile=" + loop}), loop + ":1: --flagfile=" + loop + ": " + loop +
+                                                 " reads itself again through --flagfile (gflags would go round "
+                                                 "without end)");
+}
+
+// A line of program names starts a section whose flags are for those
+// programs only (gflags' rule): another program's flags are not checked.
+TEST(FlagProblemTest, FlagsOfAnotherProgramsSectionInAFlagfilePass) {
+  const std::string dir = TempDir();
+  const std::string others = WriteFile(dir, "others", "other_program *_bench\n--bogus=1\n");
+  EXPECT_EQ(Problem({"--flagfile=" + others}), "");
+  const std::string ours = WriteFile(dir, "ours", "other_program\n--bogus=1\nown_help_*\n--bogux=2\n");
+  EXPECT_EQ(Problem({"--flagfile=" + ours}), ours + ":4: unknown flag --bogux (--help lists the flags)");
 }
 
 }  // namespace
