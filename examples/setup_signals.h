@@ -12,7 +12,7 @@ namespace ddp::examples {
 /// returned (none is cut short halfway, leaving a probe file behind, say).
 /// The same signal again ends it at once. A signal found ignored (nohup) stays
 /// ignored. Called once, in the process that would start the ranks only (a
-/// rank's signals are its launcher's business); `program` must outlive it.
+/// rank's signals are its launcher's business).
 void WatchSetupSignals(const char* program);
 
 /// Puts back the actions WatchSetupSignals found; called before the ranks
