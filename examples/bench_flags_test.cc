@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "examples/testing/subprocess.h"
 #include "gtest/gtest.h"
 #include "nn/data/idx.h"
@@ -78,22 +80,50 @@ TEST(DdpBenchTest, ABatchAsLargeAsARanksShareIsRefused) {
   }
 }
 
-// A trace name that is a FIFO (or another file that is not a regular
-// one) is refused before training, naming the flag; the traces are written
-// at the end, and the run only warned then, with exit status 0.
-TEST(DdpBenchTest, ATraceNameThatIsNotARegularFileIsRefusedBeforeTraining) {
-  const std::string dir = testing::MakeTempDir("bench_trace_fifo");
-  ASSERT_EQ(::mkfifo((dir + "/t_rank1.json").c_str(), 0644), 0);
+// A trace name that is a folder (or another file that is neither a
+// regular one nor a FIFO or terminal) is refused before training, naming
+// the flag; the traces are written at the end, and the run only warned
+// then, with exit status 0.
+TEST(DdpBenchTest, ATraceNameThatIsAFolderIsRefusedBeforeTraining) {
+  const std::string dir = testing::MakeTempDir("bench_trace_folder");
+  std::filesystem::create_directory(dir + "/t_rank1.json");
   const testing::RunOutput r =
       testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=3", "--nproc_per_node=2",
                          "--eval=false", "--trace_prefix=" + dir + "/t_"});
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
   EXPECT_NE(r.err.find("ddp_bench: --trace_prefix=" + dir + "/t_: rank 1's trace " + dir +
-                       "/t_rank1.json exists and is not a regular file"),
+                       "/t_rank1.json exists and is neither a regular file nor a FIFO or terminal"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out, "");
   EXPECT_FALSE(std::filesystem::exists(dir + "/t_rank0.json"));
+}
+
+// A FIFO at a rank's trace name (`mkfifo t_rank1.json; cat t_rank1.json &`)
+// gets that rank's whole trace streamed, one JSON document, while the
+// other rank's trace is a file. It was refused before training, as a name
+// the end-of-run rename could not replace.
+TEST(DdpBenchTest, AFifoAtATraceNameStreamsThatRanksTrace) {
+  const std::string dir = testing::MakeTempDir("bench_trace_fifo");
+  const std::string fifo = dir + "/t_rank1.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  testing::FifoReader reader(fifo);
+  const testing::RunOutput r =
+      testing::RunToEnd({testing::Runfile("examples/ddp_bench"), "--model=mlp", "--steps=3", "--nproc_per_node=2",
+                         "--eval=false", "--trace_prefix=" + dir + "/t_"});
+  const std::string streamed = reader.Finish();
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(reader.ended()) << "the trace was not ended: " << streamed;
+  nlohmann::json doc;
+  ASSERT_NO_THROW(doc = nlohmann::json::parse(streamed)) << streamed;
+  int forwards = 0;
+  for (const auto& e : doc["traceEvents"]) {
+    EXPECT_EQ(e["pid"], 1) << e.dump();
+    forwards += e["ph"] == "X" && e["name"] == "forward";
+  }
+  EXPECT_GE(forwards, 3) << streamed;
+  EXPECT_EQ(std::filesystem::status(fifo).type(), std::filesystem::file_type::fifo);
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir + "/t_rank0.json"));
 }
 
 TEST(DdpBenchTest, LocalSgdAndNoopHooksRunAndBadPeriodsAreRefused) {

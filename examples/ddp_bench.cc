@@ -36,6 +36,7 @@
 #include "ddp/model_averaging.h"
 #include "ddp/overlapped_zero_optimizer.h"
 #include "ddp/powersgd_hook.h"
+#include "ddp/trace.h"
 #include "ddp/process_group.h"
 #include "ddp/zero_redundancy_optimizer.h"
 #include "examples/own_help.h"
@@ -201,21 +202,22 @@ int Run() {
   comm_options.bind_to_core = FLAGS_bind_to_core;
   auto pg = dist::ProcessGroup::CreateFromEnvironment(pg_options, comm_options);
   const int rank = pg->rank(), world = pg->size();
-  // The traces are written when the run ends, beside their names and
-  // renamed over them, which is refused for anything but a regular file:
-  // found now, not after the timed steps. Every rank looks at every rank's
-  // name, so that all of them stop together.
+  // A trace is written when the run ends, beside its name and renamed over
+  // it, which is refused for a folder, a socket or a device; a FIFO or a
+  // terminal there is streamed to instead (DdpOptions::trace_prefix). Found
+  // now, not after the timed steps. Every rank looks at every rank's name,
+  // so that all of them stop together.
   if (!FLAGS_trace_prefix.empty()) {
     for (int r = 0; r < world; ++r) {
       const std::string trace = FLAGS_trace_prefix + "rank" + std::to_string(r) + ".json";
       std::error_code ec;
       const auto type = std::filesystem::status(trace, ec).type();
       if (type != std::filesystem::file_type::not_found && type != std::filesystem::file_type::regular &&
-          type != std::filesystem::file_type::none) {
+          type != std::filesystem::file_type::none && !dist::TraceRecorder::IsStreamTarget(trace)) {
         if (rank == 0) {
           std::fprintf(stderr,
-                       "ddp_bench: --trace_prefix=%s: rank %d's trace %s exists and is not a regular file; "
-                       "pass another --trace_prefix\n",
+                       "ddp_bench: --trace_prefix=%s: rank %d's trace %s exists and is neither a regular file "
+                       "nor a FIFO or terminal to stream it to; pass another --trace_prefix\n",
                        FLAGS_trace_prefix.c_str(), r, trace.c_str());
         }
         return 2;

@@ -644,41 +644,15 @@ TEST(TrainCliTest, AFifoAtATraceFileStreamsTheTrace) {
   const std::string logs = testing::MakeTempDir("trace_fifo");
   const std::string fifo = logs + "/trace_rank0.json";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
-  // Opened first, as `cat logs/trace_rank0.json &` would be (non-blocking:
-  // the open does not wait for the writer), and read on a thread of its
-  // own as the run goes, until the writer ends it, or the run ended and
-  // nothing more comes, or the deadline passes.
-  const int reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  ASSERT_GE(reader, 0);
-  std::string streamed;
-  bool ended = false;
-  std::atomic<bool> run_over{false};
-  std::thread read([&] {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(150);
-    char buffer[4096];
-    while (std::chrono::steady_clock::now() < until) {
-      // Until a writer has come, Linux reports nothing here (no POLLHUP).
-      pollfd p{reader, POLLIN, 0};
-      const int ready = ::poll(&p, 1, 100);
-      if (ready == 0 && run_over) break;
-      if (ready <= 0) continue;
-      const ssize_t n = ::read(reader, buffer, sizeof(buffer));
-      if (n == 0) {
-        ended = true;
-        break;
-      }
-      if (n > 0) streamed.append(buffer, static_cast<size_t>(n));
-    }
-  });
+  // Opened first, as `cat logs/trace_rank0.json &` would be.
+  testing::FifoReader reader(fifo);
   const RunOutput r = Train({"--dataset=synthetic", "--model=mlp", "--train_samples=128", "--test_samples=32",
                              "--batch_size=16", "--max_steps=2", "--workers=0", "--nproc_per_node=1",
                              "--checkpoint=none", "--log_dir=" + logs, "--trace"});
-  run_over = true;
-  read.join();
-  ::close(reader);
+  const std::string streamed = reader.Finish();
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("  trace streamed into " + fifo), std::string::npos) << r.out;
-  EXPECT_TRUE(ended) << "the trace was not ended: " << streamed;
+  EXPECT_TRUE(reader.ended()) << "the trace was not ended: " << streamed;
   nlohmann::json doc;
   ASSERT_NO_THROW(doc = nlohmann::json::parse(streamed)) << streamed;
   int forwards = 0;

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -74,6 +75,42 @@ std::vector<std::string> Lines(const std::string& text) {
   std::string line;
   while (std::getline(in, line)) out.push_back(line);
   return out;
+}
+
+FifoReader::FifoReader(const std::string& path, std::chrono::milliseconds deadline) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd_ < 0) {
+    ADD_FAILURE() << "cannot open the FIFO " << path << ": " << std::strerror(errno);
+    return;
+  }
+  thread_ = std::thread([this, deadline] {
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    char buffer[4096];
+    while (std::chrono::steady_clock::now() < until) {
+      // Until a writer has come, Linux reports nothing here (no POLLHUP).
+      pollfd p{fd_, POLLIN, 0};
+      const int ready = ::poll(&p, 1, 100);
+      if (ready == 0 && finishing_) break;
+      if (ready <= 0) continue;
+      const ssize_t n = ::read(fd_, buffer, sizeof(buffer));
+      if (n == 0) {
+        ended_ = true;
+        break;
+      }
+      if (n > 0) text_.append(buffer, static_cast<size_t>(n));
+    }
+  });
+}
+
+std::string FifoReader::Finish() {
+  finishing_ = true;
+  if (thread_.joinable()) thread_.join();
+  return text_;
+}
+
+FifoReader::~FifoReader() {
+  Finish();
+  if (fd_ >= 0) ::close(fd_);
 }
 
 bool ProcessGone(pid_t pid) {

@@ -6,8 +6,10 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -66,6 +68,33 @@ struct RunOutput {
 RunOutput RunToEnd(std::vector<std::string> argv,
                    std::vector<std::pair<std::string, std::string>> env = {},
                    std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
+/// Reads a FIFO as `cat fifo &` would, from before the program under test
+/// opens it for writing: opened at once without waiting for a writer, then
+/// read on a thread of its own until the writer closes it, or until Finish
+/// was called and nothing came for 100 ms, or until `deadline`.
+class FifoReader {
+ public:
+  /// Aborts the test if `path` cannot be opened.
+  explicit FifoReader(const std::string& path,
+                      std::chrono::milliseconds deadline = std::chrono::seconds(150));
+  ~FifoReader();
+  FifoReader(const FifoReader&) = delete;
+  FifoReader& operator=(const FifoReader&) = delete;
+
+  /// After the writer's program ended: stops reading once the pipe is
+  /// quiet, and returns what was read.
+  std::string Finish();
+  /// Whether the writer closed the pipe (read saw its end), after Finish.
+  bool ended() const { return ended_; }
+
+ private:
+  int fd_ = -1;
+  std::string text_;
+  bool ended_ = false;
+  std::atomic<bool> finishing_{false};
+  std::thread thread_;
+};
 
 /// True when `pid` no longer runs (gone, or a zombie).
 bool ProcessGone(pid_t pid);
