@@ -1,5 +1,6 @@
 #include "transport/algorithms/tree_all_reduce.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <memory>
@@ -109,6 +110,24 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // not the successor: on 4 ranks sharing 2 cores, a forced tree of 4 KiB
   // took about 10 us more (45 -> 55 us in the quietest runs); no change was
   // seen at 256 KiB and 4 MiB (the table takes the tree from 64 KiB).
+  //
+  // A rank also swaps fingerprints with every other rank it takes data
+  // from (its parent and children in both trees), so that it compares a
+  // peer's arguments with its own before any of that peer's data: without
+  // it, a rank whose tree-1 parent or child passed another count or dtype
+  // could take that data first and fail on its size ("message size
+  // mismatch: rank 0 sent 256 bytes (tag 0x200000) but rank 4 expected
+  // 128", 5 ranks, rank 0 passing 64 of f64), naming neither count nor
+  // dtype, and its note told the others only its own arguments. One fingerprint
+  // each way per pair (a peer that is also a ring neighbour, or a peer in
+  // both trees, is listed once): every tree edge carries one each way.
+  // That costs a rank at most three more small messages sent and four more
+  // received (a rank is a leaf in one of the two trees, so it has four tree
+  // peers at most), fewer than two more each way on average (counted for 2
+  // to 64 ranks; none on 2), all posted before any data. The ring
+  // predecessor is still awaited first, so a rank running another
+  // algorithm is met there.
+  //
   // A disagreement one rank's check finds stops every rank: a stop note
   // goes around the ring of the check (Requests::RelayStops). Without it,
   // only the ranks checking the odd one failed, and the others waited for
@@ -118,12 +137,21 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     const int next = (r + 1) % p, prev = (r + p - 1) % p;
     DDP_RETURN_IF_ERROR(requests.RelayStops("tree all-reduce", PhaseTag(args.tag, 0), prev, next));
     std::vector<int> to = {next}, from = {prev};
-    if (trees[0].node.parent >= 0 && trees[0].node.parent != next) {
-      to.push_back(trees[0].node.parent);
+    auto add = [](std::vector<int>& peers, int peer) {
+      if (peer >= 0 && std::find(peers.begin(), peers.end(), peer) == peers.end()) {
+        peers.push_back(peer);
+      }
+    };
+    // Tree 0's parent first among the sends and its children first among
+    // the receives, the check that stops tree 0 before any data.
+    for (const Tree& tree : trees) {
+      add(to, tree.node.parent);
+      for (int child : tree.node.children) {
+        add(to, child);
+        add(from, child);
+      }
     }
-    for (int child : trees[0].node.children) {
-      if (child != prev) from.push_back(child);
-    }
+    for (const Tree& tree : trees) add(from, tree.node.parent);
     DDP_RETURN_IF_ERROR(check.Post(requests, PhaseTag(args.tag, 0), to, from));
   }
 

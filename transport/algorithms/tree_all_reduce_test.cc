@@ -2,8 +2,10 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "transport/algorithms/all_reduce_test_util.h"
 #include "transport/algorithms/ring_all_reduce.h"
@@ -16,6 +18,7 @@ namespace {
 using namespace std::chrono_literals;
 using testing::AllReduceCase;
 using testing::CheckAllReduce;
+using ::testing::HasSubstr;
 
 class TreeAllReduceWorldTest : public ::testing::TestWithParam<int> {};
 
@@ -51,6 +54,67 @@ TEST(TreeAllReduceTest, RandomValuesGiveEveryRankTheSameBits) {
 
 TEST(TreeAllReduceTest, MismatchedCountsFailOnEveryRank) {
   for (int world : {2, 3, 5}) testing::CheckMismatchedCountsFailEverywhere(TreeAllReduce, world);
+}
+
+// One rank passes another count (65 or 66 of f32: the first changes only
+// tree 0's half, the second both) or a dtype of another size (64 of f64)
+// among ranks passing 64 of f32, entering 300 ms after them, and nobody is
+// killed: every rank fails INVALID_ARGUMENT naming what the odd rank passed
+// and what the others passed, count and dtype, as the ring does. A rank
+// whose tree-1 child was the odd one (a leaf in both trees, as rank 0 is
+// on an odd number of ranks, sends its data before its first wait), and
+// which did not check it, could take that data before the others' stop
+// note came and fail on its size
+// ("message size mismatch: rank 0 sent 256 bytes (tag 0x200000) but rank 4
+// expected 128", naming neither count), and the ranks its note reached
+// learnt only their own arguments.
+TEST(TreeAllReduceTest, EveryRankNamesBothArgumentsOfADisagreement) {
+  struct Odd {
+    size_t count;
+    DataType dtype;
+    const char* passed;  // as the fingerprint names it
+  };
+  const Odd odds[] = {{65, DataType::kF32, "count 65 of f32"},
+                      {66, DataType::kF32, "count 66 of f32"},
+                      {64, DataType::kF64, "count 64 of f64"}};
+  for (const Odd& o : odds) {
+    for (int world : {4, 5, 7, 8, 9, 12}) {
+      for (int odd = 0; odd < world; ++odd) {
+        const std::string what =
+            std::to_string(world) + " ranks, rank " + std::to_string(odd) + " passes " + o.passed;
+        ::ddp::transport::testing::HarnessOptions options;
+        options.kill_on_error = false;
+        const Deadline deadline = DeadlineIn(6s);
+        const std::vector<Status> statuses = transport::testing::RunRanks(
+            world,
+            [&](p2p::PointToPoint& p2p) -> Status {
+              const bool is_odd = p2p.rank() == odd;
+              if (is_odd) std::this_thread::sleep_for(300ms);
+              std::vector<double> data(66, 1.0);  // room for every case
+              CollectiveArgs args;
+              args.send = data.data();
+              args.recv = data.data();
+              args.count = is_odd ? o.count : 64;
+              args.dtype = is_odd ? o.dtype : DataType::kF32;
+              args.op = ReduceOp::kSum;
+              args.deadline = deadline;
+              return TreeAllReduce(p2p, args);
+            },
+            options);
+        for (int r = 0; r < world; ++r) {
+          const Status& s = statuses[r];
+          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+          EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) +
+                                             " passed tree all-reduce, " + o.passed))
+              << what << ": rank " << r;
+          EXPECT_THAT(s.message(), HasSubstr("passed tree all-reduce, count 64 of f32"))
+              << what << ": rank " << r;
+        }
+        // The first case that fails says enough.
+        if (HasFailure()) return;
+      }
+    }
+  }
 }
 
 TEST(TreeAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
