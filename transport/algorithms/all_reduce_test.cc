@@ -153,9 +153,10 @@ TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
   }
 }
 
-// Runs an all-reduce of 64 or 65 floats on `world` ranks, nobody killed,
-// under a 6 s deadline; rank `odd` starts 300 ms late, so that the others
-// are inside the call when it comes. `setup` gives each rank its count,
+// Runs an all-reduce of 64 floats on `world` ranks (`setup` may give the
+// odd rank up to 66 elements of f32 or f64), nobody killed, under a 6 s
+// deadline; rank `odd` starts 300 ms late, so that the others are inside
+// the call when it comes. `setup` gives each rank its count, dtype,
 // algorithm and tuning (by whether it is the odd one). Returns every rank's
 // status, and in `took` each rank's time from the start.
 std::vector<Status> RunWithALateOddRank(int world, int odd,
@@ -171,7 +172,7 @@ std::vector<Status> RunWithALateOddRank(int world, int odd,
       [&](p2p::PointToPoint& p2p) -> Status {
         const bool is_odd = p2p.rank() == odd;
         if (is_odd) std::this_thread::sleep_for(300ms);
-        std::vector<float> data(65, 1.0f);
+        std::vector<double> data(66, 1.0);  // room for 66 of f32 or f64
         CollectiveArgs args;
         args.send = data.data();
         args.recv = data.data();
@@ -226,13 +227,12 @@ TEST(AllReduceTest, RingRanksFarFromADisagreeingRankFailPromptly) {
 }
 
 // The same for the tree and halving-doubling, each forced on every rank, one
-// rank passing count 65 among ranks passing 64, nobody killed: only the
-// ranks whose check sees the odd one find the mismatch; the others waited
-// for data that the failed ranks never sent, until their deadline, unless
-// a stop note reaches them. Every rank fails within 3 s (the deadline is
-// 6 s), INVALID_ARGUMENT naming both ranks' counts, or, where the odd
-// rank's data reached a rank before any check named it, both ranks and
-// the sizes there, and the others' count on the ranks that rank told.
+// rank passing count 65 (on the tree also 66, or 64 of f64) among ranks
+// passing 64 of f32, nobody killed: only the ranks whose check sees the
+// odd one find the mismatch; the others waited for data that the failed
+// ranks never sent, until their deadline, unless a stop note reaches them. Every rank fails within 3 s (the deadline is
+// 6 s), INVALID_ARGUMENT naming the odd rank's count and dtype and the
+// others'.
 TEST(AllReduceTest, TreeAndRhdRanksFarFromADisagreeingRankFailPromptly) {
   struct Forced {
     Algorithm algo;
@@ -242,56 +242,58 @@ TEST(AllReduceTest, TreeAndRhdRanksFarFromADisagreeingRankFailPromptly) {
   const Forced forced[] = {{Algorithm::kTree, "tree all-reduce"},
                            {Algorithm::kRhd, "rhd all-reduce"},
                            {Algorithm::kRhd, "rhd all-reduce", 1}};
+  // What the odd rank passes, as the fingerprint names it. 65 changes only
+  // the tree's first half (33 elements against 32); 66 and f64 change
+  // both, so the odd rank's tree-1 parent and children see it too. They
+  // run on the tree only, the one they are for.
+  struct Odd {
+    size_t count;
+    DataType dtype;
+    const char* passed;
+  };
+  const Odd odds[] = {{65, DataType::kF32, "count 65 of f32"},
+                      {66, DataType::kF32, "count 66 of f32"},
+                      {64, DataType::kF64, "count 64 of f64"}};
   for (const Forced& f : forced) {
-    for (int world : {5, 6}) {
-      for (int odd = 0; odd < world; ++odd) {
-        const std::string what = std::string(f.name) +
-                                 (f.rhd_doubling_bytes != 0 ? " (halving)" : "") + ", " +
-                                 std::to_string(world) + " ranks, rank " + std::to_string(odd) +
-                                 " passes count 65";
-        std::vector<Clock::duration> took;
-        const std::vector<Status> statuses = RunWithALateOddRank(
-            world, odd,
-            [&](bool is_odd, CollectiveArgs& args) {
-              if (is_odd) args.count = 65;
-              args.tuning.rhd_doubling_bytes = f.rhd_doubling_bytes;
-              return f.algo;
-            },
-            &took);
-        for (int r = 0; r < world; ++r) {
-          const Status& s = statuses[r];
-          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
-          // A tree rank receiving the odd one's data before any check names
-          // it fails on the data's size, which names both ranks too. That
-          // rank passes on a note naming the odd rank and its own
-          // arguments. Halving-doubling checks every rank it takes data
-          // from first, so its ranks all name both counts.
-          const std::string odd_rank = "rank " + std::to_string(odd);
-          const std::string& m = s.message();
-          if (f.algo != Algorithm::kTree) {
-            EXPECT_THAT(m, HasSubstr(odd_rank + " passed " + f.name + ", count 65"))
+    for (const Odd& o : odds) {
+      if (f.algo != Algorithm::kTree && o.count != 65) continue;
+      for (int world : {5, 6}) {
+        for (int odd = 0; odd < world; ++odd) {
+          const std::string what = std::string(f.name) +
+                                   (f.rhd_doubling_bytes != 0 ? " (halving)" : "") + ", " +
+                                   std::to_string(world) + " ranks, rank " + std::to_string(odd) +
+                                   " passes " + o.passed;
+          std::vector<Clock::duration> took;
+          const std::vector<Status> statuses = RunWithALateOddRank(
+              world, odd,
+              [&](bool is_odd, CollectiveArgs& args) {
+                if (is_odd) {
+                  args.count = o.count;
+                  args.dtype = o.dtype;
+                }
+                args.tuning.rhd_doubling_bytes = f.rhd_doubling_bytes;
+                return f.algo;
+              },
+              &took);
+          for (int r = 0; r < world; ++r) {
+            const Status& s = statuses[r];
+            EXPECT_EQ(s.code(), StatusCode::kInvalidArgument)
                 << what << ": rank " << r << ": " << s;
-            EXPECT_THAT(m, HasSubstr("passed " + std::string(f.name) + ", count 64"))
+            // Both algorithms check every rank they take data from before
+            // waiting for its data, so no rank fails on the data's size
+            // ("message size mismatch", naming neither count).
+            const std::string& m = s.message();
+            EXPECT_THAT(m, HasSubstr("rank " + std::to_string(odd) + " passed " + f.name +
+                                     ", " + o.passed))
                 << what << ": rank " << r << ": " << s;
-          } else if (m.find("message size mismatch: " + odd_rank + " sent") !=
-                     std::string::npos) {
-            EXPECT_THAT(m, HasSubstr("but rank " + std::to_string(r) + " expected"))
+            EXPECT_THAT(m, HasSubstr("passed " + std::string(f.name) + ", count 64 of f32"))
                 << what << ": rank " << r << ": " << s;
-          } else if (m.find("data from " + odd_rank + " that did not match") !=
-                     std::string::npos) {
-            EXPECT_THAT(m, HasSubstr("own arguments (" + std::string(f.name) + ", count 64"))
-                << what << ": rank " << r << ": " << s;
-          } else {
-            EXPECT_THAT(m, HasSubstr(odd_rank + " passed " + f.name + ", count 65"))
-                << what << ": rank " << r << ": " << s;
-            EXPECT_THAT(m, HasSubstr("passed " + std::string(f.name) + ", count 64"))
-                << what << ": rank " << r << ": " << s;
+            EXPECT_LT(took[r], 3s) << what << ": rank " << r << ": " << s;
           }
-          EXPECT_LT(took[r], 3s) << what << ": rank " << r << ": " << s;
+          // The first case that fails says enough; the rest would each wait
+          // for the deadline.
+          if (HasFailure()) return;
         }
-        // The first case that fails says enough; the rest would each wait
-        // for the deadline.
-        if (HasFailure()) return;
       }
     }
   }
