@@ -701,6 +701,35 @@ std::string Joined(const std::vector<std::string>& names) {
   return out;
 }
 
+// Runs `load` (a load of a set too small to cache) twice: with the cache
+// in an existing folder under `dir`, which it must leave as it was (no
+// change seen, its modification time kept, no entry), and with the cache
+// in a folder that does not exist, which it must not make (nor remove).
+template <typename Load>
+void ExpectLoadLeavesCacheFoldersAlone(const std::string& dir, const Load& load) {
+  {
+    const std::string cache_dir = dir + "/cache";
+    std::filesystem::create_directories(cache_dir);
+    struct stat before{}, after{};
+    ASSERT_EQ(::stat(cache_dir.c_str(), &before), 0);
+    const CacheDir cache(cache_dir);
+    FolderWatch watch(cache_dir);
+    load();
+    EXPECT_EQ(Joined(watch.Changes()), "") << "the load changed " << cache_dir << " for a set it does not cache";
+    ASSERT_EQ(::stat(cache_dir.c_str(), &after), 0);
+    EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
+    EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
+    EXPECT_TRUE(Entries(cache_dir).empty());
+  }
+  {
+    const CacheDir cache(dir + "/missing/cache");
+    FolderWatch watch(dir);
+    load();
+    EXPECT_EQ(Joined(watch.Changes()), "") << "the load made and removed folders in " << dir;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
+  }
+}
+
 // A data set that its IDX header shows too small to cache leaves the cache
 // folder as it was, whether its images are compressed or not: no lock file
 // made and removed during the decode (each changed the folder's times and
@@ -715,28 +744,7 @@ TEST(DecodedCache, AnIdxSetTooSmallToCacheLeavesTheCacheFolderAlone) {
     const std::string images = dir + (gz ? "/images.gz" : "/images");
     const std::string idx = IdxBytes({3, 3, 3}, Pixels(27));
     WriteFile(images, gz ? Gzip(idx) : idx);
-    {
-      const std::string cache_dir = dir + "/cache";
-      std::filesystem::create_directories(cache_dir);
-      struct stat before{}, after{};
-      ASSERT_EQ(::stat(cache_dir.c_str(), &before), 0);
-      const CacheDir cache(cache_dir);
-      FolderWatch watch(cache_dir);
-      const auto set = LoadIdxDataset("tiny", images, labels, 10);
-      EXPECT_EQ(set->Size(), 3);
-      EXPECT_EQ(Joined(watch.Changes()), "") << "the load changed " << cache_dir << " for a set it does not cache";
-      ASSERT_EQ(::stat(cache_dir.c_str(), &after), 0);
-      EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
-      EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
-      EXPECT_TRUE(Entries(cache_dir).empty());
-    }
-    {
-      const CacheDir cache(dir + "/missing/cache");
-      FolderWatch watch(dir);
-      LoadIdxDataset("tiny", images, labels, 10);
-      EXPECT_EQ(Joined(watch.Changes()), "") << "the load made and removed folders in " << dir;
-      EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
-    }
+    ExpectLoadLeavesCacheFoldersAlone(dir, [&] { EXPECT_EQ(LoadIdxDataset("tiny", images, labels, 10)->Size(), 3); });
   }
   // 1 MiB and 1 KiB of pixels, at least kMinCachedBytes, so cached; bytes
   // that do not compress, so that the gzip file too is longer than what
@@ -789,30 +797,12 @@ TEST(DecodedCache, ACifarSetTooSmallToCacheLeavesTheCacheFolderAlone) {
     SCOPED_TRACE(kind);
     const std::string data = FreshDir("decoded_cifar_small_" + std::to_string(small_number++));
     WriteFile(data + "/test_batch.bin", batch);
-    {
-      const std::string cache_dir = dir + "/cache";
-      std::filesystem::create_directories(cache_dir);
-      struct stat before{}, after{};
-      ASSERT_EQ(::stat(cache_dir.c_str(), &before), 0);
-      const CacheDir cache(cache_dir);
-      FolderWatch watch(cache_dir);
+    ExpectLoadLeavesCacheFoldersAlone(dir, [&] {
       const auto set = LoadCifar10(data, Split::kTest);
       ASSERT_EQ(set->Size(), 3);
       EXPECT_EQ(set->Label(2), 2);
       EXPECT_EQ(set->Pixels(1)[7], static_cast<uint8_t>(tiny[kCifarRecordBytes + 8]));
-      EXPECT_EQ(Joined(watch.Changes()), "") << "the load changed " << cache_dir << " for a set it does not cache";
-      ASSERT_EQ(::stat(cache_dir.c_str(), &after), 0);
-      EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
-      EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
-      EXPECT_TRUE(Entries(cache_dir).empty());
-    }
-    {
-      const CacheDir cache(dir + "/missing/cache");
-      FolderWatch watch(dir);
-      LoadCifar10(data, Split::kTest);
-      EXPECT_EQ(Joined(watch.Changes()), "") << "the load made and removed folders in " << dir;
-      EXPECT_FALSE(std::filesystem::exists(dir + "/missing"));
-    }
+    });
   }
   // 342 records: 1,050,966 bytes decoded, at least kMinCachedBytes.
   constexpr int64_t kRecords = 342;
