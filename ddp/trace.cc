@@ -2,11 +2,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <pthread.h>
-#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
-#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,6 +15,7 @@
 #include <thread>
 
 #include "nn/io/atomic_file.h"
+#include "transport/pipe_write.h"
 
 namespace ddp::dist {
 namespace {
@@ -104,37 +102,15 @@ std::string LaneNameJson(int rank, int tid, const std::string& lane) {
          ", \"tid\": " + std::to_string(tid) + ", \"args\": {\"name\": \"" + JsonEscape(lane) + "\"}}";
 }
 
-// write(2) that returns EPIPE without raising SIGPIPE, whose default action
-// would end the whole run when a trace's reader goes away: the signal is
-// held blocked over the write and the one it raised is taken back, leaving
-// the process's handling of SIGPIPE as it was.
-ssize_t WriteWithoutSigpipe(int fd, std::string_view text) {
-  sigset_t pipe_only, old_mask, pending;
-  sigemptyset(&pipe_only);
-  sigaddset(&pipe_only, SIGPIPE);
-  pthread_sigmask(SIG_BLOCK, &pipe_only, &old_mask);
-  sigpending(&pending);
-  const bool already_pending = sigismember(&pending, SIGPIPE) == 1;
-  const ssize_t n = ::write(fd, text.data(), text.size());
-  const int error = errno;
-  if (n < 0 && error == EPIPE && !already_pending) {
-    const timespec now{};  // takes the pending signal back, never waits
-    while (sigtimedwait(&pipe_only, nullptr, &now) < 0 && errno == EINTR) {
-    }
-  }
-  pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
-  errno = error;
-  return n;
-}
-
 // Writes all of `text` to `fd`; "" or what went wrong. A non-blocking `fd`
 // (a FIFO's, a terminal's) that takes nothing is waited for up to `wait`
-// in all.
+// in all. A reader that went away is an error here, not a SIGPIPE that
+// would end the whole run.
 std::string WriteAll(int fd, std::string_view text, std::chrono::milliseconds wait) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point until = Clock::now() + wait;
   while (!text.empty()) {
-    const ssize_t n = WriteWithoutSigpipe(fd, text);
+    const ssize_t n = transport::WriteWithoutSigpipe(fd, text);
     if (n > 0) {
       text.remove_prefix(static_cast<size_t>(n));
       continue;
@@ -263,17 +239,7 @@ void TraceRecorder::StreamTo(const std::string& path, int rank) {
   stream_rank_ = rank;
 }
 
-bool TraceRecorder::IsStreamTarget(const std::string& path) {
-  struct stat st{};
-  if (::stat(path.c_str(), &st) != 0) return false;
-  if (S_ISFIFO(st.st_mode)) return true;
-  if (!S_ISCHR(st.st_mode)) return false;
-  // A terminal, told by its device number without opening it (an open
-  // alone acts on some devices). Linux's tty majors: 4 (virtual consoles,
-  // serial ports), 5 (/dev/tty, /dev/console), 136-143 (/dev/pts/N).
-  const unsigned major_number = major(st.st_rdev);
-  return major_number == 4 || major_number == 5 || (major_number >= 136 && major_number <= 143);
-}
+bool TraceRecorder::IsStreamTarget(const std::string& path) { return nn::io::IsStreamPath(path); }
 
 void TraceRecorder::StreamDocumentTo(const std::string& path, int rank, std::chrono::milliseconds wait) {
   using Clock = std::chrono::steady_clock;

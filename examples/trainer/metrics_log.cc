@@ -2,8 +2,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/stat.h>
-#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -185,18 +183,7 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
   }
 }
 
-bool MetricsLog::IsStream(const std::string& path) {
-  struct stat st{};
-  if (::stat(path.c_str(), &st) != 0) return false;
-  if (S_ISFIFO(st.st_mode)) return true;
-  if (!S_ISCHR(st.st_mode)) return false;
-  // Told by the device number, without opening it (an open alone acts on
-  // some devices: a watchdog starts counting). Linux's tty majors: 4
-  // (virtual consoles, serial ports), 5 (/dev/tty, /dev/console), 136-143
-  // (pseudo-terminals, /dev/pts/N).
-  const unsigned major_number = major(st.st_rdev);
-  return major_number == 4 || major_number == 5 || (major_number >= 136 && major_number <= 143);
-}
+bool MetricsLog::IsStream(const std::string& path) { return nn::io::IsStreamPath(path); }
 
 MetricsLog::~MetricsLog() {
   if (csv_ != nullptr) std::fclose(csv_);

@@ -6,6 +6,7 @@
 #include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -336,6 +337,18 @@ void RemoveStaleTemporaries(const std::string& path) {
 // link names the file to create; its folder must exist. Throws naming the
 // link and where it leads for a loop, a chain longer than the kernel
 // follows, or a target whose folder is missing.
+bool IsStreamPath(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return false;
+  if (S_ISFIFO(st.st_mode)) return true;
+  if (!S_ISCHR(st.st_mode)) return false;
+  // A terminal, by its device number. Linux's tty majors: 4 (virtual
+  // consoles, serial ports), 5 (/dev/tty, /dev/console), 136-143
+  // (pseudo-terminals, /dev/pts/N).
+  const unsigned major_number = major(st.st_rdev);
+  return major_number == 4 || major_number == 5 || (major_number >= 136 && major_number <= 143);
+}
+
 std::string AtomicWriteTarget(const std::string& path) {
   // The kernel's own limit on links followed in one lookup (MAXSYMLINKS).
   constexpr int kMostLinks = 40;

@@ -43,6 +43,13 @@ class FileWriteError : public CheckpointError {
 /// the writer would, for a loop or a dangling link whose folder is missing.
 std::string AtomicWriteTarget(const std::string& path);
 
+/// Whether `path` is a FIFO or a terminal: a reader takes what is written
+/// there as it comes, so a writer streams to it rather than replacing it
+/// (an AtomicFileWriter's rename would put a regular file in its place).
+/// Told without opening it (an open alone acts on some devices); false for
+/// anything else, or when it cannot be looked at.
+bool IsStreamPath(const std::string& path);
+
 /// Writes a new version of a file beside it and swaps it in on Commit().
 /// Destroying the writer without Commit() removes the temporary file and
 /// leaves `path` as it was. Errors throw CheckpointError naming the path.

@@ -28,6 +28,7 @@
 #include <utility>
 
 #include "transport/launch/error_file.h"
+#include "transport/pipe_write.h"
 
 extern char** environ;
 
@@ -646,31 +647,6 @@ struct Stream {
   Fd pipe;
   std::string partial;  // an incomplete line waiting for its newline
 };
-
-// write(2) without SIGPIPE: to a pipe whose reader is gone (`ddprun ... |
-// tee log` after a Ctrl-C ended tee, `| head`) it raises SIGPIPE, which would
-// end the launcher and, by PR_SET_PDEATHSIG, its workers mid-checkpoint.
-// The signal is held blocked over the write and the one it raised is
-// taken back, leaving the process's handling of SIGPIPE as it was; EPIPE
-// is returned as the error.
-ssize_t WriteWithoutSigpipe(int fd, std::string_view data) {
-  sigset_t pipe_only, old_mask, pending;
-  sigemptyset(&pipe_only);
-  sigaddset(&pipe_only, SIGPIPE);
-  pthread_sigmask(SIG_BLOCK, &pipe_only, &old_mask);
-  sigpending(&pending);
-  const bool already_pending = sigismember(&pending, SIGPIPE) == 1;
-  const ssize_t n = write(fd, data.data(), data.size());
-  const int err = errno;
-  if (n < 0 && err == EPIPE && !already_pending) {
-    const timespec now{};
-    while (sigtimedwait(&pipe_only, nullptr, &now) < 0 && errno == EINTR) {
-    }
-  }
-  pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
-  errno = err;
-  return n;
-}
 
 // The launcher's own stdout or stderr, to which worker output is copied.
 // The loop that watches the workers writes there, so a reader that stops
