@@ -3,9 +3,12 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <string>
 #include <vector>
 
 namespace ddp::nn {
@@ -58,13 +61,31 @@ void SystemFree(void* p, size_t size) {
   }
 }
 
-bool CachingDefault() {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  return false;
+constexpr bool kCanCache = false;  // so that the sanitizer sees use-after-free
 #else
-  const char* env = std::getenv("DDP_NN_CPU_CACHE");
-  return !(env != nullptr && env[0] == '0');
+constexpr bool kCanCache = true;
 #endif
+
+// DDP_NN_CPU_CACHE, read with the spellings DDP_DATA_CACHE takes for off
+// (and their opposites), in any case: a leading '0' alone used to turn the
+// cache off, so `off` or `false` left it on without a word.
+bool CachingDefault() {
+  const char* env = std::getenv("DDP_NN_CPU_CACHE");
+  if (env == nullptr || env[0] == '\0') return kCanCache;
+  std::string lower = env;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* off : {"0", "off", "false", "no", "none"}) {
+    if (lower == off) return false;
+  }
+  for (const char* on : {"1", "on", "true", "yes"}) {
+    if (lower == on) return kCanCache;
+  }
+  std::fprintf(stderr,
+               "[ddp] warning: DDP_NN_CPU_CACHE=%s is neither on (1, on, true, yes) nor off (0, off, false, no, "
+               "none); keeping the CPU allocator's default (%s)\n",
+               env, kCanCache ? "caching" : "no caching under a sanitizer");
+  return kCanCache;
 }
 
 }  // namespace

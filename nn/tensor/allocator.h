@@ -54,7 +54,8 @@ struct AllocatorStats {
 /// evaluation) does not add the two footprints up, a cycle keeps its own
 /// blocks, and a steady training loop, which always hits the cache, never
 /// trims. Caching is off under AddressSanitizer or when the environment
-/// sets DDP_NN_CPU_CACHE=0, so that use-after-free is caught.
+/// sets DDP_NN_CPU_CACHE=0 (or off, false, no, none), so that
+/// use-after-free is caught.
 class CachingCpuAllocator final : public Allocator {
  public:
   CachingCpuAllocator();

@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ddp::nn {
@@ -283,6 +285,53 @@ TEST(CachingCpuAllocatorTest, ThreadsAllocateConcurrently) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(a.Stats().in_use_bytes, 0u);
+}
+
+// Whether a fresh allocator caches freed blocks, and what it printed on
+// stderr, with DDP_NN_CPU_CACHE set to `value`.
+std::pair<bool, std::string> CachingWith(const char* value) {
+  ::setenv("DDP_NN_CPU_CACHE", value, 1);
+  testing::internal::CaptureStderr();
+  bool caches = false;
+  {
+    CachingCpuAllocator a;
+    void* p = a.Allocate(64, kCPU);
+    a.Deallocate(p, 64, kCPU);
+    caches = a.Stats().cached_bytes > 0;
+  }
+  std::string err = testing::internal::GetCapturedStderr();
+  ::unsetenv("DDP_NN_CPU_CACHE");
+  return {caches, err};
+}
+
+// DDP_NN_CPU_CACHE turned the cache off only on a leading '0': off, false
+// and no left it on without a word. It takes the spellings DDP_DATA_CACHE
+// takes, in any case, and names a value it does not take.
+TEST(CachingCpuAllocatorTest, CacheVariableTakesTheUsualSpellings) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  const bool can_cache = false;  // off under the sanitizers whatever the value
+#else
+  const bool can_cache = true;
+#endif
+  for (const char* off : {"0", "off", "OFF", "false", "False", "no", "none"}) {
+    const auto [caches, err] = CachingWith(off);
+    EXPECT_FALSE(caches) << off;
+    EXPECT_EQ(err, "") << off;
+  }
+  for (const char* on : {"1", "on", "true", "TRUE", "yes"}) {
+    const auto [caches, err] = CachingWith(on);
+    EXPECT_EQ(caches, can_cache) << on;
+    EXPECT_EQ(err, "") << on;
+  }
+  for (const char* bad : {"2", "0x", "offf", "disabled"}) {
+    const auto [caches, err] = CachingWith(bad);
+    EXPECT_EQ(caches, can_cache) << bad;
+    EXPECT_EQ(err, "[ddp] warning: DDP_NN_CPU_CACHE=" + std::string(bad) +
+                       " is neither on (1, on, true, yes) nor off (0, off, false, no, none); keeping "
+                       "the CPU allocator's default (" +
+                       (can_cache ? "caching" : "no caching under a sanitizer") + ")\n")
+        << bad;
+  }
 }
 
 }  // namespace
