@@ -72,9 +72,9 @@ DEFINE_double(lr, 0.05,
 DEFINE_double(momentum, 0.9, "SGD momentum (sgd only)");
 DEFINE_double(weight_decay, 0, "L2 penalty (decoupled for adamw; default 1e-4 for ResNets)");
 DEFINE_bool(decay_norm_and_bias, true,
-            "apply --weight_decay to every parameter; false spares biases and BatchNorm/LayerNorm "
-            "parameters (those of at most one dimension), which then form a second parameter "
-            "group without weight decay (needs --weight_decay above 0)");
+            "apply --weight_decay to every parameter; false spares every parameter of at most one "
+            "dimension (biases, and BatchNorm's weights and biases, --sync_bn's included), which then "
+            "form a second parameter group without weight decay (needs --weight_decay above 0)");
 DEFINE_string(scheduler, "cosine",
               "learning-rate schedule, stepped after each optimizer step: none, step (x --lr_gamma "
               "after each third of the run), multistep (x --lr_gamma at each of --lr_milestones), "

@@ -67,8 +67,9 @@ struct TrainConfig {
   double momentum = 0.9;
   double weight_decay = 0.0;
   /// Weight decay on every parameter (true), or only on those of two or
-  /// more dimensions (false): biases and BatchNorm/LayerNorm parameters
-  /// then form a second parameter group without weight decay.
+  /// more dimensions (false): biases and BatchNorm's (and SyncBatchNorm's)
+  /// weights and biases then form a second parameter group without weight
+  /// decay.
   bool decay_norm_and_bias = true;
   std::string scheduler = "cosine";  ///< One of SchedulerNames().
   /// The schedules' settings, each for the schedulers named (ValidateConfig

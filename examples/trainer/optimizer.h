@@ -15,9 +15,10 @@
 namespace ddp::examples::trainer {
 
 /// Whether a parameter is one that --decay_norm_and_bias=false spares from
-/// weight decay: at most one dimension (a bias, a BatchNorm or LayerNorm
-/// weight or bias). Judged on whole parameters, never on a shard's pieces
-/// (which are 1-D views of any parameter).
+/// weight decay: at most one dimension (a bias, or a BatchNorm or
+/// SyncBatchNorm weight or bias: nn has no other normalization layer).
+/// Judged on whole parameters, never on a shard's pieces (which are 1-D
+/// views of any parameter).
 bool IsNormOrBias(const nn::Tensor& param);
 
 /// The groups the optimizer is built over. With decay_norm_and_bias (the
