@@ -56,7 +56,17 @@ int main(int argc, char** argv) {
   }
   const int n = (*comm)->size();
   if ((*comm)->rank() == 0) {
-    std::printf("hello from %d ranks: 0 + 1 + ... + %d = %.0f\n", n, n - 1, value);
+    // Every term up to three ranks ("0 + 1 = 1"), then the first two and
+    // the last ("0 + 1 + ... + 3 = 6").
+    std::string terms = "0";
+    for (int r = 1; r < n; ++r) {
+      if (n > 3 && r == 2) {
+        terms += " + ...";
+        r = n - 1;
+      }
+      terms += " + " + std::to_string(r);
+    }
+    std::printf("hello from %d rank%s: %s = %.0f\n", n, n == 1 ? "" : "s", terms.c_str(), value);
   }
   return value == n * (n - 1) / 2.0f ? 0 : 1;
 }
