@@ -638,8 +638,10 @@ TEST(TrainRunTest, RanksStartedWithOtherFlagsStopNamingTheFlag) {
     return args;
   });
   for (auto& p : ranks) EXPECT_EQ(p->Wait(std::chrono::seconds(60)), 2) << p->Stderr();
-  EXPECT_NE(ranks[1]->Stderr().find("rank 1 was started with --train_samples=1100 but rank 0 with "
-                                    "--train_samples=1024; every rank needs the same flags and data"),
+  // The rank is named once, by the line's prefix: it read "rank 1: rank 1
+  // was started with".
+  EXPECT_NE(ranks[1]->Stderr().find("train: rank 1: started with --train_samples=1100 but rank 0 with "
+                                    "--train_samples=1024; every rank needs the same flags and data\n"),
             std::string::npos)
       << ranks[1]->Stderr();
   EXPECT_NE(ranks[0]->Stderr().find("1 rank(s) were started with other flags or data than rank 0"),
@@ -659,8 +661,8 @@ TEST(TrainRunTest, RanksStartedWithOtherFlagsStopNamingTheFlag) {
       return args;
     });
     for (auto& p : others) EXPECT_EQ(p->Wait(std::chrono::seconds(60)), 2) << flag << p->Stderr();
-    EXPECT_NE(others[1]->Stderr().find("rank 1 was started with " + flag + " but rank 0 with " + rank_0 +
-                                       "; every rank needs the same flags and data"),
+    EXPECT_NE(others[1]->Stderr().find("train: rank 1: started with " + flag + " but rank 0 with " + rank_0 +
+                                       "; every rank needs the same flags and data\n"),
               std::string::npos)
         << others[1]->Stderr();
   }

@@ -710,8 +710,9 @@ void Run::Setup() {
     std::vector<double> differing = {difference.empty() ? 0.0 : 1.0};
     par_.SumAcrossRanks(differing);
     if (!difference.empty()) {
-      throw UsageError("rank " + std::to_string(rank_) + " was started with " + difference +
-                       "; every rank needs the same flags and data");
+      // Only a rank other than 0 differs from rank 0, and Fail in
+      // train_main.cc names it at the start of the line ("rank 1: ").
+      throw UsageError("started with " + difference + "; every rank needs the same flags and data");
     }
     if (differing[0] > 0) {
       throw UsageError(StringPrintf("%.0f rank(s) were started with other flags or data than rank 0 (each "
