@@ -535,6 +535,32 @@ TEST(TrainRunTest, ResumeWithoutALogMakesTheEvaluationAtTheCheckpointAgain) {
   EXPECT_NE(r.out.find("epoch 2/2"), std::string::npos) << r.out;
 }
 
+// --eval_every's evaluations inside an epoch were only written to
+// metrics.csv: without --log_dir they were made (every rank stopping for
+// them) and shown nowhere. Each now prints a line; the epoch's end keeps
+// its own line.
+TEST(TrainRunTest, EvaluationsInsideAnEpochPrintALineWithoutALog) {
+  const std::string dir = testing::MakeTempDir("eval_every_no_log");
+  const RunOutput r = RunToEnd({Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",
+                                "--train_samples=1024", "--test_samples=256", "--batch_size=32", "--workers=0",
+                                "--eval_every=4", "--epochs=2", "--checkpoint=none"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  // 16 steps per epoch: steps 4, 8, 12 of the first, 20, 24, 28 of the second.
+  std::vector<std::string> steps;
+  for (const std::string& l : Lines(r.out)) {
+    std::smatch m;
+    if (std::regex_match(l, m, std::regex(R"(  step (\d+) \(epoch ([12])/2\)  test loss \d+\.\d{4}  test acc \d+\.\d\d%)"))) {
+      steps.push_back(m[1].str() + "/" + m[2].str());
+    }
+  }
+  EXPECT_EQ(steps, (std::vector<std::string>{"4/1", "8/1", "12/1", "20/2", "24/2", "28/2"})) << r.out;
+  const std::regex epoch_line(
+      R"(epoch [12]/2  train loss \d+\.\d{4}  test loss \d+\.\d{4}  test acc \d+\.\d\d%  \d+\.\ds)");
+  int epoch_lines = 0;
+  for (const std::string& l : Lines(r.out)) epoch_lines += std::regex_match(l, epoch_line);
+  EXPECT_EQ(epoch_lines, 2) << r.out;
+}
+
 // `--resume` after a run that had finished (the README's next command
 // after the default run) trained nothing and said only "resumed at epoch 2"
 // of a 1-epoch run, then "- samples/s": a note says the run had ended and

@@ -1335,7 +1335,16 @@ RunResult Run::Go() {
           if (eval_now) {
             FlushMetrics();
             if (lead_ && !opt_.quiet) console_.Status("evaluating");
-            if (!RecordEvaluation(Evaluate(), epoch_number) && (signal = StopNow()) != 0) break;
+            if (RecordEvaluation(Evaluate(), epoch_number)) {
+              // The epoch's line shows only its last evaluation; metrics.csv
+              // (--log_dir) is not the only place to see this one.
+              Say(StringPrintf("  step %lld (epoch %lld/%lld)  test loss %.4f  test acc ",
+                               static_cast<long long>(pos_.step), static_cast<long long>(epoch_number),
+                               static_cast<long long>(c_.epochs), last_eval_->loss) +
+                  console_.Green(StringPrintf("%.2f%%", last_eval_->accuracy * 100)));
+            } else if ((signal = StopNow()) != 0) {
+              break;
+            }
           }
           paused_s += Seconds(Clock::now() - p0);
           rate_.Reset();
