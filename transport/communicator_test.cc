@@ -3071,6 +3071,68 @@ TEST(Faults, CountAcrossTheTreeRingThresholdOnOneRankFailsEverywhere) {
                                 {{2, {{"DDP_TEST_COUNT", "524289"}}}});
 }
 
+// Over UCX, halving-doubling or the tree forced on 5 ranks, one rank
+// passing another count than the rest: every rank must fail well before
+// the 10 s deadline, INVALID_ARGUMENT naming both counts in the
+// algorithm's terms. Before a rank compared the arguments of every peer it
+// takes data from, a rank that met the odd one's data first failed on its
+// size, naming neither count ("receive of 8192 bytes from rank 4 ...: rank
+// 4 sent a larger message"): rank 2 on the halving with rank 4 odd, rank 4
+// on the tree with rank 0 odd.
+void ExpectOddCountNamedEverywhere(Algorithm algorithm, const std::string& kind, size_t count,
+                                   size_t odd_count) {
+  constexpr int kRanks = 5;
+  constexpr int kTimeoutMs = 10000;
+  for (int odd : {0, 2, 4}) {
+    const std::string what = kind + ", rank " + std::to_string(odd) + " passes count " +
+                             std::to_string(odd_count) + ", the others " + std::to_string(count);
+    SCOPED_TRACE(what);
+    Job job = RunJob(kRanks, "mismatch",
+                     {{"DDP_SHARED_MEMORY", "0"},
+                      {"DDP_TEST_ALGO", std::to_string(static_cast<int>(algorithm))},
+                      {"DDP_TEST_COUNT", std::to_string(count)},
+                      {"DDP_TEST_TIMEOUT_MS", std::to_string(kTimeoutMs)}},
+                     milliseconds(60000), nullptr,
+                     {{odd, {{"DDP_TEST_COUNT", std::to_string(odd_count)}}}});
+    // Over UCX the communicator's ranks are a group's: "group rank 4 (rank
+    // 4) passed ...".
+    const std::regex theirs("rank " + std::to_string(odd) + "\\)? passed " + kind + ", count " +
+                            std::to_string(odd_count) + " of f32");
+    const std::string ours = "passed " + kind + ", count " + std::to_string(count) + " of f32";
+    for (const auto& r : job.results) {
+      ASSERT_EQ(r.exit_code, 0) << job.Describe();
+      const size_t at = r.output.find("ms=");
+      ASSERT_NE(at, std::string::npos) << job.Describe();
+      // Half the deadline leaves room for a loaded host; waiting out the
+      // deadline anywhere fails this.
+      EXPECT_LT(std::atoi(r.output.c_str() + at + 3), kTimeoutMs / 2) << job.Describe();
+      EXPECT_NE(r.output.find("INVALID_ARGUMENT"), std::string::npos) << job.Describe();
+      EXPECT_TRUE(std::regex_search(r.output, theirs)) << job.Describe();
+      EXPECT_NE(r.output.find(ours), std::string::npos) << job.Describe();
+    }
+  }
+}
+
+// 64 floats against 65 go by recursive doubling (up to 8 KiB); 4096 against
+// 4097 by halving then doubling. Rank 0 of 5 folds into rank 1; ranks 2
+// and 4 exchange.
+TEST(Faults, OneRanksOtherCountFailsEveryRhdRankNamingBothCounts) {
+  {
+    SCOPED_TRACE("doubling");
+    ExpectOddCountNamedEverywhere(Algorithm::kRhd, "rhd all-reduce", 64, 65);
+  }
+  {
+    SCOPED_TRACE("halving");
+    ExpectOddCountNamedEverywhere(Algorithm::kRhd, "rhd all-reduce", 4096, 4097);
+  }
+}
+
+// 66 floats against 64 change both halves, so both trees' parents and
+// children of the odd rank take data of another size from it.
+TEST(Faults, OneRanksOtherCountFailsEveryTreeRankNamingBothCounts) {
+  ExpectOddCountNamedEverywhere(Algorithm::kTree, "tree all-reduce", 64, 66);
+}
+
 // Over UCX, rank 2 of 3 broadcasts from itself, the others from rank 0.
 // Rank 0, the root, used to send its data before it compared its
 // neighbours' arguments, and rank 1, whose own neighbours agree with it,
