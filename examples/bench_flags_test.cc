@@ -319,6 +319,20 @@ TEST(NnBenchTest, NprocPerNodeIsRefusedSayingItRunsOneProcess) {
   }
 }
 
+// In a --flagfile too: the check of the file's lines said "the launcher
+// takes this flag on the command line only", which nn_bench has none of.
+TEST(NnBenchTest, NprocPerNodeInAFlagfileIsRefusedSayingItRunsOneProcess) {
+  const std::string dir = testing::MakeTempDir("nn_bench_nproc");
+  const std::string file = dir + "/flags";
+  std::ofstream(file) << "--steps=1\n--nproc_per_node=2\n";
+  const testing::RunOutput r = testing::RunToEnd({testing::Runfile("examples/nn_bench"), "--flagfile=" + file});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_EQ(r.err, "nn_bench: " + file +
+                       ":2: --nproc_per_node=2: nn_bench runs one process; drop the flag (ddp_bench runs several "
+                       "ranks)\n");
+  EXPECT_EQ(r.out, "");
+}
+
 // Flags in a --flagfile were left to gflags, which ignored a misspelt one
 // without a word (the run went on with the default) and refused a bad
 // value in its own words, exit status 1. Both are one line now, naming the

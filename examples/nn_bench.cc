@@ -176,23 +176,11 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage("one-process training throughput (samples/s) and peak memory of the MLP or CNN");
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/nn_bench")) return 0;
   // It times one process and starts no ranks: --nproc_per_node, which the
-  // other benchmarks take (and FlagProblem lets through for them), is
-  // refused by name here; gflags' "unknown command line flag" exited 1.
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--") break;
-    // In every spelling gflags takes: one dash or two, '-' or '_'.
-    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
-    const size_t eq = arg.find('=');
-    const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
-    if (dashes > 0 && (name == "nproc_per_node" || name == "nproc-per-node")) {
-      std::fprintf(stderr,
-                   "nn_bench: %s: nn_bench runs one process; drop the flag (ddp_bench runs several ranks)\n",
-                   arg.c_str());
-      return 2;
-    }
-  }
-  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/nn_bench"); !problem.empty()) {
+  // other benchmarks take, is refused by name, on the command line or in a
+  // --flagfile; gflags' "unknown command line flag" exited 1.
+  if (const std::string problem = ddp::examples::FlagProblem(
+          argc, argv, "examples/nn_bench", "nn_bench runs one process; drop the flag (ddp_bench runs several ranks)");
+      !problem.empty()) {
     std::fprintf(stderr, "nn_bench: %s\n", problem.c_str());
     return 2;
   }

@@ -244,6 +244,9 @@ struct Check {
   std::string argv0;                      // for the program-name sections of a file of flags
   std::vector<std::string> undefined_ok;  // names --undefok lets through
   std::vector<std::string> reading;       // files of flags being read, outermost first
+  // Why --nproc_per_node is refused, for a program that starts no ranks;
+  // "": the launcher takes it.
+  std::string no_launcher;
 };
 
 std::string ArgProblem(const std::vector<std::string>& args, size_t* i, bool in_file, Check& check,
@@ -436,6 +439,9 @@ std::string ArgProblem(const std::vector<std::string>& args, size_t* i, bool in_
     // refused it as unknown ("ERROR: unknown command line flag", exit 1)
     // once the ranks it had started without it parsed their flags; in a
     // file gflags ignored it, and the default number of ranks started.
+    // A program that starts no ranks refuses it wherever it is, in its own
+    // words (gflags refused it as unknown, or ignored it in a file).
+    if (!check.no_launcher.empty()) return arg + ": " + check.no_launcher;
     if (in_file) {
       return arg + ": the launcher takes this flag on the command line only, not in a --flagfile; give it "
                    "there (--" + name + "=N)";
@@ -465,9 +471,10 @@ std::string ArgProblem(const std::vector<std::string>& args, size_t* i, bool in_
 
 }  // namespace
 
-std::string FlagProblem(int argc, char** argv, const char* source) {
+std::string FlagProblem(int argc, char** argv, const char* source, const char* no_launcher) {
   Check check;
   check.file = std::string(source) + ".cc";
+  check.no_launcher = no_launcher == nullptr ? "" : no_launcher;
   check.argv0 = argc > 0 ? argv[0] : "";
   check.undefined_ok = UndefinedOk(argc, argv);
   const std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);

@@ -42,8 +42,10 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// --nproc_per_node (or --nproc-per-node), which SelfLaunchOrExit takes in
 /// programs without such a gflags flag; since it takes them with two dashes
 /// only, one dash (-nproc_per_node=2) is refused, naming the spelling it
-/// takes.
-std::string FlagProblem(int argc, char** argv, const char* source);
+/// takes. A program that starts no ranks passes `no_launcher`, the reason
+/// it refuses --nproc_per_node in any spelling, on the command line or in
+/// a --flagfile ("--nproc_per_node=2: " followed by it).
+std::string FlagProblem(int argc, char** argv, const char* source, const char* no_launcher = nullptr);
 
 }  // namespace ddp::examples
 
