@@ -102,6 +102,19 @@ TEST(TrainCliTest, MissingDatasetNamesThePackageAndDataDir) {
   EXPECT_NE(line.find("--data_dir"), std::string::npos) << line;
 }
 
+// MNIST and CIFAR-10 have no usual folder (Debian ships neither): without
+// --data_dir the run is refused in one line that says where to get them.
+TEST(TrainCliTest, MnistAndCifar10WithoutDataDirSayWhatTheFolderHolds) {
+  EXPECT_EQ(OneErrorLine(Train({"--dataset=mnist", "--model=mlp"})),
+            "train: --dataset=mnist needs --data_dir: a folder with MNIST's four IDX files "
+            "(train-images-idx3-ubyte.gz, ...); Debian ships Fashion-MNIST instead "
+            "(--dataset=fashion_mnist, package dataset-fashion-mnist)");
+  EXPECT_EQ(OneErrorLine(Train({"--dataset=cifar10"})),
+            "train: --dataset=cifar10 needs --data_dir: a folder with CIFAR-10's binary batches "
+            "(data_batch_1.bin ... test_batch.bin, from cifar-10-binary.tar.gz); "
+            "--dataset=synthetic times the same shapes without files");
+}
+
 TEST(TrainCliTest, TestImagesOfAnotherShapeAreRefusedAtTheStart) {
   const std::string dir = testing::MakeTempDir("mismatched_splits");
   nn::data::testing::WriteZeroIdx(dir + "/train-images-idx3-ubyte", {64, 28, 28});
