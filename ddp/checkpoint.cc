@@ -39,6 +39,31 @@ constexpr char kOutOfTime = 3;
 // A final record of RestoreCheckpoint's loads: this rank could not put
 // back the state it had before the call (a failure).
 constexpr char kNotPutBack = 4;
+// A final record of an exchange of arguments (Agree): building this
+// rank's record threw.
+constexpr char kNotTold = 5;
+
+// internal::SetFaultForTesting's functions, one per FaultPoint.
+struct Faults {
+  std::mutex mu;
+  std::map<internal::FaultPoint, std::function<void()>> at;
+};
+
+Faults& TheFaults() {
+  static auto* f = new Faults;  // never destroyed
+  return *f;
+}
+
+void RunFault(internal::FaultPoint point) {
+  std::function<void()> fault;
+  {
+    Faults& f = TheFaults();
+    std::lock_guard<std::mutex> lock(f.mu);
+    auto it = f.at.find(point);
+    if (it != f.at.end()) fault = it->second;
+  }
+  if (fault) fault();
+}
 
 nn::Tensor Record(bool ok, const std::string& message) {
   nn::Tensor r = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
@@ -108,6 +133,16 @@ nn::modules::Module& Unwrap(nn::modules::Module& model) {
 }
 
 }  // namespace
+
+namespace internal {
+
+void SetFaultForTesting(FaultPoint point, std::function<void()> fault) {
+  Faults& f = TheFaults();
+  std::lock_guard<std::mutex> lock(f.mu);
+  f.at[point] = std::move(fault);
+}
+
+}  // namespace internal
 
 nn::io::Checkpoint MakeCheckpoint(const nn::modules::Module& model,
                                   const nn::optim::Optimizer* optimizer, nn::io::Metadata metadata,
@@ -308,40 +343,95 @@ struct Agreement {
 // group's timeout, and ranks that passed different values would go on
 // each with its own (SaveCheckpoint: rank 0 writes its path, and a rank
 // that passed another, expecting to write its own file, would learn
-// nothing of it). One all-reduce of three numbers when they agree
-// (measured: 0.5 to 0.75 ms with 2 ranks on a loaded 2-core host, against
-// 27 to 38 ms for the whole SaveCheckpoint of the test MLP, about 2%, and
-// nothing next to a save of real size); only when they do not, an
+// nothing of it). One all-reduce of four numbers when they agree
+// (measured with three: 0.5 to 0.75 ms with 2 ranks on a loaded 2-core
+// host, against 27 to 38 ms for the whole SaveCheckpoint of the test MLP,
+// about 2%, and nothing next to a save of real size), after making the
+// all-gather's buffers (1 KB per rank); only when they do not agree, an
 // all-gather of every rank's record names who passed what. Every rank
-// then throws the same std::invalid_argument.
+// then throws the same std::invalid_argument, or a std::runtime_error
+// naming the rank on which the comparison threw (with what threw: on every
+// rank when building its record threw, on that rank alone when making the
+// buffers did, since nothing is exchanged after that).
 void Agree(ProcessGroup& pg, const Agreement& a) {
-  // An empty path would vanish from the messages.
-  const std::string call_and_path = a.call + " " + (a.path.empty() ? "''" : a.path);
+  // Built only on the way to a throw: from here to the all-gather, a
+  // throw would take this rank out of the exchanges and leave the others
+  // waiting for it until the group's timeout.
+  auto call_and_path = [&a] {
+    // An empty path would vanish from the messages.
+    return a.call + " " + (a.path.empty() ? "''" : a.path);
+  };
+  auto group_failed = [&](const DistributedError& e) {
+    return DistributedError(transport::Status(e.code(), call_and_path() + ": " + a.not_done +
+                                                            ": the group failed while the ranks compared their "
+                                                            "arguments: " + e.status().message()));
+  };
   const int64_t digest = Digest(a.value);
-  nn::Tensor summary = nn::Zeros({3}, {.dtype = nn::DType::kInt64});
+  // The one allocation this rank cannot take part without.
+  nn::Tensor summary = nn::Zeros({4}, {.dtype = nn::DType::kInt64});
   int64_t* s = static_cast<int64_t*>(summary.data_ptr());
   s[0] = a.refused.empty() ? 0 : 1;
   s[1] = digest;
   s[2] = -digest;
-  const bool ok = a.refused.empty();
+  // The buffers of the all-gather below, made before the first exchange
+  // so that a rank whose record cannot be built there (memory running
+  // out) still has one to send. A rank that cannot make them puts its
+  // rank + 1 in s[3], and every rank fails at once naming the last such
+  // rank.
+  nn::Tensor record;
   nn::Tensor all;
+  std::exception_ptr no_buffers;
+  try {
+    RunFault(internal::FaultPoint::kMakingArgumentBuffers);
+    record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
+    all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+  } catch (...) {
+    no_buffers = std::current_exception();
+    s[3] = pg.rank() + 1;
+  }
   try {
     pg.AllReduce(summary, transport::ReduceOp::kMax, "checkpoint arguments").Wait();
-    if (s[0] == 0 && s[1] == -s[2]) return;
-    // Every rank has the same result, so every rank gets here too. A
-    // record: the digest in 16 hex digits, then the value as shown (its
-    // first 1006 bytes).
+  } catch (const DistributedError& e) {
+    throw group_failed(e);
+  }
+  if (s[3] != 0) {
+    const int r = static_cast<int>(s[3] - 1);
+    throw std::runtime_error(call_and_path() + ": " + a.not_done + ": rank " + std::to_string(r) +
+                             " could not make the buffers to compare the ranks' arguments" +
+                             (r == pg.rank() ? std::string(": ") + WhatOf(no_buffers) : std::string()));
+  }
+  if (s[0] == 0 && s[1] == -s[2]) return;
+  // Every rank has the same result, so every rank gets here too. A
+  // record: the digest in 16 hex digits, then the value as shown (its
+  // first 1006 bytes). Whatever throws while this rank builds it, the rank
+  // still takes part in the all-gather, with a record written in place
+  // (nothing allocated: memory may be what ran out) saying what threw.
+  const bool ok = a.refused.empty();
+  bool told = true;
+  try {
+    RunFault(internal::FaultPoint::kTellingArguments);
     char hex[17];
     std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(digest));
-    all = GatherRecords(pg, ok, ok ? hex + a.shown : a.refused, "checkpoint arguments");
+    Rewrite(record, ok ? 1 : 0, ok ? (hex + a.shown).c_str() : a.refused.c_str());
+  } catch (...) {
+    told = false;
+    Rewrite(record, kNotTold, "");
+    std::snprintf(static_cast<char*>(record.data_ptr()) + 1, kRecordBytes - 1,
+                  "telling the other ranks its arguments threw: %s", WhatOf(std::current_exception()));
+  }
+  try {
+    pg.AllGather(all, record, "checkpoint arguments").Wait();
   } catch (const DistributedError& e) {
-    throw DistributedError(transport::Status(e.code(), call_and_path + ": " + a.not_done +
-                                                           ": the group failed while the ranks compared their "
-                                                           "arguments: " + e.status().message()));
+    throw group_failed(e);
+  }
+  for (int r = 0; r < pg.size(); ++r) {
+    if (static_cast<const char*>(all.data_ptr())[r * kRecordBytes] != kNotTold) continue;
+    throw std::runtime_error(call_and_path() + ": " + a.not_done + ": the ranks could not compare their "
+                             "arguments: " + FailedRanks(pg, all, told ? a.refused : ""));
   }
   const std::string failures = FailedRanks(pg, all, a.refused);
   if (!failures.empty()) {
-    throw std::invalid_argument(call_and_path + ": " + a.not_done + ": invalid arguments on " + failures);
+    throw std::invalid_argument(call_and_path() + ": " + a.not_done + ": invalid arguments on " + failures);
   }
   // The ranks grouped by value, in the order of each value's first rank.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
@@ -1057,41 +1147,6 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
   }
 }
 
-namespace {
-
-// SetFaultWhileTellingLoadsForTesting's function.
-struct LoadAccountFault {
-  std::mutex mu;
-  std::function<void()> fault;
-};
-
-LoadAccountFault& TheLoadAccountFault() {
-  static auto* f = new LoadAccountFault;  // never destroyed
-  return *f;
-}
-
-void RunLoadAccountFault() {
-  std::function<void()> fault;
-  {
-    LoadAccountFault& f = TheLoadAccountFault();
-    std::lock_guard<std::mutex> lock(f.mu);
-    fault = f.fault;
-  }
-  if (fault) fault();
-}
-
-}  // namespace
-
-namespace internal {
-
-void SetFaultWhileTellingLoadsForTesting(std::function<void()> fault) {
-  LoadAccountFault& f = TheLoadAccountFault();
-  std::lock_guard<std::mutex> lock(f.mu);
-  f.fault = std::move(fault);
-}
-
-}  // namespace internal
-
 void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
                        nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
                        nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
@@ -1185,7 +1240,7 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
     // the others would otherwise wait for it until the group's timeout.
     try {
       not_put_back = put_back();
-      RunLoadAccountFault();
+      RunFault(internal::FaultPoint::kTellingLoads);
       const bool ok = !load_error && not_put_back.empty();
       if (!ok) story = own_load() + (not_put_back.empty() ? "" : ", then " + not_put_back);
       // Whether a rank could not put its state back is its record's first

@@ -116,11 +116,13 @@ inline constexpr char kWorldSizeKey[] = "world_size";
 /// and rank 0 leaves the file as it was: its state follows a failed
 /// collective and may not match the other replicas. Every rank must pass
 /// the same, non-empty `path` (the one rank 0 writes) and valid
-/// `options`: the ranks compare them first (one all-reduce of three
+/// `options`: the ranks compare them first (one all-reduce of four
 /// numbers), and when a rank passed another path, an empty one or options
 /// it refuses, every rank throws the same std::invalid_argument naming
 /// the ranks and what they passed, nothing is written, and the group
-/// stays usable.
+/// stays usable. A rank on which that comparison throws (memory running
+/// out) still takes part in it: every rank throws std::runtime_error at
+/// once naming it and what threw, and nothing is written.
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
 
@@ -326,12 +328,25 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
                                           const std::string& abort_reason,
                                           std::chrono::milliseconds stop_grace = kMostTimeout);
 
-/// Test only: from now on, the collective RestoreCheckpoint runs `fault`
-/// on this process where, after some rank's load failed and this rank put
-/// its state back, it tells the others how its load went; what `fault`
-/// throws stands for what may throw there (memory running out). An empty
-/// function: nothing runs.
-void SetFaultWhileTellingLoadsForTesting(std::function<void()> fault);
+/// Test only: where SetFaultForTesting's function runs.
+enum class FaultPoint {
+  /// The collective RestoreCheckpoint, where, after some rank's load
+  /// failed and this rank put its state back, it tells the others how its
+  /// load went.
+  kTellingLoads = 0,
+  /// SaveCheckpoint, LoadCheckpoint and LoadCheckpointFromRank, where this
+  /// rank makes the buffers to compare the ranks' arguments, before the
+  /// first exchange.
+  kMakingArgumentBuffers = 1,
+  /// The same calls, once the ranks found their arguments refused or
+  /// different, where this rank tells the others its own.
+  kTellingArguments = 2,
+};
+
+/// Test only: from now on, this process runs `fault` at `point`; what
+/// `fault` throws stands for what may throw there (memory running out).
+/// An empty function: nothing runs.
+void SetFaultForTesting(FaultPoint point, std::function<void()> fault);
 
 }  // namespace internal
 

@@ -372,6 +372,75 @@ TEST(DdpCheckpointTest, RanksThatPassDifferentPathsOrRefusedOptionsFailEveryRank
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rank 1 passes SaveCheckpoint options it refuses; rank 2 throws
+// (DDP_TEST_CASE: bad_alloc, as when memory runs out, or non_std,
+// anything that is no std::exception) while it tells the others its
+// arguments, or (buffers) a bad_alloc while it makes the buffers to
+// compare them. Before, only a DistributedError was caught there: rank 2
+// left the call alone, and ranks 0 and 1 waited for it in the all-gather
+// of the arguments until the group's timeout (60 s here). Now rank 2 still
+// takes part, and every rank throws at once naming it and what threw;
+// nothing is written, and the group goes on.
+DDP_TEST_WORKER(save_telling_the_arguments_throws) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  const std::string path = dir + "/c.safetensors";
+  const nn::io::Checkpoint c = MakeCheckpoint(*Mlp(1), nullptr);
+  const internal::FaultPoint point = which == "buffers" ? internal::FaultPoint::kMakingArgumentBuffers
+                                                        : internal::FaultPoint::kTellingArguments;
+  struct NotAStdException {};
+  if (pg->rank() == 2) {
+    internal::SetFaultForTesting(point, [which] {
+      if (which == "non_std") throw NotAStdException{};
+      throw std::bad_alloc();
+    });
+  }
+  SaveOptions options;
+  if (pg->rank() == 1) options.heartbeat = std::chrono::milliseconds(0);
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    SaveCheckpoint(*pg, path, c, options);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  } catch (const std::invalid_argument& e) {
+    error = std::string("a std::invalid_argument: ") + e.what();
+  } catch (const std::bad_alloc&) {
+    error = "the std::bad_alloc escaped";
+  } catch (...) {
+    error = "an exception that is neither a std::runtime_error nor a std::invalid_argument";
+  }
+  internal::SetFaultForTesting(point, {});
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string who = "rank " + std::to_string(pg->rank());
+  const std::string why = which == "non_std" ? "an exception that is not a std::exception" : "std::bad_alloc";
+  const std::string expected =
+      which == "buffers"
+          ? "SaveCheckpoint " + path + ": not written: rank 2 could not make the buffers to compare the ranks' "
+                                       "arguments" + (pg->rank() == 2 ? ": " + why : "")
+          : "SaveCheckpoint " + path + ": not written: the ranks could not compare their arguments: rank 1: "
+                                       "SaveOptions::heartbeat must be positive, got 0 ms; rank 2: telling the "
+                                       "other ranks its arguments threw: " + why;
+  WORKER_EXPECT(error == expected, who + " got: " + error);
+  WORKER_EXPECT(took < 20, who + ": the failure took " + std::to_string(took) + " s");
+  pg->Barrier().Wait();
+  const std::vector<std::string> left = ListDir(dir);
+  WORKER_EXPECT(left.empty(), "written although the comparison failed: " + (left.empty() ? "" : left.front()));
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the failed save");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankThatThrowsWhileComparingArgumentsIsNamedOnEveryRankPromptly) {
+  for (const char* which : {"bad_alloc", "non_std", "buffers"}) {
+    const std::string dir = TempDir();
+    auto run = RunWorkers("save_telling_the_arguments_throws", 3,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_CKPT", dir}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          180000, /*stop_all_on_failure=*/false);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
+}
+
 
 // The loads' arguments that one rank refuses (a root outside the group,
 // a zero timeout) or that differ between ranks (the root). Before, the
@@ -822,7 +891,7 @@ DDP_TEST_WORKER(restore_telling_the_loads_throws) {
                              }};
   nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
   if (rank == 2) {
-    internal::SetFaultWhileTellingLoadsForTesting([which] {
+    internal::SetFaultForTesting(internal::FaultPoint::kTellingLoads, [which] {
       if (which == "bad_alloc") throw std::bad_alloc();
       throw RateRefused{0.0};
     });
@@ -840,7 +909,7 @@ DDP_TEST_WORKER(restore_telling_the_loads_throws) {
   } catch (...) {
     error = "an exception that is not a std::runtime_error";
   }
-  internal::SetFaultWhileTellingLoadsForTesting({});
+  internal::SetFaultForTesting(internal::FaultPoint::kTellingLoads, {});
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::string who = "rank " + std::to_string(rank);
   const std::string why = which == "bad_alloc" ? "std::bad_alloc" : "an exception that is not a std::exception";
