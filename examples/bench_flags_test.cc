@@ -303,6 +303,15 @@ TEST(BenchTimeoutTest, ATimeoutBelowOneMillisecondIsRefusedByName) {
   }
 }
 
+// Runs `argv` to its end and expects the refusal of a flag: exit status 2,
+// `err` alone on stderr, nothing on stdout.
+void ExpectRefusedInOneLine(const std::vector<std::string>& argv, const std::string& err) {
+  const testing::RunOutput r = testing::RunToEnd(argv);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_EQ(r.err, err);
+  EXPECT_EQ(r.out, "");
+}
+
 // nn_bench starts no ranks: --nproc_per_node is refused in one line that
 // says so (gflags' "ERROR: unknown command line flag", exit 1, before).
 TEST(NnBenchTest, NprocPerNodeIsRefusedSayingItRunsOneProcess) {
@@ -311,11 +320,8 @@ TEST(NnBenchTest, NprocPerNodeIsRefusedSayingItRunsOneProcess) {
         {"--nproc-per-node", "2"}}) {
     std::vector<std::string> argv = {testing::Runfile("examples/nn_bench")};
     argv.insert(argv.end(), flag.begin(), flag.end());
-    const testing::RunOutput r = testing::RunToEnd(argv);
-    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-    EXPECT_EQ(r.err, "nn_bench: " + flag[0] +
-                         ": nn_bench runs one process; drop the flag (ddp_bench runs several ranks)\n");
-    EXPECT_EQ(r.out, "");
+    ExpectRefusedInOneLine(argv, "nn_bench: " + flag[0] +
+                                     ": nn_bench runs one process; drop the flag (ddp_bench runs several ranks)\n");
   }
 }
 
@@ -325,12 +331,10 @@ TEST(NnBenchTest, NprocPerNodeInAFlagfileIsRefusedSayingItRunsOneProcess) {
   const std::string dir = testing::MakeTempDir("nn_bench_nproc");
   const std::string file = dir + "/flags";
   std::ofstream(file) << "--steps=1\n--nproc_per_node=2\n";
-  const testing::RunOutput r = testing::RunToEnd({testing::Runfile("examples/nn_bench"), "--flagfile=" + file});
-  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  EXPECT_EQ(r.err, "nn_bench: " + file +
-                       ":2: --nproc_per_node=2: nn_bench runs one process; drop the flag (ddp_bench runs several "
-                       "ranks)\n");
-  EXPECT_EQ(r.out, "");
+  ExpectRefusedInOneLine({testing::Runfile("examples/nn_bench"), "--flagfile=" + file},
+                         "nn_bench: " + file +
+                             ":2: --nproc_per_node=2: nn_bench runs one process; drop the flag (ddp_bench runs "
+                             "several ranks)\n");
 }
 
 // Flags in a --flagfile were left to gflags, which ignored a misspelt one
@@ -347,11 +351,9 @@ TEST(BenchFlagsTest, AMisspeltFlagOrABadValueInAFlagfileIsOneLineNamingTheFileAn
        {std::pair<std::string, std::string>{typo, ":4: unknown flag --modle; did you mean --model? (--help lists "
                                                   "the flags)"},
         {value, ":1: --steps=many: the flag takes a whole number"}}) {
-    const testing::RunOutput r = testing::RunToEnd(
-        {testing::Runfile("examples/ddp_bench"), "--model=mlp", "--nproc_per_node=1", "--flagfile=" + file});
-    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-    EXPECT_EQ(r.err, "ddp_bench: " + file + problem + "\n");
-    EXPECT_EQ(r.out, "");
+    ExpectRefusedInOneLine(
+        {testing::Runfile("examples/ddp_bench"), "--model=mlp", "--nproc_per_node=1", "--flagfile=" + file},
+        "ddp_bench: " + file + problem + "\n");
   }
 }
 

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -24,21 +25,30 @@ namespace {
 
 constexpr char kSource[] = "examples/own_help_test";
 
-// FlagProblem for `args` after a program name.
-std::string Problem(std::vector<std::string> args) {
+// `check` (FlagProblem or ShowOwnHelpIfAsked) called with `args` after a
+// program name, as main passes its argc and argv.
+template <typename Check>
+auto WithArgv(std::vector<std::string> args, Check check) {
   args.insert(args.begin(), "own_help_test");
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  return FlagProblem(static_cast<int>(args.size()), argv.data(), kSource);
+  return check(static_cast<int>(args.size()), argv.data());
+}
+
+// FlagProblem for `args` after a program name.
+std::string Problem(std::vector<std::string> args) {
+  return WithArgv(std::move(args), [](int argc, char** argv) { return FlagProblem(argc, argv, kSource); });
 }
 
 bool HelpAsked(std::vector<std::string> args) {
-  args.insert(args.begin(), "own_help_test");
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  return ShowOwnHelpIfAsked(static_cast<int>(args.size()), argv.data(), kSource);
+  return WithArgv(std::move(args), [](int argc, char** argv) { return ShowOwnHelpIfAsked(argc, argv, kSource); });
+}
+
+// Problem(`args`) with the variable FLAGS_seed set to `value`.
+std::string ProblemWithSeedVariable(const char* value, std::vector<std::string> args) {
+  setenv("FLAGS_seed", value, 1);
+  return Problem(std::move(args));
 }
 
 // SelfLaunchOrExit takes --nproc_per_node and --nproc-per-node, with two
@@ -105,20 +115,16 @@ TEST(FlagProblemTest, FromenvAndTryfromenvProblemsNameTheFlagAndTheVariable) {
   EXPECT_EQ(Problem({"--fromenv=-"}),
             "--fromenv=-: - is written with dashes; give the flag's name alone (--fromenv=NAME)");
 
-  setenv("FLAGS_seed", "-1", 1);
-  EXPECT_EQ(Problem({"--tryfromenv=seed"}),
+  EXPECT_EQ(ProblemWithSeedVariable("-1", {"--tryfromenv=seed"}),
             "--tryfromenv=seed: FLAGS_seed=-1: the flag takes a whole number, at least 0");
-  setenv("FLAGS_seed", "99999999999999999999", 1);
-  EXPECT_EQ(Problem({"--fromenv=seed"}),
+  EXPECT_EQ(ProblemWithSeedVariable("99999999999999999999", {"--fromenv=seed"}),
             "--fromenv=seed: FLAGS_seed=99999999999999999999 is out of range: the flag takes a whole number from 0 "
             "to 18446744073709551615");
-  setenv("FLAGS_seed", "fromenv", 1);
-  EXPECT_EQ(Problem({"--fromenv=seed"}),
+  EXPECT_EQ(ProblemWithSeedVariable("fromenv", {"--fromenv=seed"}),
             "--fromenv=seed: FLAGS_seed=fromenv is refused by gflags (it would read the environment again)");
   // The second name is checked too; a comma at the end ends the list, as
   // gflags reads it.
-  setenv("FLAGS_seed", "7", 1);
-  EXPECT_EQ(Problem({"--fromenv=seed,model"}),
+  EXPECT_EQ(ProblemWithSeedVariable("7", {"--fromenv=seed,model"}),
             "--fromenv=seed,model: FLAGS_model is not set; set it (export FLAGS_model=VALUE), or use --tryfromenv, "
             "which skips a flag whose variable is unset");
   setenv("FLAGS_model", "mlp", 1);
