@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <string>
+#include <vector>
 
 namespace ddp::examples {
 namespace {
@@ -27,6 +29,10 @@ std::atomic<int> g_taken{0};
 
 // Between WatchSetupSignals and EndSetupSignals.
 bool g_watching = false;
+
+// RemoveIfInterruptedInSetup's folders, outermost first. Read on the main
+// thread only, never in the handler.
+std::vector<std::string> g_made_folders;
 
 // Async-signal-safe. SA_RESETHAND puts the default action back for a second
 // signal, which then ends the process at once.
@@ -66,9 +72,14 @@ void EndSetupSignals() {
 void StopIfInterruptedInSetup() {
   const int signo = g_taken.load();
   if (signo == 0) return;
+  for (auto it = g_made_folders.rbegin(); it != g_made_folders.rend(); ++it) ::rmdir(it->c_str());
   std::signal(signo, SIG_DFL);
   std::raise(signo);
   std::_Exit(128 + signo);  // not reached
+}
+
+void RemoveIfInterruptedInSetup(const std::vector<std::string>& folders) {
+  g_made_folders.insert(g_made_folders.end(), folders.begin(), folders.end());
 }
 
 void EndSetup() {

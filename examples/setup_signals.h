@@ -1,6 +1,9 @@
 #ifndef DDP_EXAMPLES_SETUP_SIGNALS_H_
 #define DDP_EXAMPLES_SETUP_SIGNALS_H_
 
+#include <string>
+#include <vector>
+
 namespace ddp::examples {
 
 /// Ctrl-C (SIGINT), SIGTERM and SIGHUP while a self-launching program checks
@@ -22,7 +25,16 @@ void EndSetupSignals();
 
 /// Ends the process by the signal taken since WatchSetupSignals, if any (its
 /// line said already), as that signal ends it by default; else returns.
+/// Before it ends the process, it removes the folders given to
+/// RemoveIfInterruptedInSetup.
 void StopIfInterruptedInSetup();
+
+/// Folders the setup made (outermost first, none that was there before),
+/// which StopIfInterruptedInSetup removes, deepest first and each only
+/// while it is empty, before it ends the process: a run stopped before any
+/// rank started would leave them empty (a --log_dir, a checkpoint's
+/// folder). Adds to those given before.
+void RemoveIfInterruptedInSetup(const std::vector<std::string>& folders);
 
 /// EndSetupSignals, then StopIfInterruptedInSetup: once the last check
 /// before the ranks start has returned (in SelfLaunchOptions::

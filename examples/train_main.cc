@@ -24,6 +24,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <thread>
@@ -381,6 +383,22 @@ void PrintHelp() {
 
 bool IsDefault(const char* flag) { return gflags::GetCommandLineFlagInfoOrDie(flag).is_default; }
 
+#ifdef DDP_TRAIN_SETUP_HOLD_FOR_TESTING
+// Built into //examples:train_setup_hold only, for train_setup_test: holds
+// the launcher in its setup where CheckSetup starts (past the last
+// StopIfInterruptedInSetup before the data is read and the folders are
+// made), so that the test can send a signal there. It opens the FIFO that
+// $DDP_TRAIN_SETUP_HOLD names and reads it until the test closes its end;
+// the test's own deadline bounds the wait (it kills the program when it
+// gives up).
+void HoldSetupForTesting() {
+  const char* fifo = std::getenv("DDP_TRAIN_SETUP_HOLD");
+  if (fifo == nullptr) return;
+  std::ifstream in(fifo, std::ios::binary);
+  const std::string rest{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+#endif
+
 // Why an empty path flag given on the command line is refused, or "". Each
 // one's empty value means something other than a path (no checkpoints, no
 // metrics, the dataset's usual folder), so `--checkpoint="$CKPT"` with CKPT
@@ -621,13 +639,21 @@ int main(int argc, char** argv) {
   if (!is_worker) {
     // The launcher checks once, then starts the ranks; it never touches UCX.
     ddp::examples::StopIfInterruptedInSetup();
+#ifdef DDP_TRAIN_SETUP_HOLD_FOR_TESTING
+    HoldSetupForTesting();
+#endif
+    // The folders it makes last (--checkpoint's, --log_dir) go again when
+    // a signal taken meanwhile, or before the ranks start, ends the run:
+    // it would leave them empty.
+    std::vector<std::string> made_folders;
     try {
-      ddp::examples::trainer::CheckSetup(config, world_size);
+      ddp::examples::trainer::CheckSetup(config, world_size, &made_folders);
     } catch (const UsageError& e) {
       Fail(2, 0, 1, e.what());
     } catch (const std::exception& e) {
       Fail(1, 0, 1, std::string("error: ") + e.what());
     }
+    ddp::examples::RemoveIfInterruptedInSetup(made_folders);
     // More ranks than the CPUs this process may use still start (a check
     // of many ranks may want that), but each step then waits for ranks
     // that share a core: said once, before they start.

@@ -20,8 +20,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "ddp/trace.h"
 #include "examples/trainer/device.h"
@@ -166,11 +168,42 @@ class RecentRate {
   std::deque<std::pair<Clock::time_point, double>> window_;
 };
 
-// Why no file can be created in `dir` (made if missing): "folder DIR: why";
-// "" when one can.
-std::string UnwritableFolder(const std::string& dir) {
+// Makes folder `dir` and every missing one above it, as
+// create_directories does, and appends to `made` (when given) those this
+// call made itself, outermost first: not one that was there, nor one that
+// another process made meanwhile. Returns the error of the first that
+// could not be made.
+std::error_code MakeFolders(const std::string& dir, std::vector<std::string>* made) {
   std::error_code ec;
+  std::vector<std::filesystem::path> missing;  // deepest first
+  for (std::filesystem::path p = dir; !p.empty(); p = p.parent_path()) {
+    if (std::filesystem::exists(p, ec) || ec) break;
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    const bool new_folder = std::filesystem::create_directory(*it, ec);
+    if (ec) return ec;
+    if (new_folder && made != nullptr) made->push_back(it->string());
+  }
+  // Made by someone else meanwhile, or there all along: whether it is a
+  // folder is what the write test below finds out.
   std::filesystem::create_directories(dir, ec);
+  return ec;
+}
+
+// Removes the folders of `made` (MakeFolders' list, outermost first),
+// deepest first, each only while it is empty: one that something was put
+// into meanwhile stays, and so does every folder above it.
+void RemoveFoldersMade(const std::vector<std::string>& made) {
+  for (auto it = made.rbegin(); it != made.rend(); ++it) ::rmdir(it->c_str());
+}
+
+// Why no file can be created in `dir` (made if missing; those made are
+// appended to `made`, when given, see MakeFolders): "folder DIR: why"; ""
+// when one can.
+std::string UnwritableFolder(const std::string& dir, std::vector<std::string>* made = nullptr) {
+  const std::error_code ec = MakeFolders(dir, made);
   if (ec) {
     // A file where a folder must be (the folder itself, or one above it):
     // named, where "folder a/b/c: Not a directory" left the user to find
@@ -231,11 +264,12 @@ std::string OwnOutputAt(const std::string& path) {
   return "";
 }
 
-// Throws UsageError unless files can be created in `dir` (made if missing),
-// so that an unwritable --checkpoint or --log_dir fails now, not after an
-// epoch of training.
-void CheckWritable(const std::string& dir, const char* flag, const std::string& value) {
-  if (const std::string why = UnwritableFolder(dir); !why.empty()) {
+// Throws UsageError unless files can be created in `dir` (made if missing;
+// see MakeFolders for `made`), so that an unwritable --checkpoint or
+// --log_dir fails now, not after an epoch of training.
+void CheckWritable(const std::string& dir, const char* flag, const std::string& value,
+                   std::vector<std::string>* made) {
+  if (const std::string why = UnwritableFolder(dir, made); !why.empty()) {
     throw UsageError(std::string("cannot write --") + flag + "=" + value + " (" + why +
                      "); choose a writable path" +
                      (std::string(flag) == "checkpoint" ? ", or --checkpoint=none" : ""));
@@ -292,8 +326,9 @@ void CheckCheckpointIsAFile(const TrainConfig& config) {
 }
 
 // The folders rank 0 writes into: --checkpoint's and --log_dir (made if
-// missing). Throws UsageError.
-void CheckOutputFolders(const TrainConfig& config) {
+// missing; those made are appended to `made`, when given, outermost
+// first). Throws UsageError.
+void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* made = nullptr) {
   if (!config.checkpoint.empty()) {
     // A symbolic link at --checkpoint is written through (nn::io's atomic
     // writer): its target's folder is the one that must be writable.
@@ -311,10 +346,10 @@ void CheckOutputFolders(const TrainConfig& config) {
                        "checkpoint file (new or old), or --checkpoint=none");
     }
     const std::string parent = std::filesystem::path(target).parent_path().string();
-    CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint);
+    CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint, made);
   }
   if (!config.log_dir.empty()) {
-    CheckWritable(config.log_dir, "log_dir", config.log_dir);
+    CheckWritable(config.log_dir, "log_dir", config.log_dir, made);
     for (const std::string name : {"metrics.csv", "chart.svg"}) {
       const std::string file = config.log_dir + "/" + name;
       const std::string kind = NonRegularKind(file);
@@ -1557,7 +1592,7 @@ RunResult Run::Go() {
 
 }  // namespace
 
-void CheckSetup(const TrainConfig& config, int world_size) {
+void CheckSetup(const TrainConfig& config, int world_size, std::vector<std::string>* made_folders) {
   ValidateConfig(config);
   CheckDeviceFlag(config.device);
   CheckCheckpointIsAFile(config);
@@ -1594,10 +1629,19 @@ void CheckSetup(const TrainConfig& config, int world_size) {
     LoadTrainCheckpoint(config.checkpoint, parts, config, world_size, nullptr);
   }
   // Folders are made last: a run refused for another reason leaves none.
-  CheckOutputFolders(config);
-  // Only a look, for a refusal in one line before any rank starts: rank 0
-  // claims the file for the run.
-  if (!config.checkpoint.empty()) CheckpointClaim look(config.checkpoint);
+  // Nor one refused here: --checkpoint's folder is made before --log_dir
+  // is looked at, and was left empty when --log_dir was refused.
+  std::vector<std::string> made;
+  try {
+    CheckOutputFolders(config, &made);
+    // Only a look, for a refusal in one line before any rank starts: rank 0
+    // claims the file for the run.
+    if (!config.checkpoint.empty()) CheckpointClaim look(config.checkpoint);
+  } catch (...) {
+    RemoveFoldersMade(made);
+    throw;
+  }
+  if (made_folders != nullptr) made_folders->insert(made_folders->end(), made.begin(), made.end());
 }
 
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options) {

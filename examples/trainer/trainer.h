@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "examples/trainer/config.h"
 #include "examples/trainer/console.h"
@@ -70,8 +71,12 @@ struct RunResult {
 /// mistake gets one message instead of one per rank: the flags, the dataset
 /// files, the batch size against a rank's share of the data, and with
 /// --resume the checkpoint against the model, optimizer and schedule (it is
-/// loaded as a rank would load it). Throws UsageError.
-void CheckSetup(const TrainConfig& config, int world_size);
+/// loaded as a rank would load it). Last, it makes the folders of
+/// --checkpoint and --log_dir that are missing, and appends them to
+/// `made_folders` (when given), outermost first, for the caller to remove
+/// if it stops before any rank starts; when it throws, it has removed them.
+/// Throws UsageError.
+void CheckSetup(const TrainConfig& config, int world_size, std::vector<std::string>* made_folders = nullptr);
 
 /// Trains as configured. Collective: every rank of `parallel` calls it.
 /// Before training, rank 0 checks the paths it writes (--checkpoint,

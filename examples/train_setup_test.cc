@@ -1,0 +1,100 @@
+// //examples:train's launcher stopped in its setup, before any rank starts:
+// by a signal while it checks the data, or by a refusal of its flags. It
+// leaves no folder it made for --checkpoint or --log_dir, and every folder
+// that was there before.
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "examples/testing/subprocess.h"
+#include "gtest/gtest.h"
+
+namespace ddp::examples {
+namespace {
+
+using testing::Runfile;
+
+// The names in `dir`, sorted.
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Flags of a run that would be over in seconds.
+std::vector<std::string> TinyRun(const std::string& program) {
+  return {Runfile(program), "--dataset=synthetic", "--model=mlp", "--batch_size=16", "--workers=0",
+          "--nproc_per_node=1", "--epochs=1", "--train_samples=64", "--test_samples=16"};
+}
+
+// Ctrl-C while the launcher read the data let it go on to make the folders
+// of --log_dir and --checkpoint, then end by the signal: they were left
+// empty. The program (a test build) is held where CheckSetup starts, past
+// the last check for a signal before the folders are made, until the test
+// closes its end of a FIFO; the signal comes in there.
+TEST(TrainSetupTest, CtrlCWhileTheDataIsCheckedLeavesNoFolderItMade) {
+  const std::string dir = testing::MakeTempDir("ctrl_c_data");
+  const std::string hold = dir + "/hold";
+  ASSERT_EQ(mkfifo(hold.c_str(), 0600), 0) << hold << ": " << std::strerror(errno);
+  // A folder that was there stays, though the checkpoint's folder inside it goes.
+  ASSERT_TRUE(std::filesystem::create_directory(dir + "/kept"));
+  std::vector<std::string> args = TinyRun("examples/train_setup_hold");
+  args.push_back("--log_dir=" + dir + "/logs/run1");
+  args.push_back("--checkpoint=" + dir + "/kept/saved/model.ckpt");
+  testing::Subprocess running(args, {{"DDP_TRAIN_SETUP_HOLD", hold}});
+  // Opens once the program has the FIFO open for reading (ENXIO before).
+  int writer = -1;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while ((writer = open(hold.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+    ASSERT_EQ(errno, ENXIO) << hold << ": " << std::strerror(errno);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the hold was never reached:\n" << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the run ended first:\n" << running.Stderr();
+  }
+  running.Signal(SIGINT);
+  // Taken (its line is written by the handler) before the program goes on.
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (running.Stderr().find("interrupted by Ctrl-C") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the signal was not taken:\n" << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the run ended first:\n" << running.Stderr();
+  }
+  close(writer);
+  ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
+  EXPECT_EQ(running.Stderr(),
+            "train: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n");
+  EXPECT_EQ(running.Stdout(), "");
+  EXPECT_EQ(Entries(dir), (std::vector<std::string>{"hold", "kept"}));
+  EXPECT_EQ(Entries(dir + "/kept"), std::vector<std::string>{});
+}
+
+// The checkpoint's folder was made before --log_dir was looked at: a run
+// refused for its --log_dir left it behind, empty.
+TEST(TrainSetupTest, ARunRefusedForItsLogDirLeavesNoCheckpointFolder) {
+  const std::string dir = testing::MakeTempDir("refused_log_dir");
+  // A folder where metrics.csv is written: refused.
+  ASSERT_TRUE(std::filesystem::create_directories(dir + "/logs/metrics.csv"));
+  std::vector<std::string> args = TinyRun("examples/train");
+  args.push_back("--log_dir=" + dir + "/logs");
+  args.push_back("--checkpoint=" + dir + "/saved/deeper/model.ckpt");
+  const testing::RunOutput r = testing::RunToEnd(args);
+  ASSERT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_EQ(r.err, "train: --log_dir=" + dir + "/logs: " + dir +
+                       "/logs/metrics.csv is a folder, not a regular file, and the run would replace it with its "
+                       "metrics.csv; move it away, or pass another --log_dir (a named pipe or a terminal there takes "
+                       "the rows as a stream)\n");
+  EXPECT_EQ(Entries(dir), std::vector<std::string>{"logs"});
+  EXPECT_EQ(Entries(dir + "/logs"), std::vector<std::string>{"metrics.csv"});
+}
+
+}  // namespace
+}  // namespace ddp::examples
