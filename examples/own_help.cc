@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <fstream>
 #include <initializer_list>
@@ -277,12 +278,11 @@ bool NamesThisProgram(const std::string& line, const std::string& argv0) {
 // ran with the default) and refuses a bad value in its own words (exit 1):
 // both are refused here as on the command line, with the file and the line
 // ("flags.txt:3: unknown flag --modle; did you mean --model? ..."), and
-// *located is set: the problem names its file and line.
-std::string FileLinesProblem(const std::string& path, Check& check, bool* located) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "cannot read " + path + " (" + std::strerror(errno) + ")";
-  const std::string content{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  if (in.bad()) return "cannot read " + path + " (" + std::strerror(errno) + ")";
+// *located is set: the problem names its file and line. `content` is the
+// file's text; the lines that apply to this program (leading blanks
+// removed) are appended to `flags` when it is given, in order.
+std::string LinesProblem(const std::string& path, const std::string& content, Check& check, bool* located,
+                         std::vector<std::string>* flags) {
   bool relevant = true;
   bool in_names = false;
   int line_number = 0;
@@ -310,8 +310,33 @@ std::string FileLinesProblem(const std::string& path, Check& check, bool* locate
       *located = true;
       return named ? problem : path + ":" + std::to_string(line_number) + ": " + problem;
     }
+    if (flags != nullptr) flags->push_back(line);
   }
   return "";
+}
+
+// The whole of file `path` in *content, or why it cannot be read.
+std::string ReadWhole(const std::string& path, std::string* content) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "cannot read " + path + " (" + std::strerror(errno) + ")";
+  content->assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  if (in.bad()) return "cannot read " + path + " (" + std::strerror(errno) + ")";
+  return "";
+}
+
+// LinesProblem for the regular file `path`, read here.
+std::string FileLinesProblem(const std::string& path, Check& check, bool* located) {
+  std::string content;
+  if (std::string problem = ReadWhole(path, &content); !problem.empty()) return problem;
+  return LinesProblem(path, content, check, located, nullptr);
+}
+
+// Whether `path` is there and is neither a regular file nor a folder: a
+// FIFO (a shell's <(...)), /dev/stdin, a terminal. What is read from it is
+// gone for the next reader.
+bool IsStream(const std::string& path) {
+  struct stat st{};
+  return ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode);
 }
 
 // What is wrong with --flagfile=`value` (files separated by commas, read in
@@ -330,7 +355,9 @@ std::string FlagfileProblem(const std::string& value, Check& check, bool* locate
     if (S_ISDIR(st.st_mode)) return path + " is a folder; give the path of a file of flags";
     // A FIFO, a terminal or /dev/stdin is not read here: what is read from
     // it is gone, and gflags, which reads it next, would find it empty (or
-    // wait on it a second time). Its flags are left to gflags.
+    // wait on it a second time). On the command line, InlineStreamFlagfiles
+    // has put its flags in its place; one named in a file of flags is left
+    // to gflags.
     if (S_ISREG(st.st_mode)) {
       if (std::find(check.reading.begin(), check.reading.end(), path) != check.reading.end()) {
         return path + " reads itself again through --flagfile (gflags would go round without end)";
@@ -484,6 +511,75 @@ std::string FlagProblem(int argc, char** argv, const char* source, const char* n
     if (std::string problem = ArgProblem(args, &i, /*in_file=*/false, check, &located); !problem.empty()) {
       return problem;
     }
+  }
+  return "";
+}
+
+std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* source, const char* no_launcher) {
+  Check check;
+  check.file = std::string(source) + ".cc";
+  check.no_launcher = no_launcher == nullptr ? "" : no_launcher;
+  check.argv0 = args.empty() ? "" : args[0];
+  {
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    check.undefined_ok = UndefinedOk(static_cast<int>(argv.size()), argv.data());
+  }
+  std::vector<std::string> streams_read;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string arg = args[i];
+    if (arg == "--") break;  // gflags stops there too
+    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+    const size_t eq = arg.find('=');
+    if (dashes == 0 || arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes) != "flagfile") {
+      continue;
+    }
+    const bool separate = eq == std::string::npos;
+    if (separate && i + 1 >= args.size()) break;  // FlagProblem says what is missing
+    const std::string value = separate ? args[i + 1] : arg.substr(eq + 1);
+    // The files in turn: regular ones stay for gflags (and FlagProblem),
+    // each stream gives way to its flags.
+    std::vector<std::string> replacement;
+    std::vector<std::string> regular;  // files since the last stream that are none (or missing)
+    const auto take_regular = [&replacement, &regular] {
+      if (regular.empty()) return;
+      std::string joined = "--flagfile=" + regular[0];
+      for (size_t k = 1; k < regular.size(); ++k) joined += "," + regular[k];
+      replacement.push_back(joined);
+      regular.clear();
+    };
+    bool any_stream = false;
+    for (size_t at = 0; at <= value.size();) {
+      const size_t end = std::min(value.find(',', at), value.size());
+      const std::string path = value.substr(at, end - at);
+      at = end + 1;
+      if (!IsStream(path)) {
+        regular.push_back(path);
+        continue;
+      }
+      any_stream = true;
+      take_regular();
+      if (std::find(streams_read.begin(), streams_read.end(), path) != streams_read.end()) {
+        return "--flagfile=" + value + ": " + path +
+               " was read already (a stream is read once: its flags were taken the first time); name it once";
+      }
+      streams_read.push_back(path);
+      std::string content;
+      if (std::string problem = ReadWhole(path, &content); !problem.empty()) return "--flagfile=" + value + ": " + problem;
+      bool located = false;
+      if (std::string problem = LinesProblem(path, content, check, &located, &replacement); !problem.empty()) {
+        return located ? problem : "--flagfile=" + value + ": " + problem;
+      }
+    }
+    if (!any_stream) {
+      if (separate) ++i;
+      continue;
+    }
+    take_regular();
+    args.erase(args.begin() + static_cast<std::ptrdiff_t>(i), args.begin() + static_cast<std::ptrdiff_t>(i + (separate ? 2 : 1)));
+    args.insert(args.begin() + static_cast<std::ptrdiff_t>(i), replacement.begin(), replacement.end());
+    // Its flags are looked at again: one may name another stream.
+    --i;
   }
   return "";
 }

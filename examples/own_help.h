@@ -2,6 +2,7 @@
 #define DDP_EXAMPLES_OWN_HELP_H_
 
 #include <string>
+#include <vector>
 
 namespace ddp::examples {
 
@@ -31,7 +32,8 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// named with its file and line ("flags.txt:3: unknown flag --modle; did
 /// you mean --model? ..."; gflags ignored an unknown one there without a
 /// word; a FIFO or other file that is not a regular one is left to gflags,
-/// since reading it would take what it holds), or a --fromenv/--tryfromenv
+/// since reading it would take what it holds: see InlineStreamFlagfiles),
+/// or a --fromenv/--tryfromenv
 /// (gflags' own) that names an unknown flag, a variable FLAGS_<flag> that is
 /// unset (--fromenv) or a value its flag refuses ("--fromenv=seed:
 /// FLAGS_seed=-1: the flag takes ..."). gflags' own messages for these
@@ -46,6 +48,22 @@ bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source);
 /// it refuses --nproc_per_node in any spelling, on the command line or in
 /// a --flagfile ("--nproc_per_node=2: " followed by it).
 std::string FlagProblem(int argc, char** argv, const char* source, const char* no_launcher = nullptr);
+
+/// Called before FlagProblem, on argv (argv[0] first): puts in the place of
+/// each --flagfile on the command line that is a stream (a FIFO such as a
+/// shell's <(...), /dev/stdin, a terminal: neither a regular file nor a
+/// folder) the flags it holds for this program, one argument a line, as
+/// gflags would read them from it; a regular file named beside it in the
+/// same --flagfile=A,B stays there. A stream is read once, to its end:
+/// FlagProblem then checks the flags that gflags sets, and a self-launching
+/// program's ranks, started with these arguments, get them too (from the
+/// stream they would get nothing, or wait on it). Returns what is wrong
+/// with a line of one, named with its path and line as FlagProblem names
+/// them ("/dev/fd/63:2: unknown flag --modle; ..."), one that cannot be
+/// read, or one named twice; else "". A stream named inside a file of flags
+/// is left to gflags.
+std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* source,
+                                  const char* no_launcher = nullptr);
 
 }  // namespace ddp::examples
 

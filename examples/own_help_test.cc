@@ -5,12 +5,19 @@
 
 #include "examples/own_help.h"
 
+#include <fcntl.h>
 #include <gflags/gflags.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -222,6 +229,89 @@ TEST(FlagProblemTest, FlagsOfAnotherProgramsSectionInAFlagfilePass) {
   EXPECT_EQ(Problem({"--flagfile=" + others}), "");
   const std::string ours = WriteFile(dir, "ours", "other_program\n--bogus=1\nown_help_*\n--bogux=2\n");
   EXPECT_EQ(Problem({"--flagfile=" + ours}), ours + ":4: unknown flag --bogux (--help lists the flags)");
+}
+
+// Writes `text` into the FIFO `path` from a thread of its own once a reader
+// has opened it, then closes it; gives up after 30 s without a reader.
+class FifoFeeder {
+ public:
+  FifoFeeder(std::string path, std::string text)
+      : thread_([path = std::move(path), text = std::move(text)] {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          int fd = -1;
+          while ((fd = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+            if (errno != ENXIO || std::chrono::steady_clock::now() >= deadline) {
+              ADD_FAILURE() << path << " was not opened for reading: " << std::strerror(errno);
+              return;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+          EXPECT_EQ(write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size())) << path;
+          close(fd);
+        }) {}
+  ~FifoFeeder() { thread_.join(); }
+  FifoFeeder(const FifoFeeder&) = delete;
+  FifoFeeder& operator=(const FifoFeeder&) = delete;
+
+ private:
+  std::thread thread_;
+};
+
+// A new FIFO `name` in `dir`.
+std::string MakeFifo(const std::string& dir, const std::string& name) {
+  const std::string path = dir + "/" + name;
+  if (mkfifo(path.c_str(), 0600) != 0) ADD_FAILURE() << "mkfifo " << path << ": " << std::strerror(errno);
+  return path;
+}
+
+// A --flagfile that is a FIFO (a shell's <(...)) was left to gflags: its
+// lines were not checked, and a self-launched program's ranks, parsing the
+// same arguments, read the FIFO again and waited on it. Its flags for this
+// program take its place now, checked as those of any file of flags.
+TEST(InlineStreamFlagfilesTest, AFifosFlagsForThisProgramTakeItsPlace) {
+  const std::string dir = TempDir();
+  const std::string fifo = MakeFifo(dir, "fifo");
+  std::vector<std::string> args = {"own_help_test", "--model=mlp", "--flagfile=" + fifo, "--", "--flagfile=x"};
+  {
+    FifoFeeder feeder(fifo, "# quick\n  --zero\nother_program\n--bogus=1\nown_help_*\n--seed=7\n");
+    EXPECT_EQ(InlineStreamFlagfiles(args, kSource), "");
+  }
+  EXPECT_EQ(args, (std::vector<std::string>{"own_help_test", "--model=mlp", "--zero", "--seed=7", "--",
+                                            "--flagfile=x"}));
+  // Beside regular files, which stay, and as a separate argument.
+  const std::string good = WriteFile(dir, "good", "--zero\n");
+  args = {"own_help_test", "--flagfile", good + "," + fifo + "," + good};
+  {
+    FifoFeeder feeder(fifo, "--seed=3");
+    EXPECT_EQ(InlineStreamFlagfiles(args, kSource), "");
+  }
+  EXPECT_EQ(args, (std::vector<std::string>{"own_help_test", "--flagfile=" + good, "--seed=3", "--flagfile=" + good}));
+  // Regular files alone are left as they are.
+  args = {"own_help_test", "--flagfile", good};
+  EXPECT_EQ(InlineStreamFlagfiles(args, kSource), "");
+  EXPECT_EQ(args, (std::vector<std::string>{"own_help_test", "--flagfile", good}));
+  FLAGS_seed = 0;
+  FLAGS_zero = false;
+}
+
+TEST(InlineStreamFlagfilesTest, AFifosLinesAreCheckedNamingItAndTheLine) {
+  const std::string dir = TempDir();
+  const std::string fifo = MakeFifo(dir, "fifo");
+  std::vector<std::string> args = {"own_help_test", "--flagfile=" + fifo};
+  {
+    FifoFeeder feeder(fifo, "--zero\n--modle=cnn\n");
+    EXPECT_EQ(InlineStreamFlagfiles(args, kSource),
+              fifo + ":2: unknown flag --modle; did you mean --model? (--help lists the flags)");
+  }
+  // Named twice: its flags were taken the first time.
+  args = {"own_help_test", "--flagfile=" + fifo + "," + fifo};
+  {
+    FifoFeeder feeder(fifo, "--zero\n");
+    EXPECT_EQ(InlineStreamFlagfiles(args, kSource),
+              "--flagfile=" + fifo + "," + fifo + ": " + fifo +
+                  " was read already (a stream is read once: its flags were taken the first time); name it once");
+  }
+  FLAGS_zero = false;
 }
 
 }  // namespace

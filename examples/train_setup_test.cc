@@ -1,7 +1,8 @@
-// //examples:train's launcher stopped in its setup, before any rank starts:
-// by a signal while it checks the data, or by a refusal of its flags. It
-// leaves no folder it made for --checkpoint or --log_dir, and every folder
-// that was there before.
+// //examples:train's launcher in its setup, before any rank starts. Stopped
+// there, by a signal while it checks the data or by a refusal of its
+// flags, it leaves no folder it made for --checkpoint or --log_dir, and
+// every folder that was there before. A --flagfile that is a FIFO is read
+// there once, checked, and its flags reach the ranks.
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -38,6 +39,17 @@ std::vector<std::string> TinyRun(const std::string& program) {
           "--nproc_per_node=1", "--epochs=1", "--train_samples=64", "--test_samples=16"};
 }
 
+// Opens the FIFO `path` for writing into *writer once `running` has opened
+// it for reading (ENXIO before).
+void OpenOnceRead(const std::string& path, testing::Subprocess& running, int* writer) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while ((*writer = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+    ASSERT_EQ(errno, ENXIO) << path << ": " << std::strerror(errno);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << path << " was never opened:\n" << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the run ended first:\n" << running.Stderr();
+  }
+}
+
 // Ctrl-C while the launcher read the data let it go on to make the folders
 // of --log_dir and --checkpoint, then end by the signal: they were left
 // empty. The program (a test build) is held where CheckSetup starts, past
@@ -53,17 +65,11 @@ TEST(TrainSetupTest, CtrlCWhileTheDataIsCheckedLeavesNoFolderItMade) {
   args.push_back("--log_dir=" + dir + "/logs/run1");
   args.push_back("--checkpoint=" + dir + "/kept/saved/model.ckpt");
   testing::Subprocess running(args, {{"DDP_TRAIN_SETUP_HOLD", hold}});
-  // Opens once the program has the FIFO open for reading (ENXIO before).
   int writer = -1;
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while ((writer = open(hold.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
-    ASSERT_EQ(errno, ENXIO) << hold << ": " << std::strerror(errno);
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the hold was never reached:\n" << running.Stderr();
-    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the run ended first:\n" << running.Stderr();
-  }
+  ASSERT_NO_FATAL_FAILURE(OpenOnceRead(hold, running, &writer));
   running.Signal(SIGINT);
   // Taken (its line is written by the handler) before the program goes on.
-  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (running.Stderr().find("interrupted by Ctrl-C") == std::string::npos) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the signal was not taken:\n" << running.Stderr();
     ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the run ended first:\n" << running.Stderr();
@@ -94,6 +100,52 @@ TEST(TrainSetupTest, ARunRefusedForItsLogDirLeavesNoCheckpointFolder) {
                        "the rows as a stream)\n");
   EXPECT_EQ(Entries(dir), std::vector<std::string>{"logs"});
   EXPECT_EQ(Entries(dir + "/logs"), std::vector<std::string>{"metrics.csv"});
+}
+
+// Writes `text` into the FIFO `path` once `running` has opened it for
+// reading, then closes it.
+void FeedFifo(const std::string& path, const std::string& text, testing::Subprocess& running) {
+  int writer = -1;
+  ASSERT_NO_FATAL_FAILURE(OpenOnceRead(path, running, &writer));
+  EXPECT_EQ(write(writer, text.data(), text.size()), static_cast<ssize_t>(text.size())) << path;
+  close(writer);
+}
+
+// A --flagfile that is a FIFO (a shell's <(...)) was left to gflags, which
+// ignored a misspelt flag in it without a word; its lines are checked now,
+// naming it and the line.
+TEST(TrainSetupTest, AMisspeltFlagInAFifoFlagfileIsNamedWithItsLine) {
+  const std::string dir = testing::MakeTempDir("fifo_flagfile_typo");
+  const std::string fifo = dir + "/flags";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+  std::vector<std::string> args = TinyRun("examples/train");
+  args.push_back("--checkpoint=none");
+  args.push_back("--flagfile=" + fifo);
+  testing::Subprocess running(args);
+  ASSERT_NO_FATAL_FAILURE(FeedFifo(fifo, "--max_steps=1\n--modle=cnn\n", running));
+  ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 2) << running.Stdout() << running.Stderr();
+  EXPECT_EQ(running.Stderr(), "train: " + fifo + ":2: unknown flag --modle; did you mean --model? (--help lists the flags)\n");
+  EXPECT_EQ(running.Stdout(), "");
+}
+
+// The ranks the trainer starts parse its arguments again: with a FIFO as
+// --flagfile they opened it once more and waited for a writer that had
+// gone. They get its flags in its place now (--model=mlp, which the RESULT
+// line shows).
+TEST(TrainSetupTest, TheFlagsOfAFifoFlagfileReachTheRanks) {
+  const std::string dir = testing::MakeTempDir("fifo_flagfile_ranks");
+  const std::string fifo = dir + "/flags";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+  std::vector<std::string> args = TinyRun("examples/train");
+  args.erase(std::find(args.begin(), args.end(), "--model=mlp"));
+  args.push_back("--checkpoint=none");
+  args.push_back("--flagfile=" + fifo);
+  testing::Subprocess running(args);
+  ASSERT_NO_FATAL_FAILURE(FeedFifo(fifo, "--model=mlp\n--max_steps=2\n", running));
+  ASSERT_EQ(running.Wait(std::chrono::seconds(120)), 0) << running.Stdout() << running.Stderr();
+  const std::vector<std::string> lines = testing::Lines(running.Stdout());
+  ASSERT_FALSE(lines.empty()) << running.Stderr();
+  EXPECT_EQ(lines.back().rfind("RESULT model=mlp ranks=1 ", 0), 0u) << running.Stdout();
 }
 
 }  // namespace
