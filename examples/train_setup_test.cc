@@ -4,7 +4,10 @@
 // every folder that was there before. A --flagfile that is a FIFO is read
 // there once, checked, and its flags reach the ranks.
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -100,6 +103,40 @@ TEST(TrainSetupTest, ARunRefusedForItsLogDirLeavesNoCheckpointFolder) {
                        "the rows as a stream)\n");
   EXPECT_EQ(Entries(dir), std::vector<std::string>{"logs"});
   EXPECT_EQ(Entries(dir + "/logs"), std::vector<std::string>{"metrics.csv"});
+}
+
+// A TCP port free now on 127.0.0.1, for a job's rendezvous.
+std::string FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size) != 0) {
+    ADD_FAILURE() << "no free port: " << std::strerror(errno);
+  }
+  close(fd);
+  return std::to_string(ntohs(addr.sin_port));
+}
+
+// The same under a launcher (launch variables set, one rank), where rank 0
+// checks the folders at its setup instead of CheckSetup.
+TEST(TrainSetupTest, ALaunchedRankRefusedForItsLogDirLeavesNoCheckpointFolder) {
+  const std::string dir = testing::MakeTempDir("launched_refused_log_dir");
+  ASSERT_TRUE(std::filesystem::create_directories(dir + "/logs/metrics.csv"));
+  std::vector<std::string> args = TinyRun("examples/train");
+  args.erase(std::find(args.begin(), args.end(), "--nproc_per_node=1"));
+  args.push_back("--log_dir=" + dir + "/logs");
+  args.push_back("--checkpoint=" + dir + "/saved/deeper/model.ckpt");
+  testing::Subprocess rank(args, {{"RANK", "0"},
+                                  {"WORLD_SIZE", "1"},
+                                  {"MASTER_ADDR", "127.0.0.1"},
+                                  {"MASTER_PORT", FreePort()}});
+  ASSERT_EQ(rank.Wait(std::chrono::seconds(120)), 2) << rank.Stdout() << rank.Stderr();
+  EXPECT_NE(rank.Stderr().find("/logs/metrics.csv is a folder, not a regular file"), std::string::npos)
+      << rank.Stderr();
+  EXPECT_EQ(Entries(dir), std::vector<std::string>{"logs"});
 }
 
 // Writes `text` into the FIFO `path` once `running` has opened it for

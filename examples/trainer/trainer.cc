@@ -869,9 +869,11 @@ void Run::Setup() {
   // rank stops with its answer, instead of rank 0 alone at the first save.
   std::string refused;
   if (lead_) {
+    // A refusal leaves none of the folders made here (see CheckSetup).
+    std::vector<std::string> made;
     try {
       CheckCheckpointIsAFile(c_);
-      CheckOutputFolders(c_);
+      CheckOutputFolders(c_, &made);
       if (!c_.checkpoint.empty()) checkpoint_claim_ = CheckpointClaim(c_.checkpoint);
       if (!c_.log_dir.empty()) {
         log_ = std::make_unique<MetricsLog>(
@@ -882,6 +884,7 @@ void Run::Setup() {
       }
     } catch (const std::exception& e) {
       refused = e.what();
+      RemoveFoldersMade(made);
     }
   }
   refused = par_.ShareFromLead(std::move(refused));
