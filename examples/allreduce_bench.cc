@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
   if (!launch::HasLaunchVariables(launch::CurrentEnvironment())) {
     ddp::examples::WatchSetupSignals("allreduce_bench");
   }
-  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/allreduce_bench");
+  if (const std::string problem = ddp::examples::CommandLineProblem(&argc, &argv, "examples/allreduce_bench");
       !problem.empty()) {
     ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
     std::fprintf(stderr, "allreduce_bench: %s\n", problem.c_str());

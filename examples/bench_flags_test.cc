@@ -221,6 +221,54 @@ TEST(BenchLaunchTest, AWrongFlagIsRefusedOnceBeforeAnyRankStarts) {
   }
 }
 
+// Opens the FIFO `path` for writing into *writer once `running` has opened
+// it for reading (ENXIO before).
+void OpenOnceRead(const std::string& path, testing::Subprocess& running, int* writer) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while ((*writer = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+    ASSERT_EQ(errno, ENXIO) << path << ": " << std::strerror(errno);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << path << " was never opened:\n" << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "it ended first:\n" << running.Stderr();
+  }
+}
+
+// ddp_bench with --nproc_per_node=1 and `fifo` as --flagfile, once `text`
+// was written into it.
+testing::RunOutput DdpBenchWithFifoFlagfile(const std::string& fifo, const std::string& text) {
+  testing::Subprocess running({testing::Runfile("examples/ddp_bench"), "--nproc_per_node=1", "--flagfile=" + fifo});
+  int writer = -1;
+  OpenOnceRead(fifo, running, &writer);
+  if (writer >= 0) {
+    EXPECT_EQ(::write(writer, text.data(), text.size()), static_cast<ssize_t>(text.size())) << fifo;
+    ::close(writer);
+  }
+  testing::RunOutput r;
+  r.exit_code = running.Wait(std::chrono::seconds(120));
+  r.out = running.Stdout();
+  r.err = running.Stderr();
+  return r;
+}
+
+// A --flagfile that is a FIFO (a shell's <(...)) was left to gflags, which
+// ignored a misspelt flag in it without a word, and the ranks, parsing the
+// same arguments, opened the FIFO again and waited on it for good. Its
+// lines are checked now, naming it and the line, and its flags reach the
+// ranks in its place.
+TEST(BenchFlagsTest, AFifoFlagfileIsCheckedAndItsFlagsReachTheRanks) {
+  const std::string dir = testing::MakeTempDir("bench_fifo_flagfile");
+  const std::string fifo = dir + "/flags";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+  const testing::RunOutput typo = DdpBenchWithFifoFlagfile(fifo, "--steps=1\n--modle=mlp\n");
+  EXPECT_EQ(typo.exit_code, 2) << typo.out << typo.err;
+  EXPECT_EQ(typo.err, "ddp_bench: " + fifo + ":2: unknown flag --modle; did you mean --model? (--help lists the flags)\n");
+  EXPECT_EQ(typo.out, "");
+  const testing::RunOutput good = DdpBenchWithFifoFlagfile(fifo, "--model=mlp\n--steps=3\n--eval=false\n");
+  ASSERT_EQ(good.exit_code, 0) << good.out << good.err;
+  const std::vector<std::string> lines = testing::Lines(good.out);
+  ASSERT_EQ(lines.size(), 1u) << good.out;
+  EXPECT_EQ(Fields(lines[0])[0], "mlp") << lines[0];
+}
+
 // Ctrl-C while the process that starts the ranks checks the flags ended it
 // without a word. Held in that check by a --flagfile that is a FIFO (the
 // check's parse waits in its read until this end is closed), it now says
@@ -234,15 +282,8 @@ TEST(BenchLaunchTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
     ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
     testing::Subprocess running(
         {testing::Runfile("examples/" + program), "--flagfile=" + fifo, "--nproc_per_node=1"});
-    // Opens once the program has the FIFO open for reading (ENXIO before).
     int writer = -1;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while ((writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
-      ASSERT_EQ(errno, ENXIO) << fifo << ": " << std::strerror(errno);
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the --flagfile was never opened:\n"
-                                                            << running.Stderr();
-      ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "it ended first:\n" << running.Stderr();
-    }
+    ASSERT_NO_FATAL_FAILURE(OpenOnceRead(fifo, running, &writer));
     running.Signal(SIGINT);
     ::close(writer);  // an empty file of flags
     ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();

@@ -384,7 +384,7 @@ int main(int argc, char** argv) {
   // the data is said in one line (it ended without a word), as train says it.
   namespace launch = ddp::transport::launch;
   if (!launch::HasLaunchVariables(launch::CurrentEnvironment())) ddp::examples::WatchSetupSignals("ddp_bench");
-  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/ddp_bench"); !problem.empty()) {
+  if (const std::string problem = ddp::examples::CommandLineProblem(&argc, &argv, "examples/ddp_bench"); !problem.empty()) {
     ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
     std::fprintf(stderr, "ddp_bench: %s\n", problem.c_str());
     return 2;

@@ -226,7 +226,7 @@ int main(int argc, char** argv) {
   // A misspelt flag or a value of the wrong type, in one line that names
   // the nearest flag (gflags' own message names no program and exits 1),
   // as train and the benchmarks say it; every rank under another launcher.
-  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/ddp_hello");
+  if (const std::string problem = ddp::examples::CommandLineProblem(&argc, &argv, "examples/ddp_hello");
       !problem.empty()) {
     ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
     std::fprintf(stderr, "ddp_hello: %s\n", problem.c_str());

@@ -178,8 +178,8 @@ int main(int argc, char** argv) {
   // It times one process and starts no ranks: --nproc_per_node, which the
   // other benchmarks take, is refused by name, on the command line or in a
   // --flagfile; gflags' "unknown command line flag" exited 1.
-  if (const std::string problem = ddp::examples::FlagProblem(
-          argc, argv, "examples/nn_bench", "nn_bench runs one process; drop the flag (ddp_bench runs several ranks)");
+  if (const std::string problem = ddp::examples::CommandLineProblem(
+          &argc, &argv, "examples/nn_bench", "nn_bench runs one process; drop the flag (ddp_bench runs several ranks)");
       !problem.empty()) {
     std::fprintf(stderr, "nn_bench: %s\n", problem.c_str());
     return 2;

@@ -584,6 +584,22 @@ std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* so
   return "";
 }
 
+std::string CommandLineProblem(int* argc, char*** argv, const char* source, const char* no_launcher) {
+  // gflags keeps pointers into argv (its --helpfull lists argv[0]), and a
+  // self-launching program hands it to its ranks: both live as long as
+  // the process.
+  static std::vector<std::string> args;
+  static std::vector<char*> pointers;
+  args.assign(*argv, *argv + *argc);
+  std::string problem = InlineStreamFlagfiles(args, source, no_launcher);
+  pointers.clear();
+  for (std::string& a : args) pointers.push_back(a.data());
+  pointers.push_back(nullptr);
+  *argc = static_cast<int>(args.size());
+  *argv = pointers.data();
+  return problem.empty() ? FlagProblem(*argc, *argv, source, no_launcher) : problem;
+}
+
 bool ShowOwnHelpIfAsked(int argc, char** argv, const char* source) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];

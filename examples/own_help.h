@@ -65,6 +65,13 @@ std::string FlagProblem(int argc, char** argv, const char* source, const char* n
 std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* source,
                                   const char* no_launcher = nullptr);
 
+/// InlineStreamFlagfiles on main's `argc` and `argv`, which then give the
+/// result (kept until the process ends), then FlagProblem on them: the
+/// first problem found, or "". Called once, before gflags parses (and
+/// after WatchSetupSignals where the program calls it: a stream may take
+/// its time).
+std::string CommandLineProblem(int* argc, char*** argv, const char* source, const char* no_launcher = nullptr);
+
 }  // namespace ddp::examples
 
 #endif  // DDP_EXAMPLES_OWN_HELP_H_

@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
   // gflags' --help lists the flags of every linked library and exits 1:
   // this program's flags instead.
   if (ddp::examples::ShowOwnHelpIfAsked(argc, argv, "examples/scaling_bench")) return 0;
-  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/scaling_bench");
+  if (const std::string problem = ddp::examples::CommandLineProblem(&argc, &argv, "examples/scaling_bench");
       !problem.empty()) {
     std::fprintf(stderr, "scaling_bench: %s\n", problem.c_str());
     return 2;

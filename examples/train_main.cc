@@ -559,29 +559,19 @@ int main(int argc, char** argv) {
   // A rank's own setup is short; its signals are watched from before it
   // starts a thread (WatchStopSignals).
   if (!is_worker) ddp::examples::WatchSetupSignals(kProgram);
-  // A --flagfile that is a stream (a FIFO, <(...), /dev/stdin) can be read
-  // once: its flags take its place, for gflags and for the ranks.
-  std::vector<std::string> given(argv, argv + argc);
-  if (const std::string problem = ddp::examples::InlineStreamFlagfiles(given, "examples/train_main");
-      !problem.empty()) {
-    Fail(2, 0, 1, problem);
-  }
-  std::vector<char*> given_argv;
-  for (std::string& a : given) given_argv.push_back(a.data());
-  given_argv.push_back(nullptr);
-  argc = static_cast<int>(given.size());
-  argv = given_argv.data();
-  // SelfLaunch re-executes this program with the arguments as given, so keep
-  // them before gflags reorders them.
-  std::vector<std::string> original(argv, argv + argc);
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "-h") == 0) argv[i] = const_cast<char*>("--help");
   }
   gflags::SetUsageMessage("trains an image classifier data-parallel; see --help");
-  if (const std::string problem = ddp::examples::FlagProblem(argc, argv, "examples/train_main");
+  // A --flagfile that is a stream (a FIFO, <(...), /dev/stdin) can be read
+  // once: its flags take its place here, for gflags and for the ranks.
+  if (const std::string problem = ddp::examples::CommandLineProblem(&argc, &argv, "examples/train_main");
       !problem.empty()) {
     Fail(2, 0, 1, problem);
   }
+  // SelfLaunch re-executes this program with these arguments, so keep them
+  // before gflags reorders them.
+  std::vector<std::string> original(argv, argv + argc);
   gflags::ParseCommandLineNonHelpFlags(&argc, &argv, /*remove_flags=*/true);
   if (FLAGS_help || FLAGS_helpshort) {
     PrintHelp();
