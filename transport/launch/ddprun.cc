@@ -238,12 +238,41 @@ StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& text) {
 
 // torchrun's flags, which take their default from PET_<FLAG> (torchrun's
 // `env` action: the name upper-cased) when not on the command line. The
-// switches (torchrun's `check_env`) take 0 or 1. ddprun's own flags
-// (--rdzv_timeout, --grace_period, ...) have no such variable.
+// switches (torchrun's `check_env`) take an integer, 0 for off (see
+// ParseSwitchValue). ddprun's own flags (--rdzv_timeout, --grace_period,
+// ...) have no such variable.
 struct PetFlag {
   const char* name;
   bool is_switch;
 };
+
+// A PET_ switch's value read as torchrun's check_env reads it,
+// bool(int(value)): Python's int() takes an optional sign and decimal
+// digits, single underscores between digits, and whitespace around them
+// ("1", "2", "-1", "007", "1_0", " 1\n"); any nonzero value is on. Returns
+// whether the switch is on; nullopt for anything int() refuses ("yes",
+// "true", "1.0", "0x1"), which torchrun fails on.
+std::optional<bool> ParseSwitchValue(std::string_view text) {
+  // Python's whitespace among the ASCII characters: \t\n\v\f\r, the
+  // file/group/record/unit separators \x1c-\x1f, and the space.
+  auto is_space = [](char c) { return (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= ' '); };
+  while (!text.empty() && is_space(text.front())) text.remove_prefix(1);
+  while (!text.empty() && is_space(text.back())) text.remove_suffix(1);
+  if (!text.empty() && (text.front() == '+' || text.front() == '-')) text.remove_prefix(1);
+  if (text.empty()) return std::nullopt;
+  bool nonzero = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '_') {
+      // Only between two digits.
+      if (i == 0 || i + 1 == text.size() || text[i - 1] == '_') return std::nullopt;
+      continue;
+    }
+    if (c < '0' || c > '9') return std::nullopt;
+    nonzero = nonzero || c != '0';
+  }
+  return nonzero;
+}
 constexpr PetFlag kPetFlags[] = {
     {"nproc_per_node", false}, {"nnodes", false},      {"node_rank", false},
     {"master_addr", false},    {"master_port", false}, {"rdzv_endpoint", false},
@@ -310,7 +339,8 @@ Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<s
     auto it = env.find(variable(flag));
     return it == env.end() ? "" : it->second;
   };
-  const bool standalone = given.count("standalone") > 0 || value_of("standalone") == "1";
+  const bool standalone =
+      given.count("standalone") > 0 || ParseSwitchValue(value_of("standalone")).value_or(false);
   const bool endpoint_from_env = !standalone && !value_of("rdzv_endpoint").empty() &&
                                  given.count("rdzv_endpoint") == 0 && given.count("master_addr") == 0 &&
                                  given.count("master_port") == 0;
@@ -326,10 +356,12 @@ Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<s
     const std::string shown = variable(name) + "='" + value + "'";
     std::string arg = "--" + name + "=" + value;
     if (flag.is_switch) {
-      if (value != "0" && value != "1") {
-        return InvalidArgumentError(shown + " (from the environment): expected 0 or 1");
+      const std::optional<bool> on = ParseSwitchValue(value);
+      if (!on) {
+        return InvalidArgumentError(shown + " (from the environment): expected an integer, as torchrun "
+                                            "reads it (0: off, any other: on)");
       }
-      if (value == "0") continue;
+      if (!*on) continue;
       arg = "--" + name;
     }
     used.push_back(shown);

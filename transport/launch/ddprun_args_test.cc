@@ -648,7 +648,7 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
   EXPECT_EQ(o->master_addr, "mine");
   EXPECT_EQ(o->master_port, 23456);
 
-  // torchrun's switches take 0 or 1.
+  // torchrun's switches take 0 or 1 (and any integer: see below).
   o = Parse({"train"}, {{"PET_STANDALONE", "1"}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_TRUE(o->standalone);
@@ -672,7 +672,9 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
   // A bad value names the variable.
   ExpectRefused({"train"}, "PET_NNODES='two' (from the environment): --nnodes=two is not an integer",
                 {{"PET_NNODES", "two"}});
-  ExpectRefused({"train"}, "PET_STANDALONE='yes' (from the environment): expected 0 or 1",
+  ExpectRefused({"train"},
+                "PET_STANDALONE='yes' (from the environment): expected an integer, as torchrun reads it "
+                "(0: off, any other: on)",
                 {{"PET_STANDALONE", "yes"}});
   ExpectRefused({"train"},
                 "PET_RDZV_BACKEND='etcd' (from the environment): --rdzv_backend=etcd is not supported; use "
@@ -683,6 +685,34 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
                 "--node_rank=4 is not below --nnodes=4 (taken from the environment: PET_NNODES='4', "
                 "PET_NODE_RANK='4', PET_MASTER_ADDR='h')",
                 {{"PET_NNODES", "4"}, {"PET_NODE_RANK", "4"}, {"PET_MASTER_ADDR", "h"}, {"DDP_JOB_TOKEN", "t"}});
+}
+
+// torchrun reads a PET_ switch as bool(int(value)): any integer Python's
+// int() takes, nonzero for on. Only 0 and 1 were taken ("2" and "00" were
+// refused); what int() refuses still is, naming the variable and value.
+TEST(DdprunArgsTest, PetSwitchesTakeAnyIntegerAsTorchrun) {
+  for (const char* on : {"1", "2", "-1", "+1", "007", "1_0", " 1", "1\n", "\t10 "}) {
+    StatusOr<DdprunOptions> o = Parse({"train"}, {{"PET_STANDALONE", on}});
+    ASSERT_TRUE(o.ok()) << "PET_STANDALONE='" << on << "': " << o.status();
+    EXPECT_TRUE(o->standalone) << "PET_STANDALONE='" << on << "'";
+    EXPECT_EQ(o->master_port, 0) << "PET_STANDALONE='" << on << "'";
+  }
+  for (const char* off : {"0", "00", "-0", "+0", "0_0", " 0 "}) {
+    StatusOr<DdprunOptions> o = Parse({"train"}, {{"PET_STANDALONE", off}});
+    ASSERT_TRUE(o.ok()) << "PET_STANDALONE='" << off << "': " << o.status();
+    EXPECT_FALSE(o->standalone) << "PET_STANDALONE='" << off << "'";
+  }
+  // Every switch reads its value the same way.
+  StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=2", "train"}, {{"PET_VIRTUAL_LOCAL_RANK", "2"},
+                                                                     {"PET_NO_PYTHON", "00"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->virtual_devices, (std::vector<std::string>{"0", "1"}));
+  for (const char* bad : {"true", "yes", "on", "1.0", "0x1", "1e0", "_1", "1_", "1__0", "+", "1 0", "--1"}) {
+    ExpectRefused({"train"},
+                  std::string("PET_NO_PYTHON='") + bad +
+                      "' (from the environment): expected an integer, as torchrun reads it (0: off, any other: on)",
+                  {{"PET_NO_PYTHON", bad}});
+  }
 }
 
 // torchrun's --shutdown_timeout is --grace_period; PET_SHUTDOWN_TIMEOUT and
