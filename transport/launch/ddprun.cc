@@ -119,13 +119,15 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --node_rank=R        this node, in [0, nnodes) (default 0)
   --master_addr=ADDR   address of node 0, where the store listens
                        (required with several nodes; default 127.0.0.1;
-                       an IPv6 address bare or in brackets: [::1])
-  --master_port=PORT   port of the store (default 29500; 0: any free port)
+                       an IPv6 address bare or in brackets: [::1]);
+                       static backend only, as torchrun's
+  --master_port=PORT   port of the store (default 29500; 0: any free port);
+                       static backend only, as torchrun's
   --rdzv_endpoint=HOST[:PORT]
                        torchrun's spelling of --master_addr and --master_port,
                        and, as under torchrun, wins over them (default port
                        29400, as torchrun's; port 0, any free port, on one
-                       node only)
+                       node only); with c10d and none, localhost:29400
   --rdzv_backend=B     static (default): every node gives --node_rank;
                        c10d: no --node_rank, the launcher that can listen on
                        the endpoint serves the store and is node 0, the
@@ -326,9 +328,11 @@ using FlagNames = std::set<std::string, std::less<>>;
 // `used` ("PET_NNODES='4'"). An empty variable counts as unset. As under
 // torchrun, an endpoint (--rdzv_endpoint or PET_RDZV_ENDPOINT) is used
 // over PET_MASTER_ADDR and PET_MASTER_PORT, --master_addr or --master_port
-// over PET_RDZV_ENDPOINT, and --standalone over all three. A bad value is
-// refused naming the variable.
-Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<std::string>& used,
+// over PET_RDZV_ENDPOINT with the static backend, and --standalone over all
+// three. `backend` is the command line's --rdzv_backend, if given. A bad
+// value is refused naming the variable.
+Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, const std::string& backend,
+                        std::vector<std::string>& used,
                         const std::function<Status(const std::string&)>& parse) {
   auto variable = [&](std::string_view flag) {
     std::string name = "PET_";
@@ -341,9 +345,12 @@ Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<s
   };
   const bool standalone =
       given.count("standalone") > 0 || ParseSwitchValue(value_of("standalone")).value_or(false);
-  const bool endpoint_from_env = !standalone && !value_of("rdzv_endpoint").empty() &&
-                                 given.count("rdzv_endpoint") == 0 && given.count("master_addr") == 0 &&
-                                 given.count("master_port") == 0;
+  // c10d ignores --master_addr and --master_port (as torchrun's), so they
+  // do not hold back the environment's endpoint there.
+  const bool c10d = (given.count("rdzv_backend") > 0 ? backend : value_of("rdzv_backend")) == "c10d";
+  const bool endpoint_from_env =
+      !standalone && !value_of("rdzv_endpoint").empty() && given.count("rdzv_endpoint") == 0 &&
+      (c10d || (given.count("master_addr") == 0 && given.count("master_port") == 0));
   for (const PetFlag& flag : kPetFlags) {
     const std::string name = flag.name;
     const std::string value = value_of(name);
@@ -816,7 +823,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   };
   DDP_ASSIGN_OR_RETURN(const int program_at, parse_flags(argc, argv, /*on_command_line=*/true));
   if (program_at < 0) return o;
-  DDP_RETURN_IF_ERROR(ApplyPetDefaults(env, given, from_env, [&](const std::string& flag) {
+  DDP_RETURN_IF_ERROR(ApplyPetDefaults(env, given, o.rdzv_backend, from_env, [&](const std::string& flag) {
     const char* const args[] = {"ddprun", flag.c_str()};
     return parse_flags(2, args, /*on_command_line=*/false).status();
   }));
@@ -840,6 +847,21 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
     }
     o.master_addr = endpoint_addr;
     o.master_port = endpoint_port;
+  } else if (o.rdzv_backend == "c10d" && !o.standalone) {
+    // torchrun reads --master_addr and --master_port for the static backend
+    // only (get_rdzv_endpoint); c10d's empty endpoint is localhost on its
+    // default port. Launchers that followed torchrun's defaults on one host
+    // met at 29400 there and missed ddprun's 127.0.0.1:29500.
+    if (addr_given || port_given) {
+      o.notes.push_back(std::string(addr_given && port_given ? "--master_addr and --master_port are"
+                                    : addr_given             ? "--master_addr is"
+                                                             : "--master_port is") +
+                        " ignored with --rdzv_backend=c10d, as under torchrun: give the store as "
+                        "--rdzv_endpoint=HOST:PORT (without one it is at localhost:" +
+                        std::to_string(kDefaultRdzvPort) + ")");
+    }
+    o.master_addr = "localhost";
+    o.master_port = kDefaultRdzvPort;
   }
   // torchrun's --standalone replaces --rdzv_id too, with a run id of its
   // own (a uuid4) for every run; here the run's DDP_RUN_ID, made in RunJob.

@@ -134,6 +134,50 @@ TEST(DdprunArgsTest, AStartOfHelpIsHelp) {
                 "--help)");
 }
 
+// torchrun's c10d rendezvous with no --rdzv_endpoint is at localhost:29400
+// and ignores --master_addr and --master_port (and their PET_ variables),
+// which are the static backend's. ddprun used them, 127.0.0.1:29500 by
+// default; the static backend keeps them.
+TEST(DdprunArgsTest, C10dWithoutAnEndpointIsAtLocalhost29400AsTorchrun) {
+  StatusOr<DdprunOptions> o = Parse({"--rdzv_backend=c10d", "--nnodes=1:2", "p"}, {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "localhost");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_TRUE(o->notes.empty());
+  o = Parse({"--rdzv_backend=c10d", "--master_addr=10.0.0.9", "--master_port=1234", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "localhost");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_EQ(o->notes, std::vector<std::string>{"--master_addr and --master_port are ignored with "
+                                               "--rdzv_backend=c10d, as under torchrun: give the store as "
+                                               "--rdzv_endpoint=HOST:PORT (without one it is at "
+                                               "localhost:29400)"});
+  o = Parse({"p"}, {{"PET_RDZV_BACKEND", "c10d"}, {"PET_MASTER_PORT", "1234"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "localhost");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_EQ(o->notes.size(), 1u);
+  // An endpoint without a port is on 29400 too; --standalone is still on
+  // 127.0.0.1 with a free port.
+  o = Parse({"--rdzv_backend=c10d", "--rdzv_endpoint=head", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "head");
+  EXPECT_EQ(o->master_port, 29400);
+  o = Parse({"--rdzv_backend=c10d", "--standalone", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  EXPECT_EQ(o->master_port, 0);
+  // The static backend still reads them.
+  o = Parse({"--rdzv_backend=static", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  EXPECT_EQ(o->master_port, 29500);
+  o = Parse({"--master_addr=10.0.0.9", "--master_port=1234", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "10.0.0.9");
+  EXPECT_EQ(o->master_port, 1234);
+}
+
 TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   // torchrun's usual multi-node line: no --node_rank with c10d.
   StatusOr<DdprunOptions> o =
@@ -256,7 +300,7 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--rdzv_endpoint=[fe80::1", "p"}, "--rdzv_endpoint=[fe80::1: no ']' after the IPv6 address");
   ExpectRefused({"--rdzv_endpoint=:80", "p"}, "--rdzv_endpoint=:80: no host");
   ExpectRefused({"--rdzv_id=a b", "p"}, "--rdzv_id=a b must be non-empty without spaces");
-  ExpectRefused({"--nnodes=2", "--rdzv_backend=c10d", "--master_addr=::0", "p"},
+  ExpectRefused({"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=[::0]:5", "p"},
                 "the store's address ::0 is a wildcard address; with --rdzv_backend=c10d it must be "
                 "the address of one node, which then serves the store",
                 {{"DDP_JOB_TOKEN", "t"}});
@@ -643,10 +687,20 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "other");
   EXPECT_EQ(o->master_port, 1);
-  o = Parse({"--master_addr=mine", "train"}, elastic);
+  // With the static backend, --master_addr wins over PET_RDZV_ENDPOINT;
+  // c10d ignores --master_addr, as torchrun's, and takes the endpoint.
+  EnvMap endpoint_set = kubeflow;
+  endpoint_set["PET_RDZV_ENDPOINT"] = "rdzv:29400";
+  o = Parse({"--master_addr=mine", "train"}, endpoint_set);
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "mine");
   EXPECT_EQ(o->master_port, 23456);
+  o = Parse({"--master_addr=mine", "train"}, elastic);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "rdzv");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_THAT(o->notes, ::testing::Contains("--master_addr is ignored: --rdzv_endpoint=rdzv:29400 names the "
+                                             "store, as under torchrun"));
 
   // torchrun's switches take 0 or 1 (and any integer: see below).
   o = Parse({"train"}, {{"PET_STANDALONE", "1"}});
