@@ -148,13 +148,17 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        of its own (overrides --rdzv_endpoint and --rdzv_id,
                        as under torchrun)
   --max_restarts=K     restart the whole job up to K times after a failure
-  --log_dir=DIR        write each worker's output to
-                       DIR/<rdzv_id>_<random>/attempt_K/rank_R.log (a folder
-                       of its own per run, as torchrun; printed at start)
-  --tee                with --log_dir, also write it to the terminal
-                       (torchrun's --tee=3; --tee=0 and --redirects=3 accepted,
-                       and torchrun's -t CODE and -r CODE for them); without
-                       --log_dir, --tee or --redirects=3 log into a fresh
+  --log_dir=DIR        keep this run's files in DIR/<rdzv_id>_<random>/ (a
+                       folder of its own per run, as torchrun; printed at
+                       start): attempt_K/rank_R.error.json, and with --tee
+                       or --redirects each worker's output in
+                       attempt_K/rank_R.log; the output still goes to the
+                       terminal, as torchrun's
+  --tee                write each worker's output to its log file and to the
+                       terminal (torchrun's -t 3; -t 0 accepted)
+  --redirects=3        write each worker's output to its log file only
+                       (torchrun's -r 3; -r 0 accepted); without --log_dir,
+                       --tee and --redirects log into a fresh
                        $TMPDIR/torchelastic_XXXXXX, as torchrun
   --no_prefix          do not start terminal lines with "[rank] " (or with
                        torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
@@ -395,7 +399,6 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   std::optional<milliseconds> keep_alive_interval;
   std::optional<int> keep_alive_attempts;
   bool token_given = false;
-  bool redirects = false;
   // --grace_period or torchrun's --shutdown_timeout (or PET_SHUTDOWN_TIMEOUT)
   // was given: TORCH_ELASTIC_SHUTDOWN_TIMEOUT then does not count.
   bool grace_given = false;
@@ -730,8 +733,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "tee" || name == "redirects") {
         // torchrun's stream codes: 0 none, 1 stdout, 2 stderr, 3 both, as
         // --tee=3 or --tee 3. ddprun keeps a worker's two streams together,
-        // so only 0 and 3 mean anything here. A bare --tee is --tee=3;
-        // --redirects=3 is what --log_dir does anyway.
+        // so only 0 and 3 mean anything here. A bare --tee is --tee=3.
         // The next argument is the value when it looks like one: a code
         // (`--tee 3`) or a per-rank map (`-r 0:3,1:2`), so that a value
         // ddprun does not take is refused as such instead of being run as
@@ -749,7 +751,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                                       "are not supported");
         }
         if (name == "tee") o.tee = code != "0";
-        if (name == "redirects") redirects = code == "3";
+        if (name == "redirects") o.redirects = code == "3";
       } else if (name == "local_ranks_filter") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
         o.local_ranks_filter.clear();
@@ -785,7 +787,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         return InvalidArgumentError(Flag(name, filters) +
                                     " is not supported: ddprun copies no matching lines to a file of their "
                                     "own (a worker's stdout and stderr go together to the terminal and, with "
-                                    "--log_dir or --tee, to its rank_R.log, which grep can filter)");
+                                    "--tee or --redirects, to its rank_R.log, which grep can filter)");
       } else if (name == "virtual_local_rank") {
         DDP_RETURN_IF_ERROR(no_value());
         virtual_local_rank = true;
@@ -984,7 +986,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   }
   // torchrun's --tee 3 or --redirects 3 without --log_dir (torchtitan's and
   // torchchat's launch lines) log into a temporary folder of their own.
-  o.temp_log_dir = o.log_dir.empty() && (o.tee || redirects);
+  o.temp_log_dir = o.log_dir.empty() && (o.tee || o.redirects);
   if (virtual_local_rank) {
     // As torchrun: each worker sees one device, as device 0 with
     // LOCAL_RANK=0: the local rank's entry of CUDA_VISIBLE_DEVICES, or the
@@ -2163,7 +2165,10 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       Say(run_dir.status().message());
       return 2;
     }
-    Say("this run's logs: " + *run_dir + "/attempt_K/rank_R.log");
+    // As torchrun's: the workers' output goes to files with --tee or
+    // --redirects only; the folder always gets their error files.
+    Say(o.tee || o.redirects ? "this run's logs: " + *run_dir + "/attempt_K/rank_R.log"
+                             : "this run's error files: " + *run_dir + "/attempt_K/rank_R.error.json");
     o.log_dir = *run_dir;  // from here on, the folder the workers' logs go to
   }
   std::string token = o.job_token;
@@ -2303,8 +2308,8 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   // lost with a worker that was killed. Under torchrun (no --tee) the
   // workers write to the terminal itself, line by line; PYTHONUNBUFFERED=1
   // keeps that, unless the launcher's environment says otherwise.
-  const bool output_piped = (o.prefix && o.nproc_per_node > 1) || !o.log_dir.empty() ||
-                            !o.local_ranks_filter.empty();
+  const bool log_files = o.tee || o.redirects;
+  const bool output_piped = (o.prefix && o.nproc_per_node > 1) || log_files || !o.local_ranks_filter.empty();
   const bool python_unbuffered_default = output_piped && std::getenv("PYTHONUNBUFFERED") == nullptr;
   const int max_nodes = o.nnodes;
   // Node 0 ends a c10d job instead of forming round `round`: the launchers
@@ -2620,7 +2625,10 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     // shell's job.
     spawn.share_terminal = true;
     spawn.on_notice = [&o](const std::string& line) { Say("node " + std::to_string(o.node_rank) + ": " + line); };
-    spawn.output.to_terminal = o.log_dir.empty() || o.tee;
+    // torchrun's --log_dir alone keeps the terminal; -r 3 sends the output
+    // to the files instead, -t 3 to both.
+    spawn.output.to_terminal = !o.redirects || o.tee;
+    spawn.output.log_files = log_files;
     spawn.output.prefix = o.prefix && o.nproc_per_node > 1;
     for (int local : o.local_ranks_filter) {
       spawn.output.terminal_ranks.push_back(first_rank + local);
@@ -2679,7 +2687,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     if (result.output_dropped > 0) {
       Say("dropped " + std::to_string(result.output_dropped) +
           " bytes of worker output: this launcher's stdout or stderr took nothing for 2 s" +
-          (o.log_dir.empty() ? "" : " (the log files have it all)"));
+          (log_files ? " (the log files have it all)" : ""));
     }
     for (const std::string& line : result.log_failures) Say(line);
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {

@@ -83,8 +83,11 @@ struct DdprunOptions {
   int master_port = kDefaultMasterPort;
   bool standalone = false;       ///< One node, 127.0.0.1, a free port.
   int max_restarts = 0;
-  std::string log_dir;           ///< Per-rank log files under attempt_<k>/.
-  bool tee = false;              ///< With log_dir: also write to the terminal.
+  /// This run's folder goes under it: the workers' error files, and with
+  /// tee or redirects their log files, under attempt_<k>/.
+  std::string log_dir;
+  bool tee = false;              ///< -t 3: log files and the terminal.
+  bool redirects = false;        ///< -r 3: log files only (tee wins).
   /// --tee or --redirects without --log_dir: as torchrun, the logs go to a
   /// fresh $TMPDIR/torchelastic_XXXXXX (RunDdprun makes it and names it).
   bool temp_log_dir = false;

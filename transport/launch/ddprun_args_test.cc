@@ -510,6 +510,7 @@ TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
   StatusOr<DdprunOptions> o = Parse({"--log_dir=/tmp/x", "-r", "3", "-t", "3", "./prog", "-t", "3"});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_TRUE(o->tee);
+  EXPECT_TRUE(o->redirects);
   EXPECT_EQ(o->command, (std::vector<std::string>{"./prog", "-t", "3"}));
   o = Parse({"--log_dir=/tmp/x", "-r3", "-t3", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
@@ -518,6 +519,7 @@ TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
   o = Parse({"--log_dir=/tmp/x", "-t=0", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_FALSE(o->tee);
+  EXPECT_FALSE(o->redirects);
   o = Parse({"--log_dir=/tmp/x", "-t", "./prog"});  // bare, as --tee: 3
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_TRUE(o->tee);

@@ -723,7 +723,7 @@ TEST(DdprunTest, SigkillRightAfterTheFirstWorkerStartedTakesItsChildrenToo) {
 
 TEST(DdprunTest, PerRankLogFilesAndTee) {
   const std::string dir = testing::MakeTempDir("ddprun_logs");
-  auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--log_dir=" + dir},
+  auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--log_dir=" + dir, "--redirects=3"},
                             {"--print_env"}));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, Not(HasSubstr("rank 0 done")));  // files only
@@ -746,6 +746,24 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
   EXPECT_THAT(ReadFile(RunDir(tee_dir) + "/attempt_0/rank_1.log"), HasSubstr("rank 1 done\n"));
 }
 
+// As torchrun's, --log_dir alone keeps the workers' output on the terminal
+// and writes no log files (they take -r 3 or -t 3); the run's folder holds
+// the error files (AFailedWorkersErrorFileIsReportedAndKeptWithTheLogs).
+// The output went to the files only, and the terminal showed nothing.
+TEST(DdprunTest, LogDirAloneKeepsTheTerminalAsTorchrun) {
+  const std::string dir = testing::MakeTempDir("ddprun_log_dir_alone");
+  const auto run = RunProgram(Cmd({"--standalone", "--nproc_per_node=2", "--log_dir=" + dir}, {"--print_env"}));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[0] rank 0 done\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done\n"));
+  const std::string run_dir = RunDir(dir);
+  EXPECT_THAT(run.output,
+              HasSubstr("ddprun: this run's error files: " + run_dir + "/attempt_K/rank_R.error.json\n"));
+  for (const char* log : {"/attempt_0/rank_0.log", "/attempt_0/rank_1.log"}) {
+    EXPECT_NE(access((run_dir + log).c_str(), F_OK), 0) << run_dir + log;
+  }
+}
+
 // As torchrun's <log_dir>/<run_id>_<random>/: a second run with the same
 // --log_dir writes a folder of its own and leaves the first run's logs and
 // error files as they were. The folder is named after --rdzv_id; with
@@ -759,7 +777,8 @@ TEST(DdprunTest, EachRunKeepsItsLogsInAFolderOfItsOwn) {
     const std::string dir = testing::MakeTempDir(standalone ? "ddprun_two_standalone_runs" : "ddprun_two_runs");
     auto launch = [&](const std::string& which) {
       return RunProgram({Ddprun(), standalone ? "--standalone" : "--master_port=0", "--nproc_per_node=2",
-                         "--rdzv_id=job7", "--log_dir=" + dir, "/bin/sh", "-c", script, which});
+                         "--rdzv_id=job7", "--log_dir=" + dir, "--redirects=3", "/bin/sh", "-c", script,
+                         which});
     };
     auto run = launch("first");
     EXPECT_NE(run.exit_code, 0) << run.output;
@@ -869,7 +888,7 @@ TEST(DdprunTest, TheLaunchersOwnErrorFileGetsTheLastAttemptsCause) {
       "\"extraInfo\": {\"timestamp\": \"1700000000\"}}}' > \"$TORCHELASTIC_ERROR_FILE\"; exit 3; fi; "
       "sleep 30";
   const auto run = RunProgram({Ddprun(), "--standalone", "--nproc_per_node=2", "--max_restarts=1",
-                               "--log_dir=" + logs, "/bin/sh", "-c", script},
+                               "--log_dir=" + logs, "--redirects=3", "/bin/sh", "-c", script},
                               {{"TORCHELASTIC_ERROR_FILE", own}});
   EXPECT_EQ(run.exit_code, 1) << run.output;
   ASSERT_THAT(run.output, HasSubstr("restarting the job (restart 1 of 1)"));
@@ -992,7 +1011,7 @@ TEST(DdprunTest, RdzvConfTakesSpacesAroundItsItems) {
 TEST(DdprunTest, DuplicateOutputFiltersAreRefusedWithTheReason) {
   const std::string why =
       " is not supported: ddprun copies no matching lines to a file of their own (a worker's stdout and stderr go "
-      "together to the terminal and, with --log_dir or --tee, to its rank_R.log, which grep can filter)";
+      "together to the terminal and, with --tee or --redirects, to its rank_R.log, which grep can filter)";
   ExpectBadInput({Ddprun(), "--standalone", "--duplicate-stdout-filters", "loss,step", "/bin/true"},
                  "--duplicate_stdout_filters=loss,step" + why);
   ExpectBadInput({Ddprun(), "--standalone", "/bin/true"},
@@ -1027,7 +1046,7 @@ TEST(DdprunTest, UnderBazelRunRelativePathsAreTheUsersFolder) {
   // This test runs in its runfiles folder, where there is no hello.sh.
   ASSERT_NE(access("hello.sh", F_OK), 0);
   const auto run = RunProgram(
-      {Ddprun(), "--standalone", "--nproc_per_node=2", "--log_dir=logs", "./hello.sh", "ran"},
+      {Ddprun(), "--standalone", "--nproc_per_node=2", "--log_dir=logs", "--tee", "./hello.sh", "ran"},
       {{"BUILD_WORKING_DIRECTORY", user}});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   for (int r = 0; r < 2; ++r) {

@@ -785,7 +785,7 @@ class WorkerGroup::Impl {
   Status Start(std::vector<WorkerSpec> specs) {
     if (specs.empty()) return InvalidArgumentError("no workers to start");
     const OutputOptions& out = options_.output;
-    use_pipes_ = out.prefix || out.capture || !out.log_dir.empty() || !out.to_terminal ||
+    use_pipes_ = out.prefix || out.capture || (!out.log_dir.empty() && out.log_files) || !out.to_terminal ||
                  !out.terminal_ranks.empty();
     // Before anything here opens a descriptor, which could take number 0.
     DDP_RETURN_IF_ERROR(ChooseWorkersStdin());
@@ -1340,7 +1340,7 @@ class WorkerGroup::Impl {
     if (spec.program.empty() || spec.argv.empty()) {
       return InvalidArgumentError("rank " + std::to_string(spec.rank) + ": no program given");
     }
-    if (!out.log_dir.empty()) {
+    if (!out.log_dir.empty() && out.log_files) {
       const std::string path = out.log_dir + "/" + out.log_name_prefix + "rank_" +
                                std::to_string(spec.rank) + ".log";
       DDP_RETURN_IF_ERROR(MakeDirectories(path.substr(0, path.rfind('/'))));

@@ -65,7 +65,11 @@ struct WorkerSpec {
 struct OutputOptions {
   bool to_terminal = true;    ///< Copy worker stdout/stderr to the launcher's.
   bool prefix = true;         ///< Start every terminal line with "[rank] ".
-  std::string log_dir;        ///< When set: <log_dir>/<log_name_prefix>rank_<r>.log per worker.
+  /// When set: the workers' error files go under it (SpawnOptions::
+  /// error_files), and with log_files, <log_dir>/<log_name_prefix>rank_<r>.log
+  /// per worker.
+  std::string log_dir;
+  bool log_files = true;      ///< With log_dir: write each worker's output to its log file.
   std::string log_name_prefix;  ///< For instance "attempt_1/"; directories are created.
   /// With to_terminal: only these ranks' output reaches the terminal
   /// (torchrun's --local_ranks_filter); empty: every rank's. Log files and
