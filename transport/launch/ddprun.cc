@@ -150,10 +150,10 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        keep this run's files in DIR/<rdzv_id>_<random>/ (a
                        folder of its own per run, as torchrun; printed at
-                       start): attempt_K/rank_R.error.json, and with --tee
-                       or --redirects each worker's output in
-                       attempt_K/rank_R.log; the output still goes to the
-                       terminal, as torchrun's
+                       start), as torchrun's: attempt_K/LOCAL_RANK/error.json,
+                       and with --tee or --redirects each worker's
+                       stdout.log and stderr.log beside it; the output
+                       still goes to the terminal, as torchrun's
   --tee                write each worker's output to its log file and to the
                        terminal (torchrun's -t 3; -t 0 accepted)
   --redirects=3        write each worker's output to its log file only
@@ -671,7 +671,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "logs_specs") {
         DDP_ASSIGN_OR_RETURN(std::string specs, take_value());
         o.notes.push_back(Flag(name, specs) +
-                          " is ignored: ddprun writes --log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log");
+                          " is ignored: ddprun writes torchrun's default layout, --log_dir/<rdzv_id>_<random>/"
+                          "attempt_K/LOCAL_RANK/stdout.log, stderr.log and error.json");
       } else if (name == "numa_binding") {
         // torchrun pins each worker's CPUs near its GPU (LOCAL_RANK's);
         // ddprun starts the workers where it runs and leaves placement to
@@ -732,8 +733,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         if (o.log_dir.empty()) return InvalidArgumentError("--log_dir is empty");
       } else if (name == "tee" || name == "redirects") {
         // torchrun's stream codes: 0 none, 1 stdout, 2 stderr, 3 both, as
-        // --tee=3 or --tee 3. ddprun keeps a worker's two streams together,
-        // so only 0 and 3 mean anything here. A bare --tee is --tee=3.
+        // --tee=3 or --tee 3. ddprun takes the whole-worker codes 0 and 3
+        // (one stream alone and per-rank maps are not done). A bare --tee
+        // is --tee=3.
         // The next argument is the value when it looks like one: a code
         // (`--tee 3`) or a per-rank map (`-r 0:3,1:2`), so that a value
         // ddprun does not take is refused as such instead of being run as
@@ -747,8 +749,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         if (!code.empty() && code != "0" && code != "3") {
           return InvalidArgumentError(Flag(name, code) +
                                       ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout "
-                                      "and stderr, which it keeps together); 1, 2 and per-rank maps "
-                                      "are not supported");
+                                      "and stderr); 1, 2 and per-rank maps are not supported");
         }
         if (name == "tee") o.tee = code != "0";
         if (name == "redirects") o.redirects = code == "3";
@@ -780,14 +781,13 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         token_given = true;
       } else if (name == "duplicate_stdout_filters" || name == "duplicate_stderr_filters") {
         // torchrun copies the lines of one stream that match a filter to a
-        // file of their own; ddprun keeps a worker's two streams together
-        // and has no such file: refused, rather than the copy silently
-        // missing.
+        // file of their own; ddprun makes no such file: refused, rather
+        // than the copy silently missing.
         DDP_ASSIGN_OR_RETURN(std::string filters, take_value());
         return InvalidArgumentError(Flag(name, filters) +
                                     " is not supported: ddprun copies no matching lines to a file of their "
-                                    "own (a worker's stdout and stderr go together to the terminal and, with "
-                                    "--tee or --redirects, to its rank_R.log, which grep can filter)");
+                                    "own (a worker's output goes to the terminal and, with --tee or --redirects, "
+                                    "to its stdout.log and stderr.log, which grep can filter)");
       } else if (name == "virtual_local_rank") {
         DDP_RETURN_IF_ERROR(no_value());
         virtual_local_rank = true;
@@ -2167,8 +2167,9 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     // As torchrun's: the workers' output goes to files with --tee or
     // --redirects only; the folder always gets their error files.
-    Say(o.tee || o.redirects ? "this run's logs: " + *run_dir + "/attempt_K/rank_R.log"
-                             : "this run's error files: " + *run_dir + "/attempt_K/rank_R.error.json");
+    Say(o.tee || o.redirects
+            ? "this run's logs: " + *run_dir + "/attempt_K/LOCAL_RANK/stdout.log, stderr.log and error.json"
+            : "this run's error files: " + *run_dir + "/attempt_K/LOCAL_RANK/error.json");
     o.log_dir = *run_dir;  // from here on, the folder the workers' logs go to
   }
   std::string token = o.job_token;
@@ -2585,6 +2586,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       env.store_hosted_by_launcher = true;
       WorkerSpec spec;
       spec.rank = env.rank;
+      spec.log_name = std::to_string(local);  // torchrun's attempt_K/<local rank>/
       spec.program = *program;
       spec.argv.push_back(o.command[0]);
       if (!o.line_prefix_template.empty()) spec.line_prefix = LinePrefix(o.line_prefix_template, env.rank, local, o.role);

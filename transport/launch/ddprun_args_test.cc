@@ -424,8 +424,9 @@ TEST(DdprunArgsTest, TorchrunsOtherFlagsAreAccepted) {
   EXPECT_EQ(o->notes, (std::vector<std::string>{
                           "--local_addr=10.0.0.2 is ignored: launchers other than node 0 need no "
                           "address of their own (they connect to node 0's store)",
-                          "--logs_specs=mine is ignored: ddprun writes --log_dir/<rdzv_id>_<random>/attempt_K/"
-                          "rank_R.log"}));
+                          "--logs_specs=mine is ignored: ddprun writes torchrun's default layout, "
+                          "--log_dir/<rdzv_id>_<random>/attempt_K/LOCAL_RANK/stdout.log, stderr.log and "
+                          "error.json"}));
   for (const char* method : {"spawn", "fork", "forkserver"}) {
     EXPECT_TRUE(Parse({std::string("--start_method=") + method, "p"}).ok()) << method;
   }
@@ -528,8 +529,8 @@ TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->command, (std::vector<std::string>{"-t", "3"}));
   const std::string codes =
-      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr, which it keeps together); "
-      "1, 2 and per-rank maps are not supported";
+      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr); 1, 2 and per-rank maps are "
+      "not supported";
   ExpectRefused({"--log_dir=/tmp/x", "-t", "1", "p"}, "--tee=1" + codes);
   ExpectRefused({"--log_dir=/tmp/x", "-r2", "p"}, "--redirects=2" + codes);
   ExpectRefused({"-r", "p"}, "--redirects needs a value");
@@ -897,8 +898,8 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--grace_period=soon", "p"}, "--grace_period=soon is not a number of seconds");
   auto codes = [](const std::string& flag) {
     return flag +
-           ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr, which it keeps "
-           "together); 1, 2 and per-rank maps are not supported";
+           ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr); 1, 2 and per-rank "
+           "maps are not supported";
   };
   ExpectRefused({"--tee=yes", "p"}, codes("--tee=yes"));
   ExpectRefused({"--log_dir=/tmp/x", "--redirects=1", "p"}, codes("--redirects=1"));

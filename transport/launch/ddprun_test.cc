@@ -216,8 +216,9 @@ TEST(DdprunTest, WorkersGetTorchrunsOtherVariables) {
                     "--start_method=spawn", "/bin/sh", "-c", print});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("vars 1 trainer 0 1 0 0 run-id omp=\n"));
-  EXPECT_THAT(run.output, HasSubstr("ddprun: note: --logs_specs=x is ignored: ddprun writes "
-                                    "--log_dir/<rdzv_id>_<random>/attempt_K/rank_R.log\n"));
+  EXPECT_THAT(run.output, HasSubstr("ddprun: note: --logs_specs=x is ignored: ddprun writes torchrun's default "
+                                    "layout, --log_dir/<rdzv_id>_<random>/attempt_K/LOCAL_RANK/stdout.log, "
+                                    "stderr.log and error.json\n"));
 }
 
 // torchrun's --virtual_local_rank: every worker gets LOCAL_RANK=0 and one
@@ -314,9 +315,10 @@ TEST(DdprunTest, TeeWithoutLogDirLogsIntoATemporaryFolder) {
   const std::string base = RunDir(tmp);
   EXPECT_THAT(base, ContainsRegex("/torchelastic_[A-Za-z0-9]{6}$"));
   const std::string run_dir = RunDir(base);
-  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + run_dir + "/attempt_K/rank_R.log\n"));
-  EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_0.log"), "rank 0 role rank\n");
-  EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_1.log"), "rank 1 role rank\n");
+  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + run_dir +
+                                    "/attempt_K/LOCAL_RANK/stdout.log, stderr.log and error.json\n"));
+  EXPECT_EQ(ReadFile(run_dir + "/attempt_0/0/stdout.log"), "rank 0 role rank\n");
+  EXPECT_EQ(ReadFile(run_dir + "/attempt_0/1/stdout.log"), "rank 1 role rank\n");
 
   // --redirects 3: into the files only.
   const std::string tmp2 = testing::MakeTempDir("ddprun_redirects_tmp");
@@ -325,7 +327,7 @@ TEST(DdprunTest, TeeWithoutLogDirLogsIntoATemporaryFolder) {
                    {{"TMPDIR", tmp2}});
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, Not(HasSubstr("rank 1\n")));
-  EXPECT_EQ(ReadFile(RunDir(RunDir(tmp2)) + "/attempt_0/rank_1.log"), "rank 1\n");
+  EXPECT_EQ(ReadFile(RunDir(RunDir(tmp2)) + "/attempt_0/1/stdout.log"), "rank 1\n");
 }
 
 TEST(DdprunTest, WorkerExitCodeStopsTheGroupAndNamesTheRank) {
@@ -730,9 +732,10 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
   const std::string run_dir = RunDir(dir);
   // Named after the run id --standalone makes up (DDP_RUN_ID).
   EXPECT_THAT(run_dir, ContainsRegex("/[0-9a-f]{16}_[A-Za-z0-9]{6}$"));
-  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + run_dir + "/attempt_K/rank_R.log\n"));
+  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + run_dir +
+                                    "/attempt_K/LOCAL_RANK/stdout.log, stderr.log and error.json\n"));
   for (int r = 0; r < 2; ++r) {
-    const std::string log = ReadFile(run_dir + "/attempt_0/rank_" + std::to_string(r) + ".log");
+    const std::string log = ReadFile(run_dir + "/attempt_0/" + std::to_string(r) + "/stdout.log");
     EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + "/2 local"));
     EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + " done\n"));
   }
@@ -743,7 +746,7 @@ TEST(DdprunTest, PerRankLogFilesAndTee) {
   EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done"));
   // Without --rdzv_id (torchrun's default "none").
   EXPECT_THAT(RunDir(tee_dir), ContainsRegex("/none_[A-Za-z0-9]{6}$"));
-  EXPECT_THAT(ReadFile(RunDir(tee_dir) + "/attempt_0/rank_1.log"), HasSubstr("rank 1 done\n"));
+  EXPECT_THAT(ReadFile(RunDir(tee_dir) + "/attempt_0/1/stdout.log"), HasSubstr("rank 1 done\n"));
 }
 
 // As torchrun's, --log_dir alone keeps the workers' output on the terminal
@@ -758,8 +761,8 @@ TEST(DdprunTest, LogDirAloneKeepsTheTerminalAsTorchrun) {
   EXPECT_THAT(run.output, HasSubstr("[1] rank 1 done\n"));
   const std::string run_dir = RunDir(dir);
   EXPECT_THAT(run.output,
-              HasSubstr("ddprun: this run's error files: " + run_dir + "/attempt_K/rank_R.error.json\n"));
-  for (const char* log : {"/attempt_0/rank_0.log", "/attempt_0/rank_1.log"}) {
+              HasSubstr("ddprun: this run's error files: " + run_dir + "/attempt_K/LOCAL_RANK/error.json\n"));
+  for (const char* log : {"/attempt_0/0/stdout.log", "/attempt_0/1/stderr.log"}) {
     EXPECT_NE(access((run_dir + log).c_str(), F_OK), 0) << run_dir + log;
   }
 }
@@ -789,7 +792,7 @@ TEST(DdprunTest, EachRunKeepsItsLogsInAFolderOfItsOwn) {
     std::vector<std::string> seen;
     std::set<std::string> ids;
     for (const std::string& run_dir : runs) {
-      const std::string log = ReadFile(run_dir + "/attempt_0/rank_1.log");
+      const std::string log = ReadFile(run_dir + "/attempt_0/1/stdout.log");
       const size_t at = log.find("\nid ");
       ASSERT_NE(at, std::string::npos) << log;
       const std::string id = log.substr(at + 4, log.find('\n', at + 1) - at - 4);
@@ -797,7 +800,7 @@ TEST(DdprunTest, EachRunKeepsItsLogsInAFolderOfItsOwn) {
       // Named after the run id the workers got (TORCHELASTIC_RUN_ID).
       EXPECT_THAT(run_dir, ContainsRegex("/" + id + "_[A-Za-z0-9]{6}$"));
       seen.push_back(log.substr(0, at + 1));
-      EXPECT_EQ(ReadFile(run_dir + "/attempt_0/rank_1.error.json"),
+      EXPECT_EQ(ReadFile(run_dir + "/attempt_0/1/error.json"),
                 log.find("first") != std::string::npos ? "first\n" : "second\n");
     }
     std::sort(seen.begin(), seen.end());
@@ -828,7 +831,7 @@ TEST(DdprunTest, AFailedWorkersErrorFileIsReportedAndKeptWithTheLogs) {
     EXPECT_THAT(run.output, ContainsRegex(std::string("rank 1 \\(pid [0-9]+\\) exited with code 3; stopping the "
                                                       "other workers; rank 1 reported: ValueError: shard ") +
                                           attempt + " missing"));
-    EXPECT_THAT(ReadFile(RunDir(dir) + "/attempt_" + attempt + "/rank_1.error.json"),
+    EXPECT_THAT(ReadFile(RunDir(dir) + "/attempt_" + attempt + "/1/error.json"),
                 HasSubstr(std::string("shard ") + attempt + " missing"));
   }
 }
@@ -894,7 +897,7 @@ TEST(DdprunTest, TheLaunchersOwnErrorFileGetsTheLastAttemptsCause) {
   ASSERT_THAT(run.output, HasSubstr("restarting the job (restart 1 of 1)"));
   const std::string written = ReadFile(own);
   EXPECT_THAT(written, Not(HasSubstr("shard missing"))) << written << run.output;
-  EXPECT_THAT(written, HasSubstr("ddprun: cannot write log file")) << written << run.output;
+  EXPECT_THAT(written, HasSubstr("ddprun: cannot create log directory")) << written << run.output;
 }
 
 // torchrun's --local_ranks_filter: the terminal shows the chosen ranks,
@@ -909,7 +912,7 @@ TEST(DdprunTest, LocalRanksFilterChoosesWhoseOutputReachesTheTerminal) {
   EXPECT_THAT(run.output, Not(HasSubstr("[0] ")));
   EXPECT_THAT(run.output, Not(HasSubstr("[2] ")));
   for (int r = 0; r < 3; ++r) {
-    EXPECT_THAT(ReadFile(RunDir(dir) + "/attempt_0/rank_" + std::to_string(r) + ".log"),
+    EXPECT_THAT(ReadFile(RunDir(dir) + "/attempt_0/" + std::to_string(r) + "/stdout.log"),
                 HasSubstr("rank " + std::to_string(r) + " done\n"));
   }
 }
@@ -983,8 +986,8 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
 // in PATH), or for a missing value (`-r 0:1`: --redirects needs a value).
 TEST(DdprunTest, TorchrunsPerRankStreamMapsAreRefusedNamed) {
   const std::string codes =
-      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr, which it keeps together); 1, 2 "
-      "and per-rank maps are not supported";
+      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr); 1, 2 and per-rank maps are not "
+      "supported";
   ExpectBadInput({Ddprun(), "--standalone", "--tee", "0:3,1:3", "/bin/true"}, "--tee=0:3,1:3" + codes);
   ExpectBadInput({Ddprun(), "--standalone", "-r", "0:1", "/bin/true"}, "--redirects=0:1" + codes);
   ExpectBadInput({Ddprun(), "--standalone", "--tee", "4", "/bin/true"}, "--tee=4" + codes);
@@ -1010,8 +1013,8 @@ TEST(DdprunTest, RdzvConfTakesSpacesAroundItsItems) {
 // and where the lines are instead. They were "unknown" flags.
 TEST(DdprunTest, DuplicateOutputFiltersAreRefusedWithTheReason) {
   const std::string why =
-      " is not supported: ddprun copies no matching lines to a file of their own (a worker's stdout and stderr go "
-      "together to the terminal and, with --tee or --redirects, to its rank_R.log, which grep can filter)";
+      " is not supported: ddprun copies no matching lines to a file of their own (a worker's output goes to the "
+      "terminal and, with --tee or --redirects, to its stdout.log and stderr.log, which grep can filter)";
   ExpectBadInput({Ddprun(), "--standalone", "--duplicate-stdout-filters", "loss,step", "/bin/true"},
                  "--duplicate_stdout_filters=loss,step" + why);
   ExpectBadInput({Ddprun(), "--standalone", "/bin/true"},
@@ -1052,7 +1055,7 @@ TEST(DdprunTest, UnderBazelRunRelativePathsAreTheUsersFolder) {
   for (int r = 0; r < 2; ++r) {
     const std::string rs = std::to_string(r);
     EXPECT_EQ(ReadFile(user + "/ran." + rs), "rank " + rs + "\n");
-    EXPECT_THAT(ReadFile(RunDir(user + "/logs") + "/attempt_0/rank_" + rs + ".log"),
+    EXPECT_THAT(ReadFile(RunDir(user + "/logs") + "/attempt_0/" + rs + "/stdout.log"),
                 HasSubstr("hello " + rs + "\n"));
   }
   ExpectBadInput({Ddprun(), "--standalone", "./hello.sh"},

@@ -646,6 +646,9 @@ class Fd {
 struct Stream {
   Fd pipe;
   std::string partial;  // an incomplete line waiting for its newline
+  Fd log;               // its log file (stdout.log or stderr.log), if any
+  std::string log_path;
+  uint64_t log_bytes = 0;   // written to the log so far
 };
 
 // The launcher's own stdout or stderr, to which worker output is copied.
@@ -729,12 +732,10 @@ struct Worker {
   bool leader_zombie = false;  // exited, observed, not yet reaped
   WorkerExit exit;
   Stream streams[2];
-  Fd log;
-  std::string log_path;
   std::string error_path;   // its TORCHELASTIC_ERROR_FILE; empty: none
   bool to_terminal = false;  // its output is copied to the launcher's
-  uint64_t log_bytes = 0;   // written to the log so far
-  std::string log_failure;  // set when a write to it failed; it is closed then
+  // One line per log file a write failed to; that file is closed then.
+  std::vector<std::string> log_failures;
   std::string captured;
   bool capture_truncated = false;
   bool stop_told = false;  // a stop was reported through on_notice
@@ -1170,7 +1171,7 @@ class WorkerGroup::Impl {
     }
     result.output_dropped = terminals_[0].dropped + terminals_[1].dropped;
     for (const Worker& w : workers_) {
-      if (!w.log_failure.empty()) result.log_failures.push_back(w.log_failure);
+      result.log_failures.insert(result.log_failures.end(), w.log_failures.begin(), w.log_failures.end());
     }
     if (interrupted_while_running) {
       // A worker ends as asked by dying of the forwarded signal, or by
@@ -1340,22 +1341,23 @@ class WorkerGroup::Impl {
     if (spec.program.empty() || spec.argv.empty()) {
       return InvalidArgumentError("rank " + std::to_string(spec.rank) + ": no program given");
     }
+    // torchrun's layout: a folder per worker, its streams in files of their own.
+    const std::string folder = out.log_dir + "/" + out.log_name_prefix +
+                               (spec.log_name.empty() ? std::to_string(spec.rank) : spec.log_name);
+    if (!out.log_dir.empty()) DDP_RETURN_IF_ERROR(MakeDirectories(folder));
     if (!out.log_dir.empty() && out.log_files) {
-      const std::string path = out.log_dir + "/" + out.log_name_prefix + "rank_" +
-                               std::to_string(spec.rank) + ".log";
-      DDP_RETURN_IF_ERROR(MakeDirectories(path.substr(0, path.rfind('/'))));
-      w.log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-      if (!w.log.valid()) {
-        return InvalidArgumentError("cannot write log file '" + path + "': " + ErrnoText(errno));
+      for (int s = 0; s < 2; ++s) {
+        const std::string path = folder + (s == 0 ? "/stdout.log" : "/stderr.log");
+        w.streams[s].log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+        if (!w.streams[s].log.valid()) {
+          return InvalidArgumentError("cannot write log file '" + path + "': " + ErrnoText(errno));
+        }
+        w.streams[s].log_path = path;
       }
-      w.log_path = path;
     }
     if (options_.error_files && (!out.log_dir.empty() || !error_dir_.empty())) {
-      w.error_path = (out.log_dir.empty() ? error_dir_ + "/" : out.log_dir + "/" + out.log_name_prefix) +
-                     "rank_" + std::to_string(spec.rank) + ".error.json";
-      if (!out.log_dir.empty()) {
-        DDP_RETURN_IF_ERROR(MakeDirectories(w.error_path.substr(0, w.error_path.rfind('/'))));
-      }
+      w.error_path = out.log_dir.empty() ? error_dir_ + "/rank_" + std::to_string(spec.rank) + ".error.json"
+                                         : folder + "/error.json";
       // One left by an earlier run would be taken for this worker's.
       if (unlink(w.error_path.c_str()) != 0 && errno != ENOENT) {
         return InvalidArgumentError("cannot remove the old error file '" + w.error_path +
@@ -1685,16 +1687,16 @@ class WorkerGroup::Impl {
     return std::nullopt;
   }
 
-  // Appends to the worker's log file; the first write that fails (a full
+  // Appends to one stream's log file; the first write that fails (a full
   // disk) closes it and is reported in the result, naming the file.
-  static void WriteLog(Worker& w, std::string_view data) {
-    if (WriteAll(w.log.get(), data)) {
-      w.log_bytes += data.size();
+  static void WriteLog(Worker& w, Stream& stream, std::string_view data) {
+    if (WriteAll(stream.log.get(), data)) {
+      stream.log_bytes += data.size();
       return;
     }
-    w.log_failure = "rank " + std::to_string(w.rank) + "'s log file '" + w.log_path + "' stopped after " +
-                    std::to_string(w.log_bytes) + " bytes: " + ErrnoText(errno);
-    w.log.Reset();
+    w.log_failures.push_back("rank " + std::to_string(w.rank) + "'s log file '" + stream.log_path +
+                             "' stopped after " + std::to_string(stream.log_bytes) + " bytes: " + ErrnoText(errno));
+    stream.log.Reset();
   }
 
   void ReadStream(Worker& w, int s) {
@@ -1708,7 +1710,7 @@ class WorkerGroup::Impl {
       return;
     }
     const std::string_view data(buf, static_cast<size_t>(n));
-    if (w.log.valid()) WriteLog(w, data);
+    if (stream.log.valid()) WriteLog(w, stream, data);
     if (options_.output.capture) {
       const size_t room = options_.output.capture_limit - std::min(options_.output.capture_limit,
                                                                   w.captured.size());

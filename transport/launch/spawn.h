@@ -57,6 +57,9 @@ struct WorkerSpec {
   /// With OutputOptions::prefix: what starts each of its terminal lines;
   /// empty: "[rank] ".
   std::string line_prefix;
+  /// Its folder under OutputOptions::log_dir and log_name_prefix; empty:
+  /// its rank. A launcher gives the local rank, as torchrun's layout.
+  std::string log_name;
 };
 
 /// Where worker output goes. With every option off but `to_terminal`, the
@@ -65,11 +68,12 @@ struct WorkerSpec {
 struct OutputOptions {
   bool to_terminal = true;    ///< Copy worker stdout/stderr to the launcher's.
   bool prefix = true;         ///< Start every terminal line with "[rank] ".
-  /// When set: the workers' error files go under it (SpawnOptions::
-  /// error_files), and with log_files, <log_dir>/<log_name_prefix>rank_<r>.log
-  /// per worker.
+  /// When set: each worker has a folder <log_dir>/<log_name_prefix><log
+  /// name>/ (torchrun's layout) with its error file, error.json
+  /// (SpawnOptions::error_files), and with log_files its stdout and stderr
+  /// in stdout.log and stderr.log.
   std::string log_dir;
-  bool log_files = true;      ///< With log_dir: write each worker's output to its log file.
+  bool log_files = true;      ///< With log_dir: write each worker's streams to its log files.
   std::string log_name_prefix;  ///< For instance "attempt_1/"; directories are created.
   /// With to_terminal: only these ranks' output reaches the terminal
   /// (torchrun's --local_ranks_filter); empty: every rank's. Log files and
@@ -110,7 +114,7 @@ struct SpawnOptions {
   /// nothing is said.
   std::function<void(const std::string& line)> on_notice;
   /// Give every worker an error file of its own in TORCHELASTIC_ERROR_FILE
-  /// (see error_file.h): <log_dir>/<log_name_prefix>rank_<r>.error.json
+  /// (see error_file.h): <log_dir>/<log_name_prefix><log name>/error.json
   /// with a log_dir, else a file in a directory the group makes under
   /// $TMPDIR (or /tmp; none when it cannot) and removes when destroyed. A file left there by an
   /// earlier run is removed before the worker starts. What a failed worker

@@ -354,13 +354,25 @@ TEST(SpawnTest, PerRankLogFiles) {
   ASSERT_TRUE(group.ok()) << group.status();
   GroupResult result = (*group)->Wait(DeadlineIn(20s));
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  // torchrun's layout: a folder per worker (its rank unless the spec names
+  // it), each stream in a file of its own. Both streams went into one
+  // attempt_0/rank_R.log.
   for (int r = 0; r < 2; ++r) {
-    std::stringstream log;
-    log << std::ifstream(dir + "/attempt_0/rank_" + std::to_string(r) + ".log").rdbuf();
-    EXPECT_THAT(log.str(), HasSubstr("hello from rank " + std::to_string(r) + "\n"));
-    EXPECT_THAT(log.str(), HasSubstr("warning from rank " + std::to_string(r) + "\n"));
-    EXPECT_THAT(log.str(), ::testing::Not(HasSubstr("[" + std::to_string(r) + "]")));
+    std::stringstream out, err;
+    out << std::ifstream(dir + "/attempt_0/" + std::to_string(r) + "/stdout.log").rdbuf();
+    err << std::ifstream(dir + "/attempt_0/" + std::to_string(r) + "/stderr.log").rdbuf();
+    EXPECT_EQ(out.str(), "hello from rank " + std::to_string(r) + "\nno newline at the end " + std::to_string(r));
+    EXPECT_EQ(err.str(), "warning from rank " + std::to_string(r) + "\n");
   }
+  std::vector<WorkerSpec> specs = Specs(1, "hello");
+  specs[0].log_name = "local7";
+  group = WorkerGroup::Start(std::move(specs), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  std::stringstream named;
+  named << std::ifstream(dir + "/attempt_0/local7/stderr.log").rdbuf();
+  EXPECT_EQ(named.str(), "warning from rank 0\n");
 }
 
 // A log file that stops taking output (here /dev/full: every write fails
@@ -369,7 +381,8 @@ TEST(SpawnTest, PerRankLogFiles) {
 // without a word.
 TEST(SpawnTest, LogFileThatStopsTakingOutputIsReported) {
   const std::string dir = TempDir("fulllogs");
-  ASSERT_EQ(symlink("/dev/full", (dir + "/rank_1.log").c_str()), 0) << std::strerror(errno);
+  ASSERT_EQ(mkdir((dir + "/1").c_str(), 0755), 0) << std::strerror(errno);
+  ASSERT_EQ(symlink("/dev/full", (dir + "/1/stdout.log").c_str()), 0) << std::strerror(errno);
   SpawnOptions options = Quiet();
   options.output.log_dir = dir;
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), options);
@@ -378,9 +391,10 @@ TEST(SpawnTest, LogFileThatStopsTakingOutputIsReported) {
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
   ASSERT_EQ(result.log_failures.size(), 1u);
   EXPECT_EQ(result.log_failures[0],
-            "rank 1's log file '" + dir + "/rank_1.log' stopped after 0 bytes: " + std::string(std::strerror(ENOSPC)));
+            "rank 1's log file '" + dir + "/1/stdout.log' stopped after 0 bytes: " +
+                std::string(std::strerror(ENOSPC)));
   std::stringstream log;
-  log << std::ifstream(dir + "/rank_0.log").rdbuf();
+  log << std::ifstream(dir + "/0/stdout.log").rdbuf();
   EXPECT_THAT(log.str(), HasSubstr("hello from rank 0\n"));
 }
 
@@ -540,7 +554,8 @@ TEST(SpawnTest, WorkersWithoutErrorFilesDoNotGetTheLaunchersOwn) {
 TEST(SpawnTest, ErrorFilesBesideTheLogsStayAndStaleOnesGo) {
   const std::string dir = TempDir("errorfiles");
   mkdir((dir + "/attempt_0").c_str(), 0755);
-  ASSERT_TRUE(WriteErrorFile(dir + "/attempt_0/rank_0.error.json", "from an earlier run").ok());
+  mkdir((dir + "/attempt_0/0").c_str(), 0755);
+  ASSERT_TRUE(WriteErrorFile(dir + "/attempt_0/0/error.json", "from an earlier run").ok());
   SpawnOptions options = Quiet();
   options.stop_all_on_failure = false;
   options.output.log_dir = dir;
@@ -558,13 +573,13 @@ TEST(SpawnTest, ErrorFilesBesideTheLogsStayAndStaleOnesGo) {
   ASSERT_TRUE(result.first_error.has_value());
   EXPECT_EQ(result.first_error->rank, 1);
   EXPECT_THAT(result.reason, HasSubstr("; rank 2's error file '" + dir +
-                                       "/attempt_0/rank_2.error.json' is malformed: not JSON"));
+                                       "/attempt_0/2/error.json' is malformed: not JSON"));
   EXPECT_THAT(result.reason, HasSubstr("; rank 1 reported: bad flag"));
   EXPECT_THAT(result.reason, ::testing::Not(HasSubstr("earlier run")));
-  StatusOr<WorkerError> kept = ReadErrorFile(dir + "/attempt_0/rank_1.error.json");
+  StatusOr<WorkerError> kept = ReadErrorFile(dir + "/attempt_0/1/error.json");
   ASSERT_TRUE(kept.ok()) << kept.status();
   EXPECT_EQ(kept->message, "bad flag");
-  EXPECT_EQ(access((dir + "/attempt_0/rank_0.error.json").c_str(), F_OK), -1);
+  EXPECT_EQ(access((dir + "/attempt_0/0/error.json").c_str(), F_OK), -1);
 }
 
 // A spec's own TORCHELASTIC_ERROR_FILE wins; error_files=false gives none.
