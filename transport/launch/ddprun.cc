@@ -149,14 +149,14 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        as under torchrun)
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        keep this run's files in DIR/<rdzv_id>_<random>/ (a
-                       folder of its own per run, as torchrun; printed at
-                       start), as torchrun's: attempt_K/LOCAL_RANK/error.json,
+                       folder of its own per run; printed at start), in
+                       torchrun's layout: attempt_K/LOCAL_RANK/error.json,
                        and with --tee or --redirects each worker's
-                       stdout.log and stderr.log beside it; the output
-                       still goes to the terminal, as torchrun's
-  --tee                write each worker's output to its log file and to the
-                       terminal (torchrun's -t 3; -t 0 accepted)
-  --redirects=3        write each worker's output to its log file only
+                       stdout.log and stderr.log beside it; alone, it
+                       leaves the output on the terminal, as torchrun's
+  --tee                write each worker's output to its log files and to
+                       the terminal (torchrun's -t 3; -t 0 accepted)
+  --redirects=3        write each worker's output to its log files only
                        (torchrun's -r 3; -r 0 accepted); without --log_dir,
                        --tee and --redirects log into a fresh
                        $TMPDIR/torchelastic_XXXXXX, as torchrun
