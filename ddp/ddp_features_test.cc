@@ -364,6 +364,60 @@ TEST(DdpFeaturesTest, JoinWithOneRankHoldingThreeMoreBatches) {
   }
 }
 
+// broadcast_buffers = false under Join with uneven inputs (rank r runs
+// 2 + 2r batches): the running statistics stay each rank's own, as in
+// PyTorch, whose final sync after a Join leaves buffers alone unless the
+// model broadcasts them. Only the parameters come from the last rank.
+DDP_TEST_WORKER(join_own_buffers) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  nn::Generator gen(5);
+  auto model = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 32, true, gen),
+      std::make_shared<nn::modules::BatchNorm1d>(32), std::make_shared<nn::modules::ReLU>(),
+      std::make_shared<nn::modules::Linear>(32, 10, true, gen)});
+  DistributedDataParallel ddp(model, {.broadcast_buffers = false, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  std::vector<std::pair<std::string, Tensor>> before;
+  {
+    Join join(ddp);
+    for (int s = 0; s < 2 + 2 * rank; ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+    for (const auto& [name, b] : model->NamedBuffers()) before.emplace_back(name, b.Clone());
+    join.Wait();
+  }
+  uint64_t params = 1469598103934665603ull, buffers = params;
+  auto hash = [](uint64_t& h, const Tensor& t) {
+    const Tensor c = t.Detach().Contiguous();
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    for (size_t i = 0; i < c.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  };
+  for (const auto& [name, p] : model->NamedParameters()) hash(params, p);
+  const auto now = model->NamedBuffers();
+  for (size_t i = 0; i < now.size(); ++i) {
+    hash(buffers, now[i].second);
+    WORKER_EXPECT(testing::RelativeDifference(now[i].second, before[i].second) == 0,
+                  "rank " + std::to_string(rank) + ": buffer `" + now[i].first +
+                      "` was overwritten by Join::Wait although broadcast_buffers is false");
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, params), "Join without buffer broadcasts: parameters differ");
+  // Each rank's statistics of its own batches: the test means something.
+  WORKER_EXPECT(!testing::SameOnAllRanks(*pg, buffers), "the ranks' running statistics are the same");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, JoinWithoutBufferBroadcastsLeavesEveryRankItsOwnBuffers) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("join_own_buffers", n);
+    EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  }
+}
+
 // A parameter of its own bucket (reduced in place), unused on every rank,
 // with a stale .grad that differs between ranks: with find_unused_parameters
 // its .grad stays as it was, as for a parameter of a shared bucket and as

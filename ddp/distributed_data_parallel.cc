@@ -969,8 +969,14 @@ void Join::Wait() {
     // lists differ: the broadcast failed on every rank on counts that
     // differ, or, where the counts happened to match, wrote one rank's
     // tensors into another's.
+    // The buffers only where the forwards broadcast them, as PyTorch's
+    // final sync does: with broadcast_buffers off they are each rank's own
+    // (running statistics of its batches), and the root's would overwrite
+    // them.
     std::vector<nn::Tensor> state = s.wrapped;
-    for (const nn::Tensor& b : s.buffers) state.push_back(b);
+    if (ddp_.options_.broadcast_buffers) {
+      for (const nn::Tensor& b : s.buffers) state.push_back(b);
+    }
     internal::BroadcastCoalesced(pg, state, root, "final parameters after join");
   }
   s.join_enabled = false;

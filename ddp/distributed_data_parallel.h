@@ -335,7 +335,9 @@ struct JoinOptions {
 /// run (buffer broadcasts, all-reduces of zero gradients) until every rank
 /// has called Wait(); then the parameters and buffers of the rank that ran
 /// the most iterations are broadcast to all, so replicas end identical
-/// (those the model had when it was wrapped, the same list on every rank).
+/// (those the model had when it was wrapped, the same list on every rank;
+/// the buffers only with DdpOptions::broadcast_buffers, as PyTorch: without
+/// it they stay each rank's own).
 /// Collective: every rank constructs a Join and calls Wait().
 /// One model per process group: a Join shadows the collectives of its own
 /// model only, so while one is in progress (constructed, Wait not returned)
