@@ -1225,6 +1225,71 @@ TEST(DdpFeaturesTest, ToAfterWrappingIsRefusedOnEveryRankAtTheNextForward) {
   }
 }
 
+// The last layer's data replaced with a larger one after wrapping (10 -> 11
+// outputs, PyTorch's `p.data = ...`), met by a forward under NoSync: the
+// parameter's place in its bucket keeps 10 rows, so the synchronizing
+// backward averaged only those and left the 11th row each rank's own,
+// without a word (or, with bucket views, failed inside backward on a
+// set_grad of the old shape). Now that NoSync forward refuses it on every
+// rank, naming the parameter and both shapes. DDP_TEST_BUCKETS:
+// "shared", "view" (gradient_as_bucket_view), "solo" (every gradient a
+// bucket of its own: 1e-6 MiB is one byte).
+DDP_TEST_WORKER(reshaped_after_wrap) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const std::string buckets = std::getenv("DDP_TEST_BUCKETS");
+  auto model = Mlp(17);
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = buckets == "solo" ? 1e-6 : 0.0,
+                                      .gradient_as_bucket_view = buckets == "view",
+                                      .process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  for (int s = 0; s < 2; ++s) {  // fine before the change; the buckets are rebuilt at the second
+    nn::optim::ZeroGrad(model->NamedParameters());
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  }
+  nn::optim::ZeroGrad(model->NamedParameters());
+  const auto named = model->NamedParameters();
+  const auto& [weight_name, weight] = named[named.size() - 2];
+  const Tensor& bias = named.back().second;
+  nn::Generator gen(3);  // the same on every rank
+  weight.SetData(nn::Randn({11, weight.shape()[1]}, {}, gen) * 0.05);
+  bias.SetData(nn::Zeros({11}));
+  std::string message = "no error";
+  try {
+    {
+      auto no_sync = ddp.NoSync();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  } catch (const std::exception& e) {
+    message = std::string("not std::invalid_argument: ") + e.what();
+  }
+  WORKER_EXPECT(message.find("parameter `" + weight_name + "` has shape [11, 256] now, but it had [10, 256] "
+                             "when the model was wrapped") != std::string::npos &&
+                    message.find("The process group was aborted.") != std::string::npos,
+                buckets + ": " + message);
+  if (message == "no error") {
+    // What went on silently: part of the gradient was not averaged.
+    const Tensor g = weight.grad().Contiguous();
+    uint64_t h = 1469598103934665603ull;
+    const auto* p = static_cast<const unsigned char*>(g.data_ptr());
+    for (size_t i = 0; i < g.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, h),
+                  buckets + ": .grad of `" + weight_name + "` " + nn::ShapeToString(g.shape()) + " differs across ranks");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AParameterResizedAfterWrappingIsRefusedOnEveryRankAtTheNextForward) {
+  for (const char* buckets : {"shared", "view", "solo"}) {
+    auto run = RunWorkers("reshaped_after_wrap", 2, {{"DDP_TEST_BUCKETS", buckets}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          40000);
+    EXPECT_TRUE(run.AllSucceeded()) << buckets << "\n" << testing::AllOutput(run);
+  }
+}
+
 // To() after wrapping on rank 0 alone, met by a forward under NoSync (the
 // model has no buffers, so that forward runs no collective): the group is
 // aborted all the same, so that rank 1, which goes on to its synchronizing

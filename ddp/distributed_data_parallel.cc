@@ -655,8 +655,9 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     s.structure_seen = version;
   }
   if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
-    // Module::To() after wrapping: the buckets keep the dtype and device
-    // they were built with. Checked before any collective of this forward,
+    // Module::To() after wrapping, or a parameter's data replaced with
+    // another shape: the buckets keep the dtype, device and sizes they
+    // were built with. Checked before any collective of this forward,
     // so every rank that called To() throws this here (and, when the
     // forward involves the peers, the abort stops a rank that did not,
     // instead of leaving it waiting).

@@ -222,8 +222,9 @@ class DistributedDataParallel : public nn::modules::Module {
   /// module.training; this wrapper's is_training() is set to match.
   /// Throws std::invalid_argument when grad is enabled and a parameter's
   /// dtype or device is no longer the one its gradient bucket was built
-  /// for (Module::To() after wrapping), naming the first such parameter:
-  /// call To() before wrapping. It aborts the group first: the peers would
+  /// for (Module::To() after wrapping), or its shape is no longer the one
+  /// it had then (Tensor::SetData with another shape), naming the first
+  /// such parameter: call To() before wrapping. It aborts the group first: the peers would
   /// wait for this rank in a later synchronizing backward, even after a
   /// forward under NoSync.
   /// A synchronizing forward (training mode, grad enabled, outside NoSync,

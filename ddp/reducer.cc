@@ -127,6 +127,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   for (auto& [name, p] : params) {
     names_.push_back(name);
     params_.push_back(p);
+    shapes_.push_back(p.shape());
   }
   const size_t n = params_.size();
   ready_.assign(n, 0);
@@ -326,7 +327,19 @@ std::string Reducer::ParameterChange() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Bucket& b = buckets_[slots_[i].bucket];
     const nn::Tensor& p = params_[i];
-    if (p.dtype() == b.dtype && p.device() == b.device) continue;
+    if (p.dtype() == b.dtype && p.device() == b.device) {
+      if (p.shape() == shapes_[i]) continue;
+      // Its slot in the bucket keeps the old size: a larger gradient would
+      // be reduced in part and a smaller one read past its end, and the
+      // write-back would give .grad the slot's size. PyTorch's reducer
+      // refuses a gradient whose size is not its bucket view's.
+      return "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + names_[i] +
+             "` has shape " + nn::ShapeToString(p.shape()) + " now, but it had " + nn::ShapeToString(shapes_[i]) +
+             " when the model was wrapped, and its place in the gradient buckets was sized for that (a "
+             "bucket's layout is fixed at construction). Was its data replaced after wrapping (Tensor::SetData "
+             "with another shape)? Resize parameters before wrapping the model in DistributedDataParallel, or "
+             "wrap it again after the change.";
+    }
     const std::string now = std::string(nn::DTypeName(p.dtype())) + " on " + p.device().ToString();
     const std::string built = std::string(nn::DTypeName(b.dtype)) + " on " + b.device.ToString();
     return "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" + names_[i] +

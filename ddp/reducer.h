@@ -124,11 +124,12 @@ class Reducer {
   /// `synchronizing` too), and the message says so.
   void CheckPreviousIteration(bool synchronizing, bool communicates = false, bool eval_forward_in_join = false);
 
-  /// Empty while every parameter has the dtype and device its bucket was
-  /// built for; otherwise a message naming the first (registration order)
-  /// that does not, with both, as after Module::To() on the wrapped model.
-  /// Local and cheap (two comparisons per parameter): for every forward.
-  /// The caller adds whether it aborted the group.
+  /// Empty while every parameter has the dtype, device and shape its
+  /// bucket was built for; otherwise a message naming the first
+  /// (registration order) that does not, with both, as after Module::To()
+  /// on the wrapped model, or Tensor::SetData with another shape (PyTorch's
+  /// `p.data = ...`). Local and cheap (three comparisons per parameter):
+  /// for every forward. The caller adds whether it aborted the group.
   std::string ParameterChange() const;
 
   /// Whether some parameter of the buckets requires grad now. A forward
@@ -271,6 +272,7 @@ class Reducer {
 
   std::vector<std::string> names_;
   std::vector<nn::Tensor> params_;
+  std::vector<nn::Shape> shapes_;  // each parameter's shape at construction: its bucket slot's
   std::shared_ptr<ProcessGroup> pg_;
   ReducerOptions options_;
   std::shared_ptr<TraceRecorder> trace_;
