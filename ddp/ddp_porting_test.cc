@@ -621,6 +621,57 @@ TEST(DdpPortingTest, AnUnusedParameterAddedAfterWrappingAndFrozenLaterIsNamedAtT
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The same spare head, added after wrapping under find_unused_parameters
+// and used only by forwards under NoSync (an auxiliary loss accumulated
+// between synchronizing steps), each rank's initialized differently. The
+// graph walk that refuses an added parameter ran at synchronizing forwards
+// only, and those leave the head unused: its gradients accumulated in .grad
+// each rank's own, never averaged nor refused. Now the NoSync forward that
+// reaches it is refused on every rank, naming it. DDP_TEST_BROADCAST=false:
+// no buffer broadcast either, so that NoSync forward synchronizes nothing
+// at all (it used not to look at the model's structure).
+DDP_TEST_WORKER(added_reached_under_no_sync) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const bool broadcast = std::string(std::getenv("DDP_TEST_BROADCAST")) == "true";
+  auto model = std::make_shared<WithSpare>();
+  DistributedDataParallel ddp(model, {.broadcast_buffers = broadcast, .find_unused_parameters = true,
+                                      .process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  std::string error = "no error";
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    model->AddSpare(100 + pg->rank());
+    for (int s = 0; s < 2; ++s) {
+      {
+        auto no_sync = ddp.NoSync();
+        model->set_use_spare(true);
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      }
+      model->set_use_spare(false);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::string what = std::string("broadcast_buffers ") + (broadcast ? "true" : "false");
+  for (const std::string& part :
+       {"rank " + std::to_string(pg->rank()) + ": parameter `spare.",
+        std::string("was reached by this forward but is not one the wrapper synchronizes"),
+        std::string("The process group was aborted.")}) {
+    WORKER_EXPECT(error.find(part) != std::string::npos, what + ": no \"" + part + "\" in: " + error);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpPortingTest, AParameterAddedAfterWrappingAndReachedUnderNoSyncIsNamedThere) {
+  for (const char* broadcast : {"true", "false"}) {
+    auto run = RunWorkers("added_reached_under_no_sync", 2,
+                          {{"DDP_TEST_BROADCAST", broadcast}, {"DDP_TEST_TIMEOUT_MS", "10000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << broadcast << "\n" << testing::AllOutput(run);
+  }
+}
+
 // Under Join, rank 1 alone added a spare head after wrapping and leaves it
 // unused (find_unused_parameters lets it): the ranks' models now list
 // different parameters. Join::Wait's final broadcast takes the parameters

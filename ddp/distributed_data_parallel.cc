@@ -589,7 +589,7 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // were broadcast at wrapping, not the new tensor's, so its values may
   // differ across ranks; and no bucket has a new parameter, nor does the
   // buffer broadcast have a new buffer. Refused at the next forward that
-  // synchronizes something (gradients, or buffers), naming it. No
+  // records gradients (under NoSync too) or broadcasts buffers, naming it. No
   // collective: whether the version moved is this process's own view
   // (another model's registrations move it too), so a rank that changed
   // its model refuses alone and the abort stops the others. One integer
@@ -597,7 +597,8 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // the process changed (another model's registrations then pass).
   // - A parameter that requires grad: with find_unused_parameters the
   //   graph walk refuses it where a forward reaches it (Reducer::
-  //   RefuseAddedParameters), and one no forward reaches is simply unused
+  //   RefuseAddedParameters; a NoSync forward's outputs are walked for
+  //   it too), and one no forward reaches is simply unused
   //   (kept in `added_trainable`, and refused as a frozen one below once
   //   it stops requiring grad); but under static_graph that walk runs in
   //   the first iteration only.
@@ -608,10 +609,14 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // - A buffer, while broadcast_buffers is set; without it every buffer is
   //   each rank's own after wrapping (running statistics of the local
   //   batches), so a new one is too.
-  const bool syncs_gradients = nn::GradMode::IsEnabled() && s.require_sync;
+  // Under NoSync too: its gradients accumulate in .grad, which the next
+  // synchronizing backward averages (those of a parameter no bucket has
+  // would stay local), and with find_unused_parameters a parameter reached
+  // only by NoSync forwards was refused by no graph walk.
+  const bool records_gradients = nn::GradMode::IsEnabled();
   const bool syncs_buffers = training && options_.broadcast_buffers && !before_backward;
   const uint64_t version = nn::modules::Module::StructureVersion();
-  const bool checks_structure = size > 1 && (syncs_gradients || syncs_buffers);
+  const bool checks_structure = size > 1 && (records_gradients || syncs_buffers);
   // A parameter left to the graph walk (added, trainable) and frozen since:
   // no walk meets it now, yet its values (never broadcast) reach the
   // outputs. Empty unless one was added: no cost otherwise.
@@ -756,6 +761,9 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   if (sync) {
     s.reducer->PrepareForBackward(outputs, divisor, /*backward_optional=*/!training);
   } else if (s.reducer != nullptr && nn::GradMode::IsEnabled()) {
+    // No PrepareForBackward, so no graph walk: one for the added parameters
+    // left to it (none is the usual case, and costs nothing).
+    if (!s.added_trainable.empty()) s.reducer->RefuseAddedParametersReachedFrom(outputs);
     // A forward under no-grad records no graph, so it leaves a prepared
     // iteration armed: an evaluation between a training forward and its
     // backward does not keep that backward from synchronizing. Nor does a

@@ -504,6 +504,12 @@ void Reducer::RefuseAddedParameters(const std::vector<nn::Tensor>& leaves) {
   }
 }
 
+void Reducer::RefuseAddedParametersReachedFrom(const std::vector<nn::Tensor>& outputs) {
+  std::vector<nn::Tensor> others;
+  (void)UnreachableParameters(outputs, &others);
+  RefuseAddedParameters(others);
+}
+
 void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor,
                                  bool backward_optional) {
   // CheckPreviousIteration refuses a forward after an iteration that did

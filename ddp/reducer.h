@@ -177,6 +177,14 @@ class Reducer {
   /// reached only through `outputs` that then gets a gradient in that
   /// backward fails it on every rank, naming the parameter and NoSync.
   void Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients = false);
+  /// The graph walk of find_unused_parameters, for a forward with grad
+  /// enabled that prepares no backward (under NoSync, or while every
+  /// parameter of the buckets is frozen): throws, after aborting the group,
+  /// as PrepareForBackward's walk does, when `outputs` reach a parameter
+  /// added to the model after wrapping (its gradient would accumulate in
+  /// .grad, no bucket's, and stay each rank's own). Walks the graph: the
+  /// caller calls it only while the model holds such a parameter.
+  void RefuseAddedParametersReachedFrom(const std::vector<nn::Tensor>& outputs);
   /// Whether a NoSync scope is open: a gradient that arrives after the
   /// last synchronizing backward finalized (a further backward through its
   /// graph) then accumulates locally instead of being an error.
