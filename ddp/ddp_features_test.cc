@@ -1277,7 +1277,8 @@ DDP_TEST_WORKER(reshaped_after_wrap) {
     const auto* p = static_cast<const unsigned char*>(g.data_ptr());
     for (size_t i = 0; i < g.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
     WORKER_EXPECT(testing::SameOnAllRanks(*pg, h),
-                  buckets + ": .grad of `" + weight_name + "` " + nn::ShapeToString(g.shape()) + " differs across ranks");
+                  buckets + ": .grad of `" + weight_name + "` " + nn::ShapeToString(g.shape()) +
+                      " differs across ranks");
   }
   return testing::WorkerExit();
 }
