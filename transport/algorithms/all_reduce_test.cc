@@ -1,5 +1,6 @@
 #include "transport/algorithms/all_reduce.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
@@ -155,8 +156,11 @@ TEST(AllReduceTest, RanksRunningDifferentAlgorithmsFailFast) {
 
 // Runs an all-reduce of 64 floats on `world` ranks (`setup` may give the
 // odd rank up to 66 elements of f32 or f64), nobody killed, under a 6 s
-// deadline; rank `odd` starts 300 ms late, so that the others are inside
-// the call when it comes. `setup` gives each rank its count, dtype,
+// deadline; rank `odd` starts last, once every other rank is about to call
+// and 50 ms more, so that the others are inside the call when it comes.
+// (A fixed 300 ms head start did the same at 23 s over the 77 cases of the
+// two tests below; counting the callers also holds however slowly threads
+// start on a loaded machine.) `setup` gives each rank its count, dtype,
 // algorithm and tuning (by whether it is the odd one). Returns every rank's
 // status, and in `took` each rank's time from the start.
 std::vector<Status> RunWithALateOddRank(int world, int odd,
@@ -167,11 +171,11 @@ std::vector<Status> RunWithALateOddRank(int world, int odd,
   options.kill_on_error = false;
   const auto start = Clock::now();
   const auto deadline = start + 6s;
+  std::atomic<int> calling{0};
   return ::ddp::transport::testing::RunRanks(
       world,
       [&](p2p::PointToPoint& p2p) -> Status {
         const bool is_odd = p2p.rank() == odd;
-        if (is_odd) std::this_thread::sleep_for(300ms);
         std::vector<double> data(66, 1.0);  // room for 66 of f32 or f64
         CollectiveArgs args;
         args.send = data.data();
@@ -179,6 +183,14 @@ std::vector<Status> RunWithALateOddRank(int world, int odd,
         args.count = 64;
         args.deadline = deadline;
         const Algorithm algo = setup(is_odd, args);
+        if (is_odd) {
+          // Bounded by the call's own deadline: a rank that never came
+          // leaves the others to time out, which the checks report.
+          while (calling.load() < world - 1 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+          std::this_thread::sleep_for(50ms);
+        } else {
+          calling.fetch_add(1);
+        }
         Status status = AllReduce(p2p, args, algo);
         (*took)[p2p.rank()] = Clock::now() - start;
         return status;
@@ -306,6 +318,11 @@ TEST(AllReduceTest, TreeAndRhdRanksFarFromADisagreeingRankFailPromptly) {
 // itself and both counts. Its partner, rank r - 1, runs the ring and sends
 // it a fingerprint; it waited first for one from its predecessor in the
 // exchanging ranks' ring, which the ring never sends, until its deadline.
+// Nobody is killed until the odd rank has its result, which is therefore
+// its own finding; then every rank is, so that the ring ranks, which no
+// note reaches, fail at once instead of at their 4 s deadline (20 s of
+// waiting over the six cases). No rank can return OK after that: each
+// needs data from the odd rank, which sends none once it has failed.
 TEST(AllReduceTest, AFoldRankChoosingRhdAmongRingRanksFailsAtOnce) {
   constexpr size_t kShort = 16, kLong = 65536;  // 64 B: rhd; 256 KiB: the ring on 5-7 ranks
   for (int world : {5, 6, 7}) {
@@ -315,8 +332,9 @@ TEST(AllReduceTest, AFoldRankChoosingRhdAmongRingRanksFailsAtOnce) {
       std::vector<Algorithm> chose(world);
       ::ddp::transport::testing::HarnessOptions options;
       options.kill_on_error = false;
+      p2p::LoopbackHub hub(world);
       auto statuses = ::ddp::transport::testing::RunRanks(
-          world,
+          hub,
           [&](p2p::PointToPoint& p2p) -> Status {
             std::vector<float> data(kLong, 1.0f);
             CollectiveArgs args;
@@ -329,6 +347,9 @@ TEST(AllReduceTest, AFoldRankChoosingRhdAmongRingRanksFailsAtOnce) {
             args.deadline = start + 4s;
             Status status = AllReduce(p2p, args, Algorithm::kAuto);
             took[p2p.rank()] = Clock::now() - start;
+            if (p2p.rank() == odd) {
+              for (int r = 0; r < world; ++r) hub.Kill(r);
+            }
             return status;
           },
           options);
