@@ -80,6 +80,26 @@ std::unique_ptr<Communicator> MustCreate() {
   return std::move(*comm);
 }
 
+// Marks by which one rank tells another that it reached a point of its
+// scenario, so that the other waits just that long instead of a fixed
+// sleep: a file in the test's temporary folder, named for the job.
+std::string MarkFile(const std::string& mark) {
+  return EnvOr("TEST_TMPDIR", "/tmp") + "/" + mark + "_" + EnvOr("MASTER_PORT", "0") + "_" +
+         EnvOr("DDP_JOB_TOKEN");
+}
+
+void SetMark(const std::string& mark) { std::ofstream(MarkFile(mark)) << mark; }
+
+// Whether `mark` was set within `limit`.
+bool AwaitMark(const std::string& mark, milliseconds limit) {
+  const auto until = Clock::now() + limit;
+  while (!std::filesystem::exists(MarkFile(mark))) {
+    if (Clock::now() >= until) return false;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return true;
+}
+
 void SweepAllReduce(Communicator& comm, Algorithm algorithm) {
   const int n = comm.size();
   const std::vector<size_t> counts = {0, 1, static_cast<size_t>(n - 1), 1001, 6000};
@@ -719,10 +739,12 @@ int ScenarioStoreRankDiesUnderASplitWithoutIt() {
   Status made = comm->Barrier();
   WORKER_CHECK(made.ok(), "barrier after the split: " + made.ToString());
   if (me == 0) _exit(0);
-  if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  // Once rank 2 has its result, 3 s late at the latest.
+  if (me == 1) AwaitMark("rank_2_failed", milliseconds(3000));
   std::vector<float> all(5000, 1.0f);
   Status s = (*child)->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
   if (me == 2) {
+    SetMark("rank_2_failed");
     WORKER_CHECK(!s.ok() && s.message().find("rank 0 of the communicator this one was split from") !=
                                 std::string::npos,
                  "all-reduce after the store's rank died: " + s.ToString());
@@ -861,9 +883,11 @@ int ScenarioLate() {
 }
 
 // A point-to-point Wait with a short deadline returns at it while the
-// communicator's thread is inside a long collective (rank 1 comes
-// kBusyPollLate late to it); it used to wait for the worker the collective
-// held, until rank 1 came. The receive then completes once rank 1 sends.
+// communicator's thread is inside a long collective; it used to wait for
+// the worker the collective held, until rank 1 came. Rank 1 joins the
+// collective once rank 0's wait has returned, at kBusyPollLate at the
+// latest (where the old wait returned). The receive then completes once
+// rank 1 sends.
 constexpr milliseconds kBusyPollLate(8000);
 int ScenarioBusyPoll() {
   auto comm = MustCreate();
@@ -881,11 +905,13 @@ int ScenarioBusyPoll() {
     // machine's delay of a 200 ms wait.
     WORKER_CHECK(waited_ms < kBusyPollLate.count() / 2,
                  "a 200 ms wait took " + std::to_string(waited_ms) + " ms");
+    SetMark("busy_poll_waited");
     WORKER_CHECK(reduce.Wait().ok(), "all-reduce");
     const Status got = recv.Wait();
     WORKER_CHECK(got.ok() && in[0] == 7 && in[15] == 7, "receive: " + got.ToString());
   } else {
-    std::this_thread::sleep_for(kBusyPollLate);
+    // Not a check: rank 0 reports a wait that lasted until now.
+    AwaitMark("busy_poll_waited", kBusyPollLate);
     WORKER_CHECK(comm->AllReduce(big.data(), big.size(), DataType::kF32, ReduceOp::kSum).ok(), "all-reduce");
     WORKER_CHECK(comm->Send(out.data(), out.size(), DataType::kI64, 0, 5).ok(), "send");
   }
@@ -894,14 +920,16 @@ int ScenarioBusyPoll() {
 
 // A blocking Recv with a 1 s timeout returns TIMED_OUT by about then while
 // another thread's Barrier, begun after the receive was posted, holds the
-// communicator waiting for a late peer (rank 1 comes 4 s late); it used to wait for the worker until the
-// barrier ended. The message names the peer, tag and size, and the buffer
-// is left alone.
+// communicator waiting for a late peer (rank 1 comes once the receive has
+// returned, 4 s late at the latest); it used to wait for the worker until
+// the barrier ended. The message names the peer, tag and size, and the
+// buffer is left alone.
 int ScenarioBusyRecv() {
   auto comm = MustCreate();
   if (comm->rank() == 1) {
-    std::this_thread::sleep_for(milliseconds(4000));
-    comm->Barrier().IgnoreError();  // fails once rank 0's timeout aborted the job
+    // Not a check: rank 0 reports a receive that lasted until now.
+    AwaitMark("busy_recv_returned", milliseconds(4000));
+    comm->Barrier().IgnoreError();  // fails if rank 0's timeout aborted the job
     return testing::worker_failures == 0 ? 0 : 1;
   }
   // The receive is posted first; the barrier then takes the communicator
@@ -915,6 +943,7 @@ int ScenarioBusyRecv() {
   const Status s = comm->Recv(in.data(), in.size(), DataType::kI64, 1, 11, {.timeout = milliseconds(1000)});
   const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   std::printf("RECV after %lld ms: %s\n", static_cast<long long>(ms), s.ToString().c_str());
+  SetMark("busy_recv_returned");
   WORKER_CHECK(ms < 2500, "a receive with a 1 s timeout took " + std::to_string(ms) + " ms");
   WORKER_CHECK(s.code() == StatusCode::kTimedOut &&
                    s.message().find("receive from rank 1 (tag 11, 32 bytes)") != std::string::npos,
@@ -1271,7 +1300,8 @@ int ScenarioRecreateWhileASplitHoldsTheStore() {
 // was the last slice's: "timed out after 187 ms" after seconds).
 int ScenarioCreationTimeoutMessage() {
   if (std::atoi(EnvOr("RANK", "-1").c_str()) == 1) {
-    std::this_thread::sleep_for(milliseconds(4000));  // never creates
+    // Never creates; alive until rank 0 gave up, as a slow rank would be.
+    AwaitMark("creation_failed", milliseconds(30000));
     return 0;
   }
   CommunicatorOptions options = WorkerOptions();
@@ -1279,6 +1309,7 @@ int ScenarioCreationTimeoutMessage() {
   const auto start = Clock::now();
   auto comm = Communicator::CreateFromEnvironment(options);
   const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  SetMark("creation_failed");
   WORKER_CHECK(!comm.ok(), "created without rank 1");
   if (comm.ok()) return 1;
   std::printf("CREATE %s (after %lld ms)\n", comm.status().ToString().c_str(), static_cast<long long>(took));
@@ -1437,7 +1468,7 @@ int ScenarioAbortFromAnotherThread() {
                  "aborted_reason: " + comm->aborted_reason().ToString());
     // Stays until rank 1 has made its call: after an abort the rank
     // serving the store waits only briefly for the others to leave.
-    std::this_thread::sleep_until(start + std::chrono::seconds(4));
+    WORKER_CHECK(AwaitMark("late_call_made", milliseconds(40000)), "rank 1 never made its call");
   } else {
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));
     const auto called = Clock::now();
@@ -1447,6 +1478,7 @@ int ScenarioAbortFromAnotherThread() {
     // call then finishes without waiting (with the right sum): the next
     // one, which waits for rank 0, fails.
     if (s.ok()) s = comm->Barrier({.timeout = std::chrono::seconds(20)});
+    SetMark("late_call_made");
     WORKER_CHECK(!s.ok() && s.message().find("stopped by the test") != std::string::npos,
                  "rank 1's call: " + s.ToString());
     WORKER_CHECK(Clock::now() - called < std::chrono::seconds(8), "rank 1 waited for its deadline");
@@ -1476,9 +1508,10 @@ int ScenarioRepeatedAbortAsksNoStore() {
                      std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()) + " ms");
     WORKER_CHECK(comm->aborted_reason().message().find("stopped by the test") != std::string::npos,
                  "aborted_reason: " + comm->aborted_reason().ToString());
+    SetMark("aborted_again");
   } else {
     // Serves the store until rank 1 is done with it.
-    std::this_thread::sleep_for(std::chrono::seconds(3));
+    WORKER_CHECK(AwaitMark("aborted_again", milliseconds(30000)), "rank 1 never aborted again");
   }
   return testing::worker_failures == 0 ? 0 : 1;
 }
@@ -1565,13 +1598,15 @@ int ScenarioLatePeerAfterTheStoreRanksAbort() {
     // Kept until rank 1 left, which is some time after its late call.
     WORKER_CHECK(took < std::chrono::seconds(8), "destroying took " + std::to_string(took_ms) + " ms");
     std::printf("DESTROYED in %lld ms\n", took_ms);
-    // The process stays: its exit is not what tells rank 1.
-    std::this_thread::sleep_for(std::chrono::seconds(6));
+    // The process stays until rank 1 has called: its exit is not what
+    // tells rank 1.
+    WORKER_CHECK(AwaitMark("late_call_made", milliseconds(60000)), "rank 1 never made its late call");
     return testing::worker_failures == 0 ? 0 : 1;
   }
   std::this_thread::sleep_for(milliseconds(2000));
   std::vector<float> all(1000, 1.0f);
   s = comm->AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum);
+  SetMark("late_call_made");
   WORKER_CHECK(!s.ok() && s.message().find("rank zero gave up") != std::string::npos,
                "the late all-reduce: " + s.ToString());
   std::printf("LATE rank 1: %s\n", s.ToString().c_str());
@@ -2925,10 +2960,16 @@ void ExpectSurvivorsReport(int n, Algorithm algorithm, int signal, int victim = 
                      std::this_thread::sleep_for(milliseconds(500));
                      group.Kill(victim, signal);
                      if (signal == SIGSTOP) {
-                       // Well after a survivor that keeps its deadline
-                       // reported (the bound below), so that one that
-                       // only notices the SIGKILL fails it.
-                       std::this_thread::sleep_for(timeout + kStoppedSlack + milliseconds(2500));
+                       // Once every survivor is done with its checked
+                       // calls, and otherwise well after a survivor that
+                       // keeps its deadline reported (the bound below), so
+                       // that one that only notices the SIGKILL fails it.
+                       std::vector<int> survivors;
+                       for (int r = 0; r < n; ++r) {
+                         if (r != victim) survivors.push_back(r);
+                       }
+                       group.WaitForOutput("AGAIN", DeadlineIn(timeout + kStoppedSlack + milliseconds(2500)),
+                                           survivors);
                        group.Kill(victim, SIGKILL);
                      }
                    });

@@ -113,8 +113,21 @@ std::string RandomToken() {
 }  // namespace
 
 bool ProcessGroup::WaitForOutput(const std::string& text, Deadline deadline) {
-  std::vector<bool> seen(pids_.size(), false);
-  size_t left = pids_.size();
+  std::vector<int> every(pids_.size());
+  for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<int>(i);
+  return WaitForOutput(text, deadline, every);
+}
+
+bool ProcessGroup::WaitForOutput(const std::string& text, Deadline deadline, const std::vector<int>& ranks) {
+  std::vector<bool> seen(pids_.size(), true);
+  for (int r : ranks) {
+    if (r < 0 || static_cast<size_t>(r) >= pids_.size()) {
+      ADD_FAILURE() << "WaitForOutput: rank " << r << " is not one of the " << pids_.size() << " workers";
+      return false;
+    }
+    seen[static_cast<size_t>(r)] = false;
+  }
+  size_t left = static_cast<size_t>(std::count(seen.begin(), seen.end(), false));
   while (left > 0) {
     for (size_t i = 0; i < pids_.size(); ++i) {
       if (seen[i]) continue;

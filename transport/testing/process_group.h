@@ -54,6 +54,8 @@ class ProcessGroup {
   /// Waits until every worker has printed `text` (polling their output);
   /// false when the deadline passes first or a worker exits without it.
   bool WaitForOutput(const std::string& text, Deadline deadline);
+  /// The same for the workers of `ranks` only (a stopped one never prints).
+  bool WaitForOutput(const std::string& text, Deadline deadline, const std::vector<int>& ranks);
   pid_t pid(int rank) const { return pids_[rank]; }
 
  private:
