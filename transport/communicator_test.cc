@@ -54,7 +54,9 @@ using testing::CountWrong;
 using testing::EnvOr;
 using testing::FillInput;
 using testing::Job;
+using testing::AwaitMark;
 using testing::RunJob;
+using testing::SetMark;
 
 constexpr DataType kAllTypes[] = {DataType::kF32, DataType::kF64, DataType::kF16, DataType::kBF16,
                                   DataType::kI32, DataType::kI64, DataType::kU8};
@@ -78,26 +80,6 @@ std::unique_ptr<Communicator> MustCreate() {
     std::exit(3);
   }
   return std::move(*comm);
-}
-
-// Marks by which one rank tells another that it reached a point of its
-// scenario, so that the other waits just that long instead of a fixed
-// sleep: a file in the test's temporary folder, named for the job.
-std::string MarkFile(const std::string& mark) {
-  return EnvOr("TEST_TMPDIR", "/tmp") + "/" + mark + "_" + EnvOr("MASTER_PORT", "0") + "_" +
-         EnvOr("DDP_JOB_TOKEN");
-}
-
-void SetMark(const std::string& mark) { std::ofstream(MarkFile(mark)) << mark; }
-
-// Whether `mark` was set within `limit`.
-bool AwaitMark(const std::string& mark, milliseconds limit) {
-  const auto until = Clock::now() + limit;
-  while (!std::filesystem::exists(MarkFile(mark))) {
-    if (Clock::now() >= until) return false;
-    std::this_thread::sleep_for(milliseconds(10));
-  }
-  return true;
 }
 
 void SweepAllReduce(Communicator& comm, Algorithm algorithm) {

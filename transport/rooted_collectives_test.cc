@@ -489,8 +489,9 @@ int ScenarioDisagree() {
 }
 
 // Rank DDP_TEST_GONE_RANK leaves (DDP_TEST_GONE=exit: dies before the call;
-// sleep: sleeps DDP_TEST_LATE_MS, past the others' deadline, and exits
-// without the call); the others run a rooted call and print how it ended.
+// sleep: waits until every other rank's call has ended, DDP_TEST_LATE_MS at
+// most, past the others' deadline, and exits without the call); the others
+// run a rooted call and print how it ended.
 int ScenarioGone() {
   auto comm = MustCreate();
   const int n = comm->size(), me = comm->rank();
@@ -509,7 +510,12 @@ int ScenarioGone() {
   }
   if (me == gone) {
     if (how == "exit") _exit(7);
-    std::this_thread::sleep_for(milliseconds(std::atoi(EnvOr("DDP_TEST_LATE_MS").c_str())));
+    const auto until = Clock::now() + milliseconds(std::atoi(EnvOr("DDP_TEST_LATE_MS").c_str()));
+    // Not a check: a rank that waited for this one reports it.
+    for (int r = 0; r < n; ++r) {
+      const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+      if (r != me) testing::AwaitMark("call_ended_" + std::to_string(r), std::max(left, milliseconds(0)));
+    }
     return 0;
   }
   std::vector<float> send(n * 100000, 1.0f), recv(n * 100000);
@@ -525,6 +531,8 @@ int ScenarioGone() {
   }
   const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   std::printf("RESULT %s ms=%lld\n", s.ToString().c_str(), static_cast<long long>(ms));
+  std::fflush(stdout);
+  testing::SetMark("call_ended_" + std::to_string(me));
   return s.ok() ? 1 : 0;
 }
 
@@ -744,8 +752,9 @@ constexpr int kLateSlackMs = 2500;
 // arrives after the deadline (TIMED_OUT): the root (rank 0) reports within
 // the 1.5 s deadline plus a margin, and so does rank 2, except in a
 // shared-memory scatter, where it needs only the root and may get its
-// block (the worker then returns 1: RESULT OK). The late rank comes twice
-// the margin after the deadline, so that a survivor waiting for it fails.
+// block (the worker then returns 1: RESULT OK). The late rank leaves once
+// the others' calls have ended, and otherwise twice the margin after the
+// deadline, so that a survivor waiting for it fails.
 void ExpectSurvivorsReport(const std::string& collective, const std::string& how,
                            bool shared_memory) {
   SCOPED_TRACE(collective + " " + how + (shared_memory ? " shm" : " ucx"));

@@ -221,6 +221,26 @@ Job RunJob(int size, const std::string& scenario, ProcessGroup::Env env,
   return Job{(*group)->Wait(DeadlineIn(limit))};
 }
 
+namespace {
+
+std::string MarkFile(const std::string& mark) {
+  return EnvOr("TEST_TMPDIR", "/tmp") + "/mark_" + mark + "_" + EnvOr("MASTER_PORT", "0") + "_" +
+         EnvOr("DDP_JOB_TOKEN");
+}
+
+}  // namespace
+
+void SetMark(const std::string& mark) { std::ofstream(MarkFile(mark)) << mark; }
+
+bool AwaitMark(const std::string& mark, std::chrono::milliseconds limit) {
+  const auto until = Clock::now() + limit;
+  while (access(MarkFile(mark).c_str(), F_OK) != 0) {
+    if (Clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
 int WorkerOrTestsMain(int argc, char** argv, int (*run_scenario)(const std::string& name)) {
   const char* scenario = std::getenv("DDP_TEST_SCENARIO");
   if (scenario != nullptr) {

@@ -87,6 +87,13 @@ Job RunJob(int size, const std::string& scenario, ProcessGroup::Env env = {},
 /// The value of environment variable `name`, or `fallback` when it is unset.
 std::string EnvOr(const char* name, const char* fallback = "");
 
+/// Marks by which one worker tells the others of its job that it reached a
+/// point of its scenario, so that they wait just that long instead of a
+/// fixed sleep: a file in TEST_TMPDIR named for the job and `mark`.
+void SetMark(const std::string& mark);
+/// Whether `mark` was set within `limit` (polled every 10 ms).
+bool AwaitMark(const std::string& mark, std::chrono::milliseconds limit);
+
 /// WORKER_CHECKs that failed in this process.
 inline int worker_failures = 0;
 
