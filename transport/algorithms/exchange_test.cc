@@ -1,5 +1,6 @@
 #include "transport/algorithms/exchange.h"
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -236,7 +237,9 @@ TEST(DirectExchange, OneRankWithAnotherDtypeOrCountFailsEveryRank) {
 // bytes to rank `to`, which expects 2 or 8. Only the receiver failed
 // before (its receive was the wrong size); the sender returned OK. The
 // other ranks are not asserted on: the pair's failed ranks may cancel
-// blocks meant for them (short deadline, nobody killed).
+// blocks meant for them (short deadline, nobody killed). Once both ranks
+// of the pair have their results, every rank is killed, so that the others
+// stop waiting for their deadline (up to 2 s a case; 6 s over the 24).
 TEST(DirectExchange, APairDisagreeingOnABlockSizeFailsBothOfItsRanks) {
   constexpr int kWorld = 4;
   for (int from = 0; from < kWorld; ++from) {
@@ -246,8 +249,10 @@ TEST(DirectExchange, APairDisagreeingOnABlockSizeFailsBothOfItsRanks) {
         const std::string what = "rank " + std::to_string(from) + " sends rank " +
                                  std::to_string(to) + " 4 bytes, which expects " +
                                  std::to_string(expected);
+        p2p::LoopbackHub hub(kWorld);
+        std::atomic<int> pair_done{0};
         auto statuses = RunRanks(
-            kWorld,
+            hub,
             [&](p2p::PointToPoint& p2p) -> Status {
               const int r = p2p.rank();
               std::vector<unsigned char> out(4 * kWorld, 1), in(8 * kWorld, 0);
@@ -255,7 +260,11 @@ TEST(DirectExchange, APairDisagreeingOnABlockSizeFailsBothOfItsRanks) {
               for (int q = 0; q < kWorld; ++q) {
                 blocks[q] = {&out[4 * q], 4, &in[8 * q], r == to && q == from ? expected : 4};
               }
-              return DirectExchange(p2p, blocks, Args(2s), /*empty_messages=*/true);
+              Status status = DirectExchange(p2p, blocks, Args(2s), /*empty_messages=*/true);
+              if ((r == from || r == to) && pair_done.fetch_add(1) == 1) {
+                for (int q = 0; q < kWorld; ++q) hub.Kill(q);
+              }
+              return status;
             },
             {.kill_on_error = false});
         const std::string want = "rank " + std::to_string(from) + " sends rank " +
