@@ -6,7 +6,8 @@
 //   <status code name> <elapsed ms>
 //
 //   resolve_probe HOST PORT DEADLINE_MS          # TcpStoreClient::Connect
-//   resolve_probe --plain HOST PORT              # getaddrinfo alone (the control)
+//   resolve_probe --plain HOST PORT [GIVE_UP_MS] # getaddrinfo alone (the control);
+//       with GIVE_UP_MS, a lookup still unanswered then prints HUNG and exits
 //   resolve_probe --serve HOST DEADLINE_MS       # TcpStoreServer::Start on HOST
 //   resolve_probe --appear HOSTS NAME DELAY_MS DEADLINE_MS
 //       serves a store on 127.0.0.1 and connects to it as NAME, which the
@@ -26,10 +27,12 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -67,14 +70,14 @@ std::string Serve(const std::string& bind_address,
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  const bool plain = argc == 4 && mode == "--plain";
+  const bool plain = (argc == 4 || argc == 5) && mode == "--plain";
   const bool appear = argc == 6 && mode == "--appear";
   const bool dual = argc == 3 && mode == "--dual";
   const bool serve = argc == 4 && mode == "--serve";
   const bool bounded = argc == 4 && mode.rfind("--", 0) != 0;
   if (!plain && !appear && !dual && !serve && !bounded) {
     std::fprintf(stderr,
-                 "usage: %s HOST PORT DEADLINE_MS | --plain HOST PORT | --serve HOST DEADLINE_MS | "
+                 "usage: %s HOST PORT DEADLINE_MS | --plain HOST PORT [GIVE_UP_MS] | --serve HOST DEADLINE_MS | "
                  "--appear HOSTS NAME DELAY_MS DEADLINE_MS | --dual NAME\n",
                  argv[0]);
     return 2;
@@ -96,12 +99,32 @@ int main(int argc, char** argv) {
   const auto start = Clock::now();
   std::string outcome;
   if (plain) {
-    addrinfo hints{};
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* result = nullptr;
-    const int rc = getaddrinfo(argv[2], argv[3], &hints, &result);
-    if (result != nullptr) freeaddrinfo(result);
-    outcome = rc == 0 ? "OK" : "EAI";
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    // Detached: a lookup that hangs past GIVE_UP_MS is left to the exit.
+    std::thread([&, host = std::string(argv[2]), service = std::string(argv[3])] {
+      addrinfo hints{};
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* result = nullptr;
+      const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &result);
+      if (result != nullptr) freeaddrinfo(result);
+      std::lock_guard lock(mu);
+      outcome = rc == 0 ? "OK" : "EAI";
+      done = true;
+      cv.notify_all();
+    }).detach();
+    std::unique_lock lock(mu);
+    if (argc == 5) {
+      if (!cv.wait_for(lock, std::chrono::milliseconds(std::atoi(argv[4])), [&] { return done; })) {
+        const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+        std::printf("HUNG %lld\n", static_cast<long long>(ms.count()));
+        std::fflush(stdout);
+        _exit(0);  // the lookup's thread still holds `outcome`
+      }
+    } else {
+      cv.wait(lock, [&] { return done; });
+    }
   } else if (bounded) {
     outcome = Connect(argv[1], std::atoi(argv[2]),
                       Clock::now() + std::chrono::milliseconds(std::atoi(argv[3])));
