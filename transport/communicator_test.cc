@@ -1248,8 +1248,17 @@ int ScenarioRecreateOnALastingStore() {
     std::printf("ROUND %d rank %d: %s\n", round, comm->rank(), s.ToString().c_str());
     std::fflush(stdout);
   }
-  // Rank 1 leaves its last communicator through the store (bounded).
-  if (server != nullptr) std::this_thread::sleep_for(milliseconds(1500));
+  // Rank 1 leaves its last communicator through the store (bounded): the
+  // store stays until it has, 1.5 s at the longest.
+  if (server == nullptr) {
+    SetMark("left_rank_" + std::to_string(rank));
+  } else {
+    const auto until = Clock::now() + milliseconds(1500);
+    for (int r = 1; r < std::atoi(EnvOr("WORLD_SIZE", "1").c_str()); ++r) {
+      const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+      AwaitMark("left_rank_" + std::to_string(r), std::max(left, milliseconds(0)));
+    }
+  }
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
