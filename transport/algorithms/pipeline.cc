@@ -259,16 +259,19 @@ Status PeerCheck::VerifyAsTheyArrive(Requests& requests) {
 }
 
 Status PeerCheck::Compare(const p2p::PointToPoint& p2p, size_t i) {
-  if (theirs_[i] == mine_) return Status();
+  return CompareWith(p2p, from_[i], theirs_[i]);
+}
+
+Status PeerCheck::CompareWith(const p2p::PointToPoint& p2p, int peer, const Fingerprint& theirs) {
+  if (theirs == mine_) return Status();
   if (differing_peer_ < 0) {
-    differing_kind_ = theirs_[i].kind;
-    differing_peer_ = from_[i];
-    differing_ = theirs_[i];
+    differing_kind_ = theirs.kind;
+    differing_peer_ = peer;
+    differing_ = theirs;
   }
   return InvalidArgumentError(what_ + ": ranks disagree on the arguments: " +
-                              DescribePeer(p2p, from_[i]) + " passed " +
-                              theirs_[i].ToString() + " but " + DescribePeer(p2p, p2p.rank()) +
-                              " passed " + mine_.ToString());
+                              DescribePeer(p2p, peer) + " passed " + theirs.ToString() + " but " +
+                              DescribePeer(p2p, p2p.rank()) + " passed " + mine_.ToString());
 }
 
 Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
@@ -674,6 +677,10 @@ Status Requests::WaitOrStop(p2p::RequestId id) {
   }
   Forget(stop_recv_);
   stop_recv_ = 0;
+  return StopNoteError();
+}
+
+Status Requests::StopNoteError() {
   const StopNote note = *stop_got_;
   stopped_by_kind_ = note.theirs.kind;
   SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
@@ -722,6 +729,58 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
   Status status = p2p_.WaitAll(one, deadline_);
   Forget(id);  // released by WaitAll either way
   return Annotate(status, Describe(p2p_, where));
+}
+
+Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
+                                     const void* header) {
+  DDP_RETURN_IF_ERROR(VerifyFirst());
+  Fingerprint theirs;
+  if (stop_recv_ == 0 || check_ == nullptr) {
+    // A note already ended this rank's part (the caller returned on it), or
+    // the caller broke the contract: compare what came, with no note.
+    DDP_RETURN_IF_ERROR(Wait(id, where));
+    if (check_ == nullptr) return Status();
+    std::memcpy(&theirs, header, sizeof(theirs));
+    return Annotate(check_->CompareWith(p2p_, where.peer, theirs), Describe(p2p_, where));
+  }
+  Status status = WaitOrStop(id);
+  if (status.ok()) {
+    std::memcpy(&theirs, header, sizeof(theirs));
+    Status differs = check_->CompareWith(p2p_, where.peer, theirs);
+    if (!differs.ok()) {
+      StopNote note;
+      note.theirs = theirs;
+      note.finders = check_->mine();
+      note.their_rank = where.peer;
+      note.finder = p2p_.rank();
+      SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
+    }
+    return Annotate(differs, Describe(p2p_, where));
+  }
+  // A note (stop_recv_ released), a lost peer or the deadline: as it is.
+  if (stop_recv_ == 0 || status.code() != StatusCode::kInvalidArgument) {
+    return Annotate(status, Describe(p2p_, where));
+  }
+  // Another size: the peer passed another count or dtype, which some ring
+  // check finds (the ring covers every exchanging rank, so some neighbours
+  // differ); its note names both values. Before the fingerprint rode with
+  // the data, this rank had the peer's own message and named both itself.
+  const p2p::RequestId note_only[1] = {stop_recv_};
+  StatusOr<size_t> got = p2p_.WaitAny(note_only, deadline_);
+  if (got.ok()) {
+    Forget(stop_recv_);
+    stop_recv_ = 0;
+    return StopNoteError();
+  }
+  // No note by the deadline: say what is known, and tell the others that.
+  StopNote note;
+  note.finders = check_->mine();
+  note.their_rank = where.peer;
+  note.finder = p2p_.rank();
+  SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
+  return Status(status.code(), Describe(p2p_, where) + ": " + status.message() +
+                                   "; no rank's note named that peer's arguments (" +
+                                   got.status().message() + ")");
 }
 
 StatusOr<bool> Requests::Test(p2p::RequestId id, const Where& where) {

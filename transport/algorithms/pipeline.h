@@ -192,6 +192,10 @@ class PeerCheck {
   /// first mismatch fails at once even while some peer has not sent yet
   /// (CheckEmptyCall's peers may never send).
   Status VerifyAsTheyArrive(Requests& requests);
+  /// Compares `theirs`, what `peer` sent beside its data rather than as a
+  /// message of its own (Requests::WaitWithFingerprint), with this rank's:
+  /// INVALID_ARGUMENT naming the peer and both values when they differ.
+  Status CompareWith(const p2p::PointToPoint& p2p, int peer, const Fingerprint& theirs);
   bool verified() const { return verified_; }
   /// Fingerprint::kind of the first peer found to differ, 0 while none has.
   int32_t differing_kind() const { return differing_kind_; }
@@ -395,6 +399,21 @@ class Requests {
   /// not wait for its sends until the deadline. Without RelayStops, WaitAll.
   Status WaitAllInStep(const char* what);
 
+  /// Wait for a receive whose message starts with the sender's Fingerprint
+  /// (`theirs`, the first bytes of its buffer), which replaces a separate
+  /// fingerprint message from that peer (halving-doubling's step partners,
+  /// doubling mode: a message fewer each way per partner). Needs RelayStops
+  /// and a PeerCheck. A fingerprint that differs from this rank's fails as
+  /// PeerCheck does, naming the peer and both values, and sends a stop note
+  /// as a finder. A message of another size carries no fingerprint to
+  /// read: the peer passed another count or dtype, and the ring check
+  /// finds some pair that differs and its note reaches this rank, so this
+  /// waits for that note (until the deadline) and fails with it, naming
+  /// both values; only a deadline with no note returns the size error.
+  /// `theirs` points at the Fingerprint's bytes (read once the receive is
+  /// complete).
+  Status WaitWithFingerprint(p2p::RequestId id, const Where& where, const void* theirs);
+
   /// Completed without blocking? Releases it when so.
   StatusOr<bool> Test(p2p::RequestId id, const Where& where);
 
@@ -458,6 +477,9 @@ class Requests {
   // Waits for `id` or a stop note, whichever comes first (RelayStops); the
   // caller annotates errors.
   Status WaitOrStop(p2p::RequestId id);
+  // The error of the stop note that has arrived in stop_got_, after passing
+  // it on; stop_recv_ is already released.
+  Status StopNoteError();
   // What a rank that found a disagreement sends on around the ring.
   struct StopNote {
     // What `their_rank` passed; kind 0 when not known, as `finder` found
