@@ -734,18 +734,23 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
 Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
                                      const void* header) {
   DDP_RETURN_IF_ERROR(VerifyFirst());
+  auto unpack = [header] {
+    PackedFingerprint packed;
+    std::memcpy(&packed, header, sizeof(packed));
+    return packed.Unpack();
+  };
   Fingerprint theirs;
   if (stop_recv_ == 0 || check_ == nullptr) {
     // A note already ended this rank's part (the caller returned on it), or
     // the caller broke the contract: compare what came, with no note.
     DDP_RETURN_IF_ERROR(Wait(id, where));
     if (check_ == nullptr) return Status();
-    std::memcpy(&theirs, header, sizeof(theirs));
+    theirs = unpack();
     return Annotate(check_->CompareWith(p2p_, where.peer, theirs), Describe(p2p_, where));
   }
   Status status = WaitOrStop(id);
   if (status.ok()) {
-    std::memcpy(&theirs, header, sizeof(theirs));
+    theirs = unpack();
     Status differs = check_->CompareWith(p2p_, where.peer, theirs);
     if (!differs.ok()) {
       StopNote note;

@@ -144,6 +144,44 @@ struct Fingerprint {
   std::string ToString() const;
 };
 
+/// A Fingerprint in 24 bytes, for carrying in front of a message's data
+/// (Requests::WaitWithFingerprint): with the 32-byte one, a 64-byte
+/// message grew past what UCX sends as a short message over shared memory
+/// (am_short 100 bytes, 8 of them the tag) and 64 B rhd calls got slower.
+/// Exact for every fingerprint of arguments that passed CheckArgs (dtype,
+/// op and kind fit a byte).
+struct PackedFingerprint {
+  uint64_t count = 0;
+  uint64_t whole_count = 0;
+  int32_t root = 0;
+  int8_t dtype = 0;
+  int8_t op = 0;
+  int8_t kind = 0;
+  int8_t unused = 0;
+
+  static PackedFingerprint Pack(const Fingerprint& f) {
+    PackedFingerprint p;
+    p.count = f.count;
+    p.whole_count = f.whole_count;
+    p.root = f.root;
+    p.dtype = static_cast<int8_t>(f.dtype);
+    p.op = static_cast<int8_t>(f.op);
+    p.kind = static_cast<int8_t>(f.kind);
+    return p;
+  }
+  Fingerprint Unpack() const {
+    Fingerprint f;
+    f.count = count;
+    f.whole_count = whole_count;
+    f.root = root;
+    f.dtype = dtype;
+    f.op = op;
+    f.kind = kind;
+    return f;
+  }
+};
+static_assert(sizeof(PackedFingerprint) == 24, "sent as raw bytes: no padding");
+
 /// Fingerprint::kind values: a rank running another collective or another
 /// algorithm is a mismatch too (say, CallOptions::algorithm forced on one
 /// rank, or a count on the other side of the selection table's threshold).
@@ -399,19 +437,18 @@ class Requests {
   /// not wait for its sends until the deadline. Without RelayStops, WaitAll.
   Status WaitAllInStep(const char* what);
 
-  /// Wait for a receive whose message starts with the sender's Fingerprint
-  /// (`theirs`, the first bytes of its buffer), which replaces a separate
-  /// fingerprint message from that peer (halving-doubling's step partners,
-  /// doubling mode: a message fewer each way per partner). Needs RelayStops
-  /// and a PeerCheck. A fingerprint that differs from this rank's fails as
+  /// Wait for a receive whose message starts with the sender's
+  /// PackedFingerprint (at `theirs`, the start of the receive buffer, read
+  /// once the receive is complete), which replaces a separate fingerprint
+  /// message from that peer (halving-doubling's step partners in doubling
+  /// mode: a message fewer each way per partner). Needs RelayStops and a
+  /// PeerCheck. A fingerprint that differs from this rank's fails as
   /// PeerCheck does, naming the peer and both values, and sends a stop note
   /// as a finder. A message of another size carries no fingerprint to
   /// read: the peer passed another count or dtype, and the ring check
   /// finds some pair that differs and its note reaches this rank, so this
   /// waits for that note (until the deadline) and fails with it, naming
   /// both values; only a deadline with no note returns the size error.
-  /// `theirs` points at the Fingerprint's bytes (read once the receive is
-  /// complete).
   Status WaitWithFingerprint(p2p::RequestId id, const Where& where, const void* theirs);
 
   /// Completed without blocking? Releases it when so.

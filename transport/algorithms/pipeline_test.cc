@@ -38,6 +38,23 @@ using ::testing::HasSubstr;
 
 // The arena keeps its largest block and hands it out again; a nested
 // Scratch gets a block of its own.
+// What rides in front of data must give back every field exactly: a
+// difference lost in packing would let two disagreeing ranks pass, and a
+// changed value would name the wrong arguments.
+TEST(PackedFingerprintTest, GivesBackEveryField) {
+  Fingerprint f;
+  f.count = (uint64_t{1} << 40) + 3;
+  f.dtype = static_cast<int32_t>(DataType::kBF16);
+  f.op = -1;
+  f.root = kMaxWorldSize - 1;
+  f.kind = kScatterKind;
+  f.whole_count = ~uint64_t{0} - 5;
+  EXPECT_EQ(PackedFingerprint::Pack(f).Unpack(), f);
+  f.op = static_cast<int32_t>(ReduceOp::kAvg);
+  f.root = -1;
+  EXPECT_EQ(PackedFingerprint::Pack(f).Unpack(), f);
+}
+
 TEST(ScratchTest, ReusesTheArenaAndGivesANestedOneItsOwnBlock) {
   unsigned char* first = nullptr;
   {

@@ -63,7 +63,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const size_t slot_elems = std::min(ce, args.count);
   // Doubling: a receive slot and a send stage, each with room for the
   // fingerprint in front of the vector (doubling_step).
-  constexpr size_t kHeader = sizeof(internal::Fingerprint);
+  constexpr size_t kHeader = sizeof(internal::PackedFingerprint);
   const size_t doubling_message = kHeader + args.count * es;
   internal::Scratch scratch(doubling ? 2 * doubling_message : depth * slot_elems * es);
   const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(args.dtype, args.op);
@@ -202,7 +202,8 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
                                        recv_header ? doubling_message : bytes));
     const unsigned char* out = recv;
     if (send_header) {
-      std::memcpy(stage, &fingerprint, kHeader);
+      const internal::PackedFingerprint packed = internal::PackedFingerprint::Pack(fingerprint);
+      std::memcpy(stage, &packed, kHeader);
       std::memcpy(stage + kHeader, recv, bytes);
       out = stage;
     }
