@@ -257,6 +257,8 @@ int ScenarioMismatch() {
   const DataType dtype = f16 ? DataType::kF16 : DataType::kF32;
   void* buffer = f16 ? static_cast<void*>(halves.data()) : static_cast<void*>(data.data());
   const std::string call = EnvOr("DDP_TEST_CALL", "all_reduce");
+  // DDP_TEST_LATE_MS: this rank enters the call that much after the others.
+  std::this_thread::sleep_for(milliseconds(std::atoi(EnvOr("DDP_TEST_LATE_MS", "0").c_str())));
   const auto start = Clock::now();
   Status s;
   if (call == "reduce_scatter") {
@@ -3352,6 +3354,35 @@ TEST(ForkGuard, ForkThenExecWorksAndAForkedChildCannotUseTheCommunicator) {
         << job.Describe();
     EXPECT_NE(r.output.find("send to rank "), std::string::npos) << job.Describe();
     EXPECT_NE(r.output.find("Spawn workers"), std::string::npos) << job.Describe();
+  }
+}
+
+// Over UCX, 5 ranks on the ring, rank 0 passing count 65 among ranks
+// passing 64, and rank 3 entering the all-reduce 2 s after the others:
+// the stop note has gone past it by then, withdrawn unread when its sender
+// returned (transport/algorithms/pipeline.cc, Requests::~Requests), and
+// nothing in the algorithm tells it. The failing ranks' abort through the
+// store does ("rank 1 aborted the job: ... rank 0 passed ... count 65 ...
+// but rank 1 passed ... count 64"): it fails at once, well before its 20 s
+// deadline, as every other rank does. (The tree's and halving-doubling's
+// notes are withdrawn the same way; the abort does not depend on the
+// algorithm.)
+TEST(Faults, ARankEnteringAfterTheStopNotePassedFailsPromptly) {
+  constexpr int kTimeoutMs = 20000;
+  Job job = RunJob(5, "mismatch",
+                   {{"DDP_SHARED_MEMORY", "0"},
+                    {"DDP_TEST_ALGO", std::to_string(static_cast<int>(Algorithm::kRing))},
+                    {"DDP_TEST_COUNT", "64"},
+                    {"DDP_TEST_TIMEOUT_MS", std::to_string(kTimeoutMs)}},
+                   milliseconds(60000), nullptr,
+                   {{0, {{"DDP_TEST_COUNT", "65"}}}, {3, {{"DDP_TEST_LATE_MS", "2000"}}}});
+  for (const auto& r : job.results) {
+    ASSERT_EQ(r.exit_code, 0) << job.Describe();
+    const size_t at = r.output.find("ms=");
+    ASSERT_NE(at, std::string::npos) << job.Describe();
+    EXPECT_LT(std::atoi(r.output.c_str() + at + 3), kTimeoutMs / 4) << job.Describe();
+    EXPECT_NE(r.output.find("INVALID_ARGUMENT"), std::string::npos) << job.Describe();
+    EXPECT_NE(r.output.find("count 65 of f32"), std::string::npos) << job.Describe();
   }
 }
 
