@@ -333,6 +333,49 @@ TEST(RhdAllReduceTest, DoublingNamesAPartnerThatPassedAnotherDtypeOrOp) {
   }
 }
 
+// One rank passes 2049 floats, just above the 8 KiB up to which the others
+// (2048) take recursive doubling, so it runs halving-doubling: it expects
+// a fingerprint message of its own from each step partner, which doubling
+// ranks carry in front of their data instead, and their data is not the
+// size it expects either. Every rank must still fail at once, naming both
+// counts (the ring check and its stop notes), not wait for its deadline.
+TEST(RhdAllReduceTest, RanksOnBothSidesOfTheDoublingSizeFailNamingBothCounts) {
+  for (int world : {4, 5, 8}) {
+    for (int odd = 0; odd < world; ++odd) {
+      const std::string what =
+          std::to_string(world) + " ranks, rank " + std::to_string(odd) + " passes count 2049";
+      ::ddp::transport::testing::HarnessOptions options;
+      options.kill_on_error = false;
+      const auto start = std::chrono::steady_clock::now();
+      const std::vector<Status> statuses = transport::testing::RunRanks(
+          world,
+          [&](p2p::PointToPoint& p2p) -> Status {
+            const bool is_odd = p2p.rank() == odd;
+            if (is_odd) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            std::vector<float> data(2049, 1.0f);
+            CollectiveArgs args;
+            args.send = data.data();
+            args.recv = data.data();
+            args.count = is_odd ? 2049 : 2048;
+            args.deadline = DeadlineIn(std::chrono::seconds(20));
+            return RhdAllReduce(p2p, args);
+          },
+          options);
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << what;
+      for (int r = 0; r < world; ++r) {
+        const Status& s = statuses[r];
+        EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+        EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) +
+                                           " passed rhd all-reduce, count 2049 of f32"))
+            << what << ": rank " << r;
+        EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, count 2048 of f32"))
+            << what << ": rank " << r;
+      }
+      if (HasFailure()) return;
+    }
+  }
+}
+
 // The fingerprint in front of a doubling step's data is compared before
 // that data is used. On 4 ranks, rank 1 passes i32 (or max) among f32 sums
 // and rank 0 is its first partner; rank 1 is not rank 0's ring predecessor
