@@ -710,7 +710,7 @@ DDP_TEST_WORKER(construction_fails_on_one_rank) {
     WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
     // A process that handles the error (logs it, tidies up) stays alive
     // for a while: the peers must not need its exit to stop waiting.
-    std::this_thread::sleep_for(std::chrono::seconds(6));
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
   } catch (const std::exception& e) {
     message = e.what();
     WORKER_EXPECT(message.find("DistributedDataParallel on rank " + std::to_string(failing) +
@@ -719,6 +719,7 @@ DDP_TEST_WORKER(construction_fails_on_one_rank) {
                   message);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (rank != failing) testing::MarkThisRankDone(*pg);
   WORKER_EXPECT(!message.empty(), "no error");
   WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
   return testing::WorkerExit();
@@ -753,12 +754,13 @@ DDP_TEST_WORKER(log_stats_every_negative_on_one_rank) {
     message = e.what();
     WORKER_EXPECT(rank == failing && message == expected, message);
     // Alive a while: the peers must not need its exit to stop waiting.
-    std::this_thread::sleep_for(std::chrono::seconds(6));
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
   } catch (const std::exception& e) {
     message = e.what();
     WORKER_EXPECT(rank != failing && message.find(expected) != std::string::npos, message);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (rank != failing) testing::MarkThisRankDone(*pg);
   WORKER_EXPECT(!message.empty(), "no error");
   WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
   return testing::WorkerExit();
@@ -983,6 +985,7 @@ DDP_TEST_WORKER(join_eval_with_grad_before_backward) {
       message = e.what();
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    testing::MarkThisRankDone(*pg);
     std::fprintf(stderr, "rank 1 after %.2f s: %s\n", seconds, message.c_str());
     WORKER_EXPECT(message.find("eval-mode forward with grad enabled ran inside Join") != std::string::npos, message);
     WORKER_EXPECT(seconds < 5, "rank 1's Join::Wait failed after " + std::to_string(seconds) + " s");
@@ -1005,7 +1008,7 @@ DDP_TEST_WORKER(join_eval_with_grad_before_backward) {
                     message.find("eval-mode forward with grad enabled ran inside Join") != std::string::npos &&
                     message.find("The process group was aborted") != std::string::npos,
                 message);
-  std::this_thread::sleep_for(std::chrono::seconds(10));
+  testing::StayAliveUntilTheOtherRanksAreDone(*pg);
   return testing::WorkerExit();
 }
 
@@ -1053,9 +1056,10 @@ DDP_TEST_WORKER(forward_throws_on_one_rank) {
     WORKER_EXPECT(!pg->aborted_reason().ok(), "the group was not aborted");
     // Alive past rank 0's bound, as a training loop that caught the error
     // would be: rank 0 cannot learn of it from this process exiting.
-    std::this_thread::sleep_for(std::chrono::seconds(12));
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
     return testing::WorkerExit();
   } else {
+    testing::MarkThisRankDone(*pg);
     WORKER_EXPECT(message.find("DistributedDataParallel on rank 1: the module's forward threw (injected: out of "
                                "memory on rank 1)") != std::string::npos,
                   message);
@@ -1110,8 +1114,9 @@ DDP_TEST_WORKER(join_shadow_step_throws) {
     WORKER_EXPECT(message == "the shadowed step failed on purpose", "rank 0: " + message);
     // Alive a while, as a process that handles the error: the peers must
     // not need its exit to stop waiting.
-    std::this_thread::sleep_for(std::chrono::seconds(6));
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
   } else {
+    testing::MarkThisRankDone(*pg);
     WORKER_EXPECT(message.find("Join::Wait on rank 0: the shadowed optimizer step (JoinOptions::shadow_step) "
                                "threw (the shadowed step failed on purpose)") != std::string::npos,
                   message.empty() ? std::string("no error") : message);
@@ -1673,8 +1678,9 @@ DDP_TEST_WORKER(destroyed_mid_backward) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (rank == 1) {
     WORKER_EXPECT(message.find("on purpose") != std::string::npos, message);
-    std::this_thread::sleep_for(std::chrono::seconds(10));
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
   } else {
+    testing::MarkThisRankDone(*pg);
     std::fprintf(stderr, "%s: rank 0 after %.2f s: %s\n", which.c_str(), seconds, message.c_str());
     WORKER_EXPECT(message.find("DistributedDataParallel on rank 1 was destroyed in the middle of an iteration") !=
                       std::string::npos,
@@ -1787,8 +1793,9 @@ DDP_TEST_WORKER(hook_fails_on_one_rank) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (rank == 1) {
     WORKER_EXPECT(message.find(empty ? "returned an empty Work" : "on purpose") != std::string::npos, message);
-    std::this_thread::sleep_for(std::chrono::seconds(10));  // alive, holding the wrapper
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);  // alive, holding the wrapper
   } else {
+    testing::MarkThisRankDone(*pg);
     std::fprintf(stderr, "rank 0 after %.2f s: %s\n", seconds, message.c_str());
     WORKER_EXPECT(message.find(empty ? "rank 1: DistributedDataParallel: the communication hook returned an "
                                        "empty Work for bucket 1"
@@ -3051,10 +3058,11 @@ TEST(DdpFeaturesTest, AGradientAloneInItsRebuiltBucketLeavesTheOldBucket) {
 // its exit to stop waiting), and then has its next forward (`forward`)
 // refused naming `cause`. The others fail within 5 s of `start` (which
 // `body` may move) naming `cause` and std::bad_alloc.
-void ExpectAllocationFailureOnOneRank(int rank, int failing, const std::string& cause,
+void ExpectAllocationFailureOnOneRank(const ProcessGroup& pg, int failing, const std::string& cause,
                                       std::chrono::steady_clock::time_point& start,
                                       const std::function<void()>& body, const std::function<void()>& forward,
                                       const std::function<void()>& on_bad_alloc = {}) {
+  const int rank = pg.rank();
   std::string message;
   try {
     body();
@@ -3063,7 +3071,7 @@ void ExpectAllocationFailureOnOneRank(int rank, int failing, const std::string& 
     message = e.what();
     WORKER_EXPECT(rank == failing, std::string("bad_alloc on a rank where nothing failed: ") + e.what());
     if (on_bad_alloc) on_bad_alloc();
-    std::this_thread::sleep_for(std::chrono::seconds(6));
+    testing::StayAliveUntilTheOtherRanksAreDone(pg);
     try {
       forward();
       WORKER_EXPECT(false, "a forward ran after the failure");
@@ -3077,6 +3085,7 @@ void ExpectAllocationFailureOnOneRank(int rank, int failing, const std::string& 
                   message);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (rank != failing) testing::MarkThisRankDone(pg);
   WORKER_EXPECT(!message.empty(), "no error");
   WORKER_EXPECT(rank == failing || seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
 }
@@ -3102,7 +3111,7 @@ DDP_TEST_WORKER(rebuild_fails_on_one_rank) {
   if (rank == failing) internal::FailNextBucketAllocationForTesting();
   auto start = std::chrono::steady_clock::now();
   ExpectAllocationFailureOnOneRank(
-      rank, failing, cause, start, [&] { for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); },
+      *pg, failing, cause, start, [&] { for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); },
       [&] { ddp(x); },
       [&] {
         WORKER_EXPECT(ddp.BucketParameterNames() == before && ddp.BucketOrder().empty(),
@@ -3133,7 +3142,7 @@ DDP_TEST_WORKER(shadow_backward_fails_on_one_rank) {
   DistributedDataParallel ddp(model, {.process_group = pg});
   auto start = std::chrono::steady_clock::now();
   ExpectAllocationFailureOnOneRank(
-      rank, failing, cause, start,
+      *pg, failing, cause, start,
       [&] {
         Join join(ddp);
         // Two iterations everywhere (the second rebuilds the buckets), a

@@ -1,13 +1,17 @@
 #include "ddp/testing/ddp_test_util.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 
 #include "nn/data/idx.h"
 #include "nn/optim/adam.h"
@@ -31,6 +35,52 @@ std::shared_ptr<ProcessGroup> WorkerGroup() {
   ProcessGroupOptions options;
   options.timeout = std::chrono::milliseconds(t != nullptr ? std::atoi(t) : 20000);
   return ProcessGroup::CreateFromEnvironment(options);
+}
+
+namespace {
+
+// The mark file of `rank` in this run of workers.
+std::string DoneMarkPath(int rank) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  const char* token = std::getenv("DDP_JOB_TOKEN");
+  if (dir == nullptr || *dir == '\0') throw std::runtime_error("rank marks need TEST_TMPDIR, which is not set");
+  if (token == nullptr || *token == '\0') {
+    throw std::runtime_error("rank marks need DDP_JOB_TOKEN, which is not set (not a RunWorkers worker?)");
+  }
+  return std::string(dir) + "/rank_done_" + token + "_" + std::to_string(rank);
+}
+
+}  // namespace
+
+void MarkThisRankDone(const ProcessGroup& pg) {
+  const std::string path = DoneMarkPath(pg.rank());
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  WORKER_EXPECT(fd >= 0, "rank " + std::to_string(pg.rank()) + " could not create " + path + ": " +
+                             std::strerror(errno));
+  if (fd >= 0) close(fd);
+}
+
+void WaitUntilRanksAreDone(const ProcessGroup& pg, const std::vector<int>& ranks, std::chrono::seconds most) {
+  const auto deadline = std::chrono::steady_clock::now() + most;
+  std::string missing;
+  while (true) {
+    missing.clear();
+    for (const int r : ranks) {
+      if (access(DoneMarkPath(r).c_str(), F_OK) != 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  WORKER_EXPECT(missing.empty(), "rank " + std::to_string(pg.rank()) + " waited " + std::to_string(most.count()) +
+                                     " s and rank(s) " + missing + " were still not done");
+}
+
+void StayAliveUntilTheOtherRanksAreDone(const ProcessGroup& pg, std::chrono::seconds most) {
+  std::vector<int> others;
+  for (int r = 0; r < pg.size(); ++r) {
+    if (r != pg.rank()) others.push_back(r);
+  }
+  WaitUntilRanksAreDone(pg, others, most);
 }
 
 const Data& FashionMnist(int64_t n) {

@@ -6,6 +6,7 @@
 // comparisons and a failure counter whose count becomes the exit code.
 // Test side: running a worker on N ranks and checking every rank's exit.
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -43,6 +44,22 @@ int WorkerExit();
 /// The group of this worker (collective timeout DDP_TEST_TIMEOUT_MS,
 /// default 20 s).
 std::shared_ptr<ProcessGroup> WorkerGroup();
+
+/// For a test where one rank fails alone and must stay alive while the
+/// others learn of it (as a program that caught the error and goes on
+/// would), so that their failure cannot come from its exit. Every other
+/// rank calls MarkThisRankDone once it has seen the failure (or given up);
+/// the failing rank calls StayAliveUntilTheOtherRanksAreDone, which returns
+/// when they all have, or after `most` (a failed WORKER_EXPECT naming the
+/// ranks still missing). `most` should exceed the time the others are
+/// allowed, so that others waiting for this exit still fail their bound.
+/// Marks are files in TEST_TMPDIR named by the run's DDP_JOB_TOKEN.
+void MarkThisRankDone(const ProcessGroup& pg);
+void StayAliveUntilTheOtherRanksAreDone(const ProcessGroup& pg,
+                                        std::chrono::seconds most = std::chrono::seconds(30));
+/// The same wait for the marks of `ranks` only.
+void WaitUntilRanksAreDone(const ProcessGroup& pg, const std::vector<int>& ranks,
+                           std::chrono::seconds most = std::chrono::seconds(30));
 
 /// The first `n` Fashion-MNIST test images as f32 [n, 1, 28, 28] in [0, 1]
 /// and their labels [n] (i64). Loaded once per process.
