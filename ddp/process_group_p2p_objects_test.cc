@@ -525,10 +525,11 @@ DDP_TEST_WORKER(pg_monitored_ok) {
 
 TEST(ProcessGroupMonitoredBarrierTest, AllArrive) { ExpectWorkersPass("pg_monitored_ok", {2, 3}); }
 
-// MB_LATE: ranks that arrive MB_SLEEP_MS late; MB_TIMEOUT_MS; MB_WAIT_ALL;
-// MB_EXPECT: the text every rank's error must hold. Rank 0 (when on time)
-// must fail at the timeout, well before the transport's own deadline
-// (2 x timeout + 2 s); every rank must fail, none hang.
+// MB_LATE: ranks that arrive late, once every on-time rank has given up
+// on them; MB_TIMEOUT_MS; MB_WAIT_ALL; MB_EXPECT: the text every rank's
+// error must hold. Rank 0 (when on time) must fail at the timeout, well
+// before the transport's own deadline (2 x timeout + 2 s); every rank must
+// fail, none hang.
 DDP_TEST_WORKER(pg_monitored_late) {
   auto pg = testing::WorkerGroup();
   const int me = pg->rank();
@@ -537,8 +538,17 @@ DDP_TEST_WORKER(pg_monitored_late) {
   for (std::string r; std::getline(list, r, ',');) late.insert(std::atoi(r.c_str()));
   const milliseconds timeout(EnvInt("MB_TIMEOUT_MS", 1000));
   const std::string expected = std::getenv("MB_EXPECT");
-  pg->Barrier().Wait();  // everyone is up: the lateness is the sleep below
-  if (late.count(me) > 0) std::this_thread::sleep_for(milliseconds(EnvInt("MB_SLEEP_MS", 2500)));
+  pg->Barrier().Wait();  // everyone is up: the lateness is the wait below
+  if (late.count(me) > 0) {
+    // Late by as much as it takes, however starved of CPU the processes
+    // are (CI runs several tests on 2 cores), and no more: a fixed sleep
+    // needed seconds of slack past the timeout.
+    std::vector<int> on_time;
+    for (int r = 0; r < pg->size(); ++r) {
+      if (late.count(r) == 0) on_time.push_back(r);
+    }
+    testing::WaitUntilRanksAreDone(*pg, on_time);
+  }
   const auto start = Clock::now();
   try {
     pg->MonitoredBarrier(timeout, EnvInt("MB_WAIT_ALL", 0) != 0);
@@ -560,38 +570,37 @@ DDP_TEST_WORKER(pg_monitored_late) {
                     "rank 0 failed after " + std::to_string(ms) + " ms");
     }
   }
+  if (late.count(me) == 0) testing::MarkThisRankDone(*pg);
   return testing::WorkerExit();
 }
 
-// The timings of the late-rank cases. The on-time ranks must reach rank 0
-// within the timeout of the Barrier before it, and the late ones must not:
-// each has seconds of slack, so that a process starved of CPU (CI runs
-// several tests on 2 cores) neither misses the barrier nor makes it.
-constexpr int kLateTimeoutMs = 3000;  // the on-time ranks: 3 s to arrive
-constexpr int kLateSleepMs = 7000;    // the late ranks: 4 s past the timeout
+// The on-time ranks must reach rank 0 within the timeout of the Barrier
+// before it, with seconds of slack, so that a process starved of CPU (CI
+// runs several tests on 2 cores) does not miss the barrier. (The late ones
+// come once the on-time ones have given up.)
+constexpr int kLateTimeoutMs = 3000;
 
-// Runs pg_monitored_late on `n` ranks; the ranks in `late` come `sleep_ms`
-// after the others.
+// Runs pg_monitored_late on `n` ranks; the ranks in `late` come once the
+// others have failed.
 void ExpectLateRanksReported(int n, const std::string& late, bool wait_all, int timeout_ms,
-                             int sleep_ms, const std::string& expected) {
+                             const std::string& expected) {
   ExpectWorkersPass("pg_monitored_late", {n},
                     {{"MB_LATE", late},
                      {"MB_WAIT_ALL", wait_all ? "1" : "0"},
                      {"MB_TIMEOUT_MS", std::to_string(timeout_ms)},
-                     {"MB_SLEEP_MS", std::to_string(sleep_ms)},
                      {"MB_EXPECT", expected}},
-                    /*timeout_ms=*/60000);  // the sleep, then seconds of slack under load
+                    /*timeout_ms=*/60000);  // the late ranks' 30 s wait at most, then slack
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, NamesTheFirstLateRank) {
   // Ranks 1 and 2 are late; without wait_all_ranks only rank 1 is named.
   ExpectLateRanksReported(
-      3, "1,2", false, kLateTimeoutMs, kLateSleepMs,
+      3, "1,2", false, kLateTimeoutMs,
       "monitored barrier #1: rank 1 has not arrived within 3000 ms (the first missing rank)");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, NamesTheOneLateRank) {
-  ExpectLateRanksReported(3, "2", true, kLateTimeoutMs, kLateSleepMs,
+  ExpectLateRanksReported(3, "2", true, kLateTimeoutMs,
                           "rank 2 has not arrived within 3000 ms (waited for all ranks)");
 }
 
@@ -599,20 +608,20 @@ TEST(ProcessGroupMonitoredBarrierTest, NamesTheOneLateRank) {
 // and 3 did arrive and must not be named (they were, when the waits after
 // the deadline no longer polled).
 TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesOnlyTheLateOneOfFour) {
-  ExpectLateRanksReported(4, "1", true, kLateTimeoutMs, kLateSleepMs,
+  ExpectLateRanksReported(4, "1", true, kLateTimeoutMs,
                           "rank 1 has not arrived within 3000 ms (waited for all ranks)");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, WaitAllRanksNamesEveryLateRank) {
-  ExpectLateRanksReported(3, "1,2", true, kLateTimeoutMs, kLateSleepMs,
+  ExpectLateRanksReported(3, "1,2", true, kLateTimeoutMs,
                           "ranks 1, 2 have not arrived within 3000 ms");
 }
 
 TEST(ProcessGroupMonitoredBarrierTest, LateRankZeroIsNamedByTheOthers) {
-  // Rank 0 comes 6 s late to a 1 s barrier: rank 1 gives up after
-  // 2 x 1 s + 1 s = 3 s (3 s before rank 0 comes) and says so; rank 0's
-  // next collective fails with that reason.
-  ExpectLateRanksReported(2, "0", false, 1000, 6000,
+  // Rank 0 comes late to a 1 s barrier: rank 1 gives up after
+  // 2 x 1 s + 1 s = 3 s (before rank 0 comes) and says so; rank 0's next
+  // collective fails with that reason.
+  ExpectLateRanksReported(2, "0", false, 1000,
                           "rank 1 was not released by rank 0 within 3000 ms");
 }
 
