@@ -19,6 +19,7 @@
 #include "examples/trainer/trainer.h"
 #include "gtest/gtest.h"
 #include "nn/io/atomic_file.h"
+#include "nn/io/safetensors.h"
 #include "transport/launch/test_spawn.h"
 
 namespace ddp::examples::trainer {
@@ -161,15 +162,32 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
+// The writes of a save of `checkpoint`, each paused: the length, the header
+// and each tensor's pieces of up to nn::io::kStopCheckBytes.
+int64_t WritesOfTheSave(const std::string& checkpoint) {
+  const nn::io::SafetensorsFile file = nn::io::SafetensorsFile::Read(checkpoint);
+  int64_t writes = 2;
+  for (const nn::io::TensorEntry& t : file.tensors()) {
+    writes += static_cast<int64_t>((t.nbytes + nn::io::kStopCheckBytes - 1) / nn::io::kStopCheckBytes);
+  }
+  return writes;
+}
+
 // A save of 3 s or more, longer than the collectives' 2 s: rank 1 waits for it
 // (rank 0 tells it every half second that it is still writing) and the run
 // ends well. It used to wait in a broadcast bounded by --timeout_s and fail
-// the job at the first epoch's end.
+// the job at the first epoch's end. Each write waits 150 ms, and there are
+// 30 of them (4.5 s; checked to be 3 s at least: a second a write made this
+// case 30 s long).
 TEST(TrainerSaveTest, SaveLongerThanTheCollectiveTimeoutKeepsTheOthersWaiting) {
+  constexpr int kPauseMs = 150;
   const std::string checkpoint = TempDir("slow") + "/ckpt.safetensors";
-  const launch::testing::TestRunResult run = RunSlowSave(checkpoint, 1000, 60);
+  const launch::testing::TestRunResult run = RunSlowSave(checkpoint, kPauseMs, 60);
   EXPECT_TRUE(run.AllSucceeded()) << run.Summary() << run.Output(0) << run.Output(1);
-  EXPECT_TRUE(std::filesystem::is_regular_file(checkpoint)) << "no checkpoint";
+  ASSERT_TRUE(std::filesystem::is_regular_file(checkpoint)) << "no checkpoint";
+  const int64_t writes = WritesOfTheSave(checkpoint);
+  EXPECT_GE(writes * kPauseMs, 3000) << "only " << writes << " writes of " << kPauseMs
+                                     << " ms: the save may not outlast the collectives' 2 s";
 }
 
 // Past --save_timeout_s every rank fails with a line that names the file
