@@ -168,12 +168,16 @@ std::string NextCollectivesError(ProcessGroup& pg) {
 // same error, the group is aborted, and rank 0 stops writing (within a
 // 64 MiB piece), leaving no file behind. The write is made slow on purpose
 // (every piece waits kPiecePause first), not left to the disk: on NVMe,
-// tmpfs or the page cache 512 MiB can take less than the group's timeout.
+// tmpfs or the page cache even 512 MiB can take less than the group's
+// timeout. Eight small tensors are eight pieces as 512 MiB in one are,
+// without a second or more spent copying, checksumming and reading them.
 DDP_TEST_WORKER(slow_write) {
   constexpr auto kPiecePause = std::chrono::milliseconds(400);
-  // Made before the group, whose timeout would not wait for it.
+  constexpr int kTensors = 8;
   nn::io::Checkpoint big;
-  if (std::string(std::getenv("RANK")) == "0") big.model.emplace_back("w", nn::Ones({int64_t{1} << 27}));  // 512 MiB
+  if (std::string(std::getenv("RANK")) == "0") {
+    for (int i = 0; i < kTensors; ++i) big.model.emplace_back("w" + std::to_string(i), nn::Ones({1024}));
+  }
   nn::io::internal::SetWritePausePerPiece(kPiecePause);  // 8 pieces: at least 3.2 s
   auto pg = GroupWithAShortTimeout(std::chrono::milliseconds(1000));
   const std::string dir = std::getenv("DDP_TEST_CKPT");
@@ -203,10 +207,10 @@ DDP_TEST_WORKER(slow_write) {
   // next collective fails at once instead of waiting for it.
   const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("within SaveOptions::timeout (50 ms)") != std::string::npos, next);
-  // Read last: it takes longer than the group's timeout too.
+  // Rank 0 alone, after the last collective.
   if (pg->rank() == 0) {
-    WORKER_EXPECT(nn::io::LoadCheckpoint(dir + "/slow.safetensors").model.size() == 1, "no checkpoint");
-    std::remove((dir + "/slow.safetensors").c_str());  // 512 MiB
+    WORKER_EXPECT(nn::io::LoadCheckpoint(dir + "/slow.safetensors").model.size() == kTensors, "no checkpoint");
+    std::remove((dir + "/slow.safetensors").c_str());
     const std::vector<std::string> left = ListDir(dir);
     WORKER_EXPECT(left.empty(), "the stopped write left " + left.front());
   }
