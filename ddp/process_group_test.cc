@@ -964,8 +964,9 @@ TEST(ProcessGroupTest, DestroyingAGroupWaitsForItsCollectivesWithinTheirDeadline
 
 // A peer that comes after the deadline: rank 0's barrier times out during
 // the destructor's wait (group timeout 2 s), which aborts the group; rank
-// 1, arriving 4 s late, fails at once with rank 0's reason instead of
-// waiting out its own deadline.
+// 1, arriving once rank 0 has seen that (a mark, not a fixed 4 s sleep),
+// fails at once with rank 0's reason instead of waiting out its own
+// deadline.
 DDP_TEST_WORKER(pg_destroyed_peer_too_late) {
   std::shared_ptr<ProcessGroup> pg = testing::WorkerGroup();
   if (pg->rank() == 0) {
@@ -981,9 +982,10 @@ DDP_TEST_WORKER(pg_destroyed_peer_too_late) {
       WORKER_EXPECT(e.code() == transport::StatusCode::kTimedOut, e.what());
     }
     // Rank 1 must hear the abort from this process before it exits.
-    std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+    testing::MarkThisRankDone(0);
+    testing::WaitUntilRanksAreDone(0, {1});
   } else {
-    std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+    testing::WaitUntilRanksAreDone(*pg, {0});
     const auto start = std::chrono::steady_clock::now();
     try {
       pg->Barrier().Wait();
@@ -993,6 +995,7 @@ DDP_TEST_WORKER(pg_destroyed_peer_too_late) {
       WORKER_EXPECT(std::string(e.what()).find("rank 0 aborted the job") != std::string::npos, e.what());
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    testing::MarkThisRankDone(*pg);
     WORKER_EXPECT(seconds < 1, "rank 1's barrier failed after " + std::to_string(seconds) + " s");
   }
   return testing::WorkerExit();

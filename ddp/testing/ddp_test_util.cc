@@ -52,15 +52,20 @@ std::string DoneMarkPath(int rank) {
 
 }  // namespace
 
-void MarkThisRankDone(const ProcessGroup& pg) {
-  const std::string path = DoneMarkPath(pg.rank());
+void MarkThisRankDone(int rank) {
+  const std::string path = DoneMarkPath(rank);
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-  WORKER_EXPECT(fd >= 0, "rank " + std::to_string(pg.rank()) + " could not create " + path + ": " +
-                             std::strerror(errno));
+  WORKER_EXPECT(fd >= 0, "rank " + std::to_string(rank) + " could not create " + path + ": " + std::strerror(errno));
   if (fd >= 0) close(fd);
 }
 
+void MarkThisRankDone(const ProcessGroup& pg) { MarkThisRankDone(pg.rank()); }
+
 void WaitUntilRanksAreDone(const ProcessGroup& pg, const std::vector<int>& ranks, std::chrono::seconds most) {
+  WaitUntilRanksAreDone(pg.rank(), ranks, most);
+}
+
+void WaitUntilRanksAreDone(int rank, const std::vector<int>& ranks, std::chrono::seconds most) {
   const auto deadline = std::chrono::steady_clock::now() + most;
   std::string missing;
   while (true) {
@@ -71,7 +76,7 @@ void WaitUntilRanksAreDone(const ProcessGroup& pg, const std::vector<int>& ranks
     if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  WORKER_EXPECT(missing.empty(), "rank " + std::to_string(pg.rank()) + " waited " + std::to_string(most.count()) +
+  WORKER_EXPECT(missing.empty(), "rank " + std::to_string(rank) + " waited " + std::to_string(most.count()) +
                                      " s and rank(s) " + missing + " were still not done");
 }
 

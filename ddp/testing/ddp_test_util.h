@@ -60,6 +60,10 @@ void StayAliveUntilTheOtherRanksAreDone(const ProcessGroup& pg,
 /// The same wait for the marks of `ranks` only.
 void WaitUntilRanksAreDone(const ProcessGroup& pg, const std::vector<int>& ranks,
                            std::chrono::seconds most = std::chrono::seconds(30));
+/// The same for rank `rank`, where its group is already destroyed.
+void MarkThisRankDone(int rank);
+void WaitUntilRanksAreDone(int rank, const std::vector<int>& ranks,
+                           std::chrono::seconds most = std::chrono::seconds(30));
 
 /// The first `n` Fashion-MNIST test images as f32 [n, 1, 28, 28] in [0, 1]
 /// and their labels [n] (i64). Loaded once per process.
