@@ -64,7 +64,9 @@ bool RunsMain(pid_t pid, const std::string& name) {
 }
 
 // Starts the target for `ms` milliseconds under a shell; returns once the
-// shell's child runs it (until then it is the shell, or half exec'd).
+// shell's child runs it (until then it is the shell, or half exec'd). A
+// test that needs the program to finish calls Finish() rather than wait
+// out `ms`, which is long for the sake of a loaded machine.
 Target Start(long ms) {
   Target t;
   auto group = lt::StartProgram({"/bin/sh", "-c", "\"$0\" \"$1\" & wait $!",
@@ -81,6 +83,9 @@ Target Start(long ms) {
   EXPECT_TRUE(t.pid > 0 && RunsMain(t.pid, "/injector_target")) << "the shell's child never ran the target";
   return t;
 }
+
+// Tells the target to make its last few calls of Victim() and finish.
+void Finish(pid_t pid) { kill(pid, SIGUSR1); }
 
 char ProcessState(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -114,13 +119,14 @@ TEST(InjectorTest, KillAtAFunction) {
 
 TEST(InjectorTest, StopAtAFunctionThenContinueRunsCorrectly) {
   // Still calling Victim when the injector attaches on a loaded machine.
-  Target t = Start(5000);
+  Target t = Start(20000);
   auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kStop, 5s);
   ASSERT_TRUE(injected.ok()) << injected.status();
   std::this_thread::sleep_for(300ms);
   EXPECT_EQ(ProcessState(t.pid), 'T');
   kill(t.pid, SIGCONT);
-  const auto run = lt::WaitProgram(*t.group, 20s);
+  Finish(t.pid);
+  const auto run = lt::WaitProgram(*t.group, 10s);
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("finished"));
 }
@@ -128,7 +134,7 @@ TEST(InjectorTest, StopAtAFunctionThenContinueRunsCorrectly) {
 // The action at a later call: the 50 calls before it step over the
 // breakpoint and run as they should (the program, continued, finishes).
 TEST(InjectorTest, StopAtTheFiftiethCallThenContinueRunsCorrectly) {
-  Target t = Start(8000);
+  Target t = Start(20000);
   auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kStop, 5s,
                                    /*hit_number=*/50);
   ASSERT_TRUE(injected.ok()) << injected.status();
@@ -136,7 +142,8 @@ TEST(InjectorTest, StopAtTheFiftiethCallThenContinueRunsCorrectly) {
   std::this_thread::sleep_for(300ms);
   EXPECT_EQ(ProcessState(t.pid), 'T');
   kill(t.pid, SIGCONT);
-  const auto run = lt::WaitProgram(*t.group, 30s);
+  Finish(t.pid);
+  const auto run = lt::WaitProgram(*t.group, 10s);
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("finished"));
 }
@@ -152,24 +159,30 @@ TEST(InjectorTest, ExitZeroAtAFunction) {
 }
 
 TEST(InjectorTest, RefusesToTraceItsOwnChild) {
-  auto group = lt::StartProgram({lt::Runfile("tests/faults/injector_target"), "--ms=1000"});
+  auto group = lt::StartProgram({lt::Runfile("tests/faults/injector_target"), "--ms=20000"});
   ASSERT_TRUE(group.ok());
-  std::this_thread::sleep_for(100ms);
-  auto injected = InjectAtFunction((*group)->pids().at(0), "ddp::faults::target::Victim(",
-                                   FaultAction::kKill, 1s);
+  const pid_t pid = (*group)->pids().at(0);
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!RunsMain(pid, "/injector_target") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(RunsMain(pid, "/injector_target")) << "the target never reached its main()";
+  auto injected = InjectAtFunction(pid, "ddp::faults::target::Victim(", FaultAction::kKill, 1s);
   EXPECT_EQ(injected.status().code(), transport::StatusCode::kInvalidArgument);
   EXPECT_THAT(injected.status().message(), HasSubstr("is a child of the injecting process"));
+  Finish(pid);
   EXPECT_EQ(lt::WaitProgram(**group, 10s).exit_code, 0);
 }
 
 TEST(InjectorTest, UnreachedFunctionTimesOutAndLeavesTheProgramUnharmed) {
   // Runs well past the injector's 300 ms wait, so that the wait times out
   // rather than ending with the program.
-  Target t = Start(5000);
+  Target t = Start(20000);
   auto injected =
       InjectAtFunction(t.pid, "ddp::faults::target::NeverCalled(", FaultAction::kKill, 300ms);
   EXPECT_EQ(injected.status().code(), transport::StatusCode::kTimedOut) << injected.status();
-  const auto run = lt::WaitProgram(*t.group, 20s);
+  Finish(t.pid);
+  const auto run = lt::WaitProgram(*t.group, 10s);
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("finished"));
 }
