@@ -1410,17 +1410,28 @@ TEST(Safetensors, OrderedStopSaysWhetherTheRenameHadBegun) {
     OrderedStop ordered(stop);
     AtomicFileWriter out(path, &stop);
     out.Write("new", 3);
-    // Long against the fsync of three bytes before it, even on a busy host.
-    internal::SetPauseBeforeRenameForTesting(std::chrono::milliseconds(3000));
+    // The stop comes once the committing thread is seen sleeping in this
+    // pause (past its last check; nothing else in Commit sleeps), and long
+    // before the pause ends, even on a busy host: before the rename.
+    internal::SetPauseBeforeRenameForTesting(std::chrono::milliseconds(1000));
     std::string error;
+    std::atomic<pid_t> commit_tid{0};
     std::thread commit([&] {
+      commit_tid = static_cast<pid_t>(::syscall(SYS_gettid));
       try {
         out.Commit();
       } catch (const CheckpointError& e) {
         error = e.what();
       }
     });
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    bool pausing = false;
+    while (!pausing && std::chrono::steady_clock::now() < deadline) {
+      const long nr = commit_tid.load() == 0 ? -1 : SyscallOf(commit_tid.load());
+      pausing = nr == SYS_clock_nanosleep || nr == SYS_nanosleep;
+      if (!pausing) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_TRUE(pausing) << "the committing thread was not seen in its pause before the rename within 10 s";
     EXPECT_TRUE(ordered.Stop());
     commit.join();
     EXPECT_EQ(error, "");
