@@ -469,28 +469,36 @@ TEST(DecodedCache, AWriterPastTheWaitIsNotWaitedFor) {
   const CacheDir cache(dir + "/cache");
   const std::string src = dir + "/images";
   WriteFile(src, IdxBytes({4, 2}, Pixels(8)));
-  int decoding[2];
+  int decoding[2], release[2];
   ASSERT_EQ(::pipe(decoding), 0);
+  ASSERT_EQ(::pipe(release), 0);
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     ::close(decoding[0]);
+    ::close(release[1]);
+    // Stuck until the parent's load is over (its end of `release` closed),
+    // or 2 s at most: a load that waited for this writer takes that long.
     auto stuck = [&] {
       if (::write(decoding[1], "d", 1) != 1) ::_exit(5);
-      ::usleep(2000000);
+      pollfd released{release[0], POLLIN, 0};
+      if (::poll(&released, 1, 2000) < 0) ::_exit(6);
       IdxArray a = ReadIdxFile(src);
       return std::make_pair(a.dims, a.data);
     };
     ::_exit(LoadDecoded(src, stuck, 0).size == 8 ? 0 : 1);
   }
   ::close(decoding[1]);
+  ::close(release[0]);
   char c;
   ASSERT_EQ(::read(decoding[0], &c, 1), 1) << "the child did not start decoding";
   ::close(decoding[0]);
   CountingDecode decode{src};
   const auto start = std::chrono::steady_clock::now();
   const SharedArray a = LoadDecoded(src, std::ref(decode), 0, std::chrono::milliseconds(100));
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(1500)) << "it waited for the writer";
+  const auto took = std::chrono::steady_clock::now() - start;
+  ::close(release[1]);
+  EXPECT_LT(took, std::chrono::milliseconds(1500)) << "it waited for the writer";
   EXPECT_EQ(decode.calls, 1);
   EXPECT_EQ(Bytes(a), Want(8));
   int status = 0;
