@@ -94,6 +94,17 @@ char ProcessState(pid_t pid) {
   return paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
 }
 
+// The state of `pid` once it is 'T' (stopped), or whatever it is after 5 s.
+char StateOnceStopped(pid_t pid) {
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  char state = ProcessState(pid);
+  while (state != 'T' && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+    state = ProcessState(pid);
+  }
+  return state;
+}
+
 TEST(InjectorTest, FindsFunctionsByDemangledName) {
   // Long enough to outlive the look-ups on a loaded machine; killed after.
   Target t = Start(20000);
@@ -122,8 +133,7 @@ TEST(InjectorTest, StopAtAFunctionThenContinueRunsCorrectly) {
   Target t = Start(20000);
   auto injected = InjectAtFunction(t.pid, "ddp::faults::target::Victim(", FaultAction::kStop, 5s);
   ASSERT_TRUE(injected.ok()) << injected.status();
-  std::this_thread::sleep_for(300ms);
-  EXPECT_EQ(ProcessState(t.pid), 'T');
+  EXPECT_EQ(StateOnceStopped(t.pid), 'T');
   kill(t.pid, SIGCONT);
   Finish(t.pid);
   const auto run = lt::WaitProgram(*t.group, 10s);
@@ -139,8 +149,7 @@ TEST(InjectorTest, StopAtTheFiftiethCallThenContinueRunsCorrectly) {
                                    /*hit_number=*/50);
   ASSERT_TRUE(injected.ok()) << injected.status();
   EXPECT_EQ(injected->hits, 50);
-  std::this_thread::sleep_for(300ms);
-  EXPECT_EQ(ProcessState(t.pid), 'T');
+  EXPECT_EQ(StateOnceStopped(t.pid), 'T');
   kill(t.pid, SIGCONT);
   Finish(t.pid);
   const auto run = lt::WaitProgram(*t.group, 10s);
