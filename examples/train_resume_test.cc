@@ -111,6 +111,7 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
                             << run.Stderr();
     // Kill the launcher with no warning; the ranks die with it.
     const std::vector<pid_t> workers = run.Children();
+    ASSERT_EQ(workers.size(), 2u) << run.Stdout() << run.Stderr();
     run.Signal(SIGKILL);
     ASSERT_EQ(run.Wait(std::chrono::seconds(30)), 128 + SIGKILL);
     for (pid_t w : workers) {
