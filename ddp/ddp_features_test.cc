@@ -2826,6 +2826,31 @@ TEST(DdpFeaturesTest, SizesOutOfRangeAreRefusedWithoutAProcessGroup) {
             "DdpOptions::inplace_gradient_mb must be at least 0 and finite, got nan");
 }
 
+// A positive inplace_gradient_mb under one byte (1e-9 MiB) asks for every
+// gradient in place, as one byte does; it was truncated to 0 bytes, which
+// means "none in place", so every gradient went to a shared bucket.
+DDP_TEST_WORKER(tiny_inplace_threshold) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  std::vector<size_t> buckets;
+  for (const double mb : {1e-9, 1e-6}) {
+    auto model = Mlp(17);
+    DistributedDataParallel ddp(model, {.inplace_gradient_mb = mb, .process_group = pg});
+    auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    buckets.push_back(ddp.Stats().bucket_bytes.size());
+  }
+  WORKER_EXPECT(buckets[1] > 1 && buckets[0] == buckets[1],
+                "buckets with 1e-9 MiB: " + std::to_string(buckets[0]) + ", with 1 byte: " +
+                    std::to_string(buckets[1]));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AnInplaceThresholdUnderOneByteStillPutsEveryGradientInPlace) {
+  auto run = RunWorkers("tiny_inplace_threshold", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A bucket order that is not a permutation of the 4 parameters' indices is
 // refused likewise, naming the option and the entry.
 TEST(DdpFeaturesTest, ABucketOrderThatIsNotAPermutationIsRefused) {

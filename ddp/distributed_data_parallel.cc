@@ -227,7 +227,9 @@ size_t MiB(double mb, const char* what, bool zero_allowed) {
                                 (zero_allowed ? "at least 0" : "positive") + " and finite, got " +
                                 std::to_string(mb));
   }
-  return static_cast<size_t>(mb * 1048576.0);
+  // A positive size under one byte is one byte: for inplace_gradient_mb,
+  // 0 means "no gradient in place", the opposite of what 1e-9 asks.
+  return mb > 0 ? std::max<size_t>(1, static_cast<size_t>(mb * 1048576.0)) : 0;
 }
 
 // DdpOptions::bucket_order as the reducer's indices; empty when none was
