@@ -48,7 +48,8 @@ constexpr auto kFarewellTime = 10000ms;
 // Node 0's --node_timeout in milliseconds: a launcher given a longer one
 // beats (and gives up on an unreachable store) by node 0's.
 constexpr char kNodeTimeoutKey[] = "ddprun/node_timeout_ms";
-// torchrun's port for an --rdzv_endpoint given without one.
+// torchrun's c10d port: for an --rdzv_endpoint given without one (the
+// static backend refuses that, as torchrun's), and without an endpoint.
 constexpr int kDefaultRdzvPort = 29400;
 
 // ---- parsing ----
@@ -125,9 +126,11 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        static backend only, as torchrun's
   --rdzv_endpoint=HOST[:PORT]
                        torchrun's spelling of --master_addr and --master_port,
-                       and, as under torchrun, wins over them (default port
-                       29400, as torchrun's; port 0, any free port, on one
-                       node only); with c10d and none, localhost:29400
+                       and, as under torchrun, wins over them, from
+                       PET_RDZV_ENDPOINT too (c10d's default port 29400;
+                       the static backend needs the port, as torchrun's;
+                       port 0, any free port, on one node only); with c10d
+                       and none, localhost:29400
   --rdzv_backend=B     static (default): every node gives --node_rank;
                        c10d: no --node_rank, the launcher that can listen on
                        the endpoint serves the store and is node 0, the
@@ -331,12 +334,12 @@ using FlagNames = std::set<std::string, std::less<>>;
 // `env` whose flag is not in `given`, and notes each variable used in
 // `used` ("PET_NNODES='4'"). An empty variable counts as unset. As under
 // torchrun, an endpoint (--rdzv_endpoint or PET_RDZV_ENDPOINT) is used
-// over PET_MASTER_ADDR and PET_MASTER_PORT, --master_addr or --master_port
-// over PET_RDZV_ENDPOINT with the static backend, and --standalone over all
-// three. `backend` is the command line's --rdzv_backend, if given. A bad
-// value is refused naming the variable.
-Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, const std::string& backend,
-                        std::vector<std::string>& used,
+// over PET_MASTER_ADDR and PET_MASTER_PORT, and --standalone over all
+// three. (--master_addr and --master_port on the command line do not hold
+// back PET_RDZV_ENDPOINT either: torchrun's variable is the default of its
+// --rdzv_endpoint, which get_rdzv_endpoint prefers to them; the caller
+// notes them as ignored.) A bad value is refused naming the variable.
+Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<std::string>& used,
                         const std::function<Status(const std::string&)>& parse) {
   auto variable = [&](std::string_view flag) {
     std::string name = "PET_";
@@ -349,12 +352,8 @@ Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, const std::st
   };
   const bool standalone =
       given.count("standalone") > 0 || ParseSwitchValue(value_of("standalone")).value_or(false);
-  // c10d ignores --master_addr and --master_port (as torchrun's), so they
-  // do not hold back the environment's endpoint there.
-  const bool c10d = (given.count("rdzv_backend") > 0 ? backend : value_of("rdzv_backend")) == "c10d";
   const bool endpoint_from_env =
-      !standalone && !value_of("rdzv_endpoint").empty() && given.count("rdzv_endpoint") == 0 &&
-      (c10d || (given.count("master_addr") == 0 && given.count("master_port") == 0));
+      !standalone && !value_of("rdzv_endpoint").empty() && given.count("rdzv_endpoint") == 0;
   for (const PetFlag& flag : kPetFlags) {
     const std::string name = flag.name;
     const std::string value = value_of(name);
@@ -390,9 +389,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   bool port_given = false;
   bool addr_given = false;
   bool endpoint_given = false;
-  std::string endpoint_text;  // --rdzv_endpoint as given, and what it names
+  // The endpoint as given ("--rdzv_endpoint=h:1" or "PET_RDZV_ENDPOINT='h:1'"),
+  // and what it names (port -1: none given).
+  std::string endpoint_text;
   std::string endpoint_addr;
-  int endpoint_port = 0;
+  int endpoint_port = -1;
   bool node_rank_given = false;
   bool node_timeout_given = false;
   // --rdzv_conf keep_alive_interval and keep_alive_max_attempt, if given.
@@ -708,9 +709,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "rdzv_endpoint") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
         DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
-        endpoint_text = text;
+        endpoint_text = on_command_line ? Flag(name, text) : "PET_RDZV_ENDPOINT='" + text + "'";
         endpoint_addr = endpoint.first;
-        endpoint_port = endpoint.second >= 0 ? endpoint.second : kDefaultRdzvPort;
+        endpoint_port = endpoint.second;  // -1: none given; the backend decides below
         endpoint_given = true;
       } else if (name == "rdzv_backend") {
         DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
@@ -825,7 +826,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   };
   DDP_ASSIGN_OR_RETURN(const int program_at, parse_flags(argc, argv, /*on_command_line=*/true));
   if (program_at < 0) return o;
-  DDP_RETURN_IF_ERROR(ApplyPetDefaults(env, given, o.rdzv_backend, from_env, [&](const std::string& flag) {
+  DDP_RETURN_IF_ERROR(ApplyPetDefaults(env, given, from_env, [&](const std::string& flag) {
     const char* const args[] = {"ddprun", flag.c_str()};
     return parse_flags(2, args, /*on_command_line=*/false).status();
   }));
@@ -834,21 +835,29 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (o.command.empty()) {
     return InvalidArgumentError("no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   }
-  // torchrun 1.13's precedence: --standalone replaces the endpoint (and
-  // logs it), and an endpoint wins over --master_addr and --master_port
-  // (get_rdzv_endpoint reads them only when no endpoint is given).
+  // torchrun's precedence: --standalone replaces the endpoint (and logs
+  // it), and an endpoint, from the command line or PET_RDZV_ENDPOINT, wins
+  // over --master_addr and --master_port (get_rdzv_endpoint reads them only
+  // when no endpoint is given).
   if (o.standalone && endpoint_given) {
-    o.notes.push_back(Flag("rdzv_endpoint", endpoint_text) +
-                      " is ignored: --standalone runs the store on 127.0.0.1 with a free port");
+    o.notes.push_back(endpoint_text + " is ignored: --standalone runs the store on 127.0.0.1 with a free port");
   } else if (endpoint_given) {
+    // torchrun's static backend refuses an endpoint without a port ("port
+    // is missing in endpoint"); c10d's default port is 29400. Falling back
+    // to 29400 here had a node meet at a port nobody asked for.
+    if (endpoint_port < 0 && o.rdzv_backend != "c10d") {
+      return InvalidArgumentError(endpoint_text + ": the port is missing; with --rdzv_backend=" +
+                                  o.rdzv_backend + " give HOST:PORT (or --master_addr and --master_port "
+                                  "instead of an endpoint), as torchrun requires");
+    }
     if (addr_given || port_given) {
       o.notes.push_back(std::string(addr_given && port_given ? "--master_addr and --master_port are"
                                     : addr_given             ? "--master_addr is"
                                                              : "--master_port is") +
-                        " ignored: --rdzv_endpoint=" + endpoint_text + " names the store, as under torchrun");
+                        " ignored: " + endpoint_text + " names the store, as under torchrun");
     }
     o.master_addr = endpoint_addr;
-    o.master_port = endpoint_port;
+    o.master_port = endpoint_port >= 0 ? endpoint_port : kDefaultRdzvPort;
   } else if (o.rdzv_backend == "c10d" && !o.standalone) {
     // torchrun reads --master_addr and --master_port for the static backend
     // only (get_rdzv_endpoint); c10d's empty endpoint is localhost on its

@@ -190,13 +190,12 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   EXPECT_EQ(o->rdzv_backend, "c10d");
   EXPECT_EQ(o->rdzv_id, "job42");
   EXPECT_TRUE(o->assign_node_rank);
-  // The static backend with an endpoint: torchrun's endpoint port when none
-  // is given, the node rank given.
-  o = Parse({"--nnodes=2", "--node_rank=1", "--rdzv_backend=static", "--rdzv_endpoint=10.1.2.3", "p"},
+  // The static backend with an endpoint: its port, the node rank given.
+  o = Parse({"--nnodes=2", "--node_rank=1", "--rdzv_backend=static", "--rdzv_endpoint=10.1.2.3:2345", "p"},
             {{"DDP_JOB_TOKEN", "t"}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "10.1.2.3");
-  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_EQ(o->master_port, 2345);
   EXPECT_EQ(o->node_rank, 1);
   EXPECT_FALSE(o->assign_node_rank);
   o = Parse({"--rdzv_endpoint=[fe80::1]:1234", "p"});
@@ -321,12 +320,38 @@ TEST(DdprunArgsTest, EndpointWinsOverMasterAddrAndPortWithANote) {
   EXPECT_EQ(o->notes, std::vector<std::string>{
                           "--master_addr and --master_port are ignored: --rdzv_endpoint=h:1 names the store, "
                           "as under torchrun"});
-  o = Parse({"--rdzv_endpoint=h", "--master_port=2", "p"});
+  o = Parse({"--rdzv_backend=c10d", "--rdzv_endpoint=h", "--master_port=2", "p"});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "h");
   EXPECT_EQ(o->master_port, 29400);
   EXPECT_EQ(o->notes, std::vector<std::string>{
                           "--master_port is ignored: --rdzv_endpoint=h names the store, as under torchrun"});
+}
+
+// torchrun's static backend refuses an endpoint without a port ("port is
+// missing in endpoint"); ddprun took c10d's 29400 for it, a port that no
+// flag named. c10d keeps its default port.
+TEST(DdprunArgsTest, StaticEndpointWithoutPortIsRefusedNamingIt) {
+  const std::string how =
+      ": the port is missing; with --rdzv_backend=static give HOST:PORT (or --master_addr and "
+      "--master_port instead of an endpoint), as torchrun requires";
+  ExpectRefused({"--rdzv_endpoint=head", "p"}, "--rdzv_endpoint=head" + how);
+  ExpectRefused({"--rdzv_backend=static", "--rdzv_endpoint=[fe80::1]", "--master_port=2", "p"},
+                "--rdzv_endpoint=[fe80::1]" + how);
+  ExpectRefused({"p"}, "PET_RDZV_ENDPOINT='head'" + how, {{"PET_RDZV_ENDPOINT", "head"}});
+  // The backend, given after the endpoint or in the environment, decides.
+  StatusOr<DdprunOptions> o = Parse({"--rdzv_endpoint=head", "p"}, {{"PET_RDZV_BACKEND", "c10d"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "head");
+  EXPECT_EQ(o->master_port, 29400);
+  o = Parse({"--rdzv_endpoint=[fe80::1]", "--rdzv_backend=c10d", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "fe80::1");
+  EXPECT_EQ(o->master_port, 29400);
+  // --standalone replaces the endpoint: nothing to refuse.
+  o = Parse({"--standalone", "--rdzv_endpoint=head", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
 }
 
 TEST(DdprunArgsTest, StandaloneOverridesTheEndpointWithANote) {
@@ -690,19 +715,25 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "other");
   EXPECT_EQ(o->master_port, 1);
-  // With the static backend, --master_addr wins over PET_RDZV_ENDPOINT;
-  // c10d ignores --master_addr, as torchrun's, and takes the endpoint.
+  // PET_RDZV_ENDPOINT is torchrun's default of --rdzv_endpoint, which
+  // get_rdzv_endpoint prefers to --master_addr and --master_port with
+  // either backend: the command line's --master_addr does not hold it back
+  // (it did with the static backend, and such a node met elsewhere than
+  // the torchrun nodes beside it).
   EnvMap endpoint_set = kubeflow;
   endpoint_set["PET_RDZV_ENDPOINT"] = "rdzv:29400";
-  o = Parse({"--master_addr=mine", "train"}, endpoint_set);
+  o = Parse({"--master_addr=mine", "--master_port=7", "train"}, endpoint_set);
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_EQ(o->master_addr, "mine");
-  EXPECT_EQ(o->master_port, 23456);
+  EXPECT_EQ(o->rdzv_backend, "static");
+  EXPECT_EQ(o->master_addr, "rdzv");
+  EXPECT_EQ(o->master_port, 29400);
+  EXPECT_THAT(o->notes, ::testing::Contains("--master_addr and --master_port are ignored: "
+                                             "PET_RDZV_ENDPOINT='rdzv:29400' names the store, as under torchrun"));
   o = Parse({"--master_addr=mine", "train"}, elastic);
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "rdzv");
   EXPECT_EQ(o->master_port, 29400);
-  EXPECT_THAT(o->notes, ::testing::Contains("--master_addr is ignored: --rdzv_endpoint=rdzv:29400 names the "
+  EXPECT_THAT(o->notes, ::testing::Contains("--master_addr is ignored: PET_RDZV_ENDPOINT='rdzv:29400' names the "
                                              "store, as under torchrun"));
 
   // torchrun's switches take 0 or 1 (and any integer: see below).
