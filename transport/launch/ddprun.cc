@@ -157,11 +157,13 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        and with --tee or --redirects each worker's
                        stdout.log and stderr.log beside it; alone, it
                        leaves the output on the terminal, as torchrun's
-  --tee                write each worker's output to its log files and to
-                       the terminal (torchrun's -t 3; -t 0 accepted)
-  --redirects=3        write each worker's output to its log files only
-                       (torchrun's -r 3; -r 0 accepted); without --log_dir,
-                       --tee and --redirects log into a fresh
+  --tee[=CODE]         write workers' streams to their log files and to
+                       the terminal (torchrun's -t CODE; bare: 3); CODE is
+                       0 none, 1 stdout, 2 stderr, 3 both, or per local
+                       rank, LOCAL_RANK:CODE,... (e.g. 0:3,1:2; others 0)
+  --redirects=CODE     write those streams to their log files only
+                       (torchrun's -r CODE); without --log_dir, --tee and
+                       --redirects log into a fresh
                        $TMPDIR/torchelastic_XXXXXX, as torchrun
   --no_prefix          do not start terminal lines with "[rank] " (or with
                        torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
@@ -207,6 +209,44 @@ hands the terminal to the workers while they run, so that they may read it
 }
 
 namespace {
+
+// torchrun's -t/--tee or -r/--redirects value `text` of flag `name`: a
+// stream code, 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every
+// local rank, or LOCAL_RANK:CODE,... (the ranks not named get 0; a rank
+// named twice, the last code, as torchrun's dict).
+StatusOr<StreamCodes> ParseStreamCodes(std::string_view name, const std::string& text) {
+  auto code_of = [](std::string_view c) -> std::optional<int> {
+    if (c.size() == 1 && c[0] >= '0' && c[0] <= '3') return c[0] - '0';
+    return std::nullopt;
+  };
+  auto bad = [&](const std::string& item) {
+    return InvalidArgumentError(Flag(name, text) + ": '" + item +
+                                "' is not one of torchrun's stream codes 0 (none), 1 (stdout), 2 (stderr), "
+                                "3 (both), nor LOCAL_RANK:CODE,... (e.g. 0:3,1:2)");
+  };
+  StreamCodes codes;
+  if (text.find(':') == std::string::npos) {
+    const std::optional<int> code = code_of(text);
+    if (!code) return bad(text);
+    codes.all = *code;
+    return codes;
+  }
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const size_t colon = item.find(':');
+    const std::optional<int64_t> rank =
+        colon == std::string::npos ? std::nullopt : ParseInt(std::string_view(item).substr(0, colon));
+    const std::optional<int> code =
+        colon == std::string::npos ? std::nullopt : code_of(std::string_view(item).substr(colon + 1));
+    if (!rank || *rank < 0 || *rank >= 1000000 || !code) return bad(item);
+    codes.by_rank[static_cast<int>(*rank)] = *code;
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return codes;
+}
 
 // "HOST", "HOST:PORT", "[IPV6]" or "[IPV6]:PORT"; port -1 when not given.
 // Port 0 (any free port, torchrun's `localhost:0` for one node) is refused
@@ -733,27 +773,24 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         DDP_ASSIGN_OR_RETURN(o.log_dir, take_value());
         if (o.log_dir.empty()) return InvalidArgumentError("--log_dir is empty");
       } else if (name == "tee" || name == "redirects") {
-        // torchrun's stream codes: 0 none, 1 stdout, 2 stderr, 3 both, as
-        // --tee=3 or --tee 3. ddprun takes the whole-worker codes 0 and 3
-        // (one stream alone and per-rank maps are not done). A bare --tee
-        // is --tee=3.
+        // torchrun's stream codes (see ParseStreamCodes), as --tee=3 or
+        // --tee 3. A bare --tee is --tee=3.
         // The next argument is the value when it looks like one: a code
-        // (`--tee 3`) or a per-rank map (`-r 0:3,1:2`), so that a value
-        // ddprun does not take is refused as such instead of being run as
-        // the program ('0:3,1:2' not found).
+        // (`--tee 3`) or a per-rank map (`-r 0:3,1:2`), so that a bad value
+        // is refused as such instead of being run as the program ('0:4'
+        // not found).
         std::string code = value.value_or("");
         if (!value && i + 1 < argc && argv[i + 1][0] != '\0' &&
             std::string_view(argv[i + 1]).find_first_not_of("0123456789:,") == std::string_view::npos) {
           code = argv[++i];
         }
         if (code.empty() && name == "redirects") return InvalidArgumentError("--redirects needs a value");
-        if (!code.empty() && code != "0" && code != "3") {
-          return InvalidArgumentError(Flag(name, code) +
-                                      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout "
-                                      "and stderr); 1, 2 and per-rank maps are not supported");
+        StreamCodes& codes = name == "tee" ? o.tee : o.redirects;
+        if (code.empty()) {
+          codes = StreamCodes{kBothStreams, {}};
+        } else {
+          DDP_ASSIGN_OR_RETURN(codes, ParseStreamCodes(name, code));
         }
-        if (name == "tee") o.tee = code != "0";
-        if (name == "redirects") o.redirects = code == "3";
       } else if (name == "local_ranks_filter") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
         o.local_ranks_filter.clear();
@@ -995,7 +1032,17 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   }
   // torchrun's --tee 3 or --redirects 3 without --log_dir (torchtitan's and
   // torchchat's launch lines) log into a temporary folder of their own.
-  o.temp_log_dir = o.log_dir.empty() && (o.tee || o.redirects);
+  o.temp_log_dir = o.log_dir.empty() && (o.tee.Any(o.nproc_per_node) || o.redirects.Any(o.nproc_per_node));
+  // torchrun passes over the local ranks a map names beyond its workers;
+  // so does ddprun, saying so.
+  for (const auto* codes : {&o.tee, &o.redirects}) {
+    if (!codes->by_rank.empty() && codes->by_rank.rbegin()->first >= o.nproc_per_node) {
+      o.notes.push_back(std::string(codes == &o.tee ? "--tee" : "--redirects") + " names local rank " +
+                        std::to_string(codes->by_rank.rbegin()->first) + ", which is ignored: --nproc_per_node=" +
+                        std::to_string(o.nproc_per_node) + " gives local ranks 0 to " +
+                        std::to_string(o.nproc_per_node - 1));
+    }
+  }
   if (virtual_local_rank) {
     // As torchrun: each worker sees one device, as device 0 with
     // LOCAL_RANK=0: the local rank's entry of CUDA_VISIBLE_DEVICES, or the
@@ -2176,7 +2223,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     // As torchrun's: the workers' output goes to files with --tee or
     // --redirects only; the folder always gets their error files.
-    Say(o.tee || o.redirects
+    Say(o.tee.Any(o.nproc_per_node) || o.redirects.Any(o.nproc_per_node)
             ? "this run's logs: " + *run_dir + "/attempt_K/LOCAL_RANK/stdout.log, stderr.log and error.json"
             : "this run's error files: " + *run_dir + "/attempt_K/LOCAL_RANK/error.json");
     o.log_dir = *run_dir;  // from here on, the folder the workers' logs go to
@@ -2318,7 +2365,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   // lost with a worker that was killed. Under torchrun (no --tee) the
   // workers write to the terminal itself, line by line; PYTHONUNBUFFERED=1
   // keeps that, unless the launcher's environment says otherwise.
-  const bool log_files = o.tee || o.redirects;
+  const bool log_files = o.tee.Any(o.nproc_per_node) || o.redirects.Any(o.nproc_per_node);
   const bool output_piped = (o.prefix && o.nproc_per_node > 1) || log_files || !o.local_ranks_filter.empty();
   const bool python_unbuffered_default = output_piped && std::getenv("PYTHONUNBUFFERED") == nullptr;
   const int max_nodes = o.nnodes;
@@ -2596,6 +2643,12 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       WorkerSpec spec;
       spec.rank = env.rank;
       spec.log_name = std::to_string(local);  // torchrun's attempt_K/<local rank>/
+      // As torchrun's logs specs: a teed stream is also redirected, to its
+      // file; a redirected one that is not teed leaves the terminal.
+      const int teed = o.tee.For(local);
+      const int redirected = o.redirects.For(local) | teed;
+      spec.logged_streams = redirected;
+      spec.shown_streams = kBothStreams & (~redirected | teed);
       spec.program = *program;
       spec.argv.push_back(o.command[0]);
       if (!o.line_prefix_template.empty()) spec.line_prefix = LinePrefix(o.line_prefix_template, env.rank, local, o.role);
@@ -2638,7 +2691,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     spawn.on_notice = [&o](const std::string& line) { Say("node " + std::to_string(o.node_rank) + ": " + line); };
     // torchrun's --log_dir alone keeps the terminal; -r 3 sends the output
     // to the files instead, -t 3 to both.
-    spawn.output.to_terminal = !o.redirects || o.tee;
+    spawn.output.to_terminal = true;  // per stream: WorkerSpec::shown_streams
     spawn.output.log_files = log_files;
     spawn.output.prefix = o.prefix && o.nproc_per_node > 1;
     for (int local : o.local_ranks_filter) {
@@ -2698,7 +2751,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     if (result.output_dropped > 0) {
       Say("dropped " + std::to_string(result.output_dropped) +
           " bytes of worker output: this launcher's stdout or stderr took nothing for 2 s" +
-          (log_files ? " (the log files have it all)" : ""));
+          (log_files ? " (the streams written to log files are whole there)" : ""));
     }
     for (const std::string& line : result.log_failures) Say(line);
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {

@@ -53,6 +53,7 @@
 // anything starts.
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -61,6 +62,26 @@
 #include "transport/status.h"
 
 namespace ddp::transport::launch {
+
+/// torchrun's -t/--tee or -r/--redirects value: one stream code for every
+/// local rank ("3"), or one per local rank ("0:3,1:2", the others 0). A
+/// code is 0 (none), 1 (stdout), 2 (stderr) or 3 (both).
+struct StreamCodes {
+  int all = 0;                ///< Every local rank's, when by_rank is empty.
+  std::map<int, int> by_rank;  ///< Local rank -> code; ranks not named: 0.
+  int For(int local_rank) const {
+    if (by_rank.empty()) return all;
+    const auto it = by_rank.find(local_rank);
+    return it == by_rank.end() ? 0 : it->second;
+  }
+  /// Whether any of local ranks 0..nproc-1 has a stream here.
+  bool Any(int nproc) const {
+    for (int local = 0; local < nproc; ++local) {
+      if (For(local) != 0) return true;
+    }
+    return false;
+  }
+};
 
 struct DdprunOptions {
   int nproc_per_node = 1;
@@ -86,8 +107,11 @@ struct DdprunOptions {
   /// This run's folder goes under it: the workers' error files, and with
   /// tee or redirects their log files, under attempt_<k>/.
   std::string log_dir;
-  bool tee = false;              ///< -t 3: log files and the terminal.
-  bool redirects = false;        ///< -r 3: log files only (tee wins).
+  /// Per local rank, the streams (torchrun's -t/-r codes, the bits of
+  /// spawn.h's kStdoutStream and kStderrStream) that go to its log files
+  /// and the terminal (tee) or to its log files only (redirects; tee wins).
+  StreamCodes tee;
+  StreamCodes redirects;
   /// --tee or --redirects without --log_dir: as torchrun, the logs go to a
   /// fresh $TMPDIR/torchelastic_XXXXXX (RunDdprun makes it and names it).
   bool temp_log_dir = false;

@@ -39,7 +39,7 @@ TEST(DdprunArgsTest, TorchrunSpellings) {
   EXPECT_EQ(o->master_port, 1234);
   EXPECT_EQ(o->max_restarts, 3);
   EXPECT_EQ(o->log_dir, "/tmp/x");
-  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->tee.For(0), 3);
   EXPECT_FALSE(o->prefix);
   EXPECT_EQ(o->job_token, "secret");
   EXPECT_EQ(o->rdzv_timeout, 2500ms);
@@ -211,14 +211,15 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   // torchrun's stream codes, with or without '='.
   o = Parse({"--log_dir=/tmp/x", "--redirects", "3", "--tee", "3", "./prog", "3"});
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->tee.For(0), 3);
+  EXPECT_EQ(o->redirects.For(0), 3);
   EXPECT_EQ(o->command, (std::vector<std::string>{"./prog", "3"}));
   o = Parse({"--log_dir=/tmp/x", "--tee=0", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_FALSE(o->tee);
+  EXPECT_EQ(o->tee.For(0), 0);
   o = Parse({"--log_dir=/tmp/x", "--tee", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->tee.For(0), 3);
   EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
   o = Parse({"--no-python", "--nproc_per_node=2", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
@@ -535,33 +536,57 @@ TEST(DdprunArgsTest, EndpointPortZeroMeansAFreePortOnOneNode) {
 TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
   StatusOr<DdprunOptions> o = Parse({"--log_dir=/tmp/x", "-r", "3", "-t", "3", "./prog", "-t", "3"});
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_TRUE(o->tee);
-  EXPECT_TRUE(o->redirects);
+  EXPECT_EQ(o->tee.For(0), 3);
+  EXPECT_EQ(o->redirects.For(0), 3);
   EXPECT_EQ(o->command, (std::vector<std::string>{"./prog", "-t", "3"}));
   o = Parse({"--log_dir=/tmp/x", "-r3", "-t3", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->tee.For(0), 3);
   EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
   o = Parse({"--log_dir=/tmp/x", "-t=0", "./prog"});
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_FALSE(o->tee);
-  EXPECT_FALSE(o->redirects);
+  EXPECT_EQ(o->tee.For(0), 0);
+  EXPECT_EQ(o->redirects.For(0), 0);
   o = Parse({"--log_dir=/tmp/x", "-t", "./prog"});  // bare, as --tee: 3
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->tee.For(0), 3);
   EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
   o = Parse({"--", "-t", "3"});  // after --, a program named -t
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->command, (std::vector<std::string>{"-t", "3"}));
-  const std::string codes =
-      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr); 1, 2 and per-rank maps are "
-      "not supported";
-  ExpectRefused({"--log_dir=/tmp/x", "-t", "1", "p"}, "--tee=1" + codes);
-  ExpectRefused({"--log_dir=/tmp/x", "-r2", "p"}, "--redirects=2" + codes);
   ExpectRefused({"-r", "p"}, "--redirects needs a value");
   ExpectRefused({"-x", "p"},
                 "unknown flag -x (ddprun's short flags are torchrun's -t for --tee and -r for --redirects; "
                 "see ddprun --help)");
+}
+
+// torchrun's codes for one stream (1 stdout, 2 stderr) and its per-rank
+// maps (local ranks not named: 0; the last code of a rank named twice),
+// which ddprun refused; a map's local rank beyond --nproc_per_node is
+// passed over with a note, as torchrun passes over it.
+TEST(DdprunArgsTest, TorchrunStreamCodesForOneStreamAndPerRankMaps) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--nproc_per_node=3", "--log_dir=/tmp/x", "-t", "1", "-r", "0:2,1:3,1:1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  for (int local = 0; local < 3; ++local) EXPECT_EQ(o->tee.For(local), 1) << local;
+  EXPECT_EQ(o->redirects.For(0), 2);
+  EXPECT_EQ(o->redirects.For(1), 1);
+  EXPECT_EQ(o->redirects.For(2), 0);
+  EXPECT_TRUE(o->notes.empty());
+  o = Parse({"--nproc_per_node=2", "--tee=1:3,4:1", "--redirects=2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->tee.For(0), 0);
+  EXPECT_EQ(o->tee.For(1), 3);
+  EXPECT_EQ(o->redirects.For(1), 2);
+  EXPECT_TRUE(o->temp_log_dir);
+  EXPECT_EQ(o->notes, std::vector<std::string>{"--tee names local rank 4, which is ignored: --nproc_per_node=2 "
+                                               "gives local ranks 0 to 1"});
+  // From the environment too; a map that gives this node's ranks nothing
+  // asks for no log folder.
+  o = Parse({"--nproc_per_node=2", "p"}, {{"PET_TEE", "0:0,7:3"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->tee.For(7), 3);
+  EXPECT_FALSE(o->temp_log_dir);
 }
 
 // torchrun takes --tee 3 and --redirects 3 without --log_dir (it logs into
@@ -572,7 +597,7 @@ TEST(DdprunArgsTest, TeeOrRedirectsWithoutLogDirLogIntoATemporaryFolder) {
   StatusOr<DdprunOptions> o = Parse({"--nproc-per-node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0",
                                      "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "train"});
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_TRUE(o->tee);
+  EXPECT_EQ(o->tee.For(1), 3);
   EXPECT_TRUE(o->temp_log_dir);
   EXPECT_EQ(o->log_dir, "");
   EXPECT_EQ(o->command, std::vector<std::string>{"train"});
@@ -927,17 +952,21 @@ TEST(DdprunArgsTest, BadInputIsRefusedWithOneLine) {
   ExpectRefused({"--max_restarts=-1", "p"}, "--max_restarts=-1 must be in [0, 1000000]");
   ExpectRefused({"--node_timeout=0", "p"}, "--node_timeout=0 is not a positive number of seconds");
   ExpectRefused({"--grace_period=soon", "p"}, "--grace_period=soon is not a number of seconds");
-  auto codes = [](const std::string& flag) {
-    return flag +
-           ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr); 1, 2 and per-rank "
-           "maps are not supported";
+  auto codes = [](const std::string& flag, const std::string& item) {
+    return flag + ": '" + item +
+           "' is not one of torchrun's stream codes 0 (none), 1 (stdout), 2 (stderr), 3 (both), nor "
+           "LOCAL_RANK:CODE,... (e.g. 0:3,1:2)";
   };
-  ExpectRefused({"--tee=yes", "p"}, codes("--tee=yes"));
-  ExpectRefused({"--log_dir=/tmp/x", "--redirects=1", "p"}, codes("--redirects=1"));
-  ExpectRefused({"--log_dir=/tmp/x", "--tee=0:1,1:2", "p"}, codes("--tee=0:1,1:2"));
+  ExpectRefused({"--tee=yes", "p"}, codes("--tee=yes", "yes"));
+  ExpectRefused({"--log_dir=/tmp/x", "--redirects=4", "p"}, codes("--redirects=4", "4"));
+  ExpectRefused({"--log_dir=/tmp/x", "--tee=03", "p"}, codes("--tee=03", "03"));
+  ExpectRefused({"--log_dir=/tmp/x", "--tee=0:1,1:", "p"}, codes("--tee=0:1,1:", "1:"));
+  ExpectRefused({"--tee=0:1,", "p"}, codes("--tee=0:1,", ""));
+  ExpectRefused({"--tee=0:1:2", "p"}, codes("--tee=0:1:2", "0:1:2"));
+  ExpectRefused({"--tee=a:1", "p"}, codes("--tee=a:1", "a:1"));
   // Also given as the next argument, which was taken for the program.
-  ExpectRefused({"--log_dir=/tmp/x", "--tee", "0:1,1:2", "p"}, codes("--tee=0:1,1:2"));
-  ExpectRefused({"-r", "1", "p"}, codes("--redirects=1"));
+  ExpectRefused({"--log_dir=/tmp/x", "--tee", "0:1,1:5", "p"}, codes("--tee=0:1,1:5", "1:5"));
+  ExpectRefused({"-r", "9", "p"}, codes("--redirects=9", "9"));
   ExpectRefused({"--frobnicate", "p"}, "unknown flag --frobnicate (see ddprun --help)");
   ExpectRefused({"--nproc_per_node=2"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   ExpectRefused({"--job_token=" + std::string(300, 't'), "p"},

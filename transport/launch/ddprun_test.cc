@@ -980,20 +980,61 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
   ExpectBadInput({Ddprun(), "--standalone"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
 }
 
-// torchrun's per-rank stream maps given as the next argument (`--tee
-// 0:3,1:3`, `-r 0:1`) are values ddprun does not take: refused naming the
-// flag, as with `=`. They were taken for the program ('0:3,1:3' not found
-// in PATH), or for a missing value (`-r 0:1`: --redirects needs a value).
-TEST(DdprunTest, TorchrunsPerRankStreamMapsAreRefusedNamed) {
+// torchrun's stream codes for one stream (1 stdout, 2 stderr) and its
+// per-rank maps (`-r 0:1,1:2`, also as the next argument) route each
+// worker's each stream as torchrun's logs specs do: redirected, to its
+// file only; teed, to its file and the terminal; neither, to the terminal
+// with no file. They were refused ("1, 2 and per-rank maps are not
+// supported").
+TEST(DdprunTest, TorchrunsOneStreamCodesAndPerRankMapsRouteEachStream) {
+  const std::vector<std::string> program = {"/bin/sh", "-c", "echo out$LOCAL_RANK; echo err$LOCAL_RANK >&2"};
+  auto with = [&](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), Ddprun());
+    flags.insert(flags.end(), program.begin(), program.end());
+    return flags;
+  };
+  auto exists = [](const std::string& path) { return access(path.c_str(), F_OK) == 0; };
+  // Local rank 0's stdout and local rank 1's stderr to their files only;
+  // local rank 2's stderr teed.
+  const std::string dir = testing::MakeTempDir("ddprun_stream_map");
+  auto run = RunProgram(with({"--standalone", "--nproc_per_node=3", "--log_dir=" + dir, "-r", "0:1,1:2", "-t", "2:2"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  std::string attempt = RunDir(dir) + "/attempt_0/";
+  EXPECT_EQ(ReadFile(attempt + "0/stdout.log"), "out0\n");
+  EXPECT_FALSE(exists(attempt + "0/stderr.log"));
+  EXPECT_EQ(ReadFile(attempt + "1/stderr.log"), "err1\n");
+  EXPECT_FALSE(exists(attempt + "1/stdout.log"));
+  EXPECT_EQ(ReadFile(attempt + "2/stderr.log"), "err2\n");
+  EXPECT_FALSE(exists(attempt + "2/stdout.log"));
+  EXPECT_THAT(run.output, Not(HasSubstr("out0")));
+  EXPECT_THAT(run.output, HasSubstr("[0] err0\n"));
+  EXPECT_THAT(run.output, HasSubstr("[1] out1\n"));
+  EXPECT_THAT(run.output, Not(HasSubstr("err1")));
+  EXPECT_THAT(run.output, HasSubstr("[2] out2\n"));
+  EXPECT_THAT(run.output, HasSubstr("[2] err2\n"));
+
+  // One code for every worker: --tee 1 (the next argument) keeps both
+  // streams on the terminal and logs stdout; -r2 takes stderr off it.
+  const std::string dir2 = testing::MakeTempDir("ddprun_stream_code");
+  run = RunProgram(with({"--standalone", "--nproc_per_node=2", "--log_dir=" + dir2, "--tee", "1", "-r2"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  attempt = RunDir(dir2) + "/attempt_0/";
+  for (const std::string local : {"0", "1"}) {
+    EXPECT_EQ(ReadFile(attempt + local + "/stdout.log"), "out" + local + "\n");
+    EXPECT_EQ(ReadFile(attempt + local + "/stderr.log"), "err" + local + "\n");
+    EXPECT_THAT(run.output, HasSubstr("[" + local + "] out" + local + "\n"));
+    EXPECT_THAT(run.output, Not(HasSubstr("err" + local)));
+  }
+
+  // Bad values are still refused naming the flag, also as the next
+  // argument (they were taken for the program), and a bare --tee is 3.
   const std::string codes =
-      ": ddprun takes torchrun's stream codes 0 (none) and 3 (stdout and stderr); 1, 2 and per-rank maps are not "
-      "supported";
-  ExpectBadInput({Ddprun(), "--standalone", "--tee", "0:3,1:3", "/bin/true"}, "--tee=0:3,1:3" + codes);
-  ExpectBadInput({Ddprun(), "--standalone", "-r", "0:1", "/bin/true"}, "--redirects=0:1" + codes);
-  ExpectBadInput({Ddprun(), "--standalone", "--tee", "4", "/bin/true"}, "--tee=4" + codes);
-  // Codes ddprun takes still work that way, and a bare --tee is --tee 3.
-  const auto run = RunProgram({Ddprun(), "--standalone", "--log_dir=" + testing::MakeTempDir("ddprun_tee_next"),
-                               "--tee", "/bin/sh", "-c", "echo teed"});
+      "' is not one of torchrun's stream codes 0 (none), 1 (stdout), 2 (stderr), 3 (both), nor "
+      "LOCAL_RANK:CODE,... (e.g. 0:3,1:2)";
+  ExpectBadInput({Ddprun(), "--standalone", "--tee", "0:3,1:4", "/bin/true"}, "--tee=0:3,1:4: '1:4" + codes);
+  ExpectBadInput({Ddprun(), "--standalone", "--tee", "4", "/bin/true"}, "--tee=4: '4" + codes);
+  run = RunProgram({Ddprun(), "--standalone", "--log_dir=" + testing::MakeTempDir("ddprun_tee_next"), "--tee",
+                    "/bin/sh", "-c", "echo teed"});
   EXPECT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("teed\n"));
 }

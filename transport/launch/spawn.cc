@@ -648,6 +648,7 @@ struct Stream {
   std::string partial;  // an incomplete line waiting for its newline
   Fd log;               // its log file (stdout.log or stderr.log), if any
   std::string log_path;
+  bool to_terminal = false;  // copied to the launcher's stdout or stderr
   uint64_t log_bytes = 0;   // written to the log so far
 };
 
@@ -733,7 +734,6 @@ struct Worker {
   WorkerExit exit;
   Stream streams[2];
   std::string error_path;   // its TORCHELASTIC_ERROR_FILE; empty: none
-  bool to_terminal = false;  // its output is copied to the launcher's
   // One line per log file a write failed to; that file is closed then.
   std::vector<std::string> log_failures;
   std::string captured;
@@ -788,6 +788,8 @@ class WorkerGroup::Impl {
     const OutputOptions& out = options_.output;
     use_pipes_ = out.prefix || out.capture || (!out.log_dir.empty() && out.log_files) || !out.to_terminal ||
                  !out.terminal_ranks.empty();
+    // A stream kept off the terminal is read and dropped.
+    for (const WorkerSpec& spec : specs) use_pipes_ = use_pipes_ || spec.shown_streams != kBothStreams;
     // Before anything here opens a descriptor, which could take number 0.
     DDP_RETURN_IF_ERROR(ChooseWorkersStdin());
     // SpawnOptions::share_terminal: only for a launcher in the foreground
@@ -1334,10 +1336,11 @@ class WorkerGroup::Impl {
     w.rank = spec.rank;
     w.line_prefix = spec.line_prefix.empty() ? "[" + std::to_string(spec.rank) + "] " : spec.line_prefix;
     const OutputOptions& out = options_.output;
-    w.to_terminal = out.to_terminal &&
-                    (out.terminal_ranks.empty() ||
-                     std::find(out.terminal_ranks.begin(), out.terminal_ranks.end(), spec.rank) !=
-                         out.terminal_ranks.end());
+    const bool to_terminal = out.to_terminal &&
+                             (out.terminal_ranks.empty() ||
+                              std::find(out.terminal_ranks.begin(), out.terminal_ranks.end(), spec.rank) !=
+                                  out.terminal_ranks.end());
+    for (int s = 0; s < 2; ++s) w.streams[s].to_terminal = to_terminal && (spec.shown_streams & (1 << s)) != 0;
     if (spec.program.empty() || spec.argv.empty()) {
       return InvalidArgumentError("rank " + std::to_string(spec.rank) + ": no program given");
     }
@@ -1347,6 +1350,7 @@ class WorkerGroup::Impl {
     if (!out.log_dir.empty()) DDP_RETURN_IF_ERROR(MakeDirectories(folder));
     if (!out.log_dir.empty() && out.log_files) {
       for (int s = 0; s < 2; ++s) {
+        if ((spec.logged_streams & (1 << s)) == 0) continue;  // as torchrun: no file for it
         const std::string path = folder + (s == 0 ? "/stdout.log" : "/stderr.log");
         w.streams[s].log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
         if (!w.streams[s].log.valid()) {
@@ -1717,7 +1721,7 @@ class WorkerGroup::Impl {
       w.captured.append(data.substr(0, room));
       if (data.size() > room) w.capture_truncated = true;
     }
-    if (!w.to_terminal) return;
+    if (!stream.to_terminal) return;
     if (!options_.output.prefix) {
       terminals_[s].Write(data);
       return;
@@ -1740,7 +1744,7 @@ class WorkerGroup::Impl {
   void FlushPartial(Worker& w, int s) {
     Stream& stream = w.streams[s];
     if (stream.partial.empty()) return;
-    if (w.to_terminal && options_.output.prefix) WriteLine(w, s, stream.partial + "\n");
+    if (stream.to_terminal && options_.output.prefix) WriteLine(w, s, stream.partial + "\n");
     stream.partial.clear();
   }
 

@@ -47,6 +47,12 @@
 
 namespace ddp::transport::launch {
 
+/// Sets of a worker's output streams, as bits (torchrun's Std codes).
+inline constexpr int kNoStreams = 0;
+inline constexpr int kStdoutStream = 1;
+inline constexpr int kStderrStream = 2;
+inline constexpr int kBothStreams = 3;
+
 /// One worker process to start.
 struct WorkerSpec {
   int rank = 0;                   ///< Names the worker in messages, prefixes, log files.
@@ -60,6 +66,13 @@ struct WorkerSpec {
   /// Its folder under OutputOptions::log_dir and log_name_prefix; empty:
   /// its rank. A launcher gives the local rank, as torchrun's layout.
   std::string log_name;
+  /// Of its streams (kStdoutStream, kStderrStream bits): those written to
+  /// stdout.log / stderr.log, with OutputOptions::log_dir and log_files
+  /// (no file for the others), and those copied to the terminal, with
+  /// OutputOptions::to_terminal (torchrun's per-rank --tee and
+  /// --redirects).
+  int logged_streams = kBothStreams;
+  int shown_streams = kBothStreams;
 };
 
 /// Where worker output goes. With every option off but `to_terminal`, the

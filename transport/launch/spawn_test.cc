@@ -29,6 +29,7 @@ namespace ddp::transport::launch {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 
 int EnvInt(const char* name, int fallback) {
@@ -373,6 +374,54 @@ TEST(SpawnTest, PerRankLogFiles) {
   std::stringstream named;
   named << std::ifstream(dir + "/attempt_0/local7/stderr.log").rdbuf();
   EXPECT_EQ(named.str(), "warning from rank 0\n");
+}
+
+// Per worker and stream (torchrun's per-rank --tee and --redirects): a
+// stream not logged gets no file, one not shown stays off the terminal.
+TEST(SpawnTest, EachWorkerChoosesWhichStreamsAreLoggedAndShown) {
+  const std::string dir = TempDir("streams");
+  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const int saved_out = dup(1), saved_err = dup(2);
+  const int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int err_fd = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dup2(out_fd, 1);
+  dup2(err_fd, 2);
+  SpawnOptions options = Quiet();
+  options.output.to_terminal = true;
+  options.output.prefix = false;
+  options.output.log_dir = dir + "/logs";
+  std::vector<WorkerSpec> specs = Specs(2, "hello");
+  specs[0].logged_streams = kStdoutStream;  // -r 0:1
+  specs[0].shown_streams = kStderrStream;
+  specs[1].logged_streams = kStderrStream;  // -t 1:2
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), options);
+  GroupResult result;
+  if (group.ok()) result = (*group)->Wait(DeadlineIn(20s));
+  dup2(saved_out, 1);
+  dup2(saved_err, 2);
+  close(saved_out);
+  close(saved_err);
+  close(out_fd);
+  close(err_fd);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  auto read = [](const std::string& path) {
+    std::stringstream text;
+    text << std::ifstream(path).rdbuf();
+    return text.str();
+  };
+  EXPECT_EQ(read(dir + "/logs/0/stdout.log"), "hello from rank 0\nno newline at the end 0");
+  EXPECT_NE(access((dir + "/logs/0/stderr.log").c_str(), F_OK), 0);
+  EXPECT_EQ(read(dir + "/logs/1/stderr.log"), "warning from rank 1\n");
+  EXPECT_NE(access((dir + "/logs/1/stdout.log").c_str(), F_OK), 0);
+  const std::string out = read(out_path), err = read(err_path);
+  EXPECT_THAT(out, Not(HasSubstr("rank 0")));
+  EXPECT_THAT(err, HasSubstr("warning from rank 0\n"));
+  EXPECT_THAT(out, HasSubstr("hello from rank 1\n"));
+  EXPECT_THAT(err, HasSubstr("warning from rank 1\n"));
+  ExpectNoChildrenLeft();
 }
 
 // A log file that stops taking output (here /dev/full: every write fails
