@@ -364,15 +364,26 @@ TEST(DdprunTest, TorchrunsShutdownTimeoutIsTheGracePeriod) {
       "if [ \"$RANK\" = 1 ]; then trap 'sleep 6; echo saved > \"$1/saved\"; exit 0' TERM; : > \"$1/ready\"; "
       "while :; do sleep 0.1; done; fi; "
       "i=0; while [ ! -e \"$1/ready\" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done; exit 1";
+  // The flag's run and the variable's run at once: each waits out a save
+  // longer than the default grace, and one after the other they took 12 s.
+  std::unique_ptr<WorkerGroup> groups[2];
+  std::string dirs[2];
   for (const bool from_env : {false, true}) {
     const std::string dir = testing::MakeTempDir(from_env ? "ddprun_shutdown_env" : "ddprun_shutdown_flag");
     std::vector<std::string> argv = {Ddprun(), "--standalone", "--nproc_per_node=2"};
     if (!from_env) argv.push_back("--shutdown-timeout=20");
     for (const std::string a : {"/bin/sh", "-c", script.c_str(), "sh"}) argv.push_back(a);
     argv.push_back(dir);
-    const auto run = RunProgram(argv, from_env ? std::vector<std::pair<std::string, std::string>>{
-                                                     {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "20"}}
-                                               : std::vector<std::pair<std::string, std::string>>{});
+    auto group = testing::StartProgram(argv, from_env ? std::vector<std::pair<std::string, std::string>>{
+                                                            {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "20"}}
+                                                      : std::vector<std::pair<std::string, std::string>>{});
+    ASSERT_TRUE(group.ok()) << group.status();
+    groups[from_env] = std::move(*group);
+    dirs[from_env] = dir;
+  }
+  for (const bool from_env : {false, true}) {
+    const std::string& dir = dirs[from_env];
+    const auto run = testing::WaitProgram(*groups[from_env], 30s);
     EXPECT_EQ(run.exit_code, 1) << run.output;
     EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 0 \\(pid [0-9]+\\) exited with code 1"));
     EXPECT_EQ(ReadFile(dir + "/saved"), "saved\n") << (from_env ? "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" : "flag")
