@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
@@ -798,11 +799,20 @@ TEST(DdprunMultinodeTest, C10dNodesMayRunDifferentNumbersOfWorkers) {
 }
 
 TEST(DdprunMultinodeTest, C10dLauncherBeyondNnodesWaitsAsASpare) {
-  // The workers stay 6 s, so that the job is still running when the third
-  // launcher arrives on a loaded machine; it waits for a restart that never
-  // comes and leaves with the job's status.
-  const auto runs = RunC10dJob(3, 2, {"--nproc_per_node=1", "--rdzv_timeout=20"},
-                               {"--store", "--sleep_ms=6000"});
+  // The workers stay until the third launcher waits as a spare, beating in
+  // its slot of the next round (they stayed a fixed 6 s, which the test
+  // waited out); it waits for a restart that never comes and leaves with
+  // the job's status.
+  const std::string done = testing::MakeTempDir("c10d_beyond_nnodes") + "/done";
+  const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--rdzv_timeout=20"};
+  const std::vector<std::string> worker_flags = {"--store", "--sleep_ms=60000", "--until_file=" + done};
+  C10dJob job;
+  job.StartNodeZero(flags, worker_flags);
+  job.Start(flags, worker_flags);
+  job.Start(flags, worker_flags);
+  EXPECT_TRUE(job.Reached("ddprun/a1/alive/1"));
+  std::ofstream(done) << "done\n";
+  const std::vector<testing::ProgramRun> runs = job.WaitAll(60s);
   int ran = 0, spare = 0;
   for (const auto& run : runs) {
     EXPECT_EQ(run.exit_code, 0) << run.output;
@@ -830,8 +840,10 @@ TEST(DdprunMultinodeTest, C10dSpareRidesOutAStoreThatIsSlowToAnswer) {
   C10dJob job;
   const std::vector<std::string> flags = {"--nnodes=2", "--nproc_per_node=1", "--rdzv_conf=read_timeout=0.5",
                                           "--node_timeout=10", "--rdzv_timeout=20"};
-  // Workers that outlast the steps below on a loaded machine.
-  const std::vector<std::string> worker_flags = {"--store", "--sleep_ms=10000"};
+  // Workers that run until the steps below are done (they ran a fixed 10 s,
+  // which the test waited out), at most 60 s.
+  const std::string done = testing::MakeTempDir("c10d_spare_slow_store") + "/done";
+  const std::vector<std::string> worker_flags = {"--store", "--sleep_ms=60000", "--until_file=" + done};
   const int first = job.StartNodeZero(flags, worker_flags);
   const int second = job.Start(flags, worker_flags);
   ASSERT_TRUE(job.Reached("ddprun/a0/members"));
@@ -841,6 +853,7 @@ TEST(DdprunMultinodeTest, C10dSpareRidesOutAStoreThatIsSlowToAnswer) {
   ASSERT_EQ(kill(job.launcher_pid(first), SIGSTOP), 0);
   std::this_thread::sleep_for(3s);  // the length of the fault, not a wait for anything
   ASSERT_EQ(kill(job.launcher_pid(first), SIGCONT), 0);
+  std::ofstream(done) << "done\n";
   const std::vector<testing::ProgramRun> runs = job.WaitAll(60s);
   std::string all;
   for (const auto& run : runs) all += run.output;

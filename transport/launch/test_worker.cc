@@ -8,6 +8,8 @@
 //   --signal=R:S          rank R raises signal S
 //   --fail_before_restart=K  rank 1 exits 1 while DDP_RESTART_COUNT < K
 //   --sleep_ms=N          sleep N ms before finishing
+//   --until_file=PATH     finish that sleep early once PATH exists (a test
+//                         lets the job end when its steps are done)
 //   --sleep_before_restart=K  sleep only while DDP_RESTART_COUNT < K
 //   --pid_dir=DIR         write DIR/rank<R>.restart<C>.pid
 //   --ignore_sigterm      ignore SIGTERM; with --pid_dir, each one that arrives
@@ -67,6 +69,7 @@ struct Flags {
   int fail_before_restart = 0;
   int sleep_ms = 0;
   int sleep_before_restart = -1;  // -1: at every restart
+  std::string until_file;
   std::string pid_dir;
   bool ignore_sigterm = false;
   bool exit_when_peer_gone = false;
@@ -106,6 +109,7 @@ std::string ParseFlags(int argc, char** argv, Flags& f) {
     else if (auto v = value("--sleep_ms")) f.sleep_ms = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--sleep_before_restart")) f.sleep_before_restart = std::atoi(std::string(*v).c_str());
     else if (auto v = value("--pid_dir")) f.pid_dir = std::string(*v);
+    else if (auto v = value("--until_file")) f.until_file = std::string(*v);
     else if (value("--self_launch_restarts")) continue;  // read by main
     else return "unknown argument " + std::string(arg);
   }
@@ -370,7 +374,10 @@ int main(int argc, char** argv) {
   // A slow rank is stuck elsewhere (say, in a long kernel): it notices nothing.
   if (flags.exit_when_peer_gone && env->rank != flags.slow_to_stop_rank) return WatchPeers(flags, *env);
   const bool sleeps = flags.sleep_before_restart < 0 || env->restart_count < flags.sleep_before_restart;
-  for (int slept = 0; sleeps && slept < flags.sleep_ms; slept += 10) std::this_thread::sleep_for(10ms);
+  for (int slept = 0; sleeps && slept < flags.sleep_ms; slept += 10) {
+    if (!flags.until_file.empty() && access(flags.until_file.c_str(), F_OK) == 0) break;
+    std::this_thread::sleep_for(10ms);
+  }
   std::printf("rank %d done\n", env->rank);
   return 0;
 }
