@@ -7,6 +7,7 @@
 #include <chrono>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -689,10 +690,13 @@ class C10dJob {
     port_ = *port;
   }
 
-  // Starts one launcher; returns its index.
-  int Start(std::vector<std::string> flags, const std::vector<std::string>& worker_flags) {
+  // Starts one launcher; returns its index. With `stderr_file`, its
+  // stderr goes there, where the test can read it while it runs.
+  int Start(std::vector<std::string> flags, const std::vector<std::string>& worker_flags,
+            const std::string& stderr_file = "") {
     std::vector<std::string> argv = {Ddprun(), "--rdzv_backend=c10d",
                                      "--rdzv_endpoint=127.0.0.1:" + std::to_string(port_)};
+    if (!stderr_file.empty()) argv.insert(argv.begin(), {"/bin/sh", "-c", "exec \"$@\" 2>\"$0\"", stderr_file});
     argv.insert(argv.end(), flags.begin(), flags.end());
     argv.push_back(Worker());
     argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
@@ -711,8 +715,9 @@ class C10dJob {
 
   // Starts the first launcher and waits until it serves the store (so it
   // is node 0, whatever starts next); store() then reads the store.
-  int StartNodeZero(const std::vector<std::string>& flags, const std::vector<std::string>& worker_flags) {
-    const int first = Start(flags, worker_flags);
+  int StartNodeZero(const std::vector<std::string>& flags, const std::vector<std::string>& worker_flags,
+                    const std::string& stderr_file = "") {
+    const int first = Start(flags, worker_flags, stderr_file);
     auto client = store::TcpStoreClient::Connect("127.0.0.1", port_, kToken, DeadlineIn(20s));
     EXPECT_TRUE(client.ok()) << client.status();
     if (client.ok()) {
@@ -736,6 +741,22 @@ class C10dJob {
   std::vector<std::unique_ptr<WorkerGroup>> launchers_;
   std::unique_ptr<store::TcpStoreClient> store_;
 };
+
+std::string ReadFile(const std::string& path) {
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  return text.str();
+}
+
+// Waits until the file at `path` holds `text`, up to `timeout`.
+bool FileGets(const std::string& path, const std::string& text, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (ReadFile(path).find(text) == std::string::npos) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
 
 // `launchers` launchers with --nnodes=`nnodes` (0: given in `flags`);
 // `extra` adds flags for one launcher.
@@ -1002,18 +1023,20 @@ TEST(DdprunMultinodeTest, C10dLauncherThatDiesBeforeTheRoundClosesGetsNoPlace) {
   const std::vector<std::string> flags = {"--nnodes=4", "--nproc_per_node=1", "--node_timeout=3",
                                           "--max_restarts=1", "--rdzv_timeout=30"};
   const std::vector<std::string> worker_flags = {"--store", "--print_env"};
-  const int first = job.StartNodeZero(flags, worker_flags);
+  const std::string node0_stderr = testing::MakeTempDir("c10d_dies_before_close") + "/node0.stderr";
+  const int first = job.StartNodeZero(flags, worker_flags, node0_stderr);
   const int doomed = job.Start(flags, worker_flags);
   // It holds slot 1 of the first round once it wrote its entry there.
   ASSERT_TRUE(job.Reached("ddprun/a0/join/1"));
   const int waiting = job.Start(flags, worker_flags);
   ASSERT_TRUE(job.Reached("ddprun/a0/join/2"));
   ASSERT_EQ(kill(job.launcher_pid(doomed), SIGKILL), 0);
-  // Node 0 judges the slot silent once --node_timeout (3 s) has passed
-  // (it writes nothing the test could wait for); the other two must come
-  // after that, or they would close the round on the dead slot. Several
-  // times the timeout, for a node 0 starved on a loaded machine.
-  std::this_thread::sleep_for(9s);
+  // Node 0 judges the slot silent once --node_timeout (3 s) has passed;
+  // the other two must come after that, or they would close the round on
+  // the dead slot. The test waits for node 0 to say so (it slept a fixed
+  // 9 s, three times the timeout, for a node 0 starved on a loaded
+  // machine).
+  ASSERT_TRUE(FileGets(node0_stderr, "in slot 1 sent no heartbeat", 30s)) << ReadFile(node0_stderr);
   const int third = job.Start(flags, worker_flags);
   const int fourth = job.Start(flags, worker_flags);
   const testing::ProgramRun killed = job.Wait(doomed);
@@ -1024,6 +1047,7 @@ TEST(DdprunMultinodeTest, C10dLauncherThatDiesBeforeTheRoundClosesGetsNoPlace) {
     EXPECT_EQ(run.exit_code, 0) << run.output;
     all += run.output;
   }
+  all += ReadFile(node0_stderr);
   EXPECT_THAT(all, ContainsRegex("ddprun: node 0: the launcher that joined the job in slot 1 sent no "
                                  "heartbeat for [0-9]+ ms \\(--node_timeout\\) and gets no place"));
   EXPECT_THAT(all, Not(HasSubstr("in slot 2 sent no heartbeat"))) << all;
@@ -1075,10 +1099,11 @@ TEST(DdprunMultinodeTest, C10dSpareThatDiedGetsNoPlaceAtTheRestart) {
   // node 0 finds the spare's slot, hears no heartbeat from it, and gives
   // node 1's place to a launcher started afterwards instead.
   const std::string dir = testing::MakeTempDir("c10d_dead_spare");
+  const std::string node0_stderr = dir + "/node0.stderr";
   C10dJob job;
   const std::vector<std::string>& flags = kRestartableTwoNodes;
   const std::vector<std::string> worker_flags = LastingWorkers(dir);
-  const int first = job.StartNodeZero(flags, worker_flags);
+  const int first = job.StartNodeZero(flags, worker_flags, node0_stderr);
   const int second = job.Start(flags, worker_flags);
   testing::ReadPidFile(dir + "/rank1.restart0.pid", 10s);  // the job runs
   const int spare = job.Start(flags, worker_flags);
@@ -1094,15 +1119,16 @@ TEST(DdprunMultinodeTest, C10dSpareThatDiedGetsNoPlaceAtTheRestart) {
   }
   // Node 0 leaves out the spare's slot, which it found taken at its first
   // look and never heard beat, after two monitor slices and a half second
-  // (2 s at --node_timeout=3); it writes nothing the test could wait for,
-  // and the relaunched launcher must come after that. Three times that,
-  // for a node 0 starved on a loaded machine.
-  std::this_thread::sleep_for(6s);
+  // (2 s at --node_timeout=3), and says so; the relaunched launcher must
+  // come after that. The test waits for that line (it slept a fixed 6 s,
+  // three times the time, for a node 0 starved on a loaded machine).
+  ASSERT_TRUE(FileGets(node0_stderr, "joined restart 1 in slot 1 sent no heartbeat", 30s))
+      << ReadFile(node0_stderr);
   const int relaunched = job.Start(flags, worker_flags);
   const testing::ProgramRun first_run = job.Wait(first);
   const testing::ProgramRun relaunched_run = job.Wait(relaunched);
-  const std::string all = first_run.output + job.Wait(second).output + job.Wait(spare).output +
-                          relaunched_run.output;
+  const std::string all = first_run.output + ReadFile(node0_stderr) + job.Wait(second).output +
+                          job.Wait(spare).output + relaunched_run.output;
   EXPECT_EQ(first_run.exit_code, 0) << all;
   EXPECT_EQ(relaunched_run.exit_code, 0) << all;
   EXPECT_THAT(all, ContainsRegex("ddprun: node 0: the launcher that joined restart 1 in slot 1 sent no "
