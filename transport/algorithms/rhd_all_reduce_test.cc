@@ -181,6 +181,21 @@ std::vector<Status> RunWithALateOddCount(const AllReduceFn& fn, int world, int o
       options);
 }
 
+// Every rank failed with kInvalidArgument naming rank `odd`'s f32 count
+// and the others' count.
+void ExpectEveryRankNamesBothCounts(const std::vector<Status>& statuses, int odd, size_t odd_count,
+                                    size_t count, const std::string& what) {
+  for (size_t r = 0; r < statuses.size(); ++r) {
+    const Status& s = statuses[r];
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed rhd all-reduce, count " +
+                                       std::to_string(odd_count) + " of f32"))
+        << what << ": rank " << r;
+    EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, count " + std::to_string(count) + " of f32"))
+        << what << ": rank " << r;
+  }
+}
+
 // One rank passes count 65 among ranks passing 64: every rank fails naming
 // the odd rank's count and the others', as every ring rank does. A rank
 // whose partner in a step was the odd one, and which did not check it, got
@@ -196,15 +211,7 @@ TEST(RhdAllReduceTest, EveryRankNamesBothCountsOfADisagreement) {
         const std::string what = std::string(mode) + ", " + std::to_string(world) +
                                  " ranks, rank " + std::to_string(odd) + " passes count 65";
         const std::vector<Status> statuses = RunWithALateOddCount(*fn, world, odd);
-        for (int r = 0; r < world; ++r) {
-          const Status& s = statuses[r];
-          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
-          EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) +
-                                             " passed rhd all-reduce, count 65 of f32"))
-              << what << ": rank " << r;
-          EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, count 64 of f32"))
-              << what << ": rank " << r;
-        }
+        ExpectEveryRankNamesBothCounts(statuses, odd, 65, 64, what);
         // The first case that fails says enough.
         if (HasFailure()) return;
       }
@@ -362,15 +369,7 @@ TEST(RhdAllReduceTest, RanksOnBothSidesOfTheDoublingSizeFailNamingBothCounts) {
           },
           options);
       EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << what;
-      for (int r = 0; r < world; ++r) {
-        const Status& s = statuses[r];
-        EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
-        EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) +
-                                           " passed rhd all-reduce, count 2049 of f32"))
-            << what << ": rank " << r;
-        EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, count 2048 of f32"))
-            << what << ": rank " << r;
-      }
+      ExpectEveryRankNamesBothCounts(statuses, odd, 2049, 2048, what);
       if (HasFailure()) return;
     }
   }
