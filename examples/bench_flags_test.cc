@@ -221,23 +221,12 @@ TEST(BenchLaunchTest, AWrongFlagIsRefusedOnceBeforeAnyRankStarts) {
   }
 }
 
-// Opens the FIFO `path` for writing into *writer once `running` has opened
-// it for reading (ENXIO before).
-void OpenOnceRead(const std::string& path, testing::Subprocess& running, int* writer) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while ((*writer = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
-    ASSERT_EQ(errno, ENXIO) << path << ": " << std::strerror(errno);
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << path << " was never opened:\n" << running.Stderr();
-    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "it ended first:\n" << running.Stderr();
-  }
-}
-
 // ddp_bench with --nproc_per_node=1 and `fifo` as --flagfile, once `text`
 // was written into it.
 testing::RunOutput DdpBenchWithFifoFlagfile(const std::string& fifo, const std::string& text) {
   testing::Subprocess running({testing::Runfile("examples/ddp_bench"), "--nproc_per_node=1", "--flagfile=" + fifo});
   int writer = -1;
-  OpenOnceRead(fifo, running, &writer);
+  testing::OpenFifoOnceRead(fifo, running, &writer);
   if (writer >= 0) {
     EXPECT_EQ(::write(writer, text.data(), text.size()), static_cast<ssize_t>(text.size())) << fifo;
     ::close(writer);
@@ -283,7 +272,7 @@ TEST(BenchLaunchTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
     testing::Subprocess running(
         {testing::Runfile("examples/" + program), "--flagfile=" + fifo, "--nproc_per_node=1"});
     int writer = -1;
-    ASSERT_NO_FATAL_FAILURE(OpenOnceRead(fifo, running, &writer));
+    ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(fifo, running, &writer));
     running.Signal(SIGINT);
     ::close(writer);  // an empty file of flags
     ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();

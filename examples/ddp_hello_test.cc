@@ -187,12 +187,7 @@ TEST(DdpHelloTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
                                "--checkpoint=" + dir + "/saved/model.ckpt"});
   // Opens once the program has the FIFO open for reading (ENXIO before).
   int writer = -1;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while ((writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
-    ASSERT_EQ(errno, ENXIO) << fifo << ": " << std::strerror(errno);
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the --flagfile was never opened:\n" << running.Stderr();
-    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "it ended first:\n" << running.Stderr();
-  }
+  ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(fifo, running, &writer));
   running.Signal(SIGINT);
   ::close(writer);  // an empty file of flags
   ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();

@@ -42,17 +42,6 @@ std::vector<std::string> TinyRun(const std::string& program) {
           "--nproc_per_node=1", "--epochs=1", "--train_samples=64", "--test_samples=16"};
 }
 
-// Opens the FIFO `path` for writing into *writer once `running` has opened
-// it for reading (ENXIO before).
-void OpenOnceRead(const std::string& path, testing::Subprocess& running, int* writer) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while ((*writer = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
-    ASSERT_EQ(errno, ENXIO) << path << ": " << std::strerror(errno);
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << path << " was never opened:\n" << running.Stderr();
-    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the run ended first:\n" << running.Stderr();
-  }
-}
-
 // Ctrl-C while the launcher read the data let it go on to make the folders
 // of --log_dir and --checkpoint, then end by the signal: they were left
 // empty. The program (a test build) is held where CheckSetup starts, past
@@ -69,7 +58,7 @@ TEST(TrainSetupTest, CtrlCWhileTheDataIsCheckedLeavesNoFolderItMade) {
   args.push_back("--checkpoint=" + dir + "/kept/saved/model.ckpt");
   testing::Subprocess running(args, {{"DDP_TRAIN_SETUP_HOLD", hold}});
   int writer = -1;
-  ASSERT_NO_FATAL_FAILURE(OpenOnceRead(hold, running, &writer));
+  ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(hold, running, &writer));
   running.Signal(SIGINT);
   // Taken (its line is written by the handler) before the program goes on.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
@@ -143,7 +132,7 @@ TEST(TrainSetupTest, ALaunchedRankRefusedForItsLogDirLeavesNoCheckpointFolder) {
 // reading, then closes it.
 void FeedFifo(const std::string& path, const std::string& text, testing::Subprocess& running) {
   int writer = -1;
-  ASSERT_NO_FATAL_FAILURE(OpenOnceRead(path, running, &writer));
+  ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(path, running, &writer));
   EXPECT_EQ(write(writer, text.data(), text.size()), static_cast<ssize_t>(text.size())) << path;
   close(writer);
 }

@@ -258,6 +258,16 @@ std::vector<pid_t> Subprocess::Children() const {
   return out;
 }
 
+void OpenFifoOnceRead(const std::string& path, Subprocess& running, int* writer,
+                      std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while ((*writer = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0) {
+    ASSERT_EQ(errno, ENXIO) << path << ": " << std::strerror(errno);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << path << " was never opened:\n" << running.Stderr();
+    ASSERT_EQ(running.Wait(std::chrono::milliseconds(20)), -1) << "the program ended first:\n" << running.Stderr();
+  }
+}
+
 RunOutput RunToEnd(std::vector<std::string> argv,
                    std::vector<std::pair<std::string, std::string>> env,
                    std::chrono::milliseconds timeout) {

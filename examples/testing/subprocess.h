@@ -96,6 +96,13 @@ class FifoReader {
   std::thread thread_;
 };
 
+/// Opens the FIFO `path` for writing, into *writer, once `running` has it
+/// open for reading (before that, opening it without waiting fails with
+/// ENXIO). A fatal test failure when `running` ends first or `timeout`
+/// passes: call it under ASSERT_NO_FATAL_FAILURE.
+void OpenFifoOnceRead(const std::string& path, Subprocess& running, int* writer,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
 /// True when `pid` no longer runs (gone, or a zombie).
 bool ProcessGone(pid_t pid);
 
