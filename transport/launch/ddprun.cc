@@ -428,6 +428,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   DdprunOptions o;
   bool port_given = false;
   bool addr_given = false;
+  // How each was given, for the notes: the flag, or torchrun's variable.
+  std::string port_name = "--master_port", addr_name = "--master_addr";
   bool endpoint_given = false;
   // The endpoint as given ("--rdzv_endpoint=h:1" or "PET_RDZV_ENDPOINT='h:1'"),
   // and what it names (port -1: none given).
@@ -743,9 +745,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           o.master_addr = given.substr(1, close - 1);
         }
         addr_given = true;
+        addr_name = on_command_line ? "--master_addr" : "PET_MASTER_ADDR";
       } else if (name == "master_port") {
         DDP_RETURN_IF_ERROR(take_int(0, 65535, o.master_port));
         port_given = true;
+        port_name = on_command_line ? "--master_port" : "PET_MASTER_PORT";
       } else if (name == "rdzv_endpoint") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
         DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
@@ -872,6 +876,12 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (o.command.empty()) {
     return InvalidArgumentError("no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
   }
+  // "--master_addr is", "PET_MASTER_PORT is", "... and ... are": what a
+  // note says is ignored.
+  const auto ignored_masters = [&] {
+    return addr_given && port_given ? addr_name + " and " + port_name + " are"
+                                    : (addr_given ? addr_name : port_name) + " is";
+  };
   // torchrun's precedence: --standalone replaces the endpoint (and logs
   // it), and an endpoint, from the command line or PET_RDZV_ENDPOINT, wins
   // over --master_addr and --master_port (get_rdzv_endpoint reads them only
@@ -888,10 +898,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                                   "instead of an endpoint), as torchrun requires");
     }
     if (addr_given || port_given) {
-      o.notes.push_back(std::string(addr_given && port_given ? "--master_addr and --master_port are"
-                                    : addr_given             ? "--master_addr is"
-                                                             : "--master_port is") +
-                        " ignored: " + endpoint_text + " names the store, as under torchrun");
+      o.notes.push_back(ignored_masters() + " ignored: " + endpoint_text + " names the store, as under torchrun");
     }
     o.master_addr = endpoint_addr;
     o.master_port = endpoint_port >= 0 ? endpoint_port : kDefaultRdzvPort;
@@ -901,10 +908,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
     // default port. Launchers that followed torchrun's defaults on one host
     // met at 29400 there and missed ddprun's 127.0.0.1:29500.
     if (addr_given || port_given) {
-      o.notes.push_back(std::string(addr_given && port_given ? "--master_addr and --master_port are"
-                                    : addr_given             ? "--master_addr is"
-                                                             : "--master_port is") +
-                        " ignored with --rdzv_backend=c10d, as under torchrun: give the store as "
+      o.notes.push_back(ignored_masters() + " ignored with --rdzv_backend=c10d, as under torchrun: give the store as "
                         "--rdzv_endpoint=HOST:PORT (without one it is at localhost:" +
                         std::to_string(kDefaultRdzvPort) + ")");
     }

@@ -156,7 +156,10 @@ TEST(DdprunArgsTest, C10dWithoutAnEndpointIsAtLocalhost29400AsTorchrun) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_addr, "localhost");
   EXPECT_EQ(o->master_port, 29400);
-  EXPECT_EQ(o->notes.size(), 1u);
+  // The note names the variable it came from (it said --master_port).
+  EXPECT_EQ(o->notes, std::vector<std::string>{"PET_MASTER_PORT is ignored with --rdzv_backend=c10d, as under "
+                                               "torchrun: give the store as --rdzv_endpoint=HOST:PORT (without "
+                                               "one it is at localhost:29400)"});
   // An endpoint without a port is on 29400 too; --standalone is still on
   // 127.0.0.1 with a free port.
   o = Parse({"--rdzv_backend=c10d", "--rdzv_endpoint=head", "p"});
