@@ -1,11 +1,14 @@
 #include "examples/own_help.h"
 
 #include <gflags/gflags.h>
+#include <fcntl.h>
 #include <fnmatch.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cerrno>
 #include <cstdint>
@@ -324,6 +327,50 @@ std::string ReadWhole(const std::string& path, std::string* content) {
   return "";
 }
 
+// A file of flags is a few lines of text: a stream that gives more is not
+// one (/dev/zero, a device, a log piped in by mistake).
+constexpr size_t kMaxStreamBytes = size_t{1} << 20;
+
+// The whole of stream `path` (a FIFO, /dev/stdin, a terminal) in *content,
+// or why not: it cannot be opened or read, holds more than kMaxStreamBytes,
+// or has not ended (its writer closed it) within `wait`. Read without
+// blocking: a FIFO nobody writes to would hold the program forever.
+std::string ReadStream(const std::string& path, std::string* content, std::chrono::milliseconds wait) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return "cannot read " + path + " (" + std::strerror(errno) + ")";
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  std::string problem;
+  char buffer[65536];
+  while (problem.empty()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      problem = path + " did not end within " +
+                (wait.count() % 1000 == 0 ? std::to_string(wait.count() / 1000) + " s"
+                                          : std::to_string(wait.count()) + " ms") +
+                " (a FIFO ends when its writer closes it)";
+      break;
+    }
+    pollfd p{fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    if (ready < 0 && errno != EINTR) problem = "cannot read " + path + " (" + std::strerror(errno) + ")";
+    if (ready <= 0) continue;  // a FIFO with no writer yet reports nothing
+    const ssize_t got = ::read(fd, buffer, sizeof buffer);
+    if (got == 0) break;  // its writer closed it (or Ctrl-D on a terminal)
+    if (got < 0) {
+      if (errno != EAGAIN && errno != EINTR) problem = "cannot read " + path + " (" + std::strerror(errno) + ")";
+      continue;
+    }
+    if (content->size() + static_cast<size_t>(got) > kMaxStreamBytes) {
+      problem = path + " holds more than " + std::to_string(kMaxStreamBytes >> 20) +
+                " MiB: that is not a file of flags";
+      break;
+    }
+    content->append(buffer, static_cast<size_t>(got));
+  }
+  ::close(fd);
+  return problem;
+}
+
 // LinesProblem for the regular file `path`, read here.
 std::string FileLinesProblem(const std::string& path, Check& check, bool* located) {
   std::string content;
@@ -515,7 +562,8 @@ std::string FlagProblem(int argc, char** argv, const char* source, const char* n
   return "";
 }
 
-std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* source, const char* no_launcher) {
+std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* source, const char* no_launcher,
+                                  std::chrono::milliseconds stream_wait) {
   Check check;
   check.file = std::string(source) + ".cc";
   check.no_launcher = no_launcher == nullptr ? "" : no_launcher;
@@ -565,7 +613,9 @@ std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* so
       }
       streams_read.push_back(path);
       std::string content;
-      if (std::string problem = ReadWhole(path, &content); !problem.empty()) return "--flagfile=" + value + ": " + problem;
+      if (std::string problem = ReadStream(path, &content, stream_wait); !problem.empty()) {
+        return "--flagfile=" + value + ": " + problem;
+      }
       bool located = false;
       if (std::string problem = LinesProblem(path, content, check, &located, &replacement); !problem.empty()) {
         return located ? problem : "--flagfile=" + value + ": " + problem;
@@ -590,6 +640,11 @@ std::string CommandLineProblem(int* argc, char*** argv, const char* source, cons
   // the process.
   static std::vector<std::string> args;
   static std::vector<char*> pointers;
+  // *argv may point into `args` after a first call, and gflags keeps its
+  // pointers: a second call would pull the storage from under both.
+  static bool called = false;
+  if (called) return "CommandLineProblem is called once per process, before gflags parses";
+  called = true;
   args.assign(*argv, *argv + *argc);
   std::string problem = InlineStreamFlagfiles(args, source, no_launcher);
   pointers.clear();

@@ -1,6 +1,7 @@
 #ifndef DDP_EXAMPLES_OWN_HELP_H_
 #define DDP_EXAMPLES_OWN_HELP_H_
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -61,9 +62,11 @@ std::string FlagProblem(int argc, char** argv, const char* source, const char* n
 /// with a line of one, named with its path and line as FlagProblem names
 /// them ("/dev/fd/63:2: unknown flag --modle; ..."), one that cannot be
 /// read, or one named twice; else "". A stream named inside a file of flags
-/// is left to gflags.
+/// is left to gflags. A stream must end (its writer close it) within
+/// `stream_wait` and hold at most 1 MiB, else that is the problem named.
 std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* source,
-                                  const char* no_launcher = nullptr);
+                                  const char* no_launcher = nullptr,
+                                  std::chrono::milliseconds stream_wait = std::chrono::seconds(120));
 
 /// InlineStreamFlagfiles on main's `argc` and `argv`, which then give the
 /// result (kept until the process ends), then FlagProblem on them: the

@@ -7,6 +7,8 @@
 
 #include <fcntl.h>
 #include <gflags/gflags.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -312,6 +314,36 @@ TEST(InlineStreamFlagfilesTest, AFifosLinesAreCheckedNamingItAndTheLine) {
                   " was read already (a stream is read once: its flags were taken the first time); name it once");
   }
   FLAGS_zero = false;
+}
+
+// A stream was read with no deadline and no bound: a FIFO nobody writes to
+// held the program for ever (Ctrl-C printed its line and changed nothing),
+// and /dev/zero filled the memory. Both are named now.
+TEST(InlineStreamFlagfilesTest, AStreamThatDoesNotEndOrHoldsTooMuchIsNamed) {
+  const std::string dir = TempDir();
+  const std::string fifo = MakeFifo(dir, "fifo");
+  std::vector<std::string> args = {"own_help_test", "--flagfile=" + fifo};
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(InlineStreamFlagfiles(args, kSource, nullptr, std::chrono::milliseconds(300)),
+            "--flagfile=" + fifo + ": " + fifo + " did not end within 300 ms (a FIFO ends when its writer closes it)");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  // A writer that never stops: it gets EPIPE (not SIGPIPE: blocked on its
+  // thread) once the reader gave up.
+  std::thread writer([&fifo] {
+    sigset_t pipe_signal;
+    sigemptyset(&pipe_signal);
+    sigaddset(&pipe_signal, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_signal, nullptr);
+    const int fd = open(fifo.c_str(), O_WRONLY | O_CLOEXEC);  // waits for the reader
+    if (fd < 0) return;
+    const std::string lines(65536, '\n');
+    while (write(fd, lines.data(), lines.size()) > 0) {
+    }
+    close(fd);
+  });
+  EXPECT_EQ(InlineStreamFlagfiles(args, kSource),
+            "--flagfile=" + fifo + ": " + fifo + " holds more than 1 MiB: that is not a file of flags");
+  writer.join();
 }
 
 }  // namespace
