@@ -2227,9 +2227,14 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     // As torchrun's: the workers' output goes to files with --tee or
     // --redirects only; the folder always gets their error files.
-    Say(o.tee.Any(o.nproc_per_node) || o.redirects.Any(o.nproc_per_node)
-            ? "this run's logs: " + *run_dir + "/attempt_K/LOCAL_RANK/stdout.log, stderr.log and error.json"
-            : "this run's error files: " + *run_dir + "/attempt_K/LOCAL_RANK/error.json");
+    int logged = 0;  // the streams some local rank writes to files
+    for (int local = 0; local < o.nproc_per_node; ++local) logged |= o.tee.For(local) | o.redirects.For(local);
+    Say(logged == 0 ? "this run's error files: " + *run_dir + "/attempt_K/LOCAL_RANK/error.json"
+                    : "this run's logs: " + *run_dir + "/attempt_K/LOCAL_RANK/" +
+                          (logged == 1   ? "stdout.log"
+                           : logged == 2 ? "stderr.log"
+                                         : "stdout.log, stderr.log") +
+                          " and error.json");
     o.log_dir = *run_dir;  // from here on, the folder the workers' logs go to
   }
   std::string token = o.job_token;

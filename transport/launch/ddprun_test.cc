@@ -1037,6 +1037,14 @@ TEST(DdprunTest, TorchrunsOneStreamCodesAndPerRankMapsRouteEachStream) {
     EXPECT_THAT(run.output, Not(HasSubstr("err" + local)));
   }
 
+  // The line naming the logs names the files written: -r1 writes no
+  // stderr.log (it said "stdout.log, stderr.log and error.json").
+  const std::string dir3 = testing::MakeTempDir("ddprun_stream_one");
+  run = RunProgram(with({"--standalone", "--nproc_per_node=1", "--log_dir=" + dir3, "-r1"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + RunDir(dir3) +
+                                    "/attempt_K/LOCAL_RANK/stdout.log and error.json\n"));
+
   // Bad values are still refused naming the flag, also as the next
   // argument (they were taken for the program), and a bare --tee is 3.
   const std::string codes =
