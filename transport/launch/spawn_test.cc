@@ -300,10 +300,12 @@ pid_t ReadPid(const std::string& path, std::chrono::milliseconds timeout) {
   return -1;
 }
 
-TEST(SpawnTest, AllSucceedAndOutputIsCapturedAndPrefixed) {
-  // Send the launcher's own stdout and stderr to files to see the prefixes.
-  const std::string dir = TempDir("prefix");
-  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
+// Starts `specs` and waits for them (20 s at most) while this process's
+// stdout and stderr, which their terminal copies go to, are the files
+// `out_path` and `err_path`; puts them back before it returns. *started:
+// whether the group started.
+GroupResult RunWithOutputInFiles(std::vector<WorkerSpec> specs, const SpawnOptions& options,
+                                 const std::string& out_path, const std::string& err_path, Status* started) {
   std::fflush(stdout);
   std::fflush(stderr);
   const int saved_out = dup(1), saved_err = dup(2);
@@ -311,10 +313,7 @@ TEST(SpawnTest, AllSucceedAndOutputIsCapturedAndPrefixed) {
   const int err_fd = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   dup2(out_fd, 1);
   dup2(err_fd, 2);
-  SpawnOptions options = Quiet();
-  options.output.to_terminal = true;
-  options.output.prefix = true;
-  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(3, "hello"), options);
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), options);
   GroupResult result;
   if (group.ok()) result = (*group)->Wait(DeadlineIn(20s));
   dup2(saved_out, 1);
@@ -323,7 +322,20 @@ TEST(SpawnTest, AllSucceedAndOutputIsCapturedAndPrefixed) {
   close(saved_err);
   close(out_fd);
   close(err_fd);
-  ASSERT_TRUE(group.ok()) << group.status();
+  *started = group.status();
+  return result;
+}
+
+TEST(SpawnTest, AllSucceedAndOutputIsCapturedAndPrefixed) {
+  // Send the launcher's own stdout and stderr to files to see the prefixes.
+  const std::string dir = TempDir("prefix");
+  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
+  SpawnOptions options = Quiet();
+  options.output.to_terminal = true;
+  options.output.prefix = true;
+  Status started;
+  const GroupResult result = RunWithOutputInFiles(Specs(3, "hello"), options, out_path, err_path, &started);
+  ASSERT_TRUE(started.ok()) << started;
 
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
   EXPECT_EQ(result.ExitCode(), 0);
@@ -381,13 +393,6 @@ TEST(SpawnTest, PerRankLogFiles) {
 TEST(SpawnTest, EachWorkerChoosesWhichStreamsAreLoggedAndShown) {
   const std::string dir = TempDir("streams");
   const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const int saved_out = dup(1), saved_err = dup(2);
-  const int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  const int err_fd = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  dup2(out_fd, 1);
-  dup2(err_fd, 2);
   SpawnOptions options = Quiet();
   options.output.to_terminal = true;
   options.output.prefix = false;
@@ -396,16 +401,9 @@ TEST(SpawnTest, EachWorkerChoosesWhichStreamsAreLoggedAndShown) {
   specs[0].logged_streams = kStdoutStream;  // -r 0:1
   specs[0].shown_streams = kStderrStream;
   specs[1].logged_streams = kStderrStream;  // -t 1:2
-  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), options);
-  GroupResult result;
-  if (group.ok()) result = (*group)->Wait(DeadlineIn(20s));
-  dup2(saved_out, 1);
-  dup2(saved_err, 2);
-  close(saved_out);
-  close(saved_err);
-  close(out_fd);
-  close(err_fd);
-  ASSERT_TRUE(group.ok()) << group.status();
+  Status started;
+  const GroupResult result = RunWithOutputInFiles(std::move(specs), options, out_path, err_path, &started);
+  ASSERT_TRUE(started.ok()) << started;
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
   auto read = [](const std::string& path) {
     std::stringstream text;
