@@ -469,7 +469,7 @@ TEST(TrainResumeTest, CtrlCBetweenLogRowsKeepsTheLossesOfEveryStep) {
   args.push_back("--log_every=1000");
   args.push_back("--log_dir=" + log_dir);
   Subprocess run(args);
-  // Signalled just after the save of step 7: the ranks stop a step or more
+  // Signalled just after the save of step 7: the ranks stop there or
   // later, between two rows.
   ASSERT_GT(WaitForCheckpoint(ckpt, 7, run), 0) << run.Stdout() << run.Stderr();
   run.Signal(SIGINT);
@@ -478,7 +478,9 @@ TEST(TrainResumeTest, CtrlCBetweenLogRowsKeepsTheLossesOfEveryStep) {
   const nn::io::Checkpoint checkpoint = nn::io::LoadCheckpoint(ckpt);
   const int64_t step = std::stoll(checkpoint.metadata.at("step"));
   const int64_t batch_in_epoch = std::stoll(checkpoint.metadata.at("batch_in_epoch"));
-  ASSERT_GT(step, 7);
+  // Step 7 itself when the signal came before step 8 ended (the save was
+  // seen at once): the stop then keeps the save of step 7.
+  ASSERT_GE(step, 7);
   ASSERT_LT(step, 96) << "the run was not interrupted in the middle";
   // One loss per rank and batch of the epoch (2 ranks, no accumulation).
   EXPECT_EQ(std::stoll(checkpoint.metadata.at("epoch_loss_count")), 2 * batch_in_epoch)
@@ -604,8 +606,11 @@ TEST(TrainResumeTest, SigtermToEveryProcessTwiceAtOnceStillSaves) {
   for (pid_t w : workers) kill(w, SIGTERM);
   EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGTERM) << run.Stdout() << run.Stderr();
 
+  // Step 32 itself is a stop step too: the signals can come before step 33
+  // ends (the ranks were quick to be found), and the line below then names
+  // the checkpoint of step 32 as the stop's.
   const int64_t step = CheckpointStep(ckpt);
-  ASSERT_GT(step, 32) << "no checkpoint of the stop: " << run.Stdout() << run.Stderr();
+  ASSERT_GE(step, 32) << "no checkpoint of the stop: " << run.Stdout() << run.Stderr();
   ASSERT_LT(step, 96) << "the run was not interrupted in the middle";
   EXPECT_NE(run.Stdout().find("stopped by TERM at epoch " + std::to_string(step / 32 + 1) + ", step " +
                               std::to_string(step) + "; checkpoint of step " + std::to_string(step)),
