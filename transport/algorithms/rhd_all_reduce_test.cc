@@ -181,18 +181,16 @@ std::vector<Status> RunWithALateOddCount(const AllReduceFn& fn, int world, int o
       options);
 }
 
-// Every rank failed with kInvalidArgument naming rank `odd`'s f32 count
-// and the others' count.
-void ExpectEveryRankNamesBothCounts(const std::vector<Status>& statuses, int odd, size_t odd_count,
-                                    size_t count, const std::string& what) {
+// Every rank failed with kInvalidArgument naming what rank `odd` passed
+// ("count 65 of f32") and what the others passed.
+void ExpectEveryRankNamesBoth(const std::vector<Status>& statuses, int odd, const std::string& odd_passed,
+                              const std::string& others_passed, const std::string& what) {
   for (size_t r = 0; r < statuses.size(); ++r) {
     const Status& s = statuses[r];
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
-    EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed rhd all-reduce, count " +
-                                       std::to_string(odd_count) + " of f32"))
+    EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) + " passed rhd all-reduce, " + odd_passed))
         << what << ": rank " << r;
-    EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, count " + std::to_string(count) + " of f32"))
-        << what << ": rank " << r;
+    EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, " + others_passed)) << what << ": rank " << r;
   }
 }
 
@@ -211,7 +209,7 @@ TEST(RhdAllReduceTest, EveryRankNamesBothCountsOfADisagreement) {
         const std::string what = std::string(mode) + ", " + std::to_string(world) +
                                  " ranks, rank " + std::to_string(odd) + " passes count 65";
         const std::vector<Status> statuses = RunWithALateOddCount(*fn, world, odd);
-        ExpectEveryRankNamesBothCounts(statuses, odd, 65, 64, what);
+        ExpectEveryRankNamesBoth(statuses, odd, "count 65 of f32", "count 64 of f32", what);
         // The first case that fails says enough.
         if (HasFailure()) return;
       }
@@ -325,15 +323,7 @@ TEST(RhdAllReduceTest, DoublingNamesAPartnerThatPassedAnotherDtypeOrOp) {
               return kDoubling(p2p, args);
             },
             options);
-        for (int r = 0; r < world; ++r) {
-          const Status& s = statuses[r];
-          EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << what << ": rank " << r << ": " << s;
-          EXPECT_THAT(s.message(), HasSubstr("rank " + std::to_string(odd) +
-                                             " passed rhd all-reduce, " + o.passed))
-              << what << ": rank " << r;
-          EXPECT_THAT(s.message(), HasSubstr("passed rhd all-reduce, count 64 of f32, op sum"))
-              << what << ": rank " << r;
-        }
+        ExpectEveryRankNamesBoth(statuses, odd, o.passed, "count 64 of f32, op sum", what);
         if (HasFailure()) return;
       }
     }
@@ -369,7 +359,7 @@ TEST(RhdAllReduceTest, RanksOnBothSidesOfTheDoublingSizeFailNamingBothCounts) {
           },
           options);
       EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << what;
-      ExpectEveryRankNamesBothCounts(statuses, odd, 2049, 2048, what);
+      ExpectEveryRankNamesBoth(statuses, odd, "count 2049 of f32", "count 2048 of f32", what);
       if (HasFailure()) return;
     }
   }
