@@ -1359,6 +1359,93 @@ TEST(DdpFeaturesTest, JoinThrowsOnEveryRankOnEarlyTermination) {
   }
 }
 
+// JoinOptions::enable = false: the Join does nothing, as PyTorch's
+// Join(enable=False). With the same inputs on every rank, training under it
+// runs exactly the collectives plain DDP runs (no flags at the forwards,
+// nothing in Wait) and ends with the same parameters, an eval-mode step with
+// grad enabled included (it synchronizes, as outside Join; an enabled Join
+// keeps it local). Then rank 0 runs out of inputs a batch early, with
+// throw_on_early_termination set: its Wait returns at once, throwing and
+// shadowing nothing, and the others' extra backward waits for rank 0 as
+// without Join, until the group's timeout.
+DDP_TEST_WORKER(join_disabled) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  constexpr int kSteps = 3;
+  auto train = [&](DistributedDataParallel& ddp, Module& model) {
+    nn::optim::Sgd opt(model.NamedParameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      model.Train(s != 1);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+  };
+  auto plain_model = Mlp(23);
+  DistributedDataParallel plain(plain_model, {.process_group = pg});
+  uint64_t before = pg->collectives_run();
+  train(plain, *plain_model);
+  const uint64_t plain_collectives = pg->collectives_run() - before;
+
+  auto model = Mlp(23);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  before = pg->collectives_run();
+  {
+    Join join(ddp, {.enable = false});
+    train(ddp, *model);
+    join.Wait();
+  }
+  const uint64_t join_collectives = pg->collectives_run() - before;
+  WORKER_EXPECT(join_collectives == plain_collectives,
+                "rank " + std::to_string(rank) + ": training under a disabled Join ran " +
+                    std::to_string(join_collectives) + " collectives, plain DDP " +
+                    std::to_string(plain_collectives));
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*plain_model),
+                "rank " + std::to_string(rank) + ": the parameters under a disabled Join differ from plain DDP's");
+  WORKER_EXPECT(ddp.iterations() == plain.iterations(),
+                "rank " + std::to_string(rank) + ": " + std::to_string(ddp.iterations()) +
+                    " iterations under a disabled Join, plain DDP " + std::to_string(plain.iterations()));
+
+  auto uneven_model = Mlp(29);
+  DistributedDataParallel uneven(uneven_model, {.process_group = pg});
+  Join join(uneven, {.throw_on_early_termination = true, .enable = false});
+  const int mine = rank == 0 ? 1 : 2;
+  std::string error;
+  try {
+    for (int s = 0; s < mine; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(uneven(x), y));
+    }
+    before = pg->collectives_run();
+    join.Wait();
+    WORKER_EXPECT(pg->collectives_run() == before,
+                  "rank " + std::to_string(rank) + ": a disabled Join's Wait ran " +
+                      std::to_string(pg->collectives_run() - before) + " collective(s)");
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (rank == 0) {
+    WORKER_EXPECT(error.empty(), "rank 0 (out of inputs first) threw under a disabled Join: " + error);
+    // Alive, so that the others' failure is their timeout, not this exit.
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+  } else {
+    WORKER_EXPECT(error.find("TIMED_OUT") != std::string::npos &&
+                      error.find("ran out of inputs") == std::string::npos,
+                  "rank " + std::to_string(rank) + ": the extra backward under a disabled Join should time out "
+                  "waiting for rank 0, as without Join; got: " + (error.empty() ? "no error" : error));
+    testing::MarkThisRankDone(*pg);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ADisabledJoinRunsNoCollectiveAndLeavesTrainingAsWithoutJoin) {
+  // A short group timeout: the ranks with an extra batch wait it out.
+  auto run = RunWorkers("join_disabled", 2, {{"DDP_TEST_TIMEOUT_MS", "3000"}}, 40000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ----------------------------------------------------- unused params ----
 
 

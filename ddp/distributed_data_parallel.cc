@@ -873,6 +873,8 @@ NoSyncGuard::~NoSyncGuard() {
 // --------------------------------------------------------------- Join ----
 
 Join::Join(DistributedDataParallel& ddp, JoinOptions options) : ddp_(ddp), options_(options) {
+  // Disabled: nothing is set up, so the forwards run as outside Join.
+  if (!options_.enable) return;
   if (ddp_.impl_->join_enabled) throw std::logic_error("Join: this model is already in a Join");
   {
     // A rank in one model's Wait shadows that model's collectives only:
@@ -908,13 +910,16 @@ void ReleaseJoinGroup(const ProcessGroup* pg, bool& holds) {
 }  // namespace
 
 Join::~Join() {
-  ddp_.impl_->join_enabled = false;
+  // A disabled Join set nothing up, and must not end another one's.
+  if (options_.enable) ddp_.impl_->join_enabled = false;
   ReleaseJoinGroup(ddp_.pg_.get(), holds_group_);
 }
 
 void Join::Wait() {
   if (waited_) throw std::logic_error("Join::Wait called twice");
   waited_ = true;
+  // Disabled: no shadowing and no final broadcast, as without Join.
+  if (!options_.enable) return;
   DistributedDataParallel::Impl& s = *ddp_.impl_;
   ProcessGroup& pg = *ddp_.pg_;
   const int size = pg.size();

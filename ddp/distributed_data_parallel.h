@@ -300,7 +300,7 @@ class DistributedDataParallel : public nn::modules::Module {
 /// the first training forward under it, or in Wait), and where they differ
 /// every rank aborts the group and throws DistributedError naming each
 /// option that differs and the ranks on each side (shadow_step: whether it
-/// is set).
+/// is set). `enable` is not compared: a disabled Join exchanges nothing.
 struct JoinOptions {
   /// Gradients of iterations where some ranks have joined are divided by
   /// the initial world size (true) or by the number of ranks still active.
@@ -320,6 +320,20 @@ struct JoinOptions {
   /// Empty: the optimizer is local (plain SGD, Adam, ...), and a joined
   /// rank's .grad is left as it was.
   std::function<void()> shadow_step;
+  /// False: the Join does nothing, as PyTorch's Join(..., enable=False), so
+  /// that uneven-input support is switched off in one place. The forwards
+  /// send no flags and synchronize as outside Join (eval-mode ones with
+  /// grad enabled included), Wait() returns at once with no collective (no
+  /// shadowing, no final broadcast), and the other options have no effect
+  /// (throw_on_early_termination throws nothing). A rank that runs out of
+  /// inputs early is then as without Join: the others wait for it in their
+  /// next synchronizing collective until the group's timeout. Must be the
+  /// same on every rank; a disabled Join sends nothing to compare it with,
+  /// so ranks that differ run different collectives (DDP_DEBUG=detail names
+  /// the first one that differs). A disabled Join neither holds the process
+  /// group nor puts the model in a Join: it refuses none of the other Joins
+  /// that the class comment lists.
+  bool enable = true;
 };
 
 /// Training with uneven inputs across ranks:
@@ -355,7 +369,8 @@ class Join {
   /// See the class comment. Throws DistributedError when communication
   /// fails, or when throw_on_early_termination is set and a rank ran out of
   /// inputs first; std::runtime_error, as a synchronizing forward does,
-  /// when this rank's last backward did not finish.
+  /// when this rank's last backward did not finish. Disabled
+  /// (JoinOptions::enable false): returns at once, communicating nothing.
   void Wait();
 
  private:
