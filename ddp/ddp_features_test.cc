@@ -2309,14 +2309,18 @@ TEST(DdpFeaturesTest, F16BucketsAreDividedBeforeTheSum) {
 }
 
 // A communication hook whose first collective outlives the wait for it
-// (it sleeps 10 s, past the 7 s that backward waits for the one bucket
-// under a 2 s timeout, and then writes 42 into the bucket): backward
-// throws, and the next forward must not reuse the bucket memory that the
-// collective still writes. It throws, naming the unfinished iteration,
-// where it used to go ahead and let the late write land in the next
-// iteration's gradients.
+// (it sleeps 3.5 s, past the 2.2 s that backward waits for the one bucket
+// under a 2 s timeout and a wait margin of 0.2 s, and then writes 42 into
+// the bucket): backward throws, and the next forward must not reuse the
+// bucket memory that the collective still writes. It throws, naming the
+// unfinished iteration, where it used to go ahead and let the late write
+// land in the next iteration's gradients (the next bucket's collective
+// queued behind the late one).
 DDP_TEST_WORKER(slow_collective) {
-  auto pg = testing::WorkerGroup();
+  const char* timeout_ms = std::getenv("DDP_TEST_TIMEOUT_MS");
+  auto pg = ProcessGroup::CreateFromEnvironment(
+      {.timeout = std::chrono::milliseconds(timeout_ms != nullptr ? std::atoi(timeout_ms) : 20000),
+       .wait_margin = std::chrono::milliseconds(200)});
   const auto& data = testing::FashionMnist();
   auto model = Mlp(19);
   DistributedDataParallel ddp(model, {.inplace_gradient_mb = 0, .process_group = pg});
@@ -2327,7 +2331,7 @@ DDP_TEST_WORKER(slow_collective) {
     return group.Run({.kind = "late hook", .dtype = buffer.dtype(), .shape = buffer.shape()},
                      [buffer, slow](transport::Communicator*, transport::Deadline) {
                        if (slow) {
-                         std::this_thread::sleep_for(std::chrono::seconds(10));
+                         std::this_thread::sleep_for(std::chrono::milliseconds(3500));
                          float* p = buffer.data<float>();
                          for (int64_t i = 0; i < buffer.numel(); ++i) p[i] = 42;
                        }

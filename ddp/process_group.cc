@@ -475,7 +475,7 @@ class ProcessGroup::Impl {
     // time (a monitored barrier's is twice the timeout and more), then
     // this one its own.
     const int64_t own_ms = std::chrono::ceil<milliseconds>(own_time).count();
-    const int64_t budget_ms = ahead_ms_ + own_ms + 5000;
+    const int64_t budget_ms = ahead_ms_ + own_ms + options_.wait_margin.count();
     state->wait_budget = budget_ms > std::chrono::duration_cast<milliseconds>(kMostBudget).count()
                              ? kMostBudget
                              : Clock::duration(milliseconds(budget_ms));
@@ -563,11 +563,12 @@ class ProcessGroup::Impl {
     // Each one ends by its deadline at the latest, and the first failure
     // aborts the group, so the rest fail at once. The bound is what a Wait
     // on the last of them allows (their own times, one timeout for the
-    // messages in flight, 5 s more); past it (a task that ignores its
+    // messages in flight, the wait margin); past it (a task that ignores its
     // deadline) the communicator is aborted, so that the peers fail at once.
     const Clock::time_point start = Clock::now();
     const int64_t drain_ms = std::min<int64_t>(
-        ahead_ms_ + (in_flight_.empty() ? 0 : options_.timeout.count()) + 5000, kMostDrainMs);
+        ahead_ms_ + (in_flight_.empty() ? 0 : options_.timeout.count()) + options_.wait_margin.count(),
+        kMostDrainMs);
     const Deadline deadline = start + milliseconds(drain_ms);
     const auto idle = [&] { return Idle(); };
     if (!idle_cv_.wait_until(lock, std::min(deadline, start + kQuietDrain), idle)) {
@@ -989,7 +990,8 @@ void RefuseBadEnvironment(const Environment& env) {
 }
 
 // `options` with the environment's settings over them. Throws only for the
-// options' own errors (the timeout), which the caller gave every rank alike.
+// options' own errors (the timeout, the wait margin), which the caller gave
+// every rank alike.
 ProcessGroupOptions WithEnvironment(ProcessGroupOptions options, const Environment& env) {
   if (env.debug.level == DebugLevel::kDetail) options.debug_detail = true;
   if (env.collective_thread) options.collective_thread = *env.collective_thread;
@@ -1002,6 +1004,11 @@ ProcessGroupOptions WithEnvironment(ProcessGroupOptions options, const Environme
                                 std::to_string(kMostTimeout.count()) + " ms), got " +
                                 std::to_string(options.timeout.count()) +
                                 " ms: every collective needs a deadline that can pass");
+  }
+  if (options.wait_margin.count() < 0 || options.wait_margin > kMostTimeout) {
+    throw std::invalid_argument("ProcessGroupOptions::wait_margin must be in [0, " +
+                                std::to_string(kMostTimeout.count()) + "] ms, got " +
+                                std::to_string(options.wait_margin.count()) + " ms");
   }
   return options;
 }

@@ -139,7 +139,8 @@ class Work {
 
   /// Waits until the collective finished; throws DistributedError on
   /// failure. Bounded: gives up (TIMED_OUT) once every collective queued
-  /// before this one and this one could have used its whole timeout. For
+  /// before this one and this one could have used its whole timeout, plus
+  /// ProcessGroupOptions::wait_margin. For
   /// CUDA tensors, also orders the calling thread's current stream after
   /// the collective (no host wait for the device).
   void Wait();
@@ -254,6 +255,20 @@ struct ProcessGroupOptions {
   /// communication thread, which orders them with the streams).
   /// DDP_COLLECTIVE_THREAD=auto|comm|caller in the environment overrides it.
   CollectiveThread collective_thread = CollectiveThread::kAuto;
+  /// How long Work::Wait waits past the point where its collective and
+  /// every one queued ahead of it could have used their whole timeouts
+  /// (counted from the call), and the destructor past the same point for
+  /// the unfinished ones, before giving up: Wait with TIMED_OUT "not
+  /// finished by the waiter's deadline", the destructor by aborting the
+  /// communicator. A collective's own deadline starts when it starts
+  /// running, and its failure reaches the waiter a little after it (a
+  /// transport noticing the deadline, a busy core): the margin lets a
+  /// collective that times out report its own error, which names what it
+  /// waited for, instead of the waiter's. With the default, only a task
+  /// that ignores its deadline (Run) outlives it; a Wait that gave up
+  /// leaves the collective running, writing its tensors until it ends. At
+  /// least 0, at most kMostTimeout (else std::invalid_argument naming it).
+  std::chrono::milliseconds wait_margin{5000};
 };
 
 class ProcessGroup {

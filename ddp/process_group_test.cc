@@ -11,11 +11,14 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <memory>
+#include <string>
 #include <thread>
 
 #include "ddp/testing/ddp_test_util.h"
@@ -499,6 +502,51 @@ TEST(ProcessGroupTest, TimeoutBeyondThirtyDaysIsRefused) {
   Tensor t = nn::FromVector({1, 2}, {2});
   pg->AllReduce(t).Wait();
   EXPECT_EQ(t.ToVector<double>(), std::vector<double>({1, 2}));
+}
+
+// ProcessGroupOptions::wait_margin: a Wait for a task that ignores its
+// deadline gives up at the timeout plus the margin (it was 5 s past the
+// timeout whatever the options), and leaves the task running. A margin
+// out of range is refused, naming the option.
+TEST(ProcessGroupTest, AWaitGivesUpAtTheTimeoutPlusTheWaitMargin) {
+  for (const int64_t bad : {int64_t{-1}, kMostTimeout.count() + 1}) {
+    try {
+      ProcessGroup::Single({.wait_margin = std::chrono::milliseconds(bad)});
+      ADD_FAILURE() << "wait_margin " << bad << " ms was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("ProcessGroupOptions::wait_margin must be in [0, "), std::string::npos)
+          << e.what();
+    }
+  }
+  auto pg = ProcessGroup::Single({.timeout = std::chrono::milliseconds(500),
+                                  .collective_thread = CollectiveThread::kCommThread,
+                                  .wait_margin = std::chrono::milliseconds(200)});
+  // The task holds the communication thread until the test releases it
+  // (30 s at most), whatever its deadline says.
+  auto release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> released = release->get_future().share();
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  CollectiveDescription d{"ignores_its_deadline", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+  const auto start = std::chrono::steady_clock::now();
+  Work w = pg->Run(d, [released, finished](transport::Communicator*, transport::Deadline) {
+    released.wait_for(std::chrono::seconds(30));
+    finished->store(true);
+    return transport::Status::Ok();
+  });
+  std::string error;
+  try {
+    w.Wait();
+  } catch (const DistributedError& e) {
+    error = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const bool finished_first = finished->load();
+  release->set_value();
+  EXPECT_NE(error.find("not finished by the waiter's deadline"), std::string::npos) << error;
+  EXPECT_FALSE(finished_first) << "the task ended before the wait gave up";
+  EXPECT_GE(seconds, 0.7) << "the wait gave up before the timeout (0.5 s) plus the margin (0.2 s)";
+  // 5.5 s with the margin fixed at 5 s; far less than that on a loaded machine.
+  EXPECT_LT(seconds, 4.0) << "the wait did not give up at the timeout plus the margin";
 }
 
 TEST(ProcessGroupTest, DefaultGroupMustBeInitialized) {
