@@ -3767,17 +3767,11 @@ DDP_TEST_WORKER(abort_reaches_subgroups) {
   auto pg = testing::WorkerGroup();
   std::shared_ptr<ProcessGroup> sub = pg->NewGroup({0, 1});
   WORKER_EXPECT(sub != nullptr, "no subgroup");
-  // Rank 0 stays (its store with it) until rank 1 has seen the error.
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string seen = std::string(tmp != nullptr ? tmp : "/tmp") + "/abort_seen_" +
-                           std::to_string(pg->size()) + "_" + std::to_string(getppid());
   if (pg->rank() == 0) {
     pg->Abort(transport::FailedPreconditionError("rank 0 gave up on purpose"));
     WORKER_EXPECT(!sub->aborted_reason().ok(), "the subgroup was not aborted here");
-    for (int i = 0; i < 1000 && !std::filesystem::exists(seen); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    std::filesystem::remove(seen);
+    // Alive (its store with it) until rank 1 has seen the error.
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
     return testing::WorkerExit();
   }
   const auto start = std::chrono::steady_clock::now();
@@ -3789,7 +3783,7 @@ DDP_TEST_WORKER(abort_reaches_subgroups) {
   }
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   WORKER_EXPECT(waited < 5, "waited " + std::to_string(waited) + " s for the aborted subgroup");
-  std::ofstream(seen) << "1\n";
+  testing::MarkThisRankDone(*pg);
   return testing::WorkerExit();
 }
 
