@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "examples/setup_signals.h"
+
 namespace ddp::examples {
 namespace {
 
@@ -331,17 +333,32 @@ std::string ReadWhole(const std::string& path, std::string* content) {
 // one (/dev/zero, a device, a log piped in by mistake).
 constexpr size_t kMaxStreamBytes = size_t{1} << 20;
 
+// How long one wait for a stream's next bytes lasts at most: a signal taken
+// in setup (InterruptedInSetup) is seen within it even when it came just
+// before the wait began, or reached another thread, and poll went on.
+constexpr int64_t kStreamSliceMs = 100;
+
 // The whole of stream `path` (a FIFO, /dev/stdin, a terminal) in *content,
 // or why not: it cannot be opened or read, holds more than kMaxStreamBytes,
-// or has not ended (its writer closed it) within `wait`. Read without
+// or has not ended (its writer closed it) within `wait`, or a signal was
+// taken in setup before it ended (*interrupted then set). Read without
 // blocking: a FIFO nobody writes to would hold the program forever.
-std::string ReadStream(const std::string& path, std::string* content, std::chrono::milliseconds wait) {
+std::string ReadStream(const std::string& path, std::string* content, std::chrono::milliseconds wait,
+                       bool* interrupted) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return "cannot read " + path + " (" + std::strerror(errno) + ")";
   const auto deadline = std::chrono::steady_clock::now() + wait;
   std::string problem;
   char buffer[65536];
   while (problem.empty()) {
+    // Ctrl-C's line said "stopping": the rest of the wait (up to 120 s)
+    // is not waited out.
+    if (InterruptedInSetup()) {
+      *interrupted = true;
+      problem = "stopped reading " + path + " before its end (its writer had not closed it); none of its flags "
+                "were taken";
+      break;
+    }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
       problem = path + " did not end within " +
@@ -351,7 +368,7 @@ std::string ReadStream(const std::string& path, std::string* content, std::chron
       break;
     }
     pollfd p{fd, POLLIN, 0};
-    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), kStreamSliceMs)));
     if (ready < 0 && errno != EINTR) problem = "cannot read " + path + " (" + std::strerror(errno) + ")";
     if (ready <= 0) continue;  // a FIFO with no writer yet reports nothing
     const ssize_t got = ::read(fd, buffer, sizeof buffer);
@@ -613,7 +630,9 @@ std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* so
       }
       streams_read.push_back(path);
       std::string content;
-      if (std::string problem = ReadStream(path, &content, stream_wait); !problem.empty()) {
+      bool interrupted = false;
+      if (std::string problem = ReadStream(path, &content, stream_wait, &interrupted); !problem.empty()) {
+        if (interrupted) StopIfInterruptedInSetup("--flagfile=" + value + ": " + problem);
         return "--flagfile=" + value + ": " + problem;
       }
       bool located = false;

@@ -64,6 +64,11 @@ std::string FlagProblem(int argc, char** argv, const char* source, const char* n
 /// read, or one named twice; else "". A stream named inside a file of flags
 /// is left to gflags. A stream must end (its writer close it) within
 /// `stream_wait` and hold at most 1 MiB, else that is the problem named.
+/// A signal taken in setup (WatchSetupSignals) while a stream is read ends
+/// the process within a tenth of a second, by that signal, after the line
+/// "<program>: --flagfile=PATH: stopped reading PATH before its end ..."
+/// (StopIfInterruptedInSetup): Ctrl-C's line says it stops, and the rest of
+/// `stream_wait` is not waited out.
 std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* source,
                                   const char* no_launcher = nullptr,
                                   std::chrono::milliseconds stream_wait = std::chrono::seconds(120));

@@ -27,6 +27,9 @@ char g_lines[std::size(kSetupSignals)][256];
 // Set (to the signal number) by OnSetupSignal.
 std::atomic<int> g_taken{0};
 
+// WatchSetupSignals' `program`, for StopIfInterruptedInSetup's line.
+const char* g_program = "";
+
 // Between WatchSetupSignals and EndSetupSignals.
 bool g_watching = false;
 
@@ -46,6 +49,7 @@ void OnSetupSignal(int signo) {
 }  // namespace
 
 void WatchSetupSignals(const char* program) {
+  g_program = program;
   for (size_t i = 0; i < std::size(kSetupSignals); ++i) {
     const char* name = kSetupSignals[i] == SIGINT ? "Ctrl-C" : kSetupSignals[i] == SIGTERM ? "SIGTERM" : "SIGHUP";
     std::snprintf(g_lines[i], sizeof(g_lines[i]),
@@ -69,6 +73,8 @@ void EndSetupSignals() {
   for (size_t i = 0; i < std::size(kSetupSignals); ++i) sigaction(kSetupSignals[i], &g_before[i], nullptr);
 }
 
+bool InterruptedInSetup() { return g_taken.load() != 0; }
+
 void StopIfInterruptedInSetup() {
   const int signo = g_taken.load();
   if (signo == 0) return;
@@ -76,6 +82,13 @@ void StopIfInterruptedInSetup() {
   std::signal(signo, SIG_DFL);
   std::raise(signo);
   std::_Exit(128 + signo);  // not reached
+}
+
+void StopIfInterruptedInSetup(const std::string& cut_short) {
+  if (g_taken.load() == 0) return;
+  std::fprintf(stderr, "%s: %s\n", g_program, cut_short.c_str());
+  std::fflush(stderr);
+  StopIfInterruptedInSetup();
 }
 
 void RemoveIfInterruptedInSetup(const std::vector<std::string>& folders) {

@@ -29,6 +29,18 @@ void EndSetupSignals();
 /// RemoveIfInterruptedInSetup.
 void StopIfInterruptedInSetup();
 
+/// Whether a signal was taken since WatchSetupSignals (its line said
+/// already). Async-signal-safe to read. A wait in setup with a long deadline
+/// of its own (a --flagfile read from a stream: up to 120 s) looks at it
+/// between short slices and gives way at once, through
+/// StopIfInterruptedInSetup(cut_short).
+bool InterruptedInSetup();
+
+/// StopIfInterruptedInSetup, saying first "<program>: <cut_short>" on
+/// stderr (what the signal left undone, e.g. a --flagfile not read to its
+/// end) when it ends the process; else returns, saying nothing.
+void StopIfInterruptedInSetup(const std::string& cut_short);
+
 /// Folders the setup made (outermost first, none that was there before),
 /// which StopIfInterruptedInSetup removes, deepest first and each only
 /// while it is empty, before it ends the process: a run stopped before any

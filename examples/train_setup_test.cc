@@ -174,5 +174,38 @@ TEST(TrainSetupTest, TheFlagsOfAFifoFlagfileReachTheRanks) {
   EXPECT_EQ(lines.back().rfind("RESULT model=mlp ranks=1 ", 0), 0u) << running.Stdout();
 }
 
+// Ctrl-C while the launcher read a --flagfile that is a FIFO (whose writer
+// had not closed it) printed its "stopping" line, but the read went on to
+// its 120 s deadline. It stops now, within a slice of the wait: the line
+// names the flagfile, and the run ends by the signal, having made nothing.
+// The FIFO is held open by the test and never written: the program is
+// reading it from the moment the test can open it (OpenFifoOnceRead).
+TEST(TrainSetupTest, CtrlCWhileAFifoFlagfileIsReadStopsAtOnce) {
+  const std::string dir = testing::MakeTempDir("ctrl_c_fifo_flagfile");
+  const std::string fifo = dir + "/flags";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+  std::vector<std::string> args = TinyRun("examples/train");
+  args.push_back("--log_dir=" + dir + "/logs");
+  args.push_back("--checkpoint=" + dir + "/saved/model.ckpt");
+  args.push_back("--flagfile=" + fifo);
+  testing::Subprocess running(args);
+  int writer = -1;
+  ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(fifo, running, &writer));
+  const auto signalled = std::chrono::steady_clock::now();
+  running.Signal(SIGINT);
+  const int code = running.Wait(std::chrono::seconds(30));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled).count();
+  close(writer);
+  ASSERT_EQ(code, 128 + SIGINT) << running.Stdout() << running.Stderr();
+  // The wait's slice is 0.1 s; the rest is a loaded host's scheduling.
+  EXPECT_LT(took, 10.0) << "Ctrl-C took " << took << " s to stop the read of " << fifo;
+  EXPECT_EQ(running.Stderr(),
+            "train: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n"
+            "train: --flagfile=" + fifo + ": stopped reading " + fifo +
+            " before its end (its writer had not closed it); none of its flags were taken\n");
+  EXPECT_EQ(running.Stdout(), "");
+  EXPECT_EQ(Entries(dir), std::vector<std::string>{"flags"});
+}
+
 }  // namespace
 }  // namespace ddp::examples
