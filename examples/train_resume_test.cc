@@ -53,6 +53,39 @@ int64_t WaitForCheckpoint(const std::string& path, int64_t step, Subprocess& p) 
   return -1;
 }
 
+// The step of the last training row in `log_dir`/metrics.csv (a row with a
+// training loss; evaluation rows leave it empty), or -1 while there is none.
+// With --log_every=1 the trainer (rank 0) appends and flushes one such row
+// at the end of every step, before that step's save and the next step's
+// stop vote: a cheap per-step mark, where reading a checkpoint loads the
+// whole model.
+int64_t LastTrainingRow(const std::string& log_dir) {
+  int64_t last = -1;
+  for (const std::string& line : testing::Lines(testing::ReadFile(log_dir + "/metrics.csv"))) {
+    const size_t first = line.find(',');
+    const size_t second = line.find(',', first + 1);
+    if (line.rfind("step,", 0) == 0 || first == std::string::npos || second == std::string::npos) {
+      continue;
+    }
+    const size_t third = line.find(',', second + 1);
+    if (third != std::string::npos && third > second + 1) last = std::stoll(line.substr(0, first));
+  }
+  return last;
+}
+
+// Waits until `log_dir`/metrics.csv has a training row of `step` or later;
+// returns the last such row's step, or -1 when the run ended first or
+// 120 s passed.
+int64_t WaitForLoggedStep(const std::string& log_dir, int64_t step, Subprocess& p) {
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (Clock::now() < deadline) {
+    const int64_t s = LastTrainingRow(log_dir);
+    if (s >= step) return s;
+    if (p.Wait(std::chrono::milliseconds(5)) != -1) return -1;  // ended early
+  }
+  return -1;
+}
+
 void ExpectSameModel(const std::string& a_path, const std::string& b_path) {
   const nn::io::Checkpoint a = nn::io::LoadCheckpoint(a_path);
   const nn::io::Checkpoint b = nn::io::LoadCheckpoint(b_path);
@@ -408,18 +441,27 @@ TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
   const std::string dir = testing::MakeTempDir("sigint_slow");
   const std::string ckpt = dir + "/ckpt.safetensors";
   // Batches of 128: steps well over the 0.25 s (and over the test's own
-  // latency in signalling), also on a fast host.
+  // latency in signalling), also on a fast host. The mark of each step's
+  // end is its metrics row (--log_every=1), written just before the next
+  // step's vote. (It was a save every step, each a whole ResNet-18, found
+  // by loading the checkpoint every 2 ms: both took the CPUs the ranks
+  // train on, 135 s for this test under load 12.) The checkpoint on disk
+  // is then the stop's alone.
+  const std::string log_dir = dir + "/log";
   Subprocess run({Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18", "--train_samples=4096",
-                  "--test_samples=64", "--batch_size=128", "--epochs=1", "--workers=1", "--checkpoint_every=1",
-                  "--checkpoint=" + ckpt});
-  // From the third step on, the votes are finished at once.
-  const int64_t saved = WaitForCheckpoint(ckpt, 3, run);
-  ASSERT_GT(saved, 0) << run.Stdout() << run.Stderr();
+                  "--test_samples=64", "--batch_size=128", "--epochs=1", "--workers=1", "--log_every=1",
+                  "--log_dir=" + log_dir, "--checkpoint=" + ckpt});
+  // From the third step's on, the votes are finished at once (rank 0's
+  // `slow`, taken at the second step's vote, counts once that vote has
+  // finished, at the third's): a signal in the third step is acted on at
+  // its end, where a vote one step behind would stop at the fourth.
+  const int64_t ended = WaitForLoggedStep(log_dir, 2, run);
+  ASSERT_GT(ended, 0) << run.Stdout() << run.Stderr();
   // Inside the next step, well after its vote.
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   run.Signal(SIGINT);
   EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGINT) << run.Stdout() << run.Stderr();
-  EXPECT_EQ(CheckpointStep(ckpt), saved + 1) << run.Stdout() << run.Stderr();
+  EXPECT_EQ(CheckpointStep(ckpt), ended + 1) << run.Stdout() << run.Stderr();
 }
 
 // A fresh run at another run's checkpoint path (the default path, without
@@ -485,18 +527,7 @@ TEST(TrainResumeTest, CtrlCBetweenLogRowsKeepsTheLossesOfEveryStep) {
   // One loss per rank and batch of the epoch (2 ranks, no accumulation).
   EXPECT_EQ(std::stoll(checkpoint.metadata.at("epoch_loss_count")), 2 * batch_in_epoch)
       << "stopped at step " << step;
-  // The last row with a training loss (evaluation rows leave it empty).
-  std::string last_step;
-  for (const std::string& line : testing::Lines(testing::ReadFile(log_dir + "/metrics.csv"))) {
-    const size_t first = line.find(',');
-    const size_t second = line.find(',', first + 1);
-    if (line.rfind("step,", 0) == 0 || first == std::string::npos || second == std::string::npos) {
-      continue;
-    }
-    const size_t third = line.find(',', second + 1);
-    if (third != std::string::npos && third > second + 1) last_step = line.substr(0, first);
-  }
-  EXPECT_EQ(last_step, std::to_string(step)) << testing::ReadFile(log_dir + "/metrics.csv");
+  EXPECT_EQ(LastTrainingRow(log_dir), step) << testing::ReadFile(log_dir + "/metrics.csv");
 }
 
 // With --zero the ranks, which stop at the same step, gather the sharded
