@@ -12,7 +12,9 @@ namespace ddp::examples {
 /// "<program>: interrupted by Ctrl-C during setup; stopping before any rank
 /// starts (Ctrl-C again: at once)" at once, and the process ends by that
 /// signal at the next StopIfInterruptedInSetup, once the check under way has
-/// returned (none is cut short halfway, leaving a probe file behind, say).
+/// returned (none is cut short halfway, leaving a probe file behind, say;
+/// only a wait that leaves nothing, such as a --flagfile read from a
+/// stream, gives way at once: see InterruptedInSetup).
 /// The same signal again ends it at once. A signal found ignored (nohup) stays
 /// ignored. Called once, in the process that would start the ranks only (a
 /// rank's signals are its launcher's business).
