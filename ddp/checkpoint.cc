@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <functional>
 #include <map>
@@ -91,6 +92,27 @@ const char* WhatOf(const std::exception_ptr& e) {
   } catch (...) {
   }
   return "an exception that is not a std::exception";
+}
+
+// Inside a catch handler: makes `record` (from Record) say that `doing`
+// failed, "<doing> threw: <what><after>", or "<doing> ran out of memory:
+// <what><after>" for a std::bad_alloc. In place: nothing is allocated,
+// since memory may be what ran out.
+void RewriteThrown(nn::Tensor& record, const char* doing, const char* after = "") {
+  const char* what = "an exception that is not a std::exception";
+  bool out_of_memory = false;
+  try {
+    throw;  // the exception being handled, not a copy
+  } catch (const std::bad_alloc& e) {
+    out_of_memory = true;
+    what = e.what();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  Rewrite(record, 0, "");
+  std::snprintf(static_cast<char*>(record.data_ptr()) + 1, kRecordBytes - 1, "%s %s: %s%s", doing,
+                out_of_memory ? "ran out of memory" : "threw", what, after);
 }
 
 // Every rank's record (Record(ok, what)), in rank order: one collective,
@@ -1154,49 +1176,51 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
                        const RestoreOptions& options) {
   const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
   // Every rank reaches the exchange below whatever its checks found, or
-  // the others would wait for it until the group's timeout.
+  // the others would wait for it until the group's timeout. Its buffers
+  // (and the comparison of the loads', which sends on the same ones) come
+  // first: the one allocation this rank cannot take part without. From
+  // here to the exchange, whatever throws (memory running out) is written
+  // into this rank's record in place, with nothing allocated: a handler
+  // that built its message would throw again, out of the call, when memory
+  // is what ran out.
+  nn::Tensor record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
+  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+  nn::Tensor any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
+  bool ok = true;
+  // This rank's problems in full (its record holds their first 1 KB),
+  // empty when it has none or could not list them.
   std::string mine;
   CheckedSchedulerState scheduler_state;
   try {
+    RunFault(internal::FaultPoint::kCheckingRestore);
     const std::vector<std::string> problems = RestoreProblems(checkpoint, to, scheduler_state);
-    if (!problems.empty()) mine = ProblemList(problems);
-  } catch (const std::exception& e) {
-    mine = std::string("checking the checkpoint threw: ") + e.what();
+    ok = problems.empty();
+    if (!ok) mine = ProblemList(problems);
   } catch (...) {
-    mine = "checking the checkpoint threw an exception that is not a std::exception";
+    ok = false;
+    RewriteThrown(record, "checking the checkpoint");
   }
   // Taken before the exchange, so that a rank that cannot take it (memory
   // running out) fails every rank with nothing changed.
   std::optional<RestoreSnapshot> snapshot;
-  if (mine.empty() && options.rollback) {
-    const std::string why_not = " (RestoreOptions::rollback = false restores without one)";
+  if (ok && options.rollback) {
     try {
-      snapshot = TakeSnapshot(to);
-    } catch (const std::exception& e) {
-      mine = std::string("copying this rank's state, to put it back if a load fails, threw: ") + e.what() + why_not;
+      snapshot.emplace(TakeSnapshot(to));
     } catch (...) {
-      mine = "copying this rank's state, to put it back if a load fails, threw an exception that is not a "
-             "std::exception" + why_not;
+      ok = false;
+      RewriteThrown(record, "copying this rank's state, to put it back if a load fails,",
+                    " (RestoreOptions::rollback = false restores without one)");
     }
   }
-  // The buffers of the comparison of the loads below, made here for the
-  // same reason, and so that a rank whose account of its load throws
-  // there (memory running out) still has a record to send in its place.
-  nn::Tensor any_failed;
-  nn::Tensor record;
-  nn::Tensor loads;
-  if (mine.empty()) {
-    try {
-      any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
-      record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
-      loads = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
-    } catch (...) {
-      mine = std::string("making the buffers to compare the loads threw: ") + WhatOf(std::current_exception());
-    }
+  if (ok) {
+    static_cast<char*>(record.data_ptr())[0] = 1;
+  } else if (!mine.empty()) {
+    Rewrite(record, 0, mine.c_str());
   }
+  RunFault(internal::FaultPoint::kExchangingRestoreChecks);
   // Between the checks and the first change: a rank whose peers failed
   // leaves its model as it was, so no replica goes on from another state.
-  const nn::Tensor all = GatherRecords(pg, mine.empty(), mine, "checkpoint restore status");
+  pg.AllGather(all, record, "checkpoint restore status").Wait();
   const std::string failures = FailedRanks(pg, all, mine);
   if (!failures.empty()) {
     throw std::invalid_argument("RestoreCheckpoint: nothing was restored on any rank, it failed on " + failures);
@@ -1259,7 +1283,7 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
                     load_error ? "loading threw: " : "loaded every part", load_error ? WhatOf(load_error) : "",
                     WhatOf(std::current_exception()), in_doubt ? "; its state may not all be put back" : "");
     }
-    pg.AllGather(loads, record, "checkpoint restore loads").Wait();
+    pg.AllGather(all, record, "checkpoint restore loads").Wait();
   } catch (const DistributedError& e) {
     if (snapshot.has_value()) not_put_back = put_back();
     const std::string own = own_load();
@@ -1274,16 +1298,16 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   }
   if (!options.rollback) {
     throw std::runtime_error("RestoreCheckpoint: every rank's checks passed, but loading failed on " +
-                             FailedRanks(pg, loads, story) +
+                             FailedRanks(pg, all, story) +
                              "; the ranks that did not fail loaded every part: restore again on every rank before "
                              "training");
   }
   bool all_put_back = true;
   for (int r = 0; r < pg.size(); ++r) {
-    if (static_cast<const char*>(loads.data_ptr())[r * kRecordBytes] == kNotPutBack) all_put_back = false;
+    if (static_cast<const char*>(all.data_ptr())[r * kRecordBytes] == kNotPutBack) all_put_back = false;
   }
   throw std::runtime_error(
-      "RestoreCheckpoint: every rank's checks passed, but loading failed on " + FailedRanks(pg, loads, story) +
+      "RestoreCheckpoint: every rank's checks passed, but loading failed on " + FailedRanks(pg, all, story) +
       (all_put_back ? "; every rank put its model and components back as they were before the call"
                     : "; not every rank could put its state back as it was (said above): restore again on every "
                       "rank, or rebuild the objects, before training"));

@@ -241,9 +241,12 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 /// std::invalid_argument naming each failing rank and its problems, and
 /// every rank's model and components are left as they were: no rank goes
 /// on to train and then hang at its next collective. Another rank's
-/// problems come cut at about 1 KB; a rank's own are given in full. On a
-/// group that fails during the exchange, it throws the group's
-/// DistributedError, also with nothing changed.
+/// problems come cut at about 1 KB; a rank's own are given in full. A
+/// rank whose checks or copy throw (memory running out) is named the same
+/// way, with what threw ("ran out of memory: std::bad_alloc"): once the
+/// call has made its buffers (about 1 KB per rank), it still takes part in
+/// the exchange. On a group that fails during the exchange, it throws the
+/// group's DistributedError, also with nothing changed.
 ///
 /// Once every rank's checks passed, a load can still throw on one rank (a
 /// learning-rate target that refuses the restored rate, memory running
@@ -341,6 +344,12 @@ enum class FaultPoint {
   /// The same calls, once the ranks found their arguments refused or
   /// different, where this rank tells the others its own.
   kTellingArguments = 2,
+  /// The collective RestoreCheckpoint, as this rank begins its checks,
+  /// before the ranks exchange their outcomes.
+  kCheckingRestore = 3,
+  /// The same call, just before that exchange: a test ends there what its
+  /// fault at kCheckingRestore began (memory that ran out comes back).
+  kExchangingRestoreChecks = 4,
 };
 
 /// Test only: from now on, this process runs `fault` at `point`; what

@@ -43,6 +43,23 @@
 #include "nn/optim/lr_scheduler.h"
 #include "nn/optim/sgd.h"
 
+// Allocations on a thread fail while its flag is set, as when memory has
+// run out. (Replacing the global operator new is the seam; it reaches the
+// library too.)
+namespace {
+thread_local bool out_of_memory = false;
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  if (out_of_memory) throw std::bad_alloc();
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+// Not inlined: GCC would take a free() of what a new expression returned
+// for a mismatch.
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
 namespace ddp::dist {
 namespace {
 
@@ -649,6 +666,63 @@ DDP_TEST_WORKER(restore_check_throws_a_non_std_exception) {
 
 TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNamingIt) {
   auto run = RunWorkers("restore_check_throws_a_non_std_exception", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Rank 1's memory runs out as its checks begin: every allocation of its
+// thread fails from there until just before the exchange of the checks'
+// outcomes. Before, the handler that caught the std::bad_alloc built its
+// message, which threw again, out of the call: rank 1 left alone, and
+// ranks 0 and 2 waited for it in the exchange until the group's timeout
+// (60 s here). Now rank 1 writes its record in place and still takes
+// part: every rank throws at once naming rank 1 and that it ran out of
+// memory, nothing is restored, and the group goes on.
+DDP_TEST_WORKER(restore_checks_run_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const SavedMlp saved(/*trained=*/false);
+  const nn::io::Checkpoint& c = saved.checkpoint;
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  if (pg->rank() == 1) {
+    internal::SetFaultForTesting(internal::FaultPoint::kCheckingRestore, [] { out_of_memory = true; });
+    internal::SetFaultForTesting(internal::FaultPoint::kExchangingRestoreChecks, [] { out_of_memory = false; });
+  }
+  const uint64_t before = testing::HashState(*model);
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  } catch (const std::bad_alloc&) {
+    out_of_memory = false;
+    error = "the std::bad_alloc escaped";
+  } catch (...) {
+    out_of_memory = false;
+    error = "an exception that is not a std::invalid_argument";
+  }
+  internal::SetFaultForTesting(internal::FaultPoint::kCheckingRestore, {});
+  internal::SetFaultForTesting(internal::FaultPoint::kExchangingRestoreChecks, {});
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string who = "rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(error == "RestoreCheckpoint: nothing was restored on any rank, it failed on rank 1: checking the "
+                         "checkpoint ran out of memory: std::bad_alloc",
+                who + " got: " + error);
+  WORKER_EXPECT(took < 20, who + ": the failure took " + std::to_string(took) + " s");
+  WORKER_EXPECT(testing::HashState(*model) == before, who + ": the model was changed");
+  WORKER_EXPECT(opt.lr() == 0.1 && sched.step_count() == 0, who + ": the optimizer or the scheduler was changed");
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the failed restore");
+  // With its memory back, rank 1 restores like the others.
+  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved.model) && sched.step_count() == 3,
+                who + ": the second restore");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankWhoseChecksRunOutOfMemoryIsNamedOnEveryRankPromptly) {
+  auto run = RunWorkers("restore_checks_run_out_of_memory", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
                         /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
