@@ -176,6 +176,40 @@ std::string NextCollectivesError(ProcessGroup& pg) {
   return "";
 }
 
+// How a call ended: the message of the exception the test expects
+// ("no error" when it threw none, a line naming what else escaped), and
+// how long it took.
+struct Outcome {
+  std::string error = "no error";
+  double seconds = 0;
+};
+
+// Runs `call`, expecting an E. Allocations work again (out_of_memory)
+// before anything is caught: a message is built from what escaped.
+template <typename E>
+Outcome OutcomeOf(const std::function<void()>& call) {
+  Outcome o;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    try {
+      call();
+    } catch (...) {
+      out_of_memory = false;
+      throw;
+    }
+  } catch (const E& e) {
+    o.error = e.what();
+  } catch (const std::bad_alloc&) {
+    o.error = "the std::bad_alloc escaped";
+  } catch (const std::exception& e) {
+    o.error = std::string("an exception of another kind: ") + e.what();
+  } catch (...) {
+    o.error = "an exception that is not a std::exception";
+  }
+  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return o;
+}
+
 // A write that takes longer than the group's timeout (here 1 s; in real
 // jobs, many GB to slow storage): rank 0 tells the others every quarter of
 // it that it is still writing, so they wait for it instead of timing out.
@@ -626,103 +660,71 @@ struct SavedMlp {
   nn::io::Checkpoint checkpoint;
 };
 
-// Rank 1's scheduler function throws something that is no std::exception
-// (an int) for the saved step. Before, it escaped rank 1's checks past the
-// exchange of outcomes, and the other ranks waited for rank 1 until the
-// group's timeout (60 s here). Now it is rank 1's problem like any other:
-// every rank throws at once naming rank 1, and nothing is restored.
-DDP_TEST_WORKER(restore_check_throws_a_non_std_exception) {
+// Rank 1's checks fail in a way of DDP_TEST_CASE's:
+// - non_std: its scheduler function throws something that is no
+//   std::exception (an int) for the saved step. Before, it escaped rank
+//   1's checks past the exchange of outcomes, and the other ranks waited
+//   for rank 1 until the group's timeout (60 s here).
+// - out_of_memory: its memory runs out as its checks begin, every
+//   allocation of its thread failing from there until just before the
+//   exchange of the outcomes. Before, the handler that caught the
+//   std::bad_alloc built its message, which threw again, out of the call:
+//   rank 1 left alone, and the others waited for it in the exchange until
+//   the group's timeout.
+// Now it is rank 1's problem like any other: every rank throws at once
+// naming rank 1 and what failed, nothing is restored, and the group goes
+// on.
+DDP_TEST_WORKER(restore_checks_fail_on_one_rank) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
   const SavedMlp saved(/*trained=*/false);
   const nn::io::Checkpoint& c = saved.checkpoint;
   auto model = Mlp(99);
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
-  const bool throws = pg->rank() == 1;
+  const bool throws = pg->rank() == 1 && which == "non_std";
   nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule(
                                         [throws](int64_t t) -> double {
                                           if (throws && t > 1) throw 42;
                                           return 1.0;
                                         },
                                         "decay"));
-  const uint64_t before = testing::HashState(*model);
-  std::string error = "no error";
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
-  } catch (const std::invalid_argument& e) {
-    error = e.what();
-  } catch (...) {
-    error = "an exception that is not a std::invalid_argument";
-  }
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  WORKER_EXPECT(error == "RestoreCheckpoint: nothing was restored on any rank, it failed on rank 1: 1 problem(s):\n"
-                         "  checking the scheduler's state threw an exception that is not a std::exception",
-                "rank " + std::to_string(pg->rank()) + " got: " + error);
-  WORKER_EXPECT(took < 20, "the failure took " + std::to_string(took) + " s to reach every rank");
-  WORKER_EXPECT(testing::HashState(*model) == before, "the model was changed");
-  WORKER_EXPECT(opt.lr() == 0.1 && sched.step_count() == 0, "the optimizer or the scheduler was changed");
-  return testing::WorkerExit();
-}
-
-TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNamingIt) {
-  auto run = RunWorkers("restore_check_throws_a_non_std_exception", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
-                        /*stop_all_on_failure=*/false);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
-}
-
-// Rank 1's memory runs out as its checks begin: every allocation of its
-// thread fails from there until just before the exchange of the checks'
-// outcomes. Before, the handler that caught the std::bad_alloc built its
-// message, which threw again, out of the call: rank 1 left alone, and
-// ranks 0 and 2 waited for it in the exchange until the group's timeout
-// (60 s here). Now rank 1 writes its record in place and still takes
-// part: every rank throws at once naming rank 1 and that it ran out of
-// memory, nothing is restored, and the group goes on.
-DDP_TEST_WORKER(restore_checks_run_out_of_memory) {
-  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
-  const SavedMlp saved(/*trained=*/false);
-  const nn::io::Checkpoint& c = saved.checkpoint;
-  auto model = Mlp(99);
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
-  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  if (pg->rank() == 1) {
+  if (pg->rank() == 1 && which == "out_of_memory") {
     internal::SetFaultForTesting(internal::FaultPoint::kCheckingRestore, [] { out_of_memory = true; });
     internal::SetFaultForTesting(internal::FaultPoint::kExchangingRestoreChecks, [] { out_of_memory = false; });
   }
   const uint64_t before = testing::HashState(*model);
-  std::string error = "no error";
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
-  } catch (const std::invalid_argument& e) {
-    error = e.what();
-  } catch (const std::bad_alloc&) {
-    out_of_memory = false;
-    error = "the std::bad_alloc escaped";
-  } catch (...) {
-    out_of_memory = false;
-    error = "an exception that is not a std::invalid_argument";
-  }
+  const Outcome restore = OutcomeOf<std::invalid_argument>([&] { RestoreCheckpoint(*pg, c, *model, &opt, &sched); });
   internal::SetFaultForTesting(internal::FaultPoint::kCheckingRestore, {});
   internal::SetFaultForTesting(internal::FaultPoint::kExchangingRestoreChecks, {});
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::string who = "rank " + std::to_string(pg->rank());
-  WORKER_EXPECT(error == "RestoreCheckpoint: nothing was restored on any rank, it failed on rank 1: checking the "
-                         "checkpoint ran out of memory: std::bad_alloc",
-                who + " got: " + error);
-  WORKER_EXPECT(took < 20, who + ": the failure took " + std::to_string(took) + " s");
+  const std::string why = which == "non_std" ? "1 problem(s):\n  checking the scheduler's state threw an exception "
+                                               "that is not a std::exception"
+                                             : "checking the checkpoint ran out of memory: std::bad_alloc";
+  WORKER_EXPECT(restore.error == "RestoreCheckpoint: nothing was restored on any rank, it failed on rank 1: " + why,
+                who + " got: " + restore.error);
+  WORKER_EXPECT(restore.seconds < 20, who + ": the failure took " + std::to_string(restore.seconds) + " s");
   WORKER_EXPECT(testing::HashState(*model) == before, who + ": the model was changed");
   WORKER_EXPECT(opt.lr() == 0.1 && sched.step_count() == 0, who + ": the optimizer or the scheduler was changed");
   WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the failed restore");
-  // With its memory back, rank 1 restores like the others.
-  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
-  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved.model) && sched.step_count() == 3,
-                who + ": the second restore");
+  if (which == "out_of_memory") {
+    // With its memory back, rank 1 restores like the others.
+    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
+    WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved.model) && sched.step_count() == 3,
+                  who + ": the second restore");
+  }
   return testing::WorkerExit();
 }
 
+TEST(DdpCheckpointTest, ANonStdExceptionInOneRanksChecksFailsEveryRankPromptlyNamingIt) {
+  auto run = RunWorkers("restore_checks_fail_on_one_rank", 3,
+                        {{"DDP_TEST_CASE", "non_std"}, {"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(DdpCheckpointTest, ARankWhoseChecksRunOutOfMemoryIsNamedOnEveryRankPromptly) {
-  auto run = RunWorkers("restore_checks_run_out_of_memory", 3, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
+  auto run = RunWorkers("restore_checks_fail_on_one_rank", 3,
+                        {{"DDP_TEST_CASE", "out_of_memory"}, {"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
                         /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
@@ -876,6 +878,48 @@ TEST(DdpCheckpointTest, ALoadThatFailsOnOneRankAfterTheChecksPutsEveryRanksState
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// One rank's side of a collective restore whose load fails once every
+// check passed: Mlp(99) with SGD (rate 0.01, momentum 0.9) after a step
+// on a batch of the rank's own, and a constant schedule that drives the
+// rate through a target calling `refuse` first (what it throws is the
+// load's failure); with the bytes of the model and the optimizer before.
+struct LoadFailsOnOneRank {
+  LoadFailsOnOneRank(int rank, std::function<void(double lr)> refuse)
+      : model(Mlp(99)),
+        opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9}),
+        sched(nn::optim::LrTarget{[this] { return opt.lr(); },
+                                  [this, refuse = std::move(refuse)](double lr) {
+                                    refuse(lr);
+                                    opt.set_lr(lr);
+                                  }},
+              nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay")) {
+    LocalStep(*model, opt, kBatch * (1 + rank));
+    model_before = StateBytes(*model);
+    opt_before = StateBytes(opt.StateDict());
+  }
+  LoadFailsOnOneRank(const LoadFailsOnOneRank&) = delete;
+  LoadFailsOnOneRank& operator=(const LoadFailsOnOneRank&) = delete;
+
+  // After the restore (`restore`): it failed promptly with `expected`,
+  // every object is bitwise as it was, and the group goes on.
+  void ExpectAsBefore(ProcessGroup& pg, const Outcome& restore, const std::string& expected) {
+    const std::string who = "rank " + std::to_string(pg.rank());
+    WORKER_EXPECT(restore.error == expected, who + " got: " + restore.error);
+    WORKER_EXPECT(restore.seconds < 20, who + ": the failure took " + std::to_string(restore.seconds) + " s");
+    WORKER_EXPECT(StateBytes(*model) == model_before, who + ": the model is not as it was");
+    WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before && opt.lr() == 0.01,
+                  who + ": the optimizer is not as it was");
+    WORKER_EXPECT(sched.step_count() == 0, who + ": the scheduler's step is " + std::to_string(sched.step_count()));
+    WORKER_EXPECT(NextCollectivesError(pg).empty(), who + ": the group failed after the failed restore");
+  }
+
+  std::shared_ptr<nn::modules::Module> model;
+  nn::optim::Sgd opt;
+  nn::optim::LrScheduler sched;
+  std::vector<std::string> model_before;
+  std::vector<std::string> opt_before;
+};
+
 // What rank 1's learning-rate target throws below: no std::exception.
 struct RateRefused {
   double lr;
@@ -893,46 +937,21 @@ DDP_TEST_WORKER(restore_load_throws_a_non_std_exception) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
   const SavedMlp saved(/*trained=*/true);
   const nn::io::Checkpoint& c = saved.checkpoint;
-  auto model = Mlp(99);
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
-  LocalStep(*model, opt, kBatch * (1 + pg->rank()));
   auto refuses = std::make_shared<bool>(pg->rank() == 1);
-  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
-                             [&opt, refuses](double lr) {
-                               if (*refuses && lr > 0.02) throw RateRefused{lr};
-                               opt.set_lr(lr);
-                             }};
-  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
-  const std::vector<std::string> model_before = StateBytes(*model);
-  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
-  std::string error = "no error";
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
-  } catch (const std::runtime_error& e) {
-    error = e.what();
-  } catch (const RateRefused& e) {
-    error = "the target's RateRefused (" + std::to_string(e.lr) + ") escaped";
-  } catch (...) {
-    error = "an exception that is not a std::runtime_error";
-  }
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const std::string rank = "rank " + std::to_string(pg->rank());
-  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
-                         "the scheduler's state threw: an exception that is not a std::exception (the model and "
-                         "the optimizer were loaded before it); every rank put its model and components back as "
-                         "they were before the call",
-                rank + " got: " + error);
-  WORKER_EXPECT(took < 20, rank + ": the failure took " + std::to_string(took) + " s");
-  WORKER_EXPECT(StateBytes(*model) == model_before, rank + ": the model is not as it was");
-  WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before && opt.lr() == 0.01,
-                rank + ": the optimizer is not as it was");
-  WORKER_EXPECT(sched.step_count() == 0, rank + ": the scheduler's step is " + std::to_string(sched.step_count()));
-  WORKER_EXPECT(NextCollectivesError(*pg).empty(), "the group failed after the failed restore");
+  LoadFailsOnOneRank mine(pg->rank(), [refuses](double lr) {
+    if (*refuses && lr > 0.02) throw RateRefused{lr};
+  });
+  const Outcome restore =
+      OutcomeOf<std::runtime_error>([&] { RestoreCheckpoint(*pg, c, *mine.model, &mine.opt, &mine.sched); });
+  mine.ExpectAsBefore(*pg, restore,
+                      "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading the "
+                      "scheduler's state threw: an exception that is not a std::exception (the model and the "
+                      "optimizer were loaded before it); every rank put its model and components back as they "
+                      "were before the call");
   *refuses = false;
-  RestoreCheckpoint(*pg, c, *model, &opt, &sched);
-  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*saved.model) && sched.step_count() == 3,
-                rank + ": the second restore");
+  RestoreCheckpoint(*pg, c, *mine.model, &mine.opt, &mine.sched);
+  WORKER_EXPECT(testing::HashState(*mine.model) == testing::HashState(*saved.model) && mine.sched.step_count() == 3,
+                "rank " + std::to_string(pg->rank()) + ": the second restore");
   return testing::WorkerExit();
 }
 
@@ -956,53 +975,26 @@ DDP_TEST_WORKER(restore_telling_the_loads_throws) {
   const std::string which = std::getenv("DDP_TEST_CASE");
   const SavedMlp saved(/*trained=*/true);
   const nn::io::Checkpoint& c = saved.checkpoint;
-  auto model = Mlp(99);
-  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.01, .momentum = 0.9});
-  LocalStep(*model, opt, kBatch * (1 + pg->rank()));
   const int rank = pg->rank();
-  nn::optim::LrTarget target{[&opt] { return opt.lr(); },
-                             [&opt, rank](double lr) {
-                               if (rank == 1 && lr > 0.02) {
-                                 throw std::runtime_error("rank 1's target refuses rates above 0.02");
-                               }
-                               opt.set_lr(lr);
-                             }};
-  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  LoadFailsOnOneRank mine(rank, [rank](double lr) {
+    if (rank == 1 && lr > 0.02) throw std::runtime_error("rank 1's target refuses rates above 0.02");
+  });
   if (rank == 2) {
     internal::SetFaultForTesting(internal::FaultPoint::kTellingLoads, [which] {
       if (which == "bad_alloc") throw std::bad_alloc();
       throw RateRefused{0.0};
     });
   }
-  const std::vector<std::string> model_before = StateBytes(*model);
-  const std::vector<std::string> opt_before = StateBytes(opt.StateDict());
-  std::string error = "no error";
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    RestoreCheckpoint(*pg, c, *model, &opt, &sched);
-  } catch (const std::runtime_error& e) {
-    error = e.what();
-  } catch (const std::bad_alloc&) {
-    error = "the std::bad_alloc escaped";
-  } catch (...) {
-    error = "an exception that is not a std::runtime_error";
-  }
+  const Outcome restore =
+      OutcomeOf<std::runtime_error>([&] { RestoreCheckpoint(*pg, c, *mine.model, &mine.opt, &mine.sched); });
   internal::SetFaultForTesting(internal::FaultPoint::kTellingLoads, {});
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const std::string who = "rank " + std::to_string(rank);
   const std::string why = which == "bad_alloc" ? "std::bad_alloc" : "an exception that is not a std::exception";
-  WORKER_EXPECT(error == "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading "
-                         "the scheduler's state threw: rank 1's target refuses rates above 0.02 (the model and "
-                         "the optimizer were loaded before it); rank 2: loaded every part, then telling the other "
-                         "ranks how its load went threw: " + why + "; every rank put its model and components "
-                         "back as they were before the call",
-                who + " got: " + error);
-  WORKER_EXPECT(took < 20, who + ": the failure took " + std::to_string(took) + " s");
-  WORKER_EXPECT(StateBytes(*model) == model_before, who + ": the model is not as it was");
-  WORKER_EXPECT(StateBytes(opt.StateDict()) == opt_before && opt.lr() == 0.01,
-                who + ": the optimizer is not as it was");
-  WORKER_EXPECT(sched.step_count() == 0, who + ": the scheduler's step is " + std::to_string(sched.step_count()));
-  WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the failed restore");
+  mine.ExpectAsBefore(*pg, restore,
+                      "RestoreCheckpoint: every rank's checks passed, but loading failed on rank 1: loading the "
+                      "scheduler's state threw: rank 1's target refuses rates above 0.02 (the model and the "
+                      "optimizer were loaded before it); rank 2: loaded every part, then telling the other ranks "
+                      "how its load went threw: " + why + "; every rank put its model and components back as they "
+                      "were before the call");
   return testing::WorkerExit();
 }
 
