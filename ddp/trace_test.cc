@@ -10,8 +10,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -132,13 +134,25 @@ TEST(TraceTest, FlushAppendsOnlyTheNewEvents) {
   EXPECT_THROW(trace.StreamTo("/nonexistent-dir/trace.json", 0), std::runtime_error);
 }
 
-// A fresh folder under the test's temporary one, for FIFOs of its own.
-std::string FreshFolder() {
+// A FIFO named `name` in a fresh folder under the test's temporary one;
+// empty, with the failure reported, when either cannot be made.
+std::string FreshFifo(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
-  std::string pattern = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_fifo_XXXXXX";
-  if (::mkdtemp(pattern.data()) == nullptr) return "";
-  return pattern;
+  std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_fifo_XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << dir << ": " << std::strerror(errno);
+    return "";
+  }
+  const std::string fifo = dir + "/" + name;
+  if (::mkfifo(fifo.c_str(), 0600) != 0) {
+    ADD_FAILURE() << "mkfifo " << fifo << ": " << std::strerror(errno);
+    return "";
+  }
+  return fifo;
 }
+
+// The folder FreshFifo made for `fifo`.
+std::string FolderOf(const std::string& fifo) { return std::filesystem::path(fifo).parent_path().string(); }
 
 // Reads a FIFO on a thread of its own, as `cat fifo` would: opened before
 // the writer (non-blocking, so the open does not wait), read until the
@@ -217,10 +231,9 @@ std::vector<std::string> CompleteEventNames(const nlohmann::json& doc) {
 // JSON document (the one Write makes) once the stream is ended; the FIFO
 // stays a FIFO (no temporary file renamed over it).
 TEST(TraceTest, AFifoIsStreamedAsOneCompleteDocument) {
-  const std::string dir = FreshFolder();
-  ASSERT_FALSE(dir.empty());
-  const std::string fifo = dir + "/trace_rank3.json";
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string fifo = FreshFifo("trace_rank3.json");
+  ASSERT_FALSE(fifo.empty());
+  const std::string dir = FolderOf(fifo);
   EXPECT_TRUE(TraceRecorder::IsStreamTarget(fifo));
   EXPECT_FALSE(TraceRecorder::IsStreamTarget(dir));
   EXPECT_FALSE(TraceRecorder::IsStreamTarget(dir + "/missing.json"));
@@ -256,10 +269,8 @@ TEST(TraceTest, AFifoIsStreamedAsOneCompleteDocument) {
 // Opening a FIFO for writing waits for a reader: with none, the wait ends
 // at its deadline with an error naming the FIFO, and nothing replaced it.
 TEST(TraceTest, AFifoWithNoReaderIsAnErrorNamingItAtTheDeadline) {
-  const std::string dir = FreshFolder();
-  ASSERT_FALSE(dir.empty());
-  const std::string fifo = dir + "/trace_rank0.json";
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string fifo = FreshFifo("trace_rank0.json");
+  ASSERT_FALSE(fifo.empty());
   TraceRecorder trace;
   const auto start = std::chrono::steady_clock::now();
   try {
@@ -280,10 +291,8 @@ TEST(TraceTest, AFifoWithNoReaderIsAnErrorNamingItAtTheDeadline) {
 // is a warning naming the FIFO (not SIGPIPE, whose default action would end
 // the test's process), and ending the document says it was cut.
 TEST(TraceTest, AReaderThatGoesAwayIsAWarningNamingTheFifo) {
-  const std::string dir = FreshFolder();
-  ASSERT_FALSE(dir.empty());
-  const std::string fifo = dir + "/trace_rank1.json";
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string fifo = FreshFifo("trace_rank1.json");
+  ASSERT_FALSE(fifo.empty());
   FifoReader reader(fifo, std::chrono::seconds(60), /*leave_after=*/1);
   ASSERT_TRUE(reader.opened());
   TraceRecorder trace;
@@ -310,10 +319,8 @@ TEST(TraceTest, AReaderThatGoesAwayIsAWarningNamingTheFifo) {
 // run: a write waits the stream's wait at most, then is a warning naming
 // the FIFO, and the stream ends.
 TEST(TraceTest, AReaderThatStopsReadingHoldsAFlushOnlyForTheWait) {
-  const std::string dir = FreshFolder();
-  ASSERT_FALSE(dir.empty());
-  const std::string fifo = dir + "/trace_rank2.json";
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string fifo = FreshFifo("trace_rank2.json");
+  ASSERT_FALSE(fifo.empty());
   const int idle_reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   ASSERT_GE(idle_reader, 0);
   TraceRecorder trace;
@@ -337,11 +344,9 @@ TEST(TraceTest, AReaderThatStopsReadingHoldsAFlushOnlyForTheWait) {
 // One FIFO takes one rank's trace: a second recorder (another rank's
 // through a link to the same pipe) is refused, naming the path.
 TEST(TraceTest, ASecondWriterOfOneFifoIsRefused) {
-  const std::string dir = FreshFolder();
-  ASSERT_FALSE(dir.empty());
-  const std::string fifo = dir + "/trace_rank0.json";
-  const std::string link = dir + "/trace_rank1.json";
-  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string fifo = FreshFifo("trace_rank0.json");
+  ASSERT_FALSE(fifo.empty());
+  const std::string link = FolderOf(fifo) + "/trace_rank1.json";
   ASSERT_EQ(::symlink(fifo.c_str(), link.c_str()), 0);
   FifoReader reader(fifo, std::chrono::seconds(60));
   ASSERT_TRUE(reader.opened());
