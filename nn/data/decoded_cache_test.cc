@@ -36,6 +36,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <future>
 #include <iterator>
 #include <string>
@@ -1511,6 +1512,47 @@ int InChildWithEnv(const std::vector<std::pair<const char*, const char*>>& env, 
   return ExitStatus(pid);
 }
 
+using EnvList = std::vector<std::pair<const char*, const char*>>;
+
+// The variables of a process started outside any launcher: no local rank,
+// and each of `reported` set empty, as a process makes it before main
+// outside a launcher.
+EnvList OutsideALauncher(std::initializer_list<const char*> reported) {
+  EnvList env = {{"LOCAL_RANK", nullptr}, {"SLURM_LOCALID", nullptr}, {"OMPI_COMM_WORLD_LOCAL_RANK", nullptr}};
+  for (const char* name : reported) env.emplace_back(name, "");
+  return env;
+}
+
+// A trainer that starts its own ranks: a child started with `outside`
+// (its stderr in `dir`/launcher_stderr) runs load("launcher"), then starts
+// local ranks 0 and 1 (its children, inheriting what it set; their stderr
+// in `dir`/self_launched_rank<r>_stderr), each running
+// load("self_launched_rank<r>"). Returns 0, 1 when the launcher's load
+// failed, or 10 + a rank's status.
+int SelfLaunchedJob(const std::string& dir, const EnvList& outside,
+                    const std::function<int(const std::string& who)>& load) {
+  return InChildWithEnv(outside, dir + "/launcher_stderr", [&] {
+    if (load("launcher") != 0) return 1;
+    for (const char* rank : {"0", "1"}) {
+      const std::string who = std::string("self_launched_rank") + rank;
+      const int status = InChildWithEnv({{"LOCAL_RANK", rank}}, dir + "/" + who + "_stderr", [&] { return load(who); });
+      if (status != 0) return 10 + status;
+    }
+    return 0;
+  });
+}
+
+// After SelfLaunchedJob: the launcher gave the warning (`warnings` counts
+// it in a stderr file) once, and its ranks not at all.
+void ExpectSaidByTheLauncherAlone(const std::string& dir,
+                                  const std::function<size_t(const std::string& file)>& warnings) {
+  EXPECT_EQ(warnings(dir + "/launcher_stderr"), 1u) << ReadText(dir + "/launcher_stderr");
+  for (const char* rank : {"0", "1"}) {
+    const std::string file = dir + "/self_launched_rank" + rank + "_stderr";
+    EXPECT_EQ(warnings(file), 0u) << "local rank " << rank << " of a launcher that said it: " << ReadText(file);
+  }
+}
+
 // A cache folder that cannot be made is the same failure for every process
 // of a job: a trainer that starts its own ranks said it from the launcher
 // (which loads the sets to check them) and again from each rank. It is
@@ -1530,27 +1572,10 @@ TEST(DecodedCache, AnUnwritableCacheIsReportedOncePerJob) {
   };
   const std::string warning = "[ddp] warning: decoded dataset cache: cannot write " + cache_dir + "/images-";
   const auto warnings = [&](const std::string& file) { return Count(ReadText(file), warning); };
-  const std::vector<std::pair<const char*, const char*>> no_launcher = {
-      {"LOCAL_RANK", nullptr},
-      {"SLURM_LOCALID", nullptr},
-      {"OMPI_COMM_WORLD_LOCAL_RANK", nullptr},
-      {"DDP_DATA_CACHE_REPORTED", ""}};  // as made before main outside a launcher
-  // A launcher, then the two ranks it starts (its children, inheriting
-  // what it set).
-  const int launcher = InChildWithEnv(no_launcher, dir + "/launcher_stderr", [&] {
-    if (load() != 0) return 1;
-    for (const char* rank : {"0", "1"}) {
-      const int status = InChildWithEnv({{"LOCAL_RANK", rank}}, dir + "/self_launched_rank" + rank + "_stderr", load);
-      if (status != 0) return 10 + status;
-    }
-    return 0;
-  });
+  const int launcher =
+      SelfLaunchedJob(dir, OutsideALauncher({"DDP_DATA_CACHE_REPORTED"}), [&](const std::string&) { return load(); });
   ASSERT_EQ(launcher, 0) << "wrong bytes, or a child failed";
-  EXPECT_EQ(warnings(dir + "/launcher_stderr"), 1u) << ReadText(dir + "/launcher_stderr");
-  for (const char* rank : {"0", "1"}) {
-    const std::string file = dir + "/self_launched_rank" + rank + "_stderr";
-    EXPECT_EQ(warnings(file), 0u) << "local rank " << rank << " of a launcher that said it: " << ReadText(file);
-  }
+  ExpectSaidByTheLauncherAlone(dir, warnings);
   // Ranks of a launcher that loads nothing, told of another folder.
   const std::string other = dir + "/other";
   for (const char* rank : {"0", "1"}) {
@@ -1572,8 +1597,8 @@ TEST(DecodedCache, ALockFileThatCannotBeLockedIsReportedOncePerJob) {
   const std::string dir = FreshDir("decoded_nolock_once_per_job");
   const std::string cache_dir = dir + "/cache";
   const CacheDir cache(cache_dir);
-  const auto load = [&](const std::string& name) {
-    const std::string src = dir + "/" + name;
+  const auto load = [&](const std::string& who) {
+    const std::string src = dir + "/" + who + "_images";
     WriteFile(src, IdxBytes({3, 3}, Pixels(9)));
     CountingDecode decode{src};
     return Bytes(LoadDecoded(src, std::ref(decode), 0)) == Want(9) ? 0 : 1;
@@ -1582,39 +1607,20 @@ TEST(DecodedCache, ALockFileThatCannotBeLockedIsReportedOncePerJob) {
   WriteFile(probe, "");
   const std::string warning = "[ddp] warning: decoded dataset cache: cannot lock " + cache_dir + "/";
   const auto warnings = [&](const std::string& file) { return Count(ReadText(file), warning); };
-  const std::vector<std::pair<const char*, const char*>> no_launcher = {
-      {"LOCAL_RANK", nullptr},
-      {"SLURM_LOCALID", nullptr},
-      {"OMPI_COMM_WORLD_LOCAL_RANK", nullptr},
-      {"DDP_DATA_CACHE_REPORTED", ""},  // as made before main outside a launcher
-      {"DDP_DATA_CACHE_LOCK_REPORTED", ""}};
-  // Exit statuses: 1 for wrong bytes, 10 + a rank's status.
   const int status = InChildWithoutLocks(probe, [&] {
-    return InChildWithEnv(no_launcher, dir + "/launcher_stderr", [&] {
-      if (load("launcher_images") != 0) return 1;
-      for (const char* rank : {"0", "1"}) {
-        const int status = InChildWithEnv({{"LOCAL_RANK", rank}}, dir + "/self_launched_rank" + rank + "_stderr",
-                                          [&] { return load(std::string("self_launched_rank") + rank + "_images"); });
-        if (status != 0) return 10 + status;
-      }
-      return 0;
-    });
+    return SelfLaunchedJob(dir, OutsideALauncher({"DDP_DATA_CACHE_REPORTED", "DDP_DATA_CACHE_LOCK_REPORTED"}), load);
   });
   ASSERT_NE(status, 2) << "the seccomp filter could not be installed";
   ASSERT_NE(status, 3) << "the seccomp filter did not make flock fail with ENOLCK";
   ASSERT_EQ(status, 0) << "wrong bytes, or a child failed";
-  EXPECT_EQ(warnings(dir + "/launcher_stderr"), 1u) << ReadText(dir + "/launcher_stderr");
-  for (const char* rank : {"0", "1"}) {
-    const std::string file = dir + "/self_launched_rank" + rank + "_stderr";
-    EXPECT_EQ(warnings(file), 0u) << "local rank " << rank << " of a launcher that said it: " << ReadText(file);
-  }
+  ExpectSaidByTheLauncherAlone(dir, warnings);
   // Ranks of a launcher that loads nothing, told that the cache folder
   // could not be written.
   for (const char* rank : {"0", "1"}) {
     const std::string file = dir + "/rank" + rank + "_stderr";
     const int status = InChildWithoutLocks(probe, [&] {
       return InChildWithEnv({{"LOCAL_RANK", rank}, {"DDP_DATA_CACHE_REPORTED", cache_dir.c_str()}}, file,
-                            [&] { return load(std::string("rank") + rank + "_images"); });
+                            [&] { return load(std::string("rank") + rank); });
     });
     ASSERT_EQ(status, 0) << "local rank " << rank << ": wrong bytes, or no filter (2, 3)";
     EXPECT_EQ(warnings(file), rank == std::string("0") ? 1u : 0u) << "local rank " << rank << ": " << ReadText(file);
