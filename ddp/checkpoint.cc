@@ -115,16 +115,8 @@ void RewriteThrown(nn::Tensor& record, const char* doing, const char* after = ""
                 out_of_memory ? "ran out of memory" : "threw", what, after);
 }
 
-// Every rank's record (Record(ok, what)), in rank order: one collective,
-// bound by the group's timeout, whatever happened on each rank.
-nn::Tensor GatherRecords(ProcessGroup& pg, bool ok, const std::string& what, const char* name) {
-  nn::Tensor mine = Record(ok, what);
-  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
-  pg.AllGather(all, mine, name).Wait();
-  return all;
-}
-
-// The text of rank r's record in GatherRecords' result.
+// The text of rank r's record in `all`, every rank's record in rank order
+// (an all-gather of records).
 std::string RecordText(const nn::Tensor& all, int r) {
   const char* p = static_cast<const char*>(all.data_ptr()) + r * kRecordBytes;
   return std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
@@ -697,17 +689,33 @@ std::string Fingerprint(const nn::io::Checkpoint& c) {
          " bytes, step " + (c.metadata.count("step") ? c.metadata.at("step") : std::string("unset"));
 }
 
+// A rank's account of its load, for AgreeOnLoad: the exchange's buffers,
+// made before the read, so that a rank that cannot build its account
+// afterwards (memory running out: what it read may have filled it) still
+// has a record to send, written in place.
+struct LoadAccount {
+  explicit LoadAccount(const ProcessGroup& pg)
+      : record(nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8})),
+        all(nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8})) {}
+  nn::Tensor record;  // this rank's, as Record makes it
+  nn::Tensor all;     // every rank's, once exchanged
+  // This rank's reason in full: a record holds its first 1 KB, which a
+  // long path can fill before the reason itself. Empty when it read, or
+  // when the reason could not be copied.
+  std::string failure;
+};
+
 // Every rank's outcome, exchanged; throws one error naming each rank that
 // failed when any did. A rank that loaded puts what it read (Fingerprint)
 // in its record: ranks that read different files (a node-local disk with
 // an older copy, a network filesystem's client cache after rank 0 replaced
 // the file) fail together, naming what each read, instead of training from
 // different states. `call` begins every message: "LoadCheckpoint /a/c".
-void AgreeOnLoad(ProcessGroup& pg, const std::string& call, bool ok, const std::string& what) {
-  const nn::Tensor all = GatherRecords(pg, ok, what, "checkpoint load status");
-  // This rank's own reason in full: a record holds its first 1 KB, which
-  // a long path can fill before the reason itself.
-  const std::string failures = FailedRanks(pg, all, ok ? "" : what);
+void AgreeOnLoad(ProcessGroup& pg, const std::string& call, LoadAccount& account) {
+  RunFault(internal::FaultPoint::kExchangingLoadAccounts);
+  pg.AllGather(account.all, account.record, "checkpoint load status").Wait();
+  const nn::Tensor& all = account.all;
+  const std::string failures = FailedRanks(pg, all, account.failure);
   if (!failures.empty()) {
     throw std::runtime_error(call + " failed on " + failures);
   }
@@ -758,6 +766,9 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
              .refused = path.empty() ? "the path is empty"
                                      : RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat,
                                                    wait.stop_grace)});
+  // Before the read, as LoadAccount says.
+  const std::string call = "LoadCheckpoint " + path;
+  LoadAccount account(pg);
   // Owned by the work too: a read stuck in the filesystem outlives this call.
   auto read = std::make_shared<nn::io::Checkpoint>();
   // The reads take as long as each rank's storage does (the host that
@@ -777,13 +788,22 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   } catch (const DistributedError&) {
     throw;
   } catch (const std::runtime_error& e) {
-    throw std::runtime_error("LoadCheckpoint " + path + ": " + e.what());
+    throw std::runtime_error(call + ": " + e.what());
   }
   nn::io::Checkpoint checkpoint = std::move(*read);
-  const bool ok = what.empty();
-  if (ok) what = Fingerprint(checkpoint);
-  AgreeOnLoad(pg, "LoadCheckpoint " + path, ok, what);
-  WarnOnOtherWorldSize(pg, "LoadCheckpoint " + path, checkpoint);
+  if (what.empty()) {
+    try {
+      RunFault(internal::FaultPoint::kAccountingForLoad);
+      Rewrite(account.record, 1, Fingerprint(checkpoint).c_str());
+    } catch (...) {
+      RewriteThrown(account.record, "saying what it read");
+    }
+  } else {
+    Rewrite(account.record, 0, what.c_str());
+    account.failure = std::move(what);
+  }
+  AgreeOnLoad(pg, call, account);
+  WarnOnOtherWorldSize(pg, call, checkpoint);
   return checkpoint;
 }
 
@@ -820,6 +840,7 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
                       " sent the path it reads: " + e.status().message()));
   }
   const std::string call = "LoadCheckpointFromRank '" + root_path + "' (read by " + from + ")";
+  LoadAccount account(pg);  // before the read, as it says
   // Root reads (for as long as it takes, within wait.timeout, while the
   // others hear that it is still reading), then sends the bytes.
   // Owned by the work: a read stuck in the filesystem outlives this call.
@@ -833,16 +854,21 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
   std::string shared = std::move(*bytes);
   pg.BroadcastObject(&shared, root);
   nn::io::Checkpoint checkpoint;
-  bool ok = true;
-  std::string what;  // the error, or what was read
   try {
+    RunFault(internal::FaultPoint::kAccountingForLoad);
     checkpoint = nn::io::LoadCheckpointFromBytes(std::move(shared), root_path + " (read by " + from + ")", options);
-    what = Fingerprint(checkpoint);
+    Rewrite(account.record, 1, Fingerprint(checkpoint).c_str());
+  } catch (const std::bad_alloc&) {
+    RewriteThrown(account.record, "loading the checkpoint");
   } catch (const std::exception& e) {
-    ok = false;
-    what = e.what();
+    Rewrite(account.record, 0, e.what());
+    try {
+      account.failure = e.what();
+    } catch (const std::bad_alloc&) {
+      // The record has the reason's first 1 KB.
+    }
   }
-  AgreeOnLoad(pg, call, ok, what);
+  AgreeOnLoad(pg, call, account);
   WarnOnOtherWorldSize(pg, call, checkpoint);
   return checkpoint;
 }

@@ -151,7 +151,10 @@ struct LoadWaitOptions {
 /// when the ranks read different contents (the data checksum, the tensors'
 /// count and bytes, the "step" entry differ: a stale copy on a node's own
 /// disk, a network filesystem's client cache just after rank 0 replaced
-/// the file), naming what each rank read.
+/// the file), naming what each rank read. A rank whose memory runs out
+/// once it has read (saying what it read throws std::bad_alloc) is named
+/// the same way ("ran out of memory"): the buffers of that exchange are
+/// made before the read.
 /// The ranks wait for each other's reads up to `wait.timeout`. An empty
 /// `path` or a `wait` that one rank refuses fails every rank alike with
 /// std::invalid_argument, naming the rank, before any read (as
@@ -350,6 +353,13 @@ enum class FaultPoint {
   /// The same call, just before that exchange: a test ends there what its
   /// fault at kCheckingRestore began (memory that ran out comes back).
   kExchangingRestoreChecks = 4,
+  /// LoadCheckpoint and LoadCheckpointFromRank, once this rank has read
+  /// the checkpoint (or failed to), as it builds its account of what it
+  /// read, before the ranks exchange their accounts.
+  kAccountingForLoad = 5,
+  /// The same calls, just before that exchange: a test ends there what its
+  /// fault at kAccountingForLoad began.
+  kExchangingLoadAccounts = 6,
 };
 
 /// Test only: from now on, this process runs `fault` at `point`; what

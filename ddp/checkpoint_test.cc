@@ -561,6 +561,54 @@ TEST(DdpCheckpointTest, LoadArgumentsThatOneRankRefusesOrThatDifferFailEveryRank
                         180000, /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
+// Rank 1's memory runs out once it has read the checkpoint (DDP_TEST_CASE:
+// every_rank, LoadCheckpoint, or from_rank, LoadCheckpointFromRank from
+// rank 0), every allocation of its thread failing from there until just
+// before the ranks exchange what they read. Before, rank 1 could build
+// neither its account nor the exchange's buffers, and the std::bad_alloc
+// left the call on rank 1 alone: ranks 0 and 2 waited for it in the
+// exchange until the group's timeout (60 s here). Now the buffers are made
+// before the read and the account is written in place: every rank throws
+// at once naming rank 1 and that it ran out of memory, and the group goes
+// on.
+DDP_TEST_WORKER(load_runs_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  SaveCheckpoint(*pg, path, MakeCheckpoint(*Mlp(1), nullptr));
+  auto load = [&] { return which == "every_rank" ? LoadCheckpoint(*pg, path) : LoadCheckpointFromRank(*pg, path, 0); };
+  if (pg->rank() == 1) {
+    internal::SetFaultForTesting(internal::FaultPoint::kAccountingForLoad, [] { out_of_memory = true; });
+    internal::SetFaultForTesting(internal::FaultPoint::kExchangingLoadAccounts, [] { out_of_memory = false; });
+  }
+  const Outcome failed = OutcomeOf<std::runtime_error>([&] { load(); });
+  internal::SetFaultForTesting(internal::FaultPoint::kAccountingForLoad, {});
+  internal::SetFaultForTesting(internal::FaultPoint::kExchangingLoadAccounts, {});
+  const std::string who = which + ", rank " + std::to_string(pg->rank());
+  const std::string expected =
+      which == "every_rank"
+          ? "LoadCheckpoint " + path + " failed on rank 1: saying what it read ran out of memory: std::bad_alloc"
+          : "LoadCheckpointFromRank '" + path + "' (read by rank 0) failed on rank 1: loading the checkpoint ran "
+                                                "out of memory: std::bad_alloc";
+  WORKER_EXPECT(failed.error == expected, who + " got: " + failed.error);
+  WORKER_EXPECT(failed.seconds < 20, who + ": the failure took " + std::to_string(failed.seconds) + " s");
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the failed load");
+  // With its memory back, rank 1 loads like the others.
+  const size_t tensors = load().model.size();
+  WORKER_EXPECT(tensors == Mlp(1)->GetStateDict().size(), who + ": the second load read " + std::to_string(tensors) +
+                                                              " tensors");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankThatRunsOutOfMemoryAfterItsReadIsNamedOnEveryRankPromptly) {
+  for (const char* which : {"every_rank", "from_rank"}) {
+    auto run = RunWorkers("load_runs_out_of_memory", 3,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_CKPT", TempDir()}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          180000, /*stop_all_on_failure=*/false);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
+}
+
 // Mlp's layers with 11 outputs instead of 10: the same keys, with
 // `5.weight` and `5.bias` of other shapes.
 std::shared_ptr<nn::modules::Module> MlpWithElevenClasses(uint64_t seed) {
