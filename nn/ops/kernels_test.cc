@@ -1342,5 +1342,78 @@ TEST(KernelsTest, UndefinedInputsNameTheOpAndArgument) {
             "batch_norm: input is undefined");
 }
 
+// K = 0: C = beta * C without reading A or B, whose leading dimensions may
+// then be 0; with beta 0, C = 0 even where it held NaN. oneDNN refused
+// lda = 0 ("dnnl_sgemm failed with status 2", naming neither the op nor
+// the shape).
+TEST(KernelsTest, GemmWithNoInnerDimensionScalesC) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (GemmBackend backend : {GemmBackend::kOneDnn, GemmBackend::kOpenBlas}) {
+    SetGemmBackend(backend);
+    SCOPED_TRACE(static_cast<int>(backend));
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        // C is 2 x 3 in rows of 4 (ldc 4); the fourth column is not C's.
+        std::vector<float> c = {nan, nan, nan, 7, nan, nan, nan, 7};
+        cpu::Sgemm(ta, tb, 2, 3, 0, 1.0f, nullptr, 0, nullptr, 0, 0.0f, c.data(), 4);
+        EXPECT_EQ(c, (std::vector<float>{0, 0, 0, 7, 0, 0, 0, 7}));
+        std::vector<float> c2 = {1, 2, 3, 7, -4, 5, 6, 7};
+        cpu::Sgemm(ta, tb, 2, 3, 0, 1.0f, nullptr, 0, nullptr, 0, 2.0f, c2.data(), 4);
+        EXPECT_EQ(c2, (std::vector<float>{2, 4, 6, 7, -8, 10, 12, 7}));
+      }
+    }
+  }
+  SetGemmBackend(GemmBackend::kOneDnn);
+  const double dnan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> d = {dnan, dnan, dnan, 7};
+  cpu::Dgemm(false, false, 1, 3, 0, 1.0, nullptr, 0, nullptr, 0, 0.0, d.data(), 4);
+  EXPECT_EQ(d, (std::vector<double>{0, 0, 0, 7}));
+  std::vector<double> d2 = {1, -2, 3, 7};
+  cpu::Dgemm(false, false, 1, 3, 0, 1.0, nullptr, 0, nullptr, 0, -0.5, d2.data(), 4);
+  EXPECT_EQ(d2, (std::vector<double>{-0.5, 1, -1.5, 7}));
+}
+
+// Conv2d with 0 input channels gives the bias broadcast (zeros without
+// one), with gradients of the operands' shapes, as PyTorch:
+//   F.conv2d(torch.zeros(1, 0, 4, 4), torch.zeros(2, 0, 3, 3), torch.ones(2))  # ones [1, 2, 2, 2]
+// The f32 im2col path passed lda = 0 to oneDNN's GEMM, which refused it.
+// Buffers of NaN are freed just before each call, so that an output left
+// unwritten (reusing their memory) would show.
+TEST(KernelsTest, Conv2dWithNoInputChannelsGivesTheBias) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (GemmBackend backend : {GemmBackend::kOneDnn, GemmBackend::kOpenBlas}) {
+    SetGemmBackend(backend);
+    for (ConvAlgorithm algo : {ConvAlgorithm::kIm2col, ConvAlgorithm::kOneDnn, ConvAlgorithm::kAuto}) {
+      SetConvAlgorithm(algo);
+      for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+        SCOPED_TRACE(std::string(DTypeName(dt)) + " algorithm " + std::to_string(static_cast<int>(algo)) +
+                     " gemm " + std::to_string(static_cast<int>(backend)));
+        for (int k = 0; k < 4; ++k) Full({1, 2, 2, 2}, nan, {.dtype = dt});
+        try {
+          const Tensor x = Zeros({1, 0, 4, 4}, {.dtype = dt, .requires_grad = true});
+          const Tensor w = Zeros({2, 0, 3, 3}, {.dtype = dt, .requires_grad = true});
+          const Tensor b = Ones({2}, {.dtype = dt, .requires_grad = true});
+          const Tensor y = Conv2d(x, w, b);
+          ASSERT_EQ(y.shape(), (Shape{1, 2, 2, 2}));
+          EXPECT_EQ(y.ToVector<double>(), std::vector<double>(8, 1.0));
+          Backward(Sum(y));
+          EXPECT_EQ(x.grad().shape(), (Shape{1, 0, 4, 4}));
+          EXPECT_EQ(w.grad().shape(), (Shape{2, 0, 3, 3}));
+          EXPECT_EQ(b.grad().ToVector<double>(), (std::vector<double>{4, 4}));
+          for (int k = 0; k < 4; ++k) Full({1, 2, 2, 2}, nan, {.dtype = dt});
+          const Tensor y0 = Conv2d(Zeros({1, 0, 4, 4}, {.dtype = dt}), Zeros({2, 0, 3, 3}, {.dtype = dt}), Tensor(),
+                                   {.stride_h = 2, .stride_w = 1, .pad_h = 1, .pad_w = 0});
+          ASSERT_EQ(y0.shape(), (Shape{1, 2, 2, 2}));
+          EXPECT_EQ(y0.ToVector<double>(), std::vector<double>(8, 0.0));
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << e.what();
+        }
+      }
+    }
+  }
+  SetConvAlgorithm(ConvAlgorithm::kAuto);
+  SetGemmBackend(GemmBackend::kOneDnn);
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

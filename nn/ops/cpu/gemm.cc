@@ -4,6 +4,7 @@
 #include <cblas.h>
 #include <dnnl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -111,16 +112,47 @@ void CheckBlasSizes(const char* gemm, int64_t m, int64_t n, int64_t k, int64_t l
   }
 }
 
+// K = 0: op(A) op(B) is an M x N matrix of zeros, so C = beta * C, and with
+// beta 0 the BLAS contract is C = 0 without reading C (NaN or garbage there
+// becomes 0). Neither A nor B is read, nor handed to a BLAS: with K = 0
+// their leading dimensions may be 0 (an im2col of 0 input channels passes
+// lda = 0), which oneDNN refuses as an invalid argument.
+template <typename T>
+void ScaleOnly(int64_t m, int64_t n, T beta, T* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    T* row = c + i * ldc;
+    if (beta == T(0)) {
+      std::fill(row, row + n, T(0));
+    } else if (beta != T(1)) {
+      for (int64_t j = 0; j < n; ++j) row[j] *= beta;
+    }
+  }
+}
+
+std::string GemmArgs(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                     int64_t ldc) {
+  return std::string("trans_a = ") + (trans_a ? "T" : "N") + ", trans_b = " + (trans_b ? "T" : "N") +
+         ", m = " + std::to_string(m) + ", n = " + std::to_string(n) + ", k = " + std::to_string(k) +
+         ", lda = " + std::to_string(lda) + ", ldb = " + std::to_string(ldb) + ", ldc = " + std::to_string(ldc);
+}
+
 }  // namespace
 
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  if (k == 0) {
+    ScaleOnly(m, n, beta, c, ldc);
+    return;
+  }
   EnsureThreadSettings();
   if (g_gemm.load(std::memory_order_relaxed) == GemmBackend::kOneDnn) {
     const dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb,
                                         beta, c, ldc);
-    if (st != dnnl_success) throw std::runtime_error("dnnl_sgemm failed with status " + std::to_string(st));
+    if (st != dnnl_success) {
+      throw std::runtime_error("sgemm: oneDNN's dnnl_sgemm failed with status " + std::to_string(st) + " for " +
+                               GemmArgs(trans_a, trans_b, m, n, k, lda, ldb, ldc));
+    }
   } else {
     CheckBlasSizes("sgemm", m, n, k, lda, ldb, ldc);
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
@@ -132,6 +164,10 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 void Dgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
            int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  if (k == 0) {
+    ScaleOnly(m, n, beta, c, ldc);
+    return;
+  }
   CheckBlasSizes("dgemm", m, n, k, lda, ldb, ldc);
   EnsureThreadSettings();
   cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
