@@ -14,28 +14,64 @@ namespace ddp::nn::ops {
 
 using detail::LambdaNode;
 
-int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode) {
-  // Public, so checked here too: a stride of 0 divided by zero (SIGFPE).
-  const auto check = [](const char* what, int64_t v, int64_t least) {
+namespace {
+
+// ConvOutputSize for `op`, naming the parameters with `axis` appended
+// ("dilation_h" for conv2d's height; "dilation" for the public function).
+// Every step is checked for int64 overflow: a wrapped span or padded length
+// gave a bogus output size (INT64_MIN, or a [1, 1, 6, 2] convolution with
+// dilation 2^63 - 1), and let the kernels step through windows that do not
+// exist.
+int64_t OutputSize(const std::string& op, const std::string& axis, int64_t in, int64_t kernel, int64_t stride,
+                   int64_t pad, int64_t dilation, bool ceil_mode) {
+  const auto check = [&](const char* what, int64_t v, int64_t least) {
     if (v < least) {
-      throw std::invalid_argument(std::string("ConvOutputSize: ") + what + " must be at least " +
-                                  std::to_string(least) + ", got " + std::to_string(v));
+      throw std::invalid_argument(op + ": " + what + axis + " must be at least " + std::to_string(least) + ", got " +
+                                  std::to_string(v));
     }
   };
+  check("input size", in, 0);
   check("kernel", kernel, 1);
   check("stride", stride, 1);
   check("pad", pad, 0);
   check("dilation", dilation, 1);
-  const int64_t span = dilation * (kernel - 1) + 1;
+  int64_t reach = 0;  // span of the window minus one: dilation * (kernel - 1)
+  if (__builtin_mul_overflow(dilation, kernel - 1, &reach)) {
+    throw std::invalid_argument(op + ": dilation" + axis + " " + std::to_string(dilation) + " times kernel" + axis +
+                                " - 1 (" + std::to_string(kernel - 1) + ") overflows int64");
+  }
+  int64_t padded = 0;  // in + 2 * pad
+  if (__builtin_mul_overflow(pad, int64_t{2}, &padded) || __builtin_add_overflow(in, padded, &padded)) {
+    throw std::invalid_argument(op + ": pad" + axis + " " + std::to_string(pad) + " on both sides of an input of " +
+                                std::to_string(in) + " overflows int64");
+  }
   // PyTorch's rule: floor((in + 2 pad - span [+ stride - 1 with ceil_mode]) /
   // stride) + 1, so with ceil_mode an input shorter than the window by less
-  // than a stride still gives one window.
-  const int64_t num = in + 2 * pad - span + (ceil_mode ? stride - 1 : 0);
-  if (num < 0) return 0;
-  int64_t out = num / stride + 1;
-  // With ceil_mode the last window must start inside the input or its left padding.
-  if (ceil_mode && (out - 1) * stride >= in + pad) --out;
+  // than a stride still gives one window. Both terms are in [0, 2^63 - 1], so
+  // num cannot wrap; the ceiling is taken without adding stride - 1 to it.
+  const int64_t num = padded - reach - 1;
+  int64_t out = 0;
+  if (num >= 0) {
+    out = num / stride + (ceil_mode && num % stride != 0 ? 1 : 0) + 1;
+  } else if (ceil_mode && num + (stride - 1) >= 0) {
+    out = 1;
+  } else {
+    return 0;
+  }
+  // With ceil_mode the last window must start inside the input or its left
+  // padding: (out - 1) * stride < in + pad, compared without the product.
+  if (ceil_mode) {
+    const int64_t limit = in + pad;  // at most padded
+    if (out - 1 >= limit / stride + (limit % stride != 0 ? 1 : 0)) --out;
+  }
   return out;
+}
+
+}  // namespace
+
+int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode) {
+  // Public, so checked here too: a stride of 0 divided by zero (SIGFPE).
+  return OutputSize("ConvOutputSize", "", in, kernel, stride, pad, dilation, ceil_mode);
 }
 
 namespace {
@@ -90,8 +126,8 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   const Tensor x = x_in.dtype() == w.dtype() ? x_in : Cast(x_in, w.dtype());
   detail::CheckSameDevice("conv2d", x, w);
   if (bias.defined()) detail::CheckSameDevice("conv2d", x, bias);
-  const int64_t oh = ConvOutputSize(x.size(2), w.size(2), p.stride_h, p.pad_h, p.dilation_h);
-  const int64_t ow = ConvOutputSize(x.size(3), w.size(3), p.stride_w, p.pad_w, p.dilation_w);
+  const int64_t oh = OutputSize("conv2d", "_h", x.size(2), w.size(2), p.stride_h, p.pad_h, p.dilation_h, false);
+  const int64_t ow = OutputSize("conv2d", "_w", x.size(3), w.size(3), p.stride_w, p.pad_w, p.dilation_w, false);
   if (oh < 1 || ow < 1) {
     throw std::invalid_argument("conv2d: input " + ShapeToString(x.shape()) + " is smaller than the kernel " +
                                 ShapeToString(w.shape()) + " with " + Geometry(p));
@@ -128,14 +164,14 @@ Shape PoolOutput(const char* op, const Tensor& x, const Pool2dParams& p, bool di
   CheckPositive(op, "kernel size", p.kernel_h, p.kernel_w);
   CheckPositive(op, "stride", p.stride_h, p.stride_w);
   CheckPositive(op, "dilation", p.dilation_h, p.dilation_w);
-  if (p.pad_h < 0 || p.pad_w < 0 || p.pad_h * 2 > p.kernel_h || p.pad_w * 2 > p.kernel_w) {
+  if (p.pad_h < 0 || p.pad_w < 0 || p.pad_h > p.kernel_h / 2 || p.pad_w > p.kernel_w / 2) {
     throw std::invalid_argument(std::string(op) + ": padding (" + std::to_string(p.pad_h) + ", " +
                                 std::to_string(p.pad_w) + ") must be between 0 and half the kernel size (" +
                                 std::to_string(p.kernel_h) + ", " + std::to_string(p.kernel_w) + ")");
   }
   const int64_t dh = dilated ? p.dilation_h : 1, dw = dilated ? p.dilation_w : 1;
-  const int64_t oh = ConvOutputSize(x.size(2), p.kernel_h, p.stride_h, p.pad_h, dh, p.ceil_mode);
-  const int64_t ow = ConvOutputSize(x.size(3), p.kernel_w, p.stride_w, p.pad_w, dw, p.ceil_mode);
+  const int64_t oh = OutputSize(op, "_h", x.size(2), p.kernel_h, p.stride_h, p.pad_h, dh, p.ceil_mode);
+  const int64_t ow = OutputSize(op, "_w", x.size(3), p.kernel_w, p.stride_w, p.pad_w, dw, p.ceil_mode);
   if (oh < 1 || ow < 1) {
     throw std::invalid_argument(std::string(op) + ": input " + ShapeToString(x.shape()) + " is smaller than the " +
                                 std::to_string(p.kernel_h) + "x" + std::to_string(p.kernel_w) + " window");

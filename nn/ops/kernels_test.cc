@@ -1415,5 +1415,37 @@ TEST(KernelsTest, Conv2dWithNoInputChannelsGivesTheBias) {
   SetGemmBackend(GemmBackend::kOneDnn);
 }
 
+// Output sizes whose intermediate terms overflow int64 are refused naming
+// the parameter; before, they wrapped (signed overflow, undefined): a
+// dilation of 2^63 - 1 gave a [1, 1, 6, 2] convolution of a 4x4 input, and
+// ConvOutputSize(4, 3, 1, 2^62 - 1, 1) returned INT64_MIN. Sizes near the
+// limit that do not overflow are still computed.
+TEST(KernelsTest, ConvOutputSizeRefusesOverflowByName) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(ErrorOf([&] { ConvOutputSize(4, 3, 1, max / 2, 1); }),
+            "ConvOutputSize: pad 4611686018427387903 on both sides of an input of 4 overflows int64");
+  EXPECT_EQ(ErrorOf([&] { ConvOutputSize(4, 3, 1, 0, max); }),
+            "ConvOutputSize: dilation 9223372036854775807 times kernel - 1 (2) overflows int64");
+  EXPECT_EQ(ErrorOf([&] { ConvOutputSize(-1, 3, 1, 0, 1); }), "ConvOutputSize: input size must be at least 0, got -1");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Ones({1, 1, 4, 4}), Ones({1, 1, 3, 3}), Tensor(), {.dilation_h = max}); }),
+            "conv2d: dilation_h 9223372036854775807 times kernel_h - 1 (2) overflows int64");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Ones({1, 1, 4, 4}), Ones({1, 1, 3, 3}), Tensor(), {.pad_w = max / 2}); }),
+            "conv2d: pad_w 4611686018427387903 on both sides of an input of 4 overflows int64");
+  EXPECT_EQ(ErrorOf([&] {
+              MaxPool2d(Zeros({1, 1, 4, 4}),
+                        {.kernel_h = max, .kernel_w = 2, .stride_h = 1, .stride_w = 1, .pad_h = max / 2});
+            }),
+            "max_pool2d: pad_h 4611686018427387903 on both sides of an input of 4 overflows int64");
+  // Twice this padding wrapped negative, passing the half-kernel check.
+  EXPECT_EQ(ErrorOf([&] { AvgPool2d(Zeros({1, 1, 4, 4}), {.kernel_h = 3, .kernel_w = 2, .pad_h = max / 2 + 1}); }),
+            "avg_pool2d: padding (4611686018427387904, 0) must be between 0 and half the kernel size (3, 2)");
+  EXPECT_EQ(ConvOutputSize(4, 1, 1, max / 2 - 2, 1), max - 1);
+  EXPECT_EQ(ConvOutputSize(4, 2, max, 0, 1), 1);
+  // ceil_mode with a huge stride: one window (stride - 1 was added to the
+  // numerator, which wrapped and gave 0).
+  EXPECT_EQ(ConvOutputSize(4, 1, max, 0, 1, true), 1);
+  EXPECT_EQ(ConvOutputSize(4, 3, 2, 1, 1, true), 3);
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops
