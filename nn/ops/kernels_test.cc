@@ -5,6 +5,8 @@
 // in PyTorch.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <functional>
 
 #include <cmath>
@@ -14,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "nn/autograd/engine.h"
@@ -1445,6 +1448,47 @@ TEST(KernelsTest, ConvOutputSizeRefusesOverflowByName) {
   // numerator, which wrapped and gave 0).
   EXPECT_EQ(ConvOutputSize(4, 1, max, 0, 1, true), 1);
   EXPECT_EQ(ConvOutputSize(4, 3, 2, 1, 1, true), 3);
+}
+
+// A window far longer than the input (kernel 2^62 with padding 2^61 passes
+// every check, as in PyTorch) visits only its taps inside the input. The
+// kernel used to step through all 2^62 taps of each window and did not
+// finish; the child process here has 20 s (of the test's 60) before
+// SIGALRM ends it.
+TEST(KernelsTest, MaxPoolVisitsOnlyTheTapsInsideTheInput) {
+  const int64_t k = int64_t{1} << 62;
+  const Pool2dParams p{.kernel_h = k, .kernel_w = 2, .stride_h = 1, .stride_w = 1, .pad_h = k / 2};
+  const auto pool = [&](DType dt) {
+    Tensor x = Arange(16, {.dtype = dt}).Reshape({1, 1, 4, 4}).Detach();
+    x.set_requires_grad(true);
+    const Tensor y = MaxPool2d(x, p);
+    Backward(Sum(y));
+    return std::make_pair(y.Detach(), x.grad());
+  };
+  // threadsafe: the child is a fresh process running this test alone, not a
+  // fork of one holding other tests' BLAS and OpenMP threads.
+  const std::string style = ::testing::GTEST_FLAG(death_test_style);
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  ASSERT_EXIT(
+      {
+        alarm(20);
+        pool(DType::kFloat32);
+        std::fprintf(stderr, "pooled\n");
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "pooled");
+  ::testing::GTEST_FLAG(death_test_style) = style;
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    const auto [y, gx] = pool(dt);
+    // Rows -2^61 + i .. 2^61 + i cover all four input rows: each window's
+    // maximum is the last row's, x[3][j + 1].
+    ASSERT_EQ(y.shape(), (Shape{1, 1, 5, 3})) << DTypeName(dt);
+    for (int64_t i = 0; i < 5; ++i) {
+      EXPECT_EQ(y.Select(2, i).ToVector<double>(), (std::vector<double>{13, 14, 15})) << DTypeName(dt);
+    }
+    EXPECT_EQ(gx.ToVector<double>(), (std::vector<double>{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 5, 5}))
+        << DTypeName(dt);
+  }
 }
 
 }  // namespace

@@ -99,6 +99,28 @@ void MaxPoolBackwardRow22(const float* dy, const int32_t* ind, float* d0, float*
   }
 }
 
+// The taps k in [first, end) of a window starting at `start` (possibly in
+// the padding, so negative) whose cells start + k * dilation fall in
+// [0, size). They are found by division rather than by visiting every tap:
+// ConvOutputSize admits windows of up to 2^62 taps (kernel 2^62, padding
+// 2^61 on a 4-row input), and a loop over every tap did not finish. The taps
+// visited, and their order, are those the loop kept, so the result and the
+// tie rule are unchanged. No step overflows: start >= -pad, and
+// size - 1 - start <= size + pad, both bounded by ConvOutputSize's checked
+// in + 2 * pad.
+struct TapRange {
+  int64_t first, end;
+};
+
+TapRange TapsInside(int64_t start, int64_t dilation, int64_t kernel, int64_t size) {
+  if (start >= size) return {0, 0};
+  // Smallest k with start + k * dilation >= 0.
+  const int64_t first = start >= 0 ? 0 : (-start) / dilation + ((-start) % dilation != 0 ? 1 : 0);
+  // One past the largest k with start + k * dilation <= size - 1.
+  const int64_t end = std::min(kernel, (size - 1 - start) / dilation + 1);
+  return {first, std::max(first, end)};
+}
+
 Tensor OutBuffer(const Tensor& t) {
   if (t.is_contiguous()) return t;
   return Empty(t.shape(), {.dtype = t.dtype()});
@@ -172,12 +194,12 @@ void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, c
           const int64_t w0 = j * p.stride_w - p.pad_w;
           A best = -std::numeric_limits<A>::infinity();
           int64_t bi = -1;
-          for (int64_t kh = 0; kh < p.kernel_h; ++kh) {
+          const TapRange th = TapsInside(h0, p.dilation_h, p.kernel_h, h);
+          const TapRange tw = TapsInside(w0, p.dilation_w, p.kernel_w, w);
+          for (int64_t kh = th.first; kh < th.end; ++kh) {
             const int64_t ih = h0 + kh * p.dilation_h;
-            if (ih < 0 || ih >= h) continue;
-            for (int64_t kw = 0; kw < p.kernel_w; ++kw) {
+            for (int64_t kw = tw.first; kw < tw.end; ++kw) {
               const int64_t iw = w0 + kw * p.dilation_w;
-              if (iw < 0 || iw >= w) continue;
               const A v = static_cast<A>(xpl[ih * w + iw]);
               // The first maximum wins, and the last NaN, as in PyTorch.
               if (bi < 0 || v > best || std::isnan(v)) {
