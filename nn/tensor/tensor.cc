@@ -579,11 +579,14 @@ Tensor Tensor::Select(int64_t d, int64_t index) const {
   CheckNoHistoryLoss("Select");
   d = WrapDim(d);
   const int64_t n = shape()[d];
-  if (index < 0) index += n;
-  if (index < 0 || index >= n) {
+  // The index as given goes in the message: after wrapping, -5 of 3 read as -2.
+  if (index < -n || index >= n) {
+    const std::string valid = n == 0 ? "none, the dimension is empty"
+                                     : "[" + std::to_string(-n) + ", " + std::to_string(n - 1) + "]";
     throw std::out_of_range("Select: index " + std::to_string(index) + " out of range for dimension " +
-                            std::to_string(d) + " of shape " + ShapeToString(shape()));
+                            std::to_string(d) + " of shape " + ShapeToString(shape()) + " (valid: " + valid + ")");
   }
+  if (index < 0) index += n;
   Shape sh = shape(), st = strides();
   const int64_t offset = storage_offset() + index * st[d];
   sh.erase(sh.begin() + d);

@@ -98,6 +98,12 @@ TEST(TensorTest, TransposePermuteNarrowSliceSelect) {
   EXPECT_EQ(t.Narrow(1, -2, 2).ToVector<float>(), (std::vector<float>{2, 3, 6, 7, 10, 11}));
   EXPECT_NE(ErrorOf([&] { t.Narrow(1, -5, 1); }).find("outside shape [3, 4]"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { t.Select(0, 3); }).find("index 3 out of range"), std::string::npos);
+  // The index as given, not as wrapped (-5 of 3 was reported as -2), and the valid range.
+  EXPECT_EQ(ErrorOf([] { Ones({2, 3}).Select(1, -5); }),
+            "Select: index -5 out of range for dimension 1 of shape [2, 3] (valid: [-3, 2])");
+  EXPECT_EQ(ErrorOf([] { Ones({2, 0}).Select(-1, 0); }),
+            "Select: index 0 out of range for dimension 1 of shape [2, 0] (valid: none, the dimension is empty)");
+  EXPECT_EQ(Ones({2, 3}).Select(1, -3).shape(), (Shape{2}));
   EXPECT_NE(ErrorOf([&] { t.Transpose(0, 2); }).find("dimension 2 out of range"), std::string::npos);
 }
 
