@@ -1491,5 +1491,23 @@ TEST(KernelsTest, MaxPoolVisitsOnlyTheTapsInsideTheInput) {
   }
 }
 
+// Average pooling's divisor with count_include_pad is the product of the
+// two padded window lengths: with kernel 2^62 and padding 2^61 on a 4x4
+// input each length is 2^62, and the int64 product 2^124 wrapped to 0, so
+// every output was 0 instead of 16 / 2^124 and no gradient flowed.
+TEST(KernelsTest, AvgPoolDivisorOfHugeWindowsDoesNotWrap) {
+  const int64_t k = int64_t{1} << 62;
+  const Pool2dParams p{.kernel_h = k, .kernel_w = k, .stride_h = 1, .stride_w = 1, .pad_h = k / 2, .pad_w = k / 2};
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    const Tensor x = Ones({1, 1, 4, 4}, {.dtype = dt, .requires_grad = true});
+    const Tensor y = AvgPool2d(x, p);
+    ASSERT_EQ(y.shape(), (Shape{1, 1, 5, 5})) << DTypeName(dt);
+    EXPECT_EQ(y.ToVector<double>(), std::vector<double>(25, std::ldexp(1.0, -120))) << DTypeName(dt);
+    Backward(Sum(y));
+    // 25 windows each give 1 / 2^124 to every cell.
+    EXPECT_EQ(x.grad().ToVector<double>(), std::vector<double>(16, 25 * std::ldexp(1.0, -124))) << DTypeName(dt);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

@@ -301,6 +301,20 @@ Window AvgWindow(int64_t o, int64_t stride, int64_t pad, int64_t kernel, int64_t
   return {s, e, padded};
 }
 
+// The divisor of one average-pooling window, in the accumulation type A.
+// With count_include_pad it is the product of two padded lengths, each up
+// to in + 2 * pad: in int64 that product could wrap (kernel 2^62 with
+// padding 2^61 gave 2^124, which wrapped to 0 and made every output 0).
+// While both lengths are exact in A (below 2^24 in f32), the product in A
+// rounds the same exact value once, as the cast of the int64 product did:
+// the same bits.
+template <typename A>
+A AvgDivisor(const Window& wh, const Window& ww, bool count_include_pad) {
+  if (count_include_pad) return static_cast<A>(wh.padded_len) * static_cast<A>(ww.padded_len);
+  // At most H * W cells of the input plane: no overflow.
+  return static_cast<A>((wh.end - wh.start) * (ww.end - ww.start));
+}
+
 }  // namespace
 
 void AvgPool2dForward(const Tensor& x, const Tensor& y, const Pool2dParams& p) {
@@ -322,9 +336,8 @@ void AvgPool2dForward(const Tensor& x, const Tensor& y, const Pool2dParams& p) {
           for (int64_t ih = wh.start; ih < wh.end; ++ih) {
             for (int64_t iw = ww.start; iw < ww.end; ++iw) s += static_cast<A>(xpl[ih * w + iw]);
           }
-          const int64_t div = p.count_include_pad ? wh.padded_len * ww.padded_len
-                                                  : (wh.end - wh.start) * (ww.end - ww.start);
-          yp[(pl * oh + i) * ow + j] = static_cast<scalar_t>(div > 0 ? s / static_cast<A>(div) : A(0));
+          const A div = AvgDivisor<A>(wh, ww, p.count_include_pad);
+          yp[(pl * oh + i) * ow + j] = static_cast<scalar_t>(div > A(0) ? s / div : A(0));
         }
       }
     }
@@ -345,10 +358,9 @@ void AvgPool2dBackward(const Tensor& dy, const Tensor& dx, const Pool2dParams& p
         const Window wh = AvgWindow(i, p.stride_h, p.pad_h, p.kernel_h, h);
         for (int64_t j = 0; j < ow; ++j) {
           const Window ww = AvgWindow(j, p.stride_w, p.pad_w, p.kernel_w, w);
-          const int64_t div = p.count_include_pad ? wh.padded_len * ww.padded_len
-                                                  : (wh.end - wh.start) * (ww.end - ww.start);
-          if (div <= 0) continue;
-          const A v = static_cast<A>(g[(pl * oh + i) * ow + j]) / static_cast<A>(div);
+          const A div = AvgDivisor<A>(wh, ww, p.count_include_pad);
+          if (!(div > A(0))) continue;
+          const A v = static_cast<A>(g[(pl * oh + i) * ow + j]) / div;
           for (int64_t ih = wh.start; ih < wh.end; ++ih) {
             for (int64_t iw = ww.start; iw < ww.end; ++iw) dpl[ih * w + iw] += v;
           }
