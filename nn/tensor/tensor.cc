@@ -563,9 +563,10 @@ Tensor Tensor::Narrow(int64_t d, int64_t start, int64_t length) const {
   CheckNoHistoryLoss("Narrow");
   d = WrapDim(d);
   const int64_t n = shape()[d];
+  const int64_t given = start;  // for the message: -2 wrapped to 2 misreports what was asked
   if (start < 0 && start >= -n) start += n;  // counted from the end, as torch.narrow
   if (start < 0 || start > n || length < 0 || length > n - start) {
-    throw std::out_of_range("Narrow: " + std::to_string(length) + " elements from " + std::to_string(start) +
+    throw std::out_of_range("Narrow: " + std::to_string(length) + " elements from " + std::to_string(given) +
                             " of dimension " + std::to_string(d) +
                             " are outside shape " + ShapeToString(shape()));
   }

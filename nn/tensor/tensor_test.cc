@@ -97,6 +97,8 @@ TEST(TensorTest, TransposePermuteNarrowSliceSelect) {
   // A negative start counts from the end, as torch.narrow's.
   EXPECT_EQ(t.Narrow(1, -2, 2).ToVector<float>(), (std::vector<float>{2, 3, 6, 7, 10, 11}));
   EXPECT_NE(ErrorOf([&] { t.Narrow(1, -5, 1); }).find("outside shape [3, 4]"), std::string::npos);
+  // A start counted from the end is reported as given, not as wrapped (it read "from 2").
+  EXPECT_EQ(ErrorOf([&] { t.Narrow(1, -2, 5); }), "Narrow: 5 elements from -2 of dimension 1 are outside shape [3, 4]");
   EXPECT_NE(ErrorOf([&] { t.Select(0, 3); }).find("index 3 out of range"), std::string::npos);
   // The index as given, not as wrapped (-5 of 3 was reported as -2), and the valid range.
   EXPECT_EQ(ErrorOf([] { Ones({2, 3}).Select(1, -5); }),
