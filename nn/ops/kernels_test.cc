@@ -1418,6 +1418,42 @@ TEST(KernelsTest, Conv2dWithNoInputChannelsGivesTheBias) {
   SetGemmBackend(GemmBackend::kOneDnn);
 }
 
+// 0 output channels: an empty output, and zero gradients of the operands'
+// shapes (the input gradient's GEMM has K = O/G = 0). Buffers of NaN are
+// freed before backward, so that a gradient left unwritten would show.
+TEST(KernelsTest, Conv2dWithNoOutputChannelsGivesZeroGradients) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Generator gen(3);
+  for (GemmBackend backend : {GemmBackend::kOneDnn, GemmBackend::kOpenBlas}) {
+    SetGemmBackend(backend);
+    for (ConvAlgorithm algo : {ConvAlgorithm::kIm2col, ConvAlgorithm::kOneDnn, ConvAlgorithm::kAuto}) {
+      SetConvAlgorithm(algo);
+      for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
+        SCOPED_TRACE(std::string(DTypeName(dt)) + " algorithm " + std::to_string(static_cast<int>(algo)) +
+                     " gemm " + std::to_string(static_cast<int>(backend)));
+        try {
+          Tensor x = Rand({2, 3, 4, 4}, {.dtype = dt}, gen).Detach();
+          x.set_requires_grad(true);
+          const Tensor w = Zeros({0, 3, 3, 3}, {.dtype = dt, .requires_grad = true});
+          const Tensor y = Conv2d(x, w, Zeros({0}, {.dtype = dt, .requires_grad = true}));
+          ASSERT_EQ(y.shape(), (Shape{2, 0, 2, 2}));
+          for (int k = 0; k < 4; ++k) {
+            Full({2, 3, 4, 4}, nan, {.dtype = dt});
+            Full({27, 4}, nan, {.dtype = dt});
+          }
+          Backward(Sum(y));
+          EXPECT_EQ(x.grad().ToVector<double>(), std::vector<double>(96, 0.0));
+          EXPECT_EQ(w.grad().shape(), (Shape{0, 3, 3, 3}));
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << e.what();
+        }
+      }
+    }
+  }
+  SetConvAlgorithm(ConvAlgorithm::kAuto);
+  SetGemmBackend(GemmBackend::kOneDnn);
+}
+
 // Output sizes whose intermediate terms overflow int64 are refused naming
 // the parameter; before, they wrapped (signed overflow, undefined): a
 // dilation of 2^63 - 1 gave a [1, 1, 6, 2] convolution of a 4x4 input, and
