@@ -1,8 +1,10 @@
 #include "transport/algorithms/tree_all_reduce.h"
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <span>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -19,6 +21,74 @@ using namespace std::chrono_literals;
 using testing::AllReduceCase;
 using testing::CheckAllReduce;
 using ::testing::HasSubstr;
+
+// Lets one rank of a case enter its collective only once every other rank
+// is blocked in a wait or has returned: each has then posted all it could
+// without the late rank, the state a fixed head start (300 ms a case, 40 s
+// in all) only made likely.
+class LateEntryGate {
+ public:
+  explicit LateEntryGate(int others) : others_(others) {}
+
+  /// A rank starts (+1) or stops (-1) being blocked; a rank that has
+  /// returned counts as blocked for good.
+  void Blocked(int delta) {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocked_ += delta;
+    cv_.notify_all();
+  }
+
+  /// Waits until every other rank is blocked at once, or until `deadline`
+  /// (the case then runs anyway; its checks do not depend on the order).
+  void WaitForOthers(Deadline deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, deadline, [&] { return blocked_ == others_; });
+  }
+
+ private:
+  const int others_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int blocked_ = 0;
+};
+
+// An endpoint that reports its blocking waits to a LateEntryGate and passes
+// every call on.
+class GateReportingEndpoint final : public p2p::PointToPoint {
+ public:
+  GateReportingEndpoint(p2p::PointToPoint& inner, LateEntryGate& gate)
+      : inner_(inner), gate_(gate) {}
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
+                                    size_t bytes) override {
+    return inner_.PostSend(peer, tag, data, bytes);
+  }
+  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
+    return inner_.PostRecv(peer, tag, data, bytes);
+  }
+  StatusOr<bool> Test(p2p::RequestId request) override { return inner_.Test(request); }
+  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    gate_.Blocked(+1);
+    Status status = inner_.WaitAll(requests, deadline);
+    gate_.Blocked(-1);
+    return status;
+  }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    gate_.Blocked(+1);
+    StatusOr<size_t> index = inner_.WaitAny(requests, deadline);
+    gate_.Blocked(-1);
+    return index;
+  }
+  void Cancel(p2p::RequestId request) override { inner_.Cancel(request); }
+  void CancelAll(std::span<const p2p::RequestId> requests) override { inner_.CancelAll(requests); }
+  uint64_t UnconfirmedReleases() const override { return inner_.UnconfirmedReleases(); }
+
+ private:
+  p2p::PointToPoint& inner_;
+  LateEntryGate& gate_;
+};
 
 class TreeAllReduceWorldTest : public ::testing::TestWithParam<int> {};
 
@@ -58,8 +128,8 @@ TEST(TreeAllReduceTest, MismatchedCountsFailOnEveryRank) {
 
 // One rank passes another count (65 or 66 of f32: the first changes only
 // tree 0's half, the second both) or a dtype of another size (64 of f64)
-// among ranks passing 64 of f32, entering 300 ms after them, and nobody is
-// killed: every rank fails INVALID_ARGUMENT naming what the odd rank passed
+// among ranks passing 64 of f32, entering once all of them are blocked
+// (LateEntryGate), and nobody is killed: every rank fails INVALID_ARGUMENT naming what the odd rank passed
 // and what the others passed, count and dtype, as the ring does. A rank
 // whose tree-1 child was the odd one (a leaf in both trees, as rank 0 is
 // on an odd number of ranks, sends its data before its first wait), and
@@ -85,11 +155,13 @@ TEST(TreeAllReduceTest, EveryRankNamesBothArgumentsOfADisagreement) {
         ::ddp::transport::testing::HarnessOptions options;
         options.kill_on_error = false;
         const Deadline deadline = DeadlineIn(6s);
+        LateEntryGate gate(world - 1);
         const std::vector<Status> statuses = transport::testing::RunRanks(
             world,
-            [&](p2p::PointToPoint& p2p) -> Status {
+            [&](p2p::PointToPoint& endpoint) -> Status {
+              GateReportingEndpoint p2p(endpoint, gate);
               const bool is_odd = p2p.rank() == odd;
-              if (is_odd) std::this_thread::sleep_for(300ms);
+              if (is_odd) gate.WaitForOthers(deadline - 1s);
               std::vector<double> data(66, 1.0);  // room for every case
               CollectiveArgs args;
               args.send = data.data();
@@ -98,7 +170,9 @@ TEST(TreeAllReduceTest, EveryRankNamesBothArgumentsOfADisagreement) {
               args.dtype = is_odd ? o.dtype : DataType::kF32;
               args.op = ReduceOp::kSum;
               args.deadline = deadline;
-              return TreeAllReduce(p2p, args);
+              const Status status = TreeAllReduce(p2p, args);
+              if (!is_odd) gate.Blocked(+1);
+              return status;
             },
             options);
         for (int r = 0; r < world; ++r) {
