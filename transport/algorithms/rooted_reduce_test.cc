@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -28,6 +29,39 @@ using ::ddp::transport::testing::kAllDataTypes;
 using ::ddp::transport::testing::Expectations;
 using ::ddp::transport::testing::RunRanks;
 using ::testing::HasSubstr;
+
+// Ends the waits of the ranks a case does not check once every rank it
+// checks has returned: from then on each rank that has returned is killed,
+// as a failed process exits, so that a peer still waiting for it fails with
+// PEER_LOST at once instead of at its deadline. Every checked rank's result
+// is in before the first kill, so no checked rank sees one; a returned rank
+// has no message left to give, so a waiting rank's outcome is the same
+// failure it would reach at its deadline, only sooner.
+class KillOnceCheckedReturned {
+ public:
+  KillOnceCheckedReturned(p2p::LoopbackHub& hub, std::vector<char> checked)
+      : hub_(hub), checked_(std::move(checked)), returned_(checked_.size(), 0) {
+    for (char c : checked_) checked_running_ += c ? 1 : 0;
+  }
+
+  /// Called by each rank as its collective returns.
+  void Returned(int rank) {
+    std::lock_guard<std::mutex> lock(mu_);
+    returned_[rank] = 1;
+    if (checked_[rank]) --checked_running_;
+    if (checked_running_ > 0) return;
+    for (size_t r = 0; r < returned_.size(); ++r) {
+      if (returned_[r]) hub_.Kill(static_cast<int>(r));  // idempotent
+    }
+  }
+
+ private:
+  p2p::LoopbackHub& hub_;
+  const std::vector<char> checked_;
+  std::mutex mu_;
+  std::vector<char> returned_;
+  int checked_running_ = 0;
+};
 
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin,
                                 ReduceOp::kProd};
@@ -524,7 +558,8 @@ TEST(ReduceTest, EmptyCallOnOneRankFailsEveryRankOfTheTreeAtOnce) {
 // the odd rank and both counts, and no tree rank's recv is written. The
 // ring ranks further on fail on the stop note (Requests::RelayStops), or,
 // when they entered after it passed, wait for blocks that never come (the
-// communicator's abort ends that wait): not checked here. The tree ranks'
+// communicator's abort ends that wait; here KillOnceCheckedReturned does,
+// once the checked ranks have returned): not checked here. The tree ranks'
 // check (CheckEveryRank) waited for later rounds from ring ranks, which
 // sent only their ring check, so a lone tree rank among ring ranks, and
 // tree ranks two or more places after a lone ring rank, waited for their
@@ -545,8 +580,9 @@ TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
         std::vector<int> written(world, 0);
         // Which ranks run the tree, and which can know of the mismatch: a
         // tree rank, or a ring rank whose predecessor runs the tree. The
-        // others only wait for blocks that never come: a shorter deadline
-        // for them keeps each case from lasting the whole 4 s (48 cases).
+        // others only wait for blocks that never come, until the ranks that
+        // know have returned and are killed (a shorter deadline for them
+        // is the backstop).
         std::vector<char> tree(world, 0), knows(world, 0);
         for (int r = 0; r < world; ++r) {
           tree[r] = ChooseReduce((r == odd ? mix.odd_count : mix.rest_count) * sizeof(float)) == Algorithm::kTree;
@@ -554,8 +590,10 @@ TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
         for (int r = 0; r < world; ++r) knows[r] = tree[r] || tree[(r + world - 1) % world];
         ::ddp::transport::testing::HarnessOptions options;
         options.kill_on_error = false;
+        p2p::LoopbackHub hub(world);
+        KillOnceCheckedReturned ender(hub, knows);
         auto statuses = RunRanks(
-            world,
+            hub,
             [&](p2p::PointToPoint& p2p) -> Status {
               const int r = p2p.rank();
               const size_t count = r == odd ? mix.odd_count : mix.rest_count;
@@ -570,6 +608,7 @@ TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
               Status status = Reduce(p2p, args, Algorithm::kAuto);
               took[r] = Clock::now() - start;
               for (float x : recv) written[r] += x != -1.0f;
+              ender.Returned(r);
               return status;
             },
             options);
@@ -603,14 +642,17 @@ TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
 // checks nobody. Rank 1 fails at once, naming it. The ring reduce ranks
 // also send the tree reduce's later check rounds (PostEveryRankRounds); a
 // failed one waited for them to be taken, which rank 0 never does, until
-// its deadline.
+// its deadline. The other ranks only have to fail: once rank 1 has
+// returned, KillOnceCheckedReturned ends their waits.
 TEST(ReduceTest, ARankOfAnotherCollectiveAmongRingReduceRanksFailsItsSuccessorAtOnce) {
   constexpr int kWorld = 5;
   std::vector<Clock::duration> took(kWorld);
   ::ddp::transport::testing::HarnessOptions options;
   options.kill_on_error = false;
+  p2p::LoopbackHub hub(kWorld);
+  KillOnceCheckedReturned ender(hub, {0, 1, 0, 0, 0});
   auto statuses = RunRanks(
-      kWorld,
+      hub,
       [&](p2p::PointToPoint& p2p) -> Status {
         std::vector<float> send(70000, 1.0f), recv(send.size());
         CollectiveArgs args;
@@ -621,6 +663,7 @@ TEST(ReduceTest, ARankOfAnotherCollectiveAmongRingReduceRanksFailsItsSuccessorAt
         args.deadline = start + 4s;
         Status status = p2p.rank() == 0 ? RhdAllReduce(p2p, args) : RingReduce(p2p, args);
         took[p2p.rank()] = Clock::now() - start;
+        ender.Returned(p2p.rank());
         return status;
       },
       options);
