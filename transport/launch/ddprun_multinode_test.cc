@@ -1151,9 +1151,11 @@ TEST(DdprunMultinodeTest, C10dInterruptedLauncherLeftOutOfTheRestartLeavesTheJob
   const std::string dir = testing::MakeTempDir("c10d_left_out_interrupted");
   C10dJob job;
   const std::vector<std::string>& flags = kRestartableTwoNodes;
-  // Long enough for the steps below, at every restart.
-  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=8000",
-                                                 "--pid_dir=" + dir};
+  // Workers that run until the steps below are done, at every restart (they
+  // ran a fixed 8 s, which the test waited out), at most 60 s.
+  const std::string done = dir + "/done";
+  const std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=60000",
+                                                 "--until_file=" + done, "--pid_dir=" + dir};
   const int first = job.StartNodeZero(flags, worker_flags);
   const int second = job.Start(flags, worker_flags);
   ASSERT_GT(testing::ReadPidFile(dir + "/rank1.restart0.pid", 20s), 0);  // the job runs
@@ -1168,6 +1170,7 @@ TEST(DdprunMultinodeTest, C10dInterruptedLauncherLeftOutOfTheRestartLeavesTheJob
   ASSERT_TRUE(job.Reached("ddprun/a2/join/1"));
   ASSERT_EQ(kill(job.launcher_pid(second), SIGTERM), 0);
   const testing::ProgramRun left = job.Wait(second, 30s);
+  std::ofstream(done) << "done\n";
   const testing::ProgramRun first_run = job.Wait(first, 60s);
   const testing::ProgramRun spare_run = job.Wait(spare, 60s);
   const std::string all = first_run.output + left.output + spare_run.output;
