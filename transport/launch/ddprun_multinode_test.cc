@@ -44,17 +44,14 @@ class Job {
   // Starts `nodes` launchers with `flags` (plus --nnodes, --node_rank,
   // --master_addr, --master_port) running the test worker with
   // `worker_flags`. `node_flags` adds flags for one node. Node 0 starts
-  // first, then the others (they retry until its store is up), or last
-  // with `node0_last`.
+  // first, then the others (they retry until its store is up).
   Job(int nodes, std::vector<std::string> flags, std::vector<std::string> worker_flags,
-      std::map<int, std::vector<std::string>> node_flags = {},
-      std::map<int, std::string> node_tokens = {}, bool node0_last = false) {
+      std::map<int, std::vector<std::string>> node_flags = {}) {
     StatusOr<int> port = testing::PickFreePort();
     EXPECT_TRUE(port.ok()) << port.status();
     port_ = *port;
     launchers_.resize(nodes);
-    for (int i = 0; i < nodes; ++i) {
-      const int node = node0_last ? (i + 1) % nodes : i;
+    for (int node = 0; node < nodes; ++node) {
       std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nodes),
                                        "--node_rank=" + std::to_string(node),
                                        "--master_addr=127.0.0.1",
@@ -63,8 +60,7 @@ class Job {
       for (const std::string& f : node_flags[node]) argv.push_back(f);
       argv.push_back(Worker());
       argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
-      const std::string token = node_tokens.count(node) ? node_tokens[node] : kToken;
-      auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", token}});
+      auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}});
       EXPECT_TRUE(group.ok()) << group.status();
       launchers_[node] = std::move(group).value();
     }
@@ -316,17 +312,18 @@ TEST(DdprunMultinodeTest, RendezvousOfMoreThan1024Nodes) {
 // Two launchers given the same --node_rank (static backend): the second to
 // register is refused at once; the first, and every other node, refuse the
 // job when the rendezvous completes. Nobody starts a worker.
-// One static launcher of `nnodes`, node 0's store on 127.0.0.1:`port`.
+// One static launcher of `nnodes`, node 0's store on 127.0.0.1:`port`, with job token `token`.
 std::unique_ptr<WorkerGroup> StartStaticNode(int nnodes, int node_rank, int port,
                                              const std::vector<std::string>& flags,
-                                             const std::vector<std::string>& worker_flags) {
+                                             const std::vector<std::string>& worker_flags,
+                                             const std::string& token = kToken) {
   std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nnodes),
                                    "--node_rank=" + std::to_string(node_rank), "--master_addr=127.0.0.1",
                                    "--master_port=" + std::to_string(port)};
   argv.insert(argv.end(), flags.begin(), flags.end());
   argv.push_back(Worker());
   argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
-  auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", kToken}});
+  auto group = testing::StartProgram(argv, {{"DDP_JOB_TOKEN", token}});
   EXPECT_TRUE(group.ok()) << group.status();
   return std::move(group).value();
 }
@@ -610,49 +607,59 @@ TEST(DdprunMultinodeTest, FailureNoticeReachesEveryNodeDespiteAHalfPostedOne) {
   EXPECT_EQ(CountLines(all, "met 2 ranks"), 2) << all;
 }
 
-TEST(DdprunMultinodeTest, MismatchedFlagsAreRefused) {
-  // Node 1 starts first and waits for node 0's store (up to 30 s); node 0
-  // refuses it and times out 5 s later, missing it. The refusal names the
-  // flags that differ, and only those.
-  Job job(2, {"--nproc_per_node=1"}, {},
-          {{0, {"--max_restarts=2", "--rdzv_timeout=5"}}, {1, {"--max_restarts=3", "--rdzv_timeout=30"}}}, {},
-          /*node0_last=*/true);
-  const auto runs = job.Wait();
-  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
-  EXPECT_THAT(runs[1].output,
-              HasSubstr("ddprun: node 1 was started with --max_restarts=3 --rdzv_timeout=30 but node 0 with "
-                        "--max_restarts=2 --rdzv_timeout=5; every node needs the same flags"));
-  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
-  EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
-}
-
-// --rdzv_timeout differs alone: refused as the other flags are (it was not
-// compared, and the launchers gave up on each other at different times).
-TEST(DdprunMultinodeTest, DifferentRdzvTimeoutIsRefused) {
-  Job job(2, {"--nproc_per_node=1"}, {}, {{0, {"--rdzv_timeout=5"}}, {1, {"--rdzv_timeout=30.25"}}}, {},
-          /*node0_last=*/true);
-  const auto runs = job.Wait();
-  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
-  EXPECT_THAT(runs[1].output, HasSubstr("ddprun: node 1 was started with --rdzv_timeout=30.25 but node 0 with "
-                                        "--rdzv_timeout=5; every node needs the same flags"));
-  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
-  EXPECT_THAT(runs[0].output, HasSubstr("missing node(s): 1"));
-}
-
-// The last call and the grace period count in how long node 0 may take to
-// form a round, which the others wait for: a node started with other
-// values is refused, naming them.
-TEST(DdprunMultinodeTest, DifferentLastCallOrGracePeriodIsRefused) {
-  Job job(2, {"--nproc_per_node=1"}, {},
-          {{0, {"--rdzv_timeout=5", "--rdzv_conf=last_call_timeout=0.5"}},
-           {1, {"--rdzv_timeout=5", "--grace_period=7"}}},
-          {}, /*node0_last=*/true);
-  const auto runs = job.Wait();
-  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
-  EXPECT_THAT(runs[1].output,
-              HasSubstr("ddprun: node 1 was started with --rdzv_conf=last_call_timeout=30 --grace_period=7 but node 0 "
-                        "with --rdzv_conf=last_call_timeout=0.5 --grace_period=5; every node needs the same flags"));
-  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
+// Launchers for node 1 started with other flags than node 0, or with
+// another job token, are refused as soon as node 0's store is up, each
+// naming the flags that differ, and only those; node 0, which refused them
+// all, times out missing node 1. --rdzv_timeout differs alone: refused as
+// the other flags are (it was not compared, and the launchers gave up on
+// each other at different times). The last call and the grace period count
+// in how long node 0 may take to form a round, which the others wait for.
+// One node 0 serves all four refusals (each had a node 0 of its own, whose
+// 5 s the test waited out four times): a launcher is refused before it
+// takes a node rank, so the others do not see it.
+TEST(DdprunMultinodeTest, NodesWithOtherFlagsOrAnotherTokenAreRefused) {
+  StatusOr<int> port = testing::PickFreePort();
+  ASSERT_TRUE(port.ok()) << port.status();
+  auto launch = [&](int node_rank, std::vector<std::string> flags, const std::string& token) {
+    flags.push_back("--nproc_per_node=1");
+    return StartStaticNode(2, node_rank, *port, flags, {}, token);
+  };
+  struct Refused {
+    std::vector<std::string> flags;
+    std::string token;
+    std::string says;
+  };
+  const std::string node0_with = "but node 0 with ";
+  const std::vector<Refused> refused = {
+      {{"--max_restarts=3", "--rdzv_timeout=30", "--rdzv_conf=last_call_timeout=0.5"},
+       kToken,
+       "ddprun: node 1 was started with --max_restarts=3 --rdzv_timeout=30 " + node0_with +
+           "--max_restarts=2 --rdzv_timeout=5; every node needs the same flags"},
+      {{"--max_restarts=2", "--rdzv_timeout=30.25", "--rdzv_conf=last_call_timeout=0.5"},
+       kToken,
+       "ddprun: node 1 was started with --rdzv_timeout=30.25 " + node0_with +
+           "--rdzv_timeout=5; every node needs the same flags"},
+      {{"--max_restarts=2", "--rdzv_timeout=5", "--grace_period=7"},
+       kToken,
+       "ddprun: node 1 was started with --rdzv_conf=last_call_timeout=30 --grace_period=7 " + node0_with +
+           "--rdzv_conf=last_call_timeout=0.5 --grace_period=5; every node needs the same flags"},
+      {{"--max_restarts=2", "--rdzv_timeout=30", "--rdzv_conf=last_call_timeout=0.5"},
+       "not-the-token",
+       "refused this process's job token"},
+  };
+  // The node 1 launchers start first and wait for node 0's store (up to
+  // their --rdzv_timeout).
+  std::vector<std::unique_ptr<WorkerGroup>> node1s;
+  for (const Refused& r : refused) node1s.push_back(launch(1, r.flags, r.token));
+  auto node0 = launch(0, {"--max_restarts=2", "--rdzv_timeout=5", "--rdzv_conf=last_call_timeout=0.5"}, kToken);
+  for (size_t i = 0; i < refused.size(); ++i) {
+    const testing::ProgramRun run = testing::WaitProgram(*node1s[i], 30s);
+    EXPECT_EQ(run.exit_code, 2) << refused[i].says << ": " << run.output;
+    EXPECT_THAT(run.output, HasSubstr(refused[i].says));
+  }
+  const testing::ProgramRun run0 = testing::WaitProgram(*node0, 30s);
+  EXPECT_EQ(run0.exit_code, 1) << run0.output;
+  EXPECT_THAT(run0.output, HasSubstr("missing node(s): 1"));
 }
 
 TEST(DdprunMultinodeTest, ANodeBeatsByNodeZerosShorterTimeout) {
@@ -667,17 +674,6 @@ TEST(DdprunMultinodeTest, ANodeBeatsByNodeZerosShorterTimeout) {
   EXPECT_THAT(runs[1].output, HasSubstr("ddprun: node 1: beating by node 0's --node_timeout of 3000 ms "
                                         "instead of this launcher's 30000 ms"));
   EXPECT_THAT(runs[0].output + runs[1].output, Not(HasSubstr("sent no heartbeat")));
-}
-
-TEST(DdprunMultinodeTest, WrongTokenIsRefused) {
-  // As above: node 1 is refused as soon as node 0's store is up, well
-  // before node 0 gives up on it.
-  Job job(2, {"--nproc_per_node=1"}, {}, {{0, {"--rdzv_timeout=5"}}, {1, {"--rdzv_timeout=30"}}},
-          {{1, "not-the-token"}}, /*node0_last=*/true);
-  const auto runs = job.Wait();
-  EXPECT_EQ(runs[1].exit_code, 2) << runs[1].output;
-  EXPECT_THAT(runs[1].output, HasSubstr("refused this process's job token"));
-  EXPECT_EQ(runs[0].exit_code, 1) << runs[0].output;
 }
 
 // torchrun's dynamic form: every launcher gets the same line, without
