@@ -819,6 +819,11 @@ TEST(TcpStoreTest, SilentClientIsDropped) {
   options.handshake_timeout = 1s;
   options.log = log.Fn();
   auto server = StartServer(options);
+  // A client that authenticated and then idles, for longer than the
+  // handshake may take, is not dropped. It idles while the silent one
+  // below is dropped (it used to idle after, 1.5 s more).
+  auto idle = ConnectClient(*server);
+  const Deadline idle_since = Clock::now();
   // The server's clock starts when it accepts, which may be before the
   // connect call returns here.
   const Deadline start = Clock::now();
@@ -827,10 +832,7 @@ TEST(TcpStoreTest, SilentClientIsDropped) {
   EXPECT_GE(Clock::now() - start, 950ms);
   EXPECT_EQ(server->stats().dropped_silent, 1u);
   EXPECT_TRUE(log.Contains("no handshake within 1000 ms"));
-  // A client that authenticated and then idles, for longer than the
-  // handshake may take, is not dropped.
-  auto idle = ConnectClient(*server);
-  std::this_thread::sleep_for(1500ms);
+  std::this_thread::sleep_until(idle_since + 1500ms);
   EXPECT_TRUE(idle->Set("k", "v", DeadlineIn(5s)).ok());
   EXPECT_EQ(server->stats().dropped_silent, 1u);
 }
@@ -2106,6 +2108,12 @@ TEST(TcpStoreTest, RequestStalledMidFrameIsDropped) {
   options.frame_stall_timeout = kStall;
   options.log = log.Fn();
   auto server = StartServer(options);
+  // The slow client below first idles between requests for longer than the
+  // stall limit; it does so while the stalled one is dropped (it used to
+  // idle after, 2.5 s more).
+  RawConnection slow(server->port());
+  slow.Handshake();
+  const Deadline slow_idle_since = Clock::now();
   RawConnection stalled(server->port());
   stalled.Handshake();
   wire::Writer header;
@@ -2124,9 +2132,7 @@ TEST(TcpStoreTest, RequestStalledMidFrameIsDropped) {
 
   // One byte every 200 ms: slow (the whole request takes twice the stall
   // limit), but never the stall limit without progress.
-  RawConnection slow(server->port());
-  slow.Handshake();
-  std::this_thread::sleep_for(kStall + 500ms);  // idle between requests is fine
+  std::this_thread::sleep_until(slow_idle_since + kStall + 500ms);  // idle between requests is fine
   const std::string frame = TryGetFrame(9, "slow-key");
   const Deadline slow_start = Clock::now();
   for (char byte : frame) {
