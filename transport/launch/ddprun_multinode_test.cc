@@ -39,6 +39,22 @@ std::string Hostname() {
   return name;
 }
 
+std::string ReadFile(const std::string& path) {
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  return text.str();
+}
+
+// Waits until the file at `path` holds `text`, up to `timeout`.
+bool FileGets(const std::string& path, const std::string& text, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (ReadFile(path).find(text) == std::string::npos) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
 class Job {
  public:
   // Starts `nodes` launchers with `flags` (plus --nnodes, --node_rank,
@@ -313,13 +329,16 @@ TEST(DdprunMultinodeTest, RendezvousOfMoreThan1024Nodes) {
 // register is refused at once; the first, and every other node, refuse the
 // job when the rendezvous completes. Nobody starts a worker.
 // One static launcher of `nnodes`, node 0's store on 127.0.0.1:`port`, with job token `token`.
+// With `stderr_file`, its stderr goes there, where the test can read it while it runs.
 std::unique_ptr<WorkerGroup> StartStaticNode(int nnodes, int node_rank, int port,
                                              const std::vector<std::string>& flags,
                                              const std::vector<std::string>& worker_flags,
-                                             const std::string& token = kToken) {
+                                             const std::string& token = kToken,
+                                             const std::string& stderr_file = "") {
   std::vector<std::string> argv = {Ddprun(), "--nnodes=" + std::to_string(nnodes),
                                    "--node_rank=" + std::to_string(node_rank), "--master_addr=127.0.0.1",
                                    "--master_port=" + std::to_string(port)};
+  if (!stderr_file.empty()) argv.insert(argv.begin(), {"/bin/sh", "-c", "exec \"$@\" 2>\"$0\"", stderr_file});
   argv.insert(argv.end(), flags.begin(), flags.end());
   argv.push_back(Worker());
   argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
@@ -445,14 +464,16 @@ TEST(DdprunMultinodeTest, RelaunchedLauncherTakesOverFromAHolderSilentForNodeTim
 }
 
 // Two nodes, one restart, dead after 3 s of silence; workers that run 30 s
-// at attempt 0 only, writing their pids into `dir`.
+// at attempt 0 only, writing their pids into `dir`. With `stderr_file`, the
+// launcher's stderr goes there.
 std::unique_ptr<WorkerGroup> StartRestartableNode(int node_rank, int port, const std::string& dir,
-                                                  std::vector<std::string> extra_worker_flags = {}) {
+                                                  std::vector<std::string> extra_worker_flags = {},
+                                                  const std::string& stderr_file = "") {
   std::vector<std::string> worker_flags = {"--store", "--print_env", "--sleep_ms=30000",
                                            "--sleep_before_restart=1", "--pid_dir=" + dir};
   worker_flags.insert(worker_flags.end(), extra_worker_flags.begin(), extra_worker_flags.end());
   return StartStaticNode(2, node_rank, port, {"--max_restarts=1", "--node_timeout=3", "--rdzv_timeout=30"},
-                         worker_flags);
+                         worker_flags, kToken, stderr_file);
 }
 
 // Node 1's launcher goes silent while the workers run (SIGSTOP: to the
@@ -493,20 +514,33 @@ TEST(DdprunMultinodeTest, LauncherRelaunchedDuringARestartJoinsIt) {
 // attempt it finds node 1 held in already runs (every node had joined), so
 // it does not take the rank over there; it waits for that attempt to fail,
 // which it does once node 0 misses the heartbeat, and joins restart 1.
-// Rank 0 ignores SIGTERM (--grace_period=5): node 0 opens restart 1 only
-// 5 s after it declared node 1 dead, well after the relaunched launcher
-// looked at which attempt the job is in.
+// Rank 0 ignores SIGTERM: node 0, which declared node 1 dead, opens restart
+// 1 only once rank 0 is gone, after the relaunched launcher looked at which
+// attempt the job is in (the test kills rank 0 once the launcher says what
+// it found there; node 0 itself would after --grace_period, 5 s, which the
+// test waited out).
 TEST(DdprunMultinodeTest, LauncherRelaunchedWhileTheJobRunsJoinsTheRestart) {
   StatusOr<int> port = testing::PickFreePort();
   ASSERT_TRUE(port.ok()) << port.status();
   const std::string dir = testing::MakeTempDir("static_relaunch_while_running");
+  const std::string relaunched_stderr = dir + "/relaunched.stderr";
   auto node0 = StartRestartableNode(0, *port, dir, {"--ignore_sigterm"});
   auto first = StartRestartableNode(1, *port, dir);
   const pid_t stale_worker = testing::ReadPidFile(dir + "/rank1.restart0.pid", 30s);
   ASSERT_GT(stale_worker, 0);  // the job runs
+  const pid_t rank0 = testing::ReadPidFile(dir + "/rank0.restart0.pid", 30s);
+  ASSERT_GT(rank0, 0);
   ASSERT_EQ(kill(first->pids()[0], SIGSTOP), 0);
-  auto relaunched = StartRestartableNode(1, *port, dir);
-  const testing::ProgramRun relaunched_run = testing::WaitProgram(*relaunched, 60s);
+  auto relaunched = StartRestartableNode(1, *port, dir, {}, relaunched_stderr);
+  // Node 0 declared node 1 dead and stops rank 0, which ignores it ...
+  EXPECT_GT(testing::ReadPidFile(dir + "/rank0.restart0.got_term", 30s), 0);
+  // ... and the relaunched launcher has looked (at the attempt first).
+  EXPECT_TRUE(FileGets(relaunched_stderr, "this launcher joins the restart that follows", 30s))
+      << ReadFile(relaunched_stderr);
+  // Unless node 0's grace period ran out first (and rank 0 is gone).
+  if (testing::ParentPid(rank0) == node0->pids()[0]) kill(rank0, SIGKILL);
+  testing::ProgramRun relaunched_run = testing::WaitProgram(*relaunched, 60s);
+  relaunched_run.output += ReadFile(relaunched_stderr);
   const testing::ProgramRun node0_run = testing::WaitProgram(*node0, 60s);
   ASSERT_EQ(kill(first->pids()[0], SIGKILL), 0);
   EXPECT_EQ(testing::WaitProgram(*first, 10s).exit_code, 128 + SIGKILL);
@@ -737,22 +771,6 @@ class C10dJob {
   std::vector<std::unique_ptr<WorkerGroup>> launchers_;
   std::unique_ptr<store::TcpStoreClient> store_;
 };
-
-std::string ReadFile(const std::string& path) {
-  std::stringstream text;
-  text << std::ifstream(path).rdbuf();
-  return text.str();
-}
-
-// Waits until the file at `path` holds `text`, up to `timeout`.
-bool FileGets(const std::string& path, const std::string& text, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (ReadFile(path).find(text) == std::string::npos) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(20ms);
-  }
-  return true;
-}
 
 // `launchers` launchers with --nnodes=`nnodes` (0: given in `flags`);
 // `extra` adds flags for one launcher.
