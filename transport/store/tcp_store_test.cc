@@ -1312,8 +1312,11 @@ TEST(TcpStoreTest, AWaitHeldBackForRoomUntilItsDeadlineSaysTheKeyWasSet) {
   }));
   auto setter = ConnectClient(*server);
   ASSERT_TRUE(setter->Set("large", std::string(4 << 20, 'v'), DeadlineIn(10s)).ok());
-  // Nobody reads until every deadline has passed.
-  std::this_thread::sleep_for(1500ms);
+  // Nobody reads until every wait is answered: with the value, or, held
+  // back for room, at its deadline (a held-back wait stays parked until
+  // then). The test slept a fixed 1.5 s for it.
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.parked_waits == 0; }))
+      << server->stats().parked_waits << " waits still parked";
   int values = 0, held_back = 0, not_set = 0;
   for (int i = 0; i < kWaits; ++i) {
     std::optional<std::string> reply = waiter.ReadFrame(20s);
