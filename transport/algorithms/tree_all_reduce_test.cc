@@ -129,8 +129,9 @@ TEST(TreeAllReduceTest, MismatchedCountsFailOnEveryRank) {
 // One rank passes another count (65 or 66 of f32: the first changes only
 // tree 0's half, the second both) or a dtype of another size (64 of f64)
 // among ranks passing 64 of f32, entering once all of them are blocked
-// (LateEntryGate), and nobody is killed: every rank fails INVALID_ARGUMENT naming what the odd rank passed
-// and what the others passed, count and dtype, as the ring does. A rank
+// (LateEntryGate), and nobody is killed: every rank fails INVALID_ARGUMENT
+// naming what the odd rank passed and what the others passed, count and
+// dtype, as the ring does. A rank
 // whose tree-1 child was the odd one (a leaf in both trees, as rank 0 is
 // on an odd number of ranks, sends its data before its first wait), and
 // which did not check it, could take that data before the others' stop
