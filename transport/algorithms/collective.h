@@ -89,7 +89,8 @@ struct Tuning {
   /// Halving-doubling all-reduce: messages of at most this many bytes use
   /// recursive doubling (log2 p exchanges of the whole vector) instead of
   /// halving then doubling (2 log2 p exchanges of shrinking halves). 0: the
-  /// default (8 KiB); 1 forces halving-doubling for tests.
+  /// default (8 KiB); 1 forces halving-doubling for tests. Ranks that
+  /// take different modes for a call fail it (INVALID_ARGUMENT).
   size_t rhd_doubling_bytes = 0;
   /// The op the ranks' argument check compares, when it is not `op`: the
   /// hierarchical all-reduce's step between hosts sums for avg (it divides

@@ -170,7 +170,8 @@ const char* KindName(int32_t kind) {
   switch (kind) {
     case kRingAllReduceKind: return "ring all-reduce";
     case kTreeAllReduceKind: return "tree all-reduce";
-    case kRhdAllReduceKind: return "rhd all-reduce";
+    case kRhdAllReduceKind:
+    case kRhdDoublingAllReduceKind: return "rhd all-reduce";
     case kHierarchicalAllReduceKind: return "hierarchical all-reduce";
     case kReduceScatterKind: return "reduce-scatter";
     case kAllGatherKind: return "all-gather";
@@ -183,6 +184,24 @@ const char* KindName(int32_t kind) {
     case kScatterKind: return "scatter";
   }
   return "unknown collective";
+}
+
+bool IsRhdKind(int32_t kind) {
+  return kind == kRhdAllReduceKind || kind == kRhdDoublingAllReduceKind;
+}
+
+// What a disagreement between `theirs` and `mine` adds when only the
+// halving-doubling mode tells them apart: the same call, so the cause is
+// the tuning, which the fingerprints do not carry.
+std::string ModeHint(const Fingerprint& theirs, const Fingerprint& mine) {
+  Fingerprint same_kind = theirs;
+  same_kind.kind = mine.kind;
+  if (theirs.kind == mine.kind || !IsRhdKind(theirs.kind) || !IsRhdKind(mine.kind) ||
+      !(same_kind == mine)) {
+    return "";
+  }
+  return " (the same call in the other mode: tuning.rhd_doubling_bytes differs between them, "
+         "and must be equal on every rank)";
 }
 }  // namespace
 
@@ -205,6 +224,12 @@ std::string Fingerprint::ToString() const {
   if (op >= 0) s += std::string(", op ") + ReduceOpName(static_cast<ReduceOp>(op));
   if (root >= 0) s += ", root " + std::to_string(root);
   if (whole_count != count) s += ", a step of a call with count " + std::to_string(whole_count);
+  // A call with count 0 moves nothing and has no mode (it is never sent
+  // as kRhdDoublingAllReduceKind).
+  if (IsRhdKind(kind) && count != 0) {
+    s += kind == kRhdDoublingAllReduceKind ? ", in recursive-doubling mode"
+                                           : ", in halving-doubling mode";
+  }
   return s;
 }
 
@@ -271,7 +296,8 @@ Status PeerCheck::CompareWith(const p2p::PointToPoint& p2p, int peer, const Fing
   }
   return InvalidArgumentError(what_ + ": ranks disagree on the arguments: " +
                               DescribePeer(p2p, peer) + " passed " + theirs.ToString() + " but " +
-                              DescribePeer(p2p, p2p.rank()) + " passed " + mine_.ToString());
+                              DescribePeer(p2p, p2p.rank()) + " passed " + mine_.ToString() +
+                              ModeHint(theirs, mine_));
 }
 
 Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
@@ -703,7 +729,8 @@ Status Requests::StopNoteError() {
   return InvalidArgumentError(who + " found that ranks disagree on the arguments, and " + how +
                               ": " + DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
                               " passed " + note.theirs.ToString() + " but " +
-                              DescribePeer(p2p_, finder) + " passed " + note.finders.ToString());
+                              DescribePeer(p2p_, finder) + " passed " + note.finders.ToString() +
+                              ModeHint(note.theirs, note.finders));
 }
 
 Status Requests::Wait(p2p::RequestId id, const Where& where) {

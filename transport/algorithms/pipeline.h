@@ -140,7 +140,9 @@ struct Fingerprint {
 
   bool operator==(const Fingerprint&) const = default;
   /// "ring all-reduce, count 120 of f32, op sum", plus ", a step of a call
-  /// with count 480" when whole_count differs from count.
+  /// with count 480" when whole_count differs from count, and the mode of
+  /// a halving-doubling all-reduce that moves data (", in
+  /// recursive-doubling mode").
   std::string ToString() const;
 };
 
@@ -199,6 +201,12 @@ enum FingerprintKind : int32_t {
   kRingReduceKind = 11,
   kGatherKind = 12,
   kScatterKind = 13,
+  /// The halving-doubling all-reduce in recursive-doubling mode (its
+  /// kRhdAllReduceKind runs halving then doubling): which mode a call
+  /// takes depends on Tuning::rhd_doubling_bytes besides the size, and the
+  /// modes exchange different messages, so ranks in different modes must
+  /// fail on the check rather than wait on each other.
+  kRhdDoublingAllReduceKind = 14,
 };
 
 /// The fingerprint of `args` for a collective of `kind`.

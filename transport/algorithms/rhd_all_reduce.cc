@@ -38,7 +38,6 @@ int LargestPowerOfTwoAtMost(int p) {
 Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const internal::CollectiveStart start = internal::StartFlatAllReduce(p2p, args, internal::kRhdAllReduceKind);
   if (start.finished) return start.status;
-  const internal::Fingerprint& fingerprint = start.fingerprint;
   const int p = p2p.size(), r = p2p.rank();
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
@@ -56,6 +55,21 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
                                     : p == 2 ? kTwoRankDoublingBytes
                                              : kDefaultDoublingBytes;
   const bool doubling = args.count * es <= doubling_bytes;
+  // The mode is compared with the arguments. Ranks whose tuning differs
+  // (the contract says it must not) can take different modes for the same
+  // call, and then their fingerprints agreed while their messages did not:
+  // a halving rank waited for a fingerprint message from each step partner,
+  // which a doubling partner sends in front of its data instead, and a
+  // doubling rank took a halving partner's chunk as data of the wrong size
+  // and waited for a stop note, both until their deadline. Now the ring
+  // check sees two neighbours in different modes (there are some wherever
+  // the exchanging ranks disagree; a folded rank is checked by its
+  // partner), they fail at once naming both modes, and their stop notes
+  // reach the others, which wait for those while nothing they need can
+  // come: every rank compares a peer's fingerprint before it takes that
+  // peer's data, so none uses data of the other mode, whatever its size.
+  internal::Fingerprint fingerprint = start.fingerprint;
+  if (doubling) fingerprint.kind = internal::kRhdDoublingAllReduceKind;
   // Doubling sends the working vector and reduces into it, so its send must
   // finish first: one message per step, no chunks (the vector is small).
   const size_t ce = doubling ? args.count : internal::ChunkElems(args, kRhdChunkBytes);

@@ -14,7 +14,9 @@ namespace ddp::transport::algorithms {
 /// ring's 2 (p - 1), at the same 2 (p-1)/p bytes per rank. Messages up to
 /// tuning.rhd_doubling_bytes (default 8 KiB, 64 KiB on 2 ranks) use
 /// recursive doubling instead (log2 p steps, whole vector each time), the
-/// latency-optimal choice for small messages.
+/// latency-optimal choice for small messages. The mode is part of the
+/// argument check: ranks whose tuning puts the same call in different
+/// modes fail at once with INVALID_ARGUMENT naming both.
 ///
 /// Any p works: with p2 the largest power of two <= p, the first
 /// 2 (p - p2) ranks pair up, the even one of each pair hands its vector to

@@ -365,6 +365,57 @@ TEST(RhdAllReduceTest, RanksOnBothSidesOfTheDoublingSizeFailNamingBothCounts) {
   }
 }
 
+// Ranks whose tuning.rhd_doubling_bytes put the same 256-byte call in
+// different modes: one rank forced to halving-doubling (1) among ranks on
+// the default (recursive doubling up to 8 KiB), or the reverse. Their
+// fingerprints were equal, so no check failed: a halving rank waited for a
+// fingerprint message from each step partner, which a doubling rank
+// carries in front of its data instead, and a doubling rank took a
+// halving partner's chunk as data of the wrong size and waited for a stop
+// note that no check sent, both until their deadline (and on 2 ranks each
+// failed on the other's message size, naming neither mode). Every rank
+// must fail at once, naming both modes and the option that chose them.
+TEST(RhdAllReduceTest, RanksInDifferentModesFailAtOnceNamingBoth) {
+  const std::string halving = "count 64 of f32, op sum, in halving-doubling mode";
+  const std::string doubling = "count 64 of f32, op sum, in recursive-doubling mode";
+  for (bool odd_halves : {true, false}) {
+    for (int world : {2, 3, 4, 5, 6, 8}) {
+      for (int odd = 0; odd < world; ++odd) {
+        const std::string what = std::to_string(world) + " ranks, rank " + std::to_string(odd) +
+                                 (odd_halves ? " halves, the others double"
+                                             : " doubles, the others halve");
+        ::ddp::transport::testing::HarnessOptions options;
+        options.kill_on_error = false;
+        const auto start = std::chrono::steady_clock::now();
+        const std::vector<Status> statuses = transport::testing::RunRanks(
+            world,
+            [&](p2p::PointToPoint& p2p) -> Status {
+              const bool is_odd = p2p.rank() == odd;
+              if (is_odd) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+              std::vector<float> data(64, 1.0f);
+              CollectiveArgs args;
+              args.send = data.data();
+              args.recv = data.data();
+              args.count = 64;
+              args.deadline = DeadlineIn(std::chrono::seconds(20));
+              // 1: halving-doubling for 256 B; 0: the default, doubling.
+              args.tuning.rhd_doubling_bytes = is_odd == odd_halves ? 1 : 0;
+              return RhdAllReduce(p2p, args);
+            },
+            options);
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << what;
+        ExpectEveryRankNamesBoth(statuses, odd, odd_halves ? halving : doubling,
+                                 odd_halves ? doubling : halving, what);
+        for (size_t r = 0; r < statuses.size(); ++r) {
+          EXPECT_THAT(statuses[r].message(), HasSubstr("tuning.rhd_doubling_bytes"))
+              << what << ": rank " << r;
+        }
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
 // The fingerprint in front of a doubling step's data is compared before
 // that data is used. On 4 ranks, rank 1 passes i32 (or max) among f32 sums
 // and rank 0 is its first partner; rank 1 is not rank 0's ring predecessor
@@ -409,7 +460,8 @@ TEST(RhdAllReduceTest, DoublingComparesThePartnersFingerprintBeforeItsData) {
                 HasSubstr("rhd all-reduce, recursive doubling chunk 0: receive from rank 1: "
                           "rhd all-reduce, argument check: ranks disagree on the arguments: "
                           "rank 1 passed rhd all-reduce, " + std::string(o.passed) +
-                          " but rank 0 passed rhd all-reduce, count 64 of f32, op sum"))
+                          ", in recursive-doubling mode but rank 0 passed rhd all-reduce, count 64 "
+                          "of f32, op sum, in recursive-doubling mode"))
         << o.passed;
   }
 }
