@@ -662,9 +662,14 @@ Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int 
 Status Requests::SendStopNote(const StopNote& note) {
   StopNote* held = Hold<StopNote>(1);
   *held = note;
-  // The finder has failed; on two ranks the other one checks the finder
-  // itself.
-  if (relay_to_ >= 0 && relay_to_ != note.finder && relay_to_ != note.their_rank) {
+  // Not to the finder, which has failed, nor from the finder to the rank
+  // that differs when that is its successor, which checks the finder itself
+  // (two ranks on the ring). Passed on, a note does go to the rank that
+  // differs: its own checks may all agree (its predecessor passed what it
+  // did, and a halving-doubling step partner in the other mode never sends
+  // it a fingerprint message of its own), and it waited for its deadline.
+  const bool checks_finder = note.finder == p2p_.rank() && relay_to_ == note.their_rank;
+  if (relay_to_ >= 0 && relay_to_ != note.finder && !checks_finder) {
     Where where{relay_what_, 0, 0, Where::kNoChunk, true, relay_to_};
     DDP_RETURN_IF_ERROR(Send(where, stop_tag_, held, sizeof(StopNote)).status());
   }

@@ -472,7 +472,8 @@ class Requests {
   /// `from`) finds a disagreement sends a note naming both ranks and values
   /// to `to` (the successor) as it fails; a rank that receives one fails
   /// with it, INVALID_ARGUMENT, and sends it on, until the next rank is the
-  /// one that found it. Call before the PeerCheck's Post. The notes are not
+  /// one that found it (also to the rank it names as differing, whose own
+  /// checks may all agree). Call before the PeerCheck's Post. The notes are not
   /// waited for (the next rank may run another collective, or have failed
   /// on its own check, and never take one): this object's end cancels a
   /// note not yet taken, so a rank that had not yet posted its receive by

@@ -416,6 +416,54 @@ TEST(RhdAllReduceTest, RanksInDifferentModesFailAtOnceNamingBoth) {
   }
 }
 
+// 7 ranks, 0, 1, 5 and 6 in halving-doubling mode, 2, 3 and 4 in
+// recursive doubling; ranks 1, 3, 5 and 6 exchange (ring 1, 3, 5, 6), 0,
+// 2 and 4 fold into 1, 3 and 5. Rank 3 finds that rank 1 differs and its
+// note goes on through 5 (which checks its partner 4 first, late here, so
+// the note comes before its own check) and 6 to rank 1. Rank 1's own
+// checks agree (0 and 6 halve as it does; rank 3, its step partner, never
+// sends it a fingerprint message), and the note named it as the rank that
+// differs, so rank 6 did not pass it on: rank 1, and its folded partner 0,
+// waited for their deadline. Rank 4 enters after its partner 5 has
+// returned and withdrawn its note, and waits for its shorter deadline (a
+// bare algorithm has no abort to tell a late rank).
+TEST(RhdAllReduceTest, ANoteReachesTheRankItNamesWhenThatRanksChecksAgree) {
+  constexpr int kWorld = 7;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  std::vector<std::chrono::steady_clock::duration> took(kWorld);
+  const std::vector<Status> statuses = transport::testing::RunRanks(
+      kWorld,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        // Rank 1 late, so that the others are inside when rank 3 finds it
+        // (a rank that enters after its neighbours have returned gets no
+        // note: they withdraw it); rank 4 later still.
+        if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (r == 4) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        const auto start = std::chrono::steady_clock::now();
+        std::vector<float> data(64, 1.0f);
+        CollectiveArgs args;
+        args.send = data.data();
+        args.recv = data.data();
+        args.count = 64;
+        args.deadline = DeadlineIn(std::chrono::seconds(r == 4 ? 1 : 10));
+        // 1: halving-doubling for 256 B; 0: the default, doubling.
+        args.tuning.rhd_doubling_bytes = r == 2 || r == 3 || r == 4 ? 0 : 1;
+        Status status = RhdAllReduce(p2p, args);
+        took[r] = std::chrono::steady_clock::now() - start;
+        return status;
+      },
+      options);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_FALSE(statuses[r].ok()) << "rank " << r;
+    if (r == 4) continue;
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr("tuning.rhd_doubling_bytes")) << "rank " << r;
+    EXPECT_LT(took[r], std::chrono::seconds(3)) << "rank " << r << ": " << statuses[r];
+  }
+}
+
 // The fingerprint in front of a doubling step's data is compared before
 // that data is used. On 4 ranks, rank 1 passes i32 (or max) among f32 sums
 // and rank 0 is its first partner; rank 1 is not rank 0's ring predecessor
