@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "transport/fork/fork_guard.h"
 #include "transport/ucx/ucx_status.h"
@@ -18,7 +19,43 @@ bool EnvSet(const char* name) {
   return value != nullptr && value[0] != '\0';
 }
 
+// Receive buffers each memory-mapped transport (sysv, posix, xpmem) makes
+// when its interface opens, and again each time its pool runs dry. UCX's
+// 512 buffers of 8 KiB are 4 MiB per transport, written once each at
+// worker creation: page faults that made ucp_worker_create take about
+// 17 ms of a quiet run here (sysv and posix both open under "sm") and
+// 75-85 ms with two ranks starting on two busy cores, most of a rank's
+// start. 128 still covers a full receive FIFO (64 entries by default)
+// twice over; a burst that holds more grows the pool by as many again,
+// on a path that already waits for a slow receiver.
+constexpr char kMmRxBufsGrow[] = "128";
+
+// Whether the user set any variable that sizes the memory-mapped
+// transports' receive FIFO or pool: theirs is left exactly as they set it.
+bool UserSizedMemoryMappedReceive() {
+  for (const char* name : {"UCX_MM_RX_BUFS_GROW", "UCX_SYSV_RX_BUFS_GROW", "UCX_POSIX_RX_BUFS_GROW",
+                           "UCX_XPMEM_RX_BUFS_GROW", "UCX_MM_FIFO_SIZE", "UCX_SYSV_FIFO_SIZE",
+                           "UCX_POSIX_FIFO_SIZE", "UCX_XPMEM_FIFO_SIZE"}) {
+    if (EnvSet(name)) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+bool OpensMemoryMappedTransports(std::string_view tls) {
+  if (tls.empty() || tls.front() == '^') return false;
+  while (!tls.empty()) {
+    const size_t comma = tls.find(',');
+    const std::string_view name = tls.substr(0, comma);
+    for (std::string_view mm : {"all", "sm", "shm", "mm", "sysv", "posix", "xpmem"}) {
+      if (name == mm) return true;
+    }
+    if (comma == std::string_view::npos) break;
+    tls.remove_prefix(comma + 1);
+  }
+  return false;
+}
 
 StatusOr<std::shared_ptr<Context>> Context::Create(const ContextOptions& options) {
   // UCX's global state in a forked child is the parent's (its threads and
@@ -41,6 +78,15 @@ StatusOr<std::shared_ptr<Context>> Context::Create(const ContextOptions& options
   if (!EnvSet("UCX_NET_DEVICES") && !options.default_net_devices.empty()) {
     Status s = FromUcs(ucp_config_modify(config, "NET_DEVICES", options.default_net_devices.c_str()),
                        "setting UCX NET_DEVICES=" + options.default_net_devices);
+    if (!s.ok()) {
+      ucp_config_release(config);
+      return s;
+    }
+  }
+
+  if (OpensMemoryMappedTransports(tls) && !UserSizedMemoryMappedReceive()) {
+    Status s = FromUcs(ucp_config_modify(config, "MM_RX_BUFS_GROW", kMmRxBufsGrow),
+                       std::string("setting UCX MM_RX_BUFS_GROW=") + kMmRxBufsGrow);
     if (!s.ok()) {
       ucp_config_release(config);
       return s;

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include <ucp/api/ucp.h>
 
@@ -29,6 +30,11 @@ struct ContextOptions {
   /// Shown in UCX's own logs.
   std::string name = "ddp";
 };
+
+/// Whether the UCX transport list `tls` (as UCX_TLS is written) opens the
+/// memory-mapped transports (sysv, posix, xpmem), whose receive pool
+/// Context::Create sizes. A negated list ("^tcp") counts as not.
+bool OpensMemoryMappedTransports(std::string_view tls);
 
 /// Owns a ucp_context_h.
 class Context {
