@@ -77,12 +77,13 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadli
 
 /// ConnectTcp's pause after `retry` failed rounds in a row (0: after the
 /// first), when `unit`, in [0, 1), is the caller's random draw: between half
-/// and all of a ceiling doubling from 5 ms to 200 ms while nobody listens,
+/// and all of a ceiling doubling from 5 ms to 200 ms while nobody listens
+/// (to 20 ms when every address tried is a loopback one, `loopback`),
 /// or to 1 s while the name does not resolve (`lookup_failed`), and never
 /// past `left`. The draw spreads ranks started together, which would
 /// otherwise knock on a store not yet up all at the same instants.
 Clock::duration ConnectRetryPause(int retry, bool lookup_failed, double unit,
-                                  Clock::duration left);
+                                  Clock::duration left, bool loopback = false);
 
 /// Sends all of `data` on a non-blocking socket before `deadline`.
 /// TIMED_OUT when the deadline passed with `*sent` bytes out; UNAVAILABLE

@@ -44,6 +44,27 @@ TEST(SocketTest, ConnectRetryPausesGrowWithinTheirBoundsWhateverTheDraws) {
   EXPECT_EQ(ConnectRetryPause(10, true, 0.5, Clock::duration::zero()), Clock::duration::zero());
 }
 
+// A store on this host (a loopback address) is knocked on at most every
+// 20 ms: a rank connects that soon after a late rank 0 starts listening.
+TEST(SocketTest, ConnectRetryPausesToALoopbackStoreStayShort) {
+  std::mt19937_64 engine(54321);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (int trial = 0; trial < 50; ++trial) {
+    Clock::duration before = Clock::duration::zero();
+    for (int retry = 0; retry < 20; ++retry) {
+      const Clock::duration pause =
+          ConnectRetryPause(retry, /*lookup_failed=*/false, unit(engine), kLots, /*loopback=*/true);
+      EXPECT_GE(pause, Clock::duration(2500us)) << "retry " << retry;
+      EXPECT_LE(pause, Clock::duration(20ms)) << "retry " << retry;
+      before = pause;
+    }
+    EXPECT_GE(before, Clock::duration(10ms)) << "never reached the cap's range";
+  }
+  // A name that does not resolve yet waits as long as any other.
+  EXPECT_GE(ConnectRetryPause(20, /*lookup_failed=*/true, 0.5, kLots, /*loopback=*/true),
+            Clock::duration(500ms));
+}
+
 // Two ranks started together, each retrying against a store not up yet,
 // knock at different instants: their pauses (from each thread's own draw)
 // differ. Without a spread they were the same fixed 5, 10, 20 ... 200 ms.
