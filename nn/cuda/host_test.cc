@@ -3,9 +3,15 @@
 // machine (no "gpu" tag).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <set>
 #include <string>
@@ -26,6 +32,7 @@
 #include "nn/optim/device_kernels.h"
 #include "nn/cuda/pool_math.h"
 #include "nn/cuda/stream.h"
+#include "nn/ops/cpu/cpu_kernels.h"
 #include "nn/ops/dispatch.h"
 #include "nn/tensor/generator.h"
 
@@ -270,13 +277,13 @@ TEST(CudaPoolMath, AverageWindowsGatheredPerInputAreTheForwardWindows) {
   Generator gen(18);
   for (int trial = 0; trial < 500; ++trial) {
     const launch::PoolGeometry g = RandomPool(gen, false);
-    std::set<std::tuple<int64_t, int64_t, int64_t>> forward, gathered;
+    std::set<std::tuple<int64_t, int64_t, double>> forward, gathered;
     for (int64_t i = 0; i < g.oh; ++i) {
       const launch::AvgWindow wh = launch::AvgWindowOf(i, g.sh, g.ph, g.kh, g.h);
       for (int64_t j = 0; j < g.ow; ++j) {
         const launch::AvgWindow ww = launch::AvgWindowOf(j, g.sw, g.pw, g.kw, g.w);
-        const int64_t div = launch::AvgDivisorOf(g, wh, ww);
-        if (div <= 0) continue;
+        const double div = launch::AvgDivisorOf<double>(g, wh, ww);
+        if (!(div > 0)) continue;
         for (int64_t ih = wh.start; ih < wh.end; ++ih) {
           for (int64_t iw = ww.start; iw < ww.end; ++iw) forward.insert({i * g.ow + j, ih * g.w + iw, div});
         }
@@ -284,8 +291,8 @@ TEST(CudaPoolMath, AverageWindowsGatheredPerInputAreTheForwardWindows) {
     }
     for (int64_t ih = 0; ih < g.h; ++ih) {
       for (int64_t iw = 0; iw < g.w; ++iw) {
-        launch::ForEachAvgWindowCovering(g, ih, iw,
-                                         [&](int64_t o, int64_t div) { gathered.insert({o, ih * g.w + iw, div}); });
+        launch::ForEachAvgWindowCovering<double>(
+            g, ih, iw, [&](int64_t o, double div) { gathered.insert({o, ih * g.w + iw, div}); });
       }
     }
     ASSERT_EQ(gathered, forward) << "trial " << trial;
@@ -319,6 +326,282 @@ TEST(CudaPoolMath, AdaptiveWindowsGatheredPerInputAreTheForwardWindows) {
       }
       ASSERT_EQ(gathered, forward) << h << "x" << g.w << " -> " << oh << "x" << g.ow;
     }
+  }
+}
+
+// One axis of the window arithmetic against the loops over every tap that
+// it replaced, for every small geometry (input 1-7, kernel 1-5, stride 1-4,
+// dilation 1-3, padding up to half the kernel, 1-8 outputs): the same taps
+// in the same order, since the backward kernels add floating-point terms in
+// that order and the max forward's tie rule depends on it.
+TEST(CudaPoolMath, TapRangesVisitTheFullLoopsTapsInItsOrder) {
+  int64_t nonempty = 0;
+  for (int64_t size = 1; size <= 7; ++size) {
+    for (int64_t kernel = 1; kernel <= 5; ++kernel) {
+      for (int64_t stride = 1; stride <= 4; ++stride) {
+        for (int64_t dilation = 1; dilation <= 3; ++dilation) {
+          for (int64_t pad = 0; pad <= kernel / 2; ++pad) {
+            for (int64_t out = 1; out <= 8; ++out) {
+              const std::string where = "size " + std::to_string(size) + " kernel " + std::to_string(kernel) +
+                                        " stride " + std::to_string(stride) + " dilation " +
+                                        std::to_string(dilation) + " pad " + std::to_string(pad) + " out " +
+                                        std::to_string(out);
+              for (int64_t in = 0; in < size; ++in) {
+                std::vector<std::pair<int64_t, int64_t>> full, ranged;
+                for (int64_t k = 0; k < kernel; ++k) {
+                  const int64_t num = in + pad - k * dilation;
+                  if (num >= 0 && num % stride == 0 && num / stride < out) full.push_back({k, num / stride});
+                }
+                launch::ForEachTapCovering(in, pad, dilation, stride, kernel, out,
+                                           [&](int64_t k, int64_t o) { ranged.push_back({k, o}); });
+                ASSERT_EQ(ranged, full) << where << " input " << in;
+                nonempty += full.empty() ? 0 : 1;
+              }
+              for (int64_t o = 0; o < out; ++o) {
+                const int64_t start = o * stride - pad;
+                std::vector<int64_t> full, ranged;
+                for (int64_t k = 0; k < kernel; ++k) {
+                  const int64_t cell = start + k * dilation;
+                  if (cell >= 0 && cell < size) full.push_back(k);
+                }
+                const launch::TapRange r = launch::TapsInside(start, dilation, kernel, size);
+                for (int64_t k = r.first; k < r.end; ++k) ranged.push_back(k);
+                ASSERT_EQ(ranged, full) << where << " output " << o;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(nonempty, 10000);  // the sweep reaches real windows, not only empty ones
+}
+
+// The 2-D gathers against the loops over every (kh, kw) tap they replaced:
+// the same outputs and divisors in the same order.
+TEST(CudaPoolMath, GathersVisitOutputsInTheFullLoopsOrder) {
+  Generator gen(19);
+  for (int trial = 0; trial < 300; ++trial) {
+    const launch::PoolGeometry g = RandomPool(gen, true);
+    const launch::PoolGeometry ga = RandomPool(gen, false);
+    for (int64_t ih = 0; ih < g.h; ++ih) {
+      for (int64_t iw = 0; iw < g.w; ++iw) {
+        std::vector<int64_t> full, ranged;
+        for (int64_t kh = 0; kh < g.kh; ++kh) {
+          const int64_t nh = ih + g.ph - kh * g.dh;
+          if (nh < 0 || nh % g.sh != 0 || nh / g.sh >= g.oh) continue;
+          for (int64_t kw = 0; kw < g.kw; ++kw) {
+            const int64_t nw = iw + g.pw - kw * g.dw;
+            if (nw < 0 || nw % g.sw != 0 || nw / g.sw >= g.ow) continue;
+            full.push_back(nh / g.sh * g.ow + nw / g.sw);
+          }
+        }
+        launch::ForEachMaxWindowCovering(g, ih, iw, [&](int64_t o) { ranged.push_back(o); });
+        ASSERT_EQ(ranged, full) << "max trial " << trial << " input (" << ih << ", " << iw << ")";
+      }
+    }
+    for (int64_t ih = 0; ih < ga.h; ++ih) {
+      for (int64_t iw = 0; iw < ga.w; ++iw) {
+        std::vector<std::pair<int64_t, double>> full, ranged;
+        for (int64_t kh = 0; kh < ga.kh; ++kh) {
+          const int64_t nh = ih + ga.ph - kh;
+          if (nh < 0 || nh % ga.sh != 0 || nh / ga.sh >= ga.oh) continue;
+          const launch::AvgWindow wh = launch::AvgWindowOf(nh / ga.sh, ga.sh, ga.ph, ga.kh, ga.h);
+          for (int64_t kw = 0; kw < ga.kw; ++kw) {
+            const int64_t nw = iw + ga.pw - kw;
+            if (nw < 0 || nw % ga.sw != 0 || nw / ga.sw >= ga.ow) continue;
+            const launch::AvgWindow ww = launch::AvgWindowOf(nw / ga.sw, ga.sw, ga.pw, ga.kw, ga.w);
+            const double div = launch::AvgDivisorOf<double>(ga, wh, ww);
+            if (div > 0) full.push_back({nh / ga.sh * ga.ow + nw / ga.sw, div});
+          }
+        }
+        launch::ForEachAvgWindowCovering<double>(ga, ih, iw,
+                                                 [&](int64_t o, double div) { ranged.push_back({o, div}); });
+        ASSERT_EQ(ranged, full) << "avg trial " << trial << " input (" << ih << ", " << iw << ")";
+      }
+    }
+  }
+}
+
+// pool.cu's kernels over one plane, run on the host with the same window
+// arithmetic (pool_math.h), to compare with nn/ops' CPU kernels.
+struct PlaneResult {
+  std::vector<double> y, dx;
+  std::vector<int32_t> ind;
+};
+
+template <typename A>
+PlaneResult MaxPoolLikeTheKernels(const launch::PoolGeometry& g, const std::vector<double>& x) {
+  PlaneResult r;
+  for (int64_t i = 0; i < g.oh; ++i) {
+    for (int64_t j = 0; j < g.ow; ++j) {
+      const int64_t h0 = i * g.sh - g.ph, w0 = j * g.sw - g.pw;
+      const launch::TapRange th = launch::TapsInside(h0, g.dh, g.kh, g.h);
+      const launch::TapRange tw = launch::TapsInside(w0, g.dw, g.kw, g.w);
+      A best = -std::numeric_limits<A>::infinity();
+      int64_t bi = -1;
+      for (int64_t kh = th.first; kh < th.end; ++kh) {
+        for (int64_t kw = tw.first; kw < tw.end; ++kw) {
+          const int64_t cell = (h0 + kh * g.dh) * g.w + w0 + kw * g.dw;
+          const A v = static_cast<A>(x[cell]);
+          if (bi < 0 || v > best || std::isnan(v)) {
+            best = v;
+            bi = cell;
+          }
+        }
+      }
+      r.y.push_back(best);
+      r.ind.push_back(static_cast<int32_t>(bi));
+    }
+  }
+  // Backward with dy = 1 everywhere.
+  for (int64_t ih = 0; ih < g.h; ++ih) {
+    for (int64_t iw = 0; iw < g.w; ++iw) {
+      A sum = 0;
+      launch::ForEachMaxWindowCovering(g, ih, iw, [&](int64_t o) {
+        if (r.ind[o] == ih * g.w + iw) sum += A(1);
+      });
+      r.dx.push_back(sum);
+    }
+  }
+  return r;
+}
+
+template <typename A>
+PlaneResult AvgPoolLikeTheKernels(const launch::PoolGeometry& g, const std::vector<double>& x) {
+  PlaneResult r;
+  for (int64_t i = 0; i < g.oh; ++i) {
+    for (int64_t j = 0; j < g.ow; ++j) {
+      const launch::AvgWindow wh = launch::AvgWindowOf(i, g.sh, g.ph, g.kh, g.h);
+      const launch::AvgWindow ww = launch::AvgWindowOf(j, g.sw, g.pw, g.kw, g.w);
+      A s = 0;
+      for (int64_t ih = wh.start; ih < wh.end; ++ih) {
+        for (int64_t iw = ww.start; iw < ww.end; ++iw) s += static_cast<A>(x[ih * g.w + iw]);
+      }
+      const A div = launch::AvgDivisorOf<A>(g, wh, ww);
+      r.y.push_back(div > A(0) ? s / div : A(0));
+    }
+  }
+  for (int64_t ih = 0; ih < g.h; ++ih) {
+    for (int64_t iw = 0; iw < g.w; ++iw) {
+      A sum = 0;
+      launch::ForEachAvgWindowCovering<A>(g, ih, iw, [&](int64_t, A div) { sum += A(1) / div; });
+      r.dx.push_back(sum);
+    }
+  }
+  return r;
+}
+
+launch::PoolGeometry GeometryOf(const ops::Pool2dParams& p, int64_t h, int64_t w, int64_t oh, int64_t ow) {
+  launch::PoolGeometry g;
+  g.planes = 1;
+  g.h = h;
+  g.w = w;
+  g.oh = oh;
+  g.ow = ow;
+  g.kh = p.kernel_h;
+  g.kw = p.kernel_w;
+  g.sh = p.stride_h;
+  g.sw = p.stride_w;
+  g.ph = p.pad_h;
+  g.pw = p.pad_w;
+  g.dh = p.dilation_h;
+  g.dw = p.dilation_w;
+  g.count_include_pad = p.count_include_pad;
+  return g;
+}
+
+// Runs `work` in a fresh child process with `seconds` to finish: the old
+// arithmetic looped over 2^62 taps, which a plain call would never return
+// from. threadsafe: the child re-runs this test alone instead of forking a
+// process that holds other tests' threads.
+void FinishesWithin(unsigned seconds, const std::function<void()>& work) {
+  const std::string style = ::testing::GTEST_FLAG(death_test_style);
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  EXPECT_EXIT(
+      {
+        alarm(seconds);
+        work();
+        std::fprintf(stderr, "finished\n");
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "finished");
+  ::testing::GTEST_FLAG(death_test_style) = style;
+}
+
+// Kernel 2^62 with padding 2^61 on a 4-row input passes every shape check
+// (as in PyTorch). The gather looped over all 2^62 taps per input cell; the
+// ranges make it finish at once, with the CPU kernels' values and indices.
+TEST(CudaPoolMath, MaxPoolOfHugeWindowsFinishesWithTheCpuResults) {
+  ops::Pool2dParams p;
+  p.kernel_h = int64_t{1} << 62;
+  p.kernel_w = 2;
+  p.pad_h = p.kernel_h / 2;
+  const launch::PoolGeometry g = GeometryOf(p, 4, 4, 5, 3);
+  std::vector<double> x(16);
+  for (int k = 0; k < 16; ++k) x[k] = k;
+  FinishesWithin(20, [&] { (void)MaxPoolLikeTheKernels<float>(g, x); });
+  // The same work in this process would not return either.
+  ASSERT_FALSE(HasFailure()) << "the gather did not finish within 20 s";
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    const Tensor xt = FromVector(x, {1, 1, 4, 4}, {.dtype = dt});
+    const Tensor y = Empty({1, 1, 5, 3}, {.dtype = dt}), ind = Empty({1, 1, 5, 3}, {.dtype = DType::kInt32});
+    ops::cpu::MaxPool2dForward(xt, y, ind, p);
+    const Tensor dx = Empty({1, 1, 4, 4}, {.dtype = dt});
+    ops::cpu::MaxPool2dBackward(Ones({1, 1, 5, 3}, {.dtype = dt}), ind, dx, p);
+    const PlaneResult r =
+        dt == DType::kFloat32 ? MaxPoolLikeTheKernels<float>(g, x) : MaxPoolLikeTheKernels<double>(g, x);
+    EXPECT_EQ(r.y, y.ToVector<double>()) << DTypeName(dt);
+    EXPECT_EQ(r.ind, ind.ToVector<int32_t>()) << DTypeName(dt);
+    EXPECT_EQ(r.dx, dx.ToVector<double>()) << DTypeName(dt);
+    // Every window spans all four rows: its maximum is in the last one.
+    EXPECT_EQ(r.y, (std::vector<double>{13, 14, 15, 13, 14, 15, 13, 14, 15, 13, 14, 15, 13, 14, 15})) << DTypeName(dt);
+  }
+}
+
+// A stride far above the dilation: 2^40 taps lie between the two outputs
+// that cover the cell, so a loop over the taps of the range (keeping those
+// that divide by the stride) would take 2^40 steps; the outputs are walked
+// instead.
+TEST(CudaPoolMath, CoveringTapsOfAHugeStrideWalkTheOutputs) {
+  const int64_t pad = int64_t{1} << 61, stride = int64_t{1} << 40, kernel = (int64_t{1} << 62) + 3;
+  std::vector<std::pair<int64_t, int64_t>> visited;
+  const auto gather = [&] {
+    launch::ForEachTapCovering(0, pad, 1, stride, kernel, 2,
+                               [&](int64_t k, int64_t o) { visited.push_back({k, o}); });
+  };
+  FinishesWithin(20, gather);
+  ASSERT_FALSE(HasFailure()) << "the gather did not finish within 20 s";
+  gather();
+  // Tap k reaches cell 0 from output o when 2^61 - k == o * 2^40.
+  EXPECT_EQ(visited, (std::vector<std::pair<int64_t, int64_t>>{{pad - stride, 1}, {pad, 0}}));
+}
+
+// Average pooling with kernel 2^62 x 2^62 and padding 2^61 on a 4x4 input:
+// each padded length is 2^62, and their int64 product 2^124 wrapped to 0, so
+// every output was 0 and the gather (which also looped over all 2^62 taps)
+// would have dropped every window. As the CPU kernels: 16 / 2^124 forward
+// and 25 / 2^124 per cell backward.
+TEST(CudaPoolMath, AvgPoolOfHugeWindowsFinishesWithTheCpuResults) {
+  ops::Pool2dParams p;
+  p.kernel_h = p.kernel_w = int64_t{1} << 62;
+  p.pad_h = p.pad_w = p.kernel_h / 2;
+  const launch::PoolGeometry g = GeometryOf(p, 4, 4, 5, 5);
+  const std::vector<double> x(16, 1.0);
+  FinishesWithin(20, [&] { (void)AvgPoolLikeTheKernels<float>(g, x); });
+  // The same work in this process would not return either.
+  ASSERT_FALSE(HasFailure()) << "the gather did not finish within 20 s";
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    const Tensor xt = FromVector(x, {1, 1, 4, 4}, {.dtype = dt});
+    const Tensor y = Empty({1, 1, 5, 5}, {.dtype = dt}), dx = Empty({1, 1, 4, 4}, {.dtype = dt});
+    ops::cpu::AvgPool2dForward(xt, y, p);
+    ops::cpu::AvgPool2dBackward(Ones({1, 1, 5, 5}, {.dtype = dt}), dx, p);
+    const PlaneResult r =
+        dt == DType::kFloat32 ? AvgPoolLikeTheKernels<float>(g, x) : AvgPoolLikeTheKernels<double>(g, x);
+    EXPECT_EQ(r.y, y.ToVector<double>()) << DTypeName(dt);
+    EXPECT_EQ(r.dx, dx.ToVector<double>()) << DTypeName(dt);
+    EXPECT_EQ(r.y, std::vector<double>(25, std::ldexp(1.0, -120))) << DTypeName(dt);
+    EXPECT_EQ(r.dx, std::vector<double>(16, 25 * std::ldexp(1.0, -124))) << DTypeName(dt);
   }
 }
 

@@ -28,12 +28,12 @@ __global__ void MaxPoolForwardKernel(PoolGeometry g, const T* x, T* y, int32_t* 
     const int64_t h0 = i * g.sh - g.ph, w0 = j * g.sw - g.pw;
     A best = -INFINITY;
     int64_t bi = -1;
-    for (int64_t kh = 0; kh < g.kh; ++kh) {
+    // Only the taps inside the input, in the order of the full loop.
+    const TapRange th = TapsInside(h0, g.dh, g.kh, g.h), tw = TapsInside(w0, g.dw, g.kw, g.w);
+    for (int64_t kh = th.first; kh < th.end; ++kh) {
       const int64_t ih = h0 + kh * g.dh;
-      if (ih < 0 || ih >= g.h) continue;
-      for (int64_t kw = 0; kw < g.kw; ++kw) {
+      for (int64_t kw = tw.first; kw < tw.end; ++kw) {
         const int64_t iw = w0 + kw * g.dw;
-        if (iw < 0 || iw >= g.w) continue;
         const A v = Cast<A>(xp[ih * g.w + iw]);
         if (bi < 0 || v > best || isnan(v)) {  // the first maximum wins, and the last NaN, as in PyTorch
           best = v;
@@ -74,8 +74,8 @@ __global__ void AvgPoolForwardKernel(PoolGeometry g, const T* x, T* y) {
     for (int64_t ih = wh.start; ih < wh.end; ++ih) {
       for (int64_t iw = ww.start; iw < ww.end; ++iw) s += Cast<A>(xp[ih * g.w + iw]);
     }
-    const int64_t div = AvgDivisorOf(g, wh, ww);
-    y[idx] = Cast<T>(div > 0 ? s / static_cast<A>(div) : A(0));
+    const A div = AvgDivisorOf<A>(g, wh, ww);
+    y[idx] = Cast<T>(div > A(0) ? s / div : A(0));
   }
 }
 
@@ -86,8 +86,8 @@ __global__ void AvgPoolBackwardKernel(PoolGeometry g, const T* dy, T* dx) {
     const int64_t iw = idx % g.w, ih = (idx / g.w) % g.h, pl = idx / (g.w * g.h);
     const int64_t base = pl * g.oh * g.ow;
     A sum = 0;
-    ForEachAvgWindowCovering(g, ih, iw, [&](int64_t o, int64_t div) {
-      sum += Cast<A>(dy[base + o]) / static_cast<A>(div);
+    ForEachAvgWindowCovering<A>(g, ih, iw, [&](int64_t o, A div) {
+      sum += Cast<A>(dy[base + o]) / div;
     });
     dx[idx] = Cast<T>(sum);
   }
