@@ -5,6 +5,7 @@
 // runtime for GPUs when built with CUDA) and the exchange of every rank's
 // view through the store, which yields the job's Topology.
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,22 @@ std::string NamespaceIds();
 /// RDMA ports under `<sysfs_root>/class/infiniband`, sorted by name and port;
 /// none when the folder does not exist.
 std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root);
+
+/// A host's NUMA node count (one more than the highest node number, nodes
+/// numbered as the OS numbers them) and the node of the calling rank.
+struct NumaView {
+  int numa_nodes = 1;
+  int my_node = 0;
+};
+
+/// hwloc's answer: the node the calling thread is bound to where the host has
+/// several, else the local ranks spread evenly over the nodes.
+NumaView DiscoverNumaWithHwloc(const DiscoverOptions& options);
+
+/// The same answer without loading hwloc's topology, where
+/// `<sysfs_root>/devices/system/node` holds exactly one node folder `nodeN`:
+/// N + 1 nodes, the rank on N. nullopt where it holds none or several.
+std::optional<NumaView> SingleNumaNodeFromSysfs(const std::string& sysfs_root);
 
 /// GPUs visible to the CUDA runtime; none in builds without CUDA.
 std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root);

@@ -7,8 +7,12 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <optional>
 #include <thread>
 
 #include "transport/store/tcp_store.h"
@@ -67,6 +71,64 @@ TEST(DiscoverLocal, DescribesThisHost) {
   EXPECT_LT(view->place.numa_node, view->host.numa_nodes);
   EXPECT_EQ(view->pid, getpid());
   EXPECT_EQ(view->namespaces, NamespaceIds());
+}
+
+TEST(SingleNumaNodeFromSysfs, GivesHwlocsAnswerOnThisHost) {
+  const auto hwloc_start = std::chrono::steady_clock::now();
+  const NumaView hwloc = DiscoverNumaWithHwloc({});
+  const auto sysfs_start = std::chrono::steady_clock::now();
+  const std::optional<NumaView> sysfs = SingleNumaNodeFromSysfs("/sys");
+  const auto end = std::chrono::steady_clock::now();
+  std::cout << "hwloc " << std::chrono::duration<double, std::milli>(sysfs_start - hwloc_start).count()
+            << " ms, sysfs " << std::chrono::duration<double, std::milli>(end - sysfs_start).count()
+            << " ms\n";
+  if (sysfs.has_value()) {
+    EXPECT_EQ(sysfs->numa_nodes, hwloc.numa_nodes);
+    EXPECT_EQ(sysfs->my_node, hwloc.my_node);
+  } else {
+    // It declines only where the host has several nodes (or sysfs says none).
+    int listed = 0;
+    std::error_code error;
+    for (const auto& entry : fs::directory_iterator("/sys/devices/system/node", error)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("node", 0) == 0 && name.size() > 4 && std::isdigit(name[4])) ++listed;
+    }
+    EXPECT_NE(listed, 1) << "one node listed under /sys/devices/system/node, yet no answer from it";
+  }
+}
+
+TEST(SingleNumaNodeFromSysfs, ReadsTheOnlyNodeOfAFakeTree) {
+  const fs::path root = fs::path(::testing::TempDir()) / "fake_numa_sys";
+  fs::remove_all(root);
+  const fs::path nodes = root / "devices" / "system" / "node";
+  EXPECT_FALSE(SingleNumaNodeFromSysfs(root.string()).has_value()) << "no node folder";
+  Write(nodes / "online", "3");
+  Write(nodes / "possible", "0-3");
+  Write(nodes / "power" / "async", "disabled");
+  EXPECT_FALSE(SingleNumaNodeFromSysfs(root.string()).has_value()) << "no node listed";
+  Write(nodes / "node3" / "cpulist", "0-1");
+  const std::optional<NumaView> one = SingleNumaNodeFromSysfs(root.string());
+  ASSERT_TRUE(one.has_value());
+  EXPECT_EQ(one->numa_nodes, 4);
+  EXPECT_EQ(one->my_node, 3);
+  Write(nodes / "node0" / "cpulist", "2-3");
+  EXPECT_FALSE(SingleNumaNodeFromSysfs(root.string()).has_value()) << "two nodes";
+}
+
+TEST(DiscoverLocal, TakesTheOnlyNumaNodeFromSysfsWithoutHwloc) {
+  // A fake tree whose one node is numbered 5: hwloc, reading the real host,
+  // could not give that answer.
+  const fs::path root = fs::path(::testing::TempDir()) / "fake_numa5_sys";
+  fs::remove_all(root);
+  Write(root / "devices" / "system" / "node" / "node5" / "cpulist", "0");
+  DiscoverOptions options;
+  options.sysfs_root = root.string();
+  auto view = DiscoverLocal(options);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->host.numa_nodes, 6);
+  if (view->host.gpus.empty()) {
+    EXPECT_EQ(view->place.numa_node, 5);
+  }
 }
 
 TEST(NamespaceIds, AreTheInodesOfThisProcesssNamespaces) {
