@@ -357,11 +357,16 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
   mine.probe = reinterpret_cast<uint64_t>(&probe_word);
   DDP_RETURN_IF_ERROR(store.Set(key_prefix + "probe_ready/" + std::to_string(options.rank), "1",
                                 deadline));
+  // One store round trip for all peers, here and for the verdicts below
+  // (a Get per peer cost a round trip each).
+  std::vector<std::string> ready_keys;
+  for (int peer = 0; peer < options.size; ++peer) {
+    if (peer != options.rank) ready_keys.push_back(key_prefix + "probe_ready/" + std::to_string(peer));
+  }
+  DDP_RETURN_IF_ERROR(store.Wait(ready_keys, deadline));
   std::string verdict = "ok";
   for (int peer = 0; peer < options.size; ++peer) {
     if (peer == options.rank) continue;
-    DDP_RETURN_IF_ERROR(store.Get(key_prefix + "probe_ready/" + std::to_string(peer), deadline)
-                            .status());
     uint64_t value = 0;
     Status read = engine->ReadFromPeer(peer, &value, engine->control(peer).probe, sizeof(value));
     if (!read.ok() || value != kProbeValue) {
@@ -373,9 +378,12 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
   }
   DDP_RETURN_IF_ERROR(store.Set(key_prefix + "probe/" + std::to_string(options.rank), verdict,
                                 deadline));
+  std::vector<std::string> verdict_keys;
   for (int peer = 0; peer < options.size; ++peer) {
-    DDP_ASSIGN_OR_RETURN(std::string theirs,
-                         store.Get(key_prefix + "probe/" + std::to_string(peer), deadline));
+    verdict_keys.push_back(key_prefix + "probe/" + std::to_string(peer));
+  }
+  DDP_ASSIGN_OR_RETURN(const std::vector<std::string> verdicts, store.MultiGet(verdict_keys, deadline));
+  for (const std::string& theirs : verdicts) {
     if (theirs != "ok") return UnavailableError("cross-memory attach unavailable: " + theirs);
   }
   return engine;
