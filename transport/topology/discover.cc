@@ -80,10 +80,11 @@ NumaView DiscoverNumaWithHwloc(const DiscoverOptions& options) {
   int numa_nodes = 1;
   int my_node = -1;
   hwloc_topology_t topo;
-  if (hwloc_topology_init(&topo) != 0) return {numa_nodes, 0};
+  // Without hwloc's view the node stays unknown (-1), as it always was.
+  if (hwloc_topology_init(&topo) != 0) return {numa_nodes, my_node};
   if (hwloc_topology_load(topo) != 0) {
     hwloc_topology_destroy(topo);
-    return {numa_nodes, 0};
+    return {numa_nodes, my_node};
   }
   struct Node {
     int os;

@@ -57,7 +57,8 @@ struct NumaView {
 };
 
 /// hwloc's answer: the node the calling thread is bound to where the host has
-/// several, else the local ranks spread evenly over the nodes.
+/// several, else the local ranks spread evenly over the nodes; my_node -1
+/// (unknown) when hwloc cannot load the topology.
 NumaView DiscoverNumaWithHwloc(const DiscoverOptions& options);
 
 /// The same answer without loading hwloc's topology, where
