@@ -1376,14 +1376,10 @@ TEST(KernelsTest, GemmWithNoInnerDimensionScalesC) {
   EXPECT_EQ(d2, (std::vector<double>{-0.5, 1, -1.5, 7}));
 }
 
-// Conv2d with 0 input channels gives the bias broadcast (zeros without
-// one), with gradients of the operands' shapes, as PyTorch:
-//   F.conv2d(torch.zeros(1, 0, 4, 4), torch.zeros(2, 0, 3, 3), torch.ones(2))  # ones [1, 2, 2, 2]
-// The f32 im2col path passed lda = 0 to oneDNN's GEMM, which refused it.
-// Buffers of NaN are freed just before each call, so that an output left
-// unwritten (reusing their memory) would show.
-TEST(KernelsTest, Conv2dWithNoInputChannelsGivesTheBias) {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
+// Runs `body` for each dtype the convolutions take, under each GEMM backend
+// and convolution algorithm, naming the setting in any failure (an
+// exception included); puts the default backend and algorithm back after.
+void ForEachConvSetting(const std::function<void(DType)>& body) {
   for (GemmBackend backend : {GemmBackend::kOneDnn, GemmBackend::kOpenBlas}) {
     SetGemmBackend(backend);
     for (ConvAlgorithm algo : {ConvAlgorithm::kIm2col, ConvAlgorithm::kOneDnn, ConvAlgorithm::kAuto}) {
@@ -1391,23 +1387,8 @@ TEST(KernelsTest, Conv2dWithNoInputChannelsGivesTheBias) {
       for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
         SCOPED_TRACE(std::string(DTypeName(dt)) + " algorithm " + std::to_string(static_cast<int>(algo)) +
                      " gemm " + std::to_string(static_cast<int>(backend)));
-        for (int k = 0; k < 4; ++k) Full({1, 2, 2, 2}, nan, {.dtype = dt});
         try {
-          const Tensor x = Zeros({1, 0, 4, 4}, {.dtype = dt, .requires_grad = true});
-          const Tensor w = Zeros({2, 0, 3, 3}, {.dtype = dt, .requires_grad = true});
-          const Tensor b = Ones({2}, {.dtype = dt, .requires_grad = true});
-          const Tensor y = Conv2d(x, w, b);
-          ASSERT_EQ(y.shape(), (Shape{1, 2, 2, 2}));
-          EXPECT_EQ(y.ToVector<double>(), std::vector<double>(8, 1.0));
-          Backward(Sum(y));
-          EXPECT_EQ(x.grad().shape(), (Shape{1, 0, 4, 4}));
-          EXPECT_EQ(w.grad().shape(), (Shape{2, 0, 3, 3}));
-          EXPECT_EQ(b.grad().ToVector<double>(), (std::vector<double>{4, 4}));
-          for (int k = 0; k < 4; ++k) Full({1, 2, 2, 2}, nan, {.dtype = dt});
-          const Tensor y0 = Conv2d(Zeros({1, 0, 4, 4}, {.dtype = dt}), Zeros({2, 0, 3, 3}, {.dtype = dt}), Tensor(),
-                                   {.stride_h = 2, .stride_w = 1, .pad_h = 1, .pad_w = 0});
-          ASSERT_EQ(y0.shape(), (Shape{1, 2, 2, 2}));
-          EXPECT_EQ(y0.ToVector<double>(), std::vector<double>(8, 0.0));
+          body(dt);
         } catch (const std::exception& e) {
           ADD_FAILURE() << e.what();
         }
@@ -1418,40 +1399,54 @@ TEST(KernelsTest, Conv2dWithNoInputChannelsGivesTheBias) {
   SetGemmBackend(GemmBackend::kOneDnn);
 }
 
+// Conv2d with 0 input channels gives the bias broadcast (zeros without
+// one), with gradients of the operands' shapes, as PyTorch:
+//   F.conv2d(torch.zeros(1, 0, 4, 4), torch.zeros(2, 0, 3, 3), torch.ones(2))  # ones [1, 2, 2, 2]
+// The f32 im2col path passed lda = 0 to oneDNN's GEMM, which refused it.
+// Buffers of NaN are freed just before each call, so that an output left
+// unwritten (reusing their memory) would show.
+TEST(KernelsTest, Conv2dWithNoInputChannelsGivesTheBias) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  ForEachConvSetting([&](DType dt) {
+    for (int k = 0; k < 4; ++k) Full({1, 2, 2, 2}, nan, {.dtype = dt});
+    const Tensor x = Zeros({1, 0, 4, 4}, {.dtype = dt, .requires_grad = true});
+    const Tensor w = Zeros({2, 0, 3, 3}, {.dtype = dt, .requires_grad = true});
+    const Tensor b = Ones({2}, {.dtype = dt, .requires_grad = true});
+    const Tensor y = Conv2d(x, w, b);
+    ASSERT_EQ(y.shape(), (Shape{1, 2, 2, 2}));
+    EXPECT_EQ(y.ToVector<double>(), std::vector<double>(8, 1.0));
+    Backward(Sum(y));
+    EXPECT_EQ(x.grad().shape(), (Shape{1, 0, 4, 4}));
+    EXPECT_EQ(w.grad().shape(), (Shape{2, 0, 3, 3}));
+    EXPECT_EQ(b.grad().ToVector<double>(), (std::vector<double>{4, 4}));
+    for (int k = 0; k < 4; ++k) Full({1, 2, 2, 2}, nan, {.dtype = dt});
+    const Tensor y0 = Conv2d(Zeros({1, 0, 4, 4}, {.dtype = dt}), Zeros({2, 0, 3, 3}, {.dtype = dt}), Tensor(),
+                             {.stride_h = 2, .stride_w = 1, .pad_h = 1, .pad_w = 0});
+    ASSERT_EQ(y0.shape(), (Shape{1, 2, 2, 2}));
+    EXPECT_EQ(y0.ToVector<double>(), std::vector<double>(8, 0.0));
+  });
+}
+
 // 0 output channels: an empty output, and zero gradients of the operands'
 // shapes (the input gradient's GEMM has K = O/G = 0). Buffers of NaN are
 // freed before backward, so that a gradient left unwritten would show.
 TEST(KernelsTest, Conv2dWithNoOutputChannelsGivesZeroGradients) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   Generator gen(3);
-  for (GemmBackend backend : {GemmBackend::kOneDnn, GemmBackend::kOpenBlas}) {
-    SetGemmBackend(backend);
-    for (ConvAlgorithm algo : {ConvAlgorithm::kIm2col, ConvAlgorithm::kOneDnn, ConvAlgorithm::kAuto}) {
-      SetConvAlgorithm(algo);
-      for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kBFloat16}) {
-        SCOPED_TRACE(std::string(DTypeName(dt)) + " algorithm " + std::to_string(static_cast<int>(algo)) +
-                     " gemm " + std::to_string(static_cast<int>(backend)));
-        try {
-          Tensor x = Rand({2, 3, 4, 4}, {.dtype = dt}, gen).Detach();
-          x.set_requires_grad(true);
-          const Tensor w = Zeros({0, 3, 3, 3}, {.dtype = dt, .requires_grad = true});
-          const Tensor y = Conv2d(x, w, Zeros({0}, {.dtype = dt, .requires_grad = true}));
-          ASSERT_EQ(y.shape(), (Shape{2, 0, 2, 2}));
-          for (int k = 0; k < 4; ++k) {
-            Full({2, 3, 4, 4}, nan, {.dtype = dt});
-            Full({27, 4}, nan, {.dtype = dt});
-          }
-          Backward(Sum(y));
-          EXPECT_EQ(x.grad().ToVector<double>(), std::vector<double>(96, 0.0));
-          EXPECT_EQ(w.grad().shape(), (Shape{0, 3, 3, 3}));
-        } catch (const std::exception& e) {
-          ADD_FAILURE() << e.what();
-        }
-      }
+  ForEachConvSetting([&](DType dt) {
+    Tensor x = Rand({2, 3, 4, 4}, {.dtype = dt}, gen).Detach();
+    x.set_requires_grad(true);
+    const Tensor w = Zeros({0, 3, 3, 3}, {.dtype = dt, .requires_grad = true});
+    const Tensor y = Conv2d(x, w, Zeros({0}, {.dtype = dt, .requires_grad = true}));
+    ASSERT_EQ(y.shape(), (Shape{2, 0, 2, 2}));
+    for (int k = 0; k < 4; ++k) {
+      Full({2, 3, 4, 4}, nan, {.dtype = dt});
+      Full({27, 4}, nan, {.dtype = dt});
     }
-  }
-  SetConvAlgorithm(ConvAlgorithm::kAuto);
-  SetGemmBackend(GemmBackend::kOneDnn);
+    Backward(Sum(y));
+    EXPECT_EQ(x.grad().ToVector<double>(), std::vector<double>(96, 0.0));
+    EXPECT_EQ(w.grad().shape(), (Shape{0, 3, 3, 3}));
+  });
 }
 
 // Output sizes whose intermediate terms overflow int64 are refused naming

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -200,6 +201,24 @@ void ExpectEveryRankNamesBoth(const std::vector<Status>& statuses, int odd, cons
 // that rank's data first and failed on its size ("message size mismatch:
 // rank 5 sent 260 bytes but rank 4 expected 256"), and the ranks its note
 // reached learnt only their own count.
+// Runs `call` on `world` loopback ranks that are not killed on an error,
+// rank `odd` entering `late` after the others (so that they are inside
+// the call when its messages come); `call` learns whether it is the odd
+// rank.
+std::vector<Status> RunWithALateOddRank(int world, int odd, std::chrono::milliseconds late,
+                                        const std::function<Status(p2p::PointToPoint&, bool)>& call) {
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  return transport::testing::RunRanks(
+      world,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const bool is_odd = p2p.rank() == odd;
+        if (is_odd) std::this_thread::sleep_for(late);
+        return call(p2p, is_odd);
+      },
+      options);
+}
+
 TEST(RhdAllReduceTest, EveryRankNamesBothCountsOfADisagreement) {
   const std::pair<const char*, const AllReduceFn*> modes[] = {{"doubling", &kDoubling},
                                                               {"halving", &kHalving}};
@@ -301,16 +320,9 @@ TEST(RhdAllReduceTest, DoublingNamesAPartnerThatPassedAnotherDtypeOrOp) {
       for (int odd = 0; odd < world; ++odd) {
         const std::string what = std::to_string(world) + " ranks, rank " + std::to_string(odd) +
                                  " passes " + o.passed;
-        ::ddp::transport::testing::HarnessOptions options;
-        options.kill_on_error = false;
         const Deadline deadline = DeadlineIn(std::chrono::seconds(6));
-        const std::vector<Status> statuses = transport::testing::RunRanks(
-            world,
-            [&](p2p::PointToPoint& p2p) -> Status {
-              const bool is_odd = p2p.rank() == odd;
-              // Late, so that the others are inside the call when its
-              // messages come.
-              if (is_odd) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        const std::vector<Status> statuses = RunWithALateOddRank(
+            world, odd, std::chrono::milliseconds(300), [&](p2p::PointToPoint& p2p, bool is_odd) {
               std::vector<float> data(64, 1.0f);
               CollectiveArgs args;
               args.send = data.data();
@@ -321,8 +333,7 @@ TEST(RhdAllReduceTest, DoublingNamesAPartnerThatPassedAnotherDtypeOrOp) {
               args.tag = CollectiveTag(3);
               args.deadline = deadline;
               return kDoubling(p2p, args);
-            },
-            options);
+            });
         ExpectEveryRankNamesBoth(statuses, odd, o.passed, "count 64 of f32, op sum", what);
         if (HasFailure()) return;
       }
@@ -341,14 +352,9 @@ TEST(RhdAllReduceTest, RanksOnBothSidesOfTheDoublingSizeFailNamingBothCounts) {
     for (int odd = 0; odd < world; ++odd) {
       const std::string what =
           std::to_string(world) + " ranks, rank " + std::to_string(odd) + " passes count 2049";
-      ::ddp::transport::testing::HarnessOptions options;
-      options.kill_on_error = false;
       const auto start = std::chrono::steady_clock::now();
-      const std::vector<Status> statuses = transport::testing::RunRanks(
-          world,
-          [&](p2p::PointToPoint& p2p) -> Status {
-            const bool is_odd = p2p.rank() == odd;
-            if (is_odd) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const std::vector<Status> statuses = RunWithALateOddRank(
+          world, odd, std::chrono::milliseconds(100), [&](p2p::PointToPoint& p2p, bool is_odd) {
             std::vector<float> data(2049, 1.0f);
             CollectiveArgs args;
             args.send = data.data();
@@ -356,8 +362,7 @@ TEST(RhdAllReduceTest, RanksOnBothSidesOfTheDoublingSizeFailNamingBothCounts) {
             args.count = is_odd ? 2049 : 2048;
             args.deadline = DeadlineIn(std::chrono::seconds(20));
             return RhdAllReduce(p2p, args);
-          },
-          options);
+          });
       EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << what;
       ExpectEveryRankNamesBoth(statuses, odd, "count 2049 of f32", "count 2048 of f32", what);
       if (HasFailure()) return;
@@ -384,14 +389,9 @@ TEST(RhdAllReduceTest, RanksInDifferentModesFailAtOnceNamingBoth) {
         const std::string what = std::to_string(world) + " ranks, rank " + std::to_string(odd) +
                                  (odd_halves ? " halves, the others double"
                                              : " doubles, the others halve");
-        ::ddp::transport::testing::HarnessOptions options;
-        options.kill_on_error = false;
         const auto start = std::chrono::steady_clock::now();
-        const std::vector<Status> statuses = transport::testing::RunRanks(
-            world,
-            [&](p2p::PointToPoint& p2p) -> Status {
-              const bool is_odd = p2p.rank() == odd;
-              if (is_odd) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        const std::vector<Status> statuses = RunWithALateOddRank(
+            world, odd, std::chrono::milliseconds(100), [&](p2p::PointToPoint& p2p, bool is_odd) {
               std::vector<float> data(64, 1.0f);
               CollectiveArgs args;
               args.send = data.data();
@@ -401,8 +401,7 @@ TEST(RhdAllReduceTest, RanksInDifferentModesFailAtOnceNamingBoth) {
               // 1: halving-doubling for 256 B; 0: the default, doubling.
               args.tuning.rhd_doubling_bytes = is_odd == odd_halves ? 1 : 0;
               return RhdAllReduce(p2p, args);
-            },
-            options);
+            });
         EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << what;
         ExpectEveryRankNamesBoth(statuses, odd, odd_halves ? halving : doubling,
                                  odd_halves ? doubling : halving, what);
