@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -22,7 +23,6 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -37,6 +37,41 @@ namespace {
 std::atomic<int64_t> write_pause_per_piece_ms{0};
 // internal::SetPauseBeforeRenameForTesting's pause, in milliseconds.
 std::atomic<int64_t> pause_before_rename_ms{0};
+
+// The tests' pauses wait on this, so that setting a pause to zero ends
+// the pauses under way instead of leaving a test to wait them out.
+std::mutex& PauseMutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::condition_variable& PauseSettingChanged() {
+  static auto* changed = new std::condition_variable;
+  return *changed;
+}
+// Pauses begun so far (internal::PausesBegunForTesting); guarded by
+// PauseMutex.
+int64_t pauses_begun = 0;
+
+// Waits `setting` milliseconds, or until the setting is turned to zero.
+void PauseForTesting(const std::atomic<int64_t>& setting) {
+  if (setting.load(std::memory_order_relaxed) <= 0) return;  // not under test: no lock
+  std::unique_lock lock(PauseMutex());
+  const int64_t ms = setting.load(std::memory_order_relaxed);
+  if (ms <= 0) return;
+  ++pauses_begun;
+  PauseSettingChanged().wait_for(lock, std::chrono::milliseconds(ms),
+                                 [&] { return setting.load(std::memory_order_relaxed) <= 0; });
+}
+
+// Stores a pause setting under PauseMutex (a pause about to wait sees it)
+// and wakes the pauses under way, which end if it is zero.
+void SetPause(std::atomic<int64_t>& setting, std::chrono::milliseconds pause) {
+  {
+    std::lock_guard lock(PauseMutex());
+    setting.store(pause.count(), std::memory_order_relaxed);
+  }
+  PauseSettingChanged().notify_all();
+}
 
 // internal::SetTemporaryCreatedHookForTesting's hook.
 std::function<void(const std::string&)>& TemporaryCreatedHook() {
@@ -393,11 +428,11 @@ std::string AtomicWriteTarget(const std::string& path) {
 }
 
 namespace internal {
-void SetWritePausePerPiece(std::chrono::milliseconds pause) {
-  write_pause_per_piece_ms.store(pause.count(), std::memory_order_relaxed);
-}
-void SetPauseBeforeRenameForTesting(std::chrono::milliseconds pause) {
-  pause_before_rename_ms.store(pause.count(), std::memory_order_relaxed);
+void SetWritePausePerPiece(std::chrono::milliseconds pause) { SetPause(write_pause_per_piece_ms, pause); }
+void SetPauseBeforeRenameForTesting(std::chrono::milliseconds pause) { SetPause(pause_before_rename_ms, pause); }
+int64_t PausesBegunForTesting() {
+  std::lock_guard lock(PauseMutex());
+  return pauses_begun;
 }
 void SetTemporaryCreatedHookForTesting(std::function<void(const std::string&)> hook) {
   TemporaryCreatedHook() = std::move(hook);
@@ -554,9 +589,7 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
   while (nbytes > 0) {
     // Before the stop check, so that a stop asked for during the pause
     // spares the piece, as it would a piece not yet begun on a slow disk.
-    if (const int64_t ms = write_pause_per_piece_ms.load(std::memory_order_relaxed); ms > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-    }
+    PauseForTesting(write_pause_per_piece_ms);
     CheckStop();
     const ssize_t n = ::write(fd_, p, std::min(nbytes, kStopCheckBytes));
     if (n < 0) {
@@ -635,9 +668,7 @@ bool AtomicFileWriter::Place(bool replace) {
     ::unlink(temp_path_.c_str());
     throw CheckpointError(path_ + ": the write was stopped before it ended; the file was left as it was");
   }
-  if (const int64_t ms = pause_before_rename_ms.load(std::memory_order_relaxed); ms > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-  }
+  PauseForTesting(pause_before_rename_ms);
   if (replace) {
     if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
       const int err = errno;  // building the message may change errno

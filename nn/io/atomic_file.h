@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -160,14 +161,20 @@ bool FolderFsyncUnsupported(int err);
 /// kStopCheckBytes (before its stop check), as a slow disk would, so that
 /// tests of deadlines and heartbeats around long writes do not depend on how
 /// fast the disk or the page cache is. Process-wide; zero (the default)
-/// turns it off. For tests only.
+/// turns it off and ends the pauses under way. For tests only.
 void SetWritePausePerPiece(std::chrono::milliseconds pause);
 
 /// Makes every AtomicFileWriter::Commit sleep `pause` after its last stop
 /// check, before its rename, as a rename on a slow filesystem would: the
 /// window in which a stop comes too late. Process-wide; zero (the default)
-/// turns it off. For tests only.
+/// turns it off and ends the pauses under way. For tests only.
 void SetPauseBeforeRenameForTesting(std::chrono::milliseconds pause);
+
+/// How many pauses of the two functions above have begun in this process,
+/// so that a test can act once a writer is inside one (and then end it by
+/// setting the pause to zero) rather than after a fixed time. For tests
+/// only.
+int64_t PausesBegunForTesting();
 
 /// Calls `hook` with the temporary file's path as soon as an
 /// AtomicFileWriter has created it (before anything else is done to it), so

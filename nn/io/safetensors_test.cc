@@ -709,6 +709,17 @@ TEST(AtomicFileTest, FolderFsyncTheFilesystemDoesNotDoIsNoError) {
   }
 }
 
+// Waits until more than `begun` of the writers' test pauses have begun
+// (internal::PausesBegunForTesting), for 10 s at most; whether they had.
+bool PauseBegunAfter(int64_t begun) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (internal::PausesBegunForTesting() <= begun) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
 // A tensor changed by another thread while its file is being written (a
 // save of live CPU tensors during training) aborts the save: the file
 // would not match its own checksum. The last good file stays in place.
@@ -718,25 +729,30 @@ TEST(Safetensors, ATensorChangedDuringTheWriteAbortsTheSave) {
   std::vector<float> a(16, 1.0f), b(16, 2.0f);
   WriteSafetensorsFile(path, {{"a", StDtype::kF32, {16}, a.data(), 64}, {"b", StDtype::kF32, {16}, b.data(), 64}});
   const std::string good = ReadAll(path);
-  // Pieces: length, header, a, b; `b` changes during the first pause.
-  internal::SetWritePausePerPiece(std::chrono::milliseconds(300));
+  // Pieces: length, header, a, b; `b` changes during the first pause,
+  // which then ends (it would last 30 s), and so do the others.
+  const int64_t begun = internal::PausesBegunForTesting();
+  internal::SetWritePausePerPiece(std::chrono::seconds(30));
+  bool changed_in_pause = false;
   std::thread trainer([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    changed_in_pause = PauseBegunAfter(begun);
     std::atomic_ref<float>(b[3]).store(7.0f);
+    internal::SetWritePausePerPiece(std::chrono::milliseconds(0));
   });
   const std::string error = ErrorOf([&] {
     WriteSafetensorsFile(path, {{"a", StDtype::kF32, {16}, a.data(), 64}, {"b", StDtype::kF32, {16}, b.data(), 64}});
   });
   trainer.join();
-  internal::SetWritePausePerPiece(std::chrono::milliseconds(0));
+  EXPECT_TRUE(changed_in_pause) << "the write was not seen in its first pause within 10 s";
   EXPECT_THAT(error, AllOf(HasSubstr(path), HasSubstr("tensor `b` changed while it was being saved")));
   EXPECT_EQ(ReadAll(path), good);
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
 // internal::SetWritePausePerPiece (tests of deadlines around long writes
-// rely on it): each piece waits the pause, and a stop asked for during the
-// pause spares the piece that was about to be written.
+// rely on it): each piece waits the pause, a stop asked for during the
+// pause spares the piece that was about to be written, and setting the
+// pause to zero ends the pause under way.
 TEST(Safetensors, WritePausePerPieceSlowsEveryPieceAndAStopDuringItSparesThePiece) {
   const std::string dir = TmpDir("st_pause");
   const std::string path = dir + "/c.safetensors";
@@ -750,23 +766,30 @@ TEST(Safetensors, WritePausePerPieceSlowsEveryPieceAndAStopDuringItSparesThePiec
     out.Commit();
   }
   EXPECT_EQ(ReadAll(path).size(), data.size());
-  // Long enough that the stopper thread runs well inside it on a loaded host.
-  internal::SetWritePausePerPiece(std::chrono::milliseconds(500));
+  // The stop comes once the writer is seen in the first pause, which then
+  // ends long before its 30 s.
+  const int64_t begun = internal::PausesBegunForTesting();
+  internal::SetWritePausePerPiece(std::chrono::seconds(30));
   std::atomic<bool> stop{false};
   std::string error;
   {
     AtomicFileWriter out(path, &stop);
+    bool stopped_in_pause = false;
     std::thread stopper([&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      stopped_in_pause = PauseBegunAfter(begun);
       stop = true;
+      internal::SetWritePausePerPiece(std::chrono::milliseconds(0));
     });
+    const auto start = std::chrono::steady_clock::now();
     error = ErrorOf([&] { out.Write(data.data(), data.size()); });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15))
+        << "the pause did not end when it was set to zero";
     stopper.join();
+    EXPECT_TRUE(stopped_in_pause) << "the write was not seen in its first pause within 10 s";
     struct stat st{};
     ASSERT_EQ(::stat(out.temp_path().c_str(), &st), 0);
     EXPECT_EQ(st.st_size, 0) << "a piece was written after the stop";
   }
-  internal::SetWritePausePerPiece(std::chrono::milliseconds(0));
   EXPECT_THAT(error, HasSubstr("the write was stopped"));
   EXPECT_EQ(ReadAll(path).size(), data.size());
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
@@ -1410,32 +1433,24 @@ TEST(Safetensors, OrderedStopSaysWhetherTheRenameHadBegun) {
     OrderedStop ordered(stop);
     AtomicFileWriter out(path, &stop);
     out.Write("new", 3);
-    // The stop comes once the committing thread is seen sleeping in this
-    // pause (past its last check; nothing else in Commit sleeps), and long
-    // before the pause ends, even on a busy host: before the rename.
-    internal::SetPauseBeforeRenameForTesting(std::chrono::milliseconds(1000));
+    // The stop comes once the committing thread is seen in this pause
+    // (past its last check), which is then ended: before the rename.
+    const int64_t begun = internal::PausesBegunForTesting();
+    internal::SetPauseBeforeRenameForTesting(std::chrono::seconds(30));
     std::string error;
-    std::atomic<pid_t> commit_tid{0};
     std::thread commit([&] {
-      commit_tid = static_cast<pid_t>(::syscall(SYS_gettid));
       try {
         out.Commit();
       } catch (const CheckpointError& e) {
         error = e.what();
       }
     });
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    bool pausing = false;
-    while (!pausing && std::chrono::steady_clock::now() < deadline) {
-      const long nr = commit_tid.load() == 0 ? -1 : SyscallOf(commit_tid.load());
-      pausing = nr == SYS_clock_nanosleep || nr == SYS_nanosleep;
-      if (!pausing) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    EXPECT_TRUE(pausing) << "the committing thread was not seen in its pause before the rename within 10 s";
+    EXPECT_TRUE(PauseBegunAfter(begun))
+        << "the committing thread was not seen in its pause before the rename within 10 s";
     EXPECT_TRUE(ordered.Stop());
+    internal::SetPauseBeforeRenameForTesting(std::chrono::milliseconds(0));
     commit.join();
     EXPECT_EQ(error, "");
-    internal::SetPauseBeforeRenameForTesting(std::chrono::milliseconds(0));
   }
   EXPECT_EQ(ReadAll(path), "new");
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.bin"});
