@@ -172,7 +172,11 @@ TEST(LoadTensorsFromPath, AHostileHeaderTakesAFewTimesItsSizeToReadNotTwentyTime
     try {
       LoadTensors(many);
     } catch (const CheckpointError& e) {
-      return std::string(e.what()).find("tensor `zz`: entry is number") != std::string::npos;
+      // The same error a load in this process would give: the file and
+      // the entry named (parsed once, here, not again in this process).
+      const std::string what = e.what();
+      return what.find(many) != std::string::npos &&
+             what.find("tensor `zz`: entry is number") != std::string::npos;
     }
     return false;
   });
@@ -186,11 +190,10 @@ TEST(LoadTensorsFromPath, AHostileHeaderTakesAFewTimesItsSizeToReadNotTwentyTime
     }
     return false;
   });
-  EXPECT_THAT(ErrorOf([&] { LoadTensors(many); }), AllOf(HasSubstr(many), HasSubstr("tensor `zz`: entry is number")));
   std::remove(many.c_str());
   std::remove(junk.c_str());
   std::remove(record.c_str());
-  ASSERT_GE(refused, 0) << "loading the file of a million entries did not end with the error naming `zz`";
+  ASSERT_GE(refused, 0) << "loading " << many << " did not end with an error naming it and `zz`";
   ASSERT_GE(loaded, 0) << "the file whose entry has another key did not load";
   ASSERT_GE(metadata, 0) << "ReadMetadata of the file of a million entries failed";
   ASSERT_GE(devices, 0) << "loading the file whose device record names other tensors did not end naming one";
