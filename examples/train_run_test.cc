@@ -185,15 +185,18 @@ TEST(TrainRunTest, CompressedGradientsTrainAndSaySo) {
 
 // --comm_hook=powersgd saves its iteration and Q's with the checkpoint, and
 // a resumed run loads them: it counts on from the saved iteration (past the
-// warm-up of 1,000, so it compresses from its first step) and saves the
-// Q's it went on with. Before, the checkpoint held neither.
+// warm-up of 4 steps, so it compresses from its first step; a resume that
+// counted from 0 would not compress in its 2 steps) and saves the Q's it
+// went on with. Before, the checkpoint held neither. (The default warm-up of
+// 1,000 steps made the case train 1,000 steps that showed nothing more.)
 TEST(TrainRunTest, PowerSgdStateIsSavedAndAResumeContinuesIt) {
   const std::string dir = testing::MakeTempDir("powersgd_resume");
   const std::string ckpt = dir + "/ckpt.safetensors";
   std::vector<std::string> args = {
-      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",  "--train_samples=8192",
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",  "--train_samples=128",
       "--test_samples=64",       "--batch_size=4",      "--workers=0",  "--epochs=1",
-      "--scheduler=none",        "--comm_hook=powersgd", "--checkpoint=" + ckpt};
+      "--scheduler=none",        "--comm_hook=powersgd", "--powersgd_start_step=4",
+      "--checkpoint=" + ckpt};
   // The PowerSGD part of the checkpoint: its iteration and the Q's by key.
   auto powersgd_state = [&ckpt](int64_t* iteration) {
     std::map<std::string, std::vector<float>> qs;
@@ -205,23 +208,23 @@ TEST(TrainRunTest, PowerSgdStateIsSavedAndAResumeContinuesIt) {
     return qs;
   };
   std::vector<std::string> first = args;
-  first.push_back("--max_steps=1002");
+  first.push_back("--max_steps=6");
   const RunOutput r1 = RunToEnd(first);
   ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
   int64_t iteration = 0;
   const auto saved = powersgd_state(&iteration);
-  EXPECT_EQ(iteration, 1002);
+  EXPECT_EQ(iteration, 6);
   std::vector<std::string> keys;
   for (const auto& [key, q] : saved) keys.push_back(key);
   // The MLP's three weights; its biases are not compressed.
   EXPECT_EQ(keys, (std::vector<std::string>{"powersgd.q.1.weight", "powersgd.q.3.weight", "powersgd.q.5.weight"}));
 
   std::vector<std::string> resumed = args;
-  resumed.insert(resumed.end(), {"--max_steps=1004", "--resume"});
+  resumed.insert(resumed.end(), {"--max_steps=8", "--resume"});
   const RunOutput r2 = RunToEnd(resumed);
   ASSERT_EQ(r2.exit_code, 0) << r2.out << r2.err;
   const auto after = powersgd_state(&iteration);
-  EXPECT_EQ(iteration, 1004);
+  EXPECT_EQ(iteration, 8);
   ASSERT_EQ(after.size(), saved.size());
   for (const auto& [key, q] : saved) {
     ASSERT_EQ(after.at(key).size(), q.size()) << key;
