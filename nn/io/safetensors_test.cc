@@ -757,15 +757,21 @@ TEST(Safetensors, WritePausePerPieceSlowsEveryPieceAndAStopDuringItSparesThePiec
   const std::string dir = TmpDir("st_pause");
   const std::string path = dir + "/c.safetensors";
   const std::string data(kStopCheckBytes + 1, 'x');  // two pieces
+  WriteAll(path, "old");
+  const int64_t begun_before = internal::PausesBegunForTesting();
   internal::SetWritePausePerPiece(std::chrono::milliseconds(100));
   {
     AtomicFileWriter out(path);
     const auto start = std::chrono::steady_clock::now();
     out.Write(data.data(), data.size());
     EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(200));
-    out.Commit();
+    EXPECT_EQ(internal::PausesBegunForTesting() - begun_before, 2) << "not one pause per piece";
+    // Both pieces written; not committed (its fsync of 64 MiB is no part
+    // of this), so the temporary goes with the writer.
+    struct stat st{};
+    ASSERT_EQ(::stat(out.temp_path().c_str(), &st), 0);
+    EXPECT_EQ(st.st_size, static_cast<off_t>(data.size()));
   }
-  EXPECT_EQ(ReadAll(path).size(), data.size());
   // The stop comes once the writer is seen in the first pause, which then
   // ends long before its 30 s.
   const int64_t begun = internal::PausesBegunForTesting();
@@ -791,7 +797,7 @@ TEST(Safetensors, WritePausePerPieceSlowsEveryPieceAndAStopDuringItSparesThePiec
     EXPECT_EQ(st.st_size, 0) << "a piece was written after the stop";
   }
   EXPECT_THAT(error, HasSubstr("the write was stopped"));
-  EXPECT_EQ(ReadAll(path).size(), data.size());
+  EXPECT_EQ(ReadAll(path), "old");
   EXPECT_EQ(FilesIn(dir), std::vector<std::string>{"c.safetensors"});
 }
 
