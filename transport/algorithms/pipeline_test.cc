@@ -127,6 +127,8 @@ class Recorder final : public p2p::PointToPoint {
     return ++last_;
   }
   StatusOr<p2p::RequestId> PostRecv(int, p2p::Tag, void*, size_t) override { return ++last_; }
+  // A notice has no handle, so nothing to record about its cancellation.
+  Status PostNotice(int, p2p::Tag, const void*, size_t) override { return Status(); }
   StatusOr<bool> Test(p2p::RequestId) override { return false; }
   Status WaitAll(std::span<const p2p::RequestId>, Deadline) override {
     return TimedOutError("never");

@@ -68,6 +68,9 @@ class GateReportingEndpoint final : public p2p::PointToPoint {
   StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
     return inner_.PostRecv(peer, tag, data, bytes);
   }
+  Status PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) override {
+    return inner_.PostNotice(peer, tag, data, bytes);
+  }
   StatusOr<bool> Test(p2p::RequestId request) override { return inner_.Test(request); }
   Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
     gate_.Blocked(+1);

@@ -45,6 +45,10 @@ class HugeWorld final : public p2p::PointToPoint {
     ++posts;
     return AbortedError("HugeWorld moves nothing");
   }
+  Status PostNotice(int, p2p::Tag, const void*, size_t) override {
+    ++posts;
+    return AbortedError("HugeWorld moves nothing");
+  }
   StatusOr<bool> Test(p2p::RequestId) override { return AbortedError("HugeWorld"); }
   Status WaitAll(std::span<const p2p::RequestId>, Deadline) override {
     return AbortedError("HugeWorld");

@@ -63,4 +63,10 @@ StatusOr<RequestId> GroupView::PostRecv(int peer, Tag tag, void* data, size_t by
   return parent_->PostRecv(members_[peer], mapped, data, bytes);
 }
 
+Status GroupView::PostNotice(int peer, Tag tag, const void* data, size_t bytes) {
+  DDP_RETURN_IF_ERROR(CheckPeer(peer));
+  DDP_ASSIGN_OR_RETURN(const Tag mapped, MapTag(tag));
+  return parent_->PostNotice(members_[peer], mapped, data, bytes);
+}
+
 }  // namespace ddp::transport::p2p

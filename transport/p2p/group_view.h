@@ -8,7 +8,7 @@
 // apart.
 //
 // Request handles are the parent's; Test/Wait/Cancel/CancelAll pass straight
-// through.
+// through, and notices are the parent's, with the peer and tag mapped.
 // Error messages come from the parent and so name parent ranks.
 
 #include <memory>
@@ -38,6 +38,7 @@ class GroupView final : public PointToPoint {
 
   StatusOr<RequestId> PostSend(int peer, Tag tag, const void* data, size_t bytes) override;
   StatusOr<RequestId> PostRecv(int peer, Tag tag, void* data, size_t bytes) override;
+  Status PostNotice(int peer, Tag tag, const void* data, size_t bytes) override;
   StatusOr<bool> Test(RequestId request) override { return parent_->Test(request); }
   Status WaitAll(std::span<const RequestId> requests, Deadline deadline) override {
     return parent_->WaitAll(requests, deadline);

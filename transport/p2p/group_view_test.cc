@@ -44,6 +44,23 @@ TEST(GroupViewTest, MapsGroupRanksAndTagsToTheParent) {
   EXPECT_EQ(y, 77);
 }
 
+TEST(GroupViewTest, NoticeGoesToTheParentRankAndTag) {
+  LoopbackHub hub(4);
+  auto p1 = std::move(hub.Connect(1)).value();
+  auto p3 = std::move(hub.Connect(3)).value();
+  auto g3 = GroupView::Create(*p3, {3, 1}, /*tag_offset=*/1000);
+  ASSERT_TRUE(g3.ok()) << g3.status();
+  const int x = 78;
+  ASSERT_TRUE(g3->PostNotice(1, 5, &x, sizeof(x)).ok());
+  int raw = 0;
+  auto r = *p1->PostRecv(3, 1005, &raw, sizeof(raw));
+  ASSERT_TRUE(p1->WaitAll(std::vector<RequestId>{r}, DeadlineIn(5000ms)).ok());
+  EXPECT_EQ(raw, 78);
+  Status outside = g3->PostNotice(2, 5, &x, sizeof(x));
+  EXPECT_EQ(outside.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(outside.message(), HasSubstr("peer 2"));
+}
+
 TEST(GroupViewTest, ViewsWithDifferentOffsetsDoNotSeeEachOthersMessages) {
   LoopbackHub hub(2);
   auto p0 = std::move(hub.Connect(0)).value();

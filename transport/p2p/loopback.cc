@@ -57,6 +57,9 @@ class LoopbackEndpoint final : public PointToPoint {
   StatusOr<size_t> WaitAny(std::span<const RequestId> requests, Deadline deadline) override {
     return hub_->WaitAny(rank_, requests.data(), requests.size(), deadline);
   }
+  Status PostNotice(int peer, Tag tag, const void* data, size_t bytes) override {
+    return hub_->PostNotice(rank_, peer, tag, data, bytes);
+  }
   void Cancel(RequestId request) override { hub_->Cancel(rank_, request); }
   void CancelAll(std::span<const RequestId> requests) override {
     hub_->CancelAll(rank_, requests.data(), requests.size());
@@ -101,6 +104,12 @@ void LoopbackHub::Disconnect(int rank) {
   std::vector<RequestId> ids;
   for (const auto& [id, op] : me.ops) ids.push_back(id);
   for (RequestId id : ids) ReleaseLocked(lock, rank, id);
+  // Notices to this rank die with it; those it sent stay for their peers.
+  std::vector<Op*> notices;
+  for (Op* op : me.unexpected_sends) {
+    if (op->is_notice) notices.push_back(op);
+  }
+  for (Op* op : notices) DropNoticeLocked(me, op);
   me.connected = false;
 }
 
@@ -129,6 +138,11 @@ void LoopbackHub::Kill(int rank) {
     // Queued sends from the dead rank (dropped), or to it (never delivered).
     for (auto it = rs.unexpected_sends.begin(); it != rs.unexpected_sends.end();) {
       Op* op = *it;
+      if (op->is_notice && (op->owner == rank || q == rank)) {
+        it = rs.unexpected_sends.erase(it);
+        FreeNoticeLocked(rs, op);
+        continue;
+      }
       if (op->owner == rank) {
         FinishLocked(op, AbortedError(lost + "; " + Describe(true, op->owner, op->peer, op->tag, op->bytes)));
       } else if (q == rank) {
@@ -247,8 +261,84 @@ StatusOr<RequestId> LoopbackHub::Post(int rank, bool is_send, int peer, Tag tag,
     Op* send = *it;
     queue.erase(it);
     Complete(lock, send, op);
+    if (send->is_notice) FreeNoticeLocked(me, send);
   }
   return id;
+}
+
+Status LoopbackHub::PostNotice(int rank, int peer, Tag tag, const void* data, size_t bytes) {
+  if (peer < 0 || peer >= size_) {
+    return InvalidArgumentError("loopback: notice to peer " + std::to_string(peer) +
+                                " is outside [0, " + std::to_string(size_) + ")");
+  }
+  if (tag > kMaxTag) {
+    return InvalidArgumentError("loopback: notice tag " + HexTag(tag) + " does not fit in " +
+                                std::to_string(kTagBits) + " bits");
+  }
+  if (bytes > kMaxNoticeBytes || (bytes > 0 && data == nullptr)) {
+    return InvalidArgumentError("loopback: notice of " + std::to_string(bytes) + " bytes from rank " +
+                                std::to_string(rank) + " to rank " + std::to_string(peer) +
+                                (bytes > kMaxNoticeBytes
+                                     ? " is larger than " + std::to_string(kMaxNoticeBytes)
+                                     : std::string(" has a null buffer")));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (ranks_[rank]->killed) {
+    return AbortedError("rank " + std::to_string(rank) + " was killed; notice " +
+                        Describe(true, rank, peer, tag, bytes));
+  }
+  if (ranks_[peer]->killed) {
+    return PeerLostError("rank " + std::to_string(peer) + " was lost (killed); notice " +
+                         Describe(true, rank, peer, tag, bytes));
+  }
+  RankState& to = *ranks_[peer];
+  auto owned = std::make_unique<Op>();
+  Op* op = owned.get();
+  op->owner = rank;
+  op->peer = peer;
+  op->tag = tag;
+  op->is_send = true;
+  op->is_notice = true;
+  op->notice_bytes.assign(static_cast<const unsigned char*>(data),
+                          static_cast<const unsigned char*>(data) + bytes);
+  op->send_data = op->notice_bytes.data();
+  op->bytes = bytes;
+  to.notices.push_back(std::move(owned));
+
+  auto& queue = to.posted_recvs;
+  auto it = std::find_if(queue.begin(), queue.end(),
+                         [&](Op* r) { return r->peer == rank && r->tag == tag; });
+  if (it != queue.end()) {
+    Op* recv = *it;
+    queue.erase(it);
+    Complete(lock, op, recv);
+    FreeNoticeLocked(to, op);
+    return Status();
+  }
+  // Bounded: past the limit the oldest undelivered one from this rank goes.
+  int queued = 0;
+  Op* oldest = nullptr;
+  for (Op* s : to.unexpected_sends) {
+    if (s->is_notice && s->owner == rank) {
+      if (oldest == nullptr) oldest = s;
+      ++queued;
+    }
+  }
+  if (queued >= kMaxNoticesPerPeer) DropNoticeLocked(to, oldest);
+  to.unexpected_sends.push_back(op);
+  to.stats.peak_unexpected_sends =
+      std::max<uint64_t>(to.stats.peak_unexpected_sends, to.unexpected_sends.size());
+  return Status();
+}
+
+void LoopbackHub::DropNoticeLocked(RankState& to, Op* notice) {
+  auto& queue = to.unexpected_sends;
+  queue.erase(std::remove(queue.begin(), queue.end(), notice), queue.end());
+  FreeNoticeLocked(to, notice);
+}
+
+void LoopbackHub::FreeNoticeLocked(RankState& to, Op* notice) {
+  to.notices.remove_if([notice](const std::unique_ptr<Op>& n) { return n.get() == notice; });
 }
 
 void LoopbackHub::Complete(std::unique_lock<std::mutex>& lock, Op* send, Op* recv) {

@@ -17,6 +17,11 @@
 //   - A message whose size differs from the receive's completes the receive
 //     with INVALID_ARGUMENT (nothing copied); the send completes normally, as
 //     with UCX, where the sender does not learn of the mismatch.
+//   - A notice (PostNotice) is a send whose bytes the hub copies and owns:
+//     it has no handle, so the sender's Cancel, CancelAll and Disconnect
+//     leave it queued for a receive the peer posts later. Kill of either
+//     rank or Disconnect of the receiver drops it; beyond kMaxNoticesPerPeer
+//     undelivered ones from one rank to another, the oldest is dropped.
 //   - Kill(rank) simulates a process death: peers' operations with that rank
 //     fail with PEER_LOST, the rank's own with ABORTED.
 //
@@ -27,6 +32,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -95,7 +101,8 @@ class LoopbackHub {
   enum class OpState { kQueued, kCopying, kDone };
 
   // One posted send or receive, owned by the rank that posted it until its
-  // handle is released (Test/Wait returning it, or Cancel).
+  // handle is released (Test/Wait returning it, or Cancel); a notice is
+  // owned by the receiving rank's `notices` until delivered or dropped.
   struct Op {
     RequestId id = 0;
     int owner = 0;
@@ -107,6 +114,8 @@ class LoopbackHub {
     size_t bytes = 0;
     OpState state = OpState::kQueued;
     Status status;
+    bool is_notice = false;                   // id 0, in the receiver's `notices`
+    std::vector<unsigned char> notice_bytes;  // a notice's copy; send_data points here
   };
 
   struct RankState {
@@ -114,6 +123,7 @@ class LoopbackHub {
     std::deque<Op*> posted_recvs;         // receives of this rank not yet matched
     std::deque<Op*> unexpected_sends;     // sends to this rank not yet matched
     std::unordered_map<RequestId, std::unique_ptr<Op>> ops;  // owned, not yet released
+    std::list<std::unique_ptr<Op>> notices;  // notices to this rank, queued or copying
     bool connected = false;
     bool killed = false;
     LoopbackStats stats;
@@ -125,6 +135,7 @@ class LoopbackHub {
   StatusOr<bool> Test(int rank, RequestId request);
   Status WaitAll(int rank, const RequestId* requests, size_t n, Deadline deadline);
   StatusOr<size_t> WaitAny(int rank, const RequestId* requests, size_t n, Deadline deadline);
+  Status PostNotice(int rank, int peer, Tag tag, const void* data, size_t bytes);
   void Cancel(int rank, RequestId request);
   void CancelAll(int rank, const RequestId* requests, size_t n);
   void Disconnect(int rank);
@@ -137,6 +148,11 @@ class LoopbackHub {
   // releases it. Lock held.
   void ReleaseLocked(std::unique_lock<std::mutex>& lock, int rank, RequestId request);
   Op* FindLocked(int rank, RequestId request);
+  // Takes a queued notice out of `to`'s unexpected sends and frees it (`to`
+  // is its receiver). Lock held.
+  void DropNoticeLocked(RankState& to, Op* notice);
+  // Frees a notice that Complete has delivered to `to`. Lock held.
+  void FreeNoticeLocked(RankState& to, Op* notice);
 
   const int size_;
   mutable std::mutex mu_;

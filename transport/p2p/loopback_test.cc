@@ -52,6 +52,65 @@ TEST(LoopbackTest, ReceiveBeforeSendAndSendBeforeReceiveBothDeliver) {
   EXPECT_EQ(hub.BytesBetween(1, 0), 0u);
 }
 
+// A notice has no handle: the sender's endpoint going away (as its
+// collective returns and cancels what it has outstanding) leaves it for a
+// receive the peer posts afterwards.
+TEST(LoopbackTest, NoticeReachesAReceivePostedAfterTheSenderLeft) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  int note = 17;
+  ASSERT_TRUE(eps[0]->PostNotice(1, 9, &note, sizeof(note)).ok());
+  note = 0;  // copied at the post
+  eps[0].reset();
+  int got = 0;
+  auto r = eps[1]->PostRecv(0, 9, &got, sizeof(got));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{*r}, Soon()).ok());
+  EXPECT_EQ(got, 17);
+}
+
+TEST(LoopbackTest, NoticesBeyondTheLimitDropTheOldest) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  for (int v = 1; v <= kMaxNoticesPerPeer + 1; ++v) {
+    ASSERT_TRUE(eps[0]->PostNotice(1, 9, &v, sizeof(v)).ok());
+  }
+  std::vector<int> got(kMaxNoticesPerPeer + 1, 0);
+  for (int i = 0; i < kMaxNoticesPerPeer; ++i) {
+    auto r = eps[1]->PostRecv(0, 9, &got[i], sizeof(int));
+    ASSERT_TRUE(r.ok());
+    EXPECT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{*r}, Soon()).ok());
+    EXPECT_EQ(got[i], i + 2) << "notice " << i;
+  }
+  auto last = eps[1]->PostRecv(0, 9, &got.back(), sizeof(int));
+  ASSERT_TRUE(last.ok());
+  auto pending = eps[1]->Test(*last);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_FALSE(*pending);  // the first one was dropped
+  eps[1]->Cancel(*last);
+}
+
+TEST(LoopbackTest, KilledReceiverDropsItsNoticesAndRefusesNewOnes) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  const int v = 5;
+  ASSERT_TRUE(eps[0]->PostNotice(1, 9, &v, sizeof(v)).ok());
+  hub.Kill(1);
+  Status refused = eps[0]->PostNotice(1, 9, &v, sizeof(v));
+  EXPECT_EQ(refused.code(), StatusCode::kPeerLost);
+  EXPECT_THAT(refused.message(), HasSubstr("rank 1 was lost"));
+  EXPECT_EQ(hub.Stats(0).messages_sent, 0u);
+}
+
+TEST(LoopbackTest, OversizedNoticeIsRefusedNamingThePeer) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  std::vector<unsigned char> big(kMaxNoticeBytes + 1);
+  Status refused = eps[0]->PostNotice(1, 9, big.data(), big.size());
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("to rank 1"));
+}
+
 TEST(LoopbackTest, SameSourceAndTagMatchInPostingOrder) {
   LoopbackHub hub(2);
   auto eps = ConnectAll(hub);

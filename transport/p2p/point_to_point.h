@@ -28,6 +28,11 @@ inline constexpr Tag kMaxTag = (Tag{1} << kTagBits) - 1;
 /// 0 is never a valid handle (it marks "no request").
 using RequestId = uint64_t;
 
+/// Undelivered notices (PostNotice) a transport keeps for one peer.
+inline constexpr int kMaxNoticesPerPeer = 4;
+/// The largest notice, in bytes.
+inline constexpr size_t kMaxNoticeBytes = 256;
+
 class PointToPoint {
  public:
   virtual ~PointToPoint() = default;
@@ -52,6 +57,18 @@ class PointToPoint {
   /// a failed request returns its error). A completed request's handle is
   /// released and must not be used again.
   virtual StatusOr<bool> Test(RequestId request) = 0;
+
+  /// Posts a notice: a small message of `bytes` bytes at `data` to `peer`,
+  /// fire and forget. The transport copies the bytes before returning and
+  /// gives no handle: the notice outlives the caller's later Cancel and
+  /// CancelAll, so it reaches a receive the peer posts after this rank has
+  /// returned from a failed call (a plain send would be cancelled with it).
+  /// It matches a receive like a send of the same peer and tag. It is
+  /// dropped, unread, when either rank is lost or closes. Each transport
+  /// keeps at most kMaxNoticesPerPeer undelivered notices to one peer (see
+  /// the implementation for what happens to one more). Errors name the
+  /// peer; a caller that only tries to help the peer may ignore them.
+  virtual Status PostNotice(int peer, Tag tag, const void* data, size_t bytes) = 0;
 
   /// Waits until every request in `requests` completes, or the deadline
   /// passes (TIMED_OUT naming the peer still pending), or a request fails

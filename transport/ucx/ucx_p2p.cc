@@ -484,6 +484,65 @@ void UcxPointToPoint::RecvCallback(void* request, ucs_status_t status,
   if (slot->abandoned) slot->owner->Release(slot);
 }
 
+void UcxPointToPoint::NoticeCallback(void* request, ucs_status_t, void* user_data) {
+  // Delivered, or dropped (the endpoint closed or failed): either way done.
+  auto* notice = static_cast<Notice*>(user_data);
+  notice->done = true;
+  notice->request = request;
+  if (notice->posted) notice->owner->EraseNotice(notice);
+}
+
+void UcxPointToPoint::EraseNotice(Notice* notice) {
+  if (notice->request != nullptr) ucp_request_free(notice->request);
+  notices_.remove_if([notice](const Notice& n) { return &n == notice; });
+}
+
+Status UcxPointToPoint::PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) {
+  DDP_RETURN_IF_ERROR(CheckPeer(peer, "notice to"));
+  if (tag > p2p::kMaxTag) {
+    return InvalidArgumentError("notice to rank " + std::to_string(peer) + ": tag " +
+                                std::to_string(tag) + " exceeds " +
+                                std::to_string(p2p::kTagBits) + " bits");
+  }
+  if (bytes > p2p::kMaxNoticeBytes || (bytes > 0 && data == nullptr)) {
+    return InvalidArgumentError("notice of " + std::to_string(bytes) + " bytes to rank " +
+                                std::to_string(peer) +
+                                (bytes > p2p::kMaxNoticeBytes
+                                     ? " is larger than " + std::to_string(p2p::kMaxNoticeBytes)
+                                     : std::string(" has a null buffer")));
+  }
+  int in_flight = 0;
+  for (const Notice& n : notices_) in_flight += n.peer == peer ? 1 : 0;
+  if (in_flight >= p2p::kMaxNoticesPerPeer) {
+    return UnavailableError("notice to rank " + std::to_string(peer) + ": " +
+                            std::to_string(in_flight) + " earlier notices to it are in flight");
+  }
+  Notice& notice = notices_.emplace_back();
+  notice.owner = this;
+  notice.peer = peer;
+  notice.bytes.assign(static_cast<const unsigned char*>(data),
+                      static_cast<const unsigned char*>(data) + bytes);
+  ucp_request_param_t param;
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &UcxPointToPoint::NoticeCallback;
+  param.user_data = &notice;
+  void* request = ucp_tag_send_nbx(endpoints_[peer], notice.bytes.data(), bytes,
+                                   WireTag(false, options_.rank, tag), &param);
+  notice.posted = true;
+  if (UCS_PTR_IS_ERR(request)) {
+    EraseNotice(&notice);
+    return FromUcs(UCS_PTR_STATUS(request), "notice to rank " + std::to_string(peer));
+  }
+  // Completed inline (UCX has copied the bytes), or already by a callback.
+  if (request == nullptr || notice.done) {
+    if (notice.request == nullptr) notice.request = request;
+    EraseNotice(&notice);
+    return Status::Ok();
+  }
+  notice.request = request;
+  return Status::Ok();
+}
+
 StatusOr<p2p::RequestId> UcxPointToPoint::PostSend(int peer, p2p::Tag tag, const void* data,
                                                    size_t bytes) {
   return Send(false, peer, tag, data, bytes);

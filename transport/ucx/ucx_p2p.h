@@ -43,6 +43,7 @@
 
 #include <chrono>
 #include <functional>
+#include <list>
 #include <memory>
 #include <span>
 #include <string>
@@ -155,6 +156,12 @@ class UcxPointToPoint final : public p2p::PointToPoint {
                                     size_t bytes) override;
   StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data,
                                     size_t bytes) override;
+  /// A tag send from a copy this object owns (see PointToPoint). UCX cannot
+  /// drop a send it has started, so with kMaxNoticesPerPeer notices to
+  /// `peer` still in flight, another fails (UNAVAILABLE, naming the peer).
+  /// A notice moves only while this object calls into UCX (waits, Test,
+  /// Close's flush); Close completes or drops every one.
+  Status PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) override;
   StatusOr<bool> Test(p2p::RequestId request) override;
   Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override;
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests,
@@ -167,6 +174,16 @@ class UcxPointToPoint final : public p2p::PointToPoint {
 
  private:
   struct Slot;
+  // A notice in flight: its bytes, and UCX's request (null until UCX
+  // returns one, or when it completed inline).
+  struct Notice {
+    UcxPointToPoint* owner = nullptr;
+    int peer = 0;
+    std::vector<unsigned char> bytes;
+    void* request = nullptr;
+    bool posted = false;  // ucp_tag_send_nbx has returned
+    bool done = false;    // UCX called NoticeCallback
+  };
   struct PeerState {
     UcxPointToPoint* owner = nullptr;
     int rank = 0;
@@ -181,6 +198,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   static void SendCallback(void* request, ucs_status_t status, void* user_data);
   static void RecvCallback(void* request, ucs_status_t status,
                            const ucp_tag_recv_info_t* info, void* user_data);
+  static void NoticeCallback(void* request, ucs_status_t status, void* user_data);
+  // Frees a completed notice and its request.
+  void EraseNotice(Notice* notice);
   static void EndpointErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
 
   Status CheckPeer(int peer, const char* what) const;
@@ -255,6 +275,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   RegistrationCache registrations_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<uint32_t> free_slots_;
+  // Notices in flight. Still alive while the destructor resets the worker,
+  // which completes the last ones through NoticeCallback.
+  std::list<Notice> notices_;
   P2pOptions options_;
   std::function<Status(Deadline, std::span<const int>)> watchdog_;
   Clock::time_point next_watchdog_{};

@@ -918,6 +918,57 @@ TEST(UcxPointToPoint, ConnectWithABadAddressLeavesNothingHalfConnected) {
   EXPECT_EQ(in, 42);
 }
 
+// A notice outlives the sender's requests: it reaches a receive posted
+// only after the sender went on (here: to wait for the reply), as a stop
+// note must reach a rank that enters a failed collective late.
+TEST(UcxPointToPoint, NoticeReachesAReceivePostedAfterItWasSent) {
+  auto ranks = MakeRanks(2);
+  std::atomic<bool> posted{false};
+  RunRanks(ranks, [&](UcxPointToPoint& p2p) {
+    const Deadline deadline = DeadlineIn(milliseconds(10000));
+    if (p2p.rank() == 0) {
+      int note = 77;
+      ASSERT_TRUE(p2p.PostNotice(1, 5, &note, sizeof(note)).ok());
+      note = 0;  // copied at the post
+      posted = true;
+      // Waiting on the reply keeps this worker progressing the notice.
+      int reply = 0;
+      auto r = p2p.PostRecv(1, 6, &reply, sizeof(reply));
+      ASSERT_TRUE(r.ok());
+      p2p::RequestId ids[] = {*r};
+      ASSERT_TRUE(p2p.WaitAll(ids, deadline).ok());
+      EXPECT_EQ(reply, 78);
+    } else {
+      while (!posted && Clock::now() < deadline) std::this_thread::yield();
+      ASSERT_TRUE(posted) << "rank 0 did not post its notice within 10 s";
+      int got = 0;
+      auto r = p2p.PostRecv(0, 5, &got, sizeof(got));
+      ASSERT_TRUE(r.ok());
+      p2p::RequestId ids[] = {*r};
+      ASSERT_TRUE(p2p.WaitAll(ids, deadline).ok());
+      EXPECT_EQ(got, 77);
+      int reply = got + 1;
+      auto s = p2p.PostSend(0, 6, &reply, sizeof(reply));
+      ASSERT_TRUE(s.ok());
+      p2p::RequestId sends[] = {*s};
+      ASSERT_TRUE(p2p.WaitAll(sends, deadline).ok());
+    }
+  });
+}
+
+// Notices nobody receives end with the transport: Close and the destructor
+// complete or drop them, without a crash or a request left with UCX.
+TEST(UcxPointToPoint, CloseWithUndeliveredNotices) {
+  auto ranks = MakeRanks(2);
+  std::vector<unsigned char> note(p2p::kMaxNoticeBytes, 3);
+  for (int i = 0; i < p2p::kMaxNoticesPerPeer; ++i) {
+    ASSERT_TRUE(ranks[0]->PostNotice(1, 5, note.data(), note.size()).ok());
+  }
+  EXPECT_TRUE(ranks[0]->Close(DeadlineIn(milliseconds(2000))).ok());
+  EXPECT_EQ(ranks[0]->PostNotice(1, 5, note.data(), 1).code(), StatusCode::kFailedPrecondition);
+  ranks.clear();
+}
+
 TEST(UcxPointToPoint, OperationsAfterCloseFail) {
   auto ranks = MakeRanks(2);
   ASSERT_TRUE(ranks[0]->Close(DeadlineIn(milliseconds(2000))).ok());
