@@ -36,6 +36,7 @@ Status RingAllGather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.dtype = args.dtype;
   params.tag = PhaseTag(args.tag, 0);
   params.deadline = args.deadline;
+  params.call_id = args.call_id;
   params.fingerprint = &fingerprint;
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);

@@ -123,6 +123,14 @@ struct CollectiveArgs {
   int root = 0;                  ///< Rooted collectives only (broadcast, reduce, gather, scatter).
   p2p::Tag tag = 0;              ///< First tag; see CollectiveTag().
   Deadline deadline{};           ///< Every wait gives up here with TIMED_OUT.
+  /// Which call this is, equal on every rank and different from the calls
+  /// before it that used the same tag (the communicator passes its
+  /// sequence number); 0: not known. With it, a rank that finds the ranks
+  /// disagree tells the others in notices that outlast its return
+  /// (PointToPoint::PostNotice), and notes left from another call are
+  /// ignored; without it, a rank that enters the call after the finder
+  /// returned waits for its deadline.
+  uint64_t call_id = 0;
   Tuning tuning;
 };
 

@@ -155,6 +155,7 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
   params.op = args.op;
   params.tag = PhaseTag(args.tag, 0);
   params.deadline = args.deadline;
+  params.call_id = args.call_id;
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);
   params.what = "hierarchical all-reduce (intra-host reduce-scatter)";

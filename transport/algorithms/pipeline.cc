@@ -645,9 +645,10 @@ StatusOr<p2p::RequestId> Requests::Recv(const Where& where, p2p::Tag tag, void* 
   return *id;
 }
 
-Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf,
-                            bool from_partner) {
+Status Requests::RelayStops(const char* what, uint64_t call_id, p2p::Tag phase_tag, int from,
+                            int to, int leaf, bool from_partner) {
   relay_what_ = what;
+  call_id_ = call_id;
   relay_from_ = from;
   relay_from_partner_ = from_partner;
   relay_to_ = to;
@@ -662,6 +663,19 @@ Status Requests::RelayStops(const char* what, p2p::Tag phase_tag, int from, int 
 Status Requests::SendStopNote(const StopNote& note) {
   StopNote* held = Hold<StopNote>(1);
   *held = note;
+  held->call_id = call_id_;
+  // A notice outlasts this rank's return, which cancels a plain send still
+  // waiting for its receive; the plain send stays for calls without an id
+  // (a note from an earlier call could not be told apart) and for a
+  // transport that refuses the notice (UCX with notices to that rank still
+  // in flight).
+  auto post = [&](int to) -> Status {
+    if (call_id_ != 0 && p2p_.PostNotice(to, stop_tag_, held, sizeof(StopNote)).ok()) {
+      return Status();
+    }
+    Where where{relay_what_, 0, 0, Where::kNoChunk, true, to};
+    return Send(where, stop_tag_, held, sizeof(StopNote)).status();
+  };
   // Not to the finder, which has failed, nor from the finder to the rank
   // that differs when that is its successor, which checks the finder itself
   // (two ranks on the ring). Passed on, a note does go to the rank that
@@ -670,13 +684,9 @@ Status Requests::SendStopNote(const StopNote& note) {
   // it a fingerprint message of its own), and it waited for its deadline.
   const bool checks_finder = note.finder == p2p_.rank() && relay_to_ == note.their_rank;
   if (relay_to_ >= 0 && relay_to_ != note.finder && !checks_finder) {
-    Where where{relay_what_, 0, 0, Where::kNoChunk, true, relay_to_};
-    DDP_RETURN_IF_ERROR(Send(where, stop_tag_, held, sizeof(StopNote)).status());
+    DDP_RETURN_IF_ERROR(post(relay_to_));
   }
-  if (relay_leaf_ >= 0 && relay_leaf_ != note.finder) {
-    Where where{relay_what_, 0, 0, Where::kNoChunk, true, relay_leaf_};
-    DDP_RETURN_IF_ERROR(Send(where, stop_tag_, held, sizeof(StopNote)).status());
-  }
+  if (relay_leaf_ >= 0 && relay_leaf_ != note.finder) DDP_RETURN_IF_ERROR(post(relay_leaf_));
   return Status();
 }
 
@@ -696,19 +706,31 @@ Status Requests::VerifyFirst() {
 }
 
 Status Requests::WaitOrStop(p2p::RequestId id) {
-  // The request first: a deadline names it.
-  const p2p::RequestId both[2] = {id, stop_recv_};
-  StatusOr<size_t> got = p2p_.WaitAny(both, deadline_);
-  // On error WaitAny releases the failed request only; the destructor's
-  // CancelAll skips released ids, so both stay listed.
-  if (!got.ok()) return got.status();
-  if (*got == 0) {
-    Forget(id);
-    return Status();
+  while (true) {
+    // The request first: a deadline names it.
+    const p2p::RequestId both[2] = {id, stop_recv_};
+    StatusOr<size_t> got = p2p_.WaitAny(both, deadline_);
+    // On error WaitAny releases the failed request only; the destructor's
+    // CancelAll skips released ids, so both stay listed.
+    if (!got.ok()) return got.status();
+    if (*got == 0) {
+      Forget(id);
+      return Status();
+    }
+    Forget(stop_recv_);
+    stop_recv_ = 0;
+    DDP_ASSIGN_OR_RETURN(const bool ours, TakeNote());
+    if (ours) return StopNoteError();
   }
-  Forget(stop_recv_);
-  stop_recv_ = 0;
-  return StopNoteError();
+}
+
+StatusOr<bool> Requests::TakeNote() {
+  if (stop_got_->call_id == call_id_) return true;
+  // Left unread by an earlier call at the same tag (notices outlast their
+  // call): not this call's business.
+  Where where{relay_what_, 0, 0, Where::kNoChunk, false, relay_from_};
+  DDP_ASSIGN_OR_RETURN(stop_recv_, Recv(where, stop_tag_, stop_got_, sizeof(StopNote)));
+  return false;
 }
 
 Status Requests::StopNoteError() {
@@ -802,12 +824,16 @@ Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
   // check finds (the ring covers every exchanging rank, so some neighbours
   // differ); its note names both values. Before the fingerprint rode with
   // the data, this rank had the peer's own message and named both itself.
-  const p2p::RequestId note_only[1] = {stop_recv_};
-  StatusOr<size_t> got = p2p_.WaitAny(note_only, deadline_);
-  if (got.ok()) {
+  StatusOr<size_t> got = InternalError("no wait for a note");
+  while (true) {
+    const p2p::RequestId note_only[1] = {stop_recv_};
+    got = p2p_.WaitAny(note_only, deadline_);
+    if (!got.ok()) break;
     Forget(stop_recv_);
     stop_recv_ = 0;
-    return StopNoteError();
+    StatusOr<bool> ours = TakeNote();
+    if (!ours.ok()) return Annotate(ours.status(), Describe(p2p_, where));
+    if (*ours) return StopNoteError();
   }
   // No note by the deadline: say what is known, and tell the others that.
   StopNote note;

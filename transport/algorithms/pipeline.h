@@ -475,9 +475,13 @@ class Requests {
   /// one that found it (also to the rank it names as differing, whose own
   /// checks may all agree). Call before the PeerCheck's Post. The notes are not
   /// waited for (the next rank may run another collective, or have failed
-  /// on its own check, and never take one): this object's end cancels a
-  /// note not yet taken, so a rank that had not yet posted its receive by
-  /// then waits for its deadline, as it did before. Costs the agreeing
+  /// on its own check, and never take one). With a `call_id` (not 0, see
+  /// CollectiveArgs::call_id) they go as notices (PointToPoint::PostNotice),
+  /// which outlast this rank's return and reach a rank that posts its
+  /// receive later; a note from another call (one left unread at the same
+  /// tag) is ignored and the receive posted again. Without one, plain sends:
+  /// this object's end cancels a note not yet taken, so a rank that had not
+  /// yet posted its receive by then waits for its deadline. Costs the agreeing
   /// call one receive posted and cancelled, and every Wait watching two
   /// requests instead of one. `to` -1: this rank passes notes on to no one.
   /// `leaf` (-1 for none): a rank that checks nobody and passes nothing on,
@@ -490,8 +494,8 @@ class Requests {
   /// `from_partner`: `from` is this rank's halving-doubling partner (a
   /// folded rank's), not its ring predecessor; a note's error says which
   /// of the two passed it on.
-  Status RelayStops(const char* what, p2p::Tag phase_tag, int from, int to, int leaf = -1,
-                    bool from_partner = false);
+  Status RelayStops(const char* what, uint64_t call_id, p2p::Tag phase_tag, int from, int to,
+                    int leaf = -1, bool from_partner = false);
   /// Fingerprint::kind of the rank that differed, as a stop note received
   /// here named it; 0 while none came.
   int32_t stopped_by_kind() const { return stopped_by_kind_; }
@@ -526,6 +530,9 @@ class Requests {
   // The error of the stop note that has arrived in stop_got_, after passing
   // it on; stop_recv_ is already released.
   Status StopNoteError();
+  // Whether the note that has arrived in stop_got_ (stop_recv_ released)
+  // belongs to this call; when not, posts the note's receive again.
+  StatusOr<bool> TakeNote();
   // What a rank that found a disagreement sends on around the ring.
   struct StopNote {
     // What `their_rank` passed; kind 0 when not known, as `finder` found
@@ -534,6 +541,7 @@ class Requests {
     Fingerprint finders;   // what `finder` passed
     int64_t their_rank = 0;
     int64_t finder = 0;    // the rank whose check found it
+    uint64_t call_id = 0;  // CollectiveArgs::call_id of the finder's call
   };
   // Posts `note` to relay_to_, unless that rank is one of the two it names,
   // and to relay_leaf_, unless that rank found it.
@@ -562,6 +570,7 @@ class Requests {
   int relay_leaf_ = -1;
   p2p::Tag stop_tag_ = 0;
   const char* relay_what_ = "";
+  uint64_t call_id_ = 0;  // RelayStops' call_id
   int32_t stopped_by_kind_ = 0;
 };
 

@@ -123,12 +123,12 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   internal::PeerCheck check("rhd all-reduce", fingerprint);
   const int next = real((nr + 1) % p2), prev = real((nr + p2 - 1) % p2);
   if (folded) {
-    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", tag, r + 1, -1, -1,
+    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", args.call_id, tag, r + 1, -1, -1,
                                             /*from_partner=*/true));
     DDP_RETURN_IF_ERROR(check.Post(requests, tag, {r + 1}, {}));
   } else {
     const int partner = r < 2 * extra ? r - 1 : -1;
-    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", tag, prev, next, partner));
+    DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", args.call_id, tag, prev, next, partner));
     std::vector<int> to = {next}, from;
     if (partner >= 0) from.push_back(partner);
     from.push_back(prev);

@@ -86,7 +86,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
   if (params.fingerprint != nullptr) {
     // A disagreement stops the whole ring, not only the rank that checks
     // the one that differs.
-    DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.tag, prev, next));
+    DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.call_id, params.tag, prev, next));
     const std::vector<int> to =
         params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
     DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));
@@ -193,7 +193,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
   if (params.fingerprint != nullptr) {
     // A disagreement stops the whole ring, not only the rank that checks
     // the one that differs.
-    DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.tag, prev, next));
+    DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.call_id, params.tag, prev, next));
     const std::vector<int> to =
         params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
     DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));

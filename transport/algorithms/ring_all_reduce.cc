@@ -18,6 +18,7 @@ Status RingAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.dtype = args.dtype;
   params.op = args.op;
   params.deadline = args.deadline;
+  params.call_id = args.call_id;
   params.fingerprint = &fingerprint;
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);

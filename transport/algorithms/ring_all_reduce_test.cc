@@ -1,6 +1,9 @@
 #include "transport/algorithms/ring_all_reduce.h"
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -96,6 +99,150 @@ TEST(RingAllReduceTest, MismatchInAGroupNamesEachRankByItsRealRank) {
         << "rank " << real << ": " << m;
   }
   EXPECT_GT(reported, 0) << "no rank reported the mismatch";
+}
+
+// Counts ranks past a point, for tests that hold a rank back until others
+// have returned. Every wait gives up after 20 s.
+class Arrivals {
+ public:
+  void Arrive() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++arrived_;
+    cv_.notify_all();
+  }
+  bool AwaitAtLeast(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(20), [&] { return arrived_ >= n; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+};
+
+// A rank that enters the call after the ranks that found the disagreement
+// have returned still learns of it from their stop notes (notices, which
+// outlast their sender's call), instead of waiting for its deadline: with
+// notes sent as plain sends, their cancellation at the finders' return lost
+// them, and ranks 0, 2 and 3 failed TIMED_OUT after 6 s.
+TEST(RingAllReduceTest, RankEnteringAfterTheFindersReturnedStillStops) {
+  Arrivals returned;  // ranks 1 and 2, the finders
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;  // a killed rank's notices would be dropped
+  const auto start = std::chrono::steady_clock::now();
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      4,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        if (p2p.rank() == 3 && !returned.AwaitAtLeast(2)) {
+          return TimedOutError("ranks 1 and 2 did not return within 20 s");
+        }
+        const size_t count = p2p.rank() == 1 ? 9 : 8;
+        std::vector<float> send(count, 1.0f), recv(count);
+        CollectiveArgs args;
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = count;
+        args.tag = CollectiveTag(0);
+        args.call_id = 1;
+        args.deadline = DeadlineIn(std::chrono::seconds(6));
+        Status status = RingAllReduce(p2p, args);
+        if (p2p.rank() == 1 || p2p.rank() == 2) returned.Arrive();
+        return status;
+      },
+      options);
+  const auto took = std::chrono::steady_clock::now() - start;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+    EXPECT_NE(statuses[r].message().find("disagree on the arguments"), std::string::npos)
+        << "rank " << r << ": " << statuses[r];
+  }
+  EXPECT_LT(took, std::chrono::seconds(3)) << "some rank waited for its deadline";
+}
+
+// An endpoint that counts the waits its rank enters, and passes every call
+// on.
+class WaitCountingEndpoint final : public p2p::PointToPoint {
+ public:
+  WaitCountingEndpoint(p2p::PointToPoint& inner, Arrivals& waits) : inner_(inner), waits_(waits) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
+                                    size_t bytes) override {
+    return inner_.PostSend(peer, tag, data, bytes);
+  }
+  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
+    return inner_.PostRecv(peer, tag, data, bytes);
+  }
+  Status PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) override {
+    return inner_.PostNotice(peer, tag, data, bytes);
+  }
+  StatusOr<bool> Test(p2p::RequestId request) override { return inner_.Test(request); }
+  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    waits_.Arrive();
+    return inner_.WaitAll(requests, deadline);
+  }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    waits_.Arrive();
+    return inner_.WaitAny(requests, deadline);
+  }
+  void Cancel(p2p::RequestId request) override { inner_.Cancel(request); }
+  void CancelAll(std::span<const p2p::RequestId> requests) override { inner_.CancelAll(requests); }
+  uint64_t UnconfirmedReleases() const override { return inner_.UnconfirmedReleases(); }
+
+ private:
+  p2p::PointToPoint& inner_;
+  Arrivals& waits_;
+};
+
+// A note left unread by a failed call (its receiver had returned) must not
+// stop a later call at the same tag: it carries the failed call's id.
+TEST(RingAllReduceTest, NoteLeftByAnEarlierCallAtTheSameTagIsIgnored) {
+  Arrivals first_done;
+  Arrivals rank3_waits;  // in call 2
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      4,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        CollectiveArgs args;
+        args.tag = CollectiveTag(0);
+        // Call 1: rank 1 passes another count and rank 3 stays out, so
+        // rank 2's note to rank 3 is never read. Rank 0 waits for rank 3
+        // until its (short) deadline.
+        if (r != 3) {
+          const size_t count = r == 1 ? 9 : 8;
+          std::vector<float> send(count, 1.0f), recv(count);
+          args.send = send.data();
+          args.recv = recv.data();
+          args.count = count;
+          args.call_id = 1;
+          args.deadline = DeadlineIn(std::chrono::milliseconds(r == 0 ? 1000 : 6000));
+          if (RingAllReduce(p2p, args).ok()) return InternalError("call 1 passed on rank " + std::to_string(r));
+        }
+        first_done.Arrive();
+        if (!first_done.AwaitAtLeast(4)) return TimedOutError("call 1 did not end on every rank within 20 s");
+        // Call 2, at the same tag, agrees. Rank 2 holds back until rank 3
+        // waits for its arguments, so that rank 3 meets the old note first.
+        if (r == 2 && !rank3_waits.AwaitAtLeast(1)) {
+          return TimedOutError("rank 3 did not wait in call 2 within 20 s");
+        }
+        std::vector<float> send(8, 1.0f), recv(8);
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = 8;
+        args.call_id = 2;
+        args.deadline = DeadlineIn(std::chrono::seconds(6));
+        WaitCountingEndpoint counted(p2p, rank3_waits);
+        DDP_RETURN_IF_ERROR(RingAllReduce(r == 3 ? counted : p2p, args));
+        for (float v : recv) {
+          if (v != 4.0f) return InternalError("rank " + std::to_string(r) + " got " + std::to_string(v));
+        }
+        return Status();
+      },
+      options);
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
 }
 
 TEST(RingAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {

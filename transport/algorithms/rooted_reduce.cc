@@ -170,6 +170,7 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   params.op = args.op;
   params.tag = PhaseTag(args.tag, 0);
   params.deadline = args.deadline;
+  params.call_id = args.call_id;
   params.fingerprint = &start.fingerprint;
   params.chunk_elems = internal::ChunkElems(args, internal::kRingChunkBytes);
   params.depth = internal::PipelineDepth(args, internal::kRingDepth);

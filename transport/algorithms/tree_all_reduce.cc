@@ -135,7 +135,8 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   internal::PeerCheck check("tree all-reduce", fingerprint);
   {
     const int next = (r + 1) % p, prev = (r + p - 1) % p;
-    DDP_RETURN_IF_ERROR(requests.RelayStops("tree all-reduce", PhaseTag(args.tag, 0), prev, next));
+    DDP_RETURN_IF_ERROR(requests.RelayStops("tree all-reduce", args.call_id, PhaseTag(args.tag, 0), prev,
+                                            next));
     std::vector<int> to = {next}, from = {prev};
     auto add = [](std::vector<int>& peers, int peer) {
       if (peer >= 0 && std::find(peers.begin(), peers.end(), peer) == peers.end()) {
