@@ -869,6 +869,7 @@ class Communicator::Impl {
     args.dtype = dtype;
     args.op = op;
     args.root = root;
+    args.call_id = sequence_ + 1;  // the same on every rank; 0 would mean unknown
     args.tag = algorithms::CollectiveTag(sequence_++);
     args.deadline = deadline;
     args.tuning.chunk_bytes = options_.chunk_bytes;
