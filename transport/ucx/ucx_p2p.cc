@@ -216,9 +216,10 @@ Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
   std::vector<int> all(endpoints_.size());
   std::iota(all.begin(), all.end(), 0);
   Status result = CloseEndpoints(all, force_remote, deadline);
-  // Abandoned requests complete with an error once their endpoints are gone;
-  // give them one last chance before the worker goes.
-  for (int i = 0; i < 100 && abandoned_ > 0; ++i) worker_->Progress();
+  // Abandoned requests complete with an error once their endpoints are gone,
+  // and notices (PostNotice, never abandoned) with their endpoint's flush or
+  // close; give both one last chance before the worker goes.
+  for (int i = 0; i < 100 && (abandoned_ > 0 || !notices_.empty()); ++i) worker_->Progress();
   // A request UCX still holds may use a registration: then the destructor
   // unmaps them, after the worker is gone.
   if (abandoned_ == 0) registrations_.Clear();
