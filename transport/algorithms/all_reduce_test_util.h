@@ -6,7 +6,9 @@
 // dtypes and ops, in-place and out-of-place; and the failure behaviour
 // (mismatched counts, a dead rank, a deadline, bad arguments).
 
+#include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -86,6 +88,50 @@ void CheckTraffic(const AllReduceFn& fn, int world, size_t count, double factor)
 /// Null buffers, unset deadline, bad enums, partial overlap: INVALID_ARGUMENT
 /// naming the argument, on every rank.
 void CheckBadArguments(const AllReduceFn& fn, const std::string& name);
+
+/// A PointToPoint that passes every call on to `inner` and calls
+/// BeforeWait and AfterWait around each blocking wait (WaitAll, WaitAny):
+/// tests derive from it to see when their rank blocks.
+class WaitObservingEndpoint : public p2p::PointToPoint {
+ public:
+  explicit WaitObservingEndpoint(p2p::PointToPoint& inner) : inner_(inner) {}
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
+                                    size_t bytes) override {
+    return inner_.PostSend(peer, tag, data, bytes);
+  }
+  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
+    return inner_.PostRecv(peer, tag, data, bytes);
+  }
+  Status PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) override {
+    return inner_.PostNotice(peer, tag, data, bytes);
+  }
+  StatusOr<bool> Test(p2p::RequestId request) override { return inner_.Test(request); }
+  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    BeforeWait();
+    Status status = inner_.WaitAll(requests, deadline);
+    AfterWait();
+    return status;
+  }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    BeforeWait();
+    StatusOr<size_t> index = inner_.WaitAny(requests, deadline);
+    AfterWait();
+    return index;
+  }
+  void Cancel(p2p::RequestId request) override { inner_.Cancel(request); }
+  void CancelAll(std::span<const p2p::RequestId> requests) override { inner_.CancelAll(requests); }
+  uint64_t UnconfirmedReleases() const override { return inner_.UnconfirmedReleases(); }
+
+ protected:
+  virtual void BeforeWait() {}
+  virtual void AfterWait() {}
+
+ private:
+  p2p::PointToPoint& inner_;
+};
 
 }  // namespace ddp::transport::algorithms::testing
 

@@ -162,36 +162,14 @@ TEST(RingAllReduceTest, RankEnteringAfterTheFindersReturnedStillStops) {
 
 // An endpoint that counts the waits its rank enters, and passes every call
 // on.
-class WaitCountingEndpoint final : public p2p::PointToPoint {
+class WaitCountingEndpoint final : public testing::WaitObservingEndpoint {
  public:
-  WaitCountingEndpoint(p2p::PointToPoint& inner, Arrivals& waits) : inner_(inner), waits_(waits) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
-                                    size_t bytes) override {
-    return inner_.PostSend(peer, tag, data, bytes);
-  }
-  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
-    return inner_.PostRecv(peer, tag, data, bytes);
-  }
-  Status PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) override {
-    return inner_.PostNotice(peer, tag, data, bytes);
-  }
-  StatusOr<bool> Test(p2p::RequestId request) override { return inner_.Test(request); }
-  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
-    waits_.Arrive();
-    return inner_.WaitAll(requests, deadline);
-  }
-  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
-    waits_.Arrive();
-    return inner_.WaitAny(requests, deadline);
-  }
-  void Cancel(p2p::RequestId request) override { inner_.Cancel(request); }
-  void CancelAll(std::span<const p2p::RequestId> requests) override { inner_.CancelAll(requests); }
-  uint64_t UnconfirmedReleases() const override { return inner_.UnconfirmedReleases(); }
+  WaitCountingEndpoint(p2p::PointToPoint& inner, Arrivals& waits)
+      : WaitObservingEndpoint(inner), waits_(waits) {}
 
  private:
-  p2p::PointToPoint& inner_;
+  void BeforeWait() override { waits_.Arrive(); }
+
   Arrivals& waits_;
 };
 

@@ -54,42 +54,15 @@ class LateEntryGate {
 
 // An endpoint that reports its blocking waits to a LateEntryGate and passes
 // every call on.
-class GateReportingEndpoint final : public p2p::PointToPoint {
+class GateReportingEndpoint final : public testing::WaitObservingEndpoint {
  public:
   GateReportingEndpoint(p2p::PointToPoint& inner, LateEntryGate& gate)
-      : inner_(inner), gate_(gate) {}
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
-                                    size_t bytes) override {
-    return inner_.PostSend(peer, tag, data, bytes);
-  }
-  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
-    return inner_.PostRecv(peer, tag, data, bytes);
-  }
-  Status PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) override {
-    return inner_.PostNotice(peer, tag, data, bytes);
-  }
-  StatusOr<bool> Test(p2p::RequestId request) override { return inner_.Test(request); }
-  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
-    gate_.Blocked(+1);
-    Status status = inner_.WaitAll(requests, deadline);
-    gate_.Blocked(-1);
-    return status;
-  }
-  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
-    gate_.Blocked(+1);
-    StatusOr<size_t> index = inner_.WaitAny(requests, deadline);
-    gate_.Blocked(-1);
-    return index;
-  }
-  void Cancel(p2p::RequestId request) override { inner_.Cancel(request); }
-  void CancelAll(std::span<const p2p::RequestId> requests) override { inner_.CancelAll(requests); }
-  uint64_t UnconfirmedReleases() const override { return inner_.UnconfirmedReleases(); }
+      : WaitObservingEndpoint(inner), gate_(gate) {}
 
  private:
-  p2p::PointToPoint& inner_;
+  void BeforeWait() override { gate_.Blocked(+1); }
+  void AfterWait() override { gate_.Blocked(-1); }
+
   LateEntryGate& gate_;
 };
 
