@@ -474,7 +474,7 @@ DDP_TEST_WORKER(unused_view_stale_grad) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
   const int world = pg->size(), rank = pg->rank();
-  auto model = std::make_shared<Branchy>(8, /*use_a=*/true);
+  auto model = std::make_shared<Branchy>(8, /*use_a=*/false);
   DistributedDataParallel ddp(model, {.find_unused_parameters = true, .gradient_as_bucket_view = true,
                                       .process_group = pg});
   Tensor a_weight;
@@ -482,7 +482,21 @@ DDP_TEST_WORKER(unused_view_stale_grad) {
     if (name == "a.weight") a_weight = p;
   }
   WORKER_EXPECT(a_weight.defined(), "no a.weight");
+  // Iteration 0: a .grad of its own, set after wrapping (not yet a bucket
+  // view), on a parameter no rank uses: it keeps its values too, as a
+  // parameter of its own bucket does (it came back as the ranks' average).
+  a_weight.set_grad(nn::Full(a_weight.shape(), rank + 1.0));
+  {
+    auto [x0, y0] = testing::Batch(data, rank * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x0), y0));
+    const std::vector<float> g = a_weight.grad().ToVector<float>();
+    size_t changed = 0;
+    for (float v : g) changed += v != rank + 1.0f;
+    WORKER_EXPECT(changed == 0, "a .grad set after wrapping: " + std::to_string(changed) +
+                                    " elements changed, the first is " + std::to_string(g.front()));
+  }
   // Iteration 1 uses head a: a.weight's .grad becomes its bucket view.
+  model->use_a_ = true;
   auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
   nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
   for (const bool same_on_every_rank : {true, false}) {

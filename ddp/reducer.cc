@@ -712,7 +712,11 @@ void Reducer::FailUnusedParameterGradient(size_t index) {
 
 void Reducer::MarkUnusedReady(size_t index) {
   const nn::Tensor& grad = params_[index].grad();
-  if (grad.defined() && IsView(index, grad)) stale_[index] = grad.Clone();
+  // With gradient_as_bucket_view a .grad of its own (set after wrapping) is
+  // copied into the bucket and .grad becomes the view: kept as well, or it
+  // would come back as the ranks' average where a solo bucket's stays.
+  const bool becomes_view = options_.gradient_as_bucket_view && !buckets_[slots_[index].bucket].is_solo;
+  if (grad.defined() && (becomes_view || IsView(index, grad))) stale_[index] = grad.Clone();
   MarkReady(index, /*used_here=*/false);
 }
 

@@ -246,7 +246,8 @@ class Reducer {
   // view is contributed (as PyTorch does) and reduced in place, so a copy
   // is kept first: when no rank used the parameter it gets that .grad back
   // bit for bit (the reduction changes it, in the last bit on 3+ ranks even
-  // where every rank held the same).
+  // where every rank held the same). Likewise a .grad of its own that
+  // gradient_as_bucket_view is about to replace by the view.
   void MarkUnusedReady(size_t index);
   // A gradient for a parameter this iteration took as unused: records the
   // error for the next forward, aborts the group and throws.
