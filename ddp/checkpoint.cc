@@ -696,9 +696,13 @@ std::string Fingerprint(const nn::io::Checkpoint& c) {
 struct LoadAccount {
   explicit LoadAccount(const ProcessGroup& pg)
       : record(nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8})),
-        all(nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8})) {}
+        all(nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8})),
+        number(nn::Zeros({1}, {.dtype = nn::DType::kInt64})) {}
   nn::Tensor record;  // this rank's, as Record makes it
   nn::Tensor all;     // every rank's, once exchanged
+  // LoadCheckpointFromRank's: the length of root's bytes, then whether
+  // some rank could not make room for them.
+  nn::Tensor number;
   // This rank's reason in full: a record holds its first 1 KB, which a
   // long path can fill before the reason itself. Empty when it read, or
   // when the reason could not be copied.
@@ -851,21 +855,82 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
       wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
       "LoadCheckpointFromRank: " + from + " could not read '" + root_path + "'", wait.stop_grace);
   if (!error.empty()) throw std::runtime_error(call + " failed on " + from + ": " + error);
-  std::string shared = std::move(*bytes);
-  pg.BroadcastObject(&shared, root);
-  nn::io::Checkpoint checkpoint;
+  // Root's bytes to the others, in three steps: their length; whether
+  // every rank could make room for them (a checkpoint larger than the
+  // memory a rank has left), one all-reduce of a number; then the bytes,
+  // only when every rank could. A rank without room says so in its record
+  // and every rank fails in the exchange below naming it: receiving the
+  // bytes in one collective, that rank would leave the call alone while
+  // the others waited for it until the group's timeout.
+  int64_t* number = static_cast<int64_t*>(account.number.data_ptr());
+  int64_t length = pg.rank() == root ? static_cast<int64_t>(bytes->size()) : -1;
+  auto group_failed = [&](const DistributedError& e) {
+    return DistributedError(transport::Status(
+        e.code(), call + ": nothing was loaded: the group failed while " + from + " sent the " +
+                      (length >= 0 ? std::to_string(length) + " " : std::string()) +
+                      "bytes it read: " + e.status().message()));
+  };
+  number[0] = length;
   try {
-    RunFault(internal::FaultPoint::kAccountingForLoad);
-    checkpoint = nn::io::LoadCheckpointFromBytes(std::move(shared), root_path + " (read by " + from + ")", options);
-    Rewrite(account.record, 1, Fingerprint(checkpoint).c_str());
-  } catch (const std::bad_alloc&) {
-    RewriteThrown(account.record, "loading the checkpoint");
-  } catch (const std::exception& e) {
-    Rewrite(account.record, 0, e.what());
+    pg.Broadcast(account.number, root, "checkpoint length").Wait();
+  } catch (const DistributedError& e) {
+    throw group_failed(e);
+  }
+  length = number[0];
+  bool room = true;
+  if (pg.rank() != root) {
     try {
-      account.failure = e.what();
+      RunFault(internal::FaultPoint::kReceivingCheckpoint);
+      bytes->resize(static_cast<size_t>(length));
+    } catch (...) {
+      room = false;
+      // In place, with nothing allocated: memory is what ran out.
+      char doing[96];
+      std::snprintf(doing, sizeof(doing), "making room for the %lld bytes rank %d read",
+                    static_cast<long long>(length), root);
+      RewriteThrown(account.record, doing);
+    }
+  }
+  number[0] = room ? 0 : 1;
+  try {
+    pg.AllReduce(account.number, transport::ReduceOp::kMax, "checkpoint room").Wait();
+  } catch (const DistributedError& e) {
+    throw group_failed(e);
+  }
+  nn::io::Checkpoint checkpoint;
+  if (number[0] != 0) {
+    // Nothing is sent; the ranks that had room are not named.
+    if (room) Rewrite(account.record, 1, "");
+  } else {
+    try {
+      if (pg.size() > 1 && length > 0) {
+        // The task owns the bytes: a Wait that gives up may return while
+        // it still runs.
+        pg.Run({.kind = "checkpoint bytes", .dtype = nn::DType::kUInt8, .shape = {length}, .root = root},
+               [bytes, root](transport::Communicator* comm, transport::Deadline deadline) {
+                 if (comm == nullptr) return transport::Status::Ok();
+                 return comm->Broadcast(bytes->data(), bytes->size(), transport::DataType::kU8, root,
+                                        internal::Within(deadline));
+               })
+            .Wait();
+      }
+    } catch (const DistributedError& e) {
+      throw group_failed(e);
+    }
+    try {
+      RunFault(internal::FaultPoint::kAccountingForLoad);
+      checkpoint =
+          nn::io::LoadCheckpointFromBytes(std::move(*bytes), root_path + " (read by " + from + ")", options);
+      Rewrite(account.record, 1, Fingerprint(checkpoint).c_str());
     } catch (const std::bad_alloc&) {
-      // The record has the reason's first 1 KB.
+      RewriteThrown(account.record, "loading the checkpoint");
+    } catch (const std::exception& e) {
+      Rewrite(account.record, 0, e.what());
+      try {
+        account.failure = e.what();
+      } catch (const std::bad_alloc&) {
+        // The record has the reason's first 1 KB.
+      }
     }
   }
   AgreeOnLoad(pg, call, account);

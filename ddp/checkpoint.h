@@ -170,7 +170,10 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 /// rank. The others wait for the read as long as it goes on, up to
 /// `wait.timeout` (the group's timeout then bounds sending the bytes).
 /// When `root` cannot read it, or any rank cannot load it, every rank
-/// throws one error naming each failing rank and its reason; messages
+/// throws one error naming each failing rank and its reason (a rank that
+/// cannot make room for root's bytes, memory running out, is named so
+/// before any byte is sent; a group that fails while they are sent gives
+/// a DistributedError naming the call and what was being sent); messages
 /// begin "LoadCheckpointFromRank '<root's path>' (read by rank <root>)",
 /// whatever path this rank passed (root sends its path to the others
 /// first, a broadcast of a few bytes). Every rank
@@ -360,6 +363,9 @@ enum class FaultPoint {
   /// The same calls, just before that exchange: a test ends there what its
   /// fault at kAccountingForLoad began.
   kExchangingLoadAccounts = 6,
+  /// LoadCheckpointFromRank, on a rank other than the root, as it makes
+  /// room for the bytes the root read, before they are sent.
+  kReceivingCheckpoint = 7,
 };
 
 /// Test only: from now on, this process runs `fault` at `point`; what

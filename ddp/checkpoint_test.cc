@@ -609,6 +609,68 @@ TEST(DdpCheckpointTest, ARankThatRunsOutOfMemoryAfterItsReadIsNamedOnEveryRankPr
   }
 }
 
+// In LoadCheckpointFromRank, rank 1 cannot make room for the bytes rank 0
+// read (DDP_TEST_CASE out_of_memory: a std::bad_alloc there, as when the
+// checkpoint is larger than what memory rank 1 has left), or its group
+// fails at that point (group_fails: rank 1 aborts it). Before, the
+// std::bad_alloc left the call on rank 1 alone while ranks 0 and 2 waited
+// for it in the broadcast of the bytes until the group's timeout (60 s
+// here), and a group that failed there gave the broadcast's own error,
+// naming neither the call nor the file. Now every rank throws at once
+// naming rank 1 and what ran out, and the group goes on; a group that
+// fails gives a DistributedError naming the call and what was being sent.
+DDP_TEST_WORKER(from_rank_cannot_receive) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  SaveCheckpoint(*pg, path, MakeCheckpoint(*Mlp(1), nullptr));
+  struct stat st;
+  WORKER_EXPECT(stat(path.c_str(), &st) == 0, "no file at " + path);
+  const std::string bytes = std::to_string(st.st_size);
+  if (pg->rank() == 1) {
+    internal::SetFaultForTesting(internal::FaultPoint::kReceivingCheckpoint, [which, &pg] {
+      if (which == "out_of_memory") throw std::bad_alloc();
+      pg->Abort(transport::InternalError("rank 1's test broke the group"));
+    });
+  }
+  const std::string who = which + ", rank " + std::to_string(pg->rank());
+  const std::string call = "LoadCheckpointFromRank '" + path + "' (read by rank 0)";
+  if (which == "out_of_memory") {
+    const Outcome failed = OutcomeOf<std::runtime_error>([&] { LoadCheckpointFromRank(*pg, path, 0); });
+    internal::SetFaultForTesting(internal::FaultPoint::kReceivingCheckpoint, {});
+    const std::string expected =
+        call + " failed on rank 1: making room for the " + bytes + " bytes rank 0 read ran out of memory: std::bad_alloc";
+    WORKER_EXPECT(failed.error == expected, who + " got: " + failed.error);
+    // Well within the group's 60 s, which a rank left waiting would spend.
+    WORKER_EXPECT(failed.seconds < 20, who + ": the failure took " + std::to_string(failed.seconds) + " s");
+    WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the failed load");
+    // With room for them, rank 1 receives the bytes like the others.
+    const size_t tensors = LoadCheckpointFromRank(*pg, path, 0).model.size();
+    WORKER_EXPECT(tensors == Mlp(1)->GetStateDict().size(),
+                  who + ": the second load read " + std::to_string(tensors) + " tensors");
+  } else {
+    const Outcome failed = OutcomeOf<DistributedError>([&] { LoadCheckpointFromRank(*pg, path, 0); });
+    internal::SetFaultForTesting(internal::FaultPoint::kReceivingCheckpoint, {});
+    // The group's code (INTERNAL, as rank 1 aborted it) and its reason.
+    const std::string begins = "INTERNAL: " + call + ": nothing was loaded: the group failed while rank 0 sent the " +
+                               bytes + " bytes it read: ";
+    WORKER_EXPECT(failed.error.rfind(begins, 0) == 0 &&
+                      failed.error.find("rank 1's test broke the group") != std::string::npos,
+                  who + " got: " + failed.error);
+    WORKER_EXPECT(failed.seconds < 20, who + ": the failure took " + std::to_string(failed.seconds) + " s");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankThatCannotReceiveTheRootsBytesIsNamedOnEveryRankPromptly) {
+  for (const char* which : {"out_of_memory", "group_fails"}) {
+    auto run = RunWorkers("from_rank_cannot_receive", 3,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_CKPT", TempDir()}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          180000, /*stop_all_on_failure=*/false);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
+}
+
 // Mlp's layers with 11 outputs instead of 10: the same keys, with
 // `5.weight` and `5.bias` of other shapes.
 std::shared_ptr<nn::modules::Module> MlpWithElevenClasses(uint64_t seed) {
