@@ -28,11 +28,13 @@ namespace ddp::dist {
 namespace {
 
 // Outcome of one rank's part, in a fixed size so that it can be exchanged
-// with one collective whatever happened.
+// with one collective whatever happened: a uint8 tensor of kRecordBytes,
+// its first byte a flag (1 done, 0 failed, or one of those below), then a
+// text that ends with a zero byte.
 constexpr int64_t kRecordBytes = 1024;
 
-// The status record while the root is still writing or reading (Record's
-// first byte is 1 or 0 otherwise).
+// The status record while the root is still writing or reading (its first
+// byte is 1 or 0 otherwise).
 constexpr char kStillGoing = 2;
 // A final record: root's work ran past the timeout (a failure; every rank
 // aborts the group).
@@ -66,16 +68,9 @@ void RunFault(internal::FaultPoint point) {
   if (fault) fault();
 }
 
-nn::Tensor Record(bool ok, const std::string& message) {
-  nn::Tensor r = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
-  char* p = static_cast<char*>(r.data_ptr());
-  p[0] = ok ? 1 : 0;
-  std::strncpy(p + 1, message.c_str(), kRecordBytes - 2);
-  return r;
-}
-
-// Makes `record` (from Record) say `flag` and the first kRecordBytes - 2
-// bytes of `message`, in place: nothing is allocated.
+// Makes `record` (a record, as kRecordBytes says) say `flag` and the
+// first kRecordBytes - 2 bytes of `message`, in place: nothing is
+// allocated.
 void Rewrite(nn::Tensor& record, char flag, const char* message) {
   char* p = static_cast<char*>(record.data_ptr());
   std::memset(p, 0, kRecordBytes);
@@ -94,7 +89,7 @@ const char* WhatOf(const std::exception_ptr& e) {
   return "an exception that is not a std::exception";
 }
 
-// Inside a catch handler: makes `record` (from Record) say that `doing`
+// Inside a catch handler: makes `record` (a record) say that `doing`
 // failed, "<doing> threw: <what><after>", or "<doing> ran out of memory:
 // <what><after>" for a std::bad_alloc. In place: nothing is allocated,
 // since memory may be what ran out.
@@ -503,7 +498,9 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
   const char* what = "checkpoint status";
-  nn::Tensor record;
+  // One record for every round, made before the first: nothing is
+  // allocated per heartbeat.
+  nn::Tensor record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
   // Root's outcome in full: the record carries its first 1 KB to the
   // others, which a long path can fill before the reason itself.
   std::string root_outcome;
@@ -511,8 +508,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
     // Records until one is not "still going": root sends a final one by
     // `timeout` at the latest.
     do {
-      record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
-      pg.Broadcast(record, root, what).Wait();
+      pg.Broadcast(record, root, what).Wait();  // overwrites the whole record
     } while (static_cast<const char*>(record.data_ptr())[0] == kStillGoing);
     // Root aborts the group too, but it may be slow to get there (a busy
     // host): a next collective here must not wait for it and time out
@@ -530,7 +526,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
       while (true) {
         if (background.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
           root_outcome = background.error();
-          record = Record(root_outcome.empty(), root_outcome);
+          Rewrite(record, root_outcome.empty() ? 1 : 0, root_outcome.c_str());
         } else if (Clock::now() >= deadline) {
           // Stopped before the others hear that the file is as it was, in
           // step with the writer's last check before its rename; a writer
@@ -539,19 +535,17 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
           const bool renaming = background.Stop();
           if (renaming && background.WaitUntil(Clock::now() + heartbeat)) {
             root_outcome = background.error();
-            record = Record(root_outcome.empty(), root_outcome);
+            Rewrite(record, root_outcome.empty() ? 1 : 0, root_outcome.c_str());
           } else {
             root_outcome = task + " did not finish within " + limit +
                            (renaming ? "; it was renaming the new file into place, which may have happened or "
                                        "may yet happen"
                                      : "");
-            record = Record(false, root_outcome);
-            static_cast<char*>(record.data_ptr())[0] = kOutOfTime;
+            Rewrite(record, kOutOfTime, root_outcome.c_str());
             timed_out = true;
           }
         } else {
-          record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
-          static_cast<char*>(record.data_ptr())[0] = kStillGoing;
+          Rewrite(record, kStillGoing, "");
         }
         try {
           // Alone, nobody waits: only the outcome matters.
@@ -608,6 +602,10 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
   int32_t outcome = kGoing;
   bool out_of_time = false;
   std::exception_ptr group_error;
+  // One flag for every round, made before the first: nothing is
+  // allocated per heartbeat.
+  nn::Tensor flag = nn::Zeros({1}, {.dtype = nn::DType::kInt32});
+  int32_t* const flag_value = static_cast<int32_t*>(flag.data_ptr());
   {
     Background background(work, abort_reason, stop_grace);
     bool done = false;
@@ -615,7 +613,7 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
       if (!done) done = background.WaitUntil(std::min(deadline, Clock::now() + heartbeat));
       if (done) error = background.error();
       out_of_time = !done && Clock::now() >= deadline;
-      nn::Tensor flag = nn::Full({1}, done ? kDone : out_of_time ? kOutOfTime : kGoing, {.dtype = nn::DType::kInt32});
+      *flag_value = done ? kDone : out_of_time ? kOutOfTime : kGoing;
       try {
         if (pg.size() > 1) pg.AllReduce(flag, transport::ReduceOp::kMax, "checkpoint read status").Wait();
       } catch (...) {
@@ -624,7 +622,7 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
       }
       // Done here and others still going: the next round's all-reduce
       // waits for theirs, at most a heartbeat away.
-      outcome = static_cast<int32_t>(flag.Item());
+      outcome = *flag_value;
     }
     // A rank still in its work: the others' next collective would wait for
     // it past their deadline; end the group now, with the reason.
@@ -698,7 +696,7 @@ struct LoadAccount {
       : record(nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8})),
         all(nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8})),
         number(nn::Zeros({1}, {.dtype = nn::DType::kInt64})) {}
-  nn::Tensor record;  // this rank's, as Record makes it
+  nn::Tensor record;  // this rank's, as Rewrite writes it
   nn::Tensor all;     // every rank's, once exchanged
   // LoadCheckpointFromRank's: the length of root's bytes, then whether
   // some rank could not make room for them.
