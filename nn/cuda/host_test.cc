@@ -605,6 +605,24 @@ TEST(CudaPoolMath, AvgPoolOfHugeWindowsFinishesWithTheCpuResults) {
   }
 }
 
+// ceil_mode, a 4-row input, kernel 2^63 - 3, padding 2^62 - 3, stride 2^62:
+// the shape checks accept it and give two windows (kernels_test checks the
+// output size). The second starts at row 3 and s + kernel (2^63) overflowed
+// int64; the wrapped end emptied the window. Its end is the padded edge
+// 4 + pad, so it holds row 3 and 2^62 - 2 padded rows. The first window
+// covers rows 0..3.
+TEST(CudaPoolMath, AverageWindowEndPastInt64IsClippedToThePadding) {
+  const int64_t pad = (int64_t{1} << 62) - 3, kernel = 2 * pad + 3, stride = int64_t{1} << 62;
+  const launch::AvgWindow w1 = launch::AvgWindowOf(1, stride, pad, kernel, 4);
+  EXPECT_EQ(w1.start, 3);
+  EXPECT_EQ(w1.end, 4);
+  EXPECT_EQ(w1.padded, (int64_t{1} << 62) - 2);
+  const launch::AvgWindow w0 = launch::AvgWindowOf(0, stride, pad, kernel, 4);
+  EXPECT_EQ(w0.start, 0);
+  EXPECT_EQ(w0.end, 4);
+  EXPECT_EQ(w0.padded, kernel);
+}
+
 TEST(CudaFastDivide, QuotientsEqualHardwareDivision) {
   // Every divisor up to 4096, powers of two and their neighbours, and the
   // largest; numerators at the edges (0, d - 1, d, 2^31 - 1) and spread out.

@@ -15,9 +15,11 @@ struct AvgWindow {
   int64_t start, end, padded;
 };
 
+/// The end is clipped without forming s + kernel, which can pass int64 for
+/// windows the shape checks accept (see AvgWindow in nn/ops/cpu/pool.cc).
 DDP_HOST_DEVICE AvgWindow AvgWindowOf(int64_t o, int64_t stride, int64_t pad, int64_t kernel, int64_t size) {
   int64_t s = o * stride - pad;
-  int64_t e = s + kernel < size + pad ? s + kernel : size + pad;
+  int64_t e = kernel < size + pad - s ? s + kernel : size + pad;
   const int64_t padded = e - s;
   s = s > 0 ? s : 0;
   e = e < size ? e : size;

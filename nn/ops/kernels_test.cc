@@ -1540,5 +1540,29 @@ TEST(KernelsTest, AvgPoolDivisorOfHugeWindowsDoesNotWrap) {
   }
 }
 
+// With ceil_mode, a 4-row input, kernel 2^63 - 3, padding 2^62 - 3 and
+// stride 2^62 pass every check and give two windows; the second starts at row
+// 3, and its end s + kernel (2^63) overflowed int64. The wrapped end emptied
+// the window, so y[1] was 0 instead of x[3] (divided by 2^62 - 2 padded rows
+// with count_include_pad). The first window covers all four rows.
+TEST(KernelsTest, AvgPoolWindowEndPastInt64IsClippedToThePadding) {
+  const int64_t pad = (int64_t{1} << 62) - 3;
+  const int64_t kernel = 2 * pad + 3;  // 2^63 - 3
+  for (const bool include_pad : {true, false}) {
+    const Pool2dParams p{.kernel_h = kernel,
+                         .stride_h = int64_t{1} << 62,
+                         .pad_h = pad,
+                         .ceil_mode = true,
+                         .count_include_pad = include_pad};
+    const Tensor x = FromVector(std::vector<double>{1, 2, 3, 4}, {1, 1, 4, 1}, {.dtype = DType::kFloat64});
+    const Tensor y = AvgPool2d(x, p);
+    ASSERT_EQ(y.shape(), (Shape{1, 1, 2, 1})) << include_pad;
+    const std::vector<double> want =
+        include_pad ? std::vector<double>{10 / static_cast<double>(kernel), 4 / std::ldexp(1.0, 62)}
+                    : std::vector<double>{2.5, 4};
+    EXPECT_EQ(y.ToVector<double>(), want) << "count_include_pad " << include_pad;
+  }
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

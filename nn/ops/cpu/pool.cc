@@ -292,9 +292,13 @@ struct Window {
   int64_t start, end, padded_len;
 };
 
+// s + kernel can exceed int64 for windows the shape checks accept: with
+// ceil_mode, input 4, kernel 2^63 - 3, padding 2^62 - 3 and stride 2^62 the
+// second window starts at 3 and s + kernel is 2^63. So the end is clipped by
+// comparing kernel with the room left, size + pad - s (>= 1: s < size + pad).
 Window AvgWindow(int64_t o, int64_t stride, int64_t pad, int64_t kernel, int64_t size) {
   int64_t s = o * stride - pad;
-  int64_t e = std::min(s + kernel, size + pad);
+  int64_t e = kernel < size + pad - s ? s + kernel : size + pad;
   const int64_t padded = e - s;
   s = std::max<int64_t>(s, 0);
   e = std::min(e, size);
