@@ -60,10 +60,15 @@ int64_t StridedSampler::Size() const {
   return left / num_replicas_ + (left % num_replicas_ != 0);
 }
 
+// Counted, not stepped until past n: the step after the last index
+// (rank + Size() * num_replicas) can pass INT64_MAX, and the wrapped,
+// negative position passed `< n`. rank + k * num_replicas for k < Size()
+// is at most the last index, n - 1.
 std::vector<int64_t> StridedSampler::Indices() const {
+  const int64_t count = Size();
   std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(Size()));
-  for (int64_t i = rank_; i < n_; i += num_replicas_) out.push_back(i);
+  out.reserve(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) out.push_back(rank_ + k * num_replicas_);
   return out;
 }
 

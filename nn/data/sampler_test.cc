@@ -155,6 +155,21 @@ TEST(Samplers, SizesNearInt64MaxDoNotOverflow) {
   EXPECT_EQ(StridedSampler(max, max, max - 1).Size(), 1);
 }
 
+// A world far larger than the dataset: rank 5 of 2^63 - 1 ranks over 10
+// samples takes sample 5 alone. Stepping by the world size past the last
+// index overflowed int64 (5 + 2^63 - 1), and the wrapped, negative position
+// passed the `< n` test: Indices() returned 7 indices, 4 of them negative,
+// and over 2^63 - 1 samples it never stopped (it ran out of memory).
+TEST(StridedSampler, AStepPastInt64MaxEndsTheIndices) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  const StridedSampler s(10, max, 5);
+  EXPECT_EQ(s.Size(), 1);
+  EXPECT_EQ(s.Indices(), (std::vector<int64_t>{5}));
+  EXPECT_EQ(StridedSampler(max, max, max - 1).Size(), 1);
+  EXPECT_EQ(StridedSampler(max, max, max - 1).Indices(), (std::vector<int64_t>{max - 1}));
+  EXPECT_EQ(StridedSampler(max, max - 1, 0).Indices(), (std::vector<int64_t>{0, max - 1}));
+}
+
 TEST(DistributedSampler, EpochChangesOrderAndSameEpochRepeats) {
   DistributedSampler s(50, {2, 1, true, 5, false});
   s.SetEpoch(0);
