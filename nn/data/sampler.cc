@@ -113,11 +113,18 @@ std::vector<int64_t> DistributedSampler::Indices() const {
   // Position p of the padded list is all[p % n]: past the end, the padding
   // repeats the list from its start (more than once if the dataset is
   // smaller than the padding). With drop_last no position reaches the end.
-  const int64_t total = TotalSize();
+  // This rank's k-th position is start + rank + k * num_replicas. Counted
+  // to Size(), not stepped until past the total: with a world far larger
+  // than the dataset, the step after the last position (or start added to
+  // it) can pass INT64_MAX, and the wrapped, negative position indexed
+  // `all` out of bounds. rank + k * num_replicas stays below the total,
+  // and start < n whenever Size() > 0, so the sum of remainders is < 2n.
+  const int64_t r = options_.num_replicas;
   std::vector<int64_t> mine;
   mine.reserve(num_samples_);
-  for (int64_t i = options_.rank; n_ > 0 && i < total; i += options_.num_replicas) {
-    mine.push_back(all[(start_ + i) % n_]);
+  for (int64_t k = 0; k < num_samples_; ++k) {
+    const int64_t p = options_.rank + k * r;
+    mine.push_back(all[(start_ + p % n_) % n_]);
   }
   return mine;
 }

@@ -170,6 +170,24 @@ TEST(StridedSampler, AStepPastInt64MaxEndsTheIndices) {
   EXPECT_EQ(StridedSampler(max, max - 1, 0).Indices(), (std::vector<int64_t>{0, max - 1}));
 }
 
+// The padded list of a world far larger than the dataset: the last of
+// 2^63 - 1 ranks over 10 samples takes position 2^63 - 2 of it, sample
+// (2^63 - 2) % 10 = 6; after set_start(5), position 5 + 2^63 - 2, sample 1.
+// Stepping by the world size past that position (or adding the start to it)
+// overflowed int64, and the wrapped, negative position read outside the
+// index list, without end.
+TEST(DistributedSampler, PositionsPastInt64MaxStayInTheList) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  DistributedSampler s(10, {.num_replicas = max, .rank = max - 1, .shuffle = false});
+  EXPECT_EQ(s.Size(), 1);
+  EXPECT_EQ(s.Indices(), (std::vector<int64_t>{6}));
+  s.set_start(5);
+  EXPECT_EQ(s.Size(), 1);
+  EXPECT_EQ(s.Indices(), (std::vector<int64_t>{1}));
+  DistributedSampler shuffled(10, {.num_replicas = max, .rank = max - 1, .shuffle = true, .seed = 3});
+  EXPECT_EQ(shuffled.Indices(), (std::vector<int64_t>{TorchRandperm(10, 3)[6]}));
+}
+
 TEST(DistributedSampler, EpochChangesOrderAndSameEpochRepeats) {
   DistributedSampler s(50, {2, 1, true, 5, false});
   s.SetEpoch(0);
