@@ -95,6 +95,7 @@ StatusOr<std::unique_ptr<PointToPoint>> LoopbackHub::Connect(int rank) {
                                    " is already connected");
   }
   ranks_[rank]->connected = true;
+  ranks_[rank]->closed = false;
   return std::unique_ptr<PointToPoint>(new LoopbackEndpoint(this, rank));
 }
 
@@ -111,6 +112,7 @@ void LoopbackHub::Disconnect(int rank) {
   }
   for (Op* op : notices) DropNoticeLocked(me, op);
   me.connected = false;
+  me.closed = true;
 }
 
 void LoopbackHub::Kill(int rank) {
@@ -292,6 +294,10 @@ Status LoopbackHub::PostNotice(int rank, int peer, Tag tag, const void* data, si
                          Describe(true, rank, peer, tag, bytes));
   }
   RankState& to = *ranks_[peer];
+  // A closed rank's notices died with its endpoint (Disconnect); one sent
+  // to it afterwards would wait for the next endpoint of that rank, whose
+  // calls (a fresh communicator's, numbered from 1 again) it is not for.
+  if (to.closed) return Status();
   auto owned = std::make_unique<Op>();
   Op* op = owned.get();
   op->owner = rank;

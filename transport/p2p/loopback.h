@@ -20,7 +20,10 @@
 //   - A notice (PostNotice) is a send whose bytes the hub copies and owns:
 //     it has no handle, so the sender's Cancel, CancelAll and Disconnect
 //     leave it queued for a receive the peer posts later. Kill of either
-//     rank or Disconnect of the receiver drops it; beyond kMaxNoticesPerPeer
+//     rank or Disconnect of the receiver drops it, and a notice to a rank
+//     whose endpoint has gone (and has not connected again) is dropped as
+//     it is posted, so that a later endpoint of that rank never takes a
+//     note meant for the old one; beyond kMaxNoticesPerPeer
 //     undelivered ones from one rank to another, the oldest is dropped.
 //   - Kill(rank) simulates a process death: peers' operations with that rank
 //     fail with PEER_LOST, the rank's own with ABORTED.
@@ -125,6 +128,9 @@ class LoopbackHub {
     std::unordered_map<RequestId, std::unique_ptr<Op>> ops;  // owned, not yet released
     std::list<std::unique_ptr<Op>> notices;  // notices to this rank, queued or copying
     bool connected = false;
+    // Disconnected and not connected again: notices to it are dropped at
+    // once. Not before the first Connect, whose endpoint takes them.
+    bool closed = false;
     bool killed = false;
     LoopbackStats stats;
   };

@@ -69,6 +69,32 @@ TEST(LoopbackTest, NoticeReachesAReceivePostedAfterTheSenderLeft) {
   EXPECT_EQ(got, 17);
 }
 
+// A notice posted after its receiver's endpoint went away is dropped, not
+// kept for the rank's next endpoint: that one belongs to a fresh
+// communicator, whose call numbers start again, so the old call's note
+// could pass for one of its own.
+TEST(LoopbackTest, NoticeToAClosedRankIsNotDeliveredToItsNextEndpoint) {
+  LoopbackHub hub(2);
+  auto eps = ConnectAll(hub);
+  eps[1].reset();
+  const int stale = 3;
+  EXPECT_TRUE(eps[0]->PostNotice(1, 9, &stale, sizeof(stale)).ok());
+  auto again = hub.Connect(1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  eps[1] = std::move(again).value();
+  int got = 0;
+  auto r = eps[1]->PostRecv(0, 9, &got, sizeof(got));
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto done = eps[1]->Test(*r);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_FALSE(*done) << "the new endpoint took the notice sent to the closed one: " << got;
+  // One sent to the new endpoint arrives.
+  const int fresh = 4;
+  ASSERT_TRUE(eps[0]->PostNotice(1, 9, &fresh, sizeof(fresh)).ok());
+  EXPECT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{*r}, Soon()).ok());
+  EXPECT_EQ(got, 4);
+}
+
 TEST(LoopbackTest, NoticesBeyondTheLimitDropTheOldest) {
   LoopbackHub hub(2);
   auto eps = ConnectAll(hub);
