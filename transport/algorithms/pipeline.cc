@@ -653,7 +653,7 @@ Status Requests::RelayStops(const char* what, uint64_t call_id, p2p::Tag phase_t
   relay_from_partner_ = from_partner;
   relay_to_ = to;
   relay_leaf_ = leaf;
-  stop_tag_ = StopNoteTag(phase_tag);
+  stop_tag_ = StopNoteTag(phase_tag, call_id);
   stop_got_ = Hold<StopNote>(1);
   Where where{what, 0, 0, Where::kNoChunk, false, from};
   DDP_ASSIGN_OR_RETURN(stop_recv_, Recv(where, stop_tag_, stop_got_, sizeof(StopNote)));
@@ -727,7 +727,8 @@ Status Requests::WaitOrStop(p2p::RequestId id) {
 StatusOr<bool> Requests::TakeNote() {
   if (stop_got_->call_id == call_id_) return true;
   // Left unread by an earlier call at the same tag (notices outlast their
-  // call): not this call's business.
+  // call), or sent by a rank kStopNoteTags calls ahead (StopNoteTag): not
+  // this call's business.
   Where where{relay_what_, 0, 0, Where::kNoChunk, false, relay_from_};
   DDP_ASSIGN_OR_RETURN(stop_recv_, Recv(where, stop_tag_, stop_got_, sizeof(StopNote)));
   return false;

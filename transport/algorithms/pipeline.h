@@ -97,12 +97,26 @@ inline p2p::Tag StepTag(p2p::Tag phase_tag, uint64_t index) {
 
 /// Tag of the fingerprint exchanged in the phase starting at `phase_tag`.
 /// The next tags carry CheckEveryRank's later rounds (+1), DirectExchange's
-/// block sizes (+2) and the ring's stop notes (+3, StopNoteTag).
+/// block sizes (+2) and the ring's stop notes (+3 to +15, StopNoteTag).
 inline p2p::Tag FingerprintTag(p2p::Tag phase_tag) { return phase_tag + kDataSteps; }
 
+/// Tags the stop notes of a phase take turns on, one per call (StopNoteTag):
+/// all the phase's tags past the fingerprint's first three.
+inline constexpr uint64_t kStopNoteTags = (uint64_t{1} << kStepTagBits) - kDataSteps - 3;
+
 /// Tag of the note a ring rank that found a disagreement sends on around
-/// the ring (Requests::RelayStops).
-inline p2p::Tag StopNoteTag(p2p::Tag phase_tag) { return FingerprintTag(phase_tag) + 3; }
+/// the ring (Requests::RelayStops) in call `call_id` (CollectiveArgs::call_id,
+/// 0 when not known). Consecutive calls at the same phase tag use different
+/// tags, because a rank keeps its note's receive posted until its call
+/// ends: a predecessor done with call N that finds a disagreement in call
+/// N + 1 would otherwise have that note taken by this rank's call N (and
+/// dropped as another call's, or cancelled at its end), and call N + 1 here
+/// would wait for its deadline. Calls kStopNoteTags apart share a tag: a
+/// note from a rank that many calls ahead (all of them failed, without
+/// this rank) is still dropped.
+inline p2p::Tag StopNoteTag(p2p::Tag phase_tag, uint64_t call_id) {
+  return FingerprintTag(phase_tag) + 3 + call_id % kStopNoteTags;
+}
 
 /// "rank 3", or "group rank 1 (rank 5)" when `p2p` is a GroupView, 5 being
 /// the rank of the transport under every level of views.
@@ -467,7 +481,7 @@ class Requests {
   /// waited for data from the failed rank until their deadline (nothing
   /// flows to them from the rank that disagrees, which may run another
   /// algorithm altogether). Posts the receive of a stop note from `from`
-  /// (the ring predecessor) at StopNoteTag(phase_tag), which every later
+  /// (the ring predecessor) at StopNoteTag(phase_tag, call_id), which every later
   /// Wait watches besides its own request. A rank whose PeerCheck (checking
   /// `from`) finds a disagreement sends a note naming both ranks and values
   /// to `to` (the successor) as it fails; a rank that receives one fails
@@ -479,7 +493,8 @@ class Requests {
   /// CollectiveArgs::call_id) they go as notices (PointToPoint::PostNotice),
   /// which outlast this rank's return and reach a rank that posts its
   /// receive later; a note from another call (one left unread at the same
-  /// tag) is ignored and the receive posted again. Without one, plain sends:
+  /// tag, kStopNoteTags calls away at least) is ignored and the receive
+  /// posted again. Without one, plain sends:
   /// this object's end cancels a note not yet taken, so a rank that had not
   /// yet posted its receive by then waits for its deadline. Costs the agreeing
   /// call one receive posted and cancelled, and every Wait watching two

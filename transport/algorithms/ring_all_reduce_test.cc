@@ -8,7 +8,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "transport/algorithms/all_gather.h"
 #include "transport/algorithms/all_reduce_test_util.h"
+#include "transport/algorithms/pipeline.h"
 #include "transport/algorithms/tree_all_reduce.h"
 #include "transport/p2p/group_view.h"
 #include "transport/testing/thread_harness.h"
@@ -175,6 +177,8 @@ class WaitCountingEndpoint final : public testing::WaitObservingEndpoint {
 
 // A note left unread by a failed call (its receiver had returned) must not
 // stop a later call at the same tag: it carries the failed call's id.
+// (Consecutive calls' notes take different tags, so the later call here is
+// the next one whose notes share call 1's.)
 TEST(RingAllReduceTest, NoteLeftByAnEarlierCallAtTheSameTagIsIgnored) {
   Arrivals first_done;
   Arrivals rank3_waits;  // in call 2
@@ -210,7 +214,9 @@ TEST(RingAllReduceTest, NoteLeftByAnEarlierCallAtTheSameTagIsIgnored) {
         args.send = send.data();
         args.recv = recv.data();
         args.count = 8;
-        args.call_id = 2;
+        // The next call to share call 1's stop-note tag (StopNoteTag), so
+        // that the old note does reach this call's receive.
+        args.call_id = 1 + internal::kStopNoteTags;
         args.deadline = DeadlineIn(std::chrono::seconds(6));
         WaitCountingEndpoint counted(p2p, rank3_waits);
         DDP_RETURN_IF_ERROR(RingAllReduce(r == 3 ? counted : p2p, args));
@@ -221,6 +227,80 @@ TEST(RingAllReduceTest, NoteLeftByAnEarlierCallAtTheSameTagIsIgnored) {
       },
       options);
   for (int r = 0; r < 4; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+}
+
+// An endpoint whose first Cancel waits (up to 20 s) until `gate` has an
+// arrival: a ring rank's first Cancel in a call that agrees is that of its
+// stop note's receive, at the end of the call, so the rank stays in the
+// call, with that receive posted, after its predecessor has finished it.
+class CancelHoldingEndpoint final : public testing::WaitObservingEndpoint {
+ public:
+  CancelHoldingEndpoint(p2p::PointToPoint& inner, Arrivals& gate)
+      : WaitObservingEndpoint(inner), gate_(gate) {}
+  void Cancel(p2p::RequestId request) override {
+    if (!held_) {
+      held_ = true;
+      gate_.AwaitAtLeast(1);
+    }
+    WaitObservingEndpoint::Cancel(request);
+  }
+
+ private:
+  Arrivals& gate_;
+  bool held_ = false;
+};
+
+// Two calls at the same tag on a ring 0 -> 1 -> 2 -> 0. Call 1 agrees;
+// rank 2 stays in it, its stop note's receive posted, until rank 1 has
+// finished call 1 and failed call 2, where rank 0 passes another count and
+// rank 1 finds it and sends its note to rank 2. That note is call 2's:
+// when it went to the tag of call 1's receive, call 1 took it and dropped
+// it, and rank 2 waited in call 2 for rank 1's fingerprint (cancelled as
+// rank 1 returned) until its deadline, TIMED_OUT.
+TEST(StopNoteTest, NoteOfTheNextCallReachingARankStillInThisOneIsKept) {
+  Arrivals rank1_failed_call2;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;  // a killed rank's notices would be dropped
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      3,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        CollectiveArgs args;
+        args.tag = CollectiveTag(0);
+        {
+          std::vector<float> send(4, static_cast<float>(r)), recv(12);
+          args.send = send.data();
+          args.recv = recv.data();
+          args.count = 4;
+          args.call_id = 1;
+          args.deadline = DeadlineIn(std::chrono::seconds(20));
+          CancelHoldingEndpoint held(p2p, rank1_failed_call2);
+          Status first = RingAllGather(r == 2 ? held : p2p, args);
+          if (!first.ok()) return internal::Annotate(first, "call 1");
+          for (size_t i = 0; i < recv.size(); ++i) {
+            if (recv[i] != static_cast<float>(i / 4)) {
+              return InternalError("call 1: rank " + std::to_string(r) + " got " +
+                                   std::to_string(recv[i]) + " at " + std::to_string(i));
+            }
+          }
+        }
+        const size_t count = r == 0 ? 5 : 4;
+        std::vector<float> send(count, 1.0f), recv(3 * count);
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = count;
+        args.call_id = 2;
+        args.deadline = DeadlineIn(std::chrono::seconds(6));
+        Status second = RingAllGather(p2p, args);
+        if (r == 1) rank1_failed_call2.Arrive();
+        return second;
+      },
+      options);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+    EXPECT_NE(statuses[r].message().find("disagree on the arguments"), std::string::npos)
+        << "rank " << r << ": " << statuses[r];
+  }
 }
 
 TEST(RingAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
