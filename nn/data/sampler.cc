@@ -72,6 +72,16 @@ std::vector<int64_t> StridedSampler::Indices() const {
   return out;
 }
 
+int64_t DistributedSampler::TotalSize() const {
+  int64_t total = 0;
+  if (__builtin_mul_overflow(num_samples_, options_.num_replicas, &total)) {
+    throw std::overflow_error("DistributedSampler::TotalSize: " + std::to_string(options_.num_replicas) +
+                              " ranks of " + std::to_string(num_samples_) +
+                              " indices each make more indices than int64 holds");
+  }
+  return total;
+}
+
 DistributedSampler::DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options)
     : n_(dataset_size), options_(options) {
   if (n_ < 0) {

@@ -118,7 +118,9 @@ class DistributedSampler : public Sampler {
   std::vector<int64_t> Indices() const override;
   std::optional<int64_t> epoch() const override { return epoch_; }
   /// Indices per epoch summed over all ranks (num_replicas * Size()).
-  int64_t TotalSize() const { return num_samples_ * options_.num_replicas; }
+  /// Throws std::overflow_error, naming both factors, where that product
+  /// passes INT64_MAX (a dataset near 2^63 on 2 ranks pads it to 2^63).
+  int64_t TotalSize() const;
   const DistributedSamplerOptions& options() const { return options_; }
   /// Positions of each epoch's list skipped before rank 0's first (0 by
   /// default; see above); Size() counts what is left. Set it to the same

@@ -153,6 +153,16 @@ TEST(Samplers, SizesNearInt64MaxDoNotOverflow) {
   EXPECT_EQ(StridedSampler(max, 2, 1).Size(), max / 2);
   EXPECT_EQ(StridedSampler(max, 1, 0).Size(), max);
   EXPECT_EQ(StridedSampler(max, max, max - 1).Size(), 1);
+  // The padded total, 2^63 on 2 ranks, does not fit: refused by name (it
+  // wrapped to INT64_MIN).
+  try {
+    static_cast<void>(DistributedSampler(max, {2, 0, false, 0, false}).TotalSize());
+    ADD_FAILURE() << "TotalSize of 2 x 2^62 indices returned";
+  } catch (const std::overflow_error& e) {
+    EXPECT_STREQ(e.what(), "DistributedSampler::TotalSize: 2 ranks of 4611686018427387904 indices each make "
+                           "more indices than int64 holds");
+  }
+  EXPECT_EQ(DistributedSampler(max, {2, 0, false, 0, true}).TotalSize(), max - 1);
 }
 
 // A world far larger than the dataset: rank 5 of 2^63 - 1 ranks over 10
