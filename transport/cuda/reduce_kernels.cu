@@ -52,6 +52,27 @@ template <typename A> __device__ bool IsNan(A x) {
   }
 }
 
+// Integer sums and products wrap, as on the host (transport/reduce): done
+// in the unsigned type, where overflow is defined (signed overflow is not,
+// and the compiler may assume it never happens). uint8_t promotes to int,
+// whose sum or product of two bytes cannot overflow.
+template <typename A> __device__ A WrapAdd(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+template <typename A> __device__ A WrapMul(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+    return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return a * b;
+  }
+}
+
 // Matches transport/types.h ReduceOp.
 enum Op { kSum = 0, kAvg = 1, kMax = 2, kMin = 3, kProd = 4 };
 
@@ -69,13 +90,13 @@ __global__ void ReduceKernel(T* dst, Sources sources, int n, size_t count) {
     A acc = Widen(static_cast<const T*>(sources.p[0])[i]);
     for (int k = 1; k < n; ++k) {
       const A v = Widen(static_cast<const T*>(sources.p[k])[i]);
-      if constexpr (kOp == kSum || kOp == kAvg) acc = acc + v;
+      if constexpr (kOp == kSum || kOp == kAvg) acc = WrapAdd(acc, v);
       // A NaN from any source wins, as on the host (transport/reduce): a
       // bare comparison keeps a NaN only where it came first. On a tie
       // (+0 and -0) the later operand wins, as on the host.
       if constexpr (kOp == kMax) acc = IsNan(acc) || acc > v ? acc : v;
       if constexpr (kOp == kMin) acc = IsNan(acc) || acc < v ? acc : v;
-      if constexpr (kOp == kProd) acc = acc * v;
+      if constexpr (kOp == kProd) acc = WrapMul(acc, v);
     }
     if constexpr (kOp == kAvg) acc = static_cast<A>(acc / static_cast<A>(n));
     dst[i] = Narrow<T>(acc);

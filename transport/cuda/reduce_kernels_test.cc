@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -118,6 +119,46 @@ TEST(ReduceKernels, EveryDtypeAndOpOverSeveralSources) {
   EXPECT_EQ(ReduceAsync(nullptr, nullptr, 0, 1, 0, 0, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(ReduceAsync(nullptr, nullptr, kMaxReduceSources + 1, 1, 0, 0, nullptr),
             cudaErrorInvalidValue);
+}
+
+// Integer sums and products wrap, as the host kernels promise
+// (transport/reduce/reduce.h): i32, i64 and u8, sum, avg and prod, past
+// the type's range. Signed overflow was left to the compiler.
+TEST(ReduceKernels, IntegerSumAndProductWrapAsOnTheHost) {
+  struct Case {
+    int dtype, op;
+    int64_t a, b, want;
+  };
+  const int64_t i32_max = INT32_MAX, i64_max = INT64_MAX;
+  const Case cases[] = {
+      {4, 0, i32_max, 1, INT32_MIN},
+      {4, 1, i32_max, 3, static_cast<int32_t>(0x80000002u) / 2},
+      {4, 4, 65536, 65536, 0},
+      {5, 0, i64_max, 1, INT64_MIN},
+      {5, 4, int64_t{1} << 62, 4, 0},
+      {6, 0, 200, 100, 44},
+      {6, 4, 16, 17, 16},
+  };
+  const size_t sizes[] = {4, 8, 2, 2, 4, 8, 1};
+  for (const Case& c : cases) {
+    const size_t e = sizes[c.dtype];
+    void* device[2] = {nullptr, nullptr};
+    int64_t values[2] = {c.a, c.b};
+    for (int k = 0; k < 2; ++k) {
+      char host[8] = {};
+      std::memcpy(host, &values[k], e);  // little-endian: the low bytes
+      ASSERT_EQ(cudaMalloc(&device[k], e), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(device[k], host, e, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    ASSERT_EQ(ReduceAsync(device[0], device, 2, 1, c.dtype, c.op, nullptr), 0);
+    char out[8] = {};
+    ASSERT_EQ(cudaMemcpy(out, device[0], e, cudaMemcpyDeviceToHost), cudaSuccess);
+    char want[8] = {};
+    std::memcpy(want, &c.want, e);
+    EXPECT_EQ(std::memcmp(out, want, e), 0) << "dtype " << c.dtype << " op " << c.op << " of " << c.a
+                                            << " and " << c.b;
+    for (void* p : device) cudaFree(p);
+  }
 }
 
 // Max and min give NaN wherever any source holds one, whichever source it
