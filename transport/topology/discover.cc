@@ -393,11 +393,12 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
   StatusOr<std::vector<std::string>> texts = store.MultiGet(keys, deadline);
   if (!texts.ok()) {
     // Name the first rank that has not posted (one look at each, on this
-    // path only), as the ranks' keys name only their numbers.
+    // path only, within one budget past the deadline: a look per rank of a
+    // slow store would add up), as the ranks' keys name only their numbers.
     if (texts.status().code() == StatusCode::kTimedOut) {
+      const Deadline looks_until = DeadlineIn(kMissingRankLookBudget);
       for (int r = 0; r < size; ++r) {
-        StatusOr<std::optional<std::string>> there =
-            store.TryGet(keys[r], DeadlineIn(std::chrono::milliseconds(1000)));
+        StatusOr<std::optional<std::string>> there = store.TryGet(keys[r], looks_until);
         if (!there.ok()) break;
         if (!there->has_value()) {
           return TimedOutError("topology exchange: rank " + std::to_string(r) + " has not posted its record: " +

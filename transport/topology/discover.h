@@ -5,6 +5,7 @@
 // runtime for GPUs when built with CUDA) and the exchange of every rank's
 // view through the store, which yields the job's Topology.
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -98,7 +99,10 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
 /// Its NUMA node count is the most any of its ranks sees. Must be called on
 /// every rank. INVALID_ARGUMENT, on every rank,
 /// naming the first setting and both values, when some rank's `settings`
-/// differ from this rank's.
+/// differ from this rank's. TIMED_OUT names the first rank that has not
+/// posted, found by looking at each rank's key after `deadline`, all the
+/// looks together within kMissingRankLookBudget.
+inline constexpr std::chrono::milliseconds kMissingRankLookBudget{2000};
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,
                                      int rank, int size, const LocalView& local,
                                      Deadline deadline);

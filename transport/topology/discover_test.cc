@@ -503,5 +503,57 @@ TEST(ExchangeTopology, MissingRankTimesOutNamingIt) {
   EXPECT_NE(result.status().message().find("rank 1"), std::string::npos) << result.status();
 }
 
+// A store that takes `lag` to answer each TryGet (a loaded store server far
+// away), or fails it with TIMED_OUT at its deadline when that comes first.
+class LaggingStore final : public store::Store {
+ public:
+  explicit LaggingStore(std::chrono::milliseconds lag) : lag_(lag) {}
+  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
+    return inner_.Set(key, value, deadline);
+  }
+  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override { return inner_.Get(key, deadline); }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
+    if (std::chrono::steady_clock::now() + lag_ > deadline) {
+      std::this_thread::sleep_until(deadline);
+      return TimedOutError("TryGet " + std::string(key));
+    }
+    std::this_thread::sleep_for(lag_);
+    return inner_.TryGet(key, deadline);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
+    return inner_.Add(key, delta, deadline);
+  }
+  Status Wait(std::span<const std::string> keys, Deadline deadline) override { return inner_.Wait(keys, deadline); }
+  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override { return inner_.Delete(key, deadline); }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline deadline) override {
+    return inner_.CompareSet(key, expected, desired, deadline);
+  }
+
+ private:
+  std::chrono::milliseconds lag_;
+  testing::InMemoryStore inner_;
+};
+
+// Naming the missing rank looks at each rank's key after the deadline: on
+// a slow store those looks share one budget. Here 40 ranks have posted,
+// the 41st has not, and each look takes 150 ms: one look after another
+// went on for 6 s past the deadline.
+TEST(ExchangeTopology, LookingForTheMissingRankStaysWithinItsBudget) {
+  LaggingStore store(std::chrono::milliseconds(150));
+  constexpr int kSize = 41;
+  for (int r = 1; r < kSize - 1; ++r) {
+    ASSERT_TRUE(store.Set("job/topology/" + std::to_string(r), "{}", DeadlineIn(std::chrono::seconds(1))).ok());
+  }
+  LocalView view;
+  view.host.name = "a";
+  const auto start = std::chrono::steady_clock::now();
+  auto result = ExchangeTopology(store, "job/", 0, kSize, view, DeadlineIn(std::chrono::milliseconds(100)));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(result.status().code(), StatusCode::kTimedOut) << result.status();
+  EXPECT_LT(seconds, 0.1 + std::chrono::duration<double>(kMissingRankLookBudget).count() + 1.0)
+      << result.status();
+}
+
 }  // namespace
 }  // namespace ddp::transport::topology
