@@ -69,13 +69,18 @@ int main(int argc, char** argv) {
   auto* control = new (mapping) Control();
   float* buffers[2] = {reinterpret_cast<float*>(static_cast<char*>(mapping) + 4096),
                        reinterpret_cast<float*>(static_cast<char*>(mapping) + 4096) + kMaxFloats};
+  const pid_t parent = getpid();
   const pid_t child = fork();
   if (child < 0) {
     std::perror("shared_mapping_probe: fork");
     return 1;
   }
   const int rank = child == 0 ? 1 : 0;
-  if (rank == 1) prctl(PR_SET_PDEATHSIG, SIGKILL);  // no orphan if rank 0 dies
+  if (rank == 1) {
+    // No orphan if rank 0 dies, before this call too.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+  }
   float* own = buffers[rank];
   float* peer = buffers[1 - rank];
   int64_t call = 0;
