@@ -11,8 +11,11 @@
 // resumed still ends bit for bit where the uninterrupted one does.
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -441,27 +444,47 @@ TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
   const std::string dir = testing::MakeTempDir("sigint_slow");
   const std::string ckpt = dir + "/ckpt.safetensors";
   // Batches of 128: steps well over the 0.25 s (and over the test's own
-  // latency in signalling), also on a fast host. The mark of each step's
-  // end is its metrics row (--log_every=1), written just before the next
-  // step's vote. (It was a save every step, each a whole ResNet-18, found
-  // by loading the checkpoint every 2 ms: both took the CPUs the ranks
-  // train on, 135 s for this test under load 12.) The checkpoint on disk
-  // is then the stop's alone.
+  // latency in signalling), also on a fast host. Without scheduled saves
+  // the checkpoint on disk is the stop's alone. (It was a save every step,
+  // each a whole ResNet-18, found by loading the checkpoint every 2 ms:
+  // both took the CPUs the ranks train on, 135 s for this test under load
+  // 12.)
+  // The mark of a step's start is rank 0's --trace, streamed into a FIFO:
+  // DDP appends the events recorded so far at the start of each forward,
+  // after that step's stop vote, so the trace holds step k's "forward"
+  // event once step k + 1 has voted and begun.
   const std::string log_dir = dir + "/log";
+  std::filesystem::create_directory(log_dir);
+  const std::string trace = log_dir + "/trace_rank0.json";
+  ASSERT_EQ(::mkfifo(trace.c_str(), 0600), 0) << trace << ": " << std::strerror(errno);
+  testing::FifoReader reader(trace, std::chrono::seconds(280));
   Subprocess run({Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18", "--train_samples=4096",
-                  "--test_samples=64", "--batch_size=128", "--epochs=1", "--workers=1", "--log_every=1",
+                  "--test_samples=64", "--batch_size=128", "--epochs=1", "--workers=1", "--trace",
                   "--log_dir=" + log_dir, "--checkpoint=" + ckpt});
+  const auto forwards = [&reader] {
+    const std::string text = reader.Text();
+    int64_t n = 0;
+    for (size_t at = text.find("\"name\": \"forward\""); at != std::string::npos;
+         at = text.find("\"name\": \"forward\"", at + 1)) {
+      ++n;
+    }
+    return n;
+  };
   // From the third step's on, the votes are finished at once (rank 0's
   // `slow`, taken at the second step's vote, counts once that vote has
   // finished, at the third's): a signal in the third step is acted on at
   // its end, where a vote one step behind would stop at the fourth.
-  const int64_t ended = WaitForLoggedStep(log_dir, 2, run);
-  ASSERT_GT(ended, 0) << run.Stdout() << run.Stderr();
-  // Inside the next step, well after its vote.
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  int64_t traced = forwards();
+  while (traced < 2 && Clock::now() < deadline && run.Wait(std::chrono::milliseconds(2)) == -1) {
+    traced = forwards();
+  }
+  ASSERT_GE(traced, 2) << "no trace of the second step's forward within 120 s: " << run.Stdout() << run.Stderr();
+  // Inside step `traced` + 1, after its vote.
   run.Signal(SIGINT);
   EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGINT) << run.Stdout() << run.Stderr();
-  EXPECT_EQ(CheckpointStep(ckpt), ended + 1) << run.Stdout() << run.Stderr();
+  EXPECT_EQ(CheckpointStep(ckpt), traced + 1) << run.Stdout() << run.Stderr();
+  reader.Finish();
 }
 
 // A fresh run at another run's checkpoint path (the default path, without
@@ -480,13 +503,14 @@ TEST(TrainResumeTest, CtrlCBeforeAFreshRunsFirstSaveKeepsAnotherRunsCheckpoint) 
   ASSERT_EQ(CheckpointStep(ckpt), 1);
   const std::string before = testing::ReadFile(ckpt);
 
-  Subprocess run(args);
-  const auto deadline = Clock::now() + std::chrono::seconds(60);
-  while (run.Stdout().find("global batch") == std::string::npos && Clock::now() < deadline &&
-         run.Wait(std::chrono::milliseconds(0)) == -1) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // training, far from the epoch's end
+  // Its metrics rows (one per step) say when it trains: signalled after
+  // the first step, far from the epoch's end (step 32) and its save.
+  const std::string log_dir = dir + "/log";
+  std::vector<std::string> logged = args;
+  logged.push_back("--log_dir=" + log_dir);
+  logged.push_back("--log_every=1");
+  Subprocess run(logged);
+  ASSERT_GT(WaitForLoggedStep(log_dir, 1, run), 0) << run.Stdout() << run.Stderr();
   run.Signal(SIGINT);
   EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGINT) << run.Stdout() << run.Stderr();
   EXPECT_NE(run.Stdout().find("the checkpoint at " + ckpt +

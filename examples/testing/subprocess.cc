@@ -118,7 +118,10 @@ FifoReader::FifoReader(const std::string& path, std::chrono::milliseconds deadli
         ended_ = true;
         break;
       }
-      if (n > 0) text_.append(buffer, static_cast<size_t>(n));
+      if (n > 0) {
+        std::lock_guard lock(mu_);
+        text_.append(buffer, static_cast<size_t>(n));
+      }
     }
   });
 }
@@ -126,6 +129,11 @@ FifoReader::FifoReader(const std::string& path, std::chrono::milliseconds deadli
 std::string FifoReader::Finish() {
   finishing_ = true;
   if (thread_.joinable()) thread_.join();
+  return Text();
+}
+
+std::string FifoReader::Text() const {
+  std::lock_guard lock(mu_);
   return text_;
 }
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -85,11 +86,15 @@ class FifoReader {
   /// After the writer's program ended: stops reading once the pipe is
   /// quiet, and returns what was read.
   std::string Finish();
+  /// What was read so far, while the writer still writes (a mark of its
+  /// progress to wait for).
+  std::string Text() const;
   /// Whether the writer closed the pipe (read saw its end), after Finish.
   bool ended() const { return ended_; }
 
  private:
   int fd_ = -1;
+  mutable std::mutex mu_;  // guards text_ while the thread reads
   std::string text_;
   bool ended_ = false;
   std::atomic<bool> finishing_{false};
