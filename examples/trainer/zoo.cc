@@ -1,6 +1,8 @@
 #include "examples/trainer/zoo.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <system_error>
 #include <vector>
 
 #include "examples/trainer/format.h"
@@ -76,7 +78,26 @@ std::shared_ptr<const Dataset> Head(std::shared_ptr<const Dataset> set, int64_t 
   return std::make_shared<RangeDataset>(set, 0, limit, set->Name());
 }
 
+// Throws UsageError when --data_dir is there but is no folder (the
+// archive itself, say): the loaders would look for their files inside it
+// and say that they are missing. An absent folder is theirs to report,
+// with where the files come from.
+void CheckDataDirIsAFolder(const TrainConfig& c) {
+  if (c.data_dir.empty()) return;
+  std::error_code ec;
+  const std::filesystem::file_status status = std::filesystem::status(c.data_dir, ec);
+  if (ec || status.type() == std::filesystem::file_type::directory ||
+      status.type() == std::filesystem::file_type::not_found) {
+    return;
+  }
+  throw UsageError("--data_dir=" + c.data_dir +
+                   (status.type() == std::filesystem::file_type::regular ? " is a file, not a folder"
+                                                                         : " is not a folder") +
+                   "; give the folder that holds --dataset=" + c.dataset + "'s files");
+}
+
 std::shared_ptr<const Dataset> LoadSplit(const TrainConfig& c, nn::data::Split split) {
+  CheckDataDirIsAFolder(c);
   try {
     if (c.dataset == "fashion_mnist") {
       return nn::data::LoadFashionMnist(

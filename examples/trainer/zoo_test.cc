@@ -40,6 +40,25 @@ TEST(ZooTest, CifarWithoutFilesPointsAtSynthetic) {
   EXPECT_NE(UsageErrorOf([&] { LoadDatasets(c); }).find("--data_dir"), std::string::npos);
 }
 
+// A file at --data_dir (the archive itself, or one of its files) was
+// refused as "dataset file not found: looked for FILE/train-images-...",
+// with the advice to install the package or unpack the files there. The
+// refusal says what --data_dir is instead.
+TEST(ZooTest, ADataDirThatIsAFileIsNamedAsOne) {
+  const std::string file = std::string(std::getenv("TEST_TMPDIR")) + "/fashion-mnist.tar.gz";
+  std::ofstream(file) << "not a folder";
+  for (const std::string dataset : {"fashion_mnist", "mnist", "cifar10"}) {
+    TrainConfig c;
+    c.model = dataset == "cifar10" ? "resnet18" : "mlp";
+    c.dataset = dataset;
+    c.data_dir = file;
+    EXPECT_EQ(UsageErrorOf([&] { LoadDatasets(c); }),
+              "--data_dir=" + file + " is a file, not a folder; give the folder that holds --dataset=" +
+                  dataset + "'s files")
+        << dataset;
+  }
+}
+
 TEST(ZooTest, SyntheticDataTakesTheModelsShape) {
   TrainConfig c;
   c.dataset = "synthetic";
