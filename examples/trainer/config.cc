@@ -237,10 +237,13 @@ void ValidateConfig(const TrainConfig& c) {
   not_negative("test_samples", c.test_samples);
   not_negative("workers", c.workers);
   not_negative("powersgd_start_step", c.powersgd_start_step);
-  non_negative("lr", c.lr);
+  // 0 has its own reason; the others are told the range 0 is not in.
+  if (c.lr == 0) throw UsageError("--lr=0 would never change the model; use a positive value");
+  if (!(c.lr > 0) || !std::isfinite(c.lr)) {
+    throw UsageError("--lr=" + FlagValue(c.lr) + " must be a finite number > 0");
+  }
   non_negative("momentum", c.momentum);
   non_negative("weight_decay", c.weight_decay);
-  if (c.lr == 0) throw UsageError("--lr=0 would never change the model; use a positive value");
   if (c.workers > 64) {
     throw UsageError("--workers=" + std::to_string(c.workers) +
                      " loader threads per rank is too many; use at most 64");

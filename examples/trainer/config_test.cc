@@ -46,17 +46,21 @@ TEST(ConfigTest, UnknownDeviceIsReportedBeforeTheOptionsThatDependOnIt) {
 }
 
 // Double flags are shown as they read back: with std::to_string's six
-// fixed decimals, --weight_decay=-1e-7 was refused as "-0.000000".
+// fixed decimals, --weight_decay=-1e-7 was refused as "-0.000000". A bad
+// --lr was told to be ">= 0", and 0 was then refused in turn.
 TEST(ConfigTest, BadDoublesAreShownAsGiven) {
   TrainConfig c;
   c.weight_decay = -1e-7;
   EXPECT_EQ(ErrorOf(c), "--weight_decay=-1e-07 must be a finite number >= 0");
   c = TrainConfig{};
   c.lr = -0.05;
-  EXPECT_EQ(ErrorOf(c), "--lr=-0.05 must be a finite number >= 0");
+  EXPECT_EQ(ErrorOf(c), "--lr=-0.05 must be a finite number > 0");
   c = TrainConfig{};
   c.lr = std::nan("");
-  EXPECT_EQ(ErrorOf(c), "--lr=nan must be a finite number >= 0");
+  EXPECT_EQ(ErrorOf(c), "--lr=nan must be a finite number > 0");
+  c = TrainConfig{};
+  c.lr = HUGE_VAL;
+  EXPECT_EQ(ErrorOf(c), "--lr=inf must be a finite number > 0");
   c = TrainConfig{};
   c.momentum = 1.5;
   EXPECT_EQ(ErrorOf(c), "--momentum=1.5 must be below 1");
