@@ -522,6 +522,22 @@ TEST(TrainCliTest, AFileWhereAFolderMustBeIsNamed) {
                 " is a file, not a folder); choose a writable path, or --checkpoint=none");
 }
 
+// A checkpoint file name longer than the filesystem takes (NAME_MAX, 255
+// bytes on Linux) was taken for "another run's checkpoint" at the start
+// (the look for one failed with ENAMETOOLONG, not ENOENT): the run trained
+// and failed at its first save, "cannot keep another run's checkpoint",
+// leaving the folder it had made. It is refused before training, and the
+// folder made for it is removed.
+TEST(TrainCliTest, ACheckpointNameTooLongForTheFilesystemIsRefusedAtTheStart) {
+  const std::string dir = testing::MakeTempDir("long_name") + "/run1";
+  const std::string path = dir + "/" + std::string(300, 'a') + ".safetensors";
+  EXPECT_EQ(OneErrorLine(Train({"--dataset=synthetic", "--model=mlp", "--train_samples=64", "--test_samples=16",
+                                "--batch_size=16", "--max_steps=1", "--nproc_per_node=1", "--checkpoint=" + path})),
+            "train: cannot write --checkpoint=" + path + " (" + path +
+                ": File name too long); choose a writable path, or --checkpoint=none");
+  EXPECT_FALSE(std::filesystem::exists(dir)) << dir << " was left behind";
+}
+
 TEST(TrainCliTest, UnwritableCheckpointFailsBeforeTraining) {
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=/proc/self/ckpt.safetensors"})),
             "train: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: "

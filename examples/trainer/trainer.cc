@@ -347,6 +347,15 @@ void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* mad
     }
     const std::string parent = std::filesystem::path(target).parent_path().string();
     CheckWritable(parent.empty() ? "." : parent, "checkpoint", config.checkpoint, made);
+    // The file itself, in a folder that takes files: a name the filesystem
+    // refuses (longer than NAME_MAX) is otherwise "there" to the look for
+    // another run's checkpoint, and fails only at the first save.
+    struct stat st{};
+    const int err = ::lstat(target.c_str(), &st) == 0 ? 0 : errno;
+    if (err != 0 && err != ENOENT) {
+      throw UsageError("cannot write --checkpoint=" + config.checkpoint + " (" + target + ": " +
+                       std::strerror(err) + "); choose a writable path, or --checkpoint=none");
+    }
   }
   if (!config.log_dir.empty()) {
     CheckWritable(config.log_dir, "log_dir", config.log_dir, made);
