@@ -538,6 +538,25 @@ TEST(TrainCliTest, ACheckpointNameTooLongForTheFilesystemIsRefusedAtTheStart) {
   EXPECT_FALSE(std::filesystem::exists(dir)) << dir << " was left behind";
 }
 
+// Another run's file at a --checkpoint name of 255 bytes, the most the
+// filesystem takes: a fresh run keeps it as <stem>.prev<extension> before
+// its first save, a name 5 bytes longer. The run announced it would keep
+// it "as <stem>.prev.1000.safetensors" (every longer name looked taken),
+// trained, and failed at the first save. It is refused at the start,
+// and the file is left as it was.
+TEST(TrainCliTest, AnotherRunsFileWhoseKeptNameIsTooLongIsRefusedAtTheStart) {
+  const std::string dir = testing::MakeTempDir("long_kept_name");
+  const std::string path = dir + "/" + std::string(255 - 12, 'a') + ".safetensors";
+  std::ofstream(path) << "another program's file\n";
+  const std::string kept = dir + "/" + std::string(255 - 12, 'a') + ".prev.safetensors";
+  EXPECT_EQ(OneErrorLine(Train({"--dataset=synthetic", "--model=mlp", "--train_samples=64", "--test_samples=16",
+                                "--batch_size=16", "--max_steps=1", "--nproc_per_node=1", "--checkpoint=" + path})),
+            "train: --checkpoint=" + path + " holds another run's file, which this run would keep as " + kept +
+                " before its first save, and that name cannot be made (File name too long); pass a "
+                "shorter --checkpoint path, or move that file away");
+  EXPECT_EQ(testing::ReadFile(path), "another program's file\n");
+}
+
 TEST(TrainCliTest, UnwritableCheckpointFailsBeforeTraining) {
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=/proc/self/ckpt.safetensors"})),
             "train: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: "

@@ -1217,7 +1217,10 @@ std::string FreePreviousCheckpointPath(const std::string& path) {
   std::string candidate;
   for (int n = 1; n <= kMaxPreviousCheckpoints; ++n) {
     candidate = PreviousCheckpointPath(named_after, n);
-    if (!NameTaken(candidate)) break;
+    // Free, or a name the folder cannot hold (longer than NAME_MAX): the
+    // keep stops there either way, as the later names are longer still.
+    struct stat st{};
+    if (::lstat(candidate.c_str(), &st) != 0 && (errno == ENOENT || errno == ENAMETOOLONG)) break;
   }
   return candidate;
 }

@@ -304,7 +304,8 @@ std::string PreviousCheckpointPath(const std::string& path, int n = 1);
 
 /// The first PreviousCheckpointPath(path, n) that no file has now: where
 /// KeepAsPreviousCheckpoint would keep the file at `path` (unless another
-/// process takes that name first). For a symbolic link to a file on another
+/// process takes that name first), or the first one too long for its
+/// folder (ENAMETOOLONG), where the keep would fail. For a symbolic link to a file on another
 /// filesystem, the first free PreviousCheckpointPath of that file.
 std::string FreePreviousCheckpointPath(const std::string& path);
 

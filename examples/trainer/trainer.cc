@@ -356,6 +356,18 @@ void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* mad
       throw UsageError("cannot write --checkpoint=" + config.checkpoint + " (" + target + ": " +
                        std::strerror(err) + "); choose a writable path, or --checkpoint=none");
     }
+    // Another run's file there is kept under a longer name before the
+    // first save (KeepAsPreviousCheckpoint): one past NAME_MAX would fail
+    // only then, after training.
+    if (err == 0 && !config.resume && IsAnotherRunsCheckpoint(config.checkpoint, config.job)) {
+      const std::string kept = FreePreviousCheckpointPath(config.checkpoint);
+      if (::lstat(kept.c_str(), &st) != 0 && errno == ENAMETOOLONG) {
+        throw UsageError("--checkpoint=" + config.checkpoint + " holds another run's file, which this run would "
+                         "keep as " + kept + " before its first save, and that name cannot be made (" +
+                         std::strerror(ENAMETOOLONG) + "); pass a shorter --checkpoint path, or move that "
+                         "file away");
+      }
+    }
   }
   if (!config.log_dir.empty()) {
     CheckWritable(config.log_dir, "log_dir", config.log_dir, made);
