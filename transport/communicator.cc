@@ -2406,11 +2406,11 @@ Status Communicator::Impl::StagedDeviceReduce(int device, const cuda::StagedCall
 // Staged all-reduce and reduce-scatter (no CUDA IPC) run one of three
 // plans (cuda::ChooseStagedPlan). PCIe crossings per rank for an
 // all-reduce of N bytes on p ranks, and who does the arithmetic:
-//   host reduce (DDP_STAGED_REDUCE=host): N out, N back = 2N; the host
+//   host reduce (the default, DDP_STAGED_REDUCE=host): N out, N back = 2N; the host
 //     CPU reduces, at memory speed for f32 and slower for f16/bf16 (it
 //     converts every element), and the algorithm table (shm, ring, tree)
 //     moves the data.
-//   device reduce (the default up to 16 ranks): the (p-1)N/p this rank
+//   device reduce (DDP_STAGED_REDUCE=device, up to 16 ranks): the (p-1)N/p this rank
 //     does not own out, the (p-1)N/p received from peers in, its reduced
 //     N/p out and the others' (p-1)N/p in = (3p-2)N/p, about 3N: half as
 //     much PCIe traffic again, but the CPU never reduces, and every rank
