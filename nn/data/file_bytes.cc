@@ -66,6 +66,35 @@ int OpenForReading(const std::string& path) {
 
 }  // namespace
 
+OpenFile::OpenFile(const std::string& path) : path_(path), fd_(OpenForReading(path)) {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    throw DatasetError(path + ": cannot stat: " + std::strerror(err));
+  }
+  size_ = static_cast<uint64_t>(st.st_size);
+}
+
+OpenFile::~OpenFile() { ::close(fd_); }
+
+size_t OpenFile::ReadAt(void* dst, size_t n, uint64_t offset) const {
+  size_t got = 0;
+  while (got < n) {
+    // Pieces of at most 1 GiB: Linux reads at most ~2 GiB in one call.
+    const ssize_t r = ::pread(fd_, static_cast<char*>(dst) + got, std::min<size_t>(n - got, size_t{1} << 30),
+                              static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      throw DatasetError(path_ + ": cannot read at byte " + std::to_string(offset + got) + ": " +
+                         std::strerror(errno));
+    }
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return got;
+}
+
 std::string ReadFileBytes(const std::string& path) {
   const int fd = OpenForReading(path);
   std::unique_ptr<FILE, int (*)(FILE*)> f(::fdopen(fd, "rb"), &std::fclose);

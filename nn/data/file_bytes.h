@@ -27,6 +27,28 @@ std::string NotAFileNote(const std::string& path);
 /// Reads the whole file. Throws DatasetError naming `path` and the OS error.
 std::string ReadFileBytes(const std::string& path);
 
+/// A regular file open for reading, closed with this object: a FIFO or a
+/// device is refused at once (never waited on). Lets a reader check a
+/// file's header against its size before reading the rest. Throws
+/// DatasetError naming `path` and the cause.
+class OpenFile {
+ public:
+  explicit OpenFile(const std::string& path);
+  ~OpenFile();
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+  /// The file's size in bytes when it was opened.
+  uint64_t size() const { return size_; }
+  /// Reads up to `n` bytes at byte `offset` into `dst`; fewer only at the
+  /// end of the file. Throws DatasetError naming the path.
+  size_t ReadAt(void* dst, size_t n, uint64_t offset) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
 /// A whole file read into memory with pread. Not mapped: a mapped source
 /// cut short while read (`curl -o` overwriting the set in place while a rank
 /// loads it) raised SIGBUS in the decoder and killed the process without a

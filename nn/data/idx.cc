@@ -160,6 +160,14 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
   };
   const uint64_t after_header = size_hint > header ? size_hint - header : 0;
   if (size_is_exact && (overflow || count > after_header)) throw truncated(after_header);
+  // Bytes past the data are an error found here, before the data is read: a
+  // valid header on gigabytes of something else costs no read of them.
+  if (size_is_exact && count < after_header) {
+    throw DatasetError(source + ": " + std::to_string(after_header - count) +
+                       " unexpected bytes after the IDX data: dimensions " + DimsString(out.dims) + " need " +
+                       std::to_string(count) + " bytes after the " + std::to_string(header) + "-byte header, " +
+                       std::to_string(header + count) + " in all, but the file has " + std::to_string(size_hint));
+  }
   if (overflow || max_bytes < header || count > max_bytes - header) {
     throw DatasetError(source + ": IDX dimensions " + DimsString(out.dims) + " need " +
                        (overflow ? std::string("more than 2^62") : std::to_string(header + count)) +
@@ -182,15 +190,15 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
   }
   const uint64_t have = out.data.size();
   if (overflow || count > have) throw truncated(have);
-  // Read to the end: trailing bytes are an error, and a gzip stream checks
-  // its trailer (CRC and size) only there.
-  uint64_t extra = 0;
-  uint8_t scratch[4096];
-  for (size_t got; (got = read(scratch, sizeof(scratch))) > 0;) extra += got;
-  if (extra > 0) {
-    throw DatasetError(source + ": " + std::to_string(extra) +
-                       " unexpected bytes after the IDX data (dimensions " +
-                       DimsString(out.dims) + " need " + std::to_string(count) + ")");
+  // One byte past the data tells whether anything follows it, without
+  // reading (or decompressing: a gzip bomb behind a valid header) the rest.
+  // A gzip stream that has no such byte has ended, its trailer (CRC and
+  // size) checked.
+  uint8_t next = 0;
+  if (read(&next, 1) > 0) {
+    throw DatasetError(source + ": unexpected bytes after the IDX data: dimensions " + DimsString(out.dims) +
+                       " need " + std::to_string(count) + " bytes after the " + std::to_string(header) +
+                       "-byte header, and the data goes on past them");
   }
   return out;
 }
@@ -270,8 +278,25 @@ IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& sourc
 }
 
 IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
-  const internal::FileContents file(path);
-  return ParseIdxFileBytes(file.bytes(), path, expected_dims);
+  const internal::OpenFile file(path);
+  char magic[2] = {};
+  if (file.ReadAt(magic, sizeof(magic), 0) == sizeof(magic) &&
+      internal::IsGzip(std::string_view(magic, sizeof(magic)))) {
+    // The decompressed size is known only by decompressing: the stream is
+    // parsed as it inflates, its header checked from its first bytes.
+    const internal::FileContents contents(path);
+    return ParseIdxFileBytes(contents.bytes(), path, expected_dims);
+  }
+  // A plain file: its header is checked against its size before the data
+  // is read, so that a wrong file of gigabytes fails at once, and then
+  // exactly the data is read, straight into the result.
+  uint64_t at = 0;
+  const ReadFn read = [&](void* dst, size_t n) {
+    const size_t got = file.ReadAt(dst, n, at);
+    at += got;
+    return got;
+  };
+  return ParseIdxFrom(read, file.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, path, expected_dims);
 }
 
 std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
