@@ -2046,5 +2046,51 @@ TEST(DecodedCache, DatasetLoadsShareTheEntry) {
             std::vector<uint8_t>(want.end() - 1024, want.end()));
 }
 
+// An entry may hold any int64 dimensions whose product is its data's size:
+// no images of [2^40, 2^40, 2^40] pixels match 0 bytes. The loader checks
+// the image shape before forming its pixel count, which overflowed (read
+// as 0: "is empty").
+TEST(DecodedCache, AnEntryWhoseImageShapeOverflowsIsNamedSo) {
+  const std::string dir = FreshDir("decoded_overflow");
+  const CacheDir cache(dir + "/cache");
+  const std::string images = dir + "/images";
+  const std::string labels = dir + "/labels";
+  WriteFile(images, IdxBytes({1, 1024, 1024}, Pixels(size_t{1} << 20)));  // 1 MiB: cached
+  WriteFile(labels, IdxBytes({1}, std::string(1, '\0')));
+  LoadIdxDataset("forged", images, labels, 10);
+  const auto entries = Entries(dir + "/cache");
+  ASSERT_EQ(entries.size(), 1u);
+  // The entry's header (magic, data bytes, ndims, nsources, CRC, reserved:
+  // 32 bytes) and its source's stat (32 bytes) kept, then 4 dimensions and
+  // no data, whose CRC-32 is 0.
+  std::string entry;
+  {
+    std::ifstream in(entries[0], std::ios::binary);
+    entry.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GE(entry.size(), 64u);
+  std::string forged = entry.substr(0, 64);
+  const uint64_t data_bytes = 0;
+  const uint32_t ndims = 4, crc = 0;
+  std::memcpy(forged.data() + 8, &data_bytes, 8);
+  std::memcpy(forged.data() + 16, &ndims, 4);
+  std::memcpy(forged.data() + 24, &crc, 4);
+  for (const uint64_t dim : {uint64_t{0}, uint64_t{1} << 40, uint64_t{1} << 40, uint64_t{1} << 40}) {
+    forged.append(reinterpret_cast<const char*>(&dim), 8);
+  }
+  WriteFile(entries[0].string(), forged);
+  WriteFile(labels, IdxBytes({0}, ""));
+  std::string msg;
+  try {
+    LoadIdxDataset("forged", images, labels, 10);
+  } catch (const DatasetError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find(images + ": image shape [1099511627776, 1099511627776, 1099511627776] has more pixels "
+                              "than int64 holds"),
+            std::string::npos)
+      << msg;
+}
+
 }  // namespace
 }  // namespace ddp::nn::data::internal

@@ -333,8 +333,14 @@ std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
   } else {
     shape = {images.dims[1], images.dims[2], images.dims[3]};
   }
-  if (shape.NumPixels() == 0) {
+  // Each dimension is checked before their product is formed: a cache entry
+  // may hold any int64 dimensions (no images of [2^40, 2^40, 2^40] pixels
+  // match 0 bytes of data), whose product overflowed and read as empty.
+  if (shape.channels == 0 || shape.height == 0 || shape.width == 0) {
     throw DatasetError(images_path + ": image shape " + shape.ToString() + " is empty");
+  }
+  if (!shape.PixelsFit()) {
+    throw DatasetError(images_path + ": image shape " + shape.ToString() + " has more pixels than int64 holds");
   }
   if (images.dims[0] == 0) throw DatasetError(images_path + ": holds no images");
   for (size_t i = 0; i < labels.data.size(); ++i) {
