@@ -20,12 +20,18 @@ namespace {
 // same 3x32x32 image as CIFAR-10's.
 constexpr int64_t kCifar100RecordBytes = 2 + 3 * 32 * 32;
 
+// How much of a file's start tells what kind of file it is
+// (WhatItLooksLike looks at most 272 bytes in).
+constexpr size_t kHeadBytes = 4096;
+
 // What a file that is no CIFAR-10 batch looks like instead, as the end of an
-// error naming it; "" when it looks like nothing known. Asked only of a file
-// that is no whole number of records or whose first byte is no label (both
-// true of '<' and of 0x80), so a real batch is never taken for another kind.
-std::string WhatItLooksLike(std::string_view bytes) {
-  const std::string size = std::to_string(bytes.size()) + " bytes";
+// error naming it; "" when it looks like nothing known. `bytes` is the
+// file's start (at least kHeadBytes of it, or all), `file_size` its size.
+// Asked only of a file that is no whole number of records or whose first
+// byte is no label (both true of '<' and of 0x80), so a real batch is never
+// taken for another kind.
+std::string WhatItLooksLike(std::string_view bytes, uint64_t file_size) {
+  const std::string size = std::to_string(file_size) + " bytes";
   size_t start = 0;
   while (start < bytes.size() && start < 256 && std::isspace(static_cast<unsigned char>(bytes[start]))) ++start;
   std::string head(bytes.substr(start, 16));
@@ -43,7 +49,7 @@ std::string WhatItLooksLike(std::string_view bytes) {
            "); this loader reads the binary version (cifar-10-binary.tar.gz, which unpacks to "
            "cifar-10-batches-bin/ with data_batch_1.bin .. data_batch_5.bin and test_batch.bin)";
   }
-  if (bytes.size() % kCifar100RecordBytes == 0) {
+  if (file_size % kCifar100RecordBytes == 0) {
     return "looks like CIFAR-100's binary version (" + size + " is a whole number of " +
            std::to_string(kCifar100RecordBytes) +
            "-byte records: a coarse and a fine label byte, then the image), which this loader does not "
@@ -123,24 +129,44 @@ std::optional<uint64_t> CifarBytesBelow(const std::vector<std::string>& files, u
   return total;
 }
 
-}  // namespace
-
-void ParseCifar10Batch(std::string_view bytes, const std::string& source,
-                       std::vector<uint8_t>* pixels, std::vector<uint8_t>* labels) {
-  if (bytes.empty()) {
+// Throws DatasetError naming `source` where a batch of `file_size` bytes
+// that starts with `head` (at least kHeadBytes of it, or all) cannot be
+// one: empty, no whole number of records, or another kind of file. Needs
+// no more of the file, so a plain file is checked before it is read.
+void CheckBatchStart(std::string_view head, uint64_t file_size, const std::string& source) {
+  if (file_size == 0 || head.empty()) {
     throw DatasetError(source + ": empty file, expected CIFAR-10 records of " +
                        std::to_string(kCifarRecordBytes) + " bytes");
   }
-  const uint64_t rem = bytes.size() % kCifarRecordBytes;
-  if (const std::string looks = rem != 0 || static_cast<uint8_t>(bytes[0]) >= 10 ? WhatItLooksLike(bytes) : "";
+  const uint64_t rem = file_size % kCifarRecordBytes;
+  if (const std::string looks =
+          rem != 0 || static_cast<uint8_t>(head[0]) >= 10 ? WhatItLooksLike(head, file_size) : "";
       !looks.empty()) {
     throw DatasetError(source + ": " + looks);
   }
   if (rem != 0) {
-    throw DatasetError(source + ": truncated CIFAR-10 batch: " + std::to_string(bytes.size()) +
+    throw DatasetError(source + ": truncated CIFAR-10 batch: " + std::to_string(file_size) +
                        " bytes is not a whole number of " + std::to_string(kCifarRecordBytes) +
                        "-byte records (the last record has " + std::to_string(rem) + " bytes)");
   }
+}
+
+// Checks the plain batch file `path` by its size and first bytes, reading
+// no more of it: a wrong file of gigabytes fails at once (it was read whole
+// first). A gzip file's size is known only by decompressing it; it is
+// checked when parsed.
+void CheckPlainBatchFile(const std::string& path) {
+  const internal::OpenFile file(path);
+  std::string head(kHeadBytes, '\0');
+  head.resize(file.ReadAt(head.data(), head.size(), 0));
+  if (!internal::IsGzip(head)) CheckBatchStart(head, file.size(), path);
+}
+
+}  // namespace
+
+void ParseCifar10Batch(std::string_view bytes, const std::string& source,
+                       std::vector<uint8_t>* pixels, std::vector<uint8_t>* labels) {
+  CheckBatchStart(bytes, bytes.size(), source);
   const int64_t n = bytes.size() / kCifarRecordBytes;
   const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
   for (int64_t i = 0; i < n; ++i) {
@@ -197,7 +223,10 @@ std::shared_ptr<InMemoryImageDataset> LoadCifar10(const std::string& dir, Split 
       files,
       [&] {
         std::vector<uint8_t> pixels, labels;
-        for (const std::string& f : files) ParseCifar10Batch(internal::ReadMaybeGzipFile(f), f, &pixels, &labels);
+        for (const std::string& f : files) {
+          CheckPlainBatchFile(f);
+          ParseCifar10Batch(internal::ReadMaybeGzipFile(f), f, &pixels, &labels);
+        }
         const int64_t n = static_cast<int64_t>(labels.size());
         pixels.insert(pixels.end(), labels.begin(), labels.end());
         return std::make_pair(std::vector<int64_t>{n, kCifarRecordBytes}, std::move(pixels));

@@ -4,6 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 
 #include <string>
 
@@ -14,6 +19,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using testing::ErrorWithinAddressSpace;
 using testing::FreshDir;
 using testing::WriteFile;
 
@@ -152,6 +158,31 @@ TEST(Cifar10Errors, PythonVersionIsNamedAsSuch) {
   EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
               AllOf(HasSubstr(dir + "/data_batch_1.bin: looks like CIFAR-10's Python version (a pickle, 5022 bytes)"),
                     HasSubstr("binary version")));
+}
+
+// A plain batch of gigabytes that cannot be one fails on its size and first
+// bytes, without being read: it was read whole first. The files are
+// sparse (8 GiB that take no disk, not a whole number of records) and read
+// where 256 MiB more address space is all there is, so that a whole read
+// fails to allocate.
+TEST(Cifar10Errors, AHugeFileThatIsNoBatchFailsWithoutBeingRead) {
+  const std::string dir = FreshDir("cifar_huge");
+  WriteCifarDir(dir);
+  const std::string path = dir + "/test_batch.bin";
+  const auto load = [&] {
+    ::setenv("DDP_DATA_CACHE", "off", 1);  // in the child only
+    LoadCifar10(dir, Split::kTest);
+  };
+  WriteFile(path, "<!DOCTYPE html>\n<html><body>");
+  ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, load),
+              HasSubstr(path + ": looks like an HTML page (8589934592 bytes)"));
+  WriteFile(path, Records(1, 0));
+  ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, load),
+              HasSubstr(path + ": truncated CIFAR-10 batch: 8589934592 bytes is not a whole number of 3073-byte "
+                               "records (the last record has " +
+                               std::to_string((uint64_t{8} << 30) % 3073) + " bytes)"));
 }
 
 TEST(Cifar10Errors, EmptyFile) {

@@ -1,7 +1,6 @@
 #include "nn/data/idx.h"
 
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +28,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using testing::ErrorWithinAddressSpace;
 using testing::FreshDir;
 using testing::Gzip;
 using testing::IdxBytes;
@@ -247,76 +247,6 @@ TEST(IdxErrors, HeaderAskingForMoreThanTheInputFailsBeforeCopying) {
   EXPECT_LT(PeakResidentKb() - before, 16 << 10);
 }
 
-// Runs `f` in a child process whose address space may grow by at most
-// `headroom` bytes past its size at the fork, and returns the message of
-// the DatasetError `f` throws ("" with a failure added where it throws
-// none, or the child dies). A reader that takes a multi-GiB file into
-// memory then fails to allocate it, instead of taking the machine's.
-std::string ErrorWithin(size_t headroom, const std::function<void()>& f) {
-  int fds[2];
-  if (::pipe(fds) != 0) {
-    ADD_FAILURE() << "pipe: " << std::strerror(errno);
-    return "";
-  }
-  long vm_kb = -1;
-  {
-    std::ifstream status("/proc/self/status");
-    for (std::string line; std::getline(status, line);) {
-      if (line.rfind("VmSize:", 0) == 0) vm_kb = std::stol(line.substr(7));
-    }
-  }
-  const pid_t pid = ::fork();
-  if (pid < 0) {
-    ADD_FAILURE() << "fork: " << std::strerror(errno);
-    return "";
-  }
-  if (pid == 0) {
-    ::close(fds[0]);
-    struct rlimit lim{};
-    if (vm_kb <= 0 || ::getrlimit(RLIMIT_AS, &lim) != 0) ::_exit(3);
-    lim.rlim_cur = static_cast<rlim_t>(vm_kb) * 1024 + headroom;
-    if (::setrlimit(RLIMIT_AS, &lim) != 0) ::_exit(3);
-    std::string msg;
-    int code = 2;  // no DatasetError
-    try {
-      f();
-    } catch (const DatasetError& e) {
-      msg = e.what();
-      code = 0;
-    } catch (const std::exception& e) {
-      msg = e.what();
-      code = 1;
-    }
-    for (size_t at = 0; at < msg.size();) {
-      const ssize_t n = ::write(fds[1], msg.data() + at, msg.size() - at);
-      if (n <= 0) ::_exit(3);
-      at += static_cast<size_t>(n);
-    }
-    ::_exit(code);
-  }
-  ::close(fds[1]);
-  std::string msg;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) != 0;) {
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) break;
-    msg.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fds[0]);
-  int status = 0;
-  if (::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) {
-    ADD_FAILURE() << "the child reading under the memory limit died"
-                  << (WIFSIGNALED(status) ? std::string(" of signal ") + ::strsignal(WTERMSIG(status)) : "");
-    return "";
-  }
-  switch (WEXITSTATUS(status)) {
-    case 0: return msg;
-    case 1: ADD_FAILURE() << "not a DatasetError: " << msg; return "";
-    case 2: ADD_FAILURE() << "no DatasetError thrown"; return "";
-    default: ADD_FAILURE() << "the child could not set its memory limit"; return "";
-  }
-}
-
 // A file of gigabytes that is no IDX file fails at its magic number, read in
 // a few bytes: the whole file was read into memory first. The file is
 // sparse (8 GiB that take no disk) and read where 256 MiB more address
@@ -327,7 +257,7 @@ TEST(IdxErrors, AHugeFileWithABadMagicFailsWithoutBeingRead) {
   WriteFile(path, std::string("\x12\x34\x08\x03", 4));
   ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_THAT(ErrorWithin(size_t{256} << 20, [&] { ReadIdxFile(path); }),
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { ReadIdxFile(path); }),
               HasSubstr(path + ": not an IDX file: magic number starts with 0x12 0x34"));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
@@ -340,7 +270,7 @@ TEST(IdxErrors, AValidHeaderOnGigabytesOfOtherBytesFailsBeforeReadingThem) {
   const std::string path = dir + "/images";
   WriteFile(path, IdxBytes({3, 2, 2}, std::string(12, 'x')));
   ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
-  EXPECT_THAT(ErrorWithin(size_t{256} << 20, [&] { ReadIdxFile(path); }),
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { ReadIdxFile(path); }),
               HasSubstr(path + ": 8589934564 unexpected bytes after the IDX data: dimensions [3, 2, 2] need 12 "
                                "bytes after the 16-byte header, 28 in all, but the file has 8589934592"));
   WriteFile(path, IdxBytes({3, 2, 2}, std::string(15, 'x')));

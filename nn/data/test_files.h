@@ -4,13 +4,17 @@
 // Test helpers: write crafted dataset files into a fresh folder under
 // TEST_TMPDIR.
 
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -70,6 +74,70 @@ inline void WriteZeroIdx(const std::string& path, const std::vector<uint32_t>& d
   size_t count = 1;
   for (uint32_t d : dims) count *= d;
   WriteFile(path, IdxBytes(dims, std::string(count, '\0')));
+}
+
+/// Runs `f` in a child process whose address space may grow by at most
+/// `headroom` bytes past the parent's size at the fork, and returns the
+/// message of the `Error` that `f` throws; where it throws none, or the
+/// child fails, a line starting "child: " that says so. A reader that takes a
+/// multi-GiB file into memory then fails to allocate it instead of taking
+/// the machine's memory.
+template <typename Error, typename F>
+std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
+  long vm_kb = -1;
+  {
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("VmSize:", 0) == 0) vm_kb = std::stol(line.substr(7));
+    }
+  }
+  if (vm_kb <= 0) return "child: no VmSize in /proc/self/status";
+  int fds[2];
+  if (::pipe(fds) != 0) return std::string("child: pipe: ") + std::strerror(errno);
+  const pid_t pid = ::fork();
+  if (pid < 0) return std::string("child: fork: ") + std::strerror(errno);
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string msg;
+    struct rlimit lim{};
+    if (::getrlimit(RLIMIT_AS, &lim) != 0) {
+      msg = std::string("child: getrlimit: ") + std::strerror(errno);
+    } else {
+      lim.rlim_cur = static_cast<rlim_t>(vm_kb) * 1024 + headroom;
+      if (::setrlimit(RLIMIT_AS, &lim) != 0) {
+        msg = std::string("child: setrlimit: ") + std::strerror(errno);
+      } else {
+        try {
+          f();
+          msg = "child: no error thrown";
+        } catch (const Error& e) {
+          msg = e.what();
+        } catch (const std::exception& e) {
+          msg = std::string("child: another exception: ") + e.what();
+        }
+      }
+    }
+    for (size_t at = 0; at < msg.size();) {
+      const ssize_t n = ::write(fds[1], msg.data() + at, msg.size() - at);
+      if (n <= 0) ::_exit(1);
+      at += static_cast<size_t>(n);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string msg;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    msg.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  if (::waitpid(pid, &status, 0) != pid) return std::string("child: waitpid: ") + std::strerror(errno);
+  if (WIFSIGNALED(status)) return std::string("child: died of signal ") + ::strsignal(WTERMSIG(status));
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "child: could not write its message";
+  return msg;
 }
 
 }  // namespace ddp::nn::data::testing
