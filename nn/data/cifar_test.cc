@@ -183,6 +183,14 @@ TEST(Cifar10Errors, AHugeFileThatIsNoBatchFailsWithoutBeingRead) {
               HasSubstr(path + ": truncated CIFAR-10 batch: 8589934592 bytes is not a whole number of 3073-byte "
                                "records (the last record has " +
                                std::to_string((uint64_t{8} << 30) % 3073) + " bytes)"));
+  // A gzip batch is decompressed as it is read, and fails where its stream
+  // goes wrong (here other bytes than gzip data after the member).
+  const std::string gz = testing::Gzip(Records(1, 0));
+  WriteFile(path, gz + "junk");
+  ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, load),
+              HasSubstr(path + ": " + std::to_string((uint64_t{8} << 30) - gz.size()) +
+                        " bytes after the gzip data, which ends at compressed byte " + std::to_string(gz.size())));
 }
 
 TEST(Cifar10Errors, EmptyFile) {

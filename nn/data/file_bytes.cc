@@ -174,24 +174,60 @@ GzipReader::GzipReader(std::string_view bytes, std::string source, uint64_t max_
   if (bytes.size() > UINT32_MAX) {
     throw DatasetError(source_ + ": compressed file larger than 4 GiB is not supported");
   }
+  Init(bytes.size(), bytes.size() >= 4 ? reinterpret_cast<const uint8_t*>(bytes.data() + bytes.size() - 4) : nullptr);
+  zs_->next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data()));
+  zs_->avail_in = static_cast<uInt>(bytes.size());
+}
+
+GzipReader::GzipReader(const OpenFile& file, std::string source, uint64_t max_bytes, size_t input_chunk)
+    : zs_(std::make_unique<z_stream>()),
+      source_(std::move(source)),
+      max_bytes_(max_bytes),
+      file_(&file),
+      in_(std::max<size_t>(input_chunk, 2), '\0') {  // 2: room to peek at a member's magic
+  uint8_t size_field[4] = {};
+  const bool has_field = file.size() >= 4 && file.ReadAt(size_field, 4, file.size() - 4) == 4;
+  Init(file.size(), has_field ? size_field : nullptr);
+  zs_->next_in = reinterpret_cast<Bytef*>(in_.data());
+  zs_->avail_in = 0;
+}
+
+void GzipReader::Init(uint64_t compressed_bytes, const uint8_t* size_field) {
   std::memset(zs_.get(), 0, sizeof(z_stream));
   // 16 + MAX_WBITS: expect a gzip wrapper (header and CRC-32 trailer).
   if (inflateInit2(zs_.get(), 16 + MAX_WBITS) != Z_OK) {
     zs_.reset();
     throw DatasetError(source_ + ": zlib inflateInit2 failed");
   }
-  zs_->next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data()));
-  zs_->avail_in = static_cast<uInt>(bytes.size());
   // The gzip trailer's last four bytes hold the decompressed size modulo
   // 2^32. Reserving it lets the output be written once instead of being
   // copied at every doubling; a corrupt one is capped, and zlib checks it
   // against the data when the member ends.
-  if (bytes.size() >= 18) {
-    const auto* t = reinterpret_cast<const uint8_t*>(bytes.data() + bytes.size() - 4);
+  if (compressed_bytes >= 18 && size_field != nullptr) {
+    const uint8_t* t = size_field;
     const uint64_t hint = uint64_t{t[0]} | (uint64_t{t[1]} << 8) | (uint64_t{t[2]} << 16) |
                           (uint64_t{t[3]} << 24);
-    size_hint_ = std::min<uint64_t>({hint, max_bytes, uint64_t{1032} * bytes.size()});
+    const uint64_t ratio_cap =
+        compressed_bytes > UINT64_MAX / 1032 ? UINT64_MAX : uint64_t{1032} * compressed_bytes;
+    size_hint_ = std::min<uint64_t>({hint, max_bytes_, ratio_cap});
   }
+}
+
+bool GzipReader::Refill() {
+  if (file_ == nullptr) return false;
+  z_stream& zs = *zs_;
+  const size_t kept = zs.avail_in;
+  if (kept > 0 && zs.next_in != reinterpret_cast<Bytef*>(in_.data())) std::memmove(in_.data(), zs.next_in, kept);
+  const size_t got = file_->ReadAt(in_.data() + kept, in_.size() - kept, file_at_);
+  file_at_ += got;
+  zs.next_in = reinterpret_cast<Bytef*>(in_.data());
+  zs.avail_in = static_cast<uInt>(kept + got);
+  return got > 0;
+}
+
+uint64_t GzipReader::InputLeft() const {
+  const uint64_t unread = file_ != nullptr && file_->size() > file_at_ ? file_->size() - file_at_ : 0;
+  return zs_->avail_in + unread;
 }
 
 GzipReader::~GzipReader() {
@@ -202,6 +238,7 @@ size_t GzipReader::Read(void* dst, size_t n) {
   z_stream& zs = *zs_;
   size_t got = 0;
   while (got < n && !ended_) {
+    if (zs.avail_in == 0) Refill();
     // One byte past max_bytes is room enough to tell that the output is too long.
     const uint64_t left = max_bytes_ - produced_ + (max_bytes_ < UINT64_MAX ? 1 : 0);
     const size_t room = static_cast<size_t>(std::min<uint64_t>({n - got, left, uint64_t{1} << 30}));
@@ -215,10 +252,6 @@ size_t GzipReader::Read(void* dst, size_t n) {
       throw DatasetError(source_ + ": decompresses to more than " + std::to_string(max_bytes_) + " bytes");
     }
     if (rc == Z_STREAM_END) {
-      if (zs.avail_in == 0) {
-        ended_ = true;
-        break;
-      }
       // What follows a member's end is another member (gzip files may be
       // concatenations), zeros padding the file to a block size, or zeros
       // and then another member (padded members concatenated): Python's
@@ -226,23 +259,29 @@ size_t GzipReader::Read(void* dst, size_t n) {
       // Anything else is not gzip data: said so plainly, rather than as a
       // corrupt member header.
       const uint64_t end_at = earlier_members_in_ + zs.total_in;
-      const uint8_t* rest = zs.next_in;
-      const uint8_t* next = std::find_if(rest, rest + zs.avail_in, [](uint8_t b) { return b != 0; });
-      if (next == rest + zs.avail_in) {
+      // The zeros, across refills of the input, then two bytes to look at
+      // where there are more.
+      uint64_t zeros = 0;
+      for (;;) {
+        const uint8_t* rest = zs.next_in;
+        const uint8_t* next = std::find_if(rest, rest + zs.avail_in, [](uint8_t b) { return b != 0; });
+        zeros += static_cast<uint64_t>(next - rest);
+        zs.avail_in -= static_cast<uInt>(next - rest);
+        zs.next_in = const_cast<Bytef*>(next);
+        if (zs.avail_in >= 2 || !Refill()) break;
+      }
+      if (zs.avail_in == 0) {
         ended_ = true;
         break;
       }
-      const size_t after = static_cast<size_t>(rest + zs.avail_in - next);
-      if (after < 2 || next[0] != 0x1f || next[1] != 0x8b) {
-        throw DatasetError(source_ + ": " + std::to_string(zs.avail_in) +
+      if (zs.avail_in < 2 || zs.next_in[0] != 0x1f || zs.next_in[1] != 0x8b) {
+        throw DatasetError(source_ + ": " + std::to_string(zeros + InputLeft()) +
                            " bytes after the gzip data, which ends at compressed byte " + std::to_string(end_at) +
                            ", are neither another gzip member nor zero padding");
       }
-      zs.next_in = const_cast<Bytef*>(next);
-      zs.avail_in = static_cast<uInt>(after);
       // The reset starts total_in again at 0; the zeros skipped count as
       // compressed bytes before the next member.
-      earlier_members_in_ = end_at + static_cast<uint64_t>(next - rest);
+      earlier_members_in_ = end_at + zeros;
       if (inflateReset(&zs) != Z_OK) throw DatasetError(source_ + ": zlib inflateReset failed");
       continue;
     }
@@ -260,8 +299,10 @@ size_t GzipReader::Read(void* dst, size_t n) {
   return got;
 }
 
-std::string Gunzip(std::string_view bytes, const std::string& source, uint64_t max_bytes) {
-  GzipReader reader(bytes, source, max_bytes);
+namespace {
+
+// All the output of `reader`.
+std::string ReadToEnd(GzipReader& reader) {
   std::string out;
   out.reserve(reader.SizeHint());
   // Grows as data arrives, so a corrupt size never allocates up front.
@@ -275,10 +316,29 @@ std::string Gunzip(std::string_view bytes, const std::string& source, uint64_t m
   }
 }
 
+}  // namespace
+
+std::string Gunzip(std::string_view bytes, const std::string& source, uint64_t max_bytes) {
+  GzipReader reader(bytes, source, max_bytes);
+  return ReadToEnd(reader);
+}
+
 std::string ReadMaybeGzipFile(const std::string& path) {
-  const FileContents file(path);
-  if (IsGzip(file.bytes())) return Gunzip(file.bytes(), path);
-  return std::string(file.bytes());
+  const OpenFile file(path);
+  char magic[2] = {};
+  if (file.ReadAt(magic, sizeof(magic), 0) == sizeof(magic) && IsGzip(std::string_view(magic, sizeof(magic)))) {
+    // Decompressed as the file is read, a piece at a time: a file that
+    // fails early (not gzip data after all, over the bound) is not read on.
+    GzipReader reader(file, path);
+    return ReadToEnd(reader);
+  }
+  std::string bytes(static_cast<size_t>(file.size()), '\0');
+  const size_t got = file.ReadAt(bytes.data(), bytes.size(), 0);
+  if (got != bytes.size()) {
+    throw DatasetError(path + ": read " + std::to_string(got) + " of " + std::to_string(bytes.size()) +
+                       " bytes: the file got shorter while read");
+  }
+  return bytes;
 }
 
 }  // namespace ddp::nn::data::internal

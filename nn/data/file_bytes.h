@@ -1,8 +1,8 @@
 #ifndef DDP_NN_DATA_FILE_BYTES_H_
 #define DDP_NN_DATA_FILE_BYTES_H_
 
-// Whole-file reads for the dataset readers, with gzip detected by its magic
-// bytes so that a reader accepts `x.gz` and `x` alike.
+// File reads for the dataset readers, whole or a piece at a time, with gzip
+// detected by its magic bytes so that a reader accepts `x.gz` and `x` alike.
 
 #include <cstdint>
 #include <memory>
@@ -74,14 +74,25 @@ class FileContents {
 /// True if `bytes` starts with the gzip magic (1f 8b).
 bool IsGzip(std::string_view bytes);
 
+/// Compressed bytes a GzipReader over a file reads at a time.
+inline constexpr size_t kGzipInputChunk = size_t{1} << 20;
+
 /// Decompresses one or more concatenated gzip members (zeros after a member
 /// are padding, skipped as Python's gzip does) as they are read, so
 /// that a reader can put the output straight where it belongs. `source`
 /// names the data in errors: corrupt or truncated data, and more than
-/// `max_bytes` of output. `bytes` must outlive the reader.
+/// `max_bytes` of output.
 class GzipReader {
  public:
+  /// Over compressed bytes in memory (at most 4 GiB), which must outlive
+  /// the reader.
   GzipReader(std::string_view bytes, std::string source, uint64_t max_bytes = kMaxDecompressedBytes);
+  /// Over an open file, read `input_chunk` bytes at a time as the output
+  /// needs them (so a caller that stops early reads no more of the file);
+  /// the file must outlive the reader. A file that ends early (cut short
+  /// while read) is truncated gzip data.
+  GzipReader(const OpenFile& file, std::string source, uint64_t max_bytes = kMaxDecompressedBytes,
+             size_t input_chunk = kGzipInputChunk);
   ~GzipReader();
   GzipReader(const GzipReader&) = delete;
   GzipReader& operator=(const GzipReader&) = delete;
@@ -102,6 +113,18 @@ class GzipReader {
   uint64_t earlier_members_in_ = 0;  // compressed bytes of the members before this one
   uint64_t size_hint_ = 0;
   bool ended_ = false;
+  // Reading from a file (else all input was given at construction): the
+  // input buffer, and the file offset its next read starts at.
+  const OpenFile* file_ = nullptr;
+  std::string in_;
+  uint64_t file_at_ = 0;
+
+  void Init(uint64_t compressed_bytes, const uint8_t* size_field);
+  // Moves the unread input to the buffer's start and reads more after it;
+  // false when no more came (always, over bytes in memory).
+  bool Refill();
+  // Compressed bytes not yet consumed, read or not.
+  uint64_t InputLeft() const;
 };
 
 /// Decompresses one or more concatenated gzip members. `source` names the

@@ -283,9 +283,12 @@ IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
   if (file.ReadAt(magic, sizeof(magic), 0) == sizeof(magic) &&
       internal::IsGzip(std::string_view(magic, sizeof(magic)))) {
     // The decompressed size is known only by decompressing: the stream is
-    // parsed as it inflates, its header checked from its first bytes.
-    const internal::FileContents contents(path);
-    return ParseIdxFileBytes(contents.bytes(), path, expected_dims);
+    // parsed as it inflates (and the file read as the stream needs it), its
+    // header checked from its first bytes.
+    internal::GzipReader gzip(file, path, internal::kMaxDecompressedBytes);
+    const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
+    return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, internal::kMaxDecompressedBytes, path,
+                        expected_dims);
   }
   // A plain file: its header is checked against its size before the data
   // is read, so that a wrong file of gigabytes fails at once, and then

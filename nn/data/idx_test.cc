@@ -441,6 +441,70 @@ TEST(GzipReaderTest, IdxAcrossMembersParsesAsPlain) {
   EXPECT_EQ(a.data, b.data);
 }
 
+// All the output of `reader`.
+std::string Drain(internal::GzipReader& reader) {
+  std::string got, buf(5000, '\0');
+  for (size_t n; (n = reader.Read(buf.data(), buf.size())) > 0;) got.append(buf, 0, n);
+  return got;
+}
+
+// Over a file read a few bytes at a time, the reader gives what it gives
+// over the same bytes in memory: across members, and zeros between and
+// after them that span reads; and the same errors, for bytes after the
+// data that are no member (one byte of them, or more) and for a file cut
+// short.
+TEST(GzipReaderTest, OverAFileInSmallReadsEqualsInMemory) {
+  std::string data(100000, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 2654435761u) >> 13);
+  const std::string gz =
+      Gzip(data.substr(0, 40000)) + std::string(5, '\0') + Gzip(data.substr(40000)) + std::string(7, '\0');
+  const std::string dir = FreshDir("gzip_file");
+  const std::string path = dir + "/a.gz";
+  WriteFile(path, gz);
+  const std::vector<size_t> chunks = {1, 2, 3, 7, 4096, internal::kGzipInputChunk};
+  {
+    const internal::OpenFile file(path);
+    for (size_t chunk : chunks) {
+      internal::GzipReader reader(file, "a.gz", internal::kMaxDecompressedBytes, chunk);
+      EXPECT_EQ(Drain(reader), data) << "reads of " << chunk;
+    }
+  }
+  for (const std::string& bad : {gz + "x", gz + "junk", gz + "\x1f", gz.substr(0, gz.size() / 2)}) {
+    WriteFile(path, bad);
+    const std::string want = ErrorOf([&] { internal::Gunzip(bad, "b.gz"); });
+    ASSERT_THAT(want, HasSubstr("b.gz: "));
+    const internal::OpenFile file(path);
+    for (size_t chunk : chunks) {
+      EXPECT_EQ(ErrorOf([&] {
+                  internal::GzipReader reader(file, "b.gz", internal::kMaxDecompressedBytes, chunk);
+                  Drain(reader);
+                }),
+                want)
+          << "reads of " << chunk;
+    }
+  }
+}
+
+// A gzip file of gigabytes fails where its stream goes wrong, having read
+// only that far: it was read whole into memory first. The files are sparse
+// (8 GiB that take no disk), read where 256 MiB more address space is all
+// there is: a stream whose IDX header is wrong, and a right one followed by
+// other bytes than gzip data.
+TEST(IdxErrors, AHugeGzipFileFailsWhereItsStreamGoesWrong) {
+  const std::string dir = FreshDir("idx_huge_gz");
+  const std::string path = dir + "/train-images-idx3-ubyte.gz";
+  WriteFile(path, Gzip(std::string("\x12\x34\x08\x03", 4) + std::string(100, 'x')));
+  ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { ReadIdxFile(path); }),
+              HasSubstr(path + ": not an IDX file: magic number starts with 0x12 0x34"));
+  const std::string gz = Gzip(IdxBytes({3}, "abc"));
+  WriteFile(path, gz + "junk");
+  ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { ReadIdxFile(path); }),
+              HasSubstr(path + ": " + std::to_string((uint64_t{8} << 30) - gz.size()) +
+                        " bytes after the gzip data, which ends at compressed byte " + std::to_string(gz.size())));
+}
+
 TEST(FileContentsTest, HoldsTheFileAndNamesWhatIsWrong) {
   const std::string dir = FreshDir("contents");
   const std::string bytes = Gzip(std::string(10000, 'q'));
