@@ -1,7 +1,6 @@
 #include "nn/data/file_bytes.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -95,76 +94,9 @@ size_t OpenFile::ReadAt(void* dst, size_t n, uint64_t offset) const {
   return got;
 }
 
-std::string ReadFileBytes(const std::string& path) {
-  const int fd = OpenForReading(path);
-  std::unique_ptr<FILE, int (*)(FILE*)> f(::fdopen(fd, "rb"), &std::fclose);
-  if (!f) {
-    const int err = errno;
-    ::close(fd);
-    throw DatasetError(path + ": cannot open: " + std::strerror(err));
-  }
-  struct stat st;
-  if (::fstat(fileno(f.get()), &st) != 0) {
-    throw DatasetError(path + ": cannot stat: " + std::strerror(errno));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    throw DatasetError(path + ": not a regular file");
-  }
-  std::string bytes;
-  bytes.resize(static_cast<size_t>(st.st_size));
-  size_t got = std::fread(bytes.data(), 1, bytes.size(), f.get());
-  if (got != bytes.size() || std::ferror(f.get())) {
-    // A short read without an error is a file that shrank since fstat.
-    throw DatasetError(path + ": read " + std::to_string(got) + " of " +
-                       std::to_string(bytes.size()) + " bytes: " +
-                       (std::ferror(f.get()) ? std::strerror(errno) : "the file got shorter while read"));
-  }
-  return bytes;
-}
-
 bool IsGzip(std::string_view bytes) {
   return bytes.size() >= 2 && static_cast<uint8_t>(bytes[0]) == 0x1f &&
          static_cast<uint8_t>(bytes[1]) == 0x8b;
-}
-
-FileContents::FileContents(const std::string& path) {
-  const int fd = OpenForReading(path);
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st;
-  if (::fstat(fd, &st) != 0) throw DatasetError(path + ": cannot stat: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw DatasetError(path + ": not a regular file");
-  if (st.st_size == 0) return;
-  const size_t size = static_cast<size_t>(st.st_size);
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    throw DatasetError(path + ": cannot allocate " + std::to_string(size) + " bytes to read it: " +
-                       std::strerror(errno));
-  }
-  buffer_ = p;
-  buffer_bytes_ = size;
-  ::madvise(p, size, MADV_HUGEPAGE);  // advice only: without it, 4 KiB pages
-  char* dst = static_cast<char*>(p);
-  for (size_t got = 0; got < size;) {
-    // Pieces of at most 1 GiB: Linux reads at most ~2 GiB in one call.
-    const ssize_t n = ::pread(fd, dst + got, std::min<size_t>(size - got, size_t{1} << 30), static_cast<off_t>(got));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = n < 0 ? std::strerror(errno) : "the file got shorter while read";
-      ::munmap(buffer_, buffer_bytes_);
-      buffer_ = nullptr;
-      throw DatasetError(path + ": read " + std::to_string(got) + " of " + std::to_string(size) +
-                         " bytes: " + why);
-    }
-    got += static_cast<size_t>(n);
-  }
-  bytes_ = std::string_view(dst, size);
-}
-
-FileContents::~FileContents() {
-  if (buffer_ != nullptr) ::munmap(buffer_, buffer_bytes_);
 }
 
 GzipReader::GzipReader(std::string_view bytes, std::string source, uint64_t max_bytes)

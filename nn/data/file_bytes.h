@@ -24,13 +24,13 @@ bool FileExists(const std::string& path);
 /// as " (<path> is a folder)" or another such note; "" when nothing is.
 std::string NotAFileNote(const std::string& path);
 
-/// Reads the whole file. Throws DatasetError naming `path` and the OS error.
-std::string ReadFileBytes(const std::string& path);
-
 /// A regular file open for reading, closed with this object: a FIFO or a
 /// device is refused at once (never waited on). Lets a reader check a
-/// file's header against its size before reading the rest. Throws
-/// DatasetError naming `path` and the cause.
+/// file's header against its size before reading the rest. Read with pread,
+/// never mapped: a mapped source cut short while read (`curl -o` overwriting
+/// the set in place while a rank loads it) raised SIGBUS in the decoder and
+/// killed the process without a word; a read past the end returns short
+/// instead. Throws DatasetError naming `path` and the cause.
 class OpenFile {
  public:
   explicit OpenFile(const std::string& path);
@@ -47,28 +47,6 @@ class OpenFile {
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;
-};
-
-/// A whole file read into memory with pread. Not mapped: a mapped source
-/// cut short while read (`curl -o` overwriting the set in place while a rank
-/// loads it) raised SIGBUS in the decoder and killed the process without a
-/// word; a read that finds the file shorter than its size throws instead. The
-/// buffer, freed with this object, is anonymous memory advised huge (2 MiB
-/// pages), so that a 26 MB set costs a few faults rather than one per 4 KiB;
-/// the files read here are compressed sets of at most some hundreds of MB,
-/// held only while they are decoded. Throws as ReadFileBytes.
-class FileContents {
- public:
-  explicit FileContents(const std::string& path);
-  ~FileContents();
-  FileContents(const FileContents&) = delete;
-  FileContents& operator=(const FileContents&) = delete;
-  std::string_view bytes() const { return bytes_; }
-
- private:
-  void* buffer_ = nullptr;
-  size_t buffer_bytes_ = 0;
-  std::string_view bytes_;
 };
 
 /// True if `bytes` starts with the gzip magic (1f 8b).

@@ -394,7 +394,7 @@ TEST(IdxErrors, FifoIsRefusedWithoutWaitingForAWriter) {
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
   for (const auto& [what, read] :
        {std::pair<const char*, std::function<void()>>{"ReadIdxFile", [&] { ReadIdxFile(fifo); }},
-        {"ReadFileBytes", [&] { internal::ReadFileBytes(fifo); }}}) {
+        {"ReadMaybeGzipFile", [&] { internal::ReadMaybeGzipFile(fifo); }}}) {
     auto error = std::async(std::launch::async, [&read] { return ErrorOf(read); });
     if (error.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
       // Let the waiting open return (a writer appears), so that the test ends.
@@ -505,18 +505,26 @@ TEST(IdxErrors, AHugeGzipFileFailsWhereItsStreamGoesWrong) {
                         " bytes after the gzip data, which ends at compressed byte " + std::to_string(gz.size())));
 }
 
-TEST(FileContentsTest, HoldsTheFileAndNamesWhatIsWrong) {
-  const std::string dir = FreshDir("contents");
+TEST(OpenFileTest, ReadsAtOffsetsAndNamesWhatIsWrong) {
+  const std::string dir = FreshDir("open_file");
   const std::string bytes = Gzip(std::string(10000, 'q'));
   WriteFile(dir + "/f", bytes);
-  EXPECT_EQ(internal::FileContents(dir + "/f").bytes(), bytes);
+  const internal::OpenFile f(dir + "/f");
+  EXPECT_EQ(f.size(), bytes.size());
+  std::string got(bytes.size() + 10, '\0');
+  EXPECT_EQ(f.ReadAt(got.data(), got.size(), 0), bytes.size()) << "short only at the end";
+  EXPECT_EQ(got.substr(0, bytes.size()), bytes);
+  EXPECT_EQ(f.ReadAt(got.data(), 4, bytes.size() - 2), 2u);
+  EXPECT_EQ(got.substr(0, 2), bytes.substr(bytes.size() - 2));
   WriteFile(dir + "/empty", "");
-  EXPECT_TRUE(internal::FileContents(dir + "/empty").bytes().empty());
+  EXPECT_EQ(internal::OpenFile(dir + "/empty").size(), 0u);
   EXPECT_EQ(internal::ReadMaybeGzipFile(dir + "/f"), std::string(10000, 'q'));
-  EXPECT_THAT(ErrorOf([&] { internal::FileContents f(dir + "/nope"); }),
+  EXPECT_EQ(internal::ReadMaybeGzipFile(dir + "/empty"), "");
+  WriteFile(dir + "/plain", "not gzip");
+  EXPECT_EQ(internal::ReadMaybeGzipFile(dir + "/plain"), "not gzip");
+  EXPECT_THAT(ErrorOf([&] { internal::OpenFile g(dir + "/nope"); }),
               AllOf(HasSubstr(dir + "/nope"), HasSubstr("cannot open"), HasSubstr("No such file")));
-  EXPECT_THAT(ErrorOf([&] { internal::FileContents f(dir); }),
-              AllOf(HasSubstr(dir), HasSubstr("not a regular file")));
+  EXPECT_THAT(ErrorOf([&] { internal::OpenFile g(dir); }), AllOf(HasSubstr(dir), HasSubstr("not a regular file")));
 }
 
 // A source file cut short while it is being read (`curl -o` overwriting the
