@@ -99,10 +99,11 @@ using ReadFn = std::function<size_t(void* dst, size_t n)>;
 // Parses an IDX file read through `read`, its data read straight into the
 // result. `size_hint` guesses the bytes left to read (what is reserved; a
 // wrong guess costs copies, never a large allocation for a forged header);
-// when `size_is_exact`, it is the size, and a header asking for more fails
-// before any data is read. So does one asking for more than `max_bytes` in
-// all, the bound on a gzip stream's output (which would otherwise fail only
-// after decompressing up to the bound).
+// when `size_is_exact`, it is the size, and a header asking for more or
+// fewer bytes fails before any data is read. So does one asking for more
+// than `max_bytes` in all, the bound on a gzip stream's output (which would
+// otherwise fail only after decompressing up to the bound). After the data,
+// one byte more is read, never the rest.
 IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact,
                       uint64_t max_bytes, const std::string& source, int expected_dims) {
   uint8_t p[4] = {};

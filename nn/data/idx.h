@@ -40,7 +40,9 @@ IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& sourc
                            int expected_dims = 0,
                            uint64_t max_decompressed_bytes = uint64_t{4} << 30);
 
-/// Reads and parses an IDX file, gzip-compressed or not.
+/// Reads and parses an IDX file, gzip-compressed or not. A plain file's
+/// header is checked against the file's size before its data is read; a
+/// gzip file is read as it is decompressed, and stops at the first error.
 IdxArray ReadIdxFile(const std::string& path, int expected_dims = 0);
 
 /// Builds a dataset from an image file ([N, H, W], or [N, C, H, W]) and a
