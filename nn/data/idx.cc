@@ -60,6 +60,14 @@ std::string FindFile(const std::string& dir, const std::string& base,
   const std::string plain = prefix + base;
   if (internal::FileExists(gz)) return gz;
   if (internal::FileExists(plain)) return plain;
+  // The folder given is a file (the archive itself, say): the files are
+  // not "missing" from it, and installing the package would not help.
+  struct stat st;
+  if (!dir.empty() && ::stat(dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+    throw DatasetError("dataset folder " + dir + " is " + (S_ISREG(st.st_mode) ? "a file" : "not a folder") +
+                       ": " + base + " (or " + base + ".gz) is looked for inside a folder; give the folder that " +
+                       "holds it");
+  }
   // A folder by the file's name (unpackers make one of `x.gz`, holding the
   // file) is named as such: "not found" alone sent the user looking for a
   // path that is there.

@@ -83,6 +83,17 @@ TEST(FashionMnist, MissingFilesNameThePackageAndDataDir) {
                          HasSubstr("dataset-fashion-mnist"), HasSubstr("--data_dir")));
 }
 
+// A file given as the folder (the downloaded archive, say) is named as one:
+// it was "dataset file not found: looked for FILE/train-images-...", with
+// the advice to install the package.
+TEST(FashionMnist, AFileGivenAsTheFolderIsNamedAsOne) {
+  const std::string file = FreshDir("fm_file") + "/fashion-mnist.tar.gz";
+  std::ofstream(file) << "an archive";
+  EXPECT_EQ(ErrorOf([&] { LoadFashionMnist(file, Split::kTrain); }),
+            "dataset folder " + file + " is a file: train-images-idx3-ubyte (or train-images-idx3-ubyte.gz) is "
+            "looked for inside a folder; give the folder that holds it");
+}
+
 TEST(Mnist, MissingFilesNameDataDir) {
   const std::string dir = FreshDir("mnist_missing");
   const std::string msg = ErrorOf([&] { LoadMnist(dir, Split::kTest); });
