@@ -379,7 +379,13 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
 NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
   const auto& mine = shards_[static_cast<size_t>(pg_->rank())];
   NamedTensors shard;
+  bool listed = false;                          // the state lists every parameter it was saved with
+  std::vector<bool> in_state(params_.size());   // per parameter: some "state." entry names it
   for (const auto& [key, t] : state) {
+    if (key == "group.params_listed") {
+      listed = t.defined() && t.dtype() == nn::DType::kInt64 && t.shape() == nn::Shape{} &&
+               t.To(nn::kCPU).data<int64_t>()[0] == 1;
+    }
     if (key == "lr" || key.rfind("group.", 0) == 0 || key.rfind("param_groups.", 0) == 0) {
       shard.emplace_back(key, t);
       continue;
@@ -387,6 +393,7 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
     if (key.rfind("state.", 0) != 0) continue;  // other components' entries
     const int i = nn::optim::ParameterOfStateKey(key, params_);
     if (i < 0) throw std::invalid_argument("state key `" + key + "` names no parameter of this optimizer");
+    in_state[static_cast<size_t>(i)] = true;
     const auto piece = std::find_if(mine.begin(), mine.end(),
                                     [&](const Slice& s) { return s.param == static_cast<size_t>(i); });
     if (piece == mine.end()) continue;
@@ -401,6 +408,23 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
                                   " elements; parameter `" + name + "` has " + std::to_string(want));
     }
     shard.emplace_back(key, PieceOf(t, *piece));
+  }
+  // The shard's optimizer cannot tell a parameter missing from a state that
+  // lists every parameter (one saved by an optimizer over other
+  // parameters): its pieces are detached views, without requires_grad or a
+  // gradient outside Step, which it takes for frozen and lets through with
+  // no state. The parameters themselves are looked at here instead, as the
+  // unsharded optimizer looks at them: a frozen one (requires_grad off and
+  // no gradient) may be absent.
+  if (listed) {
+    for (const Slice& s : mine) {
+      const auto& [name, p] = params_[s.param];
+      const bool frozen = !p.requires_grad() && !p.grad().defined();
+      if (!in_state[s.param] && !frozen) {
+        throw std::invalid_argument("parameter `" + name + "` is not in the state (no `state." + name +
+                                    ".step`): it was saved by an optimizer over other parameters");
+      }
+    }
   }
   // The shard's optimizer holds only its pieces of each group, so it
   // cannot compare the whole's groups: they are compared here, then

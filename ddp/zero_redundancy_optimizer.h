@@ -180,8 +180,11 @@ class ZeroRedundancyOptimizer {
   /// piece ("step" counts as they are; the others, which have the
   /// parameter's shape, as 1-D pieces). What LoadStateDict loads; not
   /// collective. Throws std::invalid_argument naming a "state." key of no
-  /// parameter, one whose tensor has not the parameter's element count, or
-  /// a group whose saved size or members are not this optimizer's.
+  /// parameter, one whose tensor has not the parameter's element count, a
+  /// group whose saved size or members are not this optimizer's, or a
+  /// parameter of this shard that is trained (requires_grad, or has a
+  /// gradient) and absent from a state that lists every parameter
+  /// ("group.params_listed": one saved by an optimizer over others).
   nn::optim::NamedTensors ShardOf(const nn::optim::NamedTensors& state) const;
 
   /// The shards: the parameters' elements laid end to end in the given

@@ -15,11 +15,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "ddp/checkpoint.h"
 #include "ddp/distributed_data_parallel.h"
@@ -562,6 +564,76 @@ DDP_TEST_WORKER(load_all_or_nothing) {
 
 TEST(ZeroRedundancyOptimizerTest, StateBadForOneShardLoadsOnNoRank) {
   auto run = RunWorkers("load_all_or_nothing", 2, {{"DDP_TEST_CKPT", TempPath("half.safetensors")}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A state saved by an optimizer over fewer parameters (Adam over `a`
+// alone) is refused, as the unsharded optimizer refuses it: it lists every
+// parameter it was saved with, and `b`, trained here, is not among them.
+// Rank 1 owns `b` alone; its pieces are detached views, which the shard's
+// optimizer took for frozen parameters, so every rank loaded the state and
+// `b`'s moments and step silently started from zero. Without the list
+// entry (the way to add parameters) the same state loads.
+DDP_TEST_WORKER(state_missing_a_parameter) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(7);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  auto adam = [](NamedParameters p) {
+    return std::make_unique<nn::optim::Adam>(std::move(p), nn::optim::AdamOptions{.lr = 0.01});
+  };
+  ZeroRedundancyOptimizer zero(ab, pg, adam);
+  const std::vector<Slice> own_a = {{.param = 0, .offset = 0, .length = 32}};
+  const std::vector<Slice> own_b = {{.param = 1, .offset = 0, .length = 32}};
+  WORKER_EXPECT(zero.shard(0) == own_a && zero.shard(1) == own_b, "rank 0 does not own `a` alone and rank 1 `b` alone");
+  NamedTensors saved;
+  {
+    const NamedParameters only_a = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+    only_a[0].second.set_grad(nn::Randn({32}, {}, gen));
+    auto opt = adam(only_a);
+    opt->Step();
+    saved = opt->StateDict();
+  }
+  // The unsharded optimizer's refusal, which ZeRO's must match.
+  try {
+    adam(ab)->LoadStateDict(saved);
+    WORKER_EXPECT(false, "the unsharded Adam accepted a state without `b`");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("`b` is not in the state") != std::string::npos, e.what());
+  }
+  const NamedTensors before = zero.local().StateDict();
+  try {
+    zero.LoadStateDict(saved);
+    WORKER_EXPECT(false, "a state without `b` was loaded" + on);
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    WORKER_EXPECT(pg->rank() == 1 ? m.find("parameter `b` is not in the state") != std::string::npos
+                                  : m.find("failed on rank 1") != std::string::npos,
+                  m + on);
+  }
+  const NamedTensors after = zero.local().StateDict();
+  WORKER_EXPECT(after.size() == before.size(), "the state's entries changed" + on);
+  for (size_t i = 0; i < std::min(after.size(), before.size()); ++i) {
+    WORKER_EXPECT(after[i].first == before[i].first && SameBytes(after[i].second, before[i].second),
+                  "`" + before[i].first + "` changed" + on);
+  }
+  // Without the list entry, `b` starts afresh and `a` keeps its state.
+  NamedTensors unlisted = saved;
+  std::erase_if(unlisted, [](const auto& e) { return e.first == "group.params_listed"; });
+  zero.LoadStateDict(unlisted);
+  if (pg->rank() == 0) {
+    int64_t a_steps = -1;
+    for (const auto& [key, t] : zero.local().StateDict()) {
+      if (key == "state.a.step") a_steps = t.ToVector<int64_t>().at(0);
+    }
+    WORKER_EXPECT(a_steps == 1, "`a` holds " + std::to_string(a_steps) + " steps after the load, not 1");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, StateMissingATrainedParameterIsRefusedOnEveryRank) {
+  auto run = RunWorkers("state_missing_a_parameter", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
