@@ -125,16 +125,23 @@ PeriodicModelAverager::PeriodicModelAverager(ModelAveragerOptions options) : opt
     throw std::invalid_argument("ModelAveragerOptions::warmup_steps must be at least 0, got " +
                                 std::to_string(options_.warmup_steps));
   }
-  if (!options_.process_group) options_.process_group = DefaultProcessGroup();
-  if (!options_.process_group) {
-    throw std::logic_error(
-        "PeriodicModelAverager: no process group given and no default one (InitProcessGroup)");
+  // Unset and set-but-null differ: a rank outside a subgroup gets null from
+  // NewGroup and must stay out of the average, where the default group
+  // would have it all-reduce with ranks that are averaging over the
+  // subgroup (a desync, then a timeout).
+  if (!options_.process_group.has_value()) {
+    options_.process_group = DefaultProcessGroup();
+    if (*options_.process_group == nullptr) {
+      throw std::logic_error(
+          "PeriodicModelAverager: no process group given and no default one (InitProcessGroup)");
+    }
   }
 }
 
 bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& params) {
   const int64_t step = step_++;
   if (step < options_.warmup_steps || (step - options_.warmup_steps) % options_.period != 0) return false;
+  if (*options_.process_group == nullptr) return false;  // not a member of the group
   if (params.empty()) return true;
   // Which tensors have a gradient may differ between ranks (a branch one
   // rank took alone, with ZeroGrad setting gradients to none); decided on
@@ -147,7 +154,7 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
   // one with a gradient elsewhere cannot be averaged here, and every rank
   // must learn that together rather than this one alone failing while the
   // others wait in their averages.
-  ProcessGroup& group = *options_.process_group;
+  ProcessGroup& group = **options_.process_group;
   const int64_t count = static_cast<int64_t>(params.size());
   nn::Tensor marks = nn::Zeros({2 * count}, {.dtype = nn::DType::kUInt8});
   uint8_t* flags = marks.data<uint8_t>();

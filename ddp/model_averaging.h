@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -117,8 +118,12 @@ struct ModelAveragerOptions {
   /// Steps before the first average (>= 0); usually the hook's
   /// start_iteration, so that the warm-up is plain DDP.
   int64_t warmup_steps = 0;
-  /// Null: the default process group (InitProcessGroup).
-  std::shared_ptr<ProcessGroup> process_group;
+  /// Unset: the default process group (InitProcessGroup). Set, it is the
+  /// group to average over, as NewGroup returned it on this rank: null on a
+  /// rank outside that group, whose averager then averages nothing (as
+  /// PyTorch's on a non-member), so every rank may build one from the same
+  /// NewGroup call.
+  std::optional<std::shared_ptr<ProcessGroup>> process_group;
 };
 
 /// Averages parameters across a group every `period` steps once
@@ -131,7 +136,9 @@ class PeriodicModelAverager {
 
   /// Call once per optimizer step, after it, with the same tensors on
   /// every rank. Averages those that have a gradient on any rank when this
-  /// step is due, then counts the step; returns whether it averaged. As in
+  /// step is due, then counts the step; returns whether it averaged. On a
+  /// rank outside the group (a null process_group) it only counts the step
+  /// and returns false, at once, without communicating. As in
   /// PyTorch, frozen parameters and ones unused on every rank keep their
   /// values; unlike PyTorch, which decides on each rank alone, one small
   /// all-reduce agrees on the set, so a parameter with a gradient on some

@@ -271,6 +271,58 @@ TEST(ModelAveragingTest, SubgroupsAverageGradientsWithinThemselves) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Every rank builds its averager from the same NewGroup({0, 1}) call; on
+// ranks 2 and 3 that group is null. Taken for "no group given", it became
+// the default group (here the world): ranks 2 and 3 all-reduced over the
+// world while 0 and 1 averaged over their pair, and the world's next
+// collective met theirs (a desync, or a timeout). Now a non-member averages
+// nothing, as PyTorch's, and the world stays in step; an averager given no
+// group still uses the default one.
+DDP_TEST_WORKER(outside_the_subgroup) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  const std::string on = " on rank " + std::to_string(rank);
+  SetDefaultProcessGroup(pg);
+  std::shared_ptr<ProcessGroup> low = pg->NewGroup({0, 1});
+  WORKER_EXPECT((low != nullptr) == (rank < 2), "NewGroup({0, 1}) gave the wrong membership" + on);
+  // Rank r holds r + 1 and 10 (r + 1).
+  std::vector<Tensor> params = {nn::Full({3}, rank + 1.0), nn::Full({5}, 10.0 * (rank + 1))};
+  for (const Tensor& p : params) p.set_grad(nn::Zeros(p.shape()));
+  auto expect_values = [&](double first, double second, const std::string& when) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const double want = i == 0 ? first : second;
+      for (double v : params[i].ToVector<double>()) {
+        WORKER_EXPECT(v == want, when + ": tensor " + std::to_string(i) + " holds " + std::to_string(v) +
+                                     ", expected " + std::to_string(want) + on);
+      }
+    }
+  };
+  PeriodicModelAverager pair({.period = 1, .process_group = low});
+  for (int step = 0; step < 2; ++step) {
+    const bool averaged = pair.AverageParameters(params);
+    WORKER_EXPECT(averaged == (rank < 2), "step " + std::to_string(step) + ": averaged " +
+                                              std::to_string(averaged) + on);
+  }
+  WORKER_EXPECT(pair.step() == 2, "counted " + std::to_string(pair.step()) + " steps" + on);
+  if (rank < 2) {
+    expect_values(1.5, 15, "after the pair's average");
+  } else {
+    expect_values(rank + 1.0, 10.0 * (rank + 1), "outside the pair");
+  }
+  // The world's collectives still pair up: an average over the default
+  // group (no group given) of 1.5, 1.5, 3, 4 and of 15, 15, 30, 40.
+  PeriodicModelAverager everyone({.period = 1});
+  WORKER_EXPECT(everyone.AverageParameters(params), "the default group's average did not run" + on);
+  expect_values(2.5, 25, "after the world's average");
+  SetDefaultProcessGroup(nullptr);
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, AnAveragerOutsideItsSubgroupAveragesNothingAndKeepsTheWorldInStep) {
+  auto run = RunWorkers("outside_the_subgroup", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A subgroup and a warm-up together, as PyTorch's PostLocalSGDState with
 // start_localSGD_iter > 0: before the start the hook all-reduces over the
 // DDP group (the parent, all four ranks), bit for bit DDP's average; from
