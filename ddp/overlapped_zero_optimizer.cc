@@ -210,20 +210,32 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
         " is set; a parameter unused on every rank would still take a step (with a zero gradient) "
         "inside the reduction, where the unsharded optimizer skips it");
   }
-  std::unordered_map<std::string, Tensor> by_name;
-  for (const auto& [name, p] : ddp.module()->NamedParameters()) {
-    if (!p.requires_grad()) continue;
-    if (!p.device().is_cpu() || !p.is_contiguous()) {
-      throw std::invalid_argument("OverlappedZeroOptimizer: parameter `" + name + "` is " +
-                                  (p.device().is_cpu() ? "not contiguous" : "on " + p.device().ToString()) +
-                                  "; the fused step runs on contiguous CPU parameters");
-    }
-    by_name.emplace(name, p);
-    state_->params.push_back(p);
-    state_->names.push_back(name);
-    state_->total_elements += p.numel();
-  }
   ProcessGroup& group = ddp.process_group();
+  // The checks below look at this rank's own module, which may differ from
+  // the others' (requires_grad changed on one rank after the wrapper was
+  // built, a parameter made non-contiguous on one rank): a rank that threw
+  // here alone would leave the others waiting for it in the agreement
+  // further down until the group's timeout. So a refusal is kept in
+  // `failure`, nothing is built after it, and the ranks learn it together,
+  // each naming the rank that refused.
+  std::string failure;
+  std::unordered_map<std::string, Tensor> by_name;
+  try {
+    for (const auto& [name, p] : ddp.module()->NamedParameters()) {
+      if (!p.requires_grad()) continue;
+      if (!p.device().is_cpu() || !p.is_contiguous()) {
+        throw std::invalid_argument("parameter `" + name + "` is " +
+                                    (p.device().is_cpu() ? "not contiguous" : "on " + p.device().ToString()) +
+                                    "; the fused step runs on contiguous CPU parameters");
+      }
+      by_name.emplace(name, p);
+      state_->params.push_back(p);
+      state_->names.push_back(name);
+      state_->total_elements += p.numel();
+    }
+  } catch (const std::invalid_argument& e) {
+    failure = e.what();
+  }
   if (grouped && group.size() > 1) {
     // Each rank builds its slices' groups from its own list: a rank that
     // stepped its pieces with another group's rate or decay would
@@ -242,30 +254,37 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
   }
   // Every trained parameter in exactly one group, as the module's tensor.
   const size_t none = groups.size();
-  state_->group_of.assign(state_->params.size(), none);
-  state_->whole_members.resize(groups.size());
-  for (size_t k = 0; k < groups.size(); ++k) {
-    state_->group_options.push_back(groups[k].options);
-    for (const auto& [name, p] : groups[k].params) {
-      const size_t i = static_cast<size_t>(std::find(state_->names.begin(), state_->names.end(), name) -
-                                           state_->names.begin());
-      const std::string which = "OverlappedZeroOptimizer: param group " + std::to_string(k) + "'s `" + name + "` ";
-      if (i == state_->names.size()) throw std::invalid_argument(which + "is not a trained parameter of the module");
-      if (p.impl() != state_->params[i].impl()) {
-        throw std::invalid_argument(which + "is not the module's parameter of that name");
+  if (failure.empty()) {
+    try {
+      state_->group_of.assign(state_->params.size(), none);
+      state_->whole_members.resize(groups.size());
+      for (size_t k = 0; k < groups.size(); ++k) {
+        state_->group_options.push_back(groups[k].options);
+        for (const auto& [name, p] : groups[k].params) {
+          const size_t i = static_cast<size_t>(std::find(state_->names.begin(), state_->names.end(), name) -
+                                               state_->names.begin());
+          const std::string which = "param group " + std::to_string(k) + "'s `" + name + "` ";
+          if (i == state_->names.size()) {
+            throw std::invalid_argument(which + "is not a trained parameter of the module");
+          }
+          if (p.impl() != state_->params[i].impl()) {
+            throw std::invalid_argument(which + "is not the module's parameter of that name");
+          }
+          if (state_->group_of[i] != none) {
+            throw std::invalid_argument(which + "is in param group " + std::to_string(state_->group_of[i]) + " too");
+          }
+          state_->group_of[i] = k;
+          state_->order.push_back(i);
+          state_->whole_members[k].push_back(name);
+        }
       }
-      if (state_->group_of[i] != none) {
-        throw std::invalid_argument(which + "is in param group " + std::to_string(state_->group_of[i]) + " too");
+      for (size_t i = 0; i < state_->params.size(); ++i) {
+        if (state_->group_of[i] == none) {
+          throw std::invalid_argument("trained parameter `" + state_->names[i] + "` is in no param group");
+        }
       }
-      state_->group_of[i] = k;
-      state_->order.push_back(i);
-      state_->whole_members[k].push_back(name);
-    }
-  }
-  for (size_t i = 0; i < state_->params.size(); ++i) {
-    if (state_->group_of[i] == none) {
-      throw std::invalid_argument("OverlappedZeroOptimizer: trained parameter `" + state_->names[i] +
-                                  "` is in no param group");
+    } catch (const std::invalid_argument& e) {
+      failure = e.what();
     }
   }
   const std::string hint = grouped ? "" : " (pass parameter groups to the constructor that takes them)";
@@ -274,6 +293,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
   state_->ddp = &ddp;
   state_->iterations_ended = ddp.group_iterations();
   if (group.size() == 1) {
+    if (!failure.empty()) throw std::invalid_argument("OverlappedZeroOptimizer: " + failure);
     state_->whole = make(groups);
     if (state_->whole == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer: the factory returned null");
     if (const std::string wrong = HoldsGroups(*state_->whole, groups, hint); !wrong.empty()) {
@@ -284,22 +304,46 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
     return;
   }
 
+  // DDP's buckets must hold exactly this rank's trained parameters, each
+  // once: checked before anything moves.
+  const std::vector<std::vector<std::string>> bucket_names = ddp.BucketParameterNames();
+  if (failure.empty()) {
+    std::unordered_map<std::string, int> in_buckets;
+    for (const std::vector<std::string>& names : bucket_names) {
+      for (const std::string& name : names) {
+        if (by_name.count(name) == 0) {
+          failure = "DDP's bucket parameter `" + name +
+                    "` is not a trained parameter of the module (did requires_grad change after the wrapper was "
+                    "built?)";
+          break;
+        }
+        if (++in_buckets[name] > 1) {
+          failure = "DDP's bucket parameter `" + name + "` is in its buckets twice";
+          break;
+        }
+      }
+      if (!failure.empty()) break;
+    }
+    for (const std::string& name : state_->names) {
+      if (!failure.empty()) break;
+      if (in_buckets.count(name) == 0) {
+        failure = "trained parameter `" + name +
+                  "` is in none of DDP's buckets (did requires_grad change after the wrapper was built?)";
+      }
+    }
+  }
   // The buckets as the reducer built them, which the fixed-bucket hook
   // keeps: each one's parameters move into one flat buffer in shareable
   // memory, at their gradients' offsets, and this rank's slice of it gets
   // its optimizer.
-  for (const std::vector<std::string>& names : ddp.BucketParameterNames()) {
+  for (const std::vector<std::string>& names : bucket_names) {
+    if (!failure.empty()) break;
     State::Bucket bucket;
     std::vector<Tensor> members;
     std::vector<size_t> indices;  // into state_->params
     int64_t numel = 0;
     for (const std::string& name : names) {
       const auto found = by_name.find(name);
-      if (found == by_name.end()) {
-        throw std::invalid_argument("OverlappedZeroOptimizer: DDP's bucket parameter `" + name +
-                                    "` is not a trained parameter of the module (did requires_grad "
-                                    "change after the wrapper was built?)");
-      }
       members.push_back(found->second);
       by_name.erase(found);  // each parameter in one bucket
       indices.push_back(static_cast<size_t>(
@@ -341,54 +385,49 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
     }
     state_->buckets.push_back(std::move(bucket));
   }
-  if (!by_name.empty()) {
-    throw std::invalid_argument("OverlappedZeroOptimizer: trained parameter `" + by_name.begin()->first +
-                                "` is in none of DDP's buckets (did requires_grad change after the "
-                                "wrapper was built?)");
-  }
   // The optimizers differ per rank (each gets its own pieces), so a factory
   // may fail on some ranks only: the ranks agree on the outcome before any
   // of them registers the hook, and all fail alike.
-  std::string failure;
-  try {
-    const nn::optim::Optimizer* first = nullptr;
-    for (State::Bucket& bucket : state_->buckets) {
-      if (bucket.views.empty()) continue;
-      // Each slice's optimizer over the same groups, holding its views
-      // (a group may be empty); the view order within a group is the
-      // bucket's, which StepPiece does not depend on.
-      std::vector<size_t> view_group;
-      for (size_t view_param : bucket.view_param) view_group.push_back(state_->group_of[view_param]);
-      const std::vector<nn::optim::ParamGroup> shard = state_->GroupsOf(bucket.views, view_group);
-      bucket.optimizer = make(shard);
-      if (bucket.optimizer == nullptr) throw std::invalid_argument("the factory returned null");
-      if (const std::string wrong = HoldsGroups(*bucket.optimizer, shard, hint); !wrong.empty()) {
-        throw std::invalid_argument(wrong);
+  if (failure.empty()) {
+    try {
+      const nn::optim::Optimizer* first = nullptr;
+      for (State::Bucket& bucket : state_->buckets) {
+        if (bucket.views.empty()) continue;
+        // Each slice's optimizer over the same groups, holding its views
+        // (a group may be empty); the view order within a group is the
+        // bucket's, which StepPiece does not depend on.
+        std::vector<size_t> view_group;
+        for (size_t view_param : bucket.view_param) view_group.push_back(state_->group_of[view_param]);
+        const std::vector<nn::optim::ParamGroup> shard = state_->GroupsOf(bucket.views, view_group);
+        bucket.optimizer = make(shard);
+        if (bucket.optimizer == nullptr) throw std::invalid_argument("the factory returned null");
+        if (const std::string wrong = HoldsGroups(*bucket.optimizer, shard, hint); !wrong.empty()) {
+          throw std::invalid_argument(wrong);
+        }
+        if (first == nullptr) first = bucket.optimizer.get();
       }
-      if (first == nullptr) first = bucket.optimizer.get();
-    }
-    // The rates and options, the same in every slice (set_lr, the
-    // consolidated keys); a rank that owns no element (more ranks than
-    // cache lines of parameters) reads them off an optimizer of everything.
-    std::unique_ptr<nn::optim::Optimizer> probe;
-    if (first == nullptr) {
-      probe = make(groups);
-      if (probe == nullptr) throw std::invalid_argument("the factory returned null");
-      if (const std::string wrong = HoldsGroups(*probe, groups, hint); !wrong.empty()) {
-        throw std::invalid_argument(wrong);
+      // The rates and options, the same in every slice (set_lr, the
+      // consolidated keys); a rank that owns no element (more ranks than
+      // cache lines of parameters) reads them off an optimizer of everything.
+      std::unique_ptr<nn::optim::Optimizer> probe;
+      if (first == nullptr) {
+        probe = make(groups);
+        if (probe == nullptr) throw std::invalid_argument("the factory returned null");
+        if (const std::string wrong = HoldsGroups(*probe, groups, hint); !wrong.empty()) {
+          throw std::invalid_argument(wrong);
+        }
+        first = probe.get();
       }
-      first = probe.get();
+      for (size_t k = 0; k < groups.size(); ++k) state_->lrs.push_back(first->lr(k));
+      state_->options = OptionsOf(*first, state_->whole_members);
+    } catch (const std::exception& e) {
+      failure = "building the optimizer of rank " + std::to_string(group.rank()) + "'s slices failed: " + e.what();
     }
-    for (size_t k = 0; k < groups.size(); ++k) state_->lrs.push_back(first->lr(k));
-    state_->options = OptionsOf(*first, state_->whole_members);
-  } catch (const std::exception& e) {
-    failure = e.what();
   }
   const std::vector<std::string> outcomes = group.AllGatherObject(failure);
   for (size_t r = 0; r < outcomes.size(); ++r) {
     if (!outcomes[r].empty()) {
-      throw std::invalid_argument("OverlappedZeroOptimizer: building the optimizer of rank " + std::to_string(r) +
-                                  "'s slices failed: " + outcomes[r]);
+      throw std::invalid_argument("OverlappedZeroOptimizer on rank " + std::to_string(r) + ": " + outcomes[r]);
     }
   }
 

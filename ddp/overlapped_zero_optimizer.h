@@ -98,9 +98,13 @@ class OverlappedZeroOptimizer {
   /// (keep this object alive while `ddp` trains; `ddp` must outlive it). Collective: every rank
   /// builds it, before the first backward. Throws std::invalid_argument for
   /// a null factory or one that returns null, a parameter that is not a
-  /// contiguous CPU tensor (naming it), find_unused_parameters or
+  /// contiguous CPU tensor (naming it), a trained parameter that is not in
+  /// DDP's buckets or a bucket parameter that is not trained (requires_grad
+  /// changed after the wrapper was built), find_unused_parameters or
   /// static_graph; std::logic_error after the first backward (on more
   /// than one rank; one rank runs no hook, and Step() steps everything).
+  /// What one rank refuses in its own module or factory fails every rank
+  /// together, naming that rank.
   OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make);
 
   /// Builds the optimizer of one rank's slice of one bucket over parameter

@@ -747,6 +747,50 @@ TEST(OverlappedZeroOptimizerTest, ParameterMovedAfterConstructionFailsEveryRank)
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// requires_grad changed on rank 1 alone after DDP was built: first a
+// parameter frozen there (it is still in DDP's buckets), then one unfrozen
+// there (it is in none). Rank 1 refused it while checking the buckets and
+// threw at once, while rank 0 went on to wait for it in the construction's
+// agreement until the group's timeout (or until rank 1's next collective
+// met it). Now both ranks throw together, naming rank 1 and the parameter,
+// and the group stays in step.
+DDP_TEST_WORKER(trained_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const bool odd = pg->rank() == 1;
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  auto factory = [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); };
+  for (const bool freeze : {true, false}) {
+    auto model = Mlp(1);
+    const auto [name, param] = model->NamedParameters().front();
+    if (!freeze) param.set_requires_grad(false);  // frozen everywhere when DDP is built
+    DistributedDataParallel ddp(model, {.process_group = pg});
+    if (odd) param.set_requires_grad(!freeze);
+    const std::string want = freeze ? "OverlappedZeroOptimizer on rank 1: DDP's bucket parameter `" + name +
+                                          "` is not a trained parameter of the module"
+                                    : "OverlappedZeroOptimizer on rank 1: trained parameter `" + name +
+                                          "` is in none of DDP's buckets";
+    const auto start = std::chrono::steady_clock::now();
+    std::string error = "accepted";
+    try {
+      OverlappedZeroOptimizer opt(ddp, factory);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WORKER_EXPECT(error.find(want) != std::string::npos, "message `" + error + "` lacks `" + want + "`" + on);
+    WORKER_EXPECT(seconds < 20, "took " + std::to_string(seconds) + " s" + on);
+    // Both ranks failed at the same point: the next collective pairs.
+    const std::vector<std::string> errors = pg->AllGatherObject(error);
+    WORKER_EXPECT(errors[0] == errors[1], "the ranks failed differently: `" + errors[0] + "`, `" + errors[1] + "`");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, RequiresGradChangedOnOneRankFailsEveryRankNamingIt) {
+  auto run = RunWorkers("trained_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(OverlappedZeroOptimizerTest, MisuseIsRefusedWithAMessage) {
   auto run = RunWorkers("misuse", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
