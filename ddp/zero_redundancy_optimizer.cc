@@ -18,7 +18,9 @@ using nn::Tensor;
 using nn::optim::NamedTensors;
 
 // A list of (name, dtype, shape) as text, one tensor per line, and back:
-// what a rank sends before the tensors of its shard's state.
+// what a rank sends before the tensors of its shard's state. A name may
+// hold tabs (only newlines are refused in parameter names), so a line is
+// split at its last tab: the dtype and shape after it never hold one.
 std::string DescribeTensors(const NamedTensors& tensors) {
   std::ostringstream out;
   for (const auto& [name, t] : tensors) {
@@ -34,7 +36,7 @@ NamedTensors EmptyTensorsFromDescription(const std::string& text) {
   std::istringstream in(text);
   std::string line;
   while (std::getline(in, line)) {
-    const size_t tab = line.find('\t');
+    const size_t tab = line.rfind('\t');
     std::istringstream fields(line.substr(tab + 1));
     int dtype = 0;
     fields >> dtype;

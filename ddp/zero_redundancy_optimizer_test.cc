@@ -637,6 +637,53 @@ TEST(ZeroRedundancyOptimizerTest, StateMissingATrainedParameterIsRefusedOnEveryR
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A parameter name may hold a tab (only newlines are refused): the list of
+// state entries rank 1 sends before its tensors was split at the first tab
+// of each line, so rank 0 read `state.w` with a garbled dtype and shape
+// for `w\tone`'s entries and the consolidation failed. Rank 1 owns
+// `w\tone` here; rank 0 gathers the state, which must equal the unsharded
+// optimizer's.
+DDP_TEST_WORKER(tab_in_a_name) {
+  auto pg = testing::WorkerGroup();
+  auto make_params = [] {
+    nn::Generator gen(11);
+    return NamedParameters{{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                           {"w\tone", nn::Randn({4, 8}, {}, gen).set_requires_grad(true)}};
+  };
+  auto adam = [](NamedParameters p) {
+    return std::make_unique<nn::optim::Adam>(std::move(p), nn::optim::AdamOptions{.lr = 0.01});
+  };
+  const NamedParameters sharded = make_params(), plain = make_params();
+  ZeroRedundancyOptimizer zero(sharded, pg, adam);
+  const std::vector<Slice> owns_w = {{.param = 1, .offset = 0, .length = 32}};
+  WORKER_EXPECT(zero.shard(1) == owns_w, "rank 1 does not own `w\\tone` alone");
+  auto opt = adam(plain);
+  nn::Generator gen(12);
+  for (size_t i = 0; i < sharded.size(); ++i) {
+    const Tensor grad = nn::Randn(sharded[i].second.shape(), {}, gen);
+    sharded[i].second.set_grad(grad);
+    plain[i].second.set_grad(grad.Clone());
+  }
+  zero.Step();
+  opt->Step();
+  const NamedTensors whole = zero.ConsolidatedStateDict(0);
+  if (pg->rank() == 0) {
+    const NamedTensors want = opt->StateDict();
+    WORKER_EXPECT(whole.size() == want.size(), "consolidated state has " + std::to_string(whole.size()) +
+                                                   " entries, the unsharded " + std::to_string(want.size()));
+    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
+      WORKER_EXPECT(whole[i].first == want[i].first && SameBytes(whole[i].second, want[i].second),
+                    "consolidated entry `" + whole[i].first + "` differs from `" + want[i].first + "`");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, ATabInAParameterNameSurvivesConsolidation) {
+  auto run = RunWorkers("tab_in_a_name", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // The partition comes from each rank's own list: rank 1 passing two
 // same-shaped parameters swapped would have every rank step and broadcast
 // the other's elements into them. Refused on both ranks at construction,
