@@ -166,8 +166,9 @@ class ZeroRedundancyOptimizer {
   nn::optim::NamedTensors ConsolidatedStateDict(int to = 0);
   /// Collective: loads a whole state (ConsolidatedStateDict's, or a plain
   /// optimizer's StateDict); each rank keeps the entries of the parameters
-  /// it owns. A key naming no parameter, or an entry the shard's optimizer
-  /// refuses, fails on every rank (std::invalid_argument naming it on the
+  /// it owns. A key naming no parameter, a trained parameter missing from a
+  /// state that lists every parameter (see ShardOf), or an entry the shard's
+  /// optimizer refuses, fails on every rank (std::invalid_argument naming it on the
   /// rank that found it, naming that rank on the others), and then no rank
   /// loads anything: every shard is checked before any is loaded.
   void LoadStateDict(const nn::optim::NamedTensors& state);
