@@ -2187,6 +2187,55 @@ StatusOr<std::string> MakeRunLogDir(const std::string& log_dir, const std::strin
   return path;
 }
 
+// The files of a local rank's folder whose -t/-r codes make up `streams`:
+// its log files, one per stream teed or redirected, and its error file.
+std::string RankFileNames(int streams) {
+  const std::string logs = streams == kBothStreams     ? "stdout.log, stderr.log and "
+                           : streams == kStdoutStream ? "stdout.log and "
+                           : streams == kStderrStream ? "stderr.log and "
+                                                      : "";
+  return logs + "error.json";
+}
+
+// "0, 2-4": local ranks, ascending, in runs.
+std::string RankRuns(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    text += (text.empty() ? "" : ", ") + std::to_string(ranks[i]) +
+            (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return text;
+}
+
+// The start-up line naming the files this run writes under `run_dir`. As
+// torchrun's: a worker's output goes to files only for the streams --tee
+// or --redirects give its local rank; every worker gets an error file.
+// When the local ranks' files differ (-r 0:1,1:2), each set is named with
+// its ranks, so that no file is named for a rank that never writes it.
+std::string RunLogsLine(const std::string& run_dir, const DdprunOptions& o) {
+  std::map<int, std::vector<int>> ranks_by_streams;
+  std::vector<int> order;  // the stream sets, by their lowest local rank
+  for (int local = 0; local < o.nproc_per_node; ++local) {
+    const int streams = o.tee.For(local) | o.redirects.For(local);
+    if (ranks_by_streams[streams].empty()) order.push_back(streams);
+    ranks_by_streams[streams].push_back(local);
+  }
+  const std::string folder = run_dir + "/attempt_K/LOCAL_RANK/";
+  if (order.size() == 1) {
+    return (order[0] == 0 ? "this run's error files: " : "this run's logs: ") + folder + RankFileNames(order[0]);
+  }
+  std::string line = "this run's logs: " + folder + " holds ";
+  for (size_t i = 0; i < order.size(); ++i) {
+    const std::vector<int>& ranks = ranks_by_streams[order[i]];
+    line += (i == 0 ? "" : "; ") + RankFileNames(order[i]) + " for local rank" + (ranks.size() > 1 ? "s " : " ") +
+            RankRuns(ranks);
+  }
+  return line;
+}
+
 int RunJob(const DdprunOptions& options, RootCause& cause) {
   DdprunOptions o = options;  // with --rdzv_backend=c10d, node_rank is found below
   // ---- checks that need the system, still before anything starts ----
@@ -2225,16 +2274,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       Say(run_dir.status().message());
       return 2;
     }
-    // As torchrun's: the workers' output goes to files with --tee or
-    // --redirects only; the folder always gets their error files.
-    int logged = 0;  // the streams some local rank writes to files
-    for (int local = 0; local < o.nproc_per_node; ++local) logged |= o.tee.For(local) | o.redirects.For(local);
-    Say(logged == 0 ? "this run's error files: " + *run_dir + "/attempt_K/LOCAL_RANK/error.json"
-                    : "this run's logs: " + *run_dir + "/attempt_K/LOCAL_RANK/" +
-                          (logged == 1   ? "stdout.log"
-                           : logged == 2 ? "stderr.log"
-                                         : "stdout.log, stderr.log") +
-                          " and error.json");
+    Say(RunLogsLine(*run_dir, o));
     o.log_dir = *run_dir;  // from here on, the folder the workers' logs go to
   }
   std::string token = o.job_token;

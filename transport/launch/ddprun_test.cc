@@ -1006,9 +1006,9 @@ TEST(DdprunTest, TorchrunsOneStreamCodesAndPerRankMapsRouteEachStream) {
   };
   auto exists = [](const std::string& path) { return access(path.c_str(), F_OK) == 0; };
   // Local rank 0's stdout and local rank 1's stderr to their files only;
-  // local rank 2's stderr teed.
+  // local rank 2's stderr teed; local rank 3's neither.
   const std::string dir = testing::MakeTempDir("ddprun_stream_map");
-  auto run = RunProgram(with({"--standalone", "--nproc_per_node=3", "--log_dir=" + dir, "-r", "0:1,1:2", "-t", "2:2"}));
+  auto run = RunProgram(with({"--standalone", "--nproc_per_node=4", "--log_dir=" + dir, "-r", "0:1,1:2", "-t", "2:2"}));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   std::string attempt = RunDir(dir) + "/attempt_0/";
   EXPECT_EQ(ReadFile(attempt + "0/stdout.log"), "out0\n");
@@ -1023,6 +1023,16 @@ TEST(DdprunTest, TorchrunsOneStreamCodesAndPerRankMapsRouteEachStream) {
   EXPECT_THAT(run.output, Not(HasSubstr("err1")));
   EXPECT_THAT(run.output, HasSubstr("[2] out2\n"));
   EXPECT_THAT(run.output, HasSubstr("[2] err2\n"));
+  // The line naming the logs names each rank's files: it said
+  // "stdout.log, stderr.log and error.json" for every local rank.
+  EXPECT_THAT(run.output, HasSubstr("ddprun: this run's logs: " + RunDir(dir) +
+                                    "/attempt_K/LOCAL_RANK/ holds stdout.log and error.json for local rank 0; "
+                                    "stderr.log and error.json for local ranks 1-2; error.json for local rank "
+                                    "3\n"));
+  EXPECT_FALSE(exists(attempt + "3/stdout.log"));
+  EXPECT_FALSE(exists(attempt + "3/stderr.log"));
+  EXPECT_THAT(run.output, HasSubstr("[3] out3\n"));
+  EXPECT_THAT(run.output, HasSubstr("[3] err3\n"));
 
   // One code for every worker: --tee 1 (the next argument) keeps both
   // streams on the terminal and logs stdout; -r2 takes stderr off it.
