@@ -160,7 +160,10 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --tee[=CODE]         write workers' streams to their log files and to
                        the terminal (torchrun's -t CODE; bare: 3); CODE is
                        0 none, 1 stdout, 2 stderr, 3 both, or per local
-                       rank, LOCAL_RANK:CODE,... (e.g. 0:3,1:2; others 0)
+                       rank, LOCAL_RANK:CODE,... (e.g. 0:3,1:2; others 0;
+                       unlike torchrun's, a rank may have several digits,
+                       and one not below --nproc_per_node gets a note
+                       where torchrun passes over it silently)
   --redirects=CODE     write those streams to their log files only
                        (torchrun's -r CODE); without --log_dir, --tee and
                        --redirects log into a fresh
@@ -191,7 +194,9 @@ SEC is a number of seconds, digits with an optional fraction (30, 0.5).
 Dashes and underscores in flag names are interchangeable, and any unique start
 of a name stands for it (--nproc=4), as in torchrun's parser. As under torchrun,
 a torchrun flag missing from the command line is taken from PET_<FLAG> in the
-environment (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...). torchrun's
+environment (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...); an empty one
+counts as unset, where torchrun takes the empty value (and fails on an empty
+switch such as PET_STANDALONE, int('')). torchrun's
 --no_python is accepted (ddprun always runs PROGRAM itself); for Python,
 give the interpreter as PROGRAM: ddprun ... python3 train.py. Also accepted:
 --monitor_interval=SEC (ddprun sees a worker exit at once, without polling),

@@ -590,6 +590,16 @@ TEST(DdprunArgsTest, TorchrunStreamCodesForOneStreamAndPerRankMaps) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->tee.For(7), 3);
   EXPECT_FALSE(o->temp_log_dir);
+  // Wider than torchrun's map, which takes one digit a local rank: ranks
+  // of several digits, also as the next argument.
+  o = Parse({"--nproc_per_node=12", "-r", "0:1,10:2,11:3", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->redirects.For(0), 1);
+  EXPECT_EQ(o->redirects.For(1), 0);
+  EXPECT_EQ(o->redirects.For(10), 2);
+  EXPECT_EQ(o->redirects.For(11), 3);
+  EXPECT_TRUE(o->notes.empty());
+  EXPECT_EQ(o->command, std::vector<std::string>{"p"});
 }
 
 // torchrun takes --tee 3 and --redirects 3 without --log_dir (it logs into
@@ -780,6 +790,11 @@ TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
   o = Parse({"train"}, {{"PET_NNODES", ""}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->nnodes, 1);
+  // So does an empty switch, where torchrun's int('') fails.
+  o = Parse({"train"}, {{"PET_STANDALONE", ""}, {"PET_VIRTUAL_LOCAL_RANK", ""}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->standalone);
+  EXPECT_TRUE(o->virtual_devices.empty());
   // ddprun's own flags have no PET_ variable.
   o = Parse({"train"}, {{"PET_RDZV_TIMEOUT", "1"}, {"PET_GRACE_PERIOD", "1"}});
   ASSERT_TRUE(o.ok()) << o.status();
