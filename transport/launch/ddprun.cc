@@ -748,6 +748,12 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           }
           if (close == 1) return InvalidArgumentError(Flag(name, given) + ": no address inside the brackets");
           o.master_addr = given.substr(1, close - 1);
+        } else if (std::count(o.master_addr.begin(), o.master_addr.end(), ':') == 1) {
+          // HOST:PORT: taken for a host name, it failed later as "cannot
+          // resolve [HOST:PORT]:PORT", naming no flag.
+          return InvalidArgumentError(Flag(name, o.master_addr) +
+                                      ": the port goes in --master_port (an IPv6 address, which has two or "
+                                      "more ':', may stand bare or in brackets)");
         }
         addr_given = true;
         addr_name = on_command_line ? "--master_addr" : "PET_MASTER_ADDR";

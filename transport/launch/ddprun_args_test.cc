@@ -420,6 +420,21 @@ TEST(DdprunArgsTest, MasterAddrInBracketsIsTheAddressInside) {
   ExpectRefused({"--master_addr=[]", "p"}, "--master_addr=[]: no address inside the brackets");
 }
 
+// HOST:PORT in --master_addr (one ':', so no IPv6 address) is refused naming
+// the flag; it was taken for a host name, and the store then failed with
+// "cannot resolve [127.0.0.1:29500]:29500", naming no flag.
+TEST(DdprunArgsTest, MasterAddrWithAPortIsRefusedNamingIt) {
+  const std::string why = ": the port goes in --master_port (an IPv6 address, which has two or more ':', "
+                          "may stand bare or in brackets)";
+  ExpectRefused({"--master_addr=127.0.0.1:29500", "p"}, "--master_addr=127.0.0.1:29500" + why);
+  ExpectRefused({"--master_addr", "head:", "--master_port=1", "p"}, "--master_addr=head:" + why);
+  ExpectRefused({"p"}, "PET_MASTER_ADDR='head:29500' (from the environment): --master_addr=head:29500" + why,
+                {{"PET_MASTER_ADDR", "head:29500"}});
+  StatusOr<DdprunOptions> o = Parse({"--master_addr=fe80::1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "fe80::1");
+}
+
 // torchrun's --standalone is c10d on one node, where --node_rank means
 // nothing: a node rank other than 0 is ignored with a note, as with c10d.
 // It was refused as not below --nnodes=1.
