@@ -141,9 +141,10 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
              keep_alive_max_attempt=N,read_timeout=SEC,is_host=BOOL,...
                        last_call_timeout: with --nnodes=MIN:MAX, how long to
                        wait for more nodes once MIN joined (default 30);
-                       join_timeout (or timeout) is --rdzv_timeout; the
-                       keep-alives make --node_timeout interval x attempts
-                       (5 s, 3 if not given); read_timeout: deadline of one
+                       join_timeout (or timeout) is --rdzv_timeout (give
+                       one of them); the keep-alives make --node_timeout
+                       interval x attempts (5 s, 3 if not given; give them
+                       or --node_timeout); read_timeout: deadline of one
                        call on the store (default 10, at most --node_timeout);
                        is_host (c10d): serve the store (true) or join (false)
                        instead of trying to listen; close_timeout is ignored
@@ -443,6 +444,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   int endpoint_port = -1;
   bool node_rank_given = false;
   bool node_timeout_given = false;
+  // --rdzv_timeout, and --rdzv_conf's key for the same wait (join_timeout
+  // or timeout), if given.
+  bool rdzv_timeout_given = false;
+  std::string join_timeout_key;
   // --rdzv_conf keep_alive_interval and keep_alive_max_attempt, if given.
   std::optional<milliseconds> keep_alive_interval;
   std::optional<int> keep_alive_attempts;
@@ -618,6 +623,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
             // timeout: the static and etcd backends' name for the same wait.
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
             o.rdzv_timeout = seconds;
+            join_timeout_key = key;
           } else if (key == "keep_alive_interval") {
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
             keep_alive_interval = seconds;
@@ -860,6 +866,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
             "give the interpreter and the script (e.g. python3 /abs/path/script.py)");
       } else if (name == "rdzv_timeout") {
         DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
+        rdzv_timeout_given = true;
       } else if (name == "node_timeout") {
         DDP_RETURN_IF_ERROR(take_seconds(o.node_timeout, /*positive=*/true));
         node_timeout_given = true;
@@ -974,6 +981,12 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                       (o.rdzv_backend == "c10d" ? "one node serves its own store"
                                                 : "with --rdzv_backend=static node 0 serves the store"));
     o.is_host.reset();
+  }
+  // Either one given last won, and PET_RDZV_CONF's over the command line's
+  // --rdzv_timeout.
+  if (rdzv_timeout_given && !join_timeout_key.empty()) {
+    return InvalidArgumentError("--rdzv_timeout and --rdzv_conf's " + join_timeout_key +
+                                " both say how long to wait for every node to join; give one of them");
   }
   if (keep_alive_interval || keep_alive_attempts) {
     if (node_timeout_given) {
