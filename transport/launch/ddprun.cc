@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -445,9 +446,13 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   bool node_rank_given = false;
   bool node_timeout_given = false;
   // --rdzv_timeout, and --rdzv_conf's key for the same wait (join_timeout
-  // or timeout), if given.
+  // or timeout) with its value, if given.
   bool rdzv_timeout_given = false;
   std::string join_timeout_key;
+  std::optional<milliseconds> conf_join_timeout;
+  // The notes of the last --rdzv_conf: o.notes[conf_notes_begin, conf_notes_end).
+  size_t conf_notes_begin = 0;
+  size_t conf_notes_end = 0;
   // --rdzv_conf keep_alive_interval and keep_alive_max_attempt, if given.
   std::optional<milliseconds> keep_alive_interval;
   std::optional<int> keep_alive_attempts;
@@ -576,6 +581,19 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         // settings where they mean the same, and are noted as ignored where
         // nothing here matches.
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        // As torchrun's argparse: a later --rdzv_conf replaces an earlier
+        // one whole, so what only that one set goes back to its default.
+        const DdprunOptions defaults;
+        o.last_call = defaults.last_call;
+        o.store_call_time = defaults.store_call_time;
+        o.is_host.reset();
+        keep_alive_interval.reset();
+        keep_alive_attempts.reset();
+        join_timeout_key.clear();
+        conf_join_timeout.reset();
+        o.notes.erase(o.notes.begin() + static_cast<std::ptrdiff_t>(conf_notes_begin),
+                      o.notes.begin() + static_cast<std::ptrdiff_t>(conf_notes_end));
+        conf_notes_begin = o.notes.size();
         auto bad_item = [&](const std::string& item, const std::string& why) {
           return InvalidArgumentError(Flag(name, text) + ": '" + item + "': " + why);
         };
@@ -622,7 +640,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           } else if (key == "join_timeout" || key == "timeout") {
             // timeout: the static and etcd backends' name for the same wait.
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-            o.rdzv_timeout = seconds;
+            conf_join_timeout = seconds;
             join_timeout_key = key;
           } else if (key == "keep_alive_interval") {
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
@@ -658,6 +676,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                             "is_host=BOOL, use_libuv=BOOL, store_connect_wait_seconds=N");
           }
         }
+        conf_notes_end = o.notes.size();
       } else if (name == "node_rank") {
         DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
         node_rank_given = true;
@@ -988,6 +1007,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
     return InvalidArgumentError("--rdzv_timeout and --rdzv_conf's " + join_timeout_key +
                                 " both say how long to wait for every node to join; give one of them");
   }
+  if (conf_join_timeout) o.rdzv_timeout = *conf_join_timeout;
   if (keep_alive_interval || keep_alive_attempts) {
     if (node_timeout_given) {
       return InvalidArgumentError(

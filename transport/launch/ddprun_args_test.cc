@@ -432,6 +432,30 @@ TEST(DdprunArgsTest, MasterAddrInBracketsIsTheAddressInside) {
   ExpectRefused({"--master_addr=[]", "p"}, "--master_addr=[]: no address inside the brackets");
 }
 
+// --rdzv_conf given twice: as torchrun's argparse, the last one is the
+// setting, whole; the keys of the earlier one were kept (a join timeout,
+// read timeout, is_host, keep-alives and notes it alone gave).
+TEST(DdprunArgsTest, RdzvConfGivenTwiceIsTheLastOne) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1",
+             "--rdzv_conf=join_timeout=60,read_timeout=7,is_host=false,keep_alive_interval=1,close_timeout=3",
+             "--rdzv_conf=last_call_timeout=2", "--node_timeout=4", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  const DdprunOptions defaults;
+  EXPECT_EQ(o->rdzv_timeout, defaults.rdzv_timeout);
+  EXPECT_EQ(o->store_call_time, defaults.store_call_time);
+  EXPECT_EQ(o->is_host, std::nullopt);
+  EXPECT_EQ(o->node_timeout, 4000ms);
+  EXPECT_EQ(o->last_call, 2000ms);
+  EXPECT_TRUE(o->notes.empty()) << o->notes[0];
+  // The earlier one's join timeout no longer clashes with --rdzv_timeout.
+  o = Parse({"--rdzv_conf=join_timeout=60", "--rdzv_timeout=20", "--rdzv_conf=read_timeout=1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->rdzv_timeout, 20000ms);
+  EXPECT_EQ(o->store_call_time, 1000ms);
+}
+
 // HOST:PORT in --master_addr (one ':', so no IPv6 address) is refused naming
 // the flag; it was taken for a host name, and the store then failed with
 // "cannot resolve [127.0.0.1:29500]:29500", naming no flag.
