@@ -175,7 +175,7 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        $rank, $local_rank and $role_name filled in, if set)
   --local_ranks_filter=R[,R...]
                        show only these local ranks' output on the terminal
-                       (log files still get every rank's)
+                       (log files still get every rank's); empty: all
   --job_token=TOKEN    shared secret of the job (better: env DDP_JOB_TOKEN);
                        required with several nodes, generated otherwise
   --rdzv_timeout=SEC   how long to wait for every node to join (default 600,
@@ -834,11 +834,14 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "local_ranks_filter") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
         o.local_ranks_filter.clear();
+        // As torchrun's: an empty value filters nothing.
         size_t start = 0;
-        while (true) {
+        while (!text.empty()) {
           const size_t comma = text.find(',', start);
-          const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos
-                                                                                : comma - start);
+          std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+          // torchrun reads each with Python's int(), which skips spaces.
+          item.erase(0, item.find_first_not_of(" \t"));
+          item.erase(item.find_last_not_of(" \t") + 1);
           const std::optional<int64_t> v = ParseInt(item);
           if (!v || *v < 0 || *v >= 1000000) {
             return InvalidArgumentError(Flag(name, text) + ": '" + item +

@@ -754,6 +754,16 @@ TEST(DdprunArgsTest, LocalRanksFilter) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->local_ranks_filter, (std::vector<int>{0, 1}));
   EXPECT_TRUE(Parse({"./prog"})->local_ranks_filter.empty());
+  // As torchrun's: an empty value is no filter (it was refused as "'' is
+  // not a local rank"), also after an earlier one; spaces around a rank do
+  // not count (Python's int() skips them).
+  o = Parse({"--nproc_per_node=4", "--local_ranks_filter=0", "--local_ranks_filter", "", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->local_ranks_filter.empty());
+  EXPECT_EQ(o->command, std::vector<std::string>{"./prog"});
+  o = Parse({"--nproc_per_node=4", "--local_ranks_filter=3, 1", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->local_ranks_filter, (std::vector<int>{1, 3}));
   const std::string list = "' is not a local rank (a comma-separated list such as 0,1)";
   ExpectRefused({"--local_ranks_filter=0,", "p"}, "--local_ranks_filter=0,: '" + list);
   ExpectRefused({"--local_ranks_filter=a", "p"}, "--local_ranks_filter=a: 'a" + list);
