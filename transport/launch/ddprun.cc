@@ -926,8 +926,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // it), and an endpoint, from the command line or PET_RDZV_ENDPOINT, wins
   // over --master_addr and --master_port (get_rdzv_endpoint reads them only
   // when no endpoint is given).
-  if (o.standalone && endpoint_given) {
-    o.notes.push_back(endpoint_text + " is ignored: --standalone runs the store on 127.0.0.1 with a free port");
+  if (o.standalone) {
+    const std::string why = " ignored: --standalone runs the store on 127.0.0.1 with a free port";
+    if (endpoint_given) o.notes.push_back(endpoint_text + " is" + why);
+    if (addr_given || port_given) o.notes.push_back(ignored_masters() + why);
   } else if (endpoint_given) {
     // torchrun's static backend refuses an endpoint without a port ("port
     // is missing in endpoint"); c10d's default port is 29400. Falling back

@@ -379,6 +379,19 @@ TEST(DdprunArgsTest, StandaloneOverridesTheEndpointWithANote) {
   EXPECT_EQ(o->notes, std::vector<std::string>{
                           "--rdzv_endpoint=h:1 is ignored: --standalone runs the store on 127.0.0.1 with a "
                           "free port"});
+  // So are --master_addr and --master_port, which were dropped silently.
+  o = Parse({"--standalone", "--master_addr=10.0.0.1", "--master_port=1234", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  EXPECT_EQ(o->master_port, 0);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--master_addr and --master_port are ignored: --standalone runs the store on 127.0.0.1 "
+                          "with a free port"});
+  o = Parse({"--master_port=1234", "p"}, {{"PET_STANDALONE", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_port, 0);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--master_port is ignored: --standalone runs the store on 127.0.0.1 with a free port"});
 }
 
 // torchrun's --standalone replaces --rdzv_id (from the command line or
