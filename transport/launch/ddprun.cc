@@ -819,6 +819,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         // (`--tee 3`) or a per-rank map (`-r 0:3,1:2`), so that a bad value
         // is refused as such instead of being run as the program ('0:4'
         // not found).
+        if (name == "tee" && value && value->empty()) {
+          return InvalidArgumentError(
+              "--tee= is empty: give a code (0 to 3, or LOCAL_RANK:CODE,...), or --tee alone for 3");
+        }
         std::string code = value.value_or("");
         if (!value && i + 1 < argc && argv[i + 1][0] != '\0' &&
             std::string_view(argv[i + 1]).find_first_not_of("0123456789:,") == std::string_view::npos) {

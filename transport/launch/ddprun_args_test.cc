@@ -622,6 +622,11 @@ TEST(DdprunArgsTest, TorchrunShortFlagsForTeeAndRedirects) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->command, (std::vector<std::string>{"-t", "3"}));
   ExpectRefused({"-r", "p"}, "--redirects needs a value");
+  // An empty value (--tee=$UNSET) is not a bare --tee: it teed both streams
+  // of every rank into a temporary folder; torchrun refuses it.
+  const std::string empty_tee = " is empty: give a code (0 to 3, or LOCAL_RANK:CODE,...), or --tee alone for 3";
+  ExpectRefused({"--tee=", "p"}, "--tee=" + empty_tee);
+  ExpectRefused({"-t=", "p"}, "--tee=" + empty_tee);
   ExpectRefused({"-x", "p"},
                 "unknown flag -x (ddprun's short flags are torchrun's -t for --tee and -r for --redirects; "
                 "see ddprun --help)");
