@@ -444,6 +444,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   std::string endpoint_addr;
   int endpoint_port = -1;
   bool node_rank_given = false;
+  std::string node_rank_name = "--node_rank";  // or PET_NODE_RANK, for the notes
   bool node_timeout_given = false;
   // --rdzv_timeout, and --rdzv_conf's key for the same wait (join_timeout
   // or timeout) with its value, if given.
@@ -680,6 +681,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "node_rank") {
         DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
         node_rank_given = true;
+        node_rank_name = on_command_line ? "--node_rank" : "PET_NODE_RANK";
       } else if (name == "monitor_interval") {
         // torchrun looks at its workers every so often; ddprun learns of a
         // worker's exit at once (pidfd), so there is nothing to set. Any
@@ -976,7 +978,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   }
   // torchrun's --standalone is c10d on one node, which ignores --node_rank.
   if (o.standalone && o.node_rank != 0) {
-    o.notes.push_back("--node_rank=" + std::to_string(o.node_rank) +
+    o.notes.push_back(node_rank_name + "=" + std::to_string(o.node_rank) +
                       " is ignored with --standalone: it runs one node, node 0");
     o.node_rank = 0;
   }
@@ -988,7 +990,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (o.rdzv_backend == "c10d") {
     if (node_rank_given) {
       // As under torchrun, which hands --node_rank to the static backend only.
-      o.notes.push_back("--node_rank=" + std::to_string(o.node_rank) +
+      o.notes.push_back(node_rank_name + "=" + std::to_string(o.node_rank) +
                         " is ignored with --rdzv_backend=c10d: nodes are numbered as they join");
       o.node_rank = 0;
     }

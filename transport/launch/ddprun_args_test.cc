@@ -496,6 +496,17 @@ TEST(DdprunArgsTest, StandaloneIgnoresTheNodeRankWithANote) {
   o = Parse({"--standalone", "--node_rank=0", "p"});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_TRUE(o->notes.empty());
+  // A node rank from the environment is named as such (the note said
+  // --node_rank=1, which the command line did not give).
+  o = Parse({"p"}, {{"PET_STANDALONE", "1"}, {"PET_NODE_RANK", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "PET_NODE_RANK=1 is ignored with --standalone: it runs one node, node 0"});
+  o = Parse({"p"}, {{"PET_NNODES", "2"}, {"PET_NODE_RANK", "1"}, {"PET_RDZV_BACKEND", "c10d"},
+                    {"PET_RDZV_ENDPOINT", "h:1"}, {"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "PET_NODE_RANK=1 is ignored with --rdzv_backend=c10d: nodes are numbered as they join"});
   // Without --standalone it is still checked against --nnodes.
   ExpectRefused({"--node_rank=1", "p"}, "--node_rank=1 is not below --nnodes=1");
 }
