@@ -451,9 +451,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   bool rdzv_timeout_given = false;
   std::string join_timeout_key;
   std::optional<milliseconds> conf_join_timeout;
-  // The notes of the last --rdzv_conf: o.notes[conf_notes_begin, conf_notes_end).
-  size_t conf_notes_begin = 0;
-  size_t conf_notes_end = 0;
+  // The flag that made each of o.notes while the flags are read: a flag
+  // given again replaces its earlier value (argparse's last one wins), and
+  // with it the notes that value made.
+  std::vector<std::string> note_makers;
   // --rdzv_conf keep_alive_interval and keep_alive_max_attempt, if given.
   std::optional<milliseconds> keep_alive_interval;
   std::optional<int> keep_alive_attempts;
@@ -516,6 +517,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         given.insert(name);
         // The same setting: PET_SHUTDOWN_TIMEOUT must not override it.
         if (name == "grace_period") given.insert("shutdown_timeout");
+      }
+      for (size_t n = note_makers.size(); n-- > 0;) {
+        if (note_makers[n] != name) continue;
+        o.notes.erase(o.notes.begin() + static_cast<std::ptrdiff_t>(n));
+        note_makers.erase(note_makers.begin() + static_cast<std::ptrdiff_t>(n));
       }
 
       auto take_value = [&]() -> StatusOr<std::string> {
@@ -592,9 +598,6 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         keep_alive_attempts.reset();
         join_timeout_key.clear();
         conf_join_timeout.reset();
-        o.notes.erase(o.notes.begin() + static_cast<std::ptrdiff_t>(conf_notes_begin),
-                      o.notes.begin() + static_cast<std::ptrdiff_t>(conf_notes_end));
-        conf_notes_begin = o.notes.size();
         auto bad_item = [&](const std::string& item, const std::string& why) {
           return InvalidArgumentError(Flag(name, text) + ": '" + item + "': " + why);
         };
@@ -677,7 +680,6 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                             "is_host=BOOL, use_libuv=BOOL, store_connect_wait_seconds=N");
           }
         }
-        conf_notes_end = o.notes.size();
       } else if (name == "node_rank") {
         DDP_RETURN_IF_ERROR(take_int(0, kMaxNodes, o.node_rank));
         node_rank_given = true;
@@ -908,6 +910,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else {
         return InvalidArgumentError("unknown flag --" + name + " (see ddprun --help)");
       }
+      note_makers.resize(o.notes.size(), name);
     }
     return i;
   };

@@ -469,6 +469,24 @@ TEST(DdprunArgsTest, RdzvConfGivenTwiceIsTheLastOne) {
   EXPECT_EQ(o->store_call_time, 1000ms);
 }
 
+// An ignored torchrun flag given twice: as under torchrun's argparse the
+// last value is the setting, so one note names it (there was a note for
+// each, the first naming a value torchrun would not have used).
+TEST(DdprunArgsTest, IgnoredFlagGivenTwiceGetsOneNoteForTheLast) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--local_addr=10.0.0.1", "--numa_binding=node", "--local_addr=10.0.0.2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes, (std::vector<std::string>{
+                          "--numa_binding=node is ignored: ddprun leaves the workers' CPU and memory placement "
+                          "to them",
+                          "--local_addr=10.0.0.2 is ignored: launchers other than node 0 need no address of "
+                          "their own (they connect to node 0's store)"}));
+  // The last one is torchrun's default, which needs no note.
+  o = Parse({"--signals_to_handle=SIGUSR1", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->notes.empty()) << o->notes[0];
+}
+
 // HOST:PORT in --master_addr (one ':', so no IPv6 address) is refused naming
 // the flag; it was taken for a host name, and the store then failed with
 // "cannot resolve [127.0.0.1:29500]:29500", naming no flag.
