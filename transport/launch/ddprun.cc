@@ -131,7 +131,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        PET_RDZV_ENDPOINT too (c10d's default port 29400;
                        the static backend needs the port, as torchrun's;
                        port 0, any free port, on one node only); with c10d
-                       and none, localhost:29400
+                       and none, localhost:29400; an IPv6 address goes in
+                       brackets: [::1]:29500
   --rdzv_backend=B     static (default): every node gives --node_rank;
                        c10d: no --node_rank, the launcher that can listen on
                        the endpoint serves the store and is node 0, the
