@@ -454,7 +454,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   std::optional<milliseconds> conf_join_timeout;
   // The flag that made each of o.notes while the flags are read: a flag
   // given again replaces its earlier value (argparse's last one wins), and
-  // with it the notes that value made.
+  // with it the notes that value made. Not --rdzv_conf, whose keys add up
+  // over several flags (see RdzvConfFlagsAddUp in the tests).
   std::vector<std::string> note_makers;
   // --rdzv_conf keep_alive_interval and keep_alive_max_attempt, if given.
   std::optional<milliseconds> keep_alive_interval;
@@ -519,7 +520,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         // The same setting: PET_SHUTDOWN_TIMEOUT must not override it.
         if (name == "grace_period") given.insert("shutdown_timeout");
       }
-      for (size_t n = note_makers.size(); n-- > 0;) {
+      for (size_t n = note_makers.size(); n-- > 0 && name != "rdzv_conf";) {
         if (note_makers[n] != name) continue;
         o.notes.erase(o.notes.begin() + static_cast<std::ptrdiff_t>(n));
         note_makers.erase(note_makers.begin() + static_cast<std::ptrdiff_t>(n));
@@ -589,16 +590,6 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         // settings where they mean the same, and are noted as ignored where
         // nothing here matches.
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-        // As torchrun's argparse: a later --rdzv_conf replaces an earlier
-        // one whole, so what only that one set goes back to its default.
-        const DdprunOptions defaults;
-        o.last_call = defaults.last_call;
-        o.store_call_time = defaults.store_call_time;
-        o.is_host.reset();
-        keep_alive_interval.reset();
-        keep_alive_attempts.reset();
-        join_timeout_key.clear();
-        conf_join_timeout.reset();
         auto bad_item = [&](const std::string& item, const std::string& why) {
           return InvalidArgumentError(Flag(name, text) + ": '" + item + "': " + why);
         };

@@ -445,28 +445,27 @@ TEST(DdprunArgsTest, MasterAddrInBracketsIsTheAddressInside) {
   ExpectRefused({"--master_addr=[]", "p"}, "--master_addr=[]: no address inside the brackets");
 }
 
-// --rdzv_conf given twice: as torchrun's argparse, the last one is the
-// setting, whole; the keys of the earlier one were kept (a join timeout,
-// read timeout, is_host, keep-alives and notes it alone gave).
-TEST(DdprunArgsTest, RdzvConfGivenTwiceIsTheLastOne) {
+// Several --rdzv_conf flags add up, key by key (a deliberate widening:
+// torchrun's argparse keeps only the last; examples/train_elastic_test
+// gives last_call_timeout and is_host in two flags), notes included, and
+// the join timeout of any of them still clashes with --rdzv_timeout.
+TEST(DdprunArgsTest, RdzvConfFlagsAddUp) {
   StatusOr<DdprunOptions> o =
       Parse({"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1",
-             "--rdzv_conf=join_timeout=60,read_timeout=7,is_host=false,keep_alive_interval=1,close_timeout=3",
-             "--rdzv_conf=last_call_timeout=2", "--node_timeout=4", "p"},
+             "--rdzv_conf=join_timeout=60,read_timeout=7,close_timeout=3", "--rdzv_conf=is_host=false",
+             "--rdzv_conf=last_call_timeout=2", "p"},
             {{"DDP_JOB_TOKEN", "t"}});
   ASSERT_TRUE(o.ok()) << o.status();
-  const DdprunOptions defaults;
-  EXPECT_EQ(o->rdzv_timeout, defaults.rdzv_timeout);
-  EXPECT_EQ(o->store_call_time, defaults.store_call_time);
-  EXPECT_EQ(o->is_host, std::nullopt);
-  EXPECT_EQ(o->node_timeout, 4000ms);
+  EXPECT_EQ(o->rdzv_timeout, 60000ms);
+  EXPECT_EQ(o->store_call_time, 7000ms);
+  EXPECT_EQ(o->is_host, std::optional<bool>(false));
   EXPECT_EQ(o->last_call, 2000ms);
-  EXPECT_TRUE(o->notes.empty()) << o->notes[0];
-  // The earlier one's join timeout no longer clashes with --rdzv_timeout.
-  o = Parse({"--rdzv_conf=join_timeout=60", "--rdzv_timeout=20", "--rdzv_conf=read_timeout=1", "p"});
-  ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_EQ(o->rdzv_timeout, 20000ms);
-  EXPECT_EQ(o->store_call_time, 1000ms);
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--rdzv_conf=close_timeout=3 is ignored: when the job ends, node 0 tells the "
+                          "waiting launchers and keeps the store up for them for up to 10 s"});
+  ExpectRefused({"--rdzv_conf=join_timeout=60", "--rdzv_timeout=20", "--rdzv_conf=read_timeout=1", "p"},
+                "--rdzv_timeout and --rdzv_conf's join_timeout both say how long to wait for every node to "
+                "join; give one of them");
 }
 
 // An ignored torchrun flag given twice: as under torchrun's argparse the
