@@ -149,7 +149,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        or --node_timeout); read_timeout: deadline of one
                        call on the store (default 10, at most --node_timeout);
                        is_host (c10d): serve the store (true) or join (false)
-                       instead of trying to listen; close_timeout is ignored
+                       instead of trying to listen; close_timeout is
+                       ignored; the keys of several --rdzv_conf add up
+                       (torchrun keeps only the last)
   --standalone         one node on 127.0.0.1 with a free port and a run id
                        of its own (overrides --rdzv_endpoint and --rdzv_id,
                        as under torchrun)
@@ -195,7 +197,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
 
 SEC is a number of seconds, digits with an optional fraction (30, 0.5).
 Dashes and underscores in flag names are interchangeable, and any unique start
-of a name stands for it (--nproc=4), as in torchrun's parser. As under torchrun,
+of a name stands for it (--nproc=4), as in torchrun's parser; a flag given
+twice takes its last value there and here (but --rdzv_conf). As under torchrun,
 a torchrun flag missing from the command line is taken from PET_<FLAG> in the
 environment (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...); an empty one
 counts as unset, where torchrun takes the empty value (and fails on an empty
