@@ -1010,8 +1010,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                                                 : "with --rdzv_backend=static node 0 serves the store"));
     o.is_host.reset();
   }
-  // Either one given last won, and PET_RDZV_CONF's over the command line's
-  // --rdzv_timeout.
+  // Refused, as the keep-alives with --node_timeout below: letting one win
+  // depended on their order, and PET_RDZV_CONF's beat --rdzv_timeout on the
+  // command line.
   if (rdzv_timeout_given && !join_timeout_key.empty()) {
     return InvalidArgumentError("--rdzv_timeout and --rdzv_conf's " + join_timeout_key +
                                 " both say how long to wait for every node to join; give one of them");
