@@ -238,6 +238,27 @@ struct SplitRegistration {
   std::vector<int> root_ranks;  // by rank
 };
 
+// Where a family's split registrations live, under its first
+// communicator's key prefix `root`: "<root>splits/count", added to once per
+// registration, numbers them from 1, and registration n is the key
+// "<root>splits/<n>". One key each keeps every store call as small as one
+// Split's lines: a single key rewritten whole (CompareSet of all the
+// history, sent twice) grew by every registration, so that the bytes moved
+// grew with their square and, once it held about 2 MiB, every Split that
+// registers was refused for its size.
+std::string SplitRegistryKey(const std::string& root, int64_t n) {
+  return root + "splits/" + (n > 0 ? std::to_string(n) : std::string("count"));
+}
+
+// How far the last holder of the store has read one family's registrations
+// (ReadRegisteredSplits): the next number not yet looked at, and those
+// counted but not found when looked at (a registration whose Set had not
+// arrived, or never will: its Split failed), looked at again each time.
+struct SplitRegistryRead {
+  int64_t next = 1;
+  std::vector<int64_t> missing;
+};
+
 std::string FormatSplitRegistration(const SplitRegistration& split) {
   std::string pids;
   for (size_t r = 0; r < split.pids.size(); ++r) {
@@ -888,12 +909,13 @@ class Communicator::Impl {
   Status WaitForQueue(Deadline deadline);
   void Shutdown();
   // Notes `users` (FormatSplitRegistration's lines) under
-  // served_root_prefix_.
+  // served_root_prefix_, as one registration of its own (see
+  // SplitRegistryKey).
   Status RegisterSplit(const std::string& users, const CallOptions& call);
   // Appends to `users` the communicators registered under each family
-  // this process serves (ServedStore::roots) past `read[root]`, the bytes
-  // of that family's list already read, and moves it past them.
-  void ReadRegisteredSplits(std::map<std::string, size_t>& read,
+  // this process serves (ServedStore::roots) that `read[root]` has not
+  // seen yet, and notes them there.
+  void ReadRegisteredSplits(std::map<std::string, SplitRegistryRead>& read,
                             std::vector<std::pair<std::string, int>>& users, Deadline deadline);
 
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
@@ -1474,25 +1496,26 @@ Status Communicator::Impl::InitHostSharedMemory(const topology::Topology& real,
 Communicator::Impl::~Impl() { Shutdown(); }
 
 Status Communicator::Impl::RegisterSplit(const std::string& users, const CallOptions& call) {
-  // Appended to one key in one step (CompareSet), so that a registration
-  // cut short leaves no gap that would hide the later ones.
+  // A number first, then the key it names: the reader looks again for a
+  // number it counted before its key was set, so a registration cut short
+  // between the two hides none of the later ones.
   const Deadline deadline = DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
-  const std::string key = served_root_prefix_ + "splits";
-  std::optional<std::string> held;  // what the key holds, as last seen
-  while (true) {
-    const std::string desired = held.value_or("") + users;
-    StatusOr<std::optional<std::string>> now =
-        store_->CompareSet(key, held ? std::optional<std::string_view>(*held) : std::nullopt, desired, deadline);
-    if (!now.ok()) {
-      return Status(now.status().code(),
-                    "registering the new communicators with the rendezvous store: " + now.status().message());
-    }
-    if (*now == desired) return Status::Ok();
-    held = std::move(*now);
+  const auto failed = [](const Status& why) {
+    return Status(why.code(), "registering the new communicators with the rendezvous store: " + why.message());
+  };
+  StatusOr<int64_t> n = store_->Add(SplitRegistryKey(served_root_prefix_, 0), 1, deadline);
+  if (!n.ok()) return failed(n.status());
+  if (*n < 1) {
+    return failed(InternalError("key \"" + SplitRegistryKey(served_root_prefix_, 0) + "\" counted " +
+                                std::to_string(*n) + " registrations after one was added"));
   }
+  if (Status set = store_->Set(SplitRegistryKey(served_root_prefix_, *n), users, deadline); !set.ok()) {
+    return failed(set);
+  }
+  return Status::Ok();
 }
 
-void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, size_t>& read,
+void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, SplitRegistryRead>& read,
                                               std::vector<std::pair<std::string, int>>& users,
                                               Deadline deadline) {
   std::vector<std::string> roots;
@@ -1501,33 +1524,43 @@ void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, size_t>& rea
     roots = server_->roots;
   }
   for (const std::string& root : roots) {
-    auto value = store_->TryGet(root + "splits", std::min(deadline, DeadlineIn(milliseconds(1000))));
-    size_t& at = read[root];
-    if (!value.ok() || !value->has_value() || (*value)->size() <= at) continue;
-    const std::string& all = **value;
-    while (at < all.size()) {
-      const size_t end = all.find('\n', at);
-      if (end == std::string::npos) break;  // never so: each is appended whole
-      const std::string_view line = std::string_view(all).substr(at, end - at);
-      StatusOr<SplitRegistration> split = ParseSplitRegistration(line);
-      if (!split.ok()) {
-        // Every rank runs this binary, which writes them: a bug, or a
-        // writer that is not this job's. Its ranks cannot be counted.
-        std::fprintf(stderr,
-                     "[ddp] rank %d: warning: rendezvous store key \"%ssplits\" holds a malformed split "
-                     "registration \"%.*s\" (%s); the store is not kept up for its ranks\n",
-                     options_.rank, root.c_str(), static_cast<int>(line.size()), line.data(),
-                     split.status().message().c_str());
-        at = end + 1;
+    SplitRegistryRead& at = read[root];
+    const auto call_by = [&] { return std::min(deadline, DeadlineIn(milliseconds(1000))); };
+    StatusOr<int64_t> count = store_->Add(SplitRegistryKey(root, 0), 0, call_by());
+    if (!count.ok()) continue;  // read again on the next round, if any
+    std::vector<int64_t> numbers = std::move(at.missing);
+    at.missing.clear();
+    for (; at.next <= *count; ++at.next) numbers.push_back(at.next);
+    for (const int64_t n : numbers) {
+      const std::string key = SplitRegistryKey(root, n);
+      auto value = store_->TryGet(key, call_by());
+      if (!value.ok() || !value->has_value()) {
+        at.missing.push_back(n);
         continue;
       }
-      users.emplace_back(split->prefix, split->ranks);
-      // Its members, by pid on this host and by rank in the family's first
-      // communicator: members_gone in Shutdown tells one that died.
-      std::lock_guard lock(server_->mu);
-      server_->member_pids.emplace(split->prefix, std::move(split->pids));
-      server_->member_root_ranks.emplace(split->prefix, std::make_pair(root, std::move(split->root_ranks)));
-      at = end + 1;
+      const std::string& all = **value;
+      for (size_t from = 0; from < all.size();) {
+        const size_t end = std::min(all.find('\n', from), all.size());
+        const std::string_view line = std::string_view(all).substr(from, end - from);
+        from = end + 1;
+        StatusOr<SplitRegistration> split = ParseSplitRegistration(line);
+        if (!split.ok()) {
+          // Every rank runs this binary, which writes them: a bug, or a
+          // writer that is not this job's. Its ranks cannot be counted.
+          std::fprintf(stderr,
+                       "[ddp] rank %d: warning: rendezvous store key \"%s\" holds a malformed split "
+                       "registration \"%.*s\" (%s); the store is not kept up for its ranks\n",
+                       options_.rank, key.c_str(), static_cast<int>(line.size()), line.data(),
+                       split.status().message().c_str());
+          continue;
+        }
+        users.emplace_back(split->prefix, split->ranks);
+        // Its members, by pid on this host and by rank in the family's first
+        // communicator: members_gone in Shutdown tells one that died.
+        std::lock_guard lock(server_->mu);
+        server_->member_pids.emplace(split->prefix, std::move(split->pids));
+        server_->member_root_ranks.emplace(split->prefix, std::make_pair(root, std::move(split->root_ranks)));
+      }
     }
   }
 }
@@ -1767,7 +1800,7 @@ void Communicator::Impl::Shutdown() {
       // Splits registered in the store (made without this rank) are read
       // after the waits: each was registered before its parent's ranks had
       // all left, and one may have split again meanwhile.
-      std::map<std::string, size_t> registered;
+      std::map<std::string, SplitRegistryRead> registered;
       for (size_t next = 0; next < awaited.size() && Clock::now() < wait_until;) {
         for (; next < awaited.size(); ++next) {
           const auto& [prefix, ranks] = awaited[next];

@@ -1529,8 +1529,8 @@ int ScenarioSplitFailsOnOneRank() {
 
 // A split of a split without rank 0 (which serves the store), where rank 0
 // of that split cannot register the new communicators with the store (the
-// registrations' key is made full beforehand), into two colors: no
-// communicator is made, of either color, and every rank learns why at once,
+// registrations' counter is made to hold no number beforehand), into two
+// colors: no communicator is made, of either color, and every rank learns why at once,
 // naming its color. The members of the color without the registering rank
 // used to make theirs unregistered, so that the store could stop under
 // them; the registering rank's fellow member used to wait for it until the
@@ -1551,11 +1551,11 @@ int ScenarioSplitRegistrationFails() {
                                                  token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
     WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
     if (!client.ok()) return 1;
-    // The job's root communicator's key for registrations: its name under
-    // the launch's key prefix (LaunchEnv::StoreKeyPrefix; no restarts here).
-    const Status filled = (*client)->Set("r0/default/splits", std::string(store::kMaxValueBytes - 8, 'x'),
-                                         DeadlineIn(milliseconds(5000)));
-    WORKER_CHECK(filled.ok(), "filling the registrations' key: " + filled.ToString());
+    // The job's root communicator's counter of registrations: its name
+    // under the launch's key prefix (LaunchEnv::StoreKeyPrefix; no restarts
+    // here), then "splits/count".
+    const Status spoiled = (*client)->Set("r0/default/splits/count", "not a count", DeadlineIn(milliseconds(5000)));
+    WORKER_CHECK(spoiled.ok(), "spoiling the registrations' counter: " + spoiled.ToString());
   }
   const int color = kept->rank() % 2;
   const auto start = Clock::now();
@@ -1572,6 +1572,49 @@ int ScenarioSplitRegistrationFails() {
   const Status barrier = kept->Barrier({.timeout = std::chrono::seconds(15)});
   WORKER_CHECK(barrier.ok(), who + ": the communicator split was left unusable: " + barrier.ToString());
   std::printf("SPLIT %s: %s\n", who.c_str(), grandchild.status().ToString().c_str());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// Many splits of a communicator without rank 0 (which serves the store),
+// each registered in the store by that communicator's rank 0, under a long
+// name (long registration lines) and into one color per rank: every split
+// is made. The registrations used to be appended to one key, rewritten
+// whole by a compare-and-set that carried its history twice, so that once
+// it held about 2 MiB (560 of these splits, of four colors each) every
+// later split was refused for its size, on every rank (seen at split 561
+// of 620). DDP_TEST_SPLITS: how many.
+int ScenarioManySplitsWithoutStoreRank() {
+  CommunicatorOptions options = WorkerOptions();
+  // Long, but short enough that every key of a split of a split stays
+  // within the store's key limit.
+  options.name = std::string(900, 'n');
+  auto made = Communicator::CreateFromEnvironment(options);
+  WORKER_CHECK(made.ok(), "create: " + made.status().ToString());
+  if (!made.ok()) return 1;
+  std::unique_ptr<Communicator> comm = std::move(*made);
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  if (me == 0) {
+    // Serves the store until the others are done splitting.
+    WORKER_CHECK(AwaitMark("splits_done", milliseconds(240000)), "the others never finished splitting");
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  std::unique_ptr<Communicator> kept = std::move(*child);
+  const int splits = std::atoi(EnvOr("DDP_TEST_SPLITS", "1").c_str());
+  const auto start = Clock::now();
+  for (int i = 0; i < splits; ++i) {
+    auto one = kept->Split(kept->rank(), 0, {.timeout = std::chrono::seconds(20)});
+    WORKER_CHECK(one.ok() && *one != nullptr && (*one)->size() == 1,
+                 "split " + std::to_string(i + 1) + " of " + std::to_string(splits) + ": " + one.status().ToString());
+    if (!one.ok()) break;
+  }
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("SPLITS rank %d: %d in %lld ms\n", me, splits, took_ms);
+  const Status s = kept->Barrier();
+  WORKER_CHECK(s.ok(), "barrier after the splits: " + s.ToString());
+  if (kept->rank() == 0) SetMark("splits_done");
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -1821,11 +1864,13 @@ int ScenarioStoreRankNamesAMalformedSplitRegistration() {
                                                  token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
     WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
     if (!client.ok()) return 1;
-    // The root communicator's registrations key (as in
-    // ScenarioSplitRegistrationFails).
-    const Status set = (*client)->Set("r0/default/splits", "r0/default/split9/0/ 1 -\n",
+    // The root communicator's first registration (as in
+    // ScenarioSplitRegistrationFails), counted.
+    const Status set = (*client)->Set("r0/default/splits/1", "r0/default/split9/0/ 1 -\n",
                                       DeadlineIn(milliseconds(5000)));
     WORKER_CHECK(set.ok(), "writing the registration: " + set.ToString());
+    const auto counted = (*client)->Add("r0/default/splits/count", 1, DeadlineIn(milliseconds(5000)));
+    WORKER_CHECK(counted.ok() && *counted == 1, "counting the registration: " + counted.status().ToString());
   }
   const Status s = comm->Barrier();
   WORKER_CHECK(s.ok(), "barrier: " + s.ToString());
@@ -2155,6 +2200,7 @@ int RunScenario(const std::string& name) {
   }
   if (name == "store_names_malformed_split_registration") return ScenarioStoreRankNamesAMalformedSplitRegistration();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
+  if (name == "many_splits_without_store_rank") return ScenarioManySplitsWithoutStoreRank();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
@@ -2328,6 +2374,11 @@ TEST(Communicator, ASplitThatCannotBeRegisteredFailsEveryColorAtOnce) {
   ASSERT_TRUE(EveryRankPassed(job));
 }
 
+TEST(Communicator, ManySplitsWithoutTheStoreRankAreAllRegistered) {
+  Job job = RunJob(5, "many_splits_without_store_rank", {{"DDP_TEST_SPLITS", "620"}}, milliseconds(240000));
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
+}
+
 TEST(Communicator, ALatePeerLearnsTheAbortOfTheRankServingTheStore) {
   Job job = RunJob(2, "late_peer_after_store_abort", {});
   EXPECT_TRUE(EveryRankPassed(job));
@@ -2433,7 +2484,7 @@ TEST(Communicator, TheRankServingTheStoreWaitsForNoKilledMemberOfASplitOnAnother
 TEST(Communicator, TheRankServingTheStoreNamesTheKeyOfAMalformedSplitRegistration) {
   Job job = RunJob(2, "store_names_malformed_split_registration", {});
   ASSERT_TRUE(EveryRankPassed(job));
-  EXPECT_NE(job.results[0].output.find("rendezvous store key \"r0/default/splits\" holds a malformed split "
+  EXPECT_NE(job.results[0].output.find("rendezvous store key \"r0/default/splits/1\" holds a malformed split "
                                        "registration \"r0/default/split9/0/ 1 -\""),
             std::string::npos)
       << job.Describe();
