@@ -458,6 +458,8 @@ class TcpStoreServer::Impl {
   // reply goes straight into the fresh socket's send buffer, which takes a
   // frame this small, and the client's hello is drained first, so that the
   // close sends the reply and a FIN rather than a reset that could beat it.
+  // Only as much as a hello can be is drained: a peer that kept streaming
+  // held the store's only thread in this loop for as long as it streamed.
   // Clients retry, so only the 1st, 2nd, 4th, 8th... refusal is logged.
   void RefuseForNow(int fd, const std::string& peer, const std::string& why) {
     ++refused_for_now_;
@@ -466,7 +468,11 @@ class TcpStoreServer::Impl {
           std::to_string(refused_for_now_) + " refused so far)");
     }
     char sink[512];
-    while (recv(fd, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+    constexpr size_t kMostDrained = wire::kFrameHeaderBytes + wire::kMaxHandshakeBytes;
+    for (size_t drained = 0; drained < kMostDrained;) {
+      const ssize_t n = recv(fd, sink, std::min(sizeof(sink), kMostDrained - drained), MSG_DONTWAIT);
+      if (n <= 0) break;
+      drained += static_cast<size_t>(n);
     }
     const std::string reply = HandshakeReply(UnavailableError(why));
     (void)send(fd, reply.data(), reply.size(), MSG_DONTWAIT | MSG_NOSIGNAL);

@@ -1515,6 +1515,51 @@ TEST(TcpStoreTest, AHardDescriptorLimitBelowTheConnectionLimitIsToldNotTimedOut)
   }
 }
 
+// A connection refused because the store is full, whose peer keeps
+// streaming bytes at it: the server drains no more than a hello's worth
+// and goes on serving. It drained until the socket ran dry, which a peer
+// streaming over loopback kept from happening, and the store's only thread
+// stayed there: the job's own requests went unanswered until their
+// deadlines.
+TEST(TcpStoreTest, APeerStreamingIntoARefusedConnectionDoesNotHoldTheServer) {
+  std::atomic<size_t> streamed{0};
+  std::atomic<bool> refused{false};
+  TcpStoreServerOptions options;
+  options.max_connections = 1;
+  // Runs on the server's thread just before it drains the refused
+  // connection: it lets the streamer get well ahead first, so that the
+  // drain meets a socket that is never empty (bounded, should it not).
+  options.log = [&](const std::string& line) {
+    if (line.find("refused connection") == std::string::npos) return;
+    const Deadline until = DeadlineIn(5s);
+    while (streamed.load() < (256u << 10) && Clock::now() < until) std::this_thread::sleep_for(1ms);
+    refused.store(true);
+  };
+  auto server = StartServer(options);
+  auto holder = ConnectClient(*server);  // the only place
+  std::atomic<bool> stop{false};
+  std::thread streamer([&] {
+    StatusOr<UniqueFd> fd = ConnectTcp("127.0.0.1", server->port(), DeadlineIn(5s));
+    if (!fd.ok()) return;
+    const std::string chunk(64 << 10, 'x');
+    const Deadline until = DeadlineIn(30s);
+    while (!stop.load() && Clock::now() < until) {
+      size_t sent = 0;
+      const Status s = SendAll(fd->get(), chunk, DeadlineIn(50ms), &sent);
+      streamed.fetch_add(sent);
+      if (!s.ok() && s.code() != StatusCode::kTimedOut) return;  // refused and closed: done
+    }
+  });
+  const Deadline refused_by = DeadlineIn(10s);
+  while (!refused.load() && Clock::now() < refused_by) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(refused.load()) << "the streaming connection was never refused";
+  const Status set = holder->Set("k", "v", DeadlineIn(3s));
+  const size_t streamed_by_then = streamed.load();
+  stop.store(true);
+  streamer.join();
+  EXPECT_TRUE(set.ok()) << set << " (" << streamed_by_then << " bytes streamed by then)";
+}
+
 // Waits until the server holds `n` parked Get/Wait calls; false if it did
 // not within `timeout`.
 bool ParkedWithin(const TcpStoreServer& server, uint64_t n, std::chrono::milliseconds timeout) {
