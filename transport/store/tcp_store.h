@@ -174,6 +174,11 @@ class TcpStoreServer {
 /// Thread-safe; calls from several threads take turns, and a blocking Get or
 /// Wait holds the connection until it returns, so a thread that parks on a
 /// key for long (an abort watcher) should have a client of its own.
+/// Get, Wait and MultiGet carry their timeout to the server, which answers
+/// at its own deadline, a little after the caller's: they read on for that
+/// answer up to 100 ms past their deadline, and a TIMED_OUT then says what
+/// the server said (a key still missing, by name, or an overloaded store);
+/// without it in that time, only the keys asked for are named.
 /// After a call runs out of time the connection stays usable: the late reply
 /// is recognised by its request id and dropped. Once the connection breaks
 /// (server gone, stream corrupt) every later call fails with UNAVAILABLE;

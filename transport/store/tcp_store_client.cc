@@ -118,6 +118,12 @@ constexpr auto kClosedRetryMost = std::chrono::milliseconds(500);
 constexpr auto kFullRetryFirst = std::chrono::milliseconds(50);
 constexpr auto kFullRetryMost = std::chrono::milliseconds(1000);
 
+// How long past its deadline a call that carries its timeout reads on for
+// the server's answer (see Call). The server answers a millisecond or two
+// after the caller's deadline; the rest is for a loaded machine, and bounds
+// how late a call whose server does not answer at all returns.
+constexpr auto kServerVerdictGrace = std::chrono::milliseconds(100);
+
 }  // namespace
 
 StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::string& host,
@@ -282,10 +288,21 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
     }
     return timed_out();
   }
+  // A request that carries its timeout is answered by the server at its
+  // own deadline, which is this one plus the request's way there (and the
+  // milliseconds rounded up): read on a little past it for that answer,
+  // which says why (which key was missing, or an overloaded store).
+  Deadline read_by = deadline;
   while (true) {
-    StatusOr<std::string> body = ReadFrame(fd_, read_buffer_, deadline);
+    StatusOr<std::string> body = ReadFrame(fd_, read_buffer_, read_by);
     if (!body.ok()) {
-      if (body.status().code() == StatusCode::kTimedOut) return timed_out();
+      if (body.status().code() == StatusCode::kTimedOut) {
+        if (carries_timeout && read_by == deadline) {
+          read_by = deadline + kServerVerdictGrace;
+          continue;
+        }
+        return timed_out();
+      }
       return lost(body.status());
     }
     wire::Reader r(*body);
@@ -311,7 +328,9 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
     }
     std::string_view message;
     r.String(message, wire::kMaxFrameBytes);
-    if (status_code == StatusCode::kTimedOut) return timed_out();
+    if (status_code == StatusCode::kTimedOut) {
+      return TimedOutError(timed_out().message() + ": " + std::string(message));
+    }
     if (status_code == StatusCode::kUnavailable) return lost(Status(status_code, std::string(message)));
     return Status(status_code, "store " + what + ": " + std::string(message));
   }

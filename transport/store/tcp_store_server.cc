@@ -281,7 +281,7 @@ class TcpStoreServer::Impl {
                                                     ? "set, but the reply waited for room in the "
                                                       "store's buffers (max_buffered_bytes) until "
                                                       "the deadline: the store is overloaded"
-                                                    : "not set before the deadline")));
+                                                    : NotSetBeforeTheDeadline(waiter.keys))));
       }
     }
     if (!listening_ && now >= accept_resume_) {
@@ -1045,6 +1045,25 @@ class TcpStoreServer::Impl {
     return Status::Ok();
   }
 
+  // Why a wait on `keys` ran out of time: a key of them still missing, by
+  // name (whole: a rank's keys differ at their end), so that its caller can
+  // tell whose key it waited for.
+  std::string NotSetBeforeTheDeadline(const std::vector<std::string>& keys) const {
+    const std::string* first_missing = nullptr;
+    size_t missing = 0;
+    for (const std::string& key : keys) {
+      if (data_.find(key) != data_.end()) continue;
+      if (first_missing == nullptr) first_missing = &key;
+      ++missing;
+    }
+    if (first_missing == nullptr) return "not set before the deadline";
+    std::string text = "key '" + Printable(*first_missing, kMaxKeyBytes) + "' not set before the deadline";
+    if (keys.size() > 1) {
+      text += " (" + std::to_string(missing) + " of the " + std::to_string(keys.size()) + " keys missing)";
+    }
+    return text;
+  }
+
   bool AllExist(const std::vector<std::string>& keys) const {
     for (const std::string& key : keys) {
       if (data_.find(key) == data_.end()) return false;
@@ -1063,7 +1082,7 @@ class TcpStoreServer::Impl {
   Status Park(Connection& c, uint32_t request_id, wire::Op op, std::vector<std::string> keys,
               uint32_t timeout_ms) {
     if (timeout_ms == 0) {
-      QueueReply(c, ErrorReply(request_id, TimedOutError("not set before the deadline")));
+      QueueReply(c, ErrorReply(request_id, TimedOutError(NotSetBeforeTheDeadline(keys))));
       return Status::Ok();
     }
     if (c.waiters.size() >= options_.max_waits_per_connection) {

@@ -18,6 +18,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -487,6 +488,35 @@ TEST(TcpStoreTest, DeadlinesAreHonouredAndTheConnectionSurvives) {
   start = Clock::now();
   EXPECT_EQ(client->Get("never", Clock::now() - 1s).status().code(), StatusCode::kTimedOut);
   EXPECT_LT(Clock::now() - start, 1s);
+}
+
+// The server's word on a wait that ran out of time reaches the caller: the
+// key it still missed, not only the first key asked for. The client used to
+// give up at its own deadline, before the server's answer (sent at the
+// server's deadline, a little later) could come, and to put its own text in
+// place of the server's when it did come.
+TEST(TcpStoreTest, ATimedOutCallNamesAKeyStillMissing) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  ASSERT_TRUE(client->Set("here", "1", DeadlineIn(5s)).ok());
+  const std::vector<std::string> keys = {"here", "gone", "also_gone"};
+  Deadline start = Clock::now();
+  StatusOr<std::vector<std::string>> got = client->MultiGet(keys, DeadlineIn(300ms));
+  EXPECT_EQ(got.status().code(), StatusCode::kTimedOut);
+  EXPECT_THAT(got.status().message(), HasSubstr("key 'gone' not set before the deadline (2 of the 3 keys missing)"));
+  EXPECT_GE(Clock::now() - start, 290ms);
+  EXPECT_LT(Clock::now() - start, 2s);
+
+  const Status waited = client->Wait(std::span<const std::string>(keys).subspan(1), DeadlineIn(200ms));
+  EXPECT_EQ(waited.code(), StatusCode::kTimedOut);
+  EXPECT_THAT(waited.message(), HasSubstr("wait for key 'gone' and 1 more timed out"));
+  EXPECT_THAT(waited.message(), HasSubstr("key 'gone' not set before the deadline (2 of the 2 keys missing)"));
+
+  const StatusOr<std::string> one = client->Get("gone", DeadlineIn(200ms));
+  EXPECT_EQ(one.status().code(), StatusCode::kTimedOut);
+  EXPECT_THAT(one.status().message(), HasSubstr("key 'gone' not set before the deadline"));
+  // The connection serves on.
+  EXPECT_EQ(*client->Get("here", DeadlineIn(5s)), "1");
 }
 
 TEST(TcpStoreTest, WrongTokenIsRefusedAndLogged) {
