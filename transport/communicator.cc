@@ -3462,6 +3462,9 @@ Work Communicator::NewWork(std::shared_ptr<Work::State> state) { return Work(std
   if (!tmp.ok()) return FinishedWork(tmp.status());    \
   lhs = std::move(*tmp)
 
+// The queued bodies below hold the Impl, never the Communicator: a body
+// still queued when the communicator is destroyed runs from ~Impl's
+// Shutdown, after ~Communicator's own body has finished.
 Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true, "all-reduce"));
@@ -3474,12 +3477,12 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
       impl_->CheckLayout(send, count, recv, count, dtype, 0, "send == recv", "all-reduce"), call));
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-reduce"), call));
-  return impl_->Enqueue(call, "all-reduce", [=, this](Deadline d) {
+  return impl_->Enqueue(call, "all-reduce", [=, impl = impl_.get()](Deadline d) {
     if (device >= 0) {
-      return impl_->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm,
-                                    call.staged_reduce, d);
+      return impl->DeviceAllReduce(device, send, recv, count, dtype, op, call.algorithm,
+                                   call.staged_reduce, d);
     }
-    return impl_->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
+    return impl->AllReduce(send, recv, count, dtype, op, call.algorithm, d);
   });
 }
 
@@ -3495,10 +3498,10 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
                    impl_->Refuse(impl_->DeviceOf({buffer}, count, "broadcast"), call));
   const bool staged = device >= 0 && impl_->Plan({.kind = cuda::StagedKind::kBroadcast,
                                                   .size = size()}) != cuda::StagedPlan::kDirect;
-  return impl_->Enqueue(call, "broadcast", [=, this](Deadline d) {
-    if (staged) return impl_->DeviceBroadcast(device, buffer, count, dtype, root, d);
-    if (device >= 0) DDP_RETURN_IF_ERROR(impl_->DeviceReady(device, d));
-    return impl_->Broadcast(buffer, count, dtype, root, d, /*host_memory=*/device < 0);
+  return impl_->Enqueue(call, "broadcast", [=, impl = impl_.get()](Deadline d) {
+    if (staged) return impl->DeviceBroadcast(device, buffer, count, dtype, root, d);
+    if (device >= 0) DDP_RETURN_IF_ERROR(impl->DeviceReady(device, d));
+    return impl->Broadcast(buffer, count, dtype, root, d, /*host_memory=*/device < 0);
   });
 }
 
@@ -3514,9 +3517,9 @@ Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, Da
       call));
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->Refuse(impl_->DeviceOf({send, recv}, count, "all-gather"), call));
-  return impl_->Enqueue(call, "all-gather", [=, this](Deadline d) {
-    if (device >= 0) return impl_->DeviceAllGather(device, send, recv, count, dtype, d);
-    return impl_->AllGather(send, recv, count, dtype, d);
+  return impl_->Enqueue(call, "all-gather", [=, impl = impl_.get()](Deadline d) {
+    if (device >= 0) return impl->DeviceAllGather(device, send, recv, count, dtype, d);
+    return impl->AllGather(send, recv, count, dtype, d);
   });
 }
 
@@ -3536,12 +3539,11 @@ Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count
       call));
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->Refuse(impl_->DeviceOf({send, recv}, count, "reduce-scatter"), call));
-  return impl_->Enqueue(call, "reduce-scatter", [=, this](Deadline d) {
+  return impl_->Enqueue(call, "reduce-scatter", [=, impl = impl_.get()](Deadline d) {
     if (device >= 0) {
-      return impl_->DeviceReduceScatter(device, send, recv, count, dtype, op, call.staged_reduce,
-                                        d);
+      return impl->DeviceReduceScatter(device, send, recv, count, dtype, op, call.staged_reduce, d);
     }
-    return impl_->ReduceScatter(send, recv, count, dtype, op, d);
+    return impl->ReduceScatter(send, recv, count, dtype, op, d);
   });
 }
 
@@ -3552,8 +3554,8 @@ Work Communicator::AllToAllAsync(const void* send, void* recv, size_t count, Dat
   const std::vector<size_t> counts(static_cast<size_t>(size()), count);
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckAllToAll(send, counts, recv, counts, dtype, call));
-  return impl_->Enqueue(call, "all-to-all", [=, this](Deadline d) {
-    return impl_->AllToAllVOn(device, send, counts, recv, counts, dtype, d, /*equal_blocks=*/true);
+  return impl_->Enqueue(call, "all-to-all", [=, impl = impl_.get()](Deadline d) {
+    return impl->AllToAllVOn(device, send, counts, recv, counts, dtype, d, /*equal_blocks=*/true);
   });
 }
 
@@ -3563,9 +3565,9 @@ Work Communicator::AllToAllVAsync(const void* send, std::span<const size_t> send
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckAllToAll(send, send_counts, recv, recv_counts, dtype, call));
   return impl_->Enqueue(call, "all-to-all (uneven blocks)",
-                        [=, this, sends = std::vector<size_t>(send_counts.begin(), send_counts.end()),
+                        [=, impl = impl_.get(), sends = std::vector<size_t>(send_counts.begin(), send_counts.end()),
                          receives = std::vector<size_t>(recv_counts.begin(), recv_counts.end())](Deadline d) {
-                          return impl_->AllToAllVOn(device, send, sends, recv, receives, dtype, d);
+                          return impl->AllToAllVOn(device, send, sends, recv, receives, dtype, d);
                         });
 }
 
@@ -3574,9 +3576,9 @@ Work Communicator::ReduceAsync(const void* send, void* recv, size_t count, DataT
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kReduce, send, recv, count, dtype, op, root,
                                       call));
-  return impl_->Enqueue(call, "reduce", [=, this](Deadline d) {
-    return impl_->RunRooted(Impl::Rooted::kReduce, device, send, recv, count, dtype, op, root,
-                            call.algorithm, d);
+  return impl_->Enqueue(call, "reduce", [=, impl = impl_.get()](Deadline d) {
+    return impl->RunRooted(Impl::Rooted::kReduce, device, send, recv, count, dtype, op, root,
+                           call.algorithm, d);
   });
 }
 
@@ -3585,9 +3587,9 @@ Work Communicator::GatherAsync(const void* send, void* recv, size_t count, DataT
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kGather, send, recv, count, dtype,
                                       ReduceOp::kSum, root, call));
-  return impl_->Enqueue(call, "gather", [=, this](Deadline d) {
-    return impl_->RunRooted(Impl::Rooted::kGather, device, send, recv, count, dtype, ReduceOp::kSum,
-                            root, call.algorithm, d);
+  return impl_->Enqueue(call, "gather", [=, impl = impl_.get()](Deadline d) {
+    return impl->RunRooted(Impl::Rooted::kGather, device, send, recv, count, dtype, ReduceOp::kSum,
+                           root, call.algorithm, d);
   });
 }
 
@@ -3596,14 +3598,14 @@ Work Communicator::ScatterAsync(const void* send, void* recv, size_t count, Data
   DDP_ASYNC_ASSIGN(const int device,
                    impl_->CheckRooted(Impl::Rooted::kScatter, send, recv, count, dtype,
                                       ReduceOp::kSum, root, call));
-  return impl_->Enqueue(call, "scatter", [=, this](Deadline d) {
-    return impl_->RunRooted(Impl::Rooted::kScatter, device, send, recv, count, dtype,
-                            ReduceOp::kSum, root, call.algorithm, d);
+  return impl_->Enqueue(call, "scatter", [=, impl = impl_.get()](Deadline d) {
+    return impl->RunRooted(Impl::Rooted::kScatter, device, send, recv, count, dtype,
+                           ReduceOp::kSum, root, call.algorithm, d);
   });
 }
 
 Work Communicator::BarrierAsync(const CallOptions& call) {
-  return impl_->Enqueue(call, "barrier", [this](Deadline d) { return impl_->Barrier(d); });
+  return impl_->Enqueue(call, "barrier", [impl = impl_.get()](Deadline d) { return impl->Barrier(d); });
 }
 
 Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int peer,
