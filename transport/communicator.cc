@@ -396,6 +396,13 @@ struct Work::State {
   // The call, for Wait's timeout ("all-reduce", "receive from rank 1 (tag
   // 7, 32 bytes)"). Set before the state is shared, never changed.
   std::string what;
+  // A point-to-point call's poll found it failed and released its request
+  // (set under the communicator's run_mu_, before that is let go): it
+  // finishes the call once it has aborted the communicator, and other
+  // polls, on copies of the handle, leave the released request alone until
+  // then (testing it aborted the communicator first, with "request id N
+  // unknown or released" for the reason).
+  std::atomic<bool> failing{false};
 
   ~State() {
     // No lock: nobody else holds this state any more.
@@ -2667,6 +2674,10 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
       state->Finish(FailedPreconditionError(what + ": the communicator was destroyed before the call finished"));
       return;
     }
+    if (state->failing.load()) {
+      sched_yield();  // the poll that found the failure finishes the call
+      return;
+    }
     Status failure;
     {
       // Briefly: the communicator's thread may be inside a collective, and
@@ -2674,7 +2685,11 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
       std::unique_lock run(run_mu_, std::defer_lock);
       if (!run.try_lock_for(kP2pPollHold)) return;
       CancelDeferred();
-      if (state->done) return;
+      if (state->failing.load()) return;
+      {
+        std::lock_guard lock(state->mu);
+        if (state->done) return;
+      }
       if (aborted()) {
         p2p_->Cancel(id);
         state->Finish(aborted_reason());
@@ -2707,6 +2722,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
           p2p_->Cancel(id);
         }
       }
+      if (!failure.ok()) state->failing.store(true);  // the request is released
     }
     if (!failure.ok()) {
       state->Finish(Abort(failure, deadline));
