@@ -21,9 +21,11 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # fuzzing (--config=fuzz): clang and its libFuzzer and sanitizer runtimes
   clang libclang-rt-14-dev
-  # multi-host tests (network namespaces), process tools used by tests;
-  # python3 runs //tools:ncu_summary_test and gpu_check.sh's table code
-  iproute2 procps python3
+  # multi-host tests (network namespaces; kmod's modprobe loads veth where
+  # it is a module), process tools used by tests; python3 runs
+  # //tools:ncu_summary_test and gpu_check.sh's table code; zip packs what
+  # a test leaves in its undeclared outputs (Bazel's test wrapper)
+  iproute2 kmod procps python3 zip
   # //examples:train_run_test renders the trainer's SVG chart to PNG
   chromium
   # the default example's dataset
@@ -65,8 +67,24 @@ fi
 
 echo "setup.sh: installing ${missing[*]}" >&2
 # Through env: sudo resets the environment, and a debconf question asked
-# with its output hidden would wait for ever.
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# with its output hidden would wait for ever. A mirror that does not answer
+# gets three tries (apt-get update only warns, and the install then finds
+# no package), and the dpkg lock, held by a timer's unattended run, up to
+# 10 minutes; an install cut short earlier is finished first.
+APT_OPTIONS=(-o Acquire::Retries=3 -o DPkg::Lock::Timeout=600)
+$SUDO env DEBIAN_FRONTEND=noninteractive dpkg --configure -a
+for try in 1 2 3; do
+  if $SUDO env DEBIAN_FRONTEND=noninteractive apt-get "${APT_OPTIONS[@]}" update -qq &&
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get "${APT_OPTIONS[@]}" install -y -qq \
+      --no-install-recommends "${missing[@]}" >/dev/null; then
+    break
+  fi
+  if [ "$try" -eq 3 ]; then
+    echo "setup.sh: apt-get could not install ${missing[*]} in three tries" >&2
+    exit 1
+  fi
+  echo "setup.sh: apt-get failed (try $try of 3); trying again in 10 s" >&2
+  sleep 10
+done
 check_bazel
 echo "setup.sh: done" >&2
