@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -61,6 +62,55 @@ std::optional<int64_t> ParseInt(std::string_view text) {
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || ptr != text.data() + text.size()) return std::nullopt;
   return v;
+}
+
+// Python's whitespace among the ASCII characters: \t\n\v\f\r, the
+// file/group/record/unit separators \x1c-\x1f, and the space.
+bool IsPythonSpace(char c) { return (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= ' '); }
+
+// `text` as Python's int() reads a base-10 string, which is how torchrun
+// reads its integer flags and switches: whitespace around it, an optional
+// sign, decimal digits with single underscores between two digits ("1",
+// " +2\n", "-007", "29_500"). Returns the digits, without the underscores,
+// after a '-' if negative; nullopt for anything int() refuses ("", "1__0",
+// "_1", "1_", "1.0", "0x1", "1 0").
+std::optional<std::string> PythonIntDigits(std::string_view text) {
+  while (!text.empty() && IsPythonSpace(text.front())) text.remove_prefix(1);
+  while (!text.empty() && IsPythonSpace(text.back())) text.remove_suffix(1);
+  std::string digits;
+  if (!text.empty() && (text.front() == '+' || text.front() == '-')) {
+    if (text.front() == '-') digits = "-";
+    text.remove_prefix(1);
+  }
+  if (text.empty()) return std::nullopt;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '_') {
+      // Only between two digits.
+      if (i == 0 || i + 1 == text.size() || text[i - 1] == '_') return std::nullopt;
+      continue;
+    }
+    if (c < '0' || c > '9') return std::nullopt;
+    digits += c;
+  }
+  return digits;
+}
+
+// An integer flag's value as torchrun's int() takes it (see
+// PythonIntDigits: "+1", " 2 ", "29_500"). One beyond int64's range comes
+// back as int64's bound on its side, for the caller's range check to
+// refuse as out of range rather than as no integer.
+std::optional<int64_t> ParsePythonInt(std::string_view text) {
+  const std::optional<std::string> digits = PythonIntDigits(text);
+  if (!digits) return std::nullopt;
+  const bool negative = (*digits)[0] == '-';
+  const std::string_view magnitude = std::string_view(*digits).substr(negative ? 1 : 0);
+  int64_t v = 0;
+  if (std::from_chars(magnitude.data(), magnitude.data() + magnitude.size(), v).ec ==
+      std::errc::result_out_of_range) {
+    return negative ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
+  }
+  return negative ? -v : v;
 }
 
 // The longest time a seconds value may give.
@@ -307,31 +357,14 @@ struct PetFlag {
 };
 
 // A PET_ switch's value read as torchrun's check_env reads it,
-// bool(int(value)): Python's int() takes an optional sign and decimal
-// digits, single underscores between digits, and whitespace around them
-// ("1", "2", "-1", "007", "1_0", " 1\n"); any nonzero value is on. Returns
-// whether the switch is on; nullopt for anything int() refuses ("yes",
-// "true", "1.0", "0x1"), which torchrun fails on.
+// bool(int(value)) (see PythonIntDigits: "1", "2", "-1", "007", "1_0",
+// " 1\n"); any nonzero value is on. Returns whether the switch is on;
+// nullopt for anything int() refuses ("yes", "true", "1.0", "0x1"), which
+// torchrun fails on.
 std::optional<bool> ParseSwitchValue(std::string_view text) {
-  // Python's whitespace among the ASCII characters: \t\n\v\f\r, the
-  // file/group/record/unit separators \x1c-\x1f, and the space.
-  auto is_space = [](char c) { return (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= ' '); };
-  while (!text.empty() && is_space(text.front())) text.remove_prefix(1);
-  while (!text.empty() && is_space(text.back())) text.remove_suffix(1);
-  if (!text.empty() && (text.front() == '+' || text.front() == '-')) text.remove_prefix(1);
-  if (text.empty()) return std::nullopt;
-  bool nonzero = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (c == '_') {
-      // Only between two digits.
-      if (i == 0 || i + 1 == text.size() || text[i - 1] == '_') return std::nullopt;
-      continue;
-    }
-    if (c < '0' || c > '9') return std::nullopt;
-    nonzero = nonzero || c != '0';
-  }
-  return nonzero;
+  const std::optional<std::string> digits = PythonIntDigits(text);
+  if (!digits) return std::nullopt;
+  return digits->find_first_not_of("-0") != std::string::npos;
 }
 constexpr PetFlag kPetFlags[] = {
     {"nproc_per_node", false}, {"nnodes", false},      {"node_rank", false},
@@ -542,7 +575,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       };
       auto take_int = [&](int64_t lo, int64_t hi, int& out) -> Status {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-        std::optional<int64_t> v = ParseInt(text);
+        std::optional<int64_t> v = ParsePythonInt(text);
         if (!v) return InvalidArgumentError(Flag(name, text) + " is not an integer");
         if (*v < lo || *v > hi) {
           return InvalidArgumentError(Flag(name, text) + " must be in [" + std::to_string(lo) +
@@ -574,8 +607,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         o.nnodes_spec = text;
         o.min_nodes = 0;
         if (const size_t colon = text.find(':'); colon != std::string::npos) {
-          const std::optional<int64_t> lo = ParseInt(std::string_view(text).substr(0, colon));
-          const std::optional<int64_t> hi = ParseInt(std::string_view(text).substr(colon + 1));
+          const std::optional<int64_t> lo = ParsePythonInt(std::string_view(text).substr(0, colon));
+          const std::optional<int64_t> hi = ParsePythonInt(std::string_view(text).substr(colon + 1));
           if (!lo || !hi || *lo < 1 || *hi < *lo || *hi > kMaxNodes) {
             return InvalidArgumentError(Flag(name, text) + ": expected MIN:MAX with 1 <= MIN <= MAX <= " +
                                         std::to_string(kMaxNodes));

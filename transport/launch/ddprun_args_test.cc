@@ -783,6 +783,41 @@ TEST(DdprunArgsTest, NumaBindingIsAcceptedWithANote) {
   EXPECT_EQ(o->nproc_per_node, 2);
 }
 
+// torchrun reads --master_port, --node_rank, --nnodes and --max_restarts
+// with Python's int(), which takes a sign, whitespace around the number
+// and single underscores between digits; they were refused as "not an
+// integer". What int() refuses still is.
+TEST(DdprunArgsTest, IntegerFlagsTakeWhatPythonsIntTakes) {
+  StatusOr<DdprunOptions> o = Parse({"--master_port=29_500", "--nnodes= 2\n", "--node_rank=+1", "--master_addr=h",
+                                     "--max_restarts=\t0_3 ", "p"},
+                                    {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_port, 29500);
+  EXPECT_EQ(o->nnodes, 2);
+  EXPECT_EQ(o->node_rank, 1);
+  EXPECT_EQ(o->max_restarts, 3);
+  o = Parse({"--nnodes=+1: 1_0", "--node-rank=-0", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
+            {{"DDP_JOB_TOKEN", "t"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->min_nodes, 1);
+  EXPECT_EQ(o->nnodes, 10);
+  o = Parse({"p"}, {{"PET_MASTER_PORT", " 1_234"}, {"PET_MAX_RESTARTS", "+2"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_port, 1234);
+  EXPECT_EQ(o->max_restarts, 2);
+  for (const std::string bad : {"1__0", "_1", "1_", "+", "-", " ", "+-1", "1 0", "0x10", "1.0", "1e3", "_"}) {
+    ExpectRefused({"--master_port=" + bad, "p"}, "--master_port=" + bad + " is not an integer");
+  }
+  ExpectRefused({"--nnodes=1:_2", "p"}, "--nnodes=1:_2: expected MIN:MAX with 1 <= MIN <= MAX <= 65536");
+  ExpectRefused({"--node_rank=1_", "p"}, "--node_rank=1_ is not an integer");
+  ExpectRefused({"--max_restarts=- 1", "p"}, "--max_restarts=- 1 is not an integer");
+  // Beyond int64 is out of range, not "not an integer".
+  ExpectRefused({"--master_port=99_999_999_999_999_999_999", "p"},
+                "--master_port=99_999_999_999_999_999_999 must be in [0, 65535]");
+  ExpectRefused({"--max_restarts=-99999999999999999999", "p"},
+                "--max_restarts=-99999999999999999999 must be in [0, 1000000]");
+}
+
 // torchrun's --logs_specs and --numa_binding have no `env` action: no
 // PET_ variable sets them there, and none does here (a PET_LOGS_SPECS
 // made a note that it was ignored).
