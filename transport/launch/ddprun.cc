@@ -339,8 +339,13 @@ StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& text) {
   if (host.empty()) return bad("no host");
   int port = -1;
   if (!port_text.empty()) {
+    // Digits only, as torchrun's endpoint parser takes them (no sign,
+    // spaces or underscores, unlike its integer flags).
+    if (port_text.find_first_not_of("0123456789") != std::string::npos) {
+      return bad("'" + port_text + "' is not a port number (digits, 0 to 65535)");
+    }
     const std::optional<int64_t> v = ParseInt(port_text);
-    if (!v || *v < 0 || *v > 65535) return bad("the port must be in [0, 65535]");
+    if (!v || *v > 65535) return bad("the port must be in [0, 65535]");
     port = static_cast<int>(*v);
   }
   return std::make_pair(host, port);

@@ -310,6 +310,11 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
   ExpectRefused({"--rdzv_endpoint=h:", "p"}, "--rdzv_endpoint=h:: empty port");
   ExpectRefused({"--rdzv_endpoint=h:99999", "p"}, "--rdzv_endpoint=h:99999: the port must be in [0, 65535]");
+  // A port that is no number is said to be one: it was "must be in [0, 65535]".
+  ExpectRefused({"--rdzv_endpoint=h:abc", "p"},
+                "--rdzv_endpoint=h:abc: 'abc' is not a port number (digits, 0 to 65535)");
+  ExpectRefused({"--rdzv_endpoint=[::1]:-5", "p"},
+                "--rdzv_endpoint=[::1]:-5: '-5' is not a port number (digits, 0 to 65535)");
   ExpectRefused({"--rdzv_endpoint=fe80::1", "p"},
                 "--rdzv_endpoint=fe80::1: an IPv6 address needs brackets: [ADDRESS]:PORT");
   ExpectRefused({"--rdzv_endpoint=[fe80::1", "p"}, "--rdzv_endpoint=[fe80::1: no ']' after the IPv6 address");
