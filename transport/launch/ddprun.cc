@@ -419,6 +419,13 @@ StatusOr<std::string> CompleteFlagName(const std::string& name) {
 
 using FlagNames = std::set<std::string, std::less<>>;
 
+// torchrun's variable for `flag`: "PET_" and the name upper-cased.
+std::string PetVariable(std::string_view flag) {
+  std::string name = "PET_";
+  for (char c : flag) name += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return name;
+}
+
 // Hands `parse` one "--flag=VALUE" (or "--switch") for each PET_ variable of
 // `env` whose flag is not in `given`, and notes each variable used in
 // `used` ("PET_NNODES='4'"). An empty variable counts as unset. As under
@@ -430,13 +437,8 @@ using FlagNames = std::set<std::string, std::less<>>;
 // notes them as ignored.) A bad value is refused naming the variable.
 Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<std::string>& used,
                         const std::function<Status(const std::string&)>& parse) {
-  auto variable = [&](std::string_view flag) {
-    std::string name = "PET_";
-    for (char c : flag) name += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-    return name;
-  };
   auto value_of = [&](std::string_view flag) -> std::string {
-    auto it = env.find(variable(flag));
+    auto it = env.find(PetVariable(flag));
     return it == env.end() ? "" : it->second;
   };
   const bool standalone =
@@ -452,7 +454,7 @@ Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<s
         (standalone || endpoint_from_env || given.count("rdzv_endpoint") > 0)) {
       continue;
     }
-    const std::string shown = variable(name) + "='" + value + "'";
+    const std::string shown = PetVariable(name) + "='" + value + "'";
     std::string arg = "--" + name + "=" + value;
     if (flag.is_switch) {
       const std::optional<bool> on = ParseSwitchValue(value);
@@ -509,6 +511,15 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // The flags on the command line, by name (dashes as underscores): a
   // PET_ variable stands in only for the others.
   FlagNames given;
+  // The flags a PET_ variable set: a note names the variable, not the flag.
+  FlagNames from_variable;
+  // "--local_addr=h" or "PET_LOCAL_ADDR='h'"; "--tee" or "PET_TEE".
+  auto shown = [&](std::string_view flag, const std::string& value) {
+    return from_variable.count(flag) > 0 ? PetVariable(flag) + "='" + value + "'" : Flag(flag, value);
+  };
+  auto named = [&](std::string_view flag) {
+    return from_variable.count(flag) > 0 ? PetVariable(flag) : "--" + std::string(flag);
+  };
   // Reads the flags in argv[1..argc) up to the program; returns where the
   // program starts, or -1 for --help.
   auto parse_flags = [&](int argc, const char* const* argv, bool on_command_line) -> StatusOr<int> {
@@ -560,6 +571,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         given.insert(name);
         // The same setting: PET_SHUTDOWN_TIMEOUT must not override it.
         if (name == "grace_period") given.insert("shutdown_timeout");
+      } else {
+        from_variable.insert(name);
       }
       for (size_t n = note_makers.size(); n-- > 0 && name != "rdzv_conf";) {
         if (note_makers[n] != name) continue;
@@ -634,6 +647,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         auto bad_item = [&](const std::string& item, const std::string& why) {
           return InvalidArgumentError(Flag(name, text) + ": '" + item + "': " + why);
         };
+        // For a note: "--rdzv_conf=use_libuv=0", or "use_libuv=0 in PET_RDZV_CONF".
+        auto conf_item = [&](const std::string& item) {
+          return on_command_line ? Flag(name, item) : item + " in " + PetVariable(name);
+        };
         size_t start = 0;
         while (start < text.size()) {
           size_t end = text.find(',', start);
@@ -698,12 +715,12 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
             if (key == "store_connect_wait_seconds" && (!ParseInt(raw) || *ParseInt(raw) < 0)) {
               return bad_item(item, "store_connect_wait_seconds takes a whole number of seconds");
             }
-            o.notes.push_back(Flag(name, item) +
+            o.notes.push_back(conf_item(item) +
                               " is ignored: it sets PyTorch's TCPStore, and ddprun's launchers meet in "
                               "a store of their own");
           } else if (key == "close_timeout") {
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-            o.notes.push_back(Flag(name, item) +
+            o.notes.push_back(conf_item(item) +
                               " is ignored: when the job ends, node 0 tells the waiting launchers "
                               "and keeps the store up for them for up to 10 s");
           } else {
@@ -737,13 +754,13 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         }
       } else if (name == "local_addr") {
         DDP_ASSIGN_OR_RETURN(std::string addr, take_value());
-        o.notes.push_back(Flag(name, addr) +
+        o.notes.push_back(shown(name, addr) +
                           " is ignored: launchers other than node 0 need no address of their own "
                           "(they connect to node 0's store)");
       } else if (name == "event_log_handler") {
         DDP_ASSIGN_OR_RETURN(std::string handler, take_value());
         if (handler != "null") {
-          o.notes.push_back(Flag(name, handler) +
+          o.notes.push_back(shown(name, handler) +
                             " is ignored: ddprun records no torchelastic events (its lines on stderr "
                             "and the error files say what happened)");
         }
@@ -773,7 +790,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         }
         // torchrun's default is what ddprun does anyway: nothing to say.
         if (listed != std::set<std::string, std::less<>>{"SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM"}) {
-          o.notes.push_back(Flag(name, list) +
+          o.notes.push_back(shown(name, list) +
                           " is ignored: ddprun always forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to "
                           "the workers and stops the job" +
                           (usr ? ", and passes SIGUSR1 and SIGUSR2 on to them without stopping it" : ""));
@@ -1002,7 +1019,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // torchrun's --standalone replaces --rdzv_id too, with a run id of its
   // own (a uuid4) for every run; here the run's DDP_RUN_ID, made in RunJob.
   if (o.standalone && !o.rdzv_id.empty()) {
-    o.notes.push_back(Flag("rdzv_id", o.rdzv_id) +
+    o.notes.push_back(shown("rdzv_id", o.rdzv_id) +
                       " is ignored: --standalone makes up a run id for each run, as torchrun's does");
     o.rdzv_id.clear();
   }
@@ -1042,7 +1059,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
     }
   }
   if (o.is_host && !o.assign_node_rank) {
-    o.notes.push_back(std::string("--rdzv_conf is_host=") + (*o.is_host ? "true" : "false") +
+    o.notes.push_back(named("rdzv_conf") + " is_host=" + (*o.is_host ? "true" : "false") +
                       " is ignored: " +
                       (o.rdzv_backend == "c10d" ? "one node serves its own store"
                                                 : "with --rdzv_backend=static node 0 serves the store"));
@@ -1133,8 +1150,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // so does ddprun, saying so.
   for (const auto* codes : {&o.tee, &o.redirects}) {
     if (!codes->by_rank.empty() && codes->by_rank.rbegin()->first >= o.nproc_per_node) {
-      o.notes.push_back(std::string(codes == &o.tee ? "--tee" : "--redirects") + " names local rank " +
-                        std::to_string(codes->by_rank.rbegin()->first) + ", which is ignored: --nproc_per_node=" +
+      o.notes.push_back(named(codes == &o.tee ? "tee" : "redirects") + " names local rank " +
+                        std::to_string(codes->by_rank.rbegin()->first) + ", which is ignored: " +
+                        named("nproc_per_node") + "=" +
                         std::to_string(o.nproc_per_node) + " gives local ranks 0 to " +
                         std::to_string(o.nproc_per_node - 1));
     }

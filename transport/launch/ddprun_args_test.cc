@@ -403,15 +403,20 @@ TEST(DdprunArgsTest, StandaloneOverridesTheEndpointWithANote) {
 // PET_RDZV_ID) with a uuid4 of its own, and logs it; ddprun drops it with a
 // note, and its run id (DDP_RUN_ID) names the run instead.
 TEST(DdprunArgsTest, StandaloneOverridesTheRdzvIdWithANote) {
-  for (const auto& [args, env] : std::vector<std::pair<std::vector<std::string>, EnvMap>>{
-           {{"--standalone", "--rdzv_id=job7", "p"}, {}},
-           {{"--standalone", "p"}, {{"PET_RDZV_ID", "job7"}}},
-           {{"p"}, {{"PET_STANDALONE", "1"}, {"PET_RDZV_ID", "job7"}}}}) {
-    StatusOr<DdprunOptions> o = Parse(args, env);
+  struct Case {
+    std::vector<std::string> args;
+    EnvMap env;
+    std::string ignored;  // how the note names the run id
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"--standalone", "--rdzv_id=job7", "p"}, {}, "--rdzv_id=job7"},
+           {{"--standalone", "p"}, {{"PET_RDZV_ID", "job7"}}, "PET_RDZV_ID='job7'"},
+           {{"p"}, {{"PET_STANDALONE", "1"}, {"PET_RDZV_ID", "job7"}}, "PET_RDZV_ID='job7'"}}) {
+    StatusOr<DdprunOptions> o = Parse(c.args, c.env);
     ASSERT_TRUE(o.ok()) << o.status();
     EXPECT_TRUE(o->standalone);
     EXPECT_EQ(o->rdzv_id, "");
-    EXPECT_EQ(o->notes, std::vector<std::string>{"--rdzv_id=job7 is ignored: --standalone makes up a run id "
+    EXPECT_EQ(o->notes, std::vector<std::string>{c.ignored + " is ignored: --standalone makes up a run id "
                                                  "for each run, as torchrun's does"});
   }
   // Without --standalone it is kept.
@@ -786,6 +791,47 @@ TEST(DdprunArgsTest, NumaBindingIsAcceptedWithANote) {
   StatusOr<DdprunOptions> o = Parse({"--nu=node", "--npro=2", "p"});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->nproc_per_node, 2);
+}
+
+// A note on a setting that a PET_ variable gave names the variable: it
+// named the flag, which was on no command line.
+TEST(DdprunArgsTest, NotesNameThePetVariableASettingCameFrom) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=2", "p"}, {{"PET_TEE", "0:0,7:3"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes, std::vector<std::string>{"PET_TEE names local rank 7, which is ignored: --nproc_per_node=2 "
+                                               "gives local ranks 0 to 1"});
+  o = Parse({"-r", "5:1", "p"}, {{"PET_NPROC_PER_NODE", "2"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes, std::vector<std::string>{"--redirects names local rank 5, which is ignored: "
+                                               "PET_NPROC_PER_NODE=2 gives local ranks 0 to 1"});
+  o = Parse({"p"}, {{"PET_RDZV_CONF", "use_libuv=0,close_timeout=5,is_host=1"},
+                    {"PET_LOCAL_ADDR", "10.0.0.2"},
+                    {"PET_EVENT_LOG_HANDLER", "console"},
+                    {"PET_SIGNALS_TO_HANDLE", "SIGTERM"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes,
+            (std::vector<std::string>{
+                "use_libuv=0 in PET_RDZV_CONF is ignored: it sets PyTorch's TCPStore, and ddprun's launchers "
+                "meet in a store of their own",
+                "close_timeout=5 in PET_RDZV_CONF is ignored: when the job ends, node 0 tells the waiting "
+                "launchers and keeps the store up for them for up to 10 s",
+                "PET_LOCAL_ADDR='10.0.0.2' is ignored: launchers other than node 0 need no address of their "
+                "own (they connect to node 0's store)",
+                "PET_EVENT_LOG_HANDLER='console' is ignored: ddprun records no torchelastic events (its lines "
+                "on stderr and the error files say what happened)",
+                "PET_SIGNALS_TO_HANDLE='SIGTERM' is ignored: ddprun always forwards SIGTERM, SIGINT, SIGHUP "
+                "and SIGQUIT to the workers and stops the job",
+                "PET_RDZV_CONF is_host=true is ignored: with --rdzv_backend=static node 0 serves the store"}));
+  // The same settings on the command line are named as flags.
+  o = Parse({"--rdzv_conf=use_libuv=0,is_host=1", "--local_addr=10.0.0.2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes,
+            (std::vector<std::string>{
+                "--rdzv_conf=use_libuv=0 is ignored: it sets PyTorch's TCPStore, and ddprun's launchers meet "
+                "in a store of their own",
+                "--local_addr=10.0.0.2 is ignored: launchers other than node 0 need no address of their own "
+                "(they connect to node 0's store)",
+                "--rdzv_conf is_host=true is ignored: with --rdzv_backend=static node 0 serves the store"}));
 }
 
 // torchrun reads --master_port, --node_rank, --nnodes and --max_restarts
