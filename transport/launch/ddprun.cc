@@ -208,8 +208,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --max_restarts=K     restart the whole job up to K times after a failure
   --log_dir=DIR        keep this run's files in DIR/<rdzv_id>_<random>/ (a
                        folder of its own per run; printed at start), in
-                       torchrun's layout: attempt_K/LOCAL_RANK/error.json,
-                       and with --tee or --redirects each worker's
+                       torchrun's layout: attempt_K/LOCAL_RANK/error.json
+                       (if the worker writes its error there), and with
+                       --tee or --redirects each worker's
                        stdout.log and stderr.log beside it; alone, it
                        leaves the output on the terminal, as torchrun's
   --tee[=CODE]         write workers' streams to their log files and to
@@ -2322,9 +2323,11 @@ std::string RankRuns(const std::vector<int>& ranks) {
 
 // The start-up line naming the files this run writes under `run_dir`. As
 // torchrun's: a worker's output goes to files only for the streams --tee
-// or --redirects give its local rank; every worker gets an error file.
-// When the local ranks' files differ (-r 0:1,1:2), each set is named with
-// its ranks, so that no file is named for a rank that never writes it.
+// or --redirects give its local rank; every worker is given an error file
+// (its TORCHELASTIC_ERROR_FILE), which exists only if the worker writes its
+// error there (torch's @record, RecordWorkerError): ddprun writes none for
+// it. When the local ranks' files differ (-r 0:1,1:2), each set is named
+// with its ranks, so that no file is named for a rank that never writes it.
 std::string RunLogsLine(const std::string& run_dir, const DdprunOptions& o) {
   std::map<int, std::vector<int>> ranks_by_streams;
   std::vector<int> order;  // the stream sets, by their lowest local rank
@@ -2334,8 +2337,11 @@ std::string RunLogsLine(const std::string& run_dir, const DdprunOptions& o) {
     ranks_by_streams[streams].push_back(local);
   }
   const std::string folder = run_dir + "/attempt_K/LOCAL_RANK/";
+  const std::string if_written = " (error.json only if the worker writes its error there: it is its "
+                                 "TORCHELASTIC_ERROR_FILE)";
   if (order.size() == 1) {
-    return (order[0] == 0 ? "this run's error files: " : "this run's logs: ") + folder + RankFileNames(order[0]);
+    return (order[0] == 0 ? "this run's error files: " : "this run's logs: ") + folder + RankFileNames(order[0]) +
+           if_written;
   }
   std::string line = "this run's logs: " + folder + " holds ";
   for (size_t i = 0; i < order.size(); ++i) {
@@ -2343,7 +2349,7 @@ std::string RunLogsLine(const std::string& run_dir, const DdprunOptions& o) {
     line += (i == 0 ? "" : "; ") + RankFileNames(order[i]) + " for local rank" + (ranks.size() > 1 ? "s " : " ") +
             RankRuns(ranks);
   }
-  return line;
+  return line + if_written;
 }
 
 int RunJob(const DdprunOptions& options, RootCause& cause) {
