@@ -32,7 +32,7 @@ Deadline PeerMonitor::StoreDeadline(Deadline deadline) const {
 }
 
 PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
-    : options_(std::move(options)), store_(store) {
+    : options_(std::move(options)), store_(store), started_at_(TicksSinceBoot()) {
   pidfds_.assign(options_.local_pids.size(), -1);
   gone_at_start_.assign(options_.local_pids.size(), false);
   start_times_ = std::make_unique<std::atomic<uint64_t>[]>(options_.local_pids.size());
@@ -76,9 +76,15 @@ bool PeerMonitor::Exited(size_t rank) const {
   // A zombie too, which kill(pid, 0) takes for alive; and another process
   // under the pid.
   uint64_t started = start_times_[rank].load(std::memory_order_relaxed);
+  if (started == kReplaced) return true;
   if (started == 0 && !ProcessGoneNow(pid)) {
+    // Not read at the start (no descriptor then). The peer was running
+    // before the monitor started: a process under its pid that started
+    // later took the pid after the peer died, and is not adopted.
     started = ProcessStartTime(pid);
+    if (started != 0 && started_at_ != 0 && started > started_at_) started = kReplaced;
     start_times_[rank].store(started, std::memory_order_relaxed);
+    if (started == kReplaced) return true;
   }
   return ProcessGoneNow(pid, started);
 }

@@ -129,8 +129,14 @@ class PeerMonitor {
   std::vector<bool> gone_at_start_;  // per rank: no process when the monitor started
   // Per rank without a pidfd: its process's start time (ProcessStartTime),
   // read when the monitor starts or, where that failed (no descriptor left
-  // to open /proc with), at the first look after; 0 unknown.
+  // to open /proc with), at the first look after, unless the process found
+  // then started after the monitor did (kReplaced: the peer is gone and
+  // another process has its pid); 0 unknown.
   std::unique_ptr<std::atomic<uint64_t>[]> start_times_;
+  static constexpr uint64_t kReplaced = UINT64_MAX;
+  // When the monitor started (TicksSinceBoot; 0 unknown): every peer it
+  // watches was running by then.
+  const uint64_t started_at_;
   std::atomic<int> lost_peer_{-1};  // Check() may run on two threads
   // Per rank: when (Clock ticks) the first of the latest unbroken run of
   // Check rounds that found it exited and could not read its "closed" mark

@@ -200,6 +200,63 @@ TEST(PeerMonitor, APeerWhosePidWasReusedIsDeadWithoutAPidfd) {
   waitpid(reuser, nullptr, 0);
 }
 
+// The same where the pid is reused before the monitor first looks at the
+// peer: with no descriptor at the start it could not read the peer's start
+// time then, and it took the one of whatever process it found under the
+// pid at the first look, so it adopted the process that reused the pid and
+// never reported the peer's death.
+TEST(PeerMonitor, APeerWhosePidWasReusedBeforeTheFirstLookIsDeadWithoutAPidfd) {
+  testing::InMemoryStore store;
+  pid_t peer = -1, reuser = -1;
+  std::unique_ptr<PeerMonitor> monitor;
+  for (int attempt = 0; attempt < 5 && reuser < 0; ++attempt) {
+    peer = SpawnSleeper();
+    std::this_thread::sleep_for(milliseconds(50));
+    {
+      testing::DescriptorsExhausted none_left;
+      ASSERT_EQ(none_left.error(), EMFILE);
+      monitor = std::make_unique<PeerMonitor>(
+          PeerMonitorOptions{.rank = 1, .local_pids = {peer, getpid()}, .key_prefix = "j/"}, &store);
+    }
+    kill(peer, SIGKILL);
+    waitpid(peer, nullptr, 0);
+    // Start times count clock ticks: the new process must start in a later
+    // one than the monitor.
+    std::this_thread::sleep_for(milliseconds(30));
+    reuser = SpawnSleeperAs(peer);
+    ASSERT_TRUE(reuser >= 0 || errno == EEXIST) << "clone3 with set_tid: " << std::strerror(errno);
+  }
+  ASSERT_EQ(reuser, peer);
+  EXPECT_EQ(kill(reuser, 0), 0);  // a live process has the peer's pid
+  EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
+  EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});  // and stays gone
+  EXPECT_EQ(monitor->Check(Soon()).code(), StatusCode::kPeerLost);
+  kill(reuser, SIGKILL);
+  waitpid(reuser, nullptr, 0);
+}
+
+// A peer whose start time could not be read at the start is still watched
+// once it can be: it was running before the monitor started, so it is
+// adopted, and its exit is reported.
+TEST(PeerMonitor, APeerFirstSeenAfterTheStartIsAdoptedWhenItRanBefore) {
+  testing::InMemoryStore store;
+  const pid_t peer = SpawnSleeper();
+  std::this_thread::sleep_for(milliseconds(50));
+  std::unique_ptr<PeerMonitor> monitor;
+  {
+    testing::DescriptorsExhausted none_left;
+    ASSERT_EQ(none_left.error(), EMFILE);
+    monitor = std::make_unique<PeerMonitor>(
+        PeerMonitorOptions{.rank = 1, .local_pids = {peer, getpid()}, .key_prefix = "j/"}, &store);
+  }
+  std::this_thread::sleep_for(milliseconds(30));
+  EXPECT_TRUE(monitor->ExitedPeers().empty());
+  EXPECT_TRUE(monitor->Check(Soon()).ok());
+  kill(peer, SIGKILL);
+  waitpid(peer, nullptr, 0);
+  EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
+}
+
 TEST(PeerMonitor, CleanlyClosedPeerMayExit) {
   testing::InMemoryStore store;
   const pid_t child = SpawnSleeper();

@@ -1,6 +1,7 @@
 #include "transport/fault/process.h"
 
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -38,6 +39,15 @@ uint64_t ProcessStartTime(int pid) {
   if (p == nullptr) return 0;
   unsigned long long ticks = 0;
   return std::sscanf(p + 1, "%llu", &ticks) == 1 ? ticks : 0;
+}
+
+uint64_t TicksSinceBoot() {
+  timespec now{};
+  const long ticks_per_s = sysconf(_SC_CLK_TCK);
+  if (clock_gettime(CLOCK_BOOTTIME, &now) != 0 || ticks_per_s <= 0) return 0;
+  // Rounded down, as the kernel rounds a start time.
+  return static_cast<uint64_t>(now.tv_sec) * static_cast<uint64_t>(ticks_per_s) +
+         static_cast<uint64_t>(now.tv_nsec) / (1000000000ull / static_cast<uint64_t>(ticks_per_s));
 }
 
 char ProcessState(int pid) {

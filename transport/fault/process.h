@@ -10,6 +10,12 @@ namespace ddp::transport::fault {
 /// process). A pid names one process for as long as this stays the same.
 uint64_t ProcessStartTime(int pid);
 
+/// Clock ticks since boot now, on the clock ProcessStartTime counts in
+/// (CLOCK_BOOTTIME in units of sysconf(_SC_CLK_TCK)); 0 when it cannot be
+/// read. Needs no descriptor. A process whose start time is later started
+/// after this call.
+uint64_t TicksSinceBoot();
+
 /// The state letter of process `pid` of this host (field 3 of
 /// /proc/PID/stat: R, S, D, T, t, Z, X...); 0 when there is no such
 /// process or /proc cannot be read.
