@@ -8,8 +8,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -36,28 +37,64 @@ Status GroupFailure(int rank, const std::string& reason) {
 }
 
 // A segment's name lives from its creation until every rank mapped it,
-// within set-up's deadline (300 s by default); one older than the stale age
-// (RemoveStaleSegments) whose creator is gone was left by a job killed
-// meanwhile. The age guards against pid namespaces: a creator in another
-// one (a container sharing this /dev/shm) may look dead here, or its pid
-// belong to another process here, while its slow ranks still open the name.
+// within set-up's deadline, which the caller sets (a communicator's timeout
+// may be half an hour or more). The name carries that deadline (wall-clock
+// seconds): past it every rank has mapped the name or given up, and rank 0,
+// if alive, has unlinked it. A name whose creator is gone counts as stale
+// only past the deadline it carries (and kDeadlineSlackS more), and at
+// least the stale age old (RemoveStaleSegments). Death alone is not enough
+// because of pid namespaces: a creator in another one (a container sharing
+// this /dev/shm) may look dead here, or its pid belong to another process
+// here, while its slow ranks still open the name. Names without a deadline
+// (older versions) go by the stale age alone.
+constexpr long long kDeadlineSlackS = 60;
 
-// The creator's pid in a segment name "ddp-<pid>-<number>" (as CreateShared
-// names them), else -1.
-pid_t CreatorOf(std::string_view name) {
-  auto digits = [](std::string_view s) {
-    return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+// The parts of a segment name "ddp-<pid>-<number>-<deadline>" (as
+// CreateShared names them; older versions left out "-<deadline>").
+struct SegmentName {
+  pid_t creator = -1;       // -1: not a segment name
+  long long deadline = -1;  // wall-clock seconds since the epoch; -1: none given
+};
+
+SegmentName ParseName(std::string_view name) {
+  auto number = [](std::string_view s, long long& value) {
+    if (s.empty() || s.size() > 18 ||
+        !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      return false;
+    }
+    std::from_chars(s.data(), s.data() + s.size(), value);
+    return true;
   };
-  if (!name.starts_with("ddp-")) return -1;
+  SegmentName parsed;
+  if (!name.starts_with("ddp-")) return parsed;
   name.remove_prefix(4);
   const size_t dash = name.find('-');
-  if (dash == std::string_view::npos || dash > 9 || !digits(name.substr(0, dash)) ||
-      !digits(name.substr(dash + 1))) {
-    return -1;
+  long long pid = 0, random = 0, deadline = -1;
+  if (dash == std::string_view::npos || dash > 9 || !number(name.substr(0, dash), pid) || pid <= 0) {
+    return parsed;
   }
-  pid_t pid = 0;
-  std::from_chars(name.data(), name.data() + dash, pid);
-  return pid > 0 ? pid : -1;
+  std::string_view rest = name.substr(dash + 1);
+  const size_t second = rest.find('-');
+  if (second != std::string_view::npos) {
+    if (!number(rest.substr(second + 1), deadline)) return parsed;
+    rest = rest.substr(0, second);
+  }
+  if (!number(rest, random)) return parsed;
+  parsed.creator = static_cast<pid_t>(pid);
+  parsed.deadline = deadline;
+  return parsed;
+}
+
+// `deadline` as wall-clock seconds since the epoch, rounded up; one too far
+// ahead to say (Deadline::max()) is a century from now.
+long long WallClockSeconds(Deadline deadline) {
+  using std::chrono::seconds;
+  constexpr seconds kFarAhead{100LL * 365 * 24 * 3600};
+  const Deadline now = Clock::now();
+  const seconds left = deadline <= now                ? seconds(0)
+                       : deadline - now >= kFarAhead ? kFarAhead
+                                                     : std::chrono::ceil<seconds>(deadline - now);
+  return static_cast<long long>(std::time(nullptr)) + left.count() + 1;
 }
 
 // Whether the process `pid` still is the one that last modified a file at
@@ -105,15 +142,15 @@ int RemoveStaleSegments(const std::string& dir, long stale_after_s) {
   int removed = 0;
   const time_t now = std::time(nullptr);
   while (const dirent* entry = readdir(listing)) {
-    const pid_t pid = CreatorOf(entry->d_name);
-    if (pid < 0) continue;
+    const SegmentName name = ParseName(entry->d_name);
+    if (name.creator < 0 || (name.deadline >= 0 && now < name.deadline + kDeadlineSlackS)) continue;
     struct stat st {};
     if (fstatat(dirfd(listing), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
         !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
         now - st.st_mtime < stale_after_s) {
       continue;
     }
-    if (CreatorAlive(pid, st.st_mtime)) continue;
+    if (CreatorAlive(name.creator, st.st_mtime)) continue;
     if (unlinkat(dirfd(listing), entry->d_name, 0) == 0) ++removed;
   }
   closedir(listing);
@@ -136,7 +173,8 @@ StatusOr<std::unique_ptr<Segment>> Segment::CreateShared(store::Store& store,
   if (group_rank == 0) {
     RemoveStaleSegments();
     std::random_device random;
-    name = "/ddp-" + std::to_string(getpid()) + "-" + std::to_string(random());
+    name = "/ddp-" + std::to_string(getpid()) + "-" + std::to_string(random()) + "-" +
+           std::to_string(WallClockSeconds(deadline));
     const std::string path = "/dev/shm" + name;
     const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {

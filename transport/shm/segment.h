@@ -18,12 +18,13 @@
 
 namespace ddp::transport::shm {
 
-/// Removes the segment names in `dir` ("ddp-<pid>-<number>", this user's)
-/// that are at least `stale_after_s` seconds old (10 minutes by default)
-/// and whose creator is gone: no process has its pid, the process that has
-/// it is a zombie, or it started after the name was last modified (the pid
-/// was reused). Returns how many. Rank 0 of a group calls it before
-/// creating a segment.
+/// Removes the segment names in `dir` ("ddp-<pid>-<number>-<deadline>",
+/// this user's) that are at least `stale_after_s` seconds old (10 minutes
+/// by default), a minute past the set-up deadline they carry (a name of an
+/// older version, without one: no such condition), and whose creator is
+/// gone: no process has its pid, the process that has it is a zombie, or
+/// it started after the name was last modified (the pid was reused).
+/// Returns how many. Rank 0 of a group calls it before creating a segment.
 int RemoveStaleSegments(const std::string& dir = "/dev/shm", long stale_after_s = 600);
 
 class Segment {

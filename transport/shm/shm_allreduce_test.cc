@@ -1,5 +1,6 @@
 #include "transport/shm/shm_allreduce.h"
 
+#include "transport/shm/segment.h"
 #include "transport/shm/shareable.h"
 
 #include <fcntl.h>
@@ -1165,6 +1166,75 @@ TEST(ShmAllReduce, StaleSegmentsOfReusedPidsAndZombiesGo) {
   kill(sleeper, SIGKILL);
   waitpid(sleeper, nullptr, 0);
   waitpid(zombie, nullptr, 0);
+  std::filesystem::remove_all(dir);
+}
+
+// A segment whose set-up runs past the stale age (10 minutes; a
+// communicator's timeout may be raised to half an hour) while its creator
+// looks gone here (it runs in another pid namespace sharing /dev/shm, or
+// its pid names another process here) stays until the set-up deadline it
+// was created with. Another group's rank 0 used to remove it at the stale
+// age, and the late ranks then could not open it: the group went without
+// shared memory. Here the creator looks gone because the name is made to
+// look 20 minutes old, older than this process (so its pid looks reused).
+TEST(ShmAllReduce, ASegmentStillBeingSetUpIsKeptPastTheStaleAgeUntilItsDeadline) {
+  testing::InMemoryStore store;
+  const Deadline deadline = DeadlineIn(milliseconds(30000));
+  std::optional<StatusOr<std::unique_ptr<Segment>>> created;
+  std::thread creator([&] { created = Segment::CreateShared(store, "late/", 0, 2, 4096, deadline); });
+  auto name = store.Get("late/name", DeadlineIn(milliseconds(10000)));
+  EXPECT_TRUE(name.ok()) << name.status();
+  bool aged = false;
+  if (name.ok()) {
+    const int fd = shm_open(name->c_str(), O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << *name << ": " << std::strerror(errno);
+    const time_t long_ago = std::time(nullptr) - 1200;
+    const timespec times[2] = {{.tv_sec = long_ago, .tv_nsec = 0}, {.tv_sec = long_ago, .tv_nsec = 0}};
+    aged = fd >= 0 && futimens(fd, times) == 0;
+    EXPECT_TRUE(aged) << std::strerror(errno);
+    if (fd >= 0) close(fd);
+  }
+  if (!aged) {
+    // Lets the creator return instead of waiting for rank 1 until its deadline.
+    store.Set("late/mapped/1", "!the test could not age the segment", deadline).IgnoreError();
+    creator.join();
+    return;
+  }
+  // What another group's rank 0 does before creating its own segment.
+  RemoveStaleSegments();
+  auto late = Segment::CreateShared(store, "late/", 1, 2, 4096, deadline);
+  creator.join();
+  EXPECT_TRUE(late.ok()) << late.status();
+  ASSERT_TRUE(created.has_value());
+  EXPECT_TRUE(created->ok()) << created->status();
+}
+
+// A name that carries its set-up deadline goes once its creator is gone
+// and the deadline is more than a minute past; before that it stays. Run
+// in a folder of its own with a stale age of 0.
+TEST(ShmAllReduce, StaleSegmentsGoOnlyPastTheDeadlineTheirNameCarries) {
+  char pattern[] = "/tmp/shm_deadline_XXXXXX";
+  const std::string dir = mkdtemp(pattern);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  const time_t now = std::time(nullptr);
+  auto make = [&dir, child](const char* number, time_t deadline) {
+    const std::string path =
+        dir + "/ddp-" + std::to_string(child) + "-" + number + "-" + std::to_string(deadline);
+    const int fd = open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << path << ": " << std::strerror(errno);
+    if (fd >= 0) close(fd);
+    return path;
+  };
+  const std::string past = make("1", now - 120);
+  const std::string just_past = make("2", now - 5);
+  const std::string ahead = make("3", now + 3600);
+  EXPECT_EQ(RemoveStaleSegments(dir, /*stale_after_s=*/0), 1);
+  EXPECT_NE(access(past.c_str(), F_OK), 0) << past << " is still there";
+  EXPECT_EQ(access(just_past.c_str(), F_OK), 0) << just_past << " was removed";
+  EXPECT_EQ(access(ahead.c_str(), F_OK), 0) << ahead << " was removed";
   std::filesystem::remove_all(dir);
 }
 
