@@ -174,11 +174,6 @@ std::string OptionsProblem(const ShmOptions& options) {
 // sizes stay below 2^16 (checked in Create).
 uint64_t Touching(uint64_t call, int peer) { return (call << 16) | static_cast<uint64_t>(peer + 1); }
 
-// True when process `pid` exits within `within`. A process being killed
-// tears down its memory before it is reported as exited, and cross-memory
-// attach in that window fails with EFAULT, as if the buffer were freed.
-bool ExitsWithin(int pid, std::chrono::milliseconds within) { return internal::ProcessExitsWithin(pid, within); }
-
 void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t& end) {
   const SliceRange range = SliceOf(count, elem, size, rank);
   begin = range.begin;
@@ -244,9 +239,34 @@ ShmAllReduce::ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& o
     : segment_(std::move(segment)), options_(options), staging_capacity_(staging_capacity) {
   chunk_.resize(std::max<size_t>(options_.chunk_bytes, kPage));
   peer_mappings_.resize(static_cast<size_t>(options_.size));
+  // A pidfd stays with the process it was opened on: once a peer died and
+  // another process took its pid, the pid alone names that other one.
+  peer_pidfds_.assign(static_cast<size_t>(options_.size), -1);
+  for (int peer = 0; peer < options_.size; ++peer) {
+    const int pid = options_.pids[peer];
+    if (peer == options_.rank || pid <= 0 || pid == getpid()) continue;
+    peer_pidfds_[peer] = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  }
+}
+
+Status ShmAllReduce::PeerExited(int peer) const {
+  return PeerLostError(RankName(peer) + " (pid " + std::to_string(options_.pids[peer]) + ") exited");
+}
+
+// A process being killed tears down its memory before it is reported as
+// exited, and cross-memory attach in that window fails with EFAULT, as if
+// the buffer were freed: hence the wait.
+bool ShmAllReduce::PeerExitsWithin(int peer, std::chrono::milliseconds within) const {
+  const int fd = peer_pidfds_[peer];
+  if (fd < 0) return internal::ProcessExitsWithin(options_.pids[peer], within);
+  pollfd p{fd, POLLIN, 0};
+  return poll(&p, 1, static_cast<int>(within.count())) > 0;
 }
 
 ShmAllReduce::~ShmAllReduce() {
+  for (int fd : peer_pidfds_) {
+    if (fd >= 0) close(fd);
+  }
   for (const PeerMappings& cache : peer_mappings_) {
     for (const PeerMapping& m : cache.lru) {
       if (m.local != nullptr) munmap(m.local, m.size);
@@ -415,6 +435,10 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
       std::memcpy(local, mapped, bytes);
     } else if (const int error = CopyBytes(false, peer, local, remote, bytes); error != 0) {
       return failed(error);
+    } else if (peer_pidfds_[peer] >= 0 && PeerExitsWithin(peer, std::chrono::milliseconds(0))) {
+      // Read by pid: if the peer has exited, another process may have
+      // taken its pid and the bytes be that one's.
+      return PeerExited(peer);
     }
     return gone() ? PeerFailure(s, peer) : Status::Ok();
   }
@@ -611,9 +635,8 @@ Status ShmAllReduce::CopyError(bool write, int peer, int error, void* local, siz
                                 " bytes (shorter than the count, or " + (write ? "unmapped" : "read-only") + "?)");
   }
   if (error == ESRCH ||
-      (error == EFAULT && ExitsWithin(options_.pids[peer], std::chrono::milliseconds(500)))) {
-    return PeerLostError(RankName(peer) + " (pid " + std::to_string(options_.pids[peer]) +
-                         ") exited");
+      (error == EFAULT && PeerExitsWithin(peer, std::chrono::milliseconds(500)))) {
+    return PeerExited(peer);
   }
   if (error == EFAULT) {
     return InvalidArgumentError(RankName(peer) + "'s buffer is not " +
@@ -1136,7 +1159,7 @@ Status ShmAllReduce::Abandon(Status error) {
       }
       if (waited < std::chrono::milliseconds(1)) {
         sched_yield();
-      } else if (ExitsWithin(options_.pids[peer], std::chrono::milliseconds(1))) {
+      } else if (PeerExitsWithin(peer, std::chrono::milliseconds(1))) {
         break;  // a process that exited copies nothing more
       }
     }

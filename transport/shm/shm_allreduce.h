@@ -411,9 +411,20 @@ class ShmAllReduce {
                           const std::function<Status(Deadline, int)>& watchdog,
                           const FailFn& failed = nullptr);
 
+  // Whether `peer`'s process exits within `within`: through the pidfd
+  // taken when the engine was made (immune to the reuse of its pid since),
+  // else by its pid (internal::ProcessExitsWithin).
+  bool PeerExitsWithin(int peer, std::chrono::milliseconds within) const;
+  // PEER_LOST: `peer`'s process exited.
+  Status PeerExited(int peer) const;
+
   std::unique_ptr<Segment> segment_;
   ShmOptions options_;
   size_t staging_capacity_;
+  // Per rank: a pidfd of its process, opened when the engine was made; -1
+  // for this rank, a rank of this same process, or where none could be
+  // had (kernels before 5.3, no descriptor left).
+  std::vector<int> peer_pidfds_;
   uint64_t sequence_ = 0;
   // Set once a call failed before it began (FailUnclaimed): later calls
   // fail with FAILED_PRECONDITION naming it.

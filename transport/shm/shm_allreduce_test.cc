@@ -4,10 +4,13 @@
 #include "transport/shm/shareable.h"
 
 #include <fcntl.h>
+#include <linux/sched.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -943,6 +946,141 @@ TEST(ShmAllReduce, ReadThatFailsBecauseThePeerGaveUpReportsThePeersError) {
   // Well before its own deadline (10 s); the bound leaves room for a
   // loaded machine (the message above tells the old path apart).
   EXPECT_LT(late_returned - root_returned, milliseconds(3000));
+}
+
+// A peer died and another process took its pid at once: a read of the
+// peer's buffer by that pid fails (the new process does not map it). The
+// reader asked the pid whether the peer had exited, found the new process
+// alive, and reported the buffer as freed during the call. It now asks a
+// pidfd taken when the engine was made, which stays with the dead peer:
+// PEER_LOST naming it. Rank 1 is a thread of this process whose pid in the
+// group is that of a child (a copy of this process, so the probe of
+// cross-memory attach at set-up reads what it expects); the child is
+// killed before the call and its pid taken by a copy of this process that
+// unmaps the root's buffer.
+TEST(ShmAllReduce, AFailedReadFromAPeerWhosePidWasReusedIsPeerLost) {
+  const size_t count = size_t{1} << 16;  // 256 KiB of f32: the direct path
+  const size_t bytes = count * sizeof(float);
+  void* root = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(root, MAP_FAILED);
+  std::vector<float> received(count);
+  const pid_t peer = fork();
+  ASSERT_GE(peer, 0);
+  if (peer == 0) {
+    while (true) pause();
+  }
+  testing::InMemoryStore store;
+  std::vector<std::unique_ptr<ShmAllReduce>> group(2);
+  RunRanks(2, [&](int r) {
+    ShmOptions options{.rank = r, .size = 2, .pids = {getpid(), peer}, .staging_bytes = 4096,
+                       .rooted_staging_bytes = 4096, .chunk_bytes = 1024};
+    auto engine = ShmAllReduce::Create(store, "reused/", options, DeadlineIn(milliseconds(10000)));
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (engine.ok()) group[r] = std::move(*engine);
+  });
+  kill(peer, SIGKILL);
+  waitpid(peer, nullptr, 0);
+  // The same pid for a copy of this process without the root's buffer; it
+  // says when it has unmapped it.
+  int unmapped[2];
+  ASSERT_EQ(pipe2(unmapped, O_CLOEXEC), 0) << std::strerror(errno);
+  clone_args args{};
+  args.exit_signal = SIGCHLD;
+  pid_t wanted = peer;
+  args.set_tid = reinterpret_cast<uint64_t>(&wanted);
+  args.set_tid_size = 1;
+  const pid_t reuser = static_cast<pid_t>(syscall(SYS_clone3, &args, sizeof(args)));
+  if (reuser == 0) {
+    munmap(root, bytes);
+    const char done = 1;
+    if (write(unmapped[1], &done, 1) != 1) _exit(1);
+    while (true) pause();
+  }
+  const int reuse_error = errno;
+  close(unmapped[1]);
+  if (reuser > 0) {
+    pollfd ready{unmapped[0], POLLIN, 0};
+    EXPECT_EQ(poll(&ready, 1, 10000), 1) << "the copy under the peer's pid did not unmap the buffer";
+  }
+  close(unmapped[0]);
+  Status read_status, root_status;
+  if (group[0] != nullptr && group[1] != nullptr) {
+    std::thread root_rank([&] {
+      root_status = group[1]->Broadcast(root, count, DataType::kF32, 1,
+                                        DeadlineIn(milliseconds(10000)), nullptr);
+    });
+    read_status = group[0]->Broadcast(received.data(), count, DataType::kF32, 1,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+    root_rank.join();
+  }
+  if (reuser > 0) {
+    kill(reuser, SIGKILL);
+    waitpid(reuser, nullptr, 0);
+  }
+  munmap(root, bytes);
+  ASSERT_EQ(reuser, peer) << "clone3 with set_tid: " << std::strerror(reuse_error);
+  EXPECT_EQ(read_status.code(), StatusCode::kPeerLost) << read_status;
+  EXPECT_NE(read_status.message().find("rank 1 (pid " + std::to_string(peer) + ") exited"),
+            std::string::npos)
+      << read_status;
+}
+
+// The same where the process under the dead peer's pid maps the buffer
+// (a copy of this process made before the root's buffer changed): the
+// read succeeded with that process's bytes, and the call returned OK with
+// wrong data. A read by pid is now trusted only while the peer's pidfd
+// shows it alive.
+TEST(ShmAllReduce, AReadFromAPeerWhosePidWasReusedIsNotTrusted) {
+  const size_t count = size_t{1} << 16;  // 256 KiB of f32: the direct path
+  std::vector<float> root(count, 1.0f), received(count, 0.0f);
+  const pid_t peer = fork();
+  ASSERT_GE(peer, 0);
+  if (peer == 0) {
+    while (true) pause();
+  }
+  testing::InMemoryStore store;
+  std::vector<std::unique_ptr<ShmAllReduce>> group(2);
+  RunRanks(2, [&](int r) {
+    ShmOptions options{.rank = r, .size = 2, .pids = {getpid(), peer}, .staging_bytes = 4096,
+                       .rooted_staging_bytes = 4096, .chunk_bytes = 1024};
+    auto engine = ShmAllReduce::Create(store, "trusted/", options, DeadlineIn(milliseconds(10000)));
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (engine.ok()) group[r] = std::move(*engine);
+  });
+  kill(peer, SIGKILL);
+  waitpid(peer, nullptr, 0);
+  clone_args args{};
+  args.exit_signal = SIGCHLD;
+  pid_t wanted = peer;
+  args.set_tid = reinterpret_cast<uint64_t>(&wanted);
+  args.set_tid_size = 1;
+  const pid_t reuser = static_cast<pid_t>(syscall(SYS_clone3, &args, sizeof(args)));
+  if (reuser == 0) {
+    while (true) pause();
+  }
+  const int reuse_error = errno;
+  // The copy under the peer's pid keeps the 1s.
+  std::fill(root.begin(), root.end(), 2.0f);
+  Status read_status;
+  if (group[0] != nullptr && group[1] != nullptr) {
+    std::thread root_rank([&] {
+      group[1]->Broadcast(root.data(), count, DataType::kF32, 1, DeadlineIn(milliseconds(10000)),
+                          nullptr).IgnoreError();
+    });
+    read_status = group[0]->Broadcast(received.data(), count, DataType::kF32, 1,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+    root_rank.join();
+  }
+  if (reuser > 0) {
+    kill(reuser, SIGKILL);
+    waitpid(reuser, nullptr, 0);
+  }
+  ASSERT_EQ(reuser, peer) << "clone3 with set_tid: " << std::strerror(reuse_error);
+  EXPECT_EQ(read_status.code(), StatusCode::kPeerLost)
+      << read_status << " (received[0] = " << received[0] << ", the root sent 2)";
+  EXPECT_NE(read_status.message().find("rank 1 (pid " + std::to_string(peer) + ") exited"),
+            std::string::npos)
+      << read_status;
 }
 
 // A group inside a larger job names its members by their job ranks.
