@@ -882,36 +882,6 @@ TEST(TrainCliTest, CtrlCInTheFirstEpochLeavesAChart) {
   EXPECT_NE(chart.find("</svg>"), std::string::npos) << chart;
 }
 
-// Ctrl-C while the launcher still checked its setup ended it by the
-// signal's default action, printing nothing (exit status 130). It says so in
-// one line, and stops before anything is made: no rank, no folder. The
-// --flagfile is a FIFO, which holds the program in its setup (reading its
-// flags) until the test closes its end.
-TEST(TrainCliTest, CtrlCDuringSetupSaysSoInOneLineAndMakesNothing) {
-  const std::string dir = testing::MakeTempDir("ctrl_c_setup");
-  const std::string fifo = dir + "/flags";
-  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
-  testing::Subprocess running({Runfile("examples/train"), "--flagfile=" + fifo, "--dataset=synthetic",
-                               "--model=mlp", "--batch_size=16", "--workers=0", "--nproc_per_node=1", "--epochs=1",
-                               "--train_samples=64", "--test_samples=16", "--log_dir=" + dir + "/logs",
-                               "--checkpoint=" + dir + "/saved/model.ckpt"});
-  // Opens once the program has the FIFO open for reading (ENXIO before):
-  // it then waits in its read for this end to be closed.
-  int writer = -1;
-  ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(fifo, running, &writer));
-  running.Signal(SIGINT);
-  close(writer);  // an empty file of flags
-  ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
-  EXPECT_EQ(running.Stderr(),
-            "train: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n");
-  EXPECT_EQ(running.Stdout(), "");
-  EXPECT_FALSE(std::filesystem::exists(dir + "/logs"));
-  EXPECT_FALSE(std::filesystem::exists(dir + "/saved"));
-  std::vector<std::string> left;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) left.push_back(entry.path().filename());
-  EXPECT_EQ(left, std::vector<std::string>{"flags"});
-}
-
 // More ranks than usable CPUs start, with a note before they do (999 ranks
 // on 2 cores started without a word). One CPU (taskset) and 2 ranks.
 TEST(TrainCliTest, MoreRanksThanCpusGetANote) {

@@ -180,6 +180,9 @@ TEST(TrainSetupTest, TheFlagsOfAFifoFlagfileReachTheRanks) {
 // names the flagfile, and the run ends by the signal, having made nothing.
 // The FIFO is held open by the test and never written: the program is
 // reading it from the moment the test can open it (OpenFifoOnceRead).
+// This is also the case of a Ctrl-C in setup (no rank, no folder made);
+// train_cli_test's, which closed the FIFO just after the signal, raced
+// the read's stop (one line or two) and is gone.
 TEST(TrainSetupTest, CtrlCWhileAFifoFlagfileIsReadStopsAtOnce) {
   const std::string dir = testing::MakeTempDir("ctrl_c_fifo_flagfile");
   const std::string fifo = dir + "/flags";
