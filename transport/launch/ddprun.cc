@@ -64,55 +64,6 @@ std::optional<int64_t> ParseInt(std::string_view text) {
   return v;
 }
 
-// Python's whitespace among the ASCII characters: \t\n\v\f\r, the
-// file/group/record/unit separators \x1c-\x1f, and the space.
-bool IsPythonSpace(char c) { return (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= ' '); }
-
-// `text` as Python's int() reads a base-10 string, which is how torchrun
-// reads its integer flags and switches: whitespace around it, an optional
-// sign, decimal digits with single underscores between two digits ("1",
-// " +2\n", "-007", "29_500"). Returns the digits, without the underscores,
-// after a '-' if negative; nullopt for anything int() refuses ("", "1__0",
-// "_1", "1_", "1.0", "0x1", "1 0").
-std::optional<std::string> PythonIntDigits(std::string_view text) {
-  while (!text.empty() && IsPythonSpace(text.front())) text.remove_prefix(1);
-  while (!text.empty() && IsPythonSpace(text.back())) text.remove_suffix(1);
-  std::string digits;
-  if (!text.empty() && (text.front() == '+' || text.front() == '-')) {
-    if (text.front() == '-') digits = "-";
-    text.remove_prefix(1);
-  }
-  if (text.empty()) return std::nullopt;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (c == '_') {
-      // Only between two digits.
-      if (i == 0 || i + 1 == text.size() || text[i - 1] == '_') return std::nullopt;
-      continue;
-    }
-    if (c < '0' || c > '9') return std::nullopt;
-    digits += c;
-  }
-  return digits;
-}
-
-// An integer flag's value as torchrun's int() takes it (see
-// PythonIntDigits: "+1", " 2 ", "29_500"). One beyond int64's range comes
-// back as int64's bound on its side, for the caller's range check to
-// refuse as out of range rather than as no integer.
-std::optional<int64_t> ParsePythonInt(std::string_view text) {
-  const std::optional<std::string> digits = PythonIntDigits(text);
-  if (!digits) return std::nullopt;
-  const bool negative = (*digits)[0] == '-';
-  const std::string_view magnitude = std::string_view(*digits).substr(negative ? 1 : 0);
-  int64_t v = 0;
-  if (std::from_chars(magnitude.data(), magnitude.data() + magnitude.size(), v).ec ==
-      std::errc::result_out_of_range) {
-    return negative ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
-  }
-  return negative ? -v : v;
-}
-
 // The longest time a seconds value may give.
 constexpr int64_t kMostSeconds = 1000000000;
 
@@ -363,7 +314,7 @@ struct PetFlag {
 };
 
 // A PET_ switch's value read as torchrun's check_env reads it,
-// bool(int(value)) (see PythonIntDigits: "1", "2", "-1", "007", "1_0",
+// bool(int(value)) (see PythonIntDigits in env.h: "1", "2", "-1", "007", "1_0",
 // " 1\n"); any nonzero value is on. Returns whether the switch is on;
 // nullopt for anything int() refuses ("yes", "true", "1.0", "0x1"), which
 // torchrun fails on.

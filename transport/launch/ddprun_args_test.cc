@@ -869,6 +869,24 @@ TEST(DdprunArgsTest, IntegerFlagsTakeWhatPythonsIntTakes) {
                 "--max_restarts=-99999999999999999999 must be in [0, 1000000]");
 }
 
+// torchrun's --nproc_per_node is int() too before its words (gpu, cpu,
+// auto): "+2" and "1_0" were refused as "not an integer, gpu, cpu or auto".
+TEST(DdprunArgsTest, NprocPerNodeTakesWhatPythonsIntTakes) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=+2", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 2);
+  o = Parse({"--nproc-per-node", "1_0", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 10);
+  o = Parse({"p"}, {{"PET_NPROC_PER_NODE", " 3\n"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->nproc_per_node, 3);
+  ExpectRefused({"--nproc_per_node=2__0", "p"}, "--nproc_per_node=2__0 is not an integer, gpu, cpu or auto");
+  ExpectRefused({"--nproc_per_node=-1", "p"}, "--nproc_per_node=-1 must be in [1, 4096]");
+  ExpectRefused({"p"}, "PET_NPROC_PER_NODE='+0' (from the environment): --nproc_per_node=+0 must be in [1, 4096]",
+                {{"PET_NPROC_PER_NODE", "+0"}});
+}
+
 // torchrun's --logs_specs and --numa_binding have no `env` action: no
 // PET_ variable sets them there, and none does here (a PET_LOGS_SPECS
 // made a note that it was ignored).

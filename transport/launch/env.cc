@@ -438,6 +438,49 @@ StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(std::string_view spec) {
   return out;
 }
 
+namespace {
+
+// Python's whitespace among the ASCII characters: \t\n\v\f\r, the
+// file/group/record/unit separators \x1c-\x1f, and the space.
+bool IsPythonSpace(char c) { return (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= ' '); }
+
+}  // namespace
+
+std::optional<std::string> PythonIntDigits(std::string_view text) {
+  while (!text.empty() && IsPythonSpace(text.front())) text.remove_prefix(1);
+  while (!text.empty() && IsPythonSpace(text.back())) text.remove_suffix(1);
+  std::string digits;
+  if (!text.empty() && (text.front() == '+' || text.front() == '-')) {
+    if (text.front() == '-') digits = "-";
+    text.remove_prefix(1);
+  }
+  if (text.empty()) return std::nullopt;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '_') {
+      // Only between two digits.
+      if (i == 0 || i + 1 == text.size() || text[i - 1] == '_') return std::nullopt;
+      continue;
+    }
+    if (c < '0' || c > '9') return std::nullopt;
+    digits += c;
+  }
+  return digits;
+}
+
+std::optional<int64_t> ParsePythonInt(std::string_view text) {
+  const std::optional<std::string> digits = PythonIntDigits(text);
+  if (!digits) return std::nullopt;
+  const bool negative = (*digits)[0] == '-';
+  const std::string_view magnitude = std::string_view(*digits).substr(negative ? 1 : 0);
+  int64_t v = 0;
+  if (std::from_chars(magnitude.data(), magnitude.data() + magnitude.size(), v).ec ==
+      std::errc::result_out_of_range) {
+    return negative ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
+  }
+  return negative ? -v : v;
+}
+
 int VisibleGpuCount(const EnvMap& env, const std::string& proc_gpus) {
   // The GPUs the driver lists (every GPU of the host, or of the container).
   int listed = 0;
@@ -497,15 +540,14 @@ StatusOr<int> ParseNprocPerNode(std::string_view text, const EnvMap& env, const 
     // caps the affinity mask, which lists every core of the host there.
     return std::clamp(topology::UsableCpus(), 1, kMaxProcPerNode);
   }
-  int n = 0;
-  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size()) {
-    return InvalidArgumentError(flag + " is not an integer, gpu, cpu or auto");
-  }
-  if (n < 1 || n > kMaxProcPerNode) {
+  // torchrun tries int() first, so "+2", " 4\n" and "1_0" are numbers; its
+  // words must be exact (" gpu" is neither).
+  const std::optional<int64_t> n = ParsePythonInt(text);
+  if (!n) return InvalidArgumentError(flag + " is not an integer, gpu, cpu or auto");
+  if (*n < 1 || *n > kMaxProcPerNode) {
     return InvalidArgumentError(flag + " must be in [1, " + std::to_string(kMaxProcPerNode) + "]");
   }
-  return n;
+  return static_cast<int>(*n);
 }
 
 }  // namespace ddp::transport::launch

@@ -51,7 +51,9 @@
 // Every inconsistency is INVALID_ARGUMENT with a one-line message that names
 // the variable and its value.
 
+#include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -158,6 +160,19 @@ StatusOr<LaunchEnv> LaunchEnvFromProcess();
 /// elsewhere.
 std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& env);
 
+/// `text` as Python's int() reads a base-10 string, which is how torchrun
+/// reads its integer flags, its PET_ switches and its --rdzv_conf counts:
+/// Python whitespace around it, an optional sign, decimal digits with single
+/// underscores between two digits ("1", " +2\n", "-007", "29_500"). Returns
+/// the digits without the underscores, after a '-' if negative; nullopt for
+/// anything int() refuses ("", "1__0", "_1", "1_", "1.0", "0x1", "1 0").
+std::optional<std::string> PythonIntDigits(std::string_view text);
+
+/// PythonIntDigits' number. One beyond int64's range comes back as int64's
+/// bound on its side, for the caller's range check to refuse as out of
+/// range rather than as no integer.
+std::optional<int64_t> ParsePythonInt(std::string_view text);
+
 /// Most workers one node may run.
 inline constexpr int kMaxProcPerNode = 4096;
 /// Where the NVIDIA driver lists the GPUs (one entry per GPU).
@@ -170,7 +185,7 @@ inline constexpr char kNvidiaProcGpus[] = "/proc/driver/nvidia/gpus";
 int VisibleGpuCount(const EnvMap& env, const std::string& proc_gpus = kNvidiaProcGpus);
 
 /// The value of --nproc_per_node, in torchrun's forms: a number in [1,
-/// kMaxProcPerNode], `gpu` (one worker per visible GPU), `cpu` (one per CPU
+/// kMaxProcPerNode] as Python's int() reads it (see ParsePythonInt), `gpu` (one worker per visible GPU), `cpu` (one per CPU
 /// this process may run on) or `auto` (gpu when there is one, else cpu).
 /// INVALID_ARGUMENT naming the flag otherwise, and for `gpu` without GPUs.
 StatusOr<int> ParseNprocPerNode(std::string_view text, const EnvMap& env,

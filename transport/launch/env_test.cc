@@ -5,7 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
 
 #include <gtest/gtest.h>
 
@@ -503,6 +508,41 @@ TEST(NprocPerNodeTest, NumbersGpuCpuAndAuto) {
   EXPECT_EQ(error(ParseNprocPerNode("0", {}, dir)), "--nproc_per_node=0 must be in [1, 4096]");
   EXPECT_EQ(error(ParseNprocPerNode("GPU", {}, dir)), "--nproc_per_node=GPU is not an integer, gpu, cpu or auto");
   EXPECT_EQ(error(ParseNprocPerNode("", {}, dir)), "--nproc_per_node= is not an integer, gpu, cpu or auto");
+}
+
+// torchrun reads --nproc_per_node with int() before it looks at its words,
+// so a sign, whitespace around the number and underscores between digits
+// are a number there; they were refused here as "not an integer". The
+// words stay exact, and the range check sees the number.
+TEST(NprocPerNodeTest, NumbersAsPythonsIntReadsThem) {
+  const std::string none = ::testing::TempDir() + "/no_nvidia_gpus_" + std::to_string(getpid());
+  auto error = [](StatusOr<int> r) { return r.ok() ? std::string("ok") : r.status().message(); };
+  EXPECT_EQ(error(ParseNprocPerNode("+2", {}, none)), "ok");
+  EXPECT_EQ(ParseNprocPerNode("+2", {}, none).value(), 2);
+  EXPECT_EQ(ParseNprocPerNode(" 4\n", {}, none).value(), 4);
+  EXPECT_EQ(ParseNprocPerNode("1_0", {}, none).value(), 10);
+  EXPECT_EQ(ParseNprocPerNode("0_08", {}, none).value(), 8);
+  EXPECT_EQ(error(ParseNprocPerNode("-0", {}, none)), "--nproc_per_node=-0 must be in [1, 4096]");
+  EXPECT_EQ(error(ParseNprocPerNode("4_097", {}, none)), "--nproc_per_node=4_097 must be in [1, 4096]");
+  EXPECT_EQ(error(ParseNprocPerNode("99999999999999999999", {}, none)),
+            "--nproc_per_node=99999999999999999999 must be in [1, 4096]");
+  for (const std::string bad : {"1__0", "_1", "1_", "+", "0x2", "2.0", "1 0", " gpu", "cpu ", "+auto"}) {
+    EXPECT_EQ(error(ParseNprocPerNode(bad, {}, none)),
+              "--nproc_per_node=" + bad + " is not an integer, gpu, cpu or auto");
+  }
+}
+
+TEST(PythonIntTest, ReadsWhatPythonsIntReads) {
+  EXPECT_EQ(ParsePythonInt("29_500"), 29500);
+  EXPECT_EQ(ParsePythonInt(" +7\t"), 7);
+  EXPECT_EQ(ParsePythonInt("\x1f-007\v"), -7);
+  EXPECT_EQ(ParsePythonInt("-0"), 0);
+  EXPECT_EQ(ParsePythonInt("99999999999999999999"), std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(ParsePythonInt("-99999999999999999999"), std::numeric_limits<int64_t>::min());
+  for (std::string_view bad : {"", " ", "+", "-", "+-1", "1__0", "_1", "1_", "_", "1 0", "0x10", "1.0", "1e3"}) {
+    EXPECT_EQ(ParsePythonInt(bad), std::nullopt) << "'" << bad << "'";
+  }
+  EXPECT_EQ(PythonIntDigits(" -1_000 "), "-1000");
 }
 
 }  // namespace
