@@ -623,7 +623,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           const milliseconds seconds = parsed.value_or(milliseconds(-1));  // -1: not a time
           const bool positive = seconds.count() > 0;
           if (key == "keep_alive_max_attempt") {
-            const std::optional<int64_t> attempts = ParseInt(raw);
+            // torchrun's get_as_int: int() ("+4", "1_0").
+            const std::optional<int64_t> attempts = ParsePythonInt(raw);
             if (!attempts || *attempts < 1 || *attempts > 1000) {
               return bad_item(item, "keep_alive_max_attempt takes a count from 1 to 1000");
             }
@@ -849,10 +850,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         while (!text.empty()) {
           const size_t comma = text.find(',', start);
           std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-          // torchrun reads each with Python's int(), which skips spaces.
+          // torchrun reads each with Python's int(): spaces around it, a
+          // sign, underscores between digits ("+1", " 2", "1_0").
           item.erase(0, item.find_first_not_of(" \t"));
           item.erase(item.find_last_not_of(" \t") + 1);
-          const std::optional<int64_t> v = ParseInt(item);
+          const std::optional<int64_t> v = ParsePythonInt(item);
           if (!v || *v < 0 || *v >= 1000000) {
             return InvalidArgumentError(Flag(name, text) + ": '" + item +
                                         "' is not a local rank (a comma-separated list such as 0,1)");

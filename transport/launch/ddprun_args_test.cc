@@ -922,6 +922,34 @@ TEST(DdprunArgsTest, LocalRanksFilter) {
                 "--local_ranks_filter names local rank 2, but --nproc_per_node=2 gives local ranks 0 to 1");
 }
 
+// torchrun reads --rdzv_conf's keep_alive_max_attempt with int()
+// (get_as_int): "+4" and "1_0" were refused as no count.
+TEST(DdprunArgsTest, KeepAliveMaxAttemptTakesWhatPythonsIntTakes) {
+  StatusOr<DdprunOptions> o = Parse({"--rdzv_conf=keep_alive_interval=1,keep_alive_max_attempt=+4", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_timeout, 4000ms);
+  o = Parse({"p"}, {{"PET_RDZV_CONF", "keep_alive_interval=2, keep_alive_max_attempt=1_0"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->node_timeout, 20000ms);
+  for (const std::string bad : {"1__0", "4.0", "0x4", "_4", "1_001"}) {
+    ExpectRefused({"--rdzv_conf=keep_alive_max_attempt=" + bad, "p"},
+                  "--rdzv_conf=keep_alive_max_attempt=" + bad + ": 'keep_alive_max_attempt=" + bad +
+                      "': keep_alive_max_attempt takes a count from 1 to 1000");
+  }
+}
+
+// torchrun reads each rank of --local_ranks_filter with int(): a sign and
+// underscores between digits were refused as "not a local rank".
+TEST(DdprunArgsTest, LocalRanksFilterTakesWhatPythonsIntTakes) {
+  StatusOr<DdprunOptions> o = Parse({"--nproc_per_node=12", "--local_ranks_filter=+1,1_1, -0\n", "./prog"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->local_ranks_filter, (std::vector<int>{0, 1, 11}));
+  const std::string list = "' is not a local rank (a comma-separated list such as 0,1)";
+  ExpectRefused({"--local_ranks_filter=1__0", "p"}, "--local_ranks_filter=1__0: '1__0" + list);
+  ExpectRefused({"--local_ranks_filter=0,_1", "p"}, "--local_ranks_filter=0,_1: '_1" + list);
+  ExpectRefused({"--local_ranks_filter=0x1", "p"}, "--local_ranks_filter=0x1: '0x1" + list);
+}
+
 // torchrun reads a flag that is not on the command line from PET_<FLAG>
 // (Kubeflow's PyTorchJob sets only these); the command line wins.
 TEST(DdprunArgsTest, PetVariablesAreDefaultsForTorchrunFlags) {
