@@ -938,9 +938,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // torchrun's precedence: --standalone replaces the endpoint (and logs
   // it), and an endpoint, from the command line or PET_RDZV_ENDPOINT, wins
   // over --master_addr and --master_port (get_rdzv_endpoint reads them only
-  // when no endpoint is given).
+  // when no endpoint is given). A note on what --standalone overrides
+  // names PET_STANDALONE when that set it, as the command line then says
+  // nothing of --standalone.
   if (o.standalone) {
-    const std::string why = " ignored: --standalone runs the store on 127.0.0.1 with a free port";
+    const std::string why = " ignored: " + named("standalone") + " runs the store on 127.0.0.1 with a free port";
     if (endpoint_given) o.notes.push_back(endpoint_text + " is" + why);
     if (addr_given || port_given) o.notes.push_back(ignored_masters() + why);
   } else if (endpoint_given) {
@@ -973,8 +975,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // torchrun's --standalone replaces --rdzv_id too, with a run id of its
   // own (a uuid4) for every run; here the run's DDP_RUN_ID, made in RunJob.
   if (o.standalone && !o.rdzv_id.empty()) {
-    o.notes.push_back(shown("rdzv_id", o.rdzv_id) +
-                      " is ignored: --standalone makes up a run id for each run, as torchrun's does");
+    o.notes.push_back(shown("rdzv_id", o.rdzv_id) + " is ignored: " + named("standalone") +
+                      " makes up a run id for each run, as torchrun's does");
     o.rdzv_id.clear();
   }
   // Before the range check: --standalone with --nnodes=1:2 wants one node
@@ -985,8 +987,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   }
   // torchrun's --standalone is c10d on one node, which ignores --node_rank.
   if (o.standalone && o.node_rank != 0) {
-    o.notes.push_back(node_rank_name + "=" + std::to_string(o.node_rank) +
-                      " is ignored with --standalone: it runs one node, node 0");
+    o.notes.push_back(node_rank_name + "=" + std::to_string(o.node_rank) + " is ignored with " +
+                      named("standalone") + ": it runs one node, node 0");
     o.node_rank = 0;
   }
   if (o.min_nodes > 0 && o.rdzv_backend != "c10d") {

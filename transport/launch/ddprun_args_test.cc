@@ -392,11 +392,18 @@ TEST(DdprunArgsTest, StandaloneOverridesTheEndpointWithANote) {
   EXPECT_EQ(o->notes, std::vector<std::string>{
                           "--master_addr and --master_port are ignored: --standalone runs the store on 127.0.0.1 "
                           "with a free port"});
+  // Set by PET_STANDALONE, the note names it (it named --standalone, which
+  // the command line did not give).
   o = Parse({"--master_port=1234", "p"}, {{"PET_STANDALONE", "1"}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_port, 0);
   EXPECT_EQ(o->notes, std::vector<std::string>{
-                          "--master_port is ignored: --standalone runs the store on 127.0.0.1 with a free port"});
+                          "--master_port is ignored: PET_STANDALONE runs the store on 127.0.0.1 with a free port"});
+  o = Parse({"--rdzv_endpoint=h:1", "p"}, {{"PET_STANDALONE", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--rdzv_endpoint=h:1 is ignored: PET_STANDALONE runs the store on 127.0.0.1 with a "
+                          "free port"});
 }
 
 // torchrun's --standalone replaces --rdzv_id (from the command line or
@@ -407,17 +414,19 @@ TEST(DdprunArgsTest, StandaloneOverridesTheRdzvIdWithANote) {
     std::vector<std::string> args;
     EnvMap env;
     std::string ignored;  // how the note names the run id
+    std::string standalone;  // and --standalone
   };
   for (const Case& c : std::vector<Case>{
-           {{"--standalone", "--rdzv_id=job7", "p"}, {}, "--rdzv_id=job7"},
-           {{"--standalone", "p"}, {{"PET_RDZV_ID", "job7"}}, "PET_RDZV_ID='job7'"},
-           {{"p"}, {{"PET_STANDALONE", "1"}, {"PET_RDZV_ID", "job7"}}, "PET_RDZV_ID='job7'"}}) {
+           {{"--standalone", "--rdzv_id=job7", "p"}, {}, "--rdzv_id=job7", "--standalone"},
+           {{"--standalone", "p"}, {{"PET_RDZV_ID", "job7"}}, "PET_RDZV_ID='job7'", "--standalone"},
+           {{"p"}, {{"PET_STANDALONE", "1"}, {"PET_RDZV_ID", "job7"}}, "PET_RDZV_ID='job7'", "PET_STANDALONE"},
+           {{"--rdzv_id=job7", "p"}, {{"PET_STANDALONE", "1"}}, "--rdzv_id=job7", "PET_STANDALONE"}}) {
     StatusOr<DdprunOptions> o = Parse(c.args, c.env);
     ASSERT_TRUE(o.ok()) << o.status();
     EXPECT_TRUE(o->standalone);
     EXPECT_EQ(o->rdzv_id, "");
-    EXPECT_EQ(o->notes, std::vector<std::string>{c.ignored + " is ignored: --standalone makes up a run id "
-                                                 "for each run, as torchrun's does"});
+    EXPECT_EQ(o->notes, std::vector<std::string>{c.ignored + " is ignored: " + c.standalone +
+                                                 " makes up a run id for each run, as torchrun's does"});
   }
   // Without --standalone it is kept.
   StatusOr<DdprunOptions> o = Parse({"--rdzv_id=job7", "p"});
@@ -528,7 +537,11 @@ TEST(DdprunArgsTest, StandaloneIgnoresTheNodeRankWithANote) {
   o = Parse({"p"}, {{"PET_STANDALONE", "1"}, {"PET_NODE_RANK", "1"}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->notes, std::vector<std::string>{
-                          "PET_NODE_RANK=1 is ignored with --standalone: it runs one node, node 0"});
+                          "PET_NODE_RANK=1 is ignored with PET_STANDALONE: it runs one node, node 0"});
+  o = Parse({"--node_rank=2", "p"}, {{"PET_STANDALONE", "1"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->notes, std::vector<std::string>{
+                          "--node_rank=2 is ignored with PET_STANDALONE: it runs one node, node 0"});
   o = Parse({"p"}, {{"PET_NNODES", "2"}, {"PET_NODE_RANK", "1"}, {"PET_RDZV_BACKEND", "c10d"},
                     {"PET_RDZV_ENDPOINT", "h:1"}, {"DDP_JOB_TOKEN", "t"}});
   ASSERT_TRUE(o.ok()) << o.status();
