@@ -111,9 +111,11 @@ using ReadFn = std::function<size_t(void* dst, size_t n)>;
 // fewer bytes fails before any data is read. So does one asking for more
 // than `max_bytes` in all, the bound on a gzip stream's output (which would
 // otherwise fail only after decompressing up to the bound). After the data,
-// one byte more is read, never the rest.
+// one byte more is read, never the rest. `whole` names what is read in
+// errors that give its size: "the file", or "the data" (bytes in memory, or
+// decompressed).
 IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact,
-                      uint64_t max_bytes, const std::string& source, int expected_dims) {
+                      uint64_t max_bytes, const std::string& source, int expected_dims, const char* whole) {
   uint8_t p[4] = {};
   const size_t magic = read(p, 4);
   if (magic < 4) {
@@ -142,7 +144,7 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
   const size_t got_dims = read(dims, header - 4);
   if (got_dims < header - 4) {
     throw DatasetError(source + ": IDX header truncated: " + std::to_string(ndims) +
-                       " dimensions need " + std::to_string(header) + " bytes, file has " +
+                       " dimensions need " + std::to_string(header) + " bytes, " + whole + " has " +
                        std::to_string(4 + got_dims));
   }
   IdxArray out;
@@ -175,7 +177,7 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
     throw DatasetError(source + ": " + std::to_string(after_header - count) +
                        " unexpected bytes after the IDX data: dimensions " + DimsString(out.dims) + " need " +
                        std::to_string(count) + " bytes after the " + std::to_string(header) + "-byte header, " +
-                       std::to_string(header + count) + " in all, but the file has " + std::to_string(size_hint));
+                       std::to_string(header + count) + " in all, but " + whole + " has " + std::to_string(size_hint) + " bytes");
   }
   if (overflow || max_bytes < header || count > max_bytes - header) {
     throw DatasetError(source + ": IDX dimensions " + DimsString(out.dims) + " need " +
@@ -272,7 +274,7 @@ IdxArray ParseIdx(std::string_view bytes, const std::string& source, int expecte
     return got;
   };
   return ParseIdxFrom(read, bytes.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, source,
-                      expected_dims);
+                      expected_dims, "the data");
 }
 
 IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& source,
@@ -281,7 +283,7 @@ IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& sourc
     internal::GzipReader gzip(file_bytes, source, max_decompressed_bytes);
     const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
     return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, max_decompressed_bytes, source,
-                        expected_dims);
+                        expected_dims, "the data");
   }
   return ParseIdx(file_bytes, source, expected_dims);
 }
@@ -297,7 +299,7 @@ IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
     internal::GzipReader gzip(file, path, internal::kMaxDecompressedBytes);
     const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
     return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, internal::kMaxDecompressedBytes, path,
-                        expected_dims);
+                        expected_dims, "the data");
   }
   // A plain file: its header is checked against its size before the data
   // is read, so that a wrong file of gigabytes fails at once, and then
@@ -308,7 +310,8 @@ IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
     at += got;
     return got;
   };
-  return ParseIdxFrom(read, file.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, path, expected_dims);
+  return ParseIdxFrom(read, file.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, path, expected_dims,
+                      "the file");
 }
 
 std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,

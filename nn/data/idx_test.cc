@@ -220,7 +220,11 @@ TEST(IdxErrors, WrongDimensionCount) {
 TEST(IdxErrors, TruncatedHeader) {
   std::string b = IdxBytes({3, 2, 2}, "");
   EXPECT_THAT(ErrorOf([&] { ParseIdx(b.substr(0, 9), "f.idx"); }),
-              AllOf(HasSubstr("header truncated"), HasSubstr("need 16 bytes")));
+              HasSubstr("f.idx: IDX header truncated: 3 dimensions need 16 bytes, the data has 9"));
+  const std::string dir = FreshDir("idx_short_header");
+  WriteFile(dir + "/f.idx", b.substr(0, 9));
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(dir + "/f.idx"); }),
+              HasSubstr("/f.idx: IDX header truncated: 3 dimensions need 16 bytes, the file has 9"));
 }
 
 TEST(IdxErrors, TruncatedData) {
@@ -283,11 +287,11 @@ TEST(IdxErrors, AValidHeaderOnGigabytesOfOtherBytesFailsBeforeReadingThem) {
   ASSERT_EQ(::truncate(path.c_str(), off_t{8} << 30), 0) << path << ": " << std::strerror(errno);
   EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { ReadIdxFile(path); }),
               HasSubstr(path + ": 8589934564 unexpected bytes after the IDX data: dimensions [3, 2, 2] need 12 "
-                               "bytes after the 16-byte header, 28 in all, but the file has 8589934592"));
+                               "bytes after the 16-byte header, 28 in all, but the file has 8589934592 bytes"));
   WriteFile(path, IdxBytes({3, 2, 2}, std::string(15, 'x')));
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(path); }),
               HasSubstr(path + ": 3 unexpected bytes after the IDX data: dimensions [3, 2, 2] need 12 bytes "
-                               "after the 16-byte header, 28 in all, but the file has 31"));
+                               "after the 16-byte header, 28 in all, but the file has 31 bytes"));
   // A file short of the data is still truncated, and one of the right size reads.
   WriteFile(path, IdxBytes({3, 2, 2}, std::string(11, 'x')));
   EXPECT_THAT(ErrorOf([&] { ReadIdxFile(path); }),
@@ -316,9 +320,12 @@ TEST(IdxErrors, NoItemsOfOverflowingSizeAreAnError) {
               AllOf(HasSubstr("f.idx"), HasSubstr("more than 2^62")));
 }
 
+// Bytes in memory are called data, not a file (there is none).
 TEST(IdxErrors, TrailingBytes) {
-  EXPECT_THAT(ErrorOf([] { ParseIdx(IdxBytes({2}, "abc"), "f.idx"); }),
-              AllOf(HasSubstr("1 unexpected bytes after the IDX data")));
+  const std::string error = ErrorOf([] { ParseIdx(IdxBytes({2}, "abc"), "f.idx"); });
+  EXPECT_THAT(error, HasSubstr("f.idx: 1 unexpected bytes after the IDX data: dimensions [2] need 2 bytes after the "
+                               "8-byte header, 10 in all, but the data has 11 bytes"));
+  EXPECT_THAT(error, Not(HasSubstr("file")));
 }
 
 TEST(IdxErrors, CorruptGzip) {
