@@ -94,6 +94,15 @@ size_t OpenFile::ReadAt(void* dst, size_t n, uint64_t offset) const {
   return got;
 }
 
+uint64_t OpenFile::DataFrom(uint64_t offset) const {
+  // Only the descriptor's position moves, which ReadAt (pread) ignores.
+  const off_t at = ::lseek(fd_, static_cast<off_t>(offset), SEEK_DATA);
+  if (at >= 0) return std::max(offset, static_cast<uint64_t>(at));
+  // ENXIO: no data from `offset` to the end. Anything else (EINVAL where
+  // the file system has no SEEK_DATA): unknown, so the bytes are read.
+  return errno == ENXIO ? std::max(offset, size_) : offset;
+}
+
 bool IsGzip(std::string_view bytes) {
   return bytes.size() >= 2 && static_cast<uint8_t>(bytes[0]) == 0x1f &&
          static_cast<uint8_t>(bytes[1]) == 0x8b;
@@ -200,7 +209,17 @@ size_t GzipReader::Read(void* dst, size_t n) {
         zeros += static_cast<uint64_t>(next - rest);
         zs.avail_in -= static_cast<uInt>(next - rest);
         zs.next_in = const_cast<Bytef*>(next);
-        if (zs.avail_in >= 2 || !Refill()) break;
+        if (zs.avail_in >= 2) break;
+        // Zeros up to the end of the input read so far: a hole in the file
+        // from here on is more of them, counted without being read (4 GiB
+        // of a file extended by truncate were read and scanned to find the
+        // end, seconds spent on nothing).
+        if (zs.avail_in == 0 && file_ != nullptr) {
+          const uint64_t data = file_->DataFrom(file_at_);
+          zeros += data - file_at_;
+          file_at_ = data;
+        }
+        if (!Refill()) break;
       }
       if (zs.avail_in == 0) {
         ended_ = true;

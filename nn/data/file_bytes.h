@@ -42,6 +42,11 @@ class OpenFile {
   /// Reads up to `n` bytes at byte `offset` into `dst`; fewer only at the
   /// end of the file. Throws DatasetError naming the path.
   size_t ReadAt(void* dst, size_t n, uint64_t offset) const;
+  /// The first byte at or after `offset` that may hold data: the bytes
+  /// between are a hole (read as zeros, stored nowhere); at least size()
+  /// where the rest is one, and `offset` itself where the file system
+  /// cannot tell.
+  uint64_t DataFrom(uint64_t offset) const;
 
  private:
   std::string path_;
@@ -56,7 +61,8 @@ bool IsGzip(std::string_view bytes);
 inline constexpr size_t kGzipInputChunk = size_t{1} << 20;
 
 /// Decompresses one or more concatenated gzip members (zeros after a member
-/// are padding, skipped as Python's gzip does) as they are read, so
+/// are padding, skipped as Python's gzip does; a hole in a file there is
+/// skipped unread) as they are read, so
 /// that a reader can put the output straight where it belongs. `source`
 /// names the data in errors: corrupt or truncated data, and more than
 /// `max_bytes` of output.

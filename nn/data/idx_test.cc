@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -521,6 +522,58 @@ TEST(IdxErrors, AHugeGzipFileFailsWhereItsStreamGoesWrong) {
   EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { ReadIdxFile(path); }),
               HasSubstr(path + ": " + std::to_string((uint64_t{8} << 30) - gz.size()) +
                         " bytes after the gzip data, which ends at compressed byte " + std::to_string(gz.size())));
+}
+
+// Bytes this process has read from files so far, as the kernel counts
+// them (rchar in /proc/self/io).
+uint64_t BytesReadSoFar() {
+  std::ifstream io("/proc/self/io");
+  for (std::string line; std::getline(io, line);) {
+    if (line.rfind("rchar:", 0) == 0) return std::stoull(line.substr(6));
+  }
+  ADD_FAILURE() << "no rchar line in /proc/self/io";
+  return 0;
+}
+
+// Zeros after a gzip member are padding (gzip(1) takes them too), and a
+// file extended by truncate has gigabytes of them as a hole: the hole is
+// skipped, not read (all 4 GiB were read and scanned, seconds spent to
+// find the end). A member or other bytes after the hole are still found,
+// and positions count the hole.
+TEST(GzipReaderTest, AHoleOfZerosAfterAMemberIsSkippedUnread) {
+  const std::string dir = FreshDir("gzip_hole");
+  const std::string path = dir + "/train-labels-idx1-ubyte.gz";
+  const std::string idx = IdxBytes({3}, "abc");
+  const std::string gz = Gzip(idx);
+  const uint64_t hole = uint64_t{4} << 30;
+  const auto write_with_hole = [&](const std::string& after) {
+    WriteFile(path, gz);
+    ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(gz.size() + hole)), 0) << path << ": " << std::strerror(errno);
+    FILE* f = std::fopen(path.c_str(), "ab");
+    ASSERT_NE(f, nullptr) << path;
+    ASSERT_EQ(std::fwrite(after.data(), 1, after.size(), f), after.size()) << path;
+    ASSERT_EQ(std::fclose(f), 0) << path;
+  };
+  write_with_hole("");
+  uint64_t before = BytesReadSoFar();
+  const IdxArray a = ReadIdxFile(path, 1);
+  EXPECT_EQ(std::string(a.data.begin(), a.data.end()), "abc");
+  EXPECT_LT(BytesReadSoFar() - before, uint64_t{64} << 20) << "bytes read, of a 4 GiB hole";
+
+  write_with_hole(Gzip("defg"));
+  before = BytesReadSoFar();
+  {
+    const internal::OpenFile file(path);
+    internal::GzipReader reader(file, "hole.gz");
+    EXPECT_EQ(Drain(reader), idx + "defg");
+  }
+  EXPECT_LT(BytesReadSoFar() - before, uint64_t{64} << 20) << "bytes read, of a 4 GiB hole";
+
+  write_with_hole("junk");
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(path); }),
+              HasSubstr(path + ": " + std::to_string(hole + 4) +
+                        " bytes after the gzip data, which ends at compressed byte " + std::to_string(gz.size()) +
+                        ", are neither another gzip member nor zero padding"));
 }
 
 TEST(OpenFileTest, ReadsAtOffsetsAndNamesWhatIsWrong) {
