@@ -193,6 +193,81 @@ TEST(Cifar10Errors, AHugeFileThatIsNoBatchFailsWithoutBeingRead) {
                         " bytes after the gzip data, which ends at compressed byte " + std::to_string(gz.size())));
 }
 
+// A training set of CIFAR-10's real size (5 x 10000 records, 154 MB) is
+// read where 224 MiB more address space is all there is: each batch was
+// read whole into a string and then copied, into an array that grew by
+// copies, ~460 MB at the peak. The files are sparse: each batch's first
+// records, then zeros (records of label 0) that take no disk. What the
+// child read comes back as an error's text.
+TEST(Cifar10, AFullSizeSetIsReadWithinLittleMoreThanItsSize) {
+  const std::string dir = FreshDir("cifar_full");
+  WriteCifarDir(dir);
+  constexpr int64_t kRecords = 10000;
+  for (int b = 1; b <= 5; ++b) {
+    const std::string path = dir + "/data_batch_" + std::to_string(b) + ".bin";
+    ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(kRecords * kCifarRecordBytes)), 0)
+        << path << ": " << std::strerror(errno);
+  }
+  const std::string read = ErrorWithinAddressSpace<DatasetError>(size_t{224} << 20, [&] {
+    ::setenv("DDP_DATA_CACHE", "off", 1);  // in the child only
+    const auto train = LoadCifar10(dir, Split::kTrain);
+    int64_t label_sum = 0, pixel_sum = 0;
+    for (int64_t i = 0; i < train->Size(); ++i) {
+      label_sum += train->Label(i);
+      pixel_sum += train->Pixels(i)[0] + train->Pixels(i)[3071];
+    }
+    throw DatasetError("samples " + std::to_string(train->Size()) + ", sample 10001 has label " +
+                       std::to_string(train->Label(10001)) + " and green " +
+                       std::to_string(train->Pixels(10001)[1024]) + ", labels sum to " + std::to_string(label_sum) +
+                       ", first and last pixels to " + std::to_string(pixel_sum));
+  });
+  // Batch b's record i (i < 4) has label (b + i) % 10 and pixels
+  // (i + 10c + b) % 256 in channel c; the rest are zeros.
+  int64_t label_sum = 0, pixel_sum = 0;
+  for (int b = 1; b <= 5; ++b) {
+    for (int i = 0; i < 4; ++i) {
+      label_sum += (b + i) % 10;
+      pixel_sum += (i + b) % 256 + (i + 20 + b) % 256;
+    }
+  }
+  EXPECT_EQ(read, "samples 50000, sample 10001 has label 3 and green 13, labels sum to " + std::to_string(label_sum) +
+                      ", first and last pixels to " + std::to_string(pixel_sum));
+}
+
+// A gzip-compressed batch reads as the plain one does, across members and
+// over more records than one read takes (256); its errors are the plain
+// one's, in the same order: its size first (known at the stream's end),
+// then its labels.
+TEST(Cifar10, GzipBatchReadsAsThePlainOneDoes) {
+  const std::string plain = FreshDir("cifar_plain"), gz = FreshDir("cifar_gz");
+  WriteCifarDir(plain);
+  WriteCifarDir(gz);
+  const std::string records = Records(300, 7);
+  WriteFile(plain + "/test_batch.bin", records);
+  WriteFile(gz + "/test_batch.bin", testing::Gzip(records.substr(0, 1000)) + testing::Gzip(records.substr(1000)));
+  const auto a = LoadCifar10(plain, Split::kTest), b = LoadCifar10(gz, Split::kTest);
+  ASSERT_EQ(a->Size(), 300);
+  ASSERT_EQ(b->Size(), 300);
+  for (int64_t i = 0; i < 300; ++i) {
+    ASSERT_EQ(b->Label(i), a->Label(i)) << "sample " << i;
+    ASSERT_EQ(std::memcmp(b->Pixels(i), a->Pixels(i), 3072), 0) << "sample " << i;
+  }
+  const std::string path = gz + "/test_batch.bin";
+  std::string bad = records;
+  bad[280 * 3073] = 12;
+  WriteFile(path, testing::Gzip(bad));
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(gz, Split::kTest); }),
+              HasSubstr(path + ": label 12 of record 280 is out of range [0, 10)"));
+  WriteFile(path, testing::Gzip(bad.substr(0, bad.size() - 5)));
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(gz, Split::kTest); }),
+              HasSubstr(path + ": truncated CIFAR-10 batch: " + std::to_string(bad.size() - 5) +
+                        " bytes is not a whole number of 3073-byte records (the last record has 3068 bytes)"));
+  const std::string page = "<!DOCTYPE html>\n<html><body>" + std::string(10000, 'x') + "</body></html>\n";
+  WriteFile(path, testing::Gzip(page));
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(gz, Split::kTest); }),
+              HasSubstr(path + ": looks like an HTML page (" + std::to_string(page.size()) + " bytes)"));
+}
+
 TEST(Cifar10Errors, EmptyFile) {
   const std::string dir = FreshDir("cifar_empty");
   WriteCifarDir(dir);
