@@ -4,12 +4,15 @@
 // Test helpers: write crafted dataset files into a fresh folder under
 // TEST_TMPDIR.
 
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -81,7 +84,8 @@ inline void WriteZeroIdx(const std::string& path, const std::vector<uint32_t>& d
 /// message of the `Error` that `f` throws; where it throws none, or the
 /// child fails, a line starting "child: " that says so. A reader that takes a
 /// multi-GiB file into memory then fails to allocate it instead of taking
-/// the machine's memory.
+/// the machine's memory. A child still running after 120 s is killed and
+/// that said instead.
 template <typename Error, typename F>
 std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
   long vm_kb = -1;
@@ -127,7 +131,22 @@ std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
   ::close(fds[1]);
   std::string msg;
   char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) != 0;) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  bool late = false;
+  while (true) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) {
+      late = true;
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    pollfd p{fds[0], POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(left));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) continue;  // the deadline is checked above
+    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
+    if (n == 0) break;
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) break;
     msg.append(buf, static_cast<size_t>(n));
@@ -135,6 +154,7 @@ std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
   ::close(fds[0]);
   int status = 0;
   if (::waitpid(pid, &status, 0) != pid) return std::string("child: waitpid: ") + std::strerror(errno);
+  if (late) return "child: still running after 120 s (killed)";
   if (WIFSIGNALED(status)) return std::string("child: died of signal ") + ::strsignal(WTERMSIG(status));
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "child: could not write its message";
   return msg;
