@@ -71,6 +71,8 @@ SKIP_TORCH=0
 DRY_RUN=0
 USE_BUNDLE=auto
 BUNDLE_DIR="$REPO_ROOT/.gpu_bundle"
+# The least time a phase is started with (seconds).
+MIN_PHASE_S=20
 FASHION_MNIST_DIR=/usr/share/datasets/fashion-mnist
 MAKE_BUNDLE=0
 TABLE_FROM=""
@@ -100,6 +102,9 @@ Usage: tools/gpu_check.sh [options]
   --skip-torch        do not run the PyTorch benchmark
   --skip-collectives  do not run the device all-reduce benchmark (2 ranks
                       on the GPU, staged reduction on the device and on the host)
+  --variant-modes=M   the modes of the variant runs (4a-4c; default: --modes);
+                      empty (--variant-modes=) skips them, leaving the time to
+                      the tests
   --profile[=MODES]   also time every kernel of one training step with Nsight
                       Compute (ncu) per mode (default fp32,bf16) and print where
                       the GPU time goes (tools/bench/ncu_summary.py)
@@ -132,6 +137,7 @@ for arg in "$@"; do
   case "$arg" in
     --budget=*) BUDGET_S="${arg#*=}" ;;
     --modes=*) MODES="${arg#*=}" ;;
+    --variant-modes=*) VARIANT_MODES="${arg#*=}" VARIANT_MODES_GIVEN=1 ;;
     --batch=*) BATCH="${arg#*=}" ;;
     --warmup=*) WARMUP="${arg#*=}" ;;
     --steps=*) STEPS="${arg#*=}" ;;
@@ -370,8 +376,10 @@ limited() {
 run_logged() {
   local limit=$1 log=$2
   shift 2
-  if [ "$limit" -lt 1 ]; then
-    echo "+ not started (out of budget): $*"
+  # A few seconds cannot hold a GPU process's start (the CUDA context alone
+  # takes some): such a phase would be killed having recorded nothing.
+  if [ "$limit" -lt "$MIN_PHASE_S" ]; then
+    echo "+ not started (${limit}s of budget left, under ${MIN_PHASE_S}s): $*"
     return "$NOT_STARTED"
   fi
   echo "+ (limit ${limit}s) $*"
@@ -495,6 +503,10 @@ make_bundle() {
   tar -C "$stage" -cf - . | xz -T0 -6 >"$BUNDLE_DIR/bundle.tar.xz.tmp" || die "packing the bundle failed"
   mv -f "$BUNDLE_DIR/bundle.tar.xz.tmp" "$BUNDLE_DIR/bundle.tar.xz"
   cp -f "$stage/MANIFEST" "$BUNDLE_DIR/MANIFEST"
+  # This script as it was when the bundle was made: the device runs it
+  # (cp .gpu_bundle/gpu_check.sh tools/gpu_check.sh) where the working tree
+  # sent may hold an older one.
+  cp -f "$REPO_ROOT/tools/gpu_check.sh" "$BUNDLE_DIR/gpu_check.sh"
   # Tests train on Fashion-MNIST from Debian's folder: the test split as it
   # is (the ddp gpu tests read it) and the first 8,000 of the 60,000
   # training images and labels (the count in each IDX header rewritten; no
@@ -764,6 +776,7 @@ copy_out "$BENCH_LOG"
 # their ratio per mode, into $4. $1 names the variant in the table, $2 in
 # the phase and the table's heading.
 SPLIT_MODES="$MODES"
+if [ "${VARIANT_MODES_GIVEN:-0}" = 1 ]; then SPLIT_MODES="$VARIANT_MODES"; fi
 run_variant() {
   local name=$1 what=$2 assignment=$3 log=$4
   : >"$log"
@@ -871,13 +884,16 @@ if [ "$PROFILE" = 1 ]; then
     rc=0
     for m in "${PROFILE_MODE_LIST[@]}"; do
       limit="$(phase_limit 90 60)"
-      if [ "$limit" -lt 1 ]; then
+      if [ "$limit" -lt "$MIN_PHASE_S" ]; then
         echo "+ not started (out of budget): $NCU ... --modes=$m"
         [ "$rc" = 0 ] && rc=$NOT_STARTED
         break
       fi
       echo "+ (limit ${limit}s) $NCU ... $BENCH_BIN ${STEP_ARGS[*]} --modes=$m"
-      limited "$limit" "${OUR_ENV[@]}" "$NCU" "${NCU_ARGS[@]}" "$BENCH_BIN" "${STEP_ARGS[@]}" \
+      # ncu itself runs with the machine's libraries; only the profiled
+      # binary gets ours (OUR_ENV: env with LD_LIBRARY_PATH, which execs it
+      # in the same process).
+      limited "$limit" "$NCU" "${NCU_ARGS[@]}" "${OUR_ENV[@]}" "$BENCH_BIN" "${STEP_ARGS[@]}" \
         "--modes=$m" >"$WORK/ncu_$m.csv" 2>&1
       r=$?
       {
