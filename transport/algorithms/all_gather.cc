@@ -24,7 +24,8 @@ Status RingAllGather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       internal::MakeFingerprint(args, internal::kAllGatherKind, /*uses_op=*/false, /*uses_root=*/false);
   if (args.count == 0) {
     return internal::CheckEmptyCall(p2p, args.deadline, "ring all-gather", fingerprint,
-                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}},
+                                    args.call_id);
   }
 
   const size_t es = DataTypeSize(args.dtype);

@@ -138,7 +138,8 @@ Status HierarchicalAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args,
     return internal::CheckEmptyCall(
         p2p, args.deadline, "hierarchical all-reduce", fingerprint,
         {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)},
-         {PhaseTag(PhaseTag(args.tag, 1), 0), std::move(inter_peers)}});
+         {PhaseTag(PhaseTag(args.tag, 1), 0), std::move(inter_peers)}},
+        args.call_id);
   }
 
   DDP_ASSIGN_OR_RETURN(p2p::GroupView intra, p2p::GroupView::Create(p2p, groups.intra));

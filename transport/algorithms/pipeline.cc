@@ -301,15 +301,153 @@ Status PeerCheck::CompareWith(const p2p::PointToPoint& p2p, int peer, const Fing
 }
 
 Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
-                      const Fingerprint& mine, const std::vector<CheckRound>& rounds) {
+                      const Fingerprint& mine, const std::vector<CheckRound>& rounds,
+                      uint64_t call_id) {
+  PeerCheck compare(what, mine);  // only for its comparison and its error text
+  const std::string check = std::string(what) + ", argument check";
   Requests requests(p2p, deadline);
-  std::deque<PeerCheck> checks;  // registered with `requests`: must not move
+  size_t expected = 0;
+  std::vector<int> everyone;  // the peers of every round, once each
+  const CheckRound* first = nullptr;
   for (const CheckRound& round : rounds) {
     if (round.peers.empty()) continue;
-    checks.emplace_back(what, mine);
-    DDP_RETURN_IF_ERROR(checks.back().Post(requests, round.phase_tag, round.peers, round.peers));
+    if (first == nullptr) first = &round;
+    expected += round.peers.size();
+    for (int peer : round.peers) {
+      if (std::find(everyone.begin(), everyone.end(), peer) == everyone.end()) {
+        everyone.push_back(peer);
+      }
+    }
   }
-  for (PeerCheck& check : checks) DDP_RETURN_IF_ERROR(check.VerifyAsTheyArrive(requests));
+  if (first == nullptr) return Status();
+  // Message buffers live in `requests`, so they outlast its cancellations.
+  Fingerprint* held = requests.Hold<Fingerprint>(1 + expected);
+  held[0] = mine;
+  // What is awaited, by position in `ids`: a peer's fingerprint or, with a
+  // call id, its stop note (note set).
+  struct Awaited {
+    int peer = 0;
+    Fingerprint* fingerprint = nullptr;
+    Requests::StopNote* note = nullptr;
+  };
+  std::vector<p2p::RequestId> ids;
+  std::vector<Awaited> awaited;
+  ids.reserve(expected + everyone.size());
+  awaited.reserve(expected + everyone.size());
+  Fingerprint* theirs = held + 1;
+  for (const CheckRound& round : rounds) {
+    const p2p::Tag tag = FingerprintTag(round.phase_tag);
+    for (int peer : round.peers) {
+      Where where{check.c_str(), 0, 0, Where::kNoChunk, false, peer};
+      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
+                           requests.Recv(where, tag, theirs, sizeof(Fingerprint)));
+      ids.push_back(id);
+      awaited.push_back({peer, theirs++, nullptr});
+    }
+  }
+  // A rank that finds a disagreement returns at once, and its return
+  // cancels its fingerprint sends: a peer that had not taken them yet (it
+  // entered the call later) would wait for its deadline. So the finder
+  // also tells every peer in a notice, which outlasts its return; with no
+  // call id a note left unread by an earlier call could not be told apart,
+  // and the check stays without them. The tag is the one a ring rank of
+  // the same call listens to (StopNoteTag of the first phase), so that a
+  // rank which passed a count other than 0 hears of it too, and a note
+  // from such a rank stops this one. Costs the agreeing call one receive
+  // per peer, posted and cancelled.
+  const p2p::Tag stop_tag = StopNoteTag(first->phase_tag, call_id);
+  Requests::StopNote* notes = nullptr;
+  if (call_id != 0) {
+    notes = requests.Hold<Requests::StopNote>(everyone.size());
+    for (size_t i = 0; i < everyone.size(); ++i) {
+      Where where{check.c_str(), 0, 0, Where::kNoChunk, false, everyone[i]};
+      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
+                           requests.Recv(where, stop_tag, &notes[i], sizeof(Requests::StopNote)));
+      ids.push_back(id);
+      awaited.push_back({everyone[i], nullptr, &notes[i]});
+    }
+  }
+  for (const CheckRound& round : rounds) {
+    const p2p::Tag tag = FingerprintTag(round.phase_tag);
+    for (int peer : round.peers) {
+      Where where{check.c_str(), 0, 0, Where::kNoChunk, true, peer};
+      DDP_RETURN_IF_ERROR(requests.Send(where, tag, &held[0], sizeof(Fingerprint)).status());
+    }
+  }
+  auto tell_everyone = [&](int their_rank, const Fingerprint& their_fingerprint) {
+    Requests::StopNote* note = requests.Hold<Requests::StopNote>(1);
+    note->theirs = their_fingerprint;
+    note->finders = mine;
+    note->their_rank = their_rank;
+    note->finder = p2p.rank();
+    note->call_id = call_id;
+    for (int peer : everyone) {
+      // A plain send when the transport refuses the notice (UCX with
+      // notices to that peer still in flight): it reaches a peer already
+      // waiting, and is cancelled with the rest as this rank returns.
+      if (p2p.PostNotice(peer, stop_tag, note, sizeof(*note)).ok()) continue;
+      Where where{check.c_str(), 0, 0, Where::kNoChunk, true, peer};
+      requests.Send(where, stop_tag, note, sizeof(*note)).status().IgnoreError();
+    }
+  };
+  // A note that `sender` sent: from a finder of this empty call, or from a
+  // ring rank of the same call that passed another count.
+  auto note_error = [&](int sender, const Requests::StopNote& note) {
+    const int finder = static_cast<int>(note.finder);
+    const std::string how = sender == finder ? "told this rank"
+                                             : DescribePeer(p2p, sender) + " passed that on";
+    if (note.theirs.kind == 0) {
+      return InvalidArgumentError(
+          check + ": " + DescribePeer(p2p, finder) + " received data from " +
+          DescribePeer(p2p, static_cast<int>(note.their_rank)) +
+          " that did not match its own arguments (" + note.finders.ToString() +
+          "), so ranks disagree on the arguments, and " + how);
+    }
+    return InvalidArgumentError(check + ": " + DescribePeer(p2p, finder) +
+                                " found that ranks disagree on the arguments, and " + how + ": " +
+                                DescribePeer(p2p, static_cast<int>(note.their_rank)) +
+                                " passed " + note.theirs.ToString() + " but " +
+                                DescribePeer(p2p, finder) + " passed " + note.finders.ToString() +
+                                ModeHint(note.theirs, note.finders));
+  };
+  // In the order they arrive, so that the first disagreement fails at once
+  // even while some peer has not sent (it may run another collective, or
+  // have returned).
+  size_t fingerprints_left = expected;
+  while (fingerprints_left > 0) {
+    StatusOr<size_t> got = p2p.WaitAny(ids, deadline);
+    if (!got.ok()) return Annotate(got.status(), check + ": waiting for the peers' arguments");
+    const size_t i = *got;
+    const Awaited done = awaited[i];
+    requests.Forget(ids[i]);
+    if (done.note != nullptr) {
+      if (done.note->call_id != call_id) {
+        // Left unread by an earlier call at this tag (notices outlast
+        // their call), or from a call kStopNoteTags ahead: not this one's.
+        Where where{check.c_str(), 0, 0, Where::kNoChunk, false, done.peer};
+        DDP_ASSIGN_OR_RETURN(ids[i], requests.Recv(where, stop_tag, done.note,
+                                                   sizeof(Requests::StopNote)));
+        continue;
+      }
+      return note_error(done.peer, *done.note);
+    }
+    ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(i));
+    awaited.erase(awaited.begin() + static_cast<std::ptrdiff_t>(i));
+    --fingerprints_left;
+    Status differs = compare.CompareWith(p2p, done.peer, *done.fingerprint);
+    if (!differs.ok()) {
+      if (call_id != 0) tell_everyone(done.peer, *done.fingerprint);
+      return differs;
+    }
+  }
+  // Every fingerprint agreed with this rank's, and every caller's first
+  // round reaches all the other ranks, so no rank of this collective has a
+  // note to send: the notes' receives (all that is left in `ids`) are
+  // given up.
+  if (!ids.empty()) {
+    for (p2p::RequestId id : ids) requests.Forget(id);
+    p2p.CancelAll(ids);
+  }
   return requests.WaitAll(what);
 }
 
@@ -481,7 +619,7 @@ CollectiveStart StartCollective(p2p::PointToPoint& p2p, const CollectiveArgs& ar
   if (args.count == 0) {
     start.finished = true;
     start.status = CheckEmptyCall(p2p, args.deadline, what, start.fingerprint,
-                                  {{PhaseTag(args.tag, 0), OtherRanks(p2p)}});
+                                  {{PhaseTag(args.tag, 0), OtherRanks(p2p)}}, args.call_id);
   } else if (p2p.size() == 1) {
     start.finished = true;
     if (args.recv != args.send) {

@@ -250,7 +250,7 @@ class PeerCheck {
   Status Verify(Requests& requests);
   /// Verify, but taking the fingerprints in the order they arrive, so the
   /// first mismatch fails at once even while some peer has not sent yet
-  /// (CheckEmptyCall's peers may never send).
+  /// (a direct exchange's peers may never send).
   Status VerifyAsTheyArrive(Requests& requests);
   /// Compares `theirs`, what `peer` sent beside its data rather than as a
   /// message of its own (Requests::WaitWithFingerprint), with this rank's:
@@ -291,13 +291,26 @@ class PeerCheck {
 /// the tag every algorithm's own check uses, and one is expected back from
 /// each: O(peers) small messages. An algorithm whose steps check different
 /// groups of peers with different tags passes one round per step: all are
-/// sent before any is awaited.
+/// sent before any is awaited, and all are awaited together, in the order
+/// they arrive, so the first difference fails at once.
+///
+/// With a `call_id` (CollectiveArgs::call_id, not 0), a rank that finds a
+/// difference also tells every peer of every round in a stop note, a notice
+/// (PointToPoint::PostNotice) at StopNoteTag(phase tag of the first round,
+/// call_id), before it returns; each rank listens for those notes from
+/// every peer, and fails INVALID_ARGUMENT with the first of this call
+/// (naming the two ranks and both their values), ignoring one of another
+/// call. Its return cancels its fingerprint sends, so a peer that entered
+/// the call later learns of the difference only from the note; without a
+/// call id it waits for its deadline, TIMED_OUT. Costs the agreeing call
+/// one receive per peer, posted and cancelled.
 struct CheckRound {
   p2p::Tag phase_tag = 0;
   std::vector<int> peers;
 };
 Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
-                      const Fingerprint& mine, const std::vector<CheckRound>& rounds);
+                      const Fingerprint& mine, const std::vector<CheckRound>& rounds,
+                      uint64_t call_id);
 
 /// Proves that every rank of `p2p` passed the same fingerprint, with every
 /// rank ending on the same verdict: INVALID_ARGUMENT naming two ranks that
@@ -524,6 +537,9 @@ class Requests {
                                const Fingerprint& mine, p2p::Tag phase_tag);
   friend Status PostEveryRankRounds(Requests& requests, const char* what,
                                     const Fingerprint& mine, p2p::Tag phase_tag);
+  friend Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
+                               const Fingerprint& mine, const std::vector<CheckRound>& rounds,
+                               uint64_t call_id);
   void Track(p2p::RequestId id);
   void Forget(p2p::RequestId id);
   // `n` value-initialised messages that live as long as this object (an

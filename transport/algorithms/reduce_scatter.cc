@@ -28,7 +28,8 @@ Status RingReduceScatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       internal::MakeFingerprint(args, internal::kReduceScatterKind, /*uses_op=*/true, /*uses_root=*/false);
   if (args.count == 0) {
     return internal::CheckEmptyCall(p2p, args.deadline, "ring reduce-scatter", fingerprint,
-                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}});
+                                    {{PhaseTag(args.tag, 0), internal::OtherRanks(p2p)}},
+                                    args.call_id);
   }
 
   internal::RingParams params;

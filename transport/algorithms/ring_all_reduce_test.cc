@@ -303,6 +303,78 @@ TEST(StopNoteTest, NoteOfTheNextCallReachingARankStillInThisOneIsKept) {
   }
 }
 
+// Count 0 proves the arguments by an exchange of fingerprints between all
+// pairs (CheckEmptyCall). A rank that enters such a call after the ranks
+// that found a disagreement have returned learns of it from their stop
+// notes (notices, which outlast their senders' call): the fingerprints it
+// waited for were plain sends, cancelled as their senders returned, and
+// rank 2 here failed TIMED_OUT at its 6 s deadline.
+TEST(RingAllReduceTest, EmptyCallRankEnteringAfterTheFindersReturnedStillStops) {
+  for (auto* collective : {&RingAllReduce, &RingAllGather}) {
+    Arrivals returned;  // ranks 0 and 1, the finders
+    ::ddp::transport::testing::HarnessOptions options;
+    options.kill_on_error = false;  // a killed rank's notices would be dropped
+    const auto start = std::chrono::steady_clock::now();
+    auto statuses = ::ddp::transport::testing::RunRanks(
+        3,
+        [&](p2p::PointToPoint& p2p) -> Status {
+          if (p2p.rank() == 2 && !returned.AwaitAtLeast(2)) {
+            return TimedOutError("ranks 0 and 1 did not return within 20 s");
+          }
+          CollectiveArgs args;
+          args.count = 0;
+          args.dtype = p2p.rank() == 0 ? DataType::kF64 : DataType::kF32;
+          args.tag = CollectiveTag(0);
+          args.call_id = 1;
+          args.deadline = DeadlineIn(std::chrono::seconds(6));
+          Status status = collective(p2p, args);
+          if (p2p.rank() != 2) returned.Arrive();
+          return status;
+        },
+        options);
+    const auto took = std::chrono::steady_clock::now() - start;
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+      EXPECT_NE(statuses[r].message().find("disagree on the arguments"), std::string::npos)
+          << "rank " << r << ": " << statuses[r];
+      EXPECT_NE(statuses[r].message().find("count 0 of f64"), std::string::npos)
+          << "rank " << r << ": " << statuses[r];
+      EXPECT_NE(statuses[r].message().find("count 0 of f32"), std::string::npos)
+          << "rank " << r << ": " << statuses[r];
+    }
+    EXPECT_LT(took, std::chrono::seconds(3)) << "some rank waited for its deadline";
+  }
+}
+
+// The notes of a failed empty call that nobody read (rank 2 stayed out of
+// call 1) must not fail a later one whose notes take the same tag.
+TEST(RingAllReduceTest, EmptyCallIgnoresNotesLeftByAnEarlierCall) {
+  Arrivals first_done;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      3,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        CollectiveArgs args;
+        args.count = 0;
+        args.tag = CollectiveTag(0);
+        args.deadline = DeadlineIn(std::chrono::seconds(6));
+        if (r != 2) {
+          args.dtype = r == 0 ? DataType::kF64 : DataType::kF32;
+          args.call_id = 1;
+          if (RingAllReduce(p2p, args).ok()) return InternalError("call 1 passed on rank " + std::to_string(r));
+        }
+        first_done.Arrive();
+        if (!first_done.AwaitAtLeast(3)) return TimedOutError("call 1 did not end on every rank within 20 s");
+        args.dtype = DataType::kF32;
+        args.call_id = 1 + internal::kStopNoteTags;  // its notes share call 1's tag
+        return RingAllReduce(p2p, args);
+      },
+      options);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+}
+
 TEST(RingAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
   for (int world : {2, 3, 5}) {
     testing::CheckEmptyAgainstNonEmptyFailsEverywhere(RingAllReduce, RingAllReduce, world);
