@@ -11,6 +11,7 @@
 #include "transport/algorithms/all_gather.h"
 #include "transport/algorithms/all_reduce_test_util.h"
 #include "transport/algorithms/pipeline.h"
+#include "transport/algorithms/reduce_scatter.h"
 #include "transport/algorithms/tree_all_reduce.h"
 #include "transport/p2p/group_view.h"
 #include "transport/testing/thread_harness.h"
@@ -310,7 +311,7 @@ TEST(StopNoteTest, NoteOfTheNextCallReachingARankStillInThisOneIsKept) {
 // waited for were plain sends, cancelled as their senders returned, and
 // rank 2 here failed TIMED_OUT at its 6 s deadline.
 TEST(RingAllReduceTest, EmptyCallRankEnteringAfterTheFindersReturnedStillStops) {
-  for (auto* collective : {&RingAllReduce, &RingAllGather}) {
+  for (auto* collective : {&RingAllReduce, &RingAllGather, &RingReduceScatter}) {
     Arrivals returned;  // ranks 0 and 1, the finders
     ::ddp::transport::testing::HarnessOptions options;
     options.kill_on_error = false;  // a killed rank's notices would be dropped
