@@ -948,6 +948,62 @@ TEST(ShmAllReduce, ReadThatFailsBecauseThePeerGaveUpReportsThePeersError) {
   EXPECT_LT(late_returned - root_returned, milliseconds(3000));
 }
 
+// A pair of engines whose rank 1 is a thread of this process but whose pid
+// in the group is that of a child that is killed and reaped once the pair
+// is made: a peer that died after set-up, its pid free for another process.
+// The child is a copy of this process, so that the probe of cross-memory
+// attach at set-up reads what it expects. `peer` is -1 where fork failed;
+// a rank whose engine could not be made is null (the failure is reported).
+struct PairWithDeadPeer {
+  std::vector<std::unique_ptr<ShmAllReduce>> group;
+  pid_t peer = -1;
+};
+
+PairWithDeadPeer MakePairWithDeadPeer(const std::string& key_prefix) {
+  PairWithDeadPeer pair;
+  pair.group.resize(2);
+  pair.peer = fork();
+  if (pair.peer < 0) return pair;
+  if (pair.peer == 0) {
+    while (true) pause();
+  }
+  testing::InMemoryStore store;
+  RunRanks(2, [&](int r) {
+    ShmOptions options{.rank = r, .size = 2, .pids = {getpid(), pair.peer}, .staging_bytes = 4096,
+                       .rooted_staging_bytes = 4096, .chunk_bytes = 1024};
+    auto engine = ShmAllReduce::Create(store, key_prefix, options, DeadlineIn(milliseconds(10000)));
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (engine.ok()) pair.group[r] = std::move(*engine);
+  });
+  kill(pair.peer, SIGKILL);
+  waitpid(pair.peer, nullptr, 0);
+  return pair;
+}
+
+// Starts a copy of this process under the pid `pid` (clone3's set_tid; root
+// may choose a free pid) that runs `body`, then waits to be killed. Returns
+// the copy's pid, or -1 with errno kept from clone3 (EEXIST: the pid is
+// taken). Call it while this process runs one thread only.
+pid_t StartCopyAs(pid_t pid, const std::function<void()>& body) {
+  clone_args args{};
+  args.exit_signal = SIGCHLD;
+  args.set_tid = reinterpret_cast<uint64_t>(&pid);
+  args.set_tid_size = 1;
+  const pid_t copy = static_cast<pid_t>(syscall(SYS_clone3, &args, sizeof(args)));
+  if (copy == 0) {
+    body();
+    while (true) pause();
+  }
+  return copy;
+}
+
+// Kills and reaps the child `pid`; nothing where it is not a pid (<= 0).
+void KillAndReap(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+}
+
 // A peer died and another process took its pid at once: a read of the
 // peer's buffer by that pid fails (the new process does not map it). The
 // reader asked the pid whether the peer had exited, found the new process
@@ -964,38 +1020,19 @@ TEST(ShmAllReduce, AFailedReadFromAPeerWhosePidWasReusedIsPeerLost) {
   void* root = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(root, MAP_FAILED);
   std::vector<float> received(count);
-  const pid_t peer = fork();
-  ASSERT_GE(peer, 0);
-  if (peer == 0) {
-    while (true) pause();
-  }
-  testing::InMemoryStore store;
-  std::vector<std::unique_ptr<ShmAllReduce>> group(2);
-  RunRanks(2, [&](int r) {
-    ShmOptions options{.rank = r, .size = 2, .pids = {getpid(), peer}, .staging_bytes = 4096,
-                       .rooted_staging_bytes = 4096, .chunk_bytes = 1024};
-    auto engine = ShmAllReduce::Create(store, "reused/", options, DeadlineIn(milliseconds(10000)));
-    EXPECT_TRUE(engine.ok()) << engine.status();
-    if (engine.ok()) group[r] = std::move(*engine);
-  });
-  kill(peer, SIGKILL);
-  waitpid(peer, nullptr, 0);
+  PairWithDeadPeer pair = MakePairWithDeadPeer("reused/");
+  ASSERT_GE(pair.peer, 0) << "fork: " << std::strerror(errno);
+  auto& group = pair.group;
+  const pid_t peer = pair.peer;
   // The same pid for a copy of this process without the root's buffer; it
   // says when it has unmapped it.
   int unmapped[2];
   ASSERT_EQ(pipe2(unmapped, O_CLOEXEC), 0) << std::strerror(errno);
-  clone_args args{};
-  args.exit_signal = SIGCHLD;
-  pid_t wanted = peer;
-  args.set_tid = reinterpret_cast<uint64_t>(&wanted);
-  args.set_tid_size = 1;
-  const pid_t reuser = static_cast<pid_t>(syscall(SYS_clone3, &args, sizeof(args)));
-  if (reuser == 0) {
+  const pid_t reuser = StartCopyAs(peer, [&] {
     munmap(root, bytes);
     const char done = 1;
     if (write(unmapped[1], &done, 1) != 1) _exit(1);
-    while (true) pause();
-  }
+  });
   const int reuse_error = errno;
   close(unmapped[1]);
   if (reuser > 0) {
@@ -1013,10 +1050,7 @@ TEST(ShmAllReduce, AFailedReadFromAPeerWhosePidWasReusedIsPeerLost) {
                                       DeadlineIn(milliseconds(10000)), nullptr);
     root_rank.join();
   }
-  if (reuser > 0) {
-    kill(reuser, SIGKILL);
-    waitpid(reuser, nullptr, 0);
-  }
+  KillAndReap(reuser);
   munmap(root, bytes);
   ASSERT_EQ(reuser, peer) << "clone3 with set_tid: " << std::strerror(reuse_error);
   EXPECT_EQ(read_status.code(), StatusCode::kPeerLost) << read_status;
@@ -1033,31 +1067,11 @@ TEST(ShmAllReduce, AFailedReadFromAPeerWhosePidWasReusedIsPeerLost) {
 TEST(ShmAllReduce, AReadFromAPeerWhosePidWasReusedIsNotTrusted) {
   const size_t count = size_t{1} << 16;  // 256 KiB of f32: the direct path
   std::vector<float> root(count, 1.0f), received(count, 0.0f);
-  const pid_t peer = fork();
-  ASSERT_GE(peer, 0);
-  if (peer == 0) {
-    while (true) pause();
-  }
-  testing::InMemoryStore store;
-  std::vector<std::unique_ptr<ShmAllReduce>> group(2);
-  RunRanks(2, [&](int r) {
-    ShmOptions options{.rank = r, .size = 2, .pids = {getpid(), peer}, .staging_bytes = 4096,
-                       .rooted_staging_bytes = 4096, .chunk_bytes = 1024};
-    auto engine = ShmAllReduce::Create(store, "trusted/", options, DeadlineIn(milliseconds(10000)));
-    EXPECT_TRUE(engine.ok()) << engine.status();
-    if (engine.ok()) group[r] = std::move(*engine);
-  });
-  kill(peer, SIGKILL);
-  waitpid(peer, nullptr, 0);
-  clone_args args{};
-  args.exit_signal = SIGCHLD;
-  pid_t wanted = peer;
-  args.set_tid = reinterpret_cast<uint64_t>(&wanted);
-  args.set_tid_size = 1;
-  const pid_t reuser = static_cast<pid_t>(syscall(SYS_clone3, &args, sizeof(args)));
-  if (reuser == 0) {
-    while (true) pause();
-  }
+  PairWithDeadPeer pair = MakePairWithDeadPeer("trusted/");
+  ASSERT_GE(pair.peer, 0) << "fork: " << std::strerror(errno);
+  auto& group = pair.group;
+  const pid_t peer = pair.peer;
+  const pid_t reuser = StartCopyAs(peer, [] {});
   const int reuse_error = errno;
   // The copy under the peer's pid keeps the 1s.
   std::fill(root.begin(), root.end(), 2.0f);
@@ -1071,10 +1085,7 @@ TEST(ShmAllReduce, AReadFromAPeerWhosePidWasReusedIsNotTrusted) {
                                       DeadlineIn(milliseconds(10000)), nullptr);
     root_rank.join();
   }
-  if (reuser > 0) {
-    kill(reuser, SIGKILL);
-    waitpid(reuser, nullptr, 0);
-  }
+  KillAndReap(reuser);
   ASSERT_EQ(reuser, peer) << "clone3 with set_tid: " << std::strerror(reuse_error);
   EXPECT_EQ(read_status.code(), StatusCode::kPeerLost)
       << read_status << " (received[0] = " << received[0] << ", the root sent 2)";
