@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -159,6 +160,47 @@ pid_t SpawnSleeperAs(pid_t pid) {
   return static_cast<pid_t>(got);
 }
 
+// A monitor (rank 1) of a peer (rank 0) that was killed and reaped after
+// the monitor started, and whose pid a sleeper took then.
+struct PeerUnderAReusedPid {
+  std::unique_ptr<PeerMonitor> monitor;
+  pid_t peer = -1;
+  pid_t reuser = -1;  // == peer: the sleeper under the peer's pid
+};
+
+// Spawns a sleeper as the peer, starts the monitor while every descriptor
+// is in use (so without a pidfd), runs `before_the_kill` on it, kills and
+// reaps the peer and spawns a sleeper under its pid. Tries again with a new
+// peer where another process took that pid meanwhile, 5 times at most.
+// Fails (fatally) unless the last try got the pid.
+void MonitorAPeerWhosePidIsReused(store::Store* store,
+                                  const std::function<void(PeerMonitor&)>& before_the_kill,
+                                  PeerUnderAReusedPid* out) {
+  for (int attempt = 0; attempt < 5 && out->reuser < 0; ++attempt) {
+    out->peer = SpawnSleeper();
+    // The child has started sleep once its start is what /proc says for it.
+    std::this_thread::sleep_for(milliseconds(50));
+    {
+      testing::DescriptorsExhausted none_left;
+      ASSERT_EQ(none_left.error(), EMFILE);
+      out->monitor = std::make_unique<PeerMonitor>(
+          PeerMonitorOptions{.rank = 1, .local_pids = {out->peer, getpid()}, .key_prefix = "j/"},
+          store);
+    }
+    before_the_kill(*out->monitor);
+    if (::testing::Test::HasFatalFailure()) return;
+    kill(out->peer, SIGKILL);
+    waitpid(out->peer, nullptr, 0);
+    // Start times count clock ticks: the new process must start in a later
+    // one than the monitor.
+    std::this_thread::sleep_for(milliseconds(30));
+    out->reuser = SpawnSleeperAs(out->peer);
+    ASSERT_TRUE(out->reuser >= 0 || errno == EEXIST)
+        << "clone3 with set_tid: " << std::strerror(errno);
+  }
+  ASSERT_EQ(out->reuser, out->peer);
+}
+
 TEST(ProcessStartTime, TellsAProcessFromAnotherUnderItsPid) {
   const uint64_t mine = ProcessStartTime(getpid());
   ASSERT_GT(mine, 0u);
@@ -172,27 +214,11 @@ TEST(ProcessStartTime, TellsAProcessFromAnotherUnderItsPid) {
 // alive again and every wait on it ran to its deadline.
 TEST(PeerMonitor, APeerWhosePidWasReusedIsDeadWithoutAPidfd) {
   testing::InMemoryStore store;
-  pid_t peer = -1, reuser = -1;
-  std::unique_ptr<PeerMonitor> monitor;
-  for (int attempt = 0; attempt < 5 && reuser < 0; ++attempt) {
-    peer = SpawnSleeper();
-    // The child has started sleep once its start is what /proc says for it.
-    std::this_thread::sleep_for(milliseconds(50));
-    {
-      testing::DescriptorsExhausted none_left;
-      ASSERT_EQ(none_left.error(), EMFILE);
-      monitor = std::make_unique<PeerMonitor>(
-          PeerMonitorOptions{.rank = 1, .local_pids = {peer, getpid()}, .key_prefix = "j/"}, &store);
-    }
-    ASSERT_TRUE(monitor->ExitedPeers().empty());
-    kill(peer, SIGKILL);
-    waitpid(peer, nullptr, 0);
-    // Start times count clock ticks: the new process must start in a later one.
-    std::this_thread::sleep_for(milliseconds(30));
-    reuser = SpawnSleeperAs(peer);
-    ASSERT_TRUE(reuser >= 0 || errno == EEXIST) << "clone3 with set_tid: " << std::strerror(errno);
-  }
-  ASSERT_EQ(reuser, peer);
+  PeerUnderAReusedPid reused;
+  ASSERT_NO_FATAL_FAILURE(MonitorAPeerWhosePidIsReused(
+      &store, [](PeerMonitor& monitor) { ASSERT_TRUE(monitor.ExitedPeers().empty()); }, &reused));
+  const pid_t reuser = reused.reuser;
+  PeerMonitor* monitor = reused.monitor.get();
   EXPECT_EQ(kill(reuser, 0), 0);  // a live process has the peer's pid
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
   EXPECT_EQ(monitor->Check(Soon()).code(), StatusCode::kPeerLost);
@@ -207,26 +233,10 @@ TEST(PeerMonitor, APeerWhosePidWasReusedIsDeadWithoutAPidfd) {
 // never reported the peer's death.
 TEST(PeerMonitor, APeerWhosePidWasReusedBeforeTheFirstLookIsDeadWithoutAPidfd) {
   testing::InMemoryStore store;
-  pid_t peer = -1, reuser = -1;
-  std::unique_ptr<PeerMonitor> monitor;
-  for (int attempt = 0; attempt < 5 && reuser < 0; ++attempt) {
-    peer = SpawnSleeper();
-    std::this_thread::sleep_for(milliseconds(50));
-    {
-      testing::DescriptorsExhausted none_left;
-      ASSERT_EQ(none_left.error(), EMFILE);
-      monitor = std::make_unique<PeerMonitor>(
-          PeerMonitorOptions{.rank = 1, .local_pids = {peer, getpid()}, .key_prefix = "j/"}, &store);
-    }
-    kill(peer, SIGKILL);
-    waitpid(peer, nullptr, 0);
-    // Start times count clock ticks: the new process must start in a later
-    // one than the monitor.
-    std::this_thread::sleep_for(milliseconds(30));
-    reuser = SpawnSleeperAs(peer);
-    ASSERT_TRUE(reuser >= 0 || errno == EEXIST) << "clone3 with set_tid: " << std::strerror(errno);
-  }
-  ASSERT_EQ(reuser, peer);
+  PeerUnderAReusedPid reused;
+  ASSERT_NO_FATAL_FAILURE(MonitorAPeerWhosePidIsReused(&store, [](PeerMonitor&) {}, &reused));
+  const pid_t reuser = reused.reuser;
+  PeerMonitor* monitor = reused.monitor.get();
   EXPECT_EQ(kill(reuser, 0), 0);  // a live process has the peer's pid
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});  // and stays gone
