@@ -72,9 +72,10 @@ echo "setup.sh: installing ${missing[*]}" >&2
 # no package), and the dpkg lock, held by a timer's unattended run, up to
 # 10 minutes; an install cut short earlier is finished first.
 APT_OPTIONS=(-o Acquire::Retries=3 -o DPkg::Lock::Timeout=600)
-$SUDO env DEBIAN_FRONTEND=noninteractive dpkg --configure -a
 for try in 1 2 3; do
-  if $SUDO env DEBIAN_FRONTEND=noninteractive apt-get "${APT_OPTIONS[@]}" update -qq &&
+  # Inside the tries: dpkg does not wait for its lock as apt-get does.
+  if $SUDO env DEBIAN_FRONTEND=noninteractive dpkg --configure -a &&
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get "${APT_OPTIONS[@]}" update -qq &&
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get "${APT_OPTIONS[@]}" install -y -qq \
       --no-install-recommends "${missing[@]}" >/dev/null; then
     break

@@ -99,7 +99,12 @@ std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
   int fds[2];
   if (::pipe(fds) != 0) return std::string("child: pipe: ") + std::strerror(errno);
   const pid_t pid = ::fork();
-  if (pid < 0) return std::string("child: fork: ") + std::strerror(errno);
+  if (pid < 0) {
+    const int error = errno;
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return std::string("child: fork: ") + std::strerror(error);
+  }
   if (pid == 0) {
     ::close(fds[0]);
     std::string msg;
@@ -144,7 +149,11 @@ std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
     pollfd p{fds[0], POLLIN, 0};
     const int ready = ::poll(&p, 1, static_cast<int>(left));
     if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) continue;  // the deadline is checked above
+    if (ready < 0) {
+      ::kill(pid, SIGKILL);
+      break;  // poll itself failed: the child's answer is lost
+    }
+    if (ready == 0) continue;  // the deadline is checked above
     const ssize_t n = ::read(fds[0], buf, sizeof(buf));
     if (n == 0) break;
     if (n < 0 && errno == EINTR) continue;
