@@ -308,14 +308,19 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   Requests requests(p2p, deadline);
   size_t expected = 0;
   std::vector<int> everyone;  // the peers of every round, once each
+  std::vector<size_t> from_each;  // per peer of `everyone`: its fingerprints not yet here
   const CheckRound* first = nullptr;
   for (const CheckRound& round : rounds) {
     if (round.peers.empty()) continue;
     if (first == nullptr) first = &round;
     expected += round.peers.size();
     for (int peer : round.peers) {
-      if (std::find(everyone.begin(), everyone.end(), peer) == everyone.end()) {
+      const auto at = std::find(everyone.begin(), everyone.end(), peer);
+      if (at == everyone.end()) {
         everyone.push_back(peer);
+        from_each.push_back(1);
+      } else {
+        ++from_each[static_cast<size_t>(at - everyone.begin())];
       }
     }
   }
@@ -438,6 +443,24 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
     if (!differs.ok()) {
       if (call_id != 0) tell_everyone(done.peer, *done.fingerprint);
       return differs;
+    }
+    // A peer whose every fingerprint agreed with this rank's has nothing to
+    // tell it: a disagreement it finds is with a rank that disagrees with
+    // this one too, whose fingerprint or note comes here. Its note's
+    // receive is given up, so that the peer may return and close its
+    // endpoints (a failed endpoint fails every wait on it) while this rank
+    // still waits for a slower one.
+    const size_t k = static_cast<size_t>(std::find(everyone.begin(), everyone.end(), done.peer) - everyone.begin());
+    if (--from_each[k] == 0) {
+      for (size_t j = 0; j < awaited.size(); ++j) {
+        if (awaited[j].note == nullptr || awaited[j].peer != done.peer) continue;
+        const p2p::RequestId id = ids[j];
+        requests.Forget(id);
+        p2p.CancelAll(std::span<const p2p::RequestId>(&id, 1));
+        ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(j));
+        awaited.erase(awaited.begin() + static_cast<std::ptrdiff_t>(j));
+        break;
+      }
     }
   }
   // Every fingerprint agreed with this rank's, and every caller's first

@@ -14,6 +14,7 @@
 #include "transport/algorithms/reduce_scatter.h"
 #include "transport/algorithms/tree_all_reduce.h"
 #include "transport/p2p/group_view.h"
+#include "transport/p2p/loopback.h"
 #include "transport/testing/thread_harness.h"
 
 namespace ddp::transport::algorithms {
@@ -113,9 +114,9 @@ class Arrivals {
     ++arrived_;
     cv_.notify_all();
   }
-  bool AwaitAtLeast(int n) {
+  bool AwaitAtLeast(int n, std::chrono::milliseconds within = std::chrono::seconds(20)) {
     std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::seconds(20), [&] { return arrived_ >= n; });
+    return cv_.wait_for(lock, within, [&] { return arrived_ >= n; });
   }
 
  private:
@@ -371,6 +372,78 @@ TEST(RingAllReduceTest, EmptyCallIgnoresNotesLeftByAnEarlierCall) {
         args.dtype = DataType::kF32;
         args.call_id = 1 + internal::kStopNoteTags;  // its notes share call 1's tag
         return RingAllReduce(p2p, args);
+      },
+      options);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+}
+
+// An endpoint whose sends to `peer` wait until `gate` has an arrival (up
+// to 20 s), then until `woke` has two (up to 300 ms), before they are
+// posted.
+class SendHoldingEndpoint final : public testing::WaitObservingEndpoint {
+ public:
+  SendHoldingEndpoint(p2p::PointToPoint& inner, int peer, Arrivals& gate, Arrivals& woke)
+      : WaitObservingEndpoint(inner), peer_(peer), gate_(gate), woke_(woke) {}
+  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data, size_t bytes) override {
+    if (peer == peer_) {
+      gate_.AwaitAtLeast(1);
+      woke_.AwaitAtLeast(2, std::chrono::milliseconds(300));
+    }
+    return WaitObservingEndpoint::PostSend(peer, tag, data, bytes);
+  }
+
+ private:
+  int peer_;
+  Arrivals& gate_;
+  Arrivals& woke_;
+};
+
+// An endpoint that counts the waits its rank comes back from.
+class WaitReturnCountingEndpoint final : public testing::WaitObservingEndpoint {
+ public:
+  WaitReturnCountingEndpoint(p2p::PointToPoint& inner, Arrivals& returns)
+      : WaitObservingEndpoint(inner), returns_(returns) {}
+
+ private:
+  void AfterWait() override { returns_.Arrive(); }
+
+  Arrivals& returns_;
+};
+
+// An empty call on which every rank agrees: rank 1 has every fingerprint,
+// returns and is lost (its process exits and closes its endpoints) while
+// ranks 0 and 2 still wait, rank 2 for rank 0's fingerprint (held back
+// until rank 1 is gone and rank 2 has come back from a second wait, or 300
+// ms). They kept a stop note's receive posted from rank 1 to the end, and
+// its loss failed their call with PEER_LOST although every rank agreed (rank
+// 2's second wait came back with it); a peer whose fingerprint agreed has
+// no note to send.
+TEST(RingAllReduceTest, EmptyCallOutlivesAnAgreeingPeerThatLeft) {
+  p2p::LoopbackHub hub(3);
+  Arrivals rank1_gone, rank2_woke;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      hub,
+      [&](p2p::PointToPoint& endpoint) -> Status {
+        const int r = endpoint.rank();
+        SendHoldingEndpoint holding(endpoint, 2, rank1_gone, rank2_woke);
+        WaitReturnCountingEndpoint counting(endpoint, rank2_woke);
+        p2p::PointToPoint& p2p = r == 0   ? static_cast<p2p::PointToPoint&>(holding)
+                                 : r == 2 ? static_cast<p2p::PointToPoint&>(counting)
+                                          : endpoint;
+        CollectiveArgs args;
+        args.count = 0;
+        args.dtype = DataType::kF32;
+        args.tag = CollectiveTag(0);
+        args.call_id = 1;
+        args.deadline = DeadlineIn(std::chrono::seconds(6));
+        Status status = RingAllReduce(p2p, args);
+        if (r == 1) {
+          hub.Kill(1);
+          rank1_gone.Arrive();
+        }
+        return status;
       },
       options);
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
