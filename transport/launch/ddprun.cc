@@ -445,7 +445,9 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // --rdzv_timeout, and --rdzv_conf's key for the same wait (join_timeout
   // or timeout) with its value, if given.
   bool rdzv_timeout_given = false;
+  bool rdzv_timeout_on_command_line = false;
   std::string join_timeout_key;
+  bool join_timeout_on_command_line = false;
   std::optional<milliseconds> conf_join_timeout;
   // The flag that made each of o.notes while the flags are read: a flag
   // given again replaces its earlier value (argparse's last one wins), and
@@ -649,6 +651,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
             conf_join_timeout = seconds;
             join_timeout_key = key;
+            join_timeout_on_command_line = on_command_line;
           } else if (key == "keep_alive_interval") {
             if (!positive) return bad_item(item, key + " takes a positive number of seconds");
             keep_alive_interval = seconds;
@@ -901,6 +904,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "rdzv_timeout") {
         DDP_RETURN_IF_ERROR(take_seconds(o.rdzv_timeout, /*positive=*/true));
         rdzv_timeout_given = true;
+        rdzv_timeout_on_command_line = on_command_line;
       } else if (name == "node_timeout") {
         DDP_RETURN_IF_ERROR(take_seconds(o.node_timeout, /*positive=*/true));
         node_timeout_given = true;
@@ -1021,12 +1025,23 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                                                 : "with --rdzv_backend=static node 0 serves the store"));
     o.is_host.reset();
   }
-  // Refused, as the keep-alives with --node_timeout below: letting one win
-  // depended on their order, and PET_RDZV_CONF's beat --rdzv_timeout on the
-  // command line.
+  // Both on the command line (or both from the environment): refused, as
+  // the keep-alives with --node_timeout below (letting one win depended on
+  // their order). One on the command line and one from the environment:
+  // the command line wins, as for every torchrun setting, with a note.
   if (rdzv_timeout_given && !join_timeout_key.empty()) {
-    return InvalidArgumentError("--rdzv_timeout and --rdzv_conf's " + join_timeout_key +
-                                " both say how long to wait for every node to join; give one of them");
+    if (rdzv_timeout_on_command_line == join_timeout_on_command_line) {
+      return InvalidArgumentError("--rdzv_timeout and --rdzv_conf's " + join_timeout_key +
+                                  " both say how long to wait for every node to join; give one of them");
+    }
+    if (rdzv_timeout_on_command_line) {
+      o.notes.push_back(join_timeout_key + " in " + PetVariable("rdzv_conf") +
+                        " is overridden by --rdzv_timeout on the command line");
+      conf_join_timeout.reset();
+    } else {
+      o.notes.push_back(PetVariable("rdzv_timeout") + " is overridden by --rdzv_conf's " + join_timeout_key +
+                        " on the command line");
+    }
   }
   if (conf_join_timeout) o.rdzv_timeout = *conf_join_timeout;
   if (keep_alive_interval || keep_alive_attempts) {

@@ -295,18 +295,19 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
   ExpectRefused({"--node_timeout=4", "--rdzv_conf=keep_alive_interval=1", "p"},
                 "--node_timeout and --rdzv_conf's keep_alive_interval/keep_alive_max_attempt both say when a "
                 "silent node is dead; give one of them");
-  // Likewise --rdzv_timeout and rdzv_conf's join timeout: the one given
-  // last won, and PET_RDZV_CONF's won over --rdzv_timeout on the command
-  // line.
+  // Likewise --rdzv_timeout and rdzv_conf's join timeout on the command
+  // line: the one given last won. With one of them from the environment
+  // the command line's wins, with a note (PET_RDZV_CONF's used to win).
   const std::string both_joins = " both say how long to wait for every node to join; give one of them";
   ExpectRefused({"--rdzv_timeout=20", "--rdzv_conf=join_timeout=900", "p"},
                 "--rdzv_timeout and --rdzv_conf's join_timeout" + both_joins);
   ExpectRefused({"--rdzv_conf=timeout=900", "--rdzv_timeout=20", "p"},
                 "--rdzv_timeout and --rdzv_conf's timeout" + both_joins);
-  ExpectRefused({"--rdzv_timeout=20", "p"},
-                "--rdzv_timeout and --rdzv_conf's join_timeout" + both_joins +
-                    " (taken from the environment: PET_RDZV_CONF='join_timeout=900')",
-                {{"PET_RDZV_CONF", "join_timeout=900"}});
+  StatusOr<DdprunOptions> flag_wins = Parse({"--rdzv_timeout=20", "p"}, {{"PET_RDZV_CONF", "join_timeout=900"}});
+  ASSERT_TRUE(flag_wins.ok()) << flag_wins.status();
+  EXPECT_EQ(flag_wins->rdzv_timeout, 20000ms);
+  EXPECT_EQ(flag_wins->notes, std::vector<std::string>{
+                                  "join_timeout in PET_RDZV_CONF is overridden by --rdzv_timeout on the command line"});
   ExpectRefused({"--rdzv_backend=etcd", "p"}, "--rdzv_backend=etcd is not supported; use static or c10d");
   ExpectRefused({"--rdzv_endpoint=h:", "p"}, "--rdzv_endpoint=h:: empty port");
   ExpectRefused({"--rdzv_endpoint=h:99999", "p"}, "--rdzv_endpoint=h:99999: the port must be in [0, 65535]");
