@@ -260,9 +260,10 @@ TEST(BenchFlagsTest, AFifoFlagfileIsCheckedAndItsFlagsReachTheRanks) {
 
 // Ctrl-C while the process that starts the ranks checks the flags ended it
 // without a word. Held in that check by a --flagfile that is a FIFO (the
-// check's parse waits in its read until this end is closed), it now says
-// so in one line, ends by the signal once the check returns, and starts no
-// rank.
+// check's parse waits in its read, the writer's end held open until the
+// program has ended), it now says so, and that the read stopped, ends by
+// the signal, and starts no rank. (The writer's end closed right after the
+// signal raced the read's stop: one line or two.)
 TEST(BenchLaunchTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
   for (const std::string program : {"ddp_bench", "allreduce_bench"}) {
     SCOPED_TRACE(program);
@@ -274,11 +275,15 @@ TEST(BenchLaunchTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
     int writer = -1;
     ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(fifo, running, &writer));
     running.Signal(SIGINT);
-    ::close(writer);  // an empty file of flags
-    ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
+    const int code = running.Wait(std::chrono::seconds(60));
+    ::close(writer);
+    ASSERT_EQ(code, 128 + SIGINT) << running.Stdout() << running.Stderr();
     EXPECT_EQ(running.Stderr(), program +
                                     ": interrupted by Ctrl-C during setup; stopping before any rank starts "
-                                    "(Ctrl-C again: at once)\n");
+                                    "(Ctrl-C again: at once)\n" +
+                                    program + ": --flagfile=" + fifo + ": stopped reading " + fifo +
+                                    " before its end (its writer had not closed it); none of its flags were "
+                                    "taken\n");
     EXPECT_EQ(running.Stdout(), "");
     EXPECT_TRUE(running.Children().empty());
   }

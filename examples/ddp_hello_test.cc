@@ -177,8 +177,10 @@ TEST(DdpHelloTest, BadFlagsAreRefusedBeforeAnythingStarts) {
 
 // Ctrl-C while the launching process checks the flags and the data ended
 // it without a word. Held in that check by a --flagfile that is a FIFO (the
-// check waits in its read until this end is closed), it now says so in one
-// line, ends by the signal once the check returns, and starts no rank.
+// check waits in its read, the writer's end held open until the program
+// has ended), it now says so, and that the read stopped, ends by the
+// signal, and starts no rank. (The writer's end closed right after the
+// signal raced the read's stop: one line or two.)
 TEST(DdpHelloTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
   const std::string dir = testing::MakeTempDir("ctrl_c_setup");
   const std::string fifo = dir + "/flags";
@@ -189,10 +191,13 @@ TEST(DdpHelloTest, CtrlCDuringTheCheckBeforeLaunchSaysSoInOneLine) {
   int writer = -1;
   ASSERT_NO_FATAL_FAILURE(testing::OpenFifoOnceRead(fifo, running, &writer));
   running.Signal(SIGINT);
-  ::close(writer);  // an empty file of flags
-  ASSERT_EQ(running.Wait(std::chrono::seconds(60)), 128 + SIGINT) << running.Stdout() << running.Stderr();
+  const int code = running.Wait(std::chrono::seconds(60));
+  ::close(writer);
+  ASSERT_EQ(code, 128 + SIGINT) << running.Stdout() << running.Stderr();
   EXPECT_EQ(running.Stderr(),
-            "ddp_hello: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n");
+            "ddp_hello: interrupted by Ctrl-C during setup; stopping before any rank starts (Ctrl-C again: at once)\n"
+            "ddp_hello: --flagfile=" + fifo + ": stopped reading " + fifo +
+            " before its end (its writer had not closed it); none of its flags were taken\n");
   EXPECT_EQ(running.Stdout(), "");
   EXPECT_TRUE(running.Children().empty());
   EXPECT_FALSE(std::filesystem::exists(dir + "/saved"));
