@@ -164,17 +164,23 @@ TEST(RingAllReduceTest, RankEnteringAfterTheFindersReturnedStillStops) {
   EXPECT_LT(took, std::chrono::seconds(3)) << "some rank waited for its deadline";
 }
 
-// An endpoint that counts the waits its rank enters, and passes every call
-// on.
+// An endpoint that counts the waits its rank enters, or (`returns`) those
+// it comes back from, and passes every call on.
 class WaitCountingEndpoint final : public testing::WaitObservingEndpoint {
  public:
-  WaitCountingEndpoint(p2p::PointToPoint& inner, Arrivals& waits)
-      : WaitObservingEndpoint(inner), waits_(waits) {}
+  WaitCountingEndpoint(p2p::PointToPoint& inner, Arrivals& waits, bool returns = false)
+      : WaitObservingEndpoint(inner), waits_(waits), returns_(returns) {}
 
  private:
-  void BeforeWait() override { waits_.Arrive(); }
+  void BeforeWait() override {
+    if (!returns_) waits_.Arrive();
+  }
+  void AfterWait() override {
+    if (returns_) waits_.Arrive();
+  }
 
   Arrivals& waits_;
+  bool returns_;
 };
 
 // A note left unread by a failed call (its receiver had returned) must not
@@ -398,18 +404,6 @@ class SendHoldingEndpoint final : public testing::WaitObservingEndpoint {
   Arrivals& woke_;
 };
 
-// An endpoint that counts the waits its rank comes back from.
-class WaitReturnCountingEndpoint final : public testing::WaitObservingEndpoint {
- public:
-  WaitReturnCountingEndpoint(p2p::PointToPoint& inner, Arrivals& returns)
-      : WaitObservingEndpoint(inner), returns_(returns) {}
-
- private:
-  void AfterWait() override { returns_.Arrive(); }
-
-  Arrivals& returns_;
-};
-
 // An empty call on which every rank agrees: rank 1 has every fingerprint,
 // returns and is lost (its process exits and closes its endpoints) while
 // ranks 0 and 2 still wait, rank 2 for rank 0's fingerprint (held back
@@ -428,7 +422,7 @@ TEST(RingAllReduceTest, EmptyCallOutlivesAnAgreeingPeerThatLeft) {
       [&](p2p::PointToPoint& endpoint) -> Status {
         const int r = endpoint.rank();
         SendHoldingEndpoint holding(endpoint, 2, rank1_gone, rank2_woke);
-        WaitReturnCountingEndpoint counting(endpoint, rank2_woke);
+        WaitCountingEndpoint counting(endpoint, rank2_woke, /*returns=*/true);
         p2p::PointToPoint& p2p = r == 0   ? static_cast<p2p::PointToPoint&>(holding)
                                  : r == 2 ? static_cast<p2p::PointToPoint&>(counting)
                                           : endpoint;
