@@ -193,6 +193,51 @@ TEST(AutogradTest, GradAsBucketViewAccumulatesInPlace) {
   for (int i = 4; i < 10; ++i) EXPECT_EQ(b[i], 3.0f);  // 1 (old) + 2 (new), written into the bucket
 }
 
+// SetData may give a leaf another shape, dtype or device after its .grad
+// was made: the next backward refuses to add into that .grad, naming both,
+// and leaves it as it was; once it is cleared, backward works again. Before,
+// a [2] .grad of a [4] leaf took the first half of the gradient, a [4] .grad
+// of a [2, 2] leaf made the CPU kernel write out of bounds, and the other
+// two failed inside the kernel without naming the leaf's .grad.
+TEST(AutogradTest, StaleGradOfAnotherShapeDtypeOrDeviceIsRefused) {
+  const auto expect_refused = [](const Tensor& leaf, const std::string& grad, const std::string& data) {
+    const std::string err = ErrorOf([&] { Backward(ops::Sum(ops::MulScalar(leaf, 2.0))); });
+    EXPECT_NE(err.find("the leaf's .grad " + grad + " does not match its data " + data +
+                       " (was the data replaced with SetData?); clear the .grad first (ZeroGradOf(leaf, "
+                       "/*set_to_none=*/true) or set_grad(Tensor()))"),
+              std::string::npos)
+        << err;
+  };
+  Tensor w = Param({2}, 1.0);
+  Backward(ops::Sum(w));
+  w.SetData(Zeros({4}));
+  expect_refused(w, "[2] f32 on cpu", "[4] f32 on cpu");
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{1, 1}));
+  ZeroGradOf(w, /*set_to_none=*/true);
+  Backward(ops::Sum(ops::MulScalar(w, 2.0)));
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 2, 2, 2}));
+
+  Tensor v = Param({4}, 1.0);
+  Backward(ops::Sum(v));
+  v.SetData(Zeros({2, 2}));
+  expect_refused(v, "[4] f32 on cpu", "[2, 2] f32 on cpu");
+  EXPECT_EQ(v.grad().ToVector<float>(), (std::vector<float>{1, 1, 1, 1}));
+
+  Tensor d = Param({2}, 1.0);
+  Backward(ops::Sum(d));
+  d.SetData(Zeros({2}, {.dtype = DType::kFloat64}));
+  expect_refused(d, "[2] f32 on cpu", "[2] f64 on cpu");
+
+  // A leaf on cuda:0 with its .grad there, moved to the CPU by SetData
+  // alone (the memory of the cuda tensors is never read).
+  std::vector<float> data_backing(2), grad_backing(2);
+  Tensor c = Tensor::FromBlob(data_backing.data(), {2}, DType::kFloat32, Device(DeviceType::kCUDA, 0));
+  c.set_requires_grad(true);
+  c.set_grad(Tensor::FromBlob(grad_backing.data(), {2}, DType::kFloat32, Device(DeviceType::kCUDA, 0)));
+  c.SetData(Zeros({2}));
+  expect_refused(c, "[2] f32 on cuda:0", "[2] f32 on cpu");
+}
+
 TEST(AutogradTest, NoGradGuardRecordsNothing) {
   Tensor w = Param({2}, 1.0);
   NoGradGuard guard;

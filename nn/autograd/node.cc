@@ -5,6 +5,7 @@
 #include <limits>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <unordered_set>
 
 #include "nn/ops/dispatch.h"
@@ -14,6 +15,10 @@ namespace ddp::nn::autograd {
 namespace {
 std::atomic<uint64_t> g_next_sequence_nr{0};
 std::string NodeName(const Node& n) { return n.name(); }
+// "[2, 3] f32 on cpu", for messages about a leaf and its .grad.
+std::string Describe(const Tensor& t) {
+  return ShapeToString(t.shape()) + " " + std::string(DTypeName(t.dtype())) + " on " + t.device().ToString();
+}
 }  // namespace
 
 Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {
@@ -67,6 +72,16 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
                            g.storage_offset() == 0;
     meta.grad = exclusive ? g : g.Clone();
   } else {
+    // SetData may have given the leaf another shape, dtype or device since
+    // .grad was made. Adding into that .grad would then cover only part of
+    // the gradient, write past the end of its buffer, or read device memory
+    // on the host, so it is refused, as PyTorch refuses it.
+    if (meta.grad.shape() != g.shape() || meta.grad.dtype() != g.dtype() || meta.grad.device() != g.device()) {
+      throw std::invalid_argument("the leaf's .grad " + Describe(meta.grad) + " does not match its data " +
+                                  Describe(var) +
+                                  " (was the data replaced with SetData?); clear the .grad first "
+                                  "(ZeroGradOf(leaf, /*set_to_none=*/true) or set_grad(Tensor()))");
+    }
     DDP_KERNEL(meta.grad.device(), add_scaled_)(meta.grad, g, 1.0);
     meta.grad.storage()->BumpVersion();
   }
