@@ -1564,5 +1564,25 @@ TEST(KernelsTest, AvgPoolWindowEndPastInt64IsClippedToThePadding) {
   }
 }
 
+// add_scaled_ is how a leaf's gradient is added into its .grad, so an
+// operand that does not broadcast to the output (a .grad left stale by
+// SetData) is refused and the output left as it was. Before, a wider
+// operand was cut to the output's size, a narrower one was read past its
+// end, and one of more dimensions than the output made BroadcastStrides
+// write before the start of the strides it returns.
+TEST(KernelsTest, AddScaledRefusesAnOperandThatDoesNotBroadcast) {
+  const Tensor out = Zeros({2});
+  EXPECT_EQ(ErrorOf([&] { cpu::AddScaled(out, Ones({4}), 1.0); }), "cannot broadcast shape [4] to [2]");
+  EXPECT_EQ(ErrorOf([&] { cpu::AddScaled(out, Ones({2, 2}), 1.0); }), "cannot broadcast shape [2, 2] to [2]");
+  EXPECT_EQ(out.ToVector<float>(), (std::vector<float>{0, 0}));
+  const Tensor wide = Zeros({2, 3});
+  EXPECT_EQ(ErrorOf([&] { cpu::AddScaled(wide, Ones({2}), 1.0); }), "cannot broadcast shape [2] to [2, 3]");
+  // Operands that do broadcast: a row, a column and a scalar.
+  cpu::AddScaled(wide, FromVector({1, 2, 3}, {3}), 2.0);
+  cpu::AddScaled(wide, FromVector({10, 20}, {2, 1}), 1.0);
+  cpu::AddScaled(wide, Full({}, 0.5), -2.0);
+  EXPECT_EQ(wide.ToVector<float>(), (std::vector<float>{11, 13, 15, 21, 23, 25}));
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops

@@ -12,9 +12,16 @@ namespace ddp::nn::ops::cpu {
 Shape BroadcastStrides(const Tensor& t, const Shape& shape) {
   const Shape& sh = t.shape();
   const Shape& st = t.strides();
+  // Callers pass shapes that broadcast, but a stale operand (a leaf's .grad
+  // left behind by SetData) must not index past `out` or read past t's end.
+  const auto refuse = [&] {
+    throw std::invalid_argument("cannot broadcast shape " + ShapeToString(sh) + " to " + ShapeToString(shape));
+  };
+  if (sh.size() > shape.size()) refuse();
   Shape out(shape.size(), 0);
   const size_t lead = shape.size() - sh.size();
   for (size_t i = 0; i < sh.size(); ++i) {
+    if (sh[i] != 1 && sh[i] != shape[lead + i]) refuse();
     out[lead + i] = (sh[i] == 1 && shape[lead + i] != 1) ? 0 : st[i];
   }
   return out;
