@@ -262,6 +262,8 @@ Tensor ProbabilityCrossEntropy(const Tensor& logits, const Tensor& target, const
 }  // namespace
 
 Tensor NllLoss(const Tensor& input, const Tensor& target_in, const NllLossOptions& options) {
+  if (!input.defined()) throw std::invalid_argument("nll_loss: log-probabilities are undefined");
+  if (!target_in.defined()) throw std::invalid_argument("nll_loss: target is undefined");
   if (input.dim() < 2) {
     throw std::invalid_argument("nll_loss: expected log-probabilities [N, C] or [N, C, d1, ...], got " +
                                 ShapeToString(input.shape()));

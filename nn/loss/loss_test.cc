@@ -554,6 +554,9 @@ TEST(NllLossTest, BadInputsAreNamed) {
             "nll_loss: expected log-probabilities [N, C] or [N, C, d1, ...], got [4]");
   EXPECT_EQ(ErrorOf([&] { NllLoss(FromVectorOf<int64_t>({0, 0}, {1, 2}), FromVectorOf<int64_t>({1}, {1})); }),
             "nll_loss: log-probabilities must be floating, got i64");
+  // Named here, as cross_entropy does; before, Tensor's "shape on an undefined tensor" named no op.
+  EXPECT_EQ(ErrorOf([&] { NllLoss(Tensor(), target); }), "nll_loss: log-probabilities are undefined");
+  EXPECT_EQ(ErrorOf([&] { NllLoss(lp, Tensor()); }), "nll_loss: target is undefined");
   Tensor trainable = Ones({4});
   trainable.set_requires_grad(true);
   EXPECT_EQ(ErrorOf([&] { NllLoss(lp, target, {.weight = trainable}); }),
