@@ -76,6 +76,13 @@ Tensor RunUnbatched(Module& layer, const Tensor& x) {
   return ops::Squeeze(layer.Forward(ops::Unsqueeze(x, 0)), 0);
 }
 
+// Called first in every Forward here: the shape checks and ops read the
+// input's shape, and on an undefined tensor that fails in Tensor with a
+// logic_error naming neither the layer nor its path.
+void CheckDefinedInput(const Module& layer, const Tensor& x) {
+  if (!x.defined()) throw std::invalid_argument(layer.Describe() + ": input is undefined");
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Linear
@@ -99,6 +106,7 @@ std::string Linear::ExtraRepr() const {
 std::string Linear::ShortRepr() const { return "Linear(" + std::to_string(in_) + "->" + std::to_string(out_) + ")"; }
 
 Tensor Linear::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   if (x.dim() < 1 || x.size(-1) != in_) {
     Fail("expected input [..., " + std::to_string(in_) + "], got " + ShapeToString(x.shape()));
   }
@@ -157,6 +165,7 @@ std::string Conv2d::ShortRepr() const {
 }
 
 Tensor Conv2d::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   if (x.dim() == 3 && x.size(0) == in_) return RunUnbatched(*this, x);
   if (x.dim() != 4 || x.size(1) != in_) {
     Fail("expected input [N, " + std::to_string(in_) + ", H, W] or [" + std::to_string(in_) + ", H, W], got " +
@@ -249,6 +258,7 @@ void TrackedBatchCount::Set(const Tensor& num_batches_tracked, int64_t count) {
 }
 
 Tensor BatchNorm::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   CheckInput(x);
   const bool use_batch_stats = is_training() || !options_.track_running_stats;
   // Only a training batch with running statistics updates them, so only it
@@ -281,11 +291,30 @@ void BatchNorm2d::CheckInput(const Tensor& x) const {
 
 // ---------------------------------------------------------------- activations
 
-Tensor ReLU::Forward(const Tensor& x) { return ops::Relu(x); }
-Tensor ReLU::ForwardOwned(Tensor x) { return ops::ReluOwned(std::move(x)); }
-Tensor GELU::Forward(const Tensor& x) { return ops::Gelu(x, tanh_); }
-Tensor Sigmoid::Forward(const Tensor& x) { return ops::Sigmoid(x); }
-Tensor Tanh::Forward(const Tensor& x) { return ops::Tanh(x); }
+Tensor ReLU::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
+  return ops::Relu(x);
+}
+
+Tensor ReLU::ForwardOwned(Tensor x) {
+  CheckDefinedInput(*this, x);
+  return ops::ReluOwned(std::move(x));
+}
+
+Tensor GELU::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
+  return ops::Gelu(x, tanh_);
+}
+
+Tensor Sigmoid::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
+  return ops::Sigmoid(x);
+}
+
+Tensor Tanh::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
+  return ops::Tanh(x);
+}
 
 // ---------------------------------------------------------------- pooling
 
@@ -322,6 +351,7 @@ std::string MaxPool2d::ExtraRepr() const {
 }
 
 Tensor MaxPool2d::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   if (x.dim() == 3) return RunUnbatched(*this, x);
   if (x.dim() != 4) Fail("expected input [N, C, H, W] or [C, H, W], got " + ShapeToString(x.shape()));
   try {
@@ -344,6 +374,7 @@ std::string AvgPool2d::ExtraRepr() const {
 }
 
 Tensor AvgPool2d::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   if (x.dim() == 3) return RunUnbatched(*this, x);
   if (x.dim() != 4) Fail("expected input [N, C, H, W] or [C, H, W], got " + ShapeToString(x.shape()));
   try {
@@ -356,6 +387,7 @@ Tensor AvgPool2d::Forward(const Tensor& x) {
 std::string AdaptiveAvgPool2d::ExtraRepr() const { return "output_size=" + Pair(out_h_, out_w_); }
 
 Tensor AdaptiveAvgPool2d::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   if (x.dim() == 3) return RunUnbatched(*this, x);
   if (x.dim() != 4) Fail("expected input [N, C, H, W] or [C, H, W], got " + ShapeToString(x.shape()));
   try {
@@ -375,6 +407,7 @@ Dropout::Dropout(double p, Generator& gen) : p_(p), gen_(&gen) {
 std::string Dropout::ExtraRepr() const { return "p=" + PyFloat(p_) + ", inplace=False"; }
 
 Tensor Dropout::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   try {
     return ops::Dropout(x, p_, is_training(), *gen_);
   } catch (const std::invalid_argument& e) {
@@ -387,6 +420,7 @@ std::string Flatten::ExtraRepr() const {
 }
 
 Tensor Flatten::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
   try {
     return ops::Flatten(x, start_, end_);
   } catch (const std::exception& e) {

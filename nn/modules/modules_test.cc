@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include "nn/autograd/engine.h"
@@ -221,6 +222,41 @@ TEST(ModuleTest, BadInputShapesNameTheLayer) {
   EXPECT_EQ(err, "BatchNorm2d(32) `layer1.0.bn1`: expected input [N, 32, H, W], got [2, 64, 32, 32]");
   EXPECT_EQ(ErrorOf([] { BatchNorm1d(4).Forward(Zeros({2, 5})); }),
             "BatchNorm1d(4): expected input [N, 4] or [N, 4, L], got [2, 5]");
+}
+
+// An undefined input is refused by every layer with an invalid_argument
+// naming the layer, its path and "undefined". Before, most read its shape
+// first and Tensor threw a logic_error ("shape on an undefined tensor")
+// naming neither; the activations named only their op.
+TEST(ModuleTest, UndefinedInputNamesTheLayer) {
+  Sequential seq{std::make_shared<Linear>(2, 3),
+                 std::make_shared<Conv2d>(1, 2, 3),
+                 std::make_shared<BatchNorm1d>(4),
+                 std::make_shared<BatchNorm2d>(4),
+                 std::make_shared<ReLU>(),
+                 std::make_shared<GELU>(),
+                 std::make_shared<Sigmoid>(),
+                 std::make_shared<Tanh>(),
+                 std::make_shared<MaxPool2d>(2),
+                 std::make_shared<AvgPool2d>(2),
+                 std::make_shared<AdaptiveAvgPool2d>(1, 1),
+                 std::make_shared<Dropout>(0.5),
+                 std::make_shared<Flatten>()};
+  for (const auto& [name, layer] : seq.NamedChildren()) {
+    SCOPED_TRACE(layer->TypeName());
+    std::string what;
+    try {
+      layer->Forward(Tensor());
+    } catch (const std::invalid_argument& e) {
+      what = e.what();
+    } catch (const std::exception& e) {
+      what = std::string("not an invalid_argument: ") + e.what();
+    }
+    EXPECT_EQ(what, layer->Describe() + ": input is undefined");
+  }
+  const std::shared_ptr<ReLU> relu = seq.ChildAs<ReLU>("4");
+  EXPECT_EQ(ErrorOf([&] { relu->ForwardOwned(Tensor()); }), "ReLU `4`: input is undefined");
+  EXPECT_EQ(ErrorOf([&] { seq.Forward(Tensor()); }), "Linear(2->3) `0`: input is undefined");
 }
 
 // An error from the op inside Linear or Dropout is rethrown naming the layer
