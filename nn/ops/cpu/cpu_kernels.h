@@ -83,7 +83,8 @@ void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor&
 void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& grad_loss, int64_t ignore_index,
                      const Tensor& dlog_probs);
 
-/// Strides of t when broadcast to `shape` (0 along broadcast dimensions).
+/// Strides of t when broadcast to `shape` (0 along broadcast dimensions);
+/// std::invalid_argument when t's shape does not broadcast to `shape`.
 Shape BroadcastStrides(const Tensor& t, const Shape& shape);
 /// A contiguous tensor with t's data (t itself when already contiguous); never records autograd.
 Tensor ContiguousData(const Tensor& t);
