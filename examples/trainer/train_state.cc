@@ -737,6 +737,17 @@ int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
   return n / batch_size + (n % batch_size != 0);
 }
 
+std::string FileWhereAFolderMustBe(const std::string& dir) {
+  for (std::filesystem::path p = dir; !p.empty() && p != p.root_path(); p = p.parent_path()) {
+    std::error_code ec;
+    const auto status = std::filesystem::status(p, ec);
+    if (ec || status.type() == std::filesystem::file_type::not_found) continue;
+    if (status.type() != std::filesystem::file_type::directory) return p.string() + " is a file, not a folder";
+    break;
+  }
+  return "";
+}
+
 namespace internal {
 namespace {
 std::atomic<int64_t> read_pause_ms{0};
@@ -757,6 +768,14 @@ std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>
                      "; fix the path or its folders' permissions, or pass another --checkpoint");
   }
   if (!exists) {
+    // A file where a folder of the path must be reads as absent too
+    // (ENOTDIR), yet a run without --resume cannot create the checkpoint
+    // there either.
+    const std::string folder = std::filesystem::path(path).parent_path().string();
+    if (const std::string file = folder.empty() ? "" : FileWhereAFolderMustBe(folder); !file.empty()) {
+      throw UsageError("--resume: no checkpoint can be at " + path + ": " + file +
+                       "; fix the path, or pass another --checkpoint");
+    }
     throw UsageError("--resume: no checkpoint at " + path +
                      "; run once without --resume to create it, or pass --checkpoint=PATH");
   }

@@ -246,9 +246,17 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                                   const TrainComponents& parts, const TrainConfig& config,
                                   int world_size, std::string* note);
 /// The bytes of the checkpoint at `path`; throws the UsageError of a
-/// missing or unreadable file. Once `*stop` (when given) is true, the read
+/// missing or unreadable file, or of a path with a file where one of its
+/// folders must be (naming that file). Once `*stop` (when given) is true, the read
 /// ends within a piece of kStopCheckBytes with a UsageError.
 std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop = nullptr);
+
+/// "F is a file, not a folder" when the nearest of `dir` and the folders
+/// above it that is there (through links) is not a folder: F stands where
+/// a folder of the path must be, which the system reports only as "Not a
+/// directory" or, for a look at a path below it, as absent. "" when that
+/// one is a folder, or when none can be looked at.
+std::string FileWhereAFolderMustBe(const std::string& dir);
 
 namespace internal {
 

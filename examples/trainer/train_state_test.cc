@@ -244,6 +244,27 @@ TEST(TrainStateTest, PathThatCannotBeLookedAtIsNotCalledMissing) {
   EXPECT_EQ(msg.find("run once without --resume"), std::string::npos) << msg;
 }
 
+// A regular file among the checkpoint path's folders (the folder itself,
+// or one above it) makes the path unreachable, which the system reports as
+// absent: --resume said "no checkpoint ... run once without --resume to
+// create it", and that run then failed on the same file. The line names
+// the file instead.
+TEST(TrainStateTest, AFileAmongTheCheckpointsFoldersIsNamedNotCalledMissing) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/file_for_folder";
+  std::filesystem::create_directories(dir);
+  const std::string file = dir + "/notes.txt";
+  std::ofstream(file) << "not a folder\n";
+  for (const std::string& path : {file + "/c.safetensors", file + "/run1/c.safetensors"}) {
+    const std::string msg = UsageErrorOf([&] { ReadTrainCheckpoint(path); });
+    EXPECT_EQ(msg, "--resume: no checkpoint can be at " + path + ": " + file +
+                       " is a file, not a folder; fix the path, or pass another --checkpoint");
+  }
+  // A folder that is merely missing is still missing.
+  const std::string absent = dir + "/run2/c.safetensors";
+  EXPECT_NE(UsageErrorOf([&] { ReadTrainCheckpoint(absent); }).find("run once without --resume"),
+            std::string::npos);
+}
+
 // An elastic job on 4 ranks saved in the middle of epoch 2, after 3
 // batches of 8 per rank, and lost a node: on 2 ranks it trains the rest of
 // epoch 2, each sample the 4 ranks had not trained once and none they had,

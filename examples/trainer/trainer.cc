@@ -208,13 +208,7 @@ std::string UnwritableFolder(const std::string& dir, std::vector<std::string>* m
     // A file where a folder must be (the folder itself, or one above it):
     // named, where "folder a/b/c: Not a directory" left the user to find
     // which one.
-    for (std::filesystem::path p = dir; !p.empty() && p != p.root_path(); p = p.parent_path()) {
-      std::error_code e;
-      const auto status = std::filesystem::status(p, e);
-      if (e || status.type() == std::filesystem::file_type::not_found) continue;
-      if (status.type() != std::filesystem::file_type::directory) return p.string() + " is a file, not a folder";
-      break;
-    }
+    if (std::string file = FileWhereAFolderMustBe(dir); !file.empty()) return file;
   }
   const std::string probe = dir + "/.ddp_train_write_test." + std::to_string(getpid());
   std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "we");  // "e": O_CLOEXEC
