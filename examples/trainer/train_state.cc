@@ -16,6 +16,7 @@
 #include <optional>
 #include <set>
 #include <stdexcept>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -94,57 +95,92 @@ bool UpdatedIn(const NamedTensors& optimizer, const std::string& name) {
 // stays f32 (autocast computes in 16 bits), on the CPU it is 16-bit. A
 // checkpoint that records its model's dtype ("model_dtype") and differs from
 // `model`'s was saved on the other kind of device; its floating model tensors
-// are converted to `model`'s dtype here, so that it resumes on either. From
-// 16 bits to f32 a parameter takes the optimizer's f32 master copy where the
-// state has one (the 16-bit value is that copy rounded); from f32 to 16 bits
-// the f32 value becomes the master copy in `optimizer` (for parameters the
-// optimizer updated: one never updated may hold no state), so no precision
-// is lost either way. The optimizer's other slots follow by themselves
-// (Optimizer::LoadStateDict converts them to each parameter's dtype, and
-// drops a master of a parameter that is f32 now). A checkpoint without the
-// key (an older trainer's) or of the same dtype is left as it is.
-void ConvertModelDType(NamedTensors& model_state, NamedTensors& optimizer,
-                       const nn::modules::Module& model, const Metadata& m) {
+// are converted to `model`'s dtype on load (ConvertModelDType). A checkpoint
+// without the key (an older trainer's) or of the same dtype is left as it is.
+struct DTypeChange {
+  nn::DType from;
+  nn::DType to;
+  std::map<std::string, nn::DType> want;  // the dtype of each of the model's tensors
+
+  // Whether the saved model tensor `name` of `dtype` becomes `to`.
+  bool Converts(const std::string& name, nn::DType dtype) const {
+    const auto it = want.find(name);
+    return it != want.end() && dtype == from && it->second == to;
+  }
+};
+
+// The conversion of a checkpoint with metadata `m` to `model`'s dtype, or
+// nullopt when there is none to make.
+std::optional<DTypeChange> ModelDTypeChange(const nn::modules::Module& model, const Metadata& m) {
   const std::string saved_name = Get(m, "model_dtype");
   const std::optional<nn::DType> mine = FloatingDType(model);
-  if (saved_name.empty() || !mine) return;
+  if (saved_name.empty() || !mine) return std::nullopt;
   nn::DType saved;
   try {
     saved = nn::ParseDType(saved_name);
   } catch (const std::exception&) {
-    return;  // not a dtype: the model check below reports any difference
+    return std::nullopt;  // not a dtype: the model check reports any difference
   }
-  if (saved == *mine || !nn::IsFloating(saved)) return;
-  std::map<std::string, nn::DType> want;
+  if (saved == *mine || !nn::IsFloating(saved)) return std::nullopt;
+  DTypeChange change{saved, *mine, {}};
+  for (const auto& [name, t] : model.GetStateDict()) change.want[name] = t.dtype();
+  return change;
+}
+
+// Converts the model tensors of a checkpoint saved on the other kind of
+// device (ModelDTypeChange). From 16 bits to f32 a parameter takes the
+// optimizer's f32 master copy where the state has one (the 16-bit value is
+// that copy rounded); from f32 to 16 bits the f32 value becomes the master
+// copy in `optimizer` (for parameters the optimizer updated: one never
+// updated may hold no state), so no precision is lost either way. The
+// optimizer's other slots follow by themselves (Optimizer::LoadStateDict
+// converts them to each parameter's dtype, and drops a master of a
+// parameter that is f32 now).
+void ConvertModelDType(NamedTensors& model_state, NamedTensors& optimizer,
+                       const nn::modules::Module& model, const Metadata& m) {
+  const std::optional<DTypeChange> change = ModelDTypeChange(model, m);
+  if (!change) return;
   std::set<std::string> params;
-  for (const auto& [name, t] : model.GetStateDict()) want[name] = t.dtype();
   for (const auto& [name, p] : model.NamedParameters()) params.insert(name);
   NamedTensors masters;
   for (auto& [name, t] : model_state) {
-    const auto it = want.find(name);
-    if (it == want.end() || !t.defined() || t.dtype() != saved || it->second != *mine) continue;
-    if (params.count(name) && *mine == nn::DType::kFloat32) {
+    if (!t.defined() || !change->Converts(name, t.dtype())) continue;
+    if (params.count(name) && change->to == nn::DType::kFloat32) {
       if (nn::Tensor master = MasterIn(optimizer, name, t.shape()); master.defined()) {
         t = master.To(nn::kCPU).Clone();
         continue;
       }
     }
-    if (params.count(name) && saved == nn::DType::kFloat32 && UpdatedIn(optimizer, name) &&
+    if (params.count(name) && change->from == nn::DType::kFloat32 && UpdatedIn(optimizer, name) &&
         !MasterIn(optimizer, name, t.shape()).defined()) {
       masters.emplace_back("state." + name + ".master", t.To(nn::kCPU).Clone());
     }
-    t = t.To(*mine);
+    t = t.To(change->to);
   }
   for (auto& e : masters) optimizer.push_back(std::move(e));
 }
 
+// A saved tensor as the model check sees it.
+struct SavedTensor {
+  std::string name;
+  nn::Shape shape;
+  nn::DType dtype;
+};
+
+std::vector<SavedTensor> Described(const NamedTensors& tensors) {
+  std::vector<SavedTensor> out;
+  out.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) out.push_back({name, t.shape(), t.dtype()});
+  return out;
+}
+
 // The one-line complaint about a model state that does not fit `model`, or
 // "" when it fits.
-std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
+std::string ModelMismatch(const std::string& path, const std::vector<SavedTensor>& saved,
                           const nn::modules::Module& model, const TrainConfig& config,
                           const Metadata& metadata) {
-  std::map<std::string, const nn::Tensor*> have;
-  for (const auto& [name, t] : saved) have[name] = &t;
+  std::map<std::string, const SavedTensor*> have;
+  for (const SavedTensor& t : saved) have[t.name] = &t;
   std::vector<std::string> missing, unexpected, mismatched;
   bool shapes_differ = false;
   std::set<std::string> mine;
@@ -153,16 +189,16 @@ std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
     auto it = have.find(name);
     if (it == have.end()) {
       missing.push_back(name);
-    } else if (it->second->shape() != t.shape() || it->second->dtype() != t.dtype()) {
-      shapes_differ = shapes_differ || it->second->shape() != t.shape();
-      mismatched.push_back(name + " " + nn::ShapeToString(it->second->shape()) + " " +
-                           std::string(nn::DTypeName(it->second->dtype())) + " vs " +
+    } else if (it->second->shape != t.shape() || it->second->dtype != t.dtype()) {
+      shapes_differ = shapes_differ || it->second->shape != t.shape();
+      mismatched.push_back(name + " " + nn::ShapeToString(it->second->shape) + " " +
+                           std::string(nn::DTypeName(it->second->dtype)) + " vs " +
                            nn::ShapeToString(t.shape()) + " " +
                            std::string(nn::DTypeName(t.dtype())));
     }
   }
-  for (const auto& [name, t] : saved) {
-    if (!mine.count(name)) unexpected.push_back(name);
+  for (const SavedTensor& t : saved) {
+    if (!mine.count(t.name)) unexpected.push_back(t.name);
   }
   if (missing.empty() && unexpected.empty() && mismatched.empty()) return "";
   std::string msg = "checkpoint " + path + " does not match --model=" + config.model;
@@ -194,13 +230,18 @@ std::string ModelMismatch(const std::string& path, const NamedTensors& saved,
   return msg;
 }
 
+// The refusal of a checkpoint that nn::io cannot read or parse (`e`).
+UsageError Unreadable(const nn::io::CheckpointError& e) {
+  return UsageError(std::string("--resume: ") + e.what() +
+                    "; delete the file or pass another --checkpoint to start afresh");
+}
+
 // Parses a checkpoint's bytes (read here or by rank 0).
 nn::io::Checkpoint Parse(const std::string& path, std::string bytes) {
   try {
     return nn::io::LoadCheckpointFromBytes(std::move(bytes), path);
   } catch (const nn::io::CheckpointError& e) {
-    throw UsageError(std::string("--resume: ") + e.what() +
-                     "; delete the file or pass another --checkpoint to start afresh");
+    throw Unreadable(e);
   }
 }
 
@@ -513,8 +554,7 @@ void CheckPositionInSet(const std::string& path, const TrainPosition& position, 
 // Returns the positions of the epoch's sample order trained so far: its
 // samples_in_epoch, or for an older trainer's file without that key, the
 // count worked out from the position.
-int64_t CheckPositionInRange(const std::string& path, const Metadata& m,
-                             const NamedTensors& optimizer, const TrainPosition& position,
+int64_t CheckPositionInRange(const std::string& path, const Metadata& m, const TrainPosition& position,
                              int64_t saved_world, int64_t saved_batch, int64_t saved_accum,
                              int64_t saved_size) {
   const auto refuse = [&](const std::string& key, int64_t value, const std::string& range) {
@@ -563,19 +603,23 @@ int64_t CheckPositionInRange(const std::string& path, const Metadata& m,
     CheckPositionInSet(path, position, trained, has_trained, saved_world, saved_batch, saved_size,
                        "its train_size " + std::to_string(saved_size));
   }
-  // The scheduler counts the optimizer steps as well: the two disagree only
-  // in a file put together from two runs.
+  return trained;
+}
+
+// Throws UsageError when the scheduler's step count in `optimizer` (a saved
+// state list) is not `step`, the optimizer steps of the position: the two
+// disagree only in a file put together from two runs.
+void CheckSchedulerStep(const std::string& path, const NamedTensors& optimizer, int64_t step) {
   for (const auto& [name, t] : optimizer) {
     if (name != "scheduler.step" || !t.defined() || t.numel() != 1 ||
         t.dtype() != nn::DType::kInt64) {
       continue;
     }
     const int64_t scheduler_step = t.To(nn::kCPU).data<int64_t>()[0];
-    if (scheduler_step != position.step) {
-      refuse("scheduler.step", scheduler_step, "the step, " + std::to_string(position.step));
+    if (scheduler_step != step) {
+      RefuseOutOfRange(path, "scheduler.step", scheduler_step, "the step, " + std::to_string(step));
     }
   }
-  return trained;
 }
 
 }  // namespace
@@ -757,7 +801,11 @@ void SetReadPause(std::chrono::milliseconds pause) { read_pause_ms.store(pause.c
 
 }  // namespace internal
 
-std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop) {
+namespace {
+
+// Throws the UsageError of a checkpoint path that --resume cannot read from:
+// one that cannot be looked at, or holds nothing.
+void RefuseAbsentCheckpoint(const std::string& path) {
   std::error_code ec;
   const bool exists = std::filesystem::exists(path, ec);
   if (ec) {
@@ -779,6 +827,73 @@ std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>
     throw UsageError("--resume: no checkpoint at " + path +
                      "; run once without --resume to create it, or pass --checkpoint=PATH");
   }
+}
+
+// A checkpoint as its header describes it.
+struct CheckpointHeader {
+  Metadata metadata;              // without the checksums and nn::io's own keys
+  std::vector<SavedTensor> model;  // the tensors of the model ("model." taken off)
+};
+
+// Reads the header of the checkpoint at `path` alone, no tensor's data:
+// throws the UsageError of a path that holds none, of a header that is not
+// valid (nn::io's checks, the file's size against it included), and of a
+// file that is not a checkpoint or whose tensors cannot load (the
+// refusals LoadCheckpointFromBytes makes of the header).
+CheckpointHeader ReadCheckpointHeader(const std::string& path) {
+  RefuseAbsentCheckpoint(path);
+  // ReadInto checks the header, hands over its entries, and reads the data
+  // only after: an exception thrown there ends the read first.
+  struct HeaderRead {};
+  std::vector<nn::io::TensorEntry> entries;
+  Metadata m;
+  try {
+    (void)nn::io::SafetensorsFile::ReadInto(path, [&](const nn::io::SafetensorsFile& file) -> std::vector<void*> {
+      for (const size_t i : file.header_order()) entries.push_back(file.tensors()[i]);
+      m = file.metadata();
+      throw HeaderRead{};
+    });
+  } catch (const HeaderRead&) {
+  } catch (const nn::io::CheckpointError& e) {
+    throw Unreadable(e);
+  }
+  const auto refuse = [&](const std::string& why) {
+    return UsageError("--resume: " + path + ": " + why + kNotThisTrainers);
+  };
+  const auto marker = m.find(nn::io::kCheckpointMarkerKey);
+  if (marker == m.end()) throw refuse(std::string("no ") + nn::io::kCheckpointMarkerKey + " metadata, not a checkpoint");
+  if (marker->second != "1") {
+    throw refuse("checkpoint format version " + nn::io::NameForMessage(marker->second) +
+                 ", where this build reads version 1");
+  }
+  for (const char* key : {nn::io::kCheckpointMarkerKey, nn::io::kChecksumKey, nn::io::kHeaderChecksumKey,
+                          nn::io::kDevicesKey}) {
+    m.erase(key);
+  }
+  CheckpointHeader header{std::move(m), {}};
+  for (const nn::io::TensorEntry& e : entries) {
+    nn::DType dtype;
+    try {
+      dtype = nn::io::FromStDtype(e.dtype);
+    } catch (const std::invalid_argument&) {
+      throw refuse("tensor `" + nn::io::NameForMessage(e.name) + "` has dtype " + nn::io::StDtypeName(e.dtype) +
+                   ", which nn::Tensor does not have");
+    }
+    constexpr std::string_view kModel = "model.", kOptim = "optim.";
+    if (e.name.starts_with(kModel)) {
+      header.model.push_back({e.name.substr(kModel.size()), e.shape, dtype});
+    } else if (!e.name.starts_with(kOptim)) {
+      throw refuse("tensor `" + nn::io::NameForMessage(e.name) +
+                   "` belongs to neither the model (model.) nor the optimizer (optim.)");
+    }
+  }
+  return header;
+}
+
+}  // namespace
+
+std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop) {
+  RefuseAbsentCheckpoint(path);
   if (const int64_t pause = internal::read_pause_ms.load(); pause > 0) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(pause);
     while (std::chrono::steady_clock::now() < until && (stop == nullptr || !stop->load())) {
@@ -791,8 +906,7 @@ std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>
   try {
     return nn::io::SafetensorsFile::ReadBytes(path, stop);
   } catch (const nn::io::CheckpointError& e) {
-    throw UsageError(std::string("--resume: ") + e.what() +
-                     "; delete the file or pass another --checkpoint to start afresh");
+    throw Unreadable(e);
   }
 }
 
@@ -911,7 +1025,7 @@ void CheckCheckpointMatchesModel(const std::string& path, const nn::modules::Mod
                                  const TrainConfig& config) {
   nn::io::Checkpoint ckpt = Read(path);
   ConvertModelDType(ckpt.model, ckpt.optimizer, model, ckpt.metadata);
-  const std::string msg = ModelMismatch(path, ckpt.model, model, config, ckpt.metadata);
+  const std::string msg = ModelMismatch(path, Described(ckpt.model), model, config, ckpt.metadata);
   if (!msg.empty()) throw UsageError(msg);
 }
 
@@ -920,13 +1034,23 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents
   return LoadTrainCheckpoint(path, ReadTrainCheckpoint(path), parts, config, world_size, note);
 }
 
-TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
-                                  const TrainComponents& parts, const TrainConfig& config,
-                                  int world_size, std::string* note) {
-  nn::io::Checkpoint ckpt = Parse(path, std::move(bytes));
-  const Metadata& m = ckpt.metadata;
-  ConvertModelDType(ckpt.model, ckpt.optimizer, *parts.model, m);
-  if (std::string msg = ModelMismatch(path, ckpt.model, *parts.model, config, m); !msg.empty()) {
+namespace {
+
+// What a resume continues from: the position, the schedule's horizon (0
+// without a schedule) and the notes for the user.
+struct ResumePlan {
+  TrainPosition pos;
+  int64_t horizon = 0;
+  std::vector<std::string> notes;
+};
+
+// The refusals of a resume that the checkpoint's header decides, each a
+// UsageError: `m` is its metadata, and `model` its model tensors as they
+// load (converted as ModelDTypeChange says), checked against this run's
+// model, flags and ranks. Nothing of `parts` changes.
+ResumePlan PlanResume(const std::string& path, const Metadata& m, const std::vector<SavedTensor>& model,
+                      const TrainComponents& parts, const TrainConfig& config, int world_size) {
+  if (std::string msg = ModelMismatch(path, model, *parts.model, config, m); !msg.empty()) {
     throw UsageError(msg);
   }
   const std::string saved_optimizer = Get(m, "optimizer");
@@ -977,8 +1101,8 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   const int64_t saved_accum = MetaInt(m, "grad_accum_steps", path);
   // The training-set size of the saved run (-1: an older trainer's file).
   const int64_t saved_size = Get(m, "train_size").empty() ? -1 : MetaInt(m, "train_size", path);
-  const int64_t trained = CheckPositionInRange(path, m, ckpt.optimizer, pos, saved_world,
-                                               saved_batch, saved_accum, saved_size);
+  const int64_t trained = CheckPositionInRange(path, m, pos, saved_world, saved_batch, saved_accum,
+                                               saved_size);
 
   std::vector<std::string> notes;
   // The epoch's sample order is a function of the seed and the training
@@ -1052,6 +1176,22 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   const int64_t horizon = parts.schedule != nullptr
                               ? ResumedHorizon(path, m, config, parts, pos, world_size, notes)
                               : 0;
+  return {pos, horizon, std::move(notes)};
+}
+
+}  // namespace
+
+TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
+                                  const TrainComponents& parts, const TrainConfig& config,
+                                  int world_size, std::string* note) {
+  nn::io::Checkpoint ckpt = Parse(path, std::move(bytes));
+  const Metadata& m = ckpt.metadata;
+  ConvertModelDType(ckpt.model, ckpt.optimizer, *parts.model, m);
+  ResumePlan plan = PlanResume(path, m, Described(ckpt.model), parts, config, world_size);
+  CheckSchedulerStep(path, ckpt.optimizer, plan.pos.step);
+  const TrainPosition& pos = plan.pos;
+  std::vector<std::string>& notes = plan.notes;
+  const int64_t horizon = plan.horizon;
 
   // PowerSGD's state is checked before anything is loaded, and loaded last.
   const bool has_powersgd = std::any_of(ckpt.optimizer.begin(), ckpt.optimizer.end(), [](const auto& e) {
@@ -1117,6 +1257,17 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     for (const std::string& n : notes) *note += (note->empty() ? "" : "; ") + n;
   }
   return pos;
+}
+
+void CheckTrainCheckpointHeader(const std::string& path, const TrainComponents& parts,
+                                const TrainConfig& config, int world_size) {
+  CheckpointHeader header = ReadCheckpointHeader(path);
+  if (const std::optional<DTypeChange> change = ModelDTypeChange(*parts.model, header.metadata)) {
+    for (SavedTensor& t : header.model) {
+      if (change->Converts(t.name, t.dtype)) t.dtype = change->to;
+    }
+  }
+  (void)PlanResume(path, header.metadata, header.model, parts, config, world_size);
 }
 
 std::string JobFingerprint(const std::string& token, const std::string& run_id) {

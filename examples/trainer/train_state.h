@@ -245,6 +245,20 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents
 TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
                                   const TrainComponents& parts, const TrainConfig& config,
                                   int world_size, std::string* note);
+/// The refusals of LoadTrainCheckpoint that the checkpoint's header decides,
+/// from its header alone (no tensor's data is read, however large the
+/// file): a path that holds no checkpoint, a header that is not valid or
+/// not a checkpoint's; and, in the line LoadTrainCheckpoint gives, a
+/// checkpoint of another model (names, shapes, dtypes), optimizer,
+/// precision, dataset or schedule, or whose position is out of range or
+/// would end its schedule elsewhere. Left to LoadTrainCheckpoint, which
+/// reads the data: a data region whose checksum does not match, optimizer,
+/// scheduler or loss-scaler state this run cannot use, and a scheduler step
+/// other than the position's. `parts` as for LoadTrainCheckpoint (its
+/// optimizer, scheduler and scaler are not used); nothing of them changes.
+/// internal::SetReadPause does not apply. Throws UsageError.
+void CheckTrainCheckpointHeader(const std::string& path, const TrainComponents& parts,
+                                const TrainConfig& config, int world_size);
 /// The bytes of the checkpoint at `path`; throws the UsageError of a
 /// missing or unreadable file, or of a path with a file where one of its
 /// folders must be (naming that file). Once `*stop` (when given) is true, the read

@@ -1554,6 +1554,181 @@ TEST(TrainStateTest, MultistepResumesWithMoreEpochs) {
             "--checkpoint path to start afresh");
 }
 
+// A checkpoint of a cosine RunSchedule from lr 0.05 (its horizon saved),
+// saved at the end of the first of 2 epochs of 4 steps on 2 ranks.
+std::string SaveRunScheduleRun(const std::string& name, TrainConfig& config) {
+  config.model = "mlp";
+  config.epochs = 2;
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = config.lr});
+  auto schedule = std::make_shared<RunSchedule>(config, 8);
+  nn::optim::LrScheduler scheduler(opt, schedule);
+  for (int i = 0; i < 4; ++i) scheduler.Step();
+  TrainComponents parts{model.get(), &opt, &scheduler, nullptr};
+  parts.schedule = schedule.get();
+  const std::string path = Path(name);
+  SaveTrainCheckpoint(path, parts, {.epoch = 1, .batch_in_epoch = 0, .step = 4}, config, 2);
+  return path;
+}
+
+// The UsageErrors ("" for none) of CheckTrainCheckpointHeader and of
+// LoadTrainCheckpoint of `path` into `model`, with an SGD and this run's
+// schedule made from `config`, at 4 micro-batches per epoch on 2 ranks.
+std::pair<std::string, std::string> HeaderAndLoadErrors(const std::string& path, nn::modules::Module& model,
+                                                        const TrainConfig& config) {
+  nn::optim::Sgd opt(model.NamedParameters(), {.lr = config.lr});
+  std::shared_ptr<RunSchedule> schedule;
+  std::unique_ptr<nn::optim::LrScheduler> scheduler;
+  if (HasRunSchedule(config.scheduler)) {
+    schedule = std::make_shared<RunSchedule>(config, RunEndStep(config, 4));
+    scheduler = std::make_unique<nn::optim::LrScheduler>(opt, schedule);
+  }
+  TrainComponents parts{&model, &opt, scheduler.get(), nullptr};
+  parts.schedule = schedule.get();
+  parts.batches_per_epoch = 4;
+  const std::string header = UsageErrorOf([&] { CheckTrainCheckpointHeader(path, parts, config, 2); });
+  return {header, UsageErrorOf([&] { LoadTrainCheckpoint(path, parts, config, 2, nullptr); })};
+}
+
+// The launcher's check of a --resume reads the checkpoint's header alone
+// (it read and parsed the whole file, of any size, on its main thread):
+// each refusal the header decides comes in the line the load gives, and no
+// piece of the data is read.
+TEST(TrainStateTest, HeaderCheckRefusesWhatTheHeaderDecidesInTheLoadsLine) {
+  TrainConfig saved;
+  const std::string path = SaveRunScheduleRun("header_check", saved);
+  int64_t pieces = 0;
+  nn::io::internal::SetReadPieceHookForTesting([&](uint64_t) { ++pieces; });
+  auto mlp = nn::modules::MakeMlp();
+  auto header_of = [&](const TrainConfig& config, nn::modules::Module& model) {
+    pieces = 0;
+    nn::optim::Sgd opt(model.NamedParameters(), {.lr = config.lr});
+    auto schedule = std::make_shared<RunSchedule>(config, RunEndStep(config, 4));
+    TrainComponents parts{&model, &opt};
+    parts.schedule = schedule.get();
+    parts.batches_per_epoch = 4;
+    const std::string msg = UsageErrorOf([&] { CheckTrainCheckpointHeader(path, parts, config, 2); });
+    EXPECT_EQ(pieces, 0) << "the header check read data";
+    return msg;
+  };
+  EXPECT_EQ(header_of(saved, *mlp), "");
+  nn::io::internal::SetReadPieceHookForTesting({});
+
+  std::vector<std::pair<std::string, TrainConfig>> cases;
+  const auto with = [&](const std::string& what, const std::function<void(TrainConfig&)>& change) {
+    TrainConfig c = saved;
+    change(c);
+    cases.emplace_back(what, c);
+  };
+  with("--lr", [](TrainConfig& c) { c.lr = 0.1; });
+  with("--scheduler", [](TrainConfig& c) { c.scheduler = "step"; });
+  with("--optimizer", [](TrainConfig& c) { c.optimizer = "adamw"; });
+  with("--amp", [](TrainConfig& c) { c.amp = "bf16"; });
+  with("--dataset", [](TrainConfig& c) { c.dataset = "synthetic"; });
+  with("--epochs", [](TrainConfig& c) { c.epochs = 3; });
+  for (const auto& [what, config] : cases) {
+    const auto [header, load] = HeaderAndLoadErrors(path, *mlp, config);
+    EXPECT_NE(header.find(what + "="), std::string::npos) << header;
+    EXPECT_EQ(header, load) << what;
+  }
+  TrainConfig cnn_config = saved;
+  cnn_config.model = "cnn";
+  auto cnn = nn::modules::MakeCnn();
+  const auto [cnn_header, cnn_load] = HeaderAndLoadErrors(path, *cnn, cnn_config);
+  EXPECT_NE(cnn_header.find("does not match --model=cnn: missing keys"), std::string::npos) << cnn_header;
+  EXPECT_EQ(cnn_header, cnn_load);
+
+  // Metadata out of range, or missing.
+  const nn::io::Checkpoint whole = nn::io::LoadCheckpoint(path);
+  for (const auto& [key, value] : {std::pair<std::string, std::string>{"epoch", "-1"}, {"epoch", ""}}) {
+    nn::io::Checkpoint edited = whole;
+    if (value.empty()) {
+      edited.metadata.erase(key);
+    } else {
+      edited.metadata[key] = value;
+    }
+    const std::string other = Path("header_check_edited");
+    nn::io::SaveCheckpoint(other, edited);
+    const auto [header, load] = HeaderAndLoadErrors(other, *mlp, saved);
+    EXPECT_NE(header.find(key), std::string::npos) << header;
+    EXPECT_EQ(header, load);
+  }
+}
+
+// What only the data tells is left to the load: a data region that does
+// not match its checksum, and a scheduler step other than the position's.
+// A file that is not a checkpoint, or not there, is refused by both.
+TEST(TrainStateTest, HeaderCheckLeavesTheDataToTheLoad) {
+  TrainConfig saved;
+  const std::string path = SaveRunScheduleRun("header_check_data", saved);
+  auto mlp = nn::modules::MakeMlp();
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    const char last = static_cast<char>(f.get());
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(last ^ 1));
+  }
+  auto [header, load] = HeaderAndLoadErrors(path, *mlp, saved);
+  EXPECT_EQ(header, "");
+  EXPECT_NE(load.find("--resume: " + path + ": "), std::string::npos) << load;
+
+  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(SaveRunScheduleRun("header_check_data", saved));
+  for (auto& [name, t] : ckpt.optimizer) {
+    if (name == "scheduler.step") t = nn::Full(t.shape(), 3, {.dtype = nn::DType::kInt64});
+  }
+  nn::io::SaveCheckpoint(path, ckpt);
+  std::tie(header, load) = HeaderAndLoadErrors(path, *mlp, saved);
+  EXPECT_EQ(header, "");
+  EXPECT_NE(load.find("scheduler.step=3, out of range"), std::string::npos) << load;
+
+  const std::string tensors = Path("header_check_tensors");
+  nn::io::SaveTensors(tensors, {{"fc.weight", nn::Zeros({2, 3})}});
+  std::tie(header, load) = HeaderAndLoadErrors(tensors, *mlp, saved);
+  EXPECT_EQ(header, "--resume: " + tensors + ": no ddp.checkpoint metadata, not a checkpoint; the file was "
+            "not written by this trainer: pass another --checkpoint, or drop --resume to start afresh (the "
+            "first save then keeps this file beside it, as <stem>.prev.safetensors)");
+  EXPECT_NE(load.find("not a checkpoint"), std::string::npos) << load;
+
+  std::tie(header, load) = HeaderAndLoadErrors(Path("header_check_absent"), *mlp, saved);
+  EXPECT_NE(header.find("no checkpoint at"), std::string::npos) << header;
+  EXPECT_EQ(header, load);
+}
+
+// A checkpoint whose model the load converts to this run's dtype (--amp on
+// the other kind of device) passes the header check as it loads.
+TEST(TrainStateTest, HeaderCheckTakesTheModelInTheDTypeItLoadsIn) {
+  TrainConfig cpu;
+  cpu.model = "mlp";
+  cpu.lr = 0.1;
+  cpu.amp = "bf16";
+  auto model = nn::modules::MakeMlp();
+  model->To(nn::DType::kBFloat16);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  const std::string path = Path("header_check_amp");
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {}, cpu, 1);
+  TrainConfig gpu = cpu;
+  gpu.device = "cuda";
+  auto f32 = nn::modules::MakeMlp();
+  nn::optim::Sgd f32_opt(f32->NamedParameters(), {.lr = 0.1});
+  EXPECT_EQ(UsageErrorOf([&] {
+              CheckTrainCheckpointHeader(path, {f32.get(), &f32_opt, nullptr, nullptr}, gpu, 1);
+            }),
+            "");
+  // Without --device's conversion, the dtypes differ as the load says.
+  TrainConfig older = gpu;
+  nn::io::Checkpoint ckpt = nn::io::LoadCheckpoint(path);
+  ckpt.metadata.erase("model_dtype");
+  nn::io::SaveCheckpoint(path, ckpt);
+  const std::string header = UsageErrorOf([&] {
+    CheckTrainCheckpointHeader(path, {f32.get(), &f32_opt, nullptr, nullptr}, older, 1);
+  });
+  EXPECT_NE(header.find("different shapes or dtypes"), std::string::npos) << header;
+  EXPECT_EQ(header, UsageErrorOf([&] {
+              LoadTrainCheckpoint(path, {f32.get(), &f32_opt, nullptr, nullptr}, older, 1, nullptr);
+            }));
+}
+
 TEST(TrainStateTest, UnwritableFolderIsAUsageError) {
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});

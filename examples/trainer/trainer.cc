@@ -1621,30 +1621,26 @@ void CheckSetup(const TrainConfig& config, int world_size, std::vector<std::stri
   const auto model = MakeModel(config, data.train->Shape(), data.train->NumClasses());
   if (config.resume) {
     // What the ranks would refuse (another model, optimizer, precision or
-    // schedule), once: the checkpoint loaded as a rank loads it.
+    // schedule), once, from the checkpoint's header: its data, of any size,
+    // is read by rank 0 alone, under --save_timeout_s and a stop, and
+    // checked there.
     if (ComputeDType(config) != nn::DType::kFloat32) model->To(ComputeDType(config));
     const auto optimizer = MakeOptimizer(config, ParamGroupsOf(config, model->NamedParameters()));
-    std::shared_ptr<RunSchedule> schedule;
-    std::unique_ptr<nn::optim::LrScheduler> scheduler;
+    std::unique_ptr<RunSchedule> schedule;
     const int64_t batches = MakeTrainLoader(config, data, 0, world_size, 0)->NumBatches();
     std::unique_ptr<nn::optim::ReduceLrOnPlateau> plateau;
     if (HasRunSchedule(config.scheduler)) {
-      schedule = std::make_shared<RunSchedule>(config, RunEndStep(config, batches));
-      // Made as a rank makes it, so that the scheduler's state has the
-      // same layout.
-      scheduler = MakeScheduler(*optimizer, schedule);
+      schedule = std::make_unique<RunSchedule>(config, RunEndStep(config, batches));
     } else if (config.scheduler == "plateau") {
       plateau = std::make_unique<nn::optim::ReduceLrOnPlateau>(EveryGroupsRate(*optimizer),
                                                                PlateauOptionsOf(config));
     }
-    std::unique_ptr<nn::optim::GradScaler> scaler;
-    if (config.amp == "fp16") scaler = std::make_unique<nn::optim::GradScaler>();
-    TrainComponents parts{model.get(), optimizer.get(), scheduler.get(), scaler.get()};
+    TrainComponents parts{model.get(), optimizer.get()};
     parts.train_size = data.train->Size();
     parts.schedule = schedule.get();
     parts.batches_per_epoch = batches;
     parts.plateau = plateau.get();
-    LoadTrainCheckpoint(config.checkpoint, parts, config, world_size, nullptr);
+    CheckTrainCheckpointHeader(config.checkpoint, parts, config, world_size);
   }
   // Folders are made last: a run refused for another reason leaves none.
   // Nor one refused here: --checkpoint's folder is made before --log_dir

@@ -70,8 +70,9 @@ struct RunResult {
 /// Checks everything that can be checked before the ranks start, so that a
 /// mistake gets one message instead of one per rank: the flags, the dataset
 /// files, the batch size against a rank's share of the data, and with
-/// --resume the checkpoint against the model, optimizer and schedule (it is
-/// loaded as a rank would load it). Last, it makes the folders of
+/// --resume the checkpoint against the model, optimizer and schedule (from
+/// its header alone, CheckTrainCheckpointHeader: rank 0 reads the data,
+/// under --save_timeout_s). Last, it makes the folders of
 /// --checkpoint and --log_dir that are missing, and appends them to
 /// `made_folders` (when given), outermost first, for the caller to remove
 /// if it stops before any rank starts; when it throws, it has removed them.

@@ -242,6 +242,52 @@ TEST(TrainerSaveTest, ResumeReadLongerThanSaveTimeoutFailsEveryRankNamingTheFile
   }
 }
 
+// Seconds CheckSetup(c, 2) takes while a read of a checkpoint's data waits
+// 20 s first (internal::SetReadPause, as a slow or hung disk would);
+// `refusal` gets its UsageError ("" for none).
+double SecondsOfTheSetupCheckWhileReadsArePaused(const TrainConfig& c, std::string* refusal) {
+  internal::SetReadPause(std::chrono::seconds(20));
+  const auto start = std::chrono::steady_clock::now();
+  refusal->clear();
+  try {
+    CheckSetup(c, 2);
+  } catch (const UsageError& e) {
+    *refusal = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  internal::SetReadPause(std::chrono::milliseconds(0));
+  return seconds;
+}
+
+// The launcher's check of a --resume, before any rank starts, read and
+// parsed the whole checkpoint on its main thread, with no deadline and no
+// stop (Ctrl-C there only printed a line): a slow disk held it as long as
+// the read took. It reads the header alone; rank 0 reads the data, under
+// --save_timeout_s.
+TEST(TrainerSaveTest, SetupCheckOfAResumeReadsNoDataAndRefusesFromTheHeader) {
+  const std::string checkpoint = TempDir("setup_check") + "/ckpt.safetensors";
+  const launch::testing::TestRunResult saved = RunSlowSave(checkpoint, 0, 60);
+  ASSERT_TRUE(saved.AllSucceeded()) << saved.Summary() << saved.Output(0) << saved.Output(1);
+  TrainConfig c = TinyRun(checkpoint.c_str(), 2);
+  c.resume = true;
+  std::string refusal;
+  EXPECT_LT(SecondsOfTheSetupCheckWhileReadsArePaused(c, &refusal), 10) << "it waited for the paused read";
+  EXPECT_EQ(refusal, "");
+  // What the header decides is still refused before any rank starts,
+  // naming the flag.
+  c.lr = 0.1;
+  EXPECT_LT(SecondsOfTheSetupCheckWhileReadsArePaused(c, &refusal), 10) << "it waited for the paused read";
+  EXPECT_EQ(refusal, "checkpoint " + checkpoint + " was saved with --lr=0.05 and this run has --lr=0.1; pass "
+                     "--lr=0.05 to continue that run, or another --checkpoint path to start afresh");
+  c = TinyRun(checkpoint.c_str(), 2);
+  c.resume = true;
+  c.model = "cnn";
+  EXPECT_LT(SecondsOfTheSetupCheckWhileReadsArePaused(c, &refusal), 10) << "it waited for the paused read";
+  EXPECT_NE(refusal.find("checkpoint " + checkpoint + " does not match --model=cnn: missing keys"),
+            std::string::npos)
+      << refusal;
+}
+
 // Ranks of which some save checkpoints and some do not (--checkpoint=none
 // on one rank's command line) used to part ways at the first save: rank 0
 // entered the save's collective and the other the evaluation's, and the job
