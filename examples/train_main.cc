@@ -176,7 +176,8 @@ DEFINE_bool(resume, false,
 DEFINE_string(log_dir, "",
               "write metrics.csv and chart.svg (loss and accuracy over steps) into this folder (an "
               "earlier run's there are kept as metrics.prev.csv and chart.prev.svg; --resume "
-              "continues them instead); a named pipe (mkfifo) or a terminal already at metrics.csv "
+              "continues them instead when they are the checkpoint's run's, named in metrics.run); "
+              "a named pipe (mkfifo) or a terminal already at metrics.csv "
               "gets the rows as a stream, line by line (its reader must open it within 10 s of the "
               "start)");
 DEFINE_int64(log_every, 10, "with --log_dir (needed): steps per metrics.csv row");

@@ -94,10 +94,20 @@ void MetricsLog::KeepEarlierRun() {
                            "need, or pass another --log_dir");
 }
 
+std::string MetricsLog::LoggedRun() const {
+  // A regular file only: opening a FIFO would wait for a writer.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(run_path(), ec)) return "";
+  std::ifstream in(run_path());
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
 const char* MetricsLog::CsvHeader() { return "step,epoch,loss,lr,samples_per_s,test_loss,test_acc"; }
 
 MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
-                       int64_t resume_step, bool resume_at_epoch_end)
+                       int64_t resume_step, bool resume_at_epoch_end, const std::string& run)
     : dir_(std::move(dir)), title_(std::move(title)), subtitle_(std::move(subtitle)) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
@@ -107,6 +117,16 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
   if (IsStream(csv_path())) {
     OpenStream();
     return;
+  }
+  // The rows of another run (another checkpoint resumed with this
+  // --log_dir) are not continued: spliced into this run's, they made one
+  // chart of two runs, and their evaluation at the resumed step was taken
+  // for this run's. Kept aside as a fresh run keeps them.
+  bool another_run = false;
+  if (resume_step >= 0 && !run.empty()) {
+    const std::string logged = LoggedRun();
+    another_run = !logged.empty() && logged != run;
+    if (another_run) resume_step = -1;
   }
   // Keep the rows of the interrupted run up to the resumed step; later rows
   // are written again by this run.
@@ -174,8 +194,17 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
     if (resume_at_epoch_end && !steps_.empty()) epoch_ends_.emplace_back(steps_.back().epoch, resume_step);
   } else {
     KeepEarlierRun();
+    kept_another_run_ = another_run && !kept_previous_.empty();
   }
   WriteFileAtomically(csv_path(), kept);
+  // Whose rows these are, for the next resume. (Written after the rows:
+  // a crash in between leaves the earlier run's name beside this run's
+  // header alone, which has no rows to splice.)
+  if (!run.empty()) {
+    WriteFileAtomically(run_path(), run + "\n");
+  } else {
+    std::filesystem::remove(run_path(), ec);
+  }
   // "e": O_CLOEXEC, so that processes started meanwhile do not inherit it.
   csv_ = std::fopen(csv_path().c_str(), "ae");
   if (csv_ == nullptr) {

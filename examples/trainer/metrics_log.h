@@ -11,8 +11,14 @@
 //                over steps, epoch boundaries dotted; rewritten atomically at
 //                each epoch end (the trainer also draws it when stopped).
 //
+//   metrics.run  the identity of the run whose rows metrics.csv holds (one
+//                line), which its checkpoints carry through its resumes
+//
 // On --resume, rows after the checkpoint's step are dropped (the resumed
-// run writes them again) and the chart continues from the earlier rows.
+// run writes them again) and the chart continues from the earlier rows;
+// when metrics.run names another run than the checkpoint's, its files are
+// kept as a fresh run keeps them (below) and the resumed run starts new
+// ones, rather than continue another run's rows.
 // Without it, a metrics.csv with rows of an earlier run is kept as
 // metrics.prev.csv, its chart.svg as chart.prev.svg (then .prev.2, ...:
 // the first pair of names both free), and the new run starts new files.
@@ -62,10 +68,14 @@ class MetricsLog {
   /// With `resume_step` >= 0, keeps the rows of an existing metrics.csv up
   /// to that step; otherwise starts a new file. `resume_at_epoch_end`: the
   /// checkpoint was saved where an epoch ended (the last kept epoch is
-  /// complete, and the chart marks its end). Throws std::runtime_error
-  /// naming the path on I/O errors.
+  /// complete, and the chart marks its end). `run`: the identity of the
+  /// run (its checkpoint's, on a resume), written to metrics.run; a resume
+  /// whose metrics.run names another run starts new files as a fresh run
+  /// does (kept_another_run). Empty: not known, the rows of a resume are
+  /// kept whoever wrote them, and a metrics.run there is removed. Throws
+  /// std::runtime_error naming the path on I/O errors.
   MetricsLog(std::string dir, std::string title, std::string subtitle, int64_t resume_step,
-             bool resume_at_epoch_end = false);
+             bool resume_at_epoch_end = false, const std::string& run = "");
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
@@ -79,6 +89,7 @@ class MetricsLog {
 
   std::string csv_path() const { return dir_ + "/metrics.csv"; }
   std::string chart_path() const { return dir_ + "/chart.svg"; }
+  std::string run_path() const { return dir_ + "/metrics.run"; }
   const std::vector<StepRecord>& steps() const { return steps_; }
   const std::vector<EvalRecord>& evals() const { return evals_; }
   /// Whether an evaluation at `step` is logged (kept from before a resume
@@ -99,12 +110,18 @@ class MetricsLog {
   /// when there was none to keep; likewise its chart.svg.
   const std::string& kept_previous() const { return kept_previous_; }
   const std::string& kept_previous_chart() const { return kept_previous_chart_; }
+  /// Whether, at a resume, metrics.csv was another run's (metrics.run named
+  /// another run than the checkpoint's), and was kept as kept_previous().
+  bool kept_another_run() const { return kept_another_run_; }
 
  private:
   // Without a resume: renames an earlier run's metrics.csv (with rows) and
   // chart.svg to the first free metrics.prev[.N].csv and chart.prev[.N].svg.
   // Throws std::runtime_error naming the files when it cannot.
   void KeepEarlierRun();
+  // The run named in metrics.run: "" when absent or unreadable (a log of
+  // an older trainer, or one that did not know its run).
+  std::string LoggedRun() const;
   void Append(const std::string& line);
   // Opens the stream at metrics.csv and writes the header into it.
   void OpenStream();
@@ -120,6 +137,7 @@ class MetricsLog {
   std::vector<std::pair<int64_t, int64_t>> epoch_ends_;  // (epoch, step)
   std::string kept_previous_;
   std::string kept_previous_chart_;
+  bool kept_another_run_ = false;
 };
 
 }  // namespace ddp::examples::trainer

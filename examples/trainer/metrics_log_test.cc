@@ -168,6 +168,56 @@ TEST(MetricsLogTest, ResumeDropsALastLineWithoutItsNewline) {
             "10,1,1.5,0.05,100.0,,\n");
 }
 
+// A resume whose --log_dir holds another run's metrics (another checkpoint
+// resumed with it) kept that run's rows up to the resumed step, spliced
+// into this run's chart, and took its evaluation at that step for this
+// run's. metrics.run names the run whose rows metrics.csv holds: another
+// run's files are kept aside as a fresh run keeps them, and the resumed run
+// starts new ones. Its own rows, and those of a log that names no run (an
+// older trainer's), are continued as before.
+TEST(MetricsLogTest, ResumeWithAnotherRunsMetricsKeepsThemAsideAndStartsAfresh) {
+  const std::string dir = TempDir("another_run");
+  const std::string header = std::string(MetricsLog::CsvHeader()) + "\n";
+  {
+    MetricsLog b(dir, "t", "s", -1, false, "run-b");
+    for (int s = 10; s <= 60; s += 10) b.AddStep({s, 1, 2.0, 0.05, 100});
+    b.AddEval({30, 1, 0.5, 0.8});
+    b.WriteChart();
+  }
+  EXPECT_EQ(Read(dir + "/metrics.run"), "run-b\n");
+  const std::string b_rows = Read(dir + "/metrics.csv");
+  const std::string b_chart = Read(dir + "/chart.svg");
+  {
+    MetricsLog a(dir, "t", "s", 30, false, "run-a");
+    EXPECT_TRUE(a.kept_another_run());
+    EXPECT_TRUE(a.steps().empty());
+    EXPECT_FALSE(a.HasEvalAt(30));
+    EXPECT_EQ(a.kept_previous(), dir + "/metrics.prev.csv");
+    EXPECT_EQ(a.kept_previous_chart(), dir + "/chart.prev.svg");
+    a.AddStep({40, 2, 1.0, 0.05, 100});
+  }
+  EXPECT_EQ(Read(dir + "/metrics.prev.csv"), b_rows);
+  EXPECT_EQ(Read(dir + "/chart.prev.svg"), b_chart);
+  EXPECT_EQ(Read(dir + "/metrics.csv"), header + "40,2,1,0.05,100.0,,\n");
+  EXPECT_EQ(Read(dir + "/metrics.run"), "run-a\n");
+  {
+    MetricsLog again(dir, "t", "s", 40, false, "run-a");
+    EXPECT_FALSE(again.kept_another_run());
+    EXPECT_EQ(again.steps().size(), 1u);
+    EXPECT_TRUE(again.kept_previous().empty());
+  }
+  std::filesystem::remove(dir + "/metrics.run");
+  {
+    MetricsLog older(dir, "t", "s", 40, false, "run-c");
+    EXPECT_FALSE(older.kept_another_run());
+    EXPECT_EQ(older.steps().size(), 1u);
+  }
+  EXPECT_EQ(Read(dir + "/metrics.run"), "run-c\n");
+  // A log made without a run's name has none beside it.
+  { MetricsLog unnamed(dir, "t", "s", -1); }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/metrics.run"));
+}
+
 // Resumed from the checkpoint at the end of epoch 1 (step 30): the chart
 // still marks that epoch's end, though no row of epoch 2 follows it.
 TEST(MetricsLogTest, ResumeAtAnEpochEndKeepsThatEpochsMark) {

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <string_view>
@@ -974,6 +975,7 @@ nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPo
   m["train_samples"] = std::to_string(config.train_samples);
   if (parts.train_size >= 0) m["train_size"] = std::to_string(parts.train_size);
   if (!config.job.empty()) m["job"] = config.job;
+  if (!pos.run.empty()) m["run"] = pos.run;
   if (!parts.bucket_order.empty()) {
     std::string order;
     for (size_t i = 0; i < parts.bucket_order.size(); ++i) {
@@ -1093,6 +1095,7 @@ ResumePlan PlanResume(const std::string& path, const Metadata& m, const std::vec
 
   pos.epoch_start = Get(m, "epoch_start").empty() ? 0 : MetaInt(m, "epoch_start", path);
   pos.bucket_order = ParseBucketOrder(Get(m, "bucket_order"));
+  pos.run = Get(m, "run");
   if (parts.plateau != nullptr && !Get(m, "plateau_at_step").empty()) {
     pos.plateau_at_step = MetaInt(m, "plateau_at_step", path);
   }
@@ -1268,6 +1271,16 @@ void CheckTrainCheckpointHeader(const std::string& path, const TrainComponents& 
     }
   }
   (void)PlanResume(path, header.metadata, header.model, parts, config, world_size);
+}
+
+std::string NewRunId() {
+  // The device's randomness, with the time and the process as a fallback
+  // where it is a fixed sequence (some libstdc++ builds without one).
+  std::random_device device;
+  uint64_t id = (static_cast<uint64_t>(device()) << 32) ^ device();
+  id ^= static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ull;
+  id ^= static_cast<uint64_t>(::getpid()) << 17;
+  return StringPrintf("%016llx", static_cast<unsigned long long>(id));
 }
 
 std::string JobFingerprint(const std::string& token, const std::string& run_id) {

@@ -78,7 +78,15 @@ struct TrainPosition {
   /// epoch's end, before its evaluation, has the step before; the resumed
   /// run evaluates again and gives the plateau that epoch's test loss.
   int64_t plateau_at_step = -1;
+  /// The run's identity (NewRunId), saved with its checkpoints and kept
+  /// through its resumes; empty for a checkpoint saved before they were.
+  std::string run;
 };
+
+/// A new run's identity: 16 hex digits, random. It names the run whose
+/// rows --log_dir's metrics hold, so that a resume continues its own run's
+/// rows only (see MetricsLog).
+std::string NewRunId();
 
 /// --scheduler's learning-rate schedule over a horizon, the optimizer step
 /// it ends at: step (x --lr_gamma after each third of it), multistep (x

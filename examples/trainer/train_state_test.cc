@@ -1729,6 +1729,20 @@ TEST(TrainStateTest, HeaderCheckTakesTheModelInTheDTypeItLoadsIn) {
             }));
 }
 
+// The run's identity goes with its checkpoints through its resumes (the
+// trainer names the run whose rows --log_dir's metrics hold with it); a
+// checkpoint saved before identities were has none.
+TEST(TrainStateTest, RunIdentityIsSavedAndLoaded) {
+  SavedMlpRun run("run_identity");
+  EXPECT_EQ(LoadTrainCheckpoint(run.path, run.parts, run.config, 2, nullptr).run, "");
+  const std::string id = NewRunId();
+  EXPECT_EQ(id.size(), 16u) << id;
+  EXPECT_EQ(id.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+  EXPECT_NE(NewRunId(), id);
+  SaveTrainCheckpoint(run.path, run.parts, {.batch_in_epoch = 3, .run = id}, run.config, 2);
+  EXPECT_EQ(LoadTrainCheckpoint(run.path, run.parts, run.config, 2, nullptr).run, id);
+}
+
 TEST(TrainStateTest, UnwritableFolderIsAUsageError) {
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});

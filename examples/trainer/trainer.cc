@@ -365,7 +365,7 @@ void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* mad
   }
   if (!config.log_dir.empty()) {
     CheckWritable(config.log_dir, "log_dir", config.log_dir, made);
-    for (const std::string name : {"metrics.csv", "chart.svg"}) {
+    for (const std::string name : {"metrics.csv", "chart.svg", "metrics.run"}) {
       const std::string file = config.log_dir + "/" + name;
       const std::string kind = NonRegularKind(file);
       // A FIFO or a terminal at metrics.csv is a stream of its rows
@@ -879,6 +879,10 @@ void Run::Setup() {
     std::string bytes = par_.ShareFromLead(std::move(read->bytes));
     pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(bytes), parts, c_, world_, &resume_note);
   }
+  // A fresh run's identity; a resumed run goes on with its checkpoint's (a
+  // checkpoint saved before they were has none: a new one then). Rank 0's
+  // is the one saved and logged.
+  if (pos_.run.empty()) pos_.run = NewRunId();
   // Under ddprun, srun or mpirun no launcher ran CheckSetup: rank 0, which
   // writes the checkpoint and the metrics, checks their paths here and every
   // rank stops with its answer, instead of rank 0 alone at the first save.
@@ -895,7 +899,7 @@ void Run::Setup() {
             c_.log_dir, c_.model + " on " + c_.dataset,
             std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
                 FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
-            c_.resume ? pos_.step : -1, c_.resume && AtEpochEndResumed());
+            c_.resume ? pos_.step : -1, c_.resume && AtEpochEndResumed(), pos_.run);
       }
     } catch (const std::exception& e) {
       refused = e.what();
@@ -956,9 +960,13 @@ void Run::Setup() {
   }
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
   if (log_ && !log_->kept_previous().empty()) {
-    Say("  note: --log_dir held an earlier run's metrics; kept as " + log_->kept_previous() +
+    const bool another = log_->kept_another_run();
+    Say("  note: --log_dir held " +
+        std::string(another ? "the metrics of another run than the checkpoint's"
+                            : "an earlier run's metrics") +
+        "; kept as " + log_->kept_previous() +
         (log_->kept_previous_chart().empty() ? "" : " and " + log_->kept_previous_chart()) +
-        " (--resume continues a run's rows instead)");
+        (another ? ", and this run's rows start afresh" : " (--resume continues a run's rows instead)"));
   }
   if (c_.resume) {
     if (!resume_note.empty()) Say("  note: " + resume_note);
