@@ -476,6 +476,24 @@ std::string RefusedWait(const char* name, std::chrono::milliseconds timeout, std
   return "";
 }
 
+// This rank's complaint about a load's wait options, then its load options
+// (which nn::io's loaders check only once a read begins: here no rank
+// reads when one rank's are refused), empty when both are valid.
+std::string RefusedLoad(const LoadWaitOptions& wait, const nn::io::LoadOptions& options) {
+  std::string refused = RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace);
+  if (!refused.empty()) return refused;
+  try {
+    nn::io::CheckLoadOptions(options);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    // A device's count that cannot be had (a CUDA error): this rank cannot
+    // load on it either.
+    return std::string("LoadOptions could not be checked: ") + e.what();
+  }
+  return "";
+}
+
 }  // namespace
 
 namespace internal {
@@ -765,9 +783,7 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   Agree(pg, {.call = "LoadCheckpoint",
              .path = path,
              .not_done = "nothing was read",
-             .refused = path.empty() ? "the path is empty"
-                                     : RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat,
-                                                   wait.stop_grace)});
+             .refused = path.empty() ? "the path is empty" : RefusedLoad(wait, options)});
   // Before the read, as LoadAccount says.
   const std::string call = "LoadCheckpoint " + path;
   LoadAccount account(pg);
@@ -821,7 +837,7 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
   } else if (pg.rank() == root && path.empty()) {
     refused = "the path is empty (rank " + std::to_string(root) + " reads it)";
   } else {
-    refused = RefusedWait("LoadWaitOptions", wait.timeout, wait.heartbeat, wait.stop_grace);
+    refused = RefusedLoad(wait, options);
   }
   Agree(pg, {.call = "LoadCheckpointFromRank",
              .path = path,

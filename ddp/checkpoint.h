@@ -156,9 +156,11 @@ struct LoadWaitOptions {
 /// the same way ("ran out of memory"): the buffers of that exchange are
 /// made before the read.
 /// The ranks wait for each other's reads up to `wait.timeout`. An empty
-/// `path` or a `wait` that one rank refuses fails every rank alike with
-/// std::invalid_argument, naming the rank, before any read (as
-/// SaveCheckpoint's options).
+/// `path`, or a `wait` or `options` (see nn::io::CheckLoadOptions: a
+/// device_map entry or a device this process cannot load on) that one
+/// rank refuses, fails every rank alike with std::invalid_argument, naming
+/// the rank and the option, before any read (as SaveCheckpoint's
+/// options).
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options = {}, const LoadWaitOptions& wait = {});
 
@@ -177,11 +179,12 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 /// begin "LoadCheckpointFromRank '<root's path>' (read by rank <root>)",
 /// whatever path this rank passed (root sends its path to the others
 /// first, a broadcast of a few bytes). Every rank
-/// must pass the same `root`, inside the group, and valid `wait`, and
-/// root a non-empty `path` (the others' is only named in messages): the
-/// ranks compare them first, and otherwise every rank throws the same
-/// std::invalid_argument naming the ranks and what they passed, before
-/// any read.
+/// must pass the same `root`, inside the group, valid `wait` and
+/// `options` (each rank loads the bytes with its own; see
+/// nn::io::CheckLoadOptions), and root a non-empty `path` (the others' is
+/// only named in messages): the ranks compare them first, and otherwise
+/// every rank throws the same std::invalid_argument naming the ranks and
+/// what they passed, before any read.
 nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& path, int root = 0,
                                           const nn::io::LoadOptions& options = {},
                                           const LoadWaitOptions& wait = {});

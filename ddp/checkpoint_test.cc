@@ -561,6 +561,63 @@ TEST(DdpCheckpointTest, LoadArgumentsThatOneRankRefusesOrThatDifferFailEveryRank
                         180000, /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
+
+// Load options that one rank refuses: a device_map target (rank 1, in
+// LoadCheckpoint) or a device (rank 2, in LoadCheckpointFromRank) that no
+// process of this test has (cuda:1000: no backend, or no such device).
+// Before, they were checked only as each rank loaded: every other rank
+// read the whole file (root read it and sent it to all) before every rank
+// failed with a std::runtime_error. Now every rank throws the same
+// std::invalid_argument naming the rank and the option, no rank reads a
+// piece of the file, and the group goes on.
+DDP_TEST_WORKER(load_options_refused) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  SaveCheckpoint(*pg, path, MakeCheckpoint(*Mlp(1), nullptr));
+  // Called on the reading thread, before each piece of a read.
+  std::atomic<int> pieces{0};
+  nn::io::internal::SetReadPieceHookForTesting([&pieces](uint64_t) { ++pieces; });
+  const std::string rank = "rank " + std::to_string(pg->rank());
+  nn::io::LoadOptions bad_map;
+  if (pg->rank() == 1) bad_map.device_map = {{"cpu", "cuda:1000"}};
+  nn::io::LoadOptions bad_device;
+  if (pg->rank() == 2) bad_device.device = nn::Device(nn::DeviceType::kCUDA, 1000);
+  const struct {
+    std::function<void()> load;
+    std::string expected;  // the message's beginning: the rest depends on the build
+  } cases[] = {
+      {[&] { LoadCheckpoint(*pg, path, bad_map); },
+       "LoadCheckpoint " + path + ": nothing was read: invalid arguments on rank 1: device_map entry \"cpu\" -> "
+       "\"cuda:1000\": "},
+      {[&] { LoadCheckpointFromRank(*pg, path, 0, bad_device); },
+       "LoadCheckpointFromRank " + path + ": nothing was read: invalid arguments on rank 2: LoadOptions::device: "},
+  };
+  for (const auto& c : cases) {
+    pieces = 0;
+    const Outcome refused = OutcomeOf<std::invalid_argument>(c.load);
+    WORKER_EXPECT(refused.error.rfind(c.expected, 0) == 0 && refused.error.find("cuda:1000") != std::string::npos,
+                  rank + " got: " + refused.error);
+    WORKER_EXPECT(pieces == 0, rank + " read " + std::to_string(pieces.load()) + " pieces for a refused load");
+    WORKER_EXPECT(refused.seconds < 20, rank + ": the error took " + std::to_string(refused.seconds) + " s");
+  }
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), rank + ": the group failed after the refused loads");
+  // The hook does count a read's pieces: every rank's own, then root's.
+  pieces = 0;
+  WORKER_EXPECT(LoadCheckpoint(*pg, path).model.size() == 6 && pieces > 0,
+                rank + ": the valid load read " + std::to_string(pieces.load()) + " pieces");
+  pieces = 0;
+  WORKER_EXPECT(LoadCheckpointFromRank(*pg, path, 0).model.size() == 6 && (pg->rank() != 0 || pieces > 0),
+                rank + ": the valid load from rank 0 read " + std::to_string(pieces.load()) + " pieces");
+  nn::io::internal::SetReadPieceHookForTesting({});
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, LoadOptionsThatOneRankRefusesFailEveryRankBeforeAnyRead) {
+  auto run = RunWorkers("load_options_refused", 3, {{"DDP_TEST_CKPT", TempDir()}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                        180000, /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Rank 1's memory runs out once it has read the checkpoint (DDP_TEST_CASE:
 // every_rank, LoadCheckpoint, or from_rank, LoadCheckpointFromRank from
 // rank 0), every allocation of its thread failing from there until just

@@ -271,7 +271,11 @@ std::vector<std::pair<Device, Device>> CheckOptions(const LoadOptions& options) 
   std::vector<std::pair<Device, Device>> map = ParseDeviceMap(options.device_map);
   if (!options.device.is_cpu()) {
     // Fails here, before any work, when the device has no backend or
-    // does not exist.
+    // does not exist: the same kind of error as a device_map entry's.
+    if (!HasDeviceBackend(options.device.type)) {
+      throw std::invalid_argument("LoadOptions::device: no backend for " + options.device.ToString() +
+                                  " in this process (CUDA needs a build with --config=cuda and nn::cuda::Init())");
+    }
     CheckDeviceIndex(options.device, "LoadOptions::device");
   }
   return map;
@@ -373,6 +377,8 @@ Checkpoint SplitCheckpoint(LoadedTensors loaded, const std::string& source) {
 }
 
 }  // namespace
+
+void CheckLoadOptions(const LoadOptions& options) { (void)CheckOptions(options); }
 
 LoadedTensors LoadTensors(const std::string& path, const LoadOptions& options) {
   const std::vector<std::pair<Device, Device>> map = CheckOptions(options);

@@ -40,7 +40,9 @@ inline constexpr char kDevicesKey[] = "ddp.devices";
 struct LoadOptions {
   /// Device the loaded tensors are placed on (PyTorch's map_location),
   /// unless device_map names the device a tensor was saved from.
-  /// CUDA needs a build with --config=cuda; otherwise loading throws.
+  /// CUDA needs a build with --config=cuda; otherwise loading throws
+  /// std::invalid_argument naming LoadOptions::device before the file is
+  /// read.
   Device device = kCPU;
   /// Saved device -> target device, as device names ("cpu", "cuda",
   /// "cuda:N"): {{"cuda:0", "cuda:1"}} puts what rank 0 saved from its GPU
@@ -55,6 +57,13 @@ struct LoadOptions {
   /// (kStopCheckBytes) with a CheckpointError (a caller past its deadline).
   const std::atomic<bool>* stop = nullptr;
 };
+
+/// Checks `options` as every loader does before it reads anything: each
+/// device_map entry parses and its target has a backend and exists, and so
+/// does a non-CPU `device`. Throws std::invalid_argument naming the entry
+/// or LoadOptions::device. For callers that must refuse options before
+/// work of their own (ddp's collective loads, before any rank reads).
+void CheckLoadOptions(const LoadOptions& options);
 
 /// The format's dtype of a tensor dtype (every nn::DType has one).
 StDtype ToStDtype(DType dtype);

@@ -188,6 +188,24 @@ TEST(CheckpointErrors, DeviceWithoutBackend) {
   }
 }
 
+// The loaders' check of their options, alone, for callers that refuse
+// them before work of their own. A device without a backend was a
+// std::runtime_error from deep in the tensor library, unlike a device_map
+// entry's; now both are std::invalid_argument naming the option.
+TEST(CheckpointErrors, LoadOptionsAreCheckedAloneAndRefusedAsInvalidArguments) {
+  ASSERT_FALSE(HasDeviceBackend(DeviceType::kCUDA));  // this test links no CUDA library
+  EXPECT_NO_THROW(CheckLoadOptions({}));
+  EXPECT_NO_THROW(CheckLoadOptions({.device_map = {{"cuda:0", "cpu"}}}));
+  EXPECT_THAT([] { CheckLoadOptions({.device_map = {{"cpu", "cuda:0"}}}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(
+                  AllOf(HasSubstr("device_map entry \"cpu\" -> \"cuda:0\""), HasSubstr("no backend for cuda:0"))));
+  EXPECT_THAT([] { CheckLoadOptions({.device = Device(DeviceType::kCUDA, 0)}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("LoadOptions::device: no backend for cuda:0")));
+  // A loader refuses it the same way, before it opens the file.
+  EXPECT_THAT([] { LoadTensors(TmpPath("missing.safetensors"), {.device = Device(DeviceType::kCUDA, 0)}); },
+              ::testing::ThrowsMessage<std::invalid_argument>(HasSubstr("LoadOptions::device: no backend for cuda:0")));
+}
+
 TEST(CheckpointErrors, MetadataIntNamesTheKey) {
   EXPECT_THAT(ErrorOf([] { MetadataInt({}, "epoch", "c.st"); }), HasSubstr("c.st: metadata has no `epoch`"));
   EXPECT_THAT(ErrorOf([] { MetadataInt({{"epoch", "3x"}}, "epoch", "c.st"); }),
