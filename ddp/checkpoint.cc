@@ -506,12 +506,15 @@ namespace internal {
 // timeout `work` is asked to stop, then every rank gets "<task> did not
 // finish within <option> (N ms)", and the group is aborted with
 // `abort_reason` and that limit (the others' next collective would wait
-// for root past their deadline). A group that fails meanwhile leaves `work` going until the
-// timeout: a checkpoint half written is worth finishing.
+// for root past their deadline). A group that fails meanwhile leaves a
+// write going until the timeout (a checkpoint half written is worth
+// finishing) and stops a read at once (its bytes would be thrown away),
+// as `if_the_group_fails` says.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
-                                     const std::string& abort_reason, std::chrono::milliseconds stop_grace) {
+                                     const std::string& abort_reason, std::chrono::milliseconds stop_grace,
+                                     IfTheGroupFails if_the_group_fails) {
   // Each record is a collective bound by the group's timeout.
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
@@ -576,7 +579,8 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
       }
       if (timed_out && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
       // As Finish, knowing whether the work had to be stopped.
-      const bool stopped = !background.WaitUntil(deadline);
+      const bool stop_now = group_error && if_the_group_fails == IfTheGroupFails::kStopTheWork;
+      const bool stopped = !background.WaitUntil(stop_now ? Clock::now() : deadline);
       if (stopped) background.Stop();
       if (group_error) {
         // The group's error alone would leave root's caller guessing
@@ -584,7 +588,9 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
         // place?) completed.
         const std::string went_on =
             "meanwhile rank " + std::to_string(root) + " went on with " + task + ", which ";
-        if (stopped) {
+        if (stopped && stop_now) {
+          work_outcome = went_on + "was asked to stop at once: its outcome is of no use once the group failed";
+        } else if (stopped) {
           work_outcome = went_on + "did not finish within " + limit + " and was asked to stop";
         } else {
           const std::string error = background.error();
@@ -609,7 +615,8 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
                                           const std::string& abort_reason,
-                                          std::chrono::milliseconds stop_grace) {
+                                          std::chrono::milliseconds stop_grace,
+                                          IfTheGroupFails if_the_group_fails) {
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
   // Each round's flag, the largest over the ranks: 0 done, 1 still going,
@@ -645,7 +652,10 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
     // A rank still in its work: the others' next collective would wait for
     // it past their deadline; end the group now, with the reason.
     if (out_of_time && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
-    background.Finish(deadline);
+    // A work whose outcome the group's error makes useless (a read) is
+    // stopped at once rather than waited for.
+    const bool stop_now = group_error && if_the_group_fails == IfTheGroupFails::kStopTheWork;
+    background.Finish(stop_now ? Clock::now() : deadline);
   }  // the work ends here
   if (group_error) std::rethrow_exception(group_error);
   if (outcome == kOutOfTime) throw std::runtime_error(task + " did not finish on every rank within " + limit);
@@ -802,7 +812,8 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
           *read = nn::io::LoadCheckpoint(path, stoppable);
         },
         wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
-        "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path, wait.stop_grace);
+        "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path, wait.stop_grace,
+        internal::IfTheGroupFails::kStopTheWork);
   } catch (const DistributedError&) {
     throw;
   } catch (const std::runtime_error& e) {
@@ -867,7 +878,8 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
       pg, root,
       [bytes, path](const std::atomic<bool>& stop) { *bytes = nn::io::SafetensorsFile::ReadBytes(path, &stop); },
       wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
-      "LoadCheckpointFromRank: " + from + " could not read '" + root_path + "'", wait.stop_grace);
+      "LoadCheckpointFromRank: " + from + " could not read '" + root_path + "'", wait.stop_grace,
+      internal::IfTheGroupFails::kStopTheWork);
   if (!error.empty()) throw std::runtime_error(call + " failed on " + from + ": " + error);
   // Root's bytes to the others, in three steps: their length; whether
   // every rank could make room for them (a checkpoint larger than the

@@ -155,12 +155,14 @@ struct LoadWaitOptions {
 /// once it has read (saying what it read throws std::bad_alloc) is named
 /// the same way ("ran out of memory"): the buffers of that exchange are
 /// made before the read.
-/// The ranks wait for each other's reads up to `wait.timeout`. An empty
-/// `path`, or a `wait` or `options` (see nn::io::CheckLoadOptions: a
-/// device_map entry or a device this process cannot load on) that one
-/// rank refuses, fails every rank alike with std::invalid_argument, naming
-/// the rank and the option, before any read (as SaveCheckpoint's
-/// options).
+/// The ranks wait for each other's reads up to `wait.timeout`; when the
+/// group fails meanwhile, the reads still going are stopped at once (what
+/// they read would be thrown away) and every rank throws the group's
+/// DistributedError. An empty `path`, or a `wait` or `options` (see
+/// nn::io::CheckLoadOptions: a device_map entry or a device this process
+/// cannot load on) that one rank refuses, fails every rank alike with
+/// std::invalid_argument, naming the rank and the option, before any read
+/// (as SaveCheckpoint's options).
 nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options = {}, const LoadWaitOptions& wait = {});
 
@@ -170,7 +172,8 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
 /// it (a checkpoint SaveCheckpoint wrote on rank 0's own disk, with no
 /// filesystem shared between hosts), and it is read once, not once per
 /// rank. The others wait for the read as long as it goes on, up to
-/// `wait.timeout` (the group's timeout then bounds sending the bytes).
+/// `wait.timeout` (the group's timeout then bounds sending the bytes);
+/// when the group fails meanwhile, root stops its read at once.
 /// When `root` cannot read it, or any rank cannot load it, every rank
 /// throws one error naming each failing rank and its reason (a rank that
 /// cannot make room for root's bytes, memory running out, is named so
@@ -301,6 +304,20 @@ namespace internal {
 /// objects: in practice they are always waited for, never left behind.
 using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 
+/// What RunOnRootWhileOthersWait and RunOnEveryRankWhileOthersWait do with
+/// a work still going when the group fails.
+enum class IfTheGroupFails {
+  /// Let it go on until its timeout, then ask it to stop: a write half
+  /// done is worth finishing, and its caller learns whether the new file
+  /// is in place.
+  kLetTheWorkFinish = 0,
+  /// Ask it to stop at once and wait for it at most `stop_grace`: a read,
+  /// whose bytes nobody uses once the group's error is thrown, so that the
+  /// error comes within a heartbeat instead of after the read or its
+  /// timeout.
+  kStopTheWork = 1,
+};
+
 /// What SaveCheckpoint's writer and LoadCheckpointFromRank's reader share
 /// (exposed for tests): collective; `root` runs `work` on a thread of its
 /// own and tells the others every `heartbeat` (at most a quarter of the
@@ -313,17 +330,20 @@ using StoppableWork = std::function<void(const std::atomic<bool>& stop)>;
 /// heartbeat more for its outcome, and otherwise the error adds that the
 /// new file may be in place), root returns once it ends, and the group is
 /// aborted with `abort_reason` and that limit. When the group fails while `work` goes on, root lets it go on
-/// until `timeout` before it rethrows the group's DistributedError, its
+/// until `timeout` (kLetTheWorkFinish) or asks it to stop at once
+/// (kStopTheWork) before it rethrows the group's DistributedError, its
 /// message ending with how `work` ended ("; meanwhile rank 0 went on with
-/// <task>, which completed", "which failed: <reason>", or "which did not
-/// finish within <option> (N ms) and was asked to stop"). A `work` still going `stop_grace`
+/// <task>, which completed", "which failed: <reason>", "which did not
+/// finish within <option> (N ms) and was asked to stop", or "which was
+/// asked to stop at once: its outcome is of no use once the group failed"). A `work` still going `stop_grace`
 /// after it was asked to stop is left running on a detached thread, with
 /// a line on stderr starting with `abort_reason` that says so.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
                                      const std::string& abort_reason,
-                                     std::chrono::milliseconds stop_grace = kMostTimeout);
+                                     std::chrono::milliseconds stop_grace = kMostTimeout,
+                                     IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish);
 
 /// LoadCheckpoint's wait (exposed for tests): collective; every rank runs
 /// `work` on a thread of its own, and the ranks tell each other every
@@ -334,11 +354,15 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
 /// (N ms)" and the ranks still in `work` abort the group with
 /// `abort_reason` and that limit, ask `work` to stop and throw once it
 /// ends, or once `stop_grace` has passed (as RunOnRootWhileOthersWait).
+/// When the group fails, a rank still in `work` lets it go on until
+/// `timeout` or stops it at once, as `if_the_group_fails` says, before it
+/// rethrows the group's DistributedError.
 std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
                                           const std::string& abort_reason,
-                                          std::chrono::milliseconds stop_grace = kMostTimeout);
+                                          std::chrono::milliseconds stop_grace = kMostTimeout,
+                                          IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish);
 
 /// Test only: where SetFaultForTesting's function runs.
 enum class FaultPoint {

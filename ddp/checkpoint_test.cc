@@ -1531,6 +1531,61 @@ TEST(DdpCheckpointTest, TheRootSaysHowItsWorkEndedWhenTheGroupFailedMeanwhile) {
   }
 }
 
+// The group fails while a read goes on (a read aborts it, root's or rank
+// 1's, as a rank failing meanwhile would), a read that ends only when
+// asked to stop: what it reads would be thrown away with the group's
+// error, so it is stopped at once and the error comes within a heartbeat
+// or so. Before, a read was left going until its timeout (20 s here), as a
+// write is, and only then did its rank report the failure. DDP_TEST_CASE: root (root 0 reads,
+// RunOnRootWhileOthersWait as in LoadCheckpointFromRank) or every_rank
+// (both ranks read, RunOnEveryRankWhileOthersWait as in LoadCheckpoint).
+DDP_TEST_WORKER(group_fails_while_reading) {
+  auto pg = testing::WorkerGroup();
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  using std::chrono::milliseconds;
+  const bool reads = which == "every_rank" || pg->rank() == 0;
+  auto read = [&pg, which, reads](const std::atomic<bool>& stop) {
+    if (pg->rank() == (which == "root" ? 0 : 1)) {
+      pg->Abort(transport::FailedPreconditionError("a rank failed meanwhile, on purpose"));
+    }
+    // Until asked to stop (at most 30 s, past the timeout).
+    for (int i = 0; reads && i < 3000 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    if (which == "root") {
+      internal::RunOnRootWhileOthersWait(*pg, 0, read, milliseconds(20000), milliseconds(100), "the read",
+                                         "Read::timeout", "the read failed", kMostTimeout,
+                                         internal::IfTheGroupFails::kStopTheWork);
+    } else {
+      internal::RunOnEveryRankWhileOthersWait(*pg, read, milliseconds(20000), milliseconds(100), "the read",
+                                              "Read::timeout", "the read failed", kMostTimeout,
+                                              internal::IfTheGroupFails::kStopTheWork);
+    }
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string rank = which + ", rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(message.find("on purpose") != std::string::npos, rank + " reported: " + message);
+  // A few heartbeats on a loaded host; the timeout is 20 s.
+  WORKER_EXPECT(took < 5, rank + " reported the failure after " + std::to_string(took) + " s");
+  if (which == "root" && pg->rank() == 0) {
+    WORKER_EXPECT(message.find("; meanwhile rank 0 went on with the read, which was asked to stop at once: its "
+                               "outcome is of no use once the group failed") != std::string::npos,
+                  rank + " reported: " + message);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AReadIsStoppedAtOnceWhenTheGroupFailsMeanwhile) {
+  for (const char* which : {"root", "every_rank"}) {
+    auto run = RunWorkers("group_fails_while_reading", 2, {{"DDP_TEST_CASE", which}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
+}
+
 // LoadCheckpoint's reads, one per rank, take as long as each rank's storage
 // does (the host that wrote the file has it in memory): the ranks done first
 // wait for the last as long as it goes on, past the group's timeout (here
