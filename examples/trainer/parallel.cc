@@ -282,7 +282,7 @@ class DdpParallel : public Parallel {
 
   std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
                         std::chrono::milliseconds timeout, const std::string& late,
-                        std::chrono::milliseconds stop_grace) override {
+                        std::chrono::milliseconds stop_grace, bool discardable) override {
     // The library words the deadline's outcome as "<task> did not finish
     // within <option> (N ms)"; `task` is this one's own, so that outcome
     // is told from an error of `work`.
@@ -290,7 +290,9 @@ class DdpParallel : public Parallel {
     const std::string outcome = Guarded("waiting for rank 0", [&] {
       return dist::internal::RunOnRootWhileOthersWait(*pg_, 0, work, timeout, std::chrono::seconds(1),
                                                       kTask, "its deadline",
-                                                      "rank 0 did not finish its part", stop_grace);
+                                                      "rank 0 did not finish its part", stop_grace,
+                                                      discardable ? dist::internal::IfTheGroupFails::kStopTheWork
+                                                                  : dist::internal::IfTheGroupFails::kLetTheWorkFinish);
     });
     if (outcome.rfind(kTask + " did not finish within its deadline", 0) == 0) throw JobError(late);
     return outcome;

@@ -156,10 +156,14 @@ class Parallel {
   /// the filesystem) is left running on a detached thread, with a line on
   /// stderr, and rank 0 throws as it would have. So `work` must own what it
   /// uses: captures by value, results through a shared_ptr, no reference
-  /// to the caller's locals or members. Collective.
+  /// to the caller's locals or members. When the job fails while `work`
+  /// goes on, a write (`discardable` false) goes on until `timeout`, as a
+  /// save half done is worth finishing; a read whose bytes the failure
+  /// makes useless (`discardable` true) is asked to stop at once, so that
+  /// the failure is reported within a heartbeat. Collective.
   virtual std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
                                 std::chrono::milliseconds timeout, const std::string& late,
-                                std::chrono::milliseconds stop_grace) = 0;
+                                std::chrono::milliseconds stop_grace, bool discardable) = 0;
   /// Stopping together: a signal (Ctrl-C, SIGTERM) reaches the ranks at
   /// different steps, so each rank votes at every step boundary and all of
   /// them act on the same vote one step later. VoteStop(signal) returns the

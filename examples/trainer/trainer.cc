@@ -873,7 +873,8 @@ void Run::Setup() {
             throw;
           }
         },
-        std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s));
+        std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s),
+        /*discardable=*/true);
     if (read->error) std::rethrow_exception(read->error);
     if (!failure.empty()) throw UsageError(failure);
     std::string bytes = par_.ShareFromLead(std::move(read->bytes));
@@ -1313,7 +1314,8 @@ void Run::SaveCheckpoint() {
             throw;
           }
         },
-        std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s));
+        std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s),
+        /*discardable=*/false);
   } catch (const JobError& e) {
     // On rank 0 the write has ended by now, unless it was left behind
     // (stuck past --save_stop_grace_s): `kept` is then where the other

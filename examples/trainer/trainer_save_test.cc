@@ -11,7 +11,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "examples/trainer/config.h"
 #include "examples/trainer/parallel.h"
@@ -80,6 +84,14 @@ DDP_TEST_WORKER(slow_save) {
 // error.
 DDP_TEST_WORKER(slow_resume) {
   internal::SetReadPause(std::chrono::milliseconds(std::atoll(std::getenv("SLOW_READ_PAUSE_MS"))));
+  // A rank that dies while rank 0 reads: it exits (status 3) this long
+  // after it started, without a word to the others.
+  if (const char* die = std::getenv("SLOW_READ_EXIT_AFTER_MS"); die != nullptr) {
+    std::thread([ms = std::atoll(die)] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      std::_Exit(3);
+    }).detach();
+  }
   TrainConfig c = TinyRun(std::getenv("SLOW_READ_CKPT"), 2);
   c.resume = true;
   c.save_timeout_s = std::atoll(std::getenv("SLOW_READ_TIMEOUT_S"));
@@ -203,15 +215,20 @@ TEST(TrainerSaveTest, SaveLongerThanSaveTimeoutFailsEveryRankNamingTheFile) {
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
 }
 
+// slow_resume on 2 ranks; with `rank1_exits_after_ms` > 0 rank 1 dies that
+// long after its start.
 launch::testing::TestRunResult RunSlowResume(const std::string& checkpoint, int pause_ms,
-                                             int save_timeout_s) {
+                                             int save_timeout_s, int rank1_exits_after_ms = 0) {
+  std::map<int, std::vector<std::pair<std::string, std::string>>> rank_env;
+  if (rank1_exits_after_ms > 0) rank_env[1] = {{"SLOW_READ_EXIT_AFTER_MS", std::to_string(rank1_exits_after_ms)}};
   auto run = launch::testing::RunTestWorkers(
       "slow_resume", {.world_size = 2,
                       .timeout = std::chrono::seconds(90),
                       .stop_all_on_failure = false,
                       .env = {{"SLOW_READ_CKPT", checkpoint},
                               {"SLOW_READ_PAUSE_MS", std::to_string(pause_ms)},
-                              {"SLOW_READ_TIMEOUT_S", std::to_string(save_timeout_s)}}});
+                              {"SLOW_READ_TIMEOUT_S", std::to_string(save_timeout_s)}},
+                      .rank_env = rank_env});
   EXPECT_TRUE(run.ok()) << run.status();
   return run.ok() ? *run : launch::testing::TestRunResult{};
 }
@@ -240,6 +257,25 @@ TEST(TrainerSaveTest, ResumeReadLongerThanSaveTimeoutFailsEveryRankNamingTheFile
     EXPECT_EQ(run.ExitCode(rank), 1) << run.Summary();
     EXPECT_NE(run.Output(rank).find(message), std::string::npos) << run.Output(rank);
   }
+}
+
+// A rank that dies while rank 0 reads the checkpoint ends the resume at
+// once: rank 0's read, whose bytes nobody can use any more, is stopped
+// instead of going on for as long as the disk takes (20 s here) or
+// --save_timeout_s allows (60 s), and rank 0 reports the lost rank.
+TEST(TrainerSaveTest, ResumeReadStopsAtOnceWhenAnotherRankDies) {
+  const std::string checkpoint = TempDir("read_then_die") + "/ckpt.safetensors";
+  const launch::testing::TestRunResult saved = RunSlowSave(checkpoint, 0, 60);
+  ASSERT_TRUE(saved.AllSucceeded()) << saved.Summary() << saved.Output(0) << saved.Output(1);
+  const auto start = std::chrono::steady_clock::now();
+  const launch::testing::TestRunResult run = RunSlowResume(checkpoint, 20000, 60, 5000);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(run.ExitCode(1), 3) << run.Summary();
+  EXPECT_EQ(run.ExitCode(0), 1) << run.Summary();
+  // Rank 1 died during the read (not before rank 0 began it), and rank 0
+  // stopped the read for it.
+  EXPECT_NE(run.Output(0).find("was asked to stop at once"), std::string::npos) << run.Output(0);
+  EXPECT_LT(seconds, 15) << run.Output(0);
 }
 
 // Seconds CheckSetup(c, 2) takes while a read of a checkpoint's data waits
