@@ -2784,8 +2784,9 @@ Status Communicator::Impl::BlockingP2p(bool send, void* data, size_t bytes, int 
     Work work = PostP2p(send, data, bytes, peer, tag, call, /*blocking=*/true, &posted, device);
     // Polls give up the worker at once while another thread's collective
     // holds it, so this wait keeps to the call's deadline (the allowance
-    // lets a poll that has the worker finish its round).
-    const Status waited = work.Wait(deadline + kBlockingP2pAllowance);
+    // lets a poll that has the worker finish its round; a deadline at
+    // Deadline::max(), from an unbounded timeout, stays there).
+    const Status waited = work.Wait(DeadlineAfter(deadline, kBlockingP2pAllowance));
     if (posted.state == nullptr) return waited;  // refused before posting
     std::lock_guard lock(posted.state->mu);
     if (posted.state->done) return posted.state->status;

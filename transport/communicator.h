@@ -85,6 +85,8 @@ struct CommunicatorOptions {
   std::string name = "default";
 
   /// Deadline of every call that does not pass its own, and of creation.
+  /// milliseconds::max() (any timeout past the clock's range) gives a
+  /// deadline that never comes.
   std::chrono::milliseconds timeout{300000};
   /// How long posting or reading the job's abort reason may take outside a
   /// call: an explicit Abort, a failed creation, a failed call's reason
@@ -147,7 +149,8 @@ struct CommunicatorOptions {
 struct CallOptions {
   /// This call's deadline from its start; 0 or below: the communicator's
   /// timeout (a negative value is not an expired deadline: a caller whose
-  /// time is up must fail the call itself).
+  /// time is up must fail the call itself). milliseconds::max(): a
+  /// deadline that never comes.
   std::chrono::milliseconds timeout{0};
   /// All-reduce: kAuto follows the communicator's choice. Reduce: kTree,
   /// kRing, kSharedMemory or kAuto (see Communicator::Reduce).

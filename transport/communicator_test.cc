@@ -1005,6 +1005,39 @@ int ScenarioBusyPost() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Send and Recv with an unbounded timeout, milliseconds::max() (the
+// communicator's when DDP_TEST_UNBOUNDED is "options", the call's when
+// "call"): the deadline is Deadline::max(), and the blocking wait's
+// allowance past it used to wrap that into the distant past, so the call
+// timed out before its first poll and aborted the communicator.
+int ScenarioUnboundedP2p() {
+  CommunicatorOptions options = WorkerOptions();
+  CallOptions call;
+  if (EnvOr("DDP_TEST_UNBOUNDED") == "options") {
+    options.timeout = milliseconds::max();
+  } else {
+    call.timeout = milliseconds::max();
+  }
+  auto made = Communicator::CreateFromEnvironment(options);
+  if (!made.ok()) {
+    std::fprintf(stderr, "CREATE %s\n", made.status().ToString().c_str());
+    return 3;
+  }
+  Communicator& comm = **made;
+  std::vector<int64_t> out(16, 7), in(16, -1);
+  WORKER_CHECK(comm.Barrier(call).ok(), "barrier");
+  if (comm.rank() == 0) {
+    const Status sent = comm.Send(out.data(), out.size(), DataType::kI64, 1, 5, call);
+    WORKER_CHECK(sent.ok(), "send: " + sent.ToString());
+  } else {
+    const Status got = comm.Recv(in.data(), in.size(), DataType::kI64, 0, 5, call);
+    WORKER_CHECK(got.ok() && in[0] == 7 && in[15] == 7, "receive: " + got.ToString());
+  }
+  WORKER_CHECK(comm.aborted_reason().ok(), "aborted: " + comm.aborted_reason().ToString());
+  WORKER_CHECK(comm.Barrier(call).ok(), "barrier afterwards");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Rank 1 destroys its communicator with an asynchronous all-reduce that
 // rank 0 never joins and whose own timeout (60 s) is far past the
 // communicator's (2 s): destruction is bounded by the latter, as documented,
@@ -2208,6 +2241,7 @@ int RunScenario(const std::string& name) {
   if (name == "busy_poll") return ScenarioBusyPoll();
   if (name == "busy_post") return ScenarioBusyPost();
   if (name == "busy_recv") return ScenarioBusyRecv();
+  if (name == "unbounded_p2p") return ScenarioUnboundedP2p();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
   if (name == "work_wait_timeout") return ScenarioWorkWaitTimeoutNamesTheCall();
@@ -2662,6 +2696,16 @@ TEST(Communicator, SplitCommunicatorOutlivesItsParent) {
   ASSERT_TRUE(EveryRankPassed(job));
   EXPECT_NE(job.results[0].output.find("CHILD rank 0 -> 2/3"), std::string::npos) << job.Describe();
   EXPECT_LT(took, kTimeout / 2) << job.Describe();
+}
+
+// Send and Recv whose timeout is milliseconds::max(), the communicator's or
+// the call's, complete instead of timing out at once.
+TEST(Communicator, SendAndRecvWithAnUnboundedTimeoutComplete) {
+  for (const char* where : {"options", "call"}) {
+    SCOPED_TRACE(std::string("milliseconds::max() in the ") + where);
+    Job job = RunJob(2, "unbounded_p2p", {{"DDP_TEST_UNBOUNDED", where}}, milliseconds(60000));
+    EXPECT_TRUE(EveryRankPassed(job));
+  }
 }
 
 // Destroying a communicator with a queued call takes at most the

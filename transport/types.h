@@ -85,6 +85,25 @@ inline Deadline DeadlineIn(std::chrono::milliseconds timeout) {
   return now + timeout;
 }
 
+/// `deadline` moved by `extra` (an allowance past a call's deadline, or a
+/// queued call's timeout), held at Deadline::max() or Deadline::min()
+/// instead of wrapping: a deadline from an unbounded timeout
+/// (DeadlineIn(milliseconds::max())) plus any allowance stays unbounded,
+/// not far in the past. An `extra` beyond the clock's range (about 292
+/// years) counts as the longest the clock holds.
+inline Deadline DeadlineAfter(Deadline deadline, std::chrono::milliseconds extra) {
+  using std::chrono::duration_cast;
+  using std::chrono::milliseconds;
+  constexpr milliseconds kMost = duration_cast<milliseconds>(Clock::duration::max());
+  constexpr milliseconds kLeast = duration_cast<milliseconds>(Clock::duration::min());
+  if (extra >= milliseconds::zero()) {
+    const Clock::duration by = extra >= kMost ? Clock::duration::max() : Clock::duration(extra);
+    return deadline > Deadline::max() - by ? Deadline::max() : deadline + by;
+  }
+  const Clock::duration by = extra <= kLeast ? Clock::duration::min() : Clock::duration(extra);
+  return deadline < Deadline::min() - by ? Deadline::min() : deadline + by;
+}
+
 /// The stable API version of //transport (bumped on incompatible change).
 inline constexpr int kTransportApiVersion = 1;
 

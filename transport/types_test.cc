@@ -37,5 +37,31 @@ TEST(DeadlineInTest, TooNegativeATimeoutIsInThePastInsteadOfWrapping) {
   EXPECT_GT(Clock::now() - DeadlineIn(centuries), 0ms);
 }
 
+TEST(DeadlineAfterTest, MovesAFiniteDeadlineByTheAllowance) {
+  const Deadline deadline = Clock::now();
+  EXPECT_EQ(DeadlineAfter(deadline, 250ms), deadline + 250ms);
+  EXPECT_EQ(DeadlineAfter(deadline, -250ms), deadline - 250ms);
+  EXPECT_EQ(DeadlineAfter(deadline, 0ms), deadline);
+}
+
+TEST(DeadlineAfterTest, AnUnboundedDeadlineStaysUnboundedInsteadOfWrapping) {
+  // Deadline::max() + 250 ms wraps to near Deadline::min(): a wait given it
+  // would end before it began.
+  EXPECT_EQ(DeadlineAfter(Deadline::max(), 250ms), Deadline::max());
+  EXPECT_EQ(DeadlineAfter(DeadlineIn(std::chrono::milliseconds::max()), 250ms), Deadline::max());
+  EXPECT_EQ(DeadlineAfter(Deadline::max() - 100ms, 250ms), Deadline::max());
+  EXPECT_EQ(DeadlineAfter(Deadline::max() - 250ms, 250ms), Deadline::max());
+  EXPECT_EQ(DeadlineAfter(Deadline::min(), -250ms), Deadline::min());
+  EXPECT_EQ(DeadlineAfter(Deadline::min() + 100ms, -250ms), Deadline::min());
+}
+
+TEST(DeadlineAfterTest, AnAllowanceBeyondTheClocksRangeSaturatesInsteadOfWrapping) {
+  // milliseconds::max() in the clock's nanoseconds would wrap.
+  EXPECT_EQ(DeadlineAfter(Clock::now(), std::chrono::milliseconds::max()), Deadline::max());
+  EXPECT_EQ(DeadlineAfter(Deadline::max(), std::chrono::milliseconds::max()), Deadline::max());
+  EXPECT_EQ(DeadlineAfter(Deadline::min(), std::chrono::milliseconds::min()), Deadline::min());
+  EXPECT_LT(DeadlineAfter(Clock::now(), std::chrono::milliseconds::min()), Clock::now());
+}
+
 }  // namespace
 }  // namespace ddp::transport
