@@ -522,6 +522,16 @@ class Communicator::Impl {
         .IgnoreError();
   }
 
+  // This thread is inside a call of this communicator, holding run_mu_:
+  // AllReduceThrough's slice function runs there.
+  bool InsideCall() const;
+  // FAILED_PRECONDITION naming `what` when this thread is inside a call of
+  // this communicator: a call made there would wait for the run_mu_ its
+  // own thread holds (until its deadline, or for good for Work::Wait() on
+  // a queued call). Every rank's slice function refuses alike, so nothing
+  // was exchanged and the communicator is not aborted for it.
+  Status CheckNotInsideCall(const std::string& what) const;
+
   // Runs `body` on the caller's thread after earlier async calls finished.
   Status RunBlocking(const CallOptions& call, const Body& body);
   // Queues `body` (the call `what`, for messages) for the communicator's thread.
@@ -1949,6 +1959,16 @@ class RunningUnderRunMu {
 };
 }  // namespace
 
+bool Communicator::Impl::InsideCall() const { return running_under_run_mu == this; }
+
+Status Communicator::Impl::CheckNotInsideCall(const std::string& what) const {
+  if (!InsideCall()) return Status::Ok();
+  return FailedPreconditionError(
+      what + " called from inside AllReduceThrough's slice function, which runs inside a call of "
+             "the same communicator and holds it: the slice function must not call its "
+             "communicator");
+}
+
 Status Communicator::Impl::RunGuarded(const Body& body, Deadline deadline) {
   // An exception (a scratch allocation that fails) becomes the call's
   // error and so aborts the communicator: escaping the communicator's
@@ -1975,6 +1995,7 @@ Status Communicator::Impl::WaitForQueue(Deadline deadline) {
 Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body) {
   DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options_.rank) +
                                                 ": a collective call"));
+  DDP_RETURN_IF_ERROR(CheckNotInsideCall("a collective"));
   if (aborted()) return aborted_reason();
   const Deadline deadline = DeadlineFor(call);
   {
@@ -2015,6 +2036,10 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, std::string what, Body
                                                 ": an asynchronous collective call");
       !forked.ok()) {
     state->Finish(forked);
+    return work;
+  }
+  if (Status inside = CheckNotInsideCall("asynchronous " + state->what); !inside.ok()) {
+    state->Finish(inside);
     return work;
   }
   if (aborted()) {
@@ -2547,6 +2572,9 @@ Status Communicator::Impl::DeviceReduceScatter(int device, const void* send, voi
 
 Status Communicator::Impl::StageCopy(int device, void* dst, const void* src, size_t bytes,
                                      bool to_device, Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckNotInsideCall(std::string("staging a copy ") + (to_device ? "to" : "from") +
+                                         " device " + std::to_string(device) +
+                                         " for a point-to-point message"));
   if (aborted()) return aborted_reason();
   // As PostP2p: a collective on another thread holds the worker for as long
   // as its own deadline allows; this copy waits only until its own.
@@ -2606,6 +2634,9 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
                            std::to_string(bytes) + " bytes)";
   if (Status forked = fork::CheckNotForkedChild(what); !forked.ok()) {
     return Communicator::FinishedWork(forked);
+  }
+  if (Status inside = CheckNotInsideCall(what); !inside.ok()) {
+    return Communicator::FinishedWork(inside);
   }
   if (aborted()) return Communicator::FinishedWork(aborted_reason());
   const Deadline deadline = DeadlineFor(call);
@@ -2925,6 +2956,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   // collectives. A bad color is this rank's own: it is checked after the
   // exchange, so that every rank refuses the split alike (and the
   // communicator stays usable) instead of leaving the others waiting.
+  DDP_RETURN_IF_ERROR(impl_->CheckNotInsideCall("split"));
   const int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * static_cast<size_t>(size()));
   DDP_RETURN_IF_ERROR(AllGather(mine, all.data(), 2, DataType::kI64, call));
@@ -3104,7 +3136,11 @@ void Communicator::SetBusyThreadsPerRank(int busy_threads_per_rank) {
   // A forked child cannot run calls, and a thread of the parent may have held
   // the mutex when it forked.
   if (fork::InForkedChild()) return;
-  std::lock_guard lock(impl_->run_mu_);
+  // From AllReduceThrough's slice function this thread holds run_mu_
+  // already (locking it again would wait for itself): the call in flight
+  // is its own, and the new policy applies to the rest of it.
+  std::unique_lock lock(impl_->run_mu_, std::defer_lock);
+  if (!impl_->InsideCall()) lock.lock();
   impl_->options_.busy_threads_per_rank = busy_threads_per_rank;
   impl_->ApplyIdlePolicy();
 }

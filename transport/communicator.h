@@ -268,8 +268,9 @@ class Communicator {
   /// CommunicatorOptions::busy_threads_per_rank would have at creation; a
   /// program that moves its collectives onto its computing thread has one
   /// busy thread fewer (ddp::ProcessGroup does). Local to this rank, and
-  /// inherited by later Splits. Waits for a collective in flight; do not
-  /// call it while another thread reads info().
+  /// inherited by later Splits. Waits for a collective in flight (from
+  /// AllReduceThrough's slice function: applies at once to the rest of
+  /// that call); do not call it while another thread reads info().
   void SetBusyThreadsPerRank(int busy_threads_per_rank);
 
   /// recv[i] = op over all ranks of send[i], for i in [0, count). send may
@@ -299,7 +300,11 @@ class Communicator {
   /// instead of gradients. Host buffers; send may equal recv. An apply
   /// that fails (or throws) fails the call on every rank, and, as any
   /// failed collective, aborts the communicator. apply runs inside the
-  /// call: it must not call this communicator. On one host it
+  /// call, holding the communicator: a collective, Send, Recv (or their
+  /// async forms) or Split it makes on this communicator fails at once with
+  /// FAILED_PRECONDITION naming the slice function (it would wait for the
+  /// call it runs in), without aborting; SetBusyThreadsPerRank applies at
+  /// once to the rest of the call. On one host it
   /// runs in the shared-memory engine, one cache-sized piece at a time:
   /// fold, apply and write into the others' recv while the piece is in
   /// cache; two rendezvous. Elsewhere as ReduceScatter and AllGather on

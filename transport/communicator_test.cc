@@ -847,6 +847,69 @@ int ScenarioThroughBadQueries() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Calls on the communicator from inside AllReduceThrough's slice function,
+// which runs holding it: each fails at once with FAILED_PRECONDITION naming
+// the slice function, where a blocking one used to wait for the mutex its
+// own thread held until its deadline (then abort the communicator), an
+// async one's Work::Wait() waited for good, and SetBusyThreadsPerRank
+// locked itself out for good (the job's limit ends the old code there).
+// SetBusyThreadsPerRank applies at once. The slice function then returns
+// the barrier's error, which fails the call on every rank.
+int ScenarioThroughCallsItsCommunicator() {
+  auto comm = MustCreate();
+  const int me = comm->rank(), peer = 1 - me;
+  const CallOptions call{.timeout = milliseconds(1000)};
+  std::vector<float> data(64, 1.0f), reduced(64, 0.0f), x(4, 1.0f);
+  std::vector<int64_t> out(16, 7), in(16, -1);
+  bool first = true;
+  Status barrier;
+  const auto start = Clock::now();
+  const Status through = comm->AllReduceThrough(
+      data.data(), reduced.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+      [&](const void* r, void* o, size_t, size_t len) -> Status {
+        if (len > 0) std::memcpy(o, r, len * sizeof(float));
+        if (!first) return barrier;
+        first = false;
+        auto refused = [&](const std::string& what, const std::function<Status()>& inner) {
+          const auto called = Clock::now();
+          const Status s = inner();
+          const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - called).count();
+          WORKER_CHECK(s.code() == StatusCode::kFailedPrecondition &&
+                           s.message().find("inside AllReduceThrough's slice function") != std::string::npos,
+                       what + ": " + s.ToString());
+          WORKER_CHECK(ms < 500, what + " took " + std::to_string(ms) + " ms");
+        };
+        refused("barrier", [&] {
+          barrier = comm->Barrier(call);
+          return barrier;
+        });
+        refused("all-reduce", [&] {
+          return comm->AllReduce(x.data(), x.size(), DataType::kF32, ReduceOp::kSum, call);
+        });
+        refused("async all-reduce", [&] {
+          return comm->AllReduceAsync(x.data(), x.data(), x.size(), DataType::kF32, ReduceOp::kSum, call)
+              .Wait(DeadlineIn(milliseconds(2000)));
+        });
+        refused("send", [&] { return comm->Send(out.data(), out.size(), DataType::kI64, peer, 5, call); });
+        refused("async receive", [&] {
+          return comm->RecvAsync(in.data(), in.size(), DataType::kI64, peer, 5, call)
+              .Wait(DeadlineIn(milliseconds(2000)));
+        });
+        refused("split", [&] { return comm->Split(0, me, call).status(); });
+        comm->SetBusyThreadsPerRank(2);
+        WORKER_CHECK(comm->info().busy_threads_per_rank == 2,
+                     "busy threads after SetBusyThreadsPerRank(2): " +
+                         std::to_string(comm->info().busy_threads_per_rank));
+        return barrier;
+      });
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("THROUGH rank %d after %lld ms: %s\n", me, static_cast<long long>(ms), through.ToString().c_str());
+  WORKER_CHECK(!first, "the slice function never ran");
+  WORKER_CHECK(!through.ok(), "the slice function's error went unnoticed");
+  WORKER_CHECK(in == std::vector<int64_t>(16, -1), "the refused receive wrote its buffer");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // How late rank 1 comes to each all-reduce of the "late" scenario: long
 // against what a loaded machine adds, so the test's bounds can be wide.
 constexpr milliseconds kLateBy(1000);
@@ -2228,6 +2291,7 @@ int RunScenario(const std::string& name) {
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "through") return ScenarioThrough();
   if (name == "through_bad_queries") return ScenarioThroughBadQueries();
+  if (name == "through_calls_its_communicator") return ScenarioThroughCallsItsCommunicator();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
@@ -2672,6 +2736,17 @@ TEST(Communicator, AllReduceThroughAppliesEachSliceOnItsRank) {
             << job.Describe();
       }
     }
+  }
+}
+
+// A slice function that calls its own communicator gets FAILED_PRECONDITION
+// at once (on one host and over UCX), instead of a hang.
+TEST(Communicator, AllReduceThroughsSliceFunctionCallingItsCommunicatorIsRefusedAtOnce) {
+  for (const char* shm : {"1", "0"}) {
+    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
+    Job job = RunJob(2, "through_calls_its_communicator",
+                     {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
+    EXPECT_TRUE(EveryRankPassed(job));
   }
 }
 
