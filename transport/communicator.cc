@@ -74,6 +74,10 @@ constexpr milliseconds kP2pPollHold{5};
 // another thread's collective holds, to settle its request, and then (the
 // cancel handed to that thread) for the cancel to be done.
 constexpr milliseconds kBlockingP2pAllowance{250};
+// How long past its deadline a queued async call may take to end (failing
+// there aborts, and the abort is posted in the background; a wait notices
+// its deadline at its next watchdog tick, about every 100 ms).
+constexpr milliseconds kQueuedCallAllowance{1000};
 // After an abort, how long the rank serving the store keeps it for the
 // ranks that have not left: first for all of them, then, up to the longer
 // time, only while some rank that has not left may still come for the
@@ -923,7 +927,10 @@ class Communicator::Impl {
     return monitor_ ? monitor_->Check(deadline, awaited_peer) : Status::Ok();
   }
   void AsyncLoop();
-  Status WaitForQueue(Deadline deadline);
+  // Waits until no async call is queued or running, until `deadline`, or,
+  // with `their_time`, until the later queue_done_by_ (which each call
+  // queued meanwhile moves on).
+  Status WaitForQueue(Deadline deadline, bool their_time = false);
   void Shutdown();
   // Notes `users` (FormatSplitRegistration's lines) under
   // served_root_prefix_, as one registration of its own (see
@@ -1037,6 +1044,10 @@ class Communicator::Impl {
   std::condition_variable queue_cv_;
   std::deque<std::function<void()>> queue_;
   size_t unfinished_ = 0;  // queued or running async calls
+  // By when the queued and running async calls have ended at the latest:
+  // each starts once the one before has ended and ends by its own deadline
+  // (plus kQueuedCallAllowance). Bounds a blocking call's wait for them.
+  Deadline queue_done_by_{};
   bool stopping_ = false;
   std::thread thread_;
 
@@ -1984,10 +1995,16 @@ Status Communicator::Impl::RunGuarded(const Body& body, Deadline deadline) {
   }
 }
 
-Status Communicator::Impl::WaitForQueue(Deadline deadline) {
+Status Communicator::Impl::WaitForQueue(Deadline deadline, bool their_time) {
   std::unique_lock lock(queue_mu_);
-  if (!queue_cv_.wait_until(lock, deadline, [&] { return unfinished_ == 0; })) {
-    return TimedOutError("earlier asynchronous calls did not finish before the deadline");
+  auto until = [&] { return their_time ? std::max(deadline, queue_done_by_) : deadline; };
+  while (unfinished_ > 0) {
+    if (Clock::now() >= until()) {
+      return TimedOutError(their_time ? "earlier asynchronous calls did not finish within their own "
+                                        "timeouts (counted from when each could start)"
+                                      : "earlier asynchronous calls did not finish before the deadline");
+    }
+    queue_cv_.wait_until(lock, until());
   }
   return Status::Ok();
 }
@@ -1997,18 +2014,26 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
                                                 ": a collective call"));
   DDP_RETURN_IF_ERROR(CheckNotInsideCall("a collective"));
   if (aborted()) return aborted_reason();
-  const Deadline deadline = DeadlineFor(call);
   {
-    // Keep issue order: calls issued before this one run first.
+    // Keep issue order: calls issued before this one run first. As an
+    // async call's, this call's deadline counts from when it can start:
+    // waiting its turn is bounded by the earlier calls' own deadlines
+    // instead (or this call's from now, if later), so a call behind a
+    // queue of long all-reduces does not time out (and abort) merely for
+    // waiting.
     std::unique_lock lock(queue_mu_);
     if (unfinished_ > 0) {
       lock.unlock();
       // Returning without running the body would leave this rank a
       // collective behind its peers, and its next call paired with the
       // wrong one of theirs: the communicator fails instead.
-      if (Status queued = WaitForQueue(deadline); !queued.ok()) return Abort(queued, deadline);
+      const Deadline issued = DeadlineFor(call);
+      if (Status queued = WaitForQueue(issued, /*their_time=*/true); !queued.ok()) {
+        return Abort(queued, issued);
+      }
     }
   }
+  const Deadline deadline = DeadlineFor(call);
   std::unique_lock run(run_mu_, std::defer_lock);
   if (!run.try_lock_until(deadline)) {
     // Another thread's call held the communicator past this one's deadline;
@@ -2052,6 +2077,8 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, std::string what, Body
     ++unfinished_;
     // The deadline counts from when the call starts running, so a queue of
     // bucketed all-reduces does not time out merely for waiting its turn.
+    queue_done_by_ = DeadlineAfter(DeadlineAfter(std::max(queue_done_by_, Clock::now()), timeout),
+                                   kQueuedCallAllowance);
     queue_.push_back([this, state, timeout, body = std::move(body)] {
       Status status;
       if (aborted()) {

@@ -38,7 +38,10 @@
 // thread but must be issued in the same order on every rank; blocking calls
 // run on the caller's thread once earlier async calls have finished; async
 // calls run in issue order on one internal thread; never two threads drive
-// UCX at once.
+// UCX at once. A call's deadline counts from when it can start: for an
+// async call when it starts running, for a blocking one once the earlier
+// async calls have finished (that wait is bounded by their own deadlines);
+// time spent waiting for another thread's call counts.
 
 #include <chrono>
 #include <cstddef>
@@ -147,7 +150,8 @@ struct CommunicatorOptions {
 
 /// Per-call settings.
 struct CallOptions {
-  /// This call's deadline from its start; 0 or below: the communicator's
+  /// This call's deadline from its start (a blocking call's once earlier
+  /// async calls have finished; see Threading above); 0 or below: the communicator's
   /// timeout (a negative value is not an expired deadline: a caller whose
   /// time is up must fail the call itself). milliseconds::max(): a
   /// deadline that never comes.

@@ -929,6 +929,37 @@ int ScenarioLate() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A blocking call's deadline counts from when it can start, as an async
+// call's does: rank 0 issues an async all-reduce that rank 1 joins
+// kQueuedLate late, then a Barrier with a timeout shorter than that; it
+// waits for the all-reduce and then succeeds. Its deadline used to count
+// from its issue, so it failed TIMED_OUT ("earlier asynchronous calls did
+// not finish") and aborted the communicator.
+constexpr milliseconds kQueuedLate(3000);
+constexpr milliseconds kBarrierTimeout(1500);
+int ScenarioBlockingBehindALateAsyncCall() {
+  auto comm = MustCreate();
+  std::vector<float> values(1000, 1.0f);
+  // Rank 1's lateness is what the case is about.
+  if (comm->rank() == 1) std::this_thread::sleep_for(kQueuedLate);
+  const auto start = Clock::now();
+  Work reduce = comm->AllReduceAsync(values.data(), values.data(), values.size(), DataType::kF32,
+                                     ReduceOp::kSum);
+  const Status barrier = comm->Barrier({.timeout = kBarrierTimeout});
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("BARRIER rank %d after %lld ms: %s\n", comm->rank(), static_cast<long long>(ms),
+              barrier.ToString().c_str());
+  WORKER_CHECK(barrier.ok(), "the barrier behind the late all-reduce: " + barrier.ToString());
+  if (comm->rank() == 0) {
+    // Else the case did not happen: the barrier waited longer than its timeout.
+    WORKER_CHECK(ms > kBarrierTimeout.count(), "the barrier returned after " + std::to_string(ms) + " ms");
+  }
+  const Status reduced = reduce.Wait(DeadlineIn(milliseconds(5000)));
+  WORKER_CHECK(reduced.ok() && values[0] == 2.0f, "the all-reduce: " + reduced.ToString());
+  WORKER_CHECK(comm->aborted_reason().ok(), "aborted: " + comm->aborted_reason().ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A point-to-point Wait with a short deadline returns at it while the
 // communicator's thread is inside a long collective; it used to wait for
 // the worker the collective held, until rank 1 came. Rank 1 joins the
@@ -2303,6 +2334,7 @@ int RunScenario(const std::string& name) {
   if (name == "early") return ScenarioEarly();
   if (name == "late") return ScenarioLate();
   if (name == "busy_poll") return ScenarioBusyPoll();
+  if (name == "blocking_behind_late_async") return ScenarioBlockingBehindALateAsyncCall();
   if (name == "busy_post") return ScenarioBusyPost();
   if (name == "busy_recv") return ScenarioBusyRecv();
   if (name == "unbounded_p2p") return ScenarioUnboundedP2p();
@@ -2792,6 +2824,13 @@ TEST(Communicator, DestructionIsBoundedWithACallPeersNeverJoin) {
   const std::string& out = job.results[1].output;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("DESTROYED in (\\d+) ms"))) << job.Describe();
   EXPECT_LT(std::stoll(m[1]), 15000) << job.Describe();
+}
+
+// A blocking call queued behind an async call that waits for a late rank
+// does not time out for waiting its turn.
+TEST(Communicator, ABlockingCallsDeadlineCountsFromWhenEarlierAsyncCallsHaveFinished) {
+  Job job = RunJob(2, "blocking_behind_late_async");
+  EXPECT_TRUE(EveryRankPassed(job));
 }
 
 TEST(Communicator, AWorkWaitThatTimesOutNamesTheCall) {
