@@ -674,7 +674,7 @@ class Communicator::Impl {
     if (where == StagedReduce::kAuto) where = options_.staged_reduce;
     return cuda::ChooseStagedPlan(call, where == StagedReduce::kDevice, ucx_cuda_memory());
   }
-  Status CheckStagedReduce(StagedReduce where) const {
+  static Status CheckStagedReduce(StagedReduce where) {
     if (where == StagedReduce::kAuto || where == StagedReduce::kDevice ||
         where == StagedReduce::kHost) {
       return Status::Ok();
@@ -693,6 +693,26 @@ class Communicator::Impl {
     }
     return InvalidArgumentError(std::string(what) + ": unknown algorithm " +
                                 std::to_string(static_cast<int>(a)));
+  }
+  // Agreed checks of the CallOptions of the call `what`: algorithm and
+  // staged_reduce are values of their enums, and a call with no algorithm
+  // to choose (`chooses_algorithm` false: all but all-reduce,
+  // all-reduce-through and reduce) is not given one, as that choice would
+  // be dropped unseen. A valid staged_reduce is ignored by the calls that
+  // reduce nothing on device buffers.
+  static Status CheckCallOptions(const CallOptions& call, const std::string& what,
+                                 bool chooses_algorithm) {
+    if (Status staged = CheckStagedReduce(call.staged_reduce); !staged.ok()) {
+      return InvalidArgumentError(what + ": " + staged.message());
+    }
+    DDP_RETURN_IF_ERROR(CheckAlgorithm(call.algorithm, what.c_str()));
+    if (!chooses_algorithm && call.algorithm != Algorithm::kAuto) {
+      return InvalidArgumentError(what + ": CallOptions::algorithm is " +
+                                  AlgorithmName(call.algorithm) +
+                                  ", but only all-reduce, all-reduce-through and reduce choose an "
+                                  "algorithm (leave it at kAuto)");
+    }
+    return Status::Ok();
   }
   Deadline DeadlineFor(const CallOptions& call) const {
     return DeadlineIn(call.timeout.count() > 0 ? call.timeout : options_.timeout);
@@ -2304,6 +2324,7 @@ StatusOr<int> Communicator::Impl::CheckRooted(Rooted which, const void* send, co
                                                       : "scatter";
   DDP_RETURN_IF_ERROR(CheckTypes(dtype, op, which == Rooted::kReduce, what));
   DDP_RETURN_IF_ERROR(CheckRank(root, (what + " root").c_str()));
+  DDP_RETURN_IF_ERROR(CheckCallOptions(call, what, /*chooses_algorithm=*/which == Rooted::kReduce));
   if (which == Rooted::kReduce && algorithm != Algorithm::kAuto && algorithm != Algorithm::kTree &&
       algorithm != Algorithm::kRing && algorithm != Algorithm::kSharedMemory) {
     return InvalidArgumentError("reduce: algorithm " + std::string(AlgorithmName(algorithm)) +
@@ -2984,6 +3005,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   // exchange, so that every rank refuses the split alike (and the
   // communicator stays usable) instead of leaving the others waiting.
   DDP_RETURN_IF_ERROR(impl_->CheckNotInsideCall("split"));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "split", /*chooses_algorithm=*/false));
   const int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * static_cast<size_t>(size()));
   DDP_RETURN_IF_ERROR(AllGather(mine, all.data(), 2, DataType::kI64, call));
@@ -3192,8 +3214,7 @@ Status Communicator::AllReduce(const void* send, void* recv, size_t count, DataT
                                ReduceOp op, const CallOptions& call) {
   // Agreed checks, then local ones (Impl::Refuse: they abort).
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true, "all-reduce"));
-  DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
-  DDP_RETURN_IF_ERROR(Impl::CheckAlgorithm(call.algorithm, "all-reduce"));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "all-reduce", /*chooses_algorithm=*/true));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce"));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(send, count, "all-reduce send buffer"), call));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"), call));
@@ -3218,7 +3239,7 @@ Status Communicator::AllReduce(void* buffer, size_t count, DataType dtype, Reduc
 Status Communicator::AllReduceThrough(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const SliceFn& apply, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true, "all-reduce-through"));
-  DDP_RETURN_IF_ERROR(Impl::CheckAlgorithm(call.algorithm, "all-reduce-through"));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "all-reduce-through", /*chooses_algorithm=*/true));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "all-reduce-through"));
   auto local = [&]() -> Status {
     DDP_RETURN_IF_ERROR(impl_->CheckBuffer(send, count, "all-reduce-through send buffer"));
@@ -3257,6 +3278,7 @@ std::vector<std::pair<size_t, size_t>> Communicator::ThroughPieces(size_t count,
 Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int root,
                                const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "broadcast"));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "broadcast", /*chooses_algorithm=*/false));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(root, "broadcast root"));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "broadcast"));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(buffer, count, "broadcast buffer"), call));
@@ -3278,6 +3300,7 @@ Status Communicator::Broadcast(void* buffer, size_t count, DataType dtype, int r
 Status Communicator::AllGather(const void* send, void* recv, size_t count, DataType dtype,
                                const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "all-gather"));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "all-gather", /*chooses_algorithm=*/false));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-gather"));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(send, count, "all-gather send buffer"), call));
   DDP_RETURN_IF_ERROR(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-gather receive buffer"), call));
@@ -3296,7 +3319,7 @@ Status Communicator::AllGather(const void* send, void* recv, size_t count, DataT
 Status Communicator::ReduceScatter(const void* send, void* recv, size_t count, DataType dtype,
                                    ReduceOp op, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, op, true, "reduce-scatter"));
-  DDP_RETURN_IF_ERROR(impl_->CheckStagedReduce(call.staged_reduce));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "reduce-scatter", /*chooses_algorithm=*/false));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(impl_->AllBlocks(count), dtype, "reduce-scatter"));
   DDP_RETURN_IF_ERROR(
       impl_->Refuse(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"), call));
@@ -3324,6 +3347,7 @@ StatusOr<int> Communicator::Impl::CheckAllToAll(const void* send,
                                                 std::span<const size_t> recv_counts,
                                                 DataType dtype, const CallOptions& call) {
   DDP_RETURN_IF_ERROR(CheckTypes(dtype, ReduceOp::kSum, false, "all-to-all"));
+  DDP_RETURN_IF_ERROR(CheckCallOptions(call, "all-to-all", /*chooses_algorithm=*/false));
   return Refuse(CheckAllToAllLocal(send, send_counts, recv, recv_counts, dtype), call);
 }
 
@@ -3477,12 +3501,14 @@ Status Communicator::Scatter(const void* send, void* recv, size_t count, DataTyp
 }
 
 Status Communicator::Barrier(const CallOptions& call) {
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "barrier", /*chooses_algorithm=*/false));
   return impl_->RunBlocking(call, [this](Deadline d) { return impl_->Barrier(d); });
 }
 
 Status Communicator::Send(const void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "send"));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "send", /*chooses_algorithm=*/false));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "send"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "send to rank"));
@@ -3503,6 +3529,7 @@ Status Communicator::Send(const void* data, size_t count, DataType dtype, int pe
 Status Communicator::Recv(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                           const CallOptions& call) {
   DDP_RETURN_IF_ERROR(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "receive"));
+  DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "receive", /*chooses_algorithm=*/false));
   DDP_RETURN_IF_ERROR(impl_->CheckCount(count, dtype, "receive"));
   DDP_RETURN_IF_ERROR(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_RETURN_IF_ERROR(impl_->CheckRank(peer, "receive from rank"));
@@ -3548,8 +3575,7 @@ Work Communicator::NewWork(std::shared_ptr<Work::State> state) { return Work(std
 Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true, "all-reduce"));
-  DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
-  DDP_ASYNC_CHECK(Impl::CheckAlgorithm(call.algorithm, "all-reduce"));
+  DDP_ASYNC_CHECK(Impl::CheckCallOptions(call, "all-reduce", /*chooses_algorithm=*/true));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "all-reduce"));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(send, count, "all-reduce send buffer"), call));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-reduce receive buffer"), call));
@@ -3569,6 +3595,7 @@ Work Communicator::AllReduceAsync(const void* send, void* recv, size_t count, Da
 Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, int root,
                                   const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "broadcast"));
+  DDP_ASYNC_CHECK(Impl::CheckCallOptions(call, "broadcast", /*chooses_algorithm=*/false));
   DDP_ASYNC_CHECK(impl_->CheckRank(root, "broadcast root"));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "broadcast"));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(buffer, count, "broadcast buffer"), call));
@@ -3588,6 +3615,7 @@ Work Communicator::BroadcastAsync(void* buffer, size_t count, DataType dtype, in
 Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, DataType dtype,
                                   const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "all-gather"));
+  DDP_ASYNC_CHECK(Impl::CheckCallOptions(call, "all-gather", /*chooses_algorithm=*/false));
   DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "all-gather"));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(send, count, "all-gather send buffer"), call));
   DDP_ASYNC_CHECK(impl_->Refuse(impl_->CheckBuffer(recv, count, "all-gather receive buffer"), call));
@@ -3606,7 +3634,7 @@ Work Communicator::AllGatherAsync(const void* send, void* recv, size_t count, Da
 Work Communicator::ReduceScatterAsync(const void* send, void* recv, size_t count, DataType dtype,
                                       ReduceOp op, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, op, true, "reduce-scatter"));
-  DDP_ASYNC_CHECK(impl_->CheckStagedReduce(call.staged_reduce));
+  DDP_ASYNC_CHECK(Impl::CheckCallOptions(call, "reduce-scatter", /*chooses_algorithm=*/false));
   DDP_ASYNC_CHECK(impl_->CheckCount(impl_->AllBlocks(count), dtype, "reduce-scatter"));
   DDP_ASYNC_CHECK(
       impl_->Refuse(impl_->CheckBuffer(send, count, "reduce-scatter send buffer"), call));
@@ -3685,12 +3713,14 @@ Work Communicator::ScatterAsync(const void* send, void* recv, size_t count, Data
 }
 
 Work Communicator::BarrierAsync(const CallOptions& call) {
+  DDP_ASYNC_CHECK(Impl::CheckCallOptions(call, "barrier", /*chooses_algorithm=*/false));
   return impl_->Enqueue(call, "barrier", [impl = impl_.get()](Deadline d) { return impl->Barrier(d); });
 }
 
 Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int peer,
                              uint32_t tag, const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "send"));
+  DDP_ASYNC_CHECK(Impl::CheckCallOptions(call, "send", /*chooses_algorithm=*/false));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "send"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "send buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "send to rank"));
@@ -3703,6 +3733,7 @@ Work Communicator::SendAsync(const void* data, size_t count, DataType dtype, int
 Work Communicator::RecvAsync(void* data, size_t count, DataType dtype, int peer, uint32_t tag,
                              const CallOptions& call) {
   DDP_ASYNC_CHECK(impl_->CheckTypes(dtype, ReduceOp::kSum, false, "receive"));
+  DDP_ASYNC_CHECK(Impl::CheckCallOptions(call, "receive", /*chooses_algorithm=*/false));
   DDP_ASYNC_CHECK(impl_->CheckCount(count, dtype, "receive"));
   DDP_ASYNC_CHECK(impl_->CheckBuffer(data, count, "receive buffer"));
   DDP_ASYNC_CHECK(impl_->CheckRank(peer, "receive from rank"));

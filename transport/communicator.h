@@ -156,11 +156,15 @@ struct CallOptions {
   /// time is up must fail the call itself). milliseconds::max(): a
   /// deadline that never comes.
   std::chrono::milliseconds timeout{0};
-  /// All-reduce: kAuto follows the communicator's choice. Reduce: kTree,
-  /// kRing, kSharedMemory or kAuto (see Communicator::Reduce).
+  /// All-reduce (and AllReduceThrough): kAuto follows the communicator's
+  /// choice. Reduce: kTree, kRing, kSharedMemory or kAuto (see
+  /// Communicator::Reduce). Every other call has no algorithm to choose
+  /// and refuses any but kAuto (INVALID_ARGUMENT, on every rank alike).
   Algorithm algorithm = Algorithm::kAuto;
   /// All-reduce and reduce-scatter on device buffers: where a staged call
-  /// reduces; kAuto follows the communicator's choice. Equal on every rank.
+  /// reduces; kAuto follows the communicator's choice. Other calls ignore
+  /// it. Equal on every rank; a value outside the enum is INVALID_ARGUMENT
+  /// in every call.
   StagedReduce staged_reduce = StagedReduce::kAuto;
 };
 

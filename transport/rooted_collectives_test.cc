@@ -283,6 +283,60 @@ int ScenarioLocalErrors() {
   // rank alike, not the buffers.
   expect(comm->AllGather(nullptr, nullptr, SIZE_MAX / 2, DataType::kF32),
          StatusCode::kInvalidArgument, "overflow the address space");
+  // CallOptions every call checks alike: an algorithm forced on a call that
+  // has none to choose, or a value past either enum. They used to be
+  // dropped unseen (the call ran as kAuto). Each row would run on the old
+  // code, the same on every rank, so nothing waits for a refused peer.
+  const StagedReduce bad_staged = static_cast<StagedReduce>(7);
+  const std::string none_to_choose =
+      ": CallOptions::algorithm is ring, but only all-reduce, all-reduce-through and reduce choose an algorithm";
+  const CallOptions ring{.algorithm = Algorithm::kRing};
+  const CallOptions bogus_staged{.staged_reduce = bad_staged};
+  expect(comm->Broadcast(a.data(), 4, DataType::kF32, 0, ring), StatusCode::kInvalidArgument,
+         "broadcast" + none_to_choose);
+  expect(comm->BroadcastAsync(a.data(), 4, DataType::kF32, 0, bogus_staged).Wait(),
+         StatusCode::kInvalidArgument, "broadcast: unknown staged_reduce 7");
+  expect(comm->AllGather(a.data(), b.data(), 4, DataType::kF32, {.algorithm = bogus}),
+         StatusCode::kInvalidArgument, "all-gather: unknown algorithm 9");
+  expect(comm->AllGatherAsync(a.data(), b.data(), 4, DataType::kF32, ring).Wait(),
+         StatusCode::kInvalidArgument, "all-gather" + none_to_choose);
+  expect(comm->ReduceScatter(a.data(), b.data(), 1, DataType::kF32, ReduceOp::kSum, ring),
+         StatusCode::kInvalidArgument, "reduce-scatter" + none_to_choose);
+  expect(comm->ReduceScatterAsync(a.data(), b.data(), 1, DataType::kF32, ReduceOp::kSum, {.algorithm = bogus})
+             .Wait(),
+         StatusCode::kInvalidArgument, "reduce-scatter: unknown algorithm 9");
+  expect(comm->ReduceScatter(a.data(), b.data(), 1, DataType::kF32, ReduceOp::kSum, bogus_staged),
+         StatusCode::kInvalidArgument, "reduce-scatter: unknown staged_reduce 7");
+  expect(comm->AllToAll(a.data(), b.data(), 4, DataType::kF32, ring), StatusCode::kInvalidArgument,
+         "all-to-all" + none_to_choose);
+  expect(comm->AllToAllAsync(a.data(), b.data(), 4, DataType::kF32, bogus_staged).Wait(),
+         StatusCode::kInvalidArgument, "all-to-all: unknown staged_reduce 7");
+  expect(comm->Gather(a.data(), b.data(), 4, DataType::kF32, 0, ring), StatusCode::kInvalidArgument,
+         "gather" + none_to_choose);
+  expect(comm->ScatterAsync(a.data(), b.data(), 4, DataType::kF32, 0, {.algorithm = bogus}).Wait(),
+         StatusCode::kInvalidArgument, "scatter: unknown algorithm 9");
+  expect(comm->Reduce(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, 0, bogus_staged),
+         StatusCode::kInvalidArgument, "reduce: unknown staged_reduce 7");
+  expect(comm->AllReduce(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum, bogus_staged),
+         StatusCode::kInvalidArgument, "all-reduce: unknown staged_reduce 7");
+  expect(comm->AllReduceThrough(a.data(), b.data(), 4, DataType::kF32, ReduceOp::kSum,
+                                [](const void*, void*, size_t, size_t) { return Status::Ok(); },
+                                bogus_staged),
+         StatusCode::kInvalidArgument, "all-reduce-through: unknown staged_reduce 7");
+  expect(comm->Barrier(ring), StatusCode::kInvalidArgument, "barrier" + none_to_choose);
+  expect(comm->BarrierAsync(bogus_staged).Wait(), StatusCode::kInvalidArgument,
+         "barrier: unknown staged_reduce 7");
+  expect(comm->Split(0, comm->rank(), ring).status(), StatusCode::kInvalidArgument, "split" + none_to_choose);
+  {
+    // The receive first, so that the send has its match on the old code.
+    Work recv = comm->RecvAsync(b.data(), 4, DataType::kF32, prev, 10,
+                                {.timeout = std::chrono::milliseconds(2000), .staged_reduce = bad_staged});
+    expect(comm->Send(a.data(), 4, DataType::kF32, next, 10,
+                      {.timeout = std::chrono::milliseconds(2000), .algorithm = Algorithm::kRing}),
+           StatusCode::kInvalidArgument, "send" + none_to_choose);
+    expect(recv.Wait(DeadlineIn(std::chrono::milliseconds(3000))), StatusCode::kInvalidArgument,
+           "receive: unknown staged_reduce 7");
+  }
   // Still usable: a real reduce and gather.
   std::vector<float> x(8), y(8 * n);
   FillInput(DataType::kF32, x.data(), x.size(), comm->rank(), ReduceOp::kSum);
