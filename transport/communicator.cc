@@ -1171,6 +1171,17 @@ Status Communicator::Impl::Init() {
   if (o.timeout.count() <= 0) return InvalidArgumentError("timeout must be positive");
   if (o.abort_store_time.count() <= 0) return InvalidArgumentError("abort_store_time must be positive");
   if (o.store_call_cap.count() <= 0) return InvalidArgumentError("store_call_cap must be positive");
+  // Bounded as DDP_SHM_CHUNK_BYTES is: the shared-memory engine allocates a
+  // chunk per rank (a size near SIZE_MAX threw out of Create, and 16 chunks
+  // of staging wrapped), and a device chunk is pinned memory per slot.
+  const std::pair<const char*, size_t> chunks[] = {{"chunk_bytes", o.chunk_bytes},
+                                                   {"device_chunk_bytes", o.device_chunk_bytes}};
+  for (const auto& [name, bytes] : chunks) {
+    if (bytes > kMostShmChunkBytes) {
+      return InvalidArgumentError(std::string(name) + " " + std::to_string(bytes) + " is above " +
+                                  std::to_string(kMostShmChunkBytes) + " (1 GiB), the most it may be");
+    }
+  }
   DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
   DDP_RETURN_IF_ERROR(CheckAlgorithm(options_.algorithm, "options"));
   // A bad variable is reported once the store is reached, where the other

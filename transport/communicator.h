@@ -114,7 +114,7 @@ struct CommunicatorOptions {
   /// DDP_SHARED_MEMORY=0 (or false, off, no) in the environment turns it off.
   bool shared_memory = true;
   /// Tuning for tests: bytes per pipelined chunk (0: algorithm default), so
-  /// that small inputs reach the multi-chunk paths.
+  /// that small inputs reach the multi-chunk paths. At most 1 GiB.
   size_t chunk_bytes = 0;
   /// Pin the thread that creates the communicator and the communicator's own
   /// thread to one core (local rank modulo the cores this process may use),
@@ -133,8 +133,9 @@ struct CommunicatorOptions {
   /// docs/benchmarks.md).
   int busy_threads_per_rank = 0;
   /// Collectives on device buffers (CUDA build) go through pinned host
-  /// memory in chunks of this many bytes per rank's slot (0: 4 MiB); tests
-  /// shrink it to reach the multi-chunk paths. Equal on every rank.
+  /// memory in chunks of this many bytes per rank's slot (0: 4 MiB; at
+  /// most 1 GiB); tests shrink it to reach the multi-chunk paths. Equal on
+  /// every rank.
   size_t device_chunk_bytes = 0;
   /// Device buffers of ranks on one host: exchange CUDA IPC handles and
   /// copy and reduce GPU to GPU instead of staging through host memory,

@@ -69,6 +69,7 @@ CommunicatorOptions WorkerOptions() {
   CommunicatorOptions options;
   options.timeout = milliseconds(std::atoi(EnvOr("DDP_TEST_TIMEOUT_MS", "20000").c_str()));
   options.chunk_bytes = std::strtoul(EnvOr("DDP_TEST_CHUNK_BYTES", "0").c_str(), nullptr, 10);
+  options.device_chunk_bytes = std::strtoul(EnvOr("DDP_TEST_DEVICE_CHUNK_BYTES", "0").c_str(), nullptr, 10);
   options.busy_threads_per_rank = std::atoi(EnvOr("DDP_TEST_BUSY_THREADS", "0").c_str());
   return options;
 }
@@ -3163,6 +3164,36 @@ TEST(Communicator, BadStagedReduceIsNamed) {
   EXPECT_NE(job.results[0].output.find("DDP_STAGED_REDUCE=gpu: expected device or host"),
             std::string::npos)
       << job.Describe();
+}
+
+// The chunk sizes in CommunicatorOptions are bounded as DDP_SHM_CHUNK_BYTES
+// is, at 1 GiB: above it creation fails on every rank naming the field. A
+// chunk near SIZE_MAX used to throw out of Create (std::length_error from
+// the shared-memory engine's buffer) where two ranks share a host.
+TEST(Communicator, ChunkBytesAboveOneGibibyteAreNamed) {
+  const std::tuple<int, const char*, const char*, const char*> cases[] = {
+      {1, "DDP_TEST_CHUNK_BYTES", "1073741825", "chunk_bytes 1073741825 is above 1073741824 (1 GiB)"},
+      {2, "DDP_TEST_CHUNK_BYTES", "18446744073709551615",
+       "chunk_bytes 18446744073709551615 is above 1073741824 (1 GiB)"},
+      {1, "DDP_TEST_DEVICE_CHUNK_BYTES", "1073741825",
+       "device_chunk_bytes 1073741825 is above 1073741824 (1 GiB)"},
+  };
+  for (const auto& [ranks, name, value, message] : cases) {
+    SCOPED_TRACE(std::string(name) + "=" + value);
+    Job job = RunJob(ranks, "create", {{name, value}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
+    ASSERT_EQ(job.results.size(), static_cast<size_t>(ranks));
+    for (const auto& result : job.results) {
+      EXPECT_EQ(result.exit_code, 2) << job.Describe();
+      EXPECT_NE(result.output.find("RESULT INVALID_ARGUMENT: rank "), std::string::npos) << job.Describe();
+      EXPECT_NE(result.output.find(message), std::string::npos) << job.Describe();
+    }
+  }
+  // 1 GiB itself is taken (one rank: nothing of that size is allocated).
+  Job job = RunJob(1, "create", {{"DDP_TEST_CHUNK_BYTES", "1073741824"},
+                                 {"DDP_TEST_DEVICE_CHUNK_BYTES", "1073741824"},
+                                 {"DDP_TEST_TIMEOUT_MS", "5000"}});
+  ASSERT_EQ(job.results.size(), 1u);
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
 }
 
 // The transport's switches and sizes in the environment are parsed whole:
