@@ -55,7 +55,15 @@ namespace {
 using testing::FreshDir;
 using testing::Gzip;
 using testing::IdxBytes;
+using testing::ReadByteWithin;
+using testing::WaitChild;
 using testing::WriteFile;
+
+// How long a forked child may take before it is killed and the test fails
+// (each does a few small loads), and how long a handshake byte from a child
+// may take to come.
+constexpr std::chrono::seconds kChildDeadline{30};
+constexpr std::chrono::seconds kHandshakeDeadline{20};
 
 // Sets DDP_DATA_CACHE for a scope.
 class CacheDir {
@@ -385,7 +393,10 @@ TEST(DecodedCache, ConcurrentFirstLoadsLeaveOneWholeEntry) {
   std::vector<pid_t> children;
   for (int i = 0; i < 4; ++i) {
     const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
+    if (pid < 0) {
+      ADD_FAILURE() << "fork: " << std::strerror(errno);
+      break;  // the children already started are still reaped below
+    }
     if (pid == 0) {
       int ok = 0;
       for (int round = 0; round < 3; ++round) {
@@ -397,11 +408,12 @@ TEST(DecodedCache, ConcurrentFirstLoadsLeaveOneWholeEntry) {
     }
     children.push_back(pid);
   }
+  const auto until = std::chrono::steady_clock::now() + kChildDeadline;
   for (pid_t pid : children) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    const int status = WaitChild(pid, until);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a child read wrong bytes";
   }
+  ASSERT_EQ(children.size(), 4u);
   const auto entries = Entries(dir + "/cache");
   ASSERT_EQ(entries.size(), 1u);
   EXPECT_EQ(entries[0].extension(), ".decoded");
@@ -433,7 +445,10 @@ TEST(DecodedCache, ConcurrentFirstLoadsDecodeOnce) {
   std::vector<pid_t> children;
   for (int i = 0; i < 4; ++i) {
     const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
+    if (pid < 0) {
+      ADD_FAILURE() << "fork: " << std::strerror(errno);
+      break;  // the children already started are let go and reaped below
+    }
     if (pid == 0) {
       ::close(go[1]);
       char c;
@@ -451,11 +466,12 @@ TEST(DecodedCache, ConcurrentFirstLoadsDecodeOnce) {
   }
   ::close(go[0]);
   ::close(go[1]);
+  const auto until = std::chrono::steady_clock::now() + kChildDeadline;
   for (pid_t pid : children) {
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    const int status = WaitChild(pid, until);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a child read wrong bytes";
   }
+  ASSERT_EQ(children.size(), 4u);
   EXPECT_EQ(std::filesystem::file_size(marks), 1u) << "the set was decoded once per process";
   const auto entries = Entries(dir + "/cache");
   ASSERT_EQ(entries.size(), 1u) << "a lock file or a temporary was left";
@@ -491,9 +507,14 @@ TEST(DecodedCache, AWriterPastTheWaitIsNotWaitedFor) {
   }
   ::close(decoding[1]);
   ::close(release[0]);
-  char c;
-  ASSERT_EQ(::read(decoding[0], &c, 1), 1) << "the child did not start decoding";
+  const bool started = ReadByteWithin(decoding[0], kHandshakeDeadline);
   ::close(decoding[0]);
+  if (!started) {
+    ::close(release[1]);
+    ::kill(pid, SIGKILL);  // unreaped, so still this test's child
+    WaitChild(pid, kChildDeadline);
+    FAIL() << "the child did not start decoding";
+  }
   CountingDecode decode{src};
   const auto start = std::chrono::steady_clock::now();
   const SharedArray a = LoadDecoded(src, std::ref(decode), 0, std::chrono::milliseconds(100));
@@ -502,8 +523,7 @@ TEST(DecodedCache, AWriterPastTheWaitIsNotWaitedFor) {
   EXPECT_LT(took, std::chrono::milliseconds(1500)) << "it waited for the writer";
   EXPECT_EQ(decode.calls, 1);
   EXPECT_EQ(Bytes(a), Want(8));
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const int status = WaitChild(pid, kChildDeadline);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   const auto entries = Entries(dir + "/cache");
   ASSERT_EQ(entries.size(), 1u);
@@ -533,8 +553,7 @@ TEST(DecodedCache, AnotherHostNameMapsTheEntryOfTheSameFiles) {
     const SharedArray a = LoadDecoded(src, std::ref(restarted), 0);
     ::_exit(Bytes(a) != Want(60) ? 1 : restarted.calls == 0 ? 0 : 4);
   }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const int status = WaitChild(pid, kChildDeadline);
   ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
   ASSERT_NE(WEXITSTATUS(status), 2) << "unshare(CLONE_NEWUTS) or sethostname failed (this test needs root)";
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the child read wrong bytes (1) or decoded again (4)";
@@ -579,8 +598,7 @@ TEST(DecodedCache, AnotherMountOfTheSameFilesMapsTheirEntry) {
     if (Bytes(LoadDecoded(src, std::ref(decode), 0)) != Want(60)) ::_exit(1);
     ::_exit(decode.calls == 1 ? 0 : 4);
   }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const int status = WaitChild(pid, kChildDeadline);
   ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
   ASSERT_NE(WEXITSTATUS(status), 2) << "unshare or an overlay mount failed (this test needs root and overlayfs)";
   ASSERT_NE(WEXITSTATUS(status), 3) << "the second overlay did not show the file under another device number";
@@ -622,8 +640,7 @@ TEST(DecodedCache, AnotherHostsCopyAtTheSamePathKeepsAnEntryOfItsOwn) {
                        Bytes(LoadDecoded(src, std::ref(other_host), 0)) == want;
     ::_exit(!right ? 1 : other_host.calls == 1 ? 0 : 4);
   }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const int status = WaitChild(pid, kChildDeadline);
   ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit";
   ASSERT_NE(WEXITSTATUS(status), 2) << "unshare, sethostname or the bind mount failed (this test needs root)";
   EXPECT_EQ(WEXITSTATUS(status), 0)
@@ -949,11 +966,12 @@ pid_t StartWithoutLocks(const std::string& probe, const std::function<int()>& bo
   return pid;
 }
 
-// The exit status of child `pid` (-1 when there is none, or it did not exit).
+// The exit status of child `pid` (-1 when there is none, or it did not
+// exit: killed at kChildDeadline, the test failed then).
 int ExitStatus(pid_t pid) {
-  int status = 0;
-  if (pid < 0 || ::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
-  return WEXITSTATUS(status);
+  if (pid < 0) return -1;
+  const int status = WaitChild(pid, kChildDeadline);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 // Runs `body` as StartWithoutLocks does and returns the child's exit status.
@@ -1205,13 +1223,21 @@ TEST(DecodedCache, AFailedFolderFsyncAfterTheEntryIsInPlaceKeepsItInUse) {
     const sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
     // The thread that answers is made before the filter, which then holds
     // only for this (the main) thread; it shares the descriptors, so it
-    // fstats the one fsync was given. It stops when the child exits.
+    // fstats the one fsync was given. It stops when the child exits, or
+    // gives up after 20 s (within the parent's wait for the child): it then
+    // closes the listener, so that the child's fsyncs from then on fail
+    // (ENOSYS) instead of waiting for an answer for good.
+    constexpr int kGaveUp = -2;
     std::atomic<int> listener{-1};
     std::atomic<bool> fail_folders{true};
     std::thread answer([&listener, &fail_folders] {
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      const auto give_up = [&listener] {
+        const int fd = listener.exchange(kGaveUp);
+        if (fd >= 0) ::close(fd);
+      };
       while (listener.load() < 0) {
-        if (std::chrono::steady_clock::now() > deadline) return;
+        if (std::chrono::steady_clock::now() > deadline) return give_up();
         ::usleep(1000);
       }
       while (std::chrono::steady_clock::now() < deadline) {
@@ -1229,6 +1255,7 @@ TEST(DecodedCache, AFailedFolderFsyncAfterTheEntryIsInPlaceKeepsItInUse) {
         }
         ::ioctl(listener.load(), SECCOMP_IOCTL_NOTIF_SEND, &resp);
       }
+      give_up();
     });
     answer.detach();
     const int fd = ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
@@ -1236,7 +1263,8 @@ TEST(DecodedCache, AFailedFolderFsyncAfterTheEntryIsInPlaceKeepsItInUse) {
                        : static_cast<int>(::syscall(__NR_seccomp, SECCOMP_SET_MODE_FILTER,
                                                     SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog));
     if (fd < 0) ::_exit(2);
-    listener = fd;
+    int unset = -1;
+    if (!listener.compare_exchange_strong(unset, fd)) ::_exit(6);  // the thread gave up already
     // Folders' fsyncs fail, files' pass.
     const int folder = ::open(cache_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     const int file = ::open(images.path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -1256,7 +1284,8 @@ TEST(DecodedCache, AFailedFolderFsyncAfterTheEntryIsInPlaceKeepsItInUse) {
   const int status = ExitStatus(pid);
   ASSERT_NE(status, 2) << "the seccomp filter could not be installed";
   ASSERT_NE(status, 3) << "the seccomp filter did not fail a folder's fsync alone";
-  EXPECT_EQ(status, 0) << "wrong bytes (1), the entry evicted and decoded again (4), or not both entries kept (5)";
+  EXPECT_EQ(status, 0) << "wrong bytes (1), the entry evicted and decoded again (4), not both entries kept (5), "
+                          "or the answering thread gave up before the filter was in place (6)";
   const std::string warned = ReadText(stderr_file);
   EXPECT_EQ(Count(warned, "cannot write"), 0u) << warned;
   EXPECT_EQ(Count(warned, "written and renamed into place, but it may not survive a crash"), 1u) << warned;
@@ -1424,12 +1453,10 @@ TEST(DecodedCache, LockFilesNoOneHoldsAreRemovedAtTheNextWrite) {
     ::_exit(7);
   }
   ::close(decoding[1]);
-  char c;
-  const bool started = ::read(decoding[0], &c, 1) == 1;
+  const bool started = ReadByteWithin(decoding[0], kHandshakeDeadline);
   ::close(decoding[0]);
   ::kill(pid, SIGKILL);
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const int status = WaitChild(pid, kChildDeadline);
   ASSERT_TRUE(started) << "the child did not start decoding (exit status " << status << ")";
   const auto left = Entries(cache_dir);
   ASSERT_EQ(left.size(), 1u);
@@ -1693,8 +1720,7 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheDecodeIsMappedNotReplaced)
   ASSERT_GT(slow, 0);
   ::close(started[1]);
   ::close(go[0]);
-  char c;
-  const bool decoding = ::read(started[0], &c, 1) == 1;
+  const bool decoding = ReadByteWithin(started[0], kHandshakeDeadline);
   ::close(started[0]);
   int fast = -1;
   if (decoding) {
@@ -1745,8 +1771,7 @@ void ExpectAnEntryWrittenDuringTheWriteIsMappedNotReplaced(const std::string& di
   ASSERT_GT(slow, 0);
   ::close(started[1]);
   ::close(go[0]);
-  char c;
-  const bool writing = ::read(started[0], &c, 1) == 1;
+  const bool writing = ReadByteWithin(started[0], kHandshakeDeadline);
   ::close(started[0]);
   int fast = -1;
   if (writing) {
@@ -1916,8 +1941,7 @@ TEST(DecodedCache, AnEntryAnotherProcessHasMappedIsNotEvicted) {
   }
   ::close(holding[1]);
   ::close(done[0]);
-  char c;
-  const bool held = ::read(holding[0], &c, 1) == 1;
+  const bool held = ReadByteWithin(holding[0], kHandshakeDeadline);
   ::close(holding[0]);
   const ScopedEnv tiny("DDP_DATA_CACHE_MAX_BYTES", "0");  // each write evicts every entry it may
   CountingDecode labels{dir + "/labels"};

@@ -33,6 +33,7 @@ using testing::ErrorWithinAddressSpace;
 using testing::FreshDir;
 using testing::Gzip;
 using testing::IdxBytes;
+using testing::WaitChild;
 using testing::WriteFile;
 
 // Runs `f`, expects a DatasetError and returns its message.
@@ -649,8 +650,8 @@ TEST(IdxFileTruncatedWhileRead, GivesAnErrorOrTheWholeFileNeverASignal) {
     truncator.join();
     ::_exit(wrong == 0 ? 0 : 1);
   }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  // The child reads for 2 s; killed past 30 s (the test fails so).
+  const int status = WaitChild(pid, std::chrono::seconds(30));
   ASSERT_FALSE(WIFSIGNALED(status)) << "the reader died of signal " << WTERMSIG(status)
                                     << " (" << ::strsignal(WTERMSIG(status)) << ")";
   ASSERT_TRUE(WIFEXITED(status));

@@ -2,7 +2,7 @@
 #define DDP_NN_DATA_TEST_FILES_H_
 
 // Test helpers: write crafted dataset files into a fresh folder under
-// TEST_TMPDIR.
+// TEST_TMPDIR, and wait for forked children with a deadline.
 
 #include <poll.h>
 #include <sys/resource.h>
@@ -11,6 +11,10 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -20,6 +24,7 @@
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace ddp::nn::data::testing {
@@ -77,6 +82,64 @@ inline void WriteZeroIdx(const std::string& path, const std::vector<uint32_t>& d
   size_t count = 1;
   for (uint32_t d : dims) count *= d;
   WriteFile(path, IdxBytes(dims, std::string(count, '\0')));
+}
+
+/// Waits for child `pid` to end, until `until`, and returns its wait status.
+/// A child still running then is killed (SIGKILL), reaped, and the test
+/// fails naming it, so that a blocked child fails the test in bounded time
+/// instead of holding the whole binary until Bazel's timeout; the status
+/// returned is then that of the kill. Returns -1 (neither an exit nor a
+/// signal), the test failed, when there is no such child to wait for.
+inline int WaitChild(pid_t pid, std::chrono::steady_clock::time_point until) {
+  if (pid <= 0) {
+    ADD_FAILURE() << "no child to wait for (pid " << pid << ")";
+    return -1;
+  }
+  for (;;) {
+    int status = 0;
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return status;
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      ADD_FAILURE() << "waitpid(" << pid << "): " << std::strerror(errno);
+      return -1;
+    }
+    if (std::chrono::steady_clock::now() >= until) {
+      ADD_FAILURE() << "child " << pid << " was still running at its deadline; killed";
+      ::kill(pid, SIGKILL);  // still unreaped, so still this process's child
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      return status;
+    }
+    // No wait with a timeout exists for a child: look again in 1 ms.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+/// WaitChild for up to `timeout` from now.
+inline int WaitChild(pid_t pid, std::chrono::milliseconds timeout) {
+  return WaitChild(pid, std::chrono::steady_clock::now() + timeout);
+}
+
+/// Reads one byte from `fd` (a child's handshake pipe), waiting at most
+/// `timeout` for it. False when none came by then, or at end of file (the
+/// child closed its end, or died, without writing) or on an error; the
+/// caller's assertion names what it waited for.
+inline bool ReadByteWithin(int fd, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now()).count();
+    pollfd p{fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(left, 0)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return false;
+    char c;
+    ssize_t n;
+    while ((n = ::read(fd, &c, 1)) < 0 && errno == EINTR) {
+    }
+    return n == 1;
+  }
 }
 
 /// Runs `f` in a child process whose address space may grow by at most
