@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <set>
+#include <string>
 #include <system_error>
 #include <thread>
 
@@ -17,6 +19,39 @@ namespace ddp::nn::data {
 namespace {
 
 using ::testing::HasSubstr;
+
+// Captures stderr from construction until Take(). gtest allows one capture
+// at a time and aborts the binary at a second, so a capture that an ASSERT
+// or an exception left open is ended by the destructor, which passes on
+// what it caught.
+class StderrCapture {
+ public:
+  StderrCapture() { ::testing::internal::CaptureStderr(); }
+  ~StderrCapture() {
+    if (open_) std::fputs(::testing::internal::GetCapturedStderr().c_str(), stderr);
+  }
+  StderrCapture(const StderrCapture&) = delete;
+  StderrCapture& operator=(const StderrCapture&) = delete;
+
+  /// Ends the capture and returns what stderr received.
+  std::string Take() {
+    open_ = false;
+    return ::testing::internal::GetCapturedStderr();
+  }
+
+ private:
+  bool open_ = true;
+};
+
+// Waits until done() holds, up to 20 s; returns whether it held.
+template <typename F>
+bool WaitFor(F done) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!done() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return done();
+}
 
 std::shared_ptr<const InMemoryImageDataset> FashionTest() {
   static auto ds = LoadFashionMnist(kFashionMnistDebianDir, Split::kTest);
@@ -298,29 +333,31 @@ class StuckAndSlowDataset : public Dataset {
   int64_t NumClasses() const override { return 2; }
   void Get(int64_t index, uint8_t* pixels) const override {
     if (index == 5) std::this_thread::sleep_for(std::chrono::seconds(30));  // batch 0: stuck
-    if (index == 15) {  // batch 1: slow, finishes
+    if (index == 15) {  // batch 1: slow but healthy, still being built at the loader's destruction
       slow_started = true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      slow_finished = true;
     }
     for (int i = 0; i < 4; ++i) pixels[i] = static_cast<uint8_t>(index);
   }
   int64_t Label(int64_t index) const override { return index % 2; }
   std::string Name() const override { return "stuck-and-slow"; }
-  mutable std::atomic<bool> slow_started{false};
+  mutable std::atomic<bool> slow_started{false}, slow_finished{false};
 };
 
 TEST(DataLoader, DestructionAfterATimeoutWaitsForTheHealthyWorkers) {
   auto ds = std::make_shared<StuckAndSlowDataset>();
-  ::testing::internal::CaptureStderr();
+  StderrCapture capture;
   {
     DataLoader loader(ds, nullptr, {},
                       {.batch_size = 10, .num_workers = 2, .prefetch_factor = 1,
                        .timeout = std::chrono::milliseconds(300)});
     loader.StartEpoch(0);
+    ASSERT_TRUE(WaitFor([&] { return ds->slow_started.load(); })) << "premise: the second worker is in batch 1";
     EXPECT_THROW(loader.Next(), std::runtime_error);
-    ASSERT_TRUE(ds->slow_started) << "premise: the second worker is in batch 1";
+    ASSERT_FALSE(ds->slow_finished) << "premise: the second worker is still in batch 1 at the destruction";
   }
-  const std::string warned = ::testing::internal::GetCapturedStderr();
+  const std::string warned = capture.Take();
   EXPECT_THAT(warned, HasSubstr("1 of its workers are still building a batch")) << warned;
 }
 
@@ -330,7 +367,7 @@ TEST(DataLoader, DestructionAfterATimeoutWaitsForTheHealthyWorkers) {
 // made the loader forget the overdue batch, and it waited 10 s).
 TEST(DataLoader, ABatchDeliveredAfterATimeoutDoesNotRestoreTheStuckWorkersGrace) {
   auto ds = std::make_shared<FaultyDataset>(5, std::chrono::milliseconds(30000));
-  ::testing::internal::CaptureStderr();
+  StderrCapture capture;
   const auto start = std::chrono::steady_clock::now();
   {
     DataLoader loader(ds, nullptr, {},
@@ -344,7 +381,7 @@ TEST(DataLoader, ABatchDeliveredAfterATimeoutDoesNotRestoreTheStuckWorkersGrace)
     EXPECT_EQ(b->index, 1);
   }
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const std::string warned = ::testing::internal::GetCapturedStderr();
+  const std::string warned = capture.Take();
   EXPECT_LT(took, 2.0) << "the destructor gave the stuck worker its full shutdown grace";
   EXPECT_THAT(warned, HasSubstr("1 of its workers are still building a batch from faulty")) << warned;
 }
@@ -379,15 +416,6 @@ class GatedDataset : public Dataset {
   std::atomic<bool> release{false};
 };
 
-template <typename F>
-bool WaitFor(F done) {
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!done() && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return done();
-}
-
 // Next() times out on a batch no worker has claimed yet (the only worker is
 // still on the abandoned epoch's batch): the worker that takes it later is
 // healthy, and the destructor waits its shutdown grace for it and joins it
@@ -395,7 +423,7 @@ bool WaitFor(F done) {
 // inherited the mark was detached after 100 ms as "stuck in the dataset").
 TEST(DataLoader, TimeoutOnAnUnclaimedBatchDoesNotMarkItsLaterWorkerStuck) {
   auto ds = std::make_shared<GatedDataset>();
-  ::testing::internal::CaptureStderr();
+  StderrCapture capture;
   {
     DataLoader loader(ds, nullptr, {},
                       {.batch_size = 10, .num_workers = 1, .timeout = std::chrono::milliseconds(200),
@@ -407,7 +435,7 @@ TEST(DataLoader, TimeoutOnAnUnclaimedBatchDoesNotMarkItsLaterWorkerStuck) {
     ds->release = true;
     ASSERT_TRUE(WaitFor([&] { return ds->slow_started.load(); })) << "the worker never took epoch 1's batch 0";
   }
-  const std::string warned = ::testing::internal::GetCapturedStderr();
+  const std::string warned = capture.Take();
   EXPECT_EQ(ds.use_count(), 1) << "a worker still holds the dataset: it was not joined";
   EXPECT_THAT(warned, ::testing::Not(HasSubstr("still building a batch"))) << warned;
 }
