@@ -19,6 +19,7 @@
 #include <dirent.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,6 +31,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -360,8 +362,7 @@ int64_t GenerationOnDisk(const std::string& path) {
   }
 }
 
-pid_t WaitForPid(const std::string& file, std::chrono::milliseconds timeout) {
-  const auto until = std::chrono::steady_clock::now() + timeout;
+pid_t WaitForPid(const std::string& file, std::chrono::steady_clock::time_point until) {
   while (std::chrono::steady_clock::now() < until) {
     pid_t pid = 0;
     std::ifstream(file) >> pid;
@@ -369,6 +370,40 @@ pid_t WaitForPid(const std::string& file, std::chrono::milliseconds timeout) {
     std::this_thread::sleep_for(2ms);
   }
   return -1;
+}
+
+// The parent of process `pid` as /proc gives it; -1 when there is none.
+pid_t ParentOf(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return -1;
+  // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos) return -1;
+  std::istringstream rest(line.substr(paren + 1));
+  std::string state;
+  pid_t parent = -1;
+  rest >> state >> parent;
+  return rest ? parent : -1;
+}
+
+// Sends SIGKILL to `pid` only while it is a child of this process (a rank
+// of the run under way), never to a process that took the pid after the
+// run reaped the rank: the pidfd pins one process before its parent is
+// looked up, and a signal through it to a process gone since fails.
+// Returns "" when the signal was sent, else why not.
+std::string KillOwnChild(pid_t pid) {
+  const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return "pidfd_open(" + std::to_string(pid) + "): " + std::strerror(errno);
+  std::string why_not;
+  if (const pid_t parent = ParentOf(pid); parent != getpid()) {
+    why_not = "pid " + std::to_string(pid) + " is no child of this process (its parent: " +
+              std::to_string(parent) + ")";
+  } else if (syscall(SYS_pidfd_send_signal, fd, SIGKILL, nullptr, 0) != 0) {
+    why_not = "pidfd_send_signal(" + std::to_string(pid) + "): " + std::strerror(errno);
+  }
+  close(fd);
+  return why_not;
 }
 
 TEST(CheckpointKill, KillRanksInALoopDuringDdpSaves) {
@@ -385,28 +420,37 @@ TEST(CheckpointKill, KillRanksInALoopDuringDdpSaves) {
   for (int round = 0; round < kRounds; ++round) {
     const int victim = round % 2;  // the writer, then the other rank
     for (int r = 0; r < 2; ++r) std::remove((dir + "/rank" + std::to_string(r) + ".pid").c_str());
-    std::atomic<bool> killed{false};
+    // Why the victim was not killed ("" once it was); read after the join.
+    std::string not_killed = "the victim's pid file did not come";
     // Size of the temporary file the killed writer was writing, or -1.
     std::atomic<int64_t> temporary_size{-1};
+    // One deadline for all the killer's waits, inside the run's 60 s: past
+    // the run, its ranks are reaped and their pids free for other processes.
+    const auto round_end = std::chrono::steady_clock::now() + 50s;
     std::thread killer([&] {
-      const pid_t pid = WaitForPid(dir + "/rank" + std::to_string(victim) + ".pid", 30s);
+      const pid_t pid = WaitForPid(dir + "/rank" + std::to_string(victim) + ".pid", round_end);
       if (pid <= 0) return;
       // Once this round has saved (setup time varies with the machine's
       // load), saves follow each other; a random delay of a few saves lands
       // the kill anywhere in one of them.
-      const auto until = std::chrono::steady_clock::now() + 30s;
-      while (std::chrono::steady_clock::now() < until && GenerationOnDisk(path) <= last) {
+      while (std::chrono::steady_clock::now() < round_end && GenerationOnDisk(path) <= last) {
         std::this_thread::sleep_for(5ms);
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 300));
       // The writer is killed in the middle of writing a file: once its
       // next temporary file has data (bounded: past that, wherever it is).
+      // Looks every 1 ms, leaving the cores to the two ranks.
       if (victim == 0) {
-        const auto write_until = std::chrono::steady_clock::now() + 10s;
+        const auto write_until = std::min(std::chrono::steady_clock::now() + 10s, round_end);
         while (std::chrono::steady_clock::now() < write_until && TemporarySizeOf(path, pid) <= 0) {
+          std::this_thread::sleep_for(1ms);
         }
       }
-      killed = kill(pid, SIGKILL) == 0;
+      if (std::chrono::steady_clock::now() >= round_end) {
+        not_killed = "the round's 50 s were over before the kill";
+        return;
+      }
+      not_killed = KillOwnChild(pid);
       if (victim == 0) temporary_size = TemporarySizeOf(path, pid);
     });
     lt::TestRunOptions options;
@@ -417,8 +461,7 @@ TEST(CheckpointKill, KillRanksInALoopDuringDdpSaves) {
     auto run = lt::RunTestWorkers("saver", options);
     killer.join();
     ASSERT_TRUE(run.ok()) << run.status();
-    ASSERT_TRUE(killed.load()) << "round " << round << ": the victim was not killed\n"
-                               << run->Summary();
+    ASSERT_EQ(not_killed, "") << "round " << round << ": the victim was not killed\n" << run->Summary();
     EXPECT_EQ(run->ExitCode(victim), 128 + SIGKILL) << run->Summary();
     const int64_t gen = LoadAndCheck(path);
     ASSERT_GE(gen, last) << "round " << round << ": an older checkpoint came back";
