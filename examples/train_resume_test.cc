@@ -438,7 +438,7 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
 // Slow steps (ResNet-18 on the CPU, seconds each): a stop vote one
 // step behind would make the ranks train a whole further step after
 // Ctrl-C, and with the save that can outlast a launcher's grace (ddprun's
-// is 5 s) before its SIGKILL. Past 0.25 s per step every vote is finished
+// is 30 s unless --grace_period says otherwise) before its SIGKILL. Past 0.25 s per step every vote is finished
 // at once, so the ranks stop at the end of the step the signal came in.
 TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
   const std::string dir = testing::MakeTempDir("sigint_slow");

@@ -187,9 +187,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        torchrun's join_timeout)
   --node_timeout=SEC   heartbeat silence after which a node is dead (default 30;
                        node 0's counts: a node given a longer one beats by it)
-  --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 5;
-                       torchrun's --shutdown_timeout, PET_SHUTDOWN_TIMEOUT and
-                       TORCH_ELASTIC_SHUTDOWN_TIMEOUT set it too)
+  --grace_period=SEC   between SIGTERM and SIGKILL when stopping (default 30,
+                       torchrun's; its --shutdown_timeout, PET_SHUTDOWN_TIMEOUT
+                       and TORCH_ELASTIC_SHUTDOWN_TIMEOUT set it too)
   --max_run_time=SEC   stop the workers after this long (default: no limit)
 
   --role=NAME          the workers' ROLE_NAME (default: default)
@@ -1085,8 +1085,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
   // torchrun's launcher takes its shutdown timeout from
   // TORCH_ELASTIC_SHUTDOWN_TIMEOUT when no flag gives it: a job that saves
-  // a checkpoint on SIGTERM sets it to the time the save takes, and was
-  // killed after ddprun's 5 s instead.
+  // a checkpoint on SIGTERM sets it to the time the save takes (this
+  // variable was ignored, and the save killed after the default grace).
   if (auto it = env.find("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"); !grace_given && it != env.end() && !it->second.empty()) {
     const std::optional<milliseconds> v = ParseSeconds(it->second);
     if (!v) {

@@ -123,7 +123,7 @@ struct DdprunOptions {
   /// Waiting for all nodes; 600 s, torchrun's join timeout.
   std::chrono::milliseconds rdzv_timeout{600000};
   std::chrono::milliseconds node_timeout{30000};   ///< Heartbeat silence = dead node.
-  std::chrono::milliseconds grace{5000};           ///< SIGTERM -> SIGKILL.
+  std::chrono::milliseconds grace{30000};          ///< SIGTERM -> SIGKILL; 30 s, torchrun's.
   std::chrono::milliseconds max_run_time{0};       ///< Per attempt; 0: no limit.
   /// Deadline of one bookkeeping call on the store (torchrun's
   /// --rdzv_conf=read_timeout); at most --node_timeout counts.

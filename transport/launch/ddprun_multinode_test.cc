@@ -517,8 +517,8 @@ TEST(DdprunMultinodeTest, LauncherRelaunchedDuringARestartJoinsIt) {
 // Rank 0 ignores SIGTERM: node 0, which declared node 1 dead, opens restart
 // 1 only once rank 0 is gone, after the relaunched launcher looked at which
 // attempt the job is in (the test kills rank 0 once the launcher says what
-// it found there; node 0 itself would after --grace_period, 5 s, which the
-// test waited out).
+// it found there; node 0 itself would after --grace_period, 30 s, which the
+// test would wait out).
 TEST(DdprunMultinodeTest, LauncherRelaunchedWhileTheJobRunsJoinsTheRestart) {
   StatusOr<int> port = testing::PickFreePort();
   ASSERT_TRUE(port.ok()) << port.status();
@@ -676,7 +676,7 @@ TEST(DdprunMultinodeTest, NodesWithOtherFlagsOrAnotherTokenAreRefused) {
       {{"--max_restarts=2", "--rdzv_timeout=5", "--grace_period=7"},
        kToken,
        "ddprun: node 1 was started with --rdzv_conf=last_call_timeout=30 --grace_period=7 " + node0_with +
-           "--rdzv_conf=last_call_timeout=0.5 --grace_period=5; every node needs the same flags"},
+           "--rdzv_conf=last_call_timeout=0.5 --grace_period=30; every node needs the same flags"},
       {{"--max_restarts=2", "--rdzv_timeout=30", "--rdzv_conf=last_call_timeout=0.5"},
        "not-the-token",
        "refused this process's job token"},

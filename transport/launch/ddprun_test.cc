@@ -362,27 +362,27 @@ TEST(DdprunTest, AWorkersExitCodeIsNotPassedThrough) {
 
 // torchrun's --shutdown_timeout (and TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which
 // its launcher reads when no flag is given) is the wait between SIGTERM and
-// SIGKILL: a worker that saves a checkpoint on SIGTERM gets that long. The
-// flag was refused as unknown, and the variable ignored (the save, 6 s,
-// was killed after ddprun's default 5 s).
+// SIGKILL. The flag was refused as unknown, and the variable ignored. Here
+// each gives 1 s, less than rank 1's save on SIGTERM (6 s) and than the
+// default grace (30 s, in which the save would finish): the save is cut
+// short only when the value is used.
 TEST(DdprunTest, TorchrunsShutdownTimeoutIsTheGracePeriod) {
   // Rank 1 saves for 6 s on SIGTERM; rank 0 fails once rank 1 is ready.
   const std::string script =
-      "if [ \"$RANK\" = 1 ]; then trap 'sleep 6; echo saved > \"$1/saved\"; exit 0' TERM; : > \"$1/ready\"; "
-      "while :; do sleep 0.1; done; fi; "
+      "if [ \"$RANK\" = 1 ]; then trap ': > \"$1/saving\"; sleep 6; echo saved > \"$1/saved\"; exit 0' TERM; "
+      ": > \"$1/ready\"; while :; do sleep 0.1; done; fi; "
       "i=0; while [ ! -e \"$1/ready\" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i + 1)); done; exit 1";
-  // The flag's run and the variable's run at once: each waits out a save
-  // longer than the default grace, and one after the other they took 12 s.
+  // The flag's run and the variable's run at once.
   std::unique_ptr<WorkerGroup> groups[2];
   std::string dirs[2];
   for (const bool from_env : {false, true}) {
     const std::string dir = testing::MakeTempDir(from_env ? "ddprun_shutdown_env" : "ddprun_shutdown_flag");
     std::vector<std::string> argv = {Ddprun(), "--standalone", "--nproc_per_node=2"};
-    if (!from_env) argv.push_back("--shutdown-timeout=20");
+    if (!from_env) argv.push_back("--shutdown-timeout=1");
     for (const std::string a : {"/bin/sh", "-c", script.c_str(), "sh"}) argv.push_back(a);
     argv.push_back(dir);
     auto group = testing::StartProgram(argv, from_env ? std::vector<std::pair<std::string, std::string>>{
-                                                            {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "20"}}
+                                                            {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "1"}}
                                                       : std::vector<std::pair<std::string, std::string>>{});
     ASSERT_TRUE(group.ok()) << group.status();
     groups[from_env] = std::move(*group);
@@ -391,10 +391,11 @@ TEST(DdprunTest, TorchrunsShutdownTimeoutIsTheGracePeriod) {
   for (const bool from_env : {false, true}) {
     const std::string& dir = dirs[from_env];
     const auto run = testing::WaitProgram(*groups[from_env], 30s);
-    EXPECT_EQ(run.exit_code, 1) << run.output;
+    const std::string which = from_env ? "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" : "--shutdown-timeout";
+    EXPECT_EQ(run.exit_code, 1) << which << "\n" << run.output;
     EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 0 \\(pid [0-9]+\\) exited with code 1"));
-    EXPECT_EQ(ReadFile(dir + "/saved"), "saved\n") << (from_env ? "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" : "flag")
-                                                   << "\n" << run.output;
+    EXPECT_EQ(access((dir + "/saving").c_str(), F_OK), 0) << which << ": rank 1 got no SIGTERM\n" << run.output;
+    EXPECT_EQ(ReadFile(dir + "/saved"), "") << which << ": the save outlived the grace\n" << run.output;
   }
 }
 
