@@ -576,7 +576,6 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         DDP_ASSIGN_OR_RETURN(o.nproc_per_node, ParseNprocPerNode(text, env));
       } else if (name == "nnodes") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-        o.nnodes_spec = text;
         o.min_nodes = 0;
         if (const size_t colon = text.find(':'); colon != std::string::npos) {
           const std::optional<int64_t> lo = ParsePythonInt(std::string_view(text).substr(0, colon));
@@ -591,6 +590,11 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           value = text;
           DDP_RETURN_IF_ERROR(take_int(1, kMaxNodes, o.nnodes));
         }
+        // The value, not its spelling, is compared with node 0's: "2",
+        // "+2", " 2" and "2:2" are the same fixed count, and a launcher
+        // that spelled it otherwise was refused.
+        o.nnodes_spec = o.min_nodes > 0 ? std::to_string(o.min_nodes) + ":" + std::to_string(o.nnodes)
+                                        : std::to_string(o.nnodes);
       } else if (name == "rdzv_conf") {
         // torchrun's KEY=VALUE,... rendezvous settings. Its keep-alives (a
         // beat every keep_alive_interval, dead after keep_alive_max_attempt

@@ -98,7 +98,9 @@ struct DdprunOptions {
   /// round runs on as many nodes as joined, at least min_nodes, waiting up
   /// to last_call for more once min_nodes are in.
   int min_nodes = 0;             ///< 0: not elastic.
-  std::string nnodes_spec;       ///< --nnodes as given (compared across nodes).
+  /// --nnodes as N, or MIN:MAX when elastic, however it was spelled
+  /// ("+2", "2:2"); compared across nodes. Empty: not given (1).
+  std::string nnodes_spec;
   std::chrono::milliseconds last_call{30000};
   std::string master_addr;       ///< Empty: 127.0.0.1 (one node only).
   int master_port = kDefaultMasterPort;

@@ -861,11 +861,21 @@ TEST(DdprunArgsTest, IntegerFlagsTakeWhatPythonsIntTakes) {
   EXPECT_EQ(o->nnodes, 2);
   EXPECT_EQ(o->node_rank, 1);
   EXPECT_EQ(o->max_restarts, 3);
+  // Compared with node 0's as a value: it was the text, and a node that
+  // spelled the same count otherwise was refused.
+  EXPECT_EQ(o->nnodes_spec, "2");
   o = Parse({"--nnodes=+1: 1_0", "--node-rank=-0", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1", "p"},
             {{"DDP_JOB_TOKEN", "t"}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->min_nodes, 1);
   EXPECT_EQ(o->nnodes, 10);
+  EXPECT_EQ(o->nnodes_spec, "1:10");
+  for (const std::string two : {"+2", "2:2", "0_2: +2"}) {
+    o = Parse({"--nnodes=" + two, "--master_addr=h", "p"}, {{"DDP_JOB_TOKEN", "t"}});
+    ASSERT_TRUE(o.ok()) << two << ": " << o.status();
+    EXPECT_EQ(o->min_nodes, 0) << two;
+    EXPECT_EQ(o->nnodes_spec, "2") << two;
+  }
   o = Parse({"p"}, {{"PET_MASTER_PORT", " 1_234"}, {"PET_MAX_RESTARTS", "+2"}});
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->master_port, 1234);

@@ -650,7 +650,9 @@ TEST(DdprunMultinodeTest, FailureNoticeReachesEveryNodeDespiteAHalfPostedOne) {
 // in how long node 0 may take to form a round, which the others wait for.
 // One node 0 serves all four refusals (each had a node 0 of its own, whose
 // 5 s the test waited out four times): a launcher is refused before it
-// takes a node rank, so the others do not see it.
+// takes a node rank, so the others do not see it. --nnodes spelled
+// otherwise (+2, 2:2: the same 2 nodes) is no difference; it was named as
+// one, and such a node refused.
 TEST(DdprunMultinodeTest, NodesWithOtherFlagsOrAnotherTokenAreRefused) {
   StatusOr<int> port = testing::PickFreePort();
   ASSERT_TRUE(port.ok()) << port.status();
@@ -665,7 +667,7 @@ TEST(DdprunMultinodeTest, NodesWithOtherFlagsOrAnotherTokenAreRefused) {
   };
   const std::string node0_with = "but node 0 with ";
   const std::vector<Refused> refused = {
-      {{"--max_restarts=3", "--rdzv_timeout=30", "--rdzv_conf=last_call_timeout=0.5"},
+      {{"--max_restarts=3", "--rdzv_timeout=30", "--rdzv_conf=last_call_timeout=0.5", "--nnodes=+2"},
        kToken,
        "ddprun: node 1 was started with --max_restarts=3 --rdzv_timeout=30 " + node0_with +
            "--max_restarts=2 --rdzv_timeout=5; every node needs the same flags"},
@@ -673,7 +675,7 @@ TEST(DdprunMultinodeTest, NodesWithOtherFlagsOrAnotherTokenAreRefused) {
        kToken,
        "ddprun: node 1 was started with --rdzv_timeout=30.25 " + node0_with +
            "--rdzv_timeout=5; every node needs the same flags"},
-      {{"--max_restarts=2", "--rdzv_timeout=5", "--grace_period=7"},
+      {{"--max_restarts=2", "--rdzv_timeout=5", "--grace_period=7", "--nnodes=2:2"},
        kToken,
        "ddprun: node 1 was started with --rdzv_conf=last_call_timeout=30 --grace_period=7 " + node0_with +
            "--rdzv_conf=last_call_timeout=0.5 --grace_period=30; every node needs the same flags"},
