@@ -66,11 +66,12 @@ std::optional<int64_t> ParseInt(std::string_view text) {
 
 // The longest time a seconds value may give.
 constexpr int64_t kMostSeconds = 1000000000;
+constexpr milliseconds kMostTime(kMostSeconds * 1000);
 
 // Seconds as digits with an optional fraction ("30", "0.5", ".25", "3."),
 // as milliseconds, to the nearest one; a value above zero is at least 1 ms
-// (0.0004 is not zero). No sign, spaces, exponent or hex: strtod took
-// "0x10" and " 5".
+// (0.0004 is not zero), one above kMostSeconds is kMostTime + 1 ms. No
+// sign, spaces, exponent or hex: strtod took "0x10" and "1e2".
 std::optional<milliseconds> ParseSeconds(std::string_view text) {
   const size_t dot = text.find('.');
   const std::string_view whole = text.substr(0, dot);
@@ -80,16 +81,87 @@ std::optional<milliseconds> ParseSeconds(std::string_view text) {
   };
   if (whole.size() + fraction.size() == 0 || !digits(whole) || !digits(fraction)) return std::nullopt;
   const size_t first = std::min(whole.find_first_not_of('0'), whole.size());
-  if (whole.size() - first > 10) return std::nullopt;  // beyond the limit below
+  if (whole.size() - first > 10) return kMostTime + 1ms;  // beyond the limit below
   int64_t ms = 0;
   for (char c : whole) ms = ms * 10 + (c - '0');
-  if (ms > kMostSeconds) return std::nullopt;
+  if (ms > kMostSeconds) return kMostTime + 1ms;
   ms *= 1000;
   int64_t scale = 100;
   for (size_t k = 0; k < fraction.size() && k < 3; ++k, scale /= 10) ms += (fraction[k] - '0') * scale;
   if (fraction.size() > 3 && fraction[3] >= '5') ++ms;
   if (ms == 0 && fraction.find_first_not_of('0') != std::string_view::npos) ms = 1;
   return milliseconds(ms);
+}
+
+// A time value, as every one of ddprun's is read: torchrun reads its own
+// (--shutdown_timeout, TORCH_ELASTIC_SHUTDOWN_TIMEOUT, --rdzv_conf's
+// timeouts) with Python's int(), so an integer as PythonIntDigits takes it
+// (" 30\n", "+30", "3_0"); wider than torchrun, digits with a fraction
+// (ParseSeconds), with Python's whitespace around them. At most
+// kMostSeconds; not negative, nor zero when `positive`. INVALID_ARGUMENT
+// otherwise, its message to follow the value's name ("is not a number of
+// seconds").
+StatusOr<milliseconds> ParseTorchSeconds(std::string_view text, bool positive) {
+  std::optional<milliseconds> time;
+  if (const std::optional<int64_t> whole = ParsePythonInt(text)) {
+    // Saturated beyond int64 (see ParsePythonInt): no overflow here.
+    if (*whole >= 0) time = *whole > kMostSeconds ? kMostTime + 1ms : milliseconds(*whole * 1000);
+  } else {
+    time = ParseSeconds(StripPythonSpace(text));
+  }
+  if (time && *time > kMostTime) {
+    return InvalidArgumentError("is more than " + std::to_string(kMostSeconds) + " seconds");
+  }
+  if (!time || (positive && time->count() == 0)) {
+    return InvalidArgumentError(std::string("is not a") + (positive ? " positive" : "") + " number of seconds");
+  }
+  return *time;
+}
+
+// Python's float() of a decimal string, as torchrun reads --monitor_interval:
+// Python's whitespace around it, a sign, digits with single underscores
+// between two digits, an optional fraction and exponent ("+0.5", " 5\n",
+// "1e-1", "1_0.5"). nullopt for anything else, and for inf and nan, which
+// are no number of seconds ("0x10", "1__0", ".", "inf").
+std::optional<double> ParsePythonFloat(std::string_view text) {
+  text = StripPythonSpace(text);
+  std::string plain;  // without the underscores, for strtod
+  size_t i = 0;
+  auto sign = [&] {
+    if (i < text.size() && (text[i] == '+' || text[i] == '-')) plain += text[i++];
+  };
+  // Takes the digits at i; returns how many.
+  auto digits = [&] {
+    size_t n = 0;
+    while (i < text.size()) {
+      const bool next_is_digit = i + 1 < text.size() && text[i + 1] >= '0' && text[i + 1] <= '9';
+      if (text[i] >= '0' && text[i] <= '9') {
+        plain += text[i++];
+        ++n;
+      } else if (text[i] == '_' && n > 0 && next_is_digit) {
+        ++i;
+      } else {
+        break;
+      }
+    }
+    return n;
+  };
+  sign();
+  size_t mantissa = digits();
+  if (i < text.size() && text[i] == '.') {
+    plain += text[i++];
+    mantissa += digits();
+  }
+  if (mantissa == 0) return std::nullopt;
+  if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+    plain += text[i++];
+    sign();
+    if (digits() == 0) return std::nullopt;
+  }
+  if (i != text.size()) return std::nullopt;
+  const double v = std::strtod(plain.c_str(), nullptr);
+  if (!std::isfinite(v)) return std::nullopt;  // 1e999
+  return v;
 }
 
 std::string Flag(std::string_view name, std::string_view value) {
@@ -197,7 +269,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        CUDA_VISIBLE_DEVICES (its local rank's entry there, or
                        its local rank), as torchrun's
 
-SEC is a number of seconds, digits with an optional fraction (30, 0.5).
+SEC is a number of seconds: an integer as Python's int() reads it, as torchrun
+reads its times (30, +30, 3_0, spaces around), or digits with a fraction (0.5).
 Dashes and underscores in flag names are interchangeable, and any unique start
 of a name stands for it (--nproc=4), as in torchrun's parser; a flag given
 twice takes its last value there and here (but --rdzv_conf). As under torchrun,
@@ -558,11 +631,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       };
       auto take_seconds = [&](milliseconds& out, bool positive) -> Status {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-        std::optional<milliseconds> v = ParseSeconds(text);
-        if (!v || (positive && v->count() == 0)) {
-          return InvalidArgumentError(Flag(name, text) + " is not a" +
-                                      (positive ? " positive" : "") + " number of seconds");
-        }
+        StatusOr<milliseconds> v = ParseTorchSeconds(text, positive);
+        if (!v.ok()) return InvalidArgumentError(Flag(name, text) + " " + v.status().message());
         out = *v;
         return Status::Ok();
       };
@@ -625,9 +695,13 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
           const size_t eq = item.find('=');
           const std::string key = trimmed(item.substr(0, eq));
           const std::string raw = eq == std::string::npos ? "" : trimmed(item.substr(eq + 1));
-          const std::optional<milliseconds> parsed = eq == std::string::npos ? std::nullopt : ParseSeconds(raw);
-          const milliseconds seconds = parsed.value_or(milliseconds(-1));  // -1: not a time
-          const bool positive = seconds.count() > 0;
+          // The value of a time key, as torchrun's int() (see
+          // ParseTorchSeconds); refused naming the item and the key.
+          auto seconds = [&](bool positive) -> StatusOr<milliseconds> {
+            StatusOr<milliseconds> v = ParseTorchSeconds(raw, positive);
+            if (!v.ok()) return bad_item(item, key + " " + v.status().message());
+            return v;
+          };
           if (key == "keep_alive_max_attempt") {
             // torchrun's get_as_int: int() ("+4", "1_0").
             const std::optional<int64_t> attempts = ParsePythonInt(raw);
@@ -648,21 +722,17 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
               return bad_item(item, "is_host takes true or false (1/0, yes/no)");
             }
           } else if (key == "last_call_timeout") {
-            if (seconds.count() < 0) return bad_item(item, "last_call_timeout takes a number of seconds");
-            o.last_call = seconds;
+            DDP_ASSIGN_OR_RETURN(o.last_call, seconds(/*positive=*/false));
           } else if (key == "join_timeout" || key == "timeout") {
             // timeout: the static and etcd backends' name for the same wait.
-            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-            conf_join_timeout = seconds;
+            DDP_ASSIGN_OR_RETURN(conf_join_timeout, seconds(/*positive=*/true));
             join_timeout_key = key;
             join_timeout_on_command_line = on_command_line;
           } else if (key == "keep_alive_interval") {
-            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-            keep_alive_interval = seconds;
+            DDP_ASSIGN_OR_RETURN(keep_alive_interval, seconds(/*positive=*/true));
           } else if (key == "read_timeout") {
             // torchrun's deadline of one call on the store.
-            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
-            o.store_call_time = seconds;
+            DDP_ASSIGN_OR_RETURN(o.store_call_time, seconds(/*positive=*/true));
           } else if (key == "use_libuv" || key == "store_connect_wait_seconds") {
             // Settings of PyTorch's own TCPStore, which ddprun does not use.
             std::string lower = raw;
@@ -672,14 +742,14 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
                 lower != "n") {
               return bad_item(item, "use_libuv takes true or false (1/0, yes/no)");
             }
-            if (key == "store_connect_wait_seconds" && (!ParseInt(raw) || *ParseInt(raw) < 0)) {
+            if (key == "store_connect_wait_seconds" && ParsePythonInt(raw).value_or(-1) < 0) {
               return bad_item(item, "store_connect_wait_seconds takes a whole number of seconds");
             }
             o.notes.push_back(conf_item(item) +
                               " is ignored: it sets PyTorch's TCPStore, and ddprun's launchers meet in "
                               "a store of their own");
           } else if (key == "close_timeout") {
-            if (!positive) return bad_item(item, key + " takes a positive number of seconds");
+            DDP_RETURN_IF_ERROR(seconds(/*positive=*/true).status());
             o.notes.push_back(conf_item(item) +
                               " is ignored: when the job ends, node 0 tells the waiting launchers "
                               "and keeps the store up for them for up to 10 s");
@@ -697,9 +767,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
       } else if (name == "monitor_interval") {
         // torchrun looks at its workers every so often; ddprun learns of a
         // worker's exit at once (pidfd), so there is nothing to set. Any
-        // number of seconds >= 0 is taken, as torchrun takes any float.
-        milliseconds unused{};
-        DDP_RETURN_IF_ERROR(take_seconds(unused, /*positive=*/false));
+        // finite number of seconds >= 0 is taken, as torchrun's float().
+        DDP_ASSIGN_OR_RETURN(std::string text, take_value());
+        const std::optional<double> interval = ParsePythonFloat(text);
+        if (!interval || *interval < 0) return InvalidArgumentError(Flag(name, text) + " is not a number of seconds");
       } else if (name == "start_method") {
         // Python's ways of starting a worker; ddprun starts every worker with
         // vfork + exec, a fresh process image, so they all come to the same.
@@ -1092,10 +1163,10 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   // a checkpoint on SIGTERM sets it to the time the save takes (this
   // variable was ignored, and the save killed after the default grace).
   if (auto it = env.find("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"); !grace_given && it != env.end() && !it->second.empty()) {
-    const std::optional<milliseconds> v = ParseSeconds(it->second);
-    if (!v) {
-      return InvalidArgumentError("TORCH_ELASTIC_SHUTDOWN_TIMEOUT='" + it->second +
-                                  "' (from the environment) is not a number of seconds");
+    const StatusOr<milliseconds> v = ParseTorchSeconds(it->second, /*positive=*/false);
+    if (!v.ok()) {
+      return InvalidArgumentError("TORCH_ELASTIC_SHUTDOWN_TIMEOUT='" + it->second + "' (from the environment) " +
+                                  v.status().message());
     }
     o.grace = *v;
   }

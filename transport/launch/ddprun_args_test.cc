@@ -265,7 +265,7 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "read_timeout, close_timeout, keep_alive_interval (SEC), keep_alive_max_attempt=N, "
                 "is_host=BOOL, use_libuv=BOOL, store_connect_wait_seconds=N");
   ExpectRefused({"--rdzv_conf=join_timeout=0", "p"},
-                "--rdzv_conf=join_timeout=0: 'join_timeout=0': join_timeout takes a positive number of "
+                "--rdzv_conf=join_timeout=0: 'join_timeout=0': join_timeout is not a positive number of "
                 "seconds");
   // torchrun's keep-alives are the node timeout: interval times attempts,
   // with its defaults (5 s, 3) for the one not given.
@@ -282,7 +282,7 @@ TEST(DdprunArgsTest, TorchrunRendezvousFlags) {
                 "--rdzv_conf=keep_alive_max_attempt=0: 'keep_alive_max_attempt=0': keep_alive_max_attempt "
                 "takes a count from 1 to 1000");
   ExpectRefused({"--rdzv_conf=keep_alive_interval=0", "p"},
-                "--rdzv_conf=keep_alive_interval=0: 'keep_alive_interval=0': keep_alive_interval takes a "
+                "--rdzv_conf=keep_alive_interval=0: 'keep_alive_interval=0': keep_alive_interval is not a "
                 "positive number of seconds");
   // Each within its bounds, the product beyond 1e9 s: refused, not a
   // timeout that overflows and declares every node dead at once.
@@ -624,7 +624,7 @@ TEST(DdprunArgsTest, TorchrunsOtherFlagsAreAccepted) {
   ExpectRefused({"--rdzv_conf=is_host=maybe", "p"},
                 "--rdzv_conf=is_host=maybe: 'is_host=maybe': is_host takes true or false (1/0, yes/no)");
   ExpectRefused({"--rdzv_conf=read_timeout=0", "p"},
-                "--rdzv_conf=read_timeout=0: 'read_timeout=0': read_timeout takes a positive number of "
+                "--rdzv_conf=read_timeout=0: 'read_timeout=0': read_timeout is not a positive number of "
                 "seconds");
 }
 
@@ -891,6 +891,73 @@ TEST(DdprunArgsTest, IntegerFlagsTakeWhatPythonsIntTakes) {
                 "--master_port=99_999_999_999_999_999_999 must be in [0, 65535]");
   ExpectRefused({"--max_restarts=-99999999999999999999", "p"},
                 "--max_restarts=-99999999999999999999 must be in [0, 1000000]");
+}
+
+// torchrun reads its time values with int() (--shutdown_timeout,
+// PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT, --rdzv_conf's
+// timeouts and store_connect_wait_seconds) and --monitor_interval with
+// float(): a sign, underscores and spaces around were refused as "not a
+// number of seconds". ddprun's fractions stay; negative values and those
+// beyond the limit are refused naming the flag, variable or key.
+TEST(DdprunArgsTest, TimeValuesTakeWhatTorchrunsIntAndFloatTake) {
+  StatusOr<DdprunOptions> o =
+      Parse({"--rdzv_conf=join_timeout=+900,read_timeout=6_0,last_call_timeout=\v2\f,keep_alive_interval=+1,"
+             "close_timeout=0_1,store_connect_wait_seconds=+5",
+             "--shutdown_timeout= 4\n", "--monitor_interval=1e-1", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->rdzv_timeout, 900000ms);
+  EXPECT_EQ(o->store_call_time, 60000ms);
+  EXPECT_EQ(o->last_call, 2000ms);
+  EXPECT_EQ(o->node_timeout, 3000ms);  // a beat every 1 s, dead after 3 missed
+  EXPECT_EQ(o->grace, 4000ms);
+  o = Parse({"p"}, {{"PET_SHUTDOWN_TIMEOUT", " 30"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 30000ms);
+  o = Parse({"p"}, {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "1_20"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 120000ms);
+  o = Parse({"--grace_period=-0", "--node_timeout=\t2_5 ", "--max_run_time=+7", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 0ms);
+  EXPECT_EQ(o->node_timeout, 25000ms);
+  EXPECT_EQ(o->max_run_time, 7000ms);
+  // The fractions, with spaces around them too.
+  o = Parse({"--grace_period= 0.5\n", "--rdzv_conf=read_timeout=.25", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->grace, 500ms);
+  EXPECT_EQ(o->store_call_time, 250ms);
+  for (const std::string interval : {"+0.5", " 5\n", "1e-1", "1_0.5", "-0", "5.", ".5E+1_0", "0"}) {
+    o = Parse({"--monitor_interval=" + interval, "p"});
+    EXPECT_TRUE(o.ok()) << "'" << interval << "': " << o.status();
+  }
+
+  for (const std::string bad : {"0x10", "1__0", ".", "inf", "nan", "-1", "1e", "e1", "_1", "1_", "1e999", "- 1", ""}) {
+    ExpectRefused({"--monitor_interval=" + bad, "p"}, "--monitor_interval=" + bad + " is not a number of seconds");
+  }
+  ExpectRefused({"--shutdown_timeout=-5", "p"}, "--shutdown_timeout=-5 is not a number of seconds");
+  ExpectRefused({"--grace_period=1__0", "p"}, "--grace_period=1__0 is not a number of seconds");
+  ExpectRefused({"--rdzv_timeout=-0", "p"}, "--rdzv_timeout=-0 is not a positive number of seconds");
+  ExpectRefused({"--rdzv_timeout=1_000_000_001", "p"}, "--rdzv_timeout=1_000_000_001 is more than 1000000000 seconds");
+  ExpectRefused({"--node_timeout=99999999999999999999", "p"},
+                "--node_timeout=99999999999999999999 is more than 1000000000 seconds");
+  ExpectRefused({"--grace_period=1000000000.5", "p"}, "--grace_period=1000000000.5 is more than 1000000000 seconds");
+  ExpectRefused({"p"}, "PET_SHUTDOWN_TIMEOUT='+-1' (from the environment): --shutdown_timeout=+-1 is not a number "
+                "of seconds", {{"PET_SHUTDOWN_TIMEOUT", "+-1"}});
+  ExpectRefused({"p"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='-1' (from the environment) is not a number of seconds",
+                {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "-1"}});
+  ExpectRefused({"p"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='2000000000' (from the environment) is more than 1000000000 "
+                "seconds", {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "2000000000"}});
+  ExpectRefused({"--rdzv_conf=join_timeout=-0", "p"},
+                "--rdzv_conf=join_timeout=-0: 'join_timeout=-0': join_timeout is not a positive number of seconds");
+  ExpectRefused({"--rdzv_conf=read_timeout=2_000_000_000", "p"},
+                "--rdzv_conf=read_timeout=2_000_000_000: 'read_timeout=2_000_000_000': read_timeout is more than "
+                "1000000000 seconds");
+  ExpectRefused({"--rdzv_conf=last_call_timeout=-1", "p"},
+                "--rdzv_conf=last_call_timeout=-1: 'last_call_timeout=-1': last_call_timeout is not a number of "
+                "seconds");
+  ExpectRefused({"--rdzv_conf=store_connect_wait_seconds=1__0", "p"},
+                "--rdzv_conf=store_connect_wait_seconds=1__0: 'store_connect_wait_seconds=1__0': "
+                "store_connect_wait_seconds takes a whole number of seconds");
 }
 
 // torchrun's --nproc_per_node is int() too before its words (gpu, cpu,
@@ -1164,7 +1231,7 @@ TEST(DdprunArgsTest, RdzvConfTakesSpacesAroundItsItems) {
   EXPECT_EQ(o->store_call_time, 5000ms);
   EXPECT_EQ(o->last_call, 2000ms);
   ExpectRefused({"--rdzv_conf=read_timeout= ", "p"},
-                "--rdzv_conf=read_timeout= : 'read_timeout= ': read_timeout takes a positive number of seconds");
+                "--rdzv_conf=read_timeout= : 'read_timeout= ': read_timeout is not a positive number of seconds");
 }
 
 // Seconds are digits with an optional fraction; a positive value too small
@@ -1181,12 +1248,13 @@ TEST(DdprunArgsTest, SecondsAreDigitsWithAnOptionalFraction) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->grace, 0ms);
   EXPECT_EQ(o->last_call, 1ms);
-  for (const std::string bad : {"0x10", " 5", "5 ", "1e2", "+5", "-1", "inf", "nan", ".", "1.2.3", "5s", ""}) {
+  // (Integers take what Python's int() does: see TimeValuesTakeWhatTorchrunsIntAndFloatTake.)
+  for (const std::string bad : {"0x10", "1e2", "-1", "+0.5", "1_0.5", "inf", "nan", ".", "1.2.3", "5s", ""}) {
     ExpectRefused({"--grace_period=" + bad, "p"}, "--grace_period=" + bad + " is not a number of seconds");
   }
   ExpectRefused({"--rdzv_timeout=0.0", "p"}, "--rdzv_timeout=0.0 is not a positive number of seconds");
   ExpectRefused({"--rdzv_conf=join_timeout=1e3", "p"},
-                "--rdzv_conf=join_timeout=1e3: 'join_timeout=1e3': join_timeout takes a positive number of "
+                "--rdzv_conf=join_timeout=1e3: 'join_timeout=1e3': join_timeout is not a positive number of "
                 "seconds");
 }
 

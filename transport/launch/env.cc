@@ -446,9 +446,14 @@ bool IsPythonSpace(char c) { return (c >= '\t' && c <= '\r') || (c >= '\x1c' && 
 
 }  // namespace
 
-std::optional<std::string> PythonIntDigits(std::string_view text) {
+std::string_view StripPythonSpace(std::string_view text) {
   while (!text.empty() && IsPythonSpace(text.front())) text.remove_prefix(1);
   while (!text.empty() && IsPythonSpace(text.back())) text.remove_suffix(1);
+  return text;
+}
+
+std::optional<std::string> PythonIntDigits(std::string_view text) {
+  text = StripPythonSpace(text);
   std::string digits;
   if (!text.empty() && (text.front() == '+' || text.front() == '-')) {
     if (text.front() == '-') digits = "-";

@@ -160,6 +160,10 @@ StatusOr<LaunchEnv> LaunchEnvFromProcess();
 /// elsewhere.
 std::vector<std::pair<std::string, std::string>> ToEnvironment(const LaunchEnv& env);
 
+/// `text` without the Python whitespace around it (str.strip()'s ASCII
+/// characters: \t\n\v\f\r, \x1c to \x1f and the space).
+std::string_view StripPythonSpace(std::string_view text);
+
 /// `text` as Python's int() reads a base-10 string, which is how torchrun
 /// reads its integer flags, its PET_ switches and its --rdzv_conf counts:
 /// Python whitespace around it, an optional sign, decimal digits with single

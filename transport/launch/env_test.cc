@@ -545,5 +545,12 @@ TEST(PythonIntTest, ReadsWhatPythonsIntReads) {
   EXPECT_EQ(PythonIntDigits(" -1_000 "), "-1000");
 }
 
+TEST(PythonIntTest, StripsWhatPythonsStripStrips) {
+  EXPECT_EQ(StripPythonSpace("\t\n\v\f\r\x1c\x1d\x1e\x1f h:1 \x1f\n"), "h:1");
+  EXPECT_EQ(StripPythonSpace(" a b "), "a b");
+  EXPECT_EQ(StripPythonSpace(" \t"), "");
+  EXPECT_EQ(StripPythonSpace("\x1b" "1\x7f"), "\x1b" "1\x7f");  // not whitespace in Python either
+}
+
 }  // namespace
 }  // namespace ddp::transport::launch
