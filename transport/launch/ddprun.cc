@@ -201,7 +201,8 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
   --rdzv_endpoint=HOST[:PORT]
                        torchrun's spelling of --master_addr and --master_port,
                        and, as under torchrun, wins over them, from
-                       PET_RDZV_ENDPOINT too (c10d's default port 29400;
+                       PET_RDZV_ENDPOINT too (empty: none, as torchrun's
+                       default; c10d's default port 29400;
                        the static backend needs the port, as torchrun's;
                        port 0, any free port, on one node only); with c10d
                        and none, localhost:29400; an IPv6 address goes in
@@ -334,13 +335,15 @@ StatusOr<StreamCodes> ParseStreamCodes(std::string_view name, const std::string&
   return codes;
 }
 
-// "HOST", "HOST:PORT", "[IPV6]" or "[IPV6]:PORT"; port -1 when not given.
-// Port 0 (any free port, torchrun's `localhost:0` for one node) is refused
-// with several nodes by the caller.
-StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& text) {
+// "HOST", "HOST:PORT", "[IPV6]" or "[IPV6]:PORT", with Python's whitespace
+// around it (torchrun strips it); port -1 when not given. Port 0 (any free
+// port, torchrun's `localhost:0` for one node) is refused with several
+// nodes by the caller, and an empty endpoint is no endpoint there.
+StatusOr<std::pair<std::string, int>> ParseEndpoint(const std::string& given) {
   auto bad = [&](const std::string& why) {
-    return InvalidArgumentError(Flag("rdzv_endpoint", text) + ": " + why);
+    return InvalidArgumentError(Flag("rdzv_endpoint", given) + ": " + why);
   };
+  const std::string text(StripPythonSpace(given));
   std::string host = text;
   std::string port_text;
   if (!text.empty() && text[0] == '[') {
@@ -454,14 +457,16 @@ std::string PetVariable(std::string_view flag) {
 // Hands `parse` one "--flag=VALUE" (or "--switch") for each PET_ variable of
 // `env` whose flag is not in `given`, and notes each variable used in
 // `used` ("PET_NNODES='4'"). An empty variable counts as unset. As under
-// torchrun, an endpoint (--rdzv_endpoint or PET_RDZV_ENDPOINT) is used
-// over PET_MASTER_ADDR and PET_MASTER_PORT, and --standalone over all
-// three. (--master_addr and --master_port on the command line do not hold
-// back PET_RDZV_ENDPOINT either: torchrun's variable is the default of its
-// --rdzv_endpoint, which get_rdzv_endpoint prefers to them; the caller
-// notes them as ignored.) A bad value is refused naming the variable.
-Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<std::string>& used,
-                        const std::function<Status(const std::string&)>& parse) {
+// torchrun, an endpoint (a non-blank --rdzv_endpoint, `endpoint_given`,
+// or PET_RDZV_ENDPOINT) is used over PET_MASTER_ADDR and PET_MASTER_PORT,
+// and --standalone over all three; an empty --rdzv_endpoint holds back
+// PET_RDZV_ENDPOINT only. (--master_addr and --master_port on the command
+// line do not hold back PET_RDZV_ENDPOINT either: torchrun's variable is
+// the default of its --rdzv_endpoint, which get_rdzv_endpoint prefers to
+// them; the caller notes them as ignored.) A bad value is refused naming
+// the variable.
+Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, bool endpoint_given,
+                        std::vector<std::string>& used, const std::function<Status(const std::string&)>& parse) {
   auto value_of = [&](std::string_view flag) -> std::string {
     auto it = env.find(PetVariable(flag));
     return it == env.end() ? "" : it->second;
@@ -469,14 +474,14 @@ Status ApplyPetDefaults(const EnvMap& env, const FlagNames& given, std::vector<s
   const bool standalone =
       given.count("standalone") > 0 || ParseSwitchValue(value_of("standalone")).value_or(false);
   const bool endpoint_from_env =
-      !standalone && !value_of("rdzv_endpoint").empty() && given.count("rdzv_endpoint") == 0;
+      !standalone && !StripPythonSpace(value_of("rdzv_endpoint")).empty() && given.count("rdzv_endpoint") == 0;
   for (const PetFlag& flag : kPetFlags) {
     const std::string name = flag.name;
     const std::string value = value_of(name);
     if (value.empty() || given.count(name) > 0) continue;
     if (name == "rdzv_endpoint" && !endpoint_from_env) continue;
     if ((name == "master_addr" || name == "master_port") &&
-        (standalone || endpoint_from_env || given.count("rdzv_endpoint") > 0)) {
+        (standalone || endpoint_from_env || endpoint_given)) {
       continue;
     }
     const std::string shown = PetVariable(name) + "='" + value + "'";
@@ -873,11 +878,17 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         port_name = on_command_line ? "--master_port" : "PET_MASTER_PORT";
       } else if (name == "rdzv_endpoint") {
         DDP_ASSIGN_OR_RETURN(std::string text, take_value());
-        DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
-        endpoint_text = on_command_line ? Flag(name, text) : "PET_RDZV_ENDPOINT='" + text + "'";
-        endpoint_addr = endpoint.first;
-        endpoint_port = endpoint.second;  // -1: none given; the backend decides below
-        endpoint_given = true;
+        // Empty (or blank), it is none, as torchrun's default "" (a
+        // launch line's --rdzv_endpoint="$ENDPOINT" with the variable
+        // unset): --master_addr and --master_port, or c10d's default, name
+        // the store. It was refused as "no host".
+        endpoint_given = !StripPythonSpace(text).empty();
+        if (endpoint_given) {
+          DDP_ASSIGN_OR_RETURN(auto endpoint, ParseEndpoint(text));
+          endpoint_text = on_command_line ? Flag(name, text) : "PET_RDZV_ENDPOINT='" + text + "'";
+          endpoint_addr = endpoint.first;
+          endpoint_port = endpoint.second;  // -1: none given; the backend decides below
+        }
       } else if (name == "rdzv_backend") {
         DDP_ASSIGN_OR_RETURN(o.rdzv_backend, take_value());
         if (o.rdzv_backend != "static" && o.rdzv_backend != "c10d") {
@@ -999,7 +1010,7 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
   };
   DDP_ASSIGN_OR_RETURN(const int program_at, parse_flags(argc, argv, /*on_command_line=*/true));
   if (program_at < 0) return o;
-  DDP_RETURN_IF_ERROR(ApplyPetDefaults(env, given, from_env, [&](const std::string& flag) {
+  DDP_RETURN_IF_ERROR(ApplyPetDefaults(env, given, endpoint_given, from_env, [&](const std::string& flag) {
     const char* const args[] = {"ddprun", flag.c_str()};
     return parse_flags(2, args, /*on_command_line=*/false).status();
   }));

@@ -960,6 +960,59 @@ TEST(DdprunArgsTest, TimeValuesTakeWhatTorchrunsIntAndFloatTake) {
                 "store_connect_wait_seconds takes a whole number of seconds");
 }
 
+// torchrun strips --rdzv_endpoint and takes an empty one for none, its
+// default (the static backend then uses --master_addr and --master_port),
+// as PET_RDZV_ENDPOINT='' was here already. An empty flag was refused as
+// "no host", and spaces around it were kept in the host name.
+TEST(DdprunArgsTest, EmptyRdzvEndpointIsNoneAndSpacesAroundItDoNotCount) {
+  StatusOr<DdprunOptions> o = Parse({"--rdzv_endpoint=", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  EXPECT_EQ(o->master_port, 29500);
+  EXPECT_TRUE(o->notes.empty());
+  o = Parse({"--rdzv_endpoint", " \t", "--master_addr=m", "--master_port=7", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "m");
+  EXPECT_EQ(o->master_port, 7);
+  EXPECT_TRUE(o->notes.empty());  // nothing overridden
+  // The last value wins: an empty one drops the one before it.
+  o = Parse({"--rdzv_endpoint=e:1", "--rdzv_endpoint=", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  EXPECT_EQ(o->master_port, 29500);
+  // c10d without an endpoint: localhost on its default port.
+  o = Parse({"--rdzv_backend=c10d", "--rdzv_endpoint=", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "localhost");
+  EXPECT_EQ(o->master_port, 29400);
+  // The empty flag replaces PET_RDZV_ENDPOINT (the flag's default under
+  // torchrun), not PET_MASTER_ADDR and PET_MASTER_PORT.
+  o = Parse({"--rdzv_endpoint=", "p"},
+            {{"PET_RDZV_ENDPOINT", "e:1"}, {"PET_MASTER_ADDR", "m"}, {"PET_MASTER_PORT", "7"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "m");
+  EXPECT_EQ(o->master_port, 7);
+  o = Parse({"p"}, {{"PET_RDZV_ENDPOINT", " \n"}, {"PET_MASTER_ADDR", "m"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "m");
+  // Spaces around an endpoint do not count.
+  o = Parse({"--rdzv_endpoint= h:1\n", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "h");
+  EXPECT_EQ(o->master_port, 1);
+  o = Parse({"--rdzv_endpoint=\t[::1]:5 ", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "::1");
+  EXPECT_EQ(o->master_port, 5);
+  o = Parse({"--rdzv_backend=c10d", "--rdzv_endpoint= h ", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->master_addr, "h");
+  EXPECT_EQ(o->master_port, 29400);
+  ExpectRefused({"--rdzv_endpoint= :1", "p"}, "--rdzv_endpoint= :1: no host");
+  ExpectRefused({"p"}, "PET_RDZV_ENDPOINT=' h: ' (from the environment): --rdzv_endpoint= h: : empty port",
+                {{"PET_RDZV_ENDPOINT", " h: "}});
+}
+
 // torchrun's --nproc_per_node is int() too before its words (gpu, cpu,
 // auto): "+2" and "1_0" were refused as "not an integer, gpu, cpu or auto".
 TEST(DdprunArgsTest, NprocPerNodeTakesWhatPythonsIntTakes) {
