@@ -4,10 +4,15 @@
 // The checks every all-reduce algorithm's test runs, over N threads on the
 // loopback: results against closed forms for many world sizes, counts,
 // dtypes and ops, in-place and out-of-place; and the failure behaviour
-// (mismatched counts, a dead rank, a deadline, bad arguments).
+// (mismatched counts, a dead rank, a deadline, bad arguments); and the
+// endpoints and counters tests use to order ranks by what they observed
+// rather than by sleeps.
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -131,6 +136,46 @@ class WaitObservingEndpoint : public p2p::PointToPoint {
 
  private:
   p2p::PointToPoint& inner_;
+};
+
+/// Counts arrivals at a point (ranks past it, waits entered), for tests
+/// that hold a rank back until others have got somewhere. Thread-safe.
+class Arrivals {
+ public:
+  void Arrive() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++arrived_;
+    cv_.notify_all();
+  }
+  /// True once there have been `n` arrivals; false if `within` passed first.
+  bool AwaitAtLeast(int n, std::chrono::milliseconds within = std::chrono::seconds(20)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, within, [&] { return arrived_ >= n; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+};
+
+/// An endpoint that counts in `waits` the waits its rank enters, or
+/// (`returns`) those it comes back from, and passes every call on.
+class WaitCountingEndpoint final : public WaitObservingEndpoint {
+ public:
+  WaitCountingEndpoint(p2p::PointToPoint& inner, Arrivals& waits, bool returns = false)
+      : WaitObservingEndpoint(inner), waits_(waits), returns_(returns) {}
+
+ private:
+  void BeforeWait() override {
+    if (!returns_) waits_.Arrive();
+  }
+  void AfterWait() override {
+    if (returns_) waits_.Arrive();
+  }
+
+  Arrivals& waits_;
+  bool returns_;
 };
 
 }  // namespace ddp::transport::algorithms::testing

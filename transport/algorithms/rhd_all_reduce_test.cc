@@ -5,7 +5,6 @@
 #include <cstring>
 #include <functional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -157,29 +156,51 @@ TEST(RhdAllReduceTest, MismatchedCountsFailOnEveryRank) {
   }
 }
 
-// Runs `fn` on `world` ranks, nobody killed, every rank passing 64 floats
-// but rank `odd`, which passes 65 and enters 300 ms after the others, so
-// that they are all inside the call when its messages come.
-std::vector<Status> RunWithALateOddCount(const AllReduceFn& fn, int world, int odd) {
+// Runs `call` on `world` loopback ranks that are not killed on an error,
+// rank `odd` entering only once every other rank has entered a wait inside
+// the call (up to 20 s), so that they are all inside it when its messages
+// come (a rank that entered after its neighbours had returned would get no
+// note from them: they withdraw it); `call` learns whether it is the odd
+// rank.
+std::vector<Status> RunWithALateOddRank(int world, int odd,
+                                        const std::function<Status(p2p::PointToPoint&, bool)>& call) {
   ::ddp::transport::testing::HarnessOptions options;
   options.kill_on_error = false;
-  const Deadline deadline = DeadlineIn(std::chrono::seconds(6));
+  std::vector<testing::Arrivals> waited(world);  // the waits each rank entered
   return transport::testing::RunRanks(
       world,
       [&](p2p::PointToPoint& p2p) -> Status {
-        if (p2p.rank() == odd) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-        std::vector<float> data(65, 1.0f);
-        CollectiveArgs args;
-        args.send = data.data();
-        args.recv = data.data();
-        args.count = p2p.rank() == odd ? 65 : 64;
-        args.dtype = DataType::kF32;
-        args.op = ReduceOp::kSum;
-        args.tag = CollectiveTag(7);
-        args.deadline = deadline;
-        return fn(p2p, args);
+        const int r = p2p.rank();
+        if (r != odd) {
+          testing::WaitCountingEndpoint counting(p2p, waited[r]);
+          return call(counting, false);
+        }
+        for (int other = 0; other < world; ++other) {
+          if (other != odd && !waited[other].AwaitAtLeast(1)) {
+            return TimedOutError("rank " + std::to_string(other) + " did not wait inside the call within 20 s");
+          }
+        }
+        return call(p2p, true);
       },
       options);
+}
+
+// RunWithALateOddRank with `fn`, every rank passing 64 floats but rank
+// `odd`, which passes 65.
+std::vector<Status> RunWithALateOddCount(const AllReduceFn& fn, int world, int odd) {
+  const Deadline deadline = DeadlineIn(std::chrono::seconds(6));
+  return RunWithALateOddRank(world, odd, [&](p2p::PointToPoint& p2p, bool is_odd) {
+    std::vector<float> data(65, 1.0f);
+    CollectiveArgs args;
+    args.send = data.data();
+    args.recv = data.data();
+    args.count = is_odd ? 65 : 64;
+    args.dtype = DataType::kF32;
+    args.op = ReduceOp::kSum;
+    args.tag = CollectiveTag(7);
+    args.deadline = deadline;
+    return fn(p2p, args);
+  });
 }
 
 // Every rank failed with kInvalidArgument naming what rank `odd` passed
@@ -201,24 +222,6 @@ void ExpectEveryRankNamesBoth(const std::vector<Status>& statuses, int odd, cons
 // that rank's data first and failed on its size ("message size mismatch:
 // rank 5 sent 260 bytes but rank 4 expected 256"), and the ranks its note
 // reached learnt only their own count.
-// Runs `call` on `world` loopback ranks that are not killed on an error,
-// rank `odd` entering `late` after the others (so that they are inside
-// the call when its messages come); `call` learns whether it is the odd
-// rank.
-std::vector<Status> RunWithALateOddRank(int world, int odd, std::chrono::milliseconds late,
-                                        const std::function<Status(p2p::PointToPoint&, bool)>& call) {
-  ::ddp::transport::testing::HarnessOptions options;
-  options.kill_on_error = false;
-  return transport::testing::RunRanks(
-      world,
-      [&](p2p::PointToPoint& p2p) -> Status {
-        const bool is_odd = p2p.rank() == odd;
-        if (is_odd) std::this_thread::sleep_for(late);
-        return call(p2p, is_odd);
-      },
-      options);
-}
-
 TEST(RhdAllReduceTest, EveryRankNamesBothCountsOfADisagreement) {
   const std::pair<const char*, const AllReduceFn*> modes[] = {{"doubling", &kDoubling},
                                                               {"halving", &kHalving}};
@@ -322,7 +325,7 @@ TEST(RhdAllReduceTest, DoublingNamesAPartnerThatPassedAnotherDtypeOrOp) {
                                  " passes " + o.passed;
         const Deadline deadline = DeadlineIn(std::chrono::seconds(6));
         const std::vector<Status> statuses = RunWithALateOddRank(
-            world, odd, std::chrono::milliseconds(300), [&](p2p::PointToPoint& p2p, bool is_odd) {
+            world, odd, [&](p2p::PointToPoint& p2p, bool is_odd) {
               std::vector<float> data(64, 1.0f);
               CollectiveArgs args;
               args.send = data.data();
@@ -354,7 +357,7 @@ TEST(RhdAllReduceTest, RanksOnBothSidesOfTheDoublingSizeFailNamingBothCounts) {
           std::to_string(world) + " ranks, rank " + std::to_string(odd) + " passes count 2049";
       const auto start = std::chrono::steady_clock::now();
       const std::vector<Status> statuses = RunWithALateOddRank(
-          world, odd, std::chrono::milliseconds(100), [&](p2p::PointToPoint& p2p, bool is_odd) {
+          world, odd, [&](p2p::PointToPoint& p2p, bool is_odd) {
             std::vector<float> data(2049, 1.0f);
             CollectiveArgs args;
             args.send = data.data();
@@ -391,7 +394,7 @@ TEST(RhdAllReduceTest, RanksInDifferentModesFailAtOnceNamingBoth) {
                                              : " doubles, the others halve");
         const auto start = std::chrono::steady_clock::now();
         const std::vector<Status> statuses = RunWithALateOddRank(
-            world, odd, std::chrono::milliseconds(100), [&](p2p::PointToPoint& p2p, bool is_odd) {
+            world, odd, [&](p2p::PointToPoint& p2p, bool is_odd) {
               std::vector<float> data(64, 1.0f);
               CollectiveArgs args;
               args.send = data.data();
@@ -423,7 +426,9 @@ TEST(RhdAllReduceTest, RanksInDifferentModesFailAtOnceNamingBoth) {
 // checks agree (0 and 6 halve as it does; rank 3, its step partner, never
 // sends it a fingerprint message), and the note named it as the rank that
 // differs, so rank 6 did not pass it on: rank 1, and its folded partner 0,
-// waited for their deadline. Rank 4 enters after its partner 5 has
+// waited for their deadline. Rank 1 enters once 0, 2, 3, 5 and 6 are
+// inside the call (a rank that enters after its neighbours have returned
+// gets no note: they withdraw it). Rank 4 enters after its partner 5 has
 // returned and withdrawn its note, and waits for its shorter deadline (a
 // bare algorithm has no abort to tell a late rank).
 TEST(RhdAllReduceTest, ANoteReachesTheRankItNamesWhenThatRanksChecksAgree) {
@@ -431,15 +436,20 @@ TEST(RhdAllReduceTest, ANoteReachesTheRankItNamesWhenThatRanksChecksAgree) {
   ::ddp::transport::testing::HarnessOptions options;
   options.kill_on_error = false;
   std::vector<std::chrono::steady_clock::duration> took(kWorld);
+  std::vector<testing::Arrivals> waited(kWorld);  // the waits each rank entered
+  testing::Arrivals rank5_returned;
   const std::vector<Status> statuses = transport::testing::RunRanks(
       kWorld,
       [&](p2p::PointToPoint& p2p) -> Status {
         const int r = p2p.rank();
-        // Rank 1 late, so that the others are inside when rank 3 finds it
-        // (a rank that enters after its neighbours have returned gets no
-        // note: they withdraw it); rank 4 later still.
-        if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        if (r == 4) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        if (r == 1) {
+          for (int other : {0, 2, 3, 5, 6}) {
+            if (!waited[other].AwaitAtLeast(1)) {
+              return TimedOutError("rank " + std::to_string(other) + " did not wait inside the call within 20 s");
+            }
+          }
+        }
+        if (r == 4 && !rank5_returned.AwaitAtLeast(1)) return TimedOutError("rank 5 did not return within 20 s");
         const auto start = std::chrono::steady_clock::now();
         std::vector<float> data(64, 1.0f);
         CollectiveArgs args;
@@ -449,8 +459,10 @@ TEST(RhdAllReduceTest, ANoteReachesTheRankItNamesWhenThatRanksChecksAgree) {
         args.deadline = DeadlineIn(std::chrono::seconds(r == 4 ? 1 : 10));
         // 1: halving-doubling for 256 B; 0: the default, doubling.
         args.tuning.rhd_doubling_bytes = r == 2 || r == 3 || r == 4 ? 0 : 1;
-        Status status = RhdAllReduce(p2p, args);
+        testing::WaitCountingEndpoint counting(p2p, waited[r]);
+        Status status = RhdAllReduce(counting, args);
         took[r] = std::chrono::steady_clock::now() - start;
+        if (r == 5) rank5_returned.Arrive();
         return status;
       },
       options);
@@ -467,10 +479,12 @@ TEST(RhdAllReduceTest, ANoteReachesTheRankItNamesWhenThatRanksChecksAgree) {
 // that data is used. On 4 ranks, rank 1 passes i32 (or max) among f32 sums
 // and rank 0 is its first partner; rank 1 is not rank 0's ring predecessor
 // (rank 3), so rank 0 has no fingerprint of rank 1 but the one in front of
-// its data. Rank 1 enters 300 ms late and rank 3 600 ms late, so rank 1's
-// data is in rank 0's buffer before rank 0 has its predecessor's
-// fingerprint, and before any stop note can exist (rank 3 would pass it
-// on): rank 0 must find the disagreement in that data itself.
+// its data. Rank 1 enters once ranks 0 and 2 wait inside the call (for
+// their ring predecessors' fingerprints), and rank 3 only once ranks 1 and
+// 2 have failed and returned, so rank 1's data is in rank 0's buffer
+// before rank 0 has its predecessor's fingerprint, and before any stop
+// note can reach it (rank 3 would pass it on): rank 0 must find the
+// disagreement in that data itself.
 TEST(RhdAllReduceTest, DoublingComparesThePartnersFingerprintBeforeItsData) {
   struct Odd {
     DataType dtype;
@@ -483,12 +497,21 @@ TEST(RhdAllReduceTest, DoublingComparesThePartnersFingerprintBeforeItsData) {
     ::ddp::transport::testing::HarnessOptions options;
     options.kill_on_error = false;
     const Deadline deadline = DeadlineIn(std::chrono::seconds(2));
+    std::vector<testing::Arrivals> waited(4);  // the waits each rank entered
+    testing::Arrivals ranks_1_2_returned;
     const std::vector<Status> statuses = transport::testing::RunRanks(
         4,
         [&](p2p::PointToPoint& p2p) -> Status {
-          const bool is_odd = p2p.rank() == 1;
-          if (p2p.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-          if (p2p.rank() == 3) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+          const int r = p2p.rank();
+          const bool is_odd = r == 1;
+          for (int other : {0, 2}) {
+            if (r == 1 && !waited[other].AwaitAtLeast(1)) {
+              return TimedOutError("rank " + std::to_string(other) + " did not wait inside the call within 20 s");
+            }
+          }
+          if (r == 3 && !ranks_1_2_returned.AwaitAtLeast(2)) {
+            return TimedOutError("ranks 1 and 2 did not return within 20 s");
+          }
           std::vector<float> data(64, 1.0f);
           CollectiveArgs args;
           args.send = data.data();
@@ -497,7 +520,10 @@ TEST(RhdAllReduceTest, DoublingComparesThePartnersFingerprintBeforeItsData) {
           args.dtype = is_odd ? o.dtype : DataType::kF32;
           args.op = is_odd ? o.op : ReduceOp::kSum;
           args.deadline = deadline;
-          return kDoubling(p2p, args);
+          testing::WaitCountingEndpoint counting(p2p, waited[r]);
+          Status status = kDoubling(counting, args);
+          if (r == 1 || r == 2) ranks_1_2_returned.Arrive();
+          return status;
         },
         options);
     // Rank 3 enters after ranks 1 and 2 have failed and withdrawn their

@@ -1,8 +1,6 @@
 #include "transport/algorithms/ring_all_reduce.h"
 
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -21,7 +19,9 @@ namespace ddp::transport::algorithms {
 namespace {
 
 using testing::AllReduceCase;
+using testing::Arrivals;
 using testing::CheckAllReduce;
+using testing::WaitCountingEndpoint;
 
 class RingAllReduceWorldTest : public ::testing::TestWithParam<int> {};
 
@@ -105,26 +105,6 @@ TEST(RingAllReduceTest, MismatchInAGroupNamesEachRankByItsRealRank) {
   EXPECT_GT(reported, 0) << "no rank reported the mismatch";
 }
 
-// Counts ranks past a point, for tests that hold a rank back until others
-// have returned. Every wait gives up after 20 s.
-class Arrivals {
- public:
-  void Arrive() {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++arrived_;
-    cv_.notify_all();
-  }
-  bool AwaitAtLeast(int n, std::chrono::milliseconds within = std::chrono::seconds(20)) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, within, [&] { return arrived_ >= n; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int arrived_ = 0;
-};
-
 // Runs `body` on `world` loopback ranks, rank `late` entering only once
 // `before` other ranks have returned from it (up to 20 s). No rank is
 // killed on an error: a killed rank's notices would be dropped. Expects
@@ -175,25 +155,6 @@ TEST(RingAllReduceTest, RankEnteringAfterTheFindersReturnedStillStops) {
         << "rank " << r << ": " << statuses[r];
   }
 }
-
-// An endpoint that counts the waits its rank enters, or (`returns`) those
-// it comes back from, and passes every call on.
-class WaitCountingEndpoint final : public testing::WaitObservingEndpoint {
- public:
-  WaitCountingEndpoint(p2p::PointToPoint& inner, Arrivals& waits, bool returns = false)
-      : WaitObservingEndpoint(inner), waits_(waits), returns_(returns) {}
-
- private:
-  void BeforeWait() override {
-    if (!returns_) waits_.Arrive();
-  }
-  void AfterWait() override {
-    if (returns_) waits_.Arrive();
-  }
-
-  Arrivals& waits_;
-  bool returns_;
-};
 
 // A note left unread by a failed call (its receiver had returned) must not
 // stop a later call at the same tag: it carries the failed call's id.
