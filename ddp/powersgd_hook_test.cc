@@ -382,30 +382,42 @@ double Slowest(ProcessGroup& pg, double seconds) {
 // The gradient is tall, [rows, 64] at rank 64: the fixed-order
 // Gram-Schmidt over P^T [64, rows] and the Q product take a large share
 // of a call, the P product (BLAS) a small one. rows is scaled from a first
-// call toward about a second a call, and rank 1 comes late by the timeout
-// less 0.35 of a call: in time for the P all-reduce, too late for a shared
-// deadline to leave the Q all-reduce any time.
+// call toward about 3 s a call, and rank 1 comes late by the timeout (10
+// s) less 0.35 of a call: in time for the P all-reduce with about 1 s to
+// spare, too late for a shared deadline to leave the Q all-reduce any
+// time. The lateness is counted from rank 0's start, read on rank 0's
+// clock (CLOCK_MONOTONIC, shared by the processes of one host), so that
+// neither how far apart the ranks left the barrier nor a pause of rank 1
+// before its sleep adds to it.
 DDP_TEST_WORKER(late_peer) {
   auto pg = testing::WorkerGroup();
   const int rank = pg->rank();
   const double timeout = std::atof(std::getenv("DDP_TEST_TIMEOUT_MS")) / 1000;
   const PowerSgdOptions options{.matrix_approximation_rank = 64, .start_iteration = 0, .min_compression_rate = 0};
-  // One call, after a barrier, with rank 1 `late` seconds late; its output
-  // and the seconds until its Work completed.
+  // One call, with rank 1 starting `late` seconds after rank 0; its output
+  // and the seconds from this rank's start until its Work completed.
   const auto call = [&](CommHook& hook, const Tensor& param, double late) {
+    using Clock = std::chrono::steady_clock;
     const Tensor buffer = TallGradient(rank, param.size(0)).View({param.numel()});
     GradBucket bucket(0, 1, buffer, {param}, {0});
     pg->Barrier().Wait();
-    if (rank == 1) std::this_thread::sleep_for(std::chrono::duration<double>(late));
-    const auto start = std::chrono::steady_clock::now();
+    // Rank 0 reads its clock before the exchange, so that rank 1's lateness
+    // counts from no later than rank 0's start.
+    const Clock::time_point now = Clock::now();
+    const std::vector<std::string> starts = pg->AllGatherObject(std::to_string(now.time_since_epoch().count()));
+    if (rank == 1) {
+      const Clock::time_point rank0_start{Clock::duration(std::stoll(starts[0]))};
+      std::this_thread::sleep_until(rank0_start + std::chrono::duration_cast<Clock::duration>(
+                                                      std::chrono::duration<double>(late)));
+    }
+    const auto start = Clock::now();
     hook(*pg, bucket).Wait();
-    return std::make_pair(buffer.View(param.shape()),
-                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return std::make_pair(buffer.View(param.shape()), std::chrono::duration<double>(Clock::now() - start).count());
   };
   constexpr int64_t kFirstRows = 4096;
   CommHook sizing = hooks::PowerSgdHook(options);
   const double first = Slowest(*pg, call(sizing, nn::Zeros({kFirstRows, 64}), 0).second);
-  const int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(kFirstRows * 1.2 / first) / 1024 * 1024,
+  const int64_t rows = std::clamp<int64_t>(static_cast<int64_t>(kFirstRows * 3.0 / first) / 1024 * 1024,
                                            kFirstRows, int64_t{1} << 20);
   const Tensor param = nn::Zeros({rows, 64});
   CommHook hook = hooks::PowerSgdHook(options);
@@ -428,7 +440,7 @@ DDP_TEST_WORKER(late_peer) {
 }
 
 TEST(PowerSgdHookTest, EachAllReduceWaitsForALatePeerUpToTheTimeout) {
-  auto run = RunWorkers("late_peer", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}});
+  auto run = RunWorkers("late_peer", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
