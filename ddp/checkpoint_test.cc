@@ -1449,9 +1449,10 @@ DDP_TEST_WORKER(root_works_alone) {
   using std::chrono::milliseconds;
   // Twice the group's timeout.
   auto nap = [](const std::atomic<bool>&) { std::this_thread::sleep_for(milliseconds(2000)); };
-  // 1 s unless asked to stop.
+  // 5 s unless asked to stop: long enough that a root that waits it out
+  // cannot pass for one that stopped at the timeout, whatever the load.
   auto stoppable_nap = [](const std::atomic<bool>& stop) {
-    for (int i = 0; i < 100 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+    for (int i = 0; i < 500 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
   };
   for (int root : {0, 1}) {
     const auto start = std::chrono::steady_clock::now();
@@ -1471,8 +1472,10 @@ DDP_TEST_WORKER(root_works_alone) {
                                                               "the nap failed");
   const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
   WORKER_EXPECT(late == "the nap did not finish within Nap::timeout (300 ms)", late);
-  // Root asked its work to stop at the timeout instead of waiting it out.
-  WORKER_EXPECT(late_took < 0.8, "returned after " + std::to_string(late_took) + " s");
+  // Root asked its work to stop at the timeout instead of waiting it out
+  // (5 s): half of that leaves room for a loaded host and for this rank
+  // having left the previous collective before the others.
+  WORKER_EXPECT(late_took < 2.5, "returned after " + std::to_string(late_took) + " s");
   const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("the nap failed within Nap::timeout (300 ms)") != std::string::npos, next);
   return testing::WorkerExit();
@@ -1599,6 +1602,11 @@ DDP_TEST_WORKER(every_rank_reads) {
   auto read = [slow](const std::atomic<bool>& stop) {
     for (int i = 0; slow && i < 200 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
   };
+  // 5 s on rank 2 unless asked to stop: long enough that a read that goes
+  // on to its end cannot pass for one stopped at the timeout.
+  auto long_read = [slow](const std::atomic<bool>& stop) {
+    for (int i = 0; slow && i < 500 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
+  };
   const auto start = std::chrono::steady_clock::now();
   const std::string outcome = internal::RunOnEveryRankWhileOthersWait(
       *pg, read, milliseconds(20000), milliseconds(1000), "the read", "Read::timeout", "the read failed");
@@ -1615,15 +1623,16 @@ DDP_TEST_WORKER(every_rank_reads) {
   std::string late;
   const auto late_start = std::chrono::steady_clock::now();
   try {
-    internal::RunOnEveryRankWhileOthersWait(*pg, read, milliseconds(300), milliseconds(1000), "the read",
+    internal::RunOnEveryRankWhileOthersWait(*pg, long_read, milliseconds(300), milliseconds(1000), "the read",
                                             "Read::timeout", "the read failed");
   } catch (const std::runtime_error& e) {
     late = e.what();
   }
   const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
   WORKER_EXPECT(late == "the read did not finish on every rank within Read::timeout (300 ms)", late);
-  // Rank 2 asked its read to stop at the timeout instead of waiting it out.
-  WORKER_EXPECT(late_took < 0.8, "returned after " + std::to_string(late_took) + " s");
+  // Rank 2 asked its read to stop at the timeout instead of waiting it out
+  // (5 s): half of that leaves room for a loaded host.
+  WORKER_EXPECT(late_took < 2.5, "returned after " + std::to_string(late_took) + " s");
   const std::string next = NextCollectivesError(*pg);
   WORKER_EXPECT(next.find("the read failed within Read::timeout (300 ms)") != std::string::npos, next);
   return testing::WorkerExit();
