@@ -964,11 +964,15 @@ TEST(ProcessGroupTest, TaskDroppingTheLastReferenceAbortsThePeers) {
 
 // ~ProcessGroup with collectives unfinished waits for them within their own
 // deadlines (group timeout 5 s): rank 0 issues two barriers and destroys
-// its group at once; rank 1 comes to the first after 2.5 s and to the
-// second after 6 s, within the second's deadline (it started when the
-// first ended). Both succeed on both ranks; rank 0 said on stderr what it
-// waited for. (The destructor used to abort after min(timeout, 10 s): 5 s
-// here, so rank 1's second barrier failed.)
+// its group at once; rank 1 comes to the first 2.5 s after that and to the
+// second 3.5 s later, 6 s after it, within the second's deadline (it
+// started when the first ended). Both succeed on both ranks; rank 0 said on
+// stderr what it waited for, 2 s into its wait, with both barriers still
+// unfinished. (The destructor used to abort after min(timeout, 10 s): 5 s
+// here, so rank 1's second barrier failed.) The 2.5 s are counted on rank
+// 0's clock, from its destructor's start (a mark rank 1 waits for), not from
+// each rank's group creation: ranks that came out of it 0.5 s apart on a
+// busy host made the first barrier end before that print.
 DDP_TEST_WORKER(pg_destroyed_with_collectives_unfinished) {
   std::shared_ptr<ProcessGroup> pg = testing::WorkerGroup();
   auto error_of = [](Work& w) {
@@ -982,12 +986,18 @@ DDP_TEST_WORKER(pg_destroyed_with_collectives_unfinished) {
   if (pg->rank() == 0) {
     Work first = pg->Barrier();
     Work second = pg->Barrier();
+    // Lets rank 1 in 2.5 s from now: the destructor's print comes at 2 s.
+    std::thread let_in([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      testing::MarkThisRankDone(0);
+    });
     pg.reset();
+    let_in.join();
     const std::string e1 = error_of(first), e2 = error_of(second);
     WORKER_EXPECT(e1.empty(), "rank 0's first barrier: " + e1);
     WORKER_EXPECT(e2.empty(), "rank 0's second barrier: " + e2);
   } else {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    testing::WaitUntilRanksAreDone(*pg, {0}, std::chrono::seconds(20));
     Work first = pg->Barrier();
     const std::string e1 = error_of(first);
     WORKER_EXPECT(e1.empty(), "rank 1's first barrier: " + e1);
