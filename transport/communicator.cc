@@ -383,6 +383,28 @@ void SetBeforePollGateClosesForTesting(std::function<void()> hook) {
 
 // ---------------------------------------------------------------- Work ----
 
+namespace {
+// The communicator whose call this thread is running with its run_mu_ held
+// (a collective's body, which may run user code: AllReduceThrough's slice
+// function): a receive handle dropped there is cancelled without locking
+// run_mu_ again, and a wait there for that communicator's calls is refused.
+thread_local const void* running_under_run_mu = nullptr;
+
+// Marks the calling thread as holding `impl`'s run_mu_ for its scope.
+class RunningUnderRunMu {
+ public:
+  explicit RunningUnderRunMu(const void* impl) : previous_(running_under_run_mu) {
+    running_under_run_mu = impl;
+  }
+  ~RunningUnderRunMu() { running_under_run_mu = previous_; }
+  RunningUnderRunMu(const RunningUnderRunMu&) = delete;
+  RunningUnderRunMu& operator=(const RunningUnderRunMu&) = delete;
+
+ private:
+  const void* previous_;
+};
+}  // namespace
+
 struct Work::State {
   std::mutex mu;
   std::condition_variable cv;
@@ -400,6 +422,10 @@ struct Work::State {
   // The call, for Wait's timeout ("all-reduce", "receive from rank 1 (tag
   // 7, 32 bytes)"). Set before the state is shared, never changed.
   std::string what;
+  // The communicator's Impl whose run_mu_ the call needs (null for a
+  // handle finished at creation). Set before the state is shared, never
+  // changed.
+  const void* owner = nullptr;
   // A point-to-point call's poll found it failed and released its request
   // (set under the communicator's run_mu_, before that is let go): it
   // finishes the call once it has aborted the communicator, and other
@@ -455,6 +481,30 @@ Status NotFinishedByWaitDeadline(const Work::State& state) {
 }
 }  // namespace
 
+namespace {
+// A Wait or Test of an unfinished call, made on a thread inside a call of
+// the same communicator (AllReduceThrough's slice function): refused at
+// once. A queued collective runs only after the call in flight ends, and a
+// point-to-point poll needs the run_mu_ this thread holds (trying to lock
+// it again is undefined for std::timed_mutex; in practice each poll failed
+// its try and Wait() spun for good). Driving the request from here instead
+// would progress UCX and run health checks in the middle of the outer
+// collective, while the peers wait for this rank's slice: the call is left
+// to go on, and may be waited for once the slice function has returned.
+// Call with state.mu held.
+Status RefuseWaitInsideOwnersCall(const Work::State& state, const char* waiting) {
+  if (state.done || state.owner == nullptr || running_under_run_mu != state.owner) {
+    return Status::Ok();
+  }
+  const std::string what = state.what.empty() ? std::string("call") : state.what;
+  return FailedPreconditionError(
+      std::string(waiting) + " asynchronous " + what +
+      " from inside AllReduceThrough's slice function, which runs inside a call of the same "
+      "communicator and holds it: the call cannot finish before the slice function returns "
+      "(it goes on; wait for it after the slice function)");
+}
+}  // namespace
+
 Status Work::Wait(Deadline deadline) {
   if (state_ == nullptr) return FailedPreconditionError("Wait on an empty Work handle");
   if (fork::InForkedChild()) return InForkedChildStatus(*state_, "waiting for an asynchronous call");
@@ -463,6 +513,7 @@ Status Work::Wait(Deadline deadline) {
     {
       std::unique_lock lock(state_->mu);
       if (state_->done) return state_->status;
+      DDP_RETURN_IF_ERROR(RefuseWaitInsideOwnersCall(*state_, "waiting for"));
       if (!state_->poll) {
         if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done; })) {
           return NotFinishedByWaitDeadline(*state_);
@@ -486,6 +537,7 @@ StatusOr<bool> Work::Test() {
   std::function<void()> poll;
   {
     std::lock_guard lock(state_->mu);
+    DDP_RETURN_IF_ERROR(RefuseWaitInsideOwnersCall(*state_, "testing"));
     poll = state_->poll;
   }
   if (poll) poll();
@@ -1979,28 +2031,6 @@ Status Communicator::Impl::LocalCause(const Status& reason, Deadline deadline) {
   return Status(seen.code(), seen.message() + "; this rank saw it as: " + reason.message());
 }
 
-namespace {
-// The communicator whose call this thread is running with its run_mu_ held
-// (a collective's body, which may run user code: AllReduceThrough's slice
-// function): a receive handle dropped there is cancelled without locking
-// run_mu_ again.
-thread_local const void* running_under_run_mu = nullptr;
-
-// Marks the calling thread as holding `impl`'s run_mu_ for its scope.
-class RunningUnderRunMu {
- public:
-  explicit RunningUnderRunMu(const void* impl) : previous_(running_under_run_mu) {
-    running_under_run_mu = impl;
-  }
-  ~RunningUnderRunMu() { running_under_run_mu = previous_; }
-  RunningUnderRunMu(const RunningUnderRunMu&) = delete;
-  RunningUnderRunMu& operator=(const RunningUnderRunMu&) = delete;
-
- private:
-  const void* previous_;
-};
-}  // namespace
-
 bool Communicator::Impl::InsideCall() const { return running_under_run_mu == this; }
 
 Status Communicator::Impl::CheckNotInsideCall(const std::string& what) const {
@@ -2087,6 +2117,7 @@ Status Communicator::Impl::RunBlocking(const CallOptions& call, const Body& body
 Work Communicator::Impl::Enqueue(const CallOptions& call, std::string what, Body body) {
   auto state = std::make_shared<Work::State>();
   state->what = std::move(what);
+  state->owner = this;
   Work work = Communicator::NewWork(state);
   if (Status forked = fork::CheckNotForkedChild("rank " + std::to_string(options_.rank) +
                                                 ": an asynchronous collective call");
@@ -2727,6 +2758,7 @@ Work Communicator::Impl::PostP2p(bool send, void* data, size_t bytes, int peer, 
   if (!id.ok()) return Communicator::FinishedWork(Abort(id.status(), deadline));
   auto state = std::make_shared<Work::State>();
   state->what = what;
+  state->owner = this;
   std::weak_ptr<Work::State> weak = state;
   if (!send && !blocking) {
     // The last handle of an unfinished receive is gone: nobody will use

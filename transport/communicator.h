@@ -177,9 +177,13 @@ class Work {
   /// Waits until the call finishes; returns its status.
   Status Wait();
   /// Waits until the call finishes or `deadline` passes (TIMED_OUT; the call
-  /// itself keeps running until its own deadline).
+  /// itself keeps running until its own deadline). From inside
+  /// AllReduceThrough's slice function on the call's communicator, where
+  /// the call cannot progress, an unfinished call is FAILED_PRECONDITION at
+  /// once (the call goes on).
   Status Wait(Deadline deadline);
   /// True once finished successfully; the call's error once it failed.
+  /// FAILED_PRECONDITION as Wait from inside the slice function.
   StatusOr<bool> Test();
   /// False for a default-constructed handle.
   bool valid() const { return state_ != nullptr; }
@@ -312,8 +316,11 @@ class Communicator {
   /// call, holding the communicator: a collective, Send, Recv (or their
   /// async forms) or Split it makes on this communicator fails at once with
   /// FAILED_PRECONDITION naming the slice function (it would wait for the
-  /// call it runs in), without aborting; SetBusyThreadsPerRank applies at
-  /// once to the rest of the call. On one host it
+  /// call it runs in), without aborting, and so does Work::Wait or Test on
+  /// an unfinished call of this communicator (queued by any thread, or a
+  /// SendAsync/RecvAsync posted before: it cannot progress until apply
+  /// returns, and goes on); SetBusyThreadsPerRank applies at once to the
+  /// rest of the call. On one host it
   /// runs in the shared-memory engine, one cache-sized piece at a time:
   /// fold, apply and write into the others' recv while the piece is in
   /// cache; two rendezvous. Elsewhere as ReduceScatter and AllGather on

@@ -911,6 +911,114 @@ int ScenarioThroughCallsItsCommunicator() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Ends this worker with a message when the step it was told of has not
+// returned within `limit` of it: a wait that the old code never returned
+// from fails its scenario with that step's name instead of holding the job
+// until RunJob's limit.
+class HangReporter {
+ public:
+  explicit HangReporter(milliseconds limit) : limit_(limit), thread_([this] { Watch(); }) {}
+  ~HangReporter() {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  HangReporter(const HangReporter&) = delete;
+  HangReporter& operator=(const HangReporter&) = delete;
+  void Step(const std::string& step) {
+    {
+      std::lock_guard lock(mu_);
+      step_ = step;
+      since_ = Clock::now();
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Watch() {
+    std::unique_lock lock(mu_);
+    while (!done_) {
+      const auto until = since_ + limit_;
+      if (Clock::now() >= until) {
+        std::printf("HANG: %s did not return within %lld ms\n", step_.c_str(),
+                    static_cast<long long>(limit_.count()));
+        std::fflush(stdout);
+        _exit(3);
+      }
+      cv_.wait_until(lock, until);
+    }
+  }
+  const milliseconds limit_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string step_ = "the scenario's start";
+  Clock::time_point since_ = Clock::now();
+  std::thread thread_;
+};
+
+// Waits, from inside AllReduceThrough's slice function, for calls of the
+// same communicator that cannot finish before the slice function returns:
+// a receive posted before the call (its message comes after it) and an
+// all-reduce that another thread queued while the slice function ran. Each
+// Wait (with no deadline) and Test fails at once with FAILED_PRECONDITION
+// naming the slice function, where the old code's Wait spun for good on
+// the receive (each poll failed to take the mutex its own thread held) and
+// waited for good on the queued call. Neither call is harmed: once the
+// AllReduceThrough (whose result is checked) has returned, both finish.
+int ScenarioThroughWaitsForItsCommunicator() {
+  auto comm = MustCreate();
+  const int me = comm->rank(), peer = 1 - me;
+  HangReporter hang(milliseconds(5000));
+  std::vector<int64_t> out(16, 100 + me), in(16, -1);
+  Work recv = comm->RecvAsync(in.data(), in.size(), DataType::kI64, peer, 9);
+  std::vector<float> data(64, 1.0f + me), reduced(64, 0.0f), x(4, 1.0f + me);
+  Work queued;
+  bool first = true;
+  const Status through = comm->AllReduceThrough(
+      data.data(), reduced.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+      [&](const void* r, void* o, size_t, size_t len) -> Status {
+        if (len > 0) std::memcpy(o, r, len * sizeof(float));
+        if (!first) return Status::Ok();
+        first = false;
+        auto refused = [&](const std::string& what, const std::function<Status()>& inner) {
+          hang.Step(what + " inside the slice function");
+          const auto called = Clock::now();
+          const Status s = inner();
+          const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - called).count();
+          WORKER_CHECK(s.code() == StatusCode::kFailedPrecondition &&
+                           s.message().find("inside AllReduceThrough's slice function") != std::string::npos,
+                       what + ": " + s.ToString());
+          WORKER_CHECK(ms < 500, what + " took " + std::to_string(ms) + " ms");
+        };
+        refused("Wait() for the receive posted before the call", [&] { return recv.Wait(); });
+        refused("Test() of the receive posted before the call", [&] { return recv.Test().status(); });
+        std::thread other([&] {
+          queued = comm->AllReduceAsync(x.data(), x.data(), x.size(), DataType::kF32, ReduceOp::kSum);
+        });
+        other.join();
+        refused("Wait() for the all-reduce another thread queued", [&] { return queued.Wait(); });
+        refused("Test() of the all-reduce another thread queued", [&] { return queued.Test().status(); });
+        return Status::Ok();
+      });
+  hang.Step("the rest of the scenario");
+  WORKER_CHECK(!first, "the slice function never ran");
+  WORKER_CHECK(through.ok(), "AllReduceThrough: " + through.ToString());
+  WORKER_CHECK(reduced == std::vector<float>(64, 3.0f), "AllReduceThrough's result is not 3 everywhere");
+  const Status queued_status = queued.Wait(DeadlineIn(milliseconds(4000)));
+  WORKER_CHECK(queued_status.ok(), "the queued all-reduce: " + queued_status.ToString());
+  WORKER_CHECK(x == std::vector<float>(4, 3.0f), "the queued all-reduce's result is not 3 everywhere");
+  const Status sent = comm->Send(out.data(), out.size(), DataType::kI64, peer, 9);
+  WORKER_CHECK(sent.ok(), "send: " + sent.ToString());
+  const Status received = recv.Wait(DeadlineIn(milliseconds(4000)));
+  WORKER_CHECK(received.ok(), "the receive posted before the call: " + received.ToString());
+  WORKER_CHECK(in == std::vector<int64_t>(16, 100 + peer), "the receive got the wrong values");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // How late rank 1 comes to each all-reduce of the "late" scenario: long
 // against what a loaded machine adds, so the test's bounds can be wide.
 constexpr milliseconds kLateBy(1000);
@@ -2324,6 +2432,7 @@ int RunScenario(const std::string& name) {
   if (name == "through") return ScenarioThrough();
   if (name == "through_bad_queries") return ScenarioThroughBadQueries();
   if (name == "through_calls_its_communicator") return ScenarioThroughCallsItsCommunicator();
+  if (name == "through_waits_for_its_communicator") return ScenarioThroughWaitsForItsCommunicator();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
@@ -2778,6 +2887,18 @@ TEST(Communicator, AllReduceThroughsSliceFunctionCallingItsCommunicatorIsRefused
   for (const char* shm : {"1", "0"}) {
     SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
     Job job = RunJob(2, "through_calls_its_communicator",
+                     {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
+    EXPECT_TRUE(EveryRankPassed(job));
+  }
+}
+
+// Work::Wait() and Test() from inside the slice function, on calls of its
+// communicator that cannot finish before it returns, fail at once instead
+// of hanging; the calls finish afterwards (on one host and over UCX).
+TEST(Communicator, WaitingFromInsideAllReduceThroughsSliceFunctionIsRefusedAtOnce) {
+  for (const char* shm : {"1", "0"}) {
+    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
+    Job job = RunJob(2, "through_waits_for_its_communicator",
                      {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
     EXPECT_TRUE(EveryRankPassed(job));
   }
