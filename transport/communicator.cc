@@ -2146,12 +2146,24 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, std::string what, Body
       if (aborted()) {
         status = aborted_reason();
       } else {
-        std::lock_guard run(run_mu_);
-        CancelDeferred();
-        RunningUnderRunMu holding(this);
+        // The deadline counts from here, and waiting for a blocking call
+        // that another thread runs counts against it: so the call ends by
+        // its own deadline, within the queue_done_by_ that a blocking call
+        // behind it waits for. Had it to give up, this rank would be a
+        // collective behind its peers: as in RunBlocking, it aborts.
         const Deadline deadline = DeadlineIn(timeout);
-        status = aborted() ? aborted_reason() : RunGuarded(body, deadline);
-        if (!status.ok()) status = Abort(status, deadline);
+        std::unique_lock run(run_mu_, std::defer_lock);
+        if (!run.try_lock_until(deadline)) {
+          status = Abort(TimedOutError("asynchronous " + state->what +
+                                       ": the communicator was busy with another thread's call "
+                                       "until this call's deadline"),
+                         deadline);
+        } else {
+          CancelDeferred();
+          RunningUnderRunMu holding(this);
+          status = aborted() ? aborted_reason() : RunGuarded(body, deadline);
+          if (!status.ok()) status = Abort(status, deadline);
+        }
       }
       state->Finish(status);
     });

@@ -41,7 +41,8 @@
 // UCX at once. A call's deadline counts from when it can start: for an
 // async call when it starts running, for a blocking one once the earlier
 // async calls have finished (that wait is bounded by their own deadlines);
-// time spent waiting for another thread's call counts.
+// time spent waiting for another thread's call counts (a queued call held
+// up by one past its deadline fails with TIMED_OUT and aborts).
 
 #include <chrono>
 #include <cstddef>

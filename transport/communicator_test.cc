@@ -1019,6 +1019,61 @@ int ScenarioThroughWaitsForItsCommunicator() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Another thread queues an all-reduce with a 300 ms timeout while this
+// thread's AllReduceThrough holds the communicator (its slice function
+// waits, up to 5 s, for that all-reduce to finish). The queued call gives
+// up at its own deadline with TIMED_OUT naming another thread's call and
+// aborts the communicator (this rank would be a collective behind), so a
+// blocking call after it fails with that reason. The old code's queued
+// call waited for the communicator with no deadline, past the slice
+// function's 5 s, and ran afterwards.
+int ScenarioQueuedCallBehindAnotherThreadsCall() {
+  auto comm = MustCreate();
+  std::vector<float> data(64, 1.0f), reduced(64, 0.0f), x(4, 1.0f);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  Status queued_status;
+  long long queued_ms = -1;
+  bool finished_inside = false;
+  bool first = true;
+  std::thread other;
+  const Status through = comm->AllReduceThrough(
+      data.data(), reduced.data(), data.size(), DataType::kF32, ReduceOp::kSum,
+      [&](const void* r, void* o, size_t, size_t len) -> Status {
+        if (len > 0) std::memcpy(o, r, len * sizeof(float));
+        if (!first) return Status::Ok();
+        first = false;
+        other = std::thread([&] {
+          const auto start = Clock::now();
+          Work queued = comm->AllReduceAsync(x.data(), x.data(), x.size(), DataType::kF32, ReduceOp::kSum,
+                                             {.timeout = milliseconds(300)});
+          const Status s = queued.Wait(DeadlineIn(milliseconds(10000)));
+          std::lock_guard lock(mu);
+          queued_status = s;
+          queued_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+          finished = true;
+          cv.notify_all();
+        });
+        std::unique_lock lock(mu);
+        finished_inside = cv.wait_for(lock, milliseconds(5000), [&] { return finished; });
+        return Status::Ok();
+      });
+  other.join();
+  std::printf("QUEUED rank %d: %s after %lld ms; AllReduceThrough: %s\n", comm->rank(),
+              queued_status.ToString().c_str(), queued_ms, through.ToString().c_str());
+  WORKER_CHECK(!first, "the slice function never ran");
+  WORKER_CHECK(finished_inside, "the queued all-reduce (timeout 300 ms) had not finished 5 s into "
+                                "the other thread's call that held the communicator");
+  WORKER_CHECK(queued_status.code() == StatusCode::kTimedOut &&
+                   queued_status.message().find("busy with another thread's call") != std::string::npos,
+               "the queued all-reduce: " + queued_status.ToString());
+  const Status barrier = comm->Barrier({.timeout = milliseconds(2000)});
+  WORKER_CHECK(!barrier.ok() && barrier.message().find("busy with another thread's call") != std::string::npos,
+               "a barrier after the queued call: " + barrier.ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // How late rank 1 comes to each all-reduce of the "late" scenario: long
 // against what a loaded machine adds, so the test's bounds can be wide.
 constexpr milliseconds kLateBy(1000);
@@ -2433,6 +2488,7 @@ int RunScenario(const std::string& name) {
   if (name == "through_bad_queries") return ScenarioThroughBadQueries();
   if (name == "through_calls_its_communicator") return ScenarioThroughCallsItsCommunicator();
   if (name == "through_waits_for_its_communicator") return ScenarioThroughWaitsForItsCommunicator();
+  if (name == "queued_behind_another_threads_call") return ScenarioQueuedCallBehindAnotherThreadsCall();
   if (name == "sweep") return ScenarioSweep();
   if (name == "loop") return ScenarioLoop();
   if (name == "mismatch") return ScenarioMismatch();
@@ -2899,6 +2955,17 @@ TEST(Communicator, WaitingFromInsideAllReduceThroughsSliceFunctionIsRefusedAtOnc
   for (const char* shm : {"1", "0"}) {
     SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
     Job job = RunJob(2, "through_waits_for_its_communicator",
+                     {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
+    EXPECT_TRUE(EveryRankPassed(job));
+  }
+}
+
+// A queued async call held up by another thread's call gives up at its own
+// deadline, naming that call, instead of running late.
+TEST(Communicator, AQueuedCallHeldUpByAnotherThreadsCallTimesOutAtItsOwnDeadline) {
+  for (const char* shm : {"1", "0"}) {
+    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
+    Job job = RunJob(2, "queued_behind_another_threads_call",
                      {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
     EXPECT_TRUE(EveryRankPassed(job));
   }
