@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -1214,8 +1215,13 @@ class WorkerGroup::Impl {
         result.first_failure->error_record = w.exit.error_record;
       }
       const bool first = result.first_failure && result.first_failure->pid == w.exit.pid;
-      if (earliest == nullptr || w.exit.error_timestamp_us < earliest->exit.error_timestamp_us ||
-          (w.exit.error_timestamp_us == earliest->exit.error_timestamp_us && first)) {
+      // A file that gave no time (0) tells nothing of when it was written:
+      // it comes after every one that did, or it would always be named
+      // the root cause over them.
+      auto when = [](const Worker& x) {
+        return x.exit.error_timestamp_us > 0 ? x.exit.error_timestamp_us : std::numeric_limits<int64_t>::max();
+      };
+      if (earliest == nullptr || when(w) < when(*earliest) || (when(w) == when(*earliest) && first)) {
         earliest = &w;
       }
     }

@@ -219,7 +219,8 @@ struct GroupResult {
   std::vector<std::string> log_failures;
 
   /// The failed worker whose error file was written first (see
-  /// SpawnOptions::error_files): the root cause, as torchrun reports it.
+  /// SpawnOptions::error_files): the root cause, as torchrun reports it. A
+  /// file that gives no usable time counts as written after all others.
   /// Its message is also in `reason` ("...; rank 1 reported: <message>").
   std::optional<WorkerExit> first_error;
 

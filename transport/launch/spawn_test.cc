@@ -156,9 +156,10 @@ DDP_TEST_WORKER(killed_then_exits) {
 }
 
 // Rank R prints its error file's path, waits $DELAY<R> ms, writes $MSG<R>
-// there (stamped $AT<R> unix seconds when given; "{" when $GARBAGE<R>) and
-// exits 5; a rank without $MSG<R> or $GARBAGE<R> sleeps ($FAIL<R>: exits 4
-// without a word).
+// there (stamped $AT<R> unix seconds when given; "{" when $GARBAGE<R>;
+// the text $RAW<R> as it is when given) and exits 5; a rank without
+// $MSG<R>, $GARBAGE<R> or $RAW<R> sleeps ($FAIL<R>: exits 4 without a
+// word).
 DDP_TEST_WORKER(reports_error) {
   const std::string r = std::to_string(EnvInt("RANK", -1));
   const char* path = std::getenv(kEnvErrorFile);
@@ -167,6 +168,10 @@ DDP_TEST_WORKER(reports_error) {
   std::this_thread::sleep_for(std::chrono::milliseconds(EnvInt(("DELAY" + r).c_str(), 0)));
   if (EnvInt(("GARBAGE" + r).c_str(), 0)) {
     std::ofstream(path) << "{";
+    return 5;
+  }
+  if (const char* raw = std::getenv(("RAW" + r).c_str())) {
+    std::ofstream(path) << raw;
     return 5;
   }
   if (const char* message = std::getenv(("MSG" + r).c_str())) {
@@ -536,6 +541,30 @@ TEST(SpawnTest, TheEarliestErrorWrittenIsTheRootCause) {
   EXPECT_EQ(result.workers[0].error, "lost the connection to rank 1");
   EXPECT_EQ(result.workers[0].error_timestamp_us, int64_t{1700000900} * 1000000);
   EXPECT_EQ(result.workers[2].error, "");
+  ExpectNoChildrenLeft();
+}
+
+// A file whose time is missing or unusable (negative here) says nothing of
+// when it was written: a worker that wrote one and failed first is not the
+// root cause over one that gave its time. (Its time read as 0, the
+// earliest of all, and it was.)
+TEST(SpawnTest, AnErrorWithoutAUsableTimeIsNotTheEarliest) {
+  SpawnOptions options = Quiet();
+  options.stop_all_on_failure = false;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(2, "reports_error",
+            {{"RAW0", R"({"message": {"message": "lost rank 1", "extraInfo": {"timestamp": "-5"}}})"},
+             {"MSG1", "CUDA out of memory"}, {"DELAY1", "300"}}),
+      options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_EQ(result.first_failure->rank, 0);
+  EXPECT_EQ(result.workers[0].error, "lost rank 1");
+  EXPECT_EQ(result.workers[0].error_timestamp_us, 0);
+  ASSERT_TRUE(result.first_error.has_value());
+  EXPECT_EQ(result.first_error->rank, 1);
+  EXPECT_THAT(result.reason, ::testing::EndsWith("; rank 1 reported: CUDA out of memory"));
   ExpectNoChildrenLeft();
 }
 
