@@ -766,12 +766,7 @@ class WorkerGroup::Impl {
 
   ~Impl() {
     KillAndReap();
-    if (!error_dir_.empty()) {
-      for (const Worker& w : workers_) {
-        if (!w.error_path.empty()) unlink(w.error_path.c_str());
-      }
-      rmdir(error_dir_.c_str());
-    }
+    if (!error_dir_.empty()) RemoveErrorDir();
     if (forwarding_) {
       for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
         if (installed_[i]) sigaction(kForwardedSignals[i], &old_actions_[i], nullptr);
@@ -1241,6 +1236,23 @@ class WorkerGroup::Impl {
     }
     while (!line.empty() && (line.back() == ' ' || line.back() == '|')) line.pop_back();
     result.reason += "; rank " + std::to_string(earliest->rank) + " reported: " + line;
+  }
+
+  // Removes the folder of the workers' error files and what is in it: the
+  // error files, and what a writer killed before its rename left there (a
+  // WriteErrorFile temporary, "<file>.tmp.XXXXXX"), which kept the folder
+  // from going. Entries are unlinked, never followed; a folder a worker
+  // made there is left, and with it the group's folder.
+  void RemoveErrorDir() {
+    if (DIR* dir = opendir(error_dir_.c_str())) {
+      while (const dirent* entry = readdir(dir)) {
+        const std::string_view name = entry->d_name;
+        if (name == "." || name == "..") continue;
+        unlinkat(dirfd(dir), entry->d_name, 0);
+      }
+      closedir(dir);
+    }
+    rmdir(error_dir_.c_str());
   }
 
   // With SIGCHLD ignored (SIG_IGN or SA_NOCLDWAIT, inherited from a parent

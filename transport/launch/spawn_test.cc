@@ -157,7 +157,9 @@ DDP_TEST_WORKER(killed_then_exits) {
 
 // Rank R prints its error file's path, waits $DELAY<R> ms, writes $MSG<R>
 // there (stamped $AT<R> unix seconds when given; "{" when $GARBAGE<R>;
-// the text $RAW<R> as it is when given) and exits 5; a rank without
+// the text $RAW<R> as it is when given; with $STRAY<R> it also leaves
+// what a writer killed before its rename leaves, "<file>.tmp.XXXXXX") and
+// exits 5; a rank without
 // $MSG<R>, $GARBAGE<R> or $RAW<R> sleeps ($FAIL<R>: exits 4 without a
 // word).
 DDP_TEST_WORKER(reports_error) {
@@ -170,6 +172,7 @@ DDP_TEST_WORKER(reports_error) {
     std::ofstream(path) << "{";
     return 5;
   }
+  if (EnvInt(("STRAY" + r).c_str(), 0)) std::ofstream(std::string(path) + ".tmp.a1b2c3") << "{\"mess";
   if (const char* raw = std::getenv(("RAW" + r).c_str())) {
     std::ofstream(path) << raw;
     return 5;
@@ -566,6 +569,26 @@ TEST(SpawnTest, AnErrorWithoutAUsableTimeIsNotTheEarliest) {
   EXPECT_EQ(result.first_error->rank, 1);
   EXPECT_THAT(result.reason, ::testing::EndsWith("; rank 1 reported: CUDA out of memory"));
   ExpectNoChildrenLeft();
+}
+
+// The group's folder of error files goes with the group also when a
+// worker's writer was killed between writing its temporary and renaming it
+// into place: the temporary kept the folder (rmdir: not empty), and every
+// such run left one in $TMPDIR.
+TEST(SpawnTest, TheErrorFolderGoesAlsoWithAHalfWrittenFileInIt) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "reports_error", {{"MSG0", "bad batch"}, {"STRAY0", "1"}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_THAT(result.reason, ::testing::EndsWith("; rank 0 reported: bad batch"));
+  const size_t at = result.output[0].find("error file: ");
+  ASSERT_NE(at, std::string::npos) << result.output[0];
+  const std::string path = result.output[0].substr(at + 12, result.output[0].find('\n', at) - at - 12);
+  const std::string dir = path.substr(0, path.rfind('/'));
+  ASSERT_THAT(dir, HasSubstr("/ddp_worker_errors_"));
+  EXPECT_EQ(access((path + ".tmp.a1b2c3").c_str(), F_OK), 0);
+  group->reset();
+  EXPECT_EQ(access(dir.c_str(), F_OK), -1) << dir << " outlived the group";
 }
 
 // No writable temporary folder: the workers start all the same, without an
