@@ -215,20 +215,30 @@ TEST(SelfLaunchTest, InterruptedLauncherDiesOfTheSignal) {
   }
 }
 
+// Its workers go, and so does the folder it made for their error files
+// (in its $TMPDIR), which the watcher removes: every launcher killed so
+// left one behind.
 TEST(SelfLaunchTest, LauncherKilledBySigkillTakesItsWorkers) {
   const std::string dir = testing::MakeTempDir("self_launch_sigkill");
+  const std::string tmp = testing::MakeTempDir("self_launch_sigkill_tmp");
   auto group = testing::StartProgram(
-      {Worker(), "--nproc_per_node=2", "--sleep_ms=30000", "--pid_dir=" + dir});
+      {Worker(), "--nproc_per_node=2", "--sleep_ms=30000", "--pid_dir=" + dir}, {{"TMPDIR", tmp}});
   ASSERT_TRUE(group.ok()) << group.status();
   std::vector<pid_t> workers;
   for (int r = 0; r < 2; ++r) {
     workers.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
     ASSERT_GT(workers.back(), 0);
   }
+  ASSERT_FALSE(std::filesystem::is_empty(tmp)) << "no folder for the error files in " << tmp;
   kill((*group)->pids()[0], SIGKILL);
   const auto run = testing::WaitProgram(**group, 20s);
   EXPECT_EQ(run.exit_code, 128 + SIGKILL);
   for (pid_t pid : workers) EXPECT_TRUE(testing::GoneWithin(pid, 5s)) << pid;
+  const auto give_up = std::chrono::steady_clock::now() + 5s;
+  while (!std::filesystem::is_empty(tmp) && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(tmp)) << std::filesystem::directory_iterator(tmp)->path();
 }
 
 }  // namespace

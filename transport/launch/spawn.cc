@@ -371,7 +371,47 @@ struct WatcherArgs {
   pid_t launcher_group = 0;  // share_terminal: the group to give the terminal back to
   int fd_bound = 0;        // DescriptorBound(), for CloseAllBut
   bool skip_close_range = false;
+  // The group's folder of error files (SpawnOptions::error_files), which
+  // the launcher removes when it ends the group; "": none (or a path too
+  // long to hold here).
+  char error_dir[PATH_MAX] = {};
 };
+
+// In the watcher, for a launcher that died without removing it: removes
+// the group's folder of error files and what is in it, as the launcher's
+// RemoveErrorDir does (entries unlinked, never followed). A worker killed
+// just before may still have been finishing a write: a few tries, 10 ms
+// apart. Raw system calls only, not instrumented (see CloseAllBut).
+__attribute__((noinline, no_sanitize("address", "thread", "undefined"))) void RemoveErrorDirInWatcher(
+    const char* path) {
+  // The kernel's record for getdents64 (glibc declares none for the raw call).
+  struct Entry {
+    uint64_t ino;
+    int64_t off;
+    unsigned short reclen;
+    unsigned char type;
+    char name[1];
+  };
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const long dir = syscall(SYS_openat, AT_FDCWD, path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir < 0) return;  // gone, or never there
+    alignas(8) char buffer[4096];
+    long n;
+    while ((n = syscall(SYS_getdents64, dir, buffer, sizeof(buffer))) > 0) {
+      for (long at = 0; at < n;) {
+        const Entry* entry = reinterpret_cast<const Entry*>(buffer + at);
+        at += entry->reclen;
+        const char* name = entry->name;
+        if (name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0'))) continue;
+        syscall(SYS_unlinkat, dir, name, 0);
+      }
+    }
+    syscall(SYS_close, dir);
+    if (syscall(SYS_unlinkat, AT_FDCWD, path, AT_REMOVEDIR) == 0 || errno != ENOTEMPTY) return;
+    const timespec pause{0, 10 * 1000 * 1000};
+    syscall(SYS_nanosleep, &pause, nullptr);
+  }
+}
 
 // The watcher's whole life, in the child of a raw clone: raw system calls
 // only, and not instrumented (see CloseAllBut). The pipe carries pid_t
@@ -418,6 +458,7 @@ RunWatcher(const WatcherArgs* a) {
     }
     syscall(SYS_kill, -group, SIGKILL);
   }
+  if (a->error_dir[0] != '\0') RemoveErrorDirInWatcher(a->error_dir);
   syscall(SYS_exit_group, 0);
   __builtin_unreachable();
 }
@@ -1830,6 +1871,11 @@ class WorkerGroup::Impl {
     // workers' group hold it (it runs before the first worker took it; one
     // that did not take it leaves it elsewhere).
     args.launcher_group = launcher_pgrp_;
+    // Made before the watcher (Start): the watcher removes it should this
+    // process die without doing so.
+    if (error_dir_.size() < sizeof(args.error_dir)) {
+      std::memcpy(args.error_dir, error_dir_.c_str(), error_dir_.size() + 1);
+    }
     args.fd_bound = DescriptorBound();
     args.skip_close_range = g_force_close_range_fallback.load(std::memory_order_relaxed);
     // Every signal blocked across the clone, as in StartOne: a signal that

@@ -129,7 +129,8 @@ struct SpawnOptions {
   /// Give every worker an error file of its own in TORCHELASTIC_ERROR_FILE
   /// (see error_file.h): <log_dir>/<log_name_prefix><log name>/error.json
   /// with a log_dir, else a file in a directory the group makes under
-  /// $TMPDIR (or /tmp; none when it cannot) and removes when destroyed. A file left there by an
+  /// $TMPDIR (or /tmp; none when it cannot) and removes when destroyed
+  /// (its watcher does, should this process be killed first). A file left there by an
   /// earlier run is removed before the worker starts. What a failed worker
   /// wrote goes into its WorkerExit::error, and the earliest such message
   /// into GroupResult::reason. A spec's own TORCHELASTIC_ERROR_FILE wins.
