@@ -40,7 +40,12 @@ namespace ddp::transport::launch {
 struct SelfLaunchOptions {
   /// Workers to start when --nproc_per_node is not given.
   int default_nproc_per_node = 1;
-  /// Between SIGTERM and SIGKILL when stopping workers.
+  /// Between SIGTERM and SIGKILL when stopping workers. Shorter than
+  /// ddprun's 30 s (torchrun's shutdown timeout) on purpose: the programs
+  /// that keep this default (the benchmarks, the hello examples) do no work
+  /// on SIGTERM, so a longer wait would only hold up Ctrl-C or a failed
+  /// job for a stuck rank; one that saves on SIGTERM sets its own
+  /// (examples/train_main.cc: 30 s plus its save timeouts).
   std::chrono::milliseconds grace{5000};
   /// Stop the workers when they run longer than this; zero: no limit (the
   /// launcher still wakes for every worker exit and every signal).
