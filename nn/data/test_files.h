@@ -142,13 +142,31 @@ inline bool ReadByteWithin(int fd, std::chrono::milliseconds timeout) {
   }
 }
 
+/// How long the children of ErrorWithinAddressSpace may take in all, in one
+/// test binary. Its users are size="small" tests (60 s for the binary) whose
+/// children take under 1 s each (0.8 s the longest, seen) and whose other
+/// tests take ~6 s: one budget for all the calls, rather than a limit per
+/// call, keeps even a reader that hangs on every call inside the 60 s, so
+/// that its failure says which call hung instead of Bazel's TIMEOUT losing
+/// the binary's results.
+inline constexpr std::chrono::seconds kAddressSpaceChildrenBudget{40};
+
+/// The time ErrorWithinAddressSpace's children have taken so far in this
+/// process (one counter for every instantiation; tests call it from one
+/// thread).
+inline std::chrono::steady_clock::duration& AddressSpaceChildrenTime() {
+  static std::chrono::steady_clock::duration spent{};
+  return spent;
+}
+
 /// Runs `f` in a child process whose address space may grow by at most
 /// `headroom` bytes past the parent's size at the fork, and returns the
 /// message of the `Error` that `f` throws; where it throws none, or the
 /// child fails, a line starting "child: " that says so. A reader that takes a
 /// multi-GiB file into memory then fails to allocate it instead of taking
-/// the machine's memory. A child still running after 120 s is killed and
-/// that said instead.
+/// the machine's memory. A child still running when this binary's
+/// kAddressSpaceChildrenBudget is spent is killed and that said instead;
+/// once it is spent, no child is started and that is said.
 template <typename Error, typename F>
 std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
   long vm_kb = -1;
@@ -159,6 +177,11 @@ std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
     }
   }
   if (vm_kb <= 0) return "child: no VmSize in /proc/self/status";
+  const std::string budget = std::to_string(kAddressSpaceChildrenBudget.count()) + " s";
+  std::chrono::steady_clock::duration& spent = AddressSpaceChildrenTime();
+  if (spent >= kAddressSpaceChildrenBudget) {
+    return "child: not started: earlier children took the " + budget + " this test binary allows them";
+  }
   int fds[2];
   if (::pipe(fds) != 0) return std::string("child: pipe: ") + std::strerror(errno);
   const pid_t pid = ::fork();
@@ -199,7 +222,8 @@ std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
   ::close(fds[1]);
   std::string msg;
   char buf[4096];
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + (kAddressSpaceChildrenBudget - spent);
   bool late = false;
   while (true) {
     const auto left =
@@ -220,13 +244,22 @@ std::string ErrorWithinAddressSpace(size_t headroom, F&& f) {
     const ssize_t n = ::read(fds[0], buf, sizeof(buf));
     if (n == 0) break;
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) break;
+    if (n < 0) {
+      ::kill(pid, SIGKILL);
+      break;  // the child's answer is lost; the kill bounds the wait below
+    }
     msg.append(buf, static_cast<size_t>(n));
   }
   ::close(fds[0]);
   int status = 0;
-  if (::waitpid(pid, &status, 0) != pid) return std::string("child: waitpid: ") + std::strerror(errno);
-  if (late) return "child: still running after 120 s (killed)";
+  pid_t waited;
+  while ((waited = ::waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
+  }
+  spent += std::chrono::steady_clock::now() - started;
+  if (waited != pid) return std::string("child: waitpid: ") + std::strerror(errno);
+  if (late) {
+    return "child: still running when the " + budget + " this test binary allows its children were over (killed)";
+  }
   if (WIFSIGNALED(status)) return std::string("child: died of signal ") + ::strsignal(WTERMSIG(status));
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "child: could not write its message";
   return msg;
