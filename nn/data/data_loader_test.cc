@@ -14,34 +14,13 @@
 #include <thread>
 
 #include "nn/data/idx.h"
+#include "nn/data/test_files.h"
 
 namespace ddp::nn::data {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Captures stderr from construction until Take(). gtest allows one capture
-// at a time and aborts the binary at a second, so a capture that an ASSERT
-// or an exception left open is ended by the destructor, which passes on
-// what it caught.
-class StderrCapture {
- public:
-  StderrCapture() { ::testing::internal::CaptureStderr(); }
-  ~StderrCapture() {
-    if (open_) std::fputs(::testing::internal::GetCapturedStderr().c_str(), stderr);
-  }
-  StderrCapture(const StderrCapture&) = delete;
-  StderrCapture& operator=(const StderrCapture&) = delete;
-
-  /// Ends the capture and returns what stderr received.
-  std::string Take() {
-    open_ = false;
-    return ::testing::internal::GetCapturedStderr();
-  }
-
- private:
-  bool open_ = true;
-};
+using testing::StderrCapture;
 
 // Waits until done() holds, up to 20 s; returns whether it held.
 template <typename F>

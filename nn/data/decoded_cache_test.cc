@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include <cstdint>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <csignal>
@@ -39,6 +41,7 @@
 #include <initializer_list>
 #include <future>
 #include <iterator>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -52,10 +55,12 @@
 namespace ddp::nn::data::internal {
 namespace {
 
+using testing::ChildReaper;
 using testing::FreshDir;
 using testing::Gzip;
 using testing::IdxBytes;
 using testing::ReadByteWithin;
+using testing::StderrCapture;
 using testing::WaitChild;
 using testing::WriteFile;
 
@@ -382,6 +387,16 @@ TEST(DecodedCache, CifarLoadsShareTheEntry) {
   }
 }
 
+// How a child ended, from its wait status: "exited with 1", "died of
+// signal 6 (Aborted)".
+std::string HowItEnded(int status) {
+  if (WIFEXITED(status)) return "exited with " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return "died of signal " + std::to_string(WTERMSIG(status)) + " (" + ::strsignal(WTERMSIG(status)) + ")";
+  }
+  return "ended with wait status " + std::to_string(status);
+}
+
 // Ranks load at once into an empty cache: every one gets the right bytes,
 // and one whole entry is left, with no temporary files.
 TEST(DecodedCache, ConcurrentFirstLoadsLeaveOneWholeEntry) {
@@ -411,7 +426,9 @@ TEST(DecodedCache, ConcurrentFirstLoadsLeaveOneWholeEntry) {
   const auto until = std::chrono::steady_clock::now() + kChildDeadline;
   for (pid_t pid : children) {
     const int status = WaitChild(pid, until);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a child read wrong bytes";
+    if (status == -1) continue;  // killed at the deadline: WaitChild has said so
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "child " << pid << " " << HowItEnded(status) << "; an exit with 1 means it read wrong bytes";
   }
   ASSERT_EQ(children.size(), 4u);
   const auto entries = Entries(dir + "/cache");
@@ -469,7 +486,11 @@ TEST(DecodedCache, ConcurrentFirstLoadsDecodeOnce) {
   const auto until = std::chrono::steady_clock::now() + kChildDeadline;
   for (pid_t pid : children) {
     const int status = WaitChild(pid, until);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a child read wrong bytes";
+    if (status == -1) continue;  // killed at the deadline: WaitChild has said so
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "child " << pid << " " << HowItEnded(status)
+        << "; an exit with 1 means it read wrong bytes, 4 that it could not mark its decode, 5 that its go "
+           "pipe did not end as it should";
   }
   ASSERT_EQ(children.size(), 4u);
   EXPECT_EQ(std::filesystem::file_size(marks), 1u) << "the set was decoded once per process";
@@ -900,11 +921,11 @@ TEST(DecodedCache, AFailedWriteWarnsOnceNamingThePathAndTheCause) {
   {
     const CacheDir cache(dir + "/blocked/cache");
     ResetDecodedCacheWarningsForTesting();
-    ::testing::internal::CaptureStderr();
+    StderrCapture capture;
     CountingDecode decode{src};
     EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9));
     EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9));
-    const std::string warned = ::testing::internal::GetCapturedStderr();
+    const std::string warned = capture.Take();
     EXPECT_EQ(decode.calls, 2);
     EXPECT_EQ(Count(warned, "warning: decoded dataset cache: cannot write " + dir + "/blocked/cache/images-"), 1u)
         << warned;
@@ -921,10 +942,10 @@ TEST(DecodedCache, AFailedWriteWarnsOnceNamingThePathAndTheCause) {
     std::filesystem::remove(entries[0]);
     std::filesystem::create_directory(entries[0]);
     ResetDecodedCacheWarningsForTesting();
-    ::testing::internal::CaptureStderr();
+    StderrCapture capture;
     EXPECT_EQ(Bytes(LoadDecoded(src, std::ref(decode), 0)), Want(9));
     LoadDecoded(src, std::ref(decode), 0);
-    const std::string warned = ::testing::internal::GetCapturedStderr();
+    const std::string warned = capture.Take();
     EXPECT_EQ(decode.calls, 3);
     EXPECT_EQ(Count(warned, "cannot write " + entries[0].string() + ": "), 1u) << warned;
   }
@@ -1928,7 +1949,8 @@ TEST(DecodedCache, AnEntryAnotherProcessHasMappedIsNotEvicted) {
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     // Exit statuses: 1 for wrong bytes, 4 for a decode instead of the
-    // entry, 5 when `done` did not come in 20 s.
+    // entry, 5 when `done` did not come in 20 s, 6 when `holding` could not
+    // be written.
     ::close(holding[0]);
     ::close(done[1]);
     CountingDecode decode{images.path};
@@ -1939,6 +1961,7 @@ TEST(DecodedCache, AnEntryAnotherProcessHasMappedIsNotEvicted) {
     if (::poll(&p, 1, 20000) != 1) ::_exit(5);  // the parent closes its end when it has written
     ::_exit(Bytes(mapped) == Want(80) ? 0 : 1);
   }
+  ChildReaper child(pid);  // an exception before the wait below kills and reaps it
   ::close(holding[1]);
   ::close(done[0]);
   const bool held = ReadByteWithin(holding[0], kHandshakeDeadline);
@@ -1951,7 +1974,8 @@ TEST(DecodedCache, AnEntryAnotherProcessHasMappedIsNotEvicted) {
   }
   const bool kept = std::filesystem::exists(entry);
   ::close(done[1]);
-  ASSERT_EQ(ExitStatus(pid), 0) << "the child read wrong bytes (1), decoded (4) or waited in vain (5)";
+  ASSERT_EQ(ExitStatus(child.Release()), 0)
+      << "the child read wrong bytes (1), decoded (4), waited in vain (5) or could not say it held the entry (6)";
   ASSERT_TRUE(held) << "the child did not map the entry";
   EXPECT_TRUE(kept) << "the entry another process had mapped was evicted";
   ForgetDecodedEntriesInUseForTesting();
@@ -1985,12 +2009,12 @@ TEST(DecodedCache, EntriesThisProcessUsesStayPastTheLimit) {
   ASSERT_EQ(Entries(cache_dir).size(), 1u);
   // Each entry is ~1.1 KB: room for one.
   const ScopedEnv limit("DDP_DATA_CACHE_MAX_BYTES", "1500");
-  ::testing::internal::CaptureStderr();
+  StderrCapture capture;
   for (int run = 0; run < 2; ++run) {
     LoadDecoded(src[0], std::ref(decode[0]), 0);
     LoadDecoded(src[1], std::ref(decode[1]), 0);
   }
-  const std::string warned = ::testing::internal::GetCapturedStderr();
+  const std::string warned = capture.Take();
   EXPECT_EQ(decode[0].calls, 1) << "the training set's entry was evicted by the test set's";
   EXPECT_EQ(decode[1].calls, 1);
   EXPECT_EQ(Entries(cache_dir).size(), 2u) << "the earlier run's entry was kept, or one of this one's went";
@@ -2114,6 +2138,62 @@ TEST(DecodedCache, AnEntryWhoseImageShapeOverflowsIsNamedSo) {
                               "than int64 holds"),
             std::string::npos)
       << msg;
+}
+
+// The shared test helpers (test_files.h) that this file's tests lean on to
+// end every child and every stderr capture, whatever way a test leaves.
+
+// A child past its deadline is killed and reaped, the test fails once,
+// naming it, and the status is -1, so that a caller adds nothing (it was the
+// kill's status, and the caller's own check failed the test a second time,
+// for a cause that was not the real one).
+TEST(TestFiles, WaitChildKillsAChildPastItsDeadlineAndReturnsMinusOne) {
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0) << "fork: " << std::strerror(errno);
+  if (pid == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  int status = 0;
+  EXPECT_NONFATAL_FAILURE(status = WaitChild(pid, std::chrono::milliseconds(50)),
+                          "was still running at its deadline; killed");
+  EXPECT_EQ(status, -1);
+  errno = 0;
+  EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+  EXPECT_EQ(errno, ECHILD) << "child " << pid << " was not reaped";
+}
+
+// A test that leaves (here by an exception) before waiting for its child
+// leaves no child behind: the reaper kills and reaps it.
+TEST(TestFiles, AChildReaperReapsTheChildOfATestThatLeftEarly) {
+  pid_t pid = -1;
+  try {
+    pid = ::fork();
+    ASSERT_GE(pid, 0) << "fork: " << std::strerror(errno);
+    if (pid == 0) {
+      ::pause();
+      ::_exit(0);
+    }
+    ChildReaper child(pid);
+    throw std::runtime_error("the test left early");
+  } catch (const std::runtime_error&) {
+  }
+  errno = 0;
+  EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+  EXPECT_EQ(errno, ECHILD) << "child " << pid << " was not reaped";
+}
+
+// A capture that an exception left open is ended: gtest aborts the binary
+// at a second capture while one is open.
+TEST(TestFiles, AStderrCaptureThatAnExceptionLeftIsEnded) {
+  try {
+    StderrCapture capture;
+    throw std::runtime_error("the test left early");
+  } catch (const std::runtime_error&) {
+  }
+  StderrCapture again;
+  std::fputs("after", stderr);
+  EXPECT_EQ(again.Take(), "after");
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 #define DDP_NN_DATA_TEST_FILES_H_
 
 // Test helpers: write crafted dataset files into a fresh folder under
-// TEST_TMPDIR, and wait for forked children with a deadline.
+// TEST_TMPDIR, wait for forked children with a deadline (and reap them on
+// every way out of a test), and capture stderr.
 
 #include <poll.h>
 #include <sys/resource.h>
@@ -87,9 +88,10 @@ inline void WriteZeroIdx(const std::string& path, const std::vector<uint32_t>& d
 /// Waits for child `pid` to end, until `until`, and returns its wait status.
 /// A child still running then is killed (SIGKILL), reaped, and the test
 /// fails naming it, so that a blocked child fails the test in bounded time
-/// instead of holding the whole binary until Bazel's timeout; the status
-/// returned is then that of the kill. Returns -1 (neither an exit nor a
-/// signal), the test failed, when there is no such child to wait for.
+/// instead of holding the whole binary until Bazel's timeout. Returns -1
+/// (neither an exit nor a signal) whenever it has failed the test itself:
+/// the child killed at `until`, no such child, or waitpid failing; a caller
+/// that sees -1 has nothing to add about that child.
 inline int WaitChild(pid_t pid, std::chrono::steady_clock::time_point until) {
   if (pid <= 0) {
     ADD_FAILURE() << "no child to wait for (pid " << pid << ")";
@@ -109,7 +111,7 @@ inline int WaitChild(pid_t pid, std::chrono::steady_clock::time_point until) {
       ::kill(pid, SIGKILL);  // still unreaped, so still this process's child
       while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
       }
-      return status;
+      return -1;
     }
     // No wait with a timeout exists for a child: look again in 1 ms.
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -120,6 +122,54 @@ inline int WaitChild(pid_t pid, std::chrono::steady_clock::time_point until) {
 inline int WaitChild(pid_t pid, std::chrono::milliseconds timeout) {
   return WaitChild(pid, std::chrono::steady_clock::now() + timeout);
 }
+
+/// Owns a forked child until Release(): a test that leaves before waiting
+/// for it (a failed ASSERT, an exception) kills and reaps it here, so that
+/// no child is left running or unreaped past its test.
+class ChildReaper {
+ public:
+  explicit ChildReaper(pid_t pid) : pid_(pid) {}
+  ~ChildReaper() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);  // unreaped, so still this process's child
+    WaitChild(pid_, std::chrono::seconds(10));
+  }
+  ChildReaper(const ChildReaper&) = delete;
+  ChildReaper& operator=(const ChildReaper&) = delete;
+
+  /// The child's pid; the caller now waits for it.
+  pid_t Release() {
+    const pid_t pid = pid_;
+    pid_ = -1;
+    return pid;
+  }
+
+ private:
+  pid_t pid_;
+};
+
+/// Captures stderr from construction until Take(). gtest allows one capture
+/// at a time and aborts the binary at a second, so a capture that an ASSERT
+/// or an exception left open is ended by the destructor, which passes on
+/// what it caught.
+class StderrCapture {
+ public:
+  StderrCapture() { ::testing::internal::CaptureStderr(); }
+  ~StderrCapture() {
+    if (open_) std::fputs(::testing::internal::GetCapturedStderr().c_str(), stderr);
+  }
+  StderrCapture(const StderrCapture&) = delete;
+  StderrCapture& operator=(const StderrCapture&) = delete;
+
+  /// Ends the capture and returns what stderr received.
+  std::string Take() {
+    open_ = false;
+    return ::testing::internal::GetCapturedStderr();
+  }
+
+ private:
+  bool open_ = true;
+};
 
 /// Reads one byte from `fd` (a child's handshake pipe), waiting at most
 /// `timeout` for it. False when none came by then, or at end of file (the
