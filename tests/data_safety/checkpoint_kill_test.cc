@@ -41,6 +41,7 @@
 
 #include "ddp/checkpoint.h"
 #include "ddp/process_group.h"
+#include "nn/data/test_files.h"
 #include "nn/io/atomic_file.h"
 #include "nn/io/checkpoint.h"
 #include "nn/modules/layers.h"
@@ -52,6 +53,7 @@ namespace {
 
 using namespace std::chrono_literals;
 namespace lt = transport::launch::testing;
+using nn::data::testing::WaitChild;
 
 // Element i of tensor k in generation g; exact in f32 for the sizes used.
 float Value(int64_t gen, size_t k, int64_t i) {
@@ -111,29 +113,6 @@ int64_t TemporarySizeOf(const std::string& path, pid_t pid) {
     if (stat((dir + "/" + name).c_str(), &st) == 0) return st.st_size;
   }
   return -1;
-}
-
-// Waits for `child` to end, up to `timeout`; past it, kills it, waits for
-// that and fails the test. Returns its wait status.
-int WaitChild(pid_t child, std::chrono::milliseconds timeout) {
-  const auto until = std::chrono::steady_clock::now() + timeout;
-  int status = 0;
-  for (;;) {
-    const pid_t r = waitpid(child, &status, WNOHANG);
-    if (r == child) return status;
-    if (r < 0) {
-      ADD_FAILURE() << "waitpid(" << child << "): " << std::strerror(errno);
-      return status;
-    }
-    if (std::chrono::steady_clock::now() >= until) {
-      ADD_FAILURE() << "child " << child << " did not end within " << timeout.count()
-                    << " ms; killed";
-      kill(child, SIGKILL);
-      waitpid(child, &status, 0);  // SIGKILL ends it
-      return status;
-    }
-    std::this_thread::sleep_for(1ms);
-  }
 }
 
 // Loads `path` and checks that it is exactly one generation: the one its
