@@ -526,14 +526,13 @@ TEST(DecodedCache, AWriterPastTheWaitIsNotWaitedFor) {
     };
     ::_exit(LoadDecoded(src, stuck, 0).size == 8 ? 0 : 1);
   }
+  ChildReaper child(pid);  // a return or an exception before the wait below kills and reaps it
   ::close(decoding[1]);
   ::close(release[0]);
   const bool started = ReadByteWithin(decoding[0], kHandshakeDeadline);
   ::close(decoding[0]);
   if (!started) {
     ::close(release[1]);
-    ::kill(pid, SIGKILL);  // unreaped, so still this test's child
-    WaitChild(pid, kChildDeadline);
     FAIL() << "the child did not start decoding";
   }
   CountingDecode decode{src};
@@ -544,7 +543,7 @@ TEST(DecodedCache, AWriterPastTheWaitIsNotWaitedFor) {
   EXPECT_LT(took, std::chrono::milliseconds(1500)) << "it waited for the writer";
   EXPECT_EQ(decode.calls, 1);
   EXPECT_EQ(Bytes(a), Want(8));
-  const int status = WaitChild(pid, kChildDeadline);
+  const int status = WaitChild(child.Release(), kChildDeadline);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   const auto entries = Entries(dir + "/cache");
   ASSERT_EQ(entries.size(), 1u);
@@ -1739,6 +1738,7 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheDecodeIsMappedNotReplaced)
     return Bytes(LoadDecoded(src, decode, 0)) == Want(9) ? 0 : 1;
   });
   ASSERT_GT(slow, 0);
+  ChildReaper slow_child(slow);  // an exception before the wait below kills and reaps it
   ::close(started[1]);
   ::close(go[0]);
   const bool decoding = ReadByteWithin(started[0], kHandshakeDeadline);
@@ -1754,7 +1754,7 @@ TEST(DecodedCache, WithoutLocksAnEntryWrittenDuringTheDecodeIsMappedNotReplaced)
   const auto entries = Entries(cache_dir);
   const bool one_entry = entries.size() == 1 && ::stat(entries[0].c_str(), &written) == 0;
   ::close(go[1]);
-  ASSERT_EQ(ExitStatus(slow), 0) << "the slow load failed";
+  ASSERT_EQ(ExitStatus(slow_child.Release()), 0) << "the slow load failed";
   ASSERT_TRUE(decoding) << "the slow load did not start decoding";
   ASSERT_EQ(fast, 0) << "the other load did not decode and write the entry";
   ASSERT_TRUE(one_entry) << "no entry, or more files than one, after the other load";
@@ -1790,6 +1790,7 @@ void ExpectAnEntryWrittenDuringTheWriteIsMappedNotReplaced(const std::string& di
     return Bytes(LoadDecoded(src, std::ref(decode), 0)) == want ? 0 : 1;
   });
   ASSERT_GT(slow, 0);
+  ChildReaper slow_child(slow);  // an exception before the wait below kills and reaps it
   ::close(started[1]);
   ::close(go[0]);
   const bool writing = ReadByteWithin(started[0], kHandshakeDeadline);
@@ -1808,7 +1809,7 @@ void ExpectAnEntryWrittenDuringTheWriteIsMappedNotReplaced(const std::string& di
   }
   const bool placed = !entry.empty() && ::stat(entry.c_str(), &written) == 0;
   ::close(go[1]);
-  ASSERT_EQ(ExitStatus(slow), 0) << "the slow load failed";
+  ASSERT_EQ(ExitStatus(slow_child.Release()), 0) << "the slow load failed";
   ASSERT_TRUE(writing) << "the slow load did not start writing";
   ASSERT_EQ(fast, 0) << "the other load did not decode and write the entry";
   ASSERT_TRUE(placed) << "no entry after the other load";
