@@ -754,6 +754,10 @@ std::string DecodedCacheDir() {
     for (const char* off : {"0", "off", "false", "no", "none"}) {
       if (lower == off) return "";
     }
+    // One spelling of the folder whatever the user typed: "/scratch/cache/"
+    // is "/scratch/cache" (paths made from it are compared with a
+    // listing's), and "/" stays "/".
+    while (v.size() > 1 && v.back() == '/') v.pop_back();
     return v;
   }
   const char* xdg = std::getenv("XDG_CACHE_HOME");
@@ -826,7 +830,9 @@ SharedArray LoadDecoded(const std::vector<std::string>& sources,
   const std::string dir = DecodedCacheDir();
   std::vector<SourceStat> stats;
   const bool cacheable = !dir.empty() && StatSources(sources, &stats);
-  const std::string path = cacheable ? dir + "/" + EntryName(sources, stats) : "";
+  // Spelled as a listing of `dir` spells it (EvictLeastRecentlyUsed
+  // compares the two to keep the entries in use).
+  const std::string path = cacheable ? (std::filesystem::path(dir) / EntryName(sources, stats)).string() : "";
   std::unique_ptr<EntryLock> lock;
   std::error_code mkdir_error;
   std::string made_from;  // the outermost folder of `dir` this load makes ("" when none)

@@ -1991,10 +1991,12 @@ TEST(DecodedCache, AnEntryAnotherProcessHasMappedIsNotEvicted) {
 // entry, so every run decoded and wrote both again, and the cache cost more
 // than none without a word. Entries this process wrote or loaded stay, and
 // a warning names the limit and the bytes in use, once.
-TEST(DecodedCache, EntriesThisProcessUsesStayPastTheLimit) {
-  const std::string dir = FreshDir("decoded_in_use");
+// EntriesThisProcessUsesStayPastTheLimit with DDP_DATA_CACHE set to the
+// cache folder followed by `spelled_after` (a trailing slash or two).
+void ExpectEntriesInUseStayPastTheLimit(const std::string& name, const std::string& spelled_after) {
+  const std::string dir = FreshDir(name);
   const std::string cache_dir = dir + "/cache";
-  const CacheDir cache(cache_dir);
+  const CacheDir cache(cache_dir + spelled_after);
   ForgetDecodedEntriesInUseForTesting();
   ResetDecodedCacheWarningsForTesting();
   std::vector<std::string> src;
@@ -2026,6 +2028,22 @@ TEST(DecodedCache, EntriesThisProcessUsesStayPastTheLimit) {
     ++count;
   }
   EXPECT_EQ(count, 1u) << warned;
+}
+
+TEST(DecodedCache, EntriesThisProcessUsesStayPastTheLimit) {
+  ExpectEntriesInUseStayPastTheLimit("decoded_in_use", "");
+}
+
+// DDP_DATA_CACHE=/some/folder/ names the same folder: the entries this
+// process used were recorded as "folder//entry" and never matched the
+// folder's listing, so each load evicted the other's entry.
+TEST(DecodedCache, ATrailingSlashInTheCacheFolderKeepsTheEntriesInUse) {
+  ExpectEntriesInUseStayPastTheLimit("decoded_in_use_slash", "/");
+  ExpectEntriesInUseStayPastTheLimit("decoded_in_use_slashes", "//");
+  const CacheDir cache("/tmp/some/folder//");
+  EXPECT_EQ(DecodedCacheDir(), "/tmp/some/folder");
+  const CacheDir root("/");
+  EXPECT_EQ(DecodedCacheDir(), "/");
 }
 
 // Every usual spelling of "off" turns the cache off; each was taken for a
