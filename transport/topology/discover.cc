@@ -372,6 +372,16 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix, int rank,
                                      int size, const LocalView& local, Deadline deadline) {
   using nlohmann::json;
+  // Checked before posting: a rank outside [0, size) would post under a key
+  // no rank reads and wait out the deadline blaming another rank.
+  if (size < 1) {
+    return InvalidArgumentError("topology exchange: size " + std::to_string(size) +
+                                " (the number of ranks) must be at least 1");
+  }
+  if (rank < 0 || rank >= size) {
+    return InvalidArgumentError("topology exchange: rank " + std::to_string(rank) + " is not in [0, " +
+                                std::to_string(size) + ") (size " + std::to_string(size) + ")");
+  }
   Topology mine;
   mine.hosts.push_back(local.host);
   KeepMutualPeerLinks(mine.hosts[0].gpus);

@@ -99,9 +99,11 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
 /// Its NUMA node count is the most any of its ranks sees. Must be called on
 /// every rank. INVALID_ARGUMENT, on every rank,
 /// naming the first setting and both values, when some rank's `settings`
-/// differ from this rank's. TIMED_OUT names the first rank that has not
-/// posted, found by looking at each rank's key after `deadline`, all the
-/// looks together within kMissingRankLookBudget.
+/// differ from this rank's; INVALID_ARGUMENT naming them, before anything
+/// is posted, when `size` < 1 or `rank` is outside [0, size). TIMED_OUT
+/// names the first rank that has not posted, found by looking at each
+/// rank's key after `deadline`, all the looks together within
+/// kMissingRankLookBudget.
 inline constexpr std::chrono::milliseconds kMissingRankLookBudget{2000};
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,
                                      int rank, int size, const LocalView& local,

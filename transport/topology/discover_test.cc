@@ -503,6 +503,29 @@ TEST(ExchangeTopology, MissingRankTimesOutNamingIt) {
   EXPECT_NE(result.status().message().find("rank 1"), std::string::npos) << result.status();
 }
 
+// A rank outside [0, size) posted under a key no rank reads, waited out the
+// whole deadline and then blamed a rank that had done nothing wrong.
+TEST(ExchangeTopology, RankOrSizeOutOfRangeIsRefusedAtOnceNamingThem) {
+  testing::InMemoryStore store;
+  LocalView view;
+  view.host.name = "a";
+  struct Case {
+    int rank, size;
+    const char* named;
+  };
+  for (const Case& c : {Case{2, 2, "rank 2"}, Case{-1, 2, "rank -1"}, Case{0, 0, "size 0"}}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto result = ExchangeTopology(store, "job/", c.rank, c.size, view, DeadlineIn(std::chrono::seconds(2)));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1)) << c.named;
+    EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument) << result.status();
+    EXPECT_NE(result.status().message().find(c.named), std::string::npos) << result.status();
+  }
+  // Nothing was posted: a later, valid exchange sees no stray record.
+  auto stray = store.TryGet("job/topology/2", DeadlineIn(std::chrono::seconds(1)));
+  ASSERT_TRUE(stray.ok()) << stray.status();
+  EXPECT_FALSE(stray->has_value());
+}
+
 // A store that takes `lag` to answer each TryGet (a loaded store server far
 // away), or fails it with TIMED_OUT at its deadline when that comes first.
 class LaggingStore final : public store::Store {
