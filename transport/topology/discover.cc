@@ -187,6 +187,17 @@ std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
 }
 
 StatusOr<LocalView> DiscoverLocal(const DiscoverOptions& options) {
+  // The local rank picks the GPU (modulo the count) and the NUMA node of an
+  // unbound rank: a negative one would index before the GPU list.
+  if (options.local_world_size < 1) {
+    return InvalidArgumentError("topology discovery: local_world_size " +
+                                std::to_string(options.local_world_size) + " must be at least 1");
+  }
+  if (options.local_rank < 0 || options.local_rank >= options.local_world_size) {
+    return InvalidArgumentError("topology discovery: local_rank " + std::to_string(options.local_rank) +
+                                " is not in [0, local_world_size " +
+                                std::to_string(options.local_world_size) + ")");
+  }
   LocalView view;
   char hostname[256] = {};
   if (gethostname(hostname, sizeof(hostname) - 1) != 0) {

@@ -73,6 +73,28 @@ TEST(DiscoverLocal, DescribesThisHost) {
   EXPECT_EQ(view->namespaces, NamespaceIds());
 }
 
+// A negative local rank picked GPU local_rank % count, -1 on a host with
+// GPUs, and read before the start of the GPU list.
+TEST(DiscoverLocal, LocalRankOutsideTheLocalWorldIsRefusedNamingIt) {
+  struct Case {
+    int local_rank, local_world_size;
+    const char* named;
+  };
+  for (const Case& c : {Case{-1, 2, "local_rank -1"}, Case{2, 2, "local_rank 2"},
+                        Case{0, 0, "local_world_size 0"}}) {
+    DiscoverOptions options;
+    options.local_rank = c.local_rank;
+    options.local_world_size = c.local_world_size;
+    auto view = DiscoverLocal(options);
+    EXPECT_EQ(view.status().code(), StatusCode::kInvalidArgument) << c.named;
+    EXPECT_NE(view.status().message().find(c.named), std::string::npos) << view.status();
+  }
+  DiscoverOptions last;
+  last.local_rank = 1;
+  last.local_world_size = 2;
+  EXPECT_TRUE(DiscoverLocal(last).ok());
+}
+
 TEST(SingleNumaNodeFromSysfs, GivesHwlocsAnswerOnThisHost) {
   const auto hwloc_start = std::chrono::steady_clock::now();
   const NumaView hwloc = DiscoverNumaWithHwloc({});
