@@ -68,6 +68,10 @@ std::optional<NumaView> SingleNumaNodeFromSysfs(const std::string& sysfs_root) {
     } catch (...) {
       return std::nullopt;
     }
+    // The count (one more) must fit the topology record, which takes up to
+    // 2^24 nodes (and an int): Linux numbers nodes below 1024, so a larger
+    // number is not a node this shortcut should vouch for.
+    if (*only >= (1 << 24)) return std::nullopt;
   }
   if (error || !only.has_value()) return std::nullopt;
   return NumaView{*only + 1, *only};

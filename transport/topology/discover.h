@@ -64,7 +64,8 @@ NumaView DiscoverNumaWithHwloc(const DiscoverOptions& options);
 
 /// The same answer without loading hwloc's topology, where
 /// `<sysfs_root>/devices/system/node` holds exactly one node folder `nodeN`:
-/// N + 1 nodes, the rank on N. nullopt where it holds none or several.
+/// N + 1 nodes, the rank on N. nullopt where it holds none or several, or
+/// where N + 1 passes the topology record's 2^24 nodes.
 std::optional<NumaView> SingleNumaNodeFromSysfs(const std::string& sysfs_root);
 
 /// GPUs visible to the CUDA runtime; none in builds without CUDA.

@@ -137,6 +137,26 @@ TEST(SingleNumaNodeFromSysfs, ReadsTheOnlyNodeOfAFakeTree) {
   EXPECT_FALSE(SingleNumaNodeFromSysfs(root.string()).has_value()) << "two nodes";
 }
 
+// A node number whose count (one more) does not fit an int overflowed, and
+// one whose count passes the topology record's limit (2^24) made a record
+// every rank refused: such a tree is left to hwloc.
+TEST(SingleNumaNodeFromSysfs, ANodeNumberBeyondTheRecordsLimitIsLeftToHwloc) {
+  const fs::path root = fs::path(::testing::TempDir()) / "fake_numa_huge_sys";
+  const fs::path nodes = root / "devices" / "system" / "node";
+  for (const char* name : {"node2147483647", "node16777216", "node99999999999"}) {
+    fs::remove_all(root);
+    Write(nodes / name / "cpulist", "0");
+    const std::optional<NumaView> view = SingleNumaNodeFromSysfs(root.string());
+    EXPECT_FALSE(view.has_value()) << name << ": " << view->numa_nodes << " nodes, on " << view->my_node;
+  }
+  fs::remove_all(root);
+  Write(nodes / "node16777215" / "cpulist", "0");
+  const std::optional<NumaView> last = SingleNumaNodeFromSysfs(root.string());
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->numa_nodes, 1 << 24);
+  EXPECT_EQ(last->my_node, (1 << 24) - 1);
+}
+
 TEST(DiscoverLocal, TakesTheOnlyNumaNodeFromSysfsWithoutHwloc) {
   // A fake tree whose one node is numbered 5: hwloc, reading the real host,
   // could not give that answer.
