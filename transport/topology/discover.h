@@ -72,9 +72,10 @@ std::optional<NumaView> SingleNumaNodeFromSysfs(const std::string& sysfs_root);
 std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root);
 
 /// Host name, boot id, NUMA nodes, RDMA ports and GPUs of this host, and this
-/// rank's NUMA node (where it is bound, else spread by local rank) and GPU
-/// (local_rank modulo the GPU count). INVALID_ARGUMENT naming them when
-/// local_world_size < 1 or local_rank is outside [0, local_world_size).
+/// rank's GPU (local_rank modulo the GPU count) and NUMA node: its GPU's
+/// where sysfs gives that, else where it is bound, else spread by local
+/// rank. INVALID_ARGUMENT naming them when local_world_size < 1 or
+/// local_rank is outside [0, local_world_size).
 StatusOr<LocalView> DiscoverLocal(const DiscoverOptions& options);
 
 /// The result of an exchange: the topology and every rank's process id.

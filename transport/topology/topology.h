@@ -81,7 +81,9 @@ struct Host {
 /// Where one rank runs.
 struct RankPlace {
   int host = 0;        ///< Index into Topology::hosts.
-  int numa_node = -1;  ///< -1: not bound to one node.
+  /// Its GPU's node where that is known, else the node it is bound to, else
+  /// (discovery) its share of the host's nodes by local rank; -1: unknown.
+  int numa_node = -1;
   int gpu = -1;        ///< Index into that host's gpus; -1: none.
 };
 
