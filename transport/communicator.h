@@ -175,7 +175,8 @@ struct CallOptions {
 class Work {
  public:
   Work() = default;
-  /// Waits until the call finishes; returns its status.
+  /// Waits until the call finishes; returns its status (FAILED_PRECONDITION
+  /// at once from inside AllReduceThrough's slice function, as Wait(deadline)).
   Status Wait();
   /// Waits until the call finishes or `deadline` passes (TIMED_OUT; the call
   /// itself keeps running until its own deadline). From inside

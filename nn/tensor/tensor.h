@@ -258,6 +258,8 @@ class Tensor {
   Tensor Detach() const;
   /// Replaces this tensor's storage, geometry and dtype by src's, keeping the
   /// object (and so every handle, .grad and hook) alive: how Module::To moves parameters.
+  /// A .grad it keeps must be cleared when src has another shape, dtype or
+  /// device: the next backward refuses to accumulate into it.
   void SetData(const Tensor& src) const;
 
   // --- autograd ---

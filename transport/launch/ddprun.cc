@@ -270,8 +270,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        CUDA_VISIBLE_DEVICES (its local rank's entry there, or
                        its local rank), as torchrun's
 
-SEC is a number of seconds: an integer as Python's int() reads it, as torchrun
-reads its times (30, +30, 3_0, spaces around), or digits with a fraction (0.5).
+SEC is a number of seconds, at most 1000000000: an integer as Python's int()
+reads it, as torchrun reads its times (30, +30, 3_0, spaces around), or digits
+with a fraction (0.5).
 Dashes and underscores in flag names are interchangeable, and any unique start
 of a name stands for it (--nproc=4), as in torchrun's parser; a flag given
 twice takes its last value there and here (but --rdzv_conf). As under torchrun,
@@ -281,7 +282,7 @@ counts as unset, where torchrun takes the empty value (and fails on an empty
 switch such as PET_STANDALONE, int('')). torchrun's
 --no_python is accepted (ddprun always runs PROGRAM itself); for Python,
 give the interpreter as PROGRAM: ddprun ... python3 train.py. Also accepted:
---monitor_interval=SEC (ddprun sees a worker exit at once, without polling),
+--monitor_interval=S (any float() >= 0; ddprun sees a worker exit at once),
 --start_method=spawn|fork|forkserver (ddprun always starts a fresh process
 with exec, so all three are the same), and, with a note that they are
 ignored, --local_addr, --logs_specs, --numa_binding (node, socket, exclusive
