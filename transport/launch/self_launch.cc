@@ -213,8 +213,17 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
     spawn.on_notice = [program](const std::string& line) {
       WriteLauncherLine(std::string(program) + ": " + line + "\n");
     };
-    DDP_ASSIGN_OR_RETURN(std::unique_ptr<WorkerGroup> group,
-                         WorkerGroup::Start(std::move(specs), spawn));
+    StatusOr<std::unique_ptr<WorkerGroup>> started = WorkerGroup::Start(std::move(specs), spawn);
+    if (!started.ok()) {
+      // The first start failing is a program that cannot run here (bad
+      // input, exit 2). A restart failing ends a job whose workers already
+      // failed: that failure is its status, not the start's.
+      if (attempt == 0) return started.status();
+      WriteLauncherLine(std::string(program) + ": restart " + std::to_string(attempt) +
+                        " could not start the workers: " + started.status().message() + "\n");
+      break;
+    }
+    std::unique_ptr<WorkerGroup> group = std::move(*started);
     result = group->Wait(deadline);
     group.reset();  // every worker of this attempt is gone
     if (result.output_dropped > 0) {

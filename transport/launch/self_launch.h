@@ -54,7 +54,10 @@ struct SelfLaunchOptions {
   /// others and start all of them again, up to this many times, with
   /// DDP_RESTART_COUNT counting the restarts (store keys of a restarted job
   /// are prefixed anew, see LaunchEnv::StoreKeyPrefix). A launcher that is
-  /// interrupted (Ctrl-C) or runs past max_run_time does not restart.
+  /// interrupted (Ctrl-C) or runs past max_run_time does not restart. A
+  /// restart whose workers cannot start (say, the program was replaced by
+  /// one that does not run) ends the job with the failed worker's status,
+  /// after a line saying so.
   int max_restarts = 0;
   /// With several workers, start each of their output lines with "[rank] ".
   /// Programs whose output comes from rank 0 alone (benchmarks with a fixed

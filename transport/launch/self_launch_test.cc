@@ -117,6 +117,34 @@ TEST(SelfLaunchTest, RestartsStopAtTheLimit) {
   EXPECT_EQ(CountLines(run.output, "rank 1 fails on attempt"), 2) << run.output;
 }
 
+// A restart that cannot start its workers (here the program lost its
+// execute permission after the first start) ends the job with the status
+// of the failure that asked for the restart, and says why; it used to exit
+// 2, which stands for bad input.
+TEST(SelfLaunchTest, RestartThatCannotStartKeepsTheFailuresStatus) {
+  const std::string dir = testing::MakeTempDir("self_launch_restart_cannot_start");
+  const std::string program = dir + "/test_worker";
+  std::filesystem::copy_file(Worker(), program);
+  std::filesystem::permissions(program, std::filesystem::perms::owner_all);
+  auto group = testing::StartProgram({program, "--nproc_per_node=2", "--self_launch_restarts=2",
+                                      "--sleep_ms=30000", "--pid_dir=" + dir});
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<pid_t> workers;
+  for (int r = 0; r < 2; ++r) {
+    workers.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
+    ASSERT_GT(workers.back(), 0);
+  }
+  std::filesystem::permissions(program, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  kill(workers[1], SIGKILL);
+  const auto run = testing::WaitProgram(**group, 20s);
+  EXPECT_EQ(run.exit_code, 128 + SIGKILL) << run.output;
+  EXPECT_THAT(run.output, ::testing::ContainsRegex("rank 1 \\(pid [0-9]+\\) was killed by signal 9 \\(SIGKILL\\)"));
+  EXPECT_THAT(run.output, ::testing::ContainsRegex("test_worker: restart 1 could not start the workers: .*rank 0"))
+      << run.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/rank0.restart1.pid"));
+  EXPECT_THAT(run.output, ::testing::Not(HasSubstr("restart 2")));
+}
+
 TEST(SelfLaunchTest, UnderALauncherItRunsAsThatWorker) {
   // --nproc_per_node agrees with the environment (3 workers on one node).
   auto run = RunProgram({Worker(), "--nproc_per_node=3", "--print_env"},
