@@ -1,11 +1,13 @@
 #include "transport/launch/self_launch.h"
 
+#include <signal.h>
 #include <sys/random.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -115,6 +117,29 @@ std::string LaunchVariables(const EnvMap& env, const LaunchEnv& parsed) {
   return out + suffix;
 }
 
+// While the launcher runs its workers: SIGINT, SIGTERM, SIGHUP and SIGQUIT
+// are recorded (CatchInterrupts) also between two attempts, where no group
+// forwards them, so that one arriving there is reported and starts no new
+// attempt instead of ending the launcher without a word. Puts back the
+// handlers it found when it goes.
+class InterruptsCaught {
+ public:
+  InterruptsCaught() {
+    for (size_t i = 0; i < std::size(kSignals); ++i) sigaction(kSignals[i], nullptr, &old_[i]);
+    CatchInterrupts(true);
+  }
+  ~InterruptsCaught() {
+    CatchInterrupts(false);
+    for (size_t i = 0; i < std::size(kSignals); ++i) sigaction(kSignals[i], &old_[i], nullptr);
+  }
+  InterruptsCaught(const InterruptsCaught&) = delete;
+  InterruptsCaught& operator=(const InterruptsCaught&) = delete;
+
+ private:
+  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+  struct sigaction old_[std::size(kSignals)] = {};
+};
+
 }  // namespace
 
 StatusOr<std::string> GenerateJobToken() {
@@ -186,7 +211,18 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
                                 ? Clock::now() + options.max_run_time
                                 : Deadline::max();
   GroupResult result;
+  const InterruptsCaught interrupts_caught;
   for (int attempt = 0;; ++attempt) {
+    if (const int signo = InterruptSignal(); signo != 0) {
+      // Caught before this attempt could start: end the job instead.
+      result.reason = "interrupted by " + SignalName(signo) +
+                      (attempt == 0 ? std::string(" before the workers started")
+                                    : " before restart " + std::to_string(attempt) + " started");
+      result.outcome = GroupOutcome::kInterrupted;
+      result.signal = signo;
+      WriteLauncherLine(std::string(program) + ": " + result.reason + "\n");
+      break;
+    }
     std::vector<WorkerSpec> specs;
     for (int rank = 0; rank < n; ++rank) {
       LaunchEnv worker;

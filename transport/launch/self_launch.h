@@ -85,14 +85,17 @@ struct SelfLaunchResult {
 /// run_as_worker or runs the workers as described above. INVALID_ARGUMENT for
 /// a bad N, a malformed launch environment, or an N given under a launcher
 /// that differs from its local world size (naming both and the variables),
-/// before anything starts.
+/// before anything starts. While a launcher runs workers it catches SIGINT,
+/// SIGTERM, SIGHUP and SIGQUIT (CatchInterrupts), and puts the handlers it
+/// found back before it returns.
 StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv,
                                       const SelfLaunchOptions& options = {});
 
 /// SelfLaunch, then: returns when this process is a worker; otherwise exits
 /// the process with the workers' status (a launcher interrupted by SIGINT,
-/// SIGTERM or SIGHUP dies of that signal once its workers are gone, see
-/// DieOfInterruptSignal), or with 2 after printing a one-line error for bad
+/// SIGTERM or SIGHUP, also between two attempts, where SelfLaunch catches
+/// them and starts no further one, dies of that signal once its workers
+/// are gone, see DieOfInterruptSignal), or with 2 after printing a one-line error for bad
 /// input ("NAME: ...", NAME being argv[0] without its folder, as in the
 /// launcher's other lines).
 void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options = {});
