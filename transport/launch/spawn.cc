@@ -1198,7 +1198,10 @@ class WorkerGroup::Impl {
     // group id, is reaped and that id becomes free).
     if (RunningCount() == 0) StopWatcher();
     StopListener();
-    ReapLeader();
+    // With a worker left unreapable the watcher stays armed with the group's
+    // id: the leader stays a zombie, holding that id, until the destructor
+    // has killed the group and disarmed the watcher.
+    if (RunningCount() == 0) ReapLeader();
     ReadErrorFiles(result);
     for (Worker& w : workers_) {
       for (int s = 0; s < 2; ++s) FlushPartial(w, s);

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/ptrace.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -883,6 +884,55 @@ TEST(SpawnTest, WorkerIgnoringSigtermIsKilledAfterTheGrace) {
     EXPECT_TRUE(w.signaled);
     EXPECT_EQ(w.code, SIGKILL) << w.Describe();
   }
+  ExpectNoChildrenLeft();
+}
+
+// A worker that cannot be reaped in time keeps the group's watcher armed
+// with the group's id, so Wait leaves the group leader a zombie: its pid is
+// that id, which must not pass to a new group before the destructor has
+// killed the group. Here another process traces rank 1, and alone sees its
+// death until it lets go. Wait used to reap the leader all the same.
+TEST(SpawnTest, TheLeaderStaysUnreapedWhileAWorkerCannotBeReaped) {
+  SpawnOptions options = Quiet();
+  options.grace = 100ms;
+  const std::string dir = TempDir("unreapable_worker");
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "sleeper", {{"PID_DIR", dir}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  for (int r = 0; r < 2; ++r) ASSERT_GT(ReadPid(dir + "/rank" + std::to_string(r), 20s), 0);
+  const pid_t leader = (*group)->process_group();
+  ASSERT_EQ(leader, (*group)->pids()[0]);
+  const pid_t traced = (*group)->pids()[1];
+  int ready[2];
+  ASSERT_EQ(pipe2(ready, O_CLOEXEC), 0);
+  const pid_t tracer = fork();
+  ASSERT_GE(tracer, 0);
+  if (tracer == 0) {
+    // Raw calls only: this test process may have other threads.
+    const char seized = ptrace(PTRACE_SEIZE, traced, nullptr, nullptr) == 0 ? 1 : 0;
+    ssize_t n = write(ready[1], &seized, 1);
+    (void)n;
+    for (;;) pause();  // until the test kills it
+  }
+  close(ready[1]);
+  char seized = 0;
+  const ssize_t got = read(ready[0], &seized, 1);  // its write, or end-of-file should it die
+  close(ready[0]);
+  if (got != 1 || seized != 1) {
+    kill(tracer, SIGKILL);
+    waitpid(tracer, nullptr, 0);
+    FAIL() << "could not trace rank 1 (pid " << traced << ")";
+  }
+
+  (*group)->RequestStop("test asked to stop");
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_FALSE(result.workers[1].exited) << result.workers[1].Describe();
+  std::ifstream stat("/proc/" + std::to_string(leader) + "/stat");
+  EXPECT_TRUE(stat.good()) << "the leader (pid " << leader << ") was reaped";
+  EXPECT_TRUE(ProcessGone(leader));
+
+  kill(tracer, SIGKILL);  // lets go of rank 1, whose death reaches this process
+  ASSERT_EQ(waitpid(tracer, nullptr, 0), tracer);
+  group->reset();
   ExpectNoChildrenLeft();
 }
 
