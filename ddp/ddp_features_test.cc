@@ -24,8 +24,11 @@
 #include <optional>
 #include <thread>
 
+#include "transport/launch/test_spawn.h"
+
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/reducer.h"
+#include "ddp/sync_batch_norm.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
@@ -172,6 +175,59 @@ TEST(DdpFeaturesTest, BucketsLaunchTogetherWhereCollectivesRunOnTheCaller) {
     auto run = RunWorkers("bucket_launch_order", 2, {{"DDP_COLLECTIVE_THREAD", where}});
     EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
   }
+}
+
+// Ranks that choose different collective threads (rank 0 caller, rank 1
+// the communication thread): SyncBatchNorm's backward all-reduce runs on
+// the same group while the buckets of the layer after it are ready. Both
+// ranks must issue the buckets at the same point relative to it, so the
+// gradients equal those of BatchNorm on the combined batch in one process.
+std::shared_ptr<nn::modules::Sequential> NormedMlp(uint64_t seed, std::shared_ptr<ProcessGroup> pg) {
+  nn::Generator gen(seed);
+  std::shared_ptr<Module> norm;
+  if (pg != nullptr) {
+    norm = std::make_shared<SyncBatchNorm>(16, nn::modules::BatchNormOptions{}, pg);
+  } else {
+    norm = std::make_shared<nn::modules::BatchNorm1d>(16);
+  }
+  return std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 16, true, gen), norm,
+      std::make_shared<nn::modules::ReLU>(), std::make_shared<nn::modules::Linear>(16, 10, true, gen)});
+}
+
+DDP_TEST_WORKER(mixed_collective_threads_with_sync_batch_norm) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  WORKER_EXPECT(pg->collectives_on_caller() == (rank == 0), "DDP_COLLECTIVE_THREAD was not taken");
+  auto model = NormedMlp(41, pg);
+  // One bucket per parameter.
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = NormedMlp(41, nullptr);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  for (int s = 0; s < 3; ++s) {  // before and after the buckets' rebuild
+    auto [x, y] = testing::Batch(testing::FashionMnist(), (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    ReferenceStep(*reference, ref_opt, s * world * kBatch, world * kBatch);
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-4, "`" + worst + "` off by " + std::to_string(diff));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, RanksOnDifferentCollectiveThreadsIssueBucketsInTheSameOrder) {
+  transport::launch::testing::TestRunOptions options;
+  options.world_size = 2;
+  options.timeout = std::chrono::milliseconds(60000);
+  options.env = {{"DDP_TEST_TIMEOUT_MS", "15000"}};
+  options.rank_env[0] = {{"DDP_COLLECTIVE_THREAD", "caller"}};
+  options.rank_env[1] = {{"DDP_COLLECTIVE_THREAD", "comm"}};
+  options.echo_output = std::getenv("DDP_TEST_ECHO") != nullptr;
+  auto run = transport::launch::testing::RunTestWorkers("mixed_collective_threads_with_sync_batch_norm", options);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
 }
 
 // NoSync with find_unused_parameters: head `b` gets gradients only in the

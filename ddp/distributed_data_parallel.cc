@@ -427,6 +427,15 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     // 3. Buckets and hooks. One rank has nothing to reduce: no buckets (no
     // copies, no memory) unless a communication hook is registered.
     if (pg_->size() > 1) {
+      // Whether to launch the CPU buckets together at the end of backward
+      // (Reducer::LaunchReadyBuckets) must be the same on every rank, or
+      // the buckets and the collectives issued during backward (SyncBatchNorm's)
+      // would pair up in different orders. Each rank's own choice of thread
+      // may differ (DDP_COLLECTIVE_THREAD, or auto on hosts with other core
+      // counts): they launch together only when every rank runs on the caller.
+      nn::Tensor on_caller = nn::Full({1}, pg_->collectives_on_caller() ? 1.0 : 0.0, {.dtype = nn::DType::kInt32});
+      pg_->AllReduce(on_caller, transport::ReduceOp::kMin, "collective threads of the ranks").Wait();
+      reducer_options.all_ranks_on_caller = on_caller.data<int32_t>()[0] == 1;
       std::vector<std::pair<std::string, nn::Tensor>> trainable;
       for (const auto& [name, p] : module_->NamedParameters()) {
         if (p.requires_grad()) {

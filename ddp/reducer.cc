@@ -303,7 +303,7 @@ void Reducer::BuildBuckets(const std::vector<size_t>& order) {
   }
   buckets_ = std::move(buckets);
   slots_ = std::move(slots);
-  launch_together_ = pg_->collectives_on_caller() &&
+  launch_together_ = options_.all_ranks_on_caller &&
                      std::all_of(buckets_.begin(), buckets_.end(), [](const Bucket& b) { return b.device.is_cpu(); });
 }
 

@@ -65,6 +65,13 @@ struct ReducerOptions {
   /// permutation, the same on every rank): the buckets are built from it
   /// and never rebuilt. Empty: reverse registration order, rebuilt once.
   std::vector<size_t> bucket_order;
+  /// Every rank of the group runs its CPU collectives on the caller
+  /// (ProcessGroup::collectives_on_caller), as agreed across the ranks when
+  /// DDP was made. Only then are CPU buckets launched together at the end
+  /// of backward: a rank's own setting may differ from its peers', and a
+  /// local choice would move the buckets relative to other collectives
+  /// issued during backward (SyncBatchNorm's) on this rank alone.
+  bool all_ranks_on_caller = false;
 };
 
 /// Sums of per-iteration timings (seconds), reset by the owner.
