@@ -1921,14 +1921,16 @@ TEST(DdpFeaturesTest, DestroyedAfterForwardsThatNeedNoBackwardLeavesTheGroupWork
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
-// Rank 1's communication hook fails (throws, or returns an empty Work) and
-// its caller goes on holding the wrapper: rank 0, waiting in that bucket's
-// collective, is told within moments, not at the 60 s timeout.
+// Rank 1's communication hook fails (throws a std::exception or an int, or
+// returns an empty Work) and its caller goes on holding the wrapper: rank 0,
+// waiting in that bucket's collective, is told within moments, not at the
+// 60 s timeout.
 DDP_TEST_WORKER(hook_fails_on_one_rank) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
   const int rank = pg->rank();
-  const bool empty = std::string(std::getenv("DDP_TEST_CASE")) == "empty";
+  const std::string test_case = std::getenv("DDP_TEST_CASE");
+  const bool empty = test_case == "empty", nonstd = test_case == "nonstd";
   auto model = Mlp(7);
   auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
   DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
@@ -1936,6 +1938,7 @@ DDP_TEST_WORKER(hook_fails_on_one_rank) {
   ddp.RegisterCommHook([&](ProcessGroup& group, GradBucket& bucket) -> Work {
     if (rank == 1 && bucket.index() == 1) {
       if (empty) return Work();
+      if (nonstd) throw 42;
       throw std::runtime_error("a hook failure, on purpose");
     }
     return plain(group, bucket);
@@ -1946,19 +1949,24 @@ DDP_TEST_WORKER(hook_fails_on_one_rank) {
     nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
   } catch (const std::exception& e) {
     message = e.what();
+  } catch (int value) {
+    message = "threw int " + std::to_string(value);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (rank == 1) {
-    WORKER_EXPECT(message.find(empty ? "returned an empty Work" : "on purpose") != std::string::npos, message);
+    const char* expected = empty ? "returned an empty Work" : nonstd ? "threw int 42" : "on purpose";
+    WORKER_EXPECT(message.find(expected) != std::string::npos, message);
     testing::StayAliveUntilTheOtherRanksAreDone(*pg);  // alive, holding the wrapper
   } else {
     testing::MarkThisRankDone(*pg);
     std::fprintf(stderr, "rank 0 after %.2f s: %s\n", seconds, message.c_str());
-    WORKER_EXPECT(message.find(empty ? "rank 1: DistributedDataParallel: the communication hook returned an "
-                                       "empty Work for bucket 1"
-                                     : "DistributedDataParallel on rank 1: the communication hook threw for "
-                                       "bucket 1: a hook failure, on purpose") != std::string::npos,
-                  message);
+    const char* expected =
+        empty    ? "rank 1: DistributedDataParallel: the communication hook returned an empty Work for bucket 1"
+        : nonstd ? "DistributedDataParallel on rank 1: the communication hook threw a non-standard exception "
+                   "for bucket 1"
+                 : "DistributedDataParallel on rank 1: the communication hook threw for bucket 1: a hook "
+                   "failure, on purpose";
+    WORKER_EXPECT(message.find(expected) != std::string::npos, message);
     WORKER_EXPECT(seconds < 8, "rank 0 failed after " + std::to_string(seconds) + " s");
   }
   return testing::WorkerExit();
@@ -1967,6 +1975,12 @@ DDP_TEST_WORKER(hook_fails_on_one_rank) {
 TEST(DdpFeaturesTest, AHookThatThrowsOnOneRankAbortsTheGroup) {
   auto run = RunWorkers("hook_fails_on_one_rank", 2,
                         {{"DDP_TEST_TIMEOUT_MS", "60000"}, {"DDP_TEST_CASE", "throw"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, AHookThatThrowsANonStandardExceptionOnOneRankAbortsTheGroup) {
+  auto run = RunWorkers("hook_fails_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "60000"}, {"DDP_TEST_CASE", "nonstd"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -841,6 +841,14 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
         "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
         ": the communication hook threw for bucket " + std::to_string(b) + ": " + e.what()));
     throw;
+  } catch (...) {
+    // Not a std::exception (an int, a library's own type): the peers must
+    // still be told, or they wait in this bucket's collective until the
+    // group's timeout with a reason that names neither hook nor rank.
+    pg_->Abort(transport::FailedPreconditionError(
+        "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+        ": the communication hook threw a non-standard exception for bucket " + std::to_string(b)));
+    throw;
   }
   if (!work.valid()) {
     const std::string message = "DistributedDataParallel: the communication hook returned an empty Work "
