@@ -1990,6 +1990,48 @@ TEST(DdpFeaturesTest, AHookThatReturnsNoWorkOnOneRankAbortsTheGroup) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rank 1's hook task fails on the communication side (Run's task throws)
+// for bucket 1, with a description that names no bucket: both ranks'
+// errors still say which bucket it was, from the reducer's label.
+DDP_TEST_WORKER(hook_task_fails_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  auto model = Mlp(7);
+  auto [x, y] = testing::Batch(testing::FashionMnist(), rank * kBatch, kBatch);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
+  ddp.RegisterCommHook([rank](ProcessGroup& group, GradBucket& bucket) -> Work {
+    const Tensor buffer = bucket.buffer();
+    const bool fail = rank == 1 && bucket.index() == 1;
+    return group.Run({"my_hook", buffer.dtype(), buffer.shape()},
+                     [buffer, fail](transport::Communicator* comm, transport::Deadline deadline) {
+                       if (fail) throw std::runtime_error("boom");
+                       return comm->AllReduce(buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
+                                              transport::DataType::kF32, transport::ReduceOp::kAvg,
+                                              internal::Within(deadline));
+                     });
+  });
+  std::string message;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  std::fprintf(stderr, "rank %d: %s\n", rank, message.c_str());
+  if (rank == 1) {
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);  // alive, so rank 0 learns it from the abort
+  } else {
+    testing::MarkThisRankDone(*pg);
+  }
+  WORKER_EXPECT(message.find("boom") != std::string::npos, message);
+  WORKER_EXPECT(message.find("my_hook bucket 1 of") != std::string::npos, message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AHookTaskThatFailsOnOneRankNamesTheBucketOnEveryRank) {
+  auto run = RunWorkers("hook_task_fails_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Forwards that do not synchronize are not unfinished iterations: no-grad
 // and eval-mode forwards, NoSync forwards without a backward, and a no-grad
 // evaluation between a training forward and its backward, which still

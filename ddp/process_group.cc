@@ -2035,8 +2035,17 @@ Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTas
     fence = FenceFor(device_tensors, "Run");
   }
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
+  // Inside a communication hook the reducer's default label names the
+  // bucket: a failure of the task (which becomes the abort reason the peers
+  // report) then says which bucket it was, on every rank. The label is the
+  // same on every rank, so the fingerprints still match.
+  CollectiveDescription labelled = description;
+  if (tls_default_label != nullptr && !tls_default_label->empty() &&
+      labelled.kind.find(*tls_default_label) == std::string::npos) {
+    labelled.kind += " " + *tls_default_label;
+  }
   return impl_->Enqueue(
-      description,
+      std::move(labelled),
       [task = std::move(task), local](transport::Communicator* comm, Deadline deadline) {
         return task(comm, deadline, local);
       },

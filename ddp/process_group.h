@@ -97,7 +97,9 @@ transport::CallOptions Within(transport::Deadline deadline);
 /// label (on any group) take `label` instead. DDP's reducer holds one,
 /// naming the bucket, while a communication hook runs: a desync report or a
 /// failure of the hook's unlabelled all-reduce then says which bucket it
-/// was. Labels given by the caller, and Run's descriptions, are kept. The
+/// was. Labels given by the caller are kept; Run's descriptions are kept
+/// and the label appended to their kind (unless it holds the label already),
+/// so that a failing task names the bucket too. The
 /// previous label comes back when it is destroyed (scopes nest). `label`
 /// is referred to, not copied (the reducer's runs on every bucket of every
 /// step): it must outlive the scope.
