@@ -20,6 +20,9 @@
 // it issues without a label is labelled with the bucket ("all_reduce bucket
 // 3 of 4 parameters `fc2.bias` ... `fc1.weight`(sum, f32 [4106])"), so that
 // DDP_DEBUG=detail's desync report and failure messages say which bucket.
+// The GradBucket a hook is given stays valid (at the same address) until
+// the Work it returned has completed, so a task given to Run() may refer to
+// it; its tensors may also be captured by value.
 
 #include <cstddef>
 #include <functional>

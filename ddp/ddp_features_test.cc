@@ -2032,6 +2032,65 @@ TEST(DdpFeaturesTest, AHookTaskThatFailsOnOneRankNamesTheBucketOnEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A hook whose task refers to the GradBucket it was given, by reference
+// (comm_hooks.h allows it): the object is still the same bucket while the
+// task runs and after backward returns, and the steps equal steps on the
+// combined batch.
+DDP_TEST_WORKER(hook_task_refers_to_its_bucket) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = Mlp(19);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = Mlp(19);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  struct Given {
+    const GradBucket* bucket;
+    size_t index;
+    const nn::TensorImpl* first_parameter;
+    const void* data;
+  };
+  std::vector<Given> given;
+  ddp.RegisterCommHook([&given](ProcessGroup& group, GradBucket& bucket) -> Work {
+    given.push_back({&bucket, bucket.index(), bucket.parameters().front().impl(), bucket.buffer().data_ptr()});
+    return group.Run({"by_reference", bucket.buffer().dtype(), bucket.buffer().shape()},
+                     [&bucket](transport::Communicator* comm, transport::Deadline deadline) {
+                       const Tensor& buffer = bucket.buffer();
+                       return comm->AllReduce(buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
+                                              transport::DataType::kF32, transport::ReduceOp::kSum,
+                                              internal::Within(deadline));
+                     });
+  });
+  for (int s = 0; s < 3; ++s) {  // before and after the buckets' rebuild
+    auto [x, y] = testing::Batch(testing::FashionMnist(), (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    given.clear();
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    WORKER_EXPECT(!given.empty(), "the hook was not called");
+    for (const Given& g : given) {
+      const std::string what = "step " + std::to_string(s) + ", bucket " + std::to_string(g.index);
+      WORKER_EXPECT(g.bucket->index() == g.index, what + ": the GradBucket now says " +
+                                                      std::to_string(g.bucket->index()));
+      WORKER_EXPECT(!g.bucket->parameters().empty() && g.bucket->parameters().front().impl() == g.first_parameter,
+                    what + ": the GradBucket's parameters changed");
+      WORKER_EXPECT(g.bucket->buffer().data_ptr() == g.data, what + ": the GradBucket's buffer changed");
+    }
+    opt.Step();
+    ReferenceStep(*reference, ref_opt, s * world * kBatch, world * kBatch);
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "`" + worst + "` off by " + std::to_string(diff));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AHookTaskMayReferToItsGradBucketUntilItsWorkCompletes) {
+  for (const char* where : {"caller", "comm"}) {
+    auto run = RunWorkers("hook_task_refers_to_its_bucket", 2,
+                          {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_COLLECTIVE_THREAD", where}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
+}
+
 // Forwards that do not synchronize are not unfinished iterations: no-grad
 // and eval-mode forwards, NoSync forwards without a backward, and a no-grad
 // evaluation between a training forward and its backward, which still

@@ -190,6 +190,11 @@ Reducer::~Reducer() {
     }
   }
   if (!WaitInFlight()) {
+    // A hook's task still running may refer to its GradBucket: left in
+    // memory, as the bucket's tensors are (the task holds them).
+    for (Bucket& b : buckets_) {
+      if (b.work.valid()) static_cast<void>(b.grad_bucket.release());
+    }
     std::fprintf(stderr,
                  "[ddp] rank %d: a gradient bucket's collective was still running when "
                  "DistributedDataParallel was destroyed (the group was aborted); it may still "
@@ -822,14 +827,18 @@ void Reducer::LaunchReadyBuckets() {
 }
 
 Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
-  const Bucket& bucket = buckets_[b];
+  Bucket& bucket = buckets_[b];
   if (FusedAverage(divisor_, bucket.dtype)) {
     return pg_->AllReduce(buffer, transport::ReduceOp::kAvg, "bucket " + std::to_string(b));
   }
   std::vector<nn::Tensor> params;
   params.reserve(bucket.params.size());
   for (size_t i : bucket.params) params.push_back(params_[i]);
-  GradBucket grad_bucket(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_);
+  // The previous launch's Work has completed (a bucket is reused only
+  // then), so nothing refers to the old one any more.
+  bucket.grad_bucket =
+      std::make_unique<GradBucket>(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_);
+  GradBucket& grad_bucket = *bucket.grad_bucket;
   // A hook that fails on this rank only leaves the peers in this bucket's
   // collective: they are told at once, as for the reducer's own errors.
   Work work;

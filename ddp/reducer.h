@@ -237,6 +237,10 @@ class Reducer {
     std::string hook_label;
     size_t pending = 0;           // gradients still missing this iteration
     Work work;
+    // What the communication hook was given at the last launch: kept until
+    // the bucket is launched again (its Work has completed by then), so
+    // that a hook's task may refer to it while it runs.
+    std::unique_ptr<GradBucket> grad_bucket;
   };
   struct Slot {
     size_t bucket = 0;
