@@ -546,7 +546,13 @@ class ProcessGroup::Impl {
     return work;
   }
 
-  void Stop() {
+  // Returns false when it gave up on a task that ignored both its deadline
+  // and the abort: the thread still runs it and was detached, so this
+  // object (the communicator included) must never be freed.
+  bool Stop() {
+    // Once: ProcessGroup's destructor stops it, and ~Impl calls this again.
+    if (stopped_) return true;
+    stopped_ = true;
     std::unique_lock lock(mu_);
     // The last reference was dropped inside a task of this group (RunningTaskMark),
     // on whichever thread runs it, or by the communication thread
@@ -554,9 +560,9 @@ class ProcessGroup::Impl {
     const bool inside_task = tls_running_group == this;
     if (inside_task || std::this_thread::get_id() == thread_.get_id()) {
       StopFromOwnWork(lock, inside_task);
-      return;
+      return true;
     }
-    if (!thread_.joinable()) return;
+    if (!thread_.joinable()) return true;
     // Let queued collectives finish within their own deadlines, as a
     // program that waited for them would have (PyTorch's gloo group drains
     // its queue the same way): a peer that comes late but in time succeeds.
@@ -590,12 +596,51 @@ class ProcessGroup::Impl {
                                     " collective(s) unfinished past their deadlines"),
             /*cascade=*/false);
       lock.lock();
+      // The abort ends every task that checks it within moments. One that
+      // still runs after one more wait margin ignores its deadline and the
+      // abort alike, and might never return: joining it would hang the
+      // destructor. What is queued or in flight fails now; the thread is
+      // left to finish the task on its own, with this object kept.
+      if (!idle_cv_.wait_for(lock, options_.wait_margin, idle) && running_ > 0) {
+        GiveUpOnRunningTask(lock);
+        return false;
+      }
     }
     stopping_ = true;
     lock.unlock();
     cv_.notify_all();
     has_clock_.store(false, std::memory_order_release);
     thread_.join();
+    return true;
+  }
+
+  // Stop, past the abort, with a task (`running_`) still inside: fails the
+  // queued and in-flight Works with the abort reason and detaches the
+  // thread. The object is leaked by the caller, so the task may still use
+  // the communicator it was given, and the thread, once the task returns,
+  // sees `stopping_` and exits through this object's (kept) members.
+  void GiveUpOnRunningTask(std::unique_lock<std::mutex>& lock) {
+    std::deque<Item> queued = std::move(queue_);
+    queue_.clear();
+    std::vector<std::shared_ptr<Work::State>> flying = std::move(in_flight_);
+    in_flight_.clear();
+    stopping_ = true;
+    lock.unlock();
+    Status reason = aborted_reason();
+    if (reason.ok()) reason = transport::AbortedError("process group destroyed");
+    for (Item& item : queued) item.state->Finish(reason, Clock::now());
+    for (const std::shared_ptr<Work::State>& state : flying) {
+      if (!state->Drive()) state->Finish(reason, Clock::now());
+    }
+    std::fprintf(stderr,
+                 "[ddp] process group of rank %d destroyed while a task still runs %lld ms past the abort "
+                 "(it ignores its deadline and the abort): its thread is left running and the group's "
+                 "memory (the communicator included) is kept for it; %zu queued collective(s) failed\n",
+                 rank_, static_cast<long long>(options_.wait_margin.count()), queued.size());
+    std::fflush(stderr);
+    cv_.notify_all();
+    has_clock_.store(false, std::memory_order_release);
+    thread_.detach();
   }
 
   // Stop, when the last reference to the group was dropped by one of its
@@ -931,6 +976,7 @@ class ProcessGroup::Impl {
   int64_t ahead_ms_ = 0;
   const bool on_caller_;
   bool stopping_ = false;
+  bool stopped_ = false;  // Stop ran (only the destroying thread touches it)
   std::thread thread_;
   std::shared_ptr<TraceRecorder> trace_;
   clockid_t thread_clock_{};
@@ -1052,7 +1098,14 @@ ProcessGroup::~ProcessGroup() {
   // In a process forked from this one, the communication thread does not
   // exist and the parent's may have held the locks: stopping it would hang.
   // The child's copy is left as it is (the communicator does the same).
-  if (transport::fork::InForkedChild()) static_cast<void>(impl_.release());
+  if (transport::fork::InForkedChild()) {
+    static_cast<void>(impl_.release());
+    return;
+  }
+  // A task that ignores its deadline and the abort still runs on the
+  // communication thread, which was detached: the group's memory stays for
+  // it (Impl::Stop said so on stderr).
+  if (!impl_->Stop()) static_cast<void>(impl_.release());
 }
 
 bool ProcessGroup::collectives_on_caller() const { return impl_->on_caller(); }

@@ -302,7 +302,10 @@ class ProcessGroup {
   /// at once; if some are still unfinished after their deadlines (a task
   /// that ignores its own), the communicator is aborted ("destroyed with N
   /// collective(s) unfinished past their deadlines") so that peers fail
-  /// instead of waiting.
+  /// instead of waiting. A task still running one wait_margin after that
+  /// ignores the abort too: the destructor then fails what is queued, says
+  /// so on stderr and returns, leaving the task on its thread and keeping
+  /// the group's memory (the communicator included) for it.
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

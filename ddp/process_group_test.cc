@@ -549,6 +549,56 @@ TEST(ProcessGroupTest, AWaitGivesUpAtTheTimeoutPlusTheWaitMargin) {
   EXPECT_LT(seconds, 4.0) << "the wait did not give up at the timeout plus the margin";
 }
 
+// Destroying a group whose task ignores its deadline and the abort: the
+// destructor gives up on the task one wait margin after the abort (the
+// timeout plus the margin from the start, plus one more margin), fails the
+// collective queued behind it, and returns; the task, released later,
+// finishes on its own thread. `stuck` outlives the group: its Work too.
+TEST(ProcessGroupTest, DestructionGivesUpOnATaskThatIgnoresTheAbort) {
+  auto pg = ProcessGroup::Single({.timeout = std::chrono::milliseconds(500),
+                                  .collective_thread = CollectiveThread::kCommThread,
+                                  .wait_margin = std::chrono::milliseconds(200)});
+  auto release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> released = release->get_future().share();
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  auto started = std::make_shared<std::promise<void>>();
+  auto ended = std::make_shared<std::promise<void>>();
+  std::future<void> ended_future = ended->get_future();
+  CollectiveDescription d{"ignores_the_abort", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false};
+  Work stuck = pg->Run(d, [released, finished, started, ended](transport::Communicator*, transport::Deadline) {
+    started->set_value();
+    released.wait_for(std::chrono::seconds(30));
+    finished->store(true);
+    ended->set_value();
+    return transport::Status::Ok();
+  });
+  ASSERT_EQ(started->get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  Work queued = pg->Run({"queued_behind", nn::DType::kFloat32, {0}, -1, ReduceOp::kSum, false},
+                        [](transport::Communicator*, transport::Deadline) { return transport::Status::Ok(); });
+  const auto start = std::chrono::steady_clock::now();
+  std::future<void> destroyed = std::async(std::launch::async, [&pg] { pg.reset(); });
+  const bool returned = destroyed.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const bool finished_first = finished->load();
+  // The queued collective failed with the abort, by the time the destructor returned.
+  std::string error;
+  if (returned) {
+    try {
+      queued.Wait();
+    } catch (const DistributedError& e) {
+      error = e.what();
+    }
+  }
+  release->set_value();
+  destroyed.wait();
+  EXPECT_TRUE(returned) << "the destructor was still waiting for the task after 5 s";
+  EXPECT_FALSE(finished_first) << "the task ended before the destructor gave up";
+  EXPECT_GE(seconds, 0.8) << "gave up before the timeout (0.5 s) plus two margins (0.2 s each)";
+  EXPECT_NE(error.find("unfinished past their deadlines"), std::string::npos) << error;
+  // The task, released, runs to its end on the thread left to it.
+  EXPECT_EQ(ended_future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+}
+
 TEST(ProcessGroupTest, DefaultGroupMustBeInitialized) {
   DestroyProcessGroup();
   EXPECT_THROW(DefaultProcessGroup(), std::logic_error);
