@@ -1999,10 +1999,16 @@ DDP_TEST_WORKER(hook_task_fails_on_one_rank) {
   auto model = Mlp(7);
   auto [x, y] = testing::Batch(testing::FashionMnist(), rank * kBatch, kBatch);
   DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
-  ddp.RegisterCommHook([rank](ProcessGroup& group, GradBucket& bucket) -> Work {
+  // DDP_TEST_CASE=named: the description names the bucket itself, as the
+  // built-in hooks' do ("fp16_compress bucket 1"), and the label adds only
+  // what it lacks.
+  const char* test_case = std::getenv("DDP_TEST_CASE");
+  const bool named = test_case != nullptr && std::string(test_case) == "named";
+  ddp.RegisterCommHook([rank, named](ProcessGroup& group, GradBucket& bucket) -> Work {
     const Tensor buffer = bucket.buffer();
     const bool fail = rank == 1 && bucket.index() == 1;
-    return group.Run({"my_hook", buffer.dtype(), buffer.shape()},
+    const std::string kind = named ? "my_hook bucket " + std::to_string(bucket.index()) : "my_hook";
+    return group.Run({kind, buffer.dtype(), buffer.shape()},
                      [buffer, fail](transport::Communicator* comm, transport::Deadline deadline) {
                        if (fail) throw std::runtime_error("boom");
                        return comm->AllReduce(buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
@@ -2024,11 +2030,18 @@ DDP_TEST_WORKER(hook_task_fails_on_one_rank) {
   }
   WORKER_EXPECT(message.find("boom") != std::string::npos, message);
   WORKER_EXPECT(message.find("my_hook bucket 1 of") != std::string::npos, message);
+  WORKER_EXPECT(message.find("bucket 1 bucket 1") == std::string::npos, message);
   return testing::WorkerExit();
 }
 
 TEST(DdpFeaturesTest, AHookTaskThatFailsOnOneRankNamesTheBucketOnEveryRank) {
   auto run = RunWorkers("hook_task_fails_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, AHookTaskNamingItsBucketIsNotGivenTheBucketTwice) {
+  auto run = RunWorkers("hook_task_fails_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_CASE", "named"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

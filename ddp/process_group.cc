@@ -17,6 +17,8 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -2095,7 +2097,16 @@ Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTas
   CollectiveDescription labelled = description;
   if (tls_default_label != nullptr && !tls_default_label->empty() &&
       labelled.kind.find(*tls_default_label) == std::string::npos) {
-    labelled.kind += " " + *tls_default_label;
+    // A kind that ends with the label's head ("fp16_compress bucket 1",
+    // the label "bucket 1 of `fc.weight`") takes only the rest of it.
+    const std::string& label = *tls_default_label;
+    const size_t of = label.find(" of ");
+    const std::string_view head = std::string_view(label).substr(0, of);
+    if (of != std::string::npos && std::string_view(labelled.kind).ends_with(head)) {
+      labelled.kind += label.substr(of);
+    } else {
+      labelled.kind += " " + label;
+    }
   }
   return impl_->Enqueue(
       std::move(labelled),
