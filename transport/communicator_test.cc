@@ -2937,38 +2937,33 @@ TEST(Communicator, AllReduceThroughAppliesEachSliceOnItsRank) {
   }
 }
 
+// Runs `worker` on 2 ranks on one host (shared memory) and then over UCX;
+// every rank must pass both times.
+void ExpectPassesOnOneHostAndOverUcx(const char* worker) {
+  for (const char* shm : {"1", "0"}) {
+    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
+    Job job = RunJob(2, worker, {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
+    EXPECT_TRUE(EveryRankPassed(job));
+  }
+}
+
 // A slice function that calls its own communicator gets FAILED_PRECONDITION
 // at once (on one host and over UCX), instead of a hang.
 TEST(Communicator, AllReduceThroughsSliceFunctionCallingItsCommunicatorIsRefusedAtOnce) {
-  for (const char* shm : {"1", "0"}) {
-    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
-    Job job = RunJob(2, "through_calls_its_communicator",
-                     {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
-    EXPECT_TRUE(EveryRankPassed(job));
-  }
+  ExpectPassesOnOneHostAndOverUcx("through_calls_its_communicator");
 }
 
 // Work::Wait() and Test() from inside the slice function, on calls of its
 // communicator that cannot finish before it returns, fail at once instead
 // of hanging; the calls finish afterwards (on one host and over UCX).
 TEST(Communicator, WaitingFromInsideAllReduceThroughsSliceFunctionIsRefusedAtOnce) {
-  for (const char* shm : {"1", "0"}) {
-    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
-    Job job = RunJob(2, "through_waits_for_its_communicator",
-                     {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
-    EXPECT_TRUE(EveryRankPassed(job));
-  }
+  ExpectPassesOnOneHostAndOverUcx("through_waits_for_its_communicator");
 }
 
 // A queued async call held up by another thread's call gives up at its own
 // deadline, naming that call, instead of running late.
 TEST(Communicator, AQueuedCallHeldUpByAnotherThreadsCallTimesOutAtItsOwnDeadline) {
-  for (const char* shm : {"1", "0"}) {
-    SCOPED_TRACE(std::string("DDP_SHARED_MEMORY=") + shm);
-    Job job = RunJob(2, "queued_behind_another_threads_call",
-                     {{"DDP_TEST_TIMEOUT_MS", "10000"}, {"DDP_SHARED_MEMORY", shm}}, milliseconds(40000));
-    EXPECT_TRUE(EveryRankPassed(job));
-  }
+  ExpectPassesOnOneHostAndOverUcx("queued_behind_another_threads_call");
 }
 
 TEST(Communicator, SplitFormsCommunicatorsOfEachColorOrderedByKey) {

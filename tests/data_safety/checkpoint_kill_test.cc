@@ -31,7 +31,6 @@
 #include <cstring>
 #include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,6 +45,7 @@
 #include "nn/io/checkpoint.h"
 #include "nn/modules/layers.h"
 #include "nn/tensor/tensor.h"
+#include "transport/launch/launch_test_util.h"
 #include "transport/launch/test_spawn.h"
 
 namespace ddp {
@@ -351,21 +351,6 @@ pid_t WaitForPid(const std::string& file, std::chrono::steady_clock::time_point 
   return -1;
 }
 
-// The parent of process `pid` as /proc gives it; -1 when there is none.
-pid_t ParentOf(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return -1;
-  // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-  const size_t paren = line.rfind(')');
-  if (paren == std::string::npos) return -1;
-  std::istringstream rest(line.substr(paren + 1));
-  std::string state;
-  pid_t parent = -1;
-  rest >> state >> parent;
-  return rest ? parent : -1;
-}
-
 // Sends SIGKILL to `pid` only while it is a child of this process (a rank
 // of the run under way), never to a process that took the pid after the
 // run reaped the rank: the pidfd pins one process before its parent is
@@ -375,7 +360,7 @@ std::string KillOwnChild(pid_t pid) {
   const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
   if (fd < 0) return "pidfd_open(" + std::to_string(pid) + "): " + std::strerror(errno);
   std::string why_not;
-  if (const pid_t parent = ParentOf(pid); parent != getpid()) {
+  if (const pid_t parent = lt::ParentPid(pid); parent != getpid()) {
     why_not = "pid " + std::to_string(pid) + " is no child of this process (its parent: " +
               std::to_string(parent) + ")";
   } else if (syscall(SYS_pidfd_send_signal, fd, SIGKILL, nullptr, 0) != 0) {
