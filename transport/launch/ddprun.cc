@@ -2605,11 +2605,13 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     if (!keys.empty()) (void)client->Wait(keys, DeadlineIn(std::min<milliseconds>(kFarewellTime, o.node_timeout)));
   };
-  // From here on, with several nodes, SIGINT, SIGTERM, SIGHUP and SIGQUIT while no
-  // workers run are recorded instead of ending this launcher at once (a
-  // second one still does): the waits below look for them, and the
-  // launcher tells the others before it leaves.
-  if (multi_node) CatchInterrupts(true);
+  // From here on, SIGINT, SIGTERM, SIGHUP and SIGQUIT while no workers run
+  // are recorded instead of ending this launcher at once (a second one
+  // still does): the waits below look for them, and with several nodes the
+  // launcher tells the others before it leaves. A single node needs it too:
+  // one between two attempts is reported and starts no restart, instead of
+  // ending the launcher there without a word.
+  CatchInterrupts(true);
   bool stop_posted = false;
   // Ends the job on every node (see PostStop); the first reason counts.
   auto post_stop = [&](int attempt, const std::string& reason) {
@@ -2933,10 +2935,18 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     // the group, which forwards only those that come once it exists.
     // The round is formed: leaving here, node 0 still tells the launchers
     // waiting for the next round how the job ended, as after the workers.
-    if (multi_node && InterruptSignal() != 0) {
+    if (const int signo = InterruptSignal(); signo != 0 && multi_node) {
       const int code = leave_interrupted(attempt, /*member=*/true, "node " + std::to_string(o.node_rank));
       farewell(attempt, code);
       return code;
+    } else if (signo != 0) {
+      // A single node: no one else to tell; the job ends here.
+      cause.reason = "interrupted by " + SignalName(signo) +
+                     (attempt == 0 ? std::string(" before the workers started")
+                                   : " before restart " + std::to_string(attempt) + " started");
+      Say(cause.reason);
+      CatchInterrupts(false);
+      return 128 + signo;
     }
     StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), spawn);
     if (!group.ok()) {

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <dirent.h>
@@ -14,7 +15,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -614,6 +617,96 @@ TEST(DdprunTest, SigtermWhileStoppingAfterAFailureEndsTheJobWithoutRestart) {
   EXPECT_THAT(run.output, Not(HasSubstr("restarting")));
   EXPECT_EQ(CountLines(run.output, "exited with code 5"), 1) << run.output;
   EXPECT_EQ(testing::ReadPidFile(dir + "/rank0.restart1.pid", 100ms), -1) << "the job restarted";
+  ExpectAllGone(workers);
+}
+
+// Whether `pid` has a handler for `signo` (SigCgt in /proc/<pid>/status).
+bool Catches(pid_t pid, int signo) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (signo - 1)) & 1;
+  }
+  return false;
+}
+
+// Polls `condition` until it holds (true) or `timeout` passes (false).
+bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& condition) {
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  while (!condition()) {
+    if (std::chrono::steady_clock::now() >= give_up) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+// A single-node launcher interrupted between two attempts, where no group
+// forwards the signal, reports it and starts no restart; it used to die of
+// the signal there without a word. Its stderr is a full pipe, which holds
+// it in that gap: its line about the restart waits there (up to 2 s, see
+// WriteLauncherLine). The group is gone once SIGUSR1, which only a group
+// catches, is no longer caught.
+TEST(DdprunTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
+  const std::string dir = testing::MakeTempDir("ddprun_interrupt_between");
+  int err[2];
+  ASSERT_EQ(pipe2(err, O_CLOEXEC), 0);
+  ASSERT_EQ(fcntl(err[1], F_SETFL, O_NONBLOCK), 0);
+  const std::string block(4096, '.');
+  while (write(err[1], block.data(), block.size()) > 0) {
+  }
+  ASSERT_EQ(fcntl(err[1], F_SETFL, 0), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, (dir + "/stdout").c_str(), O_WRONLY | O_CREAT, 0644);
+  std::vector<std::string> args = Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=2"},
+                                      {"--sleep_ms=30000", "--pid_dir=" + dir});
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t launcher = -1;
+  const int spawned = posix_spawn(&launcher, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(err[1]);
+  ASSERT_EQ(spawned, 0) << std::strerror(spawned);
+  // Whatever ends the test, the launcher does not outlive it.
+  struct Reaper {
+    pid_t pid;
+    ~Reaper() {
+      if (testing::ProcessGone(pid)) return;
+      kill(pid, SIGKILL);
+      if (testing::GoneWithin(pid, 5s)) waitpid(pid, nullptr, 0);
+    }
+  } reaper{launcher};
+  const std::vector<pid_t> workers = WorkerPids(dir, 2);
+  ASSERT_GT(workers[0], 0);
+  ASSERT_GT(workers[1], 0);
+  ASSERT_TRUE(Within(10s, [&] { return Catches(launcher, SIGUSR1); }));
+  kill(workers[1], SIGKILL);
+  ASSERT_TRUE(Within(20s, [&] { return !Catches(launcher, SIGUSR1); }));
+  kill(launcher, SIGTERM);
+
+  std::string output;
+  const auto give_up = std::chrono::steady_clock::now() + 20s;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
+    pollfd p{err[0], POLLIN, 0};
+    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+    char buffer[4096];
+    const ssize_t n = read(err[0], buffer, sizeof(buffer));
+    if (n <= 0) break;
+    output.append(buffer, static_cast<size_t>(n));
+  }
+  close(err[0]);
+  output.erase(0, output.find_first_not_of('.'));  // the filler the pipe held
+  ASSERT_TRUE(testing::GoneWithin(launcher, 20s)) << output;
+  int status = 0;
+  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status << "\n" << output;
+  EXPECT_THAT(output, HasSubstr("restarting the job (restart 1 of 2)\n"));
+  EXPECT_THAT(output, HasSubstr("ddprun: interrupted by SIGTERM before restart 1 started\n"));
+  EXPECT_EQ(testing::ReadPidFile(dir + "/rank0.restart1.pid", 100ms), -1) << "the job restarted\n" << output;
+  EXPECT_EQ(testing::ReadPidFile(dir + "/rank1.restart1.pid", 100ms), -1) << "the job restarted\n" << output;
   ExpectAllGone(workers);
 }
 
