@@ -4,7 +4,6 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <dirent.h>
@@ -15,9 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
-#include <functional>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -620,26 +617,6 @@ TEST(DdprunTest, SigtermWhileStoppingAfterAFailureEndsTheJobWithoutRestart) {
   ExpectAllGone(workers);
 }
 
-// Whether `pid` has a handler for `signo` (SigCgt in /proc/<pid>/status).
-bool Catches(pid_t pid, int signo) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (signo - 1)) & 1;
-  }
-  return false;
-}
-
-// Polls `condition` until it holds (true) or `timeout` passes (false).
-bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& condition) {
-  const auto give_up = std::chrono::steady_clock::now() + timeout;
-  while (!condition()) {
-    if (std::chrono::steady_clock::now() >= give_up) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
-
 // A single-node launcher interrupted between two attempts, where no group
 // forwards the signal, reports it and starts no restart; it used to die of
 // the signal there without a word. Its stderr is a full pipe, which holds
@@ -648,60 +625,22 @@ bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& cond
 // catches, is no longer caught.
 TEST(DdprunTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
   const std::string dir = testing::MakeTempDir("ddprun_interrupt_between");
-  int err[2];
-  ASSERT_EQ(pipe2(err, O_CLOEXEC), 0);
-  ASSERT_EQ(fcntl(err[1], F_SETFL, O_NONBLOCK), 0);
-  const std::string block(4096, '.');
-  while (write(err[1], block.data(), block.size()) > 0) {
-  }
-  ASSERT_EQ(fcntl(err[1], F_SETFL, 0), 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, (dir + "/stdout").c_str(), O_WRONLY | O_CREAT, 0644);
-  std::vector<std::string> args = Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=2"},
-                                      {"--sleep_ms=30000", "--pid_dir=" + dir});
-  std::vector<char*> argv;
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t launcher = -1;
-  const int spawned = posix_spawn(&launcher, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  close(err[1]);
-  ASSERT_EQ(spawned, 0) << std::strerror(spawned);
-  // Whatever ends the test, the launcher does not outlive it.
-  struct Reaper {
-    pid_t pid;
-    ~Reaper() {
-      if (testing::ProcessGone(pid)) return;
-      kill(pid, SIGKILL);
-      if (testing::GoneWithin(pid, 5s)) waitpid(pid, nullptr, 0);
-    }
-  } reaper{launcher};
+  auto launcher = testing::HeldLauncher::Start(Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=2"},
+                                                   {"--sleep_ms=30000", "--pid_dir=" + dir}),
+                                               dir + "/stdout");
+  ASSERT_TRUE(launcher.ok()) << launcher.status();
+  const pid_t pid = (*launcher)->pid();
   const std::vector<pid_t> workers = WorkerPids(dir, 2);
   ASSERT_GT(workers[0], 0);
   ASSERT_GT(workers[1], 0);
-  ASSERT_TRUE(Within(10s, [&] { return Catches(launcher, SIGUSR1); }));
+  ASSERT_TRUE(testing::Within(10s, [&] { return testing::CatchesSignal(pid, SIGUSR1); }));
   kill(workers[1], SIGKILL);
-  ASSERT_TRUE(Within(20s, [&] { return !Catches(launcher, SIGUSR1); }));
-  kill(launcher, SIGTERM);
+  ASSERT_TRUE(testing::Within(20s, [&] { return !testing::CatchesSignal(pid, SIGUSR1); }));
+  kill(pid, SIGTERM);
 
-  std::string output;
-  const auto give_up = std::chrono::steady_clock::now() + 20s;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-    pollfd p{err[0], POLLIN, 0};
-    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
-    char buffer[4096];
-    const ssize_t n = read(err[0], buffer, sizeof(buffer));
-    if (n <= 0) break;
-    output.append(buffer, static_cast<size_t>(n));
-  }
-  close(err[0]);
-  output.erase(0, output.find_first_not_of('.'));  // the filler the pipe held
-  ASSERT_TRUE(testing::GoneWithin(launcher, 20s)) << output;
-  int status = 0;
-  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  const std::string output = (*launcher)->ReadStderr(20s);
+  const int status = (*launcher)->Reap(20s);
+  ASSERT_NE(status, -1) << "the launcher did not end\n" << output;
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status << "\n" << output;
   EXPECT_THAT(output, HasSubstr("restarting the job (restart 1 of 2)\n"));
   EXPECT_THAT(output, HasSubstr("ddprun: interrupted by SIGTERM before restart 1 started\n"));

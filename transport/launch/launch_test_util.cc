@@ -1,9 +1,16 @@
 #include "transport/launch/launch_test_util.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -117,6 +124,87 @@ int CountLines(const std::string& text, const std::string& needle) {
   int n = 0;
   while (std::getline(in, line)) n += line.find(needle) != std::string::npos ? 1 : 0;
   return n;
+}
+
+bool CatchesSignal(pid_t pid, int signo) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (signo - 1)) & 1;
+  }
+  return false;
+}
+
+bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& condition) {
+  const auto give_up = Clock::now() + timeout;
+  while (!condition()) {
+    if (Clock::now() >= give_up) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+StatusOr<std::unique_ptr<HeldLauncher>> HeldLauncher::Start(std::vector<std::string> argv,
+                                                            const std::string& stdout_path) {
+  int err[2];
+  if (pipe2(err, O_CLOEXEC) != 0) return InternalError(std::string("pipe2: ") + std::strerror(errno));
+  // Filled while the write end does not block; the launcher gets it blocking.
+  fcntl(err[1], F_SETFL, O_NONBLOCK);
+  const std::string block(4096, '.');
+  while (write(err[1], block.data(), block.size()) > 0) {
+  }
+  fcntl(err[1], F_SETFL, 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(), O_WRONLY | O_CREAT, 0644);
+  std::vector<char*> args;
+  for (std::string& arg : argv) args.push_back(arg.data());
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int spawned = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(err[1]);
+  if (spawned != 0) {
+    close(err[0]);
+    return InternalError("cannot start '" + argv[0] + "': " + std::strerror(spawned));
+  }
+  return std::unique_ptr<HeldLauncher>(new HeldLauncher(pid, err[0]));
+}
+
+HeldLauncher::~HeldLauncher() {
+  if (stderr_fd_ >= 0) close(stderr_fd_);
+  if (reaped_) return;
+  kill(pid_, SIGKILL);
+  if (GoneWithin(pid_, std::chrono::seconds(5))) waitpid(pid_, nullptr, 0);
+}
+
+std::string HeldLauncher::ReadStderr(std::chrono::milliseconds timeout) {
+  std::string output;
+  const auto give_up = Clock::now() + timeout;
+  while (stderr_fd_ >= 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - Clock::now());
+    pollfd p{stderr_fd_, POLLIN, 0};
+    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+    char buffer[4096];
+    const ssize_t n = read(stderr_fd_, buffer, sizeof(buffer));
+    if (n <= 0) {
+      close(stderr_fd_);
+      stderr_fd_ = -1;
+      break;
+    }
+    output.append(buffer, static_cast<size_t>(n));
+  }
+  output.erase(0, output.find_first_not_of('.'));
+  return output;
+}
+
+int HeldLauncher::Reap(std::chrono::milliseconds timeout) {
+  if (reaped_ || !GoneWithin(pid_, timeout)) return -1;
+  int status = 0;
+  if (waitpid(pid_, &status, 0) != pid_) return -1;
+  reaped_ = true;
+  return status;
 }
 
 }  // namespace ddp::transport::launch::testing

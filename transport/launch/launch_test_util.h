@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -56,6 +57,43 @@ pid_t ReadPidFile(const std::string& path, std::chrono::milliseconds timeout);
 
 /// Number of lines of `text` that contain `needle`.
 int CountLines(const std::string& text, const std::string& needle);
+
+/// Whether `pid` has a handler for `signo` (SigCgt in /proc/<pid>/status);
+/// false when it is gone.
+bool CatchesSignal(pid_t pid, int signo);
+
+/// Polls `condition` every millisecond until it holds (true) or `timeout`
+/// passes (false).
+bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& condition);
+
+/// A launcher whose stderr is a pipe that was full when it started: its own
+/// next line waits there (up to 2 s, see WriteLauncherLine) until the test
+/// reads, which holds it at that point, e.g. between two attempts. Killed
+/// (SIGKILL) and reaped when destroyed, unless Reap reaped it.
+class HeldLauncher {
+ public:
+  /// Starts `argv` (argv[0] is the program's path) with stdout to the file
+  /// `stdout_path`.
+  static StatusOr<std::unique_ptr<HeldLauncher>> Start(std::vector<std::string> argv,
+                                                       const std::string& stdout_path);
+  ~HeldLauncher();
+  HeldLauncher(const HeldLauncher&) = delete;
+  HeldLauncher& operator=(const HeldLauncher&) = delete;
+
+  pid_t pid() const { return pid_; }
+  /// What it writes to stderr until that closes or `timeout` passes, without
+  /// the filler the pipe held.
+  std::string ReadStderr(std::chrono::milliseconds timeout);
+  /// Its wait status once it ends, waiting up to `timeout`; -1 when it does
+  /// not.
+  int Reap(std::chrono::milliseconds timeout);
+
+ private:
+  HeldLauncher(pid_t pid, int stderr_fd) : pid_(pid), stderr_fd_(stderr_fd) {}
+  pid_t pid_;
+  int stderr_fd_;  // the read end; -1 once read to its end
+  bool reaped_ = false;
+};
 
 }  // namespace ddp::transport::launch::testing
 

@@ -1,8 +1,13 @@
 #include "transport/launch/launch_test_util.h"
 
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <fstream>
+#include <iterator>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -42,6 +47,50 @@ TEST(LaunchTestUtilTest, ExitCodesAndSignalsAreReported) {
   EXPECT_EQ(RunProgram({"/bin/sh", "-c", "exit 0"}).exit_code, 0);
   EXPECT_EQ(RunProgram({"/bin/sh", "-c", "exit 7"}).exit_code, 7);
   EXPECT_EQ(RunProgram({"/bin/sh", "-c", "kill -9 $$"}).exit_code, 128 + 9);
+}
+
+TEST(LaunchTestUtilTest, CatchesSignalReadsTheHandlersOfAProcess) {
+  struct sigaction old_action{};
+  struct sigaction action{};
+  action.sa_handler = [](int) {};
+  sigemptyset(&action.sa_mask);
+  ASSERT_EQ(sigaction(SIGUSR2, &action, &old_action), 0);
+  EXPECT_TRUE(CatchesSignal(getpid(), SIGUSR2));
+  action.sa_handler = SIG_DFL;
+  ASSERT_EQ(sigaction(SIGUSR2, &action, nullptr), 0);
+  EXPECT_FALSE(CatchesSignal(getpid(), SIGUSR2));
+  ASSERT_EQ(sigaction(SIGUSR2, &old_action, nullptr), 0);
+}
+
+TEST(LaunchTestUtilTest, WithinGivesUpAtItsTimeout) {
+  int calls = 0;
+  EXPECT_TRUE(Within(1s, [&] { return ++calls == 3; }));
+  EXPECT_EQ(calls, 3);
+  EXPECT_FALSE(Within(20ms, [] { return false; }));
+}
+
+// A program started held writes nothing until the test reads: its stderr
+// was full. What it wrote comes back without the filler, and its status
+// with Reap.
+TEST(LaunchTestUtilTest, AHeldLaunchersStderrWaitsForTheReader) {
+  const std::string dir = MakeTempDir("launch_test_util_held");
+  auto held = HeldLauncher::Start({"/bin/sh", "-c", "echo to-stdout; echo to-stderr >&2; exit 3"}, dir + "/stdout");
+  ASSERT_TRUE(held.ok()) << held.status();
+  const std::string output = (*held)->ReadStderr(10s);
+  EXPECT_EQ(output, "to-stderr\n");
+  const int status = (*held)->Reap(10s);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 3);
+  std::ifstream out(dir + "/stdout");
+  const std::string written((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(written, "to-stdout\n");
+}
+
+TEST(LaunchTestUtilTest, AHeldLauncherThatCannotStartIsAnError) {
+  const std::string dir = MakeTempDir("launch_test_util_held_missing");
+  auto held = HeldLauncher::Start({dir + "/no_such_program"}, dir + "/stdout");
+  ASSERT_FALSE(held.ok());
+  EXPECT_NE(held.status().message().find("no_such_program"), std::string::npos) << held.status().message();
 }
 
 }  // namespace

@@ -1,18 +1,11 @@
 #include "transport/launch/self_launch.h"
 
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdint>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <functional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -32,26 +25,6 @@ using testing::CountLines;
 using testing::RunProgram;
 
 std::string Worker() { return testing::Runfile("transport/launch/test_worker"); }
-
-// Whether `pid` has a handler for `signo` (SigCgt in /proc/<pid>/status).
-bool Catches(pid_t pid, int signo) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (signo - 1)) & 1;
-  }
-  return false;
-}
-
-// Polls `condition` until it holds (true) or `timeout` passes (false).
-bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& condition) {
-  const auto give_up = std::chrono::steady_clock::now() + timeout;
-  while (!condition()) {
-    if (std::chrono::steady_clock::now() >= give_up) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
 
 TEST(SelfLaunchTest, FourWorkersRendezvousAndComplete) {
   const auto run = RunProgram({Worker(), "--nproc_per_node=4", "--store", "--print_env"});
@@ -258,61 +231,24 @@ TEST(SelfLaunchTest, SigtermToTheLauncherReachesEveryWorker) {
 // catches, is no longer caught.
 TEST(SelfLaunchTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
   const std::string dir = testing::MakeTempDir("self_launch_interrupt_between");
-  int err[2];
-  ASSERT_EQ(pipe2(err, O_CLOEXEC), 0);
-  ASSERT_EQ(fcntl(err[1], F_SETFL, O_NONBLOCK), 0);
-  const std::string block(4096, '.');
-  while (write(err[1], block.data(), block.size()) > 0) {
-  }
-  ASSERT_EQ(fcntl(err[1], F_SETFL, 0), 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, (dir + "/stdout").c_str(), O_WRONLY | O_CREAT, 0644);
-  std::vector<std::string> args = {Worker(), "--nproc_per_node=2", "--self_launch_restarts=2", "--sleep_ms=30000",
-                                   "--pid_dir=" + dir};
-  std::vector<char*> argv;
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t launcher = -1;
-  const int spawned = posix_spawn(&launcher, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  close(err[1]);
-  ASSERT_EQ(spawned, 0) << std::strerror(spawned);
-  // Whatever ends the test, the launcher does not outlive it.
-  struct Reaper {
-    pid_t pid;
-    ~Reaper() {
-      if (testing::ProcessGone(pid)) return;
-      kill(pid, SIGKILL);
-      if (testing::GoneWithin(pid, 5s)) waitpid(pid, nullptr, 0);
-    }
-  } reaper{launcher};
+  auto launcher = testing::HeldLauncher::Start({Worker(), "--nproc_per_node=2", "--self_launch_restarts=2",
+                                                "--sleep_ms=30000", "--pid_dir=" + dir},
+                                               dir + "/stdout");
+  ASSERT_TRUE(launcher.ok()) << launcher.status();
+  const pid_t pid = (*launcher)->pid();
   std::vector<pid_t> workers;
   for (int r = 0; r < 2; ++r) {
     workers.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
     ASSERT_GT(workers.back(), 0);
   }
-  ASSERT_TRUE(Within(10s, [&] { return Catches(launcher, SIGUSR1); }));
+  ASSERT_TRUE(testing::Within(10s, [&] { return testing::CatchesSignal(pid, SIGUSR1); }));
   kill(workers[1], SIGKILL);
-  ASSERT_TRUE(Within(10s, [&] { return !Catches(launcher, SIGUSR1); }));
-  kill(launcher, SIGTERM);
+  ASSERT_TRUE(testing::Within(10s, [&] { return !testing::CatchesSignal(pid, SIGUSR1); }));
+  kill(pid, SIGTERM);
 
-  std::string output;
-  const auto give_up = std::chrono::steady_clock::now() + 20s;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-    pollfd p{err[0], POLLIN, 0};
-    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
-    char buffer[4096];
-    const ssize_t n = read(err[0], buffer, sizeof(buffer));
-    if (n <= 0) break;
-    output.append(buffer, static_cast<size_t>(n));
-  }
-  close(err[0]);
-  ASSERT_TRUE(testing::GoneWithin(launcher, 20s)) << output;
-  int status = 0;
-  ASSERT_EQ(waitpid(launcher, &status, 0), launcher);
+  const std::string output = (*launcher)->ReadStderr(20s);
+  const int status = (*launcher)->Reap(20s);
+  ASSERT_NE(status, -1) << "the launcher did not end\n" << output;
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status << "\n" << output;
   EXPECT_THAT(output, HasSubstr("test_worker: interrupted by SIGTERM before restart 1 started\n"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/rank0.restart1.pid"));
