@@ -456,6 +456,46 @@ TEST(TrainRunTest, ResumedOnFewerRanksTheScheduleEndsWithTheRun) {
   EXPECT_NEAR(std::stod(last_lr), 0.05 * (1 + std::cos(M_PI * 11 / 12)) / 2, 1e-8) << last_step_row;
 }
 
+// A checkpoint saved before runs had an identity, resumed twice (the first
+// resume stopped before its first save, so the second starts from the same
+// file): both resumes continue the run's metrics.csv. A new identity made
+// at each resume set the run's own rows aside as another run's.
+TEST(TrainRunTest, AnOlderCheckpointResumedTwiceContinuesItsRunsMetrics) {
+  const std::string dir = testing::MakeTempDir("older_run_id");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  const std::string logs = dir + "/logs";
+  // 8 steps per epoch on 1 rank, no schedule to move.
+  const std::vector<std::string> args = {
+      Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",   "--train_samples=256",
+      "--test_samples=64",       "--batch_size=32",     "--workers=0",   "--nproc_per_node=1",
+      "--scheduler=none",        "--log_every=1",       "--checkpoint=" + ckpt, "--log_dir=" + logs};
+  std::vector<std::string> first = args;
+  first.push_back("--epochs=1");
+  const RunOutput trained = RunToEnd(first);
+  ASSERT_EQ(trained.exit_code, 0) << trained.out << trained.err;
+  // As an older trainer left them: no identity in the checkpoint, no
+  // metrics.run beside the rows.
+  nn::io::Checkpoint c = nn::io::LoadCheckpoint(ckpt);
+  ASSERT_EQ(c.metadata.erase("run"), 1u);
+  nn::io::SaveCheckpoint(ckpt, c);
+  const std::string older = dir + "/older.safetensors";
+  std::filesystem::copy_file(ckpt, older);
+  std::filesystem::remove(logs + "/metrics.run");
+  std::vector<std::string> resumed = args;
+  resumed.insert(resumed.end(), {"--epochs=2", "--resume"});
+  for (int resume = 0; resume < 2; ++resume) {
+    // The second resume starts from the older file again.
+    if (resume == 1) std::filesystem::copy_file(older, ckpt, std::filesystem::copy_options::overwrite_existing);
+    const RunOutput r = RunToEnd(resumed);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_EQ(r.out.find("another run"), std::string::npos) << "resume " << resume << ": " << r.out;
+    EXPECT_FALSE(std::filesystem::exists(logs + "/metrics.prev.csv")) << "resume " << resume;
+    // The first epoch's rows are still there.
+    const std::string rows = ReadFile(logs + "/metrics.csv");
+    EXPECT_NE(rows.find("\n1,1,"), std::string::npos) << "resume " << resume << ": " << rows;
+  }
+}
+
 // A signal during the evaluation at an epoch end (or at a multiple of
 // --eval_every) stops the run after the checkpoint of that step was saved
 // and before the evaluation's row was written. The resumed run starts past

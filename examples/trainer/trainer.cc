@@ -881,9 +881,14 @@ void Run::Setup() {
     pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(bytes), parts, c_, world_, &resume_note);
   }
   // A fresh run's identity; a resumed run goes on with its checkpoint's (a
-  // checkpoint saved before they were has none: a new one then). Rank 0's
-  // is the one saved and logged.
+  // checkpoint saved before they were has none: a new one then, for its
+  // saves). Rank 0's is the one saved and logged. The metrics of a resume
+  // from such a checkpoint are matched against no identity (continued, as
+  // an older trainer's log is): a new one there would differ at each resume
+  // of the same checkpoint and set the run's own rows aside.
+  const bool checkpoint_named_run = !pos_.run.empty();
   if (pos_.run.empty()) pos_.run = NewRunId();
+  const std::string metrics_run = c_.resume && !checkpoint_named_run ? std::string() : pos_.run;
   // Under ddprun, srun or mpirun no launcher ran CheckSetup: rank 0, which
   // writes the checkpoint and the metrics, checks their paths here and every
   // rank stops with its answer, instead of rank 0 alone at the first save.
@@ -900,7 +905,7 @@ void Run::Setup() {
             c_.log_dir, c_.model + " on " + c_.dataset,
             std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
                 FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
-            c_.resume ? pos_.step : -1, c_.resume && AtEpochEndResumed(), pos_.run);
+            c_.resume ? pos_.step : -1, c_.resume && AtEpochEndResumed(), metrics_run);
       }
     } catch (const std::exception& e) {
       refused = e.what();
