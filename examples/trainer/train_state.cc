@@ -12,7 +12,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -796,9 +798,17 @@ std::string FileWhereAFolderMustBe(const std::string& dir) {
 namespace internal {
 namespace {
 std::atomic<int64_t> read_pause_ms{0};
+std::mutex read_pause_mu;
+std::string read_pause_mark;  // under read_pause_mu
 }  // namespace
 
-void SetReadPause(std::chrono::milliseconds pause) { read_pause_ms.store(pause.count()); }
+void SetReadPause(std::chrono::milliseconds pause, const std::string& started_mark) {
+  {
+    std::lock_guard lock(read_pause_mu);
+    read_pause_mark = started_mark;
+  }
+  read_pause_ms.store(pause.count());
+}
 
 }  // namespace internal
 
@@ -896,6 +906,12 @@ CheckpointHeader ReadCheckpointHeader(const std::string& path) {
 std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop) {
   RefuseAbsentCheckpoint(path);
   if (const int64_t pause = internal::read_pause_ms.load(); pause > 0) {
+    std::string mark;
+    {
+      std::lock_guard lock(internal::read_pause_mu);
+      mark = internal::read_pause_mark;
+    }
+    if (!mark.empty()) std::ofstream(mark).put('\n');
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(pause);
     while (std::chrono::steady_clock::now() < until && (stop == nullptr || !stop->load())) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));

@@ -285,8 +285,10 @@ namespace internal {
 /// Makes ReadTrainCheckpoint wait `pause` before it reads a file that is
 /// there, as a slow disk would, giving way to its stop within 10 ms; for
 /// tests of the deadlines around a resume's read. Process-wide; zero (the
-/// default) turns it off. For tests only.
-void SetReadPause(std::chrono::milliseconds pause);
+/// default) turns it off. A non-empty `started_mark` names a file created
+/// as each pause begins, for a test to see that the read is under way.
+/// For tests only.
+void SetReadPause(std::chrono::milliseconds pause, const std::string& started_mark = "");
 
 }  // namespace internal
 

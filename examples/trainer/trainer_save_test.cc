@@ -83,12 +83,19 @@ DDP_TEST_WORKER(slow_save) {
 // first (internal::SetReadPause). Exit status 0, or 1 after printing the
 // error.
 DDP_TEST_WORKER(slow_resume) {
-  internal::SetReadPause(std::chrono::milliseconds(std::atoll(std::getenv("SLOW_READ_PAUSE_MS"))));
-  // A rank that dies while rank 0 reads: it exits (status 3) this long
-  // after it started, without a word to the others.
-  if (const char* die = std::getenv("SLOW_READ_EXIT_AFTER_MS"); die != nullptr) {
-    std::thread([ms = std::atoll(die)] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  const char* mark = std::getenv("SLOW_READ_STARTED_MARK");
+  internal::SetReadPause(std::chrono::milliseconds(std::atoll(std::getenv("SLOW_READ_PAUSE_MS"))),
+                         mark != nullptr ? mark : "");
+  // A rank that dies while rank 0 reads: once rank 0's read has begun (the
+  // pause's mark is there), it exits (status 3) without a word to the
+  // others; status 4 if the read had not begun within 60 s.
+  if (std::getenv("SLOW_READ_EXIT_ONCE_READING") != nullptr && mark != nullptr) {
+    std::thread([path = std::string(mark)] {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (!std::filesystem::exists(path)) {
+        if (std::chrono::steady_clock::now() > deadline) std::_Exit(4);
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
       std::_Exit(3);
     }).detach();
   }
@@ -215,19 +222,22 @@ TEST(TrainerSaveTest, SaveLongerThanSaveTimeoutFailsEveryRankNamingTheFile) {
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
 }
 
-// slow_resume on 2 ranks; with `rank1_exits_after_ms` > 0 rank 1 dies that
-// long after its start.
+// slow_resume on 2 ranks; with `rank1_dies_while_reading` rank 1 dies once
+// rank 0's read has begun.
 launch::testing::TestRunResult RunSlowResume(const std::string& checkpoint, int pause_ms,
-                                             int save_timeout_s, int rank1_exits_after_ms = 0) {
+                                             int save_timeout_s, bool rank1_dies_while_reading = false) {
   std::map<int, std::vector<std::pair<std::string, std::string>>> rank_env;
-  if (rank1_exits_after_ms > 0) rank_env[1] = {{"SLOW_READ_EXIT_AFTER_MS", std::to_string(rank1_exits_after_ms)}};
+  if (rank1_dies_while_reading) {
+    rank_env[1] = {{"SLOW_READ_EXIT_ONCE_READING", "1"}};
+  }
   auto run = launch::testing::RunTestWorkers(
       "slow_resume", {.world_size = 2,
                       .timeout = std::chrono::seconds(90),
                       .stop_all_on_failure = false,
                       .env = {{"SLOW_READ_CKPT", checkpoint},
                               {"SLOW_READ_PAUSE_MS", std::to_string(pause_ms)},
-                              {"SLOW_READ_TIMEOUT_S", std::to_string(save_timeout_s)}},
+                              {"SLOW_READ_TIMEOUT_S", std::to_string(save_timeout_s)},
+                              {"SLOW_READ_STARTED_MARK", checkpoint + ".reading"}},
                       .rank_env = rank_env});
   EXPECT_TRUE(run.ok()) << run.status();
   return run.ok() ? *run : launch::testing::TestRunResult{};
@@ -261,21 +271,20 @@ TEST(TrainerSaveTest, ResumeReadLongerThanSaveTimeoutFailsEveryRankNamingTheFile
 
 // A rank that dies while rank 0 reads the checkpoint ends the resume at
 // once: rank 0's read, whose bytes nobody can use any more, is stopped
-// instead of going on for as long as the disk takes (20 s here) or
+// instead of going on for as long as the disk takes (40 s here) or
 // --save_timeout_s allows (60 s), and rank 0 reports the lost rank.
 TEST(TrainerSaveTest, ResumeReadStopsAtOnceWhenAnotherRankDies) {
   const std::string checkpoint = TempDir("read_then_die") + "/ckpt.safetensors";
   const launch::testing::TestRunResult saved = RunSlowSave(checkpoint, 0, 60);
   ASSERT_TRUE(saved.AllSucceeded()) << saved.Summary() << saved.Output(0) << saved.Output(1);
   const auto start = std::chrono::steady_clock::now();
-  const launch::testing::TestRunResult run = RunSlowResume(checkpoint, 20000, 60, 5000);
+  const launch::testing::TestRunResult run = RunSlowResume(checkpoint, 40000, 60, /*rank1_dies_while_reading=*/true);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(run.ExitCode(1), 3) << run.Summary();
   EXPECT_EQ(run.ExitCode(0), 1) << run.Summary();
-  // Rank 1 died during the read (not before rank 0 began it), and rank 0
-  // stopped the read for it.
+  // Rank 1 died during the read, and rank 0 stopped the read for it.
   EXPECT_NE(run.Output(0).find("was asked to stop at once"), std::string::npos) << run.Output(0);
-  EXPECT_LT(seconds, 15) << run.Output(0);
+  EXPECT_LT(seconds, 25) << run.Output(0);
 }
 
 // Seconds CheckSetup(c, 2) takes while a read of a checkpoint's data waits
