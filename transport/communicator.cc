@@ -2139,8 +2139,12 @@ Work Communicator::Impl::Enqueue(const CallOptions& call, std::string what, Body
     ++unfinished_;
     // The deadline counts from when the call starts running, so a queue of
     // bucketed all-reduces does not time out merely for waiting its turn.
-    queue_done_by_ = DeadlineAfter(DeadlineAfter(std::max(queue_done_by_, Clock::now()), timeout),
-                                   kQueuedCallAllowance);
+    // Counted from now when nothing else is queued or running: an earlier
+    // call that ended before its far deadline (an unbounded timeout keeps
+    // queue_done_by_ at Deadline::max()) must not loosen the bound for
+    // good.
+    const Deadline base = unfinished_ == 1 ? Clock::now() : std::max(queue_done_by_, Clock::now());
+    queue_done_by_ = DeadlineAfter(DeadlineAfter(base, timeout), kQueuedCallAllowance);
     queue_.push_back([this, state, timeout, body = std::move(body)] {
       Status status;
       if (aborted()) {

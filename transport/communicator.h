@@ -318,7 +318,8 @@ class Communicator {
   /// call, holding the communicator: a collective, Send, Recv (or their
   /// async forms) or Split it makes on this communicator fails at once with
   /// FAILED_PRECONDITION naming the slice function (it would wait for the
-  /// call it runs in), without aborting, and so does Work::Wait or Test on
+  /// call it runs in), without aborting (its arguments are checked first:
+  /// a bad one aborts, as anywhere), and so does Work::Wait or Test on
   /// an unfinished call of this communicator (queued by any thread, or a
   /// SendAsync/RecvAsync posted before: it cannot progress until apply
   /// returns, and goes on); SetBusyThreadsPerRank applies at once to the

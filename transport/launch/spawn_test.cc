@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -197,6 +198,9 @@ DDP_TEST_WORKER(sleeper) {
   setrlimit(RLIMIT_CORE, &no_core);
   if (EnvInt("IGNORE_TERM", 0)) signal(SIGTERM, SIG_IGN);
   if (EnvInt("IGNORING_RANK", -1) == rank) signal(SIGINT, SIG_IGN);
+  // Any process may trace it (a test's tracer is its sibling, not its
+  // parent: under Yama's ptrace_scope 1 that needs this leave).
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   WritePid("rank" + std::to_string(rank));  // after the signal setup: "ready"
   SleepForever();
   return 0;
