@@ -1096,6 +1096,19 @@ ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm,
   if (size_ > 1 && impl_->host_shared_memory()) ShareLargeCpuBlocks();
 }
 
+namespace internal {
+
+void KeepForever(std::shared_ptr<void> object) {
+  // Leaked with the objects: destroying it at exit would free them under
+  // the thread or task that still uses them.
+  static std::mutex* mu = new std::mutex;
+  static auto* kept = new std::vector<std::shared_ptr<void>>;
+  std::lock_guard lock(*mu);
+  kept->push_back(std::move(object));
+}
+
+}  // namespace internal
+
 ProcessGroup::~ProcessGroup() {
   // In a process forked from this one, the communication thread does not
   // exist and the parent's may have held the locks: stopping it would hang.
@@ -1107,7 +1120,7 @@ ProcessGroup::~ProcessGroup() {
   // A task that ignores its deadline and the abort still runs on the
   // communication thread, which was detached: the group's memory stays for
   // it (Impl::Stop said so on stderr).
-  if (!impl_->Stop()) static_cast<void>(impl_.release());
+  if (!impl_->Stop()) internal::KeepForever(std::move(impl_));
 }
 
 bool ProcessGroup::collectives_on_caller() const { return impl_->on_caller(); }

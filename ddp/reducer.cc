@@ -193,7 +193,7 @@ Reducer::~Reducer() {
     // A hook's task still running may refer to its GradBucket: left in
     // memory, as the bucket's tensors are (the task holds them).
     for (Bucket& b : buckets_) {
-      if (b.work.valid()) static_cast<void>(b.grad_bucket.release());
+      if (b.work.valid() && b.grad_bucket) KeepForever(std::move(b.grad_bucket));
     }
     std::fprintf(stderr,
                  "[ddp] rank %d: a gradient bucket's collective was still running when "
