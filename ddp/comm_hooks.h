@@ -22,7 +22,8 @@
 // DDP_DEBUG=detail's desync report and failure messages say which bucket.
 // The GradBucket a hook is given stays valid (at the same address) until
 // the Work it returned has completed, so a task given to Run() may refer to
-// it; its tensors may also be captured by value.
+// it; DDP lets go of it at the end of backward, once every bucket's Work
+// has completed. Its tensors may also be captured by value.
 
 #include <cstddef>
 #include <functional>

@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -2046,9 +2047,9 @@ TEST(DdpFeaturesTest, AHookTaskNamingItsBucketIsNotGivenTheBucketTwice) {
 }
 
 // A hook whose task refers to the GradBucket it was given, by reference
-// (comm_hooks.h allows it): the object is still the same bucket while the
-// task runs and after backward returns, and the steps equal steps on the
-// combined batch.
+// (comm_hooks.h allows it until the hook's Work has completed): the object
+// is still the same bucket while the task runs, and the steps equal steps
+// on the combined batch.
 DDP_TEST_WORKER(hook_task_refers_to_its_bucket) {
   auto pg = testing::WorkerGroup();
   const int world = pg->size(), rank = pg->rank();
@@ -2057,18 +2058,28 @@ DDP_TEST_WORKER(hook_task_refers_to_its_bucket) {
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
   auto reference = Mlp(19);
   nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
-  struct Given {
-    const GradBucket* bucket;
-    size_t index;
-    const nn::TensorImpl* first_parameter;
-    const void* data;
-  };
-  std::vector<Given> given;
-  ddp.RegisterCommHook([&given](ProcessGroup& group, GradBucket& bucket) -> Work {
-    given.push_back({&bucket, bucket.index(), bucket.parameters().front().impl(), bucket.buffer().data_ptr()});
+  int calls = 0;
+  ddp.RegisterCommHook([&calls](ProcessGroup& group, GradBucket& bucket) -> Work {
+    ++calls;
+    // What the task checks the bucket against when it runs.
+    const size_t index = bucket.index();
+    const nn::TensorImpl* first_parameter = bucket.parameters().front().impl();
+    const void* data = bucket.buffer().data_ptr();
     return group.Run({"by_reference", bucket.buffer().dtype(), bucket.buffer().shape()},
-                     [&bucket](transport::Communicator* comm, transport::Deadline deadline) {
+                     [&bucket, index, first_parameter, data](transport::Communicator* comm,
+                                                            transport::Deadline deadline) {
+                       const std::string what = "bucket " + std::to_string(index);
+                       if (bucket.index() != index) {
+                         return transport::FailedPreconditionError(what + ": the GradBucket now says " +
+                                                                   std::to_string(bucket.index()));
+                       }
+                       if (bucket.parameters().empty() || bucket.parameters().front().impl() != first_parameter) {
+                         return transport::FailedPreconditionError(what + ": the GradBucket's parameters changed");
+                       }
                        const Tensor& buffer = bucket.buffer();
+                       if (buffer.data_ptr() != data) {
+                         return transport::FailedPreconditionError(what + ": the GradBucket's buffer changed");
+                       }
                        return comm->AllReduce(buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
                                               transport::DataType::kF32, transport::ReduceOp::kSum,
                                               internal::Within(deadline));
@@ -2077,17 +2088,9 @@ DDP_TEST_WORKER(hook_task_refers_to_its_bucket) {
   for (int s = 0; s < 3; ++s) {  // before and after the buckets' rebuild
     auto [x, y] = testing::Batch(testing::FashionMnist(), (s * world + rank) * kBatch, kBatch);
     opt.ZeroGrad();
-    given.clear();
+    calls = 0;
     nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-    WORKER_EXPECT(!given.empty(), "the hook was not called");
-    for (const Given& g : given) {
-      const std::string what = "step " + std::to_string(s) + ", bucket " + std::to_string(g.index);
-      WORKER_EXPECT(g.bucket->index() == g.index, what + ": the GradBucket now says " +
-                                                      std::to_string(g.bucket->index()));
-      WORKER_EXPECT(!g.bucket->parameters().empty() && g.bucket->parameters().front().impl() == g.first_parameter,
-                    what + ": the GradBucket's parameters changed");
-      WORKER_EXPECT(g.bucket->buffer().data_ptr() == g.data, what + ": the GradBucket's buffer changed");
-    }
+    WORKER_EXPECT(calls > 0, "the hook was not called");
     opt.Step();
     ReferenceStep(*reference, ref_opt, s * world * kBatch, world * kBatch);
   }
@@ -2102,6 +2105,42 @@ TEST(DdpFeaturesTest, AHookTaskMayReferToItsGradBucketUntilItsWorkCompletes) {
                           {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_COLLECTIVE_THREAD", where}}, 60000);
     EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
   }
+}
+
+// With a hook, each solo bucket (here every gradient is one, reduced in
+// place in its .grad) is handed to it in a GradBucket. Once backward has
+// returned, nothing of DDP's may hold that memory: ZeroGrad(set_to_none)
+// frees the gradients. The GradBucket kept past backward held each
+// .grad's storage until the next step's launch.
+DDP_TEST_WORKER(hook_solo_bucket_freed_after_backward) {
+  auto pg = testing::WorkerGroup();
+  auto model = Mlp(19);
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = 1e-9, .process_group = pg});
+  ddp.RegisterCommHook(hooks::AllReduceHook());
+  for (int s = 0; s < 2; ++s) {  // before and after the buckets' rebuild
+    auto [x, y] = testing::Batch(testing::FashionMnist(), (s * pg->size() + pg->rank()) * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    std::vector<std::pair<std::string, std::weak_ptr<nn::Storage>>> grads;
+    for (const auto& [name, p] : model->NamedParameters()) {
+      WORKER_EXPECT(p.grad().defined(), "step " + std::to_string(s) + ": `" + name + "` has no gradient");
+      grads.emplace_back(name, p.grad().storage());
+    }
+    nn::optim::ZeroGrad(model->NamedParameters());
+    for (const auto& [name, storage] : grads) {
+      WORKER_EXPECT(storage.expired(), "step " + std::to_string(s) + ": the gradient of `" + name +
+                                           "` is still held after ZeroGrad(set_to_none)");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+// On the caller's thread: on the communication thread, the finished
+// all-reduce's task (and the buffer it captured) is destroyed just after its
+// Work says done, so the check would race with that thread.
+TEST(DdpFeaturesTest, AHookedSoloBucketsGradientIsFreedAfterBackward) {
+  auto run = RunWorkers("hook_solo_bucket_freed_after_backward", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_COLLECTIVE_THREAD", "caller"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // Forwards that do not synchronize are not unfinished iterations: no-grad

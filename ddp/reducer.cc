@@ -834,8 +834,7 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
   std::vector<nn::Tensor> params;
   params.reserve(bucket.params.size());
   for (size_t i : bucket.params) params.push_back(params_[i]);
-  // The previous launch's Work has completed (a bucket is reused only
-  // then), so nothing refers to the old one any more.
+  // Kept until Finalize has waited for this bucket's Work.
   bucket.grad_bucket =
       std::make_unique<GradBucket>(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_);
   GradBucket& grad_bucket = *bucket.grad_bucket;
@@ -1001,6 +1000,9 @@ void Reducer::Finalize() {
   std::memset(used_.data_ptr(), 0, used_.nbytes());
   for (Bucket& b : buckets_) {
     b.work = Work();
+    // Its Work has completed: the hook's promise ends here (a solo
+    // bucket's GradBucket would otherwise keep its gradient alive).
+    b.grad_bucket.reset();
     for (size_t i : b.params) {
       if (!detached_[i]) continue;
       detached_[i] = 0;

@@ -243,9 +243,10 @@ class Reducer {
     std::string hook_label;
     size_t pending = 0;           // gradients still missing this iteration
     Work work;
-    // What the communication hook was given at the last launch: kept until
-    // the bucket is launched again (its Work has completed by then), so
-    // that a hook's task may refer to it while it runs.
+    // What the communication hook was given at this iteration's launch:
+    // kept until Finalize has waited for every bucket's Work, so that a
+    // hook's task may refer to it while it runs (comm_hooks.h), and no
+    // longer: for a solo bucket it holds the gradient's memory.
     std::unique_ptr<GradBucket> grad_bucket;
   };
   struct Slot {
