@@ -93,6 +93,12 @@ class DeviceFence;
 /// deadline reports TIMED_OUT itself), never a fresh full timeout.
 transport::CallOptions Within(transport::Deadline deadline);
 
+/// Keeps `object` reachable, never freed, for the rest of the process (one
+/// list, defined in process_group.cc): for what is left on purpose to a
+/// task or thread still running, such as a stuck group's state or a hook's
+/// GradBucket, so that LeakSanitizer does not report it as lost.
+void KeepForever(std::shared_ptr<void> object);
+
 /// While one lives, the collectives that this thread issues with an empty
 /// label (on any group) take `label` instead. DDP's reducer holds one,
 /// naming the bucket, while a communication hook runs: a desync report or a

@@ -26,12 +26,6 @@
 
 namespace ddp::dist::internal {
 
-/// Keeps `object` reachable, never freed, for the rest of the process (one
-/// list, defined in process_group.cc): for what is left on purpose to a
-/// task or thread still running, such as a stuck group's state or a hook's
-/// GradBucket, so that LeakSanitizer does not report it as lost.
-void KeepForever(std::shared_ptr<void> object);
-
 /// Groups parameters into buckets: walks `order` (parameter indices in the
 /// order their gradients are expected), keeps one open bucket per
 /// (dtype, device), and closes a bucket once it holds at least its limit
