@@ -848,6 +848,19 @@ int ScenarioThroughBadQueries() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Checks that `inner`, a call made inside AllReduceThrough's slice function
+// on its own communicator, is refused at once (FAILED_PRECONDITION naming
+// the slice function, within 500 ms).
+void ExpectRefusedInsideTheSliceFunction(const std::string& what, const std::function<Status()>& inner) {
+  const auto called = Clock::now();
+  const Status s = inner();
+  const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - called).count();
+  WORKER_CHECK(s.code() == StatusCode::kFailedPrecondition &&
+                   s.message().find("inside AllReduceThrough's slice function") != std::string::npos,
+               what + ": " + s.ToString());
+  WORKER_CHECK(ms < 500, what + " took " + std::to_string(ms) + " ms");
+}
+
 // Calls on the communicator from inside AllReduceThrough's slice function,
 // which runs holding it: each fails at once with FAILED_PRECONDITION naming
 // the slice function, where a blocking one used to wait for the mutex its
@@ -872,13 +885,7 @@ int ScenarioThroughCallsItsCommunicator() {
         if (!first) return barrier;
         first = false;
         auto refused = [&](const std::string& what, const std::function<Status()>& inner) {
-          const auto called = Clock::now();
-          const Status s = inner();
-          const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - called).count();
-          WORKER_CHECK(s.code() == StatusCode::kFailedPrecondition &&
-                           s.message().find("inside AllReduceThrough's slice function") != std::string::npos,
-                       what + ": " + s.ToString());
-          WORKER_CHECK(ms < 500, what + " took " + std::to_string(ms) + " ms");
+          ExpectRefusedInsideTheSliceFunction(what, inner);
         };
         refused("barrier", [&] {
           barrier = comm->Barrier(call);
@@ -986,13 +993,7 @@ int ScenarioThroughWaitsForItsCommunicator() {
         first = false;
         auto refused = [&](const std::string& what, const std::function<Status()>& inner) {
           hang.Step(what + " inside the slice function");
-          const auto called = Clock::now();
-          const Status s = inner();
-          const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - called).count();
-          WORKER_CHECK(s.code() == StatusCode::kFailedPrecondition &&
-                           s.message().find("inside AllReduceThrough's slice function") != std::string::npos,
-                       what + ": " + s.ToString());
-          WORKER_CHECK(ms < 500, what + " took " + std::to_string(ms) + " ms");
+          ExpectRefusedInsideTheSliceFunction(what, inner);
         };
         refused("Wait() for the receive posted before the call", [&] { return recv.Wait(); });
         refused("Test() of the receive posted before the call", [&] { return recv.Test().status(); });
