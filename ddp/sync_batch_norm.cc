@@ -406,6 +406,7 @@ void SyncBatchNorm::Refuse(const std::string& message) const {
 }
 
 nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
+  if (!x.defined()) Refuse("input is undefined");
   if (x.dim() < 2 || x.size(1) != num_features_) {
     Refuse("expected input [N, " + std::to_string(num_features_) + ", ...], got " + nn::ShapeToString(x.shape()));
   }

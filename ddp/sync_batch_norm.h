@@ -59,7 +59,8 @@ class SyncBatchNorm : public nn::modules::Module {
                                                       std::shared_ptr<ProcessGroup> group = nullptr);
 
   /// x [N, C, *] -> same shape. Throws std::invalid_argument naming the
-  /// module when C differs from num_features or x is not floating-point; in
+  /// module when x is undefined, C differs from num_features or x is not
+  /// floating-point; in
   /// training with more than one rank it aborts the group first, so that
   /// the peers, already in the statistics' collective, stop at once with
   /// that reason instead of at the group's timeout.

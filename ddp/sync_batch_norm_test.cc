@@ -678,7 +678,8 @@ std::string FreshDoneFile(const std::string& tag) {
 }
 
 // Rank 1's input is refused (DDP_TEST_SBN_BAD: "channels", a wrong channel
-// count; "dtype", an integer input) before the statistics' collective,
+// count; "dtype", an integer input; "undefined", no tensor at all) before
+// the statistics' collective,
 // which rank 0 has already entered. Rank 1 throws naming the problem, and
 // rank 0 stops at once with rank 1's reason instead of waiting out the
 // group's timeout (20 s here). Rank 1 stays up after its error until rank
@@ -692,9 +693,14 @@ DDP_TEST_WORKER(sync_bn_refused_on_one_rank) {
   const int rank = pg->rank();
   SyncBatchNorm sync(kC, {}, pg);
   Tensor x = nn::Ones({4, kC, kH});
-  if (rank == 1) x = bad == "channels" ? nn::Ones({4, kC + 1, kH}) : nn::Ones({4, kC, kH}, {.dtype = nn::DType::kInt64});
+  if (rank == 1) {
+    x = bad == "channels" ? nn::Ones({4, kC + 1, kH})
+        : bad == "dtype"  ? nn::Ones({4, kC, kH}, {.dtype = nn::DType::kInt64})
+                          : Tensor();
+  }
   const std::string problem = bad == "channels" ? "expected input [N, 3, ...], got [4, 4, 4]"
-                                                : "expected a floating-point input, got dtype i64";
+                              : bad == "dtype"  ? "expected a floating-point input, got dtype i64"
+                                                : "input is undefined";
   const auto [message, seconds] = TimedForward(sync, x);
   MeetAtDoneFile(rank, 15);
   const std::string what = bad + ", rank " + std::to_string(rank) + ": ";
@@ -745,7 +751,7 @@ TEST(SyncBatchNormTest, AForwardThatFailsOnOneRankStopsThePeersAtOnce) {
 }
 
 TEST(SyncBatchNormTest, InputRefusedOnOneRankStopsThePeersAtOnce) {
-  for (const char* bad : {"channels", "dtype"}) {
+  for (const char* bad : {"channels", "dtype", "undefined"}) {
     for (bool blocks : {false, true}) {
       const std::string done_file = FreshDoneFile(std::string("refused_") + bad + (blocks ? "_blocks" : ""));
       std::vector<std::pair<std::string, std::string>> env = {
@@ -868,6 +874,21 @@ TEST(SyncBatchNormTest, EveryInputRankAndOptionMatchesBatchNorm) {
     if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
     auto run = RunWorkers("sync_bn_variants", 3, env);
     EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "device formulation" : "host") << "\n" << testing::AllOutput(run);
+  }
+}
+
+// An undefined input is named, with the module, in training and in eval
+// (it threw "shape on an undefined tensor", naming neither).
+TEST(SyncBatchNormTest, UndefinedInputIsNamed) {
+  SyncBatchNorm sync(kC, {}, ProcessGroup::Single());
+  for (bool training : {true, false}) {
+    sync.Train(training);
+    try {
+      sync(Tensor());
+      ADD_FAILURE() << "no error";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), "SyncBatchNorm(3): input is undefined") << (training ? "training" : "eval");
+    }
   }
 }
 
