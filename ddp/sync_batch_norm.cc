@@ -486,6 +486,10 @@ std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::mo
   if (auto* bn = dynamic_cast<nn::modules::BatchNorm*>(module.get())) {
     return SyncBatchNorm::FromBatchNorm(*bn, group);
   }
+  if (auto* sync = dynamic_cast<SyncBatchNorm*>(module.get())) {
+    sync->group_ = std::move(group);
+    return module;
+  }
   // Every registry slot that holds a BatchNorm: (parent, child name). A
   // module registered under several parents (or a parent reached by two
   // paths) is visited once, so each slot is counted once.
@@ -501,9 +505,12 @@ std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::mo
     std::vector<Slot> slots;
   };
   std::vector<Found> found;
+  // Layers synchronized already: they take `group` too, once nothing is refused.
+  std::vector<SyncBatchNorm*> synced;
   std::unordered_set<const nn::modules::Module*> visited;
   for (const auto& [path, m] : module->NamedModules()) {
     if (!visited.insert(m).second) continue;
+    if (auto* sync = dynamic_cast<SyncBatchNorm*>(m)) synced.push_back(sync);
     for (const auto& [name, child] : m->NamedChildren()) {
       auto* bn = dynamic_cast<const nn::modules::BatchNorm*>(child.get());
       if (bn == nullptr) continue;
@@ -541,6 +548,8 @@ std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::mo
     std::shared_ptr<SyncBatchNorm> sync = SyncBatchNorm::FromBatchNorm(*f.bn, group);
     for (const Slot& slot : f.slots) slot.parent->ReplaceChild(slot.name, sync);
   }
+  // In place rather than replaced: whoever else holds the layer follows.
+  for (SyncBatchNorm* sync : synced) sync->group_ = group;
   return module;
 }
 

@@ -83,6 +83,10 @@ class SyncBatchNorm : public nn::modules::Module {
   const nn::Tensor& num_batches_tracked() const { return num_batches_tracked_; }
 
  private:
+  // Sets group_ of the SyncBatchNorm layers already in a converted tree.
+  friend std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::modules::Module> module,
+                                                                   std::shared_ptr<ProcessGroup> group);
+
   struct Adopt {};
   SyncBatchNorm(Adopt, const nn::modules::BatchNorm& bn, std::shared_ptr<ProcessGroup> group);
   // Fail(message), after aborting the group in training with more than one
@@ -103,13 +107,17 @@ class SyncBatchNorm : public nn::modules::Module {
 
 /// Replaces every BatchNorm (1d, 2d) in `module`'s tree by a SyncBatchNorm
 /// that takes over its parameters, buffers and mode; returns the module
-/// (or the new layer when `module` itself is a BatchNorm). Call it before
+/// (or the new layer when `module` itself is a BatchNorm). SyncBatchNorm
+/// layers already in the tree stay in place and take `group` as well (as
+/// PyTorch's convert_sync_batchnorm gives every batch-norm layer its
+/// process_group), so converting again moves a model to another group. Call it before
 /// wrapping in DistributedDataParallel and before creating the optimizer.
 /// A BatchNorm registered at several paths becomes one SyncBatchNorm at
 /// all of them. Throws std::invalid_argument naming the path, and replaces
 /// nothing, when a BatchNorm is also owned outside the registry (e.g. a
 /// member its parent kept from RegisterModule): that owner would go on
-/// running the local layer. Forwards must look children up by name.
+/// running the local layer (no layer's group changes then either).
+/// Forwards must look children up by name.
 std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::modules::Module> module,
                                                           std::shared_ptr<ProcessGroup> group = nullptr);
 

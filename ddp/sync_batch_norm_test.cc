@@ -626,6 +626,41 @@ TEST(SyncBatchNormTest, ConvertKeepsASharedBatchNormShared) {
   EXPECT_EQ(first.get(), last.get());
 }
 
+// A SyncBatchNorm already in the tree (built as one, or converted before)
+// takes the group of the new conversion, as PyTorch's
+// convert_sync_batchnorm makes every batch-norm layer, SyncBatchNorm
+// included, use its process_group (it kept its old group, so the layer
+// went on synchronizing over ranks the caller had left out). A refused
+// conversion changes no layer's group either.
+TEST(SyncBatchNormTest, ConvertGivesExistingSyncBatchNormsTheNewGroup) {
+  const auto old_group = ProcessGroup::Single(), new_group = ProcessGroup::Single();
+  auto model = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<nn::modules::Module>>{
+      std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{}, old_group),
+      std::make_shared<nn::modules::BatchNorm1d>(kC)});
+  const nn::Tensor weight = dynamic_cast<SyncBatchNorm&>(*model->at(0)).weight();
+  ConvertSyncBatchNorm(model, new_group);
+  for (int i = 0; i < 2; ++i) {
+    auto* sync = dynamic_cast<SyncBatchNorm*>(model->at(i).get());
+    ASSERT_NE(sync, nullptr) << i;
+    EXPECT_EQ(sync->group().get(), new_group.get()) << "layer " << i << " kept another group";
+  }
+  EXPECT_EQ(dynamic_cast<SyncBatchNorm&>(*model->at(0)).weight().data_ptr(), weight.data_ptr());
+  // Null: the default group, for the layers already synchronized too.
+  ConvertSyncBatchNorm(model);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(dynamic_cast<SyncBatchNorm&>(*model->at(i)).group().get(), nullptr) << i;
+
+  // A SyncBatchNorm root.
+  auto root = std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{}, old_group);
+  EXPECT_EQ(dynamic_cast<SyncBatchNorm&>(*ConvertSyncBatchNorm(root, new_group)).group().get(), new_group.get());
+
+  // Refused (a BatchNorm held outside the registry): the SyncBatchNorm keeps its group.
+  auto refused = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<nn::modules::Module>>{
+      std::make_shared<SyncBatchNorm>(kC, nn::modules::BatchNormOptions{}, old_group),
+      std::make_shared<HoldsItsBatchNorm>()});
+  EXPECT_THROW(ConvertSyncBatchNorm(refused, new_group), std::invalid_argument);
+  EXPECT_EQ(dynamic_cast<SyncBatchNorm&>(*refused->at(0)).group().get(), old_group.get());
+}
+
 // Its own running-statistics update takes the momentum unchecked: a bad
 // one fails at construction, as BatchNorm's does.
 TEST(SyncBatchNormTest, BadEpsOrMomentumIsNamedAtConstruction) {
