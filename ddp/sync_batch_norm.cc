@@ -424,7 +424,15 @@ nn::Tensor SyncBatchNorm::Forward(const nn::Tensor& x) {
       Fail(e.what());
     }
   }
-  std::shared_ptr<ProcessGroup> pg = group_ != nullptr ? group_ : DefaultProcessGroup();
+  std::shared_ptr<ProcessGroup> pg = group_;
+  if (pg == nullptr) {
+    try {
+      pg = DefaultProcessGroup();
+    } catch (const std::logic_error& e) {
+      // No group: nobody waits for this rank, so nothing to abort.
+      Fail(std::string("training needs a process group: ") + e.what());
+    }
+  }
   // The running average's factor counts this batch (BatchNorm's), but the
   // count itself moves only once the batch's statistics are in: a forward
   // that fails (a global batch of one value) leaves every buffer as it was.

@@ -60,10 +60,11 @@ class SyncBatchNorm : public nn::modules::Module {
 
   /// x [N, C, *] -> same shape. Throws std::invalid_argument naming the
   /// module when x is undefined, C differs from num_features or x is not
-  /// floating-point; in
-  /// training with more than one rank it aborts the group first, so that
-  /// the peers, already in the statistics' collective, stop at once with
-  /// that reason instead of at the group's timeout.
+  /// floating-point; in training with more than one rank it aborts the
+  /// group first, so that the peers, already in the statistics' collective,
+  /// stop at once with that reason instead of at the group's timeout. In
+  /// training without a group of its own and with no default group set,
+  /// it throws std::invalid_argument naming the module (eval needs none).
   nn::Tensor Forward(const nn::Tensor& x) override;
   using Module::Forward;
   std::string TypeName() const override { return "SyncBatchNorm"; }

@@ -927,6 +927,24 @@ TEST(SyncBatchNormTest, UndefinedInputIsNamed) {
   }
 }
 
+// A layer without a group, trained with no default group set: the error
+// names the layer (it was the group lookup's alone, which said nothing of
+// which layer wanted a group). Eval needs no group.
+TEST(SyncBatchNormTest, TrainingWithoutAnyGroupNamesTheLayer) {
+  auto model = std::make_shared<nn::modules::Sequential>(
+      std::initializer_list<std::shared_ptr<nn::modules::Module>>{std::make_shared<SyncBatchNorm>(kC)});
+  try {
+    model->Forward(nn::Ones({2, kC}));
+    ADD_FAILURE() << "no error";
+  } catch (const std::logic_error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.rfind("SyncBatchNorm(3) `0`: ", 0), 0u) << message;
+    EXPECT_NE(message.find("no default process group"), std::string::npos) << message;
+  }
+  model->Eval();
+  EXPECT_EQ(model->Forward(nn::Ones({2, kC})).shape(), (std::vector<int64_t>{2, kC}));
+}
+
 TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
   SyncBatchNorm sync(4, {}, ProcessGroup::Single());
   try {
