@@ -125,8 +125,8 @@ std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::mo
 namespace internal {
 
 /// Makes CPU inputs take the device formulation as well (nn's building
-/// blocks and an all-reduce of the sums), so that CPU tests cover what a
-/// GPU runs. Process-wide; for tests.
+/// blocks for the local row and the elementwise passes), so that CPU tests
+/// cover what a GPU runs. Process-wide; for tests.
 void SetSyncBatchNormBuildingBlocks(bool on);
 
 /// Makes the next multi-rank training forward of any SyncBatchNorm in this
