@@ -945,6 +945,60 @@ TEST(SyncBatchNormTest, TrainingWithoutAnyGroupNamesTheLayer) {
   EXPECT_EQ(model->Forward(nn::Ones({2, kC})).shape(), (std::vector<int64_t>{2, kC}));
 }
 
+// Four ranks in two subgroups, {0, 2} and {1, 3} (members not adjacent in
+// the world, rank 2's batch empty): each subgroup's layers follow BatchNorm
+// on that subgroup's batch alone, forward, input gradient, summed weight
+// and bias gradients and running statistics, with DDP_TEST_SBN_BLOCKS the
+// device formulation. The world's batch is laid out by subgroup, so each
+// subgroup's batch is one run of rows.
+DDP_TEST_WORKER(sync_bn_subgroups) {
+  auto pg = testing::WorkerGroup();
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  const int rank = pg->rank();
+  std::shared_ptr<ProcessGroup> sub;
+  for (const std::vector<int>& members : {std::vector<int>{0, 2}, std::vector<int>{1, 3}}) {
+    if (auto g = pg->NewGroup(members)) sub = g;
+  }
+  // Rows of the world's batch: rank 0 [0, 3), rank 2 none, rank 1 [3, 8), rank 3 [8, 12).
+  const int64_t sizes[4] = {3, 5, 0, 4}, offsets[4] = {0, 3, 3, 8};
+  const int64_t group_start = rank % 2 == 0 ? 0 : 3, group_rows = rank % 2 == 0 ? 3 : 9;
+  const std::string what = "rank " + std::to_string(rank);
+  nn::Generator gen(13);
+  nn::modules::BatchNormOptions options{.momentum = std::nullopt};
+  SyncBatchNorm sync(kC, options, sub);
+  nn::modules::BatchNorm2d reference(kC, options);
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    const Tensor x_all = nn::Randn({12, kC, kH, kW}, {}, gen) * 2.0 + 4.0;
+    const Tensor g_all = nn::Randn({12, kC, kH, kW}, {}, gen);
+    Tensor x = Rows(x_all, offsets[rank], sizes[rank]).Detach().set_requires_grad(true);
+    nn::Backward(nn::ops::Sum(sync(x) * Rows(g_all, offsets[rank], sizes[rank])));
+    Tensor xr = Rows(x_all, group_start, group_rows).Detach().set_requires_grad(true);
+    Tensor yr = reference(xr);
+    nn::Backward(nn::ops::Sum(yr * Rows(g_all, group_start, group_rows)));
+    const int64_t mine = offsets[rank] - group_start;
+    WORKER_EXPECT(RelDiff(x.grad(), Rows(xr.grad(), mine, sizes[rank])) < 1e-5, what + ": input gradient differs");
+    Tensor dw = sync.weight().grad().Clone(), db = sync.bias().grad().Clone();
+    sub->AllReduce(dw).Wait();
+    sub->AllReduce(db).Wait();
+    WORKER_EXPECT(RelDiff(dw, reference.weight().grad()) < 1e-5, what + ": weight gradient differs");
+    WORKER_EXPECT(RelDiff(db, reference.bias().grad()) < 1e-5, what + ": bias gradient differs");
+    WORKER_EXPECT(RelDiff(sync.running_mean(), reference.running_mean()) < 1e-6, what + ": running mean");
+    WORKER_EXPECT(RelDiff(sync.running_var(), reference.running_var()) < 1e-6, what + ": running var");
+    for (const Tensor& t : {sync.weight(), sync.bias(), reference.weight(), reference.bias()}) t.set_grad(Tensor());
+  }
+  WORKER_EXPECT(sync.num_batches_tracked().Item() == 2, what + ": batches tracked");
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, SubgroupsEachMatchBatchNormOnTheirOwnBatch) {
+  for (bool blocks : {false, true}) {
+    std::vector<std::pair<std::string, std::string>> env;
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_subgroups", 4, env);
+    EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "device formulation\n" : "host\n") << testing::AllOutput(run);
+  }
+}
+
 TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
   SyncBatchNorm sync(4, {}, ProcessGroup::Single());
   try {
