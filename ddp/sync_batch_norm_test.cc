@@ -23,6 +23,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/testing/ddp_test_util.h"
@@ -995,6 +996,108 @@ TEST(SyncBatchNormTest, SubgroupsEachMatchBatchNormOnTheirOwnBatch) {
     std::vector<std::pair<std::string, std::string>> env;
     if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
     auto run = RunWorkers("sync_bn_subgroups", 4, env);
+    EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "device formulation\n" : "host\n") << testing::AllOutput(run);
+  }
+}
+
+// f64 on 3 ranks (batches of 3, 0 and 6): the input, weight and bias
+// gradients against central differences of the global loss
+// sum over ranks of sum(y * g) (each perturbed forward is collective: one
+// rank's x moves every rank's y), and against BatchNorm on the whole batch.
+// The layer tracks no running statistics, so the perturbed forwards change
+// nothing. DDP_TEST_SBN_BLOCKS: the device formulation.
+DDP_TEST_WORKER(sync_bn_f64_gradients) {
+  auto pg = testing::WorkerGroup();
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  const int rank = pg->rank();
+  const int64_t sizes[3] = {3, 0, 6}, offsets[3] = {0, 3, 3}, total = 9;
+  const nn::TensorOptions f64{.dtype = nn::DType::kFloat64};
+  nn::Generator gen(17);
+  SyncBatchNorm sync(kC, {.track_running_stats = false}, pg);
+  sync.To(nn::DType::kFloat64);
+  {
+    nn::NoGradGuard guard;
+    sync.weight().CopyFrom(nn::Randn({kC}, f64, gen));
+    sync.bias().CopyFrom(nn::Randn({kC}, f64, gen));
+  }
+  const Tensor x_all = nn::Randn({total, kC, 2, 3}, f64, gen) * 2.0 + 3.0;
+  const Tensor g_all = nn::Randn({total, kC, 2, 3}, f64, gen);
+  const Tensor g = Rows(g_all, offsets[rank], sizes[rank]);
+  Tensor x = Rows(x_all, offsets[rank], sizes[rank]).set_requires_grad(true);
+  nn::Backward(nn::ops::Sum(sync(x) * g));
+  const Tensor dw = sync.weight().grad().Clone(), db = sync.bias().grad().Clone();
+  pg->AllReduce(dw).Wait();
+  pg->AllReduce(db).Wait();
+
+  // The same on one process.
+  Tensor xr = x_all.Detach().set_requires_grad(true);
+  Tensor w = sync.weight().Detach().Clone().set_requires_grad(true);
+  Tensor b = sync.bias().Detach().Clone().set_requires_grad(true);
+  nn::Backward(nn::ops::Sum(nn::ops::BatchNorm(xr, Tensor(), Tensor(), w, b, true, 0.1, 1e-5) * g_all));
+  const std::string what = "rank " + std::to_string(rank);
+  if (sizes[rank] > 0) {
+    WORKER_EXPECT(RelDiff(x.grad(), Rows(xr.grad(), offsets[rank], sizes[rank])) < 1e-12,
+                  what + ": input gradient differs from BatchNorm's by " +
+                      std::to_string(RelDiff(x.grad(), Rows(xr.grad(), offsets[rank], sizes[rank]))));
+  }
+  WORKER_EXPECT(RelDiff(dw, w.grad()) < 1e-12, what + ": weight gradient differs from BatchNorm's");
+  WORKER_EXPECT(RelDiff(db, b.grad()) < 1e-12, what + ": bias gradient differs from BatchNorm's");
+
+  // Central differences; every rank runs every perturbed forward.
+  const double h = 1e-6;
+  const auto global_loss = [&](const Tensor& xin) {
+    nn::NoGradGuard guard;
+    Tensor loss = nn::ops::Sum(sync(xin) * g).Detach().Clone();
+    pg->AllReduce(loss).Wait();
+    return loss.Item();
+  };
+  const auto nudge = [](const Tensor& t, int64_t i, double by) {
+    nn::NoGradGuard guard;
+    Tensor v = t.Detach().Clone();
+    v.data<double>()[i] += by;
+    return v;
+  };
+  const Tensor x0 = x.Detach();
+  for (int r = 0; r < 3; ++r) {
+    for (int64_t i = 0; i < std::min<int64_t>(sizes[r] * kC * 6, 5); ++i) {
+      const double up = global_loss(r == rank ? nudge(x0, i * 7, h) : x0);
+      const double down = global_loss(r == rank ? nudge(x0, i * 7, -h) : x0);
+      if (r != rank) continue;
+      const double want = (up - down) / (2 * h), got = x.grad().data<double>()[i * 7];
+      WORKER_EXPECT(std::abs(got - want) < 1e-6 * std::max(1.0, std::abs(want)),
+                    what + ": dx[" + std::to_string(i * 7) + "] is " + std::to_string(got) +
+                        ", central difference " + std::to_string(want));
+    }
+  }
+  for (int64_t c = 0; c < kC; ++c) {
+    for (const auto& [param, grad, name] : {std::tuple{sync.weight(), dw, "weight"}, std::tuple{sync.bias(), db, "bias"}}) {
+      const Tensor kept = param.Detach().Clone();
+      double diff[2];
+      for (int side = 0; side < 2; ++side) {
+        {
+          nn::NoGradGuard guard;
+          param.CopyFrom(nudge(kept, c, side == 0 ? h : -h));
+        }
+        diff[side] = global_loss(x0);
+      }
+      {
+        nn::NoGradGuard guard;
+        param.CopyFrom(kept);
+      }
+      const double want = (diff[0] - diff[1]) / (2 * h), got = grad.data<double>()[c];
+      WORKER_EXPECT(std::abs(got - want) < 1e-6 * std::max(1.0, std::abs(want)),
+                    what + ": d" + name + "[" + std::to_string(c) + "] is " + std::to_string(got) +
+                        ", central difference " + std::to_string(want));
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, Float64GradientsMatchCentralDifferencesAndBatchNorm) {
+  for (bool blocks : {false, true}) {
+    std::vector<std::pair<std::string, std::string>> env;
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_f64_gradients", 3, env);
     EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "device formulation\n" : "host\n") << testing::AllOutput(run);
   }
 }
