@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <new>
 #include <stdexcept>
 #include <unordered_set>
@@ -322,11 +321,9 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
 
 std::atomic<bool> building_blocks_for_cpu{false};
 
-std::string FormatDouble(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", v);
-  return buf;
-}
+// As Python prints a float (what BatchNorm's repr shows): nn's
+// MomentumRepr prints a present value that way.
+std::string PyFloat(double v) { return nn::modules::MomentumRepr(v); }
 
 bool internal_use_blocks() { return building_blocks_for_cpu.load(std::memory_order_relaxed); }
 
@@ -377,8 +374,8 @@ std::shared_ptr<SyncBatchNorm> SyncBatchNorm::FromBatchNorm(const nn::modules::B
 bool SyncBatchNorm::MayBeAbsentFromState(const std::string& name) const { return name == "num_batches_tracked"; }
 
 std::string SyncBatchNorm::ExtraRepr() const {
-  return std::to_string(num_features_) + ", eps=" + FormatDouble(options_.eps) +
-         ", momentum=" + (options_.momentum ? FormatDouble(*options_.momentum) : std::string("None")) +
+  return std::to_string(num_features_) + ", eps=" + PyFloat(options_.eps) +
+         ", momentum=" + nn::modules::MomentumRepr(options_.momentum) +
          ", affine=" + (options_.affine ? "True" : "False") +
          ", track_running_stats=" + (options_.track_running_stats ? "True" : "False");
 }

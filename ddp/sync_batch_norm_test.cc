@@ -1102,6 +1102,20 @@ TEST(SyncBatchNormTest, Float64GradientsMatchCentralDifferencesAndBatchNorm) {
   }
 }
 
+// Printed as BatchNorm (and PyTorch) prints its options: floats in
+// Python's shortest round-trip form ("1.0", not "1"; every digit of an eps
+// or momentum, not six).
+TEST(SyncBatchNormTest, OptionsPrintAsBatchNormPrintsThem) {
+  for (const nn::modules::BatchNormOptions& options :
+       {nn::modules::BatchNormOptions{}, nn::modules::BatchNormOptions{.momentum = 1.0},
+        nn::modules::BatchNormOptions{.eps = 1.2345678e-5, .momentum = 0.123456789},
+        nn::modules::BatchNormOptions{.eps = 1e-3, .momentum = std::nullopt, .affine = false,
+                                      .track_running_stats = false}}) {
+    EXPECT_EQ(SyncBatchNorm(kC, options, ProcessGroup::Single()).ExtraRepr(),
+              nn::modules::BatchNorm2d(kC, options).ExtraRepr());
+  }
+}
+
 TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
   SyncBatchNorm sync(4, {}, ProcessGroup::Single());
   try {
