@@ -14,7 +14,8 @@
 // Backward: one all-reduce of the per-channel sums of dy and dy*(x-mean)
 // gives the global terms of dx; weight and bias get this rank's own terms,
 // which DistributedDataParallel then averages like every other gradient.
-// Eval: the running statistics, locally, with no communication.
+// Eval: the running statistics (without them, the local batch's own),
+// locally, with no communication.
 // On a CUDA input (CUDA build) the same statistics come from nn's
 // batch-norm building blocks on the device: per-channel sums give a mean,
 // sums of x less that mean give the count, mean and squared deviations
