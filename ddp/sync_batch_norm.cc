@@ -27,11 +27,12 @@ Dims GetDims(const Tensor& x) {
   return {x.size(0), x.size(1), s};
 }
 
-// Training needs at least two values per channel in the global batch.
+// Training needs at least two values per channel in the global batch. The
+// caller's catch prefixes the layer (Fail).
 void CheckGlobalCount(double total, const Tensor& x, const ProcessGroup& pg) {
   if (total > 1) return;
   throw std::invalid_argument(
-      "SyncBatchNorm: expected more than 1 value per channel across all ranks when training, "
+      "expected more than 1 value per channel across all ranks when training, "
       "got " + std::to_string(static_cast<int64_t>(total)) + " (input " +
       nn::ShapeToString(x.shape()) + " on rank " + std::to_string(pg.rank()) + ")");
 }

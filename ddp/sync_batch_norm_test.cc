@@ -352,7 +352,11 @@ DDP_TEST_WORKER(sync_bn_one_value) {
     sync(x);
     WORKER_EXPECT(false, "a global batch of one value was accepted on rank " + std::to_string(pg->rank()));
   } catch (const std::invalid_argument& e) {
-    WORKER_EXPECT(std::string(e.what()).find("expected more than 1 value per channel") != std::string::npos, e.what());
+    // Named once ("SyncBatchNorm(3): SyncBatchNorm: expected ..." before).
+    WORKER_EXPECT(std::string(e.what()).rfind("SyncBatchNorm(3): expected more than 1 value per channel across all "
+                                              "ranks when training, got 1 (input [",
+                                              0) == 0,
+                  e.what());
   }
   WORKER_EXPECT(sync.num_batches_tracked().Item() == 0,
                 "num_batches_tracked is " + std::to_string(sync.num_batches_tracked().Item()) + " on rank " +
