@@ -8,7 +8,10 @@
 // refused on one rank stops its peers at once with that rank's reason;
 // BatchNorm's own errors name the module; the batch count comes from a host
 // copy that an outside write (LoadStateDict, Fill, the BatchNorm sharing
-// the buffer) refreshes.
+// the buffer) refreshes; subgroups each follow BatchNorm on their own
+// batch; f64 gradients match central differences; an undefined input and
+// training with no group at all are refused naming the layer; converting
+// again gives SyncBatchNorm layers already there the new group.
 
 #include "ddp/sync_batch_norm.h"
 
