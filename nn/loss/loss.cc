@@ -361,6 +361,13 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
     throw std::invalid_argument("cross_entropy: label_smoothing must be in [0, 1], got " +
                                 std::to_string(options.label_smoothing));
   }
+  // A class to ignore has no meaning for a distribution over the classes;
+  // PyTorch refuses it too, rather than train on what was meant as masked.
+  if (probabilities && options.ignore_index >= 0) {
+    throw std::invalid_argument("cross_entropy: ignore_index " + std::to_string(options.ignore_index) +
+                                " is not supported with class-probability (floating) targets; leave it negative "
+                                "(the default -100) or give class indices");
+  }
   if (logits.dim() == 1) {
     // Unbatched: a batch of one, and kNone's loss back to 0-d.
     const Tensor batched_target = probabilities ? ops::Unsqueeze(target_in, 0) : target_in.Detach().Reshape({1});

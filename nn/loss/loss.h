@@ -17,7 +17,9 @@ struct CrossEntropyOptions {
   /// for class indices, (1 - s) target + s / C for probabilities. In [0, 1].
   double label_smoothing = 0.0;
   /// Class-index elements with this target contribute nothing (and are not
-  /// counted by kMean). Probability targets have no ignored elements.
+  /// counted by kMean). Probability targets have no ignored elements: with
+  /// them it must be negative (as the default), else it is an error, as in
+  /// PyTorch.
   int64_t ignore_index = -100;
   /// Per-class weights [C] (floating, on the logits' device, needing no
   /// gradient), or undefined for all ones. With class indices, element i's
@@ -49,7 +51,8 @@ struct NllLossOptions {
 ///  - class probabilities (floating, the logits' shape): per element
 ///    -sum_c weight[c] target[n, c, ...] log_softmax(logits)[n, c, ...];
 ///    kMean divides by the element count N * d1 * ...; the target receives
-///    a gradient too.
+///    a gradient too. ignore_index must be negative (an error naming it
+///    otherwise).
 /// kNone returns the per-element losses ([N], [N, d1, ...], or 0-d for
 /// unbatched logits), kSum their sum. Computed in f32 for 16-bit logits
 /// (the loss is then f32; the gradient returns in the logits' dtype).

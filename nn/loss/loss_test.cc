@@ -198,7 +198,7 @@ TEST(CrossEntropyTest, SpatialClassIndicesMatchANaiveLoop) {
 // Probability ("soft label") targets of the logits' shape, [N, C] and
 // [N, C, d1, ...]: weights scale each class's term, label smoothing mixes in
 // the uniform distribution, kMean divides by the element count whatever the
-// weights, and ignore_index does not apply (here it names class 0).
+// weights, and no element is ignored (ignore_index keeps its default -100).
 TEST(CrossEntropyTest, ProbabilityTargetsMatchANaiveLoop) {
   const std::vector<double> w = {0.5, 2.0, 1.0};
   for (const Shape& shape : {Shape{4, 3}, Shape{2, 3, 4}, Shape{2, 3, 2, 2}}) {
@@ -221,12 +221,40 @@ TEST(CrossEntropyTest, ProbabilityTargetsMatchANaiveLoop) {
                        std::to_string(eps) + (q == &p ? " softmax" : q == &one_hot ? " one-hot" : " raw"));
           const Tensor wt = weight.empty() ? Tensor() : FromVector(weight, {c}, {.dtype = DType::kFloat64});
           ExpectCrossEntropy(logits, FromVector(*q, shape, {.dtype = DType::kFloat64}),
-                             ReferenceCrossEntropy(x, n, c, s, nullptr, q, weight, eps, 0), WithoutClassDim(shape),
-                             {.label_smoothing = eps, .ignore_index = 0, .weight = wt});
+                             ReferenceCrossEntropy(x, n, c, s, nullptr, q, weight, eps, -100), WithoutClassDim(shape),
+                             {.label_smoothing = eps, .weight = wt});
         }
       }
     }
   }
+}
+
+// A class index to ignore means nothing to a probability target, so one
+// set (>= 0) is refused, naming ignore_index, as PyTorch refuses it: soft
+// labels with padding masked by ignore_index would otherwise train on the
+// padding. Negative values (the default -100) are the "none" setting.
+TEST(CrossEntropyTest, ProbabilityTargetsRefuseAnIgnoreIndex) {
+  const Tensor logits = RandomLeaf({2, 3}, 61, false);
+  const Tensor probs = ops::Softmax(RandomLeaf({2, 3}, 62, false), 1);
+  for (int64_t ignore : {0, 2, 7}) {
+    EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, probs, {.ignore_index = ignore}); }),
+              "cross_entropy: ignore_index " + std::to_string(ignore) +
+                  " is not supported with class-probability (floating) targets; leave it negative (the default "
+                  "-100) or give class indices")
+        << ignore;
+  }
+  // Unbatched [C] and spatial [N, C, d] probabilities are refused too.
+  EXPECT_NE(ErrorOf([&] { CrossEntropy(logits.View({6}), probs.View({6}), {.ignore_index = 1}); }).find("ignore_index 1"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([&] { CrossEntropy(logits.View({1, 3, 2}), probs.View({1, 3, 2}), {.ignore_index = 0}); })
+                .find("ignore_index 0"),
+            std::string::npos);
+  // The default, and any other negative value, is accepted.
+  EXPECT_TRUE(std::isfinite(CrossEntropy(logits, probs).Item()));
+  EXPECT_EQ(CrossEntropy(logits, probs, {.ignore_index = -1}).Item(), CrossEntropy(logits, probs).Item());
+  // Class indices keep ignore_index >= 0.
+  EXPECT_NEAR(CrossEntropy(logits, FromVectorOf<int64_t>({0, 1}, {2}), {.ignore_index = 0}).Item(),
+              CrossEntropy(logits.Slice(0, 1, 2), FromVectorOf<int64_t>({1}, {1})).Item(), 1e-6);
 }
 
 // Unbatched logits [C]: a 0-d class index or a [C] probability target, and
