@@ -9,6 +9,7 @@
 #include "nn/loss/loss.h"
 
 #include <any>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -518,8 +519,11 @@ struct PiecewiseQuadraticLoss : autograd::Function<PiecewiseQuadraticLoss<kHuber
     // Smooth L1: 0.5 m^2 / beta + r, that is 0.5 z^2 / beta below beta and
     // 0.5 beta + (z - beta) from it. Huber: 0.5 m^2 + delta r, that is
     // 0.5 z^2 below delta and 0.5 delta^2 + delta (z - delta) from it.
-    const Tensor per =
-        kHuber ? ops::Add(half_sq, ops::MulScalar(r, limit)) : ops::Add(ops::DivScalar(half_sq, limit), r);
+    // An infinite delta leaves Huber all quadratic, as PyTorch; its linear
+    // term would be r * inf = 0 * inf = NaN.
+    const Tensor per = !kHuber                ? ops::Add(ops::DivScalar(half_sq, limit), r)
+                       : std::isinf(limit) ? half_sq
+                                           : ops::Add(half_sq, ops::MulScalar(r, limit));
     ctx->SaveForBackward({d});
     ctx->saved_data["limit"] = limit;
     return {per};

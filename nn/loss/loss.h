@@ -98,7 +98,7 @@ Tensor SmoothL1(const Tensor& input, const Tensor& target, const SmoothL1Options
 
 struct HuberOptions {
   Reduction reduction = Reduction::kMean;
-  /// Where the quadratic part ends (> 0).
+  /// Where the quadratic part ends (> 0; +inf is 0.5 z^2 everywhere).
   double delta = 1.0;
 };
 

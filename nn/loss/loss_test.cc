@@ -900,6 +900,30 @@ TEST(HuberTest, QuadraticPartIsExactBelowTheThreshold) {
   }
 }
 
+// delta = +inf never reaches the linear part: 0.5 z^2 everywhere with
+// gradient d = input - target, as PyTorch
+//   F.huber_loss(torch.tensor([1., -2.]), torch.zeros(2), reduction="none", delta=float("inf"))  # [0.5, 2.0]
+// Before, the linear term was 0 * inf = NaN for every element.
+TEST(HuberTest, InfiniteDeltaIsQuadraticEverywhere) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    SCOPED_TRACE(std::string(DTypeName(dt)));
+    const Tensor big = FromVector({1e30}, {1}, {.dtype = dt});
+    // f32 overflows to inf, as PyTorch's z * z.
+    EXPECT_EQ(Huber(big, Zeros({1}, {.dtype = dt}), {.delta = inf}).Item(), dt == DType::kFloat32 ? inf : 0.5 * (1e30 * 1e30));
+    Tensor x = FromVector({1, -2}, {2}, {.dtype = dt, .requires_grad = true});
+    const Tensor y = Zeros({2}, {.dtype = dt});
+    EXPECT_EQ(Huber(x, y, {.reduction = Reduction::kNone, .delta = inf}).ToVector<double>(),
+              (std::vector<double>{0.5, 2.0}));
+    const Tensor sum = Huber(x, y, {.reduction = Reduction::kSum, .delta = inf});
+    EXPECT_EQ(sum.Item(), 2.5);
+    Backward(sum);
+    EXPECT_EQ(x.grad().ToVector<double>(), (std::vector<double>{1.0, -2.0}));
+  }
+  // Smooth L1 with beta = +inf: 0.5 z^2 / inf = 0, as PyTorch.
+  EXPECT_EQ(SmoothL1(FromVector({1, -2}, {2}), Zeros({2}), {.reduction = Reduction::kSum, .beta = inf}).Item(), 0.0);
+}
+
 // An infinite |input - target| gives an infinite loss and the linear part's
 // slope as gradient, as PyTorch 1.13 (f32 and f64 alike):
 //   x = torch.tensor([inf, -inf, 1.0, 3.0], requires_grad=True)
