@@ -265,13 +265,24 @@ Tensor ProbabilityCrossEntropy(const Tensor& logits, const Tensor& target, const
 Tensor NllLoss(const Tensor& input, const Tensor& target_in, const NllLossOptions& options) {
   if (!input.defined()) throw std::invalid_argument("nll_loss: log-probabilities are undefined");
   if (!target_in.defined()) throw std::invalid_argument("nll_loss: target is undefined");
-  if (input.dim() < 2) {
-    throw std::invalid_argument("nll_loss: expected log-probabilities [N, C] or [N, C, d1, ...], got " +
+  if (input.dim() < 1) {
+    throw std::invalid_argument("nll_loss: expected log-probabilities [C], [N, C] or [N, C, d1, ...], got " +
                                 ShapeToString(input.shape()));
   }
   if (!IsFloating(input.dtype())) {
     throw std::invalid_argument("nll_loss: log-probabilities must be floating, got " +
                                 std::string(DTypeName(input.dtype())));
+  }
+  if (input.dim() == 1) {
+    // Unbatched [C] with a 0-d target: a batch of one, and kNone's loss
+    // back to 0-d, as PyTorch (and CrossEntropy here).
+    if (target_in.dim() != 0) {
+      throw std::invalid_argument("nll_loss: target of shape " + ShapeToString(target_in.shape()) +
+                                  " does not match unbatched log-probabilities " + ShapeToString(input.shape()) +
+                                  " (expected a 0-d class index)");
+    }
+    const Tensor loss = NllLoss(ops::Unsqueeze(input, 0), target_in.Detach().Reshape({1}), options);
+    return options.reduction == Reduction::kNone ? ops::Reshape(loss, {}) : loss;
   }
   Shape expected = input.shape();
   expected.erase(expected.begin() + 1);

@@ -63,8 +63,9 @@ struct NllLossOptions {
 Tensor CrossEntropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options = {});
 
 /// Negative log-likelihood (PyTorch's nll_loss) of log-probabilities
-/// log_probs [N, C] or [N, C, d1, ...] against class indices target [N] or
-/// [N, d1, ...] (i64; u8 and i32 are converted): per element
+/// log_probs [N, C], [N, C, d1, ...] or unbatched [C] against class indices
+/// target [N], [N, d1, ...] or 0-d (i64; u8 and i32 are converted; [C]
+/// runs as a batch of one, a 0-d loss for every reduction): per element
 /// -weight[t] * log_probs[n, t, ...] with t the target, 0 where t is
 /// ignore_index. kNone returns them in the target's shape, kSum their sum,
 /// kMean their sum over the sum of weight[t] of the non-ignored elements

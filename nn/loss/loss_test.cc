@@ -561,6 +561,35 @@ TEST(NllLossTest, Gradients) {
   for (int k = 0; k < 5; ++k) EXPECT_EQ(g[1 * 5 + k], 0.0) << k;  // the ignored sample
 }
 
+// Unbatched log-probabilities [C] with a 0-d class index, as torch's
+// NLLLoss accepts: -weight[t] lp[t], a 0-d loss for every reduction, and
+// the gradient back in [C]. An ignored target gives 0 (kNone, kSum) or
+// NaN (kMean), as a batch of one.
+TEST(NllLossTest, UnbatchedInputIsABatchOfOne) {
+  const Tensor w = FromVector({1.0, 0.5, 2.0}, {3}, {.dtype = DType::kFloat64});
+  for (const Tensor& weight : {Tensor(), w}) {
+    for (Reduction r : {Reduction::kMean, Reduction::kSum, Reduction::kNone}) {
+      SCOPED_TRACE(std::string(weight.defined() ? "weighted " : "") + std::to_string(static_cast<int>(r)));
+      Tensor x = FromVector({0.3, -1.2, 2.0}, {3}, {.dtype = DType::kFloat64, .requires_grad = true});
+      const Tensor lp = ops::LogSoftmax(x, 0);
+      const std::vector<double> lpv = lp.ToVector<double>();
+      const NllLossOptions o = {.reduction = r, .weight = weight};
+      const Tensor loss = NllLoss(lp, FromVectorOf<int64_t>({2}, Shape{}), o);
+      EXPECT_EQ(loss.shape(), Shape{});
+      // kMean divides by weight[2]: the unweighted value again.
+      const double scale = weight.defined() && r != Reduction::kMean ? 2.0 : 1.0;
+      EXPECT_NEAR(loss.Item(), -scale * lpv[2], 1e-15);
+      EXPECT_TRUE(GradCheck([&](const V& in) { return NllLoss(in[0], FromVectorOf<int64_t>({1}, Shape{}), o); },
+                            {RandomLeaf({3}, 71)}));
+    }
+  }
+  const Tensor lp = ops::LogSoftmax(FromVector({0.3, -1.2, 2.0}, {3}), 0);
+  EXPECT_EQ(NllLoss(lp, FromVectorOf<int64_t>({-100}, Shape{}), {.reduction = Reduction::kSum}).Item(), 0.0);
+  EXPECT_TRUE(std::isnan(NllLoss(lp, FromVectorOf<int64_t>({-100}, Shape{})).Item()));
+  // u8 class indices are converted, as for batches.
+  EXPECT_EQ(NllLoss(lp, FromVectorOf<uint8_t>({0}, Shape{})).Item(), -lp.ToVector<double>()[0]);
+}
+
 TEST(NllLossTest, BadInputsAreNamed) {
   const Tensor lp = Zeros({3, 4});
   const Tensor target = FromVectorOf<int64_t>({1, 0, 3}, {3});
@@ -579,7 +608,12 @@ TEST(NllLossTest, BadInputsAreNamed) {
   EXPECT_EQ(ErrorOf([&] { NllLoss(lp, FromVectorOf<int64_t>({1, 0}, {2})); }),
             "nll_loss: target of shape [2] does not match log-probabilities [3, 4] (expected [3])");
   EXPECT_EQ(ErrorOf([&] { NllLoss(Zeros({4}), FromVectorOf<int64_t>({1}, {1})); }),
-            "nll_loss: expected log-probabilities [N, C] or [N, C, d1, ...], got [4]");
+            "nll_loss: target of shape [1] does not match unbatched log-probabilities [4] (expected a 0-d class "
+            "index)");
+  EXPECT_EQ(ErrorOf([&] { NllLoss(Zeros(Shape{}), FromVectorOf<int64_t>({1}, Shape{})); }),
+            "nll_loss: expected log-probabilities [C], [N, C] or [N, C, d1, ...], got []");
+  EXPECT_EQ(ErrorOf([&] { NllLoss(Zeros({4}), FromVectorOf<int64_t>({4}, Shape{})); }),
+            "nll_loss: target 4 (sample 0) is out of range for 4 classes [0, 3]");
   EXPECT_EQ(ErrorOf([&] { NllLoss(FromVectorOf<int64_t>({0, 0}, {1, 2}), FromVectorOf<int64_t>({1}, {1})); }),
             "nll_loss: log-probabilities must be floating, got i64");
   // Named here, as cross_entropy does; before, Tensor's "shape on an undefined tensor" named no op.
