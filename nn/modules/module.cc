@@ -391,15 +391,18 @@ std::vector<std::pair<Tensor, Tensor>> PlanLoad(const Module& module, const Stat
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty() || !duplicated.empty()) {
     std::string msg = "LoadStateDict into " + (module.FullName().empty() ? module.ShortRepr() : module.Describe()) +
                       " failed:";
-    auto list = [&msg](const char* what, const std::vector<std::string>& v) {
+    // Key lists are quoted here; the mismatches arrive quoted already. (Told
+    // apart by the list, not by a leading '`': a key may be empty or begin
+    // with one.)
+    auto list = [&msg](const char* what, const std::vector<std::string>& v, bool quote) {
       if (v.empty()) return;
       msg += std::string("\n  ") + what + " (" + std::to_string(v.size()) + "):";
-      for (const auto& s : v) msg += " " + (s.front() == '`' ? s : "`" + s + "`") + ";";
+      for (const auto& s : v) msg += " " + (quote ? "`" + s + "`" : s) + ";";
     };
-    list("missing keys", missing);
-    list("unexpected keys", unexpected);
-    list("shape or dtype mismatches", mismatched);
-    list("duplicate keys", duplicated);
+    list("missing keys", missing, true);
+    list("unexpected keys", unexpected, true);
+    list("shape or dtype mismatches", mismatched, false);
+    list("duplicate keys", duplicated, true);
     throw std::invalid_argument(msg);
   }
   return copies;

@@ -307,6 +307,27 @@ TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
   EXPECT_EQ(b->GetStateDict()[0].second.ToVector<float>()[0], 0.0f);
 }
 
+// Keys are quoted whatever they hold: an empty key (before, std::string's
+// front() on it, undefined behaviour, an abort under _GLIBCXX_ASSERTIONS)
+// and one beginning with a backquote (before, printed unquoted).
+TEST(ModuleTest, LoadStateDictErrorQuotesEmptyAndBackquotedKeys) {
+  auto mlp = MakeMlp();
+  StateDict sd = mlp->GetStateDict();
+  sd.emplace_back("", Zeros({1}));
+  std::string err = ErrorOf([&] { mlp->LoadStateDict(sd); });
+  EXPECT_NE(err.find("unexpected keys (1): ``;"), std::string::npos) << err;
+  sd.back().first = "`odd";
+  err = ErrorOf([&] { mlp->LoadStateDict(sd); });
+  EXPECT_NE(err.find("unexpected keys (1): ``odd`;"), std::string::npos) << err;
+  // A missing key, and the already quoted mismatches, are printed as before.
+  sd = mlp->GetStateDict();
+  const std::string name = sd[0].first;
+  sd[0].second = Zeros({1});
+  err = ErrorOf([&] { mlp->LoadStateDict(sd); });
+  EXPECT_NE(err.find("shape or dtype mismatches (1): `" + name + "`: expected"), std::string::npos) << err;
+  EXPECT_EQ(err.find("``" + name), std::string::npos) << err;
+}
+
 // A key given twice is refused in both modes, naming it, and nothing is
 // loaded (before, the first value was loaded and the second ignored).
 TEST(ModuleTest, LoadStateDictRefusesADuplicateKey) {
