@@ -113,9 +113,11 @@ using ReadFn = std::function<size_t(void* dst, size_t n)>;
 // otherwise fail only after decompressing up to the bound). After the data,
 // one byte more is read, never the rest. `whole` names what is read in
 // errors that give its size: "the file", or "the data" (bytes in memory, or
-// decompressed).
+// decompressed). A dimension count other than `expected_dims` (when > 0)
+// is reported as "<what> has N dimensions, expected M<layout>".
 IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact,
-                      uint64_t max_bytes, const std::string& source, int expected_dims, const char* whole) {
+                      uint64_t max_bytes, const std::string& source, int expected_dims, const char* whole,
+                      const char* what = "IDX file", const char* layout = "") {
   uint8_t p[4] = {};
   const size_t magic = read(p, 4);
   if (magic < 4) {
@@ -136,8 +138,8 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
                        " dimensions, expected 1 to " + std::to_string(kMaxDims));
   }
   if (expected_dims > 0 && ndims != expected_dims) {
-    throw DatasetError(source + ": IDX file has " + std::to_string(ndims) +
-                       " dimensions, expected " + std::to_string(expected_dims));
+    throw DatasetError(source + ": " + what + " has " + std::to_string(ndims) + " dimensions, expected " +
+                       std::to_string(expected_dims) + layout);
   }
   const size_t header = 4 + 4 * static_cast<size_t>(ndims);
   uint8_t dims[4 * kMaxDims] = {};
@@ -288,7 +290,10 @@ IdxArray ParseIdxFileBytes(std::string_view file_bytes, const std::string& sourc
   return ParseIdx(file_bytes, source, expected_dims);
 }
 
-IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
+namespace {
+
+// ReadIdxFile, with ParseIdxFrom's words for a wrong dimension count.
+IdxArray ReadIdxFileAs(const std::string& path, int expected_dims, const char* what, const char* layout) {
   const internal::OpenFile file(path);
   char magic[2] = {};
   if (file.ReadAt(magic, sizeof(magic), 0) == sizeof(magic) &&
@@ -299,7 +304,7 @@ IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
     internal::GzipReader gzip(file, path, internal::kMaxDecompressedBytes);
     const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
     return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, internal::kMaxDecompressedBytes, path,
-                        expected_dims, "the data");
+                        expected_dims, "the data", what, layout);
   }
   // A plain file: its header is checked against its size before the data
   // is read, so that a wrong file of gigabytes fails at once, and then
@@ -311,7 +316,13 @@ IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
     return got;
   };
   return ParseIdxFrom(read, file.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, path, expected_dims,
-                      "the file");
+                      "the file", what, layout);
+}
+
+}  // namespace
+
+IdxArray ReadIdxFile(const std::string& path, int expected_dims) {
+  return ReadIdxFileAs(path, expected_dims, "IDX file", "");
 }
 
 std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
@@ -332,11 +343,9 @@ std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
                        " dimensions " + DimsString(images.dims) +
                        ", expected 3 ([N, H, W]) or 4 ([N, C, H, W])");
   }
-  IdxArray labels = ReadIdxFile(labels_path);
-  if (labels.dims.size() != 1) {
-    throw DatasetError(labels_path + ": label file has " + std::to_string(labels.dims.size()) +
-                       " dimensions " + DimsString(labels.dims) + ", expected 1 ([N])");
-  }
+  // The rank is checked at the header: an image file given as the labels
+  // fails there, before megabytes of it are read or inflated.
+  IdxArray labels = ReadIdxFileAs(labels_path, 1, "label file", " ([N])");
   if (labels.dims[0] != images.dims[0]) {
     throw DatasetError(labels_path + " has " + std::to_string(labels.dims[0]) + " labels but " +
                        images_path + " has " + std::to_string(images.dims[0]) +

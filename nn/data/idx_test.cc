@@ -692,7 +692,28 @@ TEST(IdxDatasetErrors, LabelFileWithWrongRank) {
   WriteFile(dir + "/im", IdxBytes({2, 1, 1}, "ab"));
   WriteFile(dir + "/lb", IdxBytes({2, 1}, std::string("\x00\x01", 2)));
   EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
-              AllOf(HasSubstr(dir + "/lb"), HasSubstr("expected 1 ([N])")));
+              AllOf(HasSubstr(dir + "/lb"), HasSubstr("label file has 2 dimensions, expected 1 ([N])")));
+}
+
+// The label file's rank is checked at its header, before its data is read
+// or inflated: an image file given as the labels (files swapped) fails
+// there, naming the rank, even where its data is cut short or its gzip
+// stream broken. Before, the whole file was read first, and these failed
+// as truncated data instead.
+TEST(IdxDatasetErrors, LabelFileOfAnotherRankFailsAtItsHeader) {
+  const std::string dir = FreshDir("idx_lrank_header");
+  const std::string images = IdxBytes({2, 2, 2}, "abcdefgh");
+  WriteFile(dir + "/im", images);
+  const std::string cut = images.substr(0, images.size() - 3);
+  WriteFile(dir + "/lb", cut);
+  WriteFile(dir + "/lb.gz", Gzip(cut));
+  const std::string gz = Gzip(images);
+  WriteFile(dir + "/broken.gz", gz.substr(0, gz.size() - 4));
+  for (const std::string name : {"lb", "lb.gz", "broken.gz"}) {
+    EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/" + name, 10); }),
+                AllOf(HasSubstr(dir + "/" + name), HasSubstr("label file has 3 dimensions, expected 1 ([N])")))
+        << name;
+  }
 }
 
 TEST(IdxDatasetErrors, EmptyImageShape) {
