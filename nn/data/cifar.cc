@@ -9,8 +9,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include "nn/data/decoded_cache.h"
@@ -23,19 +26,72 @@ namespace {
 // same 3x32x32 image as CIFAR-10's.
 constexpr int64_t kCifar100RecordBytes = 2 + 3 * 32 * 32;
 
-// How much of a file's start tells what kind of file it is
-// (WhatItLooksLike looks at most 272 bytes in).
-constexpr size_t kHeadBytes = 4096;
+// How much of a file's start tells what kind of file it is: the label
+// bytes of its first ~21 records of either kind.
+constexpr size_t kHeadBytes = 64 << 10;
+
+// Whether every record of `record_bytes` that starts in `head` holds label
+// bytes below `limits` (one limit per leading label byte), as far as `head`
+// shows them.
+bool LabelsFit(std::string_view head, int64_t record_bytes, std::initializer_list<int> limits) {
+  for (size_t at = 0; at + limits.size() <= head.size(); at += static_cast<size_t>(record_bytes)) {
+    size_t i = at;
+    for (const int limit : limits) {
+      if (static_cast<uint8_t>(head[i++]) >= limit) return false;
+    }
+  }
+  return true;
+}
+
+// Whether a file of `file_size` bytes starting with `head` could be
+// CIFAR-100's binary version: whole 3074-byte records, each starting with
+// a coarse label (< 20) and a fine one (< 100).
+bool FitsCifar100(std::string_view head, uint64_t file_size) {
+  return file_size % kCifar100RecordBytes == 0 && LabelsFit(head, kCifar100RecordBytes, {20, 100});
+}
+
+// Whether `head` (the start of a file whose first byte is no label) reads
+// as text: its first KiB holds no control byte but white space (bytes from
+// 0x80 are let through, as UTF-8). A text body saved under a batch's name
+// is a server's error message ("403 Forbidden", JSON) rather than records;
+// binary data holds control bytes every few dozen bytes.
+bool LooksLikeText(std::string_view head) {
+  for (const char ch : head.substr(0, 1024)) {
+    const auto c = static_cast<unsigned char>(ch);
+    if ((c < 0x20 && !std::isspace(c)) || c == 0x7f) return false;
+  }
+  return true;
+}
+
+// The first line of `text` (up to 40 bytes, non-ASCII bytes as '?'), for an
+// error message.
+std::string FirstLine(std::string_view text) {
+  std::string out;
+  for (const char ch : text.substr(0, 40)) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '\n' || c == '\r') break;
+    out.push_back(c >= 0x20 && c < 0x7f ? ch : '?');
+  }
+  return out;
+}
+
+std::string HexByte(uint8_t b) {
+  static constexpr char kDigits[] = "0123456789ABCDEF";
+  return std::string("0x") + kDigits[b >> 4] + kDigits[b & 15];
+}
 
 // What a file that is no CIFAR-10 batch looks like instead, as the end of an
 // error naming it; "" when it looks like nothing known. `bytes` is the
 // file's start (at least kHeadBytes of it, or all), `file_size` its size.
 // Asked only of a file that is no whole number of records or whose first
-// byte is no label (both true of '<' and of 0x80), so a real batch is never
-// taken for another kind.
+// byte is no label (both true of '<' and of 0x80), so a whole real batch is
+// never taken for another kind; a truncated one is not either, as CIFAR-100
+// is named only where CIFAR-10's labels do not fit the head.
 std::string WhatItLooksLike(std::string_view bytes, uint64_t file_size) {
   const std::string size = std::to_string(file_size) + " bytes";
-  size_t start = 0;
+  // A UTF-8 byte order mark, which some servers put before a page, then
+  // white space.
+  size_t start = bytes.substr(0, 3) == "\xEF\xBB\xBF" ? 3 : 0;
   while (start < bytes.size() && start < 256 && std::isspace(static_cast<unsigned char>(bytes[start]))) ++start;
   std::string head(bytes.substr(start, 16));
   for (char& c : head) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -52,11 +108,16 @@ std::string WhatItLooksLike(std::string_view bytes, uint64_t file_size) {
            "); this loader reads the binary version (cifar-10-binary.tar.gz, which unpacks to "
            "cifar-10-batches-bin/ with data_batch_1.bin .. data_batch_5.bin and test_batch.bin)";
   }
-  if (file_size % kCifar100RecordBytes == 0) {
+  if (FitsCifar100(bytes, file_size) && !LabelsFit(bytes, kCifarRecordBytes, {10})) {
     return "looks like CIFAR-100's binary version (" + size + " is a whole number of " +
            std::to_string(kCifar100RecordBytes) +
            "-byte records: a coarse and a fine label byte, then the image), which this loader does not "
            "read; it reads CIFAR-10's " + std::to_string(kCifarRecordBytes) + "-byte records";
+  }
+  if (static_cast<uint8_t>(bytes[0]) >= 10 && LooksLikeText(bytes)) {
+    return "looks like a text file (" + size + ", starting \"" + FirstLine(bytes.substr(start)) +
+           "\"), not a CIFAR-10 batch: most likely a failed download's error message; download CIFAR-10's "
+           "binary version (cifar-10-binary.tar.gz) again and unpack it";
   }
   return "";
 }
@@ -147,10 +208,23 @@ void CheckBatchStart(std::string_view head, uint64_t file_size, const std::strin
       !looks.empty()) {
     throw DatasetError(source + ": " + looks);
   }
+  if (rem != 0 && static_cast<uint8_t>(head[0]) >= 10) {
+    // Neither whole records nor a label first: no batch cut short.
+    throw DatasetError(source + ": not a CIFAR-10 binary batch: its first byte " +
+                       HexByte(static_cast<uint8_t>(head[0])) + " is no label (0-9), and " +
+                       std::to_string(file_size) + " bytes is not a whole number of " +
+                       std::to_string(kCifarRecordBytes) + "-byte records");
+  }
   if (rem != 0) {
+    // Where CIFAR-100's records fit the head as well as CIFAR-10's labels
+    // do (images of tiny values), both are said.
     throw DatasetError(source + ": truncated CIFAR-10 batch: " + std::to_string(file_size) +
                        " bytes is not a whole number of " + std::to_string(kCifarRecordBytes) +
-                       "-byte records (the last record has " + std::to_string(rem) + " bytes)");
+                       "-byte records (the last record has " + std::to_string(rem) + " bytes)" +
+                       (FitsCifar100(head, file_size)
+                            ? "; or CIFAR-100's binary version, whose " + std::to_string(kCifar100RecordBytes) +
+                                  "-byte records it also fits, which this loader does not read"
+                            : ""));
   }
 }
 

@@ -21,8 +21,9 @@ inline constexpr int64_t kCifarRecordBytes = 1 + 3 * 32 * 32;
 
 /// Appends the records in `bytes` (one batch file's content) to `pixels` and
 /// `labels`. Throws DatasetError naming `source` for an empty or truncated
-/// file, one that looks like another kind (an HTML page, CIFAR-10's Python
-/// version, CIFAR-100's binary version: said so), or a label outside [0, 10).
+/// file, one that looks like another kind (an HTML page or other text,
+/// CIFAR-10's Python version, CIFAR-100's binary version: said so), or a
+/// label outside [0, 10).
 void ParseCifar10Batch(std::string_view bytes, const std::string& source,
                        std::vector<uint8_t>* pixels, std::vector<uint8_t>* labels);
 

@@ -124,7 +124,9 @@ TEST(Cifar10Errors, Cifar100BatchIsNamedAsCifar100) {
   for (int i = 0; i < 3; ++i) {
     records.push_back(static_cast<char>(i));       // coarse label
     records.push_back(static_cast<char>(40 + i));  // fine label
-    records.append(3072, static_cast<char>(i));
+    // Pixels of 10 and more: where CIFAR-10's labels would be, they are none
+    // (pixels below 10 would fit both kinds: see the next test).
+    records.append(3072, static_cast<char>(100 + i));
   }
   WriteFile(dir + "/test_batch.bin", records);
   const std::string error = ErrorOf([&] { LoadCifar10(dir, Split::kTest); });
@@ -132,6 +134,70 @@ TEST(Cifar10Errors, Cifar100BatchIsNamedAsCifar100) {
                            HasSubstr("9222 bytes is a whole number of 3074-byte records"),
                            HasSubstr("does not read")));
   EXPECT_THAT(error, ::testing::Not(HasSubstr("truncated")));
+}
+
+// A CIFAR-10 batch cut short at a multiple of 3074 bytes is named as a
+// truncated CIFAR-10 batch: its labels sit every 3073 bytes, where
+// CIFAR-100's would not. Before, any such size whose first byte was a label
+// was called CIFAR-100's binary version. Only where the images' bytes are
+// tiny, so that both kinds fit the file's start, are both named.
+TEST(Cifar10Errors, TruncatedBatchOfCifar100sRecordSizeIsNamedTruncated) {
+  const std::string dir = FreshDir("cifar_trunc100");
+  WriteCifarDir(dir);
+  // Records of pseudo-random pixels, as real images have.
+  std::string records;
+  uint32_t x = 12345;
+  for (int i = 0; i < 30; ++i) {
+    records.push_back(static_cast<char>(i % 10));
+    for (int j = 0; j < 3072; ++j) {
+      x = x * 1664525u + 1013904223u;
+      records.push_back(static_cast<char>(x >> 24));
+    }
+  }
+  for (const int records_100 : {3, 25}) {
+    const std::string cut = records.substr(0, static_cast<size_t>(records_100) * 3074);
+    WriteFile(dir + "/data_batch_1.bin", cut);
+    const std::string error = ErrorOf([&] { LoadCifar10(dir, Split::kTrain); });
+    EXPECT_THAT(error, HasSubstr(dir + "/data_batch_1.bin: truncated CIFAR-10 batch: " +
+                                 std::to_string(cut.size()) + " bytes is not a whole number of 3073-byte records (the "
+                                 "last record has " + std::to_string(cut.size() % 3073) + " bytes)"));
+    EXPECT_THAT(error, ::testing::Not(HasSubstr("CIFAR-100")));
+  }
+  // Images of pixels below 10 (Records' first ones): both kinds are said.
+  WriteFile(dir + "/data_batch_1.bin", Records(4, 0).substr(0, 3 * 3074));
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTrain); }),
+              AllOf(HasSubstr("data_batch_1.bin: truncated CIFAR-10 batch: 9222 bytes"),
+                    HasSubstr("or CIFAR-100's binary version")));
+}
+
+// A text body saved under a batch's name (a server's error message, or an
+// HTML page after a UTF-8 byte order mark) is named as not a batch. Before,
+// these were called truncated CIFAR-10 batches (or, of a whole number of
+// records, said to hold a bad label).
+TEST(Cifar10Errors, TextAndBomPrefixedHtmlAreNamedAsNoBatch) {
+  const std::string dir = FreshDir("cifar_text");
+  WriteCifarDir(dir);
+  const std::string page = "\xEF\xBB\xBF<!DOCTYPE html><html><body>" + std::string(900, 'x') + "</body></html>";
+  WriteFile(dir + "/test_batch.bin", page);
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(dir, Split::kTest); }),
+              HasSubstr(dir + "/test_batch.bin: looks like an HTML page (" + std::to_string(page.size()) + " bytes)"));
+  std::vector<uint8_t> px, lb;
+  for (const std::string& text : {std::string("{\"error\": \"AccessDenied\", \"code\": 403}\n"),
+                                  std::string("403 Forbidden\r\n") + std::string(3073 * 2 - 15, '.')}) {
+    SCOPED_TRACE(text.size());
+    EXPECT_THAT(ErrorOf([&] { ParseCifar10Batch(text, "b.bin", &px, &lb); }),
+                AllOf(HasSubstr("b.bin: looks like a text file (" + std::to_string(text.size()) + " bytes, starting \"" +
+                                text.substr(0, text.find_first_of("\r\n")).substr(0, 40) + "\")"),
+                      HasSubstr("not a CIFAR-10 batch")));
+  }
+  // Binary bytes that are no batch either: named by their first byte.
+  std::string binary(5000, '\x01');
+  binary[0] = static_cast<char>(0xC3);
+  EXPECT_THAT(ErrorOf([&] { ParseCifar10Batch(binary, "b.bin", &px, &lb); }),
+              HasSubstr("b.bin: not a CIFAR-10 binary batch: its first byte 0xC3 is no label (0-9), and 5000 bytes is "
+                        "not a whole number of 3073-byte records"));
+  EXPECT_TRUE(px.empty());
+  EXPECT_TRUE(lb.empty());
 }
 
 TEST(Cifar10Errors, HtmlPageIsNamedAsAFailedDownload) {
