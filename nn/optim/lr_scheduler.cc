@@ -925,6 +925,17 @@ ReduceLrOnPlateau::ReduceLrOnPlateau(internal::GroupRates rates, PlateauOptions 
     throw std::invalid_argument("ReduceLROnPlateau: cooldown " + std::to_string(options_.cooldown) + " must be >= 0");
   }
   CheckFiniteNonNegative(kWho, "threshold", options_.threshold);
+  // In min mode a relative threshold of 1 or more asks for a metric below
+  // best * (1 - threshold): NaN or -inf against the initial best (+inf), 0
+  // or less after, so nothing would ever improve and the rate would be cut
+  // every patience + 1 steps. Max mode (best * (1 + threshold)) and absolute
+  // thresholds can always be beaten by a larger (smaller) metric.
+  if (options_.mode == PlateauOptions::Mode::kMin && options_.threshold_mode == PlateauOptions::ThresholdMode::kRel &&
+      options_.threshold >= 1) {
+    throw std::invalid_argument("ReduceLROnPlateau: threshold " + Number(options_.threshold) +
+                                " must be < 1 with mode=min and threshold_mode=rel: a metric counts as better only "
+                                "below best * (1 - threshold), which no metric would ever be");
+  }
   CheckFiniteNonNegative(kWho, "min_lr", options_.min_lr);
   CheckFiniteNonNegative(kWho, "eps", options_.eps);
   const std::vector<double>& floors = options_.group_min_lr;

@@ -390,7 +390,8 @@ struct PlateauOptions {
   /// Steps without improvement tolerated; the rate drops at the next one.
   int64_t patience = 10;
   /// How much better than the best a metric must be to count: relative
-  /// (best * (1 -/+ threshold)) or absolute (best -/+ threshold).
+  /// (best * (1 -/+ threshold)) or absolute (best -/+ threshold). Must be
+  /// < 1 for kMin with kRel (else no metric could ever count as better).
   double threshold = 1e-4;
   ThresholdMode threshold_mode = ThresholdMode::kRel;
   /// Steps after a reduction during which bad steps are not counted.
@@ -424,7 +425,7 @@ class ReduceLrOnPlateau {
  public:
   /// Throws std::invalid_argument naming the option unless factor is in
   /// [0, 1), patience and cooldown >= 0, threshold, min_lr and eps finite
-  /// and >= 0, and the modes known; with group_min_lr, unless it has one
+  /// and >= 0 (threshold < 1 in kMin with kRel), and the modes known; with group_min_lr, unless it has one
   /// value per param group (naming both counts), each finite and >= 0
   /// (naming the index), and min_lr is 0. The optimizer must outlive this.
   ReduceLrOnPlateau(Optimizer& optimizer, PlateauOptions options = {});

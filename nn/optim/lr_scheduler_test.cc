@@ -260,6 +260,43 @@ TEST(ReduceLrOnPlateau, ReducesTheRateSetWithSetLr) {
   EXPECT_EQ(opt.lr(), 0.125);
 }
 
+// In min mode with a relative threshold, a metric counts as better only
+// below best * (1 - threshold): from threshold 1 on that is NaN or -inf at
+// the first step (best starts at +inf) and 0 or less after, so no metric
+// would ever count and the rate would be cut every patience + 1 steps
+// whatever the metric did (PyTorch accepts it so). It is refused, naming
+// threshold; just below 1, and every threshold in the other modes, leaves
+// improvement possible and is kept.
+TEST(ReduceLrOnPlateau, ThresholdNoMetricCouldBeatIsRefused) {
+  Tensor p = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 1.0});
+  for (const auto& [threshold, text] : {std::pair{1.0, "1"}, std::pair{1.5, "1.5"}, std::pair{100.0, "100"}}) {
+    EXPECT_EQ(ErrorOf([&] { ReduceLrOnPlateau(opt, {.patience = 0, .threshold = threshold}); }),
+              std::string("ReduceLROnPlateau: threshold ") + text +
+                  " must be < 1 with mode=min and threshold_mode=rel: a metric counts as better only below "
+                  "best * (1 - threshold), which no metric would ever be")
+        << threshold;
+  }
+  EXPECT_EQ(opt.lr(), 1.0);
+  // Just below 1: a falling loss is still an improvement, so the rate stays.
+  ReduceLrOnPlateau r(opt, {.patience = 0, .threshold = 0.5});
+  for (const double loss : {1.0, 0.4, 0.1}) r.Step(loss);
+  EXPECT_EQ(r.best(), 0.1);
+  EXPECT_EQ(opt.lr(), 1.0);
+  // kMax (rel or abs) and kMin with kAbs: any finite threshold can be beaten.
+  using M = PlateauOptions::Mode;
+  using T = PlateauOptions::ThresholdMode;
+  for (const auto& [mode, tmode] : {std::pair{M::kMax, T::kRel}, std::pair{M::kMax, T::kAbs},
+                                    std::pair{M::kMin, T::kAbs}}) {
+    Sgd o({{"p", p}}, {.lr = 1.0});
+    ReduceLrOnPlateau s(o, {.mode = mode, .patience = 0, .threshold = 5.0, .threshold_mode = tmode});
+    const double sign = mode == M::kMax ? 1.0 : -1.0;
+    for (const double m : {1.0, 100.0, 1e4}) s.Step(sign * m);
+    EXPECT_EQ(s.best(), sign * 1e4);
+    EXPECT_EQ(o.lr(), 1.0);
+  }
+}
+
 // A param group added to the optimizer after the plateau scheduler was
 // made is reduced with the others, as PyTorch's (which reads param_groups
 // at each reduction); it was left at its rate.
