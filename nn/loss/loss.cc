@@ -101,6 +101,15 @@ class NllLossBackward final : public autograd::Node {
   DType dtype_;
 };
 
+// A Reduction value cast from an integer that names none of the three
+// (each loss would otherwise fall through to a different one of them).
+void CheckReduction(const char* op, Reduction reduction) {
+  if (reduction != Reduction::kMean && reduction != Reduction::kSum && reduction != Reduction::kNone) {
+    throw std::invalid_argument(std::string(op) + ": unknown reduction " +
+                                std::to_string(static_cast<int>(reduction)) + ", expected kMean, kSum or kNone");
+  }
+}
+
 // Class weights: [C], floating, on `device`, and given no gradient.
 void CheckWeight(const char* op, const Tensor& weight, int64_t classes, Device device) {
   if (!weight.defined()) return;
@@ -265,6 +274,7 @@ Tensor ProbabilityCrossEntropy(const Tensor& logits, const Tensor& target, const
 Tensor NllLoss(const Tensor& input, const Tensor& target_in, const NllLossOptions& options) {
   if (!input.defined()) throw std::invalid_argument("nll_loss: log-probabilities are undefined");
   if (!target_in.defined()) throw std::invalid_argument("nll_loss: target is undefined");
+  CheckReduction("nll_loss", options.reduction);
   if (input.dim() < 1) {
     throw std::invalid_argument("nll_loss: expected log-probabilities [C], [N, C] or [N, C, d1, ...], got " +
                                 ShapeToString(input.shape()));
@@ -333,6 +343,7 @@ Tensor NllLoss(const Tensor& input, const Tensor& target_in, const NllLossOption
 Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEntropyOptions& options) {
   if (!logits.defined()) throw std::invalid_argument("cross_entropy: logits are undefined");
   if (!target_in.defined()) throw std::invalid_argument("cross_entropy: target is undefined");
+  CheckReduction("cross_entropy", options.reduction);
   if (logits.dim() < 1) {
     throw std::invalid_argument("cross_entropy: expected logits [C], [N, C] or [N, C, d1, ...], got " +
                                 ShapeToString(logits.shape()));
@@ -442,6 +453,7 @@ Tensor MseLoss(const Tensor& input_in, const Tensor& target_in, Reduction reduct
   // Named here: an undefined, integer or misplaced operand otherwise fails
   // deep inside Sub or Square (or reading the dtype of nothing).
   CheckPointwise("mse_loss", input_in, target_in);
+  CheckReduction("mse_loss", reduction);
   // Autocast: squared differences in f32 (16-bit squares overflow or underflow).
   const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
   const Tensor sq = ops::Square(ops::Sub(input, target));
@@ -553,12 +565,14 @@ struct PiecewiseQuadraticLoss : autograd::Function<PiecewiseQuadraticLoss<kHuber
 
 Tensor L1(const Tensor& input_in, const Tensor& target_in, Reduction reduction) {
   CheckPointwise("l1_loss", input_in, target_in);
+  CheckReduction("l1_loss", reduction);
   const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
   return Reduce(ops::Abs(ops::Sub(input, target)), reduction);
 }
 
 Tensor SmoothL1(const Tensor& input_in, const Tensor& target_in, const SmoothL1Options& options) {
   CheckPointwise("smooth_l1_loss", input_in, target_in);
+  CheckReduction("smooth_l1_loss", options.reduction);
   // Written so that NaN fails it too.
   if (!(options.beta >= 0.0)) {
     throw std::invalid_argument("smooth_l1_loss: beta must be >= 0, got " + std::to_string(options.beta));
@@ -570,6 +584,7 @@ Tensor SmoothL1(const Tensor& input_in, const Tensor& target_in, const SmoothL1O
 
 Tensor Huber(const Tensor& input_in, const Tensor& target_in, const HuberOptions& options) {
   CheckPointwise("huber_loss", input_in, target_in);
+  CheckReduction("huber_loss", options.reduction);
   if (!(options.delta > 0.0)) {
     throw std::invalid_argument("huber_loss: delta must be > 0, got " + std::to_string(options.delta));
   }
@@ -581,6 +596,7 @@ Tensor BinaryCrossEntropyWithLogits(const Tensor& input_in, const Tensor& target
                                     const BceWithLogitsOptions& options) {
   constexpr const char* kOp = "binary_cross_entropy_with_logits";
   CheckPointwise(kOp, input_in, target_in);
+  CheckReduction(kOp, options.reduction);
   const DType compute = WideDType(input_in, target_in);
   const Tensor x = CastTo(input_in, compute), y = CastTo(target_in, compute);
   const Tensor weight = ElementWeight(kOp, "weight", options.weight, x, compute);
@@ -607,6 +623,7 @@ Tensor BinaryCrossEntropyWithLogits(const Tensor& input_in, const Tensor& target
 
 Tensor KlDiv(const Tensor& input_in, const Tensor& target_in, const KlDivOptions& options) {
   CheckPointwise("kl_div", input_in, target_in);
+  CheckReduction("kl_div", options.reduction);
   if (options.batch_mean && options.reduction != Reduction::kMean) {
     throw std::invalid_argument(std::string("kl_div: batch_mean needs reduction kMean, got ") +
                                 (options.reduction == Reduction::kSum ? "kSum" : "kNone"));

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/autograd/engine.h"
@@ -1262,6 +1263,28 @@ TEST(KlDivTest, NegativeTargetGivesNaN) {
     // The log-target form is exp(t) (t - input): finite for any finite t.
     EXPECT_TRUE(std::isfinite(KlDiv(Zeros({1}, {.dtype = dt}), Full({1}, -0.5, {.dtype = dt}), {.log_target = true})
                                   .Item()));
+  }
+}
+
+// A Reduction cast from an integer that names none of the three is refused,
+// naming the loss and the value. Before, each loss fell through to one of
+// the three silently: the per-element losses for the pointwise ones, the
+// sum for nll_loss and the fused cross_entropy.
+TEST(LossTest, UnknownReductionIsNamed) {
+  const Reduction bad = static_cast<Reduction>(7);
+  const Tensor a = Zeros({2, 3}), t = FromVectorOf<int64_t>({0, 2}, {2});
+  const std::vector<std::pair<std::string, std::function<void()>>> calls = {
+      {"cross_entropy", [&] { CrossEntropy(a, t, {.reduction = bad}); }},
+      {"nll_loss", [&] { NllLoss(a, t, {.reduction = bad}); }},
+      {"mse_loss", [&] { MseLoss(a, a, bad); }},
+      {"l1_loss", [&] { L1(a, a, bad); }},
+      {"smooth_l1_loss", [&] { SmoothL1(a, a, {.reduction = bad}); }},
+      {"huber_loss", [&] { Huber(a, a, {.reduction = bad}); }},
+      {"binary_cross_entropy_with_logits", [&] { BinaryCrossEntropyWithLogits(a, a, {.reduction = bad}); }},
+      {"kl_div", [&] { KlDiv(a, a, {.reduction = bad}); }},
+  };
+  for (const auto& [op, call] : calls) {
+    EXPECT_EQ(ErrorOf(call), op + ": unknown reduction 7, expected kMean, kSum or kNone");
   }
 }
 
