@@ -415,6 +415,72 @@ TEST(BatchNormPartsTest, F32StaysExactWhenAChannelsVarianceIsTiny) {
   }
 }
 
+// A channel mean large against its spread (1e7 and 3): f32 dx and dweight
+// stay close to the same inputs in f64, through BatchNorm's backward and
+// through the backward blocks SyncBatchNorm composes. Both kernels rounded
+// the mean to f32 before x - mean (f32's step at 1e7 is 1, so x - mean
+// moved by up to 0.5) where the forward already split it into hi + lo; dx
+// was then off by 2e-3 of its largest value here, 6e-8 with the split.
+TEST(BatchNormPartsTest, F32BackwardFollowsF64AtALargeChannelMean) {
+  const int64_t n = 64, c = 8, s = 3;
+  Generator gen(17);
+  const Tensor x64 = Empty({n, c, s}, {.dtype = DType::kFloat64});
+  const Tensor dy64 = Empty({n, c, s}, {.dtype = DType::kFloat64});
+  const Tensor w64 = Empty({c}, {.dtype = DType::kFloat64}), b64 = Empty({c}, {.dtype = DType::kFloat64});
+  NormalFill(x64, 1e7, 3.0, gen);
+  NormalFill(dy64, 0.0, 1.0, gen);
+  NormalFill(w64, 1.0, 0.5, gen);
+  NormalFill(b64, 0.0, 1.0, gen);
+  // The f32 values, and exactly the same values in f64.
+  const Tensor x32 = x64.To(DType::kFloat32), dy32 = dy64.To(DType::kFloat32);
+  const Tensor w32 = w64.To(DType::kFloat32), b32 = b64.To(DType::kFloat32);
+  // Largest |a - b| against the largest |b|.
+  auto rel = [](const Tensor& a, const Tensor& b) {
+    const std::vector<double> u = a.ToVector<double>(), v = b.ToVector<double>();
+    double d = 0, m = 0;
+    for (size_t i = 0; i < u.size(); ++i) {
+      d = std::max(d, std::abs(u[i] - v[i]));
+      m = std::max(m, std::abs(v[i]));
+    }
+    return d / m;
+  };
+  // BatchNorm's own backward: dx and dweight of x and w in dtype dt.
+  auto grads = [&](DType dt) {
+    const Tensor x = x32.To(dt).Clone().set_requires_grad(true), w = w32.To(dt).Clone().set_requires_grad(true);
+    Backward(BatchNorm(x, Tensor(), Tensor(), w, b32.To(dt), true, 0.1, 1e-5), dy32.To(dt));
+    return std::make_pair(x.grad(), w.grad());
+  };
+  const auto [dx32, dw32] = grads(DType::kFloat32);
+  const auto [dx64, dw64] = grads(DType::kFloat64);
+  EXPECT_LT(rel(dx32, dx64), 1e-6);
+  EXPECT_LT(rel(dw32, dw64), 1e-6);
+
+  // The blocks, with the f64 statistics of the whole batch (one rank's).
+  const BatchNormSums stats = BatchNormStats(x32.To(DType::kFloat64));
+  const double count = n * s;
+  std::vector<double> mean(c), invstd(c);
+  const std::vector<double> sum = stats.sum.ToVector<double>(), xv = x32.ToVector<double>();
+  for (int64_t ch = 0; ch < c; ++ch) mean[ch] = sum[ch] / count;
+  std::vector<double> m2(c, 0.0);
+  for (int64_t i = 0; i < n * c * s; ++i) {
+    const int64_t ch = (i / s) % c;
+    m2[ch] += (xv[i] - mean[ch]) * (xv[i] - mean[ch]);
+  }
+  for (int64_t ch = 0; ch < c; ++ch) invstd[ch] = 1 / std::sqrt(m2[ch] / count + 1e-5);
+  const Tensor mt = FromVector(mean, {c}, {.dtype = DType::kFloat64});
+  const Tensor it = FromVector(invstd, {c}, {.dtype = DType::kFloat64});
+  auto block_dx = [&](DType dt) {
+    const Tensor x = x32.To(dt), dy = dy32.To(dt);
+    const BatchNormSums g = BatchNormBackwardReduce(dy, x, mt, it);
+    const Tensor mean_dy = MulScalar(g.sum, 1 / count), mean_dy_xhat = MulScalar(g.sum_sq, 1 / count);
+    return std::make_pair(BatchNormBackwardElementwise(dy, x, mt, it, w32.To(dt), mean_dy, mean_dy_xhat), g.sum_sq);
+  };
+  const auto [bdx32, bdw32] = block_dx(DType::kFloat32);
+  const auto [bdx64, bdw64] = block_dx(DType::kFloat64);
+  EXPECT_LT(rel(bdx32, bdx64), 1e-6);
+  EXPECT_LT(rel(bdw32, bdw64), 1e-6);
+}
+
 // One running statistic without the other is refused, in training and in
 // eval, and the given one is left as it was. Before, training took it and
 // updated neither.

@@ -35,27 +35,36 @@ Dims GetDims(const Tensor& x) {
   return {x.size(0), x.size(1), s};
 }
 
+// An f64 mean as the sum of two accumulation-type values (hi + lo), so that
+// Center(x) = (x - hi) - lo keeps the digits of x - mean that rounding the
+// mean to A alone drops (f32 input has A = f32, whose ulp is 1 at a mean of
+// 1e7). lo is 0 where hi is infinite (a mean beyond A's range, or an
+// infinite running mean): x - mean is then -inf, not NaN.
+template <typename A>
+struct SplitMean {
+  explicit SplitMean(double mean)
+      : hi(static_cast<A>(mean)), lo(std::isfinite(hi) ? static_cast<A>(mean - hi) : A(0)) {}
+  A Center(A x) const { return (x - hi) - lo; }
+  A hi, lo;
+};
+
 // y = (x - mean) * scale + b with scale = w * invstd, in the accumulation
-// type, the mean taken as the sum of two accumulation-type values (hi + lo)
-// so that x - mean is exact where x is near the mean. A channel of tiny
-// variance has invstd near 1/sqrt(eps) (about 316): the form x * scale +
-// (b - mean * scale) added two terms hundreds of times larger than y, and
-// rounding the mean to f32 alone left up to 4e-5 in y.
+// type, x - mean through SplitMean so that it is exact where x is near the
+// mean. A channel of tiny variance has invstd near 1/sqrt(eps) (about 316):
+// the form x * scale + (b - mean * scale) added two terms hundreds of times
+// larger than y, and rounding the mean to f32 alone left up to 4e-5 in y.
 template <typename scalar_t>
 void Normalize(const scalar_t* xp, scalar_t* yp, const Dims& d, const std::vector<double>& mean,
                const std::vector<double>& invstd, const std::vector<double>& w, const std::vector<double>& b) {
   using A = acc_t<scalar_t>;
   for (int64_t n = 0; n < d.n; ++n) {
     for (int64_t c = 0; c < d.c; ++c) {
-      const A scale = static_cast<A>(w[c] * invstd[c]);
-      // lo is 0 where hi is infinite (a mean beyond A's range, or an
-      // infinite running mean): y is then -inf * scale + b, not NaN.
-      const A hi = static_cast<A>(mean[c]), shift = static_cast<A>(b[c]);
-      const A lo = std::isfinite(hi) ? static_cast<A>(mean[c] - hi) : A(0);
+      const A scale = static_cast<A>(w[c] * invstd[c]), shift = static_cast<A>(b[c]);
+      const SplitMean<A> mu(mean[c]);
       const scalar_t* row = xp + (n * d.c + c) * d.s;
       scalar_t* out = yp + (n * d.c + c) * d.s;
       for (int64_t i = 0; i < d.s; ++i) {
-        out[i] = static_cast<scalar_t>(((static_cast<A>(row[i]) - hi) - lo) * scale + shift);
+        out[i] = static_cast<scalar_t>(mu.Center(static_cast<A>(row[i])) * scale + shift);
       }
     }
   }
@@ -155,13 +164,16 @@ void BatchNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, 
           scalar_t* out = dp + (n * d.c + c) * d.s;
           const double k = w[c] * invstd[c];
           if (training && m > 0) {
-            // dx = k * (dy - mean(dy) - xhat * mean(dy * xhat))
+            // dx = k * (dy - mean(dy) - xhat * mean(dy * xhat)), x - mean as
+            // the forward takes it: with the mean rounded to f32, f32 dx was
+            // 4e-4 off f64's at a channel mean of 1e7 and spread 3.
             const A mdy = static_cast<A>(sum_dy[c] / m);
             const A coef = static_cast<A>(sum_dy_xhat[c] / m * invstd[c]);
-            const A mu = static_cast<A>(mean[c]);
+            const SplitMean<A> mu(mean[c]);
             const A kk = static_cast<A>(k);
             for (int64_t i = 0; i < d.s; ++i) {
-              out[i] = static_cast<scalar_t>(kk * (static_cast<A>(gr[i]) - mdy - (static_cast<A>(xr[i]) - mu) * coef));
+              const A centered = mu.Center(static_cast<A>(xr[i]));
+              out[i] = static_cast<scalar_t>(kk * (static_cast<A>(gr[i]) - mdy - centered * coef));
             }
           } else {
             const A kk = static_cast<A>(k);
@@ -267,9 +279,9 @@ void BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tenso
         const A k = static_cast<A>(w[c] * is[c]);
         const A m = static_cast<A>(mdy[c]);
         const A coef = static_cast<A>(mdx[c] * is[c]);
-        const A mu_c = static_cast<A>(mu[c]);
+        const SplitMean<A> mu_c(mu[c]);  // as BatchNormBackward's
         for (int64_t i = 0; i < d.s; ++i) {
-          out[i] = static_cast<scalar_t>(k * (static_cast<A>(gr[i]) - m - (static_cast<A>(xr[i]) - mu_c) * coef));
+          out[i] = static_cast<scalar_t>(k * (static_cast<A>(gr[i]) - m - mu_c.Center(static_cast<A>(xr[i])) * coef));
         }
       }
     }
