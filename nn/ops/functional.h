@@ -174,10 +174,13 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
                  const Tensor& bias, bool training, double momentum, double eps);
 
 // --- batch-norm building blocks (no autograd) ---
-// SyncBatchNorm computes statistics over the global batch: each rank runs
-// BatchNormStats, the sums are all-reduced with the counts, and the
-// elementwise parts run with the global mean and invstd; backward likewise
-// reduces sum_dy and sum_dy_xhat across ranks. Sums are f64 [C].
+// SyncBatchNorm computes statistics over the global batch: each rank makes
+// a row [count, mean per channel, sum of squared deviations per channel]
+// (on a device from BatchNormStats of x, then of x less its local mean),
+// the rows are all-gathered to the host and merged there
+// (ddp/sync_batch_norm.cc), and the elementwise parts run with the global
+// mean and invstd; backward all-reduces sum_dy and sum_dy_xhat across
+// ranks. Sums are f64 [C].
 struct BatchNormSums {
   Tensor sum;     ///< sum of x (or of dy)
   Tensor sum_sq;  ///< sum of x^2 (or of dy * xhat)
