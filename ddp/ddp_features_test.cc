@@ -1430,6 +1430,44 @@ TEST(DdpFeaturesTest, JoinThrowsOnEveryRankOnEarlyTermination) {
   }
 }
 
+// SyncBatchNorm layers given no group use the default one; where that has
+// one rank (here each rank's own subgroup, while DDP runs over the world)
+// they gather nothing, so Join runs to its end with uneven inputs (rank r
+// runs 2 + 2r batches). Join used to let only a layer given a one-rank
+// group explicitly through, and stopped every rank here.
+DDP_TEST_WORKER(join_sync_batch_norm_default_solo_group) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  std::shared_ptr<ProcessGroup> solo;
+  for (int r = 0; r < world; ++r) {
+    if (auto group = pg->NewGroup({r})) solo = group;
+  }
+  WORKER_EXPECT(solo != nullptr && solo->size() == 1, "no one-rank group for rank " + std::to_string(rank));
+  SetDefaultProcessGroup(solo);
+  auto model = ConvertSyncBatchNorm(NormedMlp(7, nullptr));  // no group: the default one
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  std::string message;
+  try {
+    Join join(ddp);
+    for (int s = 0; s < 2 + 2 * rank; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    join.Wait();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  DestroyProcessGroup();
+  WORKER_EXPECT(message.empty(), "rank " + std::to_string(rank) + ": " + message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, JoinRunsToItsEndWhenSyncBatchNormsDefaultGroupHasOneRank) {
+  auto run = RunWorkers("join_sync_batch_norm_default_solo_group", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // JoinOptions::enable = false: the Join does nothing, as PyTorch's
 // Join(enable=False). With the same inputs on every rank, training under it
 // runs exactly the collectives plain DDP runs (no flags at the forwards,

@@ -725,10 +725,19 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
       // with a joined rank's shadowed bucket reduction.
       for (const auto& [name, m] : module_->NamedModules()) {
         if (m->TypeName() != "SyncBatchNorm" || !m->is_training()) continue;
-        // Over a group of one rank it gathers nothing: plain BatchNorm.
-        if (const auto* sync = dynamic_cast<const SyncBatchNorm*>(m);
-            sync != nullptr && sync->group() != nullptr && sync->group()->size() == 1) {
-          continue;
+        // Over a group of one rank it gathers nothing: plain BatchNorm. The
+        // group is the one its forward will use: its own, else the default
+        // one (none set: its forward throws, so Join stops here as well).
+        if (const auto* sync = dynamic_cast<const SyncBatchNorm*>(m); sync != nullptr) {
+          std::shared_ptr<ProcessGroup> group = sync->group();
+          if (group == nullptr) {
+            try {
+              group = DefaultProcessGroup();
+            } catch (const std::logic_error&) {
+              // None set: group stays null.
+            }
+          }
+          if (group != nullptr && group->size() == 1) continue;
         }
         std::string joined;
         for (int r = 0; r < size; ++r) {
