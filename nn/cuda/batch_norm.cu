@@ -173,8 +173,12 @@ __global__ void BackwardElementwiseKernel(const T* dy, const T* x, T* dx, int64_
     }
     const A a = static_cast<A>(Load(dy_term, ch) * scale);
     const A coef = static_cast<A>(Load(xhat_term, ch) * scale * is);
-    const A mu = static_cast<A>(Load(mean, ch));
-    dx[idx] = Cast<T>(k * (Cast<A>(dy[idx]) - a - (Cast<A>(x[idx]) - mu) * coef));
+    // x - mean with the mean as hi + lo, as the forward above and the CPU's
+    // backward: the mean rounded to f32 alone put f32 dx 2e-3 off f64's at
+    // a channel mean of 1e7 (nn/ops/cpu/batch_norm.cc, SplitMean).
+    const double mu = Load(mean, ch);
+    const A hi = static_cast<A>(mu), lo = isfinite(hi) ? static_cast<A>(mu - static_cast<double>(hi)) : A(0);
+    dx[idx] = Cast<T>(k * (Cast<A>(dy[idx]) - a - ((Cast<A>(x[idx]) - hi) - lo) * coef));
   }
 }
 

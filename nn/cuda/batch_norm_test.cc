@@ -9,6 +9,7 @@
 // its f32 statistics and outputs are held to 1e-4, dx to 1e-3.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <optional>
@@ -352,6 +353,31 @@ TEST_F(CudaBatchNormTest, EvalBackwardDoesNotReadX) {
 // Through the op and autograd, as a model runs it: with cuDNN chosen the op
 // keeps the saved statistics in f32 (what cuDNN computes), and the input,
 // weight and bias gradients and the running statistics match the CPU.
+// A channel mean large against its spread (1e7 and 3): our kernels' f32 dx
+// stays close to the same inputs' f64 dx, as on the CPU
+// (ops_gradcheck_test's F32BackwardFollowsF64AtALargeChannelMean). The
+// backward kernel rounded the mean to f32 before x - mean (f32's step at 1e7
+// is 1), which put dx about 2e-3 of its largest value off f64's.
+TEST_F(CudaBatchNormTest, F32BackwardFollowsF64AtALargeChannelMean) {
+  const Shape shape{64, 8, 3};
+  // f32 values, and exactly the same values in f64.
+  const Tensor x = RandnOf(shape, DType::kFloat32, 1e7, 3.0), dy = RandnOf(shape, DType::kFloat32);
+  const Tensor w = RandnOf({8}, DType::kFloat32, 1.0, 0.5), b = RandnOf({8}, DType::kFloat32);
+  auto dx_of = [&](DType dt) {
+    const Tensor xg = x.To(dt).To(kGpu).set_requires_grad(true);
+    const Tensor y = ops::BatchNorm(xg, Tensor(), Tensor(), w.To(dt).To(kGpu), b.To(dt).To(kGpu), true, 0.1, 1e-5);
+    Backward(ops::Sum(ops::Mul(y, dy.To(dt).To(kGpu))));
+    return xg.grad().To(kCPU).ToVector<double>();
+  };
+  const std::vector<double> dx32 = dx_of(DType::kFloat32), dx64 = dx_of(DType::kFloat64);
+  double worst = 0, largest = 0;
+  for (size_t i = 0; i < dx64.size(); ++i) {
+    worst = std::max(worst, std::abs(dx32[i] - dx64[i]));
+    largest = std::max(largest, std::abs(dx64[i]));
+  }
+  EXPECT_LT(worst / largest, 1e-6) << "largest |dx| " << largest;
+}
+
 TEST_F(CudaBatchNormTest, CudnnThroughTheOpMatchesCpu) {
   const Kernels setting(BatchNormKernels::kCudnn);
   const Shape shape{16, 8, 6, 6};
