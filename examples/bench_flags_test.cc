@@ -634,6 +634,28 @@ TEST(AllreduceBenchTest, AWrongResultFailsTheRun) {
       << r.err;
 }
 
+// Out of place, the timed calls leave the right result in the output
+// buffer: --check fills it with values it counts wrong before its own call,
+// so that a checked all-reduce or reduce that writes nothing fails the run
+// (before, it passed with 0 wrong). The environment variable makes every
+// rank skip the checked call and take it as done.
+TEST(AllreduceBenchTest, ACheckedCallThatWritesNothingOutOfPlaceFailsTheRun) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  for (const char* collective : {"--collective=allreduce", "--collective=reduce"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {bench, "--nproc_per_node=2", collective, "--in_place=false", "--min_bytes=4K",
+         "--max_bytes=4K", "--check"},
+        {{"ALLREDUCE_BENCH_TEST_SKIP_CHECKED_CALL", "1"}});
+    EXPECT_EQ(r.exit_code, 1) << collective << "\n" << r.out << r.err;
+    // 1024 f32s on each of the 2 ranks for the all-reduce; on the root only
+    // for the reduce.
+    const std::string wrong = std::string(collective) == "--collective=reduce" ? "1024" : "2048";
+    EXPECT_NE(r.err.find("allreduce_bench: --check found " + wrong + " wrong element(s) in all\n"),
+              std::string::npos)
+        << collective << "\n" << r.err;
+  }
+}
+
 // A --max_bytes below the smallest message (one element; one per rank for
 // all-to-all, gather and scatter) is refused, naming it (before, nothing
 // was measured and the run exited 0). Sizes that round to the previous

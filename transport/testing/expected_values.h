@@ -4,7 +4,11 @@
 // Inputs and expected results for collective tests: rank r's element i is a
 // small integer, so that sums and products are exact in every dtype (u8 and
 // the 16-bit floats included) for up to 9 ranks, and the expected value is a
-// closed form computed without any reduction kernel.
+// closed form computed without any reduction kernel. Beyond 9 ranks the
+// product stays at most 2^8 (2s on the first 16 ranks only), u8 wraps as its
+// kernels do, and the 16-bit floats' tolerance grows with the rank count,
+// so that a reduction done right is not counted wrong (checked up to 128
+// ranks in expected_values_test).
 
 #include <cstddef>
 #include <cstdint>
@@ -14,7 +18,8 @@
 
 namespace ddp::transport::testing {
 
-/// Rank `rank`'s input element `i` for `op` (prod uses 1s and 2s).
+/// Rank `rank`'s input element `i` for `op` (prod uses 1s and 2s, 2s on
+/// ranks below 16 only).
 double InputValue(int rank, size_t i, ReduceOp op);
 
 /// The all-reduce result of element i over `ranks` ranks.
@@ -27,6 +32,13 @@ double Load(DataType dtype, const void* data, size_t i);
 /// Fills `count` elements with InputValue(rank, offset + i, op).
 void FillInput(DataType dtype, void* data, size_t count, int rank, ReduceOp op,
                size_t offset = 0);
+
+/// Fills `count` elements with values that CountWrong(ranks, op, offset)
+/// counts as wrong, one each (NaN for the floating types, the expected
+/// value plus one for the integers): an output buffer filled so before a
+/// checked call shows a call that wrote nothing.
+void FillUnexpected(DataType dtype, void* data, size_t count, int ranks, ReduceOp op,
+                    size_t offset = 0);
 
 /// Counts elements that differ from ExpectedValue(ranks, offset + i, op);
 /// the first mismatch is described in `first` when not null.
