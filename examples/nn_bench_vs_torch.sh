@@ -9,9 +9,22 @@
 # the checkout, else /work/shared/peers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SCRIPT=nn_bench_vs_torch USAGE='nn_bench_vs_torch.sh [STEPS=300] [REPEATS=3] [MODELS="mlp cnn"]'
+source transport/bench/bench_common.sh
 steps=${1:-300}
 repeats=${2:-3}
 models=${3:-"mlp cnn"}
+positive_int STEPS "$steps"
+positive_int REPEATS "$repeats"
+# Checked before the first run: the PyTorch peer trains its CNN under any
+# other name, and nn_bench refused the name only after that run.
+for model in $models; do
+  case "$model" in
+    mlp | cnn) ;;
+    *) echo "$SCRIPT: MODELS: unknown model '$model'; expected mlp or cnn (usage: $USAGE)" >&2; exit 2 ;;
+  esac
+done
+[ -n "${models// /}" ] || { echo "$SCRIPT: MODELS is empty; expected mlp, cnn or both" >&2; exit 2; }
 peers=${PEERS_DIR:-}
 if [ -z "$peers" ]; then
   peers=$(pwd)/../shared/peers
@@ -19,11 +32,10 @@ if [ -z "$peers" ]; then
 fi
 bazel build -c opt //examples:nn_bench >/dev/null 2>&1 || bazel build -c opt //examples:nn_bench
 bench=bazel-bin/examples/nn_bench
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+tmp=$WORK
 
-# run NAME CMD...: prints "samples_per_s peak_rss_mb" of one run.
-run() {
+# measure CMD...: prints "samples_per_s peak_rss_mb" of one run.
+measure() {
   local log="$tmp/log"
   /usr/bin/time -v "$@" >"$log" 2>&1 || { cat "$log" >&2; return 1; }
   local sps rss
@@ -39,8 +51,8 @@ for model in $models; do
   : >"$tmp/$model.torch"
   : >"$tmp/$model.nn"
   for ((r = 1; r <= repeats; r++)); do
-    t=$(OPENBLAS_NUM_THREADS=1 run /usr/bin/python3 "$peers/torch_ddp_train.py" 1 "$model" "$steps")
-    n=$(run "$bench" --model="$model" --steps="$steps")
+    t=$(OPENBLAS_NUM_THREADS=1 measure "$TORCH_PYTHON" "$peers/torch_ddp_train.py" 1 "$model" "$steps")
+    n=$(measure "$bench" --model="$model" --steps="$steps")
     echo "$model run $r: torch $t | nn $n   (samples/s, peak RSS MB)"
     echo "$t" >>"$tmp/$model.torch"
     echo "$n" >>"$tmp/$model.nn"
@@ -48,7 +60,10 @@ for model in $models; do
 done
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
-echo "| model | PyTorch samples/s | nn samples/s | ratio | PyTorch peak RSS MB | nn peak RSS MB | RSS ratio |"
+# The PyTorch peer wraps its model in DistributedDataParallel even on one
+# rank (a gloo group, bucket copies and hooks every step); nn_bench trains
+# the bare model: the header says so.
+echo "| model | PyTorch DDP (1 rank) samples/s | nn samples/s | ratio | PyTorch peak RSS MB | nn peak RSS MB | RSS ratio |"
 echo "| --- | --- | --- | --- | --- | --- | --- |"
 for model in $models; do
   ts=$(cut -d' ' -f1 "$tmp/$model.torch" | median)

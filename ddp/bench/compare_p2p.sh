@@ -7,29 +7,34 @@
 #
 #   ddp/bench/compare_p2p.sh [REPS]
 #
-# Needs: bazel build //ddp:p2p_bench; /usr/bin/python3 with torch; mpicc
+# Needs: bazel build //ddp:p2p_bench; /usr/bin/python3 (or $TORCH_PYTHON)
+# with torch; mpicc
 # and mpirun (openmpi-bin, libopenmpi-dev).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SCRIPT=compare_p2p USAGE="compare_p2p.sh [REPS]"
+source transport/bench/bench_common.sh
 REPS=${1:-5}
+positive_int REPS "$REPS"
 BENCH=${P2P_BENCH:-bazel-bin/ddp/p2p_bench}
-OUT=$(mktemp)
-MPI=$(mktemp)
-trap 'rm -f "$OUT" "$MPI"' EXIT
+OUT=$WORK/runs
+MPI=$WORK/mpi_p2p
 # What is missing, said before the first run.
-[ -x "$BENCH" ] || { echo "compare_p2p: no $BENCH; bazel build //ddp:p2p_bench" >&2; exit 1; }
-/usr/bin/python3 -c 'import torch' 2>/dev/null ||
-  { echo "compare_p2p: /usr/bin/python3 cannot import torch (apt-get install python3-torch)" >&2; exit 1; }
-command -v mpicc >/dev/null && command -v mpirun >/dev/null ||
-  { echo "compare_p2p: needs mpicc and mpirun (apt-get install openmpi-bin libopenmpi-dev)" >&2; exit 1; }
-mpicc -O2 -o "$MPI" ddp/bench/mpi_p2p.c
+need_executable "$BENCH" "bazel build //ddp:p2p_bench"
+need_torch
+need_mpi
+run mpicc -O2 -o "$MPI" ddp/bench/mpi_p2p.c
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); $REPS runs each"
 for _ in $(seq "$REPS"); do
-  "$BENCH" --nproc_per_node=2 --mode=comm | awk '{print "comm", $1, $2}' >>"$OUT"
-  "$BENCH" --nproc_per_node=2 --mode=pg | awk '{print "pg", $1, $2}' >>"$OUT"
-  /usr/bin/python3 ddp/bench/torch_gloo_p2p.py | awk '{print "gloo", $1, $2}' >>"$OUT"
-  mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
-    --mca pml_ucx_devices any -np 2 "$MPI" | awk '{print "mpi", $1, $2}' >>"$OUT"
+  run "$BENCH" --nproc_per_node=2 --mode=comm
+  rows | awk '{print "comm", $1, $2}' >>"$OUT"
+  run "$BENCH" --nproc_per_node=2 --mode=pg
+  rows | awk '{print "pg", $1, $2}' >>"$OUT"
+  run "$TORCH_PYTHON" ddp/bench/torch_gloo_p2p.py
+  rows | awk '{print "gloo", $1, $2}' >>"$OUT"
+  run mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
+    --mca pml_ucx_devices any -np 2 "$MPI"
+  rows | awk '{print "mpi", $1, $2}' >>"$OUT"
 done
 echo "# bytes | one-way us: pg, comm, gloo, mpi (medians) | pg/comm | gloo/pg | mpi/pg"
 python3 - "$OUT" <<'PY'

@@ -5,6 +5,10 @@
 #
 #   ddp/bench/compare_peers.sh [REPS] [STEPS] [-- extra ddp_bench flags]
 #
+# The extra flags may not change the workload the PyTorch peer runs:
+# --batch goes to the peer as well; --model, --steps, --nproc_per_node,
+# --data_dir and --flush_denormal are refused.
+#
 # MLP_STEPS (environment) gives the MLP its own step count: its steps are
 # ~8x shorter than the CNN's, and runs under a few seconds are dominated by
 # start-up effects and noise.
@@ -35,6 +39,50 @@ positive_int() {
 positive_int REPS "$REPS"
 positive_int STEPS "$STEPS"
 [ -z "${MLP_STEPS+set}" ] || positive_int MLP_STEPS "$MLP_STEPS"
+# The extra flags must leave the workload the peer runs alone, or the ratio
+# compares different work (ddp_bench at --batch=128 against the peer at
+# 64). --batch is passed on to the peer (its 4th argument); the flags the
+# peer cannot follow (its model, steps, ranks and data are fixed, and it
+# does not flush denormals) are refused. VARIANT adds ddp_bench-only rows
+# (--flush_denormal is its use), but may not change the batch, model or data.
+BATCH=64
+workload_flags() {  # WHERE FLAGS...: sets BATCH; refuses what the peer cannot mirror
+  local where=$1 name value
+  shift
+  while [ $# -gt 0 ]; do
+    name=${1#-}
+    name=${name#-}
+    value=
+    case "$name" in
+      *=*) value=${name#*=} name=${name%%=*} ;;
+      *) [ $# -gt 1 ] && [ "${2#-}" = "$2" ] && value=$2 ;;
+    esac
+    case "$name" in
+      batch)
+        [ "$where" = "extra" ] ||
+          { echo "compare_peers: VARIANT: --batch is refused (the peer runs one batch size); give it after --" >&2; exit 2; }
+        positive_int --batch "$value"
+        BATCH=$value
+        ;;
+      model | steps | nproc_per_node | nproc-per-node | data_dir)
+        echo "compare_peers: $where: --$name is refused: the PyTorch peer cannot run the same" \
+          "(use REPS, STEPS and MLP_STEPS; the peer reads /usr/share/datasets/fashion-mnist)" >&2
+        exit 2
+        ;;
+      flush_denormal)
+        [ "$where" = "VARIANT" ] || {
+          echo "compare_peers: $where: --flush_denormal is refused: the PyTorch peer does not flush denormals" \
+            "(VARIANT=--flush_denormal=true adds it as rows of their own)" >&2
+          exit 2
+        }
+        ;;
+    esac
+    shift
+  done
+}
+workload_flags extra "${EXTRA[@]}"
+# shellcheck disable=SC2086  # VARIANT holds flags, split on purpose
+workload_flags VARIANT ${VARIANT:-}
 # PEERS_DIR overrides where the peers are (../shared/peers next to the
 # checkout, else /work/shared/peers).
 PEERS=${PEERS_DIR:-}
@@ -47,8 +95,10 @@ PEER=$PEERS/torch_ddp_train.py
 BENCH=${DDP_BENCH:-bazel-bin/examples/ddp_bench}
 # The peer runs with its stderr hidden (PyTorch's warnings; shown if it fails); say up front
 # what is missing instead of ending silently at its first run.
-if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-  echo "compare_peers: /usr/bin/python3 cannot import torch; install the peers with" \
+# TORCH_PYTHON overrides the Python that runs the peer.
+TORCH_PYTHON=${TORCH_PYTHON:-/usr/bin/python3}
+if ! "$TORCH_PYTHON" -c 'import torch' 2>/dev/null; then
+  echo "compare_peers: $TORCH_PYTHON cannot import torch; install the peers with" \
     "'apt-get install python3-torch openmpi-bin'" >&2
   exit 1
 fi
@@ -71,7 +121,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; ddp_bench ${EXTRA[*]:-}; variant: ${VARIANT:-none}"
+echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg); steps: cnn $STEPS, mlp ${MLP_STEPS:-$STEPS}; batch $BATCH per rank (both); ddp_bench ${EXTRA[*]:-}; variant: ${VARIANT:-none}"
 # 2 ranks in lockstep on 2 cores pay for any other work on either core (an
 # idle Bazel server takes about 2% of one; docs/benchmarks.md).
 if pgrep -f 'bazel.*A-server.jar' >/dev/null 2>&1; then
@@ -91,8 +141,8 @@ for rep in $(seq "$REPS"); do
       fi
     done
     # Its stderr (PyTorch's warnings) is shown only when it fails.
-    if ! /usr/bin/python3 "$PEER" 2 "$model" "$steps" 2>"$PEER_LOG" | awk '{print "torch", $0}' >>"$OUT"; then
-      echo "compare_peers: the PyTorch peer failed ($PEER 2 $model $steps, rep $rep of $REPS); its stderr:" >&2
+    if ! "$TORCH_PYTHON" "$PEER" 2 "$model" "$steps" "$BATCH" 2>"$PEER_LOG" | awk '{print "torch", $0}' >>"$OUT"; then
+      echo "compare_peers: the PyTorch peer failed ($PEER 2 $model $steps $BATCH, rep $rep of $REPS); its stderr:" >&2
       cat "$PEER_LOG" >&2
       exit 1
     fi

@@ -6,22 +6,28 @@
 #
 #   transport/bench/compare_algorithms.sh [REPS] [NPROC...]
 #
-# Needs: bazel build //examples:allreduce_bench.
+# Needs: bazel build //examples:allreduce_bench. The runs pass --check: a
+# wrong element fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SCRIPT=compare_algorithms USAGE="compare_algorithms.sh [REPS] [NPROC...]"
+source transport/bench/bench_common.sh
 REPS=${1:-3}
 shift || true
 if [ $# -gt 0 ]; then NPROCS=("$@"); else NPROCS=(2 4); fi
+positive_int REPS "$REPS"
+for np in "${NPROCS[@]}"; do positive_int NPROC "$np"; done
 BENCH=bazel-bin/examples/allreduce_bench
-OUT=$(mktemp)
-trap 'rm -f "$OUT"' EXIT
+need_executable "$BENCH" "bazel build //examples:allreduce_bench"
+OUT=$WORK/runs
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$REPS"); do
   for np in "${NPROCS[@]}"; do
     for algo in ring tree rhd auto; do
-      "$BENCH" --nproc_per_node="$np" --algo="$algo" --min_bytes=4K --max_bytes=16M \
-        --step_factor=4 2>/dev/null |
-        grep -v '^#' | awk -v np="$np" -v a="$algo" '{print np, a, $1, $4}' >>"$OUT"
+      # --check: one more call per size after the timed ones, not timed.
+      run "$BENCH" --nproc_per_node="$np" --algo="$algo" --min_bytes=4K --max_bytes=16M \
+        --step_factor=4 --check
+      rows | awk -v np="$np" -v a="$algo" '{print np, a, $1, $4}' >>"$OUT"
     done
   done
 done

@@ -8,27 +8,36 @@
 #
 # Sizes are each rank's whole send buffer (size() blocks), as nccl-tests
 # counts them. Needs: bazel build //examples:allreduce_bench; mpicc/mpirun
-# (openmpi-bin, libopenmpi-dev); /usr/bin/python3 with torch.
+# (openmpi-bin, libopenmpi-dev); /usr/bin/python3 (or $TORCH_PYTHON) with
+# torch. Our runs pass --check: a wrong element fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SCRIPT=compare_alltoall USAGE="compare_alltoall.sh [REPS] [NPROC...]"
+source transport/bench/bench_common.sh
 REPS=${1:-5}
 shift || true
 if [ $# -gt 0 ]; then NPROCS=("$@"); else NPROCS=(2 4); fi
+positive_int REPS "$REPS"
+for np in "${NPROCS[@]}"; do positive_int NPROC "$np"; done
 SIZES="4096 65536 1048576 16777216"
 BENCH=bazel-bin/examples/allreduce_bench
-OUT=$(mktemp)
-trap 'rm -f "$OUT" /tmp/ddp_mpi_alltoall' EXIT
-mpicc -O2 -o /tmp/ddp_mpi_alltoall transport/bench/mpi_alltoall.c
+need_executable "$BENCH" "bazel build //examples:allreduce_bench"
+need_mpi
+need_torch
+OUT=$WORK/runs
+run mpicc -O2 -o "$WORK/mpi_alltoall" transport/bench/mpi_alltoall.c
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$REPS"); do
   for np in "${NPROCS[@]}"; do
-    mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
-      --mca pml_ucx_devices any -np "$np" /tmp/ddp_mpi_alltoall $SIZES 2>/dev/null |
-      awk -v np="$np" '{print np, "openmpi_ucx", $1, $2}' >>"$OUT"
-    "$BENCH" --nproc_per_node="$np" --collective=alltoall --min_bytes=4096 --max_bytes=16M \
-      --step_factor=16 2>/dev/null | grep -v '^#' | awk -v np="$np" '{print np, "ddp", $1, $4}' >>"$OUT"
-    /usr/bin/python3 transport/bench/torch_gloo_alltoall.py "$np" $SIZES 2>/dev/null |
-      awk -v np="$np" '{print np, "gloo", $1, $2}' >>"$OUT"
+    run mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
+      --mca pml_ucx_devices any -np "$np" "$WORK/mpi_alltoall" $SIZES
+    rows | awk -v np="$np" '{print np, "openmpi_ucx", $1, $2}' >>"$OUT"
+    # --check: one more call per size after the timed ones, not timed.
+    run "$BENCH" --nproc_per_node="$np" --collective=alltoall --min_bytes=4096 --max_bytes=16M \
+      --step_factor=16 --check
+    rows | awk -v np="$np" '{print np, "ddp", $1, $4}' >>"$OUT"
+    run "$TORCH_PYTHON" transport/bench/torch_gloo_alltoall.py "$np" $SIZES
+    rows | awk -v np="$np" '{print np, "gloo", $1, $2}' >>"$OUT"
   done
 done
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"

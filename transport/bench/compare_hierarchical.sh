@@ -8,14 +8,18 @@
 #
 #   transport/bench/compare_hierarchical.sh [REPS]
 #
-# Needs: bazel build //examples:allreduce_bench.
+# Needs: bazel build //examples:allreduce_bench. The runs pass --check: a
+# wrong element fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SCRIPT=compare_hierarchical USAGE="compare_hierarchical.sh [REPS]"
+source transport/bench/bench_common.sh
 REPS=${1:-5}
+positive_int REPS "$REPS"
 BENCH=bazel-bin/examples/allreduce_bench
-OUT=$(mktemp)
-TOPOLOGY=$(mktemp --suffix=.json)
-trap 'rm -f "$OUT" "$TOPOLOGY"' EXIT
+need_executable "$BENCH" "bazel build //examples:allreduce_bench"
+OUT=$WORK/runs
+TOPOLOGY=$WORK/topology.json
 cat >"$TOPOLOGY" <<'JSON'
 {"hosts": [{"name": "a"}, {"name": "b"}],
  "ranks": [{"host": 0}, {"host": 0}, {"host": 1}, {"host": 1}]}
@@ -23,9 +27,10 @@ JSON
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$REPS"); do
   for shm in 1 0; do
-    DDP_SHARED_MEMORY=$shm DDP_TOPOLOGY_FILE=$TOPOLOGY "$BENCH" --nproc_per_node=4 \
-      --algo=hierarchical --min_bytes=4K --max_bytes=16M --step_factor=4 2>/dev/null |
-      grep -v '^#' | awk -v shm="$shm" '{print shm, $1, $4}' >>"$OUT"
+    # --check: one more call per size after the timed ones, not timed.
+    run DDP_SHARED_MEMORY=$shm DDP_TOPOLOGY_FILE=$TOPOLOGY "$BENCH" --nproc_per_node=4 \
+      --algo=hierarchical --min_bytes=4K --max_bytes=16M --step_factor=4 --check
+    rows | awk -v shm="$shm" '{print shm, $1, $4}' >>"$OUT"
   done
 done
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"

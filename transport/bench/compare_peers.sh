@@ -6,12 +6,17 @@
 #   transport/bench/compare_peers.sh [REPS] [NPROC...]
 #
 # Needs: bazel build //examples:allreduce_bench; mpicc/mpirun (openmpi-bin,
-# libopenmpi-dev); /usr/bin/python3 with torch (python3-torch).
+# libopenmpi-dev); /usr/bin/python3 (or $TORCH_PYTHON) with torch
+# (python3-torch). Our runs pass --check (a wrong element fails the script).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SCRIPT=compare_peers USAGE="compare_peers.sh [REPS] [NPROC...]"
+source transport/bench/bench_common.sh
 REPS=${1:-5}
 shift || true
 if [ $# -gt 0 ]; then NPROCS=("$@"); else NPROCS=(2 4); fi
+positive_int REPS "$REPS"
+for np in "${NPROCS[@]}"; do positive_int NPROC "$np"; done
 SIZES="4096 65536 1048576 16777216 67108864"
 # PEERS_DIR overrides where the peers are (../shared/peers next to the
 # checkout, else /work/shared/peers).
@@ -20,27 +25,33 @@ if [ -z "$PEERS" ]; then
   PEERS=$(pwd)/../shared/peers
   [ -d "$PEERS" ] || PEERS=/work/shared/peers
 fi
-[ -r "$PEERS/mpi_allreduce.c" ] || { echo "compare_peers: no $PEERS/mpi_allreduce.c; set PEERS_DIR to the peers' folder" >&2; exit 2; }
+# What is missing, said before the first run.
+for peer in mpi_allreduce.c torch_gloo_allreduce.py; do
+  need_readable "$PEERS/$peer" "set PEERS_DIR to the peers' folder"
+done
 BENCH=bazel-bin/examples/allreduce_bench
-[ -x "$BENCH" ] || { echo "compare_peers: no $BENCH; bazel build //examples:allreduce_bench" >&2; exit 1; }
-OUT=$(mktemp)
-trap 'rm -f "$OUT"' EXIT
-mpicc -O2 -o /tmp/mpi_allreduce "$PEERS/mpi_allreduce.c"
+need_executable "$BENCH" "bazel build //examples:allreduce_bench"
+need_mpi
+need_torch
+OUT=$WORK/runs
+run mpicc -O2 -o "$WORK/mpi_allreduce" "$PEERS/mpi_allreduce.c"
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$REPS"); do
   for np in "${NPROCS[@]}"; do
-    mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
-      --mca pml_ucx_devices any -np "$np" /tmp/mpi_allreduce $SIZES 2>/dev/null |
-      awk -v np="$np" '{print np, "openmpi_ucx", $1, $4}' >>"$OUT"
-    # Like the MPI peer: 4 KiB to 16 MiB in one job, then 64 MiB.
+    run mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
+      --mca pml_ucx_devices any -np "$np" "$WORK/mpi_allreduce" $SIZES
+    rows | awk -v np="$np" '{print np, "openmpi_ucx", $1, $4}' >>"$OUT"
+    # Like the MPI peer: 4 KiB to 16 MiB in one job, then 64 MiB. --check
+    # verifies one more call after each size's timed ones (not timed) and
+    # fails the run on any wrong element.
     for range in "4096 16M" "64M 64M"; do
       set -- $range
-      "$BENCH" --nproc_per_node="$np" --min_bytes="$1" --max_bytes="$2" --step_factor=16 2>/dev/null |
-        { grep -v '^#' || true; } | awk -v np="$np" '{print np, "ddp_" $3, $1, $4}' >>"$OUT"
+      run "$BENCH" --nproc_per_node="$np" --min_bytes="$1" --max_bytes="$2" --step_factor=16 --check
+      rows | awk -v np="$np" '{print np, "ddp_" $3, $1, $4}' >>"$OUT"
     done
     if [ "$np" = 2 ]; then
-      /usr/bin/python3 "$PEERS/torch_gloo_allreduce.py" "$np" $SIZES 2>/dev/null |
-        awk -v np="$np" '{print np, "gloo", $1, $4}' >>"$OUT"
+      run "$TORCH_PYTHON" "$PEERS/torch_gloo_allreduce.py" "$np" $SIZES
+      rows | awk -v np="$np" '{print np, "gloo", $1, $4}' >>"$OUT"
     fi
   done
 done

@@ -14,37 +14,44 @@
 # mpicc/mpirun (openmpi-bin, libopenmpi-dev).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SCRIPT=compare_rooted USAGE="compare_rooted.sh [REPS] [NPROC...]"
+source transport/bench/bench_common.sh
 REPS=${1:-3}
 shift || true
 if [ $# -gt 0 ]; then NPROCS=("$@"); else NPROCS=(2 4); fi
+positive_int REPS "$REPS"
+for np in "${NPROCS[@]}"; do positive_int NPROC "$np"; done
 SIZES="4096 65536 1048576 16777216"
 BENCH=bazel-bin/examples/allreduce_bench
-OUT=$(mktemp)
-SWITCH=$(mktemp)
-trap 'rm -f "$OUT" "$SWITCH" /tmp/ddp_mpi_rooted' EXIT
-mpicc -O2 -o /tmp/ddp_mpi_rooted transport/bench/mpi_rooted.c
+need_executable "$BENCH" "bazel build //examples:allreduce_bench"
+need_mpi
+OUT=$WORK/runs
+SWITCH=$WORK/switch
+run mpicc -O2 -o "$WORK/mpi_rooted" transport/bench/mpi_rooted.c
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+# --check in our runs: one more call per size after the timed ones, not
+# timed; a wrong element fails the script.
 ours() {  # np collective [env...]: "bytes time_us" lines
   local np=$1 collective=$2
   shift 2
-  env "$@" "$BENCH" --nproc_per_node="$np" --collective="$collective" --in_place=false \
-    --min_bytes=4096 --max_bytes=16M --step_factor=16 2>/dev/null | grep -v '^#' |
-    awk '{print $1, $4}'
+  run "$@" "$BENCH" --nproc_per_node="$np" --collective="$collective" --in_place=false \
+    --min_bytes=4096 --max_bytes=16M --step_factor=16 --check
+  rows | awk '{print $1, $4}'
 }
 for rep in $(seq "$REPS"); do
   for np in "${NPROCS[@]}"; do
     for c in reduce gather scatter; do
-      mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
-        --mca pml_ucx_devices any -np "$np" /tmp/ddp_mpi_rooted "$c" $SIZES 2>/dev/null |
-        awk -v np="$np" -v c="$c" '{print np, c, "openmpi_ucx", $1, $2}' >>"$OUT"
+      run mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
+        --mca pml_ucx_devices any -np "$np" "$WORK/mpi_rooted" "$c" $SIZES
+      rows | awk -v np="$np" -v c="$c" '{print np, c, "openmpi_ucx", $1, $2}' >>"$OUT"
       ours "$np" "$c" | awk -v np="$np" -v c="$c" '{print np, c, "ddp_shm", $1, $2}' >>"$OUT"
       ours "$np" "$c" DDP_SHARED_MEMORY=0 |
         awk -v np="$np" -v c="$c" '{print np, c, "ddp_ucx", $1, $2}' >>"$OUT"
     done
     for algo in tree ring; do
-      DDP_SHARED_MEMORY=0 "$BENCH" --nproc_per_node="$np" --collective=reduce --algo="$algo" \
-        --in_place=false --min_bytes=4096 --max_bytes=16M --step_factor=4 2>/dev/null |
-        grep -v '^#' | awk -v np="$np" -v a="$algo" '{print np, a, $1, $4}' >>"$SWITCH"
+      run DDP_SHARED_MEMORY=0 "$BENCH" --nproc_per_node="$np" --collective=reduce --algo="$algo" \
+        --in_place=false --min_bytes=4096 --max_bytes=16M --step_factor=4 --check
+      rows | awk -v np="$np" -v a="$algo" '{print np, a, $1, $4}' >>"$SWITCH"
     done
   done
 done

@@ -9,6 +9,10 @@ netns_hosts_down() {
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$ns" 2>/dev/null || true
   done
+  # The veth pair, when netns_hosts_up failed before both ends moved into
+  # the namespaces (deleting one end deletes both).
+  ip link del "va$$" 2>/dev/null || true
+  ip link del "vb$$" 2>/dev/null || true
 }
 
 netns_hosts_up() {

@@ -13,21 +13,24 @@
 #   transport/bench/netns_vs_mpi.sh [REPS] [NPROC] [-- extra allreduce_bench flags]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+SCRIPT=netns_vs_mpi USAGE="netns_vs_mpi.sh [REPS] [NPROC] [-- extra allreduce_bench flags]"
+source transport/bench/bench_common.sh
 REPS=${1:-3}
 NPROC=${2:-1}
 shift $(( $# >= 2 ? 2 : $# ))
 [ "${1:-}" = "--" ] && shift
 EXTRA=("$@")
+positive_int REPS "$REPS"
+positive_int NPROC "$NPROC"
 DDPRUN=$PWD/bazel-bin/transport/launch/ddprun
 BENCH=$PWD/bazel-bin/examples/allreduce_bench
 MPI_BENCH=${MPI_BENCH:-/tmp/mpi_allreduce}
 SIZES="4096 65536 1048576 16777216"
 A=ddpmpiA$$ B=ddpmpiB$$ DEV=ddp0 ADDR_A=10.233.0.1 ADDR_B=10.233.0.2 PORT=29656
-WORK=$(mktemp -d)
 source transport/bench/netns_hosts.sh
 cleanup() {
   netns_hosts_down
-  rm -rf "$WORK"
+  bench_cleanup
 }
 trap cleanup EXIT
 for f in "$DDPRUN" "$BENCH" "$MPI_BENCH"; do
