@@ -134,8 +134,13 @@ Measurement Measure(int ranks, const std::vector<std::string>& base_args, const 
   launch::SelfLaunchOptions options;
   options.prefix_output = true;
   auto launched = launch::SelfLaunch(argc, argv.data(), options);
-  if (launched.ok() && (launched->exit_code == 128 + SIGINT || launched->exit_code == 128 + SIGTERM)) {
-    // Ctrl-C reached the workers through the launcher: stop the benchmark.
+  // SelfLaunch catches SIGINT, SIGTERM, SIGHUP and SIGQUIT, passes them to
+  // the workers and reports the group as 128 + the signal: stop the
+  // benchmark on any of them (SIGHUP and SIGQUIT were taken for a failed
+  // run, and every remaining job was started after a hang-up).
+  const int signal_number = launched.ok() ? launched->exit_code - 128 : 0;
+  if (signal_number == SIGINT || signal_number == SIGTERM || signal_number == SIGHUP ||
+      signal_number == SIGQUIT) {
     std::filesystem::remove_all(dir);
     std::exit(launched->exit_code);
   }

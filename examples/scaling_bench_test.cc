@@ -170,6 +170,27 @@ TEST(ScalingBenchTest, TheMedianIsOverTheRunsThatFinishedAndFailedRunsAreCounted
       << run.Stderr();
 }
 
+// A hang-up (the terminal gone) or SIGQUIT (Ctrl-\) reaches the workers through the
+// launcher, as Ctrl-C does, and stops the benchmark with 128 + the signal
+// (before, only SIGINT and SIGTERM did: the run counted as failed and the
+// next one started).
+TEST(ScalingBenchTest, AHangUpStopsTheBenchmarkLikeCtrlC) {
+  testing::Subprocess run({testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1",
+                           "--repeat=3", "--steps=1000000", "--batch_size=16", "--workers=0"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::vector<pid_t> workers;
+  while (workers.empty() && std::chrono::steady_clock::now() < deadline) {
+    ASSERT_EQ(run.Wait(std::chrono::milliseconds(0)), -1) << run.Stdout() << run.Stderr();
+    workers = run.Children();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(workers.size(), 1u) << run.Stdout() << run.Stderr();
+  run.Signal(SIGHUP);
+  // A million steps per run: only a stop ends it within the minute.
+  EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGHUP) << run.Stdout() << run.Stderr();
+  EXPECT_EQ(run.Stderr().find("run failed"), std::string::npos) << run.Stderr();
+}
+
 ScalingRun Finished(double samples_per_s, double comm_share) {
   // 1000 samples per step: step_ms * samples_per_s = 1e6.
   return {.ranks = 2, .samples_per_s = samples_per_s, .step_ms = 1e6 / samples_per_s,
