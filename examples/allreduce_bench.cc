@@ -9,7 +9,9 @@
 //
 //   bytes count algo time_us algbw_GBps busbw_GBps wrong
 //
-// time_us is the slowest rank's mean time per call; algbw = bytes / time;
+// time_us is the slowest rank's mean time per call (--time_of=rank0: rank
+// 0's own, the figure the MPI and gloo all-reduce peers print, said in the
+// header); algbw = bytes / time;
 // busbw = algbw * 2(n-1)/n, the bytes each rank's links must carry, which
 // makes figures comparable across rank counts; wrong counts mismatched
 // elements over all ranks with --check (else 0). With --check, a run that
@@ -73,6 +75,9 @@ DEFINE_bool(shareable, false,
             "buffers in shareable memory (transport/shm/shareable.h): ranks on a host copy "
             "with them through mappings instead of cross-memory attach");
 DEFINE_int32(timeout_ms, 120000, "deadline of every call");
+DEFINE_string(time_of, "slowest",
+              "the time_us printed: slowest (the slowest rank's mean, as nccl-tests) or rank0 "
+              "(rank 0's own mean, as the MPI and gloo all-reduce peers print theirs)");
 DEFINE_bool(bind, true,
             "pin each rank to one core (local rank modulo the cores it may use), as mpirun "
             "does by default; keeps two ranks from sharing one core's run queue");
@@ -203,6 +208,9 @@ ParsedFlags ParseFlags() {
   }
   if (FLAGS_iters < 0 || FLAGS_warmup_iters < 0) {
     throw std::invalid_argument("--iters and --warmup_iters must be >= 0");
+  }
+  if (FLAGS_time_of != "slowest" && FLAGS_time_of != "rank0") {
+    throw std::invalid_argument("--time_of=" + FLAGS_time_of + " is not recognised; expected slowest or rank0");
   }
   // The communicator refuses it too, but in words that name no flag.
   if (FLAGS_timeout_ms < 1) {
@@ -372,11 +380,12 @@ int main(int argc, char** argv) {
 
   if (comm.rank() == 0) {
     std::printf("# allreduce_bench: %s, %d ranks, %d host(s), dtype %s, op %s, %s, shm path %s, "
-                "UCX_TLS=%s\n",
+                "UCX_TLS=%s%s\n",
                 collective.c_str(), n, comm.info().num_hosts, FLAGS_dtype.c_str(),
                 blocked ? "-" : FLAGS_op.c_str(),
                 separate ? "out of place" : "in place",
-                comm.info().shared_memory ? "on" : "off", comm.info().ucx_tls.c_str());
+                comm.info().shared_memory ? "on" : "off", comm.info().ucx_tls.c_str(),
+                FLAGS_time_of == "rank0" ? ", time_us of rank 0" : "");
     std::printf("# %10s %12s %6s %10s %10s %10s %6s\n", "bytes", "count", "algo", "time_us",
                 "algbw_GBps", "busbw_GBps", "wrong");
     std::fflush(stdout);
@@ -417,8 +426,12 @@ int main(int argc, char** argv) {
     Check(comm.Barrier(), "barrier");
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) Check(call(), collective.c_str());
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
-    Check(comm.AllReduce(&seconds, 1, DataType::kF64, ReduceOp::kMax), "collecting times");
+    const double own_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
+    double slowest_seconds = own_seconds;
+    Check(comm.AllReduce(&slowest_seconds, 1, DataType::kF64, ReduceOp::kMax), "collecting times");
+    // Only rank 0 prints: with --time_of=rank0, its own time.
+    const double seconds = FLAGS_time_of == "rank0" ? own_seconds : slowest_seconds;
 
     int64_t wrong = 0;
     if (FLAGS_check) {

@@ -6,7 +6,8 @@
 # an rsh agent that enters that namespace (as ssh would enter a machine),
 # with UCX on the same device (the peers' MPI over UCX; within a host UCX
 # may use shared memory). Runs alternate, REPS of each; prints the median
-# time per size and Open MPI's time over ours. Needs root (ip netns) and:
+# time per size (rank 0's, as the MPI peer prints it) and Open MPI's time
+# over ours. Needs root (ip netns) and:
 #   bazel build -c opt //transport/launch:ddprun //examples:allreduce_bench
 #   mpicc -O2 -o /tmp/mpi_allreduce ../shared/peers/mpi_allreduce.c
 #
@@ -62,7 +63,7 @@ ours() {
       env DDP_JOB_TOKEN=bench UCX_NET_DEVICES=$DEV timeout 300 \
       "$DDPRUN" --nnodes=2 --node_rank=$node --master_addr=$ADDR_A --master_port=$PORT \
       --nproc_per_node="$NPROC" "$BENCH" --min_bytes=4K --max_bytes=16M --step_factor=16 \
-      --check "${EXTRA[@]}" >"$WORK/ours.$node" 2>&1 &
+      --check --time_of=rank0 "${EXTRA[@]}" >"$WORK/ours.$node" 2>&1 &
     pids+=($!)
   done
   local failed=0
