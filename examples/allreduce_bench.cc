@@ -391,8 +391,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
 
-  // For tests of --check only: every rank skips the checked all-reduce or
-  // reduce and takes it as done, as an algorithm that returns OK and writes
+  // For tests of --check only: every rank skips the checked all-reduce,
+  // reduce or broadcast and takes it as done, as an algorithm that returns OK and writes
   // nothing would.
   const bool skip_checked_call = std::getenv("ALLREDUCE_BENCH_TEST_SKIP_CHECKED_CALL") != nullptr;
   // Every wrong element --check found, over all sizes and ranks.
@@ -485,8 +485,21 @@ int main(int argc, char** argv) {
           }
         }
       } else if (broadcast) {
-        // Every rank ends with the root's input, filled for `op`.
-        Check(comm.Broadcast(send.data(), count, dtype, root), "checked broadcast");
+        // Every rank ends with the root's input, filled for `op`. The other
+        // ranks start from values that differ from it everywhere: their own
+        // inputs equal the root's on some ranks (every other rank for prod,
+        // every seventh for the others), where a broadcast that wrote
+        // nothing would pass.
+        if (!is_root) {
+          const bool integer = dtype == DataType::kI32 || dtype == DataType::kI64 || dtype == DataType::kU8;
+          for (size_t i = 0; i < count; ++i) {
+            ddp::transport::testing::Store(
+                dtype, send.data(), i,
+                integer ? ddp::transport::testing::InputValue(root, i, op) + 1 : std::nan(""));
+          }
+        }
+        Check(skip_checked_call ? Status() : comm.Broadcast(send.data(), count, dtype, root),
+              "checked broadcast");
         for (size_t i = 0; i < count; ++i) {
           wrong += ddp::transport::testing::Load(dtype, send.data(), i) !=
                    ddp::transport::testing::InputValue(root, i, op);

@@ -656,6 +656,23 @@ TEST(AllreduceBenchTest, ACheckedCallThatWritesNothingOutOfPlaceFailsTheRun) {
   }
 }
 
+// Broadcast's check starts the other ranks from values unlike the root's
+// (their own inputs: with --op=prod rank 2's equal rank 0's, so a broadcast
+// that wrote nothing there passed). Every rank skips the checked call: both
+// non-root ranks count all 1024 elements wrong (before, rank 1 only).
+TEST(AllreduceBenchTest, ABroadcastThatWritesNothingIsWrongOnEveryOtherRank) {
+  const std::string bench = testing::Runfile("examples/allreduce_bench");
+  for (const char* dtype : {"--dtype=f32", "--dtype=i32"}) {
+    const testing::RunOutput r = testing::RunToEnd(
+        {bench, "--nproc_per_node=3", "--collective=broadcast", "--op=prod", dtype, "--min_bytes=4K",
+         "--max_bytes=4K", "--check"},
+        {{"ALLREDUCE_BENCH_TEST_SKIP_CHECKED_CALL", "1"}});
+    EXPECT_EQ(r.exit_code, 1) << dtype << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("allreduce_bench: --check found 2048 wrong element(s) in all\n"), std::string::npos)
+        << dtype << "\n" << r.err;
+  }
+}
+
 // --time_of=rank0 prints rank 0's own mean time, the statistic the MPI and
 // gloo all-reduce peers print (the default, the slowest rank's, was put
 // beside theirs as like for like), and says so in the header; another
