@@ -43,13 +43,15 @@ echo "4096 10.0 0.4 0.8"
 SH
 # A fake allreduce_bench (and p2p_bench, ddp_bench): fails, naming the
 # reason on stderr, unless it was given --check; else prints a header and
-# one row. FAKE_BENCH_FAIL makes it fail with that text.
+# one row. FAKE_BENCH_FAIL makes it fail with that text; FAKE_BENCH_NO_ROWS
+# print the header alone.
 cat >"$FAKES/bench" <<'SH'
 #!/bin/sh
 echo "$*" >>"$TEST_TMPDIR/bench.log"
 [ -z "${FAKE_BENCH_FAIL:-}" ] || { echo "$FAKE_BENCH_FAIL" >&2; exit 2; }
 case " $* " in *" --check "*) ;; *) echo "fake bench: called without --check" >&2; exit 3 ;; esac
 echo "# fake"
+[ -z "${FAKE_BENCH_NO_ROWS:-}" ] || exit 0
 echo "        4096         1024   ring      10.00      0.400      0.400      0"
 SH
 chmod +x "$FAKES"/*
@@ -122,6 +124,12 @@ for s in "${COMPARE[@]}" transport/bench/compare_hierarchical.sh ddp/bench/compa
     expect "failed run" 1 "allreduce_bench: fake refusal" "$s" 1
   FAKE_BENCH_FAIL="allreduce_bench: fake refusal" \
     expect "failed run" 1 "failed (exit 2): " "$s" 1
+done
+
+# A run that prints no result rows is named too (a bare grep -v ended the
+# script without a word).
+for s in "${COMPARE[@]}" transport/bench/compare_hierarchical.sh; do
+  FAKE_BENCH_NO_ROWS=1 expect "no rows" 1 "a run printed no result rows" "$s" 1 2
 done
 
 # The real allreduce_bench with one element of each result spoilt: the
