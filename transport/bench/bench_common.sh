@@ -47,13 +47,26 @@ need_torch() {
     { echo "$SCRIPT: $TORCH_PYTHON cannot import torch (apt-get install python3-torch)" >&2; exit 1; }
 }
 
+# A deadline for every run (seconds; BENCH_RUN_TIMEOUT overrides it): a
+# hung peer (an mpirun whose rank died, gloo's 30-minute default timeout)
+# held the script forever. Our own runs have per-call deadlines already.
+RUN_TIMEOUT=${BENCH_RUN_TIMEOUT:-1800}
+positive_int BENCH_RUN_TIMEOUT "$RUN_TIMEOUT"
+
 # run CMD...: runs CMD (VAR=value words first are its environment) with
-# its stdout in $WORK/run.out and its stderr in $WORK/run.err; when it
+# its stdout in $WORK/run.out and its stderr in $WORK/run.err, for at most
+# RUN_TIMEOUT seconds (then SIGTERM, and SIGKILL 30 s later); when it
 # fails, says which command failed, with its exit status and stderr, and
 # ends the script with 1.
 run() {
   local status=0
-  env "$@" >"$WORK/run.out" 2>"$WORK/run.err" || status=$?
+  timeout --kill-after=30 "$RUN_TIMEOUT" env "$@" >"$WORK/run.out" 2>"$WORK/run.err" || status=$?
+  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "$SCRIPT: this run ran past its ${RUN_TIMEOUT} s deadline (BENCH_RUN_TIMEOUT) and was stopped: $*" >&2
+    echo "$SCRIPT: its stderr:" >&2
+    cat "$WORK/run.err" >&2
+    exit 1
+  fi
   if [ "$status" -ne 0 ]; then
     echo "$SCRIPT: this run failed (exit $status): $*" >&2
     echo "$SCRIPT: its stderr:" >&2

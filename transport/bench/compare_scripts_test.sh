@@ -44,11 +44,13 @@ SH
 # A fake allreduce_bench (and p2p_bench, ddp_bench): fails, naming the
 # reason on stderr, unless it was given --check; else prints a header and
 # one row. FAKE_BENCH_FAIL makes it fail with that text; FAKE_BENCH_NO_ROWS
-# print the header alone.
+# print the header alone; FAKE_BENCH_HANG hang.
 cat >"$FAKES/bench" <<'SH'
 #!/bin/sh
 echo "$*" >>"$TEST_TMPDIR/bench.log"
 [ -z "${FAKE_BENCH_FAIL:-}" ] || { echo "$FAKE_BENCH_FAIL" >&2; exit 2; }
+# A hung run: only the script's deadline ends it.
+[ -z "${FAKE_BENCH_HANG:-}" ] || exec sleep 600
 case " $* " in *" --check "*) ;; *) echo "fake bench: called without --check" >&2; exit 3 ;; esac
 echo "# fake"
 [ -z "${FAKE_BENCH_NO_ROWS:-}" ] || exit 0
@@ -131,6 +133,16 @@ done
 for s in "${COMPARE[@]}" transport/bench/compare_hierarchical.sh; do
   FAKE_BENCH_NO_ROWS=1 expect "no rows" 1 "a run printed no result rows" "$s" 1 2
 done
+
+# A hung run is stopped at the deadline, and said so (it held the script
+# forever).
+for s in transport/bench/compare_algorithms.sh ddp/bench/compare_p2p.sh; do
+  started=$SECONDS
+  FAKE_BENCH_HANG=1 BENCH_RUN_TIMEOUT=2 expect "hung run" 1 "ran past its 2 s deadline" "$s" 1
+  [ $((SECONDS - started)) -lt 60 ] || fail "$s: the hung run was stopped after $((SECONDS - started)) s"
+done
+BENCH_RUN_TIMEOUT=0 expect "BENCH_RUN_TIMEOUT=0" 2 "BENCH_RUN_TIMEOUT=0: expected a positive whole number" \
+  transport/bench/compare_algorithms.sh 1
 
 # The real allreduce_bench with one element of each result spoilt: the
 # comparison fails instead of printing a table.
