@@ -39,6 +39,8 @@ positive_int() {
 positive_int REPS "$REPS"
 positive_int STEPS "$STEPS"
 [ -z "${MLP_STEPS+set}" ] || positive_int MLP_STEPS "$MLP_STEPS"
+RUN_TIMEOUT=${BENCH_RUN_TIMEOUT:-1800}
+positive_int BENCH_RUN_TIMEOUT "$RUN_TIMEOUT"
 # The extra flags must leave the workload the peer runs alone, or the ratio
 # compares different work (ddp_bench at --batch=128 against the peer at
 # 64). --batch is passed on to the peer (its 4th argument); the flags the
@@ -141,8 +143,11 @@ for rep in $(seq "$REPS"); do
       fi
     done
     # Its stderr (PyTorch's warnings) is shown only when it fails.
-    if ! "$TORCH_PYTHON" "$PEER" 2 "$model" "$steps" "$BATCH" 2>"$PEER_LOG" | awk '{print "torch", $0}' >>"$OUT"; then
-      echo "compare_peers: the PyTorch peer failed ($PEER 2 $model $steps $BATCH, rep $rep of $REPS); its stderr:" >&2
+    # With a deadline (BENCH_RUN_TIMEOUT seconds, as the other comparison
+    # scripts): a hung gloo peer waits out its 30-minute default timeout.
+    if ! timeout --kill-after=30 "$RUN_TIMEOUT" "$TORCH_PYTHON" "$PEER" 2 "$model" "$steps" "$BATCH" \
+      2>"$PEER_LOG" | awk '{print "torch", $0}' >>"$OUT"; then
+      echo "compare_peers: the PyTorch peer failed or ran past ${RUN_TIMEOUT} s ($PEER 2 $model $steps $BATCH, rep $rep of $REPS); its stderr:" >&2
       cat "$PEER_LOG" >&2
       exit 1
     fi

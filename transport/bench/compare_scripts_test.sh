@@ -38,7 +38,7 @@ SH
 cat >"$FAKES/python" <<'SH'
 #!/bin/sh
 [ "$1" = -c ] && exit 0
-case "$1" in *torch_ddp_train.py) echo "$3 $2 12345 1 1"; echo "$*" >>"$TEST_TMPDIR/peer.log"; exit 0 ;; esac
+case "$1" in *torch_ddp_train.py) [ -z "${FAKE_PEER_HANG:-}" ] || exec sleep 600; echo "$3 $2 12345 1 1"; echo "$*" >>"$TEST_TMPDIR/peer.log"; exit 0 ;; esac
 echo "4096 10.0 0.4 0.8"
 SH
 # A fake allreduce_bench (and p2p_bench, ddp_bench): fails, naming the
@@ -175,6 +175,10 @@ for batch in --batch=128 "--batch 128"; do
   [ "$(sort -u "$TEST_TMPDIR/peer.log")" = "$PEERS_DIR/torch_ddp_train.py 2 cnn 5 128
 $PEERS_DIR/torch_ddp_train.py 2 mlp 5 128" ] || fail "$batch: the peer ran as: $(cat "$TEST_TMPDIR/peer.log")"
 done
+
+started=$SECONDS
+FAKE_PEER_HANG=1 BENCH_RUN_TIMEOUT=2 expect "hung peer" 1 "the PyTorch peer failed or ran past 2 s" "$DDP" 1 5
+[ $((SECONDS - started)) -lt 60 ] || fail "$DDP: the hung peer was stopped after $((SECONDS - started)) s"
 
 [ "$failures" = 0 ] || { echo "$failures failure(s)"; exit 1; }
 echo "all passed"
