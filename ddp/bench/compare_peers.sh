@@ -107,9 +107,10 @@ fi
 [ -x "$BENCH" ] || { echo "compare_peers: no ddp_bench at $BENCH; bazel build //examples:ddp_bench" >&2; exit 1; }
 OUT=$(mktemp)
 PEER_LOG=$(mktemp)
-# The pair's background run (bg) and its files (pair) while they exist: a
-# failing foreground run, a failed peer or Ctrl-C must not leave the run
-# behind (a background job of a script ignores Ctrl-C) nor its files.
+PEER_OUT=$(mktemp)
+# The peer's or the pair's background run (bg) and the pair's files (pair)
+# while they exist: a failing foreground run, a failed peer or Ctrl-C must
+# not leave the run behind (a background job of a script ignores Ctrl-C) nor its files.
 bg=
 pair=
 cleanup() {
@@ -117,7 +118,7 @@ cleanup() {
     kill "$bg" 2>/dev/null || true
     wait "$bg" 2>/dev/null || true
   fi
-  rm -f "$OUT" "$PEER_LOG"
+  rm -f "$OUT" "$PEER_LOG" "$PEER_OUT"
   [ -z "$pair" ] || rm -f "$pair" "$pair.a" "$pair.b"
 }
 trap cleanup EXIT
@@ -145,12 +146,21 @@ for rep in $(seq "$REPS"); do
     # Its stderr (PyTorch's warnings) is shown only when it fails.
     # With a deadline (BENCH_RUN_TIMEOUT seconds, as the other comparison
     # scripts): a hung gloo peer waits out its 30-minute default timeout.
-    if ! timeout --kill-after=30 "$RUN_TIMEOUT" "$TORCH_PYTHON" "$PEER" 2 "$model" "$steps" "$BATCH" \
-      2>"$PEER_LOG" | awk '{print "torch", $0}' >>"$OUT"; then
-      echo "compare_peers: the PyTorch peer failed or ran past ${RUN_TIMEOUT} s ($PEER 2 $model $steps $BATCH, rep $rep of $REPS); its stderr:" >&2
+    # In the background and waited for, as the pair's run below: timeout
+    # gives it a process group of its own, which Ctrl-C does not reach, and
+    # the shell runs its trap (which stops it) only once `wait` returns.
+    timeout --kill-after=30 "$RUN_TIMEOUT" "$TORCH_PYTHON" "$PEER" 2 "$model" "$steps" "$BATCH" \
+      >"$PEER_OUT" 2>"$PEER_LOG" </dev/null &
+    bg=$!
+    status=0
+    wait "$bg" || status=$?
+    bg=
+    if [ "$status" -ne 0 ]; then
+      echo "compare_peers: the PyTorch peer failed or ran past ${RUN_TIMEOUT} s (exit $status; $PEER 2 $model $steps $BATCH, rep $rep of $REPS); its stderr:" >&2
       cat "$PEER_LOG" >&2
       exit 1
     fi
+    awk '{print "torch", $0}' "$PEER_OUT" >>"$OUT"
     # The machine's own ceiling for 2 ranks: two independent 1-rank runs at
     # once (no communication at all); their summed samples/s.
     pair=$(mktemp)

@@ -21,7 +21,17 @@ positive_int() {  # NAME VALUE
 # removed on exit, on a failure as well. A script with more to undo calls
 # bench_cleanup from its own EXIT trap instead.
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/${SCRIPT%.sh}.XXXXXX")
-bench_cleanup() { rm -rf "$WORK"; }
+# The run in progress (its timeout's pid), stopped on the way out: timeout
+# puts it in a process group of its own, which the terminal's Ctrl-C does
+# not reach.
+RUN_PID=
+bench_cleanup() {
+  if [ -n "$RUN_PID" ]; then
+    kill -TERM "$RUN_PID" 2>/dev/null || true
+    wait "$RUN_PID" 2>/dev/null || true
+  fi
+  rm -rf "$WORK"
+}
 trap bench_cleanup EXIT
 # Ctrl-C and kill end the script through its EXIT trap.
 trap 'exit 130' INT
@@ -57,10 +67,16 @@ positive_int BENCH_RUN_TIMEOUT "$RUN_TIMEOUT"
 # its stdout in $WORK/run.out and its stderr in $WORK/run.err, for at most
 # RUN_TIMEOUT seconds (then SIGTERM, and SIGKILL 30 s later); when it
 # fails, says which command failed, with its exit status and stderr, and
-# ends the script with 1.
+# ends the script with 1. Not inside a pipeline: a signal must find the
+# run in this shell's RUN_PID. The run goes to the background and is waited
+# for, because a trapped signal ends `wait` at once, where the shell would
+# run the trap only after a foreground run ended.
 run() {
   local status=0
-  timeout --kill-after=30 "$RUN_TIMEOUT" env "$@" >"$WORK/run.out" 2>"$WORK/run.err" || status=$?
+  timeout --kill-after=30 "$RUN_TIMEOUT" env "$@" >"$WORK/run.out" 2>"$WORK/run.err" </dev/null &
+  RUN_PID=$!
+  wait "$RUN_PID" || status=$?
+  RUN_PID=
   if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
     echo "$SCRIPT: this run ran past its ${RUN_TIMEOUT} s deadline (BENCH_RUN_TIMEOUT) and was stopped: $*" >&2
     echo "$SCRIPT: its stderr:" >&2

@@ -31,12 +31,11 @@ run mpicc -O2 -o "$WORK/mpi_rooted" transport/bench/mpi_rooted.c
 echo "# $(date -u) $(nproc) cores, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 # --check in our runs: one more call per size after the timed ones, not
 # timed; a wrong element fails the script.
-ours() {  # np collective [env...]: "bytes time_us" lines
+ours() {  # np collective [env...]: one run, its rows read by rows
   local np=$1 collective=$2
   shift 2
   run "$@" "$BENCH" --nproc_per_node="$np" --collective="$collective" --in_place=false \
     --min_bytes=4096 --max_bytes=16M --step_factor=16 --check
-  rows | awk '{print $1, $4}'
 }
 for rep in $(seq "$REPS"); do
   for np in "${NPROCS[@]}"; do
@@ -44,9 +43,10 @@ for rep in $(seq "$REPS"); do
       run mpirun --allow-run-as-root --oversubscribe --mca pml ucx --mca pml_ucx_tls any \
         --mca pml_ucx_devices any -np "$np" "$WORK/mpi_rooted" "$c" $SIZES
       rows | awk -v np="$np" -v c="$c" '{print np, c, "openmpi_ucx", $1, $2}' >>"$OUT"
-      ours "$np" "$c" | awk -v np="$np" -v c="$c" '{print np, c, "ddp_shm", $1, $2}' >>"$OUT"
-      ours "$np" "$c" DDP_SHARED_MEMORY=0 |
-        awk -v np="$np" -v c="$c" '{print np, c, "ddp_ucx", $1, $2}' >>"$OUT"
+      ours "$np" "$c"
+      rows | awk -v np="$np" -v c="$c" '{print np, c, "ddp_shm", $1, $4}' >>"$OUT"
+      ours "$np" "$c" DDP_SHARED_MEMORY=0
+      rows | awk -v np="$np" -v c="$c" '{print np, c, "ddp_ucx", $1, $4}' >>"$OUT"
     done
     for algo in tree ring; do
       run DDP_SHARED_MEMORY=0 "$BENCH" --nproc_per_node="$np" --collective=reduce --algo="$algo" \

@@ -38,10 +38,10 @@ SH
 cat >"$FAKES/python" <<'SH'
 #!/bin/sh
 [ "$1" = -c ] && exit 0
-case "$1" in *torch_ddp_train.py) [ -z "${FAKE_PEER_HANG:-}" ] || exec sleep 600; echo "$3 $2 12345 1 1"; echo "$*" >>"$TEST_TMPDIR/peer.log"; exit 0 ;; esac
+case "$1" in *torch_ddp_train.py) [ -z "${FAKE_PEER_HANG:-}" ] || { echo $$ >"$TEST_TMPDIR/hung.pid"; exec sleep 600; }; echo "$3 $2 12345 1 1"; echo "$*" >>"$TEST_TMPDIR/peer.log"; exit 0 ;; esac
 echo "4096 10.0 0.4 0.8"
 SH
-# A fake allreduce_bench (and p2p_bench, ddp_bench): fails, naming the
+# A fake allreduce_bench (and p2p_bench): fails, naming the
 # reason on stderr, unless it was given --check; else prints a header and
 # one row. FAKE_BENCH_FAIL makes it fail with that text; FAKE_BENCH_NO_ROWS
 # print the header alone; FAKE_BENCH_HANG hang.
@@ -50,11 +50,19 @@ cat >"$FAKES/bench" <<'SH'
 echo "$*" >>"$TEST_TMPDIR/bench.log"
 [ -z "${FAKE_BENCH_FAIL:-}" ] || { echo "$FAKE_BENCH_FAIL" >&2; exit 2; }
 # A hung run: only the script's deadline ends it.
-[ -z "${FAKE_BENCH_HANG:-}" ] || exec sleep 600
+[ -z "${FAKE_BENCH_HANG:-}" ] || { echo $$ >"$TEST_TMPDIR/hung.pid"; exec sleep 600; }
 case " $* " in *" --check "*) ;; *) echo "fake bench: called without --check" >&2; exit 3 ;; esac
 echo "# fake"
 [ -z "${FAKE_BENCH_NO_ROWS:-}" ] || exit 0
 echo "        4096         1024   ring      10.00      0.400      0.400      0"
+SH
+# A fake ddp_bench: one result line for its --model and --nproc_per_node.
+cat >"$FAKES/ddp_bench" <<'SH'
+#!/bin/sh
+for a in "$@"; do
+  case "$a" in --model=*) model=${a#--model=} ;; --nproc_per_node=*) np=${a#--nproc_per_node=} ;; esac
+done
+echo "$model $np 1000 1 1"
 SH
 chmod +x "$FAKES"/*
 export PATH=$FAKES:$PATH TORCH_PYTHON=$FAKES/python
@@ -144,6 +152,37 @@ done
 BENCH_RUN_TIMEOUT=0 expect "BENCH_RUN_TIMEOUT=0" 2 "BENCH_RUN_TIMEOUT=0: expected a positive whole number" \
   transport/bench/compare_algorithms.sh 1
 
+# Stopped (SIGTERM; Ctrl-C takes the same path) during a run, a script
+# ends at once and stops the run (the shell ran its trap only once the run
+# ended, and the run, in the process group timeout makes, went on).
+ln -s "$FAKES/ddp_bench" "$REPO/bazel-bin/examples/ddp_bench"
+for s in transport/bench/compare_algorithms.sh transport/bench/compare_rooted.sh ddp/bench/compare_peers.sh; do
+  rm -f "$TEST_TMPDIR/hung.pid"
+  FAKE_BENCH_HANG=1 FAKE_PEER_HANG=1 "$REPO/$s" 1 2 >/dev/null 2>&1 &
+  script_pid=$!
+  for _ in $(seq 300); do [ -s "$TEST_TMPDIR/hung.pid" ] && break; sleep 0.1; done
+  if [ ! -s "$TEST_TMPDIR/hung.pid" ]; then
+    fail "$s: the run never started"
+    kill -KILL "$script_pid"
+    continue
+  fi
+  kill -TERM "$script_pid"
+  for _ in $(seq 100); do kill -0 "$script_pid" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$script_pid" 2>/dev/null; then
+    fail "$s: still running 10 s after SIGTERM"
+    kill -KILL "$script_pid"
+  fi
+  wait "$script_pid"
+  [ $? = 143 ] || fail "$s: exit status after SIGTERM was not 143"
+  hung=$(cat "$TEST_TMPDIR/hung.pid")
+  for _ in $(seq 100); do kill -0 "$hung" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$hung" 2>/dev/null; then
+    fail "$s: its run (pid $hung) outlived it"
+    kill -KILL "$hung"
+  fi
+  [ -z "$(ls -A "$TMPDIR")" ] || { fail "$s: left $(ls -A "$TMPDIR") in TMPDIR"; rm -rf "${TMPDIR:?}"/*; }
+done
+
 # The real allreduce_bench with one element of each result spoilt: the
 # comparison fails instead of printing a table.
 rm "$REPO/bazel-bin/examples/allreduce_bench"
@@ -152,15 +191,6 @@ ALLREDUCE_BENCH_TEST_CORRUPT=1 expect "wrong results" 1 "--check found" transpor
 
 # ddp/bench/compare_peers.sh: --batch goes to the peer too; flags the peer
 # cannot follow are refused.
-cat >"$FAKES/ddp_bench" <<'SH'
-#!/bin/sh
-for a in "$@"; do
-  case "$a" in --model=*) model=${a#--model=} ;; --nproc_per_node=*) np=${a#--nproc_per_node=} ;; esac
-done
-echo "$model $np 1000 1 1"
-SH
-chmod +x "$FAKES/ddp_bench"
-ln -s "$FAKES/ddp_bench" "$REPO/bazel-bin/examples/ddp_bench"
 DDP=ddp/bench/compare_peers.sh
 for flag in --model=cnn --data_dir=/tmp --flush_denormal=true --nproc_per_node=4 "--steps 5"; do
   # shellcheck disable=SC2086  # "--steps 5" is two words on purpose
