@@ -318,10 +318,13 @@ int main(int argc, char** argv) {
     if (a.rfind("--result_file", 0) == 0 || a.rfind("--nproc_per_node", 0) == 0) continue;
     base_args.push_back(a);
   }
-  char tmpl[] = "/tmp/scaling_bench.XXXXXX";
-  const char* dir = mkdtemp(tmpl);
+  // The runs' result files, in $TMPDIR as other programs' temporary files
+  // (it was always /tmp).
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string tmpl = std::string(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp") + "/scaling_bench.XXXXXX";
+  const char* dir = mkdtemp(tmpl.data());
   if (dir == nullptr) {
-    std::perror("scaling_bench: mkdtemp");
+    std::fprintf(stderr, "scaling_bench: cannot make a folder %s: %s\n", tmpl.c_str(), std::strerror(errno));
     return 1;
   }
 

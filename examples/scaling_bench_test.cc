@@ -174,9 +174,13 @@ TEST(ScalingBenchTest, TheMedianIsOverTheRunsThatFinishedAndFailedRunsAreCounted
 // launcher, as Ctrl-C does, and stops the benchmark with 128 + the signal
 // (before, only SIGINT and SIGTERM did: the run counted as failed and the
 // next one started).
+// Its runs' result files are in $TMPDIR (they were always in /tmp), and
+// gone after the stop.
 TEST(ScalingBenchTest, AHangUpStopsTheBenchmarkLikeCtrlC) {
+  const std::string tmpdir = testing::MakeTempDir("scaling_tmpdir");
   testing::Subprocess run({testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1",
-                           "--repeat=3", "--steps=1000000", "--batch_size=16", "--workers=0"});
+                           "--repeat=3", "--steps=1000000", "--batch_size=16", "--workers=0"},
+                          {{"TMPDIR", tmpdir}});
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   std::vector<pid_t> workers;
   while (workers.empty() && std::chrono::steady_clock::now() < deadline) {
@@ -185,10 +189,20 @@ TEST(ScalingBenchTest, AHangUpStopsTheBenchmarkLikeCtrlC) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   ASSERT_EQ(workers.size(), 1u) << run.Stdout() << run.Stderr();
+  // (the workers may keep files of their own there too)
+  auto results_folders = [&tmpdir] {
+    int found = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(tmpdir)) {
+      found += entry.path().filename().string().rfind("scaling_bench.", 0) == 0;
+    }
+    return found;
+  };
+  EXPECT_EQ(results_folders(), 1);
   run.Signal(SIGHUP);
   // A million steps per run: only a stop ends it within the minute.
   EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGHUP) << run.Stdout() << run.Stderr();
   EXPECT_EQ(run.Stderr().find("run failed"), std::string::npos) << run.Stderr();
+  EXPECT_EQ(results_folders(), 0);
 }
 
 ScalingRun Finished(double samples_per_s, double comm_share) {
