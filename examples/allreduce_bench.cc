@@ -392,8 +392,8 @@ int main(int argc, char** argv) {
   }
 
   // For tests of --check only: every rank skips the checked all-reduce,
-  // reduce or broadcast and takes it as done, as an algorithm that returns OK and writes
-  // nothing would.
+  // reduce or broadcast and takes it as done, as an algorithm that returns
+  // OK and writes nothing would.
   const bool skip_checked_call = std::getenv("ALLREDUCE_BENCH_TEST_SKIP_CHECKED_CALL") != nullptr;
   // Every wrong element --check found, over all sizes and ranks.
   int64_t total_wrong = 0;
@@ -456,7 +456,8 @@ int main(int argc, char** argv) {
         if (separate && is_root) {
           ddp::transport::testing::FillUnexpected(dtype, out, count, n, op);
         }
-        Check(skip_checked_call ? Status() : comm.Reduce(send.data(), out, count, dtype, op, root, call_options),
+        Check(skip_checked_call ? Status()
+                                : comm.Reduce(send.data(), out, count, dtype, op, root, call_options),
               "checked reduce");
         if (is_root) {
           wrong = static_cast<int64_t>(ddp::transport::testing::CountWrong(dtype, out, count, n, op));
