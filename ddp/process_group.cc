@@ -461,6 +461,13 @@ class ProcessGroup::Impl {
     state->transfers = std::move(transfers);
     state->what = description.ToString() + " on rank " + std::to_string(rank_);
     Work work(state);
+    // In a forked child the communication thread does not exist (an item
+    // queued for it would wait out the whole budget) and a parent thread
+    // may have held mu_ at the fork: refused before taking it.
+    if (Status forked = transport::fork::CheckNotForkedChild(state->what); !forked.ok()) {
+      state->Finish(std::move(forked), Clock::now());
+      return work;
+    }
     std::unique_lock lock(mu_);
     if (stopping_) {
       lock.unlock();

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <memory>
 #include <string>
@@ -184,6 +185,71 @@ DDP_TEST_WORKER(pg_forked_child) {
   pg->AllReduce(t).Wait();
   WORKER_EXPECT(t.data<float>()[0] == pg->size() * pg->size(), "all-reduce after the fork");
   return testing::WorkerExit();
+}
+
+// A collective issued in a process forked from a rank fails at once with
+// the fork guard's FAILED_PRECONDITION (it waited out the whole timeout
+// for a communication thread that does not exist in the child, then
+// reported TIMED_OUT without naming the fork). Exit codes: 0 as expected,
+// 1 nothing thrown, 2 another error, 3 later than 1 s.
+int CollectiveInForkedChild(const char* what, const std::function<void()>& call) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    call();
+  } catch (const DistributedError& e) {
+    const auto took = std::chrono::steady_clock::now() - start;
+    if (e.code() != transport::StatusCode::kFailedPrecondition ||
+        std::string(e.what()).find("was forked from pid") == std::string::npos) {
+      std::fprintf(stderr, "%s in the forked child: %s\n", what, e.what());
+      return 2;
+    }
+    return took < std::chrono::seconds(1) ? 0 : 3;
+  }
+  std::fprintf(stderr, "%s in the forked child did not throw\n", what);
+  return 1;
+}
+
+DDP_TEST_WORKER(pg_forked_child_collective) {
+  auto pg = testing::WorkerGroup();
+  Tensor t = nn::Ones({1000});
+  pg->AllReduce(t).Wait();  // the communication thread runs (DDP_COLLECTIVE_THREAD=comm)
+  const pid_t child = fork();
+  if (child == 0) {
+    int code = CollectiveInForkedChild("AllReduce", [&] { pg->AllReduce(t).Wait(); });
+    if (code == 0) code = CollectiveInForkedChild("Barrier", [&] { pg->Barrier().Wait(); });
+    if (code == 0) {
+      code = CollectiveInForkedChild("BroadcastObject", [&] {
+        std::string object = "x";
+        pg->BroadcastObject(&object, 0);
+      });
+    }
+    std::fflush(stderr);
+    _exit(code);
+  }
+  int status = -1;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  pid_t done = 0;
+  while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+  }
+  WORKER_EXPECT(done == child, "the forked child's collectives did not end within 10 s");
+  WORKER_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                "the forked child's collectives did not fail at once with FAILED_PRECONDITION "
+                "naming the fork (exit " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + ")");
+  pg->AllReduce(t).Wait();
+  WORKER_EXPECT(t.data<float>()[0] == pg->size() * pg->size(), "all-reduce after the fork");
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, CollectiveInForkedChildFailsAtOnceNamingTheFork) {
+  for (const char* where : {"comm", "caller"}) {
+    auto run = RunWorkers("pg_forked_child_collective", 2, {{"DDP_COLLECTIVE_THREAD", where}});
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
 }
 
 TEST(ProcessGroupTest, ForkedChildLeavesItsCopyOfTheGroupAlone) {
