@@ -180,6 +180,22 @@ void Slice(size_t count, size_t elem, int size, int rank, size_t& begin, size_t&
   end = range.end;
 }
 
+// Whether the process behind pidfd `fd` exits within `within`. A signal
+// caught meanwhile (Ctrl-C, SIGCHLD from a data worker, a profiler's
+// SIGPROF; poll is never restarted) ends poll with EINTR: the wait goes on
+// for the time left, since taking the peer for alive would report one
+// killed mid-copy as a bad buffer.
+bool PidfdReadableWithin(int fd, std::chrono::milliseconds within) {
+  const auto until = std::chrono::steady_clock::now() + within;
+  while (true) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    const int ready = poll(&p, 1, static_cast<int>(std::max<int64_t>(0, left.count())));
+    if (ready > 0) return true;
+    if (ready == 0 || errno != EINTR || left.count() <= 0) return false;
+  }
+}
+
 }  // namespace
 
 namespace internal {
@@ -187,8 +203,7 @@ namespace internal {
 bool ProcessExitsWithin(int pid, std::chrono::milliseconds within) {
   const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
   if (fd >= 0) {
-    pollfd p{fd, POLLIN, 0};
-    const bool exited = poll(&p, 1, static_cast<int>(within.count())) > 0;
+    const bool exited = PidfdReadableWithin(fd, within);
     close(fd);
     return exited;
   }
@@ -259,8 +274,7 @@ Status ShmAllReduce::PeerExited(int peer) const {
 bool ShmAllReduce::PeerExitsWithin(int peer, std::chrono::milliseconds within) const {
   const int fd = peer_pidfds_[peer];
   if (fd < 0) return internal::ProcessExitsWithin(options_.pids[peer], within);
-  pollfd p{fd, POLLIN, 0};
-  return poll(&p, 1, static_cast<int>(within.count())) > 0;
+  return PidfdReadableWithin(fd, within);
 }
 
 ShmAllReduce::~ShmAllReduce() {

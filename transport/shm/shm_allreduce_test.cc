@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <linux/sched.h>
+#include <pthread.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -28,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <thread>
@@ -119,6 +121,73 @@ TEST(ProcessExitsWithin, SeesAnExitWithoutAPidfd) {
   EXPECT_TRUE(dead_seen) << "a killed peer was taken for alive without a pidfd";
   EXPECT_FALSE(alive_seen);
   EXPECT_GE(took, std::chrono::milliseconds(40)) << "the wait for a live peer did not last";
+}
+
+std::atomic<int> signals_caught{0};
+void CountSignal(int) { signals_caught.fetch_add(1); }
+
+// Whether thread `tid` of this process sleeps (state S in its stat).
+bool ThreadSleeps(pid_t tid) {
+  std::ifstream stat("/proc/self/task/" + std::to_string(tid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() && text[close + 2] == 'S';
+}
+
+// Waits until `done` holds, or 10 s; whether it held.
+bool AwaitCondition(const std::function<bool()>& done) {
+  const Deadline until = DeadlineIn(milliseconds(10000));
+  while (!done()) {
+    if (Clock::now() >= until) return false;
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  return true;
+}
+
+// A signal caught during the wait (a handler installed without SA_RESTART,
+// as Python installs them; SIGCHLD from a data worker, a profiler's
+// SIGPROF) ends poll with EINTR: the wait goes on for the time left, and
+// sees the exit that comes after the signal (the EINTR was taken for "still
+// alive", so a peer killed mid-copy was reported as a bad buffer).
+TEST(ProcessExitsWithin, WaitsOnThroughACaughtSignal) {
+  struct sigaction action {};
+  action.sa_handler = CountSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = 0;  // no SA_RESTART
+  struct sigaction previous {};
+  ASSERT_EQ(sigaction(SIGUSR1, &action, &previous), 0);
+  int release[2];
+  ASSERT_EQ(pipe2(release, O_CLOEXEC), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(release[1]);
+    char byte = 0;
+    (void)!read(release[0], &byte, 1);  // until the test lets it exit
+    _exit(0);
+  }
+  close(release[0]);
+  std::atomic<pid_t> waiter_tid{0};
+  std::atomic<bool> returned{false};
+  bool exited = false;
+  std::thread waiter([&] {
+    waiter_tid.store(static_cast<pid_t>(syscall(SYS_gettid)));
+    exited = internal::ProcessExitsWithin(child, milliseconds(10000));
+    returned.store(true);
+  });
+  const bool waiting = AwaitCondition([&] { return waiter_tid.load() != 0 && ThreadSleeps(waiter_tid.load()); });
+  pthread_kill(waiter.native_handle(), SIGUSR1);
+  const bool caught = AwaitCondition([&] { return signals_caught.load() > 0; });
+  // Back in its wait, or given up on it (the old behaviour).
+  const bool settled = AwaitCondition([&] { return returned.load() || ThreadSleeps(waiter_tid.load()); });
+  const bool returned_before_exit = returned.load();
+  close(release[1]);  // the child exits
+  waiter.join();
+  waitpid(child, nullptr, 0);
+  sigaction(SIGUSR1, &previous, nullptr);
+  ASSERT_TRUE(waiting && caught && settled) << waiting << caught << settled;
+  EXPECT_FALSE(returned_before_exit) << "the wait ended at the signal";
+  EXPECT_TRUE(exited) << "a signal during the wait was taken for the process being alive";
 }
 
 TEST(ShmAllReduce, SweepOfSizesDtypesOpsAndPlacement) {
