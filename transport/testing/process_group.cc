@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -102,6 +103,16 @@ bool Exited(pid_t pid) {
          info.si_pid == pid;
 }
 
+// waitpid for `pid` until it is reaped, through signals caught meanwhile
+// (EINTR), which would leave it a zombie; -1 when it cannot be waited for.
+pid_t WaitUntilReaped(pid_t pid, int* status) {
+  pid_t done = -1;
+  do {
+    done = waitpid(pid, status, 0);
+  } while (done < 0 && errno == EINTR);
+  return done;
+}
+
 // 128 random bits in hex.
 std::string RandomToken() {
   std::random_device random;
@@ -161,6 +172,7 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
   // deadline passes, where a fixed nap made every Wait up to 5 ms late.
   // Without one for each (kernels before 5.3, no descriptors left) the nap.
   std::vector<pollfd> exits;
+  std::vector<std::string> failed_waits(pids_.size());
   std::vector<int> exit_fds(pids_.size(), -1);
   bool all_fds = true;
   for (size_t i = 0; i < pids_.size(); ++i) {
@@ -173,11 +185,16 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
     for (size_t i = 0; i < pids_.size(); ++i) {
       if (reaped_[i]) continue;
       int status = 0;
-      const pid_t done = waitpid(pids_[i], &status, WNOHANG);
+      pid_t done = -1;
+      do {
+        done = waitpid(pids_[i], &status, WNOHANG);
+      } while (done < 0 && errno == EINTR);
+      int wait_error = errno;
       const bool late = Clock::now() >= deadline;
       if (done == 0 && late) {
         kill(pids_[i], SIGKILL);
-        waitpid(pids_[i], &status, 0);
+        done = WaitUntilReaped(pids_[i], &status);
+        wait_error = errno;
         results[i].timed_out = true;
       } else if (done == 0) {
         exits.push_back({exit_fds[i], POLLIN, 0});
@@ -185,6 +202,13 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
       }
       reaped_[i] = true;
       --left;
+      if (done < 0) {
+        // Reaped elsewhere, or SIGCHLD ignored (the kernel reaps it): how it
+        // ended is unknown, so the result keeps exit_code -1, never the 0
+        // of a status that was not filled in.
+        failed_waits[i] = std::string("waitpid failed: ") + std::strerror(wait_error);
+        continue;
+      }
       if (WIFEXITED(status)) results[i].exit_code = WEXITSTATUS(status);
       if (WIFSIGNALED(status)) results[i].signal = WTERMSIG(status);
     }
@@ -208,6 +232,7 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
     std::stringstream text;
     text << in.rdbuf();
     results[i].output = text.str();
+    if (!failed_waits[i].empty()) results[i].output += "\n[harness] " + failed_waits[i] + "\n";
     std::remove(logs_[i].c_str());
   }
   return results;
@@ -217,7 +242,8 @@ ProcessGroup::~ProcessGroup() {
   for (size_t i = 0; i < pids_.size(); ++i) {
     if (reaped_[i]) continue;
     kill(pids_[i], SIGKILL);
-    waitpid(pids_[i], nullptr, 0);
+    int status = 0;
+    WaitUntilReaped(pids_[i], &status);
     std::remove(logs_[i].c_str());
   }
 }

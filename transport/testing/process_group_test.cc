@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 #include <thread>
 
 namespace ddp::transport::testing {
@@ -50,6 +51,27 @@ TEST(ProcessGroup, WaitKillsAWorkerStillRunningAtItsDeadline) {
   EXPECT_EQ(results[1].signal, SIGKILL);
   // Well before the hanging worker's own 60 s.
   EXPECT_LT(took, milliseconds(20000));
+}
+
+// A worker the harness cannot wait for (SIGCHLD ignored: the kernel reaps
+// it, and waitpid fails with ECHILD) is no success: its exit code stays
+// unknown, -1, and its output says why (a status never filled in read as
+// exit 0, so a crashed worker could pass).
+TEST(ProcessGroup, AWorkerThatCannotBeWaitedForIsNoSuccess) {
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  struct sigaction previous {};
+  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &previous), 0);
+  auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
+  std::vector<WorkerResult> results;
+  if (group.ok()) results = (*group)->Wait(DeadlineIn(milliseconds(30000)));
+  sigaction(SIGCHLD, &previous, nullptr);
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_EQ(results[0].exit_code, -1) << DescribeResults(results);
+  EXPECT_FALSE(results[0].timed_out);
+  EXPECT_NE(results[0].output.find("waitpid failed"), std::string::npos) << DescribeResults(results);
 }
 
 }  // namespace
