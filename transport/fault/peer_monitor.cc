@@ -147,9 +147,11 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
   const Clock::time_point now = Clock::now();
   if (store_ == nullptr || now >= deadline) return Status::Ok();
   const Deadline until = std::min(deadline, now + options_.store_call_cap);
+  const int64_t asked = now.time_since_epoch().count();
   auto posted = store_->TryGet(options_.key_prefix + "abort", until);
   if (!posted.ok()) {
-    if (posted.status().code() == StatusCode::kTimedOut && until == deadline) {
+    const StatusCode code = posted.status().code();
+    if (code == StatusCode::kTimedOut && until == deadline) {
       // Not (yet) evidence that the store is gone: the call ran out of time
       // while asking it.
       return TimedOutError("deadline passed while reading the job's abort state from the "
@@ -160,6 +162,25 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
         : options_.store_rank == -2
             ? std::string("rank 0 of the communicator this one was split from (not a member here)")
             : std::string("the launcher");
+    if (code != StatusCode::kTimedOut && code != StatusCode::kUnavailable) {
+      // The store answered, with an error of its own (a job token that does
+      // not match, a refused request): no sign that its server is gone.
+      return Status(code, "reading the job's abort state from the rendezvous store (" + server +
+                              " serves it): " + posted.status().message());
+    }
+    if (code == StatusCode::kTimedOut) {
+      // One answer slower than the cap (the server's process paused: a GC,
+      // swapping, a starved host) must not abort a healthy job: this round
+      // learns nothing, and a second slow round in a row reports the
+      // server lost. Rounds of two threads that overlap met the same stall
+      // (as for the closed marks above).
+      const int64_t answered = std::max<int64_t>(1, Clock::now().time_since_epoch().count());
+      int64_t first = 0;
+      if (first_slow_abort_read_.compare_exchange_strong(first, answered, std::memory_order_relaxed) ||
+          asked <= first) {
+        return Status::Ok();
+      }
+    }
     Status lost = posted.status();
     const std::string serving =
         ServerEndedConnection(lost) && options_.describe_server ? options_.describe_server() : "";
@@ -168,6 +189,7 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
     return PeerLostError("the rendezvous store cannot be reached (" + server +
                          " serves it, and has died or stopped serving it): " + lost.ToString());
   }
+  first_slow_abort_read_.store(0, std::memory_order_relaxed);
   if (posted->has_value()) return DecodeAbort(**posted);
   return Status::Ok();
 }

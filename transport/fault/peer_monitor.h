@@ -13,7 +13,10 @@
 //      may just be one that reported the failure and left);
 //   2. reads the job's abort key in the store: the first rank that fails
 //      posts its reason there (PostAbort), so every rank learns it;
-//   3. treats an unreachable store as the loss of the rank serving it.
+//   3. treats an unreachable store as the loss of the rank serving it: a
+//      refused or lost connection at once, a read slower than the cap on
+//      the second such round in a row (one slow answer is a stall, not a
+//      loss); an error the store answers with keeps its own code.
 // A peer that closed its communicator cleanly (posted under `closed/`) may
 // exit without being reported, unless the wait is for that very peer: it
 // left the job early (ranks stopping at different points, e.g. on a signal)
@@ -142,6 +145,9 @@ class PeerMonitor {
   // Check rounds that found it exited and could not read its "closed" mark
   // got its answer; 0 when the last round read the mark.
   std::unique_ptr<std::atomic<int64_t>[]> first_unread_;
+  // The same for the abort key's reads that ran past store_call_cap: when
+  // the first of the latest unbroken run got its answer; 0 after a read.
+  std::atomic<int64_t> first_slow_abort_read_{0};
 };
 
 }  // namespace ddp::transport::fault

@@ -557,18 +557,76 @@ TEST(PeerMonitor, CheckWithNoTimeLeftDoesNotAskTheStore) {
   EXPECT_LT(Clock::now() - start, kLoadedSlack);
 }
 
-TEST(PeerMonitor, SilentStoreWithTimeToSpareIsPeerLostAfterTheCap) {
+// The first round that runs into the cap learns nothing (one slow answer
+// is a stall); the second in a row reports the server lost.
+TEST(PeerMonitor, SilentStoreWithTimeToSpareIsPeerLostAfterTheCapTwice) {
   SilentStore store;
   PeerMonitor monitor({.rank = 2, .key_prefix = "j/", .store_rank = -1}, &store);
   const auto start = Clock::now();
+  Status first = monitor.Check(start + std::chrono::seconds(30));
+  EXPECT_TRUE(first.ok()) << first;
   Status s = monitor.Check(start + std::chrono::seconds(30));
   const auto took = Clock::now() - start;
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("the launcher serves it"), std::string::npos) << s;
-  EXPECT_GE(took, kStoreCallCap);
-  // One capped call, not two.
-  EXPECT_EQ(store.calls(), 1);
-  EXPECT_LT(took, kStoreCallCap + kLoadedSlack);
+  EXPECT_GE(took, 2 * kStoreCallCap);
+  // One capped call a round.
+  EXPECT_EQ(store.calls(), 2);
+  EXPECT_LT(took, 2 * kStoreCallCap + kLoadedSlack);
+}
+
+// A store whose first read of the abort key answers only after the
+// caller's deadline (its server stalled once), then answers at once.
+class StallsOnceStore final : public testing::ForwardingStore {
+ public:
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
+    if (key.ends_with("abort") && !stalled_) {
+      stalled_ = true;
+      std::this_thread::sleep_until(d);
+      return TimedOutError("store try-get timed out");
+    }
+    return inner_.TryGet(key, d);
+  }
+
+ private:
+  bool stalled_ = false;
+};
+
+// One read of the abort key slower than the cap does not abort a healthy
+// job (it was PEER_LOST, "has died or stopped serving it", at once); the
+// next round reads the key, and a reason posted meanwhile is seen.
+TEST(PeerMonitor, OneSlowStoreAnswerIsNotTheLossOfItsServer) {
+  StallsOnceStore store;
+  PeerMonitor monitor({.rank = 1, .key_prefix = "j/", .store_rank = 0,
+                       .store_call_cap = milliseconds(200)}, &store);
+  Status s = monitor.Check(DeadlineIn(std::chrono::seconds(30)));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(monitor.Check(DeadlineIn(std::chrono::seconds(30))).ok());
+  PeerMonitor reporter({.rank = 0, .key_prefix = "j/"}, &store);
+  reporter.PostAbort(PeerLostError("rank 3 died"), Soon());
+  s = monitor.Check(DeadlineIn(std::chrono::seconds(30)));
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 3 died"), std::string::npos) << s;
+}
+
+// A store that answers every read with an error of its own.
+class RefusingStore final : public testing::ForwardingStore {
+ public:
+  StatusOr<std::optional<std::string>> TryGet(std::string_view, Deadline) override {
+    return PermissionDeniedError("the job token does not match");
+  }
+};
+
+// An error the store answers with is told with its own code and words, not
+// as the death of its server.
+TEST(PeerMonitor, AStoreErrorKeepsItsCode) {
+  RefusingStore store;
+  PeerMonitor monitor({.rank = 1, .key_prefix = "j/", .store_rank = 0}, &store);
+  Status s = monitor.Check(Soon());
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s;
+  EXPECT_NE(s.message().find("the job token does not match"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("reading the job's abort state"), std::string::npos) << s;
+  EXPECT_EQ(s.message().find("died"), std::string::npos) << s;
 }
 
 TEST(PeerMonitor, DeadLocalPeerWithSilentStoreIsReportedByTheDeadline) {
