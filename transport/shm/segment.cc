@@ -14,8 +14,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
 #include <ctime>
-#include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string_view>
@@ -97,6 +98,22 @@ long long WallClockSeconds(Deadline deadline) {
   return static_cast<long long>(std::time(nullptr)) + left.count() + 1;
 }
 
+// The file's whole text; nullopt when it cannot be opened or read. Opened
+// close-on-exec ("e"): another thread of the host program may fork and
+// exec meanwhile (an ifstream's descriptor would leak into that child).
+std::optional<std::string> ReadWholeFile(const std::string& path) {
+  std::FILE* file = std::fopen(path.c_str(), "re");
+  if (file == nullptr) return std::nullopt;
+  std::string text;
+  char block[4096];
+  size_t got = 0;
+  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) text.append(block, got);
+  const bool failed = std::ferror(file) != 0;
+  std::fclose(file);
+  if (failed) return std::nullopt;
+  return text;
+}
+
 // Whether the process `pid` still is the one that last modified a file at
 // `modified` (seconds since the epoch): it exists, is not a zombie, and
 // started no later (to the second /proc gives). A process that cannot be
@@ -104,9 +121,9 @@ long long WallClockSeconds(Deadline deadline) {
 bool CreatorAlive(pid_t pid, time_t modified) {
   // EPERM: alive, another user's.
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(stat_file, stat)) return true;
+  const std::optional<std::string> stat_text = ReadWholeFile("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat_text || stat_text->empty()) return true;
+  const std::string stat = stat_text->substr(0, stat_text->find('\n'));
   // "<pid> (<comm>) <state> <ppid> ...": comm may hold spaces and ')'.
   const size_t close = stat.rfind(')');
   if (close == std::string::npos) return true;
@@ -121,7 +138,7 @@ bool CreatorAlive(pid_t pid, time_t modified) {
   }
   unsigned long long start_ticks = 0;
   if (!(fields >> start_ticks)) return true;
-  std::ifstream proc_stat("/proc/stat");
+  std::istringstream proc_stat(ReadWholeFile("/proc/stat").value_or(""));
   long long boot = -1;
   for (std::string line; std::getline(proc_stat, line);) {
     if (line.rfind("btime ", 0) == 0) boot = std::atoll(line.c_str() + 6);

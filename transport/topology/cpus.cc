@@ -5,19 +5,36 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
+#include <cstdio>
+#include <optional>
 #include <sstream>
+#include <string>
 #include <vector>
 
 namespace ddp::transport::topology {
 namespace {
 
-// The file's first line; nullopt when it cannot be read.
+// The file's whole text; nullopt when it cannot be opened or read. Opened
+// close-on-exec ("e"): another thread of the host program may fork and
+// exec meanwhile (an ifstream's descriptor would leak into that child).
+std::optional<std::string> ReadWholeFile(const std::string& path) {
+  std::FILE* file = std::fopen(path.c_str(), "re");
+  if (file == nullptr) return std::nullopt;
+  std::string text;
+  char block[4096];
+  size_t got = 0;
+  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) text.append(block, got);
+  const bool failed = std::ferror(file) != 0;
+  std::fclose(file);
+  if (failed) return std::nullopt;
+  return text;
+}
+
+// The file's first line; nullopt when it cannot be read or is empty.
 std::optional<std::string> FirstLine(const std::string& path) {
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line)) return std::nullopt;
-  return line;
+  std::optional<std::string> text = ReadWholeFile(path);
+  if (!text || text->empty()) return std::nullopt;
+  return text->substr(0, text->find('\n'));
 }
 
 // A whole non-negative decimal number, or nullopt.
@@ -110,11 +127,9 @@ std::optional<double> CpuQuotaFrom(const std::string& proc_self_cgroup, const st
 }
 
 std::optional<double> CpuQuota() {
-  std::ifstream in("/proc/self/cgroup");
-  if (!in) return std::nullopt;
-  std::stringstream text;
-  text << in.rdbuf();
-  return CpuQuotaFrom(text.str(), "/sys/fs/cgroup");
+  const std::optional<std::string> text = ReadWholeFile("/proc/self/cgroup");
+  if (!text) return std::nullopt;
+  return CpuQuotaFrom(*text, "/sys/fs/cgroup");
 }
 
 int UsableCpus() {

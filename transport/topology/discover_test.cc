@@ -1,5 +1,6 @@
 #include "transport/topology/discover.h"
 
+#include <fcntl.h>
 #include <sched.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -11,8 +12,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "transport/store/tcp_store.h"
@@ -53,6 +56,55 @@ TEST(ReadNetDevices, ReadsAFakeSysfsTree) {
   EXPECT_EQ(devices[1].numa_node, 1);
   EXPECT_EQ(devices[1].rate_gbps, 200);
   EXPECT_TRUE(devices[1].active);
+}
+
+// Reads the file at `path` (a FIFO made here) on another thread with
+// `read`, and returns the flags (/proc/self/fdinfo, octal "flags:") of the
+// descriptor it opened on it, or -1 when none showed within 10 s. The
+// FIFO holds the reader's open until this side opens it for writing, and
+// its read until this side closes it, so the descriptor is there to look at.
+int FlagsOfTheReadersDescriptor(const std::string& path, const std::function<void()>& read) {
+  if (mkfifo(path.c_str(), 0600) != 0) return -1;
+  std::thread reader(read);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int writer = -1;
+  // Non-blocking: ENXIO until the reader has it open.
+  while ((writer = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0 &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  int flags = -1;
+  const std::string target = std::filesystem::canonical(path).string();
+  while (writer >= 0 && flags < 0 && std::chrono::steady_clock::now() < until) {
+    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+      std::error_code error;
+      const int fd = std::stoi(entry.path().filename().string());
+      if (fd == writer || std::filesystem::read_symlink(entry.path(), error).string() != target) continue;
+      std::ifstream info("/proc/self/fdinfo/" + std::to_string(fd));
+      for (std::string line; std::getline(info, line);) {
+        if (line.rfind("flags:", 0) == 0) flags = static_cast<int>(std::stol(line.substr(6), nullptr, 8));
+      }
+    }
+    if (flags < 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (writer >= 0) close(writer);  // the reader sees the end of the file
+  reader.join();
+  unlink(path.c_str());
+  return flags;
+}
+
+// The sysfs files are opened close-on-exec: a fork and exec on another
+// thread of the host program meanwhile must not inherit them.
+TEST(ReadNetDevices, OpensTheFilesCloseOnExec) {
+  const fs::path root = fs::path(::testing::TempDir()) / "fake_sys_fifo";
+  fs::remove_all(root);
+  const fs::path port = root / "class" / "infiniband" / "mlx5_0" / "ports" / "1";
+  fs::create_directories(port);
+  const int flags = FlagsOfTheReadersDescriptor((port / "state").string(),
+                                                [&] { static_cast<void>(ReadNetDevices(root.string())); });
+  fs::remove_all(root);
+  ASSERT_GE(flags, 0) << "the reader's descriptor was not seen";
+  EXPECT_NE(flags & O_CLOEXEC, 0) << std::oct << flags;
 }
 
 TEST(ReadNetDevices, NoFolderMeansNoDevices) {

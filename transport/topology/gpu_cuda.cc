@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <filesystem>
-#include <fstream>
+#include <string>
 
 #include "transport/topology/discover.h"
 
@@ -23,9 +24,14 @@ std::vector<Gpu> DiscoverGpus(const std::string& sysfs_root) {
       std::string id = bus_id;
       std::transform(id.begin(), id.end(), id.begin(), [](unsigned char c) { return std::tolower(c); });
       gpus[d].pci_bus_id = id;
-      std::ifstream in(std::filesystem::path(sysfs_root) / "bus" / "pci" / "devices" / id / "numa_node");
-      int numa = -1;
-      if (in >> numa) gpus[d].numa_node = numa;
+      const std::string numa_path =
+          (std::filesystem::path(sysfs_root) / "bus" / "pci" / "devices" / id / "numa_node").string();
+      // Close-on-exec ("e"): another thread may fork and exec meanwhile.
+      if (std::FILE* file = std::fopen(numa_path.c_str(), "re")) {
+        int numa = -1;
+        if (std::fscanf(file, "%d", &numa) == 1) gpus[d].numa_node = numa;
+        std::fclose(file);
+      }
     } else {
       cudaGetLastError();  // left without a bus id; later CUDA calls must not see it
     }

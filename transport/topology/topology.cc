@@ -393,7 +393,8 @@ StatusOr<Topology> LoadTopologyFile(const std::string& path) {
   // stdio, for errno: a path that is not there and one that may not be read
   // need different fixes, and a directory opens but fails at the first read
   // (an ifstream read it as an empty file: "not valid JSON").
-  std::FILE* file = std::fopen(path.c_str(), "rb");
+  // Close-on-exec ("e"): another thread may fork and exec meanwhile.
+  std::FILE* file = std::fopen(path.c_str(), "rbe");
   if (file == nullptr) {
     const int error = errno;
     return NotFoundError("topology file " + path + " cannot be opened: " + std::strerror(error));
