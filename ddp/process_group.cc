@@ -333,6 +333,17 @@ void Work::Wait() {
 
 Status Work::WaitFor(Deadline deadline) {
   if (state_ == nullptr) return transport::FailedPreconditionError("WaitFor on an empty Work handle");
+  if (transport::fork::InForkedChild()) {
+    // A call issued before the fork: what would finish it (the
+    // communication thread, the peers' messages) is the parent's, and a
+    // parent thread may have held its lock at the fork. One finished by
+    // then still reports its status when its lock is free.
+    std::unique_lock lock(state_->mu, std::try_to_lock);
+    if (lock.owns_lock() && state_->done) return state_->status;
+    return transport::fork::CheckNotForkedChild(
+        "waiting for " + (state_->what.empty() ? std::string("a call") : state_->what) +
+        " issued before the fork");
+  }
   {
     std::unique_lock lock(state_->mu);
     if (!state_->cv.wait_until(lock, deadline, [&] { return state_->done || state_->posted; })) {

@@ -245,6 +245,54 @@ DDP_TEST_WORKER(pg_forked_child_collective) {
   return testing::WorkerExit();
 }
 
+// Waiting in a forked child for a collective issued before the fork, and
+// not finished then, fails at once the same way (it waited out the whole
+// budget for a communication thread that does not exist in the child).
+// Rank 1 joins the all-reduce only after rank 0's child is done.
+DDP_TEST_WORKER(pg_forked_child_waits_for_an_earlier_call) {
+  auto pg = testing::WorkerGroup();
+  Tensor t = nn::Ones({1000});
+  if (pg->rank() != 0) {
+    testing::WaitUntilRanksAreDone(*pg, {0});
+    pg->AllReduce(t).Wait();
+    WORKER_EXPECT(t.data<float>()[0] == pg->size(), "the all-reduce");
+    return testing::WorkerExit();
+  }
+  Work pending = pg->AllReduce(t);
+  const pid_t child = fork();
+  if (child == 0) {
+    const int code = CollectiveInForkedChild("Wait on an all-reduce issued before the fork",
+                                             [&] { pending.Wait(); });
+    std::fflush(stderr);
+    _exit(code);
+  }
+  int status = -1;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  pid_t done = 0;
+  while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(done == child, "the forked child's wait did not end within 10 s");
+  WORKER_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                "the forked child's wait did not fail at once with FAILED_PRECONDITION naming the fork "
+                "(exit " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + ")");
+  pending.Wait();
+  WORKER_EXPECT(t.data<float>()[0] == pg->size(), "the all-reduce");
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, WaitInForkedChildForAnEarlierCallFailsAtOnce) {
+  // With the communication thread only: on the caller, the all-reduce
+  // would run (and wait for rank 1) inside AllReduce itself.
+  auto run = RunWorkers("pg_forked_child_waits_for_an_earlier_call", 2, {{"DDP_COLLECTIVE_THREAD", "comm"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(ProcessGroupTest, CollectiveInForkedChildFailsAtOnceNamingTheFork) {
   for (const char* where : {"comm", "caller"}) {
     auto run = RunWorkers("pg_forked_child_collective", 2, {{"DDP_COLLECTIVE_THREAD", where}});
