@@ -380,6 +380,10 @@ Status Work::WaitFor(Deadline deadline) {
 
 bool Work::IsCompleted() const {
   if (state_ == nullptr) return false;
+  // In a forked child nothing finishes a call issued before the fork, and
+  // its lock may have been held at the fork: it counts as completed, and
+  // Wait reports why (a loop on IsCompleted spun forever).
+  if (transport::fork::InForkedChild()) return true;
   {
     std::lock_guard lock(state_->mu);
     if (state_->done || !state_->posted) return state_->done;

@@ -160,7 +160,8 @@ class Work {
   /// once) before reading device results. Host tensors hold their results
   /// once it returned OK.
   transport::Status WaitFor(transport::Deadline deadline);
-  /// True once finished (successfully or not); never blocks. Like WaitFor,
+  /// True once finished (successfully or not), and always in a forked
+  /// child, where Wait says why; never blocks. Like WaitFor,
   /// it delivers nothing to device tensors: Wait does.
   bool IsCompleted() const;
   /// False for a default-constructed handle.

@@ -248,7 +248,8 @@ DDP_TEST_WORKER(pg_forked_child_collective) {
 // Waiting in a forked child for a collective issued before the fork, and
 // not finished then, fails at once the same way (it waited out the whole
 // budget for a communication thread that does not exist in the child).
-// Rank 1 joins the all-reduce only after rank 0's child is done.
+// IsCompleted there is true (Wait reports why). Rank 1 joins the
+// all-reduce only after rank 0's child is done.
 DDP_TEST_WORKER(pg_forked_child_waits_for_an_earlier_call) {
   auto pg = testing::WorkerGroup();
   Tensor t = nn::Ones({1000});
@@ -261,6 +262,11 @@ DDP_TEST_WORKER(pg_forked_child_waits_for_an_earlier_call) {
   Work pending = pg->AllReduce(t);
   const pid_t child = fork();
   if (child == 0) {
+    if (!pending.IsCompleted()) {
+      std::fprintf(stderr, "IsCompleted in the forked child: false for a call nothing can finish\n");
+      std::fflush(stderr);
+      _exit(4);
+    }
     const int code = CollectiveInForkedChild("Wait on an all-reduce issued before the fork",
                                              [&] { pending.Wait(); });
     std::fflush(stderr);
