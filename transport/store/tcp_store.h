@@ -60,6 +60,8 @@ struct TcpStoreServerOptions {
   /// Every client must present exactly this token (may be empty).
   std::string job_token;
   /// A connection that has not completed its handshake by then is dropped.
+  /// Here and in frame_stall_timeout, a timeout past the clock's range
+  /// (milliseconds::max()) counts as the furthest time the clock has.
   std::chrono::milliseconds handshake_timeout{10000};
   /// A connection that sent part of a request and then nothing more for
   /// this long is dropped, with the room held for the whole frame (a client

@@ -2226,6 +2226,36 @@ TEST(TcpStoreTest, RequestStalledMidFrameIsDropped) {
   EXPECT_EQ(server->stats().dropped_stalled, 1u);
 }
 
+// Timeouts past the clock's range (milliseconds::max(), a way to say "no
+// limit") count as the furthest deadline the clock has. Added to now they
+// wrapped into the past: every connection was dropped at its first round,
+// "no handshake within 9223372036854775807 ms", and a request in two parts
+// as stalled.
+TEST(TcpStoreTest, ServerTimeoutsBeyondTheClocksRangeDropNobody) {
+  TcpStoreServerOptions options;
+  options.handshake_timeout = std::chrono::milliseconds::max();
+  options.frame_stall_timeout = std::chrono::milliseconds::max();
+  auto server = StartServer(options);
+  RawConnection raw(server->port());
+  // The hello goes out once the server has accepted the connection (and so
+  // set its handshake timer), not with the connect.
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.accepted == 1; }));
+  ASSERT_NO_FATAL_FAILURE(raw.Handshake());
+  EXPECT_EQ(server->stats().dropped_silent, 0u);
+  // Half a request, then (once the server holds room for it, so has read
+  // its header and set its stall timer) the rest.
+  const std::string frame = TryGetFrame(3, "k");
+  raw.Send(std::string_view(frame).substr(0, 6));
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& s) { return s.receiving_bytes > 0; }));
+  raw.Send(std::string_view(frame).substr(6));
+  std::optional<std::string> reply = raw.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value()) << "the connection was dropped";
+  uint32_t id = 0;
+  EXPECT_EQ(RawConnection::ParseReply(*reply, &id).first, StatusCode::kOk);
+  EXPECT_EQ(id, 3u);
+  EXPECT_EQ(server->stats().dropped_stalled, 0u);
+}
+
 // Connections that once moved a large value let go of the memory when
 // done: they must not keep 1 MiB each (input and output) for as long as
 // they live, outside the bound on buffered bytes.
