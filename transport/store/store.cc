@@ -12,4 +12,12 @@ StatusOr<std::vector<std::string>> Store::MultiGet(std::span<const std::string> 
   return values;
 }
 
+StatusOr<bool> Store::Check(std::span<const std::string> keys, Deadline deadline) {
+  for (const std::string& key : keys) {
+    DDP_ASSIGN_OR_RETURN(std::optional<std::string> value, TryGet(key, deadline));
+    if (!value) return false;
+  }
+  return true;
+}
+
 }  // namespace ddp::transport::store

@@ -53,6 +53,11 @@ class Store {
   /// default Gets them one by one. TIMED_OUT names a key still missing.
   virtual StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline);
 
+  /// Whether every key in `keys` exists now (true for none), without
+  /// waiting: torch.distributed's Store.check. This default asks TryGet
+  /// key by key; the TCP store answers up to 1,024 keys per round trip.
+  virtual StatusOr<bool> Check(std::span<const std::string> keys, Deadline deadline);
+
   /// Deletes `key`; returns whether it existed.
   virtual StatusOr<bool> Delete(std::string_view key, Deadline deadline) = 0;
 

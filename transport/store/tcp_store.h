@@ -209,6 +209,12 @@ class TcpStoreClient final : public Store {
   StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline deadline) override;
   static constexpr size_t kMaxMultiGetKeys = 256;
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override;
+  /// One round trip per wire::kMaxWaitKeys keys; values are not sent.
+  StatusOr<bool> Check(std::span<const std::string> keys, Deadline deadline) override;
+  /// How many keys the store holds now (torch.distributed's
+  /// TCPStore.num_keys; keys made by Add and CompareSet count, deleted ones
+  /// do not).
+  StatusOr<int64_t> NumKeys(Deadline deadline);
   /// Sets `key` to `desired` if it holds `expected` (nullopt: if it does not
   /// exist), in one step of the server that no other call comes between.
   /// Returns what `key` holds afterwards: `desired` when it was set, else

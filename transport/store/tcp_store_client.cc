@@ -465,6 +465,40 @@ Status TcpStoreClient::MultiGetPart(std::span<const std::string> part, Deadline 
   return Status::Ok();
 }
 
+StatusOr<bool> TcpStoreClient::Check(std::span<const std::string> keys, Deadline deadline) {
+  DDP_RETURN_IF_ERROR(CheckKeys(keys, "check"));
+  // Like Wait, a piece of at most wire::kMaxWaitKeys keys per request.
+  for (size_t first = 0; first < keys.size(); first += wire::kMaxWaitKeys) {
+    const std::span<const std::string> part =
+        keys.subspan(first, std::min<size_t>(wire::kMaxWaitKeys, keys.size() - first));
+    wire::Writer w;
+    w.U32(static_cast<uint32_t>(part.size()));
+    for (const std::string& key : part) w.String(key);
+    std::string what = "check of key " + Quote(part.front());
+    if (part.size() > 1) what += " and " + std::to_string(part.size() - 1) + " more";
+    DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kCheck), false, w.body(),
+                                           deadline, what));
+    wire::Reader r(reply.body);
+    uint8_t all_exist = 0;
+    if (!r.U8(all_exist) || all_exist > 1 || !r.at_end()) {
+      return InternalError("malformed check reply from the store at " + endpoint_);
+    }
+    if (!all_exist) return false;
+  }
+  return true;
+}
+
+StatusOr<int64_t> TcpStoreClient::NumKeys(Deadline deadline) {
+  DDP_ASSIGN_OR_RETURN(Reply reply, Call(static_cast<uint8_t>(wire::Op::kNumKeys), false, "",
+                                         deadline, "num_keys"));
+  wire::Reader r(reply.body);
+  int64_t count = 0;
+  if (!r.I64(count) || count < 0 || !r.at_end()) {
+    return InternalError("malformed num_keys reply from the store at " + endpoint_);
+  }
+  return count;
+}
+
 StatusOr<bool> TcpStoreClient::Delete(std::string_view key, Deadline deadline) {
   DDP_RETURN_IF_ERROR(CheckKey(key, "delete"));
   wire::Writer w;

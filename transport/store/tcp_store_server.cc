@@ -821,6 +821,8 @@ class TcpStoreServer::Impl {
       case wire::Op::kDelete: status = DoDelete(c, request_id, r); break;
       case wire::Op::kCompareSet: status = DoCompareSet(c, request_id, r); break;
       case wire::Op::kMultiGet: status = DoMultiGet(c, request_id, r); break;
+      case wire::Op::kNumKeys: status = DoNumKeys(c, request_id, r); break;
+      case wire::Op::kCheck: status = DoCheck(c, request_id, r); break;
       default:
         status = InvalidArgumentError("unknown operation " + std::to_string(op));
         break;
@@ -913,8 +915,14 @@ class TcpStoreServer::Impl {
 
   // A wait's or multi-get's timeout and key list.
   Status ReadKeyList(wire::Reader& r, const char* what, uint32_t& timeout_ms, std::vector<std::string>& keys) {
+    if (!r.U32(timeout_ms)) return InvalidArgumentError(std::string("truncated ") + what);
+    return ReadKeys(r, what, keys);
+  }
+
+  // A key list (a check's, or the rest of a wait's), to the end of the request.
+  static Status ReadKeys(wire::Reader& r, const char* what, std::vector<std::string>& keys) {
     uint32_t count = 0;
-    if (!r.U32(timeout_ms) || !r.U32(count)) return InvalidArgumentError(std::string("truncated ") + what);
+    if (!r.U32(count)) return InvalidArgumentError(std::string("truncated ") + what);
     if (count > wire::kMaxWaitKeys) {
       return ResourceExhaustedError(std::string(what) + " on " + std::to_string(count) +
                                     " keys exceeds the limit of " + std::to_string(wire::kMaxWaitKeys));
@@ -973,6 +981,23 @@ class TcpStoreServer::Impl {
     wire::Writer w = OkReply(request_id);
     for (const std::string& key : keys) w.String(data_.at(key));
     return w.Frame();
+  }
+
+  Status DoNumKeys(Connection& c, uint32_t request_id, wire::Reader& r) {
+    if (!r.at_end()) return InvalidArgumentError("trailing bytes after num_keys");
+    wire::Writer w = OkReply(request_id);
+    w.I64(static_cast<int64_t>(data_.size()));
+    QueueReply(c, w.Frame());
+    return Status::Ok();
+  }
+
+  Status DoCheck(Connection& c, uint32_t request_id, wire::Reader& r) {
+    std::vector<std::string> keys;
+    DDP_RETURN_IF_ERROR(ReadKeys(r, "check", keys));
+    wire::Writer w = OkReply(request_id);
+    w.U8(AllExist(keys) ? 1 : 0);
+    QueueReply(c, w.Frame());
+    return Status::Ok();
   }
 
   Status DoDelete(Connection& c, uint32_t request_id, wire::Reader& r) {

@@ -519,6 +519,76 @@ TEST(TcpStoreTest, ATimedOutCallNamesAKeyStillMissing) {
   EXPECT_EQ(*client->Get("here", DeadlineIn(5s)), "1");
 }
 
+// A store that answers Check with Store's own default (TryGet key by key).
+class DefaultCheckStore final : public Store {
+ public:
+  explicit DefaultCheckStore(TcpStoreClient& inner) : inner_(inner) {}
+  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
+    return inner_.Set(key, value, deadline);
+  }
+  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override { return inner_.Get(key, deadline); }
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
+    return inner_.TryGet(key, deadline);
+  }
+  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
+    return inner_.Add(key, delta, deadline);
+  }
+  Status Wait(std::span<const std::string> keys, Deadline deadline) override { return inner_.Wait(keys, deadline); }
+  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override { return inner_.Delete(key, deadline); }
+  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
+                                                  std::string_view desired, Deadline deadline) override {
+    return inner_.CompareSet(key, expected, desired, deadline);
+  }
+
+ private:
+  TcpStoreClient& inner_;
+};
+
+// torch.distributed's num_keys and check: what the store holds now, with
+// no waiting.
+TEST(TcpStoreTest, NumKeysAndCheckAnswerForTheStoreAsItIsNow) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  const Deadline deadline = DeadlineIn(10s);
+  EXPECT_EQ(*client->NumKeys(deadline), 0);
+  const std::string nul_key("k\0ey", 4);
+  ASSERT_TRUE(client->Set("a", "1", deadline).ok());
+  ASSERT_TRUE(client->Set(nul_key, "", deadline).ok());
+  ASSERT_TRUE(client->Add("count", 2, deadline).ok());
+  ASSERT_TRUE(client->CompareSet("posted", std::nullopt, "x", deadline).ok());
+  ASSERT_TRUE(client->CompareSet("absent", "expected", "x", deadline).ok());  // sets nothing
+  ASSERT_TRUE(client->Set("a", "2", deadline).ok());                         // overwrites
+  EXPECT_EQ(*client->NumKeys(deadline), 4);
+  ASSERT_TRUE(*client->Delete("a", deadline));
+  EXPECT_EQ(*client->NumKeys(deadline), 3);
+
+  DefaultCheckStore by_default(*client);
+  for (Store* store : {static_cast<Store*>(client.get()), static_cast<Store*>(&by_default)}) {
+    EXPECT_TRUE(*store->Check({}, deadline));
+    EXPECT_TRUE(*store->Check(std::vector<std::string>{nul_key, "count", "posted"}, deadline));
+    EXPECT_FALSE(*store->Check(std::vector<std::string>{"count", "k"}, deadline)) << "'k' is not 'k\\0ey'";
+    // Not there: false at once, not at the deadline.
+    const Deadline start = Clock::now();
+    EXPECT_FALSE(*store->Check(std::vector<std::string>{"a"}, deadline));
+    EXPECT_LT(Clock::now() - start, 2s);
+  }
+
+  // More keys than one request names: one request per wire::kMaxWaitKeys.
+  std::vector<std::string> many;
+  for (uint32_t i = 0; i < wire::kMaxWaitKeys + 5; ++i) many.push_back("many/" + std::to_string(i));
+  for (const std::string& key : many) ASSERT_TRUE(client->Set(key, "", deadline).ok());
+  const uint64_t before = server->stats().requests;
+  EXPECT_TRUE(*client->Check(many, deadline));
+  EXPECT_EQ(server->stats().requests - before, 2u);
+  ASSERT_TRUE(*client->Delete(many.back(), deadline));
+  EXPECT_FALSE(*client->Check(many, deadline));
+  EXPECT_EQ(*client->NumKeys(deadline), 3 + static_cast<int64_t>(many.size()) - 1);
+
+  StatusOr<bool> empty = client->Check(std::vector<std::string>{"a", ""}, deadline);
+  EXPECT_EQ(empty.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty.status().message(), HasSubstr("store check: a key is empty (key 2 of 2)"));
+}
+
 TEST(TcpStoreTest, WrongTokenIsRefusedAndLogged) {
   LogSink log;
   TcpStoreServerOptions options;

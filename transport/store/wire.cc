@@ -12,6 +12,8 @@ const char* OpName(uint8_t op) {
     case Op::kDelete: return "delete";
     case Op::kCompareSet: return "compare_set";
     case Op::kMultiGet: return "multi_get";
+    case Op::kNumKeys: return "num_keys";
+    case Op::kCheck: return "check";
   }
   return "unknown";
 }

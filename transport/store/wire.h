@@ -18,12 +18,15 @@
 //     kDelete   string key
 //     kCompareSet  string key, u8 has_expected, [string expected], string desired
 //     kMultiGet u32 timeout_ms, u32 n, n x string key  (waits for all of them)
+//     kNumKeys  -
+//     kCheck    u32 n, n x string key             (does not wait)
 //   reply:                     u32 request_id u8 status, then
 //     on error: string message; on success per op:
 //     kSet -, kGet string value, kTryGet u8 found [string value],
 //     kAdd i64 new_value, kWait -, kDelete u8 existed,
 //     kCompareSet u8 found [string value] (what the key holds afterwards),
-//     kMultiGet n x string value (in the order the keys were named)
+//     kMultiGet n x string value (in the order the keys were named),
+//     kNumKeys i64 count, kCheck u8 all_exist
 //
 // The request id lets a client drop the late reply of a call that it already
 // gave up on locally, without closing the connection. The server answers
@@ -52,9 +55,11 @@ enum class Op : uint8_t {
   kDelete = 6,
   kCompareSet = 7,
   kMultiGet = 8,
+  kNumKeys = 9,
+  kCheck = 10,
 };
 
-/// Most keys one Wait or MultiGet may name.
+/// Most keys one Wait, MultiGet or Check may name.
 inline constexpr uint32_t kMaxWaitKeys = 1024;
 /// Largest handshake body: magic, version, padding, token (with its length).
 inline constexpr uint32_t kMaxHandshakeBytes = 4 + 2 + 2 + 4 + 1024;
