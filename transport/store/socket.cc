@@ -44,6 +44,11 @@ int MillisecondsUntil(Deadline deadline) {
   return static_cast<int>(std::min<int64_t>(left, INT_MAX));
 }
 
+std::string Unbracketed(const std::string& host) {
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') return host.substr(1, host.size() - 2);
+  return host;
+}
+
 std::string FormatAddress(const sockaddr* addr, socklen_t len) {
   char host[NI_MAXHOST];
   char port[NI_MAXSERV];
@@ -236,8 +241,10 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
 
 }  // namespace
 
-StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int backlog,
+StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& given_host, int port, int backlog,
                                           Deadline deadline) {
+  // No name service knows "[::1]": the brackets were looked up with it.
+  const std::string host = Unbracketed(given_host);
   if (port < 0 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [0, 65535]");
   }
@@ -328,7 +335,9 @@ Clock::duration ConnectRetryPause(int retry, bool lookup_failed, double unit,
   return RetryPause(retry, unit, kConnectBackoffFirst, most, left);
 }
 
-StatusOr<UniqueFd> ConnectTcp(const std::string& host, int port, Deadline deadline) {
+StatusOr<UniqueFd> ConnectTcp(const std::string& given_host, int port, Deadline deadline) {
+  // "[::1]" was looked up as a name, again and again until the deadline.
+  const std::string host = Unbracketed(given_host);
   if (port < 1 || port > 65535) {
     return InvalidArgumentError("port " + std::to_string(port) + " is out of range [1, 65535]");
   }

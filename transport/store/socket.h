@@ -38,6 +38,11 @@ class UniqueFd {
   int fd_ = -1;
 };
 
+/// `host` without the brackets around it when written "[::1]" (as in
+/// "[::1]:29500", torchrun's and URLs' way to set an IPv6 address off from
+/// its port); any other host as it is. ListenTcp and ConnectTcp take both.
+std::string Unbracketed(const std::string& host);
+
 /// "10.0.0.1:29500" or "[::1]:29500".
 std::string FormatAddress(const sockaddr* addr, socklen_t len);
 /// The remote end of a connected socket, formatted as above.

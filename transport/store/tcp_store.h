@@ -50,7 +50,8 @@ inline constexpr std::chrono::seconds kDefaultServerStartTimeout{30};
 struct TcpStoreServerOptions {
   /// Address (or host name) to bind; the server listens there only, at
   /// every address a name resolves to (IPv4 and IPv6 alike). Use "0.0.0.0"
-  /// or "::" to listen everywhere, only when that is intended.
+  /// or "::" to listen everywhere, only when that is intended. An IPv6
+  /// address may come in brackets ("[::1]").
   std::string bind_address = "127.0.0.1";
   /// Start gives up looking up bind_address at this time (TIMED_OUT).
   /// Unset: kDefaultServerStartTimeout after Start is called.
@@ -188,7 +189,8 @@ class TcpStoreServer {
 class TcpStoreClient final : public Store {
  public:
   /// Connects to `host`:`port` and presents `job_token`, retrying refused
-  /// connections until `deadline` (the server may not be up yet).
+  /// connections until `deadline` (the server may not be up yet). An IPv6
+  /// address may come in brackets ("[::1]"), as in an endpoint.
   /// PERMISSION_DENIED when the server refuses the token; UNAVAILABLE or
   /// TIMED_OUT when the server cannot be reached in time.
   static StatusOr<std::unique_ptr<TcpStoreClient>> Connect(const std::string& host, int port,

@@ -126,10 +126,11 @@ constexpr auto kServerVerdictGrace = std::chrono::milliseconds(100);
 
 }  // namespace
 
-StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::string& host,
+StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::string& given_host,
                                                                   int port,
                                                                   std::string_view job_token,
                                                                   Deadline deadline) {
+  const std::string host = Unbracketed(given_host);  // "[::1]": the address ::1
   if (job_token.size() > wire::kMaxHandshakeBytes - 12) {
     return InvalidArgumentError("job token of " + std::to_string(job_token.size()) +
                                 " bytes is too long");

@@ -2119,6 +2119,37 @@ class HandshakeServer {
 // listens on a port in the ephemeral range) reads back the client's own
 // hello. With an empty token that parses as an OK reply with a byte left
 // over; the client must refuse it.
+// An IPv6 address written in brackets, as an endpoint spells it
+// ("[::1]:29500") and a MASTER_ADDR copied from one keeps it, is that
+// address, for the server and the client alike: "[::1]" went to the name
+// service, and a client looked it up again and again until its deadline.
+TEST(TcpStoreTest, AnAddressInBracketsIsTheAddress) {
+  // ::1 where this host can bind it, else the same in IPv4.
+  std::string address = "127.0.0.1";
+  {
+    UniqueFd probe(socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in6 loopback{};
+    loopback.sin6_family = AF_INET6;
+    loopback.sin6_addr = in6addr_loopback;
+    if (probe.valid() && bind(probe.get(), reinterpret_cast<sockaddr*>(&loopback), sizeof(loopback)) == 0) {
+      address = "::1";
+    }
+  }
+  TcpStoreServerOptions options;
+  options.bind_address = "[" + address + "]";
+  options.job_token = kToken;
+  StatusOr<std::unique_ptr<TcpStoreServer>> server = TcpStoreServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("[" + address + "]", port, kToken, DeadlineIn(5s));
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->endpoint(),
+            (address == "::1" ? "[::1]" : address) + ":" + std::to_string(port));
+  ASSERT_TRUE((*client)->Set("k", "v", DeadlineIn(5s)).ok());
+  EXPECT_EQ(*(*client)->Get("k", DeadlineIn(5s)), "v");
+}
+
 TEST(TcpStoreTest, HandshakeEchoedBackIsRefused) {
   HandshakeServer echo([](const std::string& hello) {
     wire::Writer w;
