@@ -657,6 +657,41 @@ TEST(TcpStoreTest, OptionsThatWouldTurnEveryClientAwayAreRefused) {
   }
 }
 
+// Keys and values are bytes: NUL bytes anywhere in them, empty values and
+// values of the largest size go through every call unchanged, and a key
+// that differs from another only past a NUL byte is another key.
+TEST(TcpStoreTest, NulBytesEmptyAndLargestValuesGoThroughEveryCall) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  const Deadline deadline = DeadlineIn(20s);
+  const std::string key("rank\0" "1", 6), other("rank\0" "2", 6), value("\0v\0", 3);
+  std::string largest(kMaxValueBytes, 'x');
+  largest[0] = '\0';
+  largest[kMaxValueBytes / 2] = '\0';
+  ASSERT_TRUE(client->Set(key, value, deadline).ok());
+  EXPECT_EQ(*client->Get(key, deadline), value);
+  EXPECT_FALSE(client->TryGet(other, deadline)->has_value());
+  EXPECT_FALSE(client->TryGet("rank", deadline)->has_value());
+  EXPECT_EQ(client->Get(other, DeadlineIn(200ms)).status().code(), StatusCode::kTimedOut);
+  ASSERT_TRUE(client->Set(other, "", deadline).ok());
+  EXPECT_EQ(**client->TryGet(other, deadline), "");
+  ASSERT_TRUE(client->Set("largest", largest, deadline).ok());
+  const std::vector<std::string> keys = {key, other, "largest"};
+  ASSERT_TRUE(client->Wait(keys, deadline).ok());
+  StatusOr<std::vector<std::string>> values = client->MultiGet(keys, deadline);
+  ASSERT_TRUE(values.ok()) << values.status();
+  EXPECT_EQ(*values, (std::vector<std::string>{value, "", largest}));
+  EXPECT_EQ(*client->Add(std::string("n\0", 2), 7, deadline), 7);
+  EXPECT_FALSE(client->TryGet("n", deadline)->has_value());
+  // One request carries both values: the largest and an empty one.
+  EXPECT_EQ(**client->CompareSet("largest", largest, "", deadline), "");
+  EXPECT_EQ(**client->CompareSet(key, value, std::string("\0w", 2), deadline), std::string("\0w", 2));
+  EXPECT_EQ(**client->CompareSet(other, std::string(), largest, deadline), largest);
+  EXPECT_EQ(*client->Get(other, deadline), largest);
+  EXPECT_TRUE(*client->Delete(key, deadline));
+  EXPECT_EQ(client->TryGet(other, deadline)->value().size(), largest.size());
+}
+
 TEST(TcpStoreTest, SizeBounds) {
   TcpStoreServerOptions options;
   options.max_stored_bytes = 10 << 20;
