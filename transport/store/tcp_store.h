@@ -84,7 +84,8 @@ struct TcpStoreServerOptions {
   /// many tiny keys cannot hold many times this in memory).
   size_t max_stored_bytes = size_t{1} << 30;
   /// Most bytes waiting in one connection's output buffer; a client that
-  /// stops reading its replies is dropped beyond this.
+  /// stops reading its replies is dropped beyond this. A reply that comes
+  /// when nothing waits goes in whatever its size.
   size_t max_connection_output_bytes = size_t{32} << 20;
   /// Most bytes buffered in all connections together (frames being received
   /// plus replies not yet sent); a connection whose next frame does not fit,

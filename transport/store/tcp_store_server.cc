@@ -1232,7 +1232,11 @@ class TcpStoreServer::Impl {
 
   void QueueReply(Connection& c, const std::string& frame) {
     if (c.dead) return;
-    if (c.pending_out() + frame.size() > options_.max_connection_output_bytes) {
+    // A reply goes into an empty buffer whatever its size: only replies
+    // left unread behind others say that a client stopped reading. A limit
+    // below one reply (a 4 MiB value) dropped every client that read one,
+    // logging "0 bytes of replies unread".
+    if (c.pending_out() > 0 && c.pending_out() + frame.size() > options_.max_connection_output_bytes) {
       Log("dropped connection from " + c.peer + ": " + std::to_string(c.pending_out()) +
           " bytes of replies unread (the limit is " +
           std::to_string(options_.max_connection_output_bytes) + ")");

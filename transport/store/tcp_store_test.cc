@@ -972,6 +972,27 @@ TEST(TcpStoreTest, SilentClientIsDropped) {
   EXPECT_EQ(server->stats().dropped_silent, 1u);
 }
 
+// A per-connection bound on unread replies smaller than one reply drops
+// clients that stop reading, not those that read: a Get of a value larger
+// than the bound, with nothing else unread, dropped the connection.
+TEST(TcpStoreTest, AReplyLargerThanTheUnreadBoundGoesToAClientThatReads) {
+  LogSink log;
+  TcpStoreServerOptions options;
+  options.max_connection_output_bytes = 64 << 10;
+  options.log = log.Fn();
+  auto server = StartServer(options);
+  auto client = ConnectClient(*server);
+  const std::string value(1 << 20, 'v');
+  ASSERT_TRUE(client->Set("big", value, DeadlineIn(5s)).ok());
+  for (int i = 0; i < 3; ++i) {
+    StatusOr<std::string> got = client->Get("big", DeadlineIn(5s));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->size(), value.size());
+  }
+  EXPECT_FALSE(log.Contains("replies unread"));
+  EXPECT_EQ(server->stats().open_connections, 1u);
+}
+
 TEST(TcpStoreTest, ClientThatStopsReadingIsDropped) {
   TcpStoreServerOptions options;
   options.max_connection_output_bytes = 3 << 20;
