@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -177,7 +178,9 @@ class TcpStoreServer {
 ///
 /// Thread-safe; calls from several threads take turns, and a blocking Get or
 /// Wait holds the connection until it returns, so a thread that parks on a
-/// key for long (an abort watcher) should have a client of its own.
+/// key for long (an abort watcher) should have a client of its own. A call
+/// queued behind another waits no later than its own deadline (TIMED_OUT,
+/// nothing sent).
 /// Get, Wait and MultiGet carry their timeout to the server, which answers
 /// at its own deadline, a little after the caller's: they read on for that
 /// answer up to 100 ms past their deadline, and a TIMED_OUT then says what
@@ -250,7 +253,9 @@ class TcpStoreClient final : public Store {
   // to it whole), its values appended to `values`.
   Status MultiGetPart(std::span<const std::string> part, Deadline deadline, std::vector<std::string>& values);
 
-  std::mutex mu_;
+  std::mutex mu_;                       // guards busy_
+  std::condition_variable idle_cv_;     // busy_ went false
+  bool busy_ = false;                   // a call has the connection, and the last three fields
   const int fd_;                        // valid until destruction
   const pid_t owner_pid_;               // the process that connected (see ~TcpStoreClient)
   std::atomic<bool> closed_{false};     // set by Close()

@@ -246,7 +246,32 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
                                                      std::string_view fields, Deadline deadline,
                                                      const std::string& what) {
   const Deadline start = Clock::now();
-  std::lock_guard<std::mutex> lock(mu_);
+  // The connection, taken for this call: behind another thread's call (a
+  // Get parked for minutes), no later than this call's own deadline; it
+  // waited for the other's, however far. (A flag and a condition variable,
+  // not a timed mutex: GCC 12's ThreadSanitizer has no interceptor for the
+  // pthread_mutex_clocklock that try_lock_until takes, so it would not see
+  // the lock.)
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!idle_cv_.wait_until(lock, deadline, [&] { return !busy_; })) {
+      return TimedOutError("store " + what + " timed out after " + ElapsedMs(start) +
+                           " ms waiting for another thread's call on this connection to the store at " +
+                           endpoint_ + " (nothing was sent; a thread that parks on a key for long needs a "
+                           "client of its own)");
+    }
+    busy_ = true;
+  }
+  struct GiveBack {
+    TcpStoreClient& client;
+    ~GiveBack() {
+      {
+        std::lock_guard<std::mutex> lock(client.mu_);
+        client.busy_ = false;
+      }
+      client.idle_cv_.notify_one();
+    }
+  } give_back{*this};
   if (!broken_.ok()) return broken_;
   if (closed_.load()) {
     broken_ = UnavailableError("the connection to the store at " + endpoint_ +

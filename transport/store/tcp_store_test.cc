@@ -2007,6 +2007,29 @@ TEST(TcpStoreTest, QueuedGetTellsTheServerTheTimeLeftWhenItIsSent) {
   EXPECT_GE(told + 5ms, second_due - sent.received_at);
 }
 
+// A call queued behind another thread's parked Get on the same client
+// gives up at its own deadline, saying why: it waited for the parked
+// call's deadline (minutes for an abort watcher) instead.
+TEST(TcpStoreTest, ACallQueuedBehindAParkedGetEndsAtItsOwnDeadline) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  auto observer = ConnectClient(*server);
+  StatusOr<std::string> parked_got = InternalError("not run");
+  std::thread parked([&] { parked_got = client->Get("gate", DeadlineIn(8s)); });
+  ASSERT_TRUE(ParkedWithin(*server, 1, 10s)) << "the Get did not park";
+  const Deadline start = Clock::now();
+  Status queued = client->Set("queued", "1", DeadlineIn(300ms));
+  const auto took = Clock::now() - start;
+  ASSERT_TRUE(observer->Set("gate", "open", DeadlineIn(5s)).ok());
+  parked.join();
+  EXPECT_EQ(queued.code(), StatusCode::kTimedOut) << queued;
+  EXPECT_THAT(queued.message(), HasSubstr("waiting for another thread's call on this connection")) << queued;
+  EXPECT_LT(took, 2s) << "the queued Set waited for the parked Get";
+  ASSERT_TRUE(parked_got.ok()) << parked_got.status();
+  EXPECT_FALSE(observer->TryGet("queued", DeadlineIn(5s))->has_value());
+  EXPECT_TRUE(client->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
 TEST(TcpStoreTest, CallWhoseDeadlinePassedWhileQueuedIsNotSent) {
   auto server = StartServer();
   auto client = ConnectClient(*server);
