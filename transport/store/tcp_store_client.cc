@@ -131,9 +131,9 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
                                                                   std::string_view job_token,
                                                                   Deadline deadline) {
   const std::string host = Unbracketed(given_host);  // "[::1]": the address ::1
-  if (job_token.size() > wire::kMaxHandshakeBytes - 12) {
-    return InvalidArgumentError("job token of " + std::to_string(job_token.size()) +
-                                " bytes is too long");
+  if (job_token.size() > wire::kMaxTokenBytes) {
+    return InvalidArgumentError("the job token (DDP_JOB_TOKEN) is " + std::to_string(job_token.size()) +
+                                " bytes, more than the limit of " + std::to_string(wire::kMaxTokenBytes));
   }
   const std::string endpoint =
       (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);

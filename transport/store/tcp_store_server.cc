@@ -1520,9 +1520,10 @@ Status CheckOptions(const TcpStoreServerOptions& o) {
 }  // namespace
 
 StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(TcpStoreServerOptions options) {
-  if (options.job_token.size() > wire::kMaxHandshakeBytes - 12) {
-    return InvalidArgumentError("job token of " + std::to_string(options.job_token.size()) +
-                                " bytes is too long");
+  if (options.job_token.size() > wire::kMaxTokenBytes) {
+    return InvalidArgumentError("TcpStoreServerOptions::job_token (DDP_JOB_TOKEN) is " +
+                                std::to_string(options.job_token.size()) + " bytes, more than the limit of " +
+                                std::to_string(wire::kMaxTokenBytes));
   }
   DDP_RETURN_IF_ERROR(CheckOptions(options));
   options.max_connections =

@@ -589,6 +589,32 @@ TEST(TcpStoreTest, NumKeysAndCheckAnswerForTheStoreAsItIsNow) {
   EXPECT_THAT(empty.status().message(), HasSubstr("store check: a key is empty (key 2 of 2)"));
 }
 
+// A token longer than a handshake carries is refused by the server and
+// the client alike, before anything binds or connects, naming the token
+// and the limit ("job token of 1025 bytes is too long" left the limit out).
+TEST(TcpStoreTest, ATokenOverTheLimitIsRefusedNamingTheLimit) {
+  const std::string longest(wire::kMaxTokenBytes, 't');
+  const std::string too_long = longest + "t";
+  TcpStoreServerOptions options;
+  options.job_token = too_long;
+  StatusOr<std::unique_ptr<TcpStoreServer>> refused = TcpStoreServer::Start(options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("TcpStoreServerOptions::job_token (DDP_JOB_TOKEN) is 1025 bytes, more than the limit of 1024"));
+  options.job_token = longest;
+  StatusOr<std::unique_ptr<TcpStoreServer>> server = TcpStoreServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", (*server)->port(), too_long, DeadlineIn(5s));
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(client.status().message(),
+              HasSubstr("the job token (DDP_JOB_TOKEN) is 1025 bytes, more than the limit of 1024"));
+  EXPECT_EQ((*server)->stats().accepted, 0u);
+  EXPECT_TRUE(TcpStoreClient::Connect("127.0.0.1", (*server)->port(), longest, DeadlineIn(5s)).ok());
+}
+
 TEST(TcpStoreTest, WrongTokenIsRefusedAndLogged) {
   LogSink log;
   TcpStoreServerOptions options;

@@ -61,8 +61,10 @@ enum class Op : uint8_t {
 
 /// Most keys one Wait, MultiGet or Check may name.
 inline constexpr uint32_t kMaxWaitKeys = 1024;
+/// Longest job token a handshake carries.
+inline constexpr uint32_t kMaxTokenBytes = 1024;
 /// Largest handshake body: magic, version, padding, token (with its length).
-inline constexpr uint32_t kMaxHandshakeBytes = 4 + 2 + 2 + 4 + 1024;
+inline constexpr uint32_t kMaxHandshakeBytes = 4 + 2 + 2 + 4 + kMaxTokenBytes;
 /// Largest request or reply body. A Set of the largest value or a Wait on the
 /// most keys of the largest size fits, with room for the fixed fields.
 inline constexpr uint32_t kMaxFrameBytes =
