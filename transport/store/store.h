@@ -65,6 +65,9 @@ class Store {
   /// exist), in one step that no other call comes between. Returns what
   /// `key` holds afterwards: `desired` when it was set, else the value
   /// found (nullopt: none). "The first to post wins" without a race.
+  /// torch.distributed's compare_set(key, "", v) ("set if absent") is
+  /// CompareSet(key, std::nullopt, v) here: an expected "" matches only a
+  /// key that exists and holds "", so on an absent key it sets nothing.
   virtual StatusOr<std::optional<std::string>> CompareSet(std::string_view key,
                                                           std::optional<std::string_view> expected,
                                                           std::string_view desired, Deadline deadline) = 0;
