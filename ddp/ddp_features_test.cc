@@ -693,6 +693,48 @@ TEST(DdpFeaturesTest, CommunicationHooksRunWithOneProcessAndLateOnesAreRefused) 
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A wrapper takes one communication hook, as PyTorch's reducer does
+// (register_comm_hook a second time raises there). A second registration
+// used to replace the first without a word: a PowerSGD state kept for a
+// checkpoint, or a hook a library had registered, was silently no longer
+// used. It throws naming the reason, and the first hook stays in effect.
+DDP_TEST_WORKER(second_hook_refused) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = Mlp(23);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  int calls = 0;
+  ddp.RegisterCommHook([&calls](ProcessGroup& group, GradBucket& bucket) {
+    ++calls;
+    return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, "first hook");
+  });
+  std::string message;
+  try {
+    ddp.RegisterCommHook(hooks::Fp16CompressHook());
+  } catch (const std::logic_error& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("already registered") != std::string::npos,
+                "a second hook: got \"" + message + "\", expected a logic_error saying one is already registered");
+  WORKER_EXPECT(message.find("RegisterCommHook") != std::string::npos, "a second hook: " + message);
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  WORKER_EXPECT(calls > 0, "the first hook did not run after a second one was refused (world " +
+                               std::to_string(world) + ")");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ASecondCommunicationHookIsRefusedOnOneRank) {
+  auto run = RunWorkers("second_hook_refused", 1);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpFeaturesTest, ASecondCommunicationHookIsRefusedOnTwoRanks) {
+  auto run = RunWorkers("second_hook_refused", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // With one process a hook makes the wrapper build a Reducer, so the checks
 // of N ranks apply there too: a model with parameters that get no gradient
 // (Branchy's head b and `never`) trains with find_unused_parameters (equal

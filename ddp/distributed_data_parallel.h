@@ -253,7 +253,8 @@ class DistributedDataParallel : public nn::modules::Module {
   /// later, it throws std::logic_error. On one process the hook runs too
   /// (its buckets are built at this call; without a hook one process has
   /// none), and it is refused from the first forward with grad enabled
-  /// outside NoSync on, since no backward is seen before.
+  /// outside NoSync on, since no backward is seen before. Once per
+  /// wrapper, as in PyTorch: a second call throws std::logic_error.
   void RegisterCommHook(CommHook hook);
 
   /// Statistics since the last ResetStats (or construction).

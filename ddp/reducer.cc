@@ -243,6 +243,14 @@ void Reducer::SetCommHook(CommHook hook) {
         "DistributedDataParallel::RegisterCommHook: call it before the first backward");
   }
   if (!hook) throw std::invalid_argument("DistributedDataParallel::RegisterCommHook: empty hook");
+  // One hook per wrapper, as PyTorch's reducer: replaced, the first one's
+  // state (a PowerSGD state kept for a checkpoint) or its bucket rule
+  // (WithFixedBuckets) would stop applying with no sign.
+  if (!default_hook_) {
+    throw std::logic_error(
+        "DistributedDataParallel::RegisterCommHook: a communication hook is already registered; a wrapper "
+        "takes one (combine them in one hook)");
+  }
   local_gradients_ = hook.on_local_gradients();
   grad_write_back_ = hook.grad_write_back();
   // Before the first backward no rebuild ran: whether one will is the
