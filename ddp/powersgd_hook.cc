@@ -232,6 +232,10 @@ struct BucketState {
   std::vector<nn::Shape> shapes;
   std::vector<int64_t> offsets;
   std::vector<const nn::TensorImpl*> params;
+  // The same parameters, held weakly: once a parameter is freed, a new
+  // tensor (of another model, another shape) may get its address, and the
+  // state kept under that address is not the new tensor's.
+  std::vector<std::weak_ptr<nn::TensorImpl>> owners;
   nn::DType dtype = nn::DType::kFloat32;
 
   std::vector<TensorPlan> plans;
@@ -304,10 +308,12 @@ void BuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector
 // other's residual and Q. Every rank has the same buckets, so every rank
 // takes the same branch.
 void RebuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vector<int64_t> offsets,
-                        std::vector<const nn::TensorImpl*> params, nn::DType dtype, const PowerSgdOptions& options) {
+                        std::vector<const nn::TensorImpl*> params, std::vector<std::weak_ptr<nn::TensorImpl>> owners,
+                        nn::DType dtype, const PowerSgdOptions& options) {
   BucketState old = std::move(b);
   BuildBucketState(b, std::move(shapes), std::move(offsets), dtype, options);
   b.params = std::move(params);
+  b.owners = std::move(owners);
   if (old.dtype != dtype || !old.any_compressed) return;
   // from[t]: the old place of the new bucket's compressed tensor t.
   std::vector<size_t> from(b.plans.size(), 0);
@@ -316,6 +322,8 @@ void RebuildBucketState(BucketState& b, std::vector<nn::Shape> shapes, std::vect
     const auto it = std::find(old.params.begin(), old.params.end(), b.params[t]);
     if (it == old.params.end()) return;
     from[t] = static_cast<size_t>(it - old.params.begin());
+    // The old tensor was freed and this is a new one at its address.
+    if (old.owners[from[t]].expired()) return;
     const TensorPlan& was = old.plans[from[t]];
     const TensorPlan& now = b.plans[t];
     if (!was.compressed() || was.rows != now.rows || was.cols != now.cols || was.rank != now.rank) return;
@@ -576,21 +584,43 @@ nn::Tensor CopyOut(const void* from, const nn::Shape& shape, nn::DType dtype) {
 struct SavedTensorState {
   nn::Tensor q;         // Q^T [r, m]
   nn::Tensor residual;  // [n, m] as the parameter's shape
+  // The parameter it was saved for (the map's key is its address, which a
+  // new tensor may get once this one is freed).
+  std::weak_ptr<nn::TensorImpl> owner;
 };
 using SavedStates = std::map<const nn::TensorImpl*, SavedTensorState>;
+
+// Whether `saved` can go into b's compressed tensor t: it was saved for
+// that very parameter (not for a freed one whose address it now has), in
+// b's dtype (not before the model was converted), and its Q and residual
+// have the sizes b's plan for t gives (the parameter's shape may have
+// changed since, through Tensor::SetData). Copied unchecked, a state of
+// another shape was read past its end into the bucket.
+bool Fits(const SavedTensorState& saved, const BucketState& b, size_t t) {
+  const TensorPlan& plan = b.plans[t];
+  if (saved.owner.lock().get() != b.params[t]) return false;
+  if (saved.q.defined() && (saved.q.dtype() != b.dtype || saved.q.shape() != nn::Shape{plan.rank, plan.cols})) {
+    return false;
+  }
+  return !saved.residual.defined() ||
+         (saved.residual.dtype() == b.dtype && saved.residual.shape() == b.shapes[t]);
+}
 
 // Puts the loaded state of b's parameters into b, which was just built
 // for its bucket, and forgets it (a later rebuild carries it by parameter,
 // as any state). Q only when every compressed tensor of the bucket has
 // one: the others' Q would be drawn, and drawing overwrites the bucket's
-// whole Q. Every rank loaded the same Q's, so every rank decides alike.
+// whole Q. A state that does not fit its tensor (Fits) is dropped: that
+// tensor starts as under a new hook (zero residual, and its bucket draws
+// a fresh Q). Every rank loaded the same Q's of the same model, so every
+// rank decides alike.
 void ApplySaved(BucketState& b, SavedStates& pending, const PowerSgdOptions& options) {
   if (pending.empty() || !b.any_compressed) return;
   bool every_q = options.warm_start;
   for (size_t t = 0; t < b.plans.size(); ++t) {
     if (!b.plans[t].compressed()) continue;
     const auto it = pending.find(b.params[t]);
-    if (it == pending.end() || !it->second.q.defined() || it->second.q.dtype() != b.dtype) every_q = false;
+    if (it == pending.end() || !it->second.q.defined() || !Fits(it->second, b, t)) every_q = false;
   }
   const size_t elem = nn::ElementSize(b.dtype);
   for (size_t t = 0; t < b.plans.size(); ++t) {
@@ -599,10 +629,7 @@ void ApplySaved(BucketState& b, SavedStates& pending, const PowerSgdOptions& opt
     const auto it = pending.find(b.params[t]);
     if (it == pending.end()) continue;
     const SavedTensorState& saved = it->second;
-    // Carried from a bucket of another dtype (the model was converted):
-    // dropped, as a new hook would start.
-    if ((saved.q.defined() && saved.q.dtype() != b.dtype) ||
-        (saved.residual.defined() && saved.residual.dtype() != b.dtype)) {
+    if (!Fits(saved, b, t)) {
       pending.erase(it);
       continue;
     }
@@ -638,8 +665,10 @@ void MoveToPending(BucketState& old, SavedStates& pending, const PowerSgdOptions
   const size_t elem = nn::ElementSize(old.dtype);
   for (size_t t = 0; t < old.plans.size(); ++t) {
     const TensorPlan& plan = old.plans[t];
-    if (!plan.compressed()) continue;
+    // A freed parameter's state goes with it.
+    if (!plan.compressed() || old.owners[t].expired()) continue;
     SavedTensorState& saved = pending[old.params[t]];
+    saved.owner = old.owners[t];
     if (options.warm_start && old.q_ready) {
       saved.q = CopyOut(static_cast<const char*>(old.qs.data_ptr()) + plan.q_at * elem, {plan.rank, plan.cols},
                         old.dtype);
@@ -782,6 +811,7 @@ ParsedState ParseState(const PowerSgdState::NamedTensors& state, const PowerSgdS
              std::string(nn::DTypeName(p.dtype())));
     }
     SavedTensorState& entry = parsed.saved[p.impl()];
+    entry.owner = p.impl_ptr();
     if (is_q) {
       if (!options.warm_start) Refuse("`" + key + "` holds a warm-start Q, and these options have warm_start off");
       const nn::Shape want{plan.rank, plan.cols};
@@ -912,7 +942,9 @@ PowerSgdState::NamedTensors PowerSgdState::StateDict(const NamedTensors& params,
     const size_t elem = nn::ElementSize(b.dtype);
     for (size_t t = 0; t < b.plans.size(); ++t) {
       const TensorPlan& plan = b.plans[t];
-      if (!plan.compressed()) continue;
+      // A freed parameter's state (of a model gone since): its address
+      // may now be another parameter's.
+      if (!plan.compressed() || b.owners[t].expired()) continue;
       const std::string& name = name_of(b.params[t]);
       if (o.warm_start && b.q_ready) {
         out.emplace_back(kQPrefix + name, CopyOut(static_cast<const char*>(b.qs.data_ptr()) + plan.q_at * elem,
@@ -927,6 +959,7 @@ PowerSgdState::NamedTensors PowerSgdState::StateDict(const NamedTensors& params,
   }
   // Loaded and not yet placed in a bucket (no backward since the load).
   for (const auto& [p, saved] : impl_->pending) {
+    if (saved.owner.expired()) continue;
     const std::string& name = name_of(p);
     if (saved.q.defined()) out.emplace_back(kQPrefix + name, saved.q.Clone());
     if (with_residuals && saved.residual.defined()) out.emplace_back(kResidualPrefix + name, saved.residual.Clone());
@@ -1005,11 +1038,14 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
     }
     std::vector<nn::Shape> shapes;
     std::vector<const nn::TensorImpl*> params;
+    std::vector<std::weak_ptr<nn::TensorImpl>> owners;
     shapes.reserve(bucket.parameters().size());
     params.reserve(bucket.parameters().size());
+    owners.reserve(bucket.parameters().size());
     for (const nn::Tensor& p : bucket.parameters()) {
       shapes.push_back(p.shape());
       params.push_back(p.impl());
+      owners.push_back(p.impl_ptr());
     }
     // One task per all-reduce (see Step); they share `call`. A bucket with
     // nothing to compress takes one all-reduce, so one task.
@@ -1035,7 +1071,7 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
     Work first = group.Run(
         describe(any_compressed ? "powersgd P " + label : "powersgd " + label),
         [shared, state, call, buffer, shapes = std::move(shapes), params = std::move(params),
-         offsets = bucket.offsets(), index = bucket.index(), iteration,
+         owners = std::move(owners), offsets = bucket.offsets(), index = bucket.index(), iteration,
          all_reduce_within](transport::Communicator* comm, transport::Deadline deadline) mutable {
           const nn::DType dtype = buffer.dtype();
           BucketState* found;
@@ -1044,12 +1080,17 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
             found = &state->buckets[index];
           }
           BucketState& b = *found;
-          if (b.params != params || b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
+          // Equal addresses are the same parameters only while the ones the
+          // state was built for live (a new model may reuse their memory).
+          const bool owners_gone = std::any_of(b.owners.begin(), b.owners.end(),
+                                               [](const std::weak_ptr<nn::TensorImpl>& o) { return o.expired(); });
+          if (b.params != params || owners_gone || b.shapes != shapes || b.offsets != offsets || b.dtype != dtype) {
             {
               std::lock_guard<std::mutex> lock(state->mu);
               MoveStaleStateToPending(state->buckets, state->pending, iteration, state->options);
             }
-            RebuildBucketState(b, std::move(shapes), std::move(offsets), std::move(params), dtype, state->options);
+            RebuildBucketState(b, std::move(shapes), std::move(offsets), std::move(params), std::move(owners), dtype,
+                               state->options);
             std::lock_guard<std::mutex> lock(state->mu);
             ApplySaved(b, state->pending, state->options);
           }

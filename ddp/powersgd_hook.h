@@ -79,7 +79,12 @@
 // parameters' Q's when every compressed parameter of it had one, and draws
 // a fresh Q otherwise (the same on every rank); the residuals follow in
 // either case. Parameters are told apart by their tensor objects, so a
-// GradBucket must pass the same parameter tensors at every call.
+// GradBucket must pass the same parameter tensors at every call. The state
+// of a parameter that was freed (a state reused by a new wrapper of a new
+// model) is dropped, whatever tensor gets its address, and a kept or
+// loaded state whose sizes no longer fit its parameter (given data of
+// another shape) is dropped too: that parameter starts as under a new
+// hook (zero residual, its bucket draws a fresh Q).
 //
 // Checkpoints. PowerSgdState is the hook's state; a hook built from a
 // shared PowerSgdState exports it with StateDict and takes it back with

@@ -7,7 +7,8 @@
 // a peer late to the P all-reduce by most of the timeout leaves the Q
 // all-reduce its own time. In one process: error feedback on a fixed gradient, a gradient (or a
 // column of Q) that was zero once comes back, Q and residuals follow
-// parameters that trade places in a bucket, a subnormal gradient is
+// parameters that trade places in a bucket, a state that no longer fits
+// its parameter or whose parameter was freed starts over, a subnormal gradient is
 // compressed, an uncompressed (f16) bucket is noted once per hook, the
 // traffic formula, option checks.
 
@@ -696,6 +697,60 @@ TEST(PowerSgdHookTest, StateFollowsParametersIntoAnotherBucketAtTheRebuild) {
       EXPECT_EQ(one_bucket(hook, gb, ga), one_bucket(reference_again, gb, ga)) << "one bucket, step " << k;
     }
   }
+}
+
+// A loaded state whose sizes no longer fit its parameter: the parameter
+// was given data of another shape (Tensor::SetData keeps the object, so
+// the state still finds it). Its Q [1, 8] and residual [8, 8] were copied
+// by the new sizes, [1, 64] and [64, 64], reading past their ends into
+// the bucket. The state is dropped: the output is a new hook's.
+TEST(PowerSgdHookTest, LoadedStateOfAnotherShapeStartsOverAsANewHook) {
+  auto pg = ProcessGroup::Single();
+  const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0, .min_compression_rate = 0};
+  const Tensor p = nn::Zeros({8, 8});
+  auto state = std::make_shared<PowerSgdState>(options);
+  CommHook hook = hooks::PowerSgdHook(state);
+  nn::Generator gen(41);
+  for (int k = 0; k < 2; ++k) Compress(hook, *pg, p, nn::Randn({8, 8}, {}, gen));
+  const PowerSgdState::NamedTensors saved = state->StateDict({{"w", p}}, true);
+  ASSERT_EQ(saved.size(), 3u) << "premise: the iteration, w's Q and w's residual";
+  auto loaded = std::make_shared<PowerSgdState>(options);
+  loaded->LoadStateDict(saved, {{"w", p}});
+  p.SetData(nn::Zeros({64, 64}));
+  CommHook resumed = hooks::PowerSgdHook(loaded), fresh = hooks::PowerSgdHook(options);
+  const Tensor g = nn::Randn({64, 64}, {}, gen);
+  EXPECT_EQ(Compress(resumed, *pg, p, g).ToVector<float>(), Compress(fresh, *pg, p, g).ToVector<float>());
+  // What it keeps from now on is of the new shape.
+  for (const auto& [key, t] : loaded->StateDict({{"w", p}}, true)) {
+    if (key == "powersgd.q.w") {
+      EXPECT_EQ(t.shape(), (nn::Shape{1, 64}));
+    } else if (key == "powersgd.residual.w") {
+      EXPECT_EQ(t.shape(), (nn::Shape{64, 64}));
+    }
+  }
+}
+
+// The state of a parameter that was freed (its model destroyed while the
+// state lives on, for a new wrapper) is not a new parameter's: kept by
+// address alone, a new tensor that the allocator placed where the old one
+// was took its Q and residual (the same shape here, so silently wrong
+// gradients; another shape read out of bounds). The new parameter starts
+// as under a new hook, at whatever address it lands.
+TEST(PowerSgdHookTest, StateOfAFreedParameterIsNotANewParametersAtItsAddress) {
+  auto pg = ProcessGroup::Single();
+  const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0};
+  auto state = std::make_shared<PowerSgdState>(options);
+  CommHook hook = hooks::PowerSgdHook(state);
+  nn::Generator gen(43);
+  {
+    const Tensor old = nn::Zeros({16, 12});
+    for (int k = 0; k < 2; ++k) Compress(hook, *pg, old, nn::Randn({16, 12}, {}, gen));
+  }
+  const Tensor p = nn::Zeros({16, 12});
+  CommHook fresh = hooks::PowerSgdHook(options);
+  const Tensor g = nn::Randn({16, 12}, {}, gen);
+  EXPECT_EQ(Compress(hook, *pg, p, g).ToVector<float>(), Compress(fresh, *pg, p, g).ToVector<float>());
+  EXPECT_EQ(state->StateDict({{"p", p}}, true).size(), 3u) << "p's Q and residual, under its own name";
 }
 
 // A gradient of subnormal size (1e-40 in f32): the norm of P's row is
