@@ -67,8 +67,11 @@
 //       {.matrix_approximation_rank = 2, .start_iteration = 100}));
 //
 // Compresses f32 and f64 buckets in host memory. Buckets of other dtypes
-// and buckets on a CUDA device go through the default all-reduce
-// unchanged (AllReduceHook); the first such bucket from start_iteration
+// and buckets on a CUDA device, and every bucket before start_iteration,
+// are averaged as DDP with no hook averages them, bit for bit on any world
+// size (the hook takes local gradients for that: sum, then divide, as the
+// default all-reduce; a hook given divided gradients and summing them
+// rounds otherwise on 3 ranks); the first such bucket from start_iteration
 // on prints a note on stderr naming its dtype and device (once per hook).
 // The hook keeps state per bucket (Q, the
 // residuals) across iterations: one hook object per DistributedDataParallel.

@@ -136,6 +136,11 @@ TEST(PowerSgdHookTest, FullRankEqualsTheAverageAndRankOneIsRankOneOnThreeRanks) 
 
 // ------------------------------------------------ before the start ----
 
+// Against a wrapper with no hook at all, whose all-reduce sums and then
+// divides (kAvg). On 3 ranks dividing each gradient first and summing
+// (what an explicit AllReduceHook does, and what PowerSGD did before its
+// start) differs in the last bit; on 2 the division is exact, so only 3
+// ranks tell the two apart.
 DDP_TEST_WORKER(before_start) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
@@ -144,7 +149,6 @@ DDP_TEST_WORKER(before_start) {
   DistributedDataParallel ddp(model, {.process_group = pg});
   DistributedDataParallel ref_ddp(reference, {.process_group = pg});
   ddp.RegisterCommHook(hooks::PowerSgdHook({.start_iteration = kStart}));
-  ref_ddp.RegisterCommHook(hooks::AllReduceHook());
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
   nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
   for (int s = 0; s <= kStart; ++s) {
@@ -165,6 +169,11 @@ DDP_TEST_WORKER(before_start) {
 
 TEST(PowerSgdHookTest, BeforeStartIterationIsTheDefaultAllReduceBitForBit) {
   auto run = RunWorkers("before_start", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(PowerSgdHookTest, BeforeStartIterationIsTheDefaultAllReduceBitForBitOnThreeRanks) {
+  auto run = RunWorkers("before_start", 3);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
