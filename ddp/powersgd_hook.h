@@ -174,7 +174,10 @@ class PowerSgdState;
 namespace hooks {
 
 /// The PowerSGD hook (see the header comment). Throws std::invalid_argument
-/// for options out of range.
+/// for options out of range. It takes local gradients
+/// (on_local_gradients() is true): a hook that calls it from its own body
+/// must be made with CommHook::OnLocalGradients too, or the gradients are
+/// divided twice.
 CommHook PowerSgdHook(PowerSgdOptions options = {});
 /// The same hook keeping its state in `state`, which the caller keeps to
 /// save and restore it. One DistributedDataParallel per state. Throws
