@@ -762,18 +762,16 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
   } catch (const std::exception& e) {
     throw std::invalid_argument(std::string("OverlappedZeroOptimizer::LoadStateDict: ") + e.what());
   }
-  if (s.whole != nullptr) {
-    s.whole->LoadStateDict(state);
-    std::lock_guard<std::mutex> lock(s.mu);
-    for (size_t k = 0; k < s.lrs.size(); ++k) s.lrs[k] = s.whole->lr(k);
-    return;
-  }
   // Every "state." key must name a trained parameter and fit its size.
   nn::optim::NamedParameters all;
   for (size_t i = 0; i < s.params.size(); ++i) all.emplace_back(s.names[i], s.params[i]);
   std::vector<std::vector<std::pair<std::string, Tensor>>> by_param(s.params.size());
   const Tensor* lr = nullptr;
+  nn::optim::NamedTensors kept;  // `state` without the frozen parameters' entries (for one rank)
   for (const auto& [key, value] : state) {
+    if (key.compare(0, 6, "state.") != 0 || nn::optim::ParameterOfStateKey(key, all) >= 0) {
+      kept.emplace_back(key, value);
+    }
     if (key == "lr") {
       lr = &value;
       continue;
@@ -798,6 +796,15 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
                                   std::to_string(s.params[best].numel()));
     }
     by_param[best].emplace_back(slot, value);
+  }
+  if (s.whole != nullptr) {
+    // One rank: the optimizer of the trained parameters loads the state as
+    // it is, less a frozen parameter's untouched step (which the loop above
+    // let through, as the slices' optimizers skip it on N ranks).
+    s.whole->LoadStateDict(kept);
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (size_t k = 0; k < s.lrs.size(); ++k) s.lrs[k] = s.whole->lr(k);
+    return;
   }
   // Every rank checks the whole state the way the unsharded optimizer
   // would, so that a bad state fails on every rank alike before any slice

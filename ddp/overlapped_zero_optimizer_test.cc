@@ -359,6 +359,10 @@ DDP_TEST_WORKER(frozen_checkpoint) {
 TEST(OverlappedZeroOptimizerTest, FrozenParametersDoNotStopStatesMovingBetweenFusedAndPlainOptimizers) {
   auto run = RunWorkers("frozen_checkpoint", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  // One rank, where a plain optimizer of the trained parameters steps
+  // everything, takes the same states.
+  auto one = RunWorkers("frozen_checkpoint", 1);
+  EXPECT_TRUE(one.AllSucceeded()) << "one rank\n" << testing::AllOutput(one);
 }
 
 TEST(OverlappedZeroOptimizerTest, ConsolidatedStateIsTheUnshardedOptimizersAndResumes) {
