@@ -179,6 +179,7 @@ void ZeroRedundancyOptimizer::Init(
   try {
     nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer (rank " + std::to_string(pg_->rank()) + ")");
     listed = true;
+    for (const auto& [name, p] : params_) shapes_.push_back(p.shape());
     shards_ = Partition(params_, pg_->size());
     pieces_.resize(shards_.size());
     for (size_t r = 0; r < shards_.size(); ++r) {
@@ -252,16 +253,36 @@ void ZeroRedundancyOptimizer::Step() {
   // reason, rather than at the timeout.
   try {
     // The pieces are views of the parameters' memory as it was at
-    // construction; Module::To gives a parameter new memory, and the pieces
-    // would then update and broadcast memory the model no longer uses.
+    // construction; Module::To gives a parameter new memory, and SetData
+    // may give it other elements of the same memory (another offset,
+    // shape or strides): the pieces would then update and broadcast
+    // elements the model no longer uses.
     for (size_t r = 0; r < shards_.size(); ++r) {
       for (size_t k = 0; k < shards_[r].size(); ++k) {
-        const auto& [name, param] = params_[shards_[r][k].param];
-        if (pieces_[r][k].storage() != param.storage()) {
+        const Slice& s = shards_[r][k];
+        const auto& [name, param] = params_[s.param];
+        const bool same = pieces_[r][k].storage() == param.storage() && param.is_contiguous() &&
+                          param.shape() == shapes_[s.param] &&
+                          pieces_[r][k].data_ptr() ==
+                              static_cast<const char*>(param.data_ptr()) +
+                                  static_cast<size_t>(s.offset) * param.element_size();
+        if (!same) {
           throw std::logic_error("ZeroRedundancyOptimizer::Step: parameter `" + name +
-                                 "` has new memory since the optimizer was built (Module::To after it?); "
-                                 "build the optimizer after moving or converting the model");
+                                 "` has new memory since the optimizer was built (Module::To, or SetData, after "
+                                 "it?); build the optimizer after moving or converting the model");
         }
+      }
+    }
+    // Each piece of a gradient is read as the parameter's row-major
+    // elements: one of another shape (SetData on the gradient) would be
+    // read in the wrong order, or past its end. Checked on every rank for
+    // every parameter, so that the ranks refuse it alike.
+    for (const auto& [name, param] : params_) {
+      const Tensor& grad = param.grad();
+      if (grad.defined() && grad.shape() != param.shape()) {
+        throw std::invalid_argument("ZeroRedundancyOptimizer::Step: gradient of `" + name + "` has shape " +
+                                    nn::ShapeToString(grad.shape()) + ", the parameter " +
+                                    nn::ShapeToString(param.shape()));
       }
     }
     // The local optimizer's pieces take the matching pieces of the gradients

@@ -126,9 +126,12 @@ class ZeroRedundancyOptimizer {
 
   /// Updates this rank's shard from its gradients, then broadcasts every
   /// rank's shard from that rank. Collective. Throws DistributedError when a
-  /// broadcast fails, and std::logic_error naming a parameter that got new
-  /// memory (Module::To) after construction: build the optimizer after
-  /// moving or converting the model.
+  /// broadcast fails, std::logic_error naming a parameter that got new
+  /// memory (Module::To, or SetData with other elements) after
+  /// construction: build the optimizer after moving or converting the
+  /// model; and std::invalid_argument naming a gradient not of its
+  /// parameter's shape. A refused step changes no parameter, and fails the
+  /// other ranks too (the group is aborted).
   void Step();
   /// Clears every parameter's gradient (the shard's and the others'):
   /// undefined by default, as PyTorch 2.x (1.13 zeroes them), or zeros.
@@ -214,6 +217,7 @@ class ZeroRedundancyOptimizer {
 
   nn::optim::NamedParameters params_;
   std::vector<size_t> group_of_;  // per parameter: its group
+  std::vector<nn::Shape> shapes_;  // per parameter: its shape at construction (Step checks it)
   size_t num_groups_ = 1;
   std::shared_ptr<ProcessGroup> pg_;
   std::vector<std::vector<Slice>> shards_;   // by rank

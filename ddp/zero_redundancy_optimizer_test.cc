@@ -176,6 +176,54 @@ TEST(ZeroPartition, ModelConvertedAfterConstructionIsAnError) {
   }
 }
 
+// A parameter whose data was replaced by other elements of the same memory
+// (SetData with a view of it): the pieces would update the old elements,
+// so Step refuses it, naming the parameter, as it does new memory.
+TEST(ZeroPartition, DataReplacedWithinTheSameMemoryIsAnError) {
+  auto pg = ProcessGroup::Single();
+  const Tensor w = nn::Zeros({4, 8}).set_requires_grad(true);
+  ZeroRedundancyOptimizer zero({{"w", w}}, pg, MakeOptimizer);
+  {
+    nn::NoGradGuard guard;
+    w.SetData(w.Detach().View({32}).Narrow(0, 16, 16).View({2, 8}));
+  }
+  w.set_grad(nn::Ones({2, 8}));
+  try {
+    zero.Step();
+    FAIL() << "pieces of memory the parameter no longer uses were stepped";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter `w` has new memory since the optimizer was built"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// A gradient not of its parameter's shape is refused naming both shapes,
+// as the unsharded optimizer refuses it; one of the same size with another
+// shape would otherwise be read in the wrong order.
+TEST(ZeroPartition, GradientOfAnotherShapeIsRefusedNamingTheParameter) {
+  for (const nn::Shape& shape : {nn::Shape{8, 4}, nn::Shape{3}}) {
+    auto pg = ProcessGroup::Single();
+    const Tensor w = nn::Zeros({4, 8}).set_requires_grad(true);
+    ZeroRedundancyOptimizer zero({{"w", w}}, pg, MakeOptimizer);
+    // set_grad takes only the parameter's shape; a gradient whose data
+    // was replaced (SetData) may have any.
+    nn::NoGradGuard guard;
+    w.set_grad(nn::Ones({4, 8}));
+    w.grad().SetData(nn::Ones(shape));
+    try {
+      zero.Step();
+      ADD_FAILURE() << "a gradient of shape " << nn::ShapeToString(shape) << " was taken";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("gradient of `w` has shape " + nn::ShapeToString(shape) +
+                                           ", the parameter [4, 8]"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(SameBytes(w, nn::Zeros({4, 8}))) << "a refused step changed the parameter";
+  }
+}
+
 // One process: the shard is everything, and the optimizer is the plain one.
 TEST(ZeroPartition, OneProcessIsThePlainOptimizer) {
   auto pg = ProcessGroup::Single();
