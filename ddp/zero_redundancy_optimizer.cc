@@ -96,6 +96,11 @@ Tensor PieceOf(const Tensor& t, const ZeroRedundancyOptimizer::Slice& s) {
   return flat.Narrow(0, s.offset, s.length);
 }
 
+// A parameter's dtype and shape, as the ranks compare them.
+std::string DescribeParameter(const Tensor& p) {
+  return p.defined() ? std::string(nn::DTypeName(p.dtype())) + " " + nn::ShapeToString(p.shape()) : "undefined";
+}
+
 // "step" for "state.<name>.step": the part of a state key after its
 // parameter's name.
 std::string SlotOfKey(const std::string& key, const std::string& param_name) {
@@ -158,8 +163,7 @@ void ZeroRedundancyOptimizer::Init(
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
-    std::string value =
-        p.defined() ? std::string(nn::DTypeName(p.dtype())) + " " + nn::ShapeToString(p.shape()) : "undefined";
+    std::string value = DescribeParameter(p);
     if (!options.empty()) value += " in param group " + std::to_string(group_of_[i]);
     entries.push_back({"parameter", name, value});
   }
@@ -245,6 +249,101 @@ std::vector<std::vector<std::string>> ZeroRedundancyOptimizer::ShardGroupMembers
   return names;
 }
 
+void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
+  CheckLocal("AddParamGroup");
+  const size_t k = num_groups_;  // the new group's index
+  const std::string who = "ZeroRedundancyOptimizer::AddParamGroup";
+  // Every rank cuts the new group alone, so the ranks must agree on it as
+  // on the constructor's list (compared before the local checks, so that a
+  // group only some ranks refuse fails every rank here alike).
+  std::vector<internal::ReplicaEntry> entries;
+  entries.push_back({"option", "param group " + std::to_string(k), internal::GroupOptionsText(group.options)});
+  for (const auto& [name, p] : group.params) entries.push_back({"parameter", name, DescribeParameter(p)});
+  internal::VerifyReplicas(*pg_, entries,
+                           who + ": the ranks' new param groups differ (every rank must add the same parameters, "
+                                 "in the same order, with the same names, dtypes and shapes, and the same options).");
+  // The new parameters are cut among the ranks on their own, so that no
+  // piece of the old ones, nor the state kept for it, moves.
+  const std::vector<std::vector<Slice>> added = Partition(group.params, pg_->size());
+  std::vector<std::vector<Tensor>> added_pieces(added.size());
+  // The whole list is checked on every rank, and the outcome agreed, before
+  // anything changes (contiguity and shared memory are not compared above,
+  // so a list may be refused on some ranks only).
+  std::string failure;
+  try {
+    nn::optim::NamedParameters all = params_;
+    all.insert(all.end(), group.params.begin(), group.params.end());
+    nn::optim::CheckParameters(all, who + " (rank " + std::to_string(pg_->rank()) + ")");
+    for (size_t r = 0; r < added.size(); ++r) {
+      for (const Slice& s : added[r]) added_pieces[r].push_back(PieceOf(group.params[s.param].second.Detach(), s));
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  for (const std::string& outcome : pg_->AllGatherObject(failure)) {
+    if (!outcome.empty()) throw std::invalid_argument(outcome);
+  }
+  // The shard's optimizer takes this rank's pieces as its new last group;
+  // it checks the options, which the ranks agree on, so it refuses them on
+  // every rank alike, changing nothing.
+  try {
+    nn::optim::ParamGroup shard{.params = {}, .options = group.options};
+    const auto& mine = added[static_cast<size_t>(pg_->rank())];
+    for (size_t j = 0; j < mine.size(); ++j) {
+      shard.params.emplace_back(group.params[mine[j].param].first, added_pieces[static_cast<size_t>(pg_->rank())][j]);
+    }
+    local_->AddParamGroup(std::move(shard));
+  } catch (const std::exception& e) {
+    failure = who + " on rank " + std::to_string(pg_->rank()) + ": " + e.what();
+  }
+  const std::vector<std::string> outcomes = pg_->AllGatherObject(failure);
+  std::string failed;  // the first rank that failed
+  for (size_t r = 0; r < outcomes.size() && failed.empty(); ++r) {
+    if (!outcomes[r].empty()) failed = outcomes[r];
+  }
+  // Refused here: nothing changed on this rank. Where another rank refused
+  // it (an LrScheduler over local() on some ranks only), the group was
+  // added here, and this rank is left unusable.
+  if (!failure.empty()) throw std::invalid_argument(failure);
+  if (!failed.empty()) {
+    broken_ = failed + " (the group was added on rank " + std::to_string(pg_->rank()) +
+              ", so the ranks' shards no longer match: build the optimizer again)";
+    throw std::invalid_argument(broken_);
+  }
+  const size_t first = params_.size();
+  for (auto& entry : group.params) {
+    shapes_.push_back(entry.second.shape());
+    group_of_.push_back(k);
+    params_.push_back(std::move(entry));
+  }
+  ++num_groups_;
+  for (size_t r = 0; r < added.size(); ++r) {
+    for (size_t j = 0; j < added[r].size(); ++j) {
+      Slice s = added[r][j];
+      s.param += first;
+      shards_[r].push_back(s);
+      pieces_[r].push_back(added_pieces[r][j]);
+    }
+  }
+}
+
+void ZeroRedundancyOptimizer::CheckLocal(const char* what) const {
+  if (!broken_.empty()) throw std::logic_error("ZeroRedundancyOptimizer::" + std::string(what) + ": " + broken_);
+  // Step hands the k-th piece's gradient to the shard optimizer's k-th
+  // parameter, and the consolidated state is read by the pieces: a group
+  // added to that optimizer directly (local().AddParamGroup) would be
+  // stepped by this rank alone, never broadcast, and left out of the state.
+  const size_t own = pieces_[static_cast<size_t>(pg_->rank())].size();
+  if (local_->num_groups() != num_groups_ || local_->params().size() != own) {
+    throw std::logic_error("ZeroRedundancyOptimizer::" + std::string(what) + ": the shard's optimizer has " +
+                           std::to_string(local_->num_groups()) + " param group(s) and " +
+                           std::to_string(local_->params().size()) + " parameter(s), not the " +
+                           std::to_string(num_groups_) + " and " + std::to_string(own) +
+                           " it was given (was local().AddParamGroup called? Add groups with "
+                           "ZeroRedundancyOptimizer::AddParamGroup, on every rank)");
+  }
+}
+
 void ZeroRedundancyOptimizer::Step() {
   const nn::optim::NamedParameters& local = local_->params();
   // A failure here is this rank's alone (its gradients, its memory, its
@@ -252,6 +351,7 @@ void ZeroRedundancyOptimizer::Step() {
   // wait for this one's: end the group so that they fail now, with the
   // reason, rather than at the timeout.
   try {
+    CheckLocal("Step");
     // The pieces are views of the parameters' memory as it was at
     // construction; Module::To gives a parameter new memory, and SetData
     // may give it other elements of the same memory (another offset,
@@ -323,6 +423,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
   // optimizer below; only the per-parameter state is gathered.
   NamedTensors options;
   try {
+    CheckLocal("ConsolidatedStateDict");
     for (auto& [name, t] : local_->StateDict()) {
       if (name.rfind("state.", 0) == 0) {
         mine.emplace_back(name, t.To(nn::kCPU).Contiguous());
@@ -462,6 +563,7 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
   std::string error;
   NamedTensors shard;
   try {
+    CheckLocal("LoadStateDict");
     shard = ShardOf(state);
     local_->CheckStateDict(shard);
   } catch (const std::exception& e) {

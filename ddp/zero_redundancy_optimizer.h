@@ -42,16 +42,12 @@
 // "step"): an optimizer that loads it starts that parameter's count
 // afresh, which changes no value.
 //
-// Adding parameters: there is no add_param_group (the partition is fixed
-// at construction, and every rank's shard would move). Gather the whole
-// state with ConsolidatedStateDict (on rank 0, saved to a checkpoint that
-// every rank reads, or ConsolidatedStateDict(r) for each rank r in turn),
-// build a new ZeroRedundancyOptimizer over the longer parameter list on
-// every rank, drop the state's "group.params_listed" entry (with it, a
-// state that lacks one of the optimizer's parameters is refused, as PyTorch
-// refuses param groups of another size), and LoadStateDict what is left on
-// every rank: the old parameters keep their state (keyed by name), the new
-// ones start without any, as never stepped.
+// Adding parameters: AddParamGroup (PyTorch's add_param_group), on every
+// rank. The new group's parameters are cut among the ranks on their own,
+// so the pieces already held and their state stay in place; each rank's
+// optimizer takes its pieces of the group as its new last group. Adding a
+// group to local() directly is refused at the next Step. A checkpoint
+// saved afterwards resumes into an optimizer built over the same groups.
 //
 // Loss scaling: GradScaler checks only the gradients its optimizer holds,
 // which here are one rank's shard, so ranks could disagree on skipping a
@@ -133,6 +129,22 @@ class ZeroRedundancyOptimizer {
   /// parameter's shape. A refused step changes no parameter, and fails the
   /// other ranks too (the group is aborted).
   void Step();
+  /// Appends a param group (PyTorch's add_param_group: layers unfrozen
+  /// while fine-tuning, say). Collective: every rank must add the same
+  /// group (its parameters' names, dtypes, shapes and order, and its
+  /// options, compared across ranks). Its parameters are cut among the
+  /// ranks on their own, as Partition cuts a list, so the pieces of the
+  /// parameters already held, and their state, stay where they are; each
+  /// rank's optimizer takes its pieces of them as its new last group
+  /// (Optimizer::AddParamGroup: options the group lacks take the
+  /// optimizer's defaults), and they start with no state. Throws
+  /// std::invalid_argument on every rank, naming the first difference, when
+  /// the ranks' groups differ, and naming the rank and the reason when one
+  /// rank refuses the group (a parameter already held, an unknown option,
+  /// an LrScheduler over local(): add groups before making it). Where the
+  /// group was added on some ranks only, the optimizer is no longer usable:
+  /// its other members then throw std::logic_error.
+  void AddParamGroup(nn::optim::ParamGroup group);
   /// Clears every parameter's gradient (the shard's and the others'):
   /// undefined by default, as PyTorch 2.x (1.13 zeroes them), or zeros.
   void ZeroGrad(bool set_to_none = true);
@@ -196,7 +208,9 @@ class ZeroRedundancyOptimizer {
   /// each cut moved down to a multiple of kAlignment elements from the start
   /// of the parameter it falls in (a piece starts on a whole vector of
   /// registers). Rank r gets the run between cuts r and r + 1; a rank may get
-  /// nothing when the parameters are few and small.
+  /// nothing when the parameters are few and small. A group added later
+  /// (AddParamGroup) is cut the same way on its own, its pieces appended to
+  /// each rank's shard.
   static std::vector<std::vector<Slice>> Partition(const nn::optim::NamedParameters& params,
                                                    int world_size);
   static constexpr int64_t kAlignment = 16;
@@ -212,6 +226,10 @@ class ZeroRedundancyOptimizer {
   // converts a state between them and a shard's), and in rank r's shard
   // (a name per piece); the number of pieces per group in rank r's shard.
   std::vector<std::vector<std::string>> WholeGroupMembers() const;
+  // Throws std::logic_error (naming `what`, the calling member) when the
+  // shard's optimizer no longer holds the pieces it was given, or after an
+  // AddParamGroup that failed on other ranks only.
+  void CheckLocal(const char* what) const;
   std::vector<std::vector<std::string>> ShardGroupMembers(int r) const;
   std::vector<int64_t> ShardGroupSizes(int r) const;
 
@@ -223,6 +241,7 @@ class ZeroRedundancyOptimizer {
   std::vector<std::vector<Slice>> shards_;   // by rank
   std::vector<std::vector<nn::Tensor>> pieces_;  // by rank: views of the parameters
   std::unique_ptr<nn::optim::Optimizer> local_;  // over pieces_[rank]
+  std::string broken_;  // why the shards no longer match across ranks (AddParamGroup); "" while they do
 };
 
 }  // namespace ddp::dist

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -1084,6 +1085,127 @@ TEST(ZeroRedundancyOptimizerTest, FrozenGradlessAndEmptyShardsEqualTheUnshardedO
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
   auto grouped = RunWorkers("sparse_shards", 5, {{"DDP_TEST_GROUPS", "1"}});
   EXPECT_TRUE(grouped.AllSucceeded()) << "param groups\n" << testing::AllOutput(grouped);
+}
+
+// AddParamGroup on three ranks, mid-training (a layer unfrozen), against
+// the unsharded AdamW given the same group at the same step: equal bytes
+// after every step, the new parameters cut among the ranks while the old
+// pieces stay, and the consolidated state equal to the unsharded one's.
+// A group that differs across ranks, or that names a parameter already
+// held, is refused on every rank, changing nothing.
+DDP_TEST_WORKER(add_param_group) {
+  auto pg = testing::WorkerGroup();
+  auto make_params = [] {
+    nn::Generator gen(6);
+    NamedParameters params;
+    params.emplace_back("a", nn::Randn({5, 8}, {}, gen).set_requires_grad(true));
+    params.emplace_back("b", nn::Randn({3}, {}, gen).set_requires_grad(true));
+    params.emplace_back("c", nn::Randn({7, 9}, {}, gen));  // frozen at first
+    params.emplace_back("d", nn::Randn({40}, {}, gen));
+    return params;
+  };
+  auto adamw = [](NamedParameters p) {
+    return std::make_unique<nn::optim::AdamW>(std::move(p), nn::optim::AdamWOptions{.lr = 0.01, .weight_decay = 0.1});
+  };
+  const NamedParameters sharded = make_params(), plain = make_params();
+  ZeroRedundancyOptimizer zero({sharded[0], sharded[1]}, pg, adamw);
+  auto opt = adamw({plain[0], plain[1]});
+  auto set_grads = [&](const NamedParameters& params, int s) {
+    nn::Generator g(200 + static_cast<uint64_t>(s));
+    for (const auto& [name, p] : params) {
+      const Tensor grad = nn::Randn(p.shape(), {}, g);
+      if (p.requires_grad()) p.set_grad(grad);
+    }
+  };
+  auto same = [&](const std::string& when) {
+    for (size_t i = 0; i < sharded.size(); ++i) {
+      WORKER_EXPECT(SameBytes(sharded[i].second.Detach(), plain[i].second.Detach()),
+                    when + ": `" + sharded[i].first + "` differs on rank " + std::to_string(pg->rank()));
+    }
+  };
+  auto step = [&](int s) {
+    set_grads(sharded, s);
+    set_grads(plain, s);
+    zero.Step();
+    opt->Step();
+    same("step " + std::to_string(s));
+  };
+  for (int s = 0; s < 2; ++s) step(s);
+
+  // Refused on every rank, changing nothing: options that differ on the
+  // last rank, then a parameter the optimizer already holds.
+  const nn::optim::ParamGroup bad{.params = {sharded[2]},
+                                  .options = {{"lr", pg->rank() == pg->size() - 1 ? 0.03 : 0.02}}};
+  try {
+    zero.AddParamGroup(bad);
+    WORKER_EXPECT(false, "groups differing across ranks were added");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("the ranks' new param groups differ") != std::string::npos, e.what());
+  }
+  try {
+    zero.AddParamGroup({.params = {sharded[2], sharded[0]}});
+    WORKER_EXPECT(false, "a parameter already held was added again");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("`a` is listed twice") != std::string::npos, e.what());
+  }
+  WORKER_EXPECT(zero.num_groups() == 1, "a refused group was added");
+
+  const std::vector<Slice> before = zero.shard(pg->rank());
+  for (const NamedParameters* params : {&sharded, &plain}) {
+    (*params)[2].second.set_requires_grad(true);
+    (*params)[3].second.set_requires_grad(true);
+  }
+  zero.AddParamGroup({.params = {sharded[2], sharded[3]}, .options = {{"lr", 0.02}, {"weight_decay", 0.0}}});
+  opt->AddParamGroup({.params = {plain[2], plain[3]}, .options = {{"lr", 0.02}, {"weight_decay", 0.0}}});
+  WORKER_EXPECT(zero.num_groups() == 2 && zero.lr(1) == 0.02, "the group's rate is not 0.02");
+  // The old pieces stay; the new parameters' 103 elements are cut among
+  // every rank, each element once.
+  const std::vector<Slice>& after = zero.shard(pg->rank());
+  WORKER_EXPECT(after.size() > before.size() && std::equal(before.begin(), before.end(), after.begin()),
+                "the old pieces moved, or rank " + std::to_string(pg->rank()) + " got none of the new ones");
+  int64_t covered = 0;
+  for (int r = 0; r < pg->size(); ++r) {
+    for (const Slice& s : zero.shard(r)) covered += s.param >= 2 ? s.length : 0;
+  }
+  WORKER_EXPECT(covered == 63 + 40, "the new parameters' pieces hold " + std::to_string(covered) + " elements");
+  for (int s = 2; s < 5; ++s) step(s);
+
+  const NamedTensors whole = zero.ConsolidatedStateDict(0);
+  if (pg->rank() == 0) {
+    const NamedTensors want = opt->StateDict();
+    WORKER_EXPECT(whole.size() == want.size(), "consolidated state has " + std::to_string(whole.size()) +
+                                                   " entries, the unsharded " + std::to_string(want.size()));
+    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
+      WORKER_EXPECT(whole[i].first == want[i].first && SameBytes(whole[i].second, want[i].second),
+                    "consolidated entry " + whole[i].first + " differs from " + want[i].first);
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AddParamGroupOnThreeRanksEqualsTheUnshardedOptimizer) {
+  auto run = RunWorkers("add_param_group", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A group added to the shard's optimizer directly would be stepped by one
+// rank alone and left out of the state: refused, naming AddParamGroup.
+TEST(ZeroPartition, AGroupAddedToTheLocalOptimizerIsRefused) {
+  const Tensor w = nn::Zeros({4, 8}).set_requires_grad(true);
+  const Tensor extra = nn::Zeros({3}).set_requires_grad(true);
+  ZeroRedundancyOptimizer zero({{"w", w}}, ProcessGroup::Single(), MakeOptimizer);
+  zero.local().AddParamGroup({.params = {{"extra", extra}}});
+  extra.set_grad(nn::Ones({3}));
+  for (const auto& call : std::vector<std::function<void()>>{[&] { zero.Step(); },
+                                                             [&] { zero.ConsolidatedStateDict(0); }}) {
+    try {
+      call();
+      ADD_FAILURE() << "a group added to local() was taken";
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("was local().AddParamGroup called?"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(SameBytes(extra.Detach(), nn::Zeros({3}))) << "the added parameter was stepped";
 }
 
 TEST(ZeroRedundancyOptimizerTest, FactoryMustHoldThePiecesItWasGiven) {
