@@ -336,6 +336,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
   // keeps: each one's parameters move into one flat buffer in shareable
   // memory, at their gradients' offsets, and this rank's slice of it gets
   // its optimizer.
+  std::vector<std::pair<Tensor, Tensor>> moves;  // (parameter, its view of a flat buffer)
   for (const std::vector<std::string>& names : bucket_names) {
     if (!failure.empty()) break;
     State::Bucket bucket;
@@ -359,7 +360,11 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
         nn::NoGradGuard guard;
         view.CopyFrom(p);
       }
-      p.SetData(view);
+      // The parameter moves into the view once the hook is registered
+      // (below): a construction refused before then leaves the module as
+      // it was, and with it an optimizer built on it earlier, whose hook
+      // finds the parameters in its own flat buffers.
+      moves.emplace_back(p, view);
       bucket.params.push_back(p.impl());
     }
     const Tensor flat = bucket.flat.Detach();
@@ -505,6 +510,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
     });
   });
   ddp.RegisterCommHook(hook.WithFixedBuckets().WithoutGradWriteBack());
+  for (const auto& [p, view] : moves) p.SetData(view);
 }
 
 OverlappedZeroOptimizer::~OverlappedZeroOptimizer() = default;

@@ -172,6 +172,89 @@ DDP_TEST_WORKER(f16_large_gradients) {
   return testing::WorkerExit();
 }
 
+// More ranks than the parameters' elements can feed (a 1 -> 2 linear
+// layer, 4 elements, on 3 ranks): a rank may own nothing. Training equals
+// DDP with the unsharded Adam, the state gathered on each rank is the
+// unsharded one's, and loading it on every rank of a fresh optimizer
+// continues as the unsharded one does. A second optimizer refused on the
+// same wrapper after its first backward leaves the first one training.
+DDP_TEST_WORKER(tiny_model) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  auto make = [] {
+    nn::Generator gen(8);
+    return std::make_shared<nn::modules::Linear>(1, 2, /*bias=*/true, gen);
+  };
+  auto model = make(), reference = make();
+  DistributedDataParallel ddp(model, {.process_group = Borrow(*pg)});
+  DistributedDataParallel ref_ddp(reference, {.process_group = Borrow(*pg)});
+  auto factory = [](nn::optim::NamedParameters shard) { return MakeOptimizer(true, std::move(shard)); };
+  OverlappedZeroOptimizer opt(ddp, factory);
+  auto ref_opt = MakeOptimizer(true, reference->NamedParameters());
+  auto train = [&](Module& trained, DistributedDataParallel& d, OverlappedZeroOptimizer& o, int64_t from,
+                   int64_t to) {
+    for (int64_t i = from; i < to; ++i) {
+      const Tensor x = nn::Full({2, 1}, 0.5 + static_cast<double>(i * world + rank));
+      const Tensor y = nn::Full({2, 2}, 1.0);
+      try {
+        nn::Backward(nn::loss::MseLoss(d(x), y));
+        o.Step();
+      } catch (const std::exception& e) {
+        WORKER_EXPECT(false, "step " + std::to_string(i) + ": " + e.what());
+        return;
+      }
+      ref_opt->ZeroGrad();
+      nn::Backward(nn::loss::MseLoss(ref_ddp(x), y));
+      ref_opt->Step();
+      const auto [diff, worst] = testing::MaxRelativeDifference(trained, *reference);
+      WORKER_EXPECT(diff <= 1e-6, "step " + std::to_string(i) + ": `" + worst + "` off by " + std::to_string(diff));
+    }
+  };
+  train(*model, ddp, opt, 0, 3);
+  Tensor owned = nn::Full({1}, static_cast<double>(opt.owned_elements()), {.dtype = nn::DType::kInt64});
+  pg->AllReduce(owned).Wait();
+  WORKER_EXPECT(owned.data<int64_t>()[0] == 4, "the ranks own " + std::to_string(owned.data<int64_t>()[0]) +
+                                                   " of the 4 elements");
+  const nn::optim::NamedTensors expected = ref_opt->StateDict();
+  for (int to = 0; to < world; ++to) {
+    const nn::optim::NamedTensors got = opt.ConsolidatedStateDict(to);
+    if (to != rank) continue;
+    WORKER_EXPECT(got.size() == expected.size(), "gathered on rank " + std::to_string(to) + ": " +
+                                                     std::to_string(got.size()) + " entries, the unsharded " +
+                                                     std::to_string(expected.size()));
+    for (size_t k = 0; k < std::min(got.size(), expected.size()); ++k) {
+      WORKER_EXPECT(got[k].first == expected[k].first && got[k].second.shape() == expected[k].second.shape(),
+                    "entry " + got[k].first + " where " + expected[k].first + " belongs");
+    }
+  }
+  bool refused = false;
+  try {
+    OverlappedZeroOptimizer late(ddp, factory);
+  } catch (const std::logic_error& e) {
+    refused = std::string(e.what()).find("call it before the first backward") != std::string::npos;
+  }
+  WORKER_EXPECT(refused, "a second optimizer after the first backward was not refused");
+  train(*model, ddp, opt, 3, 5);
+
+  // A copy of the model, a fresh optimizer loading the unsharded state.
+  auto resumed = make();
+  {
+    nn::NoGradGuard guard;
+    auto from = model->NamedParameters(), into = resumed->NamedParameters();
+    for (size_t i = 0; i < from.size(); ++i) into[i].second.CopyFrom(from[i].second);
+  }
+  DistributedDataParallel resumed_ddp(resumed, {.process_group = Borrow(*pg)});
+  OverlappedZeroOptimizer resumed_opt(resumed_ddp, factory);
+  resumed_opt.LoadStateDict(ref_opt->StateDict());
+  train(*resumed, resumed_ddp, resumed_opt, 5, 7);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, MoreRanksThanElementsToShareEqualsTheUnshardedOptimizer) {
+  auto run = RunWorkers("tiny_model", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(OverlappedZeroOptimizerTest, F16GradientsWhoseSumPassesF16sRangeStillAverage) {
   auto run = RunWorkers("f16_large_gradients", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
