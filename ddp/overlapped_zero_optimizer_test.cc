@@ -255,6 +255,80 @@ TEST(OverlappedZeroOptimizerTest, MoreRanksThanElementsToShareEqualsTheUnsharded
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A zero-size trained parameter that forward uses, beside a frozen layer.
+class ZeroSizeAndFrozen : public Module {
+ public:
+  ZeroSizeAndFrozen() {
+    nn::Generator gen(12);
+    trained_ = RegisterModule("trained", std::make_shared<nn::modules::Linear>(3, 2, true, gen));
+    frozen_ = RegisterModule("frozen", std::make_shared<nn::modules::Linear>(3, 2, true, gen));
+    for (auto& [name, p] : frozen_->NamedParameters()) p.set_requires_grad(false);
+    empty_ = RegisterParameter("empty", nn::Zeros({0}), true);
+  }
+  Tensor Forward(const Tensor& x) override {
+    return (*trained_)(x) + (*frozen_)(x) * 0.1 + nn::ops::Sum(empty_);
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "ZeroSizeAndFrozen"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> trained_, frozen_;
+  Tensor empty_;
+};
+
+// The zero-size parameter alone in a bucket (every parameter is, at a cap
+// of 1e-9 MiB) or with the others: training equals DDP with the unsharded
+// SGD, and the consolidated state loads into a plain optimizer of the
+// module.
+DDP_TEST_WORKER(zero_size_parameter) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  for (const double cap : {25.0, 1e-9}) {
+    const std::string what = "bucket_cap_mb " + std::to_string(cap);
+    auto model = std::make_shared<ZeroSizeAndFrozen>(), reference = std::make_shared<ZeroSizeAndFrozen>();
+    DistributedDataParallel ddp(model, {.bucket_cap_mb = cap, .first_bucket_mb = cap, .process_group = Borrow(*pg)});
+    DistributedDataParallel ref_ddp(reference, {.bucket_cap_mb = cap, .first_bucket_mb = cap,
+                                                .process_group = Borrow(*pg)});
+    auto factory = [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); };
+    OverlappedZeroOptimizer opt(ddp, factory);
+    auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
+    for (int64_t i = 0; i < 3; ++i) {
+      const Tensor x = nn::Full({2, 3}, 0.25 * static_cast<double>(i * world + rank + 1));
+      const Tensor y = nn::Full({2, 2}, 1.0);
+      try {
+        nn::Backward(nn::loss::MseLoss(ddp(x), y));
+        opt.Step();
+      } catch (const std::exception& e) {
+        WORKER_EXPECT(false, what + ", step " + std::to_string(i) + ": " + e.what());
+        return testing::WorkerExit();
+      }
+      ref_opt->ZeroGrad();
+      nn::Backward(nn::loss::MseLoss(ref_ddp(x), y));
+      ref_opt->Step();
+      const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+      WORKER_EXPECT(diff <= 1e-6, what + ", step " + std::to_string(i) + ": `" + worst + "` off by " +
+                                      std::to_string(diff));
+    }
+    const nn::optim::NamedTensors state = opt.ConsolidatedStateDict(0);
+    if (rank == 0) {
+      auto plain = MakeOptimizer(false, model->NamedParameters());
+      try {
+        plain->LoadStateDict(state);
+      } catch (const std::exception& e) {
+        WORKER_EXPECT(false, what + ": a plain optimizer refused the state: " + e.what());
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, ZeroSizeParameterEqualsTheUnshardedOptimizer) {
+  auto run = RunWorkers("zero_size_parameter", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  auto one = RunWorkers("zero_size_parameter", 1);
+  EXPECT_TRUE(one.AllSucceeded()) << "one rank\n" << testing::AllOutput(one);
+}
+
 TEST(OverlappedZeroOptimizerTest, F16GradientsWhoseSumPassesF16sRangeStillAverage) {
   auto run = RunWorkers("f16_large_gradients", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
