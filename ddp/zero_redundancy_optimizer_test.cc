@@ -11,6 +11,7 @@
 
 #include "ddp/zero_redundancy_optimizer.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -848,6 +850,56 @@ DDP_TEST_WORKER(step_fails_on_one_rank) {
 TEST(ZeroRedundancyOptimizerTest, AStepFailingOnOneRankFailsTheOthersAtOnce) {
   auto run = RunWorkers("step_fails_on_one_rank", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A rank killed just before a collective call (Step, or
+// ConsolidatedStateDict, per DDP_TEST_WHERE): the survivors fail with
+// DistributedError naming the lost peer, well within the group's timeout,
+// instead of waiting in a broadcast.
+constexpr int kKilledTimeoutMs = 20000;
+constexpr int kSurvivorExit = 42;
+
+DDP_TEST_WORKER(killed_peer) {
+  auto pg = testing::WorkerGroup();
+  const std::string where = std::getenv("DDP_TEST_WHERE");
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, MakeOptimizer);
+  TrainStep(ddp, zero, *pg, 0);
+  const auto& data = testing::FashionMnist();
+  auto [x, y] = testing::Batch(data, (pg->size() + pg->rank()) * kBatch, kBatch);
+  zero.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  if (pg->rank() == pg->size() - 1) raise(SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    if (where == "step") {
+      zero.Step();
+    } else {
+      zero.ConsolidatedStateDict(0);
+    }
+    std::fprintf(stderr, "%s finished although a rank was killed\n", where.c_str());
+    return 1;
+  } catch (const DistributedError& e) {
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "survivor: failed after %.0f ms: %s\n", ms, e.what());
+    WORKER_EXPECT(ms < kKilledTimeoutMs / 2, where + " took " + std::to_string(ms) + " ms");
+    return testing::WorkerFailures() == 0 ? kSurvivorExit : 1;
+  }
+}
+
+TEST(ZeroRedundancyOptimizerTest, APeerKilledFailsStepAndConsolidationWithinTheDeadline) {
+  for (const char* where : {"step", "consolidate"}) {
+    auto run = RunWorkers("killed_peer", 3,
+                          {{"DDP_TEST_WHERE", where}, {"DDP_TEST_TIMEOUT_MS", std::to_string(kKilledTimeoutMs)}},
+                          60000, /*stop_all_on_failure=*/false);
+    const std::string out = testing::AllOutput(run);
+    EXPECT_EQ(run.ExitCode(2), 128 + SIGKILL) << where << "\n" << out;
+    for (int r : {0, 1}) {
+      EXPECT_EQ(run.ExitCode(r), kSurvivorExit) << where << "\n" << out;
+      EXPECT_NE(run.Output(r).find("rank 2"), std::string::npos) << where << "\n" << out;
+    }
+  }
 }
 
 // ------------------------------------------------------ parameter groups ----
