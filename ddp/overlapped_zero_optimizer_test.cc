@@ -6,6 +6,8 @@
 
 #include "ddp/overlapped_zero_optimizer.h"
 
+#include <signal.h>
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -871,6 +873,55 @@ DDP_TEST_WORKER(failed_backward) {
 TEST(OverlappedZeroOptimizerTest, StepAfterAFailedBackwardReportsTheFailure) {
   auto run = RunWorkers("failed_backward", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A rank killed before its backward: the survivors' backward, which runs
+// the step inside the reduction, fails with DistributedError naming it,
+// well within the group's timeout, and Step() then reports that failure.
+constexpr int kKilledTimeoutMs = 20000;
+constexpr int kSurvivorExit = 42;
+
+DDP_TEST_WORKER(killed_peer) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  const auto& data = testing::FashionMnist();
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(true, std::move(shard)); });
+  for (int64_t i = 0; i < 2; ++i) {
+    auto [x, y] = testing::Batch(data, (i * world + rank) * kBatch, kBatch);
+    Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+    if (i == 1 && rank == world - 1) raise(SIGKILL);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      nn::Backward(loss);
+    } catch (const DistributedError& e) {
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      std::fprintf(stderr, "survivor: failed after %.0f ms: %s\n", ms, e.what());
+      WORKER_EXPECT(ms < kKilledTimeoutMs / 2, "backward took " + std::to_string(ms) + " ms");
+      bool reported = false;
+      try {
+        opt.Step();
+      } catch (const DistributedError&) {
+        reported = true;
+      }
+      WORKER_EXPECT(reported, "Step() after the failed backward did not report the failure");
+      return testing::WorkerFailures() == 0 ? kSurvivorExit : 1;
+    }
+    opt.Step();
+  }
+  std::fprintf(stderr, "training finished although a rank was killed\n");
+  return 1;
+}
+
+TEST(OverlappedZeroOptimizerTest, APeerKilledFailsTheBackwardWithinTheDeadline) {
+  auto run = RunWorkers("killed_peer", 3, {{"DDP_TEST_TIMEOUT_MS", std::to_string(kKilledTimeoutMs)}}, 60000,
+                        /*stop_all_on_failure=*/false);
+  const std::string out = testing::AllOutput(run);
+  EXPECT_EQ(run.ExitCode(2), 128 + SIGKILL) << out;
+  for (int r : {0, 1}) {
+    EXPECT_EQ(run.ExitCode(r), kSurvivorExit) << out;
+    EXPECT_NE(run.Output(r).find("rank 2"), std::string::npos) << out;
+  }
 }
 
 // A parameter that gets new memory on rank 0 after the optimizer was built:
