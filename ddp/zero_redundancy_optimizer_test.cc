@@ -1232,6 +1232,25 @@ DDP_TEST_WORKER(add_param_group) {
                     "consolidated entry " + whole[i].first + " differs from " + want[i].first);
     }
   }
+  // The unsharded state resumes into an optimizer built over the same two
+  // groups on every rank (cut as one list), which goes on as the unsharded
+  // one does.
+  ZeroRedundancyOptimizer resumed(
+      std::vector<nn::optim::ParamGroup>{{.params = {sharded[0], sharded[1]}},
+                                         {.params = {sharded[2], sharded[3]},
+                                          .options = {{"lr", 0.02}, {"weight_decay", 0.0}}}},
+      pg, [](std::vector<nn::optim::ParamGroup> groups) {
+        return std::make_unique<nn::optim::AdamW>(std::move(groups),
+                                                  nn::optim::AdamWOptions{.lr = 0.01, .weight_decay = 0.1});
+      });
+  resumed.LoadStateDict(opt->StateDict());
+  for (int s = 5; s < 7; ++s) {
+    set_grads(sharded, s);
+    set_grads(plain, s);
+    resumed.Step();
+    opt->Step();
+    same("resumed step " + std::to_string(s));
+  }
   return testing::WorkerExit();
 }
 
