@@ -393,6 +393,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
   // The optimizers differ per rank (each gets its own pieces), so a factory
   // may fail on some ranks only: the ranks agree on the outcome before any
   // of them registers the hook, and all fail alike.
+  std::vector<internal::ReplicaEntry> built;  // the slices' kind, rates and options
   if (failure.empty()) {
     try {
       const nn::optim::Optimizer* first = nullptr;
@@ -425,6 +426,9 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
       }
       for (size_t k = 0; k < groups.size(); ++k) state_->lrs.push_back(first->lr(k));
       state_->options = OptionsOf(*first, state_->whole_members);
+      for (auto& [key, value] : internal::SharedOptimizerOptions(first->StateDict())) {
+        built.push_back({"option", key, value});
+      }
     } catch (const std::exception& e) {
       failure = "building the optimizer of rank " + std::to_string(group.rank()) + "'s slices failed: " + e.what();
     }
@@ -435,6 +439,12 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
       throw std::invalid_argument("OverlappedZeroOptimizer on rank " + std::to_string(r) + ": " + outcomes[r]);
     }
   }
+  // Each rank's factory ran on its own: one that built another kind of
+  // optimizer, or another rate, would step its slices unlike the others'
+  // and all-gather the result into every replica.
+  internal::VerifyReplicas(group, built,
+                           "OverlappedZeroOptimizer: the ranks' slice optimizers differ (every rank's factory must "
+                           "build the same kind of optimizer, with the same rates and options).");
 
   std::shared_ptr<State> state = state_;
   CommHook hook = CommHook::OnLocalGradients([state](ProcessGroup& pg, GradBucket& grad_bucket) {

@@ -104,7 +104,9 @@ class OverlappedZeroOptimizer {
   /// static_graph; std::logic_error after the first backward (on more
   /// than one rank; one rank runs no hook, and Step() steps everything).
   /// What one rank refuses in its own module or factory fails every rank
-  /// together, naming that rank. A refused construction leaves the
+  /// together, naming that rank; so do factories that build optimizers of
+  /// another kind, rate or options on some ranks (naming the first option
+  /// that differs and each rank's value). A refused construction leaves the
   /// parameters in their memory (an optimizer built on `ddp` before goes on
   /// training): they move into the flat buffers last.
   OverlappedZeroOptimizer(DistributedDataParallel& ddp, Factory make);

@@ -1003,6 +1003,46 @@ TEST(OverlappedZeroOptimizerTest, RequiresGradChangedOnOneRankFailsEveryRankNami
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A factory that builds another optimizer on the last rank (another rate,
+// another kind) is refused on every rank, naming the option, and the
+// parameters stay where they were.
+DDP_TEST_WORKER(factory_options_differ) {
+  auto pg = testing::WorkerGroup();
+  const bool last = pg->rank() == pg->size() - 1;
+  const std::vector<std::pair<OverlappedZeroOptimizer::Factory, std::string>> cases = {
+      {[last](nn::optim::NamedParameters shard) {
+         return std::make_unique<nn::optim::Sgd>(std::move(shard), nn::optim::SgdOptions{.lr = last ? 0.1 : 0.05});
+       },
+       "`lr`"},
+      {[last](nn::optim::NamedParameters shard) -> std::unique_ptr<nn::optim::Optimizer> {
+         if (last) return std::make_unique<nn::optim::Adam>(std::move(shard), nn::optim::AdamOptions{.lr = 0.05});
+         return std::make_unique<nn::optim::Sgd>(std::move(shard), nn::optim::SgdOptions{.lr = 0.05});
+       },
+       "`group.optimizer`"},
+  };
+  for (const auto& [make, named] : cases) {
+    DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+    const Tensor weight = ddp.module()->NamedParameters().front().second;
+    const void* before = weight.data_ptr();
+    std::string message = "accepted";
+    try {
+      OverlappedZeroOptimizer opt(ddp, make);
+    } catch (const std::invalid_argument& e) {
+      message = e.what();
+    }
+    WORKER_EXPECT(message.find("the ranks' slice optimizers differ") != std::string::npos &&
+                      message.find(named) != std::string::npos,
+                  "rank " + std::to_string(pg->rank()) + ": " + message);
+    WORKER_EXPECT(weight.data_ptr() == before, "a refused optimizer moved the parameters");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, FactoriesBuildingOtherOptimizersOnOneRankAreRefusedOnEveryRank) {
+  auto run = RunWorkers("factory_options_differ", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(OverlappedZeroOptimizerTest, MisuseIsRefusedWithAMessage) {
   auto run = RunWorkers("misuse", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);

@@ -1,5 +1,6 @@
 #include "ddp/zero_groups.h"
 
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 
@@ -23,6 +24,20 @@ std::string GroupEntryOf(const std::string& key, size_t* group) {
   return field;
 }
 
+// The shortest decimal text that reads back as `value` ("0.05", not
+// "0.050000000000000003"), so that two ranks' values differ in text iff
+// they differ.
+std::string ExactText(double value) {
+  std::ostringstream text;
+  for (int digits = 15; digits <= 17; ++digits) {
+    text.str("");
+    text.precision(digits);
+    text << value;
+    if (std::strtod(text.str().c_str(), nullptr) == value) break;
+  }
+  return text.str();
+}
+
 }  // namespace
 
 std::string GroupOptionsText(const std::map<std::string, double>& options) {
@@ -30,6 +45,28 @@ std::string GroupOptionsText(const std::map<std::string, double>& options) {
   text.precision(17);
   for (const auto& [name, value] : options) text << (text.tellp() > 0 ? ", " : "") << name << "=" << value;
   return text.str();
+}
+
+std::vector<std::pair<std::string, std::string>> SharedOptimizerOptions(const nn::optim::NamedTensors& state) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [key, t] : state) {
+    size_t group = 0;
+    const bool shared = key == "lr" || (key.rfind("group.", 0) == 0 && key != "group.params_listed") ||
+                        (key.rfind("param_groups.", 0) == 0 && GroupEntryOf(key, &group).empty());
+    if (!shared || !t.defined()) continue;
+    const nn::Tensor v = t.To(nn::kCPU).Contiguous();
+    std::string text;
+    if (v.dtype() == nn::DType::kUInt8) {
+      text.assign(static_cast<const char*>(v.data_ptr()), static_cast<size_t>(v.numel()));
+    } else if (v.dtype() == nn::DType::kInt64) {
+      for (int64_t i = 0; i < v.numel(); ++i) text += (i > 0 ? " " : "") + std::to_string(v.data<int64_t>()[i]);
+    } else {
+      const nn::Tensor d = v.To(nn::DType::kFloat64);
+      for (int64_t i = 0; i < d.numel(); ++i) text += (i > 0 ? " " : "") + ExactText(d.data<double>()[i]);
+    }
+    out.emplace_back(key, text);
+  }
+  return out;
 }
 
 void RewriteGroups(nn::optim::NamedTensors& state, size_t num_groups,

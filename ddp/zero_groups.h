@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/optim/optimizer.h"
@@ -21,6 +22,16 @@ namespace ddp::dist::internal {
 /// rank that stepped its pieces with another group's options would hand
 /// every replica parameters the others did not compute.
 std::string GroupOptionsText(const std::map<std::string, double>& options);
+
+/// The entries of an optimizer's StateDict that every rank's shard
+/// optimizer must share, as (key, value as text): its kind
+/// ("group.optimizer"), rates and options ("lr", "group.*",
+/// "param_groups.<k>.*"), without what differs between shards (a group's
+/// size and members, the per-parameter state). For the "option" entries
+/// that VerifyReplicas compares across ranks after the factory ran: a rank
+/// whose factory built another optimizer would step its pieces unlike the
+/// others and hand every replica the result.
+std::vector<std::pair<std::string, std::string>> SharedOptimizerOptions(const nn::optim::NamedTensors& state);
 
 /// Rewrites the "param_groups.<k>.size" and ".params" entries of a
 /// several-group state with `num_groups` groups: each is checked against

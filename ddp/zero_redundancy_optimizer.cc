@@ -229,6 +229,16 @@ void ZeroRedundancyOptimizer::Init(
   for (const std::string& outcome : outcomes) {
     if (!outcome.empty()) throw std::invalid_argument(outcome);
   }
+  // Each rank's factory ran on its own: one that built another kind of
+  // optimizer, or another rate, would step its shard unlike the others'
+  // and broadcast the result into every replica.
+  std::vector<internal::ReplicaEntry> built;
+  for (auto& [key, value] : internal::SharedOptimizerOptions(local_->StateDict())) {
+    built.push_back({"option", key, value});
+  }
+  internal::VerifyReplicas(*pg_, built,
+                           "ZeroRedundancyOptimizer: the ranks' shard optimizers differ (every rank's factory must "
+                           "build the same kind of optimizer, with the same rates and options).");
 }
 
 std::vector<int64_t> ZeroRedundancyOptimizer::ShardGroupSizes(int r) const {

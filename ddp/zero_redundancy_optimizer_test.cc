@@ -790,6 +790,44 @@ TEST(ZeroRedundancyOptimizerTest, AFactoryFailingOnOneRankFailsEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Factories that build another optimizer on the last rank (another rate,
+// another kind) would step its shard unlike the others' and hand every
+// replica the result: refused on every rank, naming the option and each
+// rank's value.
+DDP_TEST_WORKER(factory_options_differ) {
+  auto pg = testing::WorkerGroup();
+  auto model = Mlp(1);
+  const bool last = pg->rank() == pg->size() - 1;
+  const std::vector<std::pair<ZeroRedundancyOptimizer::Factory, std::string>> cases = {
+      {[last](NamedParameters shard) {
+         return std::make_unique<nn::optim::Sgd>(std::move(shard), nn::optim::SgdOptions{.lr = last ? 0.1 : 0.05});
+       },
+       "`lr`"},
+      {[last](NamedParameters shard) -> std::unique_ptr<nn::optim::Optimizer> {
+         if (last) return std::make_unique<nn::optim::Adam>(std::move(shard), nn::optim::AdamOptions{.lr = 0.05});
+         return std::make_unique<nn::optim::Sgd>(std::move(shard), nn::optim::SgdOptions{.lr = 0.05});
+       },
+       "`group.optimizer`"},
+  };
+  for (const auto& [make, named] : cases) {
+    std::string message = "accepted";
+    try {
+      ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, make);
+    } catch (const std::invalid_argument& e) {
+      message = e.what();
+    }
+    WORKER_EXPECT(message.find("the ranks' shard optimizers differ") != std::string::npos &&
+                      message.find(named) != std::string::npos,
+                  "rank " + std::to_string(pg->rank()) + ": " + message);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, FactoriesBuildingOtherOptimizersOnOneRankAreRefusedOnEveryRank) {
+  auto run = RunWorkers("factory_options_differ", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A list that only one rank's checks refuse (rank 1's `w` is a transposed,
 // non-contiguous view; names, dtypes and shapes agree) fails every rank at
 // construction, naming that rank; before, rank 1 threw alone and rank 0
