@@ -1,6 +1,7 @@
 #include "ddp/overlapped_zero_optimizer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -78,6 +79,8 @@ struct OverlappedZeroOptimizer::State {
   // rank runs in Join's shadow_step ends it alike.
   const DistributedDataParallel* ddp = nullptr;
   int64_t iterations_ended = 0;
+  // Set by the destructor: the hook, which DDP keeps, then refuses to step.
+  std::atomic<bool> destroyed{false};
 
   // Runs bucket `index`'s optimizer on the views of the transport piece at
   // `offset` (`count` elements; their reduced gradients at `reduced`, read
@@ -452,7 +455,15 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
     const std::vector<Tensor>& params = grad_bucket.parameters();
     // The flat buffer must still be the parameters' memory.
     std::string wrong;
-    if (index >= state->buckets.size()) {
+    if (state->destroyed.load()) {
+      // DDP keeps a hook from its first backward on: without this the
+      // slices would go on stepping inside each backward (and .grad would
+      // keep this rank's own gradient), under an optimizer built to replace
+      // this one too.
+      wrong = "the optimizer whose step this hook runs was destroyed, and DistributedDataParallel keeps its hook "
+              "after the first backward; keep the optimizer alive while the wrapper trains, or build a new "
+              "wrapper for another optimizer";
+    } else if (index >= state->buckets.size()) {
       wrong = "bucket " + std::to_string(index) + " did not exist when the optimizer was built";
     } else {
       const State::Bucket& bucket = state->buckets[index];
@@ -523,7 +534,9 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
   for (const auto& [p, view] : moves) p.SetData(view);
 }
 
-OverlappedZeroOptimizer::~OverlappedZeroOptimizer() = default;
+OverlappedZeroOptimizer::~OverlappedZeroOptimizer() {
+  if (state_ != nullptr) state_->destroyed = true;
+}
 
 void OverlappedZeroOptimizer::Step() {
   // Checked on one rank too (where DDP counts synchronizing forwards), so

@@ -95,7 +95,9 @@ class OverlappedZeroOptimizer {
 
   /// Moves each bucket's parameters into a flat buffer, builds this rank's
   /// optimizers and registers the fused step as `ddp`'s communication hook
-  /// (keep this object alive while `ddp` trains; `ddp` must outlive it). Collective: every rank
+  /// (keep this object alive while `ddp` trains; `ddp` must outlive it: a
+  /// backward of `ddp` after this object is destroyed fails on every rank,
+  /// as `ddp` keeps the hook). Collective: every rank
   /// builds it, before the first backward. Throws std::invalid_argument for
   /// a null factory or one that returns null, a parameter that is not a
   /// contiguous CPU tensor (naming it), a trained parameter that is not in

@@ -1043,6 +1043,40 @@ TEST(OverlappedZeroOptimizerTest, FactoriesBuildingOtherOptimizersOnOneRankAreRe
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The wrapper keeps the hook after its first backward: once the optimizer
+// is destroyed, the next backward fails on every rank, naming the cause,
+// instead of stepping the slices on (under a new optimizer too).
+DDP_TEST_WORKER(destroyed_optimizer) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  const auto& data = testing::FashionMnist();
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  auto opt = std::make_unique<OverlappedZeroOptimizer>(
+      ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  opt->Step();
+  opt.reset();
+  const uint64_t before = testing::HashState(*ddp.module());
+  std::string message = "no error";
+  try {
+    auto [x2, y2] = testing::Batch(data, (world + rank) * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x2), y2));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("the optimizer whose step this hook runs was destroyed") != std::string::npos ||
+                    message.find("was aborted") != std::string::npos,
+                "rank " + std::to_string(rank) + ": " + message);
+  WORKER_EXPECT(testing::HashState(*ddp.module()) == before, "the parameters were stepped without an optimizer");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, ABackwardAfterTheOptimizerWasDestroyedFailsEveryRank) {
+  auto run = RunWorkers("destroyed_optimizer", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(OverlappedZeroOptimizerTest, MisuseIsRefusedWithAMessage) {
   auto run = RunWorkers("misuse", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
