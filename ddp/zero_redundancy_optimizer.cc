@@ -272,18 +272,20 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
   internal::VerifyReplicas(*pg_, entries,
                            who + ": the ranks' new param groups differ (every rank must add the same parameters, "
                                  "in the same order, with the same names, dtypes and shapes, and the same options).");
-  // The new parameters are cut among the ranks on their own, so that no
-  // piece of the old ones, nor the state kept for it, moves.
-  const std::vector<std::vector<Slice>> added = Partition(group.params, pg_->size());
-  std::vector<std::vector<Tensor>> added_pieces(added.size());
   // The whole list is checked on every rank, and the outcome agreed, before
   // anything changes (contiguity and shared memory are not compared above,
-  // so a list may be refused on some ranks only).
+  // so a list may be refused on some ranks only). The new parameters are
+  // then cut among the ranks on their own, so that no piece of the old
+  // ones, nor the state kept for it, moves.
+  std::vector<std::vector<Slice>> added;
+  std::vector<std::vector<Tensor>> added_pieces;
   std::string failure;
   try {
     nn::optim::NamedParameters all = params_;
     all.insert(all.end(), group.params.begin(), group.params.end());
     nn::optim::CheckParameters(all, who + " (rank " + std::to_string(pg_->rank()) + ")");
+    added = Partition(group.params, pg_->size());
+    added_pieces.resize(added.size());
     for (size_t r = 0; r < added.size(); ++r) {
       for (const Slice& s : added[r]) added_pieces[r].push_back(PieceOf(group.params[s.param].second.Detach(), s));
     }

@@ -1297,6 +1297,20 @@ TEST(ZeroRedundancyOptimizerTest, AddParamGroupOnThreeRanksEqualsTheUnshardedOpt
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A group holding an undefined tensor is refused naming it, before its
+// parameters are cut, and the optimizer keeps its one group.
+TEST(ZeroPartition, AddParamGroupWithAnUndefinedParameterIsRefusedNamingIt) {
+  const Tensor w = nn::Zeros({4, 8}).set_requires_grad(true);
+  ZeroRedundancyOptimizer zero({{"w", w}}, ProcessGroup::Single(), MakeOptimizer);
+  try {
+    zero.AddParamGroup({.params = {{"ghost", Tensor()}}});
+    ADD_FAILURE() << "an undefined parameter was added";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter `ghost` is undefined"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(zero.num_groups(), 1u);
+}
+
 // A group added to the shard's optimizer directly would be stepped by one
 // rank alone and left out of the state: refused, naming AddParamGroup.
 TEST(ZeroPartition, AGroupAddedToTheLocalOptimizerIsRefused) {
