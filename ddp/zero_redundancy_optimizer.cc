@@ -65,7 +65,13 @@ std::vector<std::vector<ZeroRedundancyOptimizer::Slice>> ZeroRedundancyOptimizer
     const nn::optim::NamedParameters& params, int world_size) {
   if (world_size < 1) throw std::invalid_argument("ZeroRedundancyOptimizer: world size must be positive");
   std::vector<int64_t> start(params.size() + 1, 0);  // of each parameter, end to end
-  for (size_t i = 0; i < params.size(); ++i) start[i + 1] = start[i] + params[i].second.numel();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].second.defined()) {
+      throw std::invalid_argument("ZeroRedundancyOptimizer::Partition: parameter `" + params[i].first +
+                                  "` is undefined");
+    }
+    start[i + 1] = start[i] + params[i].second.numel();
+  }
   const int64_t total = start.back();
   // cut[r]: where rank r's run begins; cut[world_size] = total.
   std::vector<int64_t> cut(static_cast<size_t>(world_size) + 1, total);

@@ -160,6 +160,12 @@ TEST(ZeroPartition, BadArgumentsAreNamed) {
   }
   EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), nullptr, make), std::invalid_argument);
   EXPECT_THROW(ZeroRedundancyOptimizer(Sized({2}), pg, nullptr), std::invalid_argument);
+  try {
+    ZeroRedundancyOptimizer::Partition({{"w", nn::Empty({2})}, {"ghost", Tensor()}}, 2);
+    ADD_FAILURE() << "an undefined parameter was cut";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter `ghost` is undefined"), std::string::npos) << e.what();
+  }
 }
 
 // The shards are views of the parameters' memory: a model converted after
