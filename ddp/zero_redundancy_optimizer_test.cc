@@ -259,6 +259,48 @@ TEST(ZeroPartition, OneProcessIsThePlainOptimizer) {
   EXPECT_THROW(zero.ConsolidatedStateDict(1), std::invalid_argument);
 }
 
+// One process, SGD with Nesterov momentum and weight decay, Adam, and
+// AdamW with AMSGrad: bit for bit the plain optimizer, state included.
+TEST(ZeroPartition, OneProcessEqualsEachPlainOptimizerBitForBit) {
+  const std::vector<std::pair<std::string, ZeroRedundancyOptimizer::Factory>> optimizers = {
+      {"SGD",
+       [](NamedParameters p) {
+         return std::make_unique<nn::optim::Sgd>(
+             std::move(p), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true});
+       }},
+      {"Adam",
+       [](NamedParameters p) {
+         return std::make_unique<nn::optim::Adam>(std::move(p), nn::optim::AdamOptions{.lr = 1e-3});
+       }},
+      {"AdamW",
+       [](NamedParameters p) {
+         return std::make_unique<nn::optim::AdamW>(std::move(p), nn::optim::AdamWOptions{.lr = 1e-3, .amsgrad = true});
+       }},
+  };
+  const auto& data = testing::FashionMnist();
+  for (const auto& [what, make] : optimizers) {
+    auto sharded = Mlp(1), plain = Mlp(1);
+    ZeroRedundancyOptimizer zero(sharded->NamedParameters(), ProcessGroup::Single(), make);
+    auto opt = make(plain->NamedParameters());
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      zero.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy((*sharded)(x), y));
+      zero.Step();
+      opt->ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy((*plain)(x), y));
+      opt->Step();
+      EXPECT_EQ(testing::HashState(*sharded), testing::HashState(*plain)) << what << " step " << s;
+    }
+    const NamedTensors whole = zero.ConsolidatedStateDict(0), want = opt->StateDict();
+    ASSERT_EQ(whole.size(), want.size()) << what;
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(whole[i].first, want[i].first) << what;
+      EXPECT_TRUE(SameBytes(whole[i].second, want[i].second)) << what << ": " << want[i].first;
+    }
+  }
+}
+
 // ----------------------------------------------------------- equivalence ----
 
 // The sharded and the unsharded optimizer, each behind its own DDP, from the
