@@ -364,6 +364,13 @@ void ZeroRedundancyOptimizer::CheckLocal(const char* what) const {
 
 void ZeroRedundancyOptimizer::Step() {
   const nn::optim::NamedParameters& local = local_->params();
+  // The pieces' gradients are cleared after the step; a parameter added to
+  // the shard's optimizer directly (refused below) is not a piece, and its
+  // gradient is left alone.
+  const auto clear_pieces = [&] {
+    const size_t own = std::min(local.size(), pieces_[static_cast<size_t>(pg_->rank())].size());
+    for (size_t k = 0; k < own; ++k) local[k].second.set_grad(Tensor());
+  };
   // A failure here is this rank's alone (its gradients, its memory, its
   // optimizer), while the others are about to broadcast their shards and
   // wait for this one's: end the group so that they fail now, with the
@@ -413,12 +420,12 @@ void ZeroRedundancyOptimizer::Step() {
     }
     local_->Step();
   } catch (const std::exception& e) {
-    for (const auto& [name, piece] : local) piece.set_grad(Tensor());
+    clear_pieces();
     pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::Step failed on rank " +
                                        std::to_string(pg_->rank()) + ": " + e.what()));
     throw;
   }
-  for (const auto& [name, piece] : local) piece.set_grad(Tensor());
+  clear_pieces();
   // Each rank's pieces in one broadcast per dtype and device (in place when
   // they are one piece).
   for (int r = 0; r < pg_->size(); ++r) {

@@ -1377,6 +1377,7 @@ TEST(ZeroPartition, AGroupAddedToTheLocalOptimizerIsRefused) {
     }
   }
   EXPECT_TRUE(SameBytes(extra.Detach(), nn::Zeros({3}))) << "the added parameter was stepped";
+  EXPECT_TRUE(extra.grad().defined()) << "the refused step cleared the gradient of a parameter it does not own";
 }
 
 // The consolidated state does not depend on the world size: saved by two
