@@ -70,6 +70,9 @@
 //   in the unsharded optimizer's format (a plain optimizer, or this one on
 //   any number of ranks, loads it); LoadStateDict takes such a state on
 //   every rank and keeps its slices' entries.
+// - No AddParamGroup (ZeroRedundancyOptimizer has one): the slices follow
+//   DDP's buckets, which hold the parameters trained when the wrapper was
+//   built; a layer unfrozen later needs a new wrapper and optimizer.
 
 #include <cstddef>
 #include <cstdint>
