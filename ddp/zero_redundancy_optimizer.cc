@@ -247,6 +247,14 @@ void ZeroRedundancyOptimizer::Init(
                            "build the same kind of optimizer, with the same rates and options).");
 }
 
+const std::vector<ZeroRedundancyOptimizer::Slice>& ZeroRedundancyOptimizer::shard(int r) const {
+  if (r < 0 || static_cast<size_t>(r) >= shards_.size()) {
+    throw std::out_of_range("ZeroRedundancyOptimizer::shard: rank " + std::to_string(r) + " is not in a group of " +
+                            std::to_string(shards_.size()));
+  }
+  return shards_[static_cast<size_t>(r)];
+}
+
 std::vector<int64_t> ZeroRedundancyOptimizer::ShardGroupSizes(int r) const {
   std::vector<int64_t> sizes(num_groups_, 0);
   for (const Slice& s : shards_[static_cast<size_t>(r)]) ++sizes[group_of_[s.param]];

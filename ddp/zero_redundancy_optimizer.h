@@ -171,8 +171,9 @@ class ZeroRedundancyOptimizer {
     int64_t length = 0;
     bool operator==(const Slice&) const = default;
   };
-  /// The pieces rank r owns, in parameter order.
-  const std::vector<Slice>& shard(int r) const { return shards_[static_cast<size_t>(r)]; }
+  /// The pieces rank r owns, in parameter order. Throws std::out_of_range
+  /// for a rank outside the group.
+  const std::vector<Slice>& shard(int r) const;
   /// This rank's optimizer (over its shard).
   nn::optim::Optimizer& local() { return *local_; }
   const nn::optim::Optimizer& local() const { return *local_; }

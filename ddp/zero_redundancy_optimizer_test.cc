@@ -257,6 +257,16 @@ TEST(ZeroPartition, OneProcessIsThePlainOptimizer) {
     EXPECT_TRUE(SameBytes(whole[i].second, want[i].second)) << want[i].first;
   }
   EXPECT_THROW(zero.ConsolidatedStateDict(1), std::invalid_argument);
+  for (const int r : {-1, 1}) {
+    try {
+      zero.shard(r);
+      ADD_FAILURE() << "rank " << r << "'s shard of a group of 1 was read";
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(r) + " is not in a group of 1"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // One process, SGD with Nesterov momentum and weight decay, Adam, and
