@@ -7,8 +7,10 @@
 // either way, which no tree can lower; a tree would only save the root
 // per-message costs, which matter for many ranks and tiny blocks.
 //
-// Both check each rank's arguments (count, dtype, root, collective) against
-// its ring predecessor's before the first wait, independent of the root.
+// Both prove that every rank passed the same arguments (count, dtype, root,
+// collective) before any data moves, in ceil(log2 p) rounds of small
+// messages (CheckEveryRank): one rank that differs fails every rank at
+// once, naming it and both values, and no receive buffer is written.
 
 #include "transport/algorithms/collective.h"
 #include "transport/p2p/point_to_point.h"

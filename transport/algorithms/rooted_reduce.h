@@ -14,9 +14,10 @@
 //     about 2N(p-1)/p and every rank reduces only (p-1)/p of a block per
 //     step, so long vectors go at link speed; but 2(p-1)ish latencies.
 //
-// Both check the arguments (count, dtype, op, root, algorithm) before any
-// data moves, independent of the root, so ranks that disagree on the root
-// fail too. The tree proves that every rank agrees (CheckEveryRank, count 0
+// Both check the arguments (count, dtype, op, root, algorithm) independent
+// of the root, so ranks that disagree on the root fail too: the tree before
+// any data moves, the ring before any rank uses data it received (its first
+// sends are posted with the check). The tree proves that every rank agrees (CheckEveryRank, count 0
 // included), so one rank that differs fails every rank at once, naming it.
 // The ring checks each rank against its ring predecessor (count 0: against
 // every rank); ranks not next to the one that differs fail as the stop note
