@@ -1,11 +1,15 @@
 #include "transport/algorithms/all_reduce.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -73,6 +77,89 @@ TEST(AllReduceTest, EnvironmentForcesTheAlgorithm) {
   } else {
     unsetenv(kAllReduceAlgoEnv);
   }
+}
+
+// Integers near their type's limits, where sums and products overflow:
+// every algorithm must wrap them (two's complement, as NCCL and PyTorch
+// do), every rank must end with the same bits, and avg must divide the
+// wrapped sum, truncating toward zero. The closed-form sweeps use small
+// integers, which never overflow, so they cannot tell wrapping from
+// saturating or from a sum taken in a wider type.
+template <typename T>
+T NearLimit(int rank, size_t i) {
+  // Alternately just below the maximum and just above the minimum, so
+  // that sums overflow both ways and products wrap.
+  const T step = static_cast<T>(rank + 1 + static_cast<int>(i % 3));
+  return i % 2 == 0 ? static_cast<T>(std::numeric_limits<T>::max() - step)
+                    : static_cast<T>(std::numeric_limits<T>::min() + step);
+}
+
+template <typename T>
+T Wrapped(ReduceOp op, int world, size_t i) {
+  using U = std::make_unsigned_t<T>;
+  // u8 promotes to int for * and +: take every step in unsigned int and cut.
+  using W = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, U>;
+  W acc = static_cast<W>(static_cast<U>(NearLimit<T>(0, i)));
+  T best_max = NearLimit<T>(0, i), best_min = best_max;
+  for (int r = 1; r < world; ++r) {
+    const T v = NearLimit<T>(r, i);
+    const W w = static_cast<W>(static_cast<U>(v));
+    acc = static_cast<W>(static_cast<U>(op == ReduceOp::kProd ? acc * w : acc + w));
+    best_max = std::max(best_max, v);
+    best_min = std::min(best_min, v);
+  }
+  if (op == ReduceOp::kMax) return best_max;
+  if (op == ReduceOp::kMin) return best_min;
+  const T wrapped = static_cast<T>(static_cast<U>(acc));
+  if (op == ReduceOp::kAvg) return static_cast<T>(static_cast<int64_t>(wrapped) / world);
+  return wrapped;
+}
+
+template <typename T>
+void CheckIntegersWrap(Algorithm algo, DataType dtype) {
+  constexpr size_t kCount = 13;
+  for (int world : {2, 3, 5, 6}) {
+    const std::vector<int> hosts = TwoPerHost(world);
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kProd, ReduceOp::kMax,
+                        ReduceOp::kMin}) {
+      // 0: each algorithm's default chunks and modes; 1: chunks of one
+      // element, and halving-doubling instead of recursive doubling.
+      for (size_t tiny : {size_t{0}, size_t{1}}) {
+        std::vector<std::vector<T>> out(world);
+        auto statuses = transport::testing::RunRanks(world, [&](p2p::PointToPoint& p2p) {
+          std::vector<T> in(kCount);
+          for (size_t i = 0; i < kCount; ++i) in[i] = NearLimit<T>(p2p.rank(), i);
+          out[p2p.rank()].assign(kCount, T{0});
+          CollectiveArgs args;
+          args.send = in.data();
+          args.recv = out[p2p.rank()].data();
+          args.count = kCount;
+          args.dtype = dtype;
+          args.op = op;
+          args.deadline = DeadlineIn(10s);
+          args.tuning.chunk_bytes = tiny * sizeof(T);
+          args.tuning.rhd_doubling_bytes = tiny;
+          return AllReduce(p2p, args, algo, hosts);
+        });
+        const std::string what = std::string(AlgorithmName(algo)) + ", " + DataTypeName(dtype) +
+                                 " " + ReduceOpName(op) + ", world " + std::to_string(world) +
+                                 (tiny ? ", one-element chunks" : "");
+        for (int r = 0; r < world; ++r) {
+          ASSERT_TRUE(statuses[r].ok()) << what << ", rank " << r << ": " << statuses[r];
+          for (size_t i = 0; i < kCount; ++i) {
+            ASSERT_EQ(+out[r][i], +Wrapped<T>(op, world, i))
+                << what << ", rank " << r << ", element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(ForcedAlgorithmTest, IntegersWrapAndAverageTheWrappedSum) {
+  CheckIntegersWrap<int32_t>(GetParam(), DataType::kI32);
+  CheckIntegersWrap<int64_t>(GetParam(), DataType::kI64);
+  CheckIntegersWrap<uint8_t>(GetParam(), DataType::kU8);
 }
 
 TEST(AllReduceTest, AutoUsesTheTable) {
