@@ -33,7 +33,16 @@ Status Barrier(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   fingerprint.root = -1;
   fingerprint.kind = internal::kBarrierKind;
   internal::PeerCheck check("barrier", fingerprint);
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {(r + 1) % p}, {(r + p - 1) % p}));
+  // A disagreement stops every rank of the barrier, as it stops a ring
+  // (Requests::RelayStops): the rank that finds it tells its successor,
+  // and each rank passes the note on. Without it only the rank after the
+  // odd one failed, and the others waited for rounds that never came until
+  // their deadline (5 ranks, rank 2 in a ring all-reduce: ranks 0, 1 and 4
+  // timed out after 6 s); a note from a ring rank that found a barrier
+  // rank among its neighbours now stops them too.
+  const int next = (r + 1) % p, prev = (r + p - 1) % p;
+  DDP_RETURN_IF_ERROR(requests.RelayStops("barrier", args.call_id, tag, prev, next));
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {next}, {prev}));
   for (int k = 0; k < rounds; ++k) {
     const int to = (r + (1 << k)) % p, from = (r - (1 << k) % p + p) % p;
     out[k] = static_cast<unsigned char>(k);

@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "transport/algorithms/broadcast.h"
+#include "transport/algorithms/ring_all_reduce.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/thread_harness.h"
 
@@ -123,6 +124,48 @@ TEST(BarrierTest, PeerInAnotherCollectiveFailsBothRanks) {
   if (statuses[1].code() == StatusCode::kInvalidArgument) {
     EXPECT_THAT(statuses[1].message(), HasSubstr("rank 0 passed barrier but rank 1 passed "
                                                  "broadcast, count 1 of u8, root 1"));
+  }
+}
+
+// One rank of five in a ring all-reduce while the others are in a barrier,
+// nobody killed, with a call id as the communicator passes: every rank
+// fails at once, naming both collectives. The barrier's check stopped only
+// the rank after the odd one; the others waited for rounds that never came
+// and timed out at their deadline (ranks 0, 1 and 4 after the full 6 s).
+TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
+  constexpr int kWorld = 5;
+  constexpr int kOdd = 2;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  std::vector<Clock::duration> took(kWorld);
+  auto statuses = RunRanks(
+      kWorld,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        std::vector<float> in(8, 1.0f), out(8);
+        CollectiveArgs args;
+        args.tag = CollectiveTag(3);
+        args.call_id = 7;
+        const auto start = Clock::now();
+        args.deadline = start + 6s;
+        Status status;
+        if (p2p.rank() == kOdd) {
+          args.send = in.data();
+          args.recv = out.data();
+          args.count = in.size();
+          status = RingAllReduce(p2p, args);
+        } else {
+          status = Barrier(p2p, args);
+        }
+        took[p2p.rank()] = Clock::now() - start;
+        return status;
+      },
+      options);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": "
+                                                                << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr("ring all-reduce")) << "rank " << r;
+    EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
+    EXPECT_LT(took[r], 3s) << "rank " << r << ": " << statuses[r];
   }
 }
 
