@@ -14,7 +14,9 @@
 //   - Integer sum and prod wrap around (two's complement) instead of
 //     overflowing into undefined behaviour.
 //   - Floating max/min propagate NaN: if either input is NaN the result is
-//     NaN (like torch.maximum, unlike std::fmax).
+//     NaN (like torch.maximum, unlike std::fmax). They order -0 below +0
+//     (IEEE 754-2019 maximum/minimum): max(+0, -0) = +0 and min(+0, -0) = -0
+//     in either operand order.
 //
 // Buffers are aligned to their element size (no stronger alignment is
 // assumed), and either do not overlap at all or are the same pointer

@@ -117,14 +117,17 @@ T RefOp(ReduceOp op, T a, T b) {
       } else {
         return a * b;
       }
+    // IEEE 754-2019 maximum and minimum: NaN wins, and -0 < +0.
     case ReduceOp::kMax:
       if constexpr (std::is_floating_point_v<T>) {
         if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<T>::quiet_NaN();
+        if (a == 0 && b == 0) return std::signbit(a) && std::signbit(b) ? -T{0} : T{0};
       }
       return a >= b ? a : b;
     case ReduceOp::kMin:
       if constexpr (std::is_floating_point_v<T>) {
         if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<T>::quiet_NaN();
+        if (a == 0 && b == 0) return std::signbit(a) || std::signbit(b) ? -T{0} : T{0};
       }
       return a <= b ? a : b;
   }
@@ -276,18 +279,73 @@ TEST(ReduceKernelTest, MatchesScalarReferenceForEveryTypeOpIsaAndAliasing) {
   }
 }
 
-// dst == b must still compute a op b, not b op a: max and min of +0 and -0
-// differ bit for bit with the order (the RHD all-reduce relies on it).
+// max(+0, -0) = +0 and min(+0, -0) = -0 in either operand order (IEEE
+// 754-2019), on every float type and ISA, in the vector body and the
+// scalar tail, out of place and in place: an all-reduce's zero must not
+// change sign with the algorithm that folded the ranks.
+TEST(ReduceKernelTest, MaxAndMinOfSignedZerosDoNotDependOnTheOrder) {
+  struct Format {
+    DataType dtype;
+    std::vector<unsigned char> plus, minus;  // +0 and -0, one element
+  };
+  auto bytes = [](auto v) {
+    std::vector<unsigned char> out(sizeof(v));
+    std::memcpy(out.data(), &v, sizeof(v));
+    return out;
+  };
+  const Format formats[] = {
+      {DataType::kF32, bytes(0.0f), bytes(-0.0f)},
+      {DataType::kF64, bytes(0.0), bytes(-0.0)},
+      {DataType::kF16, bytes(uint16_t{0x0000}), bytes(uint16_t{0x8000})},
+      {DataType::kBF16, bytes(uint16_t{0x0000}), bytes(uint16_t{0x8000})},
+  };
+  const size_t n = 37;  // whole vectors and a scalar tail on every path
+  for (Isa isa : IsasToTest()) {
+    for (const Format& f : formats) {
+      const size_t es = f.plus.size();
+      for (bool plus_first : {true, false}) {
+        std::vector<unsigned char> a(n * es), b(n * es);
+        for (size_t i = 0; i < n; ++i) {
+          std::memcpy(a.data() + i * es, (plus_first ? f.plus : f.minus).data(), es);
+          std::memcpy(b.data() + i * es, (plus_first ? f.minus : f.plus).data(), es);
+        }
+        for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+          const std::vector<unsigned char>& want = op == ReduceOp::kMax ? f.plus : f.minus;
+          const ReduceFn fn = GetReduceFn(f.dtype, op, isa);
+          std::vector<unsigned char> out(n * es), in_a = a, in_b = b;
+          fn(out.data(), a.data(), b.data(), n);
+          fn(in_a.data(), in_a.data(), b.data(), n);
+          fn(in_b.data(), a.data(), in_b.data(), n);
+          for (size_t i = 0; i < n; ++i) {
+            const std::string what = std::string(IsaName(isa)) + " " + DataTypeName(f.dtype) +
+                                     " " + ReduceOpName(op) + (plus_first ? "(+0, -0)" : "(-0, +0)") +
+                                     " element " + std::to_string(i);
+            EXPECT_EQ(std::memcmp(out.data() + i * es, want.data(), es), 0) << what << " out-of-place";
+            EXPECT_EQ(std::memcmp(in_a.data() + i * es, want.data(), es), 0) << what << " dst==a";
+            EXPECT_EQ(std::memcmp(in_b.data() + i * es, want.data(), es), 0) << what << " dst==b";
+          }
+        }
+      }
+    }
+  }
+}
+
+// dst == b must still compute a op b, not b op a: which of two NaNs comes
+// out of max and min depends on the order (the RHD all-reduce relies on it
+// to give every rank the same bits).
 TEST(ReduceKernelTest, AliasingKeepsTheOperandOrderBitForBit) {
   for (Isa isa : IsasToTest()) {
     for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
       const std::string what = std::string(IsaName(isa)) + " " + ReduceOpName(op);
-      std::vector<float> a(37, 0.0f), b(37, -0.0f), out(37);
+      const float nan1 = std::bit_cast<float>(0x7FC00001u), nan2 = std::bit_cast<float>(0x7FC00002u);
+      std::vector<float> a(37, nan1), b(37, nan2), out(37);
       GetReduceFn(DataType::kF32, op, isa)(out.data(), a.data(), b.data(), a.size());
       std::vector<float> inout_b = b;
       GetReduceFn(DataType::kF32, op, isa)(inout_b.data(), a.data(), inout_b.data(), a.size());
       EXPECT_EQ(std::memcmp(out.data(), inout_b.data(), out.size() * sizeof(float)), 0) << what << " f32";
-      std::vector<double> da(37, 0.0), db(37, -0.0), dout(37);
+      const double dnan1 = std::bit_cast<double>(0x7FF8000000000001ull);
+      const double dnan2 = std::bit_cast<double>(0x7FF8000000000002ull);
+      std::vector<double> da(37, dnan1), db(37, dnan2), dout(37);
       GetReduceFn(DataType::kF64, op, isa)(dout.data(), da.data(), db.data(), da.size());
       std::vector<double> dinout_b = db;
       GetReduceFn(DataType::kF64, op, isa)(dinout_b.data(), da.data(), dinout_b.data(), da.size());
