@@ -11,19 +11,23 @@
 
 #include "transport/reduce/half.h"
 
+// Everything that names AVX2 (the target attribute, intrinsics, the
+// kernels, the variables that pick them) stays inside
+// `#if DDP_REDUCE_HAVE_X86`: other architectures (aarch64) reject the
+// attribute's feature names and build the generic kernels only.
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define DDP_REDUCE_HAVE_X86 1
-#else
-#define DDP_REDUCE_HAVE_X86 0
-#endif
-
 // The AVX2 kernels are ordinary C++ compiled for a wider ISA through the
 // target attribute, so the build stays portable (no -mavx2 on the command
 // line) and the choice is made at run time from CPUID. Helpers are forced
 // inline into the attributed functions so that their loops are vectorized
 // for AVX2 rather than emitted once for the baseline.
 #define DDP_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define DDP_REDUCE_HAVE_X86 0
+#endif
+
 #define DDP_INLINE __attribute__((always_inline)) inline
 
 namespace ddp::transport::reduce {
@@ -161,13 +165,6 @@ struct GenericKernel {
   }
 };
 
-template <typename T, typename Op>
-struct Avx2Kernel {
-  DDP_AVX2 static void Run(void* dst, const void* a, const void* b, size_t n) {
-    RunLoops<T, Op>(dst, a, b, n);
-  }
-};
-
 // ---- 16-bit float formats -------------------------------------------------
 
 struct F16Format {
@@ -194,6 +191,13 @@ struct GenericHalfKernel {
 };
 
 #if DDP_REDUCE_HAVE_X86
+
+template <typename T, typename Op>
+struct Avx2Kernel {
+  DDP_AVX2 static void Run(void* dst, const void* a, const void* b, size_t n) {
+    RunLoops<T, Op>(dst, a, b, n);
+  }
+};
 
 // Eight f32 lanes per vector. The scalar Op is used for the tail, so both
 // paths round identically.
@@ -534,7 +538,6 @@ ReduceFn GetReduceFn(DataType dtype, ReduceOp op, Isa isa) {
 #if DDP_REDUCE_HAVE_X86
   const bool avx2 = isa == Isa::kAvx2;
 #else
-  const bool avx2 = false;
   (void)isa;
 #endif
   if (dtype == DataType::kF16) {
@@ -575,7 +578,11 @@ void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor, Is
     std::abort();
   }
   if (divisor == 1 || count == 0) return;
-  const bool avx2 = DDP_REDUCE_HAVE_X86 && isa == Isa::kAvx2;
+#if DDP_REDUCE_HAVE_X86
+  const bool avx2 = isa == Isa::kAvx2;
+#else
+  (void)isa;
+#endif
   MapByType(
       dtype, data,
       [&](auto* p) {
@@ -615,7 +622,11 @@ void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t c
                  static_cast<long long>(divisor));
     std::abort();
   }
-  const bool avx2 = DDP_REDUCE_HAVE_X86 && isa == Isa::kAvx2;
+#if DDP_REDUCE_HAVE_X86
+  const bool avx2 = isa == Isa::kAvx2;
+#else
+  (void)isa;
+#endif
   auto fused = [&](auto* d) {
     using T = std::remove_pointer_t<decltype(d)>;
     const T* x = static_cast<const T*>(a);
@@ -645,7 +656,11 @@ void ScaleInPlace(DataType dtype, void* data, size_t count, double factor) {
 
 void ScaleInPlace(DataType dtype, void* data, size_t count, double factor, Isa isa) {
   if (count == 0) return;
-  const bool avx2 = DDP_REDUCE_HAVE_X86 && isa == Isa::kAvx2;
+#if DDP_REDUCE_HAVE_X86
+  const bool avx2 = isa == Isa::kAvx2;
+#else
+  (void)isa;
+#endif
   MapByType(
       dtype, data,
       [&](auto* p) {
