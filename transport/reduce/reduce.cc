@@ -530,15 +530,38 @@ const char* IsaName(Isa isa) {
   return "unknown";
 }
 
+namespace {
+
+// The overloads that take an Isa run exactly what they are given, so they
+// check it first: an unknown value would silently run the generic kernels,
+// and AVX2 on a CPU without it would die of SIGILL mid-collective.
+void CheckIsa(Isa isa, const char* caller) {
+  switch (isa) {
+    case Isa::kGeneric:
+      return;
+    case Isa::kAvx2:
+      if (DetectIsa() == Isa::kAvx2) return;
+      std::fprintf(stderr,
+                   "fatal: reduce: %s: Isa::kAvx2 (AVX2 + FMA + F16C) requested, but this "
+                   "CPU does not support it (DetectIsa() is %s)\n",
+                   caller, IsaName(DetectIsa()));
+      std::abort();
+  }
+  std::fprintf(stderr, "fatal: reduce: %s: invalid Isa value %d (kGeneric = 0, kAvx2 = 1)\n",
+               caller, static_cast<int>(isa));
+  std::abort();
+}
+
+}  // namespace
+
 ReduceFn GetReduceFn(DataType dtype, ReduceOp op) {
   return GetReduceFn(dtype, op, DetectIsa());
 }
 
 ReduceFn GetReduceFn(DataType dtype, ReduceOp op, Isa isa) {
+  CheckIsa(isa, "GetReduceFn");
 #if DDP_REDUCE_HAVE_X86
   const bool avx2 = isa == Isa::kAvx2;
-#else
-  (void)isa;
 #endif
   if (dtype == DataType::kF16) {
 #if DDP_REDUCE_HAVE_X86
@@ -572,6 +595,7 @@ void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor) {
 }
 
 void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor, Isa isa) {
+  CheckIsa(isa, "DivideInPlace");
   if (divisor <= 0) {
     std::fprintf(stderr, "fatal: reduce: DivideInPlace by non-positive divisor %lld\n",
                  static_cast<long long>(divisor));
@@ -580,8 +604,6 @@ void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor, Is
   if (divisor == 1 || count == 0) return;
 #if DDP_REDUCE_HAVE_X86
   const bool avx2 = isa == Isa::kAvx2;
-#else
-  (void)isa;
 #endif
   MapByType(
       dtype, data,
@@ -617,6 +639,7 @@ void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t c
 
 void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t count,
                int64_t divisor, Isa isa) {
+  CheckIsa(isa, "SumDivide");
   if (divisor <= 0) {
     std::fprintf(stderr, "fatal: reduce: SumDivide by non-positive divisor %lld\n",
                  static_cast<long long>(divisor));
@@ -624,8 +647,6 @@ void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t c
   }
 #if DDP_REDUCE_HAVE_X86
   const bool avx2 = isa == Isa::kAvx2;
-#else
-  (void)isa;
 #endif
   auto fused = [&](auto* d) {
     using T = std::remove_pointer_t<decltype(d)>;
@@ -655,11 +676,10 @@ void ScaleInPlace(DataType dtype, void* data, size_t count, double factor) {
 }
 
 void ScaleInPlace(DataType dtype, void* data, size_t count, double factor, Isa isa) {
+  CheckIsa(isa, "ScaleInPlace");
   if (count == 0) return;
 #if DDP_REDUCE_HAVE_X86
   const bool avx2 = isa == Isa::kAvx2;
-#else
-  (void)isa;
 #endif
   MapByType(
       dtype, data,

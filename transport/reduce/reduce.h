@@ -49,6 +49,9 @@ using ReduceFn = void (*)(void* dst, const void* a, const void* b, size_t count)
 
 /// The kernel for (dtype, op) on `isa` (DetectIsa() by default); never null
 /// for valid enum values. Look it up once per collective, call it per chunk.
+/// Every overload that takes an Isa aborts with a message naming it when
+/// it is not an Isa value or this CPU lacks it (kAvx2 where DetectIsa()
+/// is kGeneric, e.g. on aarch64).
 ReduceFn GetReduceFn(DataType dtype, ReduceOp op);
 ReduceFn GetReduceFn(DataType dtype, ReduceOp op, Isa isa);
 

@@ -484,6 +484,35 @@ TEST(ReduceKernelTest, VectorAndScalarHalfPathsAgreeOnEveryInput) {
   }
 }
 
+// The overloads that take an Isa refuse one that is not an Isa value, and
+// AVX2 on a CPU without it, naming the function and the Isa, instead of
+// running the generic kernels or dying of SIGILL.
+TEST(IsaTest, ExplicitIsaOverloadsRefuseAnInvalidValue) {
+  const Isa bad = static_cast<Isa>(7);
+  float x[4] = {1, 2, 3, 4}, y[4] = {1, 1, 1, 1};
+  EXPECT_DEATH(GetReduceFn(DataType::kF32, ReduceOp::kSum, bad),
+               "GetReduceFn: invalid Isa value 7");
+  EXPECT_DEATH(DivideInPlace(DataType::kF32, x, 4, 3, bad), "DivideInPlace: invalid Isa value 7");
+  EXPECT_DEATH(SumDivide(DataType::kF32, x, x, y, 4, 3, bad), "SumDivide: invalid Isa value 7");
+  EXPECT_DEATH(ScaleInPlace(DataType::kF32, x, 4, 0.5, bad), "ScaleInPlace: invalid Isa value 7");
+}
+
+TEST(IsaTest, Avx2IsRefusedExactlyWhereTheCpuLacksIt) {
+  uint16_t h[16] = {}, g[16] = {};
+  if (DetectIsa() == Isa::kAvx2) {
+    EXPECT_NE(GetReduceFn(DataType::kF16, ReduceOp::kSum, Isa::kAvx2), nullptr);
+    DivideInPlace(DataType::kF16, h, 16, 3, Isa::kAvx2);
+    SumDivide(DataType::kF16, h, h, g, 16, 3, Isa::kAvx2);
+    ScaleInPlace(DataType::kF16, h, 16, 0.5, Isa::kAvx2);
+  } else {
+    const char* want = "Isa::kAvx2 .*requested, but this CPU does not support it";
+    EXPECT_DEATH(GetReduceFn(DataType::kF16, ReduceOp::kSum, Isa::kAvx2), want);
+    EXPECT_DEATH(DivideInPlace(DataType::kF16, h, 16, 3, Isa::kAvx2), want);
+    EXPECT_DEATH(SumDivide(DataType::kF16, h, h, g, 16, 3, Isa::kAvx2), want);
+    EXPECT_DEATH(ScaleInPlace(DataType::kF16, h, 16, 0.5, Isa::kAvx2), want);
+  }
+}
+
 TEST(DivideInPlaceTest, IntegersTruncateTowardZero) {
   for (Isa isa : IsasToTest()) {
     int32_t i32[] = {-7, 7, -1, 9};
