@@ -421,11 +421,13 @@ DDP_INLINE void SumDivideFloat(T* d, const T* a, const T* b, size_t n, int64_t d
   for (size_t i = 0; i < n; ++i) d[i] = (a[i] + b[i]) / q;
 }
 
+// Floats: the product is taken in double and rounded once to T, as C++'s
+// `x *= factor` does for a float x (rounding the factor to float first
+// would round twice: 5.0f * (1.0 / 3) gave 0x3FD55556, not 0x3FD55555).
 template <typename T>
 DDP_INLINE void ScaleNative(T* __restrict p, size_t n, double factor) {
   if constexpr (std::is_floating_point_v<T>) {
-    const T f = static_cast<T>(factor);
-    for (size_t i = 0; i < n; ++i) p[i] = p[i] * f;
+    for (size_t i = 0; i < n; ++i) p[i] = static_cast<T>(static_cast<double>(p[i]) * factor);
   } else {
     for (size_t i = 0; i < n; ++i) {
       p[i] = FromDoubleSaturating<T>(static_cast<double>(p[i]) * factor);
@@ -449,6 +451,29 @@ struct MultiplyBy {
   DDP_AVX2 DDP_INLINE __m256 Vec(__m256 x) const { return _mm256_mul_ps(x, _mm256_set1_ps(f)); }
 #endif
 };
+
+// d rounded to f32 toward zero, with the last bit set when that dropped
+// anything ("round to odd"). Rounding that float to nearest-even again, to a
+// format with at least two fewer significand bits (f16: 11, bf16: 8, against
+// f32's 24), gives the same bits as rounding d there directly: the odd bit
+// stands for everything that was dropped, so no tie is made or lost.
+inline float RoundToOddFloat(double d) {
+  float f = static_cast<float>(d);
+  if (d != d || static_cast<double>(f) == d) return f;  // NaN, or exact
+  if (std::fabs(static_cast<double>(f)) > std::fabs(d)) {
+    f = std::nextafter(f, 0.0f);  // rounded away from zero (also to inf)
+  }
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | 1u);
+}
+
+// data[i] *= factor for 16-bit floats: the double product rounded once to
+// 16 bits. Scalar on every ISA: nothing on a collective's path scales.
+template <typename Fmt>
+void ScaleHalf(uint16_t* p, size_t n, double factor) {
+  for (size_t i = 0; i < n; ++i) {
+    p[i] = Fmt::FromFloat(RoundToOddFloat(static_cast<double>(Fmt::ToFloat(p[i])) * factor));
+  }
+}
 
 template <typename Fmt, typename Fn>
 void GenericHalfMap(uint16_t* p, size_t n, Fn fn) {
@@ -689,18 +714,7 @@ void ScaleInPlace(DataType dtype, void* data, size_t count, double factor, Isa i
 #endif
         ScaleNativeGeneric(p, count, factor);
       },
-      [&](auto fmt, uint16_t* p, bool is_f16) {
-        using Fmt = decltype(fmt);
-        const MultiplyBy fn{static_cast<float>(factor)};
-#if DDP_REDUCE_HAVE_X86
-        if (avx2) {
-          if (is_f16) return Avx2HalfMap<F16Format, F16Vec>(p, count, fn);
-          return Avx2HalfMap<BF16Format, BF16Vec>(p, count, fn);
-        }
-#endif
-        (void)is_f16;
-        GenericHalfMap<Fmt>(p, count, fn);
-      });
+      [&](auto fmt, uint16_t* p, bool /*is_f16*/) { ScaleHalf<decltype(fmt)>(p, count, factor); });
 }
 
 }  // namespace ddp::transport::reduce

@@ -75,8 +75,10 @@ void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t c
 void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t count,
                int64_t divisor, Isa isa);
 
-/// data[i] *= factor (f16/bf16 in f32; integers: product truncated toward
-/// zero, computed in double).
+/// data[i] *= factor. Floats: the product is computed in double and rounded
+/// once to the element type (f32: what C++ `x *= factor` gives; f16 and
+/// bf16: no intermediate rounding to f32). Integers: the double product
+/// truncated toward zero and clamped to the type's range (NaN gives 0).
 void ScaleInPlace(DataType dtype, void* data, size_t count, double factor);
 void ScaleInPlace(DataType dtype, void* data, size_t count, double factor, Isa isa);
 

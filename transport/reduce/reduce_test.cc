@@ -656,5 +656,77 @@ TEST(ScaleInPlaceTest, ScalesFloatsAndSaturatesIntegers) {
   }
 }
 
+// The 16-bit float nearest to d, ties to the even bit pattern, found by a
+// search over the format's bit patterns (independent of the kernels'
+// rounding code). `dec` decodes; `inf_bits` is +infinity's pattern.
+uint16_t NearestSixteenBit(double d, float (*dec)(uint16_t), uint16_t inf_bits) {
+  const uint16_t sign = std::signbit(d) ? 0x8000 : 0;
+  const long double m = std::fabs(static_cast<long double>(d));
+  auto value = [&](uint32_t bits) -> long double {
+    if (bits < inf_bits) return dec(static_cast<uint16_t>(bits));
+    // Infinity counts as the next step after the largest finite value.
+    return 2.0L * dec(static_cast<uint16_t>(inf_bits - 1)) - dec(static_cast<uint16_t>(inf_bits - 2));
+  };
+  if (m >= value(inf_bits)) return sign | inf_bits;
+  uint32_t lo = 0, hi = inf_bits;  // value(lo) <= m < value(hi)
+  while (hi - lo > 1) {
+    const uint32_t mid = (lo + hi) / 2;
+    (value(mid) <= m ? lo : hi) = mid;
+  }
+  const long double below = m - value(lo), above = value(hi) - m;
+  const uint32_t pick = below < above ? lo : above < below ? hi : (lo % 2 == 0 ? lo : hi);
+  return static_cast<uint16_t>(sign | pick);
+}
+
+// ScaleInPlace rounds the double product once, as `x *= factor` does for a
+// float x: the factor is not rounded to float first, and f16/bf16 are not
+// rounded to f32 on the way.
+TEST(ScaleInPlaceTest, RoundsTheDoubleProductOnce) {
+  // The last two were found by a search: through f32 they round f16 0x04E5
+  // to 0x1096 (want 0x1095) and bf16 0x00A5 to 0x0142 (want 0x0141).
+  const double factors[] = {1.0 / 3, 0.1, 1.0 / 7, 3.7, -2.0 / 3, 7.4924179072348736,
+                            2.3454544634733936};
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> value(-1000.0f, 1000.0f);
+  std::vector<float> base(1003);
+  for (float& x : base) x = value(rng);
+  base[0] = 5.0f;
+  for (Isa isa : IsasToTest()) {
+    for (double factor : factors) {
+      const std::string what = std::string(IsaName(isa)) + " factor " + std::to_string(factor);
+      std::vector<float> f = base;
+      ScaleInPlace(DataType::kF32, f.data(), f.size(), factor, isa);
+      for (size_t i = 0; i < f.size(); ++i) {
+        float want = base[i];
+        want *= factor;  // C++: computed in double, rounded once
+        ASSERT_EQ(std::bit_cast<uint32_t>(f[i]), std::bit_cast<uint32_t>(want))
+            << what << ": f32 " << base[i] << " * factor";
+      }
+      for (DataType dtype : {DataType::kF16, DataType::kBF16}) {
+        const bool is_f16 = dtype == DataType::kF16;
+        float (*dec)(uint16_t) = is_f16 ? &HalfToFloat : &BFloat16ToFloat;
+        const uint16_t inf_bits = is_f16 ? 0x7C00 : 0x7F80;
+        std::vector<uint16_t> h(65536);
+        for (uint32_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint16_t>(i);
+        ScaleInPlace(dtype, h.data(), h.size(), factor, isa);
+        int wrong = 0;
+        for (uint32_t i = 0; i < h.size(); ++i) {
+          const float x = dec(static_cast<uint16_t>(i));
+          if (std::isnan(x)) {
+            EXPECT_TRUE(std::isnan(dec(h[i]))) << what << " " << DataTypeName(dtype) << " " << i;
+            continue;
+          }
+          const uint16_t want = NearestSixteenBit(static_cast<double>(x) * factor, dec, inf_bits);
+          if (h[i] != want && ++wrong <= 3) {
+            ADD_FAILURE() << what << " " << DataTypeName(dtype) << ": " << x << " (0x" << std::hex
+                          << i << ") gave 0x" << h[i] << ", want 0x" << want << std::dec;
+          }
+        }
+        EXPECT_EQ(wrong, 0) << what << " " << DataTypeName(dtype) << " inputs rounded wrongly";
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::transport::reduce
