@@ -143,13 +143,31 @@ DDP_INLINE void InPlaceLoopSecond(T* __restrict inout, const T* __restrict in, s
   for (size_t i = 0; i < n; ++i) inout[i] = Op::Apply(in[i], inout[i]);
 }
 
+// a == b (dst may be a too): one input, so no two __restrict pointers can
+// name the same buffer (which would be undefined behaviour).
+template <typename T, typename Op>
+DDP_INLINE void SelfInPlaceLoop(T* inout, size_t n) {
+  for (size_t i = 0; i < n; ++i) inout[i] = Op::Apply(inout[i], inout[i]);
+}
+
+template <typename T, typename Op>
+DDP_INLINE void SelfLoop(T* __restrict dst, const T* __restrict in, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = Op::Apply(in[i], in[i]);
+}
+
 // Routes the aliasing cases to loops whose pointers are truly disjoint, so
 // the vectorizer needs no run-time overlap checks. The operands keep their
 // order: which of two NaNs comes out of max, min or sum depends on it.
 template <typename T, typename Op>
 DDP_INLINE void RunLoops(void* dst, const void* a, const void* b, size_t n) {
   T* d = static_cast<T*>(dst);
-  if (dst == a) {
+  if (a == b) {
+    if (dst == a) {
+      SelfInPlaceLoop<T, Op>(d, n);
+    } else {
+      SelfLoop<T, Op>(d, static_cast<const T*>(a), n);
+    }
+  } else if (dst == a) {
     InPlaceLoop<T, Op>(d, static_cast<const T*>(b), n);
   } else if (dst == b) {
     InPlaceLoopSecond<T, Op>(d, static_cast<const T*>(a), n);

@@ -44,7 +44,8 @@ Isa DetectIsa();
 /// "generic", "avx2".
 const char* IsaName(Isa isa);
 
-/// dst[i] = a[i] op b[i] for i in [0, count). dst may equal a or b.
+/// dst[i] = a[i] op b[i] for i in [0, count). dst may equal a or b or both,
+/// and a may equal b.
 using ReduceFn = void (*)(void* dst, const void* a, const void* b, size_t count);
 
 /// The kernel for (dtype, op) on `isa` (DetectIsa() by default); never null
@@ -58,7 +59,8 @@ ReduceFn GetReduceFn(DataType dtype, ReduceOp op, Isa isa);
 /// inout[i] = inout[i] op in[i].
 void Reduce(DataType dtype, ReduceOp op, void* inout, const void* in, size_t count);
 
-/// dst[i] = a[i] op b[i] (dst may equal a or b).
+/// dst[i] = a[i] op b[i] (dst, a and b may be the same pointer, any two
+/// or all three).
 void Reduce(DataType dtype, ReduceOp op, void* dst, const void* a, const void* b,
             size_t count);
 

@@ -235,6 +235,8 @@ std::vector<unsigned char> RandomBuffer(DataType dtype, size_t n, std::mt19937& 
   return buf;
 }
 
+// Aliasing covered: out of place, dst == a, dst == b, a == b, dst == a == b
+// (the last two run loops without two __restrict pointers on one buffer).
 TEST(ReduceKernelTest, MatchesScalarReferenceForEveryTypeOpIsaAndAliasing) {
   std::mt19937 rng(1234);
   for (Isa isa : IsasToTest()) {
@@ -263,6 +265,16 @@ TEST(ReduceKernelTest, MatchesScalarReferenceForEveryTypeOpIsaAndAliasing) {
           auto inout_b = b;
           fn(inout_b.data(), a.data(), inout_b.data(), n);
           ExpectSameElements(dtype, inout_b.data(), want.data(), n, what + " dst==b");
+
+          // One buffer as both inputs, and also as the output.
+          std::vector<unsigned char> want_self(n * es + 1);
+          for (size_t i = 0; i < n; ++i) RefElement(dtype, op, a.data(), a.data(), want_self.data(), i);
+          std::vector<unsigned char> self_out(n * es + 1);
+          fn(self_out.data(), a.data(), a.data(), n);
+          ExpectSameElements(dtype, self_out.data(), want_self.data(), n, what + " a==b");
+          auto self = a;
+          fn(self.data(), self.data(), self.data(), n);
+          ExpectSameElements(dtype, self.data(), want_self.data(), n, what + " dst==a==b");
 
           // Off vector alignment by one element (element alignment is the
           // contract): the kernels must not assume more.
