@@ -595,6 +595,16 @@ void CheckIsa(Isa isa, const char* caller) {
   std::abort();
 }
 
+// For the maps that return early (count 0, divisor 1) before the type
+// switch: an invalid DataType is refused there too, not only when there is
+// work to do.
+void CheckDataType(DataType dtype, const char* caller) {
+  if (DataTypeSize(dtype) != 0) return;
+  std::fprintf(stderr, "fatal: reduce: %s: invalid DataType value %d\n", caller,
+               static_cast<int>(dtype));
+  std::abort();
+}
+
 }  // namespace
 
 ReduceFn GetReduceFn(DataType dtype, ReduceOp op) {
@@ -639,6 +649,7 @@ void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor) {
 
 void DivideInPlace(DataType dtype, void* data, size_t count, int64_t divisor, Isa isa) {
   CheckIsa(isa, "DivideInPlace");
+  CheckDataType(dtype, "DivideInPlace");
   if (divisor <= 0) {
     std::fprintf(stderr, "fatal: reduce: DivideInPlace by non-positive divisor %lld\n",
                  static_cast<long long>(divisor));
@@ -683,6 +694,7 @@ void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t c
 void SumDivide(DataType dtype, void* dst, const void* a, const void* b, size_t count,
                int64_t divisor, Isa isa) {
   CheckIsa(isa, "SumDivide");
+  CheckDataType(dtype, "SumDivide");
   if (divisor <= 0) {
     std::fprintf(stderr, "fatal: reduce: SumDivide by non-positive divisor %lld\n",
                  static_cast<long long>(divisor));
@@ -720,6 +732,7 @@ void ScaleInPlace(DataType dtype, void* data, size_t count, double factor) {
 
 void ScaleInPlace(DataType dtype, void* data, size_t count, double factor, Isa isa) {
   CheckIsa(isa, "ScaleInPlace");
+  CheckDataType(dtype, "ScaleInPlace");
   if (count == 0) return;
 #if DDP_REDUCE_HAVE_X86
   const bool avx2 = isa == Isa::kAvx2;

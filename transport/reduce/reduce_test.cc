@@ -509,6 +509,17 @@ TEST(IsaTest, ExplicitIsaOverloadsRefuseAnInvalidValue) {
   EXPECT_DEATH(ScaleInPlace(DataType::kF32, x, 4, 0.5, bad), "ScaleInPlace: invalid Isa value 7");
 }
 
+// Also when there is nothing to do (count 0, divisor 1): a bad type is a
+// caller's bug whatever the count.
+TEST(DataTypeTest, MapsRefuseAnInvalidDataTypeEvenWithNothingToDo) {
+  const DataType bad = static_cast<DataType>(9);
+  float x[1] = {1};
+  EXPECT_DEATH(DivideInPlace(bad, nullptr, 0, 3), "DivideInPlace: invalid DataType value 9");
+  EXPECT_DEATH(DivideInPlace(bad, x, 1, 1), "DivideInPlace: invalid DataType value 9");
+  EXPECT_DEATH(SumDivide(bad, nullptr, nullptr, nullptr, 0, 3), "SumDivide: invalid DataType value 9");
+  EXPECT_DEATH(ScaleInPlace(bad, nullptr, 0, 2.0), "ScaleInPlace: invalid DataType value 9");
+}
+
 TEST(IsaTest, Avx2IsRefusedExactlyWhereTheCpuLacksIt) {
   uint16_t h[16] = {}, g[16] = {};
   if (DetectIsa() == Isa::kAvx2) {
