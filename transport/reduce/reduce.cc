@@ -95,10 +95,11 @@ DDP_INLINE T SignedZeroMin(T a, T b) {
 // sign of a zero result does not depend on which rank's value came first.
 // Without NaN, `x > y ? x : y` in both orders (each one maxps) differ only
 // on a tie, which SignedZeroMax settles; then a NaN is selected in, a's
-// first. Selects, not branches, so the loops vectorize. Cost (reduce_bench,
-// max, one x86 core): same speed from memory (16 MiB); in L2 (256 KiB)
-// AVX2 f32/f64 up to a fifth slower and generic SSE2 about a third slower
-// than the old single compare-and-select, which got the zero's sign wrong.
+// first. Selects, not branches, so the loops vectorize. Cost against the
+// old single compare-and-select, which got the zero's sign wrong
+// (reduce_bench, max, median of 3, one x86 core): AVX2 f32/f64 the same out
+// of place and about 12% slower in place in L2 (256 KiB), the same from
+// memory (16 MiB); generic SSE2 f32/f64 about a third slower in L2.
 template <typename T>
 struct MaxOp {
   static DDP_INLINE T Apply(T a, T b) {
@@ -229,8 +230,8 @@ struct VecProd {
 // operand on a tie and when either is NaN. Without NaN, ANDing (max) or
 // ORing (min) the results of both operand orders settles the +0/-0 tie as
 // SignedZeroMax/Min do; a NaN is then blended in, a's if a is NaN, else b's.
-// Four more instructions than before: the same speed from memory, about a
-// quarter slower in L2 for f16 and a fifth for bf16 (reduce_bench).
+// Four more instructions than before: in L2 (256 KiB) f16 max is about 30%
+// slower and bf16 about 19%; from memory (16 MiB) 6-18% (reduce_bench).
 struct VecMax {
   DDP_AVX2 static DDP_INLINE __m256 Apply(__m256 a, __m256 b) {
     const __m256 ordered = _mm256_and_ps(_mm256_max_ps(a, b), _mm256_max_ps(b, a));
