@@ -226,27 +226,6 @@ struct VecSum {
 struct VecProd {
   DDP_AVX2 static DDP_INLINE __m256 Apply(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 };
-// The same rules as MaxOp/MinOp. maxps and minps return their second
-// operand on a tie and when either is NaN. Without NaN, ANDing (max) or
-// ORing (min) the results of both operand orders settles the +0/-0 tie as
-// SignedZeroMax/Min do; a NaN is then blended in, a's if a is NaN, else b's.
-// Four more instructions than before: in L2 (256 KiB) f16 max is about 30%
-// slower and bf16 about 19%; from memory (16 MiB) 6-18% (reduce_bench).
-struct VecMax {
-  DDP_AVX2 static DDP_INLINE __m256 Apply(__m256 a, __m256 b) {
-    const __m256 ordered = _mm256_and_ps(_mm256_max_ps(a, b), _mm256_max_ps(b, a));
-    const __m256 nan = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-    return _mm256_blendv_ps(ordered, nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
-  }
-};
-struct VecMin {
-  DDP_AVX2 static DDP_INLINE __m256 Apply(__m256 a, __m256 b) {
-    const __m256 ordered = _mm256_or_ps(_mm256_min_ps(a, b), _mm256_min_ps(b, a));
-    const __m256 nan = _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-    return _mm256_blendv_ps(ordered, nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
-  }
-};
-
 // F16C converts eight halves per instruction, rounding to nearest-even.
 struct F16Vec {
   DDP_AVX2 static DDP_INLINE __m256 Load(const uint16_t* p) {
@@ -357,6 +336,60 @@ ReduceFn GenericHalfFor(ReduceOp op) {
 }
 
 #if DDP_REDUCE_HAVE_X86
+// Max and min of 16-bit floats without widening: the result is one of the
+// inputs, so the bit patterns are compared as integers, sixteen lanes at a
+// time. x ^ ((x >> 15) & 0x7FFF) (arithmetic shift) maps the patterns to
+// signed integers in the order of their values, with -0 just below +0: the
+// IEEE 754-2019 rule of MaxOp/MinOp. A NaN comes out as the f32 round trip
+// of the generic kernel leaves it: a's if a is NaN, else b's, with kQuiet
+// set. The tail runs the scalar op through f32, the same function.
+// kInf: +infinity's bits (a larger magnitude is NaN); kQuiet: the bit that
+// the round trip through f32 sets in a NaN.
+template <typename Fmt>
+struct HalfBits;
+template <>
+struct HalfBits<F16Format> {
+  static constexpr uint16_t kInf = 0x7C00, kQuiet = 0x0200;
+};
+template <>
+struct HalfBits<BF16Format> {
+  static constexpr uint16_t kInf = 0x7F80, kQuiet = 0x0040;
+};
+
+template <typename Fmt, typename ScalarOp, bool kMax>
+struct Avx2HalfMaxMinKernel {
+  DDP_AVX2 static DDP_INLINE __m256i Key(__m256i x) {
+    return _mm256_xor_si256(
+        x, _mm256_and_si256(_mm256_srai_epi16(x, 15), _mm256_set1_epi16(0x7FFF)));
+  }
+  DDP_AVX2 static DDP_INLINE __m256i IsNan(__m256i x) {
+    return _mm256_cmpgt_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7FFF)),
+                              _mm256_set1_epi16(static_cast<short>(HalfBits<Fmt>::kInf)));
+  }
+  DDP_AVX2 static void Run(void* dst, const void* a, const void* b, size_t n) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    const uint16_t* x = static_cast<const uint16_t*>(a);
+    const uint16_t* y = static_cast<const uint16_t*>(b);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + i));
+      const __m256i a_wins =
+          kMax ? _mm256_cmpgt_epi16(Key(va), Key(vb)) : _mm256_cmpgt_epi16(Key(vb), Key(va));
+      const __m256i ordered = _mm256_blendv_epi8(vb, va, a_wins);
+      const __m256i a_nan = IsNan(va);
+      const __m256i nan = _mm256_or_si256(_mm256_blendv_epi8(vb, va, a_nan),
+                                          _mm256_set1_epi16(static_cast<short>(HalfBits<Fmt>::kQuiet)));
+      const __m256i any_nan = _mm256_or_si256(a_nan, IsNan(vb));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                          _mm256_blendv_epi8(ordered, nan, any_nan));
+    }
+    for (; i < n; ++i) {
+      d[i] = Fmt::FromFloat(ScalarOp::Apply(Fmt::ToFloat(x[i]), Fmt::ToFloat(y[i])));
+    }
+  }
+};
+
 template <typename Fmt, typename Vec>
 ReduceFn Avx2HalfFor(ReduceOp op) {
   switch (op) {
@@ -364,9 +397,9 @@ ReduceFn Avx2HalfFor(ReduceOp op) {
     case ReduceOp::kAvg:
       return &Avx2HalfKernel<Fmt, Vec, SumOp<float>, VecSum>::Run;
     case ReduceOp::kMax:
-      return &Avx2HalfKernel<Fmt, Vec, MaxOp<float>, VecMax>::Run;
+      return &Avx2HalfMaxMinKernel<Fmt, MaxOp<float>, true>::Run;
     case ReduceOp::kMin:
-      return &Avx2HalfKernel<Fmt, Vec, MinOp<float>, VecMin>::Run;
+      return &Avx2HalfMaxMinKernel<Fmt, MinOp<float>, false>::Run;
     case ReduceOp::kProd:
       return &Avx2HalfKernel<Fmt, Vec, ProdOp<float>, VecProd>::Run;
   }
