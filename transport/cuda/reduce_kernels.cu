@@ -52,6 +52,16 @@ template <typename A> __device__ bool IsNan(A x) {
   }
 }
 
+// Whether x carries a minus sign (-0.0 included), for a tie of +0 and -0;
+// integers that tie are the same value, so either may be kept.
+template <typename A> __device__ bool SignBit(A x) {
+  if constexpr (std::is_floating_point_v<A>) {
+    return signbit(x);
+  } else {
+    return false;
+  }
+}
+
 // Integer sums and products wrap, as on the host (transport/reduce): done
 // in the unsigned type, where overflow is defined (signed overflow is not,
 // and the compiler may assume it never happens). uint8_t promotes to int,
@@ -92,10 +102,12 @@ __global__ void ReduceKernel(T* dst, Sources sources, int n, size_t count) {
       const A v = Widen(static_cast<const T*>(sources.p[k])[i]);
       if constexpr (kOp == kSum || kOp == kAvg) acc = WrapAdd(acc, v);
       // A NaN from any source wins, as on the host (transport/reduce): a
-      // bare comparison keeps a NaN only where it came first. On a tie
-      // (+0 and -0) the later operand wins, as on the host.
-      if constexpr (kOp == kMax) acc = IsNan(acc) || acc > v ? acc : v;
-      if constexpr (kOp == kMin) acc = IsNan(acc) || acc < v ? acc : v;
+      // bare comparison keeps a NaN only where it came first. A tie of +0
+      // and -0 gives +0 for max and -0 for min in either order, as on the
+      // host (IEEE 754-2019 maximum and minimum), so the result does not
+      // depend on the order the sources are folded in.
+      if constexpr (kOp == kMax) acc = IsNan(acc) || acc > v || (acc == v && !SignBit(acc)) ? acc : v;
+      if constexpr (kOp == kMin) acc = IsNan(acc) || acc < v || (acc == v && SignBit(acc)) ? acc : v;
       if constexpr (kOp == kProd) acc = WrapMul(acc, v);
     }
     if constexpr (kOp == kAvg) acc = static_cast<A>(acc / static_cast<A>(n));
