@@ -542,7 +542,12 @@ int main(int argc, char** argv) {
     if (comm.rank() == 0) {
       std::fprintf(stderr, "allreduce_bench: --check found %lld wrong element(s) in all\n",
                    static_cast<long long>(total_wrong));
+      std::fflush(stderr);
     }
+    // The others leave once rank 0 has said so: the launcher stops every
+    // rank when the first exits with an error, which could otherwise come
+    // before rank 0's line.
+    Check(comm.Barrier(), "the barrier after --check's count");
     return 1;
   }
   return 0;
