@@ -952,6 +952,38 @@ TEST(KernelsTest, NegOfAnIntegerTensorKeepsItsDtypeAndWraps) {
   EXPECT_FALSE(bytes.requires_grad());
 }
 
+// i32 and i64 +, -, * and negation wrap in two's complement, as PyTorch:
+//   torch.tensor([2**63 - 1]) + 1                             # [-2**63]
+//   torch.tensor([65536], dtype=torch.int32) * 65536          # [0]
+//   -torch.tensor([-2**63])                                   # [-2**63]
+// Same-shape operands and a broadcast one (two loops of the kernel). Before,
+// the kernel did signed arithmetic, whose overflow is undefined (UBSan
+// stopped at it; an optimizer may assume it never happens).
+TEST(KernelsTest, IntegerArithmeticWrapsAsPyTorch) {
+  const int64_t lmax = std::numeric_limits<int64_t>::max(), lmin = std::numeric_limits<int64_t>::min();
+  const int32_t imax = std::numeric_limits<int32_t>::max(), imin = std::numeric_limits<int32_t>::min();
+  const Tensor longs = FromVectorOf<int64_t>({lmax, lmin, int64_t{1} << 32}, {3});
+  EXPECT_EQ(Add(longs, FromVectorOf<int64_t>({1, -1, 0}, {3})).ToVector<int64_t>(),
+            (std::vector<int64_t>{lmin, lmax, int64_t{1} << 32}));
+  EXPECT_EQ(Sub(longs, FromVectorOf<int64_t>({-1}, {1})).ToVector<int64_t>(),
+            (std::vector<int64_t>{lmin, lmin + 1, (int64_t{1} << 32) + 1}));
+  EXPECT_EQ(Mul(longs, FromVectorOf<int64_t>({2}, {1})).ToVector<int64_t>(),
+            (std::vector<int64_t>{-2, 0, int64_t{1} << 33}));
+  EXPECT_EQ(Mul(longs, longs).ToVector<int64_t>(), (std::vector<int64_t>{1, 0, 0}));
+  const Tensor ints = FromVectorOf<int32_t>({65536, imax, imin}, {3});
+  const Tensor int_products = Mul(ints, FromVectorOf<int32_t>({65536}, {1}));
+  EXPECT_EQ(int_products.dtype(), DType::kInt32);
+  EXPECT_EQ(int_products.ToVector<int64_t>(), (std::vector<int64_t>{0, -65536, 0}));
+  EXPECT_EQ(Add(ints, FromVectorOf<int32_t>({0, 1, -1}, {3})).ToVector<int64_t>(),
+            (std::vector<int64_t>{65536, imin, imax}));
+  EXPECT_EQ(Sub(FromVectorOf<int32_t>({imin}, {1}), ints).ToVector<int64_t>(),
+            (std::vector<int64_t>{imax - 65535, 1, 0}));
+  EXPECT_EQ(Neg(FromVectorOf<int64_t>({lmin, lmax}, {2})).ToVector<int64_t>(),
+            (std::vector<int64_t>{lmin, -lmax}));
+  EXPECT_EQ(Neg(FromVectorOf<int32_t>({imin, imax}, {2})).ToVector<int64_t>(),
+            (std::vector<int64_t>{imin, -imax}));
+}
+
 // Abs and Relu of an integer tensor, as torch.abs and torch.relu: the same
 // dtype, no gradient; abs of the most negative value wraps to itself. Read
 // through a transposed view too. Before, both refused every integer tensor.

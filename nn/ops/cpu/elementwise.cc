@@ -2,7 +2,9 @@
 // StridedLoop, with a flat loop when everything is contiguous (the common
 // case, which the compiler vectorizes). 16-bit floats compute in f32.
 #include <cmath>
+#include <functional>
 #include <stdexcept>
+#include <type_traits>
 
 #include "nn/ops/cpu/cpu_kernels.h"
 #include "nn/tensor/strided_loop.h"
@@ -153,6 +155,21 @@ void UnaryBackwardTyped(UnaryOp op, const Tensor& g, const Tensor& s, const Tens
   }
 }
 
+// x op y for +, - and *; on integers it wraps in two's complement as in
+// PyTorch (INT64_MAX + 1 is INT64_MIN). Signed overflow is undefined, so the
+// operation runs in the unsigned type of the promoted operands (unsigned int
+// for u8, whose product would overflow an int otherwise) and the result is
+// converted back, which C++20 defines as modular.
+template <typename A, typename Op>
+A WrappingOp(A x, A y, Op op) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<decltype(x + y)>;
+    return static_cast<A>(op(static_cast<U>(x), static_cast<U>(y)));
+  } else {
+    return op(x, y);
+  }
+}
+
 void CheckSameDType(const char* what, const Tensor& a, const Tensor& b) {
   if (a.dtype() != b.dtype()) {
     throw std::invalid_argument(std::string(what) + ": dtypes " + std::string(DTypeName(a.dtype())) +
@@ -186,13 +203,19 @@ void Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   DDP_DISPATCH_ALL(out.dtype(), "binary", {
     using A = acc_t<scalar_t>;
     switch (op) {
-      case BinaryOp::kAdd: Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return x + y; }); break;
-      case BinaryOp::kSub: Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return x - y; }); break;
-      case BinaryOp::kMul: Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return x * y; }); break;
+      case BinaryOp::kAdd:
+        Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return WrappingOp(x, y, std::plus<>()); });
+        break;
+      case BinaryOp::kSub:
+        Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return WrappingOp(x, y, std::minus<>()); });
+        break;
+      case BinaryOp::kMul:
+        Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return WrappingOp(x, y, std::multiplies<>()); });
+        break;
       case BinaryOp::kDiv: Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) { return x / y; }); break;
       case BinaryOp::kAddRelu:
         Map2<scalar_t>(a, as, b, bs, out, [](A x, A y) {
-          const A s = x + y;
+          const A s = WrappingOp(x, y, std::plus<>());
           return s < A(0) ? A(0) : s;
         });
         break;
