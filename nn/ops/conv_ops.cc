@@ -110,9 +110,19 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
     throw std::invalid_argument("conv2d: padding must be non-negative, got (" + std::to_string(p.pad_h) + ", " +
                                 std::to_string(p.pad_w) + ")");
   }
-  const int64_t cin = w.size(1) * p.groups;
+  int64_t cin = 0;
+  if (__builtin_mul_overflow(w.size(1), p.groups, &cin)) {
+    throw std::invalid_argument("conv2d: groups " + std::to_string(p.groups) + " times the weight's " +
+                                std::to_string(w.size(1)) + " channels per group overflows int64");
+  }
   if (x_in.dim() != 4 || x_in.size(1) != cin) {
     throw std::invalid_argument("conv2d: expected input [N, " + std::to_string(cin) + ", H, W], got " +
+                                ShapeToString(x_in.shape()));
+  }
+  // As PyTorch: an empty plane is refused even where padding would give an
+  // output (it would hold only padding and bias).
+  if (x_in.size(2) == 0 || x_in.size(3) == 0) {
+    throw std::invalid_argument("conv2d: only a zero batch or zero channels may be empty, got input " +
                                 ShapeToString(x_in.shape()));
   }
   if (w.size(0) % p.groups != 0) {

@@ -1481,6 +1481,47 @@ TEST(KernelsTest, Conv2dWithNoOutputChannelsGivesZeroGradients) {
   });
 }
 
+// An input with no rows or no columns is refused naming its shape, as
+// PyTorch ("Only zero batch or zero channel inputs are supported"), even when
+// padding would give an output; a zero batch or zero channels still run.
+// Before, x [1, 1, 0, 4] with padding 1 gave a [1, 1, 2, 6] output holding
+// only the bias.
+TEST(KernelsTest, Conv2dRefusesAnInputWithNoRowsOrColumns) {
+  ForEachConvSetting([&](DType dt) {
+    const Conv2dParams p{.pad_h = 1, .pad_w = 1};
+    EXPECT_EQ(ErrorOf([&] {
+                Conv2d(Zeros({1, 1, 0, 4}, {.dtype = dt}), Zeros({1, 1, 1, 1}, {.dtype = dt}),
+                       Ones({1}, {.dtype = dt}), p);
+              }),
+              "conv2d: only a zero batch or zero channels may be empty, got input [1, 1, 0, 4]");
+    EXPECT_EQ(ErrorOf([&] {
+                Conv2d(Zeros({2, 3, 5, 0}, {.dtype = dt}), Zeros({4, 3, 3, 3}, {.dtype = dt}), Tensor(),
+                       {.pad_h = 1, .pad_w = 2});
+              }),
+              "conv2d: only a zero batch or zero channels may be empty, got input [2, 3, 5, 0]");
+    EXPECT_EQ(ErrorOf([&] {
+                Conv2d(Zeros({0, 1, 0, 4}, {.dtype = dt}), Zeros({1, 1, 1, 1}, {.dtype = dt}), Tensor(), p);
+              }),
+              "conv2d: only a zero batch or zero channels may be empty, got input [0, 1, 0, 4]");
+    EXPECT_EQ(Conv2d(Zeros({0, 1, 3, 4}, {.dtype = dt}), Zeros({1, 1, 1, 1}, {.dtype = dt}), Tensor(), p).shape(),
+              (Shape{0, 1, 5, 6}));
+    EXPECT_EQ(Conv2d(Zeros({1, 0, 3, 4}, {.dtype = dt}), Zeros({1, 0, 1, 1}, {.dtype = dt}), Tensor(), p).shape(),
+              (Shape{1, 1, 5, 6}));
+  });
+}
+
+// A groups count whose product with the weight's C/groups overflows int64 is
+// refused naming groups. Before, the product wrapped (undefined): a message
+// "expected input [N, -9223372036854775808, H, W]", or, when it wrapped onto
+// the input's channel count, an im2col loop over 2^62 groups.
+TEST(KernelsTest, Conv2dRefusesGroupsThatOverflow) {
+  const int64_t g62 = int64_t{1} << 62;
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Zeros({1, 4, 3, 3}), Zeros({4, 2, 1, 1}), Tensor(), {.groups = g62}); }),
+            "conv2d: groups 4611686018427387904 times the weight's 2 channels per group overflows int64");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Zeros({1, 8, 3, 3}), Zeros({0, 4, 1, 1}), Tensor(), {.groups = g62 + 2}); }),
+            "conv2d: groups 4611686018427387906 times the weight's 4 channels per group overflows int64");
+}
+
 // Output sizes whose intermediate terms overflow int64 are refused naming
 // the parameter; before, they wrapped (signed overflow, undefined): a
 // dilation of 2^63 - 1 gave a [1, 1, 6, 2] convolution of a 4x4 input, and
