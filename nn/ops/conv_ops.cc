@@ -168,9 +168,19 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
 
 namespace {
 
+// As PyTorch's pooling: an empty plane or no channels is refused even where
+// padding would give windows (of padding only); an empty batch runs.
+void CheckOnlyBatchEmpty(const char* op, const Tensor& x) {
+  if (x.size(1) == 0 || x.size(2) == 0 || x.size(3) == 0) {
+    throw std::invalid_argument(std::string(op) + ": only the batch may be empty, got input " +
+                                ShapeToString(x.shape()));
+  }
+}
+
 Shape PoolOutput(const char* op, const Tensor& x, const Pool2dParams& p, bool dilated) {
   detail::CheckDefinedOperand(op, "input", x);
   if (x.dim() != 4) throw std::invalid_argument(std::string(op) + ": expected input [N, C, H, W], got " + ShapeToString(x.shape()));
+  CheckOnlyBatchEmpty(op, x);
   CheckPositive(op, "kernel size", p.kernel_h, p.kernel_w);
   CheckPositive(op, "stride", p.stride_h, p.stride_w);
   CheckPositive(op, "dilation", p.dilation_h, p.dilation_w);
@@ -219,6 +229,10 @@ Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p) {
 }
 
 Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p) {
+  if (p.dilation_h != 1 || p.dilation_w != 1) {
+    throw std::invalid_argument("avg_pool2d: average pooling has no dilation, got (" + std::to_string(p.dilation_h) +
+                                ", " + std::to_string(p.dilation_w) + ")");
+  }
   const Shape out_shape = PoolOutput("avg_pool2d", x, p, false);
   Tensor y = detail::NewLike(x, out_shape);
   DDP_KERNEL(x.device(), avg_pool2d_forward)(x, y, p);
@@ -240,9 +254,7 @@ Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w) {
     throw std::invalid_argument("adaptive_avg_pool2d: expected input [N, C, H, W], got " + ShapeToString(x.shape()));
   }
   CheckPositive("adaptive_avg_pool2d", "output size", out_h, out_w);
-  if (x.size(2) < 1 || x.size(3) < 1) {
-    throw std::invalid_argument("adaptive_avg_pool2d: empty input plane " + ShapeToString(x.shape()));
-  }
+  CheckOnlyBatchEmpty("adaptive_avg_pool2d", x);
   Tensor y = detail::NewLike(x, {x.size(0), x.size(1), out_h, out_w});
   DDP_KERNEL(x.device(), adaptive_avg_pool2d_forward)(x, y);
   if (!detail::AnyRequiresGrad({&x})) return y;

@@ -1522,6 +1522,38 @@ TEST(KernelsTest, Conv2dRefusesGroupsThatOverflow) {
             "conv2d: groups 4611686018427387906 times the weight's 4 channels per group overflows int64");
 }
 
+// Pooling refuses an input with no channels, rows or columns, naming its
+// shape, as PyTorch's pool2d_shape_check; only the batch may be 0. Before,
+// MaxPool2d of x [1, 1, 0, 4] with padding 1 gave a [1, 1, 1, 5] output of
+// -inf, AvgPool2d one of zeros, and C = 0 gave an empty output.
+TEST(KernelsTest, PoolingRefusesAnEmptyInputOtherThanAnEmptyBatch) {
+  const Pool2dParams p{.kernel_h = 2, .kernel_w = 2, .pad_h = 1, .pad_w = 1};
+  for (const Shape& shape : {Shape{1, 1, 0, 4}, Shape{1, 1, 4, 0}, Shape{1, 0, 4, 4}, Shape{0, 0, 4, 4}}) {
+    const std::string got = ShapeToString(shape);
+    EXPECT_EQ(ErrorOf([&] { MaxPool2d(Zeros(shape), p); }),
+              "max_pool2d: only the batch may be empty, got input " + got);
+    EXPECT_EQ(ErrorOf([&] { AvgPool2d(Zeros(shape), p); }),
+              "avg_pool2d: only the batch may be empty, got input " + got);
+    EXPECT_EQ(ErrorOf([&] { AdaptiveAvgPool2d(Zeros(shape), 2, 2); }),
+              "adaptive_avg_pool2d: only the batch may be empty, got input " + got);
+  }
+  EXPECT_EQ(MaxPool2d(Zeros({0, 1, 4, 4}), p).shape(), (Shape{0, 1, 5, 5}));
+  EXPECT_EQ(AvgPool2d(Zeros({0, 1, 4, 4}), p).shape(), (Shape{0, 1, 5, 5}));
+  EXPECT_EQ(AdaptiveAvgPool2d(Zeros({0, 1, 4, 4}), 2, 2).shape(), (Shape{0, 1, 2, 2}));
+}
+
+// Average pooling has no dilation (torch's avg_pool2d takes none); one other
+// than 1 is refused naming it. Before, it was ignored: a 2x2 window with
+// dilation 2 on a 5x5 input gave the undilated [1, 1, 4, 4] average.
+TEST(KernelsTest, AvgPoolRefusesADilation) {
+  const Tensor x = Rand({1, 1, 5, 5});
+  EXPECT_EQ(ErrorOf([&] { AvgPool2d(x, {.kernel_h = 2, .kernel_w = 2, .dilation_h = 2, .dilation_w = 2}); }),
+            "avg_pool2d: average pooling has no dilation, got (2, 2)");
+  EXPECT_EQ(ErrorOf([&] { AvgPool2d(x, {.kernel_h = 2, .kernel_w = 2, .dilation_h = 1, .dilation_w = 3}); }),
+            "avg_pool2d: average pooling has no dilation, got (1, 3)");
+  EXPECT_EQ(AvgPool2d(x, {.kernel_h = 2, .kernel_w = 2}).shape(), (Shape{1, 1, 4, 4}));
+}
+
 // Output sizes whose intermediate terms overflow int64 are refused naming
 // the parameter; before, they wrapped (signed overflow, undefined): a
 // dilation of 2^63 - 1 gave a [1, 1, 6, 2] convolution of a 4x4 input, and
