@@ -139,7 +139,9 @@ void Im2col(const T* x, const Geometry& g, const Conv2dParams& p, T* col, int64_
           const T* src = x + (c * g.h + ih) * g.w;
           if (p.stride_w == 1) {
             std::fill(d, d + lo, T(0));
-            std::memcpy(d + lo, src + lo + iw0, (hi - lo) * sizeof(T));
+            // Only when a column is copied: src + lo + iw0 may lie past the
+            // buffer otherwise (forming such a pointer is undefined).
+            if (hi > lo) std::memcpy(d + lo, src + (lo + iw0), (hi - lo) * sizeof(T));
             std::fill(d + hi, d + g.ow, T(0));
           } else {
             for (int64_t ow = 0; ow < g.ow; ++ow) {
@@ -169,8 +171,8 @@ void Col2im(const T* col, int64_t ld, const Geometry& g, const Conv2dParams& p, 
           const T* s = row + oh * g.ow;
           T* dst = dx + (c * g.h + ih) * g.w;
           if (p.stride_w == 1) {
-            T* d = dst + iw0;
-            for (int64_t ow = lo; ow < hi; ++ow) d[ow] += s[ow];
+            // Indexed from dst: dst + iw0 may point before the buffer.
+            for (int64_t ow = lo; ow < hi; ++ow) dst[ow + iw0] += s[ow];
           } else {
             for (int64_t ow = 0; ow < g.ow; ++ow) {
               const int64_t iw = ow * p.stride_w + iw0;
