@@ -2,6 +2,7 @@
 //   conv2d: x [N, C, H, W], w [O, C/G, KH, KW], bias [O] -> y [N, O, OH, OW]
 //   pooling: x [N, C, H, W] -> y [N, C, OH, OW]
 //   OH = floor_or_ceil((H + 2*pad - dilation*(K-1) - 1) / stride) + 1
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -124,6 +125,12 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   if (x_in.size(2) == 0 || x_in.size(3) == 0) {
     throw std::invalid_argument("conv2d: only a zero batch or zero channels may be empty, got input " +
                                 ShapeToString(x_in.shape()));
+  }
+  // Bounds the loops over groups; a positive O divisible by groups implies
+  // it, 0 output channels run with one group only.
+  if (p.groups > std::max<int64_t>(w.size(0), 1)) {
+    throw std::invalid_argument("conv2d: groups " + std::to_string(p.groups) + " is more than the weight's " +
+                                std::to_string(w.size(0)) + " output channels " + ShapeToString(w.shape()));
   }
   if (w.size(0) % p.groups != 0) {
     throw std::invalid_argument("conv2d: " + std::to_string(w.size(0)) + " output channels are not divisible by " +

@@ -1554,6 +1554,22 @@ TEST(KernelsTest, AvgPoolRefusesADilation) {
   EXPECT_EQ(AvgPool2d(x, {.kernel_h = 2, .kernel_w = 2}).shape(), (Shape{1, 1, 4, 4}));
 }
 
+// More groups than output channels are refused naming both, as PyTorch
+// ("expected weight to be at least G at dimension 0"); 0 output channels
+// still run with one group. Before, a weight [0, 0, 1, 1] on x [1, 0, 3, 3]
+// with 2^62 groups passed every check and the im2col loop stepped through
+// 2^62 empty groups.
+TEST(KernelsTest, Conv2dRefusesMoreGroupsThanOutputChannels) {
+  EXPECT_EQ(ErrorOf([&] {
+              Conv2d(Zeros({1, 0, 3, 3}), Zeros({0, 0, 1, 1}), Tensor(), {.groups = int64_t{1} << 62});
+            }),
+            "conv2d: groups 4611686018427387904 is more than the weight's 0 output channels [0, 0, 1, 1]");
+  EXPECT_EQ(ErrorOf([&] { Conv2d(Zeros({1, 4, 3, 3}), Zeros({0, 2, 1, 1}), Tensor(), {.groups = 2}); }),
+            "conv2d: groups 2 is more than the weight's 0 output channels [0, 2, 1, 1]");
+  EXPECT_EQ(Conv2d(Zeros({1, 4, 3, 3}), Zeros({0, 4, 1, 1}), Tensor()).shape(), (Shape{1, 0, 3, 3}));
+  EXPECT_EQ(Conv2d(Zeros({1, 4, 3, 3}), Zeros({2, 2, 1, 1}), Tensor(), {.groups = 2}).shape(), (Shape{1, 2, 3, 3}));
+}
+
 // Output sizes whose intermediate terms overflow int64 are refused naming
 // the parameter; before, they wrapped (signed overflow, undefined): a
 // dilation of 2^63 - 1 gave a [1, 1, 6, 2] convolution of a 4x4 input, and
