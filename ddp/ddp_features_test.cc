@@ -2952,6 +2952,56 @@ TEST(DdpFeaturesTest, BroadcastBuffersAtEveryTrainingForward) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A parameter and two buffers whose values (and, for `sized`, shape) are
+// the rank's own.
+class RankBuffers : public Module {
+ public:
+  explicit RankBuffers(int rank) {
+    weight_ = RegisterParameter("weight", nn::Full({4}, rank + 10.0));
+    value_ = RegisterBuffer("value", nn::Full({3}, rank));
+    sized_ = RegisterBuffer("sized", nn::Full({1 + rank}, rank));
+  }
+  Tensor Forward(const Tensor& x) override { return nn::ops::Mul(x, weight_); }
+  using Module::Forward;
+  std::string TypeName() const override { return "RankBuffers"; }
+  Tensor weight_, value_, sized_;
+};
+
+// With broadcast_buffers = false the buffers are each rank's own from the
+// start, as in PyTorch, whose wrapping broadcasts the parameters only and
+// compares only their shapes: rank 0's buffers used to overwrite every
+// rank's at wrapping, and a buffer shaped differently per rank was refused
+// though nothing ever sends it. Parameters still come from rank 0. With
+// broadcast_buffers = true the buffers still must match and are broadcast.
+DDP_TEST_WORKER(own_buffers_at_wrapping) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  {
+    auto model = std::make_shared<RankBuffers>(rank);
+    DistributedDataParallel ddp(model, {.broadcast_buffers = false, .process_group = pg});
+    WORKER_EXPECT(model->value_.ToVector<float>() == std::vector<float>(3, static_cast<float>(rank)),
+                  "rank " + std::to_string(rank) + ": buffer `value` became " +
+                      std::to_string(model->value_.ToVector<float>().front()) + " at wrapping");
+    WORKER_EXPECT(model->sized_.numel() == 1 + rank, "buffer `sized` changed shape");
+    WORKER_EXPECT(model->weight_.ToVector<float>() == std::vector<float>(4, 10.0f),
+                  "the parameter was not rank 0's after wrapping");
+  }
+  bool refused = false;
+  try {
+    auto model = std::make_shared<RankBuffers>(rank);
+    DistributedDataParallel ddp(model, {.broadcast_buffers = true, .process_group = pg});
+  } catch (const std::invalid_argument& e) {
+    refused = std::string(e.what()).find("sized") != std::string::npos;
+  }
+  WORKER_EXPECT(refused, "buffers of different shapes were accepted with broadcast_buffers = true");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, WithoutBufferBroadcastsWrappingLeavesEveryRankItsOwnBuffers) {
+  auto run = RunWorkers("own_buffers_at_wrapping", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------ mode set on the inner module ----
 
 // The mode is the wrapped module's own: the user keeps the inner handle and

@@ -157,12 +157,17 @@ DdpStats StatsSince(const DistributedDataParallel::Impl& s, const ProcessGroup& 
 std::vector<internal::ReplicaEntry> DescribeReplica(const nn::modules::Module& module, const DdpOptions& o) {
   std::vector<internal::ReplicaEntry> entries;
   // Parameters, then buffers: the order BroadcastCoalesced gets them in.
+  // The buffers only where they are broadcast (as PyTorch, which compares
+  // the parameters only): with broadcast_buffers off no collective ever
+  // sends them, and each rank's may differ, in value and in shape.
   internal::GpuOrder gpus;
   for (const auto& [name, p] : module.NamedParameters()) {
     entries.push_back({"parameter", name, internal::DescribeTensor(p, true, gpus)});
   }
-  for (const auto& [name, b] : module.NamedBuffers()) {
-    entries.push_back({"buffer", name, internal::DescribeTensor(b, false, gpus)});
+  if (o.broadcast_buffers) {
+    for (const auto& [name, b] : module.NamedBuffers()) {
+      entries.push_back({"buffer", name, internal::DescribeTensor(b, false, gpus)});
+    }
   }
   // Every module's path and type: a rank that skipped ConvertSyncBatchNorm
   // has the same parameters and buffers, but its BatchNorm runs no
@@ -379,8 +384,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     // 1. Same model on every rank, or the same error on every rank.
     internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_),
                              "DistributedDataParallel: the ranks' models differ (every rank must register the "
-                             "same parameters and buffers, in the same order, with the same shapes, dtypes and "
-                             "strides, the same modules (paths and types), and pass the same options).");
+                             "same parameters, and buffers unless broadcast_buffers is false, in the same order, "
+                             "with the same shapes, dtypes and strides, the same modules (paths and types), and "
+                             "pass the same options).");
     // Past the comparison every rank has the same options and the same
     // trainable parameters, so a bad value is bad on all of them, and they
     // all throw this.
@@ -417,12 +423,17 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
       impl_->wrapped.push_back(p);
       impl_->wrapped_impls.insert(p.impl());
     }
+    // The buffers only when the forwards broadcast them, as PyTorch's
+    // wrapping and this file's Join final sync: with broadcast_buffers off
+    // they are each rank's own (running statistics restored from each
+    // rank's checkpoint, say), and rank 0's would overwrite them.
     for (const auto& [name, b] : module_->NamedBuffers()) {
-      state.push_back(b);
+      if (options_.broadcast_buffers) state.push_back(b);
       impl_->buffers.push_back(b);
       impl_->buffer_impls.insert(b.impl());
     }
-    internal::BroadcastCoalesced(*pg_, state, 0, "initial parameters and buffers");
+    internal::BroadcastCoalesced(*pg_, state, 0,
+                                 options_.broadcast_buffers ? "initial parameters and buffers" : "initial parameters");
 
     // 3. Buckets and hooks. One rank has nothing to reduce: no buckets (no
     // copies, no memory) unless a communication hook is registered.

@@ -65,7 +65,9 @@ std::string Plural(const std::string& kind, size_t n) {
 std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>>& ranks,
                                      const std::string& heading) {
   const int size = static_cast<int>(ranks.size());
-  for (const std::string kind : {"parameter", "buffer", "module", "option"}) {
+  // Options before buffers: a rank with broadcast_buffers off describes no
+  // buffers, and its option, not the missing buffers, is the cause.
+  for (const std::string kind : {"parameter", "option", "buffer", "module"}) {
     std::vector<std::vector<const ReplicaEntry*>> lists;
     size_t longest = 0;
     for (const auto& r : ranks) {

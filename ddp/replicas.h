@@ -51,7 +51,7 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, 
 
 /// VerifyReplicas' message for ranks whose entries differ (`ranks[r]` is
 /// rank r's): `heading`, the first differing entry of the first kind that
-/// differs ("parameter", then "buffer", "module", "option") with each rank's
+/// differs ("parameter", then "option", "buffer", "module") with each rank's
 /// value, each rank's count of that kind when the counts differ, and, for
 /// each name at that position that some ranks lack altogether, one
 /// sentence naming all of them.
