@@ -82,7 +82,109 @@ uint64_t Fnv1a(const std::string& s) {
   return h;
 }
 
+// The most distinct values, or groups of ranks, a message lists.
+constexpr size_t kMostGroups = 8;
+
+// `value` quoted and escaped; "..." after the closing quote when `cut`
+// (the value went on past what the exchange carries).
+std::string Quote(const std::string& value, bool cut) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "\"";
+  for (const unsigned char c : value) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\r': out += "\\r"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20 || c >= 0x7f) {
+          out += "\\x";
+          out += kHex[c >> 4];
+          out += kHex[c & 15];
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  out += cut ? "\"..." : "\"";
+  // A CRLF env file or a YAML value leaves whitespace that is easy to miss.
+  if (!value.empty() && (std::isspace(static_cast<unsigned char>(value.front())) ||
+                         (!cut && std::isspace(static_cast<unsigned char>(value.back()))))) {
+    out += " (whitespace around a value is not trimmed)";
+  }
+  return out;
+}
+
 }  // namespace
+
+std::string QuotedEnvValue(const std::string& value) { return Quote(value, false); }
+
+std::string RankSet(const std::vector<int>& ranks, size_t most_ranges) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  size_t ranges = 0, i = 0;
+  for (; i < ranks.size() && ranges < most_ranges; ++ranges) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (ranges ? ", " : "") + std::to_string(ranks[i]);
+    if (j > i) out += "-" + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  if (i < ranks.size()) out += ", ... (" + std::to_string(ranks.size() - i) + " more)";
+  return out;
+}
+
+std::string DescribeBadValues(const std::string& variable, const std::vector<std::optional<std::string>>& shown,
+                              const char* accepted) {
+  // Each distinct value with its ranks, in the order of its first rank.
+  std::vector<std::pair<std::string, std::vector<int>>> values;
+  std::map<std::string, size_t> place;
+  for (int r = 0; r < static_cast<int>(shown.size()); ++r) {
+    if (!shown[r]) continue;
+    const auto [it, added] = place.try_emplace(*shown[r], values.size());
+    if (added) values.push_back({*shown[r], {}});
+    values[it->second].second.push_back(r);
+  }
+  if (values.empty()) return "";
+  std::string out;
+  for (size_t v = 0; v < values.size() && v < kMostGroups; ++v) {
+    out += (v ? ", " : "") + variable + "=" + values[v].first + " on " + RankSet(values[v].second);
+  }
+  if (values.size() > kMostGroups) {
+    size_t more_ranks = 0;
+    for (size_t v = kMostGroups; v < values.size(); ++v) more_ranks += values[v].second.size();
+    out += ", and " + std::to_string(values.size() - kMostGroups) + " more values on " +
+           std::to_string(more_ranks) + " more ranks";
+  }
+  return out + " (of " + std::to_string(shown.size()) + "): " + accepted;
+}
+
+std::string ExplainDesync(int rank, const std::vector<CollectiveFingerprint>& all) {
+  // Group ranks by what they run: "ranks 0, 2 run #7 all_reduce(...); rank 1 runs #7 broadcast(...)".
+  std::map<std::pair<uint64_t, uint64_t>, std::vector<int>> groups;
+  std::map<std::pair<uint64_t, uint64_t>, const std::string*> texts;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    const auto key = std::make_pair(all[r].sequence, all[r].hash);
+    groups[key].push_back(r);
+    texts[key] = &all[r].text;
+  }
+  std::string message = "collective desync detected (DDP_DEBUG=detail) on rank " + std::to_string(rank) + ": ";
+  size_t shown = 0;
+  std::vector<int> rest;
+  for (const auto& [key, ranks] : groups) {
+    if (shown == kMostGroups) {
+      rest.insert(rest.end(), ranks.begin(), ranks.end());
+      continue;
+    }
+    message += (shown++ ? "; " : "") + RankSet(ranks) + (ranks.size() == 1 ? " runs collective #" : " run collective #") +
+               std::to_string(key.first) + " " + *texts[key];
+  }
+  if (!rest.empty()) {
+    std::sort(rest.begin(), rest.end());
+    message += "; and " + std::to_string(groups.size() - kMostGroups) + " more groups: " + RankSet(rest);
+  }
+  return message;
+}
 
 DebugSetting DebugSettingFromEnvironment() {
   const char* raw = std::getenv("DDP_DEBUG");
@@ -117,27 +219,12 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
   bool agree = true;
   for (const Fingerprint& f : all) agree = agree && f.sequence == mine.sequence && f.hash == mine.hash;
   if (agree) return transport::Status::Ok();
-  // Group ranks by what they run: "ranks 0, 2 run #7 all_reduce(...); rank 1 runs #7 broadcast(...)".
-  std::map<std::pair<uint64_t, uint64_t>, std::vector<int>> groups;
-  std::map<std::pair<uint64_t, uint64_t>, std::string> texts;
-  for (int r = 0; r < comm.size(); ++r) {
-    const auto key = std::make_pair(all[r].sequence, all[r].hash);
-    groups[key].push_back(r);
+  std::vector<CollectiveFingerprint> views(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
     all[r].text[sizeof(all[r].text) - 1] = '\0';
-    texts[key] = all[r].text;
+    views[r] = {all[r].sequence, all[r].hash, all[r].text};
   }
-  std::string message = "collective desync detected (DDP_DEBUG=detail) on rank " +
-                        std::to_string(rank) + ": ";
-  bool first = true;
-  for (const auto& [key, ranks] : groups) {
-    if (!first) message += "; ";
-    first = false;
-    message += ranks.size() == 1 ? "rank " : "ranks ";
-    for (size_t i = 0; i < ranks.size(); ++i) message += (i ? ", " : "") + std::to_string(ranks[i]);
-    message += (ranks.size() == 1 ? " runs collective #" : " run collective #") +
-               std::to_string(key.first) + " " + texts[key];
-  }
-  return transport::InvalidArgumentError(message);
+  return transport::InvalidArgumentError(ExplainDesync(rank, views));
 }
 
 transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detail,
@@ -156,38 +243,32 @@ transport::Status CheckDebugModeAgrees(transport::Communicator& comm, bool detai
                                        transport::DataType::kU8, {.timeout = TimeLeft(deadline)});
   if (!s.ok()) return s;
   // A bad value anywhere stops every rank, with the same message.
-  const std::string of = " (of " + std::to_string(comm.size()) + "): ";
-  std::string bad_debug, bad_thread;
-  for (int r = 0; r < comm.size(); ++r) {
+  std::vector<std::optional<std::string>> debug_values(all.size()), thread_values(all.size());
+  std::vector<int> on;
+  for (size_t r = 0; r < all.size(); ++r) {
     ModeRecord& got = all[r];
     if (got.state == kModeBadValue) {
       got.value[sizeof(got.value) - 1] = '\0';
-      bad_debug += (bad_debug.empty() ? "" : ", ") + std::string("DDP_DEBUG=") + got.value +
-                   (got.cut ? "..." : "") + " on rank " + std::to_string(r);
+      debug_values[r] = Quote(got.value, got.cut != 0);
     }
     if (got.thread_bad != 0) {
       got.thread_value[sizeof(got.thread_value) - 1] = '\0';
-      bad_thread += (bad_thread.empty() ? "" : ", ") + std::string("DDP_COLLECTIVE_THREAD=") +
-                    got.thread_value + (got.thread_cut ? "..." : "") + " on rank " +
-                    std::to_string(r);
+      thread_values[r] = Quote(got.thread_value, got.thread_cut != 0);
     }
+    if (got.state == kModeDetail) on.push_back(static_cast<int>(r));
   }
+  const std::string bad_debug = DescribeBadValues("DDP_DEBUG", debug_values, kDebugAccepted);
+  const std::string bad_thread = DescribeBadValues("DDP_COLLECTIVE_THREAD", thread_values, kCollectiveThreadAccepted);
   if (!bad_debug.empty() || !bad_thread.empty()) {
     std::string message;
-    if (!bad_debug.empty()) message = bad_debug + of + kDebugAccepted + "; ";
-    if (!bad_thread.empty()) message += bad_thread + of + kCollectiveThreadAccepted + "; ";
+    if (!bad_debug.empty()) message = bad_debug + "; ";
+    if (!bad_thread.empty()) message += bad_thread + "; ";
     throw std::invalid_argument(message + "every rank of the group stops");
   }
-  std::string on;
-  int count = 0;
-  for (int r = 0; r < comm.size(); ++r) {
-    if (all[r].state != kModeDetail) continue;
-    on += (count++ ? ", " : "") + std::to_string(r);
-  }
-  if (count == 0 || count == comm.size()) return transport::Status::Ok();
+  if (on.empty() || on.size() == all.size()) return transport::Status::Ok();
   return transport::InvalidArgumentError(
-      "DDP_DEBUG=detail (ProcessGroupOptions::debug_detail) is on in rank" +
-      std::string(count == 1 ? " " : "s ") + on + " of " + std::to_string(comm.size()) +
+      "DDP_DEBUG=detail (ProcessGroupOptions::debug_detail) is on in " + RankSet(on) + " of " +
+      std::to_string(comm.size()) +
       " and off in the others: the fingerprint check is itself a collective, so every rank "
       "must have it, or none");
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "transport/communicator.h"
 
@@ -30,6 +31,39 @@ struct DebugSetting {
 /// have changed since, on some ranks only.
 DebugSetting DebugSettingFromEnvironment();
 
+/// `value` in double quotes, with `"`, `\\`, control characters and bytes
+/// past ASCII escaped (`"detail\r"`), so that a refused environment value
+/// shows exactly what was set; a value with whitespace around it gets a
+/// hint that it is not trimmed.
+std::string QuotedEnvValue(const std::string& value);
+
+/// "rank 5", "ranks 0-3, 7": `ranks` (ascending) with consecutive ranks as
+/// ranges; past `most_ranges` ranges, "..." and how many ranks were left
+/// out. What the messages that name ranks use, so that their size does not
+/// grow with the group's.
+std::string RankSet(const std::vector<int>& ranks, size_t most_ranges = 16);
+
+/// CheckDebugModeAgrees' refusal for one variable: each distinct value of
+/// `shown` once, with the ranks that had it (`shown[r]` is rank r's value
+/// as the message shows it, nullopt where the value was fine), at most 8
+/// values and then how many more; "" when no rank had a bad value.
+/// `accepted`: what the variable accepts.
+std::string DescribeBadValues(const std::string& variable, const std::vector<std::optional<std::string>>& shown,
+                              const char* accepted);
+
+/// One rank's fingerprint of a collective, as CheckFingerprints compares it.
+struct CollectiveFingerprint {
+  uint64_t sequence = 0;
+  uint64_t hash = 0;     ///< of the whole description
+  std::string text;      ///< the description, as short as the exchange carries it
+};
+
+/// CheckFingerprints' message for ranks that disagree (`all[r]` is rank
+/// r's): ranks grouped by (sequence, hash) in that order, at most 8 groups
+/// and then how many more (and their ranks), each group's ranks as
+/// RankSet ranges. Bounded whatever the group's size.
+std::string ExplainDesync(int rank, const std::vector<CollectiveFingerprint>& all);
+
 /// What DDP_DEBUG and DDP_COLLECTIVE_THREAD accept, for messages refusing
 /// another value.
 inline constexpr char kDebugAccepted[] = "expected off, info or detail";
@@ -52,10 +86,10 @@ transport::Status CheckFingerprints(transport::Communicator& comm, int rank, int
 /// accept: its DDP_DEBUG (`bad_debug_value`, from DebugSetting) and its
 /// DDP_COLLECTIVE_THREAD (`bad_collective_thread`), each empty when fine.
 /// Throws std::invalid_argument on every rank, after the exchange, when any
-/// rank had a bad value: the message names the variable, each rank that had
-/// a bad value and that value (values longer than 61 bytes are cut and end
-/// in "..."). Otherwise OK when every rank has the check on, or every rank
-/// off; else INVALID_ARGUMENT naming the ranks with it on (a rank that
+/// rank had a bad value: the message names the variable and each bad value,
+/// quoted (QuotedEnvValue; one longer than 61 bytes is cut and ends in
+/// "..."), with the ranks that had it (DescribeBadValues). Otherwise OK when every rank has the check on, or every rank
+/// off; else INVALID_ARGUMENT naming the ranks with it on, as RankSet ranges (a rank that
 /// checks runs an all-gather before each collective that the others do not,
 /// which pairs with their collectives). A failed exchange returns its
 /// status. Ranks may differ in valid DDP_COLLECTIVE_THREAD values: which

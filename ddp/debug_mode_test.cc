@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -99,7 +100,7 @@ TestRunOptions TwoRanks() {
 
 // Only rank 1 has DDP_DEBUG=bogus (TestRunOptions::rank_env).
 DDP_TEST_WORKER(bad_debug_value_on_one_rank) {
-  return ExpectRefusedAtOnce(MakeGroup(), {"DDP_DEBUG=bogus on rank 1"},
+  return ExpectRefusedAtOnce(MakeGroup(), {"DDP_DEBUG=\"bogus\" on rank 1"},
                              {"rank 0", "DDP_COLLECTIVE_THREAD"});
 }
 
@@ -115,7 +116,7 @@ TEST(DebugModeTest, BadValueOnOneRankFailsEveryRankAtOnce) {
 DDP_TEST_WORKER(bad_collective_thread_on_one_rank) {
   return ExpectRefusedAtOnce(
       MakeGroup(),
-      {"DDP_COLLECTIVE_THREAD=sideways on rank 1 (of 2): expected auto, comm or caller"},
+      {"DDP_COLLECTIVE_THREAD=\"sideways\" on rank 1 (of 2): expected auto, comm or caller"},
       {"rank 0", "DDP_DEBUG"});
 }
 
@@ -123,7 +124,45 @@ DDP_TEST_WORKER(bad_collective_thread_on_one_rank) {
 // ranks name both.
 DDP_TEST_WORKER(bad_values_on_both_ranks) {
   return ExpectRefusedAtOnce(
-      MakeGroup(), {"DDP_DEBUG=loud on rank 0", "DDP_COLLECTIVE_THREAD=sideways on rank 1"}, {});
+      MakeGroup(), {"DDP_DEBUG=\"loud\" on rank 0", "DDP_COLLECTIVE_THREAD=\"sideways\" on rank 1"}, {});
+}
+
+// A value with a trailing CR (a CRLF env file) or space is refused with the
+// value quoted and escaped, so the reader sees what was wrong with it; it
+// was printed bare ("DDP_DEBUG=detail\r on rank 1"), and read as a refusal
+// of "detail" itself. Every rank with the same bad value is named once, as
+// a range.
+DDP_TEST_WORKER(whitespace_in_bad_values) {
+  return ExpectRefusedAtOnce(MakeGroup(),
+                             {"DDP_DEBUG=\"detail\\r\" (whitespace around a value is not trimmed) on ranks 1-2 (of 3)",
+                              "DDP_COLLECTIVE_THREAD=\"comm \" (whitespace around a value is not trimmed) on rank 0 "
+                              "(of 3)"},
+                             {"rank 1,", "\r"});
+}
+
+TEST(DebugModeTest, BadValuesAreQuotedAndTheirRanksGrouped) {
+  TestRunOptions options = TwoRanks();
+  options.world_size = 3;
+  options.rank_env[0] = {{"DDP_COLLECTIVE_THREAD", "comm "}};
+  options.rank_env[1] = {{"DDP_DEBUG", "detail\r"}};
+  options.rank_env[2] = {{"DDP_DEBUG", "detail\r"}};
+  auto run = RunTestWorkers("whitespace_in_bad_values", options);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
+}
+
+// A group of one rank refuses a bad value at once, quoted as well.
+DDP_TEST_WORKER(whitespace_in_bad_value_alone) {
+  return ExpectRefusedAtOnce(MakeGroup(), {"DDP_DEBUG=\"info \" (whitespace around a value is not trimmed): "}, {});
+}
+
+TEST(DebugModeTest, ABadValueOnAGroupOfOneIsQuoted) {
+  TestRunOptions options = TwoRanks();
+  options.world_size = 1;
+  options.env = {{"DDP_DEBUG", "info "}};
+  auto run = RunTestWorkers("whitespace_in_bad_value_alone", options);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
 }
 
 // Valid but different DDP_COLLECTIVE_THREAD values: each rank runs its
@@ -248,6 +287,81 @@ DDP_TEST_WORKER(fingerprints_long_label) {
 TEST(DebugModeTest, FingerprintsOfLongDescriptionsKeepTheirShapes) {
   auto run = testing::RunWorkers("fingerprints_long_label", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Three ranks, two running one collective and the third another: the two
+// are named as one range.
+DDP_TEST_WORKER(fingerprints_grouped) {
+  auto comm = WorkerCommunicator();
+  const int rank = comm->rank(), size = comm->size();
+  const transport::Status s = CheckFingerprints(*comm, rank, size, rank == 2 ? 8 : 7, "barrier()",
+                                                transport::Clock::now() + kGroupTimeout);
+  WORKER_EXPECT(s.code() == transport::StatusCode::kInvalidArgument, s.ToString());
+  WORKER_EXPECT(s.message().find("ranks 0-1 run collective #7 barrier(); rank 2 runs collective #8 barrier()") !=
+                    std::string::npos,
+                s.ToString());
+  return testing::WorkerExit();
+}
+
+TEST(DebugModeTest, FingerprintsNameRanksAsRanges) {
+  auto run = testing::RunWorkers("fingerprints_grouped", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------- messages over many ranks ----
+
+TEST(RankSetTest, ConsecutiveRanksAreRangesAndTheListIsCapped) {
+  EXPECT_EQ(RankSet({5}), "rank 5");
+  EXPECT_EQ(RankSet({0, 1, 2, 3, 7, 9, 10}), "ranks 0-3, 7, 9-10");
+  std::vector<int> even;
+  for (int r = 0; r < 4096; r += 2) even.push_back(r);
+  const std::string m = RankSet(even, 4);
+  EXPECT_EQ(m, "ranks 0, 2, 4, 6, ... (2044 more)");
+}
+
+TEST(QuotedEnvValueTest, ControlCharactersAndBytesPastAsciiAreEscaped) {
+  EXPECT_EQ(QuotedEnvValue("info"), "\"info\"");
+  EXPECT_EQ(QuotedEnvValue("a\"b\\c\td\n\x01\xff"), "\"a\\\"b\\\\c\\td\\n\\x01\\xff\"");
+  EXPECT_EQ(QuotedEnvValue(" info"), "\" info\" (whitespace around a value is not trimmed)");
+}
+
+// The same typo on all 4096 ranks is one clause; 4096 different values are
+// 8 and a count. The message used to name every rank (about 35 bytes each).
+TEST(DescribeBadValuesTest, ManyRanksGiveABoundedMessage) {
+  std::vector<std::optional<std::string>> same(4096, QuotedEnvValue("verbose"));
+  EXPECT_EQ(DescribeBadValues("DDP_DEBUG", same, kDebugAccepted),
+            "DDP_DEBUG=\"verbose\" on ranks 0-4095 (of 4096): expected off, info or detail");
+  std::vector<std::optional<std::string>> each(4096);
+  for (int r = 0; r < 4096; ++r) each[r] = QuotedEnvValue(std::string(61, 'a') + std::to_string(r));
+  const std::string m = DescribeBadValues("DDP_DEBUG", each, kDebugAccepted);
+  EXPECT_LT(m.size(), 1024u) << m;
+  EXPECT_NE(m.find("DDP_DEBUG=\"" + std::string(61, 'a') + "7\" on rank 7, and 4088 more values on 4088 more ranks "
+                   "(of 4096)"),
+            std::string::npos)
+      << m;
+  std::vector<std::optional<std::string>> none(4);
+  EXPECT_EQ(DescribeBadValues("DDP_DEBUG", none, kDebugAccepted), "");
+}
+
+// The usual desync: every rank at another sequence number, so every rank a
+// group of its own. The message lists 8 groups and the ranks of the rest
+// as ranges (it had a clause for each of 4096 ranks, about 1 MB).
+TEST(ExplainDesyncTest, EveryRankApartGivesABoundedMessage) {
+  std::vector<CollectiveFingerprint> all(4096);
+  for (int r = 0; r < 4096; ++r) all[r] = {static_cast<uint64_t>(r), 1, "all_reduce " + std::string(200, 'x')};
+  const std::string m = ExplainDesync(3, all);
+  EXPECT_LT(m.size(), 4096u) << m;
+  EXPECT_EQ(m.rfind("collective desync detected (DDP_DEBUG=detail) on rank 3: rank 0 runs collective #0 all_reduce", 0),
+            0u)
+      << m;
+  EXPECT_NE(m.find("; rank 7 runs collective #7 "), std::string::npos) << m;
+  EXPECT_NE(m.find("; and 4088 more groups: ranks 8-4095"), std::string::npos) << m;
+  // Most ranks together and one apart: two clauses, whatever the size.
+  for (CollectiveFingerprint& f : all) f = {9, 1, "barrier()"};
+  all[1023].sequence = 8;
+  EXPECT_EQ(ExplainDesync(0, all),
+            "collective desync detected (DDP_DEBUG=detail) on rank 0: rank 1023 runs collective #8 barrier(); "
+            "ranks 0-1022, 1024-4095 run collective #9 barrier()");
 }
 
 }  // namespace

@@ -1051,10 +1051,10 @@ Environment ReadEnvironment() {
 // Where no peer waits (Single, a group of one rank): a bad value throws at once.
 void RefuseBadEnvironment(const Environment& env) {
   if (env.debug.bad_value) {
-    throw std::invalid_argument("DDP_DEBUG=" + *env.debug.bad_value + ": " + kDebugAccepted);
+    throw std::invalid_argument("DDP_DEBUG=" + QuotedEnvValue(*env.debug.bad_value) + ": " + kDebugAccepted);
   }
   if (env.bad_collective_thread) {
-    throw std::invalid_argument("DDP_COLLECTIVE_THREAD=" + *env.bad_collective_thread + ": " +
+    throw std::invalid_argument("DDP_COLLECTIVE_THREAD=" + QuotedEnvValue(*env.bad_collective_thread) + ": " +
                                 kCollectiveThreadAccepted);
   }
 }

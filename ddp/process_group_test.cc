@@ -321,8 +321,8 @@ TEST(ProcessGroupTest, CollectivesRunOnTheChosenThread) {
   }
   auto bad = RunWorkers("pg_collective_thread", 2, {{"DDP_COLLECTIVE_THREAD", "sideways"}});
   EXPECT_FALSE(bad.AllSucceeded());
-  EXPECT_NE(testing::AllOutput(bad).find("DDP_COLLECTIVE_THREAD=sideways on rank 0, DDP_COLLECTIVE_THREAD=sideways "
-                                         "on rank 1 (of 2): expected auto, comm or caller"),
+  EXPECT_NE(testing::AllOutput(bad).find("DDP_COLLECTIVE_THREAD=\"sideways\" on ranks 0-1 (of 2): expected auto, comm or "
+                                         "caller"),
             std::string::npos)
       << testing::AllOutput(bad);
 }
