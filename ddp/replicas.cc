@@ -1,12 +1,15 @@
 #include "ddp/replicas.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <map>
 #include <stdexcept>
 #include <string_view>
 #include <tuple>
 #include <unordered_set>
+
+#include "ddp/debug_mode.h"
 
 namespace ddp::dist::internal {
 namespace {
@@ -60,6 +63,99 @@ std::string Plural(const std::string& kind, size_t n) {
   return std::to_string(n) + " " + kind + (n == 1 ? "" : "s");
 }
 
+// Bounds on what the mismatch message shows of one name or value, and on
+// the groups of ranks it lists: it is thrown, and often logged, on every
+// rank, and a value can be long (bucket_order lists every trainable
+// parameter's index).
+constexpr size_t kMostNameBytes = 1024;
+constexpr size_t kMostValueBytes = 512;
+constexpr size_t kMostGroups = 8;
+
+// `text`, or its start and end around "..." when longer than `most`.
+std::string Cut(const std::string& text, size_t most) {
+  if (text.size() <= most) return text;
+  const size_t tail = most / 4;
+  return text.substr(0, most - tail - 3) + "..." + text.substr(text.size() - tail);
+}
+
+// Ranks with the same text, in the order of their first rank.
+struct RankGroup {
+  std::string text;
+  std::vector<int> ranks;
+};
+
+template <typename TextOf>
+std::vector<RankGroup> GroupRanks(int size, TextOf text_of) {
+  std::vector<RankGroup> groups;
+  std::map<std::string, size_t> place;
+  for (int r = 0; r < size; ++r) {
+    std::string text = text_of(r);
+    const auto [it, added] = place.try_emplace(text, groups.size());
+    if (added) groups.push_back({std::move(text), {}});
+    groups[it->second].ranks.push_back(r);
+  }
+  return groups;
+}
+
+// "ranks 0-1022 have X; rank 1023 has Y": at most kMostGroups groups, then
+// how many more and their ranks.
+std::string ListGroups(const std::vector<RankGroup>& groups, const char* has, const char* have) {
+  std::string out;
+  std::vector<int> rest;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (i >= kMostGroups) {
+      rest.insert(rest.end(), groups[i].ranks.begin(), groups[i].ranks.end());
+      continue;
+    }
+    out += (i ? "; " : "") + RankSet(groups[i].ranks) + (groups[i].ranks.size() == 1 ? has : have) + groups[i].text;
+  }
+  if (!rest.empty()) {
+    std::sort(rest.begin(), rest.end());
+    out += "; and " + std::to_string(groups.size() - kMostGroups) + " more values on " + RankSet(rest);
+  }
+  return out;
+}
+
+// The parts of a DescribeTensor text: "f32 [8, 4] strides [4, 1] on cuda#0 no-grad".
+struct TensorFields {
+  std::string dtype, shape, strides, device = "cpu";
+  bool no_grad = false;
+};
+
+TensorFields ParseTensorDescription(const std::string& v) {
+  TensorFields f;
+  f.dtype = v.substr(0, v.find(' '));
+  const size_t open = v.find('['), close = open == std::string::npos ? open : v.find(']', open);
+  if (close != std::string::npos) f.shape = v.substr(open, close - open + 1);
+  const size_t strides = close == std::string::npos ? close : v.find(" strides [", close);
+  const size_t strides_end = strides == std::string::npos ? strides : v.find(']', strides);
+  if (strides_end != std::string::npos) f.strides = v.substr(strides, strides_end - strides + 1);
+  const size_t on = v.find(" on ", strides_end == std::string::npos ? 0 : strides_end);
+  if (on != std::string::npos) f.device = v.substr(on + 4, v.find(' ', on + 4) - (on + 4));
+  const std::string_view suffix = " no-grad";
+  f.no_grad = v.size() >= suffix.size() && v.compare(v.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return f;
+}
+
+// Adds to `out` (once each) the properties in which `a` and `b` differ:
+// "name", and for tensors "dtype", "shape", "strides", "device",
+// "requires_grad"; for an option its "value", for a module its "type".
+void AddDifferences(const ReplicaEntry& a, const ReplicaEntry& b, std::vector<std::string>& out) {
+  auto add = [&](bool differs, const char* property) {
+    if (differs && std::find(out.begin(), out.end(), property) == out.end()) out.push_back(property);
+  };
+  add(a.name != b.name, "name");
+  if (a.value == b.value) return;
+  if (a.kind == "option") return add(true, "value");
+  if (a.kind == "module") return add(true, "type");
+  const TensorFields x = ParseTensorDescription(a.value), y = ParseTensorDescription(b.value);
+  add(x.dtype != y.dtype, "dtype");
+  add(x.shape != y.shape, "shape");
+  add(x.strides != y.strides, "strides");
+  add(x.device != y.device, "device");
+  add(x.no_grad != y.no_grad, "requires_grad");
+}
+
 }  // namespace
 
 std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>>& ranks,
@@ -83,26 +179,34 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
                  (a != nullptr && (a->name != b->name || a->value != b->value));
       }
       if (!differ) continue;
-      std::string m = heading + " First difference at " + kind + " #" + std::to_string(k) + ": ";
-      for (int r = 0; r < size; ++r) {
-        m += (r ? "; rank " : "rank ") + std::to_string(r);
-        if (k < lists[r].size()) {
-          m += " has `" + lists[r][k]->name + "` " + lists[r][k]->value;
-        } else {
-          m += " has no " + kind + " #" + std::to_string(k) + " (it has " +
-               Plural(kind, lists[r].size()) + ")";
-        }
+      // Each rank's entry at #k, the ranks with the same one together (as a
+      // rule all ranks but a few have the same), so that the message does
+      // not grow with the number of ranks.
+      std::vector<RankGroup> at_k = GroupRanks(size, [&](int r) {
+        return k < lists[r].size() ? "`" + Cut(lists[r][k]->name, kMostNameBytes) + "` " +
+                                         Cut(lists[r][k]->value, kMostValueBytes)
+                                   : "no " + kind + " #" + std::to_string(k) + " (it has " +
+                                         Plural(kind, lists[r].size()) + ")";
+      });
+      std::string m = heading + " First difference at " + kind + " #" + std::to_string(k) + ": " +
+                      ListGroups(at_k, " has ", " have ") + ".";
+      std::vector<std::string> properties;
+      const ReplicaEntry* first = k < lists[at_k[0].ranks[0]].size() ? lists[at_k[0].ranks[0]][k] : nullptr;
+      for (const RankGroup& g : at_k) {
+        const ReplicaEntry* other = k < lists[g.ranks[0]].size() ? lists[g.ranks[0]][k] : nullptr;
+        if (first != nullptr && other != nullptr) AddDifferences(*first, *other, properties);
       }
-      m += ".";
+      if (!properties.empty()) {
+        m += " They differ in";
+        for (size_t i = 0; i < properties.size(); ++i) m += (i ? ", " : " ") + properties[i];
+        m += ".";
+      }
       bool counts_differ = false;
       for (int r = 1; r < size; ++r) counts_differ = counts_differ || lists[r].size() != lists[0].size();
       if (counts_differ) {
-        m += " Counts:";
-        for (int r = 0; r < size; ++r) {
-          m += std::string(r ? "," : "") + " rank " + std::to_string(r) + " has " +
-               Plural(kind, lists[r].size());
-        }
-        m += ".";
+        m += " Counts: " + ListGroups(GroupRanks(size, [&](int r) { return Plural(kind, lists[r].size()); }),
+                                      " has ", " have ") +
+             ".";
       }
       // Name a missing entry outright: each distinct name at #k once, with
       // every rank that has no entry of that name anywhere. Several ranks
@@ -114,6 +218,7 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
         for (const ReplicaEntry* e : lists[q]) names[q].insert(e->name);
       }
       std::vector<std::string_view> said;
+      size_t sentences = 0, unsaid = 0;
       for (int r = 0; r < size; ++r) {
         if (k >= lists[r].size()) continue;
         const std::string_view name = lists[r][k]->name;
@@ -124,10 +229,17 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
           if (names[q].count(name) == 0) lacking.push_back(q);
         }
         if (lacking.empty()) continue;
-        m += lacking.size() == 1 ? " Rank " : " Ranks ";
-        for (size_t i = 0; i < lacking.size(); ++i) m += (i ? ", " : "") + std::to_string(lacking[i]);
-        m += (lacking.size() == 1 ? " has no " : " have no ") + kind + " named `" + std::string(name) + "`.";
+        if (sentences == kMostGroups) {
+          ++unsaid;
+          continue;
+        }
+        ++sentences;
+        std::string who = RankSet(lacking);
+        who[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(who[0])));
+        m += " " + who + (lacking.size() == 1 ? " has no " : " have no ") + kind + " named `" +
+             Cut(std::string(name), kMostNameBytes) + "`.";
       }
+      if (unsaid > 0) m += " " + std::to_string(unsaid) + " more names at #" + std::to_string(k) + " are missing on some ranks.";
       return m;
     }
   }

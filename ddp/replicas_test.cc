@@ -120,22 +120,19 @@ TEST(ExplainReplicaDifferenceTest, AMissingNameIsSaidOnce) {
   m = ExplainReplicaDifference(ranks, "Models differ.");
   EXPECT_EQ(Occurrences(m, "no parameter named"), 1u) << m;
   EXPECT_NE(m.find(" Ranks 0, 3 have no parameter named `layer1.weight`."), std::string::npos) << m;
-  EXPECT_NE(m.find("First difference at parameter #1: rank 0 has `layer2.weight`"), std::string::npos) << m;
+  EXPECT_NE(m.find("First difference at parameter #1: ranks 0, 3 have `layer2.weight`"), std::string::npos) << m;
 }
 
 // A rank with no parameters at all, beside ranks with some.
 TEST(ExplainReplicaDifferenceTest, ARankWithNoParameters) {
   std::vector<std::vector<ReplicaEntry>> ranks = {Model(2), Model(0), Model(2)};
   const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
-  EXPECT_EQ(m.rfind("Models differ. First difference at parameter #0: rank 0 has `layer0.weight` f32 [4, 4] "
-                    "strides [4, 1]; rank 1 has no parameter #0 (it has 0 parameters); rank 2 has "
-                    "`layer0.weight`",
+  EXPECT_EQ(m.rfind("Models differ. First difference at parameter #0: ranks 0, 2 have `layer0.weight` f32 [4, 4] "
+                    "strides [4, 1]; rank 1 has no parameter #0 (it has 0 parameters).",
                     0),
             0u)
       << m;
-  EXPECT_NE(m.find("Counts: rank 0 has 2 parameters, rank 1 has 0 parameters, rank 2 has 2 parameters."),
-            std::string::npos)
-      << m;
+  EXPECT_NE(m.find("Counts: ranks 0, 2 have 2 parameters; rank 1 has 0 parameters."), std::string::npos) << m;
   EXPECT_EQ(Occurrences(m, " Rank 1 has no parameter named `layer0.weight`."), 1u) << m;
 }
 
@@ -151,12 +148,80 @@ TEST(ExplainReplicaDifferenceTest, ManyParametersWithLongNames) {
   ranks[9][2345].value = "f32 [9] strides [1]";
   ranks[12].pop_back();
   const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
-  EXPECT_NE(m.find("First difference at parameter #2345: rank 0 has `" + prefix + ".2345` f32 [8] strides [1]"),
-            std::string::npos);
-  EXPECT_NE(m.find("; rank 9 has `" + prefix + ".2345` f32 [9] strides [1]; rank 10 has"), std::string::npos);
+  EXPECT_NE(m.find("First difference at parameter #2345: ranks 0-8, 10-15 have `" + prefix +
+                   ".2345` f32 [8] strides [1]; rank 9 has `" + prefix + ".2345` f32 [9] strides [1]. They differ "
+                   "in shape."),
+            std::string::npos)
+      << m;
   // The count differs too (rank 12), but #2345 comes first, and its name is on every rank.
-  EXPECT_NE(m.find("rank 12 has 2999 parameters"), std::string::npos);
+  EXPECT_NE(m.find("Counts: ranks 0-11, 13-15 have 3000 parameters; rank 12 has 2999 parameters."),
+            std::string::npos);
   EXPECT_EQ(Occurrences(m, "no parameter named"), 0u);
+}
+
+// 1024 ranks with the same model of long names, one rank with another
+// shape: the ranks are named in two groups and the message stays a few KB.
+// It named every rank with its entry, over 1 MB, thrown on every rank.
+TEST(ExplainReplicaDifferenceTest, ManyRanksAreNamedInGroups) {
+  const std::string prefix(1000, 'p');
+  std::vector<ReplicaEntry> model;
+  for (int i = 0; i < 50; ++i) model.push_back({"parameter", prefix + std::to_string(i), "f32 [8] strides [1]"});
+  std::vector<std::vector<ReplicaEntry>> ranks(1024, model);
+  ranks[1023][7].value = "f32 [9] strides [1]";
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_LT(m.size(), 8192u) << m.size();
+  EXPECT_NE(m.find("First difference at parameter #7: ranks 0-1022 have `" + prefix + "7` f32 [8] strides [1]; "
+                   "rank 1023 has `" + prefix + "7` f32 [9] strides [1]. They differ in shape."),
+            std::string::npos)
+      << m.substr(0, 4096);
+
+  // Every rank apart (its own count of parameters): 8 groups, then the rest
+  // counted, in the entry and in the counts.
+  ranks.assign(1024, model);
+  for (int r = 0; r < 1024; ++r) ranks[r].resize(r % 40 + 1);
+  const std::string apart = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_LT(apart.size(), 16384u) << apart.size();
+  EXPECT_NE(apart.find("; and 32 more values on ranks "), std::string::npos) << apart.substr(0, 4096);
+}
+
+// A long value (bucket_order lists every trainable parameter) that differs
+// on every one of 256 ranks is cut, start and end, in a bounded message;
+// each was given whole (about 13 MB).
+TEST(ExplainReplicaDifferenceTest, LongValuesAreCut) {
+  std::vector<std::vector<ReplicaEntry>> ranks(256);
+  for (int r = 0; r < 256; ++r) {
+    std::string order;
+    for (int i = 0; i < 10000; ++i) order += (i ? "," : "") + std::to_string((i + r) % 10000);
+    ranks[r] = {{"option", "bucket_order", order}};
+  }
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_LT(m.size(), 8192u) << m.size();
+  EXPECT_NE(m.find("rank 0 has `bucket_order` 0,1,2,3,"), std::string::npos) << m;
+  EXPECT_NE(m.find("9998,9999; rank 1 has"), std::string::npos) << m;
+  EXPECT_NE(m.find("; and 248 more values on ranks 8-255."), std::string::npos) << m;
+  EXPECT_EQ(Occurrences(m, "..."), 8u) << m;  // one in each of the 8 values shown
+  EXPECT_NE(m.find(". They differ in value."), std::string::npos) << m;
+}
+
+// The property that differs is named, so the reader need not compare two
+// long descriptions by eye.
+TEST(ExplainReplicaDifferenceTest, TheDifferingPropertyIsNamed) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"bf16 [4, 4] strides [4, 1]", "dtype"},
+      {"f32 [4, 4] strides [1, 4]", "strides"},
+      {"f32 [4, 4] strides [4, 1] no-grad", "requires_grad"},
+      {"f32 [4, 4] strides [4, 1] on cuda#0", "device"},
+      {"f32 [2, 8] strides [8, 1]", "shape, strides"},
+  };
+  for (const auto& [value, property] : cases) {
+    std::vector<std::vector<ReplicaEntry>> ranks(3, Model(2));
+    ranks[2][1].value = value;
+    const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+    EXPECT_NE(m.find(" They differ in " + property + "."), std::string::npos) << m;
+  }
+  std::vector<std::vector<ReplicaEntry>> ranks(2, Model(2));
+  ranks[1][0].name = "layer9.weight";
+  EXPECT_NE(ExplainReplicaDifference(ranks, "Models differ.").find(" They differ in name."), std::string::npos);
 }
 
 }  // namespace
