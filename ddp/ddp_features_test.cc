@@ -29,6 +29,7 @@
 
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/reducer.h"
+#include "ddp/replicas.h"
 #include "ddp/sync_batch_norm.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
@@ -2999,6 +3000,65 @@ DDP_TEST_WORKER(own_buffers_at_wrapping) {
 
 TEST(DdpFeaturesTest, WithoutBufferBroadcastsWrappingLeavesEveryRankItsOwnBuffers) {
   auto run = RunWorkers("own_buffers_at_wrapping", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The broadcasts of wrapping and of the buffers, in buckets of at most
+// bucket_bytes (PyTorch's 250 MiB; 64 bytes here) rather than one flat copy
+// of all tensors of a dtype and device, which doubled a large model's
+// memory at wrapping. Tensors larger than the bucket (a contiguous one, sent
+// in place, and a transposed one), an empty one and two dtypes: every rank
+// gets the root's values (root 1), in one broadcast per bucket.
+DDP_TEST_WORKER(broadcast_in_buckets) {
+  auto pg = testing::WorkerGroup();
+  const int root = 1;
+  // The tensors as the root has them (the others hold -1 everywhere).
+  auto make = [&](bool as_root) {
+    std::vector<Tensor> t;
+    for (int64_t n : {3, 5, 10, 4, 40}) t.push_back(nn::Empty({n}));
+    t.push_back(nn::Empty({8, 8}).Transpose(0, 1));
+    for (int64_t n : {6, 0, 3}) t.push_back(nn::Empty({n}, {.dtype = nn::DType::kInt64}));
+    int64_t v = 0;
+    for (Tensor& x : t) {
+      Tensor base = x.is_contiguous() ? x : x.Transpose(0, 1);
+      for (int64_t i = 0; i < base.numel(); ++i, ++v) {
+        if (base.dtype() == nn::DType::kInt64) {
+          base.data<int64_t>()[i] = as_root ? v : -1;
+        } else {
+          base.data<float>()[i] = as_root ? static_cast<float>(v) + 0.5f : -1.0f;
+        }
+      }
+    }
+    return t;
+  };
+  const std::vector<Tensor> expected = make(true);
+  const std::vector<Tensor> mine = make(pg->rank() == root);
+  const uint64_t before = pg->collectives_run();
+  internal::BroadcastCoalesced(*pg, mine, root, "bucketed", /*bucket_bytes=*/64);
+  // f32: [3] + [5] (32 bytes), [10] + [4] (56), [40] alone (160, in place),
+  // the transposed [8, 8] alone (256); i64: [6] (48), then [3] ([0] has no
+  // elements). One flat buffer per dtype was 2 broadcasts.
+  WORKER_EXPECT(pg->collectives_run() - before == 6,
+                std::to_string(pg->collectives_run() - before) + " broadcasts for 6 buckets");
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const bool same = mine[i].dtype() == nn::DType::kInt64
+                          ? mine[i].ToVector<int64_t>() == expected[i].ToVector<int64_t>()
+                          : mine[i].ToVector<float>() == expected[i].ToVector<float>();
+    WORKER_EXPECT(same, "rank " + std::to_string(pg->rank()) + ": tensor " + std::to_string(i) +
+                            " does not hold the root's values");
+  }
+  bool refused = false;
+  try {
+    internal::BroadcastCoalesced(*pg, mine, root, "bucketed", 0);
+  } catch (const std::invalid_argument& e) {
+    refused = std::string(e.what()).find("bucket_bytes") != std::string::npos;
+  }
+  WORKER_EXPECT(refused, "a bucket of 0 bytes was accepted");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, BroadcastsGoInBucketsOfBoundedSize) {
+  auto run = RunWorkers("broadcast_in_buckets", 3);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

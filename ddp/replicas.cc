@@ -307,49 +307,63 @@ std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Ten
 }
 
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
-                        const std::string& label) {
+                        const std::string& label, size_t bucket_bytes) {
   if (pg.size() == 1) return;
-  // One flat buffer per (dtype, device): parameters of a model spread over
-  // a CPU and a GPU part, or mixing f32 and bf16, broadcast in one go each.
+  if (bucket_bytes == 0) throw std::invalid_argument("BroadcastCoalesced: bucket_bytes must be positive");
+  // One flat buffer per (dtype, device) and bucket: parameters of a model
+  // spread over a CPU and a GPU part, or mixing f32 and bf16, broadcast a
+  // bucket at a time, so that the copy costs at most `bucket_bytes` beside
+  // the model (one flat buffer of the whole model, on its device, ran a
+  // large model out of memory at wrapping).
   nn::NoGradGuard guard;
   for (const std::vector<size_t>& members : GroupByDtypeAndDevice(tensors)) {
-    std::vector<nn::Tensor> list;
-    list.reserve(members.size());
-    for (size_t i : members) list.push_back(tensors[i]);
-    const nn::DType dtype = list.front().dtype();
-    const nn::Device device = list.front().device();
+    const nn::DType dtype = tensors[members.front()].dtype();
+    const nn::Device device = tensors[members.front()].device();
+    const size_t elem = nn::ElementSize(dtype);
     std::string what = label + " " + std::string(nn::DTypeName(dtype));
     // The device type alone: the label is part of the collective's
     // fingerprint (DDP_DEBUG=detail), and rank r's replica is on cuda:r.
     if (device.is_cuda()) what += " on cuda";
-    if (list.size() == 1 && list.front().is_contiguous()) {
-      // One contiguous tensor: broadcast in place, no flat copy (the
-      // broadcast bumps its version where it writes it).
-      pg.Broadcast(list.front().Detach(), root, what).Wait();
-      continue;
-    }
-    int64_t total = 0;
-    for (const nn::Tensor& t : list) total += t.numel();
-    nn::Tensor flat = nn::Empty({total}, {.dtype = dtype, .device = device});
-    const size_t elem = nn::ElementSize(dtype);
-    if (pg.rank() == root) {
+    // Buckets of consecutive tensors up to `bucket_bytes`; a tensor larger
+    // than that is a bucket of its own. Every rank has the same shapes
+    // (VerifyReplicas), so every rank forms the same buckets.
+    for (size_t first = 0; first < members.size();) {
+      size_t end = first + 1, bytes = tensors[members[first]].nbytes();
+      while (end < members.size() && bytes + tensors[members[end]].nbytes() <= bucket_bytes) {
+        bytes += tensors[members[end]].nbytes();
+        ++end;
+      }
+      std::vector<nn::Tensor> list;
+      for (size_t i = first; i < end; ++i) list.push_back(tensors[members[i]]);
+      first = end;
+      if (list.size() == 1 && list.front().is_contiguous()) {
+        // One contiguous tensor: broadcast in place, no flat copy (the
+        // broadcast bumps its version where it writes it).
+        pg.Broadcast(list.front().Detach(), root, what).Wait();
+        continue;
+      }
+      int64_t total = 0;
+      for (const nn::Tensor& t : list) total += t.numel();
+      nn::Tensor flat = nn::Empty({total}, {.dtype = dtype, .device = device});
+      if (pg.rank() == root) {
+        int64_t offset = 0;
+        for (const nn::Tensor& t : list) {
+          flat.Narrow(0, offset, t.numel()).View(t.shape()).CopyFrom(t);
+          offset += t.numel();
+        }
+      }
+      pg.Broadcast(flat, root, what).Wait();
+      if (pg.rank() == root) continue;
       int64_t offset = 0;
       for (const nn::Tensor& t : list) {
-        flat.Narrow(0, offset, t.numel()).View(t.shape()).CopyFrom(t);
+        if (t.is_contiguous() && device.is_cpu()) {
+          std::memcpy(t.data_ptr(), static_cast<const char*>(flat.data_ptr()) + offset * elem, t.nbytes());
+          t.storage()->BumpVersion();
+        } else {
+          t.CopyFrom(flat.Narrow(0, offset, t.numel()).View(t.shape()));
+        }
         offset += t.numel();
       }
-    }
-    pg.Broadcast(flat, root, what).Wait();
-    if (pg.rank() == root) continue;
-    int64_t offset = 0;
-    for (const nn::Tensor& t : list) {
-      if (t.is_contiguous() && device.is_cpu()) {
-        std::memcpy(t.data_ptr(), static_cast<const char*>(flat.data_ptr()) + offset * elem, t.nbytes());
-        t.storage()->BumpVersion();
-      } else {
-        t.CopyFrom(flat.Narrow(0, offset, t.numel()).View(t.shape()));
-      }
-      offset += t.numel();
     }
   }
 }

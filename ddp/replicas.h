@@ -67,11 +67,18 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
 /// cuda:3 part must both come first.
 std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors);
 
+/// PyTorch's broadcast bucket size for the initial and buffer broadcasts.
+inline constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
+
 /// Collective: copies rank `root`'s values of `tensors` into every rank's,
-/// one broadcast per dtype and device (through a flat buffer, except for a
-/// lone contiguous tensor, which is broadcast in place).
+/// per dtype and device one broadcast per bucket of consecutive tensors of
+/// at most `bucket_bytes` (through a flat buffer, except for a bucket of one
+/// contiguous tensor, which is broadcast in place; a tensor larger than
+/// `bucket_bytes` is a bucket of its own). The temporary memory is thus at
+/// most `bucket_bytes`, or one non-contiguous tensor, whatever the model's
+/// size. Every rank must pass tensors of the same dtypes, devices and sizes.
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
-                        const std::string& label);
+                        const std::string& label, size_t bucket_bytes = kBroadcastBucketBytes);
 
 }  // namespace ddp::dist::internal
 
