@@ -84,14 +84,16 @@ struct RankGroup {
   std::vector<int> ranks;
 };
 
-template <typename TextOf>
-std::vector<RankGroup> GroupRanks(int size, TextOf text_of) {
+// Ranks grouped by key_of(r), whole (two long values that differ only
+// where the message cuts them are two groups); each group shown as
+// text_of(its first rank).
+template <typename KeyOf, typename TextOf>
+std::vector<RankGroup> GroupRanks(int size, KeyOf key_of, TextOf text_of) {
   std::vector<RankGroup> groups;
   std::map<std::string, size_t> place;
   for (int r = 0; r < size; ++r) {
-    std::string text = text_of(r);
-    const auto [it, added] = place.try_emplace(text, groups.size());
-    if (added) groups.push_back({std::move(text), {}});
+    const auto [it, added] = place.try_emplace(key_of(r), groups.size());
+    if (added) groups.push_back({text_of(r), {}});
     groups[it->second].ranks.push_back(r);
   }
   return groups;
@@ -182,12 +184,19 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
       // Each rank's entry at #k, the ranks with the same one together (as a
       // rule all ranks but a few have the same), so that the message does
       // not grow with the number of ranks.
-      std::vector<RankGroup> at_k = GroupRanks(size, [&](int r) {
-        return k < lists[r].size() ? "`" + Cut(lists[r][k]->name, kMostNameBytes) + "` " +
-                                         Cut(lists[r][k]->value, kMostValueBytes)
-                                   : "no " + kind + " #" + std::to_string(k) + " (it has " +
-                                         Plural(kind, lists[r].size()) + ")";
-      });
+      auto missing = [&](int r) {
+        return "no " + kind + " #" + std::to_string(k) + " (it has " + Plural(kind, lists[r].size()) + ")";
+      };
+      std::vector<RankGroup> at_k = GroupRanks(
+          size,
+          [&](int r) {
+            return k < lists[r].size() ? lists[r][k]->name + kFieldSep + lists[r][k]->value : missing(r);
+          },
+          [&](int r) {
+            return k < lists[r].size() ? "`" + Cut(lists[r][k]->name, kMostNameBytes) + "` " +
+                                             Cut(lists[r][k]->value, kMostValueBytes)
+                                       : missing(r);
+          });
       std::string m = heading + " First difference at " + kind + " #" + std::to_string(k) + ": " +
                       ListGroups(at_k, " has ", " have ") + ".";
       std::vector<std::string> properties;
@@ -204,9 +213,8 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
       bool counts_differ = false;
       for (int r = 1; r < size; ++r) counts_differ = counts_differ || lists[r].size() != lists[0].size();
       if (counts_differ) {
-        m += " Counts: " + ListGroups(GroupRanks(size, [&](int r) { return Plural(kind, lists[r].size()); }),
-                                      " has ", " have ") +
-             ".";
+        auto count = [&](int r) { return Plural(kind, lists[r].size()); };
+        m += " Counts: " + ListGroups(GroupRanks(size, count, count), " has ", " have ") + ".";
       }
       // Name a missing entry outright: each distinct name at #k once, with
       // every rank that has no entry of that name anywhere. Several ranks

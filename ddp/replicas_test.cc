@@ -203,6 +203,18 @@ TEST(ExplainReplicaDifferenceTest, LongValuesAreCut) {
   EXPECT_NE(m.find(". They differ in value."), std::string::npos) << m;
 }
 
+// Two long values that differ only in the part the message leaves out are
+// still two groups, not one that hides the difference.
+TEST(ExplainReplicaDifferenceTest, ValuesThatDifferWhereTheyAreCutAreStillApart) {
+  std::string order;
+  for (int i = 0; i < 10000; ++i) order += (i ? "," : "") + std::to_string(i);
+  std::vector<std::vector<ReplicaEntry>> ranks(3, {{"option", "bucket_order", order}});
+  std::swap(ranks[2][0].value[order.size() / 2], ranks[2][0].value[order.size() / 2 + 1]);
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_NE(m.find("ranks 0-1 have `bucket_order` 0,1,2,"), std::string::npos) << m;
+  EXPECT_NE(m.find("; rank 2 has `bucket_order` 0,1,2,"), std::string::npos) << m;
+}
+
 // The property that differs is named, so the reader need not compare two
 // long descriptions by eye.
 TEST(ExplainReplicaDifferenceTest, TheDifferingPropertyIsNamed) {
