@@ -68,7 +68,8 @@ struct DdpOptions {
   /// copy in or out). 0 copies every gradient, as PyTorch does.
   double inplace_gradient_mb = 0.5;
   /// Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at
-  /// every forward in training.
+  /// wrapping and at every forward in training. False: the buffers are
+  /// neither compared across ranks nor broadcast; each rank keeps its own.
   bool broadcast_buffers = true;
   /// Allow parameters that get no gradient in an iteration (found by
   /// walking the autograd graph from the forward's outputs); a parameter
