@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -3059,6 +3060,47 @@ DDP_TEST_WORKER(broadcast_in_buckets) {
 
 TEST(DdpFeaturesTest, BroadcastsGoInBucketsOfBoundedSize) {
   auto run = RunWorkers("broadcast_in_buckets", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Models that differ, each described by 3000 entries with 1000-byte names
+// (about 3 MB): the check's extra memory on each rank is about one
+// description, whatever the number of ranks. Every rank gathered every
+// rank's whole description and parsed all of them (8 ranks: about 50 MB
+// on each), which at 1024 ranks needed gigabytes per rank.
+DDP_TEST_WORKER(verify_replicas_memory) {
+  auto pg = testing::WorkerGroup();
+  const std::string prefix(1000, 'p');
+  std::vector<internal::ReplicaEntry> entries;
+  for (int i = 0; i < 3000; ++i) entries.push_back({"parameter", prefix + std::to_string(i), "f32 [8] strides [1]"});
+  if (pg->rank() == 5) entries[2345].value = "f32 [9] strides [1]";
+  rusage before{};
+  getrusage(RUSAGE_SELF, &before);
+  std::string message;
+  try {
+    internal::VerifyReplicas(*pg, entries, "Models differ.");
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  rusage after{};
+  getrusage(RUSAGE_SELF, &after);
+  const long grown_mb = (after.ru_maxrss - before.ru_maxrss) / 1024;
+  WORKER_EXPECT(grown_mb < 30, "the check took " + std::to_string(grown_mb) + " MB more on rank " +
+                                   std::to_string(pg->rank()));
+  WORKER_EXPECT(message.find("First difference at parameter #2345: ranks 0-4, 6-7 have `" + prefix +
+                             "2345` f32 [8] strides [1]; rank 5 has `" + prefix +
+                             "2345` f32 [9] strides [1]. They differ in shape.") != std::string::npos,
+                message.substr(0, 3000));
+  WORKER_EXPECT(message.size() < 8192, std::to_string(message.size()) + " bytes");
+  // The group is still usable: every rank took part in every exchange.
+  Tensor one = nn::Ones({1});
+  pg->AllReduce(one).Wait();
+  WORKER_EXPECT(one.data<float>()[0] == 8.0f, "all-reduce after the check");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, TheReplicaCheckNeedsMemoryForOneDescriptionNotOnePerRank) {
+  auto run = RunWorkers("verify_replicas_memory", 8);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

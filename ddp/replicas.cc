@@ -139,17 +139,38 @@ TensorFields ParseTensorDescription(const std::string& v) {
   return f;
 }
 
+// One rank's entry at the first difference, as the message needs it:
+// hashes to compare whole names and values, and their cut forms to show.
+struct EntryView {
+  bool present = false;
+  uint64_t name_hash = 0, value_hash = 0;
+  std::string name, value;  // cut to kMostNameBytes, kMostValueBytes
+  int64_t count = 0;        // the rank's entries of this kind
+};
+
+EntryView ViewOf(const std::vector<const ReplicaEntry*>& list, size_t k) {
+  EntryView v;
+  v.count = static_cast<int64_t>(list.size());
+  if (k >= list.size()) return v;
+  v.present = true;
+  v.name_hash = Fnv1a(list[k]->name);
+  v.value_hash = Fnv1a(list[k]->value);
+  v.name = Cut(list[k]->name, kMostNameBytes);
+  v.value = Cut(list[k]->value, kMostValueBytes);
+  return v;
+}
+
 // Adds to `out` (once each) the properties in which `a` and `b` differ:
 // "name", and for tensors "dtype", "shape", "strides", "device",
 // "requires_grad"; for an option its "value", for a module its "type".
-void AddDifferences(const ReplicaEntry& a, const ReplicaEntry& b, std::vector<std::string>& out) {
+void AddDifferences(const std::string& kind, const EntryView& a, const EntryView& b, std::vector<std::string>& out) {
   auto add = [&](bool differs, const char* property) {
     if (differs && std::find(out.begin(), out.end(), property) == out.end()) out.push_back(property);
   };
-  add(a.name != b.name, "name");
-  if (a.value == b.value) return;
-  if (a.kind == "option") return add(true, "value");
-  if (a.kind == "module") return add(true, "type");
+  add(a.name_hash != b.name_hash, "name");
+  if (a.value_hash == b.value_hash) return;
+  if (kind == "option") return add(true, "value");
+  if (kind == "module") return add(true, "type");
   const TensorFields x = ParseTensorDescription(a.value), y = ParseTensorDescription(b.value);
   add(x.dtype != y.dtype, "dtype");
   add(x.shape != y.shape, "shape");
@@ -158,100 +179,131 @@ void AddDifferences(const ReplicaEntry& a, const ReplicaEntry& b, std::vector<st
   add(x.no_grad != y.no_grad, "requires_grad");
 }
 
+// A name at the first difference that some ranks have nowhere among their
+// entries of that kind.
+struct Lacking {
+  std::string name;  // cut
+  std::vector<int> ranks;
+};
+
+// The message for a first difference at `kind` #k, from each rank's view
+// of it; `lacking`: the names at #k some ranks lack (at most kMostGroups),
+// `unsaid` how many more such names there are ("at least" when
+// `unsaid_is_lower_bound`).
+std::string ExplainAt(const std::string& heading, const std::string& kind, size_t k,
+                      const std::vector<EntryView>& views, const std::vector<Lacking>& lacking, size_t unsaid,
+                      bool unsaid_is_lower_bound) {
+  const int size = static_cast<int>(views.size());
+  auto missing = [&](int r) {
+    return "no " + kind + " #" + std::to_string(k) + " (it has " + Plural(kind, views[r].count) + ")";
+  };
+  // The ranks with the same entry together (as a rule all ranks but a few
+  // have the same), so that the message does not grow with the number of
+  // ranks; grouped by the whole entry, not its cut form.
+  std::vector<RankGroup> at_k = GroupRanks(
+      size,
+      [&](int r) {
+        return views[r].present ? std::to_string(views[r].name_hash) + kFieldSep + std::to_string(views[r].value_hash)
+                                : missing(r);
+      },
+      [&](int r) { return views[r].present ? "`" + views[r].name + "` " + views[r].value : missing(r); });
+  std::string m = heading + " First difference at " + kind + " #" + std::to_string(k) + ": " +
+                  ListGroups(at_k, " has ", " have ") + ".";
+  std::vector<std::string> properties;
+  const EntryView& first = views[at_k[0].ranks[0]];
+  for (const RankGroup& g : at_k) {
+    const EntryView& other = views[g.ranks[0]];
+    if (first.present && other.present) AddDifferences(kind, first, other, properties);
+  }
+  if (!properties.empty()) {
+    m += " They differ in";
+    for (size_t i = 0; i < properties.size(); ++i) m += (i ? ", " : " ") + properties[i];
+    m += ".";
+  }
+  bool counts_differ = false;
+  for (int r = 1; r < size; ++r) counts_differ = counts_differ || views[r].count != views[0].count;
+  if (counts_differ) {
+    auto count = [&](int r) { return Plural(kind, views[r].count); };
+    m += " Counts: " + ListGroups(GroupRanks(size, count, count), " has ", " have ") + ".";
+  }
+  for (const Lacking& l : lacking) {
+    std::string who = RankSet(l.ranks);
+    who[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(who[0])));
+    m += " " + who + (l.ranks.size() == 1 ? " has no " : " have no ") + kind + " named `" + l.name + "`.";
+  }
+  if (unsaid > 0) {
+    m += std::string(" ") + (unsaid_is_lower_bound ? "At least " : "") + std::to_string(unsaid) + " more names at #" +
+         std::to_string(k) + " are missing on some ranks.";
+  }
+  return m;
+}
+
+const char* const kKinds[] = {"parameter", "option", "buffer", "module"};
+constexpr int64_t kNoDifference = 4;  // past the last kind
+
+// Where `mine` first differs from `reference` (rank 0's): the kind's index
+// in kKinds and the position among entries of that kind; kNoDifference
+// when it does not.
+std::pair<int64_t, int64_t> FirstDifference(const std::vector<ReplicaEntry>& reference,
+                                            const std::vector<ReplicaEntry>& mine) {
+  for (int64_t kind = 0; kind < kNoDifference; ++kind) {
+    const auto a = OfKind(reference, kKinds[kind]), b = OfKind(mine, kKinds[kind]);
+    for (size_t k = 0; k < std::max(a.size(), b.size()); ++k) {
+      if (k >= a.size() || k >= b.size() || a[k]->name != b[k]->name || a[k]->value != b[k]->value) {
+        return {kind, static_cast<int64_t>(k)};
+      }
+    }
+  }
+  return {kNoDifference, 0};
+}
+
 }  // namespace
 
 std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>>& ranks,
                                      const std::string& heading) {
   const int size = static_cast<int>(ranks.size());
-  // Options before buffers: a rank with broadcast_buffers off describes no
-  // buffers, and its option, not the missing buffers, is the cause.
-  for (const std::string kind : {"parameter", "option", "buffer", "module"}) {
-    std::vector<std::vector<const ReplicaEntry*>> lists;
-    size_t longest = 0;
-    for (const auto& r : ranks) {
-      lists.push_back(OfKind(r, kind));
-      longest = std::max(longest, lists.back().size());
+  // The first difference of any rank from rank 0 (options before buffers:
+  // a rank with broadcast_buffers off describes no buffers, and its
+  // option, not the missing buffers, is the cause).
+  std::pair<int64_t, int64_t> first{kNoDifference, 0};
+  for (int r = 1; r < size; ++r) first = std::min(first, FirstDifference(ranks[0], ranks[r]));
+  if (first.first == kNoDifference) return heading + " The difference could not be located.";
+  const std::string kind = kKinds[first.first];
+  const size_t k = static_cast<size_t>(first.second);
+  std::vector<std::vector<const ReplicaEntry*>> lists;
+  std::vector<EntryView> views;
+  for (const auto& r : ranks) {
+    lists.push_back(OfKind(r, kind));
+    views.push_back(ViewOf(lists.back(), k));
+  }
+  // Name a missing entry outright: each distinct name at #k once, with
+  // every rank that has no entry of that name anywhere. Each rank's names
+  // go into a set once, so that thousands of entries on many ranks stay
+  // linear in their number.
+  std::vector<std::unordered_set<std::string_view>> names(size);
+  for (int q = 0; q < size; ++q) {
+    for (const ReplicaEntry* e : lists[q]) names[q].insert(e->name);
+  }
+  std::vector<std::string_view> said;
+  std::vector<Lacking> lacking;
+  size_t unsaid = 0;
+  for (int r = 0; r < size; ++r) {
+    if (k >= lists[r].size()) continue;
+    const std::string_view name = lists[r][k]->name;
+    if (std::find(said.begin(), said.end(), name) != said.end()) continue;
+    said.push_back(name);
+    Lacking l{Cut(std::string(name), kMostNameBytes), {}};
+    for (int q = 0; q < size; ++q) {
+      if (names[q].count(name) == 0) l.ranks.push_back(q);
     }
-    for (size_t k = 0; k < longest; ++k) {
-      bool differ = false;
-      for (int r = 1; r < size; ++r) {
-        const ReplicaEntry* a = k < lists[0].size() ? lists[0][k] : nullptr;
-        const ReplicaEntry* b = k < lists[r].size() ? lists[r][k] : nullptr;
-        differ = differ || (a == nullptr) != (b == nullptr) ||
-                 (a != nullptr && (a->name != b->name || a->value != b->value));
-      }
-      if (!differ) continue;
-      // Each rank's entry at #k, the ranks with the same one together (as a
-      // rule all ranks but a few have the same), so that the message does
-      // not grow with the number of ranks.
-      auto missing = [&](int r) {
-        return "no " + kind + " #" + std::to_string(k) + " (it has " + Plural(kind, lists[r].size()) + ")";
-      };
-      std::vector<RankGroup> at_k = GroupRanks(
-          size,
-          [&](int r) {
-            return k < lists[r].size() ? lists[r][k]->name + kFieldSep + lists[r][k]->value : missing(r);
-          },
-          [&](int r) {
-            return k < lists[r].size() ? "`" + Cut(lists[r][k]->name, kMostNameBytes) + "` " +
-                                             Cut(lists[r][k]->value, kMostValueBytes)
-                                       : missing(r);
-          });
-      std::string m = heading + " First difference at " + kind + " #" + std::to_string(k) + ": " +
-                      ListGroups(at_k, " has ", " have ") + ".";
-      std::vector<std::string> properties;
-      const ReplicaEntry* first = k < lists[at_k[0].ranks[0]].size() ? lists[at_k[0].ranks[0]][k] : nullptr;
-      for (const RankGroup& g : at_k) {
-        const ReplicaEntry* other = k < lists[g.ranks[0]].size() ? lists[g.ranks[0]][k] : nullptr;
-        if (first != nullptr && other != nullptr) AddDifferences(*first, *other, properties);
-      }
-      if (!properties.empty()) {
-        m += " They differ in";
-        for (size_t i = 0; i < properties.size(); ++i) m += (i ? ", " : " ") + properties[i];
-        m += ".";
-      }
-      bool counts_differ = false;
-      for (int r = 1; r < size; ++r) counts_differ = counts_differ || lists[r].size() != lists[0].size();
-      if (counts_differ) {
-        auto count = [&](int r) { return Plural(kind, lists[r].size()); };
-        m += " Counts: " + ListGroups(GroupRanks(size, count, count), " has ", " have ") + ".";
-      }
-      // Name a missing entry outright: each distinct name at #k once, with
-      // every rank that has no entry of that name anywhere. Several ranks
-      // share the name at #k as a rule, and it must not be said once per
-      // rank that has it. Each rank's names go into a set once, so that
-      // thousands of entries on many ranks stay linear in their number.
-      std::vector<std::unordered_set<std::string_view>> names(size);
-      for (int q = 0; q < size; ++q) {
-        for (const ReplicaEntry* e : lists[q]) names[q].insert(e->name);
-      }
-      std::vector<std::string_view> said;
-      size_t sentences = 0, unsaid = 0;
-      for (int r = 0; r < size; ++r) {
-        if (k >= lists[r].size()) continue;
-        const std::string_view name = lists[r][k]->name;
-        if (std::find(said.begin(), said.end(), name) != said.end()) continue;
-        said.push_back(name);
-        std::vector<int> lacking;
-        for (int q = 0; q < size; ++q) {
-          if (names[q].count(name) == 0) lacking.push_back(q);
-        }
-        if (lacking.empty()) continue;
-        if (sentences == kMostGroups) {
-          ++unsaid;
-          continue;
-        }
-        ++sentences;
-        std::string who = RankSet(lacking);
-        who[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(who[0])));
-        m += " " + who + (lacking.size() == 1 ? " has no " : " have no ") + kind + " named `" +
-             Cut(std::string(name), kMostNameBytes) + "`.";
-      }
-      if (unsaid > 0) m += " " + std::to_string(unsaid) + " more names at #" + std::to_string(k) + " are missing on some ranks.";
-      return m;
+    if (l.ranks.empty()) continue;
+    if (lacking.size() == kMostGroups) {
+      ++unsaid;
+    } else {
+      lacking.push_back(std::move(l));
     }
   }
-  return heading + " The difference could not be located.";
+  return ExplainAt(heading, kind, k, views, lacking, unsaid, false);
 }
 
 int GpuOrder::Of(nn::Device device) {
@@ -272,6 +324,113 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter, GpuOrder& gpu
   return s;
 }
 
+namespace {
+
+// One rank's EntryView in VerifyReplicas' exchange, identical in size on
+// every rank: four int64 (present, count, name hash, value hash), then the
+// cut name and value, each NUL-terminated.
+constexpr size_t kViewNameBytes = kMostNameBytes + 1;
+constexpr size_t kViewValueBytes = kMostValueBytes + 1;
+constexpr size_t kViewBytes = 32 + kViewNameBytes + kViewValueBytes;
+// The most distinct names at the first difference whose absence on some
+// ranks is looked for: one byte per name and rank in the exchange.
+constexpr size_t kNamesChecked = 64;
+
+void PutView(const EntryView& v, char* out) {
+  const int64_t head[4] = {v.present ? 1 : 0, v.count, static_cast<int64_t>(v.name_hash),
+                           static_cast<int64_t>(v.value_hash)};
+  std::memcpy(out, head, sizeof(head));
+  std::memcpy(out + 32, v.name.data(), std::min(v.name.size(), kViewNameBytes - 1));
+  std::memcpy(out + 32 + kViewNameBytes, v.value.data(), std::min(v.value.size(), kViewValueBytes - 1));
+}
+
+EntryView GetView(const char* in) {
+  int64_t head[4];
+  std::memcpy(head, in, sizeof(head));
+  EntryView v;
+  v.present = head[0] != 0;
+  v.count = head[1];
+  v.name_hash = static_cast<uint64_t>(head[2]);
+  v.value_hash = static_cast<uint64_t>(head[3]);
+  v.name.assign(in + 32, strnlen(in + 32, kViewNameBytes - 1));
+  v.value.assign(in + 32 + kViewNameBytes, strnlen(in + 32 + kViewNameBytes, kViewValueBytes - 1));
+  return v;
+}
+
+// The mismatch message, on every rank alike, at a cost that does not grow
+// with the world size beyond a small record per rank: rank 0's description
+// is broadcast and each rank compares its own with it; the ranks then
+// share where each first differs, their entries there, and which of the
+// names there each of them has.
+std::string ExplainAcrossRanks(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, const std::string& text,
+                               int64_t reference_bytes, const std::string& heading) {
+  const int size = pg.size();
+  nn::Tensor reference = nn::Zeros({std::max<int64_t>(reference_bytes, 1)}, {.dtype = nn::DType::kUInt8});
+  if (pg.rank() == 0) std::memcpy(reference.data_ptr(), text.data(), text.size());
+  pg.Broadcast(reference, 0, "model description").Wait();
+  const std::vector<ReplicaEntry> rank0 =
+      Parse(std::string(static_cast<const char*>(reference.data_ptr()), static_cast<size_t>(reference_bytes)));
+  reference = nn::Tensor();
+
+  const auto [my_kind, my_k] = FirstDifference(rank0, entries);
+  nn::Tensor mine = nn::FromVectorOf<int64_t>({my_kind, my_k}, {2});
+  nn::Tensor places = nn::Empty({2 * static_cast<int64_t>(size)}, {.dtype = nn::DType::kInt64});
+  pg.AllGather(places, mine, "model difference").Wait();
+  std::pair<int64_t, int64_t> first{kNoDifference, 0};
+  for (int r = 0; r < size; ++r) first = std::min(first, {places.data<int64_t>()[2 * r], places.data<int64_t>()[2 * r + 1]});
+  // Every rank has the same `first`; the hashes differed, so some rank
+  // differs from rank 0 unless two descriptions hashed alike.
+  if (first.first == kNoDifference) return heading + " The difference could not be located.";
+  const std::string kind = kKinds[first.first];
+  const size_t k = static_cast<size_t>(first.second);
+
+  const std::vector<const ReplicaEntry*> list = OfKind(entries, kind);
+  nn::Tensor my_view = nn::Zeros({static_cast<int64_t>(kViewBytes)}, {.dtype = nn::DType::kUInt8});
+  PutView(ViewOf(list, k), static_cast<char*>(my_view.data_ptr()));
+  nn::Tensor all_views = nn::Empty({static_cast<int64_t>(kViewBytes) * size}, {.dtype = nn::DType::kUInt8});
+  pg.AllGather(all_views, my_view, "model entries at the difference").Wait();
+  std::vector<EntryView> views;
+  for (int r = 0; r < size; ++r) views.push_back(GetView(static_cast<const char*>(all_views.data_ptr()) + r * kViewBytes));
+  all_views = nn::Tensor();
+
+  // The distinct names at #k (by hash, in rank order), and whether each
+  // rank has an entry of that name anywhere.
+  std::vector<size_t> named_by;  // a rank whose view shows the name
+  std::vector<uint64_t> hashes;
+  size_t distinct = 0;
+  for (int r = 0; r < size; ++r) {
+    if (!views[r].present || std::find(hashes.begin(), hashes.end(), views[r].name_hash) != hashes.end()) continue;
+    ++distinct;
+    if (hashes.size() < kNamesChecked) {
+      hashes.push_back(views[r].name_hash);
+      named_by.push_back(static_cast<size_t>(r));
+    }
+  }
+  std::unordered_set<uint64_t> my_names;
+  for (const ReplicaEntry* e : list) my_names.insert(Fnv1a(e->name));
+  nn::Tensor has = nn::Zeros({static_cast<int64_t>(kNamesChecked)}, {.dtype = nn::DType::kUInt8});
+  for (size_t i = 0; i < hashes.size(); ++i) has.data<uint8_t>()[i] = my_names.count(hashes[i]) ? 1 : 0;
+  nn::Tensor all_has = nn::Empty({static_cast<int64_t>(kNamesChecked) * size}, {.dtype = nn::DType::kUInt8});
+  pg.AllGather(all_has, has, "model names at the difference").Wait();
+  std::vector<Lacking> lacking;
+  size_t unsaid = 0;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    Lacking l{views[named_by[i]].name, {}};
+    for (int q = 0; q < size; ++q) {
+      if (all_has.data<uint8_t>()[q * kNamesChecked + i] == 0) l.ranks.push_back(q);
+    }
+    if (l.ranks.empty()) continue;
+    if (lacking.size() == kMostGroups) {
+      ++unsaid;
+    } else {
+      lacking.push_back(std::move(l));
+    }
+  }
+  return ExplainAt(heading, kind, k, views, lacking, unsaid, distinct > hashes.size());
+}
+
+}  // namespace
+
 void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, const std::string& heading) {
   if (pg.size() == 1) return;
   const std::string text = Serialize(entries);
@@ -281,22 +440,21 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, 
   pg.AllGather(all, mine, "model fingerprint").Wait();
   const int64_t* a = all.data<int64_t>();
   bool same = true;
-  int64_t longest = 0;
-  for (int r = 0; r < pg.size(); ++r) {
-    same = same && a[2 * r] == a[0] && a[2 * r + 1] == a[1];
-    longest = std::max(longest, a[2 * r + 1]);
-  }
+  for (int r = 0; r < pg.size(); ++r) same = same && a[2 * r] == a[0] && a[2 * r + 1] == a[1];
   if (same) return;
-  nn::Tensor padded = nn::Zeros({longest}, {.dtype = nn::DType::kUInt8});
-  std::memcpy(padded.data_ptr(), text.data(), text.size());
-  nn::Tensor texts = nn::Empty({longest * pg.size()}, {.dtype = nn::DType::kUInt8});
-  pg.AllGather(texts, padded, "model description").Wait();
-  std::vector<std::vector<ReplicaEntry>> ranks;
-  const char* base = static_cast<const char*>(texts.data_ptr());
-  for (int r = 0; r < pg.size(); ++r) {
-    ranks.push_back(Parse(std::string(base + r * longest, static_cast<size_t>(a[2 * r + 1]))));
+  std::string message;
+  try {
+    message = ExplainAcrossRanks(pg, entries, text, a[1], heading);
+  } catch (const std::exception& e) {
+    // This rank failed alone (out of memory, say) between the exchanges:
+    // the others would wait for it in the next one until the group's
+    // timeout, without the cause.
+    pg.Abort(transport::FailedPreconditionError(
+        "comparing the ranks' models failed on rank " + std::to_string(pg.rank()) + " (" + e.what() +
+        "); the other ranks would wait for it. The process group was aborted."));
+    throw;
   }
-  throw std::invalid_argument(ExplainReplicaDifference(ranks, heading));
+  throw std::invalid_argument(message);
 }
 
 std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors) {

@@ -45,8 +45,14 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter, GpuOrder& gpu
 /// throws std::invalid_argument, with the same message on every rank:
 /// `heading` (who checked, and what must match: "DistributedDataParallel:
 /// the ranks' models differ (...)."), then the first differing entry and
-/// each rank's value of it. Two fixed-size all-gathers at most, so
-/// differing ranks cannot hang.
+/// each rank's value of it. When they differ, rank 0's description is
+/// broadcast and each rank compares its own with it; the ranks then share
+/// fixed-size records (where each differs first, its entry there, which of
+/// the names there it has), so the memory does not grow with the number of
+/// ranks beyond about 1.6 KB per rank. Every exchange has the same size on
+/// every rank, so differing ranks cannot hang, and a rank that fails
+/// between them (out of memory) aborts the group with the cause rather than
+/// leaving the others waiting.
 void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, const std::string& heading);
 
 /// VerifyReplicas' message for ranks whose entries differ (`ranks[r]` is
