@@ -51,6 +51,12 @@ constexpr int kDrainPolls = 1024;
 // kForceCloseTime.
 constexpr auto kForceCloseTime = std::chrono::milliseconds(1000);
 
+// A wait that fails gets its requests back before it returns (Recall), but
+// never more than this past its deadline: the grace ends at the deadline,
+// and the forced closes get at most this long after it (at least one
+// progress pass). What UCX still holds then is counted unconfirmed.
+constexpr auto kRecallOverrun = std::chrono::milliseconds(20);
+
 ucp_tag_t WireTag(bool user, int source, p2p::Tag tag) {
   return (user ? kUserChannel : 0) | (static_cast<ucp_tag_t>(source) << p2p::kTagBits) | tag;
 }
@@ -240,8 +246,10 @@ bool UcxPointToPoint::AwaitRequests(std::span<void*> requests, Deadline until) {
       }
     }
     if (!pending) return false;
-    if (Clock::now() > until) return true;
+    // At least one progress pass, also when `until` has passed already.
+    if (polls.total > 0 && Clock::now() > until) return true;
     PollUntil(polls, until);
+    ++polls.total;
   }
 }
 
@@ -408,9 +416,17 @@ void UcxPointToPoint::Abandon(Slot* slot) {
 
 void UcxPointToPoint::Recall(Deadline limit) {
   if (abandoned_ == 0) return;
+  // The grace ends by `limit`; forced closes may run kRecallOverrun past it
+  // (from now, when `limit` has passed already), so that they still get a
+  // progress pass.
+  const Clock::time_point start = Clock::now();
+  const Deadline grace_end = std::max(limit, start);
+  const Deadline hard_limit = grace_end >= Deadline::max() - kRecallOverrun
+                                  ? Deadline::max()
+                                  : grace_end + kRecallOverrun;
   // Requests with a lost peer never complete by themselves.
-  CloseEndpointsOfAbandoned(/*lost_peers_only=*/true, limit);
-  const Deadline grace = std::min(DeadlineIn(options_.recall_grace), limit);
+  CloseEndpointsOfAbandoned(/*lost_peers_only=*/true, hard_limit);
+  const Deadline grace = std::min(DeadlineIn(options_.recall_grace), grace_end);
   auto live_peer_left = [this] {
     for (const auto& slot : slots_) {
       if (slot->in_use && slot->abandoned && peers_[slot->peer]->failure.ok()) return true;
@@ -419,7 +435,7 @@ void UcxPointToPoint::Recall(Deadline limit) {
   };
   Polls polls;
   while (live_peer_left() && Clock::now() < grace) PollUntil(polls, grace);
-  CloseEndpointsOfAbandoned(/*lost_peers_only=*/false, limit);
+  CloseEndpointsOfAbandoned(/*lost_peers_only=*/false, hard_limit);
   // What is still abandoned now (same-host peers, or a limit that came
   // first) may use its buffer after the caller got it back: counted once
   // each, so that callers keep such buffers (algorithms' Scratch).
@@ -463,8 +479,12 @@ void UcxPointToPoint::CloseEndpointsOfAbandoned(bool lost_peers_only, Deadline l
     }
     return false;
   };
+  // At least one pass, also when `limit` has passed: a forced close
+  // usually completes its requests in the next progress.
   Polls polls;
-  while (owned_left() && Clock::now() < deadline) PollUntil(polls, deadline);
+  do {
+    PollUntil(polls, deadline);
+  } while (owned_left() && Clock::now() < deadline);
 }
 
 void UcxPointToPoint::SendCallback(void* request, ucs_status_t status, void* user_data) {
@@ -731,7 +751,11 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
         awaited.push_back(slot->peer);
       }
     }
+    // A Cancel from inside the watchdog must let this wait return by its
+    // deadline, as the watchdog itself must.
+    cancel_limit_ = deadline;
     Status health = watchdog_(deadline, awaited);
+    cancel_limit_ = Deadline::max();
     if (!health.ok()) {
       // What an exited peer sent before it left is already here: drain it
       // before calling the wait lost. Bounded, because a live peer may keep
@@ -870,8 +894,9 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
       Abandon(slot);
     }
   }
-  // Nothing may write into the caller's buffers once it has the result.
-  Recall(Deadline::max());
+  // Nothing may write into the caller's buffers once it has the result
+  // (within kRecallOverrun of the deadline: see Recall).
+  Recall(deadline);
   return result;
 }
 
@@ -909,7 +934,7 @@ void UcxPointToPoint::Cancel(p2p::RequestId id) {
   Slot* slot = Lookup(id);
   if (slot == nullptr) return;
   Abandon(slot);
-  Recall(Deadline::max());
+  Recall(cancel_limit_);
 }
 
 void UcxPointToPoint::CancelAll(std::span<const p2p::RequestId> ids) {
@@ -923,7 +948,7 @@ void UcxPointToPoint::CancelAll(std::span<const p2p::RequestId> ids) {
     Abandon(slot);
     any = true;
   }
-  if (any) Recall(Deadline::max());
+  if (any) Recall(cancel_limit_);
 }
 
 }  // namespace ddp::transport::ucx

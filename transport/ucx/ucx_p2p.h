@@ -33,11 +33,17 @@
 // another buffer), so callers keep the buffers of a failed call until then
 // (algorithms/collective.h); UnconfirmedReleases counts such requests, and
 // the algorithms' own scratch memory is kept for good when it grows.
-// CancelAll gives up all its requests first and then waits once: one grace
-// and one round of forced closes (at most the grace + 1 s; + 2 s when some
-// of the peers had already failed, whose endpoints are closed by force
-// first, before the grace) however many peers they go to, where a loop of
-// Cancel would wait that long for each peer in turn.
+// A failed WaitAll returns at most 20 ms (plus one progress pass) past its
+// deadline: the grace ends at the deadline, and the forced closes get 20 ms
+// after it; a Cancel or CancelAll run by the watchdog keeps to the
+// deadline of the wait that runs it the same way. Requests UCX has not
+// given back by then count as UnconfirmedReleases.
+// Outside a wait (Cancel, CancelAll, Test), CancelAll gives up all its
+// requests first and then waits once: one grace and one round of forced
+// closes (at most the grace + 1 s; + 2 s when some of the peers had
+// already failed, whose endpoints are closed by force first, before the
+// grace) however many peers they go to, where a loop of Cancel would wait
+// that long for each peer in turn.
 //
 // Threading: one thread at a time (the communicator serializes callers).
 
@@ -281,6 +287,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   P2pOptions options_;
   std::function<Status(Deadline, std::span<const int>)> watchdog_;
   Clock::time_point next_watchdog_{};
+  // How long Cancel/CancelAll may wait: the enclosing wait's deadline while
+  // the watchdog runs (it may cancel), otherwise no limit of its own.
+  Deadline cancel_limit_ = Deadline::max();
   uint64_t waits_ = 0;  // WaitAll calls so far
   int abandoned_ = 0;   // abandoned slots whose request UCX still holds
   uint64_t unconfirmed_releases_ = 0;  // see UnconfirmedReleases

@@ -68,10 +68,12 @@ std::string ReadFile(const std::string& path) {
 }
 
 // Rank `rank` of two over TCP; the other rank is remote (peer error mode).
-std::unique_ptr<UcxPointToPoint> MakeRank(int rank) {
+std::unique_ptr<UcxPointToPoint> MakeRank(int rank,
+                                          milliseconds recall_grace = milliseconds(100)) {
   auto context = Context::Create({.default_tls = "tcp,self"});
   if (!context.ok()) return nullptr;
-  auto p2p = UcxPointToPoint::Create(*context, {.rank = rank, .size = 2});
+  auto p2p = UcxPointToPoint::Create(*context,
+                                     {.rank = rank, .size = 2, .recall_grace = recall_grace});
   if (!p2p.ok()) return nullptr;
   return std::move(*p2p);
 }
@@ -220,8 +222,9 @@ struct TwoRanks {
   }
 };
 
-void Connect(const std::string& scenario, TwoRanks& ranks) {
-  ranks.p2p = MakeRank(0);
+void Connect(const std::string& scenario, TwoRanks& ranks,
+             milliseconds recall_grace = milliseconds(100)) {
+  ranks.p2p = MakeRank(0, recall_grace);
   ASSERT_NE(ranks.p2p, nullptr);
   const std::string dir = EnvOr("TEST_TMPDIR", "/tmp");
   const std::string stem = dir + "/" + scenario + "." + std::to_string(getpid());
@@ -333,6 +336,69 @@ TEST(UcxPointToPointProcesses, SendThatTimedOutNeverReadsAfterwards) {
   testing::WorkerResult rank1 = ranks.Finish();
   EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
   EXPECT_EQ(rank1.signal, 0) << rank1.output;
+}
+
+// A wait that times out returns soon after its deadline however long the
+// recall grace is: the grace is cut at the deadline, and the forced close
+// of the stopped peer's endpoint follows within a bounded overrun.
+TEST(UcxPointToPointProcesses, WaitThatTimedOutReturnsSoonAfterItsDeadline) {
+  TwoRanks ranks;
+  ASSERT_NO_FATAL_FAILURE(Connect("rank1_receive", ranks, /*recall_grace=*/milliseconds(2000)));
+  UcxPointToPoint& p2p = *ranks.p2p;
+  ranks.group->Kill(0, SIGSTOP);
+  std::vector<uint8_t> out(kMessageBytes, kPayload);
+  auto id = p2p.PostSend(1, kTag, out.data(), out.size());
+  ASSERT_TRUE(id.ok()) << id.status();
+  p2p::RequestId ids[] = {*id};
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(50)));
+  const auto waited = Clock::now() - start;
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  // 50 ms deadline + 20 ms overrun, with room for a loaded machine; the
+  // 2 s grace would be far past it.
+  EXPECT_LT(waited, milliseconds(400));
+  std::fill(out.begin(), out.end(), kSentinel);
+  ranks.group->Kill(0, SIGCONT);
+  Progress(p2p, milliseconds(500));
+  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_TRUE(closed.ok()) << closed;
+  testing::WorkerResult rank1 = ranks.Finish();
+  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
+}
+
+// A Cancel run by the watchdog (as the communicator's does) waits no longer
+// than the wait that runs the watchdog may: that wait still returns near
+// its deadline.
+TEST(UcxPointToPointProcesses, CancelInsideTheWatchdogKeepsTheWaitsDeadline) {
+  TwoRanks ranks;
+  ASSERT_NO_FATAL_FAILURE(Connect("rank1_receive", ranks, /*recall_grace=*/milliseconds(2000)));
+  UcxPointToPoint& p2p = *ranks.p2p;
+  ranks.group->Kill(0, SIGSTOP);
+  std::vector<uint8_t> out(kMessageBytes, kPayload);
+  std::vector<uint8_t> other(size_t{3} << 20, kPayload);
+  auto id = p2p.PostSend(1, kTag, out.data(), out.size());
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto other_id = p2p.PostSend(1, kTag + 1, other.data(), other.size());
+  ASSERT_TRUE(other_id.ok()) << other_id.status();
+  bool cancelled = false;
+  p2p.SetWatchdog([&](Deadline, std::span<const int>) {
+    if (!cancelled) p2p.Cancel(*other_id);
+    cancelled = true;
+    return Status::Ok();
+  });
+  p2p::RequestId ids[] = {*id};
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(50)));
+  const auto waited = Clock::now() - start;
+  EXPECT_TRUE(cancelled);
+  EXPECT_FALSE(s.ok());
+  EXPECT_LT(waited, milliseconds(400)) << s;
+  p2p.SetWatchdog(nullptr);
+  ranks.group->Kill(0, SIGCONT);
+  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_TRUE(closed.ok()) << closed;
+  testing::WorkerResult rank1 = ranks.Finish();
+  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
 }
 
 // Rank 0 of kPeers + 1 in this process; the others are spawned copies each
