@@ -257,6 +257,9 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
                                        Deadline deadline) {
   std::vector<void*> closing;
   std::vector<int> closing_peers;  // closing[i] is the endpoint to closing_peers[i]
+  // The first close UCX refused: that endpoint stays open until the worker
+  // is destroyed (which destroys it), and Close reports it.
+  Status refused;
   auto close = [&](int peer, bool force) {
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
@@ -266,6 +269,15 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
     if (UCS_PTR_IS_PTR(request)) {
       closing.push_back(request);
       closing_peers.push_back(peer);
+    } else if (UCS_PTR_IS_ERR(request) && refused.ok()) {
+      // Not the caller's bad argument: UCX 1.13 cannot force an endpoint
+      // without peer error mode (one to a lost rank on this host).
+      refused = FailedPreconditionError(
+          FromUcs(UCS_PTR_STATUS(request),
+                  std::string("closing UCX endpoints: the ") + (force ? "forced " : "") +
+                      "close of the endpoint to rank " + std::to_string(peer) +
+                      " was refused (left open until the worker is destroyed)")
+              .message());
     }
     endpoints_[peer] = nullptr;
   };
@@ -325,8 +337,10 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
       ranks += (ranks.empty() ? "" : ", ") + std::to_string(closing_peers[i]);
     }
     return TimedOutError("closing UCX endpoints: rank(s) " + ranks +
-                         " did not confirm the close in time");
+                         " did not confirm the close in time" +
+                         (refused.ok() ? std::string() : "; " + refused.message()));
   }
+  DDP_RETURN_IF_ERROR(refused);
   if (!unflushed.empty()) {
     return TimedOutError("closing UCX endpoints: rank(s) " + unflushed +
                          " did not take what was sent in time; closed by force");

@@ -137,7 +137,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// a remote endpoint whose flush did not finish by then (a peer that
   /// hangs) is closed by force, waiting at most 1 s more, so that none is
   /// still closing when the worker goes. Later messages fail. Called by the
-  /// destructor if not called before.
+  /// destructor if not called before. An endpoint whose close UCX refused
+  /// (1.13 cannot force one to a lost rank on this host) stays open until
+  /// the worker is destroyed, and Close returns FAILED_PRECONDITION naming
+  /// its rank.
   /// `force_remote`: close endpoints to other hosts without flushing (after
   /// an abort: a flush towards a host that went silent never completes, and
   /// UCX cannot destroy a worker whose endpoints still hold sends).

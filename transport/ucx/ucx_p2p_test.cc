@@ -496,6 +496,20 @@ TEST(UcxPointToPoint, PeerMarkedLostFailsPendingAndLaterOperations) {
   EXPECT_EQ(p2p.PostSend(1, 1, &value, 4).status().code(), StatusCode::kPeerLost);
 }
 
+// UCX 1.13 refuses to force an endpoint without peer error mode (those to
+// ranks on this host): Close says so, naming the rank, instead of calling
+// the endpoint closed.
+TEST(UcxPointToPoint, CloseReportsAnEndpointUcxRefusedToClose) {
+  auto ranks = MakeRanks(2);
+  ranks[0]->MarkPeerLost(1, PeerLostError("rank 1 exited"));
+  Status s = ranks[0]->Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("forced close of the endpoint to rank 1 was refused"),
+            std::string::npos)
+      << s;
+  EXPECT_TRUE(ranks[1]->Close(DeadlineIn(milliseconds(2000))).ok());
+}
+
 // Three ranks over TCP, as on three hosts (peer error mode). Rank 1 goes
 // away (its endpoints closed by force, its worker destroyed): rank 0 lists
 // it among the peers with failed endpoints once UCX has seen its connection
