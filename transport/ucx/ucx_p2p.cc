@@ -352,14 +352,20 @@ Status UcxPointToPoint::RegisterStagingBuffer(void* data, size_t bytes) {
   return registrations_.Register(data, bytes);
 }
 
-Status UcxPointToPoint::CheckPeer(int peer, const char* what) const {
+Status UcxPointToPoint::CheckPeer(int peer, p2p::Tag tag, const char* what) const {
   if (closed_) return FailedPreconditionError(std::string(what) + " after the transport was closed");
   if (peer < 0 || peer >= options_.size) {
     return InvalidArgumentError(std::string(what) + " rank " + std::to_string(peer) +
                                 " outside a world of size " + std::to_string(options_.size));
   }
   if (endpoints_.empty()) return FailedPreconditionError(std::string(what) + " before Connect()");
-  if (!peers_[peer]->failure.ok()) return peers_[peer]->failure;
+  const Status& failure = peers_[peer]->failure;
+  if (!failure.ok()) {
+    // This post first, then why its peer is gone (which may name an
+    // earlier operation that gave it up).
+    return Status(failure.code(), std::string(what) + " rank " + std::to_string(peer) + " (tag " +
+                                      std::to_string(tag) + "): " + failure.message());
+  }
   return Status::Ok();
 }
 
@@ -533,7 +539,7 @@ void UcxPointToPoint::EraseNotice(Notice* notice) {
 }
 
 Status UcxPointToPoint::PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) {
-  DDP_RETURN_IF_ERROR(CheckPeer(peer, "notice to"));
+  DDP_RETURN_IF_ERROR(CheckPeer(peer, tag, "notice to"));
   if (tag > p2p::kMaxTag) {
     return InvalidArgumentError("notice to rank " + std::to_string(peer) + ": tag " +
                                 std::to_string(tag) + " exceeds " +
@@ -600,7 +606,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::PostUserRecv(int peer, p2p::Tag tag, v
 
 StatusOr<p2p::RequestId> UcxPointToPoint::Send(bool user, int peer, p2p::Tag tag,
                                                const void* data, size_t bytes) {
-  DDP_RETURN_IF_ERROR(CheckPeer(peer, "send to"));
+  DDP_RETURN_IF_ERROR(CheckPeer(peer, tag, "send to"));
   DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(true, peer, tag, bytes));
   ucp_request_param_t param;
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -628,7 +634,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Send(bool user, int peer, p2p::Tag tag
 
 StatusOr<p2p::RequestId> UcxPointToPoint::Recv(bool user, int peer, p2p::Tag tag, void* data,
                                                size_t bytes) {
-  DDP_RETURN_IF_ERROR(CheckPeer(peer, "receive from"));
+  DDP_RETURN_IF_ERROR(CheckPeer(peer, tag, "receive from"));
   DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(false, peer, tag, bytes));
   ucp_request_param_t param;
   // No immediate completion: UCX 1.13 leaves recv_info unset when a receive
@@ -684,7 +690,8 @@ Status UcxPointToPoint::SlotStatus(const Slot* slot) const {
   if (slot->ucs != UCS_OK) {
     // An endpoint error that the error callback already attributed to the
     // peer is the more useful message.
-    if (!peers_[slot->peer]->failure.ok()) return peers_[slot->peer]->failure;
+    const Status& failure = peers_[slot->peer]->failure;
+    if (!failure.ok()) return Status(failure.code(), Describe(slot) + ": " + failure.message());
     return FromUcs(slot->ucs, Describe(slot));
   }
   if (!slot->is_send && slot->info.length != slot->bytes) {

@@ -212,7 +212,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   void EraseNotice(Notice* notice);
   static void EndpointErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
 
-  Status CheckPeer(int peer, const char* what) const;
+  // OK, or why a post to `peer` with `tag` cannot go: the post named first,
+  // then the reason (a lost peer's included).
+  Status CheckPeer(int peer, p2p::Tag tag, const char* what) const;
   // Closes the endpoints to `peers` (by force where the peer is lost, or is
   // remote and `force_remote`) and waits for UCX to confirm until `deadline`.
   // Other remote endpoints are flushed until `deadline` first; those whose

@@ -496,6 +496,62 @@ TEST(UcxPointToPoint, PeerMarkedLostFailsPendingAndLaterOperations) {
   EXPECT_EQ(p2p.PostSend(1, 1, &value, 4).status().code(), StatusCode::kPeerLost);
 }
 
+// A post to a lost peer names this post (its peer and tag), then the reason
+// the peer was lost.
+TEST(UcxPointToPoint, PostToALostPeerNamesThePostAndTheReason) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  p2p.MarkPeerLost(1, PeerLostError("rank 1 exited"));
+  int v = 0;
+  Status send = p2p.PostSend(1, 7, &v, sizeof(v)).status();
+  EXPECT_EQ(send.code(), StatusCode::kPeerLost) << send;
+  EXPECT_NE(send.message().find("send to rank 1 (tag 7)"), std::string::npos) << send;
+  EXPECT_NE(send.message().find("rank 1 exited"), std::string::npos) << send;
+  Status recv = p2p.PostUserRecv(1, 8, &v, sizeof(v)).status();
+  EXPECT_NE(recv.message().find("receive from rank 1 (tag 8)"), std::string::npos) << recv;
+  Status notice = p2p.PostNotice(1, 9, &v, sizeof(v));
+  EXPECT_NE(notice.message().find("notice to rank 1 (tag 9)"), std::string::npos) << notice;
+}
+
+// A send that UCX completed with its endpoint's error names the send, as
+// one still pending when its peer was lost does.
+TEST(UcxPointToPoint, SendFailedByItsEndpointNamesTheSend) {
+  std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < 2; ++r) {
+    auto context = Context::Create({.default_tls = "tcp,self"});
+    ASSERT_TRUE(context.ok()) << context.status();
+    auto p2p = UcxPointToPoint::Create(*context, {.rank = r, .size = 2});
+    ASSERT_TRUE(p2p.ok()) << p2p.status();
+    addresses.push_back((*p2p)->address());
+    ranks.push_back(std::move(*p2p));
+  }
+  for (int r = 0; r < 2; ++r) {
+    std::vector<bool> same_host(2, false);
+    same_host[r] = true;
+    ASSERT_TRUE(ranks[r]->Connect(addresses, same_host).ok()) << "rank " << r;
+  }
+  RunRanks(ranks, [](UcxPointToPoint& p2p) {
+    int out = p2p.rank(), in = -1;
+    auto recv = p2p.PostRecv(1 - p2p.rank(), 3, &in, sizeof(in));
+    auto send = p2p.PostSend(1 - p2p.rank(), 3, &out, sizeof(out));
+    ASSERT_TRUE(recv.ok() && send.ok());
+    p2p::RequestId ids[] = {*recv, *send};
+    ASSERT_TRUE(p2p.WaitAll(ids, DeadlineIn(milliseconds(10000))).ok()) << "rank " << p2p.rank();
+  });
+  // Rank 1 never receives it: the send waits for it until rank 1 goes.
+  std::vector<uint8_t> big(size_t{1} << 20, 1);
+  auto id = ranks[0]->PostSend(1, 5, big.data(), big.size());
+  ASSERT_TRUE(id.ok()) << id.status();
+  ranks[1]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+  ranks[1].reset();
+  p2p::RequestId ids[] = {*id};
+  Status s = ranks[0]->WaitAll(ids, DeadlineIn(milliseconds(10000)));
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("send of 1048576 bytes to rank 1 (tag 5)"), std::string::npos) << s;
+  ranks[0]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+}
+
 // UCX 1.13 refuses to force an endpoint without peer error mode (those to
 // ranks on this host): Close says so, naming the rank, instead of calling
 // the endpoint closed.
