@@ -496,6 +496,42 @@ TEST(UcxPointToPoint, PeerMarkedLostFailsPendingAndLaterOperations) {
   EXPECT_EQ(p2p.PostSend(1, 1, &value, 4).status().code(), StatusCode::kPeerLost);
 }
 
+// Two ranks over TCP, as on two hosts (peer error mode), connected, with a
+// message each way already exchanged.
+std::vector<std::unique_ptr<UcxPointToPoint>> MakeTcpPair() {
+  std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < 2; ++r) {
+    auto context = Context::Create({.default_tls = "tcp,self"});
+    EXPECT_TRUE(context.ok()) << context.status();
+    if (!context.ok()) return {};
+    auto p2p = UcxPointToPoint::Create(*context, {.rank = r, .size = 2});
+    EXPECT_TRUE(p2p.ok()) << p2p.status();
+    if (!p2p.ok()) return {};
+    addresses.push_back((*p2p)->address());
+    ranks.push_back(std::move(*p2p));
+  }
+  for (int r = 0; r < 2; ++r) {
+    std::vector<bool> same_host(2, false);
+    same_host[r] = true;
+    EXPECT_TRUE(ranks[r]->Connect(addresses, same_host).ok()) << "rank " << r;
+  }
+  // Several rounds: UCX 1.13 asserts when an endpoint fails while its
+  // wireup messages are still going, which the first round may leave.
+  RunRanks(ranks, [](UcxPointToPoint& p2p) {
+    for (int round = 0; round < 4; ++round) {
+      int out = p2p.rank(), in = -1;
+      auto recv = p2p.PostRecv(1 - p2p.rank(), 3, &in, sizeof(in));
+      auto send = p2p.PostSend(1 - p2p.rank(), 3, &out, sizeof(out));
+      ASSERT_TRUE(recv.ok() && send.ok());
+      p2p::RequestId ids[] = {*recv, *send};
+      ASSERT_TRUE(p2p.WaitAll(ids, DeadlineIn(milliseconds(10000))).ok())
+          << "rank " << p2p.rank();
+    }
+  });
+  return ranks;
+}
+
 // A post to a lost peer names this post (its peer and tag), then the reason
 // the peer was lost.
 TEST(UcxPointToPoint, PostToALostPeerNamesThePostAndTheReason) {
@@ -516,29 +552,8 @@ TEST(UcxPointToPoint, PostToALostPeerNamesThePostAndTheReason) {
 // A send that UCX completed with its endpoint's error names the send, as
 // one still pending when its peer was lost does.
 TEST(UcxPointToPoint, SendFailedByItsEndpointNamesTheSend) {
-  std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
-  std::vector<std::string> addresses;
-  for (int r = 0; r < 2; ++r) {
-    auto context = Context::Create({.default_tls = "tcp,self"});
-    ASSERT_TRUE(context.ok()) << context.status();
-    auto p2p = UcxPointToPoint::Create(*context, {.rank = r, .size = 2});
-    ASSERT_TRUE(p2p.ok()) << p2p.status();
-    addresses.push_back((*p2p)->address());
-    ranks.push_back(std::move(*p2p));
-  }
-  for (int r = 0; r < 2; ++r) {
-    std::vector<bool> same_host(2, false);
-    same_host[r] = true;
-    ASSERT_TRUE(ranks[r]->Connect(addresses, same_host).ok()) << "rank " << r;
-  }
-  RunRanks(ranks, [](UcxPointToPoint& p2p) {
-    int out = p2p.rank(), in = -1;
-    auto recv = p2p.PostRecv(1 - p2p.rank(), 3, &in, sizeof(in));
-    auto send = p2p.PostSend(1 - p2p.rank(), 3, &out, sizeof(out));
-    ASSERT_TRUE(recv.ok() && send.ok());
-    p2p::RequestId ids[] = {*recv, *send};
-    ASSERT_TRUE(p2p.WaitAll(ids, DeadlineIn(milliseconds(10000))).ok()) << "rank " << p2p.rank();
-  });
+  auto ranks = MakeTcpPair();
+  ASSERT_EQ(ranks.size(), 2u);
   // Rank 1 never receives it: the send waits for it until rank 1 goes.
   std::vector<uint8_t> big(size_t{1} << 20, 1);
   auto id = ranks[0]->PostSend(1, 5, big.data(), big.size());
@@ -550,6 +565,20 @@ TEST(UcxPointToPoint, SendFailedByItsEndpointNamesTheSend) {
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("send of 1048576 bytes to rank 1 (tag 5)"), std::string::npos) << s;
   ranks[0]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+}
+
+// Close with its deadline already passed still closes a remote endpoint by
+// force and waits for UCX to confirm it (a bound of its own), instead of
+// leaving it closing when the worker goes.
+TEST(UcxPointToPoint, CloseAfterItsDeadlineStillConfirmsForcedCloses) {
+  auto ranks = MakeTcpPair();
+  ASSERT_EQ(ranks.size(), 2u);
+  std::vector<uint8_t> big(size_t{4} << 20, 1);
+  auto id = ranks[0]->PostSend(1, 5, big.data(), big.size());
+  ASSERT_TRUE(id.ok()) << id.status();
+  Status closed = ranks[0]->Close(Clock::now() - milliseconds(1), /*force_remote=*/true);
+  EXPECT_TRUE(closed.ok()) << closed;
+  ranks[1]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
 }
 
 // UCX 1.13 refuses to force an endpoint without peer error mode (those to
