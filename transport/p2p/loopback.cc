@@ -106,10 +106,21 @@ void LoopbackHub::Disconnect(int rank) {
   for (const auto& [id, op] : me.ops) ids.push_back(id);
   for (RequestId id : ids) ReleaseLocked(lock, rank, id);
   // Notices to this rank die with it; those it sent stay for their peers.
+  // Other ranks' sends to it fail: a later endpoint of this rank must not
+  // take a message meant for this one (see PostNotice).
   std::vector<Op*> notices;
   for (Op* op : me.unexpected_sends) {
-    if (op->is_notice) notices.push_back(op);
+    if (op->is_notice) {
+      notices.push_back(op);
+    } else {
+      FinishLocked(op, PeerLostError("rank " + std::to_string(rank) +
+                                     " disconnected before receiving; " +
+                                     Describe(true, op->owner, op->peer, op->tag, op->bytes)));
+    }
   }
+  me.unexpected_sends.erase(std::remove_if(me.unexpected_sends.begin(), me.unexpected_sends.end(),
+                                           [](Op* op) { return !op->is_notice; }),
+                            me.unexpected_sends.end());
   for (Op* op : notices) DropNoticeLocked(me, op);
   me.connected = false;
   me.closed = true;
@@ -222,6 +233,10 @@ StatusOr<RequestId> LoopbackHub::Post(int rank, bool is_send, int peer, Tag tag,
   }
   if (ranks_[peer]->killed) {
     return PeerLostError("rank " + std::to_string(peer) + " was lost (killed); " +
+                         Describe(is_send, rank, peer, tag, bytes));
+  }
+  if (is_send && ranks_[peer]->closed) {
+    return PeerLostError("rank " + std::to_string(peer) + " disconnected; " +
                          Describe(is_send, rank, peer, tag, bytes));
   }
   auto owned = std::make_unique<Op>();
@@ -422,6 +437,16 @@ Status LoopbackHub::WaitAll(int rank, const RequestId* requests, size_t n, Deadl
   auto release_all = [&] {
     for (size_t i = 0; i < n; ++i) ReleaseLocked(lock, rank, requests[i]);
   };
+  // A repeated id is refused before any wait, as UCX does.
+  std::vector<RequestId> sorted(requests, requests + n);
+  std::sort(sorted.begin(), sorted.end());
+  auto repeated = std::adjacent_find(sorted.begin(), sorted.end());
+  if (repeated != sorted.end()) {
+    const RequestId id = *repeated;
+    release_all();
+    return InvalidArgumentError("loopback: rank " + std::to_string(rank) + " WaitAll: request " +
+                                std::to_string(id) + " listed twice");
+  }
   while (true) {
     const Op* pending = nullptr;
     for (size_t i = 0; i < n; ++i) {
