@@ -25,9 +25,10 @@
 //     it is posted, so that a later endpoint of that rank never takes a
 //     note meant for the old one; beyond kMaxNoticesPerPeer
 //     undelivered ones from one rank to another, the oldest is dropped.
-//   - Disconnect (the endpoint's destruction) fails other ranks' sends still
-//     queued to that rank, and sends posted to it until it connects again,
-//     with PEER_LOST: its next endpoint never takes them.
+//   - Unlike notices, plain sends queued to a rank stay queued across its
+//     Disconnect and go to its next endpoint: the thread harness reuses a
+//     hub for consecutive runs whose ranks connect at different times, and
+//     a rank's first sends of a run may reach a peer still ending the last.
 //   - WaitAll refuses a request listed twice (INVALID_ARGUMENT), as UCX does.
 //   - Kill(rank) simulates a process death: peers' operations with that rank
 //     fail with PEER_LOST, the rank's own with ABORTED.

@@ -341,31 +341,6 @@ TEST(LoopbackTest, WaitAllRefusesARequestListedTwice) {
   EXPECT_EQ(eps[0]->Test(*r).status().code(), StatusCode::kInvalidArgument);
 }
 
-// A send queued to a rank whose endpoint went away is not taken by that
-// rank's next endpoint (a later session, which it is not for): the sender
-// learns the peer left, and so does a send posted while the rank is gone.
-TEST(LoopbackTest, SendToARankThatLeftIsNotDeliveredToItsNextEndpoint) {
-  LoopbackHub hub(2);
-  auto eps = ConnectAll(hub);
-  const int a = 11;
-  auto queued = eps[0]->PostSend(1, 7, &a, sizeof(a));
-  ASSERT_TRUE(queued.ok());
-  eps[1].reset();
-  Status sent = eps[0]->WaitAll(std::vector<RequestId>{*queued}, Soon());
-  EXPECT_EQ(sent.code(), StatusCode::kPeerLost) << sent;
-  EXPECT_THAT(sent.message(), HasSubstr("rank 1"));
-  auto while_gone = eps[0]->PostSend(1, 8, &a, sizeof(a));
-  EXPECT_EQ(while_gone.status().code(), StatusCode::kPeerLost) << while_gone.status();
-  auto again = hub.Connect(1);
-  ASSERT_TRUE(again.ok()) << again.status();
-  int got = 0;
-  auto r7 = (*again)->PostRecv(0, 7, &got, sizeof(got));
-  ASSERT_TRUE(r7.ok());
-  Status received = (*again)->WaitAll(std::vector<RequestId>{*r7}, Clock::now() + 50ms);
-  EXPECT_EQ(received.code(), StatusCode::kTimedOut) << received;
-  EXPECT_EQ(got, 0);
-}
-
 TEST(LoopbackDeathTest, TestHooksRefuseARankOutsideTheHub) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   LoopbackHub hub(3);
