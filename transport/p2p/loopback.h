@@ -30,6 +30,13 @@
 //     hub for consecutive runs whose ranks connect at different times, and
 //     a rank's first sends of a run may reach a peer still ending the last.
 //   - WaitAll refuses a request listed twice (INVALID_ARGUMENT), as UCX does.
+//   - Less strict than UCX in one way: a send cancelled or released before
+//     it was matched (Cancel, CancelAll, a failed wait) is dropped here,
+//     while UCX, which completes small sends as they are posted, still
+//     delivers it to the peer's next receive on that tag. A call that
+//     reuses a tag after an earlier one failed can take the old message on
+//     UCX and not here (delivering them here fails the ring all-reduce's
+//     NoteLeftByAnEarlierCallAtTheSameTagIsIgnored test that way).
 //   - Kill(rank) simulates a process death: peers' operations with that rank
 //     fail with PEER_LOST, the rank's own with ABORTED.
 //
