@@ -111,7 +111,6 @@ StatusOr<std::unique_ptr<UcxPointToPoint>> UcxPointToPoint::Create(
 UcxPointToPoint::UcxPointToPoint(std::shared_ptr<Context> context, std::unique_ptr<Worker> worker,
                                  const P2pOptions& options)
     : context_(std::move(context)), worker_(std::move(worker)), options_(options) {
-  registrations_.set_context(context_->get());
 }
 
 UcxPointToPoint::~UcxPointToPoint() {
@@ -226,9 +225,6 @@ Status UcxPointToPoint::Close(Deadline deadline, bool force_remote) {
   // and notices (PostNotice, never abandoned) with their endpoint's flush or
   // close; give both one last chance before the worker goes.
   for (int i = 0; i < 100 && (abandoned_ > 0 || !notices_.empty()); ++i) worker_->Progress();
-  // A request UCX still holds may use a registration: then the destructor
-  // unmaps them, after the worker is gone.
-  if (abandoned_ == 0) registrations_.Clear();
   return result;
 }
 
@@ -346,10 +342,6 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
                          " did not take what was sent in time; closed by force");
   }
   return Status::Ok();
-}
-
-Status UcxPointToPoint::RegisterStagingBuffer(void* data, size_t bytes) {
-  return registrations_.Register(data, bytes);
 }
 
 Status UcxPointToPoint::CheckPeer(int peer, p2p::Tag tag, const char* what) const {
@@ -612,12 +604,6 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Send(bool user, int peer, p2p::Tag tag
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &UcxPointToPoint::SendCallback;
   param.user_data = slot;
-  if (bytes >= options_.registered_threshold_bytes) {
-    if (ucp_mem_h memh = registrations_.Find(data, bytes)) {
-      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-      param.memh = memh;
-    }
-  }
   void* request = ucp_tag_send_nbx(endpoints_[peer], data, bytes,
                                    WireTag(user, options_.rank, tag), &param);
   if (UCS_PTR_IS_ERR(request)) {
@@ -645,12 +631,6 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Recv(bool user, int peer, p2p::Tag tag
   param.cb.recv = &UcxPointToPoint::RecvCallback;
   param.user_data = slot;
   param.recv_info.tag_info = &slot->info;
-  if (bytes >= options_.registered_threshold_bytes) {
-    if (ucp_mem_h memh = registrations_.Find(data, bytes)) {
-      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-      param.memh = memh;
-    }
-  }
   void* request = ucp_tag_recv_nbx(worker_->get(), data, bytes, WireTag(user, peer, tag), kFullMask,
                                    &param);
   if (UCS_PTR_IS_ERR(request)) {

@@ -28,7 +28,7 @@
 // stays with UCX until it completes or the peer's process is gone: a
 // receive may then still write into the caller's buffer (and a send read
 // from it) after the call that gave it up returned, possibly even after
-// Close (which keeps the registrations mapped for it). Nothing bounces such
+// Close. Nothing bounces such
 // receives through memory of our own (a matched receive cannot be moved to
 // another buffer), so callers keep the buffers of a failed call until then
 // (algorithms/collective.h); UnconfirmedReleases counts such requests, and
@@ -59,7 +59,6 @@
 
 #include "transport/p2p/point_to_point.h"
 #include "transport/status.h"
-#include "transport/ucx/registration_cache.h"
 #include "transport/ucx/resources.h"
 
 namespace ddp::transport::ucx {
@@ -83,9 +82,6 @@ struct P2pOptions {
   int polls_per_clock_read = 16;
   /// How often a wait runs the watchdog (waits longer than a millisecond).
   std::chrono::milliseconds watchdog_period{100};
-  /// Messages at least this large are sent with the memory handle of a
-  /// registered staging buffer when they lie inside one.
-  size_t registered_threshold_bytes = 64 << 10;
   /// How long a cancelled send (or matched receive) may still complete
   /// before its peer's endpoint is closed by force (see Cancel).
   std::chrono::milliseconds recall_grace{100};
@@ -145,9 +141,6 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// an abort: a flush towards a host that went silent never completes, and
   /// UCX cannot destroy a worker whose endpoints still hold sends).
   Status Close(Deadline deadline, bool force_remote = false);
-
-  /// Registers a long-lived staging buffer (see registration_cache.h).
-  Status RegisterStagingBuffer(void* data, size_t bytes);
 
   const P2pOptions& options() const { return options_; }
   void set_idle_mode(IdleMode mode, int idle_polls_before_backoff) {
@@ -283,7 +276,6 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   // error callbacks until the destructor has destroyed the worker.
   std::vector<std::unique_ptr<PeerState>> retired_peers_;
   std::vector<ucp_ep_h> endpoints_;
-  RegistrationCache registrations_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<uint32_t> free_slots_;
   // Notices in flight. Still alive while the destructor resets the worker,

@@ -851,24 +851,6 @@ TEST(UcxPointToPoint, CancelledReceiveDoesNotTakeALaterMessage) {
   });
 }
 
-TEST(UcxPointToPoint, RegisteredStagingBufferCarriesLargeMessages) {
-  auto ranks = MakeRanks(2);
-  RunRanks(ranks, [](UcxPointToPoint& p2p) {
-    const size_t bytes = 2 << 20;
-    std::vector<uint8_t> staging(bytes), in(bytes);
-    ASSERT_TRUE(p2p.RegisterStagingBuffer(staging.data(), bytes).ok());
-    std::iota(staging.begin(), staging.end(), static_cast<uint8_t>(p2p.rank()));
-    const int peer = 1 - p2p.rank();
-    auto r = p2p.PostRecv(peer, 1, in.data(), bytes);
-    auto s = p2p.PostSend(peer, 1, staging.data(), bytes);
-    ASSERT_TRUE(r.ok() && s.ok());
-    p2p::RequestId ids[] = {*r, *s};
-    ASSERT_TRUE(p2p.WaitAll(ids, DeadlineIn(milliseconds(10000))).ok());
-    EXPECT_EQ(in[0], static_cast<uint8_t>(peer));
-    EXPECT_EQ(in[bytes - 1], static_cast<uint8_t>(bytes - 1 + peer));
-  });
-}
-
 TEST(UcxPointToPoint, BadArgumentsAreRejected) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
