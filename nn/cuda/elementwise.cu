@@ -86,13 +86,29 @@ __device__ __forceinline__ A UnaryGradFn(OpCode op, A d, A s) {
   }
 }
 
+// x + y, x - y or x * y (op 0, 1, 2); signed integers wrap in two's
+// complement, as on the CPU (nn/ops/cpu/elementwise.cc) and in PyTorch:
+// computed in the unsigned type (widened to unsigned int for the narrow
+// ones, whose product would otherwise overflow int), since signed overflow
+// is undefined.
+template <typename A>
+__device__ __forceinline__ A Wrapping(OpCode op, A x, A y) {
+  if constexpr (std::is_integral_v<A> && std::is_signed_v<A>) {
+    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+    const U a = static_cast<U>(x), b = static_cast<U>(y);
+    return static_cast<A>(op == 0 ? a + b : op == 1 ? a - b : a * b);
+  } else {
+    return op == 0 ? x + y : op == 1 ? x - y : x * y;
+  }
+}
+
 // The op codes are ops::BinaryOp's values.
 template <typename A>
 __device__ __forceinline__ A BinaryFn(OpCode op, A x, A y) {
   switch (op) {
-    case 0: return x + y;
-    case 1: return x - y;
-    case 2: return x * y;
+    case 0:
+    case 1:
+    case 2: return Wrapping(op, x, y);
     case 3: return x / y;
     default: {  // 4: add, then relu as UnaryFn's case 1 (NaN kept)
       const A s = x + y;

@@ -252,6 +252,29 @@ TEST_F(CudaKernelsTest, VectorizedElementwiseMatchesCpu) {
   EXPECT_EQ(PackedElementwiseLaunches(), before);
 }
 
+// Integer add, sub and mul wrap in two's complement on the device as on the
+// CPU (KernelsTest.IntegerArithmeticWrapsAsPyTorch): the kernels compute in
+// the unsigned type, since signed overflow is undefined.
+TEST_F(CudaKernelsTest, IntegerArithmeticWrapsAsOnTheCpu) {
+  const int64_t lmax = std::numeric_limits<int64_t>::max(), lmin = std::numeric_limits<int64_t>::min();
+  const int32_t imax = std::numeric_limits<int32_t>::max(), imin = std::numeric_limits<int32_t>::min();
+  const Tensor longs = FromVectorOf<int64_t>({lmax, lmin, int64_t{1} << 32, lmax}, {4});
+  const Tensor long_steps = FromVectorOf<int64_t>({1, -1, 1 << 16, lmax}, {4});
+  const Tensor ints = FromVectorOf<int32_t>({65536, imax, imin, imin}, {4});
+  const Tensor int_steps = FromVectorOf<int32_t>({65536, 1, -1, imin}, {4});
+  for (int code = 0; code <= 2; ++code) {
+    const auto op = static_cast<ops::BinaryOp>(code);
+    for (const auto& [a, b] : {std::make_pair(longs, long_steps), std::make_pair(ints, int_steps)}) {
+      const std::string what = "binary op " + std::to_string(code) + " " + Name(a.dtype());
+      const Tensor out_cpu = Empty({4}, {.dtype = a.dtype()});
+      const Tensor out_gpu = Empty({4}, {.dtype = a.dtype(), .device = kGpu});
+      Cpu().binary(op, a, b, out_cpu);
+      Gpu().binary(op, a.To(kGpu), b.To(kGpu), out_gpu);
+      EXPECT_EQ(out_gpu.To(kCPU).ToVector<int64_t>(), out_cpu.ToVector<int64_t>()) << what;
+    }
+  }
+}
+
 TEST_F(CudaKernelsTest, BinaryWithBroadcastingMatchesCpu) {
   const DType types[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kInt64,
                          DType::kInt32};
