@@ -110,8 +110,8 @@ __device__ __forceinline__ A BinaryFn(OpCode op, A x, A y) {
     case 1:
     case 2: return Wrapping(op, x, y);
     case 3: return x / y;
-    default: {  // 4: add, then relu as UnaryFn's case 1 (NaN kept)
-      const A s = x + y;
+    default: {  // 4: add (wrapping, as case 0), then relu as UnaryFn's case 1 (NaN kept)
+      const A s = Wrapping(0, x, y);
       if constexpr (std::is_unsigned_v<A>) {
         return s;
       } else {

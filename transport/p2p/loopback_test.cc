@@ -320,10 +320,6 @@ TEST(LoopbackTest, BadArgumentsAreNamed) {
   EXPECT_EQ(outside.status().code(), StatusCode::kInvalidArgument);
 }
 
-// The test hooks return no Status: a rank outside the hub was ignored (Kill
-// did nothing, Stats gave zeros, BytesBetween 0), so a test that named the
-// wrong rank passed on nothing. Now the process stops, naming the hook and
-// the rank.
 // As UCX does: a request listed twice is a caller bug, refused before any
 // wait, and every request listed is released.
 TEST(LoopbackTest, WaitAllRefusesARequestListedTwice) {
@@ -341,6 +337,10 @@ TEST(LoopbackTest, WaitAllRefusesARequestListedTwice) {
   EXPECT_EQ(eps[0]->Test(*r).status().code(), StatusCode::kInvalidArgument);
 }
 
+// The test hooks return no Status: a rank outside the hub was ignored (Kill
+// did nothing, Stats gave zeros, BytesBetween 0), so a test that named the
+// wrong rank passed on nothing. Now the process stops, naming the hook and
+// the rank.
 TEST(LoopbackDeathTest, TestHooksRefuseARankOutsideTheHub) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   LoopbackHub hub(3);

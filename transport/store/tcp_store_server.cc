@@ -126,14 +126,6 @@ std::string Printable(std::string_view text, size_t max = 64) {
   return out;
 }
 
-// `from` plus `wait`, or the clock's furthest point where the sum would pass
-// it: a timeout of milliseconds::max() (a way to say "no limit") wrapped
-// into the past, and every connection was dropped at its first round.
-Deadline After(Deadline from, std::chrono::milliseconds wait) {
-  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Deadline::max() - from);
-  return wait >= room ? Deadline::max() : from + wait;
-}
-
 std::optional<int64_t> ParseInt64(std::string_view text) {
   if (text.empty()) return std::nullopt;
   int64_t value = 0;
@@ -303,7 +295,7 @@ class TcpStoreServer::Impl {
   void CheckFrameProgress(Connection& c, Deadline now) {
     if (c.in.empty()) return;
     // While the frame waits for room, the server is the one not reading.
-    const Deadline due = After(waiting_for_memory_.count(c.id) ? now : c.last_read,
+    const Deadline due = DeadlineAfter(waiting_for_memory_.count(c.id) ? now : c.last_read,
                                options_.frame_stall_timeout);
     if (due > now) {
       c.timer = due;
@@ -445,7 +437,7 @@ class TcpStoreServer::Impl {
       c.id = id;
       c.fd = std::move(owned);
       c.peer = peer;
-      c.timer = After(Clock::now(), options_.handshake_timeout);
+      c.timer = DeadlineAfter(Clock::now(), options_.handshake_timeout);
       timers_.emplace(c.timer, id);
       unauthenticated_.insert(id);
       open_connections_.store(connections_.size());
@@ -566,7 +558,7 @@ class TcpStoreServer::Impl {
   void OnReadable(Connection& c) {
     ReadFrames(c);
     if (c.authenticated && !c.dead && !c.closing && !c.in.empty() && c.timer == Deadline{}) {
-      c.timer = After(c.last_read, options_.frame_stall_timeout);
+      c.timer = DeadlineAfter(c.last_read, options_.frame_stall_timeout);
       timers_.emplace(c.timer, c.id);
     }
   }
@@ -1292,7 +1284,7 @@ class TcpStoreServer::Impl {
     c.closing = true;
     unauthenticated_.erase(c.id);
     ClearTimer(c);
-    c.timer = After(Clock::now(), grace);
+    c.timer = DeadlineAfter(Clock::now(), grace);
     timers_.emplace(c.timer, c.id);
     Touch(c);
   }

@@ -2220,10 +2220,6 @@ class HandshakeServer {
   std::thread thread_;
 };
 
-// A connection that reached itself (TCP's simultaneous open, when nobody
-// listens on a port in the ephemeral range) reads back the client's own
-// hello. With an empty token that parses as an OK reply with a byte left
-// over; the client must refuse it.
 // An IPv6 address written in brackets, as an endpoint spells it
 // ("[::1]:29500") and a MASTER_ADDR copied from one keeps it, is that
 // address, for the server and the client alike: "[::1]" went to the name
@@ -2255,6 +2251,10 @@ TEST(TcpStoreTest, AnAddressInBracketsIsTheAddress) {
   EXPECT_EQ(*(*client)->Get("k", DeadlineIn(5s)), "v");
 }
 
+// A connection that reached itself (TCP's simultaneous open, when nobody
+// listens on a port in the ephemeral range) reads back the client's own
+// hello. With an empty token that parses as an OK reply with a byte left
+// over; the client must refuse it.
 TEST(TcpStoreTest, HandshakeEchoedBackIsRefused) {
   HandshakeServer echo([](const std::string& hello) {
     wire::Writer w;

@@ -52,10 +52,15 @@ constexpr int kDrainPolls = 1024;
 constexpr auto kForceCloseTime = std::chrono::milliseconds(1000);
 
 // A wait that fails gets its requests back before it returns (Recall), but
-// never more than this past its deadline: the grace ends at the deadline,
-// and the forced closes get at most this long after it (at least one
-// progress pass). What UCX still holds then is counted unconfirmed.
+// never more than this past its deadline: a send or matched receive to a
+// live peer may still complete until kRecallGraceOverrun after it, and the
+// forced closes get the rest (at least one progress pass). What UCX still
+// holds then is counted unconfirmed.
 constexpr auto kRecallOverrun = std::chrono::milliseconds(20);
+// Part of kRecallOverrun: even a wait whose deadline has passed gives a
+// request that is about to complete this long before closing its peer by
+// force (which makes the peer lost for later calls).
+constexpr auto kRecallGraceOverrun = std::chrono::milliseconds(10);
 
 ucp_tag_t WireTag(bool user, int source, p2p::Tag tag) {
   return (user ? kUserChannel : 0) | (static_cast<ucp_tag_t>(source) << p2p::kTagBits) | tag;
@@ -428,17 +433,15 @@ void UcxPointToPoint::Abandon(Slot* slot) {
 
 void UcxPointToPoint::Recall(Deadline limit) {
   if (abandoned_ == 0) return;
-  // The grace ends by `limit`; forced closes may run kRecallOverrun past it
-  // (from now, when `limit` has passed already), so that they still get a
-  // progress pass.
-  const Clock::time_point start = Clock::now();
-  const Deadline grace_end = std::max(limit, start);
-  const Deadline hard_limit = grace_end >= Deadline::max() - kRecallOverrun
-                                  ? Deadline::max()
-                                  : grace_end + kRecallOverrun;
+  // The grace ends kRecallGraceOverrun past `limit`; forced closes may run
+  // kRecallOverrun past it (from now, when `limit` has passed already), so
+  // that they still get a progress pass.
+  const Deadline limit_or_now = std::max(limit, Clock::now());
+  const Deadline hard_limit = DeadlineAfter(limit_or_now, kRecallOverrun);
   // Requests with a lost peer never complete by themselves.
   CloseEndpointsOfAbandoned(/*lost_peers_only=*/true, hard_limit);
-  const Deadline grace = std::min(DeadlineIn(options_.recall_grace), grace_end);
+  const Deadline grace =
+      std::min(DeadlineIn(options_.recall_grace), DeadlineAfter(limit_or_now, kRecallGraceOverrun));
   auto live_peer_left = [this] {
     for (const auto& slot : slots_) {
       if (slot->in_use && slot->abandoned && peers_[slot->peer]->failure.ok()) return true;
@@ -754,9 +757,18 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
     }
     // A Cancel from inside the watchdog must let this wait return by its
     // deadline, as the watchdog itself must.
-    cancel_limit_ = deadline;
-    Status health = watchdog_(deadline, awaited);
-    cancel_limit_ = Deadline::max();
+    Status health;
+    {
+      // Restored on every way out (a watchdog that throws included): a
+      // passed limit left behind would give later Cancels no grace.
+      struct Restore {
+        Deadline& limit;
+        Deadline saved;
+        ~Restore() { limit = saved; }
+      } restore{cancel_limit_, cancel_limit_};
+      cancel_limit_ = deadline;
+      health = watchdog_(deadline, awaited);
+    }
     if (!health.ok()) {
       // What an exited peer sent before it left is already here: drain it
       // before calling the wait lost. Bounded, because a live peer may keep
@@ -851,7 +863,7 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
   }
   if (!invalid.ok()) {
     for (Slot* slot : slots) Abandon(slot);
-    Recall(Deadline::max());
+    Recall(deadline);
     return invalid;
   }
   const Clock::time_point started = Clock::now();

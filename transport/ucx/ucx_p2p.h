@@ -34,8 +34,8 @@
 // (algorithms/collective.h); UnconfirmedReleases counts such requests, and
 // the algorithms' own scratch memory is kept for good when it grows.
 // A failed WaitAll returns at most 20 ms (plus one progress pass) past its
-// deadline: the grace ends at the deadline, and the forced closes get 20 ms
-// after it; a Cancel or CancelAll run by the watchdog keeps to the
+// deadline: the grace ends 10 ms after the deadline (or sooner, at
+// recall_grace), and the forced closes get the rest; a Cancel or CancelAll run by the watchdog keeps to the
 // deadline of the wait that runs it the same way. Requests UCX has not
 // given back by then count as UnconfirmedReleases.
 // Outside a wait (Cancel, CancelAll, Test), CancelAll gives up all its

@@ -356,7 +356,7 @@ TEST(UcxPointToPointProcesses, WaitThatTimedOutReturnsSoonAfterItsDeadline) {
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
   // 50 ms deadline + 20 ms overrun, with room for a loaded machine; the
   // 2 s grace would be far past it.
-  EXPECT_LT(waited, milliseconds(400));
+  EXPECT_LT(waited, milliseconds(1000));
   std::fill(out.begin(), out.end(), kSentinel);
   ranks.group->Kill(0, SIGCONT);
   Progress(p2p, milliseconds(500));
@@ -392,7 +392,7 @@ TEST(UcxPointToPointProcesses, CancelInsideTheWatchdogKeepsTheWaitsDeadline) {
   const auto waited = Clock::now() - start;
   EXPECT_TRUE(cancelled);
   EXPECT_FALSE(s.ok());
-  EXPECT_LT(waited, milliseconds(400)) << s;
+  EXPECT_LT(waited, milliseconds(1000)) << s;
   p2p.SetWatchdog(nullptr);
   ranks.group->Kill(0, SIGCONT);
   Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
