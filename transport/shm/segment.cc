@@ -14,12 +14,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <ctime>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <string_view>
+
+#include "transport/file_text.h"
 
 namespace ddp::transport::shm {
 namespace {
@@ -96,22 +97,6 @@ long long WallClockSeconds(Deadline deadline) {
                        : deadline - now >= kFarAhead ? kFarAhead
                                                      : std::chrono::ceil<seconds>(deadline - now);
   return static_cast<long long>(std::time(nullptr)) + left.count() + 1;
-}
-
-// The file's whole text; nullopt when it cannot be opened or read. Opened
-// close-on-exec ("e"): another thread of the host program may fork and
-// exec meanwhile (an ifstream's descriptor would leak into that child).
-std::optional<std::string> ReadWholeFile(const std::string& path) {
-  std::FILE* file = std::fopen(path.c_str(), "re");
-  if (file == nullptr) return std::nullopt;
-  std::string text;
-  char block[4096];
-  size_t got = 0;
-  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) text.append(block, got);
-  const bool failed = std::ferror(file) != 0;
-  std::fclose(file);
-  if (failed) return std::nullopt;
-  return text;
 }
 
 // Whether the process `pid` still is the one that last modified a file at

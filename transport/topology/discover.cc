@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -17,26 +16,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "transport/file_text.h"
+
 namespace ddp::transport::topology {
 namespace {
 
 namespace fs = std::filesystem;
-
-// The file's whole text; nullopt when it cannot be opened or read. Opened
-// close-on-exec ("e"): another thread of the host program may fork and
-// exec meanwhile (an ifstream's descriptor would leak into that child).
-std::optional<std::string> ReadWholeFile(const std::string& path) {
-  std::FILE* file = std::fopen(path.c_str(), "re");
-  if (file == nullptr) return std::nullopt;
-  std::string text;
-  char block[4096];
-  size_t got = 0;
-  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) text.append(block, got);
-  const bool failed = std::ferror(file) != 0;
-  std::fclose(file);
-  if (failed) return std::nullopt;
-  return text;
-}
 
 std::string ReadFirstLine(const fs::path& path) {
   const std::optional<std::string> text = ReadWholeFile(path.string());
