@@ -12,14 +12,15 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <thread>
 
 #include "transport/store/tcp_store.h"
+#include "transport/testing/forwarding_store.h"
 #include "transport/testing/in_memory_store.h"
+#include "transport/testing/reader_descriptor_flags.h"
 
 namespace ddp::transport::topology {
 namespace {
@@ -58,41 +59,6 @@ TEST(ReadNetDevices, ReadsAFakeSysfsTree) {
   EXPECT_TRUE(devices[1].active);
 }
 
-// Reads the file at `path` (a FIFO made here) on another thread with
-// `read`, and returns the flags (/proc/self/fdinfo, octal "flags:") of the
-// descriptor it opened on it, or -1 when none showed within 10 s. The
-// FIFO holds the reader's open until this side opens it for writing, and
-// its read until this side closes it, so the descriptor is there to look at.
-int FlagsOfTheReadersDescriptor(const std::string& path, const std::function<void()>& read) {
-  if (mkfifo(path.c_str(), 0600) != 0) return -1;
-  std::thread reader(read);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  int writer = -1;
-  // Non-blocking: ENXIO until the reader has it open.
-  while ((writer = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0 &&
-         std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  int flags = -1;
-  const std::string target = std::filesystem::canonical(path).string();
-  while (writer >= 0 && flags < 0 && std::chrono::steady_clock::now() < until) {
-    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
-      std::error_code error;
-      const int fd = std::stoi(entry.path().filename().string());
-      if (fd == writer || std::filesystem::read_symlink(entry.path(), error).string() != target) continue;
-      std::ifstream info("/proc/self/fdinfo/" + std::to_string(fd));
-      for (std::string line; std::getline(info, line);) {
-        if (line.rfind("flags:", 0) == 0) flags = static_cast<int>(std::stol(line.substr(6), nullptr, 8));
-      }
-    }
-    if (flags < 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  if (writer >= 0) close(writer);  // the reader sees the end of the file
-  reader.join();
-  unlink(path.c_str());
-  return flags;
-}
-
 // The sysfs files are opened close-on-exec: a fork and exec on another
 // thread of the host program meanwhile must not inherit them.
 TEST(ReadNetDevices, OpensTheFilesCloseOnExec) {
@@ -100,7 +66,7 @@ TEST(ReadNetDevices, OpensTheFilesCloseOnExec) {
   fs::remove_all(root);
   const fs::path port = root / "class" / "infiniband" / "mlx5_0" / "ports" / "1";
   fs::create_directories(port);
-  const int flags = FlagsOfTheReadersDescriptor((port / "state").string(),
+  const int flags = testing::FlagsOfTheReadersDescriptor((port / "state").string(),
                                                 [&] { static_cast<void>(ReadNetDevices(root.string())); });
   fs::remove_all(root);
   ASSERT_GE(flags, 0) << "the reader's descriptor was not seen";
@@ -622,13 +588,9 @@ TEST(ExchangeTopology, RankOrSizeOutOfRangeIsRefusedAtOnceNamingThem) {
 
 // A store that takes `lag` to answer each TryGet (a loaded store server far
 // away), or fails it with TIMED_OUT at its deadline when that comes first.
-class LaggingStore final : public store::Store {
+class LaggingStore final : public testing::ForwardingStore {
  public:
   explicit LaggingStore(std::chrono::milliseconds lag) : lag_(lag) {}
-  Status Set(std::string_view key, std::string_view value, Deadline deadline) override {
-    return inner_.Set(key, value, deadline);
-  }
-  StatusOr<std::string> Get(std::string_view key, Deadline deadline) override { return inner_.Get(key, deadline); }
   StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
     if (std::chrono::steady_clock::now() + lag_ > deadline) {
       std::this_thread::sleep_until(deadline);
@@ -637,19 +599,9 @@ class LaggingStore final : public store::Store {
     std::this_thread::sleep_for(lag_);
     return inner_.TryGet(key, deadline);
   }
-  StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline deadline) override {
-    return inner_.Add(key, delta, deadline);
-  }
-  Status Wait(std::span<const std::string> keys, Deadline deadline) override { return inner_.Wait(keys, deadline); }
-  StatusOr<bool> Delete(std::string_view key, Deadline deadline) override { return inner_.Delete(key, deadline); }
-  StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
-                                                  std::string_view desired, Deadline deadline) override {
-    return inner_.CompareSet(key, expected, desired, deadline);
-  }
 
  private:
   std::chrono::milliseconds lag_;
-  testing::InMemoryStore inner_;
 };
 
 // Naming the missing rank looks at each rank's key after the deadline: on

@@ -1,20 +1,18 @@
 #include "transport/topology/topology.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <string>
-#include <thread>
+
+#include "transport/testing/reader_descriptor_flags.h"
 
 namespace ddp::transport::topology {
 namespace {
@@ -120,46 +118,11 @@ TEST(LoadTopologyFile, DirectoryIsNamedAsOne) {
       << t.status();
 }
 
-// Reads the file at `path` (a FIFO made here) on another thread with
-// `read`, and returns the flags (/proc/self/fdinfo, octal "flags:") of the
-// descriptor it opened on it, or -1 when none showed within 10 s. The
-// FIFO holds the reader's open until this side opens it for writing, and
-// its read until this side closes it, so the descriptor is there to look at.
-int FlagsOfTheReadersDescriptor(const std::string& path, const std::function<void()>& read) {
-  if (mkfifo(path.c_str(), 0600) != 0) return -1;
-  std::thread reader(read);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  int writer = -1;
-  // Non-blocking: ENXIO until the reader has it open.
-  while ((writer = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0 &&
-         std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  int flags = -1;
-  const std::string target = std::filesystem::canonical(path).string();
-  while (writer >= 0 && flags < 0 && std::chrono::steady_clock::now() < until) {
-    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
-      std::error_code error;
-      const int fd = std::stoi(entry.path().filename().string());
-      if (fd == writer || std::filesystem::read_symlink(entry.path(), error).string() != target) continue;
-      std::ifstream info("/proc/self/fdinfo/" + std::to_string(fd));
-      for (std::string line; std::getline(info, line);) {
-        if (line.rfind("flags:", 0) == 0) flags = static_cast<int>(std::stol(line.substr(6), nullptr, 8));
-      }
-    }
-    if (flags < 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  if (writer >= 0) close(writer);  // the reader sees the end of the file
-  reader.join();
-  unlink(path.c_str());
-  return flags;
-}
-
 // The file is opened close-on-exec: a fork and exec on another thread of
 // the host program meanwhile must not inherit it.
 TEST(LoadTopologyFile, OpensTheFileCloseOnExec) {
   const std::string path = ::testing::TempDir() + "/topology_fifo.json";
-  const int flags = FlagsOfTheReadersDescriptor(path, [&] { LoadTopologyFile(path).status().IgnoreError(); });
+  const int flags = testing::FlagsOfTheReadersDescriptor(path, [&] { LoadTopologyFile(path).status().IgnoreError(); });
   ASSERT_GE(flags, 0) << "the reader's descriptor was not seen";
   EXPECT_NE(flags & O_CLOEXEC, 0) << std::oct << flags;
 }
