@@ -157,6 +157,21 @@ DDP_TEST_WORKER(pg_collective_thread) {
   return testing::WorkerExit();
 }
 
+// Waits up to 10 s for the forked `child` and returns whether it ended by
+// then; `status` gets its wait status (after SIGKILL where it had not).
+bool ChildEndsWithin10s(pid_t child, int* status) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  pid_t done = 0;
+  while ((done = waitpid(child, status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, status, 0);
+  }
+  return done == child;
+}
+
 // A process forked from a rank (a data worker that computes, then returns)
 // destroys its copy of the group without touching the communication thread,
 // which does not exist in it: the child ends at once (it hung in the join),
@@ -171,16 +186,8 @@ DDP_TEST_WORKER(pg_forked_child) {
     _exit(0);
   }
   int status = -1;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  pid_t done = 0;
-  while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if (done == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-  }
-  WORKER_EXPECT(done == child && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+  const bool ended = ChildEndsWithin10s(child, &status);
+  WORKER_EXPECT(ended && WIFEXITED(status) && WEXITSTATUS(status) == 0,
                 "the forked child did not end by itself within 10 s");
   pg->AllReduce(t).Wait();
   WORKER_EXPECT(t.data<float>()[0] == pg->size() * pg->size(), "all-reduce after the fork");
@@ -227,16 +234,8 @@ DDP_TEST_WORKER(pg_forked_child_collective) {
     _exit(code);
   }
   int status = -1;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  pid_t done = 0;
-  while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if (done == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-  }
-  WORKER_EXPECT(done == child, "the forked child's collectives did not end within 10 s");
+  const bool ended = ChildEndsWithin10s(child, &status);
+  WORKER_EXPECT(ended, "the forked child's collectives did not end within 10 s");
   WORKER_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0,
                 "the forked child's collectives did not fail at once with FAILED_PRECONDITION "
                 "naming the fork (exit " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + ")");
@@ -273,17 +272,9 @@ DDP_TEST_WORKER(pg_forked_child_waits_for_an_earlier_call) {
     _exit(code);
   }
   int status = -1;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  pid_t done = 0;
-  while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if (done == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-  }
+  const bool ended = ChildEndsWithin10s(child, &status);
   testing::MarkThisRankDone(*pg);
-  WORKER_EXPECT(done == child, "the forked child's wait did not end within 10 s");
+  WORKER_EXPECT(ended, "the forked child's wait did not end within 10 s");
   WORKER_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0,
                 "the forked child's wait did not fail at once with FAILED_PRECONDITION naming the fork "
                 "(exit " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + ")");
