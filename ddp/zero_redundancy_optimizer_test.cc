@@ -233,29 +233,38 @@ TEST(ZeroPartition, GradientOfAnotherShapeIsRefusedNamingTheParameter) {
   }
 }
 
+// One step of `opt` over `model` on batch `step` of a single process.
+// Takes either optimizer (both have ZeroGrad and Step).
+template <typename Opt>
+void OneProcessStep(nn::modules::Module& model, Opt& opt, int step) {
+  auto [x, y] = testing::Batch(testing::FashionMnist(), step * kBatch, kBatch);
+  opt.ZeroGrad();
+  nn::Backward(nn::loss::CrossEntropy(model(x), y));
+  opt.Step();
+}
+
+// A consolidated state dict against the plain optimizer's: the same names
+// in the same order, with the same bytes. `what` names the optimizer.
+void ExpectSameStateDict(const NamedTensors& whole, const NamedTensors& want, const std::string& what) {
+  ASSERT_EQ(whole.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(whole[i].first, want[i].first) << what;
+    EXPECT_TRUE(SameBytes(whole[i].second, want[i].second)) << what << ": " << want[i].first;
+  }
+}
+
 // One process: the shard is everything, and the optimizer is the plain one.
 TEST(ZeroPartition, OneProcessIsThePlainOptimizer) {
   auto pg = ProcessGroup::Single();
   auto sharded = Mlp(1), plain = Mlp(1);
   ZeroRedundancyOptimizer zero(sharded->NamedParameters(), pg, MakeOptimizer);
   auto opt = MakeOptimizer(plain->NamedParameters());
-  const auto& data = testing::FashionMnist();
   for (int s = 0; s < 3; ++s) {
-    auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
-    zero.ZeroGrad();
-    nn::Backward(nn::loss::CrossEntropy((*sharded)(x), y));
-    zero.Step();
-    opt->ZeroGrad();
-    nn::Backward(nn::loss::CrossEntropy((*plain)(x), y));
-    opt->Step();
+    OneProcessStep(*sharded, zero, s);
+    OneProcessStep(*plain, *opt, s);
   }
   EXPECT_EQ(testing::HashState(*sharded), testing::HashState(*plain));
-  const NamedTensors whole = zero.ConsolidatedStateDict(0), want = opt->StateDict();
-  ASSERT_EQ(whole.size(), want.size());
-  for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_EQ(whole[i].first, want[i].first);
-    EXPECT_TRUE(SameBytes(whole[i].second, want[i].second)) << want[i].first;
-  }
+  ExpectSameStateDict(zero.ConsolidatedStateDict(0), opt->StateDict(), "");
   EXPECT_THROW(zero.ConsolidatedStateDict(1), std::invalid_argument);
   for (const int r : {-1, 1}) {
     try {
@@ -287,27 +296,16 @@ TEST(ZeroPartition, OneProcessEqualsEachPlainOptimizerBitForBit) {
          return std::make_unique<nn::optim::AdamW>(std::move(p), nn::optim::AdamWOptions{.lr = 1e-3, .amsgrad = true});
        }},
   };
-  const auto& data = testing::FashionMnist();
   for (const auto& [what, make] : optimizers) {
     auto sharded = Mlp(1), plain = Mlp(1);
     ZeroRedundancyOptimizer zero(sharded->NamedParameters(), ProcessGroup::Single(), make);
     auto opt = make(plain->NamedParameters());
     for (int s = 0; s < 3; ++s) {
-      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
-      zero.ZeroGrad();
-      nn::Backward(nn::loss::CrossEntropy((*sharded)(x), y));
-      zero.Step();
-      opt->ZeroGrad();
-      nn::Backward(nn::loss::CrossEntropy((*plain)(x), y));
-      opt->Step();
+      OneProcessStep(*sharded, zero, s);
+      OneProcessStep(*plain, *opt, s);
       EXPECT_EQ(testing::HashState(*sharded), testing::HashState(*plain)) << what << " step " << s;
     }
-    const NamedTensors whole = zero.ConsolidatedStateDict(0), want = opt->StateDict();
-    ASSERT_EQ(whole.size(), want.size()) << what;
-    for (size_t i = 0; i < want.size(); ++i) {
-      EXPECT_EQ(whole[i].first, want[i].first) << what;
-      EXPECT_TRUE(SameBytes(whole[i].second, want[i].second)) << what << ": " << want[i].first;
-    }
+    ExpectSameStateDict(zero.ConsolidatedStateDict(0), opt->StateDict(), what);
   }
 }
 
