@@ -21,6 +21,22 @@
 namespace ddp::examples {
 namespace {
 
+// The benchmark's first workers (the launcher's children), once there are
+// some; none when 60 s pass first or the benchmark ends before (a failure).
+std::vector<pid_t> FirstWorkersWithin60s(testing::Subprocess& run) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::vector<pid_t> workers;
+  while (workers.empty() && std::chrono::steady_clock::now() < deadline) {
+    if (run.Wait(std::chrono::milliseconds(0)) != -1) {
+      ADD_FAILURE() << "the benchmark ended before it started a worker\n" << run.Stdout() << run.Stderr();
+      return {};
+    }
+    workers = run.Children();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return workers;
+}
+
 // The counts given largest first: they are measured from the smallest,
 // whose rate is the baseline of every speed-up (before, the 2-rank row came
 // first as its own baseline, 2.00x, and the 1-rank row replaced it). A
@@ -151,13 +167,7 @@ TEST(ScalingBenchTest, AChartThatFailsToWriteAtTheEndIsReported) {
 TEST(ScalingBenchTest, TheMedianIsOverTheRunsThatFinishedAndFailedRunsAreCounted) {
   testing::Subprocess run({testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1",
                            "--repeat=3", "--steps=300", "--batch_size=16", "--workers=0"});
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  std::vector<pid_t> workers;
-  while (workers.empty() && std::chrono::steady_clock::now() < deadline) {
-    ASSERT_EQ(run.Wait(std::chrono::milliseconds(0)), -1) << run.Stdout() << run.Stderr();
-    workers = run.Children();
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  const std::vector<pid_t> workers = FirstWorkersWithin60s(run);
   ASSERT_EQ(workers.size(), 1u) << run.Stdout() << run.Stderr();
   ASSERT_EQ(kill(workers[0], SIGKILL), 0);
   EXPECT_EQ(run.Wait(std::chrono::seconds(120)), 1) << run.Stdout() << run.Stderr();
@@ -181,13 +191,7 @@ TEST(ScalingBenchTest, AHangUpStopsTheBenchmarkLikeCtrlC) {
   testing::Subprocess run({testing::Runfile("examples/scaling_bench"), "--model=mlp", "--ranks=1",
                            "--repeat=3", "--steps=1000000", "--batch_size=16", "--workers=0"},
                           {{"TMPDIR", tmpdir}});
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  std::vector<pid_t> workers;
-  while (workers.empty() && std::chrono::steady_clock::now() < deadline) {
-    ASSERT_EQ(run.Wait(std::chrono::milliseconds(0)), -1) << run.Stdout() << run.Stderr();
-    workers = run.Children();
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  const std::vector<pid_t> workers = FirstWorkersWithin60s(run);
   ASSERT_EQ(workers.size(), 1u) << run.Stdout() << run.Stderr();
   // (the workers may keep files of their own there too)
   auto results_folders = [&tmpdir] {
