@@ -251,8 +251,6 @@ void Connect(const std::string& scenario, TwoRanks& ranks,
   ASSERT_TRUE(connected.ok()) << connected;
 }
 
-// Keeps rank 0's worker busy for `time` (a wait for a message to itself
-// that never comes): whatever UCX still does with a request happens now.
 // Waits 300 ms for `id`, whose peer is stopped: the wait times out, and
 // returns within the deadline, the 100 ms grace and the forced close.
 void ExpectWaitTimesOut(UcxPointToPoint& p2p, p2p::RequestId id) {
@@ -264,12 +262,33 @@ void ExpectWaitTimesOut(UcxPointToPoint& p2p, p2p::RequestId id) {
   EXPECT_LT(waited, milliseconds(2000));
 }
 
+// Keeps rank 0's worker busy for `time` (a wait for a message to itself
+// that never comes): whatever UCX still does with a request happens now.
 void Progress(UcxPointToPoint& p2p, milliseconds time) {
   int unused = 0;
   auto id = p2p.PostRecv(0, 99, &unused, sizeof(unused));
   ASSERT_TRUE(id.ok()) << id.status();
   p2p::RequestId ids[] = {*id};
   EXPECT_EQ(p2p.WaitAll(ids, DeadlineIn(time)).code(), StatusCode::kTimedOut);
+}
+
+// Stops rank 1, which has posted its receive, and posts rank 0's send of
+// `out` (kMessageBytes) to it: the send waits for rank 1, with the buffer
+// in UCX's hands.
+StatusOr<p2p::RequestId> StopRank1AndPostSend(TwoRanks& ranks, std::vector<uint8_t>& out) {
+  ranks.group->Kill(0, SIGSTOP);
+  out.assign(kMessageBytes, kPayload);
+  return ranks.p2p->PostSend(1, kTag, out.data(), out.size());
+}
+
+// Closes rank 0 (within 2 s), lets rank 1 finish and expects both to
+// succeed; returns rank 1's result.
+testing::WorkerResult CloseAndFinish(TwoRanks& ranks) {
+  Status closed = ranks.p2p->Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_TRUE(closed.ok()) << closed;
+  testing::WorkerResult rank1 = ranks.Finish();
+  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
+  return rank1;
 }
 
 TEST(UcxPointToPointProcesses, ReceiveThatTimedOutMidMessageNeverWritesAfterwards) {
@@ -316,11 +335,9 @@ TEST(UcxPointToPointProcesses, SendThatTimedOutNeverReadsAfterwards) {
   TwoRanks ranks;
   ASSERT_NO_FATAL_FAILURE(Connect("rank1_receive", ranks));
   UcxPointToPoint& p2p = *ranks.p2p;
-  // Rank 1 has posted its receive and is stopped before the message goes:
-  // the send waits for it, with the buffer in UCX's hands.
-  ranks.group->Kill(0, SIGSTOP);
-  std::vector<uint8_t> out(kMessageBytes, kPayload);
-  auto id = p2p.PostSend(1, kTag, out.data(), out.size());
+  // Rank 1 is stopped before the message goes.
+  std::vector<uint8_t> out;
+  auto id = StopRank1AndPostSend(ranks, out);
   ASSERT_TRUE(id.ok()) << id.status();
   ExpectWaitTimesOut(p2p, *id);
   // The caller reuses the buffer; rank 1 runs again and must never receive
@@ -331,10 +348,7 @@ TEST(UcxPointToPointProcesses, SendThatTimedOutNeverReadsAfterwards) {
   int v = 0;
   Status later = p2p.PostSend(1, 2, &v, sizeof(v)).status();
   EXPECT_EQ(later.code(), StatusCode::kPeerLost) << later;
-  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
-  EXPECT_TRUE(closed.ok()) << closed;
-  testing::WorkerResult rank1 = ranks.Finish();
-  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
+  testing::WorkerResult rank1 = CloseAndFinish(ranks);
   EXPECT_EQ(rank1.signal, 0) << rank1.output;
 }
 
@@ -345,9 +359,8 @@ TEST(UcxPointToPointProcesses, WaitThatTimedOutReturnsSoonAfterItsDeadline) {
   TwoRanks ranks;
   ASSERT_NO_FATAL_FAILURE(Connect("rank1_receive", ranks, /*recall_grace=*/milliseconds(2000)));
   UcxPointToPoint& p2p = *ranks.p2p;
-  ranks.group->Kill(0, SIGSTOP);
-  std::vector<uint8_t> out(kMessageBytes, kPayload);
-  auto id = p2p.PostSend(1, kTag, out.data(), out.size());
+  std::vector<uint8_t> out;
+  auto id = StopRank1AndPostSend(ranks, out);
   ASSERT_TRUE(id.ok()) << id.status();
   p2p::RequestId ids[] = {*id};
   const auto start = Clock::now();
@@ -360,10 +373,7 @@ TEST(UcxPointToPointProcesses, WaitThatTimedOutReturnsSoonAfterItsDeadline) {
   std::fill(out.begin(), out.end(), kSentinel);
   ranks.group->Kill(0, SIGCONT);
   Progress(p2p, milliseconds(500));
-  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
-  EXPECT_TRUE(closed.ok()) << closed;
-  testing::WorkerResult rank1 = ranks.Finish();
-  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
+  CloseAndFinish(ranks);
 }
 
 // A Cancel run by the watchdog (as the communicator's does) waits no longer
@@ -373,10 +383,9 @@ TEST(UcxPointToPointProcesses, CancelInsideTheWatchdogKeepsTheWaitsDeadline) {
   TwoRanks ranks;
   ASSERT_NO_FATAL_FAILURE(Connect("rank1_receive", ranks, /*recall_grace=*/milliseconds(2000)));
   UcxPointToPoint& p2p = *ranks.p2p;
-  ranks.group->Kill(0, SIGSTOP);
-  std::vector<uint8_t> out(kMessageBytes, kPayload);
+  std::vector<uint8_t> out;
+  auto id = StopRank1AndPostSend(ranks, out);
   std::vector<uint8_t> other(size_t{3} << 20, kPayload);
-  auto id = p2p.PostSend(1, kTag, out.data(), out.size());
   ASSERT_TRUE(id.ok()) << id.status();
   auto other_id = p2p.PostSend(1, kTag + 1, other.data(), other.size());
   ASSERT_TRUE(other_id.ok()) << other_id.status();
@@ -395,10 +404,7 @@ TEST(UcxPointToPointProcesses, CancelInsideTheWatchdogKeepsTheWaitsDeadline) {
   EXPECT_LT(waited, milliseconds(1000)) << s;
   p2p.SetWatchdog(nullptr);
   ranks.group->Kill(0, SIGCONT);
-  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
-  EXPECT_TRUE(closed.ok()) << closed;
-  testing::WorkerResult rank1 = ranks.Finish();
-  EXPECT_EQ(rank1.exit_code, 0) << rank1.output;
+  CloseAndFinish(ranks);
 }
 
 // Rank 0 of kPeers + 1 in this process; the others are spawned copies each
