@@ -87,6 +87,19 @@ bool SameBytes(const Tensor& a, const Tensor& b) {
          std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
 }
 
+// In a worker: the optimizer state `got` against `want`: the same names in
+// the same order, with the same bytes. `what` names the state for the
+// failure messages.
+void WorkerExpectSameState(const NamedTensors& got, const NamedTensors& want, const std::string& what) {
+  WORKER_EXPECT(got.size() == want.size(),
+                what + " has " + std::to_string(got.size()) + " entries, want " + std::to_string(want.size()));
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    WORKER_EXPECT(got[i].first == want[i].first && SameBytes(got[i].second, want[i].second),
+                  what + ": entry " + std::to_string(i) + ", `" + got[i].first + "`, differs from `" +
+                      want[i].first + "`");
+  }
+}
+
 std::string TempPath(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   return std::string(tmp != nullptr ? tmp : "/tmp") + "/zero_" + std::to_string(getpid()) + "_" + name;
@@ -499,12 +512,7 @@ DDP_TEST_WORKER(consolidate) {
   const NamedTensors whole = zero.ConsolidatedStateDict(1);
   if (pg->rank() == 1) {
     const NamedTensors want = opt->StateDict();
-    WORKER_EXPECT(whole.size() == want.size(),
-                  std::to_string(whole.size()) + " entries, want " + std::to_string(want.size()));
-    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
-      WORKER_EXPECT(whole[i].first == want[i].first, whole[i].first + " where " + want[i].first);
-      WORKER_EXPECT(SameBytes(whole[i].second, want[i].second), "values of " + want[i].first);
-    }
+    WorkerExpectSameState(whole, want, "the consolidated state");
   } else {
     WORKER_EXPECT(whole.empty(), "a rank other than `to` got the state");
   }
@@ -661,11 +669,7 @@ DDP_TEST_WORKER(load_all_or_nothing) {
   const std::string on = " on rank " + std::to_string(pg->rank());
   WORKER_EXPECT(zero.lr() == lr, "the learning rate changed to " + std::to_string(zero.lr()) + on);
   const NamedTensors after = zero.local().StateDict();
-  WORKER_EXPECT(after.size() == before.size(), "the state's entries changed" + on);
-  for (size_t i = 0; i < std::min(after.size(), before.size()); ++i) {
-    WORKER_EXPECT(after[i].first == before[i].first && SameBytes(after[i].second, before[i].second),
-                  "`" + before[i].first + "` changed" + on);
-  }
+  WorkerExpectSameState(after, before, "the state" + on);
   return testing::WorkerExit();
 }
 
@@ -720,11 +724,7 @@ DDP_TEST_WORKER(state_missing_a_parameter) {
                   m + on);
   }
   const NamedTensors after = zero.local().StateDict();
-  WORKER_EXPECT(after.size() == before.size(), "the state's entries changed" + on);
-  for (size_t i = 0; i < std::min(after.size(), before.size()); ++i) {
-    WORKER_EXPECT(after[i].first == before[i].first && SameBytes(after[i].second, before[i].second),
-                  "`" + before[i].first + "` changed" + on);
-  }
+  WorkerExpectSameState(after, before, "the state" + on);
   // Without the list entry, `b` starts afresh and `a` keeps its state.
   NamedTensors unlisted = saved;
   std::erase_if(unlisted, [](const auto& e) { return e.first == "group.params_listed"; });
@@ -776,12 +776,7 @@ DDP_TEST_WORKER(tab_in_a_name) {
   const NamedTensors whole = zero.ConsolidatedStateDict(0);
   if (pg->rank() == 0) {
     const NamedTensors want = opt->StateDict();
-    WORKER_EXPECT(whole.size() == want.size(), "consolidated state has " + std::to_string(whole.size()) +
-                                                   " entries, the unsharded " + std::to_string(want.size()));
-    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
-      WORKER_EXPECT(whole[i].first == want[i].first && SameBytes(whole[i].second, want[i].second),
-                    "consolidated entry `" + whole[i].first + "` differs from `" + want[i].first + "`");
-    }
+    WorkerExpectSameState(whole, want, "the consolidated state");
   }
   return testing::WorkerExit();
 }
@@ -1034,12 +1029,7 @@ DDP_TEST_WORKER(groups) {
     if (r == pg->rank()) whole = std::move(got);
   }
   const NamedTensors expected = opt->StateDict();
-  WORKER_EXPECT(whole.size() == expected.size(), "consolidated state has " + std::to_string(whole.size()) +
-                                                     " entries, the unsharded " + std::to_string(expected.size()));
-  for (size_t i = 0; i < std::min(whole.size(), expected.size()); ++i) {
-    WORKER_EXPECT(whole[i].first == expected[i].first && SameBytes(whole[i].second, expected[i].second),
-                  "entry " + std::to_string(i) + ": " + whole[i].first + " vs " + expected[i].first);
-  }
+  WorkerExpectSameState(whole, expected, "the consolidated state");
   auto other = Mlp(5);
   auto reloaded = MakeGroupedOptimizer(DecayGroups(other->NamedParameters()));
   reloaded->LoadStateDict(whole);
@@ -1202,12 +1192,7 @@ DDP_TEST_WORKER(sparse_shards) {
   const NamedTensors whole = zero.ConsolidatedStateDict(empty);
   const NamedTensors want = opt->StateDict();
   if (pg->rank() == empty) {
-    WORKER_EXPECT(whole.size() == want.size(), "consolidated state has " + std::to_string(whole.size()) +
-                                                   " entries, the unsharded " + std::to_string(want.size()));
-    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
-      WORKER_EXPECT(whole[i].first == want[i].first && SameBytes(whole[i].second, want[i].second),
-                    "consolidated entry " + whole[i].first + " differs from " + want[i].first);
-    }
+    WorkerExpectSameState(whole, want, "the consolidated state");
   } else {
     WORKER_EXPECT(whole.empty(), "a rank other than the receiver got a state");
   }
@@ -1319,12 +1304,7 @@ DDP_TEST_WORKER(add_param_group) {
   const NamedTensors whole = zero.ConsolidatedStateDict(0);
   if (pg->rank() == 0) {
     const NamedTensors want = opt->StateDict();
-    WORKER_EXPECT(whole.size() == want.size(), "consolidated state has " + std::to_string(whole.size()) +
-                                                   " entries, the unsharded " + std::to_string(want.size()));
-    for (size_t i = 0; i < std::min(whole.size(), want.size()); ++i) {
-      WORKER_EXPECT(whole[i].first == want[i].first && SameBytes(whole[i].second, want[i].second),
-                    "consolidated entry " + whole[i].first + " differs from " + want[i].first);
-    }
+    WorkerExpectSameState(whole, want, "the consolidated state");
   }
   // The unsharded state resumes into an optimizer built over the same two
   // groups on every rank (cut as one list), which goes on as the unsharded
