@@ -445,6 +445,10 @@ void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, 
   std::string message;
   try {
     message = ExplainAcrossRanks(pg, entries, text, a[1], heading);
+  } catch (const DistributedError&) {
+    // A collective failed (a peer lost, the group aborted elsewhere): the
+    // group already holds that reason, which names the rank at fault.
+    throw;
   } catch (const std::exception& e) {
     // This rank failed alone (out of memory, say) between the exchanges:
     // the others would wait for it in the next one until the group's

@@ -28,6 +28,7 @@
 
 #include "ddp/checkpoint.h"
 #include "ddp/distributed_data_parallel.h"
+#include "ddp/replicas.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
@@ -989,6 +990,49 @@ TEST(ZeroRedundancyOptimizerTest, APeerKilledFailsStepAndConsolidationWithinTheD
       EXPECT_NE(run.Output(r).find("rank 2"), std::string::npos) << where << "\n" << out;
     }
   }
+}
+
+// A peer lost while VerifyReplicas explains a difference (ZeRO's
+// AddParamGroup and DDP's construction call it): the survivors fail naming
+// the lost rank, and the group's abort reason is the transport's, not
+// "comparing the ranks' models failed on rank <a survivor>" (a rank that
+// was only waiting). Rank 1 plays its
+// part in the exchanges until the survivors have all begun the comparison
+// (their places reached it), then is killed.
+DDP_TEST_WORKER(replicas_peer_lost) {
+  auto pg = testing::WorkerGroup();
+  const int64_t size = pg->size();
+  if (pg->rank() == 1) {
+    Tensor mine = nn::FromVectorOf<int64_t>({12345, 7}, {2});
+    Tensor all = nn::Empty({2 * size}, {.dtype = nn::DType::kInt64});
+    pg->AllGather(all, mine, "model fingerprint").Wait();
+    Tensor reference = nn::Zeros({std::max<int64_t>(all.data<int64_t>()[1], 1)}, {.dtype = nn::DType::kUInt8});
+    pg->Broadcast(reference, 0, "model description").Wait();
+    Tensor place = nn::FromVectorOf<int64_t>({0, 0}, {2});
+    Tensor places = nn::Empty({2 * size}, {.dtype = nn::DType::kInt64});
+    pg->AllGather(places, place, "model difference").Wait();
+    raise(SIGKILL);
+  }
+  std::string message = "no error";
+  try {
+    internal::VerifyReplicas(*pg, {{"parameter", "w", "f32 [2]"}}, "test: the models differ.");
+  } catch (const DistributedError& e) {
+    message = e.what();
+  }
+  std::fprintf(stderr, "survivor: %s\n", message.c_str());
+  WORKER_EXPECT(message.find("rank 1") != std::string::npos, message);
+  const std::string reason = pg->aborted_reason().ToString();
+  WORKER_EXPECT(reason.find("comparing the ranks' models failed") == std::string::npos,
+                "the group's abort reason blames a survivor: " + reason);
+  return testing::WorkerFailures() == 0 ? kSurvivorExit : 1;
+}
+
+TEST(ZeroRedundancyOptimizerTest, APeerLostWhileComparingModelsIsNotBlamedOnASurvivor) {
+  auto run = RunWorkers("replicas_peer_lost", 3, {{"DDP_TEST_TIMEOUT_MS", std::to_string(kKilledTimeoutMs)}},
+                        60000, /*stop_all_on_failure=*/false);
+  const std::string out = testing::AllOutput(run);
+  EXPECT_EQ(run.ExitCode(1), 128 + SIGKILL) << out;
+  for (int r : {0, 2}) EXPECT_EQ(run.ExitCode(r), kSurvivorExit) << out;
 }
 
 // ------------------------------------------------------ parameter groups ----
