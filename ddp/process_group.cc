@@ -251,6 +251,22 @@ class P2pTransfer {
 
 // ---------------------------------------------------------------- Work ----
 
+namespace {
+
+// FAILED_PRECONDITION for `what`, made in process `creator`, used in this
+// process, which was forked from it: the communication thread that would
+// run or finish it, and the locks that a thread of `creator` may have held
+// at the fork, are that process's.
+Status ForkedFromCreator(pid_t creator, const std::string& what) {
+  if (Status s = transport::fork::CheckNotForkedChild(what); !s.ok()) return s;
+  return transport::FailedPreconditionError(
+      what + ": this process (pid " + std::to_string(getpid()) + ") was forked from pid " +
+      std::to_string(creator) + ", where the process group was made; a forked child cannot use it. "
+      "Make a new group in the child");
+}
+
+}  // namespace
+
 struct Work::State {
   std::mutex mu;
   std::condition_variable cv;
@@ -276,6 +292,9 @@ struct Work::State {
   // per message (measured: 8% of a small ping-pong's time).
   std::mutex deliver_mu;
   bool delivered = false;
+  // The process that issued the call: in one forked from it, nothing
+  // finishes the call and its lock may have been held at the fork.
+  const pid_t pid = getpid();
 
   // The first result counts (a waiter and the communication thread may
   // both finish a point-to-point Work).
@@ -333,16 +352,16 @@ void Work::Wait() {
 
 Status Work::WaitFor(Deadline deadline) {
   if (state_ == nullptr) return transport::FailedPreconditionError("WaitFor on an empty Work handle");
-  if (transport::fork::InForkedChild()) {
+  if (state_->pid != getpid()) {
     // A call issued before the fork: what would finish it (the
     // communication thread, the peers' messages) is the parent's, and a
     // parent thread may have held its lock at the fork. One finished by
     // then still reports its status when its lock is free.
     std::unique_lock lock(state_->mu, std::try_to_lock);
     if (lock.owns_lock() && state_->done) return state_->status;
-    return transport::fork::CheckNotForkedChild(
-        "waiting for " + (state_->what.empty() ? std::string("a call") : state_->what) +
-        " issued before the fork");
+    return ForkedFromCreator(state_->pid, "waiting for " +
+                                              (state_->what.empty() ? std::string("a call") : state_->what) +
+                                              " issued before the fork");
   }
   {
     std::unique_lock lock(state_->mu);
@@ -383,7 +402,7 @@ bool Work::IsCompleted() const {
   // In a forked child nothing finishes a call issued before the fork, and
   // its lock may have been held at the fork: it counts as completed, and
   // Wait reports why (a loop on IsCompleted spun forever).
-  if (transport::fork::InForkedChild()) return true;
+  if (state_->pid != getpid()) return true;
   {
     std::lock_guard lock(state_->mu);
     if (state_->done || !state_->posted) return state_->done;
@@ -393,13 +412,24 @@ bool Work::IsCompleted() const {
 
 std::chrono::steady_clock::time_point Work::started() const {
   if (state_ == nullptr) return {};
-  std::lock_guard lock(state_->mu);
+  // In a forked child, a parent thread may have held the lock at the fork.
+  std::unique_lock lock(state_->mu, std::defer_lock);
+  if (state_->pid != getpid()) {
+    if (!lock.try_lock()) return {};
+  } else {
+    lock.lock();
+  }
   return state_->started;
 }
 
 std::chrono::steady_clock::time_point Work::finished() const {
   if (state_ == nullptr) return {};
-  std::lock_guard lock(state_->mu);
+  std::unique_lock lock(state_->mu, std::defer_lock);
+  if (state_->pid != getpid()) {
+    if (!lock.try_lock()) return {};
+  } else {
+    lock.lock();
+  }
   return state_->finished;
 }
 
@@ -442,6 +472,8 @@ class ProcessGroup::Impl {
   }
 
   bool on_caller() const { return on_caller_; }
+  // True in a process forked from the one that made this group.
+  bool forked() const { return getpid() != pid_; }
   // Null on one rank. Its const queries are safe from any thread.
   const transport::Communicator* comm() const { return comm_.get(); }
 
@@ -476,11 +508,12 @@ class ProcessGroup::Impl {
     state->transfers = std::move(transfers);
     state->what = description.ToString() + " on rank " + std::to_string(rank_);
     Work work(state);
-    // In a forked child the communication thread does not exist (an item
-    // queued for it would wait out the whole budget) and a parent thread
-    // may have held mu_ at the fork: refused before taking it.
-    if (Status forked = transport::fork::CheckNotForkedChild(state->what); !forked.ok()) {
-      state->Finish(std::move(forked), Clock::now());
+    // In a child forked after this group was made, its communication
+    // thread does not exist (an item queued for it would wait out the whole
+    // budget) and a parent thread may have held mu_ at the fork: refused
+    // before taking it. A group made in the child is the child's own.
+    if (forked()) {
+      state->Finish(ForkedFromCreator(pid_, state->what), Clock::now());
       return work;
     }
     std::unique_lock lock(mu_);
@@ -986,6 +1019,7 @@ class ProcessGroup::Impl {
   const int rank_;
   const int size_;
   const ProcessGroupOptions options_;
+  const pid_t pid_ = getpid();  // the process that made the group
 
   std::mutex mu_;
   std::condition_variable cv_;       // the thread waits for work
@@ -1135,7 +1169,7 @@ ProcessGroup::~ProcessGroup() {
   // In a process forked from this one, the communication thread does not
   // exist and the parent's may have held the locks: stopping it would hang.
   // The child's copy is left as it is (the communicator does the same).
-  if (transport::fork::InForkedChild()) {
+  if (impl_->forked()) {
     static_cast<void>(impl_.release());
     return;
   }

@@ -160,15 +160,16 @@ class Work {
   /// once) before reading device results. Host tensors hold their results
   /// once it returned OK.
   transport::Status WaitFor(transport::Deadline deadline);
-  /// True once finished (successfully or not), and always in a forked
-  /// child, where Wait says why; never blocks. Like WaitFor,
+  /// True once finished (successfully or not), and always in a child
+  /// forked after the call was issued, where Wait says why; never blocks. Like WaitFor,
   /// it delivers nothing to device tensors: Wait does.
   bool IsCompleted() const;
   /// False for a default-constructed handle.
   bool valid() const { return state_ != nullptr; }
 
   /// When the collective started and finished running on the
-  /// communication thread (time_point{} while not yet).
+  /// communication thread (time_point{} while not yet, and in a forked
+  /// child where a thread of the parent held its lock at the fork).
   std::chrono::steady_clock::time_point started() const;
   std::chrono::steady_clock::time_point finished() const;
 
