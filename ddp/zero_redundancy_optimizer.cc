@@ -274,9 +274,21 @@ std::vector<std::vector<std::string>> ZeroRedundancyOptimizer::ShardGroupMembers
 }
 
 void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
-  CheckLocal("AddParamGroup");
   const size_t k = num_groups_;  // the new group's index
   const std::string who = "ZeroRedundancyOptimizer::AddParamGroup";
+  // This rank's optimizer may be unusable while the others' are not (a
+  // group refused by some ranks only, local().AddParamGroup on one rank):
+  // the ranks agree on it first, so that none waits for a rank that
+  // refused alone in the comparison below until the group's timeout.
+  std::string unusable;
+  try {
+    CheckLocal("AddParamGroup");
+  } catch (const std::exception& e) {
+    unusable = std::string(e.what()) + " (on rank " + std::to_string(pg_->rank()) + ")";
+  }
+  for (const std::string& outcome : pg_->AllGatherObject(unusable)) {
+    if (!outcome.empty()) throw std::logic_error(outcome);
+  }
   // Every rank cuts the new group alone, so the ranks must agree on it as
   // on the constructor's list (compared before the local checks, so that a
   // group only some ranks refuse fails every rank here alike).

@@ -145,7 +145,8 @@ class ZeroRedundancyOptimizer {
   /// rank refuses the group (a parameter already held, an unknown option,
   /// an LrScheduler over local(): add groups before making it). Where the
   /// group was added on some ranks only, the optimizer is no longer usable:
-  /// its other members then throw std::logic_error.
+  /// its other members then throw std::logic_error, and so does a later
+  /// AddParamGroup on every rank, at once.
   void AddParamGroup(nn::optim::ParamGroup group);
   /// Clears every parameter's gradient (the shard's and the others'):
   /// undefined by default, as PyTorch 2.x (1.13 zeroes them), or zeros.

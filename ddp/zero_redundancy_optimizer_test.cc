@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -1374,6 +1375,50 @@ DDP_TEST_WORKER(add_param_group) {
 
 TEST(ZeroRedundancyOptimizerTest, AddParamGroupOnThreeRanksEqualsTheUnshardedOptimizer) {
   auto run = RunWorkers("add_param_group", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// AddParamGroup refused on one rank only (an LrScheduler over its local()
+// refuses the shard's new group; the others add it and are left unusable),
+// then called again: every rank fails both calls at once. Before, the
+// second call failed at once on ranks 0 and 2 (their optimizer broken)
+// while rank 1 waited for them in the models' comparison until the group's
+// timeout. Every rank stays alive until all are done, so that no failure
+// can come from a peer's exit.
+constexpr int kRefusedTimeoutMs = 10000;
+
+DDP_TEST_WORKER(add_param_group_refused_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const Tensor w = nn::Zeros({4, 8}).set_requires_grad(true);
+  const Tensor c = nn::Zeros({6}).set_requires_grad(true);
+  const Tensor d = nn::Zeros({5}).set_requires_grad(true);
+  ZeroRedundancyOptimizer zero({{"w", w}}, pg, MakeOptimizer);
+  std::optional<nn::optim::LrScheduler> scheduler;
+  if (pg->rank() == 1) scheduler.emplace(zero.local(), nn::optim::StepSchedule(2, 0.5));
+  const std::vector<std::pair<nn::optim::ParamGroup, std::string>> calls = {
+      {{.params = {{"c", c}}}, pg->rank() == 1 ? "an LrScheduler drives this optimizer" : "on rank 1"},
+      {{.params = {{"d", d}}}, "the ranks' shards no longer match"}};
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    std::string message = "no error";
+    try {
+      zero.AddParamGroup(calls[i].first);
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    const std::string call = "call " + std::to_string(i) + " on rank " + std::to_string(pg->rank());
+    WORKER_EXPECT(ms < kRefusedTimeoutMs / 2, call + " took " + std::to_string(ms) + " ms: " + message);
+    WORKER_EXPECT(message.find(calls[i].second) != std::string::npos, call + ": " + message);
+  }
+  testing::MarkThisRankDone(*pg);
+  testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AddParamGroupRefusedOnOneRankFailsEveryRankAtOnce) {
+  auto run = RunWorkers("add_param_group_refused_on_one_rank", 3,
+                        {{"DDP_TEST_TIMEOUT_MS", std::to_string(kRefusedTimeoutMs)}});
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
