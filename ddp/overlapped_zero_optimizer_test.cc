@@ -19,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <stdexcept>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -890,7 +891,19 @@ DDP_TEST_WORKER(killed_peer) {
   for (int64_t i = 0; i < 2; ++i) {
     auto [x, y] = testing::Batch(data, (i * world + rank) * kBatch, kBatch);
     Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
-    if (i == 1 && rank == world - 1) raise(SIGKILL);
+    if (i == 1) {
+      // Killed only once every survivor finished what came before this
+      // backward (the last step's all-gathers, this forward): a survivor
+      // still in them when the loss is detected would fail outside the try.
+      if (rank != world - 1) {
+        testing::MarkThisRankDone(*pg);
+      } else {
+        std::vector<int> survivors(static_cast<size_t>(world - 1));
+        std::iota(survivors.begin(), survivors.end(), 0);
+        testing::WaitUntilRanksAreDone(*pg, survivors);
+        raise(SIGKILL);
+      }
+    }
     const auto start = std::chrono::steady_clock::now();
     try {
       nn::Backward(loss);

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -961,7 +962,16 @@ DDP_TEST_WORKER(killed_peer) {
   auto [x, y] = testing::Batch(data, (pg->size() + pg->rank()) * kBatch, kBatch);
   zero.ZeroGrad();
   nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  if (pg->rank() == pg->size() - 1) raise(SIGKILL);
+  // Killed only once every survivor's backward finished: one still in its
+  // last bucket when the loss is detected would fail outside the try.
+  if (pg->rank() != pg->size() - 1) {
+    testing::MarkThisRankDone(*pg);
+  } else {
+    std::vector<int> survivors(static_cast<size_t>(pg->size() - 1));
+    std::iota(survivors.begin(), survivors.end(), 0);
+    testing::WaitUntilRanksAreDone(*pg, survivors);
+    raise(SIGKILL);
+  }
   const auto start = std::chrono::steady_clock::now();
   try {
     if (where == "step") {
