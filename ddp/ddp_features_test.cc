@@ -737,6 +737,21 @@ TEST(DdpFeaturesTest, ASecondCommunicationHookIsRefusedOnTwoRanks) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A wrapper with no trainable parameters has no reducer, and its hook never
+// runs; a second one is still refused, as with parameters (it was ignored).
+TEST(DdpFeaturesTest, ASecondCommunicationHookIsRefusedWithoutTrainableParameters) {
+  auto model = nn::modules::MakeMlp();
+  for (auto& [name, p] : model->NamedParameters()) p.set_requires_grad(false);
+  DistributedDataParallel ddp(model, {.process_group = ProcessGroup::Single()});
+  ddp.RegisterCommHook(hooks::AllReduceHook());
+  try {
+    ddp.RegisterCommHook(hooks::Fp16CompressHook());
+    ADD_FAILURE() << "a second hook was taken";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("already registered"), std::string::npos) << e.what();
+  }
+}
+
 // With one process a hook makes the wrapper build a Reducer, so the checks
 // of N ranks apply there too: a model with parameters that get no gradient
 // (Branchy's head b and `never`) trains with find_unused_parameters (equal

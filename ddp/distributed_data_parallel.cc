@@ -45,6 +45,9 @@ class DistributedDataParallel::Impl {
   // hook is registered (RegisterCommHook builds it from `single_trainable`
   // then, so that the hook runs as on N ranks).
   std::unique_ptr<internal::Reducer> reducer;
+  // A hook was registered on a wrapper with no reducer (no trainable
+  // parameters): a second one is refused there as the reducer refuses it.
+  bool hook_registered = false;
   std::vector<std::pair<std::string, nn::Tensor>> single_trainable;
   internal::ReducerOptions single_options;
   std::vector<nn::Tensor> buffers;
@@ -841,7 +844,16 @@ void DistributedDataParallel::RegisterCommHook(CommHook hook) {
     s.reducer->SetModelParameterNames(ModelNames(module_.get(), impl_.get()));
     s.single_trainable.clear();
   }
-  if (s.reducer != nullptr) s.reducer->SetCommHook(std::move(hook));
+  if (s.reducer != nullptr) {
+    s.reducer->SetCommHook(std::move(hook));
+    return;
+  }
+  if (s.hook_registered) {
+    throw std::logic_error(
+        "DistributedDataParallel::RegisterCommHook: a communication hook is already registered; a wrapper "
+        "takes one (combine them in one hook)");
+  }
+  s.hook_registered = true;  // never run: no parameter gets a gradient to reduce
 }
 
 DdpStats DistributedDataParallel::Stats() const { return StatsSince(*impl_, *pg_, impl_->user_since); }

@@ -255,7 +255,8 @@ class DistributedDataParallel : public nn::modules::Module {
   /// (its buckets are built at this call; without a hook one process has
   /// none), and it is refused from the first forward with grad enabled
   /// outside NoSync on, since no backward is seen before. Once per
-  /// wrapper, as in PyTorch: a second call throws std::logic_error.
+  /// wrapper, as in PyTorch: a second call throws std::logic_error (also
+  /// on a wrapper with no trainable parameters, whose hook never runs).
   void RegisterCommHook(CommHook hook);
 
   /// Statistics since the last ResetStats (or construction).

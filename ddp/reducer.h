@@ -116,7 +116,8 @@ class Reducer {
   /// parameters of the buckets (none, unless an input requires grad).
   void SetModelParameterNames(ModelParameterNames names) { model_names_ = std::move(names); }
 
-  /// Replaces the communication hook; throws after the first backward.
+  /// Sets the communication hook, once (a second call throws
+  /// std::logic_error); throws after the first backward.
   void SetCommHook(CommHook hook);
 
   /// Throws (after aborting the group, so that peers stop waiting for this

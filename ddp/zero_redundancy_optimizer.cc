@@ -446,8 +446,8 @@ void ZeroRedundancyOptimizer::Step() {
     throw;
   }
   clear_pieces();
-  // Each rank's pieces in one broadcast per dtype and device (in place when
-  // they are one piece).
+  // Each rank's pieces, per dtype and device in broadcasts of buckets of at
+  // most kBroadcastBucketBytes (in place for a bucket of one piece).
   for (int r = 0; r < pg_->size(); ++r) {
     internal::BroadcastCoalesced(*pg_, pieces_[static_cast<size_t>(r)], r,
                                  "zero: parameters of rank " + std::to_string(r));
