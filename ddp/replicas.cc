@@ -162,7 +162,8 @@ EntryView ViewOf(const std::vector<const ReplicaEntry*>& list, size_t k) {
 
 // Adds to `out` (once each) the properties in which `a` and `b` differ:
 // "name", and for tensors "dtype", "shape", "strides", "device",
-// "requires_grad"; for an option its "value", for a module its "type".
+// "requires_grad" (or "value" when none of these differs); for an option
+// its "value", for a module its "type".
 void AddDifferences(const std::string& kind, const EntryView& a, const EntryView& b, std::vector<std::string>& out) {
   auto add = [&](bool differs, const char* property) {
     if (differs && std::find(out.begin(), out.end(), property) == out.end()) out.push_back(property);
@@ -172,11 +173,19 @@ void AddDifferences(const std::string& kind, const EntryView& a, const EntryView
   if (kind == "option") return add(true, "value");
   if (kind == "module") return add(true, "type");
   const TensorFields x = ParseTensorDescription(a.value), y = ParseTensorDescription(b.value);
-  add(x.dtype != y.dtype, "dtype");
-  add(x.shape != y.shape, "shape");
-  add(x.strides != y.strides, "strides");
-  add(x.device != y.device, "device");
-  add(x.no_grad != y.no_grad, "requires_grad");
+  // A value that is not DescribeTensor's (ZeRO's "... in param group 1"),
+  // or that differs past its cut, may differ in none of the fields.
+  bool told = false;
+  auto field = [&](bool differs, const char* property) {
+    told = told || differs;
+    add(differs, property);
+  };
+  field(x.dtype != y.dtype, "dtype");
+  field(x.shape != y.shape, "shape");
+  field(x.strides != y.strides, "strides");
+  field(x.device != y.device, "device");
+  field(x.no_grad != y.no_grad, "requires_grad");
+  add(!told, "value");
 }
 
 // A name at the first difference that some ranks have nowhere among their

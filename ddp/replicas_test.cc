@@ -236,5 +236,15 @@ TEST(ExplainReplicaDifferenceTest, TheDifferingPropertyIsNamed) {
   EXPECT_NE(ExplainReplicaDifference(ranks, "Models differ.").find(" They differ in name."), std::string::npos);
 }
 
+// A value that is not a DescribeTensor text (ZeRO describes a parameter
+// with its group: "f32 [4, 8] in param group 1") still gets a "They differ
+// in" sentence when no tensor field tells the two apart (it had none).
+TEST(ExplainReplicaDifferenceTest, AValueThatIsNotATensorDescriptionDiffersInValue) {
+  std::vector<std::vector<ReplicaEntry>> ranks(2, {{"parameter", "w", "f32 [4, 8] in param group 0"}});
+  ranks[1][0].value = "f32 [4, 8] in param group 1";
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_NE(m.find(" They differ in value."), std::string::npos) << m;
+}
+
 }  // namespace
 }  // namespace ddp::dist::internal
