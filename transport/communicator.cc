@@ -179,11 +179,10 @@ bool ProcessStopped(int pid) {
 }
 
 // Whether process `pid` of this host has exited: no such process, or a
-// zombie (exited, not yet reaped by its parent, its launcher).
-bool ProcessExited(int pid) {
-  const char state = fault::ProcessState(pid);
-  return state == 0 || state == 'Z' || state == 'X';
-}
+// zombie (exited, not yet reaped by its parent, its launcher). Asked with
+// kill(pid, 0) and readlink, which need no descriptor: reading /proc's stat
+// file did, and a process out of descriptors counted every member as gone.
+bool ProcessExited(int pid) { return fault::ProcessGoneNow(pid); }
 
 // CPUs this process may keep busy (its affinity mask, capped by a cgroup
 // CPU quota): what "oversubscribed" is measured against.
