@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
@@ -108,7 +109,16 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
 }
 
 namespace {
+// The tensors a block cannot do without (weight and bias may be undefined),
+// named: an undefined one used to fail later, inside the kernel's read,
+// with a message that named no argument.
+void CheckDefined(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> needed) {
+  for (const auto& [name, t] : needed) {
+    if (!t->defined()) throw std::invalid_argument(std::string(op) + ": " + name + " is undefined");
+  }
+}
 void CheckChannels(const char* op, const Tensor& x, std::initializer_list<const Tensor*> per_channel) {
+  CheckDefined(op, {{"x", &x}});
   if (x.dim() < 2) throw std::invalid_argument(std::string(op) + ": expected input [N, C, ...], got " + ShapeToString(x.shape()));
   for (const Tensor* t : per_channel) {
     if (t->defined() && (t->dim() != 1 || t->size(0) != x.size(1))) {
@@ -144,6 +154,7 @@ BatchNormSums BatchNormStats(const Tensor& x) {
 
 Tensor BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& weight,
                             const Tensor& bias) {
+  CheckDefined("batch_norm_elementwise", {{"mean", &mean}, {"invstd", &invstd}});
   CheckChannels("batch_norm_elementwise", x, {&mean, &invstd, &weight, &bias});
   Tensor y = detail::NewLike(x);
   DDP_KERNEL(x.device(), batch_norm_elementwise)(x, mean, invstd, weight, bias, y);
@@ -151,6 +162,7 @@ Tensor BatchNormElementwise(const Tensor& x, const Tensor& mean, const Tensor& i
 }
 
 BatchNormSums BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd) {
+  CheckDefined("batch_norm_backward_reduce", {{"dy", &dy}, {"mean", &mean}, {"invstd", &invstd}});
   CheckChannels("batch_norm_backward_reduce", x, {&mean, &invstd});
   CheckDy("batch_norm_backward_reduce", dy, x);
   BatchNormSums r{Sums(x), Sums(x)};
@@ -160,6 +172,11 @@ BatchNormSums BatchNormBackwardReduce(const Tensor& dy, const Tensor& x, const T
 
 Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& invstd,
                                     const Tensor& weight, const Tensor& mean_dy, const Tensor& mean_dy_xhat) {
+  CheckDefined("batch_norm_backward_elementwise", {{"dy", &dy},
+                                                   {"mean", &mean},
+                                                   {"invstd", &invstd},
+                                                   {"mean_dy", &mean_dy},
+                                                   {"mean_dy_xhat", &mean_dy_xhat}});
   CheckChannels("batch_norm_backward_elementwise", x, {&mean, &invstd, &weight, &mean_dy, &mean_dy_xhat});
   CheckDy("batch_norm_backward_elementwise", dy, x);
   Tensor dx = detail::NewLike(x);

@@ -415,6 +415,34 @@ TEST(BatchNormPartsTest, F32StaysExactWhenAChannelsVarianceIsTiny) {
   }
 }
 
+// The blocks SyncBatchNorm composes name an undefined statistic (or input)
+// they cannot do without; it failed inside the kernel's read, naming none.
+TEST(BatchNormPartsTest, AnUndefinedStatisticIsNamed) {
+  const Tensor x = Randn({4, 3}), dy = Randn({4, 3});
+  const Tensor mean = Zeros({3}, {.dtype = DType::kFloat64}), invstd = Ones({3}, {.dtype = DType::kFloat64});
+  auto message = [](auto call) -> std::string {
+    try {
+      call();
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no std::invalid_argument";
+  };
+  EXPECT_EQ(message([&] { BatchNormElementwise(x, Tensor(), invstd, Tensor(), Tensor()); }),
+            "batch_norm_elementwise: mean is undefined");
+  EXPECT_EQ(message([&] { BatchNormElementwise(x, mean, Tensor(), Tensor(), Tensor()); }),
+            "batch_norm_elementwise: invstd is undefined");
+  EXPECT_EQ(message([&] { BatchNormBackwardReduce(dy, x, mean, Tensor()); }),
+            "batch_norm_backward_reduce: invstd is undefined");
+  EXPECT_EQ(message([&] { BatchNormBackwardReduce(Tensor(), x, mean, invstd); }),
+            "batch_norm_backward_reduce: dy is undefined");
+  EXPECT_EQ(message([&] { BatchNormBackwardElementwise(dy, x, mean, invstd, Tensor(), mean, Tensor()); }),
+            "batch_norm_backward_elementwise: mean_dy_xhat is undefined");
+  EXPECT_EQ(message([&] { BatchNormStats(Tensor()); }), "batch_norm_stats: x is undefined");
+  // Without weight and bias (affine off) the blocks still run.
+  EXPECT_EQ(BatchNormElementwise(x, mean, invstd, Tensor(), Tensor()).shape(), x.shape());
+}
+
 // A channel mean large against its spread (1e7 and 3): f32 dx and dweight
 // stay close to the same inputs in f64, through BatchNorm's backward and
 // through the backward blocks SyncBatchNorm composes. Both kernels rounded
