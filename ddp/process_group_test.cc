@@ -335,16 +335,8 @@ DDP_TEST_WORKER(pg_forked_child_own_group) {
     _exit(code);
   }
   int status = -1;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  pid_t done = 0;
-  while ((done = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if (done == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-  }
-  WORKER_EXPECT(done == child, "the forked child did not end within 10 s");
+  const bool ended = ChildEndsWithin10s(child, &status);
+  WORKER_EXPECT(ended, "the forked child did not end within 10 s");
   WORKER_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0,
                 "the forked child's own group failed, or the parent's group was not refused (exit " +
                     std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + ")");
