@@ -553,17 +553,22 @@ std::vector<std::unique_ptr<UcxPointToPoint>> MakeTcpPair() {
     same_host[r] = true;
     EXPECT_TRUE(ranks[r]->Connect(addresses, same_host).ok()) << "rank " << r;
   }
-  // Several rounds: UCX 1.13 asserts when an endpoint fails while its
-  // wireup messages are still going, which the first round may leave.
+  // Several rounds, small and large: UCX 1.13 asserts when an endpoint
+  // fails while its wireup messages are still going, which the first round
+  // may leave, and a peer torn down while the lanes of large messages
+  // (wired on their first use) still had a wireup reply queued aborted in
+  // ucp_worker_destroy (the tests below send 1 and 4 MiB).
   RunRanks(ranks, [](UcxPointToPoint& p2p) {
     for (int round = 0; round < 4; ++round) {
-      int out = p2p.rank(), in = -1;
-      auto recv = p2p.PostRecv(1 - p2p.rank(), 3, &in, sizeof(in));
-      auto send = p2p.PostSend(1 - p2p.rank(), 3, &out, sizeof(out));
+      const size_t bytes = round % 2 == 0 ? sizeof(int) : size_t{4} << 20;
+      std::vector<uint8_t> out(bytes, static_cast<uint8_t>(p2p.rank())), in(bytes);
+      auto recv = p2p.PostRecv(1 - p2p.rank(), 3, in.data(), bytes);
+      auto send = p2p.PostSend(1 - p2p.rank(), 3, out.data(), bytes);
       ASSERT_TRUE(recv.ok() && send.ok());
       p2p::RequestId ids[] = {*recv, *send};
       ASSERT_TRUE(p2p.WaitAll(ids, DeadlineIn(milliseconds(10000))).ok())
           << "rank " << p2p.rank();
+      ASSERT_EQ(in[bytes - 1], static_cast<uint8_t>(1 - p2p.rank()));
     }
   });
   return ranks;
