@@ -179,7 +179,8 @@ void SweepOthers(Communicator& comm) {
   }
   std::vector<float> last(100);
   FillInput(DataType::kF32, last.data(), last.size(), me, ReduceOp::kSum);
-  WORKER_CHECK(comm.AllReduce(last.data(), last.size(), DataType::kF32, ReduceOp::kSum).ok(), "blocking after async");
+  const Status blocking = comm.AllReduce(last.data(), last.size(), DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(blocking.ok(), "blocking after async: " + blocking.ToString());
   for (size_t i = 0; i < works.size(); ++i) {
     auto done = works[i].Test();
     WORKER_CHECK(done.ok() && *done, "async " + std::to_string(i) + " not done before a later blocking call");

@@ -126,6 +126,7 @@ class WaitObservingEndpoint : public p2p::PointToPoint {
     AfterWait();
     return index;
   }
+  void MarkWatched(p2p::RequestId request) override { inner_.MarkWatched(request); }
   void Cancel(p2p::RequestId request) override { inner_.Cancel(request); }
   void CancelAll(std::span<const p2p::RequestId> requests) override { inner_.CancelAll(requests); }
   uint64_t UnconfirmedReleases() const override { return inner_.UnconfirmedReleases(); }

@@ -368,6 +368,7 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
       Where where{check.c_str(), 0, 0, Where::kNoChunk, false, everyone[i]};
       DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
                            requests.Recv(where, stop_tag, &notes[i], sizeof(Requests::StopNote)));
+      requests.p2p().MarkWatched(id);  // a peer that agrees and leaves sends none
       ids.push_back(id);
       awaited.push_back({everyone[i], nullptr, &notes[i]});
     }
@@ -432,6 +433,7 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
         Where where{check.c_str(), 0, 0, Where::kNoChunk, false, done.peer};
         DDP_ASSIGN_OR_RETURN(ids[i], requests.Recv(where, stop_tag, done.note,
                                                    sizeof(Requests::StopNote)));
+        requests.p2p().MarkWatched(ids[i]);
         continue;
       }
       return note_error(done.peer, *done.note);
@@ -818,6 +820,9 @@ Status Requests::RelayStops(const char* what, uint64_t call_id, p2p::Tag phase_t
   stop_got_ = Hold<StopNote>(1);
   Where where{what, 0, 0, Where::kNoChunk, false, from};
   DDP_ASSIGN_OR_RETURN(stop_recv_, Recv(where, stop_tag_, stop_got_, sizeof(StopNote)));
+  // Watched, not awaited: a predecessor that agreed may finish its part
+  // and leave while this rank still waits for data from another peer.
+  p2p_.MarkWatched(stop_recv_);
   return Status();
 }
 
@@ -892,6 +897,7 @@ StatusOr<bool> Requests::TakeNote() {
   // this call's business.
   Where where{relay_what_, 0, 0, Where::kNoChunk, false, relay_from_};
   DDP_ASSIGN_OR_RETURN(stop_recv_, Recv(where, stop_tag_, stop_got_, sizeof(StopNote)));
+  p2p_.MarkWatched(stop_recv_);
   return false;
 }
 

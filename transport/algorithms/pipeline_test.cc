@@ -136,6 +136,7 @@ class Recorder final : public p2p::PointToPoint {
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId>, Deadline) override {
     return TimedOutError("never");
   }
+  void MarkWatched(p2p::RequestId id) override { watched.push_back(id); }
   void Cancel(p2p::RequestId id) override { cancelled_one_by_one.push_back(id); }
   void CancelAll(std::span<const p2p::RequestId> ids) override {
     cancelled_together.emplace_back(ids.begin(), ids.end());
@@ -146,6 +147,7 @@ class Recorder final : public p2p::PointToPoint {
   // Cancels as UCX does for a same-host peer whose request does not finish
   // within its grace: the buffer may still be written later.
   bool cancel_unconfirmed = false;
+  std::vector<p2p::RequestId> watched;  // MarkWatched's ids, in order
   std::vector<p2p::RequestId> cancelled_one_by_one;
   std::vector<std::vector<p2p::RequestId>> cancelled_together;
 

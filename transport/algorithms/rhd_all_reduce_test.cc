@@ -1,9 +1,12 @@
 #include "transport/algorithms/rhd_all_reduce.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -294,6 +297,110 @@ TEST(RhdAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
 
 TEST(RhdAllReduceTest, KilledRankFailsEverySurvivor) {
   for (int world : {2, 3, 6}) testing::CheckKilledRankFailsSurvivors(RhdAllReduce, world);
+}
+
+// A rank may finish its part and leave while its ring successor still waits
+// for data from another peer. On 4 ranks in doubling mode, rank 1 is done
+// after its steps with ranks 0 and 3, while rank 2 may still wait for rank
+// 0's second-step vector; all along rank 2 watches for a stop note from
+// rank 1, its ring predecessor. Here rank 1 returns and is killed (as UCX
+// shows the exit of a rank that left) before rank 2 starts that wait, and
+// rank 0 holds its vector for rank 2 until rank 2 has waited 300 ms: rank
+// 2 needs nothing more from rank 1 and must complete. It failed PEER_LOST
+// at once on the note's receive (a flaky failure of a 4-rank job whose
+// ranks ended at different times).
+TEST(RhdAllReduceTest, ARankWhoseRingPredecessorLeftAfterItsPartStillCompletes) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool rank1_gone = false, rank2_waits = false, rank2_returned = false;
+  auto await = [&](const bool& flag, std::chrono::milliseconds limit) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, limit, [&] { return flag; });
+  };
+  auto set = [&](bool& flag) {
+    std::lock_guard lock(mu);
+    flag = true;
+    cv.notify_all();
+  };
+  // Rank 0 holds its sends to rank 2 until rank 2 has waited for them
+  // (it returns at once when the lost note fails its wait).
+  class Rank0 final : public testing::WaitObservingEndpoint {
+   public:
+    Rank0(p2p::PointToPoint& inner, std::function<void()> hold)
+        : WaitObservingEndpoint(inner), hold_(std::move(hold)) {}
+    StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
+                                      size_t bytes) override {
+      if (peer == 2) hold_();
+      return WaitObservingEndpoint::PostSend(peer, tag, data, bytes);
+    }
+
+   private:
+    std::function<void()> hold_;
+  };
+  // Rank 2 enters its wait for rank 0's vector (its only receive from rank
+  // 0) once rank 1 is gone, and says when it is in it and when it is out.
+  class Rank2 final : public testing::WaitObservingEndpoint {
+   public:
+    Rank2(p2p::PointToPoint& inner, std::function<void()> before, std::function<void()> after)
+        : WaitObservingEndpoint(inner), before_(std::move(before)), after_(std::move(after)) {}
+    StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
+      StatusOr<p2p::RequestId> id = WaitObservingEndpoint::PostRecv(peer, tag, data, bytes);
+      if (peer == 0 && id.ok()) from0_ = *id;
+      return id;
+    }
+    StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+      const bool for_rank0 = from0_ != 0 && std::find(requests.begin(), requests.end(), from0_) !=
+                                                requests.end();
+      if (for_rank0) before_();
+      StatusOr<size_t> index = WaitObservingEndpoint::WaitAny(requests, deadline);
+      if (for_rank0) after_();
+      return index;
+    }
+
+   private:
+    std::function<void()> before_, after_;
+    p2p::RequestId from0_ = 0;
+  };
+  p2p::LoopbackHub hub(4);
+  bool rank2_saw_rank1_gone = false, rank2_entered = false;
+  std::vector<std::vector<float>> out(4, std::vector<float>(8));
+  auto statuses = transport::testing::RunRanks(hub, [&](p2p::PointToPoint& p2p) -> Status {
+    const int r = p2p.rank();
+    const std::vector<float> in(8, static_cast<float>(r + 1));
+    CollectiveArgs args;
+    args.send = in.data();
+    args.recv = out[r].data();
+    args.count = in.size();
+    args.dtype = DataType::kF32;
+    args.op = ReduceOp::kSum;
+    args.tag = CollectiveTag(3);
+    args.call_id = 4;
+    args.deadline = DeadlineIn(std::chrono::seconds(20));
+    Rank0 rank0(p2p, [&] {
+      rank2_entered = await(rank2_waits, std::chrono::seconds(10));
+      await(rank2_returned, std::chrono::milliseconds(300));
+    });
+    Rank2 rank2(
+        p2p,
+        [&] {
+          rank2_saw_rank1_gone = await(rank1_gone, std::chrono::seconds(10));
+          set(rank2_waits);
+        },
+        [&] { set(rank2_returned); });
+    p2p::PointToPoint& endpoint = r == 0 ? rank0 : r == 2 ? static_cast<p2p::PointToPoint&>(rank2) : p2p;
+    Status status = kDoubling(endpoint, args);
+    if (r == 1) {
+      hub.Kill(1);
+      set(rank1_gone);
+    }
+    return status;
+  });
+  EXPECT_TRUE(rank2_saw_rank1_gone);
+  EXPECT_TRUE(rank2_entered);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+    EXPECT_EQ(out[r], std::vector<float>(8, 10.0f)) << "rank " << r;
+  }
 }
 
 TEST(RhdAllReduceTest, AbsentRankTimesOutAtTheDeadline) {

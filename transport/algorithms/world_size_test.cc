@@ -56,6 +56,7 @@ class HugeWorld final : public p2p::PointToPoint {
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId>, Deadline) override {
     return AbortedError("HugeWorld");
   }
+  void MarkWatched(p2p::RequestId) override {}
   void Cancel(p2p::RequestId) override {}
   void CancelAll(std::span<const p2p::RequestId>) override {}
 

@@ -46,6 +46,7 @@ class GroupView final : public PointToPoint {
   StatusOr<size_t> WaitAny(std::span<const RequestId> requests, Deadline deadline) override {
     return parent_->WaitAny(requests, deadline);
   }
+  void MarkWatched(RequestId request) override { parent_->MarkWatched(request); }
   void Cancel(RequestId request) override { parent_->Cancel(request); }
   void CancelAll(std::span<const RequestId> requests) override { parent_->CancelAll(requests); }
   uint64_t UnconfirmedReleases() const override { return parent_->UnconfirmedReleases(); }

@@ -60,6 +60,7 @@ class LoopbackEndpoint final : public PointToPoint {
   Status PostNotice(int peer, Tag tag, const void* data, size_t bytes) override {
     return hub_->PostNotice(rank_, peer, tag, data, bytes);
   }
+  void MarkWatched(RequestId request) override { hub_->MarkWatched(rank_, request); }
   void Cancel(RequestId request) override { hub_->Cancel(rank_, request); }
   void CancelAll(std::span<const RequestId> requests) override {
     hub_->CancelAll(rank_, requests.data(), requests.size());
@@ -441,7 +442,8 @@ Status LoopbackHub::WaitAll(int rank, const RequestId* requests, size_t n, Deadl
         return InvalidArgumentError("loopback: rank " + std::to_string(rank) +
                                     " has no outstanding request " + std::to_string(requests[i]));
       }
-      if (op->state == OpState::kDone && !op->status.ok()) {
+      if (op->state == OpState::kDone && !op->status.ok() &&
+          !SkipLostWatched(rank, op, requests, n, /*any=*/false)) {
         Status status = op->status;
         release_all();
         return status;
@@ -476,7 +478,7 @@ StatusOr<size_t> LoopbackHub::WaitAny(int rank, const RequestId* requests, size_
         return InvalidArgumentError("loopback: rank " + std::to_string(rank) +
                                     " has no outstanding request " + std::to_string(requests[i]));
       }
-      if (op->state == OpState::kDone) {
+      if (op->state == OpState::kDone && !SkipLostWatched(rank, op, requests, n, /*any=*/true)) {
         Status status = op->status;
         ReleaseLocked(lock, rank, requests[i]);
         if (!status.ok()) return status;
@@ -491,6 +493,22 @@ StatusOr<size_t> LoopbackHub::WaitAny(int rank, const RequestId* requests, size_
     }
     me.cv.wait_until(lock, deadline);
   }
+}
+
+bool LoopbackHub::SkipLostWatched(int rank, const Op* op, const RequestId* requests, size_t n,
+                                  bool any) {
+  if (!op->watched || op->status.code() != StatusCode::kPeerLost) return false;
+  for (size_t i = 0; i < n; ++i) {
+    const Op* other = FindLocked(rank, requests[i]);
+    if (other != nullptr && !other->watched && (any || other->state != OpState::kDone)) return true;
+  }
+  return false;
+}
+
+void LoopbackHub::MarkWatched(int rank, RequestId request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Op* op = FindLocked(rank, request);
+  if (op != nullptr && !op->is_send) op->watched = true;
 }
 
 void LoopbackHub::Cancel(int rank, RequestId request) {

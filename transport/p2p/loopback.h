@@ -129,6 +129,7 @@ class LoopbackHub {
     size_t bytes = 0;
     OpState state = OpState::kQueued;
     Status status;
+    bool watched = false;                     // a receive marked by MarkWatched
     bool is_notice = false;                   // id 0, in the receiver's `notices`
     std::vector<unsigned char> notice_bytes;  // a notice's copy; send_data points here
   };
@@ -154,6 +155,7 @@ class LoopbackHub {
   Status WaitAll(int rank, const RequestId* requests, size_t n, Deadline deadline);
   StatusOr<size_t> WaitAny(int rank, const RequestId* requests, size_t n, Deadline deadline);
   Status PostNotice(int rank, int peer, Tag tag, const void* data, size_t bytes);
+  void MarkWatched(int rank, RequestId request);
   void Cancel(int rank, RequestId request);
   void CancelAll(int rank, const RequestId* requests, size_t n);
   void Disconnect(int rank);
@@ -166,6 +168,11 @@ class LoopbackHub {
   // releases it. Lock held.
   void ReleaseLocked(std::unique_lock<std::mutex>& lock, int rank, RequestId request);
   Op* FindLocked(int rank, RequestId request);
+  // Whether `op`, done, failed only because its peer was lost, is a
+  // watched receive, and the wait on `requests` has an unwatched one still
+  // pending, or with `any` (WaitAny) at all: then the wait goes on without
+  // it (PointToPoint::MarkWatched). Lock held.
+  bool SkipLostWatched(int rank, const Op* op, const RequestId* requests, size_t n, bool any);
   // Takes a queued notice out of `to`'s unexpected sends and frees it (`to`
   // is its receiver). Lock held.
   void DropNoticeLocked(RankState& to, Op* notice);

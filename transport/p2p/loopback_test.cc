@@ -449,6 +449,46 @@ TEST(LoopbackTest, KillFailsPeersWithPeerLostAndTheVictimWithAborted) {
   EXPECT_TRUE(eps[0]->WaitAll(std::vector<RequestId>{s}, Soon()).ok());
 }
 
+// A watched receive (MarkWatched) whose peer is killed fails no wait that
+// still needs another request: WaitAny and WaitAll go on for that one, and
+// report the watched receive's loss only once nothing else is pending; a
+// wait on the watched receive alone fails at once. Sends are never watched.
+TEST(LoopbackTest, AWatchedReceiveFromALostPeerFailsOnlyAWaitLeftWithIt) {
+  LoopbackHub hub(3);
+  auto eps = ConnectAll(hub);
+  int needed = 0, note = 0, late = 0;
+  auto need = *eps[0]->PostRecv(1, 1, &needed, sizeof(needed));
+  auto watch = *eps[0]->PostRecv(2, 1, &note, sizeof(note));
+  auto watch_alone = *eps[0]->PostRecv(2, 2, &late, sizeof(late));
+  eps[0]->MarkWatched(watch);
+  eps[0]->MarkWatched(watch_alone);
+  const int x = 7;
+  auto to2 = *eps[0]->PostSend(2, 3, &x, sizeof(x));
+  eps[0]->MarkWatched(to2);
+  hub.Kill(2);
+  std::thread sender([&] {
+    std::this_thread::sleep_for(50ms);
+    auto s = *eps[1]->PostSend(0, 1, &x, sizeof(x));
+    EXPECT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{s}, Soon()).ok());
+  });
+  auto index = eps[0]->WaitAny(std::vector<RequestId>{watch, need}, Soon());
+  sender.join();
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(*index, 1u);
+  EXPECT_EQ(needed, 7);
+  auto alone = eps[0]->WaitAny(std::vector<RequestId>{watch}, Soon());
+  EXPECT_EQ(alone.status().code(), StatusCode::kPeerLost) << alone.status();
+  // WaitAll: the needed receive completes first, then the watched one's
+  // loss is the result.
+  auto need2 = *eps[0]->PostRecv(1, 4, &needed, sizeof(needed));
+  auto s2 = *eps[1]->PostSend(0, 4, &x, sizeof(x));
+  Status all = eps[0]->WaitAll(std::vector<RequestId>{watch_alone, need2}, Soon());
+  EXPECT_EQ(all.code(), StatusCode::kPeerLost) << all;
+  EXPECT_TRUE(eps[1]->WaitAll(std::vector<RequestId>{s2}, Soon()).ok());
+  // The send to the lost rank was not watched: it fails as any send.
+  EXPECT_EQ(eps[0]->WaitAll(std::vector<RequestId>{to2}, Soon()).code(), StatusCode::kPeerLost);
+}
+
 // Many threads pass large and small messages around a ring concurrently.
 TEST(LoopbackTest, ThreadsExchangeConcurrentlyAroundARing) {
   constexpr int kRanks = 8;

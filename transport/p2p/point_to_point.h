@@ -83,6 +83,16 @@ class PointToPoint {
   virtual StatusOr<size_t> WaitAny(std::span<const RequestId> requests,
                                    Deadline deadline) = 0;
 
+  /// Marks `request`, a posted receive, as watched: a message that may come
+  /// (another rank's stop note), not one the caller needs. While a wait
+  /// still has some other request pending, the loss of a watched receive's
+  /// peer fails nothing, and the implementation's liveness checks do not
+  /// count that peer as waited for: a peer that finished its part and left
+  /// cleanly never sends such a message, and that is no error. A wait left
+  /// with watched receives only treats them as any other. Ignored for a
+  /// send and for unknown or released ids.
+  virtual void MarkWatched(RequestId request) = 0;
+
   /// Cancels and releases an outstanding request (no-op if already done).
   /// Returns once nothing uses the request's buffer any more, as far as the
   /// implementation can promise that: the loopback always can; UCX cannot

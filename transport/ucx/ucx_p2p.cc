@@ -23,6 +23,7 @@ struct UcxPointToPoint::Slot {
   bool abandoned = false;  // cancelled while UCX still owned the request
   bool unconfirmed = false;  // abandoned, and still with UCX after its recall
   bool is_send = false;
+  bool watched = false;  // MarkWatched: a receive the caller may do without
   uint64_t listed_in = 0;  // the last WaitAll that listed it: repeats are errors
   int peer = 0;
   p2p::Tag tag = 0;
@@ -387,6 +388,7 @@ StatusOr<UcxPointToPoint::Slot*> UcxPointToPoint::AllocateSlot(bool is_send, int
   slot->abandoned = false;
   slot->unconfirmed = false;
   slot->is_send = is_send;
+  slot->watched = false;
   slot->peer = peer;
   slot->tag = tag;
   slot->bytes = bytes;
@@ -731,7 +733,7 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
     // that failure is the cause, the deadline only came after it.
     for (const Slot* slot : pending) {
       Status failure = slot->done ? SlotStatus(slot) : PendingSlotStatus(slot);
-      if (!failure.ok()) return failure;
+      if (!failure.ok() && !SkipLostWatched(slot, failure, pending, /*any=*/false)) return failure;
     }
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - started);
     const Slot* first = *std::find_if_not(pending.begin(), pending.end(), done);
@@ -746,12 +748,16 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
     next_watchdog_ = now + options_.watchdog_period;
     // Every peer the wait still needs something from: one that closed
     // cleanly and exited is lost to this wait wherever it is in the list.
+    // A watched receive's peer is not, while the wait needs some other
+    // request (MarkWatched).
+    const bool needs_unwatched = NeedsUnwatched(pending);
     std::vector<int> awaited;
     size_t done_before = 0;
     for (const Slot* slot : pending) {
       if (slot->done) {
         ++done_before;
-      } else if (std::find(awaited.begin(), awaited.end(), slot->peer) == awaited.end()) {
+      } else if (!(slot->watched && needs_unwatched) &&
+                 std::find(awaited.begin(), awaited.end(), slot->peer) == awaited.end()) {
         awaited.push_back(slot->peer);
       }
     }
@@ -874,26 +880,34 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
     // A slot is checked as the wait moves past it: one that finished with an
     // error (a truncated message) fails the wait at once, not at the
     // deadline of a later slot still pending.
+    // A watched receive whose peer is lost is passed over while the wait
+    // needs another request; the release below reports it if it stays the
+    // only failure.
     while (first_pending < slots.size() && slots[first_pending]->done) {
       result = SlotStatus(slots[first_pending]);
-      if (!result.ok()) break;
+      if (!result.ok() &&
+          !SkipLostWatched(slots[first_pending], result, std::span(slots).subspan(first_pending),
+                           /*any=*/false)) {
+        break;
+      }
+      result = Status::Ok();
       ++first_pending;
     }
     if (!result.ok()) break;
     // Check every slot for errors, not only the first pending one, so a lost
     // peer fails the wait at once.
     bool all_done = true;
-    for (size_t i = first_pending; i < slots.size(); ++i) {
-      Slot* slot = slots[i];
+    const auto rest = std::span(slots).subspan(first_pending);
+    for (Slot* slot : rest) {
       Status s = slot->done ? SlotStatus(slot) : PendingSlotStatus(slot);
-      if (!s.ok()) {
+      if (!s.ok() && !SkipLostWatched(slot, s, rest, /*any=*/false)) {
         result = s;
         break;
       }
       all_done &= slot->done;
     }
     if (!result.ok() || all_done) break;
-    result = Idle(polls, deadline, started, std::span(slots).subspan(first_pending), /*any=*/false);
+    result = Idle(polls, deadline, started, rest, /*any=*/false);
     if (!result.ok()) break;
   }
   for (Slot* slot : slots) {
@@ -931,16 +945,36 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
   while (true) {
     for (size_t i = 0; i < slots.size(); ++i) {
       Slot* slot = slots[i];
+      Status s = slot->done ? SlotStatus(slot) : PendingSlotStatus(slot);
+      if (!s.ok() && SkipLostWatched(slot, s, slots, /*any=*/true)) continue;
       if (slot->done) {
-        Status s = SlotStatus(slot);
         Release(slot);
         if (!s.ok()) return s;
         return i;
       }
-      DDP_RETURN_IF_ERROR(PendingSlotStatus(slot));
+      DDP_RETURN_IF_ERROR(s);
     }
     DDP_RETURN_IF_ERROR(Idle(polls, deadline, started, slots, /*any=*/true));
   }
+}
+
+void UcxPointToPoint::MarkWatched(p2p::RequestId id) {
+  Slot* slot = Lookup(id);
+  if (slot != nullptr && !slot->is_send) slot->watched = true;
+}
+
+bool UcxPointToPoint::NeedsUnwatched(std::span<Slot* const> slots) {
+  return std::any_of(slots.begin(), slots.end(),
+                     [](const Slot* slot) { return !slot->done && !slot->watched; });
+}
+
+bool UcxPointToPoint::SkipLostWatched(const Slot* slot, const Status& failure,
+                                      std::span<Slot* const> slots, bool any) {
+  if (!slot->watched || failure.code() != StatusCode::kPeerLost) return false;
+  if (any) {
+    return std::any_of(slots.begin(), slots.end(), [](const Slot* other) { return !other->watched; });
+  }
+  return NeedsUnwatched(slots);
 }
 
 void UcxPointToPoint::Cancel(p2p::RequestId id) {

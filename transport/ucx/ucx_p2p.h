@@ -168,6 +168,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override;
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests,
                            Deadline deadline) override;
+  /// A watched receive whose peer is lost (its endpoint failed, or
+  /// MarkPeerLost) fails no wait that still needs an unwatched request, and
+  /// the watchdog does not hear of its peer as waited for.
+  void MarkWatched(p2p::RequestId request) override;
   void Cancel(p2p::RequestId request) override;
   void CancelAll(std::span<const p2p::RequestId> requests) override;
   /// Requests still with UCX after their recall (same-host peers): see
@@ -205,6 +209,13 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   void EraseNotice(Notice* notice);
   static void EndpointErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
 
+  // Whether some request of a wait on `slots` is neither done nor watched.
+  static bool NeedsUnwatched(std::span<Slot* const> slots);
+  // Whether the wait on `slots` goes on past `failure` of `slot`: a watched
+  // receive whose peer is lost, while the wait has an unwatched request
+  // still pending, or with `any` (WaitAny, which returns one done) at all.
+  static bool SkipLostWatched(const Slot* slot, const Status& failure,
+                              std::span<Slot* const> slots, bool any);
   // OK, or why a post to `peer` with `tag` cannot go: the post named first,
   // then the reason (a lost peer's included).
   Status CheckPeer(int peer, p2p::Tag tag, const char* what) const;

@@ -633,6 +633,13 @@ TEST(UcxPointToPointProcesses, WaitAnyReturnsWhatAPeerSentBeforeTheWatchdogFound
 // watchdog, fails within a watchdog period once rank 2 (a spawned process,
 // marked closed) exits. The monitor used to hear only of rank 1 and skip
 // rank 2 as closed, so the wait ran until its deadline.
+// A watched receive (MarkWatched: a stop note that may come) from rank 2
+// is another matter: with the receive from rank 1 still needed, the
+// monitor does not hear of rank 2, nor does rank 2's loss fail the wait,
+// which runs to its deadline naming rank 1. (A 4-rank job failed
+// PEER_LOST when the ring predecessor a rank watched for a note had left
+// cleanly while the rank still waited for data from another.) Alone, the
+// watched receive fails as any other.
 TEST(UcxPointToPointProcesses, WaitAnyFailsWhenALaterListedPeerClosedAndExited) {
   auto context = Context::Create({.default_tls = "sm,self"});
   ASSERT_TRUE(context.ok()) << context.status();
@@ -672,7 +679,39 @@ TEST(UcxPointToPointProcesses, WaitAnyFailsWhenALaterListedPeerClosedAndExited) 
   EXPECT_NE(index.status().message().find("rank 2"), std::string::npos) << index.status();
   EXPECT_LT(waited, milliseconds(2000));
   p2p.CancelAll(ids);
-  EXPECT_TRUE(p2p.Close(DeadlineIn(milliseconds(2000))).ok());
+
+  std::vector<std::vector<int>> heard;
+  // The monitor gets time of its own to read the closed marks: a round
+  // just before the wait's deadline could no longer ask the store whether
+  // rank 2 closed, and would report it.
+  p2p.SetWatchdog([&](Deadline, std::span<const int> peers) {
+    heard.emplace_back(peers.begin(), peers.end());
+    return monitor.Check(DeadlineIn(milliseconds(1000)), peers);
+  });
+  auto needed = p2p.PostRecv(1, kTag, &from1, sizeof(from1));
+  auto watched = p2p.PostRecv(2, kTag, &from2, sizeof(from2));
+  ASSERT_TRUE(needed.ok() && watched.ok()) << needed.status() << watched.status();
+  p2p.MarkWatched(*watched);
+  p2p::RequestId both[] = {*needed, *watched};
+  StatusOr<size_t> timed_out = p2p.WaitAny(both, DeadlineIn(milliseconds(1000)));
+  EXPECT_EQ(timed_out.status().code(), StatusCode::kTimedOut) << timed_out.status();
+  EXPECT_NE(timed_out.status().message().find("from rank 1"), std::string::npos)
+      << timed_out.status();
+  ASSERT_FALSE(heard.empty());
+  for (const auto& peers : heard) EXPECT_EQ(peers, std::vector<int>{1});
+  // The loss of the watched receive's peer as UCX would report it (an
+  // endpoint error) fails the wait no more than the monitor's report.
+  p2p.MarkPeerLost(2, PeerLostError("rank 2's endpoint failed"));
+  timed_out = p2p.WaitAny(both, DeadlineIn(milliseconds(300)));
+  EXPECT_EQ(timed_out.status().code(), StatusCode::kTimedOut) << timed_out.status();
+  p2p::RequestId watched_only[] = {*watched};
+  StatusOr<size_t> alone = p2p.WaitAny(watched_only, DeadlineIn(milliseconds(3000)));
+  EXPECT_EQ(alone.status().code(), StatusCode::kPeerLost) << alone.status();
+  p2p.SetWatchdog(nullptr);
+  p2p.CancelAll(both);
+  // Rank 2 marked lost: its endpoint closes by force, which Close reports.
+  Status closed = p2p.Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_NE(closed.message().find("rank 2"), std::string::npos) << closed;
   std::filesystem::remove(go_file);
 }
 
