@@ -400,8 +400,11 @@ TEST(UcxPointToPoint, DeadlinePassesWhileAPeerFloodsAnotherTag) {
   EXPECT_EQ(wait.status.code(), StatusCode::kTimedOut) << wait.status;
   EXPECT_GE(wait.waited, milliseconds(1000));
   EXPECT_LT(wait.waited, milliseconds(4000));
-  // Every 100 ms once the wait has lasted a millisecond.
-  EXPECT_GE(watchdog_calls.load(), 5);
+  // Every 100 ms once the wait has lasted a millisecond: about 10 in the
+  // second the wait lasts, fewer when the host starves the waiting thread
+  // (3 under a load of 17 on 2 cores). A flood that kept the wait from
+  // reading the clock would give none.
+  EXPECT_GE(watchdog_calls.load(), 2);
   EXPECT_TRUE(wait.flood_ran_throughout) << "the flood ended before the wait did";
 }
 
