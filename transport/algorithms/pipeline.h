@@ -95,6 +95,22 @@ inline p2p::Tag StepTag(p2p::Tag phase_tag, uint64_t index) {
   return phase_tag + index % kDataSteps;
 }
 
+/// Where call `call_id` (CollectiveArgs::call_id) starts its data
+/// messages' indices, for StepTag: the phase's data tags split into
+/// kCallDataSlots slots of kCallDataSlotSteps tags, one per call in turn.
+/// A failed call's sends may still reach the peer after their cancellation
+/// (UCX completes small sends as they are posted), and would be taken by
+/// the next call that waits at their tag: the ranks of the next calls, which
+/// reuse the tag when the library is used without the communicator's
+/// CollectiveTag sequence, take none of them as long as a phase moves at
+/// most kCallDataSlotSteps messages (calls kCallDataSlots apart share a
+/// slot). Call 0 (not known) starts at 0, as before.
+inline constexpr uint64_t kCallDataSlots = 16;
+inline constexpr uint64_t kCallDataSlotSteps = kDataSteps / kCallDataSlots;
+inline uint64_t CallDataBase(uint64_t call_id) {
+  return (call_id % kCallDataSlots) * kCallDataSlotSteps;
+}
+
 /// Tag of the fingerprint exchanged in the phase starting at `phase_tag`.
 /// The next tags carry CheckEveryRank's later rounds (+1), DirectExchange's
 /// block sizes (+2) and the ring's stop notes (+3 to +15, StopNoteTag).

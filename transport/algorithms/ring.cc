@@ -29,7 +29,7 @@ constexpr size_t kReduceScatterGroupChunks = 8;
 
 // Message order, at every rank: groups of G chunks; inside a group, step by
 // step; inside a step, chunk by chunk. Message m (same index at sender and
-// receiver, which is also its tag) of step s carries chunk c of block
+// receiver, which with the call's CallDataBase gives its tag) of step s carries chunk c of block
 // (r - s - 1) from rank r to r + 1, where it is reduced with the receiver's
 // own contribution and forwarded as message m + G, or, at the last step,
 // written to `out`: rank r receives block (r - s - 2), which is r at
@@ -65,6 +65,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
   std::vector<p2p::RequestId> slot_recv(slots, 0);  // receive posted into the slot
   const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(params.dtype, params.op);
   const int next = Mod(r + 1, p), prev = Mod(r - 1, p);
+  const uint64_t base = CallDataBase(params.call_id);
 
   struct Msg {
     int step;
@@ -124,7 +125,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
       where.is_send = false;
       where.peer = prev;
       DDP_ASSIGN_OR_RETURN(slot_recv[slot],
-                           requests.Recv(where, StepTag(params.tag, m), slot_ptr(m), n * es));
+                           requests.Recv(where, StepTag(params.tag, base + m), slot_ptr(m), n * es));
     }
     if (msg.step == 0) {
       const int send_block = Mod(r - 1, p);
@@ -133,7 +134,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
         where.is_send = true;
         where.peer = next;
         const unsigned char* src = in + (layout.offset(send_block) + msg.chunk * ce) * es;
-        DDP_RETURN_IF_ERROR(requests.Send(where, StepTag(params.tag, m), src, sn * es).status());
+        DDP_RETURN_IF_ERROR(requests.Send(where, StepTag(params.tag, base + m), src, sn * es).status());
       }
     }
     return Status();
@@ -159,7 +160,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
       where.step = msg.step + 1;
       where.is_send = true;
       where.peer = next;
-      DDP_ASSIGN_OR_RETURN(slot_send[slot], requests.Send(where, StepTag(params.tag, m + msg.group_size),
+      DDP_ASSIGN_OR_RETURN(slot_send[slot], requests.Send(where, StepTag(params.tag, base + m + msg.group_size),
                                                           slot_ptr(m), n * es));
     }
   }
@@ -182,6 +183,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
   const size_t total = static_cast<size_t>(steps) * k;
   const size_t depth = static_cast<size_t>(params.depth);
   const int next = Mod(r + 1, p), prev = Mod(r - 1, p);
+  const uint64_t base = CallDataBase(params.call_id);
   auto chunk_ptr = [&](int block, size_t c) {
     return data + (layout.offset(block) + c * ce) * es;
   };
@@ -211,7 +213,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
       where.is_send = false;
       where.peer = prev;
       DDP_ASSIGN_OR_RETURN(recv_ids[m % (depth + 1)],
-                           requests.Recv(where, StepTag(params.tag, m), chunk_ptr(recv_block, c),
+                           requests.Recv(where, StepTag(params.tag, base + m), chunk_ptr(recv_block, c),
                                          n * es));
     }
     if (t == 0) {
@@ -220,7 +222,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
         where.is_send = true;
         where.peer = next;
         DDP_RETURN_IF_ERROR(
-            requests.Send(where, StepTag(params.tag, m), chunk_ptr(r, c), sn * es).status());
+            requests.Send(where, StepTag(params.tag, base + m), chunk_ptr(r, c), sn * es).status());
       }
     }
     return Status();
@@ -242,7 +244,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
       where.is_send = true;
       where.peer = next;
       DDP_RETURN_IF_ERROR(
-          requests.Send(where, StepTag(params.tag, m + k), chunk_ptr(block, c), n * es).status());
+          requests.Send(where, StepTag(params.tag, base + m + k), chunk_ptr(block, c), n * es).status());
     }
   }
   return requests.WaitAll(params.what);

@@ -32,7 +32,9 @@ struct RingParams {
   size_t chunk_elems = 1;
   int depth = 1;
   const char* what = "ring";     ///< Names the collective in errors.
-  uint64_t call_id = 0;          ///< CollectiveArgs::call_id, for the stop notes.
+  /// CollectiveArgs::call_id, for the stop notes and the data tags
+  /// (CallDataBase: consecutive calls at one tag move data at different tags).
+  uint64_t call_id = 0;
   /// When set, exchanged with the ring neighbours and checked before the
   /// first data is used (see PeerCheck); null when an earlier phase of the
   /// same collective already checked.

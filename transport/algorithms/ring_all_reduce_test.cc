@@ -3,6 +3,7 @@
 #include <chrono>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -208,6 +209,136 @@ TEST(RingAllReduceTest, NoteLeftByAnEarlierCallAtTheSameTagIsIgnored) {
       },
       options);
   for (int r = 0; r < 4; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+}
+
+// An endpoint that delivers a data send (a tag below the phase's
+// fingerprint tags) cancelled before it was taken, as UCX does for a small
+// send (it completes as it is posted): the bytes, copied as the send is
+// posted, go to the peer as a notice at the send's tag, where the peer's
+// next receive at that tag takes them. The loopback itself drops such a
+// send. The argument check's messages are left out: their tags are shared
+// by every algorithm and are the same on every call (a next call with the
+// same arguments takes the old fingerprint as its own; here, where a send
+// completes only when taken, the new one would then hold its sender).
+class CancelledSendDeliveringEndpoint final : public testing::WaitObservingEndpoint {
+ public:
+  explicit CancelledSendDeliveringEndpoint(p2p::PointToPoint& inner)
+      : WaitObservingEndpoint(inner), inner_(inner) {}
+
+  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
+                                    size_t bytes) override {
+    StatusOr<p2p::RequestId> id = inner_.PostSend(peer, tag, data, bytes);
+    if (id.ok() && (tag & (kTagsPerPhase - 1)) < internal::kDataSteps) {
+      const auto* begin = static_cast<const unsigned char*>(data);
+      sends_[*id] = Send{peer, tag, std::vector<unsigned char>(begin, begin + bytes)};
+    }
+    return id;
+  }
+  StatusOr<bool> Test(p2p::RequestId request) override {
+    StatusOr<bool> done = inner_.Test(request);
+    if (!done.ok() || *done) sends_.erase(request);
+    return done;
+  }
+  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    Status status = WaitObservingEndpoint::WaitAll(requests, deadline);
+    for (p2p::RequestId id : requests) sends_.erase(id);  // released either way
+    return status;
+  }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
+    StatusOr<size_t> index = WaitObservingEndpoint::WaitAny(requests, deadline);
+    if (index.ok()) sends_.erase(requests[*index]);
+    return index;
+  }
+  void Cancel(p2p::RequestId request) override { CancelAll(std::span<const p2p::RequestId>(&request, 1)); }
+  void CancelAll(std::span<const p2p::RequestId> requests) override {
+    std::vector<Send> undelivered;
+    for (p2p::RequestId id : requests) {
+      auto it = sends_.find(id);
+      if (it == sends_.end()) continue;
+      StatusOr<bool> done = inner_.Test(id);  // taken meanwhile: released, nothing to deliver
+      if (done.ok() && !*done) undelivered.push_back(std::move(it->second));
+      sends_.erase(it);
+    }
+    inner_.CancelAll(requests);
+    for (const Send& send : undelivered) {
+      inner_.PostNotice(send.peer, send.tag, send.bytes.data(), send.bytes.size()).IgnoreError();
+      ++delivered_;
+    }
+  }
+  int delivered() const { return delivered_; }
+
+ private:
+  struct Send {
+    int peer = 0;
+    p2p::Tag tag = 0;
+    std::vector<unsigned char> bytes;
+  };
+  static constexpr p2p::Tag kTagsPerPhase = p2p::Tag{1} << kStepTagBits;
+  p2p::PointToPoint& inner_;
+  std::unordered_map<p2p::RequestId, Send> sends_;
+  int delivered_ = 0;
+};
+
+// Two ring all-reduces at the same tag, as a caller of the algorithm
+// library without the communicator's tag sequence makes them. In call 1
+// rank 1 stays out, and rank 0 fails at its deadline with its first data
+// chunks posted; their sends, cancelled, still reach rank 1 (as on UCX).
+// Call 2 must not take them as its own data: when every call used the
+// same data tags, rank 1 took call 1's chunks (100s) in place of call 2's,
+// whose sends on rank 0 were then never taken, and both ranks failed
+// TIMED_OUT at call 2's deadline (rank 0 completing its sends, rank 1
+// waiting for rank 0's block).
+TEST(RingAllReduceTest, DataLeftByAFailedCallAtTheSameTagIsNotTaken) {
+  Arrivals first_failed;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      2,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        CollectiveArgs args;
+        args.tag = CollectiveTag(0);
+        args.count = 8;
+        args.tuning.chunk_bytes = sizeof(float);  // 4 chunks per block
+        args.tuning.pipeline_depth = 2;           // 2 chunks posted: within kMaxNoticesPerPeer
+        if (r == 0) {
+          std::vector<float> send(8, 100.0f), recv(8);
+          args.send = send.data();
+          args.recv = recv.data();
+          args.call_id = 1;
+          args.deadline = DeadlineIn(std::chrono::milliseconds(300));
+          CancelledSendDeliveringEndpoint delivering(p2p);
+          Status first = RingAllReduce(delivering, args);
+          if (first.code() != StatusCode::kTimedOut) {
+            return InternalError("call 1 on rank 0 ended with " + first.ToString());
+          }
+          if (delivering.delivered() < 2) {
+            return InternalError("call 1 left " + std::to_string(delivering.delivered()) +
+                                 " cancelled data sends, expected 2");
+          }
+          first_failed.Arrive();
+        } else if (!first_failed.AwaitAtLeast(1)) {
+          return TimedOutError("call 1 did not fail on rank 0 within 20 s");
+        }
+        std::vector<float> send(8), recv(8);
+        for (size_t i = 0; i < send.size(); ++i) send[i] = static_cast<float>(r * 10 + i);
+        args.send = send.data();
+        args.recv = recv.data();
+        args.call_id = 2;
+        args.deadline = DeadlineIn(std::chrono::seconds(5));
+        DDP_RETURN_IF_ERROR(internal::Annotate(RingAllReduce(p2p, args), "call 2"));
+        for (size_t i = 0; i < recv.size(); ++i) {
+          const float expected = static_cast<float>(10 + 2 * i);
+          if (recv[i] != expected) {
+            return InternalError("call 2: rank " + std::to_string(r) + " got " +
+                                 std::to_string(recv[i]) + " at " + std::to_string(i) +
+                                 ", expected " + std::to_string(expected));
+          }
+        }
+        return Status();
+      },
+      options);
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
 }
 
 // An endpoint whose first Cancel waits (up to 20 s) until `gate` has an
