@@ -169,6 +169,48 @@ TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
   }
 }
 
+// One rank of five in a broadcast while the others are in a barrier,
+// nobody killed. The broadcast rank's argument check (CheckEveryRank)
+// finds the barrier in its first round; the barrier ranks never send its
+// later rounds, so it must fail at once rather than wait for them: it
+// waited until its deadline (6 s) and only then reported the disagreement.
+TEST(BarrierTest, ABroadcastRankAmongBarrierRanksFailsAtOnce) {
+  constexpr int kWorld = 5;
+  constexpr int kOdd = 2;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  std::vector<Clock::duration> took(kWorld);
+  auto statuses = RunRanks(
+      kWorld,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        std::vector<float> data(8, 1.0f);
+        CollectiveArgs args;
+        args.tag = CollectiveTag(3);
+        args.call_id = 7;
+        const auto start = Clock::now();
+        args.deadline = start + 6s;
+        Status status;
+        if (p2p.rank() == kOdd) {
+          args.send = data.data();
+          args.recv = data.data();
+          args.count = data.size();
+          status = Broadcast(p2p, args);
+        } else {
+          status = Barrier(p2p, args);
+        }
+        took[p2p.rank()] = Clock::now() - start;
+        return status;
+      },
+      options);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": "
+                                                                << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr("broadcast, count 8 of f32")) << "rank " << r;
+    EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
+    EXPECT_LT(took[r], 3s) << "rank " << r << ": " << statuses[r];
+  }
+}
+
 TEST(BarrierTest, UnsetDeadlineIsRejected) {
   auto statuses = RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
     return Barrier(p2p, CollectiveArgs{});

@@ -533,9 +533,10 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
       DDP_ASSIGN_OR_RETURN(recv_ids[k], requests.Recv(where, tag + 1, &got[k], sizeof(Verdict)));
     }
   }
+  p2p::RequestId first_send = 0;
   {
     Where where{check.c_str(), 0, rounds, Where::kNoChunk, true, peer_at(1)};
-    DDP_RETURN_IF_ERROR(requests.Send(where, tag, &plain[0], sizeof(Fingerprint)).status());
+    DDP_ASSIGN_OR_RETURN(first_send, requests.Send(where, tag, &plain[0], sizeof(Fingerprint)));
   }
   Verdict state;
   state.fingerprint = mine;
@@ -580,7 +581,26 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
       Merge(state, got[k]);
     }
   }
-  // The rest are taken all the same: their senders wait for that.
+  // A rank of a collective that takes no part in the later rounds (a
+  // barrier, a ring all-reduce) neither sends nor takes them: with one
+  // known to be in the call, the rounds still outstanding may never end, so
+  // this rank fails as soon as its round 0 is taken. Waiting for them held
+  // a broadcast rank among barrier ranks until its deadline, though it
+  // knew the verdict after round 0. Round 0 is the fingerprint that the
+  // successor's own argument check takes, whatever collective it runs (as
+  // a ring neighbour's PeerCheck): given up, the successor would wait for
+  // it until its deadline. The later rounds already sent reach the peers
+  // that have posted their receives (every rank of this check posts them
+  // all as it enters).
+  if (!state.agrees() &&
+      (!TakesPartInEveryRankRounds(state.fingerprint.kind) ||
+       !TakesPartInEveryRankRounds(state.other.kind))) {
+    requests.Wait(first_send, Where{check.c_str(), 0, rounds, Where::kNoChunk, true, peer_at(1)})
+        .IgnoreError();  // the disagreement is the cause either way
+    return disagreement();
+  }
+  // Otherwise every rank known runs the rounds: the rest are taken all
+  // the same, as their senders wait for that.
   for (int k : unmerged) DDP_RETURN_IF_ERROR(wait(k));
   Status sends = requests.WaitAll(check.c_str());
   if (!state.agrees()) return disagreement();
@@ -590,6 +610,10 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 bool ChecksEveryRank(int32_t kind) {
   return kind == kBroadcastKind || kind == kGatherKind || kind == kScatterKind ||
          kind == kTreeReduceKind;
+}
+
+bool TakesPartInEveryRankRounds(int32_t kind) {
+  return ChecksEveryRank(kind) || kind == kRingReduceKind;
 }
 
 Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerprint& mine,

@@ -344,8 +344,11 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// rounds use the next tag. A rank that has found a disagreement sends it
 /// on in all its remaining rounds at once, and every rank waits for all its
 /// messages either way, so that none leaves another waiting for a send (a
-/// wait that fails after a disagreement is known reports the disagreement:
-/// a neighbour running another collective never sends the later rounds).
+/// wait that fails after a disagreement is known reports the disagreement),
+/// except when the disagreement shows a rank of a collective that takes no
+/// part in the rounds (TakesPartInEveryRankRounds): such a rank never sends
+/// the later rounds nor takes them, so this rank then returns the
+/// disagreement at once, giving up what is outstanding.
 /// Costs each rank ceil(log2 p) small messages, in as many sequential
 /// rounds.
 Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
@@ -354,6 +357,13 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// Whether a collective of this FingerprintKind proves its arguments with
 /// CheckEveryRank (broadcast, gather, scatter, tree reduce).
 bool ChecksEveryRank(int32_t kind);
+
+/// Whether a rank of a collective of this FingerprintKind sends and takes
+/// every round of CheckEveryRank: those that run it, and the ring reduce
+/// (PostEveryRankRounds). A rank of CheckEveryRank that knows the ranks
+/// disagree and that one of them is of another kind fails at once,
+/// without waiting for its outstanding rounds.
+bool TakesPartInEveryRankRounds(int32_t kind);
 
 /// What a collective (`what`, for errors) that checks only its ring
 /// predecessor (a PeerCheck from rank r - 1 at FingerprintTag(phase_tag),
