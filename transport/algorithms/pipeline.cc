@@ -943,7 +943,8 @@ Status Requests::StopNoteError() {
     return InvalidArgumentError(
         who + " received data from " + DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
         " that did not match its own arguments (" + note.finders.ToString() +
-        "), so ranks disagree on the arguments, and " + how);
+        ", or its tuning.chunk_bytes, which must be equal on every rank too), so ranks "
+        "disagree on the arguments, and " + how);
   }
   return InvalidArgumentError(who + " found that ranks disagree on the arguments, and " + how +
                               ": " + DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
@@ -952,11 +953,27 @@ Status Requests::StopNoteError() {
                               ModeHint(note.theirs, note.finders));
 }
 
+namespace {
+// What a receive failing INVALID_ARGUMENT (a message of another size) adds
+// to its error. The argument check compares count and dtype but not the
+// tuning: ranks that pass another tuning.chunk_bytes cut the data into
+// messages of other sizes, and the size error alone named nothing that
+// differed.
+Status WithSizeHint(const Status& status) {
+  if (status.code() != StatusCode::kInvalidArgument) return status;
+  return Status(status.code(), status.message() +
+                                   " (the peer passed another count or dtype, or another "
+                                   "tuning.chunk_bytes, which must be equal on every rank too)");
+}
+}  // namespace
+
 Status Requests::Wait(p2p::RequestId id, const Where& where) {
   DDP_RETURN_IF_ERROR(VerifyFirst());
   if (stop_recv_ != 0) {
     Status status = WaitOrStop(id);
     if (status.ok()) return status;
+    // The note's receive still posted: the request itself failed.
+    if (stop_recv_ != 0 && !where.is_send) status = WithSizeHint(status);
     if (stop_recv_ != 0 && !where.is_send && status.code() == StatusCode::kInvalidArgument &&
         check_ != nullptr) {
       // Data that does not fit (another count) from a peer this rank does
@@ -974,6 +991,7 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
   const p2p::RequestId one[1] = {id};
   Status status = p2p_.WaitAll(one, deadline_);
   Forget(id);  // released by WaitAll either way
+  if (!where.is_send) status = WithSizeHint(status);
   return Annotate(status, Describe(p2p_, where));
 }
 

@@ -534,6 +534,44 @@ TEST(RingAllReduceTest, EmptyCallOutlivesAnAgreeingPeerThatLeft) {
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
 }
 
+// Tuning::chunk_bytes must be equal on every rank, but the argument check
+// does not compare it (the fingerprint's messages stay within UCX's short
+// messages). A rank that passes another one sends chunks of other sizes:
+// every rank fails at once, and the error names chunk_bytes as a cause. It
+// said only "message size mismatch" or "did not match its own arguments
+// (ring all-reduce, count 16 of f32, op sum)", with every value compared
+// alike.
+TEST(RingAllReduceTest, AnotherChunkSizeOnOneRankFailsEveryRankNamingIt) {
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  for (int world : {2, 3, 4}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto statuses = ::ddp::transport::testing::RunRanks(
+        world,
+        [&](p2p::PointToPoint& p2p) -> Status {
+          std::vector<float> send(16, 1.0f), recv(16);
+          CollectiveArgs args;
+          args.send = send.data();
+          args.recv = recv.data();
+          args.count = send.size();
+          args.tag = CollectiveTag(0);
+          args.call_id = 1;
+          args.tuning.chunk_bytes = p2p.rank() == 0 ? 4 : 8;
+          args.deadline = DeadlineIn(std::chrono::seconds(6));
+          return RingAllReduce(p2p, args);
+        },
+        options);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3))
+        << world << " ranks: some rank waited for its deadline";
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument)
+          << world << " ranks, rank " << r << ": " << statuses[r];
+      EXPECT_NE(statuses[r].message().find("tuning.chunk_bytes"), std::string::npos)
+          << world << " ranks, rank " << r << ": " << statuses[r];
+    }
+  }
+}
+
 TEST(RingAllReduceTest, EmptyCallOnOneRankFailsEveryRank) {
   for (int world : {2, 3, 5}) {
     testing::CheckEmptyAgainstNonEmptyFailsEverywhere(RingAllReduce, RingAllReduce, world);
