@@ -43,14 +43,19 @@ Status Barrier(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const int next = (r + 1) % p, prev = (r + p - 1) % p;
   DDP_RETURN_IF_ERROR(requests.RelayStops("barrier", args.call_id, tag, prev, next));
   DDP_RETURN_IF_ERROR(check.Post(requests, tag, {next}, {prev}));
+  // Each call's rounds at tags of its own (CallDataBase): a round of a
+  // failed call that still reached its peer (a small send on UCX) would
+  // stand in for that rank's round in the next call at this tag, and let
+  // the peer leave a barrier the rank had not entered.
+  const uint64_t base = internal::CallDataBase(args.call_id);
   for (int k = 0; k < rounds; ++k) {
     const int to = (r + (1 << k)) % p, from = (r - (1 << k) % p + p) % p;
     out[k] = static_cast<unsigned char>(k);
     internal::Where recv_where{"barrier", k, rounds, 0, false, from};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
-                         requests.Recv(recv_where, internal::StepTag(tag, k), &in[k], 1));
+                         requests.Recv(recv_where, internal::StepTag(tag, base + k), &in[k], 1));
     internal::Where send_where{"barrier", k, rounds, 0, true, to};
-    DDP_RETURN_IF_ERROR(requests.Send(send_where, internal::StepTag(tag, k), &out[k], 1).status());
+    DDP_RETURN_IF_ERROR(requests.Send(send_where, internal::StepTag(tag, base + k), &out[k], 1).status());
     DDP_RETURN_IF_ERROR(requests.Wait(id, recv_where));
     if (in[k] != k) {
       return InternalError("barrier round " + std::to_string(k) + ": rank " +

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "transport/algorithms/broadcast.h"
 #include "transport/algorithms/ring_all_reduce.h"
+#include "transport/algorithms/stale_send_test_util.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/thread_harness.h"
 
@@ -209,6 +211,48 @@ TEST(BarrierTest, ABroadcastRankAmongBarrierRanksFailsAtOnce) {
     EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
     EXPECT_LT(took[r], 3s) << "rank " << r << ": " << statuses[r];
   }
+}
+
+// Two barriers at the same tag, as a caller of the algorithm library
+// without the communicator's tag sequence makes them. In call 1 rank 1
+// stays out and rank 0 fails at its deadline; its round's send, cancelled,
+// still reaches rank 1 (as a small send does on UCX). Call 2 must not take
+// it for rank 0's round: when every call used the same round tags, rank 1
+// did, rank 0's own round was then never taken, and rank 0 failed
+// TIMED_OUT. On more ranks such an old round lets a rank leave a barrier
+// that a peer has not entered.
+TEST(BarrierTest, RoundLeftByAFailedCallAtTheSameTagIsNotTaken) {
+  std::promise<void> first_failed;
+  std::shared_future<void> first_failed_seen = first_failed.get_future().share();
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  auto statuses = RunRanks(
+      2,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        CollectiveArgs args;
+        args.tag = CollectiveTag(0);
+        if (p2p.rank() == 0) {
+          args.call_id = 1;
+          args.deadline = DeadlineIn(300ms);
+          testing::CancelledSendDeliveringEndpoint delivering(p2p);
+          Status first = Barrier(delivering, args);
+          if (first.code() != StatusCode::kTimedOut) {
+            return InternalError("call 1 on rank 0 ended with " + first.ToString());
+          }
+          if (delivering.delivered() != 1) {
+            return InternalError("call 1 left " + std::to_string(delivering.delivered()) +
+                                 " cancelled rounds, expected 1");
+          }
+          first_failed.set_value();
+        } else if (first_failed_seen.wait_for(20s) != std::future_status::ready) {
+          return TimedOutError("call 1 did not fail on rank 0 within 20 s");
+        }
+        args.call_id = 2;
+        args.deadline = DeadlineIn(5s);
+        return Barrier(p2p, args);
+      },
+      options);
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
 }
 
 TEST(BarrierTest, UnsetDeadlineIsRejected) {

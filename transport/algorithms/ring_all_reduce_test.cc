@@ -3,7 +3,6 @@
 #include <chrono>
 #include <span>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -11,6 +10,7 @@
 #include "transport/algorithms/all_reduce_test_util.h"
 #include "transport/algorithms/pipeline.h"
 #include "transport/algorithms/reduce_scatter.h"
+#include "transport/algorithms/stale_send_test_util.h"
 #include "transport/algorithms/tree_all_reduce.h"
 #include "transport/p2p/group_view.h"
 #include "transport/p2p/loopback.h"
@@ -21,6 +21,7 @@ namespace {
 
 using testing::AllReduceCase;
 using testing::Arrivals;
+using testing::CancelledSendDeliveringEndpoint;
 using testing::CheckAllReduce;
 using testing::WaitCountingEndpoint;
 
@@ -210,74 +211,6 @@ TEST(RingAllReduceTest, NoteLeftByAnEarlierCallAtTheSameTagIsIgnored) {
       options);
   for (int r = 0; r < 4; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
 }
-
-// An endpoint that delivers a data send (a tag below the phase's
-// fingerprint tags) cancelled before it was taken, as UCX does for a small
-// send (it completes as it is posted): the bytes, copied as the send is
-// posted, go to the peer as a notice at the send's tag, where the peer's
-// next receive at that tag takes them. The loopback itself drops such a
-// send. The argument check's messages are left out: their tags are shared
-// by every algorithm and are the same on every call (a next call with the
-// same arguments takes the old fingerprint as its own; here, where a send
-// completes only when taken, the new one would then hold its sender).
-class CancelledSendDeliveringEndpoint final : public testing::WaitObservingEndpoint {
- public:
-  explicit CancelledSendDeliveringEndpoint(p2p::PointToPoint& inner)
-      : WaitObservingEndpoint(inner), inner_(inner) {}
-
-  StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
-                                    size_t bytes) override {
-    StatusOr<p2p::RequestId> id = inner_.PostSend(peer, tag, data, bytes);
-    if (id.ok() && (tag & (kTagsPerPhase - 1)) < internal::kDataSteps) {
-      const auto* begin = static_cast<const unsigned char*>(data);
-      sends_[*id] = Send{peer, tag, std::vector<unsigned char>(begin, begin + bytes)};
-    }
-    return id;
-  }
-  StatusOr<bool> Test(p2p::RequestId request) override {
-    StatusOr<bool> done = inner_.Test(request);
-    if (!done.ok() || *done) sends_.erase(request);
-    return done;
-  }
-  Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
-    Status status = WaitObservingEndpoint::WaitAll(requests, deadline);
-    for (p2p::RequestId id : requests) sends_.erase(id);  // released either way
-    return status;
-  }
-  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
-    StatusOr<size_t> index = WaitObservingEndpoint::WaitAny(requests, deadline);
-    if (index.ok()) sends_.erase(requests[*index]);
-    return index;
-  }
-  void Cancel(p2p::RequestId request) override { CancelAll(std::span<const p2p::RequestId>(&request, 1)); }
-  void CancelAll(std::span<const p2p::RequestId> requests) override {
-    std::vector<Send> undelivered;
-    for (p2p::RequestId id : requests) {
-      auto it = sends_.find(id);
-      if (it == sends_.end()) continue;
-      StatusOr<bool> done = inner_.Test(id);  // taken meanwhile: released, nothing to deliver
-      if (done.ok() && !*done) undelivered.push_back(std::move(it->second));
-      sends_.erase(it);
-    }
-    inner_.CancelAll(requests);
-    for (const Send& send : undelivered) {
-      inner_.PostNotice(send.peer, send.tag, send.bytes.data(), send.bytes.size()).IgnoreError();
-      ++delivered_;
-    }
-  }
-  int delivered() const { return delivered_; }
-
- private:
-  struct Send {
-    int peer = 0;
-    p2p::Tag tag = 0;
-    std::vector<unsigned char> bytes;
-  };
-  static constexpr p2p::Tag kTagsPerPhase = p2p::Tag{1} << kStepTagBits;
-  p2p::PointToPoint& inner_;
-  std::unordered_map<p2p::RequestId, Send> sends_;
-  int delivered_ = 0;
-};
 
 // Two ring all-reduces at the same tag, as a caller of the algorithm
 // library without the communicator's tag sequence makes them. In call 1
