@@ -124,8 +124,8 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
       }
       where.is_send = false;
       where.peer = prev;
-      DDP_ASSIGN_OR_RETURN(slot_recv[slot],
-                           requests.Recv(where, StepTag(params.tag, base + m), slot_ptr(m), n * es));
+      DDP_ASSIGN_OR_RETURN(
+          slot_recv[slot], requests.Recv(where, StepTag(params.tag, base + m), slot_ptr(m), n * es));
     }
     if (msg.step == 0) {
       const int send_block = Mod(r - 1, p);
@@ -134,7 +134,8 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
         where.is_send = true;
         where.peer = next;
         const unsigned char* src = in + (layout.offset(send_block) + msg.chunk * ce) * es;
-        DDP_RETURN_IF_ERROR(requests.Send(where, StepTag(params.tag, base + m), src, sn * es).status());
+        DDP_RETURN_IF_ERROR(
+            requests.Send(where, StepTag(params.tag, base + m), src, sn * es).status());
       }
     }
     return Status();
@@ -160,8 +161,9 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
       where.step = msg.step + 1;
       where.is_send = true;
       where.peer = next;
-      DDP_ASSIGN_OR_RETURN(slot_send[slot], requests.Send(where, StepTag(params.tag, base + m + msg.group_size),
-                                                          slot_ptr(m), n * es));
+      DDP_ASSIGN_OR_RETURN(
+          slot_send[slot],
+          requests.Send(where, StepTag(params.tag, base + m + msg.group_size), slot_ptr(m), n * es));
     }
   }
   return requests.WaitAll(params.what);
@@ -243,8 +245,10 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
       where.step = t + 1;
       where.is_send = true;
       where.peer = next;
-      DDP_RETURN_IF_ERROR(
-          requests.Send(where, StepTag(params.tag, base + m + k), chunk_ptr(block, c), n * es).status());
+      DDP_RETURN_IF_ERROR(requests
+                              .Send(where, StepTag(params.tag, base + m + k), chunk_ptr(block, c),
+                                    n * es)
+                              .status());
     }
   }
   return requests.WaitAll(params.what);
