@@ -6,6 +6,8 @@
 // send as it is posted). Tests use it to show that a failed call's
 // messages are not taken by the next call at the same tag.
 
+#include <cstddef>
+#include <cstdint>
 #include <span>
 #include <unordered_map>
 #include <vector>
