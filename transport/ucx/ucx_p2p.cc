@@ -625,7 +625,16 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Send(bool user, int peer, p2p::Tag tag
 
 StatusOr<p2p::RequestId> UcxPointToPoint::Recv(bool user, int peer, p2p::Tag tag, void* data,
                                                size_t bytes) {
-  DDP_RETURN_IF_ERROR(CheckPeer(peer, tag, "receive from"));
+  // A lost peer may have sent what this receive is for before it went: a
+  // rank that finished its part and left cleanly (its endpoint's close
+  // reads here as an endpoint error) while this one was still busy
+  // elsewhere. UCX keeps such a message until a receive takes it, so the
+  // receive is posted all the same, and fails only when nothing it could
+  // take has come.
+  const Status checked = CheckPeer(peer, tag, "receive from");
+  const bool lost = !checked.ok() && !closed_ && peer >= 0 && peer < options_.size &&
+                    !endpoints_.empty() && !peers_[peer]->failure.ok();
+  if (!checked.ok() && !lost) return checked;
   DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(false, peer, tag, bytes));
   ucp_request_param_t param;
   // No immediate completion: UCX 1.13 leaves recv_info unset when a receive
@@ -647,6 +656,18 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Recv(bool user, int peer, p2p::Tag tag
     return InternalError("UCX completed a receive inline despite NO_IMM_CMPL");
   }
   if (!slot->done) slot->request = request;
+  if (lost) {
+    // The rest of a message that came in fragments is still to be taken
+    // in; bounded, as the drain after a watchdog report is.
+    for (int i = 0; i < kDrainPolls && !slot->done; ++i) {
+      if (worker_->Progress() == 0) break;
+    }
+    if (!slot->done) {
+      Abandon(slot);
+      Recall(cancel_limit_);
+      return checked;
+    }
+  }
   return IdOf(slot);
 }
 

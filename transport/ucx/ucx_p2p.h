@@ -118,7 +118,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   void SetWatchdog(std::function<Status(Deadline, std::span<const int>)> check);
 
   /// Records that `peer` is gone (learned elsewhere, e.g. its process exited);
-  /// pending and later operations with it fail with `reason`.
+  /// pending and later operations with it fail with `reason`, except a
+  /// later receive of a message the peer sent before it went (UCX holds it
+  /// until a receive takes it), which succeeds.
   void MarkPeerLost(int peer, Status reason);
 
   /// Progresses the worker once, so that UCX reports the connections it

@@ -690,6 +690,53 @@ TEST(UcxPointToPoint, PeersWithFailedEndpointsListsAPeerThatWentAwayNotOneOnlyMa
   ranks[2]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
 }
 
+// Rank 1, as on another host, sends its last messages (one on each
+// channel) and leaves cleanly: its sends complete, it closes and its worker
+// goes, so rank 0's endpoint to it fails. Rank 0 posts its receives only
+// then (it was busy elsewhere): they still take what rank 1 sent before it
+// left, which UCX holds, where they used to fail PEER_LOST at the post. A
+// receive of what rank 1 never sent still fails, naming the post.
+TEST(UcxPointToPoint, AReceivePostedAfterItsPeerLeftTakesWhatThePeerSentBefore) {
+  auto ranks = MakeTcpPair();
+  ASSERT_EQ(ranks.size(), 2u);
+  const int sent[2] = {1234, 5678};
+  auto collective = ranks[1]->PostSend(0, 11, &sent[0], sizeof(int));
+  auto user = ranks[1]->PostUserSend(0, 12, &sent[1], sizeof(int));
+  ASSERT_TRUE(collective.ok() && user.ok()) << collective.status() << user.status();
+  p2p::RequestId sends[] = {*collective, *user};
+  ASSERT_TRUE(ranks[1]->WaitAll(sends, DeadlineIn(milliseconds(10000))).ok());
+  // Rank 0 keeps its worker going meanwhile: rank 1's flush needs its
+  // answers.
+  Status closed;
+  std::thread leaver([&] {
+    closed = ranks[1]->Close(DeadlineIn(milliseconds(5000)));
+    ranks[1].reset();
+  });
+  std::vector<int> failed;
+  const Deadline deadline = DeadlineIn(milliseconds(10000));
+  while (failed.empty() && Clock::now() < deadline) {
+    failed = ranks[0]->PeersWithFailedEndpoints();
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  leaver.join();
+  EXPECT_TRUE(closed.ok()) << closed;
+  ASSERT_EQ(failed, std::vector<int>{1});
+  int got[2] = {0, 0};
+  auto recv = ranks[0]->PostRecv(1, 11, &got[0], sizeof(int));
+  auto user_recv = ranks[0]->PostUserRecv(1, 12, &got[1], sizeof(int));
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  ASSERT_TRUE(user_recv.ok()) << user_recv.status();
+  p2p::RequestId recvs[] = {*recv, *user_recv};
+  Status received = ranks[0]->WaitAll(recvs, DeadlineIn(milliseconds(2000)));
+  EXPECT_TRUE(received.ok()) << received;
+  EXPECT_EQ(got[0], 1234);
+  EXPECT_EQ(got[1], 5678);
+  Status never = ranks[0]->PostRecv(1, 13, &got[0], sizeof(int)).status();
+  EXPECT_EQ(never.code(), StatusCode::kPeerLost) << never;
+  EXPECT_NE(never.message().find("receive from rank 1 (tag 13)"), std::string::npos) << never;
+  ranks[0]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+}
+
 TEST(UcxPointToPoint, SendStillRunningWhenItsWaitFailsGivesUpThePeer) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
