@@ -37,6 +37,7 @@ PeerMonitor::PeerMonitor(PeerMonitorOptions options, store::Store* store)
   gone_at_start_.assign(options_.local_pids.size(), false);
   start_times_ = std::make_unique<std::atomic<uint64_t>[]>(options_.local_pids.size());
   first_unread_ = std::make_unique<std::atomic<int64_t>[]>(options_.local_pids.size());
+  closed_seen_ = std::make_unique<std::atomic<bool>[]>(options_.local_pids.size());
   for (size_t r = 0; r < options_.local_pids.size(); ++r) {
     if (static_cast<int>(r) == options_.rank || options_.local_pids[r] <= 0) continue;
     pidfds_[r] = PidfdOpen(options_.local_pids[r]);
@@ -57,12 +58,16 @@ PeerMonitor::~PeerMonitor() {
 }
 
 PeerMonitor::Closed PeerMonitor::PeerClosed(int peer, Deadline deadline) {
+  std::atomic<bool>& seen = closed_seen_[static_cast<size_t>(peer)];
+  if (seen.load(std::memory_order_relaxed)) return Closed::kYes;
   // No store, or no time to ask it: nothing says the peer closed cleanly.
   if (store_ == nullptr || Clock::now() >= deadline) return Closed::kNo;
   auto value = store_->TryGet(options_.key_prefix + "closed/" + std::to_string(peer),
                               StoreDeadline(deadline));
   if (!value.ok()) return Closed::kUnknown;
-  return value->has_value() ? Closed::kYes : Closed::kNo;
+  if (!value->has_value()) return Closed::kNo;
+  seen.store(true, std::memory_order_relaxed);
+  return Closed::kYes;
 }
 
 bool PeerMonitor::Exited(size_t rank) const {

@@ -28,7 +28,8 @@
 // The call fails at its deadline either way; PEER_LOST names a peer that
 // crashed, which is what this check is for, at the cost of misnaming one
 // that closed cleanly, was not awaited and whose mark was unreadable at
-// that very moment (the wait's own TIMED_OUT would have been right).
+// that very moment (the wait's own TIMED_OUT would have been right). A
+// mark once read is not read again: a clean close is final.
 //
 // Every store access takes the deadline of the call it serves: a store that
 // stopped answering (its host cut off) must not hold a call past its own
@@ -145,6 +146,9 @@ class PeerMonitor {
   // Check rounds that found it exited and could not read its "closed" mark
   // got its answer; 0 when the last round read the mark.
   std::unique_ptr<std::atomic<int64_t>[]> first_unread_;
+  // Per rank: its "closed" mark was read once (a clean close is final), so
+  // later rounds neither ask the store again nor depend on its answer.
+  std::unique_ptr<std::atomic<bool>[]> closed_seen_;
   // The same for the abort key's reads that ran past store_call_cap: when
   // the first of the latest unbroken run got its answer; 0 after a read.
   std::atomic<int64_t> first_slow_abort_read_{0};

@@ -372,6 +372,43 @@ TEST(PeerMonitor, ExitedPeerWhoseMarkCannotBeReadTwiceIsLost) {
   EXPECT_EQ(awaiting.Check(Soon(), /*awaited_peer=*/1).code(), StatusCode::kPeerLost);
 }
 
+// A store whose reads of "closed/" keys go through the first time only,
+// and then fail (a connection that keeps resetting under load).
+class ClosedReadableOnceStore final : public testing::ForwardingStore {
+ public:
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
+    if (key.find("closed/") != std::string_view::npos && reads_++ > 0) {
+      return UnavailableError("connection reset while reading " + std::string(key));
+    }
+    return inner_.TryGet(key, d);
+  }
+
+ private:
+  int reads_ = 0;
+};
+
+// A mark once read stays read: a peer that closed cleanly never reopens,
+// so later rounds do not ask again, and reads that fail later (two rounds
+// in a row used to count as "not closed") do not turn a clean exit into
+// PEER_LOST. A wait that needs the peer still finds it lost.
+TEST(PeerMonitor, AClosedMarkOnceReadIsNotAskedForAgain) {
+  ClosedReadableOnceStore store;
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
+  PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
+  other.PostClosed(Soon());
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  for (int round = 0; round < 3; ++round) {
+    Status s = monitor.Check(Soon());
+    EXPECT_TRUE(s.ok()) << "round " << round << ": " << s;
+  }
+  EXPECT_EQ(monitor.lost_peer(), -1);
+  Status awaited = monitor.Check(Soon(), /*awaited_peer=*/1);
+  EXPECT_EQ(awaited.code(), StatusCode::kPeerLost) << awaited;
+  EXPECT_NE(awaited.message().find("left the job early"), std::string::npos) << awaited;
+}
+
 // Reads of "closed/" keys fail `failures` times, each failing one only once
 // another is under way too (it waits up to 5 s for that): one hiccup met
 // by two threads' Check rounds at once.
