@@ -179,10 +179,23 @@ bool ProcessStopped(int pid) {
 }
 
 // Whether process `pid` of this host has exited: no such process, or a
-// zombie (exited, not yet reaped by its parent, its launcher). Asked with
-// kill(pid, 0) and readlink, which need no descriptor: reading /proc's stat
-// file did, and a process out of descriptors counted every member as gone.
-bool ProcessExited(int pid) { return fault::ProcessGoneNow(pid); }
+// zombie (exited, not yet reaped by its parent, its launcher), or, given
+// `start_time` (its ProcessStartTime when it was noted; 0 unknown), another
+// process that took its pid since. Asked with kill(pid, 0) and readlink,
+// which need no descriptor: reading /proc's stat file did, and a process
+// out of descriptors counted every member as gone.
+bool ProcessExited(int pid, uint64_t start_time) { return fault::ProcessGoneNow(pid, start_time); }
+
+// The start times (ProcessStartTime; 0: not on this host, or unreadable)
+// of the processes `pids` (0: not on this host), read while they run, so
+// that a pid taken later by another process is not taken for the member.
+std::vector<uint64_t> StartTimes(const std::vector<int>& pids) {
+  std::vector<uint64_t> starts(pids.size(), 0);
+  for (size_t r = 0; r < pids.size(); ++r) {
+    if (pids[r] > 0) starts[r] = fault::ProcessStartTime(pids[r]);
+  }
+  return starts;
+}
 
 // CPUs this process may keep busy (its affinity mask, capped by a cgroup
 // CPU quota): what "oversubscribed" is measured against.
@@ -218,6 +231,12 @@ struct ServedStore {
   // (made without this process) listed them. The last holder tells with it a rank that died from one still
   // to come, in communicators it is not a member of; under mu.
   std::map<std::string, std::vector<int>> member_pids;
+  // Per key prefix of member_pids: each pid's process start time as read
+  // when the pids were noted (StartTimes), so that a member that died is
+  // not taken for alive because another process has its pid now. Read late
+  // for splits registered in the store (when the last holder reads them):
+  // a pid taken before then still looks alive. Under mu.
+  std::map<std::string, std::vector<uint64_t>> member_starts;
   // Per key prefix (of `users`) of a split, made in this process or
   // registered in the store: the key prefix of its family's first
   // communicator (Create's; a `roots` entry), and each of its ranks' rank
@@ -1433,6 +1452,7 @@ Status Communicator::Impl::Init() {
   if (server_ != nullptr) {
     std::lock_guard lock(server_->mu);
     server_->member_pids.emplace(prefix_, local_pids);
+    server_->member_starts.emplace(prefix_, StartTimes(local_pids));
   }
 
   // 4. Fault detection inside waits.
@@ -1668,6 +1688,7 @@ void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, SplitRegistr
         // Its members, by pid on this host and by rank in the family's first
         // communicator: members_gone in Shutdown tells one that died.
         std::lock_guard lock(server_->mu);
+        server_->member_starts.emplace(split->prefix, StartTimes(split->pids));
         server_->member_pids.emplace(split->prefix, std::move(split->pids));
         server_->member_root_ranks.emplace(split->prefix, std::make_pair(root, std::move(split->root_ranks)));
       }
@@ -1839,19 +1860,25 @@ void Communicator::Impl::Shutdown() {
       // ranks). Any other rank (on another host, a process this
       // communicator has no connection to, or of a communicator of another
       // family or whose pids are not known here) is waited for by the count
-      // alone. A pid taken since by another process looks alive: waited
-      // for, to the bound.
+      // alone. A pid taken since by another process counts as gone (its
+      // start time differs: ServedStore::member_starts), except one of a
+      // split registered in the store taken before the last holder read
+      // the registration: that looks alive, and is waited for, to the bound.
       std::map<std::string, std::set<int>> marked;  // per prefix: gone ranks seen left
       std::map<int, int> rank_of_root;  // this communicator's rank of each process it holds
       for (size_t r = 0; r < root_ranks_.size(); ++r) rank_of_root[root_ranks_[r]] = static_cast<int>(r);
       std::set<int> here_left;  // ranks of this communicator seen left (their mark)
       const auto members_gone = [&](const std::string& prefix, int ranks, int64_t left) {
         std::vector<int> pids;
+        std::vector<uint64_t> starts;  // by rank, as pids; 0: unknown
         std::vector<int> roots;  // in the family's first communicator, when of this family
         {
           std::lock_guard lock(server_->mu);
           if (auto it = server_->member_pids.find(prefix); it != server_->member_pids.end()) {
             pids = it->second;
+          }
+          if (auto it = server_->member_starts.find(prefix); it != server_->member_starts.end()) {
+            starts = it->second;
           }
           if (auto it = server_->member_root_ranks.find(prefix);
               it != server_->member_root_ranks.end() && it->second.first == served_root_prefix_) {
@@ -1865,7 +1892,8 @@ void Communicator::Impl::Shutdown() {
         std::vector<int> gone;
         if (pids.size() == static_cast<size_t>(ranks)) {
           for (size_t r = 0; r < pids.size(); ++r) {
-            if (pids[r] > 0 && ProcessExited(pids[r])) gone.push_back(static_cast<int>(r));
+            const uint64_t start = r < starts.size() ? starts[r] : 0;
+            if (pids[r] > 0 && ProcessExited(pids[r], start)) gone.push_back(static_cast<int>(r));
           }
         }
         if (p2p_ != nullptr && roots.size() == static_cast<size_t>(ranks)) {
@@ -3115,6 +3143,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
       }
       std::vector<int> roots;
       for (int r : of_color) roots.push_back(impl_->root_ranks_[static_cast<size_t>(r)]);
+      impl_->server_->member_starts.emplace(child_name(c) + "/", StartTimes(pids));
       impl_->server_->member_pids.emplace(child_name(c) + "/", std::move(pids));
       impl_->server_->member_root_ranks.emplace(child_name(c) + "/",
                                                 std::make_pair(impl_->served_root_prefix_, std::move(roots)));

@@ -2319,6 +2319,77 @@ int ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// As above, and once rank 2's process is gone (reaped by the launcher),
+// rank 0 starts a process under its pid (clone3's set_tid; as root). The
+// last holder tells it from rank 2 by its start time, read when the split
+// was made: rank 2 is gone, and rank 0 waits only for rank 1 to leave.
+// Before, the process under the pid made rank 2 look alive, and rank 0
+// waited out its whole deadline (20 s here).
+int ScenarioStoreRankOutlivesASplitWhoseDeadRanksPidWasTaken() {
+  auto comm = MustCreate();
+  const std::vector<int64_t> pids = RankPids(*comm);
+  if (pids.empty()) return 1;
+  Status s;
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok() && (*child != nullptr) == (me != 0), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  if (me != 0) {
+    s = (*child)->Barrier();
+    WORKER_CHECK(s.ok(), "barrier on the split: " + s.ToString());
+    if (me == 2) _exit(testing::worker_failures == 0 ? 0 : 1);
+  }
+  pid_t taker = -1;
+  if (me == 0) {
+    const pid_t dead = static_cast<pid_t>(pids[2]);
+    WORKER_CHECK(AwaitExit(dead, milliseconds(10000)),
+                 "rank 2 (pid " + std::to_string(dead) + ") did not exit within 10 s");
+    // The launcher reaps it; only then is the pid free.
+    const auto reaped_by = Clock::now() + milliseconds(10000);
+    while (kill(dead, 0) == 0 && Clock::now() < reaped_by) std::this_thread::sleep_for(milliseconds(1));
+    WORKER_CHECK(kill(dead, 0) != 0, "rank 2 (pid " + std::to_string(dead) + ") was not reaped within 10 s");
+    // clone3's arguments up to set_tid_size (CLONE_ARGS_SIZE_VER1), all
+    // 64-bit: flags, pidfd, child_tid, parent_tid, exit_signal, stack,
+    // stack_size, tls, set_tid, set_tid_size.
+    uint64_t args[10] = {};
+    pid_t wanted = dead;
+    args[4] = SIGCHLD;
+    args[8] = reinterpret_cast<uint64_t>(&wanted);
+    args[9] = 1;
+    // EEXIST: a task that kill() does not see still holds the pid (seen
+    // once: a thread, or a task on its way out), so this tries again for a
+    // while; or another process took it, which serves as well.
+    long got = -1;
+    int error = 0;
+    const auto taken_by = Clock::now() + milliseconds(2000);
+    do {
+      got = syscall(SYS_clone3, args, sizeof(args));
+      error = errno;
+      if (got == 0) {
+        execlp("sleep", "sleep", "60", static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      if (got < 0 && error == EEXIST && kill(dead, 0) == 0) break;
+      if (got < 0 && error == EEXIST) std::this_thread::sleep_for(milliseconds(1));
+    } while (got < 0 && error == EEXIST && Clock::now() < taken_by);
+    taker = static_cast<pid_t>(got);
+    WORKER_CHECK(taker == dead || (got < 0 && error == EEXIST && kill(dead, 0) == 0),
+                 "starting a process under pid " + std::to_string(dead) + ": " +
+                     (got < 0 ? std::strerror(error) : "got pid " + std::to_string(got)));
+  }
+  const auto start = Clock::now();
+  child->reset();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("DESTROYED rank %d in %lld ms\n", me, took_ms);
+  WORKER_CHECK(took_ms < 5000, "rank " + std::to_string(me) + ": destroying took " + std::to_string(took_ms) + " ms");
+  if (taker > 0) {
+    kill(taker, SIGKILL);
+    waitpid(taker, nullptr, 0);
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Ranks 1 and 2 split off without rank 0, which serves the store, and split
 // that again: the second split is registered in the store (by the first's
 // rank 0), not noted by rank 0 itself. Rank 2 is killed (SIGKILL) after a
@@ -2547,6 +2618,9 @@ int RunScenario(const std::string& name) {
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
+  if (name == "store_outlives_split_whose_dead_ranks_pid_was_taken") {
+    return ScenarioStoreRankOutlivesASplitWhoseDeadRanksPidWasTaken();
+  }
   if (name == "store_outlives_registered_split_whose_rank_was_killed") {
     return ScenarioStoreRankOutlivesARegisteredSplitWhoseRankWasKilled();
   }
@@ -2762,6 +2836,11 @@ TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitLeftBefore) 
 TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitWithoutIt) {
   Job job = RunJob(3, "store_outlives_split_without_it_whose_rank_died", {});
   EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, TheLastHolderOfTheStoreWaitsForNoDeadRankOfASplitWhosePidAnotherProcessTook) {
+  Job job = RunJob(3, "store_outlives_split_whose_dead_ranks_pid_was_taken", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 // A race: the old code lost it in about one job in five here, so twenty.
