@@ -47,17 +47,67 @@ std::atomic<uint64_t> freed_count{0};
 // private mapping of the memfd would replace them with the first process's.
 void LockBeforeFork() { registry().mu.lock(); }
 void UnlockInParent() { registry().mu.unlock(); }
+
+std::atomic<bool> fail_privatizing_for_test{false};
+
+// Appends the decimal or hex digits of `v` to `out` (async-signal-safe).
+char* AppendNumber(char* out, uint64_t v, unsigned base) {
+  char digits[20];
+  int n = 0;
+  do {
+    digits[n++] = "0123456789abcdef"[v % base];
+    v /= base;
+  } while (v != 0);
+  while (n > 0) *out++ = digits[--n];
+  return out;
+}
+
+char* AppendText(char* out, const char* text) {
+  while (*text != '\0') *out++ = *text++;
+  return out;
+}
+
+// A region the child could not map privately would stay shared with the
+// parent: the child's stores would land in the parent's block. It is made
+// inaccessible instead (a store there faults at once), and stderr says
+// which block and why, since a fork handler has no other way to report.
+void FenceOffInChild(const ShareableRegion& region, int error) {
+  bool fenced = mmap(reinterpret_cast<void*>(region.base), region.size, PROT_NONE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED;
+  if (!fenced) fenced = mprotect(reinterpret_cast<void*>(region.base), region.size, PROT_NONE) == 0;
+  char line[512];
+  char* out = AppendText(line, "shareable memory: forked child pid ");
+  out = AppendNumber(out, static_cast<uint64_t>(getpid()), 10);
+  out = AppendText(out, " could not map its copy of the block at 0x");
+  out = AppendNumber(out, region.base, 16);
+  out = AppendText(out, " (");
+  out = AppendNumber(out, region.size, 10);
+  out = AppendText(out, " bytes) privately (mmap: ");
+  out = AppendText(out, strerrorname_np(error) != nullptr ? strerrorname_np(error) : "error");
+  out = AppendText(out, fenced ? "); the block is inaccessible in the child (the parent's memory must not "
+                                 "change under it)\n"
+                               : "), nor make it inaccessible; the child exits rather than write "
+                                 "the parent's memory\n");
+  ssize_t ignored = write(STDERR_FILENO, line, static_cast<size_t>(out - line));
+  (void)ignored;
+  if (!fenced) _exit(127);
+}
+
 void PrivatizeInChild() {
   Registry& r = registry();
   for (auto& [base, entry] : r.by_base) {
     if (!entry.backed_by_memfd) continue;
     const ShareableRegion& region = entry.region;
-    // On failure (out of mappings) the region stays shared: nothing in a
-    // fork handler can report it.
-    if (mmap(reinterpret_cast<void*>(region.base), region.size, PROT_READ | PROT_WRITE,
-             MAP_PRIVATE | MAP_FIXED, region.fd, 0) != MAP_FAILED) {
-      entry.backed_by_memfd = false;
-    }
+    void* mapped = fail_privatizing_for_test.load(std::memory_order_relaxed)
+                       ? MAP_FAILED
+                       : mmap(reinterpret_cast<void*>(region.base), region.size, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_FIXED, region.fd, 0);
+    const int error = mapped == MAP_FAILED
+                          ? (fail_privatizing_for_test.load(std::memory_order_relaxed) ? ENOMEM : errno)
+                          : 0;
+    if (mapped == MAP_FAILED) FenceOffInChild(region, error);
+    // Either way the memfd no longer holds what the child sees there.
+    entry.backed_by_memfd = false;
   }
   r.mu.unlock();
 }
@@ -122,6 +172,10 @@ Status FreeShareable(void* ptr) {
   // After the close: a peer that sees the new count finds the fd gone.
   freed_count.fetch_add(1, std::memory_order_release);
   return Status::Ok();
+}
+
+void FailPrivatizingInForkedChildrenForTest(bool fail) {
+  fail_privatizing_for_test.store(fail, std::memory_order_relaxed);
 }
 
 uint64_t ShareableFreedCount() { return freed_count.load(std::memory_order_acquire); }

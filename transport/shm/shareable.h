@@ -23,6 +23,10 @@
 // writes to a page until it writes that page itself). Its inherited regions
 // are then no longer shareable: FindShareable does not return them, since
 // their memfds hold the parent's pages (FreeShareable still frees them).
+// Should the child be unable to map a region privately (out of memory or
+// of mappings), the region is made inaccessible in the child, with a line
+// on stderr naming it: the child's first access faults instead of writing
+// the parent's block.
 
 #include <cstddef>
 #include <cstdint>
@@ -59,6 +63,10 @@ uint64_t ShareableFreedCount();
 
 /// The shareable region holding all of [ptr, ptr + bytes), if any.
 std::optional<ShareableRegion> FindShareable(const void* ptr, size_t bytes);
+
+/// Test hook: while set, every later fork's child fails to map its regions
+/// privately, as if out of memory. Only for tests.
+void FailPrivatizingInForkedChildrenForTest(bool fail);
 
 }  // namespace ddp::transport::shm
 

@@ -1,9 +1,13 @@
 #include "transport/shm/shareable.h"
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -119,6 +123,57 @@ TEST(Shareable, GrandchildKeepsItsParentsWritesToAnInheritedBlock) {
       << "1: the grandchild saw other bytes than its parent had written; 2: the child's own "
          "copy changed; 3, 4: fork or wait failed";
   EXPECT_EQ(bytes[0], 'a');
+  EXPECT_TRUE(FreeShareable(bytes).ok());
+}
+
+// A child that cannot map an inherited block privately (out of memory or
+// of mappings in the fork handler) must not keep the parent's shared
+// mapping: its first write would change the parent's block. The block is
+// inaccessible in the child instead, and its stderr names the block.
+TEST(Shareable, ChildThatCannotCopyABlockCannotWriteTheParents) {
+  constexpr size_t kBytes = 64 << 10;
+  auto block = AllocateShareable(kBytes);
+  ASSERT_TRUE(block.ok()) << block.status();
+  auto* bytes = static_cast<unsigned char*>(*block);
+  std::memset(bytes, 'a', kBytes);
+
+  // The child's stderr goes to a pipe: the fork handler writes there.
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const int saved_stderr = dup(STDERR_FILENO);
+  ASSERT_GE(saved_stderr, 0);
+  ASSERT_GE(dup2(pipe_fds[1], STDERR_FILENO), 0);
+  FailPrivatizingInForkedChildrenForTest(true);
+  const pid_t child = fork();
+  if (child == 0) {
+    std::memset(bytes, 'b', kBytes);
+    _exit(0);
+  }
+  FailPrivatizingInForkedChildrenForTest(false);
+  dup2(saved_stderr, STDERR_FILENO);
+  close(saved_stderr);
+  close(pipe_fds[1]);
+  ASSERT_GE(child, 0);
+
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  std::string said;
+  char chunk[256];
+  for (ssize_t n; (n = read(pipe_fds[0], chunk, sizeof chunk)) > 0;) said.append(chunk, n);
+  close(pipe_fds[0]);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV)
+      << "the child's write to the block should fault; wait status " << status;
+  size_t changed = 0;
+  for (size_t i = 0; i < kBytes; ++i) changed += bytes[i] != 'a';
+  EXPECT_EQ(changed, 0u) << "the child's writes reached the parent's block";
+  char address[32];
+  std::snprintf(address, sizeof address, "0x%llx",
+                static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(bytes)));
+  EXPECT_NE(said.find("could not map its copy of the block at " + std::string(address)), std::string::npos)
+      << said;
+  EXPECT_NE(said.find("ENOMEM"), std::string::npos) << said;
+  EXPECT_NE(said.find("inaccessible in the child"), std::string::npos) << said;
+  EXPECT_TRUE(FindShareable(bytes, kBytes).has_value()) << "the parent's block is still shareable";
   EXPECT_TRUE(FreeShareable(bytes).ok());
 }
 
