@@ -592,6 +592,10 @@ void DieOfInterruptSignal(int exit_code) {
 
 std::string WorkerExit::Describe() const {
   std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
+  if (status_lost) {
+    return who + " ended, but something else in this process reaped it first (a SIGCHLD handler or a wait "
+                 "for any child?), so how it ended is unknown";
+  }
   if (!exited) return who + " could not be reaped";
   if (signaled) {
     return who + " was killed by signal " + std::to_string(code) + " (" + SignalName(code) + ")";
@@ -2027,12 +2031,22 @@ class WorkerGroup::Impl {
   // zombie (WNOWAIT): while it is unreaped its pid, which is the process
   // group id, cannot be reused, so signalling the group never hits a
   // stranger. ReapLeader reaps it at the very end.
+  //
+  // ECHILD: the worker is no longer this process's child to wait for;
+  // someone else here reaped it. Its pidfd stays readable, so waiting on
+  // would spin until the deadline (forever without one): it is recorded
+  // as ended, its status lost.
   bool Observe(Worker& w) {
     siginfo_t info{};
     const int flags = WEXITED | WNOHANG | (w.pid == pgid_ ? WNOWAIT : 0);
-    if (waitid(P_PID, static_cast<id_t>(w.pid), &info, flags) != 0 || info.si_pid != w.pid) {
-      return false;
+    if (waitid(P_PID, static_cast<id_t>(w.pid), &info, flags) != 0) {
+      if (errno != ECHILD) return false;
+      w.running = false;
+      w.pidfd.Reset();
+      w.exit.status_lost = true;
+      return true;
     }
+    if (info.si_pid != w.pid) return false;
     w.running = false;
     w.pidfd.Reset();
     w.exit.exited = true;

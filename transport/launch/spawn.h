@@ -171,6 +171,10 @@ struct WorkerExit {
   int rank = 0;
   pid_t pid = -1;
   bool exited = false;    ///< Reaped (false if it could not be reaped in time).
+  /// It ended, but another waiter of this process reaped it first (a
+  /// SIGCHLD handler that waits for any child, SIGCHLD set to SIG_IGN
+  /// after Start): how it ended is unknown, and it counts as failed.
+  bool status_lost = false;
   bool signaled = false;  ///< Killed by a signal (else exited normally).
   int code = 0;           ///< Exit status, or the signal number when signaled.
   /// What it wrote to its error file before failing (SpawnOptions::

@@ -481,6 +481,34 @@ TEST(SpawnTest, WorkerExitCodeStopsTheOthers) {
   ExpectNoChildrenLeft();
 }
 
+// A worker reaped behind the group's back (the host program's SIGCHLD
+// handler waiting for any child, say) is a failure with an unknown status,
+// seen at once: the group must not spin on its readable pidfd until the
+// deadline, nor forever without one.
+TEST(SpawnTest, AWorkerReapedBySomeoneElseFailsWithItsStatusUnknown) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "fail_rank1", {{"FAIL_AFTER_MS", "0"}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  int status = 0;
+  ASSERT_EQ(waitpid(pids[1], &status, 0), pids[1]);  // as a stray SIGCHLD handler would
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_TRUE(result.first_failure->status_lost);
+  EXPECT_EQ(result.reason, "rank 1 (pid " + std::to_string(pids[1]) +
+                               ") ended, but something else in this process reaped it first (a SIGCHLD "
+                               "handler or a wait for any child?), so how it ended is unknown; stopping "
+                               "the other workers");
+  EXPECT_EQ(result.ExitCode(), 1);
+  EXPECT_TRUE(result.workers[0].signaled) << result.workers[0].Describe();
+  for (pid_t pid : pids) EXPECT_TRUE(ProcessGone(pid)) << pid;
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, WorkerKilledBySignalStopsTheOthers) {
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
       Specs(3, "fail_rank1", {{"HOW", std::to_string(SIGKILL)}}), Quiet());
