@@ -1620,6 +1620,20 @@ TEST(SpawnTest, RunTestWorkersHelper) {
   EXPECT_EQ(run->ExitCode(0), 128 + SIGTERM);
   EXPECT_THAT(run->Summary(), HasSubstr("rank 1 (pid"));
 
+  // A worker that was never reaped has no exit code: not 0, which a test
+  // would take for its success.
+  testing::TestRunResult unreaped;
+  WorkerExit stuck;
+  stuck.rank = 0;
+  stuck.pid = 4242;
+  unreaped.group.workers.push_back(stuck);
+  WorkerExit lost = stuck;
+  lost.rank = 1;
+  lost.status_lost = true;
+  unreaped.group.workers.push_back(lost);
+  EXPECT_EQ(unreaped.ExitCode(0), -1);
+  EXPECT_EQ(unreaped.ExitCode(1), -1);
+
   run = testing::RunTestWorkers("hello", {.world_size = 2, .timeout = 20s});
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_TRUE(run->AllSucceeded()) << run->Summary();

@@ -48,6 +48,7 @@ StatusOr<int> PickFreePort() { return store::FreeTcpPort(); }
 
 int TestRunResult::ExitCode(int rank) const {
   const WorkerExit& w = group.workers.at(rank);
+  if (!w.exited) return -1;
   return w.signaled ? 128 + w.code : w.code;
 }
 

@@ -84,7 +84,9 @@ struct TestRunResult {
 
   /// Every worker exited with status 0.
   bool AllSucceeded() const { return group.outcome == GroupOutcome::kSucceeded; }
-  /// Exit code of `rank` (128 + signal when killed).
+  /// Exit code of `rank` (128 + signal when killed); -1 when it was never
+  /// reaped (still unkillable at the end) or its status was lost, which no
+  /// exit code stands for (0 would read as success).
   int ExitCode(int rank) const;
   /// Everything `rank` wrote to stdout and stderr.
   const std::string& Output(int rank) const { return group.output.at(rank); }
