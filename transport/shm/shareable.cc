@@ -69,12 +69,21 @@ char* AppendText(char* out, const char* text) {
 
 // A region the child could not map privately would stay shared with the
 // parent: the child's stores would land in the parent's block. It is made
-// inaccessible instead (a store there faults at once), and stderr says
-// which block and why, since a fork handler has no other way to report.
+// read-only in the child instead (still the parent's pages, as a private
+// copy is until the child writes it): a store there faults at once, while
+// a child that only reads it (a checkpoint writer) works. Failing that,
+// inaccessible. stderr says which block and why, since a fork handler has
+// no other way to report.
 void FenceOffInChild(const ShareableRegion& region, int error) {
-  bool fenced = mmap(reinterpret_cast<void*>(region.base), region.size, PROT_NONE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED;
-  if (!fenced) fenced = mprotect(reinterpret_cast<void*>(region.base), region.size, PROT_NONE) == 0;
+  void* start = reinterpret_cast<void*>(region.base);
+  // The whole mapping at once: no split, so no new mapping is needed.
+  const char* fence = "read-only";
+  if (mprotect(start, region.size, PROT_READ) != 0) {
+    fence = "inaccessible";
+    if (mmap(start, region.size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) {
+      fence = nullptr;
+    }
+  }
   char line[512];
   char* out = AppendText(line, "shareable memory: forked child pid ");
   out = AppendNumber(out, static_cast<uint64_t>(getpid()), 10);
@@ -84,13 +93,16 @@ void FenceOffInChild(const ShareableRegion& region, int error) {
   out = AppendNumber(out, region.size, 10);
   out = AppendText(out, " bytes) privately (mmap: ");
   out = AppendText(out, strerrorname_np(error) != nullptr ? strerrorname_np(error) : "error");
-  out = AppendText(out, fenced ? "); the block is inaccessible in the child (the parent's memory must not "
-                                 "change under it)\n"
-                               : "), nor make it inaccessible; the child exits rather than write "
-                                 "the parent's memory\n");
+  if (fence != nullptr) {
+    out = AppendText(out, "); the block is ");
+    out = AppendText(out, fence);
+    out = AppendText(out, " in the child, whose writes there would change the parent's memory\n");
+  } else {
+    out = AppendText(out, "), nor fence it off; the child exits rather than write the parent's memory\n");
+  }
   ssize_t ignored = write(STDERR_FILENO, line, static_cast<size_t>(out - line));
   (void)ignored;
-  if (!fenced) _exit(127);
+  if (fence == nullptr) _exit(127);
 }
 
 void PrivatizeInChild() {
@@ -98,15 +110,13 @@ void PrivatizeInChild() {
   for (auto& [base, entry] : r.by_base) {
     if (!entry.backed_by_memfd) continue;
     const ShareableRegion& region = entry.region;
-    void* mapped = fail_privatizing_for_test.load(std::memory_order_relaxed)
-                       ? MAP_FAILED
-                       : mmap(reinterpret_cast<void*>(region.base), region.size, PROT_READ | PROT_WRITE,
-                              MAP_PRIVATE | MAP_FIXED, region.fd, 0);
-    const int error = mapped == MAP_FAILED
-                          ? (fail_privatizing_for_test.load(std::memory_order_relaxed) ? ENOMEM : errno)
-                          : 0;
-    if (mapped == MAP_FAILED) FenceOffInChild(region, error);
-    // Either way the memfd no longer holds what the child sees there.
+    const bool fail = fail_privatizing_for_test.load(std::memory_order_relaxed);
+    if (fail || mmap(reinterpret_cast<void*>(region.base), region.size, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_FIXED, region.fd, 0) == MAP_FAILED) {
+      FenceOffInChild(region, fail ? ENOMEM : errno);
+    }
+    // Either way no peer may be sent to the memfd: it does not hold the
+    // child's writes, or the child may not write (its peers would).
     entry.backed_by_memfd = false;
   }
   r.mu.unlock();

@@ -24,9 +24,10 @@
 // are then no longer shareable: FindShareable does not return them, since
 // their memfds hold the parent's pages (FreeShareable still frees them).
 // Should the child be unable to map a region privately (out of memory or
-// of mappings), the region is made inaccessible in the child, with a line
-// on stderr naming it: the child's first access faults instead of writing
-// the parent's block.
+// of mappings), the region is made read-only in the child (inaccessible
+// where even that fails), with a line on stderr naming it: the child may
+// read it, and its first write faults instead of changing the parent's
+// block.
 
 #include <cstddef>
 #include <cstdint>
