@@ -14,7 +14,7 @@
 //
 // Failure handling: when a worker exits non-zero or dies by a signal, the
 // others get SIGTERM, then SIGKILL after a grace period; Wait names the rank
-// that failed first and how. SIGINT, SIGTERM and SIGHUP sent to the launcher
+// that failed first and how. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher
 // are forwarded to every worker (a second one escalates to SIGKILL); one
 // that arrives while the workers are being stopped for another reason still
 // makes Wait report kInterrupted, so that the launcher ends instead of
@@ -105,7 +105,7 @@ struct SpawnOptions {
   /// False lets every worker run to its own end, for tests that check how
   /// survivors report a dead peer.
   bool stop_all_on_failure = true;
-  /// Forward SIGINT / SIGTERM / SIGHUP received by this process to the
+  /// Forward SIGINT / SIGTERM / SIGHUP / SIGQUIT received by this process to the
   /// workers during Wait. One group at a time may do so. A signal this
   /// process ignores (SIGHUP under nohup) is left ignored, for the workers
   /// too. SIGUSR1 and SIGUSR2 (Slurm's `--signal=USR1@T` checkpoint hook)
@@ -114,7 +114,7 @@ struct SpawnOptions {
   /// nor this process (on_notice is told).
   bool forward_signals = true;
   /// With forward_signals: called on Wait's thread when the first SIGINT,
-  /// SIGTERM or SIGHUP reaches this group (also one that arrives while the
+  /// SIGTERM, SIGHUP or SIGQUIT reaches this group (also one that arrives while the
   /// workers are being stopped for another reason), before it is passed on
   /// to the workers. A multi-node launcher tells the other nodes here, so
   /// that its word is out before any of its workers ends. It holds up the
@@ -194,7 +194,7 @@ struct WorkerExit {
 enum class GroupOutcome : int {
   kSucceeded = 0,     ///< Every worker exited with status 0.
   kWorkerFailed = 1,  ///< A worker exited non-zero or died by a signal.
-  kInterrupted = 2,   ///< The launcher received SIGINT / SIGTERM / SIGHUP (at any point of Wait).
+  kInterrupted = 2,   ///< The launcher received SIGINT / SIGTERM / SIGHUP / SIGQUIT (at any point of Wait).
   kStopped = 3,       ///< RequestStop was called.
   kTimedOut = 4,      ///< The deadline given to Wait passed.
   /// Wait could not watch the workers (poll failed); it killed them.
@@ -272,7 +272,7 @@ class WorkerGroup {
   std::unique_ptr<Impl> impl_;
 };
 
-/// The first SIGINT, SIGTERM or SIGHUP that reached this process while a
+/// The first SIGINT, SIGTERM, SIGHUP or SIGQUIT that reached this process while a
 /// WorkerGroup forwarded signals; 0 when none did. It stays set. A launcher
 /// checks it before it restarts workers: a signal that arrives after Wait's
 /// last look, while the group is being destroyed, is recorded only here.
