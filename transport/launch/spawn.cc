@@ -1398,6 +1398,26 @@ class WorkerGroup::Impl {
     return Status::Ok();
   }
 
+  // Why rank `rank` could not start: no `what` (pipe2 failed with `err`).
+  // Out of descriptors, with the limit that ran out: each worker holds a
+  // few while it runs (its output pipes, its pidfd, its log files), so a
+  // large group meets `ulimit -n` halfway through its start.
+  static Status PipeError(int rank, const std::string& what, int err) {
+    std::string text = "cannot start rank " + std::to_string(rank) + ": cannot make " + what + " (pipe2: " +
+                       ErrnoText(err) + ")";
+    if (err == EMFILE) {
+      rlimit limit{};
+      if (getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+        text += ": this process may open " + std::to_string(limit.rlim_cur) + " descriptors (ulimit -n";
+        if (limit.rlim_max != RLIM_INFINITY) text += ", at most " + std::to_string(limit.rlim_max);
+        text += ")";
+      }
+      text += ", and each running worker holds a few (its output pipes, its pidfd, its log files); raise "
+              "the limit or start fewer workers";
+    }
+    return err == EMFILE || err == ENFILE ? ResourceExhaustedError(text) : InternalError(text);
+  }
+
   Status StartOne(const WorkerSpec& spec, Worker& w) {
     w.rank = spec.rank;
     w.line_prefix = spec.line_prefix.empty() ? "[" + std::to_string(spec.rank) + "] " : spec.line_prefix;
@@ -1438,7 +1458,7 @@ class WorkerGroup::Impl {
     if (use_pipes_) {
       for (int s = 0; s < 2; ++s) {
         int p[2];
-        if (pipe2(p, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
+        if (pipe2(p, O_CLOEXEC) != 0) return PipeError(spec.rank, "a pipe for its output", errno);
         fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
         w.streams[s].pipe.Reset(p[0]);
         (s == 0 ? child_out : child_err).Reset(p[1]);
@@ -1496,7 +1516,7 @@ class WorkerGroup::Impl {
     if (first && pgid_ == 0) args.watcher_fd = watcher_write_.get();
 
     int report[2];
-    if (pipe2(report, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
+    if (pipe2(report, O_CLOEXEC) != 0) return PipeError(spec.rank, "a pipe to hear its start", errno);
     Fd report_read(report[0]);
     Fd report_write(report[1]);
     args.report_fd = report_write.get();

@@ -1488,6 +1488,32 @@ TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
 // pthread_atfork handler.
 void ForkGuardLikeTheTransports() { _exit(99); }
 
+// A group too large for the descriptors this process may open fails to
+// start naming the rank, the limit and what to do ("pipe2: Too many open
+// files" alone said none of it), and leaves nothing running.
+TEST(SpawnTest, AGroupThatRunsOutOfDescriptorsSaysWhichLimit) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  int highest = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    if (fcntl(fd, F_GETFD) >= 0) highest = fd;
+  }
+  // Room for a few workers' descriptors, not for 40.
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(highest + 1 + 24);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(40, "hello"), Quiet());
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.status().code(), StatusCode::kResourceExhausted) << group.status();
+  EXPECT_THAT(group.status().message(), HasSubstr("cannot start rank "));
+  EXPECT_THAT(group.status().message(), HasSubstr("Too many open files"));
+  EXPECT_THAT(group.status().message(),
+              HasSubstr("this process may open " + std::to_string(low.rlim_cur) + " descriptors (ulimit -n"));
+  EXPECT_THAT(group.status().message(), HasSubstr("raise the limit or start fewer workers"));
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, AtforkHandlersDoNotRunWhenSpawning) {
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &ForkGuardLikeTheTransports); });
