@@ -2975,6 +2975,10 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     const Deadline deadline = o.max_run_time.count() > 0 ? Clock::now() + o.max_run_time
                                                           : Deadline::max();
     GroupResult result = (*group)->Wait(deadline);
+    if (result.outcome == GroupOutcome::kTimedOut) {
+      // Wait's own words say "the deadline": name the flag that set it.
+      result.reason = "--max_run_time (" + std::to_string(o.max_run_time.count()) + " ms) ran out: " + result.reason;
+    }
     cause.worker = result.first_error;
     stop_watching = true;
     if (watch_client) watch_client->Close();

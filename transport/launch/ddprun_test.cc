@@ -472,6 +472,9 @@ TEST(DdprunTest, MaxRunTimeEndsTheJobWithoutRestart) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_THAT(run.output, Not(HasSubstr("restarting the job"))) << run.output;
+  // Named by its flag, not only as "the deadline".
+  EXPECT_THAT(run.output, HasSubstr("ddprun: --max_run_time (2000 ms) ran out: the workers were still running after "))
+      << run.output;
   EXPECT_LT(seconds, 20) << run.output;
 }
 
