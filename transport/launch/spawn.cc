@@ -1239,7 +1239,8 @@ class WorkerGroup::Impl {
   void ReadErrorFiles(GroupResult& result) {
     Worker* earliest = nullptr;
     for (Worker& w : workers_) {
-      if (w.error_path.empty() || !w.exit.exited || w.exit.ok()) continue;
+      // One whose status was lost still failed, and may have said why.
+      if (w.error_path.empty() || (!w.exit.exited && !w.exit.status_lost) || w.exit.ok()) continue;
       StatusOr<WorkerError> error = ReadErrorFile(w.error_path);
       if (!error.ok()) {
         // A file the worker got wrong is worth saying; one this launcher

@@ -509,6 +509,25 @@ TEST(SpawnTest, AWorkerReapedBySomeoneElseFailsWithItsStatusUnknown) {
   ExpectNoChildrenLeft();
 }
 
+// What such a worker wrote to its error file is still its reason: its
+// exit status is lost, not why it failed.
+TEST(SpawnTest, AWorkerReapedBySomeoneElseStillReportsItsError) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "reports_error", {{"MSG1", "out of disk"}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  int status = 0;
+  ASSERT_EQ(waitpid(pids[1], &status, 0), pids[1]);
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  ASSERT_TRUE(result.first_failure.has_value());
+  EXPECT_TRUE(result.first_failure->status_lost);
+  EXPECT_EQ(result.first_failure->error, "out of disk");
+  EXPECT_THAT(result.reason, HasSubstr("so how it ended is unknown; stopping the other workers; rank 1 "
+                                       "reported: out of disk"));
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, WorkerKilledBySignalStopsTheOthers) {
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
       Specs(3, "fail_rank1", {{"HOW", std::to_string(SIGKILL)}}), Quiet());
