@@ -262,6 +262,11 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
     std::unique_ptr<WorkerGroup> group = std::move(*started);
     result = group->Wait(deadline);
     group.reset();  // every worker of this attempt is gone
+    if (result.outcome == GroupOutcome::kTimedOut) {
+      // Wait's own words say "the deadline": name the option that set it.
+      result.reason = "max_run_time (" + std::to_string(options.max_run_time.count()) + " ms) ran out: " +
+                      result.reason;
+    }
     if (result.output_dropped > 0) {
       WriteLauncherLine(std::string(program) + ": dropped " + std::to_string(result.output_dropped) +
                         " bytes of worker output: stdout or stderr took nothing for 2 s\n");

@@ -20,6 +20,7 @@ namespace ddp::transport::launch {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 using testing::CountLines;
 using testing::RunProgram;
@@ -89,6 +90,17 @@ TEST(SelfLaunchTest, WorkerFailureGivesItsExitCodeAndNamesTheRank) {
 // Rank 1 fails on the first two attempts: the launcher restarts every
 // worker twice, with DDP_RESTART_COUNT counting, and the third attempt
 // meets through the store (fresh keys) and succeeds.
+// Workers stopped at SelfLaunchOptions::max_run_time: the line names it,
+// not only "the deadline", and the job does not restart.
+TEST(SelfLaunchTest, MaxRunTimeIsNamedWhenItStopsTheWorkers) {
+  const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_max_run_time_ms=500",
+                               "--self_launch_restarts=2", "--sleep_ms=20000"});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("max_run_time (500 ms) ran out: the workers were still running after "))
+      << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("restarting"))) << run.output;
+}
+
 TEST(SelfLaunchTest, FailedWorkerRestartsTheJob) {
   const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_restarts=2",
                                "--fail_before_restart=2", "--print_env", "--store"});

@@ -15,6 +15,7 @@
 //   --ignore_sigterm      ignore SIGTERM; with --pid_dir, each one that arrives
 //                         (re)writes DIR/rank<R>.restart<C>.got_term with the pid
 //   --self_launch_restarts=K  self-launch with SelfLaunchOptions::max_restarts = K
+//   --self_launch_max_run_time_ms=N  self-launch with SelfLaunchOptions::max_run_time = N ms
 //   --exit_when_peer_gone with --pid_dir: once every rank of this attempt
 //                         wrote its pid, exit 3 as soon as another rank's
 //                         process is gone (what a real worker does when a
@@ -111,6 +112,7 @@ std::string ParseFlags(int argc, char** argv, Flags& f) {
     else if (auto v = value("--pid_dir")) f.pid_dir = std::string(*v);
     else if (auto v = value("--until_file")) f.until_file = std::string(*v);
     else if (value("--self_launch_restarts")) continue;  // read by main
+    else if (value("--self_launch_max_run_time_ms")) continue;  // read by main
     else return "unknown argument " + std::string(arg);
   }
   return "";
@@ -296,6 +298,10 @@ int main(int argc, char** argv) {
     const std::string_view flag = "--self_launch_restarts=";
     if (arg.substr(0, flag.size()) == flag) {
       self_launch.max_restarts = std::atoi(argv[i] + flag.size());
+    }
+    const std::string_view run_time = "--self_launch_max_run_time_ms=";
+    if (arg.substr(0, run_time.size()) == run_time) {
+      self_launch.max_run_time = std::chrono::milliseconds(std::atoi(argv[i] + run_time.size()));
     }
   }
   // The launcher refuses an unknown argument once, before any worker starts.
