@@ -280,13 +280,19 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
       result.signal = signo;
     }
     // Only a failing worker restarts the job: not Ctrl-C, not the time limit.
-    const bool restart =
-        result.outcome == GroupOutcome::kWorkerFailed && attempt < options.max_restarts;
+    // Nor a failure once max_run_time is over (stopping the failed attempt
+    // may outlast it): the restart's workers would only be stopped at once,
+    // and the time limit would hide the failure's status.
+    const bool restartable = result.outcome == GroupOutcome::kWorkerFailed && attempt < options.max_restarts;
+    const bool out_of_time = restartable && Clock::now() >= deadline;
+    const bool restart = restartable && !out_of_time;
     if (result.outcome != GroupOutcome::kSucceeded) {
       const std::string next = restart ? "; restarting the workers (restart " +
                                              std::to_string(attempt + 1) + " of " +
                                              std::to_string(options.max_restarts) + ")"
-                                       : "";
+                               : out_of_time ? "; no restart: max_run_time (" +
+                                                   std::to_string(options.max_run_time.count()) + " ms) ran out"
+                                             : "";
       WriteLauncherLine(std::string(program) + ": " + result.reason + next + "\n");
     }
     if (!restart) break;

@@ -101,6 +101,23 @@ TEST(SelfLaunchTest, MaxRunTimeIsNamedWhenItStopsTheWorkers) {
   EXPECT_THAT(run.output, Not(HasSubstr("restarting"))) << run.output;
 }
 
+// A failure whose stop outlasts max_run_time (rank 0 ignores SIGTERM for
+// the 5 s grace) is not restarted: the restart's workers would only be
+// stopped at once, and the job would end with the time limit's 1 instead
+// of the failed worker's 5.
+TEST(SelfLaunchTest, NoRestartOnceMaxRunTimeIsOver) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_max_run_time_ms=2000",
+                               "--self_launch_restarts=2", "--exit_code=1:5", "--slow_to_stop=0",
+                               "--sleep_ms=20000"});
+  EXPECT_EQ(run.exit_code, 5) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("exited with code 5; stopping the other workers; no restart: max_run_time "
+                                    "(2000 ms) ran out"))
+      << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("restarting"))) << run.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 9s) << run.output;
+}
+
 TEST(SelfLaunchTest, FailedWorkerRestartsTheJob) {
   const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_restarts=2",
                                "--fail_before_restart=2", "--print_env", "--store"});
