@@ -211,8 +211,10 @@ Shape PoolOutput(const char* op, const Tensor& x, const Pool2dParams& p, bool di
 Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p) {
   const Shape out_shape = PoolOutput("max_pool2d", x, p, true);
   const bool grad = detail::AnyRequiresGrad({&x});
-  // Backward finds each maximum by its i32 offset within its plane.
-  if (grad && x.size(2) * x.size(3) > std::numeric_limits<int32_t>::max()) {
+  // Backward finds each maximum by its i32 offset within its plane. Divided
+  // rather than multiplied (W >= 1 here): with an empty batch, H * W of a
+  // broadcast view can leave int64 and wrap to a small count.
+  if (grad && x.size(2) > std::numeric_limits<int32_t>::max() / x.size(3)) {
     throw std::invalid_argument("max_pool2d: an input plane of " + std::to_string(x.size(2)) + "x" +
                                 std::to_string(x.size(3)) +
                                 " elements is more than the i32 indices kept for backward address "

@@ -300,6 +300,43 @@ TEST(KernelsTest, MaxPoolRefusesPlanesBeyondItsI32Indices) {
   }
 }
 
+// The plane's element count is checked without forming H * W, which for
+// an empty batch can leave int64: [0, 1, 2^32, 2^32] (a broadcast view,
+// holding nothing) made H * W wrap to 0, and the plane passed as small.
+TEST(KernelsTest, MaxPoolRefusesAHugePlaneOfAnEmptyBatch) {
+  Tensor leaf = Ones({1, 1, 1, 1});
+  leaf.set_requires_grad(true);
+  const int64_t side = int64_t{1} << 32;
+  const Tensor x = Expand(leaf, {0, 1, side, side});
+  const Pool2dParams p{.kernel_h = 2, .kernel_w = 2, .stride_h = 2, .stride_w = 2};
+  try {
+    MaxPool2d(x, p);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("4294967296x4294967296 elements is more than the i32 indices"),
+              std::string::npos)
+        << e.what();
+  }
+  // Without a gradient no indices are kept: the empty batch runs.
+  EXPECT_EQ(MaxPool2d(x.Detach(), p).shape(), (Shape{0, 1, side / 2, side / 2}));
+}
+
+// An empty batch costs no memory in the CPU pooling kernels: max pooling
+// without a gradient took one output plane of i32 scratch, and a 16-bit
+// pooling gradient one input plane of f32, both sized from H and W alone
+// ([0, 1, 2^31, 2^31] asked for 2^62 elements and threw).
+TEST(KernelsTest, PoolingAnEmptyBatchAllocatesNoPlane) {
+  const int64_t side = int64_t{1} << 31;
+  const Pool2dParams p{.kernel_h = 2, .kernel_w = 2, .stride_h = 2, .stride_w = 2};
+  EXPECT_EQ(MaxPool2d(Expand(Ones({1, 1, 1, 1}), {0, 1, side, side}), p).shape(),
+            (Shape{0, 1, side / 2, side / 2}));
+  Tensor leaf = Ones({1, 1, 1, 1}, {.dtype = DType::kBFloat16});
+  leaf.set_requires_grad(true);
+  Backward(Sum(AvgPool2d(Expand(leaf, {0, 1, side, side}), p)));
+  ASSERT_TRUE(leaf.grad().defined());
+  EXPECT_EQ(leaf.grad().To(DType::kFloat32).ToVector<float>(), std::vector<float>{0.0f});
+}
+
 // The argument checks (padding at most half the kernel, ceil_mode's last
 // window starting inside) do not rule out a window with no tap inside the
 // input: a 2-tap window with dilation 2 and padding 1 on a single row reads

@@ -135,6 +135,9 @@ void WriteBack(const Tensor& dst, const Tensor& buf) {
 }  // namespace
 
 void MaxPool2dForward(const Tensor& x, const Tensor& y, const Tensor& indices, const Pool2dParams& p) {
+  // An empty batch has nothing to pool; the scratch below would still take
+  // a plane's worth of memory (or overflow, for a huge broadcast plane).
+  if (y.numel() == 0) return;
   const Tensor xc = ContiguousData(x);
   const int64_t planes = x.size(0) * x.size(1), h = x.size(2), w = x.size(3);
   const int64_t oh = y.size(2), ow = y.size(3);
@@ -231,6 +234,7 @@ namespace {
 template <typename scalar_t, typename Add>
 void AccumulatePlanes(scalar_t* dx, int64_t planes, int64_t plane_size, Add add) {
   using A = acc_t<scalar_t>;
+  if (planes == 0) return;  // the 16-bit path's plane buffer would be for nothing
   if constexpr (std::is_same_v<A, scalar_t>) {
     std::fill(dx, dx + planes * plane_size, scalar_t(0));
     for (int64_t pl = 0; pl < planes; ++pl) add(pl, dx + pl * plane_size);
