@@ -880,10 +880,33 @@ TEST(Optimizer, RefusesATensorListedTwiceOrOverlappingViews) {
 TEST(Optimizer, SgdRefusesNanOptions) {
   const std::pair<SgdOptions, std::string> cases[] = {
       {{.momentum = std::nan("")}, "SGD: momentum nan must be finite and >= 0"},
-      {{.dampening = std::nan("")}, "SGD: dampening nan must be finite and >= 0"},
+      {{.dampening = std::nan("")}, "SGD: dampening nan must be finite"},
       {{.weight_decay = std::nan("")}, "SGD: weight_decay nan must be finite and >= 0"},
       {{.weight_decay = -1}, "SGD: weight_decay -1 must be finite and >= 0"}};
   for (const auto& [o, expected] : cases) EXPECT_EQ(ErrorOf([&] { Sgd({{"a", Zeros({2})}}, o); }), expected);
+}
+
+// A negative dampening is taken, as PyTorch's SGD takes it (it checks lr,
+// momentum and weight_decay only): buf = momentum * buf + (1 - dampening) * d
+// weights the new gradient by more than 1. Before, it was refused.
+TEST(Sgd, TakesANegativeDampeningAsPyTorch) {
+  const double lr = 0.1, momentum = 0.9, dampening = -0.5, weight_decay = 0.01;
+  Tensor w = FromVector({1.0, -2.0}, {2}, {.dtype = DType::kFloat64});
+  Sgd sgd({{"w", w}}, {.lr = lr, .momentum = momentum, .dampening = dampening, .weight_decay = weight_decay});
+  EXPECT_EQ(sgd.options().dampening, -0.5);
+  std::vector<double> want = {1.0, -2.0}, buf(2);
+  const std::vector<std::vector<double>> grads = {{0.5, 0.25}, {-1.0, 2.0}, {0.125, -0.75}};
+  for (size_t step = 0; step < grads.size(); ++step) {
+    w.set_grad(FromVector(grads[step], {2}, {.dtype = DType::kFloat64}));
+    sgd.Step();
+    for (size_t i = 0; i < 2; ++i) {
+      const double d = grads[step][i] + weight_decay * want[i];
+      buf[i] = step == 0 ? d : momentum * buf[i] + (1 - dampening) * d;
+      want[i] -= lr * buf[i];
+    }
+    const std::vector<double> got = w.ToVector<double>();
+    for (size_t i = 0; i < 2; ++i) EXPECT_NEAR(got[i], want[i], 1e-12) << "step " << step + 1 << ", element " << i;
+  }
 }
 
 // Infinite options are refused like negative ones, naming the option and
@@ -2126,8 +2149,7 @@ TEST(OptimizerOptions, ARefusalNamesTheOptimizerAndOnlyTheBadOption) {
   const Case cases[] = {
       {[&] { Sgd(p, {.lr = -1}); }, "learning rate", "SGD: learning rate -1 must be finite and >= 0"},
       {[&] { Sgd(p, {.momentum = nan}); }, "momentum", "SGD: momentum nan must be finite and >= 0"},
-      {[&] { Sgd(p, {.momentum = 0.9, .dampening = -0.5}); }, "dampening",
-       "SGD: dampening -0.5 must be finite and >= 0"},
+      {[&] { Sgd(p, {.momentum = 0.9, .dampening = nan}); }, "dampening", "SGD: dampening nan must be finite"},
       {[&] { Sgd(p, {.momentum = 0.9, .weight_decay = inf}); }, "weight_decay",
        "SGD: weight_decay inf must be finite and >= 0"},
       {[&] { Sgd(p, {.nesterov = true}); }, "momentum", "SGD: momentum 0 must be > 0 with nesterov"},

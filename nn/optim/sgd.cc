@@ -24,13 +24,19 @@ std::vector<std::string> BufferIf(bool wanted) {
 void CheckOptions(const SgdOptions& o) {
   // Written so that NaN fails it too; an infinite one makes the update inf
   // or NaN.
-  const std::pair<const char*, double> finite_non_negative[] = {
-      {"momentum", o.momentum}, {"dampening", o.dampening}, {"weight_decay", o.weight_decay}};
+  const std::pair<const char*, double> finite_non_negative[] = {{"momentum", o.momentum},
+                                                                {"weight_decay", o.weight_decay}};
   for (const auto& [name, x] : finite_non_negative) {
     if (!(x >= 0) || !std::isfinite(x)) {
       throw std::invalid_argument(std::string("SGD: ") + name + " " + internal::OptionValueText(x) +
                                   " must be finite and >= 0");
     }
+  }
+  // PyTorch puts no bound on dampening: a negative one (the new gradient
+  // weighted by more than 1) is taken as given. Only a value that would
+  // make the buffer inf or NaN is refused.
+  if (!std::isfinite(o.dampening)) {
+    throw std::invalid_argument("SGD: dampening " + internal::OptionValueText(o.dampening) + " must be finite");
   }
   if (o.nesterov && o.momentum <= 0) {
     throw std::invalid_argument("SGD: momentum " + internal::OptionValueText(o.momentum) +

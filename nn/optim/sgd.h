@@ -28,8 +28,9 @@ struct SgdOptions {
 class Sgd : public Optimizer {
  public:
   /// Throws std::invalid_argument, naming "SGD" and the one option at fault
-  /// with its value, for a negative, NaN or infinite lr, momentum, dampening
-  /// or weight_decay, or nesterov without momentum or with dampening.
+  /// with its value, for a negative, NaN or infinite lr, momentum or
+  /// weight_decay, a NaN or infinite dampening (a negative one is taken, as
+  /// PyTorch takes it), or nesterov without momentum or with dampening.
   Sgd(NamedParameters params, SgdOptions options);
   /// Parameter groups (ParamGroup), each with `defaults` overridden by its
   /// options ("lr", "momentum", "dampening", "weight_decay", "nesterov",
