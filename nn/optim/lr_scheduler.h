@@ -134,7 +134,11 @@ struct OneCycleOptions {
   /// The final rate is max_lr / div_factor / final_div_factor.
   double final_div_factor = 1e4;
   /// Three phases (up to max_lr, back down to the initial rate, then down to
-  /// the final one) instead of two (up, then down to the final rate).
+  /// the final one) instead of two (up, then down to the final rate). The
+  /// second phase ends at step 2 * pct_start * total_steps - 2, so with
+  /// pct_start > 0.5 it outlasts the cycle: the rate is still falling toward
+  /// the initial one at total_steps, and the third phase (and the final
+  /// rate) is never reached. PyTorch's OneCycleLR does the same; kept so.
   bool three_phase = false;
   /// Cycle the optimizer's momentum (SGD's momentum, Adam's and AdamW's
   /// beta1) inversely to the rate: max_momentum at t = 0, base_momentum at

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <new>
+#include <numbers>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -100,6 +101,23 @@ std::string ErrorOf(const std::function<void()>& fn) {
     return e.what();
   }
   return "";
+}
+
+// Three phases with pct_start > 0.5: the second phase (max_lr back to the
+// initial rate) would end at step 2 * pct_start * total_steps - 2, past the
+// cycle, so the rate is still on its way down at total_steps and never
+// reaches the third phase, as in PyTorch's OneCycleLR (documented at
+// OneCycleOptions::three_phase).
+TEST(OneCycle, ThreePhasesWithPctStartOverHalfNeverReachTheLastPhase) {
+  const auto s = OneCycleSchedule({.max_lr = 1.0, .total_steps = 20, .pct_start = 0.75, .three_phase = true,
+                                   .cycle_momentum = false});
+  const double initial = 1.0 / 25, rise_end = 0.75 * 20 - 1, second_end = 2 * 0.75 * 20 - 2;
+  EXPECT_DOUBLE_EQ(s->Lr(0, 14), 1.0);
+  for (int64_t t = 15; t <= 20; ++t) {
+    const double pct = (static_cast<double>(t) - rise_end) / (second_end - rise_end);
+    EXPECT_NEAR(s->Lr(0, t), initial + (1.0 - initial) / 2 * (std::cos(std::numbers::pi * pct) + 1), 1e-12) << t;
+    EXPECT_GT(s->Lr(0, t), initial) << t;
+  }
 }
 
 TEST(SchedulerGolden, ClosedFormsMatchPyTorchStepByStep) {
