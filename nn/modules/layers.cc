@@ -433,14 +433,14 @@ Sequential::Sequential(std::initializer_list<std::shared_ptr<Module>> modules) {
 }
 
 void Sequential::Push(std::shared_ptr<Module> module) {
-  RegisterModule(std::to_string(NamedChildren().size()), std::move(module));
+  RegisterModule(std::to_string(ChildSlots().size()), std::move(module));
 }
 
 std::shared_ptr<Module> Sequential::at(size_t i) const { return Child(std::to_string(i)); }
 
 Tensor Sequential::Forward(const Tensor& x) {
   Tensor y;
-  for (const auto& [name, child] : NamedChildren()) {
+  for (const auto& [name, child] : ChildSlots()) {
     // Intermediate results belong to this loop alone, so children may reuse them.
     y = y.defined() ? child->ForwardOwned(std::move(y)) : child->Forward(x);
   }

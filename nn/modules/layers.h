@@ -299,7 +299,8 @@ class Sequential : public Module {
   Tensor Forward(const Tensor& x) override;
   using Module::Forward;
   std::string TypeName() const override { return "Sequential"; }
-  size_t size() const { return NamedChildren().size(); }
+  /// Registrations, a module registered twice counted twice.
+  size_t size() const { return ChildSlots().size(); }
   /// Child i.
   std::shared_ptr<Module> at(size_t i) const;
 };

@@ -133,7 +133,7 @@ ResNet::ResNet(bool bottleneck, const std::vector<int64_t>& blocks, ResNetOption
 
 Tensor ResNet::Forward(const Tensor& x) {
   Tensor y = x;
-  for (const auto& [name, child] : NamedChildren()) {
+  for (const auto& [name, child] : ChildSlots()) {
     if (name == "fc") y = ops::Flatten(y, 1);
     y = child->Forward(y);
   }

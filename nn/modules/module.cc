@@ -234,6 +234,15 @@ NamedTensors Module::NamedBuffers(bool recurse) const {
   return out;
 }
 
+ChildList Module::NamedChildren() const {
+  ChildList out;
+  std::unordered_set<const Module*> seen;
+  for (const auto& entry : children_) {
+    if (seen.insert(entry.second.get()).second) out.entries_.push_back(&entry);
+  }
+  return out;
+}
+
 bool Module::HasChild(std::string_view name) const {
   for (const auto& [n, c] : children_) {
     if (n == name) return true;

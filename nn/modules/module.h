@@ -8,8 +8,10 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -35,6 +37,46 @@ using StateDict = NamedTensors;
 struct IncompatibleKeys {
   std::vector<std::string> missing;
   std::vector<std::string> unexpected;
+};
+
+class Module;
+
+/// A read-only list of (name, child) entries of a module's registry. The
+/// entries are references into the registry, not copies: reading a child's
+/// use_count through one counts the registry's owners only. Valid until
+/// that module's next RegisterModule or ReplaceChild.
+class ChildList {
+ public:
+  using Entry = std::pair<std::string, std::shared_ptr<Module>>;
+  class Iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;
+    using value_type = Entry;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const Entry*;
+    using reference = const Entry&;
+    explicit Iterator(const Entry* const* at) : at_(at) {}
+    const Entry& operator*() const { return **at_; }
+    const Entry* operator->() const { return *at_; }
+    Iterator& operator++() {
+      ++at_;
+      return *this;
+    }
+    bool operator==(const Iterator& other) const { return at_ == other.at_; }
+    bool operator!=(const Iterator& other) const { return at_ != other.at_; }
+
+   private:
+    const Entry* const* at_;
+  };
+  Iterator begin() const { return Iterator(entries_.data()); }
+  Iterator end() const { return Iterator(entries_.data() + entries_.size()); }
+  size_t size() const { return entries_.size(); }
+  bool empty() const { return entries_.empty(); }
+  const Entry& operator[](size_t i) const { return *entries_.at(i); }
+
+ private:
+  friend class Module;
+  std::vector<const Entry*> entries_;
 };
 
 class Module {
@@ -78,7 +120,15 @@ class Module {
   NamedTensors NamedParameters(bool recurse = true) const;
   std::vector<Tensor> Parameters(bool recurse = true) const;
   NamedTensors NamedBuffers(bool recurse = true) const;
-  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& NamedChildren() const { return children_; }
+  /// The direct children, each module once, under the first name this
+  /// module registers it by, in registration order: as PyTorch's
+  /// named_children, a module registered twice (Sequential{l, relu, l})
+  /// is listed once ("0" and "1").
+  ChildList NamedChildren() const;
+  /// Every registration of a child, repeats included ("0", "1" and "2" of
+  /// Sequential{l, relu, l}), in registration order: the slots a Forward
+  /// runs through and ReplaceChild replaces (PyTorch's _modules).
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& ChildSlots() const { return children_; }
   /// Every module of the tree with its dotted path, this one first (path ""),
   /// pre-order. A module registered under several names (Sequential{l, relu,
   /// l}) is listed once, under the first, as PyTorch's named_modules.

@@ -922,6 +922,39 @@ TEST(ModuleTest, ModuleRegisteredTwiceIsVisitedOnce) {
   EXPECT_EQ(linears, 1);
 }
 
+// NamedChildren lists a module registered twice by one parent once, under
+// its first name, as PyTorch's named_children; the buffers and parameters
+// are listed once too (named_buffers and named_parameters drop duplicates
+// by default). The slots keep both registrations, and Forward runs both.
+// Before, NamedChildren listed the module under "0" and again under "2".
+TEST(ModuleTest, NamedChildrenListsAModuleRegisteredTwiceOnce) {
+  auto bn = std::make_shared<BatchNorm1d>(2);
+  auto relu = std::make_shared<ReLU>();
+  Sequential seq{bn, relu, bn};
+  std::vector<std::string> names;
+  for (const auto& [name, child] : seq.NamedChildren()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"0", "1"}));
+  EXPECT_EQ(seq.NamedChildren()[0].second.get(), bn.get());
+  EXPECT_EQ(seq.NamedChildren()[1].second.get(), relu.get());
+  // The registry's owners only: the list holds no copy of the pointer.
+  EXPECT_EQ(seq.NamedChildren()[0].second.use_count(), bn.use_count());
+  EXPECT_EQ(seq.ChildSlots().size(), 3u);
+  EXPECT_EQ(seq.size(), 3u);
+  EXPECT_EQ(Names(seq.NamedParameters()), (std::vector<std::string>{"0.weight", "0.bias"}));
+  EXPECT_EQ(Names(seq.NamedBuffers()),
+            (std::vector<std::string>{"0.running_mean", "0.running_var", "0.num_batches_tracked"}));
+
+  // Forward still runs the layer at both slots: two batch-norm updates.
+  seq.Forward(FromVector({0.0, 1.0, 2.0, 3.0}, {2, 2}));
+  EXPECT_EQ(bn->NamedBuffers().back().second.ToVector<int64_t>(), std::vector<int64_t>{2});
+
+  // Replacing the first slot lists the module under its other name.
+  seq.ReplaceChild("0", std::make_shared<ReLU>());
+  names.clear();
+  for (const auto& [name, child] : seq.NamedChildren()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"0", "1", "2"}));
+}
+
 // A module registered more than once is named, in its path and errors,
 // under its first registration, as NamedModules lists it; replacing that
 // registration, or the death of its parent, moves it to the next one.
