@@ -264,16 +264,22 @@ Tensor BatchNorm::Forward(const Tensor& x) {
   // Only a training batch with running statistics updates them, so only it
   // needs the factor (and, without a momentum, the count).
   double factor = RunningAverageFactor(options_, int64_t{0});
+  int64_t tracked = -1;  // the count after this batch, stored once it ran
   if (is_training() && options_.track_running_stats) {
-    const int64_t tracked = tracked_.Get(num_batches_tracked_, *this) + 1;
-    tracked_.Set(num_batches_tracked_, tracked);
+    tracked = tracked_.Get(num_batches_tracked_, *this) + 1;
     factor = RunningAverageFactor(options_, tracked);
   }
+  Tensor y;
   try {
-    return ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, use_batch_stats, factor, options_.eps);
+    y = ops::BatchNorm(x, running_mean_, running_var_, weight_, bias_, use_batch_stats, factor, options_.eps);
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
   }
+  // Counted only now: a refused batch (one value per channel, an integer
+  // input) updated no statistic, so it must not shift the count either
+  // (without a momentum the count is the next update's weight).
+  if (tracked >= 0) tracked_.Set(num_batches_tracked_, tracked);
+  return y;
 }
 
 void BatchNorm1d::CheckInput(const Tensor& x) const {

@@ -922,6 +922,20 @@ TEST(ModuleTest, ModuleRegisteredTwiceIsVisitedOnce) {
   EXPECT_EQ(linears, 1);
 }
 
+// A training batch that batch norm refuses (one value per channel) leaves
+// num_batches_tracked as it was: it updated no running statistic. Before,
+// the count was raised first, so that without a momentum the next batch
+// was averaged in with weight 1/2 instead of 1.
+TEST(ModuleTest, BatchNormRefusedBatchIsNotCounted) {
+  BatchNorm1d bn(2, {.momentum = std::nullopt});
+  EXPECT_THROW(bn.Forward(Zeros({1, 2})), std::invalid_argument);
+  EXPECT_EQ(bn.num_batches_tracked().ToVector<int64_t>(), std::vector<int64_t>{0});
+  bn.Forward(FromVector({1.0, 10.0, 3.0, 30.0}, {2, 2}));
+  EXPECT_EQ(bn.num_batches_tracked().ToVector<int64_t>(), std::vector<int64_t>{1});
+  // The first batch counted replaces the initial running mean outright.
+  EXPECT_EQ(bn.running_mean().ToVector<float>(), (std::vector<float>{2.0f, 20.0f}));
+}
+
 // NamedChildren lists a module registered twice by one parent once, under
 // its first name, as PyTorch's named_children; the buffers and parameters
 // are listed once too (named_buffers and named_parameters drop duplicates
