@@ -337,7 +337,31 @@ TEST(KernelsTest, PoolingAnEmptyBatchAllocatesNoPlane) {
   EXPECT_EQ(leaf.grad().To(DType::kFloat32).ToVector<float>(), std::vector<float>{0.0f});
 }
 
-// The argument checks (padding at most half the kernel, ceil_mode's last
+// An empty batch takes no im2col scratch: it was sized for one image even
+// when there was none, so an empty batch of broadcast [2^31, 2^31] planes
+// asked for 9 * 2^62 elements and threw. The gradients stay as for any
+// empty batch (zero dw and db).
+TEST(KernelsTest, Conv2dOfAnEmptyBatchTakesNoScratch) {
+  const int64_t side = int64_t{1} << 31;
+  for (ConvAlgorithm algo : {ConvAlgorithm::kIm2col, ConvAlgorithm::kOneDnn, ConvAlgorithm::kAuto}) {
+    SCOPED_TRACE(static_cast<int>(algo));
+    SetConvAlgorithm(algo);
+    Tensor leaf = Ones({1, 1, 1, 1});
+    leaf.set_requires_grad(true);
+    Tensor w = Ones({2, 1, 3, 3});
+    w.set_requires_grad(true);
+    Tensor b = Ones({2});
+    b.set_requires_grad(true);
+    const Tensor y = Conv2d(Expand(leaf, {0, 1, side, side}), w, b, {});
+    EXPECT_EQ(y.shape(), (Shape{0, 2, side - 2, side - 2}));
+    Backward(Sum(y));
+    EXPECT_EQ(w.grad().ToVector<float>(), std::vector<float>(18, 0.0f));
+    EXPECT_EQ(b.grad().ToVector<float>(), std::vector<float>(2, 0.0f));
+    EXPECT_EQ(leaf.grad().ToVector<float>(), std::vector<float>{0.0f});
+  }
+  SetConvAlgorithm(ConvAlgorithm::kAuto);
+}
+
 // window starting inside) do not rule out a window with no tap inside the
 // input: a 2-tap window with dilation 2 and padding 1 on a single row reads
 // rows -1 and 1. PyTorch accepts these arguments too. Such a window gives

@@ -352,6 +352,8 @@ void WriteBack(const Tensor& dst, const Tensor& buf) {
 }  // namespace
 
 void Conv2dForward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& y, const Conv2dParams& p) {
+  // Nothing to compute; the im2col scratch would still be sized for one image.
+  if (y.numel() == 0) return;
   const DType compute = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   if (compute == DType::kFloat32 && onednn::ShouldUse(x, w, p, GetConvAlgorithm()) &&
       onednn::Conv2dForward(x, w, bias, y, p)) {
@@ -372,6 +374,14 @@ void Conv2dForward(const Tensor& x, const Tensor& w, const Tensor& bias, const T
 
 void Conv2dBackward(const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx, const Tensor& dw,
                     const Tensor& db, const Conv2dParams& p) {
+  if (x.size(0) == 0) {
+    // An empty batch: dx is empty, dw and db are zero (written, not
+    // accumulated), and no scratch sized for one image is taken.
+    NoGradGuard guard;
+    if (dw.defined()) dw.Fill(0.0);
+    if (db.defined()) db.Fill(0.0);
+    return;
+  }
   const DType compute = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   if (compute == DType::kFloat32 && onednn::ShouldUse(x, w, p, GetConvAlgorithm()) &&
       onednn::Conv2dBackward(x, w, dy, dx, dw, db, p)) {
