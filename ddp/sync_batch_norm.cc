@@ -517,7 +517,7 @@ std::shared_ptr<nn::modules::Module> ConvertSyncBatchNorm(std::shared_ptr<nn::mo
   for (const auto& [path, m] : module->NamedModules()) {
     if (!visited.insert(m).second) continue;
     if (auto* sync = dynamic_cast<SyncBatchNorm*>(m)) synced.push_back(sync);
-    for (const auto& [name, child] : m->NamedChildren()) {
+    for (const auto& [name, child] : m->ChildSlots()) {
       auto* bn = dynamic_cast<const nn::modules::BatchNorm*>(child.get());
       if (bn == nullptr) continue;
       auto it = std::find_if(found.begin(), found.end(), [&](const Found& f) { return f.bn == bn; });
