@@ -4347,8 +4347,8 @@ DDP_TEST_WORKER(stats_trace) {
 
 // A run that dies without unwinding (here _Exit after the fourth forward)
 // leaves the timeline streamed at each forward: the three iterations before
-// it, in a file trace viewers open (the array form without its closing
-// bracket). Before, the trace was written only by the destructor.
+// it, in a file trace viewers and JSON readers open (the array form, closed
+// after every flush). Before, the trace was written only by the destructor.
 DDP_TEST_WORKER(trace_of_a_crash) {
   auto pg = testing::WorkerGroup();
   const auto& data = testing::FashionMnist();
@@ -4379,9 +4379,8 @@ TEST(DdpFeaturesTest, ARunThatDiesLeavesItsStreamedTrace) {
     ASSERT_TRUE(in.good());
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     ASSERT_FALSE(text.empty());
-    EXPECT_NE(text.back(), ',');
     nlohmann::json events;
-    ASSERT_NO_THROW(events = nlohmann::json::parse(text + "\n]")) << text;
+    ASSERT_NO_THROW(events = nlohmann::json::parse(text)) << text;
     std::map<std::string, int> names;
     bool pid_is_rank = true;
     for (const auto& e : events) {

@@ -131,6 +131,9 @@ std::string WriteAll(int fd, std::string_view text, std::chrono::milliseconds wa
   return "";
 }
 
+// What ends StreamTo's file after each flush (the next one starts over it).
+constexpr std::string_view kStreamTail = "\n]\n";
+
 // The document's head and end (Write's, streamed in pieces between them).
 constexpr std::string_view kDocumentHead = "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
 
@@ -222,21 +225,45 @@ void TraceRecorder::StreamTo(const std::string& path, int rank) {
   if (stream_fd_ >= 0 || !stream_path_.empty()) {
     throw std::logic_error("TraceRecorder::StreamTo: already streaming to " + stream_path_);
   }
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // Not truncated before the lock: the file may be another recorder's,
+  // which would be cut under it.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
     throw std::runtime_error("trace: cannot create " + path + ": " + std::strerror(errno));
   }
-  // Each later piece starts with its separator, so the file never ends in
-  // a dangling comma, wherever the process stops.
-  if (const std::string error = WriteAll(fd, "[\n" + ProcessNameJson(rank), std::chrono::milliseconds(0));
-      !error.empty()) {
+  // One writer per file, in this process or another: two recorders would
+  // write their events over each other's (and the end of one run would
+  // remove the file the other still streams to). The lock goes with the
+  // descriptor, so a second open of the same file in this process is
+  // refused too.
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
     ::close(fd);
+    if (error == EWOULDBLOCK) {
+      throw std::runtime_error("trace: " + path + " is being written by another trace (another "
+                               "DistributedDataParallel or process with the same trace prefix and rank?); "
+                               "give each its own trace prefix");
+    }
+    throw std::runtime_error("trace: cannot lock " + path + ": " + std::strerror(error));
+  }
+  // The file is a JSON array after every flush: the events so far, then
+  // kStreamTail, which the next flush writes over.
+  const std::string head = "[\n" + ProcessNameJson(rank);
+  std::string error;
+  if (::ftruncate(fd, 0) != 0) {
+    error = std::strerror(errno);
+  } else {
+    error = WriteAll(fd, head + std::string(kStreamTail), std::chrono::milliseconds(0));
+  }
+  if (!error.empty()) {
     ::unlink(path.c_str());
+    ::close(fd);
     throw std::runtime_error("trace: cannot write " + path + ": " + error);
   }
   stream_fd_ = fd;
   stream_path_ = path;
   stream_rank_ = rank;
+  stream_end_ = static_cast<off_t>(head.size());
 }
 
 bool TraceRecorder::IsStreamTarget(const std::string& path) { return nn::io::IsStreamPath(path); }
@@ -311,7 +338,24 @@ std::string TraceRecorder::TakeUnflushed() {
 
 std::string TraceRecorder::WriteToStream(const std::string& text) {
   if (text.empty()) return "";
-  const std::string error = WriteAll(stream_fd_, text, stream_wait_);
+  std::string error;
+  if (document_) {
+    error = WriteAll(stream_fd_, text, stream_wait_);
+  } else if (::lseek(stream_fd_, stream_end_, SEEK_SET) < 0) {
+    error = std::strerror(errno);
+  } else {
+    // Over the previous tail: the file ends in a closing bracket again,
+    // unless this write stops partway (a full disk).
+    error = WriteAll(stream_fd_, text + std::string(kStreamTail), std::chrono::milliseconds(0));
+    if (error.empty()) {
+      stream_end_ += static_cast<off_t>(text.size());
+    } else if (::ftruncate(stream_fd_, stream_end_) == 0 && ::lseek(stream_fd_, stream_end_, SEEK_SET) >= 0) {
+      // Back to the last whole event, and the array closed: the file stays
+      // JSON (the write that failed may fail again here; the truncation
+      // freed what it had written).
+      WriteAll(stream_fd_, kStreamTail, std::chrono::milliseconds(0));
+    }
+  }
   if (!error.empty()) {
     ::close(stream_fd_);
     stream_fd_ = -1;
@@ -353,9 +397,12 @@ void TraceRecorder::EndDocument() {
 }
 
 void TraceRecorder::EndStream(bool remove) {
+  // Removed before the descriptor (and its lock) goes: once the lock is
+  // released another recorder may take the path, whose file this would
+  // remove.
+  if (remove && !document_ && !stream_path_.empty()) ::unlink(stream_path_.c_str());
   if (stream_fd_ >= 0) ::close(stream_fd_);
   stream_fd_ = -1;
-  if (remove && !document_ && !stream_path_.empty()) ::unlink(stream_path_.c_str());
 }
 
 }  // namespace ddp::dist

@@ -16,6 +16,8 @@
 // the same pipe) is refused, naming it, as two documents interleaved in one
 // pipe would be neither.
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -48,10 +50,14 @@ class TraceRecorder {
 
   /// Starts streaming to `path` (created or truncated): Flush appends the
   /// events recorded since the last flush, in the format's array form,
-  /// which trace readers take without its closing bracket, so a process
-  /// that dies without unwinding (a crash, SIGKILL) leaves every event
-  /// flushed before. Throws std::runtime_error naming the path when it
-  /// cannot be created or written; a second call is refused.
+  /// and the file is a complete JSON array after every flush (the closing
+  /// bracket is written over by the next), so a process that dies without
+  /// unwinding (a crash, SIGKILL) leaves every event flushed before, and
+  /// a write that fails partway is cut back to the last whole event. The
+  /// file is locked (flock) while streamed: a second recorder of the same
+  /// file, in this process or another, is refused. Throws
+  /// std::runtime_error naming the path when it cannot be created,
+  /// written or locked; a second call is refused.
   void StreamTo(const std::string& path, int rank);
   /// Whether `path` (through links) is a FIFO or a terminal: a trace there
   /// is streamed with StreamDocumentTo, not written by Write. Told by the
@@ -117,6 +123,7 @@ class TraceRecorder {
   std::chrono::milliseconds stream_wait_{0};  // per write (a file never makes one wait)
   std::string stream_path_;
   int stream_rank_ = 0;
+  off_t stream_end_ = 0;  // StreamTo's file: where its closing bracket starts
   size_t streamed_ = 0;
   std::map<std::string, int> stream_lanes_;
 };

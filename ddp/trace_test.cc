@@ -96,15 +96,15 @@ TEST(TraceTest, AnyBytesInANameGiveValidJson) {
 }
 
 // The stream holds, after each flush, every event so far exactly once and
-// each lane's name once, and reads as JSON once its closing bracket is
-// added; EndStream(true) removes it, EndStream(false) keeps it.
+// each lane's name once, and reads as JSON as it is; EndStream(true)
+// removes it, EndStream(false) keeps it.
 TEST(TraceTest, FlushAppendsOnlyTheNewEvents) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_stream.json";
   auto read = [&] {
     std::ifstream in(path);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    return nlohmann::json::parse(text + "]");
+    return nlohmann::json::parse(text);
   };
   for (const bool remove : {false, true}) {
     TraceRecorder trace;
@@ -132,6 +132,79 @@ TEST(TraceTest, FlushAppendsOnlyTheNewEvents) {
   }
   TraceRecorder trace;
   EXPECT_THROW(trace.StreamTo("/nonexistent-dir/trace.json", 0), std::runtime_error);
+}
+
+// The streamed file is a whole JSON array at every point a flush leaves
+// it (strict readers such as Python's json take it as it is), and stays
+// one when the stream ends without the complete file. Before, it lacked
+// its closing bracket until removed.
+TEST(TraceTest, AStreamedFileIsJsonAfterEveryFlush) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_json_stream.json";
+  auto names = [&] {
+    std::ifstream in(path);
+    const nlohmann::json events = nlohmann::json::parse(in);  // throws on a cut document
+    std::vector<std::string> out;
+    for (const auto& e : events) {
+      if (e["ph"] == "X") out.push_back(e["name"].get<std::string>());
+    }
+    return out;
+  };
+  TraceRecorder trace;
+  trace.StreamTo(path, 0);
+  ASSERT_NO_THROW(EXPECT_TRUE(names().empty()));
+  const auto now = TraceRecorder::Clock::now();
+  trace.Complete("first", "compute", now, now);
+  trace.Flush();
+  ASSERT_NO_THROW(EXPECT_EQ(names(), (std::vector<std::string>{"first"})));
+  trace.Complete("second", "comm", now, now, "\"bytes\": 8");
+  trace.Complete("third", "compute", now, now);
+  trace.Flush();
+  trace.EndStream(/*remove=*/false);
+  ASSERT_NO_THROW(EXPECT_EQ(names(), (std::vector<std::string>{"first", "second", "third"})));
+}
+
+// Two recorders streaming to one file (two wrappers given the same trace
+// prefix in one process, or two processes) would write over each other's
+// events: the second is refused, naming the file, and the first's file is
+// left whole. Once the first ends, the path is free again. Before, the
+// second truncated the first's file and both wrote into it.
+TEST(TraceTest, ASecondRecorderOfOneFileIsRefused) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_shared.json";
+  const auto now = TraceRecorder::Clock::now();
+  TraceRecorder first, second;
+  first.StreamTo(path, 0);
+  first.Complete("first's", "compute", now, now);
+  first.Flush();
+  try {
+    second.StreamTo(path, 0);
+    ADD_FAILURE() << "two recorders stream to one file";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "trace: " + path + " is being written by another trace (another "
+                                     "DistributedDataParallel or process with the same trace prefix and "
+                                     "rank?); give each its own trace prefix");
+  }
+  second.Complete("second's", "compute", now, now);
+  second.Flush();
+  second.EndStream(/*remove=*/true);  // never started: must not remove the first's file
+  {
+    std::ifstream in(path);
+    ASSERT_TRUE(in.good()) << "the first recorder's file was removed";
+    nlohmann::json events;
+    ASSERT_NO_THROW(events = nlohmann::json::parse(in));
+    int firsts = 0;
+    for (const auto& e : events) {
+      EXPECT_NE(e["name"], "second's");
+      firsts += e["name"] == "first's";
+    }
+    EXPECT_EQ(firsts, 1);
+  }
+  first.EndStream(/*remove=*/true);
+  EXPECT_FALSE(std::filesystem::exists(path));
+  TraceRecorder third;
+  EXPECT_NO_THROW(third.StreamTo(path, 0));
+  third.EndStream(/*remove=*/true);
 }
 
 // A FIFO named `name` in a fresh folder under the test's temporary one;
