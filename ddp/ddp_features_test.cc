@@ -4519,6 +4519,92 @@ TEST(DdpFeaturesTest, AFifoTraceWaitsForItsReaderAtMostHalfTheGroupsTimeout) {
   ExpectAnUnreadFifoTraceRefused({.process_group = ProcessGroup::Single({.timeout = std::chrono::milliseconds(600)})});
 }
 
+// The forward events of the trace file at `path`, read as strict JSON (a
+// document or a bare array of events); -1 when it is not JSON.
+int ForwardEventsIn(const std::string& path) {
+  std::ifstream in(path);
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    ADD_FAILURE() << path << ": " << e.what();
+    return -1;
+  }
+  int forwards = 0;
+  for (const auto& e : doc.is_array() ? doc : doc["traceEvents"]) {
+    forwards += e["ph"] == "X" && e["name"] == "forward";
+  }
+  return forwards;
+}
+
+// Two wrappers of one process given the same trace_prefix would write one
+// file (each truncating and overwriting the other's), and the second would
+// take the group's trace over: the second is refused, naming the prefix and
+// the file, whether on the same group or on another group of the same rank
+// (a spelling of the prefix through "./" included), and the first's trace
+// is whole. Once the first is gone the prefix is free again. Before, the
+// second was made and both wrote into the same files.
+TEST(DdpFeaturesTest, ASecondWrapperWithTheSameTracePrefixIsRefused) {
+  const std::string dir = FreshTraceFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string prefix = dir + "/t_";
+  auto pg = ProcessGroup::Single();
+  const auto& data = testing::FashionMnist();
+  {
+    DistributedDataParallel first(nn::modules::MakeMlp(), {.process_group = pg, .trace_prefix = prefix});
+    for (const bool same_group : {true, false}) {
+      SCOPED_TRACE(same_group ? "the same group" : "another group");
+      const std::string second_prefix = same_group ? prefix : dir + "/./t_";
+      try {
+        DistributedDataParallel second(nn::modules::MakeMlp(),
+                                       {.process_group = same_group ? pg : ProcessGroup::Single(),
+                                        .trace_prefix = second_prefix});
+        ADD_FAILURE() << "a second wrapper with the same trace_prefix was made";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_EQ(std::string(e.what()),
+                  "DistributedDataParallel: DdpOptions::trace_prefix \"" + second_prefix + "\": the trace file " +
+                      second_prefix + "rank0.json is already written by another DistributedDataParallel of this "
+                      "process (made with the same trace_prefix, on this group or another of this rank); give "
+                      "each wrapper its own trace_prefix");
+      }
+    }
+    for (int s = 0; s < 2; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(first(x), y));
+    }
+  }
+  EXPECT_EQ(ForwardEventsIn(prefix + "rank0.json"), 2);
+  EXPECT_FALSE(std::filesystem::exists(prefix + "rank0.partial.json"));
+  EXPECT_NO_THROW(DistributedDataParallel(nn::modules::MakeMlp(), {.process_group = pg, .trace_prefix = prefix}));
+}
+
+// A complete trace of an earlier run with the same prefix is not left
+// beside this run's partial one, where a reader would take the two for one
+// run: it is gone once the wrapper is made, and this run's replaces it at
+// the end. The partial file is JSON at every forward. Before, the earlier
+// run's file stayed until this run's end (for good, if this run died).
+TEST(DdpFeaturesTest, AnEarlierRunsTraceIsNotLeftBesideThisRunsPartialOne) {
+  const std::string dir = FreshTraceFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string prefix = dir + "/t_";
+  std::ofstream(prefix + "rank0.json") << "{\"traceEvents\": [{\"name\": \"forward\", \"ph\": \"X\"}]}\n";
+  const auto& data = testing::FashionMnist();
+  {
+    DistributedDataParallel ddp(nn::modules::MakeMlp(), {.process_group = ProcessGroup::Single(),
+                                                         .trace_prefix = prefix});
+    EXPECT_FALSE(std::filesystem::exists(prefix + "rank0.json")) << "the earlier run's trace is still there";
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      // Each forward flushed the iterations before it.
+      EXPECT_EQ(ForwardEventsIn(prefix + "rank0.partial.json"), s) << "after forward " << s;
+    }
+    EXPECT_FALSE(std::filesystem::exists(prefix + "rank0.json"));
+  }
+  EXPECT_EQ(ForwardEventsIn(prefix + "rank0.json"), 3);
+  EXPECT_FALSE(std::filesystem::exists(prefix + "rank0.partial.json"));
+}
+
 // Two DDPs on disjoint one-rank subgroups, one per process: both are rank 0
 // of their group, and each still writes its own trace file (named by the
 // rank in the job), not one file both overwrite.

@@ -3,12 +3,17 @@
 #include <algorithm>
 #include <charconv>
 #include <cinttypes>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <set>
 #include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
+
+#include <unistd.h>
 
 #include "ddp/debug_mode.h"
 #include "ddp/reducer.h"
@@ -37,6 +42,55 @@ std::string DdpStats::ToString() const {
   return s + "]";
 }
 
+// ------------------------------------------------------- trace files ----
+
+namespace {
+
+// The trace files the wrappers of this process write, by their absolute
+// path. Two wrappers given the same trace_prefix (on one group, or on two
+// groups of one rank) would write one file: the second is refused before it
+// touches the file or the group (whose trace it would take over), on every
+// rank alike, so that no collective is left waiting for it.
+class TraceFileClaim {
+ public:
+  TraceFileClaim(const std::string& path, const std::string& prefix) : key_(Key(path)) {
+    std::lock_guard lock(Mu());
+    if (!Claimed().insert(key_).second) {
+      throw std::invalid_argument(
+          "DistributedDataParallel: DdpOptions::trace_prefix \"" + prefix + "\": the trace file " + path +
+          " is already written by another DistributedDataParallel of this process (made with the same "
+          "trace_prefix, on this group or another of this rank); give each wrapper its own trace_prefix");
+    }
+  }
+  ~TraceFileClaim() {
+    std::lock_guard lock(Mu());
+    Claimed().erase(key_);
+  }
+  TraceFileClaim(const TraceFileClaim&) = delete;
+  TraceFileClaim& operator=(const TraceFileClaim&) = delete;
+
+ private:
+  // Links and "." or ".." in the folder resolved, so that two spellings
+  // of one file meet (the file itself may not exist yet).
+  static std::string Key(const std::string& path) {
+    std::error_code error;
+    std::filesystem::path key = std::filesystem::weakly_canonical(path, error);
+    if (error) key = std::filesystem::absolute(path, error).lexically_normal();
+    return error ? path : key.string();
+  }
+  static std::mutex& Mu() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::set<std::string>& Claimed() {
+    static std::set<std::string> claimed;
+    return claimed;
+  }
+  const std::string key_;
+};
+
+}  // namespace
+
 // -------------------------------------------------------------- Impl ----
 
 class DistributedDataParallel::Impl {
@@ -55,6 +109,7 @@ class DistributedDataParallel::Impl {
   // bucket has them, so one that starts requiring grad later is refused.
   std::vector<std::pair<std::string, nn::Tensor>> left_out;
   std::shared_ptr<TraceRecorder> trace;
+  std::unique_ptr<TraceFileClaim> trace_claim;  // while `trace` is written
   bool require_sync = true;
   // Every parameter of the model when it was wrapped (held, so that the
   // addresses stay theirs): a reached leaf that is a parameter now and
@@ -378,6 +433,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   impl_->log_every = options_.log_stats_every;
   if (impl_->log_every == 0 && level != DebugLevel::kOff) impl_->log_every = 100;
   if (!options_.trace_prefix.empty()) {
+    impl_->trace_claim = std::make_unique<TraceFileClaim>(TracePath(), options_.trace_prefix);
     impl_->trace = std::make_shared<TraceRecorder>();
     pg_->set_trace(impl_->trace);
   }
@@ -414,6 +470,13 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
         impl_->trace->StreamDocumentTo(TracePath(), pg_->root_rank(), wait);
       } else {
         impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());
+        // The complete file of an earlier run would be read beside this
+        // run's partial one as one run: this run's replaces it at the end,
+        // and until then there is none.
+        if (::unlink(TracePath().c_str()) != 0 && errno != ENOENT) {
+          throw std::runtime_error("trace: cannot remove " + TracePath() + ", an earlier run's trace: " +
+                                   std::strerror(errno));
+        }
       }
     }
 

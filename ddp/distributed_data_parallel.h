@@ -113,10 +113,17 @@ struct DdpOptions {
   /// WriteTrace()); r is the process's rank in the job
   /// (ProcessGroup::root_rank), also for a DDP of a subgroup. Meanwhile
   /// every forward appends the events so far to
-  /// `<trace_prefix>rank<r>.partial.json` (the format's array form, which
-  /// trace viewers open unterminated), removed once the complete file is
-  /// written: a run that dies without unwinding leaves that one. A
-  /// directory that cannot be written fails construction.
+  /// `<trace_prefix>rank<r>.partial.json` (the format's array form, a
+  /// complete JSON array after every forward), removed once the complete
+  /// file is written: a run that dies without unwinding leaves that one.
+  /// Construction removes a `<trace_prefix>rank<r>.json` of an earlier
+  /// run, so that it is never read beside this run's partial file. A
+  /// directory that cannot be written fails construction. One trace file
+  /// takes one wrapper: a second wrapper of this process with the same
+  /// prefix and rank (on any group) fails construction with
+  /// std::invalid_argument naming the prefix and the file, before any
+  /// collective, and the first keeps its trace; a trace file that another
+  /// process streams to (locked) fails it with std::runtime_error.
   /// When `<trace_prefix>rank<r>.json` is a FIFO (named pipe) or a terminal,
   /// it is streamed instead, with no partial file and no rename (which
   /// would replace the pipe): construction opens it, every forward appends
