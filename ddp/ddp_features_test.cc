@@ -4694,6 +4694,28 @@ TEST(DdpFeaturesTest, DdpsOfSubgroupsWriteOneTraceEach) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A window with no communication (no synchronizing iteration yet, or one
+// rank) is not printed as communication that overlapped 100%; one with
+// communication prints its share. Before, DDP_DEBUG=info's line at
+// construction and every one-rank Stats() said "overlapped 0.00 ms = 100%".
+TEST(DdpFeaturesTest, StatisticsWithoutCommunicationClaimNoOverlap) {
+  const std::string empty = DdpStats{}.ToString();
+  EXPECT_EQ(empty.find('%'), std::string::npos) << empty;
+  EXPECT_NE(empty.find("backward comm 0.00 ms (no communication to overlap, exposed 0.00 ms)"), std::string::npos)
+      << empty;
+  DistributedDataParallel ddp(nn::modules::MakeMlp(), {.process_group = ProcessGroup::Single()});
+  const auto& data = testing::FashionMnist();
+  for (int s = 0; s < 2; ++s) {
+    auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  }
+  const std::string one_rank = ddp.Stats().ToString();
+  EXPECT_EQ(one_rank.find('%'), std::string::npos) << one_rank;
+  const std::string some = DdpStats{.iterations = 1, .backward_comm_ms = 4, .overlap_ms = 1}.ToString();
+  EXPECT_NE(some.find("backward comm 4.00 ms (overlapped 1.00 ms = 25%, exposed 0.00 ms)"), std::string::npos)
+      << some;
+}
+
 TEST(DdpFeaturesTest, StatisticsAndTrace) {
   auto run = RunWorkers("stats_trace", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);

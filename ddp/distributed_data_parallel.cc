@@ -25,13 +25,20 @@ namespace ddp::dist {
 using Clock = std::chrono::steady_clock;
 
 std::string DdpStats::ToString() const {
+  // A window without communication (no iteration yet, one rank) overlapped
+  // nothing: overlap_fraction's 1 there is no "100%" to print.
+  char overlap[96];
+  if (backward_comm_ms > 0) {
+    std::snprintf(overlap, sizeof(overlap), "overlapped %.2f ms = %.0f%%", overlap_ms, 100.0 * overlap_fraction());
+  } else {
+    std::snprintf(overlap, sizeof(overlap), "no communication to overlap");
+  }
   char line[512];
   std::snprintf(line, sizeof(line),
-                "forward %.2f ms, backward compute %.2f ms, backward comm %.2f ms (overlapped "
-                "%.2f ms = %.0f%%, exposed %.2f ms), comm thread CPU %.2f ms, waiting for other "
-                "ranks %.2f ms",
-                forward_ms, backward_compute_ms, backward_comm_ms, overlap_ms,
-                100.0 * overlap_fraction(), exposed_ms, comm_thread_cpu_ms, peer_wait_ms);
+                "forward %.2f ms, backward compute %.2f ms, backward comm %.2f ms (%s, exposed %.2f ms), "
+                "comm thread CPU %.2f ms, waiting for other ranks %.2f ms",
+                forward_ms, backward_compute_ms, backward_comm_ms, overlap, exposed_ms, comm_thread_cpu_ms,
+                peer_wait_ms);
   std::string s = line;
   s += ", " + std::to_string(bucket_bytes.size()) + " bucket(s) [";
   for (size_t i = 0; i < bucket_bytes.size(); ++i) {
