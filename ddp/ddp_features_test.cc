@@ -4578,6 +4578,50 @@ TEST(DdpFeaturesTest, ASecondWrapperWithTheSameTracePrefixIsRefused) {
   EXPECT_NO_THROW(DistributedDataParallel(nn::modules::MakeMlp(), {.process_group = pg, .trace_prefix = prefix}));
 }
 
+// The names of the complete events in the trace file at `path` that
+// contain `part`.
+std::vector<std::string> EventsNaming(const std::string& path, const std::string& part) {
+  std::ifstream in(path);
+  std::vector<std::string> names;
+  try {
+    const nlohmann::json doc = nlohmann::json::parse(in);
+    for (const auto& e : doc["traceEvents"]) {
+      const std::string name = e["name"].get<std::string>();
+      if (e["ph"] == "X" && name.find(part) != std::string::npos) names.push_back(name);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    ADD_FAILURE() << path << ": " << e.what();
+  }
+  return names;
+}
+
+// Two wrappers on one group, each with a trace of its own: each trace gets
+// the group's collectives while its wrapper lives, and the second's end
+// does not stop the first's. Before, the second took the group's trace
+// over, and after its end nothing was recorded (the first's trace lost
+// every collective from the second's construction on).
+TEST(DdpFeaturesTest, TwoWrappersOnOneGroupEachTraceItsCollectives) {
+  const std::string dir = FreshTraceFolder();
+  ASSERT_FALSE(dir.empty());
+  auto pg = ProcessGroup::Single();
+  {
+    DistributedDataParallel first(nn::modules::MakeMlp(), {.process_group = pg, .trace_prefix = dir + "/a_"});
+    {
+      DistributedDataParallel second(nn::modules::MakeMlp(), {.process_group = pg, .trace_prefix = dir + "/b_"});
+      pg->AllReduce(nn::Ones({1}), transport::ReduceOp::kSum, "while both live").Wait();
+    }
+    pg->AllReduce(nn::Ones({1}), transport::ReduceOp::kSum, "after the second").Wait();
+  }
+  auto text = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(EventsNaming(dir + "/a_rank0.json", "while both live").size(), 1u) << text(dir + "/a_rank0.json");
+  EXPECT_EQ(EventsNaming(dir + "/a_rank0.json", "after the second").size(), 1u);
+  EXPECT_EQ(EventsNaming(dir + "/b_rank0.json", "while both live").size(), 1u);
+  EXPECT_EQ(EventsNaming(dir + "/b_rank0.json", "after the second").size(), 0u);
+}
+
 // A complete trace of an earlier run with the same prefix is not left
 // beside this run's partial one, where a reader would take the two for one
 // run: it is gone once the wrapper is made, and this run's replaces it at

@@ -453,6 +453,19 @@ class RunningTaskMark {
  private:
   const ProcessGroup::Impl* outer_;
 };
+
+// The recorders a group's collectives go to (ProcessGroup::set_trace);
+// null when there is none.
+using Traces = std::shared_ptr<const std::vector<std::shared_ptr<TraceRecorder>>>;
+
+// Records a collective named `name` in each of `traces`.
+void Record(const Traces& traces, const std::string& name, std::chrono::steady_clock::time_point start,
+            std::chrono::steady_clock::time_point end, bool ok) {
+  if (traces == nullptr) return;
+  for (const auto& trace : *traces) {
+    trace->Complete(name, "comm", start, end, "\"ok\": " + std::string(ok ? "true" : "false"));
+  }
+}
 }  // namespace
 
 class ProcessGroup::Impl {
@@ -569,7 +582,7 @@ class ProcessGroup::Impl {
       Item item{std::move(description), std::move(task), state, mode, own_ms};
       ++running_;
       ahead_ms_ += own_ms;
-      std::shared_ptr<TraceRecorder> trace = trace_;
+      const Traces trace = traces_;
       // Outlives `this`: set when the task destroyed the group (Stop).
       const std::shared_ptr<std::atomic<bool>> gone = gone_;
       lock.unlock();
@@ -586,15 +599,12 @@ class ProcessGroup::Impl {
       queue_.push_back(Item{std::move(description), std::move(task), state, mode, own_ms});
       ahead_ms_ += own_ms;
     }
-    std::shared_ptr<TraceRecorder> trace = trace_;
+    const Traces trace = traces_;
     lock.unlock();
     if (wake) cv_.notify_one();
     if (post_here) {
       const Clock::time_point end = Clock::now();
-      if (trace != nullptr) {
-        trace->Complete(description.ToString(), "comm", state->started, end,
-                        "\"ok\": " + std::string(posted.ok() ? "true" : "false"));
-      }
+      Record(trace, description.ToString(), state->started, end, posted.ok());
       if (!posted.ok()) {
         if (aborted_reason().ok()) Abort(posted);
         state->Finish(transport::Status(posted.code(), state->what + ": " + posted.message()), end);
@@ -793,13 +803,34 @@ class ProcessGroup::Impl {
     return aborted_;
   }
 
+  // Each user's recorder gets every collective: a second wrapper with a
+  // trace of its own on this group must not take the first one's over
+  // (which then recorded nothing more, not even after the second ended).
+  // A new list replaces the old, so that a collective running keeps the
+  // one it started with without holding mu_.
   void set_trace(std::shared_ptr<TraceRecorder> trace) {
     std::lock_guard lock(mu_);
-    trace_ = std::move(trace);
+    if (trace == nullptr) {
+      traces_.reset();
+      return;
+    }
+    auto traces = std::make_shared<std::vector<std::shared_ptr<TraceRecorder>>>();
+    if (traces_ != nullptr) *traces = *traces_;
+    if (std::find(traces->begin(), traces->end(), trace) == traces->end()) traces->push_back(std::move(trace));
+    traces_ = std::move(traces);
   }
   void StopTrace(const TraceRecorder* trace) {
     std::lock_guard lock(mu_);
-    if (trace_.get() == trace) trace_.reset();
+    if (traces_ == nullptr) return;
+    auto traces = std::make_shared<std::vector<std::shared_ptr<TraceRecorder>>>();
+    for (const auto& t : *traces_) {
+      if (t.get() != trace) traces->push_back(t);
+    }
+    if (traces->empty()) {
+      traces_.reset();
+    } else {
+      traces_ = std::move(traces);
+    }
   }
 
   std::chrono::nanoseconds CpuTime() const {
@@ -875,7 +906,7 @@ class ProcessGroup::Impl {
   // Runs one item, on the communication thread or (collectives_on_caller)
   // on the caller's; running_ counts it and mu_ is not held. Returns whether
   // it posted point-to-point messages that are still in flight.
-  bool Run(Item& item, const std::shared_ptr<TraceRecorder>& trace) {
+  bool Run(Item& item, const Traces& trace) {
     // Outlives `this`: set when the task dropped the last reference to the
     // group, which was then destroyed inside it (StopFromOwnWork).
     const std::shared_ptr<std::atomic<bool>> gone = gone_;
@@ -926,10 +957,7 @@ class ProcessGroup::Impl {
           status = transport::AbortedError("the process group was destroyed by this task");
         }
         if (!status.ok()) status = Status(status.code(), named + status.message());
-        if (trace != nullptr) {
-          trace->Complete(item.description.ToString(), "comm", start, Clock::now(),
-                          "\"ok\": " + std::string(status.ok() ? "true" : "false"));
-        }
+        Record(trace, item.description.ToString(), start, Clock::now(), status.ok());
         item.state->Finish(std::move(status), Clock::now());
         return false;
       }
@@ -941,10 +969,7 @@ class ProcessGroup::Impl {
       }
     }
     const Clock::time_point end = Clock::now();
-    if (trace != nullptr) {
-      trace->Complete(item.description.ToString(), "comm", start, end,
-                      "\"ok\": " + std::string(status.ok() ? "true" : "false"));
-    }
+    Record(trace, item.description.ToString(), start, end, status.ok());
     const bool posted = status.ok() && item.mode == Mode::kPointToPoint;
     if (posted) {
       {
@@ -987,7 +1012,7 @@ class ProcessGroup::Impl {
       Item item = std::move(queue_.front());
       queue_.pop_front();
       ++running_;
-      std::shared_ptr<TraceRecorder> trace = trace_;
+      const Traces trace = traces_;
       lock.unlock();
       const bool posted = Run(item, trace);
       // The task goes before mu_ is taken again: it may hold the last
@@ -1036,7 +1061,7 @@ class ProcessGroup::Impl {
   bool stopping_ = false;
   bool stopped_ = false;  // Stop ran (only the destroying thread touches it)
   std::thread thread_;
-  std::shared_ptr<TraceRecorder> trace_;
+  Traces traces_;  // null: no recorder (set_trace)
   clockid_t thread_clock_{};
   std::atomic<bool> has_clock_{false};
   std::atomic<uint64_t> run_count_{0};

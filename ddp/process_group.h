@@ -513,10 +513,11 @@ class ProcessGroup {
   Work RunFenced(const CollectiveDescription& description, FencedTask task,
                  const std::vector<nn::Tensor>& device_tensors);
 
-  /// Records each collective as a trace event (null: stop recording).
+  /// Records each collective as a trace event in `trace` too (each of
+  /// several recorders set gets every collective; null: stop recording
+  /// into all of them).
   void set_trace(std::shared_ptr<TraceRecorder> trace);
-  /// Stops recording into `trace` if that is still the recorder (another
-  /// user of the group may have installed its own since).
+  /// Stops recording into `trace`, leaving the other users' recorders.
   void StopTrace(const TraceRecorder* trace);
   /// CPU time the communication thread has used so far (zero before its
   /// first collective): what shows that it sleeps instead of spinning.
