@@ -357,15 +357,20 @@ std::string TraceRecorder::WriteToStream(const std::string& text) {
     }
   }
   if (!error.empty()) {
-    ::close(stream_fd_);
-    stream_fd_ = -1;
     stream_failed_ = true;
+    // A file's descriptor is kept, and with it the lock, until EndStream:
+    // another recorder that took the path meanwhile would have its file
+    // removed by EndStream(true).
+    if (document_) {
+      ::close(stream_fd_);
+      stream_fd_ = -1;
+    }
   }
   return error;
 }
 
 void TraceRecorder::Flush() {
-  if (stream_fd_ < 0) return;
+  if (stream_fd_ < 0 || stream_failed_) return;
   const std::string error = WriteToStream(TakeUnflushed());
   if (error.empty()) return;
   if (document_) {

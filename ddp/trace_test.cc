@@ -5,12 +5,14 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -162,6 +164,53 @@ TEST(TraceTest, AStreamedFileIsJsonAfterEveryFlush) {
   trace.Flush();
   trace.EndStream(/*remove=*/false);
   ASSERT_NO_THROW(EXPECT_EQ(names(), (std::vector<std::string>{"first", "second", "third"})));
+}
+
+// A write that fails partway (here the file size limit, EFBIG; a full disk
+// alike) leaves the file cut back to the last whole event and closed: JSON
+// with the events flushed before. The failure is reported once, naming the
+// file, later flushes write nothing, and the file stays locked. Before, the
+// file ended inside an event, and its lock was released at the failure.
+TEST(TraceTest, AWriteThatFailsPartwayLeavesTheFileJson) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_cut.json";
+  TraceRecorder trace;
+  trace.StreamTo(path, 0);
+  const auto now = TraceRecorder::Clock::now();
+  trace.Complete("kept", "compute", now, now);
+  trace.Flush();
+  const auto size_before = std::filesystem::file_size(path);
+  for (int i = 0; i < 1000; ++i) trace.Complete("cut " + std::to_string(i), "compute", now, now);
+  // Past the limit, write() stops partway, then fails with EFBIG (and
+  // SIGXFSZ, ignored here, as its default ends the process).
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit old_limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  rlimit limit = old_limit;
+  limit.rlim_cur = size_before + 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  testing::internal::CaptureStderr();
+  trace.Flush();
+  trace.Complete("after the failure", "compute", now, now);
+  trace.Flush();
+  const std::string err = testing::internal::GetCapturedStderr();
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(err, "[ddp] trace: writing " + path + " failed (" + std::strerror(EFBIG) + "); it stops here, and "
+                 "the complete trace is still written at the end\n");
+  // The file is still this recorder's (locked) until EndStream: another
+  // one would have it removed under it by EndStream(true).
+  TraceRecorder other;
+  EXPECT_THROW(other.StreamTo(path, 1), std::runtime_error);
+  trace.EndStream(/*remove=*/false);
+  std::ifstream in(path);
+  nlohmann::json events;
+  ASSERT_NO_THROW(events = nlohmann::json::parse(in));
+  std::vector<std::string> names;
+  for (const auto& e : events) {
+    if (e["ph"] == "X") names.push_back(e["name"].get<std::string>());
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"kept"}));
 }
 
 // Two recorders streaming to one file (two wrappers given the same trace
