@@ -896,6 +896,45 @@ DDP_TEST_WORKER(log_stats_every_negative_on_one_rank) {
   return testing::WorkerExit();
 }
 
+// A construction that fails after the trace was started (here rank 0's:
+// its peer refused a negative log_stats_every and aborted the group, so the
+// initial broadcast fails) leaves no partial trace of a run that never
+// started, and leaves an earlier run's complete trace as it was. Before,
+// the empty partial file stayed.
+DDP_TEST_WORKER(failed_construction_leaves_the_traces) {
+  auto pg = testing::WorkerGroup();
+  const std::string prefix = std::getenv("DDP_TEST_TRACE_PREFIX");
+  const std::string earlier = prefix + "rank0.json", partial = prefix + "rank0.partial.json";
+  const std::string earlier_text = "{\"traceEvents\": []}\n";
+  if (pg->rank() == 0) std::ofstream(earlier) << earlier_text;
+  bool failed = false;
+  try {
+    DistributedDataParallel ddp(Mlp(9), {.process_group = pg, .log_stats_every = pg->rank() == 1 ? -5 : 0,
+                                         .trace_prefix = pg->rank() == 0 ? prefix : ""});
+  } catch (const std::exception&) {
+    failed = true;
+    if (pg->rank() == 1) testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+  }
+  WORKER_EXPECT(failed, "rank " + std::to_string(pg->rank()) + " constructed");
+  if (pg->rank() == 0) {
+    testing::MarkThisRankDone(*pg);
+    WORKER_EXPECT(!std::filesystem::exists(partial), partial + " is left behind");
+    std::ifstream in(earlier);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    WORKER_EXPECT(text == earlier_text, earlier + " holds '" + text + "'");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AFailedConstructionLeavesNoPartialTraceAndTheEarlierOne) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/failed_construction_" +
+                             std::to_string(::getpid()) + "_";
+  auto run = RunWorkers("failed_construction_leaves_the_traces", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_TRACE_PREFIX", prefix}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(DdpFeaturesTest, ANegativeStatisticsPeriodIsRefusedNamingTheOption) {
   auto run = RunWorkers("log_stats_every_negative_on_one_rank", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);

@@ -477,13 +477,6 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
         impl_->trace->StreamDocumentTo(TracePath(), pg_->root_rank(), wait);
       } else {
         impl_->trace->StreamTo(PartialTracePath(), pg_->root_rank());
-        // The complete file of an earlier run would be read beside this
-        // run's partial one as one run: this run's replaces it at the end,
-        // and until then there is none.
-        if (::unlink(TracePath().c_str()) != 0 && errno != ENOENT) {
-          throw std::runtime_error("trace: cannot remove " + TracePath() + ", an earlier run's trace: " +
-                                   std::strerror(errno));
-        }
       }
     }
 
@@ -539,6 +532,15 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
       }
       impl_->single_options = reducer_options;
     }
+    // The complete file of an earlier run would be read beside this run's
+    // partial one as one run: this run's replaces it at the end, and until
+    // then there is none. Removed only now, so that a construction that
+    // fails leaves it.
+    if (impl_->trace != nullptr && !impl_->trace->streams_document() && ::unlink(TracePath().c_str()) != 0 &&
+        errno != ENOENT) {
+      throw std::runtime_error("trace: cannot remove " + TracePath() + ", an earlier run's trace: " +
+                               std::strerror(errno));
+    }
     impl_->user_since = TakeStatsSnapshot(*impl_, *pg_);
     impl_->log_since = impl_->user_since;
     if (level != DebugLevel::kOff && pg_->rank() == 0) {
@@ -546,8 +548,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
                    Stats().ToString().c_str());
     }
   } catch (...) {
-    // The group outlives a wrapper that failed to construct.
-    if (impl_->trace != nullptr) pg_->StopTrace(impl_->trace.get());
+    // The group outlives a wrapper that failed to construct; the partial
+    // trace of a run that never started is not left behind.
+    if (impl_->trace != nullptr) {
+      pg_->StopTrace(impl_->trace.get());
+      impl_->trace->EndStream(/*remove=*/true);
+    }
     if (compared && pg_->size() > 1) {
       // A failure here (bucket allocation out of memory, say) is this
       // rank's alone: the peers finish constructing and would wait for this
