@@ -4604,7 +4604,8 @@ TEST(DdpFeaturesTest, ASecondWrapperWithTheSameTracePrefixIsRefused) {
                   "DistributedDataParallel: DdpOptions::trace_prefix \"" + second_prefix + "\": the trace file " +
                       second_prefix + "rank0.json is already written by another DistributedDataParallel of this "
                       "process (made with the same trace_prefix, on this group or another of this rank); give "
-                      "each wrapper its own trace_prefix");
+                      "each wrapper its own trace_prefix, or, to wrap a model again, destroy the earlier "
+                      "wrapper first");
       }
     }
     for (int s = 0; s < 2; ++s) {

@@ -66,7 +66,8 @@ class TraceFileClaim {
       throw std::invalid_argument(
           "DistributedDataParallel: DdpOptions::trace_prefix \"" + prefix + "\": the trace file " + path +
           " is already written by another DistributedDataParallel of this process (made with the same "
-          "trace_prefix, on this group or another of this rank); give each wrapper its own trace_prefix");
+          "trace_prefix, on this group or another of this rank); give each wrapper its own trace_prefix, "
+          "or, to wrap a model again, destroy the earlier wrapper first");
     }
   }
   ~TraceFileClaim() {

@@ -123,7 +123,8 @@ struct DdpOptions {
   /// takes one wrapper: a second wrapper of this process with the same
   /// prefix and rank (on any group) fails construction with
   /// std::invalid_argument naming the prefix and the file, before any
-  /// collective, and the first keeps its trace; a trace file that another
+  /// collective, and the first keeps its trace (to wrap a model again,
+  /// destroy the earlier wrapper first); a trace file that another
   /// process streams to (locked) fails it with std::runtime_error.
   /// When `<trace_prefix>rank<r>.json` is a FIFO (named pipe) or a terminal,
   /// it is streamed instead, with no partial file and no rename (which
