@@ -99,8 +99,13 @@ namespace {
 // Whether `pid` (a child) has exited, leaving it to be reaped by Wait.
 bool Exited(pid_t pid) {
   siginfo_t info{};
-  return waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
-         info.si_pid == pid;
+  if (waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0) {
+    return info.si_pid == pid;
+  }
+  // ECHILD: not a child to wait for any more. With SIGCHLD ignored the
+  // kernel reaps a worker as it exits (a running one still answers above),
+  // and WaitForOutput polled it to its deadline as if it still ran.
+  return errno == ECHILD;
 }
 
 // waitpid for `pid` until it is reaped, through signals caught meanwhile

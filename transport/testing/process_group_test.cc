@@ -74,6 +74,30 @@ TEST(ProcessGroup, AWorkerThatCannotBeWaitedForIsNoSuccess) {
   EXPECT_NE(results[0].output.find("waitpid failed"), std::string::npos) << DescribeResults(results);
 }
 
+// WaitForOutput sees a worker that ended without printing the text even
+// when the kernel reaped it (SIGCHLD ignored): false at once, not at the
+// deadline.
+TEST(ProcessGroup, WaitForOutputSeesAWorkerReapedByTheKernelEnd) {
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  struct sigaction previous {};
+  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &previous), 0);
+  auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
+  const auto start = Clock::now();
+  bool printed = true;
+  if (group.ok()) printed = (*group)->WaitForOutput("never printed", DeadlineIn(milliseconds(30000)));
+  const auto took = Clock::now() - start;
+  // Marks it reaped while SIGCHLD is still ignored, so that the destructor
+  // does not signal its pid, which another process may have by then.
+  if (group.ok()) (*group)->Wait(DeadlineIn(milliseconds(30000)));
+  sigaction(SIGCHLD, &previous, nullptr);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_FALSE(printed);
+  // The worker exits within milliseconds; the deadline is 30 s away.
+  EXPECT_LT(took, milliseconds(15000));
+}
+
 }  // namespace
 }  // namespace ddp::transport::testing
 
