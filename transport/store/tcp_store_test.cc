@@ -28,6 +28,7 @@
 
 #include "transport/store/socket.h"
 #include "transport/store/wire.h"
+#include "transport/testing/in_memory_store.h"
 
 namespace ddp::transport::store {
 namespace {
@@ -809,6 +810,35 @@ TEST(TcpStoreTest, AddToNonIntegerIsRefused) {
   EXPECT_THAT(client->Add("n", 1, DeadlineIn(5s)).status().message(), HasSubstr("overflows"));
   // The connection is still fine.
   EXPECT_EQ(*client->Add("m", 5, DeadlineIn(5s)), 5);
+}
+
+// The in-memory store that tests of other layers use refuses the Adds the
+// TCP store refuses, with the same code and words: a layer tested against
+// it sees what it will see in a job (it threw std::invalid_argument on a
+// non-integer and took "12abc" for 12).
+TEST(TcpStoreTest, AddRefusesTheSameValuesInTheInMemoryStore) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  testing::InMemoryStore in_memory;
+  for (Store* store : {static_cast<Store*>(client.get()), static_cast<Store*>(&in_memory)}) {
+    SCOPED_TRACE(store == &in_memory ? "in-memory store" : "TCP store");
+    for (const char* text : {"alice", "12abc", " 12", "", "99999999999999999999"}) {
+      SCOPED_TRACE(std::string("value '") + text + "'");
+      ASSERT_TRUE(store->Set("v", text, DeadlineIn(5s)).ok());
+      StatusOr<int64_t> added = store->Add("v", 1, DeadlineIn(5s));
+      EXPECT_EQ(added.status().code(), StatusCode::kFailedPrecondition);
+      EXPECT_THAT(added.status().message(), HasSubstr("key 'v' holds a value that is not an integer"));
+      EXPECT_EQ(*store->TryGet("v", DeadlineIn(5s)), std::optional<std::string>(text));
+    }
+    ASSERT_TRUE(store->Set("n", "9223372036854775807", DeadlineIn(5s)).ok());
+    StatusOr<int64_t> overflowed = store->Add("n", 1, DeadlineIn(5s));
+    EXPECT_EQ(overflowed.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_THAT(overflowed.status().message(), HasSubstr("adding 1 to key 'n' overflows"));
+    EXPECT_EQ(*store->Add("n", -7, DeadlineIn(5s)), 9223372036854775800);
+    ASSERT_TRUE(store->Set("m", "-12", DeadlineIn(5s)).ok());
+    EXPECT_EQ(*store->Add("m", 2, DeadlineIn(5s)), -10);
+    EXPECT_EQ(*store->Add("absent", 3, DeadlineIn(5s)), 3);
+  }
 }
 
 TEST(TcpStoreTest, CompareSetWritesOnlyOverTheExpectedValue) {

@@ -3,11 +3,15 @@
 
 // A store::Store shared by threads of one process, for tests of layers that
 // rendezvous through a store (topology exchange, communicator bootstrap).
-// Honors deadlines like the TCP store does.
+// Honors deadlines like the TCP store does, and refuses what it refuses
+// with the same codes (an Add to a value that is not an integer, or one
+// that overflows: FAILED_PRECONDITION naming the key).
 
+#include <charconv>
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "transport/store/store.h"
@@ -38,9 +42,24 @@ class InMemoryStore final : public store::Store {
   }
   StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline) override {
     std::lock_guard lock(mu_);
-    std::string& value = data_[std::string(key)];
-    const int64_t next = (value.empty() ? 0 : std::stoll(value)) + delta;
-    value = std::to_string(next);
+    int64_t current = 0;
+    auto it = data_.find(std::string(key));
+    if (it != data_.end()) {
+      // Exactly a decimal integer, as the TCP store reads it: std::stoll
+      // threw on "alice" and took "12abc" or " 12" for 12.
+      const std::string& text = it->second;
+      const char* end = text.data() + text.size();
+      auto [ptr, ec] = std::from_chars(text.data(), end, current);
+      if (text.empty() || ec != std::errc() || ptr != end) {
+        return FailedPreconditionError("key '" + std::string(key) + "' holds a value that is not an integer");
+      }
+    }
+    int64_t next = 0;
+    if (__builtin_add_overflow(current, delta, &next)) {
+      return FailedPreconditionError("adding " + std::to_string(delta) + " to key '" + std::string(key) +
+                                     "' overflows");
+    }
+    data_[std::string(key)] = std::to_string(next);
     cv_.notify_all();
     return next;
   }
