@@ -20,4 +20,8 @@ StatusOr<bool> Store::Check(std::span<const std::string> keys, Deadline deadline
   return true;
 }
 
+StatusOr<int64_t> Store::NumKeys(Deadline) {
+  return FailedPreconditionError("num_keys: this store cannot count its keys");
+}
+
 }  // namespace ddp::transport::store

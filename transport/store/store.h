@@ -61,6 +61,12 @@ class Store {
   /// key by key; the TCP store answers up to 1,024 keys per round trip.
   virtual StatusOr<bool> Check(std::span<const std::string> keys, Deadline deadline);
 
+  /// How many keys the store holds now: torch.distributed's Store.num_keys
+  /// (keys made by Add and CompareSet count, deleted ones do not). This
+  /// default, for stores that cannot count, is FAILED_PRECONDITION saying
+  /// so; the TCP and in-memory stores count.
+  virtual StatusOr<int64_t> NumKeys(Deadline deadline);
+
   /// Deletes `key`; returns whether it existed.
   virtual StatusOr<bool> Delete(std::string_view key, Deadline deadline) = 0;
 

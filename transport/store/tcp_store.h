@@ -220,7 +220,7 @@ class TcpStoreClient final : public Store {
   /// How many keys the store holds now (torch.distributed's
   /// TCPStore.num_keys; keys made by Add and CompareSet count, deleted ones
   /// do not).
-  StatusOr<int64_t> NumKeys(Deadline deadline);
+  StatusOr<int64_t> NumKeys(Deadline deadline) override;
   /// Sets `key` to `desired` if it holds `expected` (nullopt: if it does not
   /// exist), in one step of the server that no other call comes between.
   /// Returns what `key` holds afterwards: `desired` when it was set, else

@@ -841,6 +841,36 @@ TEST(TcpStoreTest, AddRefusesTheSameValuesInTheInMemoryStore) {
   }
 }
 
+// NumKeys through the Store interface, alike in both stores: keys made by
+// Set, Add and CompareSet count, a failed CompareSet and deleted keys not.
+TEST(TcpStoreTest, NumKeysCountsTheSameInTheInMemoryStore) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  testing::InMemoryStore in_memory;
+  for (Store* store : {static_cast<Store*>(client.get()), static_cast<Store*>(&in_memory)}) {
+    SCOPED_TRACE(store == &in_memory ? "in-memory store" : "TCP store");
+    EXPECT_EQ(*store->NumKeys(DeadlineIn(5s)), 0);
+    ASSERT_TRUE(store->Set("a", "1", DeadlineIn(5s)).ok());
+    ASSERT_TRUE(store->Set("a", "2", DeadlineIn(5s)).ok());
+    ASSERT_TRUE(store->Add("b", 1, DeadlineIn(5s)).ok());
+    ASSERT_TRUE(store->CompareSet("c", std::nullopt, "x", DeadlineIn(5s)).ok());
+    ASSERT_TRUE(store->CompareSet("d", std::string_view("y"), "z", DeadlineIn(5s)).ok());
+    EXPECT_EQ(*store->NumKeys(DeadlineIn(5s)), 3);
+    ASSERT_TRUE(*store->Delete("a", DeadlineIn(5s)));
+    EXPECT_EQ(*store->NumKeys(DeadlineIn(5s)), 2);
+  }
+}
+
+// A store that does not count says so, naming the call.
+TEST(TcpStoreTest, NumKeysOfAStoreThatCannotCountSaysSo) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  DefaultCheckStore store(*client);
+  StatusOr<int64_t> count = store.NumKeys(DeadlineIn(5s));
+  EXPECT_EQ(count.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(count.status().message(), HasSubstr("num_keys"));
+}
+
 TEST(TcpStoreTest, CompareSetWritesOnlyOverTheExpectedValue) {
   auto server = StartServer();
   auto client = ConnectClient(*server);

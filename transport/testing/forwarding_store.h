@@ -29,6 +29,7 @@ class ForwardingStore : public store::Store {
     return inner_.MultiGet(keys, d);
   }
   StatusOr<bool> Delete(std::string_view key, Deadline d) override { return inner_.Delete(key, d); }
+  StatusOr<int64_t> NumKeys(Deadline d) override { return inner_.NumKeys(d); }
   StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
                                                   std::string_view desired, Deadline d) override {
     return inner_.CompareSet(key, expected, desired, d);

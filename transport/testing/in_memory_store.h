@@ -70,6 +70,10 @@ class InMemoryStore final : public store::Store {
     }
     return Status::Ok();
   }
+  StatusOr<int64_t> NumKeys(Deadline) override {
+    std::lock_guard lock(mu_);
+    return static_cast<int64_t>(data_.size());
+  }
   StatusOr<bool> Delete(std::string_view key, Deadline) override {
     std::lock_guard lock(mu_);
     return data_.erase(std::string(key)) > 0;
