@@ -40,8 +40,22 @@ std::string ErrnoString(int err) {
 int MillisecondsUntil(Deadline deadline) {
   const auto now = Clock::now();
   if (deadline <= now) return 0;
-  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count();
-  return static_cast<int>(std::min<int64_t>(left, INT_MAX));
+  const Clock::duration left = deadline - now;
+  // Compared before rounding: ceil() of a distance near Deadline::max()
+  // overflows in its own arithmetic.
+  if (left >= std::chrono::milliseconds(INT_MAX)) return INT_MAX;
+  return static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
+}
+
+int PollUntil(pollfd* fds, nfds_t count, Deadline deadline) {
+  while (true) {
+    const int ready = poll(fds, count, MillisecondsUntil(deadline));
+    if (ready < 0 && errno == EINTR) continue;
+    // One poll waits at most INT_MAX ms (24.8 days); a deadline further
+    // out than that is waited for in turns, not reported as passed.
+    if (ready == 0 && Clock::now() < deadline) continue;
+    return ready;
+  }
 }
 
 std::string Unbracketed(const std::string& host) {
@@ -381,10 +395,7 @@ StatusOr<UniqueFd> ConnectTcp(const std::string& given_host, int port, Deadline 
           const Deadline attempt_deadline =
               ai->ai_next == nullptr ? deadline : std::min(deadline, DeadlineIn(kConnectAttemptTime));
           pollfd pfd{fd.get(), POLLOUT, 0};
-          int n;
-          do {
-            n = poll(&pfd, 1, MillisecondsUntil(attempt_deadline));
-          } while (n < 0 && errno == EINTR);
+          const int n = PollUntil(&pfd, 1, attempt_deadline);
           if (n == 0) {
             last_error = "connection attempt timed out";
             continue;
@@ -430,8 +441,8 @@ Status SendAll(int fd, std::string_view data, Deadline deadline, size_t* sent) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd pfd{fd, POLLOUT, 0};
-      const int ready = poll(&pfd, 1, MillisecondsUntil(deadline));
-      if (ready < 0 && errno != EINTR) {
+      const int ready = PollUntil(&pfd, 1, deadline);
+      if (ready < 0) {
         if (sent) *sent = done;
         return UnavailableError("poll: " + ErrnoString(errno));
       }
@@ -460,8 +471,8 @@ Status RecvSome(int fd, std::string& out, size_t max, Deadline deadline) {
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) return UnavailableError(ErrnoString(errno));
     pollfd pfd{fd, POLLIN, 0};
-    const int ready = poll(&pfd, 1, MillisecondsUntil(deadline));
-    if (ready < 0 && errno != EINTR) return UnavailableError("poll: " + ErrnoString(errno));
+    const int ready = PollUntil(&pfd, 1, deadline);
+    if (ready < 0) return UnavailableError("poll: " + ErrnoString(errno));
     if (ready == 0) return TimedOutError("receive timed out");
   }
 }

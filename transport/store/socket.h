@@ -5,6 +5,7 @@
 // listening, connecting and whole-buffer I/O, each bounded by a deadline.
 // Private to //transport.
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <string>
@@ -101,6 +102,11 @@ Status RecvSome(int fd, std::string& out, size_t max, Deadline deadline);
 
 /// Milliseconds until `deadline`, rounded up, clamped to [0, INT_MAX].
 int MillisecondsUntil(Deadline deadline);
+
+/// poll() until an event or `deadline`, however far: through EINTR, and in
+/// turns of at most INT_MAX ms (poll's longest wait, 24.8 days). 0 only once
+/// the deadline has passed; -1 with errno set on failure.
+int PollUntil(pollfd* fds, nfds_t count, Deadline deadline);
 
 /// strerror as a std::string, thread-safe.
 std::string ErrnoString(int err);
