@@ -47,8 +47,12 @@ constexpr int kReadsPerEvent = 16;
 // handshake is read right at accept).
 constexpr int kAcceptBatch = 16;
 constexpr int kListenBacklog = 1024;
-// How long a refused connection may take to receive its error reply.
+// How long a refused connection may take to receive its error reply, and
+// then to end what it was sending (see StartDraining).
 constexpr auto kClosingGrace = std::chrono::milliseconds(1000);
+// Most bytes read and dropped from a closing connection after its last
+// reply: the rest of the largest frame a client may be in the middle of.
+constexpr size_t kMostDrainedBytes = wire::kFrameHeaderBytes + wire::kMaxFrameBytes;
 // Pause before accepting again when the process is out of file descriptors.
 constexpr auto kAcceptPause = std::chrono::milliseconds(100);
 // Upper bound of one epoll wait; the loop also wakes for every event, timer
@@ -81,6 +85,11 @@ struct Connection {
   // answered, and no further hang-up is watched for while it waits.
   bool input_ended = false;
   bool dead = false;     // close at the end of this round
+  // Closing with every reply out: the write side is shut down, and input
+  // is read and dropped until its end, the closing timer or
+  // kMostDrainedBytes (`drained` so far), before the close.
+  bool draining = false;
+  size_t drained = 0;
   Deadline timer{};      // handshake deadline; when authenticated, when to check
                          // a partly received frame for progress; when closing,
                          // close deadline
@@ -325,7 +334,9 @@ class TcpStoreServer::Impl {
     // second, holding up every frame behind them.
     for (uint64_t id : touched) {
       Connection* c = Find(id);
-      if (c != nullptr && (c->dead || (c->closing && c->pending_out() == 0))) Destroy(id);
+      if (c == nullptr) continue;
+      if (!c->dead && c->closing && !c->draining && c->pending_out() == 0) StartDraining(*c);
+      if (c->dead) Destroy(id);
     }
     while (!memory_queue_.empty()) {
       const uint64_t id = memory_queue_.front();
@@ -501,6 +512,10 @@ class TcpStoreServer::Impl {
   void OnConnectionEvent(uint64_t id, uint32_t events) {
     Connection* c = Find(id);
     if (c == nullptr || c->dead) return;
+    if (c->draining) {
+      Drain(*c);
+      return;
+    }
     if (events & (EPOLLHUP | EPOLLERR)) {
       // Reset or fully shut down: nothing more can be read or delivered.
       MarkDead(*c);
@@ -1289,6 +1304,36 @@ class TcpStoreServer::Impl {
     Touch(c);
   }
 
+  // A closing connection whose replies are all out. A close with input
+  // unread resets the connection, and a client still sending (the rest of
+  // a frame that was refused) then fails in its send, or loses the reply
+  // to the reset, without reading why. So the write side is shut down
+  // first (the reply, then the end of the stream), and the input read and
+  // dropped until the client ends it too, the closing timer fires, or
+  // kMostDrainedBytes came: bounded in time and in work.
+  void StartDraining(Connection& c) {
+    c.draining = true;
+    shutdown(c.fd.get(), SHUT_WR);
+    Drain(c);
+  }
+
+  void Drain(Connection& c) {
+    for (int reads = 0; reads < kReadsPerEvent; ++reads) {
+      const ssize_t n = recv(c.fd.get(), read_chunk_.data(), read_chunk_.size(), 0);
+      if (n > 0) {
+        c.drained += static_cast<size_t>(n);
+        if (c.drained < kMostDrainedBytes) continue;
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      }
+      MarkDead(c);  // its end, a reset, or enough read
+      return;
+    }
+    Touch(c);  // for its epoll interest
+  }
+
   void MarkDead(Connection& c) {
     c.dead = true;
     Touch(c);
@@ -1324,6 +1369,7 @@ class TcpStoreServer::Impl {
 
   void UpdateInterest(Connection& c) {
     uint32_t want = 0;
+    if (c.draining) want |= EPOLLIN;
     if (!c.closing) {
       // A connection waiting for room is not read; it watches for its
       // client's hang-up instead (a FIN alone raises no EPOLLHUP), until it

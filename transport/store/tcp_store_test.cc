@@ -142,6 +142,14 @@ class RawConnection {
   }
   // Closes this end, as a client that gives up does.
   void Close() { fd_.Reset(); }
+  // Sends all of `bytes` within `timeout`, or says why not.
+  Status SendWithin(std::string_view bytes, std::chrono::milliseconds timeout) {
+    return SendAll(fd_.get(), bytes, DeadlineIn(timeout), nullptr);
+  }
+  // Asks the kernel for a send buffer of `bytes` (SO_SNDBUF).
+  void SetSendBuffer(int bytes) {
+    ASSERT_EQ(setsockopt(fd_.get(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes)), 0) << std::strerror(errno);
+  }
   // Asks the kernel for a receive buffer of `bytes` (SO_RCVBUF).
   void SetReceiveBuffer(int bytes) {
     ASSERT_EQ(setsockopt(fd_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes)), 0) << std::strerror(errno);
@@ -1030,6 +1038,49 @@ TEST(TcpStoreTest, MalformedRequestsAreRefusedAndTheServerKeepsServing) {
   // Everyone else was served throughout.
   ASSERT_TRUE(bystander->Set("still", "here", DeadlineIn(5s)).ok());
   EXPECT_EQ(*bystander->Get("still", DeadlineIn(5s)), "here");
+}
+
+// A client refused while it is still sending (the body of a frame refused
+// from its header) finishes sending and then reads why: the server shuts
+// down its writing side after the reply and reads the rest before it
+// closes. Closing with input unread reset the connection, and the client's
+// send failed ("Connection reset by peer") with the reason unread.
+TEST(TcpStoreTest, AClientStillSendingWhenRefusedReadsTheReason) {
+  auto server = StartServer();
+  RawConnection raw(server->port());
+  raw.Handshake();
+  // A small send buffer: most of the body is still to send when the
+  // refusal comes.
+  raw.SetSendBuffer(16 << 10);
+  wire::Writer w;
+  w.U32(wire::kMaxFrameBytes + 1);
+  raw.Send(w.body());
+  const Status sent = raw.SendWithin(std::string(wire::kMaxFrameBytes + 1, 'x'), 10s);
+  ASSERT_TRUE(sent.ok()) << sent;
+  std::optional<std::string> reply = raw.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value());
+  auto [code, message] = RawConnection::ParseReply(*reply, nullptr);
+  EXPECT_EQ(code, StatusCode::kResourceExhausted);
+  EXPECT_THAT(message, HasSubstr("exceeds the limit"));
+  EXPECT_TRUE(raw.ClosedWithin(5s));
+}
+
+// A client that goes on sending past what the server drains (more than the
+// largest frame) is closed anyway, and the server keeps serving.
+TEST(TcpStoreTest, ARefusedClientThatNeverStopsSendingIsClosed) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  RawConnection raw(server->port());
+  raw.Handshake();
+  wire::Writer w;
+  w.U32(wire::kMaxFrameBytes + 1);
+  raw.Send(w.body());
+  const std::string chunk(1 << 20, 'x');
+  Status sent = Status::Ok();
+  const Deadline until = DeadlineIn(20s);
+  while (sent.ok() && Clock::now() < until) sent = raw.SendWithin(chunk, 5s);
+  EXPECT_EQ(sent.code(), StatusCode::kUnavailable) << sent;
+  EXPECT_TRUE(client->Set("k", "v", DeadlineIn(5s)).ok());
 }
 
 TEST(TcpStoreTest, SilentClientIsDropped) {
