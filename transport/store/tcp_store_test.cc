@@ -849,6 +849,37 @@ TEST(TcpStoreTest, AddRefusesTheSameValuesInTheInMemoryStore) {
   }
 }
 
+// The in-memory store refuses the keys and values the TCP store refuses,
+// with the same codes: a layer tested against it meets those bounds in its
+// tests, not first in a job.
+TEST(TcpStoreTest, BadKeysAndValuesAreRefusedAlikeInTheInMemoryStore) {
+  auto server = StartServer();
+  auto client = ConnectClient(*server);
+  testing::InMemoryStore in_memory;
+  const std::string long_key(kMaxKeyBytes + 1, 'k');
+  const std::string big_value(kMaxValueBytes + 1, 'v');
+  for (Store* store : {static_cast<Store*>(client.get()), static_cast<Store*>(&in_memory)}) {
+    SCOPED_TRACE(store == &in_memory ? "in-memory store" : "TCP store");
+    for (const std::string& key : {std::string(), long_key}) {
+      const StatusCode code = key.empty() ? StatusCode::kInvalidArgument : StatusCode::kResourceExhausted;
+      SCOPED_TRACE("key of " + std::to_string(key.size()) + " bytes");
+      const std::vector<std::string> keys = {"fine", key};
+      EXPECT_EQ(store->Set(key, "v", DeadlineIn(5s)).code(), code);
+      EXPECT_EQ(store->Get(key, DeadlineIn(5s)).status().code(), code);
+      EXPECT_EQ(store->TryGet(key, DeadlineIn(5s)).status().code(), code);
+      EXPECT_EQ(store->Add(key, 1, DeadlineIn(5s)).status().code(), code);
+      EXPECT_EQ(store->Wait(keys, DeadlineIn(5s)).code(), code);
+      EXPECT_EQ(store->Delete(key, DeadlineIn(5s)).status().code(), code);
+      EXPECT_EQ(store->CompareSet(key, std::nullopt, "v", DeadlineIn(5s)).status().code(), code);
+    }
+    EXPECT_EQ(store->Set("k", big_value, DeadlineIn(5s)).code(), StatusCode::kResourceExhausted);
+    EXPECT_EQ(store->CompareSet("k", std::nullopt, big_value, DeadlineIn(5s)).status().code(),
+              StatusCode::kResourceExhausted);
+    EXPECT_EQ(*store->NumKeys(DeadlineIn(5s)), 0);  // nothing half-done
+    EXPECT_TRUE(store->Set("k", std::string(kMaxValueBytes, 'v'), DeadlineIn(5s)).ok());
+  }
+}
+
 // NumKeys through the Store interface, alike in both stores: keys made by
 // Set, Add and CompareSet count, a failed CompareSet and deleted keys not.
 TEST(TcpStoreTest, NumKeysCountsTheSameInTheInMemoryStore) {

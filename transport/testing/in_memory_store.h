@@ -4,8 +4,10 @@
 // A store::Store shared by threads of one process, for tests of layers that
 // rendezvous through a store (topology exchange, communicator bootstrap).
 // Honors deadlines like the TCP store does, and refuses what it refuses
-// with the same codes (an Add to a value that is not an integer, or one
-// that overflows: FAILED_PRECONDITION naming the key).
+// with the same codes: an empty key (INVALID_ARGUMENT), a key or value
+// over store.h's bounds (RESOURCE_EXHAUSTED), an Add to a value that is
+// not an integer or one that overflows (FAILED_PRECONDITION), each naming
+// the call and the key.
 
 #include <charconv>
 #include <condition_variable>
@@ -21,12 +23,15 @@ namespace ddp::transport::testing {
 class InMemoryStore final : public store::Store {
  public:
   Status Set(std::string_view key, std::string_view value, Deadline) override {
+    DDP_RETURN_IF_ERROR(CheckKey(key, "set"));
+    DDP_RETURN_IF_ERROR(CheckValue(key, value.size(), "set"));
     std::lock_guard lock(mu_);
     data_[std::string(key)] = std::string(value);
     cv_.notify_all();
     return Status::Ok();
   }
   StatusOr<std::string> Get(std::string_view key, Deadline deadline) override {
+    DDP_RETURN_IF_ERROR(CheckKey(key, "get"));
     std::unique_lock lock(mu_);
     const std::string k(key);
     if (!cv_.wait_until(lock, deadline, [&] { return data_.count(k) > 0; })) {
@@ -35,12 +40,14 @@ class InMemoryStore final : public store::Store {
     return data_[k];
   }
   StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline) override {
+    DDP_RETURN_IF_ERROR(CheckKey(key, "try_get"));
     std::lock_guard lock(mu_);
     auto it = data_.find(std::string(key));
     if (it == data_.end()) return std::optional<std::string>();
     return std::optional<std::string>(it->second);
   }
   StatusOr<int64_t> Add(std::string_view key, int64_t delta, Deadline) override {
+    DDP_RETURN_IF_ERROR(CheckKey(key, "add"));
     std::lock_guard lock(mu_);
     int64_t current = 0;
     auto it = data_.find(std::string(key));
@@ -64,6 +71,7 @@ class InMemoryStore final : public store::Store {
     return next;
   }
   Status Wait(std::span<const std::string> keys, Deadline deadline) override {
+    for (const std::string& key : keys) DDP_RETURN_IF_ERROR(CheckKey(key, "wait"));
     for (const std::string& key : keys) {
       StatusOr<std::string> value = Get(key, deadline);
       if (!value.ok()) return value.status();
@@ -75,11 +83,14 @@ class InMemoryStore final : public store::Store {
     return static_cast<int64_t>(data_.size());
   }
   StatusOr<bool> Delete(std::string_view key, Deadline) override {
+    DDP_RETURN_IF_ERROR(CheckKey(key, "delete"));
     std::lock_guard lock(mu_);
     return data_.erase(std::string(key)) > 0;
   }
   StatusOr<std::optional<std::string>> CompareSet(std::string_view key, std::optional<std::string_view> expected,
                                                   std::string_view desired, Deadline) override {
+    DDP_RETURN_IF_ERROR(CheckKey(key, "compare_set"));
+    DDP_RETURN_IF_ERROR(CheckValue(key, desired.size() + (expected ? expected->size() : 0), "compare_set"));
     std::lock_guard lock(mu_);
     auto it = data_.find(std::string(key));
     const bool matches = it == data_.end() ? !expected.has_value()
@@ -93,6 +104,21 @@ class InMemoryStore final : public store::Store {
   }
 
  private:
+  static Status CheckKey(std::string_view key, const char* op) {
+    if (key.empty()) return InvalidArgumentError(std::string("store ") + op + ": a key is empty");
+    if (key.size() > store::kMaxKeyBytes) {
+      return ResourceExhaustedError(std::string("store ") + op + ": key of " + std::to_string(key.size()) +
+                                    " bytes, more than the limit of " + std::to_string(store::kMaxKeyBytes));
+    }
+    return Status::Ok();
+  }
+  static Status CheckValue(std::string_view key, size_t bytes, const char* op) {
+    if (bytes <= store::kMaxValueBytes) return Status::Ok();
+    return ResourceExhaustedError(std::string("store ") + op + " of key '" + std::string(key.substr(0, 80)) +
+                                  "': " + std::to_string(bytes) + " bytes of values, more than the limit of " +
+                                  std::to_string(store::kMaxValueBytes));
+  }
+
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, std::string> data_;
