@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <limits>
 #include <thread>
@@ -283,14 +284,6 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
                          " ms (store at " + endpoint_ + ")");
   };
   if (Clock::now() >= deadline) return timed_out();  // nothing sent
-  const uint32_t request_id = next_request_id_++;
-  if (next_request_id_ == 0) next_request_id_ = 1;
-  wire::Writer w;
-  w.U8(op);
-  w.U32(request_id);
-  if (carries_timeout) w.U32(TimeoutMs(deadline));
-  w.Bytes(fields);
-  const std::string frame = w.Frame();
   auto lost = [&](const Status& why) {
     broken_ = closed_.load() ? UnavailableError("the connection to the store at " + endpoint_ +
                                                 " was closed by this process")
@@ -300,65 +293,81 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
     return UnavailableError(broken_.message() + " (during the " + what + ")");
   };
 
-  size_t sent = 0;
-  Status send_status = SendAll(fd_, frame, deadline, &sent);
-  if (!send_status.ok()) {
-    if (send_status.code() != StatusCode::kTimedOut) return lost(send_status);
-    if (sent > 0) {
-      // Half a frame is on the wire; the stream cannot be resynchronised.
-      // Shut down, so that the server, which would wait for the rest of
-      // the frame with room held for all of it, sees the end at once.
-      broken_ = UnavailableError("the connection to the store at " + endpoint_ +
-                                 " is unusable: a request timed out half-sent");
-      shutdown(fd_, SHUT_RDWR);
-    }
-    return timed_out();
-  }
-  // A request that carries its timeout is answered by the server at its
-  // own deadline, which is this one plus the request's way there (and the
-  // milliseconds rounded up): read on a little past it for that answer,
-  // which says why (which key was missing, or an overloaded store).
-  Deadline read_by = deadline;
+  // A request carries at most INT_MAX ms (24.8 days). When a deadline
+  // further out was cut to that, the server's TIMED_OUT comes with the
+  // caller's deadline still ahead: the request (a read, safe to repeat) is
+  // sent again for the time left, rather than failing weeks early.
   while (true) {
-    StatusOr<std::string> body = ReadFrame(fd_, read_buffer_, read_by);
-    if (!body.ok()) {
-      if (body.status().code() == StatusCode::kTimedOut) {
-        if (carries_timeout && read_by == deadline) {
-          read_by = deadline + kServerVerdictGrace;
-          continue;
+    const uint32_t request_id = next_request_id_++;
+    if (next_request_id_ == 0) next_request_id_ = 1;
+    wire::Writer w;
+    w.U8(op);
+    w.U32(request_id);
+    const uint32_t carried_ms = carries_timeout ? TimeoutMs(deadline) : 0;
+    if (carries_timeout) w.U32(carried_ms);
+    w.Bytes(fields);
+    const std::string frame = w.Frame();
+    size_t sent = 0;
+    Status send_status = SendAll(fd_, frame, deadline, &sent);
+    if (!send_status.ok()) {
+      if (send_status.code() != StatusCode::kTimedOut) return lost(send_status);
+      if (sent > 0) {
+        // Half a frame is on the wire; the stream cannot be resynchronised.
+        // Shut down, so that the server, which would wait for the rest of
+        // the frame with room held for all of it, sees the end at once.
+        broken_ = UnavailableError("the connection to the store at " + endpoint_ +
+                                   " is unusable: a request timed out half-sent");
+        shutdown(fd_, SHUT_RDWR);
+      }
+      return timed_out();
+    }
+    // A request that carries its timeout is answered by the server at its
+    // own deadline, which is this one plus the request's way there (and the
+    // milliseconds rounded up): read on a little past it for that answer,
+    // which says why (which key was missing, or an overloaded store).
+    Deadline read_by = deadline;
+    while (true) {
+      StatusOr<std::string> body = ReadFrame(fd_, read_buffer_, read_by);
+      if (!body.ok()) {
+        if (body.status().code() == StatusCode::kTimedOut) {
+          if (carries_timeout && read_by == deadline) {
+            read_by = DeadlineAfter(deadline, kServerVerdictGrace);
+            if (read_by > deadline) continue;
+          }
+          return timed_out();
         }
-        return timed_out();
+        return lost(body.status());
       }
-      return lost(body.status());
-    }
-    wire::Reader r(*body);
-    uint32_t reply_id = 0;
-    uint8_t code = 0;
-    if (!r.U32(reply_id) || !r.U8(code)) return lost(InternalError("malformed reply"));
-    if (reply_id != request_id) {
-      if (reply_id == 0) {
-        // The server refused something on this connection and is closing it.
-        std::string_view message;
-        r.String(message, wire::kMaxFrameBytes);
-        return lost(Status(static_cast<StatusCode>(code), std::string(message)));
+      wire::Reader r(*body);
+      uint32_t reply_id = 0;
+      uint8_t code = 0;
+      if (!r.U32(reply_id) || !r.U8(code)) return lost(InternalError("malformed reply"));
+      if (reply_id != request_id) {
+        if (reply_id == 0) {
+          // The server refused something on this connection and is closing it.
+          std::string_view message;
+          r.String(message, wire::kMaxFrameBytes);
+          return lost(Status(static_cast<StatusCode>(code), std::string(message)));
+        }
+        continue;  // the late answer to a call that already gave up
       }
-      continue;  // the late answer to a call that already gave up
+      const auto status_code = static_cast<StatusCode>(code);
+      if (status_code == StatusCode::kOk) {
+        Reply reply;
+        std::string_view rest;
+        r.Bytes(r.remaining(), rest);
+        reply.body.assign(rest);
+        return reply;
+      }
+      std::string_view message;
+      r.String(message, wire::kMaxFrameBytes);
+      if (status_code == StatusCode::kTimedOut) {
+        if (carried_ms == static_cast<uint32_t>(INT_MAX) && Clock::now() < deadline) break;  // again
+        return TimedOutError(timed_out().message() + ": " + std::string(message));
+      }
+      if (status_code == StatusCode::kUnavailable) return lost(Status(status_code, std::string(message)));
+      return Status(status_code, "store " + what + ": " + std::string(message));
     }
-    const auto status_code = static_cast<StatusCode>(code);
-    if (status_code == StatusCode::kOk) {
-      Reply reply;
-      std::string_view rest;
-      r.Bytes(r.remaining(), rest);
-      reply.body.assign(rest);
-      return reply;
-    }
-    std::string_view message;
-    r.String(message, wire::kMaxFrameBytes);
-    if (status_code == StatusCode::kTimedOut) {
-      return TimedOutError(timed_out().message() + ": " + std::string(message));
-    }
-    if (status_code == StatusCode::kUnavailable) return lost(Status(status_code, std::string(message)));
-    return Status(status_code, "store " + what + ": " + std::string(message));
   }
 }
 

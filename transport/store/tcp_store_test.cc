@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <chrono>
 #include <condition_variable>
@@ -1114,6 +1115,72 @@ TEST(TcpStoreTest, ARefusedClientThatNeverStopsSendingIsClosed) {
   while (sent.ok() && Clock::now() < until) sent = raw.SendWithin(chunk, 5s);
   EXPECT_EQ(sent.code(), StatusCode::kUnavailable) << sent;
   EXPECT_TRUE(client->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
+// A Get with a deadline further out than a request carries (INT_MAX ms,
+// 24.8 days) is asked again when the server's wait of that length ends
+// with the caller's deadline still ahead. A stand-in server answers the
+// first request at once as the real one would after those days.
+TEST(TcpStoreTest, AGetWithADeadlinePastWhatARequestCarriesIsAskedAgain) {
+  StatusOr<std::vector<UniqueFd>> listening = ListenTcp("127.0.0.1", 0, 4, DeadlineIn(5s));
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  const int listen_fd = (*listening)[0].get();
+  const int port = *LocalPort(listen_fd);
+  std::vector<uint32_t> carried_ms;  // each Get's timeout, as the server got it
+  std::thread server([&] {
+    pollfd pfd{listen_fd, POLLIN, 0};
+    if (poll(&pfd, 1, 5000) != 1) return;
+    UniqueFd fd(accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    std::string in;
+    auto next_frame = [&]() -> std::optional<std::string> {
+      const Deadline until = DeadlineIn(5s);
+      while (true) {
+        std::optional<uint32_t> length = wire::PeekFrameLength(in);
+        if (length && in.size() >= wire::kFrameHeaderBytes + *length) {
+          std::string body = in.substr(wire::kFrameHeaderBytes, *length);
+          in.erase(0, wire::kFrameHeaderBytes + *length);
+          return body;
+        }
+        if (!RecvSome(fd.get(), in, 1 << 16, until).ok()) return std::nullopt;
+      }
+    };
+    if (!next_frame()) return;  // the hello
+    wire::Writer hello;
+    hello.Bytes(std::string_view(wire::kMagic, 4));
+    hello.U16(wire::kVersion);
+    hello.U8(0);
+    hello.String("");
+    if (!SendAll(fd.get(), hello.Frame(), DeadlineIn(5s), nullptr).ok()) return;
+    for (int round = 0; round < 2; ++round) {
+      std::optional<std::string> request = next_frame();
+      if (!request) return;
+      wire::Reader r(*request);
+      uint8_t op = 0;
+      uint32_t id = 0, timeout_ms = 0;
+      if (!r.U8(op) || !r.U32(id) || !r.U32(timeout_ms)) return;
+      carried_ms.push_back(timeout_ms);
+      wire::Writer reply;
+      reply.U32(id);
+      if (round == 0) {
+        reply.U8(static_cast<uint8_t>(StatusCode::kTimedOut));
+        reply.String("key 'k' was not set before the deadline");
+      } else {
+        reply.U8(0);
+        reply.String("v");
+      }
+      if (!SendAll(fd.get(), reply.Frame(), DeadlineIn(5s), nullptr).ok()) return;
+    }
+    // Holds the connection until the client is done with it.
+    std::string rest;
+    (void)RecvSome(fd.get(), rest, 1, DeadlineIn(5s));
+  });
+  StatusOr<std::unique_ptr<TcpStoreClient>> client = TcpStoreClient::Connect("127.0.0.1", port, "", DeadlineIn(5s));
+  StatusOr<std::string> got = client.ok() ? (*client)->Get("k", Deadline::max()) : client.status();
+  if (client.ok()) (*client).reset();  // ends the connection, and the stand-in's wait
+  server.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "v");
+  EXPECT_EQ(carried_ms, (std::vector<uint32_t>{static_cast<uint32_t>(INT_MAX), static_cast<uint32_t>(INT_MAX)}));
 }
 
 TEST(TcpStoreTest, SilentClientIsDropped) {
