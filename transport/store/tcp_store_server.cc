@@ -428,6 +428,9 @@ class TcpStoreServer::Impl {
       }
       UniqueFd owned(fd);
       const std::string peer = FormatAddress(reinterpret_cast<sockaddr*>(&addr), len);
+      if (connections_.size() >= options_.max_connections && !draining_.empty()) {
+        Destroy(*draining_.begin());
+      }
       if (connections_.size() >= options_.max_connections) {
         if (unauthenticated_.empty()) {
           RefuseForNow(owned.get(), peer,
@@ -1315,6 +1318,15 @@ class TcpStoreServer::Impl {
     c.draining = true;
     shutdown(c.fd.get(), SHUT_WR);
     Drain(c);
+    if (c.dead) return;
+    draining_.insert(c.id);
+    if (draining_.size() <= options_.max_unauthenticated) return;
+    const uint64_t oldest = *draining_.begin();
+    if (oldest == c.id) {
+      MarkDead(c);  // the caller destroys it
+    } else {
+      Destroy(oldest);
+    }
   }
 
   void Drain(Connection& c) {
@@ -1354,6 +1366,7 @@ class TcpStoreServer::Impl {
     for (uint64_t waiter_id : waiter_ids) RemoveWaiter(waiter_id);
     ClearTimer(c);
     unauthenticated_.erase(id);
+    draining_.erase(id);
     ReleaseRoom(c);
     buffered_ -= c.pending_out();
     buffer_capacity_ -= c.capacity;
@@ -1448,6 +1461,11 @@ class TcpStoreServer::Impl {
   std::vector<char> read_chunk_;  // what recv() takes, before it joins a frame
   std::unordered_map<uint64_t, Connection> connections_;
   std::set<uint64_t> unauthenticated_;  // ids grow with age: begin() is the oldest
+  // Connections draining before their close (StartDraining), oldest first:
+  // at most max_unauthenticated, and the first to go when a newcomer finds
+  // every place taken, so that refused clients that never hang up cannot
+  // hold the job's places for their second of grace.
+  std::set<uint64_t> draining_;
   std::set<std::pair<Deadline, uint64_t>> timers_;
   std::vector<uint64_t> touched_;
   // Bytes reserved for frames being received plus replies not yet sent.

@@ -1099,6 +1099,35 @@ TEST(TcpStoreTest, AClientStillSendingWhenRefusedReadsTheReason) {
   EXPECT_TRUE(raw.ClosedWithin(5s));
 }
 
+// Clients refused for a wrong token that never hang up linger at most a
+// few at a time (max_unauthenticated), and give their places up to a
+// newcomer at once: they do not keep the job out for their grace second.
+TEST(TcpStoreTest, RefusedClientsThatNeverHangUpDoNotHoldThePlaces) {
+  TcpStoreServerOptions options;
+  options.max_connections = 4;
+  options.max_unauthenticated = 2;
+  auto server = StartServer(options);
+  std::vector<std::unique_ptr<RawConnection>> refused;
+  for (int i = 0; i < 8; ++i) {
+    refused.push_back(std::make_unique<RawConnection>(server->port()));
+    wire::Writer w;
+    w.Bytes(std::string_view(wire::kMagic, 4));
+    w.U16(wire::kVersion);
+    w.U16(0);
+    w.String("wrong token");
+    refused.back()->Send(w.Frame());
+    std::optional<std::string> reply = refused.back()->ReadFrame(5s);
+    ASSERT_TRUE(reply.has_value()) << "connection " << i;
+  }
+  // Well within the 1 s each could linger.
+  EXPECT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& st) { return st.open_connections <= 2; }, 300ms))
+      << server->stats().open_connections << " connections open";
+  const auto start = Clock::now();
+  auto client = TcpStoreClient::Connect("127.0.0.1", server->port(), kToken, DeadlineIn(5s));
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_LT(Clock::now() - start, 500ms);
+}
+
 // A client that goes on sending past what the server drains (more than the
 // largest frame) is closed anyway, and the server keeps serving.
 TEST(TcpStoreTest, ARefusedClientThatNeverStopsSendingIsClosed) {
