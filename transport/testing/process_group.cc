@@ -90,8 +90,20 @@ StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Spawn(int size,
   return group;
 }
 
+namespace {
+
+// True when `pid` is no child of this process any more: the kernel reaped
+// it as it exited (SIGCHLD ignored), or someone else did. Its number may
+// then be another process's already, which must not be signalled.
+bool NoLongerOurs(pid_t pid) {
+  siginfo_t info{};
+  return waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 && errno == ECHILD;
+}
+
+}  // namespace
+
 void ProcessGroup::Kill(int rank, int signal) {
-  if (!reaped_[rank]) kill(pids_[rank], signal);
+  if (!reaped_[rank] && !NoLongerOurs(pids_[rank])) kill(pids_[rank], signal);
 }
 
 namespace {
@@ -246,10 +258,11 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
 ProcessGroup::~ProcessGroup() {
   for (size_t i = 0; i < pids_.size(); ++i) {
     if (reaped_[i]) continue;
+    std::remove(logs_[i].c_str());
+    if (NoLongerOurs(pids_[i])) continue;
     kill(pids_[i], SIGKILL);
     int status = 0;
     WaitUntilReaped(pids_[i], &status);
-    std::remove(logs_[i].c_str());
   }
 }
 

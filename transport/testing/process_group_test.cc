@@ -1,14 +1,27 @@
 #include "transport/testing/process_group.h"
 
+#include <dlfcn.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
 #include <thread>
+
+// The last pid this process sent SIGKILL to, through kill() (stood in for
+// here, and passed on).
+std::atomic<pid_t> last_killed{0};
+
+extern "C" int kill(pid_t pid, int signal) {
+  using RealKill = int (*)(pid_t, int);
+  static const RealKill real = reinterpret_cast<RealKill>(dlsym(RTLD_NEXT, "kill"));
+  if (signal == SIGKILL) last_killed.store(pid);
+  return real(pid, signal);
+}
 
 namespace ddp::transport::testing {
 namespace {
@@ -96,6 +109,30 @@ TEST(ProcessGroup, WaitForOutputSeesAWorkerReapedByTheKernelEnd) {
   EXPECT_FALSE(printed);
   // The worker exits within milliseconds; the deadline is 30 s away.
   EXPECT_LT(took, milliseconds(15000));
+}
+
+// A group destroyed after the kernel reaped its worker (SIGCHLD ignored)
+// does not signal the worker's pid, which may be another process's by then.
+TEST(ProcessGroup, ADestroyedGroupDoesNotSignalAWorkerTheKernelReaped) {
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  struct sigaction previous {};
+  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &previous), 0);
+  pid_t worker = 0;
+  {
+    auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
+    if (group.ok()) {
+      worker = (*group)->pid(0);
+      // Returns once the worker is gone (see the test above).
+      (*group)->WaitForOutput("never printed", DeadlineIn(milliseconds(30000)));
+      last_killed.store(0);
+      (*group)->Kill(0, SIGKILL);
+    }
+  }  // the destructor
+  sigaction(SIGCHLD, &previous, nullptr);
+  ASSERT_NE(worker, 0);
+  EXPECT_NE(last_killed.load(), worker);
 }
 
 }  // namespace
