@@ -7,9 +7,9 @@
 //
 // Every call has a deadline. Keys are at most kMaxKeyBytes, values at most
 // kMaxValueBytes; larger ones are refused with RESOURCE_EXHAUSTED. The TCP
-// store refuses an empty key with INVALID_ARGUMENT (torch.distributed's
-// stores take one); an empty value is fine. Keys and values are bytes (NUL
-// included).
+// store and the in-memory test store refuse an empty key with
+// INVALID_ARGUMENT (torch.distributed's stores take one); an empty value is
+// fine. Keys and values are bytes (NUL included).
 
 #include <cstdint>
 #include <memory>
