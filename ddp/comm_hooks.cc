@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -103,6 +104,30 @@ void ScaleTensor(const nn::Tensor& dst, const nn::Tensor& src, double factor, bo
   }
   affine(src, factor, 0.0, dst);
   dst.storage()->BumpVersion();
+}
+
+NoHookAverage PlanNoHookAverage(double divisor, int group_size, nn::DType dtype) {
+  if (divisor == static_cast<double>(group_size) && dtype != nn::DType::kFloat16) {
+    return {transport::ReduceOp::kAvg, 1.0};
+  }
+  return {transport::ReduceOp::kSum, 1.0 / divisor};
+}
+
+Work AverageAsNoHook(ProcessGroup& group, const nn::Tensor& buffer, double divisor, const std::string& label) {
+  const NoHookAverage plan = PlanNoHookAverage(divisor, group.size(), buffer.dtype());
+  if (plan.pre_scale != 1.0) ScaleTensor(buffer, buffer, plan.pre_scale);
+  return group.AllReduce(buffer, plan.op, label);
+}
+
+void RequireUndividedBucket(const GradBucket& bucket, const char* hook) {
+  if (!bucket.divided()) return;
+  std::ostringstream message;
+  message << hook << ": bucket " << bucket.index() << " was given already divided by " << bucket.divisor()
+          << " (it was called from a hook not made with CommHook::OnLocalGradients), and it divides the "
+             "gradients itself: the result would be divided by "
+          << bucket.divisor() * bucket.divisor()
+          << ". Register it directly, or make the calling hook with CommHook::OnLocalGradients";
+  throw std::logic_error(message.str());
 }
 
 }  // namespace internal

@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -39,13 +40,14 @@ namespace ddp::dist {
 class GradBucket {
  public:
   GradBucket(size_t index, size_t num_buckets, nn::Tensor buffer, std::vector<nn::Tensor> parameters,
-             std::vector<int64_t> offsets, double divisor = 1.0)
+             std::vector<int64_t> offsets, double divisor = 1.0, bool divided = false)
       : index_(index),
         num_buckets_(num_buckets),
         buffer_(std::move(buffer)),
         parameters_(std::move(parameters)),
         offsets_(std::move(offsets)),
-        divisor_(divisor) {}
+        divisor_(divisor),
+        divided_(divided) {}
 
   /// Position of the bucket in launch order (0 is launched first).
   size_t index() const { return index_; }
@@ -61,6 +63,13 @@ class GradBucket {
   /// Join the ranks still active (JoinOptions). The buffer's gradients were
   /// divided by it, unless the hook takes local gradients.
   double divisor() const { return divisor_; }
+  /// True when the buffer's gradients were already divided by divisor()
+  /// (the reducer does so for every hook not made with
+  /// CommHook::OnLocalGradients). A hook that divides them itself
+  /// (PowerSgdHook, PostLocalSgdHook) refuses such a bucket: called from
+  /// the body of a hook that was given divided gradients, it would divide
+  /// twice and leave the gradients divided by the divisor squared.
+  bool divided() const { return divided_; }
 
  private:
   size_t index_;
@@ -69,6 +78,7 @@ class GradBucket {
   std::vector<nn::Tensor> parameters_;
   std::vector<int64_t> offsets_;
   double divisor_;
+  bool divided_;
 };
 
 /// A communication hook (see the header comment for its contract): any
@@ -147,6 +157,33 @@ CommHook NoopHook();
 }  // namespace hooks
 
 namespace internal {
+
+/// How DistributedDataParallel with no hook averages a bucket of `dtype`
+/// over a group of `group_size` ranks by `divisor`: inside the all-reduce
+/// (op kAvg: sum, then divide; pre_scale 1) when the divisor is the group's
+/// size, except in f16; otherwise each rank multiplies its gradients by
+/// pre_scale = 1 / divisor and the ranks' parts are summed (op kSum). f16
+/// is divided first because the ranks' sum can pass 65504 where no
+/// gradient does; under Join the divisor is the active ranks, not the
+/// group's size. The one rule shared by the reducer and by every hook that
+/// promises the no-hook average (PowerSgdHook before its start,
+/// PostLocalSgdHook's global phase, OverlappedZeroOptimizer's hook).
+struct NoHookAverage {
+  transport::ReduceOp op = transport::ReduceOp::kAvg;
+  double pre_scale = 1.0;
+};
+NoHookAverage PlanNoHookAverage(double divisor, int group_size, nn::DType dtype);
+
+/// Averages `buffer`, this rank's undivided gradients, in place over
+/// `group` by `divisor` as DistributedDataParallel with no hook does
+/// (PlanNoHookAverage), bit for bit; the returned Work completes with it.
+Work AverageAsNoHook(ProcessGroup& group, const nn::Tensor& buffer, double divisor, const std::string& label);
+
+/// Throws std::logic_error naming `hook` and the bucket when
+/// bucket.divided(): `hook` divides the gradients itself, so it must be
+/// registered as it is, or called from a hook made with
+/// CommHook::OnLocalGradients.
+void RequireUndividedBucket(const GradBucket& bucket, const char* hook);
 
 /// dst[i] = src[i] * factor for n elements of one floating dtype
 /// (contiguous buffers; 16-bit types computed in f32).

@@ -15,14 +15,11 @@ namespace ddp::dist {
 
 namespace {
 
-// The mean over `group` of `t`, in place. f16 sums of the ranks' values may
-// pass 65504 where no value does (two ranks at 40000 summed to inf), so f16
-// is divided first and then summed, as DDP's reducer does; other dtypes are
-// averaged by the all-reduce.
+// The mean over `group` of `t`, in place, as DDP with no hook averages a
+// bucket (internal::AverageAsNoHook: f16 is divided first, since the
+// ranks' sum may pass 65504 where no value does).
 Work AverageInPlace(ProcessGroup& group, const nn::Tensor& t, const std::string& label) {
-  if (t.dtype() != nn::DType::kFloat16) return group.AllReduce(t, transport::ReduceOp::kAvg, label);
-  internal::ScaleTensor(t, t, 1.0 / group.size());
-  return group.AllReduce(t, transport::ReduceOp::kSum, label);
+  return internal::AverageAsNoHook(group, t, static_cast<double>(group.size()), label);
 }
 
 void CheckPostLocalSgdOptions(const PostLocalSgdOptions& options) {
@@ -99,15 +96,12 @@ CommHook PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state) {
   int64_t* iteration = &state->iteration_;
   return CommHook::OnLocalGradients([state = std::move(state), options, iteration, noop](
                                         ProcessGroup& group, GradBucket& bucket) -> Work {
+    internal::RequireUndividedBucket(bucket, "PostLocalSgdHook");
     const int64_t now = *iteration;
     if (bucket.is_last()) ++*iteration;
     const std::string label = "bucket " + std::to_string(bucket.index());
     if (now < options->start_iteration) {
-      if (bucket.divisor() == static_cast<double>(group.size())) {
-        return AverageInPlace(group, bucket.buffer(), label);
-      }
-      internal::ScaleTensor(bucket.buffer(), bucket.buffer(), 1.0 / bucket.divisor());
-      return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
+      return internal::AverageAsNoHook(group, bucket.buffer(), bucket.divisor(), label);
     }
     if (!options->subgroup) return noop(group, bucket);
     return AverageInPlace(*options->subgroup, bucket.buffer(), "local " + label);

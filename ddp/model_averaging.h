@@ -60,6 +60,11 @@ namespace hooks {
 /// Global all-reduce for start_iteration iterations, then the subgroup's
 /// (or none). Throws std::invalid_argument for a negative start_iteration.
 /// One hook object per DistributedDataParallel: it counts its iterations.
+/// It takes local gradients (on_local_gradients() is true) and divides
+/// them itself; a hook that calls it from its own body must be made with
+/// CommHook::OnLocalGradients too. Called with a bucket already divided
+/// (GradBucket::divided(), from a plain hook) it throws std::logic_error
+/// naming itself rather than divide again.
 CommHook PostLocalSgdHook(PostLocalSgdOptions options);
 /// The same hook counting its iterations in `state`, which the caller keeps
 /// to save and restore the count (see PostLocalSgdState). One

@@ -135,6 +135,49 @@ TEST(ModelAveragingTest, PostLocalSgdIsDdpUntilItsStartThenAveragesEveryPeriod) 
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// PostLocalSgdHook takes local gradients and divides them itself. Called
+// from a user's hook made with CommHook::OnLocalGradients, its global phase
+// is the no-hook average bit for bit; from a plain user hook, which the
+// reducer hands gradients already divided, it divided them again (halved on
+// 2 ranks, silently). That call is now refused, naming the hook.
+std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook) {
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(7);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  if (hook) ddp.RegisterCommHook(std::move(hook));
+  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  std::vector<std::vector<float>> grads;
+  for (const auto& [name, p] : model->NamedParameters()) grads.push_back(p.grad().ToVector<float>());
+  return grads;
+}
+
+DDP_TEST_WORKER(post_local_sgd_inside_a_user_hook) {
+  auto pg = testing::WorkerGroup();
+  const auto reference = OneBackwardGrads(pg, nullptr);
+  const CommHook inner = hooks::PostLocalSgdHook({.start_iteration = 100});
+  const auto local = OneBackwardGrads(
+      pg, CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) { return inner(g, b); }));
+  WORKER_EXPECT(local == reference, "inside an OnLocalGradients hook: not the no-hook average");
+  const CommHook inner_again = hooks::PostLocalSgdHook({.start_iteration = 100});
+  try {
+    OneBackwardGrads(pg, [inner_again](ProcessGroup& g, GradBucket& b) { return inner_again(g, b); });
+    WORKER_EXPECT(false, "PostLocalSgdHook inside a hook given divided gradients was accepted");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
+    WORKER_EXPECT(what.find("PostLocalSgdHook: bucket") != std::string::npos, what);
+    WORKER_EXPECT(what.find("already divided by 2") != std::string::npos, what);
+    WORKER_EXPECT(what.find("CommHook::OnLocalGradients") != std::string::npos, what);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PostLocalSgdInsideAHookGivenDividedGradientsIsRefusedNamingIt) {
+  auto run = RunWorkers("post_local_sgd_inside_a_user_hook", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A run resumed past start_iteration: the hook's state, loaded from the
 // saved iteration count, goes local from its first call. Seen from outside:
 // after one step the replicas differ (each rank stepped on its own

@@ -488,33 +488,28 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
     }
     const Tensor grads = grad_bucket.buffer();
     const Tensor out = state->buckets[index].flat;
-    // Averaged inside the reduction's last fold, as DDP's default hook
-    // does, or under Join (the ranks still active) summed and read by the
-    // optimizer times a factor. f16 gradients are divided first and then
-    // summed, as the reducer does with f16 buckets: each partial sum is
-    // rounded to f16, and the ranks' sum can pass 65504 (inf) where each
-    // gradient and the average do not.
-    const bool divide_first = grads.dtype() == nn::DType::kFloat16;
-    const bool average = !divide_first && grad_bucket.divisor() == static_cast<double>(pg.size());
-    const transport::ReduceOp op = average ? transport::ReduceOp::kAvg : transport::ReduceOp::kSum;
-    const double scale = average || divide_first ? 1.0 : 1.0 / grad_bucket.divisor();
-    const double divisor = divide_first ? grad_bucket.divisor() : 1.0;
+    // Averaged as DDP with no hook averages (internal::PlanNoHookAverage):
+    // inside the reduction's last fold, or, in f16 (whose ranks' sum can
+    // pass 65504 where each gradient and the average do not) and under
+    // Join (the ranks still active), each rank's gradients divided first
+    // and summed.
+    const internal::NoHookAverage plan = internal::PlanNoHookAverage(grad_bucket.divisor(), pg.size(), grads.dtype());
+    const transport::ReduceOp op = plan.op;
+    const double pre_scale = plan.pre_scale;
     CollectiveDescription d{"zero_step bucket " + std::to_string(index), grads.dtype(),
                             grads.shape(), -1, op, true};
-    return pg.Run(d, [state, grads, out, params, index, last = grad_bucket.is_last(), op, scale,
-                      divisor](transport::Communicator* comm, transport::Deadline deadline) {
+    return pg.Run(d, [state, grads, out, params, index, last = grad_bucket.is_last(), op,
+                      pre_scale](transport::Communicator* comm, transport::Deadline deadline) {
       Tensor send = grads;
-      if (divisor != 1.0) {
+      if (pre_scale != 1.0) {
         // A copy: the bucket may be .grad itself, which keeps this rank's
         // own gradient until Step.
-        send = nn::Empty(grads.shape(), {.dtype = nn::DType::kFloat16});
-        const nn::Half* g = static_cast<const nn::Half*>(grads.data_ptr());
-        nn::Half* scaled = static_cast<nn::Half*>(send.data_ptr());
-        for (int64_t i = 0; i < grads.numel(); ++i) scaled[i] = nn::Half(static_cast<float>(g[i]) / divisor);
+        send = nn::Empty(grads.shape(), {.dtype = grads.dtype(), .device = grads.device()});
+        internal::ScaleTensor(send, grads, pre_scale);
       }
       const transport::Communicator::SliceFn apply = [&](const void* reduced, void*, size_t offset,
                                                          size_t count) {
-        state->StepPiece(index, reduced, static_cast<int64_t>(offset), static_cast<int64_t>(count), scale);
+        state->StepPiece(index, reduced, static_cast<int64_t>(offset), static_cast<int64_t>(count), 1.0);
         return transport::Status::Ok();
       };
       // The group has more than one rank here (one rank runs no hook).

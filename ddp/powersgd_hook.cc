@@ -909,20 +909,6 @@ transport::Status AgreeOnOptions(const PowerSgdOptions& options, transport::Comm
                                "; every rank must pass the same options");
 }
 
-// The bucket of local (undivided) gradients averaged as the reducer does
-// with no hook: one all-reduce that sums and divides when the divisor is
-// the group's size, except in f16, where a sum can pass 65504 where no
-// gradient does, so each rank divides first and the ranks' parts are
-// summed (and so under Join, whose divisor is the active ranks).
-Work AverageAsDefault(ProcessGroup& group, GradBucket& bucket, const std::string& label) {
-  const nn::Tensor& buffer = bucket.buffer();
-  if (bucket.divisor() == static_cast<double>(group.size()) && buffer.dtype() != nn::DType::kFloat16) {
-    return group.AllReduce(buffer, transport::ReduceOp::kAvg, label);
-  }
-  internal::ScaleTensor(buffer, buffer, 1.0 / bucket.divisor());
-  return group.AllReduce(buffer, transport::ReduceOp::kSum, label);
-}
-
 }  // namespace
 
 PowerSgdState::PowerSgdState(PowerSgdOptions options) {
@@ -1012,6 +998,7 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
   // as the reducer hands a hook its bucket, the result differed in the
   // last bit on 3 ranks. Compressed buckets are divided here instead.
   return CommHook::OnLocalGradients([shared, state, compared](ProcessGroup& group, GradBucket& bucket) -> Work {
+    internal::RequireUndividedBucket(bucket, "PowerSgdHook");
     if (compared->exchange(&group) != &group && group.size() > 1) {
       // Before this call's own collective, in issue order on every rank.
       // Its failure aborts the group, so this bucket's work and every later
@@ -1041,7 +1028,9 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
     const std::string label = "bucket " + std::to_string(bucket.index());
     // Exactly what DDP with no hook does before the start, and for what
     // is not compressed here (16-bit and integer buckets, device memory).
-    if (iteration < state->options.start_iteration) return AverageAsDefault(group, bucket, label);
+    if (iteration < state->options.start_iteration) {
+      return internal::AverageAsNoHook(group, buffer, bucket.divisor(), label);
+    }
     if (!buffer.device().is_cpu() || (dtype != nn::DType::kFloat32 && dtype != nn::DType::kFloat64)) {
       // Said once per hook: a model converted to f16 or moved to a GPU
       // would otherwise train at full traffic with no sign of it.
@@ -1053,7 +1042,7 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
                      group.rank(), label.c_str(), std::string(nn::DTypeName(dtype)).c_str(),
                      buffer.device().ToString().c_str());
       }
-      return AverageAsDefault(group, bucket, label);
+      return internal::AverageAsNoHook(group, buffer, bucket.divisor(), label);
     }
     // The compressed path works on divided gradients (the residuals are in
     // those units), as the reducer would have handed them: the same scaling.

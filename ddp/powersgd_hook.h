@@ -176,8 +176,9 @@ namespace hooks {
 /// The PowerSGD hook (see the header comment). Throws std::invalid_argument
 /// for options out of range. It takes local gradients
 /// (on_local_gradients() is true): a hook that calls it from its own body
-/// must be made with CommHook::OnLocalGradients too, or the gradients are
-/// divided twice.
+/// must be made with CommHook::OnLocalGradients too. Called with a bucket
+/// already divided (GradBucket::divided(), from a plain hook) it throws
+/// std::logic_error naming itself rather than divide the gradients twice.
 CommHook PowerSgdHook(PowerSgdOptions options = {});
 /// The same hook keeping its state in `state`, which the caller keeps to
 /// save and restore it. One DistributedDataParallel per state. Throws

@@ -177,6 +177,54 @@ TEST(PowerSgdHookTest, BeforeStartIterationIsTheDefaultAllReduceBitForBitOnThree
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ------------------------------------------- called from a user's hook ----
+
+// One backward of Mlp(7) on this rank's 8 samples through a wrapper with
+// `hook`; the parameters' gradients.
+std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook) {
+  const auto& data = testing::FashionMnist();
+  auto model = Mlp(7);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  if (hook) ddp.RegisterCommHook(std::move(hook));
+  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  std::vector<std::vector<float>> grads;
+  for (const auto& [name, p] : model->NamedParameters()) grads.push_back(p.grad().ToVector<float>());
+  return grads;
+}
+
+// PowerSgdHook divides the gradients itself (it takes local ones). Called
+// from a user's hook made with CommHook::OnLocalGradients it is the no-hook
+// average bit for bit; from a plain user hook, which the reducer hands
+// gradients already divided, it divided them again and the gradients came
+// out halved on 2 ranks, silently. That call is now refused, naming the
+// hook and the remedy.
+DDP_TEST_WORKER(inside_a_user_hook) {
+  auto pg = testing::WorkerGroup();
+  const auto reference = OneBackwardGrads(pg, nullptr);
+  const CommHook inner = hooks::PowerSgdHook({.start_iteration = 100});
+  const auto local = OneBackwardGrads(
+      pg, CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) { return inner(g, b); }));
+  WORKER_EXPECT(local == reference, "inside an OnLocalGradients hook: not the no-hook average");
+  const CommHook inner_again = hooks::PowerSgdHook({.start_iteration = 100});
+  try {
+    OneBackwardGrads(pg, [inner_again](ProcessGroup& g, GradBucket& b) { return inner_again(g, b); });
+    WORKER_EXPECT(false, "PowerSgdHook inside a hook given divided gradients was accepted");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
+    WORKER_EXPECT(what.find("PowerSgdHook: bucket") != std::string::npos, what);
+    WORKER_EXPECT(what.find("already divided by 2") != std::string::npos, what);
+    WORKER_EXPECT(what.find("CommHook::OnLocalGradients") != std::string::npos, what);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, InsideAHookGivenDividedGradientsIsRefusedNamingIt) {
+  auto run = RunWorkers("inside_a_user_hook", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------- training ----
 
 constexpr int kTrainSteps = 200;

@@ -844,7 +844,8 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
   for (size_t i : bucket.params) params.push_back(params_[i]);
   // Kept until Finalize has waited for this bucket's Work.
   bucket.grad_bucket =
-      std::make_unique<GradBucket>(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_);
+      std::make_unique<GradBucket>(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_,
+                                   /*divided=*/!local_gradients_);
   GradBucket& grad_bucket = *bucket.grad_bucket;
   // A hook that fails on this rank only leaves the peers in this bucket's
   // collective: they are told at once, as for the reducer's own errors.

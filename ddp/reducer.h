@@ -274,7 +274,7 @@ class Reducer {
   // largest value (65504) where each gradient does not, so they are divided
   // first (as PyTorch's default hook divides before the sum) and summed.
   bool FusedAverage(double divisor, nn::DType dtype) const {
-    return default_hook_ && divisor == static_cast<double>(pg_->size()) && dtype != nn::DType::kFloat16;
+    return default_hook_ && internal::PlanNoHookAverage(divisor, pg_->size(), dtype).op == transport::ReduceOp::kAvg;
   }
   void Finalize();
   // The end of a synchronizing iteration, run or shadowed: the rebuild is
