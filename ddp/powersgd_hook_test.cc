@@ -225,6 +225,43 @@ TEST(PowerSgdHookTest, InsideAHookGivenDividedGradientsIsRefusedNamingIt) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ------------------------------------------- one state, two wrappers ----
+
+// Two live wrappers on two groups with one PowerSgdState: the second one's
+// tasks ran on another communication thread on the same bucket states, and
+// both backward threads counted the same iteration, unsynchronized (a data
+// race, and each model's state overwritten by the other's). The second is
+// refused at its first backward, on every rank; the first goes on.
+DDP_TEST_WORKER(state_on_two_groups) {
+  auto pg = testing::WorkerGroup();
+  std::shared_ptr<ProcessGroup> other = pg->NewGroup({0, 1});
+  const auto& data = testing::FashionMnist();
+  auto state = std::make_shared<PowerSgdState>(PowerSgdOptions{.start_iteration = 0});
+  auto first_model = Mlp(7), second_model = Mlp(7);
+  DistributedDataParallel first(first_model, {.process_group = pg});
+  DistributedDataParallel second(second_model, {.process_group = other});
+  first.RegisterCommHook(hooks::PowerSgdHook(state));
+  second.RegisterCommHook(hooks::PowerSgdHook(state));
+  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
+  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  try {
+    nn::Backward(nn::loss::CrossEntropy(second(x), y));
+    WORKER_EXPECT(false, "a second wrapper on another group shared the state");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
+    WORKER_EXPECT(what.find("PowerSgdState already serves another process group") != std::string::npos, what);
+  }
+  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  WORKER_EXPECT(state->iteration() == 2, "the first wrapper's iterations: " + std::to_string(state->iteration()));
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, AStateServingOneGroupRefusesASecondWrapperOnAnother) {
+  auto run = RunWorkers("state_on_two_groups", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------- training ----
 
 constexpr int kTrainSteps = 200;
