@@ -130,6 +130,21 @@ void RequireUndividedBucket(const GradBucket& bucket, const char* hook) {
   throw std::logic_error(message.str());
 }
 
+void StateAttachment::Attach(const ProcessGroup& group, const HookCopy& copy, const char* hook, const char* state,
+                             size_t bucket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::shared_ptr<const char> serving_hook = serving_hook_.lock();
+  if (serving_ != nullptr && serving_ != &group && serving_hook != nullptr && serving_hook != copy.token()) {
+    throw std::logic_error(std::string(hook) + " (bucket " + std::to_string(bucket) + ", a group of " +
+                           std::to_string(group.size()) + " ranks): its " + state +
+                           " already serves another process group through a hook that is still alive (another "
+                           "DistributedDataParallel); one state per wrapper: give this wrapper its own state, or "
+                           "destroy the other wrapper before reusing the state");
+  }
+  serving_ = &group;
+  if (serving_hook != copy.token()) serving_hook_ = copy.token();
+}
+
 }  // namespace internal
 
 namespace hooks {

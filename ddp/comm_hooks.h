@@ -27,6 +27,8 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -184,6 +186,48 @@ Work AverageAsNoHook(ProcessGroup& group, const nn::Tensor& buffer, double divis
 /// registered as it is, or called from a hook made with
 /// CommHook::OnLocalGradients.
 void RequireUndividedBucket(const GradBucket& bucket, const char* hook);
+
+/// Tells the copies of one hook apart: each copy of a hook's closure that
+/// holds one (the copy a DistributedDataParallel keeps when the hook is
+/// registered, say) has a token of its own, which dies with that copy.
+class HookCopy {
+ public:
+  HookCopy() : token_(std::make_shared<const char>('\0')) {}
+  HookCopy(const HookCopy&) : HookCopy() {}
+  HookCopy(HookCopy&&) noexcept = default;
+  HookCopy& operator=(const HookCopy&) {
+    token_ = std::make_shared<const char>('\0');
+    return *this;
+  }
+  HookCopy& operator=(HookCopy&&) noexcept = default;
+  const std::shared_ptr<const char>& token() const { return token_; }
+
+ private:
+  std::shared_ptr<const char> token_;
+};
+
+/// The process group a hook's state (PowerSgdState, PostLocalSgdState)
+/// serves. A second wrapper on another group, while the hook copy serving
+/// the first is alive, would update the state from a second backward and
+/// communication thread, unsynchronized: Attach refuses it. A copy of an
+/// attachment is a new one, serving nothing yet.
+class StateAttachment {
+ public:
+  StateAttachment() = default;
+  StateAttachment(const StateAttachment&) {}
+  StateAttachment& operator=(const StateAttachment&) { return *this; }
+
+  /// Binds the state to `group` for the hook copy `copy`, or throws
+  /// std::logic_error naming the hook, its state's type and `bucket` when
+  /// another copy, still alive, serves another group. Once that copy is
+  /// gone, the state serves the new group.
+  void Attach(const ProcessGroup& group, const HookCopy& copy, const char* hook, const char* state, size_t bucket);
+
+ private:
+  std::mutex mu_;
+  const ProcessGroup* serving_ = nullptr;
+  std::weak_ptr<const char> serving_hook_;
+};
 
 /// dst[i] = src[i] * factor for n elements of one floating dtype
 /// (contiguous buffers; 16-bit types computed in f32).

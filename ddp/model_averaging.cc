@@ -94,9 +94,11 @@ CommHook PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state) {
   // members, taken here where the friend declaration grants access.
   const PostLocalSgdOptions* options = &state->options_;
   int64_t* iteration = &state->iteration_;
-  return CommHook::OnLocalGradients([state = std::move(state), options, iteration, noop](
-                                        ProcessGroup& group, GradBucket& bucket) -> Work {
+  internal::StateAttachment* attachment = &state->attachment_;
+  return CommHook::OnLocalGradients([state = std::move(state), options, iteration, attachment, noop,
+                                     copy = internal::HookCopy()](ProcessGroup& group, GradBucket& bucket) -> Work {
     internal::RequireUndividedBucket(bucket, "PostLocalSgdHook");
+    attachment->Attach(group, copy, "PostLocalSgdHook", "PostLocalSgdState", bucket.index());
     const int64_t now = *iteration;
     if (bucket.is_last()) ++*iteration;
     const std::string label = "bucket " + std::to_string(bucket.index());

@@ -178,6 +178,41 @@ TEST(ModelAveragingTest, PostLocalSgdInsideAHookGivenDividedGradientsIsRefusedNa
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Two live wrappers on two groups with one PostLocalSgdState: both backward
+// threads counted its iterations, unsynchronized (a data race, and the
+// local phase began after half the first wrapper's iterations). The second
+// is refused at its first backward, on every rank; the first goes on.
+DDP_TEST_WORKER(post_local_sgd_state_on_two_groups) {
+  auto pg = testing::WorkerGroup();
+  std::shared_ptr<ProcessGroup> other = pg->NewGroup({0, 1});
+  const auto& data = testing::FashionMnist();
+  auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 100});
+  auto first_model = Mlp(7), second_model = Mlp(7);
+  DistributedDataParallel first(first_model, {.process_group = pg});
+  DistributedDataParallel second(second_model, {.process_group = other});
+  first.RegisterCommHook(hooks::PostLocalSgdHook(state));
+  second.RegisterCommHook(hooks::PostLocalSgdHook(state));
+  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
+  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  try {
+    nn::Backward(nn::loss::CrossEntropy(second(x), y));
+    WORKER_EXPECT(false, "a second wrapper on another group shared the state");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
+    WORKER_EXPECT(what.find("PostLocalSgdHook (bucket") != std::string::npos, what);
+    WORKER_EXPECT(what.find("PostLocalSgdState already serves another process group") != std::string::npos, what);
+  }
+  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  WORKER_EXPECT(state->iteration() == 2, "the first wrapper's iterations: " + std::to_string(state->iteration()));
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, APostLocalSgdStateServingOneGroupRefusesASecondWrapperOnAnother) {
+  auto run = RunWorkers("post_local_sgd_state_on_two_groups", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A run resumed past start_iteration: the hook's state, loaded from the
 // saved iteration count, goes local from its first call. Seen from outside:
 // after one step the replicas differ (each rank stepped on its own

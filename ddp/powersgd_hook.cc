@@ -706,13 +706,11 @@ struct PowerSgdState::Impl {
   // Whether a bucket past start_iteration was sent uncompressed (not f32
   // or f64, or not in host memory) and the note about it printed.
   std::atomic<bool> warned_uncompressed{false};
-  // The group this state serves, and the token of the hook copy that
-  // serves it (HookCopy), under `mu`. A second copy alive on another group
-  // (a second wrapper) is refused: its tasks would use the same buckets on
-  // another communication thread, and its backward would count
-  // `iteration` unsynchronized with the first's.
-  const ProcessGroup* serving = nullptr;
-  std::weak_ptr<const char> serving_hook;
+  // The group this state serves: a second live wrapper on another group
+  // is refused, since its tasks would use the same buckets on another
+  // communication thread and its backward would count `iteration`
+  // unsynchronized with the first's.
+  internal::StateAttachment attachment;
 };
 
 namespace {
@@ -987,46 +985,6 @@ void PowerSgdState::LoadStateDict(const NamedTensors& state, const NamedTensors&
   impl_->iteration = parsed.iteration;
 }
 
-namespace {
-
-// Tells the copies of one hook apart: each copy of the hook's closure (the
-// one DistributedDataParallel keeps when a hook is registered, say) holds a
-// token of its own, which dies with that copy.
-class HookCopy {
- public:
-  HookCopy() : token_(std::make_shared<const char>('\0')) {}
-  HookCopy(const HookCopy&) : HookCopy() {}
-  HookCopy(HookCopy&&) noexcept = default;
-  HookCopy& operator=(const HookCopy&) {
-    token_ = std::make_shared<const char>('\0');
-    return *this;
-  }
-  HookCopy& operator=(HookCopy&&) noexcept = default;
-  const std::shared_ptr<const char>& token() const { return token_; }
-
- private:
-  std::shared_ptr<const char> token_;
-};
-
-// Binds `state` to `group` for the hook copy `copy`, or throws when another
-// copy of a hook on this state, still alive, serves another group.
-void Attach(PowerSgdState::Impl& state, const ProcessGroup& group, const HookCopy& copy, size_t bucket) {
-  std::lock_guard<std::mutex> lock(state.mu);
-  const std::shared_ptr<const char> serving_hook = state.serving_hook.lock();
-  if (state.serving != nullptr && state.serving != &group && serving_hook != nullptr &&
-      serving_hook != copy.token()) {
-    throw std::logic_error(
-        "PowerSgdHook (bucket " + std::to_string(bucket) + ", a group of " + std::to_string(group.size()) +
-        " ranks): its PowerSgdState already serves another process group through a hook that is still alive "
-        "(another DistributedDataParallel); one state per wrapper: give this wrapper its own state, or destroy "
-        "the other wrapper before reusing the state");
-  }
-  state.serving = &group;
-  if (serving_hook != copy.token()) state.serving_hook = copy.token();
-}
-
-}  // namespace
-
 namespace hooks {
 
 CommHook PowerSgdHook(PowerSgdOptions options) { return PowerSgdHook(std::make_shared<PowerSgdState>(options)); }
@@ -1044,10 +1002,10 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
   // on any world size: sum, then divide (kAvg). Divided first and summed,
   // as the reducer hands a hook its bucket, the result differed in the
   // last bit on 3 ranks. Compressed buckets are divided here instead.
-  return CommHook::OnLocalGradients([shared, state, compared, copy = HookCopy()](ProcessGroup& group,
-                                                                               GradBucket& bucket) -> Work {
+  return CommHook::OnLocalGradients([shared, state, compared, copy = internal::HookCopy()](
+                                        ProcessGroup& group, GradBucket& bucket) -> Work {
     internal::RequireUndividedBucket(bucket, "PowerSgdHook");
-    Attach(*state, group, copy, bucket.index());
+    state->attachment.Attach(group, copy, "PowerSgdHook", "PowerSgdState", bucket.index());
     if (compared->exchange(&group) != &group && group.size() > 1) {
       // Before this call's own collective, in issue order on every rank.
       // Its failure aborts the group, so this bucket's work and every later
