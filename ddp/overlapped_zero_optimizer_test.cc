@@ -603,6 +603,48 @@ TEST(OverlappedZeroOptimizerTest, NoSyncAccumulatesAndJoinedRanksStillStepTheirS
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Join dividing by the ranks still active (divide_by_initial_world_size
+// false): the hook averages as DDP with no hook does then (each rank's
+// gradients times 1 / active ranks, then summed; internal::PlanNoHookAverage),
+// so the slices step as the reference does. 3 ranks: ranks 1 and 2 hold 2
+// more batches, so those steps divide by 2 (multiply by 0.5 before the sum)
+// and the others by 3 (inside the all-reduce).
+DDP_TEST_WORKER(join_dividing_by_the_active_ranks) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), world = pg->size();
+  constexpr int kCommon = 2, kExtra = 2;
+  const int mine = kCommon + (rank >= 1 ? kExtra : 0);
+  auto model = Mlp(9), reference = Mlp(9);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+  DistributedDataParallel ref_ddp(reference, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
+  for (auto* which : {&ddp, &ref_ddp}) {
+    Join join(*which, {.divide_by_initial_world_size = false});
+    for (int s = 0; s < mine; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*which)(x), y));
+      if (which == &ddp) {
+        opt.Step();
+      } else {
+        ref_opt->Step();
+        ref_opt->ZeroGrad();
+      }
+    }
+    join.Wait();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "Join by the active ranks: `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "Join: replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, JoinDividingByTheActiveRanksStepsAsDdpDoes) {
+  auto run = RunWorkers("join_dividing_by_the_active_ranks", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Join's shadow_step with the pattern ZeroRedundancyOptimizer documents,
 // `[&] { opt.Step(); sched.Step(); }`, on uneven inputs (rank r runs 2 + 2r
 // batches; the rate decays every step). Step() refused the shadowed step
