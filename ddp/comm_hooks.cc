@@ -134,12 +134,14 @@ void StateAttachment::Attach(const ProcessGroup& group, const HookCopy& copy, co
                              size_t bucket) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::shared_ptr<const char> serving_hook = serving_hook_.lock();
-  if (serving_ != nullptr && serving_ != &group && serving_hook != nullptr && serving_hook != copy.token()) {
+  if (serving_hook != nullptr && serving_hook != copy.token()) {
     throw std::logic_error(std::string(hook) + " (bucket " + std::to_string(bucket) + ", a group of " +
-                           std::to_string(group.size()) + " ranks): its " + state +
-                           " already serves another process group through a hook that is still alive (another "
-                           "DistributedDataParallel); one state per wrapper: give this wrapper its own state, or "
-                           "destroy the other wrapper before reusing the state");
+                           std::to_string(group.size()) + " ranks): its " + state + " already serves " +
+                           (serving_ == &group ? "another wrapper on this process group"
+                                               : "another process group") +
+                           " through a hook that is still alive (another DistributedDataParallel); one state per "
+                           "wrapper: give this wrapper its own state, or destroy the other wrapper before reusing "
+                           "the state");
   }
   serving_ = &group;
   if (serving_hook != copy.token()) serving_hook_ = copy.token();

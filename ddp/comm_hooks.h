@@ -206,21 +206,23 @@ class HookCopy {
   std::shared_ptr<const char> token_;
 };
 
-/// The process group a hook's state (PowerSgdState, PostLocalSgdState)
-/// serves. A second wrapper on another group, while the hook copy serving
-/// the first is alive, would update the state from a second backward and
-/// communication thread, unsynchronized: Attach refuses it. A copy of an
-/// attachment is a new one, serving nothing yet.
+/// The hook copy (and its process group) that a hook's state
+/// (PowerSgdState, PostLocalSgdState) serves. A second wrapper, while the
+/// hook copy serving the first is alive, would update the state from a
+/// second backward thread (and, on another group, a second communication
+/// thread), unsynchronized, and count its iterations twice: Attach refuses
+/// it. A copy of an attachment is a new one, serving nothing yet.
 class StateAttachment {
  public:
   StateAttachment() = default;
   StateAttachment(const StateAttachment&) {}
   StateAttachment& operator=(const StateAttachment&) { return *this; }
 
-  /// Binds the state to `group` for the hook copy `copy`, or throws
+  /// Binds the state to the hook copy `copy` (on `group`), or throws
   /// std::logic_error naming the hook, its state's type and `bucket` when
-  /// another copy, still alive, serves another group. Once that copy is
-  /// gone, the state serves the new group.
+  /// another copy that was called before is still alive (another wrapper,
+  /// on this group or another). Once that copy is gone, the state serves
+  /// the new one.
   void Attach(const ProcessGroup& group, const HookCopy& copy, const char* hook, const char* state, size_t bucket);
 
  private:

@@ -68,11 +68,10 @@ namespace hooks {
 CommHook PostLocalSgdHook(PostLocalSgdOptions options);
 /// The same hook counting its iterations in `state`, which the caller keeps
 /// to save and restore the count (see PostLocalSgdState). One
-/// DistributedDataParallel per state: a call from another process group
-/// than the one the state serves throws std::logic_error while the hook
-/// copy serving that group (the one its wrapper keeps) is alive; once it
-/// is gone, the state serves the new group. Throws std::invalid_argument
-/// for a null state.
+/// DistributedDataParallel per state: a call from a second wrapper (on any
+/// group) throws std::logic_error while the hook copy serving the first
+/// (the one its wrapper keeps) is alive; once it is gone, the state serves
+/// the new one. Throws std::invalid_argument for a null state.
 CommHook PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state);
 
 }  // namespace hooks
@@ -118,8 +117,8 @@ class PostLocalSgdState {
   friend CommHook hooks::PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state);
   PostLocalSgdOptions options_;
   int64_t iteration_ = 0;
-  // The group the state serves: a second live wrapper on another group
-  // would count iteration_ from a second backward thread, unsynchronized.
+  // The hook copy the state serves: a second live wrapper would count
+  // iteration_ too, from its own backward thread, unsynchronized.
   internal::StateAttachment attachment_;
 };
 

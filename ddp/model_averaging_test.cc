@@ -213,6 +213,41 @@ TEST(ModelAveragingTest, APostLocalSgdStateServingOneGroupRefusesASecondWrapperO
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Two live wrappers on one group with one PostLocalSgdState: both counted its
+// iterations (each wrapper's backward bumped the one counter, from its own
+// thread if it has one).
+// The second is refused at its first backward, on every rank, and the
+// count stays the first wrapper's. (The refusal aborts the group, as any
+// hook that throws does, so the first wrapper does not go on here.)
+DDP_TEST_WORKER(post_local_sgd_state_on_two_wrappers_of_one_group) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 100});
+  auto first_model = Mlp(7), second_model = Mlp(7);
+  DistributedDataParallel first(first_model, {.process_group = pg});
+  DistributedDataParallel second(second_model, {.process_group = pg});
+  first.RegisterCommHook(hooks::PostLocalSgdHook(state));
+  second.RegisterCommHook(hooks::PostLocalSgdHook(state));
+  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
+  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  try {
+    nn::Backward(nn::loss::CrossEntropy(second(x), y));
+    WORKER_EXPECT(false, "a second wrapper on the same group shared the state");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
+    WORKER_EXPECT(what.find("PostLocalSgdState already serves another wrapper on this process group") != std::string::npos,
+                  what);
+  }
+  WORKER_EXPECT(state->iteration() == 1, "iterations counted: " + std::to_string(state->iteration()));
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, APostLocalSgdStateServingOneWrapperRefusesASecondWrapperOnTheSameGroup) {
+  auto run = RunWorkers("post_local_sgd_state_on_two_wrappers_of_one_group", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A run resumed past start_iteration: the hook's state, loaded from the
 // saved iteration count, goes local from its first call. Seen from outside:
 // after one step the replicas differ (each rank stepped on its own

@@ -706,10 +706,10 @@ struct PowerSgdState::Impl {
   // Whether a bucket past start_iteration was sent uncompressed (not f32
   // or f64, or not in host memory) and the note about it printed.
   std::atomic<bool> warned_uncompressed{false};
-  // The group this state serves: a second live wrapper on another group
-  // is refused, since its tasks would use the same buckets on another
-  // communication thread and its backward would count `iteration`
-  // unsynchronized with the first's.
+  // The hook copy (and group) this state serves: a second live wrapper is
+  // refused, since its buckets of one index would overwrite the first's
+  // (from another communication thread, on another group) and its
+  // backward would count `iteration` too, unsynchronized.
   internal::StateAttachment attachment;
 };
 

@@ -75,7 +75,7 @@
 // on prints a note on stderr naming its dtype and device (once per hook).
 // The hook keeps state per bucket (Q, the
 // residuals) across iterations: one hook object per DistributedDataParallel
-// (a state serving one group refuses a second live wrapper on another).
+// (a state refuses a second wrapper while the first's hook is alive).
 // When the buckets are rebuilt (after the first iteration, so with a
 // start_iteration of 0 or 1 while the hook already holds state), each
 // parameter's Q and residual follow it to its new place, in whichever
@@ -183,10 +183,10 @@ namespace hooks {
 CommHook PowerSgdHook(PowerSgdOptions options = {});
 /// The same hook keeping its state in `state`, which the caller keeps to
 /// save and restore it. One DistributedDataParallel per state: a call from
-/// another process group than the one the state serves throws
-/// std::logic_error while the hook copy serving that group (the one its
-/// wrapper keeps) is alive; once it is gone, the state serves the new
-/// group. Throws std::invalid_argument for a null state.
+/// a second wrapper (on any group) throws std::logic_error while the hook
+/// copy serving the first (the one its wrapper keeps) is alive; once it is
+/// gone, the state serves the new one. Throws std::invalid_argument for a
+/// null state.
 CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> state);
 
 }  // namespace hooks

@@ -262,6 +262,41 @@ TEST(PowerSgdHookTest, AStateServingOneGroupRefusesASecondWrapperOnAnother) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Two live wrappers on one group with one PowerSgdState: both counted its
+// iterations (each wrapper's backward bumped the one counter, from its own
+// thread if it has one), and their buckets of one index overwrote each other's Q and residuals.
+// The second is refused at its first backward, on every rank, and the
+// count stays the first wrapper's. (The refusal aborts the group, as any
+// hook that throws does, so the first wrapper does not go on here.)
+DDP_TEST_WORKER(state_on_two_wrappers_of_one_group) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto state = std::make_shared<PowerSgdState>(PowerSgdOptions{.start_iteration = 0});
+  auto first_model = Mlp(7), second_model = Mlp(7);
+  DistributedDataParallel first(first_model, {.process_group = pg});
+  DistributedDataParallel second(second_model, {.process_group = pg});
+  first.RegisterCommHook(hooks::PowerSgdHook(state));
+  second.RegisterCommHook(hooks::PowerSgdHook(state));
+  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
+  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  try {
+    nn::Backward(nn::loss::CrossEntropy(second(x), y));
+    WORKER_EXPECT(false, "a second wrapper on the same group shared the state");
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
+    WORKER_EXPECT(what.find("PowerSgdState already serves another wrapper on this process group") != std::string::npos,
+                  what);
+  }
+  WORKER_EXPECT(state->iteration() == 1, "iterations counted: " + std::to_string(state->iteration()));
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, AStateServingOneWrapperRefusesASecondWrapperOnTheSameGroup) {
+  auto run = RunWorkers("state_on_two_wrappers_of_one_group", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------- training ----
 
 constexpr int kTrainSteps = 200;
