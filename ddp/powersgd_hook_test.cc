@@ -177,6 +177,41 @@ TEST(PowerSgdHookTest, BeforeStartIterationIsTheDefaultAllReduceBitForBitOnThree
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The same under Join dividing by the ranks still active (3 ranks; ranks 1
+// and 2 hold two more batches, so those steps divide by 2): the hook then
+// multiplies its local gradients by 1 / 2 and sums, as the reducer with no
+// hook does (internal::PlanNoHookAverage), bit for bit.
+DDP_TEST_WORKER(before_start_under_join) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), world = pg->size();
+  const int mine = 2 + (rank >= 1 ? 2 : 0);
+  auto model = Mlp(7), reference = Mlp(7);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  DistributedDataParallel ref_ddp(reference, {.process_group = pg});
+  ddp.RegisterCommHook(hooks::PowerSgdHook({.start_iteration = 100}));
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  for (auto [which, which_opt] : {std::pair{&ddp, &opt}, std::pair{&ref_ddp, &ref_opt}}) {
+    Join join(*which, {.divide_by_initial_world_size = false});
+    for (int s = 0; s < mine; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * 8, 8);
+      which_opt->ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy((*which)(x), y));
+      which_opt->Step();
+    }
+    join.Wait();
+  }
+  WORKER_EXPECT(testing::HashState(*model) == testing::HashState(*reference),
+                "under Join by the active ranks: PowerSGD before its start differs from DDP with no hook");
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, BeforeStartIterationIsTheDefaultAllReduceBitForBitUnderJoin) {
+  auto run = RunWorkers("before_start_under_join", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------- called from a user's hook ----
 
 // One backward of Mlp(7) on this rank's 8 samples through a wrapper with
