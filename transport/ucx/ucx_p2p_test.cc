@@ -320,13 +320,22 @@ struct FloodedWait {
 // 0's shared-memory queue, enlarged to 8192 messages, holds rank 1's
 // backlog of a second or more. The flood lasts until the wait ends, or
 // 10 s.
-FloodedWait WaitDuringAFlood(std::function<Status(Deadline, std::span<const int>)> watchdog) {
+//
+// Rank 0 reads the clock once in `polls_per_clock_read` polls. Each poll
+// here takes up to 16 messages at up to 1 ms each, so with the default (16)
+// reads come up to ~250 ms of CPU time apart: enough for the deadline, but
+// on a loaded 2-core host (rank 0 on a core a tenth of the time) a 1 s wait
+// saw only 1 to 4 watchdog calls. The tests that count watchdog calls read
+// the clock at every poll.
+FloodedWait WaitDuringAFlood(std::function<Status(Deadline, std::span<const int>)> watchdog,
+                             int polls_per_clock_read = P2pOptions{}.polls_per_clock_read) {
   constexpr p2p::Tag kFlood = 7, kNeverSent = 3, kDone = 4;
   constexpr int kDecoys = 20000;
   std::vector<std::unique_ptr<UcxPointToPoint>> ranks;
   {
     ScopedEnv fifo({{"UCX_POSIX_FIFO_SIZE", "8192"}, {"UCX_SYSV_FIFO_SIZE", "8192"}});
-    ranks = MakeRanks(2);
+    ranks = MakeRanks(2, IdleMode::kSpin, P2pOptions{}.recall_grace, P2pOptions{}.watchdog_period,
+                      polls_per_clock_read);
   }
   ranks[0]->SetWatchdog(std::move(watchdog));
   FloodedWait result;
@@ -392,19 +401,26 @@ FloodedWait WaitDuringAFlood(std::function<Status(Deadline, std::span<const int>
 }
 
 TEST(UcxPointToPoint, DeadlinePassesWhileAPeerFloodsAnotherTag) {
-  std::atomic<int> watchdog_calls{0};
-  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, std::span<const int>) {
-    ++watchdog_calls;
-    return Status::Ok();
-  });
+  FloodedWait wait = WaitDuringAFlood([](Deadline, std::span<const int>) { return Status::Ok(); });
   EXPECT_EQ(wait.status.code(), StatusCode::kTimedOut) << wait.status;
   EXPECT_GE(wait.waited, milliseconds(1000));
   EXPECT_LT(wait.waited, milliseconds(4000));
-  // Every 100 ms once the wait has lasted a millisecond: about 10 in the
-  // second the wait lasts, fewer when the host starves the waiting thread
-  // (3 under a load of 17 on 2 cores). A flood that kept the wait from
-  // reading the clock would give none.
-  EXPECT_GE(watchdog_calls.load(), 2);
+  EXPECT_TRUE(wait.flood_ran_throughout) << "the flood ended before the wait did";
+}
+
+TEST(UcxPointToPoint, WatchdogRunsEveryPeriodWhileAPeerFloodsAnotherTag) {
+  std::atomic<int> watchdog_calls{0};
+  FloodedWait wait = WaitDuringAFlood(
+      [&watchdog_calls](Deadline, std::span<const int>) {
+        ++watchdog_calls;
+        return Status::Ok();
+      },
+      /*polls_per_clock_read=*/1);
+  EXPECT_EQ(wait.status.code(), StatusCode::kTimedOut) << wait.status;
+  EXPECT_GE(wait.waited, milliseconds(1000));
+  // Every 100 ms once the wait has lasted a millisecond.
+  EXPECT_GE(watchdog_calls.load(), 5)
+      << "in a wait of " << std::chrono::duration_cast<milliseconds>(wait.waited).count() << " ms";
   EXPECT_TRUE(wait.flood_ran_throughout) << "the flood ended before the wait did";
 }
 
@@ -412,10 +428,12 @@ TEST(UcxPointToPoint, WatchdogFailureEndsAWaitWhileAPeerFloodsAnotherTag) {
   // The wait drains what already arrived before giving up, but not for as
   // long as the flood goes on.
   std::atomic<int> watchdog_calls{0};
-  FloodedWait wait = WaitDuringAFlood([&watchdog_calls](Deadline, std::span<const int>) -> Status {
-    if (++watchdog_calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
-    return Status::Ok();
-  });
+  FloodedWait wait = WaitDuringAFlood(
+      [&watchdog_calls](Deadline, std::span<const int>) -> Status {
+        if (++watchdog_calls >= 2) return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
+        return Status::Ok();
+      },
+      /*polls_per_clock_read=*/1);
   EXPECT_EQ(wait.status.code(), StatusCode::kAborted) << wait.status;
   EXPECT_LT(wait.waited, milliseconds(4000));
   EXPECT_TRUE(wait.flood_ran_throughout) << "the flood ended before the wait did";
