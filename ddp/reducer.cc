@@ -980,24 +980,20 @@ void Reducer::Finalize() {
     used_work_ = pg_->AllReduce(used_, transport::ReduceOp::kSum, "unused parameter map");
   }
 
-  Clock::time_point comm_start = Clock::time_point::max(), comm_end{};
+  IterationTiming timing{.prepared = prepared_at_, .last_grad = last_grad_at_};
   // One thread runs the collectives in launch order: once the last bucket
   // is done the others are too, so waiting on it first sleeps once.
   for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) b->work.Wait();
-  // Collectives that ran on this thread, inside the gradient hooks, held
-  // backward up for their whole duration: none of it overlapped.
-  Clock::duration inline_comm{};
   for (Bucket& b : buckets_) {
-    comm_start = std::min(comm_start, b.work.started());
-    comm_end = std::max(comm_end, b.work.finished());
-    if (pg_->collectives_on_caller() && b.device.is_cpu()) {
-      inline_comm += b.work.finished() - b.work.started();
-    }
+    timing.buckets.push_back({.started = b.work.started(), .finished = b.work.finished(),
+                              .on_caller = pg_->collectives_on_caller() && b.device.is_cpu()});
   }
   std::vector<char> globally_used(params_.size(), 1);
   if (used_work_.valid()) {
     used_work_.Wait();
-    comm_end = std::max(comm_end, used_work_.finished());
+    // The map is a host tensor.
+    timing.used_map = {.started = used_work_.started(), .finished = used_work_.finished(),
+                       .on_caller = pg_->collectives_on_caller()};
     const int32_t* u = used_.data<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = u[i] > 0;
   }
@@ -1061,20 +1057,36 @@ void Reducer::Finalize() {
   CountGroupIteration();
   finalized_ = true;
   // Statistics: see DdpStats for the definitions.
-  ++times_.iterations;
-  times_.backward_compute += Seconds(last_grad_at_ - prepared_at_ - inline_comm);
-  times_.exposed += Seconds(end - last_grad_at_ + inline_comm);
-  if (comm_start != Clock::time_point::max()) {
-    if (inline_comm > Clock::duration::zero()) {
-      times_.backward_comm += Seconds(inline_comm);
-    } else {
-      times_.backward_comm += Seconds(comm_end - comm_start);
-      times_.overlap += std::max(0.0, Seconds(std::min(last_grad_at_, comm_end) - comm_start));
-    }
-  }
+  timing.end = end;
+  AddIterationTimes(timing, times_);
   if (trace_ != nullptr) {
     trace_->Complete("backward compute", "compute", prepared_at_, last_grad_at_);
     trace_->Complete("backward wait + write-back", "compute", compute_end, end);
+  }
+}
+
+void AddIterationTimes(const IterationTiming& timing, ReducerTimes& times) {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point comm_start = Clock::time_point::max(), comm_end{};
+  // Collectives that ran on this thread, inside the gradient hooks, held
+  // backward up for their whole duration: none of it overlapped.
+  Clock::duration inline_comm{};
+  for (const IterationTiming::Collective& c : timing.buckets) {
+    comm_start = std::min(comm_start, c.started);
+    comm_end = std::max(comm_end, c.finished);
+    if (c.on_caller) inline_comm += c.finished - c.started;
+  }
+  comm_end = std::max(comm_end, timing.used_map.finished);
+  ++times.iterations;
+  times.backward_compute += Seconds(timing.last_grad - timing.prepared - inline_comm);
+  times.exposed += Seconds(timing.end - timing.last_grad + inline_comm);
+  if (comm_start != Clock::time_point::max()) {
+    if (inline_comm > Clock::duration::zero()) {
+      times.backward_comm += Seconds(inline_comm);
+    } else {
+      times.backward_comm += Seconds(comm_end - comm_start);
+      times.overlap += std::max(0.0, Seconds(std::min(timing.last_grad, comm_end) - comm_start));
+    }
   }
 }
 

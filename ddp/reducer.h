@@ -83,6 +83,23 @@ struct ReducerTimes {
   double exposed = 0;
 };
 
+/// The timestamps of one synchronizing backward, for AddIterationTimes.
+struct IterationTiming {
+  using TimePoint = std::chrono::steady_clock::time_point;
+  struct Collective {
+    TimePoint started, finished;  ///< Work::started / finished; TimePoint{}: not known
+    bool on_caller = false;       ///< ran on the thread that runs backward
+  };
+  TimePoint prepared;   ///< forward's end (Prepare)
+  TimePoint last_grad;  ///< the last gradient hook's end
+  TimePoint end;        ///< Finalize's end
+  std::vector<Collective> buckets;  ///< in launch order
+  Collective used_map;  ///< the unused-parameter map's all-reduce; TimePoint{} where none ran
+};
+
+/// Adds one iteration's timings to `times` (see DdpStats for the meaning).
+void AddIterationTimes(const IterationTiming& timing, ReducerTimes& times);
+
 class Reducer {
  public:
   /// `params`: the parameters that require grad, in registration order,
