@@ -153,9 +153,15 @@ struct DdpStats {
   double overlap_ms = 0;            ///< Part of backward_comm_ms before the last gradient.
   double exposed_ms = 0;            ///< Backward waiting after its last gradient (and copying back).
   // With collectives on the caller's thread (ProcessGroup::collectives_on_caller)
-  // the buckets' all-reduces run inside backward and hold it up: their summed
-  // durations count as backward_comm_ms and exposed_ms, not as compute, and
-  // overlap_ms stays 0.
+  // the CPU buckets' all-reduces run inside backward and hold it up: their
+  // summed durations count as backward_comm_ms, none as overlap_ms, and
+  // those that ran before the last gradient as exposed_ms instead of
+  // compute (those after it, as a static graph's first iteration runs the
+  // buckets of outputs left out of the loss, are inside exposed_ms
+  // already). Buckets on the communication thread beside them (device
+  // buckets) add their span and its overlap as usual. A collective whose
+  // start was not recorded (issued before a fork, read in the child) is
+  // left out.
   double comm_thread_cpu_ms = 0;    ///< CPU time of the communication thread.
   /// Time the group's collectives waited for slower ranks
   /// (ProcessGroup::PeerWaitTime: host tensors through shared memory

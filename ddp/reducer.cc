@@ -1067,26 +1067,38 @@ void Reducer::Finalize() {
 
 void AddIterationTimes(const IterationTiming& timing, ReducerTimes& times) {
   using Clock = std::chrono::steady_clock;
+  // Collectives on the communication thread: the span from the first start
+  // to the last finish, overlapped up to the last gradient.
   Clock::time_point comm_start = Clock::time_point::max(), comm_end{};
-  // Collectives that ran on this thread, inside the gradient hooks, held
-  // backward up for their whole duration: none of it overlapped.
-  Clock::duration inline_comm{};
-  for (const IterationTiming::Collective& c : timing.buckets) {
+  // Collectives on this thread, inside the gradient hooks (before the last
+  // gradient), held backward up for their whole duration: that is not
+  // compute, and none of it overlapped. Those that ran after the last
+  // gradient (a static graph's first iteration launches the buckets of
+  // outputs left out of the loss from Finalize) are already inside the
+  // exposed time.
+  Clock::duration on_caller{}, held_up{};
+  auto add = [&](const IterationTiming::Collective& c) {
+    // A Work that recorded no start or finish (one issued before a fork, read
+    // in the child) is left out: its zero time point would make the span
+    // reach back to the clock's epoch.
+    if (c.started == Clock::time_point{} || c.finished < c.started) return;
+    if (c.on_caller) {
+      on_caller += c.finished - c.started;
+      if (c.finished <= timing.last_grad) held_up += c.finished - c.started;
+      return;
+    }
     comm_start = std::min(comm_start, c.started);
     comm_end = std::max(comm_end, c.finished);
-    if (c.on_caller) inline_comm += c.finished - c.started;
-  }
-  comm_end = std::max(comm_end, timing.used_map.finished);
+  };
+  for (const IterationTiming::Collective& c : timing.buckets) add(c);
+  add(timing.used_map);
   ++times.iterations;
-  times.backward_compute += Seconds(timing.last_grad - timing.prepared - inline_comm);
-  times.exposed += Seconds(timing.end - timing.last_grad + inline_comm);
+  times.backward_compute += Seconds(timing.last_grad - timing.prepared - held_up);
+  times.exposed += Seconds(timing.end - timing.last_grad + held_up);
+  times.backward_comm += Seconds(on_caller);
   if (comm_start != Clock::time_point::max()) {
-    if (inline_comm > Clock::duration::zero()) {
-      times.backward_comm += Seconds(inline_comm);
-    } else {
-      times.backward_comm += Seconds(comm_end - comm_start);
-      times.overlap += std::max(0.0, Seconds(std::min(timing.last_grad, comm_end) - comm_start));
-    }
+    times.backward_comm += Seconds(comm_end - comm_start);
+    times.overlap += std::max(0.0, Seconds(std::min(timing.last_grad, comm_end) - comm_start));
   }
 }
 

@@ -73,5 +73,73 @@ TEST(AssignBucketsTest, FollowsTheGivenOrder) {
   EXPECT_EQ(buckets[2], (std::vector<size_t>{4, 5, 3, 1}));
 }
 
+// Backward statistics (AddIterationTimes). Times in ms after a fixed origin.
+using TimePoint = IterationTiming::TimePoint;
+TimePoint At(int ms) { return TimePoint{} + std::chrono::hours(1) + std::chrono::milliseconds(ms); }
+
+IterationTiming::Collective Ran(int from_ms, int to_ms, bool on_caller) {
+  return {.started = At(from_ms), .finished = At(to_ms), .on_caller = on_caller};
+}
+
+// Collectives on the caller, static_graph learning: the bucket of an output
+// left out of the loss runs from Finalize, after the last gradient (10 ms):
+// 30 ms of communication that held nothing of the 10 ms compute up.
+TEST(IterationTimesTest, CallerBucketAfterTheLastGradientIsExposedNotCompute) {
+  IterationTiming t{.prepared = At(0), .last_grad = At(10), .end = At(45)};
+  t.buckets = {Ran(12, 42, /*on_caller=*/true)};
+  ReducerTimes times;
+  AddIterationTimes(t, times);
+  EXPECT_NEAR(times.backward_compute, 0.010, 1e-9);
+  EXPECT_NEAR(times.exposed, 0.035, 1e-9);  // from the last gradient to the end, once
+  EXPECT_NEAR(times.backward_comm, 0.030, 1e-9);
+  EXPECT_EQ(times.overlap, 0);
+}
+
+// A caller bucket inside the hooks (before the last gradient) held backward
+// up: compute is the rest, and the bucket's time is exposed.
+TEST(IterationTimesTest, CallerBucketInsideTheHooksIsExposed) {
+  IterationTiming t{.prepared = At(0), .last_grad = At(20), .end = At(25)};
+  t.buckets = {Ran(5, 13, /*on_caller=*/true)};
+  ReducerTimes times;
+  AddIterationTimes(t, times);
+  EXPECT_NEAR(times.backward_compute, 0.012, 1e-9);
+  EXPECT_NEAR(times.exposed, 0.013, 1e-9);
+  EXPECT_NEAR(times.backward_comm, 0.008, 1e-9);
+  EXPECT_EQ(times.overlap, 0);
+}
+
+// A CPU bucket on the caller beside a device bucket on the communication
+// thread: both count as communication, and the device bucket's part before
+// the last gradient overlapped.
+TEST(IterationTimesTest, CallerAndCommunicationThreadBucketsBothCount) {
+  IterationTiming t{.prepared = At(0), .last_grad = At(20), .end = At(30)};
+  t.buckets = {Ran(4, 8, /*on_caller=*/false), Ran(10, 12, /*on_caller=*/true)};
+  ReducerTimes times;
+  AddIterationTimes(t, times);
+  EXPECT_NEAR(times.backward_comm, 0.006, 1e-9);
+  EXPECT_NEAR(times.overlap, 0.004, 1e-9);
+  EXPECT_NEAR(times.backward_compute, 0.018, 1e-9);
+  EXPECT_NEAR(times.exposed, 0.012, 1e-9);
+}
+
+// A Work with no start recorded (TimePoint{}, as in a forked child) is left
+// out; before, it made the first start the clock's epoch, and the
+// communication time the host's uptime.
+TEST(IterationTimesTest, AnUnknownStartIsLeftOut) {
+  IterationTiming t{.prepared = At(0), .last_grad = At(20), .end = At(30)};
+  t.buckets = {{.started = TimePoint{}, .finished = At(15)}, Ran(16, 25, /*on_caller=*/false)};
+  ReducerTimes times;
+  AddIterationTimes(t, times);
+  EXPECT_NEAR(times.backward_comm, 0.009, 1e-9);
+  EXPECT_NEAR(times.overlap, 0.004, 1e-9);
+  IterationTiming caller{.prepared = At(0), .last_grad = At(20), .end = At(30)};
+  caller.buckets = {{.started = TimePoint{}, .finished = At(15), .on_caller = true}};
+  ReducerTimes caller_times;
+  AddIterationTimes(caller, caller_times);
+  EXPECT_EQ(caller_times.backward_comm, 0);
+  EXPECT_NEAR(caller_times.backward_compute, 0.020, 1e-9);
+  EXPECT_NEAR(caller_times.exposed, 0.010, 1e-9);
+}
+
 }  // namespace
 }  // namespace ddp::dist::internal
