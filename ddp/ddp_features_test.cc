@@ -5086,5 +5086,28 @@ TEST(DdpFeaturesTest, StatisticsOfStaticGraphLearningWithCollectivesOnTheCaller)
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// log_stats_every = 2 over 3 iterations: the third is logged when the
+// wrapper is destroyed. Before, the line for a window the run ended in
+// (full or not) was never printed.
+DDP_TEST_WORKER(stats_last_window) {
+  auto pg = testing::WorkerGroup();
+  {
+    DistributedDataParallel ddp(nn::modules::MakeMlp(), {.process_group = pg, .log_stats_every = 2});
+    for (int s = 0; s < 3; ++s) {
+      auto [x, y] = testing::Batch(testing::FashionMnist(), (s * pg->size() + pg->rank()) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, TheLastStatisticsWindowIsLoggedAtTheEnd) {
+  auto run = RunWorkers("stats_last_window", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  EXPECT_NE(run.Output(0).find("[ddp] iterations 0-1: "), std::string::npos) << run.Output(0);
+  EXPECT_NE(run.Output(0).find("[ddp] iterations 2-2 (end of run): forward "), std::string::npos) << run.Output(0);
+  EXPECT_EQ(run.Output(1).find("[ddp] iterations"), std::string::npos) << "only rank 0 logs";
+}
+
 }  // namespace
 }  // namespace ddp::dist

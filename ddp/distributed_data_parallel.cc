@@ -572,6 +572,19 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
+  Impl& s = *impl_;
+  // The iterations since the last line (a window log_stats_every did not
+  // fill, or one filled by the last backward, which the next forward would
+  // have logged) would otherwise never be seen.
+  if (s.log_every > 0 && pg_->rank() == 0 && s.reducer != nullptr && s.reducer->iterations() > s.logged_at) {
+    try {
+      std::fprintf(stderr, "[ddp] iterations %" PRId64 "-%" PRId64 " (end of run): %s\n", s.logged_at,
+                   s.reducer->iterations() - 1, StatsSince(s, *pg_, s.log_since).ToString().c_str());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[ddp] rank %d: the last statistics window could not be logged: %s\n", pg_->rank(),
+                   e.what());
+    }
+  }
   impl_->reducer.reset();
   if (impl_->trace != nullptr) {
     bool written = false;

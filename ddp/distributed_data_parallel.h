@@ -104,7 +104,11 @@ struct DdpOptions {
 
   /// Rank 0 logs runtime statistics every this many iterations (0: never;
   /// DDP_DEBUG=info makes it 100), each line for the iterations since the
-  /// last; the window Stats() reports is not restarted by it.
+  /// last; the window Stats() reports is not restarted by it. A line is
+  /// printed at the first training forward after its window is full; the
+  /// wrapper's destruction prints the iterations not logged yet (marked
+  /// "end of run"), where PyTorch logs only at its intervals. Stats()
+  /// reads the figures at any time.
   /// Negative: std::invalid_argument (the group is aborted, as for a
   /// failure of this rank's alone after the replicas are compared).
   int64_t log_stats_every = 0;
