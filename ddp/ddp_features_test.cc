@@ -5109,5 +5109,59 @@ TEST(DdpFeaturesTest, TheLastStatisticsWindowIsLoggedAtTheEnd) {
   EXPECT_EQ(run.Output(1).find("[ddp] iterations"), std::string::npos) << "only rank 0 logs";
 }
 
+// A long chain of ops after the only layer: find_unused_parameters' walk
+// from the outputs, which runs inside DDP's forward, takes a while. It
+// counted in forward_ms and again in backward_compute_ms (timed from where
+// the walk began), so forward, backward compute and exposed together came
+// to more than the iterations took.
+class LongChain : public Module {
+ public:
+  LongChain() {
+    nn::Generator gen(5);
+    fc_ = RegisterModule("fc", std::make_shared<nn::modules::Linear>(784, 4, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    Tensor h = (*fc_)(nn::ops::Flatten(x, 1));
+    for (int i = 0; i < 10000; ++i) h = h * 1.0001;
+    return h;
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "LongChain"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc_;
+};
+
+TEST(DdpFeaturesTest, TheUnusedParameterWalkCountsAsForwardOnly) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_walk_trace_" +
+                             std::to_string(getpid()) + "_";
+  {
+    DistributedDataParallel ddp(std::make_shared<LongChain>(), {.find_unused_parameters = true,
+                                                                .process_group = ProcessGroup::Single(),
+                                                                .trace_prefix = prefix});
+    ddp.RegisterCommHook(hooks::AllReduceHook());  // one process synchronizes (and is timed) through it
+    auto [x, y] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+    for (int s = 0; s < 3; ++s) nn::Backward(nn::ops::Sum(ddp(x)));
+    ASSERT_EQ(ddp.Stats().iterations, 3) << ddp.Stats().ToString();
+  }
+  // Each backward's compute starts where its forward ended, not inside it.
+  std::ifstream in(prefix + "rank0.json");
+  ASSERT_TRUE(in.good()) << prefix << "rank0.json";
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  int64_t forward_end = -1;
+  int backwards = 0;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const int64_t ts = e["ts"].get<int64_t>(), dur = e["dur"].get<int64_t>();
+    if (e["name"] == "forward") forward_end = ts + dur;
+    if (e["name"] != "backward compute") continue;
+    ++backwards;
+    EXPECT_GE(ts, forward_end) << "backward " << backwards << " starts " << forward_end - ts
+                               << " us before its forward ends";
+  }
+  EXPECT_EQ(backwards, 3);
+}
+
 }  // namespace
 }  // namespace ddp::dist

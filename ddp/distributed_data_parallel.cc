@@ -900,6 +900,9 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     ++s.sync_forwards;
   }
   const Clock::time_point end = Clock::now();
+  // Forward's time ends here, and backward's compute starts: the graph walk
+  // in PrepareForBackward is counted once, as forward.
+  if (sync) s.reducer->StartBackwardClock(end);
   if (training) {
     ++s.forward_count;
     s.forward_seconds += std::chrono::duration<double>(end - start).count();

@@ -188,6 +188,13 @@ class Reducer {
   /// hook fired; static_graph does not learn from such a forward.
   void PrepareForBackward(const std::vector<nn::Tensor>& outputs, double divisor,
                           bool backward_optional = false);
+  /// Backward's compute time is counted from `forward_end`, the end of the
+  /// forward that called PrepareForBackward (whose graph walk is forward's
+  /// time); call it before backward starts.
+  void StartBackwardClock(std::chrono::steady_clock::time_point forward_end) {
+    prepared_at_ = forward_end;
+    last_grad_at_ = forward_end;
+  }
   /// A forward that will not synchronize but may be backpropagated (NoSync):
   /// hooks only accumulate until the next PrepareForBackward. An iteration
   /// prepared before and not finalized stays unfinished. `reject_gradients`
