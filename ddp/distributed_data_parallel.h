@@ -108,7 +108,9 @@ struct DdpOptions {
   /// printed at the first training forward after its window is full; the
   /// wrapper's destruction prints the iterations not logged yet (marked
   /// "end of run"), where PyTorch logs only at its intervals. Stats()
-  /// reads the figures at any time.
+  /// reads the figures at any time. A one-process wrapper without a
+  /// communication hook reduces nothing and counts no iterations: it logs
+  /// nothing, and Stats() has forward_ms only.
   /// Negative: std::invalid_argument (the group is aborted, as for a
   /// failure of this rank's alone after the replicas are compared).
   int64_t log_stats_every = 0;
