@@ -43,6 +43,14 @@ class WatchfulStore final : public store::Store {
     return inner_.Add(key, delta, deadline);
   }
   Status Wait(std::span<const std::string> keys, Deadline deadline) override;
+  /// Asked of the inner store as it is (a look, not a wait): the TCP store
+  /// answers many keys per round trip, and the base class's default would
+  /// ask key by key.
+  StatusOr<bool> Check(std::span<const std::string> keys, Deadline deadline) override {
+    return inner_.Check(keys, deadline);
+  }
+  /// The inner store's count (the base class's default says it cannot count).
+  StatusOr<int64_t> NumKeys(Deadline deadline) override { return inner_.NumKeys(deadline); }
   StatusOr<bool> Delete(std::string_view key, Deadline deadline) override {
     return inner_.Delete(key, deadline);
   }

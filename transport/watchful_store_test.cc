@@ -159,5 +159,40 @@ TEST(WatchfulStore, GetEndsOnAnAbortAndAtItsDeadline) {
   EXPECT_LT(Clock::now() - posted_from, 5s);
 }
 
+// A store that counts the Check calls it is asked, answering them itself.
+class CheckCountingStore final : public testing::ForwardingStore {
+ public:
+  StatusOr<bool> Check(std::span<const std::string> keys, Deadline d) override {
+    ++checks_;
+    return inner_.Check(keys, d);
+  }
+  int checks() const { return checks_; }
+
+ private:
+  int checks_ = 0;
+};
+
+// Check and NumKeys reach the inner store: NumKeys answered
+// FAILED_PRECONDITION ("cannot count") and Check went key by key through
+// TryGet instead of the inner store's one call.
+TEST(WatchfulStore, CheckAndNumKeysAreTheInnerStores) {
+  CheckCountingStore inner;
+  ASSERT_TRUE(inner.Set("a", "1", DeadlineIn(1s)).ok());
+  ASSERT_TRUE(inner.Set("b", "2", DeadlineIn(1s)).ok());
+  WatchfulStore store(inner, "job/abort", 50ms);
+  auto count = store.NumKeys(DeadlineIn(1s));
+  ASSERT_TRUE(count.ok()) << count.status();
+  EXPECT_EQ(*count, 2);
+  const std::vector<std::string> present = {"a", "b"};
+  const std::vector<std::string> one_missing = {"a", "c"};
+  auto all = store.Check(present, DeadlineIn(1s));
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_TRUE(*all);
+  auto some = store.Check(one_missing, DeadlineIn(1s));
+  ASSERT_TRUE(some.ok()) << some.status();
+  EXPECT_FALSE(*some);
+  EXPECT_EQ(inner.checks(), 2);
+}
+
 }  // namespace
 }  // namespace ddp::transport::internal
