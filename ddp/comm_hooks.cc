@@ -248,23 +248,36 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
   });
 }
 
+// The compression hooks on an undivided bucket: divided here first, before
+// the 16-bit wire (whose sum of undivided gradients may also overflow f16).
+void DivideIfUndivided(const GradBucket& bucket) {
+  if (bucket.divided() || bucket.divisor() == 1.0) return;
+  internal::ScaleTensor(bucket.buffer(), bucket.buffer(), 1.0 / bucket.divisor());
+}
+
 }  // namespace
 
 CommHook AllReduceHook() {
   return [](ProcessGroup& group, GradBucket& bucket) {
-    return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum,
-                           "bucket " + std::to_string(bucket.index()));
+    const std::string label = "bucket " + std::to_string(bucket.index());
+    // Undivided (called from a hook on local gradients): averaged here, as
+    // the reducer would have, instead of summed to divisor() times the
+    // average.
+    if (!bucket.divided()) return internal::AverageAsNoHook(group, bucket.buffer(), bucket.divisor(), label);
+    return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
   };
 }
 
 CommHook Fp16CompressHook() {
   return [](ProcessGroup& group, GradBucket& bucket) {
+    DivideIfUndivided(bucket);
     return CompressedAllReduce(group, bucket, Wire::kF16);
   };
 }
 
 CommHook Bf16CompressHook() {
   return [](ProcessGroup& group, GradBucket& bucket) {
+    DivideIfUndivided(bucket);
     return CompressedAllReduce(group, bucket, Wire::kBF16);
   };
 }

@@ -141,19 +141,27 @@ class CommHook {
 
 namespace hooks {
 
-/// The default: one all-reduce (sum) of the bucket in its own dtype.
+/// The default: one all-reduce (sum) of the bucket in its own dtype. On an
+/// undivided bucket (GradBucket::divided() false: called from the body of
+/// a hook made with CommHook::OnLocalGradients) it averages by divisor()
+/// instead, as DistributedDataParallel with no hook does: the average
+/// either way, as PyTorch's allreduce_hook.
 CommHook AllReduceHook();
-/// Sends f32/f64 buckets as IEEE f16 (values are already divided, so the
-/// sum stays in range); 16-bit buckets are reduced as they are. In a group
-/// of one process the bucket still goes to f16 and back, so it is rounded
-/// as a larger group's is.
+/// Sends f32/f64 buckets as IEEE f16 (values are divided first, so the
+/// sum stays in range: an undivided bucket is divided by divisor() here);
+/// 16-bit buckets are reduced as they are. In a group of one process the
+/// bucket still goes to f16 and back, so it is rounded as a larger group's
+/// is. Leaves the average, as PyTorch's fp16_compress_hook.
 CommHook Fp16CompressHook();
 /// The same with bfloat16: f32's range, 8 bits of mantissa.
 CommHook Bf16CompressHook();
-/// Sends nothing: each rank keeps its own gradient in its bucket, as
-/// PyTorch's noop_hook (on local gradients: nothing is divided). For local
-/// SGD (with a PeriodicModelAverager, model_averaging.h), or to time DDP
-/// without its communication.
+/// Sends nothing and leaves the bucket as it was given. Registered itself
+/// (it takes local gradients, so nothing is divided) each rank keeps its
+/// own gradient, as with PyTorch's noop_hook; called from the body of a
+/// hook given divided gradients (GradBucket::divided()), the bucket keeps
+/// those, divided by divisor(). For local SGD (with a
+/// PeriodicModelAverager, model_averaging.h), or to time DDP without its
+/// communication.
 CommHook NoopHook();
 
 }  // namespace hooks
