@@ -83,10 +83,10 @@ struct OverlappedZeroOptimizer::State {
   std::atomic<bool> destroyed{false};
 
   // Runs bucket `index`'s optimizer on the views of the transport piece at
-  // `offset` (`count` elements; their reduced gradients at `reduced`, read
-  // times `scale`), which updates the parameters in the flat buffer that
-  // the all-gather then sends.
-  void StepPiece(size_t index, const void* reduced, int64_t offset, int64_t count, double scale) {
+  // `offset` (`count` elements; their reduced gradients, already the
+  // average, at `reduced`), which updates the parameters in the flat buffer
+  // that the all-gather then sends.
+  void StepPiece(size_t index, const void* reduced, int64_t offset, int64_t count) {
     std::lock_guard<std::mutex> lock(mu);
     Bucket& bucket = buckets.at(index);
     if (count == 0) return;  // an empty slice
@@ -104,7 +104,6 @@ struct OverlappedZeroOptimizer::State {
       view.set_grad(Tensor::FromBlob(grads + static_cast<size_t>(bucket.view_begin[j] - offset) * elem,
                                      {view.numel()}, dtype));
     }
-    bucket.optimizer->set_grad_scale(scale);
     try {
       bucket.optimizer->Step();
     } catch (...) {
@@ -509,7 +508,7 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
       }
       const transport::Communicator::SliceFn apply = [&](const void* reduced, void*, size_t offset,
                                                          size_t count) {
-        state->StepPiece(index, reduced, static_cast<int64_t>(offset), static_cast<int64_t>(count), 1.0);
+        state->StepPiece(index, reduced, static_cast<int64_t>(offset), static_cast<int64_t>(count));
         return transport::Status::Ok();
       };
       // The group has more than one rank here (one rank runs no hook).
