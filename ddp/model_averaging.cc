@@ -135,10 +135,22 @@ PeriodicModelAverager::PeriodicModelAverager(ModelAveragerOptions options) : opt
 }
 
 bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& params) {
-  const int64_t step = step_++;
-  if (step < options_.warmup_steps || (step - options_.warmup_steps) % options_.period != 0) return false;
-  if (*options_.process_group == nullptr) return false;  // not a member of the group
-  if (params.empty()) return true;
+  // Counted once this call has done its part: an average that throws (a
+  // failed all-reduce, tensors refused) leaves the step uncounted, as
+  // PyTorch's counts after its average, so a retry of the step averages.
+  const int64_t step = step_;
+  if (step < options_.warmup_steps || (step - options_.warmup_steps) % options_.period != 0) {
+    ++step_;
+    return false;
+  }
+  if (*options_.process_group == nullptr) {  // not a member of the group
+    ++step_;
+    return false;
+  }
+  if (params.empty()) {
+    ++step_;
+    return true;
+  }
   // Which tensors have a gradient may differ between ranks (a branch one
   // rank took alone, with ZeroGrad setting gradients to none); decided on
   // each rank by itself, the ranks then averaged different sets and their
@@ -173,6 +185,7 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
     trained.push_back(params[i]);
   }
   dist::AverageParameters(trained, group);
+  ++step_;
   return true;
 }
 

@@ -156,7 +156,7 @@ class PeriodicModelAverager {
   /// averaged on all of them and the ranks' collectives pair up.
   /// Collective on due steps, so not for use under Join (a rank that
   /// joined would not take part). Throws DistributedError when an
-  /// all-reduce fails.
+  /// all-reduce fails; a call that throws leaves the step uncounted.
   bool AverageParameters(const std::vector<nn::Tensor>& params);
 
   /// Steps counted so far.

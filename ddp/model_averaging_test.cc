@@ -609,7 +609,7 @@ TEST(ModelAveragingTest, AverageParametersOfEveryFloatingDtypeInOneCallOnThreeRa
 // A tensor undefined on rank 1 while rank 0 has its gradient: before, rank
 // 1 alone threw (AverageParameters refuses undefined tensors) and rank 0
 // waited in its average until the group's timeout. Now both throw at once,
-// naming the tensor.
+// naming the tensor, and count no step.
 DDP_TEST_WORKER(undefined_on_one_rank) {
   auto pg = testing::WorkerGroup();  // a 20 s timeout
   const int rank = pg->rank();
@@ -630,6 +630,14 @@ DDP_TEST_WORKER(undefined_on_one_rank) {
   WORKER_EXPECT(error == "PeriodicModelAverager: tensor 1 has a gradient on some rank but is undefined on " +
                              where + "; every rank must pass the same tensors",
                 "error: '" + error + "'");
+  // The failed average left the step uncounted (it counted it): the same
+  // step called again, with the same tensors on every rank, averages.
+  WORKER_EXPECT(averager.step() == 0, "step " + std::to_string(averager.step()) + " after a failed average");
+  const Tensor t = nn::Full({3}, static_cast<double>(rank));
+  t.set_grad(nn::Zeros(t.shape()));
+  WORKER_EXPECT(averager.AverageParameters({t}), "the retried step did not average");
+  WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(3, 0.5), "the retried average is off");
+  WORKER_EXPECT(averager.step() == 1, "step " + std::to_string(averager.step()) + " after the retry");
   return testing::WorkerExit();
 }
 
