@@ -274,6 +274,49 @@ std::pair<size_t, size_t> SharedMemory(const std::vector<nn::Tensor>& params, st
   return found;
 }
 
+// One line of the per-rank list AverageParameters compares: dtype, shape
+// and, off the CPU, the kind of device (not its index, which differs
+// between ranks by design).
+std::string DescribeForAverage(const nn::Tensor& p) {
+  if (!p.defined()) return "undefined";
+  std::string out = std::string(nn::DTypeName(p.dtype())) + " " + nn::ShapeToString(p.shape());
+  if (!p.device().is_cpu()) {
+    const std::string device = p.device().ToString();
+    out += " on " + device.substr(0, device.find(':'));
+  }
+  return out;
+}
+
+// Collective: every rank's list of descriptions (`described`, one line per
+// tensor) compared with rank 0's; throws std::invalid_argument naming the
+// first tensor that differs, on every rank alike.
+[[noreturn]] void ThrowNamingTheFirstDifference(ProcessGroup& group, const std::string& described) {
+  const std::vector<std::string> all = group.AllGatherObject(described);
+  const auto lines = [](const std::string& text) {
+    std::vector<std::string> out;
+    size_t begin = 0;
+    for (size_t end = text.find('\n'); end != std::string::npos; end = text.find('\n', begin)) {
+      out.push_back(text.substr(begin, end - begin));
+      begin = end + 1;
+    }
+    return out;
+  };
+  const std::vector<std::string> first = lines(all.at(0));
+  for (size_t r = 1; r < all.size(); ++r) {
+    const std::vector<std::string> other = lines(all[r]);
+    for (size_t i = 0; i < std::max(first.size(), other.size()); ++i) {
+      const std::string here = i < other.size() ? other[i] : "missing";
+      const std::string there = i < first.size() ? first[i] : "missing";
+      if (here == there) continue;
+      throw std::invalid_argument("AverageParameters: tensor " + std::to_string(i) + " is " + here + " on rank " +
+                                  std::to_string(r) + " and " + there +
+                                  " on rank 0; every rank must pass the same tensors");
+    }
+  }
+  throw std::invalid_argument("AverageParameters: the ranks' tensors differ in dtype or shape; every rank must "
+                              "pass the same tensors");
+}
+
 }  // namespace
 
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group) {
@@ -290,8 +333,9 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   // until the group's timeout.
   const int size = group.size();
   // [first bad index + 1, what] per rank, then per rank a digest of which
-  // tensors it found repeated (below).
-  nn::Tensor bad = nn::Zeros({3 * size}, {.dtype = nn::DType::kInt64});
+  // tensors it found repeated (below), then per rank a digest of the
+  // tensors' dtypes and shapes (below).
+  nn::Tensor bad = nn::Zeros({4 * size}, {.dtype = nn::DType::kInt64});
   for (size_t i = 0; i < params.size(); ++i) {
     const nn::Tensor& p = params[i];
     if (p.defined() && nn::IsFloating(p.dtype())) continue;
@@ -321,6 +365,15 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
     digest = (digest ^ static_cast<uint64_t>(i)) * 1099511628211ull;
   }
   bad.data<int64_t>()[2 * size + group.rank()] = static_cast<int64_t>(digest);
+  // Tensors that differ in dtype, shape or kind of device between ranks
+  // would make collectives that do not pair (the transport then aborts
+  // the group, naming neither tensor): each rank's list, as a digest, is
+  // compared, and on a difference the lists themselves.
+  std::string described;
+  for (const nn::Tensor& p : params) described += DescribeForAverage(p) + "\n";
+  uint64_t shapes = 1469598103934665603ull;
+  for (const char c : described) shapes = (shapes ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  bad.data<int64_t>()[3 * size + group.rank()] = static_cast<int64_t>(shapes);
   group.AllReduce(bad, transport::ReduceOp::kSum, "tensors to average").Wait();
   for (int r = 1; r < size; ++r) {
     if (bad.data<int64_t>()[2 * size + r] != bad.data<int64_t>()[2 * size]) {
@@ -344,6 +397,9 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
                                 std::string(nn::DTypeName(static_cast<nn::DType>(what - 1))) +
                                 "; only floating tensors can be averaged");
   }
+  bool shapes_differ = false;
+  for (int r = 1; r < size; ++r) shapes_differ |= bad.data<int64_t>()[3 * size + r] != bad.data<int64_t>()[3 * size];
+  if (shapes_differ) ThrowNamingTheFirstDifference(group, described);
   std::vector<size_t> whole;
   std::map<std::tuple<int, int, int>, std::vector<size_t>> groups;
   std::vector<std::tuple<int, int, int>> order;

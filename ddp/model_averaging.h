@@ -189,7 +189,12 @@ class PeriodicModelAverager {
 /// rank, before any average. A tensor passed twice (the same storage,
 /// offset, shape and strides) is averaged once; tensors that otherwise
 /// share memory (overlapping views, or strided views whose spans interleave)
-/// are refused the same way, naming both. When an all-reduce fails, waits for the ones
+/// are refused the same way, naming both. Tensors whose dtype, shape or
+/// kind of device differ between ranks (the same count of elements
+/// included) are refused too, on every rank, naming the first such tensor
+/// and both ranks' descriptions, before any average; the group stays
+/// usable (the transport would abort it on the unpaired all-reduces).
+/// When an all-reduce fails, waits for the ones
 /// already issued before throwing the first error (DistributedError): the
 /// tensors averaged through a flat copy keep their values, those averaged
 /// in place may hold partial sums.

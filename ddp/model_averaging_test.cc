@@ -686,6 +686,42 @@ TEST(ModelAveragingTest, AverageParametersWithABadTensorOnOneRankFailsEveryRankA
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// AverageParameters with tensors of different shapes or dtypes on two
+// ranks: the ranks' collectives would not pair.
+DDP_TEST_WORKER(average_parameters_shapes_differ) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int rank = pg->rank();
+  const std::vector<std::pair<Tensor, std::string>> cases = {
+      {nn::Full({4}, 2.0), "tensor 1 is f32 [4] on rank 1 and f32 [2] on rank 0"},
+      {nn::Full({2}, 2.0, {.dtype = nn::DType::kFloat64}), "tensor 1 is f64 [2] on rank 1 and f32 [2] on rank 0"}};
+  for (const auto& [odd, want] : cases) {
+    const std::vector<Tensor> params = {nn::Full({3}, 1.0), rank == 1 ? odd : nn::Full({2}, 2.0)};
+    const auto start = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+      AverageParameters(params, *pg);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      error = std::string("not invalid_argument: ") + e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    WORKER_EXPECT(seconds < 5, "failed after " + std::to_string(seconds) + " s");
+    WORKER_EXPECT(error.find(want) != std::string::npos, "error: '" + error + "'");
+    WORKER_EXPECT(params[0].ToVector<double>() == std::vector<double>(3, 1.0), "tensor 0 changed");
+  }
+  // Nothing was left half-done: the next average pairs up.
+  const Tensor t = nn::Full({3}, static_cast<double>(rank));
+  AverageParameters({t}, *pg);
+  WORKER_EXPECT(t.ToVector<double>() == std::vector<double>(3, 0.5), "the next average is off");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, AverageParametersWithShapesOrDtypesDifferingBetweenRanksFailsNamingTheTensor) {
+  auto run = RunWorkers("average_parameters_shapes_differ", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Tensors that share memory. The same tensor passed twice (or an equal view
 // of it) is averaged once and comes out as the average (an average taken
 // twice is still the average, so this part held before too; the repeat
@@ -742,23 +778,33 @@ TEST(ModelAveragingTest, AverageParametersAveragesARepeatedTensorOnceAndRefusesP
 }
 
 // f16 is divided by the group's size before its sum. When the all-reduce
-// fails (here the ranks pass different element counts, which the transport
-// refuses before any data moves), the parameters keep their values: before,
-// a large f16 tensor, divided in place, was left halved, and a caller that
-// caught the error and saved a checkpoint saved that.
+// fails, the parameters keep their values: before, a large f16 tensor,
+// divided in place, was left halved, and a caller that caught the error and
+// saved a checkpoint saved that. The ranks pass tensors of the same dtypes
+// and shapes (AverageParameters refuses others before any average), but
+// the large ones are contiguous on rank 0 (so the f32 one is averaged in
+// place, first) and transposed views on rank 1 (averaged through flat
+// copies, f16 first): the ranks' first all-reduces differ, which the
+// transport refuses before any data moves.
 DDP_TEST_WORKER(f16_kept_when_the_average_fails) {
   auto pg = testing::WorkerGroup();
   const int rank = pg->rank();
   const nn::TensorOptions f16{.dtype = nn::DType::kFloat16};
-  // 512 KiB and more (once in place) and a small one (a flat buffer).
-  const Tensor large = nn::Full({(1 << 18) + 8 * rank}, 3.0, f16), small = nn::Full({5 + rank}, 3.0, f16);
+  const auto square = [&](double value, const nn::TensorOptions& options) {
+    const Tensor t = nn::Full({512, 512}, value, options);
+    return rank == 0 ? t : t.Transpose(0, 1);
+  };
+  // 512 KiB (in place on rank 0, were f16 averaged in place) and a small
+  // one (a flat buffer); then an f32 one of 1 MiB.
+  const Tensor large = square(3.0, f16), small = nn::Full({5}, 3.0, f16);
+  const Tensor f32 = square(1.0, {});
   bool failed = false;
   try {
-    AverageParameters({large, small}, *pg);
+    AverageParameters({large, small, f32}, *pg);
   } catch (const DistributedError&) {
     failed = true;
   }
-  WORKER_EXPECT(failed, "the average of different counts did not fail (test premise)");
+  WORKER_EXPECT(failed, "the average of different collectives did not fail (test premise)");
   for (const Tensor& t : {large, small}) {
     const std::vector<double> v = t.ToVector<double>();
     size_t wrong = 0;
