@@ -25,10 +25,12 @@
 // it; DDP lets go of it at the end of backward, once every bucket's Work
 // has completed. Its tensors may also be captured by value.
 
+#include <cmath>
 #include <cstddef>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -41,6 +43,8 @@ namespace ddp::dist {
 /// One bucket of gradients, as a hook sees it.
 class GradBucket {
  public:
+  /// Throws std::invalid_argument for a divisor that is not a positive
+  /// finite number.
   GradBucket(size_t index, size_t num_buckets, nn::Tensor buffer, std::vector<nn::Tensor> parameters,
              std::vector<int64_t> offsets, double divisor = 1.0, bool divided = false)
       : index_(index),
@@ -49,7 +53,15 @@ class GradBucket {
         parameters_(std::move(parameters)),
         offsets_(std::move(offsets)),
         divisor_(divisor),
-        divided_(divided) {}
+        divided_(divided) {
+    // A hook divides by it (or multiplies by its inverse): 0, a negative or
+    // a non-finite divisor would give infinities or flipped gradients.
+    if (!(divisor > 0.0) || !std::isfinite(divisor)) {
+      throw std::invalid_argument("GradBucket (bucket " + std::to_string(index) + "): divisor must be a positive "
+                                  "finite number (the ranks the gradients are averaged over), got " +
+                                  std::to_string(divisor));
+    }
+  }
 
   /// Position of the bucket in launch order (0 is launched first).
   size_t index() const { return index_; }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,6 +72,22 @@ DDP_TEST_WORKER(hooks_leave_the_average) {
 TEST(CommHooksTest, BuiltInHooksLeaveTheAverageOnDividedAndUndividedBuckets) {
   auto run = RunWorkers("hooks_leave_the_average", 3);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A divisor the hooks cannot divide by is refused when the bucket is made,
+// naming it: AllReduceHook on an undivided bucket divided by 0 and left
+// infinities.
+TEST(CommHooksTest, ABucketWithADivisorThatIsNotPositiveAndFiniteIsRefused) {
+  for (const double divisor : {0.0, -2.0, std::nan(""), static_cast<double>(INFINITY)}) {
+    try {
+      GradBucket bucket(3, 4, nn::Full({2}, 1.0), {}, {}, divisor, false);
+      ADD_FAILURE() << "divisor " << divisor << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("GradBucket (bucket 3): divisor must be a positive finite number"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // Each parameter's gradient after one backward of DDP (with `hook`, none
