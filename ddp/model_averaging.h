@@ -66,12 +66,15 @@ namespace hooks {
 /// (GradBucket::divided(), from a plain hook) it throws std::logic_error
 /// naming itself rather than divide again.
 CommHook PostLocalSgdHook(PostLocalSgdOptions options);
-/// The same hook counting its iterations in `state`, which the caller keeps
-/// to save and restore the count (see PostLocalSgdState). One
+/// The same hook counting its iterations in `state`, which the caller keeps to
+/// save and restore the count (see PostLocalSgdState). One
 /// DistributedDataParallel per state: a call from a second wrapper (on any
-/// group) throws std::logic_error while the hook copy serving the first
-/// (the one its wrapper keeps) is alive; once it is gone, the state serves
-/// the new one. Throws std::invalid_argument for a null state.
+/// group) throws std::logic_error while the hook copy serving the first (the
+/// one its wrapper keeps) is alive; once it is gone, the state serves the new
+/// one. That call is a hook failing in backward: the second wrapper's group is
+/// aborted with the message, as for any hook that throws (when both wrappers
+/// share a group, the first one stops with it). Throws std::invalid_argument
+/// for a null state.
 CommHook PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state);
 
 }  // namespace hooks

@@ -181,12 +181,14 @@ namespace hooks {
 /// already divided (GradBucket::divided(), from a plain hook) it throws
 /// std::logic_error naming itself rather than divide the gradients twice.
 CommHook PowerSgdHook(PowerSgdOptions options = {});
-/// The same hook keeping its state in `state`, which the caller keeps to
-/// save and restore it. One DistributedDataParallel per state: a call from
-/// a second wrapper (on any group) throws std::logic_error while the hook
-/// copy serving the first (the one its wrapper keeps) is alive; once it is
-/// gone, the state serves the new one. Throws std::invalid_argument for a
-/// null state.
+/// The same hook keeping its state in `state`, which the caller keeps to save
+/// and restore it. One DistributedDataParallel per state: a call from a second
+/// wrapper (on any group) throws std::logic_error while the hook copy serving
+/// the first (the one its wrapper keeps) is alive; once it is gone, the state
+/// serves the new one. That call is a hook failing in backward: the second
+/// wrapper's group is aborted with the message, as for any hook that throws
+/// (when both wrappers share a group, the first one stops with it). Throws
+/// std::invalid_argument for a null state.
 CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> state);
 
 }  // namespace hooks
