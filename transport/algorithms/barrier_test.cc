@@ -134,6 +134,8 @@ TEST(BarrierTest, PeerInAnotherCollectiveFailsBothRanks) {
 // fails at once, naming both collectives. The barrier's check stopped only
 // the rank after the odd one; the others waited for rounds that never came
 // and timed out at their deadline (ranks 0, 1 and 4 after the full 6 s).
+// The 30 s deadline and 15 s bound leave room for a loaded host while a
+// rank that waits out its deadline still fails the test.
 TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
   constexpr int kWorld = 5;
   constexpr int kOdd = 2;
@@ -148,7 +150,7 @@ TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
         args.tag = CollectiveTag(3);
         args.call_id = 7;
         const auto start = Clock::now();
-        args.deadline = start + 6s;
+        args.deadline = start + 30s;
         Status status;
         if (p2p.rank() == kOdd) {
           args.send = in.data();
@@ -167,7 +169,7 @@ TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
                                                                 << statuses[r];
     EXPECT_THAT(statuses[r].message(), HasSubstr("ring all-reduce")) << "rank " << r;
     EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
-    EXPECT_LT(took[r], 3s) << "rank " << r << ": " << statuses[r];
+    EXPECT_LT(took[r], 15s) << "rank " << r << ": " << statuses[r];
   }
 }
 
@@ -175,7 +177,7 @@ TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
 // nobody killed. The broadcast rank's argument check (CheckEveryRank)
 // finds the barrier in its first round; the barrier ranks never send its
 // later rounds, so it must fail at once rather than wait for them: it
-// waited until its deadline (6 s) and only then reported the disagreement.
+// waited until its deadline and only then reported the disagreement.
 TEST(BarrierTest, ABroadcastRankAmongBarrierRanksFailsAtOnce) {
   constexpr int kWorld = 5;
   constexpr int kOdd = 2;
@@ -190,7 +192,7 @@ TEST(BarrierTest, ABroadcastRankAmongBarrierRanksFailsAtOnce) {
         args.tag = CollectiveTag(3);
         args.call_id = 7;
         const auto start = Clock::now();
-        args.deadline = start + 6s;
+        args.deadline = start + 30s;
         Status status;
         if (p2p.rank() == kOdd) {
           args.send = data.data();
@@ -209,7 +211,7 @@ TEST(BarrierTest, ABroadcastRankAmongBarrierRanksFailsAtOnce) {
                                                                 << statuses[r];
     EXPECT_THAT(statuses[r].message(), HasSubstr("broadcast, count 8 of f32")) << "rank " << r;
     EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
-    EXPECT_LT(took[r], 3s) << "rank " << r << ": " << statuses[r];
+    EXPECT_LT(took[r], 15s) << "rank " << r << ": " << statuses[r];
   }
 }
 
