@@ -129,7 +129,12 @@ struct CollectiveArgs {
   /// disagree tells the others in notices that outlast its return
   /// (PointToPoint::PostNotice), and notes left from another call are
   /// ignored; without it, a rank that enters the call after the finder
-  /// returned waits for its deadline.
+  /// returned waits for its deadline. It also chooses the data tags of the
+  /// ring phases and the barrier (CallDataBase in pipeline.h: slot
+  /// call_id % 16), so every rank must pass the same call_id: ranks whose
+  /// ids differ pass the argument check (it does not compare call_id) and
+  /// then wait at different tags until their deadline, unless the ids are a
+  /// multiple of 16 apart (they share a slot and meet).
   uint64_t call_id = 0;
   Tuning tuning;
 };
