@@ -69,6 +69,10 @@ struct TcpStoreServerOptions {
   /// this long is dropped, with the room held for the whole frame (a client
   /// that hangs or dies mid-request without its socket closing).
   std::chrono::milliseconds frame_stall_timeout{30000};
+  /// How long a refused connection (wrong token, bad or oversized frame)
+  /// may take to receive its error reply and to end what it was sending,
+  /// before it is closed anyway.
+  std::chrono::milliseconds refused_close_grace{1000};
   /// Most connections that have not yet presented a token; when a new one
   /// arrives beyond this, the oldest is dropped.
   size_t max_unauthenticated = 64;

@@ -47,9 +47,6 @@ constexpr int kReadsPerEvent = 16;
 // handshake is read right at accept).
 constexpr int kAcceptBatch = 16;
 constexpr int kListenBacklog = 1024;
-// How long a refused connection may take to receive its error reply, and
-// then to end what it was sending (see StartDraining).
-constexpr auto kClosingGrace = std::chrono::milliseconds(1000);
 // Most bytes read and dropped from a closing connection after its last
 // reply: the rest of the largest frame a client may be in the middle of.
 constexpr size_t kMostDrainedBytes = wire::kFrameHeaderBytes + wire::kMaxFrameBytes;
@@ -1293,7 +1290,7 @@ class TcpStoreServer::Impl {
   void Refuse(Connection& c, const std::string& frame) {
     QueueReply(c, frame);
     if (c.dead) return;
-    CloseOnceSent(c, kClosingGrace);
+    CloseOnceSent(c, options_.refused_close_grace);  // see StartDraining
   }
 
   // Reads nothing more from `c` and closes it once its replies are out, or
