@@ -2324,7 +2324,8 @@ int ScenarioStoreRankOutlivesASplitWithoutItWhoseRankDied() {
 // last holder tells it from rank 2 by its start time, read when the split
 // was made: rank 2 is gone, and rank 0 waits only for rank 1 to leave.
 // Before, the process under the pid made rank 2 look alive, and rank 0
-// waited out its whole deadline (20 s here).
+// waited out its whole deadline (20 s here); the 10 s bound is half that,
+// with room for a loaded host.
 int ScenarioStoreRankOutlivesASplitWhoseDeadRanksPidWasTaken() {
   auto comm = MustCreate();
   const std::vector<int64_t> pids = RankPids(*comm);
@@ -2373,7 +2374,14 @@ int ScenarioStoreRankOutlivesASplitWhoseDeadRanksPidWasTaken() {
       if (got < 0 && error == EEXIST) std::this_thread::sleep_for(milliseconds(1));
     } while (got < 0 && error == EEXIST && Clock::now() < taken_by);
     taker = static_cast<pid_t>(got);
-    WORKER_CHECK(taker == dead || (got < 0 && error == EEXIST && kill(dead, 0) == 0),
+    // clone3 picks a pid only for a caller with CAP_SYS_ADMIN (or
+    // CAP_CHECKPOINT_RESTORE) over the pid namespace; say so, since a bare
+    // "Operation not permitted" does not tell what the test needs.
+    WORKER_CHECK(!(got < 0 && error == EPERM),
+                 "this test needs root (CAP_SYS_ADMIN) to start a process under a chosen pid "
+                 "(clone3 with set_tid was refused: " + std::string(std::strerror(error)) + ")");
+    WORKER_CHECK(taker == dead || (got < 0 && error == EPERM) ||
+                     (got < 0 && error == EEXIST && kill(dead, 0) == 0),
                  "starting a process under pid " + std::to_string(dead) + ": " +
                      (got < 0 ? std::strerror(error) : "got pid " + std::to_string(got)));
   }
@@ -2382,7 +2390,7 @@ int ScenarioStoreRankOutlivesASplitWhoseDeadRanksPidWasTaken() {
   comm.reset();
   const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
   std::printf("DESTROYED rank %d in %lld ms\n", me, took_ms);
-  WORKER_CHECK(took_ms < 5000, "rank " + std::to_string(me) + ": destroying took " + std::to_string(took_ms) + " ms");
+  WORKER_CHECK(took_ms < 10000, "rank " + std::to_string(me) + ": destroying took " + std::to_string(took_ms) + " ms");
   if (taker > 0) {
     kill(taker, SIGKILL);
     waitpid(taker, nullptr, 0);
