@@ -102,20 +102,23 @@ TEST(SelfLaunchTest, MaxRunTimeIsNamedWhenItStopsTheWorkers) {
 }
 
 // A failure whose stop outlasts max_run_time (rank 0 ignores SIGTERM for
-// the 5 s grace) is not restarted: the restart's workers would only be
+// the 7 s grace) is not restarted: the restart's workers would only be
 // stopped at once, and the job would end with the time limit's 1 instead
-// of the failed worker's 5.
+// of the failed worker's 5. Rank 1 fails right after the rendezvous (so
+// rank 0 already ignores SIGTERM); the 5 s max_run_time leaves a loaded
+// host room to start both workers first, and the grace outlasts it. A
+// restart would add a second grace (over 14 s in all).
 TEST(SelfLaunchTest, NoRestartOnceMaxRunTimeIsOver) {
   const auto start = std::chrono::steady_clock::now();
-  const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_max_run_time_ms=2000",
-                               "--self_launch_restarts=2", "--exit_code=1:5", "--slow_to_stop=0",
-                               "--sleep_ms=20000"});
+  const auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_max_run_time_ms=5000",
+                               "--self_launch_grace_ms=7000", "--self_launch_restarts=2", "--store",
+                               "--exit_code=1:5", "--slow_to_stop=0", "--sleep_ms=30000"});
   EXPECT_EQ(run.exit_code, 5) << run.output;
   EXPECT_THAT(run.output, HasSubstr("exited with code 5; stopping the other workers; no restart: max_run_time "
-                                    "(2000 ms) ran out"))
+                                    "(5000 ms) ran out"))
       << run.output;
   EXPECT_THAT(run.output, Not(HasSubstr("restarting"))) << run.output;
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 9s) << run.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 13s) << run.output;
 }
 
 TEST(SelfLaunchTest, FailedWorkerRestartsTheJob) {

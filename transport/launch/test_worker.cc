@@ -16,6 +16,7 @@
 //                         (re)writes DIR/rank<R>.restart<C>.got_term with the pid
 //   --self_launch_restarts=K  self-launch with SelfLaunchOptions::max_restarts = K
 //   --self_launch_max_run_time_ms=N  self-launch with SelfLaunchOptions::max_run_time = N ms
+//   --self_launch_grace_ms=N  self-launch with SelfLaunchOptions::grace = N ms
 //   --exit_when_peer_gone with --pid_dir: once every rank of this attempt
 //                         wrote its pid, exit 3 as soon as another rank's
 //                         process is gone (what a real worker does when a
@@ -113,6 +114,7 @@ std::string ParseFlags(int argc, char** argv, Flags& f) {
     else if (auto v = value("--until_file")) f.until_file = std::string(*v);
     else if (value("--self_launch_restarts")) continue;  // read by main
     else if (value("--self_launch_max_run_time_ms")) continue;  // read by main
+    else if (value("--self_launch_grace_ms")) continue;  // read by main
     else return "unknown argument " + std::string(arg);
   }
   return "";
@@ -302,6 +304,10 @@ int main(int argc, char** argv) {
     const std::string_view run_time = "--self_launch_max_run_time_ms=";
     if (arg.substr(0, run_time.size()) == run_time) {
       self_launch.max_run_time = std::chrono::milliseconds(std::atoi(argv[i] + run_time.size()));
+    }
+    const std::string_view grace = "--self_launch_grace_ms=";
+    if (arg.substr(0, grace.size()) == grace) {
+      self_launch.grace = std::chrono::milliseconds(std::atoi(argv[i] + grace.size()));
     }
   }
   // The launcher refuses an unknown argument once, before any worker starts.
