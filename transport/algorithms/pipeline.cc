@@ -431,8 +431,15 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
         // Left unread by an earlier call at this tag (notices outlast
         // their call), or from a call kStopNoteTags ahead: not this one's.
         Where where{check.c_str(), 0, 0, Where::kNoChunk, false, done.peer};
-        DDP_ASSIGN_OR_RETURN(ids[i], requests.Recv(where, stop_tag, done.note,
-                                                   sizeof(Requests::StopNote)));
+        StatusOr<p2p::RequestId> again =
+            requests.Recv(where, stop_tag, done.note, sizeof(Requests::StopNote));
+        if (!again.ok() && again.status().code() == StatusCode::kPeerLost) {
+          // That peer has left: no note of this call can come from it.
+          ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(i));
+          awaited.erase(awaited.begin() + static_cast<std::ptrdiff_t>(i));
+          continue;
+        }
+        DDP_ASSIGN_OR_RETURN(ids[i], std::move(again));
         requests.p2p().MarkWatched(ids[i]);
         continue;
       }
@@ -895,14 +902,18 @@ Status Requests::VerifyFirst() {
   return status;
 }
 
-Status Requests::WaitOrStop(p2p::RequestId id) {
-  while (true) {
+Status Requests::WaitOrStop(p2p::RequestId id, bool* request_failed) {
+  if (request_failed != nullptr) *request_failed = false;
+  while (stop_recv_ != 0) {
     // The request first: a deadline names it.
     const p2p::RequestId both[2] = {id, stop_recv_};
     StatusOr<size_t> got = p2p_.WaitAny(both, deadline_);
     // On error WaitAny releases the failed request only; the destructor's
     // CancelAll skips released ids, so both stay listed.
-    if (!got.ok()) return got.status();
+    if (!got.ok()) {
+      if (request_failed != nullptr) *request_failed = true;
+      return got.status();
+    }
     if (*got == 0) {
       Forget(id);
       return Status();
@@ -912,6 +923,12 @@ Status Requests::WaitOrStop(p2p::RequestId id) {
     DDP_ASSIGN_OR_RETURN(const bool ours, TakeNote());
     if (ours) return StopNoteError();
   }
+  // The note's sender has left (TakeNote): the request alone.
+  const p2p::RequestId one[1] = {id};
+  Status status = p2p_.WaitAll(one, deadline_);
+  Forget(id);  // released by WaitAll either way
+  if (!status.ok() && request_failed != nullptr) *request_failed = true;
+  return status;
 }
 
 StatusOr<bool> Requests::TakeNote() {
@@ -920,7 +937,15 @@ StatusOr<bool> Requests::TakeNote() {
   // call), or sent by a rank kStopNoteTags calls ahead (StopNoteTag): not
   // this call's business.
   Where where{relay_what_, 0, 0, Where::kNoChunk, false, relay_from_};
-  DDP_ASSIGN_OR_RETURN(stop_recv_, Recv(where, stop_tag_, stop_got_, sizeof(StopNote)));
+  StatusOr<p2p::RequestId> again = Recv(where, stop_tag_, stop_got_, sizeof(StopNote));
+  if (!again.ok() && again.status().code() == StatusCode::kPeerLost) {
+    // The note's sender has left (it may have finished its part of this
+    // call): no note of this call can come, and the data wait goes on
+    // without one, as a watched receive's lost peer promises.
+    stop_recv_ = 0;
+    return false;
+  }
+  DDP_ASSIGN_OR_RETURN(stop_recv_, std::move(again));
   p2p_.MarkWatched(stop_recv_);
   return false;
 }
@@ -970,11 +995,11 @@ Status WithSizeHint(const Status& status) {
 Status Requests::Wait(p2p::RequestId id, const Where& where) {
   DDP_RETURN_IF_ERROR(VerifyFirst());
   if (stop_recv_ != 0) {
-    Status status = WaitOrStop(id);
+    bool request_failed = false;
+    Status status = WaitOrStop(id, &request_failed);
     if (status.ok()) return status;
-    // The note's receive still posted: the request itself failed.
-    if (stop_recv_ != 0 && !where.is_send) status = WithSizeHint(status);
-    if (stop_recv_ != 0 && !where.is_send && status.code() == StatusCode::kInvalidArgument &&
+    if (request_failed && !where.is_send) status = WithSizeHint(status);
+    if (request_failed && !where.is_send && status.code() == StatusCode::kInvalidArgument &&
         check_ != nullptr) {
       // Data that does not fit (another count) from a peer this rank does
       // not check: a rank that does check it stops the others, but its
@@ -1012,7 +1037,8 @@ Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
     theirs = unpack();
     return Annotate(check_->CompareWith(p2p_, where.peer, theirs), Describe(p2p_, where));
   }
-  Status status = WaitOrStop(id);
+  bool request_failed = false;
+  Status status = WaitOrStop(id, &request_failed);
   if (status.ok()) {
     theirs = unpack();
     Status differs = check_->CompareWith(p2p_, where.peer, theirs);
@@ -1026,8 +1052,8 @@ Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
     }
     return Annotate(differs, Describe(p2p_, where));
   }
-  // A note (stop_recv_ released), a lost peer or the deadline: as it is.
-  if (stop_recv_ == 0 || status.code() != StatusCode::kInvalidArgument) {
+  // A note, a lost peer or the deadline: as it is.
+  if (!request_failed || status.code() != StatusCode::kInvalidArgument) {
     return Annotate(status, Describe(p2p_, where));
   }
   // Another size: the peer passed another count or dtype, which some ring
@@ -1036,6 +1062,10 @@ Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
   // the data, this rank had the peer's own message and named both itself.
   StatusOr<size_t> got = InternalError("no wait for a note");
   while (true) {
+    if (stop_recv_ == 0) {
+      got = PeerLostError("the note's sender " + DescribePeer(p2p_, relay_from_) + " has left");
+      break;
+    }
     const p2p::RequestId note_only[1] = {stop_recv_};
     got = p2p_.WaitAny(note_only, deadline_);
     if (!got.ok()) break;

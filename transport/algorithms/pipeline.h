@@ -585,13 +585,16 @@ class Requests {
   // starts a stop note when it fails and RelayStops was called).
   Status VerifyFirst();
   // Waits for `id` or a stop note, whichever comes first (RelayStops); the
-  // caller annotates errors.
-  Status WaitOrStop(p2p::RequestId id);
+  // caller annotates errors. `request_failed`, when given, tells whether
+  // an error is the request's own (not a note's, nor the re-post of one).
+  // Once the note's sender has left, waits for `id` alone.
+  Status WaitOrStop(p2p::RequestId id, bool* request_failed = nullptr);
   // The error of the stop note that has arrived in stop_got_, after passing
   // it on; stop_recv_ is already released.
   Status StopNoteError();
   // Whether the note that has arrived in stop_got_ (stop_recv_ released)
-  // belongs to this call; when not, posts the note's receive again.
+  // belongs to this call; when not, posts the note's receive again, or
+  // leaves stop_recv_ 0 when the note's sender has left (no note can come).
   StatusOr<bool> TakeNote();
   // What a rank that found a disagreement sends on around the ring.
   struct StopNote {

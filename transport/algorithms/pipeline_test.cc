@@ -192,6 +192,76 @@ TEST(RequestsTest, DestructorWithNothingOutstandingCancelsNothing) {
   EXPECT_TRUE(p2p.cancelled_together.empty());
 }
 
+// Rank 1 of 3, its stop notes from rank 0 (RelayStops), waiting for data
+// from rank 2. The note's receive first takes a note of another call (one
+// left at the same tag, kStopNoteTags calls away); by then rank 0 has left,
+// so posting that receive again fails PEER_LOST. Its data from rank 2
+// completes once asked for alone.
+class NoteSenderLeftEndpoint final : public p2p::PointToPoint {
+ public:
+  int rank() const override { return 1; }
+  int size() const override { return 3; }
+  StatusOr<p2p::RequestId> PostSend(int, p2p::Tag, const void*, size_t) override {
+    return ++last_;
+  }
+  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag, void* data, size_t bytes) override {
+    if (peer != 0) return data_recv_ = ++last_;
+    if (note_posts_++ > 0) return PeerLostError("rank 0 has left");
+    note_data_ = data;
+    note_bytes_ = bytes;
+    return note_recv_ = ++last_;
+  }
+  Status PostNotice(int, p2p::Tag, const void*, size_t) override { return Status(); }
+  StatusOr<bool> Test(p2p::RequestId) override { return false; }
+  Status WaitAll(std::span<const p2p::RequestId> ids, Deadline) override {
+    if (ids.size() == 1 && ids[0] == data_recv_) return Status();
+    return TimedOutError("not the data receive alone");
+  }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> ids, Deadline) override {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] != note_recv_ || note_delivered_) continue;
+      // The note's call_id, its last field (no padding after a uint64_t
+      // that follows 8-byte-aligned fields): another call's.
+      const uint64_t other_call = 1 + kStopNoteTags;
+      std::memcpy(static_cast<char*>(note_data_) + note_bytes_ - sizeof(other_call), &other_call,
+                  sizeof(other_call));
+      note_delivered_ = true;
+      return i;
+    }
+    return TimedOutError("the data is asked for with a watched receive (rank 0's) still listed");
+  }
+  void MarkWatched(p2p::RequestId) override {}
+  void Cancel(p2p::RequestId) override {}
+  void CancelAll(std::span<const p2p::RequestId>) override {}
+  uint64_t UnconfirmedReleases() const override { return 0; }
+
+ private:
+  p2p::RequestId last_ = 0;
+  p2p::RequestId data_recv_ = 0;
+  p2p::RequestId note_recv_ = 0;
+  int note_posts_ = 0;
+  void* note_data_ = nullptr;
+  size_t note_bytes_ = 0;
+  bool note_delivered_ = false;
+};
+
+// A note of another call taken after its sender left: no note of this call
+// can come, and the wait goes on for its own request. It failed with
+// PEER_LOST from re-posting the note's receive, although the data's own
+// peer was alive.
+TEST(RequestsTest, ANoteOfAnotherCallFromAPeerThatLeftDoesNotFailTheWait) {
+  NoteSenderLeftEndpoint p2p;
+  Requests requests(p2p, DeadlineIn(std::chrono::milliseconds(1000)));
+  ASSERT_TRUE(requests.RelayStops("test", /*call_id=*/1, /*phase_tag=*/0, /*from=*/0, /*to=*/2).ok());
+  float data = 0;
+  const Where where{"test", 0, 0, Where::kNoChunk, false, 2};
+  auto recv = requests.Recv(where, 5, &data, sizeof(data));
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  const Status status = requests.Wait(*recv, where);
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_TRUE(requests.WaitAll("test").ok());
+}
+
 // A call that fails with receives the transport could not confirm it
 // cancelled (UCX, same-host peer) keeps its scratch blocks for good: a late
 // write must not land in freed memory, nor in the next call's scratch.
