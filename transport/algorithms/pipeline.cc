@@ -258,7 +258,7 @@ Status PeerCheck::Verify(Requests& requests) {
   if (verified_) return Status();
   verified_ = true;
   for (size_t i = 0; i < from_.size(); ++i) {
-    Where where{what_.c_str(), 0, 0, Where::kNoChunk, false, from_[i]};
+    Where where{what_.c_str(), 0, 0, Where::kNoChunk, false, from_[i], /*check_message=*/true};
     DDP_RETURN_IF_ERROR(requests.Wait(ids_[i], where));
     DDP_RETURN_IF_ERROR(Compare(requests.p2p(), i));
   }
@@ -561,7 +561,8 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   auto wait = [&](int k) -> Status {
     const int from = peer_at(-(int64_t{1} << k));
     Status status =
-        requests.Wait(recv_ids[k], Where{check.c_str(), k, rounds, Where::kNoChunk, false, from});
+        requests.Wait(recv_ids[k], Where{check.c_str(), k, rounds, Where::kNoChunk, false, from,
+                                         /*check_message=*/true});
     if (!status.ok() && !state.agrees()) return disagreement();
     return status;
   };
@@ -979,13 +980,25 @@ Status Requests::StopNoteError() {
 }
 
 namespace {
-// What a receive failing INVALID_ARGUMENT (a message of another size) adds
-// to its error. The argument check compares count and dtype but not the
-// tuning: ranks that pass another tuning.chunk_bytes cut the data into
-// messages of other sizes, and the size error alone named nothing that
-// differed.
-Status WithSizeHint(const Status& status) {
-  if (status.code() != StatusCode::kInvalidArgument) return status;
+// Whether a receive failed for a message of another size, in the words of
+// the transports (p2p/loopback.cc's matching, ucx/ucx_p2p.cc's SlotStatus),
+// not for another INVALID_ARGUMENT (an unknown or released request id, one
+// listed twice).
+bool IsSizeMismatch(const Status& status) {
+  if (status.code() != StatusCode::kInvalidArgument) return false;
+  const std::string& message = status.message();
+  return message.find("message size mismatch") != std::string::npos ||
+         message.find("counts differ across ranks") != std::string::npos;
+}
+
+// What a data receive failing for a message of another size adds to its
+// error. The argument check compares count and dtype but not the tuning:
+// ranks that pass another tuning.chunk_bytes cut the data into messages of
+// other sizes, and the size error alone named nothing that differed. The
+// argument check's own messages (`where.check_message`) have fixed sizes,
+// which no count or tuning changes.
+Status WithSizeHint(const Status& status, const Where& where) {
+  if (where.is_send || where.check_message || !IsSizeMismatch(status)) return status;
   return Status(status.code(), status.message() +
                                    " (the peer passed another count or dtype, or another "
                                    "tuning.chunk_bytes, which must be equal on every rank too)");
@@ -998,7 +1011,7 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
     bool request_failed = false;
     Status status = WaitOrStop(id, &request_failed);
     if (status.ok()) return status;
-    if (request_failed && !where.is_send) status = WithSizeHint(status);
+    if (request_failed) status = WithSizeHint(status, where);
     if (request_failed && !where.is_send && status.code() == StatusCode::kInvalidArgument &&
         check_ != nullptr) {
       // Data that does not fit (another count) from a peer this rank does
@@ -1016,7 +1029,7 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
   const p2p::RequestId one[1] = {id};
   Status status = p2p_.WaitAll(one, deadline_);
   Forget(id);  // released by WaitAll either way
-  if (!where.is_send) status = WithSizeHint(status);
+  status = WithSizeHint(status, where);
   return Annotate(status, Describe(p2p_, where));
 }
 

@@ -150,6 +150,8 @@ struct Where {
   size_t chunk = 0;       ///< kNoChunk when not meaningful
   bool is_send = false;
   int peer = 0;
+  /// An argument check's own message (a Fingerprint or Verdict), not data.
+  bool check_message = false;
 };
 
 /// "ring reduce-scatter step 2/3 chunk 4: receive from rank 5".

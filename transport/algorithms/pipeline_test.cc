@@ -5,6 +5,7 @@
 #include <cstring>
 #include <new>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -260,6 +261,42 @@ TEST(RequestsTest, ANoteOfAnotherCallFromAPeerThatLeftDoesNotFailTheWait) {
   const Status status = requests.Wait(*recv, where);
   EXPECT_TRUE(status.ok()) << status;
   EXPECT_TRUE(requests.WaitAll("test").ok());
+}
+
+// Only a data receive's message of another size names the count, dtype
+// and tuning.chunk_bytes as causes; another INVALID_ARGUMENT of a receive
+// wait (here a request id the transport does not know) is not about them,
+// and was given that hint too.
+TEST(RequestsTest, OnlyASizeMismatchOfDataNamesChunkBytes) {
+  p2p::LoopbackHub hub(2);
+  auto ep0 = std::move(hub.Connect(0)).value();
+  auto ep1 = std::move(hub.Connect(1)).value();
+  const Where from0{"test", 0, 0, Where::kNoChunk, false, 0};
+  {
+    Requests requests(*ep1, DeadlineIn(std::chrono::milliseconds(1000)));
+    const Status unknown = requests.Wait(12345, from0);
+    EXPECT_EQ(unknown.code(), StatusCode::kInvalidArgument) << unknown;
+    EXPECT_THAT(unknown.message(), ::testing::Not(HasSubstr("tuning.chunk_bytes"))) << unknown;
+  }
+  // A message of another size: the data receive names the causes, an
+  // argument check's receive does not.
+  for (bool check_message : {false, true}) {
+    Requests requests(*ep1, DeadlineIn(std::chrono::milliseconds(5000)));
+    float got[2] = {};
+    const float sent[3] = {};
+    Where where = from0;
+    where.check_message = check_message;
+    auto recv = requests.Recv(where, 7, got, sizeof(got));
+    ASSERT_TRUE(recv.ok()) << recv.status();
+    auto send = ep0->PostSend(1, 7, sent, sizeof(sent));
+    ASSERT_TRUE(send.ok()) << send.status();
+    const Status status = requests.Wait(*recv, where);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status;
+    EXPECT_EQ(status.message().find("tuning.chunk_bytes") != std::string::npos, !check_message)
+        << status;
+    const p2p::RequestId sends[1] = {*send};
+    EXPECT_TRUE(ep0->WaitAll(sends, DeadlineIn(std::chrono::milliseconds(5000))).ok());
+  }
 }
 
 // A call that fails with receives the transport could not confirm it
