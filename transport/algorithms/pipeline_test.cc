@@ -263,6 +263,89 @@ TEST(RequestsTest, ANoteOfAnotherCallFromAPeerThatLeftDoesNotFailTheWait) {
   EXPECT_TRUE(requests.WaitAll("test").ok());
 }
 
+// Rank 1 of 3 in an empty call's check, with peers 0 and 2. Rank 0's stop
+// note receive first takes a note of another call; by then rank 0 has left,
+// so posting that receive again fails PEER_LOST. Every fingerprint that
+// comes is `theirs`.
+class EmptyCallNoteSenderLeftEndpoint final : public p2p::PointToPoint {
+ public:
+  explicit EmptyCallNoteSenderLeftEndpoint(const Fingerprint& theirs) : theirs_(theirs) {}
+  int rank() const override { return 1; }
+  int size() const override { return 3; }
+  StatusOr<p2p::RequestId> PostSend(int, p2p::Tag, const void*, size_t) override {
+    return ++last_;
+  }
+  StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag, void* data, size_t bytes) override {
+    const bool note = bytes != sizeof(Fingerprint);
+    if (note && peer == 0 && note_posts_from_0_++ > 0) return PeerLostError("rank 0 has left");
+    recvs_.push_back({++last_, peer, data, bytes, note, false});
+    return last_;
+  }
+  Status PostNotice(int, p2p::Tag, const void*, size_t) override { return Status(); }
+  StatusOr<bool> Test(p2p::RequestId) override { return false; }
+  Status WaitAll(std::span<const p2p::RequestId>, Deadline) override { return Status(); }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> ids, Deadline) override {
+    // Rank 0's note first, then the fingerprints; no note of rank 2's.
+    for (bool notes : {true, false}) {
+      for (size_t i = 0; i < ids.size(); ++i) {
+        Recv* recv = Find(ids[i]);
+        if (recv == nullptr || recv->done || recv->note != notes || (notes && recv->peer != 0)) continue;
+        if (notes) {
+          // Another call's note: its call_id is its last field.
+          const uint64_t other_call = 1 + kStopNoteTags;
+          std::memcpy(static_cast<char*>(recv->data) + recv->bytes - sizeof(other_call), &other_call,
+                      sizeof(other_call));
+        } else {
+          std::memcpy(recv->data, &theirs_, sizeof(theirs_));
+        }
+        recv->done = true;
+        return i;
+      }
+    }
+    return TimedOutError("nothing more comes");
+  }
+  void MarkWatched(p2p::RequestId) override {}
+  void Cancel(p2p::RequestId) override {}
+  void CancelAll(std::span<const p2p::RequestId>) override {}
+  uint64_t UnconfirmedReleases() const override { return 0; }
+
+ private:
+  struct Recv {
+    p2p::RequestId id;
+    int peer;
+    void* data;
+    size_t bytes;
+    bool note;
+    bool done;
+  };
+  Recv* Find(p2p::RequestId id) {
+    for (Recv& recv : recvs_) {
+      if (recv.id == id) return &recv;
+    }
+    return nullptr;
+  }
+  const Fingerprint theirs_;
+  p2p::RequestId last_ = 0;
+  int note_posts_from_0_ = 0;
+  std::vector<Recv> recvs_;
+};
+
+// As for a data wait above: the empty call's check drops the note it can
+// no longer get and takes the fingerprints, which agree. It failed with
+// PEER_LOST from re-posting rank 0's note receive.
+TEST(CheckEmptyCallTest, ANoteOfAnotherCallFromAPeerThatLeftDoesNotFailTheCheck) {
+  Fingerprint mine;
+  mine.count = 0;
+  mine.dtype = static_cast<int32_t>(DataType::kF32);
+  mine.op = static_cast<int32_t>(ReduceOp::kSum);
+  mine.root = -1;
+  EmptyCallNoteSenderLeftEndpoint p2p(mine);
+  const std::vector<CheckRound> rounds = {{/*phase_tag=*/0, {0, 2}}};
+  const Status status = CheckEmptyCall(p2p, DeadlineIn(std::chrono::milliseconds(1000)), "test", mine,
+                                       rounds, /*call_id=*/1);
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 // Only a data receive's message of another size names the count, dtype
 // and tuning.chunk_bytes as causes; another INVALID_ARGUMENT of a receive
 // wait (here a request id the transport does not know) is not about them,
