@@ -5161,6 +5161,35 @@ TEST(DdpFeaturesTest, TheUnusedParameterWalkCountsAsForwardOnly) {
                                << " us before its forward ends";
   }
   EXPECT_EQ(backwards, 3);
+
+// An earlier run's complete trace that cannot be removed (here a directory
+// by its name; another user's file in a sticky /tmp does the same) is trace
+// trouble only: the wrapper is made and trains, and the final write, which
+// cannot replace a directory, is reported on stderr. Before, construction
+// threw "cannot remove" and aborted the group.
+TEST(DdpFeaturesTest, AnEarlierTraceThatCannotBeRemovedDoesNotFailConstruction) {
+  const std::string dir = FreshTraceFolder();
+  ASSERT_FALSE(dir.empty());
+  const std::string prefix = dir + "/t_";
+  ASSERT_TRUE(std::filesystem::create_directory(prefix + "rank0.json"));
+  const auto& data = testing::FashionMnist();
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  ::testing::internal::CaptureStderr();
+  try {
+    DistributedDataParallel ddp(model, {.process_group = ProcessGroup::Single(), .trace_prefix = prefix});
+    for (int s = 0; s < 2; ++s) {
+      auto [x, y] = testing::Batch(data, s * kBatch, kBatch);
+      opt.ZeroGrad();
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      opt.Step();
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "the wrapper failed: " << e.what();
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("cannot remove " + prefix + "rank0.json"), std::string::npos) << err;
+  EXPECT_TRUE(std::filesystem::is_directory(prefix + "rank0.json"));
 }
 
 }  // namespace

@@ -536,11 +536,14 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
     // The complete file of an earlier run would be read beside this run's
     // partial one as one run: this run's replaces it at the end, and until
     // then there is none. Removed only now, so that a construction that
-    // fails leaves it.
+    // fails leaves it. One that cannot be removed (a directory by that name,
+    // another user's file in a sticky folder) is trouble of the trace only,
+    // as the final write's failure is: a warning, and the training goes on.
     if (impl_->trace != nullptr && !impl_->trace->streams_document() && ::unlink(TracePath().c_str()) != 0 &&
         errno != ENOENT) {
-      throw std::runtime_error("trace: cannot remove " + TracePath() + ", an earlier run's trace: " +
-                               std::strerror(errno));
+      const int error = errno;
+      std::fprintf(stderr, "[ddp] warning: trace: cannot remove %s, an earlier run's trace: %s\n",
+                   TracePath().c_str(), std::strerror(error));
     }
     impl_->user_since = TakeStatsSnapshot(*impl_, *pg_);
     impl_->log_since = impl_->user_since;

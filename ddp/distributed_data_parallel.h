@@ -123,7 +123,8 @@ struct DdpOptions {
   /// complete JSON array after every forward), removed once the complete
   /// file is written: a run that dies without unwinding leaves that one.
   /// Construction removes a `<trace_prefix>rank<r>.json` of an earlier
-  /// run, so that it is never read beside this run's partial file; one
+  /// run, so that it is never read beside this run's partial file (one it
+  /// cannot remove is reported on stderr and construction goes on); one
   /// that fails leaves it, and removes its own partial file. A directory
   /// that cannot be written fails construction. One trace file
   /// takes one wrapper: a second wrapper of this process with the same
