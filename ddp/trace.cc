@@ -235,16 +235,20 @@ void TraceRecorder::StreamTo(const std::string& path, int rank) {
   // write their events over each other's (and the end of one run would
   // remove the file the other still streams to). The lock goes with the
   // descriptor, so a second open of the same file in this process is
-  // refused too.
+  // refused too. Only a lock held elsewhere refuses: a file system that
+  // cannot lock (NFS without lockd: ENOLCK; some FUSE, CIFS or Lustre
+  // mounts: ENOSYS, EOPNOTSUPP) is a common place for traces, and there
+  // the file is written unguarded, with a warning.
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
-    ::close(fd);
     if (error == EWOULDBLOCK) {
+      ::close(fd);
       throw std::runtime_error("trace: " + path + " is being written by another trace (another "
                                "DistributedDataParallel or process with the same trace prefix and rank?); "
                                "give each its own trace prefix");
     }
-    throw std::runtime_error("trace: cannot lock " + path + ": " + std::strerror(error));
+    std::fprintf(stderr, "[ddp] warning: trace: cannot lock %s (%s); writing it unlocked, so another writer "
+                 "of the same file would not be noticed\n", path.c_str(), std::strerror(error));
   }
   // The file is a JSON array after every flush: the events so far, then
   // kStreamTail, which the next flush writes over.

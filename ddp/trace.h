@@ -55,9 +55,11 @@ class TraceRecorder {
   /// unwinding (a crash, SIGKILL) leaves every event flushed before, and
   /// a write that fails partway is cut back to the last whole event. The
   /// file is locked (flock) while streamed: a second recorder of the same
-  /// file, in this process or another, is refused. Throws
-  /// std::runtime_error naming the path when it cannot be created,
-  /// written or locked; a second call is refused.
+  /// file, in this process or another, is refused. On a file system that
+  /// cannot lock (ENOLCK, ENOSYS, EOPNOTSUPP) it is streamed unlocked,
+  /// after a warning on stderr naming it. Throws std::runtime_error naming
+  /// the path when it cannot be created or written, or when another
+  /// writer holds its lock; a second call is refused.
   void StreamTo(const std::string& path, int rank);
   /// Whether `path` (through links) is a FIFO or a terminal: a trace there
   /// is streamed with StreamDocumentTo, not written by Write. Told by the

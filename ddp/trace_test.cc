@@ -3,6 +3,7 @@
 
 #include "ddp/trace.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/resource.h>
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <atomic>
 #include <csignal>
 #include <chrono>
 #include <cstdlib>
@@ -25,6 +27,22 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+// While nonzero, flock fails with this errno, as on a file system that
+// cannot lock (NFS without lockd: ENOLCK). This binary's flock comes before
+// the C library's for every caller, the recorder's included; otherwise it
+// is the C library's.
+static std::atomic<int> flock_fails_with{0};
+
+extern "C" int flock(int fd, int operation) {
+  if (const int error = flock_fails_with.load(); error != 0) {
+    errno = error;
+    return -1;
+  }
+  using Flock = int (*)(int, int);
+  static const auto real = reinterpret_cast<Flock>(::dlsym(RTLD_NEXT, "flock"));
+  return real(fd, operation);
+}
 
 namespace ddp::dist {
 namespace {
@@ -485,6 +503,49 @@ TEST(TraceTest, ASecondWriterOfOneFifoIsRefused) {
   reader.Join();
   nlohmann::json doc;
   EXPECT_NO_THROW(doc = nlohmann::json::parse(reader.text())) << reader.text();
+}
+
+// A file system that cannot lock (ENOLCK, ENOSYS, EOPNOTSUPP) is not
+// someone else holding the file: the stream is written unlocked, after one
+// warning naming the file and the error. Before, StreamTo threw "cannot
+// lock", which failed a DDP's construction on such a mount.
+TEST(TraceTest, AFileSystemThatCannotLockIsStreamedUnlockedWithAWarning) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/trace_no_locks.json";
+  const auto now = TraceRecorder::Clock::now();
+  for (const int error : {ENOLCK, ENOSYS, EOPNOTSUPP}) {
+    SCOPED_TRACE(std::strerror(error));
+    TraceRecorder trace;
+    ::testing::internal::CaptureStderr();
+    flock_fails_with = error;
+    try {
+      trace.StreamTo(path, 0);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "StreamTo threw: " << e.what();
+    }
+    flock_fails_with = 0;
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find("cannot lock " + path + " (" + std::strerror(error) + ")"), std::string::npos) << err;
+    trace.Complete("step", "compute", now, now);
+    trace.Flush();
+    std::ifstream in(path);
+    nlohmann::json events;
+    ASSERT_NO_THROW(events = nlohmann::json::parse(in));
+    int steps = 0;
+    for (const auto& e : events) steps += e["name"] == "step";
+    EXPECT_EQ(steps, 1);
+    trace.EndStream(/*remove=*/true);
+  }
+  // Someone else holding the lock still refuses.
+  flock_fails_with = EWOULDBLOCK;
+  TraceRecorder refused;
+  try {
+    refused.StreamTo(path, 0);
+    ADD_FAILURE() << "StreamTo took a file whose lock another writer holds";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is being written by another trace"), std::string::npos) << e.what();
+  }
+  flock_fails_with = 0;
 }
 
 }  // namespace
