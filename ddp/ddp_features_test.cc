@@ -5192,5 +5192,52 @@ TEST(DdpFeaturesTest, AnEarlierTraceThatCannotBeRemovedDoesNotFailConstruction) 
   EXPECT_TRUE(std::filesystem::is_directory(prefix + "rank0.json"));
 }
 
+// Only rank 0 traces, and wraps a second model with the same trace_prefix
+// while its first wrapper lives: rank 0 refuses it, and rank 1 learns of it
+// at once, naming rank 0's trace_prefix refusal, rather than waiting in the
+// model comparison until the group's timeout with no cause. The group is
+// not aborted: the first wrappers train on. Before, rank 1 timed out.
+DDP_TEST_WORKER(trace_prefix_refused_on_one_rank) {
+  auto pg = testing::WorkerGroup();
+  const std::string prefix = std::getenv("DDP_TEST_TRACE_PREFIX");
+  const DdpOptions options{.process_group = pg, .trace_prefix = pg->rank() == 0 ? prefix : ""};
+  auto model = Mlp(5);
+  DistributedDataParallel first(model, options);
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    DistributedDataParallel second(Mlp(5), options);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  } catch (const std::exception& e) {
+    message = std::string("not std::invalid_argument: ") + e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string expected =
+      pg->rank() == 0 ? "the trace file " + prefix + "rank0.json is already written by another "
+                        "DistributedDataParallel of this process"
+                      : "`trace_prefix`";
+  WORKER_EXPECT(message.find(expected) != std::string::npos,
+                "rank " + std::to_string(pg->rank()) + ": " + (message.empty() ? "no error" : message));
+  WORKER_EXPECT(pg->rank() == 0 ||
+                    message.find("rank 0 has `trace_prefix` refused: its trace file is already written") !=
+                        std::string::npos,
+                "rank 1 does not name rank 0's refusal: " + message);
+  WORKER_EXPECT(seconds < 5, "took " + std::to_string(seconds) + " s");
+  const auto& data = testing::FashionMnist();
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ATracePrefixRefusedOnOneRankFailsEveryRankPromptlyNamingIt) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/refused_on_one_rank_" +
+                             std::to_string(::getpid()) + "_";
+  auto run = RunWorkers("trace_prefix_refused_on_one_rank", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_TRACE_PREFIX", prefix}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist

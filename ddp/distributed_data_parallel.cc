@@ -56,8 +56,9 @@ namespace {
 // The trace files the wrappers of this process write, by their absolute
 // path. Two wrappers given the same trace_prefix (on one group, or on two
 // groups of one rank) would write one file: the second is refused before it
-// touches the file or the group (whose trace it would take over), on every
-// rank alike, so that no collective is left waiting for it.
+// touches the file or the group (whose trace it would take over). The
+// refusal is thrown only after the ranks' model comparison, which carries
+// it, so that every rank fails with it, the ranks that do not trace too.
 class TraceFileClaim {
  public:
   TraceFileClaim(const std::string& path, const std::string& prefix) : key_(Key(path)) {
@@ -440,20 +441,44 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::modules::Mo
   const DebugLevel level = pg_->debug_level();
   impl_->log_every = options_.log_stats_every;
   if (impl_->log_every == 0 && level != DebugLevel::kOff) impl_->log_every = 100;
+  // A trace file taken by another wrapper of this process is refused, but
+  // not before the comparison below: the ranks may trace differently (only
+  // rank 0, say), and a rank that threw here alone would leave the others
+  // waiting in it until the group's timeout.
+  std::string trace_refusal;
   if (!options_.trace_prefix.empty()) {
-    impl_->trace_claim = std::make_unique<TraceFileClaim>(TracePath(), options_.trace_prefix);
-    impl_->trace = std::make_shared<TraceRecorder>();
-    pg_->set_trace(impl_->trace);
+    try {
+      impl_->trace_claim = std::make_unique<TraceFileClaim>(TracePath(), options_.trace_prefix);
+      impl_->trace = std::make_shared<TraceRecorder>();
+      pg_->set_trace(impl_->trace);
+    } catch (const std::invalid_argument& e) {
+      trace_refusal = e.what();
+    }
   }
   // Set once the ranks agree: a failure after it is this rank's alone.
   bool compared = false;
   try {
-    // 1. Same model on every rank, or the same error on every rank.
-    internal::VerifyReplicas(*pg_, DescribeReplica(*module_, options_),
-                             "DistributedDataParallel: the ranks' models differ (every rank must register the "
-                             "same parameters, and buffers unless broadcast_buffers is false, in the same order, "
-                             "with the same shapes, dtypes and strides, the same modules (paths and types), and "
-                             "pass the same options).");
+    // 1. Same model on every rank, or the same error on every rank. The
+    // trace refusal goes with the model's description, so that the ranks
+    // all learn of one rank's, naming it; when every rank refused, the
+    // descriptions agree and each throws its own refusal.
+    std::vector<internal::ReplicaEntry> described = DescribeReplica(*module_, options_);
+    described.push_back({"option", "trace_prefix",
+                         trace_refusal.empty() ? "accepted (or not set)"
+                                               : "refused: its trace file is already written by another "
+                                                 "DistributedDataParallel of this process"});
+    try {
+      internal::VerifyReplicas(*pg_, described,
+                               "DistributedDataParallel: the ranks' models differ (every rank must register the "
+                               "same parameters, and buffers unless broadcast_buffers is false, in the same "
+                               "order, with the same shapes, dtypes and strides, the same modules (paths and "
+                               "types), and pass the same options).");
+    } catch (const std::invalid_argument&) {
+      // The peers got the comparison's message; this rank its own cause.
+      if (!trace_refusal.empty()) throw std::invalid_argument(trace_refusal);
+      throw;
+    }
+    if (!trace_refusal.empty()) throw std::invalid_argument(trace_refusal);
     // Past the comparison every rank has the same options and the same
     // trainable parameters, so a bad value is bad on all of them, and they
     // all throw this.

@@ -129,8 +129,10 @@ struct DdpOptions {
   /// that cannot be written fails construction. One trace file
   /// takes one wrapper: a second wrapper of this process with the same
   /// prefix and rank (on any group) fails construction with
-  /// std::invalid_argument naming the prefix and the file, before any
-  /// collective, and the first keeps its trace (to wrap a model again,
+  /// std::invalid_argument naming the prefix and the file, at the ranks'
+  /// model comparison (the other ranks, which may not trace, fail there
+  /// too, naming this rank's refusal; the group is not aborted), and the
+  /// first keeps its trace (to wrap a model again,
   /// destroy the earlier wrapper first); a trace file that another
   /// process streams to (locked) fails it with std::runtime_error.
   /// When `<trace_prefix>rank<r>.json` is a FIFO (named pipe) or a terminal,
