@@ -132,7 +132,10 @@ class BatchNorm : public Module {
   const Tensor& bias() const { return bias_; }
   const Tensor& running_mean() const { return running_mean_; }
   const Tensor& running_var() const { return running_var_; }
-  /// i64 scalar counting training batches.
+  /// i64 scalar counting training batches. A training batch refused for
+  /// having one value per channel is not counted: a refused call changes
+  /// nothing. PyTorch counts it before checking (so with momentum=None its
+  /// next batch gets 1/2 where this one's gets 1); a deliberate difference.
   const Tensor& num_batches_tracked() const { return num_batches_tracked_; }
   /// num_batches_tracked may be absent from a loaded state (PyTorch 2's
   /// rule; files saved before PyTorch 0.4.1 and many exported weight files
