@@ -123,7 +123,10 @@ class Module {
   /// The direct children, each module once, under the first name this
   /// module registers it by, in registration order: as PyTorch's
   /// named_children, a module registered twice (Sequential{l, relu, l})
-  /// is listed once ("0" and "1").
+  /// is listed once ("0" and "1"). The list is returned by value, and its
+  /// iterators live only as long as it does: use it in a range-for, or keep
+  /// it in a variable first (begin() and end() of two NamedChildren() calls,
+  /// or an iterator kept past the full expression, dangle).
   ChildList NamedChildren() const;
   /// Every registration of a child, repeats included ("0", "1" and "2" of
   /// Sequential{l, relu, l}), in registration order: the slots a Forward
