@@ -57,9 +57,13 @@ class TraceRecorder {
   /// file is locked (flock) while streamed: a second recorder of the same
   /// file, in this process or another, is refused. On a file system that
   /// cannot lock (ENOLCK, ENOSYS, EOPNOTSUPP) it is streamed unlocked,
-  /// after a warning on stderr naming it. Throws std::runtime_error naming
-  /// the path when it cannot be created or written, or when another
-  /// writer holds its lock; a second call is refused.
+  /// after a warning on stderr naming it. The descriptor is close-on-exec,
+  /// but a child forked without exec shares it, and with it the lock: until
+  /// that child exits (or closes it), a later StreamTo of the same path, in
+  /// this process or another, is refused as another writer's, even after
+  /// EndStream. Throws std::runtime_error naming the path when it cannot
+  /// be created or written, or when another writer holds its lock; a
+  /// second call is refused.
   void StreamTo(const std::string& path, int rank);
   /// Whether `path` (through links) is a FIFO or a terminal: a trace there
   /// is streamed with StreamDocumentTo, not written by Write. Told by the
