@@ -24,6 +24,7 @@
 namespace ddp::dist {
 namespace {
 
+using testing::OneBackwardGrads;
 using testing::RunWorkers;
 
 // Rank r's gradient is 3 (r + 1) in every element: over 3 ranks the
@@ -88,21 +89,6 @@ TEST(CommHooksTest, ABucketWithADivisorThatIsNotPositiveAndFiniteIsRefused) {
           << e.what();
     }
   }
-}
-
-// Each parameter's gradient after one backward of DDP (with `hook`, none
-// when null) on this rank's 8 samples.
-std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook) {
-  const auto& data = testing::FashionMnist();
-  nn::Generator gen(7);
-  auto model = nn::modules::MakeMlp(gen);
-  DistributedDataParallel ddp(model, {.process_group = pg});
-  if (hook) ddp.RegisterCommHook(std::move(hook));
-  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
-  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  std::vector<std::vector<float>> grads;
-  for (const auto& [name, p] : model->NamedParameters()) grads.push_back(p.grad().ToVector<float>());
-  return grads;
 }
 
 // The largest |a - b| over every gradient, divided by the largest |b|.

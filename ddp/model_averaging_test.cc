@@ -38,6 +38,7 @@ namespace {
 
 using nn::Tensor;
 using nn::modules::Module;
+using testing::OneBackwardGrads;
 using testing::RunWorkers;
 
 std::shared_ptr<Module> Mlp(uint64_t seed) {
@@ -140,18 +141,6 @@ TEST(ModelAveragingTest, PostLocalSgdIsDdpUntilItsStartThenAveragesEveryPeriod) 
 // is the no-hook average bit for bit; from a plain user hook, which the
 // reducer hands gradients already divided, it divided them again (halved on
 // 2 ranks, silently). That call is now refused, naming the hook.
-std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook) {
-  const auto& data = testing::FashionMnist();
-  auto model = Mlp(7);
-  DistributedDataParallel ddp(model, {.process_group = pg});
-  if (hook) ddp.RegisterCommHook(std::move(hook));
-  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
-  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  std::vector<std::vector<float>> grads;
-  for (const auto& [name, p] : model->NamedParameters()) grads.push_back(p.grad().ToVector<float>());
-  return grads;
-}
-
 DDP_TEST_WORKER(post_local_sgd_inside_a_user_hook) {
   auto pg = testing::WorkerGroup();
   const auto reference = OneBackwardGrads(pg, nullptr);
@@ -160,16 +149,11 @@ DDP_TEST_WORKER(post_local_sgd_inside_a_user_hook) {
       pg, CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) { return inner(g, b); }));
   WORKER_EXPECT(local == reference, "inside an OnLocalGradients hook: not the no-hook average");
   const CommHook inner_again = hooks::PostLocalSgdHook({.start_iteration = 100});
-  try {
-    OneBackwardGrads(pg, [inner_again](ProcessGroup& g, GradBucket& b) { return inner_again(g, b); });
-    WORKER_EXPECT(false, "PostLocalSgdHook inside a hook given divided gradients was accepted");
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
-    WORKER_EXPECT(what.find("PostLocalSgdHook: bucket") != std::string::npos, what);
-    WORKER_EXPECT(what.find("already divided by 2") != std::string::npos, what);
-    WORKER_EXPECT(what.find("CommHook::OnLocalGradients") != std::string::npos, what);
-  }
+  testing::ExpectRefused(
+      pg->rank(),
+      [&] { OneBackwardGrads(pg, [inner_again](ProcessGroup& g, GradBucket& b) { return inner_again(g, b); }); },
+      "PostLocalSgdHook inside a hook given divided gradients was accepted",
+      {"PostLocalSgdHook: bucket", "already divided by 2", "CommHook::OnLocalGradients"});
   return testing::WorkerExit();
 }
 
@@ -194,15 +178,10 @@ DDP_TEST_WORKER(post_local_sgd_state_on_two_groups) {
   second.RegisterCommHook(hooks::PostLocalSgdHook(state));
   auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
   nn::Backward(nn::loss::CrossEntropy(first(x), y));
-  try {
-    nn::Backward(nn::loss::CrossEntropy(second(x), y));
-    WORKER_EXPECT(false, "a second wrapper on another group shared the state");
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
-    WORKER_EXPECT(what.find("PostLocalSgdHook (bucket") != std::string::npos, what);
-    WORKER_EXPECT(what.find("PostLocalSgdState already serves another process group") != std::string::npos, what);
-  }
+  testing::ExpectRefused(
+      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      "a second wrapper on another group shared the state",
+      {"PostLocalSgdHook (bucket", "PostLocalSgdState already serves another process group"});
   nn::Backward(nn::loss::CrossEntropy(first(x), y));
   WORKER_EXPECT(state->iteration() == 2, "the first wrapper's iterations: " + std::to_string(state->iteration()));
   return testing::WorkerExit();
@@ -230,15 +209,10 @@ DDP_TEST_WORKER(post_local_sgd_state_on_two_wrappers_of_one_group) {
   second.RegisterCommHook(hooks::PostLocalSgdHook(state));
   auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
   nn::Backward(nn::loss::CrossEntropy(first(x), y));
-  try {
-    nn::Backward(nn::loss::CrossEntropy(second(x), y));
-    WORKER_EXPECT(false, "a second wrapper on the same group shared the state");
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
-    WORKER_EXPECT(what.find("PostLocalSgdState already serves another wrapper on this process group") != std::string::npos,
-                  what);
-  }
+  testing::ExpectRefused(
+      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      "a second wrapper on the same group shared the state",
+      {"PostLocalSgdState already serves another wrapper on this process group"});
   WORKER_EXPECT(state->iteration() == 1, "iterations counted: " + std::to_string(state->iteration()));
   return testing::WorkerExit();
 }

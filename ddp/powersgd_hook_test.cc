@@ -38,6 +38,7 @@ namespace {
 
 using nn::Tensor;
 using nn::modules::Module;
+using testing::OneBackwardGrads;
 using testing::RunWorkers;
 
 std::shared_ptr<Module> Mlp(uint64_t seed) {
@@ -214,20 +215,6 @@ TEST(PowerSgdHookTest, BeforeStartIterationIsTheDefaultAllReduceBitForBitUnderJo
 
 // ------------------------------------------- called from a user's hook ----
 
-// One backward of Mlp(7) on this rank's 8 samples through a wrapper with
-// `hook`; the parameters' gradients.
-std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook) {
-  const auto& data = testing::FashionMnist();
-  auto model = Mlp(7);
-  DistributedDataParallel ddp(model, {.process_group = pg});
-  if (hook) ddp.RegisterCommHook(std::move(hook));
-  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
-  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
-  std::vector<std::vector<float>> grads;
-  for (const auto& [name, p] : model->NamedParameters()) grads.push_back(p.grad().ToVector<float>());
-  return grads;
-}
-
 // PowerSgdHook divides the gradients itself (it takes local ones). Called
 // from a user's hook made with CommHook::OnLocalGradients it is the no-hook
 // average bit for bit; from a plain user hook, which the reducer hands
@@ -242,16 +229,11 @@ DDP_TEST_WORKER(inside_a_user_hook) {
       pg, CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) { return inner(g, b); }));
   WORKER_EXPECT(local == reference, "inside an OnLocalGradients hook: not the no-hook average");
   const CommHook inner_again = hooks::PowerSgdHook({.start_iteration = 100});
-  try {
-    OneBackwardGrads(pg, [inner_again](ProcessGroup& g, GradBucket& b) { return inner_again(g, b); });
-    WORKER_EXPECT(false, "PowerSgdHook inside a hook given divided gradients was accepted");
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
-    WORKER_EXPECT(what.find("PowerSgdHook: bucket") != std::string::npos, what);
-    WORKER_EXPECT(what.find("already divided by 2") != std::string::npos, what);
-    WORKER_EXPECT(what.find("CommHook::OnLocalGradients") != std::string::npos, what);
-  }
+  testing::ExpectRefused(
+      pg->rank(),
+      [&] { OneBackwardGrads(pg, [inner_again](ProcessGroup& g, GradBucket& b) { return inner_again(g, b); }); },
+      "PowerSgdHook inside a hook given divided gradients was accepted",
+      {"PowerSgdHook: bucket", "already divided by 2", "CommHook::OnLocalGradients"});
   return testing::WorkerExit();
 }
 
@@ -279,14 +261,10 @@ DDP_TEST_WORKER(state_on_two_groups) {
   second.RegisterCommHook(hooks::PowerSgdHook(state));
   auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
   nn::Backward(nn::loss::CrossEntropy(first(x), y));
-  try {
-    nn::Backward(nn::loss::CrossEntropy(second(x), y));
-    WORKER_EXPECT(false, "a second wrapper on another group shared the state");
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
-    WORKER_EXPECT(what.find("PowerSgdState already serves another process group") != std::string::npos, what);
-  }
+  testing::ExpectRefused(
+      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      "a second wrapper on another group shared the state",
+      {"PowerSgdState already serves another process group"});
   nn::Backward(nn::loss::CrossEntropy(first(x), y));
   WORKER_EXPECT(state->iteration() == 2, "the first wrapper's iterations: " + std::to_string(state->iteration()));
   return testing::WorkerExit();
@@ -314,15 +292,10 @@ DDP_TEST_WORKER(state_on_two_wrappers_of_one_group) {
   second.RegisterCommHook(hooks::PowerSgdHook(state));
   auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
   nn::Backward(nn::loss::CrossEntropy(first(x), y));
-  try {
-    nn::Backward(nn::loss::CrossEntropy(second(x), y));
-    WORKER_EXPECT(false, "a second wrapper on the same group shared the state");
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    std::fprintf(stderr, "rank %d: %s\n", pg->rank(), what.c_str());
-    WORKER_EXPECT(what.find("PowerSgdState already serves another wrapper on this process group") != std::string::npos,
-                  what);
-  }
+  testing::ExpectRefused(
+      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      "a second wrapper on the same group shared the state",
+      {"PowerSgdState already serves another wrapper on this process group"});
   WORKER_EXPECT(state->iteration() == 1, "iterations counted: " + std::to_string(state->iteration()));
   return testing::WorkerExit();
 }

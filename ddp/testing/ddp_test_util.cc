@@ -13,7 +13,11 @@
 #include <stdexcept>
 #include <thread>
 
+#include "ddp/distributed_data_parallel.h"
+#include "nn/autograd/engine.h"
 #include "nn/data/idx.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
 #include "nn/optim/adam.h"
 #include "nn/ops/functional.h"
 
@@ -28,6 +32,18 @@ int WorkerExit() {
   std::fflush(stdout);
   std::fflush(stderr);
   return WorkerFailures() == 0 ? 0 : 1;
+}
+
+void ExpectRefused(int rank, const std::function<void()>& f, const std::string& accepted,
+                   const std::vector<std::string>& parts) {
+  try {
+    f();
+    WORKER_EXPECT(false, accepted);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::fprintf(stderr, "rank %d: %s\n", rank, what.c_str());
+    for (const std::string& part : parts) WORKER_EXPECT(what.find(part) != std::string::npos, what);
+  }
 }
 
 std::shared_ptr<ProcessGroup> WorkerGroup() {
@@ -229,6 +245,19 @@ std::string AllOutput(const transport::launch::testing::TestRunResult& run) {
     out += "---- rank " + std::to_string(r) + " ----\n" + run.group.output[r];
   }
   return out;
+}
+
+std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook) {
+  const Data& data = FashionMnist();
+  nn::Generator gen(7);
+  auto model = nn::modules::MakeMlp(gen);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  if (hook) ddp.RegisterCommHook(std::move(hook));
+  auto [x, y] = Batch(data, pg->rank() * 8, 8);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  std::vector<std::vector<float>> grads;
+  for (const auto& [name, p] : model->NamedParameters()) grads.push_back(p.grad().ToVector<float>());
+  return grads;
 }
 
 Branchy::Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {

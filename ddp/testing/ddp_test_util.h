@@ -9,11 +9,13 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "ddp/comm_hooks.h"
 #include "ddp/process_group.h"
 #include "nn/modules/layers.h"
 #include "nn/modules/module.h"
@@ -37,6 +39,13 @@ int& WorkerFailures();
                    std::string(message).c_str());                                        \
     }                                                                                    \
   } while (0)
+
+/// Runs `f`, which must throw a std::exception whose message holds each of
+/// `parts`: the message is printed with `rank`; a failed WORKER_EXPECT with
+/// `accepted` when nothing is thrown, or with the message when a part is
+/// missing.
+void ExpectRefused(int rank, const std::function<void()>& f, const std::string& accepted,
+                   const std::vector<std::string>& parts);
 
 /// The exit code of a worker: 0 when nothing failed.
 int WorkerExit();
@@ -95,6 +104,11 @@ uint64_t HashState(const nn::modules::Module& m);
 
 /// Collective: true when every rank passed the same value.
 bool SameOnAllRanks(ProcessGroup& pg, uint64_t value);
+
+/// Each parameter's gradient after one backward of DDP over MakeMlp (seed
+/// 7) with `hook` (none when null) on this rank's 8 Fashion-MNIST samples.
+/// Collective.
+std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook);
 
 /// trunk -> (a when `use_a`, else b), for parameters a rank does not use;
 /// `never` is never used. Input [N, 784] or [N, 1, 28, 28]; output [N, 10].
