@@ -534,6 +534,39 @@ TEST(OverlappedZeroOptimizerTest, ConsolidatedStateIsTheUnshardedOptimizersAndRe
 
 // ------------------------------------------------------ NoSync, Join ----
 
+// Steps Mlp(9) on this rank's first `mine` batches under a Join with
+// `join_options`, once through OverlappedZeroOptimizer and once through DDP
+// with the unsharded optimizer: the two models must agree, and the sharded
+// replicas must be identical on every rank. Collective; `what` names the
+// case in failure messages.
+void ExpectJoinedStepsMatchDdp(const std::shared_ptr<ProcessGroup>& pg, int mine, JoinOptions join_options,
+                               const std::string& what) {
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), world = pg->size();
+  auto model = Mlp(9), reference = Mlp(9);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+  DistributedDataParallel ref_ddp(reference, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
+  auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
+  for (auto* which : {&ddp, &ref_ddp}) {
+    Join join(*which, join_options);
+    for (int s = 0; s < mine; ++s) {
+      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy((*which)(x), y));
+      if (which == &ddp) {
+        opt.Step();
+      } else {
+        ref_opt->Step();
+        ref_opt->ZeroGrad();
+      }
+    }
+    join.Wait();
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "Join: replicas differ");
+}
+
 // Two micro-batches under NoSync, then a synchronizing one: one step, on
 // the accumulated gradients.
 DDP_TEST_WORKER(no_sync_and_join) {
@@ -572,28 +605,7 @@ DDP_TEST_WORKER(no_sync_and_join) {
   {
     constexpr int kCommon = 3, kExtra = 3;
     const int mine = kCommon + (rank == world - 1 ? kExtra : 0);
-    auto model = Mlp(9), reference = Mlp(9);
-    DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
-    DistributedDataParallel ref_ddp(reference, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
-    OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
-    auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
-    for (auto* which : {&ddp, &ref_ddp}) {
-      Join join(*which);
-      for (int s = 0; s < mine; ++s) {
-        auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
-        nn::Backward(nn::loss::CrossEntropy((*which)(x), y));
-        if (which == &ddp) {
-          opt.Step();
-        } else {
-          ref_opt->Step();
-          ref_opt->ZeroGrad();
-        }
-      }
-      join.Wait();
-    }
-    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
-    WORKER_EXPECT(diff <= 1e-5, "Join: `" + worst + "` off by " + std::to_string(diff));
-    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "Join: replicas differ");
+    ExpectJoinedStepsMatchDdp(pg, mine, {}, "Join");
   }
   return testing::WorkerExit();
 }
@@ -611,32 +623,10 @@ TEST(OverlappedZeroOptimizerTest, NoSyncAccumulatesAndJoinedRanksStillStepTheirS
 // and the others by 3 (inside the all-reduce).
 DDP_TEST_WORKER(join_dividing_by_the_active_ranks) {
   auto pg = testing::WorkerGroup();
-  const auto& data = testing::FashionMnist();
-  const int rank = pg->rank(), world = pg->size();
+  const int rank = pg->rank();
   constexpr int kCommon = 2, kExtra = 2;
   const int mine = kCommon + (rank >= 1 ? kExtra : 0);
-  auto model = Mlp(9), reference = Mlp(9);
-  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
-  DistributedDataParallel ref_ddp(reference, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
-  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(false, std::move(shard)); });
-  auto ref_opt = MakeOptimizer(false, reference->NamedParameters());
-  for (auto* which : {&ddp, &ref_ddp}) {
-    Join join(*which, {.divide_by_initial_world_size = false});
-    for (int s = 0; s < mine; ++s) {
-      auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
-      nn::Backward(nn::loss::CrossEntropy((*which)(x), y));
-      if (which == &ddp) {
-        opt.Step();
-      } else {
-        ref_opt->Step();
-        ref_opt->ZeroGrad();
-      }
-    }
-    join.Wait();
-  }
-  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
-  WORKER_EXPECT(diff <= 1e-5, "Join by the active ranks: `" + worst + "` off by " + std::to_string(diff));
-  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "Join: replicas differ");
+  ExpectJoinedStepsMatchDdp(pg, mine, {.divide_by_initial_world_size = false}, "Join by the active ranks");
   return testing::WorkerExit();
 }
 
