@@ -39,6 +39,32 @@ int RunScenario(const std::string& name) {
   return 2;
 }
 
+// Ignores SIGCHLD, so that the kernel reaps ended children and waitpid
+// fails with ECHILD, until Restore() or destruction puts the previous
+// disposition back (also when an ASSERT returns early).
+class SigchldIgnored {
+ public:
+  SigchldIgnored() {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    ok_ = sigaction(SIGCHLD, &ignore, &previous_) == 0;
+  }
+  ~SigchldIgnored() { Restore(); }
+  SigchldIgnored(const SigchldIgnored&) = delete;
+  SigchldIgnored& operator=(const SigchldIgnored&) = delete;
+
+  bool ok() const { return ok_; }
+  void Restore() {
+    if (ok_) sigaction(SIGCHLD, &previous_, nullptr);
+    ok_ = false;
+  }
+
+ private:
+  struct sigaction previous_ {};
+  bool ok_ = false;
+};
+
 TEST(ProcessGroup, WaitReturnsEveryWorkersExitCode) {
   auto group = ProcessGroup::Spawn(3, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
   ASSERT_TRUE(group.ok()) << group.status();
@@ -71,15 +97,12 @@ TEST(ProcessGroup, WaitKillsAWorkerStillRunningAtItsDeadline) {
 // unknown, -1, and its output says why (a status never filled in read as
 // exit 0, so a crashed worker could pass).
 TEST(ProcessGroup, AWorkerThatCannotBeWaitedForIsNoSuccess) {
-  struct sigaction ignore {};
-  ignore.sa_handler = SIG_IGN;
-  sigemptyset(&ignore.sa_mask);
-  struct sigaction previous {};
-  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &previous), 0);
+  SigchldIgnored ignored;
+  ASSERT_TRUE(ignored.ok()) << "sigaction(SIGCHLD) failed";
   auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
   std::vector<WorkerResult> results;
   if (group.ok()) results = (*group)->Wait(DeadlineIn(milliseconds(30000)));
-  sigaction(SIGCHLD, &previous, nullptr);
+  ignored.Restore();
   ASSERT_TRUE(group.ok()) << group.status();
   ASSERT_EQ(results.size(), 1u);
   EXPECT_EQ(results[0].exit_code, -1) << DescribeResults(results);
@@ -91,11 +114,8 @@ TEST(ProcessGroup, AWorkerThatCannotBeWaitedForIsNoSuccess) {
 // when the kernel reaped it (SIGCHLD ignored): false at once, not at the
 // deadline.
 TEST(ProcessGroup, WaitForOutputSeesAWorkerReapedByTheKernelEnd) {
-  struct sigaction ignore {};
-  ignore.sa_handler = SIG_IGN;
-  sigemptyset(&ignore.sa_mask);
-  struct sigaction previous {};
-  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &previous), 0);
+  SigchldIgnored ignored;
+  ASSERT_TRUE(ignored.ok()) << "sigaction(SIGCHLD) failed";
   auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
   const auto start = Clock::now();
   bool printed = true;
@@ -104,7 +124,7 @@ TEST(ProcessGroup, WaitForOutputSeesAWorkerReapedByTheKernelEnd) {
   // Marks it reaped while SIGCHLD is still ignored, so that the destructor
   // does not signal its pid, which another process may have by then.
   if (group.ok()) (*group)->Wait(DeadlineIn(milliseconds(30000)));
-  sigaction(SIGCHLD, &previous, nullptr);
+  ignored.Restore();
   ASSERT_TRUE(group.ok()) << group.status();
   EXPECT_FALSE(printed);
   // The worker exits within milliseconds; the deadline is 30 s away.
@@ -114,11 +134,8 @@ TEST(ProcessGroup, WaitForOutputSeesAWorkerReapedByTheKernelEnd) {
 // A group destroyed after the kernel reaped its worker (SIGCHLD ignored)
 // does not signal the worker's pid, which may be another process's by then.
 TEST(ProcessGroup, ADestroyedGroupDoesNotSignalAWorkerTheKernelReaped) {
-  struct sigaction ignore {};
-  ignore.sa_handler = SIG_IGN;
-  sigemptyset(&ignore.sa_mask);
-  struct sigaction previous {};
-  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &previous), 0);
+  SigchldIgnored ignored;
+  ASSERT_TRUE(ignored.ok()) << "sigaction(SIGCHLD) failed";
   pid_t worker = 0;
   {
     auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
@@ -130,7 +147,7 @@ TEST(ProcessGroup, ADestroyedGroupDoesNotSignalAWorkerTheKernelReaped) {
       (*group)->Kill(0, SIGKILL);
     }
   }  // the destructor
-  sigaction(SIGCHLD, &previous, nullptr);
+  ignored.Restore();
   ASSERT_NE(worker, 0);
   EXPECT_NE(last_killed.load(), worker);
 }
