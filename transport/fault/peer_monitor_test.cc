@@ -42,21 +42,25 @@ pid_t SpawnSleeper() {
   return pid;
 }
 
+// Kills child `pid` and waits until it has exited and is reaped.
+void KillAndReap(pid_t pid) {
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+}
+
 TEST(PeerMonitor, HealthyJobIsOk) {
   testing::InMemoryStore store;
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child, 0}, .key_prefix = "j/"}, &store);
   EXPECT_TRUE(monitor.Check(Soon()).ok());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
 }
 
 TEST(PeerMonitor, DeadLocalPeerIsPeerLostNamingIt) {
   testing::InMemoryStore store;
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), 0, child}, .key_prefix = "j/"}, &store);
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   Status s = monitor.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("rank 2"), std::string::npos) << s;
@@ -69,8 +73,7 @@ TEST(PeerMonitor, DeadLocalPeerIsPeerLostNamingIt) {
 TEST(PeerMonitor, PeerDeadBeforeTheMonitorStartsStaysLost) {
   testing::InMemoryStore store;
   const pid_t child = SpawnSleeper();
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
   for (int i = 0; i < 2; ++i) {
     const Status s = monitor.Check(Soon());
@@ -91,12 +94,10 @@ TEST(PeerMonitor, ExitedPeersListsEveryLocalRankThatExited) {
   EXPECT_TRUE(monitor.ExitedPeers().empty());
   ASSERT_TRUE(store.Set("j/closed/4", "1", Soon()).ok());
   for (pid_t pid : {killed, closed}) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
+    KillAndReap(pid);
   }
   EXPECT_EQ(monitor.ExitedPeers(), (std::vector<int>{0, 4}));
-  kill(alive, SIGKILL);
-  waitpid(alive, nullptr, 0);
+  KillAndReap(alive);
 }
 
 TEST(PeerMonitor, ZombieCountsAsDead) {
@@ -140,8 +141,7 @@ TEST(PeerMonitor, ZombieCountsAsDeadWithoutAPidfd) {
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
   EXPECT_EQ(monitor->Check(Soon()).code(), StatusCode::kPeerLost);
   for (pid_t pid : {zombie, alive}) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
+    KillAndReap(pid);
   }
 }
 
@@ -189,8 +189,7 @@ void MonitorAPeerWhosePidIsReused(store::Store* store,
     }
     before_the_kill(*out->monitor);
     if (::testing::Test::HasFatalFailure()) return;
-    kill(out->peer, SIGKILL);
-    waitpid(out->peer, nullptr, 0);
+    KillAndReap(out->peer);
     // Start times count clock ticks: the new process must start in a later
     // one than the monitor.
     std::this_thread::sleep_for(milliseconds(30));
@@ -222,8 +221,7 @@ TEST(PeerMonitor, APeerWhosePidWasReusedIsDeadWithoutAPidfd) {
   EXPECT_EQ(kill(reuser, 0), 0);  // a live process has the peer's pid
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
   EXPECT_EQ(monitor->Check(Soon()).code(), StatusCode::kPeerLost);
-  kill(reuser, SIGKILL);
-  waitpid(reuser, nullptr, 0);
+  KillAndReap(reuser);
 }
 
 // The same where the pid is reused before the monitor first looks at the
@@ -241,8 +239,7 @@ TEST(PeerMonitor, APeerWhosePidWasReusedBeforeTheFirstLookIsDeadWithoutAPidfd) {
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});  // and stays gone
   EXPECT_EQ(monitor->Check(Soon()).code(), StatusCode::kPeerLost);
-  kill(reuser, SIGKILL);
-  waitpid(reuser, nullptr, 0);
+  KillAndReap(reuser);
 }
 
 // A peer whose start time could not be read at the start is still watched
@@ -262,8 +259,7 @@ TEST(PeerMonitor, APeerFirstSeenAfterTheStartIsAdoptedWhenItRanBefore) {
   std::this_thread::sleep_for(milliseconds(30));
   EXPECT_TRUE(monitor->ExitedPeers().empty());
   EXPECT_TRUE(monitor->Check(Soon()).ok());
-  kill(peer, SIGKILL);
-  waitpid(peer, nullptr, 0);
+  KillAndReap(peer);
   EXPECT_EQ(monitor->ExitedPeers(), std::vector<int>{0});
 }
 
@@ -273,8 +269,7 @@ TEST(PeerMonitor, CleanlyClosedPeerMayExit) {
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
   PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
   other.PostClosed(Soon());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   EXPECT_TRUE(monitor.Check(Soon()).ok());
   EXPECT_TRUE(monitor.Check(Soon(), /*awaited_peer=*/0).ok());
 }
@@ -288,8 +283,7 @@ TEST(PeerMonitor, CleanlyClosedPeerThatAWaitNeedsIsLost) {
   PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
   other.PostClosed(Soon());
   EXPECT_TRUE(monitor.Check(Soon(), /*awaited_peer=*/1).ok());  // still running
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   Status s = monitor.Check(Soon(), /*awaited_peer=*/1);
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s;
@@ -306,8 +300,7 @@ TEST(PeerMonitor, CleanlyClosedPeerAmongSeveralAwaitedIsLost) {
                       &store);
   PeerMonitor other({.rank = 2, .local_pids = {}, .key_prefix = "j/"}, &store);
   other.PostClosed(Soon());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   const std::vector<int> others = {1}, both = {1, 2};
   EXPECT_TRUE(monitor.Check(Soon(), others).ok());
   Status s = monitor.Check(Soon(), both);
@@ -342,8 +335,7 @@ TEST(PeerMonitor, CleanlyClosedPeerIsNotLostWhenReadingItsMarkFailsOnce) {
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
   PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
   other.PostClosed(Soon());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   Status first = monitor.Check(Soon());
   EXPECT_TRUE(first.ok()) << first;
   Status second = monitor.Check(Soon());
@@ -357,8 +349,7 @@ TEST(PeerMonitor, ExitedPeerWhoseMarkCannotBeReadTwiceIsLost) {
   FlakyClosedStore store(1000);
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   EXPECT_TRUE(monitor.Check(Soon()).ok());
   Status s = monitor.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
@@ -367,8 +358,7 @@ TEST(PeerMonitor, ExitedPeerWhoseMarkCannotBeReadTwiceIsLost) {
   FlakyClosedStore store2(1000);
   const pid_t child2 = SpawnSleeper();
   PeerMonitor awaiting({.rank = 0, .local_pids = {getpid(), child2}, .key_prefix = "j/"}, &store2);
-  kill(child2, SIGKILL);
-  waitpid(child2, nullptr, 0);
+  KillAndReap(child2);
   EXPECT_EQ(awaiting.Check(Soon(), /*awaited_peer=*/1).code(), StatusCode::kPeerLost);
 }
 
@@ -397,8 +387,7 @@ TEST(PeerMonitor, AClosedMarkOnceReadIsNotAskedForAgain) {
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
   PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
   other.PostClosed(Soon());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   for (int round = 0; round < 3; ++round) {
     Status s = monitor.Check(Soon());
     EXPECT_TRUE(s.ok()) << "round " << round << ": " << s;
@@ -446,8 +435,7 @@ TEST(PeerMonitor, OneHiccupMetByTwoThreadsAtOnceIsOneRound) {
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
   PeerMonitor other({.rank = 1, .local_pids = {}, .key_prefix = "j/"}, &store);
   other.PostClosed(Soon());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   Status on_thread;
   std::thread checker([&] { on_thread = monitor.Check(Soon()); });
   Status here = monitor.Check(Soon());
@@ -670,8 +658,7 @@ TEST(PeerMonitor, DeadLocalPeerWithSilentStoreIsReportedByTheDeadline) {
   SilentStore store;
   const pid_t child = SpawnSleeper();
   PeerMonitor monitor({.rank = 0, .local_pids = {getpid(), child}, .key_prefix = "j/"}, &store);
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
+  KillAndReap(child);
   const auto start = Clock::now();
   Status s = monitor.Check(start + milliseconds(300));
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
