@@ -14,15 +14,24 @@
 namespace ddp::transport::shm {
 namespace {
 
+// A new shareable block of `size` bytes, each 'a'; null (the failure
+// recorded) when it cannot be allocated.
+unsigned char* ShareableFilledWithA(size_t size) {
+  auto block = AllocateShareable(size);
+  EXPECT_TRUE(block.ok()) << block.status();
+  if (!block.ok()) return nullptr;
+  auto* bytes = static_cast<unsigned char*>(*block);
+  std::memset(bytes, 'a', size);
+  return bytes;
+}
+
 // A forked child that writes a shareable block writes its own copy, as it
 // would any other memory of its parent's; the parent's block is unchanged,
 // and the parent's own writes still reach the memfd that peers map.
 TEST(Shareable, ForkedChildWritesItsOwnCopy) {
   constexpr size_t kBytes = 1 << 20;
-  auto block = AllocateShareable(kBytes);
-  ASSERT_TRUE(block.ok()) << block.status();
-  auto* bytes = static_cast<unsigned char*>(*block);
-  std::memset(bytes, 'a', kBytes);
+  auto* bytes = ShareableFilledWithA(kBytes);
+  ASSERT_NE(bytes, nullptr);
 
   const pid_t child = fork();
   ASSERT_GE(child, 0);
@@ -56,10 +65,8 @@ TEST(Shareable, ForkedChildWritesItsOwnCopy) {
 // itself is shareable as usual.
 TEST(Shareable, ForkedChildDoesNotOfferItsPrivateCopy) {
   constexpr size_t kBytes = 64 << 10;
-  auto block = AllocateShareable(kBytes);
-  ASSERT_TRUE(block.ok()) << block.status();
-  auto* bytes = static_cast<unsigned char*>(*block);
-  std::memset(bytes, 'a', kBytes);
+  auto* bytes = ShareableFilledWithA(kBytes);
+  ASSERT_NE(bytes, nullptr);
 
   const pid_t child = fork();
   ASSERT_GE(child, 0);
@@ -95,10 +102,8 @@ TEST(Shareable, ForkedChildDoesNotOfferItsPrivateCopy) {
 // see 'b' (the child's), not the original process's 'a'.
 TEST(Shareable, GrandchildKeepsItsParentsWritesToAnInheritedBlock) {
   constexpr size_t kBytes = 64 << 10;
-  auto block = AllocateShareable(kBytes);
-  ASSERT_TRUE(block.ok()) << block.status();
-  auto* bytes = static_cast<unsigned char*>(*block);
-  std::memset(bytes, 'a', kBytes);
+  auto* bytes = ShareableFilledWithA(kBytes);
+  ASSERT_NE(bytes, nullptr);
 
   const pid_t child = fork();
   ASSERT_GE(child, 0);
@@ -133,10 +138,8 @@ TEST(Shareable, GrandchildKeepsItsParentsWritesToAnInheritedBlock) {
 // stderr names the block.
 TEST(Shareable, ChildThatCannotCopyABlockCannotWriteTheParents) {
   constexpr size_t kBytes = 64 << 10;
-  auto block = AllocateShareable(kBytes);
-  ASSERT_TRUE(block.ok()) << block.status();
-  auto* bytes = static_cast<unsigned char*>(*block);
-  std::memset(bytes, 'a', kBytes);
+  auto* bytes = ShareableFilledWithA(kBytes);
+  ASSERT_NE(bytes, nullptr);
 
   // The child's stderr goes to a pipe: the fork handler writes there.
   int pipe_fds[2];
