@@ -169,20 +169,14 @@ TEST(ModelAveragingTest, PostLocalSgdInsideAHookGivenDividedGradientsIsRefusedNa
 DDP_TEST_WORKER(post_local_sgd_state_on_two_groups) {
   auto pg = testing::WorkerGroup();
   std::shared_ptr<ProcessGroup> other = pg->NewGroup({0, 1});
-  const auto& data = testing::FashionMnist();
   auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 100});
-  auto first_model = Mlp(7), second_model = Mlp(7);
-  DistributedDataParallel first(first_model, {.process_group = pg});
-  DistributedDataParallel second(second_model, {.process_group = other});
-  first.RegisterCommHook(hooks::PostLocalSgdHook(state));
-  second.RegisterCommHook(hooks::PostLocalSgdHook(state));
-  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
-  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  testing::TwoWrappers wrappers(pg, other, hooks::PostLocalSgdHook(state), hooks::PostLocalSgdHook(state));
+  wrappers.BackwardFirst();
   testing::ExpectRefused(
-      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      pg->rank(), [&] { wrappers.BackwardSecond(); },
       "a second wrapper on another group shared the state",
       {"PostLocalSgdHook (bucket", "PostLocalSgdState already serves another process group"});
-  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  wrappers.BackwardFirst();
   WORKER_EXPECT(state->iteration() == 2, "the first wrapper's iterations: " + std::to_string(state->iteration()));
   return testing::WorkerExit();
 }
@@ -200,17 +194,11 @@ TEST(ModelAveragingTest, APostLocalSgdStateServingOneGroupRefusesASecondWrapperO
 // hook that throws does, so the first wrapper does not go on here.)
 DDP_TEST_WORKER(post_local_sgd_state_on_two_wrappers_of_one_group) {
   auto pg = testing::WorkerGroup();
-  const auto& data = testing::FashionMnist();
   auto state = std::make_shared<PostLocalSgdState>(PostLocalSgdOptions{.start_iteration = 100});
-  auto first_model = Mlp(7), second_model = Mlp(7);
-  DistributedDataParallel first(first_model, {.process_group = pg});
-  DistributedDataParallel second(second_model, {.process_group = pg});
-  first.RegisterCommHook(hooks::PostLocalSgdHook(state));
-  second.RegisterCommHook(hooks::PostLocalSgdHook(state));
-  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
-  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  testing::TwoWrappers wrappers(pg, pg, hooks::PostLocalSgdHook(state), hooks::PostLocalSgdHook(state));
+  wrappers.BackwardFirst();
   testing::ExpectRefused(
-      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      pg->rank(), [&] { wrappers.BackwardSecond(); },
       "a second wrapper on the same group shared the state",
       {"PostLocalSgdState already serves another wrapper on this process group"});
   WORKER_EXPECT(state->iteration() == 1, "iterations counted: " + std::to_string(state->iteration()));

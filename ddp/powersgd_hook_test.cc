@@ -252,20 +252,14 @@ TEST(PowerSgdHookTest, InsideAHookGivenDividedGradientsIsRefusedNamingIt) {
 DDP_TEST_WORKER(state_on_two_groups) {
   auto pg = testing::WorkerGroup();
   std::shared_ptr<ProcessGroup> other = pg->NewGroup({0, 1});
-  const auto& data = testing::FashionMnist();
   auto state = std::make_shared<PowerSgdState>(PowerSgdOptions{.start_iteration = 0});
-  auto first_model = Mlp(7), second_model = Mlp(7);
-  DistributedDataParallel first(first_model, {.process_group = pg});
-  DistributedDataParallel second(second_model, {.process_group = other});
-  first.RegisterCommHook(hooks::PowerSgdHook(state));
-  second.RegisterCommHook(hooks::PowerSgdHook(state));
-  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
-  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  testing::TwoWrappers wrappers(pg, other, hooks::PowerSgdHook(state), hooks::PowerSgdHook(state));
+  wrappers.BackwardFirst();
   testing::ExpectRefused(
-      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      pg->rank(), [&] { wrappers.BackwardSecond(); },
       "a second wrapper on another group shared the state",
       {"PowerSgdState already serves another process group"});
-  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  wrappers.BackwardFirst();
   WORKER_EXPECT(state->iteration() == 2, "the first wrapper's iterations: " + std::to_string(state->iteration()));
   return testing::WorkerExit();
 }
@@ -283,17 +277,11 @@ TEST(PowerSgdHookTest, AStateServingOneGroupRefusesASecondWrapperOnAnother) {
 // hook that throws does, so the first wrapper does not go on here.)
 DDP_TEST_WORKER(state_on_two_wrappers_of_one_group) {
   auto pg = testing::WorkerGroup();
-  const auto& data = testing::FashionMnist();
   auto state = std::make_shared<PowerSgdState>(PowerSgdOptions{.start_iteration = 0});
-  auto first_model = Mlp(7), second_model = Mlp(7);
-  DistributedDataParallel first(first_model, {.process_group = pg});
-  DistributedDataParallel second(second_model, {.process_group = pg});
-  first.RegisterCommHook(hooks::PowerSgdHook(state));
-  second.RegisterCommHook(hooks::PowerSgdHook(state));
-  auto [x, y] = testing::Batch(data, pg->rank() * 8, 8);
-  nn::Backward(nn::loss::CrossEntropy(first(x), y));
+  testing::TwoWrappers wrappers(pg, pg, hooks::PowerSgdHook(state), hooks::PowerSgdHook(state));
+  wrappers.BackwardFirst();
   testing::ExpectRefused(
-      pg->rank(), [&] { nn::Backward(nn::loss::CrossEntropy(second(x), y)); },
+      pg->rank(), [&] { wrappers.BackwardSecond(); },
       "a second wrapper on the same group shared the state",
       {"PowerSgdState already serves another wrapper on this process group"});
   WORKER_EXPECT(state->iteration() == 1, "iterations counted: " + std::to_string(state->iteration()));

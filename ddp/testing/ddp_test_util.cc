@@ -12,6 +12,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
 #include "ddp/distributed_data_parallel.h"
 #include "nn/autograd/engine.h"
@@ -247,10 +248,19 @@ std::string AllOutput(const transport::launch::testing::TestRunResult& run) {
   return out;
 }
 
+namespace {
+
+// The model of OneBackwardGrads and TwoWrappers.
+std::shared_ptr<nn::modules::Module> MlpOfSeven() {
+  nn::Generator gen(7);
+  return nn::modules::MakeMlp(gen);
+}
+
+}  // namespace
+
 std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook) {
   const Data& data = FashionMnist();
-  nn::Generator gen(7);
-  auto model = nn::modules::MakeMlp(gen);
+  auto model = MlpOfSeven();
   DistributedDataParallel ddp(model, {.process_group = pg});
   if (hook) ddp.RegisterCommHook(std::move(hook));
   auto [x, y] = Batch(data, pg->rank() * 8, 8);
@@ -259,6 +269,22 @@ std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGr
   for (const auto& [name, p] : model->NamedParameters()) grads.push_back(p.grad().ToVector<float>());
   return grads;
 }
+
+TwoWrappers::TwoWrappers(const std::shared_ptr<ProcessGroup>& first_group,
+                         const std::shared_ptr<ProcessGroup>& second_group, CommHook first_hook,
+                         CommHook second_hook)
+    : first_model_(MlpOfSeven()),
+      second_model_(MlpOfSeven()),
+      first_(first_model_, {.process_group = first_group}),
+      second_(second_model_, {.process_group = second_group}) {
+  first_.RegisterCommHook(std::move(first_hook));
+  second_.RegisterCommHook(std::move(second_hook));
+  std::tie(x_, y_) = Batch(FashionMnist(), first_group->rank() * 8, 8);
+}
+
+void TwoWrappers::BackwardFirst() { nn::Backward(nn::loss::CrossEntropy(first_(x_), y_)); }
+
+void TwoWrappers::BackwardSecond() { nn::Backward(nn::loss::CrossEntropy(second_(x_), y_)); }
 
 Branchy::Branchy(uint64_t seed, bool use_a) : use_a_(use_a) {
   nn::Generator gen(seed);

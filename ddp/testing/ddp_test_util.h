@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ddp/comm_hooks.h"
+#include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
 #include "nn/modules/layers.h"
 #include "nn/modules/module.h"
@@ -109,6 +110,25 @@ bool SameOnAllRanks(ProcessGroup& pg, uint64_t value);
 /// 7) with `hook` (none when null) on this rank's 8 Fashion-MNIST samples.
 /// Collective.
 std::vector<std::vector<float>> OneBackwardGrads(const std::shared_ptr<ProcessGroup>& pg, CommHook hook);
+
+/// Two DDP wrappers of MakeMlp (seed 7), `first` on `first_group` and
+/// `second` on `second_group`, built in that order (collective on each
+/// group), then given `first_hook` and `second_hook`: for tests of one hook
+/// state that two wrappers share. The samples are the first group's rank's
+/// 8 Fashion-MNIST samples.
+class TwoWrappers {
+ public:
+  TwoWrappers(const std::shared_ptr<ProcessGroup>& first_group, const std::shared_ptr<ProcessGroup>& second_group,
+              CommHook first_hook, CommHook second_hook);
+  /// One backward of the first (second) wrapper on the samples.
+  void BackwardFirst();
+  void BackwardSecond();
+
+ private:
+  std::shared_ptr<nn::modules::Module> first_model_, second_model_;
+  DistributedDataParallel first_, second_;
+  nn::Tensor x_, y_;
+};
 
 /// trunk -> (a when `use_a`, else b), for parameters a rank does not use;
 /// `never` is never used. Input [N, 784] or [N, 1, 28, 28]; output [N, 10].
