@@ -5161,6 +5161,7 @@ TEST(DdpFeaturesTest, TheUnusedParameterWalkCountsAsForwardOnly) {
                                << " us before its forward ends";
   }
   EXPECT_EQ(backwards, 3);
+}
 
 // An earlier run's complete trace that cannot be removed (here a directory
 // by its name; another user's file in a sticky /tmp does the same) is trace
