@@ -2,7 +2,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <future>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -129,6 +131,45 @@ TEST(BarrierTest, PeerInAnotherCollectiveFailsBothRanks) {
   }
 }
 
+// Rank 2 of five runs `odd` (given the tag, call id and deadline; it sets
+// its buffers and count) while the others run a barrier at the same tag
+// and call id: every rank must fail INVALID_ARGUMENT naming `odd_name` and
+// the barrier, within 15 s of a 30 s deadline.
+void ExpectOddRankAmongBarrierRanksFailsEveryRank(
+    const std::function<Status(p2p::PointToPoint&, CollectiveArgs)>& odd,
+    const std::string& odd_name) {
+  constexpr int kWorld = 5;
+  constexpr int kOdd = 2;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  std::vector<Clock::duration> took(kWorld);
+  auto statuses = RunRanks(
+      kWorld,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        CollectiveArgs args;
+        args.tag = CollectiveTag(3);
+        args.call_id = 7;
+        const auto start = Clock::now();
+        args.deadline = start + 30s;
+        Status status;
+        if (p2p.rank() == kOdd) {
+          status = odd(p2p, args);
+        } else {
+          status = Barrier(p2p, args);
+        }
+        took[p2p.rank()] = Clock::now() - start;
+        return status;
+      },
+      options);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": "
+                                                                << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr(odd_name)) << "rank " << r;
+    EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
+    EXPECT_LT(took[r], 15s) << "rank " << r << ": " << statuses[r];
+  }
+}
+
 // One rank of five in a ring all-reduce while the others are in a barrier,
 // nobody killed, with a call id as the communicator passes: every rank
 // fails at once, naming both collectives. The barrier's check stopped only
@@ -137,40 +178,15 @@ TEST(BarrierTest, PeerInAnotherCollectiveFailsBothRanks) {
 // The 30 s deadline and 15 s bound leave room for a loaded host while a
 // rank that waits out its deadline still fails the test.
 TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
-  constexpr int kWorld = 5;
-  constexpr int kOdd = 2;
-  ::ddp::transport::testing::HarnessOptions options;
-  options.kill_on_error = false;
-  std::vector<Clock::duration> took(kWorld);
-  auto statuses = RunRanks(
-      kWorld,
-      [&](p2p::PointToPoint& p2p) -> Status {
+  ExpectOddRankAmongBarrierRanksFailsEveryRank(
+      [](p2p::PointToPoint& p2p, CollectiveArgs args) {
         std::vector<float> in(8, 1.0f), out(8);
-        CollectiveArgs args;
-        args.tag = CollectiveTag(3);
-        args.call_id = 7;
-        const auto start = Clock::now();
-        args.deadline = start + 30s;
-        Status status;
-        if (p2p.rank() == kOdd) {
-          args.send = in.data();
-          args.recv = out.data();
-          args.count = in.size();
-          status = RingAllReduce(p2p, args);
-        } else {
-          status = Barrier(p2p, args);
-        }
-        took[p2p.rank()] = Clock::now() - start;
-        return status;
+        args.send = in.data();
+        args.recv = out.data();
+        args.count = in.size();
+        return RingAllReduce(p2p, args);
       },
-      options);
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": "
-                                                                << statuses[r];
-    EXPECT_THAT(statuses[r].message(), HasSubstr("ring all-reduce")) << "rank " << r;
-    EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
-    EXPECT_LT(took[r], 15s) << "rank " << r << ": " << statuses[r];
-  }
+      "ring all-reduce");
 }
 
 // One rank of five in a broadcast while the others are in a barrier,
@@ -179,40 +195,15 @@ TEST(BarrierTest, ARankInAnotherCollectiveStopsEveryBarrierRank) {
 // later rounds, so it must fail at once rather than wait for them: it
 // waited until its deadline and only then reported the disagreement.
 TEST(BarrierTest, ABroadcastRankAmongBarrierRanksFailsAtOnce) {
-  constexpr int kWorld = 5;
-  constexpr int kOdd = 2;
-  ::ddp::transport::testing::HarnessOptions options;
-  options.kill_on_error = false;
-  std::vector<Clock::duration> took(kWorld);
-  auto statuses = RunRanks(
-      kWorld,
-      [&](p2p::PointToPoint& p2p) -> Status {
+  ExpectOddRankAmongBarrierRanksFailsEveryRank(
+      [](p2p::PointToPoint& p2p, CollectiveArgs args) {
         std::vector<float> data(8, 1.0f);
-        CollectiveArgs args;
-        args.tag = CollectiveTag(3);
-        args.call_id = 7;
-        const auto start = Clock::now();
-        args.deadline = start + 30s;
-        Status status;
-        if (p2p.rank() == kOdd) {
-          args.send = data.data();
-          args.recv = data.data();
-          args.count = data.size();
-          status = Broadcast(p2p, args);
-        } else {
-          status = Barrier(p2p, args);
-        }
-        took[p2p.rank()] = Clock::now() - start;
-        return status;
+        args.send = data.data();
+        args.recv = data.data();
+        args.count = data.size();
+        return Broadcast(p2p, args);
       },
-      options);
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": "
-                                                                << statuses[r];
-    EXPECT_THAT(statuses[r].message(), HasSubstr("broadcast, count 8 of f32")) << "rank " << r;
-    EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
-    EXPECT_LT(took[r], 15s) << "rank " << r << ": " << statuses[r];
-  }
+      "broadcast, count 8 of f32");
 }
 
 // Two barriers at the same tag, as a caller of the algorithm library
