@@ -548,8 +548,9 @@ TEST(TrainResumeTest, CtrlCBetweenLogRowsKeepsTheLossesOfEveryStep) {
   // seen at once): the stop then keeps the save of step 7.
   ASSERT_GE(step, 7);
   ASSERT_LT(step, 96) << "the run was not interrupted in the middle";
-  // One loss per rank and batch of the epoch (2 ranks, no accumulation).
-  EXPECT_EQ(std::stoll(checkpoint.metadata.at("epoch_loss_count")), 2 * batch_in_epoch)
+  // One loss per sample of every rank's batches of the epoch (2 ranks,
+  // full batches of 16, no accumulation).
+  EXPECT_EQ(std::stoll(checkpoint.metadata.at("epoch_loss_count")), 2 * 16 * batch_in_epoch)
       << "stopped at step " << step;
   EXPECT_EQ(LastTrainingRow(log_dir), step) << testing::ReadFile(log_dir + "/metrics.csv");
 }

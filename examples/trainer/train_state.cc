@@ -984,6 +984,7 @@ nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPo
   m["step"] = std::to_string(pos.step);
   m["epoch_loss_sum"] = ExactDouble(pos.epoch_loss_sum);
   m["epoch_loss_count"] = std::to_string(pos.epoch_loss_count);
+  m["epoch_loss_per"] = "sample";
   m["world_size"] = std::to_string(world_size);
   m["batch_size"] = std::to_string(config.batch_size);
   m["grad_accum_steps"] = std::to_string(config.grad_accum_steps);
@@ -1107,6 +1108,16 @@ ResumePlan PlanResume(const std::string& path, const Metadata& m, const std::vec
   } catch (const std::invalid_argument&) {
     throw UsageError("--resume: checkpoint " + path +
                      " has no valid epoch_loss_sum" + kNotThisTrainers);
+  }
+  // An older trainer summed each micro-batch's mean loss and counted
+  // batches. Inside an epoch, where the sum is kept, its batches were
+  // full (only an epoch's last may be short, and its end clears the sum):
+  // times the batch size they are the samples' sum and count, and the
+  // mean is unchanged.
+  if (Get(m, "epoch_loss_per").empty() && pos.epoch_loss_count > 0) {
+    const int64_t batch = MetaInt(m, "batch_size", path);
+    pos.epoch_loss_sum *= static_cast<double>(batch);
+    pos.epoch_loss_count *= batch;
   }
 
   pos.epoch_start = Get(m, "epoch_start").empty() ? 0 : MetaInt(m, "epoch_start", path);

@@ -59,9 +59,10 @@ struct TrainPosition {
   /// (DistributedSampler::set_start).
   int64_t epoch_start = 0;
   int64_t step = 0;            ///< Optimizer steps done since the run began.
-  /// Micro-batch losses of the epoch summed over every rank, and their
-  /// count, as of the last metrics flush (a checkpoint taken on Ctrl-C may
-  /// miss the few steps since then; scheduled ones flush first).
+  /// Sample losses of the epoch summed over every rank (each micro-batch's
+  /// mean times its samples), and the samples, as of the last metrics
+  /// flush (a checkpoint taken on Ctrl-C may miss the few steps since
+  /// then; scheduled ones flush first).
   double epoch_loss_sum = 0;
   int64_t epoch_loss_count = 0;
   /// Not saved: set by LoadTrainCheckpoint to 1 when it moved past an epoch

@@ -85,6 +85,34 @@ TEST(TrainStateTest, RoundTripsModelOptimizerAndPosition) {
   }
 }
 
+// The epoch's loss is kept per sample (each micro-batch's mean times its
+// samples). An older trainer's checkpoint, without epoch_loss_per, counted
+// batches, all full inside an epoch: its sum and count come back times
+// its batch size, so that the steps a resume adds count alike and the mean
+// stays as saved.
+TEST(TrainStateTest, AnOlderCheckpointsEpochLossPerBatchLoadsPerSample) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.lr = 0.1;
+  config.batch_size = 16;
+  nn::Generator g1(1);
+  auto model = nn::modules::MakeMlp(g1);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  TrainPosition pos{.epoch = 1, .batch_in_epoch = 17, .step = 486,
+                    .epoch_loss_sum = 1.0 / 3.0, .epoch_loss_count = 34};
+  const std::string path = Path("older_epoch_loss");
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, pos, config, 2);
+  nn::io::Checkpoint older = nn::io::LoadCheckpoint(path);
+  ASSERT_EQ(older.metadata["epoch_loss_per"], "sample");
+  older.metadata.erase("epoch_loss_per");
+  nn::io::SaveCheckpoint(path, older);
+  std::string note;
+  const TrainPosition back =
+      LoadTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, config, 2, &note);
+  EXPECT_EQ(back.epoch_loss_sum, 16.0 / 3.0);
+  EXPECT_EQ(back.epoch_loss_count, 34 * 16);
+}
+
 // --comm_hook=powersgd: the hook's iteration and Q are saved (not this
 // rank's residuals) and restored, so a resumed run compresses from its
 // first step instead of warming up again; a state for other settings is

@@ -591,7 +591,8 @@ class Run {
   nn::data::DistributedSampler* train_sampler_ = nullptr;  // train_loader_'s
   int64_t steps_this_process_ = 0;
 
-  // Logging stretch (this rank): losses since the last flush.
+  // Logging stretch (this rank): losses since the last flush, each batch's
+  // mean times its samples, and the samples.
   double stretch_loss_sum_ = 0;
   int64_t stretch_loss_count_ = 0;
   double stretch_train_s_ = 0;
@@ -600,7 +601,8 @@ class Run {
   // The learning rate the last TrainStep trained with.
   double last_step_lr_ = NAN;
 
-  // Rank 0's progress display: local running loss of the epoch.
+  // Rank 0's progress display: local running loss of the epoch (weighted
+  // as the stretch's).
   double shown_loss_sum_ = 0;
   int64_t shown_loss_count_ = 0;
   RecentRate rate_;
@@ -1029,11 +1031,14 @@ bool Run::TrainStep(nn::data::DataLoader& loader) {
     }
     const double value = loss.Item();
     par_.Backward(nn::ops::MulScalar(loss, scale / static_cast<double>(group)));
-    stretch_loss_sum_ += value;
-    stretch_loss_count_ += 1;
-    shown_loss_sum_ += value;
-    shown_loss_count_ += 1;
-    samples += static_cast<double>(batch->images.size(0)) * world_;
+    // The batch's mean loss, weighted by its samples: a short last batch
+    // counts for what it holds, as PyTorch's examples average.
+    const int64_t batch_samples = batch->images.size(0);
+    stretch_loss_sum_ += value * static_cast<double>(batch_samples);
+    stretch_loss_count_ += batch_samples;
+    shown_loss_sum_ += value * static_cast<double>(batch_samples);
+    shown_loss_count_ += batch_samples;
+    samples += static_cast<double>(batch_samples) * world_;
   }
   if (scaler_) {
     scaler_->Step(*optimizer_);
