@@ -44,7 +44,7 @@ namespace ddp::examples::trainer {
 struct StepRecord {
   int64_t step = 0;            ///< Optimizer steps done (global, from the run's start).
   int64_t epoch = 0;           ///< 1-based.
-  double loss = 0;             ///< Mean training loss over the stretch, all ranks.
+  double loss = 0;             ///< Mean training loss per sample over the stretch, all ranks.
   double lr = 0;               ///< Learning rate the stretch's last step trained with.
   double samples_per_s = 0;    ///< Global throughput over the stretch.
 };

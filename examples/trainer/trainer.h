@@ -42,7 +42,8 @@ struct RunOptions {
   std::optional<std::chrono::steady_clock::time_point> start_time;
 };
 
-/// What a run achieved (identical on every rank except where noted).
+/// What a run achieved (identical on every rank except where noted: the
+/// timings and communication figures are this rank's own measurements).
 struct RunResult {
   int world_size = 1;
   int64_t steps = 0;             ///< Optimizer steps done, counting resumed ones.
@@ -51,13 +52,14 @@ struct RunResult {
   /// --max_steps), counting a resumed run's earlier part.
   double epochs = 0;
   int64_t measured_steps = 0;    ///< Steps in the throughput figure.
-  /// Global, excluding evaluation, checkpoints and the first 5 steps of
-  /// this process (all steps when there were no more than 5).
+  /// Global (every rank's samples over this rank's training time),
+  /// excluding evaluation, checkpoints and the first 5 steps of this
+  /// process (all steps when there were no more than 5).
   double samples_per_s = 0;
-  double train_loss = 0;         ///< Mean loss of the last (partial) epoch.
+  double train_loss = 0;         ///< Mean loss per sample of the last (partial) epoch, all ranks.
   double test_loss = 0;          ///< Last evaluation.
   double test_acc = 0;           ///< Last evaluation, fraction in [0, 1].
-  double wall_s = 0;
+  double wall_s = 0;             ///< This rank's, from RunOptions::start_time.
   /// The communication figures cover the same steps as samples_per_s
   /// (before, they included the warm-up steps).
   double comm_share = 0;         ///< See CommTotals::CommShare (NaN: no data).
