@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <iterator>
@@ -119,6 +120,44 @@ constexpr uint64_t kMaxPeerMappedBytes = uint64_t{4} << 30;
 constexpr uint64_t kMappingIdleCalls = 1000;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// Bytes of `blocks` blocks of `count` elements of `dtype`, or SIZE_MAX when
+// that is more than an object can hold (more than PTRDIFF_MAX): such a
+// call takes no staged path, and Arrive fails it on every rank
+// (ArgumentsProblem) before anything is copied. Unchecked, a product that
+// wrapped around to a few bytes took the staged path and folded `count`
+// elements far past the staging buffers.
+size_t BytesOf(size_t count, DataType dtype, size_t blocks = 1) {
+  size_t bytes = 0;
+  if (__builtin_mul_overflow(count, DataTypeSize(dtype), &bytes) ||
+      __builtin_mul_overflow(bytes, blocks, &bytes) ||
+      bytes > static_cast<size_t>(PTRDIFF_MAX)) {
+    return SIZE_MAX;
+  }
+  return bytes;
+}
+
+// What is wrong with a call's arguments that every rank compared and found
+// alike (so every rank fails it the same way); empty when nothing is.
+// `blocks`: blocks of `count` elements per buffer (all-to-all, gather,
+// scatter: the group's size). `reduces`: `op` is a ReduceOp.
+std::string ArgumentsProblem(size_t count, DataType dtype, int32_t op, bool reduces,
+                             size_t blocks) {
+  const std::string prefix = "shared-memory call: ";
+  if (DataTypeSize(dtype) == 0) {
+    return prefix + "dtype " + std::to_string(static_cast<int>(dtype)) + " is not a DataType";
+  }
+  if (reduces && (op < static_cast<int32_t>(ReduceOp::kSum) ||
+                  op > static_cast<int32_t>(ReduceOp::kProd))) {
+    return prefix + "op " + std::to_string(op) + " is not a ReduceOp";
+  }
+  if (BytesOf(count, dtype, blocks) == SIZE_MAX) {
+    return prefix + (blocks > 1 ? std::to_string(blocks) + " blocks of " : "") +
+           std::to_string(count) + " elements of " + DataTypeName(dtype) +
+           " overflow the address space";
+  }
+  return "";
+}
 
 // A rank's verdict on its own options in the store (Create) starts with
 // this mark when it refused them, followed by its error message.
@@ -817,14 +856,25 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.root = root;
   // Staged calls never copy with a peer's buffers: no lookup (a lock) for
   // them. Without a region peers use CMA, so skipping is always safe.
-  const size_t bytes = count * DataTypeSize(dtype);
-  args.src_region = direct ? FindShareable(send, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
-  args.dst_region = direct ? FindShareable(recv, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
+  const size_t bytes = BytesOf(count, dtype);
+  const bool lookup = direct && bytes != SIZE_MAX;
+  args.src_region = lookup ? FindShareable(send, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
+  args.dst_region = lookup ? FindShareable(recv, bytes).value_or(ShareableRegion{}) : ShareableRegion{};
   args.freed = ShareableFreedCount();
   Publish(&Control::arrived, s);
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
   DDP_RETURN_IF_ERROR(UnclaimedFailure(s, wait_for));
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));
+  // Checked once the ranks agree on them, so that every rank fails alike
+  // (one rank refusing alone would leave its peers waiting for it).
+  const bool blocks = kind == Kind::kAllToAll || kind == Kind::kGather || kind == Kind::kScatter;
+  const bool reduces = kind == Kind::kAllReduce || kind == Kind::kThrough ||
+                       kind == Kind::kApply || kind == Kind::kReduce;
+  if (const std::string problem = ArgumentsProblem(
+          count, dtype, op, reduces, blocks ? static_cast<size_t>(options_.size) : 1);
+      !problem.empty()) {
+    return InvalidArgumentError(problem);
+  }
   ForgetFreedRegions(s, wait_for);
   return s;
 }
@@ -891,7 +941,7 @@ Status ShmAllReduce::AllReduce(const void* send, void* recv, size_t count, DataT
                                const std::function<Status(Deadline, int)>& watchdog,
                                std::optional<ReduceOp> checked_op) {
   return InCall(deadline, watchdog, [&]() -> Status {
-    const size_t bytes = count * DataTypeSize(dtype);
+    const size_t bytes = BytesOf(count, dtype);
     const bool staged = bytes <= options_.staging_bytes;
     // The staging buffer of call s is written before the call is announced.
     if (staged && bytes > 0) std::memcpy(staging(options_.rank, sequence_ + 1), send, bytes);
@@ -1214,7 +1264,7 @@ Status ShmAllReduce::Broadcast(void* buffer, size_t count, DataType dtype, int r
                                 " is not a rank of a group of " + std::to_string(options_.size));
   }
   return InCall(deadline, watchdog, [&]() -> Status {
-    const size_t bytes = count * DataTypeSize(dtype);
+    const size_t bytes = BytesOf(count, dtype);
     const bool staged = bytes <= options_.staging_bytes;
     const bool is_root = options_.rank == root;
     if (staged && is_root && bytes > 0) std::memcpy(staging(root, sequence_ + 1), buffer, bytes);
@@ -1253,8 +1303,8 @@ Status ShmAllReduce::AllToAll(const void* send, void* recv, size_t count, DataTy
                               Deadline deadline,
                               const std::function<Status(Deadline, int)>& watchdog) {
   return InCall(deadline, watchdog, [&]() -> Status {
-    const size_t block = count * DataTypeSize(dtype);
-    const bool staged = block * options_.size <= options_.staging_bytes;
+    const size_t block = count * DataTypeSize(dtype);  // used once Arrive checked it
+    const bool staged = BytesOf(count, dtype, options_.size) <= options_.staging_bytes;
     if (staged && block > 0) {
       std::memcpy(staging(options_.rank, sequence_ + 1), send, block * options_.size);
     }
@@ -1306,7 +1356,7 @@ Status ShmAllReduce::Reduce(const void* send, void* recv, size_t count, DataType
                             std::optional<ReduceOp> checked_op) {
   DDP_RETURN_IF_ERROR(CheckRoot("reduce", root));
   return InCall(deadline, watchdog, [&]() -> Status {
-    const size_t bytes = count * DataTypeSize(dtype);
+    const size_t bytes = BytesOf(count, dtype);
     const bool staged = bytes <= rooted_staging_bytes();
     const bool is_root = options_.rank == root;
     // The root folds its own input from where it is.
@@ -1342,8 +1392,8 @@ Status ShmAllReduce::Gather(const void* send, void* recv, size_t count, DataType
                             const std::function<Status(Deadline, int)>& watchdog) {
   DDP_RETURN_IF_ERROR(CheckRoot("gather", root));
   return InCall(deadline, watchdog, [&]() -> Status {
-    const size_t block = count * DataTypeSize(dtype);
-    const bool staged = block * options_.size <= rooted_staging_bytes();
+    const size_t block = count * DataTypeSize(dtype);  // used once Arrive checked it
+    const bool staged = BytesOf(count, dtype, options_.size) <= rooted_staging_bytes();
     const int me = options_.rank;
     const bool is_root = me == root;
     if (staged && !is_root && block > 0) std::memcpy(staging(me, sequence_ + 1), send, block);
@@ -1388,8 +1438,8 @@ Status ShmAllReduce::Scatter(const void* send, void* recv, size_t count, DataTyp
                              const std::function<Status(Deadline, int)>& watchdog) {
   DDP_RETURN_IF_ERROR(CheckRoot("scatter", root));
   return InCall(deadline, watchdog, [&]() -> Status {
-    const size_t block = count * DataTypeSize(dtype);
-    const bool staged = block * options_.size <= rooted_staging_bytes();
+    const size_t block = count * DataTypeSize(dtype);  // used once Arrive checked it
+    const bool staged = BytesOf(count, dtype, options_.size) <= rooted_staging_bytes();
     const int me = options_.rank;
     const bool is_root = me == root;
     if (staged && is_root && block > 0) {

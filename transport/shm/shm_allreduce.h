@@ -27,7 +27,9 @@
 // Protocol (per call, sequence number s, the same on every rank):
 //   1. (staging) copy the input to staging buffer s % 2;
 //      publish args[s % 2] (addresses, count, dtype, op); arrived = s
-//   2. wait until every rank arrived; counts, dtypes and ops must agree
+//   2. wait until every rank arrived; counts, dtypes and ops must agree,
+//      and be valid (a dtype or op outside its enum, or a count whose bytes
+//      overflow size_t, fails with INVALID_ARGUMENT on every rank)
 //   3. staging: fold every staged input, in rank order; done.
 //      direct: per chunk of own slice, fold every rank's input, write the
 //      result into every rank's output; finished = s; wait until every rank

@@ -816,6 +816,58 @@ TEST(ShmAllReduce, MismatchedCountsFailOnEveryRank) {
   });
 }
 
+// Counts whose bytes overflow size_t, and dtype or op values outside their
+// enums, fail on every rank with INVALID_ARGUMENT naming the value, and the
+// group goes on. (A count whose bytes wrapped around to a few took the
+// staged path and folded far past the staging buffers; a bad dtype counted
+// zero bytes and returned OK with the output untouched; a bad op aborted.)
+TEST(ShmAllReduce, CountsDtypesAndOpsOutsideTheirRangeAreRefusedOnEveryRank) {
+  auto group = MakeGroup(2, 4096, 1024);
+  // 4 * (2^62 + 1) wraps to 4 bytes; 2 ranks * 4 * (2^61 + 1) to 8.
+  const size_t wraps = (size_t{1} << 62) + 1;
+  const size_t wraps_twice = (size_t{1} << 61) + 1;
+  RunRanks(2, [&](int r) {
+    std::vector<float> send(64, 1.0f), recv(64, 0.0f);
+    const Deadline deadline = DeadlineIn(milliseconds(5000));
+    auto expect_refused = [&](const Status& s, const std::string& named, const char* call) {
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << call << ": " << s;
+      EXPECT_NE(s.message().find(named), std::string::npos) << call << ": " << s;
+    };
+    const std::string overflow = std::to_string(wraps) + " elements of f32";
+    expect_refused(group[r]->AllReduce(send.data(), recv.data(), wraps, DataType::kF32,
+                                       ReduceOp::kSum, deadline, nullptr),
+                   overflow, "all-reduce");
+    expect_refused(group[r]->Reduce(send.data(), recv.data(), wraps, DataType::kF32,
+                                    ReduceOp::kSum, 0, deadline, nullptr),
+                   overflow, "reduce");
+    expect_refused(group[r]->Broadcast(recv.data(), wraps, DataType::kF32, 0, deadline, nullptr),
+                   overflow, "broadcast");
+    const std::string blocks = "2 blocks of " + std::to_string(wraps_twice) + " elements of f32";
+    expect_refused(group[r]->AllToAll(send.data(), recv.data(), wraps_twice, DataType::kF32,
+                                      deadline, nullptr),
+                   blocks, "all-to-all");
+    expect_refused(group[r]->Gather(send.data(), recv.data(), wraps_twice, DataType::kF32, 0,
+                                    deadline, nullptr),
+                   blocks, "gather");
+    expect_refused(group[r]->Scatter(send.data(), recv.data(), wraps_twice, DataType::kF32, 0,
+                                     deadline, nullptr),
+                   blocks, "scatter");
+    expect_refused(group[r]->AllReduce(send.data(), recv.data(), 4, static_cast<DataType>(42),
+                                       ReduceOp::kSum, deadline, nullptr),
+                   "dtype 42", "all-reduce");
+    expect_refused(group[r]->AllReduce(send.data(), recv.data(), 4, DataType::kF32,
+                                       static_cast<ReduceOp>(17), deadline, nullptr),
+                   "op 17", "all-reduce");
+    // Nothing was left half-done: the next call pairs up and is right.
+    std::vector<int32_t> v(100);
+    FillInput(DataType::kI32, v.data(), v.size(), r, ReduceOp::kSum);
+    Status s = group[r]->AllReduce(v.data(), v.data(), v.size(), DataType::kI32, ReduceOp::kSum,
+                                   deadline, nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(CountWrong(DataType::kI32, v.data(), v.size(), 2, ReduceOp::kSum), 0u);
+  });
+}
+
 TEST(ShmAllReduce, AbsentPeerTimesOutNamingIt) {
   auto group = MakeGroup(3, 4096, 1024);
   // Rank 2 never calls.
