@@ -95,6 +95,9 @@ constexpr size_t kPage = 4096;
 constexpr size_t kHeader = 128;  // sizeof(Shared), rounded to its alignment
 constexpr size_t kStagingCapacity = 1 << 20;
 constexpr size_t kMostStagingBytes = size_t{1} << 30;
+// Each rank allocates a landing buffer of this many bytes; more per CMA read
+// gains nothing (the communicator's DDP_SHM_CHUNK_BYTES has the same bound).
+constexpr size_t kMostChunkBytes = size_t{1} << 30;
 // A barrier's count: none other can have it.
 constexpr uint64_t kBarrierCount = ~uint64_t{0};
 constexpr uint64_t kProbeValue = 0x6464702d636d6121ull;
@@ -205,6 +208,16 @@ std::string OptionsProblem(const ShmOptions& options) {
     return who + "staging_bytes (DDP_SHM_STAGING_BYTES) of " +
            std::to_string(options.staging_bytes) + " is more than the most, " +
            std::to_string(kMostStagingBytes);
+  }
+  if (options.chunk_bytes > kMostChunkBytes) {
+    return who + "chunk_bytes (DDP_SHM_CHUNK_BYTES) of " + std::to_string(options.chunk_bytes) +
+           " is more than the most, " + std::to_string(kMostChunkBytes);
+  }
+  // A wait sleeps this long at most between looks at the deadline and the
+  // watchdog: zero or less made it poll the futex without sleeping.
+  if (options.watchdog_period <= std::chrono::milliseconds(0)) {
+    return who + "watchdog_period of " + std::to_string(options.watchdog_period.count()) +
+           " ms is not positive";
   }
   return "";
 }

@@ -155,7 +155,8 @@ class ShmAllReduce {
   /// UNAVAILABLE, on every rank alike, when a rank cannot create or map
   /// the segment or CMA is not permitted between the ranks (the caller then
   /// uses UCX alone). Options are checked first, on every rank: when one
-  /// rank's are bad (its size, rank, pids, names or staging_bytes), every
+  /// rank's are bad (its size, rank, pids, names, staging_bytes,
+  /// chunk_bytes or watchdog_period), every
   /// rank fails with its INVALID_ARGUMENT, which names that rank and the
   /// option, once the ranks have posted their verdicts (not at the
   /// deadline); so does a disagreement on the group's size.

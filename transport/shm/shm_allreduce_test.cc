@@ -1753,6 +1753,17 @@ TEST(ShmAllReduce, ABadOptionOfOneRankFailsCreationOnEveryRankAtOnce) {
          return "rank " + std::to_string(10 + b) + ": staging_bytes (DDP_SHM_STAGING_BYTES) of " +
                 std::to_string(size_t{1} << 62) + " is more than the most";
        }},
+      // Each rank allocated a buffer of rank 0's chunk_bytes: std::length_error.
+      {"chunk_bytes", [](ShmOptions& o) { o.chunk_bytes = SIZE_MAX; },
+       [](int b) {
+         return "rank " + std::to_string(10 + b) + ": chunk_bytes (DDP_SHM_CHUNK_BYTES) of " +
+                std::to_string(SIZE_MAX) + " is more than the most";
+       }},
+      // Waits slept for no time between polls: a spin with a system call.
+      {"watchdog_period", [](ShmOptions& o) { o.watchdog_period = milliseconds(0); },
+       [](int b) {
+         return "rank " + std::to_string(10 + b) + ": watchdog_period of 0 ms is not positive";
+       }},
   };
   for (int n : {2, 3, 4}) {
     for (const Bad& bad : bads) {
