@@ -70,6 +70,11 @@ struct alignas(128) ShmAllReduce::Control {
     int32_t op;
     int32_t kind;     // ShmAllReduce::Kind (op holds the root of a broadcast)
     int32_t root;     // reduce, gather, scatter; -1 otherwise
+    // 1: the call copies with peers' buffers, 0: through the staging
+    // buffers. Alike on every rank unless their staging limits differ
+    // (set_staging_bytes), which must fail the call: a staged rank would
+    // fold a staging buffer its direct peer never filled.
+    int32_t direct;
     // The shareable memory (shareable.h) holding src and dst, id 0 when
     // the buffer lies in none: peers then copy with it by mapping that
     // memory instead of by cross-memory attach.
@@ -867,6 +872,7 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   args.op = op;
   args.kind = static_cast<int32_t>(kind);
   args.root = root;
+  args.direct = direct ? 1 : 0;
   // Staged calls never copy with a peer's buffers: no lookup (a lock) for
   // them. Without a region peers use CMA, so skipping is always safe.
   const size_t bytes = BytesOf(count, dtype);
@@ -878,6 +884,20 @@ StatusOr<uint64_t> ShmAllReduce::Arrive(const void* send, void* recv, size_t cou
   DDP_RETURN_IF_ERROR(WaitFor(&Control::arrived, s, wait_for, deadline, watchdog, "arrive"));
   DDP_RETURN_IF_ERROR(UnclaimedFailure(s, wait_for));
   DDP_RETURN_IF_ERROR(CheckAgreement(s, count, dtype, op, kind, root, wait_for));
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (wait_for >= 0 && peer != wait_for) continue;
+    if (control(peer).args[s % 2].direct == args.direct) continue;
+    const int first = std::min(peer, options_.rank);
+    const int second = std::max(peer, options_.rank);
+    auto path = [&](int rank) {
+      return control(rank).args[s % 2].direct != 0 ? "direct" : "staged";
+    };
+    return InvalidArgumentError(
+        "shared-memory call of " + std::to_string(count) + " elements of " + DataTypeName(dtype) +
+        ": " + RankName(first) + " takes the " + path(first) + " path, " + RankName(second) +
+        " the " + path(second) +
+        " path: their staging limits differ (set_staging_bytes must be alike on every rank)");
+  }
   // Checked once the ranks agree on them, so that every rank fails alike
   // (one rank refusing alone would leave its peers waiting for it).
   const bool blocks = kind == Kind::kAllToAll || kind == Kind::kGather || kind == Kind::kScatter;

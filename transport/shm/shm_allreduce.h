@@ -279,7 +279,9 @@ class ShmAllReduce {
                     staging_capacity_ / 2);
   }
   /// The staging limit from the next call on (at most half a rank's
-  /// staging area). Every rank must set the same between the same calls.
+  /// staging area). Every rank must set the same between the same calls:
+  /// a call that the limits send down different paths on different ranks
+  /// fails with INVALID_ARGUMENT on every rank.
   void set_staging_bytes(size_t bytes);
   void set_yield_when_idle(bool yield) { options_.yield_when_idle = yield; }
   size_t max_staging_bytes() const { return staging_capacity_; }

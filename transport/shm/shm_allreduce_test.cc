@@ -868,6 +868,39 @@ TEST(ShmAllReduce, CountsDtypesAndOpsOutsideTheirRangeAreRefusedOnEveryRank) {
   });
 }
 
+// Ranks whose staging limits differ (set_staging_bytes on one rank only)
+// take different paths for the same call: each fails, naming both paths,
+// instead of a staged rank folding a staging buffer its direct peer never
+// filled and returning while that peer still writes into its output.
+TEST(ShmAllReduce, RanksOnDifferentPathsFailInsteadOfMixingThem) {
+  auto group = MakeGroup(2, 4096, 1024);
+  group[0]->set_staging_bytes(64);
+  RunRanks(2, [&](int r) {
+    const Deadline deadline = DeadlineIn(milliseconds(5000));
+    std::vector<int32_t> v(500);  // 2000 bytes: direct on rank 0, staged on rank 1
+    FillInput(DataType::kI32, v.data(), v.size(), r, ReduceOp::kSum);
+    Status s = group[r]->AllReduce(v.data(), v.data(), v.size(), DataType::kI32, ReduceOp::kSum,
+                                   deadline, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << r << ": " << s;
+    EXPECT_NE(s.message().find("rank 0 takes the direct path"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("rank 1 the staged path"), std::string::npos) << s;
+    s = group[r]->Broadcast(v.data(), v.size(), DataType::kI32, 1, deadline, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << r << ": " << s;
+  });
+  // With the limits alike again the group goes on, on either path.
+  group[0]->set_staging_bytes(4096);
+  RunRanks(2, [&](int r) {
+    for (size_t count : {size_t{500}, size_t{5000}}) {
+      std::vector<int32_t> v(count);
+      FillInput(DataType::kI32, v.data(), v.size(), r, ReduceOp::kSum);
+      Status s = group[r]->AllReduce(v.data(), v.data(), v.size(), DataType::kI32, ReduceOp::kSum,
+                                     DeadlineIn(milliseconds(5000)), nullptr);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(CountWrong(DataType::kI32, v.data(), v.size(), 2, ReduceOp::kSum), 0u) << count;
+    }
+  });
+}
+
 TEST(ShmAllReduce, AbsentPeerTimesOutNamingIt) {
   auto group = MakeGroup(3, 4096, 1024);
   // Rank 2 never calls.
