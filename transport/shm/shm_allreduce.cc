@@ -767,6 +767,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
     if (peer == options_.rank || (only >= 0 && peer != only)) continue;
     const std::atomic<uint64_t>& counter = control(peer).*field;
     uint32_t spins = 0;
+    Clock::time_point next_exit_check = started + kWatchdogAfter;
     while (counter.load(std::memory_order_acquire) < value) {
       tally.waited = true;
       if ((++spins & 63) != 0) {
@@ -798,6 +799,18 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       if (waited < std::chrono::milliseconds(1)) {
         sched_yield();
         continue;
+      }
+      // A peer whose process exited will never publish: PEER_LOST now, not
+      // TIMED_OUT at the deadline, with or without a watchdog. Its pidfd
+      // (one poll) is looked at once per period while the wait sleeps; the
+      // counter once more first, as a peer that published and then exited
+      // did its part.
+      if (peer_pidfds_[peer] >= 0 && now >= next_exit_check) {
+        next_exit_check = now + options_.watchdog_period;
+        if (PeerExitsWithin(peer, std::chrono::milliseconds(0))) {
+          if (counter.load(std::memory_order_acquire) >= value) break;
+          return PeerExited(peer);
+        }
       }
       const uint32_t seen = shared_area.word.load(std::memory_order_acquire);
       shared_area.sleepers.fetch_add(1, std::memory_order_seq_cst);

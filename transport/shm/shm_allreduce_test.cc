@@ -1134,6 +1134,25 @@ PairWithDeadPeer MakePairWithDeadPeer(const std::string& key_prefix) {
   return pair;
 }
 
+// A peer whose process exited while the others wait for it fails the wait
+// with PEER_LOST naming it, soon, also where the caller passed no watchdog:
+// the wait looks at the peer's pidfd while it sleeps. (It waited until its
+// deadline and then reported TIMED_OUT.)
+TEST(ShmAllReduce, AWaitForAPeerWhoseProcessExitedEndsWithoutAWatchdog) {
+  PairWithDeadPeer pair = MakePairWithDeadPeer("exited/");
+  ASSERT_GE(pair.peer, 0) << "fork: " << std::strerror(errno);
+  ASSERT_NE(pair.group[0], nullptr);
+  float x = 1.0f;
+  const auto start = Clock::now();
+  Status s = pair.group[0]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum,
+                                      DeadlineIn(milliseconds(5000)), nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 1 (pid " + std::to_string(pair.peer) + ") exited"),
+            std::string::npos)
+      << s;
+  EXPECT_LT(Clock::now() - start, milliseconds(2000));
+}
+
 // Starts a copy of this process under the pid `pid` (clone3's set_tid; root
 // may choose a free pid) that runs `body`, then waits to be killed. Returns
 // the copy's pid, or -1 with errno kept from clone3 (EEXIST: the pid is
