@@ -1656,8 +1656,11 @@ TEST(ShmAllReduce, WaitCompletesWhenTheGonePeerHadPublished) {
   float x = 1;
   float y = 2;
   std::thread peer;
-  // Rank 1's own watchdog runs only while it waits for rank 0, so after it
-  // arrived (published its part).
+  // Rank 1 has arrived (published its part) once its own watchdog runs,
+  // which happens only while it waits for rank 0, or once its call
+  // returned (rank 0 is there already, so it need not wait: the flag used
+  // to be set by the watchdog alone, and the test waited out AwaitFlag's
+  // 10 s).
   std::atomic<bool> peer_arrived{false};
   Status s = group[0]->AllReduce(
       &x, &x, 1, DataType::kF32, ReduceOp::kSum, DeadlineIn(milliseconds(10000)),
@@ -1671,6 +1674,7 @@ TEST(ShmAllReduce, WaitCompletesWhenTheGonePeerHadPublished) {
                                               return Status::Ok();
                                             })
                             .ok());
+            peer_arrived = true;
           });
           AwaitFlag(peer_arrived);  // it arrives meanwhile
         }
