@@ -230,13 +230,18 @@ class ShmAllReduce {
   /// buffer = root's buffer, on every rank of the group (small buffers
   /// through the root's staging buffer, larger ones read from the root's
   /// memory with CMA). Every rank of the group calls it where the others
-  /// do; differing counts, dtypes or roots fail on every rank.
+  /// do; differing counts, dtypes or roots fail on every rank. A root
+  /// outside the group fails at once on the rank that passed it, which
+  /// publishes nothing: a peer that passed a valid root waits for it until
+  /// its deadline.
   Status Broadcast(void* buffer, size_t count, DataType dtype, int root, Deadline deadline,
                    const std::function<Status(Deadline, int)>& watchdog);
 
-  /// recv[q * count + i] = rank q's send[rank * count + i]: each rank reads
-  /// its block of every peer's send buffer with CMA (one copy, no staging);
-  /// send and recv hold size * count elements and must not overlap. Every
+  /// recv[q * count + i] = rank q's send[rank * count + i]: up to the
+  /// staging limit (size * count elements in all) through the staging
+  /// buffers, larger ones with each rank reading its block of every peer's
+  /// send buffer with CMA (one copy); send and recv hold size * count
+  /// elements and must not overlap (unchecked). Every
   /// rank of the group calls it where the others do; differing counts or
   /// dtypes fail on every rank.
   Status AllToAll(const void* send, void* recv, size_t count, DataType dtype, Deadline deadline,
@@ -246,8 +251,12 @@ class ShmAllReduce {
   /// the root it may equal send). Small vectors through the staging
   /// buffers (the root folds them); larger ones as AllReduce's direct path,
   /// each rank folding its slice and writing it into the root's output
-  /// only. Every rank of the group calls it where the others do; differing
-  /// counts, dtypes, ops or roots fail on every rank.
+  /// only. Every rank of the group calls it where the others do. Differing
+  /// counts, dtypes, ops or roots fail on the root and on every rank that
+  /// differs from it; on the direct path on every rank, but staged a rank
+  /// that agrees with the root compares with it alone and may return OK.
+  /// A root outside the group fails at once on the rank that passed it,
+  /// which publishes nothing (its peers wait for it until their deadline).
   Status Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                 int root, Deadline deadline,
                 const std::function<Status(Deadline, int)>& watchdog,
@@ -263,7 +272,8 @@ class ShmAllReduce {
   /// Rank q's recv[i] = root's send[q * count + i] (send ignored elsewhere;
   /// on the root recv may be send + root * count). Small buffers through
   /// the root's staging buffer, larger ones read by each rank from the
-  /// root's input with CMA. Disagreements fail as for Reduce.
+  /// root's input with CMA. Disagreements fail as for Reduce, except that
+  /// the other ranks compare with the root alone on either path.
   Status Scatter(const void* send, void* recv, size_t count, DataType dtype, int root,
                  Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
