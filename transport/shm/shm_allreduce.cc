@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -128,6 +130,20 @@ constexpr uint64_t kMaxPeerMappedBytes = uint64_t{4} << 30;
 constexpr uint64_t kMappingIdleCalls = 1000;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// Forks this process descends from since the first engine was made here,
+// counted by a pthread_atfork child handler: an engine that finds more
+// than when it was made runs in a forked child, whose mapping of the
+// segment is still the parent's (MAP_SHARED), so a call would publish as
+// the parent's rank and pair with the parent's peers. One relaxed load per
+// call, where getpid() would be a system call.
+std::atomic<uint64_t> forks_seen{0};
+void CountForkInChild() { forks_seen.fetch_add(1, std::memory_order_relaxed); }
+uint64_t ForksSeen() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &CountForkInChild); });
+  return forks_seen.load(std::memory_order_relaxed);
+}
 
 // Bytes of `blocks` blocks of `count` elements of `dtype`, or SIZE_MAX when
 // that is more than an object can hold (more than PTRDIFF_MAX): such a
@@ -309,6 +325,8 @@ char* ShmAllReduce::staging(int rank, uint64_t call) const {
 ShmAllReduce::ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& options,
                            size_t staging_capacity)
     : segment_(std::move(segment)), options_(options), staging_capacity_(staging_capacity) {
+  owner_pid_ = static_cast<int>(getpid());
+  forks_at_creation_ = ForksSeen();
   chunk_.resize(std::max<size_t>(options_.chunk_bytes, kPage));
   peer_mappings_.resize(static_cast<size_t>(options_.size));
   // A pidfd stays with the process it was opened on: once a peer died and
@@ -970,6 +988,13 @@ Status ShmAllReduce::FailUnclaimed(Status error) {
 template <typename Body>
 Status ShmAllReduce::InCall(Deadline deadline,
                             const std::function<Status(Deadline, int)>& watchdog, Body body) {
+  if (forks_seen.load(std::memory_order_relaxed) != forks_at_creation_) {
+    return FailedPreconditionError(
+        "shared-memory group of pid " + std::to_string(owner_pid_) + " used in a forked child (pid " +
+        std::to_string(getpid()) + "): its mailbox and staging buffers are the parent's, and a "
+        "call here would take part in the parent's collectives (a forked child needs a group "
+        "of its own, made in it)");
+  }
   if (!unusable_.ok()) {
     return FailedPreconditionError("the shared-memory engine is unusable: " + unusable_.message());
   }

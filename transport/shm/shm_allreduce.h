@@ -162,6 +162,8 @@ class ShmAllReduce {
   /// rank fails with its INVALID_ARGUMENT, which names that rank and the
   /// option, once the ranks have posted their verdicts (not at the
   /// deadline); so does a disagreement on the group's size.
+  /// The collectives below fail with FAILED_PRECONDITION in a child made
+  /// by fork() after this: its mapping of the segment is the parent's.
   static StatusOr<std::unique_ptr<ShmAllReduce>> Create(store::Store& store,
                                                         const std::string& key_prefix,
                                                         const ShmOptions& options,
@@ -446,6 +448,10 @@ class ShmAllReduce {
   // Set once a call failed before it began (FailUnclaimed): later calls
   // fail with FAILED_PRECONDITION naming it.
   Status unusable_;
+  // This process's pid and fork count (ForksSeen in the .cc) when the
+  // engine was made: a forked child, whose count differs, may not call.
+  int owner_pid_ = 0;
+  uint64_t forks_at_creation_ = 0;
   Clock::time_point next_watchdog_{};  // when a wait next runs the watchdog
   std::vector<char> chunk_;  // CMA landing buffer, reused across calls
   std::vector<char> folded_;  // a reduce's folded chunk on its way to the root

@@ -1134,6 +1134,42 @@ PairWithDeadPeer MakePairWithDeadPeer(const std::string& key_prefix) {
   return pair;
 }
 
+// A child made by fork() inherits the engine, whose mailbox and staging
+// buffers are the parent's shared memory: a call there published as the
+// parent's rank (peers would pair with it) and returned OK. Now every
+// collective fails there with FAILED_PRECONDITION, and the parent's
+// engine goes on as before.
+TEST(ShmAllReduce, AForkedChildCannotUseItsParentsEngine) {
+  auto group = MakeGroup(1, 4096, 1024);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << "fork: " << std::strerror(errno);
+  if (child == 0) {
+    float x = 1.0f;
+    const Deadline deadline = DeadlineIn(milliseconds(1000));
+    int wrong = 0;
+    for (const Status& s :
+         {group[0]->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum, deadline, nullptr),
+          group[0]->Broadcast(&x, 1, DataType::kF32, 0, deadline, nullptr),
+          group[0]->Barrier(deadline, nullptr)}) {
+      if (s.code() != StatusCode::kFailedPrecondition ||
+          s.message().find("forked child") == std::string::npos) {
+        std::fprintf(stderr, "in the child: %s\n", s.ToString().c_str());
+        ++wrong;
+      }
+    }
+    _exit(wrong == 0 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  std::vector<int32_t> v(100);
+  FillInput(DataType::kI32, v.data(), v.size(), 0, ReduceOp::kSum);
+  Status s = group[0]->AllReduce(v.data(), v.data(), v.size(), DataType::kI32, ReduceOp::kSum,
+                                 DeadlineIn(milliseconds(1000)), nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(CountWrong(DataType::kI32, v.data(), v.size(), 1, ReduceOp::kSum), 0u);
+}
+
 // A peer whose process exited while the others wait for it fails the wait
 // with PEER_LOST naming it, soon, also where the caller passed no watchdog:
 // the wait looks at the peer's pidfd while it sleeps. (It waited until its
