@@ -818,12 +818,14 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
         sched_yield();
         continue;
       }
-      // A peer whose process exited will never publish: PEER_LOST now, not
-      // TIMED_OUT at the deadline, with or without a watchdog. Its pidfd
-      // (one poll) is looked at once per period while the wait sleeps; the
-      // counter once more first, as a peer that published and then exited
-      // did its part.
-      if (peer_pidfds_[peer] >= 0 && now >= next_exit_check) {
+      // Without a watchdog, a peer whose process exited held the wait until
+      // its deadline (TIMED_OUT): its pidfd (one poll) is looked at once
+      // per period while the wait sleeps, and its exit is PEER_LOST; the
+      // counter is read once more first, as a peer that published and then
+      // exited did its part. A watchdog alone decides otherwise: it may
+      // know why the peer left (the communicator's names the reason a peer
+      // posted before it exited, where this would only say it exited).
+      if (!watchdog && peer_pidfds_[peer] >= 0 && now >= next_exit_check) {
         next_exit_check = now + options_.watchdog_period;
         if (PeerExitsWithin(peer, std::chrono::milliseconds(0))) {
           if (counter.load(std::memory_order_acquire) >= value) break;

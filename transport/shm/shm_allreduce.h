@@ -84,9 +84,9 @@
 // Every wait has a deadline and runs the watchdog about every 100 ms,
 // telling it which rank the wait needs (it fails the wait when that rank is
 // gone; the counter is read once more first, as a rank that published and
-// then exited did its part). A wait that sleeps also looks at the awaited
-// peer's pidfd as often, so a peer whose process exited fails it with
-// PEER_LOST also where the caller passed no watchdog.
+// then exited did its part). Where the caller passed no watchdog, a wait
+// that sleeps looks at the awaited peer's pidfd as often instead, so a
+// peer whose process exited fails it with PEER_LOST, not at the deadline.
 
 #include <algorithm>
 #include <atomic>

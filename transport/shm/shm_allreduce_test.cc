@@ -1189,6 +1189,26 @@ TEST(ShmAllReduce, AWaitForAPeerWhoseProcessExitedEndsWithoutAWatchdog) {
   EXPECT_LT(Clock::now() - start, milliseconds(2000));
 }
 
+// With a watchdog, the watchdog alone judges a peer that exited: it may
+// know why the peer left (the communicator's reads the reason a peer
+// posted before exiting, and waits out a store hiccup before it calls a
+// peer lost). Here it has no news at its first look and the reason at the
+// next: the wait ends with the reason, not with the bare exit.
+TEST(ShmAllReduce, AWatchdogsVerdictOnAnExitedPeerIsKept) {
+  PairWithDeadPeer pair = MakePairWithDeadPeer("verdict/");
+  ASSERT_GE(pair.peer, 0) << "fork: " << std::strerror(errno);
+  ASSERT_NE(pair.group[0], nullptr);
+  int looks = 0;
+  float x = 1.0f;
+  Status s = pair.group[0]->AllReduce(
+      &x, &x, 1, DataType::kF32, ReduceOp::kSum, DeadlineIn(milliseconds(5000)),
+      [&](Deadline, int) {
+        return ++looks == 1 ? Status::Ok() : AbortedError("rank 1 posted: out of memory");
+      });
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+  EXPECT_EQ(s.message(), "rank 1 posted: out of memory");
+}
+
 // Starts a copy of this process under the pid `pid` (clone3's set_tid; root
 // may choose a free pid) that runs `body`, then waits to be killed. Returns
 // the copy's pid, or -1 with errno kept from clone3 (EEXIST: the pid is
