@@ -215,6 +215,13 @@ std::string OptionsProblem(const ShmOptions& options) {
     return who + std::to_string(options.pids.size()) + " pids for a group of " +
            std::to_string(options.size);
   }
+  for (int q = 0; q < options.size; ++q) {
+    const int pid = options.pids[static_cast<size_t>(q)];
+    if (pid <= 0) {
+      return who + "pids holds " + std::to_string(pid) + " for " + NameOf(options, q) +
+             ", which is not a process id";
+    }
+  }
   // Names only go into messages, but a short list named some ranks by
   // their job rank and the rest by their group rank, so an error could
   // blame the wrong process.

@@ -1865,6 +1865,13 @@ TEST(ShmAllReduce, ABadOptionOfOneRankFailsCreationOnEveryRankAtOnce) {
          return "rank " + std::to_string(10 + b) + ": staging_bytes (DDP_SHM_STAGING_BYTES) of " +
                 std::to_string(size_t{1} << 62) + " is more than the most";
        }},
+      // Cross-memory attach to pid -5 failed with ESRCH, and creation said
+      // UNAVAILABLE with "rank 1b (pid -5) exited": the caller fell back.
+      {"pids", [](ShmOptions& o) { o.pids[static_cast<size_t>(o.rank)] = -5; },
+       [](int b) {
+         return "rank " + std::to_string(10 + b) + ": pids holds -5 for rank " +
+                std::to_string(10 + b) + ", which is not a process id";
+       }},
       // Each rank allocated a buffer of rank 0's chunk_bytes: std::length_error.
       {"chunk_bytes", [](ShmOptions& o) { o.chunk_bytes = SIZE_MAX; },
        [](int b) {
