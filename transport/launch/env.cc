@@ -299,6 +299,20 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
     return InvalidArgumentError(named(local_rank_name, out.local_rank) + " is not below " +
                                 named(local_size_name, out.local_world_size));
   }
+  // Every node holds at least one rank: besides this node's
+  // LOCAL_WORLD_SIZE, the other ranks leave room for at most WORLD_SIZE -
+  // LOCAL_WORLD_SIZE other nodes, so the node's index is at most that (0 on
+  // a job of one node). A larger one would name a node that cannot exist.
+  const char* group_rank_name = Has(env, kEnvGroupRank)                                   ? kEnvGroupRank
+                                : out.source == LaunchSource::kSlurm && Has(env, kSlurmNodeId) ? kSlurmNodeId
+                                                                                         : nullptr;
+  if (group_rank_name != nullptr && out.group_rank > out.world_size - out.local_world_size) {
+    return InvalidArgumentError(named(group_rank_name, out.group_rank) + " is out of range: " +
+                                named(size_name, out.world_size) + " with " +
+                                named(local_size_name, out.local_world_size) +
+                                " on this node leaves room for node indices 0.." +
+                                std::to_string(out.world_size - out.local_world_size));
+  }
   if (out.master_addr.empty()) {
     if (out.multi_node()) {
       return InvalidArgumentError("MASTER_ADDR is not set but " + named(size_name, out.world_size) +

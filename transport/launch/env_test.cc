@@ -239,6 +239,29 @@ TEST(ParseLaunchEnvTest, GroupRankWithoutTheVariableIsTheNodeOfTheRank) {
   EXPECT_EQ(parsed->group_rank, 0);
 }
 
+// A GROUP_RANK that no node of the job can have is refused by name: every
+// node holds at least one rank, so 8 ranks, 4 of them here, leave room for
+// nodes 0..4; a job of one node has node 0 only.
+TEST(ParseLaunchEnvTest, GroupRankBeyondTheJobsNodesIsRefused) {
+  ExpectInvalid({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "5"},
+                 {"MASTER_ADDR", "node0"}},
+                "GROUP_RANK=5 is out of range: WORLD_SIZE=8 with LOCAL_WORLD_SIZE=4 on this node leaves "
+                "room for node indices 0..4");
+  ExpectInvalid({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "1"}},
+                "GROUP_RANK=1 is out of range: WORLD_SIZE=2 with LOCAL_WORLD_SIZE=2 on this node leaves "
+                "room for node indices 0..0");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "2147483647"}},
+                "GROUP_RANK=2147483647 is out of range: WORLD_SIZE=2 with LOCAL_WORLD_SIZE=2 on this node "
+                "leaves room for node indices 0..0");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "-1"}},
+                "GROUP_RANK=-1 is out of range [0, 2147483647]");
+  ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "one"}}, "GROUP_RANK=one is not an integer");
+  StatusOr<LaunchEnv> parsed = ParseLaunchEnv({{"RANK", "7"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"},
+                                               {"GROUP_RANK", "4"}, {"MASTER_ADDR", "node0"}});
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->group_rank, 4);
+}
+
 TEST(ParseLaunchEnvTest, MissingMasterAddrAcrossNodes) {
   ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}},
                 "MASTER_ADDR is not set but WORLD_SIZE=4 spans more than one node "
