@@ -2950,9 +2950,17 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(std::move(specs), spawn);
     if (!group.ok()) {
-      Say(group.status().message());
-      post_stop(attempt, "node " + std::to_string(o.node_rank) + ": " + group.status().message());
-      const int code = started ? 1 : 2;
+      // Only a wrong program or log folder is bad input (exit 2); a start
+      // that ran out of descriptors, processes or memory fails as a job
+      // does (exit 1), with a line that tells the two apart.
+      const Status& failed = group.status();
+      const std::string why = failed.code() == StatusCode::kResourceExhausted
+                                  ? "the workers could not start for lack of resources (not bad input): " +
+                                        failed.message()
+                                  : failed.message();
+      Say(why);
+      post_stop(attempt, "node " + std::to_string(o.node_rank) + ": " + why);
+      const int code = !started && failed.code() == StatusCode::kInvalidArgument ? 2 : 1;
       if (multi_node) farewell(attempt, code);
       return code;
     }

@@ -50,7 +50,8 @@
 // rendezvous failures; 128 + signal when interrupted
 // (ddprun's main then dies of SIGINT, SIGTERM or SIGHUP instead: see
 // DieOfInterruptSignal); 2 for bad input, reported on one line before
-// anything starts.
+// anything starts (workers that cannot start for lack of resources, such
+// as descriptors, exit 1 with a line that says so).
 
 #include <chrono>
 #include <map>

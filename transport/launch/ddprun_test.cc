@@ -1035,6 +1035,20 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
   ExpectBadInput({Ddprun(), "--standalone"}, "no program given: ddprun [flags] [--] PROGRAM [ARGS...]");
 }
 
+// Workers that cannot start for lack of resources (here descriptors: a
+// `ulimit -n` too low for 16 workers' pipes) are no bad input: exit 1 with
+// a line that says so, not the exit 2 of a wrong flag or program.
+TEST(DdprunTest, AStartThatRunsOutOfDescriptorsIsNoBadInput) {
+  const auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 24 && exec \"$0\" \"$@\"", Ddprun(), "--standalone",
+                               "--nproc_per_node=16", Worker()});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex("ddprun: the workers could not start for lack of resources "
+                                        "\\(not bad input\\): cannot start rank [0-9]+: cannot make a pipe "
+                                        "[^\n]*Too many open files[^\n]*raise the limit or start fewer "
+                                        "workers\n"))
+      << run.output;
+}
+
 // torchrun's stream codes for one stream (1 stdout, 2 stderr) and its
 // per-rank maps (`-r 0:1,1:2`, also as the next argument) route each
 // worker's each stream as torchrun's logs specs do: redirected, to its

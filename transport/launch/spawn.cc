@@ -67,6 +67,20 @@ std::string ErrnoText(int err) {
   return strerror_r(err, buf, sizeof(buf));
 }
 
+// Whether `err` says the machine or this process ran out of something
+// (descriptors, processes, memory, disk) rather than that the input was
+// wrong: such a start may succeed later, and a launcher must not report it
+// as bad input.
+bool OutOfResources(int err) {
+  return err == EMFILE || err == ENFILE || err == EAGAIN || err == ENOMEM || err == ENOSPC || err == EDQUOT;
+}
+
+// INVALID_ARGUMENT for what the caller got wrong, RESOURCE_EXHAUSTED when
+// `err` is a shortage (OutOfResources).
+Status StartError(int err, std::string text) {
+  return OutOfResources(err) ? ResourceExhaustedError(std::move(text)) : InvalidArgumentError(std::move(text));
+}
+
 int MillisecondsUntil(Deadline deadline) {
   const auto now = Clock::now();
   if (deadline <= now) return 0;
@@ -512,8 +526,8 @@ Status MakeDirectories(const std::string& path) {
     partial = path.substr(0, pos);
     if (partial.empty()) continue;
     if (mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      return InvalidArgumentError("cannot create log directory '" + partial +
-                                  "': " + ErrnoText(errno));
+      const int err = errno;
+      return StartError(err, "cannot create log directory '" + partial + "': " + ErrnoText(err));
     }
   }
   return Status::Ok();
@@ -1441,7 +1455,8 @@ class WorkerGroup::Impl {
         const std::string path = folder + (s == 0 ? "/stdout.log" : "/stderr.log");
         w.streams[s].log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
         if (!w.streams[s].log.valid()) {
-          return InvalidArgumentError("cannot write log file '" + path + "': " + ErrnoText(errno));
+          const int err = errno;
+          return StartError(err, "cannot write log file '" + path + "': " + ErrnoText(err));
         }
         w.streams[s].log_path = path;
       }
@@ -1540,8 +1555,8 @@ class WorkerGroup::Impl {
     const int vfork_errno = errno;
     pthread_sigmask(SIG_SETMASK, &args.mask, nullptr);
     if (pid < 0) {
-      return InternalError("cannot start rank " + std::to_string(spec.rank) +
-                           ": vfork: " + ErrnoText(vfork_errno));
+      const std::string text = "cannot start rank " + std::to_string(spec.rank) + ": vfork: " + ErrnoText(vfork_errno);
+      return OutOfResources(vfork_errno) ? ResourceExhaustedError(text) : InternalError(text);
     }
     w.pid = pid;
     w.running = true;
@@ -1570,10 +1585,11 @@ class WorkerGroup::Impl {
       w.running = false;
       w.exit.exited = true;
       w.exit.code = 127;
-      return InvalidArgumentError("cannot start rank " + std::to_string(spec.rank) + ": " +
-                                  ChildStepName(failure.step) + " '" + spec.program +
-                                  "': " + ErrnoText(failure.error) +
-                                  (failure.step == kStepExec ? ExecFailureHint(spec.program, failure.error) : ""));
+      return StartError(failure.error, "cannot start rank " + std::to_string(spec.rank) + ": " +
+                                           ChildStepName(failure.step) + " '" + spec.program +
+                                           "': " + ErrnoText(failure.error) +
+                                           (failure.step == kStepExec ? ExecFailureHint(spec.program, failure.error)
+                                                                      : ""));
     }
     if (first) {
       if (pgid_ == 0) pgid_ = pid;

@@ -238,9 +238,12 @@ struct GroupResult {
 /// and reaps any worker still running.
 class WorkerGroup {
  public:
-  /// Starts every worker. If one cannot start (exec fails), those already
-  /// started are killed and INVALID_ARGUMENT names the rank, the program and
-  /// the reason; nothing is left running.
+  /// Starts every worker. If one cannot start, those already started are
+  /// killed and the status names the rank, the program and the reason;
+  /// nothing is left running. INVALID_ARGUMENT: the input is wrong (exec
+  /// fails for the program, a log folder cannot be made);
+  /// RESOURCE_EXHAUSTED: something ran out (descriptors, processes, memory,
+  /// disk), and the same start may succeed later.
   static StatusOr<std::unique_ptr<WorkerGroup>> Start(std::vector<WorkerSpec> specs,
                                                       SpawnOptions options);
   ~WorkerGroup();
