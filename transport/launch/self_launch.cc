@@ -251,8 +251,9 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
     };
     StatusOr<std::unique_ptr<WorkerGroup>> started = WorkerGroup::Start(std::move(specs), spawn);
     if (!started.ok()) {
-      // The first start failing is a program that cannot run here (bad
-      // input, exit 2). A restart failing ends a job whose workers already
+      // The first start failing is returned (SelfLaunchOrExit: exit 2 for
+      // a program that cannot run here, 1 for a lack of resources). A
+      // restart failing ends a job whose workers already
       // failed: that failure is its status, not the start's.
       if (attempt == 0) return started.status();
       WriteLauncherLine(std::string(program) + ": restart " + std::to_string(attempt) +
@@ -304,9 +305,16 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
 void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options) {
   StatusOr<SelfLaunchResult> result = SelfLaunch(argc, argv, options);
   if (!result.ok()) {
-    std::fprintf(stderr, "%s: %s\n", ProgramName(argc, argv).c_str(), result.status().message().c_str());
+    // Bad input exits 2; workers that could not start for lack of
+    // descriptors, processes or memory are a failure of the run (exit 1).
+    const bool bad_input = result.status().code() == StatusCode::kInvalidArgument;
+    const char* shortage = result.status().code() == StatusCode::kResourceExhausted
+                               ? "the workers could not start for lack of resources (not bad input): "
+                               : "";
+    std::fprintf(stderr, "%s: %s%s\n", ProgramName(argc, argv).c_str(), shortage,
+                 result.status().message().c_str());
     std::fflush(stderr);
-    std::exit(2);
+    std::exit(bad_input ? 2 : 1);
   }
   if (result->run_as_worker) return;
   std::fflush(stdout);

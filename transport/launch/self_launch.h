@@ -97,7 +97,8 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv,
 /// them and starts no further one, dies of that signal once its workers
 /// are gone, see DieOfInterruptSignal), or with 2 after printing a one-line error for bad
 /// input ("NAME: ...", NAME being argv[0] without its folder, as in the
-/// launcher's other lines).
+/// launcher's other lines); with 1 after such a line for any other failure
+/// (workers that could not start for lack of resources say so).
 void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options = {});
 
 /// 32 hex characters from the kernel's random source; a fresh job token.

@@ -19,6 +19,7 @@
 namespace ddp::transport::launch {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using namespace std::chrono_literals;
@@ -71,6 +72,18 @@ TEST(SelfLaunchTest, BadProcessCountIsRefusedBeforeAnythingStarts) {
 // refuse it (exit 64), then the launcher named the first. The line names
 // the program without its folder. Under a launcher the check is the
 // worker's own.
+// Workers that cannot start for lack of descriptors (`ulimit -n` too low
+// for 16 workers' pipes) are no bad input: exit 1, with a line that says so.
+TEST(SelfLaunchTest, AStartThatRunsOutOfDescriptorsIsNoBadInput) {
+  const auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 24 && exec \"$0\" \"$@\"", Worker(),
+                               "--nproc_per_node=16"});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex("test_worker: the workers could not start for lack of resources "
+                                        "\\(not bad input\\): cannot start rank [0-9]+: [^\n]*Too many "
+                                        "open files"))
+      << run.output;
+}
+
 TEST(SelfLaunchTest, TheProgramsOwnCheckRefusesArgumentsBeforeAnythingStarts) {
   auto run = RunProgram({Worker(), "--nproc_per_node=3", "--bogus", "--print_env"});
   EXPECT_EQ(run.exit_code, 2) << run.output;
