@@ -1,7 +1,10 @@
 #include "transport/fork/fork_guard.h"
 
 #include <pthread.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cstdint>
 
 #include <atomic>
 #include <mutex>
@@ -16,6 +19,20 @@ std::atomic<bool> forked_child{false};
 std::atomic<pid_t> installer{0};
 // The process this one was forked from (set in the child).
 std::atomic<pid_t> parent{0};
+// The installer's pid namespace (device and inode of /proc/self/ns/pid);
+// 0 and 0 when /proc could not tell.
+std::atomic<uint64_t> installer_ns_dev{0};
+std::atomic<uint64_t> installer_ns_ino{0};
+
+// Whether this process is in the installer's pid namespace; true when
+// either cannot be told (no /proc).
+bool InTheInstallersPidNamespace() {
+  if (installer_ns_ino.load(std::memory_order_relaxed) == 0) return true;
+  struct stat ns{};
+  if (stat("/proc/self/ns/pid", &ns) != 0) return true;
+  return static_cast<uint64_t>(ns.st_dev) == installer_ns_dev.load(std::memory_order_relaxed) &&
+         static_cast<uint64_t>(ns.st_ino) == installer_ns_ino.load(std::memory_order_relaxed);
+}
 
 static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<pid_t>::is_always_lock_free,
               "the fork handler may only make async-signal-safe stores");
@@ -34,6 +51,10 @@ void InstallForkGuard() {
   static std::once_flag once;
   std::call_once(once, [] {
     installer.store(getpid());
+    if (struct stat ns{}; stat("/proc/self/ns/pid", &ns) == 0) {
+      installer_ns_dev.store(static_cast<uint64_t>(ns.st_dev));
+      installer_ns_ino.store(static_cast<uint64_t>(ns.st_ino));
+    }
     pthread_atfork(nullptr, nullptr, &ChildHandler);
     installed.store(true);
   });
@@ -49,7 +70,15 @@ bool InForkedChild() {
   // which is not its own. (getpid is a system call, not cached, since
   // glibc 2.25; a child of the installer never has the installer's pid.)
   const pid_t owner = installer.load(std::memory_order_relaxed);
-  return owner != 0 && getpid() != owner;
+  if (owner == 0) return false;
+  if (getpid() != owner) return true;
+  // The same pid number: the installer, or a child cloned into a new pid
+  // namespace (clone(CLONE_NEWPID), unshare), which is pid 1 there, as a
+  // container's init that installed the guard is in its own. Such a child's
+  // parent is outside its namespace (getppid() is 0); only then is the
+  // namespace compared, which costs a look at /proc.
+  if (getppid() != 0) return false;
+  return !InTheInstallersPidNamespace();
 }
 
 Status CheckNotForkedChild(std::string_view what) {
@@ -57,12 +86,18 @@ Status CheckNotForkedChild(std::string_view what) {
   // A child that the handler did not mark has no parent recorded: its
   // parent is asked now (the same unless it already exited).
   const pid_t from = parent.load() != 0 ? parent.load() : getppid();
+  // 0: the parent is outside this process's pid namespace, and so is the
+  // installer (an ancestor), whose pid is a number of its own namespace.
+  const std::string origin =
+      from == 0 ? "was made from a process outside its pid namespace, after the transport was initialized in pid " +
+                      std::to_string(installer.load()) + " of another namespace"
+                : "was forked from pid " + std::to_string(from) +
+                      (from == installer.load() ? std::string()
+                                                : ", a descendant of pid " + std::to_string(installer.load())) +
+                      ", after the transport was initialized there";
   return FailedPreconditionError(
-      std::string(what) + ": this process (pid " + std::to_string(getpid()) +
-      ") was forked from pid " + std::to_string(from) +
-      (from == installer.load() ? std::string()
-                                : ", a descendant of pid " + std::to_string(installer.load())) +
-      ", after the transport was initialized there; a forked child cannot use UCX or the "
+      std::string(what) + ": this process (pid " + std::to_string(getpid()) + ") " + origin +
+      "; a forked child cannot use UCX or the "
       "communicator (their queues, threads and shared memory belong to the parent). Spawn "
       "workers (SelfLaunch, ddprun, posix_spawn) before creating a Communicator, use threads "
       "rather than forked processes for data loading, or exec a new program in the child");

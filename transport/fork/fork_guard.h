@@ -33,7 +33,9 @@ bool ForkGuardInstalled();
 /// True in a process created by fork(), at any depth and not followed by
 /// exec, from one where the guard was installed; also where the child was
 /// made without the atfork handlers (glibc's _Fork(), a fork or clone
-/// system call), told by its pid differing from the installer's.
+/// system call), told by its pid differing from the installer's, or, for a
+/// child cloned into a new pid namespace with the installer's pid number
+/// (pid 1 under an installer that is a namespace's init), by its namespace.
 bool InForkedChild();
 
 /// OK, except in a forked child: FAILED_PRECONDITION saying that `what`
