@@ -790,7 +790,7 @@ struct Worker {
   pid_t pid = -1;
   Fd pidfd;
   bool running = false;
-  bool leader_zombie = false;  // exited, observed, not yet reaped
+  bool zombie = false;  // exited, observed, not yet reaped (see Observe)
   WorkerExit exit;
   Stream streams[2];
   std::string error_path;   // its TORCHELASTIC_ERROR_FILE; empty: none
@@ -1001,7 +1001,7 @@ class WorkerGroup::Impl {
       // Move on when every worker is gone: reap leftovers of the group,
       // then drain what is left in the pipes for a bounded time.
       if (phase != Phase::kDraining && RunningCount() == 0) {
-        if (pgid_ > 0) kill(-pgid_, SIGKILL);
+        if (pgid_ > 0) SignalGroup(SIGKILL);
         phase = Phase::kDraining;
         phase_deadline = Clock::now() + kDrainTime;
       }
@@ -1219,7 +1219,7 @@ class WorkerGroup::Impl {
     // With a worker left unreapable the watcher stays armed with the group's
     // id: the leader stays a zombie, holding that id, until the destructor
     // has killed the group and disarmed the watcher.
-    if (RunningCount() == 0) ReapLeader();
+    if (RunningCount() == 0) ReapZombies();
     ReadErrorFiles(result);
     for (Worker& w : workers_) {
       for (int s = 0; s < 2; ++s) FlushPartial(w, s);
@@ -1621,13 +1621,13 @@ class WorkerGroup::Impl {
   // script (`sh run.sh` running python without exec) or has children of its
   // own (data loaders) gets the signal in every process, so each may end
   // cleanly within the grace period. The group id cannot be reused until
-  // the leader is reaped (ReapLeader, last). A worker that moved to a group
+  // the leader is reaped (ReapZombies, last; see GroupIdHeld). A worker that moved to a group
   // of its own (setsid) gets the signal by pid; no process gets it twice.
   void SignalRunning(int signal) {
     if (pgid_ > 0) {
-      kill(-pgid_, signal);
+      SignalGroup(signal);
       // A stopped process acts on the signal only once continued.
-      if (signal != SIGKILL) kill(-pgid_, SIGCONT);
+      if (signal != SIGKILL) SignalGroup(SIGCONT);
     }
     for (Worker& w : workers_) {
       if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
@@ -1639,7 +1639,7 @@ class WorkerGroup::Impl {
   // As SignalRunning, for a signal that asks the workers for something
   // (kPassedOnSignals) rather than to end: a stopped worker is left stopped.
   void PassOnToRunning(int signal) {
-    if (pgid_ > 0) kill(-pgid_, signal);
+    if (pgid_ > 0) SignalGroup(signal);
     for (Worker& w : workers_) {
       if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
       kill(w.pid, signal);
@@ -1676,7 +1676,7 @@ class WorkerGroup::Impl {
   // until a later `fg` (lent_back_). Also for a worker stopped by SIGTTIN
   // or SIGTTOU meanwhile, as a shell's background job is stopped by them.
   void StopLikeAJob(int signal) {
-    kill(-pgid_, SIGSTOP);
+    SignalGroup(SIGSTOP);
     // Before the terminal goes: a worker woken inside a read of it, not
     // yet stopped, would still take what is typed next into the shell.
     const Deadline give_up = Clock::now() + kStopTime;
@@ -1691,7 +1691,7 @@ class WorkerGroup::Impl {
     if (tcgetpgrp(STDIN_FILENO) == launcher_pgrp_) {
       ResumeWithTheTerminal();
     } else {
-      kill(-pgid_, SIGCONT);
+      SignalGroup(SIGCONT);
     }
   }
 
@@ -1704,7 +1704,7 @@ class WorkerGroup::Impl {
       terminal_shared_ = true;
       lent_back_ = false;
     }
-    kill(-pgid_, SIGCONT);
+    SignalGroup(SIGCONT);
   }
 
   // SIGTTIN or SIGTTOU when a running worker is stopped by one (it touched
@@ -1867,7 +1867,7 @@ class WorkerGroup::Impl {
     StopListener();
     if (RunningCount() == 0) {
       StopWatcher();
-      ReapLeader();
+      ReapZombies();
       return;
     }
     SignalRunning(SIGKILL);
@@ -1878,9 +1878,9 @@ class WorkerGroup::Impl {
       }
       if (RunningCount() > 0) usleep(5000);
     }
-    if (pgid_ > 0) kill(-pgid_, SIGKILL);
+    if (pgid_ > 0) SignalGroup(SIGKILL);
     StopWatcher();
-    ReapLeader();
+    ReapZombies();
   }
 
   // The watcher: a small process outside the group that kills the whole
@@ -2064,10 +2064,11 @@ class WorkerGroup::Impl {
     watcher_ = -1;
   }
 
-  // Records the exit of `w` if it has exited. The group leader is left a
-  // zombie (WNOWAIT): while it is unreaped its pid, which is the process
-  // group id, cannot be reused, so signalling the group never hits a
-  // stranger. ReapLeader reaps it at the very end.
+  // Records the exit of `w` if it has exited. Every worker is left a
+  // zombie (WNOWAIT): while one that was in the group is unreaped, the
+  // group's id (the leader's pid) cannot be reused, so signalling the group
+  // never hits a stranger, also when the leader itself was reaped by
+  // someone else (see GroupIdHeld). ReapZombies reaps them at the very end.
   //
   // ECHILD: the worker is no longer this process's child to wait for;
   // someone else here reaped it. Its pidfd stays readable, so waiting on
@@ -2075,7 +2076,7 @@ class WorkerGroup::Impl {
   // as ended, its status lost.
   bool Observe(Worker& w) {
     siginfo_t info{};
-    const int flags = WEXITED | WNOHANG | (w.pid == pgid_ ? WNOWAIT : 0);
+    const int flags = WEXITED | WNOHANG | WNOWAIT;
     if (waitid(P_PID, static_cast<id_t>(w.pid), &info, flags) != 0) {
       if (errno != ECHILD) return false;
       w.running = false;
@@ -2089,16 +2090,41 @@ class WorkerGroup::Impl {
     w.exit.exited = true;
     w.exit.signaled = info.si_code == CLD_KILLED || info.si_code == CLD_DUMPED;
     w.exit.code = info.si_status;
-    w.leader_zombie = w.pid == pgid_;
+    w.zombie = true;
     return true;
   }
 
-  void ReapLeader() {
+  void ReapZombies() {
     for (Worker& w : workers_) {
-      if (!w.leader_zombie) continue;
+      if (!w.zombie) continue;
       waitpid(w.pid, nullptr, WNOHANG);
-      w.leader_zombie = false;
+      w.zombie = false;
     }
+  }
+
+  // Whether the group's id is still the workers' group: a process that is
+  // this process's child, not yet reaped (a worker, running or a zombie;
+  // the listener that leads the group), is in it, and keeps the id from
+  // being reused. With every worker reaped by someone else (a SIGCHLD
+  // handler that waits for any child) and the group empty, the id is free,
+  // and may be a stranger's group by now.
+  bool GroupIdHeld() const {
+    if (pgid_ <= 0) return false;
+    auto ours_in_group = [this](pid_t pid) {
+      siginfo_t info{};
+      return pid > 0 && waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+             getpgid(pid) == pgid_;
+    };
+    if (listener_ > 0 && ours_in_group(listener_)) return true;
+    for (const Worker& w : workers_) {
+      if ((w.running || w.zombie) && ours_in_group(w.pid)) return true;
+    }
+    return false;
+  }
+
+  // kill(-pgid_, signal), while the id is the workers' group (GroupIdHeld).
+  void SignalGroup(int signal) {
+    if (GroupIdHeld()) kill(-pgid_, signal);
   }
 
   SpawnOptions options_;

@@ -6,7 +6,9 @@
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/resource.h>
+#include <sched.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -506,6 +508,92 @@ TEST(SpawnTest, AWorkerReapedBySomeoneElseFailsWithItsStatusUnknown) {
   EXPECT_EQ(result.ExitCode(), 1);
   EXPECT_TRUE(result.workers[0].signaled) << result.workers[0].Describe();
   for (pid_t pid : pids) EXPECT_TRUE(ProcessGone(pid)) << pid;
+  ExpectNoChildrenLeft();
+}
+
+// Reaps `pid` (a child) within `timeout`; false when it did not end.
+bool ReapWithin(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (waitpid(pid, nullptr, WNOHANG) == pid) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
+
+// The workers' process group id is the leader's pid. With the leader (and
+// every other worker) reaped behind the group's back, nothing holds that
+// id any more: it may be a stranger's group by the time Wait looks, and
+// Wait must not signal it. Run as pid 1 of a pid namespace of its own,
+// where the next pid can be chosen (ns_last_pid) and nothing else takes
+// it: a stranger then leads a group with the old id. Exit codes of the
+// namespace's process: 0 the stranger lives; 20 it was killed; others, a
+// step of the setup failed.
+int StrangerInTheOldGroupIdSurvives() {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+  if (!group.ok()) return 10;
+  const pid_t group_id = (*group)->process_group();
+  for (pid_t pid : (*group)->pids()) {
+    if (!ReapWithin(pid, 10s)) return 11;  // as a stray SIGCHLD handler would
+  }
+  // A stranger that leads a group with the old id: not a child of this
+  // process (as a stranger would not be), but of a helper that stays.
+  int report[2];
+  if (pipe(report) != 0) return 12;
+  const pid_t helper = fork();
+  if (helper < 0) return 13;
+  if (helper == 0) {
+    // The next pid this namespace gives is the old group id.
+    const int fd = open("/proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
+    const std::string last = std::to_string(group_id - 1);
+    if (fd < 0 || write(fd, last.data(), last.size()) != static_cast<ssize_t>(last.size())) _exit(1);
+    close(fd);
+    const pid_t stranger = fork();
+    if (stranger == 0) {
+      setpgid(0, 0);
+      SleepForever();
+      _exit(0);
+    }
+    setpgid(stranger, stranger);  // either side's call makes it so before the report
+    (void)!write(report[1], &stranger, sizeof(stranger));
+    // How it ends: the test's SIGUSR1 after Wait, or a signal from Wait.
+    const auto deadline = Clock::now() + 60s;
+    int status = 0;
+    while (waitpid(stranger, &status, WNOHANG) == 0 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    _exit(WIFSIGNALED(status) && WTERMSIG(status) == SIGUSR1 ? 0 : 20);
+  }
+  close(report[1]);
+  pid_t stranger = -1;
+  const bool told = read(report[0], &stranger, sizeof(stranger)) == sizeof(stranger);
+  close(report[0]);
+  // The helper's exit status: 0 when the stranger lived until this
+  // process's SIGUSR1, 20 when something else ended it.
+  auto end_stranger = [&] {
+    if (stranger > 0) kill(stranger, SIGUSR1);
+    const auto deadline = Clock::now() + 10s;
+    int status = 0;
+    while (waitpid(helper, &status, WNOHANG) == 0 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 21;
+  };
+  if (!told || stranger != group_id || getpgid(stranger) != group_id) {
+    end_stranger();
+    return 14;
+  }
+  GroupResult result = (*group)->Wait(DeadlineIn(10s));
+  group->reset();
+  const bool alive = end_stranger() == 0;
+  if (result.outcome != GroupOutcome::kWorkerFailed) return 16;  // their ends are unknown
+  return alive ? 0 : 20;
+}
+
+TEST(SpawnTest, AGroupWhoseWorkersWereReapedBySomeoneElseSignalsNoStrangersGroup) {
+  const pid_t ns = static_cast<pid_t>(syscall(SYS_clone, CLONE_NEWPID | SIGCHLD, 0, 0, 0, 0));
+  ASSERT_GE(ns, 0) << "clone(CLONE_NEWPID): " << std::strerror(errno);
+  if (ns == 0) _exit(StrangerInTheOldGroupIdSurvives());
+  int status = 0;
+  ASSERT_EQ(waitpid(ns, &status, 0), ns);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "20: Wait killed the stranger's group";
   ExpectNoChildrenLeft();
 }
 
