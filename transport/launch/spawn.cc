@@ -1631,8 +1631,8 @@ class WorkerGroup::Impl {
     }
     for (Worker& w : workers_) {
       if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
-      kill(w.pid, signal);
-      if (signal != SIGKILL) kill(w.pid, SIGCONT);
+      SignalWorker(w, signal);
+      if (signal != SIGKILL) SignalWorker(w, SIGCONT);
     }
   }
 
@@ -1642,8 +1642,20 @@ class WorkerGroup::Impl {
     if (pgid_ > 0) SignalGroup(signal);
     for (Worker& w : workers_) {
       if (!w.running || (pgid_ > 0 && getpgid(w.pid) == pgid_)) continue;
-      kill(w.pid, signal);
+      SignalWorker(w, signal);
     }
+  }
+
+  // To worker `w` alone, through its pidfd where there is one: a worker
+  // reaped by someone else since the last look may have left its pid to a
+  // stranger, whom kill(pid) would hit; the pidfd names the worker only
+  // (ESRCH once it is gone). kill where the kernel has no pidfd (before
+  // Linux 5.3 for pidfd_open, 5.1 for pidfd_send_signal).
+  static void SignalWorker(const Worker& w, int signal) {
+    if (w.pidfd.valid()) {
+      if (syscall(SYS_pidfd_send_signal, w.pidfd.get(), signal, nullptr, 0) == 0 || errno != ENOSYS) return;
+    }
+    kill(w.pid, signal);
   }
 
   // SpawnOptions::share_terminal: the terminal back to this process's group

@@ -521,31 +521,35 @@ bool ReapWithin(pid_t pid, std::chrono::milliseconds timeout) {
   return false;
 }
 
-// The workers' process group id is the leader's pid. With the leader (and
-// every other worker) reaped behind the group's back, nothing holds that
-// id any more: it may be a stranger's group by the time Wait looks, and
-// Wait must not signal it. Run as pid 1 of a pid namespace of its own,
-// where the next pid can be chosen (ns_last_pid) and nothing else takes
-// it: a stranger then leads a group with the old id. Exit codes of the
-// namespace's process: 0 the stranger lives; 20 it was killed; others, a
-// step of the setup failed.
-int StrangerInTheOldGroupIdSurvives() {
-  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
-  if (!group.ok()) return 10;
-  const pid_t group_id = (*group)->process_group();
-  for (pid_t pid : (*group)->pids()) {
-    if (!ReapWithin(pid, 10s)) return 11;  // as a stray SIGCHLD handler would
+// A process that took a pid this process's worker had (see RunInAPidNamespace),
+// leading a group of its own: not a child of this process (as a stranger
+// would not be), but of a helper that stays until End.
+struct Stranger {
+  pid_t helper = -1;
+  pid_t pid = -1;
+  // Sends it SIGUSR1: 0 when it lived until then, 20 when something else
+  // ended it, 21 when the helper did not end in time.
+  int End() const {
+    if (pid > 0) kill(pid, SIGUSR1);
+    const auto deadline = Clock::now() + 10s;
+    int status = 0;
+    while (waitpid(helper, &status, WNOHANG) == 0 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 21;
   }
-  // A stranger that leads a group with the old id: not a child of this
-  // process (as a stranger would not be), but of a helper that stays.
+};
+
+// Starts a Stranger whose pid is `wanted`, free by now, through the pid
+// namespace's ns_last_pid; false (nothing left running) when it did not get
+// that pid.
+bool StartStranger(pid_t wanted, Stranger& out) {
   int report[2];
-  if (pipe(report) != 0) return 12;
+  if (pipe(report) != 0) return false;
   const pid_t helper = fork();
-  if (helper < 0) return 13;
+  if (helper < 0) return false;
   if (helper == 0) {
-    // The next pid this namespace gives is the old group id.
+    close(report[0]);
     const int fd = open("/proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
-    const std::string last = std::to_string(group_id - 1);
+    const std::string last = std::to_string(wanted - 1);
     if (fd < 0 || write(fd, last.data(), last.size()) != static_cast<ssize_t>(last.size())) _exit(1);
     close(fd);
     const pid_t stranger = fork();
@@ -556,44 +560,93 @@ int StrangerInTheOldGroupIdSurvives() {
     }
     setpgid(stranger, stranger);  // either side's call makes it so before the report
     (void)!write(report[1], &stranger, sizeof(stranger));
-    // How it ends: the test's SIGUSR1 after Wait, or a signal from Wait.
     const auto deadline = Clock::now() + 60s;
     int status = 0;
     while (waitpid(stranger, &status, WNOHANG) == 0 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
     _exit(WIFSIGNALED(status) && WTERMSIG(status) == SIGUSR1 ? 0 : 20);
   }
   close(report[1]);
-  pid_t stranger = -1;
-  const bool told = read(report[0], &stranger, sizeof(stranger)) == sizeof(stranger);
+  out.helper = helper;
+  const bool told = read(report[0], &out.pid, sizeof(out.pid)) == sizeof(out.pid);
   close(report[0]);
-  // The helper's exit status: 0 when the stranger lived until this
-  // process's SIGUSR1, 20 when something else ended it.
-  auto end_stranger = [&] {
-    if (stranger > 0) kill(stranger, SIGUSR1);
-    const auto deadline = Clock::now() + 10s;
-    int status = 0;
-    while (waitpid(helper, &status, WNOHANG) == 0 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 21;
-  };
-  if (!told || stranger != group_id || getpgid(stranger) != group_id) {
-    end_stranger();
-    return 14;
+  if (!told || out.pid != wanted || getpgid(out.pid) != wanted) {
+    out.End();
+    return false;
   }
+  return true;
+}
+
+// Runs `scenario` as pid 1 of a pid namespace of its own, where the next
+// pid can be chosen (ns_last_pid) and nothing else takes it; returns its
+// exit code (by convention 0: the stranger lived; 20: it was killed; other
+// codes: a step of the setup failed).
+int RunInAPidNamespace(int (*scenario)()) {
+  const pid_t ns = static_cast<pid_t>(syscall(SYS_clone, CLONE_NEWPID | SIGCHLD, 0, 0, 0, 0));
+  if (ns < 0) {
+    ADD_FAILURE() << "clone(CLONE_NEWPID): " << std::strerror(errno);
+    return -1;
+  }
+  if (ns == 0) _exit(scenario());
+  const auto deadline = Clock::now() + 60s;
+  int status = 0;
+  pid_t done = 0;
+  while ((done = waitpid(ns, &status, WNOHANG)) == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  if (done != ns) {
+    kill(ns, SIGKILL);
+    ReapWithin(ns, 10s);
+    return -2;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -3;
+}
+
+// The workers' process group id is the leader's pid. With the leader (and
+// every other worker) reaped behind the group's back, nothing holds that
+// id any more: it may be a stranger's group by the time Wait looks, and
+// Wait must not signal it.
+int StrangerInTheOldGroupIdSurvives() {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+  if (!group.ok()) return 10;
+  const pid_t group_id = (*group)->process_group();
+  for (pid_t pid : (*group)->pids()) {
+    if (!ReapWithin(pid, 10s)) return 11;  // as a stray SIGCHLD handler would
+  }
+  Stranger stranger;
+  if (!StartStranger(group_id, stranger)) return 14;
   GroupResult result = (*group)->Wait(DeadlineIn(10s));
   group->reset();
-  const bool alive = end_stranger() == 0;
+  const bool alive = stranger.End() == 0;
   if (result.outcome != GroupOutcome::kWorkerFailed) return 16;  // their ends are unknown
   return alive ? 0 : 20;
 }
 
 TEST(SpawnTest, AGroupWhoseWorkersWereReapedBySomeoneElseSignalsNoStrangersGroup) {
-  const pid_t ns = static_cast<pid_t>(syscall(SYS_clone, CLONE_NEWPID | SIGCHLD, 0, 0, 0, 0));
-  ASSERT_GE(ns, 0) << "clone(CLONE_NEWPID): " << std::strerror(errno);
-  if (ns == 0) _exit(StrangerInTheOldGroupIdSurvives());
-  int status = 0;
-  ASSERT_EQ(waitpid(ns, &status, 0), ns);
-  ASSERT_TRUE(WIFEXITED(status)) << status;
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "20: Wait killed the stranger's group";
+  EXPECT_EQ(RunInAPidNamespace(&StrangerInTheOldGroupIdSurvives), 0) << "20: Wait killed the stranger's group";
+  ExpectNoChildrenLeft();
+}
+
+// A worker that left the group (setsid) is signalled by itself. Reaped
+// behind the group's back, its pid may be a stranger's by the time the
+// group is destroyed, which must not kill the stranger: the signal goes
+// through the worker's pidfd, which names that one process only.
+int StrangerWithALostWorkersPidSurvives() {
+  std::vector<WorkerSpec> specs = Specs(2, "sleeper");
+  specs[1].program = "/usr/bin/setsid";  // not the group's leader: it execs at once, in a session of its own
+  specs[1].argv = {"setsid", "/bin/true"};
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, Quiet());
+  if (!group.ok()) return 10;
+  const pid_t lost = (*group)->pids()[1];
+  if (!ReapWithin(lost, 10s)) return 11;  // as a stray SIGCHLD handler would
+  Stranger stranger;
+  if (!StartStranger(lost, stranger)) return 14;
+  group->reset();  // kills whatever of the group still runs
+  return stranger.End() == 0 ? 0 : 20;
+}
+
+TEST(SpawnTest, AWorkerOutsideTheGroupReapedBySomeoneElseLeavesItsPidsNextOwnerAlone) {
+  EXPECT_EQ(RunInAPidNamespace(&StrangerWithALostWorkersPidSurvives), 0)
+      << "20: destroying the group killed the stranger";
   ExpectNoChildrenLeft();
 }
 
