@@ -2114,12 +2114,15 @@ class WorkerGroup::Impl {
     }
   }
 
-  // Whether the group's id is still the workers' group: a process that is
-  // this process's child, not yet reaped (a worker, running or a zombie;
-  // the listener that leads the group), is in it, and keeps the id from
-  // being reused. With every worker reaped by someone else (a SIGCHLD
-  // handler that waits for any child) and the group empty, the id is free,
-  // and may be a stranger's group by now.
+  // Whether the group's id is still the workers' group. Surely while a
+  // process that is this process's child, not yet reaped (a worker,
+  // running or a zombie; the listener that leads the group), is in it.
+  // Otherwise (every worker reaped by someone else: a SIGCHLD handler that
+  // waits for any child) the leader's pid is free: a live process with that
+  // pid means the number was given out again, and the id may name a
+  // stranger's group; without one, the id is held by the workers' own
+  // children (the id of a group with members is not given out) or by
+  // nobody, and a signal to it reaches only those children.
   bool GroupIdHeld() const {
     if (pgid_ <= 0) return false;
     auto ours_in_group = [this](pid_t pid) {
@@ -2131,7 +2134,7 @@ class WorkerGroup::Impl {
     for (const Worker& w : workers_) {
       if ((w.running || w.zombie) && ours_in_group(w.pid)) return true;
     }
-    return false;
+    return kill(pgid_, 0) != 0 && errno == ESRCH;
   }
 
   // kill(-pgid_, signal), while the id is the workers' group (GroupIdHeld).

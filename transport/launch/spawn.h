@@ -20,12 +20,12 @@
 // makes Wait report kInterrupted, so that the launcher ends instead of
 // restarting them. When the workers are gone the whole process group gets
 // SIGKILL, so a worker's own children do not outlive it (unless they left
-// the group). The group is signalled only while a worker of it is still
-// this process's child (running, or a zombie it keeps until the end), so
-// that its id cannot be a stranger's group by then; a worker outside the
-// group is signalled through its pidfd. (With every worker reaped by
-// someone else, a SIGCHLD handler waiting for any child, their own
-// children are left to the watcher and the death signals.)
+// the group). The group is signalled only while its id is still the
+// workers': a worker of it is still this process's child (running, or a
+// zombie it keeps until the end), or, with every worker reaped by someone
+// else (a SIGCHLD handler waiting for any child), no process has the
+// leader's pid (the id is then held by the workers' children, or by none);
+// a worker outside the group is signalled through its pidfd.
 //
 // A launcher killed by SIGKILL has no chance to signal the group, and the
 // death signal is not inherited across fork: for the workers' own children

@@ -1627,6 +1627,23 @@ TEST(SpawnTest, ChildrenOfWorkersDoNotOutliveTheGroup) {
   EXPECT_TRUE(GoneWithin(grandchild, 5s));
 }
 
+// With the worker reaped by someone else, its children still hold the
+// group's id (a process group's id is not reused while it has members):
+// they are killed with the group, not left running.
+TEST(SpawnTest, ChildrenOfAWorkerReapedBySomeoneElseDoNotOutliveTheGroup) {
+  const std::string dir = TempDir("grandchild_of_a_lost_worker");
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "grandparent", {{"PID_DIR", dir}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const pid_t grandchild = ReadPid(dir + "/grandchild", 5s);
+  ASSERT_GT(grandchild, 0);
+  ASSERT_TRUE(ReapWithin((*group)->pids()[0], 10s));  // as a stray SIGCHLD handler would
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  EXPECT_TRUE(GoneWithin(grandchild, 5s));
+  kill(grandchild, SIGKILL);  // should the test fail, not left running
+}
+
 // The last rank, and the first (which leads the group and has told the
 // watcher its id, and whose failure ends the watcher before it is reaped).
 TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
