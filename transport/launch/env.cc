@@ -307,10 +307,13 @@ StatusOr<LaunchEnv> ParseLaunchEnv(const EnvMap& env) {
                                 : out.source == LaunchSource::kSlurm && Has(env, kSlurmNodeId) ? kSlurmNodeId
                                                                                          : nullptr;
   if (group_rank_name != nullptr && out.group_rank > out.world_size - out.local_world_size) {
+    // Unset under torchrun's names, the local world size is the whole job.
+    const std::string local = out.source == LaunchSource::kTorchrun && !Has(env, kEnvLocalWorldSize)
+                                  ? std::string(kEnvLocalWorldSize) + " unset (every rank on this node)"
+                                  : named(local_size_name, out.local_world_size) + " on this node";
     return InvalidArgumentError(named(group_rank_name, out.group_rank) + " is out of range: " +
-                                named(size_name, out.world_size) + " with " +
-                                named(local_size_name, out.local_world_size) +
-                                " on this node leaves room for node indices 0.." +
+                                named(size_name, out.world_size) + " with " + local +
+                                " leaves room for node indices 0.." +
                                 std::to_string(out.world_size - out.local_world_size));
   }
   if (out.master_addr.empty()) {

@@ -247,12 +247,12 @@ TEST(ParseLaunchEnvTest, GroupRankBeyondTheJobsNodesIsRefused) {
                  {"MASTER_ADDR", "node0"}},
                 "GROUP_RANK=5 is out of range: WORLD_SIZE=8 with LOCAL_WORLD_SIZE=4 on this node leaves "
                 "room for node indices 0..4");
-  ExpectInvalid({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "1"}},
+  ExpectInvalid({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"}, {"GROUP_RANK", "1"}},
                 "GROUP_RANK=1 is out of range: WORLD_SIZE=2 with LOCAL_WORLD_SIZE=2 on this node leaves "
                 "room for node indices 0..0");
   ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "2147483647"}},
-                "GROUP_RANK=2147483647 is out of range: WORLD_SIZE=2 with LOCAL_WORLD_SIZE=2 on this node "
-                "leaves room for node indices 0..0");
+                "GROUP_RANK=2147483647 is out of range: WORLD_SIZE=2 with LOCAL_WORLD_SIZE unset (every rank on "
+                "this node) leaves room for node indices 0..0");
   ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "-1"}},
                 "GROUP_RANK=-1 is out of range [0, 2147483647]");
   ExpectInvalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "one"}}, "GROUP_RANK=one is not an integer");
