@@ -1036,11 +1036,11 @@ TEST(DdprunTest, BadInputGetsOneLineBeforeAnythingStarts) {
 }
 
 // Workers that cannot start for lack of resources (here descriptors: a
-// `ulimit -n` too low for 16 workers' pipes) are no bad input: exit 1 with
+// `ulimit -n` too low for 64 workers' pipes) are no bad input: exit 1 with
 // a line that says so, not the exit 2 of a wrong flag or program.
 TEST(DdprunTest, AStartThatRunsOutOfDescriptorsIsNoBadInput) {
-  const auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 24 && exec \"$0\" \"$@\"", Ddprun(), "--standalone",
-                               "--nproc_per_node=16", Worker()});
+  const auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 48 && exec \"$0\" \"$@\"", Ddprun(), "--standalone",
+                               "--nproc_per_node=64", Worker()});
   EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_THAT(run.output, ContainsRegex("ddprun: the workers could not start for lack of resources "
                                         "\\(not bad input\\): cannot start rank [0-9]+: cannot make a pipe "

@@ -73,10 +73,10 @@ TEST(SelfLaunchTest, BadProcessCountIsRefusedBeforeAnythingStarts) {
 // the program without its folder. Under a launcher the check is the
 // worker's own.
 // Workers that cannot start for lack of descriptors (`ulimit -n` too low
-// for 16 workers' pipes) are no bad input: exit 1, with a line that says so.
+// for 64 workers' pipes) are no bad input: exit 1, with a line that says so.
 TEST(SelfLaunchTest, AStartThatRunsOutOfDescriptorsIsNoBadInput) {
-  const auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 24 && exec \"$0\" \"$@\"", Worker(),
-                               "--nproc_per_node=16"});
+  const auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 48 && exec \"$0\" \"$@\"", Worker(),
+                               "--nproc_per_node=64"});
   EXPECT_EQ(run.exit_code, 1) << run.output;
   EXPECT_THAT(run.output, ContainsRegex("test_worker: the workers could not start for lack of resources "
                                         "\\(not bad input\\): cannot start rank [0-9]+: [^\n]*Too many "
