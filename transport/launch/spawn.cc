@@ -1620,9 +1620,10 @@ class WorkerGroup::Impl {
   // To the whole process group, as torchrun's killpg: a worker that is a
   // script (`sh run.sh` running python without exec) or has children of its
   // own (data loaders) gets the signal in every process, so each may end
-  // cleanly within the grace period. The group id cannot be reused until
-  // the leader is reaped (ReapZombies, last; see GroupIdHeld). A worker that moved to a group
-  // of its own (setsid) gets the signal by pid; no process gets it twice.
+  // cleanly within the grace period, while the id is still the workers'
+  // group (GroupIdHeld; their zombies are reaped last, ReapZombies). A
+  // worker that moved to a group of its own (setsid) gets the signal
+  // through its pidfd (SignalWorker); no process gets it twice.
   void SignalRunning(int signal) {
     if (pgid_ > 0) {
       SignalGroup(signal);
