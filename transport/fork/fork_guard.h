@@ -35,7 +35,9 @@ bool ForkGuardInstalled();
 /// made without the atfork handlers (glibc's _Fork(), a fork or clone
 /// system call), told by its pid differing from the installer's, or, for a
 /// child cloned into a new pid namespace with the installer's pid number
-/// (pid 1 under an installer that is a namespace's init), by its namespace.
+/// (pid 1 under an installer that is a namespace's init), by its lacking a
+/// timer the installer made (timers are not inherited), or, without one,
+/// by its pid namespace.
 bool InForkedChild();
 
 /// OK, except in a forked child: FAILED_PRECONDITION saying that `what`
