@@ -410,7 +410,11 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
     // and divided in place it would stay divided by the group's size when
     // the all-reduce fails; the flat copy reaches the parameters only once
     // the average succeeded.
-    if (p.is_contiguous() && p.nbytes() >= kInPlaceBytes && p.dtype() != nn::DType::kFloat16) {
+    // Contiguity does not take part in the choice: the same tensor may be a
+    // view on one rank and contiguous on another, and the choice decides
+    // the collectives, which must pair. A large view is averaged through a
+    // contiguous copy of its own (below), with the same all-reduce.
+    if (p.nbytes() >= kInPlaceBytes && p.dtype() != nn::DType::kFloat16) {
       whole.push_back(i);
       continue;
     }
@@ -421,10 +425,18 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   }
   // Everything checked: now the collectives, the same on every rank.
   std::vector<Work> in_place;
+  // For each tensor of `whole` that is not contiguous: its index and the
+  // contiguous copy averaged for it, copied back once every average is in.
+  std::vector<std::pair<size_t, nn::Tensor>> copied;
   std::exception_ptr error;
   try {
     for (size_t i : whole) {
-      in_place.push_back(AverageInPlace(group, params[i].Detach().View({params[i].numel()}), "average parameters"));
+      nn::Tensor target = params[i].Detach();
+      if (!target.is_contiguous()) {
+        target = target.Contiguous();
+        copied.emplace_back(i, target);
+      }
+      in_place.push_back(AverageInPlace(group, target.View({target.numel()}), "average parameters"));
     }
     nn::NoGradGuard no_grad;
     for (const auto& key : order) {
@@ -459,6 +471,8 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
     }
   }
   if (error) std::rethrow_exception(error);
+  nn::NoGradGuard no_grad;
+  for (const auto& [i, average] : copied) params[i].CopyFrom(average);
 }
 
 std::shared_ptr<ProcessGroup> NewSubgroupsByHost(ProcessGroup& group) {

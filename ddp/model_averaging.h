@@ -185,7 +185,9 @@ class PeriodicModelAverager {
 
 /// Replaces each tensor by its mean over the ranks of `group` (collective):
 /// one all-reduce per dtype and device, through a flat copy (tensors of 256
-/// KiB and more, contiguous and not f16, in place). The ranks first agree,
+/// KiB and more, not f16, with an all-reduce each: in place when contiguous,
+/// else through a contiguous copy, so that a view on one rank pairs with a
+/// contiguous tensor on another). The ranks first agree,
 /// in one small all-reduce, that every one passed only defined floating
 /// tensors: an undefined or integer tensor on one rank throws
 /// std::invalid_argument on every rank, naming the tensor's index and the

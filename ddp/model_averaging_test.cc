@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ddp/distributed_data_parallel.h"
@@ -568,6 +569,40 @@ TEST(ModelAveragingTest, AverageParametersOfEveryFloatingDtypeInOneCallOnThreeRa
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A large f32 tensor of the same shape, contiguous on rank 0 and a
+// transposed view on rank 1, followed by a small one: before, rank 0
+// averaged the large one in place and the small one through a flat buffer
+// while rank 1 packed both into one buffer, the all-reduces did not pair
+// and the transport aborted the group, naming neither tensor. Now both
+// ranks average each tensor to its mean.
+DDP_TEST_WORKER(view_on_one_rank_only) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank(), world = pg->size();
+  // [512, 256] f32 (512 KiB): rank r holds r + 1 everywhere.
+  const Tensor large = rank % 2 == 0 ? nn::Full({512, 256}, rank + 1.0)
+                                     : nn::Full({256, 512}, rank + 1.0).Transpose(0, 1);
+  const Tensor small = nn::Full({3}, 10.0 * (rank + 1));
+  AverageParameters({large, small}, *pg);
+  const double mean = (world + 1) / 2.0;
+  size_t wrong = 0;
+  for (double x : large.ToVector<double>()) wrong += x != mean;
+  WORKER_EXPECT(wrong == 0, "the large tensor: " + std::to_string(wrong) + " elements are not " +
+                                std::to_string(mean));
+  WORKER_EXPECT(small.ToVector<double>() == std::vector<double>(3, 10.0 * mean), "the small tensor is off");
+  WORKER_EXPECT(large.is_contiguous() == (rank % 2 == 0), "the large tensor was replaced, not written");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, ALargeTensorThatIsAViewOnOneRankOnlyIsAveraged) {
+  auto run = RunWorkers("view_on_one_rank_only", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(ModelAveragingTest, ALargeTensorThatIsAViewOnSomeRanksOnlyIsAveragedOnThreeRanks) {
+  auto run = RunWorkers("view_on_one_rank_only", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A tensor undefined on rank 1 while rank 0 has its gradient: before, rank
 // 1 alone threw (AverageParameters refuses undefined tensors) and rank 0
 // waited in its average until the group's timeout. Now both throw at once,
@@ -742,31 +777,40 @@ TEST(ModelAveragingTest, AverageParametersAveragesARepeatedTensorOnceAndRefusesP
 // f16 is divided by the group's size before its sum. When the all-reduce
 // fails, the parameters keep their values: before, a large f16 tensor,
 // divided in place, was left halved, and a caller that caught the error and
-// saved a checkpoint saved that. The ranks pass tensors of the same dtypes
-// and shapes (AverageParameters refuses others before any average), but
-// the large ones are contiguous on rank 0 (so the f32 one is averaged in
-// place, first) and transposed views on rank 1 (averaged through flat
-// copies, f16 first): the ranks' first all-reduces differ, which the
-// transport refuses before any data moves.
+// saved a checkpoint saved that. The ranks pass the same tensors; rank 1
+// averages them on a thread of its own and aborts its group as soon as its
+// first average (a 32 MiB f32 one, issued first, in place) has started,
+// after the ranks' agreement on the tensors: every average fails then.
 DDP_TEST_WORKER(f16_kept_when_the_average_fails) {
   auto pg = testing::WorkerGroup();
   const int rank = pg->rank();
   const nn::TensorOptions f16{.dtype = nn::DType::kFloat16};
-  const auto square = [&](double value, const nn::TensorOptions& options) {
-    const Tensor t = nn::Full({512, 512}, value, options);
-    return rank == 0 ? t : t.Transpose(0, 1);
-  };
-  // 512 KiB (in place on rank 0, were f16 averaged in place) and a small
-  // one (a flat buffer); then an f32 one of 1 MiB.
-  const Tensor large = square(3.0, f16), small = nn::Full({5}, 3.0, f16);
-  const Tensor f32 = square(1.0, {});
+  // 512 KiB (in place, were f16 averaged in place) and a small one (a flat
+  // buffer); before them an f32 one of 32 MiB.
+  const Tensor f32 = nn::Full({4096, 2048}, 1.0);
+  const Tensor large = nn::Full({512, 512}, 3.0, f16), small = nn::Full({5}, 3.0, f16);
   bool failed = false;
-  try {
-    AverageParameters({large, small, f32}, *pg);
-  } catch (const DistributedError&) {
-    failed = true;
+  const auto average = [&] {
+    try {
+      AverageParameters({f32, large, small}, *pg);
+    } catch (const DistributedError&) {
+      failed = true;
+    }
+  };
+  if (rank == 1) {
+    // The agreement on the tensors, then the first average.
+    const uint64_t started = pg->collectives_run() + 2;
+    std::thread averaging(average);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (pg->collectives_run() < started && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    pg->Abort(transport::FailedPreconditionError("rank 1 stops mid-average (test)"));
+    averaging.join();
+  } else {
+    average();
   }
-  WORKER_EXPECT(failed, "the average of different collectives did not fail (test premise)");
+  WORKER_EXPECT(failed, "the average did not fail (test premise)");
   for (const Tensor& t : {large, small}) {
     const std::vector<double> v = t.ToVector<double>();
     size_t wrong = 0;
