@@ -305,16 +305,19 @@ void TraceRecorder::StreamDocumentTo(const std::string& path, int rank, std::chr
     throw std::runtime_error("trace: " + path + " is no longer a FIFO or a terminal; nothing was written to it");
   }
   // One writer per pipe or terminal: another one's document would be cut
-  // into this one's.
+  // into this one's. As in StreamTo, only a lock held elsewhere refuses: a
+  // pipe on a file system that cannot lock (ENOLCK, ENOSYS, EOPNOTSUPP) is
+  // written unguarded, with a warning, rather than failing the run.
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
-    ::close(fd);
     if (error == EWOULDBLOCK) {
+      ::close(fd);
       throw std::runtime_error("trace: " + path + " is being written by another trace (another rank's, "
                                "through a link to the same pipe or terminal?); a FIFO or terminal takes "
                                "one rank's trace: give each rank its own");
     }
-    throw std::runtime_error("trace: cannot lock " + path + ": " + std::strerror(error));
+    std::fprintf(stderr, "[ddp] warning: trace: cannot lock %s (%s); writing it unlocked, so another writer "
+                 "of the same pipe or terminal would not be noticed\n", path.c_str(), std::strerror(error));
   }
   if (const std::string error = WriteAll(fd, std::string(kDocumentHead) + ProcessNameJson(rank), wait);
       !error.empty()) {

@@ -76,7 +76,9 @@ class TraceRecorder {
   /// to `wait` for the reader to take it. Throws std::runtime_error naming
   /// the path when nothing opened it for reading within `wait`, when
   /// another writer holds it, or when it cannot be opened or written; a
-  /// second call (or StreamTo) is refused.
+  /// second call (or StreamTo) is refused. Where it cannot be locked at all
+  /// (ENOLCK, ENOSYS, EOPNOTSUPP) it is streamed unlocked, after a warning
+  /// on stderr naming it, as StreamTo does.
   void StreamDocumentTo(const std::string& path, int rank, std::chrono::milliseconds wait);
   /// Whether StreamDocumentTo started the stream.
   bool streams_document() const { return document_; }

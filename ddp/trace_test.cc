@@ -548,5 +548,37 @@ TEST(TraceTest, AFileSystemThatCannotLockIsStreamedUnlockedWithAWarning) {
   flock_fails_with = 0;
 }
 
+// The same for a FIFO: a pipe that cannot be locked (ENOLCK, ENOSYS,
+// EOPNOTSUPP) is streamed unlocked after a warning naming it. Before,
+// StreamDocumentTo threw "cannot lock" for any error but EWOULDBLOCK.
+TEST(TraceTest, AFifoThatCannotBeLockedIsStreamedUnlockedWithAWarning) {
+  const auto now = TraceRecorder::Clock::now();
+  for (const int error : {ENOLCK, ENOSYS, EOPNOTSUPP}) {
+    SCOPED_TRACE(std::strerror(error));
+    const std::string fifo = FreshFifo("trace_rank0.json");
+    ASSERT_FALSE(fifo.empty());
+    FifoReader reader(fifo, std::chrono::seconds(60));
+    ASSERT_TRUE(reader.opened());
+    TraceRecorder trace;
+    ::testing::internal::CaptureStderr();
+    flock_fails_with = error;
+    try {
+      trace.StreamDocumentTo(fifo, 0, std::chrono::seconds(10));
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "StreamDocumentTo threw: " << e.what();
+    }
+    flock_fails_with = 0;
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find("cannot lock " + fifo + " (" + std::strerror(error) + ")"), std::string::npos) << err;
+    ASSERT_TRUE(trace.streams_document());
+    trace.Complete("step", "compute", now, now);
+    trace.EndDocument();
+    reader.Join();
+    nlohmann::json doc;
+    ASSERT_NO_THROW(doc = nlohmann::json::parse(reader.text())) << reader.text();
+    EXPECT_EQ(CompleteEventNames(doc), (std::vector<std::string>{"step"})) << doc.dump();
+  }
+}
+
 }  // namespace
 }  // namespace ddp::dist
