@@ -5109,6 +5109,53 @@ TEST(DdpFeaturesTest, TheLastStatisticsWindowIsLoggedAtTheEnd) {
   EXPECT_EQ(run.Output(1).find("[ddp] iterations"), std::string::npos) << "only rank 0 logs";
 }
 
+// A layer whose forward takes at least 300 ms on its third call (index 2),
+// the time a slow step's compute would, and no time to speak of otherwise.
+class SlowThirdForward : public Module {
+ public:
+  SlowThirdForward() {
+    nn::Generator gen(5);
+    fc_ = RegisterModule("fc", std::make_shared<nn::modules::Linear>(784, 4, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    if (calls_++ == 2) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return (*fc_)(nn::ops::Flatten(x, 1));
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "SlowThirdForward"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc_;
+  int calls_ = 0;
+};
+
+// The logged window of iterations 0-1 holds their two forwards, and the
+// third iteration's slow forward is in the line for iteration 2. Before,
+// the line was printed at the end of the third forward, which its window
+// took (three forwards averaged over iterations 0-1), and the window of
+// iteration 2 had no forward (0 ms).
+TEST(DdpFeaturesTest, TheLoggedStatisticsWindowHoldsItsOwnForwards) {
+  ::testing::internal::CaptureStderr();
+  {
+    DistributedDataParallel ddp(std::make_shared<SlowThirdForward>(),
+                                {.process_group = ProcessGroup::Single(), .log_stats_every = 2});
+    ddp.RegisterCommHook(hooks::AllReduceHook());  // one process counts iterations through it
+    auto [x, y] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+    for (int s = 0; s < 3; ++s) nn::Backward(nn::ops::Sum(ddp(x)));
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  // The forward figure of the line that starts with `head`; -1 without one.
+  const auto forward_ms = [&](const std::string& head) {
+    const size_t at = err.find(head);
+    return at == std::string::npos ? -1.0 : std::strtod(err.c_str() + at + head.size(), nullptr);
+  };
+  const double first = forward_ms("[ddp] iterations 0-1: forward ");
+  const double last = forward_ms("[ddp] iterations 2-2 (end of run): forward ");
+  EXPECT_GE(first, 0) << err;
+  EXPECT_LT(first, 50) << err;
+  EXPECT_GE(last, 300) << err;
+}
+
 // A long chain of ops after the only layer: find_unused_parameters' walk
 // from the outputs, which runs inside DDP's forward, takes a while. It
 // counted in forward_ms and again in backward_compute_ms (timed from where

@@ -640,6 +640,16 @@ nn::Tensor DistributedDataParallel::Forward(const nn::Tensor& input) {
 std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::Tensor>& inputs) {
   Impl& s = *impl_;
   if (s.trace != nullptr) s.trace->Flush();  // the last iteration's events
+  if (s.log_every > 0 && pg_->rank() == 0 && s.reducer != nullptr &&
+      s.reducer->iterations() >= s.logged_at + s.log_every) {
+    // The logger's own window: the user's (Stats) is left as it is. Logged
+    // before this forward is timed: logged after it, the window took the
+    // next iteration's forward, and the next window lacked it.
+    std::fprintf(stderr, "[ddp] iterations %" PRId64 "-%" PRId64 ": %s\n", s.logged_at,
+                 s.reducer->iterations() - 1, StatsSince(s, *pg_, s.log_since).ToString().c_str());
+    s.logged_at = s.reducer->iterations();
+    s.log_since = TakeStatsSnapshot(s, *pg_);
+  }
   const Clock::time_point start = Clock::now();
   const int size = pg_->size();
   // The mode is the wrapped module's, as PyTorch reads self.module.training:
@@ -936,14 +946,6 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     s.forward_seconds += std::chrono::duration<double>(end - start).count();
   }
   if (s.trace != nullptr) s.trace->Complete("forward", "compute", start, end);
-  if (s.log_every > 0 && pg_->rank() == 0 && s.reducer != nullptr &&
-      s.reducer->iterations() >= s.logged_at + s.log_every) {
-    // The logger's own window: the user's (Stats) is left as it is.
-    std::fprintf(stderr, "[ddp] iterations %" PRId64 "-%" PRId64 ": %s\n", s.logged_at,
-                 s.reducer->iterations() - 1, StatsSince(s, *pg_, s.log_since).ToString().c_str());
-    s.logged_at = s.reducer->iterations();
-    s.log_since = TakeStatsSnapshot(s, *pg_);
-  }
   return outputs;
 }
 
