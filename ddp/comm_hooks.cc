@@ -120,6 +120,19 @@ Work AverageAsNoHook(ProcessGroup& group, const nn::Tensor& buffer, double divis
 }
 
 void RequireUndividedBucket(const GradBucket& bucket, const char* hook) {
+  if (!bucket.divided() && bucket.buffer_written()) {
+    // Undivided as handed out, but the calling hook (one on local
+    // gradients) wrote the buffer before this call: most likely it divided
+    // the gradients itself, which this hook would do again.
+    std::ostringstream message;
+    message << hook << ": bucket " << bucket.index() << "'s buffer was written in place by the calling hook "
+            << "before this call (divided by " << bucket.divisor() << " already?); " << hook
+            << " takes this rank's gradients as given and divides them itself, so a division before it "
+               "would leave them divided by "
+            << bucket.divisor() * bucket.divisor()
+            << ". Pass the bucket unchanged, and change the gradients once its Work has completed";
+    throw std::logic_error(message.str());
+  }
   if (!bucket.divided()) return;
   std::ostringstream message;
   message << hook << ": bucket " << bucket.index() << " was given already divided by " << bucket.divisor()
@@ -248,6 +261,18 @@ Work CompressedAllReduce(ProcessGroup& group, GradBucket& bucket, Wire wire) {
   });
 }
 
+// The compression hooks take floating buckets only. Checked before
+// DivideIfUndivided, whose division of an integer bucket would fail first
+// with an error that names neither the hook nor the bucket.
+void RequireFloatingBucket(const GradBucket& bucket, const char* hook) {
+  const nn::DType dtype = bucket.buffer().dtype();
+  if (nn::IsFloating(dtype)) return;
+  throw std::invalid_argument(std::string(hook) + ": bucket " + std::to_string(bucket.index()) + " has dtype " +
+                              std::string(nn::DTypeName(dtype)) +
+                              ", which cannot be compressed (f32 and f64 buckets are sent as 16-bit floats, "
+                              "f16 and bf16 ones as they are)");
+}
+
 // The compression hooks on an undivided bucket: divided here first, before
 // the 16-bit wire (whose sum of undivided gradients may also overflow f16).
 void DivideIfUndivided(const GradBucket& bucket) {
@@ -270,6 +295,7 @@ CommHook AllReduceHook() {
 
 CommHook Fp16CompressHook() {
   return [](ProcessGroup& group, GradBucket& bucket) {
+    RequireFloatingBucket(bucket, "Fp16CompressHook");
     DivideIfUndivided(bucket);
     return CompressedAllReduce(group, bucket, Wire::kF16);
   };
@@ -277,6 +303,7 @@ CommHook Fp16CompressHook() {
 
 CommHook Bf16CompressHook() {
   return [](ProcessGroup& group, GradBucket& bucket) {
+    RequireFloatingBucket(bucket, "Bf16CompressHook");
     DivideIfUndivided(bucket);
     return CompressedAllReduce(group, bucket, Wire::kBF16);
   };

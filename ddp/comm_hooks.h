@@ -27,6 +27,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -53,7 +54,8 @@ class GradBucket {
         parameters_(std::move(parameters)),
         offsets_(std::move(offsets)),
         divisor_(divisor),
-        divided_(divided) {
+        divided_(divided),
+        buffer_version_(buffer_.defined() ? buffer_.storage()->version() : 0) {
     // A hook divides by it (or multiplies by its inverse): 0, a negative or
     // a non-finite divisor would give infinities or flipped gradients.
     if (!(divisor > 0.0) || !std::isfinite(divisor)) {
@@ -84,6 +86,15 @@ class GradBucket {
   /// the body of a hook that was given divided gradients, it would divide
   /// twice and leave the gradients divided by the divisor squared.
   bool divided() const { return divided_; }
+  /// True when the buffer was written in place (through a tensor
+  /// operation, which bumps its storage's version) since the bucket was
+  /// made: by the hook it was given to, before that hook called another.
+  /// PowerSgdHook and PostLocalSgdHook refuse such a bucket, as a calling
+  /// hook on local gradients that divided them itself would have them
+  /// divided twice. Writes through raw pointers are not seen.
+  bool buffer_written() const {
+    return buffer_.defined() && buffer_.storage()->version() != buffer_version_;
+  }
 
  private:
   size_t index_;
@@ -93,6 +104,7 @@ class GradBucket {
   std::vector<int64_t> offsets_;
   double divisor_;
   bool divided_;
+  uint64_t buffer_version_;  // the buffer's storage version when handed out
 };
 
 /// A communication hook (see the header comment for its contract): any
@@ -163,7 +175,9 @@ CommHook AllReduceHook();
 /// sum stays in range: an undivided bucket is divided by divisor() here);
 /// 16-bit buckets are reduced as they are. In a group of one process the
 /// bucket still goes to f16 and back, so it is rounded as a larger group's
-/// is. Leaves the average, as PyTorch's fp16_compress_hook.
+/// is. Leaves the average, as PyTorch's fp16_compress_hook. A bucket that
+/// is not floating, divided or not, throws std::invalid_argument naming the
+/// hook, the bucket and its dtype, before anything is written or sent.
 CommHook Fp16CompressHook();
 /// The same with bfloat16: f32's range, 8 bits of mantissa.
 CommHook Bf16CompressHook();
@@ -204,7 +218,9 @@ Work AverageAsNoHook(ProcessGroup& group, const nn::Tensor& buffer, double divis
 /// Throws std::logic_error naming `hook` and the bucket when
 /// bucket.divided(): `hook` divides the gradients itself, so it must be
 /// registered as it is, or called from a hook made with
-/// CommHook::OnLocalGradients.
+/// CommHook::OnLocalGradients. Throws the same when the bucket is undivided
+/// but bucket.buffer_written(): the calling hook changed the gradients
+/// (divided them, most likely) before `hook` would divide them.
 void RequireUndividedBucket(const GradBucket& bucket, const char* hook);
 
 /// Tells the copies of one hook apart: each copy of a hook's closure that

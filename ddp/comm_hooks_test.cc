@@ -91,6 +91,33 @@ TEST(CommHooksTest, ABucketWithADivisorThatIsNotPositiveAndFiniteIsRefused) {
   }
 }
 
+// A compression hook given an integer bucket (from a user's hook on local
+// gradients, undivided) names itself, the bucket and the dtype, and leaves
+// the bucket as it was. Before, an undivided bucket failed in the division
+// first, with an error naming neither hook nor bucket ("gradient
+// averaging").
+TEST(CommHooksTest, ACompressionHookGivenAnIntegerBucketNamesItselfAndTheDtype) {
+  const std::shared_ptr<ProcessGroup> pg = ProcessGroup::Single();
+  const std::vector<std::pair<std::string, CommHook>> cases = {{"Fp16CompressHook", hooks::Fp16CompressHook()},
+                                                              {"Bf16CompressHook", hooks::Bf16CompressHook()}};
+  for (const auto& [name, hook] : cases) {
+    for (const bool divided : {false, true}) {
+      SCOPED_TRACE(name + (divided ? " on a divided bucket" : " on an undivided bucket"));
+      const nn::Tensor buffer = nn::Full({4}, 6.0, {.dtype = nn::DType::kInt64});
+      GradBucket bucket(2, 3, buffer, {}, {}, 2.0, divided);
+      try {
+        hook(*pg, bucket).Wait();
+        ADD_FAILURE() << "an i64 bucket was compressed";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_EQ(std::string(e.what()), name + ": bucket 2 has dtype i64, which cannot be compressed (f32 and "
+                                                "f64 buckets are sent as 16-bit floats, f16 and bf16 ones as "
+                                                "they are)");
+      }
+      EXPECT_EQ(buffer.ToVector<double>(), std::vector<double>(4, 6.0));
+    }
+  }
+}
+
 // The largest |a - b| over every gradient, divided by the largest |b|.
 double RelativeDifference(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
   double diff = 0, scale = 0;

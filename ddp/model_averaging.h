@@ -64,7 +64,8 @@ namespace hooks {
 /// them itself; a hook that calls it from its own body must be made with
 /// CommHook::OnLocalGradients too. Called with a bucket already divided
 /// (GradBucket::divided(), from a plain hook) it throws std::logic_error
-/// naming itself rather than divide again.
+/// naming itself rather than divide again, and so it does when the calling
+/// hook wrote the bucket's buffer in place first (GradBucket::buffer_written()).
 CommHook PostLocalSgdHook(PostLocalSgdOptions options);
 /// The same hook counting its iterations in `state`, which the caller keeps to
 /// save and restore the count (see PostLocalSgdState). One

@@ -179,7 +179,9 @@ namespace hooks {
 /// (on_local_gradients() is true): a hook that calls it from its own body
 /// must be made with CommHook::OnLocalGradients too. Called with a bucket
 /// already divided (GradBucket::divided(), from a plain hook) it throws
-/// std::logic_error naming itself rather than divide the gradients twice.
+/// std::logic_error naming itself rather than divide the gradients twice;
+/// so it does when the calling hook wrote the bucket's buffer in place
+/// before calling it (GradBucket::buffer_written(): divided it itself?).
 CommHook PowerSgdHook(PowerSgdOptions options = {});
 /// The same hook keeping its state in `state`, which the caller keeps to save
 /// and restore it. One DistributedDataParallel per state: a call from a second

@@ -31,6 +31,7 @@
 #include "nn/autograd/engine.h"
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
+#include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::dist {
@@ -235,6 +236,33 @@ DDP_TEST_WORKER(inside_a_user_hook) {
       "PowerSgdHook inside a hook given divided gradients was accepted",
       {"PowerSgdHook: bucket", "already divided by 2", "CommHook::OnLocalGradients"});
   return testing::WorkerExit();
+}
+
+// A user's hook on local gradients that divides them itself and then calls
+// PowerSgdHook: the bucket says undivided, so PowerSgdHook divided again and
+// the gradients came out divided by 4 on 2 ranks, silently. It is refused,
+// naming the hook and the bucket; the same hook passing the bucket
+// unchanged still gives the no-hook average.
+DDP_TEST_WORKER(inside_a_dividing_local_hook) {
+  auto pg = testing::WorkerGroup();
+  const CommHook inner = hooks::PowerSgdHook({.start_iteration = 100});
+  testing::ExpectRefused(
+      pg->rank(),
+      [&] {
+        OneBackwardGrads(pg, CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) {
+                           nn::NoGradGuard no_grad;
+                           b.buffer().CopyFrom(nn::ops::DivScalar(b.buffer(), b.divisor()));
+                           return inner(g, b);
+                         }));
+      },
+      "PowerSgdHook after the calling hook divided the bucket was accepted",
+      {"PowerSgdHook: bucket", "written in place by the calling hook", "divided by 4"});
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, InsideALocalHookThatDividedTheBucketItselfIsRefusedNamingIt) {
+  auto run = RunWorkers("inside_a_dividing_local_hook", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(PowerSgdHookTest, InsideAHookGivenDividedGradientsIsRefusedNamingIt) {
