@@ -459,6 +459,19 @@ void ZeroRedundancyOptimizer::ZeroGrad(bool set_to_none) {
 }
 
 NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
+  // The ranks agree on `to` first, in one small collective: a rank whose
+  // `to` is out of range threw alone and left the others waiting in the
+  // broadcasts below until the group's timeout, and ranks that passed
+  // different ranks each took the whole state, or none did. One rank has
+  // nothing to agree with.
+  const std::vector<std::string> targets =
+      pg_->size() > 1 ? pg_->AllGatherObject(std::to_string(to)) : std::vector<std::string>{};
+  for (size_t r = 1; r < targets.size(); ++r) {
+    if (targets[r] == targets[0]) continue;
+    throw std::invalid_argument("ZeroRedundancyOptimizer::ConsolidatedStateDict: rank 0 passed to = " + targets[0] +
+                                " and rank " + std::to_string(r) + " passed to = " + targets[r] +
+                                "; every rank must name the same receiving rank");
+  }
   if (to < 0 || to >= pg_->size()) {
     throw std::invalid_argument("ZeroRedundancyOptimizer::ConsolidatedStateDict: rank " + std::to_string(to) +
                                 " is not in a group of " + std::to_string(pg_->size()));

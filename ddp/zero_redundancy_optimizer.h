@@ -181,7 +181,9 @@ class ZeroRedundancyOptimizer {
 
   /// Collective: the whole optimizer's state, as the unsharded optimizer's
   /// StateDict would give it (CPU tensors), on rank `to`; an empty list on
-  /// the other ranks.
+  /// the other ranks. Every rank must pass the same `to`: ranks that differ,
+  /// or a `to` outside the group, throw std::invalid_argument on every rank
+  /// at once, naming the values, before any state is sent.
   nn::optim::NamedTensors ConsolidatedStateDict(int to = 0);
   /// Collective: loads a whole state (ConsolidatedStateDict's, or a plain
   /// optimizer's StateDict); each rank keeps the entries of the parameters

@@ -548,6 +548,40 @@ DDP_TEST_WORKER(consolidate) {
   return testing::WorkerExit();
 }
 
+// The ranks name different receiving ranks: rank r passes to = r, then
+// rank 1 alone passes one outside the group. Before, the first returned the
+// whole state on both ranks, and in the second rank 1 threw alone while
+// rank 0 waited in the broadcasts until the group's timeout. Both now fail
+// every rank at once, naming the values, and the group stays usable.
+DDP_TEST_WORKER(consolidate_to_differs) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int rank = pg->rank();
+  auto model = Mlp(1);
+  ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, MakeOptimizer);
+  const std::vector<std::pair<int, std::string>> cases = {
+      {rank, "rank 0 passed to = 0 and rank 1 passed to = 1; every rank must name the same receiving rank"},
+      {rank == 1 ? 5 : 0, "rank 0 passed to = 0 and rank 1 passed to = 5; every rank must name the same "
+                          "receiving rank"}};
+  for (const auto& [to, expected] : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    std::string error = "(nothing thrown)";
+    try {
+      zero.ConsolidatedStateDict(to);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout");
+    WORKER_EXPECT(error == "ZeroRedundancyOptimizer::ConsolidatedStateDict: " + expected, "error: " + error);
+  }
+  WORKER_EXPECT(zero.ConsolidatedStateDict(1).empty() == (rank != 1), "the group is not usable after");
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, ConsolidatedStateDictWithADifferentToPerRankFailsEveryRankNamingThem) {
+  auto run = RunWorkers("consolidate_to_differs", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(ZeroRedundancyOptimizerTest, ConsolidatedStateEqualsTheUnshardedOnesAndResumes) {
   auto run = RunWorkers("consolidate", 2,
                         {{"DDP_TEST_OPTIM", "adam"}, {"DDP_TEST_CKPT", TempPath("ckpt.safetensors")}});
