@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -606,6 +607,16 @@ bool Fits(const SavedTensorState& saved, const BucketState& b, size_t t) {
          (saved.residual.dtype() == b.dtype && saved.residual.shape() == b.shapes[t]);
 }
 
+// Drops the saved states of parameters freed since (a model destroyed after
+// LoadStateDict, or after a rebuild carried its state here): no parameter
+// can take them, and they held their Q and residual until the next
+// LoadStateDict.
+void DropFreed(SavedStates& pending) {
+  for (auto it = pending.begin(); it != pending.end();) {
+    it = it->second.owner.expired() ? pending.erase(it) : std::next(it);
+  }
+}
+
 // Puts the loaded state of b's parameters into b, which was just built
 // for its bucket, and forgets it (a later rebuild carries it by parameter,
 // as any state). Q only when every compressed tensor of the bucket has
@@ -927,6 +938,11 @@ const PowerSgdOptions& PowerSgdState::options() const { return impl_->options; }
 
 int64_t PowerSgdState::iteration() const { return impl_->iteration; }
 
+size_t PowerSgdState::held_parameter_states() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->pending.size();
+}
+
 PowerSgdState::NamedTensors PowerSgdState::StateDict(const NamedTensors& params, bool with_residuals) const {
   std::map<const nn::TensorImpl*, std::string> names;
   for (const auto& [name, p] : params) names[p.impl()] = name;
@@ -1095,6 +1111,7 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
           BucketState* found;
           {
             std::lock_guard<std::mutex> lock(state->mu);
+            DropFreed(state->pending);
             found = &state->buckets[index];
           }
           BucketState& b = *found;

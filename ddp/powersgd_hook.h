@@ -121,6 +121,7 @@
 // the gradient is off by the ratio for one step (PyTorch's hook has the
 // same limit).
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -213,6 +214,10 @@ class PowerSgdState {
   /// Hook calls on the last bucket so far (iterations; compression runs
   /// from iteration options().start_iteration on).
   int64_t iteration() const;
+  /// Parameters whose Q or residual this state holds outside its buckets
+  /// (loaded, or carried across a bucket rebuild, and not placed yet).
+  /// Those of parameters freed since are dropped at the hook's next call.
+  size_t held_parameter_states() const;
 
   /// "powersgd.iteration" (i64 scalar); "powersgd.q.<name>" (Q^T, [r, m],
   /// the parameter's dtype) for each compressed parameter whose bucket has

@@ -883,6 +883,30 @@ TEST(PowerSgdHookTest, LoadedStateOfAnotherShapeStartsOverAsANewHook) {
   }
 }
 
+// A loaded state whose parameter is freed before any backward (its model
+// destroyed, and the state given to a wrapper of another model): no
+// parameter can take it. Before, its Q and residual were held until the
+// next LoadStateDict; the hook's next call drops them.
+TEST(PowerSgdHookTest, ALoadedStateOfAFreedParameterIsDroppedAtTheNextCall) {
+  auto pg = ProcessGroup::Single();
+  const PowerSgdOptions options{.matrix_approximation_rank = 1, .start_iteration = 0};
+  auto loaded = std::make_shared<PowerSgdState>(options);
+  nn::Generator gen(47);
+  // Made before the freed one is freed, so that it cannot take its address.
+  const Tensor kept = nn::Zeros({20, 10});
+  {
+    const Tensor freed = nn::Zeros({16, 12});
+    auto state = std::make_shared<PowerSgdState>(options);
+    CommHook hook = hooks::PowerSgdHook(state);
+    for (int k = 0; k < 2; ++k) Compress(hook, *pg, freed, nn::Randn({16, 12}, {}, gen));
+    loaded->LoadStateDict(state->StateDict({{"w", freed}}, true), {{"w", freed}});
+    ASSERT_EQ(loaded->held_parameter_states(), 1u) << "premise: w's Q and residual are held";
+  }
+  CommHook resumed = hooks::PowerSgdHook(loaded);
+  Compress(resumed, *pg, kept, nn::Randn({20, 10}, {}, gen));
+  EXPECT_EQ(loaded->held_parameter_states(), 0u);
+}
+
 // The state of a parameter that was freed (its model destroyed while the
 // state lives on, for a new wrapper) is not a new parameter's: kept by
 // address alone, a new tensor that the allocator placed where the old one
