@@ -670,6 +670,16 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
     return s.whole->StateDict();
   }
   ProcessGroup& pg = *s.group;
+  // The ranks agree on `to` first: a rank whose `to` was out of range threw
+  // alone and left the others waiting in the gather until the group's
+  // timeout, and gathers to different roots did not pair.
+  const std::vector<std::string> targets = pg.AllGatherObject(std::to_string(to));
+  for (size_t r = 1; r < targets.size(); ++r) {
+    if (targets[r] == targets[0]) continue;
+    throw std::invalid_argument("OverlappedZeroOptimizer::ConsolidatedStateDict: rank 0 passed to = " + targets[0] +
+                                " and rank " + std::to_string(r) + " passed to = " + targets[r] +
+                                "; every rank must name the same receiving rank");
+  }
   if (to < 0 || to >= pg.size()) {
     throw std::invalid_argument("OverlappedZeroOptimizer::ConsolidatedStateDict: rank " + std::to_string(to) +
                                 " is not in a group of " + std::to_string(pg.size()));

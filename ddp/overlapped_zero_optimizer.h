@@ -182,7 +182,9 @@ class OverlappedZeroOptimizer {
   /// the groups' order,
   /// "state.<name>.step" and its elementwise entries in the parameter's
   /// shape, as the unsharded optimizer's StateDict), empty elsewhere.
-  /// Throws std::invalid_argument for a rank outside the group.
+  /// Throws std::invalid_argument for a rank outside the group, and on
+  /// every rank at once, naming the values, when the ranks pass different
+  /// `to` (one small all-gather agrees on it before any state is sent).
   nn::optim::NamedTensors ConsolidatedStateDict(int to = 0);
   /// Loads a whole state (ConsolidatedStateDict's, or a plain optimizer's
   /// StateDict) on every rank; each slice's optimizer takes its pieces. Not

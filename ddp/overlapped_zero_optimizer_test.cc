@@ -258,6 +258,43 @@ TEST(OverlappedZeroOptimizerTest, MoreRanksThanElementsToShareEqualsTheUnsharded
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// The ranks name different receivers (rank r passes r), then rank 1
+// alone names one outside the group: before, the gathers to different
+// roots did not pair, and a rank that refused its `to` left the others in
+// the gather until the group's timeout. Every rank fails at once, naming
+// both values, and the group stays usable.
+DDP_TEST_WORKER(consolidate_to_differs) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int rank = pg->rank();
+  nn::Generator gen(8);
+  auto model = std::make_shared<nn::modules::Linear>(1, 2, /*bias=*/true, gen);
+  DistributedDataParallel ddp(model, {.process_group = Borrow(*pg)});
+  OverlappedZeroOptimizer opt(
+      ddp, [](nn::optim::NamedParameters shard) { return MakeOptimizer(true, std::move(shard)); });
+  // (this rank's `to`, the value rank 1's passes, as named in the error)
+  const std::vector<std::pair<int, std::string>> cases = {{rank, "1"}, {rank == 1 ? 7 : 0, "7"}};
+  for (const auto& [other, named] : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    std::string error = "(nothing thrown)";
+    try {
+      opt.ConsolidatedStateDict(other);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout");
+    WORKER_EXPECT(error == "OverlappedZeroOptimizer::ConsolidatedStateDict: rank 0 passed to = 0 and rank 1 "
+                           "passed to = " + named + "; every rank must name the same receiving rank",
+                  "error: " + error);
+  }
+  WORKER_EXPECT(opt.ConsolidatedStateDict(1).empty() == (rank != 1), "the group is not usable after");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, ConsolidatedStateDictWithADifferentToPerRankFailsEveryRankNamingThem) {
+  auto run = RunWorkers("consolidate_to_differs", 3);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A zero-size trained parameter that forward uses, beside a frozen layer.
 class ZeroSizeAndFrozen : public Module {
  public:
