@@ -147,6 +147,23 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
     ++step_;
     return false;
   }
+  // The ranks' lists must be as long as each other before the flags below
+  // (one per tensor) are all-reduced: of different lengths, that all-reduce
+  // did not pair and the transport aborted the group naming neither list,
+  // and a rank with an empty list returned at once while the others waited
+  // in it until the group's timeout. One all-reduce of each rank's count.
+  ProcessGroup& group = **options_.process_group;
+  const int64_t count = static_cast<int64_t>(params.size());
+  nn::Tensor counts = nn::Zeros({group.size()}, {.dtype = nn::DType::kInt64});
+  counts.data<int64_t>()[group.rank()] = count;
+  group.AllReduce(counts, transport::ReduceOp::kSum, "count of tensors to average").Wait();
+  for (int r = 1; r < group.size(); ++r) {
+    const int64_t first = counts.data<int64_t>()[0], other = counts.data<int64_t>()[r];
+    if (other == first) continue;
+    throw std::invalid_argument("PeriodicModelAverager: rank 0 passes " + std::to_string(first) +
+                                " tensors and rank " + std::to_string(r) + " passes " + std::to_string(other) +
+                                "; every rank must pass the same tensors");
+  }
   if (params.empty()) {
     ++step_;
     return true;
@@ -162,8 +179,6 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
   // one with a gradient elsewhere cannot be averaged here, and every rank
   // must learn that together rather than this one alone failing while the
   // others wait in their averages.
-  ProcessGroup& group = **options_.process_group;
-  const int64_t count = static_cast<int64_t>(params.size());
   nn::Tensor marks = nn::Zeros({2 * count}, {.dtype = nn::DType::kUInt8});
   uint8_t* flags = marks.data<uint8_t>();
   uint8_t* undefined = flags + count;

@@ -160,7 +160,10 @@ class PeriodicModelAverager {
   /// averaged on all of them and the ranks' collectives pair up.
   /// Collective on due steps, so not for use under Join (a rank that
   /// joined would not take part). Throws DistributedError when an
-  /// all-reduce fails; a call that throws leaves the step uncounted.
+  /// all-reduce fails, and std::invalid_argument on every rank, naming
+  /// both counts, when the ranks pass lists of different lengths (an empty
+  /// one included: due steps agree on the count first, in one small
+  /// all-reduce); a call that throws leaves the step uncounted.
   bool AverageParameters(const std::vector<nn::Tensor>& params);
 
   /// Steps counted so far.

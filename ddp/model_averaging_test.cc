@@ -643,6 +643,49 @@ TEST(ModelAveragingTest, ATensorUndefinedOnOneRankFailsEveryRankAtOnce) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Lists of different lengths: rank 1 passes one tensor more, then none.
+// Before, the first made the per-tensor flags' all-reduce differ in size
+// (the transport aborted the group, naming neither list), and in the second
+// rank 1 returned at once while rank 0 waited in that all-reduce until the
+// group's timeout. Both now fail every rank at once, naming both counts,
+// count no step, and leave the group usable.
+DDP_TEST_WORKER(averager_list_lengths_differ) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int rank = pg->rank();
+  const auto with_grad = [](double value) {
+    const Tensor t = nn::Full({3}, value);
+    t.set_grad(nn::Zeros(t.shape()));
+    return t;
+  };
+  const Tensor a = with_grad(rank), b = with_grad(2.0 * rank);
+  PeriodicModelAverager averager({.period = 1, .process_group = pg});
+  const std::vector<std::pair<std::vector<Tensor>, std::string>> cases = {
+      {rank == 1 ? std::vector<Tensor>{a, b, with_grad(1.0)} : std::vector<Tensor>{a, b}, "3"},
+      {rank == 1 ? std::vector<Tensor>{} : std::vector<Tensor>{a, b}, "0"}};
+  for (const auto& [params, named] : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    std::string error = "(nothing thrown)";
+    try {
+      averager.AverageParameters(params);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout");
+    WORKER_EXPECT(error == "PeriodicModelAverager: rank 0 passes 2 tensors and rank 1 passes " + named +
+                               "; every rank must pass the same tensors",
+                  "error: " + error);
+  }
+  WORKER_EXPECT(averager.step() == 0, "step " + std::to_string(averager.step()) + " after failed averages");
+  WORKER_EXPECT(averager.AverageParameters({a, b}), "the retried step did not average");
+  WORKER_EXPECT(a.ToVector<double>() == std::vector<double>(3, 0.5), "the retried average is off");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PeriodicAveragerGivenListsOfDifferentLengthsFailsEveryRankNamingThem) {
+  auto run = RunWorkers("averager_list_lengths_differ", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // AverageParameters called directly with a tensor that cannot be averaged
 // on rank 1 only (undefined, then an integer one): before, rank 1 threw
 // before any collective and rank 0 waited in its average until the group's
