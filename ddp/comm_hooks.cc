@@ -288,7 +288,18 @@ CommHook AllReduceHook() {
     // Undivided (called from a hook on local gradients): averaged here, as
     // the reducer would have, instead of summed to divisor() times the
     // average.
-    if (!bucket.divided()) return internal::AverageAsNoHook(group, bucket.buffer(), bucket.divisor(), label);
+    if (!bucket.divided()) {
+      // Averaging divides: an integer bucket failed inside the division,
+      // with an error that named neither this hook nor the bucket.
+      const nn::DType dtype = bucket.buffer().dtype();
+      if (!nn::IsFloating(dtype)) {
+        throw std::invalid_argument("AllReduceHook: bucket " + std::to_string(bucket.index()) + " has dtype " +
+                                    std::string(nn::DTypeName(dtype)) +
+                                    " and came undivided, so it would be averaged here; only floating buckets "
+                                    "can be (a divided one is summed as it is)");
+      }
+      return internal::AverageAsNoHook(group, bucket.buffer(), bucket.divisor(), label);
+    }
     return group.AllReduce(bucket.buffer(), transport::ReduceOp::kSum, label);
   };
 }

@@ -169,7 +169,9 @@ namespace hooks {
 /// undivided bucket (GradBucket::divided() false: called from the body of
 /// a hook made with CommHook::OnLocalGradients) it averages by divisor()
 /// instead, as DistributedDataParallel with no hook does: the average
-/// either way, as PyTorch's allreduce_hook.
+/// either way, as PyTorch's allreduce_hook. An undivided bucket that is not
+/// floating throws std::invalid_argument naming the hook, the bucket and
+/// its dtype, before anything is sent.
 CommHook AllReduceHook();
 /// Sends f32/f64 buckets as IEEE f16 (values are divided first, so the
 /// sum stays in range: an undivided bucket is divided by divisor() here);

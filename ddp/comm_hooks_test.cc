@@ -118,6 +118,25 @@ TEST(CommHooksTest, ACompressionHookGivenAnIntegerBucketNamesItselfAndTheDtype) 
   }
 }
 
+// AllReduceHook given an undivided integer bucket (which it would have to
+// average) names itself, the bucket and the dtype, and leaves the bucket as
+// it was. Before, it failed in the division with "gradient averaging: dtype
+// i64 is not supported".
+TEST(CommHooksTest, AllReduceHookGivenAnUndividedIntegerBucketNamesItselfAndTheDtype) {
+  const std::shared_ptr<ProcessGroup> pg = ProcessGroup::Single();
+  const nn::Tensor buffer = nn::Full({4}, 6.0, {.dtype = nn::DType::kInt64});
+  GradBucket bucket(1, 3, buffer, {}, {}, 2.0, /*divided=*/false);
+  try {
+    hooks::AllReduceHook()(*pg, bucket).Wait();
+    ADD_FAILURE() << "an undivided i64 bucket was averaged";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "AllReduceHook: bucket 1 has dtype i64 and came undivided, so it would be "
+                                     "averaged here; only floating buckets can be (a divided one is summed as "
+                                     "it is)");
+  }
+  EXPECT_EQ(buffer.ToVector<double>(), std::vector<double>(4, 6.0));
+}
+
 // The largest |a - b| over every gradient, divided by the largest |b|.
 double RelativeDifference(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
   double diff = 0, scale = 0;
