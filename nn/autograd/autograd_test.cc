@@ -641,5 +641,23 @@ TEST(AutogradTest, NodeObserverCanBeSetDuringBackward) {
   EXPECT_EQ(w.grad().ToVector<float>(), std::vector<float>(8, 3000.0f));
 }
 
+// Dropping a graph frees its nodes with a loop: a chain 300k nodes deep
+// (an unrolled loop) is freed without running out of stack, and nothing
+// keeps it alive once its last tensor is gone. Before, each node's
+// destructor freed its inputs' nodes by recursion, and the test crashed
+// with a stack overflow when y was dropped.
+TEST(AutogradTest, DroppingAVeryDeepGraphDoesNotOverflowTheStack) {
+  constexpr int kDepth = 300000;
+  Tensor x = Param({1}, 1.0);
+  Tensor y = ops::AddScalar(x, 1.0);
+  const std::weak_ptr<Node> first = y.grad_fn();
+  for (int i = 1; i < kDepth; ++i) y = ops::AddScalar(y, 1.0);
+  Backward(y);
+  EXPECT_EQ(x.grad().ToVector<float>(), std::vector<float>{1});
+  EXPECT_FALSE(first.expired());
+  y = Tensor();
+  EXPECT_TRUE(first.expired());
+}
+
 }  // namespace
 }  // namespace ddp::nn::autograd

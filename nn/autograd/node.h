@@ -29,7 +29,10 @@ struct Edge {
 class Node {
  public:
   Node();
-  virtual ~Node() = default;
+  /// Frees the chain of nodes only this one keeps alive with a loop rather
+  /// than by recursion, so that dropping a graph hundreds of thousands of
+  /// nodes deep (a long unrolled loop) does not overflow the stack.
+  virtual ~Node();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
