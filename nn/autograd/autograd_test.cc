@@ -659,5 +659,77 @@ TEST(AutogradTest, DroppingAVeryDeepGraphDoesNotOverflowTheStack) {
   EXPECT_TRUE(first.expired());
 }
 
+// y = x^2 without a recorded graph; its backward records the forward again
+// and runs a nested Backward through it (what activation checkpointing
+// does), as PyTorch allows a re-entrant backward.
+struct RecomputedSquare : Function<RecomputedSquare> {
+  static constexpr const char* kName = "RecomputedSquareBackward";
+  static std::vector<Tensor> Forward(AutogradContext* ctx, const std::vector<Tensor>& in) {
+    ctx->SaveForBackward({in[0]});
+    return {ops::Square(in[0])};
+  }
+  static std::vector<Tensor> Backward(AutogradContext* ctx, const std::vector<Tensor>& g) {
+    const Tensor x = ctx->GetSavedTensors()[0].Clone();
+    x.set_requires_grad(true);
+    bool callback_ran = false;
+    {
+      GradModeGuard enable(true);
+      const Tensor y = ops::Square(x);
+      x.RegisterPostAccumulateGradHook([&](const Tensor&) { QueueCallback([&] { callback_ran = true; }); });
+      autograd::Backward({y}, {g[0]});
+    }
+    // The nested pass ran its own callbacks before it returned, and the
+    // enclosing pass is still running.
+    if (!callback_ran || !InBackward()) throw std::logic_error("nested pass left the wrong state");
+    return {x.grad()};
+  }
+};
+
+// A custom function's backward and a hook may run Backward on the same
+// thread (nested in the running pass), as in PyTorch; afterwards the
+// enclosing pass goes on and finishes. Before, the nested Backward threw
+// "Backward called from inside a backward pass on the same thread".
+TEST(AutogradTest, BackwardCanBeNestedInABackwardFunctionOrAHook) {
+  Tensor x = Param({2}, 3.0);
+  Backward(ops::Sum(ops::MulScalar(RecomputedSquare::Apply({x})[0], 5.0)));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{30, 30}));  // 5 * 2x
+
+  Tensor w = Param({2}, 1.0), v = Param({2}, 2.0);
+  Tensor loss_v = ops::Sum(ops::Mul(v, v));
+  int hook_calls = 0;
+  w.RegisterPostAccumulateGradHook([&](const Tensor&) {
+    ++hook_calls;
+    Backward(loss_v);
+  });
+  Backward(ops::Sum(ops::MulScalar(w, 4.0)));
+  EXPECT_EQ(hook_calls, 1);
+  EXPECT_FALSE(InBackward());
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{4, 4}));
+  EXPECT_EQ(v.grad().ToVector<float>(), (std::vector<float>{4, 4}));  // 2v
+}
+
+// A nested pass that reaches a node the enclosing pass on this thread is
+// running (a hook on w calling Backward through w again) would wait for
+// that node's lock forever; it is refused with an error naming the node,
+// and the engine is usable afterwards.
+TEST(AutogradTest, ANestedBackwardThroughTheRunningNodeIsRefused) {
+  Tensor w = Param({2}, 1.0);
+  Tensor again = ops::Sum(ops::MulScalar(w, 3.0));
+  w.RegisterPostAccumulateGradHook([&](const Tensor&) {
+    if (again.defined()) {
+      Tensor root = again;
+      again = Tensor();
+      Backward(root);
+    }
+  });
+  const std::string err = ErrorOf([&] { Backward(ops::Sum(ops::MulScalar(w, 2.0))); });
+  EXPECT_NE(err.find("AccumulateGrad"), std::string::npos) << err;
+  EXPECT_NE(err.find("enclosing backward pass on this thread is running"), std::string::npos) << err;
+  EXPECT_FALSE(InBackward());
+  EXPECT_TRUE(GradMode::IsEnabled());
+  Backward(ops::Sum(ops::MulScalar(w, 2.0)));  // the hook has nothing left to run
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{4, 4}));
+}
+
 }  // namespace
 }  // namespace ddp::nn::autograd

@@ -1,5 +1,6 @@
 #include "nn/autograd/engine.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -25,6 +26,10 @@ struct GraphTask {
 };
 
 thread_local GraphTask* current_task = nullptr;
+// The nodes whose mutex this thread holds, innermost last: one per pass
+// running on this thread (a pass nested in a backward function or a hook
+// holds the enclosing pass's node while it runs).
+thread_local std::vector<const Node*> held_nodes;
 // The node observer: replaced under g_observer_mu, read by backward threads
 // as a shared copy (so a replacement cannot destroy it mid-call). The flag
 // keeps the unset case to one atomic load per node.
@@ -38,10 +43,40 @@ std::shared_ptr<const NodeObserver> CurrentObserver() {
   return g_observer;
 }
 
+// Makes `task` this thread's current pass; a nested pass restores the
+// enclosing one when it ends, so that InBackward and QueueCallback see it.
 class TaskScope {
  public:
-  explicit TaskScope(GraphTask* task) { current_task = task; }
-  ~TaskScope() { current_task = nullptr; }
+  explicit TaskScope(GraphTask* task) : enclosing_(current_task) { current_task = task; }
+  ~TaskScope() { current_task = enclosing_; }
+  TaskScope(const TaskScope&) = delete;
+  TaskScope& operator=(const TaskScope&) = delete;
+
+ private:
+  GraphTask* enclosing_;
+};
+
+// Holds a node's mutex for one pass and records it in held_nodes. A pass
+// nested on this thread that reaches a node an enclosing pass holds would
+// wait for itself forever (std::mutex is not recursive): refused instead.
+class NodeLock {
+ public:
+  explicit NodeLock(Node& node) {
+    if (std::find(held_nodes.begin(), held_nodes.end(), &node) != held_nodes.end()) {
+      throw std::logic_error("Backward: a nested backward pass reached " + node.name() +
+                             ", which an enclosing backward pass on this thread is running (a Backward "
+                             "called from a backward function or hook must not go through the node "
+                             "that called it)");
+    }
+    lock_ = std::unique_lock<std::mutex>(node.mutex());
+    held_nodes.push_back(&node);
+  }
+  ~NodeLock() { held_nodes.pop_back(); }
+  NodeLock(const NodeLock&) = delete;
+  NodeLock& operator=(const NodeLock&) = delete;
+
+ private:
+  std::unique_lock<std::mutex> lock_;
 };
 
 struct LaterFirst {
@@ -125,9 +160,6 @@ void QueueCallback(std::function<void()> fn) {
 }
 
 void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph) {
-  if (current_task != nullptr) {
-    throw std::logic_error("Backward called from inside a backward pass on the same thread");
-  }
   if (!grads.empty() && grads.size() != roots.size()) {
     throw std::invalid_argument("Backward: " + std::to_string(roots.size()) + " roots but " +
                                 std::to_string(grads.size()) + " gradients");
@@ -216,8 +248,9 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       // mutex across the retained-grad update, Apply and the release of
       // its saved tensors: the second finds them released and throws
       // "backward through the graph a second time" instead of reading them
-      // while they are freed. A thread holds one node's mutex at a time.
-      std::lock_guard<std::mutex> lock(node->mutex());
+      // while they are freed. A thread holds one node's mutex per pass it
+      // runs (more than one when passes are nested).
+      NodeLock lock(*node);
       // Non-leaf tensors that asked to keep their gradient. A second pass
       // sums into a new tensor (PyTorch's grad = grad + new_grad): the
       // .grad of the first pass may be held by the caller and must not

@@ -25,11 +25,21 @@
 // metadata is locked (changing requires_grad during another thread's
 // forward is a race).
 //
+// Re-entrant backward: a custom function's Backward or a hook may call
+// Backward on its own thread (activation checkpointing records the forward
+// again and runs a nested pass through it, as PyTorch allows). The nested
+// pass runs to the end, with its own callbacks, before the call returns;
+// the enclosing pass then goes on. A nested pass that reaches the node
+// whose backward or hook called it (a leaf's hook running Backward into
+// that leaf again) is refused with an error naming the node, since it
+// would wait for the lock its own thread holds.
+//
 // What the per-node lock implies for code that runs inside a backward (a
-// custom function's Backward, a hook): it must not wait for another pass
-// that reaches the same node (say, a nested backward run on a worker thread
-// and joined, since one thread cannot nest Backward): that pass waits for
-// the node's mutex, which the waiting code holds, and neither returns.
+// custom function's Backward, a hook): it must not wait for another
+// thread's pass that reaches the same node (say, a backward run on a
+// worker thread and joined; call Backward on the same thread instead):
+// that pass waits for the node's mutex, which the waiting code holds, and
+// neither returns.
 // Nodes that issue collectives (SyncBatchNorm's backward) must not be
 // shared by concurrent passes with retain_graph: each pass issues the
 // collective in whatever order its thread won the node, and ranks may pair
@@ -54,11 +64,12 @@ namespace ddp::nn::autograd {
 /// does not require grad, a seed of the wrong shape or on another device
 /// than its root, a second backward through a released graph, a saved
 /// tensor modified in place); an exception inside a node names the node.
+/// May be called from inside a running pass on the same thread (see above).
 void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads = {},
               bool retain_graph = false);
 
 /// Queues `fn` to run once when the backward pass running on this thread
-/// has processed every node, before Backward returns (callbacks may queue
+/// (the innermost, when passes are nested) has processed every node, before Backward returns (callbacks may queue
 /// more). Throws when no backward pass is running on this thread.
 void QueueCallback(std::function<void()> fn);
 
