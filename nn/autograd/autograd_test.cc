@@ -268,6 +268,41 @@ TEST(AutogradTest, InPlaceChangeOfASavedTensorIsReported) {
   EXPECT_NE(err.find("modified in place"), std::string::npos) << err;
 }
 
+// The in-place error says which saved tensor changed (shape, dtype, the
+// node that made it or that it is a leaf) and both versions, as PyTorch's
+// names the tensor. Before, it gave the shape alone.
+TEST(AutogradTest, InPlaceErrorNamesTheTensorAndItsVersions) {
+  Tensor w = Param({2}, 1.0);
+  Tensor h = ops::MulScalar(w, 2.0);
+  Tensor loss = ops::Sum(ops::Mul(h, w));
+  ASSERT_EQ(h.storage()->version(), 0u);
+  {
+    NoGradGuard no_grad;
+    h.Fill(5.0);
+  }
+  std::string err = ErrorOf([&] { Backward(loss, Tensor(), /*retain_graph=*/true); });
+  EXPECT_NE(err.find("in backward of MulBackward: a tensor saved for backward ([2] f32 on cpu, output 0 of "
+                     "MulScalarBackward) was modified in place after it was saved: its memory is at version 1, "
+                     "it was at version 0 when saved"),
+            std::string::npos)
+      << err;
+  Tensor v = Param({3}, 1.0);
+  Tensor loss_v = ops::Sum(ops::Mul(v, v));
+  const uint64_t saved_at = v.storage()->version();
+  {
+    NoGradGuard no_grad;
+    v.Fill(2.0);
+    v.Fill(3.0);
+  }
+  err = ErrorOf([&] { Backward(loss_v); });
+  EXPECT_NE(err.find("([3] f32 on cpu, a leaf that requires grad) was modified in place after it was saved: "
+                     "its memory is at version " +
+                     std::to_string(saved_at + 2) + ", it was at version " + std::to_string(saved_at) +
+                     " when saved"),
+            std::string::npos)
+      << err;
+}
+
 TEST(AutogradTest, RootErrors) {
   Tensor w = Param({2}, 1.0);
   EXPECT_NE(ErrorOf([&] { Backward(ops::MulScalar(w, 2.0)); }).find("one-element root"), std::string::npos);

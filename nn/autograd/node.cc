@@ -123,6 +123,11 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
 SavedTensor::SavedTensor(const Tensor& t) {
   if (!t.defined()) return;
   data_ = t.Detach();
+  if (t.grad_fn()) {
+    origin_ = "output " + std::to_string(t.output_nr()) + " of " + t.grad_fn()->name();
+  } else if (t.requires_grad()) {
+    origin_ = "a leaf that requires grad";
+  }
   version_ = t.storage()->version();
   was_defined_ = true;
 }
@@ -133,9 +138,13 @@ Tensor SavedTensor::Get() const {
     throw std::logic_error("tried to run backward through the graph a second time (its saved tensors were "
                            "released; pass retain_graph = true to the first Backward)");
   }
-  if (data_.storage()->version() != version_) {
-    throw std::logic_error("a tensor saved for backward (shape " + ShapeToString(data_.shape()) +
-                           ") was modified in place after it was saved");
+  const uint64_t now = data_.storage()->version();
+  if (now != version_) {
+    throw std::logic_error("a tensor saved for backward (" + Describe(data_) +
+                           (origin_.empty() ? "" : ", " + origin_) +
+                           ") was modified in place after it was saved: its memory is at version " +
+                           std::to_string(now) + ", it was at version " + std::to_string(version_) +
+                           " when saved");
   }
   return data_;
 }
@@ -143,6 +152,7 @@ Tensor SavedTensor::Get() const {
 void SavedTensor::Release() {
   if (!was_defined_) return;
   data_ = Tensor();
+  origin_.clear();
   released_ = true;
 }
 

@@ -99,13 +99,18 @@ class SavedTensor {
  public:
   SavedTensor() = default;
   explicit SavedTensor(const Tensor& t);
-  /// The saved tensor; throws if it was released or modified in place since.
+  /// The saved tensor; throws if it was released or modified in place since
+  /// (naming the tensor's shape, dtype, origin and both versions).
   Tensor Get() const;
   void Release();
   bool defined() const { return was_defined_; }
 
  private:
   Tensor data_;
+  // What the tensor was when saved ("output 0 of MulBackward", "a leaf
+  // that requires grad", or empty), for the in-place error: data_ is
+  // detached and cannot say.
+  std::string origin_;
   uint64_t version_ = 0;
   bool was_defined_ = false;
   bool released_ = false;
