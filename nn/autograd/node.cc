@@ -28,26 +28,36 @@ Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_re
   (void)registered;
 }
 
+namespace {
+// The nodes a ~Node running further up this thread's stack will free (null
+// when none is running).
+thread_local std::vector<std::shared_ptr<Node>>* g_nodes_to_free = nullptr;
+}  // namespace
+
 Node::~Node() {
   // Each node owns its inputs' nodes through next_edges_, so the default
   // destructor frees a chain by recursion, one set of frames per node: a
-  // graph of ~100k nodes overflows an 8 MiB stack. Instead, the edges of a
-  // node about to die with this one are taken out before it dies, and its
-  // inputs are freed here, from the loop. Only this owner can still reach a
-  // node whose use_count is 1 (weak references exist only to accumulators,
-  // which have no edges), so taking its edges changes nothing anyone sees.
+  // graph of ~100k nodes overflows an 8 MiB stack. Instead, the outermost
+  // ~Node on a thread frees the chain from a loop, and a ~Node it causes
+  // hands its edges to that loop rather than freeing them itself. Every
+  // node still dies through its shared_ptr, when its last owner lets go.
+  if (g_nodes_to_free != nullptr) {
+    for (Edge& e : next_edges_) {
+      if (e.fn) g_nodes_to_free->push_back(std::move(e.fn));
+    }
+    return;
+  }
   std::vector<std::shared_ptr<Node>> pending;
   for (Edge& e : next_edges_) {
     if (e.fn) pending.push_back(std::move(e.fn));
   }
+  g_nodes_to_free = &pending;
   while (!pending.empty()) {
     std::shared_ptr<Node> n = std::move(pending.back());
     pending.pop_back();
-    if (n.use_count() != 1) continue;  // someone else keeps it (and its inputs) alive
-    for (Edge& e : n->next_edges_) {
-      if (e.fn) pending.push_back(std::move(e.fn));
-    }
+    n.reset();  // when it was the last owner, its ~Node adds its edges to pending
   }
+  g_nodes_to_free = nullptr;
 }
 
 void Node::AddOutput(const Tensor& output) { outputs_.push_back(output.impl_ptr()); }
