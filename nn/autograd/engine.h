@@ -32,7 +32,11 @@
 // the enclosing pass then goes on. A nested pass that reaches the node
 // whose backward or hook called it (a leaf's hook running Backward into
 // that leaf again) is refused with an error naming the node, since it
-// would wait for the lock its own thread holds.
+// would wait for the lock its own thread holds. A nested pass holds its
+// enclosing pass's node while it waits for others: nested passes on two
+// threads where each reaches the node the other's enclosing pass is
+// running wait for each other forever, so such passes must not share the
+// nodes that call them.
 //
 // What the per-node lock implies for code that runs inside a backward (a
 // custom function's Backward, a hook): it must not wait for another
