@@ -179,6 +179,20 @@ TEST(AutogradTest, CallbacksRunOnceAtTheEndOfBackward) {
   EXPECT_NE(ErrorOf([] { QueueCallback([] {}); }).find("outside a backward pass"), std::string::npos);
 }
 
+// An empty callback is refused when it is queued, with a message naming
+// QueueCallback, and the pass does not go on with it. Before, it was
+// queued and the end of the pass threw a bare "bad_function_call".
+TEST(AutogradTest, AnEmptyCallbackIsRefusedWhenQueued) {
+  Tensor w = Param({2}, 1.0);
+  HookHandle hook = w.RegisterPostAccumulateGradHook([](const Tensor&) { QueueCallback({}); });
+  const std::string err = ErrorOf([&] { Backward(ops::Sum(w)); });
+  EXPECT_NE(err.find("QueueCallback: the callback is empty"), std::string::npos) << err;
+  hook.Remove();
+  EXPECT_FALSE(InBackward());
+  Backward(ops::Sum(w));
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+}
+
 TEST(AutogradTest, GradAsBucketViewAccumulatesInPlace) {
   Tensor w = Param({2, 3}, 1.0);
   Tensor bucket = Zeros({10});

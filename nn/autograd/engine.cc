@@ -155,6 +155,9 @@ void QueueCallback(std::function<void()> fn) {
   if (current_task == nullptr) {
     throw std::logic_error("QueueCallback called outside a backward pass (call it from a hook during Backward)");
   }
+  // Refused here, where the caller can be named: called at the end of the
+  // pass, an empty function would throw a bare std::bad_function_call.
+  if (!fn) throw std::invalid_argument("QueueCallback: the callback is empty");
   std::lock_guard<std::mutex> lock(current_task->mu);
   current_task->callbacks.push_back(std::move(fn));
 }
