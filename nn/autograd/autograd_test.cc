@@ -521,6 +521,42 @@ TEST(CustomFunctionTest, ABroadcastGradientIsSummedToTheInputsShape) {
   EXPECT_FALSE(z.grad().defined());
 }
 
+// Forward keeps its output in saved_data rather than through
+// SaveForBackward.
+struct KeepsOutputInSavedData : Function<KeepsOutputInSavedData> {
+  static constexpr const char* kName = "KeepsOutputBackward";
+  static std::vector<Tensor> Forward(AutogradContext* ctx, const std::vector<Tensor>& in, bool in_a_vector) {
+    Tensor y = ops::MulScalar(in[0], 2.0);
+    if (in_a_vector) {
+      ctx->saved_data["all"] = std::vector<Tensor>{in[0], y};
+    } else {
+      ctx->saved_data["y"] = y;
+    }
+    return {y};
+  }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) {
+    return {ops::MulScalar(g[0], 2.0)};
+  }
+};
+
+// An output kept in saved_data would hold its own node alive for ever
+// (output -> node -> saved_data -> output): Apply refuses it, naming the
+// key, and leaks nothing. Before, it was accepted and the graph was never
+// freed.
+TEST(CustomFunctionTest, AnOutputKeptInSavedDataIsRefused) {
+  for (const bool in_a_vector : {false, true}) {
+    Tensor x = Param({2}, 1.0);
+    std::weak_ptr<TensorImpl> x_impl = x.impl_ptr();
+    const std::string err = ErrorOf([&] { KeepsOutputInSavedData::Apply({x}, in_a_vector); });
+    EXPECT_NE(err.find(std::string("KeepsOutputBackward: saved_data[\"") + (in_a_vector ? "all" : "y") +
+                       "\"] holds output 0 of Forward"),
+              std::string::npos)
+        << err;
+    x = Tensor();
+    EXPECT_TRUE(x_impl.expired()) << "the refused function's node still holds its input";
+  }
+}
+
 TEST(CustomFunctionTest, BadBackwardsAreReported) {
   Tensor x = Param({2}, 1.0);
   const std::string err = ErrorOf([&] { Backward(ops::Sum(WrongCount::Apply({x})[0])); });

@@ -59,6 +59,27 @@ std::vector<Tensor> CustomFunctionNode::Wire(const std::shared_ptr<CustomFunctio
     meta.grad_fn = self;
     meta.output_nr = static_cast<uint32_t>(i);
   }
+  // An output kept in saved_data holds its own node (output -> grad_fn ->
+  // ctx -> output): a cycle that is never freed, with the whole graph below
+  // it. Refused, and saved_data cleared so that the refusal leaks nothing.
+  for (const auto& [key, value] : self->ctx_.saved_data) {
+    std::vector<const Tensor*> held;
+    if (const auto* t = std::any_cast<Tensor>(&value)) held.push_back(t);
+    if (const auto* v = std::any_cast<std::vector<Tensor>>(&value)) {
+      for (const Tensor& t : *v) held.push_back(&t);
+    }
+    for (const Tensor* t : held) {
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        if (!t->is_same(outputs[i]) || outputs[i].grad_fn() != self) continue;
+        const std::string message = self->name_ + ": saved_data[\"" + key + "\"] holds output " +
+                                    std::to_string(i) +
+                                    " of Forward, which would keep its own graph alive for ever; "
+                                    "keep it with SaveForBackward instead";
+        self->ctx_.saved_data.clear();
+        throw std::invalid_argument(message);
+      }
+    }
+  }
   return outputs;
 }
 

@@ -43,6 +43,9 @@ class AutogradContext {
   /// True when input i needs a gradient.
   bool NeedsInputGrad(size_t i) const { return i < needs_input_grad_.size() && needs_input_grad_[i]; }
   /// Arbitrary values for backward (sizes, flags, communication handles...).
+  /// Not the function's outputs: one held here (as a Tensor or in a
+  /// std::vector<Tensor>) would keep its own node alive, and Apply refuses
+  /// it; outputs go through SaveForBackward.
   std::unordered_map<std::string, std::any> saved_data;
 
  private:
