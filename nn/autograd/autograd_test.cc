@@ -375,6 +375,22 @@ TEST(AutogradTest, ReachableLeavesFindsUsedParametersOnly) {
   EXPECT_FALSE(has(unused));
 }
 
+// A leaf frozen after the forward (requires_grad turned off before
+// backward) gets no gradient and no hook from this graph, so it is not
+// listed as reached, as the header says (leaves that require grad): DDP
+// then treats it as unused instead of waiting for a hook that never comes.
+// Before, every leaf with an accumulator in the graph was listed.
+TEST(AutogradTest, ReachableLeavesSkipsALeafFrozenAfterTheForward) {
+  Tensor live = Param({2}, 1.0), frozen = Param({2}, 2.0);
+  Tensor y = ops::Sum(ops::Mul(live, frozen));
+  frozen.set_requires_grad(false);
+  const std::vector<Tensor> leaves = ReachableLeaves({y});
+  ASSERT_EQ(leaves.size(), 1u);
+  EXPECT_TRUE(leaves[0].is_same(live));
+  Backward(y);
+  EXPECT_FALSE(frozen.grad().defined());
+}
+
 TEST(AutogradTest, PrintingNamesTheGradFn) {
   Tensor w = Param({2}, 1.0);
   EXPECT_EQ(ops::MulScalar(w, 2.0).ToString(), "tensor([2., 2.], grad_fn=<MulScalarBackward>)");

@@ -200,7 +200,9 @@ std::vector<Tensor> ReachableLeaves(const std::vector<Tensor>& roots) {
     stack.pop_back();
     if (const auto* acc = dynamic_cast<const AccumulateGrad*>(n)) {
       const Tensor v = acc->variable();
-      if (seen_leaves.insert(v.impl()).second) leaves.push_back(v);
+      // Frozen since the forward: its accumulator gives it no gradient and
+      // runs no hook, so it counts as unreached.
+      if (v.requires_grad() && seen_leaves.insert(v.impl()).second) leaves.push_back(v);
       continue;
     }
     for (const Edge& e : n->next_edges()) {
