@@ -619,7 +619,12 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
 
   bool null() override { return Scalar("null", "null", std::nullopt); }
   bool boolean(bool v) override { return Scalar("boolean", v ? "true" : "false", std::nullopt); }
-  bool number_integer(number_integer_t v) override { return Scalar("number", std::to_string(v), std::nullopt); }
+  // Only a literal with a minus sign arrives here (the others are
+  // unsigned), so a 0 was written -0, and is quoted so: "is 0, expected a
+  // non-negative integer" said nothing.
+  bool number_integer(number_integer_t v) override {
+    return Scalar("number", v == 0 ? "-0" : std::to_string(v), std::nullopt);
+  }
   bool number_unsigned(number_unsigned_t v) override {
     return Scalar("number", std::to_string(v), static_cast<uint64_t>(v));
   }

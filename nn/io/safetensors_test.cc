@@ -1582,6 +1582,17 @@ TEST(SafetensorsErrors, HeaderOfManyTensorsParsesInLinearTime) {
               HasSubstr("key `t7` appears twice"));
 }
 
+// JSON's -0 is a negative number (Python's reader refuses it as an
+// offset or a dimension too), but the parser hands it over as the integer
+// 0: the message said "is 0, expected a non-negative integer".
+TEST(SafetensorsErrors, MinusZeroIsQuotedAsWritten) {
+  const std::string data(4, '\0');
+  EXPECT_THAT(ParseError(Build(R"({"x":{"dtype":"F32","shape":[],"data_offsets":[-0,4]}})", data)),
+              HasSubstr("data_offsets[0] is -0, expected a non-negative integer"));
+  EXPECT_THAT(ParseError(Build(R"({"x":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}})", "")),
+              HasSubstr("shape [-0] must hold non-negative integers"));
+}
+
 TEST(SafetensorsErrors, TruncatedAtEveryOffset) {
   const Sample s = EveryDtype();
   const std::string bytes = SerializeSafetensors(s.Views(), {{"k", "v"}});
