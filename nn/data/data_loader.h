@@ -68,9 +68,10 @@ class DataLoader {
  public:
   /// `sampler` (SequentialSampler when null) must index `dataset`; the
   /// transform is built for the dataset's image shape. Throws
-  /// std::invalid_argument for a batch size < 1, negative workers, a
-  /// timeout or shutdown grace that is not positive, or, with drop_last, a batch larger than
-  /// the sampler's epoch (no batch at all).
+  /// std::invalid_argument for no dataset, a batch size < 1, negative
+  /// workers, a prefetch_factor < 1, a timeout or shutdown grace that is not
+  /// positive, or, with drop_last, a batch larger than the sampler's epoch
+  /// (no batch at all).
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              TransformOptions transform, DataLoaderOptions options);
   /// Stops and joins the workers. A batch being built is finished first,

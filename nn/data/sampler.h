@@ -108,8 +108,8 @@ struct DistributedSamplerOptions {
 /// epoch, as in every epoch).
 class DistributedSampler : public Sampler {
  public:
-  /// Throws std::invalid_argument for num_replicas < 1 or rank outside
-  /// [0, num_replicas).
+  /// Throws std::invalid_argument for a negative size, num_replicas < 1 or
+  /// rank outside [0, num_replicas).
   DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options);
   int64_t Size() const override { return num_samples_; }
   /// Must be called with the same epoch on every rank before each epoch,
