@@ -228,9 +228,12 @@ void CheckBatchStart(std::string_view head, uint64_t file_size, const std::strin
   }
 }
 
-DatasetError LabelError(const std::string& source, uint64_t record, uint8_t label) {
+// Names the label byte's offset too, so that it can be found with a hex
+// dump: in the file, or in the decompressed data of a gzip file.
+DatasetError LabelError(const std::string& source, uint64_t record, uint8_t label, bool decompressed) {
   return DatasetError(source + ": label " + std::to_string(label) + " of record " + std::to_string(record) +
-                      " is out of range [0, 10)");
+                      " is out of range [0, 10) (at byte " + std::to_string(record * kCifarRecordBytes) +
+                      (decompressed ? " of the decompressed data)" : ")"));
 }
 
 // Bytes read in order, from a file or a gzip stream: fills up to n bytes
@@ -263,7 +266,7 @@ void AppendRecords(const ReadFn& read, const std::string& source, std::optional<
     for (size_t i = 0; i < got / kCifarRecordBytes && !bad_label.has_value(); ++i) {
       const uint8_t* rec = buf.data() + i * kCifarRecordBytes;
       if (rec[0] >= 10) {
-        bad_label = LabelError(source, total / kCifarRecordBytes + i, rec[0]);
+        bad_label = LabelError(source, total / kCifarRecordBytes + i, rec[0], !known_size.has_value());
         break;
       }
       labels->push_back(rec[0]);
@@ -339,7 +342,7 @@ void ParseCifar10Batch(std::string_view bytes, const std::string& source,
   const int64_t n = bytes.size() / kCifarRecordBytes;
   const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
   for (int64_t i = 0; i < n; ++i) {
-    if (p[i * kCifarRecordBytes] >= 10) throw LabelError(source, i, p[i * kCifarRecordBytes]);
+    if (p[i * kCifarRecordBytes] >= 10) throw LabelError(source, i, p[i * kCifarRecordBytes], false);
   }
   pixels->reserve(pixels->size() + n * (kCifarRecordBytes - 1));
   labels->reserve(labels->size() + n);

@@ -323,7 +323,13 @@ TEST(Cifar10, GzipBatchReadsAsThePlainOneDoes) {
   bad[280 * 3073] = 12;
   WriteFile(path, testing::Gzip(bad));
   EXPECT_THAT(ErrorOf([&] { LoadCifar10(gz, Split::kTest); }),
-              HasSubstr(path + ": label 12 of record 280 is out of range [0, 10)"));
+              HasSubstr(path + ": label 12 of record 280 is out of range [0, 10) (at byte " +
+                        std::to_string(280 * 3073) + " of the decompressed data)"));
+  // The plain file's offset is the file's own.
+  WriteFile(plain + "/test_batch.bin", bad);
+  EXPECT_THAT(ErrorOf([&] { LoadCifar10(plain, Split::kTest); }),
+              HasSubstr(plain + "/test_batch.bin: label 12 of record 280 is out of range [0, 10) (at byte " +
+                        std::to_string(280 * 3073) + ")"));
   WriteFile(path, testing::Gzip(bad.substr(0, bad.size() - 5)));
   EXPECT_THAT(ErrorOf([&] { LoadCifar10(gz, Split::kTest); }),
               HasSubstr(path + ": truncated CIFAR-10 batch: " + std::to_string(bad.size() - 5) +
@@ -347,7 +353,7 @@ TEST(Cifar10Errors, LabelOutOfRange) {
   bytes[2 * 3073] = 10;
   std::vector<uint8_t> px, lb;
   EXPECT_THAT(ErrorOf([&] { ParseCifar10Batch(bytes, "b.bin", &px, &lb); }),
-              AllOf(HasSubstr("b.bin"), HasSubstr("label 10 of record 2")));
+              AllOf(HasSubstr("b.bin"), HasSubstr("label 10 of record 2 is out of range [0, 10) (at byte 6146)")));
   EXPECT_TRUE(px.empty());
   EXPECT_TRUE(lb.empty());
 }

@@ -369,9 +369,11 @@ std::shared_ptr<InMemoryImageDataset> LoadIdxDataset(const std::string& name,
   if (images.dims[0] == 0) throw DatasetError(images_path + ": holds no images");
   for (size_t i = 0; i < labels.data.size(); ++i) {
     if (labels.data[i] >= num_classes) {
+      // The label file's header is 8 bytes ([N]: magic and one dimension).
       throw DatasetError(labels_path + ": label " + std::to_string(labels.data[i]) +
                          " of sample " + std::to_string(i) + " is out of range [0, " +
-                         std::to_string(num_classes) + ")");
+                         std::to_string(num_classes) + ") (at byte " + std::to_string(8 + i) +
+                         " of the IDX data, decompressed if gzip)");
     }
   }
   return std::make_shared<InMemoryImageDataset>(name, shape, num_classes, images.owner, images.data, images.size,

@@ -674,7 +674,7 @@ TEST(IdxDatasetErrors, LabelOutOfRange) {
   WriteFile(dir + "/lb", IdxBytes({3}, std::string("\x00\x0a\x01", 3)));
   EXPECT_THAT(ErrorOf([&] { LoadIdxDataset("d", dir + "/im", dir + "/lb", 10); }),
               AllOf(HasSubstr(dir + "/lb"), HasSubstr("label 10 of sample 1"),
-                    HasSubstr("[0, 10)")));
+                    HasSubstr("[0, 10) (at byte 9 of the IDX data")));
 }
 
 TEST(IdxDatasetErrors, ImageFileWithWrongRank) {
