@@ -1003,6 +1003,30 @@ nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPo
   return ckpt;
 }
 
+std::string CheckpointSaveProblem(const std::string& path, int err, const std::string& detail) {
+  std::string reason = std::strerror(err);
+  std::string advice;
+  switch (err) {
+    case ENOSPC:
+      advice = "the disk is full: free some space on it, or pass --checkpoint=PATH on another disk, or none";
+      break;
+    case EDQUOT:
+      advice = "the disk quota is used up: free some of it, or pass --checkpoint=PATH on another disk, or none";
+      break;
+    case EACCES:
+    case EPERM:
+      advice = "pass --checkpoint=PATH in a folder this user may write to, or none";
+      break;
+    case EROFS:
+      advice = "pass --checkpoint=PATH on a writable filesystem, or none";
+      break;
+    default:
+      if (!detail.empty()) reason += " (" + detail + ")";
+      advice = "pass --checkpoint=PATH on a working, writable disk, or none";
+  }
+  return "cannot save the checkpoint " + path + ": " + reason + "; " + advice;
+}
+
 void WriteTrainCheckpoint(const std::string& path, const nn::io::Checkpoint& ckpt,
                           const std::atomic<bool>* stop) {
   std::error_code ec;
@@ -1019,18 +1043,23 @@ void WriteTrainCheckpoint(const std::string& path, const nn::io::Checkpoint& ckp
   ec.clear();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
   if (ec) {
-    throw UsageError("cannot create the checkpoint folder " + parent.string() + ": " +
-                     ec.message() + "; pass --checkpoint=PATH somewhere writable, or none");
+    throw CheckpointSaveError(
+        CheckpointSaveProblem(path, ec.value(), "creating its folder " + parent.string()));
   }
+  // Failures of the write are the run's, not its flags' (CheckpointSaveError):
+  // the path was fine when the run began, and every rank reports them alike.
+  // The message names the checkpoint, not the temporary file the write was
+  // in, and gives the system's reason.
   try {
     for (const std::filesystem::path& folder : made) {
       const std::filesystem::path above = folder.parent_path();
       nn::io::SyncFolder(above.empty() ? "." : above.string());
     }
     nn::io::SaveCheckpoint(path, ckpt, stop);
+  } catch (const nn::io::FileWriteError& e) {
+    throw CheckpointSaveError(CheckpointSaveProblem(path, e.error_number(), e.what()));
   } catch (const nn::io::CheckpointError& e) {
-    throw UsageError(std::string("cannot save the checkpoint: ") + e.what() +
-                     "; pass --checkpoint=PATH somewhere writable, or none");
+    throw CheckpointSaveError("cannot save the checkpoint " + path + ": " + e.what());
   }
 }
 

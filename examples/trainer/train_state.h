@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "ddp/powersgd_hook.h"
@@ -204,10 +205,26 @@ struct TrainComponents {
   nn::optim::ReduceLrOnPlateau* plateau = nullptr;
 };
 
+/// A checkpoint that could not be written (a full disk, no permission, a
+/// read-only filesystem): a failure of the run, not of its flags, so that
+/// every rank ends with the same exit status (1, not UsageError's 2). The
+/// message names the --checkpoint path and the system's reason.
+class CheckpointSaveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The line of a CheckpointSaveError for a save of `path` whose system
+/// call failed with errno `err`: the reason (strerror) and what to do about
+/// it, which depends on the reason (free space on a full disk, another
+/// folder where writing is not allowed). `detail` (the failed call, or "")
+/// is added for reasons without advice of their own.
+std::string CheckpointSaveProblem(const std::string& path, int err, const std::string& detail);
+
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on
-/// rank 0 only. Throws UsageError naming the path when it cannot be written.
-/// Once `*stop` (when given) is true, the write ends within a piece of
-/// kStopCheckBytes with that UsageError, leaving `path` as it was.
+/// rank 0 only. Throws CheckpointSaveError naming the path when it cannot
+/// be written. Once `*stop` (when given) is true, the write ends within a
+/// piece of kStopCheckBytes with that error, leaving `path` as it was.
 void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                          const TrainPosition& position, const TrainConfig& config, int world_size,
                          const std::atomic<bool>* stop = nullptr);

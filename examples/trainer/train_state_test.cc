@@ -1,9 +1,13 @@
 #include "examples/trainer/train_state.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -1771,14 +1775,75 @@ TEST(TrainStateTest, RunIdentityIsSavedAndLoaded) {
   EXPECT_EQ(LoadTrainCheckpoint(run.path, run.parts, run.config, 2, nullptr).run, id);
 }
 
-TEST(TrainStateTest, UnwritableFolderIsAUsageError) {
+// What a failed save throws: a CheckpointSaveError (a failure of the run,
+// the same exit status on every rank), "" when none.
+std::string SaveErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const CheckpointSaveError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A folder that cannot be made is the run's failure, not a UsageError
+// (which rank 0 alone would exit with, as status 2, while the others
+// exit 1), and the line names the checkpoint and the system's reason.
+TEST(TrainStateTest, UnmakeableFolderIsASaveErrorNamingTheCheckpointAndTheReason) {
   auto model = nn::modules::MakeMlp();
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
-  const std::string msg = UsageErrorOf([&] {
-    SaveTrainCheckpoint("/proc/no/such/dir/x.safetensors", {model.get(), &opt, nullptr, nullptr},
-                        {}, TrainConfig{}, 1);
+  const std::string path = "/proc/no/such/dir/x.safetensors";
+  const std::string msg = SaveErrorOf([&] {
+    SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {}, TrainConfig{}, 1);
   });
-  EXPECT_NE(msg.find("--checkpoint=PATH somewhere writable"), std::string::npos) << msg;
+  EXPECT_EQ(msg.rfind("cannot save the checkpoint " + path + ": " + std::strerror(ENOENT), 0), 0u) << msg;
+  EXPECT_NE(msg.find("creating its folder /proc/no/such/dir"), std::string::npos) << msg;
+}
+
+// A write that fails part way (here: past the file size limit, EFBIG) names
+// the checkpoint's path first, not the temporary file the write was in,
+// with the system's reason.
+TEST(TrainStateTest, FailedWriteNamesTheCheckpointPathAndTheSystemsReason) {
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  const std::string path = Path("too_large");
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
+  rlimit old_limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  rlimit limit = old_limit;
+  limit.rlim_cur = 4096;  // the MLP's parameters alone take far more
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  const std::string msg = SaveErrorOf([&] {
+    SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {}, TrainConfig{}, 1);
+  });
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(msg.rfind("cannot save the checkpoint " + path + ": " + std::strerror(EFBIG), 0), 0u) << msg;
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+// The advice follows the reason: a full disk is not a matter of where one
+// may write, and a read-only filesystem or a refused permission is not one
+// of space.
+TEST(TrainStateTest, SaveProblemAdviceFollowsTheReason) {
+  const std::string full = CheckpointSaveProblem("c.safetensors", ENOSPC, "c.safetensors.tmp.1: write failed");
+  EXPECT_EQ(full, std::string("cannot save the checkpoint c.safetensors: ") + std::strerror(ENOSPC) +
+                      "; the disk is full: free some space on it, or pass --checkpoint=PATH on another "
+                      "disk, or none");
+  const std::string quota = CheckpointSaveProblem("c.safetensors", EDQUOT, "");
+  EXPECT_NE(quota.find("quota"), std::string::npos) << quota;
+  for (const int err : {EACCES, EPERM}) {
+    const std::string refused = CheckpointSaveProblem("c.safetensors", err, "x");
+    EXPECT_EQ(refused, std::string("cannot save the checkpoint c.safetensors: ") + std::strerror(err) +
+                           "; pass --checkpoint=PATH in a folder this user may write to, or none");
+  }
+  const std::string read_only = CheckpointSaveProblem("c.safetensors", EROFS, "x");
+  EXPECT_NE(read_only.find("writable filesystem"), std::string::npos) << read_only;
+  EXPECT_EQ(read_only.find("full"), std::string::npos) << read_only;
+  const std::string other = CheckpointSaveProblem("c.safetensors", EIO, "c.safetensors.tmp.1: fsync failed");
+  EXPECT_EQ(other, std::string("cannot save the checkpoint c.safetensors: ") + std::strerror(EIO) +
+                       " (c.safetensors.tmp.1: fsync failed); pass --checkpoint=PATH on a working, "
+                       "writable disk, or none");
 }
 
 }  // namespace

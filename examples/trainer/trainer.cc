@@ -1306,7 +1306,7 @@ void Run::SaveCheckpoint() {
             }
             try {
               WriteTrainCheckpoint(path, checkpoint, &stop);
-            } catch (const UsageError& e) {
+            } catch (const CheckpointSaveError& e) {
               // The file kept is still at the path (the write never got to
               // replace it): as it was, under one name.
               if (!kept.empty() && ForgetKeptCheckpoint(path, kept)) {
@@ -1315,8 +1315,8 @@ void Run::SaveCheckpoint() {
                 outcome->kept.clear();
               }
               if (kept.empty()) throw;
-              throw UsageError(std::string(e.what()) + " (another run's checkpoint that was there is " +
-                               kept + ")");
+              throw CheckpointSaveError(std::string(e.what()) +
+                                        " (another run's checkpoint that was there is " + kept + ")");
             }
           } catch (...) {
             std::lock_guard lock(outcome->mu);
@@ -1338,8 +1338,10 @@ void Run::SaveCheckpoint() {
   }
   // RunOnLead returned: the write has ended, and the outcome is final.
   keep_previous_ = false;
+  // Every rank, rank 0 too, ends with the same error of the run (exit
+  // status 1): the save's failure is rank 0's disk's, not a flag's.
+  if (!failure.empty()) throw JobError("rank 0 could not save the checkpoint: " + failure);
   if (outcome->error) std::rethrow_exception(outcome->error);
-  if (!failure.empty()) throw std::runtime_error("rank 0 could not save the checkpoint: " + failure);
   if (lead_) {
     checkpoint_saved_ = c_.checkpoint;
     checkpoint_saved_step_ = pos_.step;

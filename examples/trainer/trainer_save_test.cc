@@ -5,9 +5,14 @@
 // (nn::io::internal::SetWritePausePerPiece: each write of a piece of up to
 // 64 MiB waits first), not left to the disk, as in ddp/checkpoint_test.cc.
 
+#include <sys/resource.h>
+
+#include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -158,6 +163,37 @@ DDP_TEST_WORKER(mixed_checkpoint) {
   options.quiet = true;
   options.print_result = false;
   return TrainAsWorker(c, options);
+}
+
+// mixed_checkpoint's run saving to FULL_SAVE_CKPT, with rank 0's files
+// limited to FULL_SAVE_FSIZE bytes (when set) once it has joined the job
+// (UCX's shared memory segments are files too): its save fails part way
+// (EFBIG), as on a full disk. Exit status as //examples:train's: 2 for a
+// UsageError (a mistake in the flags), 1 for any other failure.
+DDP_TEST_WORKER(full_save) {
+  const TrainConfig c = TinyRun(std::getenv("FULL_SAVE_CKPT"), 20);
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    if (const char* fsize = std::getenv("FULL_SAVE_FSIZE"); fsize != nullptr) {
+      std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
+      rlimit limit{};
+      if (::getrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
+      limit.rlim_cur = static_cast<rlim_t>(std::atoll(fsize));
+      if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
+    }
+    Train(c, *parallel, options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
 }
 
 launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,
@@ -359,6 +395,30 @@ TEST(TrainerSaveTest, RanksThatDisagreeOnCheckpointingAreRefusedNamingTheFlag) {
         << run->Output(rank);
   }
   EXPECT_LT(seconds, 15) << "the ranks waited for the collectives' deadline";
+  EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
+// A save that fails on rank 0's disk (a write past the file size limit,
+// as on a full one) used to end rank 0 with a UsageError (status 2, "pass
+// --checkpoint=PATH somewhere writable") naming the temporary file, and
+// the other ranks with status 1. Every rank fails alike, naming the
+// checkpoint and the system's reason.
+TEST(TrainerSaveTest, SaveFailingOnRankZerosDiskFailsEveryRankAlikeNamingTheCheckpoint) {
+  const std::string checkpoint = TempDir("full") + "/ckpt.safetensors";
+  auto run = launch::testing::RunTestWorkers(
+      "full_save", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"FULL_SAVE_CKPT", checkpoint}},
+                    // The MLP's 535,818 parameters and their momentum take 4 MiB.
+                    .rank_env = {{0, {{"FULL_SAVE_FSIZE", "3000000"}}}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string reason = "cannot save the checkpoint " + checkpoint + ": " + std::strerror(EFBIG);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find("error: rank 0 could not save the checkpoint: " + reason), std::string::npos)
+        << run->Output(rank);
+  }
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
 }
 
