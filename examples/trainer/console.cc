@@ -108,7 +108,17 @@ void Console::StartEpoch(int64_t epoch, int64_t epochs, int64_t total_steps, int
   last_draw_ = options_.interactive ? Clock::time_point{} : Clock::now();
 }
 
-std::string Console::RenderBar(int64_t done, double rate, double loss, double eta_s,
+namespace {
+
+// "loss 0.4123"; "loss nan" or "loss inf" for a loss that diverged (shown
+// as it is, the way PyTorch prints one), and "loss -" before there is any.
+std::string LossText(std::optional<double> loss) {
+  return loss ? StringPrintf("loss %.4f", *loss) : "loss -";
+}
+
+}  // namespace
+
+std::string Console::RenderBar(int64_t done, double rate, std::optional<double> loss, double eta_s,
                                int width) const {
   const std::string epoch = StringPrintf("epoch %lld/%lld", static_cast<long long>(epoch_),
                                          static_cast<long long>(epochs_));
@@ -116,7 +126,7 @@ std::string Console::RenderBar(int64_t done, double rate, double loss, double et
   const std::string steps = StringPrintf("%*lld/%lld", digits, static_cast<long long>(done),
                                          static_cast<long long>(total_steps_));
   std::string tail = "  " + steps + "  " + FormatRate(rate) + " samples/s  " +
-                     (std::isfinite(loss) ? StringPrintf("loss %.4f", loss) : "loss -") +
+                     LossText(loss) +
                      "  ETA " + FormatClock(eta_s);
   // Bar between the epoch label and the figures; it gets what is left of
   // the line (at least 10 columns, at most 40).
@@ -138,7 +148,7 @@ std::string Console::RenderBar(int64_t done, double rate, double loss, double et
   return Bold(epoch) + " " + bar + tail;
 }
 
-void Console::Progress(int64_t done, double rate, double loss, double eta_s) {
+void Console::Progress(int64_t done, double rate, std::optional<double> loss, double eta_s) {
   const auto now = std::chrono::steady_clock::now();
   if (options_.interactive) {
     if (done < total_steps_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
@@ -158,10 +168,10 @@ void Console::Progress(int64_t done, double rate, double loss, double eta_s) {
   last_draw_ = now;
   last_plain_step_ = done;
   const int digits = static_cast<int>(std::to_string(total_steps_).size());
-  Line(StringPrintf("epoch %lld/%lld  step %*lld/%lld  %s samples/s  loss %.4f  ETA %s",
+  Line(StringPrintf("epoch %lld/%lld  step %*lld/%lld  %s samples/s  %s  ETA %s",
                     static_cast<long long>(epoch_), static_cast<long long>(epochs_), digits,
                     static_cast<long long>(done), static_cast<long long>(total_steps_),
-                    FormatRate(rate).c_str(), loss, FormatClock(eta_s).c_str()));
+                    FormatRate(rate).c_str(), LossText(loss).c_str(), FormatClock(eta_s).c_str()));
 }
 
 void Console::EndEpoch() { ClearBar(); }

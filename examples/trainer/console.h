@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 namespace ddp::examples::trainer {
@@ -51,10 +52,13 @@ class Console {
   /// (a resumed epoch).
   void StartEpoch(int64_t epoch, int64_t epochs, int64_t total_steps, int64_t done_steps);
   /// Reports that `done_steps` of the epoch are done; `samples_per_s` is the
-  /// recent global rate, `loss` the recent training loss, `eta_s` the time
-  /// left in this epoch. Draws at most every 100 ms (terminal) or per the
-  /// plain-line rule.
-  void Progress(int64_t done_steps, double samples_per_s, double loss, double eta_s);
+  /// recent global rate, `loss` rank 0's running training loss over the
+  /// epoch so far (its samples since the epoch began, or since the resume
+  /// within it; not the other ranks'), or none before its first batch
+  /// ("loss -"); a non-finite loss shows as nan or inf on the bar and in
+  /// plain lines alike. `eta_s` is the time left in this epoch. Draws at
+  /// most every 100 ms (terminal) or per the plain-line rule.
+  void Progress(int64_t done_steps, double samples_per_s, std::optional<double> loss, double eta_s);
   /// Removes the bar (the epoch's result line comes next).
   void EndEpoch();
   /// On a terminal, shows `text` in place of the bar until the next line
@@ -73,8 +77,8 @@ class Console {
   bool closed() const { return closed_; }
 
   /// The bar's text for the given state, `width` columns wide (for tests).
-  std::string RenderBar(int64_t done_steps, double samples_per_s, double loss, double eta_s,
-                        int width) const;
+  std::string RenderBar(int64_t done_steps, double samples_per_s, std::optional<double> loss,
+                        double eta_s, int width) const;
 
  private:
   void ClearBar();

@@ -3,7 +3,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -132,6 +135,51 @@ TEST(ConsoleTest, PlainLinesAreThrottled) {
   for (int step = 1; step <= 100; ++step) console.Progress(step, 1000, 0.5, 1);
   // The first line also waits one interval: a short epoch prints none.
   EXPECT_EQ(CountOf(cap.Text(), "\n"), 0);
+}
+
+// A loss that diverged reads the same on a terminal as in a log: the bar
+// used to show "loss -" (as before the first batch) where plain lines
+// showed "loss nan", hiding the divergence from whoever watched the bar.
+TEST(ConsoleTest, NonFiniteLossReadsTheSameOnTheBarAsInPlainLines) {
+  ConsoleOptions terminal;
+  terminal.interactive = true;
+  terminal.unicode = false;
+  Capture bar_cap;
+  Console bar_console(bar_cap.file(), terminal);
+  bar_console.StartEpoch(1, 1, 10, 0);
+  EXPECT_NE(bar_console.RenderBar(5, 100, NAN, 1, 100).find("  loss nan  "), std::string::npos)
+      << bar_console.RenderBar(5, 100, NAN, 1, 100);
+  EXPECT_NE(bar_console.RenderBar(5, 100, INFINITY, 1, 100).find("  loss inf  "), std::string::npos)
+      << bar_console.RenderBar(5, 100, INFINITY, 1, 100);
+
+  ConsoleOptions plain;
+  plain.interactive = false;
+  plain.min_plain_interval = std::chrono::milliseconds(0);
+  Capture cap;
+  Console console(cap.file(), plain);
+  console.StartEpoch(1, 1, 10, 0);
+  console.Progress(1, 100, NAN, 1);
+  EXPECT_NE(cap.Text().find("  loss nan  "), std::string::npos) << cap.Text();
+}
+
+// Before the epoch's first batch there is no loss yet: "loss -" on the bar
+// and in plain lines alike.
+TEST(ConsoleTest, NoLossYetReadsAsADashOnTheBarAndInPlainLines) {
+  ConsoleOptions terminal;
+  terminal.interactive = true;
+  Capture bar_cap;
+  Console bar_console(bar_cap.file(), terminal);
+  bar_console.StartEpoch(1, 1, 10, 0);
+  EXPECT_NE(bar_console.RenderBar(0, 0, std::nullopt, 0, 100).find("  loss -  "), std::string::npos);
+
+  ConsoleOptions plain;
+  plain.interactive = false;
+  plain.min_plain_interval = std::chrono::milliseconds(0);
+  Capture cap;
+  Console console(cap.file(), plain);
+  console.StartEpoch(1, 1, 10, 0);
+  console.Progress(1, 100, std::nullopt, 1);
+  EXPECT_NE(cap.Text().find("  loss -  "), std::string::npos) << cap.Text();
 }
 
 }  // namespace

@@ -1429,7 +1429,9 @@ RunResult Run::Go() {
                                (pos_.batch_in_epoch % c_.grad_accum_steps != 0);
           const double eta = rate_.StepTime() * static_cast<double>(steps_per_epoch_ - done);
           console_.Progress(done, rate_.Rate(),
-                            shown_loss_count_ > 0 ? shown_loss_sum_ / shown_loss_count_ : NAN,
+                            shown_loss_count_ > 0
+                                ? std::optional<double>(shown_loss_sum_ / shown_loss_count_)
+                                : std::nullopt,
                             eta);
         }
         if (epoch_end) {
