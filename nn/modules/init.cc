@@ -55,8 +55,15 @@ void KaimingNormal(const Tensor& w, double a, std::string_view mode, std::string
 }
 
 namespace {
-// gain * sqrt(2 / (fan_in + fan_out)), the standard deviation both Xavier forms aim at.
-double XavierStd(const Tensor& w, double gain) {
+// gain * sqrt(2 / (fan_in + fan_out)), the standard deviation both Xavier
+// forms aim at. `caller` names the form in the refusal of a gain that is
+// negative or not finite, which would otherwise fail later as the fill's
+// bounds (low above high) or standard deviation, without naming the gain.
+double XavierStd(const char* caller, const Tensor& w, double gain) {
+  if (!std::isfinite(gain) || gain < 0) {
+    throw std::invalid_argument(std::string(caller) + ": gain must be finite and not negative, got " +
+                                std::to_string(gain));
+  }
   const auto [in, out] = FanInOut(w);
   return gain * std::sqrt(2.0 / static_cast<double>(in + out));
 }
@@ -64,14 +71,14 @@ double XavierStd(const Tensor& w, double gain) {
 
 void XavierUniform(const Tensor& w, double gain, Generator& gen) {
   // Checked before the empty case: a 1-d tensor has no fans, empty or not.
-  const double std = XavierStd(w, gain);
+  const double std = XavierStd("XavierUniform", w, gain);
   if (w.numel() == 0) return;  // nothing to draw (and a fan sum of 0 would divide by 0)
   const double bound = std::sqrt(3.0) * std;
   Uniform(w, -bound, bound, gen);
 }
 
 void XavierNormal(const Tensor& w, double gain, Generator& gen) {
-  const double std = XavierStd(w, gain);
+  const double std = XavierStd("XavierNormal", w, gain);
   if (w.numel() == 0) return;  // as XavierUniform
   NoGradGuard guard;
   NormalFill(w, 0.0, std, gen);

@@ -27,6 +27,8 @@ void KaimingNormal(const Tensor& w, double a = 0.0, std::string_view mode = "fan
                    std::string_view nonlinearity = "leaky_relu", Generator& gen = DefaultGenerator());
 /// U(-a, a) with a = gain * sqrt(6 / (fan_in + fan_out)), as PyTorch's
 /// xavier_uniform_ (Glorot): variance gain^2 * 2 / (fan_in + fan_out).
+/// Throws std::invalid_argument naming the gain when it is negative or not
+/// finite (so does XavierNormal).
 void XavierUniform(const Tensor& w, double gain = 1.0, Generator& gen = DefaultGenerator());
 /// N(0, std^2) with std = gain * sqrt(2 / (fan_in + fan_out)), as PyTorch's xavier_normal_.
 void XavierNormal(const Tensor& w, double gain = 1.0, Generator& gen = DefaultGenerator());

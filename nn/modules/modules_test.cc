@@ -1246,6 +1246,21 @@ TEST(InitTest, XavierUniformBoundAndSpread) {
   XavierUniform(Empty({0, 3}));                                         // nothing to draw
 }
 
+// A negative or non-finite gain is refused by name, before anything is
+// drawn; it used to fail in the fill, naming its bounds or deviation.
+TEST(InitTest, XavierRefusesANegativeOrNonFiniteGainNamingIt) {
+  const Tensor w = Zeros({4, 3});
+  for (const double gain : {-1.0, std::nan(""), HUGE_VAL}) {
+    const std::string uniform = ErrorOf([&] { XavierUniform(w, gain); });
+    EXPECT_EQ(uniform.rfind("XavierUniform: gain must be finite and not negative, got ", 0), 0u) << uniform;
+    const std::string normal = ErrorOf([&] { XavierNormal(w, gain); });
+    EXPECT_EQ(normal.rfind("XavierNormal: gain must be finite and not negative, got ", 0), 0u) << normal;
+  }
+  EXPECT_EQ(w.ToVector<float>(), std::vector<float>(12, 0.0f));
+  XavierUniform(w, 0.0);  // a gain of 0 gives zeros, as PyTorch's
+  EXPECT_EQ(w.ToVector<float>(), std::vector<float>(12, 0.0f));
+}
+
 // Xavier-normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)); on a
 // convolution the fans count the kernel's area (144 and 288 here).
 TEST(InitTest, XavierNormalStdOnAConvWeight) {
