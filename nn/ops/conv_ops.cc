@@ -6,6 +6,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "nn/ops/autocast.h"
 #include "nn/ops/functional.h"
@@ -264,6 +265,17 @@ Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w) {
   }
   CheckPositive("adaptive_avg_pool2d", "output size", out_h, out_w);
   CheckOnlyBatchEmpty("adaptive_avg_pool2d", x);
+  // The kernels bound output row o's window by (o * H) / out_h and
+  // ((o + 1) * H + out_h - 1) / out_h (columns alike): out_h * (H + 1) must
+  // fit in int64, or the windows would wrap and read outside the plane.
+  for (const auto& [what, out, in] : {std::tuple{"height", out_h, x.size(2)}, std::tuple{"width", out_w, x.size(3)}}) {
+    int64_t product = 0;
+    if (__builtin_mul_overflow(out, in, &product) || __builtin_add_overflow(product, out, &product)) {
+      throw std::invalid_argument(std::string("adaptive_avg_pool2d: output ") + what + " " + std::to_string(out) +
+                                  " times the input's " + what + " " + std::to_string(in) +
+                                  " overflows the int64 window bounds; got input " + ShapeToString(x.shape()));
+    }
+  }
   Tensor y = detail::NewLike(x, {x.size(0), x.size(1), out_h, out_w});
   DDP_KERNEL(x.device(), adaptive_avg_pool2d_forward)(x, y);
   if (!detail::AnyRequiresGrad({&x})) return y;

@@ -1603,6 +1603,27 @@ TEST(KernelsTest, PoolingRefusesAnEmptyInputOtherThanAnEmptyBatch) {
   EXPECT_EQ(AdaptiveAvgPool2d(Zeros({0, 1, 4, 4}), 2, 2).shape(), (Shape{0, 1, 2, 2}));
 }
 
+// Adaptive pooling's window bounds are (o * H) / out_h and
+// ((o + 1) * H + out_h - 1) / out_h: sizes whose product leaves int64
+// (a broadcast view of 2^40 rows into 2^24 outputs) are refused naming the
+// axis, before anything is allocated or read; the windows wrapped before.
+TEST(KernelsTest, AdaptiveAvgPoolRefusesSizesWhoseWindowBoundsOverflowNamingTheAxis) {
+  const int64_t huge = int64_t{1} << 40, many = int64_t{1} << 24;
+  for (const int64_t batch : {0, 1}) {
+    const Tensor tall = Expand(Ones({1, 1, 1, 1}), {batch, 1, huge, 1});
+    EXPECT_EQ(ErrorOf([&] { AdaptiveAvgPool2d(tall, many, 1); }),
+              "adaptive_avg_pool2d: output height 16777216 times the input's height 1099511627776 overflows "
+              "the int64 window bounds; got input " + ShapeToString(tall.shape()));
+    const Tensor wide = Expand(Ones({1, 1, 1, 1}), {batch, 1, 1, huge});
+    EXPECT_EQ(ErrorOf([&] { AdaptiveAvgPool2d(wide, 1, many); }),
+              "adaptive_avg_pool2d: output width 16777216 times the input's width 1099511627776 overflows "
+              "the int64 window bounds; got input " + ShapeToString(wide.shape()));
+  }
+  // Large but within int64: the bounds are exact (an empty batch, nothing read).
+  EXPECT_EQ(AdaptiveAvgPool2d(Expand(Ones({1, 1, 1, 1}), {0, 1, huge, 1}), int64_t{1} << 20, 1).shape(),
+            (Shape{0, 1, int64_t{1} << 20, 1}));
+}
+
 // Average pooling has no dilation (torch's avg_pool2d takes none); one other
 // than 1 is refused naming it. Before, it was ignored: a 2x2 window with
 // dilation 2 on a 5x5 input gave the undilated [1, 1, 4, 4] average.
