@@ -328,10 +328,14 @@ std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min, CosineTa
 }
 
 std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters) {
-  if (!(start_factor > 0 && start_factor <= 1 && end_factor >= 0 && end_factor <= 1)) {
+  // Each factor is named alone when it is the one out of range.
+  if (!(start_factor > 0 && start_factor <= 1)) {
     throw std::invalid_argument("LinearLR: start_factor " + internal::OptionValueText(start_factor) +
-                                " must be in (0, 1] and end_factor " + internal::OptionValueText(end_factor) +
-                                " in [0, 1]");
+                                " must be in (0, 1]");
+  }
+  if (!(end_factor >= 0 && end_factor <= 1)) {
+    throw std::invalid_argument("LinearLR: end_factor " + internal::OptionValueText(end_factor) +
+                                " must be in [0, 1]");
   }
   if (total_iters < 1) {
     throw std::invalid_argument("LinearLR: total_iters " + std::to_string(total_iters) + " must be >= 1");

@@ -1756,8 +1756,14 @@ TEST(LrScheduler, ScheduleParametersAreCheckedAtConstruction) {
     EXPECT_THAT(ErrorOf([&] { CosineSchedule(10, bad); }), HasSubstr("CosineAnnealingLR: eta_min "));
     EXPECT_THAT(ErrorOf([&] { WarmupCosineSchedule(2, 10, 0.1, bad); }), HasSubstr("CosineAnnealingLR: eta_min "));
     EXPECT_THAT(ErrorOf([&] { LinearSchedule(bad, 1.0, 5); }), HasSubstr("LinearLR: start_factor "));
-    EXPECT_THAT(ErrorOf([&] { LinearSchedule(0.5, bad, 5); }), HasSubstr("LinearLR: start_factor "));
+    EXPECT_THAT(ErrorOf([&] { LinearSchedule(0.5, bad, 5); }), HasSubstr("LinearLR: end_factor "));
   }
+  // Only the factor out of range is named: the message quoted both, as if
+  // the valid one were wrong too.
+  EXPECT_EQ(ErrorOf([] { LinearSchedule(1.5, 0.5, 5); }), "LinearLR: start_factor 1.5 must be in (0, 1]");
+  EXPECT_EQ(ErrorOf([] { LinearSchedule(0.0, 0.5, 5); }), "LinearLR: start_factor 0 must be in (0, 1]");
+  EXPECT_EQ(ErrorOf([] { LinearSchedule(0.5, -0.25, 5); }), "LinearLR: end_factor -0.25 must be in [0, 1]");
+  EXPECT_EQ(ErrorOf([] { LinearSchedule(0.5, 2.0, 5); }), "LinearLR: end_factor 2 must be in [0, 1]");
   EXPECT_EQ(ErrorOf([] { LinearSchedule(0.5, 1.0, 0); }), "LinearLR: total_iters 0 must be >= 1");
   EXPECT_EQ(ErrorOf([] { SequentialSchedule({StepSchedule(1), StepSchedule(1), StepSchedule(1)}, {5, 3}); }),
             "SequentialLR: milestones must be ascending and >= 0, milestone 1 is 3 after 5");
