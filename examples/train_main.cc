@@ -422,7 +422,8 @@ std::string EmptyPathFlagProblem() {
   return "";
 }
 
-[[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message);
+[[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message,
+                       bool from_lead = false);
 
 TrainConfig ConfigFromFlags(int world_size) {
   TrainConfig c;
@@ -536,10 +537,19 @@ std::vector<std::string> WithoutFlag(const std::vector<std::string>& args, const
   return out;
 }
 
-[[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message) {
+// Prints `message` (one rank's failure) and exits with `status`. A failure
+// that the rank learned from rank 0 (`from_lead`, see
+// trainer::FromLead) is printed in full by rank 0 alone; the others say in
+// a short line that they stopped with it, as torchrun's workers report
+// their own failures only. The launcher's error file gets the whole reason
+// from every rank, for its summary of whichever rank ended first.
+[[noreturn]] void Fail(int status, int rank, int world_size, const std::string& message,
+                       bool from_lead) {
   ddp::examples::StopIfInterruptedInSetup();  // said already: the refusal is beside the point
   std::fflush(stdout);
-  if (world_size > 1 && rank > 0) {
+  if (world_size > 1 && rank > 0 && from_lead) {
+    std::fprintf(stderr, "%s: rank %d: stopped with rank 0, whose output gives the reason\n", kProgram, rank);
+  } else if (world_size > 1 && rank > 0) {
     std::fprintf(stderr, "%s: rank %d: %s\n", kProgram, rank, message.c_str());
   } else {
     std::fprintf(stderr, "%s: %s\n", kProgram, message.c_str());
@@ -735,7 +745,7 @@ int main(int argc, char** argv) {
         }
       }
       decision = parallel->ShareFromLead(std::move(decision));
-      if (decision != "0" && decision != "1") throw UsageError(decision);
+      if (decision != "0" && decision != "1") throw ddp::examples::trainer::LeadUsageError(decision);
       config.resume = decision == "1";
     }
     const auto result = ddp::examples::trainer::Train(config, *parallel, options);
@@ -743,10 +753,10 @@ int main(int argc, char** argv) {
     if (result.stopped_by_signal != 0) return 128 + result.stopped_by_signal;
     return 0;
   } catch (const UsageError& e) {
-    Fail(2, rank, world_size, e.what());
+    Fail(2, rank, world_size, e.what(), ddp::examples::trainer::IsFromLead(e));
   } catch (const ddp::examples::trainer::JobError& e) {
     if (g_stop.load() != 0) return 128 + g_stop.load();
-    Fail(1, rank, world_size, e.what());
+    Fail(1, rank, world_size, e.what(), ddp::examples::trainer::IsFromLead(e));
   } catch (const std::exception& e) {
     if (g_stop.load() != 0) return 128 + g_stop.load();
     Fail(1, rank, world_size, std::string("error: ") + e.what());

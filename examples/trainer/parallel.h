@@ -32,6 +32,29 @@ class JobError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// Marks a failure that every rank learned from rank 0 (rank 0's own
+/// reason, shared so that all of them stop alike: a resume's checkpoint
+/// that cannot be read, a save that failed). Rank 0 prints the reason; the
+/// others print a short line pointing at rank 0's, as torchrun's workers
+/// each report their own failure only, and the launcher's summary repeats
+/// the first one.
+class FromLead {
+ public:
+  virtual ~FromLead() = default;
+};
+/// Rank 0's UsageError (exit status 2), as every rank throws it.
+class LeadUsageError : public UsageError, public FromLead {
+ public:
+  using UsageError::UsageError;
+};
+/// Rank 0's failure of the run (exit status 1), as every rank throws it.
+class LeadJobError : public JobError, public FromLead {
+ public:
+  using JobError::JobError;
+};
+/// Whether `e` is a failure learned from rank 0 (see FromLead).
+inline bool IsFromLead(const std::exception& e) { return dynamic_cast<const FromLead*>(&e) != nullptr; }
+
 /// DDP's runtime statistics summed over a run's synchronizing iterations.
 struct CommTotals {
   int64_t iterations = 0;

@@ -878,9 +878,16 @@ void Run::Setup() {
         std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s),
         /*discardable=*/true);
     if (read->error) std::rethrow_exception(read->error);
-    if (!failure.empty()) throw UsageError(failure);
+    if (!failure.empty()) throw LeadUsageError(failure);
     std::string bytes = par_.ShareFromLead(std::move(read->bytes));
-    pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(bytes), parts, c_, world_, &resume_note);
+    try {
+      pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(bytes), parts, c_, world_, &resume_note);
+    } catch (const UsageError& e) {
+      // Every rank holds rank 0's bytes and the same flags (checked at the
+      // start), so every rank refuses them alike: rank 0's line says why.
+      if (lead_) throw;
+      throw LeadUsageError(e.what());
+    }
   }
   // A fresh run's identity; a resumed run goes on with its checkpoint's (a
   // checkpoint saved before they were has none: a new one then, for its
@@ -915,7 +922,7 @@ void Run::Setup() {
     }
   }
   refused = par_.ShareFromLead(std::move(refused));
-  if (!refused.empty()) throw UsageError(refused);
+  if (!refused.empty()) throw LeadUsageError(refused);
 
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.
@@ -1340,7 +1347,7 @@ void Run::SaveCheckpoint() {
   keep_previous_ = false;
   // Every rank, rank 0 too, ends with the same error of the run (exit
   // status 1): the save's failure is rank 0's disk's, not a flag's.
-  if (!failure.empty()) throw JobError("rank 0 could not save the checkpoint: " + failure);
+  if (!failure.empty()) throw LeadJobError("rank 0 could not save the checkpoint: " + failure);
   if (outcome->error) std::rethrow_exception(outcome->error);
   if (lead_) {
     checkpoint_saved_ = c_.checkpoint;
