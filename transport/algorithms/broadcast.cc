@@ -56,6 +56,9 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const char* what = chain ? "broadcast (chain)" : "broadcast (tree)";
   auto chunk_n = [&](size_t c) { return std::min(ce, args.count - c * ce); };
 
+  // This call's own data tags (CallDataBase): a chunk a failed call at
+  // this tag sent, delivered although cancelled, is not taken as this one's.
+  const uint64_t base = internal::CallDataBase(args.call_id);
   internal::Requests requests(p2p, args.deadline);
   // At most a pipeline's depth of chunks in flight to each child: a child
   // holds any more as unexpected messages (the root used to post every
@@ -70,7 +73,7 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     slot.clear();
     for (int child : node.children) {
       internal::Where where{what, 0, 0, c, true, child};
-      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id, requests.Send(where, internal::StepTag(tag, c),
+      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id, requests.Send(where, internal::StepTag(tag, base + c),
                                                                   data + c * ce * es, chunk_n(c) * es));
       slot.emplace_back(child, id);
     }
@@ -90,7 +93,7 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto post = [&](size_t c) -> Status {
     if (c >= k) return Status();
     internal::Where where{what, 0, 0, c, false, node.parent};
-    DDP_ASSIGN_OR_RETURN(ids[c % depth], requests.Recv(where, internal::StepTag(tag, c),
+    DDP_ASSIGN_OR_RETURN(ids[c % depth], requests.Recv(where, internal::StepTag(tag, base + c),
                                                        recv + c * ce * es, chunk_n(c) * es));
     return Status();
   };

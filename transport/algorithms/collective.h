@@ -129,8 +129,8 @@ struct CollectiveArgs {
   /// disagree tells the others in notices that outlast its return
   /// (PointToPoint::PostNotice), and notes left from another call are
   /// ignored; without it, a rank that enters the call after the finder
-  /// returned waits for its deadline. It also chooses the data tags of the
-  /// ring phases and the barrier (CallDataBase in pipeline.h: slot
+  /// returned waits for its deadline. It also chooses the data tags of every
+  /// algorithm (CallDataBase in pipeline.h: slot
   /// call_id % 16), so every rank must pass the same call_id: ranks whose
   /// ids differ pass the argument check (it does not compare call_id) and
   /// then wait at different tags until their deadline, unless the ids are a

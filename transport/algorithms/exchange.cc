@@ -130,7 +130,10 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   }
   // Receives first, so that no message waits unexpected; then the sends,
   // starting with the next rank so that not every rank sends to rank 0
-  // first.
+  // first. At this call's own data tag (CallDataBase): a block a failed
+  // call at this tag sent, delivered although cancelled, is not taken as
+  // this one's.
+  const p2p::Tag data_tag = internal::StepTag(tag, internal::CallDataBase(args.call_id));
   std::vector<p2p::RequestId> receives;
   std::vector<int> from;
   for (int i = 1; i < p; ++i) {
@@ -138,7 +141,7 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
     if (blocks[q].recv_bytes == 0 && !empty_messages) continue;
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, q};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
-                         requests.Recv(where, internal::StepTag(tag, 0), blocks[q].recv,
+                         requests.Recv(where, data_tag, blocks[q].recv,
                                        blocks[q].recv_bytes));
     receives.push_back(id);
     from.push_back(q);
@@ -147,7 +150,7 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
     const int q = (r + i) % p;
     if (blocks[q].send_bytes == 0 && !empty_messages) continue;
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, q};
-    DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, 0), blocks[q].send,
+    DDP_RETURN_IF_ERROR(requests.Send(where, data_tag, blocks[q].send,
                                       blocks[q].send_bytes)
                             .status());
   }

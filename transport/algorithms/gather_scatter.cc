@@ -99,12 +99,15 @@ Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const int p = p2p.size(), r = p2p.rank();
   const size_t bytes = args.count * DataTypeSize(args.dtype);
   auto* recv = static_cast<unsigned char*>(args.recv);
-  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  // This call's own data tag (CallDataBase): a block a failed call at this
+  // tag sent, delivered although cancelled, is not taken as this one's.
+  const p2p::Tag tag =
+      internal::StepTag(PhaseTag(args.tag, 0), internal::CallDataBase(args.call_id));
 
   internal::Requests requests(p2p, args.deadline);
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, args.root};
-    DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tag, 0), args.send, bytes).status());
+    DDP_RETURN_IF_ERROR(requests.Send(where, tag, args.send, bytes).status());
     return requests.WaitAll(kWhat);
   }
   std::vector<p2p::RequestId> ids;
@@ -113,7 +116,7 @@ Status Gather(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     const int q = (r + i) % p;
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, q};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
-                         requests.Recv(where, internal::StepTag(tag, 0), recv + q * bytes, bytes));
+                         requests.Recv(where, tag, recv + q * bytes, bytes));
     ids.push_back(id);
     from.push_back(q);
   }
@@ -133,13 +136,16 @@ Status Scatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const int p = p2p.size(), r = p2p.rank();
   const size_t bytes = args.count * DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);
-  const p2p::Tag tag = PhaseTag(args.tag, 0);
+  // This call's own data tag (CallDataBase): a block a failed call at this
+  // tag sent, delivered although cancelled, is not taken as this one's.
+  const p2p::Tag tag =
+      internal::StepTag(PhaseTag(args.tag, 0), internal::CallDataBase(args.call_id));
 
   internal::Requests requests(p2p, args.deadline);
   if (r != args.root) {
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, false, args.root};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
-                         requests.Recv(where, internal::StepTag(tag, 0), args.recv, bytes));
+                         requests.Recv(where, tag, args.recv, bytes));
     DDP_RETURN_IF_ERROR(requests.Wait(id, where));
     return requests.WaitAll(kWhat);
   }
@@ -147,7 +153,7 @@ Status Scatter(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     const int q = (r + i) % p;
     internal::Where where{kWhat, 0, 0, internal::Where::kNoChunk, true, q};
     DDP_RETURN_IF_ERROR(
-        requests.Send(where, internal::StepTag(tag, 0), send + q * bytes, bytes).status());
+        requests.Send(where, tag, send + q * bytes, bytes).status());
   }
   if (args.recv != send + r * bytes) std::memcpy(args.recv, send + r * bytes, bytes);
   return requests.WaitAll(kWhat);

@@ -23,9 +23,14 @@ constexpr int kRhdDepth = 4;
 constexpr size_t kDefaultDoublingBytes = 8 << 10;
 constexpr size_t kTwoRankDoublingBytes = 64 << 10;
 
-// Step s's chunk c is message (s << kChunkBits) | c; chunk indices wrap
-// within a step, far beyond the window of messages in flight.
-constexpr int kChunkBits = 14;
+// Step s's chunk c is message s * kStepMessages + c % kStepMessages of the
+// call's data slot (CallDataBase), so that consecutive calls at one tag
+// move data at different tags: a failed call's chunks, delivered although
+// cancelled, are not taken by the next call. The slot holds 64 steps (0 to
+// 62 are used, see unfold_step); chunk indices wrap within a step, far
+// beyond the window of messages in flight (kMaxPipelineDepth).
+constexpr uint64_t kStepMessages = internal::kCallDataSlotSteps / 64;
+static_assert(kStepMessages > 2 * kMaxPipelineDepth);
 
 int LargestPowerOfTwoAtMost(int p) {
   int b = 1;
@@ -82,6 +87,11 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   internal::Scratch scratch(doubling ? 2 * doubling_message : depth * slot_elems * es);
   const reduce::ReduceFn reduce_fn = reduce::GetReduceFn(args.dtype, args.op);
   const p2p::Tag tag = PhaseTag(args.tag, 0);
+  const uint64_t base = internal::CallDataBase(args.call_id);
+  auto chunk_tag = [&](int step, size_t c) {
+    return internal::StepTag(tag, base + static_cast<uint64_t>(step) * kStepMessages +
+                                      c % kStepMessages);
+  };
 
   internal::Requests requests(p2p, args.deadline);
   // Fingerprints go around the ring of the p2 exchanging ranks, plus from
@@ -149,9 +159,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto exchange = [&](const char* what, int step, int peer, const unsigned char* out,
                       size_t send_n, unsigned char* in, size_t recv_n, bool combine) -> Status {
     const size_t ks = internal::ChunkCount(send_n, ce), kr = internal::ChunkCount(recv_n, ce);
-    const p2p::Tag step_tag = tag + (static_cast<p2p::Tag>(step) << kChunkBits);
     std::vector<p2p::RequestId> recv_ids(depth, 0), send_ids(depth, 0);
-    auto chunk_tag = [&](size_t c) { return step_tag + (c & ((size_t{1} << kChunkBits) - 1)); };
     size_t next_send = 0, next_recv = 0;
     for (size_t m = 0; m < std::max(ks, kr); ++m) {
       while (next_recv < kr && next_recv < m + depth) {
@@ -160,13 +168,13 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
         unsigned char* dst = combine ? scratch.data() + (c % depth) * slot_elems * es
                                      : in + c * ce * es;
         internal::Where where{what, step, 0, c, false, peer};
-        DDP_ASSIGN_OR_RETURN(recv_ids[c % depth], requests.Recv(where, chunk_tag(c), dst, n * es));
+        DDP_ASSIGN_OR_RETURN(recv_ids[c % depth], requests.Recv(where, chunk_tag(step, c), dst, n * es));
       }
       while (next_send < ks && next_send < m + depth) {
         const size_t c = next_send++;
         const size_t n = std::min(ce, send_n - c * ce);
         internal::Where where{what, step, 0, c, true, peer};
-        DDP_ASSIGN_OR_RETURN(send_ids[c % depth], requests.Send(where, chunk_tag(c), out + c * ce * es, n * es));
+        DDP_ASSIGN_OR_RETURN(send_ids[c % depth], requests.Send(where, chunk_tag(step, c), out + c * ce * es, n * es));
       }
       if (m >= kr) {
         // Only sending (the fold's hand-off, the result handed back): no
@@ -205,7 +213,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // checked apart: compared before its vector is used.
   auto doubling_step = [&](int step, int peer) -> Status {
     const char* what = "rhd all-reduce, recursive doubling";
-    const p2p::Tag step_tag = tag + (static_cast<p2p::Tag>(step) << kChunkBits);
+    const p2p::Tag step_tag = chunk_tag(step, 0);
     const size_t bytes = args.count * es;
     const bool send_header = peer != next, recv_header = peer != prev;
     unsigned char* slot = scratch.data();  // [fingerprint][vector]
@@ -301,8 +309,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
   // The step index of the hand-back must agree on both sides of a pair,
   // so it is fixed rather than counted: 62, past any step of 2^31 ranks,
-  // and not 63, whose last 16 chunk indices are the phase's fingerprint
-  // tags (kDataSteps).
+  // and the last that kStepMessages leaves room for in the call's slot.
   const int unfold_step = 62;
   if (r < 2 * extra) {
     if (folded) {

@@ -95,6 +95,9 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   const p2p::Tag tag = PhaseTag(args.tag, 0);
   DDP_RETURN_IF_ERROR(
       internal::CheckEveryRank(p2p, args.deadline, kWhat, start.fingerprint, tag));
+  // This call's own data tags (CallDataBase): a chunk a failed call at
+  // this tag sent, delivered although cancelled, is not taken as this one's.
+  const uint64_t base = internal::CallDataBase(args.call_id);
   internal::Requests requests(p2p, args.deadline);
 
   std::vector<p2p::RequestId> ids(children * depth, 0);
@@ -103,7 +106,7 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     for (size_t i = 0; i < children; ++i) {
       internal::Where where{kWhat, 0, 0, c, false, node.children[i]};
       DDP_ASSIGN_OR_RETURN(ids[i * depth + c % depth],
-                           requests.Recv(where, internal::StepTag(tag, c), slot(i, c),
+                           requests.Recv(where, internal::StepTag(tag, base + c), slot(i, c),
                                          chunk_n(c) * es));
     }
     return Status();
@@ -133,7 +136,7 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
         DDP_RETURN_IF_ERROR(requests.Wait(sent[c % window], where));
       }
       internal::Where where{kWhat, 0, 0, c, true, node.parent};
-      DDP_ASSIGN_OR_RETURN(sent[c % window], requests.Send(where, internal::StepTag(tag, c), result, n * es));
+      DDP_ASSIGN_OR_RETURN(sent[c % window], requests.Send(where, internal::StepTag(tag, base + c), result, n * es));
     } else if (args.op == ReduceOp::kAvg) {
       reduce::DivideInPlace(args.dtype, out, n, p);
     }
@@ -199,20 +202,22 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
 
   constexpr const char* kGatherWhat = "ring reduce (gather to the root)";
   const p2p::Tag tag = PhaseTag(args.tag, 1);
+  // At this call's own data tag (CallDataBase), as the ring phases.
+  const p2p::Tag block_tag = internal::StepTag(tag, internal::CallDataBase(args.call_id));
   internal::Requests requests(p2p, args.deadline);
   if (is_root) {
     for (int q = 0; q < p; ++q) {
       if (q == r || layout.size(q) == 0) continue;
       internal::Where where{kGatherWhat, 0, 0, internal::Where::kNoChunk, false, q};
       DDP_RETURN_IF_ERROR(requests
-                              .Recv(where, internal::StepTag(tag, 0), recv + layout.offset(q) * es,
+                              .Recv(where, block_tag, recv + layout.offset(q) * es,
                                     layout.size(q) * es)
                               .status());
     }
   } else if (layout.size(r) > 0) {
     internal::Where where{kGatherWhat, 0, 0, internal::Where::kNoChunk, true, args.root};
     DDP_RETURN_IF_ERROR(
-        requests.Send(where, internal::StepTag(tag, 0), block, layout.size(r) * es).status());
+        requests.Send(where, block_tag, block, layout.size(r) * es).status());
   }
   DDP_RETURN_IF_ERROR(requests.WaitAll(kGatherWhat));
   return rounds.WaitAll("ring reduce, argument check");

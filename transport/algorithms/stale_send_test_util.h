@@ -20,8 +20,8 @@
 namespace ddp::transport::algorithms::testing {
 
 /// Passes every call on to `inner`, except that a data send (a tag below
-/// its phase's fingerprint tags) cancelled before it was taken is
-/// delivered all the same: its bytes, copied as it was posted, go to the
+/// its phase's fingerprint tags) cancelled before it was taken, or still
+/// pending when a WaitAll that lists it fails, is delivered all the same: its bytes, copied as it was posted, go to the
 /// peer as a notice at its tag, where the peer's next receive at that tag
 /// takes them. The argument check's messages are left out: their tags are
 /// shared by every algorithm and repeat on every call at one tag (a next
@@ -55,9 +55,32 @@ class CancelledSendDeliveringEndpoint final : public p2p::PointToPoint {
     return done;
   }
   Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override {
-    Status status = inner_.WaitAll(requests, deadline);
-    for (p2p::RequestId id : requests) sends_.erase(id);  // released either way
-    return status;
+    bool tracked = false;
+    for (p2p::RequestId id : requests) tracked = tracked || sends_.count(id) != 0;
+    if (!tracked) return inner_.WaitAll(requests, deadline);
+    // One at a time, so that what is still pending when the wait fails is
+    // known and given up through CancelAll, which delivers the data sends
+    // among it (UCX would have completed those as they were posted).
+    std::vector<p2p::RequestId> pending(requests.begin(), requests.end());
+    while (!pending.empty()) {
+      StatusOr<size_t> done = WaitAny(pending, deadline);
+      if (!done.ok()) {
+        // A request that failed is released already; the rest are not.
+        std::vector<p2p::RequestId> rest;
+        for (p2p::RequestId id : pending) {
+          StatusOr<bool> finished = inner_.Test(id);  // released when finished
+          if (finished.ok() && !*finished) {
+            rest.push_back(id);
+          } else {
+            sends_.erase(id);
+          }
+        }
+        CancelAll(rest);
+        return done.status();
+      }
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(*done));
+    }
+    return Status();
   }
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests, Deadline deadline) override {
     StatusOr<size_t> index = inner_.WaitAny(requests, deadline);

@@ -69,6 +69,9 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   internal::Scratch scratch(scratch_bytes);
   unsigned char* next_slots = scratch.data();
 
+  // This call's own data tags (CallDataBase): a chunk a failed call at
+  // this tag sent, delivered although cancelled, is not taken as this one's.
+  const uint64_t base = internal::CallDataBase(args.call_id);
   std::array<Tree, 2> trees;
   for (int t = 0; t < 2; ++t) {
     Tree& tree = trees[t];
@@ -161,7 +164,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     for (size_t i = 0; i < tree.node.children.size(); ++i) {
       internal::Where where{kWhat[tree.index][0], 0, 0, c, false, tree.node.children[i]};
       DDP_ASSIGN_OR_RETURN(tree.child_recv[i][c % depth],
-                           requests.Recv(where, internal::StepTag(tree.up_tag, c),
+                           requests.Recv(where, internal::StepTag(tree.up_tag, base + c),
                                          slot_ptr(tree, i, c), chunk_elems(tree, c) * es));
     }
     return Status();
@@ -170,7 +173,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto send_down = [&](Tree& tree, size_t c) -> Status {
     for (int child : tree.node.children) {
       internal::Where where{kWhat[tree.index][1], 0, 0, c, true, child};
-      DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tree.down_tag, c),
+      DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tree.down_tag, base + c),
                                         output_at(tree, c), chunk_elems(tree, c) * es)
                               .status());
     }
@@ -197,7 +200,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     if (tree.node.parent >= 0) {
       internal::Where where{kWhat[tree.index][0], 0, 0, c, true, tree.node.parent};
       DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
-                           requests.Send(where, internal::StepTag(tree.up_tag, c), result, n * es));
+                           requests.Send(where, internal::StepTag(tree.up_tag, base + c), result, n * es));
       if (result == out) tree.up_send_from_recv[c] = id;
       return Status();
     }
@@ -226,7 +229,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       where.what = kWhat[tree.index][1];
       where.is_send = false;
       DDP_ASSIGN_OR_RETURN(tree.down_recv[c],
-                           requests.Recv(where, internal::StepTag(tree.down_tag, c),
+                           requests.Recv(where, internal::StepTag(tree.down_tag, base + c),
                                          output_at(tree, c), chunk_elems(tree, c) * es));
       ++tree.next_down_post;
     }
