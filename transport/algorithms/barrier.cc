@@ -42,7 +42,7 @@ Status Barrier(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // rank among its neighbours now stops them too.
   const int next = (r + 1) % p, prev = (r + p - 1) % p;
   DDP_RETURN_IF_ERROR(requests.RelayStops("barrier", args.call_id, tag, prev, next));
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, {next}, {prev}));
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, args.call_id, {next}, {prev}));
   // Each call's rounds at tags of its own (CallDataBase): a round of a
   // failed call that still reached its peer (a small send on UCX) would
   // stand in for that rank's round in the next call at this tag, and let

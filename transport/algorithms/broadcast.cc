@@ -37,7 +37,8 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // with the verdict the same on every rank, a disagreement fails them all
   // at once and leaves every receive buffer untouched. A count of 0 is
   // proven the same way (no algorithm other than this one answers it).
-  DDP_RETURN_IF_ERROR(internal::CheckEveryRank(p2p, args.deadline, "broadcast", fingerprint, tag));
+  DDP_RETURN_IF_ERROR(internal::CheckEveryRank(p2p, args.deadline, "broadcast", fingerprint,
+                                               tag, args.call_id));
   if (args.count == 0) return Status();
   const size_t es = DataTypeSize(args.dtype);
   const auto* send = static_cast<const unsigned char*>(args.send);

@@ -78,7 +78,7 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   // in the same round as the fingerprints, on the fingerprint range's third
   // tag (CheckEveryRank, run by other collectives, takes the first two).
   constexpr const char* kSizeWhat = "direct exchange, block size check";
-  const p2p::Tag size_tag = internal::FingerprintTag(tag) + 2;
+  const p2p::Tag size_tag = internal::FingerprintTag(tag, args.call_id) + 2;
   // Declared before `requests`, so that it outlives the cancellations (and
   // is quarantined with it when a release is unconfirmed): [2q] is what
   // this rank sends q and [2q + 1] what it expects from q; the received
@@ -110,7 +110,7 @@ Status DirectExchange(p2p::PointToPoint& p2p, std::span<const ExchangeBlock> blo
   internal::PeerCheck check(kWhat, internal::MakeFingerprint(args, internal::kDirectExchangeKind,
                                                              /*uses_op=*/false,
                                                              /*uses_root=*/false));
-  DDP_RETURN_IF_ERROR(check.Post(requests, tag, check_to, check_from));
+  DDP_RETURN_IF_ERROR(check.Post(requests, tag, args.call_id, check_to, check_from));
   std::vector<p2p::RequestId> size_ids(empty_messages ? p : 0, 0);
   if (empty_messages) {
     for (int q = 0; q < p; ++q) {

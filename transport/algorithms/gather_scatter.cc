@@ -80,7 +80,7 @@ internal::CollectiveStart StartRooted(p2p::PointToPoint& p2p, const CollectiveAr
   // costs ceil(log2 p) small messages instead of one from or to every rank.
   // A count of 0 is proven the same way (only these answer it).
   start.status = internal::CheckEveryRank(p2p, args.deadline, what, start.fingerprint,
-                                          PhaseTag(args.tag, 0));
+                                          PhaseTag(args.tag, 0), args.call_id);
   if (!start.status.ok() || args.count == 0) {
     start.finished = true;
   } else if (p == 1) {

@@ -233,9 +233,9 @@ std::string Fingerprint::ToString() const {
   return s;
 }
 
-Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, const std::vector<int>& to,
-                       const std::vector<int>& from) {
-  const p2p::Tag tag = FingerprintTag(phase_tag);
+Status PeerCheck::Post(Requests& requests, p2p::Tag phase_tag, uint64_t call_id,
+                       const std::vector<int>& to, const std::vector<int>& from) {
+  const p2p::Tag tag = FingerprintTag(phase_tag, call_id);
   from_ = from;
   Fingerprint* held = requests.Hold<Fingerprint>(1 + from_.size());
   held[0] = mine_;
@@ -341,7 +341,7 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   awaited.reserve(expected + everyone.size());
   Fingerprint* theirs = held + 1;
   for (const CheckRound& round : rounds) {
-    const p2p::Tag tag = FingerprintTag(round.phase_tag);
+    const p2p::Tag tag = FingerprintTag(round.phase_tag, call_id);
     for (int peer : round.peers) {
       Where where{check.c_str(), 0, 0, Where::kNoChunk, false, peer};
       DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
@@ -374,7 +374,7 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
     }
   }
   for (const CheckRound& round : rounds) {
-    const p2p::Tag tag = FingerprintTag(round.phase_tag);
+    const p2p::Tag tag = FingerprintTag(round.phase_tag, call_id);
     for (int peer : round.peers) {
       Where where{check.c_str(), 0, 0, Where::kNoChunk, true, peer};
       DDP_RETURN_IF_ERROR(requests.Send(where, tag, &held[0], sizeof(Fingerprint)).status());
@@ -516,14 +516,14 @@ void Merge(Verdict& mine, const Verdict& theirs) {
 }  // namespace
 
 Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
-                      const Fingerprint& mine, p2p::Tag phase_tag) {
+                      const Fingerprint& mine, p2p::Tag phase_tag, uint64_t call_id) {
   const int p = p2p.size(), r = p2p.rank();
   if (p == 1) return Status();
   int rounds = 0;
   while ((int64_t{1} << rounds) < p) ++rounds;
   auto peer_at = [&](int64_t offset) { return static_cast<int>(((r + offset) % p + p) % p); };
   const std::string check = std::string(what) + ", argument check";
-  const p2p::Tag tag = FingerprintTag(phase_tag);
+  const p2p::Tag tag = FingerprintTag(phase_tag, call_id);
   Requests requests(p2p, deadline);
   // Message buffers live in `requests`, so they outlast its cancellations.
   Fingerprint* plain = requests.Hold<Fingerprint>(2);  // [0] sent, [1] received in round 0
@@ -625,7 +625,7 @@ bool TakesPartInEveryRankRounds(int32_t kind) {
 }
 
 Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerprint& mine,
-                           p2p::Tag phase_tag) {
+                           p2p::Tag phase_tag, uint64_t call_id) {
   p2p::PointToPoint& p2p = requests.p2p();
   const int p = p2p.size(), r = p2p.rank();
   int rounds = 0;
@@ -633,7 +633,7 @@ Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerpri
   if (rounds == 0) return Status();
   auto peer_at = [&](int64_t offset) { return static_cast<int>(((r + offset) % p + p) % p); };
   const std::string check = std::string(what) + ", argument check";
-  const p2p::Tag tag = FingerprintTag(phase_tag);
+  const p2p::Tag tag = FingerprintTag(phase_tag, call_id);
   Fingerprint* plain = requests.Hold<Fingerprint>(1);
   Verdict* sent = requests.Hold<Verdict>(1);
   Verdict* got = requests.Hold<Verdict>(rounds);

@@ -85,9 +85,20 @@ inline size_t ChunkCount(size_t n, size_t chunk_elems) {
 /// Receives to keep posted ahead: args.tuning.pipeline_depth or `fallback`.
 int PipelineDepth(const CollectiveArgs& args, int fallback);
 
+/// Calls that take turns on a phase's data tags (CallDataBase) and on its
+/// argument check's tags (FingerprintTag): calls this many apart share them.
+inline constexpr uint64_t kCallDataSlots = 16;
+/// Tags of one call's argument check in a phase: the fingerprint, the later
+/// rounds of CheckEveryRank and DirectExchange's block sizes.
+inline constexpr uint64_t kCheckTagsPerCall = 3;
+/// Tags the stop notes of a phase take turns on, one per call (StopNoteTag).
+inline constexpr uint64_t kStopNoteTags = 16;
+
 /// Data messages of a phase use step tags [0, kDataSteps); the rest of the
-/// phase's 2^kStepTagBits tags carry fingerprints (PeerCheck).
-inline constexpr uint64_t kDataSteps = (uint64_t{1} << kStepTagBits) - 16;
+/// phase's 2^kStepTagBits tags carry the argument checks of kCallDataSlots
+/// calls in turn (FingerprintTag) and the stop notes (StopNoteTag).
+inline constexpr uint64_t kDataSteps = (uint64_t{1} << kStepTagBits) -
+                                       kCallDataSlots * kCheckTagsPerCall - kStopNoteTags;
 
 /// Tag of data message `index` within the phase starting at `phase_tag`.
 /// Indices wrap at kDataSteps, far beyond the messages ever in flight at once.
@@ -105,20 +116,22 @@ inline p2p::Tag StepTag(p2p::Tag phase_tag, uint64_t index) {
 /// CollectiveTag sequence, take none of them as long as a phase moves at
 /// most kCallDataSlotSteps messages (calls kCallDataSlots apart share a
 /// slot). Call 0 (not known) starts at 0, as before.
-inline constexpr uint64_t kCallDataSlots = 16;
 inline constexpr uint64_t kCallDataSlotSteps = kDataSteps / kCallDataSlots;
 inline uint64_t CallDataBase(uint64_t call_id) {
   return (call_id % kCallDataSlots) * kCallDataSlotSteps;
 }
 
-/// Tag of the fingerprint exchanged in the phase starting at `phase_tag`.
-/// The next tags carry CheckEveryRank's later rounds (+1), DirectExchange's
-/// block sizes (+2) and the ring's stop notes (+3 to +15, StopNoteTag).
-inline p2p::Tag FingerprintTag(p2p::Tag phase_tag) { return phase_tag + kDataSteps; }
-
-/// Tags the stop notes of a phase take turns on, one per call (StopNoteTag):
-/// all the phase's tags past the fingerprint's first three.
-inline constexpr uint64_t kStopNoteTags = (uint64_t{1} << kStepTagBits) - kDataSteps - 3;
+/// Tag of the fingerprint exchanged in the phase starting at `phase_tag`
+/// in call `call_id` (CollectiveArgs::call_id, 0 when not known). The next
+/// tags carry CheckEveryRank's later rounds (+1) and DirectExchange's block
+/// sizes (+2). Consecutive calls at one phase tag check at different tags,
+/// as they move data (CallDataBase): a failed call's fingerprint, delivered
+/// although cancelled (UCX completes small sends as they are posted), was
+/// taken by the next call at the tag, which then failed INVALID_ARGUMENT
+/// when its count differed from the failed call's.
+inline p2p::Tag FingerprintTag(p2p::Tag phase_tag, uint64_t call_id) {
+  return phase_tag + kDataSteps + kCheckTagsPerCall * (call_id % kCallDataSlots);
+}
 
 /// Tag of the note a ring rank that found a disagreement sends on around
 /// the ring (Requests::RelayStops) in call `call_id` (CollectiveArgs::call_id,
@@ -131,7 +144,7 @@ inline constexpr uint64_t kStopNoteTags = (uint64_t{1} << kStepTagBits) - kDataS
 /// note from a rank that many calls ahead (all of them failed, without
 /// this rank) is still dropped.
 inline p2p::Tag StopNoteTag(p2p::Tag phase_tag, uint64_t call_id) {
-  return FingerprintTag(phase_tag) + 3 + call_id % kStopNoteTags;
+  return phase_tag + kDataSteps + kCallDataSlots * kCheckTagsPerCall + call_id % kStopNoteTags;
 }
 
 /// "rank 3", or "group rank 1 (rank 5)" when `p2p` is a GroupView, 5 being
@@ -262,9 +275,9 @@ class PeerCheck {
       : what_(std::string(what) + ", argument check"), mine_(mine) {}
 
   /// Sends this rank's fingerprint to each of `to` and receives one from
-  /// each of `from`, with FingerprintTag(phase_tag), and registers with
-  /// `requests` so that its first blocking wait verifies.
-  Status Post(Requests& requests, p2p::Tag phase_tag, const std::vector<int>& to,
+  /// each of `from`, with FingerprintTag(phase_tag, call_id), and registers
+  /// with `requests` so that its first blocking wait verifies.
+  Status Post(Requests& requests, p2p::Tag phase_tag, uint64_t call_id, const std::vector<int>& to,
               const std::vector<int>& from);
   /// Waits for the fingerprints from `from` (once) and compares; a
   /// difference is INVALID_ARGUMENT naming the peer and both values.
@@ -308,7 +321,7 @@ class PeerCheck {
 /// passing 0 where the others pass more fails at once, on every rank,
 /// instead of leaving them waiting for data it never sends. Which algorithm
 /// the peers run is not known here (the automatic choice depends on the
-/// size), so `mine` goes to each of `peers` with FingerprintTag(phase_tag),
+/// size), so `mine` goes to each of `peers` with FingerprintTag(phase_tag, call_id),
 /// the tag every algorithm's own check uses, and one is expected back from
 /// each: O(peers) small messages. An algorithm whose steps check different
 /// groups of peers with different tags passes one round per step: all are
@@ -344,7 +357,7 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// of a dissemination pattern: in round k, rank r hears from rank r - 2^k
 /// (mod p) and tells rank r + 2^k what it has heard so far, so that after
 /// the last round each rank has heard from all p. Round 0 carries plain
-/// fingerprints with FingerprintTag(phase_tag), as every PeerCheck does, so
+/// fingerprints with FingerprintTag(phase_tag, call_id), as every PeerCheck does, so
 /// a ring neighbour running another collective is caught there; the later
 /// rounds use the next tag. A rank that has found a disagreement sends it
 /// on in all its remaining rounds at once, and every rank waits for all its
@@ -357,7 +370,7 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// Costs each rank ceil(log2 p) small messages, in as many sequential
 /// rounds.
 Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
-                      const Fingerprint& mine, p2p::Tag phase_tag);
+                      const Fingerprint& mine, p2p::Tag phase_tag, uint64_t call_id);
 
 /// Whether a collective of this FingerprintKind proves its arguments with
 /// CheckEveryRank (broadcast, gather, scatter, tree reduce).
@@ -371,7 +384,7 @@ bool ChecksEveryRank(int32_t kind);
 bool TakesPartInEveryRankRounds(int32_t kind);
 
 /// What a collective (`what`, for errors) that checks only its ring
-/// predecessor (a PeerCheck from rank r - 1 at FingerprintTag(phase_tag),
+/// predecessor (a PeerCheck from rank r - 1 at FingerprintTag(phase_tag, call_id),
 /// which is also round 0 of CheckEveryRank) adds so that ranks running
 /// CheckEveryRank at the same tags never wait for it: the ring reduce,
 /// where a rank whose count puts it on the other side of
@@ -392,7 +405,7 @@ bool TakesPartInEveryRankRounds(int32_t kind);
 /// them held the failure until the deadline. Costs ceil(log2 p) - 1 small messages each way more than the
 /// PeerCheck, none waited for before the data.
 Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerprint& mine,
-                           p2p::Tag phase_tag);
+                           p2p::Tag phase_tag, uint64_t call_id);
 
 /// Every rank of `p2p` but this one.
 std::vector<int> OtherRanks(const p2p::PointToPoint& p2p);
@@ -565,9 +578,11 @@ class Requests {
  private:
   friend class PeerCheck;
   friend Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
-                               const Fingerprint& mine, p2p::Tag phase_tag);
+                               const Fingerprint& mine, p2p::Tag phase_tag,
+                               uint64_t call_id);
   friend Status PostEveryRankRounds(Requests& requests, const char* what,
-                                    const Fingerprint& mine, p2p::Tag phase_tag);
+                                    const Fingerprint& mine, p2p::Tag phase_tag,
+                                    uint64_t call_id);
   friend Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
                                const Fingerprint& mine, const std::vector<CheckRound>& rounds,
                                uint64_t call_id);

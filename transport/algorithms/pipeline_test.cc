@@ -474,7 +474,7 @@ TEST(CheckEveryRankTest, OneDifferenceAnywhereFailsEveryRankAndAgreementPasses) 
           hub,
           [&](p2p::PointToPoint& p2p) {
             return CheckEveryRank(p2p, deadline, "test", p2p.rank() == odd ? odd_one : mine,
-                                  /*phase_tag=*/0);
+                                  /*phase_tag=*/0, /*call_id=*/0);
           },
           no_kill);
       EXPECT_LT(Clock::now() + 8s, deadline) << what;
@@ -516,7 +516,7 @@ TEST(CheckEveryRankTest, TwoDifferentDisagreementsFailEveryRank) {
         Fingerprint f = mine;
         if (p2p.rank() == 1) f.root = 3;
         if (p2p.rank() == 5) f.dtype = static_cast<int32_t>(DataType::kI32);
-        return CheckEveryRank(p2p, deadline, "test", f, /*phase_tag=*/0);
+        return CheckEveryRank(p2p, deadline, "test", f, /*phase_tag=*/0, /*call_id=*/0);
       },
       no_kill);
   EXPECT_LT(Clock::now() + 8s, deadline);

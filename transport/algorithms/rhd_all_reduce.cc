@@ -135,7 +135,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   if (folded) {
     DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", args.call_id, tag, r + 1, -1, -1,
                                             /*from_partner=*/true));
-    DDP_RETURN_IF_ERROR(check.Post(requests, tag, {r + 1}, {}));
+    DDP_RETURN_IF_ERROR(check.Post(requests, tag, args.call_id, {r + 1}, {}));
   } else {
     const int partner = r < 2 * extra ? r - 1 : -1;
     DDP_RETURN_IF_ERROR(requests.RelayStops("rhd all-reduce", args.call_id, tag, prev, next, partner));
@@ -149,7 +149,7 @@ Status RhdAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       if (std::find(to.begin(), to.end(), peer) == to.end()) to.push_back(peer);
       if (std::find(from.begin(), from.end(), peer) == from.end()) from.push_back(peer);
     }
-    DDP_RETURN_IF_ERROR(check.Post(requests, tag, to, from));
+    DDP_RETURN_IF_ERROR(check.Post(requests, tag, args.call_id, to, from));
   }
 
   // One exchange with `peer` at `step`: send `send_n` elements from `out`,

@@ -90,7 +90,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
     DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.call_id, params.tag, prev, next));
     const std::vector<int> to =
         params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
-    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));
+    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, params.call_id, to, {prev}));
   }
   // On every return, error paths included. A stop note counts as the
   // check's finding: the rank that differs may run CheckEveryRank and wait
@@ -200,7 +200,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
     DDP_RETURN_IF_ERROR(requests.RelayStops(params.what, params.call_id, params.tag, prev, next));
     const std::vector<int> to =
         params.fingerprint_sent ? std::vector<int>{} : std::vector<int>{next};
-    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, to, {prev}));
+    DDP_RETURN_IF_ERROR(check.Post(requests, params.tag, params.call_id, to, {prev}));
   }
 
   auto post = [&](size_t m) -> Status {

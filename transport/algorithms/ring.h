@@ -40,7 +40,7 @@ struct RingParams {
   /// same collective already checked.
   const Fingerprint* fingerprint = nullptr;
   /// The caller has already sent `fingerprint` to the ring successor with
-  /// FingerprintTag(tag), in a Requests that outlives this phase
+  /// FingerprintTag(tag, call_id), in a Requests that outlives this phase
   /// (PostEveryRankRounds); only the predecessor's is received here.
   bool fingerprint_sent = false;
   /// When set, the reduce-scatter stores here, as it returns, the

@@ -44,7 +44,7 @@ internal::CollectiveStart StartReduce(p2p::PointToPoint& p2p, const CollectiveAr
   if (!start.status.ok()) return start;
   start.fingerprint = internal::MakeFingerprint(args, kind, shape.uses_op, shape.uses_root);
   start.status = internal::CheckEveryRank(p2p, args.deadline, kWhat, start.fingerprint,
-                                          PhaseTag(args.tag, 0));
+                                          PhaseTag(args.tag, 0), args.call_id);
   return start;
 }
 
@@ -94,7 +94,8 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // small messages before the first chunk moves.
   const p2p::Tag tag = PhaseTag(args.tag, 0);
   DDP_RETURN_IF_ERROR(
-      internal::CheckEveryRank(p2p, args.deadline, kWhat, start.fingerprint, tag));
+      internal::CheckEveryRank(p2p, args.deadline, kWhat, start.fingerprint, tag,
+                                                  args.call_id));
   // This call's own data tags (CallDataBase): a chunk a failed call at
   // this tag sent, delivered although cancelled, is not taken as this one's.
   const uint64_t base = internal::CallDataBase(args.call_id);
@@ -185,7 +186,8 @@ Status RingReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   // deadline (PostEveryRankRounds).
   internal::Requests rounds(p2p, args.deadline);
   DDP_RETURN_IF_ERROR(
-      internal::PostEveryRankRounds(rounds, "ring reduce", start.fingerprint, params.tag));
+      internal::PostEveryRankRounds(rounds, "ring reduce", start.fingerprint, params.tag,
+                                    params.call_id));
   params.fingerprint_sent = true;
   int32_t differing_kind = 0;
   params.differing_kind = &differing_kind;

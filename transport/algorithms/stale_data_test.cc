@@ -16,6 +16,7 @@
 #include "transport/algorithms/gather_scatter.h"
 #include "transport/algorithms/pipeline.h"
 #include "transport/algorithms/rhd_all_reduce.h"
+#include "transport/algorithms/ring_all_reduce.h"
 #include "transport/algorithms/rooted_reduce.h"
 #include "transport/algorithms/stale_send_test_util.h"
 #include "transport/algorithms/tree_all_reduce.h"
@@ -237,6 +238,60 @@ TEST(StaleDataTest, DirectExchange) {
       },
       /*sender=*/0, /*phase=*/0);
 }
+
+// Two calls at the same tag with different counts. In call 1 rank 1 stays
+// out and rank 0 fails at its deadline; its fingerprint, cancelled, still
+// reaches rank 1 (as on UCX). Call 2, with another count on both ranks,
+// must not take it as its own: when every call checked at the same tag,
+// rank 1 compared call 1's count (8) with its own (16) and failed
+// INVALID_ARGUMENT, "ranks disagree on the arguments", on a correct call.
+void ExpectStaleFingerprintIgnored(Status (*collective)(p2p::PointToPoint&,
+                                                        const CollectiveArgs&)) {
+  Arrivals first_failed;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  auto statuses = ::ddp::transport::testing::RunRanks(
+      2,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        const int r = p2p.rank();
+        CollectiveArgs args;
+        args.tag = CollectiveTag(0);
+        if (r == 0) {
+          std::vector<float> send(kCount, 1.0f), recv(kCount);
+          args.send = send.data();
+          args.recv = recv.data();
+          args.count = kCount;
+          args.call_id = 1;
+          args.deadline = DeadlineIn(std::chrono::milliseconds(300));
+          CancelledSendDeliveringEndpoint delivering(p2p, /*deliver_checks=*/true);
+          Status first = collective(delivering, args);
+          first_failed.Arrive();
+          if (first.ok()) return InternalError("call 1 on rank 0 returned OK");
+          if (delivering.delivered() < 1) {
+            return InternalError("call 1 left no cancelled send to deliver (" + first.ToString() +
+                                 ")");
+          }
+        } else if (!first_failed.AwaitAtLeast(1)) {
+          return TimedOutError("call 1 did not fail on rank 0 within 20 s");
+        }
+        std::vector<float> send(2 * kCount, 1.0f), recv(2 * kCount);
+        args.send = send.data();
+        args.recv = recv.data();
+        args.count = 2 * kCount;
+        args.call_id = 2;
+        args.deadline = DeadlineIn(std::chrono::seconds(5));
+        return internal::Annotate(collective(p2p, args), "call 2");
+      },
+      options);
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+}
+
+TEST(StaleFingerprintTest, RingAllReduce) { ExpectStaleFingerprintIgnored(RingAllReduce); }
+
+TEST(StaleFingerprintTest, RhdAllReduce) { ExpectStaleFingerprintIgnored(RhdAllReduce); }
+
+// CheckEveryRank's first round.
+TEST(StaleFingerprintTest, Broadcast) { ExpectStaleFingerprintIgnored(Broadcast); }
 
 }  // namespace
 }  // namespace ddp::transport::algorithms

@@ -23,21 +23,23 @@ namespace ddp::transport::algorithms::testing {
 /// its phase's fingerprint tags) cancelled before it was taken, or still
 /// pending when a WaitAll that lists it fails, is delivered all the same: its bytes, copied as it was posted, go to the
 /// peer as a notice at its tag, where the peer's next receive at that tag
-/// takes them. The argument check's messages are left out: their tags are
-/// shared by every algorithm and repeat on every call at one tag (a next
-/// call with the same arguments takes the old fingerprint as its own; on
-/// the loopback, where a send completes only when taken, the new one would
-/// then hold its sender). At most kMaxNoticesPerPeer of them per peer.
+/// takes them. The argument check's messages are left out unless
+/// `deliver_checks`: their tags are shared by every algorithm and repeat
+/// on every call kCallDataSlots apart (a call with the same arguments takes
+/// the old fingerprint as its own; on the loopback, where a send completes
+/// only when taken, the new one would then hold its sender). At most
+/// kMaxNoticesPerPeer of them per peer.
 class CancelledSendDeliveringEndpoint final : public p2p::PointToPoint {
  public:
-  explicit CancelledSendDeliveringEndpoint(p2p::PointToPoint& inner) : inner_(inner) {}
+  explicit CancelledSendDeliveringEndpoint(p2p::PointToPoint& inner, bool deliver_checks = false)
+      : inner_(inner), deliver_checks_(deliver_checks) {}
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
                                     size_t bytes) override {
     StatusOr<p2p::RequestId> id = inner_.PostSend(peer, tag, data, bytes);
-    if (id.ok() && (tag & (kTagsPerPhase - 1)) < internal::kDataSteps) {
+    if (id.ok() && (deliver_checks_ || (tag & (kTagsPerPhase - 1)) < internal::kDataSteps)) {
       const auto* begin = static_cast<const unsigned char*>(data);
       sends_[*id] = Send{peer, tag, std::vector<unsigned char>(begin, begin + bytes)};
     }
@@ -119,6 +121,7 @@ class CancelledSendDeliveringEndpoint final : public p2p::PointToPoint {
     std::vector<unsigned char> bytes;
   };
   p2p::PointToPoint& inner_;
+  const bool deliver_checks_;
   std::unordered_map<p2p::RequestId, Send> sends_;
   int delivered_ = 0;
 };

@@ -156,7 +156,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       }
     }
     for (const Tree& tree : trees) add(from, tree.node.parent);
-    DDP_RETURN_IF_ERROR(check.Post(requests, PhaseTag(args.tag, 0), to, from));
+    DDP_RETURN_IF_ERROR(check.Post(requests, PhaseTag(args.tag, 0), args.call_id, to, from));
   }
 
   auto post_child_recvs = [&](Tree& tree, size_t c) -> Status {
