@@ -1011,9 +1011,13 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
     bool request_failed = false;
     Status status = WaitOrStop(id, &request_failed);
     if (status.ok()) return status;
+    // Only a message of another size tells of the peer's arguments; another
+    // INVALID_ARGUMENT of the request (an id the transport does not know,
+    // one listed twice) is this rank's own fault, and a note naming the
+    // peer as the one whose data did not fit sent the others a wrong cause.
+    const bool size_mismatch = request_failed && IsSizeMismatch(status);
     if (request_failed) status = WithSizeHint(status, where);
-    if (request_failed && !where.is_send && status.code() == StatusCode::kInvalidArgument &&
-        check_ != nullptr) {
+    if (size_mismatch && !where.is_send && check_ != nullptr) {
       // Data that does not fit (another count) from a peer this rank does
       // not check: a rank that does check it stops the others, but its
       // note would end here, as this rank returns. So this rank stops them
@@ -1065,8 +1069,9 @@ Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
     }
     return Annotate(differs, Describe(p2p_, where));
   }
-  // A note, a lost peer or the deadline: as it is.
-  if (!request_failed || status.code() != StatusCode::kInvalidArgument) {
+  // A note, a lost peer, the deadline or a request the transport refused
+  // (not a message of another size): as it is.
+  if (!request_failed || !IsSizeMismatch(status)) {
     return Annotate(status, Describe(p2p_, where));
   }
   // Another size: the peer passed another count or dtype, which some ring

@@ -382,6 +382,106 @@ TEST(RequestsTest, OnlyASizeMismatchOfDataNamesChunkBytes) {
   }
 }
 
+// Rank 0 of 3 on a ring 2 -> 0 -> 1, its stop notes from rank 2
+// (RelayStops) and its argument check from rank 2 (whose fingerprint is
+// this rank's own): every wait that lists request kFailing fails with
+// `failure`. Counts the stop notes it posts.
+class FailingWaitEndpoint final : public p2p::PointToPoint {
+ public:
+  static constexpr p2p::RequestId kFailing = 12345;
+  FailingWaitEndpoint(const Fingerprint& theirs, Status failure)
+      : theirs_(theirs), failure_(std::move(failure)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 3; }
+  StatusOr<p2p::RequestId> PostSend(int, p2p::Tag, const void*, size_t bytes) override {
+    if (bytes != sizeof(Fingerprint)) ++notes_;  // a stop note sent as a plain send
+    return ++last_;
+  }
+  StatusOr<p2p::RequestId> PostRecv(int, p2p::Tag, void* data, size_t bytes) override {
+    if (bytes == sizeof(Fingerprint)) {
+      fingerprint_data_ = data;
+      return fingerprint_recv_ = ++last_;
+    }
+    return ++last_;
+  }
+  Status PostNotice(int, p2p::Tag, const void*, size_t) override {
+    ++notes_;
+    return Status();
+  }
+  StatusOr<bool> Test(p2p::RequestId) override { return false; }
+  Status WaitAll(std::span<const p2p::RequestId> ids, Deadline) override {
+    for (p2p::RequestId id : ids) {
+      if (id == kFailing) return failure_;
+    }
+    return Status();
+  }
+  StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> ids, Deadline) override {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] == kFailing) return failure_;
+      if (ids[i] == fingerprint_recv_ && fingerprint_data_ != nullptr) {
+        std::memcpy(fingerprint_data_, &theirs_, sizeof(theirs_));
+        fingerprint_data_ = nullptr;
+        return i;
+      }
+    }
+    return TimedOutError("nothing more comes");
+  }
+  void MarkWatched(p2p::RequestId) override {}
+  void Cancel(p2p::RequestId) override {}
+  void CancelAll(std::span<const p2p::RequestId>) override {}
+  uint64_t UnconfirmedReleases() const override { return 0; }
+
+  int notes() const { return notes_; }
+
+ private:
+  const Fingerprint theirs_;
+  const Status failure_;
+  p2p::RequestId last_ = 0;
+  p2p::RequestId fingerprint_recv_ = 0;
+  void* fingerprint_data_ = nullptr;
+  int notes_ = 0;
+};
+
+// A data wait that fails INVALID_ARGUMENT for a message of another size
+// stops the other ranks with a note naming the peer; one that fails
+// INVALID_ARGUMENT for another reason (a request id the transport does not
+// know) is this rank's own fault, not the peer's arguments. It sent the
+// others a note all the same, blaming the peer's data, and the wait for a
+// fingerprint riding with the data first waited for a note until its
+// deadline.
+TEST(RequestsTest, OnlyADataSizeMismatchSendsAStopNote) {
+  Fingerprint mine;
+  mine.count = 8;
+  mine.dtype = static_cast<int32_t>(DataType::kF32);
+  mine.op = static_cast<int32_t>(ReduceOp::kSum);
+  mine.root = -1;
+  mine.kind = kRhdAllReduceKind;
+  mine.whole_count = 8;
+  const Status unknown = InvalidArgumentError("loopback: rank 0 has no outstanding request 12345");
+  const Status other_size =
+      InvalidArgumentError("message size mismatch: rank 2 sent 36 bytes but rank 0 expected 32");
+  for (bool size_mismatch : {false, true}) {
+    const Status& failure = size_mismatch ? other_size : unknown;
+    for (bool with_fingerprint : {false, true}) {
+      const std::string what = failure.message() + (with_fingerprint ? ", with fingerprint" : "");
+      FailingWaitEndpoint p2p(mine, failure);
+      Requests requests(p2p, DeadlineIn(std::chrono::milliseconds(1000)));
+      ASSERT_TRUE(requests.RelayStops("test", /*call_id=*/1, /*phase_tag=*/0, /*from=*/2, /*to=*/1)
+                      .ok());
+      PeerCheck check("test", mine);
+      ASSERT_TRUE(check.Post(requests, /*phase_tag=*/0, /*call_id=*/1, {1}, {2}).ok());
+      const Where where{"test", 0, 0, Where::kNoChunk, false, 2};
+      unsigned char header[sizeof(PackedFingerprint)] = {};
+      const Status status = with_fingerprint
+                                ? requests.WaitWithFingerprint(FailingWaitEndpoint::kFailing, where,
+                                                               header)
+                                : requests.Wait(FailingWaitEndpoint::kFailing, where);
+      EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << what << ": " << status;
+      EXPECT_EQ(p2p.notes(), size_mismatch ? 1 : 0) << what << ": " << status;
+    }
+  }
+}
+
 // A call that fails with receives the transport could not confirm it
 // cancelled (UCX, same-host peer) keeps its scratch blocks for good: a late
 // write must not land in freed memory, nor in the next call's scratch.
