@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "transport/algorithms/disagreement_test_util.h"
+#include "transport/algorithms/ring_all_reduce.h"
 #include "transport/p2p/loopback.h"
 #include "transport/testing/collective_values.h"
 #include "transport/testing/data_types.h"
@@ -366,6 +367,47 @@ TEST(BroadcastTest, EmptyCallOnOneRankFailsEveryRank) {
       }
       if (HasFailure()) return;
     }
+  }
+}
+
+// Ranks 0 to 2 of 4 in a broadcast while rank 3 runs a ring all-reduce at
+// the same tag and call id, nobody killed. Rank 0 finds the ring rank in
+// its first round and fails at once, and rank 2 hears of it in its second;
+// rank 1's second round comes from rank 3, which never sends it, and
+// rank 1, whose own rounds all agreed, waited for it until its deadline
+// (TIMED_OUT, naming nothing that differed). Now the rank that finds a
+// disagreement also sends it around the ring in a stop note, so every
+// rank fails at once naming both collectives. The 30 s deadline and 15 s
+// bound leave room for a loaded host.
+TEST(BroadcastTest, ARankInAnotherCollectiveStopsEveryBroadcastRank) {
+  constexpr int kWorld = 4;
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;
+  std::vector<Clock::duration> took(kWorld);
+  auto statuses = RunRanks(
+      kWorld,
+      [&](p2p::PointToPoint& p2p) -> Status {
+        std::vector<float> in(8, 1.0f), out(8);
+        CollectiveArgs args;
+        args.send = in.data();
+        args.recv = p2p.rank() == kWorld - 1 ? out.data() : in.data();
+        args.count = in.size();
+        args.tag = CollectiveTag(3);
+        args.call_id = 7;
+        const auto start = Clock::now();
+        args.deadline = start + 30s;
+        const Status status =
+            p2p.rank() == kWorld - 1 ? RingAllReduce(p2p, args) : Broadcast(p2p, args);
+        took[p2p.rank()] = Clock::now() - start;
+        return status;
+      },
+      options);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": "
+                                                                << statuses[r];
+    EXPECT_THAT(statuses[r].message(), HasSubstr("ring all-reduce")) << "rank " << r;
+    EXPECT_THAT(statuses[r].message(), HasSubstr("broadcast, count 8 of f32")) << "rank " << r;
+    EXPECT_LT(took[r], 15s) << "rank " << r << ": " << statuses[r];
   }
 }
 

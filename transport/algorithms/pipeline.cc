@@ -530,6 +530,11 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   Verdict* sent = requests.Hold<Verdict>(rounds);
   Verdict* got = requests.Hold<Verdict>(rounds);
   plain[0] = mine;
+  // Stop notes from the ring predecessor, at the tag every ring rank of
+  // the same call listens to (see the disagreement with a rank of another
+  // collective below), watched by every wait.
+  DDP_RETURN_IF_ERROR(requests.RelayStops(check.c_str(), call_id, phase_tag, peer_at(-1),
+                                          peer_at(1)));
   std::vector<p2p::RequestId> recv_ids(rounds);
   for (int k = 0; k < rounds; ++k) {
     const int from = peer_at(-(int64_t{1} << k));
@@ -600,9 +605,24 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   // it until its deadline. The later rounds already sent reach the peers
   // that have posted their receives (every rank of this check posts them
   // all as it enters).
+  //
+  // A rank whose own rounds all agree may still wait for a round from such
+  // a rank (rank 1 of broadcast ranks 0 to 2 waits for rank 3's second
+  // round, a ring all-reduce rank), with nobody left to tell it: it waited
+  // until its deadline. So this rank also sends the disagreement on around
+  // the ring as a stop note (Requests::RelayStops), which every rank of the
+  // call watches while it waits and passes on as it fails.
   if (!state.agrees() &&
       (!TakesPartInEveryRankRounds(state.fingerprint.kind) ||
        !TakesPartInEveryRankRounds(state.other.kind))) {
+    Requests::StopNote note;
+    // One of the two differs from this rank's own.
+    const bool first_differs = !(state.fingerprint == mine);
+    note.theirs = first_differs ? state.fingerprint : state.other;
+    note.their_rank = first_differs ? state.rank : state.other_rank;
+    note.finders = mine;
+    note.finder = r;
+    requests.SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
     requests.Wait(first_send, Where{check.c_str(), 0, rounds, Where::kNoChunk, true, peer_at(1)})
         .IgnoreError();  // the disagreement is the cause either way
     return disagreement();

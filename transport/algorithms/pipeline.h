@@ -366,7 +366,12 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// except when the disagreement shows a rank of a collective that takes no
 /// part in the rounds (TakesPartInEveryRankRounds): such a rank never sends
 /// the later rounds nor takes them, so this rank then returns the
-/// disagreement at once, giving up what is outstanding.
+/// disagreement at once, giving up what is outstanding, after sending it
+/// on around the ring as a stop note (Requests::RelayStops, at
+/// StopNoteTag(phase_tag, call_id), the tag ring ranks of the same call
+/// listen to): a rank whose own rounds agree but that waits for a round
+/// from such a rank learns of it from that note, which every wait here
+/// watches. Costs the agreeing call one receive posted and cancelled.
 /// Costs each rank ceil(log2 p) small messages, in as many sequential
 /// rounds.
 Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
