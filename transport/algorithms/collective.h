@@ -129,12 +129,13 @@ struct CollectiveArgs {
   /// disagree tells the others in notices that outlast its return
   /// (PointToPoint::PostNotice), and notes left from another call are
   /// ignored; without it, a rank that enters the call after the finder
-  /// returned waits for its deadline. It also chooses the data tags of every
-  /// algorithm (CallDataBase in pipeline.h: slot
-  /// call_id % 16), so every rank must pass the same call_id: ranks whose
-  /// ids differ pass the argument check (it does not compare call_id) and
-  /// then wait at different tags until their deadline, unless the ids are a
-  /// multiple of 16 apart (they share a slot and meet).
+  /// returned waits for its deadline. It also chooses the tags of every
+  /// algorithm's data and argument check (CallDataBase and FingerprintTag
+  /// in pipeline.h: slot call_id % 16), so every rank must pass the same
+  /// call_id: ranks whose ids differ wait for each other's fingerprints at
+  /// different tags until their deadline (TIMED_OUT; the check cannot
+  /// compare what it never receives), unless the ids are a multiple of 16
+  /// apart (they share a slot and meet).
   uint64_t call_id = 0;
   Tuning tuning;
 };
