@@ -532,9 +532,12 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   plain[0] = mine;
   // Stop notes from the ring predecessor, at the tag every ring rank of
   // the same call listens to (see the disagreement with a rank of another
-  // collective below), watched by every wait.
-  DDP_RETURN_IF_ERROR(requests.RelayStops(check.c_str(), call_id, phase_tag, peer_at(-1),
-                                          peer_at(1)));
+  // collective below), watched by every wait. Only with a call id: a note
+  // of an earlier call could not be told apart without one.
+  if (call_id != 0) {
+    DDP_RETURN_IF_ERROR(requests.RelayStops(check.c_str(), call_id, phase_tag, peer_at(-1),
+                                            peer_at(1)));
+  }
   std::vector<p2p::RequestId> recv_ids(rounds);
   for (int k = 0; k < rounds; ++k) {
     const int from = peer_at(-(int64_t{1} << k));
@@ -563,11 +566,32 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   // Once a disagreement is known it is the cause: a wait that fails after
   // it (a peer running another collective never sends the later rounds,
   // and fails, or has the job aborted) reports the disagreement.
+  //
+  // A stop note (from a rank of this check, or a ring rank of the same
+  // call, that found a disagreement) ends the wait for round k without its
+  // message. What it names joins this rank's verdict, and round k is taken
+  // later with the other unmerged rounds, as its sender waits for that: a
+  // rank that returned on the note left the rounds it had not sent, and
+  // cancelled those it had, and ranks that waited for them reached their
+  // deadline. A note with no verdict to tell (a ring rank's data of
+  // another size, kind 0) is the error as it is.
+  bool noted = false;
   auto wait = [&](int k) -> Status {
     const int from = peer_at(-(int64_t{1} << k));
     Status status =
         requests.Wait(recv_ids[k], Where{check.c_str(), k, rounds, Where::kNoChunk, false, from,
                                          /*check_message=*/true});
+    if (!status.ok() && !noted && requests.took_stop_note() &&
+        requests.stop_got_->theirs.kind != 0) {
+      noted = true;
+      Verdict told;
+      told.fingerprint = requests.stop_got_->theirs;
+      told.rank = requests.stop_got_->their_rank;
+      told.other = requests.stop_got_->finders;
+      told.other_rank = requests.stop_got_->finder;
+      Merge(state, told);
+      return Status();
+    }
     if (!status.ok() && !state.agrees()) return disagreement();
     return status;
   };
@@ -585,6 +609,10 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
       continue;
     }
     DDP_RETURN_IF_ERROR(wait(k));
+    if (noted) {  // round k's message is still to come
+      unmerged.push_back(k);
+      continue;
+    }
     if (k == 0) {
       Verdict theirs;
       theirs.fingerprint = plain[1];
@@ -622,7 +650,10 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
     note.their_rank = first_differs ? state.rank : state.other_rank;
     note.finders = mine;
     note.finder = r;
-    requests.SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
+    // Not when a note told this rank: it has passed that one on.
+    if (call_id != 0 && !requests.took_stop_note()) {
+      requests.SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
+    }
     requests.Wait(first_send, Where{check.c_str(), 0, rounds, Where::kNoChunk, true, peer_at(1)})
         .IgnoreError();  // the disagreement is the cause either way
     return disagreement();
@@ -892,7 +923,9 @@ Status Requests::SendStopNote(const StopNote& note) {
       return Status();
     }
     Where where{relay_what_, 0, 0, Where::kNoChunk, true, to};
-    return Send(where, stop_tag_, held, sizeof(StopNote)).status();
+    StatusOr<p2p::RequestId> id = Send(where, stop_tag_, held, sizeof(StopNote));
+    if (id.ok()) note_sends_.push_back(*id);
+    return id.status();
   };
   // Not to the finder, which has failed, nor from the finder to the rank
   // that differs when that is its successor, which checks the finder itself
@@ -974,6 +1007,7 @@ StatusOr<bool> Requests::TakeNote() {
 Status Requests::StopNoteError() {
   const StopNote note = *stop_got_;
   stopped_by_kind_ = note.theirs.kind;
+  took_stop_note_ = true;
   SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
   const int finder = static_cast<int>(note.finder);
   // Who told this rank: the finder itself, or a rank that passed it on.
@@ -1161,6 +1195,16 @@ Status Requests::WaitAll(const char* what) {
     p2p_.Cancel(stop_recv_);
     stop_recv_ = 0;
   }
+  // Notes passed on as plain sends are not waited for (RelayStops): their
+  // receiver may have finished, or failed, without taking them, and a
+  // rank that goes on after passing one (CheckEveryRank) waited for it
+  // until its deadline.
+  for (p2p::RequestId id : note_sends_) {
+    if (position_.count(id) == 0) continue;
+    Forget(id);
+    p2p_.Cancel(id);
+  }
+  note_sends_.clear();
   if (outstanding_.empty()) return Status();
   std::vector<p2p::RequestId> all;
   all.swap(outstanding_);

@@ -371,7 +371,10 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
 /// StopNoteTag(phase_tag, call_id), the tag ring ranks of the same call
 /// listen to): a rank whose own rounds agree but that waits for a round
 /// from such a rank learns of it from that note, which every wait here
-/// watches. Costs the agreeing call one receive posted and cancelled.
+/// watches (with a `call_id` only: without one, such a rank waits for its
+/// deadline). A note that reaches a rank whose kinds all take part in the
+/// rounds joins its verdict, and it takes its outstanding rounds as before.
+/// Costs the agreeing call one receive posted and cancelled.
 /// Costs each rank ceil(log2 p) small messages, in as many sequential
 /// rounds.
 Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* what,
@@ -576,6 +579,8 @@ class Requests {
   /// Fingerprint::kind of the rank that differed, as a stop note received
   /// here named it; 0 while none came.
   int32_t stopped_by_kind() const { return stopped_by_kind_; }
+  /// Whether a wait here ended on a stop note of this call.
+  bool took_stop_note() const { return took_stop_note_; }
 
   p2p::PointToPoint& p2p() { return p2p_; }
   Deadline deadline() const { return deadline_; }
@@ -657,6 +662,9 @@ class Requests {
   const char* relay_what_ = "";
   uint64_t call_id_ = 0;  // RelayStops' call_id
   int32_t stopped_by_kind_ = 0;
+  bool took_stop_note_ = false;
+  // Notes SendStopNote posted as plain sends: WaitAll gives them up.
+  std::vector<p2p::RequestId> note_sends_;
 };
 
 }  // namespace ddp::transport::algorithms::internal

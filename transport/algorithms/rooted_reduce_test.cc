@@ -570,10 +570,15 @@ TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
     size_t odd_count, rest_count;
   };
   const Mix mixes[] = {{0, kLong}, {16, kLong}, {kLong, 16}};
+  // With a call id the tree ranks' check also takes the ring ranks' stop
+  // notes (CheckEveryRank); one that did returned at once, leaving the
+  // rounds it had not sent, and ranks waiting for them hit their deadline.
+  for (uint64_t call_id : {uint64_t{0}, uint64_t{5}})
   for (const Mix& mix : mixes) {
     for (int world : {3, 5, 8}) {
       for (int odd = 0; odd < world; ++odd) {
-        const std::string what = "world=" + std::to_string(world) + " rank " + std::to_string(odd) +
+        const std::string what = "call id " + std::to_string(call_id) + ", world=" +
+                                 std::to_string(world) + " rank " + std::to_string(odd) +
                                  " count " + std::to_string(mix.odd_count) + ", the others " +
                                  std::to_string(mix.rest_count);
         std::vector<Clock::duration> took(world);
@@ -603,6 +608,7 @@ TEST(ReduceTest, RanksChoosingTheTreeAndTheRingFailFast) {
               args.recv = recv.data();
               args.count = count;
               args.root = world - 1;
+              args.call_id = call_id;
               const auto start = Clock::now();
               args.deadline = start + (knows[r] ? Clock::duration(4s) : Clock::duration(1500ms));
               Status status = Reduce(p2p, args, Algorithm::kAuto);
