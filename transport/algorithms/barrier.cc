@@ -53,10 +53,10 @@ Status Barrier(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     out[k] = static_cast<unsigned char>(k);
     internal::Where recv_where{"barrier", k, rounds, 0, false, from};
     DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
-                         requests.Recv(recv_where, internal::StepTag(tag, base + k), &in[k], 1));
+                         requests.Recv(recv_where, internal::CallStepTag(tag, base, k), &in[k], 1));
     internal::Where send_where{"barrier", k, rounds, 0, true, to};
     DDP_RETURN_IF_ERROR(
-        requests.Send(send_where, internal::StepTag(tag, base + k), &out[k], 1).status());
+        requests.Send(send_where, internal::CallStepTag(tag, base, k), &out[k], 1).status());
     DDP_RETURN_IF_ERROR(requests.Wait(id, recv_where));
     if (in[k] != k) {
       return InternalError("barrier round " + std::to_string(k) + ": rank " +

@@ -74,7 +74,7 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     slot.clear();
     for (int child : node.children) {
       internal::Where where{what, 0, 0, c, true, child};
-      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id, requests.Send(where, internal::StepTag(tag, base + c),
+      DDP_ASSIGN_OR_RETURN(const p2p::RequestId id, requests.Send(where, internal::CallStepTag(tag, base, c),
                                                                   data + c * ce * es, chunk_n(c) * es));
       slot.emplace_back(child, id);
     }
@@ -94,7 +94,7 @@ Status Broadcast(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto post = [&](size_t c) -> Status {
     if (c >= k) return Status();
     internal::Where where{what, 0, 0, c, false, node.parent};
-    DDP_ASSIGN_OR_RETURN(ids[c % depth], requests.Recv(where, internal::StepTag(tag, base + c),
+    DDP_ASSIGN_OR_RETURN(ids[c % depth], requests.Recv(where, internal::CallStepTag(tag, base, c),
                                                        recv + c * ce * es, chunk_n(c) * es));
     return Status();
   };

@@ -113,12 +113,23 @@ inline p2p::Tag StepTag(p2p::Tag phase_tag, uint64_t index) {
 /// (UCX completes small sends as they are posted), and would be taken by
 /// the next call that waits at their tag: the ranks of the next calls, which
 /// reuse the tag when the library is used without the communicator's
-/// CollectiveTag sequence, take none of them as long as a phase moves at
-/// most kCallDataSlotSteps messages (calls kCallDataSlots apart share a
-/// slot). Call 0 (not known) starts at 0, as before.
+/// CollectiveTag sequence, take none of them (calls kCallDataSlots apart
+/// share a slot; CallStepTag keeps a phase in its slot). Call 0 (not known)
+/// starts at 0, as before.
 inline constexpr uint64_t kCallDataSlotSteps = kDataSteps / kCallDataSlots;
 inline uint64_t CallDataBase(uint64_t call_id) {
   return (call_id % kCallDataSlots) * kCallDataSlotSteps;
+}
+
+/// Tag of data message `index` of the call whose slot starts at `base`
+/// (CallDataBase), within the phase starting at `phase_tag`. Indices wrap
+/// within the slot, far beyond the messages ever in flight at once, so a
+/// phase of any length stays in its call's tags: numbered on from the
+/// slot's start, a phase of more than kCallDataSlotSteps messages (a small
+/// tuning.chunk_bytes with a large count) ran into the next call's slot,
+/// where a failed call's last chunks were taken by the next call's first.
+inline p2p::Tag CallStepTag(p2p::Tag phase_tag, uint64_t base, uint64_t index) {
+  return phase_tag + base + index % kCallDataSlotSteps;
 }
 
 /// Tag of the fingerprint exchanged in the phase starting at `phase_tag`

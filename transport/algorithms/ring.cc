@@ -125,7 +125,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
       where.is_send = false;
       where.peer = prev;
       DDP_ASSIGN_OR_RETURN(
-          slot_recv[slot], requests.Recv(where, StepTag(params.tag, base + m), slot_ptr(m), n * es));
+          slot_recv[slot], requests.Recv(where, CallStepTag(params.tag, base, m), slot_ptr(m), n * es));
     }
     if (msg.step == 0) {
       const int send_block = Mod(r - 1, p);
@@ -135,7 +135,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
         where.peer = next;
         const unsigned char* src = in + (layout.offset(send_block) + msg.chunk * ce) * es;
         DDP_RETURN_IF_ERROR(
-            requests.Send(where, StepTag(params.tag, base + m), src, sn * es).status());
+            requests.Send(where, CallStepTag(params.tag, base, m), src, sn * es).status());
       }
     }
     return Status();
@@ -163,7 +163,7 @@ Status RingReduceScatterBlocks(p2p::PointToPoint& p2p, const void* send, void* o
       where.peer = next;
       DDP_ASSIGN_OR_RETURN(
           slot_send[slot],
-          requests.Send(where, StepTag(params.tag, base + m + msg.group_size), slot_ptr(m), n * es));
+          requests.Send(where, CallStepTag(params.tag, base, m + msg.group_size), slot_ptr(m), n * es));
     }
   }
   return requests.WaitAll(params.what);
@@ -215,7 +215,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
       where.is_send = false;
       where.peer = prev;
       DDP_ASSIGN_OR_RETURN(recv_ids[m % (depth + 1)],
-                           requests.Recv(where, StepTag(params.tag, base + m), chunk_ptr(recv_block, c),
+                           requests.Recv(where, CallStepTag(params.tag, base, m), chunk_ptr(recv_block, c),
                                          n * es));
     }
     if (t == 0) {
@@ -224,7 +224,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
         where.is_send = true;
         where.peer = next;
         DDP_RETURN_IF_ERROR(
-            requests.Send(where, StepTag(params.tag, base + m), chunk_ptr(r, c), sn * es).status());
+            requests.Send(where, CallStepTag(params.tag, base, m), chunk_ptr(r, c), sn * es).status());
       }
     }
     return Status();
@@ -246,7 +246,7 @@ Status RingAllGatherBlocks(p2p::PointToPoint& p2p, void* buf, const BlockLayout&
       where.is_send = true;
       where.peer = next;
       DDP_RETURN_IF_ERROR(requests
-                              .Send(where, StepTag(params.tag, base + m + k), chunk_ptr(block, c),
+                              .Send(where, CallStepTag(params.tag, base, m + k), chunk_ptr(block, c),
                                     n * es)
                               .status());
     }

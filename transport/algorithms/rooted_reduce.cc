@@ -107,7 +107,7 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     for (size_t i = 0; i < children; ++i) {
       internal::Where where{kWhat, 0, 0, c, false, node.children[i]};
       DDP_ASSIGN_OR_RETURN(ids[i * depth + c % depth],
-                           requests.Recv(where, internal::StepTag(tag, base + c), slot(i, c),
+                           requests.Recv(where, internal::CallStepTag(tag, base, c), slot(i, c),
                                          chunk_n(c) * es));
     }
     return Status();
@@ -137,7 +137,7 @@ Status TreeReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
         DDP_RETURN_IF_ERROR(requests.Wait(sent[c % window], where));
       }
       internal::Where where{kWhat, 0, 0, c, true, node.parent};
-      DDP_ASSIGN_OR_RETURN(sent[c % window], requests.Send(where, internal::StepTag(tag, base + c), result, n * es));
+      DDP_ASSIGN_OR_RETURN(sent[c % window], requests.Send(where, internal::CallStepTag(tag, base, c), result, n * es));
     } else if (args.op == ReduceOp::kAvg) {
       reduce::DivideInPlace(args.dtype, out, n, p);
     }

@@ -31,17 +31,19 @@ using testing::CancelledSendDeliveringEndpoint;
 
 constexpr size_t kCount = 8;
 
-// Fails its first receive at a data tag of phase `phase` (INTERNAL), so
-// that its rank leaves the call after the argument check, before taking
-// any of its peers' data; passes every other call on.
+// Fails its receive at a data tag of phase `phase` (INTERNAL) that comes
+// after `skip` such receives, so that its rank leaves the call after the
+// argument check (and, with `skip`, after that many of its peers' data
+// messages); passes every other call on.
 class FailingDataRecvEndpoint final : public testing::WaitObservingEndpoint {
  public:
-  FailingDataRecvEndpoint(p2p::PointToPoint& inner, int phase)
-      : WaitObservingEndpoint(inner), phase_(phase) {}
+  FailingDataRecvEndpoint(p2p::PointToPoint& inner, int phase, size_t skip = 0)
+      : WaitObservingEndpoint(inner), phase_(phase), skip_(skip) {}
   StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data, size_t bytes) override {
     constexpr p2p::Tag kPhaseTags = p2p::Tag{1} << kStepTagBits;
     const bool data_tag = (tag & (kPhaseTags - 1)) < internal::kDataSteps;
-    if (!failed_ && data_tag && static_cast<int>(tag >> kStepTagBits) % kMaxPhases == phase_) {
+    if (!failed_ && data_tag && static_cast<int>(tag >> kStepTagBits) % kMaxPhases == phase_ &&
+        seen_++ == skip_) {
       failed_ = true;
       return InternalError("injected failure of a data receive");
     }
@@ -50,6 +52,8 @@ class FailingDataRecvEndpoint final : public testing::WaitObservingEndpoint {
 
  private:
   const int phase_;
+  const size_t skip_;
+  size_t seen_ = 0;
   bool failed_ = false;
 };
 
@@ -80,8 +84,12 @@ Status ExpectValues(const std::vector<float>& got, const std::function<float(siz
 // must give the right result on both ranks: when every call used the same
 // data tags, the peer took call 1's 100s in place of call 2's data, and
 // the sender's own sends of call 2 were never taken (TIMED_OUT).
+// `sender_deadline`: how long the sender's call 1 runs, past the time its
+// peer takes to fail (`skip` messages).
 void ExpectStaleDataIgnored(const RunCall& run, int sender, int phase,
-                            const Tuning& tuning = {}) {
+                            const Tuning& tuning = {}, size_t skip = 0,
+                            std::chrono::milliseconds sender_deadline =
+                                std::chrono::milliseconds(300)) {
   Arrivals first_failed;
   ::ddp::transport::testing::HarnessOptions options;
   options.kill_on_error = false;
@@ -97,7 +105,7 @@ void ExpectStaleDataIgnored(const RunCall& run, int sender, int phase,
         args.tuning.pipeline_depth = 2;           // within kMaxNoticesPerPeer
         args.call_id = 1;
         if (r == sender) {
-          args.deadline = DeadlineIn(std::chrono::milliseconds(300));
+          args.deadline = DeadlineIn(sender_deadline);
           CancelledSendDeliveringEndpoint delivering(p2p);
           Status first = run(delivering, args, false);
           first_failed.Arrive();  // the other rank goes on, whatever came of it
@@ -107,8 +115,8 @@ void ExpectStaleDataIgnored(const RunCall& run, int sender, int phase,
                                  first.ToString() + ")");
           }
         } else {
-          args.deadline = DeadlineIn(std::chrono::seconds(5));
-          FailingDataRecvEndpoint failing(p2p, phase);
+          args.deadline = DeadlineIn(sender_deadline + std::chrono::seconds(5));
+          FailingDataRecvEndpoint failing(p2p, phase, skip);
           Status first = run(failing, args, false);
           if (first.code() != StatusCode::kInternal) {
             return InternalError("call 1 on the other rank ended with " + first.ToString());
@@ -180,6 +188,30 @@ TEST(StaleDataTest, Broadcast) {
         return ExpectValues(buffer, [](size_t i) { return static_cast<float>(i); }, p2p.rank());
       },
       /*sender=*/0, /*phase=*/0);
+}
+
+// A phase of more messages than a call's slot of data tags holds
+// (kCallDataSlotSteps): call 1 fails after that many chunks, so its last
+// chunks, delivered although cancelled, are past the end of its slot. Call
+// 2 must not take them: numbered on from the slot's start, they were at
+// the tags of call 2's first chunks, and rank 1 took them as its own.
+TEST(StaleDataTest, BroadcastLongerThanACallsSlot) {
+  const size_t count = internal::kCallDataSlotSteps + 8;
+  ExpectStaleDataIgnored(
+      [count](p2p::PointToPoint& p2p, CollectiveArgs args, bool second) -> Status {
+        std::vector<float> buffer(count);
+        if (p2p.rank() == 0) {
+          for (size_t i = 0; i < count; ++i) buffer[i] = Value(0, i, second);
+        }
+        args.send = buffer.data();
+        args.recv = buffer.data();
+        args.count = count;
+        DDP_RETURN_IF_ERROR(Broadcast(p2p, args));
+        if (!second) return Status();
+        return ExpectValues(buffer, [](size_t i) { return static_cast<float>(i); }, p2p.rank());
+      },
+      /*sender=*/0, /*phase=*/0, Tuning{}, /*skip=*/internal::kCallDataSlotSteps,
+      /*sender_deadline=*/std::chrono::seconds(6));
 }
 
 TEST(StaleDataTest, TreeReduce) {

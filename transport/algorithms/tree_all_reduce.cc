@@ -164,7 +164,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     for (size_t i = 0; i < tree.node.children.size(); ++i) {
       internal::Where where{kWhat[tree.index][0], 0, 0, c, false, tree.node.children[i]};
       DDP_ASSIGN_OR_RETURN(tree.child_recv[i][c % depth],
-                           requests.Recv(where, internal::StepTag(tree.up_tag, base + c),
+                           requests.Recv(where, internal::CallStepTag(tree.up_tag, base, c),
                                          slot_ptr(tree, i, c), chunk_elems(tree, c) * es));
     }
     return Status();
@@ -173,7 +173,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
   auto send_down = [&](Tree& tree, size_t c) -> Status {
     for (int child : tree.node.children) {
       internal::Where where{kWhat[tree.index][1], 0, 0, c, true, child};
-      DDP_RETURN_IF_ERROR(requests.Send(where, internal::StepTag(tree.down_tag, base + c),
+      DDP_RETURN_IF_ERROR(requests.Send(where, internal::CallStepTag(tree.down_tag, base, c),
                                         output_at(tree, c), chunk_elems(tree, c) * es)
                               .status());
     }
@@ -200,7 +200,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
     if (tree.node.parent >= 0) {
       internal::Where where{kWhat[tree.index][0], 0, 0, c, true, tree.node.parent};
       DDP_ASSIGN_OR_RETURN(const p2p::RequestId id,
-                           requests.Send(where, internal::StepTag(tree.up_tag, base + c), result, n * es));
+                           requests.Send(where, internal::CallStepTag(tree.up_tag, base, c), result, n * es));
       if (result == out) tree.up_send_from_recv[c] = id;
       return Status();
     }
@@ -229,7 +229,7 @@ Status TreeAllReduce(p2p::PointToPoint& p2p, const CollectiveArgs& args) {
       where.what = kWhat[tree.index][1];
       where.is_send = false;
       DDP_ASSIGN_OR_RETURN(tree.down_recv[c],
-                           requests.Recv(where, internal::StepTag(tree.down_tag, base + c),
+                           requests.Recv(where, internal::CallStepTag(tree.down_tag, base, c),
                                          output_at(tree, c), chunk_elems(tree, c) * es));
       ++tree.next_down_post;
     }
