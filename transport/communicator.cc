@@ -206,9 +206,16 @@ int AvailableCpus() { return topology::UsableCpus(); }
 // counts of every communicator using it, on any rank: the last holder
 // here keeps it up until their ranks have left.
 struct ServedStore {
+  // Stopped with `closing_reason`, which its clients read instead of a bare
+  // lost connection (set by the last holder's Shutdown; a communicator
+  // sharing the store after that overwrites it with its own).
+  ~ServedStore() {
+    if (server != nullptr) server->Stop(closing_reason);
+  }
   std::unique_ptr<store::TcpStoreServer> server;
   std::string job_token;
   std::mutex mu;
+  std::string closing_reason;  // under mu
   std::vector<std::pair<std::string, int>> users;  // under mu
   // Communicators of this process holding it now (a rank's and its splits'),
   // under mu: the one that takes it to 0 is the last and waits for every
@@ -1031,6 +1038,12 @@ class Communicator::Impl {
   // seen yet, and notes them there.
   void ReadRegisteredSplits(std::map<std::string, SplitRegistryRead>& read,
                             std::vector<std::pair<std::string, int>>& users, Deadline deadline);
+  // For Shutdown of the last holder of the served store: the ranks of the
+  // communicators `awaited` (key prefix, ranks) that have not left, by
+  // their "left/<rank>" marks ("ranks 2, 3 of communicator 'x'; ..."), or
+  // how many when the marks cannot all be read by `deadline`; "" when every
+  // rank left.
+  std::string NotLeftRanks(const std::vector<std::pair<std::string, int>>& awaited, Deadline deadline);
 
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
   // engines, then UCX (requests, endpoints, worker, context), then the store
@@ -1696,6 +1709,40 @@ void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, SplitRegistr
   }
 }
 
+std::string Communicator::Impl::NotLeftRanks(const std::vector<std::pair<std::string, int>>& awaited,
+                                             Deadline deadline) {
+  constexpr size_t kMostNamed = 16;
+  std::string all;
+  for (const auto& [prefix, ranks] : awaited) {
+    StatusOr<int64_t> count = store_->Add(prefix + "left", 0, deadline);
+    if (count.ok() && *count >= ranks) continue;
+    std::vector<int> missing;
+    bool read_all = count.ok();
+    for (int r = 0; r < ranks && read_all; ++r) {
+      StatusOr<std::optional<std::string>> mark = store_->TryGet(prefix + "left/" + std::to_string(r), deadline);
+      if (!mark.ok()) {
+        read_all = false;
+      } else if (!mark->has_value()) {
+        missing.push_back(r);
+      }
+    }
+    const std::string name = prefix.ends_with('/') ? prefix.substr(0, prefix.size() - 1) : prefix;
+    std::string part;
+    if (!read_all || missing.empty()) {
+      part = count.ok() ? std::to_string(ranks - *count) + " of the " + std::to_string(ranks) + " ranks"
+                        : "ranks (how many could not be read)";
+    } else {
+      part = missing.size() == 1 ? "rank " : "ranks ";
+      for (size_t i = 0; i < missing.size() && i < kMostNamed; ++i) {
+        part += (i == 0 ? "" : ", ") + std::to_string(missing[i]);
+      }
+      if (missing.size() > kMostNamed) part += " and " + std::to_string(missing.size() - kMostNamed) + " more";
+    }
+    all += (all.empty() ? "" : "; ") + part + " of communicator '" + name + "'";
+  }
+  return all;
+}
+
 void Communicator::Impl::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
@@ -1774,15 +1821,16 @@ void Communicator::Impl::Shutdown() {
       store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
     }
     auto left = store_->Add(prefix_ + "left", 1, leave_by);
+    // The last communicator here to hold the server waits for the ranks of
+    // every communicator using it (those split off included).
+    const Clock::time_point leaving_since = Clock::now();
+    std::vector<std::pair<std::string, int>> awaited = {{prefix_, options_.world_size}};
+    if (server_ != nullptr && last_holder) {
+      std::lock_guard lock(server_->mu);
+      awaited = server_->users;
+    }
     if (server_ != nullptr && left.ok()) {
-      // The last communicator here to hold the server waits for the ranks
-      // of every communicator using it (those split off included).
-      std::vector<std::pair<std::string, int>> awaited = {{prefix_, options_.world_size}};
       const bool last = last_holder;
-      if (last) {
-        std::lock_guard lock(server_->mu);
-        awaited = server_->users;
-      }
       // After a failed creation that posted no abort, the others may still
       // be on their way to the store to read the reason: they get until
       // the creation deadline, which Create or Split keeps to.
@@ -1975,6 +2023,27 @@ void Communicator::Impl::Shutdown() {
         }
         if (last) ReadRegisteredSplits(registered, awaited, wait_until);
       }
+    }
+    if (server_ != nullptr && last_holder) {
+      // The store stops with this communicator: ranks still using it (a
+      // split of theirs, or their own calls, running longer than this
+      // wait) read why, and which ranks it gave up on, instead of a bare
+      // lost connection; this rank says so too.
+      const std::string not_left = NotLeftRanks(awaited, DeadlineIn(milliseconds(1000)));
+      std::string why = "rank " + std::to_string(options_.rank) + " of communicator '" +
+                        prefix_.substr(0, prefix_.size() - 1) + "', which served the rendezvous store, was destroyed " +
+                        (aborted() ? std::string("after the job was aborted")
+                                   : std::string("after a clean shutdown")) +
+                        " and stopped the store";
+      if (!not_left.empty()) {
+        const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - leaving_since);
+        why += " after waiting " + std::to_string(waited.count()) + " ms for every rank to leave; " +
+               not_left + " had not left (destroy every communicator on every rank before rank " +
+               std::to_string(options_.rank) + "'s)";
+        std::fprintf(stderr, "[ddp] rank %d: warning: %s\n", options_.rank, why.c_str());
+      }
+      std::lock_guard lock(server_->mu);
+      server_->closing_reason = std::move(why);
     }
   }
   shm_.reset();

@@ -269,7 +269,11 @@ class Communicator {
   /// stopped on this host (SIGSTOP, SIGTSTP, a debugger) and has been for
   /// 0.5 s, holds it no longer. A rank that merely runs slowly is waited for
   /// the whole 3 s; a stopped rank on another host cannot be seen and is
-  /// waited for as a slow one.
+  /// waited for as a slow one. When it then stops the store under ranks
+  /// not yet left (a split of theirs running on), their store calls fail
+  /// UNAVAILABLE saying so: after a clean shutdown (or an abort), which
+  /// ranks of which communicator had not left; rank 0 prints the same as a
+  /// warning on stderr.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

@@ -739,6 +739,42 @@ int ScenarioStoreRankDiesUnderASplitWithoutIt() {
   _exit(testing::worker_failures == 0 ? 0 : 1);  // the communicators' teardown would wait for the dead store
 }
 
+// Rank 0 serves the store and is in no split; it destroys its communicator
+// without an abort while ranks 1 and 2 keep their split past rank 0's wait
+// for them (min(timeout, 30 s): 2 s here). The store stops then, and the
+// split's ranks read why: rank 0 stopped it after a clean shutdown, naming
+// the split's ranks that had not left, not a bare lost connection.
+int ScenarioSplitOutlivesTheStoresCleanShutdown() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  // The child is made on ranks 1 and 2 once they are here.
+  Status made = comm->Barrier();
+  WORKER_CHECK(made.ok(), "barrier after the split: " + made.ToString());
+  if (me == 0) {
+    comm.reset();
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  const char* token = std::getenv("DDP_JOB_TOKEN");
+  auto watcher = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
+                                                token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+  WORKER_CHECK(watcher.ok(), "connecting to the store: " + watcher.status().ToString());
+  if (!watcher.ok()) return 1;
+  comm.reset();
+  auto never = (*watcher)->Get("never set", DeadlineIn(std::chrono::seconds(20)));
+  std::printf("RANK %d: %s\n", me, never.status().ToString().c_str());
+  WORKER_CHECK(never.status().code() == StatusCode::kUnavailable,
+               "the store did not stop within 20 s: " + never.status().ToString());
+  for (const std::string& said : {std::string("rank 0 of communicator"), std::string("after a clean shutdown"),
+                                  std::string("ranks 0, 1 of communicator"), std::string("had not left")}) {
+    WORKER_CHECK(never.status().message().find(said) != std::string::npos,
+                 "the stopped store does not say \"" + said + "\": " + never.status().ToString());
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // AllReduceThrough: each piece of each rank's slice (as ThroughPieces
 // says) arrives reduced, the function writes out = 3 * reduced + rank + what recv held
 // there (so every slice shows which rank applied it, and that recv was
@@ -2564,6 +2600,7 @@ int RunScenario(const std::string& name) {
   if (name == "nested_split_without_store_rank") return ScenarioNestedSplitWithoutStoreRank();
   if (name == "recreate_while_split_holds_store") return ScenarioRecreateWhileASplitHoldsTheStore();
   if (name == "store_rank_dies_under_split") return ScenarioStoreRankDiesUnderASplitWithoutIt();
+  if (name == "split_outlives_clean_store_shutdown") return ScenarioSplitOutlivesTheStoresCleanShutdown();
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "through") return ScenarioThrough();
   if (name == "through_bad_queries") return ScenarioThroughBadQueries();
@@ -3176,6 +3213,12 @@ TEST(Communicator, StoreOutlivesItsRanksCommunicatorsForNestedSplitsWithoutIt) {
   Job job = RunJob(4, "nested_split_without_store_rank", {{"DDP_TEST_TIMEOUT_MS", "5000"}});
   ASSERT_TRUE(EveryRankPassed(job));
   EXPECT_NE(job.results[3].output.find("NESTED rank 3 -> 2/3"), std::string::npos) << job.Describe();
+}
+
+TEST(Communicator, AStoreStoppedAfterACleanShutdownTellsTheRanksStillUsingItWhy) {
+  Job job = RunJob(3, "split_outlives_clean_store_shutdown", {{"DDP_TEST_TIMEOUT_MS", "2000"}}, milliseconds(60000));
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("had not left"), std::string::npos) << job.Describe();
 }
 
 TEST(Communicator, ALostStoreUnderASplitWithoutItsRankNamesThatRank) {

@@ -167,6 +167,12 @@ class TcpStoreServer {
   bool loopback_only() const { return loopback_only_; }
   /// Stops serving and closes every connection. Idempotent, thread-safe.
   void Stop();
+  /// Stops as Stop() does, telling the clients why: their parked calls, and
+  /// the next call of a client with none under way, fail with UNAVAILABLE
+  /// whose message ends with `why` ("its owner closed it after a clean
+  /// shutdown; ranks 2, 3 had not left"), not with a bare lost connection.
+  /// The first Stop's reason stands.
+  void Stop(std::string why);
   /// A snapshot of the counters.
   TcpStoreServerStats stats() const;
 

@@ -172,9 +172,10 @@ class TcpStoreServer::Impl {
     return Status::Ok();
   }
 
-  void Stop() {
+  void Stop(std::string why = "") {
     std::lock_guard<std::mutex> lock(stop_mu_);
     if (!thread_.joinable()) return;
+    stop_reason_ = std::move(why);  // read by the server thread once it sees stop_
     stop_.store(true);
     const uint64_t one = 1;
     ssize_t n = write(wake_fd_.get(), &one, sizeof(one));
@@ -360,6 +361,9 @@ class TcpStoreServer::Impl {
   }
 
   void Shutdown() {
+    const Status stopping = UnavailableError(
+        stop_reason_.empty() ? std::string("the store server is shutting down")
+                             : "the store server is shutting down: " + stop_reason_);
     // Answer every parked call so that no client waits for its deadline.
     std::vector<uint64_t> ids;
     for (auto& [id, w] : waiters_) ids.push_back(id);
@@ -367,12 +371,18 @@ class TcpStoreServer::Impl {
       Waiter waiter = waiters_[waiter_id];
       RemoveWaiter(waiter_id);
       if (Connection* c = Find(waiter.connection)) {
-        QueueReply(*c, ErrorReply(waiter.request_id,
-                                  UnavailableError("the store server is shutting down")));
+        QueueReply(*c, ErrorReply(waiter.request_id, stopping));
       }
     }
     std::vector<uint64_t> conns;
-    for (auto& [id, c] : connections_) conns.push_back(id);
+    for (auto& [id, c] : connections_) {
+      conns.push_back(id);
+      // A client with no call under way reads this (request id 0: the
+      // server is closing the connection) ahead of the end of the stream,
+      // with its next call: it learns why the store went away (its owner
+      // closed it after a clean shutdown, say), not only that it did.
+      if (c.authenticated && !c.closing) QueueReply(c, ErrorReply(0, stopping));
+    }
     for (uint64_t id : conns) Destroy(id);
     // A child forked without exec holds copies of the listening sockets:
     // close() alone would leave them accepting, and a client connecting
@@ -1450,6 +1460,7 @@ class TcpStoreServer::Impl {
   std::thread thread_;
   std::mutex stop_mu_;
   std::atomic<bool> stop_{false};
+  std::string stop_reason_;  // given to Stop; written before stop_ is set
 
   // Server-thread state.
   bool listening_ = false;
@@ -1599,6 +1610,7 @@ TcpStoreServer::~TcpStoreServer() { Stop(); }
 int TcpStoreServer::port() const { return impl_->port(); }
 const std::string& TcpStoreServer::address() const { return impl_->address(); }
 void TcpStoreServer::Stop() { impl_->Stop(); }
+void TcpStoreServer::Stop(std::string why) { impl_->Stop(std::move(why)); }
 TcpStoreServerStats TcpStoreServer::stats() const { return impl_->stats(); }
 
 }  // namespace ddp::transport::store

@@ -35,6 +35,7 @@ namespace ddp::transport::store {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using namespace std::chrono_literals;
 
 constexpr char kToken[] = "test-token-7f3a";
@@ -2035,6 +2036,37 @@ TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
   StatusOr<std::unique_ptr<TcpStoreClient>> late =
       TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(300ms));
   EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
+}
+
+// Stopped with a reason (rank 0's communicator closing the store it served
+// after a clean shutdown), the server tells it to a parked call and to a
+// client with no call under way, whose next call reads it instead of a bare
+// "lost the connection"; later calls keep it.
+TEST(TcpStoreTest, StoppingWithAReasonTellsEveryClientWhy) {
+  auto server = StartServer();
+  auto parked = ConnectClient(*server);
+  auto idle = ConnectClient(*server);
+  ASSERT_TRUE(idle->Set("k", "v", DeadlineIn(10s)).ok());
+  StatusOr<std::string> got = InternalError("not run");
+  std::thread thread([&] { got = parked->Get("never", DeadlineIn(30s)); });
+  ASSERT_TRUE(ParkedWithin(*server, 1, 10s)) << "the Get never reached the server";
+  const std::string why = "its owner closed it after a clean shutdown; rank 2 of 'job/' had not left";
+  server->Stop(why);
+  server->Stop("a second reason");
+  thread.join();
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(got.status().message(), HasSubstr("shutting down: " + why));
+
+  const Deadline start = Clock::now();
+  StatusOr<std::optional<std::string>> read = idle->TryGet("k", DeadlineIn(30s));
+  EXPECT_EQ(read.status().code(), StatusCode::kUnavailable) << read.status();
+  EXPECT_THAT(read.status().message(), HasSubstr("shutting down: " + why));
+  EXPECT_THAT(read.status().message(), HasSubstr("(during the try_get of key 'k')"));
+  Status later = idle->Set("k", "w", DeadlineIn(30s));
+  EXPECT_EQ(later.code(), StatusCode::kUnavailable);
+  EXPECT_THAT(later.message(), HasSubstr(why));
+  EXPECT_THAT(later.message(), Not(HasSubstr("a second reason")));
+  EXPECT_LT(Clock::now() - start, 2s);
 }
 
 // A client parked in a Wait when the store restarts on the same port fails
