@@ -121,7 +121,9 @@ struct TcpStoreServerStats {
   uint64_t refused_malformed = 0;     ///< Malformed frames (bad magic, version, fields, op).
   uint64_t refused_oversized = 0;     ///< Frames over the size bound.
   uint64_t dropped_stalled = 0;       ///< Dropped for stalling mid-request (frame_stall_timeout).
-  uint64_t open_connections = 0;      ///< Connections open now.
+  /// Connections open now, but for newcomers turned away for want of a
+  /// place, which linger only until their close.
+  uint64_t open_connections = 0;
   uint64_t stored_bytes = 0;          ///< Bytes of keys and values held now, with 128 per entry.
   uint64_t buffered_bytes = 0;        ///< Bytes of frames being read and replies unsent, now.
   /// Of buffered_bytes, the room held for requests still arriving (each

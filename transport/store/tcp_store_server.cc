@@ -82,6 +82,9 @@ struct Connection {
   // answered, and no further hang-up is watched for while it waits.
   bool input_ended = false;
   bool dead = false;     // close at the end of this round
+  // Turned away for want of a place (RefuseForNow): it lingers only to
+  // close cleanly, holds no place, and is not counted as open.
+  bool refused_for_now = false;
   // Closing with every reply out: the write side is shut down, and input
   // is read and dropped until its end, the closing timer or
   // kMostDrainedBytes (`drained` so far), before the close.
@@ -435,13 +438,18 @@ class TcpStoreServer::Impl {
       }
       UniqueFd owned(fd);
       const std::string peer = FormatAddress(reinterpret_cast<sockaddr*>(&addr), len);
-      if (connections_.size() >= options_.max_connections && !draining_.empty()) {
+      // Connections being closed after a refusal (draining_) hold no place:
+      // the oldest makes way for a newcomer that gets one, and a newcomer
+      // refused for want of a place lingers as they do.
+      const size_t live = connections_.size() - draining_.size();
+      if (connections_.size() >= options_.max_connections && !draining_.empty() &&
+          live < options_.max_connections) {
         Destroy(*draining_.begin());
       }
-      if (connections_.size() >= options_.max_connections) {
+      if (live >= options_.max_connections) {
         if (unauthenticated_.empty()) {
-          RefuseForNow(owned.get(), peer,
-                       "the store already holds " + std::to_string(connections_.size()) +
+          RefuseForNow(std::move(owned), peer,
+                       "the store already holds " + std::to_string(live) +
                            " connections, its limit (TcpStoreServerOptions::max_connections)");
           continue;
         }
@@ -461,7 +469,7 @@ class TcpStoreServer::Impl {
       c.timer = DeadlineAfter(Clock::now(), options_.handshake_timeout);
       timers_.emplace(c.timer, id);
       unauthenticated_.insert(id);
-      open_connections_.store(connections_.size());
+      open_connections_.store(connections_.size() - refused_lingering_);
       if (!AddToEpoll(c.fd.get(), id, EPOLLIN).ok()) {
         MarkDead(c);
         continue;
@@ -474,29 +482,33 @@ class TcpStoreServer::Impl {
     }
   }
 
-  // Answers a connection that gets no place here, without giving it one: the
-  // reply goes straight into the fresh socket's send buffer, which takes a
-  // frame this small, and the client's hello is drained first, so that the
-  // close sends the reply and a FIN rather than a reset that could beat it.
-  // Only as much as a hello can be is drained: a peer that kept streaming
-  // held the store's only thread in this loop for as long as it streamed.
+  // Answers a connection that gets no place here: its reply, then the end of
+  // the stream, and what it still sends (its hello, a request behind it) is
+  // read and dropped while it lingers as a refused connection does
+  // (StartDraining: at most max_unauthenticated of them, for at most
+  // refused_close_grace, or kMostDrainedBytes), so that the close meets no
+  // unread input. Closed at once with input unread, it was reset, and a
+  // newcomer that sent more than a hello lost the reply to the reset.
   // Clients retry, so only the 1st, 2nd, 4th, 8th... refusal is logged.
-  void RefuseForNow(int fd, const std::string& peer, const std::string& why) {
+  void RefuseForNow(UniqueFd fd, const std::string& peer, const std::string& why) {
     ++refused_for_now_;
     if ((refused_for_now_ & (refused_for_now_ - 1)) == 0) {
       Log("refused connection from " + peer + ": " + why + " (" +
           std::to_string(refused_for_now_) + " refused so far)");
     }
-    char sink[512];
-    constexpr size_t kMostDrained = wire::kFrameHeaderBytes + wire::kMaxHandshakeBytes;
-    for (size_t drained = 0; drained < kMostDrained;) {
-      const ssize_t n = recv(fd, sink, std::min(sizeof(sink), kMostDrained - drained), MSG_DONTWAIT);
-      if (n <= 0) break;
-      drained += static_cast<size_t>(n);
+    const uint64_t id = next_id_++;
+    Connection& c = connections_[id];
+    c.id = id;
+    c.fd = std::move(fd);
+    c.peer = peer;
+    c.refused_for_now = true;
+    ++refused_lingering_;
+    if (!AddToEpoll(c.fd.get(), id, EPOLLIN).ok()) {
+      MarkDead(c);
+      return;
     }
-    const std::string reply = HandshakeReply(UnavailableError(why));
-    (void)send(fd, reply.data(), reply.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-    shutdown(fd, SHUT_WR);
+    c.events = EPOLLIN;
+    Refuse(c, HandshakeReply(UnavailableError(why)));
   }
 
   void PauseAccepting() {
@@ -1383,8 +1395,9 @@ class TcpStoreServer::Impl {
     // without exec holds one), so the client learns now, not at its deadline.
     // Only the server thread gets here, which a forked child does not have.
     shutdown(c.fd.get(), SHUT_RDWR);
+    if (c.refused_for_now) --refused_lingering_;
     connections_.erase(it);
-    open_connections_.store(connections_.size());
+    open_connections_.store(connections_.size() - refused_lingering_);
   }
 
   void UpdateInterest(Connection& c) {
@@ -1501,6 +1514,7 @@ class TcpStoreServer::Impl {
   std::atomic<uint64_t> authenticated_{0};
   std::atomic<uint64_t> refused_token_{0};
   uint64_t refused_for_now_ = 0;  // server thread only
+  size_t refused_lingering_ = 0;  // connections_ with refused_for_now; server thread only
   std::atomic<uint64_t> dropped_silent_{0};
   std::atomic<uint64_t> evicted_{0};
   std::atomic<uint64_t> refused_malformed_{0};

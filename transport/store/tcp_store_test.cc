@@ -1104,6 +1104,33 @@ TEST(TcpStoreTest, AClientStillSendingWhenRefusedReadsTheReason) {
   EXPECT_TRUE(raw.ClosedWithin(5s));
 }
 
+// A newcomer turned away because every place is taken, that sends more
+// than a hello (a request behind it, here 1 MiB of one), reads why: closed
+// with that input unread, its connection was reset and the reply lost
+// ("Connection reset by peer" in its send).
+TEST(TcpStoreTest, ANewcomerSendingMoreThanAHelloWhenEveryPlaceIsTakenReadsWhy) {
+  TcpStoreServerOptions options;
+  options.max_connections = 1;
+  options.refused_close_grace = 30s;  // far past the send, even on a loaded host
+  auto server = StartServer(options);
+  auto holder = ConnectClient(*server);  // the only place
+  RawConnection raw(server->port());
+  raw.SetSendBuffer(16 << 10);
+  wire::Writer w;
+  w.Bytes(std::string_view(wire::kMagic, 4));
+  w.U16(wire::kVersion);
+  w.U16(0);
+  w.String(kToken);
+  raw.Send(w.Frame());
+  const Status sent = raw.SendWithin(std::string(1 << 20, 'x'), 10s);
+  ASSERT_TRUE(sent.ok()) << sent;
+  std::optional<std::string> reply = raw.ReadFrame(5s);
+  ASSERT_TRUE(reply.has_value()) << "no reply to the refused newcomer";
+  EXPECT_THAT(*reply, HasSubstr("already holds 1 connections"));
+  EXPECT_TRUE(raw.ClosedWithin(5s));
+  EXPECT_TRUE(holder->Set("k", "v", DeadlineIn(5s)).ok());
+}
+
 // Clients refused for a wrong token that never hang up linger at most a
 // few at a time (max_unauthenticated), and give their places up to a
 // newcomer at once: they do not keep the job out for their grace (10 s
