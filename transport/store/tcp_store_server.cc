@@ -238,6 +238,13 @@ class TcpStoreServer::Impl {
       RetryDeferredWakes();
       FireTimers();
       FinishRound();
+      if (!deferred_wakes_.empty()) {
+        // Connections closed just now (FireTimers, FinishRound) may have
+        // freed the room the held-back wakes wait for: tried only at the
+        // next round, they waited for the next event, up to kMaxPollMs.
+        RetryDeferredWakes();
+        FinishRound();
+      }
       buffered_bytes_.store(buffered_);
       receiving_bytes_.store(receiving_);
       frames_waiting_for_room_.store(waiting_for_memory_.size());

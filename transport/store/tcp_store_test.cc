@@ -2028,6 +2028,45 @@ bool ParkedWithin(const TcpStoreServer& server, uint64_t n, std::chrono::millise
   return true;
 }
 
+// A wake held back for room is answered as soon as the room is freed by a
+// connection that closed: that close is handled at the end of the server's
+// round, after the held-back wakes were retried, and the wake then waited
+// for the next event, up to the loop's longest poll (1 s).
+TEST(TcpStoreTest, AWakeHeldBackForRoomIsAnsweredWhenAClosingConnectionFreesIt) {
+  constexpr size_t kValueBytes = 32768;
+  TcpStoreServerOptions options;
+  options.max_buffered_bytes = 65536;
+  auto server = StartServer(options);
+  auto waiter = ConnectClient(*server);
+  auto setter = ConnectClient(*server);
+  StatusOr<std::string> got = InternalError("not run");
+  Deadline returned_at{};
+  std::thread thread([&] {
+    got = waiter->Get("big", DeadlineIn(30s));
+    returned_at = Clock::now();
+  });
+  ASSERT_TRUE(ParkedWithin(*server, 1, 10s)) << "the Get never reached the server";
+  // A frame begun and left: room for all of it is held, so that the Set
+  // below fits (its frame is 20 bytes over its value) and the Get's reply
+  // (counted as 64 bytes over the value) does not.
+  RawConnection holder(server->port());
+  holder.Handshake();
+  constexpr uint32_t kHeldLength = 32726;  // 32730 bytes with the header
+  wire::Writer w;
+  w.U32(kHeldLength);
+  w.Bytes("xy");
+  holder.Send(w.body());
+  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& st) { return st.receiving_bytes == 32730; }));
+  ASSERT_TRUE(setter->Set("big", std::string(kValueBytes, 'v'), DeadlineIn(10s)).ok());
+  ASSERT_EQ(server->stats().parked_waits, 1u) << "the Get's reply was not held back for room";
+  const Deadline closed_at = Clock::now();
+  holder.Close();
+  thread.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->size(), kValueBytes);
+  EXPECT_LT(returned_at - closed_at, 500ms);
+}
+
 TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
   auto server = StartServer();
   auto parked = ConnectClient(*server);
