@@ -107,7 +107,10 @@ struct TcpStoreServerOptions {
   /// of 1 KiB on one connection would hold half a GiB otherwise.
   size_t max_parked_key_bytes = size_t{256} << 20;
   /// Receives one line per refused connection or request (why, and from
-  /// whom). Default: stderr, prefixed "ddp store: ", at most 20 lines a second.
+  /// whom), on the server's thread: it must not block. Default: stderr,
+  /// prefixed "ddp store: ", at most 20 lines a second, written by a thread
+  /// of its own (a stderr nobody reads holds up that thread, not the store;
+  /// past 256 lines waiting, lines are dropped and counted).
   std::function<void(const std::string&)> log;
 };
 

@@ -19,10 +19,12 @@
 #include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <condition_variable>
 #include <cstdio>
 #include <deque>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -135,6 +137,64 @@ std::string Printable(std::string_view text, size_t max = 64) {
   return out;
 }
 
+// The default log sink: lines go to stderr from a thread of their own
+// through a bounded queue, so that a stderr nobody reads (a full pipe to a
+// launcher that stopped reading) holds up that thread, never a store's.
+// One for the process, never joined: it may sit in that write at exit.
+class StderrLog {
+ public:
+  static StderrLog& Get() {
+    static auto* log = new StderrLog();
+    return *log;
+  }
+
+  void Post(std::string line) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (writer_pid_ != getpid()) {  // first use, or a child forked since
+      writer_pid_ = getpid();
+      std::thread([this] { Run(); }).detach();
+    }
+    if (lines_.size() >= kMostQueued) {
+      ++dropped_;
+      return;
+    }
+    lines_.push_back(std::move(line));
+    cv_.notify_one();
+  }
+
+ private:
+  static constexpr size_t kMostQueued = 256;
+
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      // Waits for lines in turns of a second (nothing else to wait for).
+      if (!cv_.wait_for(lock, std::chrono::seconds(1), [&] { return !lines_.empty(); })) continue;
+      std::string text;
+      for (const std::string& line : lines_) text += "ddp store: " + line + "\n";
+      lines_.clear();
+      if (dropped_ > 0) {
+        text += "ddp store: " + std::to_string(dropped_) + " lines dropped: stderr was not read\n";
+        dropped_ = 0;
+      }
+      lock.unlock();
+      for (size_t done = 0; done < text.size();) {
+        const ssize_t n = write(STDERR_FILENO, text.data() + done, text.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        done += static_cast<size_t>(n);
+      }
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::string> lines_;  // under mu_
+  uint64_t dropped_ = 0;           // under mu_
+  pid_t writer_pid_ = 0;           // the process whose writer thread runs; under mu_
+};
+
 std::optional<int64_t> ParseInt64(std::string_view text) {
   if (text.empty()) return std::nullopt;
   int64_t value = 0;
@@ -155,9 +215,7 @@ class TcpStoreServer::Impl {
         next_id_(kFirstListenId + listen_fds_.size()),
         read_chunk_(kReadChunkBytes) {
     if (!options_.log) {
-      options_.log = [](const std::string& line) {
-        std::fprintf(stderr, "ddp store: %s\n", line.c_str());
-      };
+      options_.log = [](const std::string& line) { StderrLog::Get().Post(line); };
     }
   }
 

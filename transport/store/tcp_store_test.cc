@@ -1,5 +1,6 @@
 #include "transport/store/tcp_store.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -1906,6 +1907,48 @@ TEST(TcpStoreTest, ServesMoreConnectionsThanALowSoftDescriptorLimit) {
   clients.clear();
   server.reset();
   setrlimit(RLIMIT_NOFILE, &before);
+}
+
+// The default log goes to stderr, which may be a pipe nobody reads (a
+// launcher that stopped reading, a full terminal buffer): a server whose
+// own thread wrote its log lines there stopped at the first one, and every
+// rank's call then waited out its deadline. In a child whose stderr is
+// such a full pipe, a refused client is logged and the job's client is
+// still served.
+TEST(TcpStoreTest, AStderrNobodyReadsDoesNotHoldTheServer) {
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    alarm(30);  // bounds the child whatever happens
+    int log_pipe[2];
+    if (pipe(log_pipe) != 0) _exit(2);
+    // Filled through a non-blocking description of its own (reopened
+    // through /proc), so that stderr's, the other, still blocks when full.
+    const std::string filler_path = "/proc/self/fd/" + std::to_string(log_pipe[1]);
+    const int filler = open(filler_path.c_str(), O_WRONLY | O_NONBLOCK);
+    if (filler < 0) _exit(3);
+    const std::string chunk(4096, 'x');
+    while (write(filler, chunk.data(), chunk.size()) > 0) {
+    }
+    if (errno != EAGAIN || dup2(log_pipe[1], STDERR_FILENO) < 0) _exit(4);
+    TcpStoreServerOptions options;
+    options.job_token = kToken;
+    auto server = TcpStoreServer::Start(options);
+    if (!server.ok()) _exit(5);
+    const int port = (*server)->port();
+    auto stranger = TcpStoreClient::Connect("127.0.0.1", port, "wrong token", DeadlineIn(3s));
+    if (stranger.ok() || stranger.status().code() != StatusCode::kPermissionDenied) _exit(6);
+    auto rank = TcpStoreClient::Connect("127.0.0.1", port, kToken, DeadlineIn(3s));
+    if (!rank.ok() || !(*rank)->Set("k", "v", DeadlineIn(3s)).ok()) _exit(7);
+    _exit(0);  // the log's thread is still blocked on stderr: no teardown
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "6: the stranger was not refused in time; 7: the rank was not served";
 }
 
 // A server whose hard descriptor limit is too low for max_connections
