@@ -2038,9 +2038,15 @@ void Communicator::Impl::Shutdown() {
       if (!not_left.empty()) {
         const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - leaving_since);
         why += " after waiting " + std::to_string(waited.count()) + " ms for every rank to leave; " +
-               not_left + " had not left (destroy every communicator on every rank before rank " +
-               std::to_string(options_.rank) + "'s)";
-        std::fprintf(stderr, "[ddp] rank %d: warning: %s\n", options_.rank, why.c_str());
+               not_left + " had not left";
+        // After an abort or a failed creation, ranks that never leave (they
+        // died, or gave up) are what was expected; after a clean shutdown
+        // they are ranks the store went away under.
+        if (!aborted() && !creation_failed_) {
+          why += " (destroy every communicator on every rank before rank " + std::to_string(options_.rank) +
+                 "'s)";
+          std::fprintf(stderr, "[ddp] rank %d: warning: %s\n", options_.rank, why.c_str());
+        }
       }
       std::lock_guard lock(server_->mu);
       server_->closing_reason = std::move(why);
