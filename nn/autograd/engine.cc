@@ -254,6 +254,20 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       // while they are freed. A thread holds one node's mutex per pass it
       // runs (more than one when passes are nested).
       NodeLock lock(*node);
+      // Gradient hooks of the node's outputs (Tensor::RegisterHook) see the
+      // gradient summed over every use of the output, once per pass, and
+      // may replace it before it is retained or reaches Apply (PyTorch's
+      // tensor pre-hooks). A leaf's run in its AccumulateGrad.
+      for (uint32_t i = 0; i < node->num_outputs(); ++i) {
+        if (!in[i].defined()) continue;
+        Tensor out = node->LiveOutput(i);
+        if (!out.defined()) continue;
+        try {
+          in[i] = RunGradHooks(out, std::move(in[i]), "output " + std::to_string(i) + " of " + node->name());
+        } catch (const std::exception& e) {
+          RethrowWithNodeName(e, *node);
+        }
+      }
       // Non-leaf tensors that asked to keep their gradient. A second pass
       // sums into a new tensor (PyTorch's grad = grad + new_grad): the
       // .grad of the first pass may be held by the caller and must not

@@ -16,9 +16,11 @@
 // through the graph a second time" error. That lock covers the engine's
 // own writes only: code that reads or writes .grad while a pass may be
 // accumulating into it (DDP's communication thread reading buckets, an
-// optimizer step, ZeroGrad) must synchronize with that pass on its own,
-// and hooks must not be registered or removed on a tensor while a pass
-// runs them. Recording forwards on shared leaves from several threads is
+// optimizer step, ZeroGrad) must synchronize with that pass on its own.
+// Hooks may be registered or removed on a tensor while a pass runs them
+// (AutogradMeta::hooks_mu guards the lists; a pass runs a copy, skipping
+// hooks removed before their turn; a hook already running finishes after
+// Remove returns). Recording forwards on shared leaves from several threads is
 // safe as far as the accumulator goes: its creation is locked
 // (AutogradMeta::grad_accumulator_mu), so every graph finds the same
 // AccumulateGrad node for a leaf; nothing else in a leaf's autograd

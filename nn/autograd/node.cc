@@ -82,6 +82,7 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
   // no gradient and no post-accumulate hooks, so DDP does not reduce it, as
   // PyTorch's AccumulateGrad::apply returns early.
   if (!var.requires_grad()) return {};
+  g = RunGradHooks(var, std::move(g), "the leaf " + Describe(var));
   if (g.shape() != var.shape()) {
     throw std::logic_error("gradient of shape " + ShapeToString(g.shape()) + " for a leaf of shape " +
                            ShapeToString(var.shape()));
@@ -117,14 +118,22 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
     DDP_KERNEL(meta.grad.device(), add_scaled_)(meta.grad, g, 1.0);
     meta.grad.storage()->BumpVersion();
   }
-  // Copy: a hook may remove itself (or others) while running. One removed
-  // by an earlier hook in this loop does not run (what it captured may be
-  // gone with its owner).
-  const auto hooks = meta.post_accumulate_hooks;
+  // Copied under hooks_mu and run without it: a hook may remove itself (or
+  // others), and another thread may register or remove hooks meanwhile. One
+  // removed before its turn does not run (what it captured may be gone with
+  // its owner).
+  std::vector<std::pair<uint64_t, PostAccumulateGradHook>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(meta.hooks_mu);
+    hooks = meta.post_accumulate_hooks;
+  }
   for (const auto& [id, hook] : hooks) {
-    const auto& live = meta.post_accumulate_hooks;
-    const bool removed =
-        std::none_of(live.begin(), live.end(), [id = id](const auto& h) { return h.first == id; });
+    bool removed;
+    {
+      std::lock_guard<std::mutex> lock(meta.hooks_mu);
+      const auto& live = meta.post_accumulate_hooks;
+      removed = std::none_of(live.begin(), live.end(), [id = id](const auto& h) { return h.first == id; });
+    }
     if (!removed) hook(var);
   }
   return {};
@@ -164,6 +173,35 @@ void SavedTensor::Release() {
   data_ = Tensor();
   origin_.clear();
   released_ = true;
+}
+
+Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::string& what) {
+  AutogradMeta* meta = tensor.impl()->autograd();
+  if (meta == nullptr) return grad;
+  // Copied under hooks_mu and run without it, as the post-accumulate hooks.
+  std::vector<std::pair<uint64_t, GradHook>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(meta->hooks_mu);
+    if (meta->grad_hooks.empty()) return grad;
+    hooks = meta->grad_hooks;
+  }
+  for (const auto& [id, hook] : hooks) {
+    {
+      std::lock_guard<std::mutex> lock(meta->hooks_mu);
+      const auto& live = meta->grad_hooks;
+      if (std::none_of(live.begin(), live.end(), [id = id](const auto& h) { return h.first == id; })) continue;
+    }
+    Tensor replacement = hook(grad);
+    if (!replacement.defined()) continue;
+    if (replacement.shape() != grad.shape() || replacement.dtype() != grad.dtype() ||
+        replacement.device() != grad.device()) {
+      throw std::invalid_argument("a gradient hook on " + what + " returned a gradient " + Describe(replacement) +
+                                  " for a gradient " + Describe(grad) +
+                                  " (a hook must keep the gradient's shape, dtype and device)");
+    }
+    grad = std::move(replacement);
+  }
+  return grad;
 }
 
 Edge GradientEdge(const Tensor& t) {

@@ -72,7 +72,8 @@ class Node {
   std::mutex mutex_;
 };
 
-/// Adds incoming gradients into a leaf's .grad (in place when .grad exists,
+/// Runs the leaf's gradient hooks (RegisterHook) on the incoming gradient,
+/// adds the result into its .grad (in place when .grad exists,
 /// so a .grad that views a bucket is written directly), then runs the
 /// leaf's post-accumulate-grad hooks in registration order. A leaf whose
 /// requires_grad was turned off after the forward gets neither (PyTorch).
@@ -115,6 +116,12 @@ class SavedTensor {
   bool was_defined_ = false;
   bool released_ = false;
 };
+
+/// Runs `tensor`'s gradient hooks (Tensor::RegisterHook) on grad in
+/// registration order and returns the result; `what` names the tensor in
+/// the error for a replacement of another shape, dtype or device. Called by
+/// the engine for a node's outputs and by AccumulateGrad for its leaf.
+Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::string& what);
 
 /// The edge a gradient of t should flow into: its grad_fn, its leaf
 /// accumulator (created on first use), or nothing.

@@ -314,16 +314,33 @@ void TensorImpl::Reset(std::shared_ptr<Storage> storage, int64_t offset, Shape s
 void HookHandle::Remove() {
   std::shared_ptr<TensorImpl> impl = owner_.lock();
   if (!impl || impl->autograd() == nullptr) return;
-  auto& hooks = impl->autograd()->post_accumulate_hooks;
-  hooks.erase(std::remove_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == id_; }),
-              hooks.end());
+  AutogradMeta& meta = *impl->autograd();
+  const auto same_id = [&](const auto& h) { return h.first == id_; };
+  // Declared before the lock so that the removed function is destroyed
+  // after it is let go: destroying what the hook captured may run any code.
+  PostAccumulateGradHook dead_post;
+  GradHook dead_grad;
+  // Under hooks_mu: a backward on another thread may be copying the lists.
+  std::lock_guard<std::mutex> lock(meta.hooks_mu);
+  auto& post = meta.post_accumulate_hooks;
+  if (auto p = std::find_if(post.begin(), post.end(), same_id); p != post.end()) {
+    dead_post = std::move(p->second);
+    post.erase(p);
+  }
+  auto& grad = meta.grad_hooks;
+  if (auto g = std::find_if(grad.begin(), grad.end(), same_id); g != grad.end()) {
+    dead_grad = std::move(g->second);
+    grad.erase(g);
+  }
   owner_.reset();
 }
 
 bool HookHandle::IsLast() const {
   std::shared_ptr<TensorImpl> impl = owner_.lock();
   if (!impl || impl->autograd() == nullptr) return false;
-  const auto& hooks = impl->autograd()->post_accumulate_hooks;
+  AutogradMeta& meta = *impl->autograd();
+  std::lock_guard<std::mutex> lock(meta.hooks_mu);
+  const auto& hooks = meta.post_accumulate_hooks;
   return !hooks.empty() && hooks.back().first == id_;
 }
 
@@ -912,14 +929,43 @@ bool Tensor::retains_grad() const {
   return impl_->autograd() != nullptr && impl_->autograd()->retains_grad;
 }
 
+namespace {
+// "tensor [2, 3] float32 on cpu", for messages about a tensor's hooks.
+std::string DescribeForHook(const Tensor& t) {
+  return "tensor " + ShapeToString(t.shape()) + " " + std::string(DTypeName(t.dtype())) + " on " +
+         t.device().ToString();
+}
+}  // namespace
+
 HookHandle Tensor::RegisterPostAccumulateGradHook(PostAccumulateGradHook fn) const {
   CheckDefined("RegisterPostAccumulateGradHook");
   if (!is_leaf() || !requires_grad()) {
     throw std::logic_error("post-accumulate-grad hooks can only be registered on leaf tensors that require grad");
   }
+  // Refused here, where the tensor can be named: called during backward, an
+  // empty function would throw a bare std::bad_function_call.
+  if (!fn) {
+    throw std::invalid_argument("RegisterPostAccumulateGradHook: the hook for " + DescribeForHook(*this) +
+                                " is empty");
+  }
   AutogradMeta& meta = impl_->mutable_autograd();
+  std::lock_guard<std::mutex> lock(meta.hooks_mu);
   const uint64_t id = meta.next_hook_id++;
   meta.post_accumulate_hooks.emplace_back(id, std::move(fn));
+  return HookHandle(impl_, id);
+}
+
+HookHandle Tensor::RegisterHook(GradHook fn) const {
+  CheckDefined("RegisterHook");
+  if (!requires_grad()) {
+    throw std::logic_error("RegisterHook: " + DescribeForHook(*this) +
+                           " does not require grad, so no gradient is computed for it to hook");
+  }
+  if (!fn) throw std::invalid_argument("RegisterHook: the hook for " + DescribeForHook(*this) + " is empty");
+  AutogradMeta& meta = impl_->mutable_autograd();
+  std::lock_guard<std::mutex> lock(meta.hooks_mu);
+  const uint64_t id = meta.next_hook_id++;
+  meta.grad_hooks.emplace_back(id, std::move(fn));
   return HookHandle(impl_, id);
 }
 

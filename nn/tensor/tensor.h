@@ -136,9 +136,19 @@ class GradModeGuard {
 /// has been accumulated into its .grad (on the thread running backward).
 using PostAccumulateGradHook = std::function<void(const Tensor& param)>;
 
+/// Called with the gradient with respect to a tensor when backward has
+/// computed it (summed over every use of the tensor), before it reaches the
+/// leaf's .grad or the node that produced the tensor. Returns a replacement
+/// of the same shape, dtype and device, or an undefined tensor to keep it.
+using GradHook = std::function<Tensor(const Tensor& grad)>;
+
 class TensorImpl;
 
-/// Removes a hook when asked; dropping the handle keeps the hook.
+/// Removes a hook (a gradient hook or a post-accumulate-grad hook) when
+/// asked; dropping the handle keeps the hook. Remove and registration may
+/// be called while a backward pass runs the tensor's hooks on another
+/// thread: a hook that pass is already running finishes, and one it has
+/// not reached yet does not run.
 class HookHandle {
  public:
   HookHandle() = default;
@@ -283,7 +293,17 @@ class Tensor {
   bool retains_grad() const;
   /// Registers fn to run each time this leaf's gradient has been accumulated
   /// into .grad during backward, in the order gradients become ready.
+  /// Throws std::invalid_argument, naming the tensor, when fn is empty.
   HookHandle RegisterPostAccumulateGradHook(PostAccumulateGradHook fn) const;
+  /// PyTorch's register_hook: fn runs each time backward computes the
+  /// gradient with respect to this tensor (leaf or not), once per pass on
+  /// the sum over its uses, before that gradient is accumulated into .grad
+  /// or passed to grad_fn; hooks run in registration order, each seeing the
+  /// previous one's result. A replacement of another shape, dtype or device
+  /// fails the backward, naming the tensor. On a non-leaf, the hook is kept
+  /// with the tensor: it runs only while some handle to the tensor is alive.
+  /// Throws when the tensor does not require grad or fn is empty.
+  HookHandle RegisterHook(GradHook fn) const;
 
   /// PyTorch-style rendering: "tensor([[1.0000, 2.0000], ...], requires_grad=True)".
   std::string ToString() const;
@@ -317,7 +337,12 @@ struct AutogradMeta {
   /// the node another made rather than make a second one.
   std::weak_ptr<autograd::Node> grad_accumulator;
   std::mutex grad_accumulator_mu;
+  /// Guards the two hook lists and next_hook_id: hooks may be registered or
+  /// removed while a backward on another thread runs them. Never held while
+  /// a hook runs (the pass copies the list first).
+  std::mutex hooks_mu;
   std::vector<std::pair<uint64_t, PostAccumulateGradHook>> post_accumulate_hooks;
+  std::vector<std::pair<uint64_t, GradHook>> grad_hooks;
   uint64_t next_hook_id = 1;
 };
 
