@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -39,6 +40,12 @@ StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Spawn(int size,
                                                            const Env& env, int port,
                                                            const std::map<int, Env>& rank_env) {
   std::unique_ptr<ProcessGroup> group(new ProcessGroup());
+  // The group's own number in this process goes into its log names: two
+  // groups on one port (an intruder job beside the real one, say) shared
+  // the files, the second's spawn truncated the first's output, and the
+  // first's Wait removed the second's.
+  static std::atomic<uint64_t> groups_spawned{0};
+  const uint64_t group_number = groups_spawned.fetch_add(1);
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string dir = tmp != nullptr ? tmp : "/tmp";
   for (int rank = 0; rank < size; ++rank) {
@@ -71,7 +78,8 @@ StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Spawn(int size,
     argv.push_back(nullptr);
 
     const std::string log = dir + "/rank" + std::to_string(rank) + "." +
-                            std::to_string(getpid()) + "." + std::to_string(port) + ".log";
+                            std::to_string(getpid()) + "." + std::to_string(port) + "." +
+                            std::to_string(group_number) + ".log";
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),

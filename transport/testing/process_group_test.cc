@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -32,6 +33,10 @@ using std::chrono::milliseconds;
 // deadline below (Wait kills it; its own bound keeps a leak short).
 int RunScenario(const std::string& name) {
   if (name == "exit") return 40 + std::stoi(EnvOr("RANK", "0"));
+  if (name == "say") {
+    std::printf("said %s\n", EnvOr("SAY").c_str());
+    return 0;
+  }
   if (name == "hang") {
     std::this_thread::sleep_for(std::chrono::seconds(60));
     return 0;
@@ -90,6 +95,24 @@ TEST(ProcessGroup, WaitKillsAWorkerStillRunningAtItsDeadline) {
   EXPECT_EQ(results[1].signal, SIGKILL);
   // Well before the hanging worker's own 60 s.
   EXPECT_LT(took, milliseconds(20000));
+}
+
+// Two groups on one port (a second job aimed at the first one's store)
+// keep their outputs apart: each result holds its own worker's words only.
+TEST(ProcessGroup, TwoGroupsOnOnePortKeepTheirOutputsApart) {
+  const int port = FreePort();
+  auto first = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "say"}, {"SAY", "alpha"}}, port);
+  auto second = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "say"}, {"SAY", "beta"}}, port);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  const std::vector<WorkerResult> a = (*first)->Wait(DeadlineIn(milliseconds(30000)));
+  const std::vector<WorkerResult> b = (*second)->Wait(DeadlineIn(milliseconds(30000)));
+  ASSERT_EQ(a.size(), 1u);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_NE(a[0].output.find("said alpha"), std::string::npos) << DescribeResults(a);
+  EXPECT_EQ(a[0].output.find("said beta"), std::string::npos) << DescribeResults(a);
+  EXPECT_NE(b[0].output.find("said beta"), std::string::npos) << DescribeResults(b);
+  EXPECT_EQ(b[0].output.find("said alpha"), std::string::npos) << DescribeResults(b);
 }
 
 // A worker the harness cannot wait for (SIGCHLD ignored: the kernel reaps
