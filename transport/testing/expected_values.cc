@@ -9,10 +9,17 @@
 namespace ddp::transport::testing {
 
 double InputValue(int rank, size_t i, ReduceOp op) {
-  // 2s only on the first 16 ranks: the product stays at most 2^8, inside
-  // every dtype's range however many ranks there are (f16 overflowed at 2^16
-  // from 32 ranks, i32 at 2^31).
-  if (op == ReduceOp::kProd) return rank < 16 ? 1 + static_cast<double>((i + rank) % 2) : 1;
+  // Every other element is a 2 on the first 16 ranks; from rank 16 on, the
+  // ranks go in blocks of 4, block b having its 2s where i % 32 == b. No
+  // element gets more than 12 twos, so the product stays at most 2^12,
+  // exact in every dtype but u8 however many ranks there are (f16
+  // overflowed at 2^16 from 32 ranks, i32 at 2^31), and each of ranks 16 to
+  // 143 still shows in some element (with 1s everywhere, a product that
+  // dropped one of them passed).
+  if (op == ReduceOp::kProd) {
+    if (rank < 16) return 1 + static_cast<double>((i + rank) % 2);
+    return i % 32 == static_cast<size_t>(rank - 16) / 4 ? 2 : 1;
+  }
   return 1 + static_cast<double>((static_cast<size_t>(rank) * 3 + i) % 7);
 }
 

@@ -5,8 +5,7 @@
 // small integer, so that sums and products are exact in every dtype (u8 and
 // the 16-bit floats included) for up to 9 ranks, and the expected value is a
 // closed form computed without any reduction kernel. Beyond 9 ranks the
-// product stays at most 2^8 (2s on the first 16 ranks only), u8 wraps as its
-// kernels do, and the 16-bit floats' tolerance grows with the rank count,
+// product stays at most 2^12 (see InputValue), u8 wraps as its kernels do, and the 16-bit floats' tolerance grows with the rank count,
 // so that a reduction done right is not counted wrong (checked up to 128
 // ranks in expected_values_test).
 
@@ -18,8 +17,10 @@
 
 namespace ddp::transport::testing {
 
-/// Rank `rank`'s input element `i` for `op` (prod uses 1s and 2s, 2s on
-/// ranks below 16 only).
+/// Rank `rank`'s input element `i` for `op` (prod uses 1s and 2s: every
+/// other element on ranks below 16, then one element in 32 on each rank up
+/// to 143, so that any one of them missing from a product of 32 elements
+/// or more shows).
 double InputValue(int rank, size_t i, ReduceOp op);
 
 /// The all-reduce result of element i over `ranks` ranks.
