@@ -30,6 +30,23 @@ extern char** environ;
 
 namespace ddp::transport::testing {
 
+#ifndef P_PIDFD
+#define P_PIDFD 3
+#endif
+
+namespace {
+
+// A pidfd for the child `pid`, taken as soon as it is spawned: from then on
+// signals and waits go through it, and cannot reach another process that
+// got the worker's number after the kernel reaped the worker (SIGCHLD
+// ignored), as a kill(pid) after a check could. -1 on kernels without
+// pidfds (before 5.3), where the checked kill(pid) stays the way.
+int OpenPidfd(pid_t pid) {
+  return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+}
+
+}  // namespace
+
 int FreePort() {
   StatusOr<int> port = store::FreeTcpPort();
   return port.ok() ? *port : 0;
@@ -94,6 +111,7 @@ StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Spawn(int size,
     group->pids_.push_back(pid);
     group->logs_.push_back(log);
     group->reaped_.push_back(false);
+    group->pidfds_.push_back(OpenPidfd(pid));
   }
   return group;
 }
@@ -110,33 +128,31 @@ bool NoLongerOurs(pid_t pid) {
 
 }  // namespace
 
+void ProcessGroup::Signal(size_t i, int signal) {
+  if (pidfds_[i] >= 0) {
+    // ESRCH once the worker is gone: nothing else can be hit.
+    syscall(SYS_pidfd_send_signal, pidfds_[i], signal, nullptr, 0);
+  } else if (!NoLongerOurs(pids_[i])) {
+    kill(pids_[i], signal);
+  }
+}
+
+int ProcessGroup::WaitWorker(size_t i, siginfo_t* info, int flags) const {
+  *info = siginfo_t{};
+  const idtype_t type = pidfds_[i] >= 0 ? static_cast<idtype_t>(P_PIDFD) : P_PID;
+  const id_t id = pidfds_[i] >= 0 ? static_cast<id_t>(pidfds_[i]) : static_cast<id_t>(pids_[i]);
+  int rc = -1;
+  do {
+    rc = waitid(type, id, info, WEXITED | flags);
+  } while (rc < 0 && errno == EINTR);
+  return rc;
+}
+
 void ProcessGroup::Kill(int rank, int signal) {
-  if (!reaped_[rank] && !NoLongerOurs(pids_[rank])) kill(pids_[rank], signal);
+  if (!reaped_[rank]) Signal(static_cast<size_t>(rank), signal);
 }
 
 namespace {
-
-// Whether `pid` (a child) has exited, leaving it to be reaped by Wait.
-bool Exited(pid_t pid) {
-  siginfo_t info{};
-  if (waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0) {
-    return info.si_pid == pid;
-  }
-  // ECHILD: not a child to wait for any more. With SIGCHLD ignored the
-  // kernel reaps a worker as it exits (a running one still answers above),
-  // and WaitForOutput polled it to its deadline as if it still ran.
-  return errno == ECHILD;
-}
-
-// waitpid for `pid` until it is reaped, through signals caught meanwhile
-// (EINTR), which would leave it a zombie; -1 when it cannot be waited for.
-pid_t WaitUntilReaped(pid_t pid, int* status) {
-  pid_t done = -1;
-  do {
-    done = waitpid(pid, status, 0);
-  } while (done < 0 && errno == EINTR);
-  return done;
-}
 
 // 128 random bits in hex.
 std::string RandomToken() {
@@ -177,7 +193,7 @@ bool ProcessGroup::WaitForOutput(const std::string& text, Deadline deadline, con
       if (got.str().find(text) != std::string::npos) {
         seen[i] = true;
         --left;
-      } else if (reaped_[i] || Exited(pids_[i])) {
+      } else if (reaped_[i] || Exited(i)) {
         return false;  // gone without printing it
       }
     }
@@ -188,41 +204,41 @@ bool ProcessGroup::WaitForOutput(const std::string& text, Deadline deadline, con
   return true;
 }
 
+bool ProcessGroup::Exited(size_t i) const {
+  siginfo_t info{};
+  if (WaitWorker(i, &info, WNOHANG | WNOWAIT) == 0) return info.si_pid != 0;
+  // ECHILD: not a child to wait for any more. With SIGCHLD ignored the
+  // kernel reaps a worker as it exits (a running one still answers above),
+  // and WaitForOutput polled it to its deadline as if it still ran.
+  return errno == ECHILD;
+}
+
 std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
   std::vector<WorkerResult> results(pids_.size());
   size_t left = 0;
   for (bool r : reaped_) left += r ? 0 : 1;
-  // A pidfd per running worker (a child not yet reaped keeps its pid, so the
-  // descriptor is the worker's): poll on them sleeps until one exits or the
+  // The workers' pidfds: poll on them sleeps until one exits or the
   // deadline passes, where a fixed nap made every Wait up to 5 ms late.
   // Without one for each (kernels before 5.3, no descriptors left) the nap.
   std::vector<pollfd> exits;
   std::vector<std::string> failed_waits(pids_.size());
-  std::vector<int> exit_fds(pids_.size(), -1);
   bool all_fds = true;
-  for (size_t i = 0; i < pids_.size(); ++i) {
-    if (reaped_[i]) continue;
-    exit_fds[i] = static_cast<int>(syscall(SYS_pidfd_open, pids_[i], 0));
-    all_fds = all_fds && exit_fds[i] >= 0;
-  }
+  for (size_t i = 0; i < pids_.size(); ++i) all_fds = all_fds && (reaped_[i] || pidfds_[i] >= 0);
   while (left > 0) {
     exits.clear();
     for (size_t i = 0; i < pids_.size(); ++i) {
       if (reaped_[i]) continue;
-      int status = 0;
-      pid_t done = -1;
-      do {
-        done = waitpid(pids_[i], &status, WNOHANG);
-      } while (done < 0 && errno == EINTR);
+      siginfo_t info{};
+      int done = WaitWorker(i, &info, WNOHANG);
       int wait_error = errno;
-      const bool late = Clock::now() >= deadline;
-      if (done == 0 && late) {
-        kill(pids_[i], SIGKILL);
-        done = WaitUntilReaped(pids_[i], &status);
+      const bool running = done == 0 && info.si_pid == 0;
+      if (running && Clock::now() >= deadline) {
+        Signal(i, SIGKILL);
+        done = WaitWorker(i, &info, 0);
         wait_error = errno;
         results[i].timed_out = true;
-      } else if (done == 0) {
-        exits.push_back({exit_fds[i], POLLIN, 0});
+      } else if (running) {
+        exits.push_back({pidfds_[i], POLLIN, 0});
         continue;
       }
       reaped_[i] = true;
@@ -234,8 +250,8 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
         failed_waits[i] = std::string("waitpid failed: ") + std::strerror(wait_error);
         continue;
       }
-      if (WIFEXITED(status)) results[i].exit_code = WEXITSTATUS(status);
-      if (WIFSIGNALED(status)) results[i].signal = WTERMSIG(status);
+      if (info.si_code == CLD_EXITED) results[i].exit_code = info.si_status;
+      if (info.si_code == CLD_KILLED || info.si_code == CLD_DUMPED) results[i].signal = info.si_status;
     }
     if (left == 0) break;
     if (!all_fds) {
@@ -248,9 +264,6 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
         std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
     poll(exits.data(), exits.size(),
          static_cast<int>(std::clamp<int64_t>(until_deadline, 1, 1000)));
-  }
-  for (int fd : exit_fds) {
-    if (fd >= 0) close(fd);
   }
   for (size_t i = 0; i < pids_.size(); ++i) {
     std::ifstream in(logs_[i]);
@@ -265,12 +278,15 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
 
 ProcessGroup::~ProcessGroup() {
   for (size_t i = 0; i < pids_.size(); ++i) {
-    if (reaped_[i]) continue;
-    std::remove(logs_[i].c_str());
-    if (NoLongerOurs(pids_[i])) continue;
-    kill(pids_[i], SIGKILL);
-    int status = 0;
-    WaitUntilReaped(pids_[i], &status);
+    if (!reaped_[i]) {
+      std::remove(logs_[i].c_str());
+      if (pidfds_[i] >= 0 || !NoLongerOurs(pids_[i])) {
+        Signal(i, SIGKILL);
+        siginfo_t info{};
+        WaitWorker(i, &info, 0);  // ECHILD when the kernel reaped it
+      }
+    }
+    if (pidfds_[i] >= 0) close(pidfds_[i]);
   }
 }
 

@@ -6,6 +6,7 @@
 // output, and never leaves a process behind: the destructor kills and reaps
 // whatever still runs.
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -46,6 +47,8 @@ class ProcessGroup {
                                                        const Env& env, int port,
                                                        const std::map<int, Env>& rank_env = {});
   ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;  // owns its workers' pidfds
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
 
   /// Waits for every worker; kills those still running at `deadline`.
   std::vector<WorkerResult> Wait(Deadline deadline);
@@ -60,7 +63,14 @@ class ProcessGroup {
 
  private:
   ProcessGroup() = default;
+  // Sends `signal` to worker i through its pidfd (its pid, checked, without one).
+  void Signal(size_t i, int signal);
+  // waitid for worker i with WEXITED | `flags`, through EINTR; its result.
+  int WaitWorker(size_t i, siginfo_t* info, int flags) const;
+  // Whether worker i has exited, leaving it to be reaped by Wait.
+  bool Exited(size_t i) const;
   std::vector<pid_t> pids_;
+  std::vector<int> pidfds_;  ///< One per worker, -1 without pidfds; closed by the destructor.
   std::vector<std::string> logs_;
   std::vector<bool> reaped_;
 };

@@ -1,12 +1,17 @@
 #include "transport/testing/process_group.h"
 
 #include <dlfcn.h>
+#include <poll.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <chrono>
 #include <string>
@@ -173,6 +178,72 @@ TEST(ProcessGroup, ADestroyedGroupDoesNotSignalAWorkerTheKernelReaped) {
   ignored.Restore();
   ASSERT_NE(worker, 0);
   EXPECT_NE(last_killed.load(), worker);
+}
+
+// In a pid namespace of its own (pid 1 there): a worker the kernel reaped
+// (SIGCHLD ignored) has its number handed to a stand-in child, through
+// ns_last_pid; Kill and the destructor must leave the stand-in alone. The
+// stand-in's exit code, or 10 + a step that failed; 0 when it survived.
+int KillAfterPidReuse() {
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  if (sigaction(SIGCHLD, &ignore, nullptr) != 0) return 10;
+  auto group = ProcessGroup::Spawn(1, {}, {{"DDP_TEST_SCENARIO", "exit"}}, 0);
+  if (!group.ok()) return 11;
+  const pid_t worker = (*group)->pid(0);
+  // Returns once the worker is gone (see WaitForOutputSeesAWorkerReapedByTheKernelEnd).
+  (*group)->WaitForOutput("never printed", DeadlineIn(milliseconds(30000)));
+  if (kill(worker, 0) == 0 || errno != ESRCH) return 12;
+  {
+    FILE* last = std::fopen("/proc/sys/kernel/ns_last_pid", "w");
+    if (last == nullptr) return 13;
+    std::fprintf(last, "%d", worker - 1);
+    if (std::fclose(last) != 0) return 14;
+  }
+  const pid_t stand_in = fork();
+  if (stand_in == 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(30));
+    _exit(0);
+  }
+  if (stand_in != worker) return 15;
+  const int stand_in_fd = static_cast<int>(syscall(SYS_pidfd_open, stand_in, 0));
+  if (stand_in_fd < 0) return 16;
+  (*group)->Kill(0, SIGKILL);
+  group->reset();  // the destructor
+  // A SIGKILL sent to it would end it within milliseconds.
+  pollfd ended{stand_in_fd, POLLIN, 0};
+  const bool killed = poll(&ended, 1, 1000) == 1;
+  syscall(SYS_pidfd_send_signal, stand_in_fd, SIGKILL, nullptr, 0);
+  return killed ? 1 : 0;
+}
+
+// Kill and the destructor reach the worker only, never a process that got
+// its number after the kernel reaped it (a kill(pid) after a check that
+// the pid was still a child could, between the two).
+TEST(ProcessGroup, KillDoesNotSignalAProcessThatGotAReapedWorkersNumber) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // A user namespace makes this work without root; as root the pid
+    // namespace alone will do where user namespaces are turned off.
+    if (unshare(CLONE_NEWUSER | CLONE_NEWPID) != 0 && unshare(CLONE_NEWPID) != 0) _exit(20);
+    const pid_t init = fork();
+    if (init < 0) _exit(21);
+    if (init == 0) _exit(KillAfterPidReuse());
+    int status = 0;
+    if (waitpid(init, &status, 0) != init) _exit(22);
+    _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 23);
+  }
+  const int child_fd = static_cast<int>(syscall(SYS_pidfd_open, child, 0));
+  pollfd ended{child_fd, POLLIN, 0};
+  if (child_fd < 0 || poll(&ended, 1, 60000) != 1) kill(child, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  if (child_fd >= 0) close(child_fd);
+  ASSERT_TRUE(WIFEXITED(status)) << "the namespace's child ended by signal " << WTERMSIG(status);
+  EXPECT_NE(WEXITSTATUS(status), 20) << "no pid namespace could be made (unshare)";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "1: the process that got the reaped worker's number was killed; 1x/2x: a step failed";
 }
 
 }  // namespace
