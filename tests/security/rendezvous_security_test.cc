@@ -9,6 +9,8 @@
 //     and strangers announce frames far over the bound;
 //   - a client that trickles its handshake is dropped at the deadline, which
 //     activity does not extend;
+//   - a hello replayed on an authenticated connection, or cut short, is
+//     refused with its reason, and the job goes on;
 //   - parked waits per connection and connections in total are bounded;
 //   - a flood that exhausts the server's file descriptors does not keep the
 //     job's ranks out.
@@ -28,6 +30,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
+#include <utility>
 #include <set>
 #include <sstream>
 #include <string>
@@ -635,6 +639,95 @@ TEST(RendezvousSecurity, ConnectionsInTotalAreBoundedAndStrangersMakeRoomForTheJ
                         "max_connections)"));
   EXPECT_EQ(server->stats().open_connections, 4u);
   for (auto& c : job) EXPECT_TRUE(c->TryGet("k", DeadlineIn(5s)).ok());
+}
+
+// ---- replayed and truncated hellos ----
+
+// The code and message of a handshake reply body; code -1 when it is none.
+std::pair<int, std::string> HandshakeReplyOf(const std::optional<std::string>& body) {
+  if (!body.has_value()) return {-1, "the connection closed without a reply"};
+  wire::Reader r(*body);
+  std::string_view magic, message;
+  uint16_t version = 0;
+  uint8_t code = 0;
+  if (!r.Bytes(4, magic) || !r.U16(version) || !r.U8(code) || !r.String(message, 4096)) {
+    return {-1, "not a handshake reply"};
+  }
+  return {code, std::string(message)};
+}
+
+// A hello sent again on a connection it already opened is no request: the
+// server refuses it with a reply naming why and drops the connection, it
+// does not authenticate it a second time, and the job goes on.
+TEST(RendezvousSecurity, AHelloReplayedOnAnAuthenticatedConnectionIsRefusedAndTheJobGoesOn) {
+  auto server = StartServer({});
+  auto job = TcpStoreClient::Connect("127.0.0.1", server->port(), kToken, DeadlineIn(5s));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE((*job)->Set("k", "v", DeadlineIn(5s)).ok());
+  UniqueFd fd = RawConnect(server->port());
+  std::string buffer;
+  ASSERT_TRUE(store::SendAll(fd.get(), HandshakeFrame(kToken), DeadlineIn(5s), nullptr).ok());
+  const auto accepted = HandshakeReplyOf(ReadFrame(fd.get(), buffer, DeadlineIn(5s)));
+  ASSERT_EQ(accepted.first, 0) << accepted.second;
+  ASSERT_TRUE(store::SendAll(fd.get(), HandshakeFrame(kToken), DeadlineIn(5s), nullptr).ok());
+  std::optional<std::string> refused = ReadFrame(fd.get(), buffer, DeadlineIn(5s));
+  ASSERT_TRUE(refused.has_value()) << "the replayed hello got no reply";
+  wire::Reader r(*refused);
+  uint32_t id = 0;
+  uint8_t code = 0;
+  std::string_view message;
+  ASSERT_TRUE(r.U32(id) && r.U8(code) && r.String(message, 4096));
+  EXPECT_EQ(static_cast<StatusCode>(code), StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(message), HasSubstr("unknown operation"));
+  EXPECT_TRUE(ClosedBy(fd.get(), DeadlineIn(5s)));
+  EXPECT_EQ(server->stats().authenticated, 2u);
+  EXPECT_EQ(server->stats().refused_malformed, 1u);
+  auto value = (*job)->Get("k", DeadlineIn(5s));
+  ASSERT_TRUE(value.ok()) << value.status();
+  EXPECT_EQ(*value, "v");
+}
+
+// Hellos cut short (the stream ended inside the frame, the frame ended
+// inside the hello) let nobody in: a whole frame is answered with the
+// reason, a stream that ends mid-frame is closed, and the job then forms.
+TEST(RendezvousSecurity, TruncatedHellosAreRefusedAndTheJobGoesOn) {
+  auto server = StartServer({});
+  const std::string hello = HandshakeFrame(kToken);
+  {  // The stream ends halfway through the frame.
+    UniqueFd fd = RawConnect(server->port());
+    ASSERT_TRUE(store::SendAll(fd.get(), hello.substr(0, hello.size() / 2), DeadlineIn(5s), nullptr).ok());
+    shutdown(fd.get(), SHUT_WR);
+    EXPECT_TRUE(ClosedBy(fd.get(), DeadlineIn(5s)));
+  }
+  // Whole frames whose hello stops early: after the magic, and inside the
+  // token (its length says more bytes than the frame holds).
+  struct Case {
+    std::string body;
+    std::string why;
+  };
+  const size_t header = wire::kFrameHeaderBytes;
+  const std::string whole = hello.substr(header);
+  const std::vector<Case> cases = {
+      {whole.substr(0, 4), "truncated handshake"},
+      {whole.substr(0, whole.size() - 5), "malformed handshake"},
+  };
+  for (const Case& c : cases) {
+    UniqueFd fd = RawConnect(server->port());
+    wire::Writer w;
+    w.Bytes(c.body);
+    ASSERT_TRUE(store::SendAll(fd.get(), w.Frame(), DeadlineIn(5s), nullptr).ok());
+    std::string buffer;
+    const auto reply = HandshakeReplyOf(ReadFrame(fd.get(), buffer, DeadlineIn(5s)));
+    EXPECT_EQ(reply.first, static_cast<int>(StatusCode::kInvalidArgument)) << c.why << ": " << reply.second;
+    EXPECT_EQ(reply.second, c.why);
+    EXPECT_TRUE(ClosedBy(fd.get(), DeadlineIn(5s))) << c.why;
+  }
+  EXPECT_EQ(server->stats().authenticated, 0u);
+  EXPECT_GE(server->stats().refused_malformed, 2u);
+  auto job = TcpStoreClient::Connect("127.0.0.1", server->port(), kToken, DeadlineIn(5s));
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_TRUE((*job)->Set("formed", "yes", DeadlineIn(5s)).ok());
+  EXPECT_EQ(server->stats().authenticated, 1u);
 }
 
 // ---- flood ----
