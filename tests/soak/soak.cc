@@ -2,8 +2,9 @@
 // collectives with random kinds, sizes, dtypes, ops, algorithms (forced per
 // call), roots, in-place or not, blocking or async, and check every element
 // of every result against a closed form. Each rank samples its resident
-// memory and open file descriptors as it goes and reports their growth per
-// 1000 operations after a warm-up; growth beyond the bounds fails the run.
+// memory, open file descriptors and threads as it goes and reports their
+// growth per 1000 operations after a warm-up; growth beyond the bounds (any
+// thread more than after the warm-up) fails the run.
 //
 //   bazel run //tests/soak:soak -- --ops=50000           # minutes, by hand
 //   bazel run //tests/soak:soak -- --duration_s=600
@@ -30,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "transport/communicator.h"
@@ -73,6 +75,7 @@ struct Flags {
   // Deliberate leaks, to show that the bounds catch them (soak_test does).
   size_t leak_bytes_per_op = 0;
   long leak_fd_every = 0;
+  long leak_thread_every = 0;
 };
 
 Flags ParseFlags(int argc, char** argv) {
@@ -102,6 +105,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (const char* v = value("kinds")) f.kinds = v;
     else if (const char* v = value("leak_bytes_per_op")) f.leak_bytes_per_op = std::strtoull(v, nullptr, 10);
     else if (const char* v = value("leak_fd_every")) f.leak_fd_every = std::atol(v);
+    else if (const char* v = value("leak_thread_every")) f.leak_thread_every = std::atol(v);
     else {
       std::fprintf(stderr,
                    "soak: unknown argument %s\n"
@@ -109,7 +113,7 @@ Flags ParseFlags(int argc, char** argv) {
                    "--warmup=F --max_rss_kib_per_1000=K --max_private_kib_per_1000=K "
                    "--max_fds_per_1000=F --max_count=N "
                    "--timeout_s=S --print_samples --kinds=all_reduce,broadcast,all_gather,reduce_scatter,"
-                   "barrier,send_recv --leak_bytes_per_op=N --leak_fd_every=N\n",
+                   "barrier,send_recv --leak_bytes_per_op=N --leak_fd_every=N --leak_thread_every=N\n",
                    argv[i]);
       std::exit(2);
     }
@@ -377,6 +381,7 @@ struct Sample {
   long shmem_kib;  // shared memory segments (the intra-host path)
   long vm_kib;     // address space mapped
   int maps;        // number of mappings
+  long threads;    // threads of the process
 };
 
 int Mappings() {
@@ -389,7 +394,8 @@ int Mappings() {
 
 Sample TakeSample(long ops) {
   return {ops,           ResidentKiB(),        OpenFds(),          HeapInUseKiB(),
-          StatusKiB("RssAnon"), StatusKiB("RssShmem"), StatusKiB("VmSize"), Mappings()};
+          StatusKiB("RssAnon"), StatusKiB("RssShmem"), StatusKiB("VmSize"), Mappings(),
+          StatusKiB("Threads")};
 }
 
 // Least-squares slope of field(sample) over operations, per 1000 operations.
@@ -669,6 +675,9 @@ int main(int argc, char** argv) {
     if (flags.leak_fd_every > 0 && done % flags.leak_fd_every == 0) {
       [[maybe_unused]] const int fd = open("/dev/null", O_RDONLY);
     }
+    if (flags.leak_thread_every > 0 && done % flags.leak_thread_every == 0) {
+      std::thread([] { pause(); }).detach();  // blocked until the process ends
+    }
     if (done % flags.sample_every == 0) samples.push_back(TakeSample(done));
   }
   const double seconds = elapsed_s();
@@ -712,12 +721,13 @@ int main(int argc, char** argv) {
       "soak rank %d: growth per 1000 ops from op %ld to %ld: resident %+.1f KiB (%ld -> %ld KiB; "
       "bound %.0f), of which private %+.1f KiB (bound %.0f) and shared-memory pages %+.1f KiB; "
       "malloc heap in use %+.1f KiB (%ld -> %ld KiB; bound %.0f); address space %+.1f KiB "
-      "(%ld -> %ld KiB; bound %.0f); mappings %d -> %d; open fds %+.2f (%d -> %d; bound %.2f)\n",
+      "(%ld -> %ld KiB; bound %.0f); mappings %d -> %d; open fds %+.2f (%d -> %d; bound %.2f); "
+      "threads %ld -> %ld\n",
       rank, warm.ops, last.ops, rss_slope, warm.rss_kib, last.rss_kib, flags.max_rss_kib_per_1000,
       private_slope, flags.max_private_kib_per_1000, shared_slope, heap_slope, warm.heap_kib,
       last.heap_kib, flags.max_private_kib_per_1000, vm_slope, warm.vm_kib, last.vm_kib,
       flags.max_private_kib_per_1000, warm.maps, last.maps, fd_slope, warm.fds, last.fds,
-      flags.max_fds_per_1000);
+      flags.max_fds_per_1000, warm.threads, last.threads);
   std::printf("soak rank %d: resident %ld KiB before the warm-up calls, %ld KiB after them\n", rank,
               rss_before_warmup, samples.front().rss_kib);
   std::fflush(stdout);
@@ -755,6 +765,10 @@ int main(int argc, char** argv) {
   std::snprintf(buf, sizeof(buf), "open file descriptors grow from %d to %d (%.2f per 1000 ops)",
                 warm.fds, last.fds, fd_slope);
   bound(fd_slope <= flags.max_fds_per_1000 && last.fds <= warm.fds + 1, buf);
+  // Every thread the transport needs exists after the warm-up calls: one
+  // more at the end is one that an operation started and left behind.
+  std::snprintf(buf, sizeof(buf), "threads grow from %ld to %ld", warm.threads, last.threads);
+  bound(last.threads <= warm.threads, buf);
   for (const std::string& p : problems) std::fprintf(stderr, "soak: rank %d: %s\n", rank, p.c_str());
   const int failed = problems.empty() ? 0 : 1;
   // Everyone finishes together, so the report is complete before anyone exits.

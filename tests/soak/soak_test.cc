@@ -55,17 +55,18 @@ TEST(SoakTest, FourRanksRandomCollectivesCheckedAndFlat) {
   EXPECT_EQ(lt::CountLines(run.output, "every element checked, 0 wrong;"), 4);
 }
 
-// 2 KiB and one file descriptor leaked per few operations must fail the run,
-// naming what grew. Under ASan the memory is caught by LeakSanitizer at exit
+// 2 KiB per operation, and a file descriptor and a thread leaked every few
+// operations, must fail the run, naming what grew. Under ASan the memory is caught by LeakSanitizer at exit
 // instead (the soak does not enforce memory bounds there), under TSan only
 // the descriptors are.
 TEST(SoakTest, DeliberateLeaksFailTheBounds) {
   const auto run = lt::RunProgram(
       SoakCommand({"--ops=400", "--kinds=barrier", "--leak_bytes_per_op=2048",
-                   "--leak_fd_every=20"}),
+                   "--leak_fd_every=20", "--leak_thread_every=50"}),
       {}, 240s);
   EXPECT_NE(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("open file descriptors grow"));
+  EXPECT_THAT(run.output, HasSubstr("threads grow from"));
   const std::string sanitizer = kSanitizer;
   if (sanitizer.empty()) {
     EXPECT_THAT(run.output, HasSubstr("private resident memory grows"));
