@@ -372,6 +372,20 @@ long StatusKiB(const char* name) {
   return -1;
 }
 
+// Entries of /dev/shm named for a segment this process created
+// ("ddp-<pid>-...", transport/shm/segment.cc).
+std::vector<std::string> SegmentsNamedForThisProcess() {
+  std::vector<std::string> found;
+  const std::string prefix = "ddp-" + std::to_string(getpid()) + "-";
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      if (std::string_view(e->d_name).substr(0, prefix.size()) == prefix) found.push_back(e->d_name);
+    }
+    closedir(d);
+  }
+  return found;
+}
+
 struct Sample {
   long ops;
   long rss_kib;
@@ -769,6 +783,14 @@ int main(int argc, char** argv) {
   // more at the end is one that an operation started and left behind.
   std::snprintf(buf, sizeof(buf), "threads grow from %ld to %ld", warm.threads, last.threads);
   bound(last.threads <= warm.threads, buf);
+  // The intra-host segments are unlinked once every local rank mapped them:
+  // a name of this process's left in /dev/shm outlives the job.
+  const std::vector<std::string> left = SegmentsNamedForThisProcess();
+  if (!left.empty()) {
+    std::string names;
+    for (const std::string& n : left) names += " " + n;
+    bound(false, "shared-memory files left in /dev/shm:" + names);
+  }
   for (const std::string& p : problems) std::fprintf(stderr, "soak: rank %d: %s\n", rank, p.c_str());
   const int failed = problems.empty() ? 0 : 1;
   // Everyone finishes together, so the report is complete before anyone exits.
