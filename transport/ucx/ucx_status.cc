@@ -15,6 +15,10 @@ Status FromUcs(ucs_status_t status, std::string_view what) {
     case UCS_ERR_UNREACHABLE:
     case UCS_ERR_REJECTED:
     case UCS_ERR_NOT_CONNECTED:
+    // The shared-memory transports report a peer's segment that can no
+    // longer be attached or written (its process exited and the segment went
+    // with it) this way, e.g. a send to a rank killed mid-collective.
+    case UCS_ERR_SHMEM_SEGMENT:
       return PeerLostError(std::move(message));
     case UCS_ERR_TIMED_OUT:
       return TimedOutError(std::move(message));

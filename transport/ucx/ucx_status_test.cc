@@ -8,7 +8,8 @@ namespace {
 TEST(FromUcs, OkIsOk) { EXPECT_TRUE(FromUcs(UCS_OK, "anything").ok()); }
 
 TEST(FromUcs, DeadPeerCodesArePeerLost) {
-  for (ucs_status_t s : {UCS_ERR_ENDPOINT_TIMEOUT, UCS_ERR_CONNECTION_RESET, UCS_ERR_UNREACHABLE}) {
+  for (ucs_status_t s : {UCS_ERR_ENDPOINT_TIMEOUT, UCS_ERR_CONNECTION_RESET, UCS_ERR_UNREACHABLE,
+                          UCS_ERR_SHMEM_SEGMENT}) {
     Status status = FromUcs(s, "tag send to rank 3");
     EXPECT_EQ(status.code(), StatusCode::kPeerLost) << status;
     EXPECT_NE(status.message().find("tag send to rank 3"), std::string::npos) << status;
