@@ -87,7 +87,11 @@ void ScaleCopy(void* dst, const void* src, int64_t n, nn::DType dtype, double fa
 
 void ScaleTensor(const nn::Tensor& dst, const nn::Tensor& src, double factor, bool host_loops) {
   if (host_loops && dst.device().is_cpu() && dst.is_contiguous() && src.is_contiguous()) {
+    if (factor == 1.0 && dst.data_ptr() == src.data_ptr()) return;
     ScaleCopy(dst.data_ptr(), src.data_ptr(), dst.numel(), dst.dtype(), factor);
+    // Written through a raw pointer: bumped here as the kernel path and
+    // CopyFrom do (GradBucket::buffer_written compares versions).
+    dst.storage()->BumpVersion();
     return;
   }
   nn::NoGradGuard guard;

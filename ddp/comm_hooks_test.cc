@@ -91,6 +91,35 @@ TEST(CommHooksTest, ABucketWithADivisorThatIsNotPositiveAndFiniteIsRefused) {
   }
 }
 
+// A bucket scaled in place by the host loop (CPU, contiguous) counts as
+// written, as it does through the device kernel: buffer_written() is how
+// PowerSgdHook and PostLocalSgdHook see that a calling hook divided the
+// gradients already. The host loop wrote through a raw pointer without
+// bumping the storage's version, so such a division went unseen and the
+// gradients were divided twice.
+TEST(CommHooksTest, AHostLoopScaleCountsAsAWriteOfTheBucket) {
+  for (const double factor : {0.5, 1.0}) {
+    SCOPED_TRACE("factor " + std::to_string(factor));
+    const nn::Tensor buffer = nn::Full({4}, 6.0);
+    GradBucket bucket(0, 1, buffer, {}, {}, 2.0, false);
+    ASSERT_FALSE(bucket.buffer_written());
+    // From another tensor (factor 1 is a plain copy, which writes too).
+    internal::ScaleTensor(buffer, nn::Full({4}, 2.0), factor);
+    EXPECT_TRUE(bucket.buffer_written());
+    EXPECT_EQ(buffer.ToVector<double>(), std::vector<double>(4, 2.0 * factor));
+  }
+  const nn::Tensor buffer = nn::Full({4}, 6.0);
+  GradBucket bucket(0, 1, buffer, {}, {}, 2.0, false);
+  internal::ScaleTensor(buffer, buffer, 0.5);
+  EXPECT_TRUE(bucket.buffer_written());
+  EXPECT_EQ(buffer.ToVector<double>(), std::vector<double>(4, 3.0));
+  // Scaling in place by 1 changes nothing and is no write.
+  const nn::Tensor same = nn::Full({4}, 6.0);
+  GradBucket untouched(0, 1, same, {}, {}, 2.0, false);
+  internal::ScaleTensor(same, same, 1.0);
+  EXPECT_FALSE(untouched.buffer_written());
+}
+
 // A compression hook given an integer bucket (from a user's hook on local
 // gradients, undivided) names itself, the bucket and the dtype, and leaves
 // the bucket as it was. Before, an undivided bucket failed in the division
