@@ -3158,6 +3158,35 @@ TEST(DdpFeaturesTest, TheReplicaCheckNeedsMemoryForOneDescriptionNotOnePerRank) 
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Names holding the bytes 0x1e and 0x1f, which once separated entries and
+// fields in the description rank 0 broadcasts: rank 0's entries were
+// parsed into other names and values, every rank then found its own model
+// different from rank 0's at the first such name, and the message named an
+// entry that is the same on every rank.
+DDP_TEST_WORKER(verify_replicas_separator_bytes) {
+  auto pg = testing::WorkerGroup();
+  const std::string first = std::string("w") + '\x1f' + "0", second = std::string("w") + '\x1e' + "1";
+  std::vector<internal::ReplicaEntry> entries = {{"parameter", first, "f32 [2] strides [1]"},
+                                                 {"parameter", second, "f32 [3] strides [1]"}};
+  if (pg->rank() == 1) entries[1].value = "f32 [4] strides [1]";
+  std::string message;
+  try {
+    internal::VerifyReplicas(*pg, entries, "Models differ.");
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message == "Models differ. First difference at parameter #1: rank 0 has `" + second +
+                               "` f32 [3] strides [1]; rank 1 has `" + second +
+                               "` f32 [4] strides [1]. They differ in shape.",
+                message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, TheReplicaCheckNamesTheDifferenceWhatBytesTheNamesHold) {
+  auto run = RunWorkers("verify_replicas_separator_bytes", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------ mode set on the inner module ----
 
 // The mode is the wrapped module's own: the user keeps the inner handle and

@@ -14,29 +14,51 @@
 namespace ddp::dist::internal {
 namespace {
 
-constexpr char kFieldSep = '\x1f';
-constexpr char kEntrySep = '\x1e';
+// A rank's description as one string: every field as its length in
+// decimal, ':', then its bytes. Names are the user's (any byte, a
+// separator included), so no byte can mark where a field ends: with 0x1f
+// between fields and 0x1e between entries, a name holding either was
+// parsed into other fields on the ranks that compared against rank 0's
+// description, which then named the wrong entry as the first difference.
+void PutField(const std::string& field, std::string& out) {
+  out += std::to_string(field.size());
+  out += ':';
+  out += field;
+}
 
 std::string Serialize(const std::vector<ReplicaEntry>& entries) {
   std::string out;
   for (const ReplicaEntry& e : entries) {
-    out += e.kind + kFieldSep + e.name + kFieldSep + e.value + kEntrySep;
+    PutField(e.kind, out);
+    PutField(e.name, out);
+    PutField(e.value, out);
   }
   return out;
+}
+
+// The field at `pos` into `field`, `pos` moved past it; false when the text
+// there is not a field.
+bool GetField(const std::string& text, size_t& pos, std::string& field) {
+  const size_t colon = text.find(':', pos);
+  if (colon == std::string::npos || colon == pos || colon - pos > 19) return false;
+  size_t length = 0;
+  for (size_t i = pos; i < colon; ++i) {
+    if (text[i] < '0' || text[i] > '9') return false;
+    length = length * 10 + static_cast<size_t>(text[i] - '0');
+  }
+  if (length > text.size() - colon - 1) return false;
+  field = text.substr(colon + 1, length);
+  pos = colon + 1 + length;
+  return true;
 }
 
 std::vector<ReplicaEntry> Parse(const std::string& text) {
   std::vector<ReplicaEntry> entries;
   size_t pos = 0;
-  while (pos < text.size() && text[pos] != '\0') {
-    const size_t end = text.find(kEntrySep, pos);
-    if (end == std::string::npos) break;
-    const std::string line = text.substr(pos, end - pos);
-    const size_t a = line.find(kFieldSep), b = line.find(kFieldSep, a + 1);
-    if (a != std::string::npos && b != std::string::npos) {
-      entries.push_back({line.substr(0, a), line.substr(a + 1, b - a - 1), line.substr(b + 1)});
-    }
-    pos = end + 1;
+  while (pos < text.size()) {
+    ReplicaEntry e;
+    if (!GetField(text, pos, e.kind) || !GetField(text, pos, e.name) || !GetField(text, pos, e.value)) break;
+    entries.push_back(std::move(e));
   }
   return entries;
 }
@@ -212,7 +234,7 @@ std::string ExplainAt(const std::string& heading, const std::string& kind, size_
   std::vector<RankGroup> at_k = GroupRanks(
       size,
       [&](int r) {
-        return views[r].present ? std::to_string(views[r].name_hash) + kFieldSep + std::to_string(views[r].value_hash)
+        return views[r].present ? std::to_string(views[r].name_hash) + ':' + std::to_string(views[r].value_hash)
                                 : missing(r);
       },
       [&](int r) { return views[r].present ? "`" + views[r].name + "` " + views[r].value : missing(r); });
