@@ -3165,7 +3165,10 @@ TEST(DdpFeaturesTest, TheReplicaCheckNeedsMemoryForOneDescriptionNotOnePerRank) 
 // entry that is the same on every rank.
 DDP_TEST_WORKER(verify_replicas_separator_bytes) {
   auto pg = testing::WorkerGroup();
-  const std::string first = std::string("w") + '\x1f' + "0", second = std::string("w") + '\x1e' + "1";
+  // And a NUL, at which the message was cut (what() ends there): control
+  // bytes are shown as \xNN.
+  const std::string first = std::string("w") + '\x1f' + "0", second = std::string("w") + '\x1e' + '\0' + "1";
+  const std::string shown = "w\\x1e\\x001";
   std::vector<internal::ReplicaEntry> entries = {{"parameter", first, "f32 [2] strides [1]"},
                                                  {"parameter", second, "f32 [3] strides [1]"}};
   if (pg->rank() == 1) entries[1].value = "f32 [4] strides [1]";
@@ -3175,8 +3178,8 @@ DDP_TEST_WORKER(verify_replicas_separator_bytes) {
   } catch (const std::invalid_argument& e) {
     message = e.what();
   }
-  WORKER_EXPECT(message == "Models differ. First difference at parameter #1: rank 0 has `" + second +
-                               "` f32 [3] strides [1]; rank 1 has `" + second +
+  WORKER_EXPECT(message == "Models differ. First difference at parameter #1: rank 0 has `" + shown +
+                               "` f32 [3] strides [1]; rank 1 has `" + shown +
                                "` f32 [4] strides [1]. They differ in shape.",
                 message);
   return testing::WorkerExit();

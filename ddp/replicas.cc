@@ -93,6 +93,25 @@ constexpr size_t kMostNameBytes = 1024;
 constexpr size_t kMostValueBytes = 512;
 constexpr size_t kMostGroups = 8;
 
+// `text` with its control bytes written as \xNN: the message is read
+// through what(), which ends at a NUL, and other control bytes in a name
+// garble a log line or a terminal.
+std::string Printable(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u != 0x7f) {
+      out += c;
+      continue;
+    }
+    constexpr char kHex[] = "0123456789abcdef";
+    out += "\\x";
+    out += kHex[u >> 4];
+    out += kHex[u & 15];
+  }
+  return out;
+}
+
 // `text`, or its start and end around "..." when longer than `most`.
 std::string Cut(const std::string& text, size_t most) {
   if (text.size() <= most) return text;
@@ -177,8 +196,8 @@ EntryView ViewOf(const std::vector<const ReplicaEntry*>& list, size_t k) {
   v.present = true;
   v.name_hash = Fnv1a(list[k]->name);
   v.value_hash = Fnv1a(list[k]->value);
-  v.name = Cut(list[k]->name, kMostNameBytes);
-  v.value = Cut(list[k]->value, kMostValueBytes);
+  v.name = Cut(Printable(list[k]->name), kMostNameBytes);
+  v.value = Cut(Printable(list[k]->value), kMostValueBytes);
   return v;
 }
 
@@ -323,7 +342,7 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
     const std::string_view name = lists[r][k]->name;
     if (std::find(said.begin(), said.end(), name) != said.end()) continue;
     said.push_back(name);
-    Lacking l{Cut(std::string(name), kMostNameBytes), {}};
+    Lacking l{Cut(Printable(std::string(name)), kMostNameBytes), {}};
     for (int q = 0; q < size; ++q) {
       if (names[q].count(name) == 0) l.ranks.push_back(q);
     }
