@@ -147,7 +147,22 @@ bool ProcessGone(pid_t pid) {
   std::string line;
   if (!std::getline(in, line)) return true;
   const size_t close = line.rfind(')');
-  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
+  if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z') {
+    return false;
+  }
+  // A killed process's main thread can be a zombie while its other threads
+  // are still exiting, and they share its open files: a socket or lock it
+  // held is released only with the last thread. Gone means only the zombie
+  // main thread is left.
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  DIR* dir = opendir(tasks.c_str());
+  if (dir == nullptr) return true;
+  int threads = 0;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] != '.') ++threads;
+  }
+  closedir(dir);
+  return threads <= 1;
 }
 
 Subprocess::Subprocess(std::vector<std::string> argv,

@@ -108,7 +108,8 @@ class FifoReader {
 void OpenFifoOnceRead(const std::string& path, Subprocess& running, int* writer,
                       std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
-/// True when `pid` no longer runs (gone, or a zombie).
+/// True when `pid` no longer runs (gone, or a zombie with no thread left
+/// running, so that everything it had open is closed).
 bool ProcessGone(pid_t pid);
 
 /// Reads a whole file ("" when it cannot be read).
