@@ -624,6 +624,9 @@ TEST(TrainResumeTest, SignalToOneRankStopsEveryRankAtTheSameStep) {
 // Waits until process `pid` has taken pending `signo` (its shared pending
 // set, /proc/<pid>/status ShdPnd, no longer has it), so that the same
 // signal sent next is a second delivery rather than merged with the first.
+// A process that has ended (no ShdPnd line: gone, or exiting) counts as
+// having taken it: nothing is left for the next one to merge with. False
+// only when the signal is still pending after 10 s.
 bool WaitUntilTaken(pid_t pid, int signo) {
   const auto deadline = Clock::now() + std::chrono::seconds(10);
   while (Clock::now() < deadline) {
@@ -632,7 +635,7 @@ bool WaitUntilTaken(pid_t pid, int signo) {
          testing::Lines(testing::ReadFile("/proc/" + std::to_string(pid) + "/status"))) {
       if (line.rfind("ShdPnd:", 0) == 0) pending = line.substr(7);
     }
-    if (pending.empty()) return false;  // gone
+    if (pending.empty()) return true;  // ended
     if ((std::stoull(pending, nullptr, 16) & (1ull << (signo - 1))) == 0) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -654,10 +657,18 @@ TEST(TrainResumeTest, SigtermToEveryProcessTwiceAtOnceStillSaves) {
   ASSERT_EQ(WaitForCheckpoint(ckpt, 32, run), 32) << run.Stdout() << run.Stderr();
   const std::vector<pid_t> workers = run.Children();
   ASSERT_EQ(workers.size(), 2u) << run.Stdout() << run.Stderr();
+  // The first signal goes to every rank before the test waits on any: a
+  // rank's first SIGTERM stops the whole run within a few steps (a few
+  // milliseconds here), and signalled one at a time, the second rank could
+  // have stopped with the first and ended, even been reaped, before its
+  // own first signal was sent (the test was seen failing that way, 1 run
+  // in 15 on a loaded host). A rank gone that soon had stopped the way the
+  // run should; the exit status and the checkpoint below still decide.
   for (pid_t w : workers) {
-    ASSERT_EQ(kill(w, SIGTERM), 0);
-    ASSERT_TRUE(WaitUntilTaken(w, SIGTERM)) << "rank process " << w;
+    ASSERT_TRUE(kill(w, SIGTERM) == 0 || errno == ESRCH) << "rank process " << w << ": "
+                                                        << std::strerror(errno);
   }
+  for (pid_t w : workers) ASSERT_TRUE(WaitUntilTaken(w, SIGTERM)) << "rank process " << w;
   run.Signal(SIGTERM);
   for (pid_t w : workers) kill(w, SIGTERM);
   EXPECT_EQ(run.Wait(std::chrono::seconds(60)), 128 + SIGTERM) << run.Stdout() << run.Stderr();
