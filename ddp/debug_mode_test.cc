@@ -204,6 +204,17 @@ TEST(DebugModeTest, BadCollectiveThreadOnOneRankFailsEveryRankAtOnce) {
   EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
 }
 
+// DDP_COLLECTIVE_THREAD is read in any case, as DDP_DEBUG is: "Caller" used
+// to be refused and stop every rank of the group.
+TEST(DebugModeTest, CollectiveThreadIsReadInAnyCase) {
+  TestRunOptions options = TwoRanks();
+  options.rank_env[0] = {{"DDP_COLLECTIVE_THREAD", "Caller"}};
+  options.rank_env[1] = {{"DDP_COLLECTIVE_THREAD", "COMM"}};
+  auto run = RunTestWorkers("different_collective_threads", options);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_TRUE(run->AllSucceeded()) << testing::AllOutput(*run);
+}
+
 // DDP_DEBUG=info on both ranks when the group is made; then rank 1 sets it
 // to a bad value. The group keeps the level it read (what DDP follows), on
 // both ranks, and a collective still runs: nothing reads the variable again.

@@ -1093,7 +1093,10 @@ Environment ReadEnvironment() {
   Environment env;
   env.debug = DebugSettingFromEnvironment();
   if (const char* v = std::getenv("DDP_COLLECTIVE_THREAD"); v != nullptr && *v != '\0') {
-    const std::string value = v;
+    // Any case, as DDP_DEBUG: "Caller" is no less clear than "caller".
+    std::string value = v;
+    std::transform(value.begin(), value.end(), value.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
     if (value == "auto") {
       env.collective_thread = CollectiveThread::kAuto;
     } else if (value == "comm") {
@@ -1101,7 +1104,7 @@ Environment ReadEnvironment() {
     } else if (value == "caller") {
       env.collective_thread = CollectiveThread::kCaller;
     } else {
-      env.bad_collective_thread = value;
+      env.bad_collective_thread = std::string(v);  // as set, for the message
     }
   }
   return env;

@@ -263,7 +263,7 @@ struct ProcessGroupOptions {
   int comm_thread_nice = 0;
   /// Where CPU collectives run (device collectives always use the
   /// communication thread, which orders them with the streams).
-  /// DDP_COLLECTIVE_THREAD=auto|comm|caller in the environment overrides it.
+  /// DDP_COLLECTIVE_THREAD=auto|comm|caller (any case) in the environment overrides it.
   CollectiveThread collective_thread = CollectiveThread::kAuto;
   /// How long Work::Wait waits past the point where its collective and
   /// every one queued ahead of it could have used their whole timeouts
