@@ -103,7 +103,7 @@ struct DdpOptions {
   std::shared_ptr<ProcessGroup> process_group;
 
   /// Rank 0 logs runtime statistics every this many iterations (0: never;
-  /// DDP_DEBUG=info makes it 100), each line for the iterations since the
+  /// DDP_DEBUG=info or detail makes it 100), each line for the iterations since the
   /// last; the window Stats() reports is not restarted by it. A line is
   /// printed at the first training forward after its window is full; the
   /// wrapper's destruction prints the iterations not logged yet (marked
