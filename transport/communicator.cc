@@ -1205,9 +1205,12 @@ constexpr std::chrono::milliseconds kEnvironmentReportTime(5000);
 
 // The DDP_* variables that adjust options_ and shm_env_.
 Status Communicator::Impl::ReadEnvironment() {
+  // Each variable is checked even where the option has decided and the
+  // value is not used: a misspelt value is named, not ignored.
   const std::string env_algo = GetEnv("DDP_ALLREDUCE_ALGO");
-  if (options_.algorithm == Algorithm::kAuto && !env_algo.empty()) {
-    DDP_ASSIGN_OR_RETURN(options_.algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
+  if (!env_algo.empty()) {
+    DDP_ASSIGN_OR_RETURN(const Algorithm env_algorithm, ParseAlgorithm(env_algo, "DDP_ALLREDUCE_ALGO"));
+    if (options_.algorithm == Algorithm::kAuto) options_.algorithm = env_algorithm;
   }
   if (options_.topology_file.empty()) options_.topology_file = GetEnv("DDP_TOPOLOGY_FILE");
   // A true DDP_CUDA_IPC turns the option on and a false DDP_SHARED_MEMORY
@@ -1219,16 +1222,15 @@ Status Communicator::Impl::ReadEnvironment() {
   DDP_ASSIGN_OR_RETURN(shm_env_.staging_bytes, EnvBytes("DDP_SHM_STAGING_BYTES", kMostShmStagingBytes));
   DDP_ASSIGN_OR_RETURN(shm_env_.chunk_bytes, EnvBytes("DDP_SHM_CHUNK_BYTES", kMostShmChunkBytes));
   DDP_ASSIGN_OR_RETURN(shm_env_.spin_us, EnvCount("DDP_SHM_SPIN_US", kMostShmSpinUs));
-  if (options_.staged_reduce == StagedReduce::kAuto) {
-    const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
-    // Host by default: on an H200 (2 ranks sharing it, f32 and bf16, 4 KiB to
-    // 64 MiB) reducing on the host was faster at every size but one
-    // (docs/benchmarks.md, GPU).
-    options_.staged_reduce = StagedReduce::kHost;
-    if (!env_reduce.empty()) {
-      DDP_ASSIGN_OR_RETURN(options_.staged_reduce, ParseStagedReduce(env_reduce));
-    }
+  const std::string env_reduce = GetEnv("DDP_STAGED_REDUCE");
+  // Host by default: on an H200 (2 ranks sharing it, f32 and bf16, 4 KiB to
+  // 64 MiB) reducing on the host was faster at every size but one
+  // (docs/benchmarks.md, GPU).
+  StagedReduce env_staged = StagedReduce::kHost;
+  if (!env_reduce.empty()) {
+    DDP_ASSIGN_OR_RETURN(env_staged, ParseStagedReduce(env_reduce));
   }
+  if (options_.staged_reduce == StagedReduce::kAuto) options_.staged_reduce = env_staged;
   info_.staged_reduce = options_.staged_reduce;
   return Status::Ok();
 }

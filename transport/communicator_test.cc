@@ -320,6 +320,12 @@ int ScenarioCreateOnly() {
   if (const std::string bad = EnvOr("DDP_TEST_BAD_TOPOLOGY_RANK"); !bad.empty() && bad == EnvOr("RANK")) {
     options.topology_file = "/nonexistent/topology.json";
   }
+  // DDP_TEST_EXPLICIT_OPTIONS=1: the program chooses the algorithm (tree)
+  // and where staged sums run (host), so the environment's are not used.
+  if (EnvOr("DDP_TEST_EXPLICIT_OPTIONS") == "1") {
+    options.algorithm = Algorithm::kTree;
+    options.staged_reduce = StagedReduce::kHost;
+  }
   const auto start = std::chrono::steady_clock::now();
   auto comm = Communicator::CreateFromEnvironment(options);
   std::printf("CREATE_MS %.0f\n",
@@ -3477,6 +3483,31 @@ TEST(Communicator, BadStagedReduceIsNamed) {
   ASSERT_EQ(job.results.size(), 1u);
   EXPECT_EQ(job.results[0].exit_code, 2) << job.Describe();
   EXPECT_NE(job.results[0].output.find("DDP_STAGED_REDUCE=gpu: expected device or host"),
+            std::string::npos)
+      << job.Describe();
+}
+
+// A bad DDP_ALLREDUCE_ALGO or DDP_STAGED_REDUCE is refused, naming it, even
+// where the program set the option the variable would override: it used to
+// be read only under kAuto, so a misspelt value went unnoticed.
+TEST(Communicator, BadAlgorithmOrStagedReduceIsNamedWhenTheOptionIsSet) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"DDP_ALLREDUCE_ALGO", "rign"}, {"DDP_STAGED_REDUCE", "gpu"}};
+  for (const auto& [variable, value] : cases) {
+    Job job = RunJob(1, "create",
+                     {{variable, value}, {"DDP_TEST_EXPLICIT_OPTIONS", "1"}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
+    ASSERT_EQ(job.results.size(), 1u);
+    EXPECT_EQ(job.results[0].exit_code, 2) << job.Describe();
+    EXPECT_NE(job.results[0].output.find(std::string(variable) + "=" + value + ": expected"), std::string::npos)
+        << job.Describe();
+  }
+  // A good value beside a set option is accepted, and the option stays.
+  Job job = RunJob(1, "create",
+                   {{"DDP_STAGED_REDUCE", "device"}, {"DDP_ALLREDUCE_ALGO", "ring"},
+                    {"DDP_TEST_EXPLICIT_OPTIONS", "1"}, {"DDP_TEST_TIMEOUT_MS", "5000"}});
+  ASSERT_EQ(job.results.size(), 1u);
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.Describe();
+  EXPECT_NE(job.results[0].output.find("STAGED_REDUCE " + std::to_string(static_cast<int>(StagedReduce::kHost))),
             std::string::npos)
       << job.Describe();
 }
