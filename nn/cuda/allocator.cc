@@ -4,11 +4,11 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
-#include <string_view>
 #include <utility>
 
 #include "nn/cuda/cuda_error.h"
 #include "nn/cuda/stream.h"
+#include "nn/tensor/env_value.h"
 
 namespace ddp::nn::cuda {
 
@@ -17,10 +17,9 @@ namespace {
 constexpr size_t kSmallStep = 512;
 constexpr size_t kLargeThreshold = size_t{1} << 20;
 
-bool CachingFromEnv() {
-  const char* env = std::getenv("DDP_NN_CUDA_CACHE");
-  return env == nullptr || std::string_view(env) != "0";
-}
+// DDP_NN_CUDA_CACHE, with the spellings DDP_NN_CPU_CACHE takes: only "0"
+// used to turn caching off, so "off" or "false" left it on without a word.
+bool CachingFromEnv() { return OnOffFromEnv("DDP_NN_CUDA_CACHE", true, "the CUDA allocator's default (caching)"); }
 
 // A block given up on the way back to the cache: it stays allocated and is
 // never handed out again. For paths that must not throw (Deallocate runs in

@@ -66,7 +66,7 @@ class CachingCudaAllocator final : public Allocator {
   /// Counters of one device.
   AllocatorStats Stats(Device device) const;
   /// Turns caching off (every Deallocate frees at once: for compute-sanitizer
-  /// runs) or back on. DDP_NN_CUDA_CACHE=0 starts with caching off.
+  /// runs) or back on. DDP_NN_CUDA_CACHE=0 (or off, false, no, none) starts with caching off.
   void set_caching_enabled(bool enabled);
 
   /// The size class a request of nbytes is served from.

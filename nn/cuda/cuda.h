@@ -21,7 +21,7 @@ void Init();
 
 /// Whether f32 GEMMs may use TF32 tensor cores (10-bit mantissa inputs,
 /// f32 accumulation). Off by default, so that results match f32 to ~1e-6
-/// relative; DDP_NN_CUDA_TF32=1 turns it on at startup.
+/// relative; DDP_NN_CUDA_TF32=1 (or on, true, yes) turns it on at startup.
 void SetAllowTf32(bool allow);
 bool AllowTf32();
 

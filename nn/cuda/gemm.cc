@@ -18,7 +18,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -28,15 +27,15 @@
 #include "nn/cuda/launch.h"
 #include "nn/cuda/library_handles.h"
 #include "nn/cuda/stream.h"
+#include "nn/tensor/env_value.h"
 
 namespace ddp::nn::cuda {
 
 namespace {
 
-bool Tf32FromEnv() {
-  const char* env = std::getenv("DDP_NN_CUDA_TF32");
-  return env != nullptr && std::string_view(env) == "1";
-}
+// DDP_NN_CUDA_TF32, with the spellings DDP_NN_CPU_CACHE takes: only "1"
+// used to turn TF32 on, so "true" or "on" left it off without a word.
+bool Tf32FromEnv() { return OnOffFromEnv("DDP_NN_CUDA_TF32", false, "TF32 off"); }
 
 std::atomic<bool> g_allow_tf32{Tf32FromEnv()};
 

@@ -993,5 +993,41 @@ TEST(CudaInit, EveryKernelOfTheTableHasACudaPath) {
   for (const auto& [name, fn] : entries) EXPECT_NE(fn, nullptr) << name;
 }
 
+// DDP_NN_CUDA_CACHE, DDP_NN_CUDA_TF32 and DDP_NN_CUDA_TIMEOUT_S take the
+// spellings DDP_NN_CPU_CACHE takes and warn on others: TF32=True left TF32
+// off, TIMEOUT_S=12abc gave 12 s and CACHE=maybe kept caching, all without a
+// word. TF32 and the timeout are read when the library loads, so each case
+// runs in a fresh process (a threadsafe death test re-executes this binary
+// with the environment set here).
+TEST(CudaEnvironment, SettingsTakeTheCpuSpellingsAndWarnOnOthers) {
+  const std::string style = ::testing::GTEST_FLAG(death_test_style);
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  ::setenv("DDP_NN_CUDA_TF32", "True", 1);
+  ::setenv("DDP_NN_CUDA_TIMEOUT_S", "12abc", 1);
+  ::setenv("DDP_NN_CUDA_CACHE", "maybe", 1);
+  const auto settings = [] {
+    CachingCudaAllocator allocator;  // reads DDP_NN_CUDA_CACHE
+    std::fprintf(stderr, "tf32 %d timeout_ms %lld\n", AllowTf32() ? 1 : 0,
+                 static_cast<long long>(WaitTimeout().count()));
+    std::_Exit(0);
+  };
+  EXPECT_EXIT(settings(), ::testing::ExitedWithCode(0), "tf32 1 timeout_ms 600000");
+  EXPECT_EXIT(settings(), ::testing::ExitedWithCode(0),
+              "DDP_NN_CUDA_TIMEOUT_S=12abc is not a whole number of seconds in \\[1, 31536000\\]; keeping 600 s");
+  EXPECT_EXIT(settings(), ::testing::ExitedWithCode(0),
+              "DDP_NN_CUDA_CACHE=maybe is neither on \\(1, on, true, yes\\) nor off \\(0, off, false, no, none\\); "
+              "keeping the CUDA allocator's default \\(caching\\)");
+  ::setenv("DDP_NN_CUDA_TF32", "maybe", 1);
+  ::setenv("DDP_NN_CUDA_TIMEOUT_S", "30", 1);
+  EXPECT_EXIT(settings(), ::testing::ExitedWithCode(0), "tf32 0 timeout_ms 30000");
+  EXPECT_EXIT(settings(), ::testing::ExitedWithCode(0),
+              "DDP_NN_CUDA_TF32=maybe is neither on \\(1, on, true, yes\\) nor off \\(0, off, false, no, none\\); "
+              "keeping TF32 off");
+  ::unsetenv("DDP_NN_CUDA_TF32");
+  ::unsetenv("DDP_NN_CUDA_TIMEOUT_S");
+  ::unsetenv("DDP_NN_CUDA_CACHE");
+  ::testing::GTEST_FLAG(death_test_style) = style;
+}
+
 }  // namespace
 }  // namespace ddp::nn::cuda

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -14,18 +15,26 @@
 #include <unordered_set>
 
 #include "nn/cuda/cuda_error.h"
+#include "nn/tensor/env_value.h"
 
 namespace ddp::nn::cuda {
 
 namespace {
 
+// DDP_NN_CUDA_TIMEOUT_S: a value it does not take ("abc", "10s", "0") used
+// to keep 600 s without a word, and "12abc" gave 12 s. At most a year, so
+// that now() + the timeout stays within steady_clock's range.
 std::chrono::milliseconds TimeoutFromEnv() {
-  const char* env = std::getenv("DDP_NN_CUDA_TIMEOUT_S");
-  if (env != nullptr) {
-    const long seconds = std::atol(env);
-    if (seconds > 0) return std::chrono::seconds(seconds);
+  constexpr int64_t kDefaultSeconds = 600;
+  constexpr int64_t kMostSeconds = int64_t{365} * 24 * 3600;
+  std::string problem;
+  const std::optional<int64_t> seconds =
+      ParseSeconds("DDP_NN_CUDA_TIMEOUT_S", std::getenv("DDP_NN_CUDA_TIMEOUT_S"), kMostSeconds, &problem);
+  if (!problem.empty()) {
+    std::fprintf(stderr, "[ddp] warning: %s; keeping %lld s\n", problem.c_str(),
+                 static_cast<long long>(kDefaultSeconds));
   }
-  return std::chrono::seconds(600);
+  return std::chrono::seconds(seconds.value_or(kDefaultSeconds));
 }
 
 std::atomic<int64_t> g_timeout_ms{TimeoutFromEnv().count()};

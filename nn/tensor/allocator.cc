@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "nn/tensor/env_value.h"
+
 namespace ddp::nn {
 
 namespace {
@@ -71,21 +73,10 @@ constexpr bool kCanCache = true;
 // (and their opposites), in any case: a leading '0' alone used to turn the
 // cache off, so `off` or `false` left it on without a word.
 bool CachingDefault() {
-  const char* env = std::getenv("DDP_NN_CPU_CACHE");
-  if (env == nullptr || env[0] == '\0') return kCanCache;
-  std::string lower = env;
-  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  for (const char* off : {"0", "off", "false", "no", "none"}) {
-    if (lower == off) return false;
-  }
-  for (const char* on : {"1", "on", "true", "yes"}) {
-    if (lower == on) return kCanCache;
-  }
-  std::fprintf(stderr,
-               "[ddp] warning: DDP_NN_CPU_CACHE=%s is neither on (1, on, true, yes) nor off (0, off, false, no, "
-               "none); keeping the CPU allocator's default (%s)\n",
-               env, kCanCache ? "caching" : "no caching under a sanitizer");
-  return kCanCache;
+  return OnOffFromEnv("DDP_NN_CPU_CACHE", kCanCache,
+                      std::string("the CPU allocator's default (") +
+                          (kCanCache ? "caching" : "no caching under a sanitizer") + ")") &&
+         kCanCache;
 }
 
 }  // namespace
