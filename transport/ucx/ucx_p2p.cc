@@ -569,7 +569,7 @@ Status UcxPointToPoint::PostNotice(int peer, p2p::Tag tag, const void* data, siz
   notice.posted = true;
   if (UCS_PTR_IS_ERR(request)) {
     EraseNotice(&notice);
-    return FromUcs(UCS_PTR_STATUS(request), "notice to rank " + std::to_string(peer));
+    return FromUcsOfPeerTraffic(UCS_PTR_STATUS(request), "notice to rank " + std::to_string(peer));
   }
   // Completed inline (UCX has copied the bytes), or already by a callback.
   if (request == nullptr || notice.done) {
@@ -613,7 +613,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Send(bool user, int peer, p2p::Tag tag
                                    WireTag(user, options_.rank, tag), &param);
   if (UCS_PTR_IS_ERR(request)) {
     Release(slot);
-    return FromUcs(UCS_PTR_STATUS(request), "tag send to rank " + std::to_string(peer));
+    return FromUcsOfPeerTraffic(UCS_PTR_STATUS(request), "tag send to rank " + std::to_string(peer));
   }
   if (request == nullptr) {
     slot->done = true;  // completed inline: the buffer is already reusable
@@ -649,7 +649,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Recv(bool user, int peer, p2p::Tag tag
                                    &param);
   if (UCS_PTR_IS_ERR(request)) {
     Release(slot);
-    return FromUcs(UCS_PTR_STATUS(request), "tag receive from rank " + std::to_string(peer));
+    return FromUcsOfPeerTraffic(UCS_PTR_STATUS(request), "tag receive from rank " + std::to_string(peer));
   }
   if (request == nullptr) {
     Release(slot);
@@ -698,7 +698,7 @@ Status UcxPointToPoint::SlotStatus(const Slot* slot) const {
     // peer is the more useful message.
     const Status& failure = peers_[slot->peer]->failure;
     if (!failure.ok()) return Status(failure.code(), Describe(slot) + ": " + failure.message());
-    return FromUcs(slot->ucs, Describe(slot));
+    return FromUcsOfPeerTraffic(slot->ucs, Describe(slot));
   }
   if (!slot->is_send && slot->info.length != slot->bytes) {
     return InvalidArgumentError(Describe(slot) + ": rank " + std::to_string(slot->peer) +

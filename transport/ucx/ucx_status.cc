@@ -15,10 +15,6 @@ Status FromUcs(ucs_status_t status, std::string_view what) {
     case UCS_ERR_UNREACHABLE:
     case UCS_ERR_REJECTED:
     case UCS_ERR_NOT_CONNECTED:
-    // The shared-memory transports report a peer's segment that can no
-    // longer be attached or written (its process exited and the segment went
-    // with it) this way, e.g. a send to a rank killed mid-collective.
-    case UCS_ERR_SHMEM_SEGMENT:
       return PeerLostError(std::move(message));
     case UCS_ERR_TIMED_OUT:
       return TimedOutError(std::move(message));
@@ -39,6 +35,19 @@ Status FromUcs(ucs_status_t status, std::string_view what) {
     default:
       return InternalError(std::move(message));
   }
+}
+
+Status FromUcsOfPeerTraffic(ucs_status_t status, std::string_view what) {
+  // On a connected endpoint the shared-memory transports report a peer's
+  // segment that can no longer be attached or written (its process exited
+  // and the segment went with it) this way: a send to a rank killed
+  // mid-collective. Elsewhere (creating a worker or an endpoint) the same
+  // code is a setup problem (shmat refused, another IPC namespace) and stays
+  // FromUcs's INTERNAL.
+  if (status == UCS_ERR_SHMEM_SEGMENT) {
+    return PeerLostError(std::string(what) + ": " + ucs_status_string(status));
+  }
+  return FromUcs(status, what);
 }
 
 }  // namespace ddp::transport::ucx
