@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <iostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -123,19 +124,24 @@ Work AverageAsNoHook(ProcessGroup& group, const nn::Tensor& buffer, double divis
   return group.AllReduce(buffer, plan.op, label);
 }
 
-void RequireUndividedBucket(const GradBucket& bucket, const char* hook) {
+void RequireUndividedBucket(const GradBucket& bucket, const char* hook, StateAttachment& attachment) {
   if (!bucket.divided() && bucket.buffer_written()) {
     // Undivided as handed out, but the calling hook (one on local
-    // gradients) wrote the buffer before this call: most likely it divided
-    // the gradients itself, which this hook would do again.
-    std::ostringstream message;
-    message << hook << ": bucket " << bucket.index() << "'s buffer was written in place by the calling hook "
-            << "before this call (divided by " << bucket.divisor() << " already?); " << hook
-            << " takes this rank's gradients as given and divides them itself, so a division before it "
-               "would leave them divided by "
-            << bucket.divisor() * bucket.divisor()
-            << ". Pass the bucket unchanged, and change the gradients once its Work has completed";
-    throw std::logic_error(message.str());
+    // gradients) wrote the buffer before this call. Clipping or scrubbing
+    // NaNs in place is legitimate (PyTorch's hooks take what they are
+    // given); dividing would be done twice. The write alone cannot tell
+    // them apart, so this warns once rather than failing the step.
+    if (attachment.FirstWrittenBucketWarning()) {
+      std::ostringstream message;
+      message << "warning: " << hook << ": bucket " << bucket.index()
+              << "'s buffer was written in place by the calling hook before this call; " << hook
+              << " takes this rank's gradients as given and divides them by " << bucket.divisor()
+              << " itself, so if the calling hook divided them already they end up divided by "
+              << bucket.divisor() * bucket.divisor()
+              << " (clipping or scrubbing them in place is fine). Printed once per " << hook << " state\n";
+      std::cerr << message.str() << std::flush;
+    }
+    return;
   }
   if (!bucket.divided()) return;
   std::ostringstream message;

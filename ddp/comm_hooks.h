@@ -25,6 +25,7 @@
 // it; DDP lets go of it at the end of backward, once every bucket's Work
 // has completed. Its tensors may also be captured by value.
 
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -89,9 +90,10 @@ class GradBucket {
   /// True when the buffer was written in place (through a tensor
   /// operation, which bumps its storage's version) since the bucket was
   /// made: by the hook it was given to, before that hook called another.
-  /// PowerSgdHook and PostLocalSgdHook refuse such a bucket, as a calling
-  /// hook on local gradients that divided them itself would have them
-  /// divided twice. Writes through raw pointers are not seen.
+  /// PowerSgdHook and PostLocalSgdHook warn once per state on such a
+  /// bucket, as a calling hook on local gradients that divided them itself
+  /// would have them divided twice (clipping in place is fine). Writes
+  /// through raw pointers are not seen.
   bool buffer_written() const {
     return buffer_.defined() && buffer_.storage()->version() != buffer_version_;
   }
@@ -217,13 +219,17 @@ NoHookAverage PlanNoHookAverage(double divisor, int group_size, nn::DType dtype)
 /// (PlanNoHookAverage), bit for bit; the returned Work completes with it.
 Work AverageAsNoHook(ProcessGroup& group, const nn::Tensor& buffer, double divisor, const std::string& label);
 
+class StateAttachment;
+
 /// Throws std::logic_error naming `hook` and the bucket when
 /// bucket.divided(): `hook` divides the gradients itself, so it must be
 /// registered as it is, or called from a hook made with
-/// CommHook::OnLocalGradients. Throws the same when the bucket is undivided
-/// but bucket.buffer_written(): the calling hook changed the gradients
-/// (divided them, most likely) before `hook` would divide them.
-void RequireUndividedBucket(const GradBucket& bucket, const char* hook);
+/// CommHook::OnLocalGradients. When the bucket is undivided but
+/// bucket.buffer_written() (the calling hook changed the gradients in
+/// place: clipped them, scrubbed NaNs, or divided them, which `hook` would
+/// then do again), warns once per state (`attachment`'s) on stderr, naming
+/// the bucket and that risk, and goes on.
+void RequireUndividedBucket(const GradBucket& bucket, const char* hook, StateAttachment& attachment);
 
 /// Tells the copies of one hook apart: each copy of a hook's closure that
 /// holds one (the copy a DistributedDataParallel keeps when the hook is
@@ -263,8 +269,13 @@ class StateAttachment {
   /// the new one.
   void Attach(const ProcessGroup& group, const HookCopy& copy, const char* hook, const char* state, size_t bucket);
 
+  /// True at the first call only (per attachment, hence per state): the
+  /// warning of RequireUndividedBucket is printed once.
+  bool FirstWrittenBucketWarning() { return !warned_written_.exchange(true); }
+
  private:
   std::mutex mu_;
+  std::atomic<bool> warned_written_{false};
   const ProcessGroup* serving_ = nullptr;
   std::weak_ptr<const char> serving_hook_;
 };

@@ -97,7 +97,7 @@ CommHook PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state) {
   internal::StateAttachment* attachment = &state->attachment_;
   return CommHook::OnLocalGradients([state = std::move(state), options, iteration, attachment, noop,
                                      copy = internal::HookCopy()](ProcessGroup& group, GradBucket& bucket) -> Work {
-    internal::RequireUndividedBucket(bucket, "PostLocalSgdHook");
+    internal::RequireUndividedBucket(bucket, "PostLocalSgdHook", *attachment);
     attachment->Attach(group, copy, "PostLocalSgdHook", "PostLocalSgdState", bucket.index());
     const int64_t now = *iteration;
     if (bucket.is_last()) ++*iteration;

@@ -64,8 +64,10 @@ namespace hooks {
 /// them itself; a hook that calls it from its own body must be made with
 /// CommHook::OnLocalGradients too. Called with a bucket already divided
 /// (GradBucket::divided(), from a plain hook) it throws std::logic_error
-/// naming itself rather than divide again, and so it does when the calling
-/// hook wrote the bucket's buffer in place first (GradBucket::buffer_written()).
+/// naming itself rather than divide again. When the calling hook wrote the
+/// bucket's buffer in place first (GradBucket::buffer_written(): clipped
+/// it, or divided it, which this hook then does again) it warns once per
+/// state on stderr, naming the bucket, and goes on.
 CommHook PostLocalSgdHook(PostLocalSgdOptions options);
 /// The same hook counting its iterations in `state`, which the caller keeps to
 /// save and restore the count (see PostLocalSgdState). One

@@ -1020,7 +1020,7 @@ CommHook PowerSgdHook(std::shared_ptr<PowerSgdState> shared) {
   // last bit on 3 ranks. Compressed buckets are divided here instead.
   return CommHook::OnLocalGradients([shared, state, compared, copy = internal::HookCopy()](
                                         ProcessGroup& group, GradBucket& bucket) -> Work {
-    internal::RequireUndividedBucket(bucket, "PowerSgdHook");
+    internal::RequireUndividedBucket(bucket, "PowerSgdHook", state->attachment);
     state->attachment.Attach(group, copy, "PowerSgdHook", "PowerSgdState", bucket.index());
     if (compared->exchange(&group) != &group && group.size() > 1) {
       // Before this call's own collective, in issue order on every rank.

@@ -180,9 +180,11 @@ namespace hooks {
 /// (on_local_gradients() is true): a hook that calls it from its own body
 /// must be made with CommHook::OnLocalGradients too. Called with a bucket
 /// already divided (GradBucket::divided(), from a plain hook) it throws
-/// std::logic_error naming itself rather than divide the gradients twice;
-/// so it does when the calling hook wrote the bucket's buffer in place
-/// before calling it (GradBucket::buffer_written(): divided it itself?).
+/// std::logic_error naming itself rather than divide the gradients twice.
+/// When the calling hook wrote the bucket's buffer in place before calling
+/// it (GradBucket::buffer_written(): clipped it, or divided it, which this
+/// hook then does again) it warns once per state on stderr, naming the
+/// bucket, and goes on.
 CommHook PowerSgdHook(PowerSgdOptions options = {});
 /// The same hook keeping its state in `state`, which the caller keeps to save
 /// and restore it. One DistributedDataParallel per state: a call from a second

@@ -238,31 +238,60 @@ DDP_TEST_WORKER(inside_a_user_hook) {
   return testing::WorkerExit();
 }
 
-// A user's hook on local gradients that divides them itself and then calls
-// PowerSgdHook: the bucket says undivided, so PowerSgdHook divided again and
-// the gradients came out divided by 4 on 2 ranks, silently. It is refused,
-// naming the hook and the bucket; the same hook passing the bucket
-// unchanged still gives the no-hook average.
-DDP_TEST_WORKER(inside_a_dividing_local_hook) {
+// A user's hook on local gradients that writes the bucket in place and then
+// calls PowerSgdHook. Clipping (here, bounds wider than every value) is
+// legitimate and must give the no-hook average; it was refused, aborting
+// the group. Dividing makes PowerSgdHook divide again (gradients divided by
+// 4 on 2 ranks); the write alone cannot tell the two apart, so each state
+// warns once on stderr, naming the bucket and that risk, and goes on.
+DDP_TEST_WORKER(inside_a_writing_local_hook) {
   auto pg = testing::WorkerGroup();
+  const auto reference = OneBackwardGrads(pg, nullptr);
+  const CommHook clipped_inner = hooks::PowerSgdHook({.start_iteration = 100});
+  const auto clipped = OneBackwardGrads(pg, CommHook::OnLocalGradients([clipped_inner](ProcessGroup& g, GradBucket& b) {
+                                          nn::NoGradGuard no_grad;
+                                          b.buffer().CopyFrom(nn::ops::Clamp(b.buffer(), -1e30, 1e30));
+                                          return clipped_inner(g, b);
+                                        }));
+  WORKER_EXPECT(clipped == reference, "clipped in place before PowerSgdHook: not the no-hook average");
   const CommHook inner = hooks::PowerSgdHook({.start_iteration = 100});
-  testing::ExpectRefused(
-      pg->rank(),
-      [&] {
-        OneBackwardGrads(pg, CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) {
-                           nn::NoGradGuard no_grad;
-                           b.buffer().CopyFrom(nn::ops::DivScalar(b.buffer(), b.divisor()));
-                           return inner(g, b);
-                         }));
-      },
-      "PowerSgdHook after the calling hook divided the bucket was accepted",
-      {"PowerSgdHook: bucket", "written in place by the calling hook", "divided by 4"});
+  const CommHook dividing = CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) {
+    nn::NoGradGuard no_grad;
+    b.buffer().CopyFrom(nn::ops::DivScalar(b.buffer(), b.divisor()));
+    return inner(g, b);
+  });
+  for (int step = 0; step < 2; ++step) {
+    const auto twice = OneBackwardGrads(pg, dividing);
+    bool halved = twice.size() == reference.size();
+    for (size_t i = 0; halved && i < twice.size(); ++i) {
+      halved = twice[i].size() == reference[i].size();
+      for (size_t j = 0; halved && j < twice[i].size(); ++j) {
+        halved = std::abs(twice[i][j] - reference[i][j] / 2) <= 1e-6f * (1 + std::abs(reference[i][j]));
+      }
+    }
+    WORKER_EXPECT(halved, "divided before PowerSgdHook: not the no-hook average divided by 2 again");
+  }
   return testing::WorkerExit();
 }
 
-TEST(PowerSgdHookTest, InsideALocalHookThatDividedTheBucketItselfIsRefusedNamingIt) {
-  auto run = RunWorkers("inside_a_dividing_local_hook", 2);
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+// Occurrences of `needle` in `text`.
+size_t Count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+TEST(PowerSgdHookTest, InsideALocalHookThatWroteTheBucketWarnsOncePerState) {
+  auto run = RunWorkers("inside_a_writing_local_hook", 2);
+  ASSERT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string& out = run.Output(rank);
+    // Two states each wrote a bucket (the clipping one and the dividing
+    // one, the latter on two steps): one warning each.
+    EXPECT_EQ(Count(out, "warning: PowerSgdHook: bucket"), 2u) << out;
+    EXPECT_NE(out.find("written in place by the calling hook"), std::string::npos) << out;
+    EXPECT_NE(out.find("end up divided by 4"), std::string::npos) << out;
+  }
 }
 
 TEST(PowerSgdHookTest, InsideAHookGivenDividedGradientsIsRefusedNamingIt) {
