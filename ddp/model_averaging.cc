@@ -151,13 +151,21 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
   // (one per tensor) are all-reduced: of different lengths, that all-reduce
   // did not pair and the transport aborted the group naming neither list,
   // and a rank with an empty list returned at once while the others waited
-  // in it until the group's timeout. One all-reduce of each rank's count.
+  // in it until the group's timeout. One all-reduce of a fixed size carries
+  // each rank's count and whether it has a tensor without a gradient (or
+  // undefined): when no rank has one, which is the usual case, the flags'
+  // all-reduce is not needed, so a due step costs no more rounds than
+  // before the count was checked.
   ProcessGroup& group = **options_.process_group;
+  const int size = group.size();
   const int64_t count = static_cast<int64_t>(params.size());
-  nn::Tensor counts = nn::Zeros({group.size()}, {.dtype = nn::DType::kInt64});
+  bool all_trained = true;
+  for (const nn::Tensor& p : params) all_trained = all_trained && p.defined() && p.grad().defined();
+  nn::Tensor counts = nn::Zeros({size + 1}, {.dtype = nn::DType::kInt64});
   counts.data<int64_t>()[group.rank()] = count;
+  counts.data<int64_t>()[size] = all_trained ? 0 : 1;
   group.AllReduce(counts, transport::ReduceOp::kSum, "count of tensors to average").Wait();
-  for (int r = 1; r < group.size(); ++r) {
+  for (int r = 1; r < size; ++r) {
     const int64_t first = counts.data<int64_t>()[0], other = counts.data<int64_t>()[r];
     if (other == first) continue;
     throw std::invalid_argument("PeriodicModelAverager: rank 0 passes " + std::to_string(first) +
@@ -165,6 +173,11 @@ bool PeriodicModelAverager::AverageParameters(const std::vector<nn::Tensor>& par
                                 "; every rank must pass the same tensors");
   }
   if (params.empty()) {
+    ++step_;
+    return true;
+  }
+  if (counts.data<int64_t>()[size] == 0) {
+    dist::AverageParameters(params, group);
     ++step_;
     return true;
   }

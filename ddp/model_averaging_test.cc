@@ -869,6 +869,38 @@ TEST(ModelAveragingTest, F16ParametersKeepTheirValuesWhenTheAverageFails) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A due step of PeriodicModelAverager, every tensor with a gradient (the
+// usual case), costs one round more than AverageParameters on the same
+// tensors: the one that checks the ranks' counts. The count's check was a
+// round of its own, before the one of the flags of which tensors have a
+// gradient; both now ride one message, and the flags' round is left out
+// when every tensor has a gradient on every rank.
+DDP_TEST_WORKER(averager_step_rounds) {
+  auto pg = testing::WorkerGroup();
+  nn::Generator gen(3);
+  auto layer = std::make_shared<nn::modules::Linear>(4, 3, true, gen);
+  for (const Tensor& p : layer->Parameters()) p.set_grad(nn::Full(p.shape(), 1.0));
+  const uint64_t before_plain = pg->collectives_run();
+  AverageParameters(layer->Parameters(), *pg);
+  const uint64_t plain = pg->collectives_run() - before_plain;
+  PeriodicModelAverager averager({.period = 1, .process_group = pg});
+  const uint64_t before_step = pg->collectives_run();
+  WORKER_EXPECT(averager.AverageParameters(layer->Parameters()), "not averaged");
+  const uint64_t step = pg->collectives_run() - before_step;
+  WORKER_EXPECT(step == plain + 1, "a due step ran " + std::to_string(step) + " collectives, AverageParameters " +
+                                       std::to_string(plain) + ": expected one more");
+  const uint64_t before_empty = pg->collectives_run();
+  WORKER_EXPECT(averager.AverageParameters({}), "an empty list: not counted as averaged");
+  const uint64_t empty = pg->collectives_run() - before_empty;
+  WORKER_EXPECT(empty == 1, "an empty list ran " + std::to_string(empty) + " collectives, expected 1");
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, AveragerStepCostsOneRoundMoreThanAverageParameters) {
+  auto run = RunWorkers("averager_step_rounds", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A bf16 model whose weight is averaged in place (131072 elements: 256
 // KiB, AverageParameters's in-place size) and whose bias goes through the
 // flat buffer. The optimizer keeps f32 masters of both; after an average
