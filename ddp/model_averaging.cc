@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -302,6 +304,12 @@ std::pair<size_t, size_t> SharedMemory(const std::vector<nn::Tensor>& params, st
   return found;
 }
 
+std::mutex average_fault_mu;
+std::function<void()>& AverageFault() {
+  static std::function<void()> fault;
+  return fault;
+}
+
 // One line of the per-rank list AverageParameters compares: dtype, shape
 // and, off the CPU, the kind of device (not its index, which differs
 // between ranks by design).
@@ -452,6 +460,14 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
     groups[key].push_back(i);
   }
   // Everything checked: now the collectives, the same on every rank.
+  {
+    std::function<void()> fault;
+    {
+      std::lock_guard<std::mutex> lock(average_fault_mu);
+      fault = AverageFault();
+    }
+    if (fault) fault();
+  }
   std::vector<Work> in_place;
   // For each tensor of `whole` that is not contiguous: its index and the
   // contiguous copy averaged for it, copied back once every average is in.
@@ -501,6 +517,11 @@ void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& grou
   if (error) std::rethrow_exception(error);
   nn::NoGradGuard no_grad;
   for (const auto& [i, average] : copied) params[i].CopyFrom(average);
+}
+
+void SetAverageFaultForTesting(std::function<void()> fault) {
+  std::lock_guard<std::mutex> lock(average_fault_mu);
+  AverageFault() = std::move(fault);
 }
 
 std::shared_ptr<ProcessGroup> NewSubgroupsByHost(ProcessGroup& group) {

@@ -24,6 +24,7 @@
 // PyTorch.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -210,6 +211,12 @@ class PeriodicModelAverager {
 /// tensors averaged through a flat copy keep their values, those averaged
 /// in place may hold partial sums.
 void AverageParameters(const std::vector<nn::Tensor>& params, ProcessGroup& group);
+
+/// Test only: from now on, AverageParameters runs `fault` on this process
+/// once the ranks have agreed on the tensors, just before its first
+/// average (a test aborts the group there, with no race against the
+/// averages). An empty function: nothing runs.
+void SetAverageFaultForTesting(std::function<void()> fault);
 
 /// Groups of the ranks on each host (by host name), as
 /// torch.distributed.new_subgroups() for one group per node: collective

@@ -821,9 +821,10 @@ TEST(ModelAveragingTest, AverageParametersAveragesARepeatedTensorOnceAndRefusesP
 // fails, the parameters keep their values: before, a large f16 tensor,
 // divided in place, was left halved, and a caller that caught the error and
 // saved a checkpoint saved that. The ranks pass the same tensors; rank 1
-// averages them on a thread of its own and aborts its group as soon as its
-// first average (a 32 MiB f32 one, issued first, in place) has started,
-// after the ranks' agreement on the tensors: every average fails then.
+// aborts its group once the ranks have agreed on them, just before its
+// first average (SetAverageFaultForTesting): every average fails then, on
+// both ranks. (Aborting from another thread once the first average had
+// started raced the averages, which could finish first.)
 DDP_TEST_WORKER(f16_kept_when_the_average_fails) {
   auto pg = testing::WorkerGroup();
   const int rank = pg->rank();
@@ -841,18 +842,11 @@ DDP_TEST_WORKER(f16_kept_when_the_average_fails) {
     }
   };
   if (rank == 1) {
-    // The agreement on the tensors, then the first average.
-    const uint64_t started = pg->collectives_run() + 2;
-    std::thread averaging(average);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (pg->collectives_run() < started && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::yield();
-    }
-    pg->Abort(transport::FailedPreconditionError("rank 1 stops mid-average (test)"));
-    averaging.join();
-  } else {
-    average();
+    SetAverageFaultForTesting(
+        [&] { pg->Abort(transport::FailedPreconditionError("rank 1 stops mid-average (test)")); });
   }
+  average();
+  SetAverageFaultForTesting(nullptr);
   WORKER_EXPECT(failed, "the average did not fail (test premise)");
   for (const Tensor& t : {large, small}) {
     const std::vector<double> v = t.ToVector<double>();
