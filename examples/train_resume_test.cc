@@ -772,5 +772,50 @@ TEST(TrainResumeTest, AnAbandonedEpochIsNeitherEvaluatedNorMarkedAsEnded) {
   EXPECT_EQ(CheckpointStep(copy), 5 + 16) << bare.out;
 }
 
+// A --zero resume whose optimizer state has an entry of the wrong length
+// for a parameter of rank 1's shard (the model's last, at the end of the
+// flat partition): rank 1 refuses its shard, and its own line names the
+// entry. Before, every rank's refusal of a resume was taken for rank 0's:
+// rank 1 said only that it stopped with rank 0, and rank 0 that the load
+// failed on rank 1, so that no rank's output named the entry.
+TEST(TrainResumeTest, ShardedResumeRefusedOnRankOneSaysWhyOnRankOne) {
+  const std::string dir = testing::MakeTempDir("zero_refused");
+  const std::string ckpt = dir + "/ckpt.safetensors";
+  std::vector<std::string> args = {Runfile("examples/train"), "--dataset=synthetic", "--model=mlp",
+                                   "--train_samples=128",      "--test_samples=32",   "--batch_size=16",
+                                   "--epochs=1",               "--workers=1",         "--nproc_per_node=2",
+                                   "--optimizer=adamw",        "--zero",              "--checkpoint=" + ckpt};
+  const RunOutput saved = testing::RunToEnd(args);
+  ASSERT_EQ(saved.exit_code, 0) << saved.out << saved.err;
+  nn::io::Checkpoint c = nn::io::LoadCheckpoint(ckpt);
+  // The last parameter with optimizer state, and one of its per-element
+  // entries, made one element short.
+  std::string entry;
+  for (auto m = c.model.rbegin(); m != c.model.rend() && entry.empty(); ++m) {
+    for (auto& [key, t] : c.optimizer) {
+      if (key.rfind("state." + m->first + ".", 0) != 0 || t.numel() != m->second.numel() || t.numel() < 2) continue;
+      entry = key;
+      t = nn::Zeros({t.numel() - 1}, {.dtype = t.dtype()});
+      break;
+    }
+  }
+  ASSERT_FALSE(entry.empty()) << "no per-element optimizer state in " << ckpt;
+  nn::io::SaveCheckpoint(ckpt, c);
+  args.push_back("--resume");
+  const RunOutput res = testing::RunToEnd(args);
+  EXPECT_EQ(res.exit_code, 2) << res.out << res.err;
+  // Rank 1's own line (not the launcher's summary) names the entry.
+  bool named = false;
+  size_t begin = 0;
+  while (!named && begin < res.err.size()) {
+    size_t end = res.err.find('\n', begin);
+    if (end == std::string::npos) end = res.err.size();
+    const std::string line = res.err.substr(begin, end - begin);
+    named = line.find("rank 1: ") != std::string::npos && line.find("`" + entry + "`") != std::string::npos;
+    begin = end + 1;
+  }
+  EXPECT_TRUE(named) << "no line of rank 1 names `" << entry << "`:\n" << res.err;
+}
+
 }  // namespace
 }  // namespace ddp::examples

@@ -846,8 +846,19 @@ void Run::Setup() {
   std::string resume_note;
   if (c_.resume) {
     TrainComponents parts = Components();
+    // Whether the sharded load failed here: each rank checks its own shard
+    // of the state, so its refusal is this rank's own finding (the entry it
+    // refused), not rank 0's; the other ranks learn only which rank failed.
+    bool shard_load_failed = false;
     if (sharded_) {
-      parts.load_optimizer = [this](const nn::optim::NamedTensors& whole) { sharded_->Load(whole); };
+      parts.load_optimizer = [this, &shard_load_failed](const nn::optim::NamedTensors& whole) {
+        try {
+          sharded_->Load(whole);
+        } catch (...) {
+          shard_load_failed = true;
+          throw;
+        }
+      };
     }
     // Rank 0 reads the file and sends its bytes to the others: it saved
     // it, perhaps on a disk only its host sees, and its failure to read it
@@ -885,7 +896,9 @@ void Run::Setup() {
     } catch (const UsageError& e) {
       // Every rank holds rank 0's bytes and the same flags (checked at the
       // start), so every rank refuses them alike: rank 0's line says why.
-      if (lead_) throw;
+      // Not so for a shard of the optimizer state (--zero): the rank that
+      // refused its shard prints why, each rank its own line.
+      if (lead_ || shard_load_failed) throw;
       throw LeadUsageError(e.what());
     }
   }
