@@ -163,6 +163,38 @@ TEST(ModelAveragingTest, PostLocalSgdInsideAHookGivenDividedGradientsIsRefusedNa
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A user's hook on local gradients that clips the bucket in place (bounds
+// wider than every value) and then calls PostLocalSgdHook: the no-hook
+// average, over two steps, with one warning naming the bucket (the write
+// could have been a division, which the hook would then repeat). Before,
+// the call was refused and the group aborted.
+DDP_TEST_WORKER(post_local_sgd_after_an_in_place_clip) {
+  auto pg = testing::WorkerGroup();
+  const auto reference = OneBackwardGrads(pg, nullptr);
+  const CommHook inner = hooks::PostLocalSgdHook({.start_iteration = 100});
+  const CommHook clipping = CommHook::OnLocalGradients([inner](ProcessGroup& g, GradBucket& b) {
+    nn::NoGradGuard no_grad;
+    b.buffer().CopyFrom(nn::ops::Clamp(b.buffer(), -1e30, 1e30));
+    return inner(g, b);
+  });
+  for (int step = 0; step < 2; ++step) {
+    WORKER_EXPECT(OneBackwardGrads(pg, clipping) == reference, "clipped in place: not the no-hook average");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ModelAveragingTest, PostLocalSgdAfterAnInPlaceClipAveragesAndWarnsOnce) {
+  auto run = RunWorkers("post_local_sgd_after_an_in_place_clip", 2);
+  ASSERT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string& out = run.Output(rank);
+    const std::string warning = "warning: PostLocalSgdHook: bucket";
+    const size_t first = out.find(warning);
+    EXPECT_NE(first, std::string::npos) << out;
+    EXPECT_EQ(out.find(warning, first + 1), std::string::npos) << "warned more than once:\n" << out;
+  }
+}
+
 // Two live wrappers on two groups with one PostLocalSgdState: both backward
 // threads counted its iterations, unsynchronized (a data race, and the
 // local phase began after half the first wrapper's iterations). The second
