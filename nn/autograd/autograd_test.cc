@@ -4,7 +4,11 @@
 #include <any>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -995,6 +999,85 @@ TEST(GradHookTest, HooksMayBeRegisteredAndRemovedDuringABackwardOnAnotherThread)
   backward.join();
   EXPECT_EQ(w.grad().ToVector<float>(), std::vector<float>(4, kIters));
   EXPECT_LE(post_calls.load(), kIters);
+}
+
+// The refusal comes before the nested pass runs anything: before, it came
+// when the pass reached w, after v's accumulation had run (v.grad was 4)
+// and the graph's saved tensors were released.
+TEST(AutogradTest, ANestedBackwardThroughTheRunningNodeIsRefusedBeforeAnythingRuns) {
+  Tensor w = Param({2}, 1.0), v = Param({2}, 2.0);
+  // v's branch recorded last, so that a pass runs it before w's.
+  const Tensor through_w = ops::MulScalar(w, 3.0);
+  const Tensor through_v = ops::Mul(v, v);
+  const Tensor root = ops::Sum(ops::Add(through_w, through_v));
+  bool nest = true;
+  w.RegisterPostAccumulateGradHook([&](const Tensor&) {
+    if (nest) Backward(root);
+  });
+  const std::string err = ErrorOf([&] { Backward(ops::Sum(ops::MulScalar(w, 2.0))); });
+  EXPECT_NE(err.find("a nested backward pass reached AccumulateGrad"), std::string::npos) << err;
+  EXPECT_FALSE(v.grad().defined());
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+  nest = false;
+  Backward(root);  // nothing of its graph was run or released
+  EXPECT_EQ(v.grad().ToVector<float>(), (std::vector<float>{4, 4}));  // 2v
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{5, 5}));
+}
+
+// Nested passes on two threads, each reaching the leaf whose hook started
+// the other: each holds the node the other waits for. A nested pass waits
+// up to its deadline and then fails naming both nodes, so at least one
+// thread gets that error and neither hangs (before, both waited forever).
+TEST(AutogradTest, NestedPassesWaitingForEachOtherAcrossThreadsFailAtTheDeadline) {
+  SetNestedPassLockTimeout(std::chrono::milliseconds(200));
+  Tensor w1 = Param({2}, 1.0), w2 = Param({2}, 1.0);
+  const Tensor into_w1 = ops::Sum(ops::MulScalar(w1, 3.0)), into_w2 = ops::Sum(ops::MulScalar(w2, 3.0));
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0, finished = 0;
+  // Each hook nests once, after both threads are inside their hooks.
+  auto nest_once = [&](std::atomic<bool>& done, const Tensor& root) {
+    if (done.exchange(true)) return;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      ++arrived;
+      cv.notify_all();
+      if (!cv.wait_for(lock, std::chrono::seconds(30), [&] { return arrived == 2; })) {
+        throw std::runtime_error("the other thread never reached its hook");
+      }
+    }
+    Backward(root);
+  };
+  std::atomic<bool> done1{false}, done2{false};
+  w1.RegisterPostAccumulateGradHook([&](const Tensor&) { nest_once(done1, into_w2); });
+  w2.RegisterPostAccumulateGradHook([&](const Tensor&) { nest_once(done2, into_w1); });
+  std::string err1, err2;
+  auto run = [&](const Tensor& w, std::string& err) {
+    err = ErrorOf([&] { Backward(ops::Sum(ops::MulScalar(w, 2.0))); });
+    std::lock_guard<std::mutex> lock(mu);
+    ++finished;
+    cv.notify_all();
+  };
+  std::thread t1(run, w1, std::ref(err1)), t2(run, w2, std::ref(err2));
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!cv.wait_for(lock, std::chrono::seconds(60), [&] { return finished == 2; })) {
+      std::fprintf(stderr, "nested passes on two threads still waiting for each other after 60 s\n");
+      std::abort();  // the threads cannot be joined
+    }
+  }
+  t1.join();
+  t2.join();
+  SetNestedPassLockTimeout(std::chrono::minutes(5));
+  EXPECT_TRUE(!err1.empty() || !err2.empty());
+  for (const std::string& err : {err1, err2}) {
+    if (err.empty()) continue;
+    EXPECT_NE(err.find("waited 200 ms for AccumulateGrad, which another thread's backward pass is running, "
+                       "while holding AccumulateGrad"),
+              std::string::npos)
+        << err;
+  }
+  EXPECT_THROW(SetNestedPassLockTimeout(std::chrono::milliseconds(0)), std::invalid_argument);
 }
 
 }  // namespace

@@ -56,19 +56,34 @@ class TaskScope {
   GraphTask* enclosing_;
 };
 
+std::string NestedPassRefusal(const Node& node) {
+  return "Backward: a nested backward pass reached " + node.name() +
+         ", which an enclosing backward pass on this thread is running (a Backward called from a backward "
+         "function or hook must not go through the node that called it)";
+}
+
+std::atomic<int64_t> g_nested_lock_timeout_ms{300000};
+
 // Holds a node's mutex for one pass and records it in held_nodes. A pass
-// nested on this thread that reaches a node an enclosing pass holds would
-// wait for itself forever (std::mutex is not recursive): refused instead.
+// nested in another holds the enclosing pass's node while it waits here: a
+// nested pass on another thread that waits for that node in turn would
+// wait forever, so a nested pass waits up to a deadline and then fails,
+// naming both nodes. (A node this thread holds is refused before the pass
+// starts, in Backward.)
 class NodeLock {
  public:
-  explicit NodeLock(Node& node) {
-    if (std::find(held_nodes.begin(), held_nodes.end(), &node) != held_nodes.end()) {
-      throw std::logic_error("Backward: a nested backward pass reached " + node.name() +
-                             ", which an enclosing backward pass on this thread is running (a Backward "
-                             "called from a backward function or hook must not go through the node "
-                             "that called it)");
+  explicit NodeLock(Node& node) : lock_(node.mutex(), std::defer_lock) {
+    if (held_nodes.empty()) {
+      lock_.lock();
+    } else if (!lock_.try_lock_for(std::chrono::milliseconds(g_nested_lock_timeout_ms.load()))) {
+      throw std::runtime_error(
+          "Backward: a nested backward pass waited " + std::to_string(g_nested_lock_timeout_ms.load()) +
+          " ms for " + node.name() + ", which another thread's backward pass is running, while holding " +
+          held_nodes.back()->name() +
+          " (the node whose backward or hook started the nested pass). Nested passes on two threads that "
+          "each reach the node the other's enclosing pass runs wait for each other: do not share those "
+          "nodes between such passes");
     }
-    lock_ = std::unique_lock<std::mutex>(node.mutex());
     held_nodes.push_back(&node);
   }
   ~NodeLock() { held_nodes.pop_back(); }
@@ -76,7 +91,7 @@ class NodeLock {
   NodeLock& operator=(const NodeLock&) = delete;
 
  private:
-  std::unique_lock<std::mutex> lock_;
+  std::unique_lock<std::timed_mutex> lock_;
 };
 
 struct LaterFirst {
@@ -151,6 +166,14 @@ void SetNodeObserver(NodeObserver observer) {
   g_has_observer.store(g_observer != nullptr, std::memory_order_release);
 }
 
+void SetNestedPassLockTimeout(std::chrono::milliseconds timeout) {
+  if (timeout.count() <= 0) {
+    throw std::invalid_argument("SetNestedPassLockTimeout: the timeout must be positive, got " +
+                                std::to_string(timeout.count()) + " ms");
+  }
+  g_nested_lock_timeout_ms.store(timeout.count());
+}
+
 void QueueCallback(std::function<void()> fn) {
   if (current_task == nullptr) {
     throw std::logic_error("QueueCallback called outside a backward pass (call it from a hook during Backward)");
@@ -211,6 +234,12 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     while (!stack.empty()) {
       Node* n = stack.back();
       stack.pop_back();
+      // Refused before any node runs, so that nothing is left half done
+      // (other leaves' .grad, released saved tensors): reaching the node
+      // would wait for the lock this thread holds.
+      if (!held_nodes.empty() && std::find(held_nodes.begin(), held_nodes.end(), n) != held_nodes.end()) {
+        throw std::logic_error(NestedPassRefusal(*n));
+      }
       for (const Edge& e : n->next_edges()) {
         if (!e.valid()) continue;
         ++deps[e.fn.get()];

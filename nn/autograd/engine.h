@@ -31,14 +31,16 @@
 // Backward on its own thread (activation checkpointing records the forward
 // again and runs a nested pass through it, as PyTorch allows). The nested
 // pass runs to the end, with its own callbacks, before the call returns;
-// the enclosing pass then goes on. A nested pass that reaches the node
+// the enclosing pass then goes on. A nested pass that would reach the node
 // whose backward or hook called it (a leaf's hook running Backward into
-// that leaf again) is refused with an error naming the node, since it
-// would wait for the lock its own thread holds. A nested pass holds its
-// enclosing pass's node while it waits for others: nested passes on two
-// threads where each reaches the node the other's enclosing pass is
-// running wait for each other forever, so such passes must not share the
-// nodes that call them.
+// that leaf again) is refused before any of its nodes runs, with an error
+// naming the node, since it would wait for the lock its own thread holds.
+// A nested pass holds its enclosing pass's node while it waits for others:
+// nested passes on two threads where each reaches the node the other's
+// enclosing pass is running would wait for each other, so a nested pass
+// waits for a node at most SetNestedPassLockTimeout (5 minutes unless set)
+// and then fails, naming the node it waited for and the one it holds.
+// Such passes must not share the nodes that call them.
 //
 // What the per-node lock implies for code that runs inside a backward (a
 // custom function's Backward, a hook): it must not wait for another
@@ -54,6 +56,7 @@
 // parameters) is not covered; DDP runs one backward at a time per model.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <vector>
 
@@ -78,6 +81,10 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
 /// (the innermost, when passes are nested) has processed every node, before Backward returns (callbacks may queue
 /// more). Throws when no backward pass is running on this thread.
 void QueueCallback(std::function<void()> fn);
+
+/// How long a nested backward pass waits for a node another thread's pass
+/// is running before it fails (see above); positive. Default 5 minutes.
+void SetNestedPassLockTimeout(std::chrono::milliseconds timeout);
 
 /// True while a backward pass runs on this thread (e.g. inside a hook).
 bool InBackward();

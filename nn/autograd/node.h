@@ -61,7 +61,8 @@ class Node {
   /// Held by the engine across this node's Apply and ReleaseSaved (and the
   /// update of its outputs' retained gradients), so that backward passes on
   /// several threads through a shared node run it one at a time.
-  std::mutex& mutex() { return mutex_; }
+  /// Timed, so that a nested pass can give up waiting (see engine.h).
+  std::timed_mutex& mutex() { return mutex_; }
 
  protected:
   uint64_t sequence_nr_;
@@ -69,7 +70,7 @@ class Node {
  private:
   std::vector<Edge> next_edges_;
   std::vector<std::weak_ptr<TensorImpl>> outputs_;
-  std::mutex mutex_;
+  std::timed_mutex mutex_;
 };
 
 /// Runs the leaf's gradient hooks (RegisterHook) on the incoming gradient,
