@@ -34,6 +34,7 @@
 #include "ddp/sync_batch_norm.h"
 #include "ddp/testing/ddp_test_util.h"
 #include "nn/autograd/engine.h"
+#include "nn/autograd/function.h"
 #include "nn/loss/loss.h"
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
@@ -5325,6 +5326,82 @@ TEST(DdpFeaturesTest, ATracePrefixRefusedOnOneRankFailsEveryRankPromptlyNamingIt
                              std::to_string(::getpid()) + "_";
   auto run = RunWorkers("trace_prefix_refused_on_one_rank", 2,
                         {{"DDP_TEST_TIMEOUT_MS", "20000"}, {"DDP_TEST_TRACE_PREFIX", prefix}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ------------------------------------------- re-entrant checkpointing ----
+
+// Runs a Linear without recording it and, in backward, records it again
+// and runs a nested Backward through it (re-entrant activation
+// checkpointing): the Linear's parameters get their gradients inside the
+// nested pass. Input and output [N, in] -> [N, out].
+struct CheckpointedLinear : nn::autograd::Function<CheckpointedLinear> {
+  static constexpr const char* kName = "CheckpointedLinearBackward";
+  static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
+                                     nn::modules::Linear* layer) {
+    ctx->SaveForBackward({in[0]});
+    ctx->saved_data["layer"] = layer;
+    return {(*layer)(in[0])};
+  }
+  static std::vector<Tensor> Backward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
+    Tensor x = ctx->GetSavedTensors()[0].Detach();
+    x.set_requires_grad(true);
+    nn::GradModeGuard enable(true);
+    const Tensor y = (*std::any_cast<nn::modules::Linear*>(ctx->saved_data["layer"]))(x);
+    nn::autograd::Backward({y}, {grad[0]});
+    return {x.grad()};
+  }
+};
+
+// Linear -> ReLU -> checkpointed Linear: the last layer's gradients, the
+// first DDP sees, arrive in the nested pass.
+class CheckpointedHead : public Module {
+ public:
+  explicit CheckpointedHead(uint64_t seed) {
+    nn::Generator gen(seed);
+    fc1_ = RegisterModule("fc1", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
+    fc2_ = RegisterModule("fc2", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    const Tensor h = nn::ops::Relu((*fc1_)(nn::ops::Flatten(x, 1)));
+    return CheckpointedLinear::Apply({h}, fc2_.get())[0];
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "CheckpointedHead"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc1_, fc2_;
+};
+
+// DDP ends its iteration when the user's backward ends, not when a pass
+// nested in it does: before, the reducer's end-of-backward callback went
+// to the nested pass, which finished before fc1 had a gradient, so DDP
+// called fc1's parameters absent and aborted the group.
+DDP_TEST_WORKER(checkpointed_last_layer) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = std::make_shared<CheckpointedHead>(rank == 0 ? 5 : 60 + rank);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = std::make_shared<CheckpointedHead>(5);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  const auto& data = testing::FashionMnist();
+  for (int s = 0; s < 3; ++s) {
+    const int64_t base = s * world * kBatch;
+    opt.ZeroGrad();
+    auto [x, y] = testing::Batch(data, base + rank * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    opt.Step();
+    ReferenceStep(*reference, ref_opt, base, world * kBatch);
+  }
+  const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+  WORKER_EXPECT(diff <= 1e-5, "checkpointed: `" + worst + "` off by " + std::to_string(diff));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "checkpointed: replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ALastLayerCheckpointedWithANestedBackwardMatchesOneProcess) {
+  auto run = RunWorkers("checkpointed_last_layer", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -665,7 +665,11 @@ void Reducer::OnGradReady(size_t index) {
     // The first gradient of backward.
     finalize_queued_ = true;
     comm_hook_locked_ = true;
-    nn::autograd::QueueCallback([this] { Finalize(); });
+    // On the outermost pass: a first gradient that arrives in a nested pass
+    // (activation checkpointing recomputes a block and runs Backward through
+    // it) must not end the iteration when that nested pass ends, before the
+    // enclosing pass has reached the other parameters.
+    nn::autograd::QueueCallback([this] { Finalize(); }, /*outermost=*/true);
     for (size_t i : unused_) {
       MarkUnusedReady(i);
       // Should this parameter get a gradient later in this backward (an

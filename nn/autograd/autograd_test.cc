@@ -1024,6 +1024,26 @@ TEST(AutogradTest, ANestedBackwardThroughTheRunningNodeIsRefusedBeforeAnythingRu
   EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{5, 5}));
 }
 
+// A callback queued on the outermost pass from a nested one runs when the
+// user's Backward ends, not when the nested pass does (DDP's end of
+// iteration needs every gradient of the outer pass).
+TEST(AutogradTest, ACallbackForTheOutermostPassWaitsForTheEnclosingPass) {
+  Tensor w = Param({2}, 1.0), v = Param({2}, 2.0);
+  const Tensor loss_v = ops::Sum(ops::Mul(v, v));
+  std::vector<std::string> events;
+  v.RegisterPostAccumulateGradHook([&](const Tensor&) {
+    QueueCallback([&] { events.push_back("inner"); });
+    QueueCallback([&] { events.push_back("outermost"); }, /*outermost=*/true);
+  });
+  w.RegisterPostAccumulateGradHook([&](const Tensor&) {
+    Backward(loss_v);
+    events.push_back("nested returned");
+  });
+  Backward(ops::Sum(ops::MulScalar(w, 4.0)));
+  EXPECT_EQ(events, (std::vector<std::string>{"inner", "nested returned", "outermost"}));
+  EXPECT_THROW(QueueCallback([] {}, /*outermost=*/true), std::logic_error);
+}
+
 // Nested passes on two threads, each reaching the leaf whose hook started
 // the other: each holds the node the other waits for. A nested pass waits
 // up to its deadline and then fails naming both nodes, so at least one

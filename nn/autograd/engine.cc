@@ -26,6 +26,8 @@ struct GraphTask {
 };
 
 thread_local GraphTask* current_task = nullptr;
+// The first pass on this thread's stack (the one a nested pass runs inside).
+thread_local GraphTask* outermost_task = nullptr;
 // The nodes whose mutex this thread holds, innermost last: one per pass
 // running on this thread (a pass nested in a backward function or a hook
 // holds the enclosing pass's node while it runs).
@@ -47,8 +49,14 @@ std::shared_ptr<const NodeObserver> CurrentObserver() {
 // enclosing one when it ends, so that InBackward and QueueCallback see it.
 class TaskScope {
  public:
-  explicit TaskScope(GraphTask* task) : enclosing_(current_task) { current_task = task; }
-  ~TaskScope() { current_task = enclosing_; }
+  explicit TaskScope(GraphTask* task) : enclosing_(current_task) {
+    current_task = task;
+    if (enclosing_ == nullptr) outermost_task = task;
+  }
+  ~TaskScope() {
+    current_task = enclosing_;
+    if (enclosing_ == nullptr) outermost_task = nullptr;
+  }
   TaskScope(const TaskScope&) = delete;
   TaskScope& operator=(const TaskScope&) = delete;
 
@@ -174,15 +182,16 @@ void SetNestedPassLockTimeout(std::chrono::milliseconds timeout) {
   g_nested_lock_timeout_ms.store(timeout.count());
 }
 
-void QueueCallback(std::function<void()> fn) {
+void QueueCallback(std::function<void()> fn, bool outermost) {
   if (current_task == nullptr) {
     throw std::logic_error("QueueCallback called outside a backward pass (call it from a hook during Backward)");
   }
   // Refused here, where the caller can be named: called at the end of the
   // pass, an empty function would throw a bare std::bad_function_call.
   if (!fn) throw std::invalid_argument("QueueCallback: the callback is empty");
-  std::lock_guard<std::mutex> lock(current_task->mu);
-  current_task->callbacks.push_back(std::move(fn));
+  GraphTask* task = outermost ? outermost_task : current_task;
+  std::lock_guard<std::mutex> lock(task->mu);
+  task->callbacks.push_back(std::move(fn));
 }
 
 void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph) {

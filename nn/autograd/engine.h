@@ -78,9 +78,12 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
               bool retain_graph = false);
 
 /// Queues `fn` to run once when the backward pass running on this thread
-/// (the innermost, when passes are nested) has processed every node, before Backward returns (callbacks may queue
-/// more). Throws when no backward pass is running on this thread.
-void QueueCallback(std::function<void()> fn);
+/// has processed every node, before Backward returns (callbacks may queue
+/// more). When passes are nested, that is the innermost pass, or with
+/// `outermost` the first pass on this thread's stack (what needs every
+/// gradient of the user's backward, as DDP's end of iteration). Throws
+/// when no backward pass is running on this thread.
+void QueueCallback(std::function<void()> fn, bool outermost = false);
 
 /// How long a nested backward pass waits for a node another thread's pass
 /// is running before it fails (see above); positive. Default 5 minutes.
