@@ -301,7 +301,8 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
         Tensor out = node->LiveOutput(i);
         if (!out.defined()) continue;
         try {
-          in[i] = RunGradHooks(out, std::move(in[i]), "output " + std::to_string(i) + " of " + node->name());
+          in[i] = RunGradHooks(out, std::move(in[i]),
+                               [&node, i] { return "output " + std::to_string(i) + " of " + node->name(); });
         } catch (const std::exception& e) {
           RethrowWithNodeName(e, *node);
         }

@@ -82,7 +82,7 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
   // no gradient and no post-accumulate hooks, so DDP does not reduce it, as
   // PyTorch's AccumulateGrad::apply returns early.
   if (!var.requires_grad()) return {};
-  g = RunGradHooks(var, std::move(g), "the leaf " + Describe(var));
+  g = RunGradHooks(var, std::move(g), [&var] { return "the leaf " + Describe(var); });
   if (g.shape() != var.shape()) {
     throw std::logic_error("gradient of shape " + ShapeToString(g.shape()) + " for a leaf of shape " +
                            ShapeToString(var.shape()));
@@ -143,9 +143,10 @@ SavedTensor::SavedTensor(const Tensor& t) {
   if (!t.defined()) return;
   data_ = t.Detach();
   if (t.grad_fn()) {
-    origin_ = "output " + std::to_string(t.output_nr()) + " of " + t.grad_fn()->name();
+    origin_node_ = t.grad_fn();
+    origin_nr_ = t.output_nr();
   } else if (t.requires_grad()) {
-    origin_ = "a leaf that requires grad";
+    origin_leaf_ = true;
   }
   version_ = t.storage()->version();
   was_defined_ = true;
@@ -159,8 +160,13 @@ Tensor SavedTensor::Get() const {
   }
   const uint64_t now = data_.storage()->version();
   if (now != version_) {
-    throw std::logic_error("a tensor saved for backward (" + Describe(data_) +
-                           (origin_.empty() ? "" : ", " + origin_) +
+    std::string origin;
+    if (const std::shared_ptr<Node> node = origin_node_.lock()) {
+      origin = ", output " + std::to_string(origin_nr_) + " of " + node->name();
+    } else if (origin_leaf_) {
+      origin = ", a leaf that requires grad";
+    }
+    throw std::logic_error("a tensor saved for backward (" + Describe(data_) + origin +
                            ") was modified in place after it was saved: its memory is at version " +
                            std::to_string(now) + ", it was at version " + std::to_string(version_) +
                            " when saved");
@@ -171,11 +177,11 @@ Tensor SavedTensor::Get() const {
 void SavedTensor::Release() {
   if (!was_defined_) return;
   data_ = Tensor();
-  origin_.clear();
+  origin_node_.reset();
   released_ = true;
 }
 
-Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::string& what) {
+Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::function<std::string()>& what) {
   AutogradMeta* meta = tensor.impl()->autograd();
   if (meta == nullptr) return grad;
   // Copied under hooks_mu and run without it, as the post-accumulate hooks.
@@ -195,7 +201,7 @@ Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::string& what) 
     if (!replacement.defined()) continue;
     if (replacement.shape() != grad.shape() || replacement.dtype() != grad.dtype() ||
         replacement.device() != grad.device()) {
-      throw std::invalid_argument("a gradient hook on " + what + " returned a gradient " + Describe(replacement) +
+      throw std::invalid_argument("a gradient hook on " + what() + " returned a gradient " + Describe(replacement) +
                                   " for a gradient " + Describe(grad) +
                                   " (a hook must keep the gradient's shape, dtype and device)");
     }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -109,10 +110,12 @@ class SavedTensor {
 
  private:
   Tensor data_;
-  // What the tensor was when saved ("output 0 of MulBackward", "a leaf
-  // that requires grad", or empty), for the in-place error: data_ is
-  // detached and cannot say.
-  std::string origin_;
+  // What the tensor was when saved (output origin_nr_ of origin_node_, a
+  // leaf that requires grad, or neither), for the in-place error: data_ is
+  // detached and cannot say. The text is built only for that error.
+  std::weak_ptr<Node> origin_node_;
+  uint32_t origin_nr_ = 0;
+  bool origin_leaf_ = false;
   uint64_t version_ = 0;
   bool was_defined_ = false;
   bool released_ = false;
@@ -120,9 +123,10 @@ class SavedTensor {
 
 /// Runs `tensor`'s gradient hooks (Tensor::RegisterHook) on grad in
 /// registration order and returns the result; `what` names the tensor in
-/// the error for a replacement of another shape, dtype or device. Called by
-/// the engine for a node's outputs and by AccumulateGrad for its leaf.
-Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::string& what);
+/// the error for a replacement of another shape, dtype or device (called
+/// only then). Called by the engine for a node's outputs and by
+/// AccumulateGrad for its leaf.
+Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::function<std::string()>& what);
 
 /// The edge a gradient of t should flow into: its grad_fn, its leaf
 /// accumulator (created on first use), or nothing.
