@@ -8,6 +8,7 @@
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
@@ -21,10 +22,12 @@
 #include <charconv>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <new>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -141,6 +144,10 @@ std::string Printable(std::string_view text, size_t max = 64) {
 // through a bounded queue, so that a stderr nobody reads (a full pipe to a
 // launcher that stopped reading) holds up that thread, never a store's.
 // One for the process, never joined: it may sit in that write at exit.
+// Fork-safe: the queue's lock is held across fork(), and a child starts
+// with an empty queue (the parent's lines are the parent's to print) and
+// its own writer on its first line. At exit, lines still queued get a
+// short, bounded chance to be written (kExitFlush).
 class StderrLog {
  public:
   static StderrLog& Get() {
@@ -164,6 +171,33 @@ class StderrLog {
 
  private:
   static constexpr size_t kMostQueued = 256;
+  static constexpr auto kExitFlush = std::chrono::milliseconds(200);
+
+  StderrLog() {
+    pthread_atfork([] { Get().mu_.lock(); }, [] { Get().mu_.unlock(); }, [] { Get().InChild(); });
+    std::atexit([] { Get().Flush(std::chrono::steady_clock::now() + kExitFlush); });
+  }
+
+  // The forking thread holds mu_ (taken before the fork); nothing else of
+  // the parent runs here. The condition variables may name waiters of
+  // threads the child does not have, so they are made anew, not destroyed
+  // (destroying one with waiters waits for them).
+  void InChild() {
+    new (&cv_) std::condition_variable();
+    new (&idle_cv_) std::condition_variable();
+    lines_.clear();
+    dropped_ = 0;
+    writing_ = false;
+    mu_.unlock();
+  }
+
+  // Waits until this process's writer has written everything queued, or
+  // until `deadline` (stderr may be a pipe nobody reads).
+  void Flush(std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (writer_pid_ != getpid()) return;  // no writer in this process: nothing queued
+    idle_cv_.wait_until(lock, deadline, [&] { return lines_.empty() && dropped_ == 0 && !writing_; });
+  }
 
   void Run() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -177,6 +211,7 @@ class StderrLog {
         text += "ddp store: " + std::to_string(dropped_) + " lines dropped: stderr was not read\n";
         dropped_ = 0;
       }
+      writing_ = true;
       lock.unlock();
       for (size_t done = 0; done < text.size();) {
         const ssize_t n = write(STDERR_FILENO, text.data() + done, text.size() - done);
@@ -185,14 +220,18 @@ class StderrLog {
         done += static_cast<size_t>(n);
       }
       lock.lock();
+      writing_ = false;
+      idle_cv_.notify_all();
     }
   }
 
   std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::string> lines_;  // under mu_
-  uint64_t dropped_ = 0;           // under mu_
-  pid_t writer_pid_ = 0;           // the process whose writer thread runs; under mu_
+  std::condition_variable cv_;       // lines queued
+  std::condition_variable idle_cv_;  // the writer finished a batch
+  std::deque<std::string> lines_;    // under mu_
+  uint64_t dropped_ = 0;             // under mu_
+  bool writing_ = false;             // the writer has a batch out of the queue; under mu_
+  pid_t writer_pid_ = 0;             // the process whose writer thread runs; under mu_
 };
 
 std::optional<int64_t> ParseInt64(std::string_view text) {

@@ -1,5 +1,6 @@
 #include "transport/store/tcp_store.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -1949,6 +1950,113 @@ TEST(TcpStoreTest, AStderrNobodyReadsDoesNotHoldTheServer) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status);
   EXPECT_EQ(WEXITSTATUS(status), 0) << "6: the stranger was not refused in time; 7: the rank was not served";
+}
+
+// A thread of this process blocked in write(2) on stderr: the default
+// log's writer, stuck on a full pipe.
+bool AThreadWritesToStderr() {
+  DIR* tasks = opendir("/proc/self/task");
+  if (tasks == nullptr) return false;
+  bool found = false;
+  while (dirent* entry = readdir(tasks)) {
+    if (entry->d_name[0] == '.') continue;
+    const std::string path = std::string("/proc/self/task/") + entry->d_name + "/syscall";
+    const int fd = open(path.c_str(), O_RDONLY);
+    if (fd < 0) continue;
+    char text[64] = {};
+    const ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (n > 0 && std::string_view(text, n).starts_with("1 0x2 ")) found = true;
+  }
+  closedir(tasks);
+  return found;
+}
+
+// A child forked while the default log had lines queued (its writer stuck
+// on a full stderr) prints only its own lines, and a line it logs just
+// before exit() is written: before, the child printed the parent's queue
+// again, and the line could be lost with the detached writer at exit.
+TEST(TcpStoreTest, AForkedChildLogsOnlyItsOwnLinesAndFlushesThemAtExit) {
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    alarm(30);  // bounds the child whatever happens
+    int log_pipe[2];
+    if (pipe(log_pipe) != 0) _exit(2);
+    const std::string filler_path = "/proc/self/fd/" + std::to_string(log_pipe[1]);
+    const int filler = open(filler_path.c_str(), O_WRONLY | O_NONBLOCK);
+    if (filler < 0) _exit(3);
+    const std::string chunk(4096, 'x');
+    while (write(filler, chunk.data(), chunk.size()) > 0) {
+    }
+    if (errno != EAGAIN || dup2(log_pipe[1], STDERR_FILENO) < 0) _exit(4);
+    {
+      TcpStoreServerOptions options;
+      options.job_token = kToken;
+      auto server = TcpStoreServer::Start(options);
+      if (!server.ok()) _exit(5);
+      // The first refusal takes the writer into the blocked write; the
+      // second stays queued behind it.
+      (void)TcpStoreClient::Connect("127.0.0.1", (*server)->port(), "wrong token", DeadlineIn(3s));
+      const Deadline deadline = DeadlineIn(10s);
+      while (!AThreadWritesToStderr()) {
+        if (Clock::now() > deadline) _exit(6);
+        std::this_thread::yield();
+      }
+      (void)TcpStoreClient::Connect("127.0.0.1", (*server)->port(), "wrong token", DeadlineIn(3s));
+    }
+    int child_log[2];
+    if (pipe(child_log) != 0) _exit(7);
+    const pid_t grandchild = fork();
+    if (grandchild < 0) _exit(8);
+    if (grandchild == 0) {
+      if (dup2(child_log[1], STDERR_FILENO) < 0) _exit(1);
+      close(child_log[0]);
+      close(child_log[1]);
+      TcpStoreServerOptions options;
+      options.job_token = kToken;
+      auto server = TcpStoreServer::Start(options);
+      if (!server.ok()) _exit(2);
+      // Not a store handshake: refused and logged, then the server closes.
+      UniqueFd fd(socket(AF_INET, SOCK_STREAM, 0));
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>((*server)->port()));
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) _exit(3);
+      wire::Writer w;
+      w.Bytes("GET / HTTP/1.0");
+      const std::string junk = w.Frame();
+      if (write(fd.get(), junk.data(), junk.size()) != static_cast<ssize_t>(junk.size())) _exit(4);
+      char byte;
+      while (read(fd.get(), &byte, 1) > 0) {
+      }
+      server->reset();
+      std::exit(0);  // not _exit: the log's lines are flushed at exit
+    }
+    close(child_log[1]);
+    std::string text;
+    char buf[4096];
+    for (ssize_t n; (n = read(child_log[0], buf, sizeof(buf))) != 0;) {
+      if (n < 0 && errno != EINTR) _exit(9);
+      if (n > 0) text.append(buf, n);
+    }
+    int status = 0;
+    if (waitpid(grandchild, &status, 0) != grandchild || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      _exit(10);
+    }
+    if (text.find("wrong job token") != std::string::npos) _exit(11);
+    if (text.find("not a store handshake") == std::string::npos) _exit(12);
+    _exit(0);  // the log's thread is still blocked on stderr: no teardown
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "11: the forked child printed the parent's queued lines; 12: its own line was lost at exit";
 }
 
 // A server whose hard descriptor limit is too low for max_connections
