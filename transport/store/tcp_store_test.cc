@@ -2179,11 +2179,10 @@ bool ParkedWithin(const TcpStoreServer& server, uint64_t n, std::chrono::millise
   return true;
 }
 
-// A wake held back for room is answered as soon as the room is freed by a
-// connection that closed: that close is handled at the end of the server's
-// round, after the held-back wakes were retried, and the wake then waited
-// for the next event, up to the loop's longest poll (1 s).
-TEST(TcpStoreTest, AWakeHeldBackForRoomIsAnsweredWhenAClosingConnectionFreesIt) {
+// One run of the scenario below on a fresh server: the time from the close
+// that frees the room to the held-back Get's return; nullopt (with the
+// failure recorded) when a step failed.
+std::optional<std::chrono::nanoseconds> HeldBackWakeDelayAfterAClose() {
   constexpr size_t kValueBytes = 32768;
   TcpStoreServerOptions options;
   options.max_buffered_bytes = 65536;
@@ -2196,7 +2195,16 @@ TEST(TcpStoreTest, AWakeHeldBackForRoomIsAnsweredWhenAClosingConnectionFreesIt) 
     got = waiter->Get("big", DeadlineIn(30s));
     returned_at = Clock::now();
   });
-  ASSERT_TRUE(ParkedWithin(*server, 1, 10s)) << "the Get never reached the server";
+  struct Joiner {  // on an early return, the Get ends at its deadline
+    std::thread& t;
+    ~Joiner() {
+      if (t.joinable()) t.join();
+    }
+  } joiner{thread};
+  if (!ParkedWithin(*server, 1, 10s)) {
+    ADD_FAILURE() << "the Get never reached the server";
+    return std::nullopt;
+  }
   // A frame begun and left: room for all of it is held, so that the Set
   // below fits (its frame is 20 bytes over its value) and the Get's reply
   // (counted as 64 bytes over the value) does not.
@@ -2207,15 +2215,39 @@ TEST(TcpStoreTest, AWakeHeldBackForRoomIsAnsweredWhenAClosingConnectionFreesIt) 
   w.U32(kHeldLength);
   w.Bytes("xy");
   holder.Send(w.body());
-  ASSERT_TRUE(StatsReach(*server, [](const TcpStoreServerStats& st) { return st.receiving_bytes == 32730; }));
-  ASSERT_TRUE(setter->Set("big", std::string(kValueBytes, 'v'), DeadlineIn(10s)).ok());
-  ASSERT_EQ(server->stats().parked_waits, 1u) << "the Get's reply was not held back for room";
+  if (!StatsReach(*server, [](const TcpStoreServerStats& st) { return st.receiving_bytes == 32730; }) ||
+      !setter->Set("big", std::string(kValueBytes, 'v'), DeadlineIn(10s)).ok() ||
+      server->stats().parked_waits != 1) {
+    ADD_FAILURE() << "the Get's reply was not held back for room";
+    holder.Close();
+    return std::nullopt;
+  }
   const Deadline closed_at = Clock::now();
   holder.Close();
   thread.join();
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(got->size(), kValueBytes);
-  EXPECT_LT(returned_at - closed_at, 500ms);
+  if (!got.ok() || got->size() != kValueBytes) {
+    ADD_FAILURE() << "the Get returned " << (got.ok() ? std::to_string(got->size()) + " bytes" : got.status().ToString());
+    return std::nullopt;
+  }
+  return returned_at - closed_at;
+}
+
+// A wake held back for room is answered as soon as the room is freed by a
+// connection that closed: that close is handled at the end of the server's
+// round, after the held-back wakes were retried, and the wake then waited
+// for the next event. Nothing else happens here, so that next event was
+// the loop's longest poll, 1 s after the close, every time. The bound is
+// a little under that, and one run of three within it suffices, so that a
+// busy machine descheduling the test does not fail it.
+TEST(TcpStoreTest, AWakeHeldBackForRoomIsAnsweredWhenAClosingConnectionFreesIt) {
+  std::string delays;
+  for (int run = 0; run < 3; ++run) {
+    const std::optional<std::chrono::nanoseconds> delay = HeldBackWakeDelayAfterAClose();
+    if (!delay) return;
+    if (*delay < 900ms) return;
+    delays += " " + std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(*delay).count()) + " ms";
+  }
+  ADD_FAILURE() << "the held-back Get returned only after the server's idle poll, in each of three runs:" << delays;
 }
 
 TEST(TcpStoreTest, StoppingTheServerFailsClientsPromptly) {
