@@ -145,6 +145,13 @@ int ProcessGroup::WaitWorker(size_t i, siginfo_t* info, int flags) const {
   do {
     rc = waitid(type, id, info, WEXITED | flags);
   } while (rc < 0 && errno == EINTR);
+  if (rc < 0 && errno == EINVAL && type == static_cast<idtype_t>(P_PIDFD)) {
+    // Linux 5.3 has pidfd_open but waits on a pidfd only from 5.4: the
+    // worker is still this process's child, so its pid serves.
+    do {
+      rc = waitid(P_PID, static_cast<id_t>(pids_[i]), info, WEXITED | flags);
+    } while (rc < 0 && errno == EINTR);
+  }
   return rc;
 }
 

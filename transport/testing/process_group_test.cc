@@ -29,6 +29,19 @@ extern "C" int kill(pid_t pid, int signal) {
   return real(pid, signal);
 }
 
+// While set, waitid(P_PIDFD, ...) fails with EINVAL, as on Linux 5.3
+// (pidfd_open, but no waitid on a pidfd before 5.4); every other waitid is
+// passed on.
+std::atomic<bool> pidfd_waits_refused{false};
+
+extern "C" int waitid(idtype_t type, id_t id, siginfo_t* info, int options) {
+  if (pidfd_waits_refused.load() && static_cast<int>(type) == 3 /* P_PIDFD */) {
+    errno = EINVAL;
+    return -1;
+  }
+  return static_cast<int>(syscall(SYS_waitid, type, id, info, options, nullptr));
+}
+
 namespace ddp::transport::testing {
 namespace {
 
@@ -83,6 +96,27 @@ TEST(ProcessGroup, WaitReturnsEveryWorkersExitCode) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(results[r].exit_code, 40 + r) << DescribeResults(results);
     EXPECT_FALSE(results[r].timed_out) << "rank " << r;
+  }
+}
+
+// On a kernel with pidfds but no waitid on them (5.3), the waits go by pid:
+// before, every wait failed with EINVAL, Wait gave up on each worker
+// ("waitpid failed: Invalid argument", exit code -1) and left it a zombie.
+TEST(ProcessGroup, WaitsByPidWhereTheKernelCannotWaitOnAPidfd) {
+  pidfd_waits_refused.store(true);
+  struct Restore {
+    ~Restore() { pidfd_waits_refused.store(false); }
+  } restore;
+  auto group = ProcessGroup::Spawn(2, {}, {{"DDP_TEST_SCENARIO", "exit"}}, FreePort());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<WorkerResult> results = (*group)->Wait(DeadlineIn(milliseconds(30000)));
+  ASSERT_EQ(results.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].exit_code, 40 + r) << DescribeResults(results);
+    EXPECT_FALSE(results[r].timed_out) << "rank " << r;
+    siginfo_t info{};
+    EXPECT_NE(waitid(P_PID, static_cast<id_t>((*group)->pid(r)), &info, WEXITED | WNOHANG), 0)
+        << "rank " << r << " was left unreaped";
   }
 }
 
