@@ -1041,9 +1041,10 @@ class Communicator::Impl {
   // For Shutdown of the last holder of the served store: the ranks of the
   // communicators `awaited` (key prefix, ranks) that have not left, by
   // their "left/<rank>" marks ("ranks 2, 3 of communicator 'x'; ..."), or
-  // how many when the marks cannot all be read by `deadline`; "" when every
-  // rank left.
-  std::string NotLeftRanks(const std::vector<std::pair<std::string, int>>& awaited, Deadline deadline);
+  // how many when not `name_them` or the marks cannot all be read by
+  // `deadline`; "" when every rank left.
+  std::string NotLeftRanks(const std::vector<std::pair<std::string, int>>& awaited, bool name_them,
+                           Deadline deadline);
 
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
   // engines, then UCX (requests, endpoints, worker, context), then the store
@@ -1712,14 +1713,15 @@ void Communicator::Impl::ReadRegisteredSplits(std::map<std::string, SplitRegistr
 }
 
 std::string Communicator::Impl::NotLeftRanks(const std::vector<std::pair<std::string, int>>& awaited,
-                                             Deadline deadline) {
+                                             bool name_them, Deadline deadline) {
   constexpr size_t kMostNamed = 16;
   std::string all;
   for (const auto& [prefix, ranks] : awaited) {
     StatusOr<int64_t> count = store_->Add(prefix + "left", 0, deadline);
     if (count.ok() && *count >= ranks) continue;
     std::vector<int> missing;
-    bool read_all = count.ok();
+    // Naming them takes a store read per rank.
+    bool read_all = count.ok() && name_them;
     for (int r = 0; r < ranks && read_all; ++r) {
       StatusOr<std::optional<std::string>> mark = store_->TryGet(prefix + "left/" + std::to_string(r), deadline);
       if (!mark.ok()) {
@@ -2031,7 +2033,11 @@ void Communicator::Impl::Shutdown() {
       // split of theirs, or their own calls, running longer than this
       // wait) read why, and which ranks it gave up on, instead of a bare
       // lost connection; this rank says so too.
-      const std::string not_left = NotLeftRanks(awaited, DeadlineIn(milliseconds(1000)));
+      // After an abort (or a failed creation) ranks that died are expected
+      // not to leave and no warning is printed: their count is enough, and
+      // spares every failed job's exit a store read per rank.
+      const std::string not_left =
+          NotLeftRanks(awaited, !aborted() && !creation_failed_, DeadlineIn(milliseconds(1000)));
       std::string why = "rank " + std::to_string(options_.rank) + " of communicator '" +
                         prefix_.substr(0, prefix_.size() - 1) + "', which served the rendezvous store, was destroyed " +
                         (aborted() ? std::string("after the job was aborted")

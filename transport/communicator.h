@@ -271,9 +271,9 @@ class Communicator {
   /// the whole 3 s; a stopped rank on another host cannot be seen and is
   /// waited for as a slow one. When it then stops the store under ranks
   /// not yet left (a split of theirs running on), their store calls fail
-  /// UNAVAILABLE saying so: after a clean shutdown (or an abort), which
-  /// ranks of which communicator had not left; rank 0 prints the same as a
-  /// warning on stderr.
+  /// UNAVAILABLE saying so: after a clean shutdown, which ranks of which
+  /// communicator had not left, and rank 0 prints the same as a warning on
+  /// stderr; after an abort, how many of each communicator's ranks.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
