@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <string>
 
 #include "examples/trainer/config.h"
@@ -20,6 +21,26 @@ namespace ddp::examples::trainer {
 namespace {
 
 namespace launch = transport::launch;
+
+// Trains `c` in this worker's job, quietly and without evaluation, and
+// hands the result to `print`. Returns the worker's exit status: 0, or 1
+// after printing the error.
+int TrainAndPrint(const TrainConfig& c, const std::function<void(const RunResult&)>& print) {
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  options.evaluate = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    print(Train(c, *parallel, options));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  std::fflush(stdout);
+  return 0;
+}
 
 // The MLP on generated samples for 8 steps of 16 per rank, no checkpoint;
 // prints "measured_steps=M comm_iterations=C". Exit status 0, or 1 after
@@ -36,22 +57,10 @@ DDP_TEST_WORKER(eight_steps) {
   c.workers = 0;
   c.timeout_s = 30;
   c.checkpoint.clear();
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  options.evaluate = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
-    const RunResult r = Train(c, *parallel, options);
+  return TrainAndPrint(c, [](const RunResult& r) {
     std::printf("measured_steps=%lld comm_iterations=%lld\n", static_cast<long long>(r.measured_steps),
                 static_cast<long long>(r.comm_iterations));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  std::fflush(stdout);
-  return 0;
+  });
 }
 
 // One epoch of the MLP on 80 generated samples (40 per rank), batches of
@@ -71,21 +80,7 @@ DDP_TEST_WORKER(tiny_lr_epoch) {
   c.workers = 0;
   c.timeout_s = 30;
   c.checkpoint.clear();
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  options.evaluate = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
-    const RunResult r = Train(c, *parallel, options);
-    std::printf("train_loss=%.17g\n", r.train_loss);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  std::fflush(stdout);
-  return 0;
+  return TrainAndPrint(c, [](const RunResult& r) { std::printf("train_loss=%.17g\n", r.train_loss); });
 }
 
 // Rank 0's train loss of tiny_lr_epoch with batches of `batch_size`.
