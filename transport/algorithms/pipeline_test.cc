@@ -193,15 +193,33 @@ TEST(RequestsTest, DestructorWithNothingOutstandingCancelsNothing) {
   EXPECT_TRUE(p2p.cancelled_together.empty());
 }
 
+// What the scripted endpoints below share: rank `rank` of `size`; a
+// request completes only through their WaitAll or WaitAny, and watching,
+// cancelling and releasing do nothing.
+class ScriptedEndpoint : public p2p::PointToPoint {
+ public:
+  ScriptedEndpoint(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  StatusOr<bool> Test(p2p::RequestId) override { return false; }
+  void MarkWatched(p2p::RequestId) override {}
+  void Cancel(p2p::RequestId) override {}
+  void CancelAll(std::span<const p2p::RequestId>) override {}
+  uint64_t UnconfirmedReleases() const override { return 0; }
+
+ private:
+  const int rank_;
+  const int size_;
+};
+
 // Rank 1 of 3, its stop notes from rank 0 (RelayStops), waiting for data
 // from rank 2. The note's receive first takes a note of another call (one
 // left at the same tag, kStopNoteTags calls away); by then rank 0 has left,
 // so posting that receive again fails PEER_LOST. Its data from rank 2
 // completes once asked for alone.
-class NoteSenderLeftEndpoint final : public p2p::PointToPoint {
+class NoteSenderLeftEndpoint final : public ScriptedEndpoint {
  public:
-  int rank() const override { return 1; }
-  int size() const override { return 3; }
+  NoteSenderLeftEndpoint() : ScriptedEndpoint(/*rank=*/1, /*size=*/3) {}
   StatusOr<p2p::RequestId> PostSend(int, p2p::Tag, const void*, size_t) override {
     return ++last_;
   }
@@ -213,7 +231,6 @@ class NoteSenderLeftEndpoint final : public p2p::PointToPoint {
     return note_recv_ = ++last_;
   }
   Status PostNotice(int, p2p::Tag, const void*, size_t) override { return Status(); }
-  StatusOr<bool> Test(p2p::RequestId) override { return false; }
   Status WaitAll(std::span<const p2p::RequestId> ids, Deadline) override {
     if (ids.size() == 1 && ids[0] == data_recv_) return Status();
     return TimedOutError("not the data receive alone");
@@ -231,10 +248,6 @@ class NoteSenderLeftEndpoint final : public p2p::PointToPoint {
     }
     return TimedOutError("the data is asked for with a watched receive (rank 0's) still listed");
   }
-  void MarkWatched(p2p::RequestId) override {}
-  void Cancel(p2p::RequestId) override {}
-  void CancelAll(std::span<const p2p::RequestId>) override {}
-  uint64_t UnconfirmedReleases() const override { return 0; }
 
  private:
   p2p::RequestId last_ = 0;
@@ -267,11 +280,10 @@ TEST(RequestsTest, ANoteOfAnotherCallFromAPeerThatLeftDoesNotFailTheWait) {
 // note receive first takes a note of another call; by then rank 0 has left,
 // so posting that receive again fails PEER_LOST. Every fingerprint that
 // comes is `theirs`.
-class EmptyCallNoteSenderLeftEndpoint final : public p2p::PointToPoint {
+class EmptyCallNoteSenderLeftEndpoint final : public ScriptedEndpoint {
  public:
-  explicit EmptyCallNoteSenderLeftEndpoint(const Fingerprint& theirs) : theirs_(theirs) {}
-  int rank() const override { return 1; }
-  int size() const override { return 3; }
+  explicit EmptyCallNoteSenderLeftEndpoint(const Fingerprint& theirs)
+      : ScriptedEndpoint(/*rank=*/1, /*size=*/3), theirs_(theirs) {}
   StatusOr<p2p::RequestId> PostSend(int, p2p::Tag, const void*, size_t) override {
     return ++last_;
   }
@@ -282,7 +294,6 @@ class EmptyCallNoteSenderLeftEndpoint final : public p2p::PointToPoint {
     return last_;
   }
   Status PostNotice(int, p2p::Tag, const void*, size_t) override { return Status(); }
-  StatusOr<bool> Test(p2p::RequestId) override { return false; }
   Status WaitAll(std::span<const p2p::RequestId>, Deadline) override { return Status(); }
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> ids, Deadline) override {
     // Rank 0's note first, then the fingerprints; no note of rank 2's.
@@ -304,10 +315,6 @@ class EmptyCallNoteSenderLeftEndpoint final : public p2p::PointToPoint {
     }
     return TimedOutError("nothing more comes");
   }
-  void MarkWatched(p2p::RequestId) override {}
-  void Cancel(p2p::RequestId) override {}
-  void CancelAll(std::span<const p2p::RequestId>) override {}
-  uint64_t UnconfirmedReleases() const override { return 0; }
 
  private:
   struct Recv {
@@ -386,13 +393,11 @@ TEST(RequestsTest, OnlyASizeMismatchOfDataNamesChunkBytes) {
 // (RelayStops) and its argument check from rank 2 (whose fingerprint is
 // this rank's own): every wait that lists request kFailing fails with
 // `failure`. Counts the stop notes it posts.
-class FailingWaitEndpoint final : public p2p::PointToPoint {
+class FailingWaitEndpoint final : public ScriptedEndpoint {
  public:
   static constexpr p2p::RequestId kFailing = 12345;
   FailingWaitEndpoint(const Fingerprint& theirs, Status failure)
-      : theirs_(theirs), failure_(std::move(failure)) {}
-  int rank() const override { return 0; }
-  int size() const override { return 3; }
+      : ScriptedEndpoint(/*rank=*/0, /*size=*/3), theirs_(theirs), failure_(std::move(failure)) {}
   StatusOr<p2p::RequestId> PostSend(int, p2p::Tag, const void*, size_t bytes) override {
     if (bytes != sizeof(Fingerprint)) ++notes_;  // a stop note sent as a plain send
     return ++last_;
@@ -408,7 +413,6 @@ class FailingWaitEndpoint final : public p2p::PointToPoint {
     ++notes_;
     return Status();
   }
-  StatusOr<bool> Test(p2p::RequestId) override { return false; }
   Status WaitAll(std::span<const p2p::RequestId> ids, Deadline) override {
     for (p2p::RequestId id : ids) {
       if (id == kFailing) return failure_;
@@ -426,10 +430,6 @@ class FailingWaitEndpoint final : public p2p::PointToPoint {
     }
     return TimedOutError("nothing more comes");
   }
-  void MarkWatched(p2p::RequestId) override {}
-  void Cancel(p2p::RequestId) override {}
-  void CancelAll(std::span<const p2p::RequestId>) override {}
-  uint64_t UnconfirmedReleases() const override { return 0; }
 
   int notes() const { return notes_; }
 
