@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "transport/algorithms/broadcast.h"
+#include "transport/algorithms/disagreement_test_util.h"
 #include "transport/algorithms/ring_all_reduce.h"
 #include "transport/algorithms/stale_send_test_util.h"
 #include "transport/p2p/loopback.h"
@@ -135,39 +136,11 @@ TEST(BarrierTest, PeerInAnotherCollectiveFailsBothRanks) {
 // its buffers and count) while the others run a barrier at the same tag
 // and call id: every rank must fail INVALID_ARGUMENT naming `odd_name` and
 // the barrier, within 15 s of a 30 s deadline.
-void ExpectOddRankAmongBarrierRanksFailsEveryRank(
-    const std::function<Status(p2p::PointToPoint&, CollectiveArgs)>& odd,
-    const std::string& odd_name) {
-  constexpr int kWorld = 5;
-  constexpr int kOdd = 2;
-  ::ddp::transport::testing::HarnessOptions options;
-  options.kill_on_error = false;
-  std::vector<Clock::duration> took(kWorld);
-  auto statuses = RunRanks(
-      kWorld,
-      [&](p2p::PointToPoint& p2p) -> Status {
-        CollectiveArgs args;
-        args.tag = CollectiveTag(3);
-        args.call_id = 7;
-        const auto start = Clock::now();
-        args.deadline = start + 30s;
-        Status status;
-        if (p2p.rank() == kOdd) {
-          status = odd(p2p, args);
-        } else {
-          status = Barrier(p2p, args);
-        }
-        took[p2p.rank()] = Clock::now() - start;
-        return status;
-      },
-      options);
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": "
-                                                                << statuses[r];
-    EXPECT_THAT(statuses[r].message(), HasSubstr(odd_name)) << "rank " << r;
-    EXPECT_THAT(statuses[r].message(), HasSubstr("barrier")) << "rank " << r;
-    EXPECT_LT(took[r], 15s) << "rank " << r << ": " << statuses[r];
-  }
+void ExpectOddRankAmongBarrierRanksFailsEveryRank(const testing::CollectiveCall& odd,
+                                                  const std::string& odd_name) {
+  testing::ExpectOddCollectiveStopsEveryRank(
+      /*world=*/5, /*odd=*/2, odd, odd_name,
+      [](p2p::PointToPoint& p2p, CollectiveArgs args) { return Barrier(p2p, args); }, "barrier");
 }
 
 // One rank of five in a ring all-reduce while the others are in a barrier,

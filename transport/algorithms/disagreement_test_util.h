@@ -4,11 +4,15 @@
 // What the broadcast, gather/scatter and tree reduce tests expect when one
 // rank passes arguments the others do not (CheckEveryRank): every rank
 // refuses the call, naming that rank and both values, before any data
-// moves.
+// moves; and when one rank runs another collective at the same tag and
+// call id, every rank fails at once, naming both.
 
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "transport/algorithms/collective.h"
+#include "transport/p2p/point_to_point.h"
 #include "transport/status.h"
 
 namespace ddp::transport::algorithms::testing {
@@ -21,6 +25,18 @@ namespace ddp::transport::algorithms::testing {
 void ExpectEveryRankNamesTheOddRank(const std::vector<Status>& statuses, int odd, const std::string& odd_value,
                                     const std::string& rest_value, const std::vector<int>& written,
                                     const std::string& what);
+
+/// Runs one collective call on `world` loopback ranks, none killed when
+/// another fails: rank `odd` runs `run_odd`, every other rank `run_rest`,
+/// each given the tag CollectiveTag(3), call id 7 and a 30 s deadline (and
+/// setting its own buffers and count). Records a gtest failure unless every
+/// rank fails INVALID_ARGUMENT naming both `odd_name` and `rest_name`
+/// within 15 s (room for a loaded host; a rank that waits out the deadline
+/// still fails).
+using CollectiveCall = std::function<Status(p2p::PointToPoint&, CollectiveArgs)>;
+void ExpectOddCollectiveStopsEveryRank(int world, int odd, const CollectiveCall& run_odd,
+                                       const std::string& odd_name, const CollectiveCall& run_rest,
+                                       const std::string& rest_name);
 
 }  // namespace ddp::transport::algorithms::testing
 
