@@ -31,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <regex>
 #include <stdexcept>
 #include <string>
@@ -717,6 +718,21 @@ int ScenarioNestedSplitWithoutStoreRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Splits `comm` into a child of every rank but 0 (rank 0's is null) and
+// then waits on `comm` until each of them has its child. Nullopt if the
+// split failed; a failed wait is counted as a worker failure and the child
+// is still returned.
+std::optional<std::unique_ptr<Communicator>> SplitWithoutRankZeroAndWait(Communicator& comm) {
+  const int me = comm.rank();
+  auto child = comm.Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return std::nullopt;
+  // The child is made on ranks 1 and up once they are all here.
+  Status made = comm.Barrier();
+  WORKER_CHECK(made.ok(), "barrier after the split: " + made.ToString());
+  return std::move(*child);
+}
+
 // Rank 0, which serves the store, dies (no teardown) after a split without
 // it; rank 1 comes late to the child's all-reduce, so rank 2's wait looks at
 // the store and finds it gone. The failure names who served it: rank 0 of
@@ -724,12 +740,8 @@ int ScenarioNestedSplitWithoutStoreRank() {
 int ScenarioStoreRankDiesUnderASplitWithoutIt() {
   auto comm = MustCreate();
   const int me = comm->rank();
-  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
-  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
-  if (!child.ok()) return 1;
-  // The child is made on ranks 1 and 2 once they are here.
-  Status made = comm->Barrier();
-  WORKER_CHECK(made.ok(), "barrier after the split: " + made.ToString());
+  std::optional<std::unique_ptr<Communicator>> child = SplitWithoutRankZeroAndWait(*comm);
+  if (!child.has_value()) return 1;
   if (me == 0) _exit(0);
   // Once rank 2 has its result, 3 s late at the latest.
   if (me == 1) AwaitMark("rank_2_failed", milliseconds(3000));
@@ -753,12 +765,8 @@ int ScenarioStoreRankDiesUnderASplitWithoutIt() {
 int ScenarioSplitOutlivesTheStoresCleanShutdown() {
   auto comm = MustCreate();
   const int me = comm->rank();
-  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
-  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
-  if (!child.ok()) return 1;
-  // The child is made on ranks 1 and 2 once they are here.
-  Status made = comm->Barrier();
-  WORKER_CHECK(made.ok(), "barrier after the split: " + made.ToString());
+  std::optional<std::unique_ptr<Communicator>> child = SplitWithoutRankZeroAndWait(*comm);
+  if (!child.has_value()) return 1;
   if (me == 0) {
     comm.reset();
     return testing::worker_failures == 0 ? 0 : 1;
