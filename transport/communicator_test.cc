@@ -718,6 +718,14 @@ int ScenarioNestedSplitWithoutStoreRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A store connection of this worker's own, apart from its communicators'
+// (the job's MASTER_PORT and DDP_JOB_TOKEN; 5 s to connect).
+StatusOr<std::unique_ptr<store::TcpStoreClient>> ConnectToTheJobsStore() {
+  const char* token = std::getenv("DDP_JOB_TOKEN");
+  return store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
+                                        token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+}
+
 // Splits `comm` into a child of every rank but 0 (rank 0's is null) and
 // then waits on `comm` until each of them has its child. Nullopt if the
 // split failed; a failed wait is counted as a worker failure and the child
@@ -771,9 +779,7 @@ int ScenarioSplitOutlivesTheStoresCleanShutdown() {
     comm.reset();
     return testing::worker_failures == 0 ? 0 : 1;
   }
-  const char* token = std::getenv("DDP_JOB_TOKEN");
-  auto watcher = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
-                                                token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+  auto watcher = ConnectToTheJobsStore();
   WORKER_CHECK(watcher.ok(), "connecting to the store: " + watcher.status().ToString());
   if (!watcher.ok()) return 1;
   comm.reset();
@@ -1924,9 +1930,7 @@ int ScenarioSplitRegistrationFails() {
   std::unique_ptr<Communicator> kept = std::move(*child);
   comm.reset();
   if (kept->rank() == 0) {
-    const char* token = std::getenv("DDP_JOB_TOKEN");
-    auto client = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
-                                                 token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+    auto client = ConnectToTheJobsStore();
     WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
     if (!client.ok()) return 1;
     // The job's root communicator's counter of registrations: its name
@@ -2051,9 +2055,7 @@ int ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore() {
   }
   // Rank 1 watches the store with a connection of its own, parked on a key
   // nobody sets, until the server goes away.
-  const char* token = std::getenv("DDP_JOB_TOKEN");
-  auto watcher = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
-                                                token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+  auto watcher = ConnectToTheJobsStore();
   WORKER_CHECK(watcher.ok(), "connecting to the store: " + watcher.status().ToString());
   if (!watcher.ok()) return 1;
   auto never = (*watcher)->Get("never set", DeadlineIn(std::chrono::seconds(10)));
@@ -2237,9 +2239,7 @@ int ScenarioStoreRankKeepsTheStoreForARemoteSplitWhoseMemberLeftTheParent() {
 int ScenarioStoreRankNamesAMalformedSplitRegistration() {
   auto comm = MustCreate();
   if (comm->rank() == 0) {
-    const char* token = std::getenv("DDP_JOB_TOKEN");
-    auto client = store::TcpStoreClient::Connect("127.0.0.1", std::atoi(EnvOr("MASTER_PORT", "0").c_str()),
-                                                 token == nullptr ? "" : token, DeadlineIn(milliseconds(5000)));
+    auto client = ConnectToTheJobsStore();
     WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
     if (!client.ok()) return 1;
     // The root communicator's first registration (as in
