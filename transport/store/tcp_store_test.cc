@@ -1910,6 +1910,24 @@ TEST(TcpStoreTest, ServesMoreConnectionsThanALowSoftDescriptorLimit) {
   setrlimit(RLIMIT_NOFILE, &before);
 }
 
+// In a forked child: makes stderr a pipe that nobody reads and that is
+// already full, so a write to stderr blocks. 0 when done, else the child's
+// exit status naming the step that failed (2 pipe, 3 reopen, 4 fill/dup2).
+int StderrToAFullPipe() {
+  int log_pipe[2];
+  if (pipe(log_pipe) != 0) return 2;
+  // Filled through a non-blocking description of its own (reopened
+  // through /proc), so that stderr's, the other, still blocks when full.
+  const std::string filler_path = "/proc/self/fd/" + std::to_string(log_pipe[1]);
+  const int filler = open(filler_path.c_str(), O_WRONLY | O_NONBLOCK);
+  if (filler < 0) return 3;
+  const std::string chunk(4096, 'x');
+  while (write(filler, chunk.data(), chunk.size()) > 0) {
+  }
+  if (errno != EAGAIN || dup2(log_pipe[1], STDERR_FILENO) < 0) return 4;
+  return 0;
+}
+
 // The default log goes to stderr, which may be a pipe nobody reads (a
 // launcher that stopped reading, a full terminal buffer): a server whose
 // own thread wrote its log lines there stopped at the first one, and every
@@ -1924,17 +1942,7 @@ TEST(TcpStoreTest, AStderrNobodyReadsDoesNotHoldTheServer) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(1);
     alarm(30);  // bounds the child whatever happens
-    int log_pipe[2];
-    if (pipe(log_pipe) != 0) _exit(2);
-    // Filled through a non-blocking description of its own (reopened
-    // through /proc), so that stderr's, the other, still blocks when full.
-    const std::string filler_path = "/proc/self/fd/" + std::to_string(log_pipe[1]);
-    const int filler = open(filler_path.c_str(), O_WRONLY | O_NONBLOCK);
-    if (filler < 0) _exit(3);
-    const std::string chunk(4096, 'x');
-    while (write(filler, chunk.data(), chunk.size()) > 0) {
-    }
-    if (errno != EAGAIN || dup2(log_pipe[1], STDERR_FILENO) < 0) _exit(4);
+    if (const int failed = StderrToAFullPipe(); failed != 0) _exit(failed);
     TcpStoreServerOptions options;
     options.job_token = kToken;
     auto server = TcpStoreServer::Start(options);
@@ -1984,15 +1992,7 @@ TEST(TcpStoreTest, AForkedChildLogsOnlyItsOwnLinesAndFlushesThemAtExit) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(1);
     alarm(30);  // bounds the child whatever happens
-    int log_pipe[2];
-    if (pipe(log_pipe) != 0) _exit(2);
-    const std::string filler_path = "/proc/self/fd/" + std::to_string(log_pipe[1]);
-    const int filler = open(filler_path.c_str(), O_WRONLY | O_NONBLOCK);
-    if (filler < 0) _exit(3);
-    const std::string chunk(4096, 'x');
-    while (write(filler, chunk.data(), chunk.size()) > 0) {
-    }
-    if (errno != EAGAIN || dup2(log_pipe[1], STDERR_FILENO) < 0) _exit(4);
+    if (const int failed = StderrToAFullPipe(); failed != 0) _exit(failed);
     {
       TcpStoreServerOptions options;
       options.job_token = kToken;
