@@ -110,8 +110,15 @@ StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Spawn(int size,
     }
     group->pids_.push_back(pid);
     group->logs_.push_back(log);
-    group->reaped_.push_back(false);
-    group->pidfds_.push_back(OpenPidfd(pid));
+    const int pidfd = OpenPidfd(pid);
+    // ESRCH: the worker already ended and the kernel reaped it (SIGCHLD
+    // ignored) before its pidfd could be taken. Its number may be another
+    // process's by now, so it counts as reaped and is never signalled; a
+    // checked kill(pid) would reach a new child of this process that got it.
+    const bool gone = pidfd < 0 && errno == ESRCH;
+    group->reaped_.push_back(gone);
+    group->lost_.push_back(gone ? "the worker ended and was reaped before its pidfd was opened" : "");
+    group->pidfds_.push_back(pidfd);
   }
   return group;
 }
@@ -278,6 +285,7 @@ std::vector<WorkerResult> ProcessGroup::Wait(Deadline deadline) {
     text << in.rdbuf();
     results[i].output = text.str();
     if (!failed_waits[i].empty()) results[i].output += "\n[harness] " + failed_waits[i] + "\n";
+    if (!lost_[i].empty()) results[i].output += "\n[harness] " + lost_[i] + "\n";
     std::remove(logs_[i].c_str());
   }
   return results;

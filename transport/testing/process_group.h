@@ -73,6 +73,8 @@ class ProcessGroup {
   std::vector<int> pidfds_;  ///< One per worker, -1 without pidfds; closed by the destructor.
   std::vector<std::string> logs_;
   std::vector<bool> reaped_;
+  /// Per worker: why its exit is unknown without a wait (empty otherwise).
+  std::vector<std::string> lost_;
 };
 
 /// A finished job: every worker's result, rank by rank.
