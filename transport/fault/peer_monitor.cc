@@ -60,11 +60,13 @@ PeerMonitor::~PeerMonitor() {
 PeerMonitor::Closed PeerMonitor::PeerClosed(int peer, Deadline deadline) {
   std::atomic<bool>& seen = closed_seen_[static_cast<size_t>(peer)];
   if (seen.load(std::memory_order_relaxed)) return Closed::kYes;
+  if (store_ != nullptr && store_->StoppedCleanly()) return Closed::kStoreStopped;
   // No store, or no time to ask it: nothing says the peer closed cleanly.
   if (store_ == nullptr || Clock::now() >= deadline) return Closed::kNo;
   auto value = store_->TryGet(options_.key_prefix + "closed/" + std::to_string(peer),
                               StoreDeadline(deadline));
-  if (!value.ok()) return Closed::kUnknown;
+  // This very read may be the one that learned of the stop.
+  if (!value.ok()) return store_->StoppedCleanly() ? Closed::kStoreStopped : Closed::kUnknown;
   if (!value->has_value()) return Closed::kNo;
   seen.store(true, std::memory_order_relaxed);
   return Closed::kYes;
@@ -115,6 +117,10 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
                                    static_cast<int>(r)) != awaited_peers.end();
     const int64_t asked = Clock::now().time_since_epoch().count();
     const Closed mark = PeerClosed(static_cast<int>(r), deadline);
+    // The store's owner stopped it after a clean end of the job: a peer
+    // closing since could not post its mark, so an exit is a failure only
+    // for a wait that needs something from that peer.
+    if (mark == Closed::kStoreStopped && !awaited) continue;
     if (mark == Closed::kUnknown && !awaited && Clock::now() < deadline) {
       // The store could not be read this round (a hiccup): the peer may
       // have closed cleanly, so it is not declared lost on that alone. The
@@ -149,13 +155,18 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
   }
   // With no time left the caller reports its own deadline, naming what it
   // waited for, which says more than a store read that could not start.
+  // A store stopped after a clean end of the job has no abort to tell.
   const Clock::time_point now = Clock::now();
-  if (store_ == nullptr || now >= deadline) return Status::Ok();
+  if (store_ == nullptr || now >= deadline || store_->StoppedCleanly()) return Status::Ok();
   const Deadline until = std::min(deadline, now + options_.store_call_cap);
   const int64_t asked = now.time_since_epoch().count();
   auto posted = store_->TryGet(options_.key_prefix + "abort", until);
   if (!posted.ok()) {
     const StatusCode code = posted.status().code();
+    // This read learned that the store's owner stopped it after a clean
+    // end of the job (a split's ranks still at their last collectives):
+    // no abort reason will come, and its server was not lost.
+    if (code == StatusCode::kUnavailable && store_->StoppedCleanly()) return Status::Ok();
     if (code == StatusCode::kTimedOut && until == deadline) {
       // Not (yet) evidence that the store is gone: the call ran out of time
       // while asking it.

@@ -17,6 +17,12 @@
 //      refused or lost connection at once, a read slower than the cap on
 //      the second such round in a row (one slow answer is a stall, not a
 //      loss); an error the store answers with keeps its own code.
+//      A store whose owner stopped it after a clean end of the job
+//      (Store::StoppedCleanly: rank 0 destroyed its communicator without
+//      an abort while ranks of a split finish their last collectives) is
+//      no loss: no abort reason will come, and it is not asked again.
+//      Stopped after an abort, or without a reason, it still counts as
+//      lost: the reason posted went with it, and the ranks must not wait on.
 // A peer that closed its communicator cleanly (posted under `closed/`) may
 // exit without being reported, unless the wait is for that very peer: it
 // left the job early (ranks stopping at different points, e.g. on a signal)
@@ -29,7 +35,9 @@
 // crashed, which is what this check is for, at the cost of misnaming one
 // that closed cleanly, was not awaited and whose mark was unreadable at
 // that very moment (the wait's own TIMED_OUT would have been right). A
-// mark once read is not read again: a clean close is final.
+// mark once read is not read again: a clean close is final. Once the store
+// is stopped after a clean end of the job, a peer closing since could not
+// post its mark: its exit is reported only to a wait for that very peer.
 //
 // Every store access takes the deadline of the call it serves: a store that
 // stopped answering (its host cut off) must not hold a call past its own
@@ -122,8 +130,9 @@ class PeerMonitor {
   Deadline StoreDeadline(Deadline deadline) const;
   // Whether `peer` posted its clean close: kUnknown when the store could
   // not be read (an error or a timeout), kNo also when there is no store or
-  // no time left to ask it.
-  enum class Closed { kYes, kNo, kUnknown };
+  // no time left to ask it, kStoreStopped when its owner stopped the store
+  // after a clean end of the job (a mark not read by then never will be).
+  enum class Closed { kYes, kNo, kUnknown, kStoreStopped };
   Closed PeerClosed(int peer, Deadline deadline);
   bool Exited(size_t rank) const;
 

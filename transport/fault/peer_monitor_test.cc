@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "transport/fault/process.h"
+#include "transport/store/tcp_store.h"
 #include "transport/testing/descriptors_exhausted.h"
 #include "transport/testing/forwarding_store.h"
 #include "transport/testing/in_memory_store.h"
@@ -741,6 +742,92 @@ TEST(PeerMonitor, PostedReasonWinsOverAReporterThatExited) {
   Status s = monitor.Check(Soon());
   EXPECT_EQ(s.code(), StatusCode::kPeerLost);
   EXPECT_NE(s.message().find("rank 3 died"), std::string::npos) << s;
+}
+
+// A real store, served here, and a client of it for the monitor.
+struct ServedStore {
+  std::unique_ptr<store::TcpStoreServer> server;
+  std::unique_ptr<store::TcpStoreClient> client;
+};
+
+ServedStore Serve() {
+  ServedStore served;
+  auto server = store::TcpStoreServer::Start({.job_token = "token"});
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return served;
+  served.server = std::move(*server);
+  auto client = store::TcpStoreClient::Connect("127.0.0.1", served.server->port(), "token", Soon());
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (client.ok()) served.client = std::move(*client);
+  return served;
+}
+
+// The reason rank 0's communicator gives when it stops the store it served
+// at the end of a job that ended cleanly, with ranks still at their last
+// collectives (a split of theirs running on).
+const char kCleanStop[] =
+    "rank 0 of communicator 'j', which served the rendezvous store, was destroyed after a clean "
+    "shutdown and stopped the store after waiting 2000 ms for every rank to leave; ranks 1, 2 of "
+    "communicator 'j' had not left";
+
+// A store stopped by its owner at the end of a job that ended cleanly is
+// the end of abort information, not the loss of the rank serving it: the
+// ranks finishing their last collectives go on (it was PEER_LOST, "the
+// rendezvous store cannot be reached"). A peer that exits after it is
+// still lost to a wait for that very peer, which the store is not needed
+// to tell; one not awaited may have closed cleanly, its mark now unreadable.
+TEST(PeerMonitor, AStoreStoppedAfterACleanShutdownIsNoLostPeer) {
+  ServedStore served = Serve();
+  ASSERT_NE(served.client, nullptr);
+  const pid_t child = SpawnSleeper();
+  PeerMonitor monitor({.rank = 1, .local_pids = {0, getpid(), child}, .key_prefix = "j/", .store_rank = 0},
+                      served.client.get());
+  Status s = monitor.Check(Soon());
+  ASSERT_TRUE(s.ok()) << s;
+  served.server->Stop(kCleanStop);
+  for (int round = 0; round < 3; ++round) {
+    s = monitor.Check(Soon());
+    EXPECT_TRUE(s.ok()) << "round " << round << ": " << s;
+  }
+  KillAndReap(child);
+  for (int round = 0; round < 3; ++round) {
+    s = monitor.Check(Soon());
+    EXPECT_TRUE(s.ok()) << "round " << round << ", rank 2 not awaited: " << s;
+  }
+  s = monitor.Check(Soon(), 2);
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+  EXPECT_NE(s.message().find("rank 2 (pid " + std::to_string(child) + " on this host) exited"), std::string::npos)
+      << s;
+  EXPECT_EQ(s.message().find("closed its communicator"), std::string::npos) << s;
+  EXPECT_EQ(monitor.lost_peer(), 2);
+}
+
+// Stopped after an abort (whose reason went with the store), or without a
+// word, the store's end is still told as the loss of its server, with the
+// reason its owner gave: a rank that had not read the abort must not wait on.
+TEST(PeerMonitor, AStoreStoppedAfterAnAbortOrWithoutAReasonIsStillLost) {
+  for (const std::string& why :
+       {std::string("rank 0 of communicator 'j', which served the rendezvous store, was destroyed after the job "
+                    "was aborted and stopped the store"),
+        std::string()}) {
+    ServedStore served = Serve();
+    ASSERT_NE(served.client, nullptr);
+    PeerMonitor monitor({.rank = 1, .key_prefix = "j/", .store_rank = 0}, served.client.get());
+    ASSERT_TRUE(monitor.Check(Soon()).ok());
+    if (why.empty()) {
+      served.server->Stop();
+    } else {
+      served.server->Stop(why);
+    }
+    for (int round = 0; round < 2; ++round) {
+      Status s = monitor.Check(Soon());
+      EXPECT_EQ(s.code(), StatusCode::kPeerLost) << "round " << round << ": " << s;
+      EXPECT_NE(s.message().find("the rendezvous store cannot be reached (rank 0 serves it"), std::string::npos) << s;
+      EXPECT_NE(s.message().find("the store server is shutting down" + (why.empty() ? "" : ": " + why)),
+                std::string::npos)
+          << s;
+    }
+  }
 }
 
 TEST(PeerMonitor, UnreachableStoreServedOutsideTheGroupOrByALauncherSaysWho) {

@@ -27,6 +27,13 @@ namespace ddp::transport::store {
 inline constexpr size_t kMaxKeyBytes = 1024;
 inline constexpr size_t kMaxValueBytes = 4 << 20;
 
+/// The words by which the reason its owner gives for stopping the store's
+/// server (TcpStoreServer::Stop) says that the job ended cleanly (rank 0's
+/// communicator: "... was destroyed after a clean shutdown and stopped the
+/// store ..."). Clients then take the store's end for the end of abort
+/// information, not for the loss of the rank that served it.
+inline constexpr std::string_view kCleanShutdownWords = "after a clean shutdown";
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -80,6 +87,15 @@ class Store {
   virtual StatusOr<std::optional<std::string>> CompareSet(std::string_view key,
                                                           std::optional<std::string_view> expected,
                                                           std::string_view desired, Deadline deadline) = 0;
+
+  /// Whether this client has read that the store's server was stopped by
+  /// its owner after the job ended cleanly (a reason with
+  /// kCleanShutdownWords): no abort reason will be posted any more, and
+  /// every later call fails UNAVAILABLE. False while it serves, after a
+  /// stop for another reason (an abort) or none, and when it went away
+  /// without a word (its process died). Thread-safe. This default, for
+  /// stores without a server to stop: false.
+  virtual bool StoppedCleanly() const { return false; }
 };
 
 }  // namespace ddp::transport::store

@@ -176,7 +176,10 @@ class TcpStoreServer {
   /// the next call of a client with none under way, fail with UNAVAILABLE
   /// whose message ends with `why` ("its owner closed it after a clean
   /// shutdown; ranks 2, 3 had not left"), not with a bare lost connection.
-  /// The first Stop's reason stands.
+  /// A `why` with kCleanShutdownWords (store.h) says the job ended cleanly:
+  /// the clients' StoppedCleanly() turns true, and their peer monitors stop
+  /// looking for abort reasons instead of reporting the store's server
+  /// lost. The first Stop's reason stands.
   void Stop(std::string why);
   /// A snapshot of the counters.
   TcpStoreServerStats stats() const;
@@ -245,6 +248,11 @@ class TcpStoreClient final : public Store {
                                                   std::optional<std::string_view> expected,
                                                   std::string_view desired, Deadline deadline) override;
 
+  /// Set when a call of this client read the server's stop notice (a
+  /// parked call's answer, or the next call's) with a reason that says the
+  /// job ended cleanly (Store::StoppedCleanly).
+  bool StoppedCleanly() const override;
+
   /// "host:port" of the server.
   const std::string& endpoint() const { return endpoint_; }
 
@@ -274,6 +282,7 @@ class TcpStoreClient final : public Store {
   const int fd_;                        // valid until destruction
   const pid_t owner_pid_;               // the process that connected (see ~TcpStoreClient)
   std::atomic<bool> closed_{false};     // set by Close()
+  std::atomic<bool> stopped_cleanly_{false};  // see StoppedCleanly()
   const std::string endpoint_;
   uint32_t next_request_id_ = 1;
   std::string read_buffer_;  // bytes received but not yet parsed

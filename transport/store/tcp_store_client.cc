@@ -235,6 +235,8 @@ TcpStoreClient::~TcpStoreClient() {
   UniqueFd closer(fd_);
 }
 
+bool TcpStoreClient::StoppedCleanly() const { return stopped_cleanly_.load(); }
+
 void TcpStoreClient::Close() {
   closed_.store(true);
   // Wakes a poll() blocked on this socket in another thread; the descriptor
@@ -292,6 +294,17 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
     // This call's request named too; later calls get broken_ alone.
     return UnavailableError(broken_.message() + " (during the " + what + ")");
   };
+  // An UNAVAILABLE the server answered with: its owner stopping it says so
+  // (wire::kStopNotice), with its reason.
+  auto stopped = [&](const Status& why) {
+    const std::string_view said = why.message();
+    if (why.code() != StatusCode::kUnavailable || !said.starts_with(wire::kStopNotice)) return lost(why);
+    const std::string_view reason = said.substr(wire::kStopNotice.size());
+    if (reason.starts_with(": ") && reason.find(kCleanShutdownWords) != std::string_view::npos) {
+      stopped_cleanly_.store(true);
+    }
+    return lost(why);
+  };
 
   // A request carries at most INT_MAX ms (24.8 days). When a deadline
   // further out was cut to that, the server's TIMED_OUT comes with the
@@ -347,7 +360,7 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
           // The server refused something on this connection and is closing it.
           std::string_view message;
           r.String(message, wire::kMaxFrameBytes);
-          return lost(Status(static_cast<StatusCode>(code), std::string(message)));
+          return stopped(Status(static_cast<StatusCode>(code), std::string(message)));
         }
         continue;  // the late answer to a call that already gave up
       }
@@ -365,7 +378,7 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
         if (carried_ms == static_cast<uint32_t>(INT_MAX) && Clock::now() < deadline) break;  // again
         return TimedOutError(timed_out().message() + ": " + std::string(message));
       }
-      if (status_code == StatusCode::kUnavailable) return lost(Status(status_code, std::string(message)));
+      if (status_code == StatusCode::kUnavailable) return stopped(Status(status_code, std::string(message)));
       return Status(status_code, "store " + what + ": " + std::string(message));
     }
   }

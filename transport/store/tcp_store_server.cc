@@ -468,9 +468,8 @@ class TcpStoreServer::Impl {
   }
 
   void Shutdown() {
-    const Status stopping = UnavailableError(
-        stop_reason_.empty() ? std::string("the store server is shutting down")
-                             : "the store server is shutting down: " + stop_reason_);
+    const Status stopping = UnavailableError(std::string(wire::kStopNotice) +
+                                             (stop_reason_.empty() ? "" : ": " + stop_reason_));
     // Answer every parked call so that no client waits for its deadline.
     std::vector<uint64_t> ids;
     for (auto& [id, w] : waiters_) ids.push_back(id);

@@ -2318,6 +2318,57 @@ TEST(TcpStoreTest, StoppingWithAReasonTellsEveryClientWhy) {
   EXPECT_LT(Clock::now() - start, 2s);
 }
 
+// A client learns that the store was stopped after a clean end of the job
+// (its reason says kCleanShutdownWords) from its parked call's answer or
+// from its next call, and only then: not from a stop after an abort or
+// without a reason, nor from closing its own connection. Its calls still
+// fail UNAVAILABLE with the reason.
+TEST(TcpStoreTest, AClientKnowsAStopAfterACleanShutdownFromAnyOther) {
+  const std::string clean = "rank 0 of communicator 'job', which served the rendezvous store, was destroyed " +
+                            std::string(kCleanShutdownWords) + " and stopped the store";
+  {
+    auto server = StartServer();
+    auto parked = ConnectClient(*server);
+    auto idle = ConnectClient(*server);
+    auto closed = ConnectClient(*server);
+    EXPECT_FALSE(parked->StoppedCleanly());
+    StatusOr<std::string> got = InternalError("not run");
+    std::thread thread([&] { got = parked->Get("never", DeadlineIn(30s)); });
+    ASSERT_TRUE(ParkedWithin(*server, 1, 10s)) << "the Get never reached the server";
+    closed->Close();
+    server->Stop(clean);
+    thread.join();
+    EXPECT_EQ(got.status().code(), StatusCode::kUnavailable) << got.status();
+    EXPECT_TRUE(parked->StoppedCleanly());
+    EXPECT_FALSE(idle->StoppedCleanly());  // not read yet
+    StatusOr<std::optional<std::string>> read = idle->TryGet("k", DeadlineIn(30s));
+    EXPECT_EQ(read.status().code(), StatusCode::kUnavailable) << read.status();
+    EXPECT_THAT(read.status().message(), HasSubstr(clean));
+    EXPECT_TRUE(idle->StoppedCleanly());
+    EXPECT_EQ(closed->TryGet("k", DeadlineIn(30s)).status().code(), StatusCode::kUnavailable);
+    EXPECT_FALSE(closed->StoppedCleanly());
+  }
+  for (const std::string& why : {std::string("rank 0 of communicator 'job' was destroyed after the job was aborted"),
+                                std::string()}) {
+    auto server = StartServer();
+    auto parked = ConnectClient(*server);
+    auto idle = ConnectClient(*server);
+    StatusOr<std::string> got = InternalError("not run");
+    std::thread thread([&] { got = parked->Get("never", DeadlineIn(30s)); });
+    ASSERT_TRUE(ParkedWithin(*server, 1, 10s)) << "the Get never reached the server";
+    if (why.empty()) {
+      server->Stop();
+    } else {
+      server->Stop(why);
+    }
+    thread.join();
+    EXPECT_EQ(got.status().code(), StatusCode::kUnavailable) << got.status();
+    EXPECT_EQ(idle->TryGet("k", DeadlineIn(30s)).status().code(), StatusCode::kUnavailable);
+    EXPECT_FALSE(parked->StoppedCleanly()) << "'" << why << "'";
+    EXPECT_FALSE(idle->StoppedCleanly()) << "'" << why << "'";
+  }
+}
+
 // A client parked in a Wait when the store restarts on the same port fails
 // UNAVAILABLE naming the store's host:port, and stays failed: there is no
 // reconnection (README), although a new client reaches the new server.

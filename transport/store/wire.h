@@ -76,6 +76,11 @@ inline constexpr size_t kFrameHeaderBytes = 4;
 /// once gets past (the server's limits on waiting calls are not).
 inline constexpr char kReplyTooLarge[] = "more than one reply carries";
 
+/// How the UNAVAILABLE message begins with which a stopping server answers
+/// parked calls and tells idle connections (request id 0) that it stops;
+/// its owner's reason, if any, follows after ": ".
+inline constexpr std::string_view kStopNotice = "the store server is shutting down";
+
 /// "set", "get", ...; "unknown" for anything else.
 const char* OpName(uint8_t op);
 
