@@ -3,7 +3,11 @@
 
 // A store::Store that hands every call to an InMemoryStore it owns: tests
 // derive from it and override only the calls whose behaviour they change
-// (a read that fails once, one that is slow, a key never found).
+// (a read that fails once, one that is slow, a key never found). Check and
+// StoppedCleanly are the exceptions: they are Store's defaults, Check
+// asking this class's TryGet key by key, so that a TryGet overridden to
+// fail or lag fails or lags Check alike (InMemoryStore has no Check of its
+// own to forward to, and never stops).
 
 #include <optional>
 #include <span>
