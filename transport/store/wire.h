@@ -29,7 +29,9 @@
 //     kNumKeys i64 count, kCheck u8 all_exist
 //
 // The request id lets a client drop the late reply of a call that it already
-// gave up on locally, without closing the connection. The server answers
+// gave up on locally, without closing the connection. A reply with request
+// id 0 answers no request: the server is closing the connection, and its
+// message says why (a refused request, or kStopNotice when it stops). The server answers
 // each request independently: a parked Get does not hold back later requests.
 
 #include <cstdint>
