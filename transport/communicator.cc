@@ -2040,8 +2040,9 @@ void Communicator::Impl::Shutdown() {
           NotLeftRanks(awaited, !aborted() && !creation_failed_, DeadlineIn(milliseconds(1000)));
       std::string why = "rank " + std::to_string(options_.rank) + " of communicator '" +
                         prefix_.substr(0, prefix_.size() - 1) + "', which served the rendezvous store, was destroyed " +
-                        (aborted() ? std::string("after the job was aborted")
-                                   : std::string("after a clean shutdown")) +
+                        (aborted()            ? std::string("after the job was aborted")
+                         : creation_failed_ ? std::string("after its creation failed")
+                                            : std::string(store::kCleanShutdownWords)) +
                         " and stopped the store";
       if (!not_left.empty()) {
         const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - leaving_since);
