@@ -815,7 +815,17 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
     }
   }
   if (busy) return Status::Ok();
-  return BackOff(polls, now, deadline, options_.watchdog_period);
+  // A sleep ends when the watchdog is next due (or the wait has lasted the
+  // millisecond it waits for), rounded up to whole milliseconds: a sleep of
+  // a whole period from then on would make the watchdog's first run come a
+  // period late, and a later one up to two periods after the one before.
+  std::chrono::milliseconds max_sleep = options_.watchdog_period;
+  if (watchdog_) {
+    const Clock::time_point due = std::max(next_watchdog_, started + std::chrono::milliseconds(1));
+    max_sleep = std::min(max_sleep, std::chrono::ceil<std::chrono::milliseconds>(
+                                        std::max(due - now, Clock::duration::zero())));
+  }
+  return BackOff(polls, now, deadline, max_sleep);
 }
 
 Status UcxPointToPoint::BackOff(const Polls& polls, Clock::time_point now, Deadline deadline,

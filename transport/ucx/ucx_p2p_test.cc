@@ -498,6 +498,32 @@ TEST(UcxPointToPoint, SleepingWaitAnyReturnsWhatTheWatchdogDrainCompletedAtOnce)
   p2p.SetWatchdog(nullptr);
 }
 
+// In sleep mode too the watchdog first runs once the wait has lasted a
+// millisecond: a sleep on the event fd ends when the watchdog is due. It
+// used to sleep a whole period first (here 2 s, past the wait's deadline:
+// TIMED_OUT instead of the abort the watchdog reports).
+TEST(UcxPointToPoint, SleepingWaitRunsTheWatchdogAfterAMillisecondNotAPeriod) {
+  auto ranks = MakeRanks(2, IdleMode::kSleep, P2pOptions{}.recall_grace, milliseconds(2000));
+  UcxPointToPoint& p2p = *ranks[0];
+  std::atomic<int> calls{0};
+  p2p.SetWatchdog([&calls](Deadline, std::span<const int>) -> Status {
+    ++calls;
+    return AbortedError("rank 1 posted: PEER_LOST rank 1 died");
+  });
+  int value = 0;
+  auto r = p2p.PostRecv(1, 1, &value, sizeof(value));
+  ASSERT_TRUE(r.ok()) << r.status();
+  p2p::RequestId ids[] = {*r};
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(1500)));
+  const auto waited = Clock::now() - start;
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+  EXPECT_EQ(calls.load(), 1);
+  // About a millisecond, with room for a loaded host.
+  EXPECT_LT(waited, milliseconds(1000));
+  p2p.SetWatchdog(nullptr);
+}
+
 // The watchdog's first failure comes while the drain takes in the request
 // waited for; the wait then needs another. It used to drop the report and
 // run the watchdog again only a period later, past this wait's deadline.
