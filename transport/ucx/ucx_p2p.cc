@@ -368,10 +368,17 @@ Status UcxPointToPoint::CheckPeer(int peer, p2p::Tag tag, const char* what) cons
 }
 
 StatusOr<UcxPointToPoint::Slot*> UcxPointToPoint::AllocateSlot(bool is_send, int peer,
-                                                               p2p::Tag tag, size_t bytes) {
+                                                               p2p::Tag tag, const void* data,
+                                                               size_t bytes) {
   if (tag > p2p::kMaxTag) {
     return InvalidArgumentError("tag " + std::to_string(tag) + " exceeds " +
                                 std::to_string(p2p::kTagBits) + " bits");
+  }
+  // UCX would read (send) or write (receive) through it, and crash.
+  if (bytes > 0 && data == nullptr) {
+    return InvalidArgumentError(std::string(is_send ? "send to" : "receive from") + " rank " +
+                                std::to_string(peer) + " (tag " + std::to_string(tag) +
+                                "): null buffer for " + std::to_string(bytes) + " bytes");
   }
   Slot* slot;
   if (!free_slots_.empty()) {
@@ -604,7 +611,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::PostUserRecv(int peer, p2p::Tag tag, v
 StatusOr<p2p::RequestId> UcxPointToPoint::Send(bool user, int peer, p2p::Tag tag,
                                                const void* data, size_t bytes) {
   DDP_RETURN_IF_ERROR(CheckPeer(peer, tag, "send to"));
-  DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(true, peer, tag, bytes));
+  DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(true, peer, tag, data, bytes));
   ucp_request_param_t param;
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &UcxPointToPoint::SendCallback;
@@ -635,7 +642,7 @@ StatusOr<p2p::RequestId> UcxPointToPoint::Recv(bool user, int peer, p2p::Tag tag
   const bool lost = !checked.ok() && !closed_ && peer >= 0 && peer < options_.size &&
                     !endpoints_.empty() && !peers_[peer]->failure.ok();
   if (!checked.ok() && !lost) return checked;
-  DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(false, peer, tag, bytes));
+  DDP_ASSIGN_OR_RETURN(Slot * slot, AllocateSlot(false, peer, tag, data, bytes));
   ucp_request_param_t param;
   // No immediate completion: UCX 1.13 leaves recv_info unset when a receive
   // completes inline, and the received length is how a count mismatch

@@ -232,7 +232,10 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   bool AwaitRequests(std::span<void*> requests, Deadline until);
   StatusOr<p2p::RequestId> Send(bool user, int peer, p2p::Tag tag, const void* data, size_t bytes);
   StatusOr<p2p::RequestId> Recv(bool user, int peer, p2p::Tag tag, void* data, size_t bytes);
-  StatusOr<Slot*> AllocateSlot(bool is_send, int peer, p2p::Tag tag, size_t bytes);
+  // A slot for a post whose peer CheckPeer accepted; refuses a tag beyond
+  // kTagBits and a null buffer with bytes.
+  StatusOr<Slot*> AllocateSlot(bool is_send, int peer, p2p::Tag tag, const void* data,
+                               size_t bytes);
   Slot* Lookup(p2p::RequestId id) const;
   p2p::RequestId IdOf(const Slot* slot) const;
   // Releases a slot whose UCX request has completed (or never existed).

@@ -1011,6 +1011,29 @@ TEST(UcxPointToPoint, BadArgumentsAreRejected) {
       << uneven.status();
 }
 
+// A null buffer with bytes is refused before UCX reads or writes through
+// it (the send crashed inside UCX, and the receive was posted), as the
+// loopback refuses it; with no bytes it is a valid empty message.
+TEST(UcxPointToPoint, NullBufferWithBytesIsRejectedNamingThePost) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  Status s = p2p.PostRecv(1, 3, nullptr, 16).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("receive from rank 1 (tag 3): null buffer for 16 bytes"),
+            std::string::npos)
+      << s;
+  s = p2p.PostUserSend(0, 4, nullptr, 8).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("send to rank 0 (tag 4): null buffer for 8 bytes"), std::string::npos)
+      << s;
+  // With no bytes a null buffer is fine: an empty message to self.
+  auto recv = p2p.PostRecv(0, 5, nullptr, 0);
+  auto send = p2p.PostSend(0, 5, nullptr, 0);
+  ASSERT_TRUE(recv.ok() && send.ok()) << recv.status() << send.status();
+  p2p::RequestId ids[] = {*recv, *send};
+  EXPECT_TRUE(p2p.WaitAll(ids, DeadlineIn(milliseconds(5000))).ok());
+}
+
 TEST(UcxPointToPoint, WaitAllRejectsARequestListedTwice) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
