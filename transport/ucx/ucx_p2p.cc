@@ -129,6 +129,9 @@ UcxPointToPoint::~UcxPointToPoint() {
 
 Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
                                 const std::vector<bool>& same_host) {
+  // After Close nothing may be sent, and nothing would close new endpoints
+  // before the worker goes.
+  if (closed_) return FailedPreconditionError("Connect after the transport was closed");
   if (!endpoints_.empty()) return FailedPreconditionError("UCX endpoints already connected");
   if (static_cast<int>(addresses.size()) != options_.size) {
     return InvalidArgumentError("expected " + std::to_string(options_.size) +

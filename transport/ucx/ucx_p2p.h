@@ -134,7 +134,8 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// Flushes and closes every endpoint, waiting at most until `deadline`;
   /// a remote endpoint whose flush did not finish by then (a peer that
   /// hangs) is closed by force, waiting at most 1 s more, so that none is
-  /// still closing when the worker goes. Later messages fail. Called by the
+  /// still closing when the worker goes. Later messages and Connect fail
+  /// (FAILED_PRECONDITION). Called by the
   /// destructor if not called before. An endpoint whose close UCX refused
   /// (1.13 cannot force one to a lost rank on this host) stays open until
   /// the worker is destroyed, and Close returns FAILED_PRECONDITION naming

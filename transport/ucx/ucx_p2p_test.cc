@@ -1216,6 +1216,28 @@ TEST(UcxPointToPoint, OperationsAfterCloseFail) {
   EXPECT_EQ(ranks[0]->PostSend(1, 1, &v, 4).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// Connect after Close is refused, saying so: a transport closed before it
+// connected used to make endpoints that nothing closed, and one closed
+// after it was told it was "already connected".
+TEST(UcxPointToPoint, ConnectAfterCloseIsRefused) {
+  auto context = Context::Create({.default_tls = "sm,self"});
+  ASSERT_TRUE(context.ok()) << context.status();
+  auto p2p = UcxPointToPoint::Create(*context, {.rank = 0, .size = 1});
+  ASSERT_TRUE(p2p.ok()) << p2p.status();
+  ASSERT_TRUE((*p2p)->Close(DeadlineIn(milliseconds(2000))).ok());
+  const std::string addresses[] = {(*p2p)->address()};
+  Status s = (*p2p)->Connect(addresses);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("Connect after the transport was closed"), std::string::npos) << s;
+
+  auto ranks = MakeRanks(2);
+  ASSERT_TRUE(ranks[0]->Close(DeadlineIn(milliseconds(2000))).ok());
+  const std::string both[] = {ranks[0]->address(), ranks[1]->address()};
+  s = ranks[0]->Connect(both);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("Connect after the transport was closed"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace ddp::transport::ucx
 
