@@ -1260,13 +1260,18 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
   if (load_powersgd) {
     try {
       parts.powersgd->CheckStateDict(ckpt.optimizer, parts.model->NamedParameters());
-    } catch (const std::exception& e) {
+    } catch (const std::invalid_argument& e) {
       throw UsageError("checkpoint " + path + " has PowerSGD state this run cannot use (" + e.what() +
                        "); resume with the settings it was saved with");
     }
   }
   // Load everything or nothing: the optimizer and scheduler check their keys
   // before they change anything, and the model's keys were checked above.
+  // Only their refusals of the file's content (std::invalid_argument) are
+  // bad input. Anything else (std::bad_alloc, the JobError of a collective
+  // that failed in a sharded load) is this rank's own failure of the run,
+  // and goes on as it is: as a UsageError it ended with exit status 2 and,
+  // on ranks other than 0, was reported as rank 0's refusal.
   try {
     if (parts.plateau != nullptr) parts.plateau->CheckStateDict(ckpt.optimizer);
     if (parts.load_optimizer) {
@@ -1279,7 +1284,7 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
     if (parts.plateau != nullptr) parts.plateau->LoadStateDict(ckpt.optimizer);
     if (parts.scaler != nullptr) parts.scaler->LoadStateDict(ckpt.optimizer);
     if (load_powersgd) parts.powersgd->LoadStateDict(ckpt.optimizer, parts.model->NamedParameters());
-  } catch (const std::exception& e) {
+  } catch (const std::invalid_argument& e) {
     std::string what = e.what();
     for (char& c : what) {
       if (c == '\n') c = ' ';

@@ -180,7 +180,8 @@ struct TrainComponents {
   /// optimizer->StateDict(). May be null.
   const nn::optim::NamedTensors* optimizer_state = nullptr;
   /// A sharded optimizer's loader of the whole saved state, used instead
-  /// of optimizer->LoadStateDict; must throw before changing anything.
+  /// of optimizer->LoadStateDict; must throw before changing anything,
+  /// std::invalid_argument for a state it refuses.
   std::function<void(const nn::optim::NamedTensors&)> load_optimizer;
   /// Samples in the training set: saved, and compared on load as part of
   /// the data order (-1: not known, not compared).
@@ -263,7 +264,9 @@ void WriteTrainCheckpoint(const std::string& path, const nn::io::Checkpoint& che
 /// its model's dtype (an older trainer's) is refused then, naming --device.
 /// A checkpoint from before schedules were recorded
 /// takes the horizon from this run's flags and the rate from the file, with
-/// a note.
+/// a note. Only refusals of the file's content are UsageErrors: a failure
+/// of this process or the job while loading (std::bad_alloc, a collective
+/// of load_optimizer that failed) is thrown as it came.
 TrainPosition LoadTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                                   const TrainConfig& config, int world_size, std::string* note);
 /// The same from the checkpoint file's bytes, read by ReadTrainCheckpoint

@@ -89,6 +89,50 @@ TEST(TrainStateTest, RoundTripsModelOptimizerAndPosition) {
   }
 }
 
+// Only the optimizer's refusal of the saved state (std::invalid_argument) is
+// bad input. A failure of the process or the job while loading it (out of
+// memory; a collective of a sharded load that failed) goes on as it came:
+// it used to become a UsageError (exit status 2, "bad input"), which the
+// trainer then reported on ranks other than 0 as rank 0's refusal.
+TEST(TrainStateTest, OnlyARefusalOfTheOptimizerStateIsAUsageError) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.lr = 0.1;
+  nn::Generator g1(1), g2(2);
+  auto model = nn::modules::MakeMlp(g1);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1, .momentum = 0.9});
+  TrainOneStep(*model, opt);
+  const std::string path = Path("load_failures");
+  SaveTrainCheckpoint(path, {model.get(), &opt, nullptr, nullptr}, {.step = 1}, config, 2);
+
+  auto other = nn::modules::MakeMlp(g2);
+  const auto before = other->GetStateDict()[0].second.ToVector<float>();
+  TrainComponents parts{other.get(), nullptr, nullptr, nullptr};
+  std::string note;
+  const auto load = [&] { LoadTrainCheckpoint(path, parts, config, 2, &note); };
+
+  parts.load_optimizer = [](const nn::optim::NamedTensors&) { throw std::bad_alloc(); };
+  EXPECT_THROW(load(), std::bad_alloc);
+  parts.load_optimizer = [](const nn::optim::NamedTensors&) {
+    throw dist::DistributedError(transport::PeerLostError("rank 1 left"));
+  };
+  try {
+    load();
+    ADD_FAILURE() << "the load went through";
+  } catch (const UsageError& e) {
+    ADD_FAILURE() << "a failed collective became bad input: " << e.what();
+  } catch (const dist::DistributedError& e) {
+    EXPECT_EQ(e.code(), transport::StatusCode::kPeerLost) << e.what();
+  }
+  parts.load_optimizer = [](const nn::optim::NamedTensors&) {
+    throw std::invalid_argument("Sgd.LoadStateDict: unexpected key `state.x`");
+  };
+  const std::string refused = UsageErrorOf(load);
+  EXPECT_EQ(refused, "checkpoint " + path + " has optimizer state this run cannot use (Sgd.LoadStateDict: "
+                     "unexpected key `state.x`); pass the --optimizer, --scheduler and --amp it was saved with");
+  EXPECT_EQ(other->GetStateDict()[0].second.ToVector<float>(), before) << "the model was loaded";
+}
+
 // The epoch's loss is kept per sample (each micro-batch's mean times its
 // samples). An older trainer's checkpoint, without epoch_loss_per, counted
 // batches, all full inside an epoch: its sum and count come back times

@@ -196,6 +196,101 @@ DDP_TEST_WORKER(full_save) {
   return 0;
 }
 
+// A job whose sharded optimizer (--zero) on rank LOAD_FAULT_RANK throws
+// std::bad_alloc when it loads a resumed run's state, as a rank out of
+// memory would; everything else is the real job's.
+class LoadFaultParallel : public Parallel {
+ public:
+  LoadFaultParallel(std::unique_ptr<Parallel> job, int fault_rank) : job_(std::move(job)), fault_rank_(fault_rank) {}
+
+  int rank() const override { return job_->rank(); }
+  int world_size() const override { return job_->world_size(); }
+  void Prepare(std::shared_ptr<nn::modules::Module>& model, const TrainConfig& config) override {
+    job_->Prepare(model, config);
+  }
+  void Attach(std::shared_ptr<nn::modules::Module> model, const TrainConfig& config, int64_t step,
+              const std::vector<int64_t>& bucket_order) override {
+    job_->Attach(std::move(model), config, step, bucket_order);
+  }
+  std::vector<int64_t> BucketOrder() const override { return job_->BucketOrder(); }
+  dist::PowerSgdState* PowerSgd() const override { return job_->PowerSgd(); }
+  nn::Tensor Forward(const nn::Tensor& input) override { return job_->Forward(input); }
+  void Backward(const nn::Tensor& loss) override { job_->Backward(loss); }
+  std::unique_ptr<NoSyncScope> NoSync() override { return job_->NoSync(); }
+  void BroadcastBuffers() override { job_->BroadcastBuffers(); }
+  std::unique_ptr<ShardedOptimizer> Shard(std::vector<nn::optim::ParamGroup> groups, const OptimizerFactory& make,
+                                          bool overlap) override {
+    return std::make_unique<FaultyLoad>(job_->Shard(std::move(groups), make, overlap), rank() == fault_rank_);
+  }
+  void SumAcrossRanks(std::vector<double>& values) override { job_->SumAcrossRanks(values); }
+  std::string ShareFromLead(std::string value) override { return job_->ShareFromLead(std::move(value)); }
+  std::vector<std::string> GatherFromEveryRank(const std::string& value) override {
+    return job_->GatherFromEveryRank(value);
+  }
+  std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
+                        std::chrono::milliseconds timeout, const std::string& late,
+                        std::chrono::milliseconds stop_grace, bool discardable) override {
+    return job_->RunOnLead(work, timeout, late, stop_grace, discardable);
+  }
+  int VoteStop(int signal, bool slow) override { return job_->VoteStop(signal, slow); }
+  int FinishStopVote() override { return job_->FinishStopVote(); }
+  bool SlowSteps() const override { return job_->SlowSteps(); }
+  std::string TakeStatsLine(bool every_rank) override { return job_->TakeStatsLine(every_rank); }
+  bool CollectivesOnCaller() const override { return job_->CollectivesOnCaller(); }
+  CommTotals Totals() override { return job_->Totals(); }
+  std::string TraceFolder() const override { return job_->TraceFolder(); }
+
+ private:
+  class FaultyLoad : public ShardedOptimizer {
+   public:
+    FaultyLoad(std::unique_ptr<ShardedOptimizer> real, bool fails) : real_(std::move(real)), fails_(fails) {}
+    double lr() const override { return real_->lr(); }
+    void set_lr(double lr) override { real_->set_lr(lr); }
+    void Step() override { real_->Step(); }
+    void ZeroGrad() override { real_->ZeroGrad(); }
+    nn::optim::NamedTensors Consolidate() override { return real_->Consolidate(); }
+    void Load(const nn::optim::NamedTensors& whole) override {
+      if (fails_) throw std::bad_alloc();
+      real_->Load(whole);
+    }
+
+   private:
+    std::unique_ptr<ShardedOptimizer> real_;
+    bool fails_;
+  };
+
+  std::unique_ptr<Parallel> job_;
+  int fault_rank_;
+};
+
+// mixed_checkpoint's run with --zero, saving to ZERO_CKPT; with
+// ZERO_RESUME set, resumed from it over LoadFaultParallel (LOAD_FAULT_RANK).
+// Exit status as //examples:train's: 2 for a UsageError, 1 for any other
+// failure; the line printed says whether the error is rank 0's (FromLead).
+DDP_TEST_WORKER(zero_resume) {
+  TrainConfig c = TinyRun(std::getenv("ZERO_CKPT"), 20);
+  c.zero = true;
+  c.resume = std::getenv("ZERO_RESUME") != nullptr;
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    if (const char* rank = std::getenv("LOAD_FAULT_RANK"); rank != nullptr) {
+      parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), std::atoi(rank));
+    }
+    Train(c, *parallel, options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  return 0;
+}
+
 launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,
                                            int save_timeout_s) {
   auto run = launch::testing::RunTestWorkers(
@@ -420,6 +515,31 @@ TEST(TrainerSaveTest, SaveFailingOnRankZerosDiskFailsEveryRankAlikeNamingTheChec
         << run->Output(rank);
   }
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
+// A rank that runs out of memory while it loads its shard of a resumed
+// run's optimizer state (--zero) fails the run (exit status 1) with its own
+// reason, and rank 0, whose collective load then loses its peer, with its
+// own. Both used to end as a refusal of the checkpoint (exit status 2,
+// "has optimizer state this run cannot use"), as if the file were bad.
+TEST(TrainerSaveTest, ResourceFailureInTheOptimizerLoadIsTheRanksOwnNotABadCheckpoint) {
+  const std::string checkpoint = TempDir("zero_load") + "/ckpt.safetensors";
+  auto saved = launch::testing::RunTestWorkers(
+      "zero_resume", {.world_size = 2, .timeout = std::chrono::seconds(90), .env = {{"ZERO_CKPT", checkpoint}}});
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_TRUE(saved->AllSucceeded()) << saved->Summary() << saved->Output(0) << saved->Output(1);
+  auto run = launch::testing::RunTestWorkers(
+      "zero_resume", {.world_size = 2,
+                      .timeout = std::chrono::seconds(90),
+                      .stop_all_on_failure = false,
+                      .env = {{"ZERO_CKPT", checkpoint}, {"ZERO_RESUME", "1"}, {"LOAD_FAULT_RANK", "1"}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_EQ(run->Output(rank).find("cannot use"), std::string::npos) << run->Output(rank);
+    EXPECT_EQ(run->Output(rank).find("rank 0's"), std::string::npos) << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(1).find("error: std::bad_alloc"), std::string::npos) << run->Output(1);
 }
 
 std::string ReadFile(const std::string& path) {
