@@ -439,8 +439,17 @@ void SetTemporaryCreatedHookForTesting(std::function<void(const std::string&)> h
 }
 }  // namespace internal
 
+std::string AtomicFileWriter::Named() const {
+  return asked_ == path_ ? path_ : asked_ + " (a symbolic link to " + path_ + ")";
+}
+
+void AtomicFileWriter::FailOnTemporary(const std::string& what, int err) const {
+  throw FileWriteError(Named() + ": " + what + ": " + std::strerror(err) + " (temporary file " + temp_path_ + ")",
+                       err);
+}
+
 AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* stop)
-    : path_(std::move(path)), stop_(stop) {
+    : asked_(path), path_(std::move(path)), stop_(stop) {
   static std::atomic<uint64_t> counter{0};
   if (path_.empty() || path_.back() == '/') {
     throw CheckpointError("cannot write a file at '" + path_ + "': not a file name");
@@ -509,10 +518,10 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
         --attempt;  // a clash is not a cleanup's removal
         continue;
       }
-      Fail(temp_path_, "cannot create temporary file" +
-                           (err == EEXIST ? " (" + std::to_string(clashes) + " names tried, all taken)"
-                                          : std::string()),
-           err);
+      FailOnTemporary("cannot create temporary file" +
+                          (err == EEXIST ? " (" + std::to_string(clashes) + " names tried, all taken)"
+                                         : std::string()),
+                      err);
     }
     if (const auto& hook = TemporaryCreatedHook(); hook) hook(temp_path_);
     const bool locked = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
@@ -527,8 +536,8 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
     fd_ = -1;
     forget();
     if (attempt == 9) {
-      throw CheckpointError(temp_path_ + ": cannot create temporary file: other writers' cleanups removed it " +
-                            std::to_string(attempt + 1) + " times");
+      throw CheckpointError(Named() + ": cannot create temporary file: other writers' cleanups removed it " +
+                            std::to_string(attempt + 1) + " times (last " + temp_path_ + ")");
     }
   }
   // The umask may have narrowed the mode at creation. Only the permission
@@ -550,8 +559,7 @@ AtomicFileWriter::AtomicFileWriter(std::string path, const std::atomic<bool>* st
         std::lock_guard lock(RegistryMutex());
         OpenTemporaries().erase(Folder(path_) + "/" + BaseName(temp_path_));
       }
-      Fail(temp_path_, std::string("cannot give the temporary file the replaced file's permissions ") + wanted,
-           err);
+      FailOnTemporary(std::string("cannot give the temporary file the replaced file's permissions ") + wanted, err);
     }
   }
 }
@@ -595,11 +603,11 @@ void AtomicFileWriter::Write(const void* data, size_t nbytes) {
     if (n < 0) {
       const int err = errno;
       if (err == EINTR) continue;
-      Fail(temp_path_, "write failed", err);
+      FailOnTemporary("write failed", err);
     }
     // Some FUSE filesystems answer 0 instead of an error: asking again
     // would loop forever.
-    if (n == 0) Fail(temp_path_, "write failed: it wrote nothing", EIO);
+    if (n == 0) FailOnTemporary("write failed: it wrote nothing", EIO);
     p += n;
     nbytes -= static_cast<size_t>(n);
   }
@@ -619,7 +627,7 @@ bool AtomicFileWriter::Place(bool replace) {
   // final name, or a crash could expose a renamed but empty file.
   if (::fsync(fd_) != 0) {
     const int err = errno;
-    Fail(temp_path_, "fsync failed", err);
+    FailOnTemporary("fsync failed", err);
   }
   const int fd = fd_;
   fd_ = -1;
@@ -634,7 +642,7 @@ bool AtomicFileWriter::Place(bool replace) {
   } lock_keeper{::fcntl(fd, F_DUPFD_CLOEXEC, 0)};
   if (::close(fd) != 0) {
     const int err = errno;
-    Fail(temp_path_, "close failed", err);
+    FailOnTemporary("close failed", err);
   }
   // The constructor refused a target that was not a regular file, but a
   // long write leaves time for something to take its place: a FIFO, a
@@ -672,7 +680,7 @@ bool AtomicFileWriter::Place(bool replace) {
   if (replace) {
     if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
       const int err = errno;  // building the message may change errno
-      Fail(path_, "cannot rename " + temp_path_ + " to it", err);
+      FailOnTemporary("cannot rename the temporary file to it", err);
     }
   } else if (::link(temp_path_.c_str(), path_.c_str()) == 0) {
     ::unlink(temp_path_.c_str());  // the new file stays, under the target's name
@@ -692,10 +700,10 @@ bool AtomicFileWriter::Place(bool replace) {
       // between the look above and the rename is replaced after all.
       if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
         const int rename_err = errno;
-        Fail(path_, "cannot rename " + temp_path_ + " to it", rename_err);
+        FailOnTemporary("cannot rename the temporary file to it", rename_err);
       }
     } else {
-      Fail(path_, "cannot link " + temp_path_ + " to it", err);
+      FailOnTemporary("cannot link the temporary file to it", err);
     }
   }
   committed_ = true;

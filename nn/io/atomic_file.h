@@ -53,7 +53,9 @@ bool IsStreamPath(const std::string& path);
 
 /// Writes a new version of a file beside it and swaps it in on Commit().
 /// Destroying the writer without Commit() removes the temporary file and
-/// leaves `path` as it was. Errors throw CheckpointError naming the path.
+/// leaves `path` as it was. Errors throw CheckpointError naming the path
+/// first (as given; then the file a link leads to), and after the reason
+/// the temporary file a failed system call was about.
 /// When `path` is a symbolic link (or a chain of them, up to 40), the file
 /// it leads to is the one replaced, from a temporary in that file's folder,
 /// and the link stays as it is (as torch.save writes through a link). A
@@ -108,6 +110,9 @@ class AtomicFileWriter {
   const std::string& temp_path() const { return temp_path_; }
 
  private:
+  // The path as given; path_ is the file it leads to (itself, or the
+  // target of its symbolic links).
+  std::string asked_;
   std::string path_;
   std::string temp_path_;
   const std::atomic<bool>* stop_;
@@ -118,6 +123,12 @@ class AtomicFileWriter {
 
   // Commit (`replace`) or CommitUnlessPresent.
   bool Place(bool replace);
+  // The target as errors name it: the path asked for, and the file its
+  // link leads to when it is one.
+  std::string Named() const;
+  // Throws FileWriteError for system call `what` that failed with `err`,
+  // naming the target first and then the temporary file it was about.
+  [[noreturn]] void FailOnTemporary(const std::string& what, int err) const;
   // Throws when asked to stop.
   void CheckStop() const;
   // Throws when an earlier Write or Commit threw.

@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -234,6 +236,45 @@ TEST(AtomicFileWriter, AFolderIsRefusedNamingIt) {
 // and it has not changed for an hour; one written to lately (a live writer
 // on another host whose lock this host may not see, as on NFS with
 // local_lock) or a locked one stays.
+// A failed system call names the file the caller asked for first (the
+// path, then the file its link leads to), its reason, and only then the
+// temporary file it was about. It used to lead with the temporary's name,
+// which the caller never gave.
+TEST(AtomicFileWriter, AFailedCallNamesThePathAskedForFirstAndThenTheTemporary) {
+  const std::string dir = FreshDir();
+  const std::string missing = dir + "/missing/f.bin";
+  {
+    const std::string msg = ErrorOf([&] { AtomicFileWriter out(missing); });
+    EXPECT_EQ(msg.rfind(missing + ": cannot create temporary file: " + std::strerror(ENOENT) + " (temporary file " +
+                            missing + ".tmp.",
+                        0),
+              0u)
+        << msg;
+  }
+  // A write past the file size limit (EFBIG), through a symbolic link.
+  const std::string target = dir + "/target.bin";
+  const std::string link = dir + "/link.bin";
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0) << std::strerror(errno);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
+  rlimit old_limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  rlimit limit = old_limit;
+  limit.rlim_cur = 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  std::string msg, temp;
+  {
+    AtomicFileWriter out(link);
+    temp = out.temp_path();
+    const std::string bytes(4096, 'x');
+    msg = ErrorOf([&] { out.Write(bytes.data(), bytes.size()); });
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(msg, link + " (a symbolic link to " + target + "): write failed: " + std::strerror(EFBIG) +
+                     " (temporary file " + temp + ")");
+  EXPECT_EQ(SortedFilesIn(dir), (std::vector<std::string>{"link.bin"})) << "the temporary was left";
+}
+
 TEST(AtomicFileWriter, AnotherHostsTemporaryGoesWhenUnlockedAndAnHourIdle) {
   const std::string dir = FreshDir();
   ASSERT_FALSE(dir.empty());
