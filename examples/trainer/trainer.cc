@@ -888,8 +888,24 @@ void Run::Setup() {
         },
         std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s),
         /*discardable=*/true);
-    if (read->error) std::rethrow_exception(read->error);
-    if (!failure.empty()) throw LeadUsageError(failure);
+    if (!failure.empty()) {
+      // Rank 0's refusal of the file (UsageError, exit status 2) or its
+      // failure to read it (out of memory, say: exit status 1): every rank
+      // ends with rank 0's kind, which it alone can tell from the text.
+      bool refused = false;
+      if (lead_ && read->error) {
+        try {
+          std::rethrow_exception(read->error);
+        } catch (const UsageError&) {
+          refused = true;
+        } catch (...) {
+        }
+      }
+      refused = par_.ShareFromLead(refused ? "refused" : "failed") == "refused";
+      if (read->error) std::rethrow_exception(read->error);
+      if (refused) throw LeadUsageError(failure);
+      throw LeadJobError(failure);
+    }
     std::string bytes = par_.ShareFromLead(std::move(read->bytes));
     try {
       pos_ = LoadTrainCheckpoint(c_.checkpoint, std::move(bytes), parts, c_, world_, &resume_note);

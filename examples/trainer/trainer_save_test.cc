@@ -291,6 +291,32 @@ DDP_TEST_WORKER(zero_resume) {
   return 0;
 }
 
+// mixed_checkpoint's run resumed from READ_FAULT_CKPT; with READ_FAULT set,
+// each piece this process reads of a file throws std::bad_alloc, as a read
+// out of memory would. Exit status and lines as zero_resume's.
+DDP_TEST_WORKER(read_fault) {
+  if (std::getenv("READ_FAULT") != nullptr) {
+    nn::io::internal::SetReadPieceHookForTesting([](uint64_t) { throw std::bad_alloc(); });
+  }
+  TrainConfig c = TinyRun(std::getenv("READ_FAULT_CKPT"), 20);
+  c.resume = true;
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    Train(c, *parallel, options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  return 0;
+}
+
 launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,
                                            int save_timeout_s) {
   auto run = launch::testing::RunTestWorkers(
@@ -540,6 +566,32 @@ TEST(TrainerSaveTest, ResourceFailureInTheOptimizerLoadIsTheRanksOwnNotABadCheck
     EXPECT_EQ(run->Output(rank).find("rank 0's"), std::string::npos) << run->Output(rank);
   }
   EXPECT_NE(run->Output(1).find("error: std::bad_alloc"), std::string::npos) << run->Output(1);
+}
+
+// Rank 0's read of the checkpoint failing for want of memory is a failure
+// of the run on every rank (exit status 1, as on rank 0), the others
+// pointing at rank 0's reason. They used to end as if rank 0 had refused
+// the file (exit status 2, a mistake in the flags) while rank 0 ended
+// with 1.
+TEST(TrainerSaveTest, RankZerosReadFailingOtherwiseThanOnTheFileEndsEveryRankWithItsStatus) {
+  const std::string checkpoint = TempDir("read_fault") + "/ckpt.safetensors";
+  auto saved = launch::testing::RunTestWorkers(
+      "mixed_checkpoint",
+      {.world_size = 2, .timeout = std::chrono::seconds(90), .env = {{"MIXED_CKPT", checkpoint}}});
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_TRUE(saved->AllSucceeded()) << saved->Summary() << saved->Output(0) << saved->Output(1);
+  auto run = launch::testing::RunTestWorkers(
+      "read_fault", {.world_size = 2,
+                     .timeout = std::chrono::seconds(90),
+                     .stop_all_on_failure = false,
+                     .env = {{"READ_FAULT_CKPT", checkpoint}},
+                     .rank_env = {{0, {{"READ_FAULT", "1"}}}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(0).find("error: std::bad_alloc"), std::string::npos) << run->Output(0);
+  EXPECT_NE(run->Output(1).find("error (rank 0's): std::bad_alloc"), std::string::npos) << run->Output(1);
 }
 
 std::string ReadFile(const std::string& path) {
