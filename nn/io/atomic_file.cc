@@ -573,7 +573,7 @@ AtomicFileWriter::~AtomicFileWriter() {
 
 void AtomicFileWriter::CheckStop() const {
   if (stop_ != nullptr && stop_->load(std::memory_order_relaxed)) {
-    throw CheckpointError(path_ + ": the write was stopped before it ended; the file was left as it was");
+    throw CheckpointError(Named() + ": the write was stopped before it ended; the file was left as it was");
   }
 }
 
@@ -584,7 +584,7 @@ void AtomicFileWriter::CheckStop() const {
 void AtomicFileWriter::CheckNotFailed() const {
   if (failed_) {
     CheckStop();  // a stop explains it best
-    throw CheckpointError(path_ + ": an earlier write or commit of " + temp_path_ +
+    throw CheckpointError(Named() + ": an earlier write or commit of " + temp_path_ +
                           " failed, so it cannot be committed; the file was left as it was");
   }
 }
@@ -674,7 +674,7 @@ bool AtomicFileWriter::Place(bool replace) {
   }
   if (stopped) {
     ::unlink(temp_path_.c_str());
-    throw CheckpointError(path_ + ": the write was stopped before it ended; the file was left as it was");
+    throw CheckpointError(Named() + ": the write was stopped before it ended; the file was left as it was");
   }
   PauseForTesting(pause_before_rename_ms);
   if (replace) {
@@ -714,7 +714,7 @@ bool AtomicFileWriter::Place(bool replace) {
   try {
     SyncFolder(Folder(path_));
   } catch (const FileWriteError& e) {
-    throw FileWriteError(path_ + ": written and renamed into place, but it may not survive a crash: " + e.what(),
+    throw FileWriteError(Named() + ": written and renamed into place, but it may not survive a crash: " + e.what(),
                          e.error_number(), /*in_place=*/true);
   }
   return true;

@@ -261,17 +261,20 @@ TEST(AtomicFileWriter, AFailedCallNamesThePathAskedForFirstAndThenTheTemporary) 
   rlimit limit = old_limit;
   limit.rlim_cur = 1024;
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
-  std::string msg, temp;
+  std::string msg, commit_msg, temp;
   {
     AtomicFileWriter out(link);
     temp = out.temp_path();
     const std::string bytes(4096, 'x');
     msg = ErrorOf([&] { out.Write(bytes.data(), bytes.size()); });
+    commit_msg = ErrorOf([&] { out.Commit(); });
   }
   ::setrlimit(RLIMIT_FSIZE, &old_limit);
   std::signal(SIGXFSZ, old_handler);
   EXPECT_EQ(msg, link + " (a symbolic link to " + target + "): write failed: " + std::strerror(EFBIG) +
                      " (temporary file " + temp + ")");
+  // The commit that follows refuses the short file, naming the link too.
+  EXPECT_EQ(commit_msg.rfind(link + " (a symbolic link to " + target + "): an earlier write", 0), 0u) << commit_msg;
   EXPECT_EQ(SortedFilesIn(dir), (std::vector<std::string>{"link.bin"})) << "the temporary was left";
 }
 
