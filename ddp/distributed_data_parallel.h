@@ -87,6 +87,10 @@ struct DdpOptions {
   /// the walk counted as reachable but that got no gradient, such as the
   /// head of an output left out of the loss, are unused too, as in
   /// PyTorch) and the buckets are rebuilt even with find_unused_parameters.
+  /// A parameter may get several gradients in one backward (re-entrant
+  /// activation checkpointing through a segment that uses it, used outside
+  /// the segment too): the first iteration counts them and reduces every
+  /// bucket at its end; later ones reduce the parameter after the last.
   bool static_graph = false;
   /// The order to fill the buckets in from the start, as indices into the
   /// parameters that require grad (registration order): an earlier

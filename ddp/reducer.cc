@@ -131,6 +131,8 @@ Reducer::Reducer(std::vector<std::pair<std::string, nn::Tensor>> params,
   }
   const size_t n = params_.size();
   ready_.assign(n, 0);
+  arrivals_.assign(n, 0);
+  static_arrivals_.assign(n, 0);
   is_unused_.assign(n, 0);
   reached_under_no_sync_.assign(n, 0);
   detached_.assign(n, 0);
@@ -542,8 +544,15 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   reject_gradients_ = false;
   divisor_ = divisor;
   std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(arrivals_.begin(), arrivals_.end(), 0);
   ready_count_ = 0;
   next_launch_ = 0;
+  finalize_moved_ = false;
+  prepared_in_pass_ = nn::autograd::InBackward();
+  // Until static_graph has counted each parameter's gradients, none is
+  // reduced before the end of backward: one that gets a second gradient (a
+  // re-entrant pass) would have the first in a bucket already in flight.
+  delay_ready_ = options_.static_graph && !static_known_;
   // used_ is not cleared here: it already holds the parameters that got
   // gradients in backwards since the last synchronizing one (NoSync).
   for (Bucket& b : buckets_) b.pending = b.params.size();
@@ -652,12 +661,30 @@ void Reducer::OnGradReady(size_t index) {
   // Checked before anything is marked ready, so that when this is the
   // first gradient of backward no bucket has been touched.
   if (is_unused_[index]) FailUnusedParameterGradient(index);
+  ++arrivals_[index];
   if (ready_[index]) {
-    // Its first gradient is in a bucket that may be in flight (and the
-    // engine has already added this one into .grad, which may be that
-    // memory): this iteration cannot finish, so the peers are stopped too.
-    pending_error_ = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" +
-                     names_[index] + "` received its gradient twice in one backward. The process group was aborted.";
+    // Its gradient is in a bucket that may be in flight (and the engine
+    // has already added this one into .grad, which may be that memory):
+    // this iteration cannot finish, so the peers are stopped too.
+    const std::string head = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) + ": parameter `" +
+                             names_[index] + "` received ";
+    if (options_.static_graph) {
+      pending_error_ =
+          head + std::to_string(arrivals_[index]) + " gradients in one backward, but " +
+          std::to_string(static_arrivals_[index]) + " in the first iteration, which static_graph counted: "
+          "its bucket was reduced after the last of those. Under static_graph every iteration must run the "
+          "same backward passes through the same parameters. The process group was aborted.";
+    } else {
+      pending_error_ =
+          head + "a second gradient in one backward, after its first one had gone into its gradient bucket "
+          "(which may already be reduced). A parameter gets two gradients in one backward when a re-entrant "
+          "backward pass (activation checkpointing that runs Backward again through a recomputed segment, or "
+          "a hook or backward function calling Backward) reaches it as well as the pass around it: used both "
+          "inside and outside a checkpointed segment, say. Set DdpOptions::static_graph when every iteration "
+          "runs the same passes (DistributedDataParallel then counts each parameter's gradients in the first "
+          "iteration and reduces it after the last one), or use the parameter on one side of the checkpoint "
+          "only. The process group was aborted.";
+    }
     pg_->Abort(transport::FailedPreconditionError(pending_error_));
     throw std::logic_error(pending_error_);
   }
@@ -665,11 +692,15 @@ void Reducer::OnGradReady(size_t index) {
     // The first gradient of backward.
     finalize_queued_ = true;
     comm_hook_locked_ = true;
-    // On the outermost pass: a first gradient that arrives in a nested pass
-    // (activation checkpointing recomputes a block and runs Backward through
-    // it) must not end the iteration when that nested pass ends, before the
-    // enclosing pass has reached the other parameters.
-    nn::autograd::QueueCallback([this] { Finalize(); }, /*outermost=*/true);
+    // On the outermost pass, which ends after every pass nested in it: a
+    // first gradient that arrives in a nested pass (activation
+    // checkpointing recomputes a block and runs Backward through it) must
+    // not end the iteration when that pass ends, before the enclosing pass
+    // has reached the other parameters. But when forward ran inside a pass
+    // (DDP steps run from a hook of an unrelated backward), that outermost
+    // pass is the unrelated one, which ends after the hook has stepped on
+    // the gradients: then on the pass running now (see OnPassEnd).
+    nn::autograd::QueueCallback([this] { OnPassEnd(); }, /*outermost=*/!prepared_in_pass_);
     for (size_t i : unused_) {
       MarkUnusedReady(i);
       // Should this parameter get a gradient later in this backward (an
@@ -688,8 +719,24 @@ void Reducer::OnGradReady(size_t index) {
   }
   used_.data<int32_t>()[index] = 1;
   if (group_iterations_ == 0) ready_order_.push_back(index);
-  MarkReady(index);
+  // static_graph: not before the last of the gradients it counted (all are
+  // marked at the end of the backward that counts them).
+  if (!delay_ready_ && !(options_.static_graph && arrivals_[index] < static_arrivals_[index])) MarkReady(index);
   last_grad_at_ = Clock::now();
+}
+
+void Reducer::OnPassEnd() {
+  if (ready_count_ < params_.size() && !delay_ready_ && !finalize_moved_) {
+    // A pass nested in the backward may have ended before the enclosing
+    // one reached the other parameters: queued on the outermost pass (when
+    // the pass ending now is that one, it runs right after this callback).
+    // static_graph's first iteration cannot tell the two apart; it ends
+    // with the pass that delivered its first gradient.
+    finalize_moved_ = true;
+    nn::autograd::QueueCallback([this] { OnPassEnd(); }, /*outermost=*/true);
+    return;
+  }
+  Finalize();
 }
 
 void Reducer::FailUnusedParameterGradient(size_t index) {
@@ -883,6 +930,14 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
 void Reducer::Finalize() {
   armed_ = false;
   const Clock::time_point compute_end = Clock::now();
+  if (delay_ready_) {
+    // Every gradient has arrived: the buckets launch now, in index order.
+    delay_ready_ = false;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (arrivals_[i] > 0 && !ready_[i]) MarkReady(i);
+    }
+    if (static_learning_) static_arrivals_ = arrivals_;
+  }
   if (static_learning_ && ready_count_ < params_.size()) {
     // static_graph learns the used set from its first iteration. The walk
     // from the outputs cannot see an output left out of the loss (an
@@ -925,7 +980,13 @@ void Reducer::Finalize() {
       if (listed++ < 8) {
         names += (names.empty() ? "`" : ", `") + names_[i] + "` (index " + std::to_string(i) +
                  (now_removed ? ", no longer a parameter of the model" : "") +
-                 (now_frozen ? ", requires_grad is false now" : "") + ")";
+                 (now_frozen ? ", requires_grad is false now" : "") +
+                 // static_graph: fewer than it counted in the first iteration.
+                 (arrivals_[i] > 0 ? ", only " + std::to_string(arrivals_[i]) + " of the " +
+                                         std::to_string(static_arrivals_[i]) +
+                                         " gradients static_graph counted in the first iteration"
+                                   : "") +
+                 ")";
       }
     }
     if (missing > listed) names += " and " + std::to_string(missing - listed) + " more";
@@ -1077,9 +1138,8 @@ void AddIterationTimes(const IterationTiming& timing, ReducerTimes& times) {
   // Collectives on this thread, inside the gradient hooks (before the last
   // gradient), held backward up for their whole duration: that is not
   // compute, and none of it overlapped. Those that ran after the last
-  // gradient (a static graph's first iteration launches the buckets of
-  // outputs left out of the loss from Finalize) are already inside the
-  // exposed time.
+  // gradient (a static graph's first iteration launches every bucket from
+  // Finalize) are already inside the exposed time.
   Clock::duration on_caller{}, held_up{};
   auto add = [&](const IterationTiming::Collective& c) {
     // A Work that recorded no start or finish (one issued before a fork, read

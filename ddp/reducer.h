@@ -301,6 +301,12 @@ class Reducer {
     return default_hook_ && internal::PlanNoHookAverage(divisor, pg_->size(), dtype).op == transport::ReduceOp::kAvg;
   }
   void Finalize();
+  // The end-of-backward callback, queued by the first gradient: Finalize,
+  // unless it was queued on the pass running then (forward ran inside a
+  // backward pass) and a parameter is still missing: that pass may be one
+  // nested in the backward (activation checkpointing), so it moves once to
+  // the outermost pass on this thread, which ends after them all.
+  void OnPassEnd();
   // The end of a synchronizing iteration, run or shadowed: the rebuild is
   // decided from the group's count, the same on every rank.
   void CountGroupIteration();
@@ -342,6 +348,12 @@ class Reducer {
   bool reject_gradients_ = false;  // disarmed by an eval-mode forward under Join
   double divisor_ = 1;
   std::vector<char> ready_;
+  bool finalize_moved_ = false;  // OnPassEnd moved the callback to the outermost pass
+  bool prepared_in_pass_ = false;  // the forward that prepared this backward ran inside a backward pass
+  std::vector<int> arrivals_;    // gradients each parameter received in this backward
+  // static_graph: no parameter is marked ready before the end of backward
+  // (its gradients are being counted, see static_arrivals_).
+  bool delay_ready_ = false;
   std::vector<size_t> unused_;  // found unused by this iteration's forward
   std::vector<char> is_unused_; // the same, per parameter
   bool unused_from_walk_ = false; // found by this forward's graph walk (not static_graph's)
@@ -371,6 +383,10 @@ class Reducer {
   bool rebuilt_ = false;
   std::vector<size_t> agreed_order_;  // see agreed_order()
   std::vector<size_t> static_unused_;  // static graph: learned in iteration 1
+  // static graph: the gradients each parameter received in iteration 1 (a
+  // parameter used both inside and outside a re-entrantly checkpointed
+  // segment gets two); from then on it is marked ready on its last one.
+  std::vector<int> static_arrivals_;
   bool static_known_ = false;
   bool static_learning_ = false;  // this backward's forward set static_unused_
 

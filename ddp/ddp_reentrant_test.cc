@@ -1,0 +1,269 @@
+// DistributedDataParallel with backward passes nested in others, over real
+// processes: a parameter whose gradient arrives twice in one backward (used
+// inside a re-entrantly checkpointed segment and outside it), with and
+// without static_graph, and a DDP training step run from a hook of an
+// unrelated backward pass.
+
+#include <gtest/gtest.h>
+
+#include <any>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/launch/test_spawn.h"
+
+#include "ddp/distributed_data_parallel.h"
+#include "ddp/testing/ddp_test_util.h"
+#include "nn/autograd/engine.h"
+#include "nn/autograd/function.h"
+#include "nn/loss/loss.h"
+#include "nn/modules/models.h"
+#include "nn/ops/functional.h"
+#include "nn/optim/sgd.h"
+
+namespace ddp::dist {
+namespace {
+
+using nn::Tensor;
+using nn::modules::Module;
+using testing::RunWorkers;
+
+constexpr int64_t kBatch = 8;
+
+// Runs a Linear without recording it and, in backward, records it again
+// and runs a nested Backward through it (re-entrant activation
+// checkpointing): the Linear's parameters get that gradient inside the
+// nested pass. Input and output [N, in] -> [N, out].
+struct CheckpointedLinear : nn::autograd::Function<CheckpointedLinear> {
+  static constexpr const char* kName = "CheckpointedLinearBackward";
+  static std::vector<Tensor> Forward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& in,
+                                     nn::modules::Linear* layer) {
+    ctx->SaveForBackward({in[0]});
+    ctx->saved_data["layer"] = layer;
+    return {(*layer)(in[0])};
+  }
+  static std::vector<Tensor> Backward(nn::autograd::AutogradContext* ctx, const std::vector<Tensor>& grad) {
+    Tensor x = ctx->GetSavedTensors()[0].Detach();
+    x.set_requires_grad(true);
+    nn::GradModeGuard enable(true);
+    const Tensor y = (*std::any_cast<nn::modules::Linear*>(ctx->saved_data["layer"]))(x);
+    nn::autograd::Backward({y}, {grad[0]});
+    return {x.grad()};
+  }
+};
+
+// fc1 -> ReLU -> fc2 (checkpointed) -> ReLU -> fc2 again (recorded) -> ReLU
+// -> head: fc2's parameters get one gradient in the user's pass (its
+// recorded use) and a second one in the pass nested in it (the
+// checkpointed use). `checkpointed` false records both uses: one gradient,
+// summed by the engine, for the one-process reference.
+// Input [N, 1, 28, 28]; output [N, 10].
+class TiedCheckpointed : public Module {
+ public:
+  TiedCheckpointed(uint64_t seed, bool checkpointed) : checkpointed(checkpointed) {
+    nn::Generator gen(seed);
+    fc1_ = RegisterModule("fc1", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
+    fc2_ = RegisterModule("fc2", std::make_shared<nn::modules::Linear>(32, 32, true, gen));
+    head_ = RegisterModule("head", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    const Tensor h = nn::ops::Relu((*fc1_)(nn::ops::Flatten(x, 1)));
+    const Tensor a = checkpointed ? CheckpointedLinear::Apply({h}, fc2_.get())[0] : (*fc2_)(h);
+    const Tensor b = (*fc2_)(nn::ops::Relu(a));
+    return (*head_)(nn::ops::Relu(b));
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "TiedCheckpointed"; }
+
+  bool checkpointed;  ///< may change between forwards
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc1_, fc2_, head_;
+};
+
+// One step of the one-process `reference` on `count` samples from `base`.
+void ReferenceStep(Module& reference, nn::optim::Sgd& opt, int64_t base, int64_t count) {
+  opt.ZeroGrad();
+  auto [x, y] = testing::Batch(testing::FashionMnist(), base, count);
+  nn::Backward(nn::loss::CrossEntropy(reference(x), y));
+  opt.Step();
+}
+
+// ------------------------------------ a gradient twice in one backward ----
+
+// static_graph counts each parameter's gradients in the first iteration
+// and reduces it on its last one from then on (PyTorch's static_graph
+// supports re-entrant checkpointing the same way): three steps equal one
+// process's on the combined batch, with copied buckets and with
+// gradient_as_bucket_view, one bucket per parameter (launched during
+// backward) and one for all. The second gradient used to abort the group
+// ("received its gradient twice").
+DDP_TEST_WORKER(static_graph_gradient_twice) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  const auto& data = testing::FashionMnist();
+  for (const bool view : {false, true}) {
+    for (const double cap_mb : {25.0, 1e-9}) {
+      const std::string what = std::string("static_graph") + (view ? " (views)" : "") +
+                               (cap_mb < 1 ? " (a bucket per parameter)" : "");
+      auto model = std::make_shared<TiedCheckpointed>(rank == 0 ? 5 : 60 + rank, /*checkpointed=*/true);
+      DistributedDataParallel ddp(model, {.bucket_cap_mb = cap_mb, .first_bucket_mb = cap_mb,
+                                          .gradient_as_bucket_view = view, .static_graph = true,
+                                          .process_group = pg});
+      nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+      auto reference = std::make_shared<TiedCheckpointed>(5, /*checkpointed=*/false);
+      nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+      try {
+        for (int s = 0; s < 3; ++s) {
+          const int64_t base = s * world * kBatch;
+          opt.ZeroGrad();
+          auto [x, y] = testing::Batch(data, base + rank * kBatch, kBatch);
+          nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+          opt.Step();
+          ReferenceStep(*reference, ref_opt, base, world * kBatch);
+        }
+      } catch (const std::exception& e) {
+        WORKER_EXPECT(false, what + ": " + e.what());
+        return testing::WorkerExit();
+      }
+      const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+      WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+      WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
+      WORKER_EXPECT(ddp.iterations() == 3, what + ": iterations " + std::to_string(ddp.iterations()));
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, StaticGraphReducesAGradientThatArrivesTwiceOnItsLastArrival) {
+  auto run = RunWorkers("static_graph_gradient_twice", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Without static_graph the first gradient is already in a bucket that may
+// be in flight when the second arrives: the backward fails on every rank
+// (the group is aborted) with an error naming the parameter, the cause and
+// static_graph, as PyTorch's "Expected to mark a variable ready only once".
+DDP_TEST_WORKER(gradient_twice_without_static_graph) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  auto model = std::make_shared<TiedCheckpointed>(5, /*checkpointed=*/true);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(testing::FashionMnist(), rank * kBatch, kBatch);
+  testing::ExpectRefused(
+      rank, [&] { nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); }, "a second gradient of fc2",
+      {"parameter `fc2.", "a second gradient in one backward", "static_graph"});
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, AGradientThatArrivesTwiceWithoutStaticGraphFailsNamingTheParameter) {
+  auto run = RunWorkers("gradient_twice_without_static_graph", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// static_graph counted the gradients of the first iteration; a later
+// backward with fewer (the checkpoint dropped) or more (a checkpoint added)
+// fails on every rank naming the parameter and both counts. Each aborts
+// the group: one worker each.
+void CheckGradientCountChange(bool first_checkpointed) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  auto model = std::make_shared<TiedCheckpointed>(5, first_checkpointed);
+  DistributedDataParallel ddp(model, {.static_graph = true, .process_group = pg});
+  auto [x, y] = testing::Batch(testing::FashionMnist(), rank * kBatch, kBatch);
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("first iteration: ") + e.what());
+    return;
+  }
+  model->checkpointed = !first_checkpointed;
+  if (first_checkpointed) {
+    testing::ExpectRefused(
+        rank, [&] { nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); }, "one gradient of fc2 where 2 were counted",
+        {"`fc2.", "only 1 of the 2 gradients static_graph counted in the first iteration"});
+  } else {
+    testing::ExpectRefused(
+        rank, [&] { nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); }, "two gradients of fc2 where 1 was counted",
+        {"parameter `fc2.", "received 2 gradients in one backward, but 1 in the first iteration"});
+  }
+}
+
+DDP_TEST_WORKER(static_graph_fewer_gradients) {
+  CheckGradientCountChange(/*first_checkpointed=*/true);
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(static_graph_more_gradients) {
+  CheckGradientCountChange(/*first_checkpointed=*/false);
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, StaticGraphRefusesFewerGradientsThanItCounted) {
+  auto run = RunWorkers("static_graph_fewer_gradients", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(DdpReentrantTest, StaticGraphRefusesMoreGradientsThanItCounted) {
+  auto run = RunWorkers("static_graph_more_gradients", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// -------------------------------- DDP run from an unrelated pass's hook ----
+
+// The user's backward of an unrelated loss runs, from a hook on its leaf,
+// two DDP training steps (forward, backward, step each). Each step's
+// backward is a pass nested in the user's: DDP must average the gradients
+// when that pass ends, before the hook steps the optimizer. It used to
+// finalize at the end of the user's outer pass: the first step took this
+// rank's own gradients and the second forward was refused ("the previous
+// iteration's gradient reduction did not finish").
+DDP_TEST_WORKER(ddp_step_in_an_unrelated_hook) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  const auto& data = testing::FashionMnist();
+  for (const bool static_graph : {false, true}) {
+    const std::string what = std::string("DDP steps in a hook") + (static_graph ? " (static_graph)" : "");
+    auto model = std::make_shared<TiedCheckpointed>(rank == 0 ? 5 : 60 + rank, /*checkpointed=*/false);
+    DistributedDataParallel ddp(model, {.static_graph = static_graph, .process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    auto reference = std::make_shared<TiedCheckpointed>(5, /*checkpointed=*/false);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+    Tensor w = nn::Ones({1});
+    w.set_requires_grad(true);
+    int steps = 0;
+    std::string error;
+    nn::HookHandle hook = w.RegisterPostAccumulateGradHook([&](const Tensor&) {
+      nn::GradModeGuard record(true);  // backward runs its hooks with grad mode off
+      try {
+        for (int s = 0; s < 2; ++s, ++steps) {
+          opt.ZeroGrad();
+          auto [x, y] = testing::Batch(data, (steps * world + rank) * kBatch, kBatch);
+          nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+          opt.Step();
+        }
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    });
+    nn::Backward(nn::ops::Sum(w * 2.0));
+    hook.Remove();
+    WORKER_EXPECT(error.empty(), what + ": " + error);
+    for (int s = 0; s < steps; ++s) ReferenceStep(*reference, ref_opt, s * world * kBatch, world * kBatch);
+    WORKER_EXPECT(steps == 2, what + ": steps " + std::to_string(steps));
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
+    if (!error.empty()) break;  // the group may be aborted
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, ADdpStepRunFromAnUnrelatedPasssHookAveragesBeforeTheHookSteps) {
+  auto run = RunWorkers("ddp_step_in_an_unrelated_hook", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+}  // namespace
+}  // namespace ddp::dist
