@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <any>
 #include <memory>
 #include <string>
@@ -53,10 +54,10 @@ struct CheckpointedLinear : nn::autograd::Function<CheckpointedLinear> {
   }
 };
 
-// fc1 -> ReLU -> fc2 (checkpointed) -> ReLU -> fc2 again (recorded) -> ReLU
-// -> head: fc2's parameters get one gradient in the user's pass (its
-// recorded use) and a second one in the pass nested in it (the
-// checkpointed use). `checkpointed` false records both uses: one gradient,
+// fc1 -> ReLU -> fc2 (checkpointed) -> ReLU -> mid -> ReLU -> fc2 again
+// (recorded) -> ReLU -> head: fc2's parameters get one gradient in the
+// user's pass (its recorded use), then mid's theirs, then fc2's a second
+// one in the pass nested in it (the checkpointed use). `checkpointed` false records both uses: one gradient,
 // summed by the engine, for the one-process reference.
 // Input [N, 1, 28, 28]; output [N, 10].
 class TiedCheckpointed : public Module {
@@ -65,12 +66,14 @@ class TiedCheckpointed : public Module {
     nn::Generator gen(seed);
     fc1_ = RegisterModule("fc1", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
     fc2_ = RegisterModule("fc2", std::make_shared<nn::modules::Linear>(32, 32, true, gen));
+    mid_ = RegisterModule("mid", std::make_shared<nn::modules::Linear>(32, 32, true, gen));
     head_ = RegisterModule("head", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
   }
   Tensor Forward(const Tensor& x) override {
     const Tensor h = nn::ops::Relu((*fc1_)(nn::ops::Flatten(x, 1)));
     const Tensor a = checkpointed ? CheckpointedLinear::Apply({h}, fc2_.get())[0] : (*fc2_)(h);
-    const Tensor b = (*fc2_)(nn::ops::Relu(a));
+    const Tensor m = (*mid_)(nn::ops::Relu(a));
+    const Tensor b = (*fc2_)(nn::ops::Relu(m));
     return (*head_)(nn::ops::Relu(b));
   }
   using Module::Forward;
@@ -79,8 +82,15 @@ class TiedCheckpointed : public Module {
   bool checkpointed;  ///< may change between forwards
 
  private:
-  std::shared_ptr<nn::modules::Linear> fc1_, fc2_, head_;
+  std::shared_ptr<nn::modules::Linear> fc1_, fc2_, mid_, head_;
 };
+
+// " 7 6 3 ...": for messages.
+std::string Listed(const std::vector<int64_t>& values) {
+  std::string out;
+  for (int64_t v : values) out += " " + std::to_string(v);
+  return out;
+}
 
 // One step of the one-process `reference` on `count` samples from `base`.
 void ReferenceStep(Module& reference, nn::optim::Sgd& opt, int64_t base, int64_t count) {
@@ -131,6 +141,14 @@ DDP_TEST_WORKER(static_graph_gradient_twice) {
       WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
       WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
       WORKER_EXPECT(ddp.iterations() == 3, what + ": iterations " + std::to_string(ddp.iterations()));
+      // The buckets were rebuilt with fc2 where its last gradient arrives,
+      // after mid's: at its first, its bucket would wait for the nested
+      // pass with mid's gradients in it. Indices: fc1 0-1, fc2 2-3, mid
+      // 4-5, head 6-7.
+      const std::vector<int64_t> order = ddp.BucketOrder();
+      auto position = [&](int64_t index) { return std::find(order.begin(), order.end(), index) - order.begin(); };
+      WORKER_EXPECT(order.size() == 8 && position(2) > position(4) && position(3) > position(5),
+                    what + ": fc2 is before mid in the rebuilt bucket order" + Listed(order));
     }
   }
   return testing::WorkerExit();

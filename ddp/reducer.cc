@@ -429,15 +429,20 @@ void Reducer::RebuildBuckets() {
   nn::Tensor order = nn::Empty({static_cast<int64_t>(n)}, {.dtype = nn::DType::kInt64});
   int64_t* o = order.data<int64_t>();
   // The observed order, completed with any parameter that never fired (in
-  // reverse registration order, as the initial buckets have them).
+  // reverse registration order, as the initial buckets have them). A
+  // parameter that got several gradients (static_graph) takes the place of
+  // its last, when it becomes ready: at its first, it would hold back the
+  // bucket of the parameters that follow until the end of backward.
   std::vector<char> seen(n, 0);
-  size_t k = 0;
-  for (size_t i : ready_order_) {
-    if (!seen[i]) {
-      seen[i] = 1;
-      o[k++] = static_cast<int64_t>(i);
+  std::vector<size_t> observed;
+  for (auto it = ready_order_.rbegin(); it != ready_order_.rend(); ++it) {
+    if (!seen[*it]) {
+      seen[*it] = 1;
+      observed.push_back(*it);
     }
   }
+  size_t k = 0;
+  for (auto it = observed.rbegin(); it != observed.rend(); ++it) o[k++] = static_cast<int64_t>(*it);
   for (size_t i = n; i-- > 0;) {
     if (!seen[i]) o[k++] = static_cast<int64_t>(i);
   }
