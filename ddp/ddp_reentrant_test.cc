@@ -85,6 +85,25 @@ class TiedCheckpointed : public Module {
   std::shared_ptr<nn::modules::Linear> fc1_, fc2_, mid_, head_;
 };
 
+// fc1 -> ReLU -> fc2 checkpointed: the first gradient of backward, fc2's,
+// arrives in the nested pass. Input [N, 1, 28, 28]; output [N, 10].
+class CheckpointedLast : public Module {
+ public:
+  explicit CheckpointedLast(uint64_t seed) {
+    nn::Generator gen(seed);
+    fc1_ = RegisterModule("fc1", std::make_shared<nn::modules::Linear>(784, 32, true, gen));
+    fc2_ = RegisterModule("fc2", std::make_shared<nn::modules::Linear>(32, 10, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    return CheckpointedLinear::Apply({nn::ops::Relu((*fc1_)(nn::ops::Flatten(x, 1)))}, fc2_.get())[0];
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "CheckpointedLast"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc1_, fc2_;
+};
+
 // " 7 6 3 ...": for messages.
 std::string Listed(const std::vector<int64_t>& values) {
   std::string out;
@@ -156,6 +175,51 @@ DDP_TEST_WORKER(static_graph_gradient_twice) {
 
 TEST(DdpReentrantTest, StaticGraphReducesAGradientThatArrivesTwiceOnItsLastArrival) {
   auto run = RunWorkers("static_graph_gradient_twice", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Re-entrant checkpointing of the last layer under static_graph: fc2's
+// parameters are used only inside the checkpointed segment, so the graph
+// that forward records does not reach them (the segment is recorded again
+// during backward). static_graph learns the used set from the first
+// iteration's gradients, as PyTorch's: three steps equal one process's.
+// Its graph walk used to take fc2 as unused, and fc2's gradient then
+// aborted the group ("not reachable from the outputs of forward").
+DDP_TEST_WORKER(static_graph_checkpointed_only) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  const auto& data = testing::FashionMnist();
+  for (const bool find_unused : {false, true}) {
+    const std::string what = std::string("static_graph, last layer checkpointed") +
+                             (find_unused ? " (find_unused_parameters)" : "");
+    auto model = std::make_shared<CheckpointedLast>(rank == 0 ? 5 : 60 + rank);
+    DistributedDataParallel ddp(model, {.find_unused_parameters = find_unused, .static_graph = true,
+                                        .process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    auto reference = std::make_shared<CheckpointedLast>(5);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+    try {
+      for (int s = 0; s < 3; ++s) {
+        const int64_t base = s * world * kBatch;
+        opt.ZeroGrad();
+        auto [x, y] = testing::Batch(data, base + rank * kBatch, kBatch);
+        nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+        opt.Step();
+        ReferenceStep(*reference, ref_opt, base, world * kBatch);
+      }
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, what + ": " + e.what());
+      return testing::WorkerExit();
+    }
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, StaticGraphLearnsParametersUsedOnlyInsideACheckpointedSegment) {
+  auto run = RunWorkers("static_graph_checkpointed_only", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 

@@ -83,10 +83,11 @@ struct DdpOptions {
   /// out of the buckets, and no second copy of the gradients in memory.
   bool gradient_as_bucket_view = false;
   /// The set of used parameters and their order never change: unused ones
-  /// are learned in the first iteration (no graph walk afterwards; those
-  /// the walk counted as reachable but that got no gradient, such as the
-  /// head of an output left out of the loss, are unused too, as in
-  /// PyTorch) and the buckets are rebuilt even with find_unused_parameters.
+  /// are those that got no gradient in the first iteration (as in PyTorch:
+  /// the head of an output left out of the loss is unused, a parameter used
+  /// only inside a re-entrantly checkpointed segment, which forward's graph
+  /// does not show, is used; no graph walk afterwards) and the buckets are
+  /// rebuilt even with find_unused_parameters.
   /// A parameter may get several gradients in one backward (re-entrant
   /// activation checkpointing through a segment that uses it, used outside
   /// the segment too): the first iteration counts them and reduces every

@@ -582,7 +582,12 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
     unused_ = UnreachableParameters(outputs, &others);
     RefuseAddedParameters(others);
     if (options_.static_graph && !backward_optional) {
-      static_unused_ = unused_;
+      // Learned from the gradients instead, at the end of this backward
+      // (Finalize): the walk cannot see a parameter used only inside a
+      // re-entrantly checkpointed segment, whose graph is recorded during
+      // backward, and would take it as unused.
+      unused_.clear();
+      static_unused_.clear();
       static_known_ = true;
     }
   }
