@@ -300,17 +300,27 @@ TEST(DdpReentrantTest, StaticGraphRefusesMoreGradientsThanItCounted) {
 // when that pass ends, before the hook steps the optimizer. It used to
 // finalize at the end of the user's outer pass: the first step took this
 // rank's own gradients and the second forward was refused ("the previous
-// iteration's gradient reduction did not finish").
+// iteration's gradient reduction did not finish"). Also with a last layer
+// checkpointed, whose gradient, the first, arrives in a pass nested in
+// that step's backward: the iteration must still end with that backward
+// (it moved to the user's outer pass after the first fix; with
+// static_graph, fc1 was taken as unused).
 DDP_TEST_WORKER(ddp_step_in_an_unrelated_hook) {
   auto pg = testing::WorkerGroup();
   const int world = pg->size(), rank = pg->rank();
   const auto& data = testing::FashionMnist();
+  for (const bool checkpointed_last : {false, true}) {
   for (const bool static_graph : {false, true}) {
-    const std::string what = std::string("DDP steps in a hook") + (static_graph ? " (static_graph)" : "");
-    auto model = std::make_shared<TiedCheckpointed>(rank == 0 ? 5 : 60 + rank, /*checkpointed=*/false);
+    const std::string what = std::string("DDP steps in a hook") + (static_graph ? " (static_graph)" : "") +
+                             (checkpointed_last ? " (last layer checkpointed)" : "");
+    auto make = [&](uint64_t seed) -> std::shared_ptr<Module> {
+      if (checkpointed_last) return std::make_shared<CheckpointedLast>(seed);
+      return std::make_shared<TiedCheckpointed>(seed, /*checkpointed=*/false);
+    };
+    auto model = make(rank == 0 ? 5 : 60 + rank);
     DistributedDataParallel ddp(model, {.static_graph = static_graph, .process_group = pg});
     nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
-    auto reference = std::make_shared<TiedCheckpointed>(5, /*checkpointed=*/false);
+    auto reference = make(5);
     nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
     Tensor w = nn::Ones({1});
     w.set_requires_grad(true);
@@ -337,7 +347,8 @@ DDP_TEST_WORKER(ddp_step_in_an_unrelated_hook) {
     const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
     WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
     WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
-    if (!error.empty()) break;  // the group may be aborted
+    if (!error.empty()) return testing::WorkerExit();  // the group may be aborted
+  }
   }
   return testing::WorkerExit();
 }

@@ -553,7 +553,26 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   ready_count_ = 0;
   next_launch_ = 0;
   finalize_moved_ = false;
+  on_backward_pass_ = false;
+  ReleaseOutputs();
   prepared_in_pass_ = nn::autograd::InBackward();
+  if (prepared_in_pass_) {
+    // The outermost pass is not this backward's but the one whose hook or
+    // backward function runs this forward: the pass that reaches these
+    // outputs is this backward. Nested passes (checkpointing) reach
+    // parameters, never the outputs.
+    for (const nn::Tensor& out : outputs) {
+      if (!out.defined() || !out.requires_grad() || out.grad_fn() == nullptr) continue;
+      watched_outputs_.push_back(out);
+      output_hooks_.push_back(out.RegisterHook([this, alive = std::weak_ptr<char>(alive_)](const nn::Tensor&) {
+        if (!alive.expired() && armed_ && !on_backward_pass_) {
+          on_backward_pass_ = true;
+          QueueOnPassEnd(/*outermost=*/false);
+        }
+        return nn::Tensor();
+      }));
+    }
+  }
   // Until static_graph has counted each parameter's gradients, none is
   // reduced before the end of backward: one that gets a second gradient (a
   // re-entrant pass) would have the first in a bucket already in flight.
@@ -709,8 +728,10 @@ void Reducer::OnGradReady(size_t index) {
     // has reached the other parameters. But when forward ran inside a pass
     // (DDP steps run from a hook of an unrelated backward), that outermost
     // pass is the unrelated one, which ends after the hook has stepped on
-    // the gradients: then on the pass running now (see OnPassEnd).
-    nn::autograd::QueueCallback([this] { OnPassEnd(); }, /*outermost=*/!prepared_in_pass_);
+    // the gradients: then on the pass that reached forward's outputs (their
+    // gradient hook queued it already), or else on the pass running now
+    // (see OnPassEnd).
+    if (!on_backward_pass_) QueueOnPassEnd(/*outermost=*/!prepared_in_pass_);
     for (size_t i : unused_) {
       MarkUnusedReady(i);
       // Should this parameter get a gradient later in this backward (an
@@ -735,17 +756,35 @@ void Reducer::OnGradReady(size_t index) {
   last_grad_at_ = Clock::now();
 }
 
+void Reducer::QueueOnPassEnd(bool outermost) {
+  nn::autograd::QueueCallback(
+      [this, alive = std::weak_ptr<char>(alive_)] {
+        if (!alive.expired()) OnPassEnd();
+      },
+      outermost);
+}
+
+void Reducer::ReleaseOutputs() {
+  for (nn::HookHandle& h : output_hooks_) h.Remove();
+  output_hooks_.clear();
+  watched_outputs_.clear();
+}
+
 void Reducer::OnPassEnd() {
-  if (ready_count_ < params_.size() && !delay_ready_ && !finalize_moved_) {
-    // A pass nested in the backward may have ended before the enclosing
-    // one reached the other parameters: queued on the outermost pass (when
-    // the pass ending now is that one, it runs right after this callback).
-    // static_graph's first iteration cannot tell the two apart; it ends
-    // with the pass that delivered its first gradient.
+  if (ready_count_ < params_.size() && !delay_ready_ && !finalize_moved_ && !on_backward_pass_) {
+    // Queued on the outermost pass, or on the pass of the first gradient
+    // where forward ran inside a pass and no gradient reached its outputs
+    // (none requires grad): that pass may be one nested in the backward
+    // (activation checkpointing) that ended before the enclosing one
+    // reached the other parameters, so the callback moves to the outermost
+    // pass (where the pass ending now is that one, it runs again right
+    // after). Not in static_graph's first iteration, which cannot tell a
+    // missing gradient from one still to come: it ends here.
     finalize_moved_ = true;
-    nn::autograd::QueueCallback([this] { OnPassEnd(); }, /*outermost=*/true);
+    QueueOnPassEnd(/*outermost=*/true);
     return;
   }
+  ReleaseOutputs();
   Finalize();
 }
 

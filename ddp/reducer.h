@@ -301,12 +301,16 @@ class Reducer {
     return default_hook_ && internal::PlanNoHookAverage(divisor, pg_->size(), dtype).op == transport::ReduceOp::kAvg;
   }
   void Finalize();
-  // The end-of-backward callback, queued by the first gradient: Finalize,
-  // unless it was queued on the pass running then (forward ran inside a
-  // backward pass) and a parameter is still missing: that pass may be one
-  // nested in the backward (activation checkpointing), so it moves once to
-  // the outermost pass on this thread, which ends after them all.
+  // The end-of-backward callback, queued by the first gradient (or, when
+  // forward ran inside a backward pass, by the first gradient reaching
+  // forward's outputs): Finalize, unless it was queued on the pass running
+  // at the first gradient and a parameter is still missing: that pass may
+  // be one nested in the backward (activation checkpointing), so it moves
+  // once to the outermost pass on this thread, which ends after them all.
   void OnPassEnd();
+  // Queues OnPassEnd on the pass running now, or on the outermost one.
+  void QueueOnPassEnd(bool outermost);
+  void ReleaseOutputs();
   // The end of a synchronizing iteration, run or shadowed: the rebuild is
   // decided from the group's count, the same on every rank.
   void CountGroupIteration();
@@ -350,6 +354,16 @@ class Reducer {
   std::vector<char> ready_;
   bool finalize_moved_ = false;  // OnPassEnd moved the callback to the outermost pass
   bool prepared_in_pass_ = false;  // the forward that prepared this backward ran inside a backward pass
+  // Forward ran inside a backward pass: its outputs, kept until the end of
+  // the iteration, with a gradient hook that queues the end-of-backward
+  // callback on the pass that goes through them (the backward of this
+  // iteration, whatever passes enclose it or are nested in it).
+  std::vector<nn::Tensor> watched_outputs_;
+  std::vector<nn::HookHandle> output_hooks_;
+  bool on_backward_pass_ = false;  // that hook queued the callback
+  // Expires with the reducer: a callback queued on a pass that outlives it
+  // (one enclosing the forward) then does nothing.
+  std::shared_ptr<char> alive_ = std::make_shared<char>(0);
   std::vector<int> arrivals_;    // gradients each parameter received in this backward
   // static_graph: no parameter is marked ready before the end of backward
   // (its gradients are being counted, see static_arrivals_).
