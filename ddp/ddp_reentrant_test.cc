@@ -292,6 +292,28 @@ TEST(DdpReentrantTest, StaticGraphRefusesMoreGradientsThanItCounted) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// find_unused_parameters without static_graph cannot see fc2 inside the
+// checkpointed last layer (forward's graph does not reach it): its
+// gradient fails the backward on every rank, and the message names the
+// checkpoint as a cause and static_graph as the remedy (it used to name a
+// loss term computed outside forward only).
+DDP_TEST_WORKER(find_unused_checkpointed_only) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  auto model = std::make_shared<CheckpointedLast>(5);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = true, .process_group = pg});
+  auto [x, y] = testing::Batch(testing::FashionMnist(), rank * kBatch, kBatch);
+  testing::ExpectRefused(
+      rank, [&] { nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); }, "a gradient of the checkpointed fc2",
+      {"parameter `fc2.", "re-entrant activation checkpointing", "set DdpOptions::static_graph"});
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, FindUnusedParametersNamesCheckpointingForAParameterForwardsGraphDoesNotShow) {
+  auto run = RunWorkers("find_unused_checkpointed_only", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // -------------------------------- DDP run from an unrelated pass's hook ----
 
 // The user's backward of an unrelated loss runs, from a hook on its leaf,

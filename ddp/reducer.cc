@@ -808,7 +808,10 @@ void Reducer::FailUnusedParameterGradient(size_t index) {
         "A parameter must be used inside the module's forward for its gradient to be synchronized; "
         "a loss term on it computed outside forward (a penalty such as wd * Sum(p * p) on a "
         "parameter that forward does not use) is not seen by DistributedDataParallel. Use it inside "
-        "forward, or leave it out of the loss. The process group was aborted.";
+        "forward, or leave it out of the loss. Or it is used only inside a segment that re-entrant "
+        "activation checkpointing records again during backward, which forward's graph does not "
+        "show: there, set DdpOptions::static_graph instead of find_unused_parameters (it learns the "
+        "used parameters from the first iteration's gradients). The process group was aborted.";
   } else {
     pending_error_ =
         head + ", but it got none in the first iteration, and static_graph keeps the set of "
