@@ -229,13 +229,6 @@ TEST(AtomicFileWriter, AFolderIsRefusedNamingIt) {
   EXPECT_EQ(SortedFilesIn(dir), std::vector<std::string>{"c.bin"});
 }
 
-// Before, only temporaries carrying this host's name were ever removed: a
-// container restarted under a new host name (a new pod's name) never got
-// back the space its killed writers' temporaries took in a persistent
-// folder. Now another host's temporary goes once nobody holds it locked
-// and it has not changed for an hour; one written to lately (a live writer
-// on another host whose lock this host may not see, as on NFS with
-// local_lock) or a locked one stays.
 // A failed system call names the file the caller asked for first (the
 // path, then the file its link leads to), its reason, and only then the
 // temporary file it was about. It used to lead with the temporary's name,
@@ -255,22 +248,34 @@ TEST(AtomicFileWriter, AFailedCallNamesThePathAskedForFirstAndThenTheTemporary) 
   const std::string target = dir + "/target.bin";
   const std::string link = dir + "/link.bin";
   ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0) << std::strerror(errno);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
-  rlimit old_limit{};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
-  rlimit limit = old_limit;
-  limit.rlim_cur = 1024;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  // The 1 KiB limit and the ignored SIGXFSZ (whose default ends the
+  // process) last for this block only, whatever leaves it: later tests in
+  // this binary write more than 1 KiB.
+  struct SmallFileLimit {
+    rlimit old_limit{};
+    void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);
+    bool set = false;
+    SmallFileLimit() {
+      if (::getrlimit(RLIMIT_FSIZE, &old_limit) != 0) return;
+      rlimit limit = old_limit;
+      limit.rlim_cur = 1024;
+      set = ::setrlimit(RLIMIT_FSIZE, &limit) == 0;
+    }
+    ~SmallFileLimit() {
+      if (set) ::setrlimit(RLIMIT_FSIZE, &old_limit);
+      std::signal(SIGXFSZ, old_handler);
+    }
+  };
   std::string msg, commit_msg, temp;
   {
+    SmallFileLimit small;
+    ASSERT_TRUE(small.set) << "setrlimit(RLIMIT_FSIZE): " << std::strerror(errno);
     AtomicFileWriter out(link);
     temp = out.temp_path();
     const std::string bytes(4096, 'x');
     msg = ErrorOf([&] { out.Write(bytes.data(), bytes.size()); });
     commit_msg = ErrorOf([&] { out.Commit(); });
   }
-  ::setrlimit(RLIMIT_FSIZE, &old_limit);
-  std::signal(SIGXFSZ, old_handler);
   EXPECT_EQ(msg, link + " (a symbolic link to " + target + "): write failed: " + std::strerror(EFBIG) +
                      " (temporary file " + temp + ")");
   // The commit that follows refuses the short file, naming the link too.
@@ -278,6 +283,13 @@ TEST(AtomicFileWriter, AFailedCallNamesThePathAskedForFirstAndThenTheTemporary) 
   EXPECT_EQ(SortedFilesIn(dir), (std::vector<std::string>{"link.bin"})) << "the temporary was left";
 }
 
+// Before, only temporaries carrying this host's name were ever removed: a
+// container restarted under a new host name (a new pod's name) never got
+// back the space its killed writers' temporaries took in a persistent
+// folder. Now another host's temporary goes once nobody holds it locked
+// and it has not changed for an hour; one written to lately (a live writer
+// on another host whose lock this host may not see, as on NFS with
+// local_lock) or a locked one stays.
 TEST(AtomicFileWriter, AnotherHostsTemporaryGoesWhenUnlockedAndAnHourIdle) {
   const std::string dir = FreshDir();
   ASSERT_FALSE(dir.empty());
