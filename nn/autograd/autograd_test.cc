@@ -972,6 +972,86 @@ TEST(GradHookTest, AnEmptyPostAccumulateHookIsRefusedWhenRegistered) {
   EXPECT_EQ(w.grad().ToVector<float>(), std::vector<float>(5, 1));
 }
 
+// y = x * 2 with a hook on y, z = sum(y), y's handle dropped, then backward:
+// PyTorch keeps the hook on y's grad_fn (by output number), so it still
+// runs. Before, the hook lived in y's own metadata and went with it.
+TEST(GradHookTest, AHookOnANonLeafRunsAfterItsLastHandleIsDropped) {
+  Tensor x = Param({2}, 3.0);
+  int calls = 0;
+  std::vector<float> seen;
+  Tensor z;
+  {
+    Tensor y = ops::MulScalar(x, 2.0);
+    y.RegisterHook([&](const Tensor& g) {
+      ++calls;
+      seen = g.ToVector<float>();
+      return ops::MulScalar(g, 10.0);
+    });
+    z = ops::Sum(y);
+  }
+  Backward(z);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(seen, (std::vector<float>{1, 1}));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{20, 20}));
+}
+
+// On a node with two outputs, a hook follows the output it was registered
+// on, after both handles are gone: output 1's hook sees and changes output
+// 1's gradient only, and the hooks of one output chain in registration order.
+TEST(GradHookTest, ANonLeafHookIsKeptByItsOutputNumber) {
+  Tensor x = Param({2}, 1.0);
+  std::vector<std::string> order;
+  Tensor loss;
+  {
+    std::vector<Tensor> out = ScaleAndShift::Apply({x}, 4.0);  // x * 4, x + 1
+    out[1].RegisterHook([&](const Tensor& g) {
+      order.push_back("first on 1: " + std::to_string(g.ToVector<float>()[0]));
+      return ops::MulScalar(g, 100.0);
+    });
+    out[1].RegisterHook([&](const Tensor& g) {
+      order.push_back("second on 1: " + std::to_string(g.ToVector<float>()[0]));
+      return Tensor();
+    });
+    // d loss / d out[0] = 2, d loss / d out[1] = 3.
+    loss = ops::Sum(ops::Add(ops::MulScalar(out[0], 2.0), ops::MulScalar(out[1], 3.0)));
+  }
+  Backward(loss);
+  EXPECT_EQ(order, (std::vector<std::string>{"first on 1: " + std::to_string(3.0f),
+                                             "second on 1: " + std::to_string(300.0f)}));
+  // 2 * 4 through output 0, 300 through output 1.
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{308, 308}));
+}
+
+// The handle still removes a non-leaf's hook once the tensor is gone, and
+// Remove is harmless once the graph itself is gone.
+TEST(GradHookTest, ANonLeafHookIsRemovedThroughItsHandleAfterTheTensorIsGone) {
+  Tensor x = Param({2}, 1.0);
+  int removed_calls = 0, kept_calls = 0;
+  HookHandle removed, kept;
+  Tensor loss;
+  {
+    Tensor y = ops::MulScalar(x, 2.0);
+    removed = y.RegisterHook([&](const Tensor& g) {
+      ++removed_calls;
+      return ops::MulScalar(g, 10.0);
+    });
+    kept = y.RegisterHook([&](const Tensor&) {
+      ++kept_calls;
+      return Tensor();
+    });
+    loss = ops::Sum(y);
+  }
+  removed.Remove();
+  Backward(loss);
+  EXPECT_EQ(removed_calls, 0);
+  EXPECT_EQ(kept_calls, 1);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+  EXPECT_FALSE(kept.IsLast());  // a gradient hook, not a post-accumulate one
+  loss = Tensor();
+  kept.Remove();
+  kept.Remove();
+}
+
 // Hooks registered and removed on one thread while backward passes on
 // another run that leaf's hooks: the hook lists are locked, so this is
 // race-free (run under --config=tsan to see it; before, it was a data race

@@ -295,16 +295,17 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       // Gradient hooks of the node's outputs (Tensor::RegisterHook) see the
       // gradient summed over every use of the output, once per pass, and
       // may replace it before it is retained or reaches Apply (PyTorch's
-      // tensor pre-hooks). A leaf's run in its AccumulateGrad.
-      for (uint32_t i = 0; i < node->num_outputs(); ++i) {
-        if (!in[i].defined()) continue;
-        Tensor out = node->LiveOutput(i);
-        if (!out.defined()) continue;
-        try {
-          in[i] = RunGradHooks(out, std::move(in[i]),
-                               [&node, i] { return "output " + std::to_string(i) + " of " + node->name(); });
-        } catch (const std::exception& e) {
-          RethrowWithNodeName(e, *node);
+      // tensor pre-hooks). The node keeps them, so they run whether or not
+      // a handle to the output is alive. A leaf's run in its AccumulateGrad.
+      if (const std::shared_ptr<NodeGradHooks> hooks = node->grad_hooks()) {
+        for (uint32_t i = 0; i < in.size(); ++i) {
+          if (!in[i].defined()) continue;
+          try {
+            in[i] = RunGradHooks(*hooks, i, std::move(in[i]),
+                                 [&node, i] { return "output " + std::to_string(i) + " of " + node->name(); });
+          } catch (const std::exception& e) {
+            RethrowWithNodeName(e, *node);
+          }
         }
       }
       // Non-leaf tensors that asked to keep their gradient. A second pass

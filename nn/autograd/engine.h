@@ -18,8 +18,9 @@
 // accumulating into it (DDP's communication thread reading buckets, an
 // optimizer step, ZeroGrad) must synchronize with that pass on its own.
 // Hooks may be registered or removed on a tensor while a pass runs them
-// (AutogradMeta::hooks_mu guards the lists; a pass runs a copy, skipping
-// hooks removed before their turn; a hook already running finishes after
+// (AutogradMeta::hooks_mu guards a leaf's lists, NodeGradHooks::mu those
+// its grad_fn keeps for a non-leaf; a pass runs a copy, skipping hooks
+// removed before their turn; a hook already running finishes after
 // Remove returns). Recording forwards on shared leaves from several threads is
 // safe as far as the accumulator goes: its creation is locked
 // (AutogradMeta::grad_accumulator_mu), so every graph finds the same

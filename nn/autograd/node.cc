@@ -15,6 +15,7 @@ namespace ddp::nn::autograd {
 namespace {
 std::atomic<uint64_t> g_next_sequence_nr{0};
 std::string NodeName(const Node& n) { return n.name(); }
+std::shared_ptr<NodeGradHooks> MutableGradHooksOf(Node& n) { return n.MutableGradHooks(); }
 // "[2, 3] f32 on cpu", for messages about a leaf and its .grad.
 std::string Describe(const Tensor& t) {
   return ShapeToString(t.shape()) + " " + std::string(DTypeName(t.dtype())) + " on " + t.device().ToString();
@@ -23,8 +24,10 @@ std::string Describe(const Tensor& t) {
 
 Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {
   // Every graph starts with a node, so this is the place to let printing
-  // name grad_fn (the tensor library cannot see Node).
-  static const bool registered = (detail::SetGradFnNamer(&NodeName), true);
+  // name grad_fn and RegisterHook reach a node's hook list (the tensor
+  // library cannot see Node).
+  static const bool registered =
+      (detail::SetGradFnNamer(&NodeName), detail::SetNodeGradHooksGetter(&MutableGradHooksOf), true);
   (void)registered;
 }
 
@@ -65,6 +68,17 @@ void Node::AddOutput(const Tensor& output) { outputs_.push_back(output.impl_ptr(
 Tensor Node::LiveOutput(uint32_t nr) const {
   if (nr >= outputs_.size()) return Tensor();
   return Tensor(outputs_[nr].lock());
+}
+
+std::shared_ptr<NodeGradHooks> Node::MutableGradHooks() {
+  std::lock_guard<std::mutex> lock(grad_hooks_mu_);
+  if (!grad_hooks_) grad_hooks_ = std::make_shared<NodeGradHooks>();
+  return grad_hooks_;
+}
+
+std::shared_ptr<NodeGradHooks> Node::grad_hooks() const {
+  std::lock_guard<std::mutex> lock(grad_hooks_mu_);
+  return grad_hooks_;
 }
 
 AccumulateGrad::AccumulateGrad(std::shared_ptr<TensorImpl> variable) : variable_(std::move(variable)) {
@@ -181,22 +195,16 @@ void SavedTensor::Release() {
   released_ = true;
 }
 
-Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::function<std::string()>& what) {
-  AutogradMeta* meta = tensor.impl()->autograd();
-  if (meta == nullptr) return grad;
-  // Copied under hooks_mu and run without it, as the post-accumulate hooks.
-  std::vector<std::pair<uint64_t, GradHook>> hooks;
-  {
-    std::lock_guard<std::mutex> lock(meta->hooks_mu);
-    if (meta->grad_hooks.empty()) return grad;
-    hooks = meta->grad_hooks;
-  }
+namespace {
+
+// Runs `hooks` (a copy of a list taken under its lock) in order on grad,
+// skipping those `still_registered` (which takes the lock) says were removed
+// since the copy: what a removed hook captured may be gone with its owner.
+Tensor ChainGradHooks(const std::vector<std::pair<uint64_t, GradHook>>& hooks,
+                      const std::function<bool(uint64_t)>& still_registered, Tensor grad,
+                      const std::function<std::string()>& what) {
   for (const auto& [id, hook] : hooks) {
-    {
-      std::lock_guard<std::mutex> lock(meta->hooks_mu);
-      const auto& live = meta->grad_hooks;
-      if (std::none_of(live.begin(), live.end(), [id = id](const auto& h) { return h.first == id; })) continue;
-    }
+    if (!still_registered(id)) continue;
     Tensor replacement = hook(grad);
     if (!replacement.defined()) continue;
     if (replacement.shape() != grad.shape() || replacement.dtype() != grad.dtype() ||
@@ -208,6 +216,44 @@ Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::function<std::
     grad = std::move(replacement);
   }
   return grad;
+}
+
+}  // namespace
+
+Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::function<std::string()>& what) {
+  AutogradMeta* meta = tensor.impl()->autograd();
+  if (meta == nullptr) return grad;
+  // Copied under hooks_mu and run without it, as the post-accumulate hooks.
+  std::vector<std::pair<uint64_t, GradHook>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(meta->hooks_mu);
+    if (meta->grad_hooks.empty()) return grad;
+    hooks = meta->grad_hooks;
+  }
+  const auto still_registered = [meta](uint64_t id) {
+    std::lock_guard<std::mutex> lock(meta->hooks_mu);
+    const auto& live = meta->grad_hooks;
+    return std::any_of(live.begin(), live.end(), [id](const auto& h) { return h.first == id; });
+  };
+  return ChainGradHooks(hooks, still_registered, std::move(grad), what);
+}
+
+Tensor RunGradHooks(NodeGradHooks& list, uint32_t output_nr, Tensor grad,
+                    const std::function<std::string()>& what) {
+  std::vector<std::pair<uint64_t, GradHook>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(list.mu);
+    for (const NodeGradHooks::Entry& e : list.hooks) {
+      if (e.output_nr == output_nr) hooks.emplace_back(e.id, e.fn);
+    }
+  }
+  if (hooks.empty()) return grad;
+  const auto still_registered = [&list](uint64_t id) {
+    std::lock_guard<std::mutex> lock(list.mu);
+    const auto& live = list.hooks;
+    return std::any_of(live.begin(), live.end(), [id](const NodeGradHooks::Entry& e) { return e.id == id; });
+  };
+  return ChainGradHooks(hooks, still_registered, std::move(grad), what);
 }
 
 Edge GradientEdge(const Tensor& t) {

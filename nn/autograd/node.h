@@ -59,6 +59,11 @@ class Node {
   void AddOutput(const Tensor& output);
   /// Output nr if it is still alive (for RetainGrad), else undefined.
   Tensor LiveOutput(uint32_t nr) const;
+  /// The gradient hooks registered on this node's outputs (RegisterHook on
+  /// a non-leaf), created on first use.
+  std::shared_ptr<NodeGradHooks> MutableGradHooks();
+  /// The same, or null when no hook was ever registered on an output.
+  std::shared_ptr<NodeGradHooks> grad_hooks() const;
   /// Held by the engine across this node's Apply and ReleaseSaved (and the
   /// update of its outputs' retained gradients), so that backward passes on
   /// several threads through a shared node run it one at a time.
@@ -72,6 +77,10 @@ class Node {
   std::vector<Edge> next_edges_;
   std::vector<std::weak_ptr<TensorImpl>> outputs_;
   std::timed_mutex mutex_;
+  // Guards the pointer only (the list has its own lock): a hook may be
+  // registered while another thread's pass runs this node.
+  mutable std::mutex grad_hooks_mu_;
+  std::shared_ptr<NodeGradHooks> grad_hooks_;
 };
 
 /// Runs the leaf's gradient hooks (RegisterHook) on the incoming gradient,
@@ -121,12 +130,15 @@ class SavedTensor {
   bool released_ = false;
 };
 
-/// Runs `tensor`'s gradient hooks (Tensor::RegisterHook) on grad in
-/// registration order and returns the result; `what` names the tensor in
+/// Runs the leaf `tensor`'s gradient hooks (Tensor::RegisterHook) on grad
+/// in registration order and returns the result; `what` names the tensor in
 /// the error for a replacement of another shape, dtype or device (called
-/// only then). Called by the engine for a node's outputs and by
-/// AccumulateGrad for its leaf.
+/// only then). Called by AccumulateGrad.
 Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::function<std::string()>& what);
+/// The same for the hooks of output `output_nr` of a node (a non-leaf's
+/// hooks, kept by the node that produced it). Called by the engine.
+Tensor RunGradHooks(NodeGradHooks& hooks, uint32_t output_nr, Tensor grad,
+                    const std::function<std::string()>& what);
 
 /// The edge a gradient of t should flow into: its grad_fn, its leaf
 /// accumulator (created on first use), or nothing.

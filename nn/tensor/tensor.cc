@@ -312,6 +312,18 @@ void TensorImpl::Reset(std::shared_ptr<Storage> storage, int64_t offset, Shape s
 }
 
 void HookHandle::Remove() {
+  if (std::shared_ptr<NodeGradHooks> list = node_hooks_.lock()) {
+    GradHook dead;  // destroyed after the lock is let go, as below
+    std::lock_guard<std::mutex> lock(list->mu);
+    auto& hooks = list->hooks;
+    const auto it =
+        std::find_if(hooks.begin(), hooks.end(), [&](const NodeGradHooks::Entry& e) { return e.id == id_; });
+    if (it != hooks.end()) {
+      dead = std::move(it->fn);
+      hooks.erase(it);
+    }
+  }
+  node_hooks_.reset();
   std::shared_ptr<TensorImpl> impl = owner_.lock();
   if (!impl || impl->autograd() == nullptr) return;
   AutogradMeta& meta = *impl->autograd();
@@ -955,6 +967,16 @@ HookHandle Tensor::RegisterPostAccumulateGradHook(PostAccumulateGradHook fn) con
   return HookHandle(impl_, id);
 }
 
+namespace {
+std::atomic<std::shared_ptr<NodeGradHooks> (*)(autograd::Node&)> g_node_grad_hooks_getter{nullptr};
+}  // namespace
+
+namespace detail {
+void SetNodeGradHooksGetter(std::shared_ptr<NodeGradHooks> (*getter)(autograd::Node&)) {
+  g_node_grad_hooks_getter.store(getter);
+}
+}  // namespace detail
+
 HookHandle Tensor::RegisterHook(GradHook fn) const {
   CheckDefined("RegisterHook");
   if (!requires_grad()) {
@@ -962,6 +984,21 @@ HookHandle Tensor::RegisterHook(GradHook fn) const {
                            " does not require grad, so no gradient is computed for it to hook");
   }
   if (!fn) throw std::invalid_argument("RegisterHook: the hook for " + DescribeForHook(*this) + " is empty");
+  if (const std::shared_ptr<autograd::Node>& node = grad_fn()) {
+    // Kept by the node, under this tensor's output number: the node lives
+    // as long as the graph that will carry this tensor's gradient, whether
+    // or not a handle to the tensor does.
+    const auto getter = g_node_grad_hooks_getter.load();
+    if (getter == nullptr) {
+      // Every node's constructor registers the getter, so this cannot happen.
+      throw std::logic_error("RegisterHook: the autograd library did not register its node hook lists");
+    }
+    const std::shared_ptr<NodeGradHooks> list = getter(*node);
+    std::lock_guard<std::mutex> lock(list->mu);
+    const uint64_t id = list->next_id++;
+    list->hooks.push_back({id, output_nr(), std::move(fn)});
+    return HookHandle(std::weak_ptr<NodeGradHooks>(list), id);
+  }
   AutogradMeta& meta = impl_->mutable_autograd();
   std::lock_guard<std::mutex> lock(meta.hooks_mu);
   const uint64_t id = meta.next_hook_id++;

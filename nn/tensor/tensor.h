@@ -1,6 +1,8 @@
 // Tensor: an n-dimensional strided view of a typed, device-resident Storage,
 // plus the autograd metadata (requires_grad, .grad, the node that produced
-// it, post-accumulate-grad hooks) that nn/autograd reads and writes.
+// it, a leaf's gradient hooks and post-accumulate-grad hooks) that
+// nn/autograd reads and writes. A non-leaf's gradient hooks live on the node
+// that produced it (NodeGradHooks), so that they outlive its handles.
 //
 // Member functions never record autograd history. Those that return a new
 // tensor (views such as View/Transpose/Narrow, and Contiguous, Clone, To)
@@ -144,6 +146,24 @@ using GradHook = std::function<Tensor(const Tensor& grad)>;
 
 class TensorImpl;
 
+/// The gradient hooks registered on the outputs of one recorded node
+/// (Tensor::RegisterHook on a non-leaf), each with the number of the output
+/// it hooks. The node owns them, as PyTorch's grad_fn owns a tensor's
+/// pre-hooks, so they run even when every handle to the tensor is gone;
+/// HookHandles hold them weakly.
+struct NodeGradHooks {
+  struct Entry {
+    uint64_t id;
+    uint32_t output_nr;
+    GradHook fn;
+  };
+  /// Guards the fields; never held while a hook runs (a pass copies the list).
+  std::mutex mu;
+  /// In registration order.
+  std::vector<Entry> hooks;
+  uint64_t next_id = 1;
+};
+
 /// Removes a hook (a gradient hook or a post-accumulate-grad hook) when
 /// asked; dropping the handle keeps the hook. Remove and registration may
 /// be called while a backward pass runs the tensor's hooks on another
@@ -152,8 +172,12 @@ class TensorImpl;
 class HookHandle {
  public:
   HookHandle() = default;
+  /// A hook kept by a leaf tensor.
   HookHandle(std::weak_ptr<TensorImpl> owner, uint64_t id) : owner_(std::move(owner)), id_(id) {}
-  /// Unregisters the hook; idempotent, and harmless once the tensor is gone.
+  /// A gradient hook kept by the node that produced a non-leaf tensor.
+  HookHandle(std::weak_ptr<NodeGradHooks> node_hooks, uint64_t id) : node_hooks_(std::move(node_hooks)), id_(id) {}
+  /// Unregisters the hook; idempotent, and harmless once the tensor (for a
+  /// non-leaf's hook, the node that produced it) is gone.
   void Remove();
   /// Whether this hook is registered and is its tensor's last post-accumulate
   /// hook, so that no other runs after it (hooks run in registration order).
@@ -161,6 +185,7 @@ class HookHandle {
 
  private:
   std::weak_ptr<TensorImpl> owner_;
+  std::weak_ptr<NodeGradHooks> node_hooks_;
   uint64_t id_ = 0;
 };
 
@@ -301,7 +326,8 @@ class Tensor {
   /// or passed to grad_fn; hooks run in registration order, each seeing the
   /// previous one's result. A replacement of another shape, dtype or device
   /// fails the backward, naming the tensor. On a non-leaf, the hook is kept
-  /// with the tensor: it runs only while some handle to the tensor is alive.
+  /// by grad_fn under output_nr (as PyTorch's), so it runs even when every
+  /// handle to the tensor is gone; the leaf keeps its own.
   /// Throws when the tensor does not require grad or fn is empty.
   HookHandle RegisterHook(GradHook fn) const;
 
@@ -322,6 +348,9 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 namespace detail {
 /// Set by nn/autograd so that printing can name a tensor's grad_fn.
 void SetGradFnNamer(std::string (*namer)(const autograd::Node&));
+/// Set by nn/autograd so that RegisterHook on a non-leaf can reach the hook
+/// list of its grad_fn (created on first use).
+void SetNodeGradHooksGetter(std::shared_ptr<NodeGradHooks> (*getter)(autograd::Node&));
 }  // namespace detail
 
 /// Autograd state of a tensor; created on first need.
@@ -342,6 +371,7 @@ struct AutogradMeta {
   /// a hook runs (the pass copies the list first).
   std::mutex hooks_mu;
   std::vector<std::pair<uint64_t, PostAccumulateGradHook>> post_accumulate_hooks;
+  /// A leaf's gradient hooks (a non-leaf's are in its grad_fn's NodeGradHooks).
   std::vector<std::pair<uint64_t, GradHook>> grad_hooks;
   uint64_t next_hook_id = 1;
 };
