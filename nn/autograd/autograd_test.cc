@@ -408,6 +408,26 @@ TEST(AutogradTest, RetainGradKeepsNonLeafGradient) {
   EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{12, 12}));
 }
 
+// The calls that only a leaf (or only a tensor that requires grad) takes
+// name the tensor they refuse and what is wrong with it. Before, the
+// messages named neither the tensor nor which of the two conditions failed.
+TEST(AutogradTest, LeafOnlyCallsNameTheTensorTheyRefuse) {
+  const Tensor plain = Zeros({2, 3});
+  const Tensor h = ops::MulScalar(Param({4}, 1.0), 2.0);
+  std::string err = ErrorOf([&] { plain.RegisterPostAccumulateGradHook([](const Tensor&) {}); });
+  EXPECT_NE(err.find("RegisterPostAccumulateGradHook: tensor [2, 3]"), std::string::npos) << err;
+  EXPECT_NE(err.find("does not require grad"), std::string::npos) << err;
+  err = ErrorOf([&] { h.RegisterPostAccumulateGradHook([](const Tensor&) {}); });
+  EXPECT_NE(err.find("RegisterPostAccumulateGradHook: tensor [4]"), std::string::npos) << err;
+  EXPECT_NE(err.find("is not a leaf"), std::string::npos) << err;
+  err = ErrorOf([&] { h.set_requires_grad(false); });
+  EXPECT_NE(err.find("set_requires_grad: tensor [4]"), std::string::npos) << err;
+  EXPECT_NE(err.find("is not a leaf"), std::string::npos) << err;
+  err = ErrorOf([&] { plain.RetainGrad(); });
+  EXPECT_NE(err.find("RetainGrad: tensor [2, 3]"), std::string::npos) << err;
+  EXPECT_NE(err.find("does not require grad"), std::string::npos) << err;
+}
+
 // y = x * k with a hand-written backward; a second output carries x + 1.
 struct ScaleAndShift : Function<ScaleAndShift> {
   static constexpr const char* kName = "ScaleAndShiftBackward";

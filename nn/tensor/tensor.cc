@@ -870,6 +870,14 @@ void Tensor::SetData(const Tensor& src) const {
 
 // ---------------------------------------------------------------- autograd
 
+namespace {
+// "tensor [2, 3] float32 on cpu", for messages about a tensor's autograd state and hooks.
+std::string DescribeForHook(const Tensor& t) {
+  return "tensor " + ShapeToString(t.shape()) + " " + std::string(DTypeName(t.dtype())) + " on " +
+         t.device().ToString();
+}
+}  // namespace
+
 bool Tensor::requires_grad() const {
   CheckDefined("requires_grad");
   return impl_->autograd() != nullptr && impl_->autograd()->requires_grad;
@@ -878,7 +886,9 @@ bool Tensor::requires_grad() const {
 const Tensor& Tensor::set_requires_grad(bool requires_grad) const {
   CheckDefined("set_requires_grad");
   if (!is_leaf()) {
-    throw std::logic_error("set_requires_grad on a non-leaf tensor (it gets requires_grad from its inputs)");
+    throw std::logic_error("set_requires_grad: " + DescribeForHook(*this) +
+                           " is not a leaf (it was produced by a recorded operation and gets requires_grad from "
+                           "its inputs)");
   }
   if (requires_grad && !IsFloating(dtype())) {
     throw std::invalid_argument("only floating-point tensors can require grad, this one is " +
@@ -932,7 +942,10 @@ bool Tensor::is_leaf() const { return grad_fn() == nullptr; }
 
 void Tensor::RetainGrad() const {
   CheckDefined("RetainGrad");
-  if (!requires_grad()) throw std::logic_error("RetainGrad on a tensor that does not require grad");
+  if (!requires_grad()) {
+    throw std::logic_error("RetainGrad: " + DescribeForHook(*this) +
+                           " does not require grad, so no gradient is computed for it to keep");
+  }
   impl_->mutable_autograd().retains_grad = true;
 }
 
@@ -941,18 +954,13 @@ bool Tensor::retains_grad() const {
   return impl_->autograd() != nullptr && impl_->autograd()->retains_grad;
 }
 
-namespace {
-// "tensor [2, 3] float32 on cpu", for messages about a tensor's hooks.
-std::string DescribeForHook(const Tensor& t) {
-  return "tensor " + ShapeToString(t.shape()) + " " + std::string(DTypeName(t.dtype())) + " on " +
-         t.device().ToString();
-}
-}  // namespace
-
 HookHandle Tensor::RegisterPostAccumulateGradHook(PostAccumulateGradHook fn) const {
   CheckDefined("RegisterPostAccumulateGradHook");
   if (!is_leaf() || !requires_grad()) {
-    throw std::logic_error("post-accumulate-grad hooks can only be registered on leaf tensors that require grad");
+    const char* wrong =
+        is_leaf() ? " does not require grad" : " is not a leaf (it was produced by a recorded operation)";
+    throw std::logic_error("RegisterPostAccumulateGradHook: " + DescribeForHook(*this) + wrong +
+                           "; post-accumulate-grad hooks can only be registered on leaf tensors that require grad");
   }
   // Refused here, where the tensor can be named: called during backward, an
   // empty function would throw a bare std::bad_function_call.
