@@ -408,6 +408,21 @@ TEST(AutogradTest, RetainGradKeepsNonLeafGradient) {
   EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{12, 12}));
 }
 
+// RetainGrad on a leaf does nothing, as retain_grad in PyTorch (a leaf
+// gets .grad anyway), so retains_grad stays false there and true only on
+// the non-leaf that asked. Before, RetainGrad marked the leaf as well.
+TEST(AutogradTest, RetainGradOnALeafIsANoOp) {
+  Tensor w = Param({2}, 3.0);
+  w.RetainGrad();
+  EXPECT_FALSE(w.retains_grad());
+  Tensor h = ops::MulScalar(w, 2.0);
+  h.RetainGrad();
+  EXPECT_TRUE(h.retains_grad());
+  Backward(ops::Sum(h));
+  EXPECT_EQ(w.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+  EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{1, 1}));
+}
+
 // The calls that only a leaf (or only a tensor that requires grad) takes
 // name the tensor they refuse and what is wrong with it. Before, the
 // messages named neither the tensor nor which of the two conditions failed.

@@ -946,6 +946,7 @@ void Tensor::RetainGrad() const {
     throw std::logic_error("RetainGrad: " + DescribeForHook(*this) +
                            " does not require grad, so no gradient is computed for it to keep");
   }
+  if (is_leaf()) return;  // a leaf gets .grad anyway (PyTorch's retain_grad does nothing there)
   impl_->mutable_autograd().retains_grad = true;
 }
 
