@@ -434,10 +434,10 @@ TEST(AutogradTest, LeafOnlyCallsNameTheTensorTheyRefuse) {
   EXPECT_NE(err.find("does not require grad"), std::string::npos) << err;
   err = ErrorOf([&] { h.RegisterPostAccumulateGradHook([](const Tensor&) {}); });
   EXPECT_NE(err.find("RegisterPostAccumulateGradHook: tensor [4]"), std::string::npos) << err;
-  EXPECT_NE(err.find("is not a leaf"), std::string::npos) << err;
+  EXPECT_NE(err.find("is a non-leaf"), std::string::npos) << err;
   err = ErrorOf([&] { h.set_requires_grad(false); });
   EXPECT_NE(err.find("set_requires_grad: tensor [4]"), std::string::npos) << err;
-  EXPECT_NE(err.find("is not a leaf"), std::string::npos) << err;
+  EXPECT_NE(err.find("is a non-leaf"), std::string::npos) << err;
   err = ErrorOf([&] { plain.RetainGrad(); });
   EXPECT_NE(err.find("RetainGrad: tensor [2, 3]"), std::string::npos) << err;
   EXPECT_NE(err.find("does not require grad"), std::string::npos) << err;

@@ -887,7 +887,7 @@ const Tensor& Tensor::set_requires_grad(bool requires_grad) const {
   CheckDefined("set_requires_grad");
   if (!is_leaf()) {
     throw std::logic_error("set_requires_grad: " + DescribeForHook(*this) +
-                           " is not a leaf (it was produced by a recorded operation and gets requires_grad from "
+                           " is a non-leaf (it was produced by a recorded operation and gets requires_grad from "
                            "its inputs)");
   }
   if (requires_grad && !IsFloating(dtype())) {
@@ -959,7 +959,7 @@ HookHandle Tensor::RegisterPostAccumulateGradHook(PostAccumulateGradHook fn) con
   CheckDefined("RegisterPostAccumulateGradHook");
   if (!is_leaf() || !requires_grad()) {
     const char* wrong =
-        is_leaf() ? " does not require grad" : " is not a leaf (it was produced by a recorded operation)";
+        is_leaf() ? " does not require grad" : " is a non-leaf (it was produced by a recorded operation)";
     throw std::logic_error("RegisterPostAccumulateGradHook: " + DescribeForHook(*this) + wrong +
                            "; post-accumulate-grad hooks can only be registered on leaf tensors that require grad");
   }
