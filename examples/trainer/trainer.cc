@@ -72,6 +72,30 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// Whether `error` is a UsageError: a refusal of the user's flags or paths
+// (exit status 2), where anything else is a failure of the run (1).
+bool IsUsageError(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const UsageError&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+// What `error` says, for the other ranks: never empty, since they tell
+// "nothing went wrong" by an empty text.
+std::string ExceptionText(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what()[0] != '\0' ? e.what() : "an exception without a message";
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 // Steps at least this long finish each stop vote at once (see Go).
 constexpr double kSlowStepS = 0.25;
 
@@ -473,12 +497,15 @@ class Run {
       if (!opt_.quiet) console_.Line(std::string("warning: ") + e.what() + "; metrics are no longer logged");
     }
   }
-  // Collective: every rank passes its own refusal ("" for none), found on
-  // it alone (its GPU, its folders). Returns "" on every rank when no rank
-  // has one; else a refusing rank's own, and on the others the lowest
-  // refusing rank's as "rank R cannot go on: ...", so that every rank stops
-  // at once instead of waiting for the refusing one until --timeout_s.
-  std::string AnyRanksRefusal(const std::string& mine);
+  // Collective: every rank passes what its own checks threw (null for
+  // nothing), found on it alone (its GPU, its folders). Returns when no
+  // rank threw; else every rank throws at once instead of waiting for the
+  // failing one until --timeout_s: a rank that threw rethrows its own
+  // exception, and the others throw the lowest such rank's reason as "rank
+  // R cannot go on: ...", a UsageError when that rank refused its input (a
+  // UsageError: exit status 2), a JobError when it failed otherwise (out
+  // of memory, an I/O error: exit status 1).
+  void StopIfAnyRankCannotGoOn(const std::exception_ptr& mine);
   int StopSignal() const { return opt_.stop != nullptr ? opt_.stop->load() : 0; }
   // Whether a stop signal arrived by now or arrives within `grace`.
   bool AwaitStopSignal(std::chrono::milliseconds grace) const {
@@ -732,9 +759,13 @@ std::string FirstDifference(const std::string& mine, const std::string& lead) {
   return "";
 }
 
-std::string Run::AnyRanksRefusal(const std::string& mine) {
-  if (world_ == 1) return mine;
-  const std::vector<std::string> all = par_.GatherFromEveryRank(mine);
+void Run::StopIfAnyRankCannotGoOn(const std::exception_ptr& mine) {
+  // Each rank's outcome as one string: "" for none, else 'u' (a refusal)
+  // or 'f' (a failure) and the reason, never empty even for an exception
+  // without a message.
+  std::string own;
+  if (mine) own = (IsUsageError(mine) ? "u" : "f") + ExceptionText(mine);
+  const std::vector<std::string> all = world_ == 1 ? std::vector<std::string>{own} : par_.GatherFromEveryRank(own);
   int first = -1;
   int count = 0;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
@@ -742,15 +773,17 @@ std::string Run::AnyRanksRefusal(const std::string& mine) {
     if (first < 0) first = r;
     ++count;
   }
-  if (first < 0) return "";
-  // A refusing rank gives its own reason (its line names it: see Fail in
-  // train_main.cc); the others say whose they stop for.
-  std::string out =
-      !mine.empty() ? mine : "rank " + std::to_string(first) + " cannot go on: " + all[static_cast<size_t>(first)];
+  // A rank that threw ends with its own exception and line (its line names
+  // it: see Fail in train_main.cc); the others say whose they stop for.
+  if (mine) std::rethrow_exception(mine);
+  if (first < 0) return;
+  const std::string& theirs = all[static_cast<size_t>(first)];
+  std::string out = "rank " + std::to_string(first) + " cannot go on: " + theirs.substr(1);
   if (count > 1) {
-    out += StringPrintf(" (and %d other rank%s refused too)", count - 1, count == 2 ? "" : "s");
+    out += StringPrintf(" (and %d other rank%s could not either)", count - 1, count == 2 ? "" : "s");
   }
-  return out;
+  if (theirs[0] == 'u') throw UsageError(out);
+  throw JobError(out);
 }
 
 void Run::Setup() {
@@ -780,16 +813,16 @@ void Run::Setup() {
   // What each rank finds on its own host: its device (a node with no
   // visible GPU) and its trace folder. In the worker only (never the
   // launcher): CUDA is initialized here.
-  std::string own_refusal;
+  // Only their UsageError is a refusal of the input: anything else (out
+  // of memory, a driver's or the filesystem's error) fails the run.
+  std::exception_ptr own_error;
   try {
     device_ = WorkerDevice(c_.device, opt_.local_rank);
     CheckTraceFolder(c_, par_.TraceFolder(), rank_);
-  } catch (const std::exception& e) {
-    own_refusal = e.what();
+  } catch (...) {
+    own_error = std::current_exception();
   }
-  if (std::string refusal = AnyRanksRefusal(own_refusal); !refusal.empty()) {
-    throw UsageError(std::move(refusal));
-  }
+  StopIfAnyRankCannotGoOn(own_error);
   if (!device_.is_cpu()) model_->To(device_);
   par_.Prepare(model_, c_);
   const int64_t num_params = CountParameters(*model_);
@@ -930,9 +963,14 @@ void Run::Setup() {
   // Under ddprun, srun or mpirun no launcher ran CheckSetup: rank 0, which
   // writes the checkpoint and the metrics, checks their paths here and every
   // rank stops with its answer, instead of rank 0 alone at the first save.
-  std::string refused;
+  // Rank 0's outcome for every rank: "" for none, else 'u' and its refusal
+  // of the flags or paths (a UsageError: exit status 2 on every rank), or
+  // 'f' and its failure (out of memory, an I/O error on metrics.csv: exit
+  // status 1), never empty even for an exception without a message.
+  std::string outcome;
+  std::exception_ptr setup_error;
   if (lead_) {
-    // A refusal leaves none of the folders made here (see CheckSetup).
+    // A failure leaves none of the folders made here (see CheckSetup).
     std::vector<std::string> made;
     try {
       CheckCheckpointIsAFile(c_);
@@ -945,13 +983,18 @@ void Run::Setup() {
                 FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
             c_.resume ? pos_.step : -1, c_.resume && AtEpochEndResumed(), metrics_run);
       }
-    } catch (const std::exception& e) {
-      refused = e.what();
+    } catch (...) {
+      setup_error = std::current_exception();
+      outcome = (IsUsageError(setup_error) ? "u" : "f") + ExceptionText(setup_error);
       RemoveFoldersMade(made);
     }
   }
-  refused = par_.ShareFromLead(std::move(refused));
-  if (!refused.empty()) throw LeadUsageError(refused);
+  outcome = par_.ShareFromLead(std::move(outcome));
+  if (setup_error) std::rethrow_exception(setup_error);
+  if (!outcome.empty()) {
+    if (outcome[0] == 'u') throw LeadUsageError(outcome.substr(1));
+    throw LeadJobError(outcome.substr(1));
+  }
 
   // Every rank built the same model from the same seed; attaching makes
   // rank 0's values the common start regardless.

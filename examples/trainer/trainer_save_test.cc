@@ -198,10 +198,13 @@ DDP_TEST_WORKER(full_save) {
 
 // A job whose sharded optimizer (--zero) on rank LOAD_FAULT_RANK throws
 // std::bad_alloc when it loads a resumed run's state, as a rank out of
-// memory would; everything else is the real job's.
+// memory would, and whose TraceFolder on rank `trace_fault_rank` (-1: none)
+// throws it when the rank checks its own folders at the start; everything
+// else is the real job's.
 class LoadFaultParallel : public Parallel {
  public:
-  LoadFaultParallel(std::unique_ptr<Parallel> job, int fault_rank) : job_(std::move(job)), fault_rank_(fault_rank) {}
+  LoadFaultParallel(std::unique_ptr<Parallel> job, int fault_rank, int trace_fault_rank = -1)
+      : job_(std::move(job)), fault_rank_(fault_rank), trace_fault_rank_(trace_fault_rank) {}
 
   int rank() const override { return job_->rank(); }
   int world_size() const override { return job_->world_size(); }
@@ -238,7 +241,10 @@ class LoadFaultParallel : public Parallel {
   std::string TakeStatsLine(bool every_rank) override { return job_->TakeStatsLine(every_rank); }
   bool CollectivesOnCaller() const override { return job_->CollectivesOnCaller(); }
   CommTotals Totals() override { return job_->Totals(); }
-  std::string TraceFolder() const override { return job_->TraceFolder(); }
+  std::string TraceFolder() const override {
+    if (rank() == trace_fault_rank_) throw std::bad_alloc();
+    return job_->TraceFolder();
+  }
 
  private:
   class FaultyLoad : public ShardedOptimizer {
@@ -261,6 +267,7 @@ class LoadFaultParallel : public Parallel {
 
   std::unique_ptr<Parallel> job_;
   int fault_rank_;
+  int trace_fault_rank_;
 };
 
 // mixed_checkpoint's run with --zero, saving to ZERO_CKPT; with
@@ -306,6 +313,40 @@ DDP_TEST_WORKER(read_fault) {
   try {
     ValidateConfig(c);
     std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    Train(c, *parallel, options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+// mixed_checkpoint's run without a checkpoint over LoadFaultParallel,
+// whose TraceFolder throws std::bad_alloc on rank OWN_CHECK_FAULT_RANK;
+// with OWN_CHECK_LOG_DIR, metrics go there, and a rank given
+// OWN_CHECK_FSIZE may write files of that many bytes at most once it has
+// joined the job (as full_save). Exit status and lines as zero_resume's.
+DDP_TEST_WORKER(own_check_fault) {
+  TrainConfig c = TinyRun("", 20);
+  if (const char* dir = std::getenv("OWN_CHECK_LOG_DIR"); dir != nullptr) c.log_dir = dir;
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    const char* rank = std::getenv("OWN_CHECK_FAULT_RANK");
+    parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), -1, rank != nullptr ? std::atoi(rank) : -1);
+    if (const char* fsize = std::getenv("OWN_CHECK_FSIZE"); fsize != nullptr) {
+      std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
+      rlimit limit{};
+      if (::getrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
+      limit.rlim_cur = static_cast<rlim_t>(std::atoll(fsize));
+      if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
+    }
     Train(c, *parallel, options);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
@@ -592,6 +633,47 @@ TEST(TrainerSaveTest, RankZerosReadFailingOtherwiseThanOnTheFileEndsEveryRankWit
   }
   EXPECT_NE(run->Output(0).find("error: std::bad_alloc"), std::string::npos) << run->Output(0);
   EXPECT_NE(run->Output(1).find("error (rank 0's): std::bad_alloc"), std::string::npos) << run->Output(1);
+}
+
+// A rank whose own check at the start (its device, its trace folder) fails
+// otherwise than by refusing its input (out of memory here) fails the run:
+// it ends with exit status 1 and its own reason, and every other rank with
+// status 1 too, naming it. Every rank used to end as if that rank had
+// refused its flags (exit status 2, a mistake to fix).
+TEST(TrainerSaveTest, ResourceFailureInARanksOwnCheckAtTheStartFailsTheRunNotItsFlags) {
+  auto run = launch::testing::RunTestWorkers(
+      "own_check_fault",
+      {.world_size = 2, .timeout = std::chrono::seconds(90), .stop_all_on_failure = false,
+       .env = {{"OWN_CHECK_FAULT_RANK", "1"}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(1).find("error: std::bad_alloc\n"), std::string::npos) << run->Output(1);
+  EXPECT_NE(run->Output(0).find("error: rank 1 cannot go on: std::bad_alloc\n"), std::string::npos)
+      << run->Output(0);
+}
+
+// Rank 0's metrics log failing to be written at the start (a file size
+// limit, as a full disk would) fails the run on every rank (exit status 1),
+// rank 0 naming metrics.csv and the system's reason, the others pointing
+// at rank 0's line. Every rank used to end as if rank 0 had refused its
+// flags (exit status 2).
+TEST(TrainerSaveTest, RankZerosOutputSetupFailingOnItsDiskFailsTheRunNotItsFlags) {
+  const std::string dir = TempDir("log_fault");
+  auto run = launch::testing::RunTestWorkers(
+      "own_check_fault", {.world_size = 2,
+                          .timeout = std::chrono::seconds(90),
+                          .stop_all_on_failure = false,
+                          .env = {{"OWN_CHECK_LOG_DIR", dir}},
+                          .rank_env = {{0, {{"OWN_CHECK_FSIZE", "16"}}}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+  }
+  const std::string reason = dir + "/metrics.csv: write failed: " + std::strerror(EFBIG);
+  EXPECT_NE(run->Output(0).find("error: " + reason), std::string::npos) << run->Output(0);
+  EXPECT_NE(run->Output(1).find("error (rank 0's): " + reason), std::string::npos) << run->Output(1);
 }
 
 std::string ReadFile(const std::string& path) {
