@@ -1003,6 +1003,24 @@ nn::io::Checkpoint TrainCheckpointOf(const TrainComponents& parts, const TrainPo
   return ckpt;
 }
 
+namespace {
+
+// `detail` (a failed write's message, "<path>: <call>: <reason> (temporary
+// file T)") without what the line around it says already: a leading
+// "<path>: " and the ": <reason>" after the call.
+std::string WithoutPathAndReason(std::string detail, const std::string& path, const std::string& reason) {
+  if (detail.rfind(path + ": ", 0) == 0) detail.erase(0, path.size() + 2);
+  if (const size_t at = detail.find(": " + reason); at != std::string::npos) detail.erase(at, reason.size() + 2);
+  // Inside the line's own brackets: "write failed, temporary file T".
+  static const std::string kTemporary = " (temporary file ";
+  if (const size_t at = detail.find(kTemporary); at != std::string::npos && detail.back() == ')') {
+    detail = detail.substr(0, at) + ", " + detail.substr(at + 2, detail.size() - at - 3);
+  }
+  return detail;
+}
+
+}  // namespace
+
 std::string CheckpointSaveProblem(const std::string& path, int err, const std::string& detail) {
   std::string reason = std::strerror(err);
   std::string advice;
@@ -1021,7 +1039,7 @@ std::string CheckpointSaveProblem(const std::string& path, int err, const std::s
       advice = "pass --checkpoint=PATH on a writable filesystem, or none";
       break;
     default:
-      if (!detail.empty()) reason += " (" + detail + ")";
+      if (!detail.empty()) reason += " (" + WithoutPathAndReason(detail, path, reason) + ")";
       advice = "pass --checkpoint=PATH on a working, writable disk, or none";
   }
   return "cannot save the checkpoint " + path + ": " + reason + "; " + advice;

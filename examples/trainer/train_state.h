@@ -219,7 +219,8 @@ class CheckpointSaveError : public std::runtime_error {
 /// call failed with errno `err`: the reason (strerror) and what to do about
 /// it, which depends on the reason (free space on a full disk, another
 /// folder where writing is not allowed). `detail` (the failed call, or "")
-/// is added for reasons without advice of their own.
+/// is added for reasons without advice of their own, without the path or
+/// the reason when it repeats them (the writer's message leads with both).
 std::string CheckpointSaveProblem(const std::string& path, int err, const std::string& detail);
 
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on

@@ -1863,6 +1863,13 @@ TEST(TrainStateTest, FailedWriteNamesTheCheckpointPathAndTheSystemsReason) {
   ::setrlimit(RLIMIT_FSIZE, &old_limit);
   std::signal(SIGXFSZ, old_handler);
   EXPECT_EQ(msg.rfind("cannot save the checkpoint " + path + ": " + std::strerror(EFBIG), 0), 0u) << msg;
+  // The path and the reason once each (the writer's own message, added in
+  // brackets, used to repeat both), then the failed call and the
+  // temporary file.
+  EXPECT_EQ(msg.find(std::strerror(EFBIG)), msg.rfind(std::strerror(EFBIG))) << msg;
+  EXPECT_NE(msg.find(std::string(std::strerror(EFBIG)) + " (write failed, temporary file " + path + ".tmp."),
+            std::string::npos)
+      << msg;
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
@@ -1888,6 +1895,14 @@ TEST(TrainStateTest, SaveProblemAdviceFollowsTheReason) {
   EXPECT_EQ(other, std::string("cannot save the checkpoint c.safetensors: ") + std::strerror(EIO) +
                        " (c.safetensors.tmp.1: fsync failed); pass --checkpoint=PATH on a working, "
                        "writable disk, or none");
+  // The writer's message leads with the path and holds the reason: neither
+  // is said twice.
+  const std::string writer = CheckpointSaveProblem(
+      "c.safetensors", EIO,
+      std::string("c.safetensors: fsync failed: ") + std::strerror(EIO) + " (temporary file c.safetensors.tmp.1)");
+  EXPECT_EQ(writer, std::string("cannot save the checkpoint c.safetensors: ") + std::strerror(EIO) +
+                        " (fsync failed, temporary file c.safetensors.tmp.1); pass --checkpoint=PATH on a "
+                        "working, writable disk, or none");
 }
 
 }  // namespace
