@@ -1568,7 +1568,9 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart) {
     const Metadata m = nn::io::SafetensorsFile::ReadMetadata(config.checkpoint);
     const auto job = m.find("job");
     if (job != m.end()) saved_by = job->second;
-  } catch (const std::exception& e) {
+  } catch (const nn::io::CheckpointError& e) {
+    // The file's fault (or its disk's). Anything else (out of memory) is
+    // the restart's own failure, and goes on as it came.
     throw unreadable(e.what());
   }
   if (config.job.empty()) {

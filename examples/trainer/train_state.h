@@ -331,7 +331,8 @@ std::string JobFingerprint(const std::string& token, const std::string& run_id =
 /// Returns a line saying which it did. Reads only the file's header; throws
 /// UsageError naming the path and the reason when a file is there but its
 /// header cannot be read: it may be this job's, and starting over would
-/// replace it. Called on rank 0 only, whose
+/// replace it; any other failure (std::bad_alloc) goes on as it came, a
+/// failure of the restart, not of its flags. Called on rank 0 only, whose
 /// decision the others follow: rank 0 saved the checkpoint, perhaps on a
 /// disk that only its host sees.
 std::string ResumeAfterRestart(TrainConfig& config, int restart);

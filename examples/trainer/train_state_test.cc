@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <new>
 #include <set>
 
 #include "ddp/comm_hooks.h"
@@ -773,6 +774,64 @@ TEST(TrainStateTest, RestartResumesOnlyFromThisJobsCheckpoint) {
   config.checkpoint.clear();
   EXPECT_NE(ResumeAfterRestart(config, 1).find("starting over"), std::string::npos);
   EXPECT_FALSE(config.resume);
+}
+
+// This process's virtual memory in bytes (VmSize), or 0 if unknown.
+uint64_t VirtualMemoryBytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmSize:", 0) == 0) return std::stoull(line.substr(7)) * 1024;
+  }
+  return 0;
+}
+
+// A restart whose look at the checkpoint's header runs out of memory (a
+// header of 90 MB, with 16 MB of address space to spare) fails as it came:
+// it used to refuse the file as unreadable (a UsageError, exit status 2:
+// "delete it or pass another --checkpoint"), blaming a file with nothing
+// wrong in it. A damaged header is still refused, naming the file.
+TEST(TrainStateTest, RestartOutOfMemoryReadingTheHeaderIsNotAnUnreadableCheckpoint) {
+  TrainConfig config;
+  config.model = "mlp";
+  config.checkpoint = Path("restart_no_memory");
+  config.job = JobFingerprint("token-a");
+  std::filesystem::create_directories(std::filesystem::path(config.checkpoint).parent_path());
+  constexpr uint64_t kHeaderBytes = 90'000'000;
+  {
+    std::ofstream out(config.checkpoint, std::ios::binary);
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((kHeaderBytes >> (8 * i)) & 0xff));
+  }
+  std::filesystem::resize_file(config.checkpoint, 8 + kHeaderBytes);  // sparse
+  const uint64_t in_use = VirtualMemoryBytes();
+  ASSERT_GT(in_use, 0u);
+  rlimit old_limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_AS, &old_limit), 0);
+  rlimit limit = old_limit;
+  limit.rlim_cur = in_use + (16 << 20);
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &limit), 0);
+  std::string outcome;
+  try {
+    ResumeAfterRestart(config, 1);
+    outcome = "no exception";
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    outcome = e.what();
+  }
+  ::setrlimit(RLIMIT_AS, &old_limit);
+  EXPECT_EQ(outcome, "std::bad_alloc");
+  EXPECT_FALSE(config.resume);
+
+  // The same header, cut short: the file's fault.
+  std::filesystem::resize_file(config.checkpoint, 100);
+  try {
+    ResumeAfterRestart(config, 1);
+    ADD_FAILURE() << "a damaged header was not refused";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot read the checkpoint at " + config.checkpoint),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // The default run (2 epochs of 469 steps, 938 in all) never reached
