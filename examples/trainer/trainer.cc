@@ -96,6 +96,22 @@ std::string ExceptionText(const std::exception_ptr& error) {
   }
 }
 
+// `error` as this rank rethrows it: itself when it is a std::exception
+// that says something, else one of its kind (a UsageError, or a JobError)
+// that says what it was: an empty what() would leave the rank's line
+// without a reason, and an exception that is not a std::exception would
+// end the program unreported.
+std::exception_ptr Reportable(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    if (e.what()[0] != '\0') return error;
+  } catch (...) {
+  }
+  if (IsUsageError(error)) return std::make_exception_ptr(UsageError(ExceptionText(error)));
+  return std::make_exception_ptr(JobError(ExceptionText(error)));
+}
+
 // Steps at least this long finish each stop vote at once (see Go).
 constexpr double kSlowStepS = 0.25;
 
@@ -775,7 +791,7 @@ void Run::StopIfAnyRankCannotGoOn(const std::exception_ptr& mine) {
   }
   // A rank that threw ends with its own exception and line (its line names
   // it: see Fail in train_main.cc); the others say whose they stop for.
-  if (mine) std::rethrow_exception(mine);
+  if (mine) std::rethrow_exception(Reportable(mine));
   if (first < 0) return;
   const std::string& theirs = all[static_cast<size_t>(first)];
   std::string out = "rank " + std::to_string(first) + " cannot go on: " + theirs.substr(1);
@@ -935,7 +951,7 @@ void Run::Setup() {
         }
       }
       refused = par_.ShareFromLead(refused ? "refused" : "failed") == "refused";
-      if (read->error) std::rethrow_exception(read->error);
+      if (read->error) std::rethrow_exception(Reportable(read->error));
       if (refused) throw LeadUsageError(failure);
       throw LeadJobError(failure);
     }
@@ -990,7 +1006,7 @@ void Run::Setup() {
     }
   }
   outcome = par_.ShareFromLead(std::move(outcome));
-  if (setup_error) std::rethrow_exception(setup_error);
+  if (setup_error) std::rethrow_exception(Reportable(setup_error));
   if (!outcome.empty()) {
     if (outcome[0] == 'u') throw LeadUsageError(outcome.substr(1));
     throw LeadJobError(outcome.substr(1));

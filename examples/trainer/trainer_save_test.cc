@@ -298,12 +298,23 @@ DDP_TEST_WORKER(zero_resume) {
   return 0;
 }
 
+// An exception whose what() is empty.
+class Wordless : public std::exception {
+ public:
+  const char* what() const noexcept override { return ""; }
+};
+
 // mixed_checkpoint's run resumed from READ_FAULT_CKPT; with READ_FAULT set,
 // each piece this process reads of a file throws std::bad_alloc, as a read
-// out of memory would. Exit status and lines as zero_resume's.
+// out of memory would (Wordless when READ_FAULT is "wordless"). Exit status
+// and lines as zero_resume's.
 DDP_TEST_WORKER(read_fault) {
-  if (std::getenv("READ_FAULT") != nullptr) {
-    nn::io::internal::SetReadPieceHookForTesting([](uint64_t) { throw std::bad_alloc(); });
+  if (const char* fault = std::getenv("READ_FAULT"); fault != nullptr) {
+    if (std::string(fault) == "wordless") {
+      nn::io::internal::SetReadPieceHookForTesting([](uint64_t) { throw Wordless(); });
+    } else {
+      nn::io::internal::SetReadPieceHookForTesting([](uint64_t) { throw std::bad_alloc(); });
+    }
   }
   TrainConfig c = TinyRun(std::getenv("READ_FAULT_CKPT"), 20);
   c.resume = true;
@@ -633,6 +644,38 @@ TEST(TrainerSaveTest, RankZerosReadFailingOtherwiseThanOnTheFileEndsEveryRankWit
   }
   EXPECT_NE(run->Output(0).find("error: std::bad_alloc"), std::string::npos) << run->Output(0);
   EXPECT_NE(run->Output(1).find("error (rank 0's): std::bad_alloc"), std::string::npos) << run->Output(1);
+}
+
+// Rank 0's read failing with an exception that says nothing ends every
+// rank at once with status 1, each line saying so: the wait for rank 0's
+// part hands on a text for it, so the others do not take rank 0's failure
+// for a read that worked and wait for its bytes. Rank 0's own line used to
+// be "error: " with no reason at all.
+TEST(TrainerSaveTest, RankZerosReadFailingWithoutAMessageStillEndsEveryRank) {
+  const std::string checkpoint = TempDir("read_fault_wordless") + "/ckpt.safetensors";
+  auto saved = launch::testing::RunTestWorkers(
+      "mixed_checkpoint",
+      {.world_size = 2, .timeout = std::chrono::seconds(90), .env = {{"MIXED_CKPT", checkpoint}}});
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_TRUE(saved->AllSucceeded()) << saved->Summary() << saved->Output(0) << saved->Output(1);
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "read_fault", {.world_size = 2,
+                     .timeout = std::chrono::seconds(90),
+                     .stop_all_on_failure = false,
+                     .env = {{"READ_FAULT_CKPT", checkpoint}},
+                     .rank_env = {{0, {{"READ_FAULT", "wordless"}}}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(0).find("error: an exception without a message\n"), std::string::npos)
+      << run->Output(0);
+  EXPECT_NE(run->Output(1).find("error (rank 0's): an exception without a message\n"), std::string::npos)
+      << run->Output(1);
+  // Well under the collectives' 20 s deadline (TinyRun's --timeout_s).
+  EXPECT_LT(seconds, 15) << run->Output(1);
 }
 
 // A rank whose own check at the start (its device, its trace folder) fails
