@@ -1101,6 +1101,9 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
                                                it->second.dtype() == DType::kInt64 && it->second.numel() == 1 &&
                                                it->second.To(kCPU).data<int64_t>()[0] == 0) {
       // Held but never updated when saved: no other entry belongs to it.
+      // The entry itself is checked as any step is (a 0 in an i64 [1] is
+      // not a step entry StateDict writes).
+      check(prefix + "step", it->second, {}, DType::kInt64, false);
       for (const std::vector<std::string>* list : {&keys, &optional}) {
         for (const std::string& k : *list) {
           if (k != prefix + "step" && given.count(k)) {

@@ -249,6 +249,30 @@ std::string ErrorOf(const std::function<void()>& fn) {
   return "";
 }
 
+// A step entry of 0 (a parameter held but never updated) skipped the
+// checks every other step entry gets: one of another shape (i64 [1], say)
+// loaded as if StateDict had written it. It is refused naming the key and
+// both shapes, as a non-zero one is, and nothing changes.
+TEST(OptimizerState, ANeverUpdatedStepOfAnotherShapeIsRefusedNamingIt) {
+  NamedParameters p = {{"w", Ones({3})}, {"b", Ones({2})}};
+  Adam opt(p, {.lr = 0.1});
+  p[0].second.set_grad(Ones({3}));
+  opt.Step();
+  NamedTensors state = opt.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "state.b.step") t = FromVectorOf<int64_t>({0}, {1});
+  }
+  const NamedTensors before = opt.StateDict();
+  EXPECT_THAT(ErrorOf([&] { opt.LoadStateDict(state); }),
+              AllOf(HasSubstr("1 problem(s)"), HasSubstr("`state.b.step` is i64 [1], expected i64 []")));
+  EXPECT_THAT(ErrorOf([&] { opt.CheckStateDict(state); }), HasSubstr("`state.b.step` is i64 [1], expected i64 []"));
+  const NamedTensors after = opt.StateDict();
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(before[i].second.ToVector<double>(), after[i].second.ToVector<double>()) << before[i].first;
+  }
+}
+
 // Before, a parameter with no entries in a loaded state was taken as one
 // never updated: Adam's state saved over {w} loaded into one over {w, b}
 // (both trained 1000 steps) restarted b at step 1. PyTorch refuses param
