@@ -375,6 +375,15 @@ void Optimizer::set_lr(size_t group, double lr) {
   lrs_[group] = lr;
 }
 
+void Optimizer::set_grad_scale(double scale) {
+  if (!(scale >= 0)) {
+    throw std::invalid_argument(std::string(Name()) + ": grad scale " + internal::OptionValueText(scale) +
+                                " must be >= 0 (the factor every gradient is read with; use the maximize option to "
+                                "ascend)");
+  }
+  grad_scale_ = scale;
+}
+
 double Optimizer::momentum(size_t group) const {
   const char* option = MomentumOption();
   if (option == nullptr) {

@@ -156,7 +156,12 @@ class Optimizer {
   void CheckMomentum(size_t group, double momentum) const;
   /// Factor every gradient is multiplied by as Step reads it (GradScaler
   /// sets 1/scale for one step, so unscaling costs no extra pass). 1 by default.
-  void set_grad_scale(double scale) { grad_scale_ = scale; }
+  /// Throws std::invalid_argument naming the optimizer and the value,
+  /// changing nothing, for a NaN or negative factor (every parameter updated
+  /// would become NaN, or step against its gradient; `maximize` is the
+  /// option for ascent). +inf is taken: it is 1/scale once GradScaler's
+  /// scale has underflowed to 0, as PyTorch's inv_scale.
+  void set_grad_scale(double scale);
   /// Whether Step ascends the gradient (the options' `maximize`); group 0's
   /// with several groups.
   bool maximize() const { return maximize_.front(); }

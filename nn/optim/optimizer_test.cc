@@ -981,6 +981,27 @@ TEST(Optimizer, SetLrRefusesANonFiniteRate) {
   EXPECT_EQ(opt.lr(), 0.0);
 }
 
+// A NaN gradient factor made every parameter the step updated NaN, and a
+// negative one stepped every parameter up its gradient, both silently;
+// they are refused naming the optimizer and the value, and the factor in
+// use stays. +inf (1/scale once a loss scale underflowed to 0) is taken.
+TEST(Optimizer, SetGradScaleRefusesANanOrNegativeFactor) {
+  Tensor w = FromVector({1.0, 2.0}, {2}, {.dtype = DType::kFloat64});
+  Sgd sgd({{"w", w}}, {.lr = 0.5});
+  sgd.set_grad_scale(0.25);
+  EXPECT_THAT(ErrorOf([&] { sgd.set_grad_scale(std::nan("")); }), HasSubstr("SGD: grad scale nan must be >= 0"));
+  EXPECT_THAT(ErrorOf([&] { sgd.set_grad_scale(-0.5); }), HasSubstr("SGD: grad scale -0.5 must be >= 0"));
+  Adam adam({{"v", Zeros({2})}}, {});
+  EXPECT_THAT(ErrorOf([&] { adam.set_grad_scale(-std::numeric_limits<double>::infinity()); }),
+              HasSubstr("Adam: grad scale -inf must be >= 0"));
+  // Still 0.25: w - 0.5 * 0.25 * 4.
+  w.set_grad(FromVector({4.0, 4.0}, {2}, {.dtype = DType::kFloat64}));
+  sgd.Step();
+  EXPECT_EQ(w.ToVector<double>(), (std::vector<double>{0.5, 1.5}));
+  EXPECT_NO_THROW(sgd.set_grad_scale(std::numeric_limits<double>::infinity()));
+  EXPECT_NO_THROW(sgd.set_grad_scale(0.0));
+}
+
 TEST(ClipGradNorm, ClipsOnlyAboveTheLimit) {
   Tensor a = Zeros({2}), b = Zeros({1});
   a.set_grad(FromVector({3, 0}, {2}));
