@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <tuple>
 #include <map>
 #include <set>
@@ -1131,6 +1132,13 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
         if (it->second.defined() && it->second.dtype() == DType::kInt64 && it->second.numel() == 1) {
           new_steps[i] = it->second.To(kCPU).data<int64_t>()[0];
           if (new_steps[i] < 0) problems.push_back("`" + k + "` is " + std::to_string(new_steps[i]) + ", expected >= 0");
+          // The next Step counts one more: past the largest i64 the count
+          // would wrap to a negative one (Adam's bias corrections then
+          // inf), and a state saved after it would be refused.
+          if (new_steps[i] == std::numeric_limits<int64_t>::max()) {
+            problems.push_back("`" + k + "` is " + std::to_string(new_steps[i]) +
+                               ", the largest i64: the next step's count would overflow");
+          }
         }
       } else {
         check(k, it->second, p.shape(), ComputeDType(i), true);

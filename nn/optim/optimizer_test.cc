@@ -249,6 +249,31 @@ std::string ErrorOf(const std::function<void()>& fn) {
   return "";
 }
 
+// A step entry of the largest i64 loaded, and the next Step wrapped the
+// count to the most negative one: Adam's bias corrections became inf, and
+// a state saved after that was refused for its negative step. The load is
+// refused naming the entry, and nothing changes.
+TEST(OptimizerState, AStepCountTheNextStepWouldOverflowIsRefused) {
+  Tensor w = Ones({2});
+  Adam opt({{"w", w}}, {.lr = 0.1});
+  w.set_grad(Ones({2}));
+  opt.Step();
+  NamedTensors state = opt.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "state.w.step") t = FromVectorOf<int64_t>({std::numeric_limits<int64_t>::max()}, {});
+  }
+  EXPECT_THAT(ErrorOf([&] { opt.LoadStateDict(state); }),
+              HasSubstr("`state.w.step` is 9223372036854775807, the largest i64: the next step's count would "
+                        "overflow"));
+  EXPECT_EQ(opt.step_count(0), 1);
+  for (auto& [k, t] : state) {
+    if (k == "state.w.step") t = FromVectorOf<int64_t>({std::numeric_limits<int64_t>::max() - 1}, {});
+  }
+  opt.LoadStateDict(state);
+  opt.Step();
+  EXPECT_EQ(opt.step_count(0), std::numeric_limits<int64_t>::max());
+}
+
 // A step entry of 0 (a parameter held but never updated) skipped the
 // checks every other step entry gets: one of another shape (i64 [1], say)
 // loaded as if StateDict had written it. It is refused naming the key and
