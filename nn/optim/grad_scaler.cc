@@ -1,6 +1,7 @@
 #include "nn/optim/grad_scaler.h"
 
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -340,6 +341,11 @@ ScalerState ReadScalerState(const NamedTensors& state, GradScalerOptions options
   if (t < 0) {
     throw std::invalid_argument("GradScaler.LoadStateDict: scaler.growth_tracker " + std::to_string(t) +
                                 " must be at least 0");
+  }
+  // Update counts one more clean step: past the largest i64 it would wrap.
+  if (t == std::numeric_limits<int64_t>::max()) {
+    throw std::invalid_argument("GradScaler.LoadStateDict: scaler.growth_tracker " + std::to_string(t) +
+                                " is the largest i64: the next Update's count would overflow");
   }
   return {s, t, options};
 }

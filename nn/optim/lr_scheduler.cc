@@ -769,6 +769,11 @@ SchedulerState ReadSchedulerState(const NamedTensors& state, const Schedule& sch
   }
   const int64_t t = step->To(kCPU).data<int64_t>()[0];
   if (t < 0) throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) + " < 0");
+  // Step counts one more: past the largest i64 the count would wrap.
+  if (t == std::numeric_limits<int64_t>::max()) {
+    throw std::invalid_argument("LrScheduler.LoadStateDict: scheduler.step " + std::to_string(t) +
+                                " is the largest i64: the next Step's count would overflow");
+  }
   const std::vector<double> base_lrs = base->To(kCPU).Contiguous().ToVector<double>();
   for (size_t k = 0; k < base_lrs.size(); ++k) {
     const double base_lr = base_lrs[k];
@@ -1087,6 +1092,14 @@ PlateauState ReadPlateauState(const NamedTensors& state, const std::string& curr
     throw std::invalid_argument(std::string(kWho) + ": plateau.num_bad_steps " + std::to_string(s.num_bad) +
                                 ", plateau.cooldown_counter " + std::to_string(s.cooldown_counter) +
                                 " and plateau.step " + std::to_string(s.steps) + " must all be >= 0");
+  }
+  // Step counts one more of each: past the largest i64 they would wrap.
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"plateau.num_bad_steps", s.num_bad},
+                                    std::pair<const char*, int64_t>{"plateau.step", s.steps}}) {
+    if (value == std::numeric_limits<int64_t>::max()) {
+      throw std::invalid_argument(std::string(kWho) + ": " + name + " " + std::to_string(value) +
+                                  " is the largest i64: the next Step's count would overflow");
+    }
   }
   // A NaN best would make every later metric a non-improvement.
   if (std::isnan(s.best)) throw std::invalid_argument(std::string(kWho) + ": plateau.best is NaN");

@@ -257,6 +257,46 @@ TEST(SchedulerState, PlateauStateErrors) {
   EXPECT_EQ(same.num_bad_steps(), 1);
 }
 
+// A saved count of the largest i64 loaded, and the next Step's count
+// wrapped to the most negative one (signed overflow; StepLR then asked for
+// the rate at a negative step). Each such count is refused naming it, and
+// nothing changes; one less loads.
+TEST(SchedulerState, ACountTheNextStepWouldOverflowIsRefused) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  Tensor p = Zeros({1});
+  Sgd opt({{"p", p}}, {.lr = 1.0});
+  {
+    LrScheduler s(opt, StepSchedule(kMax, 0.5));
+    NamedTensors state = s.StateDict();
+    for (auto& [k, t] : state) {
+      if (k == "scheduler.step") t = FromVectorOf<int64_t>({kMax}, {});
+    }
+    EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
+              "LrScheduler.LoadStateDict: scheduler.step 9223372036854775807 is the largest i64: the next "
+              "Step's count would overflow");
+    EXPECT_EQ(s.step_count(), 0);
+    for (auto& [k, t] : state) {
+      if (k == "scheduler.step") t = FromVectorOf<int64_t>({kMax - 1}, {});
+    }
+    s.LoadStateDict(state);
+    s.Step();
+    EXPECT_EQ(s.step_count(), kMax);
+    EXPECT_EQ(opt.lr(), 0.5);
+  }
+  ReduceLrOnPlateau r(opt, {.patience = 1});
+  for (const std::string key : {"plateau.num_bad_steps", "plateau.step"}) {
+    NamedTensors state = r.StateDict();
+    for (auto& [k, t] : state) {
+      if (k == key) t = FromVectorOf<int64_t>({kMax}, {});
+    }
+    EXPECT_EQ(ErrorOf([&] { r.LoadStateDict(state); }),
+              "ReduceLROnPlateau.LoadStateDict: " + key +
+                  " 9223372036854775807 is the largest i64: the next Step's count would overflow");
+  }
+  EXPECT_EQ(r.num_bad_steps(), 0);
+  EXPECT_EQ(r.step_count(), 0);
+}
+
 // The plateau scheduler reduces whatever rate the optimizer has: one set by
 // hand in between is the one multiplied by factor.
 TEST(ReduceLrOnPlateau, ReducesTheRateSetWithSetLr) {

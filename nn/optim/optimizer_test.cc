@@ -1447,6 +1447,33 @@ TEST(GradScaler, StateRoundTripAndMisuse) {
   EXPECT_TRUE(off.Step(opt));
 }
 
+// A growth tracker of the largest i64 loaded, and the next clean Update's
+// count wrapped (signed overflow). It is refused naming it, and nothing
+// changes; one less grows the scale at the next clean step.
+TEST(GradScaler, AGrowthTrackerTheNextUpdateWouldOverflowIsRefused) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {});
+  GradScaler s({.init_scale = 8, .growth_interval = 10});
+  NamedTensors state = s.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "scaler.growth_tracker") t = FromVectorOf<int64_t>({kMax}, {});
+  }
+  EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
+            "GradScaler.LoadStateDict: scaler.growth_tracker 9223372036854775807 is the largest i64: the next "
+            "Update's count would overflow");
+  EXPECT_EQ(s.growth_tracker(), 0);
+  for (auto& [k, t] : state) {
+    if (k == "scaler.growth_tracker") t = FromVectorOf<int64_t>({kMax - 1}, {});
+  }
+  s.LoadStateDict(state);
+  w.set_grad(Zeros({1}));
+  s.Step(opt);
+  s.Update();
+  EXPECT_EQ(s.scale(), 16.0);
+  EXPECT_EQ(s.growth_tracker(), 0);
+}
+
 // PyTorch's disabled GradScaler saves an empty state and ignores the one it
 // is given. Before, a disabled scaler saved its unused scale and refused a
 // state without "scaler." keys (or with malformed ones).
