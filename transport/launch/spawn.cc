@@ -1621,7 +1621,7 @@ class WorkerGroup::Impl {
   // script (`sh run.sh` running python without exec) or has children of its
   // own (data loaders) gets the signal in every process, so each may end
   // cleanly within the grace period, while the id is still the workers'
-  // group (GroupIdHeld; their zombies are reaped last, ReapZombies). A
+  // group (GroupIdHeld; the leader's zombie is reaped last, see Observe). A
   // worker that moved to a group of its own (setsid) gets the signal
   // through its pidfd (SignalWorker); no process gets it twice.
   void SignalRunning(int signal) {
@@ -2077,11 +2077,15 @@ class WorkerGroup::Impl {
     watcher_ = -1;
   }
 
-  // Records the exit of `w` if it has exited. Every worker is left a
-  // zombie (WNOWAIT): while one that was in the group is unreaped, the
-  // group's id (the leader's pid) cannot be reused, so signalling the group
-  // never hits a stranger, also when the leader itself was reaped by
-  // someone else (see GroupIdHeld). ReapZombies reaps them at the very end.
+  // Records the exit of `w` if it has exited, and reaps it at once, as
+  // torchrun does: a zombie would count against RLIMIT_NPROC and show in
+  // ps for the rest of the job. The one zombie kept is the group's leader
+  // (its pid is the group's id): while it is unreaped, that id cannot be
+  // given to another group, so signalling the group never hits a stranger
+  // (GroupIdHeld). Should the leader no longer be this process's to reap
+  // (someone else reaped it), every worker is left a zombie instead, as
+  // each one that was in the group holds the id too; ReapZombies reaps
+  // those kept at the very end.
   //
   // ECHILD: the worker is no longer this process's child to wait for;
   // someone else here reaped it. Its pidfd stays readable, so waiting on
@@ -2104,14 +2108,27 @@ class WorkerGroup::Impl {
     w.exit.signaled = info.si_code == CLD_KILLED || info.si_code == CLD_DUMPED;
     w.exit.code = info.si_status;
     w.zombie = true;
+    if (w.pid != pgid_ && LeaderUnreaped()) Reap(w);
     return true;
+  }
+
+  // Whether the group's leader (a worker, or the listener) is still this
+  // process's child, running or a zombie: its pid, the group's id, is
+  // then nobody else's, whatever becomes of the other workers.
+  bool LeaderUnreaped() const {
+    siginfo_t info{};
+    return pgid_ > 0 && waitid(P_PID, static_cast<id_t>(pgid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0;
+  }
+
+  // Reaps `w`, a zombie whose exit Observe recorded.
+  static void Reap(Worker& w) {
+    waitpid(w.pid, nullptr, WNOHANG);
+    w.zombie = false;
   }
 
   void ReapZombies() {
     for (Worker& w : workers_) {
-      if (!w.zombie) continue;
-      waitpid(w.pid, nullptr, WNOHANG);
-      w.zombie = false;
+      if (w.zombie) Reap(w);
     }
   }
 

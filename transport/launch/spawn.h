@@ -22,10 +22,14 @@
 // SIGKILL, so a worker's own children do not outlive it (unless they left
 // the group). The group is signalled only while its id is still the
 // workers': a worker of it is still this process's child (running, or a
-// zombie it keeps until the end), or, with every worker reaped by someone
+// zombie it keeps, see below), or, with every worker reaped by someone
 // else (a SIGCHLD handler waiting for any child), no process has the
 // leader's pid (the id is then held by the workers' children, or by none);
-// a worker outside the group is signalled through its pidfd.
+// a worker outside the group is signalled through its pidfd. A worker that
+// ends is reaped at once (no zombie counts against RLIMIT_NPROC for the
+// rest of the job), but for the group's leader, whose pid is the group's
+// id: its zombie stays until the group is over (and so does every
+// worker's, should someone else have reaped the leader).
 //
 // A launcher killed by SIGKILL has no chance to signal the group, and the
 // death signal is not inherited across fork: for the workers' own children

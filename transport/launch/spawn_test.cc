@@ -533,7 +533,11 @@ struct Stranger {
     if (pid > 0) kill(pid, SIGUSR1);
     const auto deadline = Clock::now() + 10s;
     int status = 0;
-    while (waitpid(helper, &status, WNOHANG) == 0 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    pid_t done = 0;
+    while ((done = waitpid(helper, &status, WNOHANG)) == 0 && Clock::now() < deadline) {
+      std::this_thread::sleep_for(1ms);
+    }
+    if (done != helper) return 21;
     return WIFEXITED(status) ? WEXITSTATUS(status) : 21;
   }
 };
@@ -555,6 +559,9 @@ bool StartStranger(pid_t wanted, Stranger& out) {
     const pid_t stranger = fork();
     if (stranger == 0) {
       setpgid(0, 0);
+      // A launcher that forwards signals has its own handler for SIGUSR1,
+      // which End's signal must not meet.
+      signal(SIGUSR1, SIG_DFL);
       SleepForever();
       _exit(0);
     }
@@ -666,6 +673,85 @@ TEST(SpawnTest, AWorkerReapedBySomeoneElseStillReportsItsError) {
   EXPECT_EQ(result.first_failure->error, "out of disk");
   EXPECT_THAT(result.reason, HasSubstr("so how it ended is unknown; stopping the other workers; rank 1 "
                                        "reported: out of disk"));
+  ExpectNoChildrenLeft();
+}
+
+// Rank 1 writes $PID_DIR/rank1 and exits 0 at once. The others ignore
+// SIGUSR1 (the launcher passes it on to them), write $PID_DIR/rank<R> and
+// sleep; rank 2 first waits (5 s at most) until rank 1's pid names no
+// process any more, a zombie included (the launcher reaped it), and then
+// sends the launcher SIGUSR1, whose on_notice looks at the group.
+DDP_TEST_WORKER(one_ends_early) {
+  const int rank = EnvInt("RANK", -1);
+  if (rank == 1) {
+    WritePid("rank1");
+    return 0;
+  }
+  signal(SIGUSR1, SIG_IGN);
+  WritePid("rank" + std::to_string(rank));
+  if (rank == 2) {
+    const pid_t early = ReadPid(std::string(std::getenv("PID_DIR")) + "/rank1", 20s);
+    const auto give_up = Clock::now() + 5s;
+    while (early > 0 && kill(early, 0) == 0 && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+    kill(getppid(), SIGUSR1);
+  }
+  SleepForever();
+  return 0;
+}
+
+// A worker that ends while the others run is reaped at once, as torchrun
+// reaps it: not left a zombie, counted against RLIMIT_NPROC, until the
+// whole group ends. Its pid is then free; a stranger that gets it is not
+// signalled when the group is stopped, while the others, in the group
+// whose id the leader's zombie keeps, still get the group's SIGTERM.
+// Returns 0 when all that held; 30: rank 1 was still unreaped while the
+// others ran; 31: rank 0 or 2 was not running then; 32: no notice came;
+// 33: the group did not end as stopped, each worker as expected; 20: the
+// stranger with rank 1's old pid was killed.
+int AnEarlyEndIsReapedWhileTheOthersRun() {
+  const std::string dir = TempDir("one_ends_early");
+  for (int r = 0; r < 3; ++r) unlink((dir + "/rank" + std::to_string(r)).c_str());
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;  // for rank 2's SIGUSR1
+  WorkerGroup* running = nullptr;
+  int verdict = 32;
+  Stranger stranger;
+  options.on_notice = [&](const std::string&) {
+    if (running == nullptr || verdict != 32) return;
+    const std::vector<pid_t> pids = running->pids();
+    verdict = 0;
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(pids[1]), &info, WEXITED | WNOHANG | WNOWAIT) == 0 || errno != ECHILD) {
+      verdict = 30;
+    }
+    for (int r : {0, 2}) {
+      info = {};
+      const int got = waitid(P_PID, static_cast<id_t>(pids[r]), &info, WEXITED | WNOHANG | WNOWAIT);
+      if (verdict == 0 && (got != 0 || info.si_pid != 0)) verdict = 31;
+    }
+    if (verdict == 0 && !StartStranger(pids[1], stranger)) verdict = 14;
+    running->RequestStop("test asked to stop");
+  };
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(3, "one_ends_early", {{"PID_DIR", dir}}), options);
+  if (!group.ok()) return 10;
+  running = group->get();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  group->reset();
+  const bool alive = stranger.helper < 0 || stranger.End() == 0;
+  if (verdict != 0) return verdict;
+  const auto by_sigterm = [](const WorkerExit& e) { return e.exited && e.signaled && e.code == SIGTERM; };
+  if (result.outcome != GroupOutcome::kStopped || !result.workers[1].ok() || !by_sigterm(result.workers[0]) ||
+      !by_sigterm(result.workers[2])) {
+    return 33;
+  }
+  return alive ? 0 : 20;
+}
+
+TEST(SpawnTest, AWorkerThatEndsEarlyIsReapedWhileTheOthersRun) {
+  EXPECT_EQ(RunInAPidNamespace(&AnEarlyEndIsReapedWhileTheOthersRun), 0)
+      << "30: rank 1 was left a zombie while the others ran; 20: stopping the group killed the stranger that "
+         "got rank 1's pid (see the scenario for the other codes)";
   ExpectNoChildrenLeft();
 }
 
