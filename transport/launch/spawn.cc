@@ -533,6 +533,45 @@ Status MakeDirectories(const std::string& path) {
   return Status::Ok();
 }
 
+// The folder of a worker's log files and error file under
+// OutputOptions::log_dir: <log_dir>/<log_name_prefix><log name or rank>.
+std::string LogFolder(const OutputOptions& out, const WorkerSpec& spec) {
+  return out.log_dir + "/" + out.log_name_prefix + (spec.log_name.empty() ? std::to_string(spec.rank) : spec.log_name);
+}
+
+// Bad input in `specs`, refused before any worker starts. Two workers with
+// one rank (or, with a log_dir, one log folder) would write the same log
+// files over each other and the same error file, whose message would then
+// be blamed on either; a variable name with '=' would set another variable.
+Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const WorkerSpec& spec = specs[i];
+    const std::string who = "rank " + std::to_string(spec.rank);
+    if (spec.program.empty()) return InvalidArgumentError(who + ": no program given");
+    if (spec.argv.empty()) {
+      return InvalidArgumentError(who + ": no argument vector given (it holds argv[0] at least)");
+    }
+    for (const auto& [name, value] : spec.env) {
+      if (name.empty() || name.find('=') != std::string::npos || name.find('\0') != std::string::npos) {
+        return InvalidArgumentError(who + ": environment variable name '" + name +
+                                    "' is empty or holds '=' or a NUL byte");
+      }
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (specs[j].rank == spec.rank) {
+        return InvalidArgumentError(who + " is given to two workers (specs " + std::to_string(j) + " and " +
+                                    std::to_string(i) + "); each worker needs a rank of its own");
+      }
+      if (!out.log_dir.empty() && LogFolder(out, specs[j]) == LogFolder(out, spec)) {
+        return InvalidArgumentError("ranks " + std::to_string(specs[j].rank) + " and " + std::to_string(spec.rank) +
+                                    " would share the log folder '" + LogFolder(out, spec) +
+                                    "'; give them different log names");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 bool WriteAll(int fd, std::string_view data) {
   while (!data.empty()) {
     const ssize_t n = write(fd, data.data(), data.size());
@@ -840,6 +879,7 @@ class WorkerGroup::Impl {
 
   Status Start(std::vector<WorkerSpec> specs) {
     if (specs.empty()) return InvalidArgumentError("no workers to start");
+    DDP_RETURN_IF_ERROR(CheckSpecs(specs, options_.output));
     const OutputOptions& out = options_.output;
     use_pipes_ = out.prefix || out.capture || (!out.log_dir.empty() && out.log_files) || !out.to_terminal ||
                  !out.terminal_ranks.empty();
@@ -1442,12 +1482,8 @@ class WorkerGroup::Impl {
                               std::find(out.terminal_ranks.begin(), out.terminal_ranks.end(), spec.rank) !=
                                   out.terminal_ranks.end());
     for (int s = 0; s < 2; ++s) w.streams[s].to_terminal = to_terminal && (spec.shown_streams & (1 << s)) != 0;
-    if (spec.program.empty() || spec.argv.empty()) {
-      return InvalidArgumentError("rank " + std::to_string(spec.rank) + ": no program given");
-    }
     // torchrun's layout: a folder per worker, its streams in files of their own.
-    const std::string folder = out.log_dir + "/" + out.log_name_prefix +
-                               (spec.log_name.empty() ? std::to_string(spec.rank) : spec.log_name);
+    const std::string folder = LogFolder(out, spec);
     if (!out.log_dir.empty()) DDP_RETURN_IF_ERROR(MakeDirectories(folder));
     if (!out.log_dir.empty() && out.log_files) {
       for (int s = 0; s < 2; ++s) {

@@ -250,7 +250,10 @@ class WorkerGroup {
   /// Starts every worker. If one cannot start, those already started are
   /// killed and the status names the rank, the program and the reason;
   /// nothing is left running. INVALID_ARGUMENT: the input is wrong (exec
-  /// fails for the program, a log folder cannot be made);
+  /// fails for the program, a log folder cannot be made; checked before
+  /// any worker starts: a spec without program or argv, two specs with
+  /// one rank or, with a log_dir, one log folder, an environment variable
+  /// name that is empty or holds '=');
   /// RESOURCE_EXHAUSTED: something ran out (descriptors, processes, memory,
   /// disk), and the same start may succeed later.
   static StatusOr<std::unique_ptr<WorkerGroup>> Start(std::vector<WorkerSpec> specs,

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <mutex>
 #include <string>
@@ -1734,6 +1735,50 @@ TEST(SpawnTest, ChildrenOfAWorkerReapedBySomeoneElseDoNotOutliveTheGroup) {
 
 // The last rank, and the first (which leads the group and has told the
 // watcher its id, and whose failure ends the watcher before it is reaped).
+// Specs that would make two workers write over each other's log and error
+// files, or set a variable other than the one named, are refused before
+// any worker starts, with the spec named.
+TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
+  const std::string dir = TempDir("bad_specs");
+  struct Case {
+    std::string what;
+    std::function<void(std::vector<WorkerSpec>&, SpawnOptions&)> spoil;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"one rank twice", [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].rank = 0; },
+       "rank 0 is given to two workers (specs 0 and 2); each worker needs a rank of its own"},
+      {"one log folder twice",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[1].log_name = "0";
+       },
+       "ranks 0 and 1 would share the log folder '" + dir + "/logs/0'; give them different log names"},
+      {"a variable name with '='",
+       [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].env.emplace_back("A=B", "c"); },
+       "rank 1: environment variable name 'A=B' is empty or holds '=' or a NUL byte"},
+      {"an empty variable name",
+       [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[0].env.emplace_back("", "c"); },
+       "rank 0: environment variable name '' is empty or holds '=' or a NUL byte"},
+      {"no argument vector", [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].argv.clear(); },
+       "rank 2: no argument vector given (it holds argv[0] at least)"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::vector<WorkerSpec> specs = Specs(3, "hello");
+    SpawnOptions options = Quiet();
+    c.spoil(specs, options);
+    StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, options);
+    EXPECT_FALSE(group.ok()) << "the group started";
+    EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(group.status().message(), c.message);
+    if (group.ok()) group->reset();  // one that started anyway is stopped here
+    ExpectNoChildrenLeft();
+  }
+  struct stat st{};
+  EXPECT_NE(stat((dir + "/logs").c_str(), &st), 0) << "a log folder was made for a group that never started";
+}
+
 TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
   for (const int bad : {2, 0}) {
     SCOPED_TRACE("rank " + std::to_string(bad));
