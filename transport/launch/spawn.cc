@@ -1497,13 +1497,23 @@ class WorkerGroup::Impl {
         w.streams[s].log_path = path;
       }
     }
-    if (options_.error_files && (!out.log_dir.empty() || !error_dir_.empty())) {
+    // A spec's own TORCHELASTIC_ERROR_FILE (its last entry) is where the
+    // worker writes, so it is read there too; empty: the worker has none.
+    std::optional<std::string> own_error_file;
+    for (const auto& [key, value] : spec.env) {
+      if (key == kEnvErrorFile) own_error_file = value;
+    }
+    if (options_.error_files && own_error_file) {
+      w.error_path = *own_error_file;
+    } else if (options_.error_files && (!out.log_dir.empty() || !error_dir_.empty())) {
       w.error_path = out.log_dir.empty() ? error_dir_ + "/rank_" + std::to_string(spec.rank) + ".error.json"
                                          : folder + "/error.json";
+    }
+    if (!w.error_path.empty()) {
       // One left by an earlier run would be taken for this worker's.
       if (unlink(w.error_path.c_str()) != 0 && errno != ENOENT) {
-        return InvalidArgumentError("cannot remove the old error file '" + w.error_path +
-                                    "': " + ErrnoText(errno));
+        const int err = errno;
+        return InvalidArgumentError("cannot remove the old error file '" + w.error_path + "': " + ErrnoText(err));
       }
     }
     Fd child_out, child_err;

@@ -142,7 +142,8 @@ struct SpawnOptions {
   /// (its watcher does, should this process be killed first). A file left there by an
   /// earlier run is removed before the worker starts. What a failed worker
   /// wrote goes into its WorkerExit::error, and the earliest such message
-  /// into GroupResult::reason. A spec's own TORCHELASTIC_ERROR_FILE wins.
+  /// into GroupResult::reason. A spec's own TORCHELASTIC_ERROR_FILE wins:
+  /// that file is the one read (and, left from before, removed first).
   /// A worker left without one (false here, or no folder for them) finds
   /// TORCHELASTIC_ERROR_FILE unset, not the launcher's own.
   bool error_files = true;

@@ -982,6 +982,30 @@ TEST(SpawnTest, ErrorFilesCanBeNamedByTheSpecOrTurnedOff) {
   EXPECT_EQ(result.ExitCode(), 4);
 }
 
+// A worker whose spec names its own error file writes there, and that is
+// where its message is read from; one left there from before is removed
+// first, so that a worker that fails without a word is not blamed with it.
+TEST(SpawnTest, ASpecsOwnErrorFileIsReadAndAStaleOneGoes) {
+  const std::string dir = TempDir("own_error_file_read");
+  std::vector<WorkerSpec> specs = Specs(2, "reports_error", {{"MSG0", "mine"}, {"FAIL1", "1"}});
+  specs[0].env.emplace_back(kEnvErrorFile, dir + "/rank0.json");
+  specs[1].env.emplace_back(kEnvErrorFile, dir + "/rank1.json");
+  ASSERT_TRUE(WriteErrorFile(dir + "/rank1.json", "stale, from an earlier run").ok());
+  SpawnOptions options = Quiet();
+  options.stop_all_on_failure = false;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  EXPECT_EQ(result.workers[0].code, 5);
+  EXPECT_EQ(result.workers[0].error, "mine");
+  EXPECT_EQ(result.workers[1].code, 4);
+  EXPECT_EQ(result.workers[1].error, "");
+  EXPECT_THAT(result.reason, HasSubstr("rank 0 reported: mine"));
+  EXPECT_THAT(result.reason, Not(HasSubstr("stale")));
+  EXPECT_NE(access((dir + "/rank1.json").c_str(), F_OK), 0) << "the stale error file is still there";
+}
+
 // A worker stopped by SIGTTOU (it wrote to the terminal from its background
 // process group with `stty tostop`) stops the job, named, instead of
 // leaving the launcher waiting for an exit that never comes; the stopped
