@@ -612,7 +612,18 @@ std::string SignalName(int signal) {
     case SIGTSTP: return "SIGTSTP";
     case SIGTTIN: return "SIGTTIN";
     case SIGTTOU: return "SIGTTOU";
+    case SIGSTKFLT: return "SIGSTKFLT";
+    case SIGCHLD: return "SIGCHLD";
+    case SIGCONT: return "SIGCONT";
+    case SIGURG: return "SIGURG";
+    case SIGXFSZ: return "SIGXFSZ";
+    case SIGVTALRM: return "SIGVTALRM";
+    case SIGPROF: return "SIGPROF";
+    case SIGWINCH: return "SIGWINCH";
+    case SIGIO: return "SIGIO";
+    case SIGPWR: return "SIGPWR";
   }
+  if (signal >= SIGRTMIN && signal <= SIGRTMAX) return "SIGRTMIN+" + std::to_string(signal - SIGRTMIN);
   return "signal " + std::to_string(signal);
 }
 

@@ -337,7 +337,7 @@ void ForceCloseRangeFallbackForTesting(bool force);
 /// terminal: a launcher killed meanwhile is a case its watcher must cover.
 void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause);
 
-/// "SIGKILL", "SIGTERM", ... or "signal 42".
+/// "SIGKILL", "SIGTERM", ..., "SIGRTMIN+3" or "signal 32".
 std::string SignalName(int signal);
 
 /// Resolves `program` the way execvp would (PATH search when it has no

@@ -1929,6 +1929,34 @@ TEST(SpawnTest, LaunchersDescriptorsStayOutOfWorkersAndWatcher) {
   }
 }
 
+// Every signal that can end or stop a worker is named in its report (a
+// worker over its file size limit dies of SIGXFSZ, one under a profiler's
+// timer of SIGPROF); a real-time one by its place after SIGRTMIN.
+TEST(SpawnTest, SignalNamesCoverEverySignal) {
+  EXPECT_EQ(SignalName(SIGKILL), "SIGKILL");
+  EXPECT_EQ(SignalName(SIGXFSZ), "SIGXFSZ");
+  EXPECT_EQ(SignalName(SIGPROF), "SIGPROF");
+  EXPECT_EQ(SignalName(SIGVTALRM), "SIGVTALRM");
+  EXPECT_EQ(SignalName(SIGPWR), "SIGPWR");
+  EXPECT_EQ(SignalName(SIGSTKFLT), "SIGSTKFLT");
+  EXPECT_EQ(SignalName(SIGIO), "SIGIO");
+  EXPECT_EQ(SignalName(SIGCONT), "SIGCONT");
+  EXPECT_EQ(SignalName(SIGRTMIN + 3), "SIGRTMIN+3");
+  EXPECT_EQ(SignalName(0), "signal 0");
+  EXPECT_EQ(SignalName(200), "signal 200");
+  // (32 and 33, between SIGSYS and SIGRTMIN, are the C library's own.)
+  for (int signo = 1; signo <= SIGRTMAX; signo = signo == SIGSYS ? SIGRTMIN : signo + 1) {
+    EXPECT_THAT(SignalName(signo), Not(HasSubstr("signal "))) << signo;
+  }
+  WorkerExit e;
+  e.rank = 2;
+  e.pid = 42;
+  e.exited = true;
+  e.signaled = true;
+  e.code = SIGXFSZ;
+  EXPECT_EQ(e.Describe(), "rank 2 (pid 42) was killed by signal 25 (SIGXFSZ)");
+}
+
 TEST(SpawnTest, ResolveProgram) {
   StatusOr<std::string> sh = ResolveProgram("sh");
   ASSERT_TRUE(sh.ok()) << sh.status();
