@@ -81,6 +81,24 @@ Status StartError(int err, std::string text) {
   return OutOfResources(err) ? ResourceExhaustedError(std::move(text)) : InvalidArgumentError(std::move(text));
 }
 
+// ": this process may open N descriptors (ulimit -n, at most M)", for a
+// start that ran out of them (EMFILE); "" when there is no limit.
+std::string DescriptorLimitText() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return "";
+  std::string text = ": this process may open " + std::to_string(limit.rlim_cur) + " descriptors (ulimit -n";
+  if (limit.rlim_max != RLIM_INFINITY) text += ", at most " + std::to_string(limit.rlim_max);
+  return text + ")";
+}
+
+// A system call that sets up the group failed with `err`: RESOURCE_EXHAUSTED
+// when something ran out (OutOfResources; the same start may succeed
+// later), with the descriptor limit when it was that; INTERNAL otherwise.
+Status SetupError(int err, std::string text) {
+  if (err == EMFILE) text += DescriptorLimitText();
+  return OutOfResources(err) ? ResourceExhaustedError(std::move(text)) : InternalError(std::move(text));
+}
+
 int MillisecondsUntil(Deadline deadline) {
   const auto now = Clock::now();
   if (deadline <= now) return 0;
@@ -862,7 +880,8 @@ StatusOr<std::pair<int, int>> ProcessSignalPipe() {
   std::lock_guard<std::mutex> lock(mu);
   if (fds[0] < 0 && pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
     fds[0] = fds[1] = -1;
-    return InternalError("pipe2: " + ErrnoText(errno));
+    const int err = errno;
+    return SetupError(err, "cannot make the pipe that signals are forwarded through (pipe2: " + ErrnoText(err) + ")");
   }
   return std::make_pair(fds[0], fds[1]);
 }
@@ -912,7 +931,10 @@ class WorkerGroup::Impl {
       ttou_ignored_ = sigaction(SIGTTOU, &ignore, &ttou_old_) == 0;
     }
     stop_event_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    if (!stop_event_.valid()) return InternalError("eventfd: " + ErrnoText(errno));
+    if (!stop_event_.valid()) {
+      const int err = errno;
+      return SetupError(err, "cannot make the group's stop event (eventfd: " + ErrnoText(err) + ")");
+    }
     if (options_.forward_signals) DDP_RETURN_IF_ERROR(InstallSignalForwarding());
     WaitForChildren();
     if (options_.error_files && out.log_dir.empty()) {
@@ -1450,7 +1472,10 @@ class WorkerGroup::Impl {
     const int flags = fcntl(STDIN_FILENO, F_GETFD);
     if (flags >= 0 && (flags & FD_CLOEXEC) == 0) return Status::Ok();
     const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return InternalError("open /dev/null for the workers' stdin: " + ErrnoText(errno));
+    if (fd < 0) {
+      const int err = errno;
+      return SetupError(err, "cannot open /dev/null for the workers' stdin: " + ErrnoText(err));
+    }
     if (fd > STDERR_FILENO) {
       dev_null_.Reset(fd);
       return Status::Ok();
@@ -1460,7 +1485,10 @@ class WorkerGroup::Impl {
     dev_null_.Reset(fcntl(fd, F_DUPFD_CLOEXEC, STDERR_FILENO + 1));
     const int dup_errno = errno;
     close(fd);
-    if (!dev_null_.valid()) return InternalError("fcntl F_DUPFD_CLOEXEC of /dev/null: " + ErrnoText(dup_errno));
+    if (!dev_null_.valid()) {
+      return SetupError(dup_errno, "cannot move /dev/null above stderr for the workers' stdin (fcntl F_DUPFD_CLOEXEC: " +
+                                       ErrnoText(dup_errno) + ")");
+    }
     return Status::Ok();
   }
 
@@ -1472,12 +1500,7 @@ class WorkerGroup::Impl {
     std::string text = "cannot start rank " + std::to_string(rank) + ": cannot make " + what + " (pipe2: " +
                        ErrnoText(err) + ")";
     if (err == EMFILE) {
-      rlimit limit{};
-      if (getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
-        text += ": this process may open " + std::to_string(limit.rlim_cur) + " descriptors (ulimit -n";
-        if (limit.rlim_max != RLIM_INFINITY) text += ", at most " + std::to_string(limit.rlim_max);
-        text += ")";
-      }
+      text += DescriptorLimitText();
       text += ", and each running worker holds a few (its output pipes, its pidfd, its log files); raise "
               "the limit or start fewer workers";
     }
@@ -1973,7 +1996,11 @@ class WorkerGroup::Impl {
   // workers'.
   Status StartWatcher() {
     int p[2];
-    if (pipe2(p, O_CLOEXEC) != 0) return InternalError("pipe2: " + ErrnoText(errno));
+    if (pipe2(p, O_CLOEXEC) != 0) {
+      const int err = errno;
+      return SetupError(err, "cannot make the pipe to the process that watches the workers' process group (pipe2: " +
+                                 ErrnoText(err) + ")");
+    }
     Fd read_end(p[0]);
     watcher_write_.Reset(p[1]);
     sigset_t all, old_mask;
@@ -2006,8 +2033,8 @@ class WorkerGroup::Impl {
     if (pid < 0) {
       const int err = clone_errno;
       watcher_write_.Reset();
-      return InternalError("cannot start the process that watches the workers' process group: clone: " +
-                           ErrnoText(err));
+      return SetupError(err, "cannot start the process that watches the workers' process group: clone: " +
+                                 ErrnoText(err));
     }
     watcher_ = pid;
     return Status::Ok();

@@ -256,7 +256,9 @@ class WorkerGroup {
   /// one rank or, with a log_dir, one log folder, an environment variable
   /// name that is empty or holds '=');
   /// RESOURCE_EXHAUSTED: something ran out (descriptors, processes, memory,
-  /// disk), and the same start may succeed later.
+  /// disk), for a worker or for the group's own setup, and the same start
+  /// may succeed later; FAILED_PRECONDITION: with forward_signals, another
+  /// group forwards them already.
   static StatusOr<std::unique_ptr<WorkerGroup>> Start(std::vector<WorkerSpec> specs,
                                                       SpawnOptions options);
   ~WorkerGroup();

@@ -1848,6 +1848,41 @@ TEST(SpawnTest, AGroupThatRunsOutOfDescriptorsSaysWhichLimit) {
   ExpectNoChildrenLeft();
 }
 
+// However few descriptors are left, a start that runs out of them says so
+// as RESOURCE_EXHAUSTED (the same start may succeed later: not bad input,
+// not an internal error), naming the limit, also when it is the group's
+// own setup (its stop event, the pipe to its watcher) that found none.
+TEST(SpawnTest, AGroupWithNoDescriptorsLeftIsOutOfResources) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  std::vector<int> free_numbers;  // the lowest descriptor numbers not open here
+  for (int fd = 0; fd < 4096 && free_numbers.size() < 12; ++fd) {
+    if (fcntl(fd, F_GETFD) < 0) free_numbers.push_back(fd);
+  }
+  ASSERT_EQ(free_numbers.size(), 12u);
+  int refused = 0;
+  for (size_t room = 0; room < free_numbers.size(); ++room) {
+    SCOPED_TRACE(std::to_string(room) + " descriptors left");
+    // With the limit at the room-th free number, `room` numbers are free below it.
+    rlimit low = saved;
+    low.rlim_cur = static_cast<rlim_t>(free_numbers[room]);
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+    StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    if (group.ok()) {
+      EXPECT_EQ((*group)->Wait(DeadlineIn(20s)).outcome, GroupOutcome::kSucceeded);
+      continue;
+    }
+    ++refused;
+    EXPECT_EQ(group.status().code(), StatusCode::kResourceExhausted) << group.status();
+    EXPECT_THAT(group.status().message(), HasSubstr("Too many open files"));
+    EXPECT_THAT(group.status().message(),
+                HasSubstr("this process may open " + std::to_string(low.rlim_cur) + " descriptors (ulimit -n"));
+    ExpectNoChildrenLeft();
+  }
+  EXPECT_GT(refused, 2);
+}
+
 TEST(SpawnTest, AtforkHandlersDoNotRunWhenSpawning) {
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &ForkGuardLikeTheTransports); });
