@@ -909,6 +909,10 @@ class WorkerGroup::Impl {
 
   Status Start(std::vector<WorkerSpec> specs) {
     if (specs.empty()) return InvalidArgumentError("no workers to start");
+    if (options_.grace.count() < 0) {
+      return InvalidArgumentError("the grace period between SIGTERM and SIGKILL is " +
+                                  std::to_string(options_.grace.count()) + " ms; it must be 0 or more");
+    }
     DDP_RETURN_IF_ERROR(CheckSpecs(specs, options_.output));
     const OutputOptions& out = options_.output;
     use_pipes_ = out.prefix || out.capture || (!out.log_dir.empty() && out.log_files) || !out.to_terminal ||
@@ -1018,7 +1022,7 @@ class WorkerGroup::Impl {
     auto stop_workers = [&](int signal) {
       SignalRunning(signal);
       phase = Phase::kStopping;
-      phase_deadline = Clock::now() + options_.grace;
+      phase_deadline = DeadlineIn(options_.grace);  // saturates: milliseconds::max() waits for good
     };
     // SIGINT, SIGTERM, SIGHUP or SIGQUIT for this process (`how` says how
     // it came, when not to this process itself).

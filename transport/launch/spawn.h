@@ -108,7 +108,8 @@ struct OutputOptions {
 /// How a group is run.
 struct SpawnOptions {
   OutputOptions output;
-  /// Between SIGTERM and SIGKILL when stopping workers.
+  /// Between SIGTERM and SIGKILL when stopping workers: 0 or more (Start
+  /// refuses a negative one); milliseconds::max() waits as long as they take.
   std::chrono::milliseconds grace{5000};
   /// Stop the others as soon as one worker fails (a launcher's behaviour).
   /// False lets every worker run to its own end, for tests that check how

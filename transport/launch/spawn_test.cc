@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -1281,6 +1282,47 @@ TEST(SpawnTest, AWorkerStoppedBySigstopIsToldOfAndLeftStopped) {
   EXPECT_EQ(notices[0], who + " is stopped (SIGSTOP); the other ranks wait for it until their timeout; "
                               "SIGCONT continues it");
   EXPECT_EQ(notices[1], who + " continues");
+  ExpectNoChildrenLeft();
+}
+
+// Exits 7 200 ms after its first SIGTERM (a worker that saves a checkpoint
+// before it leaves); writes $PID_DIR/rank<R> once the handler is set.
+std::atomic<bool> g_term_seen{false};
+DDP_TEST_WORKER(slow_to_stop) {
+  struct sigaction action = {};
+  action.sa_handler = [](int) { g_term_seen.store(true); };
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  WritePid("rank" + std::to_string(EnvInt("RANK", -1)));
+  for (int i = 0; i < 3000 && !g_term_seen.load(); ++i) std::this_thread::sleep_for(10ms);
+  std::this_thread::sleep_for(200ms);
+  return 7;
+}
+
+// A grace period too long to add to the clock (milliseconds::max(): wait
+// for as long as the workers take) lets them end in their own time, rather
+// than wrapping into the past and killing them at once; a negative one is
+// refused.
+TEST(SpawnTest, AGracePeriodWithoutEndIsWaitedAndANegativeOneIsRefused) {
+  const std::string dir = TempDir("endless_grace");
+  unlink((dir + "/rank0").c_str());
+  SpawnOptions options = Quiet();
+  options.grace = std::chrono::milliseconds::max();
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "slow_to_stop", {{"PID_DIR", dir}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_GT(ReadPid(dir + "/rank0", 20s), 0);
+  (*group)->RequestStop("test asked to stop");
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kStopped);
+  EXPECT_FALSE(result.workers[0].signaled) << result.workers[0].Describe();
+  EXPECT_EQ(result.workers[0].code, 7) << result.workers[0].Describe();
+
+  options.grace = -1ms;
+  group = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.status().message(), "the grace period between SIGTERM and SIGKILL is -1 ms; it must be 0 or more");
   ExpectNoChildrenLeft();
 }
 
