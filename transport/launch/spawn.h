@@ -266,7 +266,9 @@ class WorkerGroup {
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  /// Worker pids, in the order of the specs.
+  /// Worker pids, in the order of the specs. A worker that ended was
+  /// reaped when Wait saw it (all but the group's leader, see above): its
+  /// pid may name another process by now.
   std::vector<pid_t> pids() const;
   /// The process group every worker belongs to.
   pid_t process_group() const;
