@@ -590,19 +590,30 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
   return Status::Ok();
 }
 
-bool WriteAll(int fd, std::string_view data) {
+// Writes `data` to a log file: "" when it took all of it, else why not.
+// Log files are opened non-blocking: one that is a FIFO (or a device) whose
+// reader stops reading holds the loop that watches the workers up for at
+// most kTerminalStallTime without progress.
+std::string WriteAll(int fd, std::string_view data) {
+  Deadline give_up = DeadlineIn(kTerminalStallTime);
   while (!data.empty()) {
     const ssize_t n = write(fd, data.data(), data.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const int wait_ms = MillisecondsUntil(give_up);
+      if (wait_ms == 0) {
+        return "nothing was taken for " + std::to_string(kTerminalStallTime.count()) + " ms (a reader that stopped reading)";
+      }
       pollfd p{fd, POLLOUT, 0};
-      poll(&p, 1, 1000);
+      poll(&p, 1, wait_ms);
       continue;
     }
-    if (n <= 0) return false;
+    if (n < 0) return ErrnoText(errno);
+    if (n == 0) return "the write took nothing";
     data.remove_prefix(static_cast<size_t>(n));
+    give_up = DeadlineIn(kTerminalStallTime);
   }
-  return true;
+  return "";
 }
 
 }  // namespace
@@ -1527,10 +1538,14 @@ class WorkerGroup::Impl {
       for (int s = 0; s < 2; ++s) {
         if ((spec.logged_streams & (1 << s)) == 0) continue;  // as torchrun: no file for it
         const std::string path = folder + (s == 0 ? "/stdout.log" : "/stderr.log");
-        w.streams[s].log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+        // Non-blocking: a FIFO there with no reader would hold the open
+        // up for good (ENXIO instead), one whose reader stops would hold
+        // the writes up (see WriteAll).
+        w.streams[s].log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644));
         if (!w.streams[s].log.valid()) {
           const int err = errno;
-          return StartError(err, "cannot write log file '" + path + "': " + ErrnoText(err));
+          return StartError(err, "cannot write log file '" + path + "': " + ErrnoText(err) +
+                                     (err == ENXIO ? " (a FIFO that nobody reads)" : ""));
         }
         w.streams[s].log_path = path;
       }
@@ -1894,12 +1909,13 @@ class WorkerGroup::Impl {
   // Appends to one stream's log file; the first write that fails (a full
   // disk) closes it and is reported in the result, naming the file.
   static void WriteLog(Worker& w, Stream& stream, std::string_view data) {
-    if (WriteAll(stream.log.get(), data)) {
+    const std::string failure = WriteAll(stream.log.get(), data);
+    if (failure.empty()) {
       stream.log_bytes += data.size();
       return;
     }
     w.log_failures.push_back("rank " + std::to_string(w.rank) + "'s log file '" + stream.log_path +
-                             "' stopped after " + std::to_string(stream.log_bytes) + " bytes: " + ErrnoText(errno));
+                             "' stopped after " + std::to_string(stream.log_bytes) + " bytes: " + failure);
     stream.log.Reset();
   }
 

@@ -229,7 +229,8 @@ struct GroupResult {
   /// so that the launcher kept watching the workers. Log files get it all.
   uint64_t output_dropped = 0;
   /// One line per worker whose log file stopped taking output (a full disk,
-  /// an I/O error): "rank 3's log file '<path>' stopped after N bytes: <why>".
+  /// an I/O error, a FIFO whose reader took nothing for 2 s): "rank 3's log
+  /// file '<path>' stopped after N bytes: <why>".
   /// Nothing more is written to that file; the terminal and the capture
   /// still get the output.
   std::vector<std::string> log_failures;

@@ -757,6 +757,75 @@ TEST(SpawnTest, AWorkerThatEndsEarlyIsReapedWhileTheOthersRun) {
   ExpectNoChildrenLeft();
 }
 
+// Writes $BYTES bytes of output to stdout, in lines of 64, and exits 0.
+DDP_TEST_WORKER(chatty) {
+  const std::string line(63, 'x');
+  for (int left = EnvInt("BYTES", 0); left > 0; left -= 64) std::printf("%s\n", line.c_str());
+  return 0;
+}
+
+// Makes <dir>/logs/0/stdout.log a FIFO: 0, or 1 when it cannot.
+int FifoAsRankZerosLog(const std::string& dir, std::string* path) {
+  if (mkdir((dir + "/logs").c_str(), 0755) != 0 && errno != EEXIST) return 1;
+  if (mkdir((dir + "/logs/0").c_str(), 0755) != 0 && errno != EEXIST) return 1;
+  *path = dir + "/logs/0/stdout.log";
+  unlink(path->c_str());
+  return mkfifo(path->c_str(), 0644) == 0 ? 0 : 1;
+}
+
+// A log file that is a FIFO nobody reads: Start refuses it, named, instead
+// of waiting in open() for a reader for good. 0: so; 2: it started; 3:
+// another error.
+int AFifoLogWithoutReaderIsRefused() {
+  const std::string dir = TempDir("fifo_log_unread");
+  std::string path;
+  if (FifoAsRankZerosLog(dir, &path) != 0) return 1;
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "hello"), options);
+  if (group.ok()) return 2;
+  const bool as_expected = group.status().code() == StatusCode::kInvalidArgument &&
+                           group.status().message() == "cannot write log file '" + path +
+                                                           "': No such device or address (a FIFO that nobody reads)";
+  return as_expected ? 0 : 3;
+}
+
+// A log file that is a FIFO whose reader never reads: once it is full, the
+// log stops (named in log_failures) after 2 s without progress, and the
+// group goes on watching the workers instead of waiting on the write for
+// good. 0: so; 4: the group did not succeed; 5: no such log failure; 6:
+// Wait took too long.
+int AFifoLogWhoseReaderStoppedIsGivenUp() {
+  const std::string dir = TempDir("fifo_log_stalled");
+  std::string path;
+  if (FifoAsRankZerosLog(dir, &path) != 0) return 1;
+  const int reader = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // never reads
+  if (reader < 0) return 1;
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "chatty", {{"BYTES", std::to_string(1 << 20)}}), options);
+  if (!group.ok()) return 3;
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(30s));
+  const auto took = Clock::now() - start;
+  close(reader);
+  if (result.outcome != GroupOutcome::kSucceeded) return 4;
+  if (result.log_failures.size() != 1 ||
+      result.log_failures[0].find("rank 0's log file '" + path + "' stopped after ") != 0 ||
+      result.log_failures[0].find("nothing was taken for 2000 ms") == std::string::npos) {
+    return 5;
+  }
+  return took < 15s ? 0 : 6;
+}
+
+TEST(SpawnTest, ALogFileThatIsAFifoNeverHoldsTheGroupUp) {
+  // (Each in a process of its own, with a deadline: -2 means it hung.)
+  EXPECT_EQ(RunInAPidNamespace(&AFifoLogWithoutReaderIsRefused), 0) << "-2: Start waited for a reader";
+  EXPECT_EQ(RunInAPidNamespace(&AFifoLogWhoseReaderStoppedIsGivenUp), 0) << "-2: Wait hung on the write";
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, WorkerKilledBySignalStopsTheOthers) {
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
       Specs(3, "fail_rank1", {{"HOW", std::to_string(SIGKILL)}}), Quiet());
