@@ -1017,6 +1017,9 @@ class WorkerGroup::Impl {
   }
 
   GroupResult Wait(Deadline deadline) {
+    // The workers are gone and reaped after the first call: another would
+    // find nothing running and report success whatever they did.
+    if (waited_) return *waited_;
     GroupResult result;
     enum class Phase { kRunning, kStopping, kKilling, kDraining };
     Phase phase = Phase::kRunning;
@@ -1331,6 +1334,7 @@ class WorkerGroup::Impl {
         if (!as_asked) result.reason += "; " + e.Describe();
       }
     }
+    waited_ = result;
     return result;
   }
 
@@ -2296,6 +2300,7 @@ class WorkerGroup::Impl {
   bool passed_on_installed_[std::size(kPassedOnSignals)] = {};
   std::mutex mu_;
   std::string stop_reason_;
+  std::optional<GroupResult> waited_;  // what the first Wait returned
 };
 
 StatusOr<std::unique_ptr<WorkerGroup>> WorkerGroup::Start(std::vector<WorkerSpec> specs,

@@ -277,7 +277,8 @@ class WorkerGroup {
   /// Watches the workers until every one has exited, one failed, a signal
   /// arrived, RequestStop was called or `deadline` passed; in the last four
   /// cases it stops the remaining workers (SIGTERM, grace, SIGKILL) before
-  /// returning. Call once.
+  /// returning. Call once; a second call watches nothing and returns what
+  /// the first one did.
   GroupResult Wait(Deadline deadline);
 
   /// Makes Wait stop the workers and return kStopped with `reason`. A

@@ -1395,6 +1395,26 @@ TEST(SpawnTest, AGracePeriodWithoutEndIsWaitedAndANegativeOneIsRefused) {
   ExpectNoChildrenLeft();
 }
 
+// Wait watches once; called again, it says what it found the first time
+// rather than a success of workers that are gone.
+TEST(SpawnTest, ASecondWaitReturnsWhatTheFirstFound) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "fail_rank1", {{"FAIL_AFTER_MS", "0"}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  const GroupResult first = (*group)->Wait(DeadlineIn(20s));
+  ASSERT_EQ(first.outcome, GroupOutcome::kWorkerFailed) << first.reason;
+  const auto start = Clock::now();
+  const GroupResult second = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_LT(Clock::now() - start, 1s);
+  EXPECT_EQ(second.outcome, GroupOutcome::kWorkerFailed) << second.reason;
+  EXPECT_EQ(second.reason, first.reason);
+  EXPECT_EQ(second.ExitCode(), 3);
+  ASSERT_EQ(second.workers.size(), 2u);
+  EXPECT_EQ(second.workers[1].code, 3);
+  EXPECT_EQ(second.output, first.output);
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, DeadlineStopsTheWorkers) {
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "sleeper"), Quiet());
   ASSERT_TRUE(group.ok()) << group.status();
