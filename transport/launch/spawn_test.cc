@@ -680,9 +680,10 @@ TEST(SpawnTest, AWorkerReapedBySomeoneElseStillReportsItsError) {
 
 // Rank 1 writes $PID_DIR/rank1 and exits 0 at once. The others ignore
 // SIGUSR1 (the launcher passes it on to them), write $PID_DIR/rank<R> and
-// sleep; rank 2 first waits (5 s at most) until rank 1's pid names no
-// process any more, a zombie included (the launcher reaped it), and then
-// sends the launcher SIGUSR1, whose on_notice looks at the group.
+// sleep; rank 2 first waits for rank 0 to be ready (its file), and (5 s at
+// most) until rank 1's pid names no process any more, a zombie included
+// (the launcher reaped it), and then sends the launcher SIGUSR1, whose
+// on_notice looks at the group.
 DDP_TEST_WORKER(one_ends_early) {
   const int rank = EnvInt("RANK", -1);
   if (rank == 1) {
@@ -692,6 +693,7 @@ DDP_TEST_WORKER(one_ends_early) {
   signal(SIGUSR1, SIG_IGN);
   WritePid("rank" + std::to_string(rank));
   if (rank == 2) {
+    ReadPid(std::string(std::getenv("PID_DIR")) + "/rank0", 20s);  // SIGUSR1 would kill it before
     const pid_t early = ReadPid(std::string(std::getenv("PID_DIR")) + "/rank1", 20s);
     const auto give_up = Clock::now() + 5s;
     while (early > 0 && kill(early, 0) == 0 && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
@@ -708,8 +710,8 @@ DDP_TEST_WORKER(one_ends_early) {
 // whose id the leader's zombie keeps, still get the group's SIGTERM.
 // Returns 0 when all that held; 30: rank 1 was still unreaped while the
 // others ran; 31: rank 0 or 2 was not running then; 32: no notice came;
-// 33: the group did not end as stopped, each worker as expected; 20: the
-// stranger with rank 1's old pid was killed.
+// 33: the group did not end as stopped; 34: a worker did not end as
+// expected; 20: the stranger with rank 1's old pid was killed.
 int AnEarlyEndIsReapedWhileTheOthersRun() {
   const std::string dir = TempDir("one_ends_early");
   for (int r = 0; r < 3; ++r) unlink((dir + "/rank" + std::to_string(r)).c_str());
@@ -743,10 +745,8 @@ int AnEarlyEndIsReapedWhileTheOthersRun() {
   const bool alive = stranger.helper < 0 || stranger.End() == 0;
   if (verdict != 0) return verdict;
   const auto by_sigterm = [](const WorkerExit& e) { return e.exited && e.signaled && e.code == SIGTERM; };
-  if (result.outcome != GroupOutcome::kStopped || !result.workers[1].ok() || !by_sigterm(result.workers[0]) ||
-      !by_sigterm(result.workers[2])) {
-    return 33;
-  }
+  if (result.outcome != GroupOutcome::kStopped) return 33;
+  if (!result.workers[1].ok() || !by_sigterm(result.workers[0]) || !by_sigterm(result.workers[2])) return 34;
   return alive ? 0 : 20;
 }
 
