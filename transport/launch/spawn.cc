@@ -569,11 +569,18 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
     if (spec.argv.empty()) {
       return InvalidArgumentError(who + ": no argument vector given (it holds argv[0] at least)");
     }
+    // The kernel takes C strings: a NUL byte would cut the text short.
+    const auto has_nul = [](const std::string& text) { return text.find('\0') != std::string::npos; };
+    if (has_nul(spec.program)) return InvalidArgumentError(who + ": its program's path holds a NUL byte");
+    for (size_t a = 0; a < spec.argv.size(); ++a) {
+      if (has_nul(spec.argv[a])) return InvalidArgumentError(who + ": argv[" + std::to_string(a) + "] holds a NUL byte");
+    }
     for (const auto& [name, value] : spec.env) {
-      if (name.empty() || name.find('=') != std::string::npos || name.find('\0') != std::string::npos) {
+      if (name.empty() || name.find('=') != std::string::npos || has_nul(name)) {
         return InvalidArgumentError(who + ": environment variable name '" + name +
                                     "' is empty or holds '=' or a NUL byte");
       }
+      if (has_nul(value)) return InvalidArgumentError(who + ": the value of " + name + " holds a NUL byte");
     }
     for (size_t j = 0; j < i; ++j) {
       if (specs[j].rank == spec.rank) {

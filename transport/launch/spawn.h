@@ -256,7 +256,8 @@ class WorkerGroup {
   /// fails for the program, a log folder cannot be made; checked before
   /// any worker starts: a spec without program or argv, two specs with
   /// one rank or, with a log_dir, one log folder, an environment variable
-  /// name that is empty or holds '=');
+  /// name that is empty or holds '=', a NUL byte in a program, argument or
+  /// variable);
   /// RESOURCE_EXHAUSTED: something ran out (descriptors, processes, memory,
   /// disk), for a worker or for the group's own setup, and the same start
   /// may succeed later; FAILED_PRECONDITION: with forward_signals, another

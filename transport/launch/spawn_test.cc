@@ -1917,6 +1917,15 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
        "rank 0: environment variable name '' is empty or holds '=' or a NUL byte"},
       {"no argument vector", [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].argv.clear(); },
        "rank 2: no argument vector given (it holds argv[0] at least)"},
+      {"a NUL byte in an argument",
+       [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].argv.push_back(std::string("a\0b", 3)); },
+       "rank 1: argv[1] holds a NUL byte"},
+      {"a NUL byte in a variable's value",
+       [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[0].env.emplace_back("X", std::string("a\0b", 3)); },
+       "rank 0: the value of X holds a NUL byte"},
+      {"a NUL byte in the program's path",
+       [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].program += std::string(1, '\0'); },
+       "rank 2: its program's path holds a NUL byte"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
