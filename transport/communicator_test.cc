@@ -795,6 +795,60 @@ int ScenarioSplitOutlivesTheStoresCleanShutdown() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Waits (up to 20 s) through a client of this worker's own until the
+// job's store has stopped; its last answer (UNAVAILABLE with rank 0's
+// stop reason), or what went wrong.
+Status AwaitTheStoresStop(store::TcpStoreClient& watcher) {
+  auto never = watcher.Get("never set", DeadlineIn(std::chrono::seconds(20)));
+  if (never.ok()) return InternalError("the key \"never set\" was set");
+  return never.status();
+}
+
+// Rank 0 serves the store and is in no split; it destroys its communicator
+// without an abort, and stops the store after a clean shutdown once its
+// wait for the split's ranks (2 s here) is over. Ranks 1-3 run their
+// split's collectives after that (20 s deadlines): they succeed, as the
+// store's clean stop loses no abort. Then rank 3 dies (SIGKILL) while the
+// others all-reduce: they fail with PEER_LOST long before their deadline,
+// though the store can no longer carry an abort reason.
+int ScenarioSplitRunsPastTheStoresCleanShutdown() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  std::optional<std::unique_ptr<Communicator>> child = SplitWithoutRankZeroAndWait(*comm);
+  if (!child.has_value()) return 1;
+  if (me == 0) {
+    comm.reset();
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  auto watcher = ConnectToTheJobsStore();
+  WORKER_CHECK(watcher.ok(), "connecting to the store: " + watcher.status().ToString());
+  if (!watcher.ok()) return 1;
+  comm.reset();
+  const Status stopped = AwaitTheStoresStop(**watcher);
+  WORKER_CHECK(stopped.code() == StatusCode::kUnavailable &&
+                   stopped.message().find(store::kCleanShutdownWords) != std::string::npos,
+               "the store did not stop after a clean shutdown: " + stopped.ToString());
+  const CallOptions far{.timeout = milliseconds(20000)};
+  Communicator& split = **child;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<float> all(5000, static_cast<float>(me));
+    Status s = split.AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum, far);
+    WORKER_CHECK(s.ok() && all[0] == 6.0f && all[4999] == 6.0f,
+                 "all-reduce " + std::to_string(round) + " after the store stopped: " + s.ToString());
+    s = split.Barrier(far);
+    WORKER_CHECK(s.ok(), "barrier " + std::to_string(round) + " after the store stopped: " + s.ToString());
+  }
+  if (me == 3) kill(getpid(), SIGKILL);
+  const auto start = Clock::now();
+  std::vector<float> all(5000, 1.0f);
+  Status s = split.AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum, far);
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RANK %d: after rank 3 died: %s in %lld ms\n", me, s.ToString().c_str(), took_ms);
+  WORKER_CHECK(s.code() == StatusCode::kPeerLost, "all-reduce with rank 3 dead: " + s.ToString());
+  WORKER_CHECK(took_ms < 5000, "all-reduce with rank 3 dead took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // After an abort, rank 0 (serving the store) reads only how many ranks had
 // not left for its closing reason, not which: that took one store read per
 // rank on every failed job's exit, for a text nobody is warned with. Rank 1
@@ -2650,6 +2704,7 @@ int RunScenario(const std::string& name) {
   if (name == "recreate_while_split_holds_store") return ScenarioRecreateWhileASplitHoldsTheStore();
   if (name == "store_rank_dies_under_split") return ScenarioStoreRankDiesUnderASplitWithoutIt();
   if (name == "split_outlives_clean_store_shutdown") return ScenarioSplitOutlivesTheStoresCleanShutdown();
+  if (name == "split_runs_past_clean_store_shutdown") return ScenarioSplitRunsPastTheStoresCleanShutdown();
   if (name == "store_stopped_after_an_abort") return ScenarioStoreStoppedAfterAnAbortCountsTheRanksNotLeft();
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "through") return ScenarioThrough();
@@ -3269,6 +3324,17 @@ TEST(Communicator, AStoreStoppedAfterACleanShutdownTellsTheRanksStillUsingItWhy)
   Job job = RunJob(3, "split_outlives_clean_store_shutdown", {{"DDP_TEST_TIMEOUT_MS", "2000"}}, milliseconds(60000));
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
   EXPECT_NE(job.results[0].output.find("had not left"), std::string::npos) << job.Describe();
+}
+
+TEST(Communicator, ASplitRunsItsCollectivesPastTheStoresCleanShutdownAndStillSeesADeadPeer) {
+  for (const char* shared_memory : {"1", "0"}) {
+    Job job = RunJob(4, "split_runs_past_clean_store_shutdown",
+                     {{"DDP_TEST_TIMEOUT_MS", "2000"}, {"DDP_SHARED_MEMORY", shared_memory}}, milliseconds(90000));
+    EXPECT_EQ(job.results[3].signal, SIGKILL) << "DDP_SHARED_MEMORY=" << shared_memory << "\n" << job.Describe();
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(job.results[r].exit_code, 0) << "DDP_SHARED_MEMORY=" << shared_memory << "\n" << job.Describe();
+    }
+  }
 }
 
 TEST(Communicator, AStoreStoppedAfterAnAbortCountsTheRanksNotLeft) {
