@@ -1045,6 +1045,14 @@ class Communicator::Impl {
   // `deadline`; "" when every rank left.
   std::string NotLeftRanks(const std::vector<std::pair<std::string, int>>& awaited, bool name_them,
                            Deadline deadline);
+  // For the same Shutdown, after a clean end of its own: the abort reasons
+  // posted by the communicators of `awaited` whose ranks have not all left
+  // ("communicator 'x': rank 1 aborted the job: ..."; "; " between them),
+  // when each of them has one; "" when none is aborted, one is not (its
+  // ranks may run on past the store's clean stop), or a key cannot be read
+  // by `deadline`. It never holds store::kCleanShutdownWords, which would
+  // make the stop read as clean.
+  std::string AbortsOfRanksNotLeft(const std::vector<std::pair<std::string, int>>& awaited, Deadline deadline);
 
   // Destroyed bottom-up: the async thread is joined in Shutdown(), then the
   // engines, then UCX (requests, endpoints, worker, context), then the store
@@ -1747,6 +1755,26 @@ std::string Communicator::Impl::NotLeftRanks(const std::vector<std::pair<std::st
   return all;
 }
 
+std::string Communicator::Impl::AbortsOfRanksNotLeft(const std::vector<std::pair<std::string, int>>& awaited,
+                                                     Deadline deadline) {
+  std::string all;
+  for (const auto& [prefix, ranks] : awaited) {
+    StatusOr<int64_t> count = store_->Add(prefix + "left", 0, deadline);
+    if (!count.ok()) return "";
+    if (*count >= ranks) continue;
+    StatusOr<std::optional<std::string>> posted = store_->TryGet(prefix + "abort", deadline);
+    if (!posted.ok() || !posted->has_value()) return "";
+    std::string reason = fault::PeerMonitor::DecodeAbort(**posted).ToString();
+    for (size_t at = reason.find(store::kCleanShutdownWords); at != std::string::npos;
+         at = reason.find(store::kCleanShutdownWords, at)) {
+      reason.replace(at, store::kCleanShutdownWords.size(), "after a shutdown");
+    }
+    const std::string name = prefix.ends_with('/') ? prefix.substr(0, prefix.size() - 1) : prefix;
+    all += (all.empty() ? "" : "; ") + ("communicator '" + name + "': ") + reason;
+  }
+  return all;
+}
+
 void Communicator::Impl::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
@@ -1806,6 +1834,11 @@ void Communicator::Impl::Shutdown() {
     std::lock_guard lock(server_->mu);
     last_holder = --server_->holders == 0;
   }
+  // The communicators whose ranks this one waits for (its own, or as the
+  // last holder every user of the store), and those of them with ranks that
+  // had not left when the wait ended (NotLeftRanks).
+  std::vector<std::pair<std::string, int>> awaited = {{prefix_, options_.world_size}};
+  std::string not_left;
   if (store_ != nullptr) {
     if (!aborted() && monitor_ != nullptr) {
       monitor_->PostClosed(DeadlineIn(options_.abort_store_time));
@@ -1828,7 +1861,6 @@ void Communicator::Impl::Shutdown() {
     // The last communicator here to hold the server waits for the ranks of
     // every communicator using it (those split off included).
     const Clock::time_point leaving_since = Clock::now();
-    std::vector<std::pair<std::string, int>> awaited = {{prefix_, options_.world_size}};
     if (server_ != nullptr && last_holder) {
       std::lock_guard lock(server_->mu);
       awaited = server_->users;
@@ -2036,7 +2068,7 @@ void Communicator::Impl::Shutdown() {
       // After an abort (or a failed creation) ranks that died are expected
       // not to leave and no warning is printed: their count is enough, and
       // spares every failed job's exit a store read per rank.
-      const std::string not_left =
+      not_left =
           NotLeftRanks(awaited, !aborted() && !creation_failed_, DeadlineIn(milliseconds(1000)));
       std::string why = "rank " + std::to_string(options_.rank) + " of communicator '" +
                         prefix_.substr(0, prefix_.size() - 1) + "', which served the rendezvous store, was destroyed " +
@@ -2082,6 +2114,22 @@ void Communicator::Impl::Shutdown() {
   }
   p2p_.reset();
   monitor_.reset();
+  if (server_ != nullptr && last_holder && store_ != nullptr && !not_left.empty() && !aborted() &&
+      !creation_failed_) {
+    // A communicator that ranks still use, aborted before the store stops
+    // (a split without this rank, say): its ranks that have not yet read
+    // the reason would find a cleanly stopped store, which tells no abort,
+    // and wait out their deadlines. Read as late as can be, just before the
+    // stop, so that an abort posted during the wait above counts too.
+    const std::string aborts = AbortsOfRanksNotLeft(awaited, DeadlineIn(milliseconds(1000)));
+    if (!aborts.empty()) {
+      std::lock_guard lock(server_->mu);
+      server_->closing_reason = "rank " + std::to_string(options_.rank) + " of communicator '" +
+                                prefix_.substr(0, prefix_.size() - 1) +
+                                "', which served the rendezvous store, was destroyed and stopped the store while " +
+                                not_left + " had not left, and their communicators had been aborted: " + aborts;
+    }
+  }
   store_.reset();
   server_.reset();
 }

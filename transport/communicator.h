@@ -273,7 +273,12 @@ class Communicator {
   /// not yet left (a split of theirs running on), their store calls fail
   /// UNAVAILABLE saying so: after a clean shutdown, which ranks of which
   /// communicator had not left, and rank 0 prints the same as a warning on
-  /// stderr; after an abort, how many of each communicator's ranks.
+  /// stderr; after an abort, how many of each communicator's ranks. A clean
+  /// stop tells no abort, so the ranks of a split still running on past it
+  /// go on; but when every communicator whose ranks had not left was
+  /// aborted (a split without rank 0, just before), the stop is not a clean
+  /// one and names each abort reason: their ranks' next wait fails with
+  /// PEER_LOST carrying it instead of waiting out its deadline.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

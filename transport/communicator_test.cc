@@ -849,6 +849,49 @@ int ScenarioSplitRunsPastTheStoresCleanShutdown() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Ranks 1-3 form a split without rank 0, which serves the store. Rank 1
+// aborts the split while ranks 2 and 3 are between calls; rank 0 then
+// stops the store (it destroyed its communicator without an abort) before
+// they look at the store again. Their next call must still fail promptly
+// with the abort, not wait out its 20 s deadline: rank 1 stays alive and
+// its endpoints stay open, so the store is the only way to learn it.
+int ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  std::optional<std::unique_ptr<Communicator>> child = SplitWithoutRankZeroAndWait(*comm);
+  if (!child.has_value()) return 1;
+  if (me == 0) {
+    comm.reset();
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  auto watcher = ConnectToTheJobsStore();
+  WORKER_CHECK(watcher.ok(), "connecting to the store: " + watcher.status().ToString());
+  if (!watcher.ok()) return 1;
+  comm.reset();
+  Communicator& split = **child;
+  if (me == 1) split.Abort(InternalError("the test aborts the split"));
+  const Status stopped = AwaitTheStoresStop(**watcher);
+  WORKER_CHECK(stopped.code() == StatusCode::kUnavailable, "the store did not stop: " + stopped.ToString());
+  std::printf("RANK %d: the store stopped: %s\n", me, stopped.ToString().c_str());
+  if (me == 1) {
+    // Alive, with its endpoints open, until the others have their answers.
+    WORKER_CHECK(AwaitMark("rank_2_done", milliseconds(30000)), "rank 2 did not finish");
+    WORKER_CHECK(AwaitMark("rank_3_done", milliseconds(30000)), "rank 3 did not finish");
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  const auto start = Clock::now();
+  std::vector<float> all(5000, 1.0f);
+  Status s = split.AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum,
+                             {.timeout = milliseconds(20000)});
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  SetMark("rank_" + std::to_string(me) + "_done");
+  std::printf("RANK %d: after the split's abort: %s in %lld ms\n", me, s.ToString().c_str(), took_ms);
+  WORKER_CHECK(!s.ok() && s.message().find("the test aborts the split") != std::string::npos,
+               "all-reduce after the split's abort: " + s.ToString());
+  WORKER_CHECK(took_ms < 5000, "all-reduce after the split's abort took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // After an abort, rank 0 (serving the store) reads only how many ranks had
 // not left for its closing reason, not which: that took one store read per
 // rank on every failed job's exit, for a text nobody is warned with. Rank 1
@@ -2705,6 +2748,9 @@ int RunScenario(const std::string& name) {
   if (name == "store_rank_dies_under_split") return ScenarioStoreRankDiesUnderASplitWithoutIt();
   if (name == "split_outlives_clean_store_shutdown") return ScenarioSplitOutlivesTheStoresCleanShutdown();
   if (name == "split_runs_past_clean_store_shutdown") return ScenarioSplitRunsPastTheStoresCleanShutdown();
+  if (name == "split_aborted_before_clean_store_shutdown") {
+    return ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown();
+  }
   if (name == "store_stopped_after_an_abort") return ScenarioStoreStoppedAfterAnAbortCountsTheRanksNotLeft();
   if (name == "alltoall") return ScenarioAllToAll();
   if (name == "through") return ScenarioThrough();
@@ -3334,6 +3380,14 @@ TEST(Communicator, ASplitRunsItsCollectivesPastTheStoresCleanShutdownAndStillSee
     for (int r = 0; r < 3; ++r) {
       EXPECT_EQ(job.results[r].exit_code, 0) << "DDP_SHARED_MEMORY=" << shared_memory << "\n" << job.Describe();
     }
+  }
+}
+
+TEST(Communicator, ASplitAbortedJustBeforeTheStoresCleanShutdownFailsItsOtherRanksPromptly) {
+  for (const char* shared_memory : {"1", "0"}) {
+    Job job = RunJob(4, "split_aborted_before_clean_store_shutdown",
+                     {{"DDP_TEST_TIMEOUT_MS", "2000"}, {"DDP_SHARED_MEMORY", shared_memory}}, milliseconds(90000));
+    EXPECT_TRUE(EveryRankPassed(job)) << "DDP_SHARED_MEMORY=" << shared_memory;
   }
 }
 
