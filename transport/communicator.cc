@@ -2128,6 +2128,7 @@ void Communicator::Impl::Shutdown() {
                                 prefix_.substr(0, prefix_.size() - 1) +
                                 "', which served the rendezvous store, was destroyed and stopped the store while " +
                                 not_left + " had not left, and their communicators had been aborted: " + aborts;
+      std::fprintf(stderr, "[ddp] rank %d: warning: %s\n", options_.rank, server_->closing_reason.c_str());
     }
   }
   store_.reset();

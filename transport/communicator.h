@@ -277,8 +277,9 @@ class Communicator {
   /// stop tells no abort, so the ranks of a split still running on past it
   /// go on; but when every communicator whose ranks had not left was
   /// aborted (a split without rank 0, just before), the stop is not a clean
-  /// one and names each abort reason: their ranks' next wait fails with
-  /// PEER_LOST carrying it instead of waiting out its deadline.
+  /// one and names each abort reason (rank 0 warns with it as well): their
+  /// ranks' next wait fails with PEER_LOST carrying it instead of waiting
+  /// out its deadline.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

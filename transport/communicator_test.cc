@@ -3393,6 +3393,8 @@ TEST(Communicator, ASplitAbortedJustBeforeTheStoresCleanShutdownFailsItsOtherRan
     Job job = RunJob(4, "split_aborted_before_clean_store_shutdown",
                      {{"DDP_TEST_TIMEOUT_MS", "2000"}, {"DDP_SHARED_MEMORY", shared_memory}}, milliseconds(90000));
     EXPECT_TRUE(EveryRankPassed(job)) << "DDP_SHARED_MEMORY=" << shared_memory;
+    EXPECT_NE(job.results[0].output.find("their communicators had been aborted: communicator"), std::string::npos)
+        << "DDP_SHARED_MEMORY=" << shared_memory << "\n" << job.Describe();
   }
 }
 
