@@ -1048,9 +1048,10 @@ class Communicator::Impl {
   // For the same Shutdown, after a clean end of its own: the abort reasons
   // posted by the communicators of `awaited` whose ranks have not all left
   // ("communicator 'x': rank 1 aborted the job: ..."; "; " between them),
-  // when each of them has one; "" when none is aborted, one is not (its
-  // ranks may run on past the store's clean stop), or a key cannot be read
-  // by `deadline`. It never holds store::kCleanShutdownWords, which would
+  // when each of them has one or has this process as a member (which left
+  // it: it runs no collective any more); "" when none is aborted, another
+  // is not (its ranks may run on past the store's clean stop), or a key
+  // cannot be read by `deadline`. It never holds store::kCleanShutdownWords, which would
   // make the stop read as clean.
   std::string AbortsOfRanksNotLeft(const std::vector<std::pair<std::string, int>>& awaited, Deadline deadline);
 
@@ -1757,13 +1758,32 @@ std::string Communicator::Impl::NotLeftRanks(const std::vector<std::pair<std::st
 
 std::string Communicator::Impl::AbortsOfRanksNotLeft(const std::vector<std::pair<std::string, int>>& awaited,
                                                      Deadline deadline) {
+  // Whether this process (rank 0 of a family's first communicator, as the
+  // one serving the store) is a member of the communicator `prefix`.
+  const auto has_this_process = [&](const std::string& prefix) {
+    std::lock_guard lock(server_->mu);
+    const std::vector<std::string>& roots = server_->roots;
+    if (std::find(roots.begin(), roots.end(), prefix) != roots.end()) return true;
+    const auto it = server_->member_root_ranks.find(prefix);
+    return it != server_->member_root_ranks.end() &&
+           std::find(roots.begin(), roots.end(), it->second.first) != roots.end() &&
+           std::find(it->second.second.begin(), it->second.second.end(), 0) != it->second.second.end();
+  };
   std::string all;
   for (const auto& [prefix, ranks] : awaited) {
     StatusOr<int64_t> count = store_->Add(prefix + "left", 0, deadline);
     if (!count.ok()) return "";
     if (*count >= ranks) continue;
     StatusOr<std::optional<std::string>> posted = store_->TryGet(prefix + "abort", deadline);
-    if (!posted.ok() || !posted->has_value()) return "";
+    if (!posted.ok()) return "";
+    if (!posted->has_value()) {
+      // Not aborted: its ranks may go on past a clean stop, unless this
+      // process, which has left it, is a member: none of its collectives
+      // can run any more, and its ranks only leave, which a stopped store
+      // does not hold up.
+      if (has_this_process(prefix)) continue;
+      return "";
+    }
     std::string reason = fault::PeerMonitor::DecodeAbort(**posted).ToString();
     for (size_t at = reason.find(store::kCleanShutdownWords); at != std::string::npos;
          at = reason.find(store::kCleanShutdownWords, at)) {

@@ -275,11 +275,14 @@ class Communicator {
   /// communicator had not left, and rank 0 prints the same as a warning on
   /// stderr; after an abort, how many of each communicator's ranks. A clean
   /// stop tells no abort, so the ranks of a split still running on past it
-  /// go on; but when every communicator whose ranks had not left was
-  /// aborted (a split without rank 0, just before), the stop is not a clean
-  /// one and names each abort reason (rank 0 warns with it as well): their
-  /// ranks' next wait fails with PEER_LOST carrying it instead of waiting
-  /// out its deadline.
+  /// go on; but when a communicator whose ranks had not left was aborted
+  /// (a split without rank 0, just before) and each of the others with
+  /// ranks not left was aborted too or has rank 0 as a member (so it runs
+  /// no collective any more), the stop is not a clean one and names each
+  /// abort reason (rank 0 warns with it as well): their ranks' next wait
+  /// fails with PEER_LOST carrying it instead of waiting out its deadline
+  /// (and so does a Send/Recv between other ranks of a communicator of
+  /// rank 0's).
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

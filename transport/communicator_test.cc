@@ -858,8 +858,10 @@ int ScenarioSplitRunsPastTheStoresCleanShutdown() {
 // stops the store (it destroyed its communicator without an abort) before
 // they look at the store again. Their next call must still fail promptly
 // with the abort, not wait out its 20 s deadline: rank 1 stays alive and
-// its endpoints stay open, so the store is the only way to learn it.
-int ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown() {
+// its endpoints stay open, so the store is the only way to learn it. With
+// `keep_parent`, ranks 1-3 keep their parent communicator (whose rank 0 has
+// left it) until they are done.
+int ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown(bool keep_parent) {
   auto comm = MustCreate();
   const int me = comm->rank();
   std::optional<std::unique_ptr<Communicator>> child = SplitWithoutRankZeroAndWait(*comm);
@@ -871,7 +873,7 @@ int ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown() {
   auto watcher = ConnectToTheJobsStore();
   WORKER_CHECK(watcher.ok(), "connecting to the store: " + watcher.status().ToString());
   if (!watcher.ok()) return 1;
-  comm.reset();
+  if (!keep_parent) comm.reset();
   Communicator& split = **child;
   if (me == 1) split.Abort(InternalError("the test aborts the split"));
   const Status stopped = AwaitTheStoresStop(**watcher);
@@ -2753,7 +2755,10 @@ int RunScenario(const std::string& name) {
   if (name == "split_outlives_clean_store_shutdown") return ScenarioSplitOutlivesTheStoresCleanShutdown();
   if (name == "split_runs_past_clean_store_shutdown") return ScenarioSplitRunsPastTheStoresCleanShutdown();
   if (name == "split_aborted_before_clean_store_shutdown") {
-    return ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown();
+    return ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown(false);
+  }
+  if (name == "split_aborted_before_clean_store_shutdown_parent_kept") {
+    return ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown(true);
   }
   if (name == "store_stopped_after_an_abort") return ScenarioStoreStoppedAfterAnAbortCountsTheRanksNotLeft();
   if (name == "alltoall") return ScenarioAllToAll();
@@ -3389,12 +3394,18 @@ TEST(Communicator, ASplitRunsItsCollectivesPastTheStoresCleanShutdownAndStillSee
 }
 
 TEST(Communicator, ASplitAbortedJustBeforeTheStoresCleanShutdownFailsItsOtherRanksPromptly) {
-  for (const char* shared_memory : {"1", "0"}) {
-    Job job = RunJob(4, "split_aborted_before_clean_store_shutdown",
-                     {{"DDP_TEST_TIMEOUT_MS", "2000"}, {"DDP_SHARED_MEMORY", shared_memory}}, milliseconds(90000));
-    EXPECT_TRUE(EveryRankPassed(job)) << "DDP_SHARED_MEMORY=" << shared_memory;
+  // Also where ranks 1-3 still hold their parent, which rank 0 has left:
+  // it runs no collective any more, and does not keep the stop clean.
+  for (const auto& [scenario, shared_memory] :
+       {std::pair{"split_aborted_before_clean_store_shutdown", "1"},
+        std::pair{"split_aborted_before_clean_store_shutdown", "0"},
+        std::pair{"split_aborted_before_clean_store_shutdown_parent_kept", "1"}}) {
+    Job job = RunJob(4, scenario, {{"DDP_TEST_TIMEOUT_MS", "2000"}, {"DDP_SHARED_MEMORY", shared_memory}},
+                     milliseconds(90000));
+    const std::string run = std::string(scenario) + ", DDP_SHARED_MEMORY=" + shared_memory;
+    EXPECT_TRUE(EveryRankPassed(job)) << run;
     EXPECT_NE(job.results[0].output.find("their communicators had been aborted: communicator"), std::string::npos)
-        << "DDP_SHARED_MEMORY=" << shared_memory << "\n" << job.Describe();
+        << run << "\n" << job.Describe();
   }
 }
 
