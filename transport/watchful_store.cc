@@ -28,7 +28,12 @@ StatusOr<std::string> WatchfulStore::Get(std::string_view key, Deadline deadline
     StatusOr<std::string> got = inner_.Get(key, Slice(deadline));
     if (got.ok() || got.status().code() != StatusCode::kTimedOut) return got;
     if (Clock::now() >= deadline) return WholeWait(got.status(), start);
-    DDP_RETURN_IF_ERROR(Posted(deadline));
+    if (Status aborted = Posted(deadline); !aborted.ok()) {
+      // Set by the time the abort was seen: as if seen within the slice.
+      StatusOr<std::optional<std::string>> there = inner_.TryGet(key, deadline);
+      if (there.ok() && there->has_value()) return std::move(**there);
+      return aborted;
+    }
   }
 }
 
@@ -49,7 +54,18 @@ Status WatchfulStore::Wait(std::span<const std::string> keys, Deadline deadline)
     Status waited = inner_.Wait(keys, Slice(deadline));
     if (waited.ok() || waited.code() != StatusCode::kTimedOut) return waited;
     if (Clock::now() >= deadline) return NameMissing(WholeWait(waited, start), keys);
-    DDP_RETURN_IF_ERROR(Posted(deadline));
+    if (Status aborted = Posted(deadline); !aborted.ok()) {
+      // A rank that aborts after reading every key (a setting that differs)
+      // set them all before its abort: this wait then succeeds, as it does
+      // when they come within the slice, and the caller checks them itself
+      // and names what it finds from its own view instead of taking the
+      // other rank's, a choice that otherwise hung on how late this rank
+      // was scheduled between its slice and this look. The abort still
+      // ends the next wait.
+      StatusOr<bool> all_set = inner_.Check(keys, deadline);
+      if (all_set.ok() && *all_set) return Status::Ok();
+      return aborted;
+    }
   }
 }
 

@@ -5,6 +5,9 @@
 // key also watches the job's abort key, which a rank whose creation failed
 // posts, so the others fail within moments with its reason instead of
 // waiting out the creation deadline for a key that will never be written.
+// A wait whose keys are all set by the time it sees the abort succeeds all
+// the same (the abort ends the next wait), so that what it returns does not
+// hang on when this rank looked.
 
 #include <chrono>
 #include <optional>

@@ -159,6 +159,64 @@ TEST(WatchfulStore, GetEndsOnAnAbortAndAtItsDeadline) {
   EXPECT_LT(Clock::now() - posted_from, 5s);
 }
 
+// An in-memory store whose first wait (Wait or Get) runs out its slice
+// while the last rank posts its key and then, having read every key and
+// found a fault (a setting that differs), the job's abort: what a rank
+// descheduled between its slice and its look at the abort key meets.
+class LastKeyAndAbortAfterTheSliceStore final : public testing::ForwardingStore {
+ public:
+  Status Wait(std::span<const std::string> keys, Deadline d) override {
+    if (First()) return TimedOutError("wait timed out after 50 ms");
+    return inner_.Wait(keys, d);
+  }
+  StatusOr<std::string> Get(std::string_view key, Deadline d) override {
+    if (First()) return TimedOutError("get timed out after 50 ms");
+    return inner_.Get(key, d);
+  }
+
+ private:
+  bool First() {
+    if (posted_) return false;
+    posted_ = true;
+    (void)inner_.Set("rank/1", "theirs", DeadlineIn(1s));
+    (void)inner_.Set("job/abort",
+                     fault::PeerMonitor::EncodeAbort(1, InvalidArgumentError("rank 1's own view")),
+                     DeadlineIn(1s));
+    return true;
+  }
+  bool posted_ = false;
+};
+
+// A wait whose keys were all set by the time it saw another rank's abort
+// succeeds, as one that saw them within its slice does: this rank then
+// checks what it read itself (naming the setting that differs from its
+// own view) and meets the abort at its next wait. It used to fail with
+// the other rank's reason, so which of the two a rank reported depended
+// on how late it was scheduled (communicator_test's
+// SettingThatDiffersBetweenRanksFailsCreationOnEveryRank, under load).
+TEST(WatchfulStore, AWaitWhoseKeysAreAllSetWhenItSeesAnAbortSucceeds) {
+  {
+    LastKeyAndAbortAfterTheSliceStore inner;
+    ASSERT_TRUE(inner.inner().Set("rank/0", "mine", DeadlineIn(1s)).ok());
+    WatchfulStore store(inner, "job/abort", 50ms);
+    const std::vector<std::string> keys = {"rank/0", "rank/1"};
+    auto got = store.MultiGet(keys, DeadlineIn(10s));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, (std::vector<std::string>{"mine", "theirs"}));
+    // The next wait, for a key nobody sets, ends with the abort.
+    auto next = store.Get("never", DeadlineIn(10s));
+    ASSERT_FALSE(next.ok());
+    EXPECT_NE(next.status().message().find("rank 1's own view"), std::string::npos) << next.status();
+  }
+  {
+    LastKeyAndAbortAfterTheSliceStore inner;
+    WatchfulStore store(inner, "job/abort", 50ms);
+    StatusOr<std::string> got = store.Get("rank/1", DeadlineIn(10s));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, "theirs");
+  }
+}
+
 // A store that counts the Check calls it is asked, answering them itself.
 class CheckCountingStore final : public testing::ForwardingStore {
  public:
