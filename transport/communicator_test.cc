@@ -2945,8 +2945,19 @@ TEST(CommunicatorCreate, UnderTorchrunsAgentStoreRankZeroServesOnTheNextPort) {
 
 class Sweep : public ::testing::TestWithParam<int> {};
 
+// Runs the "sweep" scenario on `n` ranks with `env`. Its hundreds of
+// calls with small chunks take 2-12 s on 2 cores beside three other test
+// actions, but each hop waits for a peer to be scheduled: with two dozen
+// runnable processes on the host one took 50 s, and four in a run of the
+// suite were killed at the default 60 s limit with no call failed. The
+// limit is only the harness's last resort: every call has its own 20 s
+// deadline, so a hang still fails its call (and the rest at once) first.
+Job RunSweep(int n, testing::ProcessGroup::Env env) {
+  return RunJob(n, "sweep", std::move(env), milliseconds(240000));
+}
+
 TEST_P(Sweep, EveryCollectiveDtypeOpAndAlgorithm) {
-  Job job = RunJob(GetParam(), "sweep", {{"DDP_TEST_CHUNK_BYTES", "256"}});
+  Job job = RunSweep(GetParam(), {{"DDP_TEST_CHUNK_BYTES", "256"}});
   ASSERT_TRUE(EveryRankPassed(job));
   // One rank needs no shared memory; more ranks on one host use it.
   EXPECT_NE(job.results[0].output.find(GetParam() > 1 ? "shm=1" : "shm=0"), std::string::npos)
@@ -3130,7 +3141,7 @@ TEST(Communicator, TheRankServingTheStoreNamesTheKeyOfAMalformedSplitRegistratio
 
 TEST(Communicator, UcxOnlyWhenSharedMemoryIsOff) {
   // DDP_ALLREDUCE_ALGO forces the UCX ring for kAuto calls.
-  Job job = RunJob(3, "sweep", {{"DDP_TEST_CHUNK_BYTES", "512"}, {"DDP_ALLREDUCE_ALGO", "ring"}});
+  Job job = RunSweep(3, {{"DDP_TEST_CHUNK_BYTES", "512"}, {"DDP_ALLREDUCE_ALGO", "ring"}});
   ASSERT_TRUE(EveryRankPassed(job));
   EXPECT_NE(job.results[0].output.find("auto64k=ring"), std::string::npos) << job.Describe();
 }
@@ -3146,8 +3157,7 @@ std::string TwoHostTopologyFile() {
 // The hierarchical all-reduce's steps inside a host go through shared
 // memory (all four ranks are really on this machine).
 TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalThroughSharedMemory) {
-  Job job = RunJob(4, "sweep",
-                   {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}});
+  Job job = RunSweep(4, {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()}});
   ASSERT_TRUE(EveryRankPassed(job));
   EXPECT_NE(job.results[0].output.find("hosts=2 shm=1 host_shm=1"), std::string::npos)
       << job.Describe();
@@ -3155,9 +3165,8 @@ TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalThroughSharedMemory) 
 }
 
 TEST(Communicator, DescribedTwoHostTopologyRunsHierarchicalOverUcxWithoutSharedMemory) {
-  Job job = RunJob(4, "sweep",
-                   {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()},
-                    {"DDP_SHARED_MEMORY", "0"}});
+  Job job = RunSweep(4, {{"DDP_TEST_CHUNK_BYTES", "256"}, {"DDP_TOPOLOGY_FILE", TwoHostTopologyFile()},
+                        {"DDP_SHARED_MEMORY", "0"}});
   ASSERT_TRUE(EveryRankPassed(job));
   EXPECT_NE(job.results[0].output.find("hosts=2 shm=0 host_shm=0"), std::string::npos)
       << job.Describe();
