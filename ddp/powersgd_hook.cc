@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <functional>
 #include <iterator>
 #include <map>
@@ -858,6 +859,9 @@ ParsedState ParseState(const PowerSgdState::NamedTensors& state, const PowerSgdS
   }
   parsed.iteration = iteration->To(nn::kCPU).data<int64_t>()[0];
   if (parsed.iteration < 0) Refuse(std::string("`") + kIterationKey + "` is " + std::to_string(parsed.iteration) + ", below 0");
+  if (parsed.iteration == std::numeric_limits<int64_t>::max()) {
+    Refuse(std::string("`") + kIterationKey + "` is the largest i64: the next hook call's count would overflow");
+  }
   return parsed;
 }
 

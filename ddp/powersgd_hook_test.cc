@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1186,6 +1187,8 @@ TEST(PowerSgdHookTest, LoadRefusesMismatchesNamingThemAndChangesNothing) {
       {without("powersgd.iteration"), "missing i64 scalar `powersgd.iteration`"},
       {with("powersgd.iteration", nn::FromVector({3.0}, {})), "`powersgd.iteration` is f32 [], expected an i64 scalar"},
       {with("powersgd.iteration", nn::FromVectorOf<int64_t>({-1}, {})), "`powersgd.iteration` is -1, below 0"},
+      {with("powersgd.iteration", nn::FromVectorOf<int64_t>({std::numeric_limits<int64_t>::max()}, {})),
+       "`powersgd.iteration` is the largest i64"},
       {with("powersgd.q.fc.weight", nn::Zeros({1, 12})), "parameter `fc.weight`, which this model does not have"},
       {with("powersgd.q.w", nn::Zeros({2, 12})), "`powersgd.q.w` is [2, 12], parameter `w` [16, 12] needs Q^T [1, 12]"},
       {with("powersgd.q.w", nn::Zeros({1, 12}, {.dtype = nn::DType::kFloat64})), "`powersgd.q.w` is f64, parameter `w` is f32"},
