@@ -443,12 +443,15 @@ TEST(TrainResumeTest, CtrlCStopsEveryRankAndLeavesAValidCheckpoint) {
 TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
   const std::string dir = testing::MakeTempDir("sigint_slow");
   const std::string ckpt = dir + "/ckpt.safetensors";
-  // Batches of 128: steps well over the 0.25 s (and over the test's own
-  // latency in signalling), also on a fast host. Without scheduled saves
-  // the checkpoint on disk is the stop's alone. (It was a save every step,
-  // each a whole ResNet-18, found by loading the checkpoint every 2 ms:
-  // both took the CPUs the ranks train on, 135 s for this test under load
-  // 12.)
+  // Batches of 32: steps well over the 0.25 s (and over the test's own
+  // latency in signalling), also on a fast host: 1.2 s of CPU per rank and
+  // step on a 2-core EPYC. Batches of 128 (4.6 s each) were more than
+  // the 120 s below allows for three steps on a loaded host: two such
+  // runs beside two busy loops never got past step 1 (4 runs of 4 failed).
+  // Without scheduled saves the checkpoint on disk is the stop's alone.
+  // (It was a save every step, each a whole ResNet-18, found by loading
+  // the checkpoint every 2 ms: both took the CPUs the ranks train on,
+  // 135 s for this test under load 12.)
   // The mark of a step's start is rank 0's --trace, streamed into a FIFO:
   // DDP appends the events recorded so far at the start of each forward,
   // after that step's stop vote, so the trace holds step k's "forward"
@@ -459,7 +462,7 @@ TEST(TrainResumeTest, CtrlCWithSlowStepsStopsAtTheEndOfTheStepItCameIn) {
   ASSERT_EQ(::mkfifo(trace.c_str(), 0600), 0) << trace << ": " << std::strerror(errno);
   testing::FifoReader reader(trace, std::chrono::seconds(280));
   Subprocess run({Runfile("examples/train"), "--dataset=synthetic", "--model=resnet18", "--train_samples=4096",
-                  "--test_samples=64", "--batch_size=128", "--epochs=1", "--workers=1", "--trace",
+                  "--test_samples=64", "--batch_size=32", "--epochs=1", "--workers=1", "--trace",
                   "--log_dir=" + log_dir, "--checkpoint=" + ckpt});
   const auto forwards = [&reader] {
     const std::string text = reader.Text();
