@@ -27,6 +27,23 @@ namespace {
 
 std::atomic<int> g_dirs{0};
 
+// The start time of `pid` (/proc/PID/stat field 22, clock ticks since
+// boot), or 0 where there is no such process.
+uint64_t StartTimeOf(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return 0;
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos) return 0;
+  // Fields 3 to 21 come before it.
+  std::istringstream rest(line.substr(close + 2));
+  std::string skipped;
+  for (int field = 3; field <= 21; ++field) rest >> skipped;
+  uint64_t start = 0;
+  rest >> start;
+  return start;
+}
+
 pid_t ParentOf(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
@@ -216,14 +233,25 @@ Subprocess::Subprocess(std::vector<std::string> argv,
 
 Subprocess::~Subprocess() {
   if (!reaped_) {
-    for (pid_t child : Children()) seen_children_.push_back(child);
+    RememberChildren();
     kill(-pid_, SIGKILL);
     kill(pid_, SIGKILL);
     int status = 0;
     waitpid(pid_, &status, 0);
   }
-  for (pid_t child : seen_children_) {
-    if (!ProcessGone(child)) kill(child, SIGKILL);
+  // Only a pid that still has the start time it had when seen: the child
+  // itself, not a process that got its number after it was reaped.
+  for (const auto& [child, start] : seen_children_) {
+    if (!ProcessGone(child) && StartTimeOf(child) == start) kill(child, SIGKILL);
+  }
+}
+
+void Subprocess::RememberChildren() {
+  for (pid_t child : Children()) {
+    const std::pair<pid_t, uint64_t> seen(child, StartTimeOf(child));
+    if (seen.second != 0 && std::find(seen_children_.begin(), seen_children_.end(), seen) == seen_children_.end()) {
+      seen_children_.push_back(seen);
+    }
   }
 }
 
@@ -236,11 +264,7 @@ int Subprocess::Wait(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
     // Remember the workers while they can still be found by their parent.
-    for (pid_t child : Children()) {
-      if (std::find(seen_children_.begin(), seen_children_.end(), child) == seen_children_.end()) {
-        seen_children_.push_back(child);
-      }
-    }
+    RememberChildren();
     int status = 0;
     const pid_t r = waitpid(pid_, &status, WNOHANG);
     if (r == pid_) {

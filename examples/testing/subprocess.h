@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -51,11 +52,17 @@ class Subprocess {
   std::vector<pid_t> Children() const;
 
  private:
+  // Adds the children not seen before to seen_children_.
+  void RememberChildren();
+
   pid_t pid_ = -1;
   bool reaped_ = false;
   int exit_code_ = -1;
   std::string dir_;
-  std::vector<pid_t> seen_children_;
+  // Every child seen while the program ran, with its start time (clock
+  // ticks since boot): a child that ended and was reaped may have left its
+  // pid to an unrelated process, which the destructor must not kill.
+  std::vector<std::pair<pid_t, uint64_t>> seen_children_;
 };
 
 /// Result of RunToEnd.
