@@ -730,23 +730,11 @@ int main(int argc, char** argv) {
                                         std::chrono::seconds(config.timeout_s));
     if (restart > 0) {
       // A restarted job continues from its own last checkpoint, if any.
-      // Rank 0 decides (it saved the checkpoint, perhaps on a disk only its
-      // host sees) and the others follow, so that all resume or none.
-      // "1": resume, "0": start over, else why the restart cannot go on.
-      std::string decision;
-      if (rank == 0) {
-        try {
-          const std::string note = ddp::examples::trainer::ResumeAfterRestart(config, restart);
-          std::printf("%s\n", note.c_str());
-          std::fflush(stdout);
-          decision = config.resume ? "1" : "0";
-        } catch (const UsageError& e) {
-          decision = e.what();
-        }
+      const std::string note = ddp::examples::trainer::FollowRankZeroOnRestart(config, restart, *parallel);
+      if (!note.empty()) {
+        std::printf("%s\n", note.c_str());
+        std::fflush(stdout);
       }
-      decision = parallel->ShareFromLead(std::move(decision));
-      if (decision != "0" && decision != "1") throw ddp::examples::trainer::LeadUsageError(decision);
-      config.resume = decision == "1";
     }
     const auto result = ddp::examples::trainer::Train(config, *parallel, options);
     parallel.reset();

@@ -1784,6 +1784,24 @@ RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions&
   return run.Go();
 }
 
+std::string FollowRankZeroOnRestart(TrainConfig& config, int restart, Parallel& parallel) {
+  // "1": resume, "0": start over, else why the restart cannot go on.
+  std::string decision;
+  std::string note;
+  if (parallel.rank() == 0) {
+    try {
+      note = ResumeAfterRestart(config, restart);
+      decision = config.resume ? "1" : "0";
+    } catch (const UsageError& e) {
+      decision = e.what();
+    }
+  }
+  decision = parallel.ShareFromLead(std::move(decision));
+  if (decision != "0" && decision != "1") throw LeadUsageError(decision);
+  config.resume = decision == "1";
+  return note;
+}
+
 std::string ResultLine(const TrainConfig& c, const RunResult& r) {
   const std::string epochs = r.epochs == std::floor(r.epochs) ? StringPrintf("%.0f", r.epochs)
                                                                : StringPrintf("%.2f", r.epochs);

@@ -89,6 +89,16 @@ void CheckSetup(const TrainConfig& config, int world_size, std::vector<std::stri
 /// fails (a peer died).
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options);
 
+/// For restart `restart` (> 0) of a job: rank 0 decides with
+/// ResumeAfterRestart whether the job resumes from its own last checkpoint
+/// (it saved it, perhaps on a disk only its host sees), and every rank
+/// follows, so that all resume or none: sets config.resume alike on every
+/// rank. Returns rank 0's line saying which it did ("" on the others).
+/// Collective: every rank of `parallel` calls it, before Train. Throws
+/// UsageError (LeadUsageError on the other ranks) when rank 0 refuses the
+/// checkpoint as unreadable.
+std::string FollowRankZeroOnRestart(TrainConfig& config, int restart, Parallel& parallel);
+
 /// "RESULT model=cnn ranks=2 epochs=2 samples_per_s=... train_loss=...
 /// test_acc=... wall_s=..." (no newline).
 std::string ResultLine(const TrainConfig& config, const RunResult& result);
