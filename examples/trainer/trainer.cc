@@ -1785,21 +1785,33 @@ RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions&
 }
 
 std::string FollowRankZeroOnRestart(TrainConfig& config, int restart, Parallel& parallel) {
-  // "1": resume, "0": start over, else why the restart cannot go on.
+  // Rank 0's decision for every rank: "1" to resume, "0" to start over,
+  // else 'u' and its refusal of the checkpoint (a UsageError: exit status
+  // 2 on every rank) or 'f' and its failure (out of memory: exit status
+  // 1), never empty even for an exception without a message. Any
+  // exception is shared: one that ended rank 0 before its ShareFromLead
+  // left the others waiting for it until they lost it or --timeout_s
+  // passed, without its reason.
   std::string decision;
   std::string note;
+  std::exception_ptr error;
   if (parallel.rank() == 0) {
     try {
       note = ResumeAfterRestart(config, restart);
       decision = config.resume ? "1" : "0";
-    } catch (const UsageError& e) {
-      decision = e.what();
+    } catch (...) {
+      error = std::current_exception();
+      decision = (IsUsageError(error) ? "u" : "f") + ExceptionText(error);
     }
   }
   decision = parallel.ShareFromLead(std::move(decision));
-  if (decision != "0" && decision != "1") throw LeadUsageError(decision);
-  config.resume = decision == "1";
-  return note;
+  if (error) std::rethrow_exception(Reportable(error));
+  if (decision == "0" || decision == "1") {
+    config.resume = decision == "1";
+    return note;
+  }
+  if (!decision.empty() && decision[0] == 'u') throw LeadUsageError(decision.substr(1));
+  throw LeadJobError(decision.empty() ? std::string("rank 0 shared no restart decision") : decision.substr(1));
 }
 
 std::string ResultLine(const TrainConfig& c, const RunResult& r) {

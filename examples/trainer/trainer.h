@@ -94,9 +94,11 @@ RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions&
 /// (it saved it, perhaps on a disk only its host sees), and every rank
 /// follows, so that all resume or none: sets config.resume alike on every
 /// rank. Returns rank 0's line saying which it did ("" on the others).
-/// Collective: every rank of `parallel` calls it, before Train. Throws
-/// UsageError (LeadUsageError on the other ranks) when rank 0 refuses the
-/// checkpoint as unreadable.
+/// Collective: every rank of `parallel` calls it, before Train. When rank
+/// 0 refuses the checkpoint as unreadable, it throws its UsageError and the
+/// others LeadUsageError; when it fails otherwise (out of memory), it
+/// throws its own exception and the others LeadJobError with its reason:
+/// every rank stops at once either way.
 std::string FollowRankZeroOnRestart(TrainConfig& config, int restart, Parallel& parallel);
 
 /// "RESULT model=cnn ranks=2 epochs=2 samples_per_s=... train_loss=...

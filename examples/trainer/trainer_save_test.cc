@@ -17,6 +17,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -369,6 +370,71 @@ DDP_TEST_WORKER(own_check_fault) {
   return 0;
 }
 
+// This process's address space in use (VmSize), in bytes; 0 if unknown.
+uint64_t VirtualMemoryBytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmSize:", 0) == 0) return std::stoull(line.substr(7)) * 1024;
+  }
+  return 0;
+}
+
+// Limits this process's address space to what it uses now plus
+// `headroom` bytes while alive, and sets the old limit back on every way
+// out.
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(uint64_t headroom) {
+    const uint64_t in_use = VirtualMemoryBytes();
+    if (in_use == 0 || ::getrlimit(RLIMIT_AS, &old_) != 0) return;
+    rlimit limit = old_;
+    limit.rlim_cur = in_use + headroom;
+    set_ = ::setrlimit(RLIMIT_AS, &limit) == 0;
+  }
+  ~AddressSpaceLimit() {
+    if (set_) ::setrlimit(RLIMIT_AS, &old_);
+  }
+  AddressSpaceLimit(const AddressSpaceLimit&) = delete;
+  AddressSpaceLimit& operator=(const AddressSpaceLimit&) = delete;
+  bool set() const { return set_; }
+
+ private:
+  rlimit old_{};
+  bool set_ = false;
+};
+
+// Restart 1 of a job whose checkpoint is RESTART_CKPT: every rank follows
+// rank 0's look at it (FollowRankZeroOnRestart), as //examples:train's
+// ranks do. A rank given RESTART_HEADROOM_MB looks with its address space
+// limited to that many MiB more than it uses. Exit status as
+// //examples:train's: 2 for a UsageError, 1 for any other failure (10 if
+// the limit cannot be set); the line printed says whether the error is
+// rank 0's (FromLead).
+DDP_TEST_WORKER(restart_fault) {
+  TrainConfig c = TinyRun(std::getenv("RESTART_CKPT"), 20);
+  c.job = JobFingerprint("restart-fault-token");
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    std::optional<AddressSpaceLimit> limit;
+    if (const char* mb = std::getenv("RESTART_HEADROOM_MB"); mb != nullptr) {
+      limit.emplace(static_cast<uint64_t>(std::atoll(mb)) << 20);
+      if (!limit->set()) return 10;
+    }
+    const std::string note = FollowRankZeroOnRestart(c, 1, *parallel);
+    limit.reset();
+    std::printf("%s\nresume: %d\n", note.c_str(), c.resume ? 1 : 0);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
 launch::testing::TestRunResult RunSlowSave(const std::string& checkpoint, int pause_ms,
                                            int save_timeout_s) {
   auto run = launch::testing::RunTestWorkers(
@@ -717,6 +783,57 @@ TEST(TrainerSaveTest, RankZerosOutputSetupFailingOnItsDiskFailsTheRunNotItsFlags
   const std::string reason = dir + "/metrics.csv: write failed: " + std::strerror(EFBIG);
   EXPECT_NE(run->Output(0).find("error: " + reason), std::string::npos) << run->Output(0);
   EXPECT_NE(run->Output(1).find("error (rank 0's): " + reason), std::string::npos) << run->Output(1);
+}
+
+// Rank 0 running out of memory while it reads the checkpoint's header at
+// a restart (a sparse file whose header length is 90 MB, read with 32 MiB
+// of address space to spare) fails the run on every rank at once: rank 0
+// with its own reason, the other pointing at it, both with exit status 1.
+// Only a refusal used to be shared: rank 0 ended before telling the
+// others, who waited for it until they lost it or --timeout_s (20 s here)
+// passed, and ended without its reason. A header that is damaged is still
+// refused on every rank (exit status 2), naming the file.
+TEST(TrainerSaveTest, RankZerosHeaderReadOutOfMemoryAtARestartEndsEveryRankWithItsReason) {
+  const std::string checkpoint = TempDir("restart_fault") + "/ckpt.safetensors";
+  constexpr uint64_t kHeaderBytes = 90'000'000;
+  {
+    std::ofstream out(checkpoint, std::ios::binary);
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((kHeaderBytes >> (8 * i)) & 0xff));
+  }
+  std::filesystem::resize_file(checkpoint, 8 + kHeaderBytes);  // sparse
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "restart_fault", {.world_size = 2,
+                        .timeout = std::chrono::seconds(90),
+                        .stop_all_on_failure = false,
+                        .env = {{"RESTART_CKPT", checkpoint}},
+                        .rank_env = {{0, {{"RESTART_HEADROOM_MB", "32"}}}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(0).find("error: std::bad_alloc\n"), std::string::npos) << run->Output(0);
+  EXPECT_NE(run->Output(1).find("error (rank 0's): std::bad_alloc\n"), std::string::npos) << run->Output(1);
+  // Well under the collectives' 20 s deadline.
+  EXPECT_LT(seconds, 15) << run->Output(1);
+
+  // The same header cut short: the file's fault, refused on every rank.
+  std::filesystem::resize_file(checkpoint, 100);
+  run = launch::testing::RunTestWorkers(
+      "restart_fault", {.world_size = 2,
+                        .timeout = std::chrono::seconds(90),
+                        .stop_all_on_failure = false,
+                        .env = {{"RESTART_CKPT", checkpoint}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 2) << run->Summary() << run->Output(rank);
+  }
+  const std::string refusal = "cannot read the checkpoint at " + checkpoint;
+  EXPECT_NE(run->Output(0).find("usage error: restart 1 of the job: " + refusal), std::string::npos)
+      << run->Output(0);
+  EXPECT_NE(run->Output(1).find("usage error (rank 0's): restart 1 of the job: " + refusal), std::string::npos)
+      << run->Output(1);
 }
 
 std::string ReadFile(const std::string& path) {
