@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -618,27 +619,46 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
 void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
   // Every rank checks its shard first and loads only once all passed: a
   // state that only some shards refuse must leave every rank as it was.
+  // Only a refusal of the state's content is std::invalid_argument; any
+  // other failure here (out of memory, a broken optimizer) is this rank's
+  // own and is rethrown as it came, once the peers have been told.
+  enum Verdict : int32_t { kLoadable = 0, kRefused = 1, kFailed = 2 };
+  Verdict verdict = kLoadable;
   std::string error;
+  std::exception_ptr failure;
   NamedTensors shard;
   try {
     CheckLocal("LoadStateDict");
     shard = ShardOf(state);
     local_->CheckStateDict(shard);
-  } catch (const std::exception& e) {
+  } catch (const std::invalid_argument& e) {
+    verdict = kRefused;
     error = e.what();
+  } catch (...) {
+    verdict = kFailed;
+    failure = std::current_exception();
   }
-  // Which ranks failed, so that every rank throws.
-  Tensor failed = nn::FromVectorOf<int32_t>(std::vector<int32_t>(static_cast<size_t>(pg_->size()), 0),
-                                            {pg_->size()});
-  failed.data<int32_t>()[pg_->rank()] = error.empty() ? 0 : 1;
-  pg_->AllReduce(failed, transport::ReduceOp::kSum, "zero: load state").Wait();
-  if (!error.empty()) throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict: " + error);
-  std::string ranks;
+  // Each rank's verdict, so that every rank throws (and a peer's failure
+  // is not taken for a refusal of the state).
+  Tensor verdicts = nn::FromVectorOf<int32_t>(std::vector<int32_t>(static_cast<size_t>(pg_->size()), 0),
+                                              {pg_->size()});
+  verdicts.data<int32_t>()[pg_->rank()] = verdict;
+  pg_->AllReduce(verdicts, transport::ReduceOp::kSum, "zero: load state").Wait();
+  if (failure) std::rethrow_exception(failure);
+  if (verdict == kRefused) throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict: " + error);
+  std::string refused, failed;
   for (int r = 0; r < pg_->size(); ++r) {
-    if (failed.data<int32_t>()[r] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    std::string& list = verdicts.data<int32_t>()[r] == kFailed ? failed : refused;
+    if (verdicts.data<int32_t>()[r] != kLoadable) list += (list.empty() ? "" : ", ") + std::to_string(r);
   }
-  if (!ranks.empty()) {
-    throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict failed on rank " + ranks);
+  if (!failed.empty()) {
+    throw DistributedError(transport::AbortedError(
+        "ZeroRedundancyOptimizer::LoadStateDict failed on rank " + failed +
+        " (not a refusal of the state: see that rank's error)" +
+        (refused.empty() ? std::string() : "; the state was refused on rank " + refused)));
+  }
+  if (!refused.empty()) {
+    throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict failed on rank " + refused);
   }
   local_->LoadStateDict(shard);
 }

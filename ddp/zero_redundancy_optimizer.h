@@ -191,7 +191,11 @@ class ZeroRedundancyOptimizer {
   /// state that lists every parameter (see ShardOf), or an entry the shard's
   /// optimizer refuses, fails on every rank (std::invalid_argument naming it on the
   /// rank that found it, naming that rank on the others), and then no rank
-  /// loads anything: every shard is checked before any is loaded.
+  /// loads anything: every shard is checked before any is loaded. Any
+  /// other failure of a rank's check (std::bad_alloc, say) is not a
+  /// refusal: that rank rethrows it as it came, the others throw
+  /// DistributedError (ABORTED) naming it, and no rank loads anything. A
+  /// failed agreement between the ranks throws DistributedError.
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   /// The entries of a whole state that this rank's shard holds: "lr", the

@@ -23,8 +23,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <numeric>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -778,6 +780,74 @@ DDP_TEST_WORKER(state_missing_a_parameter) {
 
 TEST(ZeroRedundancyOptimizerTest, StateMissingATrainedParameterIsRefusedOnEveryRank) {
   auto run = RunWorkers("state_missing_a_parameter", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// An SGD whose Name() runs out of memory while `fail_name` is set: the
+// shard's check of a state asks for it (the state names its optimizer).
+bool fail_name = false;
+class SgdOutOfMemory : public nn::optim::Sgd {
+ public:
+  using nn::optim::Sgd::Sgd;
+  const char* Name() const override {
+    if (fail_name) throw std::bad_alloc();
+    return nn::optim::Sgd::Name();
+  }
+};
+
+// Rank 1's check of its shard runs out of memory: that is rank 1's own
+// failure, not a refusal of the state, so it reaches the caller as the
+// std::bad_alloc it was, and rank 0 fails at once with a DistributedError
+// naming rank 1. Before, both threw std::invalid_argument, which the
+// trainer reports as a checkpoint it cannot use (exit status 2).
+DDP_TEST_WORKER(shard_check_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(7);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  ZeroRedundancyOptimizer zero(ab, pg, [&](NamedParameters p) {
+    return std::make_unique<SgdOutOfMemory>(std::move(p), options);
+  });
+  const std::vector<Slice> own_b = {{.param = 1, .offset = 0, .length = 32}};
+  WORKER_EXPECT(zero.shard(1) == own_b, "rank 1 does not own `b` alone");
+  NamedTensors saved;
+  {
+    const NamedParameters copies = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                                    {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+    for (const auto& [name, p] : copies) p.set_grad(nn::Randn({32}, {}, gen));
+    nn::optim::Sgd opt(copies, options);
+    opt.Step();
+    saved = opt.StateDict();
+  }
+  const NamedTensors before = zero.local().StateDict();
+  fail_name = pg->rank() == 1;
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "loaded";
+  try {
+    zero.LoadStateDict(saved);
+  } catch (const std::invalid_argument& e) {
+    outcome = std::string("std::invalid_argument: ") + e.what();
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  fail_name = false;
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(pg->rank() == 1 ? outcome == "std::bad_alloc"
+                                : outcome.rfind("DistributedError: ", 0) == 0 &&
+                                      outcome.find("failed on rank 1") != std::string::npos,
+                outcome + on);
+  WorkerExpectSameState(zero.local().StateDict(), before, "the state" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AShardCheckOutOfMemoryKeepsItsTypeAndFailsEveryRank) {
+  auto run = RunWorkers("shard_check_out_of_memory", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
