@@ -792,7 +792,7 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
       if (key.rfind("param_groups.", 0) == 0) checked.emplace_back(key, value);
     }
     internal::RewriteGroups(checked, num_groups, s.whole_members, s.whole_members);
-  } catch (const std::exception& e) {
+  } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(std::string("OverlappedZeroOptimizer::LoadStateDict: ") + e.what());
   }
   // Every "state." key must name a trained parameter and fit its size.
@@ -860,9 +860,11 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     for (const auto& [slot, value] : by_param[i]) entries.emplace_back("state." + s.names[i] + "." + slot, value);
     probe = s.make(groups);
     if (probe == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: the factory returned null");
+    // Only the probe's refusal of the state is std::invalid_argument; any
+    // other failure (std::bad_alloc, say) goes on as it came.
     try {
       probe->LoadStateDict(entries);
-    } catch (const std::exception& e) {
+    } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(std::string("OverlappedZeroOptimizer::LoadStateDict: ") + e.what());
     }
   }

@@ -196,7 +196,9 @@ class OverlappedZeroOptimizer {
   /// std::invalid_argument naming a "state." key of no trained parameter,
   /// an entry whose size is not its parameter's, or a param group whose
   /// saved size or members are not this optimizer's (and, from the
-  /// optimizer's own check, another group count).
+  /// optimizer's own check, another group count). Any other failure of
+  /// the check (std::bad_alloc, say) is rethrown as it came, on that rank
+  /// alone; nothing is loaded there.
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   struct State;

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <new>
 #include <stdexcept>
 #include <numeric>
 #include <string>
@@ -567,6 +568,65 @@ TEST(OverlappedZeroOptimizerTest, ConsolidatedStateIsTheUnshardedOptimizersAndRe
     auto run = RunWorkers("checkpoint", world);
     EXPECT_TRUE(run.AllSucceeded()) << world << " ranks\n" << testing::AllOutput(run);
   }
+}
+
+// An SGD whose Name() runs out of memory while `fail_name` is set: the
+// check of a state asks for it (the state names its optimizer).
+bool fail_name = false;
+class SgdOutOfMemory : public nn::optim::Sgd {
+ public:
+  using nn::optim::Sgd::Sgd;
+  const char* Name() const override {
+    if (fail_name) throw std::bad_alloc();
+    return nn::optim::Sgd::Name();
+  }
+};
+
+// Rank 1's check of the state runs out of memory: that is its own failure,
+// not a refusal of the state, so it reaches the caller as the
+// std::bad_alloc it was (before, it became std::invalid_argument, which
+// the trainer reports as a checkpoint it cannot use), and nothing loads
+// there. LoadStateDict is not collective: rank 0, whose check passed,
+// loads the state.
+DDP_TEST_WORKER(check_out_of_memory) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters shard) {
+    return std::make_unique<SgdOutOfMemory>(std::move(shard), options);
+  });
+  nn::optim::NamedTensors saved;
+  {
+    auto copy = Mlp(2);
+    nn::Generator gen(3);
+    for (const auto& [name, p] : copy->NamedParameters()) p.set_grad(nn::Randn(p.shape(), {}, gen));
+    nn::optim::Sgd plain(copy->NamedParameters(), options);
+    plain.Step();
+    plain.set_lr(0.5);
+    saved = plain.StateDict();
+  }
+  fail_name = pg->rank() == 1;
+  std::string outcome = "loaded";
+  try {
+    opt.LoadStateDict(saved);
+  } catch (const std::invalid_argument& e) {
+    outcome = std::string("std::invalid_argument: ") + e.what();
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  fail_name = false;
+  WORKER_EXPECT(outcome == (pg->rank() == 1 ? "std::bad_alloc" : "loaded"), outcome + on);
+  const double want = pg->rank() == 1 ? 0.05 : 0.5;
+  WORKER_EXPECT(opt.lr() == want, "the rate is " + std::to_string(opt.lr()) + on);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, ACheckOutOfMemoryKeepsItsType) {
+  auto run = RunWorkers("check_out_of_memory", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // ------------------------------------------------------ NoSync, Join ----
