@@ -859,7 +859,8 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     internal::RewriteGroups(entries, num_groups, s.whole_members, members);
     for (const auto& [slot, value] : by_param[i]) entries.emplace_back("state." + s.names[i] + "." + slot, value);
     probe = s.make(groups);
-    if (probe == nullptr) throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: the factory returned null");
+    // The factory's fault, not the state's: not a refusal of the state.
+    if (probe == nullptr) throw std::logic_error("OverlappedZeroOptimizer::LoadStateDict: the factory returned null");
     // Only the probe's refusal of the state is std::invalid_argument; any
     // other failure (std::bad_alloc, say) goes on as it came.
     try {

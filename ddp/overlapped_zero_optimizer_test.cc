@@ -629,6 +629,44 @@ TEST(OverlappedZeroOptimizerTest, ACheckOutOfMemoryKeepsItsType) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A factory that returns null once the optimizer is built: LoadStateDict's
+// check, which builds an optimizer per parameter, fails with
+// std::logic_error naming the factory, not with the std::invalid_argument
+// of a state refused (the state is fine), and nothing is loaded.
+DDP_TEST_WORKER(factory_null_at_load) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  bool built = false;
+  OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters shard) -> std::unique_ptr<nn::optim::Optimizer> {
+    if (built) return nullptr;
+    return std::make_unique<nn::optim::Sgd>(std::move(shard), options);
+  });
+  built = true;
+  auto copy = Mlp(2);
+  nn::optim::Sgd plain(copy->NamedParameters(), options);
+  plain.set_lr(0.5);
+  std::string outcome = "loaded";
+  try {
+    opt.LoadStateDict(plain.StateDict());
+  } catch (const std::invalid_argument& e) {
+    outcome = std::string("std::invalid_argument: ") + e.what();
+  } catch (const std::logic_error& e) {
+    outcome = std::string("std::logic_error: ") + e.what();
+  }
+  WORKER_EXPECT(outcome.rfind("std::logic_error: ", 0) == 0 &&
+                    outcome.find("the factory returned null") != std::string::npos,
+                outcome + on);
+  WORKER_EXPECT(opt.lr() == 0.05, "the rate is " + std::to_string(opt.lr()) + on);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, AFactoryReturningNullAtLoadIsNotARefusalOfTheState) {
+  auto run = RunWorkers("factory_null_at_load", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ------------------------------------------------------ NoSync, Join ----
 
 // Steps Mlp(9) on this rank's first `mine` batches under a Join with
