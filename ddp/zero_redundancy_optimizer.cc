@@ -660,7 +660,17 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
   if (!refused.empty()) {
     throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict failed on rank " + refused);
   }
-  local_->LoadStateDict(shard);
+  try {
+    local_->LoadStateDict(shard);
+  } catch (const std::exception& e) {
+    // Checked above, so only this rank's own failure (out of memory) gets
+    // here, after the peers have loaded: end the group so that their next
+    // collective fails at once with the reason, instead of waiting for
+    // this rank until the timeout.
+    pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::LoadStateDict failed on rank " +
+                                       std::to_string(pg_->rank()) + ": " + e.what()));
+    throw;
+  }
 }
 
 }  // namespace ddp::dist

@@ -195,7 +195,9 @@ class ZeroRedundancyOptimizer {
   /// other failure of a rank's check (std::bad_alloc, say) is not a
   /// refusal: that rank rethrows it as it came, the others throw
   /// DistributedError (ABORTED) naming it, and no rank loads anything. A
-  /// failed agreement between the ranks throws DistributedError.
+  /// failed agreement between the ranks throws DistributedError. A rank
+  /// whose load fails after every check passed rethrows the failure and
+  /// ends the group, so that the others' next collective fails at once.
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   /// The entries of a whole state that this rank's shard holds: "lr", the

@@ -785,12 +785,17 @@ TEST(ZeroRedundancyOptimizerTest, StateMissingATrainedParameterIsRefusedOnEveryR
 
 // An SGD whose Name() runs out of memory while `fail_name` is set: the
 // shard's check of a state asks for it (the state names its optimizer).
+// With `names_before_failure` >= 0, it runs out of memory once that many
+// calls of Name() have passed (one per check of a state).
 bool fail_name = false;
+int names_before_failure = -1;
 class SgdOutOfMemory : public nn::optim::Sgd {
  public:
   using nn::optim::Sgd::Sgd;
   const char* Name() const override {
     if (fail_name) throw std::bad_alloc();
+    if (names_before_failure == 0) throw std::bad_alloc();
+    if (names_before_failure > 0) --names_before_failure;
     return nn::optim::Sgd::Name();
   }
 };
@@ -848,6 +853,56 @@ DDP_TEST_WORKER(shard_check_out_of_memory) {
 
 TEST(ZeroRedundancyOptimizerTest, AShardCheckOutOfMemoryKeepsItsTypeAndFailsEveryRank) {
   auto run = RunWorkers("shard_check_out_of_memory", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Rank 1 runs out of memory in the load itself, after every rank's check
+// passed and rank 0 loaded its shard: rank 1 ends the group, so that rank
+// 0's next Step fails at once with the reason instead of waiting for rank
+// 1's shard in the broadcast until the timeout.
+DDP_TEST_WORKER(shard_load_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(7);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  ZeroRedundancyOptimizer zero(ab, pg, [&](NamedParameters p) {
+    return std::make_unique<SgdOutOfMemory>(std::move(p), options);
+  });
+  nn::optim::Sgd plain(ab, options);
+  const NamedTensors saved = plain.StateDict();
+  names_before_failure = pg->rank() == 1 ? 1 : -1;  // the check passes, the load fails
+  std::string outcome = "loaded";
+  try {
+    zero.LoadStateDict(saved);
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  names_before_failure = -1;
+  WORKER_EXPECT(outcome == (pg->rank() == 1 ? "std::bad_alloc" : "loaded"), outcome + on);
+  if (pg->rank() == 1) {
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  for (const auto& [name, p] : ab) p.set_grad(nn::Randn({32}, {}, gen));
+  const auto start = std::chrono::steady_clock::now();
+  outcome = "stepped";
+  try {
+    zero.Step();
+  } catch (const std::exception& e) {
+    outcome = e.what();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.find("LoadStateDict failed on rank 1") != std::string::npos, outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AShardLoadFailingOnOneRankFailsTheOthersNextStepAtOnce) {
+  auto run = RunWorkers("shard_load_out_of_memory", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
