@@ -380,5 +380,128 @@ TEST(DdpReentrantTest, ADdpStepRunFromAnUnrelatedPasssHookAveragesBeforeTheHookS
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Forward at top level, its backward and the optimizer step from a hook of
+// an unrelated pass (the loss is computed at top level, the outputs are
+// dropped): that backward is a pass nested in the unrelated one, and DDP
+// must average when it ends, before the hook steps. Only a forward that
+// ran inside a pass used to be followed to its backward's pass; this one
+// queued the end of the iteration on the unrelated outer pass, so the hook
+// stepped on this rank's own gradients and the replicas drifted apart with
+// no error.
+DDP_TEST_WORKER(ddp_backward_in_an_unrelated_hook) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  const auto& data = testing::FashionMnist();
+  for (const bool checkpointed_last : {false, true}) {
+  for (const bool static_graph : {false, true}) {
+    const std::string what = std::string("backward and step in a hook, forward at top level") +
+                             (static_graph ? " (static_graph)" : "") +
+                             (checkpointed_last ? " (last layer checkpointed)" : "");
+    auto make = [&](uint64_t seed) -> std::shared_ptr<Module> {
+      if (checkpointed_last) return std::make_shared<CheckpointedLast>(seed);
+      return std::make_shared<TiedCheckpointed>(seed, /*checkpointed=*/false);
+    };
+    auto model = make(rank == 0 ? 5 : 60 + rank);
+    DistributedDataParallel ddp(model, {.static_graph = static_graph, .process_group = pg});
+    nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+    auto reference = make(5);
+    nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+    std::string error;
+    int steps = 0;
+    for (; steps < 2 && error.empty(); ++steps) {
+      Tensor w = nn::Ones({1});
+      w.set_requires_grad(true);
+      Tensor loss;
+      nn::HookHandle hook = w.RegisterPostAccumulateGradHook([&](const Tensor&) {
+        try {
+          nn::Backward(loss);
+          opt.Step();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      });
+      try {
+        opt.ZeroGrad();
+        auto [x, y] = testing::Batch(data, (steps * world + rank) * kBatch, kBatch);
+        loss = nn::loss::CrossEntropy(ddp(x), y);
+        nn::Backward(nn::ops::Sum(w * 2.0));
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      hook.Remove();
+    }
+    WORKER_EXPECT(error.empty(), what + ": " + error);
+    if (!error.empty()) return testing::WorkerExit();  // the group may be aborted
+    for (int s = 0; s < steps; ++s) ReferenceStep(*reference, ref_opt, s * world * kBatch, world * kBatch);
+    const auto [diff, worst] = testing::MaxRelativeDifference(*model, *reference);
+    WORKER_EXPECT(diff <= 1e-5, what + ": `" + worst + "` off by " + std::to_string(diff));
+    WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), what + ": replicas differ");
+    WORKER_EXPECT(ddp.iterations() == 2, what + ": iterations " + std::to_string(ddp.iterations()));
+  }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, ABackwardRunFromAnUnrelatedPasssHookAfterATopLevelForwardAveragesBeforeTheStep) {
+  auto run = RunWorkers("ddp_backward_in_an_unrelated_hook", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// What the wrapper keeps of forward's outputs (and, through their graph,
+// the activations saved for backward). An eval-mode forward with grad
+// enabled that no backward follows, run inside an unrelated pass's hook or
+// at top level: nothing once the caller drops the outputs (the reducer
+// used to keep them, with the graph, until the next forward). A training
+// forward: nothing after its backward.
+DDP_TEST_WORKER(outputs_not_kept) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  auto model = std::make_shared<CheckpointedLast>(5);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  auto [x, y] = testing::Batch(testing::FashionMnist(), rank * kBatch, kBatch);
+  for (const bool in_hook : {true, false}) {
+    const std::string what = std::string("eval-mode forward with grad enabled") +
+                             (in_hook ? " in an unrelated pass's hook" : " at top level");
+    ddp.Eval();
+    std::weak_ptr<nn::TensorImpl> output;
+    std::weak_ptr<nn::autograd::Node> node;
+    bool recorded = false;
+    auto evaluate = [&] {
+      nn::GradModeGuard record(true);  // backward runs its hooks with grad mode off
+      const Tensor out = ddp(x);
+      output = out.impl_ptr();
+      node = out.grad_fn();
+      recorded = out.grad_fn() != nullptr;
+    };
+    if (in_hook) {
+      Tensor w = nn::Ones({1});
+      w.set_requires_grad(true);
+      nn::HookHandle hook = w.RegisterPostAccumulateGradHook([&](const Tensor&) { evaluate(); });
+      nn::Backward(nn::ops::Sum(w * 2.0));
+      hook.Remove();
+    } else {
+      evaluate();
+    }
+    WORKER_EXPECT(recorded, what + ": the forward recorded no graph");
+    WORKER_EXPECT(output.expired(), what + ": the output is still held after the caller dropped it");
+    WORKER_EXPECT(node.expired(), what + ": its graph is still held after the caller dropped the output");
+  }
+  ddp.Train();
+  std::weak_ptr<nn::TensorImpl> output;
+  {
+    const Tensor out = ddp(x);
+    output = out.impl_ptr();
+    nn::Backward(nn::loss::CrossEntropy(out, y));
+  }
+  WORKER_EXPECT(output.expired(), "training forward: the output is still held after its backward");
+  WORKER_EXPECT(ddp.iterations() == 1, "iterations " + std::to_string(ddp.iterations()));
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, TheWrapperKeepsNoOutputsOfAForwardNoBackwardFollowsNorAfterBackward) {
+  auto run = RunWorkers("outputs_not_kept", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist

@@ -554,24 +554,29 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   next_launch_ = 0;
   finalize_moved_ = false;
   on_backward_pass_ = false;
+  ++pass_end_token_;  // a callback left from an earlier iteration does nothing
   ReleaseOutputs();
   prepared_in_pass_ = nn::autograd::InBackward();
-  if (prepared_in_pass_) {
-    // The outermost pass is not this backward's but the one whose hook or
-    // backward function runs this forward: the pass that reaches these
-    // outputs is this backward. Nested passes (checkpointing) reach
-    // parameters, never the outputs.
-    for (const nn::Tensor& out : outputs) {
-      if (!out.defined() || !out.requires_grad() || out.grad_fn() == nullptr) continue;
-      watched_outputs_.push_back(out);
-      output_hooks_.push_back(out.RegisterHook([this, alive = std::weak_ptr<char>(alive_)](const nn::Tensor&) {
-        if (!alive.expired() && armed_ && !on_backward_pass_) {
-          on_backward_pass_ = true;
-          QueueOnPassEnd(/*outermost=*/false);
-        }
-        return nn::Tensor();
-      }));
-    }
+  // The pass that reaches these outputs is this iteration's backward,
+  // whichever passes enclose it (a step run from a hook of an unrelated
+  // backward, with forward there or at top level) or are nested in it
+  // (checkpointing reaches parameters, never the outputs): their gradient
+  // hook queues the end of the iteration there. A hook lives on its tensor,
+  // so a training forward's outputs are kept until that end (the caller
+  // may keep only the loss). An eval-mode forward's backward is optional:
+  // its outputs, and the activations their graph saved, are not kept past
+  // the caller's references (the first gradient decides then, see
+  // OnGradReady).
+  for (const nn::Tensor& out : outputs) {
+    if (!out.defined() || !out.requires_grad() || out.grad_fn() == nullptr) continue;
+    if (!backward_optional) watched_outputs_.push_back(out);
+    output_hooks_.push_back(out.RegisterHook([this, alive = std::weak_ptr<char>(alive_)](const nn::Tensor&) {
+      if (!alive.expired() && armed_ && !on_backward_pass_) {
+        on_backward_pass_ = true;
+        QueueOnPassEnd(/*outermost=*/false);
+      }
+      return nn::Tensor();
+    }));
   }
   // Until static_graph has counted each parameter's gradients, none is
   // reduced before the end of backward: one that gets a second gradient (a
@@ -642,6 +647,7 @@ void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradien
   armed_ = false;
   finalized_ = false;
   reject_gradients_ = reject_gradients;
+  ReleaseOutputs();  // no backward is armed for them any more
 }
 
 bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
@@ -721,16 +727,15 @@ void Reducer::OnGradReady(size_t index) {
     // The first gradient of backward.
     finalize_queued_ = true;
     comm_hook_locked_ = true;
-    // On the outermost pass, which ends after every pass nested in it: a
-    // first gradient that arrives in a nested pass (activation
-    // checkpointing recomputes a block and runs Backward through it) must
-    // not end the iteration when that pass ends, before the enclosing pass
-    // has reached the other parameters. But when forward ran inside a pass
-    // (DDP steps run from a hook of an unrelated backward), that outermost
-    // pass is the unrelated one, which ends after the hook has stepped on
-    // the gradients: then on the pass that reached forward's outputs (their
-    // gradient hook queued it already), or else on the pass running now
-    // (see OnPassEnd).
+    // Queued already on the pass that reached forward's outputs (their
+    // gradient hook), this backward's. Otherwise (no output was reached, or
+    // an eval-mode forward's were dropped) on the outermost pass, which ends
+    // after every pass nested in it: a first gradient that arrives in a
+    // nested pass (activation checkpointing recomputes a block and runs
+    // Backward through it) must not end the iteration when that pass ends.
+    // But when forward ran inside a pass, that outermost pass is the one
+    // whose hook runs this step, which ends after the hook has stepped on
+    // the gradients: then on the pass running now (see OnPassEnd).
     if (!on_backward_pass_) QueueOnPassEnd(/*outermost=*/!prepared_in_pass_);
     for (size_t i : unused_) {
       MarkUnusedReady(i);
@@ -757,9 +762,10 @@ void Reducer::OnGradReady(size_t index) {
 }
 
 void Reducer::QueueOnPassEnd(bool outermost) {
+  const uint64_t token = ++pass_end_token_;
   nn::autograd::QueueCallback(
-      [this, alive = std::weak_ptr<char>(alive_)] {
-        if (!alive.expired()) OnPassEnd();
+      [this, alive = std::weak_ptr<char>(alive_), token] {
+        if (!alive.expired() && token == pass_end_token_) OnPassEnd();
       },
       outermost);
 }
@@ -771,6 +777,13 @@ void Reducer::ReleaseOutputs() {
 }
 
 void Reducer::OnPassEnd() {
+  if (!finalize_queued_) {
+    // A pass reached forward's outputs but gave no parameter a gradient:
+    // not this iteration's backward (the next forward reports one that
+    // never came); a later pass through the outputs may still be.
+    on_backward_pass_ = false;
+    return;
+  }
   if (ready_count_ < params_.size() && !delay_ready_ && !finalize_moved_ && !on_backward_pass_) {
     // Queued on the outermost pass, or on the pass of the first gradient
     // where forward ran inside a pass and no gradient reached its outputs

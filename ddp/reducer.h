@@ -301,14 +301,17 @@ class Reducer {
     return default_hook_ && internal::PlanNoHookAverage(divisor, pg_->size(), dtype).op == transport::ReduceOp::kAvg;
   }
   void Finalize();
-  // The end-of-backward callback, queued by the first gradient (or, when
-  // forward ran inside a backward pass, by the first gradient reaching
-  // forward's outputs): Finalize, unless it was queued on the pass running
-  // at the first gradient and a parameter is still missing: that pass may
-  // be one nested in the backward (activation checkpointing), so it moves
+  // The end-of-backward callback, queued by the gradient hook of forward's
+  // outputs on the pass that reaches them, or (none reached) by the first
+  // gradient: Finalize, unless it was queued by the first gradient on the
+  // pass running then and a parameter is still missing: that pass may be
+  // one nested in the backward (activation checkpointing), so it moves
   // once to the outermost pass on this thread, which ends after them all.
+  // Nothing before any parameter received a gradient.
   void OnPassEnd();
-  // Queues OnPassEnd on the pass running now, or on the outermost one.
+  // Queues OnPassEnd on the pass running now, or on the outermost one; a
+  // callback queued before it (or before the last PrepareForBackward) then
+  // does nothing.
   void QueueOnPassEnd(bool outermost);
   void ReleaseOutputs();
   // The end of a synchronizing iteration, run or shadowed: the rebuild is
@@ -354,12 +357,14 @@ class Reducer {
   std::vector<char> ready_;
   bool finalize_moved_ = false;  // OnPassEnd moved the callback to the outermost pass
   bool prepared_in_pass_ = false;  // the forward that prepared this backward ran inside a backward pass
-  // Forward ran inside a backward pass: its outputs, kept until the end of
-  // the iteration, with a gradient hook that queues the end-of-backward
+  // Forward's outputs, with a gradient hook that queues the end-of-backward
   // callback on the pass that goes through them (the backward of this
-  // iteration, whatever passes enclose it or are nested in it).
+  // iteration, whatever passes enclose it or are nested in it). A training
+  // forward's are kept until the end of the iteration (or until no backward
+  // is armed for them); an eval-mode forward's only hooked, not kept.
   std::vector<nn::Tensor> watched_outputs_;
   std::vector<nn::HookHandle> output_hooks_;
+  uint64_t pass_end_token_ = 0;  // the OnPassEnd callback queued last; earlier ones do nothing
   bool on_backward_pass_ = false;  // that hook queued the callback
   // Expires with the reducer: a callback queued on a pass that outlives it
   // (one enclosing the forward) then does nothing.
