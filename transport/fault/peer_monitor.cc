@@ -150,6 +150,11 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
     if (closed) {
       what += " while this rank waited for it; it had closed its communicator, so it left "
               "the job early (the ranks stopped at different steps)";
+    } else if (mark == Closed::kStoreStopped) {
+      // Its mark may have been posted before the stop, unread here.
+      what += " while this rank waited for it; it may have closed its communicator and left the job early "
+              "(the ranks stopped at different steps): its mark can no longer be read, as the rendezvous "
+              "store was stopped after a clean shutdown";
     }
     return PeerLostError(what);
   }
@@ -157,7 +162,8 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
   // waited for, which says more than a store read that could not start.
   // A store stopped after a clean end of the job has no abort to tell.
   const Clock::time_point now = Clock::now();
-  if (store_ == nullptr || now >= deadline || store_->StoppedCleanly()) return Status::Ok();
+  if (store_ == nullptr || now >= deadline) return Status::Ok();
+  if (store_->StoppedCleanly()) return StoppedCleanly(deadline, awaited_peers);
   const Deadline until = std::min(deadline, now + options_.store_call_cap);
   const int64_t asked = now.time_since_epoch().count();
   auto posted = store_->TryGet(options_.key_prefix + "abort", until);
@@ -166,7 +172,7 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
     // This read learned that the store's owner stopped it after a clean
     // end of the job (a split's ranks still at their last collectives):
     // no abort reason will come, and its server was not lost.
-    if (code == StatusCode::kUnavailable && store_->StoppedCleanly()) return Status::Ok();
+    if (code == StatusCode::kUnavailable && store_->StoppedCleanly()) return StoppedCleanly(deadline, awaited_peers);
     if (code == StatusCode::kTimedOut && until == deadline) {
       // Not (yet) evidence that the store is gone: the call ran out of time
       // while asking it.
@@ -208,6 +214,26 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
   first_slow_abort_read_.store(0, std::memory_order_relaxed);
   if (posted->has_value()) return DecodeAbort(**posted);
   return Status::Ok();
+}
+
+Status PeerMonitor::StoppedCleanly(Deadline deadline, std::span<const int> awaited_peers) {
+  const int server = options_.store_rank;
+  // The split case (-2: its server is no member here) and a launcher (-1)
+  // leave no member behind; nor does this rank serving the store itself.
+  if (server < 0 || server == options_.rank) return Status::Ok();
+  // The last holder stops the store after destroying its communicators,
+  // this one's member included: a wait that needs something from it (or
+  // that does not say whom it needs) will never get it.
+  if (!awaited_peers.empty() &&
+      std::find(awaited_peers.begin(), awaited_peers.end(), server) == awaited_peers.end()) {
+    return Status::Ok();
+  }
+  // The client answers at once, with the reason the server's owner gave.
+  auto read = store_->TryGet(options_.key_prefix + "abort", StoreDeadline(deadline));
+  const std::string said = read.ok() ? std::string("it stopped the store") : read.status().message();
+  return PeerLostError("rank " + std::to_string(server) +
+                       ", which served the rendezvous store, left this communicator after a clean shutdown "
+                       "while this rank still waited for it: " + said);
 }
 
 Status PeerMonitor::PostedAbort(Deadline deadline) {

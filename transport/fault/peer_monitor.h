@@ -21,6 +21,11 @@
 //      (Store::StoppedCleanly: rank 0 destroyed its communicator without
 //      an abort while ranks of a split finish their last collectives) is
 //      no loss: no abort reason will come, and it is not asked again.
+//      Except to a wait that may need something from the store's rank when
+//      it is a member of this communicator (the wait awaits it, or does not
+//      say whom it awaits): that rank stopped the store only after
+//      destroying its communicators, this one included, so the wait would
+//      never end: PEER_LOST names it, with the stop's reason.
 //      Stopped after an abort, or without a reason, it still counts as
 //      lost: the reason posted went with it, and the ranks must not wait on.
 // A peer that closed its communicator cleanly (posted under `closed/`) may
@@ -37,7 +42,9 @@
 // that very moment (the wait's own TIMED_OUT would have been right). A
 // mark once read is not read again: a clean close is final. Once the store
 // is stopped after a clean end of the job, a peer closing since could not
-// post its mark: its exit is reported only to a wait for that very peer.
+// post its mark: its exit is reported only to a wait for that very peer,
+// saying that it may have closed first (a mark posted before the stop but
+// not yet read here cannot be read any more).
 //
 // Every store access takes the deadline of the call it serves: a store that
 // stopped answering (its host cut off) must not hold a call past its own
@@ -134,6 +141,11 @@ class PeerMonitor {
   // after a clean end of the job (a mark not read by then never will be).
   enum class Closed { kYes, kNo, kUnknown, kStoreStopped };
   Closed PeerClosed(int peer, Deadline deadline);
+  // Check's answer once the store's owner stopped it after a clean end of
+  // the job: OK, unless the store's rank is a member here and the wait may
+  // need something from it (it awaits that rank, or does not say whom it
+  // awaits): then PEER_LOST naming it, with the stop's reason.
+  Status StoppedCleanly(Deadline deadline, std::span<const int> awaited_peers);
   bool Exited(size_t rank) const;
 
   PeerMonitorOptions options_;

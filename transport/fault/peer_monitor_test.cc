@@ -772,15 +772,17 @@ const char kCleanStop[] =
 
 // A store stopped by its owner at the end of a job that ended cleanly is
 // the end of abort information, not the loss of the rank serving it: the
-// ranks finishing their last collectives go on (it was PEER_LOST, "the
-// rendezvous store cannot be reached"). A peer that exits after it is
-// still lost to a wait for that very peer, which the store is not needed
-// to tell; one not awaited may have closed cleanly, its mark now unreadable.
+// ranks of a split without it, finishing their last collectives, go on (it
+// was PEER_LOST, "the rendezvous store cannot be reached"). A peer that
+// exits after it is still lost to a wait for that very peer, which the
+// store is not needed to tell, with a word that it may have closed first
+// (its mark, if posted before the stop, cannot be read any more); one not
+// awaited may have closed cleanly, its mark now unreadable.
 TEST(PeerMonitor, AStoreStoppedAfterACleanShutdownIsNoLostPeer) {
   ServedStore served = Serve();
   ASSERT_NE(served.client, nullptr);
   const pid_t child = SpawnSleeper();
-  PeerMonitor monitor({.rank = 1, .local_pids = {0, getpid(), child}, .key_prefix = "j/", .store_rank = 0},
+  PeerMonitor monitor({.rank = 1, .local_pids = {0, getpid(), child}, .key_prefix = "j/", .store_rank = -2},
                       served.client.get());
   Status s = monitor.Check(Soon());
   ASSERT_TRUE(s.ok()) << s;
@@ -796,10 +798,38 @@ TEST(PeerMonitor, AStoreStoppedAfterACleanShutdownIsNoLostPeer) {
   }
   s = monitor.Check(Soon(), 2);
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
-  EXPECT_NE(s.message().find("rank 2 (pid " + std::to_string(child) + " on this host) exited"), std::string::npos)
+  EXPECT_NE(s.message().find("rank 2 (pid " + std::to_string(child) + " on this host) exited while this rank "
+                             "waited for it; it may have closed its communicator and left the job early"),
+            std::string::npos)
       << s;
-  EXPECT_EQ(s.message().find("closed its communicator"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("the rendezvous store was stopped after a clean shutdown"), std::string::npos) << s;
   EXPECT_EQ(monitor.lost_peer(), 2);
+}
+
+// Where the store's rank is a member of this communicator, it stopped the
+// store only after destroying its communicators, this one included: a wait
+// for it, or one that does not say whom it waits for, would never end, and
+// is PEER_LOST naming that rank with the stop's reason (it waited on). A
+// wait for other ranks only goes on.
+TEST(PeerMonitor, AStoreStoppedAfterACleanShutdownLosesItsRankToAWaitForIt) {
+  ServedStore served = Serve();
+  ASSERT_NE(served.client, nullptr);
+  PeerMonitor monitor({.rank = 1, .key_prefix = "j/", .store_rank = 0}, served.client.get());
+  ASSERT_TRUE(monitor.Check(Soon(), 0).ok());
+  served.server->Stop(kCleanStop);
+  const std::vector<int> others = {2, 3};
+  const std::vector<int> with_it = {2, 0};
+  for (int round = 0; round < 2; ++round) {
+    Status s = monitor.Check(Soon(), others);
+    EXPECT_TRUE(s.ok()) << "round " << round << ": " << s;
+    for (const Status& lost : {monitor.Check(Soon(), 0), monitor.Check(Soon(), with_it), monitor.Check(Soon())}) {
+      EXPECT_EQ(lost.code(), StatusCode::kPeerLost) << "round " << round << ": " << lost;
+      EXPECT_NE(lost.message().find("rank 0, which served the rendezvous store, left this communicator"),
+                std::string::npos)
+          << lost;
+      EXPECT_NE(lost.message().find(kCleanStop), std::string::npos) << lost;
+    }
+  }
 }
 
 // Stopped after an abort (whose reason went with the store), or without a
