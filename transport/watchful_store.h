@@ -62,6 +62,10 @@ class WatchfulStore final : public store::Store {
                                                   std::string_view desired, Deadline deadline) override {
     return inner_.CompareSet(key, expected, desired, deadline);
   }
+  /// The inner store's (the base class's default would always say false,
+  /// and a peer monitor over this store would take a clean stop for a
+  /// lost server).
+  bool StoppedCleanly() const override { return inner_.StoppedCleanly(); }
 
  private:
   Deadline Slice(Deadline deadline) const { return std::min(deadline, Clock::now() + slice_); }

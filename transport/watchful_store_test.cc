@@ -32,6 +32,24 @@ class SlowReadStore final : public testing::ForwardingStore {
   std::chrono::milliseconds delay_;
 };
 
+// An in-memory store that says whether its server was stopped after a
+// clean end of the job as `stopped` says.
+class StoppableStore final : public testing::ForwardingStore {
+ public:
+  bool StoppedCleanly() const override { return stopped; }
+  bool stopped = false;
+};
+
+// Whether the store was stopped after a clean end of the job is the inner
+// store's answer (it was always the base class's false).
+TEST(WatchfulStore, ForwardsWhetherTheStoreWasStoppedCleanly) {
+  StoppableStore inner;
+  WatchfulStore store(inner, "job/abort");
+  EXPECT_FALSE(store.StoppedCleanly());
+  inner.stopped = true;
+  EXPECT_TRUE(store.StoppedCleanly());
+}
+
 // A read of many keys that takes longer than a slice still finishes: the
 // slices cut only the wait for the keys (it started over at every slice,
 // so it never finished and ran to the deadline).
