@@ -768,7 +768,7 @@ ServedStore Serve() {
 const char kCleanStop[] =
     "rank 0 of communicator 'j', which served the rendezvous store, was destroyed after a clean "
     "shutdown and stopped the store after waiting 2000 ms for every rank to leave; ranks 1, 2 of "
-    "communicator 'j' had not left";
+    "communicator 'j' had not left (destroy every communicator on every rank before rank 0's)";
 
 // A store stopped by its owner at the end of a job that ended cleanly is
 // the end of abort information, not the loss of the rank serving it: the

@@ -27,11 +27,12 @@ namespace ddp::transport::store {
 inline constexpr size_t kMaxKeyBytes = 1024;
 inline constexpr size_t kMaxValueBytes = 4 << 20;
 
-/// The words by which the reason its owner gives for stopping the store's
-/// server (TcpStoreServer::Stop) says that the job ended cleanly (rank 0's
-/// communicator: "... was destroyed after a clean shutdown and stopped the
-/// store ..."). Clients then take the store's end for the end of abort
-/// information, not for the loss of the rank that served it.
+/// The words by which the reason rank 0's communicator gives for stopping
+/// the store's server says that the job ended cleanly ("... was destroyed
+/// after a clean shutdown and stopped the store ..."); the server reads
+/// them at the reason's end only (TcpStoreServer::SaysCleanShutdown).
+/// Clients then take the store's end for the end of abort information,
+/// not for the loss of the rank that served it.
 inline constexpr std::string_view kCleanShutdownWords = "after a clean shutdown";
 
 class Store {
@@ -89,8 +90,8 @@ class Store {
                                                           std::string_view desired, Deadline deadline) = 0;
 
   /// Whether this client has read that the store's server was stopped by
-  /// its owner after the job ended cleanly (a reason with
-  /// kCleanShutdownWords): no abort reason will be posted any more, and
+  /// its owner after the job ended cleanly (the TCP store's notice begins
+  /// with wire::kCleanStopNotice): no abort reason will be posted any more, and
   /// every later call fails UNAVAILABLE. False while it serves, after a
   /// stop for another reason (an abort) or none, and when it went away
   /// without a word (its process died). Thread-safe. This default, for

@@ -176,11 +176,21 @@ class TcpStoreServer {
   /// the next call of a client with none under way, fail with UNAVAILABLE
   /// whose message ends with `why` ("its owner closed it after a clean
   /// shutdown; ranks 2, 3 had not left"), not with a bare lost connection.
-  /// A `why` with kCleanShutdownWords (store.h) says the job ended cleanly:
-  /// the clients' StoppedCleanly() turns true, and their peer monitors stop
-  /// looking for abort reasons instead of reporting the store's server
-  /// lost. The first Stop's reason stands.
+  /// Whether the job ended cleanly is read off `why` (SaysCleanShutdown);
+  /// the overload below takes it as said. The first Stop's reason stands.
   void Stop(std::string why);
+  /// As Stop(why), `clean_end` saying whether the job ended cleanly: then
+  /// the notice begins with wire::kCleanStopNotice, the clients'
+  /// StoppedCleanly() turns true once they read it, and their peer monitors
+  /// stop looking for abort reasons instead of reporting the store's
+  /// server lost.
+  void Stop(std::string why, bool clean_end);
+  /// Whether `why` is rank 0's communicator's reason after a clean
+  /// shutdown, by its end, which follows every name it quotes: "...
+  /// <kCleanShutdownWords> and stopped the store", or "... had not left
+  /// (destroy every communicator on every rank before rank R's)". Words
+  /// inside it (a communicator named "after a clean shutdown") do not count.
+  static bool SaysCleanShutdown(std::string_view why);
   /// A snapshot of the counters.
   TcpStoreServerStats stats() const;
 

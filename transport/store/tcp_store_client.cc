@@ -294,14 +294,14 @@ StatusOr<TcpStoreClient::Reply> TcpStoreClient::Call(uint8_t op, bool carries_ti
     // This call's request named too; later calls get broken_ alone.
     return UnavailableError(broken_.message() + " (during the " + what + ")");
   };
-  // An UNAVAILABLE the server answered with: its owner stopping it says so
-  // (wire::kStopNotice), with its reason.
+  // An UNAVAILABLE the server answered with: its owner stopping it after a
+  // clean end of the job says so at the start (wire::kCleanStopNotice, then
+  // the end or ": " and its reason), never inside the reason's free text.
   auto stopped = [&](const Status& why) {
     const std::string_view said = why.message();
-    if (why.code() != StatusCode::kUnavailable || !said.starts_with(wire::kStopNotice)) return lost(why);
-    const std::string_view reason = said.substr(wire::kStopNotice.size());
-    if (reason.starts_with(": ") && reason.find(kCleanShutdownWords) != std::string_view::npos) {
-      stopped_cleanly_.store(true);
+    if (why.code() == StatusCode::kUnavailable && said.starts_with(wire::kCleanStopNotice)) {
+      const std::string_view rest = said.substr(wire::kCleanStopNotice.size());
+      if (rest.empty() || rest.starts_with(": ")) stopped_cleanly_.store(true);
     }
     return lost(why);
   };

@@ -272,10 +272,11 @@ class TcpStoreServer::Impl {
     return Status::Ok();
   }
 
-  void Stop(std::string why = "") {
+  void Stop(std::string why = "", bool clean_end = false) {
     std::lock_guard<std::mutex> lock(stop_mu_);
     if (!thread_.joinable()) return;
     stop_reason_ = std::move(why);  // read by the server thread once it sees stop_
+    stop_clean_end_ = clean_end;    // likewise
     stop_.store(true);
     const uint64_t one = 1;
     ssize_t n = write(wake_fd_.get(), &one, sizeof(one));
@@ -468,8 +469,9 @@ class TcpStoreServer::Impl {
   }
 
   void Shutdown() {
-    const Status stopping = UnavailableError(std::string(wire::kStopNotice) +
-                                             (stop_reason_.empty() ? "" : ": " + stop_reason_));
+    const Status stopping =
+        UnavailableError(std::string(stop_clean_end_ ? wire::kCleanStopNotice : wire::kStopNotice) +
+                         (stop_reason_.empty() ? "" : ": " + stop_reason_));
     // Answer every parked call so that no client waits for its deadline.
     std::vector<uint64_t> ids;
     for (auto& [id, w] : waiters_) ids.push_back(id);
@@ -1577,6 +1579,7 @@ class TcpStoreServer::Impl {
   std::mutex stop_mu_;
   std::atomic<bool> stop_{false};
   std::string stop_reason_;  // given to Stop; written before stop_ is set
+  bool stop_clean_end_ = false;  // given to Stop; written before stop_ is set
 
   // Server-thread state.
   bool listening_ = false;
@@ -1727,7 +1730,25 @@ TcpStoreServer::~TcpStoreServer() { Stop(); }
 int TcpStoreServer::port() const { return impl_->port(); }
 const std::string& TcpStoreServer::address() const { return impl_->address(); }
 void TcpStoreServer::Stop() { impl_->Stop(); }
-void TcpStoreServer::Stop(std::string why) { impl_->Stop(std::move(why)); }
+void TcpStoreServer::Stop(std::string why) {
+  const bool clean_end = SaysCleanShutdown(why);
+  impl_->Stop(std::move(why), clean_end);
+}
+void TcpStoreServer::Stop(std::string why, bool clean_end) { impl_->Stop(std::move(why), clean_end); }
+
+bool TcpStoreServer::SaysCleanShutdown(std::string_view why) {
+  // Rank 0's communicator ends its reason with its own words, after every
+  // name it quotes: a name cannot put these at the end.
+  const std::string plain = std::string(kCleanShutdownWords) + " and stopped the store";
+  if (why.ends_with(plain)) return true;
+  constexpr std::string_view kAdvice = " had not left (destroy every communicator on every rank before rank ";
+  constexpr std::string_view kEnd = "'s)";
+  if (!why.ends_with(kEnd)) return false;
+  const size_t at = why.rfind(kAdvice);
+  if (at == std::string_view::npos) return false;
+  const std::string_view rank = why.substr(at + kAdvice.size(), why.size() - kEnd.size() - at - kAdvice.size());
+  return !rank.empty() && std::all_of(rank.begin(), rank.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
 TcpStoreServerStats TcpStoreServer::stats() const { return impl_->stats(); }
 
 }  // namespace ddp::transport::store

@@ -2319,7 +2319,7 @@ TEST(TcpStoreTest, StoppingWithAReasonTellsEveryClientWhy) {
 }
 
 // A client learns that the store was stopped after a clean end of the job
-// (its reason says kCleanShutdownWords) from its parked call's answer or
+// (its reason ends as rank 0's communicator's does then) from its parked call's answer or
 // from its next call, and only then: not from a stop after an abort or
 // without a reason, nor from closing its own connection. Its calls still
 // fail UNAVAILABLE with the reason.
@@ -2366,6 +2366,48 @@ TEST(TcpStoreTest, AClientKnowsAStopAfterACleanShutdownFromAnyOther) {
     EXPECT_EQ(idle->TryGet("k", DeadlineIn(30s)).status().code(), StatusCode::kUnavailable);
     EXPECT_FALSE(parked->StoppedCleanly()) << "'" << why << "'";
     EXPECT_FALSE(idle->StoppedCleanly()) << "'" << why << "'";
+  }
+}
+
+// Whether the job ended cleanly is told by the notice's start, which only
+// the server writes, not by words anywhere in the free-text reason: a
+// communicator named "after a clean shutdown", aborted, or named in the
+// list of ranks that had not left, is no clean stop; rank 0's clean reason
+// (its end, after every name) is, with or without that list, and so is any
+// reason its owner says is one.
+TEST(TcpStoreTest, AStopIsCleanByTheNoticesStartNotByWordsInsideTheReason) {
+  const std::string head = "rank 0 of communicator 'job', which served the rendezvous store, was destroyed ";
+  const std::string clean = head + std::string(kCleanShutdownWords) + " and stopped the store";
+  const std::string named = "rank 0 of communicator 'retry " + std::string(kCleanShutdownWords) +
+                            "', which served the rendezvous store, was destroyed after the job was aborted and "
+                            "stopped the store";
+  const std::string listed = head + "after the job was aborted and stopped the store after waiting 3000 ms for "
+                                    "every rank to leave; 1 of the 2 ranks of communicator 'x " +
+                             std::string(kCleanShutdownWords) + " and stopped the store' had not left";
+  const std::string waited = clean + " after waiting 2000 ms for every rank to leave; rank 1 of communicator "
+                                     "'job' had not left (destroy every communicator on every rank before rank 0's)";
+  struct Case {
+    std::string why;
+    std::optional<bool> said;  // what the owner says; unset: Stop(why)
+    bool clean;
+  };
+  for (const Case& c : {Case{named, std::nullopt, false}, Case{listed, std::nullopt, false},
+                        Case{clean, std::nullopt, true}, Case{waited, std::nullopt, true},
+                        Case{clean, false, false}, Case{"done", true, true}, Case{"", true, true}}) {
+    if (!c.said.has_value()) {
+      EXPECT_EQ(TcpStoreServer::SaysCleanShutdown(c.why), c.clean) << c.why;
+    }
+    auto server = StartServer();
+    auto client = ConnectClient(*server);
+    if (c.said.has_value()) {
+      server->Stop(c.why, *c.said);
+    } else {
+      server->Stop(c.why);
+    }
+    StatusOr<std::optional<std::string>> read = client->TryGet("k", DeadlineIn(30s));
+    EXPECT_EQ(read.status().code(), StatusCode::kUnavailable) << read.status();
+    EXPECT_THAT(read.status().message(), HasSubstr(c.why));
+    EXPECT_EQ(client->StoppedCleanly(), c.clean) << read.status();
   }
 }
 

@@ -82,6 +82,11 @@ inline constexpr char kReplyTooLarge[] = "more than one reply carries";
 /// parked calls and tells idle connections (request id 0) that it stops;
 /// its owner's reason, if any, follows after ": ".
 inline constexpr std::string_view kStopNotice = "the store server is shutting down";
+/// The notice instead when its owner stopped it after a clean end of the
+/// job (TcpStoreServer::Stop): the words right after kStopNotice, where no
+/// reason can put them (a reason follows ": "), are what clients go by,
+/// never words inside the reason (which holds communicator names).
+inline constexpr std::string_view kCleanStopNotice = "the store server is shutting down after a clean end of the job";
 
 /// "set", "get", ...; "unknown" for anything else.
 const char* OpName(uint8_t op);
