@@ -115,6 +115,14 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
   }
   if (da == 1) return Squeeze(Matmul(Unsqueeze(a_in, 0), b_in), -2);
   if (db == 1) return Squeeze(Matmul(a_in, Unsqueeze(b_in, 1)), -1);
+  // Checked before the leading dimensions are folded into M below, so that
+  // the error names the shapes as given ([2, 3, 4] @ [5, 6] was reported as
+  // [6, 4] against [5, 6]).
+  if (a_in.size(-1) != b_in.size(-2)) {
+    throw std::invalid_argument("matmul: shapes " + ShapeToString(a_in.shape()) + " and " +
+                                ShapeToString(b_in.shape()) + " do not match (" + std::to_string(a_in.size(-1)) +
+                                " against " + std::to_string(b_in.size(-2)) + ")");
+  }
   if (da == 2 && db == 2) return Mm(a_in, b_in);
   if (db == 2) {
     // [..., M, K] @ [K, N]: fold the leading dimensions into M (counted, not
@@ -130,11 +138,6 @@ Tensor Matmul(const Tensor& a_orig, const Tensor& b_orig) {
   // [B, H, T, D] @ [B, H, D, T], or [M, K] @ [B, K, N]). The operands are
   // expanded and folded into one batch; Expand's backward sums the
   // gradients back to each operand's own shape.
-  if (a_in.size(-1) != b_in.size(-2)) {
-    throw std::invalid_argument("matmul: shapes " + ShapeToString(a_in.shape()) + " and " +
-                                ShapeToString(b_in.shape()) + " do not match (" + std::to_string(a_in.size(-1)) +
-                                " against " + std::to_string(b_in.size(-2)) + ")");
-  }
   const Shape a_batch(a_in.shape().begin(), a_in.shape().end() - 2);
   const Shape b_batch(b_in.shape().begin(), b_in.shape().end() - 2);
   Shape batch;

@@ -293,6 +293,9 @@ TEST(MatmulTest, BroadcastBatchesGiveEachPairsProduct) {
   EXPECT_EQ(message(Randn({3}), Randn({2, 4, 5})), "matmul: shapes [3] and [2, 4, 5] do not match (3 against 4)");
   EXPECT_EQ(message(Randn({2, 4, 5}), Randn({3})), "matmul: shapes [2, 4, 5] and [3] do not match (5 against 3)");
   EXPECT_EQ(message(Randn({3}), Randn({4, 5})), "matmul: shapes [3] and [4, 5] do not match (3 against 4)");
+  // A batch against a matrix is named as given, not with its batch folded into the rows.
+  EXPECT_EQ(message(Randn({2, 3, 4}), Randn({5, 6})), "matmul: shapes [2, 3, 4] and [5, 6] do not match (4 against 5)");
+  EXPECT_EQ(message(Randn({3, 4}), Randn({5, 6})), "matmul: shapes [3, 4] and [5, 6] do not match (4 against 5)");
 }
 
 struct ConvCase {
