@@ -1517,6 +1517,21 @@ TEST(ShmAllReduce, StaleSegmentsOfReusedPidsAndZombiesGo) {
   const pid_t zombie = fork();
   ASSERT_GE(zombie, 0);
   if (zombie == 0) _exit(0);
+  // Wait for it to be a zombie before anything else is made: its exit is
+  // asynchronous, and a loaded host may not run it for seconds (the case
+  // checks what the scan does with a zombie, not how soon it exits, so the
+  // wait is long). A 2 s poll of /proc used to give up and go on, and the
+  // removal was then checked against a process that could still be running.
+  const bool exited_in_time = internal::ProcessExitsWithin(zombie, std::chrono::milliseconds(60000));
+  siginfo_t exited{};
+  const int waited = waitid(P_PID, static_cast<id_t>(zombie), &exited, WEXITED | WNOWAIT | WNOHANG);
+  if (!exited_in_time || waited != 0 || exited.si_pid != zombie) {
+    kill(zombie, SIGKILL);
+    waitpid(zombie, nullptr, 0);
+    std::filesystem::remove_all(dir);
+    FAIL() << "child " << zombie << " is not a zombie after 60 s (pidfd readable: " << exited_in_time
+           << ", waitid: " << (waited == 0 ? "no exited child" : std::strerror(errno)) << ")";
+  }
   const time_t now = std::time(nullptr);
   // A live process started now holds the pid of a name written 100 s ago.
   const pid_t sleeper = fork();
@@ -1529,14 +1544,6 @@ TEST(ShmAllReduce, StaleSegmentsOfReusedPidsAndZombiesGo) {
   const std::string dead = make(zombie, "2", now);
   // This process wrote its name after it started.
   const std::string live = make(getpid(), "3", now);
-  // Wait for the zombie to be one (its exit is asynchronous).
-  for (int i = 0; i < 200; ++i) {
-    std::ifstream stat("/proc/" + std::to_string(zombie) + "/stat");
-    std::string line;
-    std::getline(stat, line);
-    if (line.find(") Z") != std::string::npos) break;
-    usleep(10000);
-  }
   EXPECT_EQ(RemoveStaleSegments(dir, /*stale_after_s=*/0), 2);
   EXPECT_NE(access(reused.c_str(), F_OK), 0) << reused << " (a reused pid's) is still there";
   EXPECT_NE(access(dead.c_str(), F_OK), 0) << dead << " (a zombie's) is still there";
