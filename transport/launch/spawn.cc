@@ -599,17 +599,33 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
 
 // Writes `data` to a log file: "" when it took all of it, else why not.
 // Log files are opened non-blocking: one that is a FIFO (or a device) whose
-// reader stops reading holds the loop that watches the workers up for at
-// most kTerminalStallTime without progress.
-std::string WriteAll(int fd, std::string_view data) {
-  Deadline give_up = DeadlineIn(kTerminalStallTime);
+// reader stops reading, or reads a few bytes at a time, holds the loop that
+// watches the workers up for at most kTerminalStallTime in all, and never
+// past `wait_deadline` (the watch's next deadline: Wait's own, the grace's
+// end), so that a deadline, a kill or a forwarded Ctrl-C is not put off.
+// A FIFO whose reader closed gives EPIPE, without SIGPIPE (whose default
+// action would end the launcher).
+std::string WriteAll(int fd, std::string_view data, Deadline wait_deadline) {
+  const Deadline stall_limit = DeadlineIn(kTerminalStallTime);
+  const Deadline give_up = std::min(stall_limit, wait_deadline);
+  const size_t total = data.size();
   while (!data.empty()) {
-    const ssize_t n = write(fd, data.data(), data.size());
+    const ssize_t n = WriteWithoutSigpipe(fd, data);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       const int wait_ms = MillisecondsUntil(give_up);
       if (wait_ms == 0) {
-        return "nothing was taken for " + std::to_string(kTerminalStallTime.count()) + " ms (a reader that stopped reading)";
+        const size_t taken = total - data.size();
+        if (give_up < stall_limit) {
+          return "the watch's deadline came while the reader had taken " + std::to_string(taken) + " of " +
+                 std::to_string(total) + " bytes";
+        }
+        if (taken == 0) {
+          return "nothing was taken for " + std::to_string(kTerminalStallTime.count()) +
+                 " ms (a reader that stopped reading)";
+        }
+        return "only " + std::to_string(taken) + " of " + std::to_string(total) + " bytes were taken in " +
+               std::to_string(kTerminalStallTime.count()) + " ms (a reader too slow)";
       }
       pollfd p{fd, POLLOUT, 0};
       poll(&p, 1, wait_ms);
@@ -618,7 +634,6 @@ std::string WriteAll(int fd, std::string_view data) {
     if (n < 0) return ErrnoText(errno);
     if (n == 0) return "the write took nothing";
     data.remove_prefix(static_cast<size_t>(n));
-    give_up = DeadlineIn(kTerminalStallTime);
   }
   return "";
 }
@@ -1192,7 +1207,7 @@ class WorkerGroup::Impl {
         } else if (stream == -1) {
           exits_to_read = true;
         } else if (stream >= 0) {
-          ReadStream(workers_[owner], stream);
+          ReadStream(workers_[owner], stream, wake);
         }
       }
 
@@ -1919,8 +1934,8 @@ class WorkerGroup::Impl {
 
   // Appends to one stream's log file; the first write that fails (a full
   // disk) closes it and is reported in the result, naming the file.
-  static void WriteLog(Worker& w, Stream& stream, std::string_view data) {
-    const std::string failure = WriteAll(stream.log.get(), data);
+  static void WriteLog(Worker& w, Stream& stream, std::string_view data, Deadline wait_deadline) {
+    const std::string failure = WriteAll(stream.log.get(), data, wait_deadline);
     if (failure.empty()) {
       stream.log_bytes += data.size();
       return;
@@ -1930,7 +1945,9 @@ class WorkerGroup::Impl {
     stream.log.Reset();
   }
 
-  void ReadStream(Worker& w, int s) {
+  // `wait_deadline`: the watch's next deadline, which a log write may not
+  // pass (see WriteAll).
+  void ReadStream(Worker& w, int s, Deadline wait_deadline) {
     Stream& stream = w.streams[s];
     char buf[kReadChunk];
     const ssize_t n = read(stream.pipe.get(), buf, sizeof(buf));
@@ -1941,7 +1958,7 @@ class WorkerGroup::Impl {
       return;
     }
     const std::string_view data(buf, static_cast<size_t>(n));
-    if (stream.log.valid()) WriteLog(w, stream, data);
+    if (stream.log.valid()) WriteLog(w, stream, data, wait_deadline);
     if (options_.output.capture) {
       const size_t room = options_.output.capture_limit - std::min(options_.output.capture_limit,
                                                                   w.captured.size());

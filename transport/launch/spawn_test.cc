@@ -2,7 +2,9 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/resource.h>
@@ -819,10 +821,114 @@ int AFifoLogWhoseReaderStoppedIsGivenUp() {
   return took < 15s ? 0 : 6;
 }
 
+// Runs `scenario` in a child process of its own (fork) with SIGPIPE at its
+// default action, as in ddprun; returns its exit code, -2 when it did not
+// end within 60 s, or 1000 + the signal that killed it.
+int RunInAProcess(int (*scenario)()) {
+  const pid_t child = fork();
+  if (child < 0) {
+    ADD_FAILURE() << "fork: " << std::strerror(errno);
+    return -1;
+  }
+  if (child == 0) {
+    signal(SIGPIPE, SIG_DFL);
+    _exit(scenario());
+  }
+  const auto deadline = Clock::now() + 60s;
+  int status = 0;
+  pid_t done = 0;
+  while ((done = waitpid(child, &status, WNOHANG)) == 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  if (done != child) {
+    kill(child, SIGKILL);
+    ReapWithin(child, 10s);
+    return -2;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1000 + WTERMSIG(status);
+}
+
+// A log file that is a FIFO whose reader takes one read and closes it: the
+// next write fails with EPIPE, which stops that log (named in
+// log_failures), rather than raising SIGPIPE, which would end the
+// launcher. 0: so; 4: the group did not succeed; 5: no such log failure.
+int AFifoLogWhoseReaderLeftIsGivenUp() {
+  const std::string dir = TempDir("fifo_log_reader_left");
+  std::string path;
+  if (FifoAsRankZerosLog(dir, &path) != 0) return 1;
+  const int reader = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (reader < 0) return 1;
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "chatty", {{"BYTES", std::to_string(1 << 20)}}), options);
+  if (!group.ok()) return 3;
+  std::thread read_once([reader] {
+    pollfd p{reader, POLLIN, 0};
+    poll(&p, 1, 20000);
+    char buf[4096];
+    (void)!read(reader, buf, sizeof(buf));
+    close(reader);
+  });
+  GroupResult result = (*group)->Wait(DeadlineIn(30s));
+  read_once.join();
+  if (result.outcome != GroupOutcome::kSucceeded) return 4;
+  if (result.log_failures.size() != 1 ||
+      result.log_failures[0].find("rank 0's log file '" + path + "' stopped after ") != 0 ||
+      result.log_failures[0].find("Broken pipe") == std::string::npos) {
+    return 5;
+  }
+  return 0;
+}
+
+// A log file that is a FIFO whose reader takes a page (4 KiB) every 300 ms:
+// each write makes some progress within 2 s, but a 64 KiB read of a
+// worker's output would take seconds to write, and 1 MiB minutes, during
+// which nothing else is watched. One write is held for 2 s at most in all,
+// then the log stops. 0: so; 4: the group did not succeed; 5: no such log
+// failure; 6: Wait took too long.
+int AFifoLogWithASlowReaderIsGivenUp() {
+  const std::string dir = TempDir("fifo_log_slow");
+  std::string path;
+  if (FifoAsRankZerosLog(dir, &path) != 0) return 1;
+  const int reader = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (reader < 0) return 1;
+  const int stop = eventfd(0, EFD_CLOEXEC);
+  if (stop < 0) return 1;
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "chatty", {{"BYTES", std::to_string(1 << 20)}}), options);
+  if (!group.ok()) return 3;
+  std::thread slow_reader([reader, stop] {
+    pollfd p{stop, POLLIN, 0};
+    while (poll(&p, 1, 300) == 0) {  // the pace: a page per 300 ms until told to stop
+      char buf[4096];
+      (void)!read(reader, buf, sizeof(buf));
+    }
+  });
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(30s));
+  const auto took = Clock::now() - start;
+  const uint64_t one = 1;
+  (void)!write(stop, &one, sizeof(one));
+  slow_reader.join();
+  close(reader);
+  if (result.outcome != GroupOutcome::kSucceeded) return 4;
+  if (result.log_failures.size() != 1 ||
+      result.log_failures[0].find("rank 0's log file '" + path + "' stopped after ") != 0 ||
+      result.log_failures[0].find("bytes were taken in 2000 ms (a reader too slow)") == std::string::npos) {
+    return 5;
+  }
+  return took < 15s ? 0 : 6;
+}
+
 TEST(SpawnTest, ALogFileThatIsAFifoNeverHoldsTheGroupUp) {
   // (Each in a process of its own, with a deadline: -2 means it hung.)
   EXPECT_EQ(RunInAPidNamespace(&AFifoLogWithoutReaderIsRefused), 0) << "-2: Start waited for a reader";
   EXPECT_EQ(RunInAPidNamespace(&AFifoLogWhoseReaderStoppedIsGivenUp), 0) << "-2: Wait hung on the write";
+  EXPECT_EQ(RunInAProcess(&AFifoLogWhoseReaderLeftIsGivenUp), 0) << "1013: SIGPIPE ended the launcher";
+  EXPECT_EQ(RunInAProcess(&AFifoLogWithASlowReaderIsGivenUp), 0) << "4 or -2: Wait was held by the slow writes (past its deadline)";
   ExpectNoChildrenLeft();
 }
 
