@@ -557,11 +557,81 @@ std::string LogFolder(const OutputOptions& out, const WorkerSpec& spec) {
   return out.log_dir + "/" + out.log_name_prefix + (spec.log_name.empty() ? std::to_string(spec.rank) : spec.log_name);
 }
 
+// `path` with its empty and '.' components dropped and each 'name/..'
+// taken out, lexically (no symbolic link is looked at): './0', '0/' and
+// 'x/../0' all give '0'. A '..' that climbs above a relative start stays
+// at the front; '/..' is '/'. An empty result is ".".
+std::string LexicallyNormal(const std::string& path) {
+  const bool absolute = !path.empty() && path[0] == '/';
+  std::vector<std::string> parts;
+  size_t begin = 0;
+  while (begin <= path.size()) {
+    size_t end = path.find('/', begin);
+    if (end == std::string::npos) end = path.size();
+    const std::string part = path.substr(begin, end - begin);
+    begin = end + 1;
+    if (part.empty() || part == ".") continue;
+    if (part == "..") {
+      if (!parts.empty() && parts.back() != "..") {
+        parts.pop_back();
+      } else if (!absolute) {
+        parts.push_back(part);
+      }
+      continue;
+    }
+    parts.push_back(part);
+  }
+  std::string normal = absolute ? "/" : "";
+  for (size_t i = 0; i < parts.size(); ++i) normal += (i == 0 ? "" : "/") + parts[i];
+  return normal.empty() ? "." : normal;
+}
+
+// What kind of file `mode` says, for messages.
+std::string FileKind(mode_t mode) {
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a UNIX socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+// A spec's own TORCHELASTIC_ERROR_FILE (its last entry), if it names one.
+std::optional<std::string> OwnErrorFile(const WorkerSpec& spec) {
+  std::optional<std::string> own;
+  for (const auto& [key, value] : spec.env) {
+    if (key == kEnvErrorFile) own = value;
+  }
+  return own;
+}
+
+// Refuses an error file at `path` that is there and is not a regular file
+// (a FIFO, a device, a link: /dev/null, say): the launcher removes a stale
+// one before the worker starts and reads it after, and removing, or
+// reading, such a thing would be wrong. `who` names the worker.
+Status CheckErrorFileKind(const std::string& path, const std::string& who) {
+  struct stat st{};
+  if (lstat(path.c_str(), &st) != 0) return Status::Ok();  // none yet (or unreachable: the worker says)
+  if (S_ISREG(st.st_mode)) return Status::Ok();
+  return InvalidArgumentError(who + ": its error file '" + path + "' (" + std::string(kEnvErrorFile) + ") is " +
+                              FileKind(st.st_mode) +
+                              ", not a regular file; the launcher removes a stale one and reads it after the "
+                              "worker ends, so it must name a regular file or none there yet");
+}
+
 // Bad input in `specs`, refused before any worker starts. Two workers with
 // one rank (or, with a log_dir, one log folder) would write the same log
 // files over each other and the same error file, whose message would then
 // be blamed on either; a variable name with '=' would set another variable.
-Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out) {
+// Log folders are compared lexically normalised ('./0' is '0'), and one
+// outside log_dir (a name with '..' or a leading '/') is refused. With
+// `error_files`, two specs naming one TORCHELASTIC_ERROR_FILE of their own
+// are refused, as is one that is there and not a regular file.
+Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out, bool error_files) {
+  std::vector<std::string> folders(specs.size());  // each one's, under log_dir, normalised
+  std::vector<std::optional<std::string>> error_paths(specs.size());  // each one's own, normalised
   for (size_t i = 0; i < specs.size(); ++i) {
     const WorkerSpec& spec = specs[i];
     const std::string who = "rank " + std::to_string(spec.rank);
@@ -582,12 +652,33 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
       }
       if (has_nul(value)) return InvalidArgumentError(who + ": the value of " + name + " holds a NUL byte");
     }
+    if (!out.log_dir.empty()) {
+      const std::string name = out.log_name_prefix + (spec.log_name.empty() ? std::to_string(spec.rank) : spec.log_name);
+      folders[i] = LexicallyNormal(name);
+      if (folders[i][0] == '/' || folders[i] == ".." || folders[i].rfind("../", 0) == 0 || folders[i] == ".") {
+        return InvalidArgumentError(who + ": its log folder '" + name + "' (log_name_prefix and log name) is not a "
+                                    "folder inside log_dir '" + out.log_dir +
+                                    "'; give it a relative name without '..'");
+      }
+    }
+    if (error_files) {
+      if (const std::optional<std::string> own = OwnErrorFile(spec)) {
+        DDP_RETURN_IF_ERROR(CheckErrorFileKind(*own, who));
+        error_paths[i] = LexicallyNormal(*own);
+      }
+    }
     for (size_t j = 0; j < i; ++j) {
+      if (error_paths[i] && error_paths[j] == error_paths[i]) {
+        return InvalidArgumentError("ranks " + std::to_string(specs[j].rank) + " and " + std::to_string(spec.rank) +
+                                    " name one error file of their own, '" + *OwnErrorFile(spec) + "' (" +
+                                    std::string(kEnvErrorFile) +
+                                    "), whose message would be blamed on either; give each its own");
+      }
       if (specs[j].rank == spec.rank) {
         return InvalidArgumentError(who + " is given to two workers (specs " + std::to_string(j) + " and " +
                                     std::to_string(i) + "); each worker needs a rank of its own");
       }
-      if (!out.log_dir.empty() && LogFolder(out, specs[j]) == LogFolder(out, spec)) {
+      if (!out.log_dir.empty() && folders[j] == folders[i]) {
         return InvalidArgumentError("ranks " + std::to_string(specs[j].rank) + " and " + std::to_string(spec.rank) +
                                     " would share the log folder '" + LogFolder(out, spec) +
                                     "'; give them different log names");
@@ -946,7 +1037,7 @@ class WorkerGroup::Impl {
       return InvalidArgumentError("the grace period between SIGTERM and SIGKILL is " +
                                   std::to_string(options_.grace.count()) + " ms; it must be 0 or more");
     }
-    DDP_RETURN_IF_ERROR(CheckSpecs(specs, options_.output));
+    DDP_RETURN_IF_ERROR(CheckSpecs(specs, options_.output, options_.error_files));
     const OutputOptions& out = options_.output;
     use_pipes_ = out.prefix || out.capture || (!out.log_dir.empty() && out.log_files) || !out.to_terminal ||
                  !out.terminal_ranks.empty();
@@ -1570,18 +1661,22 @@ class WorkerGroup::Impl {
         w.streams[s].log.Reset(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644));
         if (!w.streams[s].log.valid()) {
           const int err = errno;
-          return StartError(err, "cannot write log file '" + path + "': " + ErrnoText(err) +
-                                     (err == ENXIO ? " (a FIFO that nobody reads)" : ""));
+          std::string why;  // ENXIO: a FIFO without a reader, a socket, a device without a driver
+          struct stat st{};
+          if (err == ENXIO && stat(path.c_str(), &st) == 0) {
+            why = S_ISFIFO(st.st_mode) ? " (a FIFO that nobody reads)"
+                  : S_ISSOCK(st.st_mode) ? " (a UNIX socket, which cannot be opened as a file)"
+                  : (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) ? " (a device with no driver behind it)"
+                                                                  : "";
+          }
+          return StartError(err, "cannot write log file '" + path + "': " + ErrnoText(err) + why);
         }
         w.streams[s].log_path = path;
       }
     }
     // A spec's own TORCHELASTIC_ERROR_FILE (its last entry) is where the
     // worker writes, so it is read there too; empty: the worker has none.
-    std::optional<std::string> own_error_file;
-    for (const auto& [key, value] : spec.env) {
-      if (key == kEnvErrorFile) own_error_file = value;
-    }
+    const std::optional<std::string> own_error_file = OwnErrorFile(spec);
     if (options_.error_files && own_error_file) {
       w.error_path = *own_error_file;
     } else if (options_.error_files && (!out.log_dir.empty() || !error_dir_.empty())) {
@@ -1589,7 +1684,10 @@ class WorkerGroup::Impl {
                                          : folder + "/error.json";
     }
     if (!w.error_path.empty()) {
-      // One left by an earlier run would be taken for this worker's.
+      // One left by an earlier run would be taken for this worker's. Only
+      // a regular file is removed (checked again here: CheckSpecs looked
+      // at a spec's own one a moment ago, not at the group's).
+      DDP_RETURN_IF_ERROR(CheckErrorFileKind(w.error_path, "rank " + std::to_string(spec.rank)));
       if (unlink(w.error_path.c_str()) != 0 && errno != ENOENT) {
         const int err = errno;
         return InvalidArgumentError("cannot remove the old error file '" + w.error_path + "': " + ErrnoText(err));

@@ -74,6 +74,8 @@ struct WorkerSpec {
   std::string line_prefix;
   /// Its folder under OutputOptions::log_dir and log_name_prefix; empty:
   /// its rank. A launcher gives the local rank, as torchrun's layout.
+  /// Compared lexically normalised ('./0' is '0'): two workers may not
+  /// share one, nor may one lie outside log_dir ('..', a leading '/').
   std::string log_name;
   /// Of its streams (kStdoutStream, kStderrStream bits): those written to
   /// stdout.log / stderr.log, with OutputOptions::log_dir and log_files
@@ -144,7 +146,9 @@ struct SpawnOptions {
   /// earlier run is removed before the worker starts. What a failed worker
   /// wrote goes into its WorkerExit::error, and the earliest such message
   /// into GroupResult::reason. A spec's own TORCHELASTIC_ERROR_FILE wins:
-  /// that file is the one read (and, left from before, removed first).
+  /// that file is the one read (and, left from before, removed first); two
+  /// specs may not name the same one, and one that is there must be a
+  /// regular file (a FIFO or /dev/null is refused, never removed).
   /// A worker left without one (false here, or no folder for them) finds
   /// TORCHELASTIC_ERROR_FILE unset, not the launcher's own.
   bool error_files = true;
@@ -229,8 +233,9 @@ struct GroupResult {
   /// so that the launcher kept watching the workers. Log files get it all.
   uint64_t output_dropped = 0;
   /// One line per worker whose log file stopped taking output (a full disk,
-  /// an I/O error, a FIFO whose reader took nothing for 2 s): "rank 3's log
-  /// file '<path>' stopped after N bytes: <why>".
+  /// an I/O error, a FIFO whose reader closed it, took nothing for 2 s or
+  /// too little to finish one write in 2 s, or held a write up to Wait's
+  /// deadline): "rank 3's log file '<path>' stopped after N bytes: <why>".
   /// Nothing more is written to that file; the terminal and the capture
   /// still get the output.
   std::vector<std::string> log_failures;

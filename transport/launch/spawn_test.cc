@@ -9,7 +9,9 @@
 #include <sys/ptrace.h>
 #include <sys/resource.h>
 #include <sched.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -921,6 +923,33 @@ int AFifoLogWithASlowReaderIsGivenUp() {
     return 5;
   }
   return took < 15s ? 0 : 6;
+}
+
+// open() of a UNIX socket's file fails with ENXIO, as that of a FIFO
+// without a reader does: the message names what the file is.
+TEST(SpawnTest, ALogFileThatIsASocketIsRefusedNamingIt) {
+  const std::string dir = TempDir("socket_log");
+  ASSERT_EQ(mkdir((dir + "/logs").c_str(), 0755) == 0 || errno == EEXIST, true);
+  ASSERT_EQ(mkdir((dir + "/logs/0").c_str(), 0755) == 0 || errno == EEXIST, true);
+  const std::string path = dir + "/logs/0/stdout.log";
+  unlink(path.c_str());
+  const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(sock, 0) << std::strerror(errno);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof(address.sun_path)) << path;
+  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(bind(sock, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0) << std::strerror(errno);
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "hello"), options);
+  close(sock);
+  ASSERT_FALSE(group.ok()) << "the group started";
+  EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.status().message(), "cannot write log file '" + path +
+                                          "': No such device or address (a UNIX socket, which cannot be opened as "
+                                          "a file)");
+  ExpectNoChildrenLeft();
 }
 
 TEST(SpawnTest, ALogFileThatIsAFifoNeverHoldsTheGroupUp) {
@@ -2001,6 +2030,8 @@ TEST(SpawnTest, ChildrenOfAWorkerReapedBySomeoneElseDoNotOutliveTheGroup) {
 // any worker starts, with the spec named.
 TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
   const std::string dir = TempDir("bad_specs");
+  // Must outlive its case (a launcher that removed it would be wrong).
+  ASSERT_EQ(mkfifo((dir + "/error.fifo").c_str(), 0644), 0) << std::strerror(errno);
   struct Case {
     std::string what;
     std::function<void(std::vector<WorkerSpec>&, SpawnOptions&)> spoil;
@@ -2015,6 +2046,57 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
          specs[1].log_name = "0";
        },
        "ranks 0 and 1 would share the log folder '" + dir + "/logs/0'; give them different log names"},
+      {"one log folder twice, spelled './0'",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[1].log_name = "./0";
+       },
+       "ranks 0 and 1 would share the log folder '" + dir + "/logs/./0'; give them different log names"},
+      {"one log folder twice, spelled '0/'",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[2].log_name = "0/";
+       },
+       "ranks 0 and 2 would share the log folder '" + dir + "/logs/0/'; give them different log names"},
+      {"one log folder twice, spelled 'x/../0'",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[1].log_name = "x/../0";
+       },
+       "ranks 0 and 1 would share the log folder '" + dir + "/logs/x/../0'; give them different log names"},
+      {"a log name that climbs out of log_dir",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[1].log_name = "a/../../outside";
+       },
+       "rank 1: its log folder 'a/../../outside' (log_name_prefix and log name) is not a folder inside log_dir '" +
+           dir + "/logs'; give it a relative name without '..'"},
+      {"a log name with a leading '/'",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[2].log_name = dir + "/elsewhere";
+       },
+       "rank 2: its log folder '" + dir + "/elsewhere' (log_name_prefix and log name) is not a folder inside "
+           "log_dir '" + dir + "/logs'; give it a relative name without '..'"},
+      {"a log name that is log_dir itself",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[0].log_name = ".";
+       },
+       "rank 0: its log folder '.' (log_name_prefix and log name) is not a folder inside log_dir '" + dir +
+           "/logs'; give it a relative name without '..'"},
+      {"one error file of their own twice",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions&) {
+         specs[0].env.emplace_back(kEnvErrorFile, dir + "/error.json");
+         specs[2].env.emplace_back(kEnvErrorFile, dir + "/./error.json");
+       },
+       "ranks 0 and 2 name one error file of their own, '" + dir +
+           "/./error.json' (TORCHELASTIC_ERROR_FILE), whose message would be blamed on either; give each its own"},
+      {"an error file of its own that is a FIFO",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].env.emplace_back(kEnvErrorFile, dir + "/error.fifo"); },
+       "rank 1: its error file '" + dir + "/error.fifo' (TORCHELASTIC_ERROR_FILE) is a FIFO, not a regular file; "
+           "the launcher removes a stale one and reads it after the worker ends, so it must name a regular file or "
+           "none there yet"},
       {"a variable name with '='",
        [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].env.emplace_back("A=B", "c"); },
        "rank 1: environment variable name 'A=B' is empty or holds '=' or a NUL byte"},
@@ -2045,6 +2127,10 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
     if (group.ok()) group->reset();  // one that started anyway is stopped here
     ExpectNoChildrenLeft();
   }
+  struct stat fifo_st{};
+  EXPECT_EQ(lstat((dir + "/error.fifo").c_str(), &fifo_st), 0) << "the FIFO named as an error file was removed";
+  EXPECT_NE(access((dir + "/outside").c_str(), F_OK), 0) << "a log folder was made outside log_dir";
+  EXPECT_NE(access((dir + "/elsewhere").c_str(), F_OK), 0) << "a log folder was made outside log_dir";
   struct stat st{};
   EXPECT_NE(stat((dir + "/logs").c_str(), &st), 0) << "a log folder was made for a group that never started";
 }
