@@ -935,11 +935,17 @@ TEST(SpawnTest, ALogFileThatIsASocketIsRefusedNamingIt) {
   unlink(path.c_str());
   const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   ASSERT_GE(sock, 0) << std::strerror(errno);
+  // Bound at a short path (sun_path holds 108 bytes, TEST_TMPDIR may be
+  // longer), then moved into place.
+  char short_dir[] = "/tmp/ddp_sock_XXXXXX";
+  ASSERT_NE(mkdtemp(short_dir), nullptr) << std::strerror(errno);
+  const std::string bound = std::string(short_dir) + "/s";
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
-  ASSERT_LT(path.size(), sizeof(address.sun_path)) << path;
-  std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+  std::memcpy(address.sun_path, bound.c_str(), bound.size() + 1);
   ASSERT_EQ(bind(sock, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0) << std::strerror(errno);
+  ASSERT_EQ(rename(bound.c_str(), path.c_str()), 0) << std::strerror(errno);
+  rmdir(short_dir);
   SpawnOptions options = Quiet();
   options.output.log_dir = dir + "/logs";
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "hello"), options);
