@@ -2282,7 +2282,11 @@ class WorkerGroup::Impl {
     if (listener_ <= 0) return;
     kill(listener_, SIGKILL);
     const Deadline give_up = Clock::now() + kReapTime;
-    while (waitpid(listener_, nullptr, WNOHANG) == 0 && Clock::now() < give_up) usleep(1000);
+    pid_t reaped = 0;
+    while ((reaped = waitpid(listener_, nullptr, WNOHANG)) == 0 && Clock::now() < give_up) usleep(1000);
+    // Reaped (or no longer ours: ECHILD), its pid is free; should it lead
+    // the group, LeaderUnreaped must not ask waitid about that pid again.
+    if (listener_ == pgid_ && (reaped == listener_ || (reaped < 0 && errno == ECHILD))) leader_reaped_ = true;
     listener_ = -1;
   }
 
@@ -2326,6 +2330,7 @@ class WorkerGroup::Impl {
     const int flags = WEXITED | WNOHANG | WNOWAIT;
     if (waitid(P_PID, static_cast<id_t>(w.pid), &info, flags) != 0) {
       if (errno != ECHILD) return false;
+      if (w.pid == pgid_) leader_reaped_ = true;
       w.running = false;
       w.pidfd.Reset();
       w.exit.status_lost = true;
@@ -2344,16 +2349,20 @@ class WorkerGroup::Impl {
 
   // Whether the group's leader (a worker, or the listener) is still this
   // process's child, running or a zombie: its pid, the group's id, is
-  // then nobody else's, whatever becomes of the other workers.
+  // then nobody else's, whatever becomes of the other workers. Once this
+  // process reaped it (leader_reaped_), its pid may be another child's of
+  // this process, which waitid would answer for: it is not asked then.
   bool LeaderUnreaped() const {
     siginfo_t info{};
-    return pgid_ > 0 && waitid(P_PID, static_cast<id_t>(pgid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0;
+    return pgid_ > 0 && !leader_reaped_ &&
+           waitid(P_PID, static_cast<id_t>(pgid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0;
   }
 
   // Reaps `w`, a zombie whose exit Observe recorded.
-  static void Reap(Worker& w) {
+  void Reap(Worker& w) {
     waitpid(w.pid, nullptr, WNOHANG);
     w.zombie = false;
+    if (w.pid == pgid_) leader_reaped_ = true;
   }
 
   void ReapZombies() {
@@ -2412,6 +2421,7 @@ class WorkerGroup::Impl {
   // later `fg` gives it to them again (see StopLikeAJob).
   bool lent_back_ = false;
   pid_t listener_ = -1;   // hears the terminal's signals to the workers (StartListener)
+  bool leader_reaped_ = false;  // this process reaped the group's leader (or lost it: ECHILD)
   Fd listener_read_;      // its pipe
   bool ttou_ignored_ = false;
   struct sigaction ttou_old_ = {};
