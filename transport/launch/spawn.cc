@@ -716,7 +716,7 @@ std::string WriteAll(int fd, std::string_view data, Deadline wait_deadline) {
                  " ms (a reader that stopped reading)";
         }
         return "only " + std::to_string(taken) + " of " + std::to_string(total) + " bytes were taken in " +
-               std::to_string(kTerminalStallTime.count()) + " ms (a reader too slow)";
+               std::to_string(kTerminalStallTime.count()) + " ms (a reader that stopped reading or reads too slowly)";
       }
       pollfd p{fd, POLLOUT, 0};
       poll(&p, 1, wait_ms);

@@ -817,7 +817,7 @@ int AFifoLogWhoseReaderStoppedIsGivenUp() {
   if (result.outcome != GroupOutcome::kSucceeded) return 4;
   if (result.log_failures.size() != 1 ||
       result.log_failures[0].find("rank 0's log file '" + path + "' stopped after ") != 0 ||
-      result.log_failures[0].find("nothing was taken for 2000 ms") == std::string::npos) {
+      result.log_failures[0].find(" 2000 ms (a reader that stopped reading") == std::string::npos) {
     return 5;
   }
   return took < 15s ? 0 : 6;
@@ -889,6 +889,58 @@ int AFifoLogWhoseReaderLeftIsGivenUp() {
 // which nothing else is watched. One write is held for 2 s at most in all,
 // then the log stops. 0: so; 4: the group did not succeed; 5: no such log
 // failure; 6: Wait took too long.
+// Wait(DeadlineIn(wait_for)) with a FIFO log whose reader takes a page
+// every 300 ms; `took` is how long Wait took.
+GroupResult WaitWithASlowFifoReader(const std::string& name, std::chrono::milliseconds wait_for,
+                                    std::string* path, Clock::duration* took, int* setup_failure) {
+  const std::string dir = TempDir(name);
+  *setup_failure = 1;
+  if (FifoAsRankZerosLog(dir, path) != 0) return {};
+  const int reader = open(path->c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (reader < 0) return {};
+  const int stop = eventfd(0, EFD_CLOEXEC);
+  if (stop < 0) return {};
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "chatty", {{"BYTES", std::to_string(1 << 20)}}), options);
+  *setup_failure = 3;
+  if (!group.ok()) return {};
+  *setup_failure = 0;
+  std::thread slow_reader([reader, stop] {
+    pollfd p{stop, POLLIN, 0};
+    while (poll(&p, 1, 300) == 0) {  // the pace: a page per 300 ms until told to stop
+      char buf[4096];
+      (void)!read(reader, buf, sizeof(buf));
+    }
+  });
+  const auto start = Clock::now();
+  GroupResult result = (*group)->Wait(DeadlineIn(wait_for));
+  *took = Clock::now() - start;
+  const uint64_t one = 1;
+  (void)!write(stop, &one, sizeof(one));
+  slow_reader.join();
+  close(reader);
+  close(stop);
+  return result;
+}
+
+// As above with a Wait deadline of 1 s: the write is held to it, the group
+// is stopped as timed out, within seconds (before, Wait went on writing to
+// the slow reader for a 64 KiB write or more). 0: so; 4: not timed out; 6:
+// Wait took too long.
+int AFifoLogWithASlowReaderLetsWaitsDeadlineStopTheGroup() {
+  std::string path;
+  Clock::duration took{};
+  int setup_failure = 0;
+  GroupResult result = WaitWithASlowFifoReader("fifo_log_slow_deadline", 1000ms, &path, &took, &setup_failure);
+  if (setup_failure != 0) return setup_failure;
+  if (result.outcome != GroupOutcome::kTimedOut) return 4;
+  // The deadline, the worker's end on SIGTERM: about 1 s; before, a 64 KiB
+  // write at this pace (about 5 s) came first, and more after.
+  return took < 4s ? 0 : 6;
+}
+
 int AFifoLogWithASlowReaderIsGivenUp() {
   const std::string dir = TempDir("fifo_log_slow");
   std::string path;
@@ -919,7 +971,8 @@ int AFifoLogWithASlowReaderIsGivenUp() {
   if (result.outcome != GroupOutcome::kSucceeded) return 4;
   if (result.log_failures.size() != 1 ||
       result.log_failures[0].find("rank 0's log file '" + path + "' stopped after ") != 0 ||
-      result.log_failures[0].find("bytes were taken in 2000 ms (a reader too slow)") == std::string::npos) {
+      result.log_failures[0].find("bytes were taken in 2000 ms (a reader that stopped reading or reads too slowly)") ==
+          std::string::npos) {
     return 5;
   }
   return took < 15s ? 0 : 6;
@@ -964,6 +1017,8 @@ TEST(SpawnTest, ALogFileThatIsAFifoNeverHoldsTheGroupUp) {
   EXPECT_EQ(RunInAPidNamespace(&AFifoLogWhoseReaderStoppedIsGivenUp), 0) << "-2: Wait hung on the write";
   EXPECT_EQ(RunInAProcess(&AFifoLogWhoseReaderLeftIsGivenUp), 0) << "1013: SIGPIPE ended the launcher";
   EXPECT_EQ(RunInAProcess(&AFifoLogWithASlowReaderIsGivenUp), 0) << "4 or -2: Wait was held by the slow writes (past its deadline)";
+  EXPECT_EQ(RunInAProcess(&AFifoLogWithASlowReaderLetsWaitsDeadlineStopTheGroup), 0)
+      << "6 or -2: Wait was held past its deadline by the slow writes";
   ExpectNoChildrenLeft();
 }
 
