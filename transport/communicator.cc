@@ -210,12 +210,15 @@ struct ServedStore {
   // lost connection (set by the last holder's Shutdown; a communicator
   // sharing the store after that overwrites it with its own).
   ~ServedStore() {
-    if (server != nullptr) server->Stop(closing_reason);
+    if (server != nullptr) server->Stop(closing_reason, closing_clean);
   }
   std::unique_ptr<store::TcpStoreServer> server;
   std::string job_token;
   std::mutex mu;
   std::string closing_reason;  // under mu
+  // Whether closing_reason is the clean end of the job, which the clients'
+  // peer monitors take as no lost server (under mu).
+  bool closing_clean = false;
   std::vector<std::pair<std::string, int>> users;  // under mu
   // Communicators of this process holding it now (a rank's and its splits'),
   // under mu: the one that takes it to 0 is the last and waits for every
@@ -2111,6 +2114,7 @@ void Communicator::Impl::Shutdown() {
       }
       std::lock_guard lock(server_->mu);
       server_->closing_reason = std::move(why);
+      server_->closing_clean = !aborted() && !creation_failed_;
     }
   }
   shm_.reset();
@@ -2144,6 +2148,7 @@ void Communicator::Impl::Shutdown() {
     const std::string aborts = AbortsOfRanksNotLeft(awaited, DeadlineIn(milliseconds(1000)));
     if (!aborts.empty()) {
       std::lock_guard lock(server_->mu);
+      server_->closing_clean = false;
       server_->closing_reason = "rank " + std::to_string(options_.rank) + " of communicator '" +
                                 prefix_.substr(0, prefix_.size() - 1) +
                                 "', which served the rendezvous store, was destroyed and stopped the store while " +
