@@ -456,6 +456,27 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
+// Saves a two-rank checkpoint under TempDir(name), then runs "read_fault"
+// on it, rank 0's reads failing as READ_FAULT=`fault` says; `seconds` gets
+// the second run's wall time.
+void RunReadFault(const std::string& name, const std::string& fault,
+                  transport::StatusOr<launch::testing::TestRunResult>* run, double* seconds) {
+  const std::string checkpoint = TempDir(name) + "/ckpt.safetensors";
+  auto saved = launch::testing::RunTestWorkers(
+      "mixed_checkpoint",
+      {.world_size = 2, .timeout = std::chrono::seconds(90), .env = {{"MIXED_CKPT", checkpoint}}});
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_TRUE(saved->AllSucceeded()) << saved->Summary() << saved->Output(0) << saved->Output(1);
+  const auto start = std::chrono::steady_clock::now();
+  *run = launch::testing::RunTestWorkers(
+      "read_fault", {.world_size = 2,
+                     .timeout = std::chrono::seconds(90),
+                     .stop_all_on_failure = false,
+                     .env = {{"READ_FAULT_CKPT", checkpoint}},
+                     .rank_env = {{0, {{"READ_FAULT", fault}}}}});
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // The writes of a save of `checkpoint`, each paused: the length, the header
 // and each tensor's pieces of up to nn::io::kStopCheckBytes.
 int64_t WritesOfTheSave(const std::string& checkpoint) {
@@ -692,18 +713,9 @@ TEST(TrainerSaveTest, ResourceFailureInTheOptimizerLoadIsTheRanksOwnNotABadCheck
 // the file (exit status 2, a mistake in the flags) while rank 0 ended
 // with 1.
 TEST(TrainerSaveTest, RankZerosReadFailingOtherwiseThanOnTheFileEndsEveryRankWithItsStatus) {
-  const std::string checkpoint = TempDir("read_fault") + "/ckpt.safetensors";
-  auto saved = launch::testing::RunTestWorkers(
-      "mixed_checkpoint",
-      {.world_size = 2, .timeout = std::chrono::seconds(90), .env = {{"MIXED_CKPT", checkpoint}}});
-  ASSERT_TRUE(saved.ok()) << saved.status();
-  ASSERT_TRUE(saved->AllSucceeded()) << saved->Summary() << saved->Output(0) << saved->Output(1);
-  auto run = launch::testing::RunTestWorkers(
-      "read_fault", {.world_size = 2,
-                     .timeout = std::chrono::seconds(90),
-                     .stop_all_on_failure = false,
-                     .env = {{"READ_FAULT_CKPT", checkpoint}},
-                     .rank_env = {{0, {{"READ_FAULT", "1"}}}}});
+  transport::StatusOr<launch::testing::TestRunResult> run = transport::InternalError("not run");
+  double seconds = 0;
+  ASSERT_NO_FATAL_FAILURE(RunReadFault("read_fault", "1", &run, &seconds));
   ASSERT_TRUE(run.ok()) << run.status();
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
@@ -718,21 +730,10 @@ TEST(TrainerSaveTest, RankZerosReadFailingOtherwiseThanOnTheFileEndsEveryRankWit
 // for a read that worked and wait for its bytes. Rank 0's own line used to
 // be "error: " with no reason at all.
 TEST(TrainerSaveTest, RankZerosReadFailingWithoutAMessageStillEndsEveryRank) {
-  const std::string checkpoint = TempDir("read_fault_wordless") + "/ckpt.safetensors";
-  auto saved = launch::testing::RunTestWorkers(
-      "mixed_checkpoint",
-      {.world_size = 2, .timeout = std::chrono::seconds(90), .env = {{"MIXED_CKPT", checkpoint}}});
-  ASSERT_TRUE(saved.ok()) << saved.status();
-  ASSERT_TRUE(saved->AllSucceeded()) << saved->Summary() << saved->Output(0) << saved->Output(1);
-  const auto start = std::chrono::steady_clock::now();
-  auto run = launch::testing::RunTestWorkers(
-      "read_fault", {.world_size = 2,
-                     .timeout = std::chrono::seconds(90),
-                     .stop_all_on_failure = false,
-                     .env = {{"READ_FAULT_CKPT", checkpoint}},
-                     .rank_env = {{0, {{"READ_FAULT", "wordless"}}}}});
+  transport::StatusOr<launch::testing::TestRunResult> run = transport::InternalError("not run");
+  double seconds = 0;
+  ASSERT_NO_FATAL_FAILURE(RunReadFault("read_fault_wordless", "wordless", &run, &seconds));
   ASSERT_TRUE(run.ok()) << run.status();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
   }
