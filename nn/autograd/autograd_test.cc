@@ -423,6 +423,19 @@ TEST(AutogradTest, RetainGradOnALeafIsANoOp) {
   EXPECT_EQ(h.grad().ToVector<float>(), (std::vector<float>{1, 1}));
 }
 
+// As PyTorch's requires_grad_(True) on a computed tensor: it already
+// requires grad, so asking again changes nothing. This used to throw.
+TEST(AutogradTest, RequiringGradOfANonLeafIsANoOp) {
+  const Tensor x = Param({3}, 1.0);
+  const Tensor h = ops::MulScalar(x, 2.0);
+  EXPECT_EQ(&h.set_requires_grad(true), &h);
+  EXPECT_TRUE(h.requires_grad());
+  EXPECT_FALSE(h.is_leaf());
+  Backward(ops::Sum(h));
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{2, 2, 2}));
+}
+
 // The calls that only a leaf (or only a tensor that requires grad) takes
 // name the tensor they refuse and what is wrong with it. Before, the
 // messages named neither the tensor nor which of the two conditions failed.
@@ -438,6 +451,7 @@ TEST(AutogradTest, LeafOnlyCallsNameTheTensorTheyRefuse) {
   err = ErrorOf([&] { h.set_requires_grad(false); });
   EXPECT_NE(err.find("set_requires_grad: tensor [4]"), std::string::npos) << err;
   EXPECT_NE(err.find("is a non-leaf"), std::string::npos) << err;
+  EXPECT_NE(err.find("Detach()"), std::string::npos) << err;
   err = ErrorOf([&] { plain.RetainGrad(); });
   EXPECT_NE(err.find("RetainGrad: tensor [2, 3]"), std::string::npos) << err;
   EXPECT_NE(err.find("does not require grad"), std::string::npos) << err;

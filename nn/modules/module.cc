@@ -115,11 +115,18 @@ class ParameterMarks {
 Tensor Module::RegisterParameter(std::string name, Tensor value, std::optional<bool> requires_grad) {
   CheckNewName(name, "parameter");
   if (!value.defined()) throw std::invalid_argument(Describe() + ": parameter `" + name + "` is undefined");
+  if (!value.is_leaf()) {
+    // set_requires_grad(true) accepts a non-leaf (as PyTorch's), but an
+    // optimizer stepping the output of an op would update nothing upstream.
+    throw std::invalid_argument(Describe() + ": parameter `" + name +
+                                "`: a non-leaf (the output of a recorded operation) cannot be a parameter; "
+                                "register its Detach() instead");
+  }
   if (requires_grad.has_value() || !ParameterMarks::Get().IsMarked(value)) {
     try {
       value.set_requires_grad(requires_grad.value_or(true));
     } catch (const std::exception& e) {
-      // An integer tensor, or the output of an op (not a leaf: Detach() it).
+      // An integer tensor.
       throw std::invalid_argument(Describe() + ": parameter `" + name + "`: " + e.what());
     }
     ParameterMarks::Get().Mark(value);

@@ -886,9 +886,11 @@ bool Tensor::requires_grad() const {
 const Tensor& Tensor::set_requires_grad(bool requires_grad) const {
   CheckDefined("set_requires_grad");
   if (!is_leaf()) {
+    // As PyTorch's requires_grad_(True): a non-leaf already requires grad.
+    if (requires_grad) return *this;
     throw std::logic_error("set_requires_grad: " + DescribeForHook(*this) +
                            " is a non-leaf (it was produced by a recorded operation and gets requires_grad from "
-                           "its inputs)");
+                           "its inputs); use Detach() for a copy outside the graph");
   }
   if (requires_grad && !IsFloating(dtype())) {
     throw std::invalid_argument("only floating-point tensors can require grad, this one is " +

@@ -299,7 +299,9 @@ class Tensor {
 
   // --- autograd ---
   bool requires_grad() const;
-  /// Marks a leaf as needing a gradient; throws on a non-leaf.
+  /// Marks a leaf as needing a gradient (or not). On a non-leaf, which
+  /// always requires grad, true is a no-op and false throws (as PyTorch's
+  /// requires_grad_): Detach() gives a tensor outside the graph.
   const Tensor& set_requires_grad(bool requires_grad) const;
   /// Accumulated gradient (undefined until the first backward that reaches this tensor).
   const Tensor& grad() const;
