@@ -85,8 +85,15 @@ double ParseExactDouble(const std::string& text) {
   errno = 0;
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE) {
+  if (text.empty() || end != text.c_str() + text.size()) {
     throw std::invalid_argument("not a number: '" + text + "'");
+  }
+  // strtod reports ERANGE for a subnormal result as well as for overflow:
+  // a subnormal --lr or --weight_decay is a value (ExactDouble writes it,
+  // and a resume must read it back); only a number past a double's range
+  // is refused.
+  if (errno == ERANGE && std::isinf(v)) {
+    throw std::invalid_argument("out of a double's range: '" + text + "'");
   }
   return v;
 }

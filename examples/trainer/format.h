@@ -23,8 +23,9 @@ std::string FormatRate(double per_second);
 std::string StringPrintf(const char* format, ...) __attribute__((format(printf, 1, 2)));
 /// A double that reads back exactly ("%a"), for checkpoint metadata.
 std::string ExactDouble(double value);
-/// Parses ExactDouble's output (or any strtod input); throws
-/// std::invalid_argument for text that is not a number.
+/// Parses ExactDouble's output (or any strtod input), subnormals included;
+/// throws std::invalid_argument for text that is not a number, or one past
+/// a double's range.
 double ParseExactDouble(const std::string& text);
 
 }  // namespace ddp::examples::trainer

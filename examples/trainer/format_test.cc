@@ -69,5 +69,21 @@ TEST(FormatTest, ExactDoubleRoundTrips) {
   EXPECT_THROW(ParseExactDouble(""), std::invalid_argument);
 }
 
+// strtod sets ERANGE for subnormal results too: a run saved with
+// --weight_decay=1e-310 (or --lr) wrote it with ExactDouble, and its
+// resume refused the checkpoint as having "no valid weight_decay". Only
+// overflow is refused.
+TEST(FormatTest, SubnormalsRoundTripAndOnlyOverflowIsRefused) {
+  const double tiniest = std::numeric_limits<double>::denorm_min();
+  for (double v : {1e-310, -1e-310, tiniest, std::numeric_limits<double>::min() / 2}) {
+    EXPECT_EQ(ParseExactDouble(ExactDouble(v)), v) << ExactDouble(v);
+  }
+  EXPECT_EQ(ParseExactDouble("1e-310"), 1e-310);
+  EXPECT_EQ(ParseExactDouble(ExactDouble(std::numeric_limits<double>::max())),
+            std::numeric_limits<double>::max());
+  EXPECT_THROW(ParseExactDouble("1e999"), std::invalid_argument);
+  EXPECT_THROW(ParseExactDouble("-0x1p+2000"), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace ddp::examples::trainer
