@@ -112,6 +112,25 @@ std::exception_ptr Reportable(const std::exception_ptr& error) {
   return std::make_exception_ptr(JobError(ExceptionText(error)));
 }
 
+// Runs `collective` (a ShareFromLead or GatherFromEveryRank that hands on
+// this rank's outcome) and returns what it returns. When it fails (a peer
+// lost: JobError) while this rank holds an error of its own (`own`), it
+// throws that error's kind (UsageError or JobError) with both reasons: the
+// lost collective's alone used to be this rank's line, and its own reason,
+// the cause of the run's end, was lost.
+template <typename F>
+auto TellingOthers(const std::exception_ptr& own, F&& collective) -> decltype(collective()) {
+  try {
+    return collective();
+  } catch (const JobError& lost) {
+    if (!own) throw;
+    const std::string both =
+        ExceptionText(own) + " (the other ranks could not be told: " + lost.what() + ")";
+    if (IsUsageError(own)) throw UsageError(both);
+    throw JobError(both);
+  }
+}
+
 // Steps at least this long finish each stop vote at once (see Go).
 constexpr double kSlowStepS = 0.25;
 
@@ -781,7 +800,9 @@ void Run::StopIfAnyRankCannotGoOn(const std::exception_ptr& mine) {
   // without a message.
   std::string own;
   if (mine) own = (IsUsageError(mine) ? "u" : "f") + ExceptionText(mine);
-  const std::vector<std::string> all = world_ == 1 ? std::vector<std::string>{own} : par_.GatherFromEveryRank(own);
+  const std::vector<std::string> all =
+      world_ == 1 ? std::vector<std::string>{own}
+                  : TellingOthers(mine, [&] { return par_.GatherFromEveryRank(own); });
   int first = -1;
   int count = 0;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
@@ -950,7 +971,9 @@ void Run::Setup() {
         } catch (...) {
         }
       }
-      refused = par_.ShareFromLead(refused ? "refused" : "failed") == "refused";
+      refused = TellingOthers(read->error, [&] {
+                  return par_.ShareFromLead(refused ? "refused" : "failed");
+                }) == "refused";
       if (read->error) std::rethrow_exception(Reportable(read->error));
       if (refused) throw LeadUsageError(failure);
       throw LeadJobError(failure);
@@ -1005,7 +1028,7 @@ void Run::Setup() {
       RemoveFoldersMade(made);
     }
   }
-  outcome = par_.ShareFromLead(std::move(outcome));
+  outcome = TellingOthers(setup_error, [&] { return par_.ShareFromLead(std::move(outcome)); });
   if (setup_error) std::rethrow_exception(Reportable(setup_error));
   if (!outcome.empty()) {
     if (outcome[0] == 'u') throw LeadUsageError(outcome.substr(1));
@@ -1804,7 +1827,7 @@ std::string FollowRankZeroOnRestart(TrainConfig& config, int restart, Parallel& 
       decision = (IsUsageError(error) ? "u" : "f") + ExceptionText(error);
     }
   }
-  decision = parallel.ShareFromLead(std::move(decision));
+  decision = TellingOthers(error, [&] { return parallel.ShareFromLead(std::move(decision)); });
   if (error) std::rethrow_exception(Reportable(error));
   if (decision == "0" || decision == "1") {
     config.resume = decision == "1";

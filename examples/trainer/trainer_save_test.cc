@@ -204,8 +204,12 @@ DDP_TEST_WORKER(full_save) {
 // else is the real job's.
 class LoadFaultParallel : public Parallel {
  public:
-  LoadFaultParallel(std::unique_ptr<Parallel> job, int fault_rank, int trace_fault_rank = -1)
-      : job_(std::move(job)), fault_rank_(fault_rank), trace_fault_rank_(trace_fault_rank) {}
+  LoadFaultParallel(std::unique_ptr<Parallel> job, int fault_rank, int trace_fault_rank = -1,
+                    int lost_share_rank = -1)
+      : job_(std::move(job)),
+        fault_rank_(fault_rank),
+        trace_fault_rank_(trace_fault_rank),
+        lost_share_rank_(lost_share_rank) {}
 
   int rank() const override { return job_->rank(); }
   int world_size() const override { return job_->world_size(); }
@@ -227,8 +231,12 @@ class LoadFaultParallel : public Parallel {
     return std::make_unique<FaultyLoad>(job_->Shard(std::move(groups), make, overlap), rank() == fault_rank_);
   }
   void SumAcrossRanks(std::vector<double>& values) override { job_->SumAcrossRanks(values); }
-  std::string ShareFromLead(std::string value) override { return job_->ShareFromLead(std::move(value)); }
+  std::string ShareFromLead(std::string value) override {
+    if (rank() == lost_share_rank_) throw JobError("sharing rank 0's data: a peer was lost (the test's)");
+    return job_->ShareFromLead(std::move(value));
+  }
   std::vector<std::string> GatherFromEveryRank(const std::string& value) override {
+    if (rank() == lost_share_rank_) throw JobError("gathering every rank's data: a peer was lost (the test's)");
     return job_->GatherFromEveryRank(value);
   }
   std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
@@ -269,6 +277,7 @@ class LoadFaultParallel : public Parallel {
   std::unique_ptr<Parallel> job_;
   int fault_rank_;
   int trace_fault_rank_;
+  int lost_share_rank_;
 };
 
 // mixed_checkpoint's run with --zero, saving to ZERO_CKPT; with
@@ -359,6 +368,31 @@ DDP_TEST_WORKER(own_check_fault) {
       limit.rlim_cur = static_cast<rlim_t>(std::atoll(fsize));
       if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
     }
+    Train(c, *parallel, options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+// A one-rank run saving to LOST_SHARE_CKPT (resumed from it with
+// LOST_SHARE_RESUME set) over LoadFaultParallel, whose ShareFromLead and
+// GatherFromEveryRank throw JobError as a collective does when a peer is
+// lost. Exit status and lines as zero_resume's.
+DDP_TEST_WORKER(lost_share) {
+  TrainConfig c = TinyRun(std::getenv("LOST_SHARE_CKPT"), 20);
+  c.resume = std::getenv("LOST_SHARE_RESUME") != nullptr;
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), -1, -1, /*lost_share_rank=*/0);
     Train(c, *parallel, options);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
@@ -835,6 +869,43 @@ TEST(TrainerSaveTest, RankZerosHeaderReadOutOfMemoryAtARestartEndsEveryRankWithI
       << run->Output(0);
   EXPECT_NE(run->Output(1).find("usage error (rank 0's): restart 1 of the job: " + refusal), std::string::npos)
       << run->Output(1);
+}
+
+// Rank 0's own failure at the start (a resume's checkpoint that is not
+// there; a --checkpoint folder it cannot write), when the collective that
+// tells the others fails too (a peer lost): rank 0 ends with its own
+// reason, of its own kind (a refusal: exit status 2), and says the others
+// could not be told. Its line used to give the lost collective alone
+// ("sharing rank 0's data: ..."), with exit status 1.
+TEST(TrainerSaveTest, RankZerosOwnFailureIsReportedWhenTellingTheOthersFailsToo) {
+  const std::string missing = TempDir("lost_share") + "/missing.safetensors";
+  auto run = launch::testing::RunTestWorkers(
+      "lost_share", {.world_size = 1,
+                     .timeout = std::chrono::seconds(90),
+                     .env = {{"LOST_SHARE_CKPT", missing}, {"LOST_SHARE_RESUME", "1"}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->ExitCode(0), 2) << run->Summary() << run->Output(0);
+  EXPECT_NE(run->Output(0).find("usage error: --resume: no checkpoint at " + missing), std::string::npos)
+      << run->Output(0);
+  EXPECT_NE(run->Output(0).find("(the other ranks could not be told: sharing rank 0's data: a peer was "
+                                "lost (the test's))\n"),
+            std::string::npos)
+      << run->Output(0);
+
+  run = launch::testing::RunTestWorkers(
+      "lost_share", {.world_size = 1,
+                     .timeout = std::chrono::seconds(90),
+                     .env = {{"LOST_SHARE_CKPT", "/proc/self/ckpt.safetensors"}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->ExitCode(0), 2) << run->Summary() << run->Output(0);
+  EXPECT_NE(run->Output(0).find("usage error: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder "
+                                "/proc/self: "),
+            std::string::npos)
+      << run->Output(0);
+  EXPECT_NE(run->Output(0).find("(the other ranks could not be told: sharing rank 0's data: a peer was "
+                                "lost (the test's))\n"),
+            std::string::npos)
+      << run->Output(0);
 }
 
 std::string ReadFile(const std::string& path) {
