@@ -560,7 +560,7 @@ TEST(TrainCliTest, AnotherRunsFileWhoseKeptNameIsTooLongIsRefusedAtTheStart) {
 TEST(TrainCliTest, UnwritableCheckpointFailsBeforeTraining) {
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=/proc/self/ckpt.safetensors"})),
             "train: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: "
-            "not writable); choose a writable path, or --checkpoint=none");
+            "not writable (No such file or directory)); choose a writable path, or --checkpoint=none");
 }
 
 // A symbolic link at --checkpoint is written through: the folder checked at
@@ -571,8 +571,9 @@ TEST(TrainCliTest, CheckpointLinkIsCheckedWhereItLeads) {
   const std::string link = dir + "/ckpt.safetensors";
   ASSERT_EQ(::symlink("/proc/self/ckpt.safetensors", link.c_str()), 0);
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=" + link})),
-            "train: cannot write --checkpoint=" + link + " (folder /proc/self: not writable); choose a "
-            "writable path, or --checkpoint=none");
+            "train: cannot write --checkpoint=" + link +
+                " (folder /proc/self: not writable (No such file or directory)); choose a writable path, or "
+                "--checkpoint=none");
   const std::string dangling = dir + "/dangling.safetensors";
   ASSERT_EQ(::symlink((dir + "/missing/ckpt.safetensors").c_str(), dangling.c_str()), 0);
   EXPECT_EQ(OneErrorLine(Train({"--checkpoint=" + dangling})),

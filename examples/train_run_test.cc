@@ -901,7 +901,8 @@ TEST(TrainRunTest, UnwritableCheckpointStopsEveryLaunchedRankBeforeTraining) {
                                                                {"MASTER_PORT", port}}));
   }
   const std::string message =
-      "cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: not writable); "
+      "cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: not writable (No such file or "
+      "directory)); "
       "choose a writable path, or --checkpoint=none";
   for (int rank = 0; rank < 2; ++rank) {
     testing::Subprocess& p = *ranks[rank];

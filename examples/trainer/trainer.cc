@@ -258,23 +258,43 @@ void RemoveFoldersMade(const std::vector<std::string>& made) {
   for (auto it = made.rbegin(); it != made.rend(); ++it) ::rmdir(it->c_str());
 }
 
+// Why no file can be created in a folder: "" when one can.
+struct FolderProblem {
+  std::string why;  ///< "folder DIR: ..." with the system's reason
+  /// The host's failure (out of file handles, a full disk, an I/O error),
+  /// not the path's: the run fails (exit status 1) rather than refusing
+  /// its flags (2), and "choose a writable path" would be no answer.
+  bool host_failure = false;
+};
+
+// Whether errno `err` from making a folder or a file in it is the host's
+// failure rather than the path's (a read-only filesystem, no permission,
+// no such place): see FolderProblem.
+bool IsHostFailure(int err) {
+  return err == EMFILE || err == ENFILE || err == ENOSPC || err == EDQUOT || err == EIO || err == ENOMEM;
+}
+
 // Why no file can be created in `dir` (made if missing; those made are
-// appended to `made`, when given, see MakeFolders): "folder DIR: why"; ""
-// when one can.
-std::string UnwritableFolder(const std::string& dir, std::vector<std::string>* made = nullptr) {
+// appended to `made`, when given, see MakeFolders).
+FolderProblem UnwritableFolder(const std::string& dir, std::vector<std::string>* made = nullptr) {
   const std::error_code ec = MakeFolders(dir, made);
   if (ec) {
     // A file where a folder must be (the folder itself, or one above it):
     // named, where "folder a/b/c: Not a directory" left the user to find
     // which one.
-    if (std::string file = FileWhereAFolderMustBe(dir); !file.empty()) return file;
+    if (std::string file = FileWhereAFolderMustBe(dir); !file.empty()) return {file};
+    return {"folder " + dir + ": " + ec.message(), IsHostFailure(ec.value())};
   }
   const std::string probe = dir + "/.ddp_train_write_test." + std::to_string(getpid());
-  std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "we");  // "e": O_CLOEXEC
-  if (f == nullptr) return "folder " + dir + (ec ? ": " + ec.message() : std::string(": not writable"));
+  std::FILE* f = std::fopen(probe.c_str(), "we");  // "e": O_CLOEXEC
+  if (f == nullptr) {
+    const int err = errno;
+    if (IsHostFailure(err)) return {"folder " + dir + ": no file could be created there: " + std::strerror(err), true};
+    return {"folder " + dir + ": not writable (" + std::strerror(err) + ")"};
+  }
   std::fclose(f);
   std::remove(probe.c_str());
-  return "";
+  return {};
 }
 
 // What `path` is when it exists, through symbolic links, but is not a
@@ -319,14 +339,16 @@ std::string OwnOutputAt(const std::string& path) {
 
 // Throws UsageError unless files can be created in `dir` (made if missing;
 // see MakeFolders for `made`), so that an unwritable --checkpoint or
-// --log_dir fails now, not after an epoch of training.
+// --log_dir fails now, not after an epoch of training; std::runtime_error
+// when the host is at fault (FolderProblem::host_failure).
 void CheckWritable(const std::string& dir, const char* flag, const std::string& value,
                    std::vector<std::string>* made) {
-  if (const std::string why = UnwritableFolder(dir, made); !why.empty()) {
-    throw UsageError(std::string("cannot write --") + flag + "=" + value + " (" + why +
-                     "); choose a writable path" +
-                     (std::string(flag) == "checkpoint" ? ", or --checkpoint=none" : ""));
-  }
+  const FolderProblem problem = UnwritableFolder(dir, made);
+  if (problem.why.empty()) return;
+  const std::string line = std::string("cannot write --") + flag + "=" + value + " (" + problem.why + ")";
+  if (problem.host_failure) throw std::runtime_error(line);
+  throw UsageError(line + "; choose a writable path" +
+                   (std::string(flag) == "checkpoint" ? ", or --checkpoint=none" : ""));
 }
 
 // This rank's --trace file in `folder`, as DDP names it.
@@ -340,13 +362,16 @@ std::string TraceFile(const std::string& folder, int rank) {
 // trace of a whole run. Every rank writes its own, on its own host. A
 // trace file that is a FIFO or a terminal is streamed (DDP opens it at the
 // start, waiting a bounded time for its reader): it takes that one rank's
-// trace, and is never replaced.
+// trace, and is never replaced. std::runtime_error when the host is at
+// fault (FolderProblem::host_failure).
 void CheckTraceFolder(const TrainConfig& config, const std::string& folder, int rank) {
   if (!config.trace || folder.empty()) return;
   const std::string where = config.log_dir.empty() ? std::string("the working directory")
                                                    : "--log_dir=" + config.log_dir;
-  if (const std::string why = UnwritableFolder(folder); !why.empty()) {
-    throw UsageError("--trace cannot write this rank's trace into " + where + " (" + why + "); " +
+  if (const FolderProblem problem = UnwritableFolder(folder); !problem.why.empty()) {
+    const std::string line = "--trace cannot write this rank's trace into " + where + " (" + problem.why + ")";
+    if (problem.host_failure) throw std::runtime_error(line);
+    throw UsageError(line + "; " +
                      (config.log_dir.empty() ? "run from a writable folder, or pass a writable --log_dir"
                                              : std::string("pass a writable --log_dir")) +
                      ", or drop --trace");

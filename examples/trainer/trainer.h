@@ -78,7 +78,9 @@ struct RunResult {
 /// --checkpoint and --log_dir that are missing, and appends them to
 /// `made_folders` (when given), outermost first, for the caller to remove
 /// if it stops before any rank starts; when it throws, it has removed them.
-/// Throws UsageError.
+/// Throws UsageError; std::runtime_error when the host fails a folder's
+/// write test (out of file handles, a full disk, an I/O error), which is
+/// no fault of the flags.
 void CheckSetup(const TrainConfig& config, int world_size, std::vector<std::string>* made_folders = nullptr);
 
 /// Trains as configured. Collective: every rank of `parallel` calls it.

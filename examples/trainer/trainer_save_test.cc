@@ -6,6 +6,7 @@
 // 64 MiB waits first), not left to the disk, as in ddp/checkpoint_test.cc.
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -632,6 +633,69 @@ double SecondsOfTheSetupCheckWhileReadsArePaused(const TrainConfig& c, std::stri
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   internal::SetReadPause(std::chrono::milliseconds(0));
   return seconds;
+}
+
+// While alive, this process may open no more files than it holds now:
+// every open fails with EMFILE, as in a process out of file handles. The
+// old limit is set back on every way out.
+class NoMoreFiles {
+ public:
+  NoMoreFiles() {
+    const int lowest_free = ::dup(0);
+    if (lowest_free < 0 || ::getrlimit(RLIMIT_NOFILE, &old_) != 0) return;
+    ::close(lowest_free);
+    rlimit limit = old_;
+    limit.rlim_cur = static_cast<rlim_t>(lowest_free);
+    set_ = ::setrlimit(RLIMIT_NOFILE, &limit) == 0;
+  }
+  ~NoMoreFiles() {
+    if (set_) ::setrlimit(RLIMIT_NOFILE, &old_);
+  }
+  NoMoreFiles(const NoMoreFiles&) = delete;
+  NoMoreFiles& operator=(const NoMoreFiles&) = delete;
+  bool set() const { return set_; }
+
+ private:
+  rlimit old_{};
+  bool set_ = false;
+};
+
+// CheckSetup(c, 1): "" when it passes, else "usage error: " and its
+// UsageError's text or "error: " and another exception's; run out of file
+// handles with `no_more_files`.
+std::string SetupCheckOutcome(const TrainConfig& c, bool no_more_files) {
+  std::optional<NoMoreFiles> limit;
+  if (no_more_files) {
+    limit.emplace();
+    if (!limit->set()) return "the open-file limit could not be set";
+  }
+  try {
+    CheckSetup(c, 1);
+  } catch (const UsageError& e) {
+    return std::string("usage error: ") + e.what();
+  } catch (const std::exception& e) {
+    return std::string("error: ") + e.what();
+  }
+  return "";
+}
+
+// The write test of an output folder failing for the host's reasons (no
+// file handle left, as here; a full disk, an I/O error) fails the run with
+// the system's reason, rather than refusing the flag (exit status 2) with
+// "not writable", which sent the user after a path that was fine. A
+// folder the filesystem refuses is still refused, now with its reason.
+TEST(TrainerSaveTest, AnOutputFolderTheHostCannotWriteFailsTheRunWithTheSystemsReason) {
+  TrainConfig c = TinyRun("", 2);
+  c.log_dir = TempDir("host_failure") + "/logs";
+  EXPECT_EQ(SetupCheckOutcome(c, /*no_more_files=*/true),
+            "error: cannot write --log_dir=" + c.log_dir + " (folder " + c.log_dir +
+                ": no file could be created there: " + std::strerror(EMFILE) + ")");
+  EXPECT_FALSE(std::filesystem::exists(c.log_dir)) << "the folder made for the check was left";
+  c.log_dir.clear();
+  c.checkpoint = "/proc/self/ckpt.safetensors";
+  EXPECT_EQ(SetupCheckOutcome(c, /*no_more_files=*/false),
+            "usage error: cannot write --checkpoint=/proc/self/ckpt.safetensors (folder /proc/self: not "
+            "writable (" + std::string(std::strerror(ENOENT)) + ")); choose a writable path, or --checkpoint=none");
 }
 
 // The launcher's check of a --resume, before any rank starts, read and
