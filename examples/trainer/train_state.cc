@@ -1045,6 +1045,19 @@ std::string CheckpointSaveProblem(const std::string& path, int err, const std::s
   return "cannot save the checkpoint " + path + ": " + reason + "; " + advice;
 }
 
+namespace {
+
+// How a CheckpointSaveError for a checkpoint that is in place begins (see
+// SavedButNotDurable).
+constexpr char kSavedInPlace[] = "the checkpoint ";
+constexpr char kSavedInPlaceAfterPath[] = " is saved and in place";
+
+}  // namespace
+
+bool SavedButNotDurable(const std::string& failure) {
+  return failure.rfind(kSavedInPlace, 0) == 0 && failure.find(kSavedInPlaceAfterPath) != std::string::npos;
+}
+
 void WriteTrainCheckpoint(const std::string& path, const nn::io::Checkpoint& ckpt,
                           const std::atomic<bool>* stop) {
   std::error_code ec;
@@ -1075,6 +1088,17 @@ void WriteTrainCheckpoint(const std::string& path, const nn::io::Checkpoint& ckp
     }
     nn::io::SaveCheckpoint(path, ckpt, stop);
   } catch (const nn::io::FileWriteError& e) {
+    if (e.in_place()) {
+      // Only the fsync of the folder failed, after the file was whole,
+      // fsynced and renamed into place: readers (a --resume) get it, and
+      // only a crash of the host before the folder reaches the disk could
+      // lose its name. Said as it is: "cannot save" was untrue.
+      throw CheckpointSaveError(std::string(kSavedInPlace) + path + kSavedInPlaceAfterPath +
+                                " (--resume continues from it), but the fsync of its folder failed: " +
+                                std::strerror(e.error_number()) +
+                                ", so a crash of this host may still lose it; pass --checkpoint=PATH on a "
+                                "working disk, or none");
+    }
     throw CheckpointSaveError(CheckpointSaveProblem(path, e.error_number(), e.what()));
   } catch (const nn::io::CheckpointError& e) {
     throw CheckpointSaveError("cannot save the checkpoint " + path + ": " + e.what());

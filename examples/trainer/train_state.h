@@ -223,9 +223,15 @@ class CheckpointSaveError : public std::runtime_error {
 /// the reason when it repeats them (the writer's message leads with both).
 std::string CheckpointSaveProblem(const std::string& path, int err, const std::string& detail);
 
+/// Whether `failure` (a CheckpointSaveError's text, perhaps with more
+/// after it) says the checkpoint is in place, readable, and only the fsync
+/// of its folder failed: a crash of the host could still lose it.
+bool SavedButNotDurable(const std::string& failure);
+
 /// Saves a checkpoint to `path` atomically, creating its folder. Call on
 /// rank 0 only. Throws CheckpointSaveError naming the path when it cannot
-/// be written. Once `*stop` (when given) is true, the write ends within a
+/// be written, or when it is in place but its folder's fsync failed
+/// (SavedButNotDurable says which). Once `*stop` (when given) is true, the write ends within a
 /// piece of kStopCheckBytes with that error, leaving `path` as it was.
 void SaveTrainCheckpoint(const std::string& path, const TrainComponents& parts,
                          const TrainPosition& position, const TrainConfig& config, int world_size,

@@ -1450,8 +1450,9 @@ void Run::SaveCheckpoint() {
             try {
               WriteTrainCheckpoint(path, checkpoint, &stop);
             } catch (const CheckpointSaveError& e) {
-              // The file kept is still at the path (the write never got to
-              // replace it): as it was, under one name.
+              // The file kept is still at the path unless the new one is in
+              // place (SavedButNotDurable): then it is not the same file,
+              // and stays kept. Otherwise it is as it was, under one name.
               if (!kept.empty() && ForgetKeptCheckpoint(path, kept)) {
                 kept.clear();
                 std::lock_guard lock(outcome->mu);
@@ -1483,7 +1484,12 @@ void Run::SaveCheckpoint() {
   keep_previous_ = false;
   // Every rank, rank 0 too, ends with the same error of the run (exit
   // status 1): the save's failure is rank 0's disk's, not a flag's.
-  if (!failure.empty()) throw LeadJobError("rank 0 could not save the checkpoint: " + failure);
+  if (!failure.empty()) {
+    // A checkpoint in place whose folder's fsync failed was saved: its line
+    // says so itself, and "could not save" would contradict it.
+    throw LeadJobError(SavedButNotDurable(failure) ? "rank 0: " + failure
+                                                   : "rank 0 could not save the checkpoint: " + failure);
+  }
   if (outcome->error) std::rethrow_exception(outcome->error);
   if (lead_) {
     checkpoint_saved_ = c_.checkpoint;

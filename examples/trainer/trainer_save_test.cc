@@ -5,7 +5,9 @@
 // (nn::io::internal::SetWritePausePerPiece: each write of a piece of up to
 // 64 MiB waits first), not left to the disk, as in ddp/checkpoint_test.cc.
 
+#include <dlfcn.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -32,6 +34,22 @@
 #include "nn/io/atomic_file.h"
 #include "nn/io/safetensors.h"
 #include "transport/launch/test_spawn.h"
+
+// In a process given FAIL_FOLDER_FSYNC (a worker of this test), every
+// fsync of a folder fails with EIO, as on a failing disk; files, and every
+// other process, fsync as usual. (This definition takes the place of the C
+// library's for the whole test program, nn/io's writer included.)
+extern "C" int fsync(int fd) {
+  static const bool fail_folders = std::getenv("FAIL_FOLDER_FSYNC") != nullptr;
+  struct stat st{};
+  if (fail_folders && ::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+    errno = EIO;
+    return -1;
+  }
+  using Fsync = int (*)(int);
+  static const Fsync real = reinterpret_cast<Fsync>(::dlsym(RTLD_NEXT, "fsync"));
+  return real(fd);
+}
 
 namespace ddp::examples::trainer {
 namespace {
@@ -778,6 +796,34 @@ TEST(TrainerSaveTest, SaveFailingOnRankZerosDiskFailsEveryRankAlikeNamingTheChec
         << run->Output(rank);
   }
   EXPECT_FALSE(std::filesystem::exists(checkpoint));
+}
+
+// A save whose file is whole, fsynced and renamed into place, and only the
+// fsync of its folder failed (EIO on rank 0's disk): the run still fails
+// on every rank, but the line says what is true, that the checkpoint is
+// there and --resume continues from it, only its surviving a crash is in
+// doubt. It used to say "could not save the checkpoint: cannot save the
+// checkpoint ... (written and renamed into place ...)".
+TEST(TrainerSaveTest, SaveInPlaceWhoseFolderFsyncFailedSaysTheCheckpointIsThere) {
+  const std::string checkpoint = TempDir("folder_fsync") + "/ckpt.safetensors";
+  auto run = launch::testing::RunTestWorkers(
+      "full_save", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"FULL_SAVE_CKPT", checkpoint}},
+                    .rank_env = {{0, {{"FAIL_FOLDER_FSYNC", "1"}}}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string line = "error: rank 0: the checkpoint " + checkpoint +
+                           " is saved and in place (--resume continues from it), but the fsync of its "
+                           "folder failed: " + std::strerror(EIO) +
+                           ", so a crash of this host may still lose it; pass --checkpoint=PATH on a "
+                           "working disk, or none\n";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find(line), std::string::npos) << run->Output(rank);
+  }
+  // It is there, whole: a resume reads it.
+  EXPECT_NO_THROW(nn::io::SafetensorsFile::Read(checkpoint));
 }
 
 // A rank that runs out of memory while it loads its shard of a resumed
