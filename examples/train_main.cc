@@ -398,7 +398,20 @@ void HoldSetupForTesting() {
   std::ifstream in(fifo, std::ios::binary);
   const std::string rest{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
+
+// Also for train_setup_test: where $DDP_TRAIN_THROW_FOR_TESTING names
+// `where` ("setup": the launcher's check; "rank": a rank's run; "main":
+// outside both), throws an object that is not a std::exception, as a
+// library might.
+void ThrowIfAskedForTesting(const char* where) {
+  struct NotAStdException {};
+  const char* asked = std::getenv("DDP_TRAIN_THROW_FOR_TESTING");
+  if (asked != nullptr && std::strcmp(asked, where) == 0) throw NotAStdException{};
+}
 #endif
+
+// What a caught exception that is not a std::exception is said as.
+constexpr char kNotAStdException[] = "error: an exception that is not a std::exception";
 
 // Why an empty path flag given on the command line is refused, or "". Each
 // one's empty value means something other than a path (no checkpoints, no
@@ -563,7 +576,11 @@ std::vector<std::string> WithoutFlag(const std::vector<std::string>& args, const
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+
+// The program, called by main, which catches what it throws past its own
+// handlers.
+int TrainMain(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
   namespace launch = ddp::transport::launch;
   const bool is_worker = launch::HasLaunchVariables(launch::CurrentEnvironment());
@@ -660,11 +677,16 @@ int main(int argc, char** argv) {
     // it would leave them empty.
     std::vector<std::string> made_folders;
     try {
+#ifdef DDP_TRAIN_SETUP_HOLD_FOR_TESTING
+      ThrowIfAskedForTesting("setup");
+#endif
       ddp::examples::trainer::CheckSetup(config, world_size, &made_folders);
     } catch (const UsageError& e) {
       Fail(2, 0, 1, e.what());
     } catch (const std::exception& e) {
       Fail(1, 0, 1, std::string("error: ") + e.what());
+    } catch (...) {
+      Fail(1, 0, 1, kNotAStdException);
     }
     ddp::examples::RemoveIfInterruptedInSetup(made_folders);
     // More ranks than the CPUs this process may use still start (a check
@@ -721,6 +743,9 @@ int main(int argc, char** argv) {
   options.local_rank = local_rank;
   options.start_time = start;
   try {
+#ifdef DDP_TRAIN_SETUP_HOLD_FOR_TESTING
+    ThrowIfAskedForTesting("rank");
+#endif
     // Before JoinJob, which takes --timeout_s as its deadline.
     ddp::examples::trainer::ValidateConfig(config);
     std::unique_ptr<ddp::examples::trainer::Parallel> parallel =
@@ -748,5 +773,27 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     if (g_stop.load() != 0) return 128 + g_stop.load();
     Fail(1, rank, world_size, std::string("error: ") + e.what());
+  } catch (...) {
+    if (g_stop.load() != 0) return 128 + g_stop.load();
+    Fail(1, rank, world_size, kNotAStdException);
+  }
+}
+
+}  // namespace
+
+// Anything thrown past TrainMain's own handlers (there, the rank is known)
+// ends the program with its one line and exit status 1, as every failure
+// does; uncaught, it aborted the program (status 134, and a core file)
+// with the C++ runtime's words instead.
+int main(int argc, char** argv) {
+  try {
+#ifdef DDP_TRAIN_SETUP_HOLD_FOR_TESTING
+    ThrowIfAskedForTesting("main");
+#endif
+    return TrainMain(argc, argv);
+  } catch (const std::exception& e) {
+    Fail(1, 0, 1, std::string("error: ") + e.what());
+  } catch (...) {
+    Fail(1, 0, 1, kNotAStdException);
   }
 }

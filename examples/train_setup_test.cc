@@ -128,6 +128,31 @@ TEST(TrainSetupTest, ALaunchedRankRefusedForItsLogDirLeavesNoCheckpointFolder) {
   EXPECT_EQ(Entries(dir), std::vector<std::string>{"logs"});
 }
 
+// An exception that is not a std::exception (the test build throws one
+// where $DDP_TRAIN_THROW_FOR_TESTING says) ends the program with its own
+// line and exit status 1, wherever it is thrown: in the launcher's check,
+// in a rank's run, or outside both. It used to escape main's handlers,
+// which took std::exception alone, and abort the program (SIGABRT, a core
+// file) with the C++ runtime's "terminate called after throwing ...".
+TEST(TrainSetupTest, AnExceptionThatIsNotAStdExceptionEndsWithALineAndStatusOne) {
+  const std::string line = "train: error: an exception that is not a std::exception\n";
+  for (const char* where : {"setup", "main"}) {
+    const testing::RunOutput r =
+        testing::RunToEnd(TinyRun("examples/train_setup_hold"), {{"DDP_TRAIN_THROW_FOR_TESTING", where}});
+    EXPECT_EQ(r.exit_code, 1) << where << ": " << r.out << r.err;
+    EXPECT_EQ(r.err, line) << where;
+  }
+  std::vector<std::string> args = TinyRun("examples/train_setup_hold");
+  args.erase(std::find(args.begin(), args.end(), "--nproc_per_node=1"));
+  testing::Subprocess rank(args, {{"RANK", "0"},
+                                  {"WORLD_SIZE", "1"},
+                                  {"MASTER_ADDR", "127.0.0.1"},
+                                  {"MASTER_PORT", FreePort()},
+                                  {"DDP_TRAIN_THROW_FOR_TESTING", "rank"}});
+  EXPECT_EQ(rank.Wait(std::chrono::seconds(120)), 1) << rank.Stdout() << rank.Stderr();
+  EXPECT_EQ(rank.Stderr(), line);
+}
+
 // Writes `text` into the FIFO `path` once `running` has opened it for
 // reading, then closes it.
 void FeedFifo(const std::string& path, const std::string& text, testing::Subprocess& running) {
