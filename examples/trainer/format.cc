@@ -63,7 +63,9 @@ std::string FormatClock(double seconds) {
 
 std::string FormatSeconds(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "-";
-  if (seconds < 100) return StringPrintf("%.1fs", seconds);
+  // Below 99.95, not 100: "%.1f" rounds 99.97 up to "100.0s", past the
+  // switch to minutes ("1m40s" from 100 on).
+  if (seconds < 99.95) return StringPrintf("%.1fs", seconds);
   if (seconds >= kMostShownExactly) return StringPrintf("%.3gs", seconds);
   const int64_t s = static_cast<int64_t>(std::lround(seconds));
   if (s < 3600) {

@@ -34,6 +34,9 @@ TEST(FormatTest, SecondsReadNaturally) {
   EXPECT_EQ(FormatSeconds(23.44), "23.4s");
   EXPECT_EQ(FormatSeconds(125), "2m05s");
   EXPECT_EQ(FormatSeconds(7380), "2h03m");
+  // Where one-decimal rounding would reach 100: minutes, as from 100 on.
+  EXPECT_EQ(FormatSeconds(99.94), "99.9s");
+  EXPECT_EQ(FormatSeconds(99.97), "1m40s");
 }
 
 // Values too large for an integer (a rate near zero gives a huge ETA) are
