@@ -85,10 +85,14 @@ void CheckSetup(const TrainConfig& config, int world_size, std::vector<std::stri
 
 /// Trains as configured. Collective: every rank of `parallel` calls it.
 /// Before training, rank 0 checks the paths it writes (--checkpoint,
-/// --log_dir) and every rank throws its UsageError, since under ddprun,
-/// srun or mpirun no launcher ran CheckSetup. Throws UsageError for user
-/// mistakes found late (a corrupt checkpoint) and JobError when the job
-/// fails (a peer died).
+/// --log_dir) and every rank throws with its answer (a UsageError for a
+/// path it refuses; where its host failed the check, rank 0 its
+/// std::runtime_error and the others a JobError), since
+/// under ddprun, srun or mpirun no launcher ran CheckSetup. Throws
+/// UsageError for user mistakes found late (a corrupt checkpoint) and
+/// JobError when the job fails (a peer died). A rank whose own failure
+/// could not be told to the others (the collective failed too) throws its
+/// own, naming both.
 RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions& options);
 
 /// For restart `restart` (> 0) of a job: rank 0 decides with
