@@ -3799,6 +3799,58 @@ TEST(DdpFeaturesTest, ARebuildThatFailsOnOneRankAbortsTheGroupWithItsCause) {
   }
 }
 
+// Rank 0's bucket order arrives damaged on the other ranks at the rebuild
+// (an index repeated): they throw naming the position and the value, and
+// rank 0, whose order was sound and whose buckets were rebuilt, fails
+// within moments with that cause instead of waiting in its bucket
+// all-reduce until the group's timeout (20 s here). The receivers used to
+// throw without stopping the group. Later forwards there throw the same.
+DDP_TEST_WORKER(rebuild_order_damaged) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  const std::string cause = "the bucket order received from rank 0 at the rebuild after the first iteration is "
+                            "not a permutation of the 4 parameter indices (position 1 holds ";
+  auto model = std::make_shared<TwoLayers>(true, 32, true);
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = 0, .process_group = pg});
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  if (rank != 0) internal::DamageNextReceivedBucketOrderForTesting();
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    for (int s = 0; s < 2; ++s) nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    WORKER_EXPECT(false, "rank " + std::to_string(rank) + ": nothing failed");
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(message.find(cause) != std::string::npos && message.find("which an earlier position holds too") != std::string::npos,
+                "rank " + std::to_string(rank) + ": " + message);
+  if (rank == 0) {
+    testing::MarkThisRankDone(*pg);
+    WORKER_EXPECT(seconds < 5, "failed after " + std::to_string(seconds) + " s: " + message);
+  } else {
+    // Alive until rank 0 has seen the failure: its error must not come
+    // from this process's exit.
+    testing::WaitUntilRanksAreDone(*pg, {0});
+    try {
+      ddp(x);
+      WORKER_EXPECT(false, "a forward ran after the damaged order");
+    } catch (const std::runtime_error& later) {
+      WORKER_EXPECT(std::string(later.what()).find(cause) != std::string::npos, later.what());
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ABucketOrderThatArrivesDamagedAbortsTheGroupOnEveryRank) {
+  for (int n : {2, 3}) {
+    auto run = RunWorkers("rebuild_order_damaged", n, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks:\n" << testing::AllOutput(run);
+  }
+}
+
 // A rank that ran out of inputs under Join cannot allocate the zero buckets
 // it contributes to the active ranks' backward: it throws the cause and
 // refuses later forwards, and the active ranks fail within moments naming

@@ -24,6 +24,7 @@ double Seconds(std::chrono::steady_clock::duration d) { return duration<double>(
 
 std::atomic<bool> generic_copies{false};
 std::atomic<bool> fail_next_bucket_allocation{false};
+std::atomic<bool> damage_next_received_order{false};
 
 // Whether `t` takes the host loops (memcpy, ScaleCopy) rather than the
 // device-agnostic tensor operations a GPU bucket uses.
@@ -76,6 +77,8 @@ void SetReducerDeviceCopiesForTesting(bool on) {
 }
 
 void FailNextBucketAllocationForTesting() { fail_next_bucket_allocation.store(true); }
+
+void DamageNextReceivedBucketOrderForTesting() { damage_next_received_order.store(true); }
 
 std::vector<std::vector<size_t>> AssignBuckets(const std::vector<nn::Tensor>& params,
                                                const std::vector<size_t>& order,
@@ -448,12 +451,27 @@ void Reducer::RebuildBuckets() {
   }
   // Ranks may have seen different orders; rank 0's wins everywhere.
   pg_->Broadcast(order, 0, "bucket order").Wait();
+  if (pg_->rank() != 0 && n >= 2 && damage_next_received_order.exchange(false)) o[0] = o[1];
   std::vector<size_t> agreed(n);
   std::vector<char> check(n, 0);
   for (size_t j = 0; j < n; ++j) {
     const int64_t v = o[j];
     if (v < 0 || static_cast<size_t>(v) >= n || check[v]) {
-      throw std::logic_error("bucket rebuild: rank 0 sent an order that is not a permutation");
+      // Rank 0 built the order, so the others find it damaged: rank 0
+      // itself would go on to reduce its new buckets and wait for them
+      // until the group's timeout. The group is stopped with this instead,
+      // and this rank, whose buckets were not rebuilt, refuses later
+      // forwards.
+      pending_error_ = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+                       ": the bucket order received from rank 0 at the rebuild after the first iteration is "
+                       "not a permutation of the " + std::to_string(n) + " parameter indices (position " +
+                       std::to_string(j) + " holds " + std::to_string(v) +
+                       (v >= 0 && static_cast<size_t>(v) < n ? ", which an earlier position holds too"
+                                                             : ", out of range") +
+                       "): it was damaged on its way. The buckets cannot be rebuilt the same on every rank; "
+                       "the process group was aborted.";
+      pg_->Abort(transport::InternalError(pending_error_));
+      throw std::runtime_error(pending_error_);
     }
     check[v] = 1;
     agreed[j] = static_cast<size_t>(v);

@@ -54,6 +54,11 @@ void SetReducerDeviceCopiesForTesting(bool on);
 /// on one rank only). For tests.
 void FailNextBucketAllocationForTesting();
 
+/// Makes the next bucket order a Reducer in this process receives from
+/// rank 0 at its rebuild arrive damaged (one index repeated in place of
+/// another, as data corrupted on its way), on ranks other than 0. For tests.
+void DamageNextReceivedBucketOrderForTesting();
+
 struct ReducerOptions {
   size_t first_bucket_bytes = size_t{1} << 20;
   size_t bucket_bytes = size_t{25} << 20;
