@@ -407,6 +407,47 @@ void CheckJoinTwice(ProcessGroup& pg) {
   WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), "Join twice: replicas differ");
 }
 
+// A rank that ran out of inputs contributes zero buckets to the active
+// ranks' backward: they are freed when Join::Wait returns, with a
+// communication hook too (which is given them). They used to stay
+// allocated, as much memory as the gradients, until the rank's next
+// backward of its own.
+DDP_TEST_WORKER(join_frees_its_zero_buckets) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank(), joined = pg->size() - 1;
+  auto model = Mlp(17);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+  std::vector<std::weak_ptr<nn::TensorImpl>> given;
+  const CommHook all_reduce = hooks::AllReduceHook();
+  ddp.RegisterCommHook([&](ProcessGroup& group, GradBucket& bucket) {
+    given.push_back(bucket.buffer().impl_ptr());
+    return all_reduce(group, bucket);
+  });
+  {
+    Join join(ddp);
+    for (int s = 0; s < (rank == joined ? 1 : 3); ++s) {
+      auto [x, y] = testing::Batch(data, (s * pg->size() + rank) * kBatch, kBatch);
+      nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    }
+    given.clear();
+    join.Wait();
+  }
+  if (rank == joined) {
+    WORKER_EXPECT(given.size() >= 4, "the joined rank shadowed " + std::to_string(given.size()) + " buckets");
+    for (size_t k = 0; k < given.size(); ++k) {
+      WORKER_EXPECT(given[k].expired(), "zero bucket " + std::to_string(k) + " of " +
+                                            std::to_string(given.size()) + " is still allocated after Join::Wait");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AJoinedRankFreesTheZeroBucketsItContributedWhenWaitReturns) {
+  auto run = RunWorkers("join_frees_its_zero_buckets", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 DDP_TEST_WORKER(join) {
   auto pg = testing::WorkerGroup();
   CheckJoinTwice(*pg);

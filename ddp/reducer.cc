@@ -1293,6 +1293,10 @@ void Reducer::ShadowBackward(double divisor, bool write_gradients) {
     works.push_back(pg_->AllReduce(used, transport::ReduceOp::kSum, "unused parameter map"));
   }
   for (Work& w : works) w.Wait();
+  // Every Work has completed: the zero buckets go now, not with the next
+  // backward of this rank's own (Finalize), which may come an epoch later
+  // or never; until then they doubled the gradients' memory.
+  for (Bucket& bucket : buckets_) bucket.grad_bucket.reset();
   // Gradients this rank accumulated under NoSync before it ran out were
   // not contributed (it sent zeros): its used map starts afresh, as after a
   // synchronizing backward of its own.
