@@ -204,7 +204,9 @@ class DistributedDataParallel;
 /// Backward(f(a, b)) synchronizes every gradient of f. With
 /// find_unused_parameters only the first forward's outputs decide the
 /// unused set: a gradient of f for a parameter that only the NoSync
-/// forward reached fails that backward on every rank, naming it.
+/// forward reached fails that backward on every rank, naming it. With
+/// static_graph that backward reduces every gradient at its end (the NoSync
+/// forward's checkpointed segments add gradients to those it counted).
 class [[nodiscard]] NoSyncGuard {
  public:
   explicit NoSyncGuard(DistributedDataParallel& ddp);

@@ -599,7 +599,8 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // Until static_graph has counted each parameter's gradients, none is
   // reduced before the end of backward: one that gets a second gradient (a
   // re-entrant pass) would have the first in a bucket already in flight.
-  delay_ready_ = options_.static_graph && !static_known_;
+  delay_ready_ = options_.static_graph && !static_counted_;
+  no_sync_joined_ = false;
   // used_ is not cleared here: it already holds the parameters that got
   // gradients in backwards since the last synchronizing one (NoSync).
   for (Bucket& b : buckets_) b.pending = b.params.size();
@@ -659,6 +660,14 @@ void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradien
       for (size_t i : unused_) {
         if (!unreachable[i]) reached_under_no_sync_[i] = 1;
       }
+    }
+    if (options_.static_graph) {
+      // Its re-entrant passes would add gradients to those static_graph
+      // counted (a parameter reduced on its counted last would get one
+      // after): this iteration reduces them all at its end. PyTorch lets
+      // such a gradient land in .grad after its bucket was reduced.
+      no_sync_joined_ = true;
+      delay_ready_ = true;
     }
     return;
   }
@@ -1016,10 +1025,15 @@ void Reducer::Finalize() {
   if (delay_ready_) {
     // Every gradient has arrived: the buckets launch now, in index order.
     delay_ready_ = false;
+    // A NoSync forward that joined adds passes, never removes them: fewer
+    // than counted is still a missing gradient.
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (arrivals_[i] > 0 && !ready_[i]) MarkReady(i);
+      if (arrivals_[i] > 0 && !ready_[i] && arrivals_[i] >= static_arrivals_[i]) MarkReady(i);
     }
-    if (static_learning_) static_arrivals_ = arrivals_;
+    if (!static_counted_ && !no_sync_joined_ && !backward_optional_) {
+      static_arrivals_ = arrivals_;
+      static_counted_ = true;
+    }
   }
   if (static_learning_ && ready_count_ < params_.size()) {
     // static_graph learns the used set from its first iteration. The walk

@@ -412,6 +412,16 @@ class Reducer {
   // segment gets two); from then on it is marked ready on its last one.
   std::vector<int> static_arrivals_;
   bool static_known_ = false;
+  // static_arrivals_ hold a count: from the first iteration that prepared
+  // a backward no NoSync forward joined (one that did counts its passes
+  // too, which later iterations need not run).
+  bool static_counted_ = false;
+  // A forward under NoSync ran while this iteration's backward was
+  // awaited: its gradients join that backward (Disarm), with passes of
+  // their own where it checkpoints re-entrantly, so that the counts of
+  // static_arrivals_ may not hold; the iteration reduces every gradient at
+  // the end of backward instead (delay_ready_).
+  bool no_sync_joined_ = false;
   bool static_learning_ = false;  // this backward's forward set static_unused_
 
   // Timing of the current iteration.
