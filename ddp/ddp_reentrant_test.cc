@@ -362,6 +362,45 @@ TEST(DdpReentrantTest, StaticGraphTakesTheGradientsOfANoSyncForwardThatJoinsTheP
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// static_graph's first iteration reduces nothing before the end of
+// backward: one that an exception leaves partway (a hook of the user's on
+// mid.weight throws) is reported at the next forward with the parameters
+// that did get their gradients. It used to say none had ("0 of 8"), since
+// none was marked ready yet.
+DDP_TEST_WORKER(static_graph_backward_stopped_partway) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  auto model = std::make_shared<TiedCheckpointed>(5, /*checkpointed=*/false);
+  DistributedDataParallel ddp(model, {.static_graph = true, .process_group = pg});
+  int arrived = 0;
+  std::vector<nn::HookHandle> hooks;
+  for (const auto& [name, p] : model->NamedParameters()) {
+    const bool throws = name == "mid.weight";
+    hooks.push_back(p.RegisterPostAccumulateGradHook([&arrived, throws](const Tensor&) {
+      ++arrived;
+      if (throws) throw std::runtime_error("the user's hook on mid.weight threw");
+    }));
+  }
+  auto [x, y] = testing::Batch(testing::FashionMnist(), rank * kBatch, kBatch);
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+    WORKER_EXPECT(false, "the backward did not throw");
+  } catch (const std::runtime_error& e) {
+    WORKER_EXPECT(std::string(e.what()).find("the user's hook on mid.weight threw") != std::string::npos, e.what());
+  }
+  for (nn::HookHandle& h : hooks) h.Remove();
+  WORKER_EXPECT(arrived > 0 && arrived < 8, "gradients before the throw: " + std::to_string(arrived));
+  testing::ExpectRefused(
+      rank, [&] { ddp(x); }, "a forward after a backward that stopped partway",
+      {"its backward stopped partway (" + std::to_string(arrived) + " of 8 parameters had their gradients"});
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, StaticGraphsFirstBackwardStoppedPartwayCountsTheGradientsThatArrived) {
+  auto run = RunWorkers("static_graph_backward_stopped_partway", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // find_unused_parameters without static_graph cannot see fc2 inside the
 // checkpointed last layer (forward's graph does not reach it): its
 // gradient fails the backward on every rank, and the message names the

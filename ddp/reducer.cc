@@ -174,8 +174,8 @@ Reducer::~Reducer() {
       // the caller skipped it): the peers wait in their bucket reductions.
       state = "a synchronizing forward ran but its backward never started (no parameter received a "
               "gradient), so none of the gradient buckets its peers wait for will come";
-    } else if (ready_count_ < params_.size()) {
-      state = "its backward stopped partway (" + std::to_string(ready_count_) + " of " +
+    } else if (const size_t had = GradientsIn(); had < params_.size()) {
+      state = "its backward stopped partway (" + std::to_string(had) + " of " +
               std::to_string(params_.size()) +
               " parameters had their gradients), so the gradient buckets its peers wait for will not come";
     } else if (handles_unused() && !used_work_.valid()) {
@@ -403,8 +403,8 @@ void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool
             "backward: for two forwards and one backward, such as a GAN discriminator's real and fake "
             "batches or a siamese pair, run all but the last under NoSync, or concatenate the inputs "
             "into one forward)";
-  } else if (ready_count_ < params_.size()) {
-    state = "its backward stopped partway (" + std::to_string(ready_count_) + " of " +
+  } else if (const size_t had = GradientsIn(); had < params_.size()) {
+    state = "its backward stopped partway (" + std::to_string(had) + " of " +
             std::to_string(params_.size()) +
             " parameters had their gradients; did an exception leave backward?)";
   } else {
@@ -675,6 +675,12 @@ void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradien
   finalized_ = false;
   reject_gradients_ = reject_gradients;
   ReleaseOutputs();  // no backward is armed for them any more
+}
+
+size_t Reducer::GradientsIn() const {
+  size_t had = 0;
+  for (size_t i = 0; i < params_.size(); ++i) had += ready_[i] || arrivals_[i] > 0 ? 1 : 0;
+  return had;
 }
 
 bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {

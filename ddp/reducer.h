@@ -326,6 +326,10 @@ class Reducer {
   // still runs after the group was aborted for it: its memory is not free.
   bool WaitInFlight();
   bool IsView(size_t index, const nn::Tensor& grad) const;
+  // The parameters that had their gradient in this backward, or were
+  // marked ready without one (unused): ready_count_, and under
+  // static_graph's delay_ready_ those that got a gradient not yet marked.
+  size_t GradientsIn() const;
   // `others`, when given, receives the reached leaves that require grad and
   // are not parameters of the buckets.
   std::vector<size_t> UnreachableParameters(const std::vector<nn::Tensor>& outputs,
