@@ -362,6 +362,45 @@ TEST(DdpReentrantTest, StaticGraphTakesTheGradientsOfANoSyncForwardThatJoinsTheP
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A first iteration that a NoSync forward joined counts nothing; the
+// second counts fc2's 2 gradients, and a third that gives it 1 (the
+// checkpoint dropped) fails on every rank naming the iteration that
+// counted. The joined first iteration used to count 3, and the second
+// failed with "only 2 of the 3 gradients static_graph counted".
+DDP_TEST_WORKER(static_graph_counts_after_a_joined_first_iteration) {
+  auto pg = testing::WorkerGroup();
+  const int world = pg->size(), rank = pg->rank();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<TiedCheckpointed>(5, /*checkpointed=*/true);
+  DistributedDataParallel ddp(model, {.static_graph = true, .process_group = pg});
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  try {
+    Tensor loss = nn::loss::CrossEntropy(ddp(x), y);
+    {
+      auto [x2, y2] = testing::Batch(data, (world + rank) * kBatch, kBatch);
+      NoSyncGuard no_sync(ddp);
+      loss = loss + nn::loss::CrossEntropy(ddp(x2), y2);
+    }
+    nn::Backward(loss);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("the first two iterations: ") + e.what());
+    return testing::WorkerExit();
+  }
+  model->checkpointed = false;
+  testing::ExpectRefused(
+      rank, [&] { nn::Backward(nn::loss::CrossEntropy(ddp(x), y)); }, "one gradient of fc2 where 2 were counted",
+      {"`fc2.", "only 1 of the 2 gradients static_graph counted in iteration 2 (the first synchronizing backward "
+                "of this rank that no forward under NoSync joined"});
+  return testing::WorkerExit();
+}
+
+TEST(DdpReentrantTest, StaticGraphCountsInTheFirstIterationNoNoSyncForwardJoinedAndSaysWhich) {
+  auto run = RunWorkers("static_graph_counts_after_a_joined_first_iteration", 2,
+                        {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // static_graph's first iteration reduces nothing before the end of
 // backward: one that an exception leaves partway (a hook of the user's on
 // mid.weight throws) is reported at the next forward with the parameters

@@ -683,6 +683,13 @@ size_t Reducer::GradientsIn() const {
   return had;
 }
 
+std::string Reducer::CountedIn() const {
+  if (counted_in_ <= 1) return "the first iteration";
+  return "iteration " + std::to_string(counted_in_) +
+         " (the first synchronizing backward of this rank that no forward under NoSync joined and no "
+         "eval-mode forward prepared)";
+}
+
 bool Reducer::IsView(size_t index, const nn::Tensor& grad) const {
   const nn::Tensor& view = slots_[index].view;
   return view.defined() && grad.storage() == view.storage() &&
@@ -739,7 +746,7 @@ void Reducer::OnGradReady(size_t index) {
     if (options_.static_graph) {
       pending_error_ =
           head + std::to_string(arrivals_[index]) + " gradients in one backward, but " +
-          std::to_string(static_arrivals_[index]) + " in the first iteration, which static_graph counted: "
+          std::to_string(static_arrivals_[index]) + " in " + CountedIn() + ", which static_graph counted: "
           "its bucket was reduced after the last of those. Under static_graph every iteration must run the "
           "same backward passes through the same parameters. The process group was aborted.";
     } else {
@@ -1039,6 +1046,7 @@ void Reducer::Finalize() {
     if (!static_counted_ && !no_sync_joined_ && !backward_optional_) {
       static_arrivals_ = arrivals_;
       static_counted_ = true;
+      counted_in_ = iterations_ + 1;  // this backward's, counted below
     }
   }
   if (static_learning_ && ready_count_ < params_.size()) {
@@ -1087,7 +1095,7 @@ void Reducer::Finalize() {
                  // static_graph: fewer than it counted in the first iteration.
                  (arrivals_[i] > 0 ? ", only " + std::to_string(arrivals_[i]) + " of the " +
                                          std::to_string(static_arrivals_[i]) +
-                                         " gradients static_graph counted in the first iteration"
+                                         " gradients static_graph counted in " + CountedIn()
                                    : "") +
                  ")";
       }

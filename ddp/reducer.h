@@ -330,6 +330,10 @@ class Reducer {
   // marked ready without one (unused): ready_count_, and under
   // static_graph's delay_ready_ those that got a gradient not yet marked.
   size_t GradientsIn() const;
+  // Where static_graph counted the gradients, for messages: "the first
+  // iteration", or the later one that did (after a first one that a NoSync
+  // forward joined, or an eval-mode one).
+  std::string CountedIn() const;
   // `others`, when given, receives the reached leaves that require grad and
   // are not parameters of the buckets.
   std::vector<size_t> UnreachableParameters(const std::vector<nn::Tensor>& outputs,
@@ -426,6 +430,7 @@ class Reducer {
   // static_arrivals_ may not hold; the iteration reduces every gradient at
   // the end of backward instead (delay_ready_).
   bool no_sync_joined_ = false;
+  int64_t counted_in_ = 0;  // iterations() of the backward that counted static_arrivals_
   bool static_learning_ = false;  // this backward's forward set static_unused_
 
   // Timing of the current iteration.
