@@ -57,6 +57,9 @@ char ProcessState(int pid) {
 }
 
 bool ProcessGoneNow(int pid, uint64_t start_time) {
+  // No process has such a pid, and kill() would ask about a process group
+  // (0: this one's, -N: N's) or, for -1, every process this one may signal.
+  if (pid <= 0) return true;
   if (kill(pid, 0) != 0 && errno == ESRCH) return true;
   if (start_time != 0) {
     const uint64_t now = ProcessStartTime(pid);

@@ -31,6 +31,8 @@ char ProcessState(int pid);
 /// With `start_time` (ProcessStartTime when the process was first seen;
 /// 0: unknown), a process now under `pid` that started at another time is
 /// another process (the pid was reused), and the one watched is gone.
+/// A pid of 0 or below names no process: gone, without asking the kernel
+/// (kill() would take it for a process group, or for every process).
 bool ProcessGoneNow(int pid, uint64_t start_time = 0);
 
 }  // namespace ddp::transport::fault
