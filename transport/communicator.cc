@@ -2172,8 +2172,12 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
   // of another rank's (it reported, left, and its endpoints reset ours).
   Status first = reason;
   bool post = false;  // whether `first` is this rank's to post
+  // Outside a call, reading the job's reason and posting this one share
+  // one abort_store_time: with a store that stopped answering, each took
+  // all of it, and Abort twice that.
+  const Deadline store_by = DeadlineIn(options_.abort_store_time);
   if (monitor_ != nullptr) {
-    const Deadline deadline = call_deadline.value_or(DeadlineIn(options_.abort_store_time));
+    const Deadline deadline = call_deadline.value_or(store_by);
     Status posted = monitor_->PostedAbort(deadline);
     post = posted.ok();
     first = post ? LocalCause(reason, deadline) : posted;
@@ -2193,7 +2197,7 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
       return first;
     }
   }
-  monitor_->PostAbort(first, DeadlineIn(options_.abort_store_time));
+  monitor_->PostAbort(first, store_by);
   return first;
 }
 

@@ -1996,6 +1996,34 @@ int ScenarioRepeatedAbortAsksNoStore() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A first Abort with the store stopped answering (rank 0, which serves it,
+// is stopped: SIGSTOP) keeps to abort_store_time (1 s) in all. Before, the
+// look for a reason posted already took the whole second, and the post of
+// this one then took another: 2 s.
+int ScenarioAbortWithAStalledStore() {
+  auto comm = MustCreate();
+  int64_t pids[2] = {0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (comm->rank() == 1) {
+    kill(static_cast<pid_t>(pids[0]), SIGSTOP);
+    const auto start = Clock::now();
+    comm->Abort(AbortedError("stopped by the test"));
+    const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+    kill(static_cast<pid_t>(pids[0]), SIGCONT);
+    std::printf("RANK 1: Abort took %lld ms\n", took_ms);
+    WORKER_CHECK(took_ms < 1600, "Abort took " + std::to_string(took_ms) + " ms with abort_store_time 1000 ms");
+    WORKER_CHECK(comm->aborted_reason().message().find("stopped by the test") != std::string::npos,
+                 "aborted_reason: " + comm->aborted_reason().ToString());
+    SetMark("aborted");
+  } else {
+    // Serves the store until rank 1 is done with it.
+    WORKER_CHECK(AwaitMark("aborted", milliseconds(30000)), "rank 1 never aborted");
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A split whose creation fails on rank 1 alone (its UCX is given a
 // transport that does not exist): rank 0 learns it at once, with rank 1's
 // reason, instead of waiting for rank 1 until the split's timeout.
@@ -2821,6 +2849,7 @@ int RunScenario(const std::string& name) {
   if (name == "many_splits_without_store_rank") return ScenarioManySplitsWithoutStoreRank();
   if (name == "waiters_on_a_receive_whose_peer_is_killed") return ScenarioWaitersOnAReceiveWhosePeerIsKilled();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
+  if (name == "abort_with_a_stalled_store") return ScenarioAbortWithAStalledStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
   if (name == "store_outlives_split_whose_dead_ranks_pid_was_taken") {
@@ -2994,6 +3023,11 @@ TEST(Communicator, AbortFromAnotherThreadEndsTheCallInFlightUcx) {
 
 TEST(Communicator, ARepeatedAbortAsksNoStore) {
   Job job = RunJob(2, "repeated_abort", {});
+  ASSERT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, AnAbortWithAStalledStoreKeepsToAbortStoreTime) {
+  Job job = RunJob(2, "abort_with_a_stalled_store", {});
   ASSERT_TRUE(EveryRankPassed(job));
 }
 
