@@ -3256,7 +3256,24 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   DDP_RETURN_IF_ERROR(Impl::CheckCallOptions(call, "split", /*chooses_algorithm=*/false));
   const int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * static_cast<size_t>(size()));
-  DDP_RETURN_IF_ERROR(AllGather(mine, all.data(), 2, DataType::kI64, call));
+  // The whole split keeps one deadline, counted as a blocking call's (once
+  // earlier async calls have finished): the exchange below, the
+  // registration and its broadcasts, and the new communicator's creation
+  // each get what is left of it. Each used to get the full timeout anew.
+  Deadline deadline{};
+  DDP_RETURN_IF_ERROR(impl_->RunBlocking(call, [&](Deadline d) {
+    deadline = d;
+    return impl_->AllGather(mine, all.data(), 2, DataType::kI64, d);
+  }));
+  // What is left of it for one step (at least 1 ms: 0 would mean the
+  // communicator's timeout); a deadline that never comes stays so.
+  const auto rest = [&] {
+    CallOptions step = call;
+    step.timeout = deadline == Deadline::max()
+                       ? milliseconds::max()
+                       : std::max(milliseconds(1), std::chrono::ceil<milliseconds>(deadline - Clock::now()));
+    return step;
+  };
   for (int r = 0; r < size(); ++r) {
     if (all[2 * r] < kNoColor) {
       return InvalidArgumentError("split: rank " + std::to_string(r) + " passed color " +
@@ -3336,14 +3353,14 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
         }
         users += FormatSplitRegistration(split);
       }
-      registered = impl_->RegisterSplit(users, call);
+      registered = impl_->RegisterSplit(users, rest());
     }
     std::string reason = registered.message().substr(0, kMostSplitReasonBytes);
     int64_t outcome[2] = {static_cast<int64_t>(registered.code()), static_cast<int64_t>(reason.size())};
-    Status shared = Broadcast(outcome, 2, DataType::kI64, 0, call);
+    Status shared = Broadcast(outcome, 2, DataType::kI64, 0, rest());
     if (shared.ok() && outcome[0] != 0 && outcome[1] > 0) {
       reason.resize(static_cast<size_t>(std::clamp<int64_t>(outcome[1], 0, kMostSplitReasonBytes)));
-      shared = Broadcast(reason.data(), reason.size(), DataType::kU8, 0, call);
+      shared = Broadcast(reason.data(), reason.size(), DataType::kU8, 0, rest());
     }
     if (!shared.ok()) {
       // This rank cannot tell whether the others make theirs: those of its
@@ -3390,6 +3407,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   if (call.timeout.count() > 0) o.timeout = call.timeout;
   auto impl = std::make_unique<Impl>(o);
   impl->key_name_ = o.name;
+  impl->creation_deadline_ = deadline;  // what is left of the split's
   impl->server_ = parent.server_;  // its rendezvous store, if this rank serves it
   if (impl->server_ != nullptr) {
     std::lock_guard lock(impl->server_->mu);

@@ -487,8 +487,10 @@ class Communicator {
   /// ranked by `key`, ties by rank here (MPI_Comm_split, ncclCommSplit). A
   /// rank passing kNoColor takes part and gets no communicator (nullptr).
   /// The new one has this one's settings and rendezvous store and its own
-  /// connections; its creation runs within call.timeout (default: this
-  /// communicator's timeout). When rank 0 of this communicator serves the
+  /// connections. The whole split (the exchange of colors and keys, the
+  /// registration below, and the new communicator's creation) keeps to one
+  /// deadline, call.timeout (default: this communicator's timeout), counted
+  /// as a blocking call's (see Threading above). When rank 0 of this communicator serves the
   /// store (host_store), the store stays up while any communicator split
   /// from it lives there, and the last to go waits (within its timeout) for
   /// every rank of every communicator that uses the store to leave, except

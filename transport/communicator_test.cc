@@ -4,12 +4,14 @@
 
 #include "transport/communicator.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -2024,6 +2026,47 @@ int ScenarioAbortWithAStalledStore() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A split keeps one deadline from its start (3 s here), not one per step.
+// Rank 1 comes to it 2 s late, so the exchange of colors takes 2 s of it,
+// and then hangs in the new communicator's creation: it reads a topology
+// file named by DDP_TOPOLOGY_FILE, which it sets after its parent's
+// creation, and which is a FIFO that nobody writes to until rank 0's split
+// has failed. Rank 0's split must fail with TIMED_OUT about 3 s after it
+// began; before, the creation got a whole timeout of its own, 5 s in all.
+int ScenarioSplitKeepsOneDeadline() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  const std::string fifo = EnvOr("TEST_TMPDIR", "/tmp") + "/split_topology_fifo_" + std::to_string(getpid());
+  std::thread writer;
+  if (me == 1) {
+    WORKER_CHECK(mkfifo(fifo.c_str(), 0600) == 0, "mkfifo " + fifo + ": " + std::strerror(errno));
+    setenv("DDP_TOPOLOGY_FILE", fifo.c_str(), 1);
+    // Lets rank 1's creation go on (and fail: an empty file is no
+    // topology) once rank 0 has its answer.
+    writer = std::thread([&] {
+      WORKER_CHECK(AwaitMark("split_failed", milliseconds(30000)), "rank 0's split did not end");
+      const int fd = open(fifo.c_str(), O_WRONLY | O_CLOEXEC);
+      WORKER_CHECK(fd >= 0, "opening the FIFO to write: " + std::string(std::strerror(errno)));
+      if (fd >= 0) close(fd);
+    });
+    std::this_thread::sleep_for(milliseconds(2000));
+  }
+  const auto start = Clock::now();
+  auto child = comm->Split(0, me, {.timeout = milliseconds(3000)});
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RANK %d: split in %lld ms: %s\n", me, took_ms, child.status().ToString().c_str());
+  WORKER_CHECK(!child.ok(), "the split was made");
+  if (me == 0) {
+    SetMark("split_failed");
+    WORKER_CHECK(child.status().code() == StatusCode::kTimedOut, "rank 0's split: " + child.status().ToString());
+    WORKER_CHECK(took_ms < 4300, "rank 0's split took " + std::to_string(took_ms) + " ms, past its 3000 ms timeout");
+  } else {
+    writer.join();
+    unlink(fifo.c_str());
+  }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A split whose creation fails on rank 1 alone (its UCX is given a
 // transport that does not exist): rank 0 learns it at once, with rank 1's
 // reason, instead of waiting for rank 1 until the split's timeout.
@@ -2823,6 +2866,7 @@ int RunScenario(const std::string& name) {
   if (name == "abort_ok") return ScenarioAbortWithOk();
   if (name == "abort_from_thread") return ScenarioAbortFromAnotherThread();
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
+  if (name == "split_keeps_one_deadline") return ScenarioSplitKeepsOneDeadline();
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
   if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
@@ -3033,6 +3077,11 @@ TEST(Communicator, AnAbortWithAStalledStoreKeepsToAbortStoreTime) {
 
 TEST(Communicator, ASplitFailingOnOneRankFailsTheOthersAtOnce) {
   Job job = RunJob(2, "split_fails", {});
+  ASSERT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, ASplitKeepsOneDeadlineForAllItsSteps) {
+  Job job = RunJob(2, "split_keeps_one_deadline", {});
   ASSERT_TRUE(EveryRankPassed(job));
 }
 
