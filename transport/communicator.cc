@@ -1487,7 +1487,11 @@ Status Communicator::Impl::Init() {
   // What this rank can tell of another member that serves the store, for
   // when the connection to it breaks (Shutdown: it serves until the ranks
   // have left, after an abort for at most kAbortedStoreTimeForLatePeers).
-  auto describe_server = [this, local_pids] {
+  // `told_why`: the server sent its stop notice, whose reason (after a
+  // clean shutdown or after an abort) follows in the store's words, so no
+  // guess is made here about why it left: a clean leaving was called
+  // "most likely after aborting it".
+  auto describe_server = [this, local_pids](bool told_why) {
     if (store_rank_ < 0 || store_rank_ >= static_cast<int>(local_pids.size()) || store_rank_ == options_.rank) {
       return std::string();
     }
@@ -1496,17 +1500,22 @@ Status Communicator::Impl::Init() {
     const std::string stops = " (the store stops at most " + std::to_string(kAbortedStoreTimeForLatePeers.count()) +
                               " ms after an abort, and the posted reason goes with it; otherwise once every "
                               "rank has left this communicator and its splits)";
+    const std::string stopped = ": it left this communicator and stopped the store, saying why";
     if (pid <= 0) {
       const auto& place = real_topology_.ranks[static_cast<size_t>(store_rank_)];
-      return who + ", which serves the store on host " + real_topology_.hosts[static_cast<size_t>(place.host)].name +
-             ", died, or left this communicator, most likely after aborting it" + stops;
+      const std::string where =
+          who + ", which serves the store on host " + real_topology_.hosts[static_cast<size_t>(place.host)].name;
+      if (told_why) return where + stopped;
+      return where + ", died, or left this communicator, most likely after aborting it" + stops;
     }
     const std::vector<int> exited = monitor_ == nullptr ? std::vector<int>() : monitor_->ExitedPeers();
     if (std::find(exited.begin(), exited.end(), store_rank_) != exited.end()) {
       return who + ", which serves the store (pid " + std::to_string(pid) + " on this host), has exited";
     }
-    return who + ", which serves the store (pid " + std::to_string(pid) +
-           " on this host), is still running: it left this communicator, most likely after aborting it" + stops;
+    const std::string running = who + ", which serves the store (pid " + std::to_string(pid) +
+                                " on this host), is still running";
+    if (told_why) return running + stopped;
+    return running + ": it left this communicator, most likely after aborting it" + stops;
   };
   monitor_ = std::make_unique<fault::PeerMonitor>(
       fault::PeerMonitorOptions{.rank = o.rank, .local_pids = local_pids, .key_prefix = prefix_,

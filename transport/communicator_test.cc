@@ -862,7 +862,11 @@ int ScenarioSplitRunsPastTheStoresCleanShutdown() {
 // with the abort, not wait out its 20 s deadline: rank 1 stays alive and
 // its endpoints stay open, so the store is the only way to learn it. With
 // `keep_parent`, ranks 1-3 keep their parent communicator (whose rank 0 has
-// left it) until they are done.
+// left it) until they are done, and ranks 2 and 3 then wait on it for a
+// message from each other while rank 0 still runs: they fail promptly with
+// the store's words, which say that rank 0 stopped it after leaving without
+// an abort of its own, and what they tell of rank 0 must not contradict
+// them (it said "most likely after aborting it").
 int ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown(bool keep_parent) {
   auto comm = MustCreate();
   const int me = comm->rank();
@@ -870,6 +874,10 @@ int ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown(bool keep_parent) {
   if (!child.has_value()) return 1;
   if (me == 0) {
     comm.reset();
+    if (keep_parent) {
+      WORKER_CHECK(AwaitMark("rank_2_done", milliseconds(30000)), "rank 2 did not finish");
+      WORKER_CHECK(AwaitMark("rank_3_done", milliseconds(30000)), "rank 3 did not finish");
+    }
     return testing::worker_failures == 0 ? 0 : 1;
   }
   auto watcher = ConnectToTheJobsStore();
@@ -892,11 +900,27 @@ int ScenarioSplitAbortedJustBeforeTheStoresCleanShutdown(bool keep_parent) {
   Status s = split.AllReduce(all.data(), all.size(), DataType::kF32, ReduceOp::kSum,
                              {.timeout = milliseconds(20000)});
   const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
-  SetMark("rank_" + std::to_string(me) + "_done");
   std::printf("RANK %d: after the split's abort: %s in %lld ms\n", me, s.ToString().c_str(), took_ms);
   WORKER_CHECK(!s.ok() && s.message().find("the test aborts the split") != std::string::npos,
                "all-reduce after the split's abort: " + s.ToString());
   WORKER_CHECK(took_ms < 5000, "all-reduce after the split's abort took " + std::to_string(took_ms) + " ms");
+  if (keep_parent) {
+    float got = 0.0f;
+    const auto waited = Clock::now();
+    const Status lost = comm->Recv(&got, 1, DataType::kF32, me == 2 ? 3 : 2, 7, {.timeout = milliseconds(20000)});
+    const long long lost_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - waited).count();
+    std::printf("RANK %d: a receive on the parent: %s in %lld ms\n", me, lost.ToString().c_str(), lost_ms);
+    WORKER_CHECK(lost.code() == StatusCode::kPeerLost, "a receive on the parent: " + lost.ToString());
+    WORKER_CHECK(lost_ms < 5000, "a receive on the parent took " + std::to_string(lost_ms) + " ms");
+    for (const char* said : {"is still running: it left this communicator and stopped the store, saying why",
+                             "was destroyed and stopped the store while"}) {
+      WORKER_CHECK(lost.message().find(said) != std::string::npos,
+                   "a receive on the parent does not say \"" + std::string(said) + "\": " + lost.ToString());
+    }
+    WORKER_CHECK(lost.message().find("after aborting") == std::string::npos,
+                 "a receive on the parent says rank 0 aborted: " + lost.ToString());
+  }
+  SetMark("rank_" + std::to_string(me) + "_done");
   return testing::worker_failures == 0 ? 0 : 1;
 }
 

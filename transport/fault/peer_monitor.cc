@@ -10,6 +10,7 @@
 #include <chrono>
 
 #include "transport/fault/process.h"
+#include "transport/store/wire.h"
 
 namespace ddp::transport::fault {
 namespace {
@@ -23,6 +24,13 @@ int PidfdOpen(int pid) {
 // or a call that ran out of time.
 bool ServerEndedConnection(const Status& s) {
   return s.code() == StatusCode::kUnavailable && s.message().starts_with("lost the connection");
+}
+
+// Such a connection whose server said, before it went, that its owner
+// stopped it (its stop notice follows the client's words, with the
+// owner's reason after it).
+bool ServerToldItsStop(const Status& s) {
+  return ServerEndedConnection(s) && s.message().find(": " + std::string(store::wire::kStopNotice)) != std::string::npos;
 }
 
 }  // namespace
@@ -205,7 +213,7 @@ Status PeerMonitor::Check(Deadline deadline, std::span<const int> awaited_peers)
     }
     Status lost = posted.status();
     const std::string serving =
-        ServerEndedConnection(lost) && options_.describe_server ? options_.describe_server() : "";
+        ServerEndedConnection(lost) && options_.describe_server ? options_.describe_server(ServerToldItsStop(lost)) : "";
     // Ahead of the client's words, which end with the call that met the loss.
     if (!serving.empty()) lost = Status(lost.code(), serving + "; " + lost.message());
     return PeerLostError("the rendezvous store cannot be reached (" + server +

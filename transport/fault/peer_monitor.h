@@ -85,8 +85,11 @@ struct PeerMonitorOptions {
   /// serves the store (pid 41 on this host), has exited"), asked when the
   /// server ended the connection to it: the abort reason that rank may have
   /// posted went with the store, so this is all there is to say. It goes
-  /// ahead of the store's own words. Unset, or an empty answer: nothing.
-  std::function<std::string()> describe_server;
+  /// ahead of the store's own words. `told_why`: the server sent its stop
+  /// notice, so its owner stopped it on purpose and the store's words say
+  /// why (after a clean shutdown, or after an abort); false: it went
+  /// without a word. Unset, or an empty answer: nothing.
+  std::function<std::string(bool told_why)> describe_server;
   /// Longest a single store access may take before the store counts as
   /// unreachable (when the caller's deadline is further away).
   std::chrono::milliseconds store_call_cap = kStoreCallCap;

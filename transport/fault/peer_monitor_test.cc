@@ -20,6 +20,7 @@
 
 #include "transport/fault/process.h"
 #include "transport/store/tcp_store.h"
+#include "transport/store/wire.h"
 #include "transport/testing/descriptors_exhausted.h"
 #include "transport/testing/forwarding_store.h"
 #include "transport/testing/in_memory_store.h"
@@ -702,8 +703,10 @@ TEST(PeerMonitor, UnreachableStoreIsPeerLostOfItsServer) {
 // asking.
 TEST(PeerMonitor, AServerThatEndedTheConnectionIsDescribedByTheCaller) {
   int asked = 0;
-  const auto describe = [&asked] {
+  std::vector<bool> told;
+  const auto describe = [&asked, &told](bool told_why) {
     ++asked;
+    told.push_back(told_why);
     return std::string("rank 0, which serves the store (pid 7 on this host), has exited");
   };
   DeadStore ended("lost the connection to the store at h:1: connection reset (during the try-get of j/abort)");
@@ -723,6 +726,31 @@ TEST(PeerMonitor, AServerThatEndedTheConnectionIsDescribedByTheCaller) {
   EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
   EXPECT_EQ(s.message().find("has exited"), std::string::npos) << s;
   EXPECT_EQ(asked, 1);
+  EXPECT_EQ(told, std::vector<bool>{false});
+}
+
+// The caller learns whether the server sent its stop notice before it went
+// (its owner stopped it, and the store's words say why: a clean shutdown
+// too, where the stop is not a clean one for the monitor because a split
+// was aborted), so that it does not guess why the serving rank left.
+TEST(PeerMonitor, TheCallerLearnsWhetherTheServerSaidWhyItStopped) {
+  std::vector<bool> told;
+  const auto describe = [&told](bool told_why) {
+    told.push_back(told_why);
+    return std::string("rank 0 is described");
+  };
+  for (const std::string& why :
+       {std::string("lost the connection to the store at h:1: ") + std::string(store::wire::kStopNotice) +
+            ": rank 0 of communicator 'x', which served the rendezvous store, was destroyed and stopped the store",
+        std::string("lost the connection to the store at h:1: ") + std::string(store::wire::kStopNotice),
+        std::string("lost the connection to the store at h:1: the server closed the connection")}) {
+    DeadStore ended(why);
+    PeerMonitor monitor({.rank = 1, .key_prefix = "j/", .store_rank = 0, .describe_server = describe}, &ended);
+    const Status s = monitor.Check(Soon());
+    EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s;
+    EXPECT_NE(s.message().find("rank 0 is described; " + why), std::string::npos) << s;
+  }
+  EXPECT_EQ(told, (std::vector<bool>{true, true, false}));
 }
 
 }  // namespace
