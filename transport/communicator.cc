@@ -1500,7 +1500,7 @@ Status Communicator::Impl::Init() {
     const std::string stops = " (the store stops at most " + std::to_string(kAbortedStoreTimeForLatePeers.count()) +
                               " ms after an abort, and the posted reason goes with it; otherwise once every "
                               "rank has left this communicator and its splits)";
-    const std::string stopped = ": it left this communicator and stopped the store, saying why";
+    const std::string stopped = ": it left this communicator and stopped the store, saying why" + stops;
     if (pid <= 0) {
       const auto& place = real_topology_.ranks[static_cast<size_t>(store_rank_)];
       const std::string where =

@@ -2265,9 +2265,11 @@ int ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore() {
   std::printf("LATE rank 1: %s\n", s.ToString().c_str());
   WORKER_CHECK(s.code() == StatusCode::kPeerLost, "the late all-reduce: " + s.ToString());
   // The monitor's own words allow for a rank that stopped serving, not
-  // only for one that died (they said "may have died" before the details).
+  // only for one that died (they said "may have died" before the details);
+  // why it left is the store's to say (its stop notice came).
   for (const std::string& said : {std::string("rank 0"), std::string("still running"),
-                                  std::string("left this communicator"), std::string("after aborting it"),
+                                  std::string("left this communicator and stopped the store, saying why"),
+                                  std::string("was destroyed after the job was aborted"),
                                   std::string("has died or stopped serving it")}) {
     WORKER_CHECK(s.message().find(said) != std::string::npos, "the late all-reduce does not say \"" + said +
                                                                    "\": " + s.ToString());
