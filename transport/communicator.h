@@ -259,7 +259,8 @@ class Communicator {
   static StatusOr<std::unique_ptr<Communicator>> CreateFromEnvironment(
       CommunicatorOptions defaults = {});
 
-  /// Leaves the job: waits for pending async calls (within the timeout),
+  /// Leaves the job: waits for pending async calls (at most min(timeout,
+  /// 30 s); calls still queued or running then are ended by an abort),
   /// tells the store this rank closed cleanly, closes UCX. Rank 0, when it
   /// serves the store, waits (bounded) for the other ranks to leave first:
   /// without an abort, at most min(timeout, 30 s), and no longer than until
