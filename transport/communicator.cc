@@ -99,6 +99,13 @@ constexpr milliseconds kStoppedPeerTime{500};
 // communicators that it passes on to the other ranks.
 constexpr int64_t kMostSplitReasonBytes = 4096;
 
+// The most ranks a job may have: UCX messages carry the sender's rank in
+// the tag bits above the algorithms' (UcxPointToPoint refuses more). Checked
+// at the start of creation: found only at the connection step, a larger
+// world_size waited out the whole timeout for ranks that cannot exist, and
+// one near INT_MAX first allocated gigabytes per rank index.
+constexpr int kMostRanks = 1 << (64 - p2p::kTagBits - 2);
+
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
 // runs at full speed, small enough that copying the first chunk in and the
@@ -1251,6 +1258,10 @@ Status Communicator::Impl::ReadEnvironment() {
 Status Communicator::Impl::Init() {
   const CommunicatorOptions& o = options_;
   if (o.world_size < 1) return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " must be positive");
+  if (o.world_size > kMostRanks) {
+    return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " is above " +
+                                std::to_string(kMostRanks) + ", the most ranks a job may have");
+  }
   DDP_RETURN_IF_ERROR(CheckRank(o.rank, "rank"));
   if (o.local_world_size < 1 || o.local_rank < 0 || o.local_rank >= o.local_world_size) {
     return InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +

@@ -74,7 +74,7 @@ enum class StagedReduce : int {
 /// transport/launch/README.md) by Communicator::CreateFromEnvironment.
 struct CommunicatorOptions {
   int rank = 0;                 ///< This process's rank in [0, world_size).
-  int world_size = 1;           ///< Number of ranks.
+  int world_size = 1;           ///< Number of ranks, 1 to 2^22 (4194304).
   int local_rank = 0;           ///< Rank among the processes of this host.
   int local_world_size = 1;     ///< Processes of this job on this host.
   std::string store_host = "127.0.0.1";  ///< Where the rendezvous store listens.

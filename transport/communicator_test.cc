@@ -3004,6 +3004,30 @@ TEST(CommunicatorCreate, LocalWorldSizeLeftAtOneMakesNoFalseClaimOfOtherHosts) {
 }
 
 // Used to fail with "store_port 0 is not a TCP port".
+// More ranks than a message tag can name (2^22) are refused at once,
+// naming world_size: before, rank 0 started the store and waited out the
+// whole timeout for ranks that cannot exist (and a world_size near INT_MAX
+// first allocated gigabytes per rank index).
+TEST(CommunicatorCreate, AWorldSizeAboveTheMostRanksIsRefusedAtOnce) {
+  int port = 0;
+  const int held = ListenWithFreeNextPort(port);
+  ASSERT_GE(held, 0) << "no free port";
+  close(held);  // free again: the old code bound it for its store
+  CommunicatorOptions options;
+  options.world_size = (1 << 22) + 1;
+  options.local_world_size = 1;
+  options.store_port = port;
+  options.timeout = milliseconds(3000);
+  const auto start = Clock::now();
+  auto comm = Communicator::Create(options);
+  const auto took = Clock::now() - start;
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument) << comm.status();
+  EXPECT_NE(comm.status().message().find("world_size 4194305 is above 4194304"), std::string::npos)
+      << comm.status();
+  EXPECT_LT(took, milliseconds(1000)) << comm.status();
+}
+
 TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
   Job job = RunJob(1, "one_rank_defaults", {});
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
