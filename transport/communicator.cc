@@ -1262,6 +1262,14 @@ Status Communicator::Impl::Init() {
     return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " is above " +
                                 std::to_string(kMostRanks) + ", the most ranks a job may have");
   }
+  // Split registrations in the store are one line per communicator, named
+  // by its key prefix (FormatSplitRegistration): a name holding a newline
+  // cut its line in two, the serving rank skipped it as malformed, and the
+  // store could stop under that split's ranks.
+  if (const size_t at = o.name.find('\n'); at != std::string::npos) {
+    return InvalidArgumentError("name \"" + o.name.substr(0, at) + "\\n...\" holds a newline, which communicator "
+                                "names may not");
+  }
   DDP_RETURN_IF_ERROR(CheckRank(o.rank, "rank"));
   if (o.local_world_size < 1 || o.local_rank < 0 || o.local_rank >= o.local_world_size) {
     return InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +

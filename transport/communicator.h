@@ -85,7 +85,7 @@ struct CommunicatorOptions {
   /// second communicator of the same name on the same store (after
   /// destroying the first, say) gets fresh keys for it ("name#1", then
   /// "name#2", ...): every rank must make its communicators in the same
-  /// order, as creation is collective anyway.
+  /// order, as creation is collective anyway. No newline in it.
   std::string name = "default";
 
   /// Deadline of every call that does not pass its own, and of creation.

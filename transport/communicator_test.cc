@@ -3028,6 +3028,20 @@ TEST(CommunicatorCreate, AWorldSizeAboveTheMostRanksIsRefusedAtOnce) {
   EXPECT_LT(took, milliseconds(1000)) << comm.status();
 }
 
+// A communicator's name with a newline is refused, naming it: the store
+// keeps one line per split made without the rank serving it, under the
+// split's name, and such a name cut its line in two, so that the serving
+// rank skipped the split and could stop the store under its ranks.
+TEST(CommunicatorCreate, ANameWithANewlineIsRefused) {
+  CommunicatorOptions options;
+  options.name = "job\nx";
+  options.timeout = milliseconds(10000);
+  auto comm = Communicator::Create(options);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument) << comm.status();
+  EXPECT_NE(comm.status().message().find("name \"job\\n...\" holds a newline"), std::string::npos) << comm.status();
+}
+
 TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
   Job job = RunJob(1, "one_rank_defaults", {});
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
