@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -1099,6 +1100,86 @@ TEST(GradHookTest, ANonLeafHookIsRemovedThroughItsHandleAfterTheTensorIsGone) {
   loss = Tensor();
   kept.Remove();
   kept.Remove();
+}
+
+// A hook on y that holds the loss makes a cycle: y's node keeps the hook,
+// the hook the loss, the loss its graph and so y's node. A backward that
+// does not retain the graph releases the node's hooks with its saved
+// tensors, so the graph goes once the caller drops it (before, it stayed
+// alive for ever, with every tensor it saved).
+TEST(GradHookTest, AHookHoldingTheLossDoesNotKeepTheGraphAliveAfterBackward) {
+  Tensor x = Param({2}, 1.0);
+  int calls = 0;
+  std::weak_ptr<Node> root_node, hooked_node;
+  {
+    Tensor y = ops::Mul(x, x);
+    Tensor loss = ops::Sum(y);
+    y.RegisterHook([loss, &calls](const Tensor&) {
+      ++calls;
+      return Tensor();
+    });
+    root_node = loss.grad_fn();
+    hooked_node = y.grad_fn();
+    Backward(loss);
+  }
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{2, 2}));
+  EXPECT_TRUE(root_node.expired());
+  EXPECT_TRUE(hooked_node.expired());
+}
+
+// With retain_graph the hooks stay and run on every pass; the first pass
+// that does not retain the graph runs them a last time and releases them.
+TEST(GradHookTest, RetainedGraphKeepsItsHooksUntilAPassReleasesIt) {
+  Tensor x = Param({2}, 1.0);
+  int calls = 0;
+  std::weak_ptr<Node> hooked_node;
+  {
+    Tensor y = ops::Mul(x, x);
+    Tensor loss = ops::Sum(y);
+    y.RegisterHook([loss, &calls](const Tensor& g) {
+      ++calls;
+      return ops::MulScalar(g, 10.0);
+    });
+    hooked_node = y.grad_fn();
+    Backward(loss, Tensor(), /*retain_graph=*/true);
+    Backward(loss, Tensor(), /*retain_graph=*/true);
+    EXPECT_EQ(calls, 2);
+    Backward(loss);
+  }
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{60, 60}));  // 3 passes of 10 * 2x
+  EXPECT_TRUE(hooked_node.expired());
+}
+
+// y = 2x saves nothing, so a second backward through it is allowed; its
+// hook, released by the first pass, would be silently missing from it. The
+// pass is refused instead, naming the output whose hooks are gone, before
+// it reaches x (before, it went through; PyTorch runs the hook again).
+TEST(GradHookTest, ASecondPassThroughAnOutputWhoseHooksWereReleasedIsRefused) {
+  Tensor x = Param({2}, 1.0);
+  int calls = 0;
+  Tensor y = ops::MulScalar(x, 2.0);
+  y.RegisterHook([&calls](const Tensor& g) {
+    ++calls;
+    return ops::MulScalar(g, 10.0);
+  });
+  const Tensor loss = ops::Sum(y);
+  Backward(loss);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{20, 20}));
+  const std::string err = ErrorOf([&] { Backward(loss); });
+  EXPECT_NE(err.find("backward through the graph a second time"), std::string::npos) << err;
+  EXPECT_NE(err.find("gradient hooks of output 0 of " + y.grad_fn()->name()), std::string::npos) << err;
+  EXPECT_NE(err.find("retain_graph"), std::string::npos) << err;
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{20, 20}));
+  // A tensor without hooks on the same graph still goes through: only the
+  // released hooks are refused.
+  Tensor z = ops::MulScalar(x, 3.0);
+  const Tensor other = ops::Sum(z);
+  Backward(other);
+  Backward(other);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{26, 26}));
 }
 
 // Hooks registered and removed on one thread while backward passes on

@@ -283,6 +283,9 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     // a slow one does not hold up another pass through a shared node.
     const std::shared_ptr<const NodeObserver> observer = any ? CurrentObserver() : nullptr;
     double apply_seconds = 0;
+    // Declared before the node's lock, so that the hooks a release takes
+    // out are destroyed after it is let go.
+    std::vector<NodeGradHooks::Entry> released_hooks;
     {
       // Backward passes on two threads may share part of a graph (two
       // heads on one trunk). As PyTorch's engine, each holds the node's
@@ -292,6 +295,16 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       // while they are freed. A thread holds one node's mutex per pass it
       // runs (more than one when passes are nested).
       NodeLock lock(*node);
+      // An earlier pass that did not retain the graph released this node's
+      // hooks: going on would silently leave them out of this gradient.
+      for (uint32_t i = 0; i < in.size(); ++i) {
+        if (in[i].defined() && node->GradHooksReleased(i)) {
+          throw std::logic_error("Backward: tried to run backward through the graph a second time: the gradient "
+                                 "hooks of output " + std::to_string(i) + " of " + node->name() +
+                                 " were released by an earlier Backward (pass retain_graph = true to it to keep "
+                                 "them)");
+        }
+      }
       // Gradient hooks of the node's outputs (Tensor::RegisterHook) see the
       // gradient summed over every use of the output, once per pass, and
       // may replace it before it is retained or reaches Apply (PyTorch's
@@ -333,7 +346,12 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
           RethrowWithNodeName(e, *node);
         }
       }
-      if (!retain_graph) node->ReleaseSaved();
+      // The hooks go with the saved tensors: one holding a tensor computed
+      // from its own (the loss) would keep the graph alive for ever.
+      if (!retain_graph) {
+        node->ReleaseSaved();
+        released_hooks = node->ReleaseGradHooks();
+      }
     }
     if (observer) (*observer)(*node, apply_seconds);
     const auto& edges = node->next_edges();

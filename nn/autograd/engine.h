@@ -4,6 +4,13 @@
 // is ready, so parameters' hooks fire in the order their gradients become
 // final (roughly reverse registration order for a sequential model).
 //
+// Gradient hooks (Tensor::RegisterHook) run on gradients that reach their
+// tensor, as PyTorch's register_hook documentation describes them (they
+// run when the tensor's gradient is computed): an output of a node that runs but gets no
+// gradient from this pass is not hooked. (PyTorch's engine calls that
+// output's hooks with an undefined gradient, None in Python; here a hook
+// never sees one.)
+//
 // Threading: backward, the accumulation into .grad and every hook run on the
 // thread that called Backward. Passes on several threads may run at once,
 // also through a shared part of one graph (two heads on one trunk): the
@@ -68,11 +75,13 @@ namespace ddp::nn::autograd {
 /// Computes the gradients of `roots` with respect to every leaf that requires
 /// grad and is reachable, accumulating into .grad. grads[i] seeds root i; an
 /// empty or undefined entry means 1 and needs a one-element root. The graph's
-/// saved tensors are released unless retain_graph. Callbacks queued during
+/// saved tensors, and the gradient hooks its nodes keep for non-leaf
+/// tensors, are released unless retain_graph. Callbacks queued during
 /// the pass run before this returns. A seed of another dtype than its root
 /// is converted to the root's (as PyTorch). Throws on misuse (a root that
 /// does not require grad, a seed of the wrong shape or on another device
-/// than its root, a second backward through a released graph, a saved
+/// than its root, a second backward through a released graph or a hooked
+/// non-leaf whose hooks were released, a saved
 /// tensor modified in place); an exception inside a node names the node.
 /// May be called from inside a running pass on the same thread (see above).
 void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads = {},

@@ -81,6 +81,29 @@ std::shared_ptr<NodeGradHooks> Node::grad_hooks() const {
   return grad_hooks_;
 }
 
+std::vector<NodeGradHooks::Entry> Node::ReleaseGradHooks() {
+  std::lock_guard<std::mutex> lock(grad_hooks_mu_);
+  std::vector<NodeGradHooks::Entry> released;
+  if (!grad_hooks_) return released;
+  {
+    std::lock_guard<std::mutex> list_lock(grad_hooks_->mu);
+    released.swap(grad_hooks_->hooks);
+  }
+  for (const NodeGradHooks::Entry& e : released) {
+    if (std::find(released_hook_outputs_.begin(), released_hook_outputs_.end(), e.output_nr) ==
+        released_hook_outputs_.end()) {
+      released_hook_outputs_.push_back(e.output_nr);
+    }
+  }
+  return released;
+}
+
+bool Node::GradHooksReleased(uint32_t output_nr) const {
+  std::lock_guard<std::mutex> lock(grad_hooks_mu_);
+  return std::find(released_hook_outputs_.begin(), released_hook_outputs_.end(), output_nr) !=
+         released_hook_outputs_.end();
+}
+
 AccumulateGrad::AccumulateGrad(std::shared_ptr<TensorImpl> variable) : variable_(std::move(variable)) {
   // Leaf accumulation runs the moment it is ready, before any other ready node.
   sequence_nr_ = std::numeric_limits<uint64_t>::max();

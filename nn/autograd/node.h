@@ -64,6 +64,17 @@ class Node {
   std::shared_ptr<NodeGradHooks> MutableGradHooks();
   /// The same, or null when no hook was ever registered on an output.
   std::shared_ptr<NodeGradHooks> grad_hooks() const;
+  /// Takes the hooks out of the list, remembering which outputs had one
+  /// (see GradHooksReleased). The engine calls it with ReleaseSaved: a hook
+  /// that holds a tensor computed from the hooked one (the loss) would
+  /// otherwise keep the graph alive through the node for ever. The caller
+  /// destroys what it returns after letting go of mutex(): destroying what a
+  /// hook captured may run any code.
+  std::vector<NodeGradHooks::Entry> ReleaseGradHooks();
+  /// True when ReleaseGradHooks took a hook of output `output_nr`: a later
+  /// pass bringing that output a gradient would miss the hook, so the
+  /// engine refuses it.
+  bool GradHooksReleased(uint32_t output_nr) const;
   /// Held by the engine across this node's Apply and ReleaseSaved (and the
   /// update of its outputs' retained gradients), so that backward passes on
   /// several threads through a shared node run it one at a time.
@@ -77,10 +88,12 @@ class Node {
   std::vector<Edge> next_edges_;
   std::vector<std::weak_ptr<TensorImpl>> outputs_;
   std::timed_mutex mutex_;
-  // Guards the pointer only (the list has its own lock): a hook may be
-  // registered while another thread's pass runs this node.
+  // Guards the pointer and released_hook_outputs_ (the list has its own
+  // lock, taken after this one): a hook may be registered while another
+  // thread's pass runs this node.
   mutable std::mutex grad_hooks_mu_;
   std::shared_ptr<NodeGradHooks> grad_hooks_;
+  std::vector<uint32_t> released_hook_outputs_;
 };
 
 /// Runs the leaf's gradient hooks (RegisterHook) on the incoming gradient,
