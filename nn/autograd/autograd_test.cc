@@ -1182,6 +1182,31 @@ TEST(GradHookTest, ASecondPassThroughAnOutputWhoseHooksWereReleasedIsRefused) {
   EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{26, 26}));
 }
 
+// Hooks run on gradients that flow, as PyTorch's documentation describes
+// them (run when the tensor's gradient is computed): an output of a
+// node that runs but gets no gradient is not hooked (PyTorch's engine calls
+// its hooks with an undefined gradient then, which a hook here would have
+// to test for) and its retained .grad stays undefined.
+TEST(GradHookTest, AHookOnAnOutputThatGetsNoGradientDoesNotRun) {
+  Tensor x = Param({2}, 1.0);
+  std::vector<Tensor> out = ScaleAndShift::Apply({x}, 4.0);  // x * 4, x + 1
+  int used_calls = 0, unused_calls = 0;
+  out[0].RegisterHook([&](const Tensor&) {
+    ++used_calls;
+    return Tensor();
+  });
+  out[1].RegisterHook([&](const Tensor&) {
+    ++unused_calls;
+    return Tensor();
+  });
+  out[1].RetainGrad();
+  Backward(ops::Sum(out[0]));
+  EXPECT_EQ(used_calls, 1);
+  EXPECT_EQ(unused_calls, 0);
+  EXPECT_FALSE(out[1].grad().defined());
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{4, 4}));
+}
+
 // Hooks registered and removed on one thread while backward passes on
 // another run that leaf's hooks: the hook lists are locked, so this is
 // race-free (run under --config=tsan to see it; before, it was a data race
