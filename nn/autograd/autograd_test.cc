@@ -1335,5 +1335,22 @@ TEST(AutogradTest, NestedPassesWaitingForEachOtherAcrossThreadsFailAtTheDeadline
   EXPECT_THROW(SetNestedPassLockTimeout(std::chrono::milliseconds(0)), std::invalid_argument);
 }
 
+// A timeout too large for try_lock_for (milliseconds::max() as "no
+// deadline") overflowed when converted to a deadline, and a nested pass
+// waiting for a busy node failed at once, claiming it had waited that long.
+// It is refused with the bound, and the timeout in force is kept.
+TEST(AutogradTest, ANestedPassTimeoutTooLargeForADeadlineIsRefused) {
+  for (const std::chrono::milliseconds too_long :
+       {std::chrono::milliseconds::max(), std::chrono::milliseconds(int64_t{7} * 24 * 3600 * 1000 + 1)}) {
+    const std::string err = ErrorOf([&] { SetNestedPassLockTimeout(too_long); });
+    EXPECT_NE(err.find("SetNestedPassLockTimeout: the timeout must be at most 7 days (604800000 ms), got " +
+                       std::to_string(too_long.count()) + " ms"),
+              std::string::npos)
+        << err;
+  }
+  SetNestedPassLockTimeout(std::chrono::hours(24 * 7));  // the bound itself is accepted
+  SetNestedPassLockTimeout(std::chrono::minutes(5));
+}
+
 }  // namespace
 }  // namespace ddp::nn::autograd

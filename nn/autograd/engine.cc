@@ -71,6 +71,10 @@ std::string NestedPassRefusal(const Node& node) {
 }
 
 std::atomic<int64_t> g_nested_lock_timeout_ms{300000};
+// A week. try_lock_for converts its timeout to steady_clock nanoseconds
+// and adds it to now(): far larger values (milliseconds::max() meant as
+// "no deadline") overflow there, and the wait ended at once.
+constexpr int64_t kMaxNestedLockTimeoutMs = int64_t{7} * 24 * 3600 * 1000;
 
 // Holds a node's mutex for one pass and records it in held_nodes. A pass
 // nested in another holds the enclosing pass's node while it waits here: a
@@ -83,9 +87,10 @@ class NodeLock {
   explicit NodeLock(Node& node) : lock_(node.mutex(), std::defer_lock) {
     if (held_nodes.empty()) {
       lock_.lock();
-    } else if (!lock_.try_lock_for(std::chrono::milliseconds(g_nested_lock_timeout_ms.load()))) {
+    } else if (const int64_t timeout_ms = g_nested_lock_timeout_ms.load();
+               !lock_.try_lock_for(std::chrono::milliseconds(timeout_ms))) {
       throw std::runtime_error(
-          "Backward: a nested backward pass waited " + std::to_string(g_nested_lock_timeout_ms.load()) +
+          "Backward: a nested backward pass waited " + std::to_string(timeout_ms) +
           " ms for " + node.name() + ", which another thread's backward pass is running, while holding " +
           held_nodes.back()->name() +
           " (the node whose backward or hook started the nested pass). Nested passes on two threads that "
@@ -177,6 +182,11 @@ void SetNodeObserver(NodeObserver observer) {
 void SetNestedPassLockTimeout(std::chrono::milliseconds timeout) {
   if (timeout.count() <= 0) {
     throw std::invalid_argument("SetNestedPassLockTimeout: the timeout must be positive, got " +
+                                std::to_string(timeout.count()) + " ms");
+  }
+  if (timeout.count() > kMaxNestedLockTimeoutMs) {
+    throw std::invalid_argument("SetNestedPassLockTimeout: the timeout must be at most 7 days (" +
+                                std::to_string(kMaxNestedLockTimeoutMs) + " ms), got " +
                                 std::to_string(timeout.count()) + " ms");
   }
   g_nested_lock_timeout_ms.store(timeout.count());
