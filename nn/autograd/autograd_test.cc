@@ -326,6 +326,11 @@ TEST(AutogradTest, RootErrors) {
   Tensor w = Param({2}, 1.0);
   EXPECT_NE(ErrorOf([&] { Backward(ops::MulScalar(w, 2.0)); }).find("one-element root"), std::string::npos);
   EXPECT_NE(ErrorOf([&] { Backward(Zeros({1})); }).find("does not require grad"), std::string::npos);
+  // An undefined root is named as such (before, it was said not to require
+  // grad, as if it were a tensor).
+  const std::string undefined = ErrorOf([&] { Backward({ops::Sum(w), Tensor()}); });
+  EXPECT_NE(undefined.find("Backward: root 1 is an undefined tensor"), std::string::npos) << undefined;
+  EXPECT_FALSE(w.grad().defined());  // refused before anything ran
   EXPECT_NE(ErrorOf([&] { Backward(ops::MulScalar(w, 2.0), Ones({3})); }).find("gradient of shape [3]"),
             std::string::npos);
 }

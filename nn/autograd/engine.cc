@@ -217,7 +217,10 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   std::vector<std::pair<Edge, Tensor>> seeds;
   for (size_t i = 0; i < roots.size(); ++i) {
     const Tensor& root = roots[i];
-    if (!root.defined() || !root.requires_grad()) {
+    if (!root.defined()) {
+      throw std::invalid_argument("Backward: root " + std::to_string(i) + " is an undefined tensor");
+    }
+    if (!root.requires_grad()) {
       throw std::invalid_argument("Backward: root " + std::to_string(i) +
                                   " does not require grad and has no grad_fn");
     }
