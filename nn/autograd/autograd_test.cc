@@ -1187,6 +1187,45 @@ TEST(GradHookTest, ASecondPassThroughAnOutputWhoseHooksWereReleasedIsRefused) {
   EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{26, 26}));
 }
 
+struct FailingBackward : Function<FailingBackward> {
+  static constexpr const char* kName = "FailingBackward";
+  static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) {
+    return {ops::MulScalar(in[0], 1.0)};
+  }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>&) {
+    throw std::runtime_error("backward failed on purpose");
+  }
+};
+
+// A pass that fails before it reaches y's node leaves y's hook, which holds
+// the loss, in place: the failed pass releases the hooks of the nodes it
+// did not run, so the graph still goes once the caller drops it (before,
+// the cycle kept it alive for ever). A retained graph keeps its hooks.
+TEST(GradHookTest, APassThatFailsStillReleasesTheHooksItDidNotReach) {
+  for (const bool retain : {false, true}) {
+    Tensor x = Param({2}, 1.0);
+    int calls = 0;
+    std::weak_ptr<Node> hooked_node;
+    HookHandle handle;
+    {
+      Tensor y = ops::Mul(x, x);
+      Tensor loss = ops::Sum(FailingBackward::Apply({y})[0]);
+      handle = y.RegisterHook([loss, &calls](const Tensor&) {
+        ++calls;
+        return Tensor();
+      });
+      hooked_node = y.grad_fn();
+      const std::string err = ErrorOf([&] { Backward(loss, Tensor(), retain); });
+      EXPECT_NE(err.find("backward failed on purpose"), std::string::npos) << err;
+    }
+    EXPECT_EQ(calls, 0);
+    EXPECT_FALSE(x.grad().defined());
+    EXPECT_EQ(hooked_node.expired(), !retain) << "retain_graph " << retain;
+    handle.Remove();  // breaks the cycle a retained graph keeps
+    EXPECT_TRUE(hooked_node.expired());
+  }
+}
+
 // Hooks run on gradients that flow, as PyTorch's documentation describes
 // them (run when the tensor's gradient is computed): an output of a
 // node that runs but gets no gradient is not hooked (PyTorch's engine calls

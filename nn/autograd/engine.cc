@@ -107,6 +107,44 @@ class NodeLock {
   std::unique_lock<std::timed_mutex> lock_;
 };
 
+// A pass that fails part way leaves the nodes it did not reach with their
+// gradient hooks, and one holding the loss would keep the graph alive for
+// ever (nothing else releases them once the caller drops it). Unless the
+// graph is retained, this releases the hooks of every node the pass could
+// reach when it ends by an exception. A node another thread's pass is
+// running is left to that pass: taking its hooks from under it would make
+// it skip them.
+class ReleaseHooksOnFailure {
+ public:
+  ReleaseHooksOnFailure(const std::unordered_set<Node*>& reachable, bool active)
+      : reachable_(reachable), active_(active) {}
+  ~ReleaseHooksOnFailure() {
+    if (!active_ || finished_) return;
+    for (Node* n : reachable_) {
+      // Never one of this thread's (Backward refuses a pass reaching them),
+      // checked anyway: try_lock on a mutex the caller holds is undefined.
+      if (std::find(held_nodes.begin(), held_nodes.end(), n) != held_nodes.end()) continue;
+      std::vector<NodeGradHooks::Entry> released;
+      try {
+        std::unique_lock<std::timed_mutex> lock(n->mutex(), std::try_to_lock);
+        if (lock.owns_lock()) released = n->ReleaseGradHooks();
+      } catch (...) {
+        // Out of memory while unwinding: this node keeps its hooks, and the
+        // pass's own error goes on.
+      }
+    }
+  }
+  /// The pass ran to the end: every node it reached released its own.
+  void Finished() { finished_ = true; }
+  ReleaseHooksOnFailure(const ReleaseHooksOnFailure&) = delete;
+  ReleaseHooksOnFailure& operator=(const ReleaseHooksOnFailure&) = delete;
+
+ private:
+  const std::unordered_set<Node*>& reachable_;
+  const bool active_;
+  bool finished_ = false;
+};
+
 struct LaterFirst {
   bool operator()(const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) const {
     return a->sequence_nr() < b->sequence_nr();
@@ -247,8 +285,8 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
 
   // Dependencies: how many edges point at each reachable node.
   std::unordered_map<Node*, int> deps;
+  std::unordered_set<Node*> seen;  // every reachable node
   {
-    std::unordered_set<Node*> seen;
     std::vector<Node*> stack;
     for (auto& [edge, g] : seeds) {
       if (seen.insert(edge.fn.get()).second) stack.push_back(edge.fn.get());
@@ -270,6 +308,7 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     }
   }
 
+  ReleaseHooksOnFailure release_on_failure(seen, !retain_graph);
   std::unordered_map<Node*, std::vector<Tensor>> buffers;
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, LaterFirst> ready;
   {
@@ -379,6 +418,7 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       if (--deps[e.fn.get()] == 0) ready.push(e.fn);
     }
   }
+  release_on_failure.Finished();
   RunCallbacks(task);
 }
 
