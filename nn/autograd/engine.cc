@@ -347,24 +347,23 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       // while they are freed. A thread holds one node's mutex per pass it
       // runs (more than one when passes are nested).
       NodeLock lock(*node);
-      // An earlier pass that did not retain the graph released this node's
-      // hooks: going on would silently leave them out of this gradient.
-      for (uint32_t i = 0; i < in.size(); ++i) {
-        if (in[i].defined() && node->GradHooksReleased(i)) {
-          throw std::logic_error("Backward: tried to run backward through the graph a second time: the gradient "
-                                 "hooks of output " + std::to_string(i) + " of " + node->name() +
-                                 " were released by an earlier Backward (pass retain_graph = true to it to keep "
-                                 "them)");
-        }
-      }
       // Gradient hooks of the node's outputs (Tensor::RegisterHook) see the
       // gradient summed over every use of the output, once per pass, and
       // may replace it before it is retained or reaches Apply (PyTorch's
       // tensor pre-hooks). The node keeps them, so they run whether or not
       // a handle to the output is alive. A leaf's run in its AccumulateGrad.
+      // (A node that never had a hook has no list: it costs one lock.)
       if (const std::shared_ptr<NodeGradHooks> hooks = node->grad_hooks()) {
         for (uint32_t i = 0; i < in.size(); ++i) {
           if (!in[i].defined()) continue;
+          // An earlier pass that did not retain the graph released this
+          // output's hooks: going on would silently leave them out.
+          if (node->GradHooksReleased(i)) {
+            throw std::logic_error("Backward: tried to run backward through the graph a second time: the "
+                                   "gradient hooks of output " + std::to_string(i) + " of " + node->name() +
+                                   " were released by an earlier Backward that did not retain the graph (pass "
+                                   "retain_graph = true to it to keep them)");
+          }
           try {
             in[i] = RunGradHooks(*hooks, i, std::move(in[i]),
                                  [&node, i] { return "output " + std::to_string(i) + " of " + node->name(); });
