@@ -71,10 +71,30 @@ std::string NestedPassRefusal(const Node& node) {
 }
 
 std::atomic<int64_t> g_nested_lock_timeout_ms{300000};
-// A week. try_lock_for converts its timeout to steady_clock nanoseconds
-// and adds it to now(): far larger values (milliseconds::max() meant as
-// "no deadline") overflow there, and the wait ended at once.
+// A week. The wait's deadline is steady_clock::now() plus the timeout in
+// nanoseconds: far larger values (milliseconds::max() meant as "no
+// deadline") overflow there, and the wait ended at once.
 constexpr int64_t kMaxNestedLockTimeoutMs = int64_t{7} * 24 * 3600 * 1000;
+
+// Takes `lock`'s mutex if it comes free within `timeout` (steady clock).
+// Waits in slices of at most 100 ms timed against the system clock: that
+// form of try_lock_until is pthread_mutex_timedlock, which ThreadSanitizer
+// follows, while the steady-clock form (pthread_mutex_clocklock) is unseen
+// by GCC 12's, which then reported every later unlock as the unlock of an
+// unlocked mutex. The steady clock decides when to give up, so a jump of
+// the system clock can only stretch or cut one slice.
+bool LockWithin(std::unique_lock<std::timed_mutex>& lock, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = deadline - std::chrono::steady_clock::now();
+    if (left <= std::chrono::steady_clock::duration::zero()) return lock.try_lock();
+    const auto slice = std::min<std::chrono::steady_clock::duration>(left, std::chrono::milliseconds(100));
+    if (lock.try_lock_until(std::chrono::system_clock::now() +
+                            std::chrono::duration_cast<std::chrono::system_clock::duration>(slice))) {
+      return true;
+    }
+  }
+}
 
 // Holds a node's mutex for one pass and records it in held_nodes. A pass
 // nested in another holds the enclosing pass's node while it waits here: a
@@ -88,7 +108,7 @@ class NodeLock {
     if (held_nodes.empty()) {
       lock_.lock();
     } else if (const int64_t timeout_ms = g_nested_lock_timeout_ms.load();
-               !lock_.try_lock_for(std::chrono::milliseconds(timeout_ms))) {
+               !LockWithin(lock_, std::chrono::milliseconds(timeout_ms))) {
       throw std::runtime_error(
           "Backward: a nested backward pass waited " + std::to_string(timeout_ms) +
           " ms for " + node.name() + ", which another thread's backward pass is running, while holding " +
