@@ -48,6 +48,20 @@ NamedTensors EmptyTensorsFromDescription(const std::string& text) {
   return out;
 }
 
+// Inside a catch handler: what the exception being handled says. A throw
+// of a type not derived from std::exception must still reach the peers
+// (they would otherwise wait for this rank until the group's timeout), so
+// every handler that tells them catches everything.
+std::string HandledExceptionText() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 // Broadcasts a string from `root` (its length, then its bytes).
 std::string BroadcastString(ProcessGroup& pg, const std::string& text, int root, const char* label) {
   Tensor length = nn::FromVectorOf<int64_t>({static_cast<int64_t>(text.size())}, {1});
@@ -227,10 +241,10 @@ void ZeroRedundancyOptimizer::Init(
                                     " it was given");
       }
     }
-  } catch (const std::exception& e) {
+  } catch (...) {
     failure = listed ? "ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(pg_->rank()) +
-                           "'s shard failed: " + e.what()
-                     : e.what();
+                           "'s shard failed: " + HandledExceptionText()
+                     : HandledExceptionText();
   }
   const std::vector<std::string> outcomes = pg_->AllGatherObject(failure);
   for (const std::string& outcome : outcomes) {
@@ -284,8 +298,8 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
   std::string unusable;
   try {
     CheckLocal("AddParamGroup");
-  } catch (const std::exception& e) {
-    unusable = std::string(e.what()) + " (on rank " + std::to_string(pg_->rank()) + ")";
+  } catch (...) {
+    unusable = HandledExceptionText() + " (on rank " + std::to_string(pg_->rank()) + ")";
   }
   for (const std::string& outcome : pg_->AllGatherObject(unusable)) {
     if (!outcome.empty()) throw std::logic_error(outcome);
@@ -316,8 +330,8 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
     for (size_t r = 0; r < added.size(); ++r) {
       for (const Slice& s : added[r]) added_pieces[r].push_back(PieceOf(group.params[s.param].second.Detach(), s));
     }
-  } catch (const std::exception& e) {
-    failure = e.what();
+  } catch (...) {
+    failure = HandledExceptionText();
   }
   for (const std::string& outcome : pg_->AllGatherObject(failure)) {
     if (!outcome.empty()) throw std::invalid_argument(outcome);
@@ -332,8 +346,8 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
       shard.params.emplace_back(group.params[mine[j].param].first, added_pieces[static_cast<size_t>(pg_->rank())][j]);
     }
     local_->AddParamGroup(std::move(shard));
-  } catch (const std::exception& e) {
-    failure = who + " on rank " + std::to_string(pg_->rank()) + ": " + e.what();
+  } catch (...) {
+    failure = who + " on rank " + std::to_string(pg_->rank()) + ": " + HandledExceptionText();
   }
   const std::vector<std::string> outcomes = pg_->AllGatherObject(failure);
   std::string failed;  // the first rank that failed
@@ -393,9 +407,9 @@ void ZeroRedundancyOptimizer::Step() {
     for (size_t k = 0; k < own; ++k) local[k].second.set_grad(Tensor());
   };
   // A failure here is this rank's alone (its gradients, its memory, its
-  // optimizer), while the others are about to broadcast their shards and
-  // wait for this one's: end the group so that they fail now, with the
-  // reason, rather than at the timeout.
+  // optimizer, a broadcast's buffers), while the others are about to
+  // broadcast their shards and wait for this one's: end the group so that
+  // they fail now, with the reason, rather than at the timeout.
   try {
     CheckLocal("Step");
     // The pieces are views of the parameters' memory as it was at
@@ -440,18 +454,21 @@ void ZeroRedundancyOptimizer::Step() {
       local[k].second.set_grad(grad.defined() ? PieceOf(grad, mine[k]) : Tensor());
     }
     local_->Step();
-  } catch (const std::exception& e) {
     clear_pieces();
-    pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::Step failed on rank " +
-                                       std::to_string(pg_->rank()) + ": " + e.what()));
+    // Each rank's pieces, per dtype and device in broadcasts of buckets of
+    // at most kBroadcastBucketBytes (in place for a bucket of one piece).
+    for (int r = 0; r < pg_->size(); ++r) {
+      internal::BroadcastCoalesced(*pg_, pieces_[static_cast<size_t>(r)], r,
+                                   "zero: parameters of rank " + std::to_string(r));
+    }
+  } catch (...) {
+    clear_pieces();
+    // A failed broadcast has aborted the group already, with its reason.
+    if (pg_->aborted_reason().ok()) {
+      pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::Step failed on rank " +
+                                         std::to_string(pg_->rank()) + ": " + HandledExceptionText()));
+    }
     throw;
-  }
-  clear_pieces();
-  // Each rank's pieces, per dtype and device in broadcasts of buckets of at
-  // most kBroadcastBucketBytes (in place for a bucket of one piece).
-  for (int r = 0; r < pg_->size(); ++r) {
-    internal::BroadcastCoalesced(*pg_, pieces_[static_cast<size_t>(r)], r,
-                                 "zero: parameters of rank " + std::to_string(r));
   }
 }
 
@@ -481,6 +498,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
   // The options ("group.*", the same on every rank) come from this rank's
   // optimizer below; only the per-parameter state is gathered.
   NamedTensors options;
+  std::vector<NamedTensors> by_rank(static_cast<size_t>(pg_->size()));
   try {
     CheckLocal("ConsolidatedStateDict");
     for (auto& [name, t] : local_->StateDict()) {
@@ -490,25 +508,28 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
         options.emplace_back(name, t);
       }
     }
-  } catch (const std::exception& e) {
-    // The peers are about to wait for this rank's state list: tell them
-    // (as Step does) instead of letting them wait out the timeout.
-    pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::ConsolidatedStateDict failed on rank " +
-                                       std::to_string(pg_->rank()) + ": " + e.what()));
+    // Each rank in turn describes its shard's state and sends it.
+    for (int r = 0; r < pg_->size(); ++r) {
+      const std::string text =
+          BroadcastString(*pg_, r == pg_->rank() ? DescribeTensors(mine) : std::string(), r, "zero: state list");
+      NamedTensors tensors = r == pg_->rank() ? mine : EmptyTensorsFromDescription(text);
+      std::vector<Work> works;
+      for (const auto& [name, t] : tensors) works.push_back(pg_->Broadcast(t, r, "zero: " + name));
+      for (Work& w : works) w.Wait();
+      // Only the receiving rank keeps the shards: the others would hold the
+      // whole optimizer state, which sharding exists to avoid.
+      if (pg_->rank() == to) by_rank[static_cast<size_t>(r)] = std::move(tensors);
+    }
+  } catch (...) {
+    // The peers wait for this rank's state list, or for it to receive
+    // theirs (a peer's tensors it had no memory for): tell them, as Step
+    // does, instead of letting them wait out the timeout. A failed
+    // broadcast has aborted the group already, with its reason.
+    if (pg_->aborted_reason().ok()) {
+      pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::ConsolidatedStateDict failed on rank " +
+                                         std::to_string(pg_->rank()) + ": " + HandledExceptionText()));
+    }
     throw;
-  }
-  // Each rank in turn describes its shard's state and sends it.
-  std::vector<NamedTensors> by_rank(static_cast<size_t>(pg_->size()));
-  for (int r = 0; r < pg_->size(); ++r) {
-    const std::string text =
-        BroadcastString(*pg_, r == pg_->rank() ? DescribeTensors(mine) : std::string(), r, "zero: state list");
-    NamedTensors tensors = r == pg_->rank() ? mine : EmptyTensorsFromDescription(text);
-    std::vector<Work> works;
-    for (const auto& [name, t] : tensors) works.push_back(pg_->Broadcast(t, r, "zero: " + name));
-    for (Work& w : works) w.Wait();
-    // Only the receiving rank keeps the shards: the others would hold the
-    // whole optimizer state, which sharding exists to avoid.
-    if (pg_->rank() == to) by_rank[static_cast<size_t>(r)] = std::move(tensors);
   }
   if (pg_->rank() != to) return {};
   // The unsharded optimizer's order: "lr", the options, then parameter by parameter,
@@ -662,13 +683,13 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
   }
   try {
     local_->LoadStateDict(shard);
-  } catch (const std::exception& e) {
+  } catch (...) {
     // Checked above, so only this rank's own failure (out of memory) gets
     // here, after the peers have loaded: end the group so that their next
     // collective fails at once with the reason, instead of waiting for
     // this rank until the timeout.
     pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::LoadStateDict failed on rank " +
-                                       std::to_string(pg_->rank()) + ": " + e.what()));
+                                       std::to_string(pg_->rank()) + ": " + HandledExceptionText()));
     throw;
   }
 }

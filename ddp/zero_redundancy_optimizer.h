@@ -129,7 +129,9 @@ class ZeroRedundancyOptimizer {
   /// construction: build the optimizer after moving or converting the
   /// model; and std::invalid_argument naming a gradient not of its
   /// parameter's shape. A refused step changes no parameter, and fails the
-  /// other ranks too (the group is aborted).
+  /// other ranks too (the group is aborted). Any failure of this rank's
+  /// part (out of memory, an exception of any type from the optimizer)
+  /// aborts the group alike before it reaches the caller as it came.
   void Step();
   /// Appends a param group (PyTorch's add_param_group: layers unfrozen
   /// while fine-tuning, say). Collective: every rank must add the same
@@ -183,7 +185,11 @@ class ZeroRedundancyOptimizer {
   /// StateDict would give it (CPU tensors), on rank `to`; an empty list on
   /// the other ranks. Every rank must pass the same `to`: ranks that differ,
   /// or a `to` outside the group, throw std::invalid_argument on every rank
-  /// at once, naming the values, before any state is sent.
+  /// at once, naming the values, before any state is sent. A rank that
+  /// fails on its way (its state dict, or no memory for a peer's state as
+  /// it arrives; any exception type) aborts the group, so that the others
+  /// fail at once with DistributedError naming it, and rethrows its
+  /// exception as it came.
   nn::optim::NamedTensors ConsolidatedStateDict(int to = 0);
   /// Collective: loads a whole state (ConsolidatedStateDict's, or a plain
   /// optimizer's StateDict); each rank keeps the entries of the parameters

@@ -40,6 +40,7 @@
 #include "nn/optim/adam.h"
 #include "nn/optim/lr_scheduler.h"
 #include "nn/optim/sgd.h"
+#include "nn/tensor/allocator.h"
 
 namespace ddp::dist {
 namespace {
@@ -904,6 +905,141 @@ DDP_TEST_WORKER(shard_load_out_of_memory) {
 TEST(ZeroRedundancyOptimizerTest, AShardLoadFailingOnOneRankFailsTheOthersNextStepAtOnce) {
   auto run = RunWorkers("shard_load_out_of_memory", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Rank 1 has no memory for rank 0's state as it arrives in
+// ConsolidatedStateDict (its address space is capped a little above what
+// it maps, and rank 0's momentum is 32 MiB; rank 1's own shard has no
+// state yet): it ends the group, so that rank 0, sending, fails at once
+// naming it. Before, rank 1 threw alone and rank 0 waited in the
+// broadcast until the timeout.
+DDP_TEST_WORKER(consolidate_receive_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  constexpr int64_t kElements = int64_t{8} << 20;
+  const NamedParameters ab = {{"a", nn::Zeros({kElements}).set_requires_grad(true)},
+                              {"b", nn::Zeros({kElements}).set_requires_grad(true)}};
+  ZeroRedundancyOptimizer zero(ab, pg, [](NamedParameters p) {
+    return std::make_unique<nn::optim::Sgd>(std::move(p), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+  });
+  const std::vector<Slice> own_a = {{.param = 0, .offset = 0, .length = kElements}};
+  WORKER_EXPECT(zero.shard(0) == own_a, "rank 0 does not own `a` alone");
+  ab[0].second.set_grad(nn::Ones({kElements}));
+  zero.Step();  // only `a` steps: rank 0 holds its momentum
+  nn::CpuAllocator().EmptyCache();  // no cached block to take the 32 MiB from
+  pg->Barrier().Wait();  // the communication thread runs before the limit
+  std::optional<testing::AddressSpaceLimit> limit;
+  if (pg->rank() == 1) {
+    limit.emplace(8 << 20);
+    WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "consolidated";
+  try {
+    zero.ConsolidatedStateDict(0);
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  limit.reset();
+  if (pg->rank() == 1) {
+    WORKER_EXPECT(outcome == "std::bad_alloc", outcome + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 &&
+                    outcome.find("ConsolidatedStateDict failed on rank 1") != std::string::npos,
+                outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, APeersStateWithoutMemoryToReceiveItFailsEveryRankAtOnce) {
+  auto run = RunWorkers("consolidate_receive_out_of_memory", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Thrown by rank 1's optimizer below: not derived from std::exception.
+struct NotAStdException {};
+bool throw_not_std = false;
+// An SGD that throws NotAStdException from its update and its Name() (the
+// state dict names its optimizer) while `throw_not_std` is set.
+class SgdThrowingNotStd : public nn::optim::Sgd {
+ public:
+  using nn::optim::Sgd::Sgd;
+  const char* Name() const override {
+    if (throw_not_std) throw NotAStdException{};
+    return nn::optim::Sgd::Name();
+  }
+
+ protected:
+  void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
+              float grad_scale) override {
+    if (throw_not_std) throw NotAStdException{};
+    nn::optim::Sgd::Update(group, p, g, slots, n, step, fresh, grad_scale);
+  }
+  using nn::optim::Sgd::Update;
+};
+
+// Rank 1 throws something that is not a std::exception (per
+// DDP_TEST_WHERE: from its factory, its shard's step, or its state dict):
+// every rank fails at once, rank 0 naming rank 1, instead of rank 0
+// waiting for rank 1 until the timeout (the handlers that tell the peers
+// caught std::exception only). Rank 1's own exception reaches its caller
+// as it came, except in the constructor, where every rank throws the
+// agreed std::invalid_argument.
+DDP_TEST_WORKER(not_std_exception) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string where = std::getenv("DDP_TEST_WHERE");
+  const std::string on = " on rank " + std::to_string(pg->rank()) + " (" + where + ")";
+  const bool failing = pg->rank() == 1;
+  nn::Generator gen(5);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  for (const auto& [name, p] : ab) p.set_grad(nn::Randn({32}, {}, gen));
+  const auto make = [&](NamedParameters p) -> std::unique_ptr<nn::optim::Optimizer> {
+    if (where == "factory" && failing) throw NotAStdException{};
+    return std::make_unique<SgdThrowingNotStd>(std::move(p), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "no error";
+  try {
+    ZeroRedundancyOptimizer zero(ab, pg, make);
+    throw_not_std = failing;
+    if (where == "step") zero.Step();
+    if (where == "consolidate") zero.ConsolidatedStateDict(0);
+  } catch (const NotAStdException&) {
+    outcome = "NotAStdException";
+  } catch (const std::exception& e) {
+    outcome = e.what();
+  }
+  throw_not_std = false;
+  const std::string reason = where == "factory" ? "ZeroRedundancyOptimizer: building the optimizer of rank 1's "
+                                                  "shard failed: an exception that is not a std::exception"
+                         : where == "step"      ? "ZeroRedundancyOptimizer::Step failed on rank 1: an exception "
+                                                  "that is not a std::exception"
+                                                : "ZeroRedundancyOptimizer::ConsolidatedStateDict failed on rank 1: "
+                                                  "an exception that is not a std::exception";
+  if (failing) {
+    WORKER_EXPECT(outcome == (where == "factory" ? reason : "NotAStdException"), outcome + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.find(reason) != std::string::npos, outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AThrowNotDerivedFromStdExceptionOnOneRankFailsEveryRankAtOnce) {
+  for (const char* where : {"factory", "step", "consolidate"}) {
+    auto run = RunWorkers("not_std_exception", 2, {{"DDP_TEST_WHERE", where}});
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
 }
 
 // A parameter name may hold a tab (only newlines are refused): the list of
