@@ -128,6 +128,20 @@ struct OverlappedZeroOptimizer::State {
 
 namespace {
 
+// Inside a catch handler: what the exception being handled says. A throw
+// of a type not derived from std::exception must reach the peers too
+// (they would otherwise wait for this rank until the group's timeout), so
+// every handler that tells them catches everything.
+std::string HandledExceptionText() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 // Each group's parameter names in an optimizer.
 std::vector<std::vector<std::string>> MembersOf(const nn::optim::Optimizer& optimizer) {
   std::vector<std::vector<std::string>> out(optimizer.num_groups());
@@ -235,8 +249,8 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
       state_->names.push_back(name);
       state_->total_elements += p.numel();
     }
-  } catch (const std::invalid_argument& e) {
-    failure = e.what();
+  } catch (...) {
+    failure = HandledExceptionText();
   }
   if (grouped && group.size() > 1) {
     // Each rank builds its slices' groups from its own list: a rank that
@@ -285,8 +299,8 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
           throw std::invalid_argument("trained parameter `" + state_->names[i] + "` is in no param group");
         }
       }
-    } catch (const std::invalid_argument& e) {
-      failure = e.what();
+    } catch (...) {
+      failure = HandledExceptionText();
     }
   }
   const std::string hint = grouped ? "" : " (pass parameter groups to the constructor that takes them)";
@@ -339,58 +353,65 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
   // memory, at their gradients' offsets, and this rank's slice of it gets
   // its optimizer.
   std::vector<std::pair<Tensor, Tensor>> moves;  // (parameter, its view of a flat buffer)
-  for (const std::vector<std::string>& names : bucket_names) {
-    if (!failure.empty()) break;
-    State::Bucket bucket;
-    std::vector<Tensor> members;
-    std::vector<size_t> indices;  // into state_->params
-    int64_t numel = 0;
-    for (const std::string& name : names) {
-      const auto found = by_name.find(name);
-      members.push_back(found->second);
-      by_name.erase(found);  // each parameter in one bucket
-      indices.push_back(static_cast<size_t>(
-          std::find(state_->names.begin(), state_->names.end(), name) - state_->names.begin()));
-      bucket.offsets.push_back(numel);
-      numel += members.back().numel();
-    }
-    bucket.flat = group.CollectiveZeros({numel}, {.dtype = members.front().dtype()});
-    for (size_t k = 0; k < members.size(); ++k) {
-      const Tensor& p = members[k];
-      const Tensor view = bucket.flat.Narrow(0, bucket.offsets[k], p.numel()).View(p.shape());
-      {
-        nn::NoGradGuard guard;
-        view.CopyFrom(p);
+  // The flat buffers are this rank's own allocations (as large as the
+  // model): one it has no memory for fails every rank at the agreement
+  // below, as a factory's failure does.
+  try {
+    for (const std::vector<std::string>& names : bucket_names) {
+      if (!failure.empty()) break;
+      State::Bucket bucket;
+      std::vector<Tensor> members;
+      std::vector<size_t> indices;  // into state_->params
+      int64_t numel = 0;
+      for (const std::string& name : names) {
+        const auto found = by_name.find(name);
+        members.push_back(found->second);
+        by_name.erase(found);  // each parameter in one bucket
+        indices.push_back(static_cast<size_t>(
+            std::find(state_->names.begin(), state_->names.end(), name) - state_->names.begin()));
+        bucket.offsets.push_back(numel);
+        numel += members.back().numel();
       }
-      // The parameter moves into the view once the hook is registered
-      // (below): a construction refused before then leaves the module as
-      // it was, and with it an optimizer built on it earlier, whose hook
-      // finds the parameters in its own flat buffers.
-      moves.emplace_back(p, view);
-      bucket.params.push_back(p.impl());
-    }
-    const Tensor flat = bucket.flat.Detach();
-    for (const auto& [offset, count] : group.ThroughPieces(numel, bucket.flat.dtype())) {
-      const size_t first = bucket.views.size();
+      bucket.flat = group.CollectiveZeros({numel}, {.dtype = members.front().dtype()});
       for (size_t k = 0; k < members.size(); ++k) {
-        const int64_t lo = std::max(bucket.offsets[k], offset);
-        const int64_t hi = std::min(bucket.offsets[k] + members[k].numel(), offset + count);
-        if (lo >= hi) continue;
-        // A parameter cut into several views names each by its range.
-        const bool whole = lo == bucket.offsets[k] && hi == bucket.offsets[k] + members[k].numel();
-        bucket.views.emplace_back(
-            whole ? names[k]
-                  : names[k] + "[" + std::to_string(lo - bucket.offsets[k]) + ":" +
-                        std::to_string(hi - bucket.offsets[k]) + "]",
-            flat.Narrow(0, lo, hi - lo));
-        bucket.view_begin.push_back(lo);
-        bucket.view_param.push_back(indices[k]);
-        bucket.view_offset.push_back(lo - bucket.offsets[k]);
+        const Tensor& p = members[k];
+        const Tensor view = bucket.flat.Narrow(0, bucket.offsets[k], p.numel()).View(p.shape());
+        {
+          nn::NoGradGuard guard;
+          view.CopyFrom(p);
+        }
+        // The parameter moves into the view once the hook is registered
+        // (below): a construction refused before then leaves the module as
+        // it was, and with it an optimizer built on it earlier, whose hook
+        // finds the parameters in its own flat buffers.
+        moves.emplace_back(p, view);
+        bucket.params.push_back(p.impl());
       }
-      bucket.pieces[offset] = {{first, bucket.views.size()}, count};
-      state_->owned_elements += count;
+      const Tensor flat = bucket.flat.Detach();
+      for (const auto& [offset, count] : group.ThroughPieces(numel, bucket.flat.dtype())) {
+        const size_t first = bucket.views.size();
+        for (size_t k = 0; k < members.size(); ++k) {
+          const int64_t lo = std::max(bucket.offsets[k], offset);
+          const int64_t hi = std::min(bucket.offsets[k] + members[k].numel(), offset + count);
+          if (lo >= hi) continue;
+          // A parameter cut into several views names each by its range.
+          const bool whole = lo == bucket.offsets[k] && hi == bucket.offsets[k] + members[k].numel();
+          bucket.views.emplace_back(
+              whole ? names[k]
+                    : names[k] + "[" + std::to_string(lo - bucket.offsets[k]) + ":" +
+                          std::to_string(hi - bucket.offsets[k]) + "]",
+              flat.Narrow(0, lo, hi - lo));
+          bucket.view_begin.push_back(lo);
+          bucket.view_param.push_back(indices[k]);
+          bucket.view_offset.push_back(lo - bucket.offsets[k]);
+        }
+        bucket.pieces[offset] = {{first, bucket.views.size()}, count};
+        state_->owned_elements += count;
+      }
+      state_->buckets.push_back(std::move(bucket));
     }
-    state_->buckets.push_back(std::move(bucket));
+  } catch (...) {
+    failure = "building rank " + std::to_string(group.rank()) + "'s flat buffers failed: " + HandledExceptionText();
   }
   // The optimizers differ per rank (each gets its own pieces), so a factory
   // may fail on some ranks only: the ranks agree on the outcome before any
@@ -431,8 +452,9 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
       for (auto& [key, value] : internal::SharedOptimizerOptions(first->StateDict())) {
         built.push_back({"option", key, value});
       }
-    } catch (const std::exception& e) {
-      failure = "building the optimizer of rank " + std::to_string(group.rank()) + "'s slices failed: " + e.what();
+    } catch (...) {
+      failure = "building the optimizer of rank " + std::to_string(group.rank()) + "'s slices failed: " +
+                HandledExceptionText();
     }
   }
   const std::vector<std::string> outcomes = group.AllGatherObject(failure);
@@ -703,11 +725,11 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
         }
       }
     }
-  } catch (const std::exception& e) {
+  } catch (...) {
     // The peers are about to wait for this rank's record in the gather:
     // tell them instead of letting them wait out the timeout.
     pg.Abort(transport::AbortedError("OverlappedZeroOptimizer::ConsolidatedStateDict failed on rank " +
-                                     std::to_string(pg.rank()) + ": " + e.what()));
+                                     std::to_string(pg.rank()) + ": " + HandledExceptionText()));
     throw;
   }
   const std::vector<std::string> all = pg.GatherObject(mine, to);

@@ -108,7 +108,8 @@ class OverlappedZeroOptimizer {
   /// changed after the wrapper was built), find_unused_parameters or
   /// static_graph; std::logic_error after the first backward (on more
   /// than one rank; one rank runs no hook, and Step() steps everything).
-  /// What one rank refuses in its own module or factory fails every rank
+  /// What one rank refuses in its own module or factory (an exception of
+  /// any type), or a flat buffer it has no memory for, fails every rank
   /// together, naming that rank; so do factories that build optimizers of
   /// another kind, rate or options on some ranks (naming the first option
   /// that differs and each rank's value). A refused construction leaves the
@@ -185,6 +186,8 @@ class OverlappedZeroOptimizer {
   /// Throws std::invalid_argument for a rank outside the group, and on
   /// every rank at once, naming the values, when the ranks pass different
   /// `to` (one small all-gather agrees on it before any state is sent).
+  /// A rank whose slices' state dicts fail (any exception type) aborts the
+  /// group, so that the others fail at once naming it, and rethrows.
   nn::optim::NamedTensors ConsolidatedStateDict(int to = 0);
   /// Loads a whole state (ConsolidatedStateDict's, or a plain optimizer's
   /// StateDict) on every rank; each slice's optimizer takes its pieces. Not

@@ -1474,5 +1474,70 @@ TEST(OverlappedZeroOptimizerTest, GroupsDifferingAcrossRanksOrNotTheModulesAreRe
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// ------------------------------------------------------------ failures ----
+
+// Thrown by rank 1 below: not derived from std::exception.
+struct NotAStdException {};
+bool throw_not_std = false;
+// An SGD whose Name() throws NotAStdException while `throw_not_std` is
+// set (its state dict names its optimizer).
+class SgdThrowingNotStd : public nn::optim::Sgd {
+ public:
+  using nn::optim::Sgd::Sgd;
+  const char* Name() const override {
+    if (throw_not_std) throw NotAStdException{};
+    return nn::optim::Sgd::Name();
+  }
+};
+
+// Rank 1 throws something that is not a std::exception (per
+// DDP_TEST_WHERE: from its factory, or from its slices' state dicts in
+// ConsolidatedStateDict): every rank fails at once, rank 0 naming rank 1,
+// instead of rank 0 waiting for rank 1 in the all-gather or the gather
+// until the timeout (the handlers caught std::exception only).
+DDP_TEST_WORKER(not_std_exception) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string where = std::getenv("DDP_TEST_WHERE");
+  const std::string on = " on rank " + std::to_string(pg->rank()) + " (" + where + ")";
+  const bool failing = pg->rank() == 1;
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  const auto make = [&](nn::optim::NamedParameters shard) -> std::unique_ptr<nn::optim::Optimizer> {
+    if (where == "factory" && failing) throw NotAStdException{};
+    return std::make_unique<SgdThrowingNotStd>(std::move(shard), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "no error";
+  try {
+    OverlappedZeroOptimizer opt(ddp, make);
+    throw_not_std = failing;
+    opt.ConsolidatedStateDict(0);
+  } catch (const NotAStdException&) {
+    outcome = "NotAStdException";
+  } catch (const std::exception& e) {
+    outcome = e.what();
+  }
+  throw_not_std = false;
+  const std::string reason = where == "factory" ? "OverlappedZeroOptimizer on rank 1: building the optimizer of "
+                                                  "rank 1's slices failed: an exception that is not a std::exception"
+                                                : "OverlappedZeroOptimizer::ConsolidatedStateDict failed on rank 1: an "
+                                                  "exception that is not a std::exception";
+  if (failing) {
+    WORKER_EXPECT(outcome == (where == "factory" ? reason : "NotAStdException"), outcome + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.find(reason) != std::string::npos, outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, AThrowNotDerivedFromStdExceptionOnOneRankFailsEveryRankAtOnce) {
+  for (const char* where : {"factory", "consolidate"}) {
+    auto run = RunWorkers("not_std_exception", 2, {{"DDP_TEST_WHERE", where}});
+    EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::dist
