@@ -21,6 +21,7 @@
 #include <new>
 #include <stdexcept>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,7 @@
 #include "nn/optim/lr_scheduler.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
+#include "nn/tensor/allocator.h"
 
 namespace ddp::dist {
 namespace {
@@ -1537,6 +1539,58 @@ TEST(OverlappedZeroOptimizerTest, AThrowNotDerivedFromStdExceptionOnOneRankFails
     auto run = RunWorkers("not_std_exception", 2, {{"DDP_TEST_WHERE", where}});
     EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
   }
+}
+
+// Rank 1 has no memory for the flat buffer of the 32 MiB weight (its
+// address space is capped a little above what it maps): every rank's
+// construction fails at once, naming rank 1, and the parameters stay in
+// their memory. Before, rank 1 threw std::bad_alloc alone and rank 0
+// waited in the agreement until the timeout.
+DDP_TEST_WORKER(flat_buffer_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(1);
+  auto model = std::make_shared<nn::modules::Linear>(2048, 4096, true, gen);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  std::vector<const void*> memory;
+  for (const auto& [name, p] : model->NamedParameters()) memory.push_back(p.data_ptr());
+  nn::CpuAllocator().EmptyCache();  // no cached block to take the 32 MiB from
+  pg->Barrier().Wait();  // the communication thread runs before the limit
+  std::optional<testing::AddressSpaceLimit> limit;
+  if (pg->rank() == 1) {
+    limit.emplace(8 << 20);
+    WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "built";
+  try {
+    OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+      return MakeOptimizer(false, std::move(shard));
+    });
+  } catch (const std::invalid_argument& e) {
+    outcome = e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("not an invalid_argument: ") + e.what();
+  }
+  limit.reset();
+  if (pg->rank() == 1) {
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+  } else {
+    testing::MarkThisRankDone(*pg);
+  }
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("OverlappedZeroOptimizer on rank 1: building rank 1's flat buffers failed: ", 0) == 0,
+                outcome + on);
+  size_t k = 0;
+  for (const auto& [name, p] : model->NamedParameters()) {
+    WORKER_EXPECT(p.data_ptr() == memory[k++], "`" + name + "` moved in a refused construction" + on);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, AFlatBufferWithoutMemoryOnOneRankFailsEveryRankAtOnce) {
+  auto run = RunWorkers("flat_buffer_out_of_memory", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 }  // namespace
