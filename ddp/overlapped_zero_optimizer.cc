@@ -837,11 +837,16 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     const size_t best = found < 0 ? s.params.size() : static_cast<size_t>(found);
     if (best == s.params.size()) {
       // A frozen parameter in a plain optimizer's state: held there, never
-      // updated (its step is 0), nothing to load here.
-      const bool untouched_step = key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0 &&
-                                  value.defined() && value.dtype() == nn::DType::kInt64 && value.numel() == 1 &&
-                                  value.To(nn::kCPU).data<int64_t>()[0] == 0;
-      if (untouched_step) continue;
+      // updated (its step is 0, an i64 scalar as StateDict writes it, and
+      // PyTorch's 0-d tensor), nothing to load here.
+      const bool is_step = key.size() > 5 && key.compare(key.size() - 5, 5, ".step") == 0;
+      if (is_step && value.defined() && value.dtype() == nn::DType::kInt64 && value.numel() == 1 &&
+          value.To(nn::kCPU).data<int64_t>()[0] == 0) {
+        if (value.shape() == nn::Shape{}) continue;
+        throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key + "` is i64 " +
+                                    nn::ShapeToString(value.shape()) +
+                                    ", expected i64 [] (the step of a parameter this optimizer does not train)");
+      }
       throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key +
                                   "` names no trained parameter");
     }
@@ -891,10 +896,15 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
       throw std::invalid_argument(std::string("OverlappedZeroOptimizer::LoadStateDict: ") + e.what());
     }
   }
+  // Each slice's entries, checked by its optimizer for every slice before
+  // any loads (a check the probes above did not make, or one that fails,
+  // as out of memory, then leaves every slice as it was).
   std::lock_guard<std::mutex> lock(s.mu);
-  for (State::Bucket& bucket : s.buckets) {
+  std::vector<nn::optim::NamedTensors> by_bucket(s.buckets.size());
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    State::Bucket& bucket = s.buckets[b];
     if (bucket.optimizer == nullptr) continue;
-    nn::optim::NamedTensors pieces;
+    nn::optim::NamedTensors& pieces = by_bucket[b];
     if (lr != nullptr) pieces.emplace_back("lr", *lr);
     // The options ("group.*", "param_groups.*"), checked above with the
     // probes.
@@ -912,7 +922,15 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
         }
       }
     }
-    bucket.optimizer->LoadStateDict(pieces);
+    try {
+      bucket.optimizer->CheckStateDict(pieces);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: bucket " + std::to_string(b) +
+                                  "'s slice: " + e.what());
+    }
+  }
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    if (s.buckets[b].optimizer != nullptr) s.buckets[b].optimizer->LoadStateDict(by_bucket[b]);
   }
   // The rates and options as loaded (a state saved without options keeps
   // the factory's, and one without "lr" the current rate).

@@ -195,13 +195,18 @@ class OverlappedZeroOptimizer {
   /// first checked, one parameter at a time, by loading that parameter's
   /// entries into a throwaway optimizer of it (so the check holds one
   /// parameter's state at most), so that a bad state fails every rank
-  /// alike before anything changes. Throws
-  /// std::invalid_argument naming a "state." key of no trained parameter,
-  /// an entry whose size is not its parameter's, or a param group whose
-  /// saved size or members are not this optimizer's (and, from the
-  /// optimizer's own check, another group count). Any other failure of
-  /// the check (std::bad_alloc, say) is rethrown as it came, on that rank
-  /// alone; nothing is loaded there.
+  /// alike before anything changes; then each slice's optimizer checks
+  /// its own part, for every slice before any loads. Throws
+  /// std::invalid_argument naming a "state." key of no trained parameter
+  /// (a frozen parameter's "step" is let through as the 0-d i64 0 that a
+  /// parameter never updated saves, and refused naming its shape
+  /// otherwise), an entry whose size is not its parameter's, or a param
+  /// group whose saved size or members are not this optimizer's (and,
+  /// from the optimizer's own check, another group count). Any other
+  /// failure of the checks (std::bad_alloc, say) is rethrown as it came,
+  /// on that rank alone; nothing is loaded there. One while loading, after
+  /// every check passed (out of memory), may leave the slices loaded
+  /// before it.
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   struct State;

@@ -1593,5 +1593,138 @@ TEST(OverlappedZeroOptimizerTest, AFlatBufferWithoutMemoryOnOneRankFailsEveryRan
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A frozen parameter's step in a plain optimizer's state is let through
+// when it is what StateDict (and PyTorch) writes for a parameter never
+// updated: an i64 0-d 0. The same 0 in an i64 [1] (or [1, 1]) is not a
+// step entry, and is refused naming the key and both shapes, as the plain
+// optimizer refuses it for a parameter it holds; nothing loads.
+DDP_TEST_WORKER(frozen_step_shape) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  auto model = Mlp(41);
+  const auto named = model->NamedParameters();
+  const std::string frozen = named.back().first;
+  named.back().second.set_requires_grad(false);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+    return MakeOptimizer(false, std::move(shard));
+  });
+  auto plain = MakeOptimizer(false, model->NamedParameters());
+  plain->set_lr(0.5);
+  const nn::optim::NamedTensors saved = plain->StateDict();
+  for (const nn::Shape& shape : {nn::Shape{1}, nn::Shape{1, 1}}) {
+    nn::optim::NamedTensors state = saved;
+    bool replaced = false;
+    for (auto& [key, value] : state) {
+      if (key != "state." + frozen + ".step") continue;
+      value = nn::Zeros(shape, {.dtype = nn::DType::kInt64});
+      replaced = true;
+    }
+    WORKER_EXPECT(replaced, "the plain optimizer's state has no step of `" + frozen + "`");
+    std::string message = "loaded";
+    try {
+      opt.LoadStateDict(state);
+    } catch (const std::invalid_argument& e) {
+      message = e.what();
+    }
+    const std::string want = "OverlappedZeroOptimizer::LoadStateDict: `state." + frozen + ".step` is i64 " +
+                             nn::ShapeToString(shape) + ", expected i64 []";
+    WORKER_EXPECT(message.rfind(want, 0) == 0, message + on);
+    WORKER_EXPECT(opt.lr() == 0.05, "a refused state changed the rate to " + std::to_string(opt.lr()) + on);
+  }
+  opt.LoadStateDict(saved);  // the 0-d step loads
+  WORKER_EXPECT(opt.lr() == 0.5, "the state's rate was not loaded" + on);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, AFrozenParametersStepOfAnotherShapeIsRefusedNamingIt) {
+  for (int world : {1, 2}) {
+    auto run = RunWorkers("frozen_step_shape", world);
+    EXPECT_TRUE(run.AllSucceeded()) << world << " ranks\n" << testing::AllOutput(run);
+  }
+}
+
+// An SGD whose Name() (asked for by every check of a state) runs out of
+// memory on the instance `failing_slice` while `fail_slice` is set.
+bool fail_slice = false;
+const nn::optim::Optimizer* failing_slice = nullptr;
+class SgdSliceOutOfMemory : public nn::optim::Sgd {
+ public:
+  using nn::optim::Sgd::Sgd;
+  const char* Name() const override {
+    if (fail_slice && this == failing_slice) throw std::bad_alloc();
+    return nn::optim::Sgd::Name();
+  }
+};
+
+// The optimizer of this rank's slice of the last bucket runs out of memory
+// in LoadStateDict (after the per-parameter checks passed): no slice
+// loads, so the consolidated state is as it was. Before, the slices loaded
+// one after another, and the earlier buckets' kept the state's momentum
+// and step while the last one kept none.
+DDP_TEST_WORKER(slice_load_out_of_memory) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  DistributedDataParallel ddp(Mlp(1), {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
+  WORKER_EXPECT(ddp.BucketParameterNames().size() >= 2,
+                "one bucket only" + on + ": nothing could load before the failing slice");
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  const nn::optim::Optimizer* last_built = nullptr;
+  OverlappedZeroOptimizer opt(ddp, [&](nn::optim::NamedParameters shard) {
+    auto made = std::make_unique<SgdSliceOutOfMemory>(std::move(shard), options);
+    last_built = made.get();
+    return made;
+  });
+  failing_slice = last_built;  // the last bucket's slice (LoadStateDict's probes come later)
+  nn::optim::NamedTensors saved;
+  {
+    auto copy = Mlp(2);
+    nn::Generator gen(3);
+    for (const auto& [name, p] : copy->NamedParameters()) p.set_grad(nn::Randn(p.shape(), {}, gen));
+    nn::optim::Sgd plain(copy->NamedParameters(), options);
+    plain.Step();
+    saved = plain.StateDict();
+  }
+  const nn::optim::NamedTensors before = opt.ConsolidatedStateDict(0);
+  fail_slice = true;
+  std::string outcome = "loaded";
+  try {
+    opt.LoadStateDict(saved);
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  fail_slice = false;
+  WORKER_EXPECT(outcome == "std::bad_alloc", outcome + on);
+  const nn::optim::NamedTensors after = opt.ConsolidatedStateDict(0);
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(after.size() == before.size(), "the state has " + std::to_string(after.size()) +
+                                                     " entries after the failed load, " +
+                                                     std::to_string(before.size()) + " before");
+    for (size_t k = 0; k < std::min(after.size(), before.size()); ++k) {
+      WORKER_EXPECT(after[k].first == before[k].first && SameBytes(after[k].second, before[k].second),
+                    "entry " + std::to_string(k) + ", `" + after[k].first + "`, changed in the failed load");
+    }
+  }
+  // And with memory, the same state loads in every slice.
+  opt.LoadStateDict(saved);
+  const nn::optim::NamedTensors loaded = opt.ConsolidatedStateDict(0);
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(loaded.size() == saved.size(), "the loaded state has " + std::to_string(loaded.size()) +
+                                                     " entries, the saved one " + std::to_string(saved.size()));
+    for (size_t k = 0; k < std::min(loaded.size(), saved.size()); ++k) {
+      WORKER_EXPECT(loaded[k].first == saved[k].first && SameBytes(loaded[k].second, saved[k].second),
+                    "entry " + std::to_string(k) + ", `" + loaded[k].first + "`, differs from the saved one");
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, ASliceOutOfMemoryInLoadStateDictLeavesEverySliceAsItWas) {
+  auto run = RunWorkers("slice_load_out_of_memory", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
