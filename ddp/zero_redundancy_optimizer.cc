@@ -606,10 +606,14 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
       shard.emplace_back(key, t);
       continue;
     }
-    const int64_t want = params_[static_cast<size_t>(i)].second.numel();
-    if (!t.defined() || t.numel() != want) {
-      throw std::invalid_argument("state entry `" + key + "` has " + std::to_string(t.defined() ? t.numel() : 0) +
-                                  " elements; parameter `" + name + "` has " + std::to_string(want));
+    // In the parameter's shape, as the unsharded optimizer takes it: one of
+    // another shape with as many elements (a transposed momentum) would
+    // otherwise be cut into pieces as if it were the parameter's.
+    const nn::Shape& want = params_[static_cast<size_t>(i)].second.shape();
+    if (!t.defined() || t.shape() != want) {
+      throw std::invalid_argument("state entry `" + key + "` is " +
+                                  (t.defined() ? nn::ShapeToString(t.shape()) : std::string("undefined")) +
+                                  "; parameter `" + name + "` is " + nn::ShapeToString(want));
     }
     shard.emplace_back(key, PieceOf(t, *piece));
   }

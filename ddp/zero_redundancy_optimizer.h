@@ -214,7 +214,8 @@ class ZeroRedundancyOptimizer {
   /// piece ("step" counts as they are; the others, which have the
   /// parameter's shape, as 1-D pieces). What LoadStateDict loads; not
   /// collective. Throws std::invalid_argument naming a "state." key of no
-  /// parameter, one whose tensor has not the parameter's element count, a
+  /// parameter, one whose tensor (other than "step") has not the
+  /// parameter's shape (as the unsharded optimizer refuses it), a
   /// group whose saved size or members are not this optimizer's, or a
   /// parameter of this shard that is trained (requires_grad, or has a
   /// gradient) and absent from a state that lists every parameter

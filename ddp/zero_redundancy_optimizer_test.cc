@@ -647,7 +647,8 @@ DDP_TEST_WORKER(bad_state) {
       const std::string m = e.what();
       if (mine) {
         WORKER_EXPECT(m.find("`state." + params[which].first + ".") != std::string::npos &&
-                          m.find("has 3 elements") != std::string::npos,
+                          m.find("` is [3]; parameter `" + params[which].first + "` is " +
+                                 nn::ShapeToString(params[which].second.shape())) != std::string::npos,
                       m);
       } else {
         WORKER_EXPECT(m.find("failed on rank " + std::to_string(last)) != std::string::npos, m);
@@ -781,6 +782,62 @@ DDP_TEST_WORKER(state_missing_a_parameter) {
 
 TEST(ZeroRedundancyOptimizerTest, StateMissingATrainedParameterIsRefusedOnEveryRank) {
   auto run = RunWorkers("state_missing_a_parameter", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A state entry with the parameter's element count but another shape (a
+// transposed momentum buffer) is refused, as the unsharded optimizer
+// refuses it, naming the key and both shapes; before, it was cut into
+// pieces as if it were the parameter's and loaded. Rank 0 owns `w`
+// alone; no rank loads anything.
+DDP_TEST_WORKER(state_entry_of_another_shape) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(9);
+  const NamedParameters params = {{"w", nn::Randn({4, 8}, {}, gen).set_requires_grad(true)},
+                                  {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  auto sgd = [&](NamedParameters p) { return std::make_unique<nn::optim::Sgd>(std::move(p), options); };
+  ZeroRedundancyOptimizer zero(params, pg, sgd);
+  const std::vector<Slice> own_w = {{.param = 0, .offset = 0, .length = 32}};
+  WORKER_EXPECT(zero.shard(0) == own_w, "rank 0 does not own `w` alone");
+  NamedTensors saved;
+  {
+    const NamedParameters copies = {{"w", nn::Randn({4, 8}, {}, gen).set_requires_grad(true)},
+                                    {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+    for (const auto& [name, p] : copies) p.set_grad(nn::Randn(p.shape(), {}, gen));
+    auto opt = sgd(copies);
+    opt->Step();
+    saved = opt->StateDict();
+  }
+  for (auto& [key, t] : saved) {
+    if (key == "state.w.momentum_buffer") t = t.Contiguous().View({8, 4});
+  }
+  // The unsharded optimizer's refusal, which ZeRO's must match.
+  try {
+    sgd(params)->LoadStateDict(saved);
+    WORKER_EXPECT(false, "the unsharded SGD accepted a [8, 4] momentum for a [4, 8] parameter");
+  } catch (const std::invalid_argument& e) {
+    WORKER_EXPECT(std::string(e.what()).find("`state.w.momentum_buffer` is f32 [8, 4]") != std::string::npos,
+                  e.what());
+  }
+  const NamedTensors before = zero.local().StateDict();
+  std::string message = "loaded";
+  try {
+    zero.LoadStateDict(saved);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(pg->rank() == 0 ? message.find("state entry `state.w.momentum_buffer` is [8, 4]; parameter `w` is "
+                                               "[4, 8]") != std::string::npos
+                                : message.find("failed on rank 0") != std::string::npos,
+                message + on);
+  WorkerExpectSameState(zero.local().StateDict(), before, "the state" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AStateEntryOfAnotherShapeIsRefusedOnEveryRank) {
+  auto run = RunWorkers("state_entry_of_another_shape", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
