@@ -832,6 +832,9 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
       continue;
     }
     if (key.compare(0, 6, "state.") != 0) continue;
+    if (!value.defined()) {
+      throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key + "` is undefined");
+    }
     std::string slot;
     const int found = nn::optim::ParameterOfStateKey(key, all, &slot);
     const size_t best = found < 0 ? s.params.size() : static_cast<size_t>(found);

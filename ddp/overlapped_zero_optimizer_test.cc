@@ -1644,6 +1644,40 @@ TEST(OverlappedZeroOptimizerTest, AFrozenParametersStepOfAnotherShapeIsRefusedNa
   }
 }
 
+// An undefined state entry is refused naming it, as the plain optimizer
+// refuses it; before, reading its size threw std::logic_error ("numel on
+// an undefined tensor"), which named neither the entry nor the state.
+DDP_TEST_WORKER(undefined_entry) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  auto model = Mlp(1);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+    return MakeOptimizer(false, std::move(shard));
+  });
+  const std::string key = "state." + model->NamedParameters().front().first + ".momentum_buffer";
+  auto plain = MakeOptimizer(false, model->NamedParameters());
+  nn::optim::NamedTensors state = plain->StateDict();
+  state.emplace_back(key, Tensor());
+  std::string message = "loaded";
+  try {
+    opt.LoadStateDict(state);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  } catch (const std::exception& e) {
+    message = std::string("not an invalid_argument: ") + e.what();
+  }
+  WORKER_EXPECT(message == "OverlappedZeroOptimizer::LoadStateDict: `" + key + "` is undefined", message + on);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, AnUndefinedStateEntryIsRefusedNamingIt) {
+  for (int world : {1, 2}) {
+    auto run = RunWorkers("undefined_entry", world);
+    EXPECT_TRUE(run.AllSucceeded()) << world << " ranks\n" << testing::AllOutput(run);
+  }
+}
+
 // An SGD whose Name() (asked for by every check of a state) runs out of
 // memory on the instance `failing_slice` while `fail_slice` is set.
 bool fail_slice = false;
