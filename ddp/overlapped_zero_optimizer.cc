@@ -182,6 +182,17 @@ std::string HoldsGroups(const nn::optim::Optimizer& optimizer, const std::vector
              (groups.size() > 1 ? " in param group " + std::to_string(k) : std::string()) +
              " (it must build the optimizer from its argument, not from the model)";
     }
+    // Under the names given: the state is gathered and cut by them, so an
+    // optimizer that renamed its pieces would save a state without them
+    // and refuse every load.
+    for (size_t j = 0; j < got.size(); ++j) {
+      if (got[j].first != groups[k].params[j].first) {
+        return "the factory's optimizer names " +
+               (groups.size() > 1 ? "param group " + std::to_string(k) + "'s " : std::string()) + "parameter " +
+               std::to_string(j) + " `" + got[j].first + "`, not `" + groups[k].params[j].first +
+               "` as it was given (its state is saved and loaded under the given names)";
+      }
+    }
   }
   return "";
 }

@@ -133,7 +133,7 @@ class OverlappedZeroOptimizer {
   /// a group's parameter that is not a trained one of the module, or is in
   /// two groups, a trained parameter in no group, and a factory whose
   /// optimizer does not have the groups it was given, each with its views
-  /// in order.
+  /// in order and under their names (for either constructor).
   OverlappedZeroOptimizer(DistributedDataParallel& ddp, std::vector<nn::optim::ParamGroup> groups,
                           GroupFactory make);
   ~OverlappedZeroOptimizer();

@@ -1671,6 +1671,36 @@ DDP_TEST_WORKER(undefined_entry) {
   return testing::WorkerExit();
 }
 
+// A factory whose optimizer renames the views it was given is refused on
+// every rank, naming the first renamed one: the state is gathered and cut
+// by the given names, so its consolidated state held no per-parameter
+// entry (the views' keys matched none) and every load was refused.
+DDP_TEST_WORKER(renaming_factory) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  std::string message = "accepted";
+  try {
+    OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+      for (auto& [name, p] : shard) name = "renamed." + name;
+      return MakeOptimizer(false, std::move(shard));
+    });
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("the factory's optimizer names parameter 0 `renamed.") != std::string::npos &&
+                    message.find("as it was given") != std::string::npos,
+                message + on);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, AFactoryRenamingItsParametersIsRefused) {
+  for (int world : {1, 2}) {
+    auto run = RunWorkers("renaming_factory", world);
+    EXPECT_TRUE(run.AllSucceeded()) << world << " ranks\n" << testing::AllOutput(run);
+  }
+}
+
 TEST(OverlappedZeroOptimizerTest, AnUndefinedStateEntryIsRefusedNamingIt) {
   for (int world : {1, 2}) {
     auto run = RunWorkers("undefined_entry", world);

@@ -227,6 +227,17 @@ void ZeroRedundancyOptimizer::Init(
                                   " piece(s) of its shard that it was given, in order (the factory must build the "
                                   "optimizer from its argument, not from the model)");
     }
+    // Under the names given: the state is gathered and cut by them, so an
+    // optimizer that renamed its pieces would save a state that names no
+    // parameter (consolidated as if it had none) and refuse every load.
+    for (size_t k = 0; k < got.size(); ++k) {
+      const std::string& given = params_[mine[k].param].first;
+      if (got[k].first != given) {
+        throw std::invalid_argument("the factory's optimizer names piece " + std::to_string(k) + " `" +
+                                    got[k].first + "`, not `" + given +
+                                    "` as it was given (its state is saved and loaded under the given names)");
+      }
+    }
     // And each piece in its parameter's group, with that group's options.
     const std::vector<int64_t> sizes = ShardGroupSizes(pg_->rank());
     if (local_->num_groups() != num_groups_) {

@@ -98,7 +98,8 @@ class ZeroRedundancyOptimizer {
   /// differs and each rank's, when the lists differ; and for a list that no
   /// optimizer would take (nn::optim::CheckParameters), a null group or
   /// factory, or a factory whose optimizer does not hold exactly the pieces
-  /// it was given, in their order (one built from the model). The shard
+  /// it was given, in their order and under their names (one built from
+  /// the model, or one that renamed them). The shard
   /// optimizers' kind, rates and options are compared across ranks too
   /// (every rank throws, naming the first that differs).
   ZeroRedundancyOptimizer(nn::optim::NamedParameters params, std::shared_ptr<ProcessGroup> pg,

@@ -1930,6 +1930,20 @@ TEST(ZeroRedundancyOptimizerTest, FactoryMustHoldThePiecesItWasGiven) {
               std::string::npos)
         << e.what();
   }
+  // Pieces renamed: the state, gathered and cut by the parameters' names,
+  // would hold none of theirs.
+  try {
+    ZeroRedundancyOptimizer zero(params, ProcessGroup::Single(), [](NamedParameters shard) {
+      for (auto& [name, p] : shard) name = "renamed." + name;
+      return MakeOptimizer(std::move(shard));
+    });
+    ADD_FAILURE() << "pieces renamed: accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("the factory's optimizer names piece 0 `renamed." + params[0].first +
+                                         "`, not `" + params[0].first + "` as it was given"),
+              std::string::npos)
+        << e.what();
+  }
   EXPECT_NO_THROW(ZeroRedundancyOptimizer(params, ProcessGroup::Single(), MakeOptimizer));
 }
 
