@@ -609,10 +609,29 @@ NamedTensors ZeroRedundancyOptimizer::ShardOf(const NamedTensors& state) const {
     const int i = nn::optim::ParameterOfStateKey(key, params_);
     if (i < 0) throw std::invalid_argument("state key `" + key + "` names no parameter of this optimizer");
     in_state[static_cast<size_t>(i)] = true;
+    const std::string& name = params_[static_cast<size_t>(i)].first;
+    const Tensor& param = params_[static_cast<size_t>(i)].second;
+    if (param.numel() == 0) {
+      // In no shard, so no shard's optimizer checks its entries: checked
+      // here, on every rank, as the unsharded optimizer checks them (they
+      // hold no value, and nothing of them is loaded).
+      const bool step = SlotOfKey(key, name) == "step";
+      const bool fits = t.defined() && (step ? t.dtype() == nn::DType::kInt64 && t.shape() == nn::Shape{} &&
+                                                   t.To(nn::kCPU).data<int64_t>()[0] >= 0
+                                             : t.shape() == param.shape());
+      if (!fits) {
+        throw std::invalid_argument(
+            "state entry `" + key + "` is " +
+            (t.defined() ? std::string(nn::DTypeName(t.dtype())) + " " + nn::ShapeToString(t.shape())
+                         : std::string("undefined")) +
+            (step ? ", expected an i64 [] step >= 0"
+                  : "; parameter `" + name + "` is " + nn::ShapeToString(param.shape())));
+      }
+      continue;
+    }
     const auto piece = std::find_if(mine.begin(), mine.end(),
                                     [&](const Slice& s) { return s.param == static_cast<size_t>(i); });
     if (piece == mine.end()) continue;
-    const std::string& name = params_[static_cast<size_t>(i)].first;
     if (SlotOfKey(key, name) == "step") {
       shard.emplace_back(key, t);
       continue;

@@ -216,7 +216,9 @@ class ZeroRedundancyOptimizer {
   /// parameter's shape, as 1-D pieces). What LoadStateDict loads; not
   /// collective. Throws std::invalid_argument naming a "state." key of no
   /// parameter, one whose tensor (other than "step") has not the
-  /// parameter's shape (as the unsharded optimizer refuses it), a
+  /// parameter's shape (as the unsharded optimizer refuses it; for a
+  /// parameter of no elements, which no shard holds, every rank checks
+  /// its entries, and its "step" must be an i64 [] >= 0), a
   /// group whose saved size or members are not this optimizer's, or a
   /// parameter of this shard that is trained (requires_grad, or has a
   /// gradient) and absent from a state that lists every parameter

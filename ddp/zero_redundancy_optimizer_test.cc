@@ -841,6 +841,65 @@ TEST(ZeroRedundancyOptimizerTest, AStateEntryOfAnotherShapeIsRefusedOnEveryRank)
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A parameter of no elements is in no shard, so no shard's optimizer
+// checked its entries: a state whose step for it is f32, or with a
+// momentum of 3 elements for it, loaded on every rank, where the unsharded
+// optimizer refuses it. Every rank now refuses it, naming the entry, and
+// loads nothing.
+DDP_TEST_WORKER(empty_parameter_entries) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(13);
+  const NamedParameters params = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                                  {"e", nn::Zeros({0}).set_requires_grad(true)},
+                                  {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  auto sgd = [&](NamedParameters p) { return std::make_unique<nn::optim::Sgd>(std::move(p), options); };
+  ZeroRedundancyOptimizer zero(params, pg, sgd);
+  const NamedTensors saved = sgd(params)->StateDict();
+  const std::vector<std::pair<NamedTensors, std::string>> cases = {
+      {[&] {
+         NamedTensors state = saved;
+         for (auto& [key, t] : state) {
+           if (key == "state.e.step") t = nn::Zeros({});
+         }
+         return state;
+       }(),
+       "state entry `state.e.step` is f32 [], expected an i64 [] step >= 0"},
+      {[&] {
+         NamedTensors state = saved;
+         state.emplace_back("state.e.momentum_buffer", nn::Zeros({3}));
+         return state;
+       }(),
+       "state entry `state.e.momentum_buffer` is f32 [3]; parameter `e` is [0]"},
+  };
+  const NamedTensors before = zero.local().StateDict();
+  for (const auto& [state, want] : cases) {
+    bool plain_refused = false;
+    try {
+      sgd(params)->LoadStateDict(state);
+    } catch (const std::invalid_argument&) {
+      plain_refused = true;
+    }
+    WORKER_EXPECT(plain_refused, "the unsharded SGD accepted the state that ZeRO must refuse with: " + want);
+    std::string message = "loaded";
+    try {
+      zero.LoadStateDict(state);
+    } catch (const std::invalid_argument& e) {
+      message = e.what();
+    }
+    WORKER_EXPECT(message.find(want) != std::string::npos, message + on);
+    WorkerExpectSameState(zero.local().StateDict(), before, "the state" + on);
+  }
+  zero.LoadStateDict(saved);  // its own step 0 loads
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, BadEntriesOfAParameterWithNoElementsAreRefusedOnEveryRank) {
+  auto run = RunWorkers("empty_parameter_entries", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // An SGD whose Name() runs out of memory while `fail_name` is set: the
 // shard's check of a state asks for it (the state names its optimizer).
 // With `names_before_failure` >= 0, it runs out of memory once that many
