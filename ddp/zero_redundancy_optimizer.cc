@@ -201,6 +201,7 @@ void ZeroRedundancyOptimizer::Init(
   // passed would otherwise wait in the agreement until the group's timeout.
   std::string failure;
   bool listed = false;  // the list passed; a failure from here on is the factory's
+  std::vector<internal::ReplicaEntry> built;  // the shard optimizer's kind, rates and options
   try {
     nn::optim::CheckParameters(params_, "ZeroRedundancyOptimizer (rank " + std::to_string(pg_->rank()) + ")");
     listed = true;
@@ -252,6 +253,12 @@ void ZeroRedundancyOptimizer::Init(
                                     " it was given");
       }
     }
+    // Read here, where a failure (this rank's optimizer's state dict) is
+    // agreed on like the factory's, not in the comparison below, which
+    // the other ranks would wait in until the timeout.
+    for (auto& [key, value] : internal::SharedOptimizerOptions(local_->StateDict())) {
+      built.push_back({"option", key, value});
+    }
   } catch (...) {
     failure = listed ? "ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(pg_->rank()) +
                            "'s shard failed: " + HandledExceptionText()
@@ -264,10 +271,6 @@ void ZeroRedundancyOptimizer::Init(
   // Each rank's factory ran on its own: one that built another kind of
   // optimizer, or another rate, would step its shard unlike the others'
   // and broadcast the result into every replica.
-  std::vector<internal::ReplicaEntry> built;
-  for (auto& [key, value] : internal::SharedOptimizerOptions(local_->StateDict())) {
-    built.push_back({"option", key, value});
-  }
   internal::VerifyReplicas(*pg_, built,
                            "ZeroRedundancyOptimizer: the ranks' shard optimizers differ (every rank's factory must "
                            "build the same kind of optimizer, with the same rates and options).");

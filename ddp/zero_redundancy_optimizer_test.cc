@@ -1102,7 +1102,9 @@ class SgdThrowingNotStd : public nn::optim::Sgd {
 };
 
 // Rank 1 throws something that is not a std::exception (per
-// DDP_TEST_WHERE: from its factory, its shard's step, or its state dict):
+// DDP_TEST_WHERE: from its factory, from its optimizer's state dict while
+// the constructor compares the ranks' options, from its shard's step, or
+// from its state dict in ConsolidatedStateDict):
 // every rank fails at once, rank 0 naming rank 1, instead of rank 0
 // waiting for rank 1 until the timeout (the handlers that tell the peers
 // caught std::exception only). Rank 1's own exception reaches its caller
@@ -1124,6 +1126,9 @@ DDP_TEST_WORKER(not_std_exception) {
   const auto start = std::chrono::steady_clock::now();
   std::string outcome = "no error";
   try {
+    // "options": rank 1's shard optimizer throws when the constructor
+    // reads its options, after the factory's outcome was agreed.
+    throw_not_std = where == "options" && failing;
     ZeroRedundancyOptimizer zero(ab, pg, make);
     throw_not_std = failing;
     if (where == "step") zero.Step();
@@ -1134,14 +1139,15 @@ DDP_TEST_WORKER(not_std_exception) {
     outcome = e.what();
   }
   throw_not_std = false;
-  const std::string reason = where == "factory" ? "ZeroRedundancyOptimizer: building the optimizer of rank 1's "
-                                                  "shard failed: an exception that is not a std::exception"
-                         : where == "step"      ? "ZeroRedundancyOptimizer::Step failed on rank 1: an exception "
-                                                  "that is not a std::exception"
-                                                : "ZeroRedundancyOptimizer::ConsolidatedStateDict failed on rank 1: "
-                                                  "an exception that is not a std::exception";
+  const bool building = where == "factory" || where == "options";
+  const std::string reason = building           ? "ZeroRedundancyOptimizer: building the optimizer of rank 1's "
+                                                   "shard failed: an exception that is not a std::exception"
+                             : where == "step" ? "ZeroRedundancyOptimizer::Step failed on rank 1: an exception "
+                                                 "that is not a std::exception"
+                                               : "ZeroRedundancyOptimizer::ConsolidatedStateDict failed on rank 1: "
+                                                 "an exception that is not a std::exception";
   if (failing) {
-    WORKER_EXPECT(outcome == (where == "factory" ? reason : "NotAStdException"), outcome + on);
+    WORKER_EXPECT(outcome == (building ? reason : "NotAStdException"), outcome + on);
     testing::StayAliveUntilTheOtherRanksAreDone(*pg);
     return testing::WorkerExit();
   }
@@ -1152,7 +1158,7 @@ DDP_TEST_WORKER(not_std_exception) {
 }
 
 TEST(ZeroRedundancyOptimizerTest, AThrowNotDerivedFromStdExceptionOnOneRankFailsEveryRankAtOnce) {
-  for (const char* where : {"factory", "step", "consolidate"}) {
+  for (const char* where : {"factory", "options", "step", "consolidate"}) {
     auto run = RunWorkers("not_std_exception", 2, {{"DDP_TEST_WHERE", where}});
     EXPECT_TRUE(run.AllSucceeded()) << where << "\n" << testing::AllOutput(run);
   }
