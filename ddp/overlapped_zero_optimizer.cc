@@ -869,7 +869,10 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
                                   std::to_string(value.numel()) + " elements, its parameter " +
                                   std::to_string(s.params[best].numel()));
     }
-    by_param[best].emplace_back(slot, value);
+    // Contiguous once here: the slices' pieces below are views of it, all
+    // alive until every slice has checked them (one copy per entry that
+    // is not contiguous, not one per view).
+    by_param[best].emplace_back(slot, slot == "step" ? value : value.Contiguous());
   }
   if (s.whole != nullptr) {
     // One rank: the optimizer of the trained parameters loads the state as
@@ -931,7 +934,7 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
         if (slot == "step") {
           pieces.emplace_back(key, value);
         } else {
-          const Tensor flat = value.Contiguous().View({value.numel()});
+          const Tensor flat = value.View({value.numel()});
           pieces.emplace_back(key, flat.Narrow(0, bucket.view_offset[j], bucket.views[j].second.numel()));
         }
       }
