@@ -106,6 +106,23 @@ StatusOr<std::unique_ptr<UcxPointToPoint>> UcxPointToPoint::Create(
                                 std::to_string(options.polls_per_clock_read) +
                                 " is not a power of two");
   }
+  // A sleeping wait sleeps at most a watchdog period between looks at its
+  // deadline: a negative period made it block in epoll_wait with no
+  // timeout at all, and zero made it spin.
+  if (options.watchdog_period <= std::chrono::milliseconds(0)) {
+    return InvalidArgumentError("watchdog_period of " +
+                                std::to_string(options.watchdog_period.count()) +
+                                " ms is not positive");
+  }
+  if (options.recall_grace < std::chrono::milliseconds(0)) {
+    return InvalidArgumentError("recall_grace of " + std::to_string(options.recall_grace.count()) +
+                                " ms is negative");
+  }
+  if (options.idle_polls_before_backoff < 0) {
+    return InvalidArgumentError("idle_polls_before_backoff " +
+                                std::to_string(options.idle_polls_before_backoff) +
+                                " is negative");
+  }
   if (options.idle_mode == IdleMode::kSleep && !context->wakeup()) {
     return InvalidArgumentError("idle mode kSleep needs a UCX context created with wakeup");
   }
@@ -187,6 +204,14 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
     }
   }
   return Status::Ok();
+}
+
+void UcxPointToPoint::set_idle_mode(IdleMode mode, int idle_polls_before_backoff) {
+  // No Status to return here (the communicator sets it after connecting):
+  // a mode this context cannot do falls back rather than failing every
+  // later wait.
+  options_.idle_mode = mode == IdleMode::kSleep && !context_->wakeup() ? IdleMode::kYield : mode;
+  options_.idle_polls_before_backoff = std::max(idle_polls_before_backoff, 0);
 }
 
 void UcxPointToPoint::SetWatchdog(std::function<Status(Deadline, std::span<const int>)> check) {
@@ -776,7 +801,7 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
   // round trip gives up the core, which on a busy machine may not come
   // back for another task's whole time slice (see transport/shm).
   if (watchdog_ && now - started >= std::chrono::milliseconds(1) && now >= next_watchdog_) {
-    next_watchdog_ = now + options_.watchdog_period;
+    next_watchdog_ = DeadlineAfter(now, options_.watchdog_period);
     // Every peer the wait still needs something from: one that closed
     // cleanly and exited is lost to this wait wherever it is in the list.
     // A watched receive's peer is not, while the wait needs some other
@@ -845,7 +870,7 @@ Status UcxPointToPoint::BackOff(const Polls& polls, Clock::time_point now, Deadl
     case IdleMode::kSpin:
       // Even with a core per rank, a long idle stretch means the peer is
       // not running (a busy machine): let it have the core.
-      if (polls.idle >= 16 * options_.idle_polls_before_backoff) sched_yield();
+      if (polls.idle >= 16 * int64_t{options_.idle_polls_before_backoff}) sched_yield();
       break;
     case IdleMode::kYield:
       break;  // in Poll, at every idle poll

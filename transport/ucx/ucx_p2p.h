@@ -74,16 +74,18 @@ struct P2pOptions {
   int rank = 0;
   int size = 1;
   IdleMode idle_mode = IdleMode::kSpin;
-  /// Idle polls before yielding or sleeping.
+  /// Idle polls before yielding or sleeping; not negative (Create refuses it).
   int idle_polls_before_backoff = 256;
   /// A wait reads the clock (for its deadline and the watchdog) once per
   /// this many polls, a power of two (a read costs ~20 ns). Tests set 1 to
   /// meet a deadline that has passed at the wait's first poll.
   int polls_per_clock_read = 16;
-  /// How often a wait runs the watchdog (waits longer than a millisecond).
+  /// How often a wait runs the watchdog (waits longer than a millisecond),
+  /// and the longest a sleeping wait sleeps; positive (Create refuses 0 or less).
   std::chrono::milliseconds watchdog_period{100};
   /// How long a cancelled send (or matched receive) may still complete
-  /// before its peer's endpoint is closed by force (see Cancel).
+  /// before its peer's endpoint is closed by force (see Cancel); 0 forces
+  /// at once, a negative grace is refused.
   std::chrono::milliseconds recall_grace{100};
 };
 
@@ -146,10 +148,12 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status Close(Deadline deadline, bool force_remote = false);
 
   const P2pOptions& options() const { return options_; }
-  void set_idle_mode(IdleMode mode, int idle_polls_before_backoff) {
-    options_.idle_mode = mode;
-    options_.idle_polls_before_backoff = idle_polls_before_backoff;
-  }
+  /// Changes how later waits idle. kSleep needs the event fd of a context
+  /// created with wakeup: without one it becomes kYield (the nearest mode
+  /// that needs none; it made every later wait fail FAILED_PRECONDITION),
+  /// and options().idle_mode says which mode was taken. A negative
+  /// threshold counts as 0 (back off at the first idle poll).
+  void set_idle_mode(IdleMode mode, int idle_polls_before_backoff);
 
   /// Like PostSend/PostRecv, on the user channel (Communicator::Send/Recv).
   StatusOr<p2p::RequestId> PostUserSend(int peer, p2p::Tag tag, const void* data, size_t bytes);

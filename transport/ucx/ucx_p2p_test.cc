@@ -1011,6 +1011,58 @@ TEST(UcxPointToPoint, BadArgumentsAreRejected) {
       << uneven.status();
 }
 
+// Options a wait cannot work with are refused by Create, naming the
+// option: a negative watchdog_period made a sleeping wait block in
+// epoll_wait with no timeout (past its deadline), zero made it spin, and a
+// negative grace or threshold were taken silently. Zero grace and zero
+// threshold are valid (force at once, back off at once).
+TEST(UcxPointToPoint, CreateRefusesBadTimingOptionsNamingThem) {
+  auto context = Context::Create({.default_tls = "sm,self", .wakeup = true});
+  ASSERT_TRUE(context.ok()) << context.status();
+  struct Case {
+    P2pOptions options;
+    std::string text;
+  };
+  const Case cases[] = {
+      {{.idle_mode = IdleMode::kSleep, .watchdog_period = milliseconds(-1)},
+       "watchdog_period of -1 ms is not positive"},
+      {{.watchdog_period = milliseconds(0)}, "watchdog_period of 0 ms is not positive"},
+      {{.recall_grace = milliseconds(-5)}, "recall_grace of -5 ms is negative"},
+      {{.idle_polls_before_backoff = -1}, "idle_polls_before_backoff -1 is negative"},
+  };
+  for (const Case& c : cases) {
+    auto p2p = UcxPointToPoint::Create(*context, c.options);
+    EXPECT_EQ(p2p.status().code(), StatusCode::kInvalidArgument) << c.text;
+    EXPECT_NE(p2p.status().message().find(c.text), std::string::npos) << p2p.status();
+  }
+  auto zeros = UcxPointToPoint::Create(
+      *context, {.idle_polls_before_backoff = 0, .recall_grace = milliseconds(0)});
+  EXPECT_TRUE(zeros.ok()) << zeros.status();
+}
+
+// set_idle_mode(kSleep) on a context without wakeup falls back to kYield:
+// later waits run to their deadline and time out, where every one failed
+// FAILED_PRECONDITION (no event fd to sleep on). With wakeup it sleeps.
+TEST(UcxPointToPoint, SleepModeSetOnAContextWithoutWakeupYieldsInstead) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  p2p.set_idle_mode(IdleMode::kSleep, 1);
+  EXPECT_EQ(p2p.options().idle_mode, IdleMode::kYield);
+  EXPECT_EQ(p2p.options().idle_polls_before_backoff, 1);
+  int v = 0;
+  auto id = p2p.PostRecv(1, 4, &v, sizeof(v));
+  ASSERT_TRUE(id.ok()) << id.status();
+  p2p::RequestId ids[] = {*id};
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(100)));
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  p2p.set_idle_mode(IdleMode::kSpin, -3);
+  EXPECT_EQ(p2p.options().idle_polls_before_backoff, 0);
+
+  auto sleeping = MakeRanks(1, IdleMode::kSleep);
+  sleeping[0]->set_idle_mode(IdleMode::kSleep, 8);
+  EXPECT_EQ(sleeping[0]->options().idle_mode, IdleMode::kSleep);
+}
+
 // A null buffer with bytes is refused before UCX reads or writes through
 // it (the send crashed inside UCX, and the receive was posted), as the
 // loopback refuses it; with no bytes it is a valid empty message.
