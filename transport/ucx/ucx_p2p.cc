@@ -779,9 +779,15 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
   const Clock::time_point now = Clock::now();
   if (now >= deadline) {
     // The poll above may have completed what the wait needs: it came in
-    // time, and the caller finds it done (it was reported TIMED_OUT).
+    // time, and the caller finds it done (it was reported TIMED_OUT). For
+    // WaitAny that is not a watched receive that failed with its lost peer
+    // and that the wait passes over: counted, it made this return OK at
+    // every deadline check, and the wait never ended.
     auto done = [](const Slot* slot) { return slot->done; };
-    if (any ? std::any_of(pending.begin(), pending.end(), done)
+    auto ends_any = [&](const Slot* slot) {
+      return slot->done && !SkipLostWatched(slot, SlotStatus(slot), pending, /*any=*/true);
+    };
+    if (any ? std::any_of(pending.begin(), pending.end(), ends_any)
             : std::all_of(pending.begin(), pending.end(), done)) {
       return Status::Ok();
     }

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -778,6 +780,68 @@ TEST(UcxPointToPoint, AReceivePostedAfterItsPeerLeftTakesWhatThePeerSentBefore) 
   Status never = ranks[0]->PostRecv(1, 13, &got[0], sizeof(int)).status();
   EXPECT_EQ(never.code(), StatusCode::kPeerLost) << never;
   EXPECT_NE(never.message().find("receive from rank 1 (tag 13)"), std::string::npos) << never;
+  ranks[0]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+}
+
+// A watched receive (MarkWatched) that its peer failed mid-message is done
+// with PEER_LOST; while an unwatched request of the WaitAny is pending the
+// wait passes over it, and still times out at its deadline. It spun past
+// it for good: the deadline check counted the failed receive as what the
+// wait was waiting for and returned OK, and the WaitAny passed over it again.
+TEST(UcxPointToPoint, WaitAnyPastAWatchedReceiveItsPeerFailedTimesOutAtItsDeadline) {
+  auto ranks = MakeTcpPair();
+  ASSERT_EQ(ranks.size(), 2u);
+  // Rendezvous, in fragments that rank 1 sends as it progresses.
+  constexpr size_t kBytes = size_t{16} << 20;
+  std::vector<uint8_t> out(kBytes, 1), in(kBytes, 0);
+  auto send = ranks[1]->PostSend(0, 7, out.data(), kBytes);
+  auto watched = ranks[0]->PostRecv(1, 7, in.data(), kBytes);
+  ASSERT_TRUE(send.ok() && watched.ok()) << send.status() << watched.status();
+  ranks[0]->MarkWatched(*watched);
+  // Until the message has begun to arrive: the receive is matched.
+  const Deadline started = DeadlineIn(milliseconds(10000));
+  while (in[0] == 0 && Clock::now() < started) {
+    ASSERT_TRUE(ranks[1]->Test(*send).ok());
+    auto done = ranks[0]->Test(*watched);
+    ASSERT_TRUE(done.ok()) << done.status();
+    ASSERT_FALSE(*done) << "the whole message arrived at once";
+  }
+  ASSERT_EQ(in[0], 1) << "nothing arrived from rank 1";
+  // Rank 1 goes mid-message: rank 0's endpoint fails, and so does the receive.
+  ranks[1]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
+  ranks[1].reset();
+  std::vector<int> failed;
+  const Deadline deadline = DeadlineIn(milliseconds(10000));
+  while (failed.empty() && Clock::now() < deadline) {
+    failed = ranks[0]->PeersWithFailedEndpoints();
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  ASSERT_EQ(failed, std::vector<int>{1});
+  int never = 0;
+  auto needed = ranks[0]->PostRecv(0, 8, &never, sizeof(never));
+  ASSERT_TRUE(needed.ok()) << needed.status();
+  p2p::RequestId ids[] = {*needed, *watched};
+  // On a thread, so that a wait that never ends fails the test here
+  // instead of at bazel's timeout.
+  std::promise<Status> result;
+  std::future<Status> waited = result.get_future();
+  const auto start = Clock::now();
+  std::thread waiter(
+      [&] { result.set_value(ranks[0]->WaitAny(ids, DeadlineIn(milliseconds(300))).status()); });
+  if (waited.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    std::fprintf(stderr, "WaitAny with a 300 ms deadline still running after 10 s\n");
+    std::abort();
+  }
+  waiter.join();
+  const Status s = waited.get();
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_NE(s.message().find("receive of 4 bytes from rank 0 (tag 8)"), std::string::npos) << s;
+  EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  // Alone, the failed watched receive fails the wait as any other.
+  p2p::RequestId watched_only[] = {*watched};
+  StatusOr<size_t> alone = ranks[0]->WaitAny(watched_only, DeadlineIn(milliseconds(1000)));
+  EXPECT_EQ(alone.status().code(), StatusCode::kPeerLost) << alone.status();
+  ranks[0]->CancelAll(ids);
   ranks[0]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
 }
 
