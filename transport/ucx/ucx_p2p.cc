@@ -24,6 +24,8 @@ struct UcxPointToPoint::Slot {
   bool unconfirmed = false;  // abandoned, and still with UCX after its recall
   bool is_send = false;
   bool watched = false;  // MarkWatched: a receive the caller may do without
+  bool held = false;     // listed by the wait now running (see Release)
+  bool released_while_held = false;  // released, back on the free list once unheld
   uint64_t listed_in = 0;  // the last WaitAll that listed it: repeats are errors
   int peer = 0;
   p2p::Tag tag = 0;
@@ -424,6 +426,8 @@ StatusOr<UcxPointToPoint::Slot*> UcxPointToPoint::AllocateSlot(bool is_send, int
   slot->unconfirmed = false;
   slot->is_send = is_send;
   slot->watched = false;
+  slot->held = false;
+  slot->released_while_held = false;
   slot->peer = peer;
   slot->tag = tag;
   slot->bytes = bytes;
@@ -452,7 +456,29 @@ void UcxPointToPoint::Release(Slot* slot) {
   if (slot->abandoned) --abandoned_;
   slot->abandoned = false;
   ++slot->generation;
+  // Released by a call inside the watchdog (Cancel, Test, Close) of the
+  // wait that holds it: that wait still reads the slot, so it goes back to
+  // the free list when the wait lets go of it (LetGo), not now, when a
+  // later post could take it and a second release would list it twice.
+  if (slot->held) {
+    slot->released_while_held = true;
+    return;
+  }
   free_slots_.push_back(slot->index);
+}
+
+void UcxPointToPoint::LetGo(std::span<Slot* const> slots) {
+  for (Slot* slot : slots) {
+    slot->held = false;
+    if (slot->released_while_held) {
+      slot->released_while_held = false;
+      free_slots_.push_back(slot->index);
+    }
+  }
+}
+
+bool UcxPointToPoint::GivenUpWhileHeld(const Slot* slot) {
+  return slot->released_while_held || slot->abandoned;
 }
 
 void UcxPointToPoint::Abandon(Slot* slot) {
@@ -837,6 +863,14 @@ Status UcxPointToPoint::Idle(Polls& polls, Deadline deadline, Clock::time_point 
       cancel_limit_ = deadline;
       health = watchdog_(deadline, awaited);
     }
+    // The watchdog may have given up a request of this very wait: the
+    // wait ends, and nothing reads or writes that request's buffer now.
+    for (const Slot* slot : pending) {
+      if (!GivenUpWhileHeld(slot)) continue;
+      if (!health.ok()) return health;
+      return AbortedError(Describe(slot) +
+                          ": given up inside the watchdog of the wait that held it");
+    }
     if (!health.ok()) {
       // What an exited peer sent before it left is already here: drain it
       // before calling the wait lost. Bounded, because a live peer may keep
@@ -944,6 +978,7 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
     Recall(deadline);
     return invalid;
   }
+  for (Slot* slot : slots) slot->held = true;
   const Clock::time_point started = Clock::now();
   Status result;
   size_t first_pending = 0;
@@ -983,6 +1018,9 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
     if (!result.ok()) break;
   }
   for (Slot* slot : slots) {
+    // Given up inside the watchdog: not this wait's to release (again).
+    if (GivenUpWhileHeld(slot)) continue;
+    slot->held = false;
     if (slot->done) {
       if (result.ok()) {
         Status s = SlotStatus(slot);
@@ -993,6 +1031,7 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
       Abandon(slot);
     }
   }
+  LetGo(slots);
   // Nothing may write into the caller's buffers once it has the result
   // (within kRecallOverrun of the deadline: see Recall).
   Recall(deadline);
@@ -1012,6 +1051,13 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
     }
     slots.push_back(slot);
   }
+  for (Slot* slot : slots) slot->held = true;
+  // Every way out, the slots released meanwhile included.
+  struct Unhold {
+    UcxPointToPoint* self;
+    std::span<Slot* const> slots;
+    ~Unhold() { self->LetGo(slots); }
+  } unhold{this, slots};
   const Clock::time_point started = Clock::now();
   Polls polls;
   while (true) {

@@ -116,7 +116,9 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// requests, each once; a non-OK result ends the wait with that status,
   /// unless a last progress pass completes one of the wait's requests.
   /// Used to learn about aborts posted by other ranks and peers on this
-  /// host that exited.
+  /// host that exited. `check` may Cancel (keeping to the wait's deadline),
+  /// also a request of the running wait: that wait then ends, ABORTED
+  /// naming it (or with `check`'s own failure).
   void SetWatchdog(std::function<Status(Deadline, std::span<const int>)> check);
 
   /// Records that `peer` is gone (learned elsewhere, e.g. its process exited);
@@ -245,6 +247,11 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   p2p::RequestId IdOf(const Slot* slot) const;
   // Releases a slot whose UCX request has completed (or never existed).
   void Release(Slot* slot);
+  // Ends a wait's hold on `slots`: those released meanwhile (inside its
+  // watchdog) go back to the free list.
+  void LetGo(std::span<Slot* const> slots);
+  // Whether a call inside the watchdog gave up `slot` while a wait held it.
+  static bool GivenUpWhileHeld(const Slot* slot);
   // Cancels a pending slot; UCX may still own its request, in which case the
   // callback frees both later. Recall must follow before the caller gets
   // its buffers back.

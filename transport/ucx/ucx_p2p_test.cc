@@ -845,6 +845,55 @@ TEST(UcxPointToPoint, WaitAnyPastAWatchedReceiveItsPeerFailedTimesOutAtItsDeadli
   ranks[0]->Close(DeadlineIn(milliseconds(2000)), /*force_remote=*/true).IgnoreError();
 }
 
+// A watchdog may cancel (Cancel is made to keep the running wait's
+// deadline there), also a request that the running wait holds: the wait
+// then fails (ABORTED) naming it, and each of its slots is free once. The slot was
+// released twice (by the Cancel and at the wait's end), and the next two
+// posts shared it: one id, and rank 1's message landed in the wrong one.
+TEST(UcxPointToPoint, ARequestTheWatchdogCancelsEndsTheWaitHoldingIt) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  for (bool any : {false, true}) {
+    SCOPED_TRACE(any ? "WaitAny" : "WaitAll");
+    int unused = 0;
+    auto id = p2p.PostRecv(1, 3, &unused, sizeof(unused));
+    ASSERT_TRUE(id.ok()) << id.status();
+    p2p.SetWatchdog([&](Deadline, std::span<const int>) {
+      p2p.Cancel(*id);
+      return Status::Ok();
+    });
+    p2p::RequestId ids[] = {*id};
+    const Status s = any ? p2p.WaitAny(ids, DeadlineIn(milliseconds(2000))).status()
+                         : p2p.WaitAll(ids, DeadlineIn(milliseconds(2000)));
+    p2p.SetWatchdog(nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+    EXPECT_NE(s.message().find(
+                  "receive of 4 bytes from rank 1 (tag 3): given up inside the watchdog"),
+              std::string::npos)
+        << s;
+    EXPECT_EQ(p2p.Test(*id).status().code(), StatusCode::kInvalidArgument);
+    int got[2] = {0, 0};
+    auto first = p2p.PostRecv(1, 4, &got[0], sizeof(int));
+    auto second = p2p.PostRecv(1, 5, &got[1], sizeof(int));
+    ASSERT_TRUE(first.ok() && second.ok()) << first.status() << second.status();
+    EXPECT_NE(*first, *second);
+    const int sent[2] = {44, 55};
+    auto s4 = ranks[1]->PostSend(0, 4, &sent[0], sizeof(int));
+    auto s5 = ranks[1]->PostSend(0, 5, &sent[1], sizeof(int));
+    ASSERT_TRUE(s4.ok() && s5.ok());
+    p2p::RequestId sends[] = {*s4, *s5};
+    p2p::RequestId recvs[] = {*first, *second};
+    RunRanks(ranks, [&](UcxPointToPoint& rank) {
+      Status done = rank.WaitAll(rank.rank() == 0 ? std::span<const p2p::RequestId>(recvs)
+                                                  : std::span<const p2p::RequestId>(sends),
+                                 DeadlineIn(milliseconds(5000)));
+      EXPECT_TRUE(done.ok()) << "rank " << rank.rank() << ": " << done;
+    });
+    EXPECT_EQ(got[0], 44);
+    EXPECT_EQ(got[1], 55);
+  }
+}
+
 TEST(UcxPointToPoint, SendStillRunningWhenItsWaitFailsGivesUpThePeer) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
