@@ -340,6 +340,32 @@ TEST(UcxPointToPointProcesses, ReceiveThatTimedOutMidMessageNeverWritesAfterward
   EXPECT_EQ(rank1.signal, 0) << rank1.output;
 }
 
+// A receive posted after its peer was marked lost still takes what the
+// peer sent before (see Recv); here that is the start of a rendezvous
+// (rank 1, stopped, has announced its message but sent none of the data),
+// so the receive matches it and cannot finish. The post gives it up and
+// fails PEER_LOST; nothing writes into the buffer afterwards.
+TEST(UcxPointToPointProcesses, AReceiveFromALostPeerMidRendezvousFailsAndNeverWritesAfterwards) {
+  TwoRanks ranks;
+  ASSERT_NO_FATAL_FAILURE(Connect("rank1_send", ranks));
+  UcxPointToPoint& p2p = *ranks.p2p;
+  // Rank 1's announcement of its send reaches rank 0's worker.
+  Progress(p2p, milliseconds(300));
+  ranks.group->Kill(0, SIGSTOP);
+  p2p.MarkPeerLost(1, PeerLostError("rank 1 marked lost by the test"));
+  std::vector<uint8_t> in(kMessageBytes, 0);
+  auto id = p2p.PostRecv(1, kTag, in.data(), in.size());
+  EXPECT_EQ(id.status().code(), StatusCode::kPeerLost) << id.status();
+  std::fill(in.begin(), in.end(), kSentinel);
+  ranks.group->Kill(0, SIGCONT);
+  Progress(p2p, milliseconds(500));
+  EXPECT_EQ(static_cast<size_t>(std::count(in.begin(), in.end(), kSentinel)), in.size())
+      << "the given-up receive wrote into the buffer after its post returned";
+  p2p.Close(DeadlineIn(milliseconds(2000))).IgnoreError();
+  testing::WorkerResult rank1 = ranks.Finish();
+  EXPECT_EQ(rank1.signal, 0) << rank1.output;
+}
+
 TEST(UcxPointToPointProcesses, SendThatTimedOutNeverReadsAfterwards) {
   TwoRanks ranks;
   ASSERT_NO_FATAL_FAILURE(Connect("rank1_receive", ranks));
