@@ -108,6 +108,16 @@ StatusOr<std::unique_ptr<UcxPointToPoint>> UcxPointToPoint::Create(
                                 std::to_string(options.polls_per_clock_read) +
                                 " is not a power of two");
   }
+  // A poll that finds work may take long (a socket's worth of a large
+  // message over TCP): with thousands of polls between clock reads, a
+  // wait would look at its deadline and run its watchdog far too late.
+  constexpr int kMostPollsPerClockRead = 256;
+  if (options.polls_per_clock_read > kMostPollsPerClockRead) {
+    return InvalidArgumentError("polls_per_clock_read " +
+                                std::to_string(options.polls_per_clock_read) +
+                                " is more than the most, " +
+                                std::to_string(kMostPollsPerClockRead));
+  }
   // A sleeping wait sleeps at most a watchdog period between looks at its
   // deadline: a negative period made it block in epoll_wait with no
   // timeout at all, and zero made it spin.

@@ -77,8 +77,8 @@ struct P2pOptions {
   /// Idle polls before yielding or sleeping; not negative (Create refuses it).
   int idle_polls_before_backoff = 256;
   /// A wait reads the clock (for its deadline and the watchdog) once per
-  /// this many polls, a power of two (a read costs ~20 ns). Tests set 1 to
-  /// meet a deadline that has passed at the wait's first poll.
+  /// this many polls, a power of two of at most 256 (a read costs ~20 ns).
+  /// Tests set 1 to meet a deadline that has passed at the wait's first poll.
   int polls_per_clock_read = 16;
   /// How often a wait runs the watchdog (waits longer than a millisecond),
   /// and the longest a sleeping wait sleeps; positive (Create refuses 0 or less).

@@ -1126,8 +1126,9 @@ TEST(UcxPointToPoint, BadArgumentsAreRejected) {
 
 // Options a wait cannot work with are refused by Create, naming the
 // option: a negative watchdog_period made a sleeping wait block in
-// epoll_wait with no timeout (past its deadline), zero made it spin, and a
-// negative grace or threshold were taken silently. Zero grace and zero
+// epoll_wait with no timeout (past its deadline), zero made it spin, a
+// negative grace or threshold were taken silently, and a million polls
+// between clock reads let a wait overrun its deadline by that many polls. Zero grace and zero
 // threshold are valid (force at once, back off at once).
 TEST(UcxPointToPoint, CreateRefusesBadTimingOptionsNamingThem) {
   auto context = Context::Create({.default_tls = "sm,self", .wakeup = true});
@@ -1142,6 +1143,8 @@ TEST(UcxPointToPoint, CreateRefusesBadTimingOptionsNamingThem) {
       {{.watchdog_period = milliseconds(0)}, "watchdog_period of 0 ms is not positive"},
       {{.recall_grace = milliseconds(-5)}, "recall_grace of -5 ms is negative"},
       {{.idle_polls_before_backoff = -1}, "idle_polls_before_backoff -1 is negative"},
+      {{.polls_per_clock_read = 1 << 20},
+       "polls_per_clock_read 1048576 is more than the most, 256"},
   };
   for (const Case& c : cases) {
     auto p2p = UcxPointToPoint::Create(*context, c.options);
