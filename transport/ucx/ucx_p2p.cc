@@ -65,6 +65,9 @@ constexpr auto kRecallOverrun = std::chrono::milliseconds(20);
 // force (which makes the peer lost for later calls).
 constexpr auto kRecallGraceOverrun = std::chrono::milliseconds(10);
 
+// Why a wait run inside the watchdog refuses a request.
+constexpr char kHeldByOuterWait[] = " held by the wait whose watchdog runs this one";
+
 ucp_tag_t WireTag(bool user, int source, p2p::Tag tag) {
   return (user ? kUserChannel : 0) | (static_cast<ucp_tag_t>(source) << p2p::kTagBits) | tag;
 }
@@ -973,10 +976,14 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
   Status invalid;
   for (p2p::RequestId id : requests) {
     Slot* slot = Lookup(id);
-    if (slot == nullptr || slot->listed_in == wait) {
+    // A wait inside the watchdog must leave the running wait's requests
+    // to it: releasing one here would free its slot twice.
+    if (slot == nullptr || slot->listed_in == wait || slot->held) {
       if (invalid.ok()) {
         invalid = InvalidArgumentError("WaitAll: request id " + std::to_string(id) +
-                                       (slot == nullptr ? " unknown or released" : " listed twice"));
+                                       (slot == nullptr ? " unknown or released"
+                                        : slot->held    ? kHeldByOuterWait
+                                                        : " listed twice"));
       }
       continue;
     }
@@ -1055,9 +1062,9 @@ StatusOr<size_t> UcxPointToPoint::WaitAny(std::span<const p2p::RequestId> reques
   slots.reserve(requests.size());
   for (p2p::RequestId id : requests) {
     Slot* slot = Lookup(id);
-    if (slot == nullptr) {
+    if (slot == nullptr || slot->held) {
       return InvalidArgumentError("WaitAny: request id " + std::to_string(id) +
-                                  " unknown or released");
+                                  (slot == nullptr ? " unknown or released" : kHeldByOuterWait));
     }
     slots.push_back(slot);
   }

@@ -118,7 +118,8 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// Used to learn about aborts posted by other ranks and peers on this
   /// host that exited. `check` may Cancel (keeping to the wait's deadline),
   /// also a request of the running wait: that wait then ends, ABORTED
-  /// naming it (or with `check`'s own failure).
+  /// naming it (or with `check`'s own failure). A wait inside `check` that
+  /// lists a request of the running wait fails INVALID_ARGUMENT.
   void SetWatchdog(std::function<Status(Deadline, std::span<const int>)> check);
 
   /// Records that `peer` is gone (learned elsewhere, e.g. its process exited);

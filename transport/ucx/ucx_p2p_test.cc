@@ -894,6 +894,55 @@ TEST(UcxPointToPoint, ARequestTheWatchdogCancelsEndsTheWaitHoldingIt) {
   }
 }
 
+// A wait run inside the watchdog refuses a request of the wait that runs
+// the watchdog, naming it, and leaves it to that wait, which takes the
+// message. The inner wait took it and released its slot, the outer wait
+// released it again, and the next two posts shared the slot (one id).
+TEST(UcxPointToPoint, AWaitInsideTheWatchdogLeavesTheOuterWaitsRequestsToIt) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  for (bool any : {false, true}) {
+    SCOPED_TRACE(any ? "inner WaitAny" : "inner WaitAll");
+    int got = 0;
+    const int sent = 77;
+    auto id = p2p.PostRecv(1, 3, &got, sizeof(got));
+    ASSERT_TRUE(id.ok()) << id.status();
+    p2p::RequestId ids[] = {*id};
+    Status inner;
+    bool ran = false;
+    p2p.SetWatchdog([&](Deadline, std::span<const int>) {
+      if (ran) return Status::Ok();
+      ran = true;
+      // Rank 1 sends only now: the inner wait would take the message.
+      auto send = ranks[1]->PostSend(0, 3, &sent, sizeof(sent));
+      EXPECT_TRUE(send.ok()) << send.status();
+      if (!send.ok()) return send.status();
+      p2p::RequestId sends[] = {*send};
+      EXPECT_TRUE(ranks[1]->WaitAll(sends, DeadlineIn(milliseconds(5000))).ok());
+      inner = any ? p2p.WaitAny(ids, DeadlineIn(milliseconds(2000))).status()
+                  : p2p.WaitAll(ids, DeadlineIn(milliseconds(2000)));
+      return Status::Ok();
+    });
+    Status outer = p2p.WaitAll(ids, DeadlineIn(milliseconds(5000)));
+    p2p.SetWatchdog(nullptr);
+    ASSERT_TRUE(ran);
+    EXPECT_EQ(inner.code(), StatusCode::kInvalidArgument) << inner;
+    EXPECT_NE(inner.message().find(std::to_string(*id) +
+                                   " held by the wait whose watchdog runs this one"),
+              std::string::npos)
+        << inner;
+    EXPECT_TRUE(outer.ok()) << outer;
+    EXPECT_EQ(got, 77);
+    int a = 0, b = 0;
+    auto first = p2p.PostRecv(1, 4, &a, sizeof(a));
+    auto second = p2p.PostRecv(1, 5, &b, sizeof(b));
+    ASSERT_TRUE(first.ok() && second.ok()) << first.status() << second.status();
+    EXPECT_NE(*first, *second);
+    p2p::RequestId both[] = {*first, *second};
+    p2p.CancelAll(both);
+  }
+}
+
 TEST(UcxPointToPoint, SendStillRunningWhenItsWaitFailsGivesUpThePeer) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
