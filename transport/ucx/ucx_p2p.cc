@@ -996,6 +996,13 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
     return invalid;
   }
   for (Slot* slot : slots) slot->held = true;
+  // Every way out (a watchdog that throws included), the slots released
+  // meanwhile included.
+  struct Unhold {
+    UcxPointToPoint* self;
+    std::span<Slot* const> slots;
+    ~Unhold() { self->LetGo(slots); }
+  } unhold{this, slots};
   const Clock::time_point started = Clock::now();
   Status result;
   size_t first_pending = 0;
@@ -1048,7 +1055,6 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
       Abandon(slot);
     }
   }
-  LetGo(slots);
   // Nothing may write into the caller's buffers once it has the result
   // (within kRecallOverrun of the deadline: see Recall).
   Recall(deadline);

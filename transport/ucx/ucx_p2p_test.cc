@@ -12,6 +12,7 @@
 #include <numeric>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -941,6 +942,30 @@ TEST(UcxPointToPoint, AWaitInsideTheWatchdogLeavesTheOuterWaitsRequestsToIt) {
     p2p::RequestId both[] = {*first, *second};
     p2p.CancelAll(both);
   }
+}
+
+// A watchdog that throws ends the wait with its exception; the wait's
+// request stays the caller's, and a later wait on it takes the message.
+TEST(UcxPointToPoint, AWaitLeftByAThrowingWatchdogLeavesItsRequestUsable) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  int got = 0;
+  auto id = p2p.PostRecv(1, 3, &got, sizeof(got));
+  ASSERT_TRUE(id.ok()) << id.status();
+  p2p::RequestId ids[] = {*id};
+  p2p.SetWatchdog([](Deadline, std::span<const int>) -> Status {
+    throw std::runtime_error("watchdog failed");
+  });
+  EXPECT_THROW(p2p.WaitAll(ids, DeadlineIn(milliseconds(2000))).IgnoreError(), std::runtime_error);
+  p2p.SetWatchdog(nullptr);
+  const int sent = 9;
+  auto send = ranks[1]->PostSend(0, 3, &sent, sizeof(sent));
+  ASSERT_TRUE(send.ok()) << send.status();
+  p2p::RequestId sends[] = {*send};
+  ASSERT_TRUE(ranks[1]->WaitAll(sends, DeadlineIn(milliseconds(5000))).ok());
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(5000)));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(got, 9);
 }
 
 TEST(UcxPointToPoint, SendStillRunningWhenItsWaitFailsGivesUpThePeer) {
