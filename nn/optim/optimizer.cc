@@ -1231,7 +1231,9 @@ std::string OptionValueText(double value) {
 }
 
 void CheckStateScalar(const char* who, const std::string& key, const Tensor* t, DType dtype) {
-  if (t != nullptr && t->defined() && t->dtype() == dtype && t->numel() == 1) return;
+  // 0-d, as every StateDict writes it: a [1] or [1, 1] of the right dtype is
+  // not what was saved, and taking it would hide a state built by hand wrong.
+  if (t != nullptr && t->defined() && t->dtype() == dtype && t->shape() == Shape{}) return;
   const std::string type(DTypeName(dtype));
   if (t == nullptr) throw std::invalid_argument(std::string(who) + ": missing " + type + " scalar `" + key + "`");
   const std::string found = t->defined() ? std::string(DTypeName(t->dtype())) + " " + ShapeToString(t->shape())

@@ -474,7 +474,7 @@ Tensor GroupMembersTensor(const std::vector<std::string>& names);
 bool GroupMembersOf(const Tensor& t, std::vector<std::string>* names);
 
 /// Throws std::invalid_argument unless `t` (null: the key is absent from
-/// the state dict) is one element of `dtype`, naming `who` and `key` and
+/// the state dict) is a 0-d tensor of `dtype` (a [1] is refused), naming `who` and `key` and
 /// saying what was found instead. For the scaler's and schedulers' states.
 void CheckStateScalar(const char* who, const std::string& key, const Tensor* t, DType dtype);
 

@@ -1766,6 +1766,45 @@ TEST(GradScaler, MalformedStateEntrySaysWhatItHolds) {
             "SGD: dampening 0.5 must be 0 with nesterov");
 }
 
+// A scalar entry is 0-d, as StateDict writes it and as PyTorch keeps its
+// step: a one-element tensor of another shape ([1], [1, 1]) is not one and
+// is refused with its shape. Before, any one-element tensor was taken.
+TEST(OptimizerState, AOneElementTensorIsNotAScalarEntry) {
+  GradScaler scaler;
+  NamedTensors state = scaler.StateDict();
+  ASSERT_EQ(state[0].first, "scaler.scale");
+  state[0].second = FromVector({8.0}, {1}, {.dtype = DType::kFloat32});
+  EXPECT_EQ(ErrorOf([&] { scaler.LoadStateDict(state); }),
+            "GradScaler.LoadStateDict: `scaler.scale` is f32 [1], expected an f32 scalar");
+  state = scaler.StateDict();
+  ASSERT_EQ(state[1].first, "scaler.growth_tracker");
+  state[1].second = FromVectorOf<int64_t>({1}, {1, 1});
+  EXPECT_EQ(ErrorOf([&] { scaler.CheckStateDict(state); }),
+            "GradScaler.LoadStateDict: `scaler.growth_tracker` is i64 [1, 1], expected an i64 scalar");
+
+  Tensor w = Zeros({1});
+  Sgd opt({{"w", w}}, {.lr = 1.0});
+  {
+    LrScheduler s(opt, StepSchedule(2, 0.5));
+    state = s.StateDict();
+    ASSERT_EQ(state[0].first, "scheduler.step");
+    state[0].second = FromVectorOf<int64_t>({1}, {1});
+    EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
+              "LrScheduler.LoadStateDict: `scheduler.step` is i64 [1], expected an i64 scalar");
+    state = s.StateDict();
+    ASSERT_EQ(state[1].first, "scheduler.base_lr");
+    state[1].second = FromVector({1.0}, {1}, {.dtype = DType::kFloat64});
+    EXPECT_EQ(ErrorOf([&] { s.LoadStateDict(state); }),
+              "LrScheduler.LoadStateDict: `scheduler.base_lr` is f64 [1], expected an f64 scalar");
+  }
+  ReduceLrOnPlateau plateau(opt, {.patience = 1});
+  state = plateau.StateDict();
+  ASSERT_EQ(state[0].first, "plateau.best");
+  state[0].second = FromVector({1.0}, {1, 1}, {.dtype = DType::kFloat64});
+  EXPECT_EQ(ErrorOf([&] { plateau.LoadStateDict(state); }),
+            "ReduceLROnPlateau.LoadStateDict: `plateau.best` is f64 [1, 1], expected an f64 scalar");
+}
+
 TEST(LrScheduler, CheckStateDictThrowsAsLoadStateDictAndChangesNothing) {
   Tensor w = Zeros({1});
   Sgd opt({{"w", w}}, {.lr = 1.0});
