@@ -511,9 +511,23 @@ std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& o) {
 
 std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
                                                double start_factor, double eta_min, CosineTail tail) {
+  // Checked here, so that a refusal names the schedule the caller made, not
+  // the LinearLR or CosineAnnealingLR it is built from.
+  const char* const who = "WarmupCosineSchedule: ";
   if (warmup_steps < 1 || total_steps <= warmup_steps) {
-    throw std::invalid_argument("warm-up cosine: need 1 <= warmup_steps (" + std::to_string(warmup_steps) +
+    throw std::invalid_argument(std::string(who) + "need 1 <= warmup_steps (" + std::to_string(warmup_steps) +
                                 ") < total_steps (" + std::to_string(total_steps) + ")");
+  }
+  if (!(start_factor > 0 && start_factor <= 1)) {
+    throw std::invalid_argument(std::string(who) + "start_factor " + internal::OptionValueText(start_factor) +
+                                " must be in (0, 1]");
+  }
+  if (!(eta_min >= 0) || !std::isfinite(eta_min)) {
+    throw std::invalid_argument(std::string(who) + "eta_min " + internal::OptionValueText(eta_min) +
+                                " must be finite and >= 0");
+  }
+  if (tail != CosineTail::kPeriodic && tail != CosineTail::kHold) {
+    throw std::invalid_argument(std::string(who) + "unknown tail " + std::to_string(static_cast<int>(tail)));
   }
   return SequentialSchedule({LinearSchedule(start_factor, 1.0, warmup_steps),
                              CosineSchedule(total_steps - warmup_steps, eta_min, tail)},

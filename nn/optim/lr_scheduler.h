@@ -72,7 +72,9 @@ std::shared_ptr<Schedule> StepSchedule(int64_t step_size, double gamma = 0.1);
 std::shared_ptr<Schedule> CosineSchedule(int64_t t_max, double eta_min = 0.0,
                                          CosineTail tail = CosineTail::kPeriodic);
 /// base_lr * (start + (end - start) * min(t, total_iters) / total_iters)
-/// (LinearLR; a linear warm-up with end_factor 1).
+/// (LinearLR; a linear warm-up with end_factor 1). Throws
+/// std::invalid_argument, naming the one value at fault, unless
+/// start_factor is in (0, 1], end_factor in [0, 1] and total_iters >= 1.
 std::shared_ptr<Schedule> LinearSchedule(double start_factor, double end_factor, int64_t total_iters);
 /// schedules[k] from milestone k-1 on, counting its steps from there
 /// (SequentialLR); milestones ascending, one fewer than schedules. Throws
@@ -189,7 +191,10 @@ std::shared_ptr<Schedule> OneCycleSchedule(const OneCycleOptions& options);
 /// Linear warm-up from start_factor * base_lr over warmup_steps, then cosine
 /// annealing to eta_min at total_steps. Past total_steps the default
 /// (kPeriodic) follows PyTorch's SequentialLR(LinearLR, CosineAnnealingLR)
-/// and climbs back up; pass CosineTail::kHold to stay at eta_min.
+/// and climbs back up; pass CosineTail::kHold to stay at eta_min. Throws
+/// std::invalid_argument naming WarmupCosineSchedule unless
+/// 1 <= warmup_steps < total_steps, start_factor is in (0, 1] and eta_min
+/// is finite and >= 0.
 std::shared_ptr<Schedule> WarmupCosineSchedule(int64_t warmup_steps, int64_t total_steps,
                                                double start_factor = 0.01, double eta_min = 0.0,
                                                CosineTail tail = CosineTail::kPeriodic);

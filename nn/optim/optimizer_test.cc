@@ -1890,7 +1890,8 @@ TEST(LrScheduler, ScheduleParametersAreCheckedAtConstruction) {
     SCOPED_TRACE(bad);
     EXPECT_THAT(ErrorOf([&] { StepSchedule(2, bad); }), HasSubstr("StepLR: gamma "));
     EXPECT_THAT(ErrorOf([&] { CosineSchedule(10, bad); }), HasSubstr("CosineAnnealingLR: eta_min "));
-    EXPECT_THAT(ErrorOf([&] { WarmupCosineSchedule(2, 10, 0.1, bad); }), HasSubstr("CosineAnnealingLR: eta_min "));
+    EXPECT_THAT(ErrorOf([&] { WarmupCosineSchedule(2, 10, 0.1, bad); }),
+                HasSubstr("WarmupCosineSchedule: eta_min "));
     EXPECT_THAT(ErrorOf([&] { LinearSchedule(bad, 1.0, 5); }), HasSubstr("LinearLR: start_factor "));
     EXPECT_THAT(ErrorOf([&] { LinearSchedule(0.5, bad, 5); }), HasSubstr("LinearLR: end_factor "));
   }
@@ -1911,6 +1912,24 @@ TEST(LrScheduler, ScheduleParametersAreCheckedAtConstruction) {
 
 // No schedules: a message of its own. Before, it printed size() - 1
 // underflowed ("0 schedules need 18446744073709551615 milestones").
+// WarmupCosineSchedule's refusals name it, not the LinearLR and
+// CosineAnnealingLR it is made of (which the caller never named). Before,
+// a bad start_factor was reported as LinearLR's.
+TEST(LrScheduler, WarmupCosineRefusalsNameIt) {
+  EXPECT_EQ(ErrorOf([] { WarmupCosineSchedule(2, 10, 0.0); }),
+            "WarmupCosineSchedule: start_factor 0 must be in (0, 1]");
+  EXPECT_EQ(ErrorOf([] { WarmupCosineSchedule(2, 10, 1.5); }),
+            "WarmupCosineSchedule: start_factor 1.5 must be in (0, 1]");
+  EXPECT_EQ(ErrorOf([] { WarmupCosineSchedule(2, 10, std::nan("")); }),
+            "WarmupCosineSchedule: start_factor nan must be in (0, 1]");
+  EXPECT_EQ(ErrorOf([] { WarmupCosineSchedule(2, 10, 0.1, -0.5); }),
+            "WarmupCosineSchedule: eta_min -0.5 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([] { WarmupCosineSchedule(0, 10); }),
+            "WarmupCosineSchedule: need 1 <= warmup_steps (0) < total_steps (10)");
+  EXPECT_EQ(ErrorOf([] { WarmupCosineSchedule(5, 5); }),
+            "WarmupCosineSchedule: need 1 <= warmup_steps (5) < total_steps (5)");
+}
+
 TEST(LrScheduler, SequentialScheduleWithoutSchedulesSaysSo) {
   const std::string err = ErrorOf([] { SequentialSchedule({}, {}); });
   EXPECT_EQ(err, "SequentialLR: got no schedules (and 0 milestones), need at least one");
