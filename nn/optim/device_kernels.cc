@@ -26,7 +26,8 @@ void RegisterDeviceOptimKernels(DeviceType type, const DeviceOptimKernels& kerne
   if (type == DeviceType::kCPU) {
     r.cpu_registered = kernels.sgd_step != nullptr || kernels.adam_step != nullptr ||
                        kernels.adadelta_step != nullptr || kernels.unscale_and_check != nullptr ||
-                       kernels.max_abs != nullptr || kernels.sgd_step_multi != nullptr;
+                       kernels.max_abs != nullptr || kernels.sgd_step_multi != nullptr ||
+                       kernels.rmsprop_step != nullptr || kernels.adagrad_step != nullptr;
   }
 }
 

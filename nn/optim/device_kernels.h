@@ -61,6 +61,28 @@ struct AdadeltaStepArgs {
   double grad_scale = 1.0;    ///< Multiplies the gradient as it is read.
 };
 
+/// One RMSprop step's coefficients (PyTorch's rule, see rmsprop.h).
+struct RmspropStepArgs {
+  double lr = 0.01;
+  double alpha = 0.99;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  ///< L2 penalty added to the (scaled) gradient.
+  double momentum = 0.0;
+  bool centered = false;
+  double grad_scale = 1.0;    ///< Multiplies the gradient as it is read.
+};
+
+/// One Adagrad step's coefficients (PyTorch's rule, see adagrad.h). The
+/// accumulator arrives already holding initial_accumulator_value on the
+/// parameter's first update.
+struct AdagradStepArgs {
+  /// This step's rate: lr / (1 + (step - 1) * lr_decay), in f64.
+  double clr = 0.01;
+  double eps = 1e-10;
+  double weight_decay = 0.0;  ///< L2 penalty added to the (scaled) gradient.
+  double grad_scale = 1.0;    ///< Multiplies the gradient as it is read.
+};
+
 /// Kernels of one device type; an empty entry is reported by name.
 struct DeviceOptimKernels {
   /// p and momentum_buffer (undefined when momentum is 0) updated in place.
@@ -90,6 +112,12 @@ struct DeviceOptimKernels {
   /// parameter where not.
   void (*sgd_step_multi)(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                          const std::vector<Tensor>& momentum_buffers, const SgdStepArgs& args) = nullptr;
+  /// p, square_avg, momentum_buffer (undefined when momentum is 0) and
+  /// grad_avg (undefined unless centered) updated in place.
+  void (*rmsprop_step)(const Tensor& p, const Tensor& grad, const Tensor& square_avg, const Tensor& momentum_buffer,
+                       const Tensor& grad_avg, const RmspropStepArgs& args) = nullptr;
+  /// p and sum updated in place.
+  void (*adagrad_step)(const Tensor& p, const Tensor& grad, const Tensor& sum, const AdagradStepArgs& args) = nullptr;
 };
 
 /// Installs the kernels of a device type (replacing any previous ones).

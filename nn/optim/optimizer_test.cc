@@ -15,11 +15,13 @@
 #include "nn/io/checkpoint.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/adadelta.h"
+#include "nn/optim/adagrad.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/clip_grad.h"
 #include "nn/optim/grad_scaler.h"
 #include "nn/optim/kernel_util.h"
 #include "nn/optim/lr_scheduler.h"
+#include "nn/optim/rmsprop.h"
 #include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
 
@@ -43,6 +45,14 @@ std::vector<std::pair<std::string, Factory>> AllOptimizers() {
       {"adam", [](NamedParameters p) { return std::make_unique<Adam>(p, AdamOptions{.lr = 1e-2, .amsgrad = true}); }},
       {"adamw", [](NamedParameters p) { return std::make_unique<AdamW>(p, AdamWOptions{.lr = 1e-2}); }},
       {"adadelta", [](NamedParameters p) { return std::make_unique<Adadelta>(p, AdadeltaOptions{}); }},
+      {"rmsprop", [](NamedParameters p) {
+         return std::make_unique<Rmsprop>(
+             p, RmspropOptions{.weight_decay = 1e-3, .momentum = 0.9, .centered = true});
+       }},
+      {"adagrad", [](NamedParameters p) {
+         return std::make_unique<Adagrad>(
+             p, AdagradOptions{.lr = 0.1, .lr_decay = 0.01, .initial_accumulator_value = 0.1});
+       }},
   };
 }
 
@@ -110,6 +120,13 @@ TEST(OptimizerKernels, WideAndBaselineLoopsGiveTheSameBits) {
                    }});
   cases.push_back({"adadelta wd", [](NamedParameters p) {
                      return std::make_unique<Adadelta>(p, AdadeltaOptions{.weight_decay = 0.1});
+                   }});
+  cases.push_back({"rmsprop plain", [](NamedParameters p) { return std::make_unique<Rmsprop>(p, RmspropOptions{}); }});
+  cases.push_back({"rmsprop centered, lerp's large-weight form", [](NamedParameters p) {
+                     return std::make_unique<Rmsprop>(p, RmspropOptions{.alpha = 0.3, .centered = true});
+                   }});
+  cases.push_back({"adagrad wd", [](NamedParameters p) {
+                     return std::make_unique<Adagrad>(p, AdagradOptions{.weight_decay = 0.1});
                    }});
   for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
     for (const auto& [name, make] : cases) {
@@ -846,6 +863,216 @@ TEST(OptimizerState, StateSavedBeforeADtypeChangeLoadsAfterIt) {
 // zero buffer was kept and saved, and a state from Sgd{momentum = 0} loaded
 // into Sgd{momentum = 0.9, dampening = 0.1} made the next update
 // buf = 0.9 * 0 + 0.9 * d instead of buf = d.
+// RMSprop and Adagrad against their PyTorch rules: four steps of fixed
+// gradients on three f64 elements. The expected values were computed by a
+// Python transcription of torch.optim's single-tensor RMSprop and Adagrad
+// (Python floats are f64; each operation in PyTorch's order, RMSprop's
+// centered average as ATen's lerp), so f64 results agree to the last bits;
+// f32 ones to 1e-5. torch itself is not installed here.
+const std::vector<double> kGoldenP0 = {0.5, -1.25, 2.0};
+const std::vector<std::vector<double>> kGoldenGrads = {
+    {0.3, -0.7, 1.1}, {-0.2, 0.4, 0.9}, {0.6, -1.3, -0.5}, {0.05, 0.8, -0.25}};
+
+// Steps `opt` (over `w`, made from kGoldenP0 in `dtype`) through kGoldenGrads.
+void StepGolden(Optimizer& opt, const Tensor& w) {
+  for (const std::vector<double>& g : kGoldenGrads) {
+    w.set_grad(FromVector(g, {3}, {.dtype = w.dtype()}));
+    opt.Step();
+  }
+}
+
+// The state entry `key` of `state` as doubles.
+std::vector<double> StateEntry(const NamedTensors& state, const std::string& key) {
+  for (const auto& [k, t] : state) {
+    if (k == key) return t.ToVector<double>();
+  }
+  ADD_FAILURE() << "no `" << key << "` in the state";
+  return {};
+}
+
+void ExpectGolden(const std::vector<double>& got, const std::vector<double>& want, DType dtype) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (dtype == DType::kFloat64) {
+      EXPECT_DOUBLE_EQ(got[i], want[i]) << "element " << i;
+    } else {
+      EXPECT_NEAR(got[i], want[i], 1e-5 * std::max(1.0, std::abs(want[i]))) << "element " << i;
+    }
+  }
+}
+
+TEST(Rmsprop, MatchesPyTorchsRule) {
+  struct Case {
+    std::string name;
+    RmspropOptions options;
+    std::vector<double> p, square_avg, momentum_buffer, grad_avg;
+  };
+  const std::vector<Case> cases = {
+      {"defaults (lr 0.01, alpha 0.99, eps 1e-8)",
+       RmspropOptions{},
+       {0.362580107472005, -1.1612258966620466, 1.8864737620181184},
+       {0.004854309100000004, 0.029453625100000026, 0.022779427900000024},
+       {},
+       {}},
+      {"weight decay, momentum, centered",
+       RmspropOptions{.lr = 0.02, .weight_decay = 0.1, .momentum = 0.9, .centered = true},
+       {-0.29030510705164636, -0.49977504847849463, 1.0510348235187887},
+       {0.005305445117683989, 0.03206721472716978, 0.02920455868453345},
+       {12.08180715696312, -8.167602335416273, 9.97692356743212},
+       {0.008324115746848479, -0.011572320224251854, 0.01847229199549537}},
+      {"centered with alpha 0.3 (lerp's large-weight form), maximize",
+       RmspropOptions{.alpha = 0.3, .centered = true, .maximize = true},
+       {0.532232033612504, -1.272033404711181, 2.0389477799544853},
+       {0.081571, 0.8222409999999999, 0.170149},
+       {},
+       {-0.15407, -0.29896999999999996, 0.20250999999999997}},
+  };
+  for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.name + (dtype == DType::kFloat64 ? " f64" : " f32"));
+      Tensor w = FromVector(kGoldenP0, {3}, {.dtype = dtype});
+      Rmsprop opt({{"w", w}}, c.options);
+      StepGolden(opt, w);
+      ExpectGolden(w.ToVector<double>(), c.p, dtype);
+      const NamedTensors state = opt.StateDict();
+      ExpectGolden(StateEntry(state, "state.w.square_avg"), c.square_avg, dtype);
+      EXPECT_EQ(EntriesUnder(state, "state.w.momentum_buffer"), c.momentum_buffer.empty() ? 0u : 1u);
+      EXPECT_EQ(EntriesUnder(state, "state.w.grad_avg"), c.grad_avg.empty() ? 0u : 1u);
+      if (!c.momentum_buffer.empty()) {
+        ExpectGolden(StateEntry(state, "state.w.momentum_buffer"), c.momentum_buffer, dtype);
+      }
+      if (!c.grad_avg.empty()) ExpectGolden(StateEntry(state, "state.w.grad_avg"), c.grad_avg, dtype);
+    }
+  }
+}
+
+TEST(Adagrad, MatchesPyTorchsRule) {
+  struct Case {
+    std::string name;
+    AdagradOptions options;
+    std::vector<double> p, sum;
+  };
+  const std::vector<Case> cases = {
+      {"defaults (lr 0.01, eps 1e-10)",
+       AdagradOptions{},
+       {0.4862631028940655, -1.2410972990995885, 1.9886231651676336},
+       {0.4925, 2.98, 2.3325000000000005}},
+      {"lr decay, weight decay, initial accumulator, maximize",
+       AdagradOptions{.lr = 0.1, .lr_decay = 0.5, .weight_decay = 0.1, .initial_accumulator_value = 0.2,
+                      .maximize = true},
+       {0.5534154823761153, -1.30783086754861, 2.089708790776978},
+       {0.6278948711236935, 3.0562767027558673, 2.207323684715868}},
+  };
+  for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.name + (dtype == DType::kFloat64 ? " f64" : " f32"));
+      Tensor w = FromVector(kGoldenP0, {3}, {.dtype = dtype});
+      Adagrad opt({{"w", w}}, c.options);
+      StepGolden(opt, w);
+      ExpectGolden(w.ToVector<double>(), c.p, dtype);
+      ExpectGolden(StateEntry(opt.StateDict(), "state.w.sum"), c.sum, dtype);
+    }
+  }
+}
+
+// PyTorch's defaults, and each bad option refused naming it and its value.
+TEST(RmspropAndAdagrad, DefaultsAndRefusedOptions) {
+  const RmspropOptions r;
+  EXPECT_EQ(r.lr, 0.01);
+  EXPECT_EQ(r.alpha, 0.99);
+  EXPECT_EQ(r.eps, 1e-8);
+  EXPECT_EQ(r.weight_decay, 0.0);
+  EXPECT_EQ(r.momentum, 0.0);
+  EXPECT_FALSE(r.centered);
+  const AdagradOptions a;
+  EXPECT_EQ(a.lr, 0.01);
+  EXPECT_EQ(a.lr_decay, 0.0);
+  EXPECT_EQ(a.weight_decay, 0.0);
+  EXPECT_EQ(a.initial_accumulator_value, 0.0);
+  EXPECT_EQ(a.eps, 1e-10);
+
+  const auto params = [] { return NamedParameters{{"w", Zeros({2})}}; };
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(ErrorOf([&] { Rmsprop(params(), {.lr = -1}); }), "RMSprop: learning rate -1 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Rmsprop(params(), {.alpha = -0.1}); }), "RMSprop: alpha -0.1 must be in [0, 1]");
+  EXPECT_EQ(ErrorOf([&] { Rmsprop(params(), {.alpha = 1.5}); }), "RMSprop: alpha 1.5 must be in [0, 1]");
+  EXPECT_EQ(ErrorOf([&] { Rmsprop(params(), {.eps = -1e-8}); }), "RMSprop: eps -1e-08 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Rmsprop(params(), {.weight_decay = inf}); }),
+            "RMSprop: weight_decay inf must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Rmsprop(params(), {.momentum = std::nan("")}); }),
+            "RMSprop: momentum nan must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Adagrad(params(), {.lr = inf}); }), "Adagrad: learning rate inf must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Adagrad(params(), {.lr_decay = -0.5}); }), "Adagrad: lr_decay -0.5 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Adagrad(params(), {.weight_decay = -1}); }),
+            "Adagrad: weight_decay -1 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Adagrad(params(), {.initial_accumulator_value = -0.1}); }),
+            "Adagrad: initial_accumulator_value -0.1 must be finite and >= 0");
+  EXPECT_EQ(ErrorOf([&] { Adagrad(params(), {.eps = std::nan("")}); }), "Adagrad: eps nan must be finite and >= 0");
+  // In a group, and in a loaded state: named the same way.
+  EXPECT_EQ(ErrorOf([&] { Rmsprop({ParamGroup{.params = params(), .options = {{"alpha", 2}}}}, {}); }),
+            "RMSprop: param group 0: alpha 2 must be in [0, 1]");
+  EXPECT_EQ(ErrorOf([&] { Rmsprop({ParamGroup{.params = params(), .options = {{"centered", 1}}}}, {}); }),
+            "RMSprop: param group 0: option `centered` differs from the default's (1 against 0): it decides which "
+            "state is kept, and per-group state layouts are not supported; give every group the same");
+  Adagrad saver(params(), {});
+  NamedTensors state = saver.StateDict();
+  for (auto& [k, t] : state) {
+    if (k == "group.lr_decay") t = FromVector({-2.0}, {}, {.dtype = DType::kFloat64});
+  }
+  Adagrad loader(params(), {});
+  EXPECT_THAT(ErrorOf([&] { loader.LoadStateDict(state); }),
+              HasSubstr("the state's options are refused: lr_decay -2 must be finite and >= 0"));
+}
+
+// The momentum buffer and the centered average are kept as the options
+// say; a state of the other layout is refused naming the option.
+TEST(Rmsprop, SlotsFollowMomentumAndCenteredAndOtherLayoutsAreRefused) {
+  const auto params = [] { return NamedParameters{{"w", Zeros({2})}}; };
+  Tensor w = Zeros({2});
+  Rmsprop plain({{"w", w}}, {});
+  w.set_grad(FromVector({1.0, -1.0}, {2}));
+  plain.Step();
+  const NamedTensors state = plain.StateDict();
+  EXPECT_EQ(EntriesUnder(state, "state.w.square_avg"), 1u);
+  EXPECT_EQ(EntriesUnder(state, "state.w.momentum_buffer"), 0u);
+  EXPECT_EQ(EntriesUnder(state, "state.w.grad_avg"), 0u);
+  Rmsprop centered(params(), {.centered = true});
+  EXPECT_THAT(ErrorOf([&] { centered.LoadStateDict(state); }),
+              HasSubstr("centered is false in the state and true in this optimizer"));
+  Rmsprop with_momentum(params(), {.momentum = 0.5});
+  EXPECT_THAT(ErrorOf([&] { with_momentum.LoadStateDict(state); }),
+              HasSubstr("momentum is 0 in the state and 0.5 in this optimizer"));
+  // A schedule may drive RMSprop's momentum (OneCycleLR's cycle_momentum).
+  EXPECT_EQ(with_momentum.momentum(0), 0.5);
+  with_momentum.set_momentum(0, 0.8);
+  EXPECT_EQ(with_momentum.options().momentum, 0.8);
+  EXPECT_THROW(plain.set_momentum(0, 0.5), std::invalid_argument);
+}
+
+// Adagrad's sum starts at initial_accumulator_value on the parameter's
+// first update, also one that first steps after a state saved before its
+// first update was loaded, and also in a param group with its own value.
+TEST(Adagrad, AccumulatorStartsAtTheGroupsInitialValue) {
+  Tensor a = Zeros({1});
+  Tensor b = Zeros({1});
+  Adagrad opt({ParamGroup{.params = {{"a", a}}}, ParamGroup{.params = {{"b", b}}, .options = {{"initial_accumulator_value", 3.0}}}},
+              AdagradOptions{.lr = 1.0, .initial_accumulator_value = 1.0});
+  Adagrad fresh({ParamGroup{.params = {{"a", Zeros({1})}}}, ParamGroup{.params = {{"b", Zeros({1})}}, .options = {{"initial_accumulator_value", 3.0}}}},
+                AdagradOptions{.lr = 1.0, .initial_accumulator_value = 1.0});
+  fresh.LoadStateDict(opt.StateDict());  // both never updated
+  for (Adagrad* o : {&opt, &fresh}) {
+    const NamedParameters& ps = o->params();
+    ps[0].second.set_grad(FromVector({2.0}, {1}));
+    ps[1].second.set_grad(FromVector({1.0}, {1}));
+    o->Step();
+    const NamedTensors state = o->StateDict();
+    EXPECT_EQ(StateEntry(state, "state.a.sum"), std::vector<double>{5.0});  // 1 + 2 * 2
+    EXPECT_EQ(StateEntry(state, "state.b.sum"), std::vector<double>{4.0});  // 3 + 1 * 1
+    EXPECT_FLOAT_EQ(ps[0].second.Item(), -2.0f / (std::sqrt(5.0f) + 1e-10f));
+    EXPECT_FLOAT_EQ(ps[1].second.Item(), -1.0f / 2.0f);
+  }
+}
+
 TEST(Sgd, KeepsNoMomentumBufferWithoutMomentum) {
   Tensor w = Ones({4});
   Sgd plain({{"w", w}}, {.lr = 0.1});

@@ -1,0 +1,156 @@
+#include "nn/optim/adagrad.h"
+
+#include "nn/optim/device_kernels.h"
+#include "nn/optim/kernel_util.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace ddp::nn::optim {
+namespace {
+
+// One Adagrad pass over n elements, each line one of PyTorch's tensor ops
+// (addcmul_ with value 1 is sum + g * g; addcdiv_ with value -clr is
+// p + (-clr * g) / std). Coefficients by value so that the loop vectorizes
+// (see SgdLoop).
+template <bool kWd, typename T>
+DDP_OPTIM_INLINE void AdagradLoop(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ sum, int64_t n,
+                                  T grad_scale, T wd, T eps, T neg_clr) {
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = g[i] * grad_scale;
+    if constexpr (kWd) gi = gi + wd * p[i];
+    const T s = sum[i] + gi * gi;
+    sum[i] = s;
+    const T std_dev = std::sqrt(s) + eps;
+    p[i] = p[i] + (neg_clr * gi) / std_dev;
+  }
+}
+
+}  // namespace
+
+Adagrad::Adagrad(NamedParameters params, AdagradOptions options)
+    : Adagrad(std::vector<ParamGroup>{{.params = std::move(params)}}, options) {}
+
+Adagrad::Adagrad(std::vector<ParamGroup> groups, AdagradOptions defaults)
+    : Optimizer("Adagrad", groups, defaults.lr, {"sum"}) {
+  CheckOptions(defaults);
+  defaults_ = defaults;
+  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
+  for (size_t k = 0; k < values.size(); ++k) {
+    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
+    options_.back().lr = lr(k);
+    set_maximize(k, options_.back().maximize);
+  }
+}
+
+// Each refusal names the one option at fault, with its value as given.
+// PyTorch asks each to be >= 0; infinite ones are refused too, as each
+// makes the update inf or NaN, or stalls it at 0.
+void Adagrad::CheckOptions(const AdagradOptions& o) {
+  const std::pair<const char*, double> finite_non_negative[] = {
+      {"lr_decay", o.lr_decay},
+      {"weight_decay", o.weight_decay},
+      {"initial_accumulator_value", o.initial_accumulator_value},
+      {"eps", o.eps}};
+  for (const auto& [name, x] : finite_non_negative) {
+    if (!(x >= 0) || !std::isfinite(x)) {
+      throw std::invalid_argument(std::string("Adagrad: ") + name + " " + internal::OptionValueText(x) +
+                                  " must be finite and >= 0");
+    }
+  }
+}
+
+std::vector<Optimizer::Hyperparameter> Adagrad::HyperparametersOf(const AdagradOptions& o) {
+  return {{.name = "lr_decay", .value = o.lr_decay},
+          {.name = "weight_decay", .value = o.weight_decay},
+          {.name = "initial_accumulator_value", .value = o.initial_accumulator_value},
+          {.name = "eps", .value = o.eps},
+          {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
+}
+
+std::vector<Optimizer::Hyperparameter> Adagrad::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
+
+void Adagrad::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
+  const size_t group = num_groups();
+  AdagradOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
+  o.lr = lr;
+  options_.push_back(o);
+}
+
+std::vector<Optimizer::Hyperparameter> Adagrad::Hyperparameters(size_t group) const {
+  return HyperparametersOf(options_[group]);
+}
+
+AdagradOptions Adagrad::WithSaved(AdagradOptions base, const std::map<std::string, double>& values) {
+  AdagradOptions o = base;
+  o.lr_decay = values.at("lr_decay");
+  o.weight_decay = values.at("weight_decay");
+  o.initial_accumulator_value = values.at("initial_accumulator_value");
+  o.eps = values.at("eps");
+  o.maximize = values.at("maximize") != 0;
+  CheckOptions(o);
+  return o;
+}
+
+void Adagrad::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
+  WithSaved(options_[group], values);
+}
+
+void Adagrad::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
+  options_[group] = WithSaved(options_[group], values);
+  set_maximize(group, options_[group].maximize);
+}
+
+double Adagrad::StepRate(size_t group, int64_t step) const {
+  return lr(group) / (1.0 + static_cast<double>(step - 1) * options_[group].lr_decay);
+}
+
+// `fresh`: the slot was just made (zeros) and starts at the group's
+// initial_accumulator_value, as PyTorch's does when the optimizer is built.
+template <typename T>
+void Adagrad::Kernel(size_t group, T* p, const T* g, T* sum, int64_t n, int64_t step, bool fresh,
+                     T grad_scale) const {
+  const AdagradOptions& o = options_[group];
+  if (fresh) std::fill(sum, sum + n, static_cast<T>(o.initial_accumulator_value));
+  const T wd = static_cast<T>(o.weight_decay);
+  const T eps = static_cast<T>(o.eps);
+  const T neg_clr = static_cast<T>(-StepRate(group, step));
+  internal::WithFlag(o.weight_decay != 0, [&](auto w) {
+    internal::RunVectorized([&]() DDP_OPTIM_LAMBDA_INLINE {
+      AdagradLoop<w.value>(p, g, sum, n, grad_scale, wd, eps, neg_clr);
+    });
+  });
+}
+
+void Adagrad::Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step,
+                     bool fresh, float grad_scale) {
+  Kernel(group, p, g, slots[0], n, step, fresh, grad_scale);
+}
+
+void Adagrad::Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step,
+                     bool fresh, double grad_scale) {
+  Kernel(group, p, g, slots[0], n, step, fresh, grad_scale);
+}
+
+void Adagrad::CheckDeviceKernels(Device device) const {
+  if (DeviceOptimKernelsFor(device.type).adagrad_step == nullptr) {
+    internal::ThrowNoDeviceKernel(Name(), "adagrad_step", device);
+  }
+}
+
+void Adagrad::DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots,
+                           int64_t step, bool fresh, double grad_scale) {
+  const AdagradOptions& o = options_[group];
+  if (fresh) slots[0].Fill(o.initial_accumulator_value);  // queued on the device, as the kernel after it
+  DeviceOptimKernelsFor(p.device().type)
+      .adagrad_step(p, g, slots[0],
+                    AdagradStepArgs{.clr = StepRate(group, step),
+                                    .eps = o.eps,
+                                    .weight_decay = o.weight_decay,
+                                    .grad_scale = grad_scale});
+}
+
+}  // namespace ddp::nn::optim
