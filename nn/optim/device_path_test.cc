@@ -27,10 +27,12 @@
 
 #include "nn/ops/autocast_training.h"
 #include "nn/optim/adadelta.h"
+#include "nn/optim/adagrad.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/clip_grad.h"
 #include "nn/optim/device_kernels.h"
 #include "nn/optim/grad_scaler.h"
+#include "nn/optim/rmsprop.h"
 #include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
 
@@ -48,9 +50,11 @@ struct SgdMultiCall {
 };
 
 struct Calls {
-  int sgd = 0, adam = 0, adadelta = 0, unscale = 0, max_abs = 0;
+  int sgd = 0, adam = 0, adadelta = 0, unscale = 0, max_abs = 0, rmsprop = 0, adagrad = 0;
   size_t unscale_tensors = 0, max_abs_tensors = 0;
   AdadeltaStepArgs last_adadelta;
+  RmspropStepArgs last_rmsprop;
+  AdagradStepArgs last_adagrad;
   std::vector<SgdMultiCall> sgd_multi;
 };
 Calls g_calls;
@@ -184,6 +188,83 @@ void TestAdadeltaStep(const Tensor& p, const Tensor& g, const Tensor& sq, const 
   }
 }
 
+template <typename T>
+void RmspropLoop(const Tensor& p, const Tensor& g, const Tensor& sq, const Tensor& buf, const Tensor& ga,
+                 const RmspropStepArgs& a) {
+  T* pp = p.data<T>();
+  const T* gp = g.data<T>();
+  T* sp = sq.data<T>();
+  const T alpha = static_cast<T>(a.alpha), w = static_cast<T>(1.0 - a.alpha);
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    T gi = gp[i] * static_cast<T>(a.grad_scale);
+    if (a.weight_decay != 0) gi = gi + static_cast<T>(a.weight_decay) * pp[i];
+    sp[i] = sp[i] * alpha + w * gi * gi;
+    T avg = sp[i];
+    if (a.centered) {
+      T& m = ga.data<T>()[i];
+      m = std::abs(w) < T(0.5) ? m + w * (gi - m) : gi - (gi - m) * (T(1) - w);
+      avg = avg - m * m;
+    }
+    avg = std::sqrt(avg) + static_cast<T>(a.eps);
+    if (a.momentum != 0) {
+      T& b = buf.data<T>()[i];
+      b = b * static_cast<T>(a.momentum) + gi / avg;
+      pp[i] = pp[i] + static_cast<T>(-a.lr) * b;
+    } else {
+      pp[i] = pp[i] + (static_cast<T>(-a.lr) * gi) / avg;
+    }
+  }
+}
+
+void TestRmspropStep(const Tensor& p, const Tensor& g, const Tensor& sq, const Tensor& buf, const Tensor& ga,
+                     const RmspropStepArgs& a) {
+  ++g_calls.rmsprop;
+  g_calls.last_rmsprop = a;
+  ASSERT_EQ(p.dtype(), g.dtype());
+  ASSERT_EQ(sq.dtype(), p.dtype());
+  ASSERT_EQ(sq.numel(), p.numel());
+  // The optional slots come exactly when their options keep them.
+  ASSERT_EQ(buf.defined(), a.momentum != 0);
+  ASSERT_EQ(ga.defined(), a.centered);
+  if (buf.defined()) {
+    ASSERT_EQ(buf.numel(), p.numel());
+  }
+  if (ga.defined()) {
+    ASSERT_EQ(ga.numel(), p.numel());
+  }
+  if (p.dtype() == DType::kFloat64) {
+    RmspropLoop<double>(p, g, sq, buf, ga, a);
+  } else {
+    RmspropLoop<float>(p, g, sq, buf, ga, a);
+  }
+}
+
+template <typename T>
+void AdagradLoop(const Tensor& p, const Tensor& g, const Tensor& sum, const AdagradStepArgs& a) {
+  T* pp = p.data<T>();
+  const T* gp = g.data<T>();
+  T* sp = sum.data<T>();
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    T gi = gp[i] * static_cast<T>(a.grad_scale);
+    if (a.weight_decay != 0) gi = gi + static_cast<T>(a.weight_decay) * pp[i];
+    sp[i] = sp[i] + gi * gi;
+    pp[i] = pp[i] + (static_cast<T>(-a.clr) * gi) / (std::sqrt(sp[i]) + static_cast<T>(a.eps));
+  }
+}
+
+void TestAdagradStep(const Tensor& p, const Tensor& g, const Tensor& sum, const AdagradStepArgs& a) {
+  ++g_calls.adagrad;
+  g_calls.last_adagrad = a;
+  ASSERT_EQ(p.dtype(), g.dtype());
+  ASSERT_EQ(sum.dtype(), p.dtype());
+  ASSERT_EQ(sum.numel(), p.numel());
+  if (p.dtype() == DType::kFloat64) {
+    AdagradLoop<double>(p, g, sum, a);
+  } else {
+    AdagradLoop<float>(p, g, sum, a);
+  }
+}
+
 // Any NaN makes the result NaN; otherwise the largest magnitude.
 void TestMaxAbs(const std::vector<Tensor>& tensors, const Tensor& out) {
   ++g_calls.max_abs;
@@ -228,7 +309,9 @@ class DevicePathTest : public ::testing::Test {
                                                                     .adam_step = &TestAdamStep,
                                                                     .unscale_and_check = &TestUnscale,
                                                                     .adadelta_step = &TestAdadeltaStep,
-                                                                    .max_abs = &TestMaxAbs});
+                                                                    .max_abs = &TestMaxAbs,
+                                                                    .rmsprop_step = &TestRmspropStep,
+                                                                    .adagrad_step = &TestAdagradStep});
     ASSERT_TRUE(internal::UsesDevicePath(kCPU));
   }
   void TearDown() override {
@@ -253,6 +336,14 @@ std::vector<std::pair<std::string, Factory>> AllOptimizers() {
       {"adam", [](NamedParameters p) { return std::make_unique<Adam>(p, AdamOptions{.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true}); }},
       {"adamw", [](NamedParameters p) { return std::make_unique<AdamW>(p, AdamWOptions{.lr = 1e-2}); }},
       {"adadelta", [](NamedParameters p) { return std::make_unique<Adadelta>(p, AdadeltaOptions{.weight_decay = 1e-2}); }},
+      {"rmsprop", [](NamedParameters p) {
+         return std::make_unique<Rmsprop>(p, RmspropOptions{.weight_decay = 1e-2, .momentum = 0.9, .centered = true});
+       }},
+      {"rmsprop_plain", [](NamedParameters p) { return std::make_unique<Rmsprop>(p, RmspropOptions{}); }},
+      {"adagrad", [](NamedParameters p) {
+         return std::make_unique<Adagrad>(
+             p, AdagradOptions{.lr = 0.1, .lr_decay = 0.5, .weight_decay = 1e-2, .initial_accumulator_value = 0.3});
+       }},
   };
 }
 
@@ -310,6 +401,8 @@ TEST_F(DevicePathTest, EveryOptimizerFollowsTheHostPath) {
       EXPECT_EQ(g_calls.sgd, name.rfind("sgd", 0) == 0 ? 6 : 0);
       EXPECT_EQ(g_calls.adam, name.rfind("adam", 0) == 0 ? 6 : 0);
       EXPECT_EQ(g_calls.adadelta, name == "adadelta" ? 6 : 0);
+      EXPECT_EQ(g_calls.rmsprop, name.rfind("rmsprop", 0) == 0 ? 6 : 0);
+      EXPECT_EQ(g_calls.adagrad, name == "adagrad" ? 6 : 0);
       for (size_t i = 0; i < host.size(); ++i) {
         EXPECT_EQ(dev[i].second.dtype(), dtype);
         ExpectClose(dev[i].second, host[i].second, Tolerance(dtype), host[i].first);
@@ -1085,6 +1178,14 @@ TEST(DeviceErrors, NoRegisteredKernelNamesTheDevice) {
   Adadelta adadelta({{"w", w}}, {});
   EXPECT_THAT([&] { adadelta.Step(); }, ::testing::ThrowsMessage<std::runtime_error>(
                                             AllOf(HasSubstr("adadelta_step"), HasSubstr("cuda:0"))));
+  Rmsprop rmsprop({{"w", w}}, {});
+  EXPECT_THAT([&] { rmsprop.Step(); }, ::testing::ThrowsMessage<std::runtime_error>(
+                                           HasSubstr("RMSprop: no device kernel `rmsprop_step` for cuda:0")));
+  EXPECT_EQ(rmsprop.step_count(0), 0);
+  Adagrad adagrad({{"w", w}}, {});
+  EXPECT_THAT([&] { adagrad.Step(); }, ::testing::ThrowsMessage<std::runtime_error>(
+                                           HasSubstr("Adagrad: no device kernel `adagrad_step` for cuda:0")));
+  EXPECT_EQ(adagrad.step_count(0), 0);
   EXPECT_THAT([&] { ClipGradNorm({w}, 1.0, kInfNorm); },
               ::testing::ThrowsMessage<std::runtime_error>(AllOf(HasSubstr("max_abs"), HasSubstr("cuda:0"))));
   EXPECT_EQ(wb, std::vector<float>(4, 0.0f));
