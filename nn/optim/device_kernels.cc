@@ -13,6 +13,13 @@ struct Registry {
   std::atomic<bool> cpu_registered{false};
 };
 
+// Whether a backend registered anything in `k`.
+bool AnyEntry(const DeviceOptimKernels& k) {
+  return k.sgd_step != nullptr || k.adam_step != nullptr || k.adadelta_step != nullptr ||
+         k.unscale_and_check != nullptr || k.max_abs != nullptr || k.sgd_step_multi != nullptr ||
+         k.rmsprop_step != nullptr || k.adagrad_step != nullptr;
+}
+
 Registry& TheRegistry() {
   static Registry* r = new Registry();
   return *r;
@@ -24,10 +31,7 @@ void RegisterDeviceOptimKernels(DeviceType type, const DeviceOptimKernels& kerne
   Registry& r = TheRegistry();
   r.tables[static_cast<int>(type)] = kernels;
   if (type == DeviceType::kCPU) {
-    r.cpu_registered = kernels.sgd_step != nullptr || kernels.adam_step != nullptr ||
-                       kernels.adadelta_step != nullptr || kernels.unscale_and_check != nullptr ||
-                       kernels.max_abs != nullptr || kernels.sgd_step_multi != nullptr ||
-                       kernels.rmsprop_step != nullptr || kernels.adagrad_step != nullptr;
+    r.cpu_registered = AnyEntry(kernels);
   }
 }
 
@@ -40,10 +44,15 @@ namespace internal {
 bool UsesDevicePath(Device device) { return !device.is_cpu() || TheRegistry().cpu_registered.load(); }
 
 void ThrowNoDeviceKernel(const char* op, const char* entry, Device device) {
-  throw std::runtime_error(std::string(op) + ": no device kernel `" + entry + "` for " + device.ToString() +
-                           (device.is_cuda() ? " (the CUDA library registers them in nn::cuda::Init(), in a "
-                                               "build with --config=cuda)"
-                                             : ""));
+  // A backend that registered its table but lacks this entry (nn/cuda has
+  // no rmsprop_step yet) is not helped by being told to call Init.
+  std::string hint;
+  if (AnyEntry(DeviceOptimKernelsFor(device.type))) {
+    hint = " (its backend registered kernels without this entry)";
+  } else if (device.is_cuda()) {
+    hint = " (the CUDA library registers them in nn::cuda::Init(), in a build with --config=cuda)";
+  }
+  throw std::runtime_error(std::string(op) + ": no device kernel `" + entry + "` for " + device.ToString() + hint);
 }
 
 }  // namespace internal

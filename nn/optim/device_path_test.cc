@@ -1161,6 +1161,30 @@ TEST(DeviceErrors, GradScalerNamesTheParametersDeviceAndTheOptimizers) {
                   "GradScaler: gradient of `fc.bias` is on cuda:0, the parameter on cuda:0, the optimizer on cpu")));
 }
 
+// A CUDA table that is registered but lacks the entry (nn/cuda fills no
+// rmsprop_step yet) is not sent to nn::cuda::Init(), which already ran.
+// Before, the message said to call it in a CUDA build.
+TEST(DeviceErrors, AnEntryMissingFromARegisteredTableIsNotSentToInit) {
+  ASSERT_EQ(DeviceOptimKernelsFor(DeviceType::kCUDA).sgd_step, nullptr);
+  RegisterDeviceOptimKernels(DeviceType::kCUDA, DeviceOptimKernels{.sgd_step = &TestSgdStep});
+  std::vector<float> wb(4), gb(4);
+  Tensor w = FakeCuda(wb, {4});
+  w.set_grad(FakeCuda(gb, {4}));
+  Rmsprop rmsprop({{"w", w}}, {});
+  const std::string error = [&] {
+    try {
+      rmsprop.Step();
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  }();
+  RegisterDeviceOptimKernels(DeviceType::kCUDA, DeviceOptimKernels{});
+  EXPECT_EQ(error,
+            "RMSprop: no device kernel `rmsprop_step` for cuda:0 (its backend registered kernels without this "
+            "entry)");
+}
+
 TEST(DeviceErrors, NoRegisteredKernelNamesTheDevice) {
   // In the plain build nothing is registered for CUDA.
   ASSERT_EQ(DeviceOptimKernelsFor(DeviceType::kCUDA).sgd_step, nullptr);
