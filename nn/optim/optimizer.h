@@ -59,9 +59,11 @@ int ParameterOfStateKey(const std::string& key, const NamedParameters& params,
 /// options. `options` overrides the optimizer's defaults for this group,
 /// keyed by the names StateDict saves them under: "lr" and each option of
 /// the optimizer ("weight_decay", "momentum", "dampening", "beta1", "beta2",
-/// "eps", "rho", ...; flags such as "nesterov" or "maximize" as 0 or 1).
+/// "eps", "rho", "alpha", "lr_decay", ...; flags such as "nesterov",
+/// "centered" or "maximize" as 0 or 1).
 /// Options that decide which state is kept (SGD's nesterov and momentum zero
-/// or not, Adam's amsgrad) must equal the defaults': per-group slot layouts
+/// or not, Adam's amsgrad, RMSprop's centered and momentum zero or not) must
+/// equal the defaults': per-group slot layouts
 /// are not supported. A group may be empty.
 struct ParamGroup {
   NamedParameters params;
@@ -83,7 +85,7 @@ void CheckParameters(const NamedParameters& params, const std::string& who);
 /// set_to_none, is PyTorch 2.x's; PyTorch 1.13 zeroes by default.
 void ZeroGrad(const NamedParameters& params, bool set_to_none = true);
 
-/// Base of SGD, Adam, AdamW and Adadelta. The parameters come in one or
+/// Base of SGD, Adam, AdamW, Adadelta, RMSprop and Adagrad. The parameters come in one or
 /// more groups (ParamGroup), each with its own learning rate and options;
 /// the optimizer holds them flattened in group order.
 class Optimizer {
@@ -139,17 +141,18 @@ class Optimizer {
   /// std::out_of_range for a group the optimizer lacks.
   void set_lr(size_t group, double lr);
   /// The momentum of `group` that a momentum schedule (OneCycleLR's
-  /// cycle_momentum) drives: SGD's "momentum", Adam's and AdamW's "beta1".
-  /// Throws std::invalid_argument naming the optimizer when it has none
-  /// (Adadelta), std::out_of_range for a group the optimizer lacks.
+  /// cycle_momentum) drives: SGD's and RMSprop's "momentum", Adam's and
+  /// AdamW's "beta1". Throws std::invalid_argument naming the optimizer when
+  /// it has none (Adadelta, Adagrad), std::out_of_range for a group the
+  /// optimizer lacks.
   double momentum(size_t group) const;
   /// Sets that momentum for the next Step of `group`. Throws, changing
   /// nothing, as momentum(group) does, and std::invalid_argument (naming
   /// the optimizer, the group and the value) for a value the optimizer's
   /// constructor would refuse (beta1 outside [0, 1), a negative momentum),
-  /// and for SGD when the group's momentum or the new one is 0: whether a
-  /// momentum buffer is kept depends on momentum being zero, so SGD made
-  /// with momentum 0 cannot have its momentum driven (PyTorch's SGD starts
+  /// and for SGD and RMSprop when the group's momentum or the new one is 0:
+  /// whether a momentum buffer is kept depends on momentum being zero, so
+  /// one made with momentum 0 cannot have its momentum driven (PyTorch's SGD starts
   /// a buffer on the first step with momentum; give it momentum > 0).
   void set_momentum(size_t group, double momentum);
   /// The checks of set_momentum alone: throws as it would, changes nothing.
