@@ -95,17 +95,24 @@ bool ScanGrads(Optimizer& opt, float inv_scale, bool unscale) {
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
+  // Each refusal names the one option at fault, with its value as given.
   // The scale is kept in f32: an init_scale past its range would start as inf.
-  const bool finite_scale = std::isfinite(static_cast<float>(options_.init_scale));
-  if (!(options_.init_scale > 0) || !finite_scale || !(options_.growth_factor > 1) ||
-      !std::isfinite(options_.growth_factor) ||
-      !(options_.backoff_factor > 0 && options_.backoff_factor < 1) || options_.growth_interval < 1) {
-    throw std::invalid_argument(
-        "GradScaler: need a finite init_scale > 0 (f32), a finite growth_factor > 1, backoff_factor in "
-        "(0, 1) and growth_interval >= 1; got init_scale " + internal::OptionValueText(options_.init_scale) +
-        ", growth_factor " + internal::OptionValueText(options_.growth_factor) + ", backoff_factor " +
-        internal::OptionValueText(options_.backoff_factor) + ", growth_interval " +
-        std::to_string(options_.growth_interval));
+  const GradScalerOptions& o = options_;
+  if (!(o.init_scale > 0) || !std::isfinite(static_cast<float>(o.init_scale))) {
+    throw std::invalid_argument("GradScaler: init_scale " + internal::OptionValueText(o.init_scale) +
+                                " must be > 0 and finite in f32");
+  }
+  if (!(o.growth_factor > 1) || !std::isfinite(o.growth_factor)) {
+    throw std::invalid_argument("GradScaler: growth_factor " + internal::OptionValueText(o.growth_factor) +
+                                " must be finite and > 1");
+  }
+  if (!(o.backoff_factor > 0 && o.backoff_factor < 1)) {
+    throw std::invalid_argument("GradScaler: backoff_factor " + internal::OptionValueText(o.backoff_factor) +
+                                " must be in (0, 1)");
+  }
+  if (o.growth_interval < 1) {
+    throw std::invalid_argument("GradScaler: growth_interval " + std::to_string(o.growth_interval) +
+                                " must be at least 1");
   }
   scale_ = static_cast<float>(options_.init_scale);
 }

@@ -45,8 +45,10 @@ struct GradScalerOptions {
 
 class GradScaler {
  public:
-  /// Throws std::invalid_argument for init_scale <= 0, growth_factor <= 1,
-  /// backoff_factor outside (0, 1) or growth_interval < 1.
+  /// Throws std::invalid_argument, naming the one option at fault with its
+  /// value, for an init_scale <= 0 or beyond f32's range, a growth_factor
+  /// <= 1 or infinite, a backoff_factor outside (0, 1) or a growth_interval
+  /// < 1.
   explicit GradScaler(GradScalerOptions options = {});
 
   /// Factor to multiply the loss by before backward (1 when disabled).
