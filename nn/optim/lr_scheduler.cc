@@ -362,7 +362,10 @@ std::shared_ptr<Schedule> SequentialSchedule(std::vector<std::shared_ptr<Schedul
     }
   }
   for (size_t k = 0; k < schedules.size(); ++k) {
-    if (!schedules[k]) throw std::invalid_argument("SequentialLR: a schedule is null");
+    if (!schedules[k]) {
+      throw std::invalid_argument("SequentialLR: schedule " + std::to_string(k) + " of " +
+                                  std::to_string(schedules.size()) + " is null");
+    }
     if (schedules[k]->GroupCount() != 0) {
       throw std::invalid_argument("SequentialLR: schedule " + std::to_string(k) + " (" + schedules[k]->Describe() +
                                   ") has values per param group, which SequentialLR does not pass on; give it "

@@ -2171,6 +2171,13 @@ TEST(LrScheduler, WarmupCosineRefusalsNameIt) {
             "WarmupCosineSchedule: need 1 <= warmup_steps (5) < total_steps (5)");
 }
 
+// A null schedule among several is named by its position. Before, the
+// message said only that one was.
+TEST(LrScheduler, ANullScheduleInASequenceIsNamedByItsIndex) {
+  EXPECT_EQ(ErrorOf([] { SequentialSchedule({StepSchedule(2), nullptr, StepSchedule(3)}, {4, 8}); }),
+            "SequentialLR: schedule 1 of 3 is null");
+}
+
 TEST(LrScheduler, SequentialScheduleWithoutSchedulesSaysSo) {
   const std::string err = ErrorOf([] { SequentialSchedule({}, {}); });
   EXPECT_EQ(err, "SequentialLR: got no schedules (and 0 milestones), need at least one");
