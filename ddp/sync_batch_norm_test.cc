@@ -1134,5 +1134,111 @@ TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
   }
 }
 
+
+// Against PyTorch itself rather than this project's BatchNorm: 3 ranks
+// with batches of 3, 0 and 2 samples of x [N, 2, 2], eps 1e-3, weight
+// (1.5, -0.5), bias (0.25, 2), two training steps then eval, in f64 and f32,
+// on the host path and the device formulation, momentum 0.1 and None.
+// x[i] = 3 sin(0.37 i + t) + 5 + t and g[i] = cos(0.23 i + 2 t) over the
+// flat index i of the whole batch at step t; each rank's loss is
+// sum(y * g) over its rows. The values are those of torch 1.13's
+// BatchNorm1d in f64 on the whole batch (SyncBatchNorm's definition), from:
+//   bn = torch.nn.BatchNorm1d(2, eps=1e-3, momentum=m).double()
+//   y = bn(x); (y * g).sum().backward()   # per step; then bn.eval(); bn(x_0)
+struct PyTorchGolden {
+  // Step 0: output and input gradient, flat over the whole batch.
+  const std::vector<double> y0 = {0.24877588141136697, 1.0897903117500642, 1.5897314864889391, 1.430294301874843, 2.5649108887115997, 2.4844280294295413, 1.5016798092916968, 1.697921396850428, 0.6687913285925025, -0.18681812493146807, 2.4568173348838034, 2.6518416065607098, -1.991192160096831, -2.065868298930851, 2.7180767541455606, 2.5572015016326572, -0.5774426479131416, 0.2646247919772229, 1.8103168604555853, 1.586118947815777};
+  const std::vector<double> dx0 = {0.8725602515328608, 0.6116781406332167, -0.16730679209195154, -0.09551534692394892, -0.0952646346012932, -0.22523243504523216, 0.025358200598914558, 0.028795081528659377, -0.22895650534351356, -0.14925790399955102, -0.01980752967796416, -0.03438392000445613, 0.01830788562753505, -0.007210537996646725, -0.008990906382567587, 0.022632579917566644, -0.3320039078097923, -0.4646203529975849, 0.11990800857493655, 0.12931062446081087};
+  // Whole-batch weight and bias gradients per step.
+  const std::vector<double> dw[2] = {{5.532336464560066, 5.465611369388905}, {0.9618228048910415, 2.312005862976386}};
+  const std::vector<double> db[2] = {{-1.2508658529362173, -2.4943909941557685}, {-2.292769280644655, -0.9778927341134991}};
+  // Running statistics after each step, momentum 0.1.
+  const std::vector<double> rm[2] = {{0.5001579022272044, 0.5313641334247985}, {1.0892224724773096, 1.1238808560363982}};
+  const std::vector<double> rv[2] = {{1.3158660957058042, 1.38201236080703}, {1.7028430605151874, 1.799824858841081}};
+  // The same, momentum None (the cumulative average).
+  const std::vector<double> rm_cumulative[2] = {{5.001579022272043, 5.3136413342479845}, {5.696191313500149, 5.88508634689439}};
+  const std::vector<double> rv_cumulative[2] = {{4.158660957058041, 4.8201236080703005}, {4.672148350428839, 5.19013047460892}};
+  // Eval on step 0's x after both steps, momentum 0.1.
+  const std::vector<double> y_eval = {4.744067333892799, 5.990717716422778, -0.19791757362156273, -0.4454056446699375, 8.177314717863464, 8.058013569522076, -0.33459672908247173, -0.029978630851908765, 5.366663568877722, 4.0983787285066, 1.1480256865532408, 1.4507541932172032, 1.4237235739450265, 1.3130298287665978, 1.5535684077999277, 1.3038480805111166, 3.5193491739190788, 4.767560450903467, 0.1444884268144425, -0.20352517532359082};
+};
+
+DDP_TEST_WORKER(sync_bn_pytorch_golden) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  const int64_t sizes[3] = {3, 0, 2}, offsets[3] = {0, 3, 3}, kN = 5, kGC = 2, kL = 2;
+  const PyTorchGolden golden;
+  const nn::TensorOptions f64{.dtype = nn::DType::kFloat64};
+  const auto whole = [&](const std::vector<double>& v) { return nn::FromVector(v, {kN, kGC, kL}, f64); };
+  const auto mine = [&](const Tensor& t) { return Rows(t, offsets[rank], sizes[rank]); };
+  const auto per_channel = [&](const std::vector<double>& v) { return nn::FromVector(v, {kGC}, f64); };
+  const auto step_input = [&](int t, bool gradient) {
+    std::vector<double> v(kN * kGC * kL);
+    for (size_t i = 0; i < v.size(); ++i) {
+      v[i] = gradient ? std::cos(0.23 * static_cast<double>(i) + 2 * t)
+                      : 3 * std::sin(0.37 * static_cast<double>(i) + t) + 5 + t;
+    }
+    return whole(v);
+  };
+  for (bool blocks : {false, true}) {
+    internal::SetSyncBatchNormBuildingBlocks(blocks);
+    for (nn::DType dtype : {nn::DType::kFloat64, nn::DType::kFloat32}) {
+      const double tol = dtype == nn::DType::kFloat64 ? 1e-12 : 1e-5;
+      for (bool cumulative : {false, true}) {
+        const std::string what = std::string(blocks ? "device formulation" : "host") + ", " +
+                                 std::string(nn::DTypeName(dtype)) + (cumulative ? ", momentum None" : ", momentum 0.1") +
+                                 ", rank " + std::to_string(rank);
+        nn::modules::BatchNormOptions options{.eps = 1e-3};
+        if (cumulative) options.momentum = std::nullopt;
+        SyncBatchNorm sync(kGC, options, pg);
+        sync.To(dtype);
+        {
+          nn::NoGradGuard guard;
+          sync.weight().CopyFrom(nn::FromVector(std::vector<double>{1.5, -0.5}, {kGC}, f64));
+          sync.bias().CopyFrom(nn::FromVector(std::vector<double>{0.25, 2.0}, {kGC}, f64));
+        }
+        for (int t = 0; t < 2; ++t) {
+          Tensor x = mine(step_input(t, false)).To(dtype).Detach().set_requires_grad(true);
+          Tensor y = sync(x);
+          nn::Backward(nn::ops::Sum(y * mine(step_input(t, true)).To(dtype)));
+          if (t == 0 && sizes[rank] > 0) {
+            WORKER_EXPECT(RelDiff(y, mine(whole(golden.y0))) < tol,
+                          what + ": output differs from PyTorch's by " + std::to_string(RelDiff(y, mine(whole(golden.y0)))));
+            WORKER_EXPECT(RelDiff(x.grad(), mine(whole(golden.dx0))) < tol,
+                          what + ": input gradient differs from PyTorch's by " +
+                              std::to_string(RelDiff(x.grad(), mine(whole(golden.dx0)))));
+          }
+          Tensor dw = sync.weight().grad().Clone(), db = sync.bias().grad().Clone();
+          pg->AllReduce(dw).Wait();
+          pg->AllReduce(db).Wait();
+          const std::string step = what + ", step " + std::to_string(t);
+          WORKER_EXPECT(RelDiff(dw, per_channel(golden.dw[t])) < tol, step + ": weight gradient differs from PyTorch's");
+          WORKER_EXPECT(RelDiff(db, per_channel(golden.db[t])) < tol, step + ": bias gradient differs from PyTorch's");
+          const Tensor want_mean = per_channel(cumulative ? golden.rm_cumulative[t] : golden.rm[t]);
+          const Tensor want_var = per_channel(cumulative ? golden.rv_cumulative[t] : golden.rv[t]);
+          WORKER_EXPECT(RelDiff(sync.running_mean(), want_mean) < tol, step + ": running mean differs from PyTorch's");
+          WORKER_EXPECT(RelDiff(sync.running_var(), want_var) < tol,
+                        step + ": running var differs from PyTorch's by " +
+                            std::to_string(RelDiff(sync.running_var(), want_var)));
+          sync.weight().set_grad(Tensor());
+          sync.bias().set_grad(Tensor());
+        }
+        if (!cumulative) {
+          sync.Eval();
+          const Tensor y = sync(mine(step_input(0, false)).To(dtype));
+          if (sizes[rank] > 0) {
+            WORKER_EXPECT(RelDiff(y, mine(whole(golden.y_eval))) < tol, what + ": eval output differs from PyTorch's");
+          }
+        }
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, MatchesPyTorchGoldenValues) {
+  auto run = RunWorkers("sync_bn_pytorch_golden", 3, {});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 }  // namespace
 }  // namespace ddp::dist
