@@ -27,10 +27,12 @@ Dims GetDims(const Tensor& x) {
   return {x.size(0), x.size(1), s};
 }
 
-// Training needs at least two values per channel in the global batch. The
+// Training needs at least two values per channel in the global batch, or
+// none at all: an empty global batch is BatchNorm's empty batch (an empty
+// output, the running statistics unchanged, the batch counted). The
 // caller's catch prefixes the layer (Fail).
 void CheckGlobalCount(double total, const Tensor& x, const ProcessGroup& pg) {
-  if (total > 1) return;
+  if (total != 1) return;
   throw std::invalid_argument(
       "expected more than 1 value per channel across all ranks when training, "
       "got " + std::to_string(static_cast<int64_t>(total)) + " (input " +
@@ -55,11 +57,11 @@ struct RunningStats {
 // variance, on the host. The update runs on the buffers' device (on a GPU,
 // queued kernels and one host-to-device copy; nothing reads the device
 // back). Called once the statistics are in and checked, so that a forward
-// that fails changes no buffer.
+// that fails changes no buffer. An empty global batch (total 0) only counts.
 void UpdateRunningStats(const RunningStats& rs, const Tensor& mean_t, const std::vector<double>& var, double total) {
   nn::NoGradGuard guard;
   Tensor new_mean, new_var;
-  if (rs.running_mean.defined() && rs.running_var.defined()) {
+  if (rs.running_mean.defined() && rs.running_var.defined() && total > 0) {
     const double m = rs.momentum;
     const double unbias = total / (total - 1);
     std::vector<double> var_term(var.size());
@@ -130,7 +132,8 @@ std::vector<Tensor> SyncBatchNormBackward(nn::autograd::AutogradContext* ctx, co
     // Labelled with the layer: DDP_DEBUG=detail then tells apart two
     // layers of one width, and a timeout names the layer.
     pg->AllReduce(global, transport::ReduceOp::kSum, "sync_batch_norm grad of " + layer).Wait();
-    const Tensor means = nn::ops::MulScalar(global, 1.0 / total);
+    // total 0 (an empty global batch): no dx to compute, nothing to divide.
+    const Tensor means = nn::ops::MulScalar(global, total > 0 ? 1.0 / total : 0.0);
     dx = x.numel() == 0
              ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
              : nn::ops::BatchNormBackwardElementwise(dy, x, mean_t, invstd_t, weight,
@@ -232,7 +235,7 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
     CheckGlobalCount(total, x, *pg);
     std::vector<double> var(d.c), invstd(d.c);
     for (int64_t c = 0; c < d.c; ++c) {
-      var[c] = m2[c] / total;
+      var[c] = total > 0 ? m2[c] / total : 0.0;
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64});
@@ -299,7 +302,7 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
     const std::vector<double>& mean = g.mean;
     std::vector<double> var(d.c), invstd(d.c);
     for (int64_t c = 0; c < d.c; ++c) {
-      var[c] = std::max(0.0, g.m2[c] / total);
+      var[c] = total > 0 ? std::max(0.0, g.m2[c] / total) : 0.0;
       invstd[c] = 1.0 / std::sqrt(var[c] + eps);
     }
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);

@@ -10,7 +10,9 @@
 // triple, and each rank combines them (Chan's parallel variance formula,
 // in f64), so ranks with different batch sizes, including empty ones, are
 // weighted by their counts. Running statistics are updated with the global
-// mean and unbiased variance.
+// mean and unbiased variance. A global batch empty on every rank is
+// BatchNorm's empty batch: an empty output, the running statistics
+// unchanged, the batch counted in num_batches_tracked.
 // Backward: one all-reduce of the per-channel sums of dy and dy*(x-mean)
 // gives the global terms of dx; weight and bias get this rank's own terms,
 // which DistributedDataParallel then averages like every other gradient.

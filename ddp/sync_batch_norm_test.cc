@@ -1134,6 +1134,66 @@ TEST(SyncBatchNormTest, WrongChannelCountIsNamed) {
   }
 }
 
+// Every rank's batch empty: the global batch is empty, which BatchNorm on
+// one process accepts in training (an empty output, the running statistics
+// unchanged, the batch counted, zero weight and bias gradients), so the
+// layer does the same on every rank (it refused it as "more than 1 value
+// per channel ... got 0"). The next batch then follows BatchNorm, whose
+// count (momentum None) includes the empty batches.
+DDP_TEST_WORKER(sync_bn_all_empty) {
+  auto pg = testing::WorkerGroup();
+  if (std::getenv("DDP_TEST_SBN_BLOCKS") != nullptr) internal::SetSyncBatchNormBuildingBlocks(true);
+  const int rank = pg->rank();
+  const std::string what = "rank " + std::to_string(rank);
+  const nn::modules::BatchNormOptions options{.momentum = std::nullopt};
+  SyncBatchNorm sync(kC, options, pg);
+  nn::modules::BatchNorm2d reference(kC, options);
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    Tensor x = nn::Zeros({0, kC, kH, kW}).set_requires_grad(true);
+    Tensor xr = nn::Zeros({0, kC, kH, kW}).set_requires_grad(true);
+    Tensor y;
+    try {
+      y = sync(x);
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, what + ": an empty global batch was refused: " + e.what());
+      return testing::WorkerExit();
+    }
+    nn::Backward(nn::ops::Sum(y));
+    nn::Backward(nn::ops::Sum(reference(xr)));
+    WORKER_EXPECT(y.shape() == x.shape(), what + ": output " + nn::ShapeToString(y.shape()));
+    WORKER_EXPECT(sync.weight().grad().defined() && sync.weight().grad().ToVector<float>() ==
+                                                         reference.weight().grad().ToVector<float>(),
+                  what + ": weight gradient");
+    WORKER_EXPECT(sync.bias().grad().defined() &&
+                      sync.bias().grad().ToVector<float>() == reference.bias().grad().ToVector<float>(),
+                  what + ": bias gradient");
+    WORKER_EXPECT(sync.running_mean().ToVector<float>() == reference.running_mean().ToVector<float>() &&
+                      sync.running_var().ToVector<float>() == reference.running_var().ToVector<float>(),
+                  what + ": running statistics moved");
+    WORKER_EXPECT(sync.num_batches_tracked().Item() == reference.num_batches_tracked().Item(),
+                  what + ": num_batches_tracked is " + std::to_string(sync.num_batches_tracked().Item()) +
+                      ", BatchNorm's " + std::to_string(reference.num_batches_tracked().Item()));
+  }
+  // A batch with values: the running average's factor counts the empty batches.
+  nn::Generator gen(5);
+  const int64_t rows = 2;
+  const Tensor x_all = nn::Randn({rows * pg->size(), kC, kH, kW}, {}, gen) + 2.0;
+  sync(Rows(x_all, rank * rows, rows));
+  reference(x_all);
+  WORKER_EXPECT(sync.num_batches_tracked().Item() == 3, what + ": batches tracked");
+  WORKER_EXPECT(RelDiff(sync.running_mean(), reference.running_mean()) < 1e-6, what + ": running mean");
+  WORKER_EXPECT(RelDiff(sync.running_var(), reference.running_var()) < 1e-6, what + ": running var");
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, AnEmptyGlobalBatchIsBatchNormsEmptyBatch) {
+  for (bool blocks : {false, true}) {
+    std::vector<std::pair<std::string, std::string>> env;
+    if (blocks) env.emplace_back("DDP_TEST_SBN_BLOCKS", "1");
+    auto run = RunWorkers("sync_bn_all_empty", 2, env);
+    EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "device formulation\n" : "host\n") << testing::AllOutput(run);
+  }
+}
 
 // Against PyTorch itself rather than this project's BatchNorm: 3 ranks
 // with batches of 3, 0 and 2 samples of x [N, 2, 2], eps 1e-3, weight
