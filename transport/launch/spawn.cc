@@ -685,6 +685,17 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
       }
     }
   }
+  // A rank in the terminal filter that no worker has is a mistake (a
+  // global rank given for a local one, say): taken as given, it would show
+  // nothing of that worker, and the terminal could stay silent.
+  for (const int rank : out.terminal_ranks) {
+    const bool found = std::any_of(specs.begin(), specs.end(), [rank](const WorkerSpec& s) { return s.rank == rank; });
+    if (found) continue;
+    std::string ranks;
+    for (const WorkerSpec& s : specs) ranks += (ranks.empty() ? "" : ", ") + std::to_string(s.rank);
+    return InvalidArgumentError("terminal_ranks names rank " + std::to_string(rank) +
+                                ", which no worker has (their ranks: " + ranks + ")");
+  }
   return Status::Ok();
 }
 

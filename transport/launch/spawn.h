@@ -101,7 +101,8 @@ struct OutputOptions {
   std::string log_name_prefix;  ///< For instance "attempt_1/"; directories are created.
   /// With to_terminal: only these ranks' output reaches the terminal
   /// (torchrun's --local_ranks_filter); empty: every rank's. Log files and
-  /// the capture still get everything.
+  /// the capture still get everything. Each must be a worker's rank (Start
+  /// refuses one that none has).
   std::vector<int> terminal_ranks;
   bool capture = false;       ///< Keep each worker's output in GroupResult::output.
   size_t capture_limit = size_t{1} << 20;  ///< Bytes kept per worker; the rest is dropped.
@@ -262,7 +263,7 @@ class WorkerGroup {
   /// any worker starts: a spec without program or argv, two specs with
   /// one rank or, with a log_dir, one log folder, an environment variable
   /// name that is empty or holds '=', a NUL byte in a program, argument or
-  /// variable);
+  /// variable, a terminal rank that no worker has);
   /// RESOURCE_EXHAUSTED: something ran out (descriptors, processes, memory,
   /// disk), for a worker or for the group's own setup, and the same start
   /// may succeed later; FAILED_PRECONDITION: with forward_signals, another

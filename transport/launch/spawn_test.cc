@@ -2175,6 +2175,14 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
       {"a NUL byte in the program's path",
        [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].program += std::string(1, '\0'); },
        "rank 2: its program's path holds a NUL byte"},
+      // Shown nowhere: a filter that names no worker would leave the
+      // terminal silent with no word of why.
+      {"a terminal rank that no worker has",
+       [](std::vector<WorkerSpec>&, SpawnOptions& options) {
+         options.output.to_terminal = true;
+         options.output.terminal_ranks = {1, 7};
+       },
+       "terminal_ranks names rank 7, which no worker has (their ranks: 0, 1, 2)"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
