@@ -1021,6 +1021,16 @@ StatusOr<std::pair<int, int>> ProcessSignalPipe() {
   return std::make_pair(fds[0], fds[1]);
 }
 
+// SIGCHLD as the groups alive found it (see WaitForChildren): how many
+// there are, and the disposition the first of them replaced, if it did.
+struct SigchldState {
+  std::mutex mu;
+  int groups = 0;
+  bool changed = false;
+  struct sigaction saved {};
+};
+SigchldState g_sigchld;
+
 }  // namespace
 
 class WorkerGroup::Impl {
@@ -1029,6 +1039,7 @@ class WorkerGroup::Impl {
 
   ~Impl() {
     KillAndReap();
+    ReleaseChildren();
     if (!error_dir_.empty()) RemoveErrorDir();
     if (forwarding_) {
       for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
@@ -1538,15 +1549,41 @@ class WorkerGroup::Impl {
   // that set it) the kernel reaps exited children itself, so waitid cannot
   // observe the workers' exits and the group would wait for them forever.
   // A launcher must see them: back to the default, which also ignores the
-  // signal but keeps exited children to be waited for.
-  static void WaitForChildren() {
+  // signal but keeps exited children to be waited for. The caller's
+  // disposition comes back when the last group alive ends (ReleaseChildren;
+  // one ended earlier would have the kernel reap another's workers), unless
+  // someone set another meanwhile.
+  void WaitForChildren() {
+    std::lock_guard<std::mutex> lock(g_sigchld.mu);
+    waits_for_children_ = true;
+    if (g_sigchld.groups++ > 0) return;  // the first group alive decides
+    g_sigchld.changed = false;
     struct sigaction current{};
     if (sigaction(SIGCHLD, nullptr, &current) != 0) return;
     if (current.sa_handler != SIG_IGN && (current.sa_flags & SA_NOCLDWAIT) == 0) return;
     struct sigaction action{};
     action.sa_handler = SIG_DFL;
     sigemptyset(&action.sa_mask);
-    sigaction(SIGCHLD, &action, nullptr);
+    if (sigaction(SIGCHLD, &action, nullptr) != 0) return;
+    g_sigchld.saved = current;
+    g_sigchld.changed = true;
+  }
+
+  // The end of a group that called WaitForChildren, its children reaped:
+  // the last one alive puts back the SIGCHLD disposition the first found,
+  // if it is still the default set then.
+  void ReleaseChildren() {
+    if (!waits_for_children_) return;
+    waits_for_children_ = false;
+    std::lock_guard<std::mutex> lock(g_sigchld.mu);
+    if (--g_sigchld.groups > 0 || !g_sigchld.changed) return;
+    g_sigchld.changed = false;
+    struct sigaction current{};
+    if (sigaction(SIGCHLD, nullptr, &current) != 0 || current.sa_handler != SIG_DFL ||
+        (current.sa_flags & SA_NOCLDWAIT) != 0) {
+      return;  // the host program chose another since: its choice stands
+    }
+    sigaction(SIGCHLD, &g_sigchld.saved, nullptr);
   }
 
   Status InstallSignalForwarding() {
@@ -2441,6 +2478,7 @@ class WorkerGroup::Impl {
   bool installed_[std::size(kForwardedSignals)] = {};  // false: was ignored, left so
   struct sigaction passed_on_old_[std::size(kPassedOnSignals)] = {};
   bool passed_on_installed_[std::size(kPassedOnSignals)] = {};
+  bool waits_for_children_ = false;  // counted in g_sigchld (WaitForChildren)
   std::mutex mu_;
   std::string stop_reason_;
   std::optional<GroupResult> waited_;  // what the first Wait returned

@@ -1998,9 +1998,19 @@ TEST(SpawnTest, ForwardedSignalsReachTheChildrenOfWorkers) {
   ExpectNoChildrenLeft();
 }
 
+// SIGCHLD's handler now, as SIG_DFL, SIG_IGN or another.
+__sighandler_t SigchldHandler() {
+  struct sigaction now{};
+  sigaction(SIGCHLD, nullptr, &now);
+  return now.sa_handler;
+}
+
 // A launcher started with SIGCHLD ignored (a parent that set it, inherited
 // through exec) would never see its workers end: the kernel reaps them
-// itself. The group sets it back to the default.
+// itself. The group sets it back to the default while it lives, and puts
+// the ignoring back when it ends: the host program chose it (it was left
+// at the default for good, and the program's later children stayed
+// zombies until waited for).
 TEST(SpawnTest, WorkersEndAlsoWhenTheLauncherStartedWithSigchldIgnored) {
   struct sigaction ignore{}, saved{};
   ignore.sa_handler = SIG_IGN;
@@ -2008,14 +2018,50 @@ TEST(SpawnTest, WorkersEndAlsoWhenTheLauncherStartedWithSigchldIgnored) {
   ASSERT_EQ(sigaction(SIGCHLD, &ignore, &saved), 0);
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
   ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ(SigchldHandler(), SIG_DFL);
   const auto start = Clock::now();
   GroupResult result = (*group)->Wait(DeadlineIn(10s));
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
   EXPECT_LT(Clock::now() - start, 5s);
   group->reset();
-  struct sigaction now{};
-  sigaction(SIGCHLD, nullptr, &now);
-  EXPECT_EQ(now.sa_handler, SIG_DFL);
+  EXPECT_EQ(SigchldHandler(), SIG_IGN);
+  sigaction(SIGCHLD, &saved, nullptr);
+  ExpectNoChildrenLeft();
+}
+
+// With two groups alive, the one that ends first leaves SIGCHLD at the
+// default (the other's workers must still be seen to end); the last one
+// puts back what the host program had. One the host program set while
+// the groups ran is its choice, and stays.
+TEST(SpawnTest, SigchldIgnoredComesBackWhenTheLastGroupEnds) {
+  struct sigaction ignore{}, saved{};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &saved), 0);
+  StatusOr<std::unique_ptr<WorkerGroup>> first = WorkerGroup::Start(Specs(1, "hello"), Quiet());
+  ASSERT_TRUE(first.ok()) << first.status();
+  StatusOr<std::unique_ptr<WorkerGroup>> second = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ((*first)->Wait(DeadlineIn(10s)).outcome, GroupOutcome::kSucceeded);
+  first->reset();
+  EXPECT_EQ(SigchldHandler(), SIG_DFL) << "the first group to end put SIG_IGN back under the second";
+  GroupResult result = (*second)->Wait(DeadlineIn(10s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  for (const WorkerExit& w : result.workers) EXPECT_TRUE(w.exited && !w.status_lost) << w.Describe();
+  second->reset();
+  EXPECT_EQ(SigchldHandler(), SIG_IGN);
+  // A handler the host program installed while a group ran (one that
+  // waits for nobody) stays.
+  first = WorkerGroup::Start(Specs(1, "hello"), Quiet());
+  ASSERT_TRUE(first.ok()) << first.status();
+  struct sigaction own{};
+  own.sa_handler = [](int) {};
+  own.sa_flags = SA_RESTART;
+  sigemptyset(&own.sa_mask);
+  ASSERT_EQ(sigaction(SIGCHLD, &own, nullptr), 0);
+  EXPECT_EQ((*first)->Wait(DeadlineIn(10s)).outcome, GroupOutcome::kSucceeded);
+  first->reset();
+  EXPECT_EQ(SigchldHandler(), own.sa_handler);
   sigaction(SIGCHLD, &saved, nullptr);
   ExpectNoChildrenLeft();
 }
