@@ -699,18 +699,22 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
   return Status::Ok();
 }
 
-// Writes `data` to a log file: "" when it took all of it, else why not.
-// Log files are opened non-blocking: one that is a FIFO (or a device) whose
-// reader stops reading, or reads a few bytes at a time, holds the loop that
-// watches the workers up for at most kTerminalStallTime in all, and never
-// past `wait_deadline` (the watch's next deadline: Wait's own, the grace's
-// end), so that a deadline, a kill or a forwarded Ctrl-C is not put off.
-// A FIFO whose reader closed gives EPIPE, without SIGPIPE (whose default
-// action would end the launcher).
-std::string WriteAll(int fd, std::string_view data, Deadline wait_deadline) {
-  const Deadline stall_limit = DeadlineIn(kTerminalStallTime);
+// Writes `data` to a log file: "" when it took all of it, or when
+// `wait_deadline` came first (*taken says how much went; the caller keeps
+// the rest for later), else why it failed. Log files are opened
+// non-blocking: one that is a FIFO (or a device) whose reader stops
+// reading, or reads a few bytes at a time, holds the loop that watches the
+// workers up for at most kTerminalStallTime in all (`stall_limit`: that
+// long after the write began, counted from the first try of data a
+// deadline cut short), and never past `wait_deadline` (the watch's next
+// deadline: Wait's own, the grace's end), so that a deadline, a kill or a
+// forwarded Ctrl-C is not put off. A FIFO whose reader closed gives EPIPE,
+// without SIGPIPE (whose default action would end the launcher).
+std::string WriteAll(int fd, std::string_view data, Deadline stall_limit, Deadline wait_deadline,
+                     size_t* taken_out) {
   const Deadline give_up = std::min(stall_limit, wait_deadline);
   const size_t total = data.size();
+  *taken_out = 0;
   while (!data.empty()) {
     const ssize_t n = WriteWithoutSigpipe(fd, data);
     if (n < 0 && errno == EINTR) continue;
@@ -718,10 +722,9 @@ std::string WriteAll(int fd, std::string_view data, Deadline wait_deadline) {
       const int wait_ms = MillisecondsUntil(give_up);
       if (wait_ms == 0) {
         const size_t taken = total - data.size();
-        if (give_up < stall_limit) {
-          return "the watch's deadline came while the reader had taken " + std::to_string(taken) + " of " +
-                 std::to_string(total) + " bytes";
-        }
+        *taken_out = taken;
+        // Cut short by the watch, not by the reader: the log goes on.
+        if (give_up < stall_limit) return "";
         if (taken == 0) {
           return "nothing was taken for " + std::to_string(kTerminalStallTime.count()) +
                  " ms (a reader that stopped reading)";
@@ -733,10 +736,18 @@ std::string WriteAll(int fd, std::string_view data, Deadline wait_deadline) {
       poll(&p, 1, wait_ms);
       continue;
     }
-    if (n < 0) return ErrnoText(errno);
-    if (n == 0) return "the write took nothing";
+    if (n < 0) {
+      const int err = errno;
+      *taken_out = total - data.size();
+      return ErrnoText(err);
+    }
+    if (n == 0) {
+      *taken_out = total - data.size();
+      return "the write took nothing";
+    }
     data.remove_prefix(static_cast<size_t>(n));
   }
+  *taken_out = total;
   return "";
 }
 
@@ -911,6 +922,11 @@ struct Stream {
   std::string partial;  // an incomplete line waiting for its newline
   Fd log;               // its log file (stdout.log or stderr.log), if any
   std::string log_path;
+  // What a log write cut short by the watch's deadline left (see
+  // WriteLog): written before anything newer, within kTerminalStallTime
+  // of `log_pending_since`, when the write of it began.
+  std::string log_pending;
+  Deadline log_pending_since{};
   bool to_terminal = false;  // copied to the launcher's stdout or stderr
   uint64_t log_bytes = 0;   // written to the log so far
 };
@@ -1261,6 +1277,11 @@ class WorkerGroup::Impl {
             fds.push_back({w.streams[s].pipe.get(), POLLIN, 0});
             owners.emplace_back(static_cast<int>(i), s);
           }
+          // A log write cut short by a deadline: on when its reader takes more.
+          if (w.streams[s].log.valid() && !w.streams[s].log_pending.empty()) {
+            fds.push_back({w.streams[s].log.get(), POLLOUT, 0});
+            owners.emplace_back(static_cast<int>(i), 2 + s);
+          }
         }
       }
       Deadline wake = phase == Phase::kRunning ? deadline : phase_deadline;
@@ -1319,6 +1340,9 @@ class WorkerGroup::Impl {
           ReadListener(heard, /*until_answer=*/false);
         } else if (stream == -1) {
           exits_to_read = true;
+        } else if (stream >= 2) {
+          // What the reader takes now, without waiting: the round goes on.
+          WriteLog(workers_[owner], workers_[owner].streams[stream - 2], "", Clock::now());
         } else if (stream >= 0) {
           ReadStream(workers_[owner], stream, wake);
         }
@@ -1447,6 +1471,7 @@ class WorkerGroup::Impl {
     // has killed the group and disarmed the watcher.
     if (RunningCount() == 0) ReapZombies();
     ReadErrorFiles(result);
+    FinishLogs();
     for (Worker& w : workers_) {
       for (int s = 0; s < 2; ++s) FlushPartial(w, s);
       result.workers.push_back(w.exit);
@@ -2078,17 +2103,57 @@ class WorkerGroup::Impl {
     return std::nullopt;
   }
 
-  // Appends to one stream's log file; the first write that fails (a full
-  // disk) closes it and is reported in the result, naming the file.
+  // Appends to one stream's log file, after what an earlier write left; the
+  // first write that fails (a full disk, a reader that stopped) closes it
+  // and is reported in the result, naming the file. A write cut short by
+  // the watch's deadline (`wait_deadline`) keeps the rest for the next
+  // write, or for the log's turn in the poll: the log goes on taking what
+  // the workers say while they are stopped, which tells how the job ended.
   static void WriteLog(Worker& w, Stream& stream, std::string_view data, Deadline wait_deadline) {
-    const std::string failure = WriteAll(stream.log.get(), data, wait_deadline);
+    if (!stream.log.valid()) return;
+    std::string_view out = data;
+    const bool resumed = !stream.log_pending.empty();
+    const Deadline began = resumed ? stream.log_pending_since : Clock::now();
+    if (resumed) {
+      stream.log_pending.append(data);
+      out = stream.log_pending;
+    }
+    size_t taken = 0;
+    const std::string failure = WriteAll(stream.log.get(), out, began + kTerminalStallTime, wait_deadline, &taken);
+    stream.log_bytes += taken;
     if (failure.empty()) {
-      stream.log_bytes += data.size();
+      if (resumed) {
+        stream.log_pending.erase(0, taken);
+      } else {
+        stream.log_pending.assign(out.substr(taken));
+      }
+      stream.log_pending_since = began;
       return;
     }
+    StopLog(w, stream, failure);
+  }
+
+  static void StopLog(Worker& w, Stream& stream, const std::string& why) {
     w.log_failures.push_back("rank " + std::to_string(w.rank) + "'s log file '" + stream.log_path +
-                             "' stopped after " + std::to_string(stream.log_bytes) + " bytes: " + failure);
+                             "' stopped after " + std::to_string(stream.log_bytes) + " bytes: " + why);
     stream.log.Reset();
+    stream.log_pending.clear();
+  }
+
+  // At the end of Wait: what the logs' readers have not taken of what the
+  // watch's deadlines cut short gets one more try, without waiting (Wait
+  // has had its time); a log left with some is reported.
+  void FinishLogs() {
+    for (Worker& w : workers_) {
+      for (Stream& stream : w.streams) {
+        if (!stream.log.valid() || stream.log_pending.empty()) continue;
+        WriteLog(w, stream, "", Clock::now());
+        if (stream.log.valid() && !stream.log_pending.empty()) {
+          StopLog(w, stream, "Wait ended with " + std::to_string(stream.log_pending.size()) +
+                                 " bytes its reader had not taken (a reader that reads too slowly)");
+        }
+      }
+    }
   }
 
   // `wait_deadline`: the watch's next deadline, which a log write may not
@@ -2104,7 +2169,7 @@ class WorkerGroup::Impl {
       return;
     }
     const std::string_view data(buf, static_cast<size_t>(n));
-    if (stream.log.valid()) WriteLog(w, stream, data, wait_deadline);
+    WriteLog(w, stream, data, wait_deadline);
     if (options_.output.capture) {
       const size_t room = options_.output.capture_limit - std::min(options_.output.capture_limit,
                                                                   w.captured.size());

@@ -235,10 +235,12 @@ struct GroupResult {
   uint64_t output_dropped = 0;
   /// One line per worker whose log file stopped taking output (a full disk,
   /// an I/O error, a FIFO whose reader closed it, took nothing for 2 s or
-  /// too little to finish one write in 2 s, or held a write up to Wait's
-  /// deadline): "rank 3's log file '<path>' stopped after N bytes: <why>".
-  /// Nothing more is written to that file; the terminal and the capture
-  /// still get the output.
+  /// too little to finish one write in 2 s, or had not taken by the end of
+  /// Wait what a write cut short by a deadline left; such a write does not
+  /// stop the log, whose rest goes out as the reader takes it): "rank 3's
+  /// log file '<path>' stopped after N bytes: <why>". Nothing more is
+  /// written to that file; the terminal and the capture still get the
+  /// output.
   std::vector<std::string> log_failures;
 
   /// The failed worker whose error file was written first (see

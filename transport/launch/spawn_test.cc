@@ -768,6 +768,28 @@ DDP_TEST_WORKER(chatty) {
   return 0;
 }
 
+// Prints $BYTES of lines, then waits for SIGTERM (whose arrival it marks
+// as IgnoreTerm does), prints "stopping on SIGTERM" and exits 0: the lines
+// a worker writes while the launcher stops it.
+DDP_TEST_WORKER(chatty_until_term) {
+  static volatile sig_atomic_t termed = 0;
+  std::snprintf(g_term_mark, sizeof(g_term_mark), "%s/rank0.term", std::getenv("PID_DIR"));
+  struct sigaction action = {};
+  action.sa_handler = [](int signo) {
+    termed = 1;
+    MarkTerm(signo);
+  };
+  action.sa_flags = SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  const std::string line(63, 'x');
+  for (int left = EnvInt("BYTES", 0); left > 0; left -= 64) std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  for (int i = 0; i < 3000 && termed == 0; ++i) usleep(10000);  // bounded, as SleepForever
+  std::printf("stopping on SIGTERM\n");
+  return 0;
+}
+
 // Makes <dir>/logs/0/stdout.log a FIFO: 0, or 1 when it cannot.
 int FifoAsRankZerosLog(const std::string& dir, std::string* path) {
   if (mkdir((dir + "/logs").c_str(), 0755) != 0 && errno != EEXIST) return 1;
@@ -976,6 +998,58 @@ int AFifoLogWithASlowReaderIsGivenUp() {
     return 5;
   }
   return took < 15s ? 0 : 6;
+}
+
+// A FIFO log whose reader waits until the workers are being stopped (it
+// reads once the worker marks its SIGTERM): the write that Wait's deadline
+// cut short leaves its rest for later, and the log goes on taking what the
+// worker says while it stops, instead of ending at the deadline for the
+// rest of the run (the lines that say how a job ended were lost).
+TEST(SpawnTest, ALogWriteCutByWaitsDeadlineLeavesTheLogOpen) {
+  const std::string dir = TempDir("fifo_log_cut_by_deadline");
+  std::string path;
+  ASSERT_EQ(FifoAsRankZerosLog(dir, &path), 0);
+  const std::string mark = dir + "/rank0.term";
+  unlink(mark.c_str());
+  const int reader = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0) << std::strerror(errno);
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  options.grace = 10000ms;
+  // More than the FIFO holds (64 KiB): a write waits for the reader.
+  constexpr int kBytes = 192 * 1024;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(1, "chatty_until_term", {{"BYTES", std::to_string(kBytes)}, {"PID_DIR", dir}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::string log;
+  std::thread late_reader([&] {
+    const auto give_up = Clock::now() + 30s;
+    while (access(mark.c_str(), F_OK) != 0 && Clock::now() < give_up) std::this_thread::sleep_for(5ms);
+    // Then everything, until the launcher closes the log (end of file).
+    while (Clock::now() < give_up) {
+      pollfd p{reader, POLLIN, 0};
+      if (poll(&p, 1, 100) < 0) break;
+      char buf[65536];
+      const ssize_t n = read(reader, buf, sizeof(buf));
+      if (n == 0) break;
+      if (n > 0) log.append(buf, static_cast<size_t>(n));
+    }
+  });
+  // Short: the reader, which starts at the SIGTERM, must come within the
+  // 2 s that a write may wait in all, counted from its first try.
+  GroupResult result = (*group)->Wait(DeadlineIn(500ms));
+  group->reset();  // closes the log: the reader's end of file
+  late_reader.join();
+  close(reader);
+  EXPECT_EQ(result.outcome, GroupOutcome::kTimedOut) << result.reason;
+  ASSERT_EQ(result.workers.size(), 1u);
+  EXPECT_TRUE(result.workers[0].ok()) << result.workers[0].Describe();
+  EXPECT_THAT(result.log_failures, ::testing::IsEmpty());
+  EXPECT_EQ(log.size(), static_cast<size_t>(kBytes) + std::strlen("stopping on SIGTERM\n"));
+  const std::string last = "stopping on SIGTERM\n";
+  EXPECT_TRUE(log.size() >= last.size() && log.compare(log.size() - last.size(), last.size(), last) == 0)
+      << "the log's last line is not the one the worker wrote while it stopped";
+  ExpectNoChildrenLeft();
 }
 
 // open() of a UNIX socket's file fails with ENXIO, as that of a FIFO
