@@ -231,7 +231,8 @@ struct GroupResult {
   std::vector<std::string> output;           ///< Captured output per worker.
   /// Bytes of worker output that the launcher's stdout or stderr did not
   /// take (nothing written for 2 s: a reader that stopped reading), dropped
-  /// so that the launcher kept watching the workers. Log files get it all.
+  /// so that the launcher kept watching the workers. Log files get it all,
+  /// but for those in log_failures.
   uint64_t output_dropped = 0;
   /// One line per worker whose log file stopped taking output (a full disk,
   /// an I/O error, a FIFO whose reader closed it, took nothing for 2 s or
