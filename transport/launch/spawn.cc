@@ -325,6 +325,9 @@ RunChild(const ChildArgs* a) {
 // ---- helpers ----
 
 std::atomic<bool> g_force_close_range_fallback{false};
+// SetForwardingEndStepForTesting.
+std::mutex g_forwarding_end_step_mu;
+std::function<void()> g_forwarding_end_step;
 std::atomic<int64_t> g_pause_after_first_worker_ms{0};  // PauseAfterFirstWorkerForTesting
 
 // The most descriptors the fallbacks of close_range go through.
@@ -797,6 +800,11 @@ void ForceCloseRangeFallbackForTesting(bool force) {
   g_force_close_range_fallback.store(force, std::memory_order_relaxed);
 }
 
+void SetForwardingEndStepForTesting(std::function<void()> step) {
+  std::lock_guard<std::mutex> lock(g_forwarding_end_step_mu);
+  g_forwarding_end_step = std::move(step);
+}
+
 void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause) {
   g_pause_after_first_worker_ms.store(pause.count(), std::memory_order_relaxed);
 }
@@ -1058,15 +1066,30 @@ class WorkerGroup::Impl {
     ReleaseChildren();
     if (!error_dir_.empty()) RemoveErrorDir();
     if (forwarding_) {
+      // First no longer the signals' recipient, then the earlier handlers
+      // back: a signal between the two is recorded by this group's handler
+      // for the next group (g_unforwarded_signal). The other way round, the
+      // launcher's own handler (CatchInterrupts) would write it into the
+      // pipe, whose stale bytes the next group throws away.
+      g_signal_write_fd.store(-1);
+      RunForwardingEndStep();
       for (size_t i = 0; i < std::size(kForwardedSignals); ++i) {
         if (installed_[i]) sigaction(kForwardedSignals[i], &old_actions_[i], nullptr);
       }
       for (size_t i = 0; i < std::size(kPassedOnSignals); ++i) {
         if (passed_on_installed_[i]) sigaction(kPassedOnSignals[i], &passed_on_old_[i], nullptr);
       }
-      g_signal_write_fd.store(-1);
       g_forwarding.store(false);
     }
+  }
+
+  static void RunForwardingEndStep() {
+    std::function<void()> step;
+    {
+      std::lock_guard<std::mutex> lock(g_forwarding_end_step_mu);
+      step = g_forwarding_end_step;
+    }
+    if (step) step();
   }
 
   Status Start(std::vector<WorkerSpec> specs) {

@@ -354,6 +354,12 @@ void ForceCloseRangeFallbackForTesting(bool force);
 /// terminal: a launcher killed meanwhile is a case its watcher must cover.
 void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause);
 
+/// For tests: `step` (empty: none) runs on the destroying thread while a
+/// group that forwarded signals gives them up, between its ceasing to take
+/// them and the earlier handlers coming back, so that a test can send a
+/// signal into that moment.
+void SetForwardingEndStepForTesting(std::function<void()> step);
+
 /// "SIGKILL", "SIGTERM", ..., "SIGRTMIN+3" or "signal 32".
 std::string SignalName(int signal);
 

@@ -2036,6 +2036,33 @@ TEST(SpawnTest, ASignalCaughtJustBeforeTheGroupStartsReachesIt) {
   ExpectNoChildrenLeft();
 }
 
+// A signal that reaches the launcher's own handler (CatchInterrupts) while
+// a group that forwarded signals is being destroyed is one no group has
+// seen: it must reach the next group. The group went on as the signals'
+// recipient until after it had put the handlers back, and a signal in
+// between went into the pipe that the next group empties of stale bytes
+// on start: lost to every worker.
+TEST(SpawnTest, ASignalCaughtWhileAGroupIsDestroyedReachesTheNextGroup) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  CatchInterrupts(true);
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_EQ((*group)->Wait(DeadlineIn(20s)).outcome, GroupOutcome::kSucceeded);
+  // To this thread: its handler runs before raise returns.
+  SetForwardingEndStepForTesting([] { raise(SIGINT); });
+  group->reset();
+  SetForwardingEndStepForTesting(nullptr);
+  group = WorkerGroup::Start(Specs(1, "sleeper"), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(5s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kInterrupted) << result.reason;
+  EXPECT_EQ(result.signal, SIGINT);
+  group->reset();
+  CatchInterrupts(false);
+  ExpectNoChildrenLeft();
+}
+
 TEST(SpawnTest, OnlyOneGroupForwardsSignals) {
   SpawnOptions options = Quiet();
   options.forward_signals = true;
