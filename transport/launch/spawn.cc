@@ -638,6 +638,16 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
   for (size_t i = 0; i < specs.size(); ++i) {
     const WorkerSpec& spec = specs[i];
     const std::string who = "rank " + std::to_string(spec.rank);
+    // RANK, its log folder and its error file's name take it as given.
+    if (spec.rank < 0) return InvalidArgumentError(who + " (spec " + std::to_string(i) + "): a rank is 0 or more");
+    // Bits beyond the two streams were taken silently (as both, or as one).
+    for (const auto& [field, value] : {std::pair<const char*, int>{"logged_streams", spec.logged_streams},
+                                       std::pair<const char*, int>{"shown_streams", spec.shown_streams}}) {
+      if (value < kNoStreams || value > kBothStreams) {
+        return InvalidArgumentError(who + ": its " + field + " is " + std::to_string(value) +
+                                    "; it takes 0 (no stream), 1 (stdout), 2 (stderr) or 3 (both)");
+      }
+    }
     if (spec.program.empty()) return InvalidArgumentError(who + ": no program given");
     if (spec.argv.empty()) {
       return InvalidArgumentError(who + ": no argument vector given (it holds argv[0] at least)");

@@ -266,7 +266,8 @@ class WorkerGroup {
   /// any worker starts: a spec without program or argv, two specs with
   /// one rank or, with a log_dir, one log folder, an environment variable
   /// name that is empty or holds '=', a NUL byte in a program, argument or
-  /// variable, a terminal rank that no worker has);
+  /// variable, a terminal rank that no worker has, a negative rank, a
+  /// stream set outside 0..3);
   /// RESOURCE_EXHAUSTED: something ran out (descriptors, processes, memory,
   /// disk), for a worker or for the group's own setup, and the same start
   /// may succeed later; FAILED_PRECONDITION: with forward_signals, another

@@ -2322,6 +2322,14 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
       {"a NUL byte in the program's path",
        [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].program += std::string(1, '\0'); },
        "rank 2: its program's path holds a NUL byte"},
+      {"a negative rank", [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].rank = -1; },
+       "rank -1 (spec 1): a rank is 0 or more"},
+      {"a stream set beyond stdout and stderr",
+       [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].logged_streams = 4; },
+       "rank 2: its logged_streams is 4; it takes 0 (no stream), 1 (stdout), 2 (stderr) or 3 (both)"},
+      {"a negative stream set",
+       [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[0].shown_streams = -1; },
+       "rank 0: its shown_streams is -1; it takes 0 (no stream), 1 (stdout), 2 (stderr) or 3 (both)"},
       // Shown nowhere: a filter that names no worker would leave the
       // terminal silent with no word of why.
       {"a terminal rank that no worker has",
