@@ -1474,11 +1474,18 @@ class WorkerGroup::Impl {
 
       const Deadline now = Clock::now();
       if (phase == Phase::kRunning && now >= deadline) {
-        result.outcome = GroupOutcome::kTimedOut;
-        result.reason = "the workers were still running after " +
-                        std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                           now - start).count()) +
-                        " ms (the deadline); stopped them";
+        const std::string after = " still running after " +
+                                  std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                     now - start).count()) +
+                                  " ms (the deadline); stopped them";
+        if (result.first_failure) {
+          // A failure that left the others running (stop_all_on_failure
+          // off) stays the outcome, as with a stop requested after it.
+          result.reason += "; the others were" + after;
+        } else {
+          result.outcome = GroupOutcome::kTimedOut;
+          result.reason = "the workers were" + after;
+        }
         stop_workers(SIGTERM);
       } else if (phase == Phase::kStopping && now >= phase_deadline) {
         SignalRunning(SIGKILL);

@@ -212,7 +212,7 @@ enum class GroupOutcome : int {
   kWorkerFailed = 1,  ///< A worker exited non-zero or died by a signal.
   kInterrupted = 2,   ///< The launcher received SIGINT / SIGTERM / SIGHUP / SIGQUIT (at any point of Wait).
   kStopped = 3,       ///< RequestStop was called.
-  kTimedOut = 4,      ///< The deadline given to Wait passed.
+  kTimedOut = 4,      ///< The deadline given to Wait passed (no worker had failed: a failure stays the outcome).
   /// Wait could not watch the workers (poll failed); it killed them.
   kMonitorFailed = 5,
 };

@@ -1758,6 +1758,29 @@ TEST(SpawnTest, AStopAfterAFailureThatLeftTheOthersRunningKeepsTheFailure) {
   ExpectNoChildrenLeft();
 }
 
+// The same with Wait's deadline in place of the stop: the failure stays
+// the outcome, with its exit code (the deadline used to replace it:
+// kTimedOut, exit status 1, and the failure gone from the reason).
+TEST(SpawnTest, ADeadlineAfterAFailureThatLeftTheOthersRunningKeepsTheFailure) {
+  SpawnOptions options = Quiet();
+  options.stop_all_on_failure = false;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "fail_rank1", {{"FAIL_AFTER_MS", "0"}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const std::vector<pid_t> pids = (*group)->pids();
+  ASSERT_TRUE(GoneWithin(pids[1], 10s));
+  GroupResult result = (*group)->Wait(DeadlineIn(1000ms));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  ASSERT_TRUE(result.first_failure.has_value()) << result.reason;
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_EQ(result.ExitCode(), 3);
+  EXPECT_THAT(result.reason, ::testing::StartsWith("rank 1 (pid " + std::to_string(pids[1]) +
+                                                   ") exited with code 3; the others were still running after "));
+  EXPECT_THAT(result.reason, ::testing::EndsWith(" ms (the deadline); stopped them"));
+  EXPECT_EQ(result.workers[0].code, SIGTERM) << result.workers[0].Describe();
+  ExpectNoChildrenLeft();
+}
+
 // Two workers found dead at one look: rank 1 was killed by a signal, then
 // rank 0 exited with code 1. The one killed by the signal is the first
 // failure (it used to be the first in rank order: rank 0, exit status 1).
