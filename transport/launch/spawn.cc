@@ -1440,7 +1440,7 @@ class WorkerGroup::Impl {
         if (!result.first_failure) {
           result.outcome = GroupOutcome::kStopped;
           std::lock_guard<std::mutex> lock(mu_);
-          result.reason = stop_reason_;
+          result.reason = stop_reason_.empty() ? "a stop was requested (RequestStop, no reason given)" : stop_reason_;
         }
         stop_workers(SIGTERM);
       }

@@ -1710,6 +1710,19 @@ TEST(SpawnTest, RequestStopFromAnotherThread) {
   for (const WorkerExit& w : result.workers) EXPECT_EQ(w.code, SIGTERM) << w.Describe();
 }
 
+// A stop requested without a reason still says why the workers were
+// stopped: the reason is empty on success only (it was empty, and a
+// launcher printing it said nothing).
+TEST(SpawnTest, AStopRequestedWithoutAReasonSaysSo) {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "sleeper"), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  (*group)->RequestStop("");
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kStopped);
+  EXPECT_EQ(result.reason, "a stop was requested (RequestStop, no reason given)");
+  ExpectNoChildrenLeft();
+}
+
 // A stop requested (another node failed) when a worker of this group had
 // already failed: that worker is the group's failure, with its exit code.
 // Wait used to act on the stop first and never record the failure (kStopped,
