@@ -1580,6 +1580,16 @@ class WorkerGroup::Impl {
     std::string line;
     for (char c : earliest->exit.error) {
       if (line.size() >= kMaxReportedError) {
+        // Cut at a character's start: a UTF-8 character's lead byte and
+        // continuation bytes (10xxxxxx) at the end go with it.
+        const auto byte = [](char b) { return static_cast<unsigned char>(b); };
+        size_t end = line.size();
+        while (end > 0 && (byte(line[end - 1]) & 0xC0) == 0x80) --end;
+        if (end > 0 && byte(line[end - 1]) >= 0xC0) {
+          const unsigned char lead = byte(line[end - 1]);
+          const size_t length = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+          if (line.size() - (end - 1) < length) line.resize(end - 1);
+        }
         line += "...";
         break;
       }

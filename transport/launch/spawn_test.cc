@@ -1167,6 +1167,21 @@ TEST(SpawnTest, TheEarliestErrorWrittenIsTheRootCause) {
   ExpectNoChildrenLeft();
 }
 
+// A long message is cut for the reason line at a character's start: a
+// UTF-8 character across the cut was left half there (a byte that is no
+// text), which a terminal shows as garbage and a JSON reader refuses.
+TEST(SpawnTest, ALongErrorIsCutForTheReasonBetweenCharacters) {
+  const std::string message = std::string(399, 'a') + "\xc3\xa9 and more after the cut";
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(1, "reports_error", {{"MSG0", message}}), Quiet());
+  ASSERT_TRUE(group.ok()) << group.status();
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  ASSERT_EQ(result.workers.size(), 1u);
+  EXPECT_EQ(result.workers[0].error, message);
+  EXPECT_THAT(result.reason, ::testing::EndsWith("; rank 0 reported: " + std::string(399, 'a') + "..."));
+  ExpectNoChildrenLeft();
+}
+
 // A file whose time is missing or unusable (negative here) says nothing of
 // when it was written: a worker that wrote one and failed first is not the
 // root cause over one that gave its time. (Its time read as 0, the
