@@ -225,7 +225,13 @@ enum ChildStep : int { kStepSetpgid = 1, kStepDup = 2, kStepExec = 3 };
 std::string ExecFailureHint(const std::string& program, int err) {
   if (err != ENOENT && err != ENOEXEC) return "";
   const int fd = open(program.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return "";
+  if (fd < 0) {
+    // "python": a name, taken as a file in the current folder.
+    if (err == ENOENT && program.find('/') == std::string::npos) {
+      return " (a program's name is not looked up in PATH; give its path, or resolve it with ResolveProgram)";
+    }
+    return "";
+  }
   char head[256];
   ssize_t n;
   do {

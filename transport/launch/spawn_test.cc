@@ -2424,6 +2424,21 @@ TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
   }
 }
 
+// A program given by its name alone ("sh") is not looked up in PATH (the
+// caller resolves it): the error says so, where "No such file or
+// directory" alone sent the user looking at a file that is there.
+TEST(SpawnTest, AProgramGivenByNameSaysThatPathIsNotSearched) {
+  std::vector<WorkerSpec> specs = Specs(1, "hello");
+  specs[0].program = "sh";
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, Quiet());
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.status().message(),
+            "cannot start rank 0: exec 'sh': No such file or directory (a program's name is not looked up in "
+            "PATH; give its path, or resolve it with ResolveProgram)");
+  ExpectNoChildrenLeft();
+}
+
 // An atfork handler that exits the child of any fork() (as the transport's
 // fork guard once did); workers must start anyway, because spawning runs no
 // pthread_atfork handler.
