@@ -639,6 +639,11 @@ Status CheckErrorFileKind(const std::string& path, const std::string& who) {
 // `error_files`, two specs naming one TORCHELASTIC_ERROR_FILE of their own
 // are refused, as is one that is there and not a regular file.
 Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out, bool error_files) {
+  for (const auto& [field, text] : {std::pair<const char*, const std::string&>{"log_dir", out.log_dir},
+                                    std::pair<const char*, const std::string&>{"log_name_prefix",
+                                                                               out.log_name_prefix}}) {
+    if (text.find('\0') != std::string::npos) return InvalidArgumentError(std::string(field) + " holds a NUL byte");
+  }
   std::vector<std::string> folders(specs.size());  // each one's, under log_dir, normalised
   std::vector<std::optional<std::string>> error_paths(specs.size());  // each one's own, normalised
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -661,6 +666,10 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
     // The kernel takes C strings: a NUL byte would cut the text short.
     const auto has_nul = [](const std::string& text) { return text.find('\0') != std::string::npos; };
     if (has_nul(spec.program)) return InvalidArgumentError(who + ": its program's path holds a NUL byte");
+    // Two names that differ after a NUL byte would be one folder.
+    if (!out.log_dir.empty() && has_nul(spec.log_name)) {
+      return InvalidArgumentError(who + ": its log name holds a NUL byte");
+    }
     for (size_t a = 0; a < spec.argv.size(); ++a) {
       if (has_nul(spec.argv[a])) return InvalidArgumentError(who + ": argv[" + std::to_string(a) + "] holds a NUL byte");
     }

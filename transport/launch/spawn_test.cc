@@ -2373,6 +2373,18 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
       {"a NUL byte in the program's path",
        [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[2].program += std::string(1, '\0'); },
        "rank 2: its program's path holds a NUL byte"},
+      {"a NUL byte in a log name",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[1].log_name = std::string("a\0b", 3);
+       },
+       "rank 1: its log name holds a NUL byte"},
+      {"a NUL byte in log_name_prefix",
+       [&](std::vector<WorkerSpec>&, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         options.output.log_name_prefix = std::string("attempt_0\0/", 11);
+       },
+       "log_name_prefix holds a NUL byte"},
       {"a negative rank", [](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].rank = -1; },
        "rank -1 (spec 1): a rank is 0 or more"},
       {"a stream set beyond stdout and stderr",
