@@ -692,7 +692,14 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
     if (error_files) {
       if (const std::optional<std::string> own = OwnErrorFile(spec)) {
         DDP_RETURN_IF_ERROR(CheckErrorFileKind(*own, who));
-        error_paths[i] = LexicallyNormal(*own);
+        // A relative one is the worker's, whose folder is this process's:
+        // 'err.json' and '<cwd>/err.json' are one file.
+        std::string absolute = *own;
+        if (absolute.empty() || absolute[0] != '/') {
+          char cwd[PATH_MAX];
+          if (getcwd(cwd, sizeof(cwd)) != nullptr) absolute = std::string(cwd) + "/" + absolute;
+        }
+        error_paths[i] = LexicallyNormal(absolute);
       }
     }
     for (size_t j = 0; j < i; ++j) {

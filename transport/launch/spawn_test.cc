@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -2351,6 +2352,15 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
        },
        "ranks 0 and 2 name one error file of their own, '" + dir +
            "/./error.json' (TORCHELASTIC_ERROR_FILE), whose message would be blamed on either; give each its own"},
+      {"one error file of their own twice, once relative",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions&) {
+         char cwd[PATH_MAX];
+         ASSERT_NE(getcwd(cwd, sizeof(cwd)), nullptr);
+         specs[0].env.emplace_back(kEnvErrorFile, std::string(cwd) + "/no_such_folder/error.json");
+         specs[1].env.emplace_back(kEnvErrorFile, "./no_such_folder/error.json");
+       },
+       "ranks 0 and 1 name one error file of their own, './no_such_folder/error.json' (TORCHELASTIC_ERROR_FILE), "
+       "whose message would be blamed on either; give each its own"},
       {"an error file of its own that is a FIFO",
        [&](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].env.emplace_back(kEnvErrorFile, dir + "/error.fifo"); },
        "rank 1: its error file '" + dir + "/error.fifo' (TORCHELASTIC_ERROR_FILE) is a FIFO, not a regular file; "
