@@ -408,7 +408,17 @@ std::function<void()>& BeforePollGateCloses() {
   static auto* hook = new std::function<void()>();
   return *hook;
 }
+// Run by Split just before it creates the new communicator; tests only.
+std::function<void()>& BeforeSplitCreates() {
+  static auto* hook = new std::function<void()>();
+  return *hook;
+}
 }  // namespace
+// For tests (declared where used): lets a test hold a rank between a
+// split's exchange and the new communicator's creation.
+void SetBeforeSplitCreatesForTesting(std::function<void()> hook) {
+  BeforeSplitCreates() = std::move(hook);
+}
 // For tests (declared where used): lets a test poll a handle at the moment
 // Shutdown has joined its threads and not yet closed the poll gate.
 void SetBeforePollGateClosesForTesting(std::function<void()> hook) {
@@ -1088,6 +1098,12 @@ class Communicator::Impl {
   // new communicator's ranks (it replaces the file, which describes the
   // parent's ranks).
   std::optional<topology::Topology> described_;
+  // Set by Split before Init: the settings come from the parent as its Init
+  // settled them (options_ and shm_env_), and the DDP_* environment is not
+  // read again; a variable changed since the parent was made would give the
+  // child other settings, and the ranks that saw the change would fail the
+  // split with a settings mismatch.
+  bool inherits_environment_ = false;
   // This process's place among the processes of its host, for discovering
   // its GPU, NUMA node and network port: the creating communicator's local
   // rank and size, kept by every split (a child's own local rank counts
@@ -1306,7 +1322,12 @@ Status Communicator::Impl::Init() {
   // out their whole timeout (or, on rank 0, never start their store). The
   // store gets a few seconds for that, then the variable is named anyway,
   // also when reaching or serving the store fails.
-  const Status environment = ReadEnvironment();
+  Status environment;
+  if (inherits_environment_) {
+    info_.staged_reduce = options_.staged_reduce;
+  } else {
+    environment = ReadEnvironment();
+  }
 
   fork::InstallForkGuard();
   const Deadline deadline = creation_deadline_.value_or(DeadlineIn(o.timeout));
@@ -3454,9 +3475,12 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
   for (int r : members) impl->root_ranks_.push_back(parent.root_ranks_[static_cast<size_t>(r)]);
   impl->place_local_rank_ = parent.place_local_rank_;
   impl->place_local_world_size_ = parent.place_local_world_size_;
+  impl->shm_env_ = parent.shm_env_;
+  impl->inherits_environment_ = true;
   if (!parent.options_.topology_file.empty()) {
     DDP_ASSIGN_OR_RETURN(impl->described_, topology::Subset(parent.topology_, members));
   }
+  if (internal::BeforeSplitCreates()) internal::BeforeSplitCreates()();
   Status status = impl->Init();
   if (!status.ok()) {
     // Posted where the other members' creation waits look (as Create does):

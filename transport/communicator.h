@@ -487,8 +487,9 @@ class Communicator {
   /// a new communicator of the ranks that pass the same `color` (>= 0),
   /// ranked by `key`, ties by rank here (MPI_Comm_split, ncclCommSplit). A
   /// rank passing kNoColor takes part and gets no communicator (nullptr).
-  /// The new one has this one's settings and rendezvous store and its own
-  /// connections. The whole split (the exchange of colors and keys, the
+  /// The new one has this one's settings (as its creation settled them:
+  /// the DDP_* environment is not read again) and rendezvous store and its
+  /// own connections. The whole split (the exchange of colors and keys, the
   /// registration below, and the new communicator's creation) keeps to one
   /// deadline, call.timeout (default: this communicator's timeout), counted
   /// as a blocking call's (see Threading above). When rank 0 of this communicator serves the

@@ -49,6 +49,7 @@
 namespace ddp::transport {
 namespace internal {
 void SetBeforePollGateClosesForTesting(std::function<void()> hook);
+void SetBeforeSplitCreatesForTesting(std::function<void()> hook);
 }  // namespace internal
 namespace {
 
@@ -2060,18 +2061,12 @@ int ScenarioAbortWithAStalledStore() {
 int ScenarioSplitKeepsOneDeadline() {
   auto comm = MustCreate();
   const int me = comm->rank();
-  const std::string fifo = EnvOr("TEST_TMPDIR", "/tmp") + "/split_topology_fifo_" + std::to_string(getpid());
-  std::thread writer;
   if (me == 1) {
-    WORKER_CHECK(mkfifo(fifo.c_str(), 0600) == 0, "mkfifo " + fifo + ": " + std::strerror(errno));
-    setenv("DDP_TOPOLOGY_FILE", fifo.c_str(), 1);
-    // Lets rank 1's creation go on (and fail: an empty file is no
-    // topology) once rank 0 has its answer.
-    writer = std::thread([&] {
+    // Holds rank 1 between the split's exchange and the new communicator's
+    // creation until rank 0 has its answer; its creation then finds the
+    // split's deadline passed, or rank 0's failure posted.
+    internal::SetBeforeSplitCreatesForTesting([] {
       WORKER_CHECK(AwaitMark("split_failed", milliseconds(30000)), "rank 0's split did not end");
-      const int fd = open(fifo.c_str(), O_WRONLY | O_CLOEXEC);
-      WORKER_CHECK(fd >= 0, "opening the FIFO to write: " + std::string(std::strerror(errno)));
-      if (fd >= 0) close(fd);
     });
     std::this_thread::sleep_for(milliseconds(2000));
   }
@@ -2085,9 +2080,35 @@ int ScenarioSplitKeepsOneDeadline() {
     WORKER_CHECK(child.status().code() == StatusCode::kTimedOut, "rank 0's split: " + child.status().ToString());
     WORKER_CHECK(took_ms < 4300, "rank 0's split took " + std::to_string(took_ms) + " ms, past its 3000 ms timeout");
   } else {
-    writer.join();
-    unlink(fifo.c_str());
+    internal::SetBeforeSplitCreatesForTesting(nullptr);
   }
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// DDP_* variables changed on one rank after its communicator was made
+// (shared memory turned off, a topology file that does not exist, a
+// malformed chunk size) do not reach a split of it: the new communicator
+// has the settings of the one split, as on the other rank, and works. The
+// split used to read the environment again and fail on every rank (a
+// settings mismatch, or the variable named).
+int ScenarioSplitKeepsTheParentsSettings() {
+  auto comm = MustCreate();
+  const int me = comm->rank();
+  if (me == 1) {
+    setenv("DDP_SHARED_MEMORY", "0", 1);
+    setenv("DDP_TOPOLOGY_FILE", "/nonexistent/ddp_split_topology", 1);
+    setenv("DDP_SHM_CHUNK_BYTES", "not a size", 1);
+  }
+  auto child = comm->Split(0, me, {.timeout = milliseconds(20000)});
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  WORKER_CHECK((*child)->info().shared_memory == comm->info().shared_memory,
+               "the child's shared_memory " + std::to_string((*child)->info().shared_memory) +
+                   ", its parent's " + std::to_string(comm->info().shared_memory));
+  std::vector<int64_t> value = {me + 1};
+  const Status reduced = (*child)->AllReduce(value.data(), value.data(), 1, DataType::kI64, ReduceOp::kSum);
+  WORKER_CHECK(reduced.ok(), "all-reduce on the child: " + reduced.ToString());
+  WORKER_CHECK(value[0] == 3, "all-reduce on the child gave " + std::to_string(value[0]));
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
@@ -2893,6 +2914,7 @@ int RunScenario(const std::string& name) {
   if (name == "abort_from_thread") return ScenarioAbortFromAnotherThread();
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
   if (name == "split_keeps_one_deadline") return ScenarioSplitKeepsOneDeadline();
+  if (name == "split_keeps_parents_settings") return ScenarioSplitKeepsTheParentsSettings();
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
   if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
@@ -3147,6 +3169,11 @@ TEST(Communicator, ASplitFailingOnOneRankFailsTheOthersAtOnce) {
 TEST(Communicator, ASplitKeepsOneDeadlineForAllItsSteps) {
   Job job = RunJob(2, "split_keeps_one_deadline", {});
   ASSERT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, ASplitKeepsTheParentsSettingsWhateverTheEnvironmentSaysSince) {
+  Job job = RunJob(2, "split_keeps_parents_settings", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(Communicator, ASplitThatCannotBeRegisteredFailsEveryColorAtOnce) {
