@@ -76,7 +76,7 @@ struct CommunicatorOptions {
   int rank = 0;                 ///< This process's rank in [0, world_size).
   int world_size = 1;           ///< Number of ranks, 1 to 2^22 (4194304).
   int local_rank = 0;           ///< Rank among the processes of this host.
-  int local_world_size = 1;     ///< Processes of this job on this host.
+  int local_world_size = 1;     ///< Processes of this job on this host, 1 to world_size.
   std::string store_host = "127.0.0.1";  ///< Where the rendezvous store listens.
   int store_port = 0;           ///< Its TCP port; 0 with world_size 1 and host_store: any free one.
   bool host_store = true;       ///< Rank 0 serves the store (else a launcher does).

@@ -3064,6 +3064,21 @@ TEST(CommunicatorCreate, ANameWithANewlineIsRefused) {
   EXPECT_NE(comm.status().message().find("name \"job\\n...\" holds a newline"), std::string::npos) << comm.status();
 }
 
+// More ranks on this host than in the job is refused at once, naming both.
+TEST(CommunicatorCreate, ALocalWorldLargerThanTheWorldIsRefused) {
+  CommunicatorOptions options;
+  options.local_world_size = 2;
+  options.timeout = milliseconds(5000);
+  const auto start = Clock::now();
+  auto comm = Communicator::Create(options);
+  const auto took = Clock::now() - start;
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument) << comm.status();
+  EXPECT_NE(comm.status().message().find("local_world_size 2 is above world_size 1"), std::string::npos)
+      << comm.status();
+  EXPECT_LT(took, milliseconds(1000)) << comm.status();
+}
+
 TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
   Job job = RunJob(1, "one_rank_defaults", {});
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
