@@ -1287,13 +1287,16 @@ Status Communicator::Impl::Init() {
                                 "names may not");
   }
   DDP_RETURN_IF_ERROR(CheckRank(o.rank, "rank"));
+  if (o.local_world_size < 1) {
+    return InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) + " must be positive");
+  }
   // More processes on this host than in the job is a launch mistake that
   // nothing later would name: it only skews the topology's per-host view.
   if (o.local_world_size > o.world_size) {
     return InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) + " is above world_size " +
                                 std::to_string(o.world_size) + ": a host cannot hold more of the job's ranks than it has");
   }
-  if (o.local_world_size < 1 || o.local_rank < 0 || o.local_rank >= o.local_world_size) {
+  if (o.local_rank < 0 || o.local_rank >= o.local_world_size) {
     return InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +
                                 " is outside a local world of size " +
                                 std::to_string(o.local_world_size));

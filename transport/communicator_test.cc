@@ -3079,6 +3079,23 @@ TEST(CommunicatorCreate, ALocalWorldLargerThanTheWorldIsRefused) {
   EXPECT_LT(took, milliseconds(1000)) << comm.status();
 }
 
+// A local world of no process is refused naming local_world_size (it used
+// to be named as local_rank's fault).
+TEST(CommunicatorCreate, ALocalWorldOfNoProcessIsRefusedByName) {
+  for (const int local_world_size : {0, -3}) {
+    CommunicatorOptions options;
+    options.local_world_size = local_world_size;
+    options.timeout = milliseconds(5000);
+    auto comm = Communicator::Create(options);
+    ASSERT_FALSE(comm.ok()) << local_world_size;
+    EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument) << comm.status();
+    EXPECT_NE(comm.status().message().find("local_world_size " + std::to_string(local_world_size) +
+                                           " must be positive"),
+              std::string::npos)
+        << comm.status();
+  }
+}
+
 TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
   Job job = RunJob(1, "one_rank_defaults", {});
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
