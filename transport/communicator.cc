@@ -1235,8 +1235,9 @@ class Communicator::Impl {
   std::shared_ptr<PollGate> poll_gate_ = std::make_shared<PollGate>();
 };
 
-// How long a rank with a bad DDP_* variable tries to reach the store to
-// post it for the others before it names the variable and gives up.
+// How long a rank with a bad DDP_* variable (or local_rank or
+// local_world_size) tries to reach the store to post it for the others
+// before it names it and gives up.
 constexpr std::chrono::milliseconds kEnvironmentReportTime(5000);
 
 // The DDP_* variables that adjust options_ and shm_env_.
@@ -1287,19 +1288,22 @@ Status Communicator::Impl::Init() {
                                 "names may not");
   }
   DDP_RETURN_IF_ERROR(CheckRank(o.rank, "rank"));
+  // This rank's place on its host: a mistake here is one rank's (a launch
+  // that set LOCAL_WORLD_SIZE wrongly on one host), so it is reported as a
+  // bad DDP_* variable is, once the store is reached (below): returned at
+  // once, it left the other ranks waiting out their whole timeout.
+  Status placement;
   if (o.local_world_size < 1) {
-    return InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) + " must be positive");
-  }
-  // More processes on this host than in the job is a launch mistake that
-  // nothing later would name: it only skews the topology's per-host view.
-  if (o.local_world_size > o.world_size) {
-    return InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) + " is above world_size " +
-                                std::to_string(o.world_size) + ": a host cannot hold more of the job's ranks than it has");
-  }
-  if (o.local_rank < 0 || o.local_rank >= o.local_world_size) {
-    return InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +
-                                " is outside a local world of size " +
-                                std::to_string(o.local_world_size));
+    placement = InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) + " must be positive");
+  } else if (o.local_world_size > o.world_size) {
+    // More processes on this host than in the job: nothing later would
+    // name it; it only skews the topology's per-host view.
+    placement = InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) +
+                                     " is above world_size " + std::to_string(o.world_size) +
+                                     ": a host cannot hold more of the job's ranks than it has");
+  } else if (o.local_rank < 0 || o.local_rank >= o.local_world_size) {
+    placement = InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +
+                                     " is outside a local world of size " + std::to_string(o.local_world_size));
   }
   // One rank that serves its own store needs no agreed port (as an MPI
   // program of one process needs no setup): 0 takes any free one.
@@ -1331,10 +1335,10 @@ Status Communicator::Impl::Init() {
   // out their whole timeout (or, on rank 0, never start their store). The
   // store gets a few seconds for that, then the variable is named anyway,
   // also when reaching or serving the store fails.
-  Status environment;
+  Status environment = placement;
   if (inherits_environment_) {
     info_.staged_reduce = options_.staged_reduce;
-  } else {
+  } else if (environment.ok()) {
     environment = ReadEnvironment();
   }
 
@@ -1373,7 +1377,7 @@ Status Communicator::Impl::Init() {
       server_->users.emplace_back(prefix_, o.world_size);
       server_->roots.push_back(prefix_);
     }
-    if (o.world_size > o.local_world_size && server_->server->loopback_only()) {
+    if (environment.ok() && o.world_size > o.local_world_size && server_->server->loopback_only()) {
       // Ranks on other hosts would only time out connecting; say why here,
       // before they do. Worded as a possibility: options filled by hand may
       // leave local_world_size at 1 on a one-host job, and which hosts the

@@ -2112,6 +2112,29 @@ int ScenarioSplitKeepsTheParentsSettings() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Rank 1 passes local_world_size 0, a launch mistake of its own: rank 0
+// learns it from the store within a few seconds, naming it, instead of
+// waiting for rank 1 until its creation timeout.
+int ScenarioBadLocalWorldOnOneRank() {
+  CommunicatorOptions options = WorkerOptions();
+  options.rank = std::atoi(EnvOr("RANK", "0").c_str());
+  options.world_size = std::atoi(EnvOr("WORLD_SIZE", "1").c_str());
+  options.local_rank = options.rank;
+  options.local_world_size = options.rank == 1 ? 0 : options.world_size;
+  options.store_port = std::atoi(EnvOr("MASTER_PORT", "0").c_str());
+  options.job_token = EnvOr("DDP_JOB_TOKEN");
+  options.timeout = milliseconds(10000);
+  const auto start = Clock::now();
+  auto comm = Communicator::Create(options);
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  std::printf("RANK %d: create in %lld ms: %s\n", options.rank, took_ms, comm.status().ToString().c_str());
+  WORKER_CHECK(!comm.ok(), "the communicator was made");
+  WORKER_CHECK(comm.status().message().find("local_world_size 0 must be positive") != std::string::npos,
+               "rank " + std::to_string(options.rank) + ": " + comm.status().ToString());
+  WORKER_CHECK(took_ms < 6000, "rank " + std::to_string(options.rank) + " took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A split whose creation fails on rank 1 alone (its UCX is given a
 // transport that does not exist): rank 0 learns it at once, with rank 1's
 // reason, instead of waiting for rank 1 until the split's timeout.
@@ -2915,6 +2938,7 @@ int RunScenario(const std::string& name) {
   if (name == "split_fails") return ScenarioSplitFailsOnOneRank();
   if (name == "split_keeps_one_deadline") return ScenarioSplitKeepsOneDeadline();
   if (name == "split_keeps_parents_settings") return ScenarioSplitKeepsTheParentsSettings();
+  if (name == "bad_local_world_on_one_rank") return ScenarioBadLocalWorldOnOneRank();
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
   if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
@@ -3094,6 +3118,11 @@ TEST(CommunicatorCreate, ALocalWorldOfNoProcessIsRefusedByName) {
               std::string::npos)
         << comm.status();
   }
+}
+
+TEST(CommunicatorCreate, ABadLocalWorldOnOneRankFailsTheOthersSoonNamingIt) {
+  Job job = RunJob(2, "bad_local_world_on_one_rank", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
