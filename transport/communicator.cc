@@ -2120,7 +2120,8 @@ void Communicator::Impl::Shutdown() {
               std::lock_guard lock(server_->mu);
               if (server_->settled.count(prefix) > 0) break;
             }
-            auto count = store_->Add(prefix + "left", 0, DeadlineIn(milliseconds(1000)));
+            auto count =
+                store_->Add(prefix + "left", 0, std::min(wait_until, DeadlineIn(milliseconds(1000))));
             if (!count.ok()) break;
             if (*count >= ranks) {
               settled = true;
