@@ -48,7 +48,10 @@ int64_t ReadCounter(const std::vector<std::pair<std::string, nn::Tensor>>& state
     }
   }
   if (found == nullptr) throw std::invalid_argument(where + "missing i64 scalar `" + key + "`");
-  if (!found->defined() || found->dtype() != nn::DType::kInt64 || found->numel() != 1) {
+  // 0-d, as StateDict writes it and PyTorch keeps its counters: a [1] or
+  // [1, 1] of i64 is not what was saved, and taking it would hide a state
+  // built by hand wrong.
+  if (!found->defined() || found->dtype() != nn::DType::kInt64 || found->shape() != nn::Shape{}) {
     throw std::invalid_argument(where + "`" + key + "` is " +
                                 (found->defined() ? std::string(nn::DTypeName(found->dtype())) + " " +
                                                         nn::ShapeToString(found->shape())

@@ -850,7 +850,8 @@ ParsedState ParseState(const PowerSgdState::NamedTensors& state, const PowerSgdS
     }
   }
   if (iteration == nullptr) Refuse(std::string("missing i64 scalar `") + kIterationKey + "`");
-  if (!iteration->defined() || iteration->dtype() != nn::DType::kInt64 || iteration->numel() != 1) {
+  // 0-d only, as StateDict writes it: a one-element [1] or [1, 1] is refused.
+  if (!iteration->defined() || iteration->dtype() != nn::DType::kInt64 || iteration->shape() != nn::Shape{}) {
     Refuse(std::string("`") + kIterationKey + "` is " +
            (iteration->defined() ? std::string(nn::DTypeName(iteration->dtype())) + " " +
                                        nn::ShapeToString(iteration->shape())

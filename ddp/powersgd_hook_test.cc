@@ -1186,6 +1186,10 @@ TEST(PowerSgdHookTest, LoadRefusesMismatchesNamingThemAndChangesNothing) {
   const std::vector<std::pair<Named, std::string>> cases = {
       {without("powersgd.iteration"), "missing i64 scalar `powersgd.iteration`"},
       {with("powersgd.iteration", nn::FromVector({3.0}, {})), "`powersgd.iteration` is f32 [], expected an i64 scalar"},
+      // A scalar entry is 0-d, as StateDict writes it: one element is not enough.
+      {with("powersgd.iteration", nn::FromVectorOf<int64_t>({3}, {1})), "`powersgd.iteration` is i64 [1], expected an i64 scalar"},
+      {with("powersgd.iteration", nn::FromVectorOf<int64_t>({3}, {1, 1})),
+       "`powersgd.iteration` is i64 [1, 1], expected an i64 scalar"},
       {with("powersgd.iteration", nn::FromVectorOf<int64_t>({-1}, {})), "`powersgd.iteration` is -1, below 0"},
       {with("powersgd.iteration", nn::FromVectorOf<int64_t>({std::numeric_limits<int64_t>::max()}, {})),
        "`powersgd.iteration` is the largest i64"},
