@@ -11,9 +11,11 @@
 #include <sstream>
 
 #include "nn/optim/adadelta.h"
+#include "nn/optim/adagrad.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/clip_grad.h"
 #include "nn/optim/lr_scheduler.h"
+#include "nn/optim/rmsprop.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::nn::optim {
@@ -48,6 +50,14 @@ std::unique_ptr<Optimizer> Make(const std::string& name, const nlohmann::json& d
   if (name.rfind("adamw", 0) == 0) {
     return std::make_unique<AdamW>(params, AdamWOptions{lr, d["betas"][0], d["betas"][1], d["eps"],
                                                         d["weight_decay"], d["amsgrad"], maximize});
+  }
+  if (name.rfind("rmsprop", 0) == 0) {
+    return std::make_unique<Rmsprop>(params, RmspropOptions{lr, d["alpha"], d["eps"], d["weight_decay"],
+                                                            d["momentum"], d["centered"], maximize});
+  }
+  if (name.rfind("adagrad", 0) == 0) {
+    return std::make_unique<Adagrad>(params, AdagradOptions{lr, d["lr_decay"], d["weight_decay"],
+                                                            d["initial_accumulator_value"], d["eps"], maximize});
   }
   if (name.rfind("adam", 0) == 0) {
     return std::make_unique<Adam>(params, AdamOptions{lr, d["betas"][0], d["betas"][1], d["eps"],
@@ -109,6 +119,17 @@ TEST(GoldenMaximize, SgdMomentumWeightDecayWithASkippedGradient) { RunCase("sgd_
 TEST(GoldenMaximize, AdamWeightDecayAmsgrad) { RunCase("adam_maximize", 1e-6); }
 TEST(GoldenMaximize, AdamW) { RunCase("adamw_maximize", 1e-6); }
 TEST(GoldenMaximize, AdadeltaWeightDecay) { RunCase("adadelta_maximize", 1e-6); }
+TEST(GoldenRmsprop, Defaults) { RunCase("rmsprop", 1e-6); }
+TEST(GoldenRmsprop, MomentumAndWeightDecayWithASkippedGradient) { RunCase("rmsprop_momentum_wd", 1e-6); }
+TEST(GoldenRmsprop, Centered) { RunCase("rmsprop_centered", 1e-6); }
+TEST(GoldenRmsprop, CenteredMomentumWeightDecayMaximize) { RunCase("rmsprop_centered_momentum_maximize", 1e-6); }
+TEST(GoldenRmsprop, CenteredMomentumFloat64) { RunCase("rmsprop_f64", 1e-13); }
+TEST(GoldenAdagrad, Defaults) { RunCase("adagrad", 1e-6); }
+TEST(GoldenAdagrad, LrDecayWeightDecayInitialAccumulatorWithASkippedGradient) {
+  RunCase("adagrad_lr_decay_wd_init", 1e-6);
+}
+TEST(GoldenAdagrad, Maximize) { RunCase("adagrad_maximize", 1e-6); }
+TEST(GoldenAdagrad, LrDecayFloat64) { RunCase("adagrad_f64", 1e-13); }
 
 std::shared_ptr<Schedule> MakeSchedule(const std::string& name) {
   if (name == "step") return StepSchedule(3, 0.5);
@@ -149,6 +170,8 @@ TEST(GoldenParamGroups, AdamWWithANoDecayGroup) { RunGroupCase("adamw_no_decay_g
 TEST(GoldenParamGroups, AdamBetasEpsAndLrPerGroup) { RunGroupCase("adam_groups", 1e-6); }
 TEST(GoldenParamGroups, AdadeltaRhoAndWeightDecayPerGroup) { RunGroupCase("adadelta_groups", 1e-6); }
 TEST(GoldenParamGroups, SgdWithAnEmptyGroup) { RunGroupCase("sgd_empty_group", 1e-6); }
+TEST(GoldenParamGroups, RmspropAlphaEpsMomentumAndMaximizePerGroup) { RunGroupCase("rmsprop_groups", 1e-6); }
+TEST(GoldenParamGroups, AdagradLrDecayWeightDecayAndEpsPerGroup) { RunGroupCase("adagrad_groups", 1e-6); }
 
 TEST(GoldenParamGroups, SchedulesDriveEachGroupFromItsOwnBaseRate) {
   int checked = 0;

@@ -6,6 +6,15 @@ dependency):
     /usr/bin/python3 tools/golden/optim_golden.py > nn/optim/testdata/optim_golden.json
     /usr/bin/python3 tools/golden/optim_golden.py --schedulers > nn/optim/testdata/scheduler_golden.json
 
+To add or refresh some cases without touching the others (whose values
+would move if another torch build regenerated them), name them:
+
+    /usr/bin/python3 tools/golden/optim_golden.py --update nn/optim/testdata/optim_golden.json \
+        rmsprop rmsprop_groups ...
+
+which recomputes only those "optimizers" and "param_groups" cases and writes
+the file back with every other entry as it was.
+
 The first file's "param_groups" and "group_schedules" hold optimizers and
 schedulers over several parameter groups (PyTorch's param_groups). The
 second file holds the schedulers added later (MultiStepLR, ExponentialLR,
@@ -111,6 +120,19 @@ def group_optimizers():
         # An empty group (PyTorch allows it too).
         group_trajectory("sgd_empty_group", lambda g: optim.SGD(g, lr=0.1, momentum=0.9),
                          [([0, 1, 2], {}), ([], {"lr": 0.5})]),
+        # centered and momentum zero-or-not are the same in every group (one
+        # slot layout); the momentum's value, alpha, eps and lr are not.
+        group_trajectory("rmsprop_groups", lambda g: optim.RMSprop(g, lr=1e-2, momentum=0.9, centered=True),
+                         [([0, 2], {"alpha": 0.9, "eps": 1e-6, "weight_decay": 0.05}),
+                          ([1], {"lr": 3e-3, "momentum": 0.5, "maximize": True})],
+                         none_grad_at=(4, 2)),
+        # lr, lr_decay, weight_decay and eps per group. torch fills every
+        # sum with the constructor's initial_accumulator_value, a group's own
+        # unread (nn/optim takes the group's), so no group overrides it here.
+        group_trajectory("adagrad_groups", lambda g: optim.Adagrad(g, lr=0.1, initial_accumulator_value=0.2),
+                         [([1], {"lr_decay": 0.05, "weight_decay": 0.1}),
+                          ([0, 2], {"lr": 0.03, "eps": 1e-6})],
+                         none_grad_at=(2, 0)),
     ]
 
 
@@ -374,10 +396,57 @@ def main():
                                                          maximize=True)),
         trajectory("adamw_maximize", lambda p: optim.AdamW(p, lr=1e-2, maximize=True)),
         trajectory("adadelta_maximize", lambda p: optim.Adadelta(p, lr=0.5, weight_decay=0.1, maximize=True)),
+        trajectory("rmsprop", lambda p: optim.RMSprop(p)),
+        trajectory("rmsprop_momentum_wd", lambda p: optim.RMSprop(p, lr=1e-2, alpha=0.9, eps=1e-6, momentum=0.9,
+                                                                  weight_decay=0.01), none_grad_at=(3, 1)),
+        trajectory("rmsprop_centered", lambda p: optim.RMSprop(p, lr=1e-2, centered=True)),
+        trajectory("rmsprop_centered_momentum_maximize",
+                   lambda p: optim.RMSprop(p, lr=5e-3, alpha=0.95, momentum=0.8, centered=True, weight_decay=0.1,
+                                           maximize=True)),
+        trajectory("rmsprop_f64", lambda p: optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True),
+                   dtype=torch.float64),
+        trajectory("adagrad", lambda p: optim.Adagrad(p)),
+        trajectory("adagrad_lr_decay_wd_init", lambda p: optim.Adagrad(p, lr=0.1, lr_decay=0.01, weight_decay=0.1,
+                                                                       initial_accumulator_value=0.5),
+                   none_grad_at=(5, 0)),
+        trajectory("adagrad_maximize", lambda p: optim.Adagrad(p, lr=0.05, eps=1e-6, maximize=True)),
+        trajectory("adagrad_f64", lambda p: optim.Adagrad(p, lr=0.1, lr_decay=0.02, initial_accumulator_value=0.1),
+                   dtype=torch.float64),
     ]
+    groups = group_optimizers()
+    if sys.argv[1:2] == ["--update"]:
+        update(sys.argv[2], sys.argv[3:], cases, groups)
+        return
     print(json.dumps({"torch_version": torch.__version__, "optimizers": cases,
                       "schedules": schedules(), "clipping": clipping(),
-                      "param_groups": group_optimizers(), "group_schedules": group_schedules()}))
+                      "param_groups": groups, "group_schedules": group_schedules()}))
+
+
+def update(path, names, cases, groups):
+    """Rewrites `path` with the cases `names` (from `cases` and `groups`)
+    recomputed or appended, every other entry kept as it was."""
+    if not names:
+        sys.exit("--update: name the cases to recompute")
+    with open(path) as f:
+        data = json.load(f)
+    if data["torch_version"] != torch.__version__:
+        sys.exit(f"--update: {path} was made by torch {data['torch_version']}, this is {torch.__version__}")
+    for key, fresh in (("optimizers", cases), ("param_groups", groups)):
+        by_name = {c["name"]: c for c in fresh}
+        for name in names:
+            if name not in by_name:
+                continue
+            old = [i for i, c in enumerate(data[key]) if c["name"] == name]
+            if old:
+                data[key][old[0]] = by_name[name]
+            else:
+                data[key].append(by_name[name])
+    known = {c["name"] for c in cases} | {c["name"] for c in groups}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"--update: no case named {', '.join(unknown)}")
+    with open(path, "w") as f:
+        f.write(json.dumps(data) + "\n")
 
 
 if __name__ == "__main__":
