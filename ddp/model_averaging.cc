@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -60,6 +61,11 @@ int64_t ReadCounter(const std::vector<std::pair<std::string, nn::Tensor>>& state
   }
   const int64_t value = found->To(nn::kCPU).data<int64_t>()[0];
   if (value < 0) throw std::invalid_argument(where + "`" + key + "` is " + std::to_string(value) + ", below 0");
+  // Both counters go up by one per call after the load: the largest value
+  // would overflow (undefined behaviour) at the next one.
+  if (value == std::numeric_limits<int64_t>::max()) {
+    throw std::invalid_argument(where + "`" + key + "` is the largest i64: the next count would overflow");
+  }
   return value;
 }
 

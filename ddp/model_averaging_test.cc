@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -1042,6 +1043,8 @@ TEST(ModelAveragingTest, AveragerLoadRefusesBadStateNamingItAndChangesNothing) {
       {{{"averager.step", nn::FromVectorOf<int64_t>({3}, {1, 1})}},
        "`averager.step` is i64 [1, 1], expected an i64 scalar"},
       {{{"averager.step", nn::FromVectorOf<int64_t>({-3}, {})}}, "`averager.step` is -3, below 0"},
+      {{{"averager.step", nn::FromVectorOf<int64_t>({std::numeric_limits<int64_t>::max()}, {})}},
+       "`averager.step` is the largest i64: the next count would overflow"},
       {{{"averager.step", nn::FromVectorOf<int64_t>({3}, {})}, {"averager.period", nn::FromVectorOf<int64_t>({2}, {})}},
        "unexpected `averager.period`"},
   };
@@ -1113,6 +1116,8 @@ TEST(ModelAveragingTest, PostLocalSgdLoadRefusesBadStateNamingItAndChangesNothin
       {{{"post_local_sgd.iteration", nn::FromVectorOf<int64_t>({3}, {1, 1})}},
        "`post_local_sgd.iteration` is i64 [1, 1], expected an i64 scalar"},
       {{{"post_local_sgd.iteration", nn::FromVectorOf<int64_t>({-3}, {})}}, "`post_local_sgd.iteration` is -3, below 0"},
+      {{{"post_local_sgd.iteration", nn::FromVectorOf<int64_t>({std::numeric_limits<int64_t>::max()}, {})}},
+       "`post_local_sgd.iteration` is the largest i64: the next count would overflow"},
       {{{"post_local_sgd.iteration", two}, {"post_local_sgd.start_iteration", two}},
        "unexpected `post_local_sgd.start_iteration`"},
       {{{"post_local_sgd.iteration", two}, {"post_local_sgd.iteration", two}},
