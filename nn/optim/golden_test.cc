@@ -9,6 +9,8 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 
 #include "nn/optim/adadelta.h"
 #include "nn/optim/adagrad.h"
@@ -23,7 +25,10 @@ namespace {
 
 const nlohmann::json& Golden() {
   static const nlohmann::json golden = [] {
-    std::ifstream in("nn/optim/testdata/optim_golden.json");
+    const char* path = "nn/optim/testdata/optim_golden.json";
+    std::ifstream in(path);
+    // A missing file would read as JSON's "unexpected end of input".
+    if (!in) throw std::runtime_error(std::string("cannot open ") + path + " (the test's data dependency)");
     std::stringstream ss;
     ss << in.rdbuf();
     return nlohmann::json::parse(ss.str());
