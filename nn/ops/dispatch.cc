@@ -37,6 +37,21 @@ void ThrowNoKernel(const char* op, Device device) {
 
 Tensor SumToShape(const Tensor& g, const Shape& shape) {
   if (g.shape() == shape) return g;
+  // The target must be a shape that broadcasts to g's (as torch's
+  // sum_to_size): no more dimensions than g, and each size equal to g's
+  // trailing one or 1. Checked here, before the padding below takes a
+  // longer target's rank difference as a huge count.
+  const int64_t lead = g.dim() - static_cast<int64_t>(shape.size());
+  bool fits = lead >= 0;
+  for (size_t i = 0; fits && i < shape.size(); ++i) {
+    fits = shape[i] == 1 || shape[i] == g.shape()[static_cast<size_t>(lead) + i];
+  }
+  if (!fits) {
+    throw std::invalid_argument("SumToShape: cannot sum a gradient of shape " + ShapeToString(g.shape()) +
+                                " to shape " + ShapeToString(shape) +
+                                " (the target needs no more dimensions than the gradient, and each of its sizes "
+                                "equal to the gradient's trailing one or 1)");
+  }
   // Pad the target with leading ones to g's rank, sum, then drop them.
   Shape padded(g.dim() - shape.size(), 1);
   padded.insert(padded.end(), shape.begin(), shape.end());

@@ -1787,5 +1787,37 @@ TEST(KernelsTest, AddScaledRefusesAnOperandThatDoesNotBroadcast) {
   EXPECT_EQ(wide.ToVector<float>(), (std::vector<float>{11, 13, 15, 21, 23, 25}));
 }
 
+// SumToShape takes a target that broadcasts to the gradient's shape, as
+// torch's sum_to_size: sums as PyTorch 1.13 gives them, and a target with
+// more dimensions, or a size neither 1 nor the gradient's, refused naming
+// both shapes (a longer target made the padding count wrap to a huge size).
+TEST(KernelsTest, SumToShapeSumsToABroadcastTargetAndRefusesAnyOther) {
+  const Tensor g = FromVector({1, 2, 3, 4, 5, 6}, {2, 3});
+  EXPECT_EQ(detail::SumToShape(g, {1, 3}).ToVector<float>(), (std::vector<float>{5, 7, 9}));
+  EXPECT_EQ(detail::SumToShape(g, {3}).ToVector<float>(), (std::vector<float>{5, 7, 9}));
+  EXPECT_EQ(detail::SumToShape(g, {2, 1}).ToVector<float>(), (std::vector<float>{6, 15}));
+  EXPECT_EQ(detail::SumToShape(g, {}).shape(), Shape{});
+  EXPECT_EQ(detail::SumToShape(g, {}).Item(), 21);
+  EXPECT_EQ(detail::SumToShape(Empty({0, 3}), {1, 3}).ToVector<float>(), (std::vector<float>{0, 0, 0}));
+  struct Bad {
+    Shape target;
+    std::string named;
+  };
+  for (const Bad& bad : {Bad{{1, 2, 3}, "[1, 2, 3]"}, Bad{{2}, "shape [2] ("}, Bad{{-1, 3}, "[-1, 3]"},
+                         Bad{{0, 3}, "[0, 3]"}, Bad{{2, 3, 1, 1}, "[2, 3, 1, 1]"}}) {
+    try {
+      detail::SumToShape(g, bad.target);
+      ADD_FAILURE() << "SumToShape to " << ShapeToString(bad.target) << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("SumToShape"), std::string::npos) << what;
+      EXPECT_NE(what.find("[2, 3]"), std::string::npos) << what;
+      EXPECT_NE(what.find(bad.named), std::string::npos) << what;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "SumToShape to " << ShapeToString(bad.target) << " threw an unclear " << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops
