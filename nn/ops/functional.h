@@ -120,6 +120,11 @@ Tensor Flatten(const Tensor& x, int64_t start = 0, int64_t end = -1);
 Tensor Transpose(const Tensor& x, int64_t d0, int64_t d1);
 Tensor Permute(const Tensor& x, const Shape& dims);
 Tensor Narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+/// x[..., start:end:step, ...] along dim, as Python slicing of a torch
+/// tensor: negative start and end count from the end, both are clamped to
+/// the dimension (an empty range gives size 0); step must be positive.
+/// Gradient: g scattered back into zeros of x's shape.
+Tensor Slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
 Tensor Select(const Tensor& x, int64_t dim, int64_t index);
 Tensor Unsqueeze(const Tensor& x, int64_t dim);
 Tensor Squeeze(const Tensor& x, int64_t dim);

@@ -218,6 +218,43 @@ TEST(GradCheckTest, ClampOnADeviceWithoutTheKernelIsNamed) {
       ::testing::ExitedWithCode(0), "error: \\[op `clamp` has no kernel for device cuda:0");
 }
 
+// ops::Slice, the differentiable x[..., start:end:step] that Tensor::Slice
+// sends a tensor with history to: values and gradients (of sum(y * w), w
+// counting up from 0 over y) as PyTorch 1.13 gives them, and the same
+// refusals as Tensor::Slice.
+TEST(GradCheckTest, SliceMatchesPyTorchSlicingWithItsGradient) {
+  struct Case {
+    int64_t dim, start, end, step;
+    Shape shape;
+    std::vector<double> values, grad;
+  };
+  const Case cases[] = {
+      // x[:, 1::2]
+      {1, 1, 4, 2, {3, 2}, {1, 3, 5, 7, 9, 11}, {0, 0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5}},
+      // x[-2:]
+      {0, -2, 3, 1, {2, 4}, {4, 5, 6, 7, 8, 9, 10, 11}, {0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7}},
+      // x[:, -10:100:3]: both ends clamped to the dimension
+      {-1, -10, 100, 3, {3, 2}, {0, 3, 4, 7, 8, 11}, {0, 0, 0, 1, 2, 0, 0, 3, 4, 0, 0, 5}},
+      // x[1:1]: empty
+      {0, 1, 1, 1, {0, 4}, {}, {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}},
+  };
+  for (const Case& c : cases) {
+    Tensor x = Arange(12, {.dtype = DType::kFloat64}).View({3, 4}).Detach();
+    x.set_requires_grad(true);
+    const Tensor y = Slice(x, c.dim, c.start, c.end, c.step);
+    EXPECT_EQ(y.shape(), c.shape);
+    EXPECT_EQ(y.ToVector<double>(), c.values);
+    const Tensor w = Arange(y.numel(), {.dtype = DType::kFloat64}).View(y.shape());
+    Backward(Sum(Mul(y, w)));
+    EXPECT_EQ(x.grad().ToVector<double>(), c.grad);
+  }
+  Tensor x = Ones({3, 4}, {.requires_grad = true});
+  EXPECT_THROW(Slice(x, 1, 0, 4, 0), std::invalid_argument);
+  EXPECT_THROW(Slice(x, 1, 0, 4, -1), std::invalid_argument);
+  EXPECT_THROW(Slice(x, 2, 0, 4), std::out_of_range);
+  EXPECT_THROW(Slice(Tensor(), 0, 0, 1), std::invalid_argument);
+}
+
 TEST(GradCheckTest, ShapeOps) {
   EXPECT_TRUE(GradCheck([](const V& in) { return View(in[0], {4, 3}); }, {RandomLeaf({2, 6}, 1)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Reshape(in[0], {12}); }, {TransposedLeaf(3, 4, 2)}));
@@ -227,6 +264,7 @@ TEST(GradCheckTest, ShapeOps) {
   EXPECT_TRUE(GradCheck([](const V& in) { return Square(Permute(in[0], {2, 0, 1})); }, {RandomLeaf({2, 3, 4}, 6)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Square(Narrow(in[0], 1, 1, 2)); }, {TransposedLeaf(3, 4, 7)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Square(Select(in[0], 0, 1)); }, {RandomLeaf({3, 4}, 8)}));
+  EXPECT_TRUE(GradCheck([](const V& in) { return Square(Slice(in[0], -1, 1, 4, 2)); }, {TransposedLeaf(3, 4, 15)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Unsqueeze(in[0], 1); }, {RandomLeaf({3, 4}, 9)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Squeeze(in[0], 1); }, {RandomLeaf({3, 1, 4}, 10)}));
   EXPECT_TRUE(GradCheck([](const V& in) { return Mul(Expand(in[0], {2, 3, 4}), in[1]); },

@@ -75,6 +75,19 @@ Tensor Narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
   });
 }
 
+Tensor Slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
+  detail::CheckDefinedOperand("Slice", "input", x);
+  Tensor out = x.Detach().Slice(dim, start, end, step);
+  const Shape in = x.shape();
+  const DType dt = x.dtype();
+  const Device dev = x.device();
+  return Record(x, out, "SliceBackward", [=](const Tensor& g) {
+    Tensor z = Zeros(in, {.dtype = dt, .device = dev});
+    z.Slice(dim, start, end, step).CopyFrom(g);
+    return z;
+  });
+}
+
 Tensor Select(const Tensor& x, int64_t dim, int64_t index) {
   Tensor out = x.Detach().Select(dim, index);
   const Shape in = x.shape();
