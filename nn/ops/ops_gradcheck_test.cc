@@ -7,10 +7,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "nn/autograd/engine.h"
@@ -253,6 +255,39 @@ TEST(GradCheckTest, SliceMatchesPyTorchSlicingWithItsGradient) {
   EXPECT_THROW(Slice(x, 1, 0, 4, -1), std::invalid_argument);
   EXPECT_THROW(Slice(x, 2, 0, 4), std::out_of_range);
   EXPECT_THROW(Slice(Tensor(), 0, 0, 1), std::invalid_argument);
+}
+
+// A dimension or index out of range in a view op names the op (the tensor
+// member only said "dimension -3 out of range for a 2-d tensor ..."); the
+// ranges are PyTorch's ([-2, 1] for a dim of a 2-d tensor, [-3, 2] for
+// Unsqueeze's).
+TEST(GradCheckTest, ViewOpsNameThemselvesInARangeError) {
+  const Tensor x = Ones({3, 4}, {.requires_grad = true});
+  const std::pair<const char*, std::function<Tensor()>> calls[] = {
+      {"Squeeze", [&] { return Squeeze(x, -3); }},
+      {"Unsqueeze", [&] { return Unsqueeze(x, -4); }},
+      {"Transpose", [&] { return Transpose(x, 0, 2); }},
+      {"Permute", [&] { return Permute(x, {0, -3}); }},
+      {"Flatten", [&] { return Flatten(x, 2); }},
+      {"Narrow", [&] { return Narrow(x, 2, 0, 1); }},
+      {"Narrow", [&] { return Narrow(x, 0, -4, 1); }},
+      {"Select", [&] { return Select(x, -3, 0); }},
+      {"Select", [&] { return Select(x, 0, 3); }},
+      {"Slice", [&] { return Slice(x, 2, 0, 1); }},
+  };
+  for (const auto& [op, call] : calls) {
+    try {
+      call();
+      ADD_FAILURE() << op << " accepted an out-of-range argument";
+    } catch (const std::out_of_range& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(std::string(op) + ": ", 0), 0u) << e.what();
+    }
+  }
+  // In range, negative ones included, as PyTorch takes them.
+  EXPECT_EQ(Squeeze(Unsqueeze(x, -3), -3).shape(), (Shape{3, 4}));
+  EXPECT_EQ(Transpose(x, -1, -2).shape(), (Shape{4, 3}));
+  EXPECT_EQ(Select(x, -1, -4).shape(), (Shape{3}));
+  EXPECT_EQ(Narrow(x, -1, -1, 1).shape(), (Shape{3, 1}));
 }
 
 TEST(GradCheckTest, ShapeOps) {

@@ -4,6 +4,7 @@
 #include <functional>
 #include <numeric>
 #include <stdexcept>
+#include <string>
 
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
@@ -25,6 +26,20 @@ Tensor Record(const Tensor& x, Tensor out, const char* name, Back back) {
   return out;
 }
 
+// Runs a Tensor member view, putting `op` at the head of a dimension or
+// index error that does not name it already (Tensor::WrapDim says only
+// "dimension 5 out of range ..."), so that the message names the call.
+template <typename F>
+Tensor Named(const char* op, F view) {
+  try {
+    return view();
+  } catch (const std::out_of_range& e) {
+    const std::string what = e.what();
+    if (what.rfind(std::string(op) + ":", 0) == 0) throw;
+    throw std::out_of_range(std::string(op) + ": " + what);
+  }
+}
+
 Back ReshapeBack(const Shape& in) {
   return [in](const Tensor& g) { return g.Reshape(in); };
 }
@@ -40,31 +55,34 @@ Tensor Reshape(const Tensor& x, const Shape& shape) {
 }
 
 Tensor Flatten(const Tensor& x, int64_t start, int64_t end) {
-  return Record(x, x.Detach().Flatten(start, end), "FlattenBackward", ReshapeBack(x.shape()));
+  return Record(x, Named("Flatten", [&] { return x.Detach().Flatten(start, end); }), "FlattenBackward",
+                ReshapeBack(x.shape()));
 }
 
 Tensor Unsqueeze(const Tensor& x, int64_t dim) {
-  return Record(x, x.Detach().Unsqueeze(dim), "UnsqueezeBackward", ReshapeBack(x.shape()));
+  return Record(x, Named("Unsqueeze", [&] { return x.Detach().Unsqueeze(dim); }), "UnsqueezeBackward",
+                ReshapeBack(x.shape()));
 }
 
 Tensor Squeeze(const Tensor& x, int64_t dim) {
-  return Record(x, x.Detach().Squeeze(dim), "SqueezeBackward", ReshapeBack(x.shape()));
+  return Record(x, Named("Squeeze", [&] { return x.Detach().Squeeze(dim); }), "SqueezeBackward",
+                ReshapeBack(x.shape()));
 }
 
 Tensor Transpose(const Tensor& x, int64_t d0, int64_t d1) {
-  return Record(x, x.Detach().Transpose(d0, d1), "TransposeBackward",
+  return Record(x, Named("Transpose", [&] { return x.Detach().Transpose(d0, d1); }), "TransposeBackward",
                 [d0, d1](const Tensor& g) { return g.Transpose(d0, d1); });
 }
 
 Tensor Permute(const Tensor& x, const Shape& dims) {
-  Tensor out = x.Detach().Permute(dims);
+  Tensor out = Named("Permute", [&] { return x.Detach().Permute(dims); });
   Shape inverse(dims.size());
   for (size_t i = 0; i < dims.size(); ++i) inverse[x.WrapDim(dims[i])] = static_cast<int64_t>(i);
   return Record(x, out, "PermuteBackward", [inverse](const Tensor& g) { return g.Permute(inverse); });
 }
 
 Tensor Narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
-  Tensor out = x.Detach().Narrow(dim, start, length);
+  Tensor out = Named("Narrow", [&] { return x.Detach().Narrow(dim, start, length); });
   const Shape in = x.shape();
   const DType dt = x.dtype();
   const Device dev = x.device();
@@ -77,7 +95,7 @@ Tensor Narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
 
 Tensor Slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
   detail::CheckDefinedOperand("Slice", "input", x);
-  Tensor out = x.Detach().Slice(dim, start, end, step);
+  Tensor out = Named("Slice", [&] { return x.Detach().Slice(dim, start, end, step); });
   const Shape in = x.shape();
   const DType dt = x.dtype();
   const Device dev = x.device();
@@ -89,7 +107,7 @@ Tensor Slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
 }
 
 Tensor Select(const Tensor& x, int64_t dim, int64_t index) {
-  Tensor out = x.Detach().Select(dim, index);
+  Tensor out = Named("Select", [&] { return x.Detach().Select(dim, index); });
   const Shape in = x.shape();
   const DType dt = x.dtype();
   const Device dev = x.device();
