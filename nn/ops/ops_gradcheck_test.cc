@@ -257,10 +257,11 @@ TEST(GradCheckTest, SliceMatchesPyTorchSlicingWithItsGradient) {
   EXPECT_THROW(Slice(Tensor(), 0, 0, 1), std::invalid_argument);
 }
 
-// A dimension or index out of range in a view op names the op (the tensor
-// member only said "dimension -3 out of range for a 2-d tensor ..."); the
-// ranges are PyTorch's ([-2, 1] for a dim of a 2-d tensor, [-3, 2] for
-// Unsqueeze's).
+// A dimension or index out of range, or a shape that does not fit, in a
+// view op names the op (the tensor member only said "dimension -3 out of
+// range for a 2-d tensor ..." or "shape [5, -1] is invalid for 12
+// elements"); the ranges are PyTorch's ([-2, 1] for a dim of a 2-d tensor,
+// [-3, 2] for Unsqueeze's).
 TEST(GradCheckTest, ViewOpsNameThemselvesInARangeError) {
   const Tensor x = Ones({3, 4}, {.requires_grad = true});
   const std::pair<const char*, std::function<Tensor()>> calls[] = {
@@ -283,6 +284,26 @@ TEST(GradCheckTest, ViewOpsNameThemselvesInARangeError) {
       EXPECT_EQ(std::string(e.what()).rfind(std::string(op) + ": ", 0), 0u) << e.what();
     }
   }
+  // A shape that does not fit, or a -1 that cannot be inferred (PyTorch
+  // refuses [-1, 0] for 0 elements as ambiguous), also names the op.
+  const Tensor empty = Ones({0, 3}, {.requires_grad = true});
+  const std::pair<const char*, std::function<Tensor()>> shapes[] = {
+      {"Reshape", [&] { return Reshape(x, {5, -1}); }},
+      {"Reshape", [&] { return Reshape(empty, {-1, 0}); }},
+      {"Reshape", [&] { return Reshape(x, {-1, -1}); }},
+      {"View", [&] { return View(x, {13}); }},
+      {"Expand", [&] { return Expand(x, {-1, 3, 4}); }},
+  };
+  for (const auto& [op, call] : shapes) {
+    try {
+      call();
+      ADD_FAILURE() << op << " accepted a shape that does not fit";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(std::string(op) + ": ", 0), 0u) << e.what();
+    }
+  }
+  EXPECT_EQ(Reshape(empty, {-1}).shape(), (Shape{0}));
+  EXPECT_EQ(Reshape(x, {2, -1}).shape(), (Shape{2, 6}));
   // In range, negative ones included, as PyTorch takes them.
   EXPECT_EQ(Squeeze(Unsqueeze(x, -3), -3).shape(), (Shape{3, 4}));
   EXPECT_EQ(Transpose(x, -1, -2).shape(), (Shape{4, 3}));

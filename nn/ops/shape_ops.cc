@@ -26,17 +26,22 @@ Tensor Record(const Tensor& x, Tensor out, const char* name, Back back) {
   return out;
 }
 
-// Runs a Tensor member view, putting `op` at the head of a dimension or
-// index error that does not name it already (Tensor::WrapDim says only
-// "dimension 5 out of range ..."), so that the message names the call.
+// Runs a Tensor member view, putting `op` at the head of a dimension,
+// index or shape error that does not name it already (Tensor::WrapDim says
+// only "dimension 5 out of range ...", a -1 shape only "shape [5, -1] is
+// invalid for 12 elements"), so that the message names the call.
 template <typename F>
 Tensor Named(const char* op, F view) {
+  const auto named = [op](const std::exception& e) {
+    const std::string what = e.what();
+    return what.rfind(std::string(op) + ":", 0) == 0 ? what : std::string(op) + ": " + what;
+  };
   try {
     return view();
   } catch (const std::out_of_range& e) {
-    const std::string what = e.what();
-    if (what.rfind(std::string(op) + ":", 0) == 0) throw;
-    throw std::out_of_range(std::string(op) + ": " + what);
+    throw std::out_of_range(named(e));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(named(e));
   }
 }
 
@@ -47,11 +52,13 @@ Back ReshapeBack(const Shape& in) {
 }  // namespace
 
 Tensor View(const Tensor& x, const Shape& shape) {
-  return Record(x, x.Detach().View(shape), "ViewBackward", ReshapeBack(x.shape()));
+  return Record(x, Named("View", [&] { return x.Detach().View(shape); }), "ViewBackward",
+                ReshapeBack(x.shape()));
 }
 
 Tensor Reshape(const Tensor& x, const Shape& shape) {
-  return Record(x, x.Detach().Reshape(shape), "ReshapeBackward", ReshapeBack(x.shape()));
+  return Record(x, Named("Reshape", [&] { return x.Detach().Reshape(shape); }), "ReshapeBackward",
+                ReshapeBack(x.shape()));
 }
 
 Tensor Flatten(const Tensor& x, int64_t start, int64_t end) {
