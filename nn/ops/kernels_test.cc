@@ -1819,5 +1819,57 @@ TEST(KernelsTest, SumToShapeSumsToABroadcastTargetAndRefusesAnyOther) {
   }
 }
 
+// Result dtypes of the binary and scalar ops for a table of operand pairs,
+// as torch 1.13 gives them for a + b, a / b and b * a. A 0-d tensor does
+// not raise the type of one with dimensions in its own category (f32 with
+// a 0-d f64 stays f32, u8 with a 0-d i64 stays u8) but decides across
+// categories (i64 with a 0-d f64 is f64: it is a tensor, not a Python
+// number, which would give the default f32). A scalar op's double acts as a
+// Python float: an integer tensor gives f32, a 16-bit one keeps its dtype.
+TEST(KernelsTest, ResultDTypesMatchPyTorchForATableOfOperands) {
+  using D = DType;
+  struct Case {
+    D a;
+    bool a_0d;
+    D b;
+    bool b_0d;
+    D add, div, mul;
+  };
+  const Case cases[] = {
+      {D::kInt64, false, D::kFloat64, true, D::kFloat64, D::kFloat64, D::kFloat64},
+      {D::kFloat32, false, D::kFloat64, true, D::kFloat32, D::kFloat32, D::kFloat32},
+      {D::kInt32, false, D::kFloat16, true, D::kFloat16, D::kFloat16, D::kFloat16},
+      {D::kUInt8, false, D::kInt64, true, D::kUInt8, D::kFloat32, D::kUInt8},
+      {D::kUInt8, false, D::kInt32, true, D::kUInt8, D::kFloat32, D::kUInt8},
+      {D::kBFloat16, false, D::kFloat64, true, D::kBFloat16, D::kBFloat16, D::kBFloat16},
+      {D::kInt64, false, D::kBFloat16, true, D::kBFloat16, D::kBFloat16, D::kBFloat16},
+      {D::kInt32, false, D::kUInt8, false, D::kInt32, D::kFloat32, D::kInt32},
+      {D::kUInt8, false, D::kInt64, false, D::kInt64, D::kFloat32, D::kInt64},
+      {D::kFloat16, false, D::kBFloat16, false, D::kFloat32, D::kFloat32, D::kFloat32},
+      {D::kInt64, true, D::kFloat16, true, D::kFloat16, D::kFloat16, D::kFloat16},
+      {D::kUInt8, true, D::kInt32, true, D::kInt32, D::kFloat32, D::kInt32},
+      {D::kFloat32, true, D::kFloat64, false, D::kFloat64, D::kFloat64, D::kFloat64},
+      {D::kInt32, false, D::kInt64, true, D::kInt32, D::kFloat32, D::kInt32},
+  };
+  for (const Case& c : cases) {
+    const Tensor a = Ones(c.a_0d ? Shape{} : Shape{2}, {.dtype = c.a});
+    const Tensor b = Ones(c.b_0d ? Shape{} : Shape{2}, {.dtype = c.b});
+    const std::string what = std::string(DTypeName(c.a)) + (c.a_0d ? " 0-d" : "") + " with " +
+                             std::string(DTypeName(c.b)) + (c.b_0d ? " 0-d" : "");
+    EXPECT_EQ(Add(a, b).dtype(), c.add) << what;
+    EXPECT_EQ(Div(a, b).dtype(), c.div) << what;
+    EXPECT_EQ(Mul(b, a).dtype(), c.mul) << what;
+  }
+  const std::pair<D, D> scalar_cases[] = {{D::kInt64, D::kFloat32},   {D::kUInt8, D::kFloat32},
+                                          {D::kInt32, D::kFloat32},   {D::kFloat16, D::kFloat16},
+                                          {D::kBFloat16, D::kBFloat16}};
+  for (const auto& [in, out] : scalar_cases) {
+    const Tensor x = Ones({2}, {.dtype = in});
+    EXPECT_EQ(AddScalar(x, 2.5).dtype(), out) << DTypeName(in);
+    EXPECT_EQ(MulScalar(x, 2.5).dtype(), out) << DTypeName(in);
+    EXPECT_EQ(DivScalar(x, 2.5).dtype(), out) << DTypeName(in);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::nn::ops
