@@ -260,8 +260,8 @@ TEST(GradCheckTest, SliceMatchesPyTorchSlicingWithItsGradient) {
 // A dimension or index out of range, or a shape that does not fit, in a
 // view op names the op (the tensor member only said "dimension -3 out of
 // range for a 2-d tensor ..." or "shape [5, -1] is invalid for 12
-// elements"); the ranges are PyTorch's ([-2, 1] for a dim of a 2-d tensor,
-// [-3, 2] for Unsqueeze's).
+// elements"), and so does an undefined input; the ranges are PyTorch's
+// ([-2, 1] for a dim of a 2-d tensor, [-3, 2] for Unsqueeze's).
 TEST(GradCheckTest, ViewOpsNameThemselvesInARangeError) {
   const Tensor x = Ones({3, 4}, {.requires_grad = true});
   const std::pair<const char*, std::function<Tensor()>> calls[] = {
@@ -300,6 +300,33 @@ TEST(GradCheckTest, ViewOpsNameThemselvesInARangeError) {
       ADD_FAILURE() << op << " accepted a shape that does not fit";
     } catch (const std::invalid_argument& e) {
       EXPECT_EQ(std::string(e.what()).rfind(std::string(op) + ": ", 0), 0u) << e.what();
+    }
+  }
+  // An undefined input is refused naming the op (Detach named only itself).
+  const Tensor none;
+  const std::pair<const char*, std::function<Tensor()>> undefined[] = {
+      {"View", [&] { return View(none, {1}); }},
+      {"Reshape", [&] { return Reshape(none, {1}); }},
+      {"Flatten", [&] { return Flatten(none); }},
+      {"Unsqueeze", [&] { return Unsqueeze(none, 0); }},
+      {"Squeeze", [&] { return Squeeze(none, 0); }},
+      {"Transpose", [&] { return Transpose(none, 0, 1); }},
+      {"Permute", [&] { return Permute(none, {0}); }},
+      {"Narrow", [&] { return Narrow(none, 0, 0, 1); }},
+      {"Slice", [&] { return Slice(none, 0, 0, 1); }},
+      {"Select", [&] { return Select(none, 0, 0); }},
+      {"Expand", [&] { return Expand(none, {2}); }},
+      {"Contiguous", [&] { return Contiguous(none); }},
+      {"Clone", [&] { return Clone(none); }},
+  };
+  for (const auto& [op, call] : undefined) {
+    try {
+      call();
+      ADD_FAILURE() << op << " accepted an undefined input";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), std::string(op) + ": input is undefined");
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << op << " threw an unclear " << e.what();
     }
   }
   EXPECT_EQ(Reshape(empty, {-1}).shape(), (Shape{0}));
