@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cctype>
 #include <cerrno>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -69,15 +70,32 @@ std::string OutOfRange(const std::string& type, const std::string& value) {
     return "a whole number from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
   }
   if (type == "double" && !value.empty()) {
-    // Written as a number, but past what a double holds (either way).
+    // Written as a number, but larger than a double holds (either sign).
     char* end = nullptr;
     errno = 0;
-    std::strtod(value.c_str(), &end);
-    if (errno == ERANGE && end == value.c_str() + value.size()) {
-      return "a number of magnitude from about 2.2e-308 to 1.8e308, or 0";
+    const double v = std::strtod(value.c_str(), &end);
+    if (errno == ERANGE && end == value.c_str() + value.size() && std::isinf(v)) {
+      return "a number of magnitude up to about 1.8e308";
     }
   }
   return "";
+}
+
+// For the decimal text of a number smaller than the smallest normal double
+// (1e-310, 4.9e-324, or 1e-400, which is 0): the same double written
+// exactly in hexadecimal ("0x1.7024c96ca3ce4p-1030"), which gflags reads;
+// else "". gflags refuses the decimal text, since strtod flags its
+// rounding with ERANGE, though it is a valid double (Python's float()
+// and PyTorch take it). Underflow to zero keeps its sign ("-0x0p+0").
+std::string ExactTextOfUnderflow(const std::string& value) {
+  if (value.empty()) return "";
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(value.c_str(), &end);
+  if (errno != ERANGE || end != value.c_str() + value.size() || std::isinf(v)) return "";
+  char out[40];
+  std::snprintf(out, sizeof(out), "%a", v);
+  return out;
 }
 
 // A double as it was most likely written: the fewest digits that read back
@@ -161,6 +179,14 @@ std::string SetOrRefuse(const gflags::CommandLineFlagInfo& info, const std::stri
   }
   if (const std::string range = OutOfRange(info.type, value); !range.empty()) {
     return shown + " is out of range: the flag takes " + range;
+  }
+  // On the command line CommandLineProblem has written such a value
+  // exactly (SpellUnderflowsExactly); gflags reads a file of flags and the
+  // environment itself.
+  if (const std::string exact = info.type == "double" ? ExactTextOfUnderflow(value) : "";
+      !exact.empty()) {
+    return shown + ": gflags cannot read a number this small in decimal here; write it as " + exact +
+           " (the same number, exactly) or give it on the command line";
   }
   const std::string takes = info.type == "bool"     ? "true or false"
                             : info.type == "double" ? "a number"
@@ -560,6 +586,33 @@ std::string ArgProblem(const std::vector<std::string>& args, size_t* i, bool in_
          " (--help lists the flags)";
 }
 
+// Each value of a double flag on the command line (args[0] is the
+// program) that is a decimal number below the smallest normal double is
+// written in its exact hexadecimal form, which gflags, parsing next, reads
+// as the same double (ExactTextOfUnderflow).
+void SpellUnderflowsExactly(std::vector<std::string>& args) {
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--") break;
+    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+    if (dashes == 0 || arg.size() == dashes || !std::isalpha(static_cast<unsigned char>(arg[dashes]))) continue;
+    const size_t eq = arg.find('=');
+    gflags::CommandLineFlagInfo info;
+    const std::string name = arg.substr(dashes, eq == std::string::npos ? std::string::npos : eq - dashes);
+    if (!gflags::GetCommandLineFlagInfo(name.c_str(), &info) || info.type == "bool") continue;
+    // "--lr 1e-310": the value is the next argument.
+    const size_t at = eq == std::string::npos ? i + 1 : i;
+    if (at >= args.size()) break;
+    if (info.type == "double") {
+      const std::string value = eq == std::string::npos ? args[at] : arg.substr(eq + 1);
+      if (const std::string exact = ExactTextOfUnderflow(value); !exact.empty()) {
+        args[at] = eq == std::string::npos ? exact : arg.substr(0, eq + 1) + exact;
+      }
+    }
+    i = at;
+  }
+}
+
 }  // namespace
 
 std::string FlagProblem(int argc, char** argv, const char* source, const char* no_launcher) {
@@ -666,6 +719,7 @@ std::string CommandLineProblem(int* argc, char*** argv, const char* source, cons
   called = true;
   args.assign(*argv, *argv + *argc);
   std::string problem = InlineStreamFlagfiles(args, source, no_launcher);
+  if (problem.empty()) SpellUnderflowsExactly(args);
   pointers.clear();
   for (std::string& a : args) pointers.push_back(a.data());
   pointers.push_back(nullptr);

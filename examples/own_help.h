@@ -75,9 +75,15 @@ std::string InlineStreamFlagfiles(std::vector<std::string>& args, const char* so
 
 /// InlineStreamFlagfiles on main's `argc` and `argv`, which then give the
 /// result (kept until the process ends), then FlagProblem on them: the
-/// first problem found, or "". Called once, before gflags parses (and
-/// after WatchSetupSignals where the program calls it: a stream may take
-/// its time).
+/// first problem found, or "". A double flag's value there that is a
+/// decimal number below the smallest normal double (--lr=1e-310, or
+/// 1e-400, which is 0), which gflags refuses though it is a valid double,
+/// is written in the result as the same double in exact hexadecimal
+/// (0x1.7024c96ca3ce4p-1030), which gflags reads; in a file of flags or
+/// the environment, which gflags reads itself, FlagProblem refuses it
+/// naming that spelling. Called once, before gflags parses (and after
+/// WatchSetupSignals where the program calls it: a stream may take its
+/// time).
 std::string CommandLineProblem(int* argc, char*** argv, const char* source, const char* no_launcher = nullptr);
 
 }  // namespace ddp::examples

@@ -15,6 +15,8 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -28,6 +30,9 @@
 DEFINE_uint64(seed, 0, "a seed");
 DEFINE_string(model, "cnn", "a model");
 DEFINE_bool(zero, false, "a bool");
+DEFINE_double(rate, 0.1, "a rate");
+DEFINE_double(decay, 0, "a decay");
+DEFINE_double(minimum, 1, "a minimum");
 
 namespace ddp::examples {
 namespace {
@@ -201,6 +206,48 @@ TEST(FlagProblemTest, FlagsInAFlagfileAreCheckedNamingTheFileAndLine) {
   EXPECT_EQ(Problem({"--undefok=modle", "--flagfile=" + typo}), "");
   FLAGS_seed = 0;
   FLAGS_model = "cnn";
+}
+
+// A double below the smallest normal one (1e-310) is a valid double that
+// Python's float() and PyTorch take, but gflags refused it ("illegal
+// value", exit status 1), and FlagProblem said it was out of range. On the
+// command line it is taken, as the same double; underflow to 0 is 0 with
+// its sign. Only a number past a double's largest is out of range. In a
+// file of flags, which gflags reads itself, the refusal names the exact
+// spelling gflags reads.
+TEST(CommandLineProblemTest, DoublesBelowTheSmallestNormalOneAreTakenExactly) {
+  std::vector<std::string> args = {"own_help_test", "--rate=1e-310", "--decay", "-4.9406564584124654e-324",
+                                   "--minimum=-1e-400", "--seed=3"};
+  std::vector<char*> pointers;
+  for (std::string& a : args) pointers.push_back(a.data());
+  pointers.push_back(nullptr);
+  int argc = static_cast<int>(args.size());
+  char** argv = pointers.data();
+  ASSERT_EQ(CommandLineProblem(&argc, &argv, kSource), "");
+  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
+  EXPECT_EQ(argc, 1);
+  EXPECT_EQ(FLAGS_rate, 1e-310);
+  EXPECT_EQ(FLAGS_decay, -4.9406564584124654e-324);
+  EXPECT_EQ(FLAGS_minimum, 0.0);
+  EXPECT_TRUE(std::signbit(FLAGS_minimum));
+  EXPECT_EQ(FLAGS_seed, 3u);
+  EXPECT_EQ(Problem({"--rate=1e400"}), "--rate=1e400 is out of range: the flag takes a number of magnitude up to "
+                                       "about 1.8e308");
+  EXPECT_EQ(Problem({"--rate", "-1e999"}), "--rate=-1e999 is out of range: the flag takes a number of magnitude up "
+                                           "to about 1.8e308");
+  char exact[40];
+  std::snprintf(exact, sizeof(exact), "%a", 1e-310);
+  const std::string small = WriteFile(TempDir(), "small", "--rate=1e-310\n");
+  EXPECT_EQ(Problem({"--flagfile=" + small}),
+            small + ":1: --rate=1e-310: gflags cannot read a number this small in decimal here; write it as " +
+                exact + " (the same number, exactly) or give it on the command line");
+  const std::string hex = WriteFile(TempDir(), "hex", "--rate=" + std::string(exact) + "\n");
+  EXPECT_EQ(Problem({"--flagfile=" + hex}), "");
+  EXPECT_EQ(FLAGS_rate, 1e-310);
+  FLAGS_rate = 0.1;
+  FLAGS_decay = 0;
+  FLAGS_minimum = 1;
+  FLAGS_seed = 0;
 }
 
 // A file of flags that another one reads (nested --flagfile) is checked the
