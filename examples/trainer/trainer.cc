@@ -118,16 +118,21 @@ std::exception_ptr Reportable(const std::exception_ptr& error) {
 // throws that error's kind (UsageError or JobError) with both reasons: the
 // lost collective's alone used to be this rank's line, and its own reason,
 // the cause of the run's end, was lost.
+// Throws `own`'s kind (UsageError or JobError) with `own`'s reason, adding
+// that the collective that was to tell the others failed (`lost`).
+[[noreturn]] void ThrowOwnAndLost(const std::exception_ptr& own, const JobError& lost) {
+  const std::string both = ExceptionText(own) + " (the other ranks could not be told: " + lost.what() + ")";
+  if (IsUsageError(own)) throw UsageError(both);
+  throw JobError(both);
+}
+
 template <typename F>
 auto TellingOthers(const std::exception_ptr& own, F&& collective) -> decltype(collective()) {
   try {
     return collective();
   } catch (const JobError& lost) {
     if (!own) throw;
-    const std::string both =
-        ExceptionText(own) + " (the other ranks could not be told: " + lost.what() + ")";
-    if (IsUsageError(own)) throw UsageError(both);
-    throw JobError(both);
+    ThrowOwnAndLost(own, lost);
   }
 }
 
@@ -1471,6 +1476,23 @@ void Run::SaveCheckpoint() {
         std::chrono::seconds(c_.save_timeout_s), late, std::chrono::seconds(c_.save_stop_grace_s),
         /*discardable=*/false);
   } catch (const JobError& e) {
+    // Rank 0's own failure, gathering the checkpoint or writing it (the
+    // work rethrows a gathering's), when the collective that tells the
+    // others failed too (a peer lost): its reason first, as TellingOthers
+    // words it; a write's names another run's checkpoint it kept. Its line
+    // gave the peer loss alone.
+    std::exception_ptr own = gather_error;
+    {
+      std::lock_guard lock(outcome->mu);
+      if (outcome->error) own = outcome->error;
+    }
+    if (own && e.what() != late) {
+      const std::string text = ExceptionText(own);
+      ThrowOwnAndLost(std::make_exception_ptr(JobError(SavedButNotDurable(text)
+                                                           ? "rank 0: " + text
+                                                           : "rank 0 could not save the checkpoint: " + text)),
+                      e);
+    }
     // On rank 0 the write has ended by now, unless it was left behind
     // (stuck past --save_stop_grace_s): `kept` is then where the other
     // run's checkpoint went before the write, which, told to stop, never

@@ -224,11 +224,12 @@ DDP_TEST_WORKER(full_save) {
 class LoadFaultParallel : public Parallel {
  public:
   LoadFaultParallel(std::unique_ptr<Parallel> job, int fault_rank, int trace_fault_rank = -1,
-                    int lost_share_rank = -1)
+                    int lost_share_rank = -1, int lost_save_rank = -1)
       : job_(std::move(job)),
         fault_rank_(fault_rank),
         trace_fault_rank_(trace_fault_rank),
-        lost_share_rank_(lost_share_rank) {}
+        lost_share_rank_(lost_share_rank),
+        lost_save_rank_(lost_save_rank) {}
 
   int rank() const override { return job_->rank(); }
   int world_size() const override { return job_->world_size(); }
@@ -261,7 +262,10 @@ class LoadFaultParallel : public Parallel {
   std::string RunOnLead(const std::function<void(const std::atomic<bool>& stop)>& work,
                         std::chrono::milliseconds timeout, const std::string& late,
                         std::chrono::milliseconds stop_grace, bool discardable) override {
-    return job_->RunOnLead(work, timeout, late, stop_grace, discardable);
+    std::string outcome = job_->RunOnLead(work, timeout, late, stop_grace, discardable);
+    // The work has ended; telling its outcome fails, as when a peer is lost.
+    if (rank() == lost_save_rank_) throw JobError("waiting for rank 0: a peer was lost (the test's)");
+    return outcome;
   }
   int VoteStop(int signal, bool slow) override { return job_->VoteStop(signal, slow); }
   int FinishStopVote() override { return job_->FinishStopVote(); }
@@ -297,6 +301,7 @@ class LoadFaultParallel : public Parallel {
   int fault_rank_;
   int trace_fault_rank_;
   int lost_share_rank_;
+  int lost_save_rank_;
 };
 
 // mixed_checkpoint's run with --zero, saving to ZERO_CKPT; with
@@ -412,6 +417,35 @@ DDP_TEST_WORKER(lost_share) {
     ValidateConfig(c);
     std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
     parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), -1, -1, /*lost_share_rank=*/0);
+    Train(c, *parallel, options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+// A one-rank run saving to LOST_SAVE_CKPT with its files limited to
+// 3,000,000 bytes (its save fails part way: EFBIG) over LoadFaultParallel,
+// whose RunOnLead throws JobError, as when a peer is lost, once the save
+// has ended. Exit status and lines as zero_resume's.
+DDP_TEST_WORKER(lost_save) {
+  const TrainConfig c = TinyRun(std::getenv("LOST_SAVE_CKPT"), 20);
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), -1, -1, -1, /*lost_save_rank=*/0);
+    std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
+    limit.rlim_cur = 3000000;
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
     Train(c, *parallel, options);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
@@ -1014,6 +1048,28 @@ TEST(TrainerSaveTest, RankZerosOwnFailureIsReportedWhenTellingTheOthersFailsToo)
       << run->Output(0);
   EXPECT_NE(run->Output(0).find("(the other ranks could not be told: sharing rank 0's data: a peer was "
                                 "lost (the test's))\n"),
+            std::string::npos)
+      << run->Output(0);
+}
+
+// Rank 0's save that fails (here its write: a file too large; a failure
+// gathering the checkpoint takes the same way), when the collective that
+// tells the others fails too (a peer lost): rank 0's line gives its own
+// reason and says the others could not be told. It gave the loss alone
+// ("waiting for rank 0: ..."), and why the save failed was lost.
+TEST(TrainerSaveTest, RankZerosFailedSaveIsReportedWhenTellingTheOthersFailsToo) {
+  const std::string checkpoint = TempDir("lost_save") + "/ckpt.safetensors";
+  auto run = launch::testing::RunTestWorkers(
+      "lost_save",
+      {.world_size = 1, .timeout = std::chrono::seconds(90), .env = {{"LOST_SAVE_CKPT", checkpoint}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->ExitCode(0), 1) << run->Summary() << run->Output(0);
+  EXPECT_NE(run->Output(0).find("error: rank 0 could not save the checkpoint: cannot save the checkpoint " +
+                                checkpoint + ": " + std::strerror(EFBIG) + " ("),
+            std::string::npos)
+      << run->Output(0);
+  EXPECT_NE(run->Output(0).find(" (the other ranks could not be told: waiting for rank 0: a peer was lost (the "
+                                "test's))\n"),
             std::string::npos)
       << run->Output(0);
 }
