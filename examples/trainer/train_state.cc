@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -20,6 +21,7 @@
 #include <set>
 #include <stdexcept>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -233,10 +235,36 @@ std::string ModelMismatch(const std::string& path, const std::vector<SavedTensor
   return msg;
 }
 
-// The refusal of a checkpoint that nn::io cannot read or parse (`e`).
-UsageError Unreadable(const nn::io::CheckpointError& e) {
-  return UsageError(std::string("--resume: ") + e.what() +
-                    "; delete the file or pass another --checkpoint to start afresh");
+// The errno of a read of the file that the host failed (nn::io nests it
+// in `e`: EIO, EMFILE, ENOMEM), else 0: a file that is damaged, too short,
+// or at a path the user must fix (absent, not permitted, a name too long).
+int HostFailureOf(const nn::io::CheckpointError& e) {
+  try {
+    std::rethrow_if_nested(e);
+  } catch (const std::system_error& failure) {
+    const int err = failure.code().value();
+    for (const int users : {ENOENT, ENOTDIR, ELOOP, ENAMETOOLONG, EACCES, EPERM, EISDIR, ENXIO}) {
+      if (err == users) return 0;
+    }
+    return err;
+  } catch (...) {
+  }
+  return 0;
+}
+
+// What a checkpoint that nn::io cannot read or parse (`e`) ends the run
+// with: the refusal of the file (UsageError, exit status 2), or, when the
+// host failed to read it, that failure (exit status 1), with no advice to
+// delete a checkpoint that may be good.
+std::exception_ptr Unreadable(const nn::io::CheckpointError& e) {
+  if (HostFailureOf(e) != 0) {
+    return std::make_exception_ptr(std::runtime_error(
+        std::string("--resume: ") + e.what() +
+        " (the host failed to read it, which says nothing against the file; it is left as it is: retry once the "
+        "host has recovered)"));
+  }
+  return std::make_exception_ptr(UsageError(std::string("--resume: ") + e.what() +
+                                            "; delete the file or pass another --checkpoint to start afresh"));
 }
 
 // Parses a checkpoint's bytes (read here or by rank 0).
@@ -244,7 +272,7 @@ nn::io::Checkpoint Parse(const std::string& path, std::string bytes) {
   try {
     return nn::io::LoadCheckpointFromBytes(std::move(bytes), path);
   } catch (const nn::io::CheckpointError& e) {
-    throw Unreadable(e);
+    std::rethrow_exception(Unreadable(e));
   }
 }
 
@@ -866,7 +894,7 @@ CheckpointHeader ReadCheckpointHeader(const std::string& path) {
     });
   } catch (const HeaderRead&) {
   } catch (const nn::io::CheckpointError& e) {
-    throw Unreadable(e);
+    std::rethrow_exception(Unreadable(e));
   }
   const auto refuse = [&](const std::string& why) {
     return UsageError("--resume: " + path + ": " + why + kNotThisTrainers);
@@ -923,7 +951,7 @@ std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>
   try {
     return nn::io::SafetensorsFile::ReadBytes(path, stop);
   } catch (const nn::io::CheckpointError& e) {
-    throw Unreadable(e);
+    std::rethrow_exception(Unreadable(e));
   }
 }
 

@@ -297,7 +297,8 @@ void CheckTrainCheckpointHeader(const std::string& path, const TrainComponents& 
                                 const TrainConfig& config, int world_size);
 /// The bytes of the checkpoint at `path`; throws the UsageError of a
 /// missing or unreadable file, or of a path with a file where one of its
-/// folders must be (naming that file). Once `*stop` (when given) is true, the read
+/// folders must be (naming that file). A read the host failed (EIO,
+/// EMFILE, ENOMEM) throws std::runtime_error instead: the file may be good. Once `*stop` (when given) is true, the read
 /// ends within a piece of kStopCheckBytes with a UsageError.
 std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop = nullptr);
 

@@ -321,6 +321,43 @@ TEST(TrainStateTest, PathThatCannotBeLookedAtIsNotCalledMissing) {
   EXPECT_EQ(msg.find("run once without --resume"), std::string::npos) << msg;
 }
 
+// A read that the host fails (here EMFILE: no file descriptor left; EIO
+// and ENOMEM alike) says nothing against the file: --resume ends with the
+// system's reason as a failure (not a UsageError, so exit status 1), with
+// no advice to delete what may be a good checkpoint. It was refused like a
+// damaged file: "...; delete the file or pass another --checkpoint".
+TEST(TrainStateTest, AReadTheHostFailsIsAFailureWithNoAdviceToDeleteTheFile) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/host_failure.safetensors";
+  std::ofstream(path) << "whatever the checkpoint holds";
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  // The lowest free descriptor: every one below it is in use, so a limit
+  // there leaves none to open.
+  const int lowest_free = dup(0);
+  ASSERT_GE(lowest_free, 0);
+  close(lowest_free);
+  rlimit none = saved;
+  none.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &none), 0);
+  std::string what;
+  bool usage = false;
+  try {
+    ReadTrainCheckpoint(path);
+  } catch (const UsageError& e) {
+    usage = true;
+    what = e.what();
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_FALSE(usage) << what;
+  EXPECT_NE(what.find("--resume: " + path + ": cannot open: " + std::strerror(EMFILE)), std::string::npos) << what;
+  EXPECT_NE(what.find("the host failed to read it"), std::string::npos) << what;
+  EXPECT_EQ(what.find("delete the file"), std::string::npos) << what;
+  // A file that is no checkpoint is still refused as the file's fault.
+  EXPECT_NE(UsageErrorOf([&] { ReadTrainCheckpoint(path); }).find("delete the file"), std::string::npos);
+}
+
 // A regular file among the checkpoint path's folders (the folder itself,
 // or one above it) makes the path unreachable, which the system reports as
 // absent: --resume said "no checkpoint ... run once without --resume to

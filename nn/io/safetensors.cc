@@ -10,6 +10,7 @@
 #include <new>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <system_error>
 #include <tuple>
 #include <utility>
 
@@ -29,6 +30,19 @@ static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; this code copies bytes as they are");
 
 namespace {
+
+// Throws CheckpointError `what` for a read the host failed with errno
+// `err` (EIO, EMFILE, ENOMEM: nothing wrong with the file's bytes), with a
+// std::system_error holding `err` nested in it (std::rethrow_if_nested), so
+// that a caller tells such a failure from a damaged file without reading
+// the message.
+[[noreturn]] void ThrowHostFailure(const std::string& what, int err) {
+  try {
+    throw std::system_error(err, std::generic_category());
+  } catch (const std::system_error&) {
+    std::throw_with_nested(CheckpointError(what));
+  }
+}
 
 constexpr char kMetadataKey[] = "__metadata__";
 
@@ -1229,13 +1243,13 @@ std::pair<FilePtr, uint64_t> OpenRegularFile(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
-    throw CheckpointError(path + ": cannot open: " + std::strerror(err));
+    ThrowHostFailure(path + ": cannot open: " + std::strerror(err), err);
   }
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
-    throw CheckpointError(path + ": cannot stat: " + std::strerror(err));
+    ThrowHostFailure(path + ": cannot stat: " + std::strerror(err), err);
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -1245,13 +1259,13 @@ std::pair<FilePtr, uint64_t> OpenRegularFile(const std::string& path) {
   if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
     const int err = errno;
     ::close(fd);
-    throw CheckpointError(path + ": cannot make its reads blocking: " + std::strerror(err));
+    ThrowHostFailure(path + ": cannot make its reads blocking: " + std::strerror(err), err);
   }
   FilePtr f(::fdopen(fd, "rb"), &std::fclose);
   if (!f) {
     const int err = errno;
     ::close(fd);
-    throw CheckpointError(path + ": cannot open as a stream: " + std::strerror(err));
+    ThrowHostFailure(path + ": cannot open as a stream: " + std::strerror(err), err);
   }
   return {std::move(f), static_cast<uint64_t>(st.st_size)};
 }
@@ -1265,7 +1279,7 @@ Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
   if (size < 8 || std::fread(length, 1, 8, f.get()) != 8) {
     const int err = errno;
     if (size >= 8 && std::ferror(f.get())) {
-      throw CheckpointError(path + ": cannot read its first 8 bytes: " + std::strerror(err));
+      ThrowHostFailure(path + ": cannot read its first 8 bytes: " + std::strerror(err), err);
     }
     p.Fail("file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   }
@@ -1282,9 +1296,8 @@ Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
   std::string text(static_cast<size_t>(n), '\0');
   if (std::fread(text.data(), 1, text.size(), f.get()) != text.size()) {
     const int err = errno;
-    throw CheckpointError(path + ": cannot read its header: " +
-                          (std::ferror(f.get()) ? std::string(std::strerror(err))
-                                                : std::string("the file got shorter while being read")));
+    if (std::ferror(f.get())) ThrowHostFailure(path + ": cannot read its header: " + std::strerror(err), err);
+    throw CheckpointError(path + ": cannot read its header: the file got shorter while being read");
   }
   ParsedHeader header = ParseHeader(text, p, /*want_tensors=*/false);
   if (header.metadata_problem) p.Fail(*header.metadata_problem);
@@ -1335,9 +1348,8 @@ std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* vali
   if (std::fread(length, 1, 8, f) != 8) {
     // errno says something only when the stream has its error flag set.
     const int err = errno;
-    throw CheckpointError(path + ": cannot read its first 8 bytes: " +
-                          (std::ferror(f) ? std::string(std::strerror(err))
-                                          : std::string("the file got shorter while being read")));
+    if (std::ferror(f)) ThrowHostFailure(path + ": cannot read its first 8 bytes: " + std::strerror(err), err);
+    throw CheckpointError(path + ": cannot read its first 8 bytes: the file got shorter while being read");
   }
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
@@ -1356,9 +1368,8 @@ std::string ReadHead(const std::string& path, FILE* f, uint64_t size, bool* vali
   header_text.resize(8 + static_cast<size_t>(n));
   if (std::fread(header_text.data() + 8, 1, n, f) != n) {
     const int err = errno;
-    throw CheckpointError(path + ": cannot read its header: " +
-                          (std::ferror(f) ? std::string(std::strerror(err))
-                                          : std::string("the file got shorter while being read")));
+    if (std::ferror(f)) ThrowHostFailure(path + ": cannot read its header: " + std::strerror(err), err);
+    throw CheckpointError(path + ": cannot read its header: the file got shorter while being read");
   }
   // The header is checked here as Parse checks it. A bad one ends the
   // read at once: only the length and the header are returned, which
@@ -1411,7 +1422,7 @@ std::string ReadRest(const std::string& path, FILE* f, uint64_t size, std::strin
   try {
     bytes.resize(static_cast<size_t>(size));
   } catch (const std::bad_alloc&) {
-    throw CheckpointError(path + ": cannot hold its " + std::to_string(size) + " bytes in memory");
+    ThrowHostFailure(path + ": cannot hold its " + std::to_string(size) + " bytes in memory", ENOMEM);
   }
   // The length and header already read are not read again.
   size_t got = head.size();
@@ -1431,10 +1442,10 @@ std::string ReadRest(const std::string& path, FILE* f, uint64_t size, std::strin
   }
   if (got != bytes.size()) {
     // A short read without an error is a file that shrank since fstat.
-    throw CheckpointError(path + ": read " + std::to_string(got) + " of " +
-                          std::to_string(bytes.size()) + " bytes" + (where ? where(bytes, got) : std::string()) +
-                          (std::ferror(f) ? std::string(": ") + std::strerror(read_errno)
-                                          : std::string(": the file got shorter while read")));
+    const std::string what = path + ": read " + std::to_string(got) + " of " + std::to_string(bytes.size()) +
+                             " bytes" + (where ? where(bytes, got) : std::string());
+    if (std::ferror(f)) ThrowHostFailure(what + ": " + std::strerror(read_errno), read_errno);
+    throw CheckpointError(what + ": the file got shorter while read");
   }
   return bytes;
 }
@@ -1569,10 +1580,10 @@ uLong ReadRegion(const std::string& path, int fd, uint64_t size, uint64_t data_s
           // The tensor named is the first whose bytes are missing (empty
           // ones before it are whole).
           const int err = errno;
-          throw CheckpointError(path + ": read " + std::to_string(got) + " of " + std::to_string(size) +
-                                " bytes" + TensorAt(tensors, data_start, got) +
-                                (r < 0 ? std::string(": ") + std::strerror(err)
-                                       : std::string(": the file got shorter while read")));
+          const std::string what = path + ": read " + std::to_string(got) + " of " + std::to_string(size) +
+                                   " bytes" + TensorAt(tensors, data_start, got);
+          if (r < 0) ThrowHostFailure(what + ": " + std::strerror(err), err);
+          throw CheckpointError(what + ": the file got shorter while read");
         }
         got += static_cast<uint64_t>(r);
         // A short read leaves the rest for the next call.
