@@ -292,7 +292,8 @@ TrainPosition LoadTrainCheckpoint(const std::string& path, std::string bytes,
 /// scheduler or loss-scaler state this run cannot use, and a scheduler step
 /// other than the position's. `parts` as for LoadTrainCheckpoint (its
 /// optimizer, scheduler and scaler are not used); nothing of them changes.
-/// internal::SetReadPause does not apply. Throws UsageError.
+/// internal::SetReadPause does not apply. Throws UsageError; a read of
+/// the header the host failed (EIO, EMFILE) throws std::runtime_error.
 void CheckTrainCheckpointHeader(const std::string& path, const TrainComponents& parts,
                                 const TrainConfig& config, int world_size);
 /// The bytes of the checkpoint at `path`; throws the UsageError of a
