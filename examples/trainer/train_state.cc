@@ -842,6 +842,27 @@ void SetReadPause(std::chrono::milliseconds pause, const std::string& started_ma
 
 namespace {
 
+// internal::SetReadPause's wait before a read of a file that is there, as
+// on a slow disk; it gives way to `*stop` (when given) within 10 ms.
+void PauseIfAskedForTesting(const std::atomic<bool>* stop) {
+  if (const int64_t pause = internal::read_pause_ms.load(); pause > 0) {
+    std::string mark;
+    {
+      std::lock_guard lock(internal::read_pause_mu);
+      mark = internal::read_pause_mark;
+    }
+    if (!mark.empty()) std::ofstream(mark).put('\n');
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(pause);
+    while (std::chrono::steady_clock::now() < until && (stop == nullptr || !stop->load())) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
 // Throws the UsageError of a checkpoint path that --resume cannot read from:
 // one that cannot be looked at, or holds nothing.
 void RefuseAbsentCheckpoint(const std::string& path) {
@@ -933,18 +954,7 @@ CheckpointHeader ReadCheckpointHeader(const std::string& path) {
 
 std::string ReadTrainCheckpoint(const std::string& path, const std::atomic<bool>* stop) {
   RefuseAbsentCheckpoint(path);
-  if (const int64_t pause = internal::read_pause_ms.load(); pause > 0) {
-    std::string mark;
-    {
-      std::lock_guard lock(internal::read_pause_mu);
-      mark = internal::read_pause_mark;
-    }
-    if (!mark.empty()) std::ofstream(mark).put('\n');
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(pause);
-    while (std::chrono::steady_clock::now() < until && (stop == nullptr || !stop->load())) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-  }
+  PauseIfAskedForTesting(stop);
   if (stop != nullptr && stop->load()) {
     throw UsageError("--resume: the read of the checkpoint " + path + " was stopped");
   }
@@ -1430,6 +1440,7 @@ std::string JobFingerprint(const std::string& token, const std::string& run_id) 
 bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec) && !ec) return false;
+  PauseIfAskedForTesting(nullptr);
   try {
     // The header says whose it is; the tensors need not be read.
     const Metadata m = nn::io::SafetensorsFile::ReadMetadata(path);

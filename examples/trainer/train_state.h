@@ -312,7 +312,8 @@ std::string FileWhereAFolderMustBe(const std::string& dir);
 
 namespace internal {
 
-/// Makes ReadTrainCheckpoint wait `pause` before it reads a file that is
+/// Makes ReadTrainCheckpoint (and IsAnotherRunsCheckpoint, without a stop)
+/// wait `pause` before it reads a file that is
 /// there, as a slow disk would, giving way to its stop within 10 ms; for
 /// tests of the deadlines around a resume's read. Process-wide; zero (the
 /// default) turns it off. A non-empty `started_mark` names a file created

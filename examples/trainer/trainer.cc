@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <csignal>
 #include <cstddef>
 #include <cstdlib>
@@ -411,6 +412,38 @@ void CheckCheckpointIsAFile(const TrainConfig& config) {
 // The folders rank 0 writes into: --checkpoint's and --log_dir (made if
 // missing; those made are appended to `made`, when given, outermost
 // first). Throws UsageError.
+// IsAnotherRunsCheckpoint(config.checkpoint, config.job), read on a thread
+// of its own for at most half of --timeout_s: a read hung in the
+// filesystem (a stale network mount) held rank 0 with no deadline while
+// the others failed at theirs, not knowing why. Past it, throws JobError
+// naming the file, within the time the others wait for rank 0's word. A
+// read left behind owns what it uses.
+bool IsAnotherRunsCheckpointWithin(const TrainConfig& config) {
+  struct Look {
+    std::mutex mu;
+    std::condition_variable done_cv;
+    bool done = false;
+    bool another = false;
+  };
+  const auto look = std::make_shared<Look>();
+  std::thread([look, path = config.checkpoint, job = config.job] {
+    const bool another = IsAnotherRunsCheckpoint(path, job);
+    std::lock_guard lock(look->mu);
+    look->another = another;
+    look->done = true;
+    look->done_cv.notify_all();
+  }).detach();
+  const auto wait = std::chrono::milliseconds(config.timeout_s * 500);
+  std::unique_lock lock(look->mu);
+  if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) {
+    throw JobError(StringPrintf("cannot read the header of --checkpoint=%s within %s (half of --timeout_s), "
+                                "to tell whose file it is: its disk may hang; pass a --checkpoint on a working "
+                                "disk, or a longer --timeout_s",
+                                config.checkpoint.c_str(), FormatSeconds(config.timeout_s * 0.5).c_str()));
+  }
+  return look->another;
+}
+
 void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* made = nullptr) {
   if (!config.checkpoint.empty()) {
     // A symbolic link at --checkpoint is written through (nn::io's atomic
@@ -442,7 +475,7 @@ void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* mad
     // Another run's file there is kept under a longer name before the
     // first save (KeepAsPreviousCheckpoint): one past NAME_MAX would fail
     // only then, after training.
-    if (err == 0 && !config.resume && IsAnotherRunsCheckpoint(config.checkpoint, config.job)) {
+    if (err == 0 && !config.resume && IsAnotherRunsCheckpointWithin(config)) {
       const std::string kept = FreePreviousCheckpointPath(config.checkpoint);
       if (::lstat(kept.c_str(), &st) != 0 && errno == ENAMETOOLONG) {
         throw UsageError("--checkpoint=" + config.checkpoint + " holds another run's file, which this run would "
@@ -1104,7 +1137,7 @@ void Run::Setup() {
                      (c_.resume ? " (resuming)" : "")));
   }
   keep_previous_ = lead_ && !c_.resume && !c_.checkpoint.empty() &&
-                   IsAnotherRunsCheckpoint(c_.checkpoint, c_.job);
+                   IsAnotherRunsCheckpointWithin(c_);
   if (keep_previous_) {
     // Only a checkpoint of this trainer's can be resumed: a file another
     // program wrote is refused by --resume.

@@ -428,6 +428,30 @@ DDP_TEST_WORKER(lost_share) {
   return 0;
 }
 
+// A fresh run on 2 ranks (collectives bounded by 2 s) saving to
+// HUNG_LOOK_CKPT, where a file is: rank 0's read of its header, to tell
+// whose it is, waits 60 s first (internal::SetReadPause), as on a disk
+// that hangs. Exit status and lines as zero_resume's.
+DDP_TEST_WORKER(hung_look) {
+  internal::SetReadPause(std::chrono::seconds(60));
+  const TrainConfig c = TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2);
+  RunOptions options;
+  options.quiet = true;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+    Train(c, *parallel, options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  return 0;
+}
+
 // A one-rank run saving to LOST_SAVE_CKPT with its files limited to
 // 3,000,000 bytes (its save fails part way: EFBIG) over LoadFaultParallel,
 // whose RunOnLead throws JobError, as when a peer is lost, once the save
@@ -1050,6 +1074,29 @@ TEST(TrainerSaveTest, RankZerosOwnFailureIsReportedWhenTellingTheOthersFailsToo)
                                 "lost (the test's))\n"),
             std::string::npos)
       << run->Output(0);
+}
+
+// Rank 0's look at the file already at --checkpoint (whose run's it is)
+// had no deadline: a read hung in the filesystem held rank 0 while the
+// others failed at the collective's deadline without its reason. It ends
+// within half of --timeout_s now, and every rank fails with rank 0's line.
+TEST(TrainerSaveTest, AHungLookAtTheFileAtTheCheckpointPathEndsEveryRankNamingIt) {
+  const std::string checkpoint = TempDir("hung_look") + "/ckpt.safetensors";
+  std::ofstream(checkpoint) << "a file another program wrote";
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "hung_look", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"HUNG_LOOK_CKPT", checkpoint}}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string reason = "cannot read the header of --checkpoint=" + checkpoint + " within ";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find(reason), std::string::npos) << run->Output(rank);
+  }
+  EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
 }
 
 // Rank 0's save that fails (here its write: a file too large; a failure
