@@ -418,9 +418,18 @@ void Tensor::CheckDefined(const char* what) const {
 void Tensor::CheckNoHistoryLoss(const char* what) const {
   CheckDefined(what);
   if (GradMode::IsEnabled() && requires_grad()) {
-    throw std::logic_error(std::string("Tensor::") + what +
-                           " on a tensor that requires grad would drop its autograd history; use "
-                           "the differentiable ops::" + what + " (nn/ops/functional.h), or Detach() first");
+    // The differentiable counterpart in nn/ops/functional.h, where there is one.
+    const std::string name = what;
+    std::string instead;
+    if (name == "To(dtype)") {
+      instead = "use the differentiable ops::Cast (nn/ops/functional.h), or Detach() first";
+    } else if (name == "AsStrided" || name == "To(device)") {
+      instead = "there is no differentiable " + name + ": Detach() first, or call it under a NoGradGuard";
+    } else {
+      instead = "use the differentiable ops::" + name + " (nn/ops/functional.h), or Detach() first";
+    }
+    throw std::logic_error("Tensor::" + name + " on a tensor that requires grad would drop its autograd history; " +
+                           instead);
   }
 }
 
@@ -737,7 +746,7 @@ Tensor Tensor::Clone() const {
 }
 
 Tensor Tensor::To(DType dtype) const {
-  CheckNoHistoryLoss("To");
+  CheckNoHistoryLoss("To(dtype)");
   if (dtype == this->dtype()) return *this;
   Tensor out = Empty(shape(), {.dtype = dtype, .device = device()});
   out.CopyFrom(*this);
@@ -745,7 +754,7 @@ Tensor Tensor::To(DType dtype) const {
 }
 
 Tensor Tensor::To(Device device) const {
-  CheckNoHistoryLoss("To");
+  CheckNoHistoryLoss("To(device)");
   if (device == this->device()) return *this;
   Tensor out = Empty(shape(), {.dtype = dtype(), .device = device});
   out.CopyFrom(*this);

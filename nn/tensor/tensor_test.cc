@@ -375,6 +375,16 @@ TEST(TensorTest, AutogradMetadataRules) {
   // Member views would drop history: refused while grad mode is on.
   std::string err = ErrorOf([&] { w.View({6}); });
   EXPECT_NE(err.find("would drop its autograd history"), std::string::npos) << err;
+  EXPECT_NE(err.find("ops::View"), std::string::npos) << err;
+  // The advice names a function that exists: ops has Cast, no AsStrided and no device move.
+  err = ErrorOf([&] { w.To(DType::kFloat64); });
+  EXPECT_NE(err.find("Tensor::To(dtype)"), std::string::npos) << err;
+  EXPECT_NE(err.find("ops::Cast"), std::string::npos) << err;
+  err = ErrorOf([&] { w.AsStrided({3}, {1}, 0); });
+  EXPECT_NE(err.find("no differentiable AsStrided"), std::string::npos) << err;
+  EXPECT_EQ(err.find("ops::AsStrided"), std::string::npos) << err;
+  err = ErrorOf([&] { w.To(kCPU); });
+  EXPECT_NE(err.find("no differentiable To(device)"), std::string::npos) << err;
   EXPECT_NE(ErrorOf([&] { w.Fill(1); }).find("NoGradGuard"), std::string::npos);
   {
     NoGradGuard guard;
