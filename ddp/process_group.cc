@@ -1840,6 +1840,25 @@ StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::st
   return p;
 }
 
+// Called from the handler of a failure on this rank before its part of an
+// object collective was queued (no memory to copy its object, say): the
+// peers would wait for it until the group's timeout, so the group is
+// aborted with a reason naming this rank and the collective. The caller
+// rethrows. A group of one rank has nobody waiting and stays usable.
+void AbortBeforeIssued(ProcessGroup& pg, const char* what) {
+  if (pg.size() == 1 || !pg.aborted_reason().ok()) return;
+  std::string text;
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    text = e.what();
+  } catch (...) {
+    text = "an exception not derived from std::exception";
+  }
+  pg.Abort(transport::AbortedError(std::string("ProcessGroup::") + what + " failed on rank " +
+                                   std::to_string(pg.rank()) + " before it was issued: " + text));
+}
+
 }  // namespace
 
 void ProcessGroup::BroadcastObject(std::string* object, int root) {
@@ -1848,114 +1867,156 @@ void ProcessGroup::BroadcastObject(std::string* object, int root) {
   // The task owns the bytes: a Wait that gives up (its budget spent behind
   // slow items) returns while the task may still run, and must not leave it
   // writing into the caller's string.
-  auto bytes = std::make_shared<std::string>(std::move(*object));
-  impl_->Enqueue(ObjectCollective("broadcast_object", root), [bytes, root](
-                     transport::Communicator* comm, Deadline deadline) {
-    if (comm == nullptr) return Status::Ok();
-    int64_t size = static_cast<int64_t>(bytes->size());
-    DDP_RETURN_IF_ERROR(comm->Broadcast(&size, 1, transport::DataType::kI64, root, internal::Within(deadline)));
-    if (comm->rank() != root) bytes->resize(static_cast<size_t>(size));
-    if (size == 0) return Status::Ok();
-    return comm->Broadcast(bytes->data(), static_cast<size_t>(size), transport::DataType::kU8, root,
-                           internal::Within(deadline));
-  }, nullptr).Wait();
+  std::shared_ptr<std::string> bytes;
+  Work work;
+  try {
+    bytes = std::make_shared<std::string>(std::move(*object));
+    work = impl_->Enqueue(
+        ObjectCollective("broadcast_object", root),
+        [bytes, root](transport::Communicator* comm, Deadline deadline) {
+          if (comm == nullptr) return Status::Ok();
+          int64_t size = static_cast<int64_t>(bytes->size());
+          DDP_RETURN_IF_ERROR(
+              comm->Broadcast(&size, 1, transport::DataType::kI64, root, internal::Within(deadline)));
+          if (comm->rank() != root) bytes->resize(static_cast<size_t>(size));
+          if (size == 0) return Status::Ok();
+          return comm->Broadcast(bytes->data(), static_cast<size_t>(size), transport::DataType::kU8, root,
+                                 internal::Within(deadline));
+        },
+        nullptr);
+  } catch (...) {
+    AbortBeforeIssued(*this, "BroadcastObject");
+    throw;
+  }
+  work.Wait();
   *object = std::move(*bytes);
 }
 
 std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object) {
-  auto out = std::make_shared<std::vector<std::string>>();
-  // The task owns its copies (see BroadcastObject).
-  impl_->Enqueue(ObjectCollective("all_gather_object", -1), [object, out](
-                     transport::Communicator* comm, Deadline deadline) {
-    if (comm == nullptr) {
-      *out = {object};
-      return Status::Ok();
-    }
-    // Every rank's bytes padded to the longest, in one all-gather.
-    DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
-    std::string all(p.sizes.size() * p.longest, '\0');
-    if (p.longest > 0) {
-      DDP_RETURN_IF_ERROR(comm->AllGather(p.padded.data(), all.data(), p.longest,
-                                          transport::DataType::kU8, internal::Within(deadline)));
-    }
-    *out = p.Split(all);
-    return Status::Ok();
-  }, nullptr).Wait();
+  std::shared_ptr<std::vector<std::string>> out;
+  Work work;
+  try {
+    out = std::make_shared<std::vector<std::string>>();
+    // The task owns its copies (see BroadcastObject).
+    work = impl_->Enqueue(
+        ObjectCollective("all_gather_object", -1),
+        [object, out](transport::Communicator* comm, Deadline deadline) {
+          if (comm == nullptr) {
+            *out = {object};
+            return Status::Ok();
+          }
+          // Every rank's bytes padded to the longest, in one all-gather.
+          DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
+          std::string all(p.sizes.size() * p.longest, '\0');
+          if (p.longest > 0) {
+            DDP_RETURN_IF_ERROR(comm->AllGather(p.padded.data(), all.data(), p.longest,
+                                                transport::DataType::kU8, internal::Within(deadline)));
+          }
+          *out = p.Split(all);
+          return Status::Ok();
+        },
+        nullptr);
+  } catch (...) {
+    AbortBeforeIssued(*this, "AllGatherObject");
+    throw;
+  }
+  work.Wait();
   return std::move(*out);
 }
 
 std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, int dst) {
   CheckRoot(dst, size_, "GatherObject", "dst");
-  auto out = std::make_shared<std::vector<std::string>>();
-  impl_->Enqueue(ObjectCollective("gather_object", dst), [object, dst, out](
-                     transport::Communicator* comm, Deadline deadline) {
-    if (comm == nullptr) {
-      *out = {object};
-      return Status::Ok();
-    }
-    const bool root = comm->rank() == dst;
-    // Every rank needs the longest length (the gather's count); dst needs
-    // them all.
-    DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
-    std::string all(root ? p.sizes.size() * p.longest : 0, '\0');
-    if (p.longest > 0) {
-      DDP_RETURN_IF_ERROR(comm->Gather(p.padded.data(), root ? all.data() : nullptr, p.longest,
-                                       transport::DataType::kU8, dst, internal::Within(deadline)));
-    }
-    if (root) *out = p.Split(all);
-    return Status::Ok();
-  }, nullptr).Wait();
+  std::shared_ptr<std::vector<std::string>> out;
+  Work work;
+  try {
+    out = std::make_shared<std::vector<std::string>>();
+    work = impl_->Enqueue(
+        ObjectCollective("gather_object", dst),
+        [object, dst, out](transport::Communicator* comm, Deadline deadline) {
+          if (comm == nullptr) {
+            *out = {object};
+            return Status::Ok();
+          }
+          const bool root = comm->rank() == dst;
+          // Every rank needs the longest length (the gather's count); dst needs
+          // them all.
+          DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
+          std::string all(root ? p.sizes.size() * p.longest : 0, '\0');
+          if (p.longest > 0) {
+            DDP_RETURN_IF_ERROR(comm->Gather(p.padded.data(), root ? all.data() : nullptr, p.longest,
+                                             transport::DataType::kU8, dst, internal::Within(deadline)));
+          }
+          if (root) *out = p.Split(all);
+          return Status::Ok();
+        },
+        nullptr);
+  } catch (...) {
+    AbortBeforeIssued(*this, "GatherObject");
+    throw;
+  }
+  work.Wait();
   return std::move(*out);
 }
 
 std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects, int src) {
   CheckRoot(src, size_, "ScatterObject", "src");
-  auto out = std::make_shared<std::string>();
+  std::shared_ptr<std::string> out;
   // Set when src passed the wrong number of objects: every rank learns it
   // from the sizes and throws, instead of waiting for bytes that never come.
-  auto bad_count = std::make_shared<int64_t>(-1);
-  // The task owns a copy (see BroadcastObject); only src's is read.
-  std::vector<std::string> mine = rank_ == src ? objects : std::vector<std::string>{};
-  impl_->Enqueue(ObjectCollective("scatter_object", src), [objects = std::move(mine), src, out, bad_count](
-                     transport::Communicator* comm, Deadline deadline) {
-    const size_t n = comm == nullptr ? 1 : static_cast<size_t>(comm->size());
-    const int me = comm == nullptr ? 0 : comm->rank();
-    // sizes[q]: the length of rank q's object; one more entry for src's
-    // count of objects.
-    std::vector<int64_t> sizes(n + 1, 0);
-    if (me == src) {
-      sizes[n] = static_cast<int64_t>(objects.size());
-      if (objects.size() == n) {
-        for (size_t q = 0; q < n; ++q) sizes[q] = static_cast<int64_t>(objects[q].size());
-      }
-    }
-    if (comm != nullptr) {
-      DDP_RETURN_IF_ERROR(
-          comm->Broadcast(sizes.data(), n + 1, transport::DataType::kI64, src, internal::Within(deadline)));
-    }
-    if (sizes[n] != static_cast<int64_t>(n)) {
-      *bad_count = sizes[n];
-      return Status::Ok();
-    }
-    if (comm == nullptr) {
-      *out = objects[0];
-      return Status::Ok();
-    }
-    // Each object padded to the longest, in one scatter.
-    const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end() - 1));
-    std::string packed;
-    if (me == src) {
-      packed.assign(n * longest, '\0');
-      for (size_t q = 0; q < n; ++q) packed.replace(q * longest, objects[q].size(), objects[q]);
-    }
-    out->resize(longest);
-    if (longest > 0) {
-      DDP_RETURN_IF_ERROR(comm->Scatter(me == src ? packed.data() : nullptr, out->data(), longest,
-                                        transport::DataType::kU8, src, internal::Within(deadline)));
-    }
-    out->resize(static_cast<size_t>(sizes[static_cast<size_t>(me)]));
-    return Status::Ok();
-  }, nullptr).Wait();
+  std::shared_ptr<int64_t> bad_count;
+  Work work;
+  try {
+    out = std::make_shared<std::string>();
+    bad_count = std::make_shared<int64_t>(-1);
+    // The task owns a copy (see BroadcastObject); only src's is read.
+    std::vector<std::string> mine = rank_ == src ? objects : std::vector<std::string>{};
+    work = impl_->Enqueue(
+        ObjectCollective("scatter_object", src),
+        [objects = std::move(mine), src, out, bad_count](transport::Communicator* comm, Deadline deadline) {
+          const size_t n = comm == nullptr ? 1 : static_cast<size_t>(comm->size());
+          const int me = comm == nullptr ? 0 : comm->rank();
+          // sizes[q]: the length of rank q's object; one more entry for src's
+          // count of objects.
+          std::vector<int64_t> sizes(n + 1, 0);
+          if (me == src) {
+            sizes[n] = static_cast<int64_t>(objects.size());
+            if (objects.size() == n) {
+              for (size_t q = 0; q < n; ++q) sizes[q] = static_cast<int64_t>(objects[q].size());
+            }
+          }
+          if (comm != nullptr) {
+            DDP_RETURN_IF_ERROR(comm->Broadcast(sizes.data(), n + 1, transport::DataType::kI64, src,
+                                                internal::Within(deadline)));
+          }
+          if (sizes[n] != static_cast<int64_t>(n)) {
+            *bad_count = sizes[n];
+            return Status::Ok();
+          }
+          if (comm == nullptr) {
+            *out = objects[0];
+            return Status::Ok();
+          }
+          // Each object padded to the longest, in one scatter.
+          const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end() - 1));
+          std::string packed;
+          if (me == src) {
+            packed.assign(n * longest, '\0');
+            for (size_t q = 0; q < n; ++q) packed.replace(q * longest, objects[q].size(), objects[q]);
+          }
+          out->resize(longest);
+          if (longest > 0) {
+            DDP_RETURN_IF_ERROR(comm->Scatter(me == src ? packed.data() : nullptr, out->data(), longest,
+                                              transport::DataType::kU8, src, internal::Within(deadline)));
+          }
+          out->resize(static_cast<size_t>(sizes[static_cast<size_t>(me)]));
+          return Status::Ok();
+        },
+        nullptr);
+  } catch (...) {
+    AbortBeforeIssued(*this, "ScatterObject");
+    throw;
+  }
+  work.Wait();
   if (*bad_count >= 0) {
     throw std::invalid_argument("ProcessGroup::ScatterObject: src " + std::to_string(src) +
                                 " passed " + std::to_string(*bad_count) +

@@ -444,7 +444,10 @@ class ProcessGroup {
   // broadcast_object_list, all_gather_object, gather_object,
   // scatter_object_list: serialize objects to strings first). Blocking,
   // in issue order with the other collectives; every rank calls them. Sizes
-  // may differ per rank and be 0. Failures throw DistributedError.
+  // may differ per rank and be 0. Failures throw DistributedError. A rank
+  // that fails (no memory for a peer's object, or for the copy of its own
+  // that the call keeps) aborts the group, so every rank fails at once
+  // naming it instead of waiting out the timeout.
 
   /// `*object` on every rank becomes root's (moved, not copied, in and
   /// out; after a failure it is empty).

@@ -12,6 +12,8 @@
 #include <ctime>
 #include <cstdlib>
 #include <functional>
+#include <new>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -506,6 +508,73 @@ TEST(ProcessGroupObjectsTest, SingleProcessGroup) {
   EXPECT_EQ(s, "same");
   ExpectInvalid([&] { pg->ScatterObject({"x", "y"}, 0); }, "src 0 passed 2 objects for a group of size 1");
   pg->MonitoredBarrier(milliseconds(100), true);
+}
+
+// OBJ_CASE: an object collective in which rank 1, its address space
+// capped, has no memory for 64 MiB: a peer's object it receives
+// (broadcast, all_gather, gather to it, scatter from rank 0) or a copy of
+// its own (own_all_gather, own_gather, own_scatter from it). Every rank
+// must fail at once, rank 0 naming rank 1, not wait out the 20 s timeout.
+DDP_TEST_WORKER(pg_objects_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  const std::string c = std::getenv("OBJ_CASE");
+  const size_t big = size_t{64} << 20;
+  const bool own = c.rfind("own_", 0) == 0;
+  // The 64 MiB object: rank 0's, or rank 1's own.
+  std::string object = (me == (own ? 1 : 0)) ? std::string(big, 'o') : std::string("small");
+  std::vector<std::string> parts;
+  if (c == "scatter" && me == 0) parts = {"zero", std::string(big, 's')};
+  if (c == "own_scatter" && me == 1) parts = {std::string(big, 's'), "one"};
+  pg->Barrier().Wait();  // the communication thread runs before the limit
+  std::optional<testing::AddressSpaceLimit> limit;
+  if (me == 1) {
+    limit.emplace(16 << 20);
+    WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
+  }
+  const auto start = Clock::now();
+  std::string outcome = "succeeded";
+  try {
+    if (c == "broadcast") {
+      pg->BroadcastObject(&object, 0);
+    } else if (c == "all_gather" || c == "own_all_gather") {
+      pg->AllGatherObject(object);
+    } else if (c == "gather" || c == "own_gather") {
+      pg->GatherObject(object, c == "gather" ? 1 : 0);
+    } else if (c == "scatter") {
+      pg->ScatterObject(parts, 0);
+    } else if (c == "own_scatter") {
+      pg->ScatterObject(parts, 1);
+    } else {
+      WORKER_EXPECT(false, "unknown OBJ_CASE " + c);
+    }
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  limit.reset();
+  if (me == 1) {
+    WORKER_EXPECT(outcome == "std::bad_alloc" || outcome.rfind("DistributedError: ", 0) == 0, c + ": " + outcome + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(Clock::now() - start < std::chrono::seconds(10), c + ": waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 && outcome.find("rank 1") != std::string::npos,
+                c + ": " + outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupObjectsTest, NoMemoryOnOneRankFailsEveryRankAtOnce) {
+  for (const char* c : {"broadcast", "all_gather", "gather", "scatter", "own_all_gather", "own_gather",
+                        "own_scatter"}) {
+    auto run = RunWorkers("pg_objects_out_of_memory", 2, {{"OBJ_CASE", c}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << c << "\n" << testing::AllOutput(run);
+  }
 }
 
 // -------------------------------------------------------- monitored barrier ----
