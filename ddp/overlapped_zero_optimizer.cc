@@ -81,6 +81,9 @@ struct OverlappedZeroOptimizer::State {
   int64_t iterations_ended = 0;
   // Set by the destructor: the hook, which DDP keeps, then refuses to step.
   std::atomic<bool> destroyed{false};
+  // Why the construction failed after this rank registered the hook (a
+  // peer refused its own); written before `destroyed` is set.
+  std::string refused;
 
   // Runs bucket `index`'s optimizer on the views of the transport piece at
   // `offset` (`count` elements; their reduced gradients, already the
@@ -487,7 +490,10 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
     const std::vector<Tensor>& params = grad_bucket.parameters();
     // The flat buffer must still be the parameters' memory.
     std::string wrong;
-    if (state->destroyed.load()) {
+    if (state->destroyed.load() && !state->refused.empty()) {
+      wrong = "this optimizer's construction failed after the hook was registered (" + state->refused +
+              "), and DistributedDataParallel keeps its hook; build a new wrapper for another optimizer";
+    } else if (state->destroyed.load()) {
       // DDP keeps a hook from its first backward on: without this the
       // slices would go on stepping inside each backward (and .grad would
       // keep this rank's own gradient), under an optimizer built to replace
@@ -557,7 +563,29 @@ OverlappedZeroOptimizer::OverlappedZeroOptimizer(DistributedDataParallel& ddp,
       return transport::Status::Ok();
     });
   });
-  ddp.RegisterCommHook(hook.WithFixedBuckets().WithoutGradWriteBack());
+  // DDP may refuse the hook on this rank alone (one registered on it
+  // before, a backward only it ran): the ranks agree on the registration
+  // too, so that none trains with the hook while a peer has none. A rank
+  // that registered it before learning of a peer's refusal keeps a hook
+  // that refuses to run, naming the refusal.
+  std::string registering;
+  try {
+    ddp.RegisterCommHook(hook.WithFixedBuckets().WithoutGradWriteBack());
+  } catch (...) {
+    registering = "registering the communication hook failed: " + HandledExceptionText();
+  }
+  try {
+    const std::vector<std::string> registered = group.AllGatherObject(registering);
+    for (size_t r = 0; r < registered.size(); ++r) {
+      if (!registered[r].empty()) {
+        throw std::logic_error("OverlappedZeroOptimizer on rank " + std::to_string(r) + ": " + registered[r]);
+      }
+    }
+  } catch (...) {
+    state_->refused = HandledExceptionText();
+    state_->destroyed = true;
+    throw;
+  }
   for (const auto& [p, view] : moves) p.SetData(view);
 }
 

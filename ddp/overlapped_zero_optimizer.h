@@ -107,7 +107,10 @@ class OverlappedZeroOptimizer {
   /// DDP's buckets or a bucket parameter that is not trained (requires_grad
   /// changed after the wrapper was built), find_unused_parameters or
   /// static_graph; std::logic_error after the first backward (on more
-  /// than one rank; one rank runs no hook, and Step() steps everything).
+  /// than one rank; one rank runs no hook, and Step() steps everything),
+  /// and on every rank, naming the rank, when DDP refuses the hook on any
+  /// (one registered there before): a rank that had registered it keeps a
+  /// hook that refuses to run, naming the refusal.
   /// What one rank refuses in its own module or factory (an exception of
   /// any type), or a flat buffer it has no memory for, fails every rank
   /// together, naming that rank; so do factories that build optimizers of

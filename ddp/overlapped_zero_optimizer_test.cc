@@ -1185,6 +1185,40 @@ TEST(OverlappedZeroOptimizerTest, RequiresGradChangedOnOneRankFailsEveryRankNami
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// DistributedDataParallel refuses the optimizer's hook on rank 1 alone (a
+// hook was registered there before). Rank 1 threw alone and rank 0 went on
+// with the hook registered and its parameters moved; now every rank's
+// construction throws naming rank 1 and the refusal, no parameter moves, and
+// the group stays in step.
+DDP_TEST_WORKER(hook_refused_on_one_rank) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  DistributedDataParallel ddp(Mlp(1), {.process_group = pg});
+  if (pg->rank() == 1) ddp.RegisterCommHook(hooks::AllReduceHook());
+  const Tensor weight = ddp.module()->NamedParameters().front().second;
+  const void* before = weight.data_ptr();
+  std::string error = "accepted";
+  try {
+    OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+      return MakeOptimizer(false, std::move(shard));
+    });
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::string want = "OverlappedZeroOptimizer on rank 1: registering the communication hook failed";
+  WORKER_EXPECT(error.find(want) != std::string::npos && error.find("already registered") != std::string::npos,
+                "message `" + error + "` lacks `" + want + "`" + on);
+  WORKER_EXPECT(weight.data_ptr() == before, "a refused optimizer moved the parameters" + on);
+  const std::vector<std::string> errors = pg->AllGatherObject(error);
+  WORKER_EXPECT(errors[0] == errors[1], "the ranks failed differently: `" + errors[0] + "`, `" + errors[1] + "`");
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, AHookRefusedOnOneRankFailsEveryRankNamingIt) {
+  auto run = RunWorkers("hook_refused_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A factory that builds another optimizer on the last rank (another rate,
 // another kind) is refused on every rank, naming the option, and the
 // parameters stay where they were.
