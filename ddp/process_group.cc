@@ -1827,6 +1827,26 @@ struct PaddedObject {
   }
 };
 
+// Sizes `buffer` to `bytes` for an object collective: a rank without
+// memory for it fails with a status naming the size and `what` it is for
+// (the failure aborts the group, so the peers fail at once, naming it too).
+Status SizeBuffer(std::string& buffer, size_t bytes, int rank, const std::string& what) {
+  try {
+    buffer.resize(bytes);
+  } catch (const std::exception& e) {  // std::bad_alloc, std::length_error
+    return transport::ResourceExhaustedError("rank " + std::to_string(rank) + " has no memory for " +
+                                             std::to_string(bytes) + " bytes (" + what + "): " + e.what());
+  }
+  return Status::Ok();
+}
+
+// The longest object's owner and length, for SizeBuffer's message.
+std::string LongestText(const std::vector<int64_t>& sizes) {
+  const auto it = std::max_element(sizes.begin(), sizes.end());
+  return "the longest object, rank " + std::to_string(it - sizes.begin()) + "'s, has " + std::to_string(*it) +
+         " bytes";
+}
+
 StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::string& object,
                                     Deadline deadline) {
   PaddedObject p;
@@ -1835,8 +1855,9 @@ StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::st
   DDP_RETURN_IF_ERROR(
       comm.AllGather(&mine, p.sizes.data(), 1, transport::DataType::kI64, internal::Within(deadline)));
   p.longest = static_cast<size_t>(*std::max_element(p.sizes.begin(), p.sizes.end()));
-  p.padded = object;
-  p.padded.resize(p.longest);
+  DDP_RETURN_IF_ERROR(
+      SizeBuffer(p.padded, p.longest, comm.rank(), "its object padded; " + LongestText(p.sizes)));
+  std::copy(object.begin(), object.end(), p.padded.begin());
   return p;
 }
 
@@ -1878,7 +1899,14 @@ void ProcessGroup::BroadcastObject(std::string* object, int root) {
           int64_t size = static_cast<int64_t>(bytes->size());
           DDP_RETURN_IF_ERROR(
               comm->Broadcast(&size, 1, transport::DataType::kI64, root, internal::Within(deadline)));
-          if (comm->rank() != root) bytes->resize(static_cast<size_t>(size));
+          if (size < 0) {
+            return transport::InternalError("root " + std::to_string(root) + " sent a negative size, " +
+                                            std::to_string(size));
+          }
+          if (comm->rank() != root) {
+            DDP_RETURN_IF_ERROR(SizeBuffer(*bytes, static_cast<size_t>(size), comm->rank(),
+                                           "root " + std::to_string(root) + "'s object"));
+          }
           if (size == 0) return Status::Ok();
           return comm->Broadcast(bytes->data(), static_cast<size_t>(size), transport::DataType::kU8, root,
                                  internal::Within(deadline));
@@ -1907,7 +1935,9 @@ std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object
           }
           // Every rank's bytes padded to the longest, in one all-gather.
           DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
-          std::string all(p.sizes.size() * p.longest, '\0');
+          std::string all;
+          DDP_RETURN_IF_ERROR(SizeBuffer(all, p.sizes.size() * p.longest, comm->rank(),
+                                         "every rank's object padded; " + LongestText(p.sizes)));
           if (p.longest > 0) {
             DDP_RETURN_IF_ERROR(comm->AllGather(p.padded.data(), all.data(), p.longest,
                                                 transport::DataType::kU8, internal::Within(deadline)));
@@ -1941,7 +1971,9 @@ std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, i
           // Every rank needs the longest length (the gather's count); dst needs
           // them all.
           DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
-          std::string all(root ? p.sizes.size() * p.longest : 0, '\0');
+          std::string all;
+          DDP_RETURN_IF_ERROR(SizeBuffer(all, root ? p.sizes.size() * p.longest : 0, comm->rank(),
+                                         "every rank's object padded; " + LongestText(p.sizes)));
           if (p.longest > 0) {
             DDP_RETURN_IF_ERROR(comm->Gather(p.padded.data(), root ? all.data() : nullptr, p.longest,
                                              transport::DataType::kU8, dst, internal::Within(deadline)));
@@ -1999,11 +2031,13 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
           // Each object padded to the longest, in one scatter.
           const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end() - 1));
           std::string packed;
+          const std::vector<int64_t> lengths(sizes.begin(), sizes.end() - 1);
           if (me == src) {
-            packed.assign(n * longest, '\0');
+            DDP_RETURN_IF_ERROR(
+                SizeBuffer(packed, n * longest, me, "every object padded; " + LongestText(lengths)));
             for (size_t q = 0; q < n; ++q) packed.replace(q * longest, objects[q].size(), objects[q]);
           }
-          out->resize(longest);
+          DDP_RETURN_IF_ERROR(SizeBuffer(*out, longest, me, "its object padded; " + LongestText(lengths)));
           if (longest > 0) {
             DDP_RETURN_IF_ERROR(comm->Scatter(me == src ? packed.data() : nullptr, out->data(), longest,
                                               transport::DataType::kU8, src, internal::Within(deadline)));

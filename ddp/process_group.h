@@ -447,7 +447,8 @@ class ProcessGroup {
   // may differ per rank and be 0. Failures throw DistributedError. A rank
   // that fails (no memory for a peer's object, or for the copy of its own
   // that the call keeps) aborts the group, so every rank fails at once
-  // naming it instead of waiting out the timeout.
+  // naming it instead of waiting out the timeout; a buffer it has no memory
+  // for is named with its size in bytes (RESOURCE_EXHAUSTED).
 
   /// `*object` on every rank becomes root's (moved, not copied, in and
   /// out; after a failure it is empty).

@@ -514,7 +514,8 @@ TEST(ProcessGroupObjectsTest, SingleProcessGroup) {
 // capped, has no memory for 64 MiB: a peer's object it receives
 // (broadcast, all_gather, gather to it, scatter from rank 0) or a copy of
 // its own (own_all_gather, own_gather, own_scatter from it). Every rank
-// must fail at once, rank 0 naming rank 1, not wait out the 20 s timeout.
+// must fail at once, rank 0 naming rank 1, not wait out the 20 s timeout;
+// receiving a peer's object, both say how many bytes rank 1 had no room for.
 DDP_TEST_WORKER(pg_objects_out_of_memory) {
   auto pg = testing::WorkerGroup();  // a 20 s timeout
   const int me = pg->rank();
@@ -559,6 +560,10 @@ DDP_TEST_WORKER(pg_objects_out_of_memory) {
   limit.reset();
   if (me == 1) {
     WORKER_EXPECT(outcome == "std::bad_alloc" || outcome.rfind("DistributedError: ", 0) == 0, c + ": " + outcome + on);
+    // Receiving a peer's object: the error says how much it had no room for.
+    WORKER_EXPECT(own || outcome.find("rank 1 has no memory for 134217728 bytes") != std::string::npos ||
+                      outcome.find("rank 1 has no memory for 67108864 bytes") != std::string::npos,
+                  c + ": " + outcome + on);
     testing::StayAliveUntilTheOtherRanksAreDone(*pg);
     return testing::WorkerExit();
   }
@@ -566,6 +571,7 @@ DDP_TEST_WORKER(pg_objects_out_of_memory) {
   WORKER_EXPECT(Clock::now() - start < std::chrono::seconds(10), c + ": waited for the timeout" + on);
   WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 && outcome.find("rank 1") != std::string::npos,
                 c + ": " + outcome + on);
+  WORKER_EXPECT(own || outcome.find("rank 1 has no memory for ") != std::string::npos, c + ": " + outcome + on);
   return testing::WorkerExit();
 }
 
