@@ -451,7 +451,8 @@ class ProcessGroup {
   // for is named with its size in bytes (RESOURCE_EXHAUSTED).
 
   /// `*object` on every rank becomes root's (moved, not copied, in and
-  /// out; after a failure it is empty).
+  /// out; after a failure in the collective it is empty, after one before
+  /// it was issued it is as it was).
   void BroadcastObject(std::string* object, int root);
   /// Every rank's `object`, in rank order (lengths exchanged first, then
   /// the bytes padded to the longest).
