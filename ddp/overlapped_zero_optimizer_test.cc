@@ -1211,6 +1211,20 @@ DDP_TEST_WORKER(hook_refused_on_one_rank) {
   WORKER_EXPECT(weight.data_ptr() == before, "a refused optimizer moved the parameters" + on);
   const std::vector<std::string> errors = pg->AllGatherObject(error);
   WORKER_EXPECT(errors[0] == errors[1], "the ranks failed differently: `" + errors[0] + "`, `" + errors[1] + "`");
+  // Rank 0 registered the hook before it learned of rank 1's refusal: its
+  // next backward fails naming the refusal, and takes no step.
+  const uint64_t before_backward = testing::HashState(*ddp.module());
+  std::string message = "no error";
+  try {
+    auto [x, y] = testing::Batch(testing::FashionMnist(), pg->rank() * kBatch, kBatch);
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("construction failed after the hook was registered") != std::string::npos ||
+                    (pg->rank() == 1 && message.find("aborted") != std::string::npos),
+                message + on);
+  WORKER_EXPECT(testing::HashState(*ddp.module()) == before_backward, "the parameters were stepped" + on);
   return testing::WorkerExit();
 }
 
