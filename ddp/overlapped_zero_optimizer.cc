@@ -839,7 +839,13 @@ nn::optim::NamedTensors OverlappedZeroOptimizer::ConsolidatedStateDict(int to) {
   return out;
 }
 
-void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state) {
+// A refusal of the state (std::invalid_argument, from checks every rank
+// makes alike on the whole state) changes nothing anywhere. Any other
+// failure is this rank's own (out of memory in a copy, a check or a
+// slice's load): its peers, which loaded, would wait for it at the next
+// backward until the timeout, so on more than one rank it ends the group
+// with the reason and goes on as it came.
+void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state) try {
   State& s = *state_;
   // With several groups, the probes and each slice's optimizer below hold
   // only some of each group's parameters, so they cannot compare the
@@ -985,6 +991,15 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
     }
     if (!options.empty()) s.options = OptionsOf(*probe, s.whole_members);
   }
+} catch (const std::invalid_argument&) {
+  throw;
+} catch (...) {
+  if (state_->whole == nullptr) {
+    state_->group->Abort(transport::AbortedError("OverlappedZeroOptimizer::LoadStateDict failed on rank " +
+                                                 std::to_string(state_->group->rank()) + ": " +
+                                                 HandledExceptionText()));
+  }
+  throw;
 }
 
 }  // namespace ddp::dist

@@ -206,10 +206,12 @@ class OverlappedZeroOptimizer {
   /// otherwise), an entry whose size is not its parameter's, or a param
   /// group whose saved size or members are not this optimizer's (and,
   /// from the optimizer's own check, another group count). Any other
-  /// failure of the checks (std::bad_alloc, say) is rethrown as it came,
-  /// on that rank alone; nothing is loaded there. One while loading, after
-  /// every check passed (out of memory), may leave the slices loaded
-  /// before it.
+  /// failure of the checks (std::bad_alloc, say) is rethrown as it came;
+  /// nothing is loaded there. One while loading, after every check passed
+  /// (out of memory), may leave the slices loaded before it. On more than
+  /// one rank, either aborts the group first, naming this rank and the
+  /// reason, so that the peers' next backward or Step() fails at once
+  /// instead of waiting for this rank until the timeout.
   void LoadStateDict(const nn::optim::NamedTensors& state);
 
   struct State;

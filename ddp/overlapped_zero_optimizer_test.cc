@@ -589,7 +589,8 @@ class SgdOutOfMemory : public nn::optim::Sgd {
 // std::bad_alloc it was (before, it became std::invalid_argument, which
 // the trainer reports as a checkpoint it cannot use), and nothing loads
 // there. LoadStateDict is not collective: rank 0, whose check passed,
-// loads the state.
+// loads the state; rank 1, whose state now differs from it, ends the group
+// naming itself and the reason.
 DDP_TEST_WORKER(check_out_of_memory) {
   auto pg = testing::WorkerGroup();
   const std::string on = " on rank " + std::to_string(pg->rank());
@@ -623,6 +624,12 @@ DDP_TEST_WORKER(check_out_of_memory) {
   WORKER_EXPECT(outcome == (pg->rank() == 1 ? "std::bad_alloc" : "loaded"), outcome + on);
   const double want = pg->rank() == 1 ? 0.05 : 0.5;
   WORKER_EXPECT(opt.lr() == want, "the rate is " + std::to_string(opt.lr()) + on);
+  if (pg->rank() == 1) {
+    const transport::Status aborted = pg->aborted_reason();
+    WORKER_EXPECT(aborted.ToString().find("OverlappedZeroOptimizer::LoadStateDict failed on rank 1: std::bad_alloc") !=
+                      std::string::npos,
+                  "the group was not aborted with the reason" + on + ": " + aborted.ToString());
+  }
   return testing::WorkerExit();
 }
 
@@ -1769,14 +1776,18 @@ class SgdSliceOutOfMemory : public nn::optim::Sgd {
   }
 };
 
-// The optimizer of this rank's slice of the last bucket runs out of memory
-// in LoadStateDict (after the per-parameter checks passed): no slice
-// loads, so the consolidated state is as it was. Before, the slices loaded
-// one after another, and the earlier buckets' kept the state's momentum
-// and step while the last one kept none.
+// Rank 1's slice of the last bucket runs out of memory in LoadStateDict
+// (after the per-parameter checks passed); rank 0's load passed, and it
+// holds the state. Rank 1 rethrows the std::bad_alloc and ends the group
+// naming itself and the reason, so that rank 0's next backward fails at
+// once with that reason, and its Step() then reports it. Before, rank 1
+// told no one, and rank 0 waited for it in the reduction until the
+// group's timeout. (The slices' all-or-nothing load on the failing rank
+// can no longer be seen through a consolidated state: the group is gone.)
 DDP_TEST_WORKER(slice_load_out_of_memory) {
-  auto pg = testing::WorkerGroup();
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
   const std::string on = " on rank " + std::to_string(pg->rank());
+  const auto& data = testing::FashionMnist();
   DistributedDataParallel ddp(Mlp(1), {.bucket_cap_mb = 0.3, .first_bucket_mb = 0.1, .process_group = pg});
   WORKER_EXPECT(ddp.BucketParameterNames().size() >= 2,
                 "one bucket only" + on + ": nothing could load before the failing slice");
@@ -1797,8 +1808,8 @@ DDP_TEST_WORKER(slice_load_out_of_memory) {
     plain.Step();
     saved = plain.StateDict();
   }
-  const nn::optim::NamedTensors before = opt.ConsolidatedStateDict(0);
-  fail_slice = true;
+  const bool failing = pg->rank() == 1;
+  fail_slice = failing;
   std::string outcome = "loaded";
   try {
     opt.LoadStateDict(saved);
@@ -1808,32 +1819,36 @@ DDP_TEST_WORKER(slice_load_out_of_memory) {
     outcome = std::string("another exception: ") + e.what();
   }
   fail_slice = false;
-  WORKER_EXPECT(outcome == "std::bad_alloc", outcome + on);
-  const nn::optim::NamedTensors after = opt.ConsolidatedStateDict(0);
-  if (pg->rank() == 0) {
-    WORKER_EXPECT(after.size() == before.size(), "the state has " + std::to_string(after.size()) +
-                                                     " entries after the failed load, " +
-                                                     std::to_string(before.size()) + " before");
-    for (size_t k = 0; k < std::min(after.size(), before.size()); ++k) {
-      WORKER_EXPECT(after[k].first == before[k].first && SameBytes(after[k].second, before[k].second),
-                    "entry " + std::to_string(k) + ", `" + after[k].first + "`, changed in the failed load");
-    }
+  WORKER_EXPECT(outcome == (failing ? "std::bad_alloc" : "loaded"), outcome + on);
+  const std::string reason = "OverlappedZeroOptimizer::LoadStateDict failed on rank 1: std::bad_alloc";
+  if (failing) {
+    const transport::Status aborted = pg->aborted_reason();
+    WORKER_EXPECT(!aborted.ok() && aborted.ToString().find(reason) != std::string::npos,
+                  "the group was not aborted with the reason" + on + ": " + aborted.ToString());
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
   }
-  // And with memory, the same state loads in every slice.
-  opt.LoadStateDict(saved);
-  const nn::optim::NamedTensors loaded = opt.ConsolidatedStateDict(0);
-  if (pg->rank() == 0) {
-    WORKER_EXPECT(loaded.size() == saved.size(), "the loaded state has " + std::to_string(loaded.size()) +
-                                                     " entries, the saved one " + std::to_string(saved.size()));
-    for (size_t k = 0; k < std::min(loaded.size(), saved.size()); ++k) {
-      WORKER_EXPECT(loaded[k].first == saved[k].first && SameBytes(loaded[k].second, saved[k].second),
-                    "entry " + std::to_string(k) + ", `" + loaded[k].first + "`, differs from the saved one");
-    }
+  const auto start = std::chrono::steady_clock::now();
+  auto [x, y] = testing::Batch(data, 0, kBatch);
+  std::string from_backward = "no error", from_step = "no error";
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    from_backward = e.what();
   }
+  try {
+    opt.Step();
+  } catch (const std::exception& e) {
+    from_step = e.what();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(from_backward.find(reason) != std::string::npos, "backward: " + from_backward + on);
+  WORKER_EXPECT(from_step.find(reason) != std::string::npos, "Step: " + from_step + on);
   return testing::WorkerExit();
 }
 
-TEST(OverlappedZeroOptimizerTest, ASliceOutOfMemoryInLoadStateDictLeavesEverySliceAsItWas) {
+TEST(OverlappedZeroOptimizerTest, ASliceOutOfMemoryInLoadStateDictOnOneRankFailsThePeersNextBackwardAtOnce) {
   auto run = RunWorkers("slice_load_out_of_memory", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
