@@ -90,12 +90,16 @@ double ParseExactDouble(const std::string& text) {
   if (text.empty() || end != text.c_str() + text.size()) {
     throw std::invalid_argument("not a number: '" + text + "'");
   }
-  // strtod reports ERANGE for a subnormal result as well as for overflow:
-  // a subnormal --lr or --weight_decay is a value (ExactDouble writes it,
-  // and a resume must read it back); only a number past a double's range
-  // is refused.
+  // strtod reports ERANGE for a subnormal result as well as for overflow
+  // and underflow to zero: a subnormal --lr or --weight_decay is a value
+  // (ExactDouble writes it, and a resume must read it back), but a number
+  // past a double's range, or one so small that it reads as a (signed)
+  // zero, is not the value written.
   if (errno == ERANGE && std::isinf(v)) {
     throw std::invalid_argument("out of a double's range: '" + text + "'");
+  }
+  if (errno == ERANGE && v == 0) {
+    throw std::invalid_argument("too small for a double (it would read as 0): '" + text + "'");
   }
   return v;
 }

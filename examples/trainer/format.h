@@ -24,8 +24,9 @@ std::string StringPrintf(const char* format, ...) __attribute__((format(printf, 
 /// A double that reads back exactly ("%a"), for checkpoint metadata.
 std::string ExactDouble(double value);
 /// Parses ExactDouble's output (or any strtod input), subnormals included;
-/// throws std::invalid_argument for text that is not a number, or one past
-/// a double's range.
+/// throws std::invalid_argument for text that is not a number, one past a
+/// double's range, or a non-zero one that would read as zero (below half
+/// the smallest subnormal).
 double ParseExactDouble(const std::string& text);
 
 }  // namespace ddp::examples::trainer

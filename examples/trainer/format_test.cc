@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -86,6 +88,25 @@ TEST(FormatTest, SubnormalsRoundTripAndOnlyOverflowIsRefused) {
             std::numeric_limits<double>::max());
   EXPECT_THROW(ParseExactDouble("1e999"), std::invalid_argument);
   EXPECT_THROW(ParseExactDouble("-0x1p+2000"), std::invalid_argument);
+}
+
+// A number below half the smallest subnormal underflows to zero (strtod
+// sets ERANGE and returns 0 or -0): it is refused, as overflow is, rather
+// than read silently as a zero; the smallest subnormal itself, in decimal,
+// reads back exactly, and a written zero is still zero.
+TEST(FormatTest, ANumberThatUnderflowsToZeroIsRefused) {
+  for (const char* text : {"1e-400", "-1e-400", "0x1p-1100", "2e-324"}) {
+    EXPECT_THROW(ParseExactDouble(text), std::invalid_argument) << text;
+  }
+  try {
+    ParseExactDouble("1e-400");
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'1e-400'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(ParseExactDouble("4.9406564584124654e-324"), std::numeric_limits<double>::denorm_min());
+  EXPECT_EQ(ParseExactDouble("-4.9406564584124654e-324"), -std::numeric_limits<double>::denorm_min());
+  EXPECT_EQ(ParseExactDouble("0"), 0.0);
+  EXPECT_TRUE(std::signbit(ParseExactDouble("-0x0p+0")));
 }
 
 }  // namespace
