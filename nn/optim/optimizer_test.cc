@@ -1073,6 +1073,22 @@ TEST(Adagrad, AccumulatorStartsAtTheGroupsInitialValue) {
   }
 }
 
+// The only later change of a group's initial_accumulator_value is a
+// LoadStateDict; one before the first update takes the saved value, and the
+// first update starts from it, as PyTorch's loader ends with the saver's
+// sum (made at the saver's construction). Filling the sum from the
+// loader's own constructor value would lose the saver's.
+TEST(Adagrad, AStateLoadedBeforeTheFirstUpdateStartsTheSumAtTheSaversValue) {
+  Adagrad saver({{"w", Zeros({1})}}, AdagradOptions{.lr = 1.0, .initial_accumulator_value = 0.5});
+  Tensor w = Zeros({1});
+  Adagrad loader({{"w", w}}, AdagradOptions{.lr = 1.0, .initial_accumulator_value = 0.1});
+  loader.LoadStateDict(saver.StateDict());
+  EXPECT_EQ(loader.options().initial_accumulator_value, 0.5);
+  w.set_grad(FromVector({2.0}, {1}));
+  loader.Step();
+  EXPECT_EQ(StateEntry(loader.StateDict(), "state.w.sum"), std::vector<double>{4.5});  // 0.5 + 2 * 2
+}
+
 TEST(Sgd, KeepsNoMomentumBufferWithoutMomentum) {
   Tensor w = Ones({4});
   Sgd plain({{"w", w}}, {.lr = 0.1});
