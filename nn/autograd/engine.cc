@@ -127,44 +127,6 @@ class NodeLock {
   std::unique_lock<std::timed_mutex> lock_;
 };
 
-// A pass that fails part way leaves the nodes it did not reach with their
-// gradient hooks, and one holding the loss would keep the graph alive for
-// ever (nothing else releases them once the caller drops it). Unless the
-// graph is retained, this releases the hooks of every node the pass could
-// reach when it ends by an exception. A node another thread's pass is
-// running is left to that pass: taking its hooks from under it would make
-// it skip them.
-class ReleaseHooksOnFailure {
- public:
-  ReleaseHooksOnFailure(const std::unordered_set<Node*>& reachable, bool active)
-      : reachable_(reachable), active_(active) {}
-  ~ReleaseHooksOnFailure() {
-    if (!active_ || finished_) return;
-    for (Node* n : reachable_) {
-      // Never one of this thread's (Backward refuses a pass reaching them),
-      // checked anyway: try_lock on a mutex the caller holds is undefined.
-      if (std::find(held_nodes.begin(), held_nodes.end(), n) != held_nodes.end()) continue;
-      std::vector<NodeGradHooks::Entry> released;
-      try {
-        std::unique_lock<std::timed_mutex> lock(n->mutex(), std::try_to_lock);
-        if (lock.owns_lock()) released = n->ReleaseGradHooks();
-      } catch (...) {
-        // Out of memory while unwinding: this node keeps its hooks, and the
-        // pass's own error goes on.
-      }
-    }
-  }
-  /// The pass ran to the end: every node it reached released its own.
-  void Finished() { finished_ = true; }
-  ReleaseHooksOnFailure(const ReleaseHooksOnFailure&) = delete;
-  ReleaseHooksOnFailure& operator=(const ReleaseHooksOnFailure&) = delete;
-
- private:
-  const std::unordered_set<Node*>& reachable_;
-  const bool active_;
-  bool finished_ = false;
-};
-
 struct LaterFirst {
   bool operator()(const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) const {
     return a->sequence_nr() < b->sequence_nr();
@@ -328,7 +290,6 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     }
   }
 
-  ReleaseHooksOnFailure release_on_failure(seen, !retain_graph);
   std::unordered_map<Node*, std::vector<Tensor>> buffers;
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, LaterFirst> ready;
   {
@@ -377,12 +338,14 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
         for (uint32_t i = 0; i < in.size(); ++i) {
           if (!in[i].defined()) continue;
           // An earlier pass that did not retain the graph released this
-          // output's hooks: going on would silently leave them out.
+          // output's hooks with the node's saved tensors: going on would
+          // silently leave them out. Refused in the words Apply would
+          // use, finding the saved tensors released (the same node, the
+          // same cause, one message).
           if (node->GradHooksReleased(i)) {
-            throw std::logic_error("Backward: tried to run backward through the graph a second time: the "
-                                   "gradient hooks of output " + std::to_string(i) + " of " + node->name() +
-                                   " were released by an earlier Backward that did not retain the graph (pass "
-                                   "retain_graph = true to it to keep them)");
+            throw std::logic_error("in backward of " + node->name() +
+                                   ": tried to run backward through the graph a second time (its saved "
+                                   "tensors were released; pass retain_graph = true to the first Backward)");
           }
           try {
             in[i] = RunGradHooks(*hooks, i, std::move(in[i]),
@@ -418,10 +381,14 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
         }
       }
       // The hooks go with the saved tensors: one holding a tensor computed
-      // from its own (the loss) would keep the graph alive for ever.
+      // from its own (the loss) would keep the graph alive for ever. Only
+      // where a saved tensor was released: a later pass through this node
+      // then fails here anyway, while one through a node that saved
+      // nothing goes through and runs its hooks again, as in PyTorch.
       if (!retain_graph) {
+        const uint64_t released_before = SavedTensor::ReleasedOnThisThread();
         node->ReleaseSaved();
-        released_hooks = node->ReleaseGradHooks();
+        if (SavedTensor::ReleasedOnThisThread() != released_before) released_hooks = node->ReleaseGradHooks();
       }
     }
     if (observer) (*observer)(*node, apply_seconds);
@@ -437,7 +404,6 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       if (--deps[e.fn.get()] == 0) ready.push(e.fn);
     }
   }
-  release_on_failure.Finished();
   RunCallbacks(task);
 }
 

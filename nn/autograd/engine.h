@@ -74,14 +74,16 @@ namespace ddp::nn::autograd {
 
 /// Computes the gradients of `roots` with respect to every leaf that requires
 /// grad and is reachable, accumulating into .grad. grads[i] seeds root i; an
-/// empty or undefined entry means 1 and needs a one-element root. The graph's
-/// saved tensors, and the gradient hooks its nodes keep for non-leaf
-/// tensors, are released unless retain_graph. Callbacks queued during
+/// empty or undefined entry means 1 and needs a one-element root. The saved
+/// tensors of the nodes the pass runs, and the gradient hooks a node that
+/// saved tensors keeps for its non-leaf outputs, are released unless
+/// retain_graph (a failed pass leaves the nodes it did not run as they
+/// were). Callbacks queued during
 /// the pass run before this returns. A seed of another dtype than its root
 /// is converted to the root's (as PyTorch). Throws on misuse (a root that
 /// does not require grad, a seed of the wrong shape or on another device
-/// than its root, a second backward through a released graph or a hooked
-/// non-leaf whose hooks were released, a saved
+/// than its root, a second backward through a node whose saved tensors
+/// were released, a saved
 /// tensor modified in place); an exception inside a node names the node.
 /// May be called from inside a running pass on the same thread (see above).
 void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads = {},

@@ -211,8 +211,15 @@ Tensor SavedTensor::Get() const {
   return data_;
 }
 
+namespace {
+thread_local uint64_t g_saved_tensors_released = 0;
+}  // namespace
+
+uint64_t SavedTensor::ReleasedOnThisThread() { return g_saved_tensors_released; }
+
 void SavedTensor::Release() {
   if (!was_defined_) return;
+  if (!released_) ++g_saved_tensors_released;
   data_ = Tensor();
   origin_node_.reset();
   released_ = true;

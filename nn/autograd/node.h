@@ -45,6 +45,8 @@ class Node {
   virtual std::string name() const = 0;
   /// Drops saved tensors after backward has run through the node (unless
   /// the graph is retained); a second backward then reports the release.
+  /// Saved tensors are kept as SavedTensor: the engine counts their
+  /// releases to know whether the node's gradient hooks go with them.
   virtual void ReleaseSaved() {}
 
   const std::vector<Edge>& next_edges() const { return next_edges_; }
@@ -65,9 +67,11 @@ class Node {
   /// The same, or null when no hook was ever registered on an output.
   std::shared_ptr<NodeGradHooks> grad_hooks() const;
   /// Takes the hooks out of the list, remembering which outputs had one
-  /// (see GradHooksReleased). The engine calls it with ReleaseSaved: a hook
-  /// that holds a tensor computed from the hooked one (the loss) would
-  /// otherwise keep the graph alive through the node for ever. The caller
+  /// (see GradHooksReleased). The engine calls it where ReleaseSaved
+  /// released a saved tensor (a later pass through the node fails there
+  /// anyway): a hook that holds a tensor computed from the hooked one (the
+  /// loss) would otherwise keep the graph alive through the node for ever.
+  /// A node that saved nothing keeps its hooks, as in PyTorch. The caller
   /// destroys what it returns after letting go of mutex(): destroying what a
   /// hook captured may run any code.
   std::vector<NodeGradHooks::Entry> ReleaseGradHooks();
@@ -129,6 +133,11 @@ class SavedTensor {
   Tensor Get() const;
   void Release();
   bool defined() const { return was_defined_; }
+  /// How many Release calls on this thread have dropped a tensor (one that
+  /// was saved and not yet released). The engine reads it around a node's
+  /// ReleaseSaved to tell a node that saved a tensor from one that saved
+  /// none: only the first loses its gradient hooks with them.
+  static uint64_t ReleasedOnThisThread();
 
  private:
   Tensor data_;
