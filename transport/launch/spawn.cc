@@ -1078,7 +1078,8 @@ StatusOr<std::pair<int, int>> ProcessSignalPipe() {
 }
 
 // SIGCHLD as the groups alive found it (see WaitForChildren): how many
-// there are, and the disposition the first of them replaced, if it did.
+// there are, and the ignoring disposition the latest of them replaced, if
+// any did.
 struct SigchldState {
   std::mutex mu;
   int groups = 0;
@@ -1646,15 +1647,17 @@ class WorkerGroup::Impl {
   // that set it) the kernel reaps exited children itself, so waitid cannot
   // observe the workers' exits and the group would wait for them forever.
   // A launcher must see them: back to the default, which also ignores the
-  // signal but keeps exited children to be waited for. The caller's
-  // disposition comes back when the last group alive ends (ReleaseChildren;
-  // one ended earlier would have the kernel reap another's workers), unless
-  // someone set another meanwhile.
+  // signal but keeps exited children to be waited for. Every group looks
+  // at its start, not only the first alive: the host program may have set
+  // the ignoring while an earlier group ran, and this group's workers
+  // would then be reaped by the kernel. The ignoring found last is the
+  // host program's latest choice: it comes back when the last group alive
+  // ends (ReleaseChildren; one ended earlier would have the kernel reap
+  // another's workers), unless someone set another meanwhile.
   void WaitForChildren() {
     std::lock_guard<std::mutex> lock(g_sigchld.mu);
     waits_for_children_ = true;
-    if (g_sigchld.groups++ > 0) return;  // the first group alive decides
-    g_sigchld.changed = false;
+    if (g_sigchld.groups++ == 0) g_sigchld.changed = false;
     struct sigaction current{};
     if (sigaction(SIGCHLD, nullptr, &current) != 0) return;
     if (current.sa_handler != SIG_IGN && (current.sa_flags & SA_NOCLDWAIT) == 0) return;

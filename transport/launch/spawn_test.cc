@@ -2219,6 +2219,38 @@ TEST(SpawnTest, SigchldIgnoredComesBackWhenTheLastGroupEnds) {
   ExpectNoChildrenLeft();
 }
 
+// SIGCHLD set to SIG_IGN by the host program while a group runs: a group
+// started after that must set the default back too, or the kernel reaps
+// its workers and their exit statuses are lost (only the first group alive
+// looked). The ignoring is the host program's choice, and comes back when
+// the last group ends.
+TEST(SpawnTest, AGroupStartedAfterSigchldWasIgnoredUnderAnotherSeesItsWorkersExit) {
+  struct sigaction ignore{}, saved{};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGCHLD, nullptr, &saved), 0);
+  const std::string dir = TempDir("sigchldlater");
+  StatusOr<std::unique_ptr<WorkerGroup>> first =
+      WorkerGroup::Start(Specs(1, "sleeper", {{"PID_DIR", dir}}), Quiet());
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(sigaction(SIGCHLD, &ignore, nullptr), 0);
+  StatusOr<std::unique_ptr<WorkerGroup>> second =
+      WorkerGroup::Start(Specs(2, "fail_rank1", {{"FAIL_AFTER_MS", "0"}}), Quiet());
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(SigchldHandler(), SIG_DFL) << "the second group left SIGCHLD ignored";
+  GroupResult result = (*second)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kWorkerFailed) << result.reason;
+  ASSERT_TRUE(result.first_failure.has_value()) << result.reason;
+  EXPECT_EQ(result.first_failure->rank, 1);
+  EXPECT_FALSE(result.first_failure->status_lost) << result.first_failure->Describe();
+  EXPECT_EQ(result.ExitCode(), 3) << result.reason;
+  second->reset();
+  first->reset();
+  EXPECT_EQ(SigchldHandler(), SIG_IGN);
+  sigaction(SIGCHLD, &saved, nullptr);
+  ExpectNoChildrenLeft();
+}
+
 // The launcher's stdout is a pipe whose reader is gone (`ddprun ... | head`,
 // or `| tee` ended by the same Ctrl-C): copying the workers' output there
 // must not kill it with SIGPIPE (and its workers with it). What cannot be
