@@ -1501,6 +1501,7 @@ class WorkerGroup::Impl {
                                   std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
                                                      now - start).count()) +
                                   " ms (the deadline); stopped them";
+        result.deadline_passed = true;
         if (result.first_failure) {
           // A failure that left the others running (stop_all_on_failure
           // off) stays the outcome, as with a stop requested after it.

@@ -227,6 +227,11 @@ struct GroupResult {
   /// in the order of the specs: their order of death is not known.
   std::optional<WorkerExit> first_failure;
   int signal = 0;                            ///< The signal, for kInterrupted.
+  /// Wait's deadline passed with workers still running, and they were
+  /// stopped: set with kTimedOut, and also with kWorkerFailed when the
+  /// failure had left the others running (stop_all_on_failure off) and they
+  /// had not finished by then.
+  bool deadline_passed = false;
   std::string reason;                        ///< One line; empty on success.
   std::vector<std::string> output;           ///< Captured output per worker.
   /// Bytes of worker output that the launcher's stdout or stderr did not

@@ -1708,6 +1708,7 @@ TEST(SpawnTest, DeadlineStopsTheWorkers) {
   GroupResult result = (*group)->Wait(DeadlineIn(300ms));
   EXPECT_LT(Clock::now() - start, 5s);
   EXPECT_EQ(result.outcome, GroupOutcome::kTimedOut);
+  EXPECT_TRUE(result.deadline_passed);
   EXPECT_THAT(result.reason, HasSubstr("(the deadline); stopped them"));
   ExpectNoChildrenLeft();
 }
@@ -1806,6 +1807,7 @@ TEST(SpawnTest, ADeadlineAfterAFailureThatLeftTheOthersRunningKeepsTheFailure) {
   EXPECT_THAT(result.reason, ::testing::StartsWith("rank 1 (pid " + std::to_string(pids[1]) +
                                                    ") exited with code 3; the others were still running after "));
   EXPECT_THAT(result.reason, ::testing::EndsWith(" ms (the deadline); stopped them"));
+  EXPECT_TRUE(result.deadline_passed) << "nothing but the reason's text said that the survivors hung";
   EXPECT_EQ(result.workers[0].code, SIGTERM) << result.workers[0].Describe();
   ExpectNoChildrenLeft();
 }
@@ -2723,6 +2725,18 @@ TEST(SpawnTest, RunTestWorkersHelper) {
   EXPECT_EQ(run->ExitCode(1), 3);
   EXPECT_EQ(run->ExitCode(0), 128 + SIGTERM);
   EXPECT_THAT(run->Summary(), HasSubstr("rank 1 (pid"));
+  EXPECT_FALSE(run->group.deadline_passed) << run->Summary();
+
+  // Survivors left running by a failure (stop_all_on_failure off) that
+  // hang until the run's timeout: the failure stays the outcome, and the
+  // result says that the deadline passed.
+  run = testing::RunTestWorkers("fail_rank1",
+                                {.world_size = 2, .timeout = 1000ms, .stop_all_on_failure = false});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->group.outcome, GroupOutcome::kWorkerFailed) << run->Summary();
+  EXPECT_EQ(run->ExitCode(1), 3);
+  EXPECT_EQ(run->ExitCode(0), 128 + SIGTERM);
+  EXPECT_TRUE(run->group.deadline_passed) << run->Summary();
 
   // A worker that was never reaped has no exit code: not 0, which a test
   // would take for its success.

@@ -55,8 +55,10 @@ inline constexpr char kTestWorkerEnv[] = "DDP_TEST_WORKER";
 
 struct TestRunOptions {
   int world_size = 2;
-  /// The whole run: workers still running then are stopped and the run
-  /// reports kTimedOut.
+  /// The whole run: workers still running then are stopped and
+  /// group.deadline_passed is set. The outcome is kTimedOut, unless a worker
+  /// had failed before (stop_all_on_failure off): that failure stays the
+  /// outcome (kWorkerFailed).
   std::chrono::milliseconds timeout{30000};
   /// True: the test process serves the store and the workers see
   /// DDP_STORE_HOST=launcher. False: rank 0 serves it on MASTER_PORT, a port
