@@ -704,8 +704,12 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
     }
     for (size_t j = 0; j < i; ++j) {
       if (error_paths[i] && error_paths[j] == error_paths[i]) {
+        // Both spellings when they differ: the user looks for each in its spec.
+        const std::string earlier = *OwnErrorFile(specs[j]);
+        const std::string later = *OwnErrorFile(spec);
+        const std::string named = earlier == later ? "'" + later + "'" : "'" + earlier + "' and '" + later + "'";
         return InvalidArgumentError("ranks " + std::to_string(specs[j].rank) + " and " + std::to_string(spec.rank) +
-                                    " name one error file of their own, '" + *OwnErrorFile(spec) + "' (" +
+                                    " name one error file of their own, " + named + " (" +
                                     std::string(kEnvErrorFile) +
                                     "), whose message would be blamed on either; give each its own");
       }

@@ -2326,6 +2326,8 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
   const std::string dir = TempDir("bad_specs");
   // Must outlive its case (a launcher that removed it would be wrong).
   ASSERT_EQ(mkfifo((dir + "/error.fifo").c_str(), 0644), 0) << std::strerror(errno);
+  char cwd_now[PATH_MAX];
+  ASSERT_NE(getcwd(cwd_now, sizeof(cwd_now)), nullptr) << std::strerror(errno);
   struct Case {
     std::string what;
     std::function<void(std::vector<WorkerSpec>&, SpawnOptions&)> spoil;
@@ -2384,8 +2386,15 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
          specs[0].env.emplace_back(kEnvErrorFile, dir + "/error.json");
          specs[2].env.emplace_back(kEnvErrorFile, dir + "/./error.json");
        },
-       "ranks 0 and 2 name one error file of their own, '" + dir +
+       "ranks 0 and 2 name one error file of their own, '" + dir + "/error.json' and '" + dir +
            "/./error.json' (TORCHELASTIC_ERROR_FILE), whose message would be blamed on either; give each its own"},
+      {"one error file of their own twice, spelled alike",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions&) {
+         specs[1].env.emplace_back(kEnvErrorFile, dir + "/same.json");
+         specs[2].env.emplace_back(kEnvErrorFile, dir + "/same.json");
+       },
+       "ranks 1 and 2 name one error file of their own, '" + dir +
+           "/same.json' (TORCHELASTIC_ERROR_FILE), whose message would be blamed on either; give each its own"},
       {"one error file of their own twice, once relative",
        [&](std::vector<WorkerSpec>& specs, SpawnOptions&) {
          char cwd[PATH_MAX];
@@ -2393,8 +2402,9 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
          specs[0].env.emplace_back(kEnvErrorFile, std::string(cwd) + "/no_such_folder/error.json");
          specs[1].env.emplace_back(kEnvErrorFile, "./no_such_folder/error.json");
        },
-       "ranks 0 and 1 name one error file of their own, './no_such_folder/error.json' (TORCHELASTIC_ERROR_FILE), "
-       "whose message would be blamed on either; give each its own"},
+       "ranks 0 and 1 name one error file of their own, '" + std::string(cwd_now) +
+           "/no_such_folder/error.json' and './no_such_folder/error.json' (TORCHELASTIC_ERROR_FILE), "
+           "whose message would be blamed on either; give each its own"},
       {"an error file of its own that is a FIFO",
        [&](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].env.emplace_back(kEnvErrorFile, dir + "/error.fifo"); },
        "rank 1: its error file '" + dir + "/error.fifo' (TORCHELASTIC_ERROR_FILE) is a FIFO, not a regular file; "
