@@ -744,8 +744,8 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
 // non-blocking: one that is a FIFO (or a device) whose reader stops
 // reading, or reads a few bytes at a time, holds the loop that watches the
 // workers up for at most kTerminalStallTime in all (`stall_limit`: that
-// long after the write began, counted from the first try of data a
-// deadline cut short), and never past `wait_deadline` (the watch's next
+// long after the write began; what a deadline cut short goes on through
+// WritePending), and never past `wait_deadline` (the watch's next
 // deadline: Wait's own, the grace's end), so that a deadline, a kill or a
 // forwarded Ctrl-C is not put off. A FIFO whose reader closed gives EPIPE,
 // without SIGPIPE (whose default action would end the launcher).
@@ -785,6 +785,51 @@ std::string WriteAll(int fd, std::string_view data, Deadline stall_limit, Deadli
       return "the write took nothing";
     }
     data.remove_prefix(static_cast<size_t>(n));
+  }
+  *taken_out = total;
+  return "";
+}
+
+// Writes the rest of a log write that a deadline cut short (WriteLog). It
+// waits for the reader as WriteAll does, until `hold_until` (the write's
+// first try plus kTerminalStallTime, or the watch's next deadline if
+// sooner: the watch is held up no longer in all than by one write), then
+// leaves the rest for the log's turn in the watch's poll. The reader's
+// stall is counted from the last time it took bytes (`*last_progress`,
+// moved on by every byte taken), not from the first try: a reader that
+// keeps taking bytes keeps the log; one that took nothing for
+// kTerminalStallTime stops it.
+std::string WritePending(int fd, std::string_view data, Deadline hold_until, Deadline* last_progress,
+                         size_t* taken_out) {
+  const size_t total = data.size();
+  *taken_out = 0;
+  while (!data.empty()) {
+    const ssize_t n = WriteWithoutSigpipe(fd, data);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      *taken_out = total - data.size();
+      const Deadline stalled = *last_progress + kTerminalStallTime;
+      if (Clock::now() >= stalled) {
+        return "nothing was taken for " + std::to_string(kTerminalStallTime.count()) +
+               " ms (a reader that stopped reading)";
+      }
+      const int wait_ms = MillisecondsUntil(std::min(stalled, hold_until));
+      if (wait_ms == 0) return "";  // the rest waits for the log's turn
+      pollfd p{fd, POLLOUT, 0};
+      poll(&p, 1, wait_ms);
+      continue;
+    }
+    if (n < 0) {
+      const int err = errno;
+      *taken_out = total - data.size();
+      return ErrnoText(err);
+    }
+    if (n == 0) {
+      *taken_out = total - data.size();
+      return "the write took nothing";
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+    *last_progress = Clock::now();
   }
   *taken_out = total;
   return "";
@@ -967,9 +1012,13 @@ struct Stream {
   Fd log;               // its log file (stdout.log or stderr.log), if any
   std::string log_path;
   // What a log write cut short by the watch's deadline left (see
-  // WriteLog): written before anything newer, within kTerminalStallTime
-  // of `log_pending_since`, when the write of it began.
+  // WriteLog): written before anything newer; the log stops when its
+  // reader takes nothing for kTerminalStallTime after `log_pending_since`,
+  // the last time it took bytes (WritePending). Writes of it wait for the
+  // reader only until kTerminalStallTime after `log_pending_began`, the
+  // first try.
   std::string log_pending;
+  Deadline log_pending_began{};
   Deadline log_pending_since{};
   bool to_terminal = false;  // copied to the launcher's stdout or stderr
   uint64_t log_bytes = 0;   // written to the log so far
@@ -2191,26 +2240,25 @@ class WorkerGroup::Impl {
   // the workers say while they are stopped, which tells how the job ended.
   static void WriteLog(Worker& w, Stream& stream, std::string_view data, Deadline wait_deadline) {
     if (!stream.log.valid()) return;
-    std::string_view out = data;
-    const bool resumed = !stream.log_pending.empty();
-    const Deadline began = resumed ? stream.log_pending_since : Clock::now();
-    if (resumed) {
-      stream.log_pending.append(data);
-      out = stream.log_pending;
-    }
     size_t taken = 0;
-    const std::string failure = WriteAll(stream.log.get(), out, began + kTerminalStallTime, wait_deadline, &taken);
-    stream.log_bytes += taken;
-    if (failure.empty()) {
-      if (resumed) {
-        stream.log_pending.erase(0, taken);
-      } else {
-        stream.log_pending.assign(out.substr(taken));
+    std::string failure;
+    if (!stream.log_pending.empty()) {
+      stream.log_pending.append(data);
+      const Deadline hold_until = std::min(stream.log_pending_began + kTerminalStallTime, wait_deadline);
+      failure = WritePending(stream.log.get(), stream.log_pending, hold_until, &stream.log_pending_since, &taken);
+      stream.log_pending.erase(0, taken);
+    } else {
+      const Deadline began = Clock::now();
+      failure = WriteAll(stream.log.get(), data, began + kTerminalStallTime, wait_deadline, &taken);
+      if (failure.empty() && taken < data.size()) {
+        stream.log_pending.assign(data.substr(taken));
+        stream.log_pending_began = began;
+        // The reader's stall is counted from when it last took bytes.
+        stream.log_pending_since = taken > 0 ? Clock::now() : began;
       }
-      stream.log_pending_since = began;
-      return;
     }
-    StopLog(w, stream, failure);
+    stream.log_bytes += taken;
+    if (!failure.empty()) StopLog(w, stream, failure);
   }
 
   static void StopLog(Worker& w, Stream& stream, const std::string& why) {

@@ -243,7 +243,8 @@ struct GroupResult {
   /// an I/O error, a FIFO whose reader closed it, took nothing for 2 s or
   /// too little to finish one write in 2 s, or had not taken by the end of
   /// Wait what a write cut short by a deadline left; such a write does not
-  /// stop the log, whose rest goes out as the reader takes it): "rank 3's
+  /// stop the log, whose rest goes out as the reader takes it, and stops it
+  /// only once the reader takes nothing for 2 s): "rank 3's
   /// log file '<path>' stopped after N bytes: <why>". Nothing more is
   /// written to that file; the terminal and the capture still get the
   /// output.

@@ -787,6 +787,8 @@ DDP_TEST_WORKER(chatty_until_term) {
   for (int left = EnvInt("BYTES", 0); left > 0; left -= 64) std::printf("%s\n", line.c_str());
   std::fflush(stdout);
   for (int i = 0; i < 3000 && termed == 0; ++i) usleep(10000);  // bounded, as SleepForever
+  // The time a worker takes to stop (saving a checkpoint, say).
+  std::this_thread::sleep_for(std::chrono::milliseconds(EnvInt("LINGER_MS", 0)));
   std::printf("stopping on SIGTERM\n");
   return 0;
 }
@@ -1050,6 +1052,56 @@ TEST(SpawnTest, ALogWriteCutByWaitsDeadlineLeavesTheLogOpen) {
   const std::string last = "stopping on SIGTERM\n";
   EXPECT_TRUE(log.size() >= last.size() && log.compare(log.size() - last.size(), last.size(), last) == 0)
       << "the log's last line is not the one the worker wrote while it stopped";
+  ExpectNoChildrenLeft();
+}
+
+// As above, with a reader that takes a page every 100 ms once the workers
+// are being stopped, and a worker that takes 5 s to stop: the 128 KiB take
+// the reader about 3 s, more than the 2 s a stalled reader is given, but
+// it never stalls. The log stays open until all of it is in; the 2 s were
+// counted from the cut write's first try, and the log was stopped while
+// the reader was still taking bytes.
+TEST(SpawnTest, ALogWriteCutByADeadlineStaysOpenWhileItsReaderKeepsTakingBytes) {
+  const std::string dir = TempDir("fifo_log_cut_slow_reader");
+  std::string path;
+  ASSERT_EQ(FifoAsRankZerosLog(dir, &path), 0);
+  const std::string mark = dir + "/rank0.term";
+  unlink(mark.c_str());
+  const int reader = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0) << std::strerror(errno);
+  SpawnOptions options = Quiet();
+  options.output.log_dir = dir + "/logs";
+  options.grace = 20000ms;
+  constexpr int kBytes = 128 * 1024;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(
+      Specs(1, "chatty_until_term", {{"BYTES", std::to_string(kBytes)}, {"PID_DIR", dir}, {"LINGER_MS", "5000"}}),
+      options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::string log;
+  std::thread slow_reader([&] {
+    const auto give_up = Clock::now() + 40s;
+    while (access(mark.c_str(), F_OK) != 0 && Clock::now() < give_up) std::this_thread::sleep_for(5ms);
+    // A page per 100 ms, until the launcher closes the log (end of file).
+    while (Clock::now() < give_up) {
+      pollfd p{reader, POLLIN, 0};
+      if (poll(&p, 1, 100) < 0) break;
+      if (p.revents == 0) continue;
+      char buf[4096];
+      const ssize_t n = read(reader, buf, sizeof(buf));
+      if (n == 0) break;
+      if (n > 0) log.append(buf, static_cast<size_t>(n));
+      std::this_thread::sleep_for(100ms);  // the pace
+    }
+  });
+  GroupResult result = (*group)->Wait(DeadlineIn(500ms));
+  group->reset();  // closes the log: the reader's end of file
+  slow_reader.join();
+  close(reader);
+  EXPECT_EQ(result.outcome, GroupOutcome::kTimedOut) << result.reason;
+  ASSERT_EQ(result.workers.size(), 1u);
+  EXPECT_TRUE(result.workers[0].ok()) << result.workers[0].Describe();
+  EXPECT_THAT(result.log_failures, ::testing::IsEmpty());
+  EXPECT_EQ(log.size(), static_cast<size_t>(kBytes) + std::strlen("stopping on SIGTERM\n"));
   ExpectNoChildrenLeft();
 }
 
