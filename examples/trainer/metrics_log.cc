@@ -171,10 +171,14 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
       try {
         const int64_t step = std::stoll(f[0]);
         if (step > resume_step) continue;
+        // ParseExactDouble, not std::stod: a learning rate decayed below
+        // the smallest normal double is written as "1e-310", which std::stod
+        // refuses (out_of_range).
         if (!f[2].empty()) {
-          steps_.push_back({step, std::stoll(f[1]), std::stod(f[2]), std::stod(f[3]), std::stod(f[4])});
+          steps_.push_back(
+              {step, std::stoll(f[1]), ParseExactDouble(f[2]), ParseExactDouble(f[3]), ParseExactDouble(f[4])});
         } else if (!f[5].empty()) {
-          evals_.push_back({step, std::stoll(f[1]), std::stod(f[5]), std::stod(f[6])});
+          evals_.push_back({step, std::stoll(f[1]), ParseExactDouble(f[5]), ParseExactDouble(f[6])});
         } else {
           continue;
         }

@@ -149,6 +149,21 @@ TEST(MetricsLogTest, ResumeKeepsRowsUpToTheCheckpointStep) {
       << csv;
 }
 
+// A learning rate decayed below the smallest normal double is written as
+// "1e-310"; std::stod refused it (out_of_range), so a resume dropped the
+// row as "not a row of ours".
+TEST(MetricsLogTest, ResumeKeepsARowWhoseLearningRateIsSubnormal) {
+  const std::string dir = TempDir("subnormal");
+  {
+    MetricsLog log(dir, "t", "s", -1);
+    log.AddStep({10, 1, 1.0, 1e-310, 100});
+    log.AddStep({20, 1, 0.5, 0.05, 100});
+  }
+  MetricsLog log(dir, "t", "s", 20);
+  ASSERT_EQ(log.steps().size(), 2u);
+  EXPECT_EQ(log.steps()[0].lr, 1e-310);
+}
+
 // A row cut short by a kill or a full disk can still have its seven fields
 // ("0.8765" cut to "0.8"): a last line without its newline is not kept,
 // though its step is at or before the resumed one.
