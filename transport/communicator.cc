@@ -98,6 +98,10 @@ constexpr milliseconds kStoppedPeerTime{500};
 // Most bytes of rank 0's reason for a failed registration of a split's
 // communicators that it passes on to the other ranks.
 constexpr int64_t kMostSplitReasonBytes = 4096;
+// Beyond a split's whole timeout, how long the ranks wait for rank 0 to
+// share whether it registered the new communicators: the registration's
+// store calls keep to their deadline, give or take a scheduling delay.
+constexpr milliseconds kSplitOutcomeGrace{1000};
 
 // The most ranks a job may have: UCX messages carry the sender's rank in
 // the tag bits above the algorithms' (UcxPointToPoint refuses more). Checked
@@ -3420,10 +3424,25 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
     }
     std::string reason = registered.message().substr(0, kMostSplitReasonBytes);
     int64_t outcome[2] = {static_cast<int64_t>(registered.code()), static_cast<int64_t>(reason.size())};
-    Status shared = Broadcast(outcome, 2, DataType::kI64, 0, rest());
+    // The outcome's broadcasts wait for rank 0's registration, which may
+    // run to rank 0's own deadline, later than that of a rank that came to
+    // the split first. A timed-out broadcast aborts this communicator, so
+    // they do not get only what is left of the split's deadline: each gets
+    // the split's whole timeout and a grace from now. The exchange above
+    // ended after rank 0 began the split, so its registration ends within
+    // that, and a registration that runs out of time fails only the split.
+    const auto outcome_step = [&] {
+      CallOptions step = call;
+      const milliseconds whole = call.timeout.count() > 0 ? call.timeout : impl_->options_.timeout;
+      step.timeout = deadline == Deadline::max() || whole > milliseconds::max() - kSplitOutcomeGrace
+                         ? milliseconds::max()
+                         : whole + kSplitOutcomeGrace;
+      return step;
+    };
+    Status shared = Broadcast(outcome, 2, DataType::kI64, 0, outcome_step());
     if (shared.ok() && outcome[0] != 0 && outcome[1] > 0) {
       reason.resize(static_cast<size_t>(std::clamp<int64_t>(outcome[1], 0, kMostSplitReasonBytes)));
-      shared = Broadcast(reason.data(), reason.size(), DataType::kU8, 0, rest());
+      shared = Broadcast(reason.data(), reason.size(), DataType::kU8, 0, outcome_step());
     }
     if (!shared.ok()) {
       // This rank cannot tell whether the others make theirs: those of its

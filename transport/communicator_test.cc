@@ -2199,6 +2199,48 @@ int ScenarioSplitRegistrationFails() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A split of a split without rank 0 (which serves the store) whose
+// registration in the store runs out of the split's time: the serving rank
+// is stopped (SIGSTOP) during it, and the registering rank comes to the
+// split 300 ms after its fellow member, whose share of the deadline thus
+// ends first. The split fails with TIMED_OUT on both ranks, and the
+// communicator split still all-reduces. Before, the outcome's broadcast got
+// only what was left of the split's deadline: the fellow member's timed out
+// and aborted the communicator split.
+int ScenarioSplitRegistrationTimesOut() {
+  auto comm = MustCreate();
+  int64_t pids[3] = {0, 0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  const int me = comm->rank();
+  auto child = comm->Split(me == 0 ? Communicator::kNoColor : 0, me);
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  // Rank 0 serves the store until the others have left the child.
+  if (me == 0) return testing::worker_failures == 0 ? 0 : 1;
+  std::unique_ptr<Communicator> kept = std::move(*child);
+  comm.reset();
+  const std::string who = "rank " + std::to_string(kept->rank());
+  if (kept->rank() == 0) {
+    kill(static_cast<pid_t>(pids[0]), SIGSTOP);
+    std::this_thread::sleep_for(milliseconds(300));  // the registering rank comes late
+  }
+  auto grandchild = kept->Split(0, kept->rank(), {.timeout = milliseconds(1500)});
+  if (kept->rank() == 0) kill(static_cast<pid_t>(pids[0]), SIGCONT);
+  WORKER_CHECK(!grandchild.ok(), who + ": the split was made with the store stopped");
+  WORKER_CHECK(grandchild.status().code() == StatusCode::kTimedOut, who + ": " + grandchild.status().ToString());
+  WORKER_CHECK(grandchild.status().message().find("registering the new communicators") != std::string::npos,
+               who + ": " + grandchild.status().ToString());
+  float x = 1.0f;
+  const Status reduced = kept->AllReduce(&x, &x, 1, DataType::kF32, ReduceOp::kSum, {.timeout = std::chrono::seconds(15)});
+  WORKER_CHECK(reduced.ok(), who + ": the communicator split was left unusable: " + reduced.ToString());
+  WORKER_CHECK(x == 2.0f, who + ": all-reduced " + std::to_string(x) + ", not 2");
+  std::printf("SPLIT %s: %s\n", who.c_str(), grandchild.status().ToString().c_str());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Many splits of a communicator without rank 0 (which serves the store),
 // each registered in the store by that communicator's rank 0, under a long
 // name (long registration lines) and into one color per rank: every split
@@ -2962,6 +3004,7 @@ int RunScenario(const std::string& name) {
   }
   if (name == "store_names_malformed_split_registration") return ScenarioStoreRankNamesAMalformedSplitRegistration();
   if (name == "split_registration_fails") return ScenarioSplitRegistrationFails();
+  if (name == "split_registration_times_out") return ScenarioSplitRegistrationTimesOut();
   if (name == "many_splits_without_store_rank") return ScenarioManySplitsWithoutStoreRank();
   if (name == "waiters_on_a_receive_whose_peer_is_killed") return ScenarioWaitersOnAReceiveWhosePeerIsKilled();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
@@ -3240,6 +3283,11 @@ TEST(Communicator, ASplitKeepsTheParentsSettingsWhateverTheEnvironmentSaysSince)
 TEST(Communicator, ASplitThatCannotBeRegisteredFailsEveryColorAtOnce) {
   Job job = RunJob(5, "split_registration_fails", {});
   ASSERT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, ASplitWhoseRegistrationTimesOutLeavesTheParentUsable) {
+  Job job = RunJob(3, "split_registration_times_out", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(Communicator, ManySplitsWithoutTheStoreRankAreAllRegistered) {
