@@ -2241,10 +2241,12 @@ Status Communicator::Impl::Abort(const Status& reason, std::optional<Deadline> c
   bool post = false;  // whether `first` is this rank's to post
   // Outside a call, reading the job's reason and posting this one share
   // one abort_store_time: with a store that stopped answering, each took
-  // all of it, and Abort twice that.
+  // all of it, and Abort twice that. The read (with the look for a lost
+  // peer's cause, up to kEchoGrace) gets only the first half, so that the
+  // post keeps the second: a look that used it all left the post none.
   const Deadline store_by = DeadlineIn(options_.abort_store_time);
   if (monitor_ != nullptr) {
-    const Deadline deadline = call_deadline.value_or(store_by);
+    const Deadline deadline = call_deadline.value_or(DeadlineIn(options_.abort_store_time / 2));
     Status posted = monitor_->PostedAbort(deadline);
     post = posted.ok();
     first = post ? LocalCause(reason, deadline) : posted;

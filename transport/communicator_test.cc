@@ -2023,6 +2023,51 @@ int ScenarioRepeatedAbortAsksNoStore() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Abort outside a call with a lost peer as its reason, and a short
+// abort_store_time (60 ms): the look for the reason's cause elsewhere (up
+// to 100 ms, a posted reason or a process that died) must leave time to
+// post this rank's reason. Before, it used up all but the last few ms of
+// abort_store_time (less than one 10 ms poll), and the post gave up when
+// those had passed: the abort key stayed unset, and the peers learned
+// nothing of the abort. Rank 1 aborts eight communicators split from the
+// first (all with its abort_store_time), since the old code missed the
+// post only one time in five on an idle host.
+int ScenarioAbortOfALostPeerPostsItsReasonInAShortStoreTime() {
+  CommunicatorOptions options = WorkerOptions();
+  options.abort_store_time = milliseconds(60);
+  auto comm = Communicator::CreateFromEnvironment(options);
+  WORKER_CHECK(comm.ok(), "create: " + comm.status().ToString());
+  if (!comm.ok()) return 1;
+  const int me = (*comm)->rank();
+  auto client = ConnectToTheJobsStore();
+  WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
+  if (!client.ok()) return 1;
+  std::vector<std::unique_ptr<Communicator>> children;
+  for (int i = 0; i < 8; ++i) {
+    auto child = (*comm)->Split(0, me);
+    WORKER_CHECK(child.ok(), "split " + std::to_string(i) + ": " + child.status().ToString());
+    if (!child.ok()) return 1;
+    if (me == 1) {
+      (*child)->Abort(PeerLostError("the test lost its peer"));
+      // The child's name under the launch's key prefix (no restarts here),
+      // then "abort".
+      const std::string key = "r0/default/split" + std::to_string(i) + "/0/abort";
+      auto posted = (*client)->TryGet(key, DeadlineIn(milliseconds(5000)));
+      WORKER_CHECK(posted.ok(), "reading " + key + ": " + posted.status().ToString());
+      if (!posted.ok()) continue;
+      WORKER_CHECK(posted->has_value(), "Abort posted no reason to " + key + " within abort_store_time 60 ms");
+      if (posted->has_value()) {
+        WORKER_CHECK((*posted)->find("the test lost its peer") != std::string::npos, key + " holds: " + **posted);
+      }
+    }
+    children.push_back(std::move(*child));
+  }
+  // Rank 0 serves the store until rank 1 has read it.
+  const Status done = (*comm)->Barrier();
+  WORKER_CHECK(done.ok(), "barrier: " + done.ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A first Abort with the store stopped answering (rank 0, which serves it,
 // is stopped: SIGSTOP) keeps to abort_store_time (1 s) in all. Before, the
 // look for a reason posted already took the whole second, and the post of
@@ -3008,6 +3053,9 @@ int RunScenario(const std::string& name) {
   if (name == "many_splits_without_store_rank") return ScenarioManySplitsWithoutStoreRank();
   if (name == "waiters_on_a_receive_whose_peer_is_killed") return ScenarioWaitersOnAReceiveWhosePeerIsKilled();
   if (name == "repeated_abort") return ScenarioRepeatedAbortAsksNoStore();
+  if (name == "abort_of_lost_peer_posts_in_short_store_time") {
+    return ScenarioAbortOfALostPeerPostsItsReasonInAShortStoreTime();
+  }
   if (name == "abort_with_a_stalled_store") return ScenarioAbortWithAStalledStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
@@ -3292,6 +3340,11 @@ TEST(Communicator, ASplitWhoseRegistrationTimesOutLeavesTheParentUsable) {
 
 TEST(Communicator, ManySplitsWithoutTheStoreRankAreAllRegistered) {
   Job job = RunJob(5, "many_splits_without_store_rank", {{"DDP_TEST_SPLITS", "620"}}, milliseconds(240000));
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
+}
+
+TEST(Communicator, AnAbortForALostPeerPostsItsReasonWithinAShortAbortStoreTime) {
+  Job job = RunJob(2, "abort_of_lost_peer_posts_in_short_store_time", {});
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
