@@ -929,13 +929,19 @@ Status UcxPointToPoint::BackOff(const Polls& polls, Clock::time_point now, Deadl
       break;  // in Poll, at every idle poll
     case IdleMode::kSleep: {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-      const int timeout_ms = static_cast<int>(
-          std::min<int64_t>(std::max<int64_t>(left.count(), 0), max_sleep.count()));
-      DDP_RETURN_IF_ERROR(worker_->WaitForEvents(timeout_ms));
+      DDP_RETURN_IF_ERROR(worker_->WaitForEvents(SleepMilliseconds(left, max_sleep)));
       break;
     }
   }
   return Status::Ok();
+}
+
+int UcxPointToPoint::SleepMilliseconds(std::chrono::milliseconds left, std::chrono::milliseconds max_sleep) {
+  // Clamped before the narrowing: a negative int would make epoll_wait
+  // block with no timeout at all.
+  const int64_t ms = std::clamp<int64_t>(std::min(left.count(), max_sleep.count()), 0,
+                                         std::numeric_limits<int>::max());
+  return static_cast<int>(ms);
 }
 
 void UcxPointToPoint::PollUntil(Polls& polls, Deadline until) {

@@ -96,6 +96,11 @@ class UcxPointToPoint final : public p2p::PointToPoint {
                                                            const P2pOptions& options);
   ~UcxPointToPoint() override;
 
+  /// The epoll_wait timeout, in ms, of one idle sleep with `left` until the
+  /// wait's deadline and at most `max_sleep`: 0 for a deadline passed, at
+  /// most INT_MAX (about 24.8 days) however long both are.
+  static int SleepMilliseconds(std::chrono::milliseconds left, std::chrono::milliseconds max_sleep);
+
   /// This worker's address, to publish through the store.
   const std::string& address() const { return worker_->address(); }
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <future>
 #include <numeric>
 #include <optional>
@@ -77,6 +78,20 @@ void RunRanks(std::vector<std::unique_ptr<UcxPointToPoint>>& ranks,
   std::vector<std::thread> threads;
   for (auto& rank : ranks) threads.emplace_back([&body, &rank] { body(*rank); });
   for (auto& t : threads) t.join();
+}
+
+// An idle sleep's epoll timeout stays a positive int however far the
+// deadline and the watchdog period are: narrowed as it was, 30 days each
+// became a negative timeout, which epoll_wait takes as none.
+TEST(UcxPointToPoint, AnIdleSleepsTimeoutIsClampedToAnInt) {
+  using std::chrono::hours;
+  using std::chrono::milliseconds;
+  EXPECT_EQ(UcxPointToPoint::SleepMilliseconds(hours(24 * 30), hours(24 * 30)), std::numeric_limits<int>::max());
+  EXPECT_EQ(UcxPointToPoint::SleepMilliseconds(milliseconds::max(), milliseconds::max()),
+            std::numeric_limits<int>::max());
+  EXPECT_EQ(UcxPointToPoint::SleepMilliseconds(hours(24 * 30), milliseconds(7)), 7);
+  EXPECT_EQ(UcxPointToPoint::SleepMilliseconds(milliseconds(3), hours(24 * 30)), 3);
+  EXPECT_EQ(UcxPointToPoint::SleepMilliseconds(milliseconds(-5), milliseconds(100)), 0);
 }
 
 TEST(UcxPointToPoint, ExchangesMessagesOfEverySize) {
