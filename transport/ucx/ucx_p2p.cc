@@ -1046,6 +1046,14 @@ Status UcxPointToPoint::WaitAll(std::span<const p2p::RequestId> requests, Deadli
     if (!result.ok() || all_done) break;
     result = Idle(polls, deadline, started, rest, /*any=*/false);
     if (!result.ok()) break;
+    // Idle looks only at the requests from the first pending one on: one
+    // the wait moved past, given up inside the watchdog, ends it alike.
+    const auto passed = std::span(slots).first(first_pending);
+    const auto given_up = std::find_if(passed.begin(), passed.end(), GivenUpWhileHeld);
+    if (given_up != passed.end()) {
+      result = AbortedError(Describe(*given_up) + ": given up inside the watchdog of the wait that held it");
+      break;
+    }
   }
   for (Slot* slot : slots) {
     // Given up inside the watchdog: not this wait's to release (again).

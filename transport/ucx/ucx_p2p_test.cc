@@ -910,6 +910,52 @@ TEST(UcxPointToPoint, ARequestTheWatchdogCancelsEndsTheWaitHoldingIt) {
   }
 }
 
+// A done request of a WaitAll that the watchdog gives up ends the wait
+// ABORTED naming it, whether it comes before or after the request still
+// pending. Before, one listed first (the wait had moved past it) was not
+// looked at again: the wait went on to its deadline and ended TIMED_OUT
+// for the other, or OK had that one come.
+TEST(UcxPointToPoint, ADoneRequestTheWatchdogCancelsEndsTheWaitInEitherOrder) {
+  auto ranks = MakeRanks(2);
+  UcxPointToPoint& p2p = *ranks[0];
+  for (bool done_first : {true, false}) {
+    SCOPED_TRACE(done_first ? "done request first" : "done request second");
+    int got = 0;
+    int never = 0;
+    auto done = p2p.PostRecv(1, 6, &got, sizeof(got));
+    auto pending = p2p.PostRecv(1, 7, &never, sizeof(never));
+    ASSERT_TRUE(done.ok() && pending.ok()) << done.status() << pending.status();
+    const int sent = 66;
+    auto send = ranks[1]->PostSend(0, 6, &sent, sizeof(sent));
+    ASSERT_TRUE(send.ok()) << send.status();
+    p2p::RequestId sends[] = {*send};
+    ASSERT_TRUE(ranks[1]->WaitAll(sends, DeadlineIn(milliseconds(5000))).ok());
+    // Cancels the done request once it is done (the wait's own polls
+    // complete it).
+    bool cancelled = false;
+    p2p.SetWatchdog([&](Deadline, std::span<const int>) {
+      if (!cancelled && got == sent) {
+        p2p.Cancel(*done);
+        cancelled = true;
+      }
+      return Status::Ok();
+    });
+    p2p::RequestId first_done[] = {*done, *pending};
+    p2p::RequestId second_done[] = {*pending, *done};
+    const auto start = Clock::now();
+    const Status s = p2p.WaitAll(done_first ? first_done : second_done, DeadlineIn(milliseconds(3000)));
+    p2p.SetWatchdog(nullptr);
+    EXPECT_TRUE(cancelled);
+    EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+    EXPECT_NE(s.message().find("receive of 4 bytes from rank 1 (tag 6): given up inside the watchdog"),
+              std::string::npos)
+        << s;
+    EXPECT_LT(Clock::now() - start, milliseconds(2000)) << s;
+    EXPECT_EQ(p2p.Test(*done).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(p2p.Test(*pending).status().code(), StatusCode::kInvalidArgument);
+  }
+}
+
 // A wait run inside the watchdog refuses a request of the wait that runs
 // the watchdog, naming it, and leaves it to that wait, which takes the
 // message. The inner wait took it and released its slot, the outer wait
