@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <string_view>
 
 #include "transport/fault/process.h"
 #include "transport/store/wire.h"
@@ -27,10 +28,15 @@ bool ServerEndedConnection(const Status& s) {
 }
 
 // Such a connection whose server said, before it went, that its owner
-// stopped it (its stop notice follows the client's words, with the
-// owner's reason after it).
+// stopped it: its stop notice comes right after the client's words
+// ("lost the connection to the store at HOST:PORT: "), with the owner's
+// reason after it. Only there: the reason and other answers may hold
+// communicator names, which may hold the notice's words.
 bool ServerToldItsStop(const Status& s) {
-  return ServerEndedConnection(s) && s.message().find(": " + std::string(store::wire::kStopNotice)) != std::string::npos;
+  if (!ServerEndedConnection(s)) return false;
+  const size_t after_endpoint = s.message().find(": ");
+  return after_endpoint != std::string::npos &&
+         std::string_view(s.message()).substr(after_endpoint + 2).starts_with(store::wire::kStopNotice);
 }
 
 }  // namespace
