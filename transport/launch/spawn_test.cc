@@ -563,12 +563,19 @@ bool StartStranger(pid_t wanted, Stranger& out) {
     const std::string last = std::to_string(wanted - 1);
     if (fd < 0 || write(fd, last.data(), last.size()) != static_cast<ssize_t>(last.size())) _exit(1);
     close(fd);
+    // A launcher that forwards signals has its own handler for SIGUSR1,
+    // which End's signal must not meet: the stranger has the default from
+    // its fork on. Set in the stranger itself, it came too late for a
+    // stranger not yet scheduled when End signalled it (a loaded host):
+    // the launcher's handler took the signal and the stranger lived on.
+    signal(SIGUSR1, SIG_DFL);
+    sigset_t usr1;
+    sigemptyset(&usr1);
+    sigaddset(&usr1, SIGUSR1);
+    sigprocmask(SIG_UNBLOCK, &usr1, nullptr);
     const pid_t stranger = fork();
     if (stranger == 0) {
       setpgid(0, 0);
-      // A launcher that forwards signals has its own handler for SIGUSR1,
-      // which End's signal must not meet.
-      signal(SIGUSR1, SIG_DFL);
       SleepForever();
       _exit(0);
     }
