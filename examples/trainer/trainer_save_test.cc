@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <optional>
@@ -304,22 +305,21 @@ class LoadFaultParallel : public Parallel {
   int lost_save_rank_;
 };
 
-// mixed_checkpoint's run with --zero, saving to ZERO_CKPT; with
-// ZERO_RESUME set, resumed from it over LoadFaultParallel (LOAD_FAULT_RANK).
-// Exit status as //examples:train's: 2 for a UsageError, 1 for any other
-// failure; the line printed says whether the error is rank 0's (FromLead).
-DDP_TEST_WORKER(zero_resume) {
-  TrainConfig c = TinyRun(std::getenv("ZERO_CKPT"), 20);
-  c.zero = true;
-  c.resume = std::getenv("ZERO_RESUME") != nullptr;
+// Trains `c` quietly as this worker's rank over the joined job's Parallel,
+// which `prepare` may replace or surround (a status other than 0 from it
+// ends the worker with that status). Exit status as //examples:train's: 2
+// for a UsageError, 1 for any other failure; the line printed says whether
+// the error is rank 0's (FromLead).
+int TrainLikeTheTrainer(const TrainConfig& c,
+                        const std::function<int(std::unique_ptr<Parallel>&)>& prepare = nullptr) {
   RunOptions options;
   options.quiet = true;
   options.print_result = false;
   try {
     ValidateConfig(c);
     std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
-    if (const char* rank = std::getenv("LOAD_FAULT_RANK"); rank != nullptr) {
-      parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), std::atoi(rank));
+    if (prepare) {
+      if (const int status = prepare(parallel); status != 0) return status;
     }
     Train(c, *parallel, options);
   } catch (const UsageError& e) {
@@ -330,6 +330,22 @@ DDP_TEST_WORKER(zero_resume) {
     return 1;
   }
   return 0;
+}
+
+// mixed_checkpoint's run with --zero, saving to ZERO_CKPT; with
+// ZERO_RESUME set, resumed from it over LoadFaultParallel (LOAD_FAULT_RANK).
+// Exit status as //examples:train's: 2 for a UsageError, 1 for any other
+// failure; the line printed says whether the error is rank 0's (FromLead).
+DDP_TEST_WORKER(zero_resume) {
+  TrainConfig c = TinyRun(std::getenv("ZERO_CKPT"), 20);
+  c.zero = true;
+  c.resume = std::getenv("ZERO_RESUME") != nullptr;
+  return TrainLikeTheTrainer(c, [](std::unique_ptr<Parallel>& parallel) {
+    if (const char* rank = std::getenv("LOAD_FAULT_RANK"); rank != nullptr) {
+      parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), std::atoi(rank));
+    }
+    return 0;
+  });
 }
 
 // An exception whose what() is empty.
@@ -352,21 +368,7 @@ DDP_TEST_WORKER(read_fault) {
   }
   TrainConfig c = TinyRun(std::getenv("READ_FAULT_CKPT"), 20);
   c.resume = true;
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
-    Train(c, *parallel, options);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 1;
-  }
-  return 0;
+  return TrainLikeTheTrainer(c);
 }
 
 // mixed_checkpoint's run without a checkpoint over LoadFaultParallel,
@@ -377,12 +379,7 @@ DDP_TEST_WORKER(read_fault) {
 DDP_TEST_WORKER(own_check_fault) {
   TrainConfig c = TinyRun("", 20);
   if (const char* dir = std::getenv("OWN_CHECK_LOG_DIR"); dir != nullptr) c.log_dir = dir;
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+  return TrainLikeTheTrainer(c, [](std::unique_ptr<Parallel>& parallel) {
     const char* rank = std::getenv("OWN_CHECK_FAULT_RANK");
     parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), -1, rank != nullptr ? std::atoi(rank) : -1);
     if (const char* fsize = std::getenv("OWN_CHECK_FSIZE"); fsize != nullptr) {
@@ -392,15 +389,8 @@ DDP_TEST_WORKER(own_check_fault) {
       limit.rlim_cur = static_cast<rlim_t>(std::atoll(fsize));
       if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
     }
-    Train(c, *parallel, options);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }
 
 // A one-rank run saving to LOST_SHARE_CKPT (resumed from it with
@@ -410,22 +400,10 @@ DDP_TEST_WORKER(own_check_fault) {
 DDP_TEST_WORKER(lost_share) {
   TrainConfig c = TinyRun(std::getenv("LOST_SHARE_CKPT"), 20);
   c.resume = std::getenv("LOST_SHARE_RESUME") != nullptr;
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+  return TrainLikeTheTrainer(c, [](std::unique_ptr<Parallel>& parallel) {
     parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), -1, -1, /*lost_share_rank=*/0);
-    Train(c, *parallel, options);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }
 
 // A fresh run on 2 ranks (collectives bounded by 2 s) saving to
@@ -434,22 +412,7 @@ DDP_TEST_WORKER(lost_share) {
 // that hangs. Exit status and lines as zero_resume's.
 DDP_TEST_WORKER(hung_look) {
   internal::SetReadPause(std::chrono::seconds(60));
-  const TrainConfig c = TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2);
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
-    Train(c, *parallel, options);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 1;
-  }
-  return 0;
+  return TrainLikeTheTrainer(TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2));
 }
 
 // A one-rank run saving to LOST_SAVE_CKPT with its files limited to
@@ -457,28 +420,15 @@ DDP_TEST_WORKER(hung_look) {
 // whose RunOnLead throws JobError, as when a peer is lost, once the save
 // has ended. Exit status and lines as zero_resume's.
 DDP_TEST_WORKER(lost_save) {
-  const TrainConfig c = TinyRun(std::getenv("LOST_SAVE_CKPT"), 20);
-  RunOptions options;
-  options.quiet = true;
-  options.print_result = false;
-  try {
-    ValidateConfig(c);
-    std::unique_ptr<Parallel> parallel = JoinJob("", std::chrono::seconds(c.timeout_s));
+  return TrainLikeTheTrainer(TinyRun(std::getenv("LOST_SAVE_CKPT"), 20), [](std::unique_ptr<Parallel>& parallel) {
     parallel = std::make_unique<LoadFaultParallel>(std::move(parallel), -1, -1, -1, /*lost_save_rank=*/0);
     std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
     rlimit limit{};
     if (::getrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
     limit.rlim_cur = 3000000;
     if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 10;
-    Train(c, *parallel, options);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "usage error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }
 
 // This process's address space in use (VmSize), in bytes; 0 if unknown.
