@@ -508,7 +508,8 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
 // Copies between this process and a peer's memory for the current call,
 // unless the peer has left it (see Abandon). A read is checked before and
 // after: a peer that gave up while it ran may have reused its buffer, so
-// the read fails. A write must not land after the peer returned at all:
+// the read fails. A copy by pid (CMA) is trusted only while the peer's
+// pidfd shows it alive: a read after, a write before each piece. A write must not land after the peer returned at all:
 // each piece is marked in `touching`, then the peer's `abandoned` word is
 // checked; Abandon stores that word and then checks `touching`, both
 // sequentially consistent, so either this rank sees the peer gone and does
@@ -544,14 +545,19 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
     const size_t n = std::min(kWritePiece, bytes - done);
     touching.store(Touching(s, peer), std::memory_order_seq_cst);
     const bool left = gone();
+    // A write by pid into a peer that has exited would land in whatever
+    // process took its pid since: asked of the pidfd before each piece.
+    const bool exited = !left && mapped == nullptr && peer_pidfds_[peer] >= 0 &&
+                        PeerExitsWithin(peer, std::chrono::milliseconds(0));
     int error = 0;
-    if (!left && mapped != nullptr) {
+    if (!left && !exited && mapped != nullptr) {
       std::memcpy(mapped + done, here + done, n);
-    } else if (!left) {
+    } else if (!left && !exited) {
       error = CopyBytes(true, peer, here + done, remote + done, n);
     }
     touching.store(0, std::memory_order_release);
     if (left) return PeerFailure(s, peer);
+    if (exited) return PeerExited(peer);
     if (error != 0) return failed(error);
     done += n;
   }

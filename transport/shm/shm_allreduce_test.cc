@@ -1323,6 +1323,42 @@ TEST(ShmAllReduce, AReadFromAPeerWhosePidWasReusedIsNotTrusted) {
       << read_status;
 }
 
+// The same for a write: rank 0 gathers into the dead root's output by
+// pid, and a copy of this process (made after the output was allocated, so
+// it maps the same address) holds that pid now. The write went into the
+// copy's memory and the call returned OK; a write by pid is now made only
+// while the peer's pidfd shows it alive. The watchdog says nothing, as a
+// communicator's does before the store hears of the exit, so the wait
+// does not look at the pidfd itself.
+TEST(ShmAllReduce, AWriteToAPeerWhosePidWasReusedIsNotMade) {
+  const size_t count = 4096;  // 2 x 16 KiB at the root: above the rooted staging limit
+  std::vector<float> mine(count, 3.0f), gathered(2 * count, 0.0f);
+  PairWithDeadPeer pair = MakePairWithDeadPeer("write_reused/");
+  ASSERT_GE(pair.peer, 0) << "fork: " << std::strerror(errno);
+  auto& group = pair.group;
+  const pid_t peer = pair.peer;
+  const pid_t reuser = StartCopyAs(peer, [] {});
+  const int reuse_error = errno;
+  auto silent = [](Deadline, int) { return Status::Ok(); };
+  Status write_status;
+  if (group[0] != nullptr && group[1] != nullptr) {
+    std::thread root_rank([&] {
+      std::vector<float> own(count, 5.0f);
+      group[1]->Gather(own.data(), gathered.data(), count, DataType::kF32, 1,
+                       DeadlineIn(milliseconds(3000)), silent).IgnoreError();
+    });
+    write_status = group[0]->Gather(mine.data(), nullptr, count, DataType::kF32, 1,
+                                    DeadlineIn(milliseconds(3000)), silent);
+    root_rank.join();
+  }
+  KillAndReap(reuser);
+  ASSERT_EQ(reuser, peer) << "clone3 with set_tid: " << std::strerror(reuse_error);
+  EXPECT_EQ(write_status.code(), StatusCode::kPeerLost) << write_status;
+  EXPECT_NE(write_status.message().find("rank 1 (pid " + std::to_string(peer) + ") exited"),
+            std::string::npos)
+      << write_status;
+}
+
 // A group inside a larger job names its members by their job ranks.
 TEST(ShmAllReduce, MessagesUseTheGivenRankNames) {
   testing::InMemoryStore store;
