@@ -628,10 +628,14 @@ char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const
   PeerMapping m{.id = region->id, .size = region->size, .fd = region->fd,
                 .last_call = sequence_};
   // The owner's memfd, through its fd table: permitted where CMA is (the
-  // same ptrace check). Failing that, this region goes through CMA.
+  // same ptrace check). Failing that, this region goes through CMA. The
+  // number may name another file by now: O_NONBLOCK so that one an open
+  // waits on (a write lease's break, 45 s by default; a FIFO or a device)
+  // fails at once, O_NOCTTY so that a terminal does not become this
+  // process's.
   const std::string path = "/proc/" + std::to_string(options_.pids[peer]) + "/fd/" +
                            std::to_string(region->fd);
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd >= 0) {
     struct stat st {};
     // The fd number may have been reused for another file since the peer

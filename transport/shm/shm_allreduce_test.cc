@@ -2093,6 +2093,52 @@ TEST(ShmAllReduce, APublishedFdThatIsNoLongerAMemfdIsNotMapped) {
   EXPECT_TRUE(FreeShareable(*shareable).ok());
 }
 
+// The fd number rank 1 published for its shareable input now holds a
+// file that an open blocks on: one under a write lease, whose break holds
+// an open for /proc/sys/fs/lease-break-time (45 s by default). Rank 0
+// opened it without O_NONBLOCK and waited that long inside the call, past
+// both ranks' deadlines; now the open fails at once and the input is read
+// with CMA.
+TEST(ShmAllReduce, APublishedFdThatBlocksAnOpenIsNotWaitedFor) {
+  auto group = MakeGroup(2, 4096, 4096);
+  const size_t count = 5000;  // 20 KB of f32: the direct path
+  const size_t bytes = count * sizeof(float);
+  auto shareable = AllocateShareable(bytes);
+  ASSERT_TRUE(shareable.ok()) << shareable.status();
+  std::optional<ShareableRegion> region = FindShareable(*shareable, bytes);
+  ASSERT_TRUE(region.has_value());
+  const std::string path = std::string(std::getenv("TEST_TMPDIR") != nullptr
+                                           ? std::getenv("TEST_TMPDIR") : "/tmp") +
+                           "/leased." + std::to_string(getpid());
+  const int file = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(file, 0) << std::strerror(errno);
+  unlink(path.c_str());
+  ASSERT_EQ(ftruncate(file, static_cast<off_t>(region->size)), 0);
+  ASSERT_EQ(dup2(file, region->fd), region->fd) << std::strerror(errno);
+  close(file);
+  // The lease's break signals its holder, this process: SIGIO would end it.
+  struct sigaction ignore {}, saved {};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(sigaction(SIGIO, &ignore, &saved), 0);
+  ASSERT_EQ(fcntl(region->fd, F_SETLEASE, F_WRLCK), 0) << "write lease: " << std::strerror(errno);
+  const auto start = Clock::now();
+  RunRanks(2, [&](int r) {
+    std::vector<float> private_send(count);
+    float* send = r == 1 ? static_cast<float*>(*shareable) : private_send.data();
+    std::vector<float> recv(count);
+    FillInput(DataType::kF32, send, count, r, ReduceOp::kSum);
+    Status st = group[r]->AllReduce(send, recv.data(), count, DataType::kF32, ReduceOp::kSum,
+                                    DeadlineIn(milliseconds(10000)), nullptr);
+    ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st;
+    std::string first;
+    EXPECT_EQ(CountWrong(DataType::kF32, recv.data(), count, 2, ReduceOp::kSum, 0, &first), 0u)
+        << "rank " << r << ": " << first;
+  });
+  EXPECT_LT(Clock::now() - start, milliseconds(5000)) << "the open waited for the lease's break";
+  EXPECT_TRUE(FreeShareable(*shareable).ok());
+  sigaction(SIGIO, &saved, nullptr);
+}
+
 // More regions than the mapping cache holds (64), each used once and then
 // freed, while one long-lived region is used every call: the freed ones
 // are unmapped at their owner's next call, without wrong results.
