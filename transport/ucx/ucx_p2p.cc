@@ -7,6 +7,7 @@
 #include <limits>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 #include "transport/ucx/ucx_status.h"
 
@@ -64,6 +65,10 @@ constexpr auto kRecallOverrun = std::chrono::milliseconds(20);
 // request that is about to complete this long before closing its peer by
 // force (which makes the peer lost for later calls).
 constexpr auto kRecallGraceOverrun = std::chrono::milliseconds(10);
+
+// How long a sleeping wait sleeps between polls where its context has no
+// wakeup (set_idle_mode): a message is noticed at most this late.
+constexpr auto kSleepStepWithoutWakeup = std::chrono::microseconds(500);
 
 // Why a wait run inside the watchdog refuses a request.
 constexpr char kHeldByOuterWait[] = " held by the wait whose watchdog runs this one";
@@ -223,9 +228,9 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
 
 void UcxPointToPoint::set_idle_mode(IdleMode mode, int idle_polls_before_backoff) {
   // No Status to return here (the communicator sets it after connecting):
-  // a mode this context cannot do falls back rather than failing every
-  // later wait.
-  options_.idle_mode = mode == IdleMode::kSleep && !context_->wakeup() ? IdleMode::kYield : mode;
+  // kSleep on a context without wakeup sleeps in short steps (BackOff)
+  // rather than failing every later wait or keeping a core busy.
+  options_.idle_mode = mode;
   options_.idle_polls_before_backoff = std::max(idle_polls_before_backoff, 0);
 }
 
@@ -929,6 +934,13 @@ Status UcxPointToPoint::BackOff(const Polls& polls, Clock::time_point now, Deadl
       break;  // in Poll, at every idle poll
     case IdleMode::kSleep: {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+      if (!context_->wakeup()) {
+        // No event fd to sleep on: a bounded sleep between polls, so that
+        // the core stays free at the cost of up to that much latency.
+        std::this_thread::sleep_for(std::min<Clock::duration>(
+            {kSleepStepWithoutWakeup, std::max<Clock::duration>(deadline - now, {}), max_sleep}));
+        break;
+      }
       DDP_RETURN_IF_ERROR(worker_->WaitForEvents(SleepMilliseconds(left, max_sleep)));
       break;
     }

@@ -67,7 +67,7 @@ namespace ddp::transport::ucx {
 enum class IdleMode {
   kSpin,   ///< Keep polling (yield only after long idle): a core per rank.
   kYield,  ///< sched_yield() between polls: ranks sharing cores let each other run.
-  kSleep,  ///< Sleep on the worker's event fd (needs a context with wakeup).
+  kSleep,  ///< Sleep on the worker's event fd (Create needs a context with wakeup; see set_idle_mode).
 };
 
 struct P2pOptions {
@@ -156,11 +156,11 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   Status Close(Deadline deadline, bool force_remote = false);
 
   const P2pOptions& options() const { return options_; }
-  /// Changes how later waits idle. kSleep needs the event fd of a context
-  /// created with wakeup: without one it becomes kYield (the nearest mode
-  /// that needs none; it made every later wait fail FAILED_PRECONDITION),
-  /// and options().idle_mode says which mode was taken. A negative
-  /// threshold counts as 0 (back off at the first idle poll).
+  /// Changes how later waits idle. kSleep sleeps on the event fd of a
+  /// context created with wakeup; without one it sleeps 0.5 ms between
+  /// polls (a message is noticed up to that late, and no core is kept
+  /// busy). A negative threshold counts as 0 (back off at the first idle
+  /// poll).
   void set_idle_mode(IdleMode mode, int idle_polls_before_backoff);
 
   /// Like PostSend/PostRecv, on the user channel (Communicator::Send/Recv).

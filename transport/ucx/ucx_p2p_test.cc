@@ -1,5 +1,7 @@
 #include "transport/ucx/ucx_p2p.h"
 
+#include <sys/resource.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -1291,21 +1293,41 @@ TEST(UcxPointToPoint, CreateRefusesBadTimingOptionsNamingThem) {
   EXPECT_TRUE(zeros.ok()) << zeros.status();
 }
 
-// set_idle_mode(kSleep) on a context without wakeup falls back to kYield:
-// later waits run to their deadline and time out, where every one failed
-// FAILED_PRECONDITION (no event fd to sleep on). With wakeup it sleeps.
-TEST(UcxPointToPoint, SleepModeSetOnAContextWithoutWakeupYieldsInstead) {
+// set_idle_mode(kSleep) on a context without wakeup sleeps in short steps
+// between polls: a wait gives up the core (voluntary context switches; a
+// yield is not one) and still times out at its deadline. It became kYield,
+// which kept a core busy however long the wait, where every wait had failed
+// FAILED_PRECONDITION before that (no event fd to sleep on). With wakeup it
+// sleeps on the event fd.
+TEST(UcxPointToPoint, SleepModeSetOnAContextWithoutWakeupSleepsInSteps) {
   auto ranks = MakeRanks(2);
   UcxPointToPoint& p2p = *ranks[0];
   p2p.set_idle_mode(IdleMode::kSleep, 1);
-  EXPECT_EQ(p2p.options().idle_mode, IdleMode::kYield);
+  EXPECT_EQ(p2p.options().idle_mode, IdleMode::kSleep);
   EXPECT_EQ(p2p.options().idle_polls_before_backoff, 1);
   int v = 0;
   auto id = p2p.PostRecv(1, 4, &v, sizeof(v));
   ASSERT_TRUE(id.ok()) << id.status();
   p2p::RequestId ids[] = {*id};
-  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(100)));
+  rusage before{}, after{};
+  ASSERT_EQ(getrusage(RUSAGE_THREAD, &before), 0);
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(200)));
+  const auto took = Clock::now() - start;
+  ASSERT_EQ(getrusage(RUSAGE_THREAD, &after), 0);
   EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_LT(took, milliseconds(1000));
+  EXPECT_GE(after.ru_nvcsw - before.ru_nvcsw, 10) << "the wait did not sleep";
+  // A message sent meanwhile is still taken.
+  const int sent = 42;
+  auto recv = p2p.PostRecv(1, 5, &v, sizeof(v));
+  auto send = ranks[1]->PostSend(0, 5, &sent, sizeof(sent));
+  ASSERT_TRUE(recv.ok() && send.ok()) << recv.status() << send.status();
+  RunRanks(ranks, [&](UcxPointToPoint& rank) {
+    p2p::RequestId mine[] = {rank.rank() == 0 ? *recv : *send};
+    EXPECT_TRUE(rank.WaitAll(mine, DeadlineIn(milliseconds(5000))).ok()) << "rank " << rank.rank();
+  });
+  EXPECT_EQ(v, 42);
   p2p.set_idle_mode(IdleMode::kSpin, -3);
   EXPECT_EQ(p2p.options().idle_polls_before_backoff, 0);
 
