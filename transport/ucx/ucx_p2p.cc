@@ -419,8 +419,9 @@ StatusOr<UcxPointToPoint::Slot*> UcxPointToPoint::AllocateSlot(bool is_send, int
                                                                p2p::Tag tag, const void* data,
                                                                size_t bytes) {
   if (tag > p2p::kMaxTag) {
-    return InvalidArgumentError("tag " + std::to_string(tag) + " exceeds " +
-                                std::to_string(p2p::kTagBits) + " bits");
+    return InvalidArgumentError(std::string(is_send ? "send to" : "receive from") + " rank " +
+                                std::to_string(peer) + ": tag " + std::to_string(tag) +
+                                " exceeds " + std::to_string(p2p::kTagBits) + " bits");
   }
   // UCX would read (send) or write (receive) through it, and crash.
   if (bytes > 0 && data == nullptr) {
