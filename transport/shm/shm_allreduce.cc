@@ -509,7 +509,8 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
 // unless the peer has left it (see Abandon). A read is checked before and
 // after: a peer that gave up while it ran may have reused its buffer, so
 // the read fails. A copy by pid (CMA) is trusted only while the peer's
-// pidfd shows it alive: a read after, a write before each piece. A write must not land after the peer returned at all:
+// pidfd shows it alive: a read after, a write before each piece. A write
+// must not land after the peer returned at all:
 // each piece is marked in `touching`, then the peer's `abandoned` word is
 // checked; Abandon stores that word and then checks `touching`, both
 // sequentially consistent, so either this rank sees the peer gone and does
