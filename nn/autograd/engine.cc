@@ -267,8 +267,8 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
 
   // Dependencies: how many edges point at each reachable node.
   std::unordered_map<Node*, int> deps;
-  std::unordered_set<Node*> seen;  // every reachable node
   {
+    std::unordered_set<Node*> seen;  // every reachable node
     std::vector<Node*> stack;
     for (auto& [edge, g] : seeds) {
       if (seen.insert(edge.fn.get()).second) stack.push_back(edge.fn.get());
