@@ -1235,6 +1235,39 @@ TEST(GradHookTest, ASecondPassThroughANodeThatSavedTensorsIsRefusedThere) {
   EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{22, 22}));
 }
 
+// Saves its input but computes the gradient without it (3 g).
+struct TripleSavingUnread : Function<TripleSavingUnread> {
+  static constexpr const char* kName = "TripleSavingUnreadBackward";
+  static std::vector<Tensor> Forward(AutogradContext* ctx, const std::vector<Tensor>& in) {
+    ctx->SaveForBackward({in[0]});
+    return {ops::MulScalar(in[0], 3.0)};
+  }
+  static std::vector<Tensor> Backward(AutogradContext*, const std::vector<Tensor>& g) {
+    return {ops::MulScalar(g[0], 3.0)};
+  }
+};
+
+// A saved tensor that the backward never read does not make a later pass
+// fail, so its release does not take the hooks either: the second pass
+// runs the hook again, as PyTorch's would (it refuses only a read of a
+// released saved tensor). Before, the first pass released the hook with the
+// unread tensor and the second was refused at the hooked output.
+TEST(GradHookTest, AHookOnACustomFunctionThatNeverReadsWhatItSavedRunsOnEveryPass) {
+  Tensor x = Param({2}, 1.0);
+  int calls = 0;
+  Tensor y = TripleSavingUnread::Apply({x})[0];
+  y.RegisterHook([&calls](const Tensor& g) {
+    ++calls;
+    return ops::MulScalar(g, 10.0);
+  });
+  const Tensor loss = ops::Sum(y);
+  Backward(loss);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{30, 30}));
+  EXPECT_EQ(ErrorOf([&] { Backward(loss); }), "");
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{60, 60}));
+}
+
 struct FailingBackward : Function<FailingBackward> {
   static constexpr const char* kName = "FailingBackward";
   static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) {

@@ -382,13 +382,16 @@ void Backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       }
       // The hooks go with the saved tensors: one holding a tensor computed
       // from its own (the loss) would keep the graph alive for ever. Only
-      // where a saved tensor was released: a later pass through this node
-      // then fails here anyway, while one through a node that saved
-      // nothing goes through and runs its hooks again, as in PyTorch.
+      // where a saved tensor the backward read was released: a later pass
+      // through this node then fails here anyway, while one through a node
+      // that saved nothing, or nothing its backward reads, goes through
+      // and runs its hooks again, as in PyTorch.
       if (!retain_graph) {
-        const uint64_t released_before = SavedTensor::ReleasedOnThisThread();
+        const uint64_t released_before = SavedTensor::ReleasedAfterReadOnThisThread();
         node->ReleaseSaved();
-        if (SavedTensor::ReleasedOnThisThread() != released_before) released_hooks = node->ReleaseGradHooks();
+        if (SavedTensor::ReleasedAfterReadOnThisThread() != released_before) {
+          released_hooks = node->ReleaseGradHooks();
+        }
       }
     }
     if (observer) (*observer)(*node, apply_seconds);

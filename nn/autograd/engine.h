@@ -75,8 +75,8 @@ namespace ddp::nn::autograd {
 /// Computes the gradients of `roots` with respect to every leaf that requires
 /// grad and is reachable, accumulating into .grad. grads[i] seeds root i; an
 /// empty or undefined entry means 1 and needs a one-element root. The saved
-/// tensors of the nodes the pass runs, and the gradient hooks a node that
-/// saved tensors keeps for its non-leaf outputs, are released unless
+/// tensors of the nodes the pass runs, and the gradient hooks a node whose
+/// backward read saved tensors keeps for its non-leaf outputs, are released unless
 /// retain_graph (a failed pass leaves the nodes it did not run as they
 /// were). Callbacks queued during
 /// the pass run before this returns. A seed of another dtype than its root

@@ -208,6 +208,7 @@ Tensor SavedTensor::Get() const {
                            std::to_string(now) + ", it was at version " + std::to_string(version_) +
                            " when saved");
   }
+  read_ = true;
   return data_;
 }
 
@@ -215,11 +216,11 @@ namespace {
 thread_local uint64_t g_saved_tensors_released = 0;
 }  // namespace
 
-uint64_t SavedTensor::ReleasedOnThisThread() { return g_saved_tensors_released; }
+uint64_t SavedTensor::ReleasedAfterReadOnThisThread() { return g_saved_tensors_released; }
 
 void SavedTensor::Release() {
   if (!was_defined_) return;
-  if (!released_) ++g_saved_tensors_released;
+  if (!released_ && read_) ++g_saved_tensors_released;
   data_ = Tensor();
   origin_node_.reset();
   released_ = true;

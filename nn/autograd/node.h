@@ -68,10 +68,11 @@ class Node {
   std::shared_ptr<NodeGradHooks> grad_hooks() const;
   /// Takes the hooks out of the list, remembering which outputs had one
   /// (see GradHooksReleased). The engine calls it where ReleaseSaved
-  /// released a saved tensor (a later pass through the node fails there
-  /// anyway): a hook that holds a tensor computed from the hooked one (the
-  /// loss) would otherwise keep the graph alive through the node for ever.
-  /// A node that saved nothing keeps its hooks, as in PyTorch. The caller
+  /// released a saved tensor the node's backward had read (a later pass
+  /// through the node fails there anyway): a hook that holds a tensor
+  /// computed from the hooked one (the loss) would otherwise keep the graph
+  /// alive through the node for ever. A node that saved nothing, or nothing
+  /// its backward reads, keeps its hooks, as in PyTorch. The caller
   /// destroys what it returns after letting go of mutex(): destroying what a
   /// hook captured may run any code.
   std::vector<NodeGradHooks::Entry> ReleaseGradHooks();
@@ -133,11 +134,13 @@ class SavedTensor {
   Tensor Get() const;
   void Release();
   bool defined() const { return was_defined_; }
-  /// How many Release calls on this thread have dropped a tensor (one that
-  /// was saved and not yet released). The engine reads it around a node's
-  /// ReleaseSaved to tell a node that saved a tensor from one that saved
-  /// none: only the first loses its gradient hooks with them.
-  static uint64_t ReleasedOnThisThread();
+  /// How many Release calls on this thread have dropped a tensor that Get
+  /// had returned (saved, read by a backward and not yet released). The
+  /// engine reads it around a node's ReleaseSaved: only a node whose
+  /// backward reads a released tensor fails a later pass, so only such a
+  /// node loses its gradient hooks with them (one that saved nothing, or
+  /// saved a tensor its backward never read, runs again, as in PyTorch).
+  static uint64_t ReleasedAfterReadOnThisThread();
 
  private:
   Tensor data_;
@@ -150,6 +153,8 @@ class SavedTensor {
   uint64_t version_ = 0;
   bool was_defined_ = false;
   bool released_ = false;
+  // Set by the first Get that returns the tensor.
+  mutable bool read_ = false;
 };
 
 /// Runs the leaf `tensor`'s gradient hooks (Tensor::RegisterHook) on grad
