@@ -1268,6 +1268,45 @@ TEST(GradHookTest, AHookOnACustomFunctionThatNeverReadsWhatItSavedRunsOnEveryPas
   EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{60, 60}));
 }
 
+// A backward without retain_graph released y's saved tensors (and the
+// hooks y's node kept): a hook registered on y afterwards could never run,
+// since the next pass through y fails first, so it is refused at once,
+// naming y and its node, whether or not y had a hook before. With
+// retain_graph, or on a node whose backward read nothing it saved, the
+// registration goes through and the hook runs. (Before, it was accepted
+// and silently never ran.)
+TEST(GradHookTest, AHookOnAnOutputWhoseNodeWasReleasedIsRefusedWhenRegistered) {
+  const auto keep = [](const Tensor&) { return Tensor(); };
+  Tensor x = Param({2}, 1.0);
+  for (const bool hooked_before : {false, true}) {
+    Tensor y = ops::Mul(x, x);
+    if (hooked_before) y.RegisterHook(keep);
+    Backward(ops::Sum(y));
+    const std::string err = ErrorOf([&] { y.RegisterHook(keep); });
+    EXPECT_NE(err.find("RegisterHook: tensor [2] f32 on cpu is output 0 of MulBackward, whose saved tensors and "
+                       "hooks an earlier Backward released"),
+              std::string::npos)
+        << err;
+    EXPECT_NE(err.find("retain_graph = true"), std::string::npos) << err;
+  }
+
+  int calls = 0;
+  const auto count = [&calls](const Tensor&) {
+    ++calls;
+    return Tensor();
+  };
+  Tensor retained = ops::Mul(x, x);
+  Backward(ops::Sum(retained), Tensor(), /*retain_graph=*/true);
+  retained.RegisterHook(count);
+  Tensor unread = TripleSavingUnread::Apply({x})[0];
+  Tensor unread_loss = ops::Sum(unread);
+  Backward(unread_loss);
+  unread.RegisterHook(count);
+  Backward(ops::Sum(retained));
+  Backward(unread_loss);
+  EXPECT_EQ(calls, 2);
+}
+
 struct FailingBackward : Function<FailingBackward> {
   static constexpr const char* kName = "FailingBackward";
   static std::vector<Tensor> Forward(AutogradContext*, const std::vector<Tensor>& in) {

@@ -72,7 +72,12 @@ Tensor Node::LiveOutput(uint32_t nr) const {
 
 std::shared_ptr<NodeGradHooks> Node::MutableGradHooks() {
   std::lock_guard<std::mutex> lock(grad_hooks_mu_);
-  if (!grad_hooks_) grad_hooks_ = std::make_shared<NodeGradHooks>();
+  if (!grad_hooks_) {
+    grad_hooks_ = std::make_shared<NodeGradHooks>();
+    // Made after the release (no hook was registered before it): marked
+    // so that RegisterHook refuses, as for a list the release emptied.
+    grad_hooks_->released = hooks_released_;
+  }
   return grad_hooks_;
 }
 
@@ -83,11 +88,13 @@ std::shared_ptr<NodeGradHooks> Node::grad_hooks() const {
 
 std::vector<NodeGradHooks::Entry> Node::ReleaseGradHooks() {
   std::lock_guard<std::mutex> lock(grad_hooks_mu_);
+  hooks_released_ = true;
   std::vector<NodeGradHooks::Entry> released;
   if (!grad_hooks_) return released;
   {
     std::lock_guard<std::mutex> list_lock(grad_hooks_->mu);
     released.swap(grad_hooks_->hooks);
+    grad_hooks_->released = true;
   }
   for (const NodeGradHooks::Entry& e : released) {
     if (std::find(released_hook_outputs_.begin(), released_hook_outputs_.end(), e.output_nr) ==

@@ -78,7 +78,8 @@ class Node {
   std::vector<NodeGradHooks::Entry> ReleaseGradHooks();
   /// True when ReleaseGradHooks took a hook of output `output_nr`: a later
   /// pass bringing that output a gradient would miss the hook, so the
-  /// engine refuses it.
+  /// engine refuses it. After the release, RegisterHook refuses a hook on
+  /// any output (NodeGradHooks::released).
   bool GradHooksReleased(uint32_t output_nr) const;
   /// Held by the engine across this node's Apply and ReleaseSaved (and the
   /// update of its outputs' retained gradients), so that backward passes on
@@ -93,12 +94,14 @@ class Node {
   std::vector<Edge> next_edges_;
   std::vector<std::weak_ptr<TensorImpl>> outputs_;
   std::timed_mutex mutex_;
-  // Guards the pointer and released_hook_outputs_ (the list has its own
+  // Guards the pointer, released_hook_outputs_ and hooks_released_ (the list has its own
   // lock, taken after this one): a hook may be registered while another
   // thread's pass runs this node.
   mutable std::mutex grad_hooks_mu_;
   std::shared_ptr<NodeGradHooks> grad_hooks_;
   std::vector<uint32_t> released_hook_outputs_;
+  // Set by ReleaseGradHooks; a list made after it is marked released.
+  bool hooks_released_ = false;
 };
 
 /// Runs the leaf's gradient hooks (RegisterHook) on the incoming gradient,

@@ -188,6 +188,9 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.ToS
 
 namespace detail {
 void SetGradFnNamer(std::string (*namer)(const autograd::Node&)) { g_grad_fn_namer = namer; }
+std::string GradFnName(const autograd::Node& node) {
+  return g_grad_fn_namer != nullptr ? g_grad_fn_namer(node) : std::string("a recorded operation");
+}
 }  // namespace detail
 
 }  // namespace ddp::nn

@@ -1015,6 +1015,15 @@ HookHandle Tensor::RegisterHook(GradHook fn) const {
     }
     const std::shared_ptr<NodeGradHooks> list = getter(*node);
     std::lock_guard<std::mutex> lock(list->mu);
+    // Checked under the list's lock, which the release holds while it
+    // takes the hooks: a hook is either released with the others or refused.
+    if (list->released) {
+      throw std::logic_error("RegisterHook: " + DescribeForHook(*this) + " is output " +
+                             std::to_string(output_nr()) + " of " + detail::GradFnName(*node) +
+                             ", whose saved tensors and hooks an earlier Backward released (it did not pass "
+                             "retain_graph = true): a backward through it would fail before this hook ran; "
+                             "register the hook before that Backward, or pass retain_graph = true to it");
+    }
     const uint64_t id = list->next_id++;
     list->hooks.push_back({id, output_nr(), std::move(fn)});
     return HookHandle(std::weak_ptr<NodeGradHooks>(list), id);

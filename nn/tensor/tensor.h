@@ -162,6 +162,10 @@ struct NodeGradHooks {
   /// In registration order.
   std::vector<Entry> hooks;
   uint64_t next_id = 1;
+  /// Set when a backward released the node's saved tensors and with them
+  /// these hooks: a later pass through the node fails before any hook of
+  /// it would run, so RegisterHook refuses new ones.
+  bool released = false;
 };
 
 /// Removes a hook (a gradient hook or a post-accumulate-grad hook) when
@@ -330,7 +334,9 @@ class Tensor {
   /// fails the backward, naming the tensor. On a non-leaf, the hook is kept
   /// by grad_fn under output_nr (as PyTorch's), so it runs even when every
   /// handle to the tensor is gone; the leaf keeps its own.
-  /// Throws when the tensor does not require grad or fn is empty.
+  /// Throws when the tensor does not require grad, fn is empty, or an
+  /// earlier backward without retain_graph released grad_fn's saved
+  /// tensors (a pass through it fails before the hook would run).
   HookHandle RegisterHook(GradHook fn) const;
 
   /// PyTorch-style rendering: "tensor([[1.0000, 2.0000], ...], requires_grad=True)".
@@ -353,6 +359,9 @@ void SetGradFnNamer(std::string (*namer)(const autograd::Node&));
 /// Set by nn/autograd so that RegisterHook on a non-leaf can reach the hook
 /// list of its grad_fn (created on first use).
 void SetNodeGradHooksGetter(std::shared_ptr<NodeGradHooks> (*getter)(autograd::Node&));
+/// The name of a recorded node ("MulBackward") for messages, through the
+/// namer nn/autograd set ("a recorded operation" before it did).
+std::string GradFnName(const autograd::Node& node);
 }  // namespace detail
 
 /// Autograd state of a tensor; created on first need.
