@@ -124,6 +124,12 @@ Shape InferSize(const Shape& shape, int64_t numel) {
     }
   }
   if (infer >= 0) {
+    if (known == 0 && numel == 0) {
+      // Any size times 0 is 0: nothing says what the -1 should be.
+      throw std::invalid_argument("shape " + ShapeToString(shape) +
+                                  " is ambiguous for a tensor of 0 elements: its -1 could stand for any size, "
+                                  "since the other sizes multiply to 0 (give that dimension's size instead)");
+    }
     if (known == 0 || numel % known != 0) {
       throw std::invalid_argument("shape " + ShapeToString(shape) + " is invalid for " +
                                   std::to_string(numel) + " elements");

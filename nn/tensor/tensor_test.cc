@@ -77,6 +77,26 @@ TEST(TensorTest, ViewOfContiguousAndOfTransposedTensors) {
   EXPECT_NE(ErrorOf([&] { t.View({5, -1}); }).find("invalid for 24 elements"), std::string::npos);
 }
 
+// A -1 beside a 0 over no elements could be any size: the shape is refused
+// as ambiguous (as PyTorch refuses it), not as "invalid for 0 elements",
+// which read as if the sizes were wrong. Over some elements the same shape
+// is simply invalid.
+TEST(TensorTest, AMinusOneBesideAZeroOverNoElementsIsAmbiguous) {
+  for (const Shape& shape : {Shape{0, -1}, Shape{-1, 3, 0}}) {
+    for (const bool reshape : {false, true}) {
+      const std::string err =
+          ErrorOf([&] { reshape ? Zeros({0, 4}).Reshape(shape) : Zeros({0, 4}).View(shape); });
+      EXPECT_NE(err.find("shape " + ShapeToString(shape) +
+                         " is ambiguous for a tensor of 0 elements: its -1 could stand for any size"),
+                std::string::npos)
+          << err;
+    }
+  }
+  EXPECT_NE(ErrorOf([] { Zeros({2, 3}).View({0, -1}); }).find("shape [0, -1] is invalid for 6 elements"),
+            std::string::npos);
+  EXPECT_EQ(Zeros({0, 4}).View({-1, 4}).shape(), (Shape{0, 4}));
+}
+
 TEST(TensorTest, TransposePermuteNarrowSliceSelect) {
   Tensor t = Iota({3, 4});
   Tensor tr = t.Transpose(0, 1);
