@@ -949,6 +949,26 @@ TEST(GradHookTest, ALeafHookChangesWhatIsAccumulated) {
   EXPECT_EQ(after, (std::vector<float>{96, 96}));
 }
 
+// A leaf hook that turns grad mode back on and returns a gradient with a
+// history (it multiplies by a tensor that requires grad): the leaf's first
+// .grad is taken without that history, as PyTorch's accumulation detaches
+// what it steals, so .grad records nothing when used and does not keep the
+// hook's graph (and w) alive. Before, .grad was the hook's result itself,
+// grad_fn and all.
+TEST(GradHookTest, ALeafsFirstGradIsTakenWithoutTheHooksHistory) {
+  Tensor x = Param({2}, 1.0);
+  const Tensor w = Param({2}, 3.0);
+  x.RegisterHook([w](const Tensor& g) {
+    GradModeGuard grad_mode(true);
+    return ops::Mul(g, w);
+  });
+  Backward(ops::Sum(ops::MulScalar(x, 2.0)));
+  EXPECT_EQ(x.grad().ToVector<float>(), (std::vector<float>{6, 6}));
+  EXPECT_EQ(x.grad().grad_fn(), nullptr);
+  EXPECT_FALSE(x.grad().requires_grad());
+  EXPECT_FALSE(w.grad().defined());
+}
+
 // A tensor used twice gets one call per pass, on the sum of both uses.
 TEST(GradHookTest, ATensorUsedTwiceIsHookedOnceOnTheSummedGradient) {
   Tensor x = Param({2}, 1.0);

@@ -145,9 +145,12 @@ std::vector<Tensor> AccumulateGrad::Apply(std::vector<Tensor>&& grad_outputs) {
   if (!meta.grad.defined()) {
     // Take the incoming buffer when nobody else can see it; otherwise copy,
     // so that a later in-place accumulation cannot write into someone else's tensor.
+    // Taken detached: a hook that ran with grad mode on may have returned
+    // a gradient with a history, which .grad must not record into or keep
+    // alive (the copy, made with grad mode off, has none).
     const bool exclusive = g.is_contiguous() && g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 &&
                            g.storage_offset() == 0;
-    meta.grad = exclusive ? g : g.Clone();
+    meta.grad = exclusive ? (g.requires_grad() ? g.Detach() : g) : g.Clone();
   } else {
     // SetData may have given the leaf another shape, dtype or device since
     // .grad was made. Adding into that .grad would then cover only part of
