@@ -45,8 +45,9 @@ class Node {
   virtual std::string name() const = 0;
   /// Drops saved tensors after backward has run through the node (unless
   /// the graph is retained); a second backward then reports the release.
-  /// Saved tensors are kept as SavedTensor: the engine counts their
-  /// releases to know whether the node's gradient hooks go with them.
+  /// Saved tensors are kept as SavedTensor: the engine counts the releases
+  /// of those the backward read to know whether the node's gradient hooks
+  /// go with them.
   virtual void ReleaseSaved() {}
 
   const std::vector<Edge>& next_edges() const { return next_edges_; }
