@@ -1335,6 +1335,50 @@ std::string Labelled(const std::string& kind, const std::string& label) {
   return kind;
 }
 
+// Called from the handler of a failure on this rank before its part of a
+// collective was queued, or while it was (no memory for the call's own
+// bookkeeping or for a copy of its object, no thread to run it): the peers
+// would wait for it until the group's timeout, so the group is aborted with
+// a reason naming this rank and the call. The caller rethrows (the
+// exception being handled goes on as it came: a failure to say why is
+// swallowed here). A group of one rank has nobody waiting and stays usable.
+void AbortBeforeIssued(ProcessGroup& pg, const char* what) noexcept {
+  try {
+    if (pg.size() == 1 || !pg.aborted_reason().ok()) return;
+    std::string text;
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      text = e.what();
+    } catch (...) {
+      text = "an exception not derived from std::exception";
+    }
+    pg.Abort(transport::AbortedError(std::string("ProcessGroup::") + what + " failed on rank " +
+                                     std::to_string(pg.rank()) + " before it was issued: " + text));
+  } catch (...) {
+    // No memory even for the reason: the caller's exception still leaves.
+  }
+}
+
+// AbortBeforeIssued, except for what leaves the group as it is: the
+// caller's argument errors (std::invalid_argument, and std::logic_error
+// such as a collective issued from inside the group's own task: the header
+// says such a rank does not take part), and a DistributedError, which the
+// group itself raised for a collective that did run. std::length_error (a
+// size past what a container holds) is a lack of memory like bad_alloc.
+void AbortUnlessArgumentError(ProcessGroup& pg, const char* what) noexcept {
+  try {
+    throw;
+  } catch (const std::length_error&) {
+  } catch (const std::logic_error&) {
+    return;
+  } catch (const DistributedError&) {
+    return;
+  } catch (...) {
+  }
+  AbortBeforeIssued(pg, what);
+}
+
 }  // namespace
 
 internal::ScopedDefaultLabel::ScopedDefaultLabel(const std::string& label) : previous_(tls_default_label) {
@@ -1344,7 +1388,7 @@ internal::ScopedDefaultLabel::ScopedDefaultLabel(const std::string& label) : pre
 internal::ScopedDefaultLabel::~ScopedDefaultLabel() { tls_default_label = previous_; }
 
 Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
-                             const std::string& label) {
+                             const std::string& label) try {
   CheckTensor(tensor, "AllReduce", "tensor");
   CollectiveDescription d{Labelled("all_reduce", label), tensor.dtype(),
                           tensor.shape(), -1, op, true};
@@ -1358,9 +1402,12 @@ Work ProcessGroup::AllReduce(const nn::Tensor& tensor, transport::ReduceOp op,
     MarkWritten(tensor);
     return status;
   }, FenceFor({tensor}, "AllReduce"));
+} catch (...) {
+  AbortUnlessArgumentError(*this, "AllReduce");
+  throw;
 }
 
-Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::string& label) {
+Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::string& label) try {
   CheckTensor(tensor, "Broadcast", "tensor");
   if (root < 0 || root >= size_) {
     throw std::invalid_argument("ProcessGroup::Broadcast: root " + std::to_string(root) +
@@ -1377,10 +1424,13 @@ Work ProcessGroup::Broadcast(const nn::Tensor& tensor, int root, const std::stri
     if (comm->rank() != root) MarkWritten(tensor);  // the root's is only read
     return status;
   }, FenceFor({tensor}, "Broadcast"));
+} catch (...) {
+  AbortUnlessArgumentError(*this, "Broadcast");
+  throw;
 }
 
 Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
-                             const std::string& label) {
+                             const std::string& label) try {
   CheckTensor(output, "AllGather", "output");
   CheckTensor(input, "AllGather", "input");
   if (output.dtype() != input.dtype() || output.numel() != input.numel() * size_) {
@@ -1408,11 +1458,14 @@ Work ProcessGroup::AllGather(const nn::Tensor& output, const nn::Tensor& input,
     MarkWritten(output);
     return status;
   }, std::move(fence));
+} catch (...) {
+  AbortUnlessArgumentError(*this, "AllGather");
+  throw;
 }
 
 Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
                             std::vector<int64_t> output_splits, std::vector<int64_t> input_splits,
-                            const std::string& label) {
+                            const std::string& label) try {
   CheckTensor(output, "AllToAll", "output");
   CheckTensor(input, "AllToAll", "input");
   const std::string where = "ProcessGroup::AllToAll: ";
@@ -1481,10 +1534,13 @@ Work ProcessGroup::AllToAll(const nn::Tensor& output, const nn::Tensor& input,
     MarkWritten(output);
     return status;
   }, std::move(fence));
+} catch (...) {
+  AbortUnlessArgumentError(*this, "AllToAll");
+  throw;
 }
 
 Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& input,
-                                 transport::ReduceOp op, const std::string& label) {
+                                 transport::ReduceOp op, const std::string& label) try {
   CheckTensor(output, "ReduceScatter", "output");
   CheckTensor(input, "ReduceScatter", "input");
   if (output.dtype() != input.dtype() || input.numel() != output.numel() * size_) {
@@ -1513,10 +1569,13 @@ Work ProcessGroup::ReduceScatter(const nn::Tensor& output, const nn::Tensor& inp
     MarkWritten(output);
     return status;
   }, std::move(fence));
+} catch (...) {
+  AbortUnlessArgumentError(*this, "ReduceScatter");
+  throw;
 }
 
 Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceOp op,
-                          const std::string& label) {
+                          const std::string& label) try {
   CheckTensor(tensor, "Reduce", "tensor");
   CheckRoot(root, size_, "Reduce", "root");
   CollectiveDescription d{Labelled("reduce", label), tensor.dtype(),
@@ -1532,6 +1591,9 @@ Work ProcessGroup::Reduce(const nn::Tensor& tensor, int root, transport::ReduceO
     if (result != nullptr) MarkWritten(tensor);  // the other ranks' are only read
     return status;
   }, std::move(fence));
+} catch (...) {
+  AbortUnlessArgumentError(*this, "Reduce");
+  throw;
 }
 
 Work ProcessGroup::Gather(const nn::Tensor& output, const nn::Tensor& input, int root,
@@ -1540,7 +1602,7 @@ Work ProcessGroup::Gather(const nn::Tensor& output, const nn::Tensor& input, int
 }
 
 Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn::Tensor& rooted,
-                                  int root, const std::string& label, std::function<void()> host) {
+                                  int root, const std::string& label, std::function<void()> host) try {
   // Gather: local is the input, rooted the root's output; Scatter: local
   // is the output, rooted the root's input.
   const char* call = gather ? "Gather" : "Scatter";
@@ -1600,6 +1662,9 @@ Work ProcessGroup::RootedExchange(bool gather, const nn::Tensor& local, const nn
     if (gather && host) host();  // copies the root's output into a list
     return Status::Ok();
   }, std::move(fence));
+} catch (...) {
+  AbortUnlessArgumentError(*this, gather ? "Gather" : "Scatter");
+  throw;
 }
 
 namespace {
@@ -1651,7 +1716,7 @@ Work ProcessGroup::ScatterList(const nn::Tensor& output, const std::vector<nn::T
 }
 
 Work ProcessGroup::ListExchange(bool gather, const nn::Tensor& local,
-                                const std::vector<nn::Tensor>& list, int root) {
+                                const std::vector<nn::Tensor>& list, int root) try {
   const char* call = gather ? "GatherList" : "ScatterList";
   const char* local_name = gather ? "input" : "output";
   CheckTensor(local, call, local_name);
@@ -1677,14 +1742,20 @@ Work ProcessGroup::ListExchange(bool gather, const nn::Tensor& local,
       }
     }
   });
+} catch (...) {
+  AbortUnlessArgumentError(*this, gather ? "GatherList" : "ScatterList");
+  throw;
 }
 
-Work ProcessGroup::Barrier() {
+Work ProcessGroup::Barrier() try {
   CollectiveDescription d{"barrier", nn::DType::kUInt8, {0}, -1, transport::ReduceOp::kSum, false};
   return impl_->Enqueue(std::move(d), [](transport::Communicator* comm, Deadline deadline) {
     if (comm == nullptr) return Status::Ok();
     return comm->Barrier(internal::Within(deadline));
   }, nullptr);
+} catch (...) {
+  AbortUnlessArgumentError(*this, "Barrier");
+  throw;
 }
 
 namespace {
@@ -1743,7 +1814,7 @@ void ProcessGroup::CheckPeer(int peer, uint32_t tag, const char* call, const cha
   }
 }
 
-Work ProcessGroup::PostPointToPoint(const std::vector<P2POp>& ops, const char* call) {
+Work ProcessGroup::PostPointToPoint(const std::vector<P2POp>& ops, const char* call) try {
   if (ops.empty()) {
     throw std::invalid_argument(std::string("ProcessGroup::") + call + ": no operations");
   }
@@ -1787,14 +1858,23 @@ Work ProcessGroup::PostPointToPoint(const std::vector<P2POp>& ops, const char* c
         return Status::Ok();
       },
       std::move(fence), Impl::Mode::kPointToPoint, transfers);
+} catch (...) {
+  AbortUnlessArgumentError(*this, call);
+  throw;
 }
 
-Work ProcessGroup::Send(const nn::Tensor& tensor, int dst, uint32_t tag) {
+Work ProcessGroup::Send(const nn::Tensor& tensor, int dst, uint32_t tag) try {
   return PostPointToPoint({P2POp::Send(tensor, dst, tag)}, "Send");
+} catch (...) {
+  AbortUnlessArgumentError(*this, "Send");
+  throw;
 }
 
-Work ProcessGroup::Recv(const nn::Tensor& tensor, int src, uint32_t tag) {
+Work ProcessGroup::Recv(const nn::Tensor& tensor, int src, uint32_t tag) try {
   return PostPointToPoint({P2POp::Recv(tensor, src, tag)}, "Recv");
+} catch (...) {
+  AbortUnlessArgumentError(*this, "Recv");
+  throw;
 }
 
 Work ProcessGroup::BatchIsendIrecv(const std::vector<P2POp>& ops) {
@@ -1859,25 +1939,6 @@ StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::st
       SizeBuffer(p.padded, p.longest, comm.rank(), "its object padded; " + LongestText(p.sizes)));
   std::copy(object.begin(), object.end(), p.padded.begin());
   return p;
-}
-
-// Called from the handler of a failure on this rank before its part of an
-// object collective was queued (no memory to copy its object, say): the
-// peers would wait for it until the group's timeout, so the group is
-// aborted with a reason naming this rank and the collective. The caller
-// rethrows. A group of one rank has nobody waiting and stays usable.
-void AbortBeforeIssued(ProcessGroup& pg, const char* what) {
-  if (pg.size() == 1 || !pg.aborted_reason().ok()) return;
-  std::string text;
-  try {
-    throw;
-  } catch (const std::exception& e) {
-    text = e.what();
-  } catch (...) {
-    text = "an exception not derived from std::exception";
-  }
-  pg.Abort(transport::AbortedError(std::string("ProcessGroup::") + what + " failed on rank " +
-                                   std::to_string(pg.rank()) + " before it was issued: " + text));
 }
 
 }  // namespace
@@ -2059,7 +2120,7 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
   return std::move(*out);
 }
 
-void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
+void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) try {
   if (timeout.count() < 0) {
     throw std::invalid_argument("ProcessGroup::MonitoredBarrier: timeout " +
                                 std::to_string(timeout.count()) + " ms is negative");
@@ -2174,9 +2235,12 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
     }
     return Status::Ok();
   }, nullptr, Impl::Mode::kUnchecked, {}, others_wait + milliseconds(2000)).Wait();
+} catch (...) {
+  AbortUnlessArgumentError(*this, "MonitoredBarrier");
+  throw;
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) {
+std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) try {
   std::vector<bool> seen(static_cast<size_t>(size_), false);
   // FNV-1a over the ranks in order: what the ranks compare before forming
   // the group (an order that differs is a different list).
@@ -2261,20 +2325,26 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
   child->root_rank_ = root_rank_;
   impl_->AddChild(child);
   return child;
+} catch (...) {
+  AbortUnlessArgumentError(*this, "NewGroup");
+  throw;
 }
 
 Work ProcessGroup::Run(const CollectiveDescription& description, Task task,
-                       const std::vector<nn::Tensor>& device_tensors) {
+                       const std::vector<nn::Tensor>& device_tensors) try {
   if (!task) throw std::invalid_argument("ProcessGroup::Run: empty task for " + description.kind);
   return RunFenced(
       description,
       [task = std::move(task)](transport::Communicator* comm, Deadline deadline,
                                internal::DeviceFence*) { return task(comm, deadline); },
       device_tensors);
+} catch (...) {
+  AbortUnlessArgumentError(*this, "Run");
+  throw;
 }
 
 Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTask task,
-                             const std::vector<nn::Tensor>& device_tensors) {
+                             const std::vector<nn::Tensor>& device_tensors) try {
   if (!task) throw std::invalid_argument("ProcessGroup::Run: empty task for " + description.kind);
   std::shared_ptr<internal::DeviceFence> fence;
   if (!device_tensors.empty()) {
@@ -2306,6 +2376,9 @@ Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTas
         return task(comm, deadline, local);
       },
       std::move(fence));
+} catch (...) {
+  AbortUnlessArgumentError(*this, "RunFenced");
+  throw;
 }
 
 void ProcessGroup::set_trace(std::shared_ptr<TraceRecorder> trace) {

@@ -44,7 +44,12 @@
 // the root Gather's input / Scatter's output as the rooted buffer's block
 // root; AllToAll has none) throw std::invalid_argument at the call. Such a
 // rank does not take part; for a collective the other ranks do call, they
-// wait for it until their deadline unless the program stops them. A collective
+// wait for it until their deadline unless the program stops them. A rank
+// that cannot issue a call for want of resources (std::bad_alloc for the
+// call's own bookkeeping, no thread to run it) aborts the group before the
+// exception leaves the call, so that its peers fail at once with a reason
+// naming it and the call ("ProcessGroup::AllReduce failed on rank 1 before
+// it was issued: std::bad_alloc"). A collective
 // that fails (a peer died, a deadline passed, ranks disagreed) completes its
 // Work with the transport's Status code, its message prefixed with the
 // collective ("all_reduce bucket 3(sum, f32 [4]) (collective #5 on rank 0):

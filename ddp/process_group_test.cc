@@ -19,11 +19,33 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "ddp/testing/ddp_test_util.h"
 #include "transport/shm/shareable.h"
+
+// The next allocation on a thread fails while its flag is set, once, as
+// when memory has just run out (replacing the global operator new is the
+// seam; it reaches the library too).
+namespace {
+thread_local bool fail_next_allocation = false;
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  if (fail_next_allocation) {
+    fail_next_allocation = false;
+    throw std::bad_alloc();
+  }
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+// Not inlined: GCC would take a free() of what a new expression returned
+// for a mismatch.
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace ddp::dist {
 namespace {
@@ -613,6 +635,75 @@ TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
     EXPECT_NE(std::string(e.what()).find("rank 0 sends itself 3 rows (input split 0) but receives 2"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// ISSUE_CASE: a call whose first allocation on rank 1 fails (std::bad_alloc
+// before its collective, or message, is queued: the call's description,
+// its task, the Work's state). Rank 1 gets the bad_alloc; rank 0, already
+// in the collective (or waiting for the message), must fail at once naming
+// rank 1 and the call, not wait out the 20 s timeout.
+DDP_TEST_WORKER(pg_issue_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  const std::string c = std::getenv("ISSUE_CASE");
+  Tensor t = nn::Full({4}, me + 1);
+  const CollectiveDescription run_description{"custom", DType::kFloat32, {4}};
+  std::vector<Tensor> outputs;
+  if (me == 0) outputs = {nn::Zeros({4}), nn::Zeros({4})};
+  // Made before the failure is armed (moved into Run, not copied): the
+  // failure is then Run's own.
+  ProcessGroup::Task task = [t](transport::Communicator* comm, transport::Deadline deadline) {
+    return comm->AllReduce(t.data_ptr(), 4, transport::DataType::kF32, ReduceOp::kSum, internal::Within(deadline));
+  };
+  pg->Barrier().Wait();
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "succeeded";
+  try {
+    fail_next_allocation = me == 1;
+    Work work;
+    if (c == "all_reduce") {
+      work = pg->AllReduce(t);
+    } else if (c == "barrier") {
+      work = pg->Barrier();
+    } else if (c == "gather_list") {
+      work = pg->GatherList(outputs, t, 0);
+    } else if (c == "run") {
+      work = pg->Run(run_description, std::move(task));
+    } else if (c == "send_recv") {
+      work = me == 1 ? pg->Send(t, 0) : pg->Recv(t, 1);
+    } else {
+      WORKER_EXPECT(false, "unknown ISSUE_CASE " + c);
+    }
+    fail_next_allocation = false;
+    work.Wait();
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  fail_next_allocation = false;
+  if (me == 1) {
+    WORKER_EXPECT(outcome == "std::bad_alloc", c + ": " + outcome + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
+                c + ": waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 &&
+                    outcome.find("failed on rank 1 before it was issued: std::bad_alloc") != std::string::npos,
+                c + ": " + outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NoMemoryToIssueACallOnOneRankFailsEveryRankAtOnce) {
+  for (const char* c : {"all_reduce", "barrier", "gather_list", "run", "send_recv"}) {
+    auto run = RunWorkers("pg_issue_out_of_memory", 2, {{"ISSUE_CASE", c}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << c << "\n" << testing::AllOutput(run);
   }
 }
 
