@@ -71,8 +71,11 @@ void UpdateRunningStats(const RunningStats& rs, const Tensor& mean_t, const std:
                                              {.dtype = nn::DType::kFloat64, .device = rs.running_var.device()});
     // A product and a sum, not one fused multiply-add: the roundings of
     // BatchNorm's update, and of this layer's former host loop.
-    new_mean = nn::ops::Add(nn::ops::MulScalar(rs.running_mean.To(nn::DType::kFloat64), 1 - m), mean_term);
-    new_var = nn::ops::Add(nn::ops::MulScalar(rs.running_var.To(nn::DType::kFloat64), 1 - m), var_term_t);
+    // In the buffers' dtypes here, so that the writes below only copy.
+    new_mean = nn::ops::Add(nn::ops::MulScalar(rs.running_mean.To(nn::DType::kFloat64), 1 - m), mean_term)
+                   .To(rs.running_mean.dtype());
+    new_var = nn::ops::Add(nn::ops::MulScalar(rs.running_var.To(nn::DType::kFloat64), 1 - m), var_term_t)
+                  .To(rs.running_var.dtype());
   }
   // Written last: an op that throws above leaves every buffer as it was.
   if (rs.num_batches_tracked.defined()) rs.count->Set(rs.num_batches_tracked, rs.next_count);
@@ -240,13 +243,15 @@ struct SyncBatchNormFunction : nn::autograd::Function<SyncBatchNormFunction> {
     }
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64});
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64});
-    UpdateRunningStats(running, mean_t, var, total);
     Tensor y = x.numel() == 0 ? nn::Empty(x.shape(), {.dtype = x.dtype()})
                               : nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
     ctx->SaveForBackward({x, weight, mean_t, invstd_t});
     ctx->saved_data["total"] = total;
     ctx->saved_data["pg"] = pg;
     ctx->saved_data["layer"] = layer;
+    // Last: a forward that fails before here (no memory for the output,
+    // say) leaves the running statistics and the count as they were.
+    UpdateRunningStats(running, mean_t, var, total);
     return {y};
   }
 
@@ -307,7 +312,6 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
     }
     const Tensor mean_t = nn::FromVector(mean, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
     const Tensor invstd_t = nn::FromVector(invstd, {d.c}, {.dtype = nn::DType::kFloat64}).To(device);
-    UpdateRunningStats(running, mean_t, var, total);
     // An empty local batch still took part in both collectives above.
     Tensor y = x.numel() == 0 ? nn::Empty(x.shape(), {.dtype = x.dtype(), .device = device})
                               : nn::ops::BatchNormElementwise(x, mean_t, invstd_t, weight, bias);
@@ -315,6 +319,8 @@ struct SyncBatchNormBlocksFunction : nn::autograd::Function<SyncBatchNormBlocksF
     ctx->saved_data["total"] = total;
     ctx->saved_data["pg"] = pg;
     ctx->saved_data["layer"] = layer;
+    // Last, as on the host path.
+    UpdateRunningStats(running, mean_t, var, total);
     return {y};
   }
 

@@ -24,6 +24,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <new>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -791,6 +793,53 @@ TEST(SyncBatchNormTest, AForwardThatFailsOnOneRankStopsThePeersAtOnce) {
     auto run = RunWorkers("sync_bn_forward_fails_on_one_rank", 2, env);
     EXPECT_TRUE(run.AllSucceeded()) << (blocks ? "building blocks\n" : "") << testing::AllOutput(run);
   }
+}
+
+// Rank 1's training forward runs out of memory for its output (its
+// address space capped below the output's 12 MiB) after the statistics
+// were gathered: the running statistics and the count, written last, stay
+// as they were there.
+DDP_TEST_WORKER(sync_bn_output_out_of_memory) {
+  auto pg = testing::WorkerGroup();
+  const int rank = pg->rank();
+  const std::string on = " on rank " + std::to_string(rank);
+  SyncBatchNorm sync(kC, {}, pg);
+  (void)sync(nn::Randn({4, kC, kH}));  // one good forward: the statistics moved once
+  const std::vector<double> mean = sync.running_mean().ToVector<double>();
+  const std::vector<double> var = sync.running_var().ToVector<double>();
+  const Tensor x = nn::Randn({1 << 20, kC});
+  pg->Barrier().Wait();  // the communication thread runs before the limit
+  std::optional<testing::AddressSpaceLimit> limit;
+  if (rank == 1) {
+    limit.emplace(4 << 20);
+    WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
+  }
+  std::string outcome = "succeeded";
+  try {
+    (void)sync(x);
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    outcome = e.what();
+  }
+  limit.reset();
+  if (rank != 1) {
+    // Its own forward had what it needed; rank 1's abort may reach it first.
+    testing::MarkThisRankDone(*pg);
+    return testing::WorkerExit();
+  }
+  WORKER_EXPECT(outcome == "std::bad_alloc", outcome + on);
+  WORKER_EXPECT(sync.num_batches_tracked().Item() == 1,
+                "num_batches_tracked is " + std::to_string(sync.num_batches_tracked().Item()) + on);
+  WORKER_EXPECT(sync.running_mean().ToVector<double>() == mean, "the running mean moved" + on);
+  WORKER_EXPECT(sync.running_var().ToVector<double>() == var, "the running variance moved" + on);
+  testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+  return testing::WorkerExit();
+}
+
+TEST(SyncBatchNormTest, NoMemoryForTheOutputLeavesTheRunningStatisticsAsTheyWere) {
+  auto run = RunWorkers("sync_bn_output_out_of_memory", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 TEST(SyncBatchNormTest, InputRefusedOnOneRankStopsThePeersAtOnce) {
