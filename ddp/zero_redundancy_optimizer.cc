@@ -1,10 +1,12 @@
 #include "ddp/zero_redundancy_optimizer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <map>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -60,6 +62,14 @@ std::string HandledExceptionText() {
   } catch (...) {
     return "an exception that is not a std::exception";
   }
+}
+
+std::atomic<bool> fail_next_add_param_group{false};
+
+// FailNextAddParamGroupForTesting's failure, where AddParamGroup makes its
+// new lists.
+void ThrowIfAddParamGroupFailureInjected() {
+  if (fail_next_add_param_group.exchange(false)) throw std::bad_alloc();
 }
 
 // Broadcasts a string from `root` (its length, then its bytes).
@@ -334,9 +344,18 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
   // ones, nor the state kept for it, moves.
   std::vector<std::vector<Slice>> added;
   std::vector<std::vector<Tensor>> added_pieces;
+  // This object's lists as they are once the group is added, made here,
+  // before the ranks agree: after the last agreement below they are only
+  // swapped in (no allocation), so that no rank can fail there alone and
+  // leave its lists unlike the others' while its optimizer holds the group.
+  nn::optim::NamedParameters all;
+  std::vector<size_t> all_group_of;
+  std::vector<nn::Shape> all_shapes;
+  std::vector<std::vector<Slice>> all_shards;
+  std::vector<std::vector<Tensor>> all_pieces;
   std::string failure;
   try {
-    nn::optim::NamedParameters all = params_;
+    all = params_;
     all.insert(all.end(), group.params.begin(), group.params.end());
     nn::optim::CheckParameters(all, who + " (rank " + std::to_string(pg_->rank()) + ")");
     added = Partition(group.params, pg_->size());
@@ -344,8 +363,25 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
     for (size_t r = 0; r < added.size(); ++r) {
       for (const Slice& s : added[r]) added_pieces[r].push_back(PieceOf(group.params[s.param].second.Detach(), s));
     }
+    ThrowIfAddParamGroupFailureInjected();
+    all_group_of = group_of_;
+    all_group_of.resize(all.size(), k);
+    all_shapes = shapes_;
+    for (const auto& entry : group.params) all_shapes.push_back(entry.second.shape());
+    all_shards = shards_;
+    all_pieces = pieces_;
+    for (size_t r = 0; r < added.size(); ++r) {
+      for (size_t j = 0; j < added[r].size(); ++j) {
+        Slice s = added[r][j];
+        s.param += params_.size();
+        all_shards[r].push_back(s);
+        all_pieces[r].push_back(added_pieces[r][j]);
+      }
+    }
+  } catch (const std::invalid_argument& e) {
+    failure = e.what();  // the list's checks name the call and the rank
   } catch (...) {
-    failure = HandledExceptionText();
+    failure = who + " on rank " + std::to_string(pg_->rank()) + ": " + HandledExceptionText();
   }
   for (const std::string& outcome : pg_->AllGatherObject(failure)) {
     if (!outcome.empty()) throw std::invalid_argument(outcome);
@@ -377,21 +413,12 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
               ", so the ranks' shards no longer match: build the optimizer again)";
     throw std::invalid_argument(broken_);
   }
-  const size_t first = params_.size();
-  for (auto& entry : group.params) {
-    shapes_.push_back(entry.second.shape());
-    group_of_.push_back(k);
-    params_.push_back(std::move(entry));
-  }
+  params_.swap(all);
+  group_of_.swap(all_group_of);
+  shapes_.swap(all_shapes);
+  shards_.swap(all_shards);
+  pieces_.swap(all_pieces);
   ++num_groups_;
-  for (size_t r = 0; r < added.size(); ++r) {
-    for (size_t j = 0; j < added[r].size(); ++j) {
-      Slice s = added[r][j];
-      s.param += first;
-      shards_[r].push_back(s);
-      pieces_[r].push_back(added_pieces[r][j]);
-    }
-  }
 }
 
 void ZeroRedundancyOptimizer::CheckLocal(const char* what) const {
@@ -730,5 +757,9 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
     throw;
   }
 }
+
+namespace internal {
+void FailNextAddParamGroupForTesting() { fail_next_add_param_group.store(true); }
+}  // namespace internal
 
 }  // namespace ddp::dist

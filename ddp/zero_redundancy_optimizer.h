@@ -266,6 +266,15 @@ class ZeroRedundancyOptimizer {
   std::string broken_;  // why the shards no longer match across ranks (AddParamGroup); "" while they do
 };
 
+namespace internal {
+
+/// Makes the next ZeroRedundancyOptimizer::AddParamGroup in this process
+/// throw std::bad_alloc where it makes its new lists of parameters, shards
+/// and pieces (as on a rank whose memory ran out there). For tests.
+void FailNextAddParamGroupForTesting();
+
+}  // namespace internal
+
 }  // namespace ddp::dist
 
 #endif  // DDP_DDP_ZERO_REDUNDANCY_OPTIMIZER_H_

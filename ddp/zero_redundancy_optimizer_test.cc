@@ -1849,6 +1849,42 @@ TEST(ZeroRedundancyOptimizerTest, AddParamGroupRefusedOnOneRankFailsEveryRankAtO
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// AddParamGroup whose new lists cannot be made on rank 1 (memory ran out
+// there): they are made before the ranks agree, so every rank refuses the
+// group naming rank 1, and every rank's optimizer goes on as it was (a
+// step, then the group added again). Before, rank 1 failed after the last
+// agreement, its shard optimizer holding the group while its lists did not.
+DDP_TEST_WORKER(add_param_group_out_of_memory) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  const Tensor w = nn::Ones({4, 8}).set_requires_grad(true);
+  const Tensor c = nn::Ones({6}).set_requires_grad(true);
+  ZeroRedundancyOptimizer zero({{"w", w}}, pg, MakeOptimizer);
+  if (pg->rank() == 1) internal::FailNextAddParamGroupForTesting();
+  std::string message = "no error";
+  try {
+    zero.AddParamGroup({.params = {{"c", c}}});
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("ZeroRedundancyOptimizer::AddParamGroup on rank 1: std::bad_alloc") != std::string::npos,
+                message + on);
+  WORKER_EXPECT(zero.num_groups() == 1, "the refused group was added" + on);
+  w.set_grad(nn::Ones({4, 8}));
+  zero.Step();
+  zero.AddParamGroup({.params = {{"c", c}}});
+  WORKER_EXPECT(zero.num_groups() == 2, "the group was not added the second time" + on);
+  w.set_grad(nn::Ones({4, 8}));
+  c.set_grad(nn::Ones({6}));
+  zero.Step();
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AddParamGroupOutOfMemoryOnOneRankChangesNothingAnywhere) {
+  auto run = RunWorkers("add_param_group_out_of_memory", 2, {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A group holding an undefined tensor is refused naming it, before its
 // parameters are cut, and the optimizer keeps its one group.
 TEST(ZeroPartition, AddParamGroupWithAnUndefinedParameterIsRefusedNamingIt) {
