@@ -1989,21 +1989,40 @@ std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object
     // The task owns its copies (see BroadcastObject).
     work = impl_->Enqueue(
         ObjectCollective("all_gather_object", -1),
-        [object, out](transport::Communicator* comm, Deadline deadline) {
+        [object, out](transport::Communicator* comm, Deadline deadline) mutable {
           if (comm == nullptr) {
-            *out = {object};
+            *out = {std::move(object)};
             return Status::Ok();
           }
-          // Every rank's bytes padded to the longest, in one all-gather.
-          DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
-          std::string all;
-          DDP_RETURN_IF_ERROR(SizeBuffer(all, p.sizes.size() * p.longest, comm->rank(),
-                                         "every rank's object padded; " + LongestText(p.sizes)));
-          if (p.longest > 0) {
-            DDP_RETURN_IF_ERROR(comm->AllGather(p.padded.data(), all.data(), p.longest,
-                                                transport::DataType::kU8, internal::Within(deadline)));
+          // Every rank's length, then each rank's bytes broadcast from it
+          // straight into the string that is returned for it, sized to
+          // them: the result is the only buffer that holds the gathered
+          // bytes (one all-gather of the objects padded to the longest,
+          // split into strings after, held them twice or more, and n times
+          // the longest object where lengths differ).
+          const size_t n = static_cast<size_t>(comm->size());
+          const int me = comm->rank();
+          std::vector<int64_t> sizes(n);
+          const int64_t mine = static_cast<int64_t>(object.size());
+          DDP_RETURN_IF_ERROR(
+              comm->AllGather(&mine, sizes.data(), 1, transport::DataType::kI64, internal::Within(deadline)));
+          std::vector<std::string> got(n);
+          got[static_cast<size_t>(me)] = std::move(object);
+          for (size_t r = 0; r < n; ++r) {
+            if (static_cast<int>(r) == me) continue;
+            if (sizes[r] < 0) {
+              return transport::InternalError("rank " + std::to_string(r) + " sent a negative size, " +
+                                              std::to_string(sizes[r]));
+            }
+            DDP_RETURN_IF_ERROR(SizeBuffer(got[r], static_cast<size_t>(sizes[r]), me,
+                                           "rank " + std::to_string(r) + "'s object; " + LongestText(sizes)));
           }
-          *out = p.Split(all);
+          for (size_t r = 0; r < n; ++r) {
+            if (sizes[r] == 0) continue;
+            DDP_RETURN_IF_ERROR(comm->Broadcast(got[r].data(), got[r].size(), transport::DataType::kU8,
+                                                static_cast<int>(r), internal::Within(deadline)));
+          }
+          *out = std::move(got);
           return Status::Ok();
         },
         nullptr);

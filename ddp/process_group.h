@@ -460,7 +460,9 @@ class ProcessGroup {
   /// it was issued it is as it was).
   void BroadcastObject(std::string* object, int root);
   /// Every rank's `object`, in rank order (lengths exchanged first, then
-  /// the bytes padded to the longest).
+  /// each rank's bytes broadcast from it straight into the string returned
+  /// for it: beyond the result, a rank needs no memory for the gathered
+  /// bytes).
   std::vector<std::string> AllGatherObject(const std::string& object);
   /// On `dst`: every rank's `object` in rank order; elsewhere empty.
   std::vector<std::string> GatherObject(const std::string& object, int dst);

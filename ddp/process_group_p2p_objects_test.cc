@@ -510,6 +510,43 @@ TEST(ProcessGroupObjectsTest, SingleProcessGroup) {
   pg->MonitoredBarrier(milliseconds(100), true);
 }
 
+// All-gather of a 64 MiB object (rank 0's) and a small one, with rank 1's
+// address space capped at 96 MiB more than it uses: the result (64 MiB
+// there) is all the memory the gathered bytes take, so it fits and is
+// right on both ranks. Gathered through one buffer of the objects padded
+// to the longest, rank 1 needed 64 MiB padded, 128 MiB gathered, then 64
+// MiB of result, and ran out.
+DDP_TEST_WORKER(pg_all_gather_object_peak) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  const size_t big = size_t{64} << 20;
+  const std::string large(big, 'g');
+  const std::string object = me == 0 ? large : "small";
+  pg->Barrier().Wait();  // the communication thread runs before the limit
+  std::optional<testing::AddressSpaceLimit> limit;
+  if (me == 1) {
+    limit.emplace(96 << 20);
+    WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
+  }
+  std::vector<std::string> all;
+  std::string outcome = "succeeded";
+  try {
+    all = pg->AllGatherObject(object);
+  } catch (const std::exception& e) {
+    outcome = e.what();
+  }
+  limit.reset();
+  WORKER_EXPECT(outcome == "succeeded", outcome + on);
+  WORKER_EXPECT(all.size() == 2 && all[0] == large && all[1] == "small",
+                "wrong objects (" + std::to_string(all.size()) + ")" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupObjectsTest, AllGatherNeedsNoMemoryBeyondItsResult) {
+  ExpectWorkersPass("pg_all_gather_object_peak", {2}, {}, 60000);
+}
+
 // OBJ_CASE: an object collective in which rank 1, its address space
 // capped, has no memory for 64 MiB: a peer's object it receives
 // (broadcast, all_gather, gather to it, scatter from rank 0) or a copy of
