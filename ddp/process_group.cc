@@ -68,6 +68,8 @@ namespace {
 // it is, so that the group's own messages never match a user's Recv.
 constexpr uint32_t kHeaderChannel = 1u << 30;  // a Send's header
 constexpr uint32_t kMonitoredBarrierTag = 2u << 30;
+// GatherObject's and ScatterObject's bytes, sent between the two ranks.
+constexpr uint32_t kObjectTag = 3u << 30;
 
 // Work::WaitFor on a point-to-point message: polls without a pause, then
 // polls yielding the core, then sleeps between polls of a hundredth of the
@@ -1889,24 +1891,6 @@ CollectiveDescription ObjectCollective(const char* kind, int root) {
   return {kind, nn::DType::kUInt8, {}, root, transport::ReduceOp::kSum, false};
 }
 
-// What the gathered object collectives send: every rank's length (an
-// all-gather, so that each knows the longest, the gather's count) and this
-// rank's bytes padded to the longest.
-struct PaddedObject {
-  std::vector<int64_t> sizes;
-  size_t longest = 0;
-  std::string padded;
-
-  // Rank r's object out of n * longest gathered bytes.
-  std::vector<std::string> Split(const std::string& all) const {
-    std::vector<std::string> out(sizes.size());
-    for (size_t r = 0; r < out.size(); ++r) {
-      out[r] = all.substr(r * longest, static_cast<size_t>(sizes[r]));
-    }
-    return out;
-  }
-};
-
 // Sizes `buffer` to `bytes` for an object collective: a rank without
 // memory for it fails with a status naming the size and `what` it is for
 // (the failure aborts the group, so the peers fail at once, naming it too).
@@ -1925,20 +1909,6 @@ std::string LongestText(const std::vector<int64_t>& sizes) {
   const auto it = std::max_element(sizes.begin(), sizes.end());
   return "the longest object, rank " + std::to_string(it - sizes.begin()) + "'s, has " + std::to_string(*it) +
          " bytes";
-}
-
-StatusOr<PaddedObject> PadToLongest(transport::Communicator& comm, const std::string& object,
-                                    Deadline deadline) {
-  PaddedObject p;
-  p.sizes.resize(static_cast<size_t>(comm.size()));
-  const int64_t mine = static_cast<int64_t>(object.size());
-  DDP_RETURN_IF_ERROR(
-      comm.AllGather(&mine, p.sizes.data(), 1, transport::DataType::kI64, internal::Within(deadline)));
-  p.longest = static_cast<size_t>(*std::max_element(p.sizes.begin(), p.sizes.end()));
-  DDP_RETURN_IF_ERROR(
-      SizeBuffer(p.padded, p.longest, comm.rank(), "its object padded; " + LongestText(p.sizes)));
-  std::copy(object.begin(), object.end(), p.padded.begin());
-  return p;
 }
 
 }  // namespace
@@ -2042,23 +2012,41 @@ std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, i
     out = std::make_shared<std::vector<std::string>>();
     work = impl_->Enqueue(
         ObjectCollective("gather_object", dst),
-        [object, dst, out](transport::Communicator* comm, Deadline deadline) {
+        [object, dst, out](transport::Communicator* comm, Deadline deadline) mutable {
           if (comm == nullptr) {
-            *out = {object};
+            *out = {std::move(object)};
             return Status::Ok();
           }
-          const bool root = comm->rank() == dst;
-          // Every rank needs the longest length (the gather's count); dst needs
-          // them all.
-          DDP_ASSIGN_OR_RETURN(const PaddedObject p, PadToLongest(*comm, object, deadline));
-          std::string all;
-          DDP_RETURN_IF_ERROR(SizeBuffer(all, root ? p.sizes.size() * p.longest : 0, comm->rank(),
-                                         "every rank's object padded; " + LongestText(p.sizes)));
-          if (p.longest > 0) {
-            DDP_RETURN_IF_ERROR(comm->Gather(p.padded.data(), root ? all.data() : nullptr, p.longest,
-                                             transport::DataType::kU8, dst, internal::Within(deadline)));
+          // The lengths to dst, then each rank's bytes sent to dst, which
+          // receives them straight into the string returned for that rank:
+          // no rank pads its object to the longest (a small object's rank
+          // needed memory for the longest one to take part), and dst needs
+          // no memory for the gathered bytes beyond the result.
+          const int me = comm->rank();
+          const size_t n = static_cast<size_t>(comm->size());
+          std::vector<int64_t> sizes(me == dst ? n : 0);
+          const int64_t mine = static_cast<int64_t>(object.size());
+          DDP_RETURN_IF_ERROR(comm->Gather(&mine, me == dst ? sizes.data() : nullptr, 1, transport::DataType::kI64,
+                                           dst, internal::Within(deadline)));
+          if (me != dst) {
+            if (object.empty()) return Status::Ok();
+            return comm->Send(object.data(), object.size(), transport::DataType::kU8, dst, kObjectTag,
+                              internal::Within(deadline));
           }
-          if (root) *out = p.Split(all);
+          std::vector<std::string> got(n);
+          got[static_cast<size_t>(me)] = std::move(object);
+          for (size_t r = 0; r < n; ++r) {
+            if (static_cast<int>(r) == me || sizes[r] == 0) continue;
+            if (sizes[r] < 0) {
+              return transport::InternalError("rank " + std::to_string(r) + " sent a negative size, " +
+                                              std::to_string(sizes[r]));
+            }
+            DDP_RETURN_IF_ERROR(SizeBuffer(got[r], static_cast<size_t>(sizes[r]), me,
+                                           "rank " + std::to_string(r) + "'s object; " + LongestText(sizes)));
+            DDP_RETURN_IF_ERROR(comm->Recv(got[r].data(), got[r].size(), transport::DataType::kU8,
+                                           static_cast<int>(r), kObjectTag, internal::Within(deadline)));
+          }
+          *out = std::move(got);
           return Status::Ok();
         },
         nullptr);
@@ -2084,7 +2072,8 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
     std::vector<std::string> mine = rank_ == src ? objects : std::vector<std::string>{};
     work = impl_->Enqueue(
         ObjectCollective("scatter_object", src),
-        [objects = std::move(mine), src, out, bad_count](transport::Communicator* comm, Deadline deadline) {
+        [objects = std::move(mine), src, out, bad_count](transport::Communicator* comm,
+                                                         Deadline deadline) mutable {
           const size_t n = comm == nullptr ? 1 : static_cast<size_t>(comm->size());
           const int me = comm == nullptr ? 0 : comm->rank();
           // sizes[q]: the length of rank q's object; one more entry for src's
@@ -2108,22 +2097,30 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
             *out = objects[0];
             return Status::Ok();
           }
-          // Each object padded to the longest, in one scatter.
-          const size_t longest = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end() - 1));
-          std::string packed;
-          const std::vector<int64_t> lengths(sizes.begin(), sizes.end() - 1);
+          // src sends each rank its object, which that rank receives
+          // straight into the string it returns, sized to it: nothing is
+          // padded to the longest (a rank given a small object needed
+          // memory for the longest one, and src for all of them padded).
           if (me == src) {
-            DDP_RETURN_IF_ERROR(
-                SizeBuffer(packed, n * longest, me, "every object padded; " + LongestText(lengths)));
-            for (size_t q = 0; q < n; ++q) packed.replace(q * longest, objects[q].size(), objects[q]);
+            for (size_t q = 0; q < n; ++q) {
+              if (static_cast<int>(q) == me || objects[q].empty()) continue;
+              DDP_RETURN_IF_ERROR(comm->Send(objects[q].data(), objects[q].size(), transport::DataType::kU8,
+                                             static_cast<int>(q), kObjectTag, internal::Within(deadline)));
+            }
+            *out = std::move(objects[static_cast<size_t>(me)]);
+            return Status::Ok();
           }
-          DDP_RETURN_IF_ERROR(SizeBuffer(*out, longest, me, "its object padded; " + LongestText(lengths)));
-          if (longest > 0) {
-            DDP_RETURN_IF_ERROR(comm->Scatter(me == src ? packed.data() : nullptr, out->data(), longest,
-                                              transport::DataType::kU8, src, internal::Within(deadline)));
+          const int64_t length = sizes[static_cast<size_t>(me)];
+          if (length < 0) {
+            return transport::InternalError("src " + std::to_string(src) + " sent a negative size, " +
+                                            std::to_string(length));
           }
-          out->resize(static_cast<size_t>(sizes[static_cast<size_t>(me)]));
-          return Status::Ok();
+          const std::vector<int64_t> lengths(sizes.begin(), sizes.end() - 1);
+          DDP_RETURN_IF_ERROR(SizeBuffer(*out, static_cast<size_t>(length), me,
+                                         "its object from src " + std::to_string(src) + "; " + LongestText(lengths)));
+          if (length == 0) return Status::Ok();
+          return comm->Recv(out->data(), out->size(), transport::DataType::kU8, src, kObjectTag,
+                            internal::Within(deadline));
         },
         nullptr);
   } catch (...) {

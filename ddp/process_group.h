@@ -464,11 +464,16 @@ class ProcessGroup {
   /// for it: beyond the result, a rank needs no memory for the gathered
   /// bytes).
   std::vector<std::string> AllGatherObject(const std::string& object);
-  /// On `dst`: every rank's `object` in rank order; elsewhere empty.
+  /// On `dst`: every rank's `object` in rank order; elsewhere empty. The
+  /// lengths are gathered to dst, then each rank sends its bytes to dst,
+  /// which receives them into the string returned for that rank (nothing
+  /// padded: a rank needs no memory for the others' objects).
   std::vector<std::string> GatherObject(const std::string& object, int dst);
   /// Rank q receives `objects[q]` of rank `src`; `objects` is read on src
   /// only and must hold size() strings there (otherwise every rank throws
   /// std::invalid_argument naming src's count, and the group stays usable).
+  /// src broadcasts the lengths, then sends each rank its object, received
+  /// into the string returned (nothing padded to the longest).
   std::string ScatterObject(const std::vector<std::string>& objects, int src);
 
   /// A barrier that names the ranks that did not come

@@ -510,41 +510,64 @@ TEST(ProcessGroupObjectsTest, SingleProcessGroup) {
   pg->MonitoredBarrier(milliseconds(100), true);
 }
 
-// All-gather of a 64 MiB object (rank 0's) and a small one, with rank 1's
-// address space capped at 96 MiB more than it uses: the result (64 MiB
-// there) is all the memory the gathered bytes take, so it fits and is
-// right on both ranks. Gathered through one buffer of the objects padded
-// to the longest, rank 1 needed 64 MiB padded, 128 MiB gathered, then 64
-// MiB of result, and ran out.
-DDP_TEST_WORKER(pg_all_gather_object_peak) {
+// PEAK_CASE: an object collective of a 64 MiB object (rank 0's) and small
+// ones, with rank 1's address space capped: the result is all the memory
+// the bytes take on a rank, so it fits and is right.
+// all_gather: rank 1 has 96 MiB more than it uses and gets the 64 MiB
+// object; gathered through one buffer of the objects padded to the
+// longest, it needed 64 MiB padded, 128 MiB gathered, then the result.
+// gather (to rank 0) and scatter (from rank 0, rank 1 gets "one"): rank 1
+// has 16 MiB more and only sends or receives a few bytes; padded to the
+// longest, it needed 64 MiB.
+DDP_TEST_WORKER(pg_objects_peak) {
   auto pg = testing::WorkerGroup();
   const int me = pg->rank();
-  const std::string on = " on rank " + std::to_string(me);
+  const std::string c = std::getenv("PEAK_CASE");
+  const std::string on = " on rank " + std::to_string(me) + " (" + c + ")";
   const size_t big = size_t{64} << 20;
   const std::string large(big, 'g');
   const std::string object = me == 0 ? large : "small";
+  std::vector<std::string> parts;
+  if (me == 0) parts = {large, "one"};
   pg->Barrier().Wait();  // the communication thread runs before the limit
   std::optional<testing::AddressSpaceLimit> limit;
   if (me == 1) {
-    limit.emplace(96 << 20);
+    limit.emplace(c == "all_gather" ? 96 << 20 : 16 << 20);
     WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
   }
   std::vector<std::string> all;
+  std::string part;
   std::string outcome = "succeeded";
   try {
-    all = pg->AllGatherObject(object);
+    if (c == "all_gather") {
+      all = pg->AllGatherObject(object);
+    } else if (c == "gather") {
+      all = pg->GatherObject(object, 0);
+    } else if (c == "scatter") {
+      part = pg->ScatterObject(parts, 0);
+    } else {
+      WORKER_EXPECT(false, "unknown PEAK_CASE " + c);
+    }
   } catch (const std::exception& e) {
     outcome = e.what();
   }
   limit.reset();
   WORKER_EXPECT(outcome == "succeeded", outcome + on);
-  WORKER_EXPECT(all.size() == 2 && all[0] == large && all[1] == "small",
-                "wrong objects (" + std::to_string(all.size()) + ")" + on);
+  if (c == "scatter") {
+    WORKER_EXPECT(part == (me == 0 ? large : "one"), "wrong object, " + std::to_string(part.size()) + " bytes" + on);
+  } else if (c == "gather" && me == 1) {
+    WORKER_EXPECT(all.empty(), "a result off dst" + on);
+  } else {
+    WORKER_EXPECT(all.size() == 2 && all[0] == large && all[1] == "small",
+                  "wrong objects (" + std::to_string(all.size()) + ")" + on);
+  }
   return testing::WorkerExit();
 }
 
-TEST(ProcessGroupObjectsTest, AllGatherNeedsNoMemoryBeyondItsResult) {
-  ExpectWorkersPass("pg_all_gather_object_peak", {2}, {}, 60000);
+TEST(ProcessGroupObjectsTest, ObjectCollectivesNeedNoMemoryBeyondTheirResult) {
+  for (const char* c : {"all_gather", "gather", "scatter"}) {
+    ExpectWorkersPass("pg_objects_peak", {2}, {{"PEAK_CASE", c}}, 60000);
+  }
 }
 
 // OBJ_CASE: an object collective in which rank 1, its address space
