@@ -588,7 +588,7 @@ class ProcessGroup::Impl {
       // Outlives `this`: set when the task destroyed the group (Stop).
       const std::shared_ptr<std::atomic<bool>> gone = gone_;
       lock.unlock();
-      Run(item, trace);
+      RunGuarded(item, trace, gone);
       if (gone->load(std::memory_order_acquire)) return work;
       lock.lock();
       --running_;
@@ -985,6 +985,45 @@ class ProcessGroup::Impl {
     return posted;
   }
 
+  // Run, which must not throw: the item's own exceptions are caught
+  // inside, but its bookkeeping (naming it, its trace event) may still run
+  // out of memory. Out of the communication thread that ended the process;
+  // out of a caller's thread it left the item counted as running, so that
+  // nothing queued after it ever started. The item fails instead, and the
+  // group (when the item did not destroy it: `gone`) is aborted, so that
+  // the peers do not wait for this rank's part of it.
+  bool RunGuarded(Item& item, const Traces& trace, const std::shared_ptr<std::atomic<bool>>& gone) noexcept {
+    try {
+      return Run(item, trace);
+    } catch (...) {
+      Status reason(transport::StatusCode::kResourceExhausted, "");
+      try {
+        std::string text;
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          text = e.what();
+        } catch (...) {
+          text = "an exception not derived from std::exception";
+        }
+        // Nothing of `this` is read: the item may have destroyed it.
+        reason = transport::ResourceExhaustedError("could not run " + item.state->what +
+                                                   ": its bookkeeping failed: " + text);
+        if (!gone->load(std::memory_order_acquire)) Abort(reason);
+      } catch (...) {
+        // No memory for the reason either: the item fails without one.
+        if (!gone->load(std::memory_order_acquire)) {
+          try {
+            Abort(reason);
+          } catch (...) {
+          }
+        }
+      }
+      item.state->Finish(std::move(reason), Clock::now());
+      return false;
+    }
+  }
+
   void Loop() {
     if (options_.comm_thread_nice != 0) {
       // Per-thread on Linux: the thread id names this thread only.
@@ -1016,7 +1055,7 @@ class ProcessGroup::Impl {
       ++running_;
       const Traces trace = traces_;
       lock.unlock();
-      const bool posted = Run(item, trace);
+      const bool posted = RunGuarded(item, trace, gone);
       // The task goes before mu_ is taken again: it may hold the last
       // reference to this group, whose destructor then runs here, on this
       // very thread (Stop sees that, takes mu_ itself and sets `gone`

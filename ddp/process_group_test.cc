@@ -707,6 +707,57 @@ TEST(ProcessGroupTest, NoMemoryToIssueACallOnOneRankFailsEveryRankAtOnce) {
   }
 }
 
+// A collective whose bookkeeping after its task (its name for the trace
+// event) runs out of memory on rank 1, on the communication thread
+// (DDP_COLLECTIVE_THREAD=comm) or the caller's (caller): the task arms a
+// one-shot allocation failure on its own thread as it returns. The item
+// fails on rank 1 with RESOURCE_EXHAUSTED naming it, and the group is
+// aborted: rank 0's next collective fails at once with that reason, and so
+// does rank 1's. Before, the exception ended rank 1 (out of the
+// communication thread), or left the call counted as running, so that the
+// next collective never started and waited out its budget.
+DDP_TEST_WORKER(pg_run_bookkeeping_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  // A kind long enough that its name takes an allocation (no short-string
+  // buffer): the first one after the task on its thread.
+  const std::string want = "could not run custom_bookkeeping(f32 [4]) on rank 1: its bookkeeping failed: std::bad_alloc";
+  pg->Barrier().Wait();
+  std::string ran = "succeeded";
+  try {
+    pg->Run({"custom_bookkeeping", DType::kFloat32, {4}}, [me](transport::Communicator*, transport::Deadline) {
+        fail_next_allocation = me == 1;
+        return transport::Status::Ok();
+      }).Wait();
+  } catch (const DistributedError& e) {
+    ran = std::string("DistributedError: ") + e.what();
+  } catch (const std::exception& e) {
+    ran = std::string("another exception: ") + e.what();
+  }
+  WORKER_EXPECT(me == 1 ? ran.rfind("DistributedError: RESOURCE_EXHAUSTED: " + want, 0) == 0 : ran == "succeeded",
+                "the task's call: " + ran + on);
+  const auto start = std::chrono::steady_clock::now();
+  std::string next = "succeeded";
+  try {
+    Tensor t = nn::Full({4}, me + 1);
+    pg->AllReduce(t).Wait();
+  } catch (const DistributedError& e) {
+    next = e.what();
+  }
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
+                "the next collective waited for its budget" + on);
+  WORKER_EXPECT(next.find(want) != std::string::npos, "the next collective: " + next + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NoMemoryForACallsBookkeepingFailsItAndAbortsTheGroup) {
+  for (const char* thread : {"comm", "caller"}) {
+    auto run = RunWorkers("pg_run_bookkeeping_out_of_memory", 2, {{"DDP_COLLECTIVE_THREAD", thread}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << thread << "\n" << testing::AllOutput(run);
+  }
+}
+
 TEST(ProcessGroupTest, BadArgumentsNameTheProblem) {
   auto pg = ProcessGroup::Single();
   Tensor m = nn::Zeros({4, 3});
