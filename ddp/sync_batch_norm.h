@@ -12,7 +12,15 @@
 // weighted by their counts. Running statistics are updated with the global
 // mean and unbiased variance. A global batch empty on every rank is
 // BatchNorm's empty batch: an empty output, the running statistics
-// unchanged, the batch counted in num_batches_tracked.
+// unchanged, the batch counted in num_batches_tracked. A global batch of
+// one value per channel is refused on every rank (std::invalid_argument,
+// "expected more than 1 value per channel across all ranks when
+// training"), as BatchNorm on the whole batch refuses it (PyTorch 1.13's
+// ValueError; its SyncBatchNorm across several ranks divides by zero in
+// the running variance instead), changing no buffer and not counting the
+// batch (PyTorch's BatchNorm counts it before refusing). The running
+// statistics and the count are written last, once the output is made: a
+// forward that fails leaves them as they were.
 // Backward: one all-reduce of the per-channel sums of dy and dy*(x-mean)
 // gives the global terms of dx; weight and bias get this rank's own terms,
 // which DistributedDataParallel then averages like every other gradient.
