@@ -414,34 +414,52 @@ void CheckCheckpointIsAFile(const TrainConfig& config) {
 // first). Throws UsageError.
 // IsAnotherRunsCheckpoint(config.checkpoint, config.job), read on a thread
 // of its own for at most half of --timeout_s: a read hung in the
-// filesystem (a stale network mount) held rank 0 with no deadline while
-// the others failed at theirs, not knowing why. Past it, throws JobError
-// naming the file, within the time the others wait for rank 0's word. A
-// read left behind owns what it uses.
-bool IsAnotherRunsCheckpointWithin(const TrainConfig& config) {
+// filesystem (a stale network mount, a FIFO put at the path) held rank 0
+// with no deadline while the others failed at theirs, not knowing why.
+// With `kind`, also what the file is (KeptFileKind), when another run's,
+// within the same time. Empty past the deadline, within the time the
+// others wait for rank 0's word. A read left behind owns what it uses.
+std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind = nullptr) {
   struct Look {
     std::mutex mu;
     std::condition_variable done_cv;
     bool done = false;
     bool another = false;
+    std::string kind;
   };
   const auto look = std::make_shared<Look>();
-  std::thread([look, path = config.checkpoint, job = config.job] {
+  std::thread([look, path = config.checkpoint, job = config.job, want_kind = kind != nullptr] {
     const bool another = IsAnotherRunsCheckpoint(path, job);
+    const std::string what = another && want_kind ? KeptFileKind(path) : "";
     std::lock_guard lock(look->mu);
     look->another = another;
+    look->kind = what;
     look->done = true;
     look->done_cv.notify_all();
   }).detach();
   const auto wait = std::chrono::milliseconds(config.timeout_s * 500);
   std::unique_lock lock(look->mu);
-  if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) {
-    throw JobError(StringPrintf("cannot read the header of --checkpoint=%s within %s (half of --timeout_s), "
-                                "to tell whose file it is: its disk may hang; pass a --checkpoint on a working "
-                                "disk, or a longer --timeout_s",
-                                config.checkpoint.c_str(), FormatSeconds(config.timeout_s * 0.5).c_str()));
-  }
+  if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) return std::nullopt;
+  if (kind != nullptr) *kind = look->kind;
   return look->another;
+}
+
+// How a look past its deadline is told: the file, and the time waited.
+std::string UnreadHeader(const TrainConfig& config) {
+  return StringPrintf("cannot read the header of --checkpoint=%s within %s (half of --timeout_s), to tell "
+                      "whose file it is",
+                      config.checkpoint.c_str(), FormatSeconds(config.timeout_s * 0.5).c_str());
+}
+
+// LookAtAnotherRunsCheckpointWithin, throwing JobError naming the file past
+// the deadline.
+bool IsAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind = nullptr) {
+  const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(config, kind);
+  if (!another) {
+    throw JobError(UnreadHeader(config) +
+                   ": its disk may hang; pass a --checkpoint on a working disk, or a longer --timeout_s");
+  }
+  return *another;
 }
 
 void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* made = nullptr) {
@@ -755,6 +773,9 @@ class Run {
   bool keep_previous_ = false;
   // What keep_previous_'s file is (KeptFileKind), for the messages.
   std::string kept_kind_ = "another run's checkpoint";
+  // KeepAnotherRunsCheckpoint kept the file because rank 0 could not read
+  // its header in time (rank 0 only).
+  bool kept_unread_ = false;
 };
 
 // What every rank must share: the flags that shape the run, and the data
@@ -1137,11 +1158,10 @@ void Run::Setup() {
                      (c_.resume ? " (resuming)" : "")));
   }
   keep_previous_ = lead_ && !c_.resume && !c_.checkpoint.empty() &&
-                   IsAnotherRunsCheckpointWithin(c_);
+                   IsAnotherRunsCheckpointWithin(c_, &kept_kind_);
   if (keep_previous_) {
     // Only a checkpoint of this trainer's can be resumed: a file another
     // program wrote is refused by --resume.
-    kept_kind_ = KeptFileKind(c_.checkpoint);
     const bool checkpoint = kept_kind_ == "another run's checkpoint";
     Say("  note: " + c_.checkpoint + " holds " + kept_kind_ + "; this run's first save " +
         "keeps it as " + FreePreviousCheckpointPath(c_.checkpoint) +
@@ -1405,7 +1425,15 @@ bool Run::KeepAnotherRunsCheckpoint() {
   // This run saved before (or resumes one): the file is its own.
   if (c_.checkpoint.empty() || c_.resume || last_checkpoint_step_ >= 0) return false;
   std::string keep;
-  if (lead_ && IsAnotherRunsCheckpoint(c_.checkpoint, c_.job)) keep = "1";
+  if (lead_) {
+    // Within half of --timeout_s, as at the start: a header read hung in
+    // the filesystem held rank 0 here for good, and the others failed at
+    // their deadline not knowing why. A file whose header cannot be read
+    // in time may be a good checkpoint: it is left as it is, and said so.
+    const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(c_);
+    if (!another) kept_unread_ = true;
+    if (!another || *another) keep = "1";
+  }
   return !par_.ShareFromLead(std::move(keep)).empty();
 }
 
@@ -1755,7 +1783,10 @@ RunResult Run::Go() {
                                      next->first, next->second)
                       : std::string(" (continue with --resume)");
       }
-      if (kept) {
+      if (kept && kept_unread_) {
+        where += "; " + UnreadHeader(c_) + " (its disk may hang), so it was left as it was (this run had "
+                 "saved nothing yet)";
+      } else if (kept) {
         where += "; the checkpoint at " + c_.checkpoint +
                  ", another run's, was left as it was (this run had saved nothing yet)";
       }

@@ -415,6 +415,53 @@ DDP_TEST_WORKER(hung_look) {
   return TrainLikeTheTrainer(TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2));
 }
 
+// Votes to stop (as after Ctrl-C) at every step boundary on every rank.
+// On rank 0, at the first vote (after the start's look at the checkpoint
+// path, which found nothing), a file another program wrote appears at
+// `checkpoint`, and every later read of a header there waits 60 s first
+// (internal::SetReadPause), as on a disk that hangs.
+class StopWithAHungFileParallel : public LoadFaultParallel {
+ public:
+  StopWithAHungFileParallel(std::unique_ptr<Parallel> job, std::string checkpoint)
+      : LoadFaultParallel(std::move(job), -1), checkpoint_(std::move(checkpoint)) {}
+
+  int VoteStop(int /*signal*/, bool slow) override {
+    if (rank() == 0 && !file_made_) {
+      std::ofstream(checkpoint_) << "a file another program wrote";
+      internal::SetReadPause(std::chrono::seconds(60));
+      file_made_ = true;
+    }
+    return LoadFaultParallel::VoteStop(SIGINT, slow);
+  }
+
+ private:
+  const std::string checkpoint_;
+  bool file_made_ = false;
+};
+
+// A fresh run on 2 ranks (collectives bounded by 4 s, 8 steps) saving to
+// HUNG_STOP_CKPT, stopped after its first step over
+// StopWithAHungFileParallel, before any save. Not quiet: rank 0 prints
+// the stop's line. Exit status and lines as zero_resume's.
+DDP_TEST_WORKER(hung_stop) {
+  const char* checkpoint = std::getenv("HUNG_STOP_CKPT");
+  TrainConfig c = TinyRun(checkpoint, 4);
+  c.train_samples = 256;
+  RunOptions options;
+  options.print_result = false;
+  try {
+    ValidateConfig(c);
+    std::unique_ptr<Parallel> parallel =
+        std::make_unique<StopWithAHungFileParallel>(JoinJob("", std::chrono::seconds(c.timeout_s)), checkpoint);
+    Train(c, *parallel, options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
+    return 1;
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
 // A one-rank run saving to LOST_SAVE_CKPT with its files limited to
 // 3,000,000 bytes (its save fails part way: EFBIG) over LoadFaultParallel,
 // whose RunOnLead throws JobError, as when a peer is lost, once the save
@@ -1049,6 +1096,39 @@ TEST(TrainerSaveTest, AHungLookAtTheFileAtTheCheckpointPathEndsEveryRankNamingIt
   EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
 }
 
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A fresh run stopped before its first save (Ctrl-C) looks at the file at
+// --checkpoint again, to keep another run's: that look had no deadline, and
+// a read hung in the filesystem held rank 0 there for good while the others
+// failed at their deadline. It ends within half of --timeout_s now: the
+// file, which may be a good checkpoint, is left as it is, every rank stops
+// as asked, and rank 0's line says why nothing was saved.
+TEST(TrainerSaveTest, AHungLookAtTheCheckpointPathWhenStoppedLeavesTheFileAndEndsInTime) {
+  const std::string checkpoint = TempDir("hung_stop") + "/ckpt.safetensors";
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "hung_stop", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"HUNG_STOP_CKPT", checkpoint}}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 0) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(0).find("stopped by Ctrl-C at epoch 1, step 1; cannot read the header of --checkpoint=" +
+                                checkpoint + " within 2.0s (half of --timeout_s), to tell whose file it is (its "
+                                "disk may hang), so it was left as it was (this run had saved nothing yet)"),
+            std::string::npos)
+      << run->Output(0);
+  EXPECT_EQ(ReadFile(checkpoint), "a file another program wrote");
+  EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
+}
+
 // Rank 0's save that fails (here its write: a file too large; a failure
 // gathering the checkpoint takes the same way), when the collective that
 // tells the others fails too (a peer lost): rank 0's line gives its own
@@ -1069,11 +1149,6 @@ TEST(TrainerSaveTest, RankZerosFailedSaveIsReportedWhenTellingTheOthersFailsToo)
                                 "test's))\n"),
             std::string::npos)
       << run->Output(0);
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 // The default --checkpoint is the same path for every run of a model and
