@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -1515,18 +1516,30 @@ void Run::SaveCheckpoint() {
             }
             try {
               WriteTrainCheckpoint(path, checkpoint, &stop);
-            } catch (const CheckpointSaveError& e) {
-              // The file kept is still at the path unless the new one is in
-              // place (SavedButNotDurable): then it is not the same file,
-              // and stays kept. Otherwise it is as it was, under one name.
+            } catch (...) {
+              // Any failure of the write (a CheckpointSaveError, or one that
+              // is not the disk's: out of memory): the file kept is still at
+              // the path unless the new one is in place (SavedButNotDurable):
+              // then it is not the same file, and stays kept. Otherwise it
+              // is as it was, under one name. Where it was renamed (no hard
+              // links), the path is empty now, and the line must say where
+              // it went.
               if (!kept.empty() && ForgetKeptCheckpoint(path, kept)) {
                 kept.clear();
                 std::lock_guard lock(outcome->mu);
                 outcome->kept.clear();
               }
               if (kept.empty()) throw;
-              throw CheckpointSaveError(std::string(e.what()) +
-                                        " (another run's checkpoint that was there is " + kept + ")");
+              const std::string where = " (another run's checkpoint that was there is " + kept + ")";
+              try {
+                throw;
+              } catch (const CheckpointSaveError& e) {
+                throw CheckpointSaveError(std::string(e.what()) + where);
+              } catch (const std::exception&) {
+                throw std::runtime_error(ExceptionText(std::current_exception()) + where);
+              } catch (...) {
+                throw std::runtime_error("an exception that is not a std::exception" + where);
+              }
             }
           } catch (...) {
             std::lock_guard lock(outcome->mu);

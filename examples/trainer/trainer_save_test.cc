@@ -38,9 +38,8 @@
 
 // In a process given FAIL_FOLDER_FSYNC (a worker of this test), every
 // fsync of a folder fails with EIO, as on a failing disk; files, and every
-// other process, fsync as usual. (This definition takes the place of the C
-// library's for the whole test program, nn/io's writer included.)
-extern "C" int fsync(int fd) {
+// other process, fsync as usual.
+static int FsyncAsAsked(int fd) {
   static const bool fail_folders = std::getenv("FAIL_FOLDER_FSYNC") != nullptr;
   struct stat st{};
   if (fail_folders && ::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
@@ -50,6 +49,30 @@ extern "C" int fsync(int fd) {
   using Fsync = int (*)(int);
   static const Fsync real = reinterpret_cast<Fsync>(::dlsym(RTLD_NEXT, "fsync"));
   return real(fd);
+}
+
+// The fsync of the whole test program, nn/io's writer included (this
+// definition takes the place of the C library's): FsyncAsAsked, except in
+// a process given FAIL_FILE_FSYNC, where the fsync of a regular file (a
+// checkpoint's write, before its rename) throws std::bad_alloc, a failure
+// that is not the disk's (called from C++ code only, which unwinds it).
+extern "C" int fsync(int fd) {
+  static const bool fail_files = std::getenv("FAIL_FILE_FSYNC") != nullptr;
+  struct stat st{};
+  if (fail_files && ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) throw std::bad_alloc();
+  return FsyncAsAsked(fd);
+}
+
+// In a process given NO_HARD_LINKS, linkat fails with EPERM, as on a
+// filesystem without hard links (or with protected_hardlinks).
+extern "C" int linkat(int olddirfd, const char* oldpath, int newdirfd, const char* newpath, int flags) noexcept {
+  if (std::getenv("NO_HARD_LINKS") != nullptr) {
+    errno = EPERM;
+    return -1;
+  }
+  using Linkat = int (*)(int, const char*, int, const char*, int);
+  static const Linkat real = reinterpret_cast<Linkat>(::dlsym(RTLD_NEXT, "linkat"));
+  return real(olddirfd, oldpath, newdirfd, newpath, flags);
 }
 
 namespace ddp::examples::trainer {
@@ -461,6 +484,12 @@ DDP_TEST_WORKER(hung_stop) {
   std::fflush(stdout);
   return 0;
 }
+
+// A fresh run on 2 ranks saving to ODD_SAVE_CKPT, where another program's
+// file is: every checkpoint write fails (FAIL_FILE_FSYNC, given to rank 0)
+// with a failure that is not the disk's. Exit status and lines as
+// zero_resume's.
+DDP_TEST_WORKER(odd_save) { return TrainLikeTheTrainer(TinyRun(std::getenv("ODD_SAVE_CKPT"), 20)); }
 
 // A one-rank run saving to LOST_SAVE_CKPT with its files limited to
 // 3,000,000 bytes (its save fails part way: EFBIG) over LoadFaultParallel,
@@ -1127,6 +1156,45 @@ TEST(TrainerSaveTest, AHungLookAtTheCheckpointPathWhenStoppedLeavesTheFileAndEnd
       << run->Output(0);
   EXPECT_EQ(ReadFile(checkpoint), "a file another program wrote");
   EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
+}
+
+// A save that keeps another run's file first, then fails with an error
+// that is not the disk's (out of memory): the file kept is put back as it
+// was, or, where it was renamed (no hard links) and the path is empty now,
+// every rank's line says where it is. Only a CheckpointSaveError did so:
+// any other failure left a second name (.prev) beside the file, or, without
+// hard links, the file moved away with no word of where.
+TEST(TrainerSaveTest, AFailedSaveThatIsNotTheDisksSaysWhereAnotherRunsFileWent) {
+  for (const bool hard_links : {true, false}) {
+    const std::string dir = TempDir(hard_links ? "odd_save_linked" : "odd_save_renamed");
+    const std::string checkpoint = dir + "/ckpt.safetensors";
+    const std::string previous = dir + "/ckpt.prev.safetensors";
+    std::ofstream(checkpoint) << "a file another program wrote";
+    std::vector<std::pair<std::string, std::string>> env = {{"ODD_SAVE_CKPT", checkpoint},
+                                                            {"FAIL_FILE_FSYNC", "1"}};
+    if (!hard_links) env.emplace_back("NO_HARD_LINKS", "1");
+    auto run = launch::testing::RunTestWorkers(
+        "odd_save",
+        {.world_size = 2, .timeout = std::chrono::seconds(90), .stop_all_on_failure = false, .env = env});
+    ASSERT_TRUE(run.ok()) << run.status();
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+      EXPECT_NE(run->Output(rank).find("rank 0 could not save the checkpoint: std::bad_alloc"), std::string::npos)
+          << run->Output(rank);
+    }
+    if (hard_links) {
+      EXPECT_FALSE(std::filesystem::exists(previous)) << "a second name of the file was left behind";
+      EXPECT_EQ(ReadFile(checkpoint), "a file another program wrote");
+    } else {
+      EXPECT_EQ(ReadFile(previous), "a file another program wrote");
+      for (int rank = 0; rank < 2; ++rank) {
+        EXPECT_NE(run->Output(rank).find("std::bad_alloc (another run's checkpoint that was there is " +
+                                         previous + ")"),
+                  std::string::npos)
+            << run->Output(rank);
+      }
+    }
+  }
 }
 
 // Rank 0's save that fails (here its write: a file too large; a failure
