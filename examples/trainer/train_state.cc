@@ -238,15 +238,22 @@ std::string ModelMismatch(const std::string& path, const std::vector<SavedTensor
 // The errno of a read of the file that the host failed (nn::io nests it
 // in `e`: EIO, EMFILE, ENOMEM), else 0: a file that is damaged, too short,
 // or at a path the user must fix (absent, not permitted, a name too long).
+// Whether errno `err` from a look at or a read of a path is the path's,
+// for the user to fix (absent, not permitted, a name too long), rather than
+// the host's failure (EIO, EMFILE, ENOMEM, ESTALE).
+bool IsThePathsErrno(int err) {
+  for (const int users : {ENOENT, ENOTDIR, ELOOP, ENAMETOOLONG, EACCES, EPERM, EISDIR, ENXIO}) {
+    if (err == users) return true;
+  }
+  return false;
+}
+
 int HostFailureOf(const nn::io::CheckpointError& e) {
   try {
     std::rethrow_if_nested(e);
   } catch (const std::system_error& failure) {
     const int err = failure.code().value();
-    for (const int users : {ENOENT, ENOTDIR, ELOOP, ENAMETOOLONG, EACCES, EPERM, EISDIR, ENXIO}) {
-      if (err == users) return 0;
-    }
-    return err;
+    return IsThePathsErrno(err) ? 0 : err;
   } catch (...) {
   }
   return 0;
@@ -868,6 +875,13 @@ namespace {
 void RefuseAbsentCheckpoint(const std::string& path) {
   std::error_code ec;
   const bool exists = std::filesystem::exists(path, ec);
+  if (ec && !IsThePathsErrno(ec.value())) {
+    // The host failed the look (EIO, ENOMEM): the path may be right, and
+    // the run fails (exit status 1) instead of refusing its flags.
+    throw std::runtime_error("--resume: cannot look at the checkpoint " + path + ": " + ec.message() +
+                             " (the host failed, which says nothing against the path or the file; it is left "
+                             "as it is: retry once the host has recovered)");
+  }
   if (ec) {
     // Not the same as absent (EACCES on a folder above it, ENAMETOOLONG,
     // ELOOP): a checkpoint may well be there, and a run started afresh

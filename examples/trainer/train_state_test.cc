@@ -1,5 +1,6 @@
 #include "examples/trainer/train_state.h"
 
+#include <dlfcn.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -26,6 +27,22 @@
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/sgd.h"
+
+// The path whose stat fails with EIO in this test program, as on a failing
+// disk (none while empty); set by the test that needs it.
+std::string stat_eio_path;
+
+// stat, in place of the C library's for the whole test program: EIO for
+// stat_eio_path, else the C library's.
+extern "C" int stat(const char* path, struct stat* st) noexcept {
+  if (!stat_eio_path.empty() && stat_eio_path == path) {
+    errno = EIO;
+    return -1;
+  }
+  using Stat = int (*)(const char*, struct stat*);
+  static const Stat real = reinterpret_cast<Stat>(::dlsym(RTLD_NEXT, "stat"));
+  return real(path, st);
+}
 
 namespace ddp::examples::trainer {
 namespace {
@@ -319,6 +336,32 @@ TEST(TrainStateTest, PathThatCannotBeLookedAtIsNotCalledMissing) {
   EXPECT_NE(msg.find(ec.message()), std::string::npos) << msg;
   EXPECT_EQ(msg.find("no checkpoint at"), std::string::npos) << msg;
   EXPECT_EQ(msg.find("run once without --resume"), std::string::npos) << msg;
+}
+
+// A look at the path that the host fails (EIO: a failing disk) is not the
+// user's mistake: --resume ends with the run's failure (not a UsageError)
+// giving the system's reason, and no advice to fix the path. It was
+// refused as a path "to fix".
+TEST(TrainStateTest, PathWhoseLookTheHostFailsIsNotTheUsersMistake) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/eio.safetensors";
+  stat_eio_path = path;
+  std::string msg;
+  bool usage = false;
+  try {
+    ReadTrainCheckpoint(path);
+  } catch (const UsageError& e) {
+    usage = true;
+    msg = e.what();
+  } catch (const std::runtime_error& e) {
+    msg = e.what();
+  }
+  stat_eio_path.clear();
+  EXPECT_FALSE(usage) << msg;
+  EXPECT_NE(msg.find("--resume: cannot look at the checkpoint " + path + ": " + std::strerror(EIO) +
+                     " (the host failed"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(msg.find("fix the path"), std::string::npos) << msg;
 }
 
 // A read that the host fails (here EMFILE: no file descriptor left; EIO

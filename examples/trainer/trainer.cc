@@ -487,6 +487,14 @@ void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* mad
     // another run's checkpoint, and fails only at the first save.
     struct stat st{};
     const int err = ::lstat(target.c_str(), &st) == 0 ? 0 : errno;
+    if (IsHostFailure(err) || err == ESTALE) {
+      // The disk's failure (EIO, ENOMEM, a stale network handle), not the
+      // path's: the run fails (exit status 1), and "choose a writable
+      // path" would send the user after a path that may be right.
+      throw std::runtime_error("cannot look at --checkpoint=" + config.checkpoint + " (" + target + ": " +
+                               std::strerror(err) + "): the host failed, not the path; retry once it has "
+                               "recovered, or pass a --checkpoint on a working disk");
+    }
     if (err != 0 && err != ENOENT) {
       throw UsageError("cannot write --checkpoint=" + config.checkpoint + " (" + target + ": " +
                        std::strerror(err) + "); choose a writable path, or --checkpoint=none");

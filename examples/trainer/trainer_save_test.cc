@@ -75,6 +75,20 @@ extern "C" int linkat(int olddirfd, const char* oldpath, int newdirfd, const cha
   return real(olddirfd, oldpath, newdirfd, newpath, flags);
 }
 
+// In a process given LSTAT_EIO_PATH, lstat of that path fails with EIO,
+// as on a failing disk; every other path, and every other process, as
+// usual.
+extern "C" int lstat(const char* path, struct stat* st) noexcept {
+  static const char* failing = std::getenv("LSTAT_EIO_PATH");
+  if (failing != nullptr && std::strcmp(path, failing) == 0) {
+    errno = EIO;
+    return -1;
+  }
+  using Lstat = int (*)(const char*, struct stat*);
+  static const Lstat real = reinterpret_cast<Lstat>(::dlsym(RTLD_NEXT, "lstat"));
+  return real(path, st);
+}
+
 namespace ddp::examples::trainer {
 namespace {
 
@@ -490,6 +504,10 @@ DDP_TEST_WORKER(hung_stop) {
 // with a failure that is not the disk's. Exit status and lines as
 // zero_resume's.
 DDP_TEST_WORKER(odd_save) { return TrainLikeTheTrainer(TinyRun(std::getenv("ODD_SAVE_CKPT"), 20)); }
+
+// A fresh run on 2 ranks saving to LSTAT_EIO_PATH, whose lstat fails with
+// EIO. Exit status and lines as zero_resume's.
+DDP_TEST_WORKER(lstat_fault) { return TrainLikeTheTrainer(TinyRun(std::getenv("LSTAT_EIO_PATH"), 20)); }
 
 // A one-rank run saving to LOST_SAVE_CKPT with its files limited to
 // 3,000,000 bytes (its save fails part way: EFBIG) over LoadFaultParallel,
@@ -1194,6 +1212,28 @@ TEST(TrainerSaveTest, AFailedSaveThatIsNotTheDisksSaysWhereAnotherRunsFileWent) 
             << run->Output(rank);
       }
     }
+  }
+}
+
+// Rank 0's look at the file at --checkpoint failing in the host (EIO) is
+// the run's failure (exit status 1), given with the system's reason, not a
+// refusal of the flag (2) with advice to choose a writable path: the path
+// may be right, on a disk failing for a moment.
+TEST(TrainerSaveTest, AnIoErrorLookingAtTheCheckpointPathFailsTheRunNotItsFlag) {
+  const std::string checkpoint = TempDir("lstat_fault") + "/ckpt.safetensors";
+  auto run = launch::testing::RunTestWorkers(
+      "lstat_fault", {.world_size = 2,
+                      .timeout = std::chrono::seconds(90),
+                      .stop_all_on_failure = false,
+                      .env = {{"LSTAT_EIO_PATH", checkpoint}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find("cannot look at --checkpoint=" + checkpoint + " (" + checkpoint + ": " +
+                                     std::strerror(EIO) + "): the host failed, not the path"),
+              std::string::npos)
+        << run->Output(rank);
+    EXPECT_EQ(run->Output(rank).find("choose a writable path"), std::string::npos) << run->Output(rank);
   }
 }
 
