@@ -1,5 +1,6 @@
 #include "examples/trainer/format.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdarg>
@@ -86,8 +87,13 @@ std::string ExactDouble(double value) { return StringPrintf("%a", value); }
 double ParseExactDouble(const std::string& text) {
   errno = 0;
   char* end = nullptr;
+  // strtod skips leading white space, which ExactDouble never writes: text
+  // that starts with it is not one of ours.
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) {
+    throw std::invalid_argument("not a number: '" + text + "'");
+  }
   const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || end != text.c_str() + text.size()) {
+  if (end != text.c_str() + text.size()) {
     throw std::invalid_argument("not a number: '" + text + "'");
   }
   // strtod reports ERANGE for a subnormal result as well as for overflow
@@ -101,6 +107,12 @@ double ParseExactDouble(const std::string& text) {
   if (errno == ERANGE && v == 0) {
     throw std::invalid_argument("too small for a double (it would read as 0): '" + text + "'");
   }
+  return v;
+}
+
+double ParseFiniteDouble(const std::string& text) {
+  const double v = ParseExactDouble(text);
+  if (!std::isfinite(v)) throw std::invalid_argument("not a finite number: '" + text + "'");
   return v;
 }
 

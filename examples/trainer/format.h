@@ -27,7 +27,12 @@ std::string ExactDouble(double value);
 /// throws std::invalid_argument for text that is not a number, one past a
 /// double's range, or a non-zero one that would read as zero (below half
 /// the smallest subnormal).
+/// Text that starts with white space (which strtod would skip) is not a
+/// number either.
 double ParseExactDouble(const std::string& text);
+/// ParseExactDouble, refusing an infinity or a NaN too (std::invalid_argument
+/// quoting the text): for a saved flag that must be a finite number.
+double ParseFiniteDouble(const std::string& text);
 
 }  // namespace ddp::examples::trainer
 

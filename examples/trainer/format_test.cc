@@ -109,5 +109,26 @@ TEST(FormatTest, ANumberThatUnderflowsToZeroIsRefused) {
   EXPECT_TRUE(std::signbit(ParseExactDouble("-0x0p+0")));
 }
 
+// strtod skips leading white space and reads "inf" and "nan": a saved
+// " 0.9" passed for ExactDouble's "0x1.ccccccccccccdp-1", and a saved lr of
+// "nan" went on to advise "pass --lr=nan", which the flags refuse.
+TEST(FormatTest, LeadingWhiteSpaceIsRefusedAndAFiniteNumberRefusesInfinitiesAndNan) {
+  for (const char* text : {" 1", "\t0x1p+0", "\n2.5"}) {
+    EXPECT_THROW(ParseExactDouble(text), std::invalid_argument) << text;
+    EXPECT_THROW(ParseFiniteDouble(text), std::invalid_argument) << text;
+  }
+  for (const char* text : {"inf", "-inf", "nan", "-nan", "infinity"}) {
+    try {
+      ParseFiniteDouble(text);
+      ADD_FAILURE() << text << " was taken";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), "not a finite number: '" + std::string(text) + "'");
+    }
+  }
+  EXPECT_EQ(ParseFiniteDouble(ExactDouble(0.9)), 0.9);
+  EXPECT_EQ(ParseFiniteDouble("1e-310"), 1e-310);
+  EXPECT_TRUE(std::isnan(ParseExactDouble("nan")));  // a diverged run's loss sum reads back
+}
+
 }  // namespace
 }  // namespace ddp::examples::trainer

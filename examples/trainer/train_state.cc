@@ -422,10 +422,10 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
     std::string shown = saved;
     if (setting.flag == "lr_gamma") {
       try {
-        shown = FlagDouble(ParseExactDouble(saved));
-      } catch (const std::invalid_argument&) {
-        throw UsageError("--resume: checkpoint " + path +
-                         " has no valid lr_gamma" + kNotThisTrainers);
+        shown = FlagDouble(ParseFiniteDouble(saved));
+      } catch (const std::invalid_argument& e) {
+        throw UsageError("--resume: checkpoint " + path + " has no valid lr_gamma (" + e.what() + ")" +
+                         kNotThisTrainers);
       }
       if (shown == setting.shown) continue;
     }
@@ -436,10 +436,9 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
   if (Get(m, "lr").empty()) return;  // an older trainer's: see LoadTrainCheckpoint
   double saved_lr = 0;
   try {
-    saved_lr = ParseExactDouble(Get(m, "lr"));
-  } catch (const std::invalid_argument&) {
-    throw UsageError("--resume: checkpoint " + path +
-                     " has no valid lr" + kNotThisTrainers);
+    saved_lr = ParseFiniteDouble(Get(m, "lr"));
+  } catch (const std::invalid_argument& e) {
+    throw UsageError("--resume: checkpoint " + path + " has no valid lr (" + e.what() + ")" + kNotThisTrainers);
   }
   if (saved_lr != config.lr) {
     throw UsageError("checkpoint " + path + " was saved with --lr=" + FlagDouble(saved_lr) +
@@ -455,9 +454,9 @@ void CheckSameSchedule(const std::string& path, const Metadata& m, const TrainCo
     if (Get(m, flag).empty()) continue;
     double saved = 0;
     try {
-      saved = ParseExactDouble(Get(m, flag));
-    } catch (const std::invalid_argument&) {
-      throw UsageError("--resume: checkpoint " + path + " has no valid " + flag +
+      saved = ParseFiniteDouble(Get(m, flag));
+    } catch (const std::invalid_argument& e) {
+      throw UsageError("--resume: checkpoint " + path + " has no valid " + flag + " (" + e.what() + ")" +
                        kNotThisTrainers);
     }
     if (saved != value) {

@@ -1219,6 +1219,30 @@ TEST(TrainStateTest, AnotherMomentumOrWeightDecayIsRefusedNamingBothValues) {
   EXPECT_EQ(error(saved), "");
 }
 
+// A saved lr, momentum or weight_decay that is not a finite number (or
+// starts with white space, which ExactDouble never writes) is refused as a
+// file this trainer did not write, quoting the value; "nan" was read as a
+// number, and the refusal advised "pass --lr=nan", which the flags refuse.
+TEST(TrainStateTest, ASavedOptimizerSettingThatIsNotAFiniteNumberIsRefusedQuotingIt) {
+  TrainConfig saved;
+  saved.momentum = 0.9;
+  saved.weight_decay = 1e-4;
+  const std::string path = SaveCosineRun("not_finite", saved);
+  auto model = nn::modules::MakeMlp();
+  const nn::io::Checkpoint good = nn::io::LoadCheckpoint(path);
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::string>>{{"lr", "nan"}, {"momentum", "inf"},
+                                                        {"weight_decay", " " + good.metadata.at("weight_decay")}}) {
+    nn::io::Checkpoint bad = good;
+    bad.metadata[key] = value;
+    nn::io::SaveCheckpoint(path, bad);
+    const std::string error = CosineRunLoadError(path, *model, saved);
+    const std::string quoted = "'" + value + "'";
+    EXPECT_EQ(error.rfind("--resume: checkpoint " + path + " has no valid " + key + " (not ", 0), 0) << error;
+    EXPECT_NE(error.find(quoted + "); the file was not written by this trainer"), std::string::npos) << error;
+  }
+}
+
 // --decay_norm_and_bias decides the optimizer's groups: another value is
 // refused naming both, and a checkpoint from before the flag was recorded
 // counts as true (every parameter decayed, as trainers then did).
