@@ -1637,6 +1637,7 @@ std::string ResumeAfterRestart(TrainConfig& config, int restart) {
                       "start afresh, or --resume to continue from it once it reads");
   };
   if (ec) throw unreadable(ec.message());
+  PauseIfAskedForTesting(nullptr);
   std::string saved_by;
   try {
     // The header alone: the resume reads the rest, and refuses a file

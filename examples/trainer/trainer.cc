@@ -1945,6 +1945,56 @@ RunResult Train(const TrainConfig& config, Parallel& parallel, const RunOptions&
   return run.Go();
 }
 
+// ResumeAfterRestart(config, restart), on a thread of its own for at most
+// half of --timeout_s: its read of the checkpoint's header, hung in the
+// filesystem, held rank 0 with no deadline while the others failed at
+// theirs, not knowing why. Past it, throws JobError naming the file. A
+// read left behind owns what it uses (a copy of the config).
+std::string ResumeAfterRestartWithin(TrainConfig& config, int restart) {
+  struct Look {
+    std::mutex mu;
+    std::condition_variable done_cv;
+    bool done = false;
+    TrainConfig config;
+    std::string note;
+    std::exception_ptr error;
+  };
+  const auto look = std::make_shared<Look>();
+  look->config = config;
+  std::thread([look, restart] {
+    TrainConfig c;
+    {
+      std::lock_guard lock(look->mu);
+      c = look->config;
+    }
+    std::string note;
+    std::exception_ptr error;
+    try {
+      note = ResumeAfterRestart(c, restart);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lock(look->mu);
+    look->config = std::move(c);
+    look->note = std::move(note);
+    look->error = error;
+    look->done = true;
+    look->done_cv.notify_all();
+  }).detach();
+  const auto wait = std::chrono::milliseconds(config.timeout_s * 500);
+  std::unique_lock lock(look->mu);
+  if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) {
+    throw JobError(StringPrintf("restart %d of the job: cannot read the header of the checkpoint at %s within %s "
+                                "(half of --timeout_s), to tell whether it is this job's: its disk may hang; "
+                                "it is left as it is. Pass a --checkpoint on a working disk, or a longer "
+                                "--timeout_s",
+                                restart, config.checkpoint.c_str(), FormatSeconds(config.timeout_s * 0.5).c_str()));
+  }
+  if (look->error) std::rethrow_exception(look->error);
+  config = look->config;
+  return look->note;
+}
+
 std::string FollowRankZeroOnRestart(TrainConfig& config, int restart, Parallel& parallel) {
   // Rank 0's decision for every rank: "1" to resume, "0" to start over,
   // else 'u' and its refusal of the checkpoint (a UsageError: exit status
@@ -1958,7 +2008,7 @@ std::string FollowRankZeroOnRestart(TrainConfig& config, int restart, Parallel& 
   std::exception_ptr error;
   if (parallel.rank() == 0) {
     try {
-      note = ResumeAfterRestart(config, restart);
+      note = ResumeAfterRestartWithin(config, restart);
       decision = config.resume ? "1" : "0";
     } catch (...) {
       error = std::current_exception();

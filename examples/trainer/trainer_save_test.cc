@@ -566,7 +566,12 @@ class AddressSpaceLimit {
 // the limit cannot be set); the line printed says whether the error is
 // rank 0's (FromLead).
 DDP_TEST_WORKER(restart_fault) {
-  TrainConfig c = TinyRun(std::getenv("RESTART_CKPT"), 20);
+  // RESTART_HUNG: every rank's collectives are bounded by 4 s, and rank 0's
+  // read of the checkpoint's header waits 60 s first, as on a disk that
+  // hangs.
+  const bool hung = std::getenv("RESTART_HUNG") != nullptr;
+  if (hung) internal::SetReadPause(std::chrono::seconds(60));
+  TrainConfig c = TinyRun(std::getenv("RESTART_CKPT"), hung ? 4 : 20);
   c.job = JobFingerprint("restart-fault-token");
   try {
     ValidateConfig(c);
@@ -1083,6 +1088,37 @@ TEST(TrainerSaveTest, RankZerosHeaderReadOutOfMemoryAtARestartEndsEveryRankWithI
       << run->Output(1);
 }
 
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Rank 0's look at the checkpoint at a restart (is it this job's?) had no
+// deadline: a header read hung in the filesystem held rank 0 for good while
+// the others failed at the collective's deadline without its reason. It
+// ends within half of --timeout_s now, and every rank fails with rank 0's
+// line naming the file, which is left as it is.
+TEST(TrainerSaveTest, AHungLookAtTheCheckpointAtARestartEndsEveryRankNamingIt) {
+  const std::string checkpoint = TempDir("restart_hung") + "/ckpt.safetensors";
+  std::ofstream(checkpoint) << "a checkpoint on a disk that hangs";
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "restart_fault", {.world_size = 2,
+                        .timeout = std::chrono::seconds(90),
+                        .stop_all_on_failure = false,
+                        .env = {{"RESTART_CKPT", checkpoint}, {"RESTART_HUNG", "1"}}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string reason = "restart 1 of the job: cannot read the header of the checkpoint at " + checkpoint +
+                             " within 2.0s (half of --timeout_s), to tell whether it is this job's";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find(reason), std::string::npos) << run->Output(rank);
+  }
+  EXPECT_EQ(ReadFile(checkpoint), "a checkpoint on a disk that hangs");
+  EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
+}
+
 // Rank 0's own failure at the start (a resume's checkpoint that is not
 // there; a --checkpoint folder it cannot write), when the collective that
 // tells the others fails too (a peer lost): rank 0 ends with its own
@@ -1141,11 +1177,6 @@ TEST(TrainerSaveTest, AHungLookAtTheFileAtTheCheckpointPathEndsEveryRankNamingIt
     EXPECT_NE(run->Output(rank).find(reason), std::string::npos) << run->Output(rank);
   }
   EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 // A fresh run stopped before its first save (Ctrl-C) looks at the file at
