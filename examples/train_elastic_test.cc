@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -72,14 +73,29 @@ TEST(TrainElasticTest, JobLosesANodeAndFinishesOnTheOther) {
   // 32 steps per epoch on 2 ranks; --checkpoint_every=40 saves in the
   // middle of epochs too (step 80: 16 steps into epoch 3). The node is
   // killed after one of those.
+  // The file is read (all of it, CheckpointStep) only when a look (stat)
+  // finds another file there, or once a second in case a look missed one:
+  // reading it every 2 ms took a whole core of the two the runs share.
   const auto deadline = Clock::now() + std::chrono::seconds(120);
   const auto mid_epoch = [&] {
     const int64_t step = CheckpointStep(checkpoint);
     return step >= 64 && step % 32 != 0;
   };
-  while (!mid_epoch() && Clock::now() < deadline &&
-         second.Wait(std::chrono::milliseconds(0)) == -1) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const auto identity = [&] {
+    struct stat st{};
+    if (::stat(checkpoint.c_str(), &st) != 0) return std::vector<int64_t>{};
+    return std::vector<int64_t>{static_cast<int64_t>(st.st_ino), static_cast<int64_t>(st.st_size),
+                                st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
+  };
+  std::vector<int64_t> read_at = identity();
+  auto read_by = Clock::now() + std::chrono::seconds(1);
+  bool found = mid_epoch();
+  while (!found && Clock::now() < deadline && second.Wait(std::chrono::milliseconds(10)) == -1) {
+    if (std::vector<int64_t> now = identity(); now != read_at || Clock::now() >= read_by) {
+      read_at = std::move(now);
+      read_by = Clock::now() + std::chrono::seconds(1);
+      found = mid_epoch();
+    }
   }
   ASSERT_TRUE(mid_epoch()) << CheckpointStep(checkpoint) << first.Stdout() << first.Stderr()
                            << second.Stderr();
