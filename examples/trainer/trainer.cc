@@ -1439,7 +1439,7 @@ bool Run::KeepAnotherRunsCheckpoint() {
     // the filesystem held rank 0 here for good, and the others failed at
     // their deadline not knowing why. A file whose header cannot be read
     // in time may be a good checkpoint: it is left as it is, and said so.
-    const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(c_);
+    const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(c_, &kept_kind_);
     if (!another) kept_unread_ = true;
     if (!another || *another) keep = "1";
   }
@@ -1807,9 +1807,13 @@ RunResult Run::Go() {
       if (kept && kept_unread_) {
         where += "; " + UnreadHeader(c_) + " (its disk may hang), so it was left as it was (this run had "
                  "saved nothing yet)";
-      } else if (kept) {
+      } else if (kept && kept_kind_ == "another run's checkpoint") {
         where += "; the checkpoint at " + c_.checkpoint +
                  ", another run's, was left as it was (this run had saved nothing yet)";
+      } else if (kept) {
+        // A safetensors file exported from Python, say: not a checkpoint.
+        where += "; the file at " + c_.checkpoint + ", " + kept_kind_ +
+                 ", was left as it was (this run had saved nothing yet)";
       }
       if (!opt_.quiet) console_.Line(where);
     }

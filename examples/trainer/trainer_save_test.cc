@@ -452,20 +452,26 @@ DDP_TEST_WORKER(hung_look) {
   return TrainLikeTheTrainer(TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2));
 }
 
+// A safetensors file that holds no tensor and no metadata of this
+// trainer's: what another program (Python) may leave at a path. (Its
+// header, "{}", is 2 bytes long: 8 bytes of length first.)
+const std::string kForeignSafetensors = std::string("\x02\0\0\0\0\0\0\0{}", 10);
+
 // Votes to stop (as after Ctrl-C) at every step boundary on every rank.
 // On rank 0, at the first vote (after the start's look at the checkpoint
-// path, which found nothing), a file another program wrote appears at
-// `checkpoint`, and every later read of a header there waits 60 s first
-// (internal::SetReadPause), as on a disk that hangs.
+// path, which found nothing), a file another program wrote
+// (kForeignSafetensors) appears at `checkpoint`; with `hang`, every later
+// read of a header there waits 60 s first (internal::SetReadPause), as on a
+// disk that hangs.
 class StopWithAHungFileParallel : public LoadFaultParallel {
  public:
-  StopWithAHungFileParallel(std::unique_ptr<Parallel> job, std::string checkpoint)
-      : LoadFaultParallel(std::move(job), -1), checkpoint_(std::move(checkpoint)) {}
+  StopWithAHungFileParallel(std::unique_ptr<Parallel> job, std::string checkpoint, bool hang)
+      : LoadFaultParallel(std::move(job), -1), checkpoint_(std::move(checkpoint)), hang_(hang) {}
 
   int VoteStop(int /*signal*/, bool slow) override {
     if (rank() == 0 && !file_made_) {
-      std::ofstream(checkpoint_) << "a file another program wrote";
-      internal::SetReadPause(std::chrono::seconds(60));
+      std::ofstream(checkpoint_, std::ios::binary) << kForeignSafetensors;
+      if (hang_) internal::SetReadPause(std::chrono::seconds(60));
       file_made_ = true;
     }
     return LoadFaultParallel::VoteStop(SIGINT, slow);
@@ -473,13 +479,15 @@ class StopWithAHungFileParallel : public LoadFaultParallel {
 
  private:
   const std::string checkpoint_;
+  const bool hang_;
   bool file_made_ = false;
 };
 
 // A fresh run on 2 ranks (collectives bounded by 4 s, 8 steps) saving to
 // HUNG_STOP_CKPT, stopped after its first step over
-// StopWithAHungFileParallel, before any save. Not quiet: rank 0 prints
-// the stop's line. Exit status and lines as zero_resume's.
+// StopWithAHungFileParallel (whose read hangs unless HUNG_STOP_NO_HANG is
+// set), before any save. Not quiet: rank 0 prints the stop's line. Exit
+// status and lines as zero_resume's.
 DDP_TEST_WORKER(hung_stop) {
   const char* checkpoint = std::getenv("HUNG_STOP_CKPT");
   TrainConfig c = TinyRun(checkpoint, 4);
@@ -489,7 +497,8 @@ DDP_TEST_WORKER(hung_stop) {
   try {
     ValidateConfig(c);
     std::unique_ptr<Parallel> parallel =
-        std::make_unique<StopWithAHungFileParallel>(JoinJob("", std::chrono::seconds(c.timeout_s)), checkpoint);
+        std::make_unique<StopWithAHungFileParallel>(JoinJob("", std::chrono::seconds(c.timeout_s)), checkpoint,
+                                                    std::getenv("HUNG_STOP_NO_HANG") == nullptr);
     Train(c, *parallel, options);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error%s: %s\n", IsFromLead(e) ? " (rank 0's)" : "", e.what());
@@ -1203,8 +1212,31 @@ TEST(TrainerSaveTest, AHungLookAtTheCheckpointPathWhenStoppedLeavesTheFileAndEnd
                                 "disk may hang), so it was left as it was (this run had saved nothing yet)"),
             std::string::npos)
       << run->Output(0);
-  EXPECT_EQ(ReadFile(checkpoint), "a file another program wrote");
+  EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
   EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
+}
+
+// The same stop, where the file at --checkpoint reads (a file this trainer
+// did not write: weights exported from Python, say): it is left as it is,
+// and the stop's line says what it is. It called any such file "the
+// checkpoint at P, another run's".
+TEST(TrainerSaveTest, AStopBeforeTheFirstSaveSaysWhatTheFileItLeftIs) {
+  const std::string checkpoint = TempDir("foreign_stop") + "/ckpt.safetensors";
+  auto run = launch::testing::RunTestWorkers(
+      "hung_stop", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"HUNG_STOP_CKPT", checkpoint}, {"HUNG_STOP_NO_HANG", "1"}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 0) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(0).find("stopped by Ctrl-C at epoch 1, step 1; the file at " + checkpoint +
+                                ", a file this trainer did not write, was left as it was (this run had saved "
+                                "nothing yet)"),
+            std::string::npos)
+      << run->Output(0);
+  EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
 }
 
 // A save that keeps another run's file first, then fails with an error
