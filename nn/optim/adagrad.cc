@@ -3,7 +3,6 @@
 #include "nn/optim/device_kernels.h"
 #include "nn/optim/kernel_util.h"
 
-#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -44,6 +43,13 @@ Adagrad::Adagrad(std::vector<ParamGroup> groups, AdagradOptions defaults)
     options_.back().lr = lr(k);
     set_maximize(k, options_.back().maximize);
   }
+}
+
+// Each group's own value, where PyTorch fills every parameter's sum with
+// the constructor's (a group's "initial_accumulator_value" is saved there
+// but unread): a group option that nothing read would be a trap.
+std::vector<double> Adagrad::StartSlotValues(size_t group) const {
+  return {options_[group].initial_accumulator_value};
 }
 
 // Each refusal names the one option at fault, with its value as given.
@@ -108,13 +114,11 @@ double Adagrad::StepRate(size_t group, int64_t step) const {
   return lr(group) / (1.0 + static_cast<double>(step - 1) * options_[group].lr_decay);
 }
 
-// `fresh`: the slot was just made (zeros) and starts at the group's
-// initial_accumulator_value, as PyTorch's does when the optimizer is built.
+// The sum is held from the start (StartSlotValues), so `fresh` does not
+// arise.
 template <typename T>
-void Adagrad::Kernel(size_t group, T* p, const T* g, T* sum, int64_t n, int64_t step, bool fresh,
-                     T grad_scale) const {
+void Adagrad::Kernel(size_t group, T* p, const T* g, T* sum, int64_t n, int64_t step, T grad_scale) const {
   const AdagradOptions& o = options_[group];
-  if (fresh) std::fill(sum, sum + n, static_cast<T>(o.initial_accumulator_value));
   const T wd = static_cast<T>(o.weight_decay);
   const T eps = static_cast<T>(o.eps);
   const T neg_clr = static_cast<T>(-StepRate(group, step));
@@ -125,14 +129,14 @@ void Adagrad::Kernel(size_t group, T* p, const T* g, T* sum, int64_t n, int64_t 
   });
 }
 
-void Adagrad::Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step,
-                     bool fresh, float grad_scale) {
-  Kernel(group, p, g, slots[0], n, step, fresh, grad_scale);
+void Adagrad::Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool,
+                     float grad_scale) {
+  Kernel(group, p, g, slots[0], n, step, grad_scale);
 }
 
-void Adagrad::Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step,
-                     bool fresh, double grad_scale) {
-  Kernel(group, p, g, slots[0], n, step, fresh, grad_scale);
+void Adagrad::Update(size_t group, double* p, const double* g, double* const* slots, int64_t n, int64_t step, bool,
+                     double grad_scale) {
+  Kernel(group, p, g, slots[0], n, step, grad_scale);
 }
 
 void Adagrad::CheckDeviceKernels(Device device) const {
@@ -142,9 +146,8 @@ void Adagrad::CheckDeviceKernels(Device device) const {
 }
 
 void Adagrad::DeviceUpdate(size_t group, const Tensor& p, const Tensor& g, const std::vector<Tensor>& slots,
-                           int64_t step, bool fresh, double grad_scale) {
+                           int64_t step, bool, double grad_scale) {
   const AdagradOptions& o = options_[group];
-  if (fresh) slots[0].Fill(o.initial_accumulator_value);  // queued on the device, as the kernel after it
   DeviceOptimKernelsFor(p.device().type)
       .adagrad_step(p, g, slots[0],
                     AdagradStepArgs{.clr = StepRate(group, step),

@@ -20,9 +20,13 @@ struct AdagradOptions {
 ///   clr = lr / (1 + (t - 1) * lr_decay)        (in f64)
 ///   sum = sum + g * g                          (sum starts at initial_accumulator_value)
 ///   p = p - clr * g / (sqrt(sum) + eps)
-/// State slot: "sum". PyTorch makes it when the optimizer is built; here it
-/// is made at the parameter's first update (its saved state has no "sum"
-/// before then), holding initial_accumulator_value of the parameter's group.
+/// State slot: "sum", held from the start as PyTorch makes it when the
+/// optimizer is built (a state saved before the first step holds it, with
+/// step 0, and so does one saved before the first step of a parameter that
+/// AddParamGroup added), filled with the
+/// initial_accumulator_value of the parameter's group. PyTorch fills every
+/// parameter's with the constructor's value and leaves a group's own unread;
+/// here a group's own is taken (they agree unless a group overrides it).
 class Adagrad : public Optimizer {
  public:
   /// Throws std::invalid_argument, naming "Adagrad" and the one option at
@@ -53,11 +57,12 @@ class Adagrad : public Optimizer {
   void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
   void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
   void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
+  std::vector<double> StartSlotValues(size_t group) const override;
 
  private:
   static std::vector<Hyperparameter> HyperparametersOf(const AdagradOptions& o);
   template <typename T>
-  void Kernel(size_t group, T* p, const T* g, T* sum, int64_t n, int64_t step, bool fresh, T grad_scale) const;
+  void Kernel(size_t group, T* p, const T* g, T* sum, int64_t n, int64_t step, T grad_scale) const;
   /// This step's rate for `group`: lr / (1 + (step - 1) * lr_decay).
   double StepRate(size_t group, int64_t step) const;
   /// The constructor's checks of everything but lr (the base checks that).

@@ -136,6 +136,40 @@ TEST(GoldenAdagrad, LrDecayWeightDecayInitialAccumulatorWithASkippedGradient) {
 TEST(GoldenAdagrad, Maximize) { RunCase("adagrad_maximize", 1e-6); }
 TEST(GoldenAdagrad, LrDecayFloat64) { RunCase("adagrad_f64", 1e-13); }
 
+// torch's Adagrad makes its sum when it is built: a state saved before the
+// first step holds it (step 0), and another Adagrad, made with another
+// initial_accumulator_value, that loads that state steps from the saved sum.
+TEST(GoldenAdagrad, TheStateBeforeTheFirstStepHoldsTheSum) {
+  const nlohmann::json& c = Case("adagrad_state_at_start");
+  std::vector<Tensor> params;
+  for (size_t i = 0; i < c["init"].size(); ++i) {
+    params.push_back(FromVector(c["init"][i].get<std::vector<double>>(), c["shapes"][i].get<Shape>()));
+  }
+  auto saver = Make("adagrad", c["defaults"], NameByPosition(params));
+  NamedTensors state = saver->StateDict();
+  const nlohmann::json& torch_state = c["state_before_first_step"];
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string prefix = "state." + std::to_string(i) + ".";
+    const Tensor* step = nullptr;
+    Tensor* sum = nullptr;
+    for (auto& [key, t] : state) {
+      if (key == prefix + "step") step = &t;
+      if (key == prefix + "sum") sum = &t;
+    }
+    ASSERT_NE(step, nullptr) << prefix;
+    EXPECT_EQ(step->Item(), torch_state[i]["step"].get<double>()) << prefix;
+    ASSERT_NE(sum, nullptr) << prefix << "sum is not in the state";
+    EXPECT_EQ(sum->ToVector<double>(), torch_state[i]["sum"].get<std::vector<double>>()) << prefix;
+    // Loaded as torch's: its values, not the loader's fresh ones.
+    *sum = FromVector(torch_state[i]["sum"].get<std::vector<double>>(), params[i].shape());
+  }
+  nlohmann::json loader_options = c["defaults"];
+  loader_options["initial_accumulator_value"] = 0.0;
+  auto loader = Make("adagrad", loader_options, NameByPosition(params));
+  loader->LoadStateDict(state);
+  Follow(c, *loader, params, DType::kFloat32, "adagrad_state_at_start", 1e-6);
+}
+
 std::shared_ptr<Schedule> MakeSchedule(const std::string& name) {
   if (name == "step") return StepSchedule(3, 0.5);
   if (name == "cosine") return CosineSchedule(10, 0.001);

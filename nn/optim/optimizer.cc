@@ -452,6 +452,15 @@ DType Optimizer::ComputeDType(size_t i) const {
   return params_[i].second.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
 }
 
+std::vector<Tensor> Optimizer::StartSlots(size_t i) const {
+  const std::vector<double> values = StartSlotValues(group_of_[i]);
+  std::vector<Tensor> slots;
+  if (values.empty()) return slots;
+  const Tensor& p = params_[i].second;
+  for (double v : values) slots.push_back(Full(p.shape(), v, {.dtype = ComputeDType(i), .device = p.device()}));
+  return slots;
+}
+
 namespace {
 
 bool Is16Bit(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
@@ -590,6 +599,8 @@ bool Optimizer::InitState(size_t i) {
     MarkSynced(s, p);
   }
   if (s.slots.size() == slot_names_.size()) return false;
+  s.slots = StartSlots(i);
+  if (!s.slots.empty()) return false;  // as if made with the optimizer: not fresh
   for (size_t k = 0; k < slot_names_.size(); ++k) {
     s.slots.push_back(Zeros(p.shape(), {.dtype = compute, .device = p.device()}));
   }
@@ -799,7 +810,18 @@ NamedTensors Optimizer::StateDict() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string prefix = "state." + params_[i].first + ".";
     out.emplace_back(prefix + "step", FromVectorOf<int64_t>({steps_[i]}, {}));
-    if (steps_[i] == 0) continue;
+    if (steps_[i] == 0) {
+      // Slots held from the start (StartSlotValues) are saved before the
+      // first step too, as PyTorch's state holds them; a master is made at
+      // the first step, so there is none to save.
+      const std::vector<Tensor> slots = state_[i].slots.empty() ? StartSlots(i) : state_[i].slots;
+      for (size_t k = 0; k < slots.size(); ++k) {
+        Tensor t = slots[k];
+        if (t.device() != params_[i].second.device()) t = t.To(params_[i].second.device());
+        out.emplace_back(prefix + slot_names_[k], t.dtype() == ComputeDType(i) ? t.Clone() : t.To(ComputeDType(i)));
+      }
+      continue;
+    }
     // As the next step would see it, so LoadStateDict takes it back even
     // when the parameter changed dtype or device since its last step.
     const State s = CurrentState(i);
@@ -1113,10 +1135,23 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
       // Held but never updated when saved: no other entry belongs to it.
       // The entry itself is checked as any step is (a 0 in an i64 [1] is
       // not a step entry StateDict writes).
+      // The exception: slots an optimizer makes when it is built
+      // (StartSlotValues) are saved before the first step, all of them (or,
+      // from a file older than that, none).
       check(prefix + "step", it->second, {}, DType::kInt64, false);
+      const bool start_slots = !StartSlotValues(group_of_[i]).empty();
       for (const std::vector<std::string>* list : {&keys, &optional}) {
         for (const std::string& k : *list) {
-          if (k != prefix + "step" && given.count(k)) {
+          if (k == prefix + "step") continue;
+          const bool slot = list == &keys;
+          if (slot && start_slots) {
+            auto slot_it = given.find(k);
+            if (slot_it != given.end()) {
+              check(k, slot_it->second, p.shape(), ComputeDType(i), true);
+            } else if (slots_given > 0) {
+              problems.push_back("missing `" + k + "`");
+            }
+          } else if (given.count(k)) {
             problems.push_back("unexpected `" + k + "`: `" + prefix + "step` is 0 (never updated)");
           }
         }
@@ -1167,6 +1202,18 @@ Optimizer::LoadPlan Optimizer::PlanLoad(const NamedTensors& state) const {
   return plan;
 }
 
+namespace {
+
+// A loaded state tensor as `p`'s state holds it: on p's device in `dtype`,
+// never aliasing the caller's tensor.
+Tensor CopyForParameter(const Tensor& t, const Tensor& p, DType dtype) {
+  Tensor moved = t.Detach().To(p.device());
+  if (moved.dtype() != dtype) moved = moved.To(dtype);
+  return moved.storage() == t.storage() ? moved.Clone() : moved.Contiguous();
+}
+
+}  // namespace
+
 void Optimizer::LoadStateDict(const NamedTensors& state) {
   const LoadPlan plan = PlanLoad(state);
   const std::map<std::string, Tensor>& given = plan.given;
@@ -1179,16 +1226,20 @@ void Optimizer::LoadStateDict(const NamedTensors& state) {
   for (size_t i = 0; i < params_.size(); ++i) {
     steps_[i] = new_steps[i];
     state_[i] = State();
-    if (new_steps[i] == 0) continue;
     const std::string prefix = "state." + params_[i].first + ".";
+    if (new_steps[i] == 0) {
+      // Slots held from the start (StartSlotValues) as saved; from a state
+      // without them, made from the loaded options when first needed.
+      for (const std::string& s : slot_names_) {
+        auto it = given.find(prefix + s);
+        if (it != given.end()) state_[i].slots.push_back(CopyForParameter(it->second, params_[i].second, ComputeDType(i)));
+      }
+      continue;
+    }
     // Copies on the parameter's device in the dtype the step computes in,
     // never aliasing the caller's tensors.
     const Tensor& p = params_[i].second;
-    auto copy_to_device = [&p](const Tensor& t, DType dtype) {
-      Tensor moved = t.Detach().To(p.device());
-      if (moved.dtype() != dtype) moved = moved.To(dtype);
-      return moved.storage() == t.storage() ? moved.Clone() : moved.Contiguous();
-    };
+    auto copy_to_device = [&p](const Tensor& t, DType dtype) { return CopyForParameter(t, p, dtype); };
     for (const std::string& s : slot_names_) {
       auto it = given.find(prefix + s);
       if (it != given.end()) state_[i].slots.push_back(copy_to_device(it->second, ComputeDType(i)));

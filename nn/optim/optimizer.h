@@ -280,6 +280,21 @@ class Optimizer {
   Optimizer(const char* who, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names,
             SlotRules rules);
   Optimizer(const char* who, std::vector<ParamGroup> groups, double lr, std::vector<std::string> slot_names);
+  /// The values the slots of a parameter of `group` start from, one per
+  /// slot in slot_names order, for an optimizer whose PyTorch counterpart
+  /// makes its state when it is built (Adagrad's "sum"); empty (the
+  /// default) for one that makes zero slots at a parameter's first update
+  /// (`fresh`). With values, a parameter holds its slots from the start, as
+  /// PyTorch's: a state saved before its first step holds them (with step
+  /// 0; StateDict makes them from these values) and loads them back, and
+  /// its first update finds them (not `fresh`). Their memory is taken at
+  /// that first update or load, not when the optimizer is built, so that
+  /// building one allocates nothing on the device.
+  virtual std::vector<double> StartSlotValues(size_t group) const {
+    (void)group;
+    return {};
+  }
+
   /// `maximize` (PyTorch's option) of one group: the gradient is negated as
   /// Step reads it, before weight decay is added, as PyTorch negates it.
   void set_maximize(size_t group, bool maximize) { maximize_.at(group) = maximize; }
@@ -412,6 +427,8 @@ class Optimizer {
   LoadPlan PlanLoad(const NamedTensors& state) const;
 
   DType ComputeDType(size_t i) const;
+  /// Parameter i's slots from StartSlotValues (none when it gives none).
+  std::vector<Tensor> StartSlots(size_t i) const;
   /// The state of parameter i as its current device and dtype need it (a
   /// copy only where something changed since the state was made).
   State CurrentState(size_t i) const;

@@ -519,10 +519,12 @@ TEST(Optimizer, BadGradientOfALaterParameterChangesNothing) {
     SetGrads(p, 0);
     p[1].second.grad().SetData(Zeros({3}));  // set_grad checks shapes; this reshapes the gradient after
     const auto before = Bytes(p);
+    // The steps (0), and Adagrad's sums, held from the start.
+    const size_t entries = EntriesUnder(opt->StateDict(), "state.");
     EXPECT_THAT(ErrorOf([&] { opt->Step(); }), HasSubstr("gradient of `fc.bias` has shape [3], the parameter [8]"));
     EXPECT_EQ(Bytes(p), before);
     EXPECT_EQ(opt->step_count(0), 0);
-    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), p.size());  // the steps (0) alone: no state made
+    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), entries);  // no state made
   }
 }
 
@@ -538,11 +540,12 @@ TEST(Optimizer, IntegerGradientIsRefusedNamingItsParameterBeforeAnyUpdate) {
     SetGrads(p, 0);
     p[1].second.grad().SetData(Zeros({8}, {.dtype = DType::kInt64}));
     const auto before = Bytes(p);
+    const size_t entries = EntriesUnder(opt->StateDict(), "state.");
     EXPECT_THAT(ErrorOf([&] { opt->Step(); }),
                 HasSubstr("gradient of `fc.bias` has dtype i64, expected a floating type"));
     EXPECT_EQ(Bytes(p), before);
     EXPECT_EQ(opt->step_count(0), 0);
-    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), p.size());  // the steps (0) alone: no state made
+    EXPECT_EQ(EntriesUnder(opt->StateDict(), "state."), entries);  // no state made
   }
 }
 
@@ -1087,6 +1090,52 @@ TEST(Adagrad, AStateLoadedBeforeTheFirstUpdateStartsTheSumAtTheSaversValue) {
   w.set_grad(FromVector({2.0}, {1}));
   loader.Step();
   EXPECT_EQ(StateEntry(loader.StateDict(), "state.w.sum"), std::vector<double>{4.5});  // 0.5 + 2 * 2
+}
+
+// As PyTorch's, Adagrad's sum exists before the first step: saved with
+// step 0 (also for a parameter AddParamGroup added, at its group's value),
+// loaded back as saved, and checked as any slot; a state saved without it
+// (an older file) still loads, the sum then starting at the loaded value.
+TEST(Adagrad, TheSumIsInTheStateBeforeTheFirstStep) {
+  Tensor a = Zeros({2});
+  Adagrad saver({{"a", a}}, AdagradOptions{.lr = 1.0, .initial_accumulator_value = 0.5});
+  saver.AddParamGroup({.params = {{"b", Zeros({1})}}, .options = {{"initial_accumulator_value", 2.0}}});
+  NamedTensors state = saver.StateDict();
+  EXPECT_EQ(StateEntry(state, "state.a.sum"), (std::vector<double>{0.5, 0.5}));
+  EXPECT_EQ(StateEntry(state, "state.b.sum"), std::vector<double>{2.0});
+  for (auto& [k, t] : state) {
+    if (k == "state.a.sum") t = FromVector({1.5, 3.0}, {2});
+  }
+  Tensor w = Zeros({2});
+  Adagrad loader({{"a", w}}, AdagradOptions{.lr = 1.0});
+  loader.AddParamGroup({.params = {{"b", Zeros({1})}}});
+  loader.LoadStateDict(state);
+  EXPECT_EQ(StateEntry(loader.StateDict(), "state.a.sum"), (std::vector<double>{1.5, 3.0}));
+  w.set_grad(FromVector({1.0, 1.0}, {2}));
+  loader.Step();
+  EXPECT_EQ(StateEntry(loader.StateDict(), "state.a.sum"), (std::vector<double>{2.5, 4.0}));
+  EXPECT_EQ(StateEntry(loader.StateDict(), "state.b.sum"), std::vector<double>{2.0});
+
+  NamedTensors wrong_shape = saver.StateDict();
+  for (auto& [k, t] : wrong_shape) {
+    if (k == "state.a.sum") t = Zeros({3});
+  }
+  Adagrad refuser({{"a", Zeros({2})}}, AdagradOptions{});
+  refuser.AddParamGroup({.params = {{"b", Zeros({1})}}});
+  EXPECT_THAT(ErrorOf([&] { refuser.LoadStateDict(wrong_shape); }), HasSubstr("state.a.sum"));
+
+  NamedTensors older;
+  for (const auto& [k, t] : saver.StateDict()) {
+    if (k != "state.a.sum" && k != "state.b.sum") older.emplace_back(k, t);
+  }
+  Tensor v = Zeros({2});
+  Adagrad from_older({{"a", v}}, AdagradOptions{.lr = 1.0});
+  from_older.AddParamGroup({.params = {{"b", Zeros({1})}}});
+  from_older.LoadStateDict(older);
+  EXPECT_EQ(StateEntry(from_older.StateDict(), "state.a.sum"), (std::vector<double>{0.5, 0.5}));
+  v.set_grad(FromVector({2.0, 0.0}, {2}));
+  from_older.Step();
+  EXPECT_EQ(StateEntry(from_older.StateDict(), "state.a.sum"), (std::vector<double>{4.5, 0.5}));
 }
 
 TEST(Sgd, KeepsNoMomentumBufferWithoutMomentum) {

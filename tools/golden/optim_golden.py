@@ -136,6 +136,28 @@ def group_optimizers():
     ]
 
 
+def adagrad_state_at_start():
+    """torch's Adagrad makes its sum when it is built: the state_dict of one
+    that has not stepped (per parameter its step and sum), and the
+    trajectory of a second Adagrad, made with another
+    initial_accumulator_value, that loads it and then steps."""
+    g = torch.Generator().manual_seed(2468)
+    params = [torch.randn(3, 4, generator=g).requires_grad_(),
+              torch.randn(5, generator=g).requires_grad_()]
+    init = [p.detach().flatten().tolist() for p in params]
+    saver = torch.optim.Adagrad(params, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.25)
+    saved = saver.state_dict()
+    state = [{"step": float(saved["state"][i]["step"]), "sum": saved["state"][i]["sum"].flatten().tolist()}
+             for i in range(len(params))]
+    loader = torch.optim.Adagrad(params, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.0)
+    loader.load_state_dict(saved)
+    grads, after = follow(loader, params, g, torch.float32, None)
+    return {"name": "adagrad_state_at_start",
+            "defaults": {k: v for k, v in saver.defaults.items() if isinstance(v, (int, float, bool, tuple))},
+            "init": init, "shapes": [list(p.shape) for p in params], "state_before_first_step": state,
+            "grads": grads, "after": after}
+
+
 def group_schedules():
     """Each case: per step, the rate of each of two SGD groups (lr 0.1 and
     0.03) before the first step, then after each of `steps` scheduler steps."""
@@ -413,6 +435,7 @@ def main():
         trajectory("adagrad_f64", lambda p: optim.Adagrad(p, lr=0.1, lr_decay=0.02, initial_accumulator_value=0.1),
                    dtype=torch.float64),
     ]
+    cases.append(adagrad_state_at_start())
     groups = group_optimizers()
     if sys.argv[1:2] == ["--update"]:
         update(sys.argv[2], sys.argv[3:], cases, groups)
