@@ -67,11 +67,11 @@ DEFINE_int64(grad_accum_steps, 1,
 DEFINE_int64(eval_every, 0,
              "steps between test-set evaluations (0: only at the end of each epoch)");
 // Optimizer.
-DEFINE_string(optimizer, "sgd", "optimizer: sgd, adam, adamw, adadelta");
+DEFINE_string(optimizer, "sgd", "optimizer: sgd, adam, adamw, adadelta, rmsprop, adagrad");
 DEFINE_double(lr, 0.05,
               "learning rate (default 0.05; 0.1 for ResNets, 0.001 for adam and adamw, 1.0 "
-              "for adadelta)");
-DEFINE_double(momentum, 0.9, "SGD momentum (sgd only)");
+              "for adadelta, 0.01 for rmsprop and adagrad)");
+DEFINE_double(momentum, 0.9, "momentum of sgd (default 0.9) and rmsprop (default 0); not for the others");
 DEFINE_double(weight_decay, 0, "L2 penalty (decoupled for adamw; default 1e-4 for ResNets)");
 DEFINE_bool(decay_norm_and_bias, true,
             "apply --weight_decay to every parameter; false spares every parameter of at most one "
@@ -102,8 +102,8 @@ DEFINE_int64(lr_patience, 10,
 DEFINE_bool(cycle_momentum, false,
             "with --scheduler=onecycle: also cycle the momentum against the rate, from 0.95 down "
             "to 0.85 at the peak rate and back to 0.95 at the end (OneCycleLR's cycle_momentum, "
-            "its default there); it replaces SGD's --momentum, and Adam's and AdamW's beta1 "
-            "(0.9); not with adadelta, --momentum=0 or --zero");
+            "its default there); it replaces SGD's and RMSprop's --momentum, and Adam's and "
+            "AdamW's beta1 (0.9); not with adadelta, adagrad, --momentum=0 or --zero");
 DEFINE_string(amp, "off",
               "mixed precision: off, bf16, fp16; on the CPU a 16-bit model and activations "
               "with f32 master weights, on CUDA an f32 model under autocast; fp16 adds loss "
@@ -503,7 +503,10 @@ TrainConfig ConfigFromFlags(int world_size) {
   }
   if (c.optimizer != "sgd") {
     if (IsDefault("momentum")) c.momentum = 0;
-    if (IsDefault("lr")) c.lr = c.optimizer == "adadelta" ? 1.0 : 1e-3;
+    if (IsDefault("lr")) {
+      // PyTorch's defaults; Adam's is 1e-3.
+      c.lr = c.optimizer == "adadelta" ? 1.0 : c.optimizer == "rmsprop" || c.optimizer == "adagrad" ? 1e-2 : 1e-3;
+    }
   }
   return c;
 }

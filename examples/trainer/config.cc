@@ -57,10 +57,15 @@ void ValidateSchedule(const TrainConfig& c) {
     // The scheduler drives SGD's momentum or Adam's beta1 (LrScheduler
     // refuses an optimizer without one), and only over an unsharded
     // optimizer: --zero's scheduler drives a bare rate.
-    if (c.optimizer == "adadelta") {
-      throw UsageError("--cycle_momentum cycles SGD's momentum or Adam's beta1, and "
-                       "--optimizer=adadelta has neither; use sgd, adam or adamw, or drop "
-                       "--cycle_momentum");
+    if (c.optimizer == "adadelta" || c.optimizer == "adagrad") {
+      throw UsageError("--cycle_momentum cycles SGD's or RMSprop's momentum or Adam's beta1, and "
+                       "--optimizer=" + c.optimizer + " has neither; use sgd, rmsprop, adam or adamw, "
+                       "or drop --cycle_momentum");
+    }
+    if (c.optimizer == "rmsprop" && c.momentum == 0) {
+      throw UsageError("--cycle_momentum cycles RMSprop's momentum, and --momentum=0 (its default) "
+                       "makes an RMSprop without one; give --momentum above 0 (the cycle then sets "
+                       "it), or drop --cycle_momentum");
     }
     if (c.optimizer == "sgd" && c.momentum == 0) {
       throw UsageError("--cycle_momentum cycles SGD's momentum, and --momentum=0 makes an SGD "
@@ -171,7 +176,7 @@ void ValidateConfig(const TrainConfig& c) {
   if (!Contains(DatasetNames(), c.dataset)) {
     throw UsageError("unknown --dataset=" + c.dataset + "; use " + OneOf(DatasetNames()));
   }
-  const std::vector<std::string> optimizers = {"sgd", "adam", "adamw", "adadelta"};
+  const std::vector<std::string> optimizers = {"sgd", "adam", "adamw", "adadelta", "rmsprop", "adagrad"};
   if (!Contains(optimizers, c.optimizer)) {
     throw UsageError("unknown --optimizer=" + c.optimizer + "; use " + OneOf(optimizers));
   }
@@ -256,10 +261,10 @@ void ValidateConfig(const TrainConfig& c) {
     throw UsageError("--bucket_cap_mb=" + std::string(given) +
                      " must be a positive number of MiB, at most 1048576 (1 TiB)");
   }
-  if (c.momentum > 0 && c.optimizer != "sgd") {
+  if (c.momentum > 0 && c.optimizer != "sgd" && c.optimizer != "rmsprop") {
     // Adam's betas play momentum's part; a silently ignored flag misleads.
     // (The default momentum is only applied with sgd; see train_main.cc.)
-    throw UsageError("--momentum applies to --optimizer=sgd only; drop it for --optimizer=" +
+    throw UsageError("--momentum applies to --optimizer=sgd and rmsprop only; drop it for --optimizer=" +
                      c.optimizer);
   }
   if (c.momentum >= 1) {

@@ -94,7 +94,16 @@ TEST(ConfigTest, BadValuesNameTheFlag) {
   EXPECT_EQ(ErrorOf(c), "unknown --amp=fp8; use one of off, bf16, fp16");
   c = TrainConfig{};
   c.optimizer = "adam";
-  EXPECT_NE(ErrorOf(c).find("--momentum applies to --optimizer=sgd only"), std::string::npos);
+  EXPECT_NE(ErrorOf(c).find("--momentum applies to --optimizer=sgd and rmsprop only"), std::string::npos);
+  c.optimizer = "adagrad";
+  EXPECT_EQ(ErrorOf(c), "--momentum applies to --optimizer=sgd and rmsprop only; drop it for --optimizer=adagrad");
+  c.optimizer = "rmsprop";
+  EXPECT_EQ(ErrorOf(c), "");
+  c.momentum = 0;
+  c.optimizer = "adagrad";
+  EXPECT_EQ(ErrorOf(c), "");
+  c.optimizer = "lbfgs";
+  EXPECT_EQ(ErrorOf(c), "unknown --optimizer=lbfgs; use one of sgd, adam, adamw, adadelta, rmsprop, adagrad");
   c = TrainConfig{};
   c.sync_bn = true;
   EXPECT_NE(ErrorOf(c).find("--sync_bn"), std::string::npos);
@@ -168,10 +177,19 @@ TEST(ConfigTest, CycleMomentumNeedsOneCycleAndAMomentum) {
   c.optimizer = "adamw";
   c.momentum = 0;
   EXPECT_EQ(ErrorOf(c), "");
-  c.optimizer = "adadelta";
+  for (const std::string optimizer : {"adadelta", "adagrad"}) {
+    c.optimizer = optimizer;
+    EXPECT_EQ(ErrorOf(c),
+              "--cycle_momentum cycles SGD's or RMSprop's momentum or Adam's beta1, and --optimizer=" +
+                  optimizer + " has neither; use sgd, rmsprop, adam or adamw, or drop --cycle_momentum");
+  }
+  c.optimizer = "rmsprop";
   EXPECT_EQ(ErrorOf(c),
-            "--cycle_momentum cycles SGD's momentum or Adam's beta1, and --optimizer=adadelta has "
-            "neither; use sgd, adam or adamw, or drop --cycle_momentum");
+            "--cycle_momentum cycles RMSprop's momentum, and --momentum=0 (its default) makes an RMSprop "
+            "without one; give --momentum above 0 (the cycle then sets it), or drop --cycle_momentum");
+  c.momentum = 0.5;
+  EXPECT_EQ(ErrorOf(c), "");
+  c.momentum = 0;
   c.optimizer = "sgd";
   EXPECT_EQ(ErrorOf(c),
             "--cycle_momentum cycles SGD's momentum, and --momentum=0 makes an SGD without one; "

@@ -1,9 +1,12 @@
 #include "examples/trainer/optimizer.h"
 
+#include <stdexcept>
 #include <utility>
 
 #include "nn/optim/adadelta.h"
+#include "nn/optim/adagrad.h"
 #include "nn/optim/adam.h"
+#include "nn/optim/rmsprop.h"
 #include "nn/optim/sgd.h"
 
 namespace ddp::examples::trainer {
@@ -56,10 +59,29 @@ std::unique_ptr<nn::optim::Optimizer> MakeOptimizer(const TrainConfig& c,
     o.weight_decay = c.weight_decay;
     return Build<nn::optim::AdamW>(std::move(groups), o);
   }
-  nn::optim::AdadeltaOptions o;
-  o.lr = c.lr;
-  o.weight_decay = c.weight_decay;
-  return Build<nn::optim::Adadelta>(std::move(groups), o);
+  if (c.optimizer == "rmsprop") {
+    // PyTorch's other defaults (alpha 0.99, eps 1e-8, not centered).
+    nn::optim::RmspropOptions o;
+    o.lr = c.lr;
+    o.momentum = c.momentum;
+    o.weight_decay = c.weight_decay;
+    return Build<nn::optim::Rmsprop>(std::move(groups), o);
+  }
+  if (c.optimizer == "adagrad") {
+    // PyTorch's other defaults (no lr_decay, sum starting at 0, eps 1e-10).
+    nn::optim::AdagradOptions o;
+    o.lr = c.lr;
+    o.weight_decay = c.weight_decay;
+    return Build<nn::optim::Adagrad>(std::move(groups), o);
+  }
+  if (c.optimizer == "adadelta") {
+    nn::optim::AdadeltaOptions o;
+    o.lr = c.lr;
+    o.weight_decay = c.weight_decay;
+    return Build<nn::optim::Adadelta>(std::move(groups), o);
+  }
+  // ValidateConfig refuses any other name first; this names it all the same.
+  throw std::invalid_argument("MakeOptimizer: unknown --optimizer=" + c.optimizer);
 }
 
 nn::optim::LrTarget EveryGroupsRate(nn::optim::Optimizer& optimizer) {

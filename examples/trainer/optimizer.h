@@ -30,7 +30,9 @@ bool IsNormOrBias(const nn::Tensor& param);
 std::vector<nn::optim::ParamGroup> ParamGroupsOf(const TrainConfig& config,
                                                  nn::optim::NamedParameters params);
 
-/// --optimizer with --lr, --momentum and --weight_decay as defaults, over
+/// --optimizer (sgd, adam, adamw, adadelta, rmsprop, adagrad) with --lr,
+/// --momentum (sgd's and rmsprop's) and --weight_decay as defaults, the
+/// others PyTorch's; throws std::invalid_argument for another name. Over
 /// `groups`: one group without options gives the optimizer of a plain list
 /// (its parameters), anything else the grouped one. Also the factory of a
 /// shard's optimizer under --zero, which passes the groups ParamGroupsOf

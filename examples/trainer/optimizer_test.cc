@@ -45,12 +45,12 @@ bool Has(const nn::optim::NamedTensors& state, const std::string& key) {
 // decay, the others in group 0 with --weight_decay, each in the model's order;
 // for every --optimizer.
 TEST(OptimizerTest, NormsAndBiasesFormAGroupWithoutWeightDecay) {
-  for (const std::string optimizer : {"sgd", "adam", "adamw", "adadelta"}) {
+  for (const std::string optimizer : {"sgd", "adam", "adamw", "adadelta", "rmsprop", "adagrad"}) {
     SCOPED_TRACE(optimizer);
     TrainConfig c;
     c.model = "resnet18";
     c.optimizer = optimizer;
-    c.momentum = optimizer == "sgd" ? 0.9 : 0.0;
+    c.momentum = optimizer == "sgd" || optimizer == "rmsprop" ? 0.9 : 0.0;
     c.weight_decay = 0.01;
     c.decay_norm_and_bias = false;
     const auto model = Model(c);
@@ -74,6 +74,50 @@ TEST(OptimizerTest, NormsAndBiasesFormAGroupWithoutWeightDecay) {
     EXPECT_EQ(ScalarIn(state, "param_groups.1.weight_decay"), 0.0);
     EXPECT_EQ(opt->lr(0), c.lr);
     EXPECT_EQ(opt->lr(1), c.lr);
+  }
+}
+
+// Text of the u8 state entry `key`; empty when absent.
+std::string TextIn(const nn::optim::NamedTensors& state, const std::string& key) {
+  for (const auto& [name, t] : state) {
+    if (name == key) {
+      const std::vector<uint8_t> bytes = t.ToVector<uint8_t>();
+      return std::string(bytes.begin(), bytes.end());
+    }
+  }
+  return "";
+}
+
+// --optimizer=rmsprop and adagrad build PyTorch's RMSprop and Adagrad with
+// --lr, --weight_decay and (RMSprop's) --momentum, the rest PyTorch's
+// defaults; a name ValidateConfig would refuse is refused here too.
+TEST(OptimizerTest, RmspropAndAdagradTakeTheirFlags) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.lr = 0.02;
+  c.weight_decay = 0.001;
+  const auto model = Model(c);
+  c.optimizer = "rmsprop";
+  c.momentum = 0.5;
+  nn::optim::NamedTensors state = MakeOptimizer(c, ParamGroupsOf(c, model->NamedParameters()))->StateDict();
+  EXPECT_EQ(TextIn(state, "group.optimizer"), "RMSprop");
+  EXPECT_EQ(ScalarIn(state, "lr"), 0.02);
+  EXPECT_EQ(ScalarIn(state, "group.momentum"), 0.5);
+  EXPECT_EQ(ScalarIn(state, "group.weight_decay"), 0.001);
+  EXPECT_EQ(ScalarIn(state, "group.alpha"), 0.99);
+  c.optimizer = "adagrad";
+  c.momentum = 0;
+  state = MakeOptimizer(c, ParamGroupsOf(c, model->NamedParameters()))->StateDict();
+  EXPECT_EQ(TextIn(state, "group.optimizer"), "Adagrad");
+  EXPECT_EQ(ScalarIn(state, "lr"), 0.02);
+  EXPECT_EQ(ScalarIn(state, "group.weight_decay"), 0.001);
+  EXPECT_EQ(ScalarIn(state, "group.lr_decay"), 0.0);
+  c.optimizer = "lbfgs";
+  try {
+    MakeOptimizer(c, ParamGroupsOf(c, model->NamedParameters()));
+    ADD_FAILURE() << "an unknown --optimizer was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "MakeOptimizer: unknown --optimizer=lbfgs");
   }
 }
 

@@ -175,7 +175,7 @@ std::unique_ptr<nn::data::DataLoader> MakeTrainLoader(const TrainConfig& c, cons
 std::string OptimizerSummary(const TrainConfig& c) {
   std::string s = c.optimizer + " lr " + StringPrintf("%g", c.lr);
   // A cycled momentum replaces --momentum, and is said with the schedule.
-  if (c.optimizer == "sgd" && c.momentum > 0 && !c.cycle_momentum) {
+  if ((c.optimizer == "sgd" || c.optimizer == "rmsprop") && c.momentum > 0 && !c.cycle_momentum) {
     s += StringPrintf(" momentum %g", c.momentum);
   }
   if (c.weight_decay > 0) {
