@@ -35,69 +35,31 @@ Adadelta::Adadelta(NamedParameters params, AdadeltaOptions options)
     : Adadelta(std::vector<ParamGroup>{{.params = std::move(params)}}, options) {}
 
 Adadelta::Adadelta(std::vector<ParamGroup> groups, AdadeltaOptions defaults)
-    : Optimizer("Adadelta", groups, defaults.lr, {"square_avg", "acc_delta"}) {
-  CheckOptions(defaults);
-  defaults_ = defaults;
-  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
-  for (size_t k = 0; k < values.size(); ++k) {
-    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
-    options_.back().lr = lr(k);
-    set_maximize(k, options_.back().maximize);
-  }
+    : OptimizerWithOptions("Adadelta", groups, defaults, {"square_avg", "acc_delta"}) {
+  TakeGroupOptions(groups);
 }
 
 // Each refusal names the one option at fault, with its value as given.
-void Adadelta::CheckOptions(const AdadeltaOptions& o) {
+void Adadelta::CheckOptions(const AdadeltaOptions& o) const {
   if (!(o.rho >= 0 && o.rho <= 1)) {
     throw std::invalid_argument("Adadelta: rho " + internal::OptionValueText(o.rho) + " must be in [0, 1]");
   }
   // eps and weight_decay also finite: either inf makes the update NaN.
-  const std::pair<const char*, double> finite_non_negative[] = {{"eps", o.eps}, {"weight_decay", o.weight_decay}};
-  for (const auto& [name, x] : finite_non_negative) {
-    if (!(x >= 0) || !std::isfinite(x)) {
-      throw std::invalid_argument(std::string("Adadelta: ") + name + " " + internal::OptionValueText(x) +
-                                  " must be finite and >= 0");
-    }
-  }
+  internal::CheckFiniteNonNegative("Adadelta", {{"eps", o.eps}, {"weight_decay", o.weight_decay}});
 }
 
-std::vector<Optimizer::Hyperparameter> Adadelta::HyperparametersOf(const AdadeltaOptions& o) {
+std::vector<Optimizer::Hyperparameter> Adadelta::HyperparametersOf(const AdadeltaOptions& o) const {
   return {{.name = "rho", .value = o.rho},
           {.name = "eps", .value = o.eps},
           {.name = "weight_decay", .value = o.weight_decay},
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-std::vector<Optimizer::Hyperparameter> Adadelta::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
-
-void Adadelta::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
-  const size_t group = num_groups();
-  AdadeltaOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
-  o.lr = lr;
-  options_.push_back(o);
-}
-
-std::vector<Optimizer::Hyperparameter> Adadelta::Hyperparameters(size_t group) const {
-  return HyperparametersOf(options_[group]);
-}
-
-AdadeltaOptions Adadelta::WithSaved(AdadeltaOptions base, const std::map<std::string, double>& values) {
-  AdadeltaOptions o = base;
+void Adadelta::ReadValues(const std::map<std::string, double>& values, AdadeltaOptions& o) const {
   o.rho = values.at("rho");
   o.eps = values.at("eps");
   o.weight_decay = values.at("weight_decay");
   o.maximize = values.at("maximize") != 0;
-  CheckOptions(o);
-  return o;
-}
-
-void Adadelta::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
-  WithSaved(options_[group], values);
-}
-
-void Adadelta::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
-  options_[group] = WithSaved(options_[group], values);
-  set_maximize(group, options_[group].maximize);
 }
 
 template <typename T>

@@ -19,7 +19,7 @@ struct AdadeltaOptions {
 ///   delta = sqrt(acc + eps) / sqrt(sq + eps) * g
 ///   acc = rho * acc + (1 - rho) * delta * delta;  p = p - lr * delta
 /// State slots: "square_avg", "acc_delta".
-class Adadelta : public Optimizer {
+class Adadelta : public OptimizerWithOptions<AdadeltaOptions> {
  public:
   /// Throws std::invalid_argument, naming "Adadelta" and the one option at
   /// fault with its value, for rho outside [0, 1], or a negative, NaN or
@@ -30,9 +30,6 @@ class Adadelta : public Optimizer {
   /// std::invalid_argument as the constructor above, naming the group, and
   /// for an unknown option.
   Adadelta(std::vector<ParamGroup> groups, AdadeltaOptions defaults);
-  /// The options of `group` (its lr the one it was made with; lr(group) is
-  /// the current one).
-  const AdadeltaOptions& options(size_t group = 0) const { return options_.at(group); }
 
  protected:
   void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
@@ -43,26 +40,13 @@ class Adadelta : public Optimizer {
                     bool fresh, double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "Adadelta"; }
-  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
-  std::vector<Hyperparameter> DefaultHyperparameters() const override;
-  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
-  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> HyperparametersOf(const AdadeltaOptions& o) const override;
+  void ReadValues(const std::map<std::string, double>& values, AdadeltaOptions& o) const override;
+  void CheckOptions(const AdadeltaOptions& o) const override;
 
  private:
-  static std::vector<Hyperparameter> HyperparametersOf(const AdadeltaOptions& o);
   template <typename T>
   void Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const;
-
-  /// The constructor's checks of everything but lr (the base checks that).
-  static void CheckOptions(const AdadeltaOptions& o);
-
-  /// `base` with the saved values of `values` (see CheckHyperparameters);
-  /// throws as the constructor does.
-  static AdadeltaOptions WithSaved(AdadeltaOptions base, const std::map<std::string, double>& values);
-
-  std::vector<AdadeltaOptions> options_;  // per group
-  AdadeltaOptions defaults_;  // for groups AddParamGroup appends
 };
 
 }  // namespace ddp::nn::optim

@@ -34,15 +34,8 @@ Adagrad::Adagrad(NamedParameters params, AdagradOptions options)
     : Adagrad(std::vector<ParamGroup>{{.params = std::move(params)}}, options) {}
 
 Adagrad::Adagrad(std::vector<ParamGroup> groups, AdagradOptions defaults)
-    : Optimizer("Adagrad", groups, defaults.lr, {"sum"}) {
-  CheckOptions(defaults);
-  defaults_ = defaults;
-  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
-  for (size_t k = 0; k < values.size(); ++k) {
-    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
-    options_.back().lr = lr(k);
-    set_maximize(k, options_.back().maximize);
-  }
+    : OptimizerWithOptions("Adagrad", groups, defaults, {"sum"}) {
+  TakeGroupOptions(groups);
 }
 
 // Each group's own value, where PyTorch fills every parameter's sum with
@@ -55,21 +48,14 @@ std::vector<double> Adagrad::StartSlotValues(size_t group) const {
 // Each refusal names the one option at fault, with its value as given.
 // PyTorch asks each to be >= 0; infinite ones are refused too, as each
 // makes the update inf or NaN, or stalls it at 0.
-void Adagrad::CheckOptions(const AdagradOptions& o) {
-  const std::pair<const char*, double> finite_non_negative[] = {
-      {"lr_decay", o.lr_decay},
-      {"weight_decay", o.weight_decay},
-      {"initial_accumulator_value", o.initial_accumulator_value},
-      {"eps", o.eps}};
-  for (const auto& [name, x] : finite_non_negative) {
-    if (!(x >= 0) || !std::isfinite(x)) {
-      throw std::invalid_argument(std::string("Adagrad: ") + name + " " + internal::OptionValueText(x) +
-                                  " must be finite and >= 0");
-    }
-  }
+void Adagrad::CheckOptions(const AdagradOptions& o) const {
+  internal::CheckFiniteNonNegative("Adagrad", {{"lr_decay", o.lr_decay},
+                                               {"weight_decay", o.weight_decay},
+                                               {"initial_accumulator_value", o.initial_accumulator_value},
+                                               {"eps", o.eps}});
 }
 
-std::vector<Optimizer::Hyperparameter> Adagrad::HyperparametersOf(const AdagradOptions& o) {
+std::vector<Optimizer::Hyperparameter> Adagrad::HyperparametersOf(const AdagradOptions& o) const {
   return {{.name = "lr_decay", .value = o.lr_decay},
           {.name = "weight_decay", .value = o.weight_decay},
           {.name = "initial_accumulator_value", .value = o.initial_accumulator_value},
@@ -77,37 +63,12 @@ std::vector<Optimizer::Hyperparameter> Adagrad::HyperparametersOf(const AdagradO
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-std::vector<Optimizer::Hyperparameter> Adagrad::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
-
-void Adagrad::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
-  const size_t group = num_groups();
-  AdagradOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
-  o.lr = lr;
-  options_.push_back(o);
-}
-
-std::vector<Optimizer::Hyperparameter> Adagrad::Hyperparameters(size_t group) const {
-  return HyperparametersOf(options_[group]);
-}
-
-AdagradOptions Adagrad::WithSaved(AdagradOptions base, const std::map<std::string, double>& values) {
-  AdagradOptions o = base;
+void Adagrad::ReadValues(const std::map<std::string, double>& values, AdagradOptions& o) const {
   o.lr_decay = values.at("lr_decay");
   o.weight_decay = values.at("weight_decay");
   o.initial_accumulator_value = values.at("initial_accumulator_value");
   o.eps = values.at("eps");
   o.maximize = values.at("maximize") != 0;
-  CheckOptions(o);
-  return o;
-}
-
-void Adagrad::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
-  WithSaved(options_[group], values);
-}
-
-void Adagrad::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
-  options_[group] = WithSaved(options_[group], values);
-  set_maximize(group, options_[group].maximize);
 }
 
 double Adagrad::StepRate(size_t group, int64_t step) const {

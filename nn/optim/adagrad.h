@@ -27,7 +27,7 @@ struct AdagradOptions {
 /// initial_accumulator_value of the parameter's group. PyTorch fills every
 /// parameter's with the constructor's value and leaves a group's own unread;
 /// here a group's own is taken (they agree unless a group overrides it).
-class Adagrad : public Optimizer {
+class Adagrad : public OptimizerWithOptions<AdagradOptions> {
  public:
   /// Throws std::invalid_argument, naming "Adagrad" and the one option at
   /// fault with its value, for a negative, NaN or infinite lr, lr_decay,
@@ -39,9 +39,6 @@ class Adagrad : public Optimizer {
   /// std::invalid_argument as the constructor above, naming the group, and
   /// for an unknown option.
   Adagrad(std::vector<ParamGroup> groups, AdagradOptions defaults);
-  /// The options of `group` (its lr the one it was made with; lr(group) is
-  /// the current one).
-  const AdagradOptions& options(size_t group = 0) const { return options_.at(group); }
 
  protected:
   void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
@@ -52,27 +49,16 @@ class Adagrad : public Optimizer {
                     bool fresh, double grad_scale) override;
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "Adagrad"; }
-  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
-  std::vector<Hyperparameter> DefaultHyperparameters() const override;
-  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
-  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> HyperparametersOf(const AdagradOptions& o) const override;
+  void ReadValues(const std::map<std::string, double>& values, AdagradOptions& o) const override;
+  void CheckOptions(const AdagradOptions& o) const override;
   std::vector<double> StartSlotValues(size_t group) const override;
 
  private:
-  static std::vector<Hyperparameter> HyperparametersOf(const AdagradOptions& o);
   template <typename T>
   void Kernel(size_t group, T* p, const T* g, T* sum, int64_t n, int64_t step, T grad_scale) const;
   /// This step's rate for `group`: lr / (1 + (step - 1) * lr_decay).
   double StepRate(size_t group, int64_t step) const;
-  /// The constructor's checks of everything but lr (the base checks that).
-  static void CheckOptions(const AdagradOptions& o);
-  /// `base` with the saved values of `values` (see CheckHyperparameters);
-  /// throws as the constructor does.
-  static AdagradOptions WithSaved(AdagradOptions base, const std::map<std::string, double>& values);
-
-  std::vector<AdagradOptions> options_;  // per group
-  AdagradOptions defaults_;  // for groups AddParamGroup appends
 };
 
 }  // namespace ddp::nn::optim

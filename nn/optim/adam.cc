@@ -56,15 +56,9 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults) : Adam(std::mov
 // amsgrad is structural (GroupOptionValues holds every group to the
 // defaults'), so the defaults decide the slots for all groups.
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults, bool decoupled)
-    : Optimizer(decoupled ? "AdamW" : "Adam", groups, defaults.lr, Slots(defaults.amsgrad)), decoupled_(decoupled) {
-  CheckOptions(defaults);
-  defaults_ = defaults;
-  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
-  for (size_t k = 0; k < values.size(); ++k) {
-    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
-    options_.back().lr = lr(k);
-    set_maximize(k, options_.back().maximize);
-  }
+    : OptimizerWithOptions(decoupled ? "AdamW" : "Adam", groups, defaults, Slots(defaults.amsgrad)),
+      decoupled_(decoupled) {
+  TakeGroupOptions(groups);
 }
 
 // Each refusal names the one option at fault, with its value as given.
@@ -78,16 +72,10 @@ void Adam::CheckOptions(const AdamOptions& o) const {
   }
   // Infinite ones are refused too: an infinite eps stalls every update at
   // 0, an infinite weight_decay makes it inf or NaN.
-  const std::pair<const char*, double> finite_non_negative[] = {{"eps", o.eps}, {"weight_decay", o.weight_decay}};
-  for (const auto& [name, x] : finite_non_negative) {
-    if (!(x >= 0) || !std::isfinite(x)) {
-      throw std::invalid_argument(std::string(Name()) + ": " + name + " " + internal::OptionValueText(x) +
-                                  " must be finite and >= 0");
-    }
-  }
+  internal::CheckFiniteNonNegative(Name(), {{"eps", o.eps}, {"weight_decay", o.weight_decay}});
 }
 
-std::vector<Optimizer::Hyperparameter> Adam::HyperparametersOf(const AdamOptions& o) {
+std::vector<Optimizer::Hyperparameter> Adam::HyperparametersOf(const AdamOptions& o) const {
   // amsgrad decides whether max_exp_avg_sq is kept.
   return {{.name = "beta1", .value = o.beta1},
           {.name = "beta2", .value = o.beta2},
@@ -97,38 +85,13 @@ std::vector<Optimizer::Hyperparameter> Adam::HyperparametersOf(const AdamOptions
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-std::vector<Optimizer::Hyperparameter> Adam::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
-
-void Adam::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
-  const size_t group = num_groups();
-  AdamOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
-  o.lr = lr;
-  options_.push_back(o);
-}
-
-std::vector<Optimizer::Hyperparameter> Adam::Hyperparameters(size_t group) const {
-  return HyperparametersOf(options_[group]);
-}
-
-AdamOptions Adam::WithSaved(AdamOptions base, const std::map<std::string, double>& values) const {
-  AdamOptions o = base;
+void Adam::ReadValues(const std::map<std::string, double>& values, AdamOptions& o) const {
   o.beta1 = values.at("beta1");
   o.beta2 = values.at("beta2");
   o.eps = values.at("eps");
   o.weight_decay = values.at("weight_decay");
   o.amsgrad = values.at("amsgrad") != 0;
   o.maximize = values.at("maximize") != 0;
-  CheckOptions(o);
-  return o;
-}
-
-void Adam::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
-  WithSaved(options_[group], values);
-}
-
-void Adam::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
-  options_[group] = WithSaved(options_[group], values);
-  set_maximize(group, options_[group].maximize);
 }
 
 AdamW::AdamW(NamedParameters params, AdamWOptions o)

@@ -32,7 +32,7 @@ struct AdamWOptions {
 ///   denom = sqrt(amsgrad ? max(vmax, v) : v) / sqrt(1 - beta2^t) + eps
 ///   p = p - lr / (1 - beta1^t) * m / denom
 /// State slots: "exp_avg", "exp_avg_sq", and "max_exp_avg_sq" with amsgrad.
-class Adam : public Optimizer {
+class Adam : public OptimizerWithOptions<AdamOptions> {
  public:
   /// Throws std::invalid_argument, naming the optimizer (Adam, AdamW) and
   /// the one option at fault with its value, for beta1 or beta2 outside
@@ -44,9 +44,6 @@ class Adam : public Optimizer {
   /// naming the group, for an unknown option, and for amsgrad differing
   /// from the defaults (one slot layout for all).
   Adam(std::vector<ParamGroup> groups, AdamOptions defaults);
-  /// The options of `group` (its lr the one it was made with; lr(group) is
-  /// the current one).
-  const AdamOptions& options(size_t group = 0) const { return options_.at(group); }
 
  protected:
   /// AdamW: the same with decoupled weight decay.
@@ -61,25 +58,13 @@ class Adam : public Optimizer {
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return decoupled_ ? "AdamW" : "Adam"; }
   const char* MomentumOption() const override { return "beta1"; }
-  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
-  std::vector<Hyperparameter> DefaultHyperparameters() const override;
-  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
-  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> HyperparametersOf(const AdamOptions& o) const override;
+  void ReadValues(const std::map<std::string, double>& values, AdamOptions& o) const override;
+  void CheckOptions(const AdamOptions& o) const override;
 
  private:
-  static std::vector<Hyperparameter> HyperparametersOf(const AdamOptions& o);
   template <typename T>
   void Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, int64_t step, T grad_scale) const;
-  /// The constructor's checks of everything but lr (the base checks that).
-  void CheckOptions(const AdamOptions& o) const;
-
-  /// `base` with the saved values of `values` (see CheckHyperparameters);
-  /// throws as the constructor does.
-  AdamOptions WithSaved(AdamOptions base, const std::map<std::string, double>& values) const;
-
-  std::vector<AdamOptions> options_;  // per group
-  AdamOptions defaults_;  // for groups AddParamGroup appends
   bool decoupled_;
 };
 

@@ -1275,6 +1275,16 @@ bool GroupMembersOf(const Tensor& t, std::vector<std::string>* names) {
   }
 }
 
+void CheckFiniteNonNegative(const char* who, std::initializer_list<std::pair<const char*, double>> options) {
+  for (const auto& [name, x] : options) {
+    // Written so that NaN fails it too.
+    if (!(x >= 0) || !std::isfinite(x)) {
+      throw std::invalid_argument(std::string(who) + ": " + name + " " + OptionValueText(x) +
+                                  " must be finite and >= 0");
+    }
+  }
+}
+
 std::string OptionValueText(double value) {
   char buf[64];
   const auto result = std::to_chars(buf, buf + sizeof(buf), value);

@@ -27,6 +27,7 @@
 // queued on the current stream with no host synchronization.
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -484,7 +485,84 @@ class Optimizer {
   std::vector<State> state_;
 };
 
+/// An optimizer with an options struct `Options` (its `lr` and `maximize`
+/// members read by the base): the per-group copies of it and the options
+/// hooks of Optimizer, written once. A subclass lists its options
+/// (HyperparametersOf), reads saved values into the struct (ReadValues),
+/// checks a struct as its constructor does (CheckOptions), and calls
+/// TakeGroupOptions in its constructor's body.
+template <typename Options>
+class OptimizerWithOptions : public Optimizer {
+ public:
+  /// The options of `group` (its lr the one it was made with; lr(group) is
+  /// the current one). Throws std::out_of_range for a group it lacks.
+  const Options& options(size_t group = 0) const { return options_.at(group); }
+
+ protected:
+  OptimizerWithOptions(const char* who, std::vector<ParamGroup> groups, const Options& defaults,
+                       std::vector<std::string> slot_names, SlotRules rules = SlotRules())
+      : Optimizer(who, std::move(groups), defaults.lr, std::move(slot_names), std::move(rules)),
+        defaults_(defaults) {}
+
+  /// Checks the defaults, then takes each group's options (the defaults
+  /// with the group's own values in place), refusing them naming the
+  /// group. For the subclass constructor's body: the hooks below are the
+  /// subclass's only once its own construction has begun.
+  void TakeGroupOptions(const std::vector<ParamGroup>& groups) {
+    CheckOptions(defaults_);
+    const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults_));
+    for (size_t k = 0; k < values.size(); ++k) {
+      options_.push_back(ForGroup(k, [&] { return WithSaved(defaults_, values[k]); }));
+      options_.back().lr = lr(k);
+      set_maximize(k, options_.back().maximize);
+    }
+  }
+
+  /// The options of `o` to save, in a fixed order (lr is saved apart).
+  virtual std::vector<Hyperparameter> HyperparametersOf(const Options& o) const = 0;
+  /// Sets `o`'s members from `values`, one per HyperparametersOf name
+  /// (flags as 0 or 1); CheckOptions checks the result.
+  virtual void ReadValues(const std::map<std::string, double>& values, Options& o) const = 0;
+  /// Throws std::invalid_argument, naming the optimizer and the one option
+  /// at fault with its value, for options the constructor refuses (lr
+  /// aside: the base checks it).
+  virtual void CheckOptions(const Options& o) const = 0;
+
+  std::vector<Hyperparameter> Hyperparameters(size_t group) const override {
+    return HyperparametersOf(options_[group]);
+  }
+  std::vector<Hyperparameter> DefaultHyperparameters() const override { return HyperparametersOf(defaults_); }
+  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override {
+    Options o = ForGroup(num_groups(), [&] { return WithSaved(defaults_, values); });
+    o.lr = lr;
+    options_.push_back(o);
+  }
+  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override {
+    WithSaved(options_[group], values);
+  }
+  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override {
+    options_[group] = WithSaved(options_[group], values);
+    set_maximize(group, options_[group].maximize);
+  }
+
+  std::vector<Options> options_;  // per group
+  Options defaults_;              // for groups AddParamGroup appends
+
+ private:
+  /// `base` with `values` in place; throws as the constructor does.
+  Options WithSaved(Options base, const std::map<std::string, double>& values) const {
+    ReadValues(values, base);
+    CheckOptions(base);
+    return base;
+  }
+};
+
 namespace internal {
+
+/// Throws std::invalid_argument "<who>: <name> <value> must be finite and
+/// >= 0" for the first option of `options` that is negative, NaN or
+/// infinite (each makes an update inf or NaN, or stalls it).
+void CheckFiniteNonNegative(const char* who, std::initializer_list<std::pair<const char*, double>> options);
 
 /// A several-group state's "param_groups.<k>.params": the group's
 /// parameter names, one per line, as u8 text (empty for an empty group).

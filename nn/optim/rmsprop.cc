@@ -71,36 +71,23 @@ Rmsprop::Rmsprop(NamedParameters params, RmspropOptions options)
 // momentum zero or not and centered are structural (GroupOptionValues holds
 // every group to the defaults'), so the defaults decide the slots for all.
 Rmsprop::Rmsprop(std::vector<ParamGroup> groups, RmspropOptions defaults)
-    : Optimizer("RMSprop", groups, defaults.lr, Slots(defaults)) {
-  CheckOptions(defaults);
-  defaults_ = defaults;
-  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
-  for (size_t k = 0; k < values.size(); ++k) {
-    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
-    options_.back().lr = lr(k);
-    set_maximize(k, options_.back().maximize);
-  }
+    : OptimizerWithOptions("RMSprop", groups, defaults, Slots(defaults)) {
+  TakeGroupOptions(groups);
 }
 
 // Each refusal names the one option at fault, with its value as given.
-void Rmsprop::CheckOptions(const RmspropOptions& o) {
+void Rmsprop::CheckOptions(const RmspropOptions& o) const {
   // PyTorch asks only alpha >= 0; above 1, (1 - alpha) * g * g subtracts
   // and the square root of a negative average is NaN.
   if (!(o.alpha >= 0 && o.alpha <= 1)) {
     throw std::invalid_argument("RMSprop: alpha " + internal::OptionValueText(o.alpha) + " must be in [0, 1]");
   }
   // Infinite ones too: each makes the update inf or NaN (or stalls it at 0).
-  const std::pair<const char*, double> finite_non_negative[] = {
-      {"eps", o.eps}, {"weight_decay", o.weight_decay}, {"momentum", o.momentum}};
-  for (const auto& [name, x] : finite_non_negative) {
-    if (!(x >= 0) || !std::isfinite(x)) {
-      throw std::invalid_argument(std::string("RMSprop: ") + name + " " + internal::OptionValueText(x) +
-                                  " must be finite and >= 0");
-    }
-  }
+  internal::CheckFiniteNonNegative("RMSprop",
+                                   {{"eps", o.eps}, {"weight_decay", o.weight_decay}, {"momentum", o.momentum}});
 }
 
-std::vector<Optimizer::Hyperparameter> Rmsprop::HyperparametersOf(const RmspropOptions& o) {
+std::vector<Optimizer::Hyperparameter> Rmsprop::HyperparametersOf(const RmspropOptions& o) const {
   // momentum zero or not decides whether momentum_buffer is kept, centered
   // whether grad_avg is.
   return {{.name = "alpha", .value = o.alpha},
@@ -111,38 +98,13 @@ std::vector<Optimizer::Hyperparameter> Rmsprop::HyperparametersOf(const RmspropO
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-std::vector<Optimizer::Hyperparameter> Rmsprop::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
-
-void Rmsprop::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
-  const size_t group = num_groups();
-  RmspropOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
-  o.lr = lr;
-  options_.push_back(o);
-}
-
-std::vector<Optimizer::Hyperparameter> Rmsprop::Hyperparameters(size_t group) const {
-  return HyperparametersOf(options_[group]);
-}
-
-RmspropOptions Rmsprop::WithSaved(RmspropOptions base, const std::map<std::string, double>& values) {
-  RmspropOptions o = base;
+void Rmsprop::ReadValues(const std::map<std::string, double>& values, RmspropOptions& o) const {
   o.alpha = values.at("alpha");
   o.eps = values.at("eps");
   o.weight_decay = values.at("weight_decay");
   o.momentum = values.at("momentum");
   o.centered = values.at("centered") != 0;
   o.maximize = values.at("maximize") != 0;
-  CheckOptions(o);
-  return o;
-}
-
-void Rmsprop::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
-  WithSaved(options_[group], values);
-}
-
-void Rmsprop::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
-  options_[group] = WithSaved(options_[group], values);
-  set_maximize(group, options_[group].maximize);
 }
 
 // Coefficients are rounded to T first, as PyTorch passes Python floats to

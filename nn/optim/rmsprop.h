@@ -25,7 +25,7 @@ struct RmspropOptions {
 ///   else:          p = p - lr * g / avg
 /// State slots: "square_avg", then "momentum_buffer" when momentum != 0 and
 /// "grad_avg" when centered (PyTorch keeps them under the same names).
-class Rmsprop : public Optimizer {
+class Rmsprop : public OptimizerWithOptions<RmspropOptions> {
  public:
   /// Throws std::invalid_argument, naming "RMSprop" and the one option at
   /// fault with its value, for alpha outside [0, 1] (PyTorch takes one
@@ -39,9 +39,6 @@ class Rmsprop : public Optimizer {
   /// naming the group, for an unknown option, and for centered or momentum
   /// zero-or-not differing from the defaults (one slot layout for all).
   Rmsprop(std::vector<ParamGroup> groups, RmspropOptions defaults);
-  /// The options of `group` (its lr the one it was made with; lr(group) is
-  /// the current one).
-  const RmspropOptions& options(size_t group = 0) const { return options_.at(group); }
 
  protected:
   void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
@@ -53,24 +50,13 @@ class Rmsprop : public Optimizer {
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "RMSprop"; }
   const char* MomentumOption() const override { return "momentum"; }
-  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
-  std::vector<Hyperparameter> DefaultHyperparameters() const override;
-  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
-  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> HyperparametersOf(const RmspropOptions& o) const override;
+  void ReadValues(const std::map<std::string, double>& values, RmspropOptions& o) const override;
+  void CheckOptions(const RmspropOptions& o) const override;
 
  private:
-  static std::vector<Hyperparameter> HyperparametersOf(const RmspropOptions& o);
   template <typename T>
   void Kernel(size_t group, T* p, const T* g, T* const* slots, int64_t n, T grad_scale) const;
-  /// The constructor's checks of everything but lr (the base checks that).
-  static void CheckOptions(const RmspropOptions& o);
-  /// `base` with the saved values of `values` (see CheckHyperparameters);
-  /// throws as the constructor does.
-  static RmspropOptions WithSaved(RmspropOptions base, const std::map<std::string, double>& values);
-
-  std::vector<RmspropOptions> options_;  // per group
-  RmspropOptions defaults_;  // for groups AddParamGroup appends
 };
 
 }  // namespace ddp::nn::optim

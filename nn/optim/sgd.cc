@@ -19,19 +19,11 @@ std::vector<std::string> BufferIf(bool wanted) {
   return wanted ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
 }
 
-// The constructor's checks of everything but lr (the base checks that).
+}  // namespace
+
 // Each refusal names the one option at fault, with its value as given.
-void CheckOptions(const SgdOptions& o) {
-  // Written so that NaN fails it too; an infinite one makes the update inf
-  // or NaN.
-  const std::pair<const char*, double> finite_non_negative[] = {{"momentum", o.momentum},
-                                                                {"weight_decay", o.weight_decay}};
-  for (const auto& [name, x] : finite_non_negative) {
-    if (!(x >= 0) || !std::isfinite(x)) {
-      throw std::invalid_argument(std::string("SGD: ") + name + " " + internal::OptionValueText(x) +
-                                  " must be finite and >= 0");
-    }
-  }
+void Sgd::CheckOptions(const SgdOptions& o) const {
+  internal::CheckFiniteNonNegative("SGD", {{"momentum", o.momentum}, {"weight_decay", o.weight_decay}});
   // PyTorch puts no bound on dampening: a negative one (the new gradient
   // weighted by more than 1) is taken as given. Only a value that would
   // make the buffer inf or NaN is refused.
@@ -48,8 +40,6 @@ void CheckOptions(const SgdOptions& o) {
   }
 }
 
-}  // namespace
-
 // As PyTorch: no momentum buffer (None) at momentum 0, and one started as
 // buf = d at the first step that uses it, also after loading a state
 // without one. At momentum 0, a buffer in a loaded state (earlier versions
@@ -60,19 +50,12 @@ Sgd::Sgd(NamedParameters params, SgdOptions options)
 // Momentum zero or not is structural (GroupOptionValues holds every group
 // to the defaults'), so the defaults decide the buffer for all groups.
 Sgd::Sgd(std::vector<ParamGroup> groups, SgdOptions defaults)
-    : Optimizer("SGD", groups, defaults.lr, BufferIf(defaults.momentum != 0),
-                {.may_be_absent = true, .dropped = BufferIf(defaults.momentum == 0)}) {
-  CheckOptions(defaults);
-  defaults_ = defaults;
-  const std::vector<std::map<std::string, double>> values = GroupOptionValues(groups, HyperparametersOf(defaults));
-  for (size_t k = 0; k < values.size(); ++k) {
-    options_.push_back(ForGroup(k, [&] { return WithSaved(defaults, values[k]); }));
-    options_.back().lr = lr(k);
-    set_maximize(k, options_.back().maximize);
-  }
+    : OptimizerWithOptions("SGD", groups, defaults, BufferIf(defaults.momentum != 0),
+                           {.may_be_absent = true, .dropped = BufferIf(defaults.momentum == 0)}) {
+  TakeGroupOptions(groups);
 }
 
-std::vector<Optimizer::Hyperparameter> Sgd::HyperparametersOf(const SgdOptions& o) {
+std::vector<Optimizer::Hyperparameter> Sgd::HyperparametersOf(const SgdOptions& o) const {
   // Momentum zero or not decides whether a buffer is kept.
   return {{.name = "momentum", .value = o.momentum, .structural = true},
           {.name = "dampening", .value = o.dampening},
@@ -81,37 +64,12 @@ std::vector<Optimizer::Hyperparameter> Sgd::HyperparametersOf(const SgdOptions& 
           {.name = "maximize", .value = o.maximize ? 1.0 : 0.0, .flag = true}};
 }
 
-std::vector<Optimizer::Hyperparameter> Sgd::DefaultHyperparameters() const { return HyperparametersOf(defaults_); }
-
-void Sgd::AppendGroupOptions(const std::map<std::string, double>& values, double lr) {
-  const size_t group = num_groups();
-  SgdOptions o = ForGroup(group, [&] { return WithSaved(defaults_, values); });
-  o.lr = lr;
-  options_.push_back(o);
-}
-
-std::vector<Optimizer::Hyperparameter> Sgd::Hyperparameters(size_t group) const {
-  return HyperparametersOf(options_[group]);
-}
-
-SgdOptions Sgd::WithSaved(SgdOptions base, const std::map<std::string, double>& values) {
-  SgdOptions o = base;
+void Sgd::ReadValues(const std::map<std::string, double>& values, SgdOptions& o) const {
   o.momentum = values.at("momentum");
   o.dampening = values.at("dampening");
   o.weight_decay = values.at("weight_decay");
   o.nesterov = values.at("nesterov") != 0;
   o.maximize = values.at("maximize") != 0;
-  CheckOptions(o);
-  return o;
-}
-
-void Sgd::CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const {
-  WithSaved(options_[group], values);
-}
-
-void Sgd::SetHyperparameters(size_t group, const std::map<std::string, double>& values) {
-  options_[group] = WithSaved(options_[group], values);
-  set_maximize(group, options_[group].maximize);
 }
 
 namespace {

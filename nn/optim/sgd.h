@@ -25,7 +25,7 @@ struct SgdOptions {
 /// is None at momentum 0). A loaded state without one makes the next step
 /// the buffer's first (buf = d); one with a buffer loads into momentum 0
 /// (states saved by earlier versions hold a zero one) and is dropped.
-class Sgd : public Optimizer {
+class Sgd : public OptimizerWithOptions<SgdOptions> {
  public:
   /// Throws std::invalid_argument, naming "SGD" and the one option at fault
   /// with its value, for a negative, NaN or infinite lr, momentum or
@@ -38,11 +38,6 @@ class Sgd : public Optimizer {
   /// naming the group, for an unknown option, and for nesterov or momentum
   /// zero-or-not differing from the defaults (one buffer layout for all).
   Sgd(std::vector<ParamGroup> groups, SgdOptions defaults);
-  /// Group 0's options.
-  const SgdOptions& options() const { return options_.front(); }
-  /// The options of `group` (its lr the one it was made with; lr(group) is
-  /// the current one).
-  const SgdOptions& options(size_t group) const { return options_.at(group); }
 
  protected:
   void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
@@ -55,27 +50,17 @@ class Sgd : public Optimizer {
   void CheckDeviceKernels(Device device) const override;
   const char* Name() const override { return "SGD"; }
   const char* MomentumOption() const override { return "momentum"; }
-  std::vector<Hyperparameter> Hyperparameters(size_t group) const override;
-  std::vector<Hyperparameter> DefaultHyperparameters() const override;
-  void AppendGroupOptions(const std::map<std::string, double>& values, double lr) override;
-  void CheckHyperparameters(size_t group, const std::map<std::string, double>& values) const override;
-  void SetHyperparameters(size_t group, const std::map<std::string, double>& values) override;
+  std::vector<Hyperparameter> HyperparametersOf(const SgdOptions& o) const override;
+  void ReadValues(const std::map<std::string, double>& values, SgdOptions& o) const override;
+  void CheckOptions(const SgdOptions& o) const override;
 
  private:
-  static std::vector<Hyperparameter> HyperparametersOf(const SgdOptions& o);
   template <typename T>
   void Kernel(size_t group, T* p, const T* g, T* buf, int64_t n, bool first, T grad_scale) const;
   /// The device kernels' arguments for an update of `group` with these
   /// fresh and grad_scale; `step` is 1 when fresh, else 2 (the kernels need
   /// no more).
   SgdStepArgs StepArgs(size_t group, bool fresh, double grad_scale) const;
-
-  /// `base` with the saved values of `values` (see CheckHyperparameters);
-  /// throws as the constructor does.
-  static SgdOptions WithSaved(SgdOptions base, const std::map<std::string, double>& values);
-
-  std::vector<SgdOptions> options_;  // per group
-  SgdOptions defaults_;  // for groups AddParamGroup appends
 };
 
 }  // namespace ddp::nn::optim
