@@ -194,6 +194,8 @@ class Optimizer {
   /// updated parameter "state.<name>.<slot>" (the
   /// parameter's shape, f32 or f64; "master" for 16-bit parameters). Slots
   /// a loaded state did not have are not saved until the next step makes them.
+  /// Slots held from the start (StartSlotValues: Adagrad's "sum") are saved
+  /// for every parameter, step 0 included, as PyTorch's state holds them.
   /// Tensors are copies, on the parameters' device ("lr", "group." keys and
   /// steps on the CPU).
   ///
@@ -238,7 +240,8 @@ class Optimizer {
   /// optimizer does not hold is refused naming it. A state without the flag
   /// (saved before it existed, or with it removed on purpose, to add
   /// parameters that start afresh) loads every parameter it has no entries
-  /// for as never updated. Step 0 loads as never updated.
+  /// for as never updated. Step 0 loads as never updated (with its slots,
+  /// all or none, where they are held from the start).
   ///
   /// Everything is checked
   /// before anything changes; one error lists every missing, unexpected or
