@@ -203,13 +203,20 @@ size_t GzipReader::Read(void* dst, size_t n) {
       // The zeros, across refills of the input, then two bytes to look at
       // where there are more.
       uint64_t zeros = 0;
+      uint64_t zeros_read = 0;  // those scanned, not skipped as a hole
       for (;;) {
         const uint8_t* rest = zs.next_in;
         const uint8_t* next = std::find_if(rest, rest + zs.avail_in, [](uint8_t b) { return b != 0; });
         zeros += static_cast<uint64_t>(next - rest);
+        zeros_read += static_cast<uint64_t>(next - rest);
         zs.avail_in -= static_cast<uInt>(next - rest);
         zs.next_in = const_cast<Bytef*>(next);
         if (zs.avail_in >= 2) break;
+        if (zeros_read > kMaxGzipZeroPaddingRead) {
+          throw DatasetError(source_ + ": more than " + std::to_string(kMaxGzipZeroPaddingRead) +
+                             " bytes of zeros after the gzip data, which ends at compressed byte " +
+                             std::to_string(end_at) + ": far more than any block padding; not read further");
+        }
         // Zeros up to the end of the input read so far: a hole in the file
         // from here on is more of them, counted without being read (4 GiB
         // of a file extended by truncate were read and scanned to find the

@@ -60,9 +60,17 @@ bool IsGzip(std::string_view bytes);
 /// Compressed bytes a GzipReader over a file reads at a time.
 inline constexpr size_t kGzipInputChunk = size_t{1} << 20;
 
+/// Most zero bytes a GzipReader reads after a member (64 MiB), far above
+/// any block a file is padded to. More is refused, not read to the end: a
+/// tail of gigabytes of written zeros (or a file that grows with them while
+/// read) took as long to scan as to read, for nothing. Zeros in a hole of
+/// the file are skipped unread and do not count.
+inline constexpr uint64_t kMaxGzipZeroPaddingRead = uint64_t{64} << 20;
+
 /// Decompresses one or more concatenated gzip members (zeros after a member
-/// are padding, skipped as Python's gzip does; a hole in a file there is
-/// skipped unread) as they are read, so
+/// are padding, skipped as Python's gzip does, up to
+/// kMaxGzipZeroPaddingRead of them read; a hole in a file there is skipped
+/// unread) as they are read, so
 /// that a reader can put the output straight where it belongs. `source`
 /// names the data in errors: corrupt or truncated data, and more than
 /// `max_bytes` of output.

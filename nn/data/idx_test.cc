@@ -577,6 +577,34 @@ TEST(GzipReaderTest, AHoleOfZerosAfterAMemberIsSkippedUnread) {
                         ", are neither another gzip member nor zero padding"));
 }
 
+// Written zeros after a member are padding only up to a bound: a tail of
+// gigabytes of them was read and scanned to the end (as long as reading a
+// real file that size, and forever for one that grows with zeros while
+// read). Past kMaxGzipZeroPaddingRead the read stops with an error naming
+// the file and where its gzip data ends; less is still padding.
+TEST(GzipReaderTest, WrittenZerosAfterAMemberAreReadOnlyUpToTheBound) {
+  const std::string dir = FreshDir("gzip_zero_tail");
+  const std::string path = dir + "/train-labels-idx1-ubyte.gz";
+  const std::string idx = IdxBytes({3}, "abc");
+  const std::string gz = Gzip(idx);
+  WriteFile(path, gz + std::string(size_t{1} << 20, '\0'));
+  const IdxArray a = ReadIdxFile(path, 1);
+  EXPECT_EQ(std::string(a.data.begin(), a.data.end()), "abc");
+
+  WriteFile(path, gz + std::string(internal::kMaxGzipZeroPaddingRead + (uint64_t{4} << 20), '\0') + Gzip("defg"));
+  const uint64_t before = BytesReadSoFar();
+  EXPECT_THAT(ErrorOf([&] { ReadIdxFile(path); }),
+              HasSubstr(path + ": more than " + std::to_string(internal::kMaxGzipZeroPaddingRead) +
+                        " bytes of zeros after the gzip data, which ends at compressed byte " +
+                        std::to_string(gz.size())));
+  EXPECT_LT(BytesReadSoFar() - before, internal::kMaxGzipZeroPaddingRead + (uint64_t{2} << 20))
+      << "bytes read of a file whose zeros pass the bound";
+  const std::string bytes = gz + std::string(internal::kMaxGzipZeroPaddingRead + 1, '\0');
+  EXPECT_THAT(ErrorOf([&] { internal::Gunzip(bytes, "in memory"); }),
+              HasSubstr("in memory: more than " + std::to_string(internal::kMaxGzipZeroPaddingRead) +
+                        " bytes of zeros after the gzip data"));
+}
+
 TEST(OpenFileTest, ReadsAtOffsetsAndNamesWhatIsWrong) {
   const std::string dir = FreshDir("open_file");
   const std::string bytes = Gzip(std::string(10000, 'q'));
