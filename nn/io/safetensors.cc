@@ -1614,8 +1614,9 @@ uLong ReadRegion(const std::string& path, int fd, uint64_t size, uint64_t data_s
 // pages. Without them the mapping still works, at the cost of the faults.
 std::shared_ptr<const std::byte> AllocateRegion(const std::string& path, uint64_t n) {
   constexpr uint64_t kHugePage = uint64_t{2} << 20;
-  const auto fail = [&] {
-    return CheckpointError(path + ": cannot hold its data region of " + std::to_string(n) + " bytes in memory");
+  // No memory is a failure of the host, as for a read: ENOMEM is nested.
+  const auto fail = [&]() -> CheckpointError {
+    ThrowHostFailure(path + ": cannot hold its data region of " + std::to_string(n) + " bytes in memory", ENOMEM);
   };
   if (n < kHugePage) {
     std::byte* p = new (std::nothrow) std::byte[std::max<uint64_t>(n, 1)];

@@ -29,6 +29,12 @@ namespace ddp::nn::io {
 
 /// A checkpoint or safetensors file is missing, unreadable, malformed or does
 /// not match what was asked; the message names the file and the problem.
+/// When a read failed for a reason of the host rather than of the file's
+/// bytes (open, stat or read failing with ENOENT, EACCES, EIO, EMFILE...,
+/// or no memory for the data: ENOMEM), a std::system_error holding that
+/// errno is nested in it: std::rethrow_if_nested(e) throws it, so a caller
+/// tells a failing disk from a damaged file without reading the message.
+/// A malformed or changed file has nothing nested.
 class CheckpointError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -30,6 +30,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "nn/io/atomic_file.h"
@@ -2124,6 +2125,82 @@ TEST(SafetensorsErrors, LargeFileThatIsNotSafetensorsIsRefusedBeforeItIsRead) {
 TEST(SafetensorsErrors, MissingFile) {
   EXPECT_THAT(ErrorOf([] { SafetensorsFile::Read("/nonexistent_ddp.safetensors"); }),
               AllOf(HasSubstr("/nonexistent_ddp.safetensors"), HasSubstr("No such file")));
+}
+
+// The errno nested in a CheckpointError (std::rethrow_if_nested), -1 when
+// nothing is nested, -2 when something other than a std::system_error is.
+int NestedErrno(const CheckpointError& e) {
+  try {
+    std::rethrow_if_nested(e);
+  } catch (const std::system_error& s) {
+    return s.code().value();
+  } catch (...) {
+    return -2;
+  }
+  return -1;
+}
+
+// A read the host fails carries its errno nested, as CheckpointError says:
+// a missing file ENOENT, no memory for the data region ENOMEM (which came
+// with nothing nested, unlike the same failure of ReadBytes), and a
+// malformed file nothing. The memory failure is made in a child whose
+// address space is limited, for a file whose 2 GiB data region is a hole.
+TEST(SafetensorsErrors, AHostFailureCarriesItsErrnoAndABadFileNone) {
+  try {
+    SafetensorsFile::Read("/nonexistent_ddp.safetensors");
+    ADD_FAILURE() << "a missing file was read";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(NestedErrno(e), ENOENT) << e.what();
+  }
+  const std::string dir = TmpDir("st_host_errno");
+  const std::string bad = dir + "/bad.safetensors";
+  WriteAll(bad, std::string("\x02\0\0\0\0\0\0\0{}", 10) + "x");
+  try {
+    SafetensorsFile::Read(bad);
+    ADD_FAILURE() << "a malformed file was read";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(NestedErrno(e), -1) << e.what();
+  }
+  const uint64_t region = uint64_t{2} << 30;
+  std::string header = R"({"w":{"dtype":"U8","shape":[)" + std::to_string(region) + R"(],"data_offsets":[0,)" +
+                       std::to_string(region) + "]}}";
+  header.resize((header.size() + 7) / 8 * 8, ' ');
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i) head[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  const std::string big = dir + "/big.safetensors";
+  WriteAll(big, head + header);
+  ASSERT_EQ(::truncate(big.c_str(), static_cast<off_t>(8 + header.size() + region)), 0) << std::strerror(errno);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // The address space now plus 256 MiB: far from the region's 2 GiB.
+    std::ifstream status("/proc/self/status");
+    uint64_t vm_kib = 0;
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("VmSize:", 0) == 0) vm_kib = std::stoull(line.substr(7));
+    }
+    if (vm_kib == 0) _exit(20);
+    const rlimit limit{(vm_kib << 10) + (uint64_t{256} << 20), (vm_kib << 10) + (uint64_t{256} << 20)};
+    if (::setrlimit(RLIMIT_AS, &limit) != 0) _exit(21);
+    try {
+      SafetensorsFile::Read(big);
+      _exit(22);
+    } catch (const CheckpointError& e) {
+      if (std::string(e.what()).find("cannot hold its data region of " + std::to_string(region)) ==
+          std::string::npos) {
+        _exit(23);
+      }
+      _exit(NestedErrno(e) == ENOMEM ? 0 : 24);
+    } catch (...) {
+      _exit(25);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  // 22: read in spite of the limit; 23: another error; 24: no ENOMEM nested.
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  std::remove(big.c_str());
 }
 
 }  // namespace
