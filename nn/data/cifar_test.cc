@@ -9,7 +9,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-
+#include <random>
 #include <string>
 
 #include "nn/data/test_files.h"
@@ -257,6 +257,31 @@ TEST(Cifar10Errors, AHugeFileThatIsNoBatchFailsWithoutBeingRead) {
   EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, load),
               HasSubstr(path + ": " + std::to_string((uint64_t{8} << 30) - gz.size()) +
                         " bytes after the gzip data, which ends at compressed byte " + std::to_string(gz.size())));
+}
+
+// A gzip batch's trailer states its size, forgeable: forged to 4 GiB - 1 on
+// a batch of 6 MB of noise, it asked for a reservation of nearly 4 GiB,
+// which where the memory is not there (here 256 MiB more address space)
+// failed with a bare std::bad_alloc naming no file. The records now grow
+// as they come, and the load fails on the forged size, naming the file.
+TEST(Cifar10Errors, AForgedGzipSizeMakesNoHugeReservation) {
+  const std::string dir = FreshDir("cifar_forged_isize");
+  WriteCifarDir(dir);
+  const std::string path = dir + "/test_batch.bin";
+  std::mt19937 gen(3);
+  std::string records(2000 * kCifarRecordBytes, '\0');
+  for (size_t i = 0; i < records.size(); ++i) {
+    records[i] = static_cast<char>(i % kCifarRecordBytes == 0 ? gen() % 10 : gen());
+  }
+  std::string gz = testing::Gzip(records);
+  for (size_t i = gz.size() - 4; i < gz.size(); ++i) gz[i] = '\xff';
+  WriteFile(path, gz);
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20,
+                                                    [&] {
+                                                      ::setenv("DDP_DATA_CACHE", "off", 1);  // in the child only
+                                                      LoadCifar10(dir, Split::kTest);
+                                                    }),
+              AllOf(HasSubstr(path + ": corrupt gzip data at compressed byte"), HasSubstr("incorrect length check")));
 }
 
 // A training set of CIFAR-10's real size (5 x 10000 records, 154 MB) is

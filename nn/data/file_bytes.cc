@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <new>
 
 #include "nn/data/dataset.h"
 
@@ -262,7 +263,12 @@ namespace {
 // All the output of `reader`.
 std::string ReadToEnd(GzipReader& reader) {
   std::string out;
-  out.reserve(reader.SizeHint());
+  // A hint from a forgeable trailer: without the memory for it, the output
+  // grows as it comes instead of failing with a bare std::bad_alloc.
+  try {
+    out.reserve(reader.SizeHint());
+  } catch (const std::bad_alloc&) {
+  }
   // Grows as data arrives, so a corrupt size never allocates up front.
   constexpr size_t kChunk = size_t{1} << 20;
   while (true) {

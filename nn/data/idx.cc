@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <optional>
 #include <utility>
 
@@ -190,7 +191,15 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
   // The data, in chunks that stay in cache between being zeroed by resize
   // and written by read; reserved up front when the guess allows.
   const uint64_t want = overflow ? UINT64_MAX : count;
-  out.data.reserve(static_cast<size_t>(std::min(want, after_header)));
+  // Only a guess from a gzip trailer and the header, both forgeable: where
+  // the memory is not there (an address-space limit), the data grows as it
+  // comes instead, and only data that is really there can run out of it.
+  // Before, a forged pair of sizes made the load fail with a bare
+  // std::bad_alloc naming no file.
+  try {
+    out.data.reserve(static_cast<size_t>(std::min(want, after_header)));
+  } catch (const std::bad_alloc&) {
+  }
   AdviseHugePages(out.data.data(), out.data.capacity());
   constexpr size_t kChunk = size_t{1} << 20;
   while (out.data.size() < want) {

@@ -16,6 +16,7 @@
 #include <functional>
 #include <future>
 #include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -603,6 +604,33 @@ TEST(GzipReaderTest, WrittenZerosAfterAMemberAreReadOnlyUpToTheBound) {
   EXPECT_THAT(ErrorOf([&] { internal::Gunzip(bytes, "in memory"); }),
               HasSubstr("in memory: more than " + std::to_string(internal::kMaxGzipZeroPaddingRead) +
                         " bytes of zeros after the gzip data"));
+}
+
+// A gzip file of `n` bytes of noise (which deflate cannot shrink) under
+// `header`, whose trailer's size field is forged to 4 GiB - 1.
+std::string GzipWithForgedSize(const std::string& header, size_t n) {
+  std::mt19937 gen(7);
+  std::string body(n, '\0');
+  for (char& c : body) c = static_cast<char>(gen());
+  std::string gz = Gzip(header + body);
+  for (size_t i = gz.size() - 4; i < gz.size(); ++i) gz[i] = '\xff';
+  return gz;
+}
+
+// A gzip trailer's size is forgeable, and so is an IDX header's: together
+// they asked for a reservation of nearly 4 GiB, which where the memory is
+// not there (here 256 MiB more address space) failed with a bare
+// std::bad_alloc naming no file. The data now grows as it comes, and the
+// load fails on what is wrong with the file, naming it.
+TEST(IdxErrors, AForgedGzipSizeMakesNoHugeReservation) {
+  const std::string dir = FreshDir("idx_forged_isize");
+  const std::string path = dir + "/train-images-idx3-ubyte.gz";
+  const size_t n = size_t{6} << 20;
+  WriteFile(path, GzipWithForgedSize(IdxBytes({0xF0000000u}, ""), n));
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { ReadIdxFile(path); }),
+              AllOf(HasSubstr(path + ": corrupt gzip data at compressed byte"), HasSubstr("incorrect length check")));
+  EXPECT_THAT(ErrorWithinAddressSpace<DatasetError>(size_t{256} << 20, [&] { internal::ReadMaybeGzipFile(path); }),
+              AllOf(HasSubstr(path + ": corrupt gzip data at compressed byte"), HasSubstr("incorrect length check")));
 }
 
 TEST(OpenFileTest, ReadsAtOffsetsAndNamesWhatIsWrong) {
