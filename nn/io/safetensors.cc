@@ -1270,6 +1270,41 @@ std::pair<FilePtr, uint64_t> OpenRegularFile(const std::string& path) {
   return {std::move(f), static_cast<uint64_t>(st.st_size)};
 }
 
+// What shows that a file's bytes were changed in place: its size and its
+// modification time. Not its change time, which an unlink, a link or a
+// rename of another file over its name moves while the bytes stay.
+struct ContentStamp {
+  uint64_t size = 0;
+  timespec modified{};
+};
+
+ContentStamp StampOf(const std::string& path, FILE* f) {
+  struct stat st;
+  if (::fstat(::fileno(f), &st) != 0) {
+    const int err = errno;
+    ThrowHostFailure(path + ": cannot stat: " + std::strerror(err), err);
+  }
+  return {static_cast<uint64_t>(st.st_size), st.st_mtim};
+}
+
+// Throws CheckpointError where the file open as `f` was written since
+// `before` was taken: the bytes read may mix two versions of it (a `cp`
+// over a checkpoint while a rank loads it), which the data checksum
+// catches only in files that have one, and then as corrupt data.
+void CheckUnchanged(const std::string& path, FILE* f, const ContentStamp& before) {
+  const ContentStamp now = StampOf(path, f);
+  if (now.size == before.size && now.modified.tv_sec == before.modified.tv_sec &&
+      now.modified.tv_nsec == before.modified.tv_nsec) {
+    return;
+  }
+  throw CheckpointError(path + ": the file was written to while read (" +
+                        (now.size != before.size
+                             ? "its size went from " + std::to_string(before.size) + " to " + std::to_string(now.size) +
+                                   " bytes"
+                             : std::string("its modification time changed")) +
+                        "): the bytes read may mix two versions of it; read it again once its writer is done");
+}
+
 }  // namespace
 
 Metadata SafetensorsFile::ReadMetadata(const std::string& path) {
@@ -1494,6 +1529,7 @@ void SetReadPieceHookForTesting(std::function<void(uint64_t)> hook) { ReadPieceH
 
 std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomic<bool>* stop) {
   auto [f, size] = OpenRegularFile(path);
+  const ContentStamp opened = StampOf(path, f.get());
   const StopCheck stopped{path, size, stop};
   stopped(0);
   std::string head;
@@ -1511,7 +1547,9 @@ std::string SafetensorsFile::ReadBytes(const std::string& path, const std::atomi
         ParseLayout(std::string_view(bytes).substr(8, data_start - 8), size - data_start, path);
     return TensorAt(layout.tensors(), data_start, position);
   };
-  return ReadRest(path, f.get(), size, std::move(head), stopped, where);
+  std::string bytes = ReadRest(path, f.get(), size, std::move(head), stopped, where);
+  CheckUnchanged(path, f.get(), opened);
+  return bytes;
 }
 
 namespace {
@@ -1671,6 +1709,7 @@ SafetensorsFile SafetensorsFile::Read(const std::string& path, const std::atomic
 SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer& place,
                                           const std::atomic<bool>* stop) {
   auto [f, size] = OpenRegularFile(path);
+  const ContentStamp opened = StampOf(path, f.get());
   const StopCheck stopped{path, size, stop};
   stopped(0);
   ParsedHeader header;
@@ -1687,6 +1726,9 @@ SafetensorsFile SafetensorsFile::ReadInto(const std::string& path, const Placer&
   const bool want_crc = file.metadata_.count(kChecksumKey) != 0;
   const uLong crc =
       ReadRegion(path, ::fileno(f.get()), size, data_start, file.tensors_, where, want_crc, stopped);
+  // Before the checksum: a file written meanwhile is said to be so, not
+  // to be corrupt.
+  CheckUnchanged(path, f.get(), opened);
   file.CheckDataCrc(want_crc ? CrcHex(crc) : std::string());
   return file;
 }

@@ -165,7 +165,9 @@ class SafetensorsFile {
   /// them with the same message as the whole file. When it is valid, the
   /// file's size must be the one it implies, so a file with bytes after its
   /// last tensor is refused without reading them. Throws CheckpointError
-  /// naming the path and the OS error or the problem. Once `*stop`
+  /// naming the path and the OS error or the problem, and where the file's
+  /// size or modification time changed during the read (written in place
+  /// meanwhile: the bytes may mix two versions). Once `*stop`
   /// (when given) is true, the read ends at the next piece of
   /// kStopCheckBytes with a CheckpointError.
   static std::string ReadBytes(const std::string& path, const std::atomic<bool>* stop = nullptr);
@@ -181,7 +183,9 @@ class SafetensorsFile {
   /// once and each entry's bytes are read (in file order, neighbouring
   /// entries with one preadv) straight to where it says, the data checksum
   /// computed as they come; at most one piece of kStopCheckBytes is held
-  /// besides. `stop` as for ReadBytes. The
+  /// besides. A file written in place during the read is refused as
+  /// ReadBytes refuses it, before the data checksum is compared (so it is
+  /// not called corrupt). `stop` as for ReadBytes. The
   /// file returned holds no bytes (Data() gives null). An
   /// exception from `place` ends the read and passes through.
   static SafetensorsFile ReadInto(const std::string& path, const Placer& place,

@@ -956,6 +956,62 @@ TEST(Safetensors, AFileCutShortDuringReadBytesNamesTheTensor) {
   }
 }
 
+// A file written in place while read (a `cp` over a checkpoint while a
+// rank loads it) may give bytes of two versions: the read now fails saying
+// so. Before, a file without a data checksum (one from Python) loaded the
+// mix silently, and one with a checksum was called corrupt. The file's
+// modification time is set back first, so that the write in the middle of
+// the read changes it whatever the clock's resolution.
+TEST(Safetensors, AFileWrittenToWhileReadIsRefused) {
+  const std::string path = TmpDir("st_written_while_read") + "/w.safetensors";
+  const std::string data(4096, 'a');
+  std::string header = R"({"w":{"dtype":"U8","shape":[4096],"data_offsets":[0,4096]}})";
+  header.resize((header.size() + 7) / 8 * 8, ' ');
+  std::string plain(8, '\0');
+  for (int i = 0; i < 8; ++i) plain[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  plain += header + data;
+  const std::string checked = SerializeSafetensors({{"w", StDtype::kU8, {4096}, data.data(), data.size()}});
+  for (const bool with_crc : {false, true}) {
+    for (const bool parse : {false, true}) {
+      SCOPED_TRACE(std::string(with_crc ? "with" : "without") + " a checksum, " + (parse ? "Read" : "ReadBytes"));
+      const std::string& bytes = with_crc ? checked : plain;
+      WriteAll(path, bytes);
+      const timespec past[2] = {{946684800, 0}, {946684800, 0}};  // 2000-01-01
+      ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), past, 0), 0) << std::strerror(errno);
+      const uint64_t data_start = bytes.size() - data.size();
+      int wrote = -1;
+      internal::SetReadPieceHookForTesting([&](uint64_t got) {
+        if (got != data_start) return;
+        const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+        if (fd < 0) return;
+        const std::string other(data.size(), 'b');
+        wrote = ::pwrite(fd, other.data(), other.size(), static_cast<off_t>(data_start)) ==
+                        static_cast<ssize_t>(other.size())
+                    ? 0
+                    : 1;
+        ::close(fd);
+      });
+      const std::string error = ErrorOf([&] {
+        if (parse) {
+          (void)SafetensorsFile::Read(path);
+        } else {
+          (void)SafetensorsFile::ReadBytes(path);
+        }
+      });
+      internal::SetReadPieceHookForTesting({});
+      ASSERT_EQ(wrote, 0) << "the read never reached the data region, or the write failed";
+      EXPECT_THAT(error, HasSubstr(path + ": the file was written to while read (its modification time changed)"));
+      // Read again once the writer is done: the new bytes, whole (where no
+      // checksum of the old ones refuses them).
+      if (parse && !with_crc) {
+        const SafetensorsFile file = SafetensorsFile::Read(path);
+        EXPECT_EQ(std::string(reinterpret_cast<const char*>(file.Data(file.tensors()[0])), data.size()),
+                  std::string(data.size(), 'b'));
+      }
+    }
+  }
+}
+
 // Read calls this process has made so far (syscr of /proc/self/io).
 uint64_t ReadCallsSoFar() {
   std::ifstream in("/proc/self/io");
