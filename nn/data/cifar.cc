@@ -335,6 +335,8 @@ std::vector<uint8_t> ReadBatches(const std::vector<std::string>& files) {
         return got;
       };
       AppendRecords(read, files[i], file.size(), &all, &labels);
+      // A gzip batch's CRC catches most such mixes; a plain one has nothing else.
+      file.CheckUnchanged();
     }
   }
   all.insert(all.end(), labels.begin(), labels.end());

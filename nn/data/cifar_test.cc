@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <random>
 #include <string>
 
+#include "nn/data/file_bytes.h"
 #include "nn/data/test_files.h"
 
 namespace ddp::nn::data {
@@ -264,6 +266,38 @@ TEST(Cifar10Errors, AHugeFileThatIsNoBatchFailsWithoutBeingRead) {
 // which where the memory is not there (here 256 MiB more address space)
 // failed with a bare std::bad_alloc naming no file. The records now grow
 // as they come, and the load fails on the forged size, naming the file.
+// A plain batch written in place while read (a copy over the set while a
+// rank loads it) may give records of two versions: the load fails saying
+// so. Before, it returned the mix without a word. The batch's time is set
+// back first, so that the write changes it whatever the clock's resolution.
+TEST(Cifar10Errors, APlainBatchWrittenToWhileReadIsRefused) {
+  const std::string dir = FreshDir("cifar_written_while_read");
+  WriteCifarDir(dir);
+  const std::string path = dir + "/test_batch.bin";
+  const timespec past[2] = {{946684800, 0}, {946684800, 0}};  // 2000-01-01
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), past, 0), 0) << std::strerror(errno);
+  // Its first read is of its head, to check it; the records are read next.
+  int reads = 0, wrote = -1;
+  internal::SetReadAtHookForTesting([&](const std::string& p, uint64_t) {
+    if (p != path || ++reads != 2) return;
+    const std::string other = Records(3, 2);
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    wrote = ::pwrite(fd, other.data(), other.size(), 0) == static_cast<ssize_t>(other.size()) ? 0 : 1;
+    ::close(fd);
+  });
+  std::string error;
+  try {
+    LoadCifar10(dir, Split::kTest);
+  } catch (const DatasetError& e) {
+    error = e.what();
+  }
+  internal::SetReadAtHookForTesting({});
+  ASSERT_EQ(wrote, 0) << "the records were never read, or the write failed";
+  EXPECT_THAT(error, HasSubstr(path + ": the file was written to while read (its modification time changed)"));
+  EXPECT_EQ(LoadCifar10(dir, Split::kTest)->Label(0), 2) << "loaded again once the writer is done";
+}
+
 TEST(Cifar10Errors, AForgedGzipSizeMakesNoHugeReservation) {
   const std::string dir = FreshDir("cifar_forged_isize");
   WriteCifarDir(dir);

@@ -10,8 +10,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
+#include <utility>
 
 #include "nn/data/dataset.h"
 
@@ -66,6 +68,23 @@ int OpenForReading(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+int64_t ModifiedNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+std::function<void(const std::string&, uint64_t)>& ReadAtHook() {
+  static std::function<void(const std::string&, uint64_t)> hook;
+  return hook;
+}
+
+}  // namespace
+
+void SetReadAtHookForTesting(std::function<void(const std::string&, uint64_t)> hook) {
+  ReadAtHook() = std::move(hook);
+}
+
 OpenFile::OpenFile(const std::string& path) : path_(path), fd_(OpenForReading(path)) {
   struct stat st;
   if (::fstat(fd_, &st) != 0) {
@@ -74,11 +93,25 @@ OpenFile::OpenFile(const std::string& path) : path_(path), fd_(OpenForReading(pa
     throw DatasetError(path + ": cannot stat: " + std::strerror(err));
   }
   size_ = static_cast<uint64_t>(st.st_size);
+  modified_ns_ = ModifiedNs(st);
+}
+
+void OpenFile::CheckUnchanged() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) throw DatasetError(path_ + ": cannot stat: " + std::strerror(errno));
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == size_ && ModifiedNs(st) == modified_ns_) return;
+  throw DatasetError(path_ + ": the file was written to while read (" +
+                     (size != size_ ? "its size went from " + std::to_string(size_) + " to " + std::to_string(size) +
+                                          " bytes"
+                                    : std::string("its modification time changed")) +
+                     "): what was read may mix two versions of it; load it again once its writer is done");
 }
 
 OpenFile::~OpenFile() { ::close(fd_); }
 
 size_t OpenFile::ReadAt(void* dst, size_t n, uint64_t offset) const {
+  if (ReadAtHook()) ReadAtHook()(path_, offset);
   size_t got = 0;
   while (got < n) {
     // Pieces of at most 1 GiB: Linux reads at most ~2 GiB in one call.
@@ -302,6 +335,7 @@ std::string ReadMaybeGzipFile(const std::string& path) {
     throw DatasetError(path + ": read " + std::to_string(got) + " of " + std::to_string(bytes.size()) +
                        " bytes: the file got shorter while read");
   }
+  file.CheckUnchanged();
   return bytes;
 }
 

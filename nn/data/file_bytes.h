@@ -5,6 +5,7 @@
 // detected by its magic bytes so that a reader accepts `x.gz` and `x` alike.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -39,6 +40,13 @@ class OpenFile {
   OpenFile& operator=(const OpenFile&) = delete;
   /// The file's size in bytes when it was opened.
   uint64_t size() const { return size_; }
+  /// Throws DatasetError naming the path where the file's size or
+  /// modification time is no longer what it was at the open: written in
+  /// place since (a copy over the set while a rank loads it), so that what
+  /// was read may mix two versions of it. Called once a reader has read
+  /// all it needs. Not the change time, which a rename over the name moves
+  /// while this file's bytes stay.
+  void CheckUnchanged() const;
   /// Reads up to `n` bytes at byte `offset` into `dst`; fewer only at the
   /// end of the file. Throws DatasetError naming the path.
   size_t ReadAt(void* dst, size_t n, uint64_t offset) const;
@@ -52,7 +60,13 @@ class OpenFile {
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;
+  int64_t modified_ns_ = 0;
 };
+
+/// For tests only: calls `hook` with the path and the offset before each
+/// OpenFile::ReadAt, so that a test can write to a file in the middle of
+/// its read. Process-wide; an empty function (the default) turns it off.
+void SetReadAtHookForTesting(std::function<void(const std::string&, uint64_t)> hook);
 
 /// True if `bytes` starts with the gzip magic (1f 8b).
 bool IsGzip(std::string_view bytes);

@@ -324,8 +324,11 @@ IdxArray ReadIdxFileAs(const std::string& path, int expected_dims, const char* w
     at += got;
     return got;
   };
-  return ParseIdxFrom(read, file.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, path, expected_dims,
-                      "the file", what, layout);
+  IdxArray out = ParseIdxFrom(read, file.size(), /*size_is_exact=*/true, /*max_bytes=*/UINT64_MAX, path,
+                              expected_dims, "the file", what, layout);
+  // A gzip file's CRC catches most such mixes; a plain file has nothing else.
+  file.CheckUnchanged();
+  return out;
 }
 
 }  // namespace

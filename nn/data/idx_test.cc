@@ -633,6 +633,55 @@ TEST(IdxErrors, AForgedGzipSizeMakesNoHugeReservation) {
               AllOf(HasSubstr(path + ": corrupt gzip data at compressed byte"), HasSubstr("incorrect length check")));
 }
 
+// Writes `bytes` at `offset` of `path` in place (no truncation, no new
+// inode: as a copy over the file does); false when that fails.
+bool WriteInPlace(const std::string& path, const std::string& bytes, uint64_t offset) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(offset)) ==
+                  static_cast<ssize_t>(bytes.size());
+  return ::close(fd) == 0 && ok;
+}
+
+// Sets the modification time of `path` back to 2000, so that a write
+// changes it whatever the clock's resolution.
+void AgeFile(const std::string& path) {
+  const timespec past[2] = {{946684800, 0}, {946684800, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), past, 0), 0) << path << ": " << std::strerror(errno);
+}
+
+// A plain IDX file written in place while read (a copy over the set while
+// a rank loads it) may give the header of one version and the data of the
+// other: the read fails saying so. Before, it returned the mix without a
+// word (a gzip file's CRC catches most such mixes; a plain file has none).
+TEST(IdxErrors, APlainFileWrittenToWhileReadIsRefused) {
+  const std::string dir = FreshDir("idx_written_while_read");
+  const std::string path = dir + "/train-images-idx3-ubyte";
+  WriteFile(path, IdxBytes({3, 2, 2}, std::string(12, 'x')));
+  AgeFile(path);
+  int wrote = -1;
+  internal::SetReadAtHookForTesting([&](const std::string& p, uint64_t offset) {
+    if (p == path && offset == 16 && wrote < 0) wrote = WriteInPlace(path, std::string(12, 'y'), 16) ? 0 : 1;
+  });
+  const std::string error = ErrorOf([&] { ReadIdxFile(path); });
+  internal::SetReadAtHookForTesting({});
+  ASSERT_EQ(wrote, 0) << "the read never reached the data, or the write failed";
+  EXPECT_EQ(error, path + ": the file was written to while read (its modification time changed): what was read "
+                          "may mix two versions of it; load it again once its writer is done");
+  EXPECT_EQ(ReadIdxFile(path).data, std::vector<uint8_t>(12, 'y')) << "read again once the writer is done";
+
+  // Read whole (ReadMaybeGzipFile): the same.
+  AgeFile(path);
+  wrote = -1;
+  internal::SetReadAtHookForTesting([&](const std::string& p, uint64_t offset) {
+    if (p == path && offset == 0 && wrote < 0) wrote = WriteInPlace(path, std::string(12, 'z'), 16) ? 0 : 1;
+  });
+  EXPECT_THAT(ErrorOf([&] { internal::ReadMaybeGzipFile(path); }),
+              HasSubstr(path + ": the file was written to while read (its modification time changed)"));
+  internal::SetReadAtHookForTesting({});
+  EXPECT_EQ(wrote, 0);
+}
+
 TEST(OpenFileTest, ReadsAtOffsetsAndNamesWhatIsWrong) {
   const std::string dir = FreshDir("open_file");
   const std::string bytes = Gzip(std::string(10000, 'q'));
