@@ -218,9 +218,16 @@ IdxArray ParseIdxFrom(const ReadFn& read, uint64_t size_hint, bool size_is_exact
   // size) checked.
   uint8_t next = 0;
   if (read(&next, 1) > 0) {
+    // From a gzip stream the cause may as well be a corrupt stream, which
+    // gives more bytes than its header says before its CRC, at its end,
+    // can tell: a flipped byte in a real label file does so one time in
+    // eleven, and was reported as trailing data alone.
     throw DatasetError(source + ": unexpected bytes after the IDX data: dimensions " + DimsString(out.dims) +
                        " need " + std::to_string(count) + " bytes after the " + std::to_string(header) +
-                       "-byte header, and the data goes on past them");
+                       "-byte header, and the data goes on past them" +
+                       (size_is_exact ? ""
+                                      : " (or the gzip data is corrupt: its checksum, at the end of the stream, "
+                                        "was not reached)"));
   }
   return out;
 }

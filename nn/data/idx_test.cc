@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <future>
 #include <numeric>
 #include <random>
@@ -313,6 +314,31 @@ TEST(IdxErrors, GzipDataPastTheHeadersSizeStopsAtTheFirstByteTooMany) {
   EXPECT_THAT(ErrorOf([&] { ParseIdxFileBytes(gz, "tail.gz", 0, size_t{1} << 20); }),
               HasSubstr("tail.gz: unexpected bytes after the IDX data: dimensions [3] need 3 bytes after the "
                         "8-byte header, and the data goes on past them"));
+}
+
+// A byte flipped in a real gzip file can make its stream give more bytes
+// than the IDX header says, before the stream's CRC (at its end) is
+// reached: the error says that the cause may be a corrupt stream, not only
+// data after the IDX data. The first such flip of Fashion-MNIST's test
+// labels is looked for (one in about eleven does it).
+TEST(IdxErrors, ACorruptGzipStreamThatRunsLongIsNotCalledTrailingDataAlone) {
+  std::ifstream in(std::string(kFashionMnistDebianDir) + "/t10k-labels-idx1-ubyte.gz", std::ios::binary);
+  const std::string real((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(real.size(), 1000u);
+  std::string found;
+  for (size_t i = real.size() / 2; i < real.size() && found.empty(); ++i) {
+    std::string bytes = real;
+    bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+    try {
+      ParseIdxFileBytes(bytes, "labels.gz", 1);
+    } catch (const DatasetError& e) {
+      if (std::string(e.what()).find("the data goes on past them") != std::string::npos) found = e.what();
+    }
+  }
+  ASSERT_FALSE(found.empty()) << "no flip made the stream run long";
+  EXPECT_THAT(found, HasSubstr("labels.gz: unexpected bytes after the IDX data: dimensions [10000] need 10000 bytes "
+                               "after the 8-byte header, and the data goes on past them (or the gzip data is "
+                               "corrupt: its checksum, at the end of the stream, was not reached)"));
 }
 
 TEST(IdxErrors, NoItemsOfOverflowingSizeAreAnError) {
