@@ -324,8 +324,15 @@ std::vector<uint8_t> ReadBatches(const std::vector<std::string>& files) {
     const internal::OpenFile& file = *open[i];
     if (gzip[i]) {
       internal::GzipReader reader(file, files[i]);
-      AppendRecords([&](void* dst, size_t n) { return reader.Read(dst, n); }, files[i], std::nullopt, &all,
-                    &labels);
+      try {
+        AppendRecords([&](void* dst, size_t n) { return reader.Read(dst, n); }, files[i], std::nullopt, &all,
+                      &labels);
+      } catch (const DatasetError&) {
+        // A batch written in place meanwhile fails its CRC or its inflate:
+        // said as what it is, not as corrupt data.
+        file.CheckUnchanged();
+        throw;
+      }
     } else {
       // The size at the open, which the start was checked against.
       uint64_t at = 0;

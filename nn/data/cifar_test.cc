@@ -298,6 +298,39 @@ TEST(Cifar10Errors, APlainBatchWrittenToWhileReadIsRefused) {
   EXPECT_EQ(LoadCifar10(dir, Split::kTest)->Label(0), 2) << "loaded again once the writer is done";
 }
 
+// A gzip batch written in place while read fails its inflate or its CRC:
+// that is said as the write it is, not as corrupt data. The write comes
+// before the stream's first read, the second read at its start (the first
+// is of its head, to tell gzip).
+TEST(Cifar10Errors, AGzipBatchWrittenToWhileReadIsNamedAsSuch) {
+  const std::string dir = FreshDir("cifar_gz_written_while_read");
+  WriteCifarDir(dir);
+  const std::string path = dir + "/test_batch.bin";
+  const std::string gz = testing::Gzip(Records(3, 7));
+  WriteFile(path, gz);
+  const timespec past[2] = {{946684800, 0}, {946684800, 0}};  // 2000-01-01
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), past, 0), 0) << std::strerror(errno);
+  int wrote = -1, zero_reads = 0;
+  internal::SetReadAtHookForTesting([&](const std::string& p, uint64_t offset) {
+    // The stream's first read: the second at 0, after the head's.
+    if (p != path || offset != 0 || wrote >= 0 || ++zero_reads < 2) return;
+    const std::string other(gz.size() - 20, '\x55');
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    wrote = ::pwrite(fd, other.data(), other.size(), 10) == static_cast<ssize_t>(other.size()) ? 0 : 1;
+    ::close(fd);
+  });
+  std::string error;
+  try {
+    LoadCifar10(dir, Split::kTest);
+  } catch (const DatasetError& e) {
+    error = e.what();
+  }
+  internal::SetReadAtHookForTesting({});
+  ASSERT_EQ(wrote, 0) << "the stream was never read, or the write failed";
+  EXPECT_THAT(error, HasSubstr(path + ": the file was written to while read (its modification time changed)"));
+}
+
 TEST(Cifar10Errors, AForgedGzipSizeMakesNoHugeReservation) {
   const std::string dir = FreshDir("cifar_forged_isize");
   WriteCifarDir(dir);

@@ -319,8 +319,15 @@ IdxArray ReadIdxFileAs(const std::string& path, int expected_dims, const char* w
     // header checked from its first bytes.
     internal::GzipReader gzip(file, path, internal::kMaxDecompressedBytes);
     const ReadFn read = [&](void* dst, size_t n) { return gzip.Read(dst, n); };
-    return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, internal::kMaxDecompressedBytes, path,
-                        expected_dims, "the data", what, layout);
+    try {
+      return ParseIdxFrom(read, gzip.SizeHint(), /*size_is_exact=*/false, internal::kMaxDecompressedBytes, path,
+                          expected_dims, "the data", what, layout);
+    } catch (const DatasetError&) {
+      // A file written in place meanwhile fails its CRC or its inflate:
+      // said as what it is, not as corrupt data.
+      file.CheckUnchanged();
+      throw;
+    }
   }
   // A plain file: its header is checked against its size before the data
   // is read, so that a wrong file of gigabytes fails at once, and then

@@ -708,6 +708,26 @@ TEST(IdxErrors, APlainFileWrittenToWhileReadIsRefused) {
   EXPECT_EQ(wrote, 0);
 }
 
+// A gzip IDX file written in place while read fails its inflate or its
+// CRC: that is said as the write it is, not as corrupt data (which sent
+// the user to download a good file again). Its reads: the magic, the
+// trailer's size, then the stream, before which the write comes.
+TEST(IdxErrors, AGzipFileWrittenToWhileReadIsNamedAsSuch) {
+  const std::string dir = FreshDir("idx_gz_written_while_read");
+  const std::string path = dir + "/train-images-idx3-ubyte.gz";
+  const std::string gz = Gzip(IdxBytes({3, 2, 2}, std::string(12, 'x')));
+  WriteFile(path, gz);
+  AgeFile(path);
+  int reads = 0, wrote = -1;
+  internal::SetReadAtHookForTesting([&](const std::string& p, uint64_t) {
+    if (p == path && ++reads == 3) wrote = WriteInPlace(path, std::string(gz.size() - 20, '\x55'), 10) ? 0 : 1;
+  });
+  const std::string error = ErrorOf([&] { ReadIdxFile(path); });
+  internal::SetReadAtHookForTesting({});
+  ASSERT_EQ(wrote, 0) << "the stream was never read, or the write failed";
+  EXPECT_THAT(error, HasSubstr(path + ": the file was written to while read (its modification time changed)"));
+}
+
 TEST(OpenFileTest, ReadsAtOffsetsAndNamesWhatIsWrong) {
   const std::string dir = FreshDir("open_file");
   const std::string bytes = Gzip(std::string(10000, 'q'));
