@@ -43,8 +43,9 @@ class OpenFile {
   /// Throws DatasetError naming the path where the file's size or
   /// modification time is no longer what it was at the open: written in
   /// place since (a copy over the set while a rank loads it), so that what
-  /// was read may mix two versions of it. Called once a reader has read
-  /// all it needs. Not the change time, which a rename over the name moves
+  /// was read may mix two versions of it. Called once a reader of a plain
+  /// file has read all it needs, and where a gzip stream fails (a write
+  /// meanwhile is then named as such, not as corrupt data). Not the change time, which a rename over the name moves
   /// while this file's bytes stay.
   void CheckUnchanged() const;
   /// Reads up to `n` bytes at byte `offset` into `dst`; fewer only at the
