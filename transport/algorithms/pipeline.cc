@@ -148,6 +148,30 @@ std::string DescribePeer(const p2p::PointToPoint& p2p, int peer) {
   return "rank " + std::to_string(peer);
 }
 
+int BaseRank(const p2p::PointToPoint& p2p, int rank) {
+  const p2p::PointToPoint* level = &p2p;
+  while (const auto* view = dynamic_cast<const p2p::GroupView*>(level)) {
+    if (rank < 0 || rank >= view->size()) return -1;
+    rank = view->ParentRank(rank);
+    level = &view->parent();
+  }
+  return rank;
+}
+
+int ViewRank(const p2p::PointToPoint& p2p, int base) {
+  if (dynamic_cast<const p2p::GroupView*>(&p2p) == nullptr) return base;
+  // Error paths only: a search over the view's ranks.
+  for (int r = 0; r < p2p.size(); ++r) {
+    if (BaseRank(p2p, r) == base) return r;
+  }
+  return -1;
+}
+
+std::string DescribeBaseRank(const p2p::PointToPoint& p2p, int base) {
+  const int rank = ViewRank(p2p, base);
+  return rank >= 0 ? DescribePeer(p2p, rank) : "rank " + std::to_string(base);
+}
+
 Status Annotate(const Status& status, std::string_view context) {
   if (status.ok()) return status;
   return Status(status.code(), std::string(context) + ": " + status.message());
@@ -384,8 +408,8 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
     Requests::StopNote* note = requests.Hold<Requests::StopNote>(1);
     note->theirs = their_fingerprint;
     note->finders = mine;
-    note->their_rank = their_rank;
-    note->finder = p2p.rank();
+    note->their_rank = BaseRank(p2p, their_rank);
+    note->finder = BaseRank(p2p, p2p.rank());
     note->call_id = call_id;
     for (int peer : everyone) {
       // A plain send when the transport refuses the notice (UCX with
@@ -400,20 +424,22 @@ Status CheckEmptyCall(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   // ring rank of the same call that passed another count.
   auto note_error = [&](int sender, const Requests::StopNote& note) {
     const int finder = static_cast<int>(note.finder);
-    const std::string how = sender == finder ? "told this rank"
-                                             : DescribePeer(p2p, sender) + " passed that on";
+    const std::string how = BaseRank(p2p, sender) == finder
+                                ? "told this rank"
+                                : DescribePeer(p2p, sender) + " passed that on";
     if (note.theirs.kind == 0) {
       return InvalidArgumentError(
-          check + ": " + DescribePeer(p2p, finder) + " received data from " +
-          DescribePeer(p2p, static_cast<int>(note.their_rank)) +
+          check + ": " + DescribeBaseRank(p2p, finder) + " received data from " +
+          DescribeBaseRank(p2p, static_cast<int>(note.their_rank)) +
           " that did not match its own arguments (" + note.finders.ToString() +
           "), so ranks disagree on the arguments, and " + how);
     }
-    return InvalidArgumentError(check + ": " + DescribePeer(p2p, finder) +
+    return InvalidArgumentError(check + ": " + DescribeBaseRank(p2p, finder) +
                                 " found that ranks disagree on the arguments, and " + how + ": " +
-                                DescribePeer(p2p, static_cast<int>(note.their_rank)) +
+                                DescribeBaseRank(p2p, static_cast<int>(note.their_rank)) +
                                 " passed " + note.theirs.ToString() + " but " +
-                                DescribePeer(p2p, finder) + " passed " + note.finders.ToString() +
+                                DescribeBaseRank(p2p, finder) + " passed " +
+                                note.finders.ToString() +
                                 ModeHint(note.theirs, note.finders));
   };
   // In the order they arrive, so that the first disagreement fails at once
@@ -586,9 +612,14 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
       noted = true;
       Verdict told;
       told.fingerprint = requests.stop_got_->theirs;
-      told.rank = requests.stop_got_->their_rank;
+      // In this rank's numbering, as the rounds name ranks.
+      auto own_rank = [&](int64_t base) {
+        const int rank = ViewRank(p2p, static_cast<int>(base));
+        return rank >= 0 ? int64_t{rank} : base;
+      };
+      told.rank = own_rank(requests.stop_got_->their_rank);
       told.other = requests.stop_got_->finders;
-      told.other_rank = requests.stop_got_->finder;
+      told.other_rank = own_rank(requests.stop_got_->finder);
       Merge(state, told);
       return Status();
     }
@@ -647,9 +678,10 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
     // One of the two differs from this rank's own.
     const bool first_differs = !(state.fingerprint == mine);
     note.theirs = first_differs ? state.fingerprint : state.other;
-    note.their_rank = first_differs ? state.rank : state.other_rank;
+    note.their_rank =
+        BaseRank(p2p, static_cast<int>(first_differs ? state.rank : state.other_rank));
     note.finders = mine;
-    note.finder = r;
+    note.finder = BaseRank(p2p, r);
     // Not when a note told this rank: it has passed that one on.
     if (call_id != 0 && !requests.took_stop_note()) {
       requests.SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
@@ -933,11 +965,13 @@ Status Requests::SendStopNote(const StopNote& note) {
   // differs: its own checks may all agree (its predecessor passed what it
   // did, and a halving-doubling step partner in the other mode never sends
   // it a fingerprint message of its own), and it waited for its deadline.
-  const bool checks_finder = note.finder == p2p_.rank() && relay_to_ == note.their_rank;
-  if (relay_to_ >= 0 && relay_to_ != note.finder && !checks_finder) {
+  const int finder = ViewRank(p2p_, static_cast<int>(note.finder));
+  const int their_rank = ViewRank(p2p_, static_cast<int>(note.their_rank));
+  const bool checks_finder = finder == p2p_.rank() && relay_to_ == their_rank;
+  if (relay_to_ >= 0 && relay_to_ != finder && !checks_finder) {
     DDP_RETURN_IF_ERROR(post(relay_to_));
   }
-  if (relay_leaf_ >= 0 && relay_leaf_ != note.finder) DDP_RETURN_IF_ERROR(post(relay_leaf_));
+  if (relay_leaf_ >= 0 && relay_leaf_ != finder) DDP_RETURN_IF_ERROR(post(relay_leaf_));
   return Status();
 }
 
@@ -948,8 +982,8 @@ Status Requests::VerifyFirst() {
     StopNote note;
     note.theirs = check_->differing();
     note.finders = check_->mine();
-    note.their_rank = check_->differing_peer();
-    note.finder = p2p_.rank();
+    note.their_rank = BaseRank(p2p_, check_->differing_peer());
+    note.finder = BaseRank(p2p_, p2p_.rank());
     // Not waited for (RelayStops); the check's own error is the one to report.
     SendStopNote(note).IgnoreError();
   }
@@ -1009,27 +1043,29 @@ Status Requests::StopNoteError() {
   stopped_by_kind_ = note.theirs.kind;
   took_stop_note_ = true;
   SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
-  const int finder = static_cast<int>(note.finder);
+  const int finder = static_cast<int>(note.finder);  // BaseRank's numbering
   // Who told this rank: the finder itself, or a rank that passed it on.
   const std::string role =
       relay_from_partner_ ? "halving-doubling partner" : "ring predecessor";
-  const bool from_finder = relay_from_ == finder;
-  const std::string who = DescribePeer(p2p_, finder) +
+  const bool from_finder = BaseRank(p2p_, relay_from_) == finder;
+  const std::string who = DescribeBaseRank(p2p_, finder) +
                           (from_finder ? ", this rank's " + role + "," : std::string());
   const std::string how = from_finder ? "told this rank"
                                       : "this rank's " + role + " " +
                                             DescribePeer(p2p_, relay_from_) + " passed that on";
   if (note.theirs.kind == 0) {
     return InvalidArgumentError(
-        who + " received data from " + DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
+        who + " received data from " +
+        DescribeBaseRank(p2p_, static_cast<int>(note.their_rank)) +
         " that did not match its own arguments (" + note.finders.ToString() +
         ", or its tuning.chunk_bytes, which must be equal on every rank too), so ranks "
         "disagree on the arguments, and " + how);
   }
   return InvalidArgumentError(who + " found that ranks disagree on the arguments, and " + how +
-                              ": " + DescribePeer(p2p_, static_cast<int>(note.their_rank)) +
+                              ": " + DescribeBaseRank(p2p_, static_cast<int>(note.their_rank)) +
                               " passed " + note.theirs.ToString() + " but " +
-                              DescribePeer(p2p_, finder) + " passed " + note.finders.ToString() +
+                              DescribeBaseRank(p2p_, finder) + " passed " +
+                              note.finders.ToString() +
                               ModeHint(note.theirs, note.finders));
 }
 
@@ -1078,8 +1114,8 @@ Status Requests::Wait(p2p::RequestId id, const Where& where) {
       // itself, with what it knows: the peer, and its own arguments.
       StopNote note;
       note.finders = check_->mine();
-      note.their_rank = where.peer;
-      note.finder = p2p_.rank();
+      note.their_rank = BaseRank(p2p_, where.peer);
+      note.finder = BaseRank(p2p_, p2p_.rank());
       SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
     }
     return Annotate(status, Describe(p2p_, where));
@@ -1117,8 +1153,8 @@ Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
       StopNote note;
       note.theirs = theirs;
       note.finders = check_->mine();
-      note.their_rank = where.peer;
-      note.finder = p2p_.rank();
+      note.their_rank = BaseRank(p2p_, where.peer);
+      note.finder = BaseRank(p2p_, p2p_.rank());
       SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
     }
     return Annotate(differs, Describe(p2p_, where));
@@ -1150,8 +1186,8 @@ Status Requests::WaitWithFingerprint(p2p::RequestId id, const Where& where,
   // No note by the deadline: say what is known, and tell the others that.
   StopNote note;
   note.finders = check_->mine();
-  note.their_rank = where.peer;
-  note.finder = p2p_.rank();
+  note.their_rank = BaseRank(p2p_, where.peer);
+  note.finder = BaseRank(p2p_, p2p_.rank());
   SendStopNote(note).IgnoreError();  // not waited for (RelayStops)
   return Status(status.code(), Describe(p2p_, where) + ": " + status.message() +
                                    "; no rank's note named that peer's arguments (" +

@@ -162,6 +162,19 @@ inline p2p::Tag StopNoteTag(p2p::Tag phase_tag, uint64_t call_id) {
 /// the rank of the transport under every level of views.
 std::string DescribePeer(const p2p::PointToPoint& p2p, int peer);
 
+/// Rank `rank` of `p2p` as the transport under every level of GroupViews
+/// numbers it. Stop notes carry ranks so: the ranks of one call may run its
+/// steps on views of different orders (a hierarchical call's ranks that
+/// pass count 0 check the whole world while the others run their host's
+/// ring), and a note's ranks read in the receiver's own numbering named
+/// other ranks than the finder meant.
+int BaseRank(const p2p::PointToPoint& p2p, int rank);
+/// The rank of `p2p` whose BaseRank is `base`, or -1 when none is.
+int ViewRank(const p2p::PointToPoint& p2p, int base);
+/// DescribePeer of the rank whose BaseRank is `base`, or "rank <base>"
+/// when it is not in `p2p`.
+std::string DescribeBaseRank(const p2p::PointToPoint& p2p, int base);
+
 /// The same status with `context` and ": " prepended to its message.
 Status Annotate(const Status& status, std::string_view context);
 
@@ -640,6 +653,7 @@ class Requests {
     // only that the data `their_rank` sent did not fit its own arguments.
     Fingerprint theirs;
     Fingerprint finders;   // what `finder` passed
+    // Both ranks as BaseRank numbers them, not as this view does.
     int64_t their_rank = 0;
     int64_t finder = 0;    // the rank whose check found it
     uint64_t call_id = 0;  // CollectiveArgs::call_id of the finder's call

@@ -545,6 +545,53 @@ TEST(DescribePeerTest, ViewOfAViewNamesTheRankUnderEveryLevel) {
   EXPECT_EQ(DescribePeer(*innermost, 1), "group rank 1 (rank 5)");
 }
 
+// A stop note names ranks in the numbering under every view: an empty
+// call's check on the whole world told a rank that waits in a view of
+// another order (a ring's, or its host's) of a disagreement, and that rank
+// read the world's ranks as its view's, naming itself as the finder and
+// the finder as the rank that differed.
+TEST(StopNoteTest, ARankInAViewOfAnotherOrderNamesTheRanksTheNoteMeant) {
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;  // rank 1 must learn of it from the note
+  const Deadline deadline = DeadlineIn(10s);
+  auto statuses = ::ddp::transport::testing::RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
+    Fingerprint mine;
+    mine.count = p2p.rank() == 0 ? 0 : 5;
+    mine.whole_count = mine.count;
+    mine.dtype = static_cast<int32_t>(DataType::kF32);
+    mine.op = static_cast<int32_t>(ReduceOp::kSum);
+    mine.root = -1;
+    mine.kind = kRingAllReduceKind;
+    if (p2p.rank() == 0) {
+      return CheckEmptyCall(p2p, deadline, "test", mine, {{/*phase_tag=*/0, {1}}},
+                            /*call_id=*/1);
+    }
+    auto sent = p2p.PostSend(0, FingerprintTag(0, 1), &mine, sizeof(mine));
+    if (!sent.ok()) return sent.status();
+    const p2p::RequestId one[1] = {*sent};
+    DDP_RETURN_IF_ERROR(p2p.WaitAll(one, deadline));
+    // Group rank 0 is rank 1, group rank 1 is rank 0 (the finder).
+    DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(p2p, {1, 0}));
+    Requests requests(view, deadline);
+    DDP_RETURN_IF_ERROR(requests.RelayStops("test", /*call_id=*/1, /*phase_tag=*/0,
+                                            /*from=*/1, /*to=*/-1));
+    float data = 0;
+    const Where where{"test", 0, 0, Where::kNoChunk, false, 1};
+    DDP_ASSIGN_OR_RETURN(const p2p::RequestId recv,
+                         requests.Recv(where, CallStepTag(0, CallDataBase(1), 0), &data,
+                                       sizeof(data)));
+    return requests.Wait(recv, where);
+  }, options);
+  EXPECT_LT(Clock::now() + 5s, deadline) << "rank 1 waited for its deadline";
+  EXPECT_EQ(statuses[0].code(), StatusCode::kInvalidArgument) << statuses[0];
+  ASSERT_EQ(statuses[1].code(), StatusCode::kInvalidArgument) << statuses[1];
+  EXPECT_THAT(statuses[1].message(),
+              HasSubstr("group rank 1 (rank 0), this rank's ring predecessor, found"));
+  EXPECT_THAT(statuses[1].message(), HasSubstr("group rank 0 (rank 1) passed ring all-reduce, "
+                                               "count 5 of f32, op sum but group rank 1 (rank 0) "
+                                               "passed ring all-reduce, count 0"));
+}
+
 // CheckEveryRank: with every rank agreeing, OK everywhere, each rank
 // sending ceil(log2 p) messages; with one rank differing, wherever it is,
 // INVALID_ARGUMENT on every rank naming it and both values, at once and
