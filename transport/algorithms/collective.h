@@ -135,7 +135,16 @@ struct CollectiveArgs {
   /// call_id: ranks whose ids differ wait for each other's fingerprints at
   /// different tags until their deadline (TIMED_OUT; the check cannot
   /// compare what it never receives), unless the ids are a multiple of 16
-  /// apart (they share a slot and meet).
+  /// apart (they share a slot and meet). A caller that goes on after a
+  /// failed call at the same tag must pass ids that differ, and not by a
+  /// multiple of 16: a message of the failed call delivered although
+  /// cancelled (UCX completes a small send as it is posted) is otherwise
+  /// taken by the next call in its slot, data as that call's data (a wrong
+  /// result), a fingerprint as that call's argument, a stop note (all
+  /// notes of call 0 look alike) failing a call whose ranks agree. The
+  /// communicator's (tag, slot) pairs repeat only 65,535 x 16 calls apart,
+  /// and it aborts after a failed call, so there no such message reaches a
+  /// later call.
   uint64_t call_id = 0;
   Tuning tuning;
 };
