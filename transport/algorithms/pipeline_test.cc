@@ -592,6 +592,44 @@ TEST(StopNoteTest, ARankInAViewOfAnotherOrderNamesTheRanksTheNoteMeant) {
                                                "passed ring all-reduce, count 0"));
 }
 
+// The other way: a rank in a view of another order finds the
+// disagreement and tells the empty call's rank on the whole world, which
+// read the view's ranks as the world's.
+TEST(StopNoteTest, AnEmptyCallsRankNamesTheRanksANoteFromAViewMeant) {
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;  // rank 0 must learn of it from the note
+  const Deadline deadline = DeadlineIn(10s);
+  auto statuses = ::ddp::transport::testing::RunRanks(2, [&](p2p::PointToPoint& p2p) -> Status {
+    Fingerprint mine;
+    mine.count = p2p.rank() == 0 ? 0 : 5;
+    mine.whole_count = mine.count;
+    mine.dtype = static_cast<int32_t>(DataType::kF32);
+    mine.op = static_cast<int32_t>(ReduceOp::kSum);
+    mine.root = -1;
+    mine.kind = kRingAllReduceKind;
+    if (p2p.rank() == 0) {
+      return CheckEmptyCall(p2p, deadline, "test", mine, {{/*phase_tag=*/0, {1}}},
+                            /*call_id=*/1);
+    }
+    // Group rank 0 is rank 1, group rank 1 is rank 0. This rank checks
+    // rank 0 and sends it no fingerprint: only the note reaches it.
+    DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(p2p, {1, 0}));
+    Requests requests(view, deadline);
+    DDP_RETURN_IF_ERROR(requests.RelayStops("test", /*call_id=*/1, /*phase_tag=*/0,
+                                            /*from=*/1, /*to=*/-1, /*leaf=*/1));
+    PeerCheck check("test", mine);
+    DDP_RETURN_IF_ERROR(check.Post(requests, /*phase_tag=*/0, /*call_id=*/1, {}, {1}));
+    return requests.WaitAll("test");
+  }, options);
+  EXPECT_LT(Clock::now() + 5s, deadline) << "rank 0 waited for its deadline";
+  EXPECT_EQ(statuses[1].code(), StatusCode::kInvalidArgument) << statuses[1];
+  ASSERT_EQ(statuses[0].code(), StatusCode::kInvalidArgument) << statuses[0];
+  EXPECT_THAT(statuses[0].message(),
+              HasSubstr("rank 1 found that ranks disagree on the arguments, and told this rank: "
+                        "rank 0 passed ring all-reduce, count 0 of f32, op sum but rank 1 passed "
+                        "ring all-reduce, count 5"));
+}
+
 // CheckEveryRank: with every rank agreeing, OK everywhere, each rank
 // sending ceil(log2 p) messages; with one rank differing, wherever it is,
 // INVALID_ARGUMENT on every rank naming it and both values, at once and
