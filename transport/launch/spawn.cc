@@ -256,6 +256,54 @@ std::string ExecFailureHint(const std::string& program, int err) {
   return "";
 }
 
+// What the exec watch saw on a child's report pipe: the child's pid, then
+// a ChildFailure if a step failed; `timed_out` when the exec had not
+// finished by the deadline and the child was killed.
+struct ExecWatchResult {
+  std::string bytes;
+  bool timed_out = false;
+};
+
+// Runs on a thread of its own while the spawning thread is held in vfork
+// (which returns only once the child has exec'd or died): reads the report
+// pipe `fd` until end-of-file (the child exec'd or died, and the parent
+// closed its write end), or until `deadline`, when it kills the child
+// (SIGKILL), which lets vfork return. The pid is the child's first word;
+// it is this process's unreaped child while the parent waits in vfork, so
+// the pid names no one else. A child that has not even written its pid by
+// then (stopped before its first step) gets as long again to do so.
+ExecWatchResult WatchExec(int fd, Deadline deadline, std::chrono::milliseconds timeout) {
+  ExecWatchResult result;
+  Deadline until = deadline;
+  bool extended = false;
+  while (true) {
+    pollfd p{fd, POLLIN, 0};
+    const int ready = poll(&p, 1, MillisecondsUntil(until));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) return result;  // cannot watch: vfork's own wait stands
+    if (ready == 0) {
+      if (result.bytes.size() >= sizeof(pid_t)) {
+        pid_t pid = 0;
+        std::memcpy(&pid, result.bytes.data(), sizeof(pid));
+        if (pid > 0) kill(pid, SIGKILL);
+        result.timed_out = true;
+        return result;
+      }
+      if (extended) return result;
+      extended = true;
+      until = DeadlineIn(timeout);
+      continue;
+    }
+    char buffer[64];
+    const ssize_t got = read(fd, buffer, sizeof(buffer));
+    if (got > 0) {
+      result.bytes.append(buffer, static_cast<size_t>(got));
+    } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+      return result;
+    }
+  }
+}
+
 const char* ChildStepName(int step) {
   switch (step) {
     case kStepSetpgid: return "setpgid";
@@ -277,6 +325,10 @@ ChildFail(const ChildArgs* a, int step) {
 
 [[noreturn]] __attribute__((noinline, no_sanitize("address", "thread", "undefined"))) void
 RunChild(const ChildArgs* a) {
+  // First, before any step that could wait: the parent's exec watch (see
+  // WatchExec) learns whom to kill should the exec not finish in time.
+  const pid_t self = static_cast<pid_t>(syscall(SYS_getpid));
+  syscall(SYS_write, a->report_fd, &self, sizeof(self));
   // The parent's handlers live in memory the child shares until exec; reset
   // every signal the parent does not ignore so none of them runs here.
   // (SIGKILL and SIGSTOP fail, harmlessly.) A zeroed kernel sigaction is
@@ -1180,6 +1232,10 @@ class WorkerGroup::Impl {
 
   Status Start(std::vector<WorkerSpec> specs) {
     if (specs.empty()) return InvalidArgumentError("no workers to start");
+    if (options_.exec_timeout.count() <= 0) {
+      return InvalidArgumentError("the time a worker may take to exec (exec_timeout) is " +
+                                  std::to_string(options_.exec_timeout.count()) + " ms; it must be more than 0");
+    }
     if (options_.grace.count() < 0) {
       return InvalidArgumentError("the grace period between SIGTERM and SIGKILL is " +
                                   std::to_string(options_.grace.count()) + " ms; it must be 0 or more");
@@ -1961,6 +2017,11 @@ class WorkerGroup::Impl {
     Fd report_read(report[0]);
     Fd report_write(report[1]);
     args.report_fd = report_write.get();
+    // Started before vfork holds this thread: the exec's deadline.
+    ExecWatchResult watched;
+    std::thread watch([&watched, fd = report_read.get(), timeout = options_.exec_timeout] {
+      watched = WatchExec(fd, DeadlineIn(timeout), timeout);
+    });
     // Block every signal so that no handler runs in the child while it
     // shares our memory; the child restores the mask right before exec.
     sigset_t all;
@@ -1979,6 +2040,10 @@ class WorkerGroup::Impl {
     if (pid == 0) RunChild(&args);
     const int vfork_errno = errno;
     pthread_sigmask(SIG_SETMASK, &args.mask, nullptr);
+    // Our write end closed, the watch ends at the child's exec or death
+    // (or at once, without a child).
+    report_write.Reset();
+    watch.join();
     if (pid < 0) {
       const std::string text = "cannot start rank " + std::to_string(spec.rank) + ": vfork: " + ErrnoText(vfork_errno);
       return OutOfResources(vfork_errno) ? ResourceExhaustedError(text) : InternalError(text);
@@ -1987,13 +2052,10 @@ class WorkerGroup::Impl {
     w.running = true;
     w.exit.rank = w.rank;
     w.exit.pid = pid;
-    report_write.Reset();
     ChildFailure failure;
-    ssize_t got;
-    do {
-      got = read(report_read.get(), &failure, sizeof(failure));
-    } while (got < 0 && errno == EINTR);
-    if (got == static_cast<ssize_t>(sizeof(failure))) {
+    const bool step_failed = !watched.timed_out && watched.bytes.size() >= sizeof(pid_t) + sizeof(failure);
+    if (step_failed) std::memcpy(&failure, watched.bytes.data() + sizeof(pid_t), sizeof(failure));
+    if (step_failed || watched.timed_out) {
       // A first worker that took the terminal before its exec failed: back
       // to this process's group (SIGTTOU is ignored), before its pid, the
       // terminal's group id, is reaped.
@@ -2004,12 +2066,19 @@ class WorkerGroup::Impl {
       // reap below frees for reuse: the watcher leaves first (Start fails
       // now, and nothing else runs yet).
       if (args.watcher_fd >= 0) StopWatcher();
-      // The child is already dead (exit 127); reap it here.
+      // The child is dead (exit 127) or dying (killed by the watch, which
+      // vfork's return shows); reap it here.
       int status = 0;
       waitpid(pid, &status, 0);
       w.running = false;
       w.exit.exited = true;
       w.exit.code = 127;
+      if (watched.timed_out) {
+        return TimedOutError("cannot start rank " + std::to_string(spec.rank) + ": exec '" + spec.program +
+                             "' did not finish within " + std::to_string(options_.exec_timeout.count()) +
+                             " ms (a file system that does not answer, such as a hung network mount, or a "
+                             "lease or delegation held on the file), so it was killed");
+      }
       return StartError(failure.error, "cannot start rank " + std::to_string(spec.rank) + ": " +
                                            ChildStepName(failure.step) + " '" + spec.program +
                                            "': " + ErrnoText(failure.error) +

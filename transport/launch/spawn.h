@@ -114,6 +114,14 @@ struct SpawnOptions {
   /// Between SIGTERM and SIGKILL when stopping workers: 0 or more (Start
   /// refuses a negative one); milliseconds::max() waits as long as they take.
   std::chrono::milliseconds grace{5000};
+  /// How long one worker may take from its fork to its exec: more than 0
+  /// (Start refuses others); milliseconds::max() waits as long as it takes.
+  /// An exec that has not finished by then (its file on a network file
+  /// system that does not answer, a lease or delegation held on it) is
+  /// killed (SIGKILL) and Start fails TIMED_OUT naming the rank and the
+  /// program. An exec the kernel does not let SIGKILL end (uninterruptible
+  /// sleep) still holds Start until it does.
+  std::chrono::milliseconds exec_timeout{60000};
   /// Stop the others as soon as one worker fails (a launcher's behaviour).
   /// False lets every worker run to its own end, for tests that check how
   /// survivors report a dead peer.
@@ -276,8 +284,9 @@ class WorkerGroup {
   /// stream set outside 0..3);
   /// RESOURCE_EXHAUSTED: something ran out (descriptors, processes, memory,
   /// disk), for a worker or for the group's own setup, and the same start
-  /// may succeed later; FAILED_PRECONDITION: with forward_signals, another
-  /// group forwards them already.
+  /// may succeed later; TIMED_OUT: a worker's exec did not finish within
+  /// SpawnOptions::exec_timeout; FAILED_PRECONDITION: with forward_signals,
+  /// another group forwards them already.
   static StatusOr<std::unique_ptr<WorkerGroup>> Start(std::vector<WorkerSpec> specs,
                                                       SpawnOptions options);
   ~WorkerGroup();

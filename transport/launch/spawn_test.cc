@@ -2549,6 +2549,52 @@ TEST(SpawnTest, ProgramThatCannotStartLeavesNothingRunning) {
   }
 }
 
+// An exec that does not finish (here: a write lease on the program, held
+// as an NFS server's delegation or Samba's oplock holds one, makes the
+// kernel's open for exec wait for its break, 45 s by default; a hung
+// network mount does the same) is killed at exec_timeout, and Start fails
+// TIMED_OUT naming the rank and the program, with nothing left running;
+// it held Start until the lease broke.
+TEST(SpawnTest, AnExecThatDoesNotFinishIsKilledAtItsDeadline) {
+  const std::string dir = TempDir("exec_held");
+  const std::string program = dir + "/true";
+  {
+    std::ifstream in("/bin/true", std::ios::binary);
+    std::ofstream out(program, std::ios::binary | std::ios::trunc);
+    out << in.rdbuf();
+  }
+  ASSERT_EQ(chmod(program.c_str(), 0755), 0);
+  const int held = open(program.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(held, 0) << std::strerror(errno);
+  ASSERT_EQ(fcntl(held, F_SETLEASE, F_WRLCK), 0) << std::strerror(errno);
+  // No one to tell of the break (SIGIO would end this process).
+  ASSERT_EQ(fcntl(held, F_SETOWN, 0), 0) << std::strerror(errno);
+  std::vector<WorkerSpec> specs = Specs(3, "sleeper");
+  specs[1].program = program;
+  SpawnOptions options = Quiet();
+  options.exec_timeout = 500ms;
+  const auto start = Clock::now();
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, options);
+  const auto took = Clock::now() - start;
+  fcntl(held, F_SETLEASE, F_UNLCK);
+  close(held);
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.status().code(), StatusCode::kTimedOut) << group.status();
+  EXPECT_EQ(group.status().message(),
+            "cannot start rank 1: exec '" + program +
+                "' did not finish within 500 ms (a file system that does not answer, such as a hung network "
+                "mount, or a lease or delegation held on the file), so it was killed");
+  EXPECT_LT(took, 10s);
+  ExpectNoChildrenLeft();
+
+  options.exec_timeout = 0ms;
+  group = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(group.status().message(),
+            "the time a worker may take to exec (exec_timeout) is 0 ms; it must be more than 0");
+}
+
 // A program given by its name alone ("sh") is not looked up in PATH (the
 // caller resolves it): the error says so, where "No such file or
 // directory" alone sent the user looking at a file that is there.
