@@ -2995,7 +2995,10 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     if (result.output_dropped > 0) {
       Say("dropped " + std::to_string(result.output_dropped) +
           " bytes of worker output: this launcher's stdout or stderr took nothing for 2 s" +
-          (log_files ? " (the streams written to log files are whole there)" : ""));
+          (!log_files                    ? ""
+           : result.log_failures.empty() ? " (the streams written to log files are whole there)"
+                                         : " (the streams written to log files are whole there, but for the log "
+                                           "files that stopped, named below)"));
     }
     for (const std::string& line : result.log_failures) Say(line);
     if (const int signo = InterruptSignal(); signo != 0 && result.outcome != GroupOutcome::kInterrupted) {

@@ -704,6 +704,31 @@ TEST(DdprunTest, StdoutThatNobodyReadsDoesNotHangTheLauncher) {
                                         "stdout or stderr took nothing for 2 s\n"));
 }
 
+// Output dropped off an unread stdout while a log file stopped too (here
+// at the file size limit, EFBIG): the end line must not say the log files
+// hold every stream whole, as it did; it points at the stopped ones,
+// named on the lines after it.
+TEST(DdprunTest, DroppedOutputDoesNotCallTheLogsWholeWhenOneStopped) {
+  const std::string dir = testing::MakeTempDir("ddprun_unread_stdout_full_log");
+  const std::string fifo = dir + "/pipe";
+  EXPECT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const int reader = open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // held, never read
+  ASSERT_GE(reader, 0);
+  // SIGXFSZ ignored: a write past the limit fails with EFBIG instead of
+  // ending the launcher.
+  auto run = RunProgram({"/bin/sh", "-c", "trap '' XFSZ; ulimit -f 64; exec \"$@\" > \"$0\"", fifo, Ddprun(),
+                         "--standalone", "--nproc_per_node=1", "--log_dir=" + dir + "/logs", "--tee=3",
+                         "/bin/sh", "-c", "yes 0123456789abcdef | head -c 2000000; echo finished >&2"},
+                        {}, 30s);
+  close(reader);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex("ddprun: rank 0's log file '[^']*stdout.log' stopped after [0-9]+ bytes"));
+  EXPECT_THAT(run.output, ContainsRegex("ddprun: dropped [0-9]+ bytes of worker output: this launcher's "
+                                        "stdout or stderr took nothing for 2 s \\(the streams written to log "
+                                        "files are whole there, but for the log files that stopped, named "
+                                        "below\\)\n"));
+}
+
 // The workers fill the launcher's stderr and fail; the launcher's own
 // report of the failure goes there too and must give up on it, not wait
 // forever.
