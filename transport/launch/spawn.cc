@@ -689,7 +689,20 @@ Status CheckErrorFileKind(const std::string& path, const std::string& who) {
 // Log folders are compared lexically normalised ('./0' is '0'), and one
 // outside log_dir (a name with '..' or a leading '/') is refused. With
 // `error_files`, two specs naming one TORCHELASTIC_ERROR_FILE of their own
-// are refused, as is one that is there and not a regular file.
+// are refused, as is one that is there and not a regular file, or one that
+// is another worker's error.json under log_dir.
+// `path` made absolute and lexically normal. A relative one is the
+// worker's, whose folder is this process's: 'err.json' and '<cwd>/err.json'
+// are one file.
+std::string AbsoluteNormal(const std::string& path) {
+  std::string absolute = path;
+  if (absolute.empty() || absolute[0] != '/') {
+    char cwd[PATH_MAX];
+    if (getcwd(cwd, sizeof(cwd)) != nullptr) absolute = std::string(cwd) + "/" + absolute;
+  }
+  return LexicallyNormal(absolute);
+}
+
 Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out, bool error_files) {
   for (const auto& [field, text] : {std::pair<const char*, const std::string&>{"log_dir", out.log_dir},
                                     std::pair<const char*, const std::string&>{"log_name_prefix",
@@ -744,14 +757,7 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
     if (error_files) {
       if (const std::optional<std::string> own = OwnErrorFile(spec)) {
         DDP_RETURN_IF_ERROR(CheckErrorFileKind(*own, who));
-        // A relative one is the worker's, whose folder is this process's:
-        // 'err.json' and '<cwd>/err.json' are one file.
-        std::string absolute = *own;
-        if (absolute.empty() || absolute[0] != '/') {
-          char cwd[PATH_MAX];
-          if (getcwd(cwd, sizeof(cwd)) != nullptr) absolute = std::string(cwd) + "/" + absolute;
-        }
-        error_paths[i] = LexicallyNormal(absolute);
+        error_paths[i] = AbsoluteNormal(*own);
       }
     }
     for (size_t j = 0; j < i; ++j) {
@@ -773,6 +779,23 @@ Status CheckSpecs(const std::vector<WorkerSpec>& specs, const OutputOptions& out
         return InvalidArgumentError("ranks " + std::to_string(specs[j].rank) + " and " + std::to_string(spec.rank) +
                                     " would share the log folder '" + LogFolder(out, spec) +
                                     "'; give them different log names");
+      }
+    }
+  }
+  // A worker without an error file of its own gets <its log folder>/
+  // error.json: another's own file there would be written by both and read
+  // as either's.
+  if (error_files && !out.log_dir.empty()) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (!error_paths[i]) continue;
+      for (size_t j = 0; j < specs.size(); ++j) {
+        if (j == i || error_paths[j]) continue;
+        const std::string given = LogFolder(out, specs[j]) + "/error.json";
+        if (AbsoluteNormal(given) != *error_paths[i]) continue;
+        return InvalidArgumentError("rank " + std::to_string(specs[i].rank) + "'s own error file '" +
+                                    *OwnErrorFile(specs[i]) + "' (" + std::string(kEnvErrorFile) + ") is rank " +
+                                    std::to_string(specs[j].rank) + "'s default one, '" + given +
+                                    "', whose message would be blamed on either; give it another");
       }
     }
   }

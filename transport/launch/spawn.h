@@ -156,8 +156,9 @@ struct SpawnOptions {
   /// wrote goes into its WorkerExit::error, and the earliest such message
   /// into GroupResult::reason. A spec's own TORCHELASTIC_ERROR_FILE wins:
   /// that file is the one read (and, left from before, removed first); two
-  /// specs may not name the same one, and one that is there must be a
-  /// regular file (a FIFO or /dev/null is refused, never removed).
+  /// specs may not name the same one, nor one the error.json that another
+  /// worker gets under log_dir, and one that is there must be a regular
+  /// file (a FIFO or /dev/null is refused, never removed).
   /// A worker left without one (false here, or no folder for them) finds
   /// TORCHELASTIC_ERROR_FILE unset, not the launcher's own.
   bool error_files = true;

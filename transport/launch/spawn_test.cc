@@ -2464,6 +2464,22 @@ TEST(SpawnTest, BadSpecsAreRefusedBeforeAnyWorkerStarts) {
        "ranks 0 and 1 name one error file of their own, '" + std::string(cwd_now) +
            "/no_such_folder/error.json' and './no_such_folder/error.json' (TORCHELASTIC_ERROR_FILE), "
            "whose message would be blamed on either; give each its own"},
+      {"an error file of its own that is another worker's default one",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         specs[2].env.emplace_back(kEnvErrorFile, dir + "/logs/./0/error.json");
+       },
+       "rank 2's own error file '" + dir + "/logs/./0/error.json' (TORCHELASTIC_ERROR_FILE) is rank 0's default "
+           "one, '" + dir + "/logs/0/error.json', whose message would be blamed on either; give it another"},
+      {"an error file of its own that is a later worker's default one",
+       [&](std::vector<WorkerSpec>& specs, SpawnOptions& options) {
+         options.output.log_dir = dir + "/logs";
+         options.output.log_name_prefix = "attempt_0/";
+         specs[0].env.emplace_back(kEnvErrorFile, dir + "/logs/attempt_0/2/error.json");
+       },
+       "rank 0's own error file '" + dir + "/logs/attempt_0/2/error.json' (TORCHELASTIC_ERROR_FILE) is rank 2's "
+           "default one, '" + dir + "/logs/attempt_0/2/error.json', whose message would be blamed on either; give "
+           "it another"},
       {"an error file of its own that is a FIFO",
        [&](std::vector<WorkerSpec>& specs, SpawnOptions&) { specs[1].env.emplace_back(kEnvErrorFile, dir + "/error.fifo"); },
        "rank 1: its error file '" + dir + "/error.fifo' (TORCHELASTIC_ERROR_FILE) is a FIFO, not a regular file; "
