@@ -304,11 +304,17 @@ void ExpectNoChildrenLeft() {
   EXPECT_EQ(errno, ECHILD) << "a child process of the test is still around";
 }
 
+// A new, empty folder for each call: one named `name` alone was shared by
+// every run (by hand, under /tmp) and every --gtest_repeat iteration, whose
+// leftovers (pid files, FIFOs, log folders) the next one took for its own:
+// ReadPid found a dead worker's pid at once, mkfifo and mkdir failed.
 std::string TempDir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
-  std::string dir = std::string(base ? base : "/tmp") + "/" + name;
-  mkdir(dir.c_str(), 0755);
-  return dir;
+  std::string pattern = std::string(base != nullptr && *base != '\0' ? base : "/tmp") + "/" + name + "_XXXXXX";
+  if (mkdtemp(pattern.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << pattern << ": " << std::strerror(errno);
+  }
+  return pattern;
 }
 
 pid_t ReadPid(const std::string& path, std::chrono::milliseconds timeout) {
@@ -2627,9 +2633,15 @@ TEST(SpawnTest, AProgramGivenByNameSaysThatPathIsNotSearched) {
 }
 
 // An atfork handler that exits the child of any fork() (as the transport's
-// fork guard once did); workers must start anyway, because spawning runs no
-// pthread_atfork handler.
-void ForkGuardLikeTheTransports() { _exit(99); }
+// fork guard once did) while armed; workers must start anyway, because
+// spawning runs no pthread_atfork handler. Armed only during that test: a
+// handler cannot be taken back, and one always armed killed the forked
+// helpers (RunInAProcess, the strangers, the tracer) of every later test,
+// those of a second --gtest_repeat iteration too.
+std::atomic<bool> g_fork_guard_armed{false};
+void ForkGuardLikeTheTransports() {
+  if (g_fork_guard_armed.load()) _exit(99);
+}
 
 // A group too large for the descriptors this process may open fails to
 // start naming the rank, the limit and what to do ("pipe2: Too many open
@@ -2700,7 +2712,9 @@ TEST(SpawnTest, AGroupWithNoDescriptorsLeftIsOutOfResources) {
 TEST(SpawnTest, AtforkHandlersDoNotRunWhenSpawning) {
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &ForkGuardLikeTheTransports); });
+  g_fork_guard_armed = true;
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+  g_fork_guard_armed = false;
   ASSERT_TRUE(group.ok()) << group.status();
   GroupResult result = (*group)->Wait(DeadlineIn(20s));
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
