@@ -124,6 +124,13 @@ constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 // their default action they would end the launcher, and its workers with
 // it.)
 constexpr int kPassedOnSignals[] = {SIGUSR1, SIGUSR2};
+// Of kPassedOnSignals, those caught that no running worker got yet, as
+// bits (PassedOnBit): one that came while the workers were stopping, or
+// after Wait's end and before the group was gone, is held for the next
+// group that forwards signals, which takes it over when it starts.
+std::atomic<int> g_held_passed_on{0};
+
+int PassedOnBit(int signo) { return signo == SIGUSR1 ? 1 : signo == SIGUSR2 ? 2 : 0; }
 
 // Tells the forwarding group's loop of `signo` (async-signal-safe).
 void WriteSignalByte(int fd, int signo) {
@@ -145,10 +152,12 @@ void RecordSignal(int signo) {
   errno = saved_errno;
 }
 
-// The handler of kPassedOnSignals: tells the forwarding group's loop, and
-// records nothing (async-signal-safe).
+// The handler of kPassedOnSignals: holds it (g_held_passed_on) and tells
+// the forwarding group's loop (async-signal-safe).
 void PassOnSignal(int signo) {
   const int saved_errno = errno;
+  // Held until a running worker gets it (the forwarding loop clears it).
+  g_held_passed_on.fetch_or(PassedOnBit(signo), std::memory_order_relaxed);
   const int fd = g_signal_write_fd.load(std::memory_order_relaxed);
   if (fd >= 0) WriteSignalByte(fd, signo);
   errno = saved_errno;
@@ -1472,6 +1481,7 @@ class WorkerGroup::Impl {
           }
         }
       }
+      if (held_from_before_ != 0 && phase == Phase::kRunning) PassOnHeldOnceCaught();
       Deadline wake = phase == Phase::kRunning ? deadline : phase_deadline;
       int timeout = std::min(MillisecondsUntil(wake), kMaxPollMs);
       if (need_fallback_poll) timeout = std::min(timeout, kFallbackPollMs);
@@ -1509,11 +1519,17 @@ class WorkerGroup::Impl {
               continue;
             }
             if (IsPassedOn(signo)) {
-              // A checkpoint request, say: to whoever still runs; nothing
-              // else changes.
-              if (RunningCount() > 0) {
+              // A checkpoint request, say: to the workers while they run;
+              // nothing else changes. Workers being stopped would not act
+              // on it: it is held for the next group (a restart).
+              if (phase == Phase::kRunning && RunningCount() > 0) {
+                g_held_passed_on.fetch_and(~PassedOnBit(signo), std::memory_order_relaxed);
+                held_from_before_ &= ~PassedOnBit(signo);
                 PassOnToRunning(signo);
                 if (options_.on_notice) options_.on_notice("passed " + SignalName(signo) + " on to the workers");
+              } else if (options_.on_notice) {
+                options_.on_notice("holding " + SignalName(signo) +
+                                   " for the workers started next: these are being stopped");
               }
               continue;
             }
@@ -1866,6 +1882,10 @@ class WorkerGroup::Impl {
       sigaction(kPassedOnSignals[i], &pass_on, &passed_on_old_[i]);
       passed_on_installed_[i] = true;
     }
+    // Held since a group before this one (they came while its workers
+    // were stopping, or after its Wait): this group's workers get them once
+    // they catch them (PassOnHeldOnceCaught).
+    held_from_before_ = g_held_passed_on.exchange(0, std::memory_order_relaxed);
     forwarding_ = true;
     return Status::Ok();
   }
@@ -2156,6 +2176,45 @@ class WorkerGroup::Impl {
 
   // As SignalRunning, for a signal that asks the workers for something
   // (kPassedOnSignals) rather than to end: a stopped worker is left stopped.
+  // A held SIGUSR1 or SIGUSR2 (held_from_before_) goes to the workers once
+  // every running one has a handler for it (or ignores it): sent at their
+  // start, before a program set its handler up, its default action would
+  // kill them. Looked at once a round of Wait's loop (a second at most).
+  void PassOnHeldOnceCaught() {
+    for (const int signo : kPassedOnSignals) {
+      const int bit = PassedOnBit(signo);
+      if ((held_from_before_ & bit) == 0 || RunningCount() == 0) continue;
+      bool ready = true;
+      for (const Worker& w : workers_) ready = ready && (!w.running || TakesSignal(w.pid, signo));
+      if (!ready) continue;
+      held_from_before_ &= ~bit;
+      PassOnToRunning(signo);
+      if (options_.on_notice) {
+        options_.on_notice("passed " + SignalName(signo) +
+                           " on to the workers (held since it came while no workers ran)");
+      }
+    }
+  }
+
+  // Whether `pid` catches or ignores `signo` (SigCgt, SigIgn in
+  // /proc/<pid>/status); true when that cannot be read (no /proc): then it
+  // goes as it would have at once.
+  static bool TakesSignal(pid_t pid, int signo) {
+    std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/status").c_str(), "re");
+    if (f == nullptr) return true;
+    unsigned long long caught = 0, ignored = 0;
+    bool found = false;
+    char line[256];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      if (std::sscanf(line, "SigCgt: %llx", &caught) == 1) found = true;
+      std::sscanf(line, "SigIgn: %llx", &ignored);
+    }
+    std::fclose(f);
+    if (!found) return true;
+    const unsigned long long bit = 1ULL << (signo - 1);
+    return ((caught | ignored) & bit) != 0;
+  }
+
   void PassOnToRunning(int signal) {
     if (pgid_ > 0) SignalGroup(signal);
     for (Worker& w : workers_) {
@@ -2759,6 +2818,9 @@ class WorkerGroup::Impl {
   bool ttou_ignored_ = false;
   struct sigaction ttou_old_ = {};
   bool forwarding_ = false;
+  // Of kPassedOnSignals (PassedOnBit), those held since before this group
+  // started, for its workers once they catch them.
+  int held_from_before_ = 0;
   struct sigaction old_actions_[std::size(kForwardedSignals)] = {};
   bool installed_[std::size(kForwardedSignals)] = {};  // false: was ignored, left so
   struct sigaction passed_on_old_[std::size(kPassedOnSignals)] = {};

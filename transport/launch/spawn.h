@@ -132,7 +132,13 @@ struct SpawnOptions {
   /// too. SIGUSR1 and SIGUSR2 (Slurm's `--signal=USR1@T` checkpoint hook)
   /// are caught while the group exists and passed on to the running
   /// workers during Wait, which goes on: they stop neither the workers
-  /// nor this process (on_notice is told).
+  /// nor this process (on_notice is told). One that comes while the
+  /// workers are being stopped, or after Wait's end while the group still
+  /// exists, is held for the next group that forwards signals (a
+  /// launcher's restart), whose workers get it once each has a handler for
+  /// it (or ignores it), looked at every second: sent before, its default
+  /// action would kill them. Between two groups, while none exists, they
+  /// have this process's own disposition (by default they end it).
   bool forward_signals = true;
   /// With forward_signals: called on Wait's thread when the first SIGINT,
   /// SIGTERM, SIGHUP or SIGQUIT reaches this group (also one that arrives while the

@@ -721,6 +721,51 @@ DDP_TEST_WORKER(one_ends_early) {
   return 0;
 }
 
+// Catches SIGUSR1 (a checkpoint request), then writes $PID_DIR/rank<R>
+// ("ready"); exits 0 once the signal came, 3 when it did not within 30 s.
+DDP_TEST_WORKER(checkpoint_on_usr1) {
+  static volatile sig_atomic_t asked = 0;
+  struct sigaction action = {};
+  action.sa_handler = [](int) { asked = 1; };
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGUSR1, &action, nullptr);
+  WritePid("rank" + std::to_string(EnvInt("RANK", -1)));
+  for (int i = 0; i < 3000 && !asked; ++i) std::this_thread::sleep_for(10ms);
+  return asked ? 0 : 3;
+}
+
+// SIGUSR1 that reaches a group after its Wait ended (its workers gone, the
+// group not yet destroyed: a launcher between a failure and its restart)
+// is held for the next group, whose workers get it once they catch it; the
+// next group threw it away with the stale bytes of the pipe.
+TEST(SpawnTest, ASigusr1BetweenTwoGroupsReachesTheNextGroupsWorkers) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  std::mutex mu;
+  std::vector<std::string> notices;
+  options.on_notice = [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(mu);
+    notices.push_back(line);
+  };
+  StatusOr<std::unique_ptr<WorkerGroup>> first = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)->Wait(DeadlineIn(20s)).outcome, GroupOutcome::kSucceeded);
+  ASSERT_EQ(raise(SIGUSR1), 0);  // the first group's handler takes it
+  first->reset();
+
+  const std::string dir = TempDir("usr1_between_groups");
+  StatusOr<std::unique_ptr<WorkerGroup>> next =
+      WorkerGroup::Start(Specs(2, "checkpoint_on_usr1", {{"PID_DIR", dir}}), options);
+  ASSERT_TRUE(next.ok()) << next.status();
+  GroupResult result = (*next)->Wait(DeadlineIn(10s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  for (const WorkerExit& w : result.workers) EXPECT_TRUE(w.ok()) << w.Describe() << " (3: no SIGUSR1 came)";
+  EXPECT_THAT(notices, ::testing::Contains("passed SIGUSR1 on to the workers (held since it came while no "
+                                           "workers ran)"));
+  next->reset();
+  ExpectNoChildrenLeft();
+}
+
 // A worker that ends while the others run is reaped at once, as torchrun
 // reaps it: not left a zombie, counted against RLIMIT_NPROC, until the
 // whole group ends. Its pid is then free; a stranger that gets it is not
