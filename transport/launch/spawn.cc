@@ -25,6 +25,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -2061,10 +2062,20 @@ class WorkerGroup::Impl {
     Fd report_write(report[1]);
     args.report_fd = report_write.get();
     // Started before vfork holds this thread: the exec's deadline.
+    // A process that may start no more threads (RLIMIT_NPROC, which counts
+    // them) could not start the worker either: the same shortage.
     ExecWatchResult watched;
-    std::thread watch([&watched, fd = report_read.get(), timeout = options_.exec_timeout] {
-      watched = WatchExec(fd, DeadlineIn(timeout), timeout);
-    });
+    std::thread watch;
+    try {
+      watch = std::thread([&watched, fd = report_read.get(), timeout = options_.exec_timeout] {
+        watched = WatchExec(fd, DeadlineIn(timeout), timeout);
+      });
+    } catch (const std::system_error& e) {
+      const int err = e.code().value();
+      const std::string text = "cannot start rank " + std::to_string(spec.rank) +
+                               ": cannot start the thread that watches its exec: " + e.what();
+      return OutOfResources(err) ? ResourceExhaustedError(text) : InternalError(text);
+    }
     // Block every signal so that no handler runs in the child while it
     // shares our memory; the child restores the mask right before exec.
     sigset_t all;

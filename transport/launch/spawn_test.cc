@@ -2662,6 +2662,56 @@ TEST(SpawnTest, AnExecThatDoesNotFinishIsKilledAtItsDeadline) {
             "the time a worker may take to exec (exec_timeout) is 0 ms; it must be more than 0");
 }
 
+// The tasks (processes and threads, as RLIMIT_NPROC counts them) whose
+// real user is `uid`.
+int TasksOf(uid_t uid) {
+  int count = 0;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return -1;
+  while (const dirent* entry = readdir(proc)) {
+    if (std::atoi(entry->d_name) <= 0) continue;
+    std::ifstream status(std::string("/proc/") + entry->d_name + "/status");
+    std::string line;
+    unsigned real = 0, threads = 0;
+    bool mine = false;
+    while (std::getline(status, line)) {
+      if (std::sscanf(line.c_str(), "Uid: %u", &real) == 1) mine = real == uid;
+      std::sscanf(line.c_str(), "Threads: %u", &threads);
+    }
+    if (mine) count += static_cast<int>(threads);
+  }
+  closedir(proc);
+  return count;
+}
+
+// A process that may start one more process or thread (RLIMIT_NPROC), which
+// the group's watcher takes, fails to start its first worker with
+// RESOURCE_EXHAUSTED naming the rank, as a shortage, and goes on: the
+// thread that watches a worker's exec must not end it (an uncaught
+// std::system_error). Runs in a child of its own (RunInAProcess), which
+// drops root first (the limit does not hold for root). 0: so; 2: the
+// limit could not be set; 3: the group started; 4: another code; 5:
+// another message.
+int NoProcessesLeftIsAShortage() {
+  if (getuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) return 2;
+  const int tasks = TasksOf(getuid());
+  if (tasks <= 0) return 2;
+  const rlimit one_more{static_cast<rlim_t>(tasks + 1), static_cast<rlim_t>(tasks + 1)};
+  if (setrlimit(RLIMIT_NPROC, &one_more) != 0) return 2;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(2, "hello"), Quiet());
+  if (group.ok()) return 3;
+  if (group.status().code() != StatusCode::kResourceExhausted) return 4;
+  if (group.status().message().rfind("cannot start rank 0: ", 0) == 0) return 0;
+  std::fprintf(stderr, "%s\n", group.status().ToString().c_str());
+  return 5;
+}
+
+TEST(SpawnTest, NoProcessesLeftIsAShortage) {
+  EXPECT_EQ(RunInAProcess(&NoProcessesLeftIsAShortage), 0)
+      << "1006: the launcher aborted (an uncaught exception); see the scenario for the other codes";
+  ExpectNoChildrenLeft();
+}
+
 // A program given by its name alone ("sh") is not looked up in PATH (the
 // caller resolves it): the error says so, where "No such file or
 // directory" alone sent the user looking at a file that is there.
