@@ -2697,9 +2697,12 @@ class WorkerGroup::Impl {
   void StopWatcher() {
     if (watcher_ <= 0) return;
     const pid_t disarm = 0;  // see RunWatcher
+    // A watcher someone killed left the pipe without a reader: EPIPE, not
+    // SIGPIPE, whose default action would end this process.
     ssize_t n;
     do {
-      n = write(watcher_write_.get(), &disarm, sizeof(disarm));
+      n = WriteWithoutSigpipe(watcher_write_.get(),
+                              std::string_view(reinterpret_cast<const char*>(&disarm), sizeof(disarm)));
     } while (n < 0 && errno == EINTR);
     watcher_write_.Reset();
     const Deadline give_up = Clock::now() + kReapTime;

@@ -2887,6 +2887,35 @@ TEST(SpawnTest, LaunchersDescriptorsStayOutOfWorkersAndWatcher) {
   }
 }
 
+// A watcher that someone killed (the OOM killer, a user's kill) leaves a
+// pipe without a reader: the launcher's word to it at the group's end must
+// not raise SIGPIPE, whose default action ended the launcher (and its
+// workers with it). Runs in a child of its own (RunInAProcess, SIGPIPE at
+// its default). 0: the group ended as it should; 2: no watcher found; 3:
+// another outcome; 1013: SIGPIPE ended the launcher.
+int AKilledWatcherLeavesTheLauncherRunning() {
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "hello"), Quiet());
+  if (!group.ok()) return 4;
+  const auto give_up = Clock::now() + 5s;
+  std::vector<pid_t> watchers = ChildrenNamed("ddp-watcher");
+  while (watchers.size() != 1 && Clock::now() < give_up) {
+    std::this_thread::sleep_for(10ms);
+    watchers = ChildrenNamed("ddp-watcher");
+  }
+  if (watchers.size() != 1) return 2;
+  kill(watchers[0], SIGKILL);
+  if (!GoneWithin(watchers[0], 5s)) return 2;
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  group->reset();
+  return result.outcome == GroupOutcome::kSucceeded ? 0 : 3;
+}
+
+TEST(SpawnTest, AKilledWatcherLeavesTheLauncherRunning) {
+  EXPECT_EQ(RunInAProcess(&AKilledWatcherLeavesTheLauncherRunning), 0)
+      << "1013: SIGPIPE ended the launcher; see the scenario for the other codes";
+  ExpectNoChildrenLeft();
+}
+
 // Every signal that can end or stop a worker is named in its report (a
 // worker over its file size limit dies of SIGXFSZ, one under a profiler's
 // timer of SIGPROF); a real-time one by its place after SIGRTMIN.
