@@ -291,6 +291,9 @@ ExecWatchResult WatchExec(int fd, Deadline deadline, std::chrono::milliseconds t
     const int ready = poll(&p, 1, MillisecondsUntil(until));
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) return result;  // cannot watch: vfork's own wait stands
+    // poll's timeout is clamped to INT_MAX ms (MillisecondsUntil): a
+    // longer exec_timeout (milliseconds::max(): none) is not over yet.
+    if (ready == 0 && Clock::now() < until) continue;
     if (ready == 0) {
       if (result.bytes.size() >= sizeof(pid_t)) {
         pid_t pid = 0;
