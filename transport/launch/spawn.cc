@@ -1533,7 +1533,7 @@ class WorkerGroup::Impl {
                 if (options_.on_notice) options_.on_notice("passed " + SignalName(signo) + " on to the workers");
               } else if (options_.on_notice) {
                 options_.on_notice("holding " + SignalName(signo) +
-                                   " for the workers started next: these are being stopped");
+                                   " for the workers started next: these are stopping or gone");
               }
               continue;
             }
