@@ -624,8 +624,8 @@ TEST(DdprunTest, SigtermWhileStoppingAfterAFailureEndsTheJobWithoutRestart) {
 // forwards the signal, reports it and starts no restart; it used to die of
 // the signal there without a word. Its stderr is a full pipe, which holds
 // it in that gap: its line about the restart waits there (up to 2 s, see
-// WriteLauncherLine). The group is gone once SIGUSR1, which only a group
-// catches, is no longer caught.
+// WriteLauncherLine). The group is gone once its watcher (a child named
+// ddp-watcher) is.
 TEST(DdprunTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
   const std::string dir = testing::MakeTempDir("ddprun_interrupt_between");
   auto launcher = testing::HeldLauncher::Start(Cmd({"--standalone", "--nproc_per_node=2", "--max_restarts=2"},
@@ -636,9 +636,9 @@ TEST(DdprunTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
   const std::vector<pid_t> workers = WorkerPids(dir, 2);
   ASSERT_GT(workers[0], 0);
   ASSERT_GT(workers[1], 0);
-  ASSERT_TRUE(testing::Within(10s, [&] { return testing::CatchesSignal(pid, SIGUSR1); }));
+  ASSERT_TRUE(testing::Within(10s, [&] { return testing::HasChildNamed(pid, "ddp-watcher"); }));
   kill(workers[1], SIGKILL);
-  ASSERT_TRUE(testing::Within(20s, [&] { return !testing::CatchesSignal(pid, SIGUSR1); }));
+  ASSERT_TRUE(testing::Within(20s, [&] { return !testing::HasChildNamed(pid, "ddp-watcher"); }));
   kill(pid, SIGTERM);
 
   const std::string output = (*launcher)->ReadStderr(20s);

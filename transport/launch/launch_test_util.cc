@@ -1,5 +1,6 @@
 #include "transport/launch/launch_test_util.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -133,6 +134,27 @@ bool CatchesSignal(pid_t pid, int signo) {
     if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (signo - 1)) & 1;
   }
   return false;
+}
+
+bool HasChildNamed(pid_t parent, const std::string& name) {
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return false;
+  bool found = false;
+  while (const dirent* entry = readdir(proc)) {
+    if (found || std::atoi(entry->d_name) <= 0) continue;
+    std::ifstream stat(std::string("/proc/") + entry->d_name + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t open = line.find('('), close = line.rfind(')');
+    if (open == std::string::npos || close == std::string::npos || close + 4 > line.size()) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    found = ppid == parent && line.substr(open + 1, close - open - 1) == name;
+  }
+  closedir(proc);
+  return found;
 }
 
 bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& condition) {

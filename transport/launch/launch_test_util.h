@@ -62,6 +62,11 @@ int CountLines(const std::string& text, const std::string& needle);
 /// false when it is gone.
 bool CatchesSignal(pid_t pid, int signo);
 
+/// Whether `parent` has a child process named `name` (the comm field of
+/// /proc/<pid>/stat), a zombie included: "ddp-watcher" while a group of
+/// workers exists.
+bool HasChildNamed(pid_t parent, const std::string& name);
+
 /// Polls `condition` every millisecond until it holds (true) or `timeout`
 /// passes (false).
 bool Within(std::chrono::milliseconds timeout, const std::function<bool()>& condition);

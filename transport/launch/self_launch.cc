@@ -120,7 +120,8 @@ std::string LaunchVariables(const EnvMap& env, const LaunchEnv& parsed) {
 // While the launcher runs its workers: SIGINT, SIGTERM, SIGHUP and SIGQUIT
 // are recorded (CatchInterrupts) also between two attempts, where no group
 // forwards them, so that one arriving there is reported and starts no new
-// attempt instead of ending the launcher without a word. Puts back the
+// attempt instead of ending the launcher without a word; SIGUSR1 and
+// SIGUSR2 there are held for the next attempt's workers. Puts back the
 // handlers it found when it goes.
 class InterruptsCaught {
  public:
@@ -136,7 +137,7 @@ class InterruptsCaught {
   InterruptsCaught& operator=(const InterruptsCaught&) = delete;
 
  private:
-  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
   struct sigaction old_[std::size(kSignals)] = {};
 };
 

@@ -272,8 +272,8 @@ TEST(SelfLaunchTest, SigtermToTheLauncherReachesEveryWorker) {
 // reported and starts no restart; the launcher used to die of it there
 // without a word. To hold the launcher in that gap, its stderr is a full
 // pipe: its line about the restart waits there (up to 2 s, see
-// WriteLauncherLine). The group is gone once SIGUSR1, which only a group
-// catches, is no longer caught.
+// WriteLauncherLine). The group is gone once its watcher (a child named
+// ddp-watcher) is.
 TEST(SelfLaunchTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
   const std::string dir = testing::MakeTempDir("self_launch_interrupt_between");
   auto launcher = testing::HeldLauncher::Start({Worker(), "--nproc_per_node=2", "--self_launch_restarts=2",
@@ -286,9 +286,9 @@ TEST(SelfLaunchTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
     workers.push_back(testing::ReadPidFile(dir + "/rank" + std::to_string(r) + ".restart0.pid", 10s));
     ASSERT_GT(workers.back(), 0);
   }
-  ASSERT_TRUE(testing::Within(10s, [&] { return testing::CatchesSignal(pid, SIGUSR1); }));
+  ASSERT_TRUE(testing::Within(10s, [&] { return testing::HasChildNamed(pid, "ddp-watcher"); }));
   kill(workers[1], SIGKILL);
-  ASSERT_TRUE(testing::Within(10s, [&] { return !testing::CatchesSignal(pid, SIGUSR1); }));
+  ASSERT_TRUE(testing::Within(10s, [&] { return !testing::HasChildNamed(pid, "ddp-watcher"); }));
   kill(pid, SIGTERM);
 
   const std::string output = (*launcher)->ReadStderr(20s);

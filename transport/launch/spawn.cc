@@ -184,6 +184,19 @@ void CatchInterrupts(bool catch_them) {
     action.sa_flags = catch_them ? SA_RESTART | SA_RESETHAND : 0;
     sigaction(signo, &action, nullptr);
   }
+  // SIGUSR1 and SIGUSR2 (a checkpoint request) between two groups: held
+  // for the next group's workers (PassOnSignal) rather than ending this
+  // process by their default action, and the workers with it.
+  if (!catch_them) g_held_passed_on.store(0, std::memory_order_relaxed);
+  for (int signo : kPassedOnSignals) {
+    struct sigaction current{};
+    if (sigaction(signo, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) continue;
+    struct sigaction action{};
+    action.sa_handler = catch_them ? PassOnSignal : SIG_DFL;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = catch_them ? SA_RESTART : 0;
+    sigaction(signo, &action, nullptr);
+  }
 }
 
 namespace {

@@ -138,7 +138,8 @@ struct SpawnOptions {
   /// launcher's restart), whose workers get it once each has a handler for
   /// it (or ignores it), looked at every second: sent before, its default
   /// action would kill them. Between two groups, while none exists, they
-  /// have this process's own disposition (by default they end it).
+  /// have this process's own disposition (by default they end it), unless
+  /// CatchInterrupts holds them for the next group.
   bool forward_signals = true;
   /// With forward_signals: called on Wait's thread when the first SIGINT,
   /// SIGTERM, SIGHUP or SIGQUIT reaches this group (also one that arrives while the
@@ -343,8 +344,11 @@ int InterruptSignal();
 /// takes the signals over while it exists and puts this back when
 /// destroyed; a signal caught here that no group has seen yet reaches the
 /// next group that forwards signals as soon as it starts (one that came
-/// after the launcher's last look at InterruptSignal()). `false`: the
-/// default effect again, and a caught signal no longer reaches a group.
+/// after the launcher's last look at InterruptSignal()). SIGUSR1 and
+/// SIGUSR2 (those not ignored) are caught too, every time, and held for
+/// the next group's workers (see SpawnOptions::forward_signals) instead of
+/// ending this process. `false`: the default effect again for all six,
+/// and a caught signal no longer reaches a group.
 void CatchInterrupts(bool catch_them);
 
 /// For a launcher about to exit with `exit_code`: when a SIGINT, SIGTERM or

@@ -933,6 +933,38 @@ int RunInAProcess(int (*scenario)()) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 1000 + WTERMSIG(status);
 }
 
+// With CatchInterrupts, SIGUSR1 while no group exists (a launcher between
+// two attempts) is held for the next group's workers; by its default
+// action it ended the launcher there. Runs in a child of its own
+// (RunInAProcess). 0: the next group's workers got it; 2: the first group
+// did not start or succeed; 3: the next group did not succeed (its
+// workers exit 3 without the signal); 1010: SIGUSR1 ended the launcher.
+int ASigusr1WithNoGroupReachesTheNextGroup() {
+  CatchInterrupts(true);
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  {
+    StatusOr<std::unique_ptr<WorkerGroup>> first = WorkerGroup::Start(Specs(1, "hello"), options);
+    if (!first.ok() || (*first)->Wait(DeadlineIn(20s)).outcome != GroupOutcome::kSucceeded) return 2;
+  }
+  raise(SIGUSR1);
+  const std::string dir = TempDir("usr1_no_group");
+  StatusOr<std::unique_ptr<WorkerGroup>> next =
+      WorkerGroup::Start(Specs(2, "checkpoint_on_usr1", {{"PID_DIR", dir}}), options);
+  if (!next.ok()) return 3;
+  const GroupResult result = (*next)->Wait(DeadlineIn(10s));
+  next->reset();
+  CatchInterrupts(false);
+  return result.outcome == GroupOutcome::kSucceeded ? 0 : 3;
+}
+
+TEST(SpawnTest, ASigusr1WithNoGroupReachesTheNextGroupUnderCatchInterrupts) {
+  EXPECT_EQ(RunInAProcess(&ASigusr1WithNoGroupReachesTheNextGroup), 0)
+      << "1010: SIGUSR1 ended the launcher; see the scenario for the other codes";
+  ExpectNoChildrenLeft();
+}
+
+
 // A log file that is a FIFO whose reader takes one read and closes it: the
 // next write fails with EPIPE, which stops that log (named in
 // log_failures), rather than raising SIGPIPE, which would end the
