@@ -2550,6 +2550,78 @@ TEST(DdpFeaturesTest, ANoSyncForwardAfterASynchronizingOneLeavesItsBackwardSynch
   }
 }
 
+// An eval-mode forward with grad enabled prepares a backward too (outside
+// Join it synchronizes, as PyTorch's does): a forward under NoSync after it,
+// in training mode, and one backward through that forward's outputs is the
+// eval-mode forward's backward, so it averages every gradient, as in
+// PyTorch, where the reducer stays prepared by the first forward. The
+// NoSync forward used to disarm it, so each rank stepped its local
+// gradients and the replicas drifted apart. Checked against one process on
+// the combined batch, and that the replicas stay bitwise identical.
+void CheckEvalThenNoSyncForward(ProcessGroup& pg, bool find_unused, bool view) {
+  const auto& data = testing::FashionMnist();
+  const int world = pg.size(), rank = pg.rank();
+  const std::string what = std::string("eval then NoSync forward") + (find_unused ? " (find unused)" : "") +
+                           (view ? " (views)" : "");
+  auto model = Mlp(rank == 0 ? 47 : 80 + rank);
+  DistributedDataParallel ddp(model, {.find_unused_parameters = find_unused, .gradient_as_bucket_view = view,
+                                      .process_group = Borrow(pg)});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto reference = Mlp(47);
+  nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
+  const Tensor held_out = testing::Batch(data, 1000, kBatch).first;
+  for (int s = 0; s < 2; ++s) {
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    model->Eval();
+    ddp(held_out);  // grad enabled, no backward of its own
+    model->Train();
+    Tensor b;
+    {
+      auto no_sync = ddp.NoSync();
+      b = ddp(x);
+    }
+    nn::Backward(nn::loss::CrossEntropy(b, y));
+    ref_opt.ZeroGrad();
+    auto [xa, ya] = testing::Batch(data, s * world * kBatch, world * kBatch);
+    nn::Backward(nn::loss::CrossEntropy((*reference)(xa), ya));
+    const auto ref_params = reference->NamedParameters();
+    size_t k = 0;
+    for (const auto& [name, p] : model->NamedParameters()) {
+      const Tensor& expected = ref_params[k++].second.grad();
+      WORKER_EXPECT(p.grad().defined(), what + ": `" + name + "` has no gradient");
+      if (!p.grad().defined()) continue;
+      const double diff = testing::RelativeDifference(p.grad(), expected);
+      WORKER_EXPECT(diff <= 1e-5, what + ": step " + std::to_string(s) + ": `" + name +
+                                      "`'s gradient is off the averaged one by " + std::to_string(diff));
+    }
+    opt.Step();
+    ref_opt.Step();
+  }
+  WORKER_EXPECT(testing::SameOnAllRanks(pg, testing::HashState(*model)), what + ": replicas differ");
+  WORKER_EXPECT(ddp.iterations() == 2, what + ": synchronizing iterations " + std::to_string(ddp.iterations()));
+}
+
+DDP_TEST_WORKER(eval_then_no_sync_forward) {
+  auto pg = testing::WorkerGroup();
+  for (bool find_unused : {false, true}) {
+    for (bool view : {false, true}) {
+      try {
+        CheckEvalThenNoSyncForward(*pg, find_unused, view);
+      } catch (const std::exception& e) {
+        WORKER_EXPECT(false, std::string("eval then NoSync forward: ") + e.what());
+        return testing::WorkerExit();
+      }
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ANoSyncForwardAfterAnEvalModeForwardLeavesItsBackwardSynchronizing) {
+  auto run = RunWorkers("eval_then_no_sync_forward", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 90000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A multi-task step with find_unused_parameters: a = ddp(xa) takes head a,
 // {NoSync; b = ddp(xb);} takes head b, and the backward is loss(a)'s only.
 // As in PyTorch, the forward that prepared the backward alone decides the

@@ -929,9 +929,10 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     // A forward under no-grad records no graph, so it leaves a prepared
     // iteration armed: an evaluation between a training forward and its
     // backward does not keep that backward from synchronizing. Nor does a
-    // forward under NoSync there: the backward the training forward
-    // prepared synchronizes, through this forward's outputs too (Disarm).
-    s.reducer->Disarm(outputs, /*reject_gradients=*/grad_sync);
+    // forward under NoSync there: the backward the training forward (or,
+    // outside Join, an eval-mode one with grad enabled) prepared
+    // synchronizes, through this forward's outputs too (Disarm).
+    s.reducer->Disarm(outputs, /*reject_gradients=*/grad_sync, /*in_join=*/s.join_enabled);
   }
   if (training && nn::GradMode::IsEnabled() && s.require_sync) ++s.forwards;
   if (nn::GradMode::IsEnabled() && s.require_sync && !all_frozen && (training || !s.join_enabled)) {

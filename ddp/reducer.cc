@@ -643,8 +643,11 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // first hook likewise.
 }
 
-void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients) {
-  if (armed_ && awaiting_backward()) {
+void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients, bool in_join) {
+  // An eval-mode forward's backward is optional, but when it comes (through
+  // this forward's outputs) it is that forward's: outside Join it
+  // synchronizes, as PyTorch's reducer stays prepared by that forward.
+  if (armed_ && unfinished_ && !finalize_queued_ && (!backward_optional_ || !in_join)) {
     // A synchronizing forward prepared this backward and it has not
     // started: disarming would let it accumulate locally on this rank (the
     // optimizer would step local gradients and the replicas drift apart),

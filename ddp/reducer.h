@@ -205,15 +205,19 @@ class Reducer {
   /// prepared before and not finalized stays unfinished. `reject_gradients`
   /// (an eval-mode forward under Join, which cannot be shadowed): a
   /// gradient before the next PrepareForBackward throws instead.
-  /// Except while a training forward's iteration awaits its backward
-  /// (awaiting_backward()): then the hooks stay armed, as in PyTorch, where
-  /// the forward that prepared a backward decides whether it synchronizes,
-  /// so that a = ddp(x1); {NoSync; b = ddp(x2);} Backward(f(a, b)) still
-  /// averages every gradient. With find_unused_parameters the unused set
+  /// Except while a synchronizing forward's iteration awaits its backward
+  /// (no gradient hook fired since it prepared it): then the hooks stay
+  /// armed, as in PyTorch, where the forward that prepared a backward
+  /// decides whether it synchronizes, so that a = ddp(x1); {NoSync; b =
+  /// ddp(x2);} Backward(f(a, b)) still averages every gradient. An
+  /// eval-mode forward's (optional) backward counts too, but not under Join
+  /// (`in_join`): there the ranks that ran out of inputs shadow only what a
+  /// training forward's flags announced, so it accumulates locally as
+  /// before. With find_unused_parameters the unused set
   /// stays the one that forward's walk found (as in PyTorch): a parameter
   /// reached only through `outputs` that then gets a gradient in that
   /// backward fails it on every rank, naming the parameter and NoSync.
-  void Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients = false);
+  void Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients = false, bool in_join = false);
   /// The graph walk of find_unused_parameters, for a forward with grad
   /// enabled that prepares no backward (under NoSync, or while every
   /// parameter of the buckets is frozen): throws, after aborting the group,
