@@ -2622,6 +2622,53 @@ TEST(DdpFeaturesTest, ANoSyncForwardAfterAnEvalModeForwardLeavesItsBackwardSynch
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A backward that fails (here: head b and `never` get no gradient, without
+// find_unused_parameters) throws and aborts the group; it used to keep its
+// buckets' memory until the wrapper was destroyed: a gradient reduced in
+// place (a bucket of its own) stayed referenced by that bucket, and by the
+// GradBucket a communication hook was given, after ZeroGrad dropped .grad.
+// Now they go at the failure: once ZeroGrad has dropped .grad, nothing holds
+// any gradient's memory. With the default hook and with a registered one.
+int FailedBackwardFreesItsBuckets(bool with_hook) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const std::string what = with_hook ? "with a hook" : "default hook";
+  auto model = std::make_shared<Branchy>(53, /*use_a=*/true);
+  // Every gradient a bucket of its own, reduced in place in .grad.
+  DistributedDataParallel ddp(model, {.inplace_gradient_mb = 1e-6, .process_group = pg});
+  if (with_hook) ddp.RegisterCommHook(hooks::AllReduceHook());
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  std::string message;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("received no gradient") != std::string::npos, what + ": " + message);
+  std::vector<std::pair<std::string, std::weak_ptr<nn::Storage>>> grads;
+  for (const auto& [name, p] : model->NamedParameters()) {
+    if (p.grad().defined()) grads.emplace_back(name, p.grad().storage());
+  }
+  WORKER_EXPECT(!grads.empty(), what + ": no parameter has a gradient after the failed backward");
+  opt.ZeroGrad();
+  for (const auto& [name, storage] : grads) {
+    WORKER_EXPECT(storage.expired(), what + ": the memory of `" + name + "`'s gradient is still held after "
+                                            "the failed backward and ZeroGrad");
+  }
+  return testing::WorkerExit();
+}
+
+DDP_TEST_WORKER(failed_backward_frees_buckets) { return FailedBackwardFreesItsBuckets(false); }
+DDP_TEST_WORKER(failed_backward_frees_hook_buckets) { return FailedBackwardFreesItsBuckets(true); }
+
+TEST(DdpFeaturesTest, AFailedBackwardFreesItsBucketsAtTheFailure) {
+  for (const char* worker : {"failed_backward_frees_buckets", "failed_backward_frees_hook_buckets"}) {
+    auto run = RunWorkers(worker, 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << worker << "\n" << testing::AllOutput(run);
+  }
+}
+
 // A multi-task step with find_unused_parameters: a = ddp(xa) takes head a,
 // {NoSync; b = ddp(xb);} takes head b, and the backward is loss(a)'s only.
 // As in PyTorch, the forward that prepared the backward alone decides the

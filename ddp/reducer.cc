@@ -242,6 +242,17 @@ bool Reducer::WaitInFlight() {
   return wait(used_work_, -1);
 }
 
+void Reducer::ReleaseFailedBuckets() {
+  for (Bucket& b : buckets_) {
+    // A hook's task still running may refer to its GradBucket.
+    if (b.work.valid() && !b.work.IsCompleted()) continue;
+    b.work = Work();
+    b.grad_bucket.reset();
+    b.solo = nn::Tensor();
+    b.solo_copied = false;
+  }
+}
+
 void Reducer::SetCommHook(CommHook hook) {
   if (comm_hook_locked_) {
     throw std::logic_error(
@@ -375,7 +386,11 @@ bool Reducer::AnyParameterRequiresGrad() const {
 }
 
 void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool eval_forward_in_join) {
-  if (!pending_error_.empty()) throw std::runtime_error(pending_error_);
+  if (!pending_error_.empty()) {
+    // What the failed iteration left in flight may have ended since.
+    ReleaseFailedBuckets();
+    throw std::runtime_error(pending_error_);
+  }
   if (!unfinished_) return;
   // A forward that does not synchronize gradients may still run collectives
   // (buffers, Join's flags): once a backward launched buckets and stopped,
@@ -424,6 +439,7 @@ void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool
       "or that an "
       "exception was thrown during backward. The process group was aborted.";
   pg_->Abort(transport::FailedPreconditionError(pending_error_));
+  ReleaseFailedBuckets();
   throw std::runtime_error(pending_error_);
 }
 
@@ -1148,8 +1164,9 @@ void Reducer::Finalize() {
     // both within ~100 ms, and peers report this message.
     pg_->Abort(transport::FailedPreconditionError(pending_error_));
     // Whether or not they all end, pending_error_ keeps the buckets from
-    // being reused.
+    // being reused; what those that ended took for this iteration goes now.
     (void)WaitInFlight();
+    ReleaseFailedBuckets();
     unfinished_ = false;
     // Out of this backward, so that no optimizer step takes the gradients
     // that were not synchronized (and again at the next forward).

@@ -329,6 +329,11 @@ class Reducer {
   // Waits for the collectives still in flight (bounded); false when one
   // still runs after the group was aborted for it: its memory is not free.
   bool WaitInFlight();
+  // After an iteration failed: drops what its buckets took for it (a solo
+  // bucket's gradient, the GradBucket given to the hook), for each bucket
+  // whose collective has ended, so that a failed backward does not keep
+  // them until the wrapper is destroyed (no later iteration reuses them).
+  void ReleaseFailedBuckets();
   bool IsView(size_t index, const nn::Tensor& grad) const;
   // The parameters that had their gradient in this backward, or were
   // marked ready without one (unused): ready_count_, and under
