@@ -2669,6 +2669,55 @@ TEST(DdpFeaturesTest, AFailedBackwardFreesItsBucketsAtTheFailure) {
   }
 }
 
+// A shadowed backward that fails: rank 1 ran out of inputs and shadows rank
+// 0's backward in Join::Wait, where rank 0's communication hook throws for
+// bucket 1 and aborts the group. Rank 1's Wait throws, and what its buckets
+// took for the shadowed backward (the zero gradients it contributed, held by
+// the GradBucket each hook call was given) is dropped then; it used to stay
+// until the wrapper was destroyed.
+DDP_TEST_WORKER(failed_shadow_backward_frees_buckets) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int rank = pg->rank();
+  auto model = Mlp(7);
+  auto [x, y] = testing::Batch(data, rank * kBatch, kBatch);
+  DistributedDataParallel ddp(model, {.bucket_cap_mb = 0.05, .first_bucket_mb = 0.05, .process_group = pg});
+  const CommHook plain = hooks::AllReduceHook();
+  std::vector<std::weak_ptr<nn::Storage>> given;
+  ddp.RegisterCommHook([&](ProcessGroup& group, GradBucket& bucket) -> Work {
+    if (rank == 0 && bucket.index() == 1) throw std::runtime_error("a hook failure, on purpose");
+    if (rank == 1) given.push_back(bucket.buffer().storage());
+    return plain(group, bucket);
+  });
+  std::string message;
+  {
+    Join join(ddp);
+    try {
+      if (rank == 0) nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+      join.Wait();
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+  }
+  WORKER_EXPECT(!message.empty(), "rank " + std::to_string(rank) + " did not fail");
+  if (rank == 0) {
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  WORKER_EXPECT(given.size() > 1, "the hook was given " + std::to_string(given.size()) + " buckets");
+  for (size_t b = 0; b < given.size(); ++b) {
+    WORKER_EXPECT(given[b].expired(), "the zero gradients of shadowed bucket " + std::to_string(b) +
+                                          " are still held after Join::Wait threw");
+  }
+  testing::MarkThisRankDone(*pg);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AFailedShadowedBackwardFreesItsBuckets) {
+  auto run = RunWorkers("failed_shadow_backward_frees_buckets", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A multi-task step with find_unused_parameters: a = ddp(xa) takes head a,
 // {NoSync; b = ddp(xb);} takes head b, and the backward is loss(a)'s only.
 // As in PyTorch, the forward that prepared the backward alone decides the

@@ -1334,13 +1334,31 @@ void Reducer::ShadowBackward(double divisor, bool write_gradients) {
     pg_->Abort(transport::FailedPreconditionError(pending_error_));
     throw;
   }
-  for (size_t b = 0; b < buckets_.size(); ++b) works.push_back(Launch(b, results[b]));
   nn::Tensor used;
-  if (handles_unused()) {
-    used = nn::ZerosLike(used_);
-    works.push_back(pg_->AllReduce(used, transport::ReduceOp::kSum, "unused parameter map"));
+  try {
+    for (size_t b = 0; b < buckets_.size(); ++b) works.push_back(Launch(b, results[b]));
+    if (handles_unused()) {
+      used = nn::ZerosLike(used_);
+      works.push_back(pg_->AllReduce(used, transport::ReduceOp::kSum, "unused parameter map"));
+    }
+    for (Work& w : works) w.Wait();
+  } catch (...) {
+    // A hook threw, or a collective failed (the group aborted, a peer
+    // lost): the others end within moments. What this shadowed backward's
+    // buckets took (the zeros, held by the GradBucket each hook call was
+    // given) goes once they have, not with the wrapper; one whose
+    // collective still runs after the group's timeout keeps it, since its
+    // hook's task may refer to it.
+    const transport::Deadline deadline = Clock::now() + pg_->options().timeout;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (b < works.size()) {
+        (void)works[b].WaitFor(deadline);
+        if (!works[b].IsCompleted()) continue;
+      }
+      buckets_[b].grad_bucket.reset();
+    }
+    throw;
   }
-  for (Work& w : works) w.Wait();
   // Every Work has completed: the zero buckets go now, not with the next
   // backward of this rank's own (Finalize), which may come an epoch later
   // or never; until then they doubled the gradients' memory.
