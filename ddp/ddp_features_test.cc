@@ -2143,9 +2143,16 @@ DDP_TEST_WORKER(hook_fails_on_one_rank) {
         empty    ? "rank 1: DistributedDataParallel: the communication hook returned an empty Work for bucket 1"
         : nonstd ? "DistributedDataParallel on rank 1: the communication hook threw a non-standard exception "
                    "for bucket 1"
-                 : "DistributedDataParallel on rank 1: the communication hook threw for bucket 1: a hook "
-                   "failure, on purpose";
+                 : "DistributedDataParallel on rank 1: the communication hook threw for bucket 1";
     WORKER_EXPECT(message.find(expected) != std::string::npos, message);
+    if (!empty && !nonstd) WORKER_EXPECT(message.find(": a hook failure, on purpose") != std::string::npos, message);
+    // The bucket's first and last parameters are named, as in the label its
+    // collectives take ("bucket 1 of 3 parameters `x` ... `y`").
+    const auto names = ddp.BucketParameterNames();
+    WORKER_EXPECT(names.size() > 1 && message.find("bucket 1 of ") != std::string::npos &&
+                      message.find("`" + names[1].front() + "`") != std::string::npos &&
+                      message.find("`" + names[1].back() + "`") != std::string::npos,
+                  "the bucket's parameters are not named: " + message);
     WORKER_EXPECT(seconds < 8, "rank 0 failed after " + std::to_string(seconds) + " s");
   }
   return testing::WorkerExit();

@@ -1031,7 +1031,7 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
   } catch (const std::exception& e) {
     pg_->Abort(transport::FailedPreconditionError(
         "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
-        ": the communication hook threw for bucket " + std::to_string(b) + ": " + e.what()));
+        ": the communication hook threw for " + bucket.hook_label + ": " + e.what()));
     throw;
   } catch (...) {
     // Not a std::exception (an int, a library's own type): the peers must
@@ -1039,12 +1039,12 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
     // group's timeout with a reason that names neither hook nor rank.
     pg_->Abort(transport::FailedPreconditionError(
         "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
-        ": the communication hook threw a non-standard exception for bucket " + std::to_string(b)));
+        ": the communication hook threw a non-standard exception for " + bucket.hook_label));
     throw;
   }
   if (!work.valid()) {
-    const std::string message = "DistributedDataParallel: the communication hook returned an empty Work "
-                                "for bucket " + std::to_string(b);
+    const std::string message =
+        "DistributedDataParallel: the communication hook returned an empty Work for " + bucket.hook_label;
     pg_->Abort(transport::FailedPreconditionError("rank " + std::to_string(pg_->rank()) + ": " + message));
     throw std::logic_error(message);
   }
