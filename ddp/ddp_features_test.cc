@@ -2565,14 +2565,14 @@ TEST(DdpFeaturesTest, ANoSyncForwardAfterASynchronizingOneLeavesItsBackwardSynch
 // NoSync forward used to disarm it, so each rank stepped its local
 // gradients and the replicas drifted apart. Checked against one process on
 // the combined batch, and that the replicas stay bitwise identical.
-void CheckEvalThenNoSyncForward(ProcessGroup& pg, bool find_unused, bool view) {
+void CheckEvalThenNoSyncForward(ProcessGroup& pg, bool find_unused, bool view, bool static_graph) {
   const auto& data = testing::FashionMnist();
   const int world = pg.size(), rank = pg.rank();
   const std::string what = std::string("eval then NoSync forward") + (find_unused ? " (find unused)" : "") +
-                           (view ? " (views)" : "");
+                           (view ? " (views)" : "") + (static_graph ? " (static graph)" : "");
   auto model = Mlp(rank == 0 ? 47 : 80 + rank);
   DistributedDataParallel ddp(model, {.find_unused_parameters = find_unused, .gradient_as_bucket_view = view,
-                                      .process_group = Borrow(pg)});
+                                      .static_graph = static_graph, .process_group = Borrow(pg)});
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
   auto reference = Mlp(47);
   nn::optim::Sgd ref_opt(reference->NamedParameters(), {.lr = 0.05});
@@ -2611,13 +2611,15 @@ void CheckEvalThenNoSyncForward(ProcessGroup& pg, bool find_unused, bool view) {
 
 DDP_TEST_WORKER(eval_then_no_sync_forward) {
   auto pg = testing::WorkerGroup();
-  for (bool find_unused : {false, true}) {
-    for (bool view : {false, true}) {
-      try {
-        CheckEvalThenNoSyncForward(*pg, find_unused, view);
-      } catch (const std::exception& e) {
-        WORKER_EXPECT(false, std::string("eval then NoSync forward: ") + e.what());
-        return testing::WorkerExit();
+  for (bool static_graph : {false, true}) {
+    for (bool find_unused : {false, true}) {
+      for (bool view : {false, true}) {
+        try {
+          CheckEvalThenNoSyncForward(*pg, find_unused, view, static_graph);
+        } catch (const std::exception& e) {
+          WORKER_EXPECT(false, std::string("eval then NoSync forward: ") + e.what());
+          return testing::WorkerExit();
+        }
       }
     }
   }
