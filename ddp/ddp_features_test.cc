@@ -3093,6 +3093,43 @@ TEST(DdpFeaturesTest, AGradientForAParameterForwardDidNotUseIsNamed) {
   }
 }
 
+// static_graph, an eval-mode forward with grad enabled (its unused
+// parameters are found by walking its graph: static_graph learns only from
+// training iterations), and a loss with a penalty on `never.weight`, which
+// forward does not use: the error names it and says what found it unused.
+// It used to blame find_unused_parameters (not set) and advise setting
+// static_graph (set already).
+DDP_TEST_WORKER(unreachable_in_loss_static_eval) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  auto model = std::make_shared<Branchy>(23, true);
+  Tensor never_weight;
+  for (const auto& [name, p] : model->NamedParameters()) {
+    if (name == "never.weight") never_weight = p;
+  }
+  DistributedDataParallel ddp(model, {.static_graph = true, .process_group = pg});
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  model->Eval();
+  std::string message;
+  try {
+    const Tensor penalty = nn::ops::Sum(never_weight * never_weight) * 1e-3;
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y) + penalty);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  WORKER_EXPECT(message.find("parameter `never.weight`") != std::string::npos, message);
+  WORKER_EXPECT(message.find("eval-mode forward") != std::string::npos, message);
+  WORKER_EXPECT(message.find("static_graph") != std::string::npos, message);
+  WORKER_EXPECT(message.find("find_unused_parameters") == std::string::npos, message);
+  WORKER_EXPECT(message.find("inside the module's forward") != std::string::npos, message);
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AGradientForAParameterAnEvalModeForwardDidNotUseUnderStaticGraphIsNamed) {
+  auto run = RunWorkers("unreachable_in_loss_static_eval", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // trunk -> (main, aux): two outputs; a loss of `main` alone leaves `aux`
 // reachable from the outputs yet without a gradient.
 class TwoHeads : public Module {

@@ -873,6 +873,18 @@ void Reducer::FailUnusedParameterGradient(size_t index) {
         "(its gradients accumulate locally and the synchronizing backward averages them with its own); "
         "a backward run while the synchronizing forward's backward is awaited is taken as that "
         "backward, inside NoSync too. The process group was aborted.";
+  } else if (unused_from_walk_ && options_.static_graph) {
+    // static_graph walks the graph only of an eval-mode forward (it learns
+    // the used set from training iterations' gradients).
+    pending_error_ =
+        head + " although it is not reachable from the outputs of the eval-mode forward that prepared this "
+        "backward: static_graph learns the used parameters from training iterations only, so an eval-mode "
+        "forward's unused ones are found by walking its graph, and this one was marked unused at the end of "
+        "that forward; its bucket is reduced without this gradient. A parameter must be used inside the "
+        "module's forward for its gradient to be synchronized; a loss term on it computed outside forward (a "
+        "penalty such as wd * Sum(p * p) on a parameter that forward does not use) is not seen by "
+        "DistributedDataParallel. Use it inside forward, or leave it out of the loss. The process group was "
+        "aborted.";
   } else if (unused_from_walk_) {
     pending_error_ =
         head + " although it is not reachable from the outputs of forward: find_unused_parameters "
