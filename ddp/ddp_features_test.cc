@@ -3201,6 +3201,62 @@ TEST(DdpFeaturesTest, StaticGraphLearnsAnOutputLeftOutOfTheLossAsUnused) {
   }
 }
 
+// Returns, beside this forward's output, the output of the forward before
+// it, whose graph that forward's backward released (a model keeping a
+// tensor across iterations). The reducer used to hook every output that
+// requires grad, and RegisterHook now refuses a hook on a released node,
+// so the wrapped forward threw; PyTorch's forward ignores such an output.
+class ReturnsItsLastOutput : public Module {
+ public:
+  explicit ReturnsItsLastOutput(uint64_t seed) {
+    nn::Generator gen(seed);
+    head_ = RegisterModule("head", std::make_shared<nn::modules::Linear>(784, 10, true, gen));
+  }
+  std::vector<Tensor> Forward(const std::vector<Tensor>& inputs) override {
+    Tensor out = (*head_)(nn::ops::Flatten(inputs.at(0), 1));
+    Tensor last = last_;
+    last_ = out;
+    return {out, last};
+  }
+  Tensor Forward(const Tensor& x) override { return Forward(std::vector<Tensor>{x}).at(0); }
+  std::string TypeName() const override { return "ReturnsItsLastOutput"; }
+
+ private:
+  std::shared_ptr<nn::modules::Linear> head_;
+  Tensor last_;
+};
+
+DDP_TEST_WORKER(output_of_a_released_graph) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  const int world = pg->size(), rank = pg->rank();
+  auto model = std::make_shared<ReturnsItsLastOutput>(37);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05});
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = testing::Batch(data, (s * world + rank) * kBatch, kBatch);
+    opt.ZeroGrad();
+    std::vector<Tensor> outs;
+    try {
+      outs = ddp.Forward(std::vector<Tensor>{x});
+    } catch (const std::exception& e) {
+      WORKER_EXPECT(false, "step " + std::to_string(s) + ": the forward threw: " + e.what());
+      return testing::WorkerExit();
+    }
+    WORKER_EXPECT(outs.at(1).defined() == (s > 0), "step " + std::to_string(s) + ": second output");
+    nn::Backward(nn::loss::CrossEntropy(outs.at(0), y));
+    opt.Step();
+  }
+  WORKER_EXPECT(ddp.iterations() == 3, "iterations: " + std::to_string(ddp.iterations()));
+  WORKER_EXPECT(testing::SameOnAllRanks(*pg, testing::HashState(*model)), "replicas differ");
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, AnOutputWhoseGraphAnEarlierBackwardReleasedIsLeftUnwatched) {
+  auto run = RunWorkers("output_of_a_released_graph", 2, {{"DDP_TEST_TIMEOUT_MS", "20000"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 
 // --------------------------------------------------- broadcast_buffers ----
 

@@ -603,6 +603,12 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   // OnGradReady).
   for (const nn::Tensor& out : outputs) {
     if (!out.defined() || !out.requires_grad() || out.grad_fn() == nullptr) continue;
+    // An output whose graph an earlier backward released (a tensor the
+    // model kept from an earlier iteration and returns again) can start no
+    // pass: a backward through it fails in autograd, naming the node, and
+    // RegisterHook refuses a hook on it. It is left unwatched, as PyTorch's
+    // forward ignores it.
+    if (out.grad_fn()->HooksReleased()) continue;
     if (!backward_optional) watched_outputs_.push_back(out);
     output_hooks_.push_back(out.RegisterHook([this, alive = std::weak_ptr<char>(alive_)](const nn::Tensor&) {
       if (!alive.expired() && armed_ && !on_backward_pass_) {

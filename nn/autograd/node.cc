@@ -81,6 +81,11 @@ std::shared_ptr<NodeGradHooks> Node::MutableGradHooks() {
   return grad_hooks_;
 }
 
+bool Node::HooksReleased() const {
+  std::lock_guard<std::mutex> lock(grad_hooks_mu_);
+  return hooks_released_;
+}
+
 std::shared_ptr<NodeGradHooks> Node::grad_hooks() const {
   std::lock_guard<std::mutex> lock(grad_hooks_mu_);
   return grad_hooks_;

@@ -82,6 +82,10 @@ class Node {
   /// engine refuses it. After the release, RegisterHook refuses a hook on
   /// any output (NodeGradHooks::released).
   bool GradHooksReleased(uint32_t output_nr) const;
+  /// True once ReleaseGradHooks ran (a backward without retain_graph
+  /// released what this node's backward reads): RegisterHook on any of its
+  /// outputs is refused, and a pass through it fails.
+  bool HooksReleased() const;
   /// Held by the engine across this node's Apply and ReleaseSaved (and the
   /// update of its outputs' retained gradients), so that backward passes on
   /// several threads through a shared node run it one at a time.
