@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -46,6 +47,15 @@ std::string StepRow(const StepRecord& r) {
 std::string EvalRow(const EvalRecord& r) {
   return StringPrintf("%lld,%lld,,,,%.6g,%.6g", static_cast<long long>(r.step),
                       static_cast<long long>(r.epoch), r.test_loss, r.test_acc);
+}
+
+// A step or epoch field as the trainer writes it: decimal digits only,
+// no sign, no space, no trailing text, within int64_t. nullopt otherwise.
+std::optional<int64_t> ParseCount(const std::string& text) {
+  if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos) {
+    return std::nullopt;
+  }
+  return std::stoll(text);
 }
 
 }  // namespace
@@ -156,7 +166,16 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
     }
     std::string line;
     bool header = true;
+    int64_t line_number = 0;
+    // A row that is not one of the trainer's is dropped, and said (the
+    // trainer prints dropped_rows()): the rows after it would otherwise
+    // be charted without a word about the gap.
+    const auto drop = [&](const std::string& why) {
+      dropped_rows_.push_back(csv_path() + " line " + std::to_string(line_number) + " ('" +
+                              (line.size() > 60 ? line.substr(0, 60) + "..." : line) + "'): " + why);
+    };
     while (std::getline(in, line)) {
+      ++line_number;
       if (header) {
         header = false;
         continue;
@@ -165,25 +184,44 @@ MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
       // the torn end of a row that was being written when the run died or
       // its disk filled, and its last field may be cut yet still parse
       // ("0.8765" as "0.8").
-      if (in.eof()) break;
+      if (in.eof()) {
+        drop("the last line has no newline (a row cut short as it was written)");
+        break;
+      }
       const std::vector<std::string> f = SplitCsv(line);
-      if (f.size() != 7) continue;
+      if (f.size() != 7) {
+        drop(std::to_string(f.size()) + " fields, not 7");
+        continue;
+      }
+      // Exactly the digits the trainer writes: std::stoll read "12abc" as
+      // 12 and " 12" as 12, and kept such a row as the trainer's.
+      const std::optional<int64_t> step = ParseCount(f[0]);
+      if (!step) {
+        drop("its step '" + f[0] + "' is not a whole number");
+        continue;
+      }
+      if (*step > resume_step) continue;  // written again by this run
+      const std::optional<int64_t> epoch = ParseCount(f[1]);
+      if (!epoch) {
+        drop("its epoch '" + f[1] + "' is not a whole number");
+        continue;
+      }
       try {
-        const int64_t step = std::stoll(f[0]);
-        if (step > resume_step) continue;
         // ParseExactDouble, not std::stod: a learning rate decayed below
         // the smallest normal double is written as "1e-310", which std::stod
         // refuses (out_of_range).
         if (!f[2].empty()) {
           steps_.push_back(
-              {step, std::stoll(f[1]), ParseExactDouble(f[2]), ParseExactDouble(f[3]), ParseExactDouble(f[4])});
+              {*step, *epoch, ParseExactDouble(f[2]), ParseExactDouble(f[3]), ParseExactDouble(f[4])});
         } else if (!f[5].empty()) {
-          evals_.push_back({step, std::stoll(f[1]), ParseExactDouble(f[5]), ParseExactDouble(f[6])});
+          evals_.push_back({*step, *epoch, ParseExactDouble(f[5]), ParseExactDouble(f[6])});
         } else {
+          drop("neither a training loss nor a test loss");
           continue;
         }
       } catch (const std::exception&) {
-        continue;  // not a row of ours
+        drop("a field that is not a number");
+        continue;
       }
       kept += line + "\n";
     }

@@ -113,6 +113,12 @@ class MetricsLog {
   /// Whether, at a resume, metrics.csv was another run's (metrics.run named
   /// another run than the checkpoint's), and was kept as kept_previous().
   bool kept_another_run() const { return kept_another_run_; }
+  /// At a resume, the lines of metrics.csv at or before the resumed step
+  /// that were not kept as rows because they are not rows the trainer
+  /// writes (a step that is not a whole number, a field missing, a row cut
+  /// short), each as "<path> line N ('<text>'): <why>". Rows after the
+  /// resumed step are not listed: the resumed run writes them again.
+  const std::vector<std::string>& dropped_rows() const { return dropped_rows_; }
 
  private:
   // Without a resume: renames an earlier run's metrics.csv (with rows) and
@@ -138,6 +144,7 @@ class MetricsLog {
   std::string kept_previous_;
   std::string kept_previous_chart_;
   bool kept_another_run_ = false;
+  std::vector<std::string> dropped_rows_;
 };
 
 }  // namespace ddp::examples::trainer

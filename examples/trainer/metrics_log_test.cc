@@ -183,6 +183,36 @@ TEST(MetricsLogTest, ResumeDropsALastLineWithoutItsNewline) {
             "10,1,1.5,0.05,100.0,,\n");
 }
 
+// std::stoll read a step of "12abc" as 12 (and " 12" as 12): a line that
+// is not the trainer's was kept as a row on resume. Each field is read
+// exactly, and each line dropped is named with its reason.
+TEST(MetricsLogTest, ResumeDropsAndNamesARowWhoseStepOrEpochIsNotAWholeNumber) {
+  const std::string dir = TempDir("resume_inexact_step");
+  {
+    MetricsLog log(dir, "t", "s", -1);
+    log.AddStep({10, 1, 1.5, 0.05, 100});
+  }
+  std::ofstream(dir + "/metrics.csv", std::ios::app) << "12abc,1,0.9,0.05,100.0,,\n"
+                                                     << "14,1x,0.8,0.05,100.0,,\n"
+                                                     << " 16,1,,,,0.5,0.8\n"
+                                                     << "20,1,0.7,0.05,100.0,,\n";
+  MetricsLog log(dir, "t", "s", 40);
+  ASSERT_EQ(log.steps().size(), 2u);
+  EXPECT_EQ(log.steps()[1].step, 20);
+  EXPECT_TRUE(log.evals().empty());
+  EXPECT_EQ(Read(dir + "/metrics.csv"),
+            "step,epoch,loss,lr,samples_per_s,test_loss,test_acc\n"
+            "10,1,1.5,0.05,100.0,,\n"
+            "20,1,0.7,0.05,100.0,,\n");
+  ASSERT_EQ(log.dropped_rows().size(), 3u);
+  EXPECT_EQ(log.dropped_rows()[0],
+            dir + "/metrics.csv line 3 ('12abc,1,0.9,0.05,100.0,,'): its step '12abc' is not a whole number");
+  EXPECT_EQ(log.dropped_rows()[1],
+            dir + "/metrics.csv line 4 ('14,1x,0.8,0.05,100.0,,'): its epoch '1x' is not a whole number");
+  EXPECT_EQ(log.dropped_rows()[2],
+            dir + "/metrics.csv line 5 (' 16,1,,,,0.5,0.8'): its step ' 16' is not a whole number");
+}
+
 // A resume whose --log_dir holds another run's metrics (another checkpoint
 // resumed with it) kept that run's rows up to the resumed step, spliced
 // into this run's chart, and took its evaluation at that step for this

@@ -1186,6 +1186,14 @@ void Run::Setup() {
         (log_->kept_previous_chart().empty() ? "" : " and " + log_->kept_previous_chart()) +
         (another ? ", and this run's rows start afresh" : " (--resume continues a run's rows instead)"));
   }
+  if (log_ && !log_->dropped_rows().empty()) {
+    // Said, not refused: the chart goes on without them.
+    const std::vector<std::string>& dropped = log_->dropped_rows();
+    Say("  note: --log_dir: " + std::to_string(dropped.size()) +
+        (dropped.size() == 1 ? " line is" : " lines are") + " not a row of this trainer's and " +
+        (dropped.size() == 1 ? "is" : "are") + " dropped from the metrics: " + dropped.front() +
+        (dropped.size() > 1 ? " (and " + std::to_string(dropped.size() - 1) + " more)" : ""));
+  }
   if (c_.resume) {
     if (!resume_note.empty()) Say("  note: " + resume_note);
     train_sampler_->set_start(pos_.epoch_start);
