@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -19,6 +20,16 @@
 #include "nn/io/atomic_file.h"
 
 namespace ddp::examples::trainer {
+
+namespace internal {
+namespace {
+std::atomic<int64_t> metrics_read_pause_ms{0};
+}  // namespace
+
+void SetMetricsReadPause(std::chrono::milliseconds pause) { metrics_read_pause_ms.store(pause.count()); }
+
+}  // namespace internal
+
 namespace {
 
 std::vector<std::string> SplitCsv(const std::string& line) {
@@ -119,6 +130,9 @@ const char* MetricsLog::CsvHeader() { return "step,epoch,loss,lr,samples_per_s,t
 MetricsLog::MetricsLog(std::string dir, std::string title, std::string subtitle,
                        int64_t resume_step, bool resume_at_epoch_end, const std::string& run)
     : dir_(std::move(dir)), title_(std::move(title)), subtitle_(std::move(subtitle)) {
+  if (const int64_t pause = internal::metrics_read_pause_ms.load(); pause > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {

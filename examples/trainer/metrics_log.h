@@ -147,6 +147,16 @@ class MetricsLog {
   std::vector<std::string> dropped_rows_;
 };
 
+namespace internal {
+
+/// Makes MetricsLog's constructor wait `pause` before it looks at its
+/// folder's files, as a disk that hangs would; for tests of the trainer's
+/// deadline on it. Process-wide; zero (the default) turns it off. For
+/// tests only.
+void SetMetricsReadPause(std::chrono::milliseconds pause);
+
+}  // namespace internal
+
 }  // namespace ddp::examples::trainer
 
 #endif  // DDP_EXAMPLES_TRAINER_METRICS_LOG_H_

@@ -463,6 +463,51 @@ bool IsAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind 
   return *another;
 }
 
+// MetricsLog(config.log_dir, ...), made on a thread of its own for at most
+// half of --timeout_s: its looks at metrics.csv and metrics.run (a resume
+// reads every row) hung in the filesystem held rank 0 with no deadline
+// while the others failed at theirs, not knowing why. Past it, throws
+// JobError naming the files; the construction left behind owns what it
+// uses. Its own exceptions are rethrown as they are.
+std::unique_ptr<MetricsLog> OpenMetricsLogWithin(const TrainConfig& config, std::string title, std::string subtitle,
+                                                 int64_t resume_step, bool resume_at_epoch_end, std::string run) {
+  struct Open {
+    std::mutex mu;
+    std::condition_variable done_cv;
+    bool done = false;
+    std::unique_ptr<MetricsLog> log;
+    std::exception_ptr error;
+  };
+  const auto open = std::make_shared<Open>();
+  std::thread([open, dir = config.log_dir, title = std::move(title), subtitle = std::move(subtitle), resume_step,
+               resume_at_epoch_end, run = std::move(run)] {
+    std::unique_ptr<MetricsLog> log;
+    std::exception_ptr error;
+    try {
+      log = std::make_unique<MetricsLog>(dir, title, subtitle, resume_step, resume_at_epoch_end, run);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lock(open->mu);
+    open->log = std::move(log);
+    open->error = error;
+    open->done = true;
+    open->done_cv.notify_all();
+  }).detach();
+  const auto wait = std::chrono::milliseconds(config.timeout_s * 500);
+  std::unique_lock lock(open->mu);
+  if (!open->done_cv.wait_for(lock, wait, [&open] { return open->done; })) {
+    throw JobError(StringPrintf("--log_dir=%s: cannot %s %s/metrics.csv and %s/metrics.run within %s (half of "
+                                "--timeout_s): its disk may hang; pass a --log_dir on a working disk, or a longer "
+                                "--timeout_s",
+                                config.log_dir.c_str(), resume_step >= 0 ? "read" : "look at",
+                                config.log_dir.c_str(), config.log_dir.c_str(),
+                                FormatSeconds(config.timeout_s * 0.5).c_str()));
+  }
+  if (open->error) std::rethrow_exception(open->error);
+  return std::move(open->log);
+}
+
 void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* made = nullptr) {
   if (!config.checkpoint.empty()) {
     // A symbolic link at --checkpoint is written through (nn::io's atomic
@@ -1109,8 +1154,8 @@ void Run::Setup() {
       CheckOutputFolders(c_, &made);
       if (!c_.checkpoint.empty()) checkpoint_claim_ = CheckpointClaim(c_.checkpoint);
       if (!c_.log_dir.empty()) {
-        log_ = std::make_unique<MetricsLog>(
-            c_.log_dir, c_.model + " on " + c_.dataset,
+        log_ = OpenMetricsLogWithin(
+            c_, c_.model + " on " + c_.dataset,
             std::to_string(world_) + (world_ == 1 ? " rank" : " ranks") + ", global batch " +
                 FormatCount(c_.GlobalBatch(world_)) + ", " + OptimizerSummary(c_),
             c_.resume ? pos_.step : -1, c_.resume && AtEpochEndResumed(), metrics_run);

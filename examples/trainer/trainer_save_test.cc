@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "examples/trainer/config.h"
+#include "examples/trainer/metrics_log.h"
 #include "examples/trainer/parallel.h"
 #include "examples/trainer/train_state.h"
 #include "examples/trainer/trainer.h"
@@ -450,6 +451,18 @@ DDP_TEST_WORKER(lost_share) {
 DDP_TEST_WORKER(hung_look) {
   internal::SetReadPause(std::chrono::seconds(60));
   return TrainLikeTheTrainer(TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2));
+}
+
+// A fresh run on 2 ranks (collectives bounded by 4 s) saving to
+// HUNG_METRICS_CKPT, with --log_dir=HUNG_METRICS_DIR, whose MetricsLog
+// waits 60 s before it looks at its files
+// (internal::SetMetricsReadPause), as on a disk that hangs. Exit status
+// and lines as zero_resume's.
+DDP_TEST_WORKER(hung_metrics) {
+  internal::SetMetricsReadPause(std::chrono::seconds(60));
+  TrainConfig c = TinyRun(std::getenv("HUNG_METRICS_CKPT"), 4);
+  c.log_dir = std::getenv("HUNG_METRICS_DIR");
+  return TrainLikeTheTrainer(c);
 }
 
 // A safetensors file that holds no tensor and no metadata of this
@@ -1126,6 +1139,30 @@ TEST(TrainerSaveTest, AHungLookAtTheCheckpointAtARestartEndsEveryRankNamingIt) {
   }
   EXPECT_EQ(ReadFile(checkpoint), "a checkpoint on a disk that hangs");
   EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
+}
+
+// Rank 0's look at --log_dir's metrics.csv and metrics.run (all of its
+// rows, on a resume) had no deadline: a disk that hung held rank 0 while
+// the others failed at their collective's deadline, without its reason.
+// Within half of --timeout_s, every rank fails naming the files.
+TEST(TrainerSaveTest, AHungLookAtTheMetricsEndsEveryRankNamingThem) {
+  const std::string dir = TempDir("hung_metrics");
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "hung_metrics", {.world_size = 2,
+                       .timeout = std::chrono::seconds(90),
+                       .stop_all_on_failure = false,
+                       .env = {{"HUNG_METRICS_CKPT", dir + "/ckpt.safetensors"},
+                               {"HUNG_METRICS_DIR", dir + "/logs"}}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string reason = "--log_dir=" + dir + "/logs: cannot look at " + dir + "/logs/metrics.csv and " + dir +
+                             "/logs/metrics.run within 2.0s (half of --timeout_s)";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find(reason), std::string::npos) << run->Output(rank);
+  }
+  EXPECT_LT(seconds, 40) << "the 60 s look was waited out";
 }
 
 // Rank 0's own failure at the start (a resume's checkpoint that is not
