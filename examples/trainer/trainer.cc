@@ -1550,7 +1550,7 @@ void Run::SaveCheckpoint() {
     std::error_code ec;
     const std::string left =
         moved.empty() ? "the file there is the one before, if any"
-                      : "another run's checkpoint that was there is now " + moved +
+                      : kept_kind_ + ", which was at " + c_.checkpoint + ", is now " + moved +
                             (std::filesystem::exists(c_.checkpoint, ec)
                                  ? ""
                                  : ", and nothing is left at " + c_.checkpoint);
@@ -1564,7 +1564,7 @@ void Run::SaveCheckpoint() {
   try {
     failure = par_.RunOnLead(
         [outcome, checkpoint = std::move(checkpoint), gather_error, path = c_.checkpoint, job = c_.job,
-         keep_previous = keep_previous_](const std::atomic<bool>& stop) {
+         keep_previous = keep_previous_, kind = kept_kind_](const std::atomic<bool>& stop) {
           try {
             if (gather_error) std::rethrow_exception(gather_error);
             std::string kept;
@@ -1591,7 +1591,9 @@ void Run::SaveCheckpoint() {
                 outcome->kept.clear();
               }
               if (kept.empty()) throw;
-              const std::string where = " (another run's checkpoint that was there is " + kept + ")";
+              // What the file is (KeptFileKind), as the start said: a
+              // file another program wrote is no run's checkpoint.
+              const std::string where = " (" + kind + ", which was at " + path + ", is " + kept + ")";
               try {
                 throw;
               } catch (const CheckpointSaveError& e) {
@@ -1635,7 +1637,8 @@ void Run::SaveCheckpoint() {
     const std::string kept = kept_now();
     if (kept.empty()) throw;
     if (e.what() == late) throw JobError(late_message(kept));
-    throw JobError(std::string(e.what()) + " (another run's checkpoint that was there is " + kept + ")");
+    throw JobError(std::string(e.what()) + " (" + kept_kind_ + ", which was at " + c_.checkpoint + ", is " + kept +
+                   ")");
   }
   // RunOnLead returned: the write has ended, and the outcome is final.
   keep_previous_ = false;

@@ -1276,10 +1276,11 @@ TEST(TrainerSaveTest, AStopBeforeTheFirstSaveSaysWhatTheFileItLeftIs) {
   EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
 }
 
-// A save that keeps another run's file first, then fails with an error
+// A save that keeps another program's file first, then fails with an error
 // that is not the disk's (out of memory): the file kept is put back as it
 // was, or, where it was renamed (no hard links) and the path is empty now,
-// every rank's line says where it is. Only a CheckpointSaveError did so:
+// every rank's line says where it is, and what it is (it called any such
+// file "another run's checkpoint"). Only a CheckpointSaveError did so:
 // any other failure left a second name (.prev) beside the file, or, without
 // hard links, the file moved away with no word of where.
 TEST(TrainerSaveTest, AFailedSaveThatIsNotTheDisksSaysWhereAnotherRunsFileWent) {
@@ -1287,7 +1288,7 @@ TEST(TrainerSaveTest, AFailedSaveThatIsNotTheDisksSaysWhereAnotherRunsFileWent) 
     const std::string dir = TempDir(hard_links ? "odd_save_linked" : "odd_save_renamed");
     const std::string checkpoint = dir + "/ckpt.safetensors";
     const std::string previous = dir + "/ckpt.prev.safetensors";
-    std::ofstream(checkpoint) << "a file another program wrote";
+    std::ofstream(checkpoint, std::ios::binary) << kForeignSafetensors;
     std::vector<std::pair<std::string, std::string>> env = {{"ODD_SAVE_CKPT", checkpoint},
                                                             {"FAIL_FILE_FSYNC", "1"}};
     if (!hard_links) env.emplace_back("NO_HARD_LINKS", "1");
@@ -1302,12 +1303,12 @@ TEST(TrainerSaveTest, AFailedSaveThatIsNotTheDisksSaysWhereAnotherRunsFileWent) 
     }
     if (hard_links) {
       EXPECT_FALSE(std::filesystem::exists(previous)) << "a second name of the file was left behind";
-      EXPECT_EQ(ReadFile(checkpoint), "a file another program wrote");
+      EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was not put back";
     } else {
-      EXPECT_EQ(ReadFile(previous), "a file another program wrote");
+      EXPECT_TRUE(ReadFile(previous) == kForeignSafetensors) << "the file was not kept";
       for (int rank = 0; rank < 2; ++rank) {
-        EXPECT_NE(run->Output(rank).find("std::bad_alloc (another run's checkpoint that was there is " +
-                                         previous + ")"),
+        EXPECT_NE(run->Output(rank).find("std::bad_alloc (a file this trainer did not write, which was at " +
+                                         checkpoint + ", is " + previous + ")"),
                   std::string::npos)
             << run->Output(rank);
       }
