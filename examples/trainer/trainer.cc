@@ -420,7 +420,21 @@ void CheckCheckpointIsAFile(const TrainConfig& config) {
 // With `kind`, also what the file is (KeptFileKind), when another run's,
 // within the same time. Empty past the deadline, within the time the
 // others wait for rank 0's word. A read left behind owns what it uses.
-std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind = nullptr) {
+// The most a stop waits for that look (KeepAnotherRunsCheckpoint): half
+// of the default --timeout_s, 150 s, outlasted a launcher's grace between
+// SIGTERM and SIGKILL (ddprun's and torchrun's are 30 s), and the stop was
+// killed before its line. Leaves the rest of the grace to the step.
+constexpr std::chrono::seconds kStopLookLimit{10};
+
+// How long rank 0 looks at the file at --checkpoint: half of --timeout_s,
+// and at a stop at most kStopLookLimit.
+std::chrono::milliseconds LookWait(const TrainConfig& config, bool at_stop) {
+  const std::chrono::milliseconds half(config.timeout_s * 500);
+  return at_stop ? std::min<std::chrono::milliseconds>(half, kStopLookLimit) : half;
+}
+
+std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind = nullptr,
+                                                      bool at_stop = false) {
   struct Look {
     std::mutex mu;
     std::condition_variable done_cv;
@@ -438,7 +452,7 @@ std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config,
     look->done = true;
     look->done_cv.notify_all();
   }).detach();
-  const auto wait = std::chrono::milliseconds(config.timeout_s * 500);
+  const auto wait = LookWait(config, at_stop);
   std::unique_lock lock(look->mu);
   if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) return std::nullopt;
   if (kind != nullptr) *kind = look->kind;
@@ -446,10 +460,13 @@ std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config,
 }
 
 // How a look past its deadline is told: the file, and the time waited.
-std::string UnreadHeader(const TrainConfig& config) {
-  return StringPrintf("cannot read the header of --checkpoint=%s within %s (half of --timeout_s), to tell "
-                      "whose file it is",
-                      config.checkpoint.c_str(), FormatSeconds(config.timeout_s * 0.5).c_str());
+std::string UnreadHeader(const TrainConfig& config, bool at_stop = false) {
+  const std::chrono::milliseconds wait = LookWait(config, at_stop);
+  return StringPrintf("cannot read the header of --checkpoint=%s within %s (%s), to tell whose file it is",
+                      config.checkpoint.c_str(), FormatSeconds(wait.count() / 1000.0).c_str(),
+                      wait < std::chrono::milliseconds(config.timeout_s * 500)
+                          ? "the most a stop waits, to end within a launcher's grace"
+                          : "half of --timeout_s");
 }
 
 // LookAtAnotherRunsCheckpointWithin, throwing JobError naming the file past
@@ -1488,11 +1505,11 @@ bool Run::KeepAnotherRunsCheckpoint() {
   if (c_.checkpoint.empty() || c_.resume || last_checkpoint_step_ >= 0) return false;
   std::string keep;
   if (lead_) {
-    // Within half of --timeout_s, as at the start: a header read hung in
+    // Within half of --timeout_s (at most kStopLookLimit), as at the start: a header read hung in
     // the filesystem held rank 0 here for good, and the others failed at
     // their deadline not knowing why. A file whose header cannot be read
     // in time may be a good checkpoint: it is left as it is, and said so.
-    const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(c_, &kept_kind_);
+    const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(c_, &kept_kind_, /*at_stop=*/true);
     if (!another) kept_unread_ = true;
     if (!another || *another) keep = "1";
   }
@@ -1861,7 +1878,7 @@ RunResult Run::Go() {
                       : std::string(" (continue with --resume)");
       }
       if (kept && kept_unread_) {
-        where += "; " + UnreadHeader(c_) + " (its disk may hang), so it was left as it was (this run had "
+        where += "; " + UnreadHeader(c_, /*at_stop=*/true) + " (its disk may hang), so it was left as it was (this run had "
                  "saved nothing yet)";
       } else if (kept && kept_kind_ == "another run's checkpoint") {
         where += "; the checkpoint at " + c_.checkpoint +

@@ -496,14 +496,15 @@ class StopWithAHungFileParallel : public LoadFaultParallel {
   bool file_made_ = false;
 };
 
-// A fresh run on 2 ranks (collectives bounded by 4 s, 8 steps) saving to
+// A fresh run on 2 ranks (collectives bounded by 4 s, or HUNG_STOP_TIMEOUT_S, 8 steps) saving to
 // HUNG_STOP_CKPT, stopped after its first step over
 // StopWithAHungFileParallel (whose read hangs unless HUNG_STOP_NO_HANG is
 // set), before any save. Not quiet: rank 0 prints the stop's line. Exit
 // status and lines as zero_resume's.
 DDP_TEST_WORKER(hung_stop) {
   const char* checkpoint = std::getenv("HUNG_STOP_CKPT");
-  TrainConfig c = TinyRun(checkpoint, 4);
+  const char* timeout_s = std::getenv("HUNG_STOP_TIMEOUT_S");
+  TrainConfig c = TinyRun(checkpoint, timeout_s != nullptr ? std::atoll(timeout_s) : 4);
   c.train_samples = 256;
   RunOptions options;
   options.print_result = false;
@@ -1251,6 +1252,31 @@ TEST(TrainerSaveTest, AHungLookAtTheCheckpointPathWhenStoppedLeavesTheFileAndEnd
       << run->Output(0);
   EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
   EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
+}
+
+// The same stop with a --timeout_s of 60 s: the look at the file waited
+// half of it, 30 s (150 s at the default 300), longer than a launcher's
+// grace between SIGTERM and SIGKILL (ddprun's 30 s), which killed the stop
+// before its line. At a stop it waits at most 10 s.
+TEST(TrainerSaveTest, AHungLookWhenStoppedEndsWithinALaunchersGrace) {
+  const std::string checkpoint = TempDir("hung_stop_long") + "/ckpt.safetensors";
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "hung_stop", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"HUNG_STOP_CKPT", checkpoint}, {"HUNG_STOP_TIMEOUT_S", "60"}}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 0) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(0).find("cannot read the header of --checkpoint=" + checkpoint +
+                                " within 10.0s (the most a stop waits, to end within a launcher's grace)"),
+            std::string::npos)
+      << run->Output(0);
+  EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
+  EXPECT_LT(seconds, 25) << "the look outlasted a launcher's 30 s grace";
 }
 
 // The same stop, where the file at --checkpoint reads (a file this trainer
