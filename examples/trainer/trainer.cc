@@ -433,22 +433,40 @@ std::chrono::milliseconds LookWait(const TrainConfig& config, bool at_stop) {
   return at_stop ? std::min<std::chrono::milliseconds>(half, kStopLookLimit) : half;
 }
 
+// Where a fresh run's first save would keep the file at --checkpoint
+// (FreePreviousCheckpointPath), looked up by the same bounded look: its
+// lstat of each .prev name, hung in the filesystem, held rank 0 with no
+// deadline too.
+struct KeptName {
+  std::string path;
+  bool too_long = false;  // the folder cannot hold a name that long (ENAMETOOLONG)
+};
+
 std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind = nullptr,
-                                                      bool at_stop = false) {
+                                                      bool at_stop = false, KeptName* kept = nullptr) {
   struct Look {
     std::mutex mu;
     std::condition_variable done_cv;
     bool done = false;
     bool another = false;
     std::string kind;
+    KeptName kept;
   };
   const auto look = std::make_shared<Look>();
-  std::thread([look, path = config.checkpoint, job = config.job, want_kind = kind != nullptr] {
+  std::thread([look, path = config.checkpoint, job = config.job, want_kind = kind != nullptr,
+               want_kept = kept != nullptr] {
     const bool another = IsAnotherRunsCheckpoint(path, job);
     const std::string what = another && want_kind ? KeptFileKind(path) : "";
+    KeptName name;
+    if (another && want_kept) {
+      name.path = FreePreviousCheckpointPath(path);
+      struct stat st{};
+      name.too_long = ::lstat(name.path.c_str(), &st) != 0 && errno == ENAMETOOLONG;
+    }
     std::lock_guard lock(look->mu);
     look->another = another;
     look->kind = what;
+    look->kept = std::move(name);
     look->done = true;
     look->done_cv.notify_all();
   }).detach();
@@ -456,6 +474,7 @@ std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config,
   std::unique_lock lock(look->mu);
   if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) return std::nullopt;
   if (kind != nullptr) *kind = look->kind;
+  if (kept != nullptr) *kept = look->kept;
   return look->another;
 }
 
@@ -471,10 +490,14 @@ std::string UnreadHeader(const TrainConfig& config, bool at_stop = false) {
 
 // LookAtAnotherRunsCheckpointWithin, throwing JobError naming the file past
 // the deadline.
-bool IsAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind = nullptr) {
-  const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(config, kind);
+bool IsAnotherRunsCheckpointWithin(const TrainConfig& config, std::string* kind = nullptr,
+                                   KeptName* kept = nullptr) {
+  const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(config, kind, /*at_stop=*/false, kept);
   if (!another) {
     throw JobError(UnreadHeader(config) +
+                   (kept != nullptr ? ", or to find the name beside it (" +
+                                          PreviousCheckpointPath(config.checkpoint, 1) + ", ...) that keeps it"
+                                    : "") +
                    ": its disk may hang; pass a --checkpoint on a working disk, or a longer --timeout_s");
   }
   return *another;
@@ -564,9 +587,10 @@ void CheckOutputFolders(const TrainConfig& config, std::vector<std::string>* mad
     // Another run's file there is kept under a longer name before the
     // first save (KeepAsPreviousCheckpoint): one past NAME_MAX would fail
     // only then, after training.
-    if (err == 0 && !config.resume && IsAnotherRunsCheckpointWithin(config)) {
-      const std::string kept = FreePreviousCheckpointPath(config.checkpoint);
-      if (::lstat(kept.c_str(), &st) != 0 && errno == ENAMETOOLONG) {
+    KeptName kept_name;
+    if (err == 0 && !config.resume && IsAnotherRunsCheckpointWithin(config, nullptr, &kept_name)) {
+      const std::string& kept = kept_name.path;
+      if (kept_name.too_long) {
         throw UsageError("--checkpoint=" + config.checkpoint + " holds another run's file, which this run would "
                          "keep as " + kept + " before its first save, and that name cannot be made (" +
                          std::strerror(ENAMETOOLONG) + "); pass a shorter --checkpoint path, or move that "
@@ -1228,14 +1252,15 @@ void Run::Setup() {
     Say(console_.Dim("  checkpoint " + c_.checkpoint +
                      (c_.resume ? " (resuming)" : "")));
   }
+  KeptName kept_name;
   keep_previous_ = lead_ && !c_.resume && !c_.checkpoint.empty() &&
-                   IsAnotherRunsCheckpointWithin(c_, &kept_kind_);
+                   IsAnotherRunsCheckpointWithin(c_, &kept_kind_, &kept_name);
   if (keep_previous_) {
     // Only a checkpoint of this trainer's can be resumed: a file another
     // program wrote is refused by --resume.
     const bool checkpoint = kept_kind_ == "another run's checkpoint";
     Say("  note: " + c_.checkpoint + " holds " + kept_kind_ + "; this run's first save " +
-        "keeps it as " + FreePreviousCheckpointPath(c_.checkpoint) +
+        "keeps it as " + kept_name.path +
         (checkpoint ? " (--resume continues it instead)" : ""));
   }
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));

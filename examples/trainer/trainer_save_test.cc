@@ -79,11 +79,17 @@ extern "C" int linkat(int olddirfd, const char* oldpath, int newdirfd, const cha
 // In a process given LSTAT_EIO_PATH, lstat of that path fails with EIO,
 // as on a failing disk; every other path, and every other process, as
 // usual.
+// In a process given LSTAT_HANG_PATH, lstat of that path waits 60 s
+// first, as on a disk that hangs.
 extern "C" int lstat(const char* path, struct stat* st) noexcept {
   static const char* failing = std::getenv("LSTAT_EIO_PATH");
   if (failing != nullptr && std::strcmp(path, failing) == 0) {
     errno = EIO;
     return -1;
+  }
+  static const char* hanging = std::getenv("LSTAT_HANG_PATH");
+  if (hanging != nullptr && std::strcmp(path, hanging) == 0) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));
   }
   using Lstat = int (*)(const char*, struct stat*);
   static const Lstat real = reinterpret_cast<Lstat>(::dlsym(RTLD_NEXT, "lstat"));
@@ -527,6 +533,11 @@ DDP_TEST_WORKER(hung_stop) {
 // with a failure that is not the disk's. Exit status and lines as
 // zero_resume's.
 DDP_TEST_WORKER(odd_save) { return TrainLikeTheTrainer(TinyRun(std::getenv("ODD_SAVE_CKPT"), 20)); }
+
+// A fresh run on 2 ranks (collectives bounded by 4 s) saving to
+// LSTAT_HANG_CKPT, where another program's file is. Exit status and lines
+// as zero_resume's.
+DDP_TEST_WORKER(lstat_hang) { return TrainLikeTheTrainer(TinyRun(std::getenv("LSTAT_HANG_CKPT"), 4)); }
 
 // A fresh run on 2 ranks saving to LSTAT_EIO_PATH, whose lstat fails with
 // EIO. Exit status and lines as zero_resume's.
@@ -1340,6 +1351,34 @@ TEST(TrainerSaveTest, AFailedSaveThatIsNotTheDisksSaysWhereAnotherRunsFileWent) 
       }
     }
   }
+}
+
+// Rank 0's search for the name that would keep another program's file
+// (FreePreviousCheckpointPath: an lstat of each .prev name) had no
+// deadline: an lstat hung in the filesystem held rank 0 while the others
+// timed out in their collective without its reason. It is part of the
+// look bounded by half of --timeout_s, and every rank fails naming it.
+TEST(TrainerSaveTest, AHungLookForTheKeptNameEndsEveryRankNamingIt) {
+  const std::string dir = TempDir("lstat_hang");
+  const std::string checkpoint = dir + "/ckpt.safetensors";
+  std::ofstream(checkpoint, std::ios::binary) << kForeignSafetensors;
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "lstat_hang", {.world_size = 2,
+                     .timeout = std::chrono::seconds(90),
+                     .stop_all_on_failure = false,
+                     .env = {{"LSTAT_HANG_CKPT", checkpoint}, {"LSTAT_HANG_PATH", dir + "/ckpt.prev.safetensors"}}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string reason = "cannot read the header of --checkpoint=" + checkpoint +
+                             " within 2.0s (half of --timeout_s), to tell whose file it is, or to find the name "
+                             "beside it (" + dir + "/ckpt.prev.safetensors, ...) that keeps it";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 1) << run->Summary() << run->Output(rank);
+    EXPECT_NE(run->Output(rank).find(reason), std::string::npos) << run->Output(rank);
+  }
+  EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
+  EXPECT_LT(seconds, 40) << "the 60 s lstat was waited out";
 }
 
 // Rank 0's look at the file at --checkpoint failing in the host (EIO) is
