@@ -29,6 +29,22 @@ const char* StatNameEnd(int pid, char (&line)[1024]) {
   return p != nullptr && p[1] == ' ' ? p : nullptr;
 }
 
+// The number of threads of process `pid` (the Threads: line of
+// /proc/PID/status), or 0 when it cannot be read.
+int ThreadCount(int pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/status", pid);
+  FILE* f = std::fopen(path, "re");
+  if (f == nullptr) return 0;
+  char line[256];
+  int threads = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "Threads: %d", &threads) == 1) break;
+  }
+  std::fclose(f);
+  return threads;
+}
+
 }  // namespace
 
 uint64_t ProcessStartTime(int pid) {
@@ -68,7 +84,13 @@ bool ProcessGoneNow(int pid, uint64_t start_time) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/exe", pid);
   char target[16];
-  return readlink(path, target, sizeof(target)) < 0 && errno == ENOENT;
+  if (readlink(path, target, sizeof(target)) >= 0 || errno != ENOENT) return false;
+  // No memory under the pid's own thread: the process exited, or only its
+  // main thread did (pthread_exit) while others run on, which the kernel
+  // shows alike (state Z, no exe). An exited one counts its last thread
+  // until it is reaped; more than one is a process still at work. (With
+  // no descriptor left to read the count, gone: the answer without it.)
+  return ThreadCount(pid) <= 1;
 }
 
 }  // namespace ddp::transport::fault

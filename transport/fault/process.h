@@ -27,7 +27,8 @@ char ProcessState(int pid);
 /// For when no pidfd can be had (kernels before 5.3, seccomp, every
 /// descriptor in use): it needs no descriptor, since a process without
 /// memory has no /proc/PID/exe to read. kill(pid, 0) alone takes a zombie
-/// for alive.
+/// for alive. A process whose main thread exited (pthread_exit) while its
+/// other threads run on is not gone, though the kernel shows it alike.
 /// With `start_time` (ProcessStartTime when the process was first seen;
 /// 0: unknown), a process now under `pid` that started at another time is
 /// another process (the pid was reused), and the one watched is gone.

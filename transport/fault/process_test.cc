@@ -1,13 +1,18 @@
 #include "transport/fault/process.h"
 
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <climits>
+#include <thread>
 
 // This binary's kill(): counts the calls that name a process group or every
 // process (pid 0 or below), then passes each call to the kernel. It takes
@@ -46,6 +51,55 @@ TEST(ProcessGoneNow, ThisProcessIsNotGone) {
   EXPECT_FALSE(ProcessGoneNow(getpid()));
   EXPECT_FALSE(ProcessGoneNow(getpid(), ProcessStartTime(getpid())));
   EXPECT_EQ(group_kills.load(), 0);
+}
+
+// Blocks on `fd` until it is readable (a byte, or its writer's end).
+void* ReadOne(void* fd) {
+  char c;
+  return reinterpret_cast<void*>(read(static_cast<int>(reinterpret_cast<intptr_t>(fd)), &c, 1));
+}
+
+// A rank whose main thread exited (pthread_exit, or the exit system call) while its other
+// threads work on: the kernel shows the main thread as a zombie (state Z,
+// no /proc/PID/exe), and kill(pid, 0) succeeds, yet the process runs. It
+// was reported gone, so a peer's fallback check (no pidfd) declared a live
+// rank lost. Once its last thread ends it is gone.
+TEST(ProcessGoneNow, AProcessWhoseMainThreadExitedWhileOthersRunIsNotGone) {
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    close(fds[1]);
+    pthread_t worker;
+    if (pthread_create(&worker, nullptr, &ReadOne, reinterpret_cast<void*>(static_cast<intptr_t>(fds[0]))) != 0) {
+      _exit(2);
+    }
+    // The exit system call ends this thread alone (pthread_exit would
+    // unwind through the test framework's handlers).
+    syscall(SYS_exit, 0);
+  }
+  close(fds[0]);
+  const uint64_t started = ProcessStartTime(pid);
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  ASSERT_GE(pidfd, 0) << "pidfd_open: " << errno;
+  // No event tells when the main thread is done: its state is looked at.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (ProcessState(pid) != 'Z' && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(ProcessState(pid), 'Z') << "the child's main thread did not exit within 10 s";
+  EXPECT_FALSE(ProcessGoneNow(pid));
+  EXPECT_FALSE(ProcessGoneNow(pid, started));
+  close(fds[1]);  // the worker's read returns, and the process ends
+  pollfd exited{pidfd, POLLIN, 0};
+  ASSERT_EQ(poll(&exited, 1, 10'000), 1) << "the child did not exit within 10 s of its worker's release";
+  EXPECT_TRUE(ProcessGoneNow(pid));
+  EXPECT_TRUE(ProcessGoneNow(pid, started));
+  close(pidfd);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "wait status " << status;
 }
 
 }  // namespace
