@@ -11,8 +11,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <climits>
 #include <thread>
+
+#include "transport/testing/descriptors_exhausted.h"
 
 // This binary's kill(): counts the calls that name a process group or every
 // process (pid 0 or below), then passes each call to the kernel. It takes
@@ -91,6 +94,13 @@ TEST(ProcessGoneNow, AProcessWhoseMainThreadExitedWhileOthersRunIsNotGone) {
   ASSERT_EQ(ProcessState(pid), 'Z') << "the child's main thread did not exit within 10 s";
   EXPECT_FALSE(ProcessGoneNow(pid));
   EXPECT_FALSE(ProcessGoneNow(pid, started));
+  {
+    // The fallback is for when no pidfd can be had, every descriptor in use
+    // among the reasons: it needs none.
+    testing::DescriptorsExhausted none;
+    ASSERT_EQ(none.error(), EMFILE);
+    EXPECT_FALSE(ProcessGoneNow(pid)) << "with no descriptor left";
+  }
   close(fds[1]);  // the worker's read returns, and the process ends
   pollfd exited{pidfd, POLLIN, 0};
   ASSERT_EQ(poll(&exited, 1, 10'000), 1) << "the child did not exit within 10 s of its worker's release";
