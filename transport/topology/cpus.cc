@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <optional>
 #include <sstream>
@@ -78,6 +79,9 @@ std::optional<double> LeastQuota(const std::string& mount, const std::string& pa
   return least;
 }
 
+// Linux builds for at most 8,192 CPUs; a mask of this many is far beyond.
+constexpr int kMostCpus = 1 << 16;
+
 }  // namespace
 
 std::optional<double> CpuQuotaFrom(const std::string& proc_self_cgroup, const std::string& cgroup_root) {
@@ -118,11 +122,22 @@ std::optional<double> CpuQuota() {
 }
 
 int UsableCpus() {
-  // A fixed cpu_set_t holds 1024 CPUs; beyond that the call fails and the
-  // online count stands in.
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  long cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+  // A fixed cpu_set_t holds 1,024 CPUs, and the kernel refuses (EINVAL) a
+  // mask smaller than its own: on a bigger host the mask grows until it
+  // fits. Only where none does is the online count taken, which ignores a
+  // container's cpuset.
+  long cpus = 0;
+  for (int size = CPU_SETSIZE; size <= kMostCpus && cpus == 0; size *= 2) {
+    cpu_set_t* set = CPU_ALLOC(size);
+    if (set == nullptr) break;
+    const size_t bytes = CPU_ALLOC_SIZE(size);
+    const bool read = sched_getaffinity(0, bytes, set) == 0;
+    const bool too_small = !read && errno == EINVAL;  // before free() may change errno
+    if (read) cpus = CPU_COUNT_S(bytes, set);
+    CPU_FREE(set);
+    if (!read && !too_small) break;
+  }
+  if (cpus == 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
   if (const std::optional<double> quota = CpuQuota()) {
     cpus = std::min(cpus, static_cast<long>(std::ceil(*quota)));
   }

@@ -12,8 +12,9 @@
 
 namespace ddp::transport::topology {
 
-/// The CPUs of this process's affinity mask (the online count when the mask
-/// cannot be read), capped by CpuQuota() rounded up; at least 1.
+/// The CPUs of this process's affinity mask, of any size (the online count
+/// when the mask cannot be read), capped by CpuQuota() rounded up; at
+/// least 1.
 int UsableCpus();
 
 /// The CPU quota of this process's cgroup and its ancestors, in CPUs (the

@@ -1,0 +1,69 @@
+// UsableCpus on a host with more CPUs than a fixed cpu_set_t holds (1,024):
+// the kernel refuses a mask smaller than its own (EINVAL), as it does on
+// such hosts. This binary's sched_getaffinity plays that kernel.
+
+#include <errno.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <optional>
+
+#include "transport/topology/cpus.h"
+
+namespace {
+// The CPU count of the kernel played (0: pass calls to the real one's
+// figures) and how many of its CPUs this process may run on, the highest
+// numbered ones (a container's cpuset at the end of a big host).
+std::atomic<int> kernel_cpus{0};
+std::atomic<int> allowed_cpus{0};
+}  // namespace
+
+extern "C" int sched_getaffinity(pid_t, size_t size, cpu_set_t* mask) noexcept {
+  const int cpus = kernel_cpus.load();
+  if (cpus == 0) {
+    // The real kernel's answer, as the C library gives it: 0, and the mask
+    // past the kernel's own size cleared.
+    const long got = syscall(SYS_sched_getaffinity, 0, size, mask);
+    if (got < 0) return -1;
+    std::memset(reinterpret_cast<char*>(mask) + got, 0, size - static_cast<size_t>(got));
+    return 0;
+  }
+  const size_t needed = static_cast<size_t>(cpus + 7) / 8;
+  if (size < needed) {
+    errno = EINVAL;
+    return -1;
+  }
+  std::memset(mask, 0, size);
+  for (int c = cpus - allowed_cpus.load(); c < cpus; ++c) CPU_SET_S(c, size, mask);
+  return 0;
+}
+
+namespace ddp::transport::topology {
+namespace {
+
+// A container given a few CPUs of a 2,048-CPU host counted every CPU the
+// host has online (the fallback for a mask that could not be read), not
+// the few it may run on, so ranks and threads were sized for the host.
+TEST(UsableCpus, FollowsTheAffinityMaskOnAHostOfMoreThan1024Cpus) {
+  // One more than this machine has online, so that the online count (the
+  // old fallback) cannot give the same answer.
+  const int allowed = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) + 1;
+  kernel_cpus = 2048;
+  allowed_cpus = allowed;
+  const int usable = UsableCpus();
+  kernel_cpus = 0;
+  int want = allowed;
+  if (const std::optional<double> quota = CpuQuota()) want = std::min(want, static_cast<int>(std::ceil(*quota)));
+  EXPECT_EQ(usable, std::max(1, want));
+}
+
+}  // namespace
+}  // namespace ddp::transport::topology
