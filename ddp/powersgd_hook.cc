@@ -871,6 +871,10 @@ ParsedState ParseState(const PowerSgdState::NamedTensors& state, const PowerSgdS
 // double's bit pattern, a bool as 0 or 1), with its name.
 std::vector<std::pair<const char*, int64_t>> OptionBits(const PowerSgdOptions& o) {
   auto bits = [](double v) {
+    // -0.0 passes the range checks and computes as 0.0 does; its bit
+    // pattern differs, and a rank that wrote it failed every rank's first
+    // call as a mismatch. Adding +0.0 makes it +0.0 and changes no other.
+    v += 0.0;
     int64_t b = 0;
     std::memcpy(&b, &v, sizeof b);
     return b;

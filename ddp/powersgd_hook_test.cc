@@ -1309,6 +1309,30 @@ TEST(PowerSgdHookTest, RanksWithDifferentWarmStartFailNamingIt) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// -0.0 and 0.0 are the same setting (both pass the range check, and the
+// hook computes alike with either): a rank that wrote its rate or epsilon
+// as -0.0 (a negated zero from a config) is not a mismatch. The ranks'
+// bit patterns were compared, and the first call failed on every rank
+// with "min_compression_rate differs (-0 and 0 among others)".
+DDP_TEST_WORKER(signed_zeros_agree) {
+  auto pg = testing::WorkerGroup();
+  const Tensor weight = nn::Zeros({16, 12});
+  const double zero = pg->rank() == 0 ? 0.0 : -0.0;
+  CommHook hook = hooks::PowerSgdHook(
+      {.start_iteration = 0, .min_compression_rate = zero, .orthogonalization_epsilon = zero});
+  try {
+    for (int step = 0; step < 3; ++step) CompressOnce(*pg, hook, weight, step);
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("0.0 and -0.0 were taken for different options: ") + e.what());
+  }
+  return testing::WorkerExit();
+}
+
+TEST(PowerSgdHookTest, ZeroAndNegativeZeroOptionsAreTheSameOnEveryRank) {
+  auto run = RunWorkers("signed_zeros_agree", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // ---------------------------------------- rounding the same on every rank ----
 
 // FNV-1a over a tensor's bytes.
