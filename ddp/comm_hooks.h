@@ -45,8 +45,10 @@ namespace ddp::dist {
 /// One bucket of gradients, as a hook sees it.
 class GradBucket {
  public:
-  /// Throws std::invalid_argument for a divisor that is not a positive
-  /// finite number.
+  /// Throws std::invalid_argument, naming the bucket, for a divisor that
+  /// is not a positive finite number, an index not below num_buckets, an
+  /// undefined parameter, or offsets that do not fit the parameters into
+  /// the buffer (one per parameter, each gradient within the buffer).
   GradBucket(size_t index, size_t num_buckets, nn::Tensor buffer, std::vector<nn::Tensor> parameters,
              std::vector<int64_t> offsets, double divisor = 1.0, bool divided = false)
       : index_(index),
@@ -64,6 +66,7 @@ class GradBucket {
                                   "finite number (the ranks the gradients are averaged over), got " +
                                   std::to_string(divisor));
     }
+    CheckLayout();
   }
 
   /// Position of the bucket in launch order (0 is launched first).
@@ -99,6 +102,34 @@ class GradBucket {
   }
 
  private:
+  // Hooks (PowerSgdHook) read and write each parameter's gradient at its
+  // offset in the buffer: a layout that does not fit would have them
+  // outside it. And a bucket that is never the last would never count an
+  // iteration.
+  void CheckLayout() const {
+    // Built on a failure only: this runs for every bucket of every backward.
+    const auto where = [this] { return "GradBucket (bucket " + std::to_string(index_) + "): "; };
+    if (index_ >= num_buckets_) {
+      throw std::invalid_argument(where() + "the index is not below the count of buckets, " +
+                                  std::to_string(num_buckets_));
+    }
+    if (parameters_.size() != offsets_.size()) {
+      throw std::invalid_argument(where() + std::to_string(parameters_.size()) + " parameters and " +
+                                  std::to_string(offsets_.size()) + " offsets; one offset per parameter");
+    }
+    const int64_t size = buffer_.defined() ? buffer_.numel() : 0;
+    for (size_t k = 0; k < parameters_.size(); ++k) {
+      const nn::Tensor& p = parameters_[k];
+      if (!p.defined()) throw std::invalid_argument(where() + "parameter " + std::to_string(k) + " is undefined");
+      const int64_t at = offsets_[k], n = p.numel();
+      if (at < 0 || at > size || n > size - at) {
+        throw std::invalid_argument(where() + "parameter " + std::to_string(k) + " (" + nn::ShapeToString(p.shape()) +
+                                    ", " + std::to_string(n) + " elements) at offset " + std::to_string(at) +
+                                    " lies outside the buffer's " + std::to_string(size) + " elements");
+      }
+    }
+  }
+
   size_t index_;
   size_t num_buckets_;
   nn::Tensor buffer_;

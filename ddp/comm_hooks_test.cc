@@ -91,6 +91,49 @@ TEST(CommHooksTest, ABucketWithADivisorThatIsNotPositiveAndFiniteIsRefused) {
   }
 }
 
+// A bucket whose parameters do not fit its buffer is refused when it is
+// made, naming the bucket and the parameter: PowerSgdHook reads and writes
+// each parameter's gradient at its offset, so an offset missing (fewer
+// offsets than parameters) or past the buffer's end made it read and write
+// outside the buffer. An index past the count is refused too: the bucket
+// was never the last, so hooks that count iterations on the last bucket
+// never counted.
+TEST(CommHooksTest, ABucketWhoseParametersDoNotFitItsBufferIsRefused) {
+  const nn::Tensor weight = nn::Zeros({3, 4});
+  const nn::Tensor bias = nn::Zeros({3});
+  struct Case {
+    std::string what;
+    size_t index;
+    std::vector<nn::Tensor> parameters;
+    std::vector<int64_t> offsets;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"an offset missing", 1, {weight, bias}, {0}, "GradBucket (bucket 1): 2 parameters and 1 offsets"},
+      {"an offset too many", 1, {weight}, {0, 12}, "GradBucket (bucket 1): 1 parameters and 2 offsets"},
+      {"past the end", 1, {weight, bias}, {0, 13},
+       "GradBucket (bucket 1): parameter 1 ([3], 3 elements) at offset 13 lies outside the buffer's 15 elements"},
+      {"a negative offset", 1, {weight, bias}, {-1, 12},
+       "GradBucket (bucket 1): parameter 0 ([3, 4], 12 elements) at offset -1 lies outside the buffer's 15 elements"},
+      {"an undefined parameter", 1, {weight, nn::Tensor()}, {0, 12},
+       "GradBucket (bucket 1): parameter 1 is undefined"},
+      {"an index past the count", 4, {weight, bias}, {0, 12}, "GradBucket (bucket 4): the index is not below the "
+                                                               "count of buckets, 4"},
+  };
+  for (const Case& c : cases) {
+    try {
+      GradBucket bucket(c.index, 4, nn::Zeros({15}), c.parameters, c.offsets);
+      ADD_FAILURE() << c.what << ": accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(c.expected), std::string::npos) << c.what << ": " << e.what();
+    }
+  }
+  // Laid out right, with a bucket of its own that holds the parameters
+  // back to back, it is taken.
+  GradBucket fits(3, 4, nn::Zeros({15}), {weight, bias}, {0, 12});
+  EXPECT_TRUE(fits.is_last());
+}
+
 // A bucket scaled in place by the host loop (CPU, contiguous) counts as
 // written, as it does through the device kernel: buffer_written() is how
 // PowerSgdHook and PostLocalSgdHook see that a calling hook divided the
