@@ -210,7 +210,10 @@ CommHook AllReduceHook();
 /// sum stays in range: an undivided bucket is divided by divisor() here);
 /// 16-bit buckets are reduced as they are. In a group of one process the
 /// bucket still goes to f16 and back, so it is rounded as a larger group's
-/// is. Leaves the average, as PyTorch's fp16_compress_hook. A bucket that
+/// is. Leaves the average, as PyTorch's fp16_compress_hook, which however
+/// converts first and divides in f16: there a gradient above 65504 is inf
+/// whatever the world size, here only when its share, gradient / divisor,
+/// is. A bucket that
 /// is not floating, divided or not, throws std::invalid_argument naming the
 /// hook, the bucket and its dtype, before anything is written or sent.
 CommHook Fp16CompressHook();
