@@ -89,6 +89,35 @@ const char* WhatOf(const std::exception_ptr& e) {
   return "an exception that is not a std::exception";
 }
 
+// Called from the handler of what threw on this rank while it made the
+// buffers of a collective call's first exchange (memory running out): the
+// other ranks are already in that exchange and would wait for this one
+// until the group's timeout, or past it for a LoadCheckpoint whose
+// exchange lasts as long as the reads. The group is aborted with a reason
+// naming the call, `path` (when not null), this rank and what threw, so that every rank's
+// exchange fails at once with it; the caller then rethrows. A group of
+// one rank has nobody waiting and stays usable. When the reason cannot be
+// built (memory still short), the group is aborted with a shorter one.
+void AbortForFirstBuffers(ProcessGroup& pg, const char* call, const std::string* path) noexcept {
+  if (pg.size() == 1) return;
+  const char* what = WhatOf(std::current_exception());
+  try {
+    if (!pg.aborted_reason().ok()) return;
+    const std::string named = path == nullptr ? "" : " " + (path->empty() ? "''" : *path);
+    pg.Abort(transport::ResourceExhaustedError(std::string(call) + named +
+                                               ": rank " + std::to_string(pg.rank()) +
+                                               " could not make the buffers to exchange its outcome with the "
+                                               "other ranks: " + what));
+    return;
+  } catch (...) {
+  }
+  try {
+    pg.Abort(transport::ResourceExhaustedError(call));
+  } catch (...) {
+    // Nothing more can be done: the others wait until the group's timeout.
+  }
+}
+
 // Inside a catch handler: makes `record` (a record) say that `doing`
 // failed, "<doing> threw: <what><after>", or "<doing> ran out of memory:
 // <what><after>" for a std::bad_alloc. In place: nothing is allocated,
@@ -377,7 +406,14 @@ void Agree(ProcessGroup& pg, const Agreement& a) {
   };
   const int64_t digest = Digest(a.value);
   // The one allocation this rank cannot take part without.
-  nn::Tensor summary = nn::Zeros({4}, {.dtype = nn::DType::kInt64});
+  nn::Tensor summary;
+  try {
+    RunFault(internal::FaultPoint::kMakingFirstBuffers);
+    summary = nn::Zeros({4}, {.dtype = nn::DType::kInt64});
+  } catch (...) {
+    AbortForFirstBuffers(pg, a.call.c_str(), &a.path);
+    throw;
+  }
   int64_t* s = static_cast<int64_t*>(summary.data_ptr());
   s[0] = a.refused.empty() ? 0 : 1;
   s[1] = digest;
@@ -735,6 +771,20 @@ struct LoadAccount {
   std::string failure;
 };
 
+// A LoadAccount, made as the call's first allocation after its arguments
+// were compared: a rank that cannot make it aborts the group
+// (AbortForFirstBuffers) and rethrows, so that the others, already waiting
+// for its read, fail at once instead of at their deadline.
+LoadAccount MakeLoadAccount(ProcessGroup& pg, const char* call, const std::string& path) {
+  try {
+    RunFault(internal::FaultPoint::kMakingFirstBuffers);
+    return LoadAccount(pg);
+  } catch (...) {
+    AbortForFirstBuffers(pg, call, &path);
+    throw;
+  }
+}
+
 // Every rank's outcome, exchanged; throws one error naming each rank that
 // failed when any did. A rank that loaded puts what it read (Fingerprint)
 // in its record: ranks that read different files (a node-local disk with
@@ -795,8 +845,8 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
              .not_done = "nothing was read",
              .refused = path.empty() ? "the path is empty" : RefusedLoad(wait, options)});
   // Before the read, as LoadAccount says.
+  LoadAccount account = MakeLoadAccount(pg, "LoadCheckpoint", path);
   const std::string call = "LoadCheckpoint " + path;
-  LoadAccount account(pg);
   // Owned by the work too: a read stuck in the filesystem outlives this call.
   auto read = std::make_shared<nn::io::Checkpoint>();
   // The reads take as long as each rank's storage does (the host that
@@ -868,8 +918,9 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
         e.code(), "LoadCheckpointFromRank '" + path + "': nothing was read: the group failed while " + from +
                       " sent the path it reads: " + e.status().message()));
   }
+  // Before the read, as LoadAccount says.
+  LoadAccount account = MakeLoadAccount(pg, "LoadCheckpointFromRank", root_path);
   const std::string call = "LoadCheckpointFromRank '" + root_path + "' (read by " + from + ")";
-  LoadAccount account(pg);  // before the read, as it says
   // Root reads (for as long as it takes, within wait.timeout, while the
   // others hear that it is still reading), then sends the bytes.
   // Owned by the work: a read stuck in the filesystem outlives this call.
@@ -1300,9 +1351,20 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   // into this rank's record in place, with nothing allocated: a handler
   // that built its message would throw again, out of the call, when memory
   // is what ran out.
-  nn::Tensor record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
-  nn::Tensor all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
-  nn::Tensor any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
+  // A rank that cannot make them aborts the group (AbortForFirstBuffers),
+  // so that the others, already in the exchange, fail at once.
+  nn::Tensor record;
+  nn::Tensor all;
+  nn::Tensor any_failed;
+  try {
+    RunFault(internal::FaultPoint::kMakingFirstBuffers);
+    record = nn::Zeros({kRecordBytes}, {.dtype = nn::DType::kUInt8});
+    all = nn::Empty({kRecordBytes * pg.size()}, {.dtype = nn::DType::kUInt8});
+    any_failed = nn::Zeros({1}, {.dtype = nn::DType::kInt64});
+  } catch (...) {
+    AbortForFirstBuffers(pg, "RestoreCheckpoint", nullptr);
+    throw;
+  }
   bool ok = true;
   // This rank's problems in full (its record holds their first 1 KB),
   // empty when it has none or could not list them.

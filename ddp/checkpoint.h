@@ -122,7 +122,14 @@ inline constexpr char kWorldSizeKey[] = "world_size";
 /// the ranks and what they passed, nothing is written, and the group
 /// stays usable. A rank on which that comparison throws (memory running
 /// out) still takes part in it: every rank throws std::runtime_error at
-/// once naming it and what threw, and nothing is written.
+/// once naming it and what threw, and nothing is written. A rank that
+/// cannot make the buffers of that comparison (the call's first
+/// allocation) rethrows what threw after aborting the group with a reason
+/// naming the call, itself and what threw: the others throw that
+/// DistributedError at once, nothing is written, and the group is no
+/// longer usable. So do LoadCheckpoint and LoadCheckpointFromRank (for
+/// their comparison, then the account of the read) and the collective
+/// RestoreCheckpoint (for its checks' outcomes, with nothing changed).
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
 
@@ -393,6 +400,13 @@ enum class FaultPoint {
   /// LoadCheckpointFromRank, on a rank other than the root, as it makes
   /// room for the bytes the root read, before they are sent.
   kReceivingCheckpoint = 7,
+  /// SaveCheckpoint, LoadCheckpoint, LoadCheckpointFromRank and the
+  /// collective RestoreCheckpoint, as this rank makes the buffers of an
+  /// exchange the others may already be in: the comparison of the
+  /// arguments (not in RestoreCheckpoint), then, in the loads, the
+  /// exchange of how the read went, and in RestoreCheckpoint, of the
+  /// checks' outcomes.
+  kMakingFirstBuffers = 8,
 };
 
 /// Test only: from now on, this process runs `fault` at `point`; what

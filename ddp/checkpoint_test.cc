@@ -22,6 +22,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -893,6 +894,89 @@ TEST(DdpCheckpointTest, ARankWhoseChecksRunOutOfMemoryIsNamedOnEveryRankPromptly
                         {{"DDP_TEST_CASE", "out_of_memory"}, {"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
                         /*stop_all_on_failure=*/false);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// On rank 1, making the buffers of the first exchange of a collective call
+// throws std::bad_alloc (memory running out; DDP_TEST_CASE names the call:
+// save and load fail in the comparison of the arguments, load_account and
+// from_rank_account in LoadCheckpoint's and LoadCheckpointFromRank's
+// account of the read, restore in RestoreCheckpoint's exchange of the
+// checks). Before, the std::bad_alloc took rank 1 out of the call alone,
+// while ranks 0 and 2 waited for it in that exchange until the group's
+// timeout (60 s here; a LoadCheckpoint's, as long as the reads). Now rank 1
+// aborts the group before it rethrows: ranks 0 and 2 throw the group's
+// DistributedError at once, naming the call, rank 1 and what threw, and
+// their model is as it was.
+DDP_TEST_WORKER(first_buffers_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  const SavedMlp saved(/*trained=*/false);
+  if (which != "save") SaveCheckpoint(*pg, path, saved.checkpoint);
+  auto model = Mlp(99);
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  nn::optim::LrScheduler sched(opt, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  const uint64_t before = testing::HashState(*model);
+  // The fault's run that throws: the first exchange of a load compares
+  // the arguments, its second is the account of the read.
+  const bool account = which == "load_account" || which == "from_rank_account";
+  const int failing_run = account ? 2 : 1;
+  if (pg->rank() == 1) {
+    // Shared: each run has its own copy of the function.
+    auto runs = std::make_shared<int>(0);
+    internal::SetFaultForTesting(internal::FaultPoint::kMakingFirstBuffers, [runs, failing_run] {
+      if (++*runs == failing_run) throw std::bad_alloc();
+    });
+  }
+  std::string call;
+  auto run = [&] {
+    if (which == "save") {
+      call = "SaveCheckpoint " + path;
+      SaveCheckpoint(*pg, path, saved.checkpoint);
+    } else if (which == "load" || which == "load_account") {
+      call = "LoadCheckpoint " + path;
+      LoadCheckpoint(*pg, path);
+    } else if (which == "from_rank_account") {
+      call = "LoadCheckpointFromRank " + path;
+      LoadCheckpointFromRank(*pg, path, 0);
+    } else {
+      call = "RestoreCheckpoint";
+      RestoreCheckpoint(*pg, saved.checkpoint, *model, &opt, &sched);
+    }
+  };
+  const std::string who = which + ", rank " + std::to_string(pg->rank());
+  if (pg->rank() == 1) {
+    std::string outcome = "no error";
+    try {
+      run();
+    } catch (const std::bad_alloc&) {
+      outcome = "std::bad_alloc";
+    } catch (const std::exception& e) {
+      outcome = std::string("another exception: ") + e.what();
+    }
+    internal::SetFaultForTesting(internal::FaultPoint::kMakingFirstBuffers, {});
+    WORKER_EXPECT(outcome == "std::bad_alloc", who + " got: " + outcome);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg, std::chrono::seconds(90));
+    return testing::WorkerExit();
+  }
+  const Outcome failed = OutcomeOf<DistributedError>(run);
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(failed.error.find(call) != std::string::npos &&
+                    failed.error.find("rank 1 could not make the buffers to exchange its outcome with the other "
+                                      "ranks: std::bad_alloc") != std::string::npos,
+                who + " got: " + failed.error);
+  WORKER_EXPECT(failed.seconds < 20, who + ": the failure took " + std::to_string(failed.seconds) + " s");
+  WORKER_EXPECT(testing::HashState(*model) == before, who + ": the model was changed");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankWithNoMemoryForAFirstExchangesBuffersFailsEveryRankPromptly) {
+  for (const char* which : {"save", "load", "load_account", "from_rank_account", "restore"}) {
+    auto run = RunWorkers("first_buffers_out_of_memory", 3,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_CKPT", TempDir()}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          180000, /*stop_all_on_failure=*/false);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
 }
 
 // Every rank's checks pass, then rank 1's load throws: its scheduler drives
