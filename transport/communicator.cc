@@ -89,6 +89,12 @@ constexpr milliseconds kQueuedCallAllowance{1000};
 // to the end.
 constexpr milliseconds kAbortedStoreTime{1000};
 constexpr milliseconds kAbortedStoreTimeForLatePeers{3000};
+// How far past its deadline (min(timeout, 30 s)) a communicator's
+// destruction may run to close what it holds: its marks in the store, the
+// count of the ranks not left and the endpoints' close share it. Each step
+// had a bound of its own on top of the deadline (1 s, 2 s, 2 s, 1 s), so a
+// store or peer that sat stopped held a 1.5 s destruction for 3 s or more.
+constexpr milliseconds kShutdownCloseAllowance{200};
 // A rank on this host seen stopped (SIGSTOP, SIGTSTP, a debugger) at every
 // look for this long counts, after an abort, as one that will not come for
 // the reason in time: it reads nothing while stopped, and held the store up
@@ -1868,6 +1874,10 @@ void Communicator::Impl::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   const Deadline deadline = DeadlineIn(std::min<milliseconds>(options_.timeout, milliseconds(30000)));
+  // What every step after the waits below gets at most, whatever its own
+  // bound (kShutdownCloseAllowance).
+  const Deadline close_by = deadline + kShutdownCloseAllowance;
+  const auto close_within = [&](milliseconds most) { return std::min(DeadlineIn(most), close_by); };
   if (thread_.joinable()) {
     if (Status queued = WaitForQueue(deadline); !queued.ok()) {
       // Calls still queued or running would each run to their own deadline
@@ -1930,14 +1940,14 @@ void Communicator::Impl::Shutdown() {
   std::string not_left;
   if (store_ != nullptr) {
     if (!aborted() && monitor_ != nullptr) {
-      monitor_->PostClosed(DeadlineIn(options_.abort_store_time));
+      monitor_->PostClosed(close_within(options_.abort_store_time));
     }
     // The rank serving the store keeps it up until the others have left
     // (they may still post or read the abort key); bounded. After a failed
     // creation, never past the creation deadline: its Create or Split
     // returns only after this.
     const bool failed = aborted() || creation_failed_;
-    const Deadline leave_by = DeadlineIn(failed ? options_.abort_store_time : milliseconds(2000));
+    const Deadline leave_by = close_within(failed ? options_.abort_store_time : milliseconds(2000));
     // Which ranks left, for the wait of the rank serving the store (see
     // rest_gone, and members_gone for communicators without it; a
     // launcher's store keeps keys for good): marked before the count, so
@@ -2159,7 +2169,7 @@ void Communicator::Impl::Shutdown() {
       // not to leave and no warning is printed: their count is enough, and
       // spares every failed job's exit a store read per rank.
       not_left =
-          NotLeftRanks(awaited, !aborted() && !creation_failed_, DeadlineIn(milliseconds(1000)));
+          NotLeftRanks(awaited, !aborted() && !creation_failed_, close_within(milliseconds(1000)));
       std::string why = "rank " + std::to_string(options_.rank) + " of communicator '" +
                         prefix_.substr(0, prefix_.size() - 1) + "', which served the rendezvous store, was destroyed " +
                         (aborted()            ? std::string("after the job was aborted")
@@ -2201,7 +2211,7 @@ void Communicator::Impl::Shutdown() {
         p2p_->MarkPeerLost(r, PeerLostError("rank " + std::to_string(r) + " exited"));
       }
     }
-    p2p_->Close(DeadlineIn(milliseconds(2000)), aborted() || creation_failed_).IgnoreError();
+    p2p_->Close(close_within(milliseconds(2000)), aborted() || creation_failed_).IgnoreError();
   }
   p2p_.reset();
   monitor_.reset();
@@ -2212,7 +2222,7 @@ void Communicator::Impl::Shutdown() {
     // the reason would find a cleanly stopped store, which tells no abort,
     // and wait out their deadlines. Read as late as can be, just before the
     // stop, so that an abort posted during the wait above counts too.
-    const std::string aborts = AbortsOfRanksNotLeft(awaited, DeadlineIn(milliseconds(1000)));
+    const std::string aborts = AbortsOfRanksNotLeft(awaited, close_within(milliseconds(1000)));
     if (!aborts.empty()) {
       std::lock_guard lock(server_->mu);
       server_->closing_clean = false;

@@ -283,7 +283,11 @@ class Communicator {
   /// abort reason (rank 0 warns with it as well): their ranks' next wait
   /// fails with PEER_LOST carrying it instead of waiting out its deadline
   /// (and so does a Send/Recv between other ranks of a communicator of
-  /// rank 0's).
+  /// rank 0's). The whole destruction keeps to min(timeout, 30 s) from its
+  /// start and 0.2 s more to close (the marks in the store, the endpoints),
+  /// however long any of those steps would take alone (a stopped store or
+  /// peer); only an abort of calls still running may add its
+  /// abort_store_time.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

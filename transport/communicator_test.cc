@@ -2672,6 +2672,55 @@ int ScenarioStoreRankAbortsWithAStoppedPeer() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// One rank (DDP_TEST_STOPPED_RANK) sits stopped (SIGSTOP) while the other
+// destroys its communicator without an abort, with a 1.5 s timeout: the
+// destructor keeps to it (the header's min(timeout, 30 s)) and a short
+// allowance to close. DDP_TEST_OTHER_HOST=1 puts rank 1 on a host of its
+// own (root only), so that its connection to rank 0 is a remote one, which
+// is flushed before it closes. Before, rank 1 took 3 s whatever the
+// timeout when rank 0, serving the store, sat stopped (1 s to post its
+// closed mark, 2 s for its left mark), and rank 0 waited out its timeout
+// for a stopped rank 1 on another host and then 2 s more for the flush of
+// its endpoint and 1 s for the forced close.
+int ScenarioShutdownWithAStoppedPeer() {
+  int failed = 0;
+  std::unique_ptr<Communicator> comm;
+  if (EnvOr("DDP_TEST_OTHER_HOST") == "1") {
+    comm = CreateWithRankOneOnAnotherHost(failed);
+    if (comm == nullptr) return failed;
+  } else {
+    comm = MustCreate();
+  }
+  int64_t pids[2] = {0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  const int stopped = std::atoi(EnvOr("DDP_TEST_STOPPED_RANK", "1").c_str());
+  const std::string done = EnvOr("TEST_TMPDIR", "/tmp") + "/shutdown_stopped_done_" + EnvOr("MASTER_PORT", "0");
+  if (comm->rank() == stopped) {
+    // Stopped by the other rank here, and continued once it has left.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    WORKER_CHECK(std::filesystem::exists(done), "the other rank never said it was done");
+    comm.reset();  // whatever it finds: the other rank has gone
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  const pid_t peer = static_cast<pid_t>(pids[stopped]);
+  kill(peer, SIGSTOP);
+  WORKER_CHECK(AwaitStopped(peer, milliseconds(5000)), "the peer did not stop");
+  const auto start = Clock::now();
+  comm.reset();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  kill(peer, SIGCONT);
+  std::ofstream(done) << "done";
+  std::printf("DESTROYED in %lld ms\n", took_ms);
+  WORKER_CHECK(took_ms < 2100, "destroying took " + std::to_string(took_ms) + " ms with a 1500 ms timeout");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Every rank's pid, by rank (one all-gather); empty, reported, when the
 // all-gather fails.
 std::vector<int64_t> RankPids(Communicator& comm) {
@@ -3067,6 +3116,7 @@ int RunScenario(const std::string& name) {
   }
   if (name == "abort_with_a_stalled_store") return ScenarioAbortWithAStalledStore();
   if (name == "store_abort_with_stopped_peer") return ScenarioStoreRankAbortsWithAStoppedPeer();
+  if (name == "shutdown_with_stopped_peer") return ScenarioShutdownWithAStoppedPeer();
   if (name == "store_leaves_split_whose_rank_died") return ScenarioStoreRankLeavesASplitWhoseRankDied();
   if (name == "store_outlives_split_whose_dead_ranks_pid_was_taken") {
     return ScenarioStoreRankOutlivesASplitWhoseDeadRanksPidWasTaken();
@@ -3380,6 +3430,20 @@ TEST(Communicator, TheRankServingTheStoreWaitsForNoDeadPeerWhenItClosesWithoutAn
 TEST(Communicator, TheRankServingTheStoreWaitsForNoStoppedPeerAfterAnAbort) {
   Job job = RunJob(2, "store_abort_with_stopped_peer", {});
   EXPECT_TRUE(EveryRankPassed(job));
+}
+
+// The destructor keeps to min(timeout, 30 s), a short allowance aside,
+// whichever rank sits stopped: the one serving the store, or its peer on
+// another host.
+TEST(Communicator, DestructionKeepsToItsTimeoutWithAStoppedPeer) {
+  const std::pair<const char*, const char*> cases[] = {{"0", "0"}, {"1", "1"}};
+  for (const auto& [stopped, other_host] : cases) {
+    Job job = RunJob(2, "shutdown_with_stopped_peer",
+                     {{"DDP_TEST_TIMEOUT_MS", "1500"},
+                      {"DDP_TEST_STOPPED_RANK", stopped},
+                      {"DDP_TEST_OTHER_HOST", other_host}});
+    EXPECT_TRUE(EveryRankPassed(job)) << "stopped rank " << stopped;
+  }
 }
 
 // A stop shorter than what counts (0.5 s) is a slow rank's: it still reads
