@@ -152,6 +152,37 @@ StatusOr<StagedReduce> ParseStagedReduce(const std::string& text) {
   return InvalidArgumentError("DDP_STAGED_REDUCE=" + text + ": expected device or host");
 }
 
+// The options this rank needs to meet the others at the store: the job's
+// size (which every wait there counts ranks by), the name of the keys and
+// the store's port. A bad one is refused before the store is reached (and
+// before Create counts the name: InstanceKeyName); any other bad option is
+// reported to the others through the store (Init).
+Status CheckStoreOptions(const CommunicatorOptions& o) {
+  if (o.world_size < 1) return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " must be positive");
+  if (o.world_size > kMostRanks) {
+    return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " is above " +
+                                std::to_string(kMostRanks) + ", the most ranks a job may have");
+  }
+  // Split registrations in the store are one line per communicator, named
+  // by its key prefix (FormatSplitRegistration): a name holding a newline
+  // cut its line in two, the serving rank skipped it as malformed, and the
+  // store could stop under that split's ranks.
+  if (const size_t at = o.name.find('\n'); at != std::string::npos) {
+    return InvalidArgumentError("name \"" + o.name.substr(0, at) + "\\n...\" holds a newline, which communicator "
+                                "names may not");
+  }
+  // One rank that serves its own store needs no agreed port (as an MPI
+  // program of one process needs no setup): 0 takes any free one.
+  const bool any_port = o.world_size == 1 && o.host_store && o.store_port == 0;
+  if (!any_port && (o.store_port < 1 || o.store_port > 65535)) {
+    return InvalidArgumentError(
+        "store_port " + std::to_string(o.store_port) + " is not a TCP port" +
+        (o.store_port == 0 ? " (0, any free port, is only for a one-rank job that serves its store)"
+                           : ""));
+  }
+  return Status::Ok();
+}
+
 // What decides the ring order and the hosts the algorithm choice sees, as
 // a setting every rank must share: "discovered" (the exchanged topology,
 // the same on every rank) or "described:" and a digest (FNV-1a) of the
@@ -1245,9 +1276,9 @@ class Communicator::Impl {
   std::shared_ptr<PollGate> poll_gate_ = std::make_shared<PollGate>();
 };
 
-// How long a rank with a bad DDP_* variable (or local_rank or
-// local_world_size) tries to reach the store to post it for the others
-// before it names it and gives up.
+// How long a rank with a bad DDP_* variable (or another of its own bad
+// options: Init) tries to reach the store to post it for the others before
+// it names it and gives up; a bad timeout's creation deadline.
 constexpr std::chrono::milliseconds kEnvironmentReportTime(5000);
 
 // The DDP_* variables that adjust options_ and shm_env_.
@@ -1284,49 +1315,37 @@ Status Communicator::Impl::ReadEnvironment() {
 
 Status Communicator::Impl::Init() {
   const CommunicatorOptions& o = options_;
-  if (o.world_size < 1) return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " must be positive");
-  if (o.world_size > kMostRanks) {
-    return InvalidArgumentError("world_size " + std::to_string(o.world_size) + " is above " +
-                                std::to_string(kMostRanks) + ", the most ranks a job may have");
-  }
-  // Split registrations in the store are one line per communicator, named
-  // by its key prefix (FormatSplitRegistration): a name holding a newline
-  // cut its line in two, the serving rank skipped it as malformed, and the
-  // store could stop under that split's ranks.
-  if (const size_t at = o.name.find('\n'); at != std::string::npos) {
-    return InvalidArgumentError("name \"" + o.name.substr(0, at) + "\\n...\" holds a newline, which communicator "
-                                "names may not");
-  }
-  DDP_RETURN_IF_ERROR(CheckRank(o.rank, "rank"));
-  // This rank's place on its host: a mistake here is one rank's (a launch
-  // that set LOCAL_WORLD_SIZE wrongly on one host), so it is reported as a
-  // bad DDP_* variable is, once the store is reached (below): returned at
-  // once, it left the other ranks waiting out their whole timeout.
-  Status placement;
+  DDP_RETURN_IF_ERROR(CheckStoreOptions(o));
+  const bool any_port = o.world_size == 1 && o.host_store && o.store_port == 0;
+  // This rank's own mistakes (its rank, its place on its host, a time or a
+  // size out of range, a value outside an enum): one rank's, as a launch
+  // that set RANK or LOCAL_WORLD_SIZE wrongly on one host, or options built
+  // per rank. Each is reported as a bad DDP_* variable is, once the store is
+  // reached (below): returned at once, it left the other ranks waiting out
+  // their whole timeout.
+  Status own = CheckRank(o.rank, "rank");
+  const auto also = [&own](Status found) {
+    if (own.ok()) own = std::move(found);
+  };
   if (o.local_world_size < 1) {
-    placement = InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) + " must be positive");
+    also(InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) + " must be positive"));
   } else if (o.local_world_size > o.world_size) {
     // More processes on this host than in the job: nothing later would
     // name it; it only skews the topology's per-host view.
-    placement = InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) +
-                                     " is above world_size " + std::to_string(o.world_size) +
-                                     ": a host cannot hold more of the job's ranks than it has");
+    also(InvalidArgumentError("local_world_size " + std::to_string(o.local_world_size) +
+                              " is above world_size " + std::to_string(o.world_size) +
+                              ": a host cannot hold more of the job's ranks than it has"));
   } else if (o.local_rank < 0 || o.local_rank >= o.local_world_size) {
-    placement = InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +
-                                     " is outside a local world of size " + std::to_string(o.local_world_size));
+    also(InvalidArgumentError("local_rank " + std::to_string(o.local_rank) +
+                              " is outside a local world of size " + std::to_string(o.local_world_size)));
   }
-  // One rank that serves its own store needs no agreed port (as an MPI
-  // program of one process needs no setup): 0 takes any free one.
-  const bool any_port = o.world_size == 1 && o.host_store && o.store_port == 0;
-  if (!any_port && (o.store_port < 1 || o.store_port > 65535)) {
-    return InvalidArgumentError(
-        "store_port " + std::to_string(o.store_port) + " is not a TCP port" +
-        (o.store_port == 0 ? " (0, any free port, is only for a one-rank job that serves its store)"
-                           : ""));
+  const std::pair<const char*, milliseconds> times[] = {
+      {"timeout", o.timeout}, {"abort_store_time", o.abort_store_time}, {"store_call_cap", o.store_call_cap}};
+  for (const auto& [name, time] : times) {
+    if (time.count() <= 0) {
+      also(InvalidArgumentError(std::string(name) + " " + std::to_string(time.count()) + " ms must be positive"));
+    }
   }
-  if (o.timeout.count() <= 0) return InvalidArgumentError("timeout must be positive");
-  if (o.abort_store_time.count() <= 0) return InvalidArgumentError("abort_store_time must be positive");
-  if (o.store_call_cap.count() <= 0) return InvalidArgumentError("store_call_cap must be positive");
   // Bounded as DDP_SHM_CHUNK_BYTES is: the shared-memory engine allocates a
   // chunk per rank (a size near SIZE_MAX threw out of Create, and 16 chunks
   // of staging wrapped), and a device chunk is pinned memory per slot.
@@ -1334,18 +1353,26 @@ Status Communicator::Impl::Init() {
                                                    {"device_chunk_bytes", o.device_chunk_bytes}};
   for (const auto& [name, bytes] : chunks) {
     if (bytes > kMostShmChunkBytes) {
-      return InvalidArgumentError(std::string(name) + " " + std::to_string(bytes) + " is above " +
-                                  std::to_string(kMostShmChunkBytes) + " (1 GiB), the most it may be");
+      also(InvalidArgumentError(std::string(name) + " " + std::to_string(bytes) + " is above " +
+                                std::to_string(kMostShmChunkBytes) + " (1 GiB), the most it may be"));
     }
   }
-  DDP_RETURN_IF_ERROR(CheckStagedReduce(options_.staged_reduce));
-  DDP_RETURN_IF_ERROR(CheckAlgorithm(options_.algorithm, "options"));
+  also(CheckStagedReduce(options_.staged_reduce));
+  also(CheckAlgorithm(options_.algorithm, "options"));
+  // The report and this rank's leaving keep to the defaults' times in
+  // place of bad ones: an expired deadline would post nothing.
+  if (o.timeout.count() <= 0) {
+    options_.timeout = kEnvironmentReportTime;
+    creation_deadline_ = DeadlineIn(kEnvironmentReportTime);
+  }
+  if (o.abort_store_time.count() <= 0) options_.abort_store_time = CommunicatorOptions().abort_store_time;
+  if (o.store_call_cap.count() <= 0) options_.store_call_cap = CommunicatorOptions().store_call_cap;
   // A bad variable is reported once the store is reached, where the other
   // ranks' creation waits see it: failing before would leave them waiting
   // out their whole timeout (or, on rank 0, never start their store). The
   // store gets a few seconds for that, then the variable is named anyway,
   // also when reaching or serving the store fails.
-  Status environment = placement;
+  Status environment = own;
   if (inherits_environment_) {
     info_.staged_reduce = options_.staged_reduce;
   } else if (environment.ok()) {
@@ -3268,6 +3295,12 @@ std::string InstanceKeyName(const CommunicatorOptions& options) {
 StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorOptions& options) {
   DDP_RETURN_IF_ERROR(fork::CheckNotForkedChild("rank " + std::to_string(options.rank) +
                                                 ": creating a communicator"));
+  // Refused here, the name is not counted: this rank's next, corrected
+  // creation must take the keys the others are still waiting on.
+  if (Status refused = CheckStoreOptions(options); !refused.ok()) {
+    return Status(refused.code(),
+                  "rank " + std::to_string(options.rank) + ": creating the communicator: " + refused.message());
+  }
   const std::string key_name = InstanceKeyName(options);
   const Deadline deadline = DeadlineIn(options.timeout);
   // A communicator made again where rank 0 serves the store: this rank may

@@ -85,7 +85,9 @@ struct CommunicatorOptions {
   /// second communicator of the same name on the same store (after
   /// destroying the first, say) gets fresh keys for it ("name#1", then
   /// "name#2", ...): every rank must make its communicators in the same
-  /// order, as creation is collective anyway. No newline in it.
+  /// order, as creation is collective anyway (a Create refused for its
+  /// world_size, name or store_port, before the store, does not count).
+  /// No newline in it.
   std::string name = "default";
 
   /// Deadline of every call that does not pass its own, and of creation.
@@ -252,6 +254,8 @@ class Communicator {
   /// calls it. Installs the fork guard: in a child forked (without exec)
   /// after this, every call into the transport fails with
   /// FAILED_PRECONDITION, and destroying a communicator does nothing.
+  /// A bad option (INVALID_ARGUMENT naming it) fails every rank: one that
+  /// only this rank has wrong is posted to the store for the others.
   static StatusOr<std::unique_ptr<Communicator>> Create(const CommunicatorOptions& options);
   /// Create() with the fields of `defaults` that the launch environment
   /// defines replaced by its values. NOT_FOUND when there is no launch

@@ -2180,6 +2180,80 @@ int ScenarioBadLocalWorldOnOneRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Rank 1 alone passes a bad option (DDP_TEST_BAD_OPTION names which):
+// every rank fails within moments, naming the value, as for a bad
+// local_world_size. Before, rank 1 returned before it reached the store and
+// rank 0 waited out its whole timeout (10 s).
+int ScenarioBadOptionOnOneRank() {
+  CommunicatorOptions options = WorkerOptions();
+  options.rank = std::atoi(EnvOr("RANK", "0").c_str());
+  options.world_size = std::atoi(EnvOr("WORLD_SIZE", "1").c_str());
+  options.local_rank = options.rank;
+  options.local_world_size = options.world_size;
+  options.store_port = std::atoi(EnvOr("MASTER_PORT", "0").c_str());
+  options.job_token = EnvOr("DDP_JOB_TOKEN");
+  options.timeout = milliseconds(10000);
+  const std::string bad = EnvOr("DDP_TEST_BAD_OPTION");
+  // What every rank's error names: rank 1's value.
+  const std::string expected = bad == "timeout"            ? "timeout 0 ms must be positive"
+                               : bad == "abort_store_time" ? "abort_store_time -5 ms must be positive"
+                               : bad == "chunk_bytes"      ? "chunk_bytes 1073741825 is above 1073741824"
+                               : bad == "algorithm"        ? "unknown algorithm 99"
+                                                           : "rank 7 is outside a world of size 2";
+  if (options.rank == 1) {
+    if (bad == "timeout") {
+      options.timeout = milliseconds(0);
+    } else if (bad == "abort_store_time") {
+      options.abort_store_time = milliseconds(-5);
+    } else if (bad == "chunk_bytes") {
+      options.chunk_bytes = (size_t{1} << 30) + 1;
+    } else if (bad == "algorithm") {
+      options.algorithm = static_cast<Algorithm>(99);
+    } else {
+      options.rank = 7;
+      options.local_rank = 0;
+    }
+  }
+  const auto start = Clock::now();
+  auto comm = Communicator::Create(options);
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  const std::string who = "rank " + EnvOr("RANK");
+  std::printf("%s: create in %lld ms: %s\n", who.c_str(), took_ms, comm.status().ToString().c_str());
+  WORKER_CHECK(!comm.ok(), who + ": the communicator was made");
+  WORKER_CHECK(comm.status().message().find(expected) != std::string::npos, who + ": " + comm.status().ToString());
+  WORKER_CHECK(took_ms < 5000, who + " took " + std::to_string(took_ms) + " ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
+// Rank 1 first passes options refused before the store (world_size 0),
+// then corrected ones, while rank 0 creates once: the refused attempt does
+// not count as a communicator of that name, so rank 1's second one takes
+// the keys rank 0 waits on and both are made. Before, rank 1's second
+// attempt took "default#1" and both timed out.
+int ScenarioRetryAfterRefusedOptions() {
+  CommunicatorOptions options = WorkerOptions();
+  options.rank = std::atoi(EnvOr("RANK", "0").c_str());
+  options.world_size = std::atoi(EnvOr("WORLD_SIZE", "1").c_str());
+  options.local_rank = options.rank;
+  options.local_world_size = options.world_size;
+  options.store_port = std::atoi(EnvOr("MASTER_PORT", "0").c_str());
+  options.job_token = EnvOr("DDP_JOB_TOKEN");
+  options.timeout = milliseconds(10000);
+  if (options.rank == 1) {
+    CommunicatorOptions wrong = options;
+    wrong.world_size = 0;
+    auto refused = Communicator::Create(wrong);
+    WORKER_CHECK(!refused.ok() && refused.status().message().find("world_size 0 must be positive") != std::string::npos,
+                 "the refused creation: " + refused.status().ToString());
+  }
+  auto comm = Communicator::Create(options);
+  WORKER_CHECK(comm.ok(), "rank " + std::to_string(options.rank) + ": " + comm.status().ToString());
+  if (!comm.ok()) return 1;
+  const Status s = (*comm)->Barrier();
+  WORKER_CHECK(s.ok(), "barrier: " + s.ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A split whose creation fails on rank 1 alone (its UCX is given a
 // transport that does not exist): rank 0 learns it at once, with rank 1's
 // reason, instead of waiting for rank 1 until the split's timeout.
@@ -3084,6 +3158,8 @@ int RunScenario(const std::string& name) {
   if (name == "split_keeps_one_deadline") return ScenarioSplitKeepsOneDeadline();
   if (name == "split_keeps_parents_settings") return ScenarioSplitKeepsTheParentsSettings();
   if (name == "bad_local_world_on_one_rank") return ScenarioBadLocalWorldOnOneRank();
+  if (name == "bad_option_on_one_rank") return ScenarioBadOptionOnOneRank();
+  if (name == "retry_after_refused_options") return ScenarioRetryAfterRefusedOptions();
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
   if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
   if (name == "store_abort_after_peer_exited") return ScenarioStoreRankAbortsAfterItsPeerExited();
@@ -3273,6 +3349,18 @@ TEST(CommunicatorCreate, ALocalWorldOfNoProcessIsRefusedByName) {
 TEST(CommunicatorCreate, ABadLocalWorldOnOneRankFailsTheOthersSoonNamingIt) {
   Job job = RunJob(2, "bad_local_world_on_one_rank", {});
   EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
+}
+
+TEST(CommunicatorCreate, ABadOptionOnOneRankFailsTheOthersSoonNamingIt) {
+  for (const char* bad : {"rank", "timeout", "abort_store_time", "chunk_bytes", "algorithm"}) {
+    Job job = RunJob(2, "bad_option_on_one_rank", {{"DDP_TEST_BAD_OPTION", bad}});
+    EXPECT_TRUE(EveryRankPassed(job)) << bad;
+  }
+}
+
+TEST(CommunicatorCreate, ACreationRefusedBeforeTheStoreDoesNotCountTheName) {
+  Job job = RunJob(2, "retry_after_refused_options", {});
+  EXPECT_TRUE(EveryRankPassed(job));
 }
 
 TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
