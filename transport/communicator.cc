@@ -20,6 +20,7 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <set>
 #include <shared_mutex>
 #include <span>
@@ -243,6 +244,21 @@ std::vector<uint64_t> StartTimes(const std::vector<int>& pids) {
     if (pids[r] > 0) starts[r] = fault::ProcessStartTime(pids[r]);
   }
   return starts;
+}
+
+// This process as a rank's claimant in the store (Init): a number drawn
+// once per process, so that a creation this process tries again finds its
+// own claim, then its pid and host for the message that names a second
+// claimant.
+const std::string& ClaimantName() {
+  static const std::string* name = [] {
+    std::random_device entropy;
+    const uint64_t nonce = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+    return new std::string(std::to_string(nonce) + " pid " + std::to_string(getpid()) + " on host " + host);
+  }();
+  return *name;
 }
 
 // CPUs this process may keep busy (its affinity mask, capped by a cgroup
@@ -1132,6 +1148,10 @@ class Communicator::Impl {
   // Init failed (PostCreationFailure): Shutdown, which the failing Create
   // or Split runs before it returns, keeps to the creation deadline.
   bool creation_failed_ = false;
+  // Init found this rank claimed by another process (the job's member):
+  // Shutdown marks nothing as this rank's leaving, which would count that
+  // member as left.
+  bool rank_taken_ = false;
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
   topology::Topology real_topology_;  // as discovered
@@ -1447,6 +1467,25 @@ Status Communicator::Impl::Init() {
   }
   setup_store_ = std::make_unique<internal::WatchfulStore>(*store_, prefix_ + "abort");
   DDP_RETURN_IF_ERROR(environment);
+  // Two processes given one rank (RANK set wrongly on one host) overwrote
+  // each other's keys below: two of them made the communicator, and the
+  // third failed far from the cause ("Shared memory error") or waited out
+  // its timeout. The first claim of a rank wins; the second process fails,
+  // which tells every rank (PostCreationFailure).
+  {
+    const std::string& me = ClaimantName();
+    DDP_ASSIGN_OR_RETURN(const std::optional<std::string> claimant,
+                         store_->CompareSet(prefix_ + "claimed/" + std::to_string(o.rank), std::nullopt, me,
+                                            deadline));
+    if (claimant != me) {
+      const std::string other = claimant ? claimant->substr(std::min(claimant->find(' ') + 1, claimant->size()))
+                                         : std::string("unknown");
+      const std::string mine = me.substr(me.find(' ') + 1);
+      rank_taken_ = true;
+      return InvalidArgumentError("two processes were given rank " + std::to_string(o.rank) + ": " + other +
+                                  " took it first, then " + mine + " (check RANK on each host)");
+    }
+  }
 
   // 2. Topology: discovered and exchanged (hosts, pids), or from a file for
   // the algorithm choice.
@@ -1980,10 +2019,11 @@ void Communicator::Impl::Shutdown() {
     // launcher's store keeps keys for good): marked before the count, so
     // that a rank counted as left has its mark unless the store failed it
     // in between.
-    if (store_rank_ != -1) {
+    if (store_rank_ != -1 && !rank_taken_) {
       store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
     }
-    auto left = store_->Add(prefix_ + "left", 1, leave_by);
+    auto left = rank_taken_ ? StatusOr<int64_t>(UnavailableError("not a member"))
+                            : store_->Add(prefix_ + "left", 1, leave_by);
     // The last communicator here to hold the server waits for the ranks of
     // every communicator using it (those split off included).
     const Clock::time_point leaving_since = Clock::now();

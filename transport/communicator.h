@@ -255,7 +255,9 @@ class Communicator {
   /// after this, every call into the transport fails with
   /// FAILED_PRECONDITION, and destroying a communicator does nothing.
   /// A bad option (INVALID_ARGUMENT naming it) fails every rank: one that
-  /// only this rank has wrong is posted to the store for the others.
+  /// only this rank has wrong is posted to the store for the others, and
+  /// so is a rank that another process of the job claimed first (the job
+  /// fails, naming both processes).
   static StatusOr<std::unique_ptr<Communicator>> Create(const CommunicatorOptions& options);
   /// Create() with the fields of `defaults` that the launch environment
   /// defines replaced by its values. NOT_FOUND when there is no launch
