@@ -117,6 +117,11 @@ constexpr milliseconds kSplitOutcomeGrace{1000};
 // one near INT_MAX first allocated gigabytes per rank index.
 constexpr int kMostRanks = 1 << (64 - p2p::kTagBits - 2);
 
+// The longest communicator name (CheckStoreOptions): every store key is the
+// name and a part of its own, the longest "/shm-host<rank>/segment/mapped/
+// <rank>" at under 48 bytes.
+constexpr size_t kMostNameBytes = store::kMaxKeyBytes - 64;
+
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
 // runs at full speed, small enough that copying the first chunk in and the
@@ -171,6 +176,15 @@ Status CheckStoreOptions(const CommunicatorOptions& o) {
   if (const size_t at = o.name.find('\n'); at != std::string::npos) {
     return InvalidArgumentError("name \"" + o.name.substr(0, at) + "\\n...\" holds a newline, which communicator "
                                 "names may not");
+  }
+  // Every store key starts with the name, and the store takes keys of up
+  // to store::kMaxKeyBytes (a split's name adds "/split<n>/<color>" per
+  // level). A longer name failed at the first store call, with a key too
+  // long that did not say why.
+  if (o.name.size() > kMostNameBytes) {
+    return InvalidArgumentError("name of " + std::to_string(o.name.size()) + " bytes is longer than " +
+                                std::to_string(kMostNameBytes) + ", the most a communicator's name may have (\"" +
+                                o.name.substr(0, 32) + "...\")");
   }
   // One rank that serves its own store needs no agreed port (as an MPI
   // program of one process needs no setup): 0 takes any free one.

@@ -3362,6 +3362,24 @@ TEST(CommunicatorCreate, ANameWithANewlineIsRefused) {
   EXPECT_NE(comm.status().message().find("name \"job\\n...\" holds a newline"), std::string::npos) << comm.status();
 }
 
+// A name too long for the store's keys (1 KiB each, the name leading them)
+// is refused at once, naming its length: before, creation failed at the
+// first store call with the store's refusal of a long key, which did not
+// say that the name was the cause.
+TEST(CommunicatorCreate, ANameTooLongForTheStoresKeysIsRefused) {
+  CommunicatorOptions options;
+  options.name = std::string(2000, 'n');
+  options.timeout = milliseconds(5000);
+  const auto start = Clock::now();
+  auto comm = Communicator::Create(options);
+  const auto took = Clock::now() - start;
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument) << comm.status();
+  EXPECT_NE(comm.status().message().find("name of 2000 bytes is longer than 960"), std::string::npos)
+      << comm.status();
+  EXPECT_LT(took, milliseconds(1000)) << comm.status();
+}
+
 // More ranks on this host than in the job is refused at once, naming both.
 TEST(CommunicatorCreate, ALocalWorldLargerThanTheWorldIsRefused) {
   CommunicatorOptions options;
