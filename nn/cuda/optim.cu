@@ -82,7 +82,9 @@ __global__ void AdamKernel(T* p, const T* g, T* m, T* v, T* vmax, int64_t n, Ada
     v[i] = vi;
     T s = vi;
     if (vmax != nullptr) {
-      s = vmax[i] > vi ? vmax[i] : vi;
+      // torch.maximum: a NaN on either side is kept (vmax != vmax is NaN).
+      const T old_max = vmax[i];
+      s = (old_max > vi || old_max != old_max) ? old_max : vi;
       vmax[i] = s;
     }
     const T denom = Sqrt(s) / bc2_sqrt + eps;

@@ -242,6 +242,22 @@ TEST_F(CudaOptimTest, UnscaleAndCheckFindsInfAndNanWithoutTouchingTheFlagOtherwi
   }
 }
 
+// torch.maximum keeps a NaN already in max_exp_avg_sq; so does the kernel.
+TEST_F(CudaOptimTest, AmsgradKeepsANanAlreadyInMaxExpAvgSq) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    const TensorOptions z{.dtype = dt, .device = kGpu};
+    const Tensor p = Ones({1000}, z), m = Zeros({1000}, z), v = Zeros({1000}, z), vmax = Zeros({1000}, z);
+    vmax.Narrow(0, 17, 1).Fill(nan);
+    AdamStep(p, Full({1000}, 0.5, z), m, v, vmax, {.lr = 0.1, .amsgrad = true});
+    const std::vector<double> got_max = vmax.To(kCPU).ToVector<double>(), got_p = p.To(kCPU).ToVector<double>();
+    for (int64_t i = 0; i < 1000; ++i) {
+      EXPECT_EQ(std::isnan(got_max[i]), i == 17) << DTypeName(dt) << " max_exp_avg_sq[" << i << "]";
+      EXPECT_EQ(std::isnan(got_p[i]), i == 17) << DTypeName(dt) << " p[" << i << "]";
+    }
+  }
+}
+
 TEST_F(CudaOptimTest, MismatchedStateIsNamed) {
   const Tensor p = Zeros({4}, {.device = kGpu});
   try {

@@ -38,7 +38,8 @@ DDP_OPTIM_INLINE void AdamLoop(T* __restrict__ p, const T* __restrict__ g, T* __
     v[i] = vi;
     T s = vi;
     if constexpr (kAmsgrad) {
-      s = vmax[i] > vi ? vmax[i] : vi;
+      // torch.maximum: a NaN on either side is kept (vmax != vmax is NaN).
+      s = (vmax[i] > vi || vmax[i] != vmax[i]) ? vmax[i] : vi;
       vmax[i] = s;
     }
     const T denom = std::sqrt(s) / c.bc2_sqrt + c.eps;

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -1136,6 +1137,47 @@ TEST(Adagrad, TheSumIsInTheStateBeforeTheFirstStep) {
   v.set_grad(FromVector({2.0, 0.0}, {2}));
   from_older.Step();
   EXPECT_EQ(StateEntry(from_older.StateDict(), "state.a.sum"), (std::vector<double>{4.5, 0.5}));
+}
+
+// torch.maximum keeps a NaN of either side: a NaN already in
+// max_exp_avg_sq stays there and makes the update NaN, as in PyTorch 1.13.
+// Before, max(vmax, v) took v whenever vmax was NaN. 40 elements, so that
+// the vectorized part of the loop and its tail both see one.
+TEST(Adam, AmsgradKeepsANanAlreadyInMaxExpAvgSq) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<int64_t> nan_at = {0, 17, 39};
+  for (bool decoupled : {false, true}) {
+    for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
+      SCOPED_TRACE(std::string(decoupled ? "AdamW " : "Adam ") + std::string(DTypeName(dtype)));
+      Tensor w = Ones({40}, {.dtype = dtype});
+      std::unique_ptr<Optimizer> opt;
+      if (decoupled) {
+        opt = std::make_unique<AdamW>(NamedParameters{{"w", w}}, AdamWOptions{.lr = 0.1, .amsgrad = true});
+      } else {
+        opt = std::make_unique<Adam>(NamedParameters{{"w", w}}, AdamOptions{.lr = 0.1, .amsgrad = true});
+      }
+      w.set_grad(Full({40}, 0.5, {.dtype = dtype}));
+      opt->Step();
+      NamedTensors state = opt->StateDict();
+      for (auto& [key, t] : state) {
+        if (key != "state.w.max_exp_avg_sq") continue;
+        std::vector<double> v = t.ToVector<double>();
+        for (int64_t i : nan_at) v[i] = nan;
+        t = FromVector(v, {40}, {.dtype = dtype});
+      }
+      opt->LoadStateDict(state);
+      w.set_grad(Full({40}, 0.5, {.dtype = dtype}));
+      opt->Step();
+      const std::vector<double> p = w.ToVector<double>();
+      const std::vector<double> vmax = StateEntry(opt->StateDict(), "state.w.max_exp_avg_sq");
+      ASSERT_EQ(vmax.size(), 40u);
+      for (int64_t i = 0; i < 40; ++i) {
+        const bool want_nan = std::find(nan_at.begin(), nan_at.end(), i) != nan_at.end();
+        EXPECT_EQ(std::isnan(vmax[i]), want_nan) << "max_exp_avg_sq[" << i << "] = " << vmax[i];
+        EXPECT_EQ(std::isnan(p[i]), want_nan) << "w[" << i << "] = " << p[i];
+      }
+    }
+  }
 }
 
 TEST(Sgd, KeepsNoMomentumBufferWithoutMomentum) {
