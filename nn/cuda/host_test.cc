@@ -944,6 +944,8 @@ TEST(CudaInit, RegistersBackendAndKernelsWithoutTouchingTheDevice) {
   EXPECT_EQ(k.adadelta_step, &AdadeltaStep);
   EXPECT_EQ(k.max_abs, &MaxAbs);
   EXPECT_EQ(k.sgd_step_multi, &SgdStepMulti);
+  EXPECT_EQ(k.rmsprop_step, &RmspropStep);
+  EXPECT_EQ(k.adagrad_step, &AdagradStep);
   EXPECT_TRUE(optim::internal::UsesDevicePath(Device(DeviceType::kCUDA, 0)));
   EXPECT_FALSE(optim::internal::UsesDevicePath(kCPU));
 }

@@ -248,6 +248,21 @@ struct AdadeltaCoefficients {
 };
 cudaError_t AdadeltaStep(void* p, const void* g, void* square_avg, void* acc_delta, int64_t n,
                          const AdadeltaCoefficients& c, Dt dt, cudaStream_t stream);
+/// PyTorch's RMSprop, as nn/optim/rmsprop.cc (one_minus_alpha = 1 - alpha,
+/// neg_lr = -lr); momentum_buffer is read and written when momentum != 0,
+/// grad_avg when centered (either may be null otherwise).
+struct RmspropCoefficients {
+  double alpha, one_minus_alpha, eps, weight_decay, momentum, neg_lr, grad_scale;
+  bool centered;
+};
+cudaError_t RmspropStep(void* p, const void* g, void* square_avg, void* momentum_buffer, void* grad_avg, int64_t n,
+                        const RmspropCoefficients& c, Dt dt, cudaStream_t stream);
+/// PyTorch's Adagrad, as nn/optim/adagrad.cc (neg_clr = -(this step's rate)).
+struct AdagradCoefficients {
+  double eps, weight_decay, neg_clr, grad_scale;
+};
+cudaError_t AdagradStep(void* p, const void* g, void* sum, int64_t n, const AdagradCoefficients& c, Dt dt,
+                        cudaStream_t stream);
 /// *out = max(*out, |x[0]|, ..., |x[n-1]|), computed in f64; NaN if any x[i]
 /// is NaN (or *out already is). x: [n], any floating dtype; *out >= 0.
 cudaError_t MaxAbs(const void* x, int64_t n, double* out, Dt dt, cudaStream_t stream);

@@ -5,7 +5,8 @@
 // The arithmetic follows nn/optim's CPU kernels operation by operation. In
 // SGD and Adam nvcc may still fuse a multiply and an add into one FMA, which
 // rounds once instead of twice; Adadelta rounds every product and sum on its
-// own (the _rn intrinsics are never contracted), as the x86-64 CPU loop does.
+// own (the _rn intrinsics are never contracted), as the x86-64 CPU loop does;
+// so do RMSprop and Adagrad.
 //
 // SGD and the unscale also come as multi-tensor kernels (multi_tensor.h):
 // one launch for many tensors, block b on one chunk of one tensor. They
@@ -112,6 +113,58 @@ __global__ void AdadeltaKernel(T* p, const T* g, T* sq, T* acc, int64_t n, Adade
     const T delta = Mul(Sqrt(Add(acc[i], eps)) / std_dev, gi);
     acc[i] = Add(Mul(acc[i], rho), Mul(Mul(one_rho, delta), delta));
     p[i] = Add(p[i], Mul(neg_lr, delta));
+  }
+}
+
+__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double Sub(double a, double b) { return __dsub_rn(a, b); }
+
+// The loop of nn/optim/rmsprop.cc, same operands in the same order, each
+// product and sum rounded on its own. The centered average is ATen's scalar
+// lerp(ga, g, w), w = 1 - alpha in T: ga + w * (g - ga) for |w| < 0.5, else
+// g - (g - ga) * (1 - w), with 1 - w taken in T as the CPU loop does.
+template <typename T>
+__global__ void RmspropKernel(T* p, const T* g, T* sq, T* buf, T* ga, int64_t n, RmspropCoefficients c) {
+  const T alpha = static_cast<T>(c.alpha), one_alpha = static_cast<T>(c.one_minus_alpha);
+  const T lerp_keep = Sub(T(1), one_alpha);
+  const bool small_w = fabs(one_alpha) < T(0.5);
+  const T eps = static_cast<T>(c.eps), wd = static_cast<T>(c.weight_decay), mom = static_cast<T>(c.momentum);
+  const T neg_lr = static_cast<T>(c.neg_lr), scale = static_cast<T>(c.grad_scale);
+  DDP_GRID_LOOP(i, n) {
+    T gi = Mul(g[i], scale);
+    if (c.weight_decay != 0) gi = Add(gi, Mul(wd, p[i]));
+    const T s = Add(Mul(sq[i], alpha), Mul(Mul(one_alpha, gi), gi));
+    sq[i] = s;
+    T avg;
+    if (c.centered) {
+      const T a = small_w ? Add(ga[i], Mul(one_alpha, Sub(gi, ga[i]))) : Sub(gi, Mul(Sub(gi, ga[i]), lerp_keep));
+      ga[i] = a;
+      avg = Add(Sqrt(Sub(s, Mul(a, a))), eps);
+    } else {
+      avg = Add(Sqrt(s), eps);
+    }
+    if (c.momentum != 0) {
+      const T b = Add(Mul(buf[i], mom), gi / avg);
+      buf[i] = b;
+      p[i] = Add(p[i], Mul(neg_lr, b));
+    } else {
+      p[i] = Add(p[i], Mul(neg_lr, gi) / avg);
+    }
+  }
+}
+
+// The loop of nn/optim/adagrad.cc, same operands in the same order.
+template <typename T>
+__global__ void AdagradKernel(T* p, const T* g, T* sum, int64_t n, AdagradCoefficients c) {
+  const T eps = static_cast<T>(c.eps), wd = static_cast<T>(c.weight_decay);
+  const T neg_clr = static_cast<T>(c.neg_clr), scale = static_cast<T>(c.grad_scale);
+  DDP_GRID_LOOP(i, n) {
+    T gi = Mul(g[i], scale);
+    if (c.weight_decay != 0) gi = Add(gi, Mul(wd, p[i]));
+    const T s = Add(sum[i], Mul(gi, gi));
+    sum[i] = s;
+    const T std_dev = Add(Sqrt(s), eps);
+    p[i] = Add(p[i], Mul(neg_clr, gi) / std_dev);
   }
 }
 
@@ -305,6 +358,38 @@ cudaError_t AdadeltaStep(void* p, const void* g, void* square_avg, void* acc_del
     AdadeltaKernel<double><<<device::GridFor(n), 256, 0, stream>>>(
         static_cast<double*>(p), static_cast<const double*>(g), static_cast<double*>(square_avg),
         static_cast<double*>(acc_delta), n, c);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t RmspropStep(void* p, const void* g, void* square_avg, void* momentum_buffer, void* grad_avg, int64_t n,
+                        const RmspropCoefficients& c, Dt dt, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (dt == Dt::kF32) {
+    RmspropKernel<float><<<device::GridFor(n), 256, 0, stream>>>(
+        static_cast<float*>(p), static_cast<const float*>(g), static_cast<float*>(square_avg),
+        static_cast<float*>(momentum_buffer), static_cast<float*>(grad_avg), n, c);
+  } else if (dt == Dt::kF64) {
+    RmspropKernel<double><<<device::GridFor(n), 256, 0, stream>>>(
+        static_cast<double*>(p), static_cast<const double*>(g), static_cast<double*>(square_avg),
+        static_cast<double*>(momentum_buffer), static_cast<double*>(grad_avg), n, c);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t AdagradStep(void* p, const void* g, void* sum, int64_t n, const AdagradCoefficients& c, Dt dt,
+                        cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (dt == Dt::kF32) {
+    AdagradKernel<float><<<device::GridFor(n), 256, 0, stream>>>(
+        static_cast<float*>(p), static_cast<const float*>(g), static_cast<float*>(sum), n, c);
+  } else if (dt == Dt::kF64) {
+    AdagradKernel<double><<<device::GridFor(n), 256, 0, stream>>>(
+        static_cast<double*>(p), static_cast<const double*>(g), static_cast<double*>(sum), n, c);
   } else {
     return cudaErrorInvalidValue;
   }

@@ -34,9 +34,11 @@
 #include "nn/cuda/optim_kernels.h"
 #include "nn/ops/autocast_training.h"
 #include "nn/optim/adadelta.h"
+#include "nn/optim/adagrad.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/clip_grad.h"
 #include "nn/optim/grad_scaler.h"
+#include "nn/optim/rmsprop.h"
 #include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
 
@@ -59,6 +61,9 @@ std::vector<std::pair<std::string, Factory>> AllOptimizers() {
       {"adam", [](NamedParameters p) { return std::make_unique<Adam>(p, AdamOptions{.lr = 1e-2, .weight_decay = 1e-2, .amsgrad = true}); }},
       {"adamw", [](NamedParameters p) { return std::make_unique<AdamW>(p, AdamWOptions{.lr = 1e-2}); }},
       {"adadelta", [](NamedParameters p) { return std::make_unique<Adadelta>(p, AdadeltaOptions{.weight_decay = 1e-2}); }},
+      {"rmsprop", [](NamedParameters p) { return std::make_unique<Rmsprop>(p, RmspropOptions{.weight_decay = 1e-2, .momentum = 0.9, .centered = true}); }},
+      {"rmsprop_maximize", [](NamedParameters p) { return std::make_unique<Rmsprop>(p, RmspropOptions{.alpha = 0.3, .centered = true, .maximize = true}); }},
+      {"adagrad", [](NamedParameters p) { return std::make_unique<Adagrad>(p, AdagradOptions{.lr = 0.1, .lr_decay = 0.5, .weight_decay = 1e-2, .initial_accumulator_value = 0.3, .maximize = true}); }},
   };
 }
 

@@ -218,6 +218,54 @@ void AdadeltaStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg,
   acc_delta.storage()->BumpVersion();
 }
 
+void RmspropStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg, const Tensor& momentum_buffer,
+                 const Tensor& grad_avg, const optim::RmspropStepArgs& o) {
+  CheckParam("RmspropStep", p);
+  CheckState("RmspropStep", p, "grad", grad);
+  CheckState("RmspropStep", p, "square_avg", square_avg);
+  if (o.momentum != 0) CheckState("RmspropStep", p, "momentum_buffer", momentum_buffer);
+  if (o.centered) CheckState("RmspropStep", p, "grad_avg", grad_avg);
+  // 1 - alpha and -lr in f64 as the CPU loop forms them; the kernel rounds them to the element type.
+  launch::RmspropCoefficients c;
+  c.alpha = o.alpha;
+  c.one_minus_alpha = 1.0 - o.alpha;
+  c.eps = o.eps;
+  c.weight_decay = o.weight_decay;
+  c.momentum = o.momentum;
+  c.neg_lr = -o.lr;
+  c.grad_scale = o.grad_scale;
+  c.centered = o.centered;
+  DeviceGuard guard(p.device().index);
+  LaunchChecked("kernel `rmsprop_step`", [&] {
+    return launch::RmspropStep(p.data_ptr(), grad.data_ptr(), square_avg.data_ptr(),
+                               o.momentum != 0 ? momentum_buffer.data_ptr() : nullptr,
+                               o.centered ? grad_avg.data_ptr() : nullptr, p.numel(), c, ToDt(p.dtype()),
+                               CurrentStream(p.device()));
+  });
+  p.storage()->BumpVersion();
+  square_avg.storage()->BumpVersion();
+  if (o.momentum != 0) momentum_buffer.storage()->BumpVersion();
+  if (o.centered) grad_avg.storage()->BumpVersion();
+}
+
+void AdagradStep(const Tensor& p, const Tensor& grad, const Tensor& sum, const optim::AdagradStepArgs& o) {
+  CheckParam("AdagradStep", p);
+  CheckState("AdagradStep", p, "grad", grad);
+  CheckState("AdagradStep", p, "sum", sum);
+  launch::AdagradCoefficients c;
+  c.eps = o.eps;
+  c.weight_decay = o.weight_decay;
+  c.neg_clr = -o.clr;
+  c.grad_scale = o.grad_scale;
+  DeviceGuard guard(p.device().index);
+  LaunchChecked("kernel `adagrad_step`", [&] {
+    return launch::AdagradStep(p.data_ptr(), grad.data_ptr(), sum.data_ptr(), p.numel(), c, ToDt(p.dtype()),
+                               CurrentStream(p.device()));
+  });
+  p.storage()->BumpVersion();
+  sum.storage()->BumpVersion();
+}
+
 void MaxAbs(const std::vector<Tensor>& tensors, const Tensor& out) {
   if (!out.defined() || out.numel() != 1 || out.dtype() != DType::kFloat64 || !out.device().is_cuda() ||
       !out.is_contiguous()) {
@@ -252,6 +300,8 @@ void RegisterOptimKernels() {
                                                            .adadelta_step = &AdadeltaStep,
                                                            .max_abs = &MaxAbs,
                                                            .sgd_step_multi = &SgdStepMulti,
+                                                           .rmsprop_step = &RmspropStep,
+                                                           .adagrad_step = &AdagradStep,
                                                        });
 }
 

@@ -3,7 +3,7 @@
 // one per group of tensors (multi-tensor launches, as PyTorch's _foreach
 // kernels); the same arithmetic as nn/optim's CPU kernels (PyTorch's rules). These are the device halves of nn/optim:
 // Init() registers them with nn/optim's registry (nn/optim/device_kernels.h),
-// through which Sgd, Adam, AdamW, Adadelta, GradScaler and ClipGradNorm's
+// through which Sgd, Adam, AdamW, Adadelta, Rmsprop, Adagrad, GradScaler and ClipGradNorm's
 // infinity norm reach them for CUDA tensors; nn/optim itself never depends
 // on this library.
 #pragma once
@@ -61,8 +61,21 @@ void AdadeltaStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg,
 /// as nn/optim's CUDA `max_abs`.
 void MaxAbs(const std::vector<Tensor>& tensors, const Tensor& out);
 
-/// Registers SgdStep, AdamStep, UnscaleAndCheck, AdadeltaStep, MaxAbs and
-/// SgdStepMulti with nn/optim for CUDA devices (Init() calls it).
+/// One RMSprop step in place: square_avg, momentum_buffer (undefined when
+/// args.momentum is 0) and grad_avg (undefined unless args.centered) hold
+/// the state (zero before the first step). Same layout rules as SgdStep.
+/// Registered as nn/optim's CUDA `rmsprop_step`.
+void RmspropStep(const Tensor& p, const Tensor& grad, const Tensor& square_avg, const Tensor& momentum_buffer,
+                 const Tensor& grad_avg, const optim::RmspropStepArgs& args);
+
+/// One Adagrad step in place at rate args.clr: sum holds the state (the
+/// initial accumulator value before the first step). Same layout rules as
+/// SgdStep. Registered as nn/optim's CUDA `adagrad_step`.
+void AdagradStep(const Tensor& p, const Tensor& grad, const Tensor& sum, const optim::AdagradStepArgs& args);
+
+/// Registers SgdStep, AdamStep, UnscaleAndCheck, AdadeltaStep, MaxAbs,
+/// SgdStepMulti, RmspropStep and AdagradStep with nn/optim for CUDA devices
+/// (Init() calls it).
 void RegisterOptimKernels();
 
 }  // namespace ddp::nn::cuda

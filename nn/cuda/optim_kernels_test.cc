@@ -17,7 +17,9 @@
 
 #include "nn/cuda/cuda.h"
 #include "nn/optim/adadelta.h"
+#include "nn/optim/adagrad.h"
 #include "nn/optim/adam.h"
+#include "nn/optim/rmsprop.h"
 #include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
 #include "nn/tensor/tensor.h"
@@ -162,6 +164,99 @@ TEST_F(CudaOptimTest, AdadeltaMatchesTheCpuOptimizer) {
   }
 }
 
+// The state entry `key` of `opt`'s state, or an undefined tensor.
+Tensor StateOf(const optim::Optimizer& opt, const std::string& key) {
+  for (const auto& [k, t] : opt.StateDict()) {
+    if (k == key) return t;
+  }
+  return Tensor();
+}
+
+// Every layout of the state (momentum, centered, both, neither), lerp's two
+// forms (alpha 0.99: small weight; alpha 0.3: large), weight decay, maximize
+// (a grad_scale of -1, as the optimizer passes it) and a loss scale; odd
+// sizes. Each step's parameters and state against the CPU optimizer's.
+TEST_F(CudaOptimTest, RmspropMatchesTheCpuOptimizer) {
+  const optim::RmspropOptions cases[] = {
+      {},
+      {.lr = 0.02, .weight_decay = 0.1, .momentum = 0.9, .centered = true},
+      {.alpha = 0.3, .centered = true, .maximize = true},
+      {.lr = 0.05, .alpha = 0.9, .eps = 1e-6, .momentum = 0.5},
+      {.alpha = 0.5, .weight_decay = 1e-2, .centered = true}};
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    for (const optim::RmspropOptions& o : cases) {
+      for (const Shape& shape : {Shape{1}, Shape{7, 3}, Shape{1000, 37}}) {
+        const std::string what = "rmsprop " + std::string(DTypeName(dt)) + " " + ShapeToString(shape) + " alpha " +
+                                 std::to_string(o.alpha) + " momentum " + std::to_string(o.momentum) +
+                                 (o.centered ? " centered" : "") + (o.maximize ? " maximize" : "");
+        const double grad_scale = o.momentum != 0 ? 1.0 / 64.0 : 1.0;
+        const Tensor p_cpu = RandnOf(shape, dt);
+        const Tensor p_gpu = p_cpu.To(kGpu);
+        const TensorOptions z{.dtype = dt, .device = kGpu};
+        const Tensor sq = Zeros(shape, z);
+        const Tensor buf = o.momentum != 0 ? Zeros(shape, z) : Tensor();
+        const Tensor ga = o.centered ? Zeros(shape, z) : Tensor();
+        optim::Rmsprop opt({{"w", p_cpu}}, o);
+        opt.set_grad_scale(grad_scale);
+        for (int step = 1; step <= 4; ++step) {
+          const Tensor g = RandnOf(shape, dt);
+          p_cpu.set_grad(g);
+          opt.Step();
+          RmspropStep(p_gpu, g.To(kGpu), sq, buf, ga,
+                      {.lr = o.lr,
+                       .alpha = o.alpha,
+                       .eps = o.eps,
+                       .weight_decay = o.weight_decay,
+                       .momentum = o.momentum,
+                       .centered = o.centered,
+                       .grad_scale = o.maximize ? -grad_scale : grad_scale});
+          const std::string at = what + " step " + std::to_string(step);
+          ExpectClose(p_cpu, p_gpu, Rtol(dt), Atol(dt), at);
+          ExpectClose(StateOf(opt, "state.w.square_avg"), sq, Rtol(dt), Atol(dt), at + " square_avg");
+          if (o.momentum != 0) {
+            ExpectClose(StateOf(opt, "state.w.momentum_buffer"), buf, Rtol(dt), Atol(dt), at + " momentum_buffer");
+          }
+          if (o.centered) ExpectClose(StateOf(opt, "state.w.grad_avg"), ga, Rtol(dt), Atol(dt), at + " grad_avg");
+        }
+      }
+    }
+  }
+}
+
+// The rate decays with the step (lr / (1 + (t - 1) * lr_decay), formed by
+// the optimizer); the sum starts at the initial accumulator value.
+TEST_F(CudaOptimTest, AdagradMatchesTheCpuOptimizer) {
+  const optim::AdagradOptions cases[] = {
+      {},
+      {.lr = 0.1, .lr_decay = 0.5, .weight_decay = 0.1, .initial_accumulator_value = 0.2, .maximize = true},
+      {.lr = 0.05, .lr_decay = 1e-2, .initial_accumulator_value = 1.5, .eps = 1e-6}};
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    for (const optim::AdagradOptions& o : cases) {
+      for (const Shape& shape : {Shape{1}, Shape{7, 3}, Shape{1000, 37}}) {
+        const std::string what = "adagrad " + std::string(DTypeName(dt)) + " " + ShapeToString(shape) +
+                                 " lr_decay " + std::to_string(o.lr_decay) + (o.maximize ? " maximize" : "");
+        const Tensor p_cpu = RandnOf(shape, dt);
+        const Tensor p_gpu = p_cpu.To(kGpu);
+        const Tensor sum = Full(shape, o.initial_accumulator_value, {.dtype = dt, .device = kGpu});
+        optim::Adagrad opt({{"w", p_cpu}}, o);
+        for (int step = 1; step <= 4; ++step) {
+          const Tensor g = RandnOf(shape, dt);
+          p_cpu.set_grad(g);
+          opt.Step();
+          AdagradStep(p_gpu, g.To(kGpu), sum,
+                      {.clr = o.lr / (1.0 + (step - 1) * o.lr_decay),
+                       .eps = o.eps,
+                       .weight_decay = o.weight_decay,
+                       .grad_scale = o.maximize ? -1.0 : 1.0});
+          const std::string at = what + " step " + std::to_string(step);
+          ExpectClose(p_cpu, p_gpu, Rtol(dt), Atol(dt), at);
+          ExpectClose(StateOf(opt, "state.w.sum"), sum, Rtol(dt), Atol(dt), at + " sum");
+        }
+      }
+    }
+  }
+}
+
 double HostMaxAbs(const std::vector<Tensor>& tensors, double start) {
   double m = start;
   for (const Tensor& t : tensors) {
@@ -271,6 +366,22 @@ TEST_F(CudaOptimTest, MismatchedStateIsNamed) {
                             {}),
                std::invalid_argument);
   EXPECT_THROW(MaxAbs({p}, Zeros({1}, {.device = kGpu})), std::invalid_argument);  // out must be f64
+  const Tensor g = Zeros({4}, {.device = kGpu});
+  try {
+    RmspropStep(p, g, Zeros({4}, {.device = kGpu}), Tensor(), Tensor(), {.centered = true});
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("grad_avg is undefined"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(RmspropStep(p, g, Zeros({4}, {.device = kGpu}), Zeros({4}, {.dtype = DType::kFloat64, .device = kGpu}),
+                           Tensor(), {.momentum = 0.9}),
+               std::invalid_argument);
+  try {
+    AdagradStep(p, g, Zeros({2, 2}, {.device = kGpu}), {});
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sum [2, 2]"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

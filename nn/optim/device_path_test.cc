@@ -1161,8 +1161,8 @@ TEST(DeviceErrors, GradScalerNamesTheParametersDeviceAndTheOptimizers) {
                   "GradScaler: gradient of `fc.bias` is on cuda:0, the parameter on cuda:0, the optimizer on cpu")));
 }
 
-// A CUDA table that is registered but lacks the entry (nn/cuda fills no
-// rmsprop_step yet) is not sent to nn::cuda::Init(), which already ran.
+// A CUDA table that is registered but lacks the entry (this one has no
+// rmsprop_step) is not sent to nn::cuda::Init(), which already ran.
 // Before, the message said to call it in a CUDA build.
 TEST(DeviceErrors, AnEntryMissingFromARegisteredTableIsNotSentToInit) {
   ASSERT_EQ(DeviceOptimKernelsFor(DeviceType::kCUDA).sgd_step, nullptr);
