@@ -67,9 +67,7 @@ DEFINE_int64(grad_accum_steps, 1,
 DEFINE_int64(eval_every, 0,
              "steps between test-set evaluations (0: only at the end of each epoch)");
 // Optimizer.
-DEFINE_string(optimizer, "sgd",
-              "optimizer: sgd, adam, adamw, adadelta, rmsprop, adagrad (the last two on the CPU only: no CUDA "
-              "kernel yet)");
+DEFINE_string(optimizer, "sgd", "optimizer: sgd, adam, adamw, adadelta, rmsprop, adagrad");
 DEFINE_double(lr, 0.05,
               "learning rate (default 0.05; 0.1 for ResNets, 0.001 for adam and adamw, 1.0 "
               "for adadelta, 0.01 for rmsprop and adagrad)");

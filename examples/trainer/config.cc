@@ -303,12 +303,6 @@ void ValidateConfig(const TrainConfig& c) {
                        "--find_unused_parameters");
     }
   }
-  // nn/cuda registers no kernel for these two (nn/optim/README.md): the
-  // run would load its data and build DDP, then fail at the first step.
-  if ((c.optimizer == "rmsprop" || c.optimizer == "adagrad") && c.device == "cuda") {
-    throw UsageError("--optimizer=" + c.optimizer + " has no CUDA kernel yet; use --device=cpu, or "
-                     "--optimizer=sgd, adam, adamw or adadelta");
-  }
   // Hooks that would do nothing say so instead of printing a plan they do
   // not follow.
   if (c.comm_hook == "powersgd" && c.device == "cuda") {
