@@ -901,6 +901,17 @@ TEST_F(CudaMisuseTest, OptimizerStepsNameMismatchedState) {
                 "square_avg [4] f64");
   ExpectMessage([&] { AdadeltaStep(On(0, {4}, DType::kInt64), On(0, {4}), On(0, {4}), On(0, {4}), {}); },
                 "contiguous f32 or f64 CUDA tensor");
+  ExpectMessage([&] { RmspropStep(On(0, {4}), On(0, {4}), On(0, {4}), Tensor(), Tensor(), {.centered = true}); },
+                "RmspropStep: grad_avg is undefined");
+  ExpectMessage([&] { RmspropStep(On(0, {4}), On(0, {4}), On(0, {4}), Tensor(), Tensor(), {.momentum = 0.9}); },
+                "RmspropStep: momentum_buffer is undefined");
+  ExpectMessage([&] { RmspropStep(On(0, {4}), On(0, {4}), On(1, {4}), Tensor(), Tensor(), {}); },
+                "square_avg [4] f32 on cuda:1");
+  ExpectMessage([&] { AdagradStep(On(0, {4}), On(0, {4}), On(0, {2, 2}), {}); }, "AdagradStep: sum [2, 2]");
+  // The refusal of a parameter says what it is.
+  ExpectMessage([&] { AdagradStep(On(0, {4}, DType::kInt64), On(0, {4}), On(0, {4}), {}); },
+                "AdagradStep: the parameter [4] " + std::string(DTypeName(DType::kInt64)) +
+                    " on cuda:0 must be a contiguous f32 or f64 CUDA tensor");
   ExpectMessage([&] { MaxAbs({On(0, {4})}, On(0, {1})); }, "one-element f64");
   ExpectMessage([&] { MaxAbs({On(0, {4}), On(1, {4})}, On(0, {1}, DType::kFloat64)); }, "tensor 1 ([4] f32 on cuda:1)");
   ExpectMessage([&] { MaxAbs({On(0, {4}, DType::kInt64)}, On(0, {1}, DType::kFloat64)); }, "floating tensor on cuda:0");

@@ -30,7 +30,12 @@ void CheckState(const char* op, const Tensor& p, const char* name, const Tensor&
 void CheckParam(const char* op, const Tensor& p) {
   if (!p.defined() || !p.device().is_cuda() || !p.is_contiguous() ||
       (p.dtype() != DType::kFloat32 && p.dtype() != DType::kFloat64)) {
-    throw std::invalid_argument(std::string(op) + ": the parameter must be a contiguous f32 or f64 CUDA tensor");
+    const std::string what = !p.defined() ? "(undefined)"
+                                          : ShapeToString(p.shape()) + " " + std::string(DTypeName(p.dtype())) +
+                                                " on " + p.device().ToString() +
+                                                (p.is_contiguous() ? "" : " (not contiguous)");
+    throw std::invalid_argument(std::string(op) + ": the parameter " + what +
+                                " must be a contiguous f32 or f64 CUDA tensor");
   }
 }
 
