@@ -30,6 +30,7 @@ struct AdamWOptions {
 /// Adam, with PyTorch's rule (t = step, bias corrections in f64):
 ///   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
 ///   denom = sqrt(amsgrad ? max(vmax, v) : v) / sqrt(1 - beta2^t) + eps
+///   (max as torch.maximum: a NaN on either side is kept in vmax)
 ///   p = p - lr / (1 - beta1^t) * m / denom
 /// State slots: "exp_avg", "exp_avg_sq", and "max_exp_avg_sq" with amsgrad.
 class Adam : public OptimizerWithOptions<AdamOptions> {

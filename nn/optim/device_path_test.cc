@@ -137,7 +137,7 @@ void AdamLoop(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v
     vp[i] = vp[i] * static_cast<T>(a.beta2) + static_cast<T>(1.0 - a.beta2) * gi * gi;
     T s = vp[i];
     if (a.amsgrad) {
-      s = std::max(xp[i], s);
+      s = (xp[i] > s || std::isnan(xp[i])) ? xp[i] : s;  // torch.maximum keeps a NaN of either side
       xp[i] = s;
     }
     const T denom = std::sqrt(s) / static_cast<T>(std::sqrt(bc2)) + static_cast<T>(a.eps);
