@@ -3257,6 +3257,65 @@ TEST(DdpFeaturesTest, AnOutputWhoseGraphAnEarlierBackwardReleasedIsLeftUnwatched
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A parameter whose data is replaced by one of another size during the
+// backward (here on rank 1, from a hook on a middle layer's gradient, after
+// the replaced one was copied into the bucket) no longer fits its bucket, and
+// the GradBucket given to a registered hook refuses it. That refusal used to
+// leave rank 0 in the bucket's all-reduce until the group's timeout (60 s);
+// now the group is aborted and rank 0 fails at once.
+DDP_TEST_WORKER(bucket_refused_for_the_hook) {
+  auto pg = testing::WorkerGroup();
+  const auto& data = testing::FashionMnist();
+  nn::ManualSeed(41);
+  auto model = std::make_shared<nn::modules::Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<nn::modules::Flatten>(), std::make_shared<nn::modules::Linear>(784, 16),
+      std::make_shared<nn::modules::ReLU>(), std::make_shared<nn::modules::Linear>(16, 16),
+      std::make_shared<nn::modules::ReLU>(), std::make_shared<nn::modules::Linear>(16, 10)});
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  ddp.RegisterCommHook(hooks::AllReduceHook());
+  const auto params = model->NamedParameters();
+  // The middle layer's weight is ready after the last layer's bias and
+  // before the first layer's gradients, which launch the (single) bucket.
+  const Tensor middle = params.at(2).second;
+  const Tensor replaced = params.back().second;
+  nn::HookHandle handle;
+  if (pg->rank() == 1) {
+    handle = middle.RegisterHook([replaced](const Tensor& g) {
+      replaced.SetData(nn::Zeros({100000}));  // past the end of the bucket
+      return g;
+    });
+  }
+  auto [x, y] = testing::Batch(data, pg->rank() * kBatch, kBatch);
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    nn::Backward(nn::loss::CrossEntropy(ddp(x), y));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  WORKER_EXPECT(!message.empty(), "the backward did not fail");
+  WORKER_EXPECT(seconds < 20, "the backward took " + std::to_string(seconds) + " s to fail: " + message);
+  // Rank 1 stays alive until rank 0 has its answer (at most 30 s), as a
+  // process that caught the error would: its exit would tell rank 0 anyway.
+  const std::string done = std::string(std::getenv("TEST_TMPDIR")) + "/bucket_refused_rank0_done";
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(message.find("could not hand") != std::string::npos, "rank 0's error: " + message);
+    std::ofstream(done) << "done";
+  } else {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!std::filesystem::exists(done) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpFeaturesTest, ABucketTheHookCannotBeGivenAbortsTheGroup) {
+  auto run = RunWorkers("bucket_refused_for_the_hook", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 120000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 
 // --------------------------------------------------- broadcast_buffers ----
 

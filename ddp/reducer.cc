@@ -1032,13 +1032,22 @@ Work Reducer::Launch(size_t b, const nn::Tensor& buffer) {
   if (FusedAverage(divisor_, bucket.dtype)) {
     return pg_->AllReduce(buffer, transport::ReduceOp::kAvg, "bucket " + std::to_string(b));
   }
-  std::vector<nn::Tensor> params;
-  params.reserve(bucket.params.size());
-  for (size_t i : bucket.params) params.push_back(params_[i]);
-  // Kept until Finalize has waited for this bucket's Work.
-  bucket.grad_bucket =
-      std::make_unique<GradBucket>(b, buckets_.size(), buffer, std::move(params), bucket.offsets, divisor_,
-                                   /*divided=*/!local_gradients_);
+  // Kept until Finalize has waited for this bucket's Work. GradBucket
+  // refuses a parameter whose size no longer fits the bucket (its data
+  // replaced since the forward) and may run out of memory: either leaves
+  // the peers in this bucket's collective, so they are told at once.
+  try {
+    std::vector<nn::Tensor> params;
+    params.reserve(bucket.params.size());
+    for (size_t i : bucket.params) params.push_back(params_[i]);
+    bucket.grad_bucket = std::make_unique<GradBucket>(b, buckets_.size(), buffer, std::move(params),
+                                                      bucket.offsets, divisor_, /*divided=*/!local_gradients_);
+  } catch (const std::exception& e) {
+    pg_->Abort(transport::FailedPreconditionError("DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
+                                                  ": could not hand " + bucket.hook_label +
+                                                  " to the communication hook: " + e.what()));
+    throw;
+  }
   GradBucket& grad_bucket = *bucket.grad_bucket;
   // A hook that fails on this rank only leaves the peers in this bucket's
   // collective: they are told at once, as for the reducer's own errors.
