@@ -601,9 +601,13 @@ bool Optimizer::InitState(size_t i) {
   if (s.slots.size() == slot_names_.size()) return false;
   s.slots = StartSlots(i);
   if (!s.slots.empty()) return false;  // as if made with the optimizer: not fresh
+  // Built aside and kept only whole: running out of memory at the second
+  // slot must not leave the parameter with one.
+  std::vector<Tensor> slots;
   for (size_t k = 0; k < slot_names_.size(); ++k) {
-    s.slots.push_back(Zeros(p.shape(), {.dtype = compute, .device = p.device()}));
+    slots.push_back(Zeros(p.shape(), {.dtype = compute, .device = p.device()}));
   }
+  s.slots = std::move(slots);
   return true;
 }
 
@@ -812,9 +816,13 @@ NamedTensors Optimizer::StateDict() const {
     out.emplace_back(prefix + "step", FromVectorOf<int64_t>({steps_[i]}, {}));
     if (steps_[i] == 0) {
       // Slots held from the start (StartSlotValues) are saved before the
-      // first step too, as PyTorch's state holds them; a master is made at
-      // the first step, so there is none to save.
-      const std::vector<Tensor> slots = state_[i].slots.empty() ? StartSlots(i) : state_[i].slots;
+      // first step too, as PyTorch's state holds them, and only those, all
+      // of them (a load refuses any other at step 0: slots a first step
+      // made before it failed are not the state); a master is made at the
+      // first step, so there is none to save.
+      if (StartSlotValues(group_of_[i]).empty()) continue;
+      const std::vector<Tensor> slots =
+          state_[i].slots.size() == slot_names_.size() ? state_[i].slots : StartSlots(i);
       for (size_t k = 0; k < slots.size(); ++k) {
         Tensor t = slots[k];
         if (t.device() != params_[i].second.device()) t = t.To(params_[i].second.device());

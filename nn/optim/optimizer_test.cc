@@ -316,6 +316,63 @@ TEST(OptimizerState, ANeverUpdatedStepOfAnotherShapeIsRefusedNamingIt) {
   }
 }
 
+// The CPU backend with an allocator that refuses, once, the `nth` request
+// of `bytes` bytes (1 the next), as when memory has just run out; every
+// other request goes to the CPU allocator. Installed for the object's life.
+class RefuseOneCpuAllocation : public Allocator {
+ public:
+  RefuseOneCpuAllocation(size_t bytes, int nth) : bytes_(bytes), left_(nth), saved_(GetDeviceBackend(kCPU)) {
+    DeviceBackend cpu = saved_;
+    cpu.allocator = this;
+    RegisterDeviceBackend(DeviceType::kCPU, cpu);
+  }
+  ~RefuseOneCpuAllocation() override { RegisterDeviceBackend(DeviceType::kCPU, saved_); }
+  void* Allocate(size_t nbytes, Device device) override {
+    if (nbytes == bytes_ && left_ > 0 && --left_ == 0) {
+      refused_ = true;
+      throw std::bad_alloc();
+    }
+    return CpuAllocator().Allocate(nbytes, device);
+  }
+  void Deallocate(void* ptr, size_t nbytes, Device device) override { CpuAllocator().Deallocate(ptr, nbytes, device); }
+  bool refused() const { return refused_; }
+
+ private:
+  size_t bytes_;
+  int left_;
+  bool refused_ = false;
+  DeviceBackend saved_;
+};
+
+// A first step that ran out of memory between Adam's two slots (its second
+// Zeros) left the parameter with one slot and step 0, and StateDict saved
+// that slot: the state was then refused by every optimizer ("unexpected
+// `state.w.exp_avg`: `state.w.step` is 0"). At step 0 only the slots an
+// optimizer holds from the start (Adagrad's sum) are saved, and the failed
+// step leaves no slot behind; the state loads, and the next step matches
+// that of an optimizer that never failed.
+TEST(OptimizerState, AFirstStepOutOfMemoryBetweenTwoSlotsLeavesAStateThatLoads) {
+  Tensor w = FromVector({1.0f, -2.0f, 3.0f, 0.5f, -1.5f, 2.5f, 4.0f}, {7});
+  Tensor twin = w.Clone();
+  Adam opt({{"w", w}}, {.lr = 0.1});
+  w.set_grad(FromVector({0.5f, 1.0f, -1.0f, 2.0f, 0.25f, -0.5f, 1.5f}, {7}));
+  {
+    RefuseOneCpuAllocation refuse(w.nbytes(), 2);
+    EXPECT_THROW(opt.Step(), std::bad_alloc);
+    ASSERT_TRUE(refuse.refused());
+  }
+  EXPECT_EQ(opt.step_count(0), 0);
+  const NamedTensors state = opt.StateDict();
+  for (const auto& [k, t] : state) EXPECT_NE(k, "state.w.exp_avg");
+  Adam loaded({{"w", twin}}, {.lr = 0.1});
+  loaded.LoadStateDict(state);
+  twin.set_grad(w.grad().Clone());
+  opt.Step();
+  loaded.Step();
+  EXPECT_EQ(w.ToVector<float>(), twin.ToVector<float>());
+  EXPECT_EQ(loaded.step_count(0), 1);
+}
+
 // Before, a parameter with no entries in a loaded state was taken as one
 // never updated: Adam's state saved over {w} loaded into one over {w, b}
 // (both trained 1000 steps) restarted b at step 1. PyTorch refuses param
