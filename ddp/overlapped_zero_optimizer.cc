@@ -868,6 +868,23 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
   std::vector<std::vector<std::pair<std::string, Tensor>>> by_param(s.params.size());
   const Tensor* lr = nullptr;
   nn::optim::NamedTensors kept;  // `state` without the frozen parameters' entries (for one rank)
+  // The module's parameters this optimizer does not train, and whether the
+  // state holds each one's step as an i64 0 (never updated): the only case
+  // in which its other entries (slots an optimizer holds from the start,
+  // Adagrad's sum) are let through.
+  nn::optim::NamedParameters untrained;
+  for (auto& [name, p] : s.ddp->module()->NamedParameters()) {
+    if (nn::optim::ParameterOfStateKey("state." + name + ".step", all) < 0) untrained.emplace_back(name, p);
+  }
+  const auto never_updated = [&state](const std::string& step_key) {
+    for (const auto& [key, value] : state) {
+      if (key == step_key) {
+        return value.defined() && value.dtype() == nn::DType::kInt64 && value.numel() == 1 &&
+               value.To(nn::kCPU).data<int64_t>()[0] == 0;
+      }
+    }
+    return false;
+  };
   for (const auto& [key, value] : state) {
     if (key.compare(0, 6, "state.") != 0 || nn::optim::ParameterOfStateKey(key, all) >= 0) {
       kept.emplace_back(key, value);
@@ -894,6 +911,20 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
         throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key + "` is i64 " +
                                     nn::ShapeToString(value.shape()) +
                                     ", expected i64 [] (the step of a parameter this optimizer does not train)");
+      }
+      // A slot held from the start (Adagrad's sum), which a plain
+      // optimizer saves for a parameter it never updated: nothing to load
+      // either, but it must fit that parameter as the plain one checks it.
+      std::string frozen_slot;
+      const int frozen = nn::optim::ParameterOfStateKey(key, untrained, &frozen_slot);
+      if (!is_step && frozen >= 0 && frozen_slot.find('.') == std::string::npos &&
+          never_updated("state." + untrained[frozen].first + ".step")) {
+        const Tensor& p = untrained[frozen].second;
+        if (value.shape() == p.shape() && nn::IsFloating(value.dtype())) continue;
+        throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key + "` is " +
+                                    std::string(nn::DTypeName(value.dtype())) + " " + nn::ShapeToString(value.shape()) +
+                                    ", its parameter " + nn::ShapeToString(p.shape()) +
+                                    " (a slot of a parameter this optimizer does not train, never updated)");
       }
       throw std::invalid_argument("OverlappedZeroOptimizer::LoadStateDict: `" + key +
                                   "` names no trained parameter");

@@ -203,6 +203,8 @@ class OverlappedZeroOptimizer {
   /// std::invalid_argument naming a "state." key of no trained parameter
   /// (a frozen parameter's "step" is let through as the 0-d i64 0 that a
   /// parameter never updated saves, and refused naming its shape
+  /// otherwise; with that step, its slots held from the start, Adagrad's
+  /// "sum", are let through in its shape and refused naming both shapes
   /// otherwise), an entry whose size is not its parameter's, or a param
   /// group whose saved size or members are not this optimizer's (and,
   /// from the optimizer's own check, another group count). Any other

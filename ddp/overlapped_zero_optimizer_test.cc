@@ -31,6 +31,7 @@
 #include "nn/loss/loss.h"
 #include "nn/modules/layers.h"
 #include "nn/modules/models.h"
+#include "nn/optim/adagrad.h"
 #include "nn/optim/adam.h"
 #include "nn/optim/lr_scheduler.h"
 #include "nn/ops/functional.h"
@@ -1695,6 +1696,72 @@ DDP_TEST_WORKER(frozen_step_shape) {
 TEST(OverlappedZeroOptimizerTest, AFrozenParametersStepOfAnotherShapeIsRefusedNamingIt) {
   for (int world : {1, 2}) {
     auto run = RunWorkers("frozen_step_shape", world);
+    EXPECT_TRUE(run.AllSucceeded()) << world << " ranks\n" << testing::AllOutput(run);
+  }
+}
+
+// Adagrad holds its sum from the start, and its StateDict saves it for a
+// parameter never updated (step 0), as PyTorch's does: a plain Adagrad's
+// state of a model with a frozen parameter has that parameter's sum. It
+// was refused ("`state.<frozen>.sum` names no trained parameter"), on one
+// rank too. It loads, as a frozen parameter's step 0 does; a sum of
+// another shape is refused naming the entry and both shapes, and a sum
+// with a step that is not 0 (the parameter was updated) still names no
+// trained parameter.
+DDP_TEST_WORKER(frozen_adagrad_sum) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  auto model = Mlp(41);
+  const auto named = model->NamedParameters();
+  const std::string frozen = named.back().first;
+  const nn::Shape frozen_shape = named.back().second.shape();
+  named.back().second.set_requires_grad(false);
+  DistributedDataParallel ddp(model, {.process_group = pg});
+  OverlappedZeroOptimizer opt(ddp, [](nn::optim::NamedParameters shard) {
+    return std::make_unique<nn::optim::Adagrad>(std::move(shard), nn::optim::AdagradOptions{.lr = 0.05});
+  });
+  nn::optim::Adagrad plain(model->NamedParameters(), {.lr = 0.5, .initial_accumulator_value = 0.25});
+  const nn::optim::NamedTensors saved = plain.StateDict();
+  const auto find = [&frozen](nn::optim::NamedTensors& state, const std::string& slot) -> nn::Tensor* {
+    for (auto& [key, value] : state) {
+      if (key == "state." + frozen + "." + slot) return &value;
+    }
+    return nullptr;
+  };
+  const auto error_of = [&opt](const nn::optim::NamedTensors& state) {
+    try {
+      opt.LoadStateDict(state);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  {
+    nn::optim::NamedTensors state = saved;
+    WORKER_EXPECT(find(state, "sum") != nullptr, "the plain Adagrad's state has no sum of `" + frozen + "`");
+    *find(state, "sum") = nn::Zeros({frozen_shape[0] + 1});
+    const std::string want = "OverlappedZeroOptimizer::LoadStateDict: `state." + frozen + ".sum` is f32 [" +
+                             std::to_string(frozen_shape[0] + 1) + "], its parameter " +
+                             nn::ShapeToString(frozen_shape);
+    const std::string message = error_of(state);
+    WORKER_EXPECT(message.rfind(want, 0) == 0, message + on);
+    WORKER_EXPECT(opt.lr() == 0.05, "a refused state changed the rate to " + std::to_string(opt.lr()) + on);
+  }
+  {
+    nn::optim::NamedTensors state = saved;
+    *find(state, "step") = nn::FromVectorOf<int64_t>({3}, {});
+    const std::string message = error_of(state);
+    WORKER_EXPECT(message.find("names no trained parameter") != std::string::npos, message + on);
+  }
+  const std::string message = error_of(saved);
+  WORKER_EXPECT(message == "loaded", "a plain Adagrad's state was refused: " + message + on);
+  WORKER_EXPECT(opt.lr() == 0.5, "the state's rate was not loaded" + on);
+  return testing::WorkerExit();
+}
+
+TEST(OverlappedZeroOptimizerTest, APlainAdagradsStateWithAFrozenParametersSumLoads) {
+  for (int world : {1, 2}) {
+    auto run = RunWorkers("frozen_adagrad_sum", world);
     EXPECT_TRUE(run.AllSucceeded()) << world << " ranks\n" << testing::AllOutput(run);
   }
 }
