@@ -22,6 +22,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -444,6 +445,68 @@ TEST_F(DevicePathTest, StateSavedOnOnePathContinuesOnTheOther) {
     }
     EXPECT_EQ(state.back().second.ToVector<double>(), saved);
     for (size_t i = 0; i < a.size(); ++i) ExpectClose(b[i].second, a[i].second, 1e-6, a[i].first);
+  }
+}
+
+// The CPU backend with an allocator that refuses, once, the next request
+// of `bytes` bytes, as when memory has just run out; every other request
+// goes to the CPU allocator. Installed for the object's life.
+class RefuseOneCpuAllocation : public Allocator {
+ public:
+  explicit RefuseOneCpuAllocation(size_t bytes) : bytes_(bytes), saved_(GetDeviceBackend(kCPU)) {
+    DeviceBackend cpu = saved_;
+    cpu.allocator = this;
+    RegisterDeviceBackend(DeviceType::kCPU, cpu);
+  }
+  ~RefuseOneCpuAllocation() override { RegisterDeviceBackend(DeviceType::kCPU, saved_); }
+  void* Allocate(size_t nbytes, Device device) override {
+    if (nbytes == bytes_ && !refused_) {
+      refused_ = true;
+      throw std::bad_alloc();
+    }
+    return CpuAllocator().Allocate(nbytes, device);
+  }
+  void Deallocate(void* ptr, size_t nbytes, Device device) override { CpuAllocator().Deallocate(ptr, nbytes, device); }
+  bool refused() const { return refused_; }
+
+ private:
+  size_t bytes_;
+  bool refused_ = false;
+  DeviceBackend saved_;
+};
+
+// The device path prepares every parameter's update (its state, its step
+// count) before it launches any. When a later parameter's preparation ran
+// out of memory (its first slot), the earlier ones kept a step counted
+// for an update never made: the next step ran Adam's bias corrections as
+// its second. A failed step now leaves every count, parameter and
+// state as it was; the next step is the first, as a fresh optimizer's.
+TEST_F(DevicePathTest, AStepThatRanOutOfMemoryPreparingAParameterCountsNoStep) {
+  const auto params = [] {
+    return NamedParameters{{"w", FromVector({1.0f, -2.0f, 3.0f, 0.5f, -1.5f, 2.5f, 4.0f}, {7})},
+                           {"v", FromVector({0.25f, -0.75f, 1.25f, 2.0f, -3.0f}, {5})}};
+  };
+  const auto grads = [](NamedParameters& p) {
+    p[0].second.set_grad(FromVector({0.5f, 1.0f, -1.0f, 2.0f, 0.25f, -0.5f, 1.5f}, {7}));
+    p[1].second.set_grad(FromVector({-1.0f, 0.5f, 2.0f, -0.25f, 1.0f}, {5}));
+  };
+  NamedParameters a = params(), b = params();
+  grads(a);
+  grads(b);
+  Adam failing(a, {.lr = 0.1}), fresh(b, {.lr = 0.1});
+  {
+    RefuseOneCpuAllocation refuse(a[1].second.nbytes());
+    EXPECT_THROW(failing.Step(), std::bad_alloc);
+    ASSERT_TRUE(refuse.refused());
+  }
+  EXPECT_EQ(failing.step_count(0), 0);
+  EXPECT_EQ(failing.step_count(1), 0);
+  EXPECT_EQ(a[0].second.ToVector<float>(), b[0].second.ToVector<float>());
+  failing.Step();
+  fresh.Step();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].second.ToVector<float>(), b[i].second.ToVector<float>()) << a[i].first;
+    EXPECT_EQ(failing.step_count(i), 1) << a[i].first;
   }
 }
 

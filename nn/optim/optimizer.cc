@@ -678,11 +678,25 @@ void Optimizer::Step() {
   // ones) are all alive until then.
   std::vector<size_t> updated;
   std::vector<DeviceUpdateItem> items;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& grad = params_[i].second.grad();
-    if (!grad.defined()) continue;
-    updated.push_back(i);
-    items.push_back(PrepareDeviceStep(i, grad));
+  updated.reserve(params_.size());
+  items.reserve(params_.size());
+  try {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Tensor& grad = params_[i].second.grad();
+      if (!grad.defined()) continue;
+      items.push_back(PrepareDeviceStep(i, grad));
+      updated.push_back(i);
+    }
+  } catch (...) {
+    // Nothing was launched (a conversion or a state ran out of memory):
+    // the steps counted so far are taken back, and slots made fresh for
+    // them dropped, so that the next step is the first again for those
+    // parameters, not a second after an update that never ran.
+    for (size_t k = 0; k < updated.size(); ++k) {
+      --steps_[updated[k]];
+      if (items[k].fresh) state_[updated[k]].slots.clear();
+    }
+    throw;
   }
   if (items.empty()) return;
   DeviceUpdateAll(items);
