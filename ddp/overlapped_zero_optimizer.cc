@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -873,8 +874,9 @@ void OverlappedZeroOptimizer::LoadStateDict(const nn::optim::NamedTensors& state
   // in which its other entries (slots an optimizer holds from the start,
   // Adagrad's sum) are let through.
   nn::optim::NamedParameters untrained;
+  const std::set<std::string> trained(s.names.begin(), s.names.end());
   for (auto& [name, p] : s.ddp->module()->NamedParameters()) {
-    if (nn::optim::ParameterOfStateKey("state." + name + ".step", all) < 0) untrained.emplace_back(name, p);
+    if (trained.count(name) == 0) untrained.emplace_back(name, p);
   }
   const auto never_updated = [&state](const std::string& step_key) {
     for (const auto& [key, value] : state) {
