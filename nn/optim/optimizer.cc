@@ -743,37 +743,42 @@ void Optimizer::FinishDeviceStep(size_t i) {
 void Optimizer::HostStep(size_t i, const Tensor& grad, std::vector<float>& scratch_f, std::vector<double>& scratch_d) {
   const Tensor& p = params_[i].second;
   const Tensor g = grad.is_contiguous() ? grad : grad.Detach().Contiguous();
+  const int64_t n = p.numel();
+  const bool f64 = ComputeDType(i) == DType::kFloat64;
+  // The gradient in the compute dtype before the state and the step count
+  // are touched: running out of memory for its copy must leave both as
+  // they were, not a step counted (and fresh slots kept) for an update
+  // that never ran.
+  const double* gp_d = nullptr;
+  const float* gp_f = nullptr;
+  if (f64 && g.dtype() == DType::kFloat64) {
+    gp_d = g.data<double>();
+  } else if (f64) {
+    scratch_d.resize(n);
+    ConvertTo(g, scratch_d.data(), Name(), "gradient", params_[i].first);
+    gp_d = scratch_d.data();
+  } else if (g.dtype() == DType::kFloat32) {
+    gp_f = g.data<float>();
+  } else {
+    scratch_f.resize(n);
+    ConvertTo(g, scratch_f.data(), Name(), "gradient", params_[i].first);
+    gp_f = scratch_f.data();
+  }
   const bool fresh = InitState(i);
   State& s = state_[i];
-  const int64_t n = p.numel();
-  const int64_t step = ++steps_[i];
   const size_t group = group_of_[i];
   const uint64_t before = p.storage()->version();
-  if (ComputeDType(i) == DType::kFloat64) {
+  if (f64) {
     std::vector<double*> slots;
     for (Tensor& t : s.slots) slots.push_back(t.data<double>());
-    const double* gp;
-    if (g.dtype() == DType::kFloat64) {
-      gp = g.data<double>();
-    } else {
-      scratch_d.resize(n);
-      ConvertTo(g, scratch_d.data(), Name(), "gradient", params_[i].first);
-      gp = scratch_d.data();
-    }
-    Update(group, p.data<double>(), gp, slots.data(), n, step, fresh, StepScale(group));
+    const int64_t step = ++steps_[i];
+    Update(group, p.data<double>(), gp_d, slots.data(), n, step, fresh, StepScale(group));
   } else {
     std::vector<float*> slots;
     for (Tensor& t : s.slots) slots.push_back(t.data<float>());
-    const float* gp;
-    if (g.dtype() == DType::kFloat32) {
-      gp = g.data<float>();
-    } else {
-      scratch_f.resize(n);
-      ConvertTo(g, scratch_f.data(), Name(), "gradient", params_[i].first);
-      gp = scratch_f.data();
-    }
+    const int64_t step = ++steps_[i];
     float* target = s.master.defined() ? s.master.data<float>() : p.data<float>();
-    Update(group, target, gp, slots.data(), n, step, fresh, static_cast<float>(StepScale(group)));
+    Update(group, target, gp_f, slots.data(), n, step, fresh, static_cast<float>(StepScale(group)));
     if (p.dtype() == DType::kFloat16) {
       Half* out = p.data<Half>();
       for (int64_t k = 0; k < n; ++k) out[k] = Half(target[k]);

@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <new>
 #include <optional>
 #include <tuple>
 
@@ -25,6 +27,26 @@
 #include "nn/optim/rmsprop.h"
 #include "nn/optim/sgd.h"
 #include "nn/tensor/generator.h"
+
+// The next operator new of exactly this many bytes on this thread fails,
+// once, as when memory has just run out (0: none). Replacing the global
+// operator new is the seam; it reaches the library's std::vector too.
+namespace {
+thread_local std::size_t refuse_new_of_bytes = 0;
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  if (refuse_new_of_bytes != 0 && bytes == refuse_new_of_bytes) {
+    refuse_new_of_bytes = 0;
+    throw std::bad_alloc();
+  }
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+// Not inlined: GCC would take a free() of what a new expression returned
+// for a mismatch.
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace ddp::nn::optim {
 namespace {
@@ -371,6 +393,31 @@ TEST(OptimizerState, AFirstStepOutOfMemoryBetweenTwoSlotsLeavesAStateThatLoads) 
   loaded.Step();
   EXPECT_EQ(w.ToVector<float>(), twin.ToVector<float>());
   EXPECT_EQ(loaded.step_count(0), 1);
+}
+
+// A 16-bit parameter's gradient is copied into f32 scratch for the host
+// update. When that copy ran out of memory, the step had already been
+// counted and the state made: the next step ran as the second (Adam's bias
+// corrections) after an update that never happened. The failed step now
+// leaves the count and the parameter as they were; the next one is the
+// first, as a fresh optimizer's.
+TEST(Optimizer, AGradientCopyOutOfMemoryCountsNoStep) {
+  constexpr int64_t n = 1237;  // an f32 scratch of 4,948 bytes, a size nothing else here asks for
+  Tensor w = Full({n}, 0.75, {.dtype = DType::kBFloat16}), twin = w.Clone();
+  Adam failing({{"w", w}}, {.lr = 0.1}), fresh({{"w", twin}}, {.lr = 0.1});
+  w.set_grad(Full({n}, 0.5, {.dtype = DType::kBFloat16}));
+  twin.set_grad(Full({n}, 0.5, {.dtype = DType::kBFloat16}));
+  refuse_new_of_bytes = n * sizeof(float);
+  EXPECT_THROW(failing.Step(), std::bad_alloc);
+  const bool refused = refuse_new_of_bytes == 0;
+  refuse_new_of_bytes = 0;
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(failing.step_count(0), 0);
+  EXPECT_EQ(w.ToVector<float>(), twin.ToVector<float>());
+  failing.Step();
+  fresh.Step();
+  EXPECT_EQ(failing.step_count(0), 1);
+  EXPECT_EQ(w.ToVector<float>(), twin.ToVector<float>());
 }
 
 // Before, a parameter with no entries in a loaded state was taken as one
