@@ -64,6 +64,13 @@ std::string CollectiveDescription::ToString() const {
 
 namespace {
 
+// AllGatherObject's choice between one padded all-gather and a broadcast
+// per rank (size() x the longest object, in bytes; every rank must use the
+// same), and the transport calls its tasks made, for the tests.
+std::atomic<size_t> object_all_gather_padded_bytes{internal::kObjectAllGatherPaddedBytes};
+std::atomic<uint64_t> object_all_gather_calls{0};
+
+
 // Tags of the transport's user channel: the top two bits say whose message
 // it is, so that the group's own messages never match a user's Recv.
 constexpr uint32_t kHeaderChannel = 1u << 30;  // a Send's header
@@ -1952,6 +1959,14 @@ std::string LongestText(const std::vector<int64_t>& sizes) {
 
 }  // namespace
 
+void internal::SetObjectAllGatherPaddedBytesForTesting(size_t bytes) {
+  object_all_gather_padded_bytes.store(bytes, std::memory_order_relaxed);
+}
+
+uint64_t internal::ObjectAllGatherCallsForTesting() {
+  return object_all_gather_calls.load(std::memory_order_relaxed);
+}
+
 void ProcessGroup::BroadcastObject(std::string* object, int root) {
   if (object == nullptr) throw std::invalid_argument("ProcessGroup::BroadcastObject: object is null");
   CheckRoot(root, size_, "BroadcastObject", "root");
@@ -2003,31 +2018,61 @@ std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object
             *out = {std::move(object)};
             return Status::Ok();
           }
-          // Every rank's length, then each rank's bytes broadcast from it
-          // straight into the string that is returned for it, sized to
-          // them: the result is the only buffer that holds the gathered
-          // bytes (one all-gather of the objects padded to the longest,
-          // split into strings after, held them twice or more, and n times
-          // the longest object where lengths differ).
+          // Every rank's length first. Then, when size() x the longest
+          // object is at most the padded limit (1 MiB), every object padded
+          // to the longest in one all-gather: two transport calls, what a
+          // few bytes from every rank (the trainer's stats line) should
+          // cost. Above it, each rank's bytes broadcast from it straight
+          // into the string returned for it: one call per rank with a
+          // non-empty object, but the result is the only buffer that holds
+          // the gathered bytes (the padded copy, held next to the result,
+          // takes n times the longest object, far more than the result
+          // where lengths differ).
           const size_t n = static_cast<size_t>(comm->size());
           const int me = comm->rank();
           std::vector<int64_t> sizes(n);
           const int64_t mine = static_cast<int64_t>(object.size());
+          object_all_gather_calls.fetch_add(1, std::memory_order_relaxed);
           DDP_RETURN_IF_ERROR(
               comm->AllGather(&mine, sizes.data(), 1, transport::DataType::kI64, internal::Within(deadline)));
-          std::vector<std::string> got(n);
-          got[static_cast<size_t>(me)] = std::move(object);
+          size_t longest = 0;
           for (size_t r = 0; r < n; ++r) {
-            if (static_cast<int>(r) == me) continue;
             if (sizes[r] < 0) {
               return transport::InternalError("rank " + std::to_string(r) + " sent a negative size, " +
                                               std::to_string(sizes[r]));
             }
+            longest = std::max(longest, static_cast<size_t>(sizes[r]));
+          }
+          std::vector<std::string> got(n);
+          const size_t padded_limit = object_all_gather_padded_bytes.load(std::memory_order_relaxed);
+          if (longest <= padded_limit / n) {
+            if (longest > 0) {
+              std::string padded = std::move(object);
+              DDP_RETURN_IF_ERROR(SizeBuffer(padded, longest, me, "its own object padded; " + LongestText(sizes)));
+              std::string all;
+              DDP_RETURN_IF_ERROR(
+                  SizeBuffer(all, n * longest, me, "every rank's object padded; " + LongestText(sizes)));
+              object_all_gather_calls.fetch_add(1, std::memory_order_relaxed);
+              DDP_RETURN_IF_ERROR(comm->AllGather(padded.data(), all.data(), longest, transport::DataType::kU8,
+                                                  internal::Within(deadline)));
+              for (size_t r = 0; r < n; ++r) {
+                DDP_RETURN_IF_ERROR(SizeBuffer(got[r], static_cast<size_t>(sizes[r]), me,
+                                               "rank " + std::to_string(r) + "'s object; " + LongestText(sizes)));
+                std::memcpy(got[r].data(), all.data() + r * longest, got[r].size());
+              }
+            }
+            *out = std::move(got);
+            return Status::Ok();
+          }
+          got[static_cast<size_t>(me)] = std::move(object);
+          for (size_t r = 0; r < n; ++r) {
+            if (static_cast<int>(r) == me) continue;
             DDP_RETURN_IF_ERROR(SizeBuffer(got[r], static_cast<size_t>(sizes[r]), me,
                                            "rank " + std::to_string(r) + "'s object; " + LongestText(sizes)));
           }
           for (size_t r = 0; r < n; ++r) {
             if (sizes[r] == 0) continue;
+            object_all_gather_calls.fetch_add(1, std::memory_order_relaxed);
             DDP_RETURN_IF_ERROR(comm->Broadcast(got[r].data(), got[r].size(), transport::DataType::kU8,
                                                 static_cast<int>(r), internal::Within(deadline)));
           }

@@ -124,6 +124,17 @@ class ScopedDefaultLabel {
  private:
   const std::string* previous_;
 };
+
+/// ProcessGroup::AllGatherObject gathers the objects padded to the longest
+/// in one all-gather while size() x the longest object is at most this many
+/// bytes, else broadcasts each rank's bytes from it (see there).
+inline constexpr size_t kObjectAllGatherPaddedBytes = size_t{1} << 20;
+/// Test only: that bound, set to the same value on every rank (ranks with
+/// different bounds would run different transport calls) before the
+/// AllGatherObject calls it is for; 0 always broadcasts.
+void SetObjectAllGatherPaddedBytesForTesting(size_t bytes);
+/// Test only: the transport calls AllGatherObject has made in this process.
+uint64_t ObjectAllGatherCallsForTesting();
 }  // namespace internal
 
 /// The API version of //ddp (bumped on incompatible change).
@@ -459,10 +470,13 @@ class ProcessGroup {
   /// out; after a failure in the collective it is empty, after one before
   /// it was issued it is as it was).
   void BroadcastObject(std::string* object, int root);
-  /// Every rank's `object`, in rank order (lengths exchanged first, then
-  /// each rank's bytes broadcast from it straight into the string returned
-  /// for it: beyond the result, a rank needs no memory for the gathered
-  /// bytes).
+  /// Every rank's `object`, in rank order. The lengths are exchanged
+  /// first. Small objects (size() x the longest at most
+  /// internal::kObjectAllGatherPaddedBytes, 1 MiB) are then padded to the
+  /// longest and gathered in one all-gather: two transport calls in all.
+  /// Larger ones are broadcast from each rank with a non-empty object
+  /// straight into the string returned for it, one call per such rank:
+  /// beyond the result, a rank needs no memory for the gathered bytes.
   std::vector<std::string> AllGatherObject(const std::string& object);
   /// On `dst`: every rank's `object` in rank order; elsewhere empty. The
   /// lengths are gathered to dst, then each rank sends its bytes to dst,

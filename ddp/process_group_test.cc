@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <functional>
 #include <future>
+#include <limits>
 #include <memory>
 #include <new>
 #include <string>
@@ -635,6 +636,56 @@ TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
     EXPECT_NE(std::string(e.what()).find("rank 0 sends itself 3 rows (input split 0) but receives 2"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// AllGatherObject's two ways, on every rank alike: objects of a few bytes
+// from every rank (the trainer's stats line, "0.00"), an empty one, one
+// holding zero bytes, gathered by default (one padded all-gather: 2
+// transport calls, where a broadcast per rank cost 1 + the ranks with a
+// non-empty object), with every size forced onto the broadcasts (limit 0)
+// and onto the padded all-gather (no limit). Each way gives every rank the
+// same objects.
+DDP_TEST_WORKER(pg_all_gather_object_paths) {
+  auto pg = testing::WorkerGroup();
+  const int n = pg->size(), me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  std::vector<std::string> expected;
+  int non_empty = 0;
+  for (int r = 0; r < n; ++r) {
+    std::string object = r == 1 ? "" : std::to_string(r) + ".00";
+    if (r == 2) object = std::string("zero\0byte and a longer tail", 27);
+    non_empty += object.empty() ? 0 : 1;
+    expected.push_back(object);
+  }
+  struct Way {
+    const char* name;
+    size_t limit;
+    uint64_t calls;
+  };
+  for (const Way& way : {Way{"default", internal::kObjectAllGatherPaddedBytes, 2},
+                         Way{"broadcasts", 0, 1 + static_cast<uint64_t>(non_empty)},
+                         Way{"padded", std::numeric_limits<size_t>::max(), 2}}) {
+    internal::SetObjectAllGatherPaddedBytesForTesting(way.limit);
+    const uint64_t before = internal::ObjectAllGatherCallsForTesting();
+    const std::vector<std::string> all = pg->AllGatherObject(expected[static_cast<size_t>(me)]);
+    const uint64_t calls = internal::ObjectAllGatherCallsForTesting() - before;
+    WORKER_EXPECT(all == expected, std::string(way.name) + ": wrong objects (" + std::to_string(all.size()) + ")" + on);
+    WORKER_EXPECT(calls == way.calls, std::string(way.name) + ": " + std::to_string(calls) +
+                                          " transport calls, expected " + std::to_string(way.calls) + on);
+  }
+  internal::SetObjectAllGatherPaddedBytesForTesting(internal::kObjectAllGatherPaddedBytes);
+  // Every object empty: the lengths alone.
+  const uint64_t before = internal::ObjectAllGatherCallsForTesting();
+  WORKER_EXPECT(pg->AllGatherObject("") == std::vector<std::string>(static_cast<size_t>(n)), "empty objects" + on);
+  WORKER_EXPECT(internal::ObjectAllGatherCallsForTesting() - before == 1, "empty objects: not one call" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, AllGatherObjectOfSmallObjectsIsOneAllGatherAndBothWaysAgree) {
+  for (int n : {2, 3, 4}) {
+    auto run = RunWorkers("pg_all_gather_object_paths", n, {}, 60000);
+    EXPECT_TRUE(run.AllSucceeded()) << n << " ranks\n" << testing::AllOutput(run);
   }
 }
 
