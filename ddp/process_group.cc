@@ -69,6 +69,8 @@ namespace {
 // same), and the transport calls its tasks made, for the tests.
 std::atomic<size_t> object_all_gather_padded_bytes{internal::kObjectAllGatherPaddedBytes};
 std::atomic<uint64_t> object_all_gather_calls{0};
+// Set by internal::FailNextNewGroupAfterSplitForTesting.
+std::atomic<bool> fail_next_new_group_after_split{false};
 
 
 // Tags of the transport's user channel: the top two bits say whose message
@@ -479,13 +481,16 @@ void Record(const Traces& traces, const std::string& name, std::chrono::steady_c
 
 class ProcessGroup::Impl {
  public:
-  Impl(std::unique_ptr<transport::Communicator> comm, int rank, int size,
+  // `comm` is taken once every member is made: a failure before (no
+  // memory) leaves it with the caller (NewGroup aborts it then).
+  Impl(std::unique_ptr<transport::Communicator>&& comm, int rank, int size,
        const ProcessGroupOptions& options)
-      : comm_(std::move(comm)), rank_(rank), size_(size), options_(options),
-        on_caller_(comm_ != nullptr &&
+      : rank_(rank), size_(size), options_(options),
+        on_caller_(comm != nullptr &&
                    (options.collective_thread == CollectiveThread::kCaller ||
                     (options.collective_thread == CollectiveThread::kAuto &&
-                     comm_->info().yields_when_idle))) {
+                     comm->info().yields_when_idle))) {
+    comm_ = std::move(comm);
     // The communication thread was counted as busy; with collectives on the
     // caller it mostly sleeps, so waits may spin again if the cores allow
     // (measured: MLP, 2 ranks on 2 cores, docs/benchmarks.md).
@@ -1195,7 +1200,7 @@ ProcessGroupOptions WithEnvironment(ProcessGroupOptions options, const Environme
 
 }  // namespace
 
-ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator> comm, int rank, int size,
+ProcessGroup::ProcessGroup(std::unique_ptr<transport::Communicator>&& comm, int rank, int size,
                            ProcessGroupOptions options, DebugLevel debug_level)
     : rank_(rank), size_(size), root_rank_(rank), options_(options), debug_level_(debug_level) {
   impl_ = std::make_unique<Impl>(std::move(comm), rank_, size_, options_);
@@ -1959,6 +1964,10 @@ std::string LongestText(const std::vector<int64_t>& sizes) {
 
 }  // namespace
 
+void internal::FailNextNewGroupAfterSplitForTesting() {
+  fail_next_new_group_after_split.store(true, std::memory_order_relaxed);
+}
+
 void internal::SetObjectAllGatherPaddedBytesForTesting(size_t bytes) {
   object_all_gather_padded_bytes.store(bytes, std::memory_order_relaxed);
 }
@@ -2340,63 +2349,77 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) t
   throw;
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) try {
-  std::vector<bool> seen(static_cast<size_t>(size_), false);
-  // FNV-1a over the ranks in order: what the ranks compare before forming
-  // the group (an order that differs is a different list).
-  uint64_t digest = 14695981039346656037ull;
-  // What is wrong with this rank's list, if anything: said after the
-  // exchange below (as a length of -1), so that the other ranks fail with
-  // it instead of waiting for this one until their deadline.
-  std::string invalid = ranks.empty() ? "the rank list is empty" : "";
-  for (int r : ranks) {
-    if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
-      invalid = "rank " + std::to_string(r) +
-                (r >= 0 && r < size_ ? " given twice" : " is not in [0, " + std::to_string(size_) + ")");
-      break;
+std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ranks) {
+  // Up to the Enqueue, a failure leaves the peers waiting for this rank in
+  // the comparison below: the group is aborted, naming it.
+  std::string invalid;
+  bool member = false;
+  int64_t count = 0;
+  std::shared_ptr<std::unique_ptr<transport::Communicator>> made;
+  std::shared_ptr<std::array<int64_t, 3>> differs;
+  Work work;
+  try {
+    std::vector<bool> seen(static_cast<size_t>(size_), false);
+    // FNV-1a over the ranks in order: what the ranks compare before forming
+    // the group (an order that differs is a different list).
+    uint64_t digest = 14695981039346656037ull;
+    // What is wrong with this rank's list, if anything: said after the
+    // exchange below (as a length of -1), so that the other ranks fail with
+    // it instead of waiting for this one until their deadline.
+    if (ranks.empty()) invalid = "the rank list is empty";
+    for (int r : ranks) {
+      if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
+        invalid = "rank " + std::to_string(r) +
+                  (r >= 0 && r < size_ ? " given twice" : " is not in [0, " + std::to_string(size_) + ")");
+        break;
+      }
+      seen[static_cast<size_t>(r)] = true;
+      digest = (digest ^ static_cast<uint64_t>(r)) * 1099511628211ull;
     }
-    seen[static_cast<size_t>(r)] = true;
-    digest = (digest ^ static_cast<uint64_t>(r)) * 1099511628211ull;
+    const auto it = std::find(ranks.begin(), ranks.end(), rank_);
+    member = it != ranks.end();
+    const int color = member ? 0 : transport::Communicator::kNoColor;
+    const int key = static_cast<int>(it - ranks.begin());
+    made = std::make_shared<std::unique_ptr<transport::Communicator>>();
+    // The first rank whose list differs from rank 0's (-1: none), and both
+    // lists' lengths; the same on every rank, since all see the same data.
+    differs = std::make_shared<std::array<int64_t, 3>>(std::array<int64_t, 3>{-1, 0, 0});
+    count = invalid.empty() ? static_cast<int64_t>(ranks.size()) : -1;
+    // The lists are compared by the task itself (below), also in debug mode,
+    // where a fingerprint of the list would fail first, as a desync.
+    CollectiveDescription d{"new_group", nn::DType::kInt64, {}, -1, transport::ReduceOp::kSum, false};
+    work = impl_->Enqueue(std::move(d), [color, key, made, differs, count, digest](
+                                     transport::Communicator* comm, Deadline deadline) {
+      if (comm == nullptr) return Status::Ok();  // one process: the list is {0}
+      // Every rank's (length, digest), always (not only in debug mode): ranks
+      // that pass different lists would otherwise form wrong groups silently.
+      const std::array<int64_t, 2> mine = {count, static_cast<int64_t>(digest)};
+      std::vector<int64_t> all(2 * static_cast<size_t>(comm->size()));
+      DDP_RETURN_IF_ERROR(comm->AllGather(mine.data(), all.data(), 2, transport::DataType::kI64,
+                                          internal::Within(deadline)));
+      for (int r = 0; r < comm->size(); ++r) {
+        if (all[2 * r] < 0) {  // a list its own rank refused
+          *differs = {r, all[0], -1};
+          return Status::Ok();
+        }
+      }
+      for (int r = 1; r < comm->size(); ++r) {
+        if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
+          *differs = {r, all[0], all[2 * r]};
+          return Status::Ok();  // refused after the Work, on every rank alike
+        }
+      }
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - transport::Clock::now());
+      auto child = comm->Split(color, key, {.timeout = std::max(left, milliseconds(1))});
+      if (!child.ok()) return child.status();
+      *made = std::move(*child);
+      return Status::Ok();
+    }, nullptr);
+  } catch (...) {
+    AbortUnlessArgumentError(*this, "NewGroup");
+    throw;
   }
-  const auto it = std::find(ranks.begin(), ranks.end(), rank_);
-  const bool member = it != ranks.end();
-  const int color = member ? 0 : transport::Communicator::kNoColor;
-  const int key = static_cast<int>(it - ranks.begin());
-  auto made = std::make_shared<std::unique_ptr<transport::Communicator>>();
-  // The first rank whose list differs from rank 0's (-1: none), and both
-  // lists' lengths; the same on every rank, since all see the same data.
-  auto differs = std::make_shared<std::array<int64_t, 3>>(std::array<int64_t, 3>{-1, 0, 0});
-  const int64_t count = invalid.empty() ? static_cast<int64_t>(ranks.size()) : -1;
-  // The lists are compared by the task itself (below), also in debug mode,
-  // where a fingerprint of the list would fail first, as a desync.
-  CollectiveDescription d{"new_group", nn::DType::kInt64, {}, -1, transport::ReduceOp::kSum, false};
-  impl_->Enqueue(std::move(d), [color, key, made, differs, count, digest](
-                                   transport::Communicator* comm, Deadline deadline) {
-    if (comm == nullptr) return Status::Ok();  // one process: the list is {0}
-    // Every rank's (length, digest), always (not only in debug mode): ranks
-    // that pass different lists would otherwise form wrong groups silently.
-    const std::array<int64_t, 2> mine = {count, static_cast<int64_t>(digest)};
-    std::vector<int64_t> all(2 * static_cast<size_t>(comm->size()));
-    DDP_RETURN_IF_ERROR(comm->AllGather(mine.data(), all.data(), 2, transport::DataType::kI64,
-                                        internal::Within(deadline)));
-    for (int r = 0; r < comm->size(); ++r) {
-      if (all[2 * r] < 0) {  // a list its own rank refused
-        *differs = {r, all[0], -1};
-        return Status::Ok();
-      }
-    }
-    for (int r = 1; r < comm->size(); ++r) {
-      if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
-        *differs = {r, all[0], all[2 * r]};
-        return Status::Ok();  // refused after the Work, on every rank alike
-      }
-    }
-    const auto left = std::chrono::duration_cast<milliseconds>(deadline - transport::Clock::now());
-    auto child = comm->Split(color, key, {.timeout = std::max(left, milliseconds(1))});
-    if (!child.ok()) return child.status();
-    *made = std::move(*child);
-    return Status::Ok();
-  }, nullptr).Wait();
+  work.Wait();
   if (!invalid.empty()) {
     throw std::invalid_argument("ProcessGroup::NewGroup: " + invalid + ". No group was formed on any rank");
   }
@@ -2415,29 +2438,64 @@ std::shared_ptr<ProcessGroup> ProcessGroup::NewGroup(const std::vector<int>& ran
         std::to_string(count) + " ranks)");
   }
   if (!member) return nullptr;
-  // The parent's settings as they are (the environment is not read again:
-  // a DDP_DEBUG changed since on some ranks would fail the group on all).
-  const int child_rank = *made == nullptr ? 0 : (*made)->rank();
-  const int child_size = *made == nullptr ? 1 : (*made)->size();
-  std::shared_ptr<ProcessGroup> child(
-      new ProcessGroup(std::move(*made), child_rank, child_size, options_, debug_level_));
-  if (child_size > 1 && child->impl_->host_shared_memory()) ShareLargeCpuBlocks();
-  child->root_rank_ = root_rank_;
-  impl_->AddChild(child);
-  return child;
-} catch (...) {
-  AbortUnlessArgumentError(*this, "NewGroup");
-  throw;
+  // From here every member holds the new group's communicator, and this
+  // group's call is done on every rank: a failure to make this rank's part
+  // of the new group (no memory, no thread) leaves this group usable, and
+  // aborts the new group's communicator instead, so that the other members
+  // fail at their first collective in it, naming this rank, instead of
+  // waiting for it.
+  std::unique_ptr<ProcessGroup> owned;
+  std::shared_ptr<ProcessGroup> child;
+  try {
+    if (fail_next_new_group_after_split.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
+    // The parent's settings as they are (the environment is not read again:
+    // a DDP_DEBUG changed since on some ranks would fail the group on all).
+    const int child_rank = *made == nullptr ? 0 : (*made)->rank();
+    const int child_size = *made == nullptr ? 1 : (*made)->size();
+    // Owned by the unique_ptr until the shared one holds it (a throw for its
+    // control block leaves it there, to be aborted below).
+    owned.reset(new ProcessGroup(std::move(*made), child_rank, child_size, options_, debug_level_));
+    child = std::shared_ptr<ProcessGroup>(std::move(owned));
+    if (child_size > 1 && child->impl_->host_shared_memory()) ShareLargeCpuBlocks();
+    child->root_rank_ = root_rank_;
+    impl_->AddChild(child);
+    return child;
+  } catch (...) {
+    try {
+      std::string text;
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        text = e.what();
+      } catch (...) {
+        text = "an exception not derived from std::exception";
+      }
+      const Status reason = transport::AbortedError(
+          "ProcessGroup::NewGroup failed on rank " + std::to_string(rank_) +
+          " after every member had formed the new group's communicator, so the new group is aborted (the group "
+          "it was made from stays usable): " + text);
+      if (child != nullptr) {
+        child->Abort(reason);
+      } else if (owned != nullptr) {
+        owned->Abort(reason);
+      } else if (*made != nullptr) {
+        (*made)->Abort(reason);
+      }
+    } catch (...) {
+      // No memory even for the reason: the caller's exception still leaves.
+    }
+    throw;
+  }
 }
 
 Work ProcessGroup::Run(const CollectiveDescription& description, Task task,
                        const std::vector<nn::Tensor>& device_tensors) try {
   if (!task) throw std::invalid_argument("ProcessGroup::Run: empty task for " + description.kind);
-  return RunFenced(
+  return IssueTask(
       description,
       [task = std::move(task)](transport::Communicator* comm, Deadline deadline,
                                internal::DeviceFence*) { return task(comm, deadline); },
-      device_tensors);
+      device_tensors, "Run");
 } catch (...) {
   AbortUnlessArgumentError(*this, "Run");
   throw;
@@ -2445,11 +2503,21 @@ Work ProcessGroup::Run(const CollectiveDescription& description, Task task,
 
 Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTask task,
                              const std::vector<nn::Tensor>& device_tensors) try {
-  if (!task) throw std::invalid_argument("ProcessGroup::Run: empty task for " + description.kind);
+  if (!task) throw std::invalid_argument("ProcessGroup::RunFenced: empty task for " + description.kind);
+  return IssueTask(description, std::move(task), device_tensors, "RunFenced");
+} catch (...) {
+  AbortUnlessArgumentError(*this, "RunFenced");
+  throw;
+}
+
+// Run's and RunFenced's body, with no handler of its own: the caller's
+// names the call the user made when it aborts the group.
+Work ProcessGroup::IssueTask(const CollectiveDescription& description, FencedTask task,
+                             const std::vector<nn::Tensor>& device_tensors, const char* call) {
   std::shared_ptr<internal::DeviceFence> fence;
   if (!device_tensors.empty()) {
-    for (const nn::Tensor& t : device_tensors) CheckTensor(t, "Run", "device tensor");
-    fence = FenceFor(device_tensors, "Run");
+    for (const nn::Tensor& t : device_tensors) CheckTensor(t, call, "device tensor");
+    fence = FenceFor(device_tensors, call);
   }
   internal::DeviceFence* local = fence.get();  // owned by the Work, which outlives the task
   // Inside a communication hook the reducer's default label names the
@@ -2476,9 +2544,6 @@ Work ProcessGroup::RunFenced(const CollectiveDescription& description, FencedTas
         return task(comm, deadline, local);
       },
       std::move(fence));
-} catch (...) {
-  AbortUnlessArgumentError(*this, "RunFenced");
-  throw;
 }
 
 void ProcessGroup::set_trace(std::shared_ptr<TraceRecorder> trace) {

@@ -125,6 +125,11 @@ class ScopedDefaultLabel {
   const std::string* previous_;
 };
 
+/// Test only: the next NewGroup call in this process that forms a group
+/// this rank is a member of fails (std::bad_alloc) once every member holds
+/// the new group's communicator, as when there is no memory for its part.
+void FailNextNewGroupAfterSplitForTesting();
+
 /// ProcessGroup::AllGatherObject gathers the objects padded to the longest
 /// in one all-gather while size() x the longest object is at most this many
 /// bytes, else broadcasts each rank's bytes from it (see there).
@@ -516,7 +521,13 @@ class ProcessGroup {
   /// their lists (length and a digest, one small all-gather) before forming
   /// the group: when a rank's list differs from rank 0's (other ranks, or
   /// another order), every rank throws std::invalid_argument naming that
-  /// rank, no group is formed and this group stays usable.
+  /// rank, no group is formed and this group stays usable. A member that
+  /// fails (no memory) to make its part of the new group once every member
+  /// holds the new communicator throws; it aborts the new group's
+  /// communicator, so that the other members' first collective in it fails
+  /// at once naming it ("ProcessGroup::NewGroup failed on rank R after every
+  /// member had formed ..."), and leaves this group usable: this group's
+  /// call was done on every rank.
   std::shared_ptr<ProcessGroup> NewGroup(const std::vector<int>& ranks);
 
   /// Runs `task` on the communication thread (or the caller's: see
@@ -569,8 +580,9 @@ class ProcessGroup {
 
  private:
   // `options` already hold the environment's settings and passed their
-  // checks (WithEnvironment); the environment is not read here.
-  ProcessGroup(std::unique_ptr<transport::Communicator> comm, int rank, int size,
+  // checks (WithEnvironment); the environment is not read here. `comm` is
+  // taken only when the group is made: a throw leaves it with the caller.
+  ProcessGroup(std::unique_ptr<transport::Communicator>&& comm, int rank, int size,
                ProcessGroupOptions options, DebugLevel debug_level);
   static void CheckTensor(const nn::Tensor& t, const char* call, const char* what);
   void CheckPeer(int peer, uint32_t tag, const char* call, const char* what) const;
@@ -583,6 +595,9 @@ class ProcessGroup {
   Work ListExchange(bool gather, const nn::Tensor& local, const std::vector<nn::Tensor>& list,
                     int root);
   Work PostPointToPoint(const std::vector<P2POp>& ops, const char* call);
+  // Run's and RunFenced's work; `call` names the one the user made.
+  Work IssueTask(const CollectiveDescription& description, FencedTask task,
+                 const std::vector<nn::Tensor>& device_tensors, const char* call);
 
   int rank_ = 0;
   int size_ = 1;

@@ -33,10 +33,14 @@
 // seam; it reaches the library too).
 namespace {
 thread_local bool fail_next_allocation = false;
+// While fail_next_allocation is set, this many allocations succeed first.
+thread_local int allocations_before_failure = 0;
 }  // namespace
 
 void* operator new(std::size_t bytes) {
-  if (fail_next_allocation) {
+  if (fail_next_allocation && allocations_before_failure > 0) {
+    --allocations_before_failure;
+  } else if (fail_next_allocation) {
     fail_next_allocation = false;
     throw std::bad_alloc();
   }
@@ -691,9 +695,11 @@ TEST(ProcessGroupTest, AllGatherObjectOfSmallObjectsIsOneAllGatherAndBothWaysAgr
 
 // ISSUE_CASE: a call whose first allocation on rank 1 fails (std::bad_alloc
 // before its collective, or message, is queued: the call's description,
-// its task, the Work's state). Rank 1 gets the bad_alloc; rank 0, already
-// in the collective (or waiting for the message), must fail at once naming
-// rank 1 and the call, not wait out the 20 s timeout.
+// its task, the Work's state); run_late: Run's second allocation, past the
+// task's wrapping, in the part it shares with RunFenced; new_group: the
+// rank list's check. Rank 1 gets the bad_alloc; rank 0, already in the
+// collective (or waiting for the message), must fail at once naming rank 1
+// and the call the user made, not wait out the 20 s timeout.
 DDP_TEST_WORKER(pg_issue_out_of_memory) {
   auto pg = testing::WorkerGroup();  // a 20 s timeout
   const int me = pg->rank();
@@ -703,6 +709,7 @@ DDP_TEST_WORKER(pg_issue_out_of_memory) {
   const CollectiveDescription run_description{"custom", DType::kFloat32, {4}};
   std::vector<Tensor> outputs;
   if (me == 0) outputs = {nn::Zeros({4}), nn::Zeros({4})};
+  const std::vector<int> pair_ranks = {0, 1};  // made before the failure is armed
   // Made before the failure is armed (moved into Run, not copied): the
   // failure is then Run's own.
   ProcessGroup::Task task = [t](transport::Communicator* comm, transport::Deadline deadline) {
@@ -713,6 +720,7 @@ DDP_TEST_WORKER(pg_issue_out_of_memory) {
   std::string outcome = "succeeded";
   try {
     fail_next_allocation = me == 1;
+    allocations_before_failure = c == "run_late" ? 1 : 0;
     Work work;
     if (c == "all_reduce") {
       work = pg->AllReduce(t);
@@ -720,8 +728,11 @@ DDP_TEST_WORKER(pg_issue_out_of_memory) {
       work = pg->Barrier();
     } else if (c == "gather_list") {
       work = pg->GatherList(outputs, t, 0);
-    } else if (c == "run") {
+    } else if (c == "run" || c == "run_late") {
       work = pg->Run(run_description, std::move(task));
+    } else if (c == "new_group") {
+      const std::shared_ptr<ProcessGroup> group = pg->NewGroup(pair_ranks);
+      WORKER_EXPECT(false, "NewGroup formed a group" + on);
     } else if (c == "send_recv") {
       work = me == 1 ? pg->Send(t, 0) : pg->Recv(t, 1);
     } else {
@@ -737,6 +748,7 @@ DDP_TEST_WORKER(pg_issue_out_of_memory) {
     outcome = std::string("another exception: ") + e.what();
   }
   fail_next_allocation = false;
+  allocations_before_failure = 0;
   if (me == 1) {
     WORKER_EXPECT(outcome == "std::bad_alloc", c + ": " + outcome + on);
     testing::StayAliveUntilTheOtherRanksAreDone(*pg);
@@ -745,14 +757,21 @@ DDP_TEST_WORKER(pg_issue_out_of_memory) {
   testing::MarkThisRankDone(*pg);
   WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
                 c + ": waited for the timeout" + on);
+  const std::string call = c == "all_reduce"    ? "AllReduce"
+                           : c == "barrier"     ? "Barrier"
+                           : c == "gather_list" ? "GatherList"
+                           : c == "send_recv"   ? "Send"
+                           : c == "new_group"   ? "NewGroup"
+                                                : "Run";
   WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 &&
-                    outcome.find("failed on rank 1 before it was issued: std::bad_alloc") != std::string::npos,
+                    outcome.find("ProcessGroup::" + call + " failed on rank 1 before it was issued: std::bad_alloc") !=
+                        std::string::npos,
                 c + ": " + outcome + on);
   return testing::WorkerExit();
 }
 
 TEST(ProcessGroupTest, NoMemoryToIssueACallOnOneRankFailsEveryRankAtOnce) {
-  for (const char* c : {"all_reduce", "barrier", "gather_list", "run", "send_recv"}) {
+  for (const char* c : {"all_reduce", "barrier", "gather_list", "run", "run_late", "send_recv", "new_group"}) {
     auto run = RunWorkers("pg_issue_out_of_memory", 2, {{"ISSUE_CASE", c}}, 60000);
     EXPECT_TRUE(run.AllSucceeded()) << c << "\n" << testing::AllOutput(run);
   }
@@ -1046,6 +1065,61 @@ DDP_TEST_WORKER(pg_new_group_lists_differ) {
 
 TEST(ProcessGroupTest, NewGroupRefusesDifferingLists) {
   auto run = RunWorkers("pg_new_group_lists_differ", 3, {}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// NewGroup({0, 1}) on 3 ranks that fails on rank 1 once every member holds
+// the new group's communicator (no memory for its part of the new group).
+// The call was issued and done on every rank, so the group it was made from
+// stays usable (its all-reduce gives 3 everywhere); the new group is
+// aborted instead, so that rank 0's first collective in it fails at once,
+// naming rank 1 and saying when. Before, the parent was aborted with "failed
+// on rank 1 before it was issued", and rank 0 waited in the new group.
+DDP_TEST_WORKER(pg_new_group_fails_after_split) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  if (me == 1) internal::FailNextNewGroupAfterSplitForTesting();
+  std::shared_ptr<ProcessGroup> pair;
+  std::string made = "succeeded";
+  try {
+    pair = pg->NewGroup({0, 1});
+  } catch (const std::bad_alloc&) {
+    made = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    made = std::string("another exception: ") + e.what();
+  }
+  WORKER_EXPECT(made == (me == 1 ? "std::bad_alloc" : "succeeded"), "NewGroup: " + made + on);
+  WORKER_EXPECT((pair != nullptr) == (me == 0), "NewGroup's result" + on);
+  if (pair != nullptr) {
+    const auto start = std::chrono::steady_clock::now();
+    std::string outcome = "succeeded";
+    try {
+      Tensor u = nn::Ones({2});
+      pair->AllReduce(u).Wait();
+    } catch (const DistributedError& e) {
+      outcome = e.what();
+    }
+    WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
+                  "the new group's all-reduce waited for its timeout" + on);
+    WORKER_EXPECT(outcome.find("ProcessGroup::NewGroup failed on rank 1 after every member had formed the new "
+                               "group's communicator") != std::string::npos,
+                  "the new group's all-reduce: " + outcome + on);
+  }
+  Tensor t = nn::Ones({4});
+  std::string parent = "succeeded";
+  try {
+    pg->AllReduce(t).Wait();
+  } catch (const DistributedError& e) {
+    parent = e.what();
+  }
+  WORKER_EXPECT(parent == "succeeded" && t.ToVector<double>() == std::vector<double>(4, 3.0),
+                "the group NewGroup was called on: " + parent + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NewGroupThatFailsOnOneRankAfterItFormedAbortsOnlyTheNewGroup) {
+  auto run = RunWorkers("pg_new_group_fails_after_split", 3, {}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
