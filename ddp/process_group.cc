@@ -64,6 +64,10 @@ std::string CollectiveDescription::ToString() const {
 
 namespace {
 
+// Set by internal::FailNextBookkeepingForTesting: the next item's
+// bookkeeping after its task throws std::bad_alloc.
+std::atomic<bool> fail_next_bookkeeping{false};
+
 // AllGatherObject's choice between one padded all-gather and a broadcast
 // per rank (size() x the longest object, in bytes; every rank must use the
 // same), and the transport calls its tasks made, for the tests.
@@ -982,6 +986,7 @@ class ProcessGroup::Impl {
         status = Status(status.code(), named + status.message());
       }
     }
+    if (fail_next_bookkeeping.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
     const Clock::time_point end = Clock::now();
     Record(trace, item.description.ToString(), start, end, status.ok());
     const bool posted = status.ok() && item.mode == Mode::kPointToPoint;
@@ -1967,6 +1972,8 @@ std::string LongestText(const std::vector<int64_t>& sizes) {
 void internal::FailNextNewGroupAfterSplitForTesting() {
   fail_next_new_group_after_split.store(true, std::memory_order_relaxed);
 }
+
+void internal::FailNextBookkeepingForTesting() { fail_next_bookkeeping.store(true, std::memory_order_relaxed); }
 
 void internal::SetObjectAllGatherPaddedBytesForTesting(size_t bytes) {
   object_all_gather_padded_bytes.store(bytes, std::memory_order_relaxed);

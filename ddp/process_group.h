@@ -130,6 +130,12 @@ class ScopedDefaultLabel {
 /// the new group's communicator, as when there is no memory for its part.
 void FailNextNewGroupAfterSplitForTesting();
 
+/// Test only: the next collective to finish its task in this process (on
+/// any group and thread) then fails its bookkeeping (its trace event) with
+/// std::bad_alloc, as when memory runs out there. Armed inside a task, it
+/// is that task's.
+void FailNextBookkeepingForTesting();
+
 /// ProcessGroup::AllGatherObject gathers the objects padded to the longest
 /// in one all-gather while size() x the longest object is at most this many
 /// bytes, else broadcasts each rank's bytes from it (see there).

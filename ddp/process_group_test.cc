@@ -777,10 +777,12 @@ TEST(ProcessGroupTest, NoMemoryToIssueACallOnOneRankFailsEveryRankAtOnce) {
   }
 }
 
-// A collective whose bookkeeping after its task (its name for the trace
-// event) runs out of memory on rank 1, on the communication thread
-// (DDP_COLLECTIVE_THREAD=comm) or the caller's (caller): the task arms a
-// one-shot allocation failure on its own thread as it returns. The item
+// A collective whose bookkeeping after its task (its trace event) runs out
+// of memory on rank 1, on the communication thread
+// (DDP_COLLECTIVE_THREAD=comm) or the caller's (caller): the task arms
+// internal::FailNextBookkeepingForTesting as it returns, which fails that
+// bookkeeping and nothing else (a one-shot failing operator new armed there
+// took whatever allocation came next, perhaps outside Run). The item
 // fails on rank 1 with RESOURCE_EXHAUSTED naming it, and the group is
 // aborted: rank 0's next collective fails at once with that reason, and so
 // does rank 1's. Before, the exception ended rank 1 (out of the
@@ -790,14 +792,12 @@ DDP_TEST_WORKER(pg_run_bookkeeping_out_of_memory) {
   auto pg = testing::WorkerGroup();  // a 20 s timeout
   const int me = pg->rank();
   const std::string on = " on rank " + std::to_string(me);
-  // A kind long enough that its name takes an allocation (no short-string
-  // buffer): the first one after the task on its thread.
   const std::string want = "could not run custom_bookkeeping(f32 [4]) on rank 1: its bookkeeping failed: std::bad_alloc";
   pg->Barrier().Wait();
   std::string ran = "succeeded";
   try {
     pg->Run({"custom_bookkeeping", DType::kFloat32, {4}}, [me](transport::Communicator*, transport::Deadline) {
-        fail_next_allocation = me == 1;
+        if (me == 1) internal::FailNextBookkeepingForTesting();
         return transport::Status::Ok();
       }).Wait();
   } catch (const DistributedError& e) {
