@@ -1462,8 +1462,10 @@ bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job) {
     if (Get(m, "format").empty()) return true;
     return job.empty() || Get(m, "job") != job;
   } catch (const std::exception&) {
-    // Unreadable now (EIO, ESTALE, a damaged header) says nothing of whose
-    // it is: it may be a good checkpoint a retry could read.
+    // Unreadable now (EIO, ESTALE) says nothing of whose it is: it may be
+    // a good checkpoint a retry could read. A file that is not safetensors
+    // at all (a PyTorch .pt) is no run's, but is kept all the same rather
+    // than replaced (KeptFileKind tells them apart).
     return true;
   }
 }
@@ -1473,8 +1475,19 @@ std::string KeptFileKind(const std::string& path) {
     if (Get(nn::io::SafetensorsFile::ReadMetadata(path), "format").empty()) {
       return "a file this trainer did not write";
     }
+  } catch (const nn::io::CheckpointError& e) {
+    // nn/io nests the errno of a read the host failed (EIO, ESTALE,
+    // ENOMEM): perhaps a good checkpoint a retry could read. Nothing
+    // nested: the bytes themselves are not safetensors (a PyTorch .pt, a
+    // text file), which --resume refuses as well.
+    try {
+      std::rethrow_if_nested(e);
+    } catch (...) {
+      return "a file whose header cannot be read now";
+    }
+    return "a file that does not read as a safetensors file";
   } catch (const std::exception&) {
-    // Unreadable: perhaps a good checkpoint a retry could read.
+    return "a file whose header cannot be read now";
   }
   return "another run's checkpoint";
 }

@@ -356,8 +356,11 @@ bool IsAnotherRunsCheckpoint(const std::string& path, const std::string& job);
 
 /// What such a file is, for the messages that say it is kept: "a file this
 /// trainer did not write" when its header reads and has none of the
-/// trainer's metadata (--resume cannot continue it), else "another run's
-/// checkpoint".
+/// trainer's metadata (--resume cannot continue it), "a file that does not
+/// read as a safetensors file" when its bytes are not safetensors (a
+/// PyTorch .pt, a text file; --resume refuses it too), "a file whose header
+/// cannot be read now" when the host failed the read (EIO, ESTALE, no
+/// memory), else "another run's checkpoint".
 std::string KeptFileKind(const std::string& path);
 
 /// Where a fresh run keeps another run's checkpoint at `path` instead of

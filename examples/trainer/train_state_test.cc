@@ -1131,6 +1131,37 @@ TEST(TrainStateTest, ASafetensorsFileTheTrainerDidNotWriteIsKeptLikeAnotherRunsC
   EXPECT_TRUE(IsAnotherRunsCheckpoint(own, ""));
 }
 
+// What a kept file is, for the start's note and the save's lines: a file
+// that is not safetensors at all (a PyTorch .pt, a text file), or one the
+// host failed to read (here a symbolic link loop: ELOOP), was called
+// "another run's checkpoint", and the note offered --resume, which refuses
+// the first. Each is told apart now.
+TEST(TrainStateTest, KeptFileKindTellsAFileThatIsNotSafetensorsFromOneTheHostCannotRead) {
+  const std::string text = Path("kind_text");
+  std::filesystem::create_directories(std::filesystem::path(text).parent_path());
+  std::ofstream(text) << "not safetensors";
+  EXPECT_TRUE(IsAnotherRunsCheckpoint(text, JobFingerprint("token-a")));
+  EXPECT_EQ(KeptFileKind(text), "a file that does not read as a safetensors file");
+
+  const std::string loop = Path("kind_loop");
+  std::filesystem::remove(loop);
+  std::filesystem::create_symlink(loop, loop);
+  EXPECT_TRUE(IsAnotherRunsCheckpoint(loop, JobFingerprint("token-a")));
+  EXPECT_EQ(KeptFileKind(loop), "a file whose header cannot be read now");
+
+  const std::string exported = Path("kind_exported");
+  nn::io::SaveTensors(exported, {{"fc.weight", nn::Zeros({2, 3})}}, {{"source", "python"}});
+  EXPECT_EQ(KeptFileKind(exported), "a file this trainer did not write");
+
+  TrainConfig config;
+  config.model = "mlp";
+  const std::string own = Path("kind_own");
+  auto model = nn::modules::MakeMlp();
+  nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.1});
+  SaveTrainCheckpoint(own, {model.get(), &opt, nullptr, nullptr}, {}, config, 2);
+  EXPECT_EQ(KeptFileKind(own), "another run's checkpoint");
+}
+
 // A checkpoint of a cosine schedule from lr 0.05, saved at the end of the
 // first of 2 epochs of 4 steps on 2 ranks.
 std::string SaveCosineRun(const std::string& name, TrainConfig& config) {

@@ -1258,10 +1258,15 @@ void Run::Setup() {
   if (keep_previous_) {
     // Only a checkpoint of this trainer's can be resumed: a file another
     // program wrote is refused by --resume.
+    // A file whose header the host failed to read may be one of this
+    // trainer's checkpoints: --resume continues it only if it reads then.
     const bool checkpoint = kept_kind_ == "another run's checkpoint";
+    const bool unread = kept_kind_ == "a file whose header cannot be read now";
     Say("  note: " + c_.checkpoint + " holds " + kept_kind_ + "; this run's first save " +
         "keeps it as " + kept_name.path +
-        (checkpoint ? " (--resume continues it instead)" : ""));
+        (checkpoint ? " (--resume continues it instead)"
+                    : unread ? " (if it is a checkpoint of this trainer's, --resume continues it once it reads)"
+                             : ""));
   }
   if (log_) Say(console_.Dim("  metrics " + log_->csv_path() + ", chart " + log_->chart_path()));
   if (log_ && !log_->kept_previous().empty()) {
