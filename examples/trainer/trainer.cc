@@ -871,6 +871,9 @@ class Run {
   // KeepAnotherRunsCheckpoint kept the file because rank 0 could not read
   // its header in time (rank 0 only).
   bool kept_unread_ = false;
+  // Why KeepAnotherRunsCheckpoint's look could not start, when it kept the
+  // file for that (rank 0 only).
+  std::string kept_unlooked_;
 };
 
 // What every rank must share: the flags that shape the run, and the data
@@ -1539,8 +1542,18 @@ bool Run::KeepAnotherRunsCheckpoint() {
     // the filesystem held rank 0 here for good, and the others failed at
     // their deadline not knowing why. A file whose header cannot be read
     // in time may be a good checkpoint: it is left as it is, and said so.
-    const std::optional<bool> another = LookAtAnotherRunsCheckpointWithin(c_, &kept_kind_, /*at_stop=*/true);
-    if (!another) kept_unread_ = true;
+    // The look's start can fail (no memory for its state; no thread left
+    // under RLIMIT_NPROC): rank 0 must still share its word, or the others
+    // wait in ShareFromLead until --timeout_s without its reason, and its
+    // own stop line is lost. A look that could not start is taken as one
+    // that did not end: the file is left as it is, and said why.
+    std::optional<bool> another;
+    try {
+      another = LookAtAnotherRunsCheckpointWithin(c_, &kept_kind_, /*at_stop=*/true);
+    } catch (...) {
+      kept_unlooked_ = ExceptionText(std::current_exception());
+    }
+    if (!another && kept_unlooked_.empty()) kept_unread_ = true;
     if (!another || *another) keep = "1";
   }
   return !par_.ShareFromLead(std::move(keep)).empty();
@@ -1907,7 +1920,10 @@ RunResult Run::Go() {
                                      next->first, next->second)
                       : std::string(" (continue with --resume)");
       }
-      if (kept && kept_unread_) {
+      if (kept && !kept_unlooked_.empty()) {
+        where += "; cannot look at the header of --checkpoint=" + c_.checkpoint + ", to tell whose file it is (" +
+                 kept_unlooked_ + "), so it was left as it was (this run had saved nothing yet)";
+      } else if (kept && kept_unread_) {
         where += "; " + UnreadHeader(c_, /*at_stop=*/true) + " (its disk may hang), so it was left as it was (this run had "
                  "saved nothing yet)";
       } else if (kept && kept_kind_ == "another run's checkpoint") {

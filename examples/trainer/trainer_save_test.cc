@@ -6,6 +6,7 @@
 // 64 MiB waits first), not left to the disk, as in ddp/checkpoint_test.cc.
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -94,6 +95,22 @@ extern "C" int lstat(const char* path, struct stat* st) noexcept {
   using Lstat = int (*)(const char*, struct stat*);
   static const Lstat real = reinterpret_cast<Lstat>(::dlsym(RTLD_NEXT, "lstat"));
   return real(path, st);
+}
+
+// Set on a thread, its next pthread_create fails with EAGAIN, as when
+// RLIMIT_NPROC leaves no thread to start (the test runs as root, whom that
+// limit does not bind); every other thread starts threads as usual.
+static thread_local bool fail_next_thread_start = false;
+
+extern "C" int pthread_create(pthread_t* thread, const pthread_attr_t* attr, void* (*start)(void*),
+                              void* arg) noexcept {
+  if (fail_next_thread_start) {
+    fail_next_thread_start = false;
+    return EAGAIN;
+  }
+  using Create = int (*)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
+  static const Create real = reinterpret_cast<Create>(::dlsym(RTLD_NEXT, "pthread_create"));
+  return real(thread, attr, start, arg);
 }
 
 namespace ddp::examples::trainer {
@@ -491,6 +508,9 @@ class StopWithAHungFileParallel : public LoadFaultParallel {
     if (rank() == 0 && !file_made_) {
       std::ofstream(checkpoint_, std::ios::binary) << kForeignSafetensors;
       if (hang_) internal::SetReadPause(std::chrono::seconds(60));
+      // The stop's look at the file, on this thread next, cannot start its
+      // thread.
+      fail_next_thread_start = std::getenv("HUNG_STOP_NO_THREAD") != nullptr;
       file_made_ = true;
     }
     return LoadFaultParallel::VoteStop(SIGINT, slow);
@@ -1311,6 +1331,37 @@ TEST(TrainerSaveTest, AStopBeforeTheFirstSaveSaysWhatTheFileItLeftIs) {
             std::string::npos)
       << run->Output(0);
   EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
+}
+
+// The same stop, where rank 0's look at the file cannot start its thread
+// (RLIMIT_NPROC, here a pthread_create made to fail): the look's
+// std::system_error ended rank 0's stop before it shared its decision, and
+// rank 1 waited in that collective until --timeout_s. Now the file is left
+// as it is, every rank stops at once, and rank 0's line says why.
+TEST(TrainerSaveTest, AStopWhoseLookCannotStartItsThreadLeavesTheFileAndEndsEveryRank) {
+  const std::string checkpoint = TempDir("no_thread_stop") + "/ckpt.safetensors";
+  const auto start = std::chrono::steady_clock::now();
+  auto run = launch::testing::RunTestWorkers(
+      "hung_stop", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"HUNG_STOP_CKPT", checkpoint},
+                            {"HUNG_STOP_NO_HANG", "1"},
+                            {"HUNG_STOP_NO_THREAD", "1"},
+                            {"HUNG_STOP_TIMEOUT_S", "60"}}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(run.ok()) << run.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(run->ExitCode(rank), 0) << run->Summary() << run->Output(rank);
+  }
+  EXPECT_NE(run->Output(0).find("stopped by Ctrl-C at epoch 1, step 1; cannot look at the header of --checkpoint=" +
+                                checkpoint + ", to tell whose file it is ("),
+            std::string::npos)
+      << run->Output(0);
+  EXPECT_NE(run->Output(0).find("), so it was left as it was (this run had saved nothing yet)"), std::string::npos)
+      << run->Output(0);
+  EXPECT_TRUE(ReadFile(checkpoint) == kForeignSafetensors) << "the file was replaced";
+  EXPECT_LT(seconds, 25) << "a rank waited for rank 0's decision until --timeout_s";
 }
 
 // A save that keeps another program's file first, then fails with an error
