@@ -6,12 +6,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -410,6 +412,52 @@ void CheckCheckpointIsAFile(const TrainConfig& config) {
                    "--checkpoint=none");
 }
 
+// The bounded looks below (at --checkpoint's header, at --log_dir's
+// metrics, a restart's read) run on threads of their own, left running
+// once their caller gives up; this counts those not yet done with their
+// work. Constant-initialised and trivially destructible: read while the
+// process exits.
+constinit std::atomic<int> looks_running{0};
+
+// exit()'s handler while a look left behind may still run: a read that
+// returns once exit() has begun destroying the program's statics (nn/io's
+// tables, the test seams' state, the C++ runtime's own) would run on in
+// what is being torn down, undefined behaviour that could crash over the
+// exit status just reported. The process ends at once instead, with that
+// status and its stdio flushed: the look's own state (shared_ptr) and the
+// file it reads need no teardown, and the run's own files were closed as
+// the run ended. What is lost: exit handlers registered before this one
+// (the rendezvous store's stderr log flushes its queued lines so, for at
+// most 200 ms), and only at an exit with a look still hung.
+void EndAtOnceIfALookRuns(int status, void* /*unused*/) {
+  if (looks_running.load() == 0) return;
+  std::fflush(nullptr);
+  ::_exit(status);
+}
+
+// Runs `work` on a thread of its own, detached, counted in looks_running
+// until it returns. Throws what std::thread throws (std::system_error:
+// no thread left, RLIMIT_NPROC), counting nothing.
+void StartLook(std::function<void()> work) {
+  looks_running.fetch_add(1);
+  try {
+    std::thread([work = std::move(work)] {
+      work();
+      looks_running.fetch_sub(1);
+    }).detach();
+  } catch (...) {
+    looks_running.fetch_sub(1);
+    throw;
+  }
+}
+
+// Said by a caller that gives up on its look: from then on, an exit while
+// it still runs ends the process at once (EndAtOnceIfALookRuns). Registered
+// at each give-up, so that it runs before the destructors of the statics
+// made so far (exit() runs its handlers last registered first); a handler
+// that cannot be registered leaves the exit as it was.
+void LeaveLookBehind() { (void)::on_exit(&EndAtOnceIfALookRuns, nullptr); }
+
 // The folders rank 0 writes into: --checkpoint's and --log_dir (made if
 // missing; those made are appended to `made`, when given, outermost
 // first). Throws UsageError.
@@ -453,8 +501,8 @@ std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config,
     KeptName kept;
   };
   const auto look = std::make_shared<Look>();
-  std::thread([look, path = config.checkpoint, job = config.job, want_kind = kind != nullptr,
-               want_kept = kept != nullptr] {
+  StartLook([look, path = config.checkpoint, job = config.job, want_kind = kind != nullptr,
+             want_kept = kept != nullptr] {
     const bool another = IsAnotherRunsCheckpoint(path, job);
     const std::string what = another && want_kind ? KeptFileKind(path) : "";
     KeptName name;
@@ -469,10 +517,13 @@ std::optional<bool> LookAtAnotherRunsCheckpointWithin(const TrainConfig& config,
     look->kept = std::move(name);
     look->done = true;
     look->done_cv.notify_all();
-  }).detach();
+  });
   const auto wait = LookWait(config, at_stop);
   std::unique_lock lock(look->mu);
-  if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) return std::nullopt;
+  if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) {
+    LeaveLookBehind();
+    return std::nullopt;
+  }
   if (kind != nullptr) *kind = look->kind;
   if (kept != nullptr) *kept = look->kept;
   return look->another;
@@ -519,8 +570,8 @@ std::unique_ptr<MetricsLog> OpenMetricsLogWithin(const TrainConfig& config, std:
     std::exception_ptr error;
   };
   const auto open = std::make_shared<Open>();
-  std::thread([open, dir = config.log_dir, title = std::move(title), subtitle = std::move(subtitle), resume_step,
-               resume_at_epoch_end, run = std::move(run)] {
+  StartLook([open, dir = config.log_dir, title = std::move(title), subtitle = std::move(subtitle), resume_step,
+             resume_at_epoch_end, run = std::move(run)] {
     std::unique_ptr<MetricsLog> log;
     std::exception_ptr error;
     try {
@@ -533,10 +584,11 @@ std::unique_ptr<MetricsLog> OpenMetricsLogWithin(const TrainConfig& config, std:
     open->error = error;
     open->done = true;
     open->done_cv.notify_all();
-  }).detach();
+  });
   const auto wait = std::chrono::milliseconds(config.timeout_s * 500);
   std::unique_lock lock(open->mu);
   if (!open->done_cv.wait_for(lock, wait, [&open] { return open->done; })) {
+    LeaveLookBehind();
     throw JobError(StringPrintf("--log_dir=%s: cannot %s %s/metrics.csv and %s/metrics.run within %s (half of "
                                 "--timeout_s): its disk may hang; pass a --log_dir on a working disk, or a longer "
                                 "--timeout_s",
@@ -2084,7 +2136,7 @@ std::string ResumeAfterRestartWithin(TrainConfig& config, int restart) {
   };
   const auto look = std::make_shared<Look>();
   look->config = config;
-  std::thread([look, restart] {
+  StartLook([look, restart] {
     TrainConfig c;
     {
       std::lock_guard lock(look->mu);
@@ -2103,10 +2155,11 @@ std::string ResumeAfterRestartWithin(TrainConfig& config, int restart) {
     look->error = error;
     look->done = true;
     look->done_cv.notify_all();
-  }).detach();
+  });
   const auto wait = std::chrono::milliseconds(config.timeout_s * 500);
   std::unique_lock lock(look->mu);
   if (!look->done_cv.wait_for(lock, wait, [&look] { return look->done; })) {
+    LeaveLookBehind();
     throw JobError(StringPrintf("restart %d of the job: cannot read the header of the checkpoint at %s within %s "
                                 "(half of --timeout_s), to tell whether it is this job's: its disk may hang; "
                                 "it is left as it is. Pass a --checkpoint on a working disk, or a longer "

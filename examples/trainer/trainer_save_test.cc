@@ -467,13 +467,30 @@ DDP_TEST_WORKER(lost_share) {
   });
 }
 
+// A static whose destructor writes `path` (when set): the process
+// destroyed its statics on the way out.
+struct ExitWitness {
+  std::string path;
+  ~ExitWitness() {
+    if (!path.empty()) std::ofstream(path) << "statics destroyed\n";
+  }
+};
+
 // A fresh run on 2 ranks (collectives bounded by 2 s) saving to
 // HUNG_LOOK_CKPT, where a file is: rank 0's read of its header, to tell
 // whose it is, waits 60 s first (internal::SetReadPause), as on a disk
 // that hangs. Exit status and lines as zero_resume's.
+// With HUNG_LOOK_EXIT_MARK set, rank 0 writes that file if its statics are
+// destroyed at exit (ExitWitness) while its look is still in the read.
 DDP_TEST_WORKER(hung_look) {
+  // Made before the run: exit() destroys it after anything the run set up.
+  static ExitWitness witness;
   internal::SetReadPause(std::chrono::seconds(60));
-  return TrainLikeTheTrainer(TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2));
+  return TrainLikeTheTrainer(TinyRun(std::getenv("HUNG_LOOK_CKPT"), 2), [](std::unique_ptr<Parallel>& parallel) {
+    const char* mark = std::getenv("HUNG_LOOK_EXIT_MARK");
+    if (mark != nullptr && parallel->rank() == 0) witness.path = mark;
+    return 0;
+  });
 }
 
 // A fresh run on 2 ranks (collectives bounded by 4 s) saving to
@@ -1255,6 +1272,29 @@ TEST(TrainerSaveTest, AHungLookAtTheFileAtTheCheckpointPathEndsEveryRankNamingIt
     EXPECT_NE(run->Output(rank).find(reason), std::string::npos) << run->Output(rank);
   }
   EXPECT_LT(seconds, 40) << "the 60 s read was waited out";
+}
+
+// The same hung look: rank 0 fails and exits while its look is still in
+// the 60 s read. exit() destroyed the program's statics under it (a read
+// that returned then ran on in torn-down state: undefined behaviour that
+// could crash over the exit status); the process now ends at once, with
+// its status and its line, and destroys nothing.
+TEST(TrainerSaveTest, ARankThatLeftALookRunningEndsWithoutDestroyingItsStatics) {
+  const std::string dir = TempDir("hung_look_exit");
+  const std::string checkpoint = dir + "/ckpt.safetensors";
+  const std::string mark = dir + "/statics_destroyed";
+  std::ofstream(checkpoint) << "a file another program wrote";
+  auto run = launch::testing::RunTestWorkers(
+      "hung_look", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .stop_all_on_failure = false,
+                    .env = {{"HUNG_LOOK_CKPT", checkpoint}, {"HUNG_LOOK_EXIT_MARK", mark}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->ExitCode(0), 1) << run->Summary() << run->Output(0);
+  EXPECT_NE(run->Output(0).find("cannot read the header of --checkpoint=" + checkpoint + " within "),
+            std::string::npos)
+      << run->Output(0);
+  EXPECT_FALSE(std::filesystem::exists(mark)) << "rank 0 destroyed its statics while its look still ran";
 }
 
 // A fresh run stopped before its first save (Ctrl-C) looks at the file at
