@@ -1574,6 +1574,30 @@ TEST(TrainerSaveTest, FreshRunKeepsAnotherRunsCheckpointNeverReplacingOneKeptBef
   EXPECT_FALSE(ReadFile(checkpoint).empty());
 }
 
+// A fresh run at a file that is not safetensors at all (a PyTorch .pt, a
+// text file) keeps it, and its note says what it is without offering
+// --resume, which refuses such a file: it said "holds another run's
+// checkpoint ... (--resume continues it instead)".
+TEST(TrainerSaveTest, AFreshRunAtAFileThatIsNotSafetensorsKeepsItWithoutOfferingResume) {
+  const std::string dir = TempDir("not_safetensors");
+  const std::string checkpoint = dir + "/mlp_synthetic.safetensors";
+  const std::string previous = dir + "/mlp_synthetic.prev.safetensors";
+  std::ofstream(checkpoint) << "weights pickled by torch.save";
+  auto run = launch::testing::RunTestWorkers(
+      "fresh_run", {.world_size = 2,
+                    .timeout = std::chrono::seconds(90),
+                    .env = {{"FRESH_RUN_CKPT", checkpoint}, {"FRESH_RUN_JOB", "job-a"}}});
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_TRUE(run->AllSucceeded()) << run->Summary() << run->Output(0) << run->Output(1);
+  const std::string out = run->Output(0);
+  EXPECT_NE(out.find("note: " + checkpoint + " holds a file that does not read as a safetensors file; this run's "
+                     "first save keeps it as " + previous + "\n"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("--resume continues it"), std::string::npos) << out;
+  EXPECT_EQ(ReadFile(previous), "weights pickled by torch.save");
+}
+
 // A fresh run's first save used to move another run's checkpoint aside to
 // <stem>.prev.safetensors before it wrote: when that write ran past
 // --save_timeout_s (or failed: a full disk), nothing was left at the path,
