@@ -219,20 +219,9 @@ bool ValidOp(ReduceOp op) {
   return static_cast<int>(op) >= 0 && static_cast<int>(op) <= static_cast<int>(ReduceOp::kProd);
 }
 
-// Pins the calling thread to the `index`-th CPU (modulo) it may run on.
-void BindToCore(int index) {
-  cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
-  }
-  if (cpus.empty()) return;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpus[index % cpus.size()], &one);
-  sched_setaffinity(0, sizeof(one), &one);
-}
+// Pins the calling thread to the `index`-th CPU (modulo) it may run on; a
+// mask it cannot read or set leaves it unbound (binding is a hint).
+void BindToCore(int index) { static_cast<void>(topology::BindToAllowedCpu(index)); }
 
 // Whether process `pid` of this host is stopped: by a signal (state T) or
 // by a tracer (t). False when gone: the monitor tells that apart.

@@ -82,6 +82,29 @@ std::optional<double> LeastQuota(const std::string& mount, const std::string& pa
 // Linux builds for at most 8,192 CPUs; a mask of this many is far beyond.
 constexpr int kMostCpus = 1 << 16;
 
+// The CPUs of the calling thread's affinity mask, in increasing order;
+// empty when it cannot be read. A fixed cpu_set_t holds 1,024 CPUs, and
+// the kernel refuses (EINVAL) a mask smaller than its own: on a bigger
+// host the mask grows until it fits.
+std::vector<int> AllowedCpus() {
+  std::vector<int> cpus;
+  for (int size = CPU_SETSIZE; size <= kMostCpus; size *= 2) {
+    cpu_set_t* set = CPU_ALLOC(size);
+    if (set == nullptr) break;
+    const size_t bytes = CPU_ALLOC_SIZE(size);
+    const bool read = sched_getaffinity(0, bytes, set) == 0;
+    const bool too_small = !read && errno == EINVAL;  // before free() may change errno
+    if (read) {
+      for (int c = 0; c < static_cast<int>(bytes) * 8; ++c) {
+        if (CPU_ISSET_S(c, bytes, set)) cpus.push_back(c);
+      }
+    }
+    CPU_FREE(set);
+    if (!too_small) break;
+  }
+  return cpus;
+}
+
 }  // namespace
 
 std::optional<double> CpuQuotaFrom(const std::string& proc_self_cgroup, const std::string& cgroup_root) {
@@ -122,26 +145,28 @@ std::optional<double> CpuQuota() {
 }
 
 int UsableCpus() {
-  // A fixed cpu_set_t holds 1,024 CPUs, and the kernel refuses (EINVAL) a
-  // mask smaller than its own: on a bigger host the mask grows until it
-  // fits. Only where none does is the online count taken, which ignores a
-  // container's cpuset.
-  long cpus = 0;
-  for (int size = CPU_SETSIZE; size <= kMostCpus && cpus == 0; size *= 2) {
-    cpu_set_t* set = CPU_ALLOC(size);
-    if (set == nullptr) break;
-    const size_t bytes = CPU_ALLOC_SIZE(size);
-    const bool read = sched_getaffinity(0, bytes, set) == 0;
-    const bool too_small = !read && errno == EINVAL;  // before free() may change errno
-    if (read) cpus = CPU_COUNT_S(bytes, set);
-    CPU_FREE(set);
-    if (!read && !too_small) break;
-  }
+  // Only where the mask cannot be read is the online count taken, which
+  // ignores a container's cpuset.
+  long cpus = static_cast<long>(AllowedCpus().size());
   if (cpus == 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
   if (const std::optional<double> quota = CpuQuota()) {
     cpus = std::min(cpus, static_cast<long>(std::ceil(*quota)));
   }
   return static_cast<int>(std::max(1L, cpus));
+}
+
+bool BindToAllowedCpu(int index) {
+  const std::vector<int> cpus = AllowedCpus();
+  if (cpus.empty() || index < 0) return false;
+  const int cpu = cpus[static_cast<size_t>(index) % cpus.size()];
+  cpu_set_t* one = CPU_ALLOC(cpu + 1);
+  if (one == nullptr) return false;
+  const size_t bytes = CPU_ALLOC_SIZE(cpu + 1);
+  CPU_ZERO_S(bytes, one);
+  CPU_SET_S(cpu, bytes, one);
+  const bool bound = sched_setaffinity(0, bytes, one) == 0;
+  CPU_FREE(one);
+  return bound;
 }
 
 }  // namespace ddp::transport::topology

@@ -17,6 +17,11 @@ namespace ddp::transport::topology {
 /// least 1.
 int UsableCpus();
 
+/// Pins the calling thread to the `index`-th CPU (modulo their count) of
+/// its affinity mask, a mask of any size; false, leaving the thread as it
+/// was, when `index` is negative or the mask cannot be read or set.
+bool BindToAllowedCpu(int index);
+
 /// The CPU quota of this process's cgroup and its ancestors, in CPUs (the
 /// least of those that set one), read from cgroup v2's cpu.max or v1's
 /// cpu.cfs_quota_us / cpu.cfs_period_us; nullopt when none sets a quota or

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "transport/topology/cpus.h"
 
@@ -32,6 +33,25 @@ std::atomic<int> allowed_cpus{0};
 std::atomic<bool> hide_cgroups{false};
 std::atomic<int> hidden_reads{0};
 }  // namespace
+
+namespace {
+// The mask last given to the interposed sched_setaffinity while a kernel
+// is played, as CPU numbers (the real kernel is not asked: it has no such
+// CPUs).
+std::atomic<int> set_calls{0};
+std::vector<int> set_cpus;
+}  // namespace
+
+extern "C" int sched_setaffinity(pid_t pid, size_t size, const cpu_set_t* mask) noexcept {
+  const int cpus = kernel_cpus.load();
+  if (cpus == 0) return static_cast<int>(syscall(SYS_sched_setaffinity, pid, size, mask));
+  set_cpus.clear();
+  for (int c = 0; c < static_cast<int>(size) * 8; ++c) {
+    if (CPU_ISSET_S(c, size, mask)) set_cpus.push_back(c);
+  }
+  ++set_calls;
+  return 0;
+}
 
 extern "C" FILE* fopen(const char* path, const char* mode) {
   if (hide_cgroups.load() && std::string_view(path) == "/proc/self/cgroup") {
@@ -85,6 +105,37 @@ TEST(UsableCpus, FollowsTheAffinityMaskOnAHostOfMoreThan1024Cpus) {
   kernel_cpus = 0;
   hide_cgroups = false;
   EXPECT_EQ(usable, allowed);
+}
+
+// BindToCore (communicator option bind_to_core) read the mask into a fixed
+// 1,024-CPU cpu_set_t: on a bigger host the read failed (EINVAL) and the
+// thread was silently left unbound, and a CPU numbered 1,024 or above could
+// never be chosen.
+TEST(BindToAllowedCpu, PinsToTheIndexedAllowedCpuOnAHostOfMoreThan1024Cpus) {
+  kernel_cpus = 2048;
+  allowed_cpus = 3;  // CPUs 2045, 2046 and 2047
+  set_calls = 0;
+  const bool first = BindToAllowedCpu(0);
+  const int first_calls = set_calls.load();
+  const std::vector<int> first_cpus = set_cpus;
+  const bool fifth = BindToAllowedCpu(4);  // modulo the 3 allowed
+  const std::vector<int> fifth_cpus = set_cpus;
+  kernel_cpus = 0;
+  EXPECT_TRUE(first);
+  ASSERT_EQ(first_calls, 1) << "the thread's affinity was not set";
+  EXPECT_EQ(first_cpus, std::vector<int>{2045});
+  EXPECT_TRUE(fifth);
+  EXPECT_EQ(fifth_cpus, std::vector<int>{2046});
+}
+
+TEST(BindToAllowedCpu, ANegativeIndexLeavesTheThreadAsItWas) {
+  kernel_cpus = 2048;
+  allowed_cpus = 3;
+  set_calls = 0;
+  const bool bound = BindToAllowedCpu(-1);
+  kernel_cpus = 0;
+  EXPECT_FALSE(bound);
+  EXPECT_EQ(set_calls.load(), 0);
 }
 
 }  // namespace
