@@ -513,8 +513,10 @@ namespace {
 
 // What a rank of CheckEveryRank knows of the ranks it has heard from,
 // directly or through others: the fingerprint they all passed (`rank` is
-// one of them), or, once two of them differ, both (other_rank >= 0). Sent
-// as raw bytes: no padding.
+// one of them), or, once two of them differ, both (other_rank >= 0). The
+// ranks are numbered as BaseRank does, as a stop note's are: a note may
+// name a rank outside the view that runs the check. Sent as raw bytes: no
+// padding.
 struct Verdict {
   Fingerprint fingerprint;
   int64_t rank = 0;
@@ -581,12 +583,12 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
   }
   Verdict state;
   state.fingerprint = mine;
-  state.rank = r;
+  state.rank = BaseRank(p2p, r);
   auto disagreement = [&] {
     return InvalidArgumentError(check + ": ranks disagree on the arguments: " +
-                                DescribePeer(p2p, static_cast<int>(state.rank)) + " passed " +
+                                DescribeBaseRank(p2p, static_cast<int>(state.rank)) + " passed " +
                                 state.fingerprint.ToString() + " but " +
-                                DescribePeer(p2p, static_cast<int>(state.other_rank)) +
+                                DescribeBaseRank(p2p, static_cast<int>(state.other_rank)) +
                                 " passed " + state.other.ToString());
   };
   // Once a disagreement is known it is the cause: a wait that fails after
@@ -612,14 +614,9 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
       noted = true;
       Verdict told;
       told.fingerprint = requests.stop_got_->theirs;
-      // In this rank's numbering, as the rounds name ranks.
-      auto own_rank = [&](int64_t base) {
-        const int rank = ViewRank(p2p, static_cast<int>(base));
-        return rank >= 0 ? int64_t{rank} : base;
-      };
-      told.rank = own_rank(requests.stop_got_->their_rank);
+      told.rank = requests.stop_got_->their_rank;
       told.other = requests.stop_got_->finders;
-      told.other_rank = own_rank(requests.stop_got_->finder);
+      told.other_rank = requests.stop_got_->finder;
       Merge(state, told);
       return Status();
     }
@@ -647,7 +644,7 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
     if (k == 0) {
       Verdict theirs;
       theirs.fingerprint = plain[1];
-      theirs.rank = peer_at(-1);
+      theirs.rank = BaseRank(p2p, peer_at(-1));
       Merge(state, theirs);
     } else {
       Merge(state, got[k]);
@@ -678,8 +675,7 @@ Status CheckEveryRank(p2p::PointToPoint& p2p, Deadline deadline, const char* wha
     // One of the two differs from this rank's own.
     const bool first_differs = !(state.fingerprint == mine);
     note.theirs = first_differs ? state.fingerprint : state.other;
-    note.their_rank =
-        BaseRank(p2p, static_cast<int>(first_differs ? state.rank : state.other_rank));
+    note.their_rank = first_differs ? state.rank : state.other_rank;
     note.finders = mine;
     note.finder = BaseRank(p2p, r);
     // Not when a note told this rank: it has passed that one on.
@@ -722,7 +718,7 @@ Status PostEveryRankRounds(Requests& requests, const char* what, const Fingerpri
   Verdict* got = requests.Hold<Verdict>(rounds);
   *plain = mine;
   sent->fingerprint = mine;
-  sent->rank = r;
+  sent->rank = BaseRank(p2p, r);
   for (int k = 1; k < rounds; ++k) {
     Where where{check.c_str(), k, rounds, Where::kNoChunk, false, peer_at(-(int64_t{1} << k))};
     DDP_RETURN_IF_ERROR(requests.Recv(where, tag + 1, &got[k], sizeof(Verdict)).status());

@@ -685,6 +685,62 @@ TEST(CheckEveryRankTest, OneDifferenceAnywhereFailsEveryRankAndAgreementPasses) 
   }
 }
 
+// A stop note can name a rank outside the view that runs the check (a
+// hierarchical call's check on a subset, the note from a ring of the whole
+// world). Its base number was kept as a rank of the view: in a 4-rank
+// world, base rank 1 was read as group rank 1 of the view {3, 2}, which is
+// rank 2, and named so.
+TEST(CheckEveryRankTest, ANoteNamingARankOutsideTheViewNamesThatRank) {
+  Fingerprint mine;
+  mine.count = 16;
+  mine.whole_count = 16;
+  mine.dtype = static_cast<int32_t>(DataType::kF32);
+  mine.op = -1;
+  mine.root = 0;
+  mine.kind = kBroadcastKind;
+  Fingerprint ring = mine;
+  ring.count = 5;
+  ring.whole_count = 5;
+  ring.op = static_cast<int32_t>(ReduceOp::kSum);
+  ring.root = -1;
+  ring.kind = kRingAllReduceKind;
+  // Requests::StopNote's layout, as it goes on the wire.
+  struct Note {
+    Fingerprint theirs;
+    Fingerprint finders;
+    int64_t their_rank;
+    int64_t finder;
+    uint64_t call_id;
+  };
+  ::ddp::transport::testing::HarnessOptions options;
+  options.kill_on_error = false;  // rank 3 must learn of it from the note
+  const Deadline deadline = DeadlineIn(10s);
+  auto statuses = ::ddp::transport::testing::RunRanks(4, [&](p2p::PointToPoint& p2p) -> Status {
+    if (p2p.rank() < 2) return Status();
+    // Group rank 0 is rank 3, group rank 1 is rank 2.
+    DDP_ASSIGN_OR_RETURN(p2p::GroupView view, p2p::GroupView::Create(p2p, {3, 2}));
+    if (p2p.rank() == 3) {
+      return CheckEveryRank(view, deadline, "test", mine, /*phase_tag=*/0, /*call_id=*/1);
+    }
+    // Rank 2 found that rank 1 passed a ring all-reduce, and tells its
+    // successor in the view, taking that one's first round.
+    const Note note{ring, mine, /*their_rank=*/1, /*finder=*/2, /*call_id=*/1};
+    Fingerprint first;
+    DDP_ASSIGN_OR_RETURN(const p2p::RequestId sent,
+                         view.PostSend(0, StopNoteTag(0, 1), &note, sizeof(note)));
+    DDP_ASSIGN_OR_RETURN(const p2p::RequestId got,
+                         view.PostRecv(0, FingerprintTag(0, 1), &first, sizeof(first)));
+    const p2p::RequestId both[2] = {sent, got};
+    return view.WaitAll(both, deadline);
+  }, options);
+  EXPECT_LT(Clock::now() + 5s, deadline) << "rank 3 waited for its deadline";
+  EXPECT_TRUE(statuses[2].ok()) << statuses[2];
+  ASSERT_EQ(statuses[3].code(), StatusCode::kInvalidArgument) << statuses[3];
+  EXPECT_THAT(statuses[3].message(),
+              HasSubstr("ranks disagree on the arguments: rank 1 passed ring all-reduce, count 5 "
+                        "of f32, op sum but group rank 1 (rank 2) passed broadcast"));
+}
+
 // Two ranks that differ from the rest, each in its own way: every rank
 // fails, naming one of the differences it heard of.
 TEST(CheckEveryRankTest, TwoDifferentDisagreementsFailEveryRank) {
