@@ -12,9 +12,9 @@
 
 namespace ddp::transport::topology {
 
-/// The CPUs of this process's affinity mask, of any size (the online count
-/// when the mask cannot be read), capped by CpuQuota() rounded up; at
-/// least 1.
+/// The CPUs of the calling thread's affinity mask, of any size (the online
+/// count when the mask cannot be read), capped by CpuQuota() rounded up; at
+/// least 1. A thread that BindToAllowedCpu pinned counts 1: count first.
 int UsableCpus();
 
 /// Pins the calling thread to the `index`-th CPU (modulo their count) of
