@@ -67,7 +67,7 @@ constexpr auto kRecallOverrun = std::chrono::milliseconds(20);
 constexpr auto kRecallGraceOverrun = std::chrono::milliseconds(10);
 
 // How long a sleeping wait sleeps between polls where its context has no
-// wakeup (set_idle_mode): a message is noticed at most this late.
+// wakeup (set by Create or set_idle_mode): a message is noticed at most this late.
 constexpr auto kSleepStepWithoutWakeup = std::chrono::microseconds(500);
 
 // Why a wait run inside the watchdog refuses a request.
@@ -142,9 +142,6 @@ StatusOr<std::unique_ptr<UcxPointToPoint>> UcxPointToPoint::Create(
     return InvalidArgumentError("idle_polls_before_backoff " +
                                 std::to_string(options.idle_polls_before_backoff) +
                                 " is negative");
-  }
-  if (options.idle_mode == IdleMode::kSleep && !context->wakeup()) {
-    return InvalidArgumentError("idle mode kSleep needs a UCX context created with wakeup");
   }
   DDP_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Worker::Create(context));
   return std::unique_ptr<UcxPointToPoint>(
@@ -227,9 +224,8 @@ Status UcxPointToPoint::Connect(std::span<const std::string> addresses,
 }
 
 void UcxPointToPoint::set_idle_mode(IdleMode mode, int idle_polls_before_backoff) {
-  // No Status to return here (the communicator sets it after connecting):
-  // kSleep on a context without wakeup sleeps in short steps (BackOff)
-  // rather than failing every later wait or keeping a core busy.
+  // kSleep on a context without wakeup sleeps in short steps (BackOff),
+  // here as in Create: the same option is valid whenever it is set.
   options_.idle_mode = mode;
   options_.idle_polls_before_backoff = std::max(idle_polls_before_backoff, 0);
 }

@@ -67,7 +67,7 @@ namespace ddp::transport::ucx {
 enum class IdleMode {
   kSpin,   ///< Keep polling (yield only after long idle): a core per rank.
   kYield,  ///< sched_yield() between polls: ranks sharing cores let each other run.
-  kSleep,  ///< Sleep on the worker's event fd (Create needs a context with wakeup; see set_idle_mode).
+  kSleep,  ///< Sleep on the worker's event fd; without wakeup, 0.5 ms steps (see set_idle_mode).
 };
 
 struct P2pOptions {

@@ -1344,6 +1344,44 @@ TEST(UcxPointToPoint, SleepModeSetOnAContextWithoutWakeupSleepsInSteps) {
   EXPECT_EQ(sleeping[0]->options().idle_mode, IdleMode::kSleep);
 }
 
+// kSleep given to Create on a context without wakeup is the same as
+// set_idle_mode(kSleep) after it: accepted, and a wait sleeps in short
+// steps and times out at its deadline. Create refused it (INVALID_ARGUMENT)
+// while set_idle_mode took it, so the option's validity hung on when it
+// was set.
+TEST(UcxPointToPoint, CreateTakesSleepModeWithoutWakeupAsSetIdleModeDoes) {
+  auto context = Context::Create({.default_tls = "sm,self", .wakeup = false});
+  ASSERT_TRUE(context.ok()) << context.status();
+  auto created = UcxPointToPoint::Create(
+      *context, {.idle_mode = IdleMode::kSleep, .idle_polls_before_backoff = 1});
+  ASSERT_TRUE(created.ok()) << created.status();
+  UcxPointToPoint& p2p = **created;
+  EXPECT_EQ(p2p.options().idle_mode, IdleMode::kSleep);
+  const std::string address = p2p.address();
+  ASSERT_TRUE(p2p.Connect(std::span<const std::string>(&address, 1)).ok());
+  int v = 0;
+  auto id = p2p.PostRecv(0, 4, &v, sizeof(v));
+  ASSERT_TRUE(id.ok()) << id.status();
+  p2p::RequestId ids[] = {*id};
+  rusage before{}, after{};
+  ASSERT_EQ(getrusage(RUSAGE_THREAD, &before), 0);
+  const auto start = Clock::now();
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(200)));
+  const auto took = Clock::now() - start;
+  ASSERT_EQ(getrusage(RUSAGE_THREAD, &after), 0);
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_LT(took, milliseconds(1000));
+  EXPECT_GE(after.ru_nvcsw - before.ru_nvcsw, 10) << "the wait did not sleep";
+  // A message sent to itself is still taken.
+  const int sent = 42;
+  auto recv = p2p.PostRecv(0, 5, &v, sizeof(v));
+  auto send = p2p.PostSend(0, 5, &sent, sizeof(sent));
+  ASSERT_TRUE(recv.ok() && send.ok()) << recv.status() << send.status();
+  p2p::RequestId both[] = {*recv, *send};
+  EXPECT_TRUE(p2p.WaitAll(both, DeadlineIn(milliseconds(5000))).ok());
+  EXPECT_EQ(v, 42);
+}
+
 // A null buffer with bytes is refused before UCX reads or writes through
 // it (the send crashed inside UCX, and the receive was posted), as the
 // loopback refuses it; with no bytes it is a valid empty message.
