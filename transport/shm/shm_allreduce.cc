@@ -339,6 +339,7 @@ ShmAllReduce::ShmAllReduce(std::unique_ptr<Segment> segment, const ShmOptions& o
   // A pidfd stays with the process it was opened on: once a peer died and
   // another process took its pid, the pid alone names that other one.
   peer_pidfds_.assign(static_cast<size_t>(options_.size), -1);
+  pid_checked_in_call_.assign(static_cast<size_t>(options_.size), ~uint64_t{0});
   for (int peer = 0; peer < options_.size; ++peer) {
     const int pid = options_.pids[peer];
     if (peer == options_.rank || pid <= 0 || pid == getpid()) continue;
@@ -509,7 +510,7 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
 // unless the peer has left it (see Abandon). A read is checked before and
 // after: a peer that gave up while it ran may have reused its buffer, so
 // the read fails. A copy by pid (CMA) is trusted only while the peer's
-// pidfd shows it alive: a read after, a write before each piece. A write
+// pidfd shows it alive: a read after, a write before and after. A write
 // must not land after the peer returned at all:
 // each piece is marked in `touching`, then the peer's `abandoned` word is
 // checked; Abandon stores that word and then checks `touching`, both
@@ -540,28 +541,36 @@ Status ShmAllReduce::CopyWithPeer(bool write, int peer, void* local, uint64_t re
     }
     return gone() ? PeerFailure(s, peer) : Status::Ok();
   }
+  // A write by pid into a peer that has exited lands in whatever process
+  // took its pid since. The pidfd is asked after the last piece, so that a
+  // call whose write may have landed there fails, as a read does; and
+  // before the call's first write to the peer, so that one gone already
+  // is not written into (a later write's check before is the previous
+  // one's after). A poll per piece (or per chunk) cost a system call each
+  // and still left the window between the check and the write.
+  const bool by_pid = mapped == nullptr && peer_pidfds_[peer] >= 0;
+  if (by_pid && pid_checked_in_call_[peer] != s) {
+    if (PeerExitsWithin(peer, std::chrono::milliseconds(0))) return PeerExited(peer);
+    pid_checked_in_call_[peer] = s;
+  }
   std::atomic<uint64_t>& touching = control(options_.rank).touching;
   char* here = static_cast<char*>(local);
   for (size_t done = 0; done < bytes;) {
     const size_t n = std::min(kWritePiece, bytes - done);
     touching.store(Touching(s, peer), std::memory_order_seq_cst);
     const bool left = gone();
-    // A write by pid into a peer that has exited would land in whatever
-    // process took its pid since: asked of the pidfd before each piece.
-    const bool exited = !left && mapped == nullptr && peer_pidfds_[peer] >= 0 &&
-                        PeerExitsWithin(peer, std::chrono::milliseconds(0));
     int error = 0;
-    if (!left && !exited && mapped != nullptr) {
+    if (!left && mapped != nullptr) {
       std::memcpy(mapped + done, here + done, n);
-    } else if (!left && !exited) {
+    } else if (!left) {
       error = CopyBytes(true, peer, here + done, remote + done, n);
     }
     touching.store(0, std::memory_order_release);
     if (left) return PeerFailure(s, peer);
-    if (exited) return PeerExited(peer);
     if (error != 0) return failed(error);
     done += n;
   }
+  if (by_pid && PeerExitsWithin(peer, std::chrono::milliseconds(0))) return PeerExited(peer);
   return Status::Ok();
 }
 

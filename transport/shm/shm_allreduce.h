@@ -444,6 +444,9 @@ class ShmAllReduce {
   // for this rank, a rank of this same process, or where none could be
   // had (kernels before 5.3, no descriptor left).
   std::vector<int> peer_pidfds_;
+  // Per peer: the call (sequence_) in which its pidfd last showed it alive
+  // around a write by pid (see CopyWithPeer).
+  mutable std::vector<uint64_t> pid_checked_in_call_;
   uint64_t sequence_ = 0;
   // Set once a call failed before it began (FailUnclaimed): later calls
   // fail with FAILED_PRECONDITION naming it.
