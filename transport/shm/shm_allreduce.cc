@@ -581,10 +581,10 @@ bool ShmAllReduce::Abandoned(int peer) const {
 
 namespace {
 
-// Whether `fd` is a memfd that AllocateShareable made: its link in
-// /proc/self/fd reads "/memfd:<name> (deleted)".
-bool IsShareableMemfd(int fd) {
-  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+// Whether the fd link `link` (/proc/PID/fd/N) names a memfd that
+// AllocateShareable made: it reads "/memfd:<name> (deleted)". Reading it
+// opens nothing.
+bool LinksToShareableMemfd(const std::string& link) {
   char target[128];
   const ssize_t n = readlink(link.c_str(), target, sizeof(target));
   if (n <= 0) return false;
@@ -639,21 +639,28 @@ char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const
                 .last_call = sequence_};
   // The owner's memfd, through its fd table: permitted where CMA is (the
   // same ptrace check). Failing that, this region goes through CMA. The
-  // number may name another file by now: O_NONBLOCK so that one an open
-  // waits on (a write lease's break, 45 s by default; a FIFO or a device)
-  // fails at once, O_NOCTTY so that a terminal does not become this
-  // process's.
+  // number may name another file by now, and an open acts on some files
+  // whether or not it waits (it breaks a lease, signalling its holder; a
+  // device's driver runs): so the link and the file's size are looked at
+  // first (readlink and stat open nothing), and only a memfd of
+  // AllocateShareable's of the region's size is opened. O_NONBLOCK and
+  // O_NOCTTY for a file that replaced it in between: no wait for a lease's
+  // break (45 s by default), no terminal becoming this process's.
   const std::string path = "/proc/" + std::to_string(options_.pids[peer]) + "/fd/" +
                            std::to_string(region->fd);
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  struct stat seen {};
+  const bool matches = LinksToShareableMemfd(path) && stat(path.c_str(), &seen) == 0 &&
+                       S_ISREG(seen.st_mode) &&
+                       static_cast<uint64_t>(seen.st_size) == region->size;
+  const int fd = matches ? open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY) : -1;
   if (fd >= 0) {
     struct stat st {};
-    // The fd number may have been reused for another file since the peer
-    // published it: the size must match, and the file be a memfd of
-    // AllocateShareable's (named so by its link here: what this process
-    // opened, whatever the peer's fd holds by now).
-    if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) == region->size &&
-        IsShareableMemfd(fd)) {
+    // What this process opened must be the file looked at (the peer may
+    // have reused the number in between), and still a memfd of
+    // AllocateShareable's (named so by its link here).
+    if (fstat(fd, &st) == 0 && st.st_dev == seen.st_dev && st.st_ino == seen.st_ino &&
+        static_cast<uint64_t>(st.st_size) == region->size &&
+        LinksToShareableMemfd("/proc/self/fd/" + std::to_string(fd))) {
       m.device = st.st_dev;
       m.inode = st.st_ino;
       void* p = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

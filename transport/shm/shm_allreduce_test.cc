@@ -2139,6 +2139,56 @@ TEST(ShmAllReduce, APublishedFdThatBlocksAnOpenIsNotWaitedFor) {
   sigaction(SIGIO, &saved, nullptr);
 }
 
+std::atomic<int> sigio_seen{0};
+
+// The same file under a write lease whose holder takes SIGIO (counted
+// here; its default action ends the process): O_NONBLOCK kept rank 0's
+// open from waiting, but the open still broke the lease and signalled the
+// holder. Now the published number's link and size are looked at first
+// (neither opens the file), and a file that is not a shareable memfd of
+// the region's size is not opened at all: the lease stands, no signal.
+TEST(ShmAllReduce, APublishedFdThatNamesAnotherFileIsNotOpened) {
+  auto group = MakeGroup(2, 4096, 4096);
+  const size_t count = 5000;  // 20 KB of f32: the direct path
+  const size_t bytes = count * sizeof(float);
+  auto shareable = AllocateShareable(bytes);
+  ASSERT_TRUE(shareable.ok()) << shareable.status();
+  std::optional<ShareableRegion> region = FindShareable(*shareable, bytes);
+  ASSERT_TRUE(region.has_value());
+  const std::string path = std::string(std::getenv("TEST_TMPDIR") != nullptr
+                                           ? std::getenv("TEST_TMPDIR") : "/tmp") +
+                           "/leased_unopened." + std::to_string(getpid());
+  const int file = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE(file, 0) << std::strerror(errno);
+  unlink(path.c_str());
+  ASSERT_EQ(ftruncate(file, static_cast<off_t>(region->size)), 0);
+  ASSERT_EQ(dup2(file, region->fd), region->fd) << std::strerror(errno);
+  close(file);
+  struct sigaction count_it {}, saved {};
+  count_it.sa_handler = [](int) { sigio_seen.fetch_add(1); };
+  ASSERT_EQ(sigaction(SIGIO, &count_it, &saved), 0);
+  sigio_seen = 0;
+  ASSERT_EQ(fcntl(region->fd, F_SETLEASE, F_WRLCK), 0) << "write lease: " << std::strerror(errno);
+  RunRanks(2, [&](int r) {
+    std::vector<float> private_send(count);
+    float* send = r == 1 ? static_cast<float*>(*shareable) : private_send.data();
+    std::vector<float> recv(count);
+    FillInput(DataType::kF32, send, count, r, ReduceOp::kSum);
+    Status st = group[r]->AllReduce(send, recv.data(), count, DataType::kF32, ReduceOp::kSum,
+                                    DeadlineIn(milliseconds(10000)), nullptr);
+    ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st;
+    std::string first;
+    EXPECT_EQ(CountWrong(DataType::kF32, recv.data(), count, 2, ReduceOp::kSum, 0, &first), 0u)
+        << "rank " << r << ": " << first;
+  });
+  // A lease being broken reads as the type it is broken to (F_UNLCK).
+  EXPECT_EQ(fcntl(region->fd, F_GETLEASE), F_WRLCK) << "the open broke the lease";
+  EXPECT_EQ(sigio_seen.load(), 0) << "the lease's holder was signalled";
+  fcntl(region->fd, F_SETLEASE, F_UNLCK);
+  sigaction(SIGIO, &saved, nullptr);
+  EXPECT_TRUE(FreeShareable(*shareable).ok());
+}
+
 // More regions than the mapping cache holds (64), each used once and then
 // freed, while one long-lived region is used every call: the freed ones
 // are unmapped at their owner's next call, without wrong results.
