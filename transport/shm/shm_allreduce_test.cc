@@ -2097,8 +2097,8 @@ TEST(ShmAllReduce, APublishedFdThatIsNoLongerAMemfdIsNotMapped) {
 // file that an open blocks on: one under a write lease, whose break holds
 // an open for /proc/sys/fs/lease-break-time (45 s by default). Rank 0
 // opened it without O_NONBLOCK and waited that long inside the call, past
-// both ranks' deadlines; now the open fails at once and the input is read
-// with CMA.
+// both ranks' deadlines; now the file is not opened (it is no shareable
+// memfd: see the next test) and the input is read with CMA.
 TEST(ShmAllReduce, APublishedFdThatBlocksAnOpenIsNotWaitedFor) {
   auto group = MakeGroup(2, 4096, 4096);
   const size_t count = 5000;  // 20 KB of f32: the direct path
