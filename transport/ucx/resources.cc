@@ -115,6 +115,7 @@ StatusOr<std::shared_ptr<Context>> Context::Create(const ContextOptions& options
 Context::~Context() { ucp_cleanup(context_); }
 
 StatusOr<std::unique_ptr<Worker>> Worker::Create(std::shared_ptr<Context> context) {
+  if (context == nullptr) return InvalidArgumentError("UCX worker: no context (null)");
   ucp_worker_params_t params;
   std::memset(&params, 0, sizeof(params));
   params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;

@@ -74,5 +74,12 @@ TEST(Resources, FindsMemoryMappedTransportsInTheList) {
   }
 }
 
+// A null context is refused, naming it; it was dereferenced (a crash).
+TEST(Resources, AWorkerWithoutAContextIsRefused) {
+  auto worker = Worker::Create(nullptr);
+  EXPECT_EQ(worker.status().code(), StatusCode::kInvalidArgument) << worker.status();
+  EXPECT_NE(worker.status().message().find("no context"), std::string::npos) << worker.status();
+}
+
 }  // namespace
 }  // namespace ddp::transport::ucx

@@ -102,6 +102,7 @@ Status CheckWorkerAddress(const std::string& address, const std::string& own, in
 
 StatusOr<std::unique_ptr<UcxPointToPoint>> UcxPointToPoint::Create(
     std::shared_ptr<Context> context, const P2pOptions& options) {
+  if (context == nullptr) return InvalidArgumentError("UCX point-to-point: no context (null)");
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return InvalidArgumentError("rank " + std::to_string(options.rank) +
                                 " is outside a world of size " + std::to_string(options.size));

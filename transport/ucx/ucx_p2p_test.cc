@@ -1382,6 +1382,13 @@ TEST(UcxPointToPoint, CreateTakesSleepModeWithoutWakeupAsSetIdleModeDoes) {
   EXPECT_EQ(v, 42);
 }
 
+// A null context is refused, naming it; Create dereferenced it (a crash).
+TEST(UcxPointToPoint, CreateRefusesANullContext) {
+  auto p2p = UcxPointToPoint::Create(nullptr, {});
+  EXPECT_EQ(p2p.status().code(), StatusCode::kInvalidArgument) << p2p.status();
+  EXPECT_NE(p2p.status().message().find("no context"), std::string::npos) << p2p.status();
+}
+
 // A null buffer with bytes is refused before UCX reads or writes through
 // it (the send crashed inside UCX, and the receive was posted), as the
 // loopback refuses it; with no bytes it is a valid empty message.
