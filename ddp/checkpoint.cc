@@ -1065,7 +1065,8 @@ using CheckedSchedulerState = std::optional<nn::optim::LrScheduler::CheckedState
 // everything and changing nothing; empty when it can. `scheduler_state`
 // receives the scheduler's checked state when it passed its check.
 std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to,
-                                         CheckedSchedulerState& scheduler_state) {
+                                         CheckedSchedulerState& scheduler_state, bool strict,
+                                         nn::modules::IncompatibleKeys& keys) {
   // The names RestoreCheckpoint's arguments have, which its messages use.
   nn::modules::Module& target = to.model;
   auto* const optimizer = to.optimizer;
@@ -1146,7 +1147,33 @@ std::vector<std::string> RestoreProblems(const nn::io::Checkpoint& checkpoint, c
                          "'s state threw an exception that is not a std::exception");
     }
   };
-  check("model", [&] { target.CheckStateDict(checkpoint.model, /*strict=*/true); });
+  check("model", [&] { keys = target.CheckStateDict(checkpoint.model, strict); });
+  // Not strict, the optimizer's part still is: its state of a parameter
+  // the model skips (a replaced head's) would go to no parameter, or to
+  // another one of the same name; refused, naming them, rather than
+  // guessed at.
+  if (optimizer != nullptr && !strict) {
+    std::vector<std::string> named;
+    for (const std::vector<std::string>* list : {&keys.missing, &keys.unexpected}) {
+      for (const std::string& name : *list) {
+        const std::string prefix = "state." + name + ".";
+        for (const auto& [key, t] : checkpoint.optimizer) {
+          if (key.compare(0, prefix.size(), prefix) == 0) {
+            named.push_back(name);
+            break;
+          }
+        }
+      }
+    }
+    if (!named.empty()) {
+      problems.push_back("RestoreOptions::strict = false, and the checkpoint's optimizer state names parameters "
+                         "the model does not load (" +
+                         KeyList(named) +
+                         "): the optimizer's part is loaded strictly; to fine-tune from this checkpoint, restore "
+                         "the model alone (no optimizer, and a copy of the checkpoint with its optimizer list "
+                         "cleared)");
+    }
+  }
   if (optimizer != nullptr) check("optimizer", [&] { optimizer->CheckStateDict(checkpoint.optimizer); });
   if (scheduler != nullptr) {
     check("scheduler", [&] { scheduler_state = scheduler->CheckStateDict(checkpoint.optimizer); });
@@ -1174,12 +1201,13 @@ std::string ProblemList(const std::vector<std::string>& problems) {
 // part as its load begins: after a throw, its last entry is the part that
 // threw, and the others were loaded.
 void LoadRestoreTargets(const nn::io::Checkpoint& checkpoint, const RestoreTargets& to,
-                        const CheckedSchedulerState& scheduler_state, std::vector<const char*>* begun = nullptr) {
+                        const CheckedSchedulerState& scheduler_state, bool strict,
+                        std::vector<const char*>* begun = nullptr) {
   auto begin = [begun](const char* part) {
     if (begun != nullptr) begun->push_back(part);
   };
   begin("model");
-  to.model.LoadStateDict(checkpoint.model, /*strict=*/true);
+  to.model.LoadStateDict(checkpoint.model, strict);
   // The optimizer before the scheduler, which sets the lr for its step.
   if (to.optimizer != nullptr) {
     begin("optimizer");
@@ -1303,31 +1331,78 @@ std::string LoadFailure(const std::vector<const char*>& begun, const std::string
                          : " (" + loaded + (begun.size() == 2 ? " was" : " were") + " loaded before it)");
 }
 
+// FNV-1a of the missing then the unexpected keys, each ending with a zero
+// byte and the lists apart: the same on every process for the same keys.
+// Allocates nothing (it runs where memory may have run out).
+uint64_t KeysDigest(const nn::modules::IncompatibleKeys& keys) {
+  uint64_t h = 14695981039346656037ull;
+  auto add = [&h](unsigned char c) {
+    h ^= c;
+    h *= 1099511628211ull;
+  };
+  for (const std::string& k : keys.missing) {
+    for (char c : k) add(static_cast<unsigned char>(c));
+    add(0);
+  }
+  add(1);
+  for (const std::string& k : keys.unexpected) {
+    for (char c : k) add(static_cast<unsigned char>(c));
+    add(0);
+  }
+  return h;
+}
+
+// The passing records (`all`, every one passing) whose keys' digest is not
+// rank 0's: "ranks 1, 2 skip other keys than rank 0", or empty.
+std::string RanksSkippingOtherKeys(const ProcessGroup& pg, const nn::Tensor& all) {
+  auto digest = [&all](int r) {
+    uint64_t d = 0;
+    std::memcpy(&d, static_cast<const char*>(all.data_ptr()) + r * kRecordBytes + 1, sizeof(d));
+    return d;
+  };
+  std::string ranks;
+  int count = 0;
+  for (int r = 1; r < pg.size(); ++r) {
+    if (digest(r) == digest(0)) continue;
+    ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    ++count;
+  }
+  if (count == 0) return "";
+  return (count == 1 ? "rank " : "ranks ") + ranks + (count == 1 ? " skips" : " skip") + " other keys than rank 0";
+}
+
+// "missing keys `a`, `b` and unexpected keys none".
+std::string SkippedKeys(const nn::modules::IncompatibleKeys& keys) {
+  return "missing keys " + (keys.missing.empty() ? std::string("none") : KeyList(keys.missing)) +
+         " and unexpected keys " + (keys.unexpected.empty() ? std::string("none") : KeyList(keys.unexpected));
+}
+
 }  // namespace
 
-void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
-                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
-                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
-                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau,
-                       const RestoreOptions& options) {
+nn::modules::IncompatibleKeys RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
+                                                nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
+                                                nn::optim::GradScaler* scaler, PowerSgdState* powersgd,
+                                                PeriodicModelAverager* averager, PostLocalSgdState* post_local_sgd,
+                                                nn::optim::ReduceLrOnPlateau* plateau, const RestoreOptions& options) {
   const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
   // Everything is checked before anything is copied: a failure on the
   // optimizer's part must not leave the model's weights replaced.
   CheckedSchedulerState scheduler_state;
-  const std::vector<std::string> problems = RestoreProblems(checkpoint, to, scheduler_state);
+  nn::modules::IncompatibleKeys keys;
+  const std::vector<std::string> problems = RestoreProblems(checkpoint, to, scheduler_state, options.strict, keys);
   if (!problems.empty()) {
     throw std::invalid_argument("RestoreCheckpoint: nothing was restored, " + ProblemList(problems));
   }
   if (!options.rollback) {
-    LoadRestoreTargets(checkpoint, to, scheduler_state);
-    return;
+    LoadRestoreTargets(checkpoint, to, scheduler_state, options.strict);
+    return keys;
   }
   // A copy that cannot be made (memory running out) throws here, before
   // anything changed.
   const RestoreSnapshot snapshot = TakeSnapshot(to);
   std::vector<const char*> begun;
   try {
-    LoadRestoreTargets(checkpoint, to, scheduler_state, &begun);
+    LoadRestoreTargets(checkpoint, to, scheduler_state, options.strict, &begun);
   } catch (...) {
     const std::exception_ptr load_error = std::current_exception();
     const std::string not_put_back = PutBack(snapshot, to, begun);
@@ -1335,13 +1410,15 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
     throw std::runtime_error("RestoreCheckpoint: " + LoadFailure(begun, WhatOf(load_error)) + ", then " +
                              not_put_back + ": restore again, or rebuild the objects, before training");
   }
+  return keys;
 }
 
-void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
-                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler,
-                       nn::optim::GradScaler* scaler, PowerSgdState* powersgd, PeriodicModelAverager* averager,
-                       PostLocalSgdState* post_local_sgd, nn::optim::ReduceLrOnPlateau* plateau,
-                       const RestoreOptions& options) {
+nn::modules::IncompatibleKeys RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint,
+                                                nn::modules::Module& model, nn::optim::Optimizer* optimizer,
+                                                nn::optim::LrScheduler* scheduler, nn::optim::GradScaler* scaler,
+                                                PowerSgdState* powersgd, PeriodicModelAverager* averager,
+                                                PostLocalSgdState* post_local_sgd,
+                                                nn::optim::ReduceLrOnPlateau* plateau, const RestoreOptions& options) {
   const RestoreTargets to{Unwrap(model), optimizer, scheduler, scaler, powersgd, averager, post_local_sgd, plateau};
   // Every rank reaches the exchange below whatever its checks found, or
   // the others would wait for it until the group's timeout. Its buffers
@@ -1370,9 +1447,10 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   // empty when it has none or could not list them.
   std::string mine;
   CheckedSchedulerState scheduler_state;
+  nn::modules::IncompatibleKeys keys;
   try {
     RunFault(internal::FaultPoint::kCheckingRestore);
-    const std::vector<std::string> problems = RestoreProblems(checkpoint, to, scheduler_state);
+    const std::vector<std::string> problems = RestoreProblems(checkpoint, to, scheduler_state, options.strict, keys);
     ok = problems.empty();
     if (!ok) mine = ProblemList(problems);
   } catch (...) {
@@ -1392,7 +1470,13 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
     }
   }
   if (ok) {
-    static_cast<char*>(record.data_ptr())[0] = 1;
+    // A passing record carries a digest of the keys this rank skips, so
+    // that ranks that would load different parts of the model (built
+    // differently, with strict = false) are refused before any loads.
+    char* p = static_cast<char*>(record.data_ptr());
+    p[0] = 1;
+    const uint64_t digest = KeysDigest(keys);
+    std::memcpy(p + 1, &digest, sizeof(digest));
   } else if (!mine.empty()) {
     Rewrite(record, 0, mine.c_str());
   }
@@ -1404,6 +1488,14 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   if (!failures.empty()) {
     throw std::invalid_argument("RestoreCheckpoint: nothing was restored on any rank, it failed on " + failures);
   }
+  const std::string other_keys = RanksSkippingOtherKeys(pg, all);
+  if (!other_keys.empty()) {
+    throw std::invalid_argument(
+        "RestoreCheckpoint: nothing was restored on any rank, the ranks would load different keys of the model "
+        "(RestoreOptions::strict = false): " +
+        other_keys + "; this rank (" + std::to_string(pg.rank()) + ") skips " + SkippedKeys(keys) +
+        ": every rank must build the same model");
+  }
   // A load can still throw once every check passed (a learning-rate
   // target that refuses the restored rate, memory running out). That rank
   // would throw alone while the others went on to train and then waited
@@ -1413,7 +1505,7 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   std::vector<const char*> begun;
   std::exception_ptr load_error;
   try {
-    LoadRestoreTargets(checkpoint, to, scheduler_state, &begun);
+    LoadRestoreTargets(checkpoint, to, scheduler_state, options.strict, &begun);
   } catch (...) {
     load_error = std::current_exception();
   }
@@ -1437,7 +1529,7 @@ void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, n
   bool in_doubt = false;
   try {
     pg.AllReduce(any_failed, transport::ReduceOp::kMax, "checkpoint restore loads").Wait();
-    if (static_cast<const int64_t*>(any_failed.data_ptr())[0] == 0) return;
+    if (static_cast<const int64_t*>(any_failed.data_ptr())[0] == 0) return keys;
     // Whatever throws from here to the all-gather (memory running out),
     // this rank still takes part in it, with a record saying what threw:
     // the others would otherwise wait for it until the group's timeout.

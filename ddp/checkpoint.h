@@ -199,8 +199,22 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
                                           const nn::io::LoadOptions& options = {},
                                           const LoadWaitOptions& wait = {});
 
-/// How RestoreCheckpoint undoes a load that failed.
+/// How RestoreCheckpoint matches the model's keys and undoes a load that
+/// failed.
 struct RestoreOptions {
+  /// As PyTorch's load_state_dict(strict=...). True: the checkpoint's
+  /// model keys must be the model's, no more, no fewer. False (to
+  /// fine-tune from a checkpoint with a new head): the keys in both are
+  /// loaded, their shapes and dtypes still checked as when strict, and the
+  /// model's keys the checkpoint lacks (`missing`) and the checkpoint's
+  /// keys the model lacks (`unexpected`) are skipped and returned. Only
+  /// the model's part is loosened: the other components load strictly,
+  /// and a checkpoint whose optimizer state ("state.<name>.*") names a
+  /// skipped key is refused with an optimizer given, naming the keys
+  /// (restore the model alone, with no optimizer and the optimizer list
+  /// cleared in a copy of the checkpoint). The collective restore also
+  /// refuses, on every rank, ranks that would skip different keys.
+  bool strict = true;
   /// Once the checks passed (on every rank, for the collective restore),
   /// the state of the objects restored is copied to the CPU before
   /// loading, so that when a load fails (on any rank), the objects are put
@@ -220,8 +234,9 @@ struct RestoreOptions {
   bool rollback = true;
 };
 
-/// Copies the checkpoint into the model (strictly: keys, shapes and dtypes
-/// must match, see Module::LoadStateDict), the optimizer, then the
+/// Copies the checkpoint into the model (strictly by default: keys, shapes
+/// and dtypes must match, see Module::LoadStateDict and
+/// RestoreOptions::strict), the optimizer, then the
 /// scheduler (which sets the optimizer's lr for its restored step), the
 /// scaler, PowerSGD's state, the averager's, the post-local-SGD hook's and
 /// ReduceLrOnPlateau's; each of the last seven may be null. All or nothing: every part is checked before anything changes,
@@ -245,12 +260,14 @@ struct RestoreOptions {
 /// the load's failure and the part, asking to restore again or rebuild
 /// the objects. Call before the first backward of the resumed run. Runs on
 /// this rank alone: with several ranks, the collective overload below
-/// makes a failure on one rank an error on every rank.
-void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
-                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
-                       nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
-                       PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
-                       nn::optim::ReduceLrOnPlateau* plateau = nullptr, const RestoreOptions& options = {});
+/// makes a failure on one rank an error on every rank. Returns the model's
+/// keys that were skipped: empty when options.strict.
+nn::modules::IncompatibleKeys RestoreCheckpoint(
+    const nn::io::Checkpoint& checkpoint, nn::modules::Module& model, nn::optim::Optimizer* optimizer,
+    nn::optim::LrScheduler* scheduler = nullptr, nn::optim::GradScaler* scaler = nullptr,
+    PowerSgdState* powersgd = nullptr, PeriodicModelAverager* averager = nullptr,
+    PostLocalSgdState* post_local_sgd = nullptr, nn::optim::ReduceLrOnPlateau* plateau = nullptr,
+    const RestoreOptions& options = {});
 
 /// Collective RestoreCheckpoint, for a resume on every rank: each rank
 /// checks its own model and components as above, then the ranks exchange
@@ -293,11 +310,19 @@ void RestoreCheckpoint(const nn::io::Checkpoint& checkpoint, nn::modules::Module
 /// went and, with rollback, that this rank put its parts back (or which
 /// it could not): a rank whose comparison had completed before the group
 /// failed may have returned with the checkpoint loaded.
-void RestoreCheckpoint(ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
-                       nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
-                       nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
-                       PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
-                       nn::optim::ReduceLrOnPlateau* plateau = nullptr, const RestoreOptions& options = {});
+///
+/// Returns the model's keys that were skipped, the same on every rank:
+/// with options.strict = false, ranks whose checks passed but that would
+/// skip different keys (each rank built another model) make every rank
+/// throw std::invalid_argument naming the ranks that differ from rank 0
+/// and this rank's skipped keys, with nothing changed (ranks that pass
+/// different `strict` values load as long as their skipped keys agree).
+nn::modules::IncompatibleKeys RestoreCheckpoint(
+    ProcessGroup& pg, const nn::io::Checkpoint& checkpoint, nn::modules::Module& model,
+    nn::optim::Optimizer* optimizer, nn::optim::LrScheduler* scheduler = nullptr,
+    nn::optim::GradScaler* scaler = nullptr, PowerSgdState* powersgd = nullptr,
+    PeriodicModelAverager* averager = nullptr, PostLocalSgdState* post_local_sgd = nullptr,
+    nn::optim::ReduceLrOnPlateau* plateau = nullptr, const RestoreOptions& options = {});
 
 namespace internal {
 

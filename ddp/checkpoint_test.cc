@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -37,6 +38,7 @@
 #include "nn/autograd/engine.h"
 #include "nn/io/atomic_file.h"
 #include "nn/loss/loss.h"
+#include "nn/modules/layers.h"
 #include "nn/modules/models.h"
 #include "nn/ops/functional.h"
 #include "nn/optim/adam.h"
@@ -893,6 +895,164 @@ TEST(DdpCheckpointTest, ARankWhoseChecksRunOutOfMemoryIsNamedOnEveryRankPromptly
   auto run = RunWorkers("restore_checks_fail_on_one_rank", 3,
                         {{"DDP_TEST_CASE", "out_of_memory"}, {"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000,
                         /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// ----------------------------------------------------- non-strict ----
+
+// Mlp's layers with its head (`5`, Linear(256, 10)) replaced: with
+// `renamed`, by Linear(256, 5) under `6` (an Identity at `5`), otherwise by
+// Linear(256, 5) under the same name.
+std::shared_ptr<nn::modules::Module> MlpWithNewHead(uint64_t seed, bool renamed) {
+  nn::Generator gen(seed);
+  auto model = std::make_shared<nn::modules::Sequential>();
+  model->Push(std::make_shared<nn::modules::Flatten>());
+  model->Push(std::make_shared<nn::modules::Linear>(784, 512, true, gen));
+  model->Push(std::make_shared<nn::modules::ReLU>());
+  model->Push(std::make_shared<nn::modules::Linear>(512, 256, true, gen));
+  model->Push(std::make_shared<nn::modules::ReLU>());
+  if (renamed) model->Push(std::make_shared<nn::modules::Identity>());
+  model->Push(std::make_shared<nn::modules::Linear>(256, 5, true, gen));
+  return model;
+}
+
+std::vector<std::string> StateBytes(const nn::modules::Module& m);
+
+// Whether `a` and `b` hold the same bytes.
+bool SameBytes(const nn::Tensor& a, const nn::Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+// The value of `name` in `model`'s state dict.
+nn::Tensor StateOf(const nn::modules::Module& model, const std::string& name) {
+  for (const auto& [key, t] : model.GetStateDict()) {
+    if (key == name) return t;
+  }
+  throw std::invalid_argument("no key `" + name + "`");
+}
+
+// Fine-tuning from a checkpoint of Mlp(1) (with its SGD's state) into a
+// model with a new head, on every rank:
+// - strict (the default): refused on every rank as before, naming the
+//   keys, nothing changed;
+// - strict = false, the model alone (the optimizer list cleared): the body
+//   (`1.*`, `3.*`) is loaded, the new head keeps its values, and every
+//   rank returns the head's keys as missing and the old head's as
+//   unexpected; the one-rank overload returns the same;
+// - strict = false with the optimizer, whose state names the old head's
+//   parameters: refused, naming them, nothing changed;
+// - a head of another shape under the old name: refused even when not
+//   strict (as PyTorch), naming the key;
+// - rank 1 built another model (the saved one: it skips nothing): every
+//   rank refuses, naming rank 1, nothing changed.
+DDP_TEST_WORKER(restore_new_head) {
+  auto pg = testing::WorkerGroup();
+  const std::string who = "rank " + std::to_string(pg->rank());
+  const SavedMlp saved(/*trained=*/false);
+  nn::io::Checkpoint model_only = saved.checkpoint;
+  model_only.optimizer.clear();
+  const RestoreOptions loose{.strict = false};
+
+  auto model = MlpWithNewHead(99, /*renamed=*/true);
+  const uint64_t before = testing::HashState(*model);
+  const nn::Tensor head_before = StateOf(*model, "6.weight").Clone();
+
+  const Outcome strict = OutcomeOf<std::invalid_argument>([&] { RestoreCheckpoint(*pg, model_only, *model, nullptr); });
+  WORKER_EXPECT(strict.error.find("RestoreCheckpoint: nothing was restored on any rank, it failed on rank 0: ") == 0 &&
+                    strict.error.find("6.weight") != std::string::npos &&
+                    strict.error.find("5.weight") != std::string::npos,
+                who + " got: " + strict.error);
+  WORKER_EXPECT(testing::HashState(*model) == before, who + ": the strict restore changed the model");
+
+  nn::modules::IncompatibleKeys keys = RestoreCheckpoint(*pg, model_only, *model, nullptr, nullptr, nullptr, nullptr,
+                                                         nullptr, nullptr, nullptr, loose);
+  const std::vector<std::string> missing{"6.weight", "6.bias"};
+  const std::vector<std::string> unexpected{"5.weight", "5.bias"};
+  WORKER_EXPECT(keys.missing == missing && keys.unexpected == unexpected,
+                who + ": missing " + std::to_string(keys.missing.size()) + ", unexpected " +
+                    std::to_string(keys.unexpected.size()));
+  for (const char* name : {"1.weight", "1.bias", "3.weight", "3.bias"}) {
+    WORKER_EXPECT(SameBytes(StateOf(*model, name), StateOf(*saved.model, name)), who + ": `" + name + "` not loaded");
+  }
+  WORKER_EXPECT(SameBytes(StateOf(*model, "6.weight"), head_before), who + ": the new head was changed");
+  auto alone = MlpWithNewHead(98, /*renamed=*/true);
+  keys = RestoreCheckpoint(model_only, *alone, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, loose);
+  WORKER_EXPECT(keys.missing == missing && keys.unexpected == unexpected, who + ": the one-rank overload's keys");
+  WORKER_EXPECT(SameBytes(StateOf(*alone, "3.weight"), StateOf(*saved.model, "3.weight")),
+                who + ": the one-rank overload did not load `3.weight`");
+
+  auto fresh = MlpWithNewHead(97, /*renamed=*/true);
+  nn::optim::Sgd opt(fresh->NamedParameters(), {.lr = 0.1});
+  const uint64_t fresh_before = testing::HashState(*fresh);
+  const Outcome with_opt = OutcomeOf<std::invalid_argument>([&] {
+    RestoreCheckpoint(*pg, saved.checkpoint, *fresh, &opt, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, loose);
+  });
+  WORKER_EXPECT(with_opt.error.find("RestoreOptions::strict = false, and the checkpoint's optimizer state names "
+                                    "parameters the model does not load (`5.weight`, `5.bias`)") != std::string::npos,
+                who + " got: " + with_opt.error);
+  WORKER_EXPECT(testing::HashState(*fresh) == fresh_before && opt.lr() == 0.1,
+                who + ": the refused restore changed the model or the optimizer");
+
+  auto reshaped = MlpWithNewHead(96, /*renamed=*/false);
+  const uint64_t reshaped_before = testing::HashState(*reshaped);
+  const Outcome shape = OutcomeOf<std::invalid_argument>([&] {
+    RestoreCheckpoint(*pg, model_only, *reshaped, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                      loose);
+  });
+  WORKER_EXPECT(shape.error.find("nothing was restored on any rank") != std::string::npos &&
+                    shape.error.find("5.weight") != std::string::npos,
+                who + " got: " + shape.error);
+  WORKER_EXPECT(testing::HashState(*reshaped) == reshaped_before, who + ": the refused restore changed the model");
+
+  auto mixed = pg->rank() == 1 ? Mlp(95) : MlpWithNewHead(95, /*renamed=*/true);
+  const uint64_t mixed_before = testing::HashState(*mixed);
+  const Outcome differ = OutcomeOf<std::invalid_argument>([&] {
+    RestoreCheckpoint(*pg, model_only, *mixed, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, loose);
+  });
+  const std::string skips = pg->rank() == 1 ? "missing keys none and unexpected keys none"
+                                            : "missing keys `6.weight`, `6.bias` and unexpected keys `5.weight`, "
+                                              "`5.bias`";
+  WORKER_EXPECT(differ.error == "RestoreCheckpoint: nothing was restored on any rank, the ranks would load different "
+                                "keys of the model (RestoreOptions::strict = false): rank 1 skips other keys than "
+                                "rank 0; this rank (" +
+                                    std::to_string(pg->rank()) + ") skips " + skips +
+                                    ": every rank must build the same model",
+                who + " got: " + differ.error);
+  WORKER_EXPECT(testing::HashState(*mixed) == mixed_before, who + ": the refused restore changed the model");
+  WORKER_EXPECT(NextCollectivesError(*pg).empty(), who + ": the group failed after the refused restores");
+
+  // Rollback still works when not strict: rank 1's scheduler target
+  // refuses the saved rate once every check passed, and every rank puts
+  // its model (body loaded by then) back as it was.
+  nn::io::Checkpoint with_sched = model_only;
+  for (const auto& [key, t] : saved.checkpoint.optimizer) {
+    if (key.rfind("scheduler.", 0) == 0) with_sched.optimizer.emplace_back(key, t);
+  }
+  auto rolled = MlpWithNewHead(94, /*renamed=*/true);
+  const std::vector<std::string> rolled_before = StateBytes(*rolled);
+  double rate = 0.01;
+  nn::optim::LrTarget target{[&rate] { return rate; },
+                             [&rate, &pg](double lr) {
+                               if (pg->rank() == 1 && lr > 0.02) {
+                                 throw std::runtime_error("rank 1's target refuses the rate");
+                               }
+                               rate = lr;
+                             }};
+  nn::optim::LrScheduler sched(target, nn::optim::LambdaSchedule([](int64_t) { return 1.0; }, "decay"));
+  const Outcome rollback = OutcomeOf<std::runtime_error>([&] {
+    RestoreCheckpoint(*pg, with_sched, *rolled, nullptr, &sched, nullptr, nullptr, nullptr, nullptr, nullptr, loose);
+  });
+  WORKER_EXPECT(rollback.error.find("loading failed on rank 1: loading the scheduler's state threw: rank 1's "
+                                    "target refuses the rate (the model was loaded before it); every rank put its "
+                                    "model and components back") != std::string::npos,
+                who + " got: " + rollback.error);
+  WORKER_EXPECT(StateBytes(*rolled) == rolled_before && sched.step_count() == 0,
+                who + ": the model or the scheduler was not put back");
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ANonStrictRestoreLoadsTheBodyIntoAModelWithANewHeadAndReportsTheKeys) {
+  auto run = RunWorkers("restore_new_head", 2, {{"DDP_TEST_TIMEOUT_MS", "60000"}}, 180000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
