@@ -202,19 +202,6 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
 /// How RestoreCheckpoint matches the model's keys and undoes a load that
 /// failed.
 struct RestoreOptions {
-  /// As PyTorch's load_state_dict(strict=...). True: the checkpoint's
-  /// model keys must be the model's, no more, no fewer. False (to
-  /// fine-tune from a checkpoint with a new head): the keys in both are
-  /// loaded, their shapes and dtypes still checked as when strict, and the
-  /// model's keys the checkpoint lacks (`missing`) and the checkpoint's
-  /// keys the model lacks (`unexpected`) are skipped and returned. Only
-  /// the model's part is loosened: the other components load strictly,
-  /// and a checkpoint whose optimizer state ("state.<name>.*") names a
-  /// skipped key is refused with an optimizer given, naming the keys
-  /// (restore the model alone, with no optimizer and the optimizer list
-  /// cleared in a copy of the checkpoint). The collective restore also
-  /// refuses, on every rank, ranks that would skip different keys.
-  bool strict = true;
   /// Once the checks passed (on every rank, for the collective restore),
   /// the state of the objects restored is copied to the CPU before
   /// loading, so that when a load fails (on any rank), the objects are put
@@ -232,6 +219,23 @@ struct RestoreOptions {
   /// changes. Set false where that memory is not there (a model near the
   /// host's memory): a failed load is then not undone.
   bool rollback = true;
+  // After `rollback`, so that positional initializers keep their meaning.
+  /// As PyTorch's load_state_dict(strict=...). True: the checkpoint's
+  /// model keys must be the model's, no more, no fewer. False (to
+  /// fine-tune from a checkpoint with a new head): the keys in both are
+  /// loaded, their shapes and dtypes still checked as when strict, and the
+  /// model's keys the checkpoint lacks (`missing`) and the checkpoint's
+  /// keys the model lacks (`unexpected`) are skipped and returned. Only
+  /// the model's part is loosened: the other components load strictly,
+  /// and a checkpoint whose optimizer state ("state.<name>.*") names a
+  /// skipped key is refused with an optimizer given, naming the keys
+  /// (restore the model alone, with no optimizer and the optimizer list
+  /// cleared in a copy of the checkpoint). The collective restore also
+  /// refuses, on every rank, ranks that would skip different keys. The
+  /// model's keys skipped keep each rank's own values: equal on every rank
+  /// when a DistributedDataParallel wraps the model (its constructor
+  /// broadcasts rank 0's), before or after the call.
+  bool strict = true;
 };
 
 /// Copies the checkpoint into the model (strictly by default: keys, shapes
