@@ -117,6 +117,13 @@ class GradBucket {
       throw std::invalid_argument(where() + std::to_string(parameters_.size()) + " parameters and " +
                                   std::to_string(offsets_.size()) + " offsets; one offset per parameter");
     }
+    // Hooks address the buffer as flat memory from its data pointer: a
+    // view of another layout (an expanded or strided tensor) would have
+    // them past its storage.
+    if (buffer_.defined() && (buffer_.dim() != 1 || !buffer_.is_contiguous())) {
+      throw std::invalid_argument(where() + "the buffer (" + nn::ShapeToString(buffer_.shape()) +
+                                  ") is not one-dimensional and contiguous");
+    }
     const int64_t size = buffer_.defined() ? buffer_.numel() : 0;
     for (size_t k = 0; k < parameters_.size(); ++k) {
       const nn::Tensor& p = parameters_[k];

@@ -128,6 +128,15 @@ TEST(CommHooksTest, ABucketWhoseParametersDoNotFitItsBufferIsRefused) {
       EXPECT_NE(std::string(e.what()).find(c.expected), std::string::npos) << c.what << ": " << e.what();
     }
   }
+  // A buffer that is not flat memory: hooks write from its data pointer.
+  for (const nn::Tensor& buffer : {nn::Zeros({1}).Expand({15}), nn::Zeros({3, 5}), nn::Zeros({30}).Slice(0, 0, 30, 2)}) {
+    try {
+      GradBucket bucket(1, 4, buffer, {weight, bias}, {0, 12});
+      ADD_FAILURE() << nn::ShapeToString(buffer.shape()) << ": accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("is not one-dimensional and contiguous"), std::string::npos) << e.what();
+    }
+  }
   // Laid out right, with a bucket of its own that holds the parameters
   // back to back, it is taken.
   GradBucket fits(3, 4, nn::Zeros({15}), {weight, bias}, {0, 12});
