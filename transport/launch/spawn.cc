@@ -130,6 +130,11 @@ constexpr int kPassedOnSignals[] = {SIGUSR1, SIGUSR2};
 // after Wait's end and before the group was gone, is held for the next
 // group that forwards signals, which takes it over when it starts.
 std::atomic<int> g_held_passed_on{0};
+// Reads of a worker's /proc/<pid>/status for its signal handlers
+// (TakesSignal); SignalHandlerLooksForTesting.
+std::atomic<int64_t> g_signal_handler_looks{0};
+// A held signal's handlers are looked at no more often than this.
+constexpr auto kHeldSignalLookEvery = std::chrono::seconds(1);
 
 int PassedOnBit(int signo) { return signo == SIGUSR1 ? 1 : signo == SIGUSR2 ? 2 : 0; }
 
@@ -982,6 +987,8 @@ void ForceCloseRangeFallbackForTesting(bool force) {
   g_force_close_range_fallback.store(force, std::memory_order_relaxed);
 }
 
+int64_t SignalHandlerLooksForTesting() { return g_signal_handler_looks.load(); }
+
 void SetForwardingEndStepForTesting(std::function<void()> step) {
   std::lock_guard<std::mutex> lock(g_forwarding_end_step_mu);
   g_forwarding_end_step = std::move(step);
@@ -1266,6 +1273,9 @@ class WorkerGroup::Impl {
       for (size_t i = 0; i < std::size(kPassedOnSignals); ++i) {
         if (passed_on_installed_[i]) sigaction(kPassedOnSignals[i], &passed_on_old_[i], nullptr);
       }
+      // Held signals no worker of this group got (they ended first): the
+      // next group's.
+      if (held_ != 0) g_held_passed_on.fetch_or(held_, std::memory_order_relaxed);
       g_forwarding.store(false);
     }
   }
@@ -1284,6 +1294,11 @@ class WorkerGroup::Impl {
     if (options_.exec_timeout.count() <= 0) {
       return InvalidArgumentError("the time a worker may take to exec (exec_timeout) is " +
                                   std::to_string(options_.exec_timeout.count()) + " ms; it must be more than 0");
+    }
+    if (options_.hold_signal_for.count() < 0) {
+      return InvalidArgumentError("the time a SIGUSR1 or SIGUSR2 is held for workers without a handler "
+                                  "(hold_signal_for) is " +
+                                  std::to_string(options_.hold_signal_for.count()) + " ms; it must be 0 or more");
     }
     if (options_.grace.count() < 0) {
       return InvalidArgumentError("the grace period between SIGTERM and SIGKILL is " +
@@ -1498,8 +1513,12 @@ class WorkerGroup::Impl {
           }
         }
       }
-      if (held_from_before_ != 0 && phase == Phase::kRunning) PassOnHeldOnceCaught();
+      if (held_ != 0 && phase == Phase::kRunning && Clock::now() >= next_held_look_) {
+        PassOnHeldOnceCaught();
+        next_held_look_ = Clock::now() + kHeldSignalLookEvery;
+      }
       Deadline wake = phase == Phase::kRunning ? deadline : phase_deadline;
+      if (held_ != 0 && phase == Phase::kRunning) wake = std::min(wake, next_held_look_);
       int timeout = std::min(MillisecondsUntil(wake), kMaxPollMs);
       if (need_fallback_poll) timeout = std::min(timeout, kFallbackPollMs);
       // EINTR needs nothing special: the next round computes its timeout
@@ -1538,10 +1557,23 @@ class WorkerGroup::Impl {
             if (IsPassedOn(signo)) {
               // A checkpoint request, say: to the workers while they run;
               // nothing else changes. Workers being stopped would not act
-              // on it: it is held for the next group (a restart).
+              // on it: it is held for the next group (a restart). One that
+              // comes within hold_signal_for of the group's start, while a
+              // worker has no handler for it yet, is held for this group's
+              // workers (PassOnHeldOnceCaught).
               if (phase == Phase::kRunning && RunningCount() > 0) {
-                g_held_passed_on.fetch_and(~PassedOnBit(signo), std::memory_order_relaxed);
-                held_from_before_ &= ~PassedOnBit(signo);
+                const int bit = PassedOnBit(signo);
+                g_held_passed_on.fetch_and(~bit, std::memory_order_relaxed);
+                if ((held_ & bit) != 0) continue;  // one held already: one is enough
+                if (Clock::now() < hold_until_ && !EveryRunningWorkerTakes(signo)) {
+                  held_ |= bit;
+                  next_held_look_ = Clock::now() + kHeldSignalLookEvery;
+                  if (options_.on_notice) {
+                    options_.on_notice("holding " + SignalName(signo) +
+                                       " until every worker has a handler for it: some have none yet");
+                  }
+                  continue;
+                }
                 PassOnToRunning(signo);
                 if (options_.on_notice) options_.on_notice("passed " + SignalName(signo) + " on to the workers");
               } else if (options_.on_notice) {
@@ -1902,7 +1934,13 @@ class WorkerGroup::Impl {
     // Held since a group before this one (they came while its workers
     // were stopping, or after its Wait): this group's workers get them once
     // they catch them (PassOnHeldOnceCaught).
-    held_from_before_ = g_held_passed_on.exchange(0, std::memory_order_relaxed);
+    held_ = g_held_passed_on.exchange(0, std::memory_order_relaxed);
+    const auto now = Clock::now();
+    hold_until_ = options_.hold_signal_for >= std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                  Deadline::max() - now)
+                      ? Deadline::max()
+                      : now + options_.hold_signal_for;
+    next_held_look_ = now;
     forwarding_ = true;
     return Status::Ok();
   }
@@ -2203,30 +2241,49 @@ class WorkerGroup::Impl {
 
   // As SignalRunning, for a signal that asks the workers for something
   // (kPassedOnSignals) rather than to end: a stopped worker is left stopped.
-  // A held SIGUSR1 or SIGUSR2 (held_from_before_) goes to the workers once
-  // every running one has a handler for it (or ignores it): sent at their
-  // start, before a program set its handler up, its default action would
-  // kill them. Looked at once a round of Wait's loop (a second at most).
+  // A held SIGUSR1 or SIGUSR2 (held_) goes to the workers once every
+  // running one has a handler for it (or ignores it): sent at their start,
+  // before a program set its handler up, its default action would kill
+  // them. Looked at once a second at most (kHeldSignalLookEvery); one still
+  // held hold_signal_for after the group's start is dropped, and on_notice
+  // is told. One the workers did not get before they ended goes back to
+  // the next group (~Impl).
   void PassOnHeldOnceCaught() {
     for (const int signo : kPassedOnSignals) {
       const int bit = PassedOnBit(signo);
-      if ((held_from_before_ & bit) == 0 || RunningCount() == 0) continue;
-      bool ready = true;
-      for (const Worker& w : workers_) ready = ready && (!w.running || TakesSignal(w.pid, signo));
-      if (!ready) continue;
-      held_from_before_ &= ~bit;
+      if ((held_ & bit) == 0 || RunningCount() == 0) continue;
+      if (!EveryRunningWorkerTakes(signo)) {
+        if (Clock::now() < hold_until_) continue;
+        held_ &= ~bit;
+        if (options_.on_notice) {
+          options_.on_notice("dropped " + SignalName(signo) + ": a worker had no handler for it " +
+                             std::to_string(options_.hold_signal_for.count()) +
+                             " ms after the workers' start (hold_signal_for), and its default action would "
+                             "end it");
+        }
+        continue;
+      }
+      held_ &= ~bit;
       PassOnToRunning(signo);
       if (options_.on_notice) {
         options_.on_notice("passed " + SignalName(signo) +
-                           " on to the workers (held since it came while no workers ran)");
+                           " on to the workers (held until each had a handler for it)");
       }
     }
+  }
+
+  bool EveryRunningWorkerTakes(int signo) const {
+    for (const Worker& w : workers_) {
+      if (w.running && !TakesSignal(w.pid, signo)) return false;
+    }
+    return true;
   }
 
   // Whether `pid` catches or ignores `signo` (SigCgt, SigIgn in
   // /proc/<pid>/status); true when that cannot be read (no /proc): then it
   // goes as it would have at once.
   static bool TakesSignal(pid_t pid, int signo) {
+    g_signal_handler_looks.fetch_add(1, std::memory_order_relaxed);
     std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/status").c_str(), "re");
     if (f == nullptr) return true;
     unsigned long long caught = 0, ignored = 0;
@@ -2848,9 +2905,12 @@ class WorkerGroup::Impl {
   bool ttou_ignored_ = false;
   struct sigaction ttou_old_ = {};
   bool forwarding_ = false;
-  // Of kPassedOnSignals (PassedOnBit), those held since before this group
-  // started, for its workers once they catch them.
-  int held_from_before_ = 0;
+  // Of kPassedOnSignals (PassedOnBit), those held for this group's workers
+  // until each catches them (PassOnHeldOnceCaught): from a group before
+  // this one, or come before a worker set its handler up.
+  int held_ = 0;
+  Deadline hold_until_{};  // held_ is dropped from then on (hold_signal_for)
+  Deadline next_held_look_{};  // when held_'s handlers are looked at next
   struct sigaction old_actions_[std::size(kForwardedSignals)] = {};
   bool installed_[std::size(kForwardedSignals)] = {};  // false: was ignored, left so
   struct sigaction passed_on_old_[std::size(kPassedOnSignals)] = {};

@@ -135,12 +135,22 @@ struct SpawnOptions {
   /// nor this process (on_notice is told). One that comes while the
   /// workers are being stopped, or after Wait's end while the group still
   /// exists, is held for the next group that forwards signals (a
-  /// launcher's restart), whose workers get it once each has a handler for
-  /// it (or ignores it), looked at every second: sent before, its default
-  /// action would kill them. Between two groups, while none exists, they
+  /// launcher's restart). Held, or come within hold_signal_for of the
+  /// group's start while a worker has no handler for it yet (a program
+  /// still starting), it goes to the workers once each has a handler for
+  /// it (or ignores it), looked at once a second: sent before, its default
+  /// action would kill them. One of each is held at most; one still held
+  /// hold_signal_for after the group's start is dropped (on_notice names
+  /// it), and one the group's workers did not get before they ended is
+  /// held for the next group. Between two groups, while none exists, they
   /// have this process's own disposition (by default they end it), unless
   /// CatchInterrupts holds them for the next group.
   bool forward_signals = true;
+  /// With forward_signals: how long after the group's start a SIGUSR1 or
+  /// SIGUSR2 is held for workers that have no handler for it yet (see
+  /// forward_signals); 0 or more (Start refuses others); 0 passes it on at
+  /// once; milliseconds::max() holds it until each worker has a handler.
+  std::chrono::milliseconds hold_signal_for{60000};
   /// With forward_signals: called on Wait's thread when the first SIGINT,
   /// SIGTERM, SIGHUP or SIGQUIT reaches this group (also one that arrives while the
   /// workers are being stopped for another reason), before it is passed on
@@ -386,6 +396,11 @@ void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause);
 /// them and the earlier handlers coming back, so that a test can send a
 /// signal into that moment.
 void SetForwardingEndStepForTesting(std::function<void()> step);
+
+/// For tests: how many times, in all, a group read a worker's signal
+/// handlers (/proc/<pid>/status) to decide whether a held SIGUSR1 or
+/// SIGUSR2 may go to it.
+int64_t SignalHandlerLooksForTesting();
 
 /// "SIGKILL", "SIGTERM", ..., "SIGRTMIN+3" or "signal 32".
 std::string SignalName(int signal);

@@ -760,10 +760,123 @@ TEST(SpawnTest, ASigusr1BetweenTwoGroupsReachesTheNextGroupsWorkers) {
   GroupResult result = (*next)->Wait(DeadlineIn(10s));
   EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
   for (const WorkerExit& w : result.workers) EXPECT_TRUE(w.ok()) << w.Describe() << " (3: no SIGUSR1 came)";
-  EXPECT_THAT(notices, ::testing::Contains("passed SIGUSR1 on to the workers (held since it came while no "
-                                           "workers ran)"));
+  EXPECT_THAT(notices, ::testing::Contains("passed SIGUSR1 on to the workers (held until each had a handler for "
+                                           "it)"));
   next->reset();
   ExpectNoChildrenLeft();
+}
+
+// As checkpoint_on_usr1, but sets its handler up only after $SLOW_MS ms
+// (a program that takes a while to start, as Python does).
+DDP_TEST_WORKER(late_checkpoint_on_usr1) {
+  static volatile sig_atomic_t asked = 0;
+  std::this_thread::sleep_for(std::chrono::milliseconds(EnvInt("SLOW_MS", 0)));
+  struct sigaction action = {};
+  action.sa_handler = [](int) { asked = 1; };
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGUSR1, &action, nullptr);
+  for (int i = 0; i < 3000 && !asked; ++i) std::this_thread::sleep_for(10ms);
+  return asked ? 0 : 3;
+}
+
+// Prints lines for $MS ms without a handler for SIGUSR1, then exits 0.
+DDP_TEST_WORKER(chatty_for) {
+  const std::string line(63, 'x');
+  const auto until = Clock::now() + std::chrono::milliseconds(EnvInt("MS", 0));
+  while (Clock::now() < until) std::printf("%s\n", line.c_str());
+  return 0;
+}
+
+// SIGUSR1 right after Start, before the workers set their handler up,
+// waits for it: sent at once, its default action killed them.
+TEST(SpawnTest, ASigusr1BeforeTheWorkersHaveAHandlerWaitsForIt) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  StatusOr<std::unique_ptr<WorkerGroup>> group =
+      WorkerGroup::Start(Specs(2, "late_checkpoint_on_usr1", {{"SLOW_MS", "1000"}}), options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_EQ(raise(SIGUSR1), 0);
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  for (const WorkerExit& w : result.workers) EXPECT_TRUE(w.ok()) << w.Describe() << " (3: no SIGUSR1 came)";
+  group->reset();
+  ExpectNoChildrenLeft();
+}
+
+// A held SIGUSR1 that the next group's workers did not get before they
+// ended (here: without a handler, they end at once) is held for the group
+// after; it was lost.
+TEST(SpawnTest, AHeldSigusr1ThatAGroupDidNotDeliverGoesToTheNext) {
+  SpawnOptions options = Quiet();
+  options.forward_signals = true;
+  StatusOr<std::unique_ptr<WorkerGroup>> first = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)->Wait(DeadlineIn(20s)).outcome, GroupOutcome::kSucceeded);
+  ASSERT_EQ(raise(SIGUSR1), 0);  // held for the next group
+  first->reset();
+
+  StatusOr<std::unique_ptr<WorkerGroup>> second = WorkerGroup::Start(Specs(2, "hello"), options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ((*second)->Wait(DeadlineIn(20s)).outcome, GroupOutcome::kSucceeded);
+  second->reset();
+
+  const std::string dir = TempDir("usr1_two_groups_on");
+  StatusOr<std::unique_ptr<WorkerGroup>> third =
+      WorkerGroup::Start(Specs(2, "checkpoint_on_usr1", {{"PID_DIR", dir}}), options);
+  ASSERT_TRUE(third.ok()) << third.status();
+  GroupResult result = (*third)->Wait(DeadlineIn(10s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  for (const WorkerExit& w : result.workers) EXPECT_TRUE(w.ok()) << w.Describe() << " (3: no SIGUSR1 came)";
+  third->reset();
+  ExpectNoChildrenLeft();
+}
+
+// A held SIGUSR1 whose workers never set a handler up is looked at once a
+// second, not at each output chunk, and dropped hold_signal_for after the
+// group's start (the workers live on); the workers' handlers were read at
+// every round of Wait's loop for as long as the group ran.
+TEST(SpawnTest, AHeldSigusr1IsLookedAtOnceASecondAndDroppedAtItsBound) {
+  SpawnOptions options = Quiet();
+  options.output.capture = false;  // read and thrown away: a wake per chunk
+  options.forward_signals = true;
+  options.hold_signal_for = 1500ms;
+  std::mutex mu;
+  std::vector<std::string> notices;
+  options.on_notice = [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(mu);
+    notices.push_back(line);
+  };
+  StatusOr<std::unique_ptr<WorkerGroup>> first = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)->Wait(DeadlineIn(20s)).outcome, GroupOutcome::kSucceeded);
+  ASSERT_EQ(raise(SIGUSR1), 0);  // held for the next group
+  first->reset();
+
+  const int64_t looks_before = SignalHandlerLooksForTesting();
+  const auto start = Clock::now();
+  StatusOr<std::unique_ptr<WorkerGroup>> next =
+      WorkerGroup::Start(Specs(2, "chatty_for", {{"MS", "3000"}}), options);
+  ASSERT_TRUE(next.ok()) << next.status();
+  GroupResult result = (*next)->Wait(DeadlineIn(30s));
+  const auto took = std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - start).count();
+  const int64_t looks = SignalHandlerLooksForTesting() - looks_before;
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  // Two workers, looked at once a second until the bound (1.5 s): a
+  // round at the start and one or two more.
+  EXPECT_LE(looks, 2 * (std::min<int64_t>(took, 2) + 2)) << "in " << took << " s";
+  EXPECT_THAT(notices, ::testing::Contains("dropped SIGUSR1: a worker had no handler for it 1500 ms after the "
+                                           "workers' start (hold_signal_for), and its default action would "
+                                           "end it"));
+  next->reset();
+  ExpectNoChildrenLeft();
+
+  options.hold_signal_for = -1ms;
+  next = WorkerGroup::Start(Specs(1, "hello"), options);
+  ASSERT_FALSE(next.ok());
+  EXPECT_EQ(next.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(next.status().message(),
+            "the time a SIGUSR1 or SIGUSR2 is held for workers without a handler (hold_signal_for) is -1 ms; "
+            "it must be 0 or more");
 }
 
 // A worker that ends while the others run is reaped at once, as torchrun
