@@ -295,20 +295,29 @@ struct ExecWatchResult {
 // Runs on a thread of its own while the spawning thread is held in vfork
 // (which returns only once the child has exec'd or died): reads the report
 // pipe `fd` until end-of-file (the child exec'd or died, and the parent
-// closed its write end), or until `deadline`, when it kills the child
-// (SIGKILL), which lets vfork return. The pid is the child's first word;
-// it is this process's unreaped child while the parent waits in vfork, so
-// the pid names no one else. A child that has not even written its pid by
-// then (stopped before its first step) gets as long again to do so.
-ExecWatchResult WatchExec(int fd, Deadline deadline, std::chrono::milliseconds timeout) {
+// closed its write end), until `done` (an eventfd; -1: none) is readable
+// (vfork returned: what the child wrote is in the pipe, whoever else holds
+// a copy of its write end, such as a child another thread forked
+// meanwhile), or until `deadline`, when it kills the child (SIGKILL), which
+// lets vfork return. The pid is the child's first word; it is this
+// process's unreaped child while the parent waits in vfork, so the pid
+// names no one else. A child that has not even written its pid by then
+// (stopped before its first step) gets as long again to do so.
+ExecWatchResult WatchExec(int fd, int done, Deadline deadline, std::chrono::milliseconds timeout) {
   ExecWatchResult result;
   Deadline until = deadline;
   bool extended = false;
+  bool draining = false;  // vfork returned: take what is there, and end
   while (true) {
-    pollfd p{fd, POLLIN, 0};
-    const int ready = poll(&p, 1, MillisecondsUntil(until));
+    pollfd p[2] = {{fd, POLLIN, 0}, {done, POLLIN, 0}};
+    const int ready = poll(p, draining || done < 0 ? 1 : 2, draining ? 0 : MillisecondsUntil(until));
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) return result;  // cannot watch: vfork's own wait stands
+    if (draining && (p[0].revents & (POLLIN | POLLHUP)) == 0) return result;
+    if (!draining && (p[1].revents & POLLIN) != 0) {
+      draining = true;
+      continue;
+    }
     // poll's timeout is clamped to INT_MAX ms (MillisecondsUntil): a
     // longer exec_timeout (milliseconds::max(): none) is not over yet.
     if (ready == 0 && Clock::now() < until) continue;
@@ -2120,9 +2129,13 @@ class WorkerGroup::Impl {
     // them) could not start the worker either: the same shortage.
     ExecWatchResult watched;
     std::thread watch;
+    // Told when vfork returned (without one, the watch waits for the end of
+    // the pipe as well).
+    Fd vfork_returned(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     try {
-      watch = std::thread([&watched, fd = report_read.get(), timeout = options_.exec_timeout] {
-        watched = WatchExec(fd, DeadlineIn(timeout), timeout);
+      watch = std::thread([&watched, fd = report_read.get(), done = vfork_returned.get(),
+                           timeout = options_.exec_timeout] {
+        watched = WatchExec(fd, done, DeadlineIn(timeout), timeout);
       });
     } catch (const std::system_error& e) {
       const int err = e.code().value();
@@ -2151,6 +2164,11 @@ class WorkerGroup::Impl {
     // Our write end closed, the watch ends at the child's exec or death
     // (or at once, without a child).
     report_write.Reset();
+    if (vfork_returned.valid()) {
+      const uint64_t one = 1;
+      ssize_t put = write(vfork_returned.get(), &one, sizeof(one));
+      (void)put;
+    }
     watch.join();
     if (pid < 0) {
       const std::string text = "cannot start rank " + std::to_string(spec.rank) + ": vfork: " + ErrnoText(vfork_errno);
@@ -2161,7 +2179,9 @@ class WorkerGroup::Impl {
     w.exit.rank = w.rank;
     w.exit.pid = pid;
     ChildFailure failure;
-    const bool step_failed = !watched.timed_out && watched.bytes.size() >= sizeof(pid_t) + sizeof(failure);
+    // A child's own report of a failed step wins over the deadline that
+    // came as it failed.
+    const bool step_failed = watched.bytes.size() >= sizeof(pid_t) + sizeof(failure);
     if (step_failed) std::memcpy(&failure, watched.bytes.data() + sizeof(pid_t), sizeof(failure));
     if (step_failed || watched.timed_out) {
       // A first worker that took the terminal before its exec failed: back
@@ -2181,7 +2201,7 @@ class WorkerGroup::Impl {
       w.running = false;
       w.exit.exited = true;
       w.exit.code = 127;
-      if (watched.timed_out) {
+      if (!step_failed) {
         return TimedOutError("cannot start rank " + std::to_string(spec.rank) + ": exec '" + spec.program +
                              "' did not finish within " + std::to_string(options_.exec_timeout.count()) +
                              " ms (a file system that does not answer, such as a hung network mount, or a "

@@ -2784,7 +2784,8 @@ TEST(SpawnTest, AnExecThatDoesNotFinishIsKilledAtItsDeadline) {
   std::vector<WorkerSpec> specs = Specs(3, "sleeper");
   specs[1].program = program;
   SpawnOptions options = Quiet();
-  options.exec_timeout = 500ms;
+  // Long enough for the healthy ranks' exec on a loaded host too.
+  options.exec_timeout = 3000ms;
   const auto start = Clock::now();
   StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(specs, options);
   const auto took = Clock::now() - start;
@@ -2794,7 +2795,7 @@ TEST(SpawnTest, AnExecThatDoesNotFinishIsKilledAtItsDeadline) {
   EXPECT_EQ(group.status().code(), StatusCode::kTimedOut) << group.status();
   EXPECT_EQ(group.status().message(),
             "cannot start rank 1: exec '" + program +
-                "' did not finish within 500 ms (a file system that does not answer, such as a hung network "
+                "' did not finish within 3000 ms (a file system that does not answer, such as a hung network "
                 "mount, or a lease or delegation held on the file), so it was killed");
   EXPECT_LT(took, 10s);
   ExpectNoChildrenLeft();
@@ -2805,6 +2806,39 @@ TEST(SpawnTest, AnExecThatDoesNotFinishIsKilledAtItsDeadline) {
   EXPECT_EQ(group.status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(group.status().message(),
             "the time a worker may take to exec (exec_timeout) is 0 ms; it must be more than 0");
+}
+
+// A child that another thread of the launcher forks while a worker starts
+// holds a copy of the worker's exec report pipe: the watch of the exec
+// ends when vfork returns, not when that copy closes; it waited for it
+// and, at exec_timeout, killed the worker that had exec'd and failed Start
+// as TIMED_OUT.
+TEST(SpawnTest, AForkByAnotherThreadDoesNotHoldTheExecWatch) {
+  std::atomic<bool> starting{true};
+  std::vector<pid_t> forked;
+  std::thread forker([&] {
+    while (starting.load()) {
+      const pid_t child = fork();
+      if (child == 0) {
+        usleep(2500 * 1000);  // holds whatever pipes were open at the fork
+        _exit(0);
+      }
+      if (child > 0) forked.push_back(child);
+      std::this_thread::sleep_for(200us);
+    }
+  });
+  SpawnOptions options = Quiet();
+  options.exec_timeout = 1000ms;
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(8, "hello"), options);
+  starting.store(false);
+  forker.join();
+  for (const pid_t child : forked) kill(child, SIGKILL);
+  for (const pid_t child : forked) ReapWithin(child, 10s);
+  ASSERT_TRUE(group.ok()) << group.status() << " (" << forked.size() << " children forked meanwhile)";
+  GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  EXPECT_EQ(result.outcome, GroupOutcome::kSucceeded) << result.reason;
+  group->reset();
+  ExpectNoChildrenLeft();
 }
 
 // The tasks (processes and threads, as RLIMIT_NPROC counts them) whose
