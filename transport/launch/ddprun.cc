@@ -264,6 +264,9 @@ and with no TORCH_NCCL_ASYNC_ERROR_HANDLING set, TORCH_NCCL_ASYNC_ERROR_HANDLING
                        torchrun's; its --shutdown_timeout, PET_SHUTDOWN_TIMEOUT
                        and TORCH_ELASTIC_SHUTDOWN_TIMEOUT set it too)
   --max_run_time=SEC   stop the workers after this long (default: no limit)
+  --exec_timeout=SEC   how long one worker's exec may take (default 60): one
+                       not done by then (a file system that does not answer)
+                       is killed and the start fails
 
   --role=NAME          the workers' ROLE_NAME (default: default)
   --virtual_local_rank each worker gets LOCAL_RANK=0 and one device as
@@ -416,7 +419,8 @@ constexpr PetFlag kPetFlags[] = {
 // ddprun's own flags, and torchrun's that have no `env` action
 // (--logs_specs, --numa_binding): no PET_ variable sets them.
 constexpr const char* kOwnFlags[] = {"no_prefix",    "job_token",    "rdzv_timeout", "node_timeout",
-                                     "grace_period", "max_run_time", "logs_specs",   "numa_binding"};
+                                     "grace_period", "max_run_time", "logs_specs",   "numa_binding",
+                                     "exec_timeout"};
 
 // argparse, torchrun's parser, takes any unique start of a long flag's name
 // (`--nproc=4`, `--max_restart 3`, `--standalon`, `--he` for --help); so
@@ -1002,6 +1006,8 @@ StatusOr<DdprunOptions> ParseWithPetDefaults(int argc, const char* const* argv, 
         grace_given = true;
       } else if (name == "max_run_time") {
         DDP_RETURN_IF_ERROR(take_seconds(o.max_run_time, /*positive=*/false));
+      } else if (name == "exec_timeout") {
+        DDP_RETURN_IF_ERROR(take_seconds(o.exec_timeout, /*positive=*/true));
       } else {
         return InvalidArgumentError("unknown flag --" + name + " (see ddprun --help)");
       }
@@ -2907,6 +2913,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     }
     SpawnOptions spawn;
     spawn.grace = o.grace;
+    spawn.exec_timeout = o.exec_timeout;
     // As under torchrun, whose workers share its process group: a worker
     // may read the terminal (pdb, input()) when ddprun runs in its
     // foreground; Ctrl-C there still stops the job, Ctrl-Z stops it as a

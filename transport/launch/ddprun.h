@@ -128,6 +128,9 @@ struct DdprunOptions {
   std::chrono::milliseconds node_timeout{30000};   ///< Heartbeat silence = dead node.
   std::chrono::milliseconds grace{30000};          ///< SIGTERM -> SIGKILL; 30 s, torchrun's.
   std::chrono::milliseconds max_run_time{0};       ///< Per attempt; 0: no limit.
+  /// --exec_timeout: how long one worker's exec may take (SpawnOptions::
+  /// exec_timeout); more than 0.
+  std::chrono::milliseconds exec_timeout{60000};
   /// Deadline of one bookkeeping call on the store (torchrun's
   /// --rdzv_conf=read_timeout); at most --node_timeout counts.
   std::chrono::milliseconds store_call_time{10000};

@@ -936,6 +936,14 @@ TEST(DdprunArgsTest, TimeValuesTakeWhatTorchrunsIntAndFloatTake) {
   }
   ExpectRefused({"--shutdown_timeout=-5", "p"}, "--shutdown_timeout=-5 is not a number of seconds");
   ExpectRefused({"--grace_period=1__0", "p"}, "--grace_period=1__0 is not a number of seconds");
+  // How long an exec may take (SpawnOptions::exec_timeout): 60 s unless given.
+  o = Parse({"p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->exec_timeout, 60000ms);
+  o = Parse({"--exec_timeout=300", "p"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->exec_timeout, 300000ms);
+  ExpectRefused({"--exec_timeout=0", "p"}, "--exec_timeout=0 is not a positive number of seconds");
   ExpectRefused({"--rdzv_timeout=-0", "p"}, "--rdzv_timeout=-0 is not a positive number of seconds");
   ExpectRefused({"--rdzv_timeout=1_000_000_001", "p"}, "--rdzv_timeout=1_000_000_001 is more than 1000000000 seconds");
   ExpectRefused({"--node_timeout=99999999999999999999", "p"},

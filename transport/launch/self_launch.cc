@@ -246,6 +246,7 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
     }
     SpawnOptions spawn;
     spawn.grace = options.grace;
+    spawn.exec_timeout = options.exec_timeout;
     spawn.output.prefix = n > 1 && options.prefix_output;
     spawn.on_notice = [program](const std::string& line) {
       WriteLauncherLine(std::string(program) + ": " + line + "\n");

@@ -47,6 +47,10 @@ struct SelfLaunchOptions {
   /// job for a stuck rank; one that saves on SIGTERM sets its own
   /// (examples/train_main.cc: 30 s plus its save timeouts).
   std::chrono::milliseconds grace{5000};
+  /// How long one worker's exec may take (SpawnOptions::exec_timeout): one
+  /// not done by then (its file on a network file system that does not
+  /// answer) is killed and the start fails TIMED_OUT. More than 0.
+  std::chrono::milliseconds exec_timeout{60000};
   /// Stop the workers when they run longer than this; zero: no limit (the
   /// launcher still wakes for every worker exit and every signal).
   std::chrono::milliseconds max_run_time{0};

@@ -103,6 +103,17 @@ TEST(SelfLaunchTest, WorkerFailureGivesItsExitCodeAndNamesTheRank) {
 // Rank 1 fails on the first two attempts: the launcher restarts every
 // worker twice, with DDP_RESTART_COUNT counting, and the third attempt
 // meets through the store (fresh keys) and succeeds.
+// SelfLaunchOptions::exec_timeout reaches the workers' start: 0 is
+// refused there, naming it (it was not passed on: the 60 s default stood).
+TEST(SelfLaunchTest, ExecTimeoutReachesTheStart) {
+  auto run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_exec_timeout_ms=0"});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("the time a worker may take to exec (exec_timeout) is 0 ms; it must be more "
+                                    "than 0"));
+  run = RunProgram({Worker(), "--nproc_per_node=2", "--self_launch_exec_timeout_ms=30000"});
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+}
+
 // Workers stopped at SelfLaunchOptions::max_run_time: the line names it,
 // not only "the deadline", and the job does not restart.
 TEST(SelfLaunchTest, MaxRunTimeIsNamedWhenItStopsTheWorkers) {

@@ -17,6 +17,7 @@
 //   --self_launch_restarts=K  self-launch with SelfLaunchOptions::max_restarts = K
 //   --self_launch_max_run_time_ms=N  self-launch with SelfLaunchOptions::max_run_time = N ms
 //   --self_launch_grace_ms=N  self-launch with SelfLaunchOptions::grace = N ms
+//   --self_launch_exec_timeout_ms=N  self-launch with SelfLaunchOptions::exec_timeout = N ms
 //   --exit_when_peer_gone with --pid_dir: once every rank of this attempt
 //                         wrote its pid, exit 3 as soon as another rank's
 //                         process is gone (what a real worker does when a
@@ -115,6 +116,7 @@ std::string ParseFlags(int argc, char** argv, Flags& f) {
     else if (value("--self_launch_restarts")) continue;  // read by main
     else if (value("--self_launch_max_run_time_ms")) continue;  // read by main
     else if (value("--self_launch_grace_ms")) continue;  // read by main
+    else if (value("--self_launch_exec_timeout_ms")) continue;  // read by main
     else return "unknown argument " + std::string(arg);
   }
   return "";
@@ -308,6 +310,10 @@ int main(int argc, char** argv) {
     const std::string_view grace = "--self_launch_grace_ms=";
     if (arg.substr(0, grace.size()) == grace) {
       self_launch.grace = std::chrono::milliseconds(std::atoi(argv[i] + grace.size()));
+    }
+    const std::string_view exec_timeout = "--self_launch_exec_timeout_ms=";
+    if (arg.substr(0, exec_timeout.size()) == exec_timeout) {
+      self_launch.exec_timeout = std::chrono::milliseconds(std::atoi(argv[i] + exec_timeout.size()));
     }
   }
   // The launcher refuses an unknown argument once, before any worker starts.
