@@ -90,8 +90,12 @@ struct SelfLaunchResult {
 /// a bad N, a malformed launch environment, or an N given under a launcher
 /// that differs from its local world size (naming both and the variables),
 /// before anything starts. While a launcher runs workers it catches SIGINT,
-/// SIGTERM, SIGHUP and SIGQUIT (CatchInterrupts), and puts the handlers it
-/// found back before it returns.
+/// SIGTERM, SIGHUP and SIGQUIT (CatchInterrupts: forwarded to the workers,
+/// they stop the job), and SIGUSR1 and SIGUSR2 (passed on to the workers
+/// without stopping them; one that comes between two attempts, or before a
+/// worker has set its handler up, is held for the workers, see
+/// SpawnOptions::forward_signals), and puts the handlers it found back
+/// before it returns.
 StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv,
                                       const SelfLaunchOptions& options = {});
 
