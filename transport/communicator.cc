@@ -674,13 +674,13 @@ class Communicator::Impl {
       Abort(reason, std::nullopt).IgnoreError();
       return;
     }
-    if (store_ == nullptr) return;
+    if (store_ == nullptr || fails_alone_) return;
     // Only where no reason is yet, in one call (as PeerMonitor::PostAbort):
     // ranks that fail creation together must not overwrite each other's.
-    store_->CompareSet(prefix_ + "abort", std::nullopt, fault::PeerMonitor::EncodeAbort(options_.rank, reason),
-                       DeadlineIn(options_.abort_store_time))
-        .status()
-        .IgnoreError();
+    abort_posted_ = store_->CompareSet(prefix_ + "abort", std::nullopt,
+                                       fault::PeerMonitor::EncodeAbort(options_.rank, reason),
+                                       DeadlineIn(options_.abort_store_time))
+                        .ok();
   }
 
   // This thread is inside a call of this communicator, holding run_mu_:
@@ -1151,10 +1151,21 @@ class Communicator::Impl {
   // Init failed (PostCreationFailure): Shutdown, which the failing Create
   // or Split runs before it returns, keeps to the creation deadline.
   bool creation_failed_ = false;
-  // Init found this rank claimed by another process (the job's member):
-  // Shutdown marks nothing as this rank's leaving, which would count that
-  // member as left.
-  bool rank_taken_ = false;
+  // Init found this process no member: its rank claimed by another process
+  // (the job's member), or outside [0, world_size). Shutdown marks nothing
+  // as this rank's leaving, which would count a member as left (and let the
+  // rank serving the store stop it under a member still there).
+  bool not_a_member_ = false;
+  // Init found every member's rank claimed while this process had a rank
+  // outside the job (one process more than world_size): the job forms
+  // without it, so its failure is not posted as the job's abort.
+  bool fails_alone_ = false;
+  // PostCreationFailure found the job's abort reason in the store (this
+  // rank's or an earlier one): a member arriving late reads it at once, so
+  // the rank serving the store keeps it up for late members only as long
+  // as after an abort (a member that never comes, as rank 1 when a process
+  // was given rank 7 in its place, held it to the creation deadline).
+  bool abort_posted_ = false;
   std::string prefix_;
   topology::Topology topology_;  // for algorithm choice (file or discovered)
   topology::Topology real_topology_;  // as discovered
@@ -1303,6 +1314,12 @@ class Communicator::Impl {
 // options: Init) tries to reach the store to post it for the others before
 // it names it and gives up; a bad timeout's creation deadline.
 constexpr std::chrono::milliseconds kEnvironmentReportTime(5000);
+// How long a process given a rank outside the job waits for every member
+// to claim its rank (Init) before it takes the job for one that cannot
+// form without it and posts its failure as the job's abort. Processes
+// launched together reach the store within it on a loaded host; short
+// enough that the others still learn an off-by-one RANK within moments.
+constexpr std::chrono::milliseconds kMembersClaimWait(1000);
 
 // The DDP_* variables that adjust options_ and shm_env_.
 Status Communicator::Impl::ReadEnvironment() {
@@ -1469,6 +1486,26 @@ Status Communicator::Impl::Init() {
     store_ = std::move(*connected);
   }
   setup_store_ = std::make_unique<internal::WatchfulStore>(*store_, prefix_ + "abort");
+  if (!CheckRank(o.rank, "rank").ok()) {
+    // No member of the job. When every rank of it has claimed its place
+    // (Create's claim, below) within kMembersClaimWait, the job forms
+    // without this process (one launched more than world_size) and it
+    // fails alone: posted as the abort, its failure ended a job that was
+    // fine. Otherwise a member is missing too (RANK off by one on every
+    // host), and the others, waiting for that member until their timeout,
+    // learn this rank's reason at once (PostCreationFailure).
+    not_a_member_ = true;
+    std::vector<std::string> claims;
+    claims.reserve(static_cast<size_t>(o.world_size));
+    for (int r = 0; r < o.world_size; ++r) claims.push_back(prefix_ + "claimed/" + std::to_string(r));
+    if (store_->Wait(claims, std::min(deadline, DeadlineIn(kMembersClaimWait))).ok()) {
+      fails_alone_ = true;
+      return Status(environment.code(),
+                    environment.message() + "; ranks 0 to " + std::to_string(o.world_size - 1) +
+                        " have all taken their places, so this process fails alone and the job goes on "
+                        "(was one process more than WORLD_SIZE launched?)");
+    }
+  }
   DDP_RETURN_IF_ERROR(environment);
   // Two processes given one rank (RANK set wrongly on one host) overwrote
   // each other's keys below: two of them made the communicator, and the
@@ -1484,7 +1521,7 @@ Status Communicator::Impl::Init() {
       const std::string other = claimant ? claimant->substr(std::min(claimant->find(' ') + 1, claimant->size()))
                                          : std::string("unknown");
       const std::string mine = me.substr(me.find(' ') + 1);
-      rank_taken_ = true;
+      not_a_member_ = true;
       return InvalidArgumentError("two processes were given rank " + std::to_string(o.rank) + ": " + other +
                                   " took it first, then " + mine + " (check RANK on each host)");
     }
@@ -2022,10 +2059,10 @@ void Communicator::Impl::Shutdown() {
     // launcher's store keeps keys for good): marked before the count, so
     // that a rank counted as left has its mark unless the store failed it
     // in between.
-    if (store_rank_ != -1 && !rank_taken_) {
+    if (store_rank_ != -1 && !not_a_member_) {
       store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
     }
-    auto left = rank_taken_ ? StatusOr<int64_t>(UnavailableError("not a member"))
+    auto left = not_a_member_ ? StatusOr<int64_t>(UnavailableError("not a member"))
                             : store_->Add(prefix_ + "left", 1, leave_by);
     // The last communicator here to hold the server waits for the ranks of
     // every communicator using it (those split off included).
@@ -2041,6 +2078,9 @@ void Communicator::Impl::Shutdown() {
       // the creation deadline, which Create or Split keeps to.
       Deadline wait_until = aborted() ? std::min(deadline, DeadlineIn(kAbortedStoreTimeForLatePeers)) : deadline;
       if (creation_failed_ && creation_deadline_) wait_until = std::min(wait_until, *creation_deadline_);
+      if (creation_failed_ && abort_posted_) {
+        wait_until = std::min(wait_until, DeadlineIn(kAbortedStoreTimeForLatePeers));
+      }
       // Past this, the communicator's own ranks are waited for only while
       // one not yet left may be alive: from the start when it was not
       // aborted (a rank that crashed after this one's last call never

@@ -2272,6 +2272,62 @@ int ScenarioTwoProcessesGivenOneRank() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// Three processes launched for a job of two, the third with rank 2: ranks
+// 0 and 1 make the communicator, the third then fails alone within
+// moments, naming its rank, and the job goes on (an all-reduce after its
+// failure) with no abort posted and the store's count of ranks that left
+// untouched. Before, the third posted its failure as the job's abort
+// (which fails the others at their next look at it) and counted itself as
+// a rank that left.
+int ScenarioOneProcessMoreThanTheWorld() {
+  CommunicatorOptions options = WorkerOptions();
+  const int process = std::atoi(EnvOr("RANK", "0").c_str());
+  options.rank = process;
+  options.world_size = 2;
+  options.local_rank = std::min(process, 1);
+  options.local_world_size = 2;
+  options.store_port = std::atoi(EnvOr("MASTER_PORT", "0").c_str());
+  options.job_token = EnvOr("DDP_JOB_TOKEN");
+  options.timeout = milliseconds(10000);
+  const std::string who = "process " + std::to_string(process);
+  if (process == 2) {
+    WORKER_CHECK(AwaitMark("made0", milliseconds(20000)) && AwaitMark("made1", milliseconds(20000)),
+                 "the others did not make the communicator");
+    const auto start = Clock::now();
+    {
+      auto comm = Communicator::Create(options);
+      const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+      std::printf("%s: create in %lld ms: %s\n", who.c_str(), took_ms, comm.status().ToString().c_str());
+      WORKER_CHECK(!comm.ok() && comm.status().message().find("rank 2 is outside a world of size 2") !=
+                                     std::string::npos &&
+                       comm.status().message().find("fails alone") != std::string::npos,
+                   who + ": " + comm.status().ToString());
+      WORKER_CHECK(took_ms < 5000, who + " took " + std::to_string(took_ms) + " ms");
+    }
+    auto store = ConnectToTheJobsStore();
+    WORKER_CHECK(store.ok(), "store: " + store.status().ToString());
+    if (store.ok()) {
+      auto left = (*store)->Add("default/left", 0, DeadlineIn(milliseconds(5000)));
+      WORKER_CHECK(left.ok() && *left == 0, "ranks counted as left: " +
+                                                (left.ok() ? std::to_string(*left) : left.status().ToString()));
+      auto abort = (*store)->TryGet("default/abort", DeadlineIn(milliseconds(5000)));
+      WORKER_CHECK(abort.ok() && !abort->has_value(),
+                   "the job's abort: " + (!abort.ok() ? abort.status().ToString() : abort->value_or("none")));
+    }
+    SetMark("refused");
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  auto comm = Communicator::Create(options);
+  WORKER_CHECK(comm.ok(), who + ": " + comm.status().ToString());
+  if (!comm.ok()) return 1;
+  SetMark("made" + std::to_string(process));
+  WORKER_CHECK(AwaitMark("refused", milliseconds(30000)), "process 2 never tried");
+  float value = 1;
+  const Status s = (*comm)->AllReduce(&value, 1, DataType::kF32, ReduceOp::kSum, {.timeout = milliseconds(5000)});
+  WORKER_CHECK(s.ok() && value == 2, who + ": all-reduce: " + s.ToString() + " " + std::to_string(value));
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // Rank 1 first passes options refused before the store (world_size 0),
 // then corrected ones, while rank 0 creates once: the refused attempt does
 // not count as a communicator of that name, so rank 1's second one takes
@@ -3207,6 +3263,7 @@ int RunScenario(const std::string& name) {
   if (name == "bad_local_world_on_one_rank") return ScenarioBadLocalWorldOnOneRank();
   if (name == "bad_option_on_one_rank") return ScenarioBadOptionOnOneRank();
   if (name == "two_processes_given_one_rank") return ScenarioTwoProcessesGivenOneRank();
+  if (name == "one_process_more_than_the_world") return ScenarioOneProcessMoreThanTheWorld();
   if (name == "retry_after_refused_options") return ScenarioRetryAfterRefusedOptions();
   if (name == "late_peer_after_store_abort") return ScenarioLatePeerAfterTheStoreRanksAbort();
   if (name == "late_peer_after_store_stopped") return ScenarioPeerAfterTheStoreRanksAbortOutlivedTheStore();
@@ -3432,6 +3489,11 @@ TEST(CommunicatorCreate, ACreationRefusedBeforeTheStoreDoesNotCountTheName) {
 TEST(CommunicatorCreate, ALateSecondProcessGivenOneRankFailsAndAbortsTheJobNamingIt) {
   Job job = RunJob(3, "two_processes_given_one_rank", {});
   EXPECT_TRUE(EveryRankPassed(job));
+}
+
+TEST(CommunicatorCreate, OneProcessMoreThanTheWorldFailsAloneAndTheJobGoesOn) {
+  Job job = RunJob(3, "one_process_more_than_the_world", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(CommunicatorCreate, OneRankWithDefaultOptionsNeedsNoStorePort) {
