@@ -121,6 +121,11 @@ constexpr int kMostRanks = 1 << (64 - p2p::kTagBits - 2);
 // name and a part of its own, the longest "/shm-host<rank>/segment/mapped/
 // <rank>" at under 48 bytes.
 constexpr size_t kMostNameBytes = store::kMaxKeyBytes - 64;
+// The longest name Create takes: 64 bytes fewer, left for what the keys'
+// name gains later, "#<n>" for a name made again and "/split<n>/<color>"
+// per Split (a 955-byte name was taken, then every Split failed naming a
+// length the user never passed).
+constexpr size_t kMostCreateNameBytes = kMostNameBytes - 64;
 
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
@@ -3380,6 +3385,14 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorO
                                                 ": creating a communicator"));
   // Refused here, the name is not counted: this rank's next, corrected
   // creation must take the keys the others are still waiting on.
+  if (options.name.size() > kMostCreateNameBytes) {
+    return InvalidArgumentError("rank " + std::to_string(options.rank) + ": creating the communicator: name of " +
+                                std::to_string(options.name.size()) + " bytes is longer than " +
+                                std::to_string(kMostCreateNameBytes) + ", the most a communicator's name may have "
+                                "(the store's keys leave " + std::to_string(kMostNameBytes) +
+                                " bytes, 64 of them kept for the suffixes of Splits and of names made again: \"" +
+                                options.name.substr(0, 32) + "...\")");
+  }
   if (Status refused = CheckStoreOptions(options); !refused.ok()) {
     return Status(refused.code(),
                   "rank " + std::to_string(options.rank) + ": creating the communicator: " + refused.message());
@@ -3475,6 +3488,21 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
                                   std::to_string(all[2 * r]) +
                                   ", negative (kNoColor, -1, joins no group)");
     }
+  }
+  // The longest new name, alike on every rank (colors are exchanged):
+  // past the store's keys, every rank refuses the split here, naming its
+  // cause, instead of each child failing on the name it was given.
+  int64_t top_color = 0;
+  for (int r = 0; r < size(); ++r) top_color = std::max(top_color, all[2 * r]);
+  if (const std::string longest = impl_->key_name_ + "/split" + std::to_string(impl_->splits_) + "/" +
+                                  std::to_string(top_color);
+      longest.size() > kMostNameBytes) {
+    return InvalidArgumentError("split: the new communicator's name \"<this name>" +
+                                longest.substr(impl_->key_name_.size()) + "\" would have " +
+                                std::to_string(longest.size()) + " bytes, more than the " +
+                                std::to_string(kMostNameBytes) + " the store's keys leave: this communicator's " +
+                                "name has " + std::to_string(impl_->key_name_.size()) +
+                                " bytes (splits of splits add to it; give Create a shorter name)");
   }
   const uint64_t split = impl_->splits_++;  // the same on every rank
   auto child_name = [&](int64_t c) {

@@ -87,7 +87,9 @@ struct CommunicatorOptions {
   /// "name#2", ...): every rank must make its communicators in the same
   /// order, as creation is collective anyway (a Create refused for its
   /// world_size, name or store_port, before the store, does not count).
-  /// No newline in it; at most 960 bytes (the store's keys start with it).
+  /// No newline in it; at most 896 bytes: the store's keys start with it,
+  /// and leave 960 bytes for it with what "#<n>" and each Split's
+  /// "/split<n>/<color>" add (a Split past that is refused, naming it).
   std::string name = "default";
 
   /// Deadline of every call that does not pass its own, and of creation.

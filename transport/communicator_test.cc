@@ -3432,9 +3432,49 @@ TEST(CommunicatorCreate, ANameTooLongForTheStoresKeysIsRefused) {
   const auto took = Clock::now() - start;
   ASSERT_FALSE(comm.ok());
   EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument) << comm.status();
-  EXPECT_NE(comm.status().message().find("name of 2000 bytes is longer than 960"), std::string::npos)
+  EXPECT_NE(comm.status().message().find("name of 2000 bytes is longer than 896"), std::string::npos)
       << comm.status();
   EXPECT_LT(took, milliseconds(1000)) << comm.status();
+}
+
+// A name that leaves no room for a Split's suffix in the store's keys is
+// refused by Create, naming its length; one that does splits, and a split
+// past the keys' room is refused naming its own name's length and the
+// suffix. Before, a 955-byte name was taken and every Split then failed
+// with "name of 964 bytes is longer than 960", a name never passed.
+TEST(CommunicatorCreate, ANameLeavesRoomForSplitsOrIsRefused) {
+  CommunicatorOptions options;
+  options.name = std::string(955, 'n');
+  options.timeout = milliseconds(10000);
+  auto refused = Communicator::Create(options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("name of 955 bytes is longer than 896"), std::string::npos)
+      << refused.status();
+
+  options.name = std::string(896, 'n');
+  auto comm = Communicator::Create(options);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  std::vector<std::unique_ptr<Communicator>> chain;
+  Communicator* parent = comm->get();
+  for (int level = 0; level < 8; ++level) {
+    auto child = parent->Split(0, 0);
+    if (!child.ok()) {
+      ASSERT_GE(level, 1) << "the first split of a name Create took: " << child.status();
+      EXPECT_EQ(child.status().code(), StatusCode::kInvalidArgument) << child.status();
+      EXPECT_NE(child.status().message().find("split: the new communicator's name \"<this name>/split0/0\""),
+                std::string::npos)
+          << child.status();
+      EXPECT_NE(child.status().message().find("this communicator's name has " +
+                                              std::to_string(896 + 9 * level) +
+                                              " bytes"),
+                std::string::npos)
+          << child.status();
+      break;
+    }
+    ASSERT_LT(level, 7) << "no split was refused";
+    chain.push_back(std::move(*child));
+    parent = chain.back().get();
+  }
 }
 
 // More ranks on this host than in the job is refused at once, naming both.
