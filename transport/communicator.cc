@@ -254,14 +254,39 @@ std::vector<uint64_t> StartTimes(const std::vector<int>& pids) {
   return starts;
 }
 
+}  // namespace
+
+namespace internal {
+
+uint64_t ClaimNonce(const std::string& entropy_source) {
+  try {
+    std::random_device entropy(entropy_source);
+    return (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
+  } catch (const std::exception&) {
+    // No entropy source (getrandom refused and no /dev/urandom, as in a
+    // bare chroot): thrown out of Create, this left the other ranks
+    // waiting out their timeout. The pid, the process's address space
+    // layout and two clocks tell this process from another as well.
+    static const int here = 0;
+    uint64_t mix = static_cast<uint64_t>(getpid()) << 32;
+    mix ^= static_cast<uint64_t>(reinterpret_cast<uintptr_t>(&here));
+    mix ^= static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) * 0x9E3779B97F4A7C15ULL;
+    mix ^= static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+    return mix;
+  }
+}
+
+}  // namespace internal
+
+namespace {
+
 // This process as a rank's claimant in the store (Init): a number drawn
 // once per process, so that a creation this process tries again finds its
 // own claim, then its pid and host for the message that names a second
 // claimant.
 const std::string& ClaimantName() {
   static const std::string* name = [] {
-    std::random_device entropy;
-    const uint64_t nonce = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
+    const uint64_t nonce = internal::ClaimNonce("default");
     char host[256] = {};
     if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
     return new std::string(std::to_string(nonce) + " pid " + std::to_string(getpid()) + " on host " + host);

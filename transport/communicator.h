@@ -554,6 +554,13 @@ class Communicator {
   std::unique_ptr<Impl> impl_;
 };
 
+namespace internal {
+/// The number a process claims its rank with (Create): drawn from
+/// `entropy_source` (std::random_device's token), or, where that source is
+/// missing, made of the pid, an address and the clocks instead of throwing.
+uint64_t ClaimNonce(const std::string& entropy_source);
+}  // namespace internal
+
 }  // namespace ddp::transport
 
 #endif  // DDP_TRANSPORT_COMMUNICATOR_H_

@@ -3477,6 +3477,19 @@ TEST(CommunicatorCreate, ANameLeavesRoomForSplitsOrIsRefused) {
   }
 }
 
+// A process with no entropy source (getrandom refused, no /dev/urandom)
+// still claims its rank: the nonce falls back to the pid and clocks. The
+// source std::random_device cannot open stands in for it. Before,
+// std::random_device threw out of Create, which returns a Status.
+TEST(CommunicatorCreate, TheClaimNeedsNoEntropySource) {
+  uint64_t first = 0;
+  EXPECT_NO_THROW(first = internal::ClaimNonce("/no/such/entropy/source"));
+  uint64_t second = 0;
+  EXPECT_NO_THROW(second = internal::ClaimNonce("/no/such/entropy/source"));
+  EXPECT_NE(first, second);
+  EXPECT_NO_THROW(internal::ClaimNonce("default"));
+}
+
 // More ranks on this host than in the job is refused at once, naming both.
 TEST(CommunicatorCreate, ALocalWorldLargerThanTheWorldIsRefused) {
   CommunicatorOptions options;
