@@ -294,8 +294,15 @@ class Communicator {
   /// rank 0's). The whole destruction keeps to min(timeout, 30 s) from its
   /// start and 0.2 s more to close (the marks in the store, the endpoints),
   /// however long any of those steps would take alone (a stopped store or
-  /// peer); only an abort of calls still running may add its
-  /// abort_store_time.
+  /// peer). Outside that bound, each with a bound of its own: an abort of
+  /// calls still running, or the thread posting an abort that a failed
+  /// peer check started just before (joined here), may add
+  /// abort_store_time; and a communicator that staged device buffers waits
+  /// for its staging copies and frees their slots, up to 2 s for each and
+  /// so 4 s per device used (a device that does not answer by then leaks
+  /// them rather than blocking). With the closing marks left 0.2 s after a
+  /// queued call that ran to the deadline, a busy store may miss this
+  /// rank's count of leaving: rank 0 then warns that it had not left.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
