@@ -2484,7 +2484,7 @@ int ScenarioManySplitsWithoutStoreRank() {
   CommunicatorOptions options = WorkerOptions();
   // Long, but short enough that every key of a split of a split stays
   // within the store's key limit.
-  options.name = std::string(900, 'n');
+  options.name = std::string(890, 'n');
   auto made = Communicator::CreateFromEnvironment(options);
   WORKER_CHECK(made.ok(), "create: " + made.status().ToString());
   if (!made.ok()) return 1;
