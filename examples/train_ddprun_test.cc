@@ -10,7 +10,6 @@
 //   job without a restart, whatever restarts are left.
 
 #include <signal.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -50,48 +49,12 @@ std::vector<std::string> Launch(int max_restarts, const std::string& checkpoint)
           "--checkpoint=" + checkpoint};
 }
 
-// What a look at `path` (stat, no read) tells of which file is there: a
-// save renames a new file over it, which changes some of these.
-struct FileIdentity {
-  ino_t ino = 0;
-  int64_t size = -1;
-  int64_t mtime_ns = -1;
-  int64_t ctime_ns = -1;
-  bool operator==(const FileIdentity& o) const {
-    return ino == o.ino && size == o.size && mtime_ns == o.mtime_ns && ctime_ns == o.ctime_ns;
-  }
-};
-
-FileIdentity IdentityOf(const std::string& path) {
-  struct stat st{};
-  if (::stat(path.c_str(), &st) != 0) return {};
-  return {st.st_ino, static_cast<int64_t>(st.st_size),
-          static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec,
-          static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec};
-}
-
 // Waits until the checkpoint at `path` records at least `step`; -1 when
-// the run ends first or two minutes pass. The file is read (all of it,
-// CheckpointStep) only when a look finds another file there, or once a
-// second in case a look missed a change: reading it every 2 ms took a
-// whole core of the two the runs share.
+// the run ends first or two minutes pass.
 int64_t WaitForCheckpoint(const std::string& path, int64_t step, Subprocess& p) {
-  const auto deadline = Clock::now() + std::chrono::seconds(120);
-  FileIdentity read_at;
-  bool read_once = false;
-  auto read_by = Clock::now();
-  while (Clock::now() < deadline) {
-    const FileIdentity now = IdentityOf(path);
-    if (!read_once || !(now == read_at) || Clock::now() >= read_by) {
-      read_once = true;
-      read_at = now;
-      read_by = Clock::now() + std::chrono::seconds(1);
-      const int64_t s = CheckpointStep(path);
-      if (s >= step) return s;
-    }
-    if (p.Wait(std::chrono::milliseconds(10)) != -1) return -1;  // ended early
-  }
-  return -1;
+  return testing::WaitForCheckpointStep(
+      path, [step](int64_t s) { return s >= step; },
+      [&p] { return p.Wait(std::chrono::milliseconds(10)) == -1; }, std::chrono::seconds(120));
 }
 
 // Waits up to a minute for `text` in the launcher's stdout.

@@ -7,7 +7,6 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -73,30 +72,11 @@ TEST(TrainElasticTest, JobLosesANodeAndFinishesOnTheOther) {
   // 32 steps per epoch on 2 ranks; --checkpoint_every=40 saves in the
   // middle of epochs too (step 80: 16 steps into epoch 3). The node is
   // killed after one of those.
-  // The file is read (all of it, CheckpointStep) only when a look (stat)
-  // finds another file there, or once a second in case a look missed one:
-  // reading it every 2 ms took a whole core of the two the runs share.
-  const auto deadline = Clock::now() + std::chrono::seconds(120);
-  const auto mid_epoch = [&] {
-    const int64_t step = CheckpointStep(checkpoint);
-    return step >= 64 && step % 32 != 0;
-  };
-  const auto identity = [&] {
-    struct stat st{};
-    if (::stat(checkpoint.c_str(), &st) != 0) return std::vector<int64_t>{};
-    return std::vector<int64_t>{static_cast<int64_t>(st.st_ino), static_cast<int64_t>(st.st_size),
-                                st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
-  };
-  std::vector<int64_t> read_at = identity();
-  auto read_by = Clock::now() + std::chrono::seconds(1);
-  bool found = mid_epoch();
-  while (!found && Clock::now() < deadline && second.Wait(std::chrono::milliseconds(10)) == -1) {
-    if (std::vector<int64_t> now = identity(); now != read_at || Clock::now() >= read_by) {
-      read_at = std::move(now);
-      read_by = Clock::now() + std::chrono::seconds(1);
-      found = mid_epoch();
-    }
-  }
+  const auto is_mid_epoch = [](int64_t step) { return step >= 64 && step % 32 != 0; };
+  const auto mid_epoch = [&] { return is_mid_epoch(CheckpointStep(checkpoint)); };
+  testing::WaitForCheckpointStep(
+      checkpoint, is_mid_epoch, [&] { return second.Wait(std::chrono::milliseconds(10)) == -1; },
+      std::chrono::seconds(120));
   ASSERT_TRUE(mid_epoch()) << CheckpointStep(checkpoint) << first.Stdout() << first.Stderr()
                            << second.Stderr();
   ASSERT_EQ(kill(second.pid(), SIGKILL), 0);
