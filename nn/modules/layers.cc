@@ -297,29 +297,53 @@ void BatchNorm2d::CheckInput(const Tensor& x) const {
 
 // ---------------------------------------------------------------- activations
 
+// The op's refusals (an integer input to GELU, Sigmoid or Tanh; an integer
+// input to ReLU off the CPU) are rethrown naming the layer and its path, as
+// the other layers' are: the op alone names only itself ("Sigmoid: needs a
+// floating tensor"), which does not say which of a model's layers got it.
 Tensor ReLU::Forward(const Tensor& x) {
   CheckDefinedInput(*this, x);
-  return ops::Relu(x);
+  try {
+    return ops::Relu(x);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
 }
 
 Tensor ReLU::ForwardOwned(Tensor x) {
   CheckDefinedInput(*this, x);
-  return ops::ReluOwned(std::move(x));
+  try {
+    return ops::ReluOwned(std::move(x));
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
 }
 
 Tensor GELU::Forward(const Tensor& x) {
   CheckDefinedInput(*this, x);
-  return ops::Gelu(x, tanh_);
+  try {
+    return ops::Gelu(x, tanh_);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
 }
 
 Tensor Sigmoid::Forward(const Tensor& x) {
   CheckDefinedInput(*this, x);
-  return ops::Sigmoid(x);
+  try {
+    return ops::Sigmoid(x);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
 }
 
 Tensor Tanh::Forward(const Tensor& x) {
   CheckDefinedInput(*this, x);
-  return ops::Tanh(x);
+  try {
+    return ops::Tanh(x);
+  } catch (const std::invalid_argument& e) {
+    Fail(e.what());
+  }
 }
 
 // ---------------------------------------------------------------- pooling

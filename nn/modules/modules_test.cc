@@ -272,6 +272,36 @@ TEST(ModuleTest, OpErrorsInLinearAndDropoutNameTheLayer) {
   EXPECT_EQ(err, "Dropout `1`: Dropout: input must be floating, got i64");
 }
 
+// The activations rethrow their op's refusal naming the layer and its path,
+// as Linear and Dropout do. Before, an integer input to Sequential's GELU,
+// Sigmoid or Tanh gave "Sigmoid: needs a floating tensor, got i64" (the op's
+// name, not the layer's path), and ReLU's integer path off the CPU likewise.
+TEST(ModuleTest, OpErrorsInActivationsNameTheLayer) {
+  Sequential seq{std::make_shared<Identity>(), std::make_shared<GELU>(), std::make_shared<Sigmoid>(),
+                 std::make_shared<Tanh>()};
+  const Tensor ints = Zeros({2, 3}, {.dtype = DType::kInt64});
+  EXPECT_EQ(ErrorOf([&] { seq.Forward(ints); }), "GELU `1`: Gelu: needs a floating tensor, got i64");
+  EXPECT_EQ(ErrorOf([&] { seq.at(2)->Forward(ints); }), "Sigmoid `2`: Sigmoid: needs a floating tensor, got i64");
+  EXPECT_EQ(ErrorOf([&] { seq.at(3)->Forward(ints); }), "Tanh `3`: Tanh: needs a floating tensor, got i64");
+  // ReLU keeps integer tensors on the CPU only; another device's refusal
+  // names the layer too, in Forward and in ForwardOwned (Sequential's path).
+  EXPECT_EXIT(
+      {
+        nn::testing::RegisterHostAsCuda();  // tensors "on cuda:0" without a GPU
+        Sequential relus;
+        relus.Push(std::make_shared<Identity>());
+        relus.Push(std::make_shared<ReLU>());
+        relus.Push(std::make_shared<ReLU>());
+        const Tensor on_device = Zeros({2}, {.dtype = DType::kInt64}).To(Device(DeviceType::kCUDA, 0));
+        std::fprintf(stderr, "forward: [%s]\n", ErrorOf([&] { relus.at(1)->Forward(on_device); }).c_str());
+        std::fprintf(stderr, "owned: [%s]\n", ErrorOf([&] { relus.at(2)->ForwardOwned(on_device); }).c_str());
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0),
+      "forward: \\[ReLU `1`: Relu: an integer tensor \\(i64\\) is implemented on the CPU only, not on cuda:0\\]\n"
+      "owned: \\[ReLU `2`: Relu: an integer tensor \\(i64\\) is implemented on the CPU only, not on cuda:0\\]");
+}
+
 TEST(ModuleTest, StateDictRoundTripAndStrictErrors) {
   ManualSeed(1);
   auto a = MakeCnn();
