@@ -89,9 +89,14 @@ void CheckDefinedInput(const Module& layer, const Tensor& x) {
 
 Linear::Linear(int64_t in_features, int64_t out_features, bool bias, Generator& gen)
     : in_(in_features), out_(out_features) {
-  if (in_features < 0 || out_features < 0) {
-    throw std::invalid_argument("Linear: negative size (" + std::to_string(in_features) + ", " +
-                                std::to_string(out_features) + ")");
+  // Each size named on its own, as Conv2d's channel counts; 0 is allowed
+  // (an empty weight), as in PyTorch.
+  for (const auto& [what, size] : {std::pair<const char*, int64_t>{"in_features", in_features},
+                                   std::pair<const char*, int64_t>{"out_features", out_features}}) {
+    if (size < 0) {
+      throw std::invalid_argument("Linear(" + std::to_string(in_features) + ", " + std::to_string(out_features) +
+                                  "): " + what + " must be >= 0, got " + std::to_string(size));
+    }
   }
   weight_ = RegisterParameter("weight", Empty({out_features, in_features}));
   if (bias) bias_ = RegisterParameter("bias", Empty({out_features}));
@@ -208,11 +213,13 @@ std::string MomentumRepr(const std::optional<double>& momentum) {
   return momentum.has_value() ? PyFloat(*momentum) : "None";
 }
 
-BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options) : num_features_(num_features), options_(options) {
+BatchNorm::BatchNorm(int64_t num_features, BatchNormOptions options, std::string_view layer)
+    : num_features_(num_features), options_(options) {
   if (num_features < 1) {
-    throw std::invalid_argument("BatchNorm: num_features must be positive, got " + std::to_string(num_features));
+    throw std::invalid_argument(std::string(layer) + ": num_features must be positive, got " +
+                                std::to_string(num_features));
   }
-  CheckBatchNormOptions(options, "BatchNorm");
+  CheckBatchNormOptions(options, std::string(layer));
   if (options.affine) {
     weight_ = RegisterParameter("weight", Ones({num_features}));
     bias_ = RegisterParameter("bias", Zeros({num_features}));

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "nn/modules/module.h"
 #include "nn/ops/dispatch.h"
@@ -121,7 +122,10 @@ class TrackedBatchCount {
 /// accessors so that ddp's SyncBatchNorm can take them over.
 class BatchNorm : public Module {
  public:
-  BatchNorm(int64_t num_features, BatchNormOptions options);
+  /// Throws std::invalid_argument naming `layer` (the subclass's TypeName,
+  /// which a base constructor cannot call) and the argument when
+  /// num_features < 1 or an option is out of range.
+  BatchNorm(int64_t num_features, BatchNormOptions options, std::string_view layer = "BatchNorm");
   Tensor Forward(const Tensor& x) override;
   using Module::Forward;
   std::string ExtraRepr() const override;
@@ -156,7 +160,7 @@ class BatchNorm : public Module {
 /// Input [N, C] or [N, C, L].
 class BatchNorm1d : public BatchNorm {
  public:
-  explicit BatchNorm1d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options) {}
+  explicit BatchNorm1d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options, "BatchNorm1d") {}
   std::string TypeName() const override { return "BatchNorm1d"; }
 
  protected:
@@ -166,7 +170,7 @@ class BatchNorm1d : public BatchNorm {
 /// Input [N, C, H, W].
 class BatchNorm2d : public BatchNorm {
  public:
-  explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options) {}
+  explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options, "BatchNorm2d") {}
   std::string TypeName() const override { return "BatchNorm2d"; }
 
  protected:

@@ -84,6 +84,14 @@ TEST(ModuleTest, DropoutRefusesAProbabilityOutsideZeroToOne) {
   EXPECT_EQ(ErrorOf([] { Dropout(1.0); }), "");
 }
 
+// Each bad Linear size is named on its own, as Conv2d's channel counts.
+// Before, both gave "Linear: negative size (-1, 3)", naming neither.
+TEST(ModuleTest, LinearNamesEachBadArgument) {
+  EXPECT_EQ(ErrorOf([] { Linear(-1, 3); }), "Linear(-1, 3): in_features must be >= 0, got -1");
+  EXPECT_EQ(ErrorOf([] { Linear(4, -2); }), "Linear(4, -2): out_features must be >= 0, got -2");
+  EXPECT_EQ(ErrorOf([] { Linear(0, 0); }), "");  // empty, as in PyTorch
+}
+
 // Each bad Conv2d argument is named on its own, with its value.
 TEST(ModuleTest, Conv2dNamesEachBadArgument) {
   EXPECT_EQ(ErrorOf([] { Conv2d(-1, 8, 3); }), "Conv2d(-1, 8): in_channels must be >= 0, got -1");
@@ -687,9 +695,11 @@ TEST(ModuleTest, ResNetRefusesAnUnknownStem) {
   EXPECT_EQ(gen.NextU64(), Generator(3).NextU64());
 }
 
+// The error names the layer as constructed (BatchNorm1d or BatchNorm2d), as
+// every other layer's; before, both said "BatchNorm".
 TEST(ModuleTest, BatchNormRefusesNonPositiveNumFeaturesShowingIt) {
-  EXPECT_EQ(ErrorOf([] { BatchNorm2d bn(0); }), "BatchNorm: num_features must be positive, got 0");
-  EXPECT_EQ(ErrorOf([] { BatchNorm1d bn(-3); }), "BatchNorm: num_features must be positive, got -3");
+  EXPECT_EQ(ErrorOf([] { BatchNorm2d bn(0); }), "BatchNorm2d: num_features must be positive, got 0");
+  EXPECT_EQ(ErrorOf([] { BatchNorm1d bn(-3); }), "BatchNorm1d: num_features must be positive, got -3");
 }
 
 TEST(ModuleTest, BatchNormTracksRunningStatistics) {
@@ -740,10 +750,10 @@ TEST(ModuleTest, BatchNormRefusesABadEpsOrMomentumAtConstruction) {
     }
     return std::string();
   };
-  EXPECT_EQ(error({.momentum = 1.5}), "BatchNorm: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got 1.5");
-  EXPECT_EQ(error({.momentum = -0.1}), "BatchNorm: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got -0.1");
-  EXPECT_EQ(error({.eps = 0}), "BatchNorm: BatchNormOptions::eps must be finite and > 0, got 0");
-  EXPECT_EQ(error({.eps = std::nan("")}), "BatchNorm: BatchNormOptions::eps must be finite and > 0, got nan");
+  EXPECT_EQ(error({.momentum = 1.5}), "BatchNorm2d: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got 1.5");
+  EXPECT_EQ(error({.momentum = -0.1}), "BatchNorm2d: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got -0.1");
+  EXPECT_EQ(error({.eps = 0}), "BatchNorm2d: BatchNormOptions::eps must be finite and > 0, got 0");
+  EXPECT_EQ(error({.eps = std::nan("")}), "BatchNorm2d: BatchNormOptions::eps must be finite and > 0, got nan");
   EXPECT_EQ(error({.eps = 1e-3, .momentum = std::nullopt}), "");
   EXPECT_EQ(error({.momentum = 1.0}), "");
 }
