@@ -245,10 +245,12 @@ class AvgPool2d : public Module {
 };
 
 /// [N, C, H, W] -> [N, C, out_h, out_w] by averaging adaptive windows;
-/// unbatched [C, H, W] -> [C, out_h, out_w].
+/// unbatched [C, H, W] -> [C, out_h, out_w]. An output size below 1 is
+/// refused at construction, naming the layer and output_size, as the other
+/// pools' arguments.
 class AdaptiveAvgPool2d : public Module {
  public:
-  AdaptiveAvgPool2d(int64_t out_h, int64_t out_w) : out_h_(out_h), out_w_(out_w) {}
+  AdaptiveAvgPool2d(int64_t out_h, int64_t out_w);
   Tensor Forward(const Tensor& x) override;
   using Module::Forward;
   std::string TypeName() const override { return "AdaptiveAvgPool2d"; }

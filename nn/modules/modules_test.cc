@@ -126,6 +126,16 @@ TEST(ModuleTest, PoolingNamesEachBadArgumentAtConstruction) {
   EXPECT_EQ(AvgPool2d(3, 1).ToString(), "AvgPool2d(kernel_size=3, stride=1, padding=0)");
 }
 
+// A bad output size fails at construction, naming the layer and
+// output_size. Before, AdaptiveAvgPool2d(0, 1) was built and its first
+// Forward failed with the op's "adaptive_avg_pool2d: output size must be
+// positive".
+TEST(ModuleTest, AdaptiveAvgPool2dRefusesABadOutputSizeAtConstruction) {
+  EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(0, 1); }), "AdaptiveAvgPool2d: output_size must be >= 1, got (0, 1)");
+  EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(2, -3); }), "AdaptiveAvgPool2d: output_size must be >= 1, got (2, -3)");
+  EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(1, 1); }), "");
+}
+
 // An unbatched [C, H, W] input (PyTorch 1.13 takes it in these layers)
 // gives the batch-of-one result without its batch dimension, and the same
 // gradients.
