@@ -10,6 +10,8 @@
 
 #include <any>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -100,6 +102,20 @@ class NllLossBackward final : public autograd::Node {
   Shape input_shape_;
   DType dtype_;
 };
+
+// An option's value in an error: the fewest significant digits that read
+// back as the same double. std::to_string's six decimals showed a refused
+// label_smoothing of 1.0000001 as "1.000000", a value the check accepts, and
+// a beta of -1e-9 as "-0.000000".
+std::string ErrorValue(double v) {
+  if (std::isnan(v)) return "nan";
+  char buf[40];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
 
 // A Reduction value cast from an integer that names none of the three
 // (each loss would otherwise fall through to a different one of them).
@@ -382,7 +398,7 @@ Tensor CrossEntropy(const Tensor& logits, const Tensor& target_in, const CrossEn
   // Written so that NaN fails it too.
   if (!(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0)) {
     throw std::invalid_argument("cross_entropy: label_smoothing must be in [0, 1], got " +
-                                std::to_string(options.label_smoothing));
+                                ErrorValue(options.label_smoothing));
   }
   // A class to ignore has no meaning for a distribution over the classes;
   // PyTorch refuses it too, rather than train on what was meant as masked.
@@ -575,7 +591,7 @@ Tensor SmoothL1(const Tensor& input_in, const Tensor& target_in, const SmoothL1O
   CheckReduction("smooth_l1_loss", options.reduction);
   // Written so that NaN fails it too.
   if (!(options.beta >= 0.0)) {
-    throw std::invalid_argument("smooth_l1_loss: beta must be >= 0, got " + std::to_string(options.beta));
+    throw std::invalid_argument("smooth_l1_loss: beta must be >= 0, got " + ErrorValue(options.beta));
   }
   if (options.beta == 0.0) return L1(input_in, target_in, options.reduction);
   const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
@@ -586,7 +602,7 @@ Tensor Huber(const Tensor& input_in, const Tensor& target_in, const HuberOptions
   CheckPointwise("huber_loss", input_in, target_in);
   CheckReduction("huber_loss", options.reduction);
   if (!(options.delta > 0.0)) {
-    throw std::invalid_argument("huber_loss: delta must be > 0, got " + std::to_string(options.delta));
+    throw std::invalid_argument("huber_loss: delta must be > 0, got " + ErrorValue(options.delta));
   }
   const Tensor input = ops::autocast::ToFloat32(input_in), target = ops::autocast::ToFloat32(target_in);
   return Reduce(PiecewiseQuadraticLoss<true>::Apply({input, target}, options.delta)[0], options.reduction);

@@ -386,7 +386,7 @@ TEST(CrossEntropyTest, SpatialAndProbabilityBadInputsAreNamed) {
   EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Zeros({2, 3}), {.weight = Ones({4})}); }),
             "cross_entropy: weight of shape [4] does not match 3 classes (expected [3])");
   EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Zeros({2, 3}), {.label_smoothing = 2.0}); }),
-            "cross_entropy: label_smoothing must be in [0, 1], got 2.000000");
+            "cross_entropy: label_smoothing must be in [0, 1], got 2");
   EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3}), Tensor()); }), "cross_entropy: target is undefined");
   EXPECT_EQ(ErrorOf([] { CrossEntropy(Tensor(), Zeros({2, 3})); }), "cross_entropy: logits are undefined");
   EXPECT_EQ(ErrorOf([] { CrossEntropy(Zeros({2, 3, 2}), FromVectorOf<int64_t>({0, 1, 3, 0}, {2, 2})); }),
@@ -408,8 +408,12 @@ TEST(CrossEntropyTest, LabelSmoothingOutsideZeroToOneIsRefused) {
   EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, target, {.label_smoothing = std::nan("")}); }),
             "cross_entropy: label_smoothing must be in [0, 1], got nan");
   EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, target, {.label_smoothing = 1.5}); }),
-            "cross_entropy: label_smoothing must be in [0, 1], got 1.500000");
+            "cross_entropy: label_smoothing must be in [0, 1], got 1.5");
   EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, target, {.label_smoothing = 1.0}); }), "");
+  // Every digit that tells the value apart: with six decimals this one read
+  // "got 1.000000", a value in range.
+  EXPECT_EQ(ErrorOf([&] { CrossEntropy(logits, target, {.label_smoothing = 1.0000001}); }),
+            "cross_entropy: label_smoothing must be in [0, 1], got 1.0000001");
 }
 
 TEST(CrossEntropyTest, SixteenBitLogitsComputeInF32) {
@@ -1297,8 +1301,11 @@ TEST(PointwiseLossTest, BadInputsAreNamed) {
             "binary_cross_entropy_with_logits: input [2, 3] and target [3] differ in shape");
   EXPECT_EQ(ErrorOf([&] { KlDiv(b, a); }), "kl_div: input [3] and target [2, 3] differ in shape");
   EXPECT_EQ(ErrorOf([&] { L1(a, Zeros({2, 3}, {.dtype = DType::kInt64})); }), "l1_loss: target must be floating, got i64");
-  EXPECT_EQ(ErrorOf([&] { SmoothL1(a, a, {.beta = -1.0}); }), "smooth_l1_loss: beta must be >= 0, got -1.000000");
-  EXPECT_EQ(ErrorOf([&] { Huber(a, a, {.delta = 0.0}); }), "huber_loss: delta must be > 0, got 0.000000");
+  EXPECT_EQ(ErrorOf([&] { SmoothL1(a, a, {.beta = -1.0}); }), "smooth_l1_loss: beta must be >= 0, got -1");
+  EXPECT_EQ(ErrorOf([&] { Huber(a, a, {.delta = 0.0}); }), "huber_loss: delta must be > 0, got 0");
+  // A small bad value is shown as given (six decimals made both "-0.000000").
+  EXPECT_EQ(ErrorOf([&] { SmoothL1(a, a, {.beta = -1e-9}); }), "smooth_l1_loss: beta must be >= 0, got -1e-09");
+  EXPECT_EQ(ErrorOf([&] { Huber(a, a, {.delta = -2.5e-7}); }), "huber_loss: delta must be > 0, got -2.5e-07");
   EXPECT_EQ(ErrorOf([&] { BinaryCrossEntropyWithLogits(a, a, {.pos_weight = Ones({4})}); }),
             "binary_cross_entropy_with_logits: pos_weight [4] does not broadcast to input [2, 3]");
   EXPECT_EQ(ErrorOf([&] { BinaryCrossEntropyWithLogits(a, a, {.weight = Ones({3, 3})}); }),

@@ -1,6 +1,8 @@
 #include "nn/modules/init.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -55,6 +57,18 @@ void KaimingNormal(const Tensor& w, double a, std::string_view mode, std::string
 }
 
 namespace {
+// A value in an error: the fewest significant digits that read back as the
+// same double (std::to_string showed a gain of -1e-9 as "-0.000000").
+std::string ErrorValue(double v) {
+  if (std::isnan(v)) return "nan";
+  char buf[40];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
 // gain * sqrt(2 / (fan_in + fan_out)), the standard deviation both Xavier
 // forms aim at. `caller` names the form in the refusal of a gain that is
 // negative or not finite, which would otherwise fail later as the fill's
@@ -62,7 +76,7 @@ namespace {
 double XavierStd(const char* caller, const Tensor& w, double gain) {
   if (!std::isfinite(gain) || gain < 0) {
     throw std::invalid_argument(std::string(caller) + ": gain must be finite and not negative, got " +
-                                std::to_string(gain));
+                                ErrorValue(gain));
   }
   const auto [in, out] = FanInOut(w);
   return gain * std::sqrt(2.0 / static_cast<double>(in + out));

@@ -1307,6 +1307,10 @@ TEST(InitTest, XavierRefusesANegativeOrNonFiniteGainNamingIt) {
     const std::string normal = ErrorOf([&] { XavierNormal(w, gain); });
     EXPECT_EQ(normal.rfind("XavierNormal: gain must be finite and not negative, got ", 0), 0u) << normal;
   }
+  // The value as given: six decimals showed this one as "-0.000000".
+  EXPECT_EQ(ErrorOf([&] { XavierUniform(w, -1e-9); }),
+            "XavierUniform: gain must be finite and not negative, got -1e-09");
+  EXPECT_EQ(ErrorOf([&] { XavierNormal(w, -1.5); }), "XavierNormal: gain must be finite and not negative, got -1.5");
   EXPECT_EQ(w.ToVector<float>(), std::vector<float>(12, 0.0f));
   XavierUniform(w, 0.0);  // a gain of 0 gives zeros, as PyTorch's
   EXPECT_EQ(w.ToVector<float>(), std::vector<float>(12, 0.0f));
