@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 
 namespace ddp::nn::modules {
 
@@ -33,11 +35,23 @@ double Gain(std::string_view nonlinearity, std::optional<double> param) {
 }
 
 namespace {
-int64_t Fan(const Tensor& w, std::string_view mode) {
-  const auto [in, out] = FanInOut(w);
-  if (mode == "fan_in") return in;
-  if (mode == "fan_out") return out;
-  throw std::invalid_argument("unknown fan mode `" + std::string(mode) + "` (fan_in or fan_out)");
+// The gain and the fan both Kaiming forms scale by (each computes its bound
+// or deviation from them with the same expression as before, to the bit).
+// `caller` prefixes a refused mode, nonlinearity or weight shape, which would
+// otherwise name only the helper that found it ("Gain: ...", "fan in/out
+// needs ...") and not the function the caller called.
+std::pair<double, double> KaimingGainAndFan(const char* caller, const Tensor& w, double a, std::string_view mode,
+                                            std::string_view nonlinearity) {
+  try {
+    const auto [in, out] = FanInOut(w);
+    if (mode != "fan_in" && mode != "fan_out") {
+      throw std::invalid_argument("mode must be fan_in or fan_out, got `" + std::string(mode) + "`");
+    }
+    const int64_t fan = mode == "fan_in" ? in : out;
+    return {Gain(nonlinearity, a), static_cast<double>(fan)};
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(caller) + ": " + e.what());
+  }
 }
 }  // namespace
 
@@ -45,13 +59,15 @@ void KaimingUniform(const Tensor& w, double a, std::string_view mode, std::strin
   // A tensor with no elements (a layer with 0 inputs: fan 0, an infinite
   // bound) is left as it is, as PyTorch does.
   if (w.numel() == 0) return;
-  const double bound = Gain(nonlinearity, a) * std::sqrt(3.0 / static_cast<double>(Fan(w, mode)));
+  const auto [gain, fan] = KaimingGainAndFan("KaimingUniform", w, a, mode, nonlinearity);
+  const double bound = gain * std::sqrt(3.0 / fan);
   Uniform(w, -bound, bound, gen);
 }
 
 void KaimingNormal(const Tensor& w, double a, std::string_view mode, std::string_view nonlinearity, Generator& gen) {
   if (w.numel() == 0) return;  // as KaimingUniform
-  const double std = Gain(nonlinearity, a) / std::sqrt(static_cast<double>(Fan(w, mode)));
+  const auto [gain, fan] = KaimingGainAndFan("KaimingNormal", w, a, mode, nonlinearity);
+  const double std = gain / std::sqrt(fan);
   NoGradGuard guard;
   NormalFill(w, 0.0, std, gen);
 }
@@ -78,7 +94,12 @@ double XavierStd(const char* caller, const Tensor& w, double gain) {
     throw std::invalid_argument(std::string(caller) + ": gain must be finite and not negative, got " +
                                 ErrorValue(gain));
   }
-  const auto [in, out] = FanInOut(w);
+  int64_t in = 0, out = 0;
+  try {
+    std::tie(in, out) = FanInOut(w);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(caller) + ": " + e.what());  // a weight of fewer than 2 dimensions
+  }
   return gain * std::sqrt(2.0 / static_cast<double>(in + out));
 }
 }  // namespace

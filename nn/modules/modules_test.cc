@@ -1316,6 +1316,25 @@ TEST(InitTest, XavierRefusesANegativeOrNonFiniteGainNamingIt) {
   EXPECT_EQ(w.ToVector<float>(), std::vector<float>(12, 0.0f));
 }
 
+// A bad mode, nonlinearity or weight shape names the init function called,
+// and nothing is drawn. Before, the errors named only the helper that found
+// them: "unknown fan mode `fan_avg` (fan_in or fan_out)", "Gain: unknown
+// nonlinearity `softmax`", "fan in/out needs a weight with at least 2
+// dimensions, got [3]".
+TEST(InitTest, KaimingAndXavierErrorsNameTheFunction) {
+  const Tensor w = Ones({3, 3});
+  EXPECT_EQ(ErrorOf([&] { KaimingUniform(w, 0.0, "fan_avg"); }),
+            "KaimingUniform: mode must be fan_in or fan_out, got `fan_avg`");
+  EXPECT_EQ(ErrorOf([&] { KaimingNormal(w, 0.0, "fan_in", "softmax"); }),
+            "KaimingNormal: Gain: unknown nonlinearity `softmax`");
+  EXPECT_EQ(ErrorOf([] { KaimingUniform(Ones({3}), 0.0); }),
+            "KaimingUniform: fan in/out needs a weight with at least 2 dimensions, got [3]");
+  EXPECT_EQ(ErrorOf([] { XavierNormal(Ones({5})); }),
+            "XavierNormal: fan in/out needs a weight with at least 2 dimensions, got [5]");
+  EXPECT_EQ(w.ToVector<float>(), std::vector<float>(9, 1.0f));
+  EXPECT_EQ(ErrorOf([&] { KaimingNormal(w, 0.0, "fan_out", "relu"); }), "");
+}
+
 // Xavier-normal: N(0, std^2), std = gain * sqrt(2 / (fan_in + fan_out)); on a
 // convolution the fans count the kernel's area (144 and 288 here).
 TEST(InitTest, XavierNormalStdOnAConvWeight) {
