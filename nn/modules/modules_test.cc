@@ -174,6 +174,64 @@ TEST(ModuleTest, ConvAndPoolingTakeAnUnbatchedInput) {
   EXPECT_EQ(ErrorOf([] { MaxPool2d(2).Forward(Zeros({7, 7})); }), "MaxPool2d: expected input [N, C, H, W] or [C, H, W], got [7, 7]");
 }
 
+// Every layer through the module API, in f64, against central finite
+// differences: the input's gradient and each parameter's (the parameters
+// are GradCheck inputs too, perturbed in place), with the options that
+// change the arithmetic (groups, dilation, stride and padding; ceil_mode
+// and count_include_pad; an unbatched input; batch norm in training and in
+// eval with running statistics it has learnt). Dropout redraws its mask
+// each call, so its generator is reseeded before every forward.
+TEST(ModuleTest, LayersMatchFiniteDifferencesInF64) {
+  struct Case {
+    const char* what;
+    std::shared_ptr<Module> layer;
+    Shape x;
+  };
+  Generator init(5), dropout_gen(9);
+  auto eval_bn = std::make_shared<BatchNorm2d>(3, BatchNormOptions{.momentum = 0.5});
+  eval_bn->To(DType::kFloat64);
+  eval_bn->Forward(testing::RandomLeaf({4, 3, 2, 2}, 40, false));  // running statistics away from 0 and 1
+  eval_bn->Eval();
+  const Case cases[] = {
+      {"Linear", std::make_shared<Linear>(4, 3, true, init), {2, 5, 4}},
+      {"Linear without bias", std::make_shared<Linear>(4, 2, false, init), {3, 4}},
+      {"Conv2d", std::make_shared<Conv2d>(4, 6, 3, Conv2dOptions{.stride = 2, .padding = 2, .dilation = 2, .groups = 2},
+                                          init),
+       {2, 4, 7, 6}},
+      {"Conv2d unbatched", std::make_shared<Conv2d>(2, 3, 3, Conv2dOptions{.padding = 1}, init), {2, 5, 4}},
+      {"BatchNorm1d", std::make_shared<BatchNorm1d>(3), {4, 3, 2}},
+      {"BatchNorm2d", std::make_shared<BatchNorm2d>(3), {2, 3, 3, 2}},
+      {"BatchNorm2d in eval", eval_bn, {2, 3, 3, 2}},
+      {"BatchNorm2d without running statistics", std::make_shared<BatchNorm2d>(3, BatchNormOptions{
+                                                     .affine = false, .track_running_stats = false}),
+       {2, 3, 2, 2}},
+      {"MaxPool2d", std::make_shared<MaxPool2d>(3, 2, 1, 1, true), {2, 2, 6, 7}},
+      {"MaxPool2d dilated", std::make_shared<MaxPool2d>(2, 1, 1, 2), {1, 2, 5, 5}},
+      {"AvgPool2d", std::make_shared<AvgPool2d>(3, 2, 1, true, false), {2, 2, 6, 7}},
+      {"AvgPool2d counting padding", std::make_shared<AvgPool2d>(2, 2, 1, true, true), {1, 2, 5, 4}},
+      {"AdaptiveAvgPool2d", std::make_shared<AdaptiveAvgPool2d>(4, 3), {2, 2, 7, 5}},
+      {"ReLU", std::make_shared<ReLU>(), {3, 4}},
+      {"GELU", std::make_shared<GELU>(), {3, 4}},
+      {"GELU tanh", std::make_shared<GELU>(true), {3, 4}},
+      {"Sigmoid", std::make_shared<Sigmoid>(), {3, 4}},
+      {"Tanh", std::make_shared<Tanh>(), {3, 4}},
+      {"Dropout", std::make_shared<Dropout>(0.4, dropout_gen), {3, 5}},
+      {"Flatten", std::make_shared<Flatten>(1, 2), {2, 3, 2, 2}},
+  };
+  uint64_t seed = 1;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    c.layer->To(DType::kFloat64);
+    std::vector<Tensor> inputs = {testing::RandomLeaf(c.x, seed++)};
+    for (const Tensor& p : c.layer->Parameters()) inputs.push_back(p);
+    Module& layer = *c.layer;
+    EXPECT_TRUE(testing::GradCheck([&layer, &dropout_gen](const std::vector<Tensor>& in) {
+      dropout_gen.Seed(9);
+      return layer.Forward(in[0]);
+    }, inputs));
+  }
+}
+
 TEST(ModuleTest, ResNetNamesCountsAndShapes) {
   auto r18 = MakeResNet18();
   EXPECT_EQ(Count(*r18), 11689512);
