@@ -48,7 +48,11 @@ std::pair<double, double> KaimingGainAndFan(const char* caller, const Tensor& w,
       throw std::invalid_argument("mode must be fan_in or fan_out, got `" + std::string(mode) + "`");
     }
     const int64_t fan = mode == "fan_in" ? in : out;
-    return {Gain(nonlinearity, a), static_cast<double>(fan)};
+    const double gain = Gain(nonlinearity, a);
+    // Only leaky_relu reads `a`; a NaN slope would otherwise be refused by
+    // the fill, as bounds or a deviation of NaN, without naming `a`.
+    if (std::isnan(gain)) throw std::invalid_argument("a (the negative slope) must not be NaN");
+    return {gain, static_cast<double>(fan)};
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(std::string(caller) + ": " + e.what());
   }

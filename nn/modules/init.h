@@ -20,6 +20,9 @@ std::pair<int64_t, int64_t> FanInOut(const Tensor& weight);
 /// ignored for the others.
 double Gain(std::string_view nonlinearity, std::optional<double> param = std::nullopt);
 /// U(-bound, bound) with bound = gain * sqrt(3 / fan); fan is fan_in or fan_out (mode).
+/// Throws std::invalid_argument naming the function (so does KaimingNormal)
+/// for another mode, an unknown nonlinearity, a NaN `a` with leaky_relu, or
+/// a weight of fewer than 2 dimensions; an empty weight is left as it is.
 void KaimingUniform(const Tensor& w, double a, std::string_view mode = "fan_in",
                     std::string_view nonlinearity = "leaky_relu", Generator& gen = DefaultGenerator());
 /// N(0, std^2) with std = gain / sqrt(fan).

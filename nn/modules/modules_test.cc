@@ -1374,7 +1374,7 @@ TEST(InitTest, XavierRefusesANegativeOrNonFiniteGainNamingIt) {
   EXPECT_EQ(w.ToVector<float>(), std::vector<float>(12, 0.0f));
 }
 
-// A bad mode, nonlinearity or weight shape names the init function called,
+// A bad mode, nonlinearity, slope or weight shape names the init function called,
 // and nothing is drawn. Before, the errors named only the helper that found
 // them: "unknown fan mode `fan_avg` (fan_in or fan_out)", "Gain: unknown
 // nonlinearity `softmax`", "fan in/out needs a weight with at least 2
@@ -1389,7 +1389,13 @@ TEST(InitTest, KaimingAndXavierErrorsNameTheFunction) {
             "KaimingUniform: fan in/out needs a weight with at least 2 dimensions, got [3]");
   EXPECT_EQ(ErrorOf([] { XavierNormal(Ones({5})); }),
             "XavierNormal: fan in/out needs a weight with at least 2 dimensions, got [5]");
+  // A NaN slope; it was refused by the fill as "UniformFill: bounds must be
+  // finite, got low -nan and high nan" or "NormalFill: std nan ...".
+  EXPECT_EQ(ErrorOf([&] { KaimingUniform(w, std::nan("")); }),
+            "KaimingUniform: a (the negative slope) must not be NaN");
+  EXPECT_EQ(ErrorOf([&] { KaimingNormal(w, std::nan("")); }), "KaimingNormal: a (the negative slope) must not be NaN");
   EXPECT_EQ(w.ToVector<float>(), std::vector<float>(9, 1.0f));
+  EXPECT_EQ(ErrorOf([&] { KaimingNormal(w, std::nan(""), "fan_out", "relu"); }), "");  // relu reads no slope
   EXPECT_EQ(ErrorOf([&] { KaimingNormal(w, 0.0, "fan_out", "relu"); }), "");
 }
 
