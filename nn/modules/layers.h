@@ -160,7 +160,8 @@ class BatchNorm : public Module {
 /// Input [N, C] or [N, C, L].
 class BatchNorm1d : public BatchNorm {
  public:
-  explicit BatchNorm1d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options, "BatchNorm1d") {}
+  explicit BatchNorm1d(int64_t num_features, BatchNormOptions options = {})
+      : BatchNorm(num_features, options, "BatchNorm1d") {}
   std::string TypeName() const override { return "BatchNorm1d"; }
 
  protected:
@@ -170,7 +171,8 @@ class BatchNorm1d : public BatchNorm {
 /// Input [N, C, H, W].
 class BatchNorm2d : public BatchNorm {
  public:
-  explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {}) : BatchNorm(num_features, options, "BatchNorm2d") {}
+  explicit BatchNorm2d(int64_t num_features, BatchNormOptions options = {})
+      : BatchNorm(num_features, options, "BatchNorm2d") {}
   std::string TypeName() const override { return "BatchNorm2d"; }
 
  protected:

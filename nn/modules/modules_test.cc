@@ -818,8 +818,10 @@ TEST(ModuleTest, BatchNormRefusesABadEpsOrMomentumAtConstruction) {
     }
     return std::string();
   };
-  EXPECT_EQ(error({.momentum = 1.5}), "BatchNorm2d: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got 1.5");
-  EXPECT_EQ(error({.momentum = -0.1}), "BatchNorm2d: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got -0.1");
+  EXPECT_EQ(error({.momentum = 1.5}),
+            "BatchNorm2d: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got 1.5");
+  EXPECT_EQ(error({.momentum = -0.1}),
+            "BatchNorm2d: BatchNormOptions::momentum must be in [0, 1] (or nullopt), got -0.1");
   EXPECT_EQ(error({.eps = 0}), "BatchNorm2d: BatchNormOptions::eps must be finite and > 0, got 0");
   EXPECT_EQ(error({.eps = std::nan("")}), "BatchNorm2d: BatchNormOptions::eps must be finite and > 0, got nan");
   EXPECT_EQ(error({.eps = 1e-3, .momentum = std::nullopt}), "");
