@@ -175,12 +175,24 @@ StatusOr<std::unique_ptr<Segment>> Segment::CreateShared(store::Store& store,
   if (group_rank == 0) {
     RemoveStaleSegments();
     std::random_device random;
-    name = "/ddp-" + std::to_string(getpid()) + "-" + std::to_string(random()) + "-" +
-           std::to_string(WallClockSeconds(deadline));
+    // A name that exists already (a segment left by a killed job whose
+    // rank 0 had this pid: pids repeat across containers) is not this
+    // group's to use: another number is drawn, a few times.
+    constexpr int kNameTries = 8;
+    int fd = -1;
+    for (int attempt = 0; attempt < kNameTries && fd < 0; ++attempt) {
+      name = "/ddp-" + std::to_string(getpid()) + "-" + std::to_string(random()) + "-" +
+             std::to_string(WallClockSeconds(deadline));
+      fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0 && errno != EEXIST) break;
+    }
+    const int open_error = errno;
     const std::string path = "/dev/shm" + name;
-    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
-      failure = Errno("creating " + path);
+      failure = "creating " + path + ": " + std::strerror(open_error);
+      if (open_error == EEXIST) {
+        failure += " (" + std::to_string(kNameTries) + " names tried, all taken)";
+      }
     } else {
       // Reserved, not only sized: a tmpfs hands out pages at the first
       // touch, and one that has no room left (Docker gives a container a

@@ -2,7 +2,8 @@
 #define DDP_TRANSPORT_SHM_SEGMENT_H_
 
 // A POSIX shared-memory segment mapped by every rank of one host. Rank 0 of
-// the group creates it under a fresh name and posts the name in the store;
+// the group creates it under a fresh name (another one drawn, up to 8 in
+// all, where the name exists already) and posts the name in the store;
 // the others map it and say so; once all have mapped it the name is
 // unlinked, so a crash later leaves nothing behind in /dev/shm. A name
 // left by a job killed during set-up goes when a later group creates its
