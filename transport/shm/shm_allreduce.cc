@@ -469,6 +469,7 @@ StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(store::Store& store
   // CMA needs ptrace permission between the ranks (Yama, containers and
   // seccomp may deny it). Every rank probes every peer and posts the
   // verdict; all ranks then take the same decision.
+  engine->call_deadline_ = deadline;  // the probe's copies keep to set-up's deadline
   static uint64_t probe_word = kProbeValue;
   Control& mine = engine->control(options.rank);
   mine.probe = reinterpret_cast<uint64_t>(&probe_word);
@@ -757,8 +758,13 @@ Status ShmAllReduce::CopyError(bool write, int peer, int error, void* local, siz
                                 (write ? "readable" : "writable") + " for the call's " + std::to_string(bytes) +
                                 " bytes (shorter than the count, or " + (write ? "unmapped" : "read-only") + "?)");
   }
+  // A peer being killed fails copies with EFAULT before it is seen to
+  // exit: up to 500 ms for that, never past the call's deadline.
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::max<Clock::duration>(call_deadline_ - Clock::now(), Clock::duration::zero()));
   if (error == ESRCH ||
-      (error == EFAULT && PeerExitsWithin(peer, std::chrono::milliseconds(500)))) {
+      (error == EFAULT &&
+       PeerExitsWithin(peer, std::min(left, std::chrono::milliseconds(500))))) {
     return PeerExited(peer);
   }
   if (error == EFAULT) {
@@ -1034,6 +1040,7 @@ Status ShmAllReduce::InCall(Deadline deadline,
   if (!unusable_.ok()) {
     return FailedPreconditionError("the shared-memory engine is unusable: " + unusable_.message());
   }
+  call_deadline_ = deadline;
   if (Status claimed = ClaimSlot(deadline, watchdog); !claimed.ok()) {
     return FailUnclaimed(std::move(claimed));
   }

@@ -362,7 +362,8 @@ class ShmAllReduce {
   // process_vm_readv/writev of all `bytes`: 0, or the errno that stopped it.
   int CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   // The error for a failed CopyBytes of [local, local + bytes) with a peer
-  // that has not left the call.
+  // that has not left the call; an EFAULT waits (up to 500 ms, not past the
+  // call's deadline) for the peer's exit.
   Status CopyError(bool write, int peer, int error, void* local, size_t bytes) const;
   // [remote, remote + bytes) of `peer`'s memory, mapped here, when it lies
   // in shareable memory the peer published for the current call and the
@@ -456,6 +457,9 @@ class ShmAllReduce {
   int owner_pid_ = 0;
   uint64_t forks_at_creation_ = 0;
   Clock::time_point next_watchdog_{};  // when a wait next runs the watchdog
+  // The running call's deadline (Create's during set-up): CopyError's wait
+  // for a peer's exit ends by then.
+  Deadline call_deadline_ = Deadline::max();
   std::vector<char> chunk_;  // CMA landing buffer, reused across calls
   std::vector<char> folded_;  // a reduce's folded chunk on its way to the root
   std::vector<char> applied_;  // AllReduceApply's reduced slice

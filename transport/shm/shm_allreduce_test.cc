@@ -497,6 +497,39 @@ TEST(ShmAllReduce, ABadBufferOfThisRankIsNamedAsItsOwn) {
   EXPECT_EQ(status[1].message().find("rank 0"), std::string::npos) << status[1];
 }
 
+// A copy that fails with EFAULT waits for the peer's exit (a peer being
+// killed looks like a bad buffer for a moment) at most until the call's
+// deadline: rank 1, whose deadline is 150 ms away, learns that the root's
+// buffer is unreadable near it, not after the whole 500 ms that wait is
+// allowed when time is left.
+TEST(ShmAllReduce, APeersBadBufferIsReportedByTheDeadline) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t count = 2 * page / sizeof(float);  // past the staging: read with CMA
+  void* mapped = mmap(nullptr, 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  std::vector<float> data(count, 0.0f);
+  Status status[2];
+  milliseconds took{};
+  RunRanks(2, [&](int r) {
+    if (r == 0) {
+      status[0] = group[0]->Broadcast(mapped, count, DataType::kF32, 0,
+                                      DeadlineIn(milliseconds(10000)), nullptr);
+      return;
+    }
+    const auto start = Clock::now();
+    status[1] = group[1]->Broadcast(data.data(), count, DataType::kF32, 0,
+                                    DeadlineIn(milliseconds(150)), nullptr);
+    took = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+  });
+  munmap(mapped, 2 * page);
+  EXPECT_EQ(status[1].code(), StatusCode::kInvalidArgument) << status[1];
+  EXPECT_NE(status[1].message().find("rank 0's buffer is not readable"), std::string::npos)
+      << status[1];
+  EXPECT_LT(took, milliseconds(450)) << status[1];
+  EXPECT_FALSE(status[0].ok());
+}
+
 // Counts on both sides of the 4 KiB staging limit (staged: 1 and 200
 // elements per block; CMA: 1001).
 TEST(ShmAllReduce, AllToAllEveryBlockToItsRank) {
