@@ -971,8 +971,10 @@ StatusOr<bool> UcxPointToPoint::Test(p2p::RequestId id) {
   if (!slot->done) {
     Status failure = PendingSlotStatus(slot);
     if (!failure.ok()) {
+      // Inside the watchdog, the running wait's deadline bounds this as it
+      // bounds a Cancel there.
       Abandon(slot);
-      Recall(Deadline::max());
+      Recall(cancel_limit_);
       return failure;
     }
     return false;

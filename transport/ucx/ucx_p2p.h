@@ -171,6 +171,13 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   int size() const override { return options_.size; }
   StatusOr<p2p::RequestId> PostSend(int peer, p2p::Tag tag, const void* data,
                                     size_t bytes) override;
+  /// A receive from a lost peer is posted all the same, to take what the
+  /// peer sent before it went; when a bounded drain completes nothing for
+  /// it, it is given up (as Cancel does) and the post fails with the
+  /// peer's error. Giving it up may close the peer's endpoint by force:
+  /// the post then waits up to 1 s for UCX to confirm (about 10 ms seen
+  /// against a stopped peer), or inside the watchdog until the running
+  /// wait's deadline (plus 20 ms). PostUserRecv alike.
   StatusOr<p2p::RequestId> PostRecv(int peer, p2p::Tag tag, void* data,
                                     size_t bytes) override;
   /// A tag send from a copy this object owns (see PointToPoint). UCX cannot
@@ -179,6 +186,8 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// A notice moves only while this object calls into UCX (waits, Test,
   /// Close's flush); Close completes or drops every one.
   Status PostNotice(int peer, p2p::Tag tag, const void* data, size_t bytes) override;
+  /// A pending request whose peer is lost is given up (as Cancel does,
+  /// within the same bound) and Test returns the peer's error.
   StatusOr<bool> Test(p2p::RequestId request) override;
   Status WaitAll(std::span<const p2p::RequestId> requests, Deadline deadline) override;
   StatusOr<size_t> WaitAny(std::span<const p2p::RequestId> requests,
