@@ -131,6 +131,14 @@ constexpr uint64_t kMappingIdleCalls = 1000;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
+// The watchdog period in the clock's unit, at most a century: a longer one
+// (milliseconds::max() for "never") would overflow that conversion, and a
+// clock reading plus it, into the past.
+Clock::duration ClockPeriod(std::chrono::milliseconds period) {
+  constexpr std::chrono::hours kLongest(24 * 365 * 100);
+  return period >= kLongest ? Clock::duration(kLongest) : Clock::duration(period);
+}
+
 // Forks this process descends from since the first engine was made here,
 // counted by a pthread_atfork child handler: an engine that finds more
 // than when it was made runs in a forked child, whose mapping of the
@@ -805,6 +813,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
   const Clock::duration spin_for =
       options_.yield_when_idle ? Clock::duration(std::chrono::microseconds(2))
                                : Clock::duration(options_.spin_time);
+  const Clock::duration period = ClockPeriod(options_.watchdog_period);
   const Clock::time_point started = Clock::now();
   Shared& shared_area = shared();
   // Adds the time waited to peer_wait_ns_ on every way out, if a peer was
@@ -846,7 +855,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       // at most once per period across calls: a failed peer makes waits
       // long, and a call that completes quickly needs no news of failures.
       if (watchdog && waited >= kWatchdogAfter && now >= next_watchdog_) {
-        next_watchdog_ = now + options_.watchdog_period;
+        next_watchdog_ = now + period;
         Status health = watchdog(deadline, peer);
         if (!health.ok()) {
           if (counter.load(std::memory_order_acquire) >= value) break;
@@ -866,7 +875,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       // know why the peer left (the communicator's names the reason a peer
       // posted before it exited, where this would only say it exited).
       if (!watchdog && peer_pidfds_[peer] >= 0 && now >= next_exit_check) {
-        next_exit_check = now + options_.watchdog_period;
+        next_exit_check = now + period;
         if (PeerExitsWithin(peer, std::chrono::milliseconds(0))) {
           if (counter.load(std::memory_order_acquire) >= value) break;
           return PeerExited(peer);
@@ -876,7 +885,7 @@ Status ShmAllReduce::WaitFor(std::atomic<uint64_t> Control::*field, uint64_t val
       shared_area.sleepers.fetch_add(1, std::memory_order_seq_cst);
       if (counter.load(std::memory_order_seq_cst) < value) {
         // Bounded sleep: the deadline and the watchdog still run.
-        const auto left = std::min<Clock::duration>(deadline - now, options_.watchdog_period);
+        const auto left = std::min<Clock::duration>(deadline - now, period);
         timespec timeout{};
         timeout.tv_sec = std::chrono::duration_cast<std::chrono::seconds>(left).count();
         timeout.tv_nsec = (std::chrono::duration_cast<std::chrono::nanoseconds>(left) -

@@ -148,6 +148,10 @@ struct ShmOptions {
   bool yield_when_idle = false;
   /// Otherwise, poll this long before yielding.
   std::chrono::microseconds spin_time{250};
+  /// How often a long wait runs the watchdog (or, without one, looks at
+  /// the awaited peer's pidfd), and the longest it sleeps at once; positive
+  /// (Create refuses 0 or less), and one longer than a century counts as a
+  /// century (milliseconds::max(): never).
   std::chrono::milliseconds watchdog_period{100};
 };
 

@@ -530,6 +530,34 @@ TEST(ShmAllReduce, APeersBadBufferIsReportedByTheDeadline) {
   EXPECT_FALSE(status[0].ok());
 }
 
+// A watchdog period too long to add to a clock reading (here the longest
+// a duration in milliseconds holds: "never") still means what it says: the
+// watchdog runs once, when the wait has lasted a millisecond, and the wait
+// sleeps until its deadline. It overflowed into a time long past, so the
+// watchdog ran at every look at the clock (a store round trip each) and
+// the wait never slept.
+TEST(ShmAllReduce, AWatchdogPeriodTooLongForTheClockMeansNever) {
+  constexpr int kRanks = 2;
+  testing::InMemoryStore store;
+  std::vector<std::unique_ptr<ShmAllReduce>> group(kRanks);
+  RunRanks(kRanks, [&](int r) {
+    ShmOptions options{.rank = r, .size = kRanks, .pids = std::vector<int>(kRanks, getpid()),
+                       .watchdog_period = milliseconds::max()};
+    auto engine = ShmAllReduce::Create(store, "shm/", options, DeadlineIn(milliseconds(10000)));
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    group[r] = std::move(*engine);
+  });
+  ASSERT_TRUE(group[0] != nullptr && group[1] != nullptr);
+  int runs = 0;
+  // Rank 1 never comes.
+  Status s = group[0]->Barrier(DeadlineIn(milliseconds(200)), [&](Deadline, int) {
+    ++runs;
+    return Status::Ok();
+  });
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_EQ(runs, 1);
+}
+
 // Counts on both sides of the 4 KiB staging limit (staged: 1 and 200
 // elements per block; CMA: 1001).
 TEST(ShmAllReduce, AllToAllEveryBlockToItsRank) {
