@@ -935,8 +935,12 @@ Status UcxPointToPoint::BackOff(const Polls& polls, Clock::time_point now, Deadl
       if (!context_->wakeup()) {
         // No event fd to sleep on: a bounded sleep between polls, so that
         // the core stays free at the cost of up to that much latency.
+        // `max_sleep` is cut to a millisecond (more than the step) before it
+        // becomes nanoseconds: a watchdog period of milliseconds::max()
+        // overflowed there, and the wait never slept.
         std::this_thread::sleep_for(std::min<Clock::duration>(
-            {kSleepStepWithoutWakeup, std::max<Clock::duration>(deadline - now, {}), max_sleep}));
+            {kSleepStepWithoutWakeup, std::max<Clock::duration>(deadline - now, {}),
+             std::min(max_sleep, std::chrono::milliseconds(1))}));
         break;
       }
       DDP_RETURN_IF_ERROR(worker_->WaitForEvents(SleepMilliseconds(left, max_sleep)));

@@ -1344,6 +1344,26 @@ TEST(UcxPointToPoint, SleepModeSetOnAContextWithoutWakeupSleepsInSteps) {
   EXPECT_EQ(sleeping[0]->options().idle_mode, IdleMode::kSleep);
 }
 
+// The same with a watchdog period too long for the clock (the longest a
+// duration in milliseconds holds: "never"), which bounds each sleep when
+// no watchdog is set: converted to the clock's nanoseconds it overflowed,
+// and the wait never slept.
+TEST(UcxPointToPoint, SleepStepsWithoutWakeupTakeAWatchdogPeriodTooLongForTheClock) {
+  auto ranks = MakeRanks(2, IdleMode::kSpin, P2pOptions{}.recall_grace, milliseconds::max());
+  UcxPointToPoint& p2p = *ranks[0];
+  p2p.set_idle_mode(IdleMode::kSleep, 1);
+  int v = 0;
+  auto id = p2p.PostRecv(1, 4, &v, sizeof(v));
+  ASSERT_TRUE(id.ok()) << id.status();
+  p2p::RequestId ids[] = {*id};
+  rusage before{}, after{};
+  ASSERT_EQ(getrusage(RUSAGE_THREAD, &before), 0);
+  Status s = p2p.WaitAll(ids, DeadlineIn(milliseconds(200)));
+  ASSERT_EQ(getrusage(RUSAGE_THREAD, &after), 0);
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s;
+  EXPECT_GE(after.ru_nvcsw - before.ru_nvcsw, 10) << "the wait did not sleep";
+}
+
 // kSleep given to Create on a context without wakeup is the same as
 // set_idle_mode(kSleep) after it: accepted, and a wait sleeps in short
 // steps and times out at its deadline. Create refused it (INVALID_ARGUMENT)
