@@ -396,18 +396,24 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
 }
 
 Status UcxPointToPoint::CheckPeer(int peer, p2p::Tag tag, const char* what) const {
-  if (closed_) return FailedPreconditionError(std::string(what) + " after the transport was closed");
+  // Built only for an error: every post passes through here.
+  auto post = [&] {
+    return std::string(what) + " rank " + std::to_string(peer) + " (tag " + std::to_string(tag) +
+           ")";
+  };
+  if (closed_) return FailedPreconditionError(post() + ": the transport was closed");
   if (peer < 0 || peer >= options_.size) {
     return InvalidArgumentError(std::string(what) + " rank " + std::to_string(peer) +
                                 " outside a world of size " + std::to_string(options_.size));
   }
-  if (endpoints_.empty()) return FailedPreconditionError(std::string(what) + " before Connect()");
+  if (endpoints_.empty()) {
+    return FailedPreconditionError(post() + ": not connected (Connect() not called, or it failed)");
+  }
   const Status& failure = peers_[peer]->failure;
   if (!failure.ok()) {
     // This post first, then why its peer is gone (which may name an
     // earlier operation that gave it up).
-    return Status(failure.code(), std::string(what) + " rank " + std::to_string(peer) + " (tag " +
-                                      std::to_string(tag) + "): " + failure.message());
+    return Status(failure.code(), post() + ": " + failure.message());
   }
   return Status::Ok();
 }

@@ -1607,11 +1607,36 @@ TEST(UcxPointToPoint, CloseWithUndeliveredNotices) {
   ranks.clear();
 }
 
+// Posts after Close, and before Connect, fail naming the post (its peer
+// and tag) and why; they read "send to after the transport was closed",
+// naming neither.
 TEST(UcxPointToPoint, OperationsAfterCloseFail) {
   auto ranks = MakeRanks(2);
   ASSERT_TRUE(ranks[0]->Close(DeadlineIn(milliseconds(2000))).ok());
   int v = 0;
-  EXPECT_EQ(ranks[0]->PostSend(1, 1, &v, 4).status().code(), StatusCode::kFailedPrecondition);
+  Status send = ranks[0]->PostSend(1, 1, &v, 4).status();
+  EXPECT_EQ(send.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(send.message().find("send to rank 1 (tag 1): the transport was closed"),
+            std::string::npos)
+      << send;
+  Status recv = ranks[0]->PostUserRecv(1, 2, &v, 4).status();
+  EXPECT_NE(recv.message().find("receive from rank 1 (tag 2): the transport was closed"),
+            std::string::npos)
+      << recv;
+  Status notice = ranks[0]->PostNotice(1, 3, &v, 4);
+  EXPECT_NE(notice.message().find("notice to rank 1 (tag 3): the transport was closed"),
+            std::string::npos)
+      << notice;
+
+  auto context = Context::Create({.default_tls = "sm,self"});
+  ASSERT_TRUE(context.ok()) << context.status();
+  auto unconnected = UcxPointToPoint::Create(*context, {.rank = 0, .size = 2});
+  ASSERT_TRUE(unconnected.ok()) << unconnected.status();
+  Status early = (*unconnected)->PostSend(1, 4, &v, 4).status();
+  EXPECT_EQ(early.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.message().find("send to rank 1 (tag 4): not connected (Connect() not called"),
+            std::string::npos)
+      << early;
 }
 
 // Connect after Close is refused, saying so: a transport closed before it
