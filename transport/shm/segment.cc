@@ -227,7 +227,13 @@ StatusOr<std::unique_ptr<Segment>> Segment::CreateShared(store::Store& store,
       return posted;
     }
   } else {
-    DDP_ASSIGN_OR_RETURN(name, store.Get(name_key, deadline));
+    auto posted_name = store.Get(name_key, deadline);
+    if (!posted_name.ok()) {
+      return Status(posted_name.status().code(),
+                    "shared-memory segment: waiting for local rank 0 to create it: " +
+                        posted_name.status().message());
+    }
+    name = std::move(*posted_name);
     if (!name.empty() && name[0] == kFailed) return UnavailableError(name.substr(1));
     const std::string path = "/dev/shm" + name;
     const int fd = shm_open(name.c_str(), O_RDWR, 0600);

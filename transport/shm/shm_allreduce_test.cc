@@ -1691,6 +1691,19 @@ TEST(ShmAllReduce, ASegmentStillBeingSetUpIsKeptPastTheStaleAgeUntilItsDeadline)
   EXPECT_TRUE(created->ok()) << created->status();
 }
 
+// A rank whose local rank 0 never creates the segment times out saying
+// what it waited for and from whom, as rank 0 does when a rank never maps
+// it; it said only the store's words about its key.
+TEST(ShmAllReduce, ARankWaitingForTheSegmentNamesLocalRankZero) {
+  testing::InMemoryStore store;
+  auto late = Segment::CreateShared(store, "absent/", 1, 2, 4096, DeadlineIn(milliseconds(100)));
+  EXPECT_EQ(late.status().code(), StatusCode::kTimedOut) << late.status();
+  EXPECT_NE(late.status().message().find(
+                "shared-memory segment: waiting for local rank 0 to create it: "),
+            std::string::npos)
+      << late.status();
+}
+
 // A name that carries its set-up deadline goes once its creator is gone
 // and the deadline is more than a minute past; before that it stays. Run
 // in a folder of its own with a stale age of 0.
