@@ -768,16 +768,18 @@ Status ShmAllReduce::CopyError(bool write, int peer, int error, void* local, siz
   }
   // A peer being killed fails copies with EFAULT before it is seen to
   // exit: up to 500 ms for that, never past the call's deadline.
+  constexpr std::chrono::milliseconds kExitWait(500);
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
       std::max<Clock::duration>(call_deadline_ - Clock::now(), Clock::duration::zero()));
-  if (error == ESRCH ||
-      (error == EFAULT &&
-       PeerExitsWithin(peer, std::min(left, std::chrono::milliseconds(500))))) {
+  if (error == ESRCH || (error == EFAULT && PeerExitsWithin(peer, std::min(left, kExitWait)))) {
     return PeerExited(peer);
   }
   if (error == EFAULT) {
-    return InvalidArgumentError(RankName(peer) + "'s buffer is not " +
-                                (write ? "writable" : "readable") + " (freed during the call?)");
+    return InvalidArgumentError(
+        RankName(peer) + "'s buffer is not " + (write ? "writable" : "readable") +
+        (left < kExitWait ? " (freed during the call, or its process is being killed: the deadline "
+                            "left " + std::to_string(left.count()) + " ms to wait for its exit)"
+                          : std::string(" (freed during the call?)")));
   }
   return UnavailableError(std::string(write ? "writing " : "reading ") + RankName(peer) +
                           "'s memory: " + std::strerror(error));
