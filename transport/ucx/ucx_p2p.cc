@@ -304,9 +304,11 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
                                        Deadline deadline) {
   std::vector<void*> closing;
   std::vector<int> closing_peers;  // closing[i] is the endpoint to closing_peers[i]
-  // The first close UCX refused: that endpoint stays open until the worker
-  // is destroyed (which destroys it), and Close reports it.
+  // The first close UCX refused, and the ranks of any later ones: those
+  // endpoints stay open until the worker is destroyed (which destroys
+  // them), and Close reports every one.
   Status refused;
+  std::string also_refused;
   auto close = [&](int peer, bool force) {
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
@@ -316,7 +318,9 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
     if (UCS_PTR_IS_PTR(request)) {
       closing.push_back(request);
       closing_peers.push_back(peer);
-    } else if (UCS_PTR_IS_ERR(request) && refused.ok()) {
+    } else if (UCS_PTR_IS_ERR(request) && !refused.ok()) {
+      also_refused += (also_refused.empty() ? "" : ", ") + std::to_string(peer);
+    } else if (UCS_PTR_IS_ERR(request)) {
       // Not the caller's bad argument: UCX 1.13 cannot force an endpoint
       // without peer error mode (one to a lost rank on this host).
       refused = FailedPreconditionError(
@@ -360,6 +364,13 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
     }
     close(peer, force);
   }
+  auto name_also_refused = [&] {
+    if (also_refused.empty()) return;
+    refused = FailedPreconditionError(refused.message() +
+                                      "; so was the close of the endpoint(s) to rank(s) " +
+                                      also_refused);
+    also_refused.clear();
+  };
   // Every flush still pending at the deadline, its peer's endpoint then
   // closed by force (which completes the flush, and UCX frees it then).
   std::string unflushed;
@@ -372,6 +383,7 @@ Status UcxPointToPoint::CloseEndpoints(std::span<const int> peers, bool force_re
     }
     close(flushing_peers[i], /*force=*/!flushed || !peers_[flushing_peers[i]]->failure.ok());
   }
+  name_also_refused();
   // The forced closes of peers that did not take the flush get their own
   // bound: the flush has used up the deadline.
   const Deadline until = flush_timed_out ? DeadlineIn(kForceCloseTime) : deadline;

@@ -149,7 +149,7 @@ class UcxPointToPoint final : public p2p::PointToPoint {
   /// destructor if not called before. An endpoint whose close UCX refused
   /// (1.13 cannot force one to a lost rank on this host) stays open until
   /// the worker is destroyed, and Close returns FAILED_PRECONDITION naming
-  /// its rank.
+  /// its rank (every such rank).
   /// `force_remote`: close endpoints to other hosts without flushing (after
   /// an abort: a flush towards a host that went silent never completes, and
   /// UCX cannot destroy a worker whose endpoints still hold sends).

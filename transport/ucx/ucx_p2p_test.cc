@@ -704,6 +704,23 @@ TEST(UcxPointToPoint, CloseReportsAnEndpointUcxRefusedToClose) {
   EXPECT_TRUE(ranks[1]->Close(DeadlineIn(milliseconds(2000))).ok());
 }
 
+// With several such endpoints, Close names every one left open, not only
+// the first.
+TEST(UcxPointToPoint, CloseNamesEveryEndpointUcxRefusedToClose) {
+  auto ranks = MakeRanks(3);
+  ranks[0]->MarkPeerLost(1, PeerLostError("rank 1 exited"));
+  ranks[0]->MarkPeerLost(2, PeerLostError("rank 2 exited"));
+  Status s = ranks[0]->Close(DeadlineIn(milliseconds(2000)));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("forced close of the endpoint to rank 1 was refused"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("so was the close of the endpoint(s) to rank(s) 2"),
+            std::string::npos)
+      << s;
+  for (int r : {1, 2}) EXPECT_TRUE(ranks[r]->Close(DeadlineIn(milliseconds(2000))).ok());
+}
+
 // Three ranks over TCP, as on three hosts (peer error mode). Rank 1 goes
 // away (its endpoints closed by force, its worker destroyed): rank 0 lists
 // it among the peers with failed endpoints once UCX has seen its connection
