@@ -667,9 +667,14 @@ char* ShmAllReduce::MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const
     // What this process opened must be the file looked at (the peer may
     // have reused the number in between), and still a memfd of
     // AllocateShareable's (named so by its link here).
+    // And the pid must still have been the peer's when it was opened: the
+    // peer's pidfd shows it alive now. Another process that took the pid
+    // of a peer that died (a restarted rank of the same program) may hold
+    // such a memfd of that size under that number too.
     if (fstat(fd, &st) == 0 && st.st_dev == seen.st_dev && st.st_ino == seen.st_ino &&
         static_cast<uint64_t>(st.st_size) == region->size &&
-        LinksToShareableMemfd("/proc/self/fd/" + std::to_string(fd))) {
+        LinksToShareableMemfd("/proc/self/fd/" + std::to_string(fd)) &&
+        !(peer_pidfds_[peer] >= 0 && PeerExitsWithin(peer, std::chrono::milliseconds(0)))) {
       m.device = st.st_dev;
       m.inode = st.st_ino;
       void* p = mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -371,7 +371,9 @@ class ShmAllReduce {
   Status CopyError(bool write, int peer, int error, void* local, size_t bytes) const;
   // [remote, remote + bytes) of `peer`'s memory, mapped here, when it lies
   // in shareable memory the peer published for the current call and the
-  // mapping succeeds (cached per region); else null (use CMA).
+  // mapping succeeds (cached per region; never made once the peer's pidfd
+  // shows it exited, as its pid may be another process's); else null
+  // (use CMA).
   char* MapPeerBuffer(int peer, uint64_t remote, size_t bytes) const;
   // Unmaps the mapped regions of each peer (of `only`, if >= 0) that their
   // owner freed, if it freed any since the last look (Args::freed of

@@ -1422,6 +1422,49 @@ TEST(ShmAllReduce, AWriteToAPeerWhosePidWasReusedIsNotMade) {
       << write_status;
 }
 
+// The same for a root output in shareable memory, which rank 0 maps
+// through /proc/PID/fd/N instead of writing by pid: the copy holding the
+// dead root's pid has a memfd of AllocateShareable's of the same size under
+// that number (it inherited this process's), as a restarted rank of the
+// same program could. Rank 0 mapped it and wrote into it, and the call
+// returned OK; a region is now mapped only while the owner's pidfd shows
+// it alive after the open, and the call fails PEER_LOST.
+TEST(ShmAllReduce, AShareableBufferOfAPeerWhosePidWasReusedIsNotMapped) {
+  const size_t count = 4096;  // 2 x 16 KiB at the root: above the rooted staging limit
+  std::vector<float> mine(count, 3.0f);
+  auto gathered = AllocateShareable(2 * count * sizeof(float));
+  ASSERT_TRUE(gathered.ok()) << gathered.status();
+  PairWithDeadPeer pair = MakePairWithDeadPeer("map_reused/");
+  ASSERT_GE(pair.peer, 0) << "fork: " << std::strerror(errno);
+  auto& group = pair.group;
+  const pid_t peer = pair.peer;
+  const pid_t reuser = StartCopyAs(peer, [] {});
+  const int reuse_error = errno;
+  auto silent = [](Deadline, int) { return Status::Ok(); };
+  Status write_status;
+  uint64_t mapped = 0;
+  if (group[0] != nullptr && group[1] != nullptr) {
+    std::thread root_rank([&] {
+      std::vector<float> own(count, 5.0f);
+      group[1]->Gather(own.data(), *gathered, count, DataType::kF32, 1,
+                       DeadlineIn(milliseconds(3000)), silent).IgnoreError();
+    });
+    write_status = group[0]->Gather(mine.data(), nullptr, count, DataType::kF32, 1,
+                                    DeadlineIn(milliseconds(3000)), silent);
+    root_rank.join();
+    mapped = group[0]->mapping_stats().maps;
+  }
+  KillAndReap(reuser);
+  group.clear();
+  EXPECT_TRUE(FreeShareable(*gathered).ok());
+  ASSERT_EQ(reuser, peer) << "clone3 with set_tid: " << std::strerror(reuse_error);
+  EXPECT_EQ(mapped, 0u) << "the reused pid's memfd was mapped";
+  EXPECT_EQ(write_status.code(), StatusCode::kPeerLost) << write_status;
+  EXPECT_NE(write_status.message().find("rank 1 (pid " + std::to_string(peer) + ") exited"),
+            std::string::npos)
+      << write_status;
+}
+
 // A group inside a larger job names its members by their job ranks.
 TEST(ShmAllReduce, MessagesUseTheGivenRankNames) {
   testing::InMemoryStore store;
