@@ -591,16 +591,22 @@ class ProcessGroup::Impl {
       pthread_getcpuclockid(thread_.native_handle(), &thread_clock_);
       has_clock_.store(true, std::memory_order_release);
     }
+    if (mode == Mode::kPointToPoint) ReserveInFlight();
+    // What the trace event of messages posted here is named, made before
+    // they are posted: from the post on, nothing here may throw (the
+    // caller would get no Work for messages in flight).
+    const Traces trace = traces_;
+    std::string trace_name;
+    if (post_here && trace != nullptr) trace_name = description.ToString();
     if (post_here) {
       posted = PostHere(task, state);
       wake = in_flight_.empty();
-      if (posted.ok()) in_flight_.push_back(state);
+      if (posted.ok()) in_flight_.push_back(state);  // room reserved above
     } else if (run_here) {
       // running_ keeps the thread from starting anything issued meanwhile.
       Item item{std::move(description), std::move(task), state, mode, own_ms};
       ++running_;
       ahead_ms_ += own_ms;
-      const Traces trace = traces_;
       // Outlives `this`: set when the task destroyed the group (Stop).
       const std::shared_ptr<std::atomic<bool>> gone = gone_;
       lock.unlock();
@@ -616,18 +622,11 @@ class ProcessGroup::Impl {
     } else {
       queue_.push_back(Item{std::move(description), std::move(task), state, mode, own_ms});
       ahead_ms_ += own_ms;
+      if (mode == Mode::kPointToPoint) ++p2p_pending_;
     }
-    const Traces trace = traces_;
     lock.unlock();
     if (wake) cv_.notify_one();
-    if (post_here) {
-      const Clock::time_point end = Clock::now();
-      Record(trace, description.ToString(), state->started, end, posted.ok());
-      if (!posted.ok()) {
-        if (aborted_reason().ok()) Abort(posted);
-        state->Finish(transport::Status(posted.code(), state->what + ": " + posted.message()), end);
-      }
-    }
+    if (post_here) FinishPostedHere(state, std::move(posted), trace, trace_name);
     return work;
   }
 
@@ -707,7 +706,10 @@ class ProcessGroup::Impl {
   void GiveUpOnRunningTask(std::unique_lock<std::mutex>& lock) {
     std::deque<Item> queued = std::move(queue_);
     queue_.clear();
-    std::vector<std::shared_ptr<Work::State>> flying = std::move(in_flight_);
+    for (const Item& item : queued) p2p_pending_ -= item.mode == Mode::kPointToPoint ? 1 : 0;
+    // Copied, not moved: in_flight_ keeps the room reserved for the running
+    // item, should it be messages the thread adds there when it returns.
+    std::vector<std::shared_ptr<Work::State>> flying(in_flight_.begin(), in_flight_.end());
     in_flight_.clear();
     stopping_ = true;
     lock.unlock();
@@ -873,26 +875,85 @@ class ProcessGroup::Impl {
 
   // Runs a point-to-point item's `task` (posting its messages) on the
   // caller's thread, under mu_; marks `state` posted when it succeeded.
-  Status PostHere(const Task& task, const std::shared_ptr<Work::State>& state) {
+  // Never throws: some messages may be posted when something fails.
+  Status PostHere(const Task& task, const std::shared_ptr<Work::State>& state) noexcept {
     const Clock::time_point start = Clock::now();
     {
       std::lock_guard state_lock(state->mu);
       state->started = start;
     }
-    Status status = aborted_reason();
-    if (!status.ok()) return status;
+    Status status;
     try {
-      status = task(comm_.get(), start + options_.timeout);
-    } catch (const std::exception& e) {
-      status = transport::InternalError(std::string("posting a message threw: ") + e.what());
+      status = aborted_reason();
+      if (!status.ok()) return status;
+      try {
+        status = task(comm_.get(), start + options_.timeout);
+      } catch (const std::exception& e) {
+        status = transport::InternalError(std::string("posting a message threw: ") + e.what());
+      } catch (...) {
+        status = transport::InternalError("posting a message threw an exception that is not a std::exception");
+      }
     } catch (...) {
-      status = transport::InternalError("posting a message threw an exception that is not a std::exception");
+      // No memory to say why (FinishPostedHere names the call).
+      return Status(transport::StatusCode::kResourceExhausted, "");
     }
     if (status.ok()) {
       std::lock_guard state_lock(state->mu);
       state->posted = true;
     }
     return status;
+  }
+
+  // After PostHere, with mu_ released: records the trace event (named
+  // `trace_name`) and, when the post failed, aborts the group and fails
+  // the Work. Never throws, as RunGuarded: the messages may be in flight
+  // and the caller gets the Work. Bookkeeping that runs out of memory
+  // (internal::FailNextBookkeepingForTesting stands for that) fails the
+  // Work with RESOURCE_EXHAUSTED naming it and aborts the group, so that
+  // the peer does not wait for what this rank cannot follow.
+  void FinishPostedHere(const std::shared_ptr<Work::State>& state, Status posted, const Traces& trace,
+                        const std::string& trace_name) noexcept {
+    const Clock::time_point end = Clock::now();
+    try {
+      if (fail_next_bookkeeping.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
+      Record(trace, trace_name, state->started, end, posted.ok());
+      if (!posted.ok()) {
+        if (aborted_reason().ok()) Abort(posted);
+        state->Finish(transport::Status(posted.code(), state->what + ": " + posted.message()), end);
+      }
+    } catch (...) {
+      Status reason(transport::StatusCode::kResourceExhausted, "");
+      try {
+        std::string text;
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          text = e.what();
+        } catch (...) {
+          text = "an exception not derived from std::exception";
+        }
+        reason = transport::ResourceExhaustedError("could not post " + state->what + ": its bookkeeping failed: " +
+                                                   text);
+        Abort(reason);
+      } catch (...) {
+        try {
+          Abort(reason);
+        } catch (...) {
+        }
+      }
+      state->Finish(std::move(reason), end);
+    }
+  }
+
+  // Under mu_, before a point-to-point item is queued or posted: room in
+  // in_flight_ for it and for every one queued or running ahead
+  // (p2p_pending_), so that adding a posted item there never allocates. On
+  // the communication thread a std::bad_alloc there ended the process, and
+  // on the caller's it left the call throwing with its messages posted; a
+  // throw here leaves nothing done.
+  void ReserveInFlight() {
+    const size_t needed = in_flight_.size() + p2p_pending_ + 1;
+    if (needed > in_flight_.capacity()) in_flight_.reserve(std::max(needed, 2 * in_flight_.capacity()));
   }
 
   // Under mu_.
@@ -903,17 +964,39 @@ class ProcessGroup::Impl {
   // Works still unfinished are failed (Stop aborted the communicator, so
   // their messages were cancelled).
   void PollInFlight(std::unique_lock<std::mutex>& lock, bool stopping) {
-    std::vector<std::shared_ptr<Work::State>> polled = in_flight_;
-    lock.unlock();
-    for (const std::shared_ptr<Work::State>& state : polled) {
-      if (state->Drive() || !stopping) continue;
-      Status reason = aborted_reason();
-      state->Finish(reason.ok() ? transport::FailedPreconditionError(
-                                      "process group destroyed with a message in flight")
-                                : reason,
-                    Clock::now());
+    // One at a time, by index, with no copy of the list (a copy's
+    // std::bad_alloc on this thread ended the process): only this thread
+    // removes entries, so those not yet polled stay where they are; posts
+    // on a caller's thread add theirs at the end meanwhile, and Stop's
+    // last resorts empty the list.
+    for (size_t i = 0; i < in_flight_.size(); ++i) {
+      const std::shared_ptr<Work::State> state = in_flight_[i];
+      lock.unlock();
+      try {
+        if (!state->Drive() && stopping) {
+          Status reason = aborted_reason();
+          state->Finish(reason.ok() ? transport::FailedPreconditionError(
+                                          "process group destroyed with a message in flight")
+                                    : reason,
+                        Clock::now());
+        }
+      } catch (...) {
+        // No memory to report a mismatch or the abort's reason (out of
+        // this thread it ended the process): the messages fail, and so
+        // does the group, so that the peer does not wait for them.
+        Status reason(transport::StatusCode::kResourceExhausted, "");
+        try {
+          reason = transport::ResourceExhaustedError(state->what + ": no memory to follow its messages");
+        } catch (...) {
+        }
+        try {
+          Abort(reason);
+        } catch (...) {
+        }
+        state->Finish(std::move(reason), Clock::now());
+      }
+      lock.lock();
     }
-    lock.lock();
     std::erase_if(in_flight_, [](const std::shared_ptr<Work::State>& state) {
       std::lock_guard state_lock(state->mu);
       return state->done;
@@ -1083,7 +1166,11 @@ class ProcessGroup::Impl {
       lock.lock();
       --running_;
       ahead_ms_ -= item.own_ms;
-      if (posted) in_flight_.push_back(item.state);
+      if (item.mode == Mode::kPointToPoint) {
+        // Never allocates: Enqueue reserved room for it (ReserveInFlight).
+        if (posted) in_flight_.push_back(item.state);
+        --p2p_pending_;
+      }
       if (Idle()) idle_cv_.notify_all();
     }
   }
@@ -1110,6 +1197,9 @@ class ProcessGroup::Impl {
   std::deque<Item> queue_;
   // Point-to-point Works posted and not yet finished.
   std::vector<std::shared_ptr<Work::State>> in_flight_;
+  // Point-to-point items queued or running on the communication thread:
+  // in_flight_ has room for them (ReserveInFlight).
+  size_t p2p_pending_ = 0;
   size_t running_ = 0;  // items running, on the thread or on a caller's
   // The sum of the own times of the items queued and running, in ms (int64:
   // no overflow even for many calls of a 30-day timeout): how long a new

@@ -49,7 +49,11 @@
 // call's own bookkeeping, no thread to run it) aborts the group before the
 // exception leaves the call, so that its peers fail at once with a reason
 // naming it and the call ("ProcessGroup::AllReduce failed on rank 1 before
-// it was issued: std::bad_alloc"). A collective
+// it was issued: std::bad_alloc"). Past that point (messages posted in the
+// call, a collective run on the caller's thread) the call returns its Work,
+// and a failure of its bookkeeping fails that Work with RESOURCE_EXHAUSTED
+// naming it ("could not post send to rank 0 ...: its bookkeeping failed")
+// and aborts the group the same way. A collective
 // that fails (a peer died, a deadline passed, ranks disagreed) completes its
 // Work with the transport's Status code, its message prefixed with the
 // collective ("all_reduce bucket 3(sum, f32 [4]) (collective #5 on rank 0):
@@ -131,7 +135,8 @@ class ScopedDefaultLabel {
 void FailNextNewGroupAfterSplitForTesting();
 
 /// Test only: the next collective to finish its task in this process (on
-/// any group and thread) then fails its bookkeeping (its trace event) with
+/// any group and thread), or the next messages posted in the call that
+/// issues them, then fails its bookkeeping (its trace event) with
 /// std::bad_alloc, as when memory runs out there. Armed inside a task, it
 /// is that task's.
 void FailNextBookkeepingForTesting();

@@ -828,6 +828,60 @@ TEST(ProcessGroupTest, NoMemoryForACallsBookkeepingFailsItAndAbortsTheGroup) {
   }
 }
 
+// A Send whose messages are posted in the call (nothing queued or running
+// ahead: DDP_COLLECTIVE_THREAD=caller ran the barrier before it on this
+// thread) and whose bookkeeping after the post runs out of memory on rank 1
+// (internal::FailNextBookkeepingForTesting). The call returns the Work of
+// the messages it posted, which fails with RESOURCE_EXHAUSTED naming it, and
+// the group is aborted: the next collective fails at once on both ranks
+// with that reason. Before, nothing there was guarded: a std::bad_alloc
+// after the post left Send throwing, with its message in flight and no
+// Work, and the abort said that it failed before it was issued.
+DDP_TEST_WORKER(pg_posted_here_bookkeeping_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  const std::string want =
+      "could not post send to rank 0 tag 0(f32 [4]) on rank 1: its bookkeeping failed: std::bad_alloc";
+  Tensor t = nn::Full({4}, me + 1);
+  pg->Barrier().Wait();
+  if (me == 1) {
+    std::string sent = "succeeded";
+    try {
+      internal::FailNextBookkeepingForTesting();
+      Work work = pg->Send(t, 0);
+      WORKER_EXPECT(work.IsCompleted(), "the Send's Work is not complete after a failed post" + on);
+      work.Wait();
+    } catch (const DistributedError& e) {
+      sent = std::string("DistributedError: ") + e.what();
+    } catch (const std::exception& e) {
+      sent = std::string("another exception: ") + e.what();
+    }
+    WORKER_EXPECT(sent.rfind("DistributedError: RESOURCE_EXHAUSTED: " + want, 0) == 0, "the Send: " + sent + on);
+  } else {
+    // The message was posted before the abort: it may arrive or fail.
+    const transport::Status received = pg->Recv(t, 1).WaitFor(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    WORKER_EXPECT(received.ok() || received.message().find(want) != std::string::npos,
+                  "the Recv: " + received.ToString() + on);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string next = "succeeded";
+  try {
+    pg->AllReduce(t).Wait();
+  } catch (const DistributedError& e) {
+    next = e.what();
+  }
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
+                "the next collective waited for its budget" + on);
+  WORKER_EXPECT(next.find(want) != std::string::npos, "the next collective: " + next + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NoMemoryAfterPostingAMessageFailsItsWorkAndAbortsTheGroup) {
+  auto run = RunWorkers("pg_posted_here_bookkeeping_out_of_memory", 2, {{"DDP_COLLECTIVE_THREAD", "caller"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(ProcessGroupTest, BadArgumentsNameTheProblem) {
   auto pg = ProcessGroup::Single();
   Tensor m = nn::Zeros({4, 3});
