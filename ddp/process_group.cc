@@ -2326,7 +2326,14 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
   return std::move(*out);
 }
 
-void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) try {
+void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) {
+  // Waited for outside IssueMonitoredBarrier's handler: the barrier was
+  // issued, so a failure of the wait (no memory for its error's text) must
+  // not abort the group saying that it failed before it was issued.
+  IssueMonitoredBarrier(timeout, wait_all_ranks).Wait();
+}
+
+Work ProcessGroup::IssueMonitoredBarrier(milliseconds timeout, bool wait_all_ranks) try {
   if (timeout.count() < 0) {
     throw std::invalid_argument("ProcessGroup::MonitoredBarrier: timeout " +
                                 std::to_string(timeout.count()) + " ms is negative");
@@ -2344,8 +2351,8 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) t
                           false};
   // No fingerprint exchange: it would wait the group's timeout for a missing
   // rank instead of naming it.
-  impl_->Enqueue(std::move(d), [timeout, wait_all_ranks, number, others_wait](
-                     transport::Communicator* comm, Deadline) {
+  return impl_->Enqueue(std::move(d), [timeout, wait_all_ranks, number, others_wait](
+                            transport::Communicator* comm, Deadline) {
     if (comm == nullptr || comm->size() == 1) return Status::Ok();
     const int n = comm->size();
     const Clock::time_point start = Clock::now();
@@ -2440,7 +2447,7 @@ void ProcessGroup::MonitoredBarrier(milliseconds timeout, bool wait_all_ranks) t
       if (Status sent = w.Wait(Clock::now() + call.timeout); !sent.ok()) return fail(sent, releases);
     }
     return Status::Ok();
-  }, nullptr, Impl::Mode::kUnchecked, {}, others_wait + milliseconds(2000)).Wait();
+  }, nullptr, Impl::Mode::kUnchecked, {}, others_wait + milliseconds(2000));
 } catch (...) {
   AbortUnlessArgumentError(*this, "MonitoredBarrier");
   throw;

@@ -606,6 +606,9 @@ class ProcessGroup {
   Work ListExchange(bool gather, const nn::Tensor& local, const std::vector<nn::Tensor>& list,
                     int root);
   Work PostPointToPoint(const std::vector<P2POp>& ops, const char* call);
+  // MonitoredBarrier up to the Enqueue (its handler aborts the group for a
+  // failure before the barrier was issued); the caller waits.
+  Work IssueMonitoredBarrier(std::chrono::milliseconds timeout, bool wait_all_ranks);
   // Run's and RunFenced's work; `call` names the one the user made.
   Work IssueTask(const CollectiveDescription& description, FencedTask task,
                  const std::vector<nn::Tensor>& device_tensors, const char* call);
