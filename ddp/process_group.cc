@@ -2104,6 +2104,9 @@ void ProcessGroup::BroadcastObject(std::string* object, int root) {
         },
         nullptr);
   } catch (...) {
+    // Not issued: the caller's object comes back as it was (the header
+    // promises it; a call refused from inside a task left it empty).
+    if (bytes != nullptr) *object = std::move(*bytes);
     AbortBeforeIssued(*this, "BroadcastObject");
     throw;
   }

@@ -1259,6 +1259,29 @@ TEST(ProcessGroupTest, WorkIssuedFromInsideATaskOfTheSameGroupIsRefusedAtOnce) {
   EXPECT_LT(seconds, 5.0) << "the nested call waited for the group's wait budget";
 }
 
+// BroadcastObject refused before it is issued (here: called from inside a
+// task of the same group) leaves the caller's object as it was, as the
+// header says; before, the object had been moved into the call's buffer
+// already and was left empty.
+TEST(ProcessGroupTest, ABroadcastObjectRefusedBeforeItIsIssuedLeavesTheObject) {
+  auto pg = ProcessGroup::Single({.timeout = std::chrono::milliseconds(10000)});
+  ProcessGroup* group = pg.get();  // outlives the task, which the test waits for
+  auto object = std::make_shared<std::string>("the caller's object, long enough to live on the heap");
+  auto error = std::make_shared<std::string>();
+  pg->Run({"broadcasts_an_object", nn::DType::kUInt8, {0}},
+          [group, object, error](transport::Communicator*, transport::Deadline) {
+            try {
+              group->BroadcastObject(object.get(), 0);
+            } catch (const std::logic_error& e) {
+              *error = e.what();
+            }
+            return transport::Status::Ok();
+          })
+      .Wait();
+  EXPECT_NE(error->find("broadcast_object(root 0, u8"), std::string::npos) << *error;
+  EXPECT_EQ(*object, "the caller's object, long enough to live on the heap");
+}
+
 TEST(ProcessGroupTest, NewGroupOfAnEmptyListIsRefused) {
   auto pg = ProcessGroup::Single();
   std::string error;
