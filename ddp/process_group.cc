@@ -781,7 +781,13 @@ class ProcessGroup::Impl {
   // up; they get the reason this group settled on (the first, perhaps a
   // peer's). Not when this group is merely destroyed: a subgroup may
   // outlive it.
-  void Abort(const Status& reason, bool cascade = true) {
+  void Abort(const Status& given, bool cascade = true) {
+    // An OK reason would leave a group without a communicator unaborted
+    // (the communicator itself takes it as "no reason given"): the same
+    // here, so that every group stops alike.
+    const Status reason =
+        given.ok() ? transport::AbortedError("ProcessGroup::Abort was called with an OK status (no reason given)")
+                   : given;
     if (comm_ != nullptr) {
       comm_->Abort(reason);
     } else {

@@ -584,7 +584,8 @@ class ProcessGroup {
   transport::Status aborted_reason() const;
   /// Aborts the communicator: queued and later collectives fail with `reason`
   /// here, and peers learn it within about 100 ms. The groups made from this
-  /// one by NewGroup (still alive) are aborted with it.
+  /// one by NewGroup (still alive) are aborted with it. An OK `reason`
+  /// aborts with ABORTED "... no reason given", one-process groups too.
   void Abort(const transport::Status& reason);
 
   class Impl;

@@ -643,6 +643,25 @@ TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
   }
 }
 
+// Abort with an OK status stops a one-process group too, as it does a
+// group with a communicator (which takes it as "no reason given"); before,
+// the group went on as if nothing had been asked.
+TEST(ProcessGroupTest, AbortWithAnOkStatusStopsAOneProcessGroup) {
+  auto pg = ProcessGroup::Single();
+  pg->Abort(transport::Status::Ok());
+  EXPECT_EQ(pg->aborted_reason().code(), transport::StatusCode::kAborted);
+  Tensor t = nn::Ones({2});
+  try {
+    pg->AllReduce(t).Wait();
+    FAIL() << "an all-reduce ran after the abort";
+  } catch (const DistributedError& e) {
+    EXPECT_NE(std::string(e.what()).find("not run: the group was aborted: ProcessGroup::Abort was called with an OK "
+                                         "status (no reason given)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // AllGatherObject's two ways, on every rank alike: objects of a few bytes
 // from every rank (the trainer's stats line, "0.00"), an empty one, one
 // holding zero bytes, gathered by default (one padded all-gather: 2
