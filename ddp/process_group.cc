@@ -891,7 +891,8 @@ class ProcessGroup::Impl {
     Status status;
     try {
       status = aborted_reason();
-      if (!status.ok()) return status;
+      // Worded as Run words it for messages queued behind other work.
+      if (!status.ok()) return Status(status.code(), "not run: the group was aborted: " + status.message());
       try {
         status = task(comm_.get(), start + options_.timeout);
       } catch (const std::exception& e) {

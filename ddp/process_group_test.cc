@@ -1761,6 +1761,36 @@ DDP_TEST_WORKER(pg_errors_name_the_collective) {
   std::_Exit(testing::WorkerExit());
 }
 
+// A message issued after the group was aborted says that it did not run,
+// with the reason, as a collective does, also when it is posted in the call
+// (DDP_COLLECTIVE_THREAD=caller ran the barrier before it on this thread,
+// so nothing is queued ahead); before, that path gave the bare reason.
+DDP_TEST_WORKER(pg_message_after_abort) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  Tensor t = nn::Ones({4});
+  pg->Barrier().Wait();
+  if (me == 0) pg->Abort(transport::AbortedError("stopped by the test"));
+  std::string what = "succeeded";
+  try {
+    (me == 0 ? pg->Send(t, 1) : pg->Recv(t, 0)).Wait();
+  } catch (const DistributedError& e) {
+    what = e.what();
+  }
+  // Rank 1 may post its receive before the abort reaches it.
+  const std::string want = me == 0 ? "send to rank 1 tag 0(f32 [4]) on rank 0: not run: the group was aborted: "
+                                     "stopped by the test"
+                                   : "stopped by the test";
+  WORKER_EXPECT(what.find(want) != std::string::npos, "the message: " + what + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, AMessageAfterTheAbortSaysItDidNotRun) {
+  auto run = RunWorkers("pg_message_after_abort", 2, {{"DDP_COLLECTIVE_THREAD", "caller"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(ProcessGroupTest, ErrorsNameTheCollective) {
   auto run = RunWorkers("pg_errors_name_the_collective", 2, {{"DDP_TEST_TIMEOUT_MS", "5000"}}, 30000,
                         /*stop_all_on_failure=*/false);
