@@ -188,16 +188,14 @@ class P2pTransfer {
     std::lock_guard lock(mu_);
     if (!finished_ && !header_done_) {
       StatusOr<bool> header = header_work_.Test();
-      if (!header.ok()) return Finish(header.status(), status);
+      if (!header.ok()) return Finish(Named(header.status(), /*header=*/true), status);
       if (!*header) return false;
       header_done_ = true;
       if (!send_) {
         const P2pHeader mine = HeaderOf(tensor_);
         if (header_[0] != mine[0] || header_[1] != mine[1]) {
           Status mismatch = transport::InvalidArgumentError(
-              "ProcessGroup::Recv on rank " + std::to_string(rank_) + " from rank " +
-              std::to_string(peer_) + " (tag " + std::to_string(tag_) + "): receives into " +
-              DescribeHeader(mine) + ", rank " + std::to_string(peer_) + " sent " +
+              Name() + ": receives into " + DescribeHeader(mine) + ", rank " + std::to_string(peer_) + " sent " +
               DescribeHeader(header_));
           // Both ranks fail with this reason; the payload is cancelled
           // (a pending receive sees the abort when tested).
@@ -209,7 +207,7 @@ class P2pTransfer {
     }
     if (!finished_ && payload_work_.valid()) {
       StatusOr<bool> payload = payload_work_.Test();
-      if (!payload.ok()) return Finish(payload.status(), status);
+      if (!payload.ok()) return Finish(Named(payload.status(), /*header=*/false), status);
       if (!*payload) return false;
     }
     return Finish(Status::Ok(), status);
@@ -235,6 +233,24 @@ class P2pTransfer {
   }
 
  private:
+  // "ProcessGroup::Recv on rank 1 from rank 0 (tag 8)".
+  std::string Name() const {
+    return std::string("ProcessGroup::") + (send_ ? "Send" : "Recv") + " on rank " + std::to_string(rank_) +
+           (send_ ? " to rank " : " from rank ") + std::to_string(peer_) + " (tag " + std::to_string(tag_) + ")";
+  }
+
+  // A transport failure of the header or the payload, prefixed with the
+  // call, this rank, the peer and the user's tag: the transport's own text
+  // names neither the call nor this rank, and a header's tag is the user's
+  // plus kHeaderChannel.
+  Status Named(const Status& failure, bool header) const {
+    return Status(failure.code(),
+                  Name() + ": " +
+                      (header ? "its header (on the transport's tag " + std::to_string(tag_ | kHeaderChannel) + "): "
+                              : std::string()) +
+                      failure.message());
+  }
+
   bool Finish(Status result, Status* status) {
     if (!finished_) {
       finished_ = true;

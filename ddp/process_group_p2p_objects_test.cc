@@ -175,6 +175,34 @@ TEST(ProcessGroupP2pTest, SizeMismatchNamesBothSidesOnBothRanks) {
   }
 }
 
+// A message that fails after it was posted (here a receive whose sender
+// never sends, past the group's 1 s timeout) names the call, this rank, the
+// peer and the user's tag, as a failed collective names itself; before, the
+// Work carried the transport's bare status, which named the header's
+// internal tag (the user's plus 2^30) and no ProcessGroup call.
+DDP_TEST_WORKER(pg_p2p_failure_names_the_message) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS=1000
+  pg->Barrier().Wait();
+  if (pg->rank() == 0) {
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  std::string what = "succeeded";
+  try {
+    pg->Recv(nn::Zeros({4}), 0, 5).Wait();
+  } catch (const DistributedError& e) {
+    what = e.what();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(what.find("ProcessGroup::Recv on rank 1 from rank 0 (tag 5): ") != std::string::npos,
+                "the receive's error: " + what);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupP2pTest, AMessageThatFailsNamesItself) {
+  ExpectWorkersPass("pg_p2p_failure_names_the_message", {2}, {{"DDP_TEST_TIMEOUT_MS", "1000"}}, 30000);
+}
+
 void ExpectInvalid(const std::function<void()>& call, const std::string& text) {
   try {
     call();
