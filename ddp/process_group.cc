@@ -990,9 +990,11 @@ class ProcessGroup::Impl {
     // One at a time, by index, with no copy of the list (a copy's
     // std::bad_alloc on this thread ended the process): only this thread
     // removes entries, so those not yet polled stay where they are; posts
-    // on a caller's thread add theirs at the end meanwhile, and Stop's
-    // last resorts empty the list.
-    for (size_t i = 0; i < in_flight_.size(); ++i) {
+    // on a caller's thread add theirs at the end meanwhile (polled next
+    // time: a caller posting without pause must not keep the thread here),
+    // and Stop's last resorts empty the list.
+    const size_t listed = in_flight_.size();
+    for (size_t i = 0; i < listed && i < in_flight_.size(); ++i) {
       const std::shared_ptr<Work::State> state = in_flight_[i];
       lock.unlock();
       try {
