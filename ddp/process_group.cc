@@ -1384,6 +1384,11 @@ bool ProcessGroup::collectives_on_caller() const { return impl_->on_caller(); }
 
 std::vector<std::pair<int64_t, int64_t>> ProcessGroup::ThroughPieces(int64_t numel,
                                                                     nn::DType dtype) const {
+  // A negative count would reach the transport as a count near 2^64 (its
+  // slice cut into billions of pieces).
+  if (numel < 0) {
+    throw std::invalid_argument("ProcessGroup::ThroughPieces: numel " + std::to_string(numel) + " is negative");
+  }
   const transport::Communicator* comm = impl_->comm();
   if (comm == nullptr) return {{0, numel}};
   std::vector<std::pair<int64_t, int64_t>> pieces;

@@ -371,7 +371,7 @@ class ProcessGroup {
   /// The pieces [offset, offset + count) of this rank's slice that a
   /// transport::Communicator::AllReduceThrough of `numel` elements of
   /// `dtype` hands to its function, in order (one piece of the whole
-  /// vector on one rank).
+  /// vector on one rank). A negative `numel` throws std::invalid_argument.
   std::vector<std::pair<int64_t, int64_t>> ThroughPieces(int64_t numel, nn::DType dtype) const;
 
   /// Zeros for a tensor this group reduces again and again (DDP's gradient

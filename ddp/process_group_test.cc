@@ -643,6 +643,21 @@ TEST(ProcessGroupTest, SingleProcessGroupIsLocal) {
   }
 }
 
+// ThroughPieces refuses a negative element count by name (a group with a
+// transport took it as a count near 2^64); before, a one-process group
+// returned the piece {0, -1}.
+TEST(ProcessGroupTest, ThroughPiecesRefusesANegativeCount) {
+  auto pg = ProcessGroup::Single();
+  try {
+    pg->ThroughPieces(-1, DType::kFloat32);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("ProcessGroup::ThroughPieces: numel -1 is negative"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(pg->ThroughPieces(0, DType::kFloat32), (std::vector<std::pair<int64_t, int64_t>>{{0, 0}}));
+}
+
 // Abort with an OK status stops a one-process group too, as it does a
 // group with a communicator (which takes it as "no reason given"); before,
 // the group went on as if nothing had been asked.
