@@ -742,8 +742,12 @@ void ValidatePowerSgdOptions(const PowerSgdOptions& o) {
   Require(o.start_iteration >= 0, "start_iteration", "at least 0", static_cast<double>(o.start_iteration));
   Require(std::isfinite(o.min_compression_rate) && o.min_compression_rate >= 0, "min_compression_rate",
           "a finite number >= 0", o.min_compression_rate);
-  Require(std::isfinite(o.orthogonalization_epsilon) && o.orthogonalization_epsilon >= 0,
-          "orthogonalization_epsilon", "a finite number >= 0", o.orthogonalization_epsilon);
+  // f32 buckets add it in f32: above f32's largest value it would become
+  // inf there, and every compressed column of those buckets zero.
+  Require(std::isfinite(o.orthogonalization_epsilon) && o.orthogonalization_epsilon >= 0 &&
+              o.orthogonalization_epsilon <= std::numeric_limits<float>::max(),
+          "orthogonalization_epsilon", "a number >= 0 and at most f32's largest (3.40282e+38)",
+          o.orthogonalization_epsilon);
 }
 
 int64_t PowerSgdElementsPerStep(const std::vector<nn::Shape>& shapes, const PowerSgdOptions& options) {

@@ -151,7 +151,8 @@ struct PowerSgdOptions {
   /// from a fresh random Q every iteration).
   bool warm_start = true;
   /// Added to each column's norm before dividing by it in Gram-Schmidt
-  /// (>= 0); 0 leaves an all-zero column as zeros.
+  /// (>= 0, at most f32's largest value, since f32 buckets add it in f32);
+  /// 0 leaves an all-zero column as zeros.
   double orthogonalization_epsilon = 0.0;
   /// Seed of the random initial Q. Q is derived from it, the bucket's
   /// index and the tensor's place in the bucket, so every rank builds the

@@ -1068,12 +1068,16 @@ TEST(PowerSgdHookTest, OptionsOutOfRangeAreRefusedNamingTheOption) {
   ExpectRefused({.min_compression_rate = -0.5}, "min_compression_rate");
   ExpectRefused({.min_compression_rate = std::nan("")}, "min_compression_rate");
   ExpectRefused({.orthogonalization_epsilon = -1e-8}, "orthogonalization_epsilon");
+  // Finite in f64 but inf once an f32 bucket converts it.
+  ExpectRefused({.orthogonalization_epsilon = 1e39}, "orthogonalization_epsilon");
+  ExpectRefused({.orthogonalization_epsilon = std::numeric_limits<double>::infinity()}, "orthogonalization_epsilon");
   try {
     hooks::PowerSgdHook({.matrix_approximation_rank = 0});
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(), "PowerSgdOptions::matrix_approximation_rank must be at least 1, got 0");
   }
   EXPECT_NO_THROW(hooks::PowerSgdHook({.min_compression_rate = 0, .orthogonalization_epsilon = 1e-8}));
+  EXPECT_NO_THROW(hooks::PowerSgdHook({.orthogonalization_epsilon = std::numeric_limits<float>::max()}));
 }
 
 // ---------------------------------------------------------- state dict ----
