@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
@@ -607,16 +608,19 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
     // model kept from an earlier iteration and returns again) can start no
     // pass: a backward through it fails in autograd, naming the node, and
     // RegisterHook refuses a hook on it. It is left unwatched, as PyTorch's
-    // forward ignores it.
-    if (out.grad_fn()->HooksReleased()) continue;
+    // forward ignores it. Checked and registered under one lock: a
+    // backward on another thread may release the node at any moment.
+    std::optional<nn::HookHandle> hook =
+        nn::autograd::RegisterHookIfLive(out, [this, alive = std::weak_ptr<char>(alive_)](const nn::Tensor&) {
+          if (!alive.expired() && armed_ && !on_backward_pass_) {
+            on_backward_pass_ = true;
+            QueueOnPassEnd(/*outermost=*/false);
+          }
+          return nn::Tensor();
+        });
+    if (!hook) continue;
     if (!backward_optional) watched_outputs_.push_back(out);
-    output_hooks_.push_back(out.RegisterHook([this, alive = std::weak_ptr<char>(alive_)](const nn::Tensor&) {
-      if (!alive.expired() && armed_ && !on_backward_pass_) {
-        on_backward_pass_ = true;
-        QueueOnPassEnd(/*outermost=*/false);
-      }
-      return nn::Tensor();
-    }));
+    output_hooks_.push_back(std::move(*hook));
   }
   // Until static_graph has counted each parameter's gradients, none is
   // reduced before the end of backward: one that gets a second gradient (a

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -1325,6 +1326,72 @@ TEST(GradHookTest, AHookOnAnOutputWhoseNodeWasReleasedIsRefusedWhenRegistered) {
   Backward(ops::Sum(retained));
   Backward(unread_loss);
   EXPECT_EQ(calls, 2);
+}
+
+// RegisterHookIfLive: on an output whose node a backward released, it
+// registers nothing and says so (no throw), whether or not the output had a
+// hook before; on a live one it registers a hook that runs like
+// RegisterHook's, and Remove takes it out. A leaf and an empty hook are
+// refused, naming them.
+TEST(GradHookTest, RegisterHookIfLiveDeclinesAReleasedNodeWithoutThrowing) {
+  int calls = 0;
+  const auto count = [&calls](const Tensor&) {
+    ++calls;
+    return Tensor();
+  };
+  Tensor x = Param({2}, 1.0);
+  for (const bool hooked_before : {false, true}) {
+    Tensor y = ops::Mul(x, x);
+    if (hooked_before) y.RegisterHook(count);
+    Backward(ops::Sum(y));
+    calls = 0;
+    std::optional<HookHandle> handle;
+    EXPECT_NO_THROW(handle = RegisterHookIfLive(y, count));
+    EXPECT_FALSE(handle.has_value());
+  }
+  Tensor live = ops::Mul(x, x);
+  Tensor loss = ops::Sum(live);
+  std::optional<HookHandle> kept = RegisterHookIfLive(live, count);
+  std::optional<HookHandle> removed = RegisterHookIfLive(live, count);
+  ASSERT_TRUE(kept.has_value());
+  ASSERT_TRUE(removed.has_value());
+  removed->Remove();
+  Backward(loss);
+  EXPECT_EQ(calls, 1);
+
+  const std::string leaf = ErrorOf([&] { (void)RegisterHookIfLive(x, count); });
+  EXPECT_NE(leaf.find("RegisterHookIfLive: the tensor is a leaf ([2] f32 on cpu)"), std::string::npos) << leaf;
+  const std::string empty = ErrorOf([&] { (void)RegisterHookIfLive(ops::Mul(x, x), GradHook()); });
+  EXPECT_NE(empty.find("RegisterHookIfLive: the hook for [2] f32 on cpu is empty"), std::string::npos) << empty;
+}
+
+// A backward on another thread releases the node while this thread
+// registers on its output: each registration either goes in or is declined,
+// never throws, and it is declined only once the node was released.
+TEST(GradHookTest, RegisterHookIfLiveRacesABackwardThatReleasesTheNode) {
+  Tensor x = Param({64}, 1.0);
+  for (int round = 0; round < 200; ++round) {
+    Tensor y = ops::Mul(x, x);
+    Tensor loss = ops::Sum(y);
+    std::atomic<bool> go{false};
+    std::thread backward([&] {
+      while (!go.load()) std::this_thread::yield();
+      Backward(loss);
+    });
+    go.store(true);
+    bool declined = false;
+    for (int k = 0; k < 50 && !declined; ++k) {
+      std::optional<HookHandle> handle;
+      ASSERT_NO_THROW(handle = RegisterHookIfLive(y, [](const Tensor&) { return Tensor(); }))
+          << "round " << round << ", registration " << k;
+      declined = !handle.has_value();
+      if (declined) {
+        EXPECT_TRUE(y.grad_fn()->HooksReleased());
+      }
+    }
+    backward.join();
+    EXPECT_FALSE(RegisterHookIfLive(y, [](const Tensor&) { return Tensor(); }).has_value());
+  }
 }
 
 struct FailingBackward : Function<FailingBackward> {

@@ -110,6 +110,24 @@ std::vector<NodeGradHooks::Entry> Node::ReleaseGradHooks() {
   return released;
 }
 
+std::optional<HookHandle> RegisterHookIfLive(const Tensor& tensor, GradHook fn) {
+  if (!tensor.defined() || tensor.grad_fn() == nullptr) {
+    throw std::invalid_argument(std::string("RegisterHookIfLive: the tensor is ") +
+                                (tensor.defined() ? "a leaf (" + Describe(tensor) + ")" : "undefined") +
+                                ", not the output of a recorded node: use Tensor::RegisterHook");
+  }
+  if (!fn) throw std::invalid_argument("RegisterHookIfLive: the hook for " + Describe(tensor) + " is empty");
+  const std::shared_ptr<NodeGradHooks> list = tensor.grad_fn()->MutableGradHooks();
+  std::lock_guard<std::mutex> lock(list->mu);
+  // ReleaseGradHooks sets `released` under this lock (and a list made after
+  // the release starts with it set): a hook is either released with the
+  // others or never registered.
+  if (list->released) return std::nullopt;
+  const uint64_t id = list->next_id++;
+  list->hooks.push_back({id, tensor.output_nr(), std::move(fn)});
+  return HookHandle(std::weak_ptr<NodeGradHooks>(list), id);
+}
+
 bool Node::GradHooksReleased(uint32_t output_nr) const {
   std::lock_guard<std::mutex> lock(grad_hooks_mu_);
   return std::find(released_hook_outputs_.begin(), released_hook_outputs_.end(), output_nr) !=

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -174,6 +175,17 @@ Tensor RunGradHooks(const Tensor& tensor, Tensor grad, const std::function<std::
 /// hooks, kept by the node that produced it). Called by the engine.
 Tensor RunGradHooks(NodeGradHooks& hooks, uint32_t output_nr, Tensor grad,
                     const std::function<std::string()>& what);
+
+/// Tensor::RegisterHook for `tensor`, an output of a recorded node, unless
+/// a backward without retain_graph already released that node's hooks:
+/// then it registers nothing and returns nullopt instead of throwing. The
+/// check and the registration hold the node's hook-list lock, which the
+/// release takes too, so a backward on another thread that releases the
+/// node between them cannot make it throw (DDP watches a forward's outputs
+/// this way: one whose graph is gone can start no pass). Throws
+/// std::invalid_argument for a tensor that is undefined or not a node's
+/// output, and for an empty `fn`.
+std::optional<HookHandle> RegisterHookIfLive(const Tensor& tensor, GradHook fn);
 
 /// The edge a gradient of t should flow into: its grad_fn, its leaf
 /// accumulator (created on first use), or nothing.
