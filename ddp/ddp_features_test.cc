@@ -779,6 +779,39 @@ TEST(DdpFeaturesTest, ASecondCommunicationHookIsRefusedOnTwoRanks) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// static_graph: an eval-mode forward with grad enabled prepares a backward
+// and, learning nothing from it, walks its graph for the unused parameters;
+// a NoSync forward's outputs that reach head b join that backward, and b's
+// gradient fails it. The message named find_unused_parameters, which is not
+// set: it now names static_graph's eval-mode walk and what to do.
+TEST(DdpFeaturesTest, ANoSyncGradientAfterAnEvalForwardUnderStaticGraphNamesStaticGraph) {
+  auto model = std::make_shared<Branchy>(43, /*use_a=*/true);
+  DistributedDataParallel ddp(model, {.static_graph = true, .process_group = ProcessGroup::Single()});
+  ddp.RegisterCommHook(hooks::AllReduceHook());  // one process synchronizes through it
+  auto [xa, ya] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+  auto [xb, yb] = testing::Batch(testing::FashionMnist(), kBatch, kBatch);
+  std::string message;
+  try {
+    ddp.Eval();
+    const Tensor a = ddp(xa);
+    Tensor b;
+    {
+      auto no_sync = ddp.NoSync();
+      model->use_a_ = false;
+      b = ddp(xb);
+    }
+    nn::Backward(nn::loss::CrossEntropy(a, ya) + nn::loss::CrossEntropy(b, yb));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("parameter `b."), std::string::npos) << message;
+  EXPECT_NE(message.find("through the outputs of a forward run under NoSync"), std::string::npos) << message;
+  EXPECT_EQ(message.find("find_unused_parameters"), std::string::npos) << message;
+  EXPECT_NE(message.find("eval-mode forward"), std::string::npos) << message;
+  EXPECT_NE(message.find("static_graph"), std::string::npos) << message;
+  EXPECT_NE(message.find("NoGradGuard"), std::string::npos) << message;
+}
+
 // A wrapper with no trainable parameters has no reducer, and its hook never
 // runs; a second one is still refused, as with parameters (it was ignored).
 TEST(DdpFeaturesTest, ASecondCommunicationHookIsRefusedWithoutTrainableParameters) {

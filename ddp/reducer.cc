@@ -873,7 +873,20 @@ void Reducer::OnPassEnd() {
 void Reducer::FailUnusedParameterGradient(size_t index) {
   const std::string head = "DistributedDataParallel on rank " + std::to_string(pg_->rank()) +
                            ": parameter `" + names_[index] + "` received a gradient";
-  if (unused_from_walk_ && reached_under_no_sync_[index]) {
+  if (unused_from_walk_ && reached_under_no_sync_[index] && options_.static_graph) {
+    // static_graph walks the graph only of an eval-mode forward, so that is
+    // the forward that prepared this backward.
+    pending_error_ =
+        head + " through the outputs of a forward run under NoSync after the eval-mode forward (grad "
+        "enabled) that prepared this backward. static_graph learns the used parameters from training "
+        "iterations only, so an eval-mode forward's unused ones are found by walking its graph, and its "
+        "outputs alone decide: this one was not reachable from them, so it was marked unused and its "
+        "bucket is reduced without this gradient. An evaluation that needs no gradients belongs under "
+        "NoGradGuard (it then prepares no backward); one whose backward should train belongs in training "
+        "mode. To accumulate the NoSync forward's gradients, run it and its backward before the eval-mode "
+        "forward; a backward run while that forward's backward is awaited is taken as that backward, "
+        "inside NoSync too. The process group was aborted.";
+  } else if (unused_from_walk_ && reached_under_no_sync_[index]) {
     pending_error_ =
         head + " through the outputs of a forward run under NoSync after the synchronizing forward "
         "that prepared this backward. That forward's outputs alone decide which parameters are "
