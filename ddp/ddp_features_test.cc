@@ -5707,6 +5707,52 @@ TEST(DdpFeaturesTest, TheUnusedParameterWalkCountsAsForwardOnly) {
   EXPECT_EQ(backwards, 3);
 }
 
+// A layer whose forward takes at least 300 ms while `slow_` is set (the
+// time a large model's forward would), and no time to speak of otherwise.
+class SlowWhenAsked : public Module {
+ public:
+  SlowWhenAsked() {
+    nn::Generator gen(5);
+    fc_ = RegisterModule("fc", std::make_shared<nn::modules::Linear>(784, 4, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    if (slow_) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return (*fc_)(nn::ops::Flatten(x, 1));
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "SlowWhenAsked"; }
+  bool slow_ = false;
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc_;
+};
+
+// a = ddp(x); {NoSync; b = ddp(x);} Backward(a + b): the NoSync forward runs
+// between the synchronizing forward and the backward that forward prepared
+// (which it joins). Its 300 ms are forward time, in forward_ms; they were
+// counted in backward_compute_ms as well (timed from the end of the first
+// forward to the last gradient), so that backward compute of a layer that
+// takes well under a millisecond came to over 300 ms.
+TEST(DdpFeaturesTest, ANoSyncForwardBeforeThePreparedBackwardIsNotBackwardCompute) {
+  auto model = std::make_shared<SlowWhenAsked>();
+  DistributedDataParallel ddp(model, {.process_group = ProcessGroup::Single()});
+  ddp.RegisterCommHook(hooks::AllReduceHook());  // one process synchronizes (and is timed) through it
+  auto [x, y] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+  const Tensor a = ddp(x);
+  Tensor b;
+  {
+    auto no_sync = ddp.NoSync();
+    model->slow_ = true;
+    b = ddp(x);
+    model->slow_ = false;
+  }
+  nn::Backward(nn::ops::Sum(a) + nn::ops::Sum(b));
+  const DdpStats stats = ddp.Stats();
+  ASSERT_EQ(stats.iterations, 1) << stats.ToString();
+  EXPECT_GE(stats.forward_ms, 150) << stats.ToString();  // (fast + 300 ms) / 2 forwards
+  EXPECT_LT(stats.backward_compute_ms, 200) << stats.ToString();
+}
+
 // An earlier run's complete trace that cannot be removed (here a directory
 // by its name; another user's file in a sticky /tmp does the same) is trace
 // trouble only: the wrapper is made and trains, and the final write, which

@@ -387,6 +387,7 @@ bool Reducer::AnyParameterRequiresGrad() const {
 }
 
 void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool eval_forward_in_join) {
+  forward_started_at_ = Clock::now();
   if (!pending_error_.empty()) {
     // What the failed iteration left in flight may have ended since.
     ReleaseFailedBuckets();
@@ -632,6 +633,7 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   for (Bucket& b : buckets_) b.pending = b.params.size();
   prepared_at_ = Clock::now();
   last_grad_at_ = prepared_at_;
+  joined_forwards_ = Clock::duration::zero();
 
   for (size_t i : unused_) {
     is_unused_[i] = 0;
@@ -690,6 +692,9 @@ void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradien
         if (!unreachable[i]) reached_under_no_sync_[i] = 1;
       }
     }
+    // Forward's time, which forward_ms counts: not this backward's compute.
+    const Clock::time_point now = Clock::now();
+    joined_forwards_ += now - std::clamp(forward_started_at_, prepared_at_, now);
     if (options_.static_graph) {
       // Its re-entrant passes would add gradients to those static_graph
       // counted (a parameter reduced on its counted last would get one
@@ -1220,7 +1225,7 @@ void Reducer::Finalize() {
     used_work_ = pg_->AllReduce(used_, transport::ReduceOp::kSum, "unused parameter map");
   }
 
-  IterationTiming timing{.prepared = prepared_at_, .last_grad = last_grad_at_};
+  IterationTiming timing{.prepared = prepared_at_, .last_grad = last_grad_at_, .joined_forwards = joined_forwards_};
   // One thread runs the collectives in launch order: once the last bucket
   // is done the others are too, so waiting on it first sleeps once.
   for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) b->work.Wait();
@@ -1332,7 +1337,7 @@ void AddIterationTimes(const IterationTiming& timing, ReducerTimes& times) {
   for (const IterationTiming::Collective& c : timing.buckets) add(c);
   add(timing.used_map);
   ++times.iterations;
-  times.backward_compute += Seconds(timing.last_grad - timing.prepared - held_up);
+  times.backward_compute += Seconds(timing.last_grad - timing.prepared - held_up - timing.joined_forwards);
   times.exposed += Seconds(timing.end - timing.last_grad + held_up);
   times.backward_comm += Seconds(on_caller);
   if (comm_start != Clock::time_point::max()) {

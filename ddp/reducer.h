@@ -97,6 +97,9 @@ struct IterationTiming {
   };
   TimePoint prepared;   ///< forward's end (Prepare)
   TimePoint last_grad;  ///< the last gradient hook's end
+  /// Forwards under NoSync run between `prepared` and the first gradient
+  /// (they join this backward): forward's time, not backward compute.
+  std::chrono::steady_clock::duration joined_forwards{};
   TimePoint end;        ///< Finalize's end
   std::vector<Collective> buckets;  ///< in launch order
   Collective used_map;  ///< the unused-parameter map's all-reduce; TimePoint{} where none ran
@@ -151,7 +154,8 @@ class Reducer {
   /// Join's flags) is refused too when that backward launched buckets. Once
   /// thrown, every later forward throws the same. `eval_forward_in_join`:
   /// the forward is an eval-mode one with grad enabled under Join (pass
-  /// `synchronizing` too), and the message says so.
+  /// `synchronizing` too), and the message says so. Called at the start of
+  /// every forward: it also marks where that forward began, for Disarm.
   void CheckPreviousIteration(bool synchronizing, bool communicates = false, bool eval_forward_in_join = false);
 
   /// Empty while every parameter has the dtype, device and shape its
@@ -217,6 +221,8 @@ class Reducer {
   /// stays the one that forward's walk found (as in PyTorch): a parameter
   /// reached only through `outputs` that then gets a gradient in that
   /// backward fails it on every rank, naming the parameter and NoSync.
+  /// Such a forward's time (from its CheckPreviousIteration) is left out
+  /// of that backward's compute time.
   void Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients = false, bool in_join = false);
   /// The graph walk of find_unused_parameters, for a forward with grad
   /// enabled that prepares no backward (under NoSync, or while every
@@ -446,6 +452,8 @@ class Reducer {
   using Clock = std::chrono::steady_clock;
   Clock::time_point prepared_at_{};
   Clock::time_point last_grad_at_{};
+  Clock::time_point forward_started_at_{};  // the last CheckPreviousIteration
+  Clock::duration joined_forwards_{};       // see IterationTiming::joined_forwards
   ReducerTimes times_;
 };
 

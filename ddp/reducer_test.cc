@@ -95,6 +95,18 @@ TEST(IterationTimesTest, CallerBucketAfterTheLastGradientIsExposedNotCompute) {
   EXPECT_EQ(times.overlap, 0);
 }
 
+// A forward under NoSync (8 ms) between the forward that prepared the
+// backward (0) and that backward, which it joins: forward's time, so
+// compute is the 20 ms to the last gradient less those 8.
+TEST(IterationTimesTest, AForwardThatJoinedTheBackwardIsNotCompute) {
+  IterationTiming t{.prepared = At(0), .last_grad = At(20), .joined_forwards = std::chrono::milliseconds(8),
+                    .end = At(25)};
+  ReducerTimes times;
+  AddIterationTimes(t, times);
+  EXPECT_NEAR(times.backward_compute, 0.012, 1e-9);
+  EXPECT_NEAR(times.exposed, 0.005, 1e-9);
+}
+
 // A caller bucket inside the hooks (before the last gradient) held backward
 // up: compute is the rest, and the bucket's time is exposed.
 TEST(IterationTimesTest, CallerBucketInsideTheHooksIsExposed) {
