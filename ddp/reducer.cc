@@ -252,7 +252,10 @@ void Reducer::ReleaseFailedBuckets() {
     b.solo = nn::Tensor();
     b.solo_copied = false;
   }
+  ReleaseStaleCopies();
 }
+
+void Reducer::ReleaseStaleCopies() { std::fill(stale_.begin(), stale_.end(), nn::Tensor()); }
 
 void Reducer::SetCommHook(CommHook hook) {
   if (comm_hook_locked_) {
@@ -935,6 +938,7 @@ void Reducer::FailUnusedParameterGradient(size_t index) {
   // This iteration cannot finish here, and its buckets may be in flight:
   // the peers fail within moments with this message instead of waiting.
   pg_->Abort(transport::FailedPreconditionError(pending_error_));
+  ReleaseStaleCopies();
   throw std::logic_error(pending_error_);
 }
 

@@ -11,6 +11,7 @@
 // memory is handed to the communication thread when it is launched and not
 // touched by this thread again until its Work completed.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -255,6 +256,12 @@ class Reducer {
   std::vector<size_t> BucketBytes() const;
   std::vector<std::vector<std::string>> BucketNames() const;
   int64_t iterations() const { return iterations_; }
+  /// Parameters unused in this iteration whose .grad (their bucket view)
+  /// is kept as a copy until its end (see MarkUnusedReady); none once it
+  /// ended or failed. For tests.
+  size_t stale_copies() const {
+    return static_cast<size_t>(std::count_if(stale_.begin(), stale_.end(), [](const nn::Tensor& t) { return t.defined(); }));
+  }
   /// iterations() and the ones this rank shadowed in Join::Wait.
   int64_t group_iterations() const { return group_iterations_; }
 
@@ -338,8 +345,13 @@ class Reducer {
   // After an iteration failed: drops what its buckets took for it (a solo
   // bucket's gradient, the GradBucket given to the hook), for each bucket
   // whose collective has ended, so that a failed backward does not keep
-  // them until the wrapper is destroyed (no later iteration reuses them).
+  // them until the wrapper is destroyed (no later iteration reuses them);
+  // and the copies of stale gradients (ReleaseStaleCopies).
   void ReleaseFailedBuckets();
+  // After an iteration failed: drops the copies of stale gradients that
+  // its end would have given back (stale_). Copies of their own, which no
+  // collective touches: safe at any point of the failure.
+  void ReleaseStaleCopies();
   bool IsView(size_t index, const nn::Tensor& grad) const;
   // The parameters that had their gradient in this backward, or were
   // marked ready without one (unused): ready_count_, and under

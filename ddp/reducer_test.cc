@@ -1,8 +1,12 @@
-// Bucket assignment (no processes needed).
+// Bucket assignment, timing sums, and the reducer over a one-process group
+// (no processes needed).
 
 #include "ddp/reducer.h"
 
 #include <gtest/gtest.h>
+
+#include "nn/autograd/engine.h"
+#include "nn/ops/functional.h"
 
 namespace ddp::dist::internal {
 namespace {
@@ -151,6 +155,76 @@ TEST(IterationTimesTest, AnUnknownStartIsLeftOut) {
   EXPECT_EQ(caller_times.backward_comm, 0);
   EXPECT_NEAR(caller_times.backward_compute, 0.020, 1e-9);
   EXPECT_NEAR(caller_times.exposed, 0.010, 1e-9);
+}
+
+// find_unused_parameters with gradient_as_bucket_view: a parameter unused
+// in an iteration whose .grad is its bucket view has that .grad copied, to
+// be given back at the iteration's end when no rank used it. A backward
+// that fails (a parameter forward reached got no gradient) never reaches
+// that end, and every later forward throws, so no later iteration drops
+// the copy either: it stayed until the reducer was destroyed. It goes at
+// the failure now.
+TEST(ReducerTest, AFailedBackwardDropsItsCopiesOfStaleGradients) {
+  const Tensor w0 = nn::Full({4}, 1.0, {.requires_grad = true});
+  const Tensor w1 = nn::Full({4}, 2.0, {.requires_grad = true});
+  const Tensor w2 = nn::Full({4}, 3.0, {.requires_grad = true});
+  Reducer reducer({{"w0", w0}, {"w1", w1}, {"w2", w2}}, ProcessGroup::Single(),
+                  {.inplace_bytes = 0, .find_unused_parameters = true, .gradient_as_bucket_view = true},
+                  nullptr);
+  const Tensor x = nn::Full({4}, 2.0);
+  const auto out = [&](const Tensor& w) { return nn::ops::Sum(nn::ops::Mul(w, x)); };
+  // Every parameter used: each .grad becomes its bucket view.
+  reducer.CheckPreviousIteration(true);
+  std::vector<Tensor> outputs{out(w0), out(w1), out(w2)};
+  reducer.PrepareForBackward(outputs, 1.0);
+  nn::Backward(outputs[0] + outputs[1] + outputs[2]);
+  ASSERT_EQ(reducer.iterations(), 1);
+  EXPECT_EQ(reducer.stale_copies(), 0u);
+  // w2 unused (its .grad copied), w1 reached by forward but left out of the loss.
+  reducer.CheckPreviousIteration(true);
+  outputs = {out(w0), out(w1)};
+  reducer.PrepareForBackward(outputs, 1.0);
+  try {
+    nn::Backward(outputs[0]);
+    ADD_FAILURE() << "a backward that left `w1` without a gradient went through";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("`w1`"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(reducer.stale_copies(), 0u);
+}
+
+// The same when the backward fails in a gradient hook: a parameter the
+// forward left unused gets a gradient (a loss term on it computed outside
+// forward), after another parameter's first gradient had copied its stale
+// .grad.
+TEST(ReducerTest, AGradientForAnUnusedParameterDropsTheCopiesOfStaleGradients) {
+  const Tensor w0 = nn::Full({4}, 1.0, {.requires_grad = true});
+  const Tensor w1 = nn::Full({4}, 3.0, {.requires_grad = true});
+  Reducer reducer({{"w0", w0}, {"w1", w1}}, ProcessGroup::Single(),
+                  {.inplace_bytes = 0, .find_unused_parameters = true, .gradient_as_bucket_view = true},
+                  nullptr);
+  const Tensor x = nn::Full({4}, 2.0);
+  const auto out = [&](const Tensor& w) { return nn::ops::Sum(nn::ops::Mul(w, x)); };
+  reducer.CheckPreviousIteration(true);
+  std::vector<Tensor> outputs{out(w0), out(w1)};
+  reducer.PrepareForBackward(outputs, 1.0);
+  nn::Backward(outputs[0] + outputs[1]);
+  ASSERT_EQ(reducer.iterations(), 1);
+  // Recorded before the forward's outputs, so that backward reaches w0
+  // first (the engine runs the latest ready node first).
+  const Tensor penalty = out(w1);
+  reducer.CheckPreviousIteration(true);
+  outputs = {out(w0)};
+  reducer.PrepareForBackward(outputs, 1.0);
+  try {
+    nn::Backward(outputs[0] + penalty);
+    ADD_FAILURE() << "a gradient for the unused `w1` went through";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("`w1` received a gradient although it is not reachable"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(reducer.stale_copies(), 0u);
 }
 
 }  // namespace
