@@ -162,7 +162,7 @@ struct DdpOptions {
 struct DdpStats {
   int64_t iterations = 0;           ///< Synchronizing iterations in the window.
   double forward_ms = 0;            ///< DDP forward (buffer broadcast included).
-  double backward_compute_ms = 0;   ///< End of forward to the last gradient.
+  double backward_compute_ms = 0;   ///< End of forward to the last gradient, less NoSync forwards between.
   double backward_comm_ms = 0;      ///< First bucket launched to last bucket reduced.
   double overlap_ms = 0;            ///< Part of backward_comm_ms before the last gradient.
   double exposed_ms = 0;            ///< Backward waiting after its last gradient (and copying back).
