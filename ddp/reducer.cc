@@ -798,6 +798,7 @@ void Reducer::OnGradReady(size_t index) {
           "only. The process group was aborted.";
     }
     pg_->Abort(transport::FailedPreconditionError(pending_error_));
+    ReleaseStaleCopies();
     throw std::logic_error(pending_error_);
   }
   if (!finalize_queued_) {

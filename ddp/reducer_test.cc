@@ -227,5 +227,42 @@ TEST(ReducerTest, AGradientForAnUnusedParameterDropsTheCopiesOfStaleGradients) {
   EXPECT_EQ(reducer.stale_copies(), 0u);
 }
 
+// The same when the backward fails on a second gradient for one parameter:
+// a hook on an output runs a backward of its own through w0 (a re-entrant
+// pass, as activation checkpointing runs), and the enclosing pass then
+// brings w0 its gradient again, after its first went into its bucket.
+TEST(ReducerTest, ASecondGradientInOneBackwardDropsTheCopiesOfStaleGradients) {
+  const Tensor w0 = nn::Full({4}, 1.0, {.requires_grad = true});
+  const Tensor w1 = nn::Full({4}, 2.0, {.requires_grad = true});
+  const Tensor w2 = nn::Full({4}, 3.0, {.requires_grad = true});
+  Reducer reducer({{"w0", w0}, {"w1", w1}, {"w2", w2}}, ProcessGroup::Single(),
+                  {.inplace_bytes = 0, .find_unused_parameters = true, .gradient_as_bucket_view = true},
+                  nullptr);
+  const Tensor x = nn::Full({4}, 2.0);
+  const auto out = [&](const Tensor& w) { return nn::ops::Sum(nn::ops::Mul(w, x)); };
+  reducer.CheckPreviousIteration(true);
+  std::vector<Tensor> outputs{out(w0), out(w1), out(w2)};
+  reducer.PrepareForBackward(outputs, 1.0);
+  nn::Backward(outputs[0] + outputs[1] + outputs[2]);
+  ASSERT_EQ(reducer.iterations(), 1);
+  // w2 unused (its .grad copied at the first gradient).
+  reducer.CheckPreviousIteration(true);
+  outputs = {out(w0), out(w1)};
+  outputs[1].RegisterHook([&](const Tensor&) {
+    nn::GradModeGuard grad(true);  // hooks run with grad mode off
+    nn::Backward(out(w0));
+    return Tensor();
+  });
+  reducer.PrepareForBackward(outputs, 1.0);
+  try {
+    nn::Backward(outputs[0] + outputs[1]);
+    ADD_FAILURE() << "a second gradient for `w0` went through";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("`w0` received a second gradient in one backward"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(reducer.stale_copies(), 0u);
+}
+
 }  // namespace
 }  // namespace ddp::dist::internal
