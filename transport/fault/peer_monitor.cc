@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "transport/fault/process.h"
+#include "transport/store/store.h"
 #include "transport/store/wire.h"
 
 namespace ddp::transport::fault {
@@ -276,8 +277,15 @@ void PeerMonitor::PostClosed(Deadline deadline) {
 }
 
 std::string PeerMonitor::EncodeAbort(int rank, const Status& reason) {
-  return std::to_string(static_cast<int>(reason.code())) + "\n" + std::to_string(rank) + "\n" +
-         reason.message();
+  const std::string head = std::to_string(static_cast<int>(reason.code())) + "\n" + std::to_string(rank) + "\n";
+  const std::string& message = reason.message();
+  if (head.size() + message.size() <= store::kMaxValueBytes) return head + message;
+  // The store refuses a larger value, and the peers would learn nothing:
+  // the reason's start goes, saying that the rest was cut.
+  const std::string note = " [... cut: the reason had " + std::to_string(message.size()) +
+                           " bytes, more than the rendezvous store's value limit of " +
+                           std::to_string(store::kMaxValueBytes) + "]";
+  return head + message.substr(0, store::kMaxValueBytes - head.size() - note.size()) + note;
 }
 
 Status PeerMonitor::DecodeAbort(const std::string& value) {

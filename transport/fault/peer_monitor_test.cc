@@ -492,6 +492,30 @@ TEST(PeerMonitor, OfTwoRanksPostingAtOnceTheFirstReasonStays) {
   EXPECT_EQ(s.message(), "rank 1 aborted the job: rank 1's reason");
 }
 
+// A reason longer than the store takes in one value (a failure listing
+// every rank's state, say) still reaches the peers: its start, with a note
+// that the rest was cut, at the store's limit. Before, the store refused
+// the whole post and the peers learned nothing, waiting out their deadline.
+TEST(PeerMonitor, AnAbortReasonPastTheStoresValueLimitIsPostedCut) {
+  testing::InMemoryStore store;
+  PeerMonitor rank0({.rank = 0, .key_prefix = "j/"}, &store);
+  PeerMonitor rank2({.rank = 2, .key_prefix = "j/"}, &store);
+  const std::string long_reason = "first words " + std::string(store::kMaxValueBytes + 100, 'x') + " last words";
+  rank2.PostAbort(PeerLostError(long_reason), Soon());
+  auto posted = store.TryGet("j/abort", Soon());
+  ASSERT_TRUE(posted.ok()) << posted.status();
+  ASSERT_TRUE(posted->has_value()) << "nothing was posted";
+  EXPECT_LE((*posted)->size(), store::kMaxValueBytes);
+  const Status s = rank0.Check(Soon());
+  EXPECT_EQ(s.code(), StatusCode::kPeerLost) << s.message().substr(0, 200);
+  EXPECT_TRUE(s.message().starts_with("rank 2 aborted the job: first words xxx")) << s.message().substr(0, 200);
+  EXPECT_EQ(s.message().find("last words"), std::string::npos);
+  const std::string said = "cut: the reason had " + std::to_string(long_reason.size()) + " bytes";
+  EXPECT_NE(s.message().find(said), std::string::npos) << s.message().substr(s.message().size() - 300);
+  // A reason that fits is posted whole.
+  EXPECT_EQ(PeerMonitor::EncodeAbort(1, TimedOutError("short")), "2\n1\nshort");
+}
+
 TEST(PeerMonitor, GarbledAbortValueIsStillAnError) {
   EXPECT_EQ(PeerMonitor::DecodeAbort("garbage").code(), StatusCode::kInternal);
   EXPECT_EQ(PeerMonitor::DecodeAbort("99\n1\nx").code(), StatusCode::kInternal);
