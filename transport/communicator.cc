@@ -96,6 +96,10 @@ constexpr milliseconds kAbortedStoreTimeForLatePeers{3000};
 // had a bound of its own on top of the deadline (1 s, 2 s, 2 s, 1 s), so a
 // store or peer that sat stopped held a 1.5 s destruction for 3 s or more.
 constexpr milliseconds kShutdownCloseAllowance{200};
+// What this rank's mark of leaving and its count among the ranks that left
+// each get at least, past kShutdownCloseAllowance where the steps before
+// used it up: without them the rank serving the store waits for this one.
+constexpr milliseconds kLeaveMarkTime{200};
 // A rank on this host seen stopped (SIGSTOP, SIGTSTP, a debugger) at every
 // look for this long counts, after an abort, as one that will not come for
 // the reason in time: it reads nothing while stopped, and held the store up
@@ -2089,11 +2093,16 @@ void Communicator::Impl::Shutdown() {
     // launcher's store keeps keys for good): marked before the count, so
     // that a rank counted as left has its mark unless the store failed it
     // in between.
+    // Each gets kLeaveMarkTime at least, however late it is: steps before
+    // (a queued call run to the deadline, its abort's post) may have used
+    // up close_by, and a mark not sent left the rank serving the store
+    // waiting for this one, then warning that it had not left.
+    const auto leave_mark_by = [&] { return std::max(leave_by, DeadlineIn(kLeaveMarkTime)); };
     if (store_rank_ != -1 && !not_a_member_) {
-      store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_by).IgnoreError();
+      store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_mark_by()).IgnoreError();
     }
     auto left = not_a_member_ ? StatusOr<int64_t>(UnavailableError("not a member"))
-                            : store_->Add(prefix_ + "left", 1, leave_by);
+                            : store_->Add(prefix_ + "left", 1, leave_mark_by());
     // The last communicator here to hold the server waits for the ranks of
     // every communicator using it (those split off included).
     const Clock::time_point leaving_since = Clock::now();

@@ -300,9 +300,11 @@ class Communicator {
   /// abort_store_time; and a communicator that staged device buffers waits
   /// for its staging copies and frees their slots, up to 2 s for each and
   /// so 4 s per device used (a device that does not answer by then leaks
-  /// them rather than blocking). With the closing marks left 0.2 s after a
-  /// queued call that ran to the deadline, a busy store may miss this
-  /// rank's count of leaving: rank 0 then warns that it had not left.
+  /// them rather than blocking); and this rank's mark of leaving and its
+  /// count among the ranks that left get 0.2 s each even where the steps
+  /// before used up the 0.2 s to close (a queued call that ran to the
+  /// deadline, then its abort's post), so that rank 0 does not wait for
+  /// this rank and warn that it had not left.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

@@ -1548,6 +1548,48 @@ int ScenarioDestroyWithPendingCall() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A communicator destroyed with a queued call that runs past the
+// destruction's deadline (DDP_TEST_TIMEOUT_MS, 2 s) still marks that this
+// rank left, even when the steps before the marks used up the 0.2 s the
+// destruction keeps to close in (here the hook before the poll gate holds
+// them until that has passed, as a loaded host might). Before, the mark and
+// the count of ranks that left got nothing of their own: neither was sent,
+// and the rank serving the store waited for this one and warned that it
+// had not left.
+int ScenarioDestroyPastItsDeadlineStillMarksTheRankLeft() {
+  auto comm = MustCreate();
+  if (comm->rank() == 1) {
+    std::vector<float> values(1000, 1.0f);
+    Work pending = comm->AllReduceAsync(values.data(), values.data(), values.size(), DataType::kF32,
+                                        ReduceOp::kSum, {.timeout = milliseconds(60000)});
+    const milliseconds timeout(std::atoi(EnvOr("DDP_TEST_TIMEOUT_MS", "2000").c_str()));
+    const auto start = Clock::now();
+    // The destruction's deadline, its 0.2 s to close, and a margin.
+    const auto closing_time_over = start + timeout + milliseconds(400);
+    internal::SetBeforePollGateClosesForTesting([&] { std::this_thread::sleep_until(closing_time_over); });
+    comm.reset();
+    internal::SetBeforePollGateClosesForTesting(nullptr);
+    auto client = ConnectToTheJobsStore();
+    WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
+    if (client.ok()) {
+      // The communicator's name under the launch's key prefix (no restarts).
+      auto left = (*client)->Add("r0/default/left", 0, DeadlineIn(milliseconds(5000)));
+      WORKER_CHECK(left.ok() && *left == 1, "ranks counted as left: " +
+                                                (left.ok() ? std::to_string(*left) : left.status().ToString()));
+      auto mark = (*client)->TryGet("r0/default/left/1", DeadlineIn(milliseconds(5000)));
+      WORKER_CHECK(mark.ok() && mark->has_value(), "rank 1's mark of leaving: " +
+                                                       (mark.ok() ? std::string("not set") : mark.status().ToString()));
+    }
+    SetMark("rank_1_checked");
+    const Status s = pending.Wait(DeadlineIn(milliseconds(1000)));
+    WORKER_CHECK(!s.ok(), "the call nobody joined succeeded: " + s.ToString());
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  // Serves the store until rank 1 has read it.
+  WORKER_CHECK(AwaitMark("rank_1_checked", milliseconds(60000)), "rank 1 never checked its marks");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A Work::Wait whose own deadline passes names the call it waited for
 // (before: "asynchronous call not finished by the caller's deadline" for
 // every call). Rank 0 waits 200 ms on an all-reduce and on a receive from
@@ -3246,6 +3288,7 @@ int RunScenario(const std::string& name) {
   if (name == "busy_recv") return ScenarioBusyRecv();
   if (name == "unbounded_p2p") return ScenarioUnboundedP2p();
   if (name == "destroy_pending") return ScenarioDestroyWithPendingCall();
+  if (name == "destroy_past_deadline_marks_left") return ScenarioDestroyPastItsDeadlineStillMarksTheRankLeft();
   if (name == "dropped_recv") return ScenarioDroppedRecv();
   if (name == "work_wait_timeout") return ScenarioWorkWaitTimeoutNamesTheCall();
   if (name == "poll_fails_during_shutdown") return ScenarioPollFailsDuringShutdown();
@@ -3986,6 +4029,11 @@ TEST(Communicator, DestructionIsBoundedWithACallPeersNeverJoin) {
   const std::string& out = job.results[1].output;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("DESTROYED in (\\d+) ms"))) << job.Describe();
   EXPECT_LT(std::stoll(m[1]), 15000) << job.Describe();
+}
+
+TEST(Communicator, ADestructionPastItsDeadlineStillMarksTheRankLeft) {
+  Job job = RunJob(2, "destroy_past_deadline_marks_left", {{"DDP_TEST_TIMEOUT_MS", "2000"}}, milliseconds(120000));
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 // A blocking call queued behind an async call that waits for a late rank
