@@ -703,6 +703,7 @@ class Communicator::Impl {
   // is posted already), where the others' creation waits see it.
   void PostCreationFailure(const Status& status) {
     creation_failed_ = true;
+    failure_store_by_ = DeadlineIn(options_.abort_store_time);
     const Status reason(status.code(), "creating its communicator: " + status.message());
     if (monitor_ != nullptr) {
       Abort(reason, std::nullopt).IgnoreError();
@@ -713,7 +714,7 @@ class Communicator::Impl {
     // ranks that fail creation together must not overwrite each other's.
     abort_posted_ = store_->CompareSet(prefix_ + "abort", std::nullopt,
                                        fault::PeerMonitor::EncodeAbort(options_.rank, reason),
-                                       DeadlineIn(options_.abort_store_time))
+                                       *failure_store_by_)
                         .ok();
   }
 
@@ -1185,6 +1186,11 @@ class Communicator::Impl {
   // Init failed (PostCreationFailure): Shutdown, which the failing Create
   // or Split runs before it returns, keeps to the creation deadline.
   bool creation_failed_ = false;
+  // After a failed creation: when the one abort_store_time that the post of
+  // its reason and the marks of leaving share ends (PostCreationFailure
+  // sets it; each had its own, so Create or Split returned up to three of
+  // them past its timeout with a stalled store).
+  std::optional<Deadline> failure_store_by_;
   // Init found this process no member: its rank claimed by another process
   // (the job's member), or outside [0, world_size). Shutdown marks nothing
   // as this rank's leaving, which would count a member as left (and let the
@@ -2087,7 +2093,8 @@ void Communicator::Impl::Shutdown() {
     // creation, never past the creation deadline: its Create or Split
     // returns only after this.
     const bool failed = aborted() || creation_failed_;
-    const Deadline leave_by = close_within(failed ? options_.abort_store_time : milliseconds(2000));
+    Deadline leave_by = close_within(failed ? options_.abort_store_time : milliseconds(2000));
+    if (failure_store_by_) leave_by = std::min(leave_by, *failure_store_by_);
     // Which ranks left, for the wait of the rank serving the store (see
     // rest_gone, and members_gone for communicators without it; a
     // launcher's store keeps keys for good): marked before the count, so
@@ -2096,8 +2103,13 @@ void Communicator::Impl::Shutdown() {
     // Each gets kLeaveMarkTime at least, however late it is: steps before
     // (a queued call run to the deadline, its abort's post) may have used
     // up close_by, and a mark not sent left the rank serving the store
-    // waiting for this one, then warning that it had not left.
-    const auto leave_mark_by = [&] { return std::max(leave_by, DeadlineIn(kLeaveMarkTime)); };
+    // waiting for this one, then warning that it had not left. Not after a
+    // failed creation, whose post keeps what it needs of their shared time:
+    // the rank serving the store waits for its ranks no longer than the
+    // creation deadline then.
+    const auto leave_mark_by = [&] {
+      return failure_store_by_ ? leave_by : std::max(leave_by, DeadlineIn(kLeaveMarkTime));
+    };
     if (store_rank_ != -1 && !not_a_member_) {
       store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_mark_by()).IgnoreError();
     }

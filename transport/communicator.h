@@ -97,10 +97,11 @@ struct CommunicatorOptions {
   /// deadline that never comes.
   std::chrono::milliseconds timeout{300000};
   /// How long posting or reading the job's abort reason may take outside a
-  /// call: an explicit Abort, a failed creation, a failed call's reason
-  /// (posted in the background: the call itself returns by its deadline),
-  /// and leaving (this rank's closed mark; after an abort, its count of the
-  /// ranks that left).
+  /// call: an explicit Abort, a failed creation (its reason's post and its
+  /// marks of leaving share one), a failed call's reason (posted in the
+  /// background: the call itself returns by its deadline), and leaving
+  /// (this rank's closed mark; after an abort, its count of the ranks that
+  /// left).
   std::chrono::milliseconds abort_store_time{1000};
   /// Longest a single store access inside a call may take before the store
   /// counts as unreachable (the rank serving it lost), when the call's

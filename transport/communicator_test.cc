@@ -1877,6 +1877,59 @@ int ScenarioCreationTimeoutMessage() {
   return testing::worker_failures == 0 ? 0 : 1;
 }
 
+// A creation that fails with the store stalled (rank 0, which serves it,
+// stopped: SIGSTOP once rank 1 has claimed its rank in the new
+// communicator) posts its reason and marks that it left within one
+// abort_store_time (3 s here) of the failure, together: rank 1 makes a
+// communicator that rank 0 never joins, with a 3 s timeout. Before, the
+// post took abort_store_time and the marks up to the destruction's 3.2 s
+// after it.
+int ScenarioFailedCreationWithAStalledStoreKeepsToAbortStoreTime() {
+  auto comm = MustCreate();
+  int64_t pids[2] = {0, 0};
+  const int64_t mine = getpid();
+  Status s = comm->AllGather(&mine, pids, 1, DataType::kI64);
+  WORKER_CHECK(s.ok(), "pids: " + s.ToString());
+  if (!s.ok()) return 1;
+  if (comm->rank() == 0) {
+    // Serves the store until rank 1 is done with it.
+    WORKER_CHECK(AwaitMark("created_alone", milliseconds(60000)), "rank 1 never finished its creation");
+    return testing::worker_failures == 0 ? 0 : 1;
+  }
+  auto client = ConnectToTheJobsStore();
+  WORKER_CHECK(client.ok(), "connecting to the store: " + client.status().ToString());
+  if (!client.ok()) return 1;
+  CommunicatorOptions options = WorkerOptions();
+  options.name = "alone";
+  options.timeout = milliseconds(3000);
+  options.abort_store_time = milliseconds(3000);
+  StatusOr<std::unique_ptr<Communicator>> alone = InternalError("not made");
+  const auto start = Clock::now();
+  std::thread creating([&] { alone = Communicator::CreateFromEnvironment(options); });
+  // Its claim of rank 1: past the connection to the store, now waiting for
+  // rank 0 (the launch's key prefix, no restarts).
+  bool claimed = false;
+  while (!claimed && Clock::now() < start + milliseconds(2500)) {
+    auto claim = (*client)->TryGet("r0/alone/claimed/1", DeadlineIn(milliseconds(1000)));
+    claimed = claim.ok() && claim->has_value();
+    if (!claimed) std::this_thread::sleep_for(milliseconds(5));
+  }
+  if (claimed) kill(static_cast<pid_t>(pids[0]), SIGSTOP);
+  creating.join();
+  const long long took_ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+  if (claimed) kill(static_cast<pid_t>(pids[0]), SIGCONT);
+  SetMark("created_alone");
+  WORKER_CHECK(claimed, "rank 1's claim never showed in the store within 2.5 s");
+  WORKER_CHECK(!alone.ok(), "made a communicator without rank 0");
+  std::printf("RANK 1: the creation failed after %lld ms: %s\n", took_ms, alone.status().ToString().c_str());
+  // 3 s to the failure, then 4 s of looks for a rank that has not posted
+  // (the creation's wait and its topology exchange each look, 2 s at most),
+  // 3 s for the post and the marks, and a margin.
+  WORKER_CHECK(took_ms < 11500, "the failed creation took " + std::to_string(took_ms) +
+                                    " ms with timeout 3000 ms and abort_store_time 3000 ms");
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // A call whose scratch allocation fails (an all-reduce-through of 2^40
 // elements off shared memory, whose padded copy cannot be had) returns an
 // error naming the exception on every rank and aborts the communicator;
@@ -3296,6 +3349,7 @@ int RunScenario(const std::string& name) {
   if (name == "destroy_while_waiting") return ScenarioDestroyWhileWaiting();
   if (name == "recreate") return ScenarioRecreateOnALastingStore();
   if (name == "creation_timeout") return ScenarioCreationTimeoutMessage();
+  if (name == "failed_creation_with_stalled_store") return ScenarioFailedCreationWithAStalledStoreKeepsToAbortStoreTime();
   if (name == "throws") return ScenarioCallThatThrows();
   if (name == "f16_avg") return ScenarioF16Average();
   if (name == "abort_ok") return ScenarioAbortWithOk();
@@ -3687,6 +3741,11 @@ TEST(Communicator, ARepeatedAbortAsksNoStore) {
 TEST(Communicator, AnAbortWithAStalledStoreKeepsToAbortStoreTime) {
   Job job = RunJob(2, "abort_with_a_stalled_store", {});
   ASSERT_TRUE(EveryRankPassed(job));
+}
+
+TEST(Communicator, AFailedCreationWithAStalledStorePostsAndLeavesWithinOneAbortStoreTime) {
+  Job job = RunJob(2, "failed_creation_with_stalled_store", {});
+  EXPECT_TRUE(EveryRankPassed(job)) << job.Describe();
 }
 
 TEST(Communicator, ASplitFailingOnOneRankFailsTheOthersAtOnce) {
