@@ -228,9 +228,19 @@ bool ValidOp(ReduceOp op) {
   return static_cast<int>(op) >= 0 && static_cast<int>(op) <= static_cast<int>(ReduceOp::kProd);
 }
 
+// The CPUs this thread could use before BindToCore pinned it to one (0:
+// not pinned here). The pin narrows the thread's own mask only: a
+// communicator made on it later (a Split, a second Create) has the
+// process's CPUs as the first did, and counted 1 instead, yielding where
+// it could spin.
+thread_local int cpus_before_pinning = 0;
+
 // Pins the calling thread to the `index`-th CPU (modulo) it may run on; a
 // mask it cannot read or set leaves it unbound (binding is a hint).
-void BindToCore(int index) { static_cast<void>(topology::BindToAllowedCpu(index)); }
+void BindToCore(int index) {
+  if (cpus_before_pinning == 0) cpus_before_pinning = topology::UsableCpus();
+  static_cast<void>(topology::BindToAllowedCpu(index));
+}
 
 // Whether process `pid` of this host is stopped: by a signal (state T) or
 // by a tracer (t). False when gone: the monitor tells that apart.
@@ -299,8 +309,9 @@ const std::string& ClaimantName() {
 }
 
 // CPUs this process may keep busy (its affinity mask, capped by a cgroup
-// CPU quota): what "oversubscribed" is measured against.
-int AvailableCpus() { return topology::UsableCpus(); }
+// CPU quota): what "oversubscribed" is measured against. On a thread that
+// BindToCore pinned, the count from before the pin.
+int AvailableCpus() { return cpus_before_pinning > 0 ? cpus_before_pinning : topology::UsableCpus(); }
 
 // The rendezvous store this rank serves (host_store on rank 0), shared with
 // the communicators split off here. `users` are the key prefixes and rank

@@ -127,7 +127,9 @@ struct CommunicatorOptions {
   /// as mpirun does by default. On a busy machine this keeps two ranks off
   /// one core's run queue (measured: 4 KiB all-reduce 3 us pinned, 500+ us
   /// not, with 12 other runnable processes). Off by default: it also pins
-  /// whatever else the creating thread runs.
+  /// whatever else the creating thread runs. Communicators made on that
+  /// thread later (a Split, a second Create) still count the CPUs the
+  /// process had before the pin when choosing to spin or yield.
   bool bind_to_core = false;
   /// Threads of each rank that keep a core busy while its collectives wait
   /// (0: one). A training loop that computes backward while DDP's

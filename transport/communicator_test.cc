@@ -349,6 +349,33 @@ int ScenarioCreateOnly() {
   return s.ok() && x == (*comm)->size() ? 0 : 1;
 }
 
+// Communicators made from a thread that bind_to_core pinned (a Split, a
+// second Create) count the CPUs the process may use, as the first did, not
+// the one CPU the thread is pinned to: their waits spin or yield as the
+// first's. Before, each counted 1 CPU and yielded with two ranks on the
+// host however many cores it had.
+int ScenarioPinnedThreadCountsTheProcesssCpus() {
+  CommunicatorOptions options = WorkerOptions();
+  options.bind_to_core = true;
+  auto comm = Communicator::CreateFromEnvironment(options);
+  WORKER_CHECK(comm.ok(), "create: " + comm.status().ToString());
+  if (!comm.ok()) return 1;
+  const bool yields = (*comm)->info().yields_when_idle;
+  auto child = (*comm)->Split(0, (*comm)->rank());
+  WORKER_CHECK(child.ok(), "split: " + child.status().ToString());
+  if (!child.ok()) return 1;
+  options.name = "second";
+  auto second = Communicator::CreateFromEnvironment(options);
+  WORKER_CHECK(second.ok(), "second create: " + second.status().ToString());
+  if (!second.ok()) return 1;
+  std::printf("YIELDS %d SPLIT %d SECOND %d\n", yields ? 1 : 0, (*child)->info().yields_when_idle ? 1 : 0,
+              (*second)->info().yields_when_idle ? 1 : 0);
+  float x = 1;
+  const Status s = (*child)->AllReduce(&x, 1, DataType::kF32, ReduceOp::kSum);
+  WORKER_CHECK(s.ok() && x == 2.0f, "the split's all-reduce: " + s.ToString());
+  return testing::worker_failures == 0 ? 0 : 1;
+}
+
 // One rank, CommunicatorOptions left at their defaults (no store port, no
 // launch environment), as an MPI program of one process needs no setup:
 // creation, a collective, and a split that reaches the same store.
@@ -3349,6 +3376,7 @@ int RunScenario(const std::string& name) {
   if (name == "destroy_while_waiting") return ScenarioDestroyWhileWaiting();
   if (name == "recreate") return ScenarioRecreateOnALastingStore();
   if (name == "creation_timeout") return ScenarioCreationTimeoutMessage();
+  if (name == "pinned_thread_counts_cpus") return ScenarioPinnedThreadCountsTheProcesssCpus();
   if (name == "failed_creation_with_stalled_store") return ScenarioFailedCreationWithAStalledStoreKeepsToAbortStoreTime();
   if (name == "throws") return ScenarioCallThatThrows();
   if (name == "f16_avg") return ScenarioF16Average();
@@ -4360,6 +4388,19 @@ TEST(Communicator, WaitsYieldWhenBusyThreadsOutnumberTheCores) {
       EXPECT_NE(result.output.find(std::string("YIELDS ") + (yields ? "1" : "0")), std::string::npos)
           << busy << " busy threads per rank, " << cpus << " cpus\n" << job.Describe();
     }
+  }
+}
+
+// With bind_to_core, a Split and a second Create from the pinned thread
+// choose as the first communicator did, for the process's CPUs.
+TEST(Communicator, CommunicatorsMadeOnAPinnedThreadCountTheProcesssCpus) {
+  const int cpus = topology::UsableCpus();
+  Job job = RunJob(2, "pinned_thread_counts_cpus", {{"DDP_TEST_TIMEOUT_MS", "10000"}});
+  ASSERT_TRUE(EveryRankPassed(job));
+  const std::string yields = 2 > cpus ? "1" : "0";
+  for (const auto& result : job.results) {
+    EXPECT_NE(result.output.find("YIELDS " + yields + " SPLIT " + yields + " SECOND " + yields), std::string::npos)
+        << cpus << " cpus\n" << job.Describe();
   }
 }
 
