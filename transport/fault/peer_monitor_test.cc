@@ -819,6 +819,23 @@ ServedStore Serve() {
   return served;
 }
 
+// The same over the TCP store: the cut reason fits one request and one
+// answer of the store's protocol.
+TEST(PeerMonitor, AnAbortReasonPastTheStoresValueLimitReachesThePeersOverTcp) {
+  ServedStore served = Serve();
+  ASSERT_NE(served.client, nullptr);
+  auto other = store::TcpStoreClient::Connect("127.0.0.1", served.server->port(), "token", Soon());
+  ASSERT_TRUE(other.ok()) << other.status();
+  PeerMonitor rank0({.rank = 0, .key_prefix = "j/"}, other->get());
+  PeerMonitor rank1({.rank = 1, .key_prefix = "j/"}, served.client.get());
+  rank1.PostAbort(TimedOutError("start " + std::string(2 * store::kMaxValueBytes, 'y')), Soon());
+  const Status s = rank0.Check(Soon());
+  EXPECT_EQ(s.code(), StatusCode::kTimedOut) << s.message().substr(0, 200);
+  EXPECT_TRUE(s.message().starts_with("rank 1 aborted the job: start yyy")) << s.message().substr(0, 200);
+  EXPECT_TRUE(s.message().ends_with("value limit of " + std::to_string(store::kMaxValueBytes) + "]"))
+      << s.message().substr(s.message().size() - 300);
+}
+
 // The reason rank 0's communicator gives when it stops the store it served
 // at the end of a job that ended cleanly, with ranks still at their last
 // collectives (a split of theirs running on).
