@@ -1199,8 +1199,8 @@ class Communicator::Impl {
   bool creation_failed_ = false;
   // After a failed creation: when the one abort_store_time that the post of
   // its reason and the marks of leaving share ends (PostCreationFailure
-  // sets it; each had its own, so Create or Split returned up to three of
-  // them past its timeout with a stalled store).
+  // sets it; the post and the marks each had one, so with a stalled store
+  // Create or Split returned up to twice that after the failure).
   std::optional<Deadline> failure_store_by_;
   // Init found this process no member: its rank claimed by another process
   // (the job's member), or outside [0, world_size). Shutdown marks nothing
