@@ -223,7 +223,8 @@ struct ChildArgs {
   int stdout_fd = -1;
   int stderr_fd = -1;
   int report_fd = -1;      // close-on-exec pipe: a failed step is written here
-  sigset_t mask{};         // restored just before exec
+  sigset_t mask{};         // set just before exec: the launcher's, SIGPIPE unblocked
+  sigset_t sigpipe_only{};  // SIGPIPE alone, for discarding one raised here
   // Without close_range's CLOSE_RANGE_CLOEXEC (before Linux 5.11), every
   // descriptor from 3 below this is marked close-on-exec one by one.
   int fd_bound = 0;
@@ -389,8 +390,14 @@ RunChild(const ChildArgs* a) {
   if (a->watcher_fd >= 0) {
     const pid_t group = static_cast<pid_t>(syscall(SYS_getpid));
     // (A watcher someone killed cannot be told; the worker runs without
-    // it, as it would had the watcher been killed a moment later.)
-    syscall(SYS_write, a->watcher_fd, &group, sizeof(group));
+    // it, as it would had the watcher been killed a moment later.) The
+    // write to its reader-less pipe raised SIGPIPE, blocked here: taken
+    // off again, or it would kill the child at the mask's restore (SIGPIPE
+    // is at its default) or greet the program pending after its exec.
+    if (syscall(SYS_write, a->watcher_fd, &group, sizeof(group)) < 0) {
+      const timespec now{0, 0};
+      syscall(SYS_rt_sigtimedwait, &a->sigpipe_only, nullptr, &now, _NSIG / 8);
+    }
   }
   const int sources[3] = {a->stdin_fd, a->stdout_fd, a->stderr_fd};
   for (int target = 0; target < 3; ++target) {
@@ -427,6 +434,9 @@ std::atomic<bool> g_force_close_range_fallback{false};
 std::mutex g_forwarding_end_step_mu;
 std::function<void()> g_forwarding_end_step;
 std::atomic<int64_t> g_pause_after_first_worker_ms{0};  // PauseAfterFirstWorkerForTesting
+// SetBeforeFirstWorkerStepForTesting.
+std::mutex g_before_first_worker_step_mu;
+std::function<void(pid_t)> g_before_first_worker_step;
 
 // The most descriptors the fallbacks of close_range go through.
 constexpr int kMostDescriptors = 1 << 20;
@@ -1007,6 +1017,11 @@ void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause) {
   g_pause_after_first_worker_ms.store(pause.count(), std::memory_order_relaxed);
 }
 
+void SetBeforeFirstWorkerStepForTesting(std::function<void(pid_t watcher)> step) {
+  std::lock_guard<std::mutex> lock(g_before_first_worker_step_mu);
+  g_before_first_worker_step = std::move(step);
+}
+
 void DieOfInterruptSignal(int exit_code) {
   const int signo = InterruptSignal();
   if ((signo != SIGINT && signo != SIGTERM && signo != SIGHUP) || exit_code != 128 + signo) return;
@@ -1371,6 +1386,10 @@ class WorkerGroup::Impl {
     if (Status watching = StartWatcher(); !watching.ok()) {
       KillAndReap();
       return watching;
+    }
+    {
+      std::lock_guard<std::mutex> lock(g_before_first_worker_step_mu);
+      if (g_before_first_worker_step) g_before_first_worker_step(watcher_);
     }
     for (size_t i = 0; i < specs.size(); ++i) {
       Status started = StartOne(specs[i], workers_[i]);
@@ -2147,7 +2166,15 @@ class WorkerGroup::Impl {
     // shares our memory; the child restores the mask right before exec.
     sigset_t all;
     sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &args.mask);
+    sigset_t launcher_mask;
+    pthread_sigmask(SIG_SETMASK, &all, &launcher_mask);
+    // A worker starts with SIGPIPE at its default and unblocked, as from a
+    // shell, whatever this thread blocks: blocked, `train | head` would
+    // leave it writing into a closed pipe instead of ending.
+    args.mask = launcher_mask;
+    sigdelset(&args.mask, SIGPIPE);
+    sigemptyset(&args.sigpipe_only);
+    sigaddset(&args.sigpipe_only, SIGPIPE);
     // vfork, not fork: the parent waits until the child has exec'd, nothing
     // is copied, and no pthread_atfork handler runs (a transport fork guard
     // would otherwise fire in every worker). ThreadSanitizer turns vfork into
@@ -2160,7 +2187,7 @@ class WorkerGroup::Impl {
 #endif
     if (pid == 0) RunChild(&args);
     const int vfork_errno = errno;
-    pthread_sigmask(SIG_SETMASK, &args.mask, nullptr);
+    pthread_sigmask(SIG_SETMASK, &launcher_mask, nullptr);
     // Our write end closed, the watch ends at the child's exec or death
     // (or at once, without a child).
     report_write.Reset();

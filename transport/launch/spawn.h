@@ -391,6 +391,11 @@ void ForceCloseRangeFallbackForTesting(bool force);
 /// terminal: a launcher killed meanwhile is a case its watcher must cover.
 void PauseAfterFirstWorkerForTesting(std::chrono::milliseconds pause);
 
+/// For tests: `step` (empty: none) runs in each group's Start once the
+/// group's watcher runs and before its first worker starts, given the
+/// watcher's pid, so that a test can end the watcher there.
+void SetBeforeFirstWorkerStepForTesting(std::function<void(pid_t watcher)> step);
+
 /// For tests: `step` (empty: none) runs on the destroying thread while a
 /// group that forwarded signals gives them up, between its ceasing to take
 /// them and the earlier handlers coming back, so that a test can send a

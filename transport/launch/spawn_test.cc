@@ -263,6 +263,19 @@ DDP_TEST_WORKER(grandparent) {
   return 0;
 }
 
+// Exits 0 when this process starts as a program run from a shell does as
+// to SIGPIPE: 2 when it is not at its default action, 3 when blocked, 4
+// when pending.
+DDP_TEST_WORKER(sigpipe_state) {
+  struct sigaction action{};
+  if (sigaction(SIGPIPE, nullptr, &action) != 0 || action.sa_handler != SIG_DFL) return 2;
+  sigset_t blocked;
+  if (sigprocmask(SIG_SETMASK, nullptr, &blocked) != 0 || sigismember(&blocked, SIGPIPE)) return 3;
+  sigset_t pending;
+  if (sigpending(&pending) != 0 || sigismember(&pending, SIGPIPE)) return 4;
+  return 0;
+}
+
 WorkerSpec Spec(int rank, const std::string& worker,
                 std::vector<std::pair<std::string, std::string>> env = {}) {
   WorkerSpec spec;
@@ -3122,6 +3135,41 @@ TEST(SpawnTest, AKilledWatcherLeavesTheLauncherRunning) {
   ExpectNoChildrenLeft();
 }
 
+
+// A watcher killed before the first worker told it the group's id: the
+// worker's write to the pipe without a reader raised SIGPIPE in it before
+// its exec, which killed it as its mask came back (or, blocked, was left
+// pending for the program). The worker starts as from a shell all the
+// same, SIGPIPE unblocked even though the launcher's thread blocks it.
+// Runs in a child of its own (RunInAProcess). 0: the worker saw SIGPIPE
+// at its default, unblocked and not pending; 2: the watcher did not die;
+// 3: Start failed; 10 + the worker's exit code (see sigpipe_state);
+// 100 + the signal that killed the worker.
+int AWatcherKilledBeforeTheFirstWorkerLeavesItsSigpipeAlone() {
+  sigset_t pipe_only;
+  sigemptyset(&pipe_only);
+  sigaddset(&pipe_only, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_only, nullptr);
+  bool watcher_died = false;
+  SetBeforeFirstWorkerStepForTesting([&watcher_died](pid_t watcher) {
+    kill(watcher, SIGKILL);
+    watcher_died = GoneWithin(watcher, 5s);
+  });
+  StatusOr<std::unique_ptr<WorkerGroup>> group = WorkerGroup::Start(Specs(1, "sigpipe_state"), Quiet());
+  SetBeforeFirstWorkerStepForTesting(nullptr);
+  if (!watcher_died) return 2;
+  if (!group.ok()) return 3;
+  const GroupResult result = (*group)->Wait(DeadlineIn(20s));
+  const WorkerExit& exit = result.workers.at(0);
+  if (exit.signaled) return 100 + exit.code;
+  return exit.code == 0 ? 0 : 10 + exit.code;
+}
+
+TEST(SpawnTest, AWatcherKilledBeforeTheFirstWorkerLeavesItsSigpipeAlone) {
+  EXPECT_EQ(RunInAProcess(&AWatcherKilledBeforeTheFirstWorkerLeavesItsSigpipeAlone), 0)
+      << "113: SIGPIPE killed the worker before its exec; 13: it was blocked; 14: pending; see the scenario";
+  ExpectNoChildrenLeft();
+}
 // Every signal that can end or stop a worker is named in its report (a
 // worker over its file size limit dies of SIGXFSZ, one under a profiler's
 // timer of SIGPROF); a real-time one by its place after SIGRTMIN.
