@@ -522,8 +522,8 @@ TEST(DdprunTest, InterruptedLauncherDiesOfTheSignal) {
   // bash, as a user's: it goes on after a child that exited 130 and stops
   // after one that died of SIGINT.
   const std::string dir = testing::MakeTempDir("ddprun_loop");
-  testing::MakeTempDir("ddprun_loop/0");
-  testing::MakeTempDir("ddprun_loop/1");
+  ASSERT_EQ(mkdir((dir + "/0").c_str(), 0755), 0);
+  ASSERT_EQ(mkdir((dir + "/1").c_str(), 0755), 0);
   auto group = testing::StartProgram(
       {"/bin/bash", "-c",
        "for c in 0 1; do \"$0\" --standalone --nproc_per_node=1 \"$1\" --sleep_ms=30000 --pid_dir=\"$2/$c\"; "

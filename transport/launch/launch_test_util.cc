@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -26,14 +27,17 @@ std::string Runfile(const std::string& path) {
 
 std::string MakeTempDir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
-  const std::string dir = std::string(base ? base : "/tmp") + "/" + name;
-  std::string partial;
-  for (size_t pos = 0; pos != std::string::npos;) {
-    pos = dir.find('/', pos + 1);
-    partial = dir.substr(0, pos);
-    mkdir(partial.c_str(), 0755);
+  std::string pattern = std::string(base != nullptr && *base != '\0' ? base : "/tmp") + "/" + name + "_XXXXXX";
+  // Folders named in `name` ("a/b") first; only the last part is new.
+  for (size_t slash = pattern.find('/', 1); slash != std::string::npos; slash = pattern.find('/', slash + 1)) {
+    mkdir(pattern.substr(0, slash).c_str(), 0755);
   }
-  return dir;
+  if (mkdtemp(pattern.data()) == nullptr) {
+    const int err = errno;
+    std::fprintf(stderr, "MakeTempDir: cannot make a folder like '%s': %s\n", pattern.c_str(), std::strerror(err));
+    std::abort();
+  }
+  return pattern;
 }
 
 StatusOr<std::unique_ptr<WorkerGroup>> StartProgram(

@@ -21,7 +21,9 @@ namespace ddp::transport::launch::testing {
 /// Path of a runfile of this workspace, e.g. "transport/launch/test_worker".
 std::string Runfile(const std::string& path);
 
-/// A fresh directory under TEST_TMPDIR.
+/// A new, empty directory under TEST_TMPDIR (/tmp without it) for each call,
+/// named `name` and a unique suffix ("name_AbC123"), so that no two callers,
+/// runs or --gtest_repeat rounds share one. Aborts when it cannot be made.
 std::string MakeTempDir(const std::string& name);
 
 /// Starts `argv` (argv[0] is the program) as one process with output

@@ -1,6 +1,7 @@
 #include "transport/launch/launch_test_util.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -91,6 +92,25 @@ TEST(LaunchTestUtilTest, AHeldLauncherThatCannotStartIsAnError) {
   auto held = HeldLauncher::Start({dir + "/no_such_program"}, dir + "/stdout");
   ASSERT_FALSE(held.ok());
   EXPECT_NE(held.status().message().find("no_such_program"), std::string::npos) << held.status().message();
+}
+
+// Two calls with one name (two tests, two --gtest_repeat rounds, a run by
+// hand after another) get two new, empty folders: one shared folder let a
+// test read the pid files an earlier caller left there as its own.
+TEST(LaunchTestUtilTest, EachTempDirIsNewAndEmpty) {
+  const std::string first = MakeTempDir("launch_test_util_fresh");
+  std::ofstream(first + "/rank0.pid") << "1\n";
+  const std::string second = MakeTempDir("launch_test_util_fresh");
+  EXPECT_NE(first, second);
+  EXPECT_NE(second.find("/launch_test_util_fresh"), std::string::npos) << second;
+  struct stat info{};
+  ASSERT_EQ(stat(second.c_str(), &info), 0) << second;
+  EXPECT_TRUE(S_ISDIR(info.st_mode));
+  EXPECT_NE(access((second + "/rank0.pid").c_str(), F_OK), 0) << "the first caller's file is in " << second;
+  // A name with folders in it: those are made as needed.
+  const std::string nested = MakeTempDir("launch_test_util_nested/inner");
+  ASSERT_EQ(stat(nested.c_str(), &info), 0) << nested;
+  EXPECT_TRUE(S_ISDIR(info.st_mode));
 }
 
 }  // namespace
