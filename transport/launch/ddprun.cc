@@ -2337,6 +2337,32 @@ int RunDdprun(const DdprunOptions& options) {
 
 namespace {
 
+// A folder that could not be made: RESOURCE_EXHAUSTED when the file
+// system or this process ran out of something (space, quota, inodes,
+// descriptors, memory) or failed (EIO), which is no fault of the path
+// given; INVALID_ARGUMENT otherwise (no such parent, no permission, a
+// file in the way, read-only).
+Status FolderError(int err, std::string text) {
+  const bool system = err == ENOSPC || err == EDQUOT || err == EMFILE || err == ENFILE || err == ENOMEM ||
+                      err == EIO;
+  return system ? ResourceExhaustedError(std::move(text) + " (a failure of the system, not bad input)")
+                : InvalidArgumentError(std::move(text));
+}
+
+// The exit status for a failure before anything started: 2 for what the
+// user gave wrongly (a bad path, a port taken or privileged, an address
+// not this host's), 1 for a failure of the system, as for any job failure.
+int SetupExitCode(const Status& status) {
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kPermissionDenied:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
 // This run's folder under --log_dir, made anew: <log_dir>/<rdzv_id>_<6
 // random characters> ("none_" without --rdzv_id), as torchrun makes
 // <log_dir>/<run_id>_<random>/ (mkdtemp), so that a run never overwrites
@@ -2346,7 +2372,8 @@ StatusOr<std::string> MakeRunLogDir(const std::string& log_dir, const std::strin
   for (size_t pos = log_dir.find('/', 1);; pos = log_dir.find('/', pos + 1)) {
     const std::string partial = log_dir.substr(0, pos);
     if (!partial.empty() && mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      return InvalidArgumentError("cannot create --log_dir '" + partial + "': " + std::strerror(errno));
+      const int err = errno;
+      return FolderError(err, "cannot create --log_dir '" + partial + "': " + std::strerror(err));
     }
     if (pos == std::string::npos) break;
   }
@@ -2354,8 +2381,9 @@ StatusOr<std::string> MakeRunLogDir(const std::string& log_dir, const std::strin
   std::replace(name.begin(), name.end(), '/', '_');
   std::string path = log_dir + "/" + name + "_XXXXXX";
   if (mkdtemp(path.data()) == nullptr) {
-    return InvalidArgumentError("cannot create a folder for this run's logs in --log_dir '" + log_dir +
-                                "': " + std::strerror(errno));
+    const int err = errno;
+    return FolderError(err, "cannot create a folder for this run's logs in --log_dir '" + log_dir + "': " +
+                                std::strerror(err));
   }
   chmod(path.c_str(), 0755);  // mkdtemp's 0700; the logs are no secret
   return path;
@@ -2429,9 +2457,11 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     const char* tmp = std::getenv("TMPDIR");
     std::string base = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/torchelastic_XXXXXX";
     if (mkdtemp(base.data()) == nullptr) {
+      // Neither TMPDIR nor /tmp is a flag: a failure there is the
+      // system's (exit 1), whatever errno says.
       Say("cannot create a temporary folder for the logs of --tee/--redirects ('" + base +
           "'): " + std::strerror(errno) + "; give --log_dir=DIR");
-      return 2;
+      return 1;
     }
     o.log_dir = base;
   }
@@ -2442,8 +2472,8 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     // names it after its --standalone run id.
     StatusOr<std::string> fresh = GenerateJobToken();
     if (!fresh.ok()) {
-      Say(fresh.status().message());
-      return 2;
+      Say("cannot make this run's id: " + fresh.status().message());
+      return 1;  // the system's randomness failed: no bad input
     }
     run_id = fresh->substr(0, 16);
   }
@@ -2451,7 +2481,7 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
     StatusOr<std::string> run_dir = MakeRunLogDir(o.log_dir, o.standalone ? run_id : o.rdzv_id);
     if (!run_dir.ok()) {
       Say(run_dir.status().message());
-      return 2;
+      return SetupExitCode(run_dir.status());
     }
     Say(RunLogsLine(*run_dir, o));
     o.log_dir = *run_dir;  // from here on, the folder the workers' logs go to
@@ -2460,8 +2490,8 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
   if (token.empty()) {
     StatusOr<std::string> fresh = GenerateJobToken();
     if (!fresh.ok()) {
-      Say(fresh.status().message());
-      return 2;
+      Say("cannot make the job's token: " + fresh.status().message());
+      return 1;  // the system's randomness failed: no bad input
     }
     token = *fresh;
   }
@@ -2496,13 +2526,15 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       o.node_rank = -1;
     } else {
       std::string hint;
-      if (o.nnodes == 1 && started.status().message().find(std::strerror(EADDRINUSE)) != std::string::npos) {
+      if (o.nnodes == 1 && started.status().code() == StatusCode::kFailedPrecondition) {
         // Two single-node jobs on one host both on the default 29500.
         hint = "; another job on this host may hold the port: give another --master_port, or "
                "--standalone (a free port)";
       }
       Say("cannot serve the rendezvous store: " + started.status().message() + hint);
-      return 2;
+      // A port taken or privileged, an address not this host's: 2; the
+      // system failing (descriptors, a name service that did not answer): 1.
+      return SetupExitCode(started.status());
     }
   }
   // How this launcher is named in messages before and after it has a rank.

@@ -1231,19 +1231,45 @@ TEST(DdprunTest, PortInUseIsReported) {
   const std::string port = std::to_string(ntohs(addr.sin_port));
   // On one node, most likely another job on the default port: the line says
   // what to do.
+  const std::string in_use = "cannot serve the rendezvous store: cannot listen on 127.0.0.1:" + port +
+                             ": Address already in use: another process on this host already listens on "
+                             "127.0.0.1:" + port +
+                             " (a second process started as rank 0 of a job whose rank 0 serves the store, a "
+                             "store left running by an earlier job, or another program holding MASTER_PORT " +
+                             port + "); check RANK and MASTER_PORT";
   ExpectBadInput({Ddprun(), "--master_port=" + port, Worker()},
-                 "cannot serve the rendezvous store: cannot listen on 127.0.0.1:" + port +
-                     ": Address already in use; another job on this host may hold the port: give another "
-                     "--master_port, or --standalone (a free port)");
+                 in_use + "; another job on this host may hold the port: give another --master_port, or "
+                          "--standalone (a free port)");
   // A c10d launcher told to serve (torchrun's is_host) does not join instead.
   ExpectBadInput({Ddprun(), "--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:" + port,
                   "--rdzv_conf=is_host=true", Worker()},
-                 "cannot serve the rendezvous store: cannot listen on 127.0.0.1:" + port +
-                     ": Address already in use",
-                 {{"DDP_JOB_TOKEN", "t"}});
+                 in_use, {{"DDP_JOB_TOKEN", "t"}});
   close(fd);
 }
 
+
+// What fails for the system, not for what the user gave, exits 1 as any
+// failed job does, not 2 (bad input), which tells a script or scheduler
+// that retrying the same command is pointless: a store that cannot start
+// for lack of descriptors, a temporary folder that cannot be made (TMPDIR
+// is no flag). A --log_dir that cannot be made stays bad input.
+TEST(DdprunTest, SystemFailuresBeforeTheStartAreNoBadInput) {
+  const std::string dir = testing::MakeTempDir("ddprun_system_failures");
+  // Four descriptors: the listening socket takes the last one free.
+  auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 4 && exec \"$0\" --master_port=0 /bin/true", Ddprun()});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("ddprun: cannot serve the rendezvous store: "));
+  EXPECT_THAT(run.output, HasSubstr(": Too many open files"));
+  const std::string file = dir + "/a_file";
+  std::ofstream(file) << "x";
+  run = RunProgram({Ddprun(), "--standalone", "--redirects=3", "/bin/true"}, {{"TMPDIR", file}});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("ddprun: cannot create a temporary folder for the logs of --tee/--redirects ('" +
+                                    file + "/torchelastic_"));
+  EXPECT_THAT(run.output, HasSubstr("'): Not a directory; give --log_dir=DIR\n"));
+  ExpectBadInput({Ddprun(), "--standalone", "--log_dir=" + file + "/logs", "/bin/true"},
+                 "cannot create --log_dir '" + file + "/logs': Not a directory");
+}
 
 // ---- a terminal of its own: a pseudo-terminal session ----
 

@@ -202,16 +202,35 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
   *port_taken = false;
   std::vector<UniqueFd> fds;
   std::string skipped;  // why the addresses this host cannot use were skipped
+  bool not_here_only = true;  // every one skipped was not this host's (EADDRNOTAVAIL)
   int chosen = port;
   for (const addrinfo* ai : addrs) {
     sockaddr_storage addr{};
     std::memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
     SetPort(addr, chosen);
     const std::string where = FormatAddress(reinterpret_cast<sockaddr*>(&addr), ai->ai_addrlen);
-    auto failure = [&](const std::string& why) {
+    // `step` ("", "socket: ", "listen: ") failed with `err`.
+    auto failure = [&](const std::string& step, int err) {
       std::string at = HostPort(host, chosen);
       if (at != where) at += " (" + where + ")";
-      return UnavailableError("cannot listen on " + at + ": " + why);
+      std::string text = "cannot listen on " + at + ": " + step + ErrnoString(err);
+      if (err == EADDRINUSE) {
+        // The usual cause where rank 0 serves the store: RANK=0 given to
+        // two processes (or two launchers as node 0), whose second bind
+        // is the first thing that fails.
+        return FailedPreconditionError(
+            text + ": another process on this host already listens on " + where +
+            " (a second process started as rank 0 of a job whose rank 0 serves the store, a store left "
+            "running by an earlier job, or another program holding MASTER_PORT " + std::to_string(chosen) +
+            "); check RANK and MASTER_PORT");
+      }
+      if (err == EACCES) {
+        return PermissionDeniedError(text + " (ports below 1024 need privileges; give a higher port)");
+      }
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        return ResourceExhaustedError(text + " (this process or host is out of descriptors or memory)");
+      }
+      return InternalError(std::move(text));
     };
     UniqueFd fd(socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
                        ai->ai_protocol));
@@ -219,9 +238,10 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
       const int err = errno;
       if (err == EAFNOSUPPORT || err == EPROTONOSUPPORT) {
         skipped = where + ": " + ErrnoString(err);
+        not_here_only = false;
         continue;
       }
-      return failure("socket: " + ErrnoString(err));
+      return failure("socket: ", err);
     }
     // Lets a restarted launcher reuse its port while old connections sit in
     // TIME_WAIT; it does not let two live listeners share a port.
@@ -239,16 +259,22 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
         continue;
       }
       *port_taken = err == EADDRINUSE && port == 0 && !fds.empty();
-      return failure(ErrnoString(err));
+      return failure("", err);
     }
-    if (listen(fd.get(), backlog) != 0) return failure("listen: " + ErrnoString(errno));
+    if (listen(fd.get(), backlog) != 0) {
+      const int err = errno;
+      return failure("listen: ", err);
+    }
     if (chosen == 0) {
       DDP_ASSIGN_OR_RETURN(chosen, LocalPort(fd.get()));
     }
     fds.push_back(std::move(fd));
   }
   if (fds.empty()) {
-    return UnavailableError("cannot listen on " + HostPort(host, port) + ": " + skipped);
+    // Not one address of this host (EADDRNOTAVAIL), the caller's to fix;
+    // an address family this host cannot use (IPv6 off) is the host's.
+    const std::string text = "cannot listen on " + HostPort(host, port) + ": " + skipped;
+    return not_here_only ? InvalidArgumentError(text + " (not an address of this host)") : UnavailableError(text);
   }
   return fds;
 }

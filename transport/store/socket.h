@@ -54,8 +54,15 @@ std::string PeerAddress(int fd);
 /// picks one free at every address). Binds those addresses only. An
 /// address this host does not have or cannot use (::1 with IPv6 off) is
 /// skipped; any other failure at any address fails the whole. The name is
-/// looked up once, by `deadline` (TIMED_OUT past it). UNAVAILABLE names the
-/// address and the reason. An empty host is INVALID_ARGUMENT.
+/// looked up once, by `deadline` (TIMED_OUT past it). Each error names the
+/// address and the reason: FAILED_PRECONDITION for a port another process
+/// listens on (EADDRINUSE, with the likely causes: a second rank 0, a store
+/// left from an earlier job, another program on MASTER_PORT),
+/// PERMISSION_DENIED for a privileged port, RESOURCE_EXHAUSTED when
+/// descriptors or memory ran out, INVALID_ARGUMENT for an empty host, a
+/// port out of range or a host none of whose addresses is this host's,
+/// UNAVAILABLE for a name that does not resolve or addresses this host
+/// cannot use (IPv6 off), INTERNAL for any other failure.
 StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int backlog,
                                           Deadline deadline);
 

@@ -29,6 +29,7 @@
 #include <mutex>
 #include <new>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -261,14 +262,27 @@ class TcpStoreServer::Impl {
   ~Impl() { Stop(); }
 
   Status Init() {
+    // A shortage (descriptors under `ulimit -n`, memory, threads under
+    // `ulimit -u`) is RESOURCE_EXHAUSTED: the same start may succeed later.
+    auto failed = [](const char* step, int err) {
+      std::string text = std::string("cannot start the store server: ") + step + ": " + ErrnoString(err);
+      const bool shortage = err == EMFILE || err == ENFILE || err == ENOMEM || err == EAGAIN;
+      return shortage ? ResourceExhaustedError(std::move(text)) : InternalError(std::move(text));
+    };
     epoll_fd_.Reset(epoll_create1(EPOLL_CLOEXEC));
-    if (!epoll_fd_.valid()) return InternalError("epoll_create1: " + ErrnoString(errno));
+    if (!epoll_fd_.valid()) return failed("epoll_create1", errno);
     wake_fd_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    if (!wake_fd_.valid()) return InternalError("eventfd: " + ErrnoString(errno));
+    if (!wake_fd_.valid()) return failed("eventfd", errno);
     DDP_RETURN_IF_ERROR(AddListeners());
     DDP_RETURN_IF_ERROR(AddToEpoll(wake_fd_.get(), kWakeId, EPOLLIN));
     listening_ = true;
-    thread_ = std::thread([this] { Run(); });
+    // std::thread throws where no thread can start: a Status, not an
+    // exception out of Start (which promises one, and ended the process).
+    try {
+      thread_ = std::thread([this] { Run(); });
+    } catch (const std::system_error& e) {
+      return failed("its thread", e.code().value());
+    }
     return Status::Ok();
   }
 

@@ -659,15 +659,99 @@ TEST(TcpStoreTest, BindsToTheGivenAddressOnly) {
   EXPECT_THAT(client.status().message(), HasSubstr("127.0.0.2"));
 }
 
-TEST(TcpStoreTest, PortInUseIsReported) {
+// A port another process listens on: most often a second process given
+// RANK=0 where rank 0 serves the store, whose bind is the first thing to
+// fail. The error names the address and port and says so; it is no
+// service that cannot be reached (UNAVAILABLE) but a port held by another.
+TEST(TcpStoreTest, PortInUseIsReportedWithASecondRankZeroAsACause) {
   auto server = StartServer();
   TcpStoreServerOptions options;
   options.port = server->port();
   StatusOr<std::unique_ptr<TcpStoreServer>> second = TcpStoreServer::Start(options);
   ASSERT_FALSE(second.ok());
-  EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
+  const std::string at = "127.0.0.1:" + std::to_string(server->port());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition) << second.status();
   EXPECT_THAT(second.status().message(),
-              HasSubstr("127.0.0.1:" + std::to_string(server->port()) + ": Address already in use"));
+              HasSubstr(at + ": Address already in use: another process on this host already listens on " + at +
+                        " (a second process started as rank 0 of a job whose rank 0 serves the store, a store "
+                        "left running by an earlier job, or another program holding MASTER_PORT " +
+                        std::to_string(server->port()) + "); check RANK and MASTER_PORT"));
+}
+
+// An address that is not this host's is the caller's to fix (a MASTER_ADDR
+// naming another host, given to rank 0), not a store that is unavailable.
+TEST(TcpStoreTest, AnAddressOfAnotherHostIsBadInput) {
+  TcpStoreServerOptions options;
+  options.bind_address = "192.0.2.1";  // TEST-NET-1: no host has it
+  options.job_token = kToken;
+  StatusOr<std::unique_ptr<TcpStoreServer>> server = TcpStoreServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), StatusCode::kInvalidArgument) << server.status();
+  EXPECT_THAT(server.status().message(),
+              HasSubstr("cannot listen on 192.0.2.1:0: 192.0.2.1:0: Cannot assign requested address (not an "
+                        "address of this host)"));
+}
+
+// No descriptor left for the listening socket: the process ran out of
+// something (RESOURCE_EXHAUSTED), which a retry or a higher `ulimit -n`
+// may fix, not a store that cannot be reached. In a child, whose limit
+// is lowered to none.
+TEST(TcpStoreTest, NoDescriptorForTheListenerIsAShortage) {
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    alarm(30);  // bounds the child whatever happens
+    rlimit limit{};
+    if (getrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(2);
+    limit.rlim_cur = 0;
+    if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(2);
+    StatusOr<std::vector<UniqueFd>> fds = ListenTcp("127.0.0.1", 0, 4, DeadlineIn(5s));
+    if (fds.ok()) _exit(3);
+    if (fds.status().code() != StatusCode::kResourceExhausted) _exit(4);
+    if (fds.status().message().find("cannot listen on 127.0.0.1:0: socket: Too many open files") ==
+        std::string::npos) {
+      _exit(5);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: it listened; 4: another code than RESOURCE_EXHAUSTED; 5: another text";
+}
+
+// Room for the listening socket but for nothing after it (the server's
+// epoll and wake descriptors): a shortage (RESOURCE_EXHAUSTED) named as
+// the store's start, not an internal error. In a child whose limit, hard
+// and soft, stops one above the first free descriptor.
+TEST(TcpStoreTest, NoDescriptorForTheServersOwnFilesIsAShortage) {
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    alarm(30);  // bounds the child whatever happens
+    const int first_free = dup(0);
+    if (first_free < 0) _exit(2);
+    close(first_free);
+    const rlimit limit{static_cast<rlim_t>(first_free + 1), static_cast<rlim_t>(first_free + 1)};
+    if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(2);
+    TcpStoreServerOptions options;
+    options.job_token = kToken;
+    StatusOr<std::unique_ptr<TcpStoreServer>> server = TcpStoreServer::Start(options);
+    if (server.ok()) _exit(3);
+    if (server.status().code() != StatusCode::kResourceExhausted) _exit(4);
+    if (server.status().message() != "cannot start the store server: epoll_create1: Too many open files") _exit(5);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: it started; 4: another code than RESOURCE_EXHAUSTED; 5: another text";
 }
 
 // Settings that would turn every client away are refused at Start, named,
