@@ -639,6 +639,10 @@ TEST(DdprunTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
   ASSERT_TRUE(testing::Within(10s, [&] { return testing::HasChildNamed(pid, "ddp-watcher"); }));
   kill(workers[1], SIGKILL);
   ASSERT_TRUE(testing::Within(20s, [&] { return !testing::HasChildNamed(pid, "ddp-watcher"); }));
+  // The group's end is not yet the gap: the launcher still looks for a
+  // signal caught meanwhile before its line about the restart, which it
+  // then writes into the full pipe, where it is held.
+  ASSERT_TRUE(testing::Within(10s, [&] { return (*launcher)->HeldAtStderr(); }));
   kill(pid, SIGTERM);
 
   const std::string output = (*launcher)->ReadStderr(20s);

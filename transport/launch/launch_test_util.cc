@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -223,6 +224,38 @@ std::string HeldLauncher::ReadStderr(std::chrono::milliseconds timeout) {
   }
   output.erase(0, output.find_first_not_of('.'));
   return output;
+}
+
+bool HeldLauncher::HeldAtStderr() const {
+  if (stderr_fd_ < 0) return false;
+  const std::string proc = "/proc/" + std::to_string(pid_);
+  // "NR ARG0 ARG1 ...": the system call the main thread is in.
+  std::ifstream syscall_file(proc + "/syscall");
+  long number = -1;
+  std::string fds_text, count_text;
+  if (!(syscall_file >> number >> fds_text >> count_text)) return false;
+  bool polls = false;
+#ifdef SYS_poll
+  polls = polls || number == SYS_poll;
+#endif
+#ifdef SYS_ppoll
+  polls = polls || number == SYS_ppoll;
+#endif
+  if (!polls || std::strtoull(count_text.c_str(), nullptr, 16) != 1) return false;
+  const int mem = open((proc + "/mem").c_str(), O_RDONLY | O_CLOEXEC);
+  if (mem < 0) return false;
+  pollfd waited{};
+  const ssize_t got = pread(mem, &waited, sizeof(waited),
+                            static_cast<off_t>(std::strtoull(fds_text.c_str(), nullptr, 16)));
+  close(mem);
+  if (got != static_cast<ssize_t>(sizeof(waited)) || (waited.events & POLLOUT) == 0) return false;
+  // The same pipe ("pipe:[inode]") as the read end here.
+  char theirs[64] = {}, ours[64] = {};
+  const std::string their_fd = proc + "/fd/" + std::to_string(waited.fd);
+  const std::string our_fd = "/proc/self/fd/" + std::to_string(stderr_fd_);
+  const ssize_t a = readlink(their_fd.c_str(), theirs, sizeof(theirs) - 1);
+  const ssize_t b = readlink(our_fd.c_str(), ours, sizeof(ours) - 1);
+  return a > 0 && a == b && std::strcmp(theirs, ours) == 0;
 }
 
 int HeldLauncher::Reap(std::chrono::milliseconds timeout) {

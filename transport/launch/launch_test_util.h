@@ -94,6 +94,10 @@ class HeldLauncher {
   /// Its wait status once it ends, waiting up to `timeout`; -1 when it does
   /// not.
   int Reap(std::chrono::milliseconds timeout);
+  /// Whether its main thread waits now for room in the full stderr pipe
+  /// (poll for POLLOUT on that pipe alone): a line of its own is held
+  /// there. Reads /proc/<pid>/syscall and /proc/<pid>/mem.
+  bool HeldAtStderr() const;
 
  private:
   HeldLauncher(pid_t pid, int stderr_fd) : pid_(pid), stderr_fd_(stderr_fd) {}
