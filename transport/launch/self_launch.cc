@@ -203,8 +203,14 @@ StatusOr<SelfLaunchResult> SelfLaunch(int& argc, char** argv, const SelfLaunchOp
   server_options.bind_address = "127.0.0.1";
   server_options.port = 0;
   server_options.job_token = token;
-  DDP_ASSIGN_OR_RETURN(std::unique_ptr<store::TcpStoreServer> server,
-                       store::TcpStoreServer::Start(server_options));
+  StatusOr<std::unique_ptr<store::TcpStoreServer>> started_server = store::TcpStoreServer::Start(server_options);
+  if (!started_server.ok()) {
+    // Named as the store's, so that SelfLaunchOrExit does not blame the
+    // workers, which never started.
+    return Status(started_server.status().code(),
+                  "cannot serve the workers' rendezvous store: " + started_server.status().message());
+  }
+  std::unique_ptr<store::TcpStoreServer> server = std::move(started_server).value();
 
   const std::string program = ProgramName(argc, argv);
   // One deadline for the whole run, restarts included.
@@ -310,9 +316,10 @@ void SelfLaunchOrExit(int& argc, char** argv, const SelfLaunchOptions& options) 
     // Bad input exits 2; workers that could not start for lack of
     // descriptors, processes or memory are a failure of the run (exit 1).
     const bool bad_input = result.status().code() == StatusCode::kInvalidArgument;
-    const char* shortage = result.status().code() == StatusCode::kResourceExhausted
-                               ? "the workers could not start for lack of resources (not bad input): "
-                               : "";
+    const bool store = result.status().message().starts_with("cannot serve the workers' rendezvous store: ");
+    const char* shortage = result.status().code() != StatusCode::kResourceExhausted ? ""
+                           : store ? "lack of resources (not bad input): "
+                                   : "the workers could not start for lack of resources (not bad input): ";
     std::fprintf(stderr, "%s: %s%s\n", ProgramName(argc, argv).c_str(), shortage,
                  result.status().message().c_str());
     std::fflush(stderr);

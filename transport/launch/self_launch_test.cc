@@ -84,6 +84,18 @@ TEST(SelfLaunchTest, AStartThatRunsOutOfDescriptorsIsNoBadInput) {
       << run.output;
 }
 
+// A store that cannot start for lack of descriptors (`ulimit -n 4`: none
+// left past the listening socket) is named as the store, not as workers
+// that could not start (none was started), and is no bad input: exit 1.
+TEST(SelfLaunchTest, AStoreThatRunsOutOfDescriptorsIsNamedAsTheStore) {
+  const auto run = RunProgram({"/bin/sh", "-c", "ulimit -n 4 && exec \"$0\" \"$@\"", Worker(), "--nproc_per_node=2"});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, ContainsRegex("^test_worker: lack of resources \\(not bad input\\): cannot serve the "
+                                        "workers' rendezvous store: [^\n]*Too many open files"))
+      << run.output;
+  EXPECT_THAT(run.output, Not(HasSubstr("the workers could not start"))) << run.output;
+}
+
 TEST(SelfLaunchTest, TheProgramsOwnCheckRefusesArgumentsBeforeAnythingStarts) {
   auto run = RunProgram({Worker(), "--nproc_per_node=3", "--bogus", "--print_env"});
   EXPECT_EQ(run.exit_code, 2) << run.output;
