@@ -168,7 +168,13 @@ StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(const std::str
     if (!reply.ok()) {
       if (reply.status().code() == StatusCode::kTimedOut) {
         if (!last_error.empty()) break;
-        return TimedOutError("the store at " + endpoint + " did not answer the handshake in time");
+        // A live store answers a hello at once, whatever its load; silence
+        // until the deadline is most often a port that is not a store's.
+        return TimedOutError("the store at " + endpoint +
+                             " accepted the connection but did not answer the handshake before the deadline "
+                             "(a store answers at once: is MASTER_PORT another service's port that waits "
+                             "for its client to speak first, or is the process serving the store stopped "
+                             "or hung?)");
       }
       // Closed before answering: the server evicted us while flooded, or is
       // restarting. Try again while there is time.

@@ -754,6 +754,28 @@ TEST(TcpStoreTest, NoDescriptorForTheServersOwnFilesIsAShortage) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "3: it started; 4: another code than RESOURCE_EXHAUSTED; 5: another text";
 }
 
+// A port whose listener never answers (another service that waits for its
+// client to speak first, a store process that is stopped): Connect gives up
+// at its deadline, TIMED_OUT, naming the endpoint and what to check.
+TEST(TcpStoreTest, AListenerThatNeverAnswersTimesOutNamingTheLikelyCause) {
+  // Never accepted: the kernel completes the connection, nobody reads.
+  StatusOr<std::vector<UniqueFd>> silent = ListenTcp("127.0.0.1", 0, 4, DeadlineIn(5s));
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  StatusOr<int> port = LocalPort(silent->front().get());
+  ASSERT_TRUE(port.ok()) << port.status();
+  const auto start = Clock::now();
+  StatusOr<std::unique_ptr<TcpStoreClient>> client =
+      TcpStoreClient::Connect("127.0.0.1", *port, kToken, DeadlineIn(300ms));
+  const auto took = Clock::now() - start;
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kTimedOut) << client.status();
+  EXPECT_THAT(client.status().message(),
+              HasSubstr("the store at 127.0.0.1:" + std::to_string(*port) +
+                        " accepted the connection but did not answer the handshake before the deadline (a store "
+                        "answers at once: is MASTER_PORT another service's port"));
+  EXPECT_LT(took, 5s);
+}
+
 // Settings that would turn every client away are refused at Start, named,
 // instead of a server that starts and leaves its clients to time out (a
 // max_connection_output_bytes of 0 dropped every connection at its
