@@ -2993,10 +2993,13 @@ int RunJob(const DdprunOptions& options, RootCause& cause) {
       // that ran out of descriptors, processes or memory fails as a job
       // does (exit 1), with a line that tells the two apart.
       const Status& failed = group.status();
-      const std::string why = failed.code() == StatusCode::kResourceExhausted
-                                  ? "the workers could not start for lack of resources (not bad input): " +
-                                        failed.message()
-                                  : failed.message();
+      std::string why = failed.code() == StatusCode::kResourceExhausted
+                            ? "the workers could not start for lack of resources (not bad input): " +
+                                  failed.message()
+                            : failed.message();
+      // After a failure whose line said "restarting the job": say that it
+      // is the restart, with its attempt_K folder's number, that failed.
+      if (started) why = "the restart (attempt " + std::to_string(attempt) + ") could not start the workers: " + why;
       Say(why);
       post_stop(attempt, "node " + std::to_string(o.node_rank) + ": " + why);
       const int code = !started && failed.code() == StatusCode::kInvalidArgument ? 2 : 1;

@@ -981,7 +981,9 @@ TEST(DdprunTest, TheLaunchersOwnErrorFileGetsTheLastAttemptsCause) {
   ASSERT_THAT(run.output, HasSubstr("restarting the job (restart 1 of 1)"));
   const std::string written = ReadFile(own);
   EXPECT_THAT(written, Not(HasSubstr("shard missing"))) << written << run.output;
-  EXPECT_THAT(written, HasSubstr("ddprun: cannot create log directory")) << written << run.output;
+  EXPECT_THAT(written, HasSubstr("ddprun: the restart (attempt 1) could not start the workers: cannot create log "
+                                 "directory"))
+      << written << run.output;
 }
 
 // torchrun's --local_ranks_filter: the terminal shows the chosen ranks,
@@ -1273,6 +1275,23 @@ TEST(DdprunTest, SystemFailuresBeforeTheStartAreNoBadInput) {
   EXPECT_THAT(run.output, HasSubstr("'): Not a directory; give --log_dir=DIR\n"));
   ExpectBadInput({Ddprun(), "--standalone", "--log_dir=" + file + "/logs", "/bin/true"},
                  "cannot create --log_dir '" + file + "/logs': Not a directory");
+}
+
+// A restart whose workers cannot start (the program was removed meanwhile)
+// says that it is the restart that failed, after the line that announced
+// it; the start error alone read as if the job had never started. Exit 1:
+// the job had run.
+TEST(DdprunTest, ARestartThatCannotStartSaysSo) {
+  const std::string dir = testing::MakeTempDir("ddprun_restart_cannot_start");
+  const std::string script = dir + "/train.sh";
+  std::ofstream(script) << "#!/bin/sh\nrm -f \"$0\"\nexit 3\n";
+  ASSERT_EQ(chmod(script.c_str(), 0755), 0);
+  const auto run = RunProgram({Ddprun(), "--standalone", "--max_restarts=2", script});
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("exited with code 3; restarting the job (restart 1 of 2)\n"));
+  EXPECT_THAT(run.output, HasSubstr("ddprun: the restart (attempt 1) could not start the workers: cannot start "
+                                    "rank 0: exec '" + script + "': No such file or directory\n"))
+      << run.output;
 }
 
 // ---- a terminal of its own: a pseudo-terminal session ----
