@@ -18,7 +18,13 @@
 // finds its entries on a persistent volume; a source that changes gets a
 // new name (its old entry goes with the least recently used, see Size).
 // Entries are written to a temporary file and renamed into place, so a
-// reader sees a whole entry or none. The cache is best effort: where it
+// reader sees a whole entry or none. An entry cut short in place by another
+// program is refused at the next load (its size is checked against its
+// header before it is mapped) and written again; one cut short while a
+// process has it mapped kills that process with SIGBUS at its next read
+// past the cut, as any mapped file would, but first a line on stderr names
+// the entry (a SIGBUS handler, installed at the first mapping, that hands
+// the signal on to the action it replaced). The cache is best effort: where it
 // cannot be read or written, loads decode as before (the first entry that
 // cannot be written says so on stderr with the path and the cause, once
 // per job: from the process outside a launcher that meets it, else from

@@ -185,6 +185,43 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
   EXPECT_EQ(decode.calls, 3);
 }
 
+// `text` as a regular expression that matches it alone.
+std::string EscapedForRegex(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (std::strchr("\\^$.|?*+()[]{}", c) != nullptr) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+// An entry that another program cuts short in place while a process has it
+// mapped kills that process with SIGBUS at its next read past the cut: the
+// process now says which entry before it dies (it died without a word).
+TEST(DecodedCacheDeathTest, AnEntryCutShortWhileMappedIsNamedAsTheProcessDies) {
+  const std::string dir = FreshDir("decoded_cut_short");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  CountingDecode decode{src};
+  // 16 KiB of pixels: pages past the cut below, which a read then faults on.
+  WriteFile(src, IdxBytes({64, 256}, Pixels(64 * 256)));
+  LoadDecoded(src, std::ref(decode), 0);
+  const auto entries = Entries(dir + "/cache");
+  ASSERT_EQ(entries.size(), 1u);
+  const std::string entry = entries[0].string();
+  EXPECT_EXIT(
+      {
+        const SharedArray mapped = LoadDecoded(src, std::ref(decode), 0);
+        if (decode.calls != 1) std::_Exit(3);  // decoded again: no entry mapped
+        std::filesystem::resize_file(entry, 40);
+        volatile uint8_t last = mapped.data[mapped.size - 1];
+        (void)last;
+        std::_Exit(4);
+      },
+      ::testing::KilledBySignal(SIGBUS),
+      "decoded dataset cache entry " + EscapedForRegex(entry) + ": the file was cut short");
+}
+
 // A FIFO where the entry should be is no entry: the load decodes and puts a
 // real entry in its place (opening the FIFO for reading waited for a writer,
 // so the load hung without a word).
