@@ -56,7 +56,11 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
   }
   o.timeout = std::min(o.timeout, kLongestTimeout);
   o.shutdown_grace = std::min(o.shutdown_grace, kLongestTimeout);
-  if (o.drop_last && o.batch_size > sampler_->Size()) {
+  // A DistributedSampler already resumed part way (set_start) may hold less
+  // than a batch: its epoch is then empty, as in StartEpoch.
+  const auto* distributed = dynamic_cast<const DistributedSampler*>(sampler_.get());
+  const bool resumed = distributed != nullptr && distributed->start() > 0;
+  if (o.drop_last && o.batch_size > sampler_->Size() && !resumed) {
     // Every batch would be dropped: an epoch with no step at all.
     throw std::invalid_argument(
         "DataLoader: batch size " + std::to_string(o.batch_size) + " is larger than the " +
@@ -181,14 +185,11 @@ void DataLoader::StartEpoch(int64_t epoch, int64_t skip_batches) {
                              " hold " + std::to_string(indices->size()) + " indices but its Size() is " +
                              std::to_string(sampler_->Size()));
     }
-    // The constructor's check again: a sampler can shrink since then
-    // (DistributedSampler::set_start when resuming late in an epoch).
-    if (s_->options.drop_last && s_->options.batch_size > sampler_->Size()) {
-      throw std::invalid_argument("DataLoader: epoch " + std::to_string(epoch) + ": batch_size " +
-                                  std::to_string(s_->options.batch_size) + " is larger than the " +
-                                  std::to_string(sampler_->Size()) +
-                                  " samples the sampler now yields; with drop_last no batch is left");
-    }
+    // A sampler that shrank below one batch since the constructor checked
+    // it (DistributedSampler::set_start, resuming late in an epoch) gives,
+    // with drop_last, an epoch of no batches, as PyTorch's DataLoader does:
+    // the samples left are the tail drop_last drops. (This threw, so a job
+    // resumed near an epoch's end could not start again.)
     num_batches = NumBatches();
     if (skip_batches < 0 || skip_batches > num_batches) {
       throw std::invalid_argument("DataLoader: cannot skip " + std::to_string(skip_batches) +

@@ -71,7 +71,8 @@ class DataLoader {
   /// std::invalid_argument for no dataset, a batch size < 1, negative
   /// workers, a prefetch_factor < 1, a timeout or shutdown grace that is not
   /// positive, or, with drop_last, a batch larger than the sampler's epoch
-  /// (no batch at all).
+  /// (no batch at all; not for a DistributedSampler with a start() past 0,
+  /// resumed late in an epoch: its epoch is then empty).
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              TransformOptions transform, DataLoaderOptions options);
   /// Stops and joins the workers. A batch being built is finished first,
@@ -93,8 +94,9 @@ class DataLoader {
   /// Starts `epoch` (calls the sampler's SetEpoch) at batch `skip_batches`,
   /// which resumes an interrupted epoch exactly; abandons the previous one.
   /// Throws std::out_of_range if the sampler yields an index outside the
-  /// dataset, and std::invalid_argument if, with drop_last, the sampler has
-  /// shrunk below one batch since the constructor checked it. After a
+  /// dataset. With drop_last, a sampler that has shrunk below one batch
+  /// since the constructor checked it (set_start, resuming late in an
+  /// epoch) gives an epoch of no batches, as in PyTorch. After a
   /// throw the loader still serves the epoch it had, and the sampler is
   /// set back to the epoch it had before the call (for a sampler whose
   /// epoch() is nullopt: to the loader's epoch, if one was started).
