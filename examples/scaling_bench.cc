@@ -329,12 +329,15 @@ int main(int argc, char** argv) {
   }
 
   const unsigned cores = std::thread::hardware_concurrency();
+  // Every flag that changes the figures, so that a saved table says what
+  // it measured (--bucket_cap_mb and --workers were left out).
   std::printf("# scaling_bench: %s on %s, batch %lld per rank, %lld timed steps after %lld "
-              "warm-up, median of %d, %u cores; overlap \"caller\": collectives ran on the "
-              "training thread, so none of them hid behind backward\n",
+              "warm-up, median of %d, %u cores, buckets of %g MiB, %d loader thread%s per rank; "
+              "overlap \"caller\": collectives ran on the training thread, so none of them hid "
+              "behind backward\n",
               FLAGS_model.c_str(), FLAGS_dataset.c_str(), static_cast<long long>(FLAGS_batch_size),
               static_cast<long long>(FLAGS_steps), static_cast<long long>(kWarmupSteps),
-              FLAGS_repeat, cores);
+              FLAGS_repeat, cores, FLAGS_bucket_cap_mb, FLAGS_workers, FLAGS_workers == 1 ? "" : "s");
   std::printf("%5s %11s %8s %10s %10s %8s %8s\n", "ranks", "samples/s", "speed-up", "efficiency",
               "comm", "overlap", "step_ms");
   std::fflush(stdout);

@@ -66,6 +66,8 @@ TEST(ScalingBenchTest, PrintsOneRowPerRankCountFromTheSmallestAndTheChart) {
   EXPECT_EQ(lines[0].rfind("# scaling_bench: mlp on synthetic, batch 16 per rank, 3 timed steps", 0),
             0u)
       << lines[0];
+  // The other flags that change the figures are in the header too.
+  EXPECT_NE(lines[0].find(", buckets of 25 MiB, 0 loader threads per rank; "), std::string::npos) << lines[0];
   EXPECT_EQ(lines[1], "ranks   samples/s speed-up efficiency       comm  overlap  step_ms");
   EXPECT_TRUE(std::regex_match(lines[2], std::regex(R"( +1 +[0-9,]+ +1\.00x +100% +- +- +[0-9.]+)")))
       << lines[2];
