@@ -304,11 +304,13 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
   }
   // The default action: the faulting read runs again on return and kills
   // the process with SIGBUS, as without this handler (ignoring a fault's
-  // SIGBUS is not possible either).
+  // SIGBUS is not possible either). A SIGBUS sent by a process (kill(1))
+  // has no read to run again: it is raised anew, delivered on return.
   struct sigaction dfl{};
   dfl.sa_handler = SIG_DFL;
   sigemptyset(&dfl.sa_mask);
   ::sigaction(SIGBUS, &dfl, nullptr);
+  if (info->si_code <= 0) ::raise(sig);
 }
 
 void InstallSigbusHandlerOnce() {

@@ -222,6 +222,26 @@ TEST(DecodedCacheDeathTest, AnEntryCutShortWhileMappedIsNamedAsTheProcessDies) {
       "decoded dataset cache entry " + EscapedForRegex(entry) + ": the file was cut short");
 }
 
+// A SIGBUS sent to a process that has an entry mapped (kill -BUS) kills
+// it as before the cache's handler: that handler only names an entry cut
+// short, for a fault in its mapping.
+TEST(DecodedCacheDeathTest, ASigbusSentByAnotherProcessStillKills) {
+  const std::string dir = FreshDir("decoded_sigbus_sent");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  CountingDecode decode{src};
+  WriteFile(src, IdxBytes({64, 256}, Pixels(64 * 256)));
+  LoadDecoded(src, std::ref(decode), 0);
+  EXPECT_EXIT(
+      {
+        const SharedArray mapped = LoadDecoded(src, std::ref(decode), 0);
+        if (decode.calls != 1) std::_Exit(3);  // decoded again: no entry mapped
+        ::kill(::getpid(), SIGBUS);
+        std::_Exit(4);
+      },
+      ::testing::KilledBySignal(SIGBUS), "");
+}
+
 // A FIFO where the entry should be is no entry: the load decodes and puts a
 // real entry in its place (opening the FIFO for reading waited for a writer,
 // so the load hung without a word).
