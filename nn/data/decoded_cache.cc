@@ -302,6 +302,12 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
     sigbus_before_cache.sa_handler(sig);
     return;
   }
+  // A sent SIGBUS that the process ignored stays ignored (a fault's is
+  // never ignored: the kernel kills on it whatever the action).
+  if ((sigbus_before_cache.sa_flags & SA_SIGINFO) == 0 && sigbus_before_cache.sa_handler == SIG_IGN &&
+      info->si_code <= 0) {
+    return;
+  }
   // The default action: the faulting read runs again on return and kills
   // the process with SIGBUS, as without this handler (ignoring a fault's
   // SIGBUS is not possible either). A SIGBUS sent by a process (kill(1))

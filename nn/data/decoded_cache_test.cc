@@ -240,6 +240,18 @@ TEST(DecodedCacheDeathTest, ASigbusSentByAnotherProcessStillKills) {
         std::_Exit(4);
       },
       ::testing::KilledBySignal(SIGBUS), "");
+  // One ignored before the first entry was mapped (the handler is installed
+  // then, in the child: gtest runs death tests before the others) stays
+  // ignored.
+  EXPECT_EXIT(
+      {
+        ::signal(SIGBUS, SIG_IGN);
+        const SharedArray mapped = LoadDecoded(src, std::ref(decode), 0);
+        if (decode.calls != 1) std::_Exit(3);
+        ::kill(::getpid(), SIGBUS);
+        std::_Exit(4);
+      },
+      ::testing::ExitedWithCode(4), "");
 }
 
 // A FIFO where the entry should be is no entry: the load decodes and puts a
