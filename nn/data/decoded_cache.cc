@@ -10,6 +10,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <csetjmp>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -274,10 +275,26 @@ void WriteToStderr(const char* text) {
   }
 }
 
-// Async-signal-safe: atomics, strlen and write only, then sigaction.
+// Set on a thread while it checks a mapped entry (CheckMapping): a fault
+// in that mapping (the file cut short since it was measured) returns there
+// instead of killing the process, and the entry is taken as invalid.
+struct CheckGuard {
+  sigjmp_buf jump;
+  uintptr_t begin = 0;
+  uintptr_t end = 0;
+};
+thread_local CheckGuard* check_guard = nullptr;
+
+// Async-signal-safe: atomics, strlen and write only, then sigaction (or a
+// siglongjmp out of CheckMapping's reads, which hold no lock).
 void OnSigbus(int sig, siginfo_t* info, void* context) {
   const int saved_errno = errno;
   const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  if (CheckGuard* guard = check_guard; guard != nullptr && info->si_code > 0 && addr >= guard->begin &&
+                                       addr < guard->end) {
+    errno = saved_errno;
+    siglongjmp(guard->jump, 1);
+  }
   for (MappedEntrySlot& slot : mapped_entries) {
     if (slot.state.load(std::memory_order_acquire) != 2 || addr < slot.begin.load(std::memory_order_relaxed) ||
         addr >= slot.end.load(std::memory_order_relaxed)) {
@@ -328,6 +345,33 @@ void InstallSigbusHandlerOnce() {
     sigemptyset(&act.sa_mask);
     ::sigaction(SIGBUS, &act, &sigbus_before_cache);
   });
+}
+
+// Set by tests: called with the entry's path after it is mapped, before
+// its header and CRC are checked through the mapping.
+std::function<void(const std::string&)> before_mapping_check_hook;
+
+// Whether the mapped entry [base, base + bytes) has the header `head` and,
+// after it, data whose CRC is `crc`; false also when the file was cut short
+// since it was measured (a read past its new end faults: the handler
+// returns here). The handler must be in place (NoteMapped installs it).
+bool CheckMapping(const void* base, size_t bytes, const std::vector<char>& head, uint32_t crc) {
+  CheckGuard guard;
+  guard.begin = reinterpret_cast<uintptr_t>(base);
+  guard.end = guard.begin + bytes;
+  if (sigsetjmp(guard.jump, 1) != 0) {
+    check_guard = nullptr;
+    return false;
+  }
+  check_guard = &guard;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  // The mapping's header is the one checked (the file is the same, and
+  // entries are replaced, never rewritten; this costs nothing to make sure).
+  const bool ok = std::memcmp(base, head.data(), head.size()) == 0 &&
+                  Crc(static_cast<const uint8_t*>(base) + head.size(), bytes - head.size()) == crc;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  check_guard = nullptr;
+  return ok;
 }
 
 // Records the mapping [base, base + bytes) of the entry at `path`; the
@@ -438,7 +482,9 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
   void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) return {};
   // The descriptor (and its lock) goes with the mapping. Noted before the
-  // CRC reads it: a cut made since the fstat above is named too.
+  // check reads it, which installs the SIGBUS handler: a cut made since the
+  // fstat above makes the check fail (CheckMapping), and the entry is
+  // decoded and written again.
   closer.fd = -1;
   const int slot = NoteMapped(base, bytes, path);
   std::shared_ptr<const void> owner(base, [bytes, fd, slot](const void* p) {
@@ -446,12 +492,10 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
     ::munmap(const_cast<void*>(p), bytes);
     ::close(fd);
   });
-  // The mapping's header is the one checked (the file is the same, and
-  // entries are replaced, never rewritten; this costs nothing to make sure).
-  if (std::memcmp(base, head.data(), header_bytes) != 0) return {};
+  if (before_mapping_check_hook) before_mapping_check_hook(path);
+  if (!CheckMapping(base, bytes, head, h.crc)) return {};
   out.data = static_cast<const uint8_t*>(base) + header_bytes;
   out.size = h.data_bytes;
-  if (Crc(out.data, out.size) != h.crc) return {};
   out.owner = std::move(owner);
   if (refused != nullptr) *refused = FileId{};
   return out;
@@ -911,6 +955,10 @@ void ResetDecodedCacheWarningsForTesting() {
   limit_below_use_reported = false;
   lock_failure_reported = false;
   sync_failure_reported = false;
+}
+
+void SetBeforeMappingCheckHookForTesting(std::function<void(const std::string&)> hook) {
+  before_mapping_check_hook = std::move(hook);
 }
 
 void ForgetDecodedEntriesInUseForTesting() {

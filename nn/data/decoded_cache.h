@@ -20,11 +20,13 @@
 // Entries are written to a temporary file and renamed into place, so a
 // reader sees a whole entry or none. An entry cut short in place by another
 // program is refused at the next load (its size is checked against its
-// header before it is mapped) and written again; one cut short while a
-// process has it mapped kills that process with SIGBUS at its next read
-// past the cut, as any mapped file would, but first a line on stderr names
-// the entry (a SIGBUS handler, installed at the first mapping, that hands
-// the signal on to the action it replaced). The cache is best effort: where it
+// header before it is mapped, and a cut made while the load checks its
+// CRC through the mapping fails the check instead of the process) and
+// written again; one cut short while a process has it mapped after the
+// load kills that process with SIGBUS at its next read past the cut, as
+// any mapped file would, but first a line on stderr names the entry (a
+// SIGBUS handler, installed at the first mapping, that hands the signal
+// on to the action it replaced). The cache is best effort: where it
 // cannot be read or written, loads decode as before (the first entry that
 // cannot be written says so on stderr with the path and the cause, once
 // per job: from the process outside a launcher that meets it, else from
@@ -97,6 +99,11 @@ uint64_t DecodedCacheMaxBytes();
 /// For tests only: lets the next failed write report itself again (and
 /// forgets that this process reported one to the ranks it starts).
 void ResetDecodedCacheWarningsForTesting();
+
+/// For tests only: `hook` (null: none) is called with an entry's path once
+/// the entry is mapped, before its header and CRC are checked through the
+/// mapping. Not thread-safe: set it while no load runs.
+void SetBeforeMappingCheckHookForTesting(std::function<void(const std::string&)> hook);
 
 /// For tests only: forgets the entries this process wrote or loaded, so
 /// that eviction treats them as another process's.

@@ -185,6 +185,39 @@ TEST(DecodedCache, CorruptedEntryIsDecodedAgainAndRewritten) {
   EXPECT_EQ(decode.calls, 3);
 }
 
+// An entry cut short after the load measured it and mapped it, while the
+// load checks it through the mapping (another program truncating it in
+// place meanwhile), is decoded and written again: the check's read past
+// the cut killed the process with SIGBUS.
+TEST(DecodedCache, AnEntryCutShortWhileItIsCheckedIsDecodedAgain) {
+  const std::string dir = FreshDir("decoded_cut_in_check");
+  const CacheDir cache(dir + "/cache");
+  const std::string src = dir + "/images";
+  CountingDecode decode{src};
+  // 16 KiB of pixels: pages past the cut, which the CRC then reads.
+  WriteFile(src, IdxBytes({64, 256}, Pixels(64 * 256)));
+  LoadDecoded(src, std::ref(decode), 0);
+  ASSERT_EQ(decode.calls, 1);
+  // Cut after the first page: the header stays whole (a cut inside it
+  // reads as zeros there, which the header's comparison refuses), the
+  // data's later pages are gone.
+  const auto page = static_cast<uintmax_t>(::sysconf(_SC_PAGESIZE));
+  int cuts = 0;
+  SetBeforeMappingCheckHookForTesting([&cuts, page](const std::string& path) {
+    std::filesystem::resize_file(path, page);
+    ++cuts;
+  });
+  const SharedArray again = LoadDecoded(src, std::ref(decode), 0);
+  SetBeforeMappingCheckHookForTesting(nullptr);
+  EXPECT_EQ(cuts, 1);
+  EXPECT_EQ(decode.calls, 2);
+  EXPECT_EQ(again.dims, (std::vector<int64_t>{64, 256}));
+  EXPECT_EQ(Bytes(again), Want(64 * 256));
+  const SharedArray mapped = LoadDecoded(src, std::ref(decode), 0);
+  EXPECT_EQ(decode.calls, 2) << "no whole entry was written in the cut one's place";
+  EXPECT_EQ(Bytes(mapped), Want(64 * 256));
+}
+
 // `text` as a regular expression that matches it alone.
 std::string EscapedForRegex(const std::string& text) {
   std::string out;
