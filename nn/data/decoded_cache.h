@@ -20,8 +20,9 @@
 // Entries are written to a temporary file and renamed into place, so a
 // reader sees a whole entry or none. An entry cut short in place by another
 // program is refused at the next load (its size is checked against its
-// header before it is mapped, and a cut made while the load checks its
-// CRC through the mapping fails the check instead of the process) and
+// header before it is mapped, and its CRC is read with pread, not through
+// the mapping, so that a cut made meanwhile fails the check, not the
+// process) and
 // written again; one cut short while a process has it mapped after the
 // load kills that process with SIGBUS at its next read past the cut, as
 // any mapped file would, but first a line on stderr names the entry (a
@@ -101,8 +102,8 @@ uint64_t DecodedCacheMaxBytes();
 void ResetDecodedCacheWarningsForTesting();
 
 /// For tests only: `hook` (null: none) is called with an entry's path once
-/// the entry is mapped, before its header and CRC are checked through the
-/// mapping. Not thread-safe: set it while no load runs.
+/// the entry is mapped, before its data's CRC is checked. Not thread-safe:
+/// set it while no load runs.
 void SetBeforeMappingCheckHookForTesting(std::function<void(const std::string&)> hook);
 
 /// For tests only: forgets the entries this process wrote or loaded, so
