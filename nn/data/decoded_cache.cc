@@ -274,7 +274,7 @@ void WriteToStderr(const char* text) {
   }
 }
 
-// Async-signal-safe: atomics, strlen and write only, then sigaction.
+// Async-signal-safe: atomics, strlen and write only, then sigaction and raise.
 void OnSigbus(int sig, siginfo_t* info, void* context) {
   const int saved_errno = errno;
   const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
