@@ -89,25 +89,24 @@ const char* WhatOf(const std::exception_ptr& e) {
   return "an exception that is not a std::exception";
 }
 
-// Called from the handler of what threw on this rank while it made the
-// buffers of a collective call's first exchange (memory running out): the
-// other ranks are already in that exchange and would wait for this one
-// until the group's timeout, or past it for a LoadCheckpoint whose
-// exchange lasts as long as the reads. The group is aborted with a reason
-// naming the call, `path` (when not null), this rank and what threw, so that every rank's
-// exchange fails at once with it; the caller then rethrows. A group of
-// one rank has nobody waiting and stays usable. When the reason cannot be
-// built (memory still short), the group is aborted with a shorter one.
-void AbortForFirstBuffers(ProcessGroup& pg, const char* call, const std::string* path) noexcept {
+// Called from the handler of what threw on this rank alone (memory
+// running out) where it would leave a collective call while the other
+// ranks are in, or on their way to, the call's next exchange: they would
+// wait for this one until the group's timeout, or past it for a
+// LoadCheckpoint whose exchange lasts as long as the reads. The group is
+// aborted with a reason naming the call, `path` (when not null), this
+// rank, `doing` and what threw, so that every rank's exchange fails at
+// once with it; the caller then rethrows. A group of one rank has nobody
+// waiting and stays usable. When the reason cannot be built (memory still
+// short), the group is aborted with a shorter one.
+void AbortForThisRank(ProcessGroup& pg, const char* call, const std::string* path, const char* doing) noexcept {
   if (pg.size() == 1) return;
   const char* what = WhatOf(std::current_exception());
   try {
     if (!pg.aborted_reason().ok()) return;
     const std::string named = path == nullptr ? "" : " " + (path->empty() ? "''" : *path);
-    pg.Abort(transport::ResourceExhaustedError(std::string(call) + named +
-                                               ": rank " + std::to_string(pg.rank()) +
-                                               " could not make the buffers to exchange its outcome with the "
-                                               "other ranks: " + what));
+    pg.Abort(transport::ResourceExhaustedError(std::string(call) + named + ": rank " +
+                                               std::to_string(pg.rank()) + " " + doing + ": " + what));
     return;
   } catch (...) {
   }
@@ -115,6 +114,31 @@ void AbortForFirstBuffers(ProcessGroup& pg, const char* call, const std::string*
     pg.Abort(transport::ResourceExhaustedError(call));
   } catch (...) {
     // Nothing more can be done: the others wait until the group's timeout.
+  }
+}
+
+// AbortForThisRank, for the buffers of a collective call's first exchange.
+void AbortForFirstBuffers(ProcessGroup& pg, const char* call, const std::string* path) noexcept {
+  AbortForThisRank(pg, call, path, "could not make the buffers to exchange its outcome with the other ranks");
+}
+
+// AbortForThisRank's `doing` for what a rank prepares alone between two
+// exchanges (the arguments' messages, the copies a work owns, its status
+// buffer, its thread).
+constexpr char kThrewAlone[] = "threw while it prepared its part, before the ranks' next exchange";
+
+// Runs `prepare`, what this rank does alone before the next exchange of
+// the collective call `call` (messages, the copies a work owns): what it
+// throws aborts the group (AbortForThisRank) and is rethrown, so that the
+// others fail at once.
+template <typename F>
+decltype(auto) PrepareAlone(ProcessGroup& pg, const char* call, const std::string* path, F&& prepare) {
+  try {
+    RunFault(internal::FaultPoint::kPreparingAlone);
+    return prepare();
+  } catch (...) {
+    AbortForThisRank(pg, call, path, kThrewAlone);
+    throw;
   }
 }
 
@@ -530,10 +554,6 @@ std::string RefusedLoad(const LoadWaitOptions& wait, const nn::io::LoadOptions& 
   return "";
 }
 
-}  // namespace
-
-namespace internal {
-
 // What `root` does alone while the others wait: a write or read that may
 // take longer than the group's timeout. `root` runs `work` on a thread and
 // broadcasts a status record every `heartbeat` ("still going", then the
@@ -546,11 +566,11 @@ namespace internal {
 // write going until the timeout (a checkpoint half written is worth
 // finishing) and stops a read at once (its bytes would be thrown away),
 // as `if_the_group_fails` says.
-std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
-                                     std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                                     const std::string& task, const std::string& option,
-                                     const std::string& abort_reason, std::chrono::milliseconds stop_grace,
-                                     IfTheGroupFails if_the_group_fails) {
+std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork& work,
+                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                      const std::string& task, const std::string& option,
+                      const std::string& abort_reason, std::chrono::milliseconds stop_grace,
+                      internal::IfTheGroupFails if_the_group_fails) {
   // Each record is a collective bound by the group's timeout.
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
@@ -615,7 +635,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
       }
       if (timed_out && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
       // As Finish, knowing whether the work had to be stopped.
-      const bool stop_now = group_error && if_the_group_fails == IfTheGroupFails::kStopTheWork;
+      const bool stop_now = group_error && if_the_group_fails == internal::IfTheGroupFails::kStopTheWork;
       const bool stopped = !background.WaitUntil(stop_now ? Clock::now() : deadline);
       if (stopped) background.Stop();
       if (group_error) {
@@ -647,12 +667,15 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
   return p[0] == 1 ? std::string() : std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
 }
 
-std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
-                                          std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                                          const std::string& task, const std::string& option,
-                                          const std::string& abort_reason,
-                                          std::chrono::milliseconds stop_grace,
-                                          IfTheGroupFails if_the_group_fails) {
+// RunOnEveryRankWhileOthersWait's wait. `*every_rank_out_of_time`: the
+// ranks ran past `timeout` (its caller then throws, on every rank alike).
+std::string EveryRankWorks(ProcessGroup& pg, const internal::StoppableWork& work,
+                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                           const std::string& option,
+                           const std::string& abort_reason,
+                           std::chrono::milliseconds stop_grace,
+                           internal::IfTheGroupFails if_the_group_fails,
+                           bool* every_rank_out_of_time) {
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
   // Each round's flag, the largest over the ranks: 0 done, 1 still going,
@@ -690,11 +713,62 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
     if (out_of_time && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
     // A work whose outcome the group's error makes useless (a read) is
     // stopped at once rather than waited for.
-    const bool stop_now = group_error && if_the_group_fails == IfTheGroupFails::kStopTheWork;
+    const bool stop_now = group_error && if_the_group_fails == internal::IfTheGroupFails::kStopTheWork;
     background.Finish(stop_now ? Clock::now() : deadline);
   }  // the work ends here
   if (group_error) std::rethrow_exception(group_error);
-  if (outcome == kOutOfTime) throw std::runtime_error(task + " did not finish on every rank within " + limit);
+  *every_rank_out_of_time = outcome == kOutOfTime;
+  return error;
+}
+
+}  // namespace
+
+namespace internal {
+
+// What throws on this rank alone in these (memory running out as it makes
+// its status buffer, its thread or a status) would leave the others
+// waiting for its next status until the group's timeout: it aborts the
+// group first. A DistributedError is the group's own failure.
+std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
+                                     std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                                     const std::string& task, const std::string& option,
+                                     const std::string& abort_reason, std::chrono::milliseconds stop_grace,
+                                     IfTheGroupFails if_the_group_fails) {
+  try {
+    RunFault(FaultPoint::kPreparingAlone);
+    return RootWorks(pg, root, work, timeout, heartbeat, task, option, abort_reason, stop_grace,
+                     if_the_group_fails);
+  } catch (const DistributedError&) {
+    throw;
+  } catch (...) {
+    AbortForThisRank(pg, abort_reason.c_str(), nullptr, kThrewAlone);
+    throw;
+  }
+}
+
+std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
+                                          std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
+                                          const std::string& task, const std::string& option,
+                                          const std::string& abort_reason,
+                                          std::chrono::milliseconds stop_grace,
+                                          IfTheGroupFails if_the_group_fails) {
+  std::string error;
+  bool out_of_time = false;
+  try {
+    RunFault(FaultPoint::kPreparingAlone);
+    error = EveryRankWorks(pg, work, timeout, heartbeat, option, abort_reason, stop_grace,
+                           if_the_group_fails, &out_of_time);
+  } catch (const DistributedError&) {
+    throw;
+  } catch (...) {
+    AbortForThisRank(pg, abort_reason.c_str(), nullptr, kThrewAlone);
+    throw;
+  }
+  // Every rank alike, after the last exchange.
+  if (out_of_time) {
+    throw std::runtime_error(task + " did not finish on every rank within " + option + " (" +
+                             std::to_string(timeout.count()) + " ms)");
+  }
   return error;
 }
 
@@ -717,23 +791,36 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
   }
   // An empty path or options refused on one rank, or another path on one:
   // every rank throws before rank 0 writes anything.
-  Agree(pg, {.call = "SaveCheckpoint",
-             .path = path,
-             .not_done = "not written",
-             .refused = path.empty() ? "the path is empty"
-                                     : RefusedWait("SaveOptions", options.timeout, options.heartbeat,
-                                                   options.stop_grace),
-             .value = path,
-             .shown = "'" + path + "'",
-             .differ = "different paths (rank 0 writes the file, and every rank must pass its path)"});
+  Agree(pg, PrepareAlone(pg, "SaveCheckpoint", &path, [&] {
+          return Agreement{
+              .call = "SaveCheckpoint",
+              .path = path,
+              .not_done = "not written",
+              .refused = path.empty() ? "the path is empty"
+                                      : RefusedWait("SaveOptions", options.timeout, options.heartbeat,
+                                                    options.stop_grace),
+              .value = path,
+              .shown = "'" + path + "'",
+              .differ = "different paths (rank 0 writes the file, and every rank must pass its path)"};
+        }));
   // The work owns its copies (the checkpoint's tensors are shared, not
   // copied): a write stuck in the filesystem outlives this call.
-  nn::io::Checkpoint saved = checkpoint;
-  saved.metadata[kWorldSizeKey] = std::to_string(pg.size());
-  const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, 0, [path, saved](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, saved, &stop); },
-      options.timeout, options.heartbeat, "the write", "SaveOptions::timeout",
-      "SaveCheckpoint: rank 0 could not write " + path, options.stop_grace);
+  internal::StoppableWork write;
+  std::string task;
+  std::string option;
+  std::string cannot_write;
+  PrepareAlone(pg, "SaveCheckpoint", &path, [&] {
+    nn::io::Checkpoint saved = checkpoint;
+    saved.metadata[kWorldSizeKey] = std::to_string(pg.size());
+    write = [path, saved = std::move(saved)](const std::atomic<bool>& stop) {
+      nn::io::SaveCheckpoint(path, saved, &stop);
+    };
+    task = "the write";
+    option = "SaveOptions::timeout";
+    cannot_write = "SaveCheckpoint: rank 0 could not write " + path;
+  });
+  const std::string error = internal::RunOnRootWhileOthersWait(pg, 0, write, options.timeout, options.heartbeat,
+                                                               task, option, cannot_write, options.stop_grace);
   if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
 }
 
@@ -840,30 +927,41 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
                                   const nn::io::LoadOptions& options, const LoadWaitOptions& wait) {
   // An empty path or options refused on one rank: every rank throws,
   // before any read.
-  Agree(pg, {.call = "LoadCheckpoint",
-             .path = path,
-             .not_done = "nothing was read",
-             .refused = path.empty() ? "the path is empty" : RefusedLoad(wait, options)});
+  Agree(pg, PrepareAlone(pg, "LoadCheckpoint", &path, [&] {
+          return Agreement{.call = "LoadCheckpoint",
+                           .path = path,
+                           .not_done = "nothing was read",
+                           .refused = path.empty() ? "the path is empty" : RefusedLoad(wait, options)};
+        }));
   // Before the read, as LoadAccount says.
   LoadAccount account = MakeLoadAccount(pg, "LoadCheckpoint", path);
-  const std::string call = "LoadCheckpoint " + path;
+  std::string call;
   // Owned by the work too: a read stuck in the filesystem outlives this call.
-  auto read = std::make_shared<nn::io::Checkpoint>();
+  std::shared_ptr<nn::io::Checkpoint> read;
+  internal::StoppableWork work;
+  std::string task;
+  std::string option;
+  std::string cannot_read;
+  PrepareAlone(pg, "LoadCheckpoint", &path, [&] {
+    call = "LoadCheckpoint " + path;
+    read = std::make_shared<nn::io::Checkpoint>();
+    work = [read, path, options](const std::atomic<bool>& stop) {
+      nn::io::LoadOptions stoppable = options;
+      stoppable.stop = &stop;
+      *read = nn::io::LoadCheckpoint(path, stoppable);
+    };
+    task = "the read";
+    option = "LoadWaitOptions::timeout";
+    cannot_read = "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path;
+  });
   // The reads take as long as each rank's storage does (the host that
   // wrote the file has it in memory): the ranks done first wait for the
   // others, hearing that they are still reading.
   std::string what;
   try {
-    what = internal::RunOnEveryRankWhileOthersWait(
-        pg,
-        [read, path, options](const std::atomic<bool>& stop) {
-          nn::io::LoadOptions stoppable = options;
-          stoppable.stop = &stop;
-          *read = nn::io::LoadCheckpoint(path, stoppable);
-        },
-        wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
-        "LoadCheckpoint: rank " + std::to_string(pg.rank()) + " could not read " + path, wait.stop_grace,
-        internal::IfTheGroupFails::kStopTheWork);
+    what = internal::RunOnEveryRankWhileOthersWait(pg, work, wait.timeout, wait.heartbeat, task, option,
+                                                   cannot_read, wait.stop_grace,
+                                                   internal::IfTheGroupFails::kStopTheWork);
   } catch (const DistributedError&) {
     throw;
   } catch (const std::runtime_error& e) {
@@ -892,25 +990,32 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
   // on one (two ranks would each read and send, as roots of collectives
   // that do not match): every rank throws, before any read. The others'
   // paths are only named in messages, and may be empty.
-  std::string refused;
-  if (root < 0 || root >= pg.size()) {
-    refused = "root " + std::to_string(root) + " is not a rank of the group (size " + std::to_string(pg.size()) + ")";
-  } else if (pg.rank() == root && path.empty()) {
-    refused = "the path is empty (rank " + std::to_string(root) + " reads it)";
-  } else {
-    refused = RefusedLoad(wait, options);
-  }
-  Agree(pg, {.call = "LoadCheckpointFromRank",
-             .path = path,
-             .not_done = "nothing was read",
-             .refused = refused,
-             .value = std::to_string(root),
-             .shown = "root " + std::to_string(root),
-             .differ = "different roots (every rank must pass the rank that reads the file)"});
+  Agree(pg, PrepareAlone(pg, "LoadCheckpointFromRank", &path, [&] {
+          std::string refused;
+          if (root < 0 || root >= pg.size()) {
+            refused = "root " + std::to_string(root) + " is not a rank of the group (size " +
+                      std::to_string(pg.size()) + ")";
+          } else if (pg.rank() == root && path.empty()) {
+            refused = "the path is empty (rank " + std::to_string(root) + " reads it)";
+          } else {
+            refused = RefusedLoad(wait, options);
+          }
+          return Agreement{.call = "LoadCheckpointFromRank",
+                           .path = path,
+                           .not_done = "nothing was read",
+                           .refused = refused,
+                           .value = std::to_string(root),
+                           .shown = "root " + std::to_string(root),
+                           .differ = "different roots (every rank must pass the rank that reads the file)"};
+        }));
   // Root's path on every rank, for the messages: another rank's may be
   // empty, or name a file that rank has not got (its own disk).
-  const std::string from = "rank " + std::to_string(root);
-  std::string root_path = pg.rank() == root ? path : std::string();
+  std::string from;
+  std::string root_path;
+  PrepareAlone(pg, "LoadCheckpointFromRank", &path, [&] {
+    from = "rank " + std::to_string(root);
+    if (pg.rank() == root) root_path = path;
+  });
   try {
     pg.BroadcastObject(&root_path, root);
   } catch (const DistributedError& e) {
@@ -920,17 +1025,28 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
   }
   // Before the read, as LoadAccount says.
   LoadAccount account = MakeLoadAccount(pg, "LoadCheckpointFromRank", root_path);
-  const std::string call = "LoadCheckpointFromRank '" + root_path + "' (read by " + from + ")";
   // Root reads (for as long as it takes, within wait.timeout, while the
   // others hear that it is still reading), then sends the bytes.
+  std::string call;
   // Owned by the work: a read stuck in the filesystem outlives this call.
-  auto bytes = std::make_shared<std::string>();
-  const std::string error = internal::RunOnRootWhileOthersWait(
-      pg, root,
-      [bytes, path](const std::atomic<bool>& stop) { *bytes = nn::io::SafetensorsFile::ReadBytes(path, &stop); },
-      wait.timeout, wait.heartbeat, "the read", "LoadWaitOptions::timeout",
-      "LoadCheckpointFromRank: " + from + " could not read '" + root_path + "'", wait.stop_grace,
-      internal::IfTheGroupFails::kStopTheWork);
+  std::shared_ptr<std::string> bytes;
+  internal::StoppableWork work;
+  std::string task;
+  std::string option;
+  std::string cannot_read;
+  PrepareAlone(pg, "LoadCheckpointFromRank", &root_path, [&] {
+    call = "LoadCheckpointFromRank '" + root_path + "' (read by " + from + ")";
+    bytes = std::make_shared<std::string>();
+    work = [bytes, path](const std::atomic<bool>& stop) {
+      *bytes = nn::io::SafetensorsFile::ReadBytes(path, &stop);
+    };
+    task = "the read";
+    option = "LoadWaitOptions::timeout";
+    cannot_read = "LoadCheckpointFromRank: " + from + " could not read '" + root_path + "'";
+  });
+  const std::string error =
+      internal::RunOnRootWhileOthersWait(pg, root, work, wait.timeout, wait.heartbeat, task, option, cannot_read,
+                                         wait.stop_grace, internal::IfTheGroupFails::kStopTheWork);
   if (!error.empty()) throw std::runtime_error(call + " failed on " + from + ": " + error);
   // Root's bytes to the others, in three steps: their length; whether
   // every rank could make room for them (a checkpoint larger than the
@@ -993,6 +1109,11 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
       }
     } catch (const DistributedError& e) {
       throw group_failed(e);
+    } catch (...) {
+      // Issuing it threw here alone (memory running out): the others are
+      // in the broadcast.
+      AbortForThisRank(pg, "LoadCheckpointFromRank", &root_path, kThrewAlone);
+      throw;
     }
     try {
       RunFault(internal::FaultPoint::kAccountingForLoad);

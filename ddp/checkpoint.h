@@ -123,12 +123,17 @@ inline constexpr char kWorldSizeKey[] = "world_size";
 /// stays usable. A rank on which that comparison throws (memory running
 /// out) still takes part in it: every rank throws std::runtime_error at
 /// once naming it and what threw, and nothing is written. A rank that
-/// cannot make the buffers of that comparison (the call's first
-/// allocation) rethrows what threw after aborting the group with a reason
-/// naming the call, itself and what threw: the others throw that
-/// DistributedError at once, nothing is written, and the group is no
-/// longer usable. So do LoadCheckpoint and LoadCheckpointFromRank (for
-/// their comparison, then the account of the read) and the collective
+/// cannot make the buffers of that comparison rethrows what threw after
+/// aborting the group with a reason naming the call, itself and what
+/// threw: the others throw that DistributedError at once, nothing is
+/// written, and the group is no longer usable. So does a rank on which
+/// what it prepares alone before an exchange throws (the comparison's
+/// messages; once the arguments agreed, the copy of `checkpoint` the
+/// write owns, the status buffer, the writing thread), the reason saying
+/// that it "threw while it prepared its part": rank 0 may then have begun
+/// its write, which the group's failure lets finish. So do LoadCheckpoint
+/// and LoadCheckpointFromRank (for their comparison, root's path, the
+/// account of the read and the reading thread) and the collective
 /// RestoreCheckpoint (for its checks' outcomes, with nothing changed).
 void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Checkpoint& checkpoint,
                     const SaveOptions& options = {});
@@ -373,7 +378,11 @@ enum class IfTheGroupFails {
 /// finish within <option> (N ms) and was asked to stop", or "which was
 /// asked to stop at once: its outcome is of no use once the group failed"). A `work` still going `stop_grace`
 /// after it was asked to stop is left running on a detached thread, with
-/// a line on stderr starting with `abort_reason` that says so.
+/// a line on stderr starting with `abort_reason` that says so. What
+/// throws on one rank alone, other than the group's DistributedError
+/// (memory running out as it makes its status buffer or thread), aborts
+/// the group with `abort_reason` naming that rank and what threw, then is
+/// rethrown: the others throw at once instead of at the group's timeout.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& task, const std::string& option,
@@ -392,7 +401,8 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
 /// ends, or once `stop_grace` has passed (as RunOnRootWhileOthersWait).
 /// When the group fails, a rank still in `work` lets it go on until
 /// `timeout` or stops it at once, as `if_the_group_fails` says, before it
-/// rethrows the group's DistributedError.
+/// rethrows the group's DistributedError. What throws on one rank alone
+/// aborts the group, as in RunOnRootWhileOthersWait.
 std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& task, const std::string& option,
@@ -436,6 +446,14 @@ enum class FaultPoint {
   /// exchange of how the read went, and in RestoreCheckpoint, of the
   /// checks' outcomes.
   kMakingFirstBuffers = 8,
+  /// SaveCheckpoint, LoadCheckpoint and LoadCheckpointFromRank, as this
+  /// rank prepares alone what it needs before the ranks' next exchange:
+  /// (1) the comparison of the arguments' messages, (2) once they agreed,
+  /// the work's copies, its messages (in LoadCheckpointFromRank, (2) is
+  /// root's path and (3) what follows its broadcast), then (3, or 4) in
+  /// RunOnRootWhileOthersWait or RunOnEveryRankWhileOthersWait, the status
+  /// buffer and the thread.
+  kPreparingAlone = 9,
 };
 
 /// Test only: from now on, this process runs `fault` at `point`; what

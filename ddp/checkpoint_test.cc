@@ -1139,6 +1139,96 @@ TEST(DdpCheckpointTest, ARankWithNoMemoryForAFirstExchangesBuffersFailsEveryRank
   }
 }
 
+// What a rank prepares alone between two exchanges of a collective call
+// (the arguments' messages, then SaveCheckpoint's copy of the checkpoint,
+// LoadCheckpoint's messages and work, LoadCheckpointFromRank's copy of
+// root's path, then its messages and work, and the status buffer and
+// thread of the wait that follows) throws on rank DDP_TEST_RANK, at its
+// DDP_TEST_RUN'th such place in DDP_TEST_CASE's call, as when memory runs
+// out. Before, that rank left the call alone and the others waited for it
+// in the next exchange until the group's timeout (60 s here). Now it
+// aborts the group first: the others throw at once, naming it and what
+// threw, and a save writes nothing unless rank 0 had begun its write
+// (which a group failure lets finish).
+DDP_TEST_WORKER(preparing_alone_throws) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const int failing_rank = std::atoi(std::getenv("DDP_TEST_RANK"));
+  const int failing_run = std::atoi(std::getenv("DDP_TEST_RUN"));
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  const SavedMlp saved(/*trained=*/false);
+  if (which != "save") SaveCheckpoint(*pg, path, saved.checkpoint);
+  if (pg->rank() == failing_rank) {
+    auto runs = std::make_shared<int>(0);
+    internal::SetFaultForTesting(internal::FaultPoint::kPreparingAlone, [runs, failing_run] {
+      if (++*runs == failing_run) throw std::bad_alloc();
+    });
+  }
+  auto run = [&] {
+    if (which == "save") {
+      SaveCheckpoint(*pg, path, saved.checkpoint);
+    } else if (which == "load") {
+      LoadCheckpoint(*pg, path);
+    } else {
+      LoadCheckpointFromRank(*pg, path, 0);
+    }
+  };
+  const std::string who = which + " run " + std::to_string(failing_run) + ", rank " + std::to_string(pg->rank());
+  if (pg->rank() == failing_rank) {
+    std::string outcome = "no error";
+    try {
+      run();
+    } catch (const std::bad_alloc&) {
+      outcome = "std::bad_alloc";
+    } catch (const std::exception& e) {
+      outcome = std::string("another exception: ") + e.what();
+    }
+    internal::SetFaultForTesting(internal::FaultPoint::kPreparingAlone, {});
+    WORKER_EXPECT(outcome == "std::bad_alloc", who + " got: " + outcome);
+    if (which == "save" && pg->rank() == 0) WORKER_EXPECT(access(path.c_str(), F_OK) != 0, who + ": written");
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg, std::chrono::seconds(90));
+    return testing::WorkerExit();
+  }
+  const Outcome failed = OutcomeOf<DistributedError>(run);
+  testing::MarkThisRankDone(*pg);
+  const std::string call = which == "save" ? "SaveCheckpoint" : which == "load" ? "LoadCheckpoint"
+                                                                                 : "LoadCheckpointFromRank";
+  WORKER_EXPECT(failed.error.find(call) != std::string::npos &&
+                    failed.error.find("rank " + std::to_string(failing_rank) +
+                                      " threw while it prepared its part, before the ranks' next exchange: "
+                                      "std::bad_alloc") != std::string::npos,
+                who + " got: " + failed.error);
+  WORKER_EXPECT(failed.seconds < 20, who + ": the failure took " + std::to_string(failed.seconds) + " s");
+  // Once the arguments agreed, rank 0 may have begun its write, which a
+  // group failure lets finish.
+  if (which == "save" && pg->rank() == 0 && failing_run == 1) {
+    WORKER_EXPECT(access(path.c_str(), F_OK) != 0, who + ": written");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankThatThrowsWhilePreparingAloneFailsEveryRankPromptly) {
+  struct Case {
+    const char* which;
+    int rank;
+    int runs;  // the places in the call, each tried in turn
+  };
+  for (const Case c : {Case{"save", 1, 3}, Case{"save", 0, 3}, Case{"load", 1, 3}, Case{"from_rank", 1, 4}}) {
+    for (int run = 1; run <= c.runs; ++run) {
+      if (c.rank == 0 && run < c.runs) continue;  // rank 0 as the root, in its wait
+      auto workers = RunWorkers("preparing_alone_throws", 3,
+                                {{"DDP_TEST_CASE", c.which},
+                                 {"DDP_TEST_RANK", std::to_string(c.rank)},
+                                 {"DDP_TEST_RUN", std::to_string(run)},
+                                 {"DDP_TEST_CKPT", TempDir()},
+                                 {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                                180000, /*stop_all_on_failure=*/false);
+      EXPECT_TRUE(workers.AllSucceeded()) << c.which << " run " << run << " on rank " << c.rank << ":\n"
+                                          << testing::AllOutput(workers);
+    }
+  }
+}
+
 // Every rank's checks pass, then rank 1's load throws: its scheduler drives
 // the optimizer's rate through a target (as one drives a sharded
 // optimizer's slices) that refuses rates above 0.02, and the saved rate is
