@@ -9,6 +9,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,7 +17,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -2585,6 +2588,121 @@ TEST(DdpCheckpointTest, KilledRankFailsTheOthersAndTheLastCheckpointLoads) {
   nn::optim::Sgd opt(model->NamedParameters(), {.lr = 0.05, .momentum = 0.9});
   RestoreCheckpoint(c, *model, &opt);
   EXPECT_EQ(ListDir(dir), std::vector<std::string>{"train.safetensors"});
+}
+
+// A rank killed while rank 0 writes (DDP_TEST_CASE "root_dies": rank 0
+// itself; "peer_dies": rank 2, waiting for the write): the others fail
+// well within the group's timeout (20 s) naming the lost rank, instead of
+// waiting it out. Rank 0, when it lives, lets its write finish first (a
+// group failure does not stop a write) and says so. The file at the path
+// holds a whole checkpoint either way: the last one saved when rank 0
+// died, the new one when it finished.
+DDP_TEST_WORKER(killed_during_save) {
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  const std::string path = dir + "/c.safetensors";
+  const std::string writing = dir + "/writing";  // rank 0 is inside its write
+  auto pg = testing::WorkerGroup();
+  nn::io::Checkpoint c;
+  for (int i = 0; i < 8; ++i) c.model.emplace_back("w" + std::to_string(i), nn::Ones({1024}));
+  c.metadata["step"] = "1";
+  SaveCheckpoint(*pg, path, c);
+  c.metadata["step"] = "2";
+  const int killed = which == "root_dies" ? 0 : 2;
+  std::thread watcher;
+  if (pg->rank() == 0) {
+    // 8 pieces of 400 ms: the write takes at least 3.2 s.
+    nn::io::internal::SetWritePausePerPiece(std::chrono::milliseconds(400));
+    watcher = std::thread([&] {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (nn::io::internal::PausesBegunForTesting() == 0 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      if (killed == 0) raise(SIGKILL);
+      std::ofstream(writing) << "1";
+    });
+  } else if (pg->rank() == killed) {
+    watcher = std::thread([&] {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (access(writing.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      raise(SIGKILL);
+    });
+  }
+  const Outcome failed = OutcomeOf<DistributedError>([&] { SaveCheckpoint(*pg, path, c); });
+  const std::string who = which + ", rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(failed.error.find("PEER_LOST") != std::string::npos &&
+                    failed.error.find("rank " + std::to_string(killed)) != std::string::npos,
+                who + " got: " + failed.error);
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(failed.error.find("meanwhile rank 0 went on with the write, which completed") !=
+                      std::string::npos,
+                  who + " got: " + failed.error);
+  }
+  WORKER_EXPECT(failed.seconds < 10, who + ": the failure took " + std::to_string(failed.seconds) + " s");
+  if (watcher.joinable()) watcher.join();
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, ARankKilledDuringASaveFailsTheOthersPromptlyAndLeavesAWholeCheckpoint) {
+  for (const char* which : {"root_dies", "peer_dies"}) {
+    const std::string dir = TempDir();
+    auto run = RunWorkers("killed_during_save", 3,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_CKPT", dir}, {"DDP_TEST_TIMEOUT_MS", "20000"}},
+                          60000, /*stop_all_on_failure=*/false);
+    const std::string out = testing::AllOutput(run);
+    const int killed = std::string(which) == "root_dies" ? 0 : 2;
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(run.ExitCode(r), r == killed ? 128 + SIGKILL : 0) << which << "\n" << out;
+    const nn::io::Checkpoint c = nn::io::LoadCheckpoint(dir + "/c.safetensors");
+    EXPECT_EQ(nn::io::MetadataInt(c.metadata, "step", "checkpoint"), killed == 0 ? 1 : 2) << which;
+    EXPECT_EQ(c.model.size(), 8u) << which;
+  }
+}
+
+// A full disk on rank 0 (here the file size limit, EFBIG, which a write
+// meets as it would ENOSPC: a short write, then the error): every rank
+// throws the same error naming the path and the system's reason, the last
+// checkpoint stays whole under the path, no temporary file is left beside
+// it, and the group goes on.
+DDP_TEST_WORKER(save_disk_full) {
+  auto pg = testing::WorkerGroup();
+  const std::string dir = std::getenv("DDP_TEST_CKPT");
+  const std::string path = dir + "/c.safetensors";
+  nn::io::Checkpoint c;
+  c.model.emplace_back("w", nn::Ones({16}));
+  c.metadata["step"] = "1";
+  SaveCheckpoint(*pg, path, c);
+  c.model.emplace_back("big", nn::Ones({1 << 16}));  // 256 KiB
+  c.metadata["step"] = "2";
+  rlimit old_limit{};
+  if (pg->rank() == 0) {
+    std::signal(SIGXFSZ, SIG_IGN);  // its default ends the process
+    WORKER_EXPECT(getrlimit(RLIMIT_FSIZE, &old_limit) == 0, "getrlimit");
+    rlimit limit = old_limit;
+    limit.rlim_cur = 64 << 10;
+    WORKER_EXPECT(setrlimit(RLIMIT_FSIZE, &limit) == 0, std::string("setrlimit: ") + std::strerror(errno));
+  }
+  const Outcome failed = OutcomeOf<std::runtime_error>([&] { SaveCheckpoint(*pg, path, c); });
+  if (pg->rank() == 0) setrlimit(RLIMIT_FSIZE, &old_limit);
+  const std::string who = "rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(failed.error.find("SaveCheckpoint: rank 0 could not write " + path + ": " + path) !=
+                        std::string::npos &&
+                    failed.error.find(std::strerror(EFBIG)) != std::string::npos,
+                who + " got: " + failed.error);
+  pg->Barrier().Wait();  // the group goes on
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(ListDir(dir) == std::vector<std::string>{"c.safetensors"}, "the folder holds more");
+    const nn::io::Checkpoint left = nn::io::LoadCheckpoint(path);
+    WORKER_EXPECT(nn::io::MetadataInt(left.metadata, "step", path) == 1 && left.model.size() == 1,
+                  "the last checkpoint was changed");
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AFullDiskOnRankZeroFailsEveryRankNamingThePathAndKeepsTheLastCheckpoint) {
+  auto run = RunWorkers("save_disk_full", 2, {{"DDP_TEST_CKPT", TempDir()}});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 // ------------------------------------------- PowerSGD and averaging ----
