@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -245,6 +246,58 @@ std::string ErrorOf(const internal::StoppableWork& work, const std::atomic<bool>
   }
 }
 
+// The threads Background left running (stuck in the filesystem) and the
+// process's exit. Such a thread, when its work returns at last, frees what
+// it owns (the checkpoint's tensors, its streams): during the exit, that
+// would run while the process's static objects (an allocator, the CUDA
+// runtime) are destroyed under it. So once the exit has begun (the
+// handler below, registered when the first thread is left behind, has
+// run), such a thread parks instead, owning everything, and the exit ends
+// it. Never destroyed: the threads use it at any time.
+struct LeftBehind {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool exiting = false;
+  bool handler_registered = false;
+  int ending = 0;  // threads left behind that are freeing what they own
+};
+
+LeftBehind& TheLeftBehind() {
+  static auto* l = new LeftBehind;  // never destroyed
+  return *l;
+}
+
+// Run by std::exit (before the static objects made before the first thread
+// was left behind are destroyed): from now on such threads park; one
+// already freeing what it owns gets up to a second to finish.
+void OnExitWithThreadsLeftBehind() {
+  LeftBehind& l = TheLeftBehind();
+  std::unique_lock lock(l.mu);
+  l.exiting = true;
+  l.cv.wait_for(lock, std::chrono::seconds(1), [&l] { return l.ending == 0; });
+}
+
+// The end of a thread left behind, once its work returned: `state`, the
+// last owner of what the work used, is freed, unless the process is
+// exiting (see LeftBehind).
+template <typename State>
+void EndLeftBehind(std::shared_ptr<State> state) {
+  LeftBehind& l = TheLeftBehind();
+  std::unique_lock lock(l.mu);
+  if (l.exiting) {
+    lock.unlock();
+    // Owning everything until the exit, which ends this thread; nothing
+    // waits for it.
+    while (true) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  ++l.ending;
+  lock.unlock();
+  state.reset();
+  lock.lock();
+  --l.ending;
+  l.cv.notify_all();
+}
+
 // A rank's part (a write, a read), on a thread of its own, so that the
 // caller's thread can tell the others it is still going. The work runs on
 // the caller's current streams: a save's copies from the GPU come after
@@ -260,13 +313,18 @@ class Background {
       : state_(std::make_shared<State>(std::move(work))), what_(std::move(what)), stop_grace_(stop_grace) {
     try {
       state_->streams = internal::CaptureCurrentStreams();
-      thread_ = std::thread([s = state_] {
+      thread_ = std::thread([s = state_]() mutable {
         std::string error =
             ErrorOf([&s](const std::atomic<bool>& stop) { s->streams->Run([&] { s->work(stop); }); }, s->stop);
-        std::lock_guard lock(s->mu);
-        s->error = std::move(error);
-        s->done = true;
-        s->cv.notify_all();
+        bool left_behind = false;
+        {
+          std::lock_guard lock(s->mu);
+          s->error = std::move(error);
+          s->done = true;
+          left_behind = s->left_behind;
+          s->cv.notify_all();
+        }
+        if (left_behind) EndLeftBehind(std::move(s));
       });
     } catch (const std::exception& e) {
       // Not started (no thread to be had: std::system_error): a work that
@@ -284,11 +342,12 @@ class Background {
   // caller without a bound, so it is reported and left running on its own.
   // Its stop flag is set, so a writer that ever returns removes its
   // temporary file and leaves the target as it was, unless it had already
-  // passed its last check before the rename.
+  // passed its last check before the rename. Should that happen during
+  // the process's exit, the thread frees nothing (see LeftBehind).
   ~Background() {
     if (!WaitUntil(Clock::now())) {
       const bool renaming = Stop();
-      if (!WaitUntil(Clock::now() + stop_grace_)) {
+      if (!WaitUntil(Clock::now() + stop_grace_) && LeaveBehind()) {
         std::fprintf(stderr,
                      "[ddp] %s: the work did not end within %lld ms of being asked to stop (a write, read or "
                      "fsync stuck in the filesystem?); it is left running on a detached thread and its outcome "
@@ -308,6 +367,20 @@ class Background {
   Background(const Background&) = delete;
   Background& operator=(const Background&) = delete;
 
+  // Marks the work as left behind, unless it ended meanwhile (false: it
+  // is joined); from then on its thread frees what it owns (see
+  // LeftBehind).
+  bool LeaveBehind() {
+    LeftBehind& l = TheLeftBehind();
+    {
+      std::lock_guard lock(l.mu);
+      if (!l.handler_registered) l.handler_registered = std::atexit(OnExitWithThreadsLeftBehind) == 0;
+    }
+    std::lock_guard lock(state_->mu);
+    if (state_->done) return false;
+    state_->left_behind = true;
+    return true;
+  }
   // Waits until the work ends or `until`; true when it ended.
   bool WaitUntil(Clock::time_point until) {
     std::unique_lock lock(state_->mu);
@@ -334,6 +407,7 @@ class Background {
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
+    bool left_behind = false;  // its thread was detached (see LeftBehind)
     std::string error;
     std::atomic<bool> stop{false};
     nn::io::OrderedStop ordered_stop{stop};

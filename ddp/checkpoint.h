@@ -91,7 +91,13 @@ struct SaveOptions {
   /// and returns. The file at `path` stays as it was: the writer looks at
   /// its stop flag once more before renaming its temporary file into
   /// place, and removes that file if it ever returns (unless its rename
-  /// had already begun at the stop, which the message then says).
+  /// had already begun at the stop, which the message then says). When
+  /// the process exits while that thread is still stuck, the exit ends it:
+  /// should its call return once the exit has begun, the work's own last
+  /// steps still run (its stop check, removing the temporary file), but
+  /// the thread then frees nothing (the checkpoint's tensors, its streams)
+  /// and waits for the exit, so that nothing is freed while the process's
+  /// static objects (allocators, the CUDA runtime) are destroyed.
   std::chrono::milliseconds stop_grace{internal::kStopGrace};
 };
 
@@ -153,7 +159,8 @@ struct LoadWaitOptions {
   /// thread to end; past it (a filesystem that hangs in a read), it prints
   /// to stderr that the read of `path` did not finish, leaves the thread
   /// behind (detached, owning what it uses, its result dropped) and throws
-  /// as it would have. As SaveOptions::stop_grace.
+  /// as it would have. As SaveOptions::stop_grace, at the process's exit
+  /// too.
   std::chrono::milliseconds stop_grace{internal::kStopGrace};
 };
 

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +28,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -2078,6 +2080,70 @@ TEST(DdpCheckpointTest, AWriteStuckInTheFilesystemIsLeftBehindAfterTheGraceAndSa
     left = ListDir(dir);
   }
   EXPECT_TRUE(left.empty()) << "left behind: " << left.front();
+}
+
+// A work left behind (stuck in the filesystem past its stop grace) whose
+// call returns at last while the process exits: before, its thread then
+// freed what it owned (the checkpoint's tensors, its streams) while the
+// process's static objects were being destroyed under it. Now a thread
+// left behind parks once the exit has begun, freeing nothing. Here the
+// work waits until a static object made before it was left behind is
+// destroyed by the exit, then returns; that object's destructor then
+// waits up to 2 s for what the work owns to be freed, and says whether it
+// was.
+struct ExitGate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool exiting = false;
+  bool owned_freed = false;
+  ~ExitGate() {
+    std::unique_lock lock(mu);
+    exiting = true;
+    cv.notify_all();
+    const bool freed = cv.wait_for(lock, std::chrono::seconds(2), [this] { return owned_freed; });
+    std::fprintf(stderr, "%s\n", freed ? "what the work owned was freed during the exit"
+                                       : "what the work owned was kept during the exit");
+  }
+};
+
+ExitGate& TheExitGate() {
+  static ExitGate gate;
+  return gate;
+}
+
+// Owned by the work: says when it is freed.
+struct OwnedByTheWork {
+  ~OwnedByTheWork() {
+    ExitGate& gate = TheExitGate();
+    std::lock_guard lock(gate.mu);
+    gate.owned_freed = true;
+    gate.cv.notify_all();
+  }
+};
+
+DDP_TEST_WORKER(left_behind_at_exit) {
+  using std::chrono::milliseconds;
+  TheExitGate();  // made before the work is left behind
+  auto pg = ProcessGroup::Single();
+  auto owned = std::make_shared<OwnedByTheWork>();
+  auto stuck = [owned](const std::atomic<bool>&) {
+    ExitGate& gate = TheExitGate();
+    std::unique_lock lock(gate.mu);
+    gate.cv.wait_for(lock, std::chrono::seconds(30), [&gate] { return gate.exiting; });
+  };
+  owned.reset();  // the work owns it alone
+  const std::string outcome = internal::RunOnRootWhileOthersWait(
+      *pg, 0, stuck, milliseconds(100), milliseconds(50), "the write", "SaveOptions::timeout", "the write failed",
+      milliseconds(100));
+  WORKER_EXPECT(outcome == "the write did not finish within SaveOptions::timeout (100 ms)", outcome);
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AWorkLeftBehindFreesNothingOnceTheProcessExits) {
+  auto run = RunWorkers("left_behind_at_exit", 1, {});
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+  EXPECT_THAT(run.Output(0), AllOf(HasSubstr("the work did not end within 100 ms of being asked to stop"),
+                                   HasSubstr("what the work owned was kept during the exit")));
 }
 
 TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
