@@ -25,6 +25,17 @@
 // post-local-SGD hook's iteration ("post_local_sgd.*", PostLocalSgdState),
 // so that a resumed run keeps compressing past PowerSGD's warm-up, keeps
 // its averaging period and stays in the local phase once it has begun.
+//
+// A sharded optimizer (ZeroRedundancyOptimizer, OverlappedZeroOptimizer)
+// is no nn::optim::Optimizer, and MakeCheckpoint given a
+// ZeroRedundancyOptimizer's local() would save rank 0's shard alone. Save its whole state instead: on every rank
+// (collective) append its ConsolidatedStateDict(0) to the optimizer list
+// of rank 0's MakeCheckpoint(model, nullptr, ...), scheduler included.
+// Resume with its LoadStateDict(c.optimizer) on every rank (it skips the
+// other components' keys), then RestoreCheckpoint with no optimizer and a
+// copy of `c` whose optimizer list lacks the optimizer's own keys ("lr",
+// "group.*", "param_groups.*", "state.*"), so that a scheduler (over a
+// ZeroRedundancyOptimizer's local()) still finds "scheduler.*".
 
 #include <atomic>
 #include <chrono>
@@ -267,8 +278,8 @@ struct RestoreOptions {
 /// scaler, "powersgd.*" without `powersgd`, "averager.*" without
 /// `averager`, "post_local_sgd.*" without `post_local_sgd`, "plateau.*"
 /// without `plateau`, or keys none of them takes. (A sharded optimizer loads its
-/// own state: clear checkpoint.optimizer in a copy to restore the model
-/// alone.) A load can still throw once the checks passed (a
+/// own state: leave its keys out of a copy of checkpoint.optimizer, as the
+/// top of this file says.) A load can still throw once the checks passed (a
 /// learning-rate target that refuses the restored rate, memory running
 /// out): with options.rollback (the default), the parts loaded are then
 /// put back, bitwise as they were, and the load's own exception is
