@@ -468,7 +468,7 @@ Checkpoint LoadCheckpointFromBytes(std::string bytes, const std::string& source,
 int64_t MetadataInt(const Metadata& metadata, const std::string& key, const std::string& source) {
   auto it = metadata.find(key);
   if (it == metadata.end()) {
-    throw CheckpointError(source + ": metadata has no `" + key + "`");
+    throw CheckpointError(source + ": metadata has no `" + NameForMessage(key) + "`");
   }
   // An optional '-' and digits only: std::stoll also took leading
   // whitespace and a '+' (" 5" and "+5" read as 5), which no writer here

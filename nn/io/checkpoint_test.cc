@@ -210,6 +210,9 @@ TEST(CheckpointErrors, MetadataIntNamesTheKey) {
   EXPECT_THAT(ErrorOf([] { MetadataInt({}, "epoch", "c.st"); }), HasSubstr("c.st: metadata has no `epoch`"));
   EXPECT_THAT(ErrorOf([] { MetadataInt({{"epoch", "3x"}}, "epoch", "c.st"); }),
               HasSubstr("`epoch` is \"3x\", expected an integer"));
+  // A missing key is shown as the other errors show names: control bytes
+  // escaped, so a caller's key cannot break the message's line.
+  EXPECT_THAT(ErrorOf([] { MetadataInt({}, "ep\noch", "c.st"); }), HasSubstr("metadata has no `ep\\x0aoch`"));
 }
 
 // The loaders give the tensors in the order they were saved, whatever
