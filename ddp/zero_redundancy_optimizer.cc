@@ -723,27 +723,36 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
     verdict = kFailed;
     failure = std::current_exception();
   }
-  // Each rank's verdict, so that every rank throws (and a peer's failure
-  // is not taken for a refusal of the state).
-  Tensor verdicts = nn::FromVectorOf<int32_t>(std::vector<int32_t>(static_cast<size_t>(pg_->size()), 0),
-                                              {pg_->size()});
-  verdicts.data<int32_t>()[pg_->rank()] = verdict;
-  pg_->AllReduce(verdicts, transport::ReduceOp::kSum, "zero: load state").Wait();
+  // Each rank's verdict with its reason, so that every rank throws naming
+  // the rank that refused and why (and a peer's failure is not taken for a
+  // refusal of the state): "R<reason>" for a refusal, "F<what>" for a
+  // failure, "" for a shard that loads.
+  std::string outcome;
+  if (verdict == kRefused) outcome = "R" + error;
+  if (verdict == kFailed) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (...) {
+      outcome = "F" + HandledExceptionText();
+    }
+  }
+  const std::vector<std::string> outcomes = pg_->AllGatherObject(outcome);
   if (failure) std::rethrow_exception(failure);
   if (verdict == kRefused) throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict: " + error);
   std::string refused, failed;
-  for (int r = 0; r < pg_->size(); ++r) {
-    std::string& list = verdicts.data<int32_t>()[r] == kFailed ? failed : refused;
-    if (verdicts.data<int32_t>()[r] != kLoadable) list += (list.empty() ? "" : ", ") + std::to_string(r);
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    if (outcomes[r].empty()) continue;
+    std::string& list = outcomes[r][0] == 'F' ? failed : refused;
+    list += (list.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + outcomes[r].substr(1);
   }
   if (!failed.empty()) {
     throw DistributedError(transport::AbortedError(
-        "ZeroRedundancyOptimizer::LoadStateDict failed on rank " + failed +
+        "ZeroRedundancyOptimizer::LoadStateDict failed on " + failed +
         " (not a refusal of the state: see that rank's error)" +
-        (refused.empty() ? std::string() : "; the state was refused on rank " + refused)));
+        (refused.empty() ? std::string() : "; the state was refused on " + refused)));
   }
   if (!refused.empty()) {
-    throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict failed on rank " + refused);
+    throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict failed on " + refused);
   }
   try {
     local_->LoadStateDict(shard);

@@ -197,11 +197,13 @@ class ZeroRedundancyOptimizer {
   /// it owns. A key naming no parameter, a trained parameter missing from a
   /// state that lists every parameter (see ShardOf), or an entry the shard's
   /// optimizer refuses, fails on every rank (std::invalid_argument naming it on the
-  /// rank that found it, naming that rank on the others), and then no rank
+  /// rank that found it, naming that rank and its reason on the others:
+  /// "failed on rank 1: state entry ..."), and then no rank
   /// loads anything: every shard is checked before any is loaded. Any
   /// other failure of a rank's check (std::bad_alloc, say) is not a
   /// refusal: that rank rethrows it as it came, the others throw
-  /// DistributedError (ABORTED) naming it, and no rank loads anything. A
+  /// DistributedError (ABORTED) naming the rank and what it threw, and no
+  /// rank loads anything. A
   /// failed agreement between the ranks throws DistributedError. A rank
   /// whose load fails after every check passed rethrows the failure and
   /// ends the group, so that the others' next collective fails at once.

@@ -651,7 +651,10 @@ DDP_TEST_WORKER(bad_state) {
                                  nn::ShapeToString(params[which].second.shape())) != std::string::npos,
                       m);
       } else {
-        WORKER_EXPECT(m.find("failed on rank " + std::to_string(last)) != std::string::npos, m);
+        // With the last rank's reason.
+        WORKER_EXPECT(m.find("failed on rank " + std::to_string(last) + ": ") != std::string::npos &&
+                          m.find("` is [3]; parameter `" + params[which].first + "`") != std::string::npos,
+                      m);
       }
     }
   }
@@ -703,8 +706,9 @@ DDP_TEST_WORKER(load_all_or_nothing) {
     WORKER_EXPECT(false, "a step of 0 was accepted");
   } catch (const std::invalid_argument& e) {
     const std::string m = e.what();
-    WORKER_EXPECT(pg->rank() == last ? m.find("`" + bad_key + "` is 0") != std::string::npos
-                                     : m.find("failed on rank " + std::to_string(last)) != std::string::npos,
+    // The other ranks are told the reason the last rank gave, not only its number.
+    WORKER_EXPECT(m.find("`" + bad_key + "` is 0") != std::string::npos &&
+                      (pg->rank() == last || m.find("failed on rank " + std::to_string(last) + ": ") != std::string::npos),
                   m);
   }
   const std::string on = " on rank " + std::to_string(pg->rank());
