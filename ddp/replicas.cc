@@ -112,11 +112,31 @@ std::string Printable(const std::string& text) {
   return out;
 }
 
-// `text`, or its start and end around "..." when longer than `most`.
+// Whether `at` falls inside a character of `text` (Printable's output):
+// on a UTF-8 continuation byte, or after the first byte of a \xNN escape.
+// The start of a character that begins there, if it does not: where a cut
+// may fall.
+bool SplitsACharacter(const std::string& text, size_t at) {
+  if (at == 0 || at >= text.size()) return false;
+  if ((static_cast<unsigned char>(text[at]) & 0xc0) == 0x80) return true;
+  for (size_t back = 1; back <= 3 && back <= at; ++back) {
+    const size_t p = at - back;
+    if (text[p] == '\\' && p + 1 < text.size() && text[p + 1] == 'x') return true;
+  }
+  return false;
+}
+
+// `text`, or its start and end around "..." when longer than `most`, each
+// cut on a character's boundary (a multi-byte UTF-8 character or a \xNN
+// escape is kept whole or left out), so the message stays valid text.
 std::string Cut(const std::string& text, size_t most) {
   if (text.size() <= most) return text;
   const size_t tail = most / 4;
-  return text.substr(0, most - tail - 3) + "..." + text.substr(text.size() - tail);
+  size_t head_end = most - tail - 3;
+  while (SplitsACharacter(text, head_end)) --head_end;
+  size_t tail_start = text.size() - tail;
+  while (SplitsACharacter(text, tail_start)) ++tail_start;
+  return text.substr(0, head_end) + "..." + text.substr(tail_start);
 }
 
 // Ranks with the same text, in the order of their first rank.

@@ -246,5 +246,46 @@ TEST(ExplainReplicaDifferenceTest, AValueThatIsNotATensorDescriptionDiffersInVal
   EXPECT_NE(m.find(" They differ in value."), std::string::npos) << m;
 }
 
+// The first name shown in `message`, between its first two backquotes.
+std::string FirstShownName(const std::string& message) {
+  const size_t open = message.find('`');
+  const size_t close = open == std::string::npos ? open : message.find('`', open + 1);
+  return close == std::string::npos ? std::string() : message.substr(open + 1, close - open - 1);
+}
+
+// `text` is `unit` repeated, after `prefix` and before `suffix`.
+bool Repeats(const std::string& text, const std::string& prefix, const std::string& unit, const std::string& suffix) {
+  if (text.size() < prefix.size() + suffix.size() || text.rfind(prefix, 0) != 0 ||
+      text.compare(text.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return false;
+  }
+  const std::string middle = text.substr(prefix.size(), text.size() - prefix.size() - suffix.size());
+  if (middle.size() % unit.size() != 0) return false;
+  for (size_t at = 0; at < middle.size(); at += unit.size()) {
+    if (middle.compare(at, unit.size(), unit) != 0) return false;
+  }
+  return true;
+}
+
+// A long name cut for the message keeps its characters whole at both cuts:
+// a two-byte UTF-8 character, or a control byte shown as \xNN, is shown
+// whole or left out. The cuts fell at fixed byte counts, inside both here.
+TEST(ExplainReplicaDifferenceTest, ALongNameIsCutBetweenCharacters) {
+  for (const std::string& unit : {std::string("\xc3\xa9"), std::string("\x01")}) {
+    std::string name = "ab";
+    for (int i = 0; i < 550; ++i) name += unit;
+    name += "c";
+    std::vector<std::vector<ReplicaEntry>> ranks(2, {{"parameter", name, "f32 [2] strides [1]"}});
+    ranks[1][0].value = "f32 [3] strides [1]";
+    const std::string shown = FirstShownName(ExplainReplicaDifference(ranks, "Models differ."));
+    const std::string seen = unit == "\x01" ? "\\x01" : unit;  // as the message shows it
+    const size_t dots = shown.find("...");
+    ASSERT_NE(dots, std::string::npos) << shown;
+    EXPECT_LE(shown.size(), 1024u);
+    EXPECT_TRUE(Repeats(shown.substr(0, dots), "ab", seen, "")) << shown.substr(0, dots);
+    EXPECT_TRUE(Repeats(shown.substr(dots + 3), "", seen, "c")) << shown.substr(dots + 3);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::dist::internal
