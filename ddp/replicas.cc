@@ -1,6 +1,7 @@
 #include "ddp/replicas.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstring>
 #include <map>
@@ -259,10 +260,11 @@ struct Lacking {
 // The message for a first difference at `kind` #k, from each rank's view
 // of it; `lacking`: the names at #k some ranks lack (at most kMostGroups),
 // `unsaid` how many more such names there are ("at least" when
-// `unsaid_is_lower_bound`).
+// `unchecked`: how many distinct names at #k were not looked for on the
+// other ranks at all).
 std::string ExplainAt(const std::string& heading, const std::string& kind, size_t k,
                       const std::vector<EntryView>& views, const std::vector<Lacking>& lacking, size_t unsaid,
-                      bool unsaid_is_lower_bound) {
+                      size_t unchecked) {
   const int size = static_cast<int>(views.size());
   auto missing = [&](int r) {
     return "no " + kind + " #" + std::to_string(k) + " (it has " + Plural(kind, views[r].count) + ")";
@@ -302,8 +304,12 @@ std::string ExplainAt(const std::string& heading, const std::string& kind, size_
     m += " " + who + (l.ranks.size() == 1 ? " has no " : " have no ") + kind + " named `" + l.name + "`.";
   }
   if (unsaid > 0) {
-    m += std::string(" ") + (unsaid_is_lower_bound ? "At least " : "") + std::to_string(unsaid) + " more names at #" +
-         std::to_string(k) + " are missing on some ranks.";
+    m += " " + std::to_string(unsaid) + " more names at #" + std::to_string(k) + " are missing on some ranks.";
+  }
+  if (unchecked > 0) {
+    m += " " + std::to_string(unchecked) + (unchecked == 1 ? " more distinct name" : " more distinct names") +
+         " at #" + std::to_string(k) + (unchecked == 1 ? " was" : " were") +
+         " not checked for ranks that lack it (too many ranks differ there to look for every name).";
   }
   return m;
 }
@@ -373,7 +379,7 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
       lacking.push_back(std::move(l));
     }
   }
-  return ExplainAt(heading, kind, k, views, lacking, unsaid, false);
+  return ExplainAt(heading, kind, k, views, lacking, unsaid, 0);
 }
 
 int GpuOrder::Of(nn::Device device) {
@@ -405,6 +411,8 @@ constexpr size_t kViewBytes = 32 + kViewNameBytes + kViewValueBytes;
 // The most distinct names at the first difference whose absence on some
 // ranks is looked for: one byte per name and rank in the exchange.
 constexpr size_t kNamesChecked = 64;
+// kNamesChecked, or less for a test (SetNamesCheckedForTesting).
+std::atomic<size_t> names_checked{kNamesChecked};
 
 void PutView(const EntryView& v, char* out) {
   const int64_t head[4] = {v.present ? 1 : 0, v.count, static_cast<int64_t>(v.name_hash),
@@ -465,29 +473,29 @@ std::string ExplainAcrossRanks(ProcessGroup& pg, const std::vector<ReplicaEntry>
 
   // The distinct names at #k (by hash, in rank order), and whether each
   // rank has an entry of that name anywhere.
+  const size_t checked = names_checked.load(std::memory_order_relaxed);
   std::vector<size_t> named_by;  // a rank whose view shows the name
-  std::vector<uint64_t> hashes;
-  size_t distinct = 0;
+  std::vector<uint64_t> hashes;  // the first `checked` of them
+  std::unordered_set<uint64_t> distinct;
   for (int r = 0; r < size; ++r) {
-    if (!views[r].present || std::find(hashes.begin(), hashes.end(), views[r].name_hash) != hashes.end()) continue;
-    ++distinct;
-    if (hashes.size() < kNamesChecked) {
+    if (!views[r].present || !distinct.insert(views[r].name_hash).second) continue;
+    if (hashes.size() < checked) {
       hashes.push_back(views[r].name_hash);
       named_by.push_back(static_cast<size_t>(r));
     }
   }
   std::unordered_set<uint64_t> my_names;
   for (const ReplicaEntry* e : list) my_names.insert(Fnv1a(e->name));
-  nn::Tensor has = nn::Zeros({static_cast<int64_t>(kNamesChecked)}, {.dtype = nn::DType::kUInt8});
+  nn::Tensor has = nn::Zeros({static_cast<int64_t>(checked)}, {.dtype = nn::DType::kUInt8});
   for (size_t i = 0; i < hashes.size(); ++i) has.data<uint8_t>()[i] = my_names.count(hashes[i]) ? 1 : 0;
-  nn::Tensor all_has = nn::Empty({static_cast<int64_t>(kNamesChecked) * size}, {.dtype = nn::DType::kUInt8});
+  nn::Tensor all_has = nn::Empty({static_cast<int64_t>(checked) * size}, {.dtype = nn::DType::kUInt8});
   pg.AllGather(all_has, has, "model names at the difference").Wait();
   std::vector<Lacking> lacking;
   size_t unsaid = 0;
   for (size_t i = 0; i < hashes.size(); ++i) {
     Lacking l{views[named_by[i]].name, {}};
     for (int q = 0; q < size; ++q) {
-      if (all_has.data<uint8_t>()[q * kNamesChecked + i] == 0) l.ranks.push_back(q);
+      if (all_has.data<uint8_t>()[q * checked + i] == 0) l.ranks.push_back(q);
     }
     if (l.ranks.empty()) continue;
     if (lacking.size() == kMostGroups) {
@@ -496,7 +504,7 @@ std::string ExplainAcrossRanks(ProcessGroup& pg, const std::vector<ReplicaEntry>
       lacking.push_back(std::move(l));
     }
   }
-  return ExplainAt(heading, kind, k, views, lacking, unsaid, distinct > hashes.size());
+  return ExplainAt(heading, kind, k, views, lacking, unsaid, distinct.size() - hashes.size());
 }
 
 }  // namespace
@@ -606,6 +614,10 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
       }
     }
   }
+}
+
+void SetNamesCheckedForTesting(size_t most) {
+  names_checked.store(most == 0 ? kNamesChecked : std::min(most, kNamesChecked), std::memory_order_relaxed);
 }
 
 }  // namespace ddp::dist::internal

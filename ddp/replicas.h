@@ -48,12 +48,19 @@ std::string DescribeTensor(const nn::Tensor& t, bool is_parameter, GpuOrder& gpu
 /// each rank's value of it. When they differ, rank 0's description is
 /// broadcast and each rank compares its own with it; the ranks then share
 /// fixed-size records (where each differs first, its entry there, which of
-/// the names there it has), so the memory does not grow with the number of
+/// the first 64 distinct names there it has; the message counts the names
+/// beyond those, which it does not check), so the memory does not grow with the number of
 /// ranks beyond about 1.6 KB per rank. Every exchange has the same size on
 /// every rank, so differing ranks cannot hang, and a rank that fails
 /// between them (out of memory) aborts the group with the cause rather than
 /// leaving the others waiting.
 void VerifyReplicas(ProcessGroup& pg, const std::vector<ReplicaEntry>& entries, const std::string& heading);
+
+/// Makes VerifyReplicas look for the absence on other ranks of at most
+/// `most` distinct names at the first difference (at most 64, its bound;
+/// 0 restores it), so that a test of a few ranks reaches the names beyond
+/// the bound, which the message counts. Process-wide; for tests.
+void SetNamesCheckedForTesting(size_t most);
 
 /// VerifyReplicas' message for ranks whose entries differ (`ranks[r]` is
 /// rank r's): `heading`, the first differing entry of the first kind that

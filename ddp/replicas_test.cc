@@ -8,8 +8,11 @@
 
 #include <gtest/gtest.h>
 
+#include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "ddp/testing/ddp_test_util.h"
 
 namespace ddp::dist::internal {
 namespace {
@@ -285,6 +288,33 @@ TEST(ExplainReplicaDifferenceTest, ALongNameIsCutBetweenCharacters) {
     EXPECT_TRUE(Repeats(shown.substr(0, dots), "ab", seen, "")) << shown.substr(0, dots);
     EXPECT_TRUE(Repeats(shown.substr(dots + 3), "", seen, "c")) << shown.substr(dots + 3);
   }
+}
+
+// Ranks whose names at the first difference are more than the check looks
+// for on every rank (64; 1 here, through the test knob): the message counts
+// the names it did not check, each distinct name once. It said nothing of
+// them, and counted a name once per rank that had it.
+DDP_TEST_WORKER(names_beyond_the_checked_ones) {
+  auto pg = testing::WorkerGroup();
+  SetNamesCheckedForTesting(1);
+  // Rank 0 has `w0`; ranks 1-3 have `v`.
+  const std::vector<ReplicaEntry> entries = {{"parameter", pg->rank() == 0 ? "w0" : "v", "f32 [2] strides [1]"}};
+  std::string message;
+  try {
+    VerifyReplicas(*pg, entries, "Models differ.");
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  SetNamesCheckedForTesting(0);
+  WORKER_EXPECT(message.find(" Ranks 1-3 have no parameter named `w0`.") != std::string::npos, message);
+  WORKER_EXPECT(message.find(" 1 more distinct name at #0 was not checked for ranks that lack it") != std::string::npos,
+                message);
+  return testing::WorkerExit();
+}
+
+TEST(VerifyReplicasTest, NamesBeyondTheCheckedOnesAreCounted) {
+  auto run = testing::RunWorkers("names_beyond_the_checked_ones", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
 }  // namespace
