@@ -477,13 +477,29 @@ void ZeroRedundancyOptimizer::Step() {
     // Each piece of a gradient is read as the parameter's row-major
     // elements: one of another shape (SetData on the gradient) would be
     // read in the wrong order, or past its end. Checked on every rank for
-    // every parameter, so that the ranks refuse it alike.
+    // every parameter, so that the ranks refuse it alike, before any rank
+    // steps its shard; so are the gradient's device and dtype, which
+    // handing its pieces to the shard's optimizer refuses too, but only on
+    // the ranks holding a piece of it, after the others stepped theirs
+    // (their parameters changed while the refusing rank's did not).
     for (const auto& [name, param] : params_) {
       const Tensor& grad = param.grad();
-      if (grad.defined() && grad.shape() != param.shape()) {
+      if (!grad.defined()) continue;
+      if (grad.shape() != param.shape()) {
         throw std::invalid_argument("ZeroRedundancyOptimizer::Step: gradient of `" + name + "` has shape " +
                                     nn::ShapeToString(grad.shape()) + ", the parameter " +
                                     nn::ShapeToString(param.shape()));
+      }
+      if (grad.device() != param.device()) {
+        throw std::invalid_argument("ZeroRedundancyOptimizer::Step: gradient of `" + name + "` is on " +
+                                    grad.device().ToString() + ", the parameter on " + param.device().ToString());
+      }
+      // A piece's gradient must have its piece's dtype (set_grad), where
+      // the unsharded optimizer converts a floating one.
+      if (grad.dtype() != param.dtype()) {
+        throw std::invalid_argument("ZeroRedundancyOptimizer::Step: gradient of `" + name + "` has dtype " +
+                                    std::string(nn::DTypeName(grad.dtype())) + ", the parameter " +
+                                    std::string(nn::DTypeName(param.dtype())));
       }
     }
     // The local optimizer's pieces take the matching pieces of the gradients

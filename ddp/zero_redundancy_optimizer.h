@@ -129,7 +129,9 @@ class ZeroRedundancyOptimizer {
   /// memory (Module::To, or SetData with other elements) after
   /// construction: build the optimizer after moving or converting the
   /// model; and std::invalid_argument naming a gradient not of its
-  /// parameter's shape. A refused step changes no parameter, and fails the
+  /// parameter's shape, device or dtype (checked on every rank for every
+  /// parameter; the unsharded optimizer would convert a floating gradient
+  /// of another dtype). A refused step changes no parameter, and fails the
   /// other ranks too (the group is aborted). Any failure of this rank's
   /// part (out of memory, an exception of any type from the optimizer)
   /// aborts the group alike before it reaches the caller as it came.

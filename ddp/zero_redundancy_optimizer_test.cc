@@ -1365,6 +1365,47 @@ TEST(ZeroRedundancyOptimizerTest, AStepFailingOnOneRankFailsTheOthersAtOnce) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A gradient of an integer dtype (SetData on the gradient) for `b`, which
+// rank 1 owns alone, on every rank: every rank refuses the step naming it
+// before any shard is stepped, so rank 0's `a` keeps its value. Only rank
+// 1 refused it (handing its piece to its optimizer), after rank 0 had
+// stepped `a`: rank 0 then failed in the broadcast with a changed `a`,
+// rank 1's unchanged.
+DDP_TEST_WORKER(gradient_of_another_dtype) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(7);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  ZeroRedundancyOptimizer zero(ab, pg, MakeOptimizer);
+  const std::vector<Slice> own_b = {{.param = 1, .offset = 0, .length = 32}};
+  WORKER_EXPECT(zero.shard(1) == own_b, "rank 1 does not own `b` alone");
+  const Tensor a_before = ab[0].second.Detach().Clone();
+  {
+    nn::NoGradGuard guard;
+    for (const auto& [name, p] : ab) p.set_grad(nn::Ones({32}));
+    ab[1].second.grad().SetData(nn::Zeros({32}, {.dtype = nn::DType::kInt32}));
+  }
+  std::string outcome = "stepped";
+  try {
+    zero.Step();
+  } catch (const std::invalid_argument& e) {
+    outcome = std::string("std::invalid_argument: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  WORKER_EXPECT(outcome.find("std::invalid_argument: ") == 0 &&
+                    outcome.find("gradient of `b` has dtype i32, the parameter f32") != std::string::npos,
+                outcome + on);
+  WORKER_EXPECT(SameBytes(ab[0].second.Detach(), a_before), "a refused step changed `a`" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AGradientOfAnotherDtypeIsRefusedOnEveryRankBeforeAnyShardSteps) {
+  auto run = RunWorkers("gradient_of_another_dtype", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A rank killed just before a collective call (Step, or
 // ConsolidatedStateDict, per DDP_TEST_WHERE): the survivors fail with
 // DistributedError naming the lost peer, well within the group's timeout,
