@@ -43,7 +43,7 @@ StatusOr<std::vector<std::string>> WatchfulStore::MultiGet(std::span<const std::
   DDP_RETURN_IF_ERROR(Wait(keys, deadline));
   StatusOr<std::vector<std::string>> got = inner_.MultiGet(keys, deadline);
   if (!got.ok() && got.status().code() == StatusCode::kTimedOut) {
-    return NameMissing(WholeWait(got.status(), start), keys);
+    return NameMissing(WholeWait(got.status(), start), keys, deadline);
   }
   return got;
 }
@@ -53,7 +53,7 @@ Status WatchfulStore::Wait(std::span<const std::string> keys, Deadline deadline)
   while (true) {
     Status waited = inner_.Wait(keys, Slice(deadline));
     if (waited.ok() || waited.code() != StatusCode::kTimedOut) return waited;
-    if (Clock::now() >= deadline) return NameMissing(WholeWait(waited, start), keys);
+    if (Clock::now() >= deadline) return NameMissing(WholeWait(waited, start), keys, deadline);
     if (Status aborted = Posted(deadline); !aborted.ok()) {
       // A rank that aborts after reading every key (a setting that differs)
       // set them all before its abort: this wait then succeeds, as it does
@@ -69,16 +69,22 @@ Status WatchfulStore::Wait(std::span<const std::string> keys, Deadline deadline)
   }
 }
 
-Status WatchfulStore::NameMissing(const Status& timed_out, std::span<const std::string> keys) {
+Status WatchfulStore::NameMissing(const Status& timed_out, std::span<const std::string> keys,
+                                  Deadline deadline) {
   if (keys.size() < 2) return timed_out;
   // One look per key, all against one budget: at thousands of keys a
   // timeout per look made this report take longer than the wait it explains.
-  const Deadline budget = DeadlineIn(kNameMissingBudget);
+  // The budget runs from the wait's deadline, not from now, so that the
+  // topology exchange's own look for the rank behind the key
+  // (ExchangeTopology), which runs from the same deadline, shares it
+  // instead of adding as much again.
+  const Deadline budget = DeadlineAfter(std::min(deadline, Clock::now()), kNameMissingBudget);
   size_t looked = 0;
   Status stopped;
   for (const std::string& key : keys) {
     if (Clock::now() >= budget) {
-      stopped = TimedOutError("its " + std::to_string(kNameMissingBudget.count()) + " ms were spent");
+      stopped = TimedOutError("its " + std::to_string(kNameMissingBudget.count()) +
+                              " ms past the deadline were spent");
       break;
     }
     StatusOr<std::optional<std::string>> there = inner_.TryGet(key, budget);
@@ -90,9 +96,14 @@ Status WatchfulStore::NameMissing(const Status& timed_out, std::span<const std::
     if (!there->has_value()) return TimedOutError(timed_out.message() + "; key '" + key + "' is not set");
   }
   if (stopped.ok()) return timed_out;
-  return TimedOutError(timed_out.message() + "; the look for a missing key was cut short after " +
-                       std::to_string(looked) + " of " + std::to_string(keys.size()) +
-                       " keys, all set (" + stopped.message() + ")");
+  const std::string total = std::to_string(keys.size());
+  if (looked == 0) {
+    return TimedOutError(timed_out.message() + "; no key of " + total +
+                         " could be read to name the missing one (" + stopped.message() + ")");
+  }
+  return TimedOutError(timed_out.message() + "; the look for the missing key was cut short: " +
+                       std::to_string(looked) + " of " + total + " keys were read, all set; the other " +
+                       std::to_string(keys.size() - looked) + " were not read (" + stopped.message() + ")");
 }
 
 Status WatchfulStore::Posted(Deadline deadline) {

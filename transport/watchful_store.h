@@ -69,12 +69,15 @@ class WatchfulStore final : public store::Store {
 
  private:
   Deadline Slice(Deadline deadline) const { return std::min(deadline, Clock::now() + slice_); }
-  // A wait for several keys that timed out, naming the first key still
-  // missing (its rank, in creation's keys), found by one look at each,
-  // all within kNameMissingBudget; when that runs out (or a look fails)
-  // first, the message says how far the look got.
+  // A wait for several keys that timed out at `deadline`, naming the first
+  // key still missing (its rank, in creation's keys), found by one look at
+  // each, all by `deadline` + kNameMissingBudget (the same window as
+  // topology::kMissingRankLookBudget, which the topology exchange's look
+  // after this one shares: a creation's timeout ends within its deadline
+  // and 2 s, not 4 s); when that runs out (or a look fails) first, the
+  // message says how many keys were read, all set, and how many were not.
   static constexpr std::chrono::milliseconds kNameMissingBudget{2000};
-  Status NameMissing(const Status& timed_out, std::span<const std::string> keys);
+  Status NameMissing(const Status& timed_out, std::span<const std::string> keys, Deadline deadline);
   // The reason another rank posted, as an error; OK when none.
   Status Posted(Deadline deadline);
 

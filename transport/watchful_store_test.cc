@@ -7,6 +7,7 @@
 #include "transport/fault/peer_monitor.h"
 #include "transport/testing/forwarding_store.h"
 #include "transport/testing/in_memory_store.h"
+#include "transport/topology/discover.h"
 
 namespace ddp::transport::internal {
 namespace {
@@ -135,8 +136,77 @@ TEST(WatchfulStore, TheLookForTheMissingKeyHasOneBudget) {
   EXPECT_EQ(waited.code(), StatusCode::kTimedOut) << waited;
   // 200 ms of wait and 2 s of looking, not 20 looks of 300 ms.
   EXPECT_LT(took, 4s) << waited;
-  EXPECT_NE(waited.message().find("cut short after"), std::string::npos) << waited;
+  EXPECT_NE(waited.message().find("cut short: "), std::string::npos) << waited;
   EXPECT_NE(waited.message().find("of 20 keys"), std::string::npos) << waited;
+}
+
+// A store that stops answering reads (a stalled server): every TryGet,
+// Wait and MultiGet waits out its deadline and fails TIMED_OUT; writes go
+// through.
+class StalledStore final : public testing::ForwardingStore {
+ public:
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline d) override {
+    std::this_thread::sleep_until(d);
+    return TimedOutError("try_get of " + std::string(key) + " timed out");
+  }
+  Status Wait(std::span<const std::string>, Deadline d) override {
+    const auto start = Clock::now();
+    std::this_thread::sleep_until(d);
+    return TimedOutError("wait timed out after " +
+                         std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) +
+                         " ms");
+  }
+  StatusOr<std::vector<std::string>> MultiGet(std::span<const std::string> keys, Deadline d) override {
+    DDP_RETURN_IF_ERROR(Wait(keys, d));
+    return inner_.MultiGet(keys, d);
+  }
+};
+
+// A look for the missing key that no read answered says that no key was
+// looked at (it said "cut short after 0 of 2 keys, all set").
+TEST(WatchfulStore, ALookCutShortBeforeAnyKeySaysNoneWasLookedAt) {
+  StalledStore inner;
+  WatchfulStore store(inner, "job/abort", 50ms);
+  const std::vector<std::string> keys = {"rank/0", "rank/1"};
+  Status waited = store.Wait(keys, DeadlineIn(100ms));
+  EXPECT_EQ(waited.code(), StatusCode::kTimedOut) << waited;
+  EXPECT_EQ(waited.message().find("all set"), std::string::npos) << waited;
+  EXPECT_NE(waited.message().find("no key of 2 could be read"), std::string::npos) << waited;
+}
+
+// A look cut short after some keys says how many were read, all set, and
+// how many were not read.
+TEST(WatchfulStore, ALookCutShortSaysWhatWasAndWasNotRead) {
+  SlowLookStore inner(300ms);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 20; ++i) {
+    keys.push_back("rank/" + std::to_string(i));
+    ASSERT_TRUE(inner.inner().Set(keys.back(), "x", DeadlineIn(1s)).ok());
+  }
+  keys.push_back("rank/missing");
+  WatchfulStore store(inner, "job/abort", 50ms);
+  Status waited = store.Wait(keys, DeadlineIn(100ms));
+  EXPECT_EQ(waited.code(), StatusCode::kTimedOut) << waited;
+  const std::string& m = waited.message();
+  const size_t read = m.find(" of 21 keys were read, all set; the other ");
+  ASSERT_NE(read, std::string::npos) << waited;
+  EXPECT_NE(m.find(" were not read", read), std::string::npos) << waited;
+}
+
+// A communicator's creation that times out on a stalled store looks for the
+// missing rank twice, in the creation store's wait and in the topology
+// exchange: the two looks share one window of kMissingRankLookBudget past
+// the deadline, instead of running one after the other (4 s past it).
+TEST(WatchfulStore, TheTwoLooksForAMissingRankShareOneWindowPastTheDeadline) {
+  StalledStore inner;
+  WatchfulStore store(inner, "job/abort", 50ms);
+  topology::LocalView view;
+  view.host.name = "a";
+  const auto start = Clock::now();
+  auto result = topology::ExchangeTopology(store, "job/", 0, 3, view, DeadlineIn(300ms));
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(result.status().code(), StatusCode::kTimedOut) << result.status();
+  EXPECT_LT(took, 300ms + topology::kMissingRankLookBudget + 500ms) << result.status();
 }
 
 // Get waits in slices until the key is set, and returns its value.

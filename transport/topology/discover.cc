@@ -419,8 +419,13 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
     // Name the first rank that has not posted (one look at each, on this
     // path only, within one budget past the deadline: a look per rank of a
     // slow store would add up), as the ranks' keys name only their numbers.
+    // The budget runs from the deadline, not from now: a store that looked
+    // for the missing key itself (the communicator's WatchfulStore) has
+    // spent part of the same window, and a stalled store no longer gets
+    // two windows one after the other.
     if (texts.status().code() == StatusCode::kTimedOut) {
-      const Deadline looks_until = DeadlineIn(kMissingRankLookBudget);
+      const Deadline looks_until =
+          DeadlineAfter(std::min(deadline, Clock::now()), kMissingRankLookBudget);
       for (int r = 0; r < size; ++r) {
         StatusOr<std::optional<std::string>> there = store.TryGet(keys[r], looks_until);
         if (!there.ok()) break;

@@ -105,8 +105,10 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
 /// differ from this rank's; INVALID_ARGUMENT naming them, before anything
 /// is posted, when `size` < 1 or `rank` is outside [0, size). TIMED_OUT
 /// names the first rank that has not posted, found by looking at each
-/// rank's key after `deadline`, all the looks together within
-/// kMissingRankLookBudget.
+/// rank's key after `deadline`, all the looks together by `deadline` +
+/// kMissingRankLookBudget: a window past the deadline that a store's own
+/// look for the missing key (the communicator's) shares, so that the
+/// exchange fails within its deadline and this budget.
 inline constexpr std::chrono::milliseconds kMissingRankLookBudget{2000};
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,
                                      int rank, int size, const LocalView& local,
