@@ -467,7 +467,14 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
       }
     }
     DDP_ASSIGN_OR_RETURN(Topology theirs,
-                         ParseTopologyJson(parsed.dump(), "topology of rank " + std::to_string(r)));
+                         ParseTopologyJson(parsed.dump(), "topology of rank " + std::to_string(r) + " (" + key + ")"));
+    // A rank posts its own view: its host and itself on it. Anything else
+    // would be read as its first host and first rank, the rest dropped.
+    if (theirs.num_hosts() != 1 || theirs.size() != 1) {
+      return InternalError("topology exchange: rank " + std::to_string(r) + " posted a record under " +
+                           key + " with " + std::to_string(theirs.num_hosts()) + " hosts and " +
+                           std::to_string(theirs.size()) + " ranks (one host and one rank expected)");
+    }
     const Host& host = theirs.hosts[0];
     auto [it, inserted] = host_index.emplace(std::make_tuple(host.name, host.boot_id, namespaces),
                                              out.topology.num_hosts());

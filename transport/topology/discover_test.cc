@@ -563,6 +563,38 @@ TEST(ExchangeTopology, MissingRankTimesOutNamingIt) {
   EXPECT_NE(result.status().message().find("rank 1"), std::string::npos) << result.status();
 }
 
+// A rank's record describes one host and one rank, its own: a record of
+// two hosts or two ranks (another build, a stray writer) was read as its
+// first host and first rank, taking a host that rank does not run on, and
+// the rest was dropped unseen.
+TEST(ExchangeTopology, ARecordOfOtherThanOneHostAndOneRankIsRefusedNamingTheRank) {
+  const std::string two_hosts =
+      R"({"hosts": [{"name": "x"}, {"name": "y"}], "ranks": [{"host": 1}, {"host": 0}], "pid": 7})";
+  const std::string two_ranks = R"({"hosts": [{"name": "x"}], "ranks": [{"host": 0}, {"host": 0}], "pid": 7})";
+  for (const std::string& record : {two_hosts, two_ranks}) {
+    testing::InMemoryStore store;
+    ASSERT_TRUE(store.Set("job/topology/1", record, DeadlineIn(std::chrono::seconds(1))).ok());
+    LocalView view;
+    view.host.name = "a";
+    auto result = ExchangeTopology(store, "job/", 0, 2, view, DeadlineIn(std::chrono::seconds(2)));
+    ASSERT_FALSE(result.ok()) << record;
+    EXPECT_NE(result.status().message().find("rank 1"), std::string::npos) << result.status();
+    EXPECT_NE(result.status().message().find("job/topology/1"), std::string::npos) << result.status();
+    EXPECT_NE(result.status().message().find("one host and one rank"), std::string::npos) << result.status();
+  }
+  // A record its own checks refuse names the key too.
+  testing::InMemoryStore store;
+  ASSERT_TRUE(store.Set("job/topology/1", R"({"hosts": [{"name": "x"}, {"name": "y"}], "ranks": [{"host": 1}], "pid": 7})",
+                        DeadlineIn(std::chrono::seconds(1)))
+                  .ok());
+  LocalView view;
+  view.host.name = "a";
+  auto result = ExchangeTopology(store, "job/", 0, 2, view, DeadlineIn(std::chrono::seconds(2)));
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.status().message().find("rank 1"), std::string::npos) << result.status();
+  EXPECT_NE(result.status().message().find("job/topology/1"), std::string::npos) << result.status();
+}
+
 // A rank outside [0, size) posted under a key no rank reads, waited out the
 // whole deadline and then blamed a rank that had done nothing wrong.
 TEST(ExchangeTopology, RankOrSizeOutOfRangeIsRefusedAtOnceNamingThem) {
