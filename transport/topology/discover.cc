@@ -154,12 +154,20 @@ std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
   const fs::path root = fs::path(sysfs_root) / "class" / "infiniband";
   std::error_code error;
   if (!fs::is_directory(root, error)) return devices;
-  for (const auto& entry : fs::directory_iterator(root, error)) {
+  // Stepped with error codes: a device unplugged or unbound while its
+  // folder is listed fails the listing (ENODEV, EIO), which the range-for's
+  // step threw out of discovery and the communicator's creation. A folder
+  // whose listing fails is used as far as it was listed.
+  for (fs::directory_iterator it(root, error), end; !error && it != end; it.increment(error)) {
+    const fs::directory_entry& entry = *it;
     const std::string name = entry.path().filename().string();
     const int numa = ReadInt(entry.path() / "device" / "numa_node", -1);
     const fs::path ports = entry.path() / "ports";
-    if (!fs::is_directory(ports, error)) continue;
-    for (const auto& port_entry : fs::directory_iterator(ports, error)) {
+    std::error_code port_error;
+    if (!fs::is_directory(ports, port_error)) continue;
+    for (fs::directory_iterator port_it(ports, port_error), port_end; !port_error && port_it != port_end;
+         port_it.increment(port_error)) {
+      const fs::directory_entry& port_entry = *port_it;
       NetDevice device;
       device.name = name;
       try {
