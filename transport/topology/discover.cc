@@ -286,9 +286,18 @@ void AddPeer(Gpu& gpu, int peer, int perf) {
 // place.gpu counts its own. The host gets the union by bus id, in first-seen
 // order; `gpu` (the rank's place.gpu) and the peer links are renumbered
 // into it. Where a GPU on either side has no bus id (no CUDA build, an older
-// record) the GPUs cannot be matched, and the first rank's list stands.
+// record, a failed bus id query) the GPUs cannot be matched: the list of the
+// first rank that saw any stands, and a rank's GPU past it is unknown (-1)
+// rather than an index the host does not have.
 void MergeGpus(const std::vector<Gpu>& theirs, std::vector<Gpu>& merged, int& gpu) {
-  if (!AllHaveBusIds(theirs) || !AllHaveBusIds(merged)) return;
+  if (merged.empty()) {
+    merged = theirs;
+    return;
+  }
+  if (!AllHaveBusIds(theirs) || !AllHaveBusIds(merged)) {
+    if (gpu >= static_cast<int>(merged.size())) gpu = -1;
+    return;
+  }
   std::vector<int> to_merged(theirs.size());
   for (size_t g = 0; g < theirs.size(); ++g) {
     auto found = std::find_if(merged.begin(), merged.end(), [&](const Gpu& m) {

@@ -98,7 +98,8 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
 /// alone). A host's GPUs are the union of its ranks' by PCI bus id, in
 /// first-seen order, and each rank's place.gpu and the peer links are
 /// renumbered into it (ranks may see different GPUs through
-/// CUDA_VISIBLE_DEVICES); where bus ids are missing, its first rank's GPUs.
+/// CUDA_VISIBLE_DEVICES); where bus ids are missing, the GPUs of its first
+/// rank that saw any, and a rank's GPU past that list is unknown (-1).
 /// Its NUMA node count is the most any of its ranks sees. Must be called on
 /// every rank. INVALID_ARGUMENT, on every rank,
 /// naming the first setting and both values, when some rank's `settings`

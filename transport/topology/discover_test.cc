@@ -443,6 +443,30 @@ TEST(ExchangeTopology, WithoutBusIdsTheFirstRanksGpusStand) {
   }
 }
 
+// Without bus ids a rank's GPU number past the list that stands (another
+// rank saw fewer GPUs, or none) failed every rank's exchange ("ranks[1].gpu:
+// 1 but host 0 has 1 GPUs"): the GPUs cannot be matched, so its GPU is
+// unknown. A host whose first rank saw no GPU takes the first list seen.
+TEST(ExchangeTopology, WithoutBusIdsAGpuPastTheListThatStandsIsUnknown) {
+  std::vector<StatusOr<Exchanged>> results =
+      Exchange({ViewOnNode({GpuAt("")}, 0), ViewOnNode({GpuAt(""), GpuAt("")}, 1)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    EXPECT_EQ(t.hosts[0].gpus.size(), 1u);
+    EXPECT_EQ(t.ranks[0].gpu, 0);
+    EXPECT_EQ(t.ranks[1].gpu, -1);
+  }
+  results = Exchange({ViewOnNode({}, -1), ViewOnNode({GpuAt(""), GpuAt("")}, 1)});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    const Topology& t = results[r]->topology;
+    EXPECT_EQ(t.hosts[0].gpus.size(), 2u);
+    EXPECT_EQ(t.ranks[0].gpu, -1);
+    EXPECT_EQ(t.ranks[1].gpu, 1);
+  }
+}
+
 TEST(ExchangeTopology, AHostHasTheMostNumaNodesAnyOfItsRanksSees) {
   // A cgroup cpuset hides node 1 from rank 0, not from rank 1 (bound there).
   std::vector<LocalView> views = {ViewOnNode({}, -1), ViewOnNode({}, -1)};
