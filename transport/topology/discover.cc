@@ -421,8 +421,11 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
   posted["pid"] = local.pid;
   posted["namespaces"] = local.namespaces;
   posted["settings"] = local.settings;
-  DDP_RETURN_IF_ERROR(store.Set(key_prefix + "topology/" + std::to_string(rank), posted.dump(),
-                                deadline));
+  const std::string my_key = key_prefix + "topology/" + std::to_string(rank);
+  if (Status set = store.Set(my_key, posted.dump(), deadline); !set.ok()) {
+    return Status(set.code(), "topology exchange: posting rank " + std::to_string(rank) + "'s record under " +
+                                  my_key + ": " + set.message());
+  }
 
   Exchanged out;
   out.pids.resize(size);

@@ -619,6 +619,29 @@ TEST(ExchangeTopology, ARecordOfOtherThanOneHostAndOneRankIsRefusedNamingTheRank
   EXPECT_NE(result.status().message().find("job/topology/1"), std::string::npos) << result.status();
 }
 
+// A store that refuses every write, as a server out of memory does.
+class RefusingStore final : public testing::ForwardingStore {
+ public:
+  Status Set(std::string_view, std::string_view, Deadline) override {
+    return UnavailableError("the store refused the write");
+  }
+};
+
+// A failed post of the rank's record says what was posted where: the
+// store's own error ("the store refused the write") named neither the
+// exchange nor the key.
+TEST(ExchangeTopology, AFailedPostNamesTheExchangeAndTheKey) {
+  RefusingStore store;
+  LocalView view;
+  view.host.name = "a";
+  auto result = ExchangeTopology(store, "job/", 1, 2, view, DeadlineIn(std::chrono::seconds(1)));
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kUnavailable) << result.status();
+  EXPECT_NE(result.status().message().find("topology exchange"), std::string::npos) << result.status();
+  EXPECT_NE(result.status().message().find("job/topology/1"), std::string::npos) << result.status();
+  EXPECT_NE(result.status().message().find("the store refused the write"), std::string::npos) << result.status();
+}
+
 // A rank outside [0, size) posted under a key no rank reads, waited out the
 // whole deadline and then blamed a rank that had done nothing wrong.
 TEST(ExchangeTopology, RankOrSizeOutOfRangeIsRefusedAtOnceNamingThem) {
