@@ -402,9 +402,21 @@ StatusOr<Topology> LoadTopologyFile(const std::string& path) {
   std::string text;
   char block[4096];
   size_t got = 0;
-  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) text.append(block, got);
+  bool too_big = false;
+  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) {
+    if (text.size() + got > kMaxTopologyFileBytes) {
+      too_big = true;
+      break;
+    }
+    text.append(block, got);
+  }
   const int error = std::ferror(file) ? errno : 0;
   std::fclose(file);
+  if (too_big) {
+    return InvalidArgumentError("topology file " + path + " holds more than " +
+                                std::to_string(kMaxTopologyFileBytes) +
+                                " bytes, the most a topology file may hold (is it a topology file?)");
+  }
   if (error != 0) {
     return InvalidArgumentError("topology file " + path + " cannot be read: " + std::strerror(error));
   }

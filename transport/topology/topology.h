@@ -34,6 +34,7 @@
 // 0 is the best link, larger is slower). Without it every peer link counts
 // as rank 0.
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -121,7 +122,11 @@ Status CheckDescribedHostsSplitReal(const Topology& described, const Topology& r
 /// which name the offending field: "t.json: ranks[2].host: 5 is not a host
 /// index (2 hosts)".
 StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view origin);
-/// Reads and parses a topology file.
+/// Reads and parses a topology file. INVALID_ARGUMENT naming the path when
+/// it holds more than kMaxTopologyFileBytes (a description of a million
+/// ranks takes about 50 MB; a path such as /dev/zero would be read until
+/// memory ran out).
+inline constexpr size_t kMaxTopologyFileBytes = size_t{256} << 20;
 StatusOr<Topology> LoadTopologyFile(const std::string& path);
 /// The file format for `topology` (round-trips through ParseTopologyJson).
 std::string TopologyToJson(const Topology& topology);

@@ -118,6 +118,17 @@ TEST(LoadTopologyFile, DirectoryIsNamedAsOne) {
       << t.status();
 }
 
+// A path that never ends (DDP_TOPOLOGY_FILE=/dev/zero, a device, a log
+// still being written) was read until memory ran out: past
+// kMaxTopologyFileBytes it is refused, naming the path and the limit.
+TEST(LoadTopologyFile, AFileThatNeverEndsIsRefusedAtTheLimit) {
+  auto t = LoadTopologyFile("/dev/zero");
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find("topology file /dev/zero"), std::string::npos) << t.status();
+  EXPECT_NE(t.status().message().find(std::to_string(kMaxTopologyFileBytes) + " bytes"), std::string::npos)
+      << t.status();
+}
+
 // The file is opened close-on-exec: a fork and exec on another thread of
 // the host program meanwhile must not inherit it.
 TEST(LoadTopologyFile, OpensTheFileCloseOnExec) {
