@@ -83,6 +83,29 @@ void CheckDefinedInput(const Module& layer, const Tensor& x) {
   if (!x.defined()) throw std::invalid_argument(layer.Describe() + ": input is undefined");
 }
 
+// A Python tuple of sizes, as PyTorch prints one: "(5,)", "(3, 4)".
+std::string PyTuple(const Shape& sizes) {
+  std::string s = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i > 0 ? ", " : "") + std::to_string(sizes[i]);
+  return s + (sizes.size() == 1 ? ",)" : ")");
+}
+
+// Runs an op, rethrowing its refusal with the layer and its path in front,
+// as the same exception type: an index out of range stays std::out_of_range
+// (PyTorch's IndexError), a missing kernel std::runtime_error.
+template <typename Fn>
+Tensor NamingTheLayer(const Module& layer, Fn fn) {
+  try {
+    return fn();
+  } catch (const std::out_of_range& e) {
+    throw std::out_of_range(layer.Describe() + ": " + e.what());
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(layer.Describe() + ": " + e.what());
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(layer.Describe() + ": " + e.what());
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- Linear
@@ -183,6 +206,62 @@ Tensor Conv2d::Forward(const Tensor& x) {
   } catch (const std::invalid_argument& e) {
     Fail(e.what());
   }
+}
+
+// ---------------------------------------------------------------- Conv1d
+
+Conv1d::Conv1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv1dOptions options, Generator& gen)
+    : in_(in_channels), out_(out_channels), kernel_(kernel_size), options_(options) {
+  // The checks of Conv2d's constructor, in the same order.
+  const std::string where = "Conv1d(" + std::to_string(in_channels) + ", " + std::to_string(out_channels) + "): ";
+  auto at_least = [&where](const char* what, int64_t v, int64_t lowest) {
+    if (v < lowest) {
+      throw std::invalid_argument(where + what + " must be >= " + std::to_string(lowest) + ", got " +
+                                  std::to_string(v));
+    }
+  };
+  at_least("in_channels", in_channels, 0);
+  at_least("out_channels", out_channels, 0);
+  at_least("groups", options.groups, 1);
+  for (const auto& [what, count] : {std::pair<const char*, int64_t>{"in_channels", in_channels},
+                                    std::pair<const char*, int64_t>{"out_channels", out_channels}}) {
+    if (count % options.groups != 0) {
+      throw std::invalid_argument(where + what + " (" + std::to_string(count) + ") must be divisible by groups (" +
+                                  std::to_string(options.groups) + ")");
+    }
+  }
+  at_least("kernel_size", kernel_size, 1);
+  at_least("stride", options.stride, 1);
+  at_least("dilation", options.dilation, 1);
+  at_least("padding", options.padding, 0);
+  weight_ = RegisterParameter("weight", Empty({out_channels, in_channels / options.groups, kernel_size}));
+  if (options.bias) bias_ = RegisterParameter("bias", Empty({out_channels}));
+  ResetLikePyTorch(weight_, bias_, gen);
+}
+
+std::string Conv1d::ExtraRepr() const {
+  std::string s = std::to_string(in_) + ", " + std::to_string(out_) + ", kernel_size=" + PyTuple({kernel_}) +
+                  ", stride=" + PyTuple({options_.stride});
+  if (options_.padding != 0) s += ", padding=" + PyTuple({options_.padding});
+  if (options_.dilation != 1) s += ", dilation=" + PyTuple({options_.dilation});
+  if (options_.groups != 1) s += ", groups=" + std::to_string(options_.groups);
+  if (!options_.bias) s += ", bias=False";
+  return s;
+}
+
+std::string Conv1d::ShortRepr() const {
+  return "Conv1d(" + std::to_string(in_) + "->" + std::to_string(out_) + ", " + std::to_string(kernel_) + ")";
+}
+
+Tensor Conv1d::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
+  if (x.dim() == 2 && x.size(0) == in_) return RunUnbatched(*this, x);
+  if (x.dim() != 3 || x.size(1) != in_) {
+    Fail("expected input [N, " + std::to_string(in_) + ", L] or [" + std::to_string(in_) + ", L], got " +
+         ShapeToString(x.shape()));
+  }
+  const ops::Conv1dParams p{options_.stride, options_.padding, options_.dilation, options_.groups};
+  return NamingTheLayer(*this, [&] { return ops::Conv1d(x, weight_, bias_, p); });
 }
 
 // ---------------------------------------------------------------- BatchNorm
@@ -300,6 +379,90 @@ void BatchNorm2d::CheckInput(const Tensor& x) const {
   if (x.dim() != 4 || x.size(1) != num_features()) {
     Fail("expected input [N, " + std::to_string(num_features()) + ", H, W], got " + ShapeToString(x.shape()));
   }
+}
+
+// ---------------------------------------------------------------- LayerNorm
+
+LayerNorm::LayerNorm(Shape normalized_shape, double eps, bool elementwise_affine)
+    : normalized_shape_(std::move(normalized_shape)), eps_(eps) {
+  if (normalized_shape_.empty()) {
+    throw std::invalid_argument("LayerNorm: normalized_shape must have at least one dimension, got ()");
+  }
+  for (int64_t size : normalized_shape_) {
+    if (size < 0) {
+      throw std::invalid_argument("LayerNorm: normalized_shape must have sizes >= 0, got " +
+                                  PyTuple(normalized_shape_));
+    }
+  }
+  if (!(eps > 0) || !std::isfinite(eps)) {
+    throw std::invalid_argument("LayerNorm: eps must be finite and > 0, got " + ErrorFloat(eps));
+  }
+  if (elementwise_affine) {
+    weight_ = RegisterParameter("weight", Ones(normalized_shape_));
+    bias_ = RegisterParameter("bias", Zeros(normalized_shape_));
+  }
+}
+
+std::string LayerNorm::ExtraRepr() const {
+  return PyTuple(normalized_shape_) + ", eps=" + PyFloat(eps_) + ", elementwise_affine=" + PyBool(weight_.defined());
+}
+
+std::string LayerNorm::ShortRepr() const { return "LayerNorm(" + PyTuple(normalized_shape_) + ")"; }
+
+Tensor LayerNorm::Forward(const Tensor& x) {
+  CheckDefinedInput(*this, x);
+  const auto k = static_cast<int64_t>(normalized_shape_.size());
+  if (x.dim() < k || !std::equal(normalized_shape_.begin(), normalized_shape_.end(), x.shape().end() - k)) {
+    std::string last = ShapeToString(normalized_shape_);
+    Fail("expected input [*, " + last.substr(1) + " (normalized_shape " + PyTuple(normalized_shape_) + "), got " +
+         ShapeToString(x.shape()));
+  }
+  return NamingTheLayer(*this, [&] { return ops::LayerNorm(x, normalized_shape_, weight_, bias_, eps_); });
+}
+
+// ---------------------------------------------------------------- Embedding
+
+Embedding::Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx,
+                     Generator& gen)
+    : num_(num_embeddings), dim_(embedding_dim) {
+  const std::string where =
+      "Embedding(" + std::to_string(num_embeddings) + ", " + std::to_string(embedding_dim) + "): ";
+  if (num_embeddings < 0) {
+    throw std::invalid_argument(where + "num_embeddings must be >= 0, got " + std::to_string(num_embeddings));
+  }
+  if (embedding_dim < 0) {
+    throw std::invalid_argument(where + "embedding_dim must be >= 0, got " + std::to_string(embedding_dim));
+  }
+  if (padding_idx.has_value()) {
+    // As PyTorch: -num_embeddings <= padding_idx < num_embeddings, a
+    // negative one counting from the end.
+    if (*padding_idx >= num_embeddings || *padding_idx < -num_embeddings) {
+      throw std::invalid_argument(where + "padding_idx must be in [-" + std::to_string(num_embeddings) + ", " +
+                                  std::to_string(num_embeddings) + "), got " + std::to_string(*padding_idx));
+    }
+    padding_idx_ = *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
+  }
+  weight_ = RegisterParameter("weight", Empty({num_embeddings, embedding_dim}));
+  NormalFill(weight_, 0.0, 1.0, gen);
+  if (padding_idx_.has_value()) {
+    NoGradGuard guard;
+    weight_.Select(0, *padding_idx_).Fill(0.0);
+  }
+}
+
+std::string Embedding::ExtraRepr() const {
+  std::string s = std::to_string(num_) + ", " + std::to_string(dim_);
+  if (padding_idx_.has_value()) s += ", padding_idx=" + std::to_string(*padding_idx_);
+  return s;
+}
+
+std::string Embedding::ShortRepr() const {
+  return "Embedding(" + std::to_string(num_) + ", " + std::to_string(dim_) + ")";
+}
+
+Tensor Embedding::Forward(const Tensor& indices) {
+  CheckDefinedInput(*this, indices);
+  return NamingTheLayer(*this, [&] { return ops::Embedding(weight_, indices, padding_idx_); });
 }
 
 // ---------------------------------------------------------------- activations

@@ -72,6 +72,39 @@ class Conv2d : public Module {
   Tensor weight_, bias_;
 };
 
+/// 1-D convolution options (stride, padding, dilation along the length).
+struct Conv1dOptions {
+  int64_t stride = 1;
+  int64_t padding = 0;
+  int64_t dilation = 1;
+  int64_t groups = 1;
+  bool bias = true;
+};
+
+/// x [N, in, L] -> [N, out, OL]; weight [out, in/groups, k]. An unbatched x
+/// [in, L] gives [out, OL], as PyTorch 1.13. Runs as Conv2d over a plane of
+/// height 1 (ops::Conv1d), so on every device Conv2d runs on. Arguments
+/// are checked as Conv2d's, naming the layer and the argument;
+/// initialization as PyTorch's (kaiming-uniform, a = sqrt(5)).
+class Conv1d : public Module {
+ public:
+  Conv1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv1dOptions options = {},
+         Generator& gen = DefaultGenerator());
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Conv1d"; }
+  std::string ExtraRepr() const override;
+  std::string ShortRepr() const override;
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+  const Conv1dOptions& options() const { return options_; }
+
+ private:
+  int64_t in_, out_, kernel_;
+  Conv1dOptions options_;
+  Tensor weight_, bias_;
+};
+
 struct BatchNormOptions {
   double eps = 1e-5;
   /// Weight of the batch statistic in the running ones; nullopt (PyTorch's
@@ -177,6 +210,65 @@ class BatchNorm2d : public BatchNorm {
 
  protected:
   void CheckInput(const Tensor& x) const override;
+};
+
+/// Layer normalization over the last dimensions of its input, which must
+/// be normalized_shape: x [*, D1, ..., Dk] -> x's shape, each row of
+/// D1 * ... * Dk elements normalized by its own mean and biased variance.
+/// With elementwise_affine, learnable weight (ones) and bias (zeros) of
+/// normalized_shape, as PyTorch's. The constructor refuses, naming the
+/// layer and the argument, an empty normalized_shape, a negative size, or
+/// an eps that is not finite and > 0 (as BatchNorm's; PyTorch takes 0).
+/// CPU only: an input on another device is refused naming the device.
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true);
+  /// LayerNorm({normalized_size}).
+  explicit LayerNorm(int64_t normalized_size, double eps = 1e-5, bool elementwise_affine = true)
+      : LayerNorm(Shape{normalized_size}, eps, elementwise_affine) {}
+  Tensor Forward(const Tensor& x) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "LayerNorm"; }
+  std::string ExtraRepr() const override;
+  std::string ShortRepr() const override;
+  const Shape& normalized_shape() const { return normalized_shape_; }
+  double eps() const { return eps_; }
+  /// Undefined without elementwise_affine.
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+
+ private:
+  Shape normalized_shape_;
+  double eps_;
+  Tensor weight_, bias_;
+};
+
+/// A lookup table: indices (i64 or i32) of any shape S -> [S..., embedding_dim],
+/// row i of weight [num_embeddings, embedding_dim] for index i. weight is
+/// drawn from N(0, 1) with `gen`. padding_idx (negative counts from the end,
+/// as PyTorch's, and is kept as the non-negative row) names a row
+/// initialised to zero whose gradient is always zero. An index outside
+/// [0, num_embeddings) is refused (std::out_of_range) naming the index, its
+/// position and the range. CPU only: another device is refused naming it.
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx = std::nullopt,
+            Generator& gen = DefaultGenerator());
+  Tensor Forward(const Tensor& indices) override;
+  using Module::Forward;
+  std::string TypeName() const override { return "Embedding"; }
+  std::string ExtraRepr() const override;
+  std::string ShortRepr() const override;
+  const Tensor& weight() const { return weight_; }
+  int64_t num_embeddings() const { return num_; }
+  int64_t embedding_dim() const { return dim_; }
+  /// The padding row, in [0, num_embeddings), or nullopt.
+  std::optional<int64_t> padding_idx() const { return padding_idx_; }
+
+ private:
+  int64_t num_, dim_;
+  std::optional<int64_t> padding_idx_;
+  Tensor weight_;
 };
 
 class ReLU : public Module {

@@ -192,6 +192,10 @@ TEST(ModuleTest, LayersMatchFiniteDifferencesInF64) {
   eval_bn->To(DType::kFloat64);
   eval_bn->Forward(testing::RandomLeaf({4, 3, 2, 2}, 40, false));  // running statistics away from 0 and 1
   eval_bn->Eval();
+  // Weight and bias away from their ones and zeros, so that each enters the
+  // arithmetic.
+  auto layer_norm = std::make_shared<LayerNorm>(Shape{3, 4});
+  for (const Tensor& p : layer_norm->Parameters()) Uniform(p, -1.5, 1.5, init);
   const Case cases[] = {
       {"Linear", std::make_shared<Linear>(4, 3, true, init), {2, 5, 4}},
       {"Linear without bias", std::make_shared<Linear>(4, 2, false, init), {3, 4}},
@@ -217,6 +221,13 @@ TEST(ModuleTest, LayersMatchFiniteDifferencesInF64) {
       {"Tanh", std::make_shared<Tanh>(), {3, 4}},
       {"Dropout", std::make_shared<Dropout>(0.4, dropout_gen), {3, 5}},
       {"Flatten", std::make_shared<Flatten>(1, 2), {2, 3, 2, 2}},
+      {"LayerNorm over two dimensions", layer_norm, {2, 3, 4}},
+      {"LayerNorm without affine", std::make_shared<LayerNorm>(5, 1e-3, false), {3, 5}},
+      {"LayerNorm of a single row", std::make_shared<LayerNorm>(6), {6}},
+      {"Conv1d", std::make_shared<Conv1d>(4, 6, 3, Conv1dOptions{.stride = 2, .padding = 2, .dilation = 2, .groups = 2},
+                                          init),
+       {2, 4, 9}},
+      {"Conv1d unbatched without bias", std::make_shared<Conv1d>(2, 3, 2, Conv1dOptions{.bias = false}, init), {2, 5}},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -230,6 +241,246 @@ TEST(ModuleTest, LayersMatchFiniteDifferencesInF64) {
       return layer.Forward(in[0]);
     }, inputs));
   }
+  // Embedding's input is a tensor of indices, not differentiable: its
+  // weight alone is checked, with repeated indices and the padding row
+  // among them (its gradient is zero, which the finite difference of a
+  // lookup that reads it does not give: it is checked where it is not read).
+  for (std::optional<int64_t> padding : {std::optional<int64_t>(), std::optional<int64_t>(4)}) {
+    SCOPED_TRACE(padding.has_value() ? "Embedding with padding_idx" : "Embedding");
+    Embedding embedding(5, 3, padding, init);
+    embedding.To(DType::kFloat64);
+    const Tensor indices = FromVectorOf<int64_t>({1, 0, 3, 1, 1, 2}, {2, 3});
+    EXPECT_TRUE(testing::GradCheck([&embedding, &indices](const std::vector<Tensor>&) {
+      return embedding.Forward(indices);
+    }, {embedding.weight()}));
+  }
+}
+
+// The reference: each row of x [M, D] normalized by its mean and biased
+// variance, in f64 loops, then weight[d] * xhat + bias[d].
+std::vector<double> LayerNormReference(const std::vector<double>& x, int64_t d, const std::vector<double>& w,
+                                       const std::vector<double>& b, double eps) {
+  std::vector<double> y(x.size());
+  for (size_t r = 0; r * d < x.size(); ++r) {
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < d; ++i) mean += x[r * d + i] / static_cast<double>(d);
+    for (int64_t i = 0; i < d; ++i) var += (x[r * d + i] - mean) * (x[r * d + i] - mean) / static_cast<double>(d);
+    for (int64_t i = 0; i < d; ++i) y[r * d + i] = (x[r * d + i] - mean) / std::sqrt(var + eps) * w[i] + b[i];
+  }
+  return y;
+}
+
+void ExpectNear(const std::vector<double>& got, const std::vector<double>& want, double tol) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], tol) << "element " << i;
+}
+
+// LayerNorm in f64 against the reference loops, over the last one and two
+// dimensions, with learnt (non-trivial) weight and bias, a large common
+// offset (which a one-pass variance would lose), and in f32.
+TEST(ModuleTest, LayerNormMatchesAnF64Reference) {
+  Generator gen(3);
+  for (const Shape& normalized : {Shape{4}, Shape{3, 4}}) {
+    LayerNorm ln(normalized, 1e-3);
+    ln.To(DType::kFloat64);
+    for (const Tensor& p : ln.Parameters()) Uniform(p, -2, 2, gen);
+    Tensor x = testing::RandomLeaf({2, 3, 4}, 11, false);
+    x = ops::AddScalar(x, 1e6);
+    const int64_t d = NumElements(normalized);
+    const std::vector<double> want = LayerNormReference(x.ToVector<double>(), d, ln.weight().ToVector<double>(),
+                                                        ln.bias().ToVector<double>(), 1e-3);
+    const Tensor y = ln.Forward(x);
+    EXPECT_EQ(y.shape(), x.shape());
+    ExpectNear(y.ToVector<double>(), want, 1e-9);
+    ln.To(DType::kFloat32);
+    ExpectNear(ln.Forward(ops::Cast(ops::AddScalar(x, -1e6), DType::kFloat32)).ToVector<double>(),
+               LayerNormReference(ops::AddScalar(x, -1e6).ToVector<double>(), d, ln.weight().ToVector<double>(),
+                                  ln.bias().ToVector<double>(), 1e-3),
+               1e-5);
+  }
+  // Without affine parameters: zero mean and unit (biased) variance per row.
+  LayerNorm plain(5, 1e-5, false);
+  EXPECT_TRUE(plain.Parameters().empty());
+  const Tensor y = plain.Forward(ops::Cast(testing::RandomLeaf({3, 5}, 4, false), DType::kFloat32));
+  ExpectNear(ops::Mean(y, {1}).ToVector<double>(), {0, 0, 0}, 1e-6);
+}
+
+// PyTorch 1.13's defaults, names and printed form, and the refusals, each
+// naming the layer and what is wrong.
+TEST(ModuleTest, LayerNormConstructsPrintsAndRefusesLikePyTorch) {
+  LayerNorm ln(Shape{3, 4});
+  EXPECT_EQ(Names(ln.GetStateDict()), (std::vector<std::string>{"weight", "bias"}));
+  EXPECT_EQ(ln.weight().ToVector<float>(), std::vector<float>(12, 1.0f));
+  EXPECT_EQ(ln.bias().ToVector<float>(), std::vector<float>(12, 0.0f));
+  EXPECT_EQ(ln.weight().shape(), (Shape{3, 4}));
+  EXPECT_EQ(ln.ToString(), "LayerNorm((3, 4), eps=1e-05, elementwise_affine=True)");
+  EXPECT_EQ(LayerNorm(5, 1e-3, false).ToString(), "LayerNorm((5,), eps=0.001, elementwise_affine=False)");
+  EXPECT_EQ(ErrorOf([] { LayerNorm(Shape{}); }), "LayerNorm: normalized_shape must have at least one dimension, got ()");
+  EXPECT_EQ(ErrorOf([] { LayerNorm(Shape{3, -1}); }), "LayerNorm: normalized_shape must have sizes >= 0, got (3, -1)");
+  EXPECT_EQ(ErrorOf([] { LayerNorm(4, 0.0); }), "LayerNorm: eps must be finite and > 0, got 0");
+  EXPECT_EQ(ErrorOf([] { LayerNorm(4, std::nan("")); }), "LayerNorm: eps must be finite and > 0, got nan");
+  EXPECT_EQ(ErrorOf([&] { ln.Forward(Zeros({2, 4, 3})); }),
+            "LayerNorm((3, 4)): expected input [*, 3, 4] (normalized_shape (3, 4)), got [2, 4, 3]");
+  EXPECT_EQ(ErrorOf([&] { ln.Forward(Zeros({4})); }),
+            "LayerNorm((3, 4)): expected input [*, 3, 4] (normalized_shape (3, 4)), got [4]");
+  EXPECT_EQ(ErrorOf([&] { ln.Forward(Zeros({3, 4}, {.dtype = DType::kInt64})); }),
+            "LayerNorm((3, 4)): layer_norm: input must be floating, got i64");
+  EXPECT_EQ(ErrorOf([&] { ln.Forward(Tensor()); }), "LayerNorm((3, 4)): input is undefined");
+  EXPECT_EXIT(
+      {
+        nn::testing::RegisterHostAsCuda();  // tensors "on cuda:0" without a GPU
+        LayerNorm on_device(4);
+        on_device.To(Device(DeviceType::kCUDA, 0));
+        const Tensor x = Zeros({2, 4}).To(Device(DeviceType::kCUDA, 0));
+        std::fprintf(stderr, "error: [%s]\n", ErrorOf([&] { on_device.Forward(x); }).c_str());
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "error: \\[LayerNorm\\(\\(4,\\)\\): layer_norm: implemented on the CPU only, not on cuda:0\\]");
+}
+
+// Embedding picks rows; a repeated index accumulates its rows' gradients;
+// the padding row starts at zero and its gradient stays zero even where it
+// is looked up; the weight is N(0, 1) from the generator given.
+TEST(ModuleTest, EmbeddingLooksUpAndAccumulates) {
+  Generator gen(21), same(21);
+  Embedding emb(6, 3, -2, gen);  // padding_idx -2 is row 4
+  EXPECT_EQ(emb.padding_idx(), std::optional<int64_t>(4));
+  Tensor expected_weight = Empty({6, 3});
+  NormalFill(expected_weight, 0.0, 1.0, same);
+  std::vector<float> want_w = expected_weight.ToVector<float>();
+  for (int i = 0; i < 3; ++i) want_w[4 * 3 + i] = 0.0f;
+  EXPECT_EQ(emb.weight().ToVector<float>(), want_w);
+  EXPECT_EQ(Names(emb.GetStateDict()), (std::vector<std::string>{"weight"}));
+
+  emb.To(DType::kFloat64);
+  const std::vector<int64_t> idx = {2, 4, 2, 0, 2, 5};
+  for (DType index_dtype : {DType::kInt64, DType::kInt32}) {
+    SCOPED_TRACE(DTypeName(index_dtype));
+    emb.ZeroGrad();
+    const Tensor indices = FromVectorOf<int64_t>(idx, {3, 2}).To(index_dtype);
+    const Tensor y = emb.Forward(indices);
+    ASSERT_EQ(y.shape(), (Shape{3, 2, 3}));
+    const std::vector<double> w = emb.weight().ToVector<double>(), got = y.ToVector<double>();
+    for (size_t i = 0; i < idx.size(); ++i) {
+      for (int k = 0; k < 3; ++k) EXPECT_EQ(got[i * 3 + k], w[idx[i] * 3 + k]) << "index " << i;
+    }
+    const Tensor r = testing::RandomLeaf({3, 2, 3}, 8, false);
+    Backward(ops::Sum(ops::Mul(y, r)));
+    std::vector<double> want(18, 0.0);
+    const std::vector<double> rv = r.ToVector<double>();
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (idx[i] == 4) continue;
+      for (int k = 0; k < 3; ++k) want[idx[i] * 3 + k] += rv[i * 3 + k];
+    }
+    ExpectNear(emb.weight().grad().ToVector<double>(), want, 1e-15);
+    // Row 2 was looked up three times: the sum of three rows of r.
+    EXPECT_NEAR(emb.weight().grad().ToVector<double>()[2 * 3], rv[0] + rv[6] + rv[12], 1e-15);
+  }
+  // A 0-d index gives one row.
+  EXPECT_EQ(emb.Forward(FromVectorOf<int64_t>({3}, {})).shape(), (Shape{3}));
+}
+
+TEST(ModuleTest, EmbeddingPrintsAndRefusesLikePyTorch) {
+  EXPECT_EQ(Embedding(10, 3).ToString(), "Embedding(10, 3)");
+  EXPECT_EQ(Embedding(10, 3, -1).ToString(), "Embedding(10, 3, padding_idx=9)");
+  EXPECT_EQ(Embedding(10, 3, 0).ToString(), "Embedding(10, 3, padding_idx=0)");
+  EXPECT_EQ(ErrorOf([] { Embedding(10, 3, 10); }), "Embedding(10, 3): padding_idx must be in [-10, 10), got 10");
+  EXPECT_EQ(ErrorOf([] { Embedding(10, 3, -11); }), "Embedding(10, 3): padding_idx must be in [-10, 10), got -11");
+  EXPECT_EQ(ErrorOf([] { Embedding(-1, 3); }), "Embedding(-1, 3): num_embeddings must be >= 0, got -1");
+  EXPECT_EQ(ErrorOf([] { Embedding(4, -3); }), "Embedding(4, -3): embedding_dim must be >= 0, got -3");
+  Embedding emb(5, 2);
+  const std::vector<float> before = emb.weight().ToVector<float>();
+  bool out_of_range = false;
+  try {
+    emb.Forward(FromVectorOf<int64_t>({1, 5, 0}, {3}));
+  } catch (const std::out_of_range& e) {
+    out_of_range = true;
+    EXPECT_STREQ(e.what(), "Embedding(5, 2): embedding: index 5 at position 1 is out of range [0, 5) of a table of 5 "
+                           "embeddings");
+  }
+  EXPECT_TRUE(out_of_range);
+  EXPECT_EQ(ErrorOf([&] { emb.Forward(FromVectorOf<int64_t>({-1}, {1})); }),
+            "Embedding(5, 2): embedding: index -1 at position 0 is out of range [0, 5) of a table of 5 embeddings");
+  EXPECT_EQ(ErrorOf([&] { emb.Forward(Zeros({2})); }), "Embedding(5, 2): embedding: indices must be i64 or i32, got f32");
+  EXPECT_EQ(ErrorOf([&] { emb.Forward(Tensor()); }), "Embedding(5, 2): input is undefined");
+  EXPECT_EQ(emb.weight().ToVector<float>(), before);
+  EXPECT_EXIT(
+      {
+        nn::testing::RegisterHostAsCuda();  // tensors "on cuda:0" without a GPU
+        Embedding on_device(5, 2);
+        on_device.To(Device(DeviceType::kCUDA, 0));
+        const Tensor idx = FromVectorOf<int64_t>({1}, {1}).To(Device(DeviceType::kCUDA, 0));
+        std::fprintf(stderr, "error: [%s]\n", ErrorOf([&] { on_device.Forward(idx); }).c_str());
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "error: \\[Embedding\\(5, 2\\): embedding: implemented on the CPU only, not on cuda:0\\]");
+}
+
+// Conv1d in f64 against a direct loop over [N, C, L] with stride, padding,
+// dilation and groups; unbatched input; PyTorch's printed form and names.
+TEST(ModuleTest, Conv1dMatchesAnF64Reference) {
+  Generator gen(7);
+  const int64_t n = 2, c = 4, l = 9, o = 6, k = 3, stride = 2, pad = 2, dil = 2, groups = 2;
+  Conv1d conv(c, o, k, {.stride = stride, .padding = pad, .dilation = dil, .groups = groups}, gen);
+  conv.To(DType::kFloat64);
+  EXPECT_EQ(conv.weight().shape(), (Shape{o, c / groups, k}));
+  const Tensor x = testing::RandomLeaf({n, c, l}, 13, false);
+  const Tensor y = conv.Forward(x);
+  const int64_t ol = (l + 2 * pad - dil * (k - 1) - 1) / stride + 1;
+  ASSERT_EQ(y.shape(), (Shape{n, o, ol}));
+  const std::vector<double> xv = x.ToVector<double>(), wv = conv.weight().ToVector<double>(),
+                            bv = conv.bias().ToVector<double>();
+  std::vector<double> want(n * o * ol);
+  const int64_t cg = c / groups, og = o / groups;
+  for (int64_t b = 0; b < n; ++b) {
+    for (int64_t oc = 0; oc < o; ++oc) {
+      for (int64_t t = 0; t < ol; ++t) {
+        double acc = bv[oc];
+        for (int64_t ic = 0; ic < cg; ++ic) {
+          for (int64_t j = 0; j < k; ++j) {
+            const int64_t pos = t * stride - pad + j * dil;
+            if (pos < 0 || pos >= l) continue;
+            acc += wv[(oc * cg + ic) * k + j] * xv[(b * c + (oc / og) * cg + ic) * l + pos];
+          }
+        }
+        want[(b * o + oc) * ol + t] = acc;
+      }
+    }
+  }
+  ExpectNear(y.ToVector<double>(), want, 1e-12);
+  // Unbatched: the first sample's result.
+  const Tensor y1 = conv.Forward(ops::Select(x, 0, 0));
+  ASSERT_EQ(y1.shape(), (Shape{o, ol}));
+  ExpectNear(y1.ToVector<double>(), std::vector<double>(want.begin(), want.begin() + o * ol), 1e-12);
+
+  EXPECT_EQ(Names(conv.GetStateDict()), (std::vector<std::string>{"weight", "bias"}));
+  EXPECT_EQ(Conv1d(4, 8, 3).ToString(), "Conv1d(4, 8, kernel_size=(3,), stride=(1,))");
+  EXPECT_EQ(Conv1d(4, 8, 3, {.stride = 2, .padding = 1, .dilation = 2, .groups = 2, .bias = false}).ToString(),
+            "Conv1d(4, 8, kernel_size=(3,), stride=(2,), padding=(1,), dilation=(2,), groups=2, bias=False)");
+  // Default initialization as PyTorch's: weight within 1/sqrt(fan_in), fan_in = C/groups * K.
+  Conv1d fresh(4, 8, 3);
+  for (const Tensor& p : fresh.Parameters()) {
+    for (float v : p.ToVector<float>()) EXPECT_LE(std::abs(v), 1.0 / std::sqrt(12.0));
+  }
+}
+
+TEST(ModuleTest, Conv1dNamesEachBadArgument) {
+  EXPECT_EQ(ErrorOf([] { Conv1d(-1, 8, 3); }), "Conv1d(-1, 8): in_channels must be >= 0, got -1");
+  EXPECT_EQ(ErrorOf([] { Conv1d(4, 8, 3, {.groups = 0}); }), "Conv1d(4, 8): groups must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { Conv1d(4, 6, 3, {.groups = 3}); }),
+            "Conv1d(4, 6): in_channels (4) must be divisible by groups (3)");
+  EXPECT_EQ(ErrorOf([] { Conv1d(4, 8, 0); }), "Conv1d(4, 8): kernel_size must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { Conv1d(4, 8, 3, {.stride = 0}); }), "Conv1d(4, 8): stride must be >= 1, got 0");
+  EXPECT_EQ(ErrorOf([] { Conv1d(4, 8, 3, {.padding = -1}); }), "Conv1d(4, 8): padding must be >= 0, got -1");
+  EXPECT_EQ(ErrorOf([] { Conv1d(4, 8, 3, {.dilation = 0}); }), "Conv1d(4, 8): dilation must be >= 1, got 0");
+  Conv1d conv(4, 8, 3);
+  EXPECT_EQ(ErrorOf([&] { conv.Forward(Zeros({2, 3, 9})); }),
+            "Conv1d(4->8, 3): expected input [N, 4, L] or [4, L], got [2, 3, 9]");
+  EXPECT_EQ(ErrorOf([&] { conv.Forward(Zeros({2, 4, 2})); }),
+            "Conv1d(4->8, 3): conv1d: input [2, 4, 2] is shorter than the kernel [8, 4, 3] with stride 1, padding 0, "
+            "dilation 1");
+  EXPECT_EQ(ErrorOf([&] { conv.Forward(Zeros({2, 4, 5}, {.dtype = DType::kInt64})); }),
+            "Conv1d(4->8, 3): conv1d: input must be floating, got i64");
 }
 
 TEST(ModuleTest, ResNetNamesCountsAndShapes) {

@@ -174,6 +174,45 @@ Tensor Conv2d(const Tensor& x_orig, const Tensor& w_orig, const Tensor& bias_ori
   return y;
 }
 
+Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1dParams& p) {
+  // Checked here, naming the shapes as given: Conv2d's own errors would
+  // show the added height of 1.
+  detail::CheckFloatingOperand("conv1d", "input", x);
+  detail::CheckFloatingOperand("conv1d", "weight", w);
+  if (w.dim() != 3) throw std::invalid_argument("conv1d: weight must be [O, C/groups, K], got " + ShapeToString(w.shape()));
+  if (p.groups < 1) throw std::invalid_argument("conv1d: groups must be positive, got " + std::to_string(p.groups));
+  int64_t cin = 0;
+  if (__builtin_mul_overflow(w.size(1), p.groups, &cin)) {
+    throw std::invalid_argument("conv1d: groups " + std::to_string(p.groups) + " times the weight's " +
+                                std::to_string(w.size(1)) + " channels per group overflows int64");
+  }
+  if (x.dim() != 3 || x.size(1) != cin) {
+    throw std::invalid_argument("conv1d: expected input [N, " + std::to_string(cin) + ", L], got " +
+                                ShapeToString(x.shape()));
+  }
+  if (x.size(2) == 0) {
+    throw std::invalid_argument("conv1d: only a zero batch or zero channels may be empty, got input " +
+                                ShapeToString(x.shape()));
+  }
+  const int64_t ol = OutputSize("conv1d", "", x.size(2), w.size(2), p.stride, p.pad, p.dilation, false);
+  if (ol < 1) {
+    throw std::invalid_argument("conv1d: input " + ShapeToString(x.shape()) + " is shorter than the kernel " +
+                                ShapeToString(w.shape()) + " with stride " + std::to_string(p.stride) +
+                                ", padding " + std::to_string(p.pad) + ", dilation " + std::to_string(p.dilation));
+  }
+  const Conv2dParams p2{.stride_h = 1, .stride_w = p.stride, .pad_h = 0, .pad_w = p.pad, .dilation_h = 1,
+                        .dilation_w = p.dilation, .groups = p.groups};
+  try {
+    return Squeeze(Conv2d(Unsqueeze(x, 2), Unsqueeze(w, 2), bias, p2), 2);
+  } catch (const std::invalid_argument& e) {
+    // What is left (groups against channels, the bias's shape, devices)
+    // names no height; it is reported as conv1d's.
+    std::string what = e.what();
+    if (what.rfind("conv2d: ", 0) == 0) what.replace(0, 6, "conv1d");
+    throw std::invalid_argument(what);
+  }
+}
+
 namespace {
 
 // As PyTorch's pooling: an empty plane or no channels is refused even where

@@ -159,6 +159,17 @@ Tensor Linear(const Tensor& x, const Tensor& w, const Tensor& bias);
 // --- convolution and pooling (NCHW) ---
 /// y [N, O, OH, OW] from x [N, C, H, W], w [O, C/groups, KH, KW], bias [O] (may be undefined).
 Tensor Conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv2dParams& p = {});
+/// Options of a 1-D convolution (one value each, for the length).
+struct Conv1dParams {
+  int64_t stride = 1;
+  int64_t pad = 0;
+  int64_t dilation = 1;
+  int64_t groups = 1;
+};
+/// y [N, O, OL] from x [N, C, L], w [O, C/groups, K], bias [O] (may be
+/// undefined): Conv2d on a plane of height 1, so it runs wherever Conv2d
+/// does; errors name conv1d and the shapes as given.
+Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1dParams& p = {});
 Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p);
 Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p);
 /// Averages x [N, C, H, W] into [N, C, out_h, out_w] windows. Refuses
@@ -179,6 +190,27 @@ int64_t ConvOutputSize(int64_t in, int64_t kernel, int64_t stride, int64_t pad, 
 /// running statistics both or neither (one alone throws).
 Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                  const Tensor& bias, bool training, double momentum, double eps);
+
+/// Layer norm, as torch.nn.functional.layer_norm: x [*, D1, ..., Dk] is
+/// normalized over its last k dimensions, normalized_shape [D1, ..., Dk],
+/// by each row's mean and biased variance, then scaled by weight and
+/// shifted by bias (each normalized_shape, or undefined). Throws
+/// std::invalid_argument naming both shapes when x's last dimensions are
+/// not normalized_shape, or a parameter has another shape; eps must be
+/// finite and > 0 (as batch norm's). Forward and backward run on the CPU;
+/// another device throws naming the kernel and the device.
+Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
+                 double eps = 1e-5);
+
+// --- embedding ---
+/// Rows of weight [V, D] picked by indices (i64 or i32, any shape S):
+/// out [S..., D], as torch.nn.functional.embedding. Throws
+/// std::out_of_range naming the index, its position and [0, V) when an
+/// index is outside the table. padding_idx (in [0, V), or nullopt) names a
+/// row whose gradient stays zero. weight's gradient is dense, a repeated
+/// index summing its rows. CPU only: another device throws naming the
+/// kernel and the device.
+Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int64_t> padding_idx = std::nullopt);
 
 // --- batch-norm building blocks (no autograd) ---
 // SyncBatchNorm computes statistics over the global batch: each rank makes

@@ -1,6 +1,7 @@
 // Batch normalization. Shapes: x [N, C, *]; weight, bias, running_mean,
 // running_var [C]. Saved statistics are in the dtype the device's kernels
 // compute them in (KernelTable::batch_norm_saved_dtype; f64 by default).
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -182,6 +183,76 @@ Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Ten
   Tensor dx = detail::NewLike(x);
   DDP_KERNEL(x.device(), batch_norm_backward_elementwise)(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, dx);
   return dx;
+}
+
+}  // namespace ddp::nn::ops
+
+// Layer normalization. Shapes: x [*, D1, ..., Dk] with normalized_shape
+// [D1, ..., Dk]; weight and bias normalized_shape (or undefined); the saved
+// statistics [M] per row, M the product of the leading dimensions.
+namespace ddp::nn::ops {
+
+Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
+                 double eps) {
+  detail::CheckFloatingOperand("layer_norm", "input", x);
+  if (weight.defined()) detail::CheckFloatingOperand("layer_norm", "weight", weight);
+  if (bias.defined()) detail::CheckFloatingOperand("layer_norm", "bias", bias);
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  if (k == 0) throw std::invalid_argument("layer_norm: normalized_shape must have at least one dimension, got []");
+  for (int64_t s : normalized_shape) {
+    if (s < 0) {
+      throw std::invalid_argument("layer_norm: normalized_shape " + ShapeToString(normalized_shape) +
+                                  " has a negative size");
+    }
+  }
+  if (!(eps > 0) || !std::isfinite(eps)) {
+    throw std::invalid_argument("layer_norm: eps must be finite and > 0, got " + std::to_string(eps));
+  }
+  if (x.dim() < k || !std::equal(normalized_shape.begin(), normalized_shape.end(), x.shape().end() - k)) {
+    throw std::invalid_argument("layer_norm: expected input [*, " +
+                                ShapeToString(normalized_shape).substr(1) + " (normalized_shape " +
+                                ShapeToString(normalized_shape) + "), got " + ShapeToString(x.shape()));
+  }
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"weight", &weight}, {"bias", &bias}}) {
+    if (!t->defined()) continue;
+    if (t->shape() != normalized_shape) {
+      throw std::invalid_argument(std::string("layer_norm: ") + name + " of shape " + ShapeToString(t->shape()) +
+                                  " for normalized_shape " + ShapeToString(normalized_shape));
+    }
+    detail::CheckSameDevice("layer_norm", x, *t);
+  }
+  // Refused by name where no kernel is registered (every device but the
+  // CPU today), rather than with the table's generic "no kernel" error.
+  if (KernelsFor(x.device().type).layer_norm_forward == nullptr) {
+    throw std::invalid_argument("layer_norm: implemented on the CPU only, not on " + x.device().ToString());
+  }
+  int64_t rows = 1;
+  for (int64_t d = 0; d < x.dim() - k; ++d) rows *= x.size(d);
+  Tensor y = detail::NewLike(x);
+  Tensor mean = Empty({rows}, {.dtype = DType::kFloat64, .device = x.device()});
+  Tensor invstd = Empty({rows}, {.dtype = DType::kFloat64, .device = x.device()});
+  DDP_KERNEL(x.device(), layer_norm_forward)(x, weight, bias, rows, eps, y, mean, invstd);
+  if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
+  // The bias is not saved (backward needs only its dtype): an optimizer
+  // step on it before backward is no error, as in PyTorch.
+  const DType bias_dtype = bias.defined() ? bias.dtype() : x.dtype();
+  auto node = std::make_shared<LambdaNode>("LayerNormBackward", [rows, normalized_shape, bias_dtype](
+                                                                    LambdaNode& n, std::vector<Tensor>& g) {
+    const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
+    Tensor gx, gw, gb;
+    if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
+    if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
+    if (n.needs_input_grad(2)) gb = Empty(normalized_shape, {.dtype = bias_dtype, .device = xv.device()});
+    DDP_KERNEL(xv.device(), layer_norm_backward)(xv, g[0], wv, rows, n.saved[2].Get(), n.saved[3].Get(), gx, gw,
+                                                 gb);
+    return std::vector<Tensor>{gx, gw, gb};
+  });
+  node->saved.emplace_back(x);
+  node->saved.emplace_back(weight);
+  node->saved.emplace_back(mean);
+  node->saved.emplace_back(invstd);
+  detail::ConnectNode(node, {&x, &weight, &bias}, {&y});
+  return y;
 }
 
 }  // namespace ddp::nn::ops

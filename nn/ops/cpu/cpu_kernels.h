@@ -83,6 +83,18 @@ void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor&
 void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& grad_loss, int64_t ignore_index,
                      const Tensor& dlog_probs);
 
+// layer_norm.cc
+void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, double eps,
+                      const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd);
+void LayerNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows,
+                       const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias);
+
+// embedding.cc
+void EmbeddingForward(const Tensor& weight, const Tensor& indices, const Tensor& out);
+void EmbeddingBackward(const Tensor& indices, const Tensor& grad_out, int64_t padding_idx,
+                       const Tensor& grad_weight);
+
 /// Strides of t when broadcast to `shape` (0 along broadcast dimensions);
 /// std::invalid_argument when t's shape does not broadcast to `shape`.
 Shape BroadcastStrides(const Tensor& t, const Shape& shape);
