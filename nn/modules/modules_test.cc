@@ -315,7 +315,8 @@ TEST(ModuleTest, LayerNormConstructsPrintsAndRefusesLikePyTorch) {
   EXPECT_EQ(ln.weight().shape(), (Shape{3, 4}));
   EXPECT_EQ(ln.ToString(), "LayerNorm((3, 4), eps=1e-05, elementwise_affine=True)");
   EXPECT_EQ(LayerNorm(5, 1e-3, false).ToString(), "LayerNorm((5,), eps=0.001, elementwise_affine=False)");
-  EXPECT_EQ(ErrorOf([] { LayerNorm(Shape{}); }), "LayerNorm: normalized_shape must have at least one dimension, got ()");
+  EXPECT_EQ(ErrorOf([] { LayerNorm(Shape{}); }),
+            "LayerNorm: normalized_shape must have at least one dimension, got ()");
   EXPECT_EQ(ErrorOf([] { LayerNorm(Shape{3, -1}); }), "LayerNorm: normalized_shape must have sizes >= 0, got (3, -1)");
   EXPECT_EQ(ErrorOf([] { LayerNorm(4, 0.0); }), "LayerNorm: eps must be finite and > 0, got 0");
   EXPECT_EQ(ErrorOf([] { LayerNorm(4, std::nan("")); }), "LayerNorm: eps must be finite and > 0, got nan");
@@ -335,7 +336,8 @@ TEST(ModuleTest, LayerNormConstructsPrintsAndRefusesLikePyTorch) {
         std::fprintf(stderr, "error: [%s]\n", ErrorOf([&] { on_device.Forward(x); }).c_str());
         std::_Exit(0);
       },
-      ::testing::ExitedWithCode(0), "error: \\[LayerNorm\\(\\(4,\\)\\): layer_norm: implemented on the CPU only, not on cuda:0\\]");
+      ::testing::ExitedWithCode(0),
+      "error: \\[LayerNorm\\(\\(4,\\)\\): layer_norm: implemented on the CPU only, not on cuda:0\\]");
 }
 
 // Embedding picks rows; a repeated index accumulates its rows' gradients;
@@ -401,7 +403,8 @@ TEST(ModuleTest, EmbeddingPrintsAndRefusesLikePyTorch) {
   EXPECT_TRUE(out_of_range);
   EXPECT_EQ(ErrorOf([&] { emb.Forward(FromVectorOf<int64_t>({-1}, {1})); }),
             "Embedding(5, 2): embedding: index -1 at position 0 is out of range [0, 5) of a table of 5 embeddings");
-  EXPECT_EQ(ErrorOf([&] { emb.Forward(Zeros({2})); }), "Embedding(5, 2): embedding: indices must be i64 or i32, got f32");
+  EXPECT_EQ(ErrorOf([&] { emb.Forward(Zeros({2})); }),
+            "Embedding(5, 2): embedding: indices must be i64 or i32, got f32");
   EXPECT_EQ(ErrorOf([&] { emb.Forward(Tensor()); }), "Embedding(5, 2): input is undefined");
   EXPECT_EQ(emb.weight().ToVector<float>(), before);
   EXPECT_EXIT(
@@ -413,7 +416,8 @@ TEST(ModuleTest, EmbeddingPrintsAndRefusesLikePyTorch) {
         std::fprintf(stderr, "error: [%s]\n", ErrorOf([&] { on_device.Forward(idx); }).c_str());
         std::_Exit(0);
       },
-      ::testing::ExitedWithCode(0), "error: \\[Embedding\\(5, 2\\): embedding: implemented on the CPU only, not on cuda:0\\]");
+      ::testing::ExitedWithCode(0),
+      "error: \\[Embedding\\(5, 2\\): embedding: implemented on the CPU only, not on cuda:0\\]");
 }
 
 // Conv1d in f64 against a direct loop over [N, C, L] with stride, padding,
@@ -1224,6 +1228,22 @@ TEST(ModuleTest, EmptyBatchRunsForwardAndBackward) {
   for (const Tensor& p : cnn->Parameters()) {
     ASSERT_TRUE(p.grad().defined());
     for (float v : p.grad().ToVector<float>()) EXPECT_EQ(v, 0.0f);
+  }
+  // The same for the sequence layers: no rows, no indices.
+  const std::pair<std::shared_ptr<Module>, Tensor> empty_batches[] = {
+      {std::make_shared<LayerNorm>(Shape{3, 4}), Zeros({0, 3, 4})},
+      {std::make_shared<Embedding>(5, 3, 1), Zeros({0, 7}, {.dtype = DType::kInt64})},
+      {std::make_shared<Conv1d>(2, 4, 3), Zeros({0, 2, 5})},
+  };
+  for (const auto& [layer, x] : empty_batches) {
+    SCOPED_TRACE(layer->TypeName());
+    const Tensor out = layer->Forward(x);
+    EXPECT_EQ(out.numel(), 0);
+    Backward(ops::Sum(out));
+    for (const Tensor& p : layer->Parameters()) {
+      ASSERT_TRUE(p.grad().defined());
+      for (float v : p.grad().ToVector<float>()) EXPECT_EQ(v, 0.0f);
+    }
   }
 }
 

@@ -179,7 +179,9 @@ Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1d
   // show the added height of 1.
   detail::CheckFloatingOperand("conv1d", "input", x);
   detail::CheckFloatingOperand("conv1d", "weight", w);
-  if (w.dim() != 3) throw std::invalid_argument("conv1d: weight must be [O, C/groups, K], got " + ShapeToString(w.shape()));
+  if (w.dim() != 3) {
+    throw std::invalid_argument("conv1d: weight must be [O, C/groups, K], got " + ShapeToString(w.shape()));
+  }
   if (p.groups < 1) throw std::invalid_argument("conv1d: groups must be positive, got " + std::to_string(p.groups));
   int64_t cin = 0;
   if (__builtin_mul_overflow(w.size(1), p.groups, &cin)) {

@@ -196,16 +196,17 @@ struct KernelTable {
                             int64_t ignore_index, const Tensor& dlog_probs) = nullptr;
 
   // --- layer normalization (appended: M rows of D elements each) ---
-  /// Normalizes each row of x seen as [M, D] (D: the product of the
-  /// normalized dimensions) by its own mean and biased variance, then
+  /// Normalizes each row of x seen as [rows, cols] (cols: the product of
+  /// the normalized dimensions) by its own mean and biased variance, then
   /// y = xhat * weight[d] + bias[d] (weight/bias [D] or undefined). Saves
   /// the rows' mean and 1 / sqrt(var + eps) into save_mean/save_invstd [M]
   /// (f64). y contiguous with x's shape.
-  void (*layer_norm_forward)(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, double eps,
+  void (*layer_norm_forward)(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, int64_t cols,
+                             double eps,
                              const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd) = nullptr;
   /// Gradients of layer_norm_forward; any of dx, dweight, dbias may be
   /// undefined (not wanted); dweight and dbias are written, not accumulated.
-  void (*layer_norm_backward)(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows,
+  void (*layer_norm_backward)(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows, int64_t cols,
                               const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dx,
                               const Tensor& dweight, const Tensor& dbias) = nullptr;
 

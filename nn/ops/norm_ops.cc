@@ -231,20 +231,21 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
   Tensor y = detail::NewLike(x);
   Tensor mean = Empty({rows}, {.dtype = DType::kFloat64, .device = x.device()});
   Tensor invstd = Empty({rows}, {.dtype = DType::kFloat64, .device = x.device()});
-  DDP_KERNEL(x.device(), layer_norm_forward)(x, weight, bias, rows, eps, y, mean, invstd);
+  const int64_t cols = NumElements(normalized_shape);
+  DDP_KERNEL(x.device(), layer_norm_forward)(x, weight, bias, rows, cols, eps, y, mean, invstd);
   if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
   // The bias is not saved (backward needs only its dtype): an optimizer
   // step on it before backward is no error, as in PyTorch.
   const DType bias_dtype = bias.defined() ? bias.dtype() : x.dtype();
-  auto node = std::make_shared<LambdaNode>("LayerNormBackward", [rows, normalized_shape, bias_dtype](
+  auto node = std::make_shared<LambdaNode>("LayerNormBackward", [rows, cols, normalized_shape, bias_dtype](
                                                                     LambdaNode& n, std::vector<Tensor>& g) {
     const Tensor xv = n.saved[0].Get(), wv = n.saved[1].Get();
     Tensor gx, gw, gb;
     if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
     if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
     if (n.needs_input_grad(2)) gb = Empty(normalized_shape, {.dtype = bias_dtype, .device = xv.device()});
-    DDP_KERNEL(xv.device(), layer_norm_backward)(xv, g[0], wv, rows, n.saved[2].Get(), n.saved[3].Get(), gx, gw,
-                                                 gb);
+    DDP_KERNEL(xv.device(), layer_norm_backward)(xv, g[0], wv, rows, cols, n.saved[2].Get(), n.saved[3].Get(), gx,
+                                                 gw, gb);
     return std::vector<Tensor>{gx, gw, gb};
   });
   node->saved.emplace_back(x);

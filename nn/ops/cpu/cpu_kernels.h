@@ -84,9 +84,9 @@ void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& g
                      const Tensor& dlog_probs);
 
 // layer_norm.cc
-void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, double eps,
-                      const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd);
-void LayerNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows,
+void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, int64_t cols,
+                      double eps, const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd);
+void LayerNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows, int64_t cols,
                        const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dx, const Tensor& dweight,
                        const Tensor& dbias);
 

@@ -25,13 +25,11 @@ void FromDoubles(const Tensor& t, const std::vector<double>& v) {
   t.CopyFrom(src.View(t.shape()));
 }
 
-int64_t Cols(const Tensor& x, int64_t rows) { return rows > 0 ? x.numel() / rows : 0; }
-
 }  // namespace
 
-void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, double eps,
-                      const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd) {
-  const int64_t d = Cols(x, rows);
+void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, int64_t cols,
+                      double eps, const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd) {
+  const int64_t d = cols;
   const Tensor xc = ContiguousData(x);
   if (!y.is_contiguous()) throw std::invalid_argument("layer_norm: y must be contiguous");
   const std::vector<double> w = ToDoubles(weight, d, 1.0), b = ToDoubles(bias, d, 0.0);
@@ -66,10 +64,10 @@ void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
 // With g = dy * weight and xhat = (x - mean) * invstd per row:
 // dx = invstd * (g - mean(g) - xhat * mean(g * xhat)), dweight = sum over
 // rows of dy * xhat, dbias = sum over rows of dy.
-void LayerNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows,
+void LayerNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows, int64_t cols,
                        const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dx, const Tensor& dweight,
                        const Tensor& dbias) {
-  const int64_t d = Cols(x, rows);
+  const int64_t d = cols;
   const Tensor xc = ContiguousData(x), dyc = ContiguousData(dy);
   if (dx.defined() && !dx.is_contiguous()) throw std::invalid_argument("layer_norm_backward: dx must be contiguous");
   const std::vector<double> w = ToDoubles(weight, d, 1.0);
