@@ -497,6 +497,70 @@ TEST(GradCheckTest, BatchNormTrainingAndEval) {
                         {x}));
 }
 
+// LayerNorm over one and two trailing dimensions, with weight and bias,
+// weight alone, neither, and a non-contiguous input.
+TEST(GradCheckTest, LayerNorm) {
+  for (const Shape& normalized : {Shape{5}, Shape{3, 5}}) {
+    EXPECT_TRUE(GradCheck([&normalized](const V& in) { return LayerNorm(in[0], normalized, in[1], in[2], 1e-4); },
+                          {RandomLeaf({2, 3, 5}, 1), RandomLeaf(normalized, 2), RandomLeaf(normalized, 3)}))
+        << ShapeToString(normalized);
+  }
+  EXPECT_TRUE(GradCheck([](const V& in) { return LayerNorm(in[0], {4}, in[1], Tensor()); },
+                        {RandomLeaf({3, 4}, 4), RandomLeaf({4}, 5)}));
+  Tensor x = RandomLeaf({4, 3, 2}, 6, false).Permute({2, 1, 0});
+  x.set_requires_grad(true);
+  EXPECT_TRUE(GradCheck([](const V& in) { return LayerNorm(in[0], {3, 4}, Tensor(), Tensor()); }, {x}));
+}
+
+// Embedding's weight gradient, with a non-contiguous i32 index tensor
+// (with a padding row that is not looked up: where one is, its gradient is
+// zero by definition, not the lookup's derivative).
+TEST(GradCheckTest, Embedding) {
+  const Tensor idx = FromVectorOf<int64_t>({0, 2, 2, 1, 3, 2}, {2, 3}).To(DType::kInt32).Transpose(0, 1);
+  EXPECT_TRUE(GradCheck([&idx](const V& in) { return Embedding(in[0], idx); }, {RandomLeaf({4, 3}, 1)}));
+  EXPECT_TRUE(GradCheck([&idx](const V& in) { return Embedding(in[0], idx, 4); }, {RandomLeaf({5, 3}, 2)}));
+}
+
+TEST(GradCheckTest, Conv1dGeometries) {
+  const Conv1dParams geometries[] = {{}, {.stride = 2, .pad = 1}, {.stride = 1, .pad = 2, .dilation = 2},
+                                     {.stride = 3, .pad = 0, .dilation = 1, .groups = 2}};
+  for (const Conv1dParams& p : geometries) {
+    EXPECT_TRUE(GradCheck([&p](const V& in) { return Conv1d(in[0], in[1], in[2], p); },
+                          {RandomLeaf({2, 4, 9}, 1), RandomLeaf({6, 4 / p.groups, 3}, 2), RandomLeaf({6}, 3)}))
+        << "stride " << p.stride << " pad " << p.pad << " dilation " << p.dilation << " groups " << p.groups;
+  }
+}
+
+// The functional forms' refusals, each naming the op and what is wrong.
+TEST(GradCheckTest, LayerNormEmbeddingAndConv1dRefusalsNameTheOp) {
+  const Tensor x = Zeros({2, 3, 4});
+  EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4, 3}, Tensor(), Tensor()); }),
+            "layer_norm: expected input [*, 4, 3] (normalized_shape [4, 3]), got [2, 3, 4]");
+  EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {}, Tensor(), Tensor()); }),
+            "layer_norm: normalized_shape must have at least one dimension, got []");
+  EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Ones({3}), Tensor()); }),
+            "layer_norm: weight of shape [3] for normalized_shape [4]");
+  EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Tensor(), Ones({4, 1})); }),
+            "layer_norm: bias of shape [4, 1] for normalized_shape [4]");
+  EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Tensor(), Tensor(), -1.0); }),
+            "layer_norm: eps must be finite and > 0, got -1.000000");
+  const Tensor table = Zeros({5, 2}), idx = FromVectorOf<int64_t>({1}, {1});
+  EXPECT_EQ(ErrorOf([&] { Embedding(table, idx, 5); }), "embedding: padding_idx 5 is out of range [0, 5)");
+  EXPECT_EQ(ErrorOf([&] { Embedding(Zeros({5}), idx); }),
+            "embedding: weight must be [num_embeddings, embedding_dim], got [5]");
+  EXPECT_EQ(ErrorOf([&] { Embedding(Zeros({5, 2}, {.dtype = DType::kInt64}), idx); }),
+            "embedding: weight must be floating, got i64");
+  const Tensor seq = Zeros({2, 4, 6});
+  EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 4, 3, 1}), Tensor()); }),
+            "conv1d: weight must be [O, C/groups, K], got [8, 4, 3, 1]");
+  EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 3, 3}), Tensor()); }),
+            "conv1d: expected input [N, 3, L], got [2, 4, 6]");
+  EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 4, 3}), Zeros({7})); }),
+            "conv1d: bias of shape [7] for 8 output channels");
+  EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 4, 3}), Tensor(), {.pad = -1}); }),
+            "conv1d: pad must be at least 0, got -1");
+}
+
 // A channel of tiny variance (invstd near 1/sqrt(eps), about 316) in f32:
 // y is (x - mean) * scale + b, so f32 stays within a few f32 ulps of the
 // same inputs in f64. The form x * scale + (b - mean * scale) added two terms
