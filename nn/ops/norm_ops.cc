@@ -3,6 +3,8 @@
 // compute them in (KernelTable::batch_norm_saved_dtype; f64 by default).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -192,6 +194,20 @@ Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Ten
 // statistics [M] per row, M the product of the leading dimensions.
 namespace ddp::nn::ops {
 
+namespace {
+// A refused eps in the error: the fewest significant digits that read back
+// as the same double, so that -1e-9 is not shown as std::to_string's
+// "-0.000000".
+std::string EpsText(double v) {
+  char buf[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+}  // namespace
+
 Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
                  double eps) {
   detail::CheckFloatingOperand("layer_norm", "input", x);
@@ -206,7 +222,7 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
     }
   }
   if (!(eps > 0) || !std::isfinite(eps)) {
-    throw std::invalid_argument("layer_norm: eps must be finite and > 0, got " + std::to_string(eps));
+    throw std::invalid_argument("layer_norm: eps must be finite and > 0, got " + EpsText(eps));
   }
   if (x.dim() < k || !std::equal(normalized_shape.begin(), normalized_shape.end(), x.shape().end() - k)) {
     throw std::invalid_argument("layer_norm: expected input [*, " +

@@ -543,7 +543,11 @@ TEST(GradCheckTest, LayerNormEmbeddingAndConv1dRefusalsNameTheOp) {
   EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Tensor(), Ones({4, 1})); }),
             "layer_norm: bias of shape [4, 1] for normalized_shape [4]");
   EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Tensor(), Tensor(), -1.0); }),
-            "layer_norm: eps must be finite and > 0, got -1.000000");
+            "layer_norm: eps must be finite and > 0, got -1");
+  EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Tensor(), Tensor(), -1e-9); }),
+            "layer_norm: eps must be finite and > 0, got -1e-09");
+  EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Tensor(), Tensor(), std::nan("")); }),
+            "layer_norm: eps must be finite and > 0, got nan");
   const Tensor table = Zeros({5, 2}), idx = FromVectorOf<int64_t>({1}, {1});
   EXPECT_EQ(ErrorOf([&] { Embedding(table, idx, 5); }), "embedding: padding_idx 5 is out of range [0, 5)");
   EXPECT_EQ(ErrorOf([&] { Embedding(Zeros({5}), idx); }),
