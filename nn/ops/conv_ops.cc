@@ -196,6 +196,15 @@ Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1d
     throw std::invalid_argument("conv1d: only a zero batch or zero channels may be empty, got input " +
                                 ShapeToString(x.shape()));
   }
+  // Conv2d's own checks of these would show the weight with its added height.
+  if (p.groups > std::max<int64_t>(w.size(0), 1)) {
+    throw std::invalid_argument("conv1d: groups " + std::to_string(p.groups) + " is more than the weight's " +
+                                std::to_string(w.size(0)) + " output channels " + ShapeToString(w.shape()));
+  }
+  if (w.size(0) % p.groups != 0) {
+    throw std::invalid_argument("conv1d: " + std::to_string(w.size(0)) + " output channels are not divisible by " +
+                                std::to_string(p.groups) + " groups");
+  }
   const int64_t ol = OutputSize("conv1d", "", x.size(2), w.size(2), p.stride, p.pad, p.dilation, false);
   if (ol < 1) {
     throw std::invalid_argument("conv1d: input " + ShapeToString(x.shape()) + " is shorter than the kernel " +

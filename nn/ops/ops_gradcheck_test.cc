@@ -561,6 +561,10 @@ TEST(GradCheckTest, LayerNormEmbeddingAndConv1dRefusalsNameTheOp) {
             "conv1d: expected input [N, 3, L], got [2, 4, 6]");
   EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 4, 3}), Zeros({7})); }),
             "conv1d: bias of shape [7] for 8 output channels");
+  EXPECT_EQ(ErrorOf([&] { Conv1d(Zeros({2, 4, 6}), Zeros({0, 2, 3}), Tensor(), {.groups = 2}); }),
+            "conv1d: groups 2 is more than the weight's 0 output channels [0, 2, 3]");
+  EXPECT_EQ(ErrorOf([&] { Conv1d(Zeros({2, 4, 6}), Zeros({3, 2, 3}), Tensor(), {.groups = 2}); }),
+            "conv1d: 3 output channels are not divisible by 2 groups");
   EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 4, 3}), Tensor(), {.pad = -1}); }),
             "conv1d: pad must be at least 0, got -1");
 }
