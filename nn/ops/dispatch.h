@@ -194,33 +194,6 @@ struct KernelTable {
   /// and on ignored elements; a one-element grad_loss applies to every one.
   void (*nll_loss_backward)(const Tensor& target, const Tensor& weight, const Tensor& grad_loss,
                             int64_t ignore_index, const Tensor& dlog_probs) = nullptr;
-
-  // --- layer normalization (appended: M rows of D elements each) ---
-  /// Normalizes each row of x seen as [rows, cols] (cols: the product of
-  /// the normalized dimensions) by its own mean and biased variance, then
-  /// y = xhat * weight[d] + bias[d] (weight/bias [D] or undefined). Saves
-  /// the rows' mean and 1 / sqrt(var + eps) into save_mean/save_invstd [M]
-  /// (f64). y contiguous with x's shape.
-  void (*layer_norm_forward)(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, int64_t cols,
-                             double eps,
-                             const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd) = nullptr;
-  /// Gradients of layer_norm_forward; any of dx, dweight, dbias may be
-  /// undefined (not wanted); dweight and dbias are written, not accumulated.
-  void (*layer_norm_backward)(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows, int64_t cols,
-                              const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dx,
-                              const Tensor& dweight, const Tensor& dbias) = nullptr;
-
-  // --- embedding lookup (appended) ---
-  /// out[i, :] = weight[indices[i], :] for weight [V, D], indices (i64 or
-  /// i32) of any shape seen flat [I], out [I, D] contiguous. Throws
-  /// std::out_of_range naming the index, its position and the range [0, V)
-  /// when an index falls outside it (nothing is read past the table).
-  void (*embedding_forward)(const Tensor& weight, const Tensor& indices, const Tensor& out) = nullptr;
-  /// grad_weight [V, D] (zeroed here) accumulates grad_out[i, :] into row
-  /// indices[i] (a repeated index sums its rows); row padding_idx gets
-  /// nothing (-1: no padding row). Indices were checked by the forward.
-  void (*embedding_backward)(const Tensor& indices, const Tensor& grad_out, int64_t padding_idx,
-                             const Tensor& grad_weight) = nullptr;
 };
 
 /// Installs the table of a device type (the CPU's is installed at startup).

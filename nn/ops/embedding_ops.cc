@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "nn/ops/cpu/cpu_kernels.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
 
@@ -30,15 +31,14 @@ Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int6
                                 std::to_string(v) + ")");
   }
   detail::CheckSameDevice("embedding", weight, indices);
-  // Refused by name where no kernel is registered (every device but the
-  // CPU today), rather than with the table's generic "no kernel" error.
-  if (KernelsFor(weight.device().type).embedding_forward == nullptr) {
+  // The kernels are the CPU's alone (outside the per-device table).
+  if (!weight.device().is_cpu()) {
     throw std::invalid_argument("embedding: implemented on the CPU only, not on " + weight.device().ToString());
   }
   Shape out_shape = indices.shape();
   out_shape.push_back(d);
   Tensor out = Empty({indices.numel(), d}, {.dtype = weight.dtype(), .device = weight.device()});
-  DDP_KERNEL(weight.device(), embedding_forward)(weight, indices, out);
+  cpu::EmbeddingForward(weight, indices, out);
   out = out.View(out_shape);
   if (!detail::AnyRequiresGrad({&weight})) return out;
   const Shape w_shape = weight.shape();
@@ -47,7 +47,7 @@ Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int6
                                                                                  std::vector<Tensor>& g) {
     const Tensor idx = n.saved[0].Get();
     Tensor gw = Empty(w_shape, {.dtype = g[0].dtype(), .device = g[0].device()});
-    DDP_KERNEL(gw.device(), embedding_backward)(idx, g[0].Reshape({idx.numel(), d}), pad, gw);
+    cpu::EmbeddingBackward(idx, g[0].Reshape({idx.numel(), d}), pad, gw);
     return std::vector<Tensor>{gw};
   });
   // The indices are saved as they are: an in-place change to them before

@@ -198,7 +198,7 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
 /// std::invalid_argument naming both shapes when x's last dimensions are
 /// not normalized_shape, or a parameter has another shape; eps must be
 /// finite and > 0 (as batch norm's). Forward and backward run on the CPU;
-/// another device throws naming the kernel and the device.
+/// another device is refused (std::invalid_argument) naming it.
 Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
                  double eps = 1e-5);
 
@@ -208,8 +208,8 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
 /// std::out_of_range naming the index, its position and [0, V) when an
 /// index is outside the table. padding_idx (in [0, V), or nullopt) names a
 /// row whose gradient stays zero. weight's gradient is dense, a repeated
-/// index summing its rows. CPU only: another device throws naming the
-/// kernel and the device.
+/// index summing its rows. CPU only: another device is refused
+/// (std::invalid_argument) naming it.
 Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int64_t> padding_idx = std::nullopt);
 
 // --- batch-norm building blocks (no autograd) ---

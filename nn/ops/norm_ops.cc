@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "nn/ops/cpu/cpu_kernels.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/op_util.h"
 
@@ -237,9 +238,8 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
     }
     detail::CheckSameDevice("layer_norm", x, *t);
   }
-  // Refused by name where no kernel is registered (every device but the
-  // CPU today), rather than with the table's generic "no kernel" error.
-  if (KernelsFor(x.device().type).layer_norm_forward == nullptr) {
+  // The kernels are the CPU's alone (outside the per-device table).
+  if (!x.device().is_cpu()) {
     throw std::invalid_argument("layer_norm: implemented on the CPU only, not on " + x.device().ToString());
   }
   int64_t rows = 1;
@@ -248,7 +248,7 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
   Tensor mean = Empty({rows}, {.dtype = DType::kFloat64, .device = x.device()});
   Tensor invstd = Empty({rows}, {.dtype = DType::kFloat64, .device = x.device()});
   const int64_t cols = NumElements(normalized_shape);
-  DDP_KERNEL(x.device(), layer_norm_forward)(x, weight, bias, rows, cols, eps, y, mean, invstd);
+  cpu::LayerNormForward(x, weight, bias, rows, cols, eps, y, mean, invstd);
   if (!detail::AnyRequiresGrad({&x, &weight, &bias})) return y;
   // The bias is not saved (backward needs only its dtype): an optimizer
   // step on it before backward is no error, as in PyTorch.
@@ -260,8 +260,7 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
     if (n.needs_input_grad(0)) gx = detail::NewLike(xv);
     if (n.needs_input_grad(1)) gw = detail::NewLike(wv);
     if (n.needs_input_grad(2)) gb = Empty(normalized_shape, {.dtype = bias_dtype, .device = xv.device()});
-    DDP_KERNEL(xv.device(), layer_norm_backward)(xv, g[0], wv, rows, cols, n.saved[2].Get(), n.saved[3].Get(), gx,
-                                                 gw, gb);
+    cpu::LayerNormBackward(xv, g[0], wv, rows, cols, n.saved[2].Get(), n.saved[3].Get(), gx, gw, gb);
     return std::vector<Tensor>{gx, gw, gb};
   });
   node->saved.emplace_back(x);

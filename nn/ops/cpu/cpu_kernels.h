@@ -83,15 +83,33 @@ void NllLossForward(const Tensor& log_probs, const Tensor& target, const Tensor&
 void NllLossBackward(const Tensor& target, const Tensor& weight, const Tensor& grad_loss, int64_t ignore_index,
                      const Tensor& dlog_probs);
 
+// Layer norm and embedding lookup are CPU-only ops, outside the kernel
+// table (whose entries every device's library fills): nn/ops calls them
+// directly after refusing another device by name.
+
 // layer_norm.cc
+/// Normalizes each row of x seen as [rows, cols] (cols: the product of the
+/// normalized dimensions) by its own mean and biased variance, then
+/// y = xhat * weight[d] + bias[d] (weight/bias [cols] or undefined). Saves
+/// the rows' mean and 1 / sqrt(var + eps) into save_mean/save_invstd
+/// [rows] (f64). y contiguous with x's shape.
 void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t rows, int64_t cols,
                       double eps, const Tensor& y, const Tensor& save_mean, const Tensor& save_invstd);
+/// Gradients of LayerNormForward; any of dx, dweight, dbias may be
+/// undefined (not wanted); dweight and dbias are written, not accumulated.
 void LayerNormBackward(const Tensor& x, const Tensor& dy, const Tensor& weight, int64_t rows, int64_t cols,
                        const Tensor& save_mean, const Tensor& save_invstd, const Tensor& dx, const Tensor& dweight,
                        const Tensor& dbias);
 
 // embedding.cc
+/// out[i, :] = weight[indices[i], :] for weight [V, D], indices (i64 or
+/// i32) of any shape seen flat [I], out [I, D] contiguous. Throws
+/// std::out_of_range naming the index, its position and the range [0, V)
+/// when an index falls outside it (nothing is written then).
 void EmbeddingForward(const Tensor& weight, const Tensor& indices, const Tensor& out);
+/// grad_weight [V, D] (zeroed here) accumulates grad_out[i, :] into row
+/// indices[i] (a repeated index sums its rows); row padding_idx gets
+/// nothing (-1: no padding row).
 void EmbeddingBackward(const Tensor& indices, const Tensor& grad_out, int64_t padding_idx,
                        const Tensor& grad_weight);
 

@@ -37,10 +37,6 @@ KernelTable CpuKernelTable() {
   t.cross_entropy_backward = &CrossEntropyBackward;
   t.nll_loss_forward = &NllLossForward;
   t.nll_loss_backward = &NllLossBackward;
-  t.layer_norm_forward = &LayerNormForward;
-  t.layer_norm_backward = &LayerNormBackward;
-  t.embedding_forward = &EmbeddingForward;
-  t.embedding_backward = &EmbeddingBackward;
   return t;
 }
 
