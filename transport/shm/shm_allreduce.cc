@@ -779,12 +779,18 @@ Status ShmAllReduce::CopyError(bool write, int peer, int error, void* local, siz
   if (error == ESRCH || (error == EFAULT && PeerExitsWithin(peer, std::min(left, kExitWait)))) {
     return PeerExited(peer);
   }
+  // A wait the deadline cut short tells a bad buffer from a dying peer no
+  // more: the deadline's code, not the caller-error one (a peer killed near
+  // the deadline is no bad argument of the caller's).
+  if (error == EFAULT && left < kExitWait) {
+    return TimedOutError(RankName(peer) + "'s buffer could not be " + (write ? "written" : "read") +
+                         " and the deadline left " + std::to_string(left.count()) +
+                         " ms to wait for its exit: its process may be exiting (or it freed the "
+                         "buffer during the call)");
+  }
   if (error == EFAULT) {
-    return InvalidArgumentError(
-        RankName(peer) + "'s buffer is not " + (write ? "writable" : "readable") +
-        (left < kExitWait ? " (freed during the call, or its process is being killed: the deadline "
-                            "left " + std::to_string(left.count()) + " ms to wait for its exit)"
-                          : std::string(" (freed during the call?)")));
+    return InvalidArgumentError(RankName(peer) + "'s buffer is not " +
+                                (write ? "writable" : "readable") + " (freed during the call?)");
   }
   return UnavailableError(std::string(write ? "writing " : "reading ") + RankName(peer) +
                           "'s memory: " + std::strerror(error));

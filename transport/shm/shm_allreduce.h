@@ -367,7 +367,9 @@ class ShmAllReduce {
   int CopyBytes(bool write, int peer, void* local, uint64_t remote, size_t bytes) const;
   // The error for a failed CopyBytes of [local, local + bytes) with a peer
   // that has not left the call; an EFAULT waits (up to 500 ms, not past the
-  // call's deadline) for the peer's exit.
+  // call's deadline) for the peer's exit: PEER_LOST if it exits, else
+  // INVALID_ARGUMENT after the whole 500 ms, TIMED_OUT after a wait the
+  // deadline cut short.
   Status CopyError(bool write, int peer, int error, void* local, size_t bytes) const;
   // [remote, remote + bytes) of `peer`'s memory, mapped here, when it lies
   // in shareable memory the peer published for the current call and the
