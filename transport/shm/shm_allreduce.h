@@ -287,9 +287,11 @@ class ShmAllReduce {
   Status Barrier(Deadline deadline, const std::function<Status(Deadline, int)>& watchdog);
 
   const ShmOptions& options() const { return options_; }
-  /// Elements of `dtype` per AllReduceApply piece (the chunk size).
+  /// Elements of `dtype` per AllReduceApply piece (the chunk size). A
+  /// value that is no DataType (size 0, whose calls fail the argument
+  /// check) counts as one byte: the size divided by zero.
   size_t apply_piece_elems(DataType dtype) const {
-    return std::max<size_t>(1, chunk_.size() / DataTypeSize(dtype));
+    return std::max<size_t>(1, chunk_.size() / std::max<size_t>(1, DataTypeSize(dtype)));
   }
   // The staging limit of reduce, gather and scatter (see ShmOptions).
   size_t rooted_staging_bytes() const {

@@ -573,6 +573,31 @@ TEST(ShmAllReduce, APeersBadBufferWithTimeLeftIsItsBadArgument) {
   EXPECT_FALSE(status[0].ok());
 }
 
+// A dtype that is none (a cast from a bad number) fails AllReduceApply on
+// every rank with INVALID_ARGUMENT naming it, and asking for its piece
+// size is no crash: that divided the chunk by the dtype's size, 0
+// (SIGFPE).
+TEST(ShmAllReduce, AnUnknownDtypeIsRefusedNamingIt) {
+  auto group = MakeGroup(2, 4096, 1024);
+  const DataType unknown = static_cast<DataType>(99);
+  Status status[2];
+  size_t piece[2] = {};
+  RunRanks(2, [&](int r) {
+    piece[r] = group[r]->apply_piece_elems(unknown);
+    float x = 1;
+    status[r] = group[r]->AllReduceApply(
+        &x, &x, 1, unknown, ReduceOp::kSum,
+        [](const void*, void*, size_t, size_t) { return Status::Ok(); },
+        DeadlineIn(milliseconds(5000)), nullptr);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GE(piece[r], 1u) << "rank " << r;
+    EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << status[r];
+    EXPECT_NE(status[r].message().find("dtype 99 is not a DataType"), std::string::npos)
+        << status[r];
+  }
+}
+
 // A watchdog period too long to add to a clock reading (here the longest
 // a duration in milliseconds holds: "never") still means what it says: the
 // watchdog runs once, when the wait has lasted a millisecond, and the wait
