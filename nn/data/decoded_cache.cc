@@ -1,7 +1,6 @@
 #include "nn/data/decoded_cache.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -242,94 +241,6 @@ bool ReadAt(int fd, void* dst, size_t n, off_t offset) {
   return true;
 }
 
-// The entries this process has mapped, for the SIGBUS handler: a mapped
-// entry that another program cuts short in place (a truncate, an editor or
-// a copy writing over it; the cache itself only ever replaces entries by
-// renaming) raises SIGBUS at the next read past its new end, in a worker
-// thread of the data loader hours into a run, which died without a word
-// naming the file. The handler says which entry it was, then lets the
-// signal do what it did before (the process dies; a handler installed
-// before this one runs as it did). Fixed slots, read by the handler
-// without a lock: a state, the address range, and the path. An entry
-// mapped while all slots are taken is not named (a process maps a few).
-struct MappedEntrySlot {
-  std::atomic<int> state{0};  // 0 free, 1 being filled or emptied, 2 mapped
-  std::atomic<uintptr_t> begin{0};
-  std::atomic<uintptr_t> end{0};
-  char path[1024] = {};
-};
-constexpr int kMappedEntrySlots = 64;
-MappedEntrySlot mapped_entries[kMappedEntrySlots];
-struct sigaction sigbus_before_cache;  // the action the handler hands the signal on to
-std::atomic<bool> sigbus_reported{false};
-
-void WriteToStderr(const char* text) {
-  size_t left = std::strlen(text);
-  while (left > 0) {
-    const ssize_t n = ::write(STDERR_FILENO, text, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    text += n;
-    left -= static_cast<size_t>(n);
-  }
-}
-
-// Async-signal-safe: atomics, strlen and write only, then sigaction and raise.
-void OnSigbus(int sig, siginfo_t* info, void* context) {
-  const int saved_errno = errno;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  for (MappedEntrySlot& slot : mapped_entries) {
-    if (slot.state.load(std::memory_order_acquire) != 2 || addr < slot.begin.load(std::memory_order_relaxed) ||
-        addr >= slot.end.load(std::memory_order_relaxed)) {
-      continue;
-    }
-    // Once: the fault repeats when a handler before this one returns.
-    if (!sigbus_reported.exchange(true)) {
-      WriteToStderr("[ddp] fatal: SIGBUS reading the decoded dataset cache entry ");
-      WriteToStderr(slot.path);
-      WriteToStderr(": the file was cut short after this process mapped it (a program other than the cache wrote "
-                    "it in place; the cache only replaces entries by renaming). Remove it; the next load "
-                    "decodes the set again and writes a new entry\n");
-    }
-    break;
-  }
-  errno = saved_errno;
-  if ((sigbus_before_cache.sa_flags & SA_SIGINFO) != 0 && sigbus_before_cache.sa_sigaction != nullptr) {
-    sigbus_before_cache.sa_sigaction(sig, info, context);
-    return;
-  }
-  if (sigbus_before_cache.sa_handler != SIG_DFL && sigbus_before_cache.sa_handler != SIG_IGN) {
-    sigbus_before_cache.sa_handler(sig);
-    return;
-  }
-  // A sent SIGBUS that the process ignored stays ignored (a fault's is
-  // never ignored: the kernel kills on it whatever the action).
-  if ((sigbus_before_cache.sa_flags & SA_SIGINFO) == 0 && sigbus_before_cache.sa_handler == SIG_IGN &&
-      info->si_code <= 0) {
-    return;
-  }
-  // The default action: the faulting read runs again on return and kills
-  // the process with SIGBUS, as without this handler (ignoring a fault's
-  // SIGBUS is not possible either). A SIGBUS sent by a process (kill(1))
-  // has no read to run again: it is raised anew, delivered on return.
-  struct sigaction dfl{};
-  dfl.sa_handler = SIG_DFL;
-  sigemptyset(&dfl.sa_mask);
-  ::sigaction(SIGBUS, &dfl, nullptr);
-  if (info->si_code <= 0) ::raise(sig);
-}
-
-void InstallSigbusHandlerOnce() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction act{};
-    act.sa_sigaction = OnSigbus;
-    act.sa_flags = SA_SIGINFO | SA_ONSTACK;
-    sigemptyset(&act.sa_mask);
-    ::sigaction(SIGBUS, &act, &sigbus_before_cache);
-  });
-}
-
 // Set by tests: called with the entry's path after it is mapped, before
 // its data's CRC is checked.
 std::function<void(const std::string&)> before_mapping_check_hook;
@@ -353,30 +264,6 @@ bool DataHasCrc(int fd, off_t offset, uint64_t n, uint32_t crc) {
     done += piece;
   }
   return static_cast<uint32_t>(got) == crc;
-}
-
-// Records the mapping [base, base + bytes) of the entry at `path`; the
-// slot's index, or -1 when every slot is taken.
-int NoteMapped(const void* base, size_t bytes, const std::string& path) {
-  InstallSigbusHandlerOnce();
-  for (int i = 0; i < kMappedEntrySlots; ++i) {
-    MappedEntrySlot& slot = mapped_entries[i];
-    int expected = 0;
-    if (!slot.state.compare_exchange_strong(expected, 1, std::memory_order_acquire)) continue;
-    const size_t n = std::min(path.size(), sizeof(slot.path) - 1);
-    std::memcpy(slot.path, path.data(), n);
-    slot.path[n] = '\0';
-    slot.begin.store(reinterpret_cast<uintptr_t>(base), std::memory_order_relaxed);
-    slot.end.store(reinterpret_cast<uintptr_t>(base) + bytes, std::memory_order_relaxed);
-    slot.state.store(2, std::memory_order_release);
-    return i;
-  }
-  return -1;
-}
-
-// Forgets slot `index` (NoteMapped), before its mapping goes.
-void NoteUnmapped(int index) {
-  if (index >= 0) mapped_entries[index].state.store(0, std::memory_order_release);
 }
 
 // Which file a name led to (its device and inode), to tell later whether
@@ -464,9 +351,7 @@ SharedArray MapEntry(const std::string& path, const std::vector<SourceStat>& sou
   if (base == MAP_FAILED) return {};
   // The descriptor (and its lock) goes with the mapping.
   closer.fd = -1;
-  const int slot = NoteMapped(base, bytes, path);
-  std::shared_ptr<const void> owner(base, [bytes, fd, slot](const void* p) {
-    NoteUnmapped(slot);
+  std::shared_ptr<const void> owner(base, [bytes, fd](const void* p) {
     ::munmap(const_cast<void*>(p), bytes);
     ::close(fd);
   });

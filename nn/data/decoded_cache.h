@@ -22,11 +22,14 @@
 // program is refused at the next load (its size is checked against its
 // header before it is mapped, and its CRC is read with pread, not through
 // the mapping, so that a cut made meanwhile fails the check, not the
-// process) and written again; one cut short after the load, while a
-// process has it mapped, kills that process with SIGBUS at its next read
-// past the cut, as any mapped file would, but first a line on stderr names
-// the entry (a SIGBUS handler, installed at the first mapping, that hands
-// the signal on to the action it replaced). The cache is best effort: where it
+// process) and written again. An entry truncated in place while a process
+// has it mapped (after its load) kills that process with SIGBUS at its next
+// read past the cut, as any memory-mapped file does (PyTorch's mmap loads
+// too); one rewritten in place (a cp over it truncates it first) may do
+// the same, or hand the process the new bytes unchecked. The cache installs
+// no signal handler: the process's SIGBUS action stays the one its program
+// set. So no tool other than the cache may change or remove the files in
+// its folder while jobs run. The cache is best effort: where it
 // cannot be read or written, loads decode as before (the first entry that
 // cannot be written says so on stderr with the path and the cause, once
 // per job: from the process outside a launcher that meets it, else from
