@@ -56,15 +56,21 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
   }
   o.timeout = std::min(o.timeout, kLongestTimeout);
   o.shutdown_grace = std::min(o.shutdown_grace, kLongestTimeout);
-  // A DistributedSampler already resumed part way (set_start) may hold less
-  // than a batch: its epoch is then empty, as in StartEpoch.
+  // A DistributedSampler resumed part way (set_start) is measured by its
+  // whole epoch: the resumed epoch may hold less than a batch (it is then
+  // empty, as in StartEpoch), but a batch larger than the whole epoch would
+  // leave every later epoch empty too.
   const auto* distributed = dynamic_cast<const DistributedSampler*>(sampler_.get());
-  const bool resumed = distributed != nullptr && distributed->start() > 0;
-  if (o.drop_last && o.batch_size > sampler_->Size() && !resumed) {
+  const int64_t epoch_size = distributed != nullptr ? distributed->UnresumedSize() : sampler_->Size();
+  if (o.drop_last && o.batch_size > epoch_size) {
     // Every batch would be dropped: an epoch with no step at all.
+    const std::string resumed = distributed != nullptr && distributed->start() > 0
+                                    ? " (from an epoch's start; it is resumed at set_start(" +
+                                          std::to_string(distributed->start()) + "))"
+                                    : "";
     throw std::invalid_argument(
         "DataLoader: batch size " + std::to_string(o.batch_size) + " is larger than the " +
-        std::to_string(sampler_->Size()) + " samples this sampler yields per epoch from " +
+        std::to_string(epoch_size) + " samples this sampler yields per epoch" + resumed + " from " +
         data->Name() + "; with drop_last no batch is left (lower the batch size)");
   }
   // Only the class itself: a subclass may override Get (remapped indices,

@@ -597,6 +597,31 @@ TEST(DataLoader, DropLastEpochAfterSetStartPastTheLastBatchIsEmpty) {
   EXPECT_EQ(keep.NumBatches(), 1);
 }
 
+// A batch larger than a resumed DistributedSampler's whole epoch (without
+// its start) is refused as for one never resumed: only the resumed epoch
+// may be empty, and such a loader made every later epoch empty too, from
+// the list's start again, without a word (a run that trains nothing). A
+// batch that fits the whole epoch is accepted, with the resumed epoch empty.
+TEST(DataLoader, DropLastBatchLargerThanAResumedSamplersWholeEpochIsRefused) {
+  auto ds = std::make_shared<SyntheticDataset>(SyntheticOptions{.size = 100, .shape = {1, 2, 2}});
+  auto sampler = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{2, 0, false, 0, false});
+  sampler->set_start(10);
+  try {
+    DataLoader loader(ds, sampler, {}, {.batch_size = 100, .drop_last = true});
+    FAIL() << "a batch of 100 accepted for 50 samples per rank per epoch";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("batch size 100 is larger than the 50 samples"));
+    EXPECT_THAT(e.what(), HasSubstr("set_start(10)"));
+  }
+  DataLoader fits(ds, sampler, {}, {.batch_size = 50, .drop_last = true});
+  fits.StartEpoch(0);
+  EXPECT_EQ(fits.NumBatches(), 0) << "45 samples left after the start";
+  sampler->set_start(0);
+  fits.StartEpoch(1);
+  EXPECT_EQ(fits.NumBatches(), 1);
+  ASSERT_TRUE(fits.Next().has_value());
+}
+
 // A StartEpoch that fails leaves the sampler on the epoch the loader still
 // serves (it had moved on to the refused one).
 TEST(DataLoader, ARefusedStartEpochLeavesTheSamplerOnTheServedEpoch) {

@@ -104,12 +104,15 @@ void DistributedSampler::set_start(int64_t start) {
     throw std::invalid_argument("DistributedSampler: start " + std::to_string(start) + " < 0");
   }
   start_ = start;
-  const int64_t left = start_ < n_ ? n_ - start_ : 0;
+  num_samples_ = PerRank(start_ < n_ ? n_ - start_ : 0);
+}
+
+int64_t DistributedSampler::PerRank(int64_t left) const {
   const int64_t r = options_.num_replicas;
   // drop_last: floor(left / r), the largest per-rank count that needs no
   // padding; otherwise ceil(left / r), without the left + r - 1 that
   // overflows for sizes near INT64_MAX.
-  num_samples_ = left / r + (!options_.drop_last && left % r != 0);
+  return left / r + (!options_.drop_last && left % r != 0);
 }
 
 std::vector<int64_t> DistributedSampler::Indices() const {

@@ -129,8 +129,14 @@ class DistributedSampler : public Sampler {
   /// leaves nothing.
   void set_start(int64_t start);
   int64_t start() const { return start_; }
+  /// Size() with start() 0: this rank's indices in an epoch that is not
+  /// resumed (every epoch's, once set_start(0) is called again).
+  int64_t UnresumedSize() const { return PerRank(n_); }
 
  private:
+  /// This rank's share of `left` positions of the list.
+  int64_t PerRank(int64_t left) const;
+
   int64_t n_;
   DistributedSamplerOptions options_;
   int64_t start_ = 0;

@@ -128,8 +128,13 @@ TEST(DistributedSampler, StartPastTheEndLeavesNothingAndNegativeIsRefused) {
   s.set_start(10);
   EXPECT_EQ(s.Size(), 0);
   EXPECT_TRUE(s.Indices().empty());
+  EXPECT_EQ(s.UnresumedSize(), 5) << "the epoch without its start";
   s.set_start(0);
   EXPECT_EQ(s.Size(), 5);
+  DistributedSampler dropping(11, {2, 1, true, 0, true});
+  dropping.set_start(3);
+  EXPECT_EQ(dropping.Size(), 4);
+  EXPECT_EQ(dropping.UnresumedSize(), 5);
   try {
     s.set_start(-1);
     FAIL() << "a negative start was taken";
