@@ -1049,7 +1049,14 @@ void Reducer::LaunchReadyBuckets() {
   // collectives match even when gradients arrive in different orders.
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
-    b.work = Launch(next_launch_, b.is_solo ? b.solo.View({b.numel}) : b.buffer);
+    try {
+      b.work = Launch(next_launch_, b.is_solo ? b.solo.View({b.numel}) : b.buffer);
+    } catch (...) {
+      // Launch aborted the group: this iteration cannot end, so the copies
+      // its end would have given back go now, not at the next forward.
+      ReleaseStaleCopies();
+      throw;
+    }
     ++next_launch_;
   }
 }
@@ -1232,15 +1239,23 @@ void Reducer::Finalize() {
 
   IterationTiming timing{.prepared = prepared_at_, .last_grad = last_grad_at_, .joined_forwards = joined_forwards_};
   // One thread runs the collectives in launch order: once the last bucket
-  // is done the others are too, so waiting on it first sleeps once.
-  for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) b->work.Wait();
+  // is done the others are too, so waiting on it first sleeps once. A
+  // failed wait throws out of backward, and the iteration cannot end: the
+  // copies of stale gradients its end would have given back go with it
+  // (the next forward refuses to run and drops the rest).
+  try {
+    for (auto b = buckets_.rbegin(); b != buckets_.rend(); ++b) b->work.Wait();
+    if (used_work_.valid()) used_work_.Wait();
+  } catch (...) {
+    ReleaseStaleCopies();
+    throw;
+  }
   for (Bucket& b : buckets_) {
     timing.buckets.push_back({.started = b.work.started(), .finished = b.work.finished(),
                               .on_caller = pg_->collectives_on_caller() && b.device.is_cpu()});
   }
   std::vector<char> globally_used(params_.size(), 1);
   if (used_work_.valid()) {
-    used_work_.Wait();
     // The map is a host tensor.
     timing.used_map = {.started = used_work_.started(), .finished = used_work_.finished(),
                        .on_caller = pg_->collectives_on_caller()};

@@ -264,5 +264,61 @@ TEST(ReducerTest, ASecondGradientInOneBackwardDropsTheCopiesOfStaleGradients) {
   EXPECT_EQ(reducer.stale_copies(), 0u);
 }
 
+// The same when the bucket's communication fails: the communication hook
+// throws, returns an empty Work, or returns a Work that fails (the end of
+// backward waits for it and throws). These kept the copies until the next
+// forward.
+TEST(ReducerTest, AFailedBucketCommunicationDropsTheCopiesOfStaleGradients) {
+  enum class Failure { kHookThrows, kEmptyWork, kWorkFails };
+  for (const Failure failure : {Failure::kHookThrows, Failure::kEmptyWork, Failure::kWorkFails}) {
+    SCOPED_TRACE("failure " + std::to_string(static_cast<int>(failure)));
+    const Tensor w0 = nn::Full({4}, 1.0, {.requires_grad = true});
+    const Tensor w1 = nn::Full({4}, 2.0, {.requires_grad = true});
+    const Tensor w2 = nn::Full({4}, 3.0, {.requires_grad = true});
+    Reducer reducer({{"w0", w0}, {"w1", w1}, {"w2", w2}}, ProcessGroup::Single(),
+                    {.inplace_bytes = 0, .find_unused_parameters = true, .gradient_as_bucket_view = true},
+                    nullptr);
+    bool fail = false;
+    reducer.SetCommHook([&](ProcessGroup& group, GradBucket& bucket) -> Work {
+      if (!fail) return group.AllReduce(bucket.buffer());
+      switch (failure) {
+        case Failure::kHookThrows:
+          throw std::runtime_error("hook failed on purpose");
+        case Failure::kEmptyWork:
+          return Work();
+        case Failure::kWorkFails:
+          return group.Run({.kind = "failing hook", .dtype = bucket.buffer().dtype(), .shape = bucket.buffer().shape()},
+                           [](transport::Communicator*, transport::Deadline) {
+                             return transport::UnavailableError("the hook's collective failed on purpose");
+                           });
+      }
+      return Work();
+    });
+    const Tensor x = nn::Full({4}, 2.0);
+    const auto out = [&](const Tensor& w) { return nn::ops::Sum(nn::ops::Mul(w, x)); };
+    reducer.CheckPreviousIteration(true);
+    std::vector<Tensor> outputs{out(w0), out(w1), out(w2)};
+    reducer.PrepareForBackward(outputs, 1.0);
+    nn::Backward(outputs[0] + outputs[1] + outputs[2]);
+    ASSERT_EQ(reducer.iterations(), 1);
+    // w2 unused (its .grad, its bucket view, copied at the first gradient);
+    // the one bucket fails once the last gradient is in.
+    fail = true;
+    reducer.CheckPreviousIteration(true);
+    outputs = {out(w0), out(w1)};
+    reducer.PrepareForBackward(outputs, 1.0);
+    try {
+      nn::Backward(outputs[0] + outputs[1]);
+      ADD_FAILURE() << "the failed bucket went through";
+    } catch (const std::exception& e) {
+      const std::string expected = failure == Failure::kHookThrows  ? "hook failed on purpose"
+                                   : failure == Failure::kEmptyWork ? "returned an empty Work"
+                                                                    : "the hook's collective failed on purpose";
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(reducer.stale_copies(), 0u);
+  }
+}
+
 }  // namespace
 }  // namespace ddp::dist::internal
