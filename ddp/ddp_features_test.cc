@@ -5753,6 +5753,83 @@ TEST(DdpFeaturesTest, ANoSyncForwardBeforeThePreparedBackwardIsNotBackwardComput
   EXPECT_LT(stats.backward_compute_ms, 200) << stats.ToString();
 }
 
+// a = ddp(x); then, before Backward(a), a 300 ms forward of another mode or
+// grad state: in eval mode under NoSync with grad enabled (it joins that
+// backward), in training mode under NoGradGuard, in eval mode under
+// NoGradGuard, or in training mode under NoSync. Each is forward time,
+// counted once, in forward_ms (as one of two forwards), and neither in
+// backward_compute_ms nor inside the trace's "backward compute" events.
+// Before, the eval-mode NoSync forward was left out of backward compute and
+// counted in no forward_ms (only training forwards were), and the forwards
+// under NoGradGuard stayed in backward compute (the training one counted
+// twice, the eval-mode one as backward compute only); the trace's backward
+// compute spanned each of them.
+TEST(DdpFeaturesTest, AForwardOfAnyModeBeforeThePreparedBackwardIsForwardTime) {
+  struct Case {
+    const char* name;
+    bool eval;
+    bool no_grad;  // else under NoSync
+  };
+  const Case cases[] = {{"eval-mode forward under NoSync", true, false},
+                        {"training forward under NoGradGuard", false, true},
+                        {"eval-mode forward under NoGradGuard", true, true},
+                        {"training forward under NoSync", false, false}};
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  int k = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string prefix = std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_gap_forward_" +
+                               std::to_string(getpid()) + "_" + std::to_string(k++) + "_";
+    auto model = std::make_shared<SlowWhenAsked>();
+    {
+      DistributedDataParallel ddp(model, {.process_group = ProcessGroup::Single(), .trace_prefix = prefix});
+      ddp.RegisterCommHook(hooks::AllReduceHook());  // one process synchronizes (and is timed) through it
+      auto [x, y] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+      // A first iteration, out of the window: the process's first backward
+      // takes its time to warm up.
+      nn::Backward(nn::ops::Sum(ddp(x)));
+      ddp.ResetStats();
+      Tensor loss = nn::ops::Sum(ddp(x));
+      if (c.eval) model->Eval();
+      model->slow_ = true;
+      if (c.no_grad) {
+        nn::NoGradGuard no_grad;
+        (void)ddp(x);
+      } else {
+        auto no_sync = ddp.NoSync();
+        loss = loss + nn::ops::Sum(ddp(x));
+      }
+      model->slow_ = false;
+      model->Train();
+      nn::Backward(loss);
+      const DdpStats stats = ddp.Stats();
+      ASSERT_EQ(stats.iterations, 1) << stats.ToString();
+      EXPECT_GE(stats.forward_ms, 150) << stats.ToString();  // (fast + 300 ms) / 2 forwards
+      EXPECT_LT(stats.backward_compute_ms, 200) << stats.ToString();
+    }
+    std::ifstream in(prefix + "rank0.json");
+    ASSERT_TRUE(in.good()) << prefix << "rank0.json";
+    const nlohmann::json trace = nlohmann::json::parse(in);
+    int64_t slow_start = -1, slow_end = -1;
+    for (const auto& e : trace["traceEvents"]) {
+      if (e["ph"] != "X" || e["name"] != "forward" || e["dur"].get<int64_t>() < 300000) continue;
+      slow_start = e["ts"].get<int64_t>();
+      slow_end = slow_start + e["dur"].get<int64_t>();
+    }
+    ASSERT_GE(slow_start, 0) << "no 300 ms forward event";
+    int backwards = 0;
+    for (const auto& e : trace["traceEvents"]) {
+      if (e["ph"] != "X" || e["name"] != "backward compute") continue;
+      ++backwards;
+      const int64_t ts = e["ts"].get<int64_t>(), end = ts + e["dur"].get<int64_t>();
+      EXPECT_TRUE(end <= slow_start || ts >= slow_end)
+          << "backward compute [" << ts << ", " << end << "] us overlaps the forward [" << slow_start << ", "
+          << slow_end << "]";
+    }
+    EXPECT_GE(backwards, 1);
+  }
+}
+
 // An earlier run's complete trace that cannot be removed (here a directory
 // by its name; another user's file in a sticky /tmp does the same) is trace
 // trouble only: the wrapper is made and trains, and the final write, which

@@ -161,8 +161,11 @@ struct DdpOptions {
 /// Averages over the iterations of a statistics window, in milliseconds.
 struct DdpStats {
   int64_t iterations = 0;           ///< Synchronizing iterations in the window.
-  double forward_ms = 0;            ///< DDP forward (buffer broadcast included).
-  double backward_compute_ms = 0;   ///< End of forward to the last gradient, less NoSync forwards between.
+  /// DDP forward (buffer broadcast included): training-mode forwards, and
+  /// forwards of any mode and grad state run between a synchronizing
+  /// forward and its backward (an evaluation there, a NoSync forward).
+  double forward_ms = 0;
+  double backward_compute_ms = 0;   ///< End of forward to the last gradient, less the forwards run between.
   double backward_comm_ms = 0;      ///< First bucket launched to last bucket reduced.
   double overlap_ms = 0;            ///< Part of backward_comm_ms before the last gradient.
   double exposed_ms = 0;            ///< Backward waiting after its last gradient (and copying back).

@@ -389,8 +389,21 @@ bool Reducer::AnyParameterRequiresGrad() const {
   return std::any_of(params_.begin(), params_.end(), [](const nn::Tensor& p) { return p.requires_grad(); });
 }
 
+void Reducer::ForwardStarted(Clock::time_point start) {
+  gap_forward_start_ = armed_ && unfinished_ && !finalize_queued_ ? start : Clock::time_point{};
+}
+
+bool Reducer::ForwardEnded(Clock::time_point end) {
+  const Clock::time_point start = gap_forward_start_;
+  gap_forward_start_ = Clock::time_point{};
+  // Still awaiting the same backward: PrepareForBackward clears the start,
+  // and a Disarm that let go of that backward clears armed_.
+  if (start == Clock::time_point{} || !(armed_ && unfinished_ && !finalize_queued_)) return false;
+  joined_spans_.emplace_back(std::max(start, prepared_at_), std::max(end, prepared_at_));
+  return true;
+}
+
 void Reducer::CheckPreviousIteration(bool synchronizing, bool communicates, bool eval_forward_in_join) {
-  forward_started_at_ = Clock::now();
   if (!pending_error_.empty()) {
     // What the failed iteration left in flight may have ended since.
     ReleaseFailedBuckets();
@@ -636,7 +649,8 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   for (Bucket& b : buckets_) b.pending = b.params.size();
   prepared_at_ = Clock::now();
   last_grad_at_ = prepared_at_;
-  joined_forwards_ = Clock::duration::zero();
+  gap_forward_start_ = Clock::time_point{};
+  joined_spans_.clear();
 
   for (size_t i : unused_) {
     is_unused_[i] = 0;
@@ -695,9 +709,6 @@ void Reducer::Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradien
         if (!unreachable[i]) reached_under_no_sync_[i] = 1;
       }
     }
-    // Forward's time, which forward_ms counts: not this backward's compute.
-    const Clock::time_point now = Clock::now();
-    joined_forwards_ += now - std::clamp(forward_started_at_, prepared_at_, now);
     if (options_.static_graph) {
       // Its re-entrant passes would add gradients to those static_graph
       // counted (a parameter reduced on its counted last would get one
@@ -1237,7 +1248,8 @@ void Reducer::Finalize() {
     used_work_ = pg_->AllReduce(used_, transport::ReduceOp::kSum, "unused parameter map");
   }
 
-  IterationTiming timing{.prepared = prepared_at_, .last_grad = last_grad_at_, .joined_forwards = joined_forwards_};
+  IterationTiming timing{.prepared = prepared_at_, .last_grad = last_grad_at_};
+  for (const auto& [start, end] : joined_spans_) timing.joined_forwards += end - start;
   // One thread runs the collectives in launch order: once the last bucket
   // is done the others are too, so waiting on it first sleeps once. A
   // failed wait throws out of backward, and the iteration cannot end: the
@@ -1325,7 +1337,14 @@ void Reducer::Finalize() {
   timing.end = end;
   AddIterationTimes(timing, times_);
   if (trace_ != nullptr) {
-    trace_->Complete("backward compute", "compute", prepared_at_, last_grad_at_);
+    // Around the forwards that ran before the first gradient (each has its
+    // own "forward" event): their time is not this backward's compute.
+    Clock::time_point from = prepared_at_;
+    for (const auto& [start, forward_end] : joined_spans_) {
+      if (start > from) trace_->Complete("backward compute", "compute", from, start);
+      from = std::max(from, forward_end);
+    }
+    trace_->Complete("backward compute", "compute", from, std::max(from, last_grad_at_));
     trace_->Complete("backward wait + write-back", "compute", compute_end, end);
   }
 }

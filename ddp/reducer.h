@@ -98,8 +98,9 @@ struct IterationTiming {
   };
   TimePoint prepared;   ///< forward's end (Prepare)
   TimePoint last_grad;  ///< the last gradient hook's end
-  /// Forwards under NoSync run between `prepared` and the first gradient
-  /// (they join this backward): forward's time, not backward compute.
+  /// The wrapper's forwards run between `prepared` and the first gradient
+  /// (under NoSync, NoGradGuard, in eval mode): forward's time, in
+  /// forward_ms, not backward compute.
   std::chrono::steady_clock::duration joined_forwards{};
   TimePoint end;        ///< Finalize's end
   std::vector<Collective> buckets;  ///< in launch order
@@ -155,8 +156,7 @@ class Reducer {
   /// Join's flags) is refused too when that backward launched buckets. Once
   /// thrown, every later forward throws the same. `eval_forward_in_join`:
   /// the forward is an eval-mode one with grad enabled under Join (pass
-  /// `synchronizing` too), and the message says so. Called at the start of
-  /// every forward: it also marks where that forward began, for Disarm.
+  /// `synchronizing` too), and the message says so.
   void CheckPreviousIteration(bool synchronizing, bool communicates = false, bool eval_forward_in_join = false);
 
   /// Empty while every parameter has the dtype, device and shape its
@@ -205,6 +205,18 @@ class Reducer {
     prepared_at_ = forward_end;
     last_grad_at_ = forward_end;
   }
+  /// The wrapper's forward begins at `start` (before anything else of it,
+  /// on every forward): one that begins while a prepared backward awaits
+  /// its first gradient is timed by ForwardEnded.
+  void ForwardStarted(std::chrono::steady_clock::time_point start);
+  /// That forward returned at `end`. When it began while a prepared
+  /// backward awaited its first gradient, and that backward still does
+  /// (the forward prepared none of its own), it is forward time whatever
+  /// its mode and grad state (under NoSync, NoGradGuard, in eval mode): its
+  /// span is left out of that backward's compute time and trace event, and
+  /// true is returned, for the wrapper to count it in forward_ms. A forward
+  /// that throws gets no ForwardEnded: its time stays in backward compute.
+  bool ForwardEnded(std::chrono::steady_clock::time_point end);
   /// A forward that will not synchronize but may be backpropagated (NoSync):
   /// hooks only accumulate until the next PrepareForBackward. An iteration
   /// prepared before and not finalized stays unfinished. `reject_gradients`
@@ -222,8 +234,6 @@ class Reducer {
   /// stays the one that forward's walk found (as in PyTorch): a parameter
   /// reached only through `outputs` that then gets a gradient in that
   /// backward fails it on every rank, naming the parameter and NoSync.
-  /// Such a forward's time (from its CheckPreviousIteration) is left out
-  /// of that backward's compute time.
   void Disarm(const std::vector<nn::Tensor>& outputs, bool reject_gradients = false, bool in_join = false);
   /// The graph walk of find_unused_parameters, for a forward with grad
   /// enabled that prepares no backward (under NoSync, or while every
@@ -464,8 +474,12 @@ class Reducer {
   using Clock = std::chrono::steady_clock;
   Clock::time_point prepared_at_{};
   Clock::time_point last_grad_at_{};
-  Clock::time_point forward_started_at_{};  // the last CheckPreviousIteration
-  Clock::duration joined_forwards_{};       // see IterationTiming::joined_forwards
+  // ForwardStarted's `start` when a prepared backward awaited its first
+  // gradient then; time_point{} otherwise, and once a forward prepared one.
+  Clock::time_point gap_forward_start_{};
+  // The forwards that ForwardEnded took out of this backward's compute
+  // (see IterationTiming::joined_forwards): start and end of each.
+  std::vector<std::pair<Clock::time_point, Clock::time_point>> joined_spans_;
   ReducerTimes times_;
 };
 
