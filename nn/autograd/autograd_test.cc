@@ -1366,9 +1366,15 @@ TEST(GradHookTest, RegisterHookIfLiveDeclinesAReleasedNodeWithoutThrowing) {
 }
 
 // A backward on another thread releases the node while this thread
-// registers on its output: each registration either goes in or is declined,
-// never throws, and it is declined only once the node was released.
-TEST(GradHookTest, RegisterHookIfLiveRacesABackwardThatReleasesTheNode) {
+// registers on its output: no registration throws, and once that backward
+// has returned, registration is declined. A smoke test of the locking
+// (ThreadSanitizer checks it further): it cannot be relied on to catch an
+// implementation that checks for the release and then registers under
+// separate locks, whose window for the release is a few instructions wide,
+// and no deterministic test can widen it without a pause inside
+// RegisterHookIfLive, where the correct code holds the lock the release
+// needs.
+TEST(GradHookTest, RegisterHookIfLiveNeverThrowsBesideABackwardOnAnotherThread) {
   Tensor x = Param({64}, 1.0);
   for (int round = 0; round < 200; ++round) {
     Tensor y = ops::Mul(x, x);
@@ -1385,9 +1391,6 @@ TEST(GradHookTest, RegisterHookIfLiveRacesABackwardThatReleasesTheNode) {
       ASSERT_NO_THROW(handle = RegisterHookIfLive(y, [](const Tensor&) { return Tensor(); }))
           << "round " << round << ", registration " << k;
       declined = !handle.has_value();
-      if (declined) {
-        EXPECT_TRUE(y.grad_fn()->HooksReleased());
-      }
     }
     backward.join();
     EXPECT_FALSE(RegisterHookIfLive(y, [](const Tensor&) { return Tensor(); }).has_value());
