@@ -425,7 +425,9 @@ Tensor ClampIntegral(const Tensor& x, std::optional<int64_t> min, std::optional<
 
 Tensor Dropout(const Tensor& x, double p, bool training, Generator& gen) {
   // Written so that NaN fails it too.
-  if (!(p >= 0.0 && p <= 1.0)) throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + std::to_string(p));
+  if (!(p >= 0.0 && p <= 1.0)) {
+    throw std::invalid_argument("Dropout: probability must be in [0, 1], got " + detail::ErrorValue(p));
+  }
   // Outside training it is the identity for any tensor, as in PyTorch.
   if (!training || p == 0.0) return x;
   // Checked here, before a mask is drawn, rather than left to masked_scale.

@@ -3,8 +3,6 @@
 // compute them in (KernelTable::batch_norm_saved_dtype; f64 by default).
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -33,10 +31,10 @@ Tensor BatchNorm(const Tensor& x, const Tensor& running_mean, const Tensor& runn
   // updates them (PyTorch leaves both unchecked and returns NaN or drifting
   // statistics).
   if (!(eps > 0) || !std::isfinite(eps)) {
-    throw std::invalid_argument("batch_norm: eps must be finite and > 0, got " + std::to_string(eps));
+    throw std::invalid_argument("batch_norm: eps must be finite and > 0, got " + detail::ErrorValue(eps));
   }
   if (training && running_mean.defined() && !(momentum >= 0 && momentum <= 1)) {
-    throw std::invalid_argument("batch_norm: momentum must be in [0, 1], got " + std::to_string(momentum));
+    throw std::invalid_argument("batch_norm: momentum must be in [0, 1], got " + detail::ErrorValue(momentum));
   }
   check(weight, "weight");
   check(bias, "bias");
@@ -195,20 +193,6 @@ Tensor BatchNormBackwardElementwise(const Tensor& dy, const Tensor& x, const Ten
 // statistics [M] per row, M the product of the leading dimensions.
 namespace ddp::nn::ops {
 
-namespace {
-// A refused eps in the error: the fewest significant digits that read back
-// as the same double, so that -1e-9 is not shown as std::to_string's
-// "-0.000000".
-std::string EpsText(double v) {
-  char buf[32];
-  for (int precision = 1; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  return buf;
-}
-}  // namespace
-
 Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
                  double eps) {
   detail::CheckFloatingOperand("layer_norm", "input", x);
@@ -223,7 +207,7 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
     }
   }
   if (!(eps > 0) || !std::isfinite(eps)) {
-    throw std::invalid_argument("layer_norm: eps must be finite and > 0, got " + EpsText(eps));
+    throw std::invalid_argument("layer_norm: eps must be finite and > 0, got " + detail::ErrorValue(eps));
   }
   if (x.dim() < k || !std::equal(normalized_shape.begin(), normalized_shape.end(), x.shape().end() - k)) {
     throw std::invalid_argument("layer_norm: expected input [*, " +

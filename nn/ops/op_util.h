@@ -1,6 +1,9 @@
 // Helpers shared by the differentiable ops (private to nn/ops).
 #pragma once
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -51,6 +54,20 @@ inline int64_t WrapDimAllowingScalar(const Tensor& x, int64_t dim) {
                             " out of range for a 0-d tensor (expected 0 or -1)");
   }
   return 0;
+}
+
+/// A refused floating option for an error message: the fewest significant
+/// digits that read back as the same double ("-1e-09", "1.0000001", "nan"),
+/// where std::to_string's six decimals showed -1e-9 as "-0.000000" and
+/// 1.0000001 as "1.000000", a value the checks accept.
+inline std::string ErrorValue(double v) {
+  if (std::isnan(v)) return "nan";  // glibc prints a negative NaN as "-nan"
+  char buf[40];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
 }
 
 /// WrapDimAllowingScalar, with `op` at the head of the error

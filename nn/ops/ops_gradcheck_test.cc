@@ -736,6 +736,17 @@ TEST(GradCheckTest, BatchNormRefusesABadEpsOrMomentum) {
     const std::string error = ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, momentum, 1e-5); });
     EXPECT_EQ(error.rfind("batch_norm: momentum must be in [0, 1], got ", 0), 0u) << momentum << ": " << error;
   }
+  // The refused value is shown with the digits that tell it apart:
+  // std::to_string's six decimals showed an eps of -1e-9 as "-0.000000" and
+  // a momentum of 1.0000001 as "1.000000", a value the check accepts.
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, 0.1, -1e-9); }),
+            "batch_norm: eps must be finite and > 0, got -1e-09");
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, 0.1, std::nan("")); }),
+            "batch_norm: eps must be finite and > 0, got nan");
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, 1.0000001, 1e-5); }),
+            "batch_norm: momentum must be in [0, 1], got 1.0000001");
+  EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, -0.5, 1e-5); }),
+            "batch_norm: momentum must be in [0, 1], got -0.5");
   EXPECT_EQ(rm.ToVector<double>(), std::vector<double>(3, 0.0));
   EXPECT_EQ(rv.ToVector<double>(), std::vector<double>(3, 1.0));
   EXPECT_EQ(ErrorOf([&] { BatchNorm(x, rm, rv, Tensor(), Tensor(), true, 1.0, 1e-5); }), "");
@@ -853,8 +864,12 @@ TEST(GradCheckTest, DropoutUsesItsMask) {
 TEST(GradCheckTest, DropoutRefusesAProbabilityOutsideZeroToOne) {
   const Tensor x = Ones({8});
   EXPECT_EQ(ErrorOf([&] { Dropout(x, std::nan(""), true); }), "Dropout: probability must be in [0, 1], got nan");
-  EXPECT_EQ(ErrorOf([&] { Dropout(x, -0.1, true); }), "Dropout: probability must be in [0, 1], got -0.100000");
-  EXPECT_EQ(ErrorOf([&] { Dropout(x, 1.5, false); }), "Dropout: probability must be in [0, 1], got 1.500000");
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, -0.1, true); }), "Dropout: probability must be in [0, 1], got -0.1");
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, 1.5, false); }), "Dropout: probability must be in [0, 1], got 1.5");
+  // std::to_string showed these as "-0.000000" and "1.000000".
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, -1e-9, true); }), "Dropout: probability must be in [0, 1], got -1e-09");
+  EXPECT_EQ(ErrorOf([&] { Dropout(x, 1.0000001, true); }),
+            "Dropout: probability must be in [0, 1], got 1.0000001");
   EXPECT_EQ(ErrorOf([&] { Dropout(x, 1.0, true); }), "");
 }
 
