@@ -586,9 +586,10 @@ Tensor AvgPool2d::Forward(const Tensor& x) {
 
 AdaptiveAvgPool2d::AdaptiveAvgPool2d(int64_t out_h, int64_t out_w) : out_h_(out_h), out_w_(out_w) {
   // The op refuses it too, but only at the first Forward and naming itself
-  // (adaptive_avg_pool2d), not where the size was given.
-  if (out_h < 1 || out_w < 1) {
-    throw std::invalid_argument("AdaptiveAvgPool2d: output_size must be >= 1, got " + Pair(out_h, out_w));
+  // (adaptive_avg_pool2d), not where the size was given. 0 is taken, as in
+  // PyTorch 1.13: an empty output.
+  if (out_h < 0 || out_w < 0) {
+    throw std::invalid_argument("AdaptiveAvgPool2d: output_size must be >= 0, got " + Pair(out_h, out_w));
   }
 }
 

@@ -339,7 +339,8 @@ class AvgPool2d : public Module {
 };
 
 /// [N, C, H, W] -> [N, C, out_h, out_w] by averaging adaptive windows;
-/// unbatched [C, H, W] -> [C, out_h, out_w]. An output size below 1 is
+/// unbatched [C, H, W] -> [C, out_h, out_w]. An output size of 0 gives an
+/// empty output (and a zero gradient), as PyTorch 1.13; a negative one is
 /// refused at construction, naming the layer and output_size, as the other
 /// pools' arguments.
 class AdaptiveAvgPool2d : public Module {

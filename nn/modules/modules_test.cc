@@ -126,14 +126,30 @@ TEST(ModuleTest, PoolingNamesEachBadArgumentAtConstruction) {
   EXPECT_EQ(AvgPool2d(3, 1).ToString(), "AvgPool2d(kernel_size=3, stride=1, padding=0)");
 }
 
-// A bad output size fails at construction, naming the layer and
-// output_size. Before, AdaptiveAvgPool2d(0, 1) was built and its first
-// Forward failed with the op's "adaptive_avg_pool2d: output size must be
-// positive".
-TEST(ModuleTest, AdaptiveAvgPool2dRefusesABadOutputSizeAtConstruction) {
-  EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(0, 1); }), "AdaptiveAvgPool2d: output_size must be >= 1, got (0, 1)");
-  EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(2, -3); }), "AdaptiveAvgPool2d: output_size must be >= 1, got (2, -3)");
+// A negative output size fails at construction, naming the layer and
+// output_size, rather than at the first Forward naming the op.
+TEST(ModuleTest, AdaptiveAvgPool2dRefusesANegativeOutputSizeAtConstruction) {
+  EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(-1, 1); }), "AdaptiveAvgPool2d: output_size must be >= 0, got (-1, 1)");
+  EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(2, -3); }), "AdaptiveAvgPool2d: output_size must be >= 0, got (2, -3)");
   EXPECT_EQ(ErrorOf([] { AdaptiveAvgPool2d(1, 1); }), "");
+}
+
+// An output size of 0, as PyTorch 1.13's nn.AdaptiveAvgPool2d takes it: an
+// empty output, batched or not, and a zero gradient for the input. Before,
+// the constructor refused it ("output_size must be >= 1").
+TEST(ModuleTest, AdaptiveAvgPool2dToAnEmptyOutputRunsForwardAndBackward) {
+  AdaptiveAvgPool2d pool(0, 2);
+  EXPECT_EQ(pool.ToString(), "AdaptiveAvgPool2d(output_size=(0, 2))");
+  Tensor x = Ones({2, 3, 4, 5});
+  x.set_requires_grad(true);
+  const Tensor y = pool.Forward(x);
+  EXPECT_EQ(y.shape(), (Shape{2, 3, 0, 2}));
+  Backward(ops::Sum(y));
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_EQ(x.grad().shape(), x.shape());
+  EXPECT_EQ(x.grad().ToVector<float>(), std::vector<float>(static_cast<size_t>(x.numel()), 0.0f));
+  EXPECT_EQ(pool.Forward(Ones({3, 4, 5})).shape(), (Shape{3, 0, 2}));
+  EXPECT_EQ(AdaptiveAvgPool2d(3, 0).Forward(Ones({1, 1, 4, 4})).shape(), (Shape{1, 1, 3, 0}));
 }
 
 // An unbatched [C, H, W] input (PyTorch 1.13 takes it in these layers)

@@ -313,7 +313,11 @@ Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w) {
   if (x.dim() != 4) {
     throw std::invalid_argument("adaptive_avg_pool2d: expected input [N, C, H, W], got " + ShapeToString(x.shape()));
   }
-  CheckPositive("adaptive_avg_pool2d", "output size", out_h, out_w);
+  // 0 is taken, as in PyTorch 1.13: an empty output (and a zero gradient).
+  if (out_h < 0 || out_w < 0) {
+    throw std::invalid_argument("adaptive_avg_pool2d: output size must not be negative, got (" +
+                                std::to_string(out_h) + ", " + std::to_string(out_w) + ")");
+  }
   CheckOnlyBatchEmpty("adaptive_avg_pool2d", x);
   // The kernels bound output row o's window by (o * H) / out_h and
   // ((o + 1) * H + out_h - 1) / out_h (columns alike): out_h * (H + 1) must
@@ -327,15 +331,20 @@ Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w) {
     }
   }
   Tensor y = detail::NewLike(x, {x.size(0), x.size(1), out_h, out_w});
-  DDP_KERNEL(x.device(), adaptive_avg_pool2d_forward)(x, y);
+  // An empty output has no window to average, and no input element reaches
+  // it: the kernels are skipped both ways, and the gradient is zeros.
+  const bool empty_output = out_h == 0 || out_w == 0;
+  if (!empty_output) DDP_KERNEL(x.device(), adaptive_avg_pool2d_forward)(x, y);
   if (!detail::AnyRequiresGrad({&x})) return y;
   const Shape in = x.shape();
   const DType dt = x.dtype();
-  auto node = std::make_shared<LambdaNode>("AdaptiveAvgPool2dBackward", [in, dt](LambdaNode&, std::vector<Tensor>& g) {
+  auto backward = [in, dt, empty_output](LambdaNode&, std::vector<Tensor>& g) {
+    if (empty_output) return std::vector<Tensor>{Zeros(in, {.dtype = dt, .device = g[0].device()})};
     Tensor gx = Empty(in, {.dtype = dt, .device = g[0].device()});
     DDP_KERNEL(gx.device(), adaptive_avg_pool2d_backward)(g[0], gx);
     return std::vector<Tensor>{gx};
-  });
+  };
+  auto node = std::make_shared<LambdaNode>("AdaptiveAvgPool2dBackward", backward);
   detail::ConnectNode(node, {&x}, {&y});
   return y;
 }

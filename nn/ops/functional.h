@@ -172,9 +172,11 @@ struct Conv1dParams {
 Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1dParams& p = {});
 Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p);
 Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p);
-/// Averages x [N, C, H, W] into [N, C, out_h, out_w] windows. Refuses
-/// (std::invalid_argument, naming the axis) sizes whose window bounds leave
-/// int64: out_h * (H + 1) or out_w * (W + 1) above 2^63 - 1.
+/// Averages x [N, C, H, W] into [N, C, out_h, out_w] windows. An output size
+/// of 0 gives an empty output and a zero gradient, as PyTorch 1.13. Refuses
+/// (std::invalid_argument) a negative output size, and, naming the axis,
+/// sizes whose window bounds leave int64: out_h * (H + 1) or
+/// out_w * (W + 1) above 2^63 - 1.
 Tensor AdaptiveAvgPool2d(const Tensor& x, int64_t out_h, int64_t out_w);
 /// Output length of a convolution or pooling along one axis, by PyTorch's
 /// rule; 0 when no window fits (the ops then throw). Throws

@@ -477,6 +477,30 @@ TEST(GradCheckTest, Pooling) {
   EXPECT_TRUE(GradCheck([](const V& in) { return AdaptiveAvgPool2d(in[0], 1, 1); }, {RandomLeaf({2, 3, 4, 4}, 6)}));
 }
 
+// PyTorch 1.13 takes an output size of 0 in either axis: an empty output,
+// and a backward that gives the input a zero gradient (an empty batch too).
+// A negative size is refused naming it. Before, 0 was refused as well
+// ("output size must be positive").
+TEST(GradCheckTest, AdaptiveAvgPool2dToAnEmptyOutputGivesAZeroGradient) {
+  for (const auto& [oh, ow] : {std::pair<int64_t, int64_t>{0, 0}, {0, 3}, {2, 0}}) {
+    SCOPED_TRACE(std::to_string(oh) + "x" + std::to_string(ow));
+    const Tensor x = RandomLeaf({2, 3, 5, 4}, 7);
+    const Tensor y = AdaptiveAvgPool2d(x, oh, ow);
+    EXPECT_EQ(y.shape(), (Shape{2, 3, oh, ow}));
+    Backward(Sum(y));
+    ASSERT_TRUE(x.grad().defined());
+    EXPECT_EQ(x.grad().shape(), x.shape());
+    EXPECT_EQ(x.grad().ToVector<double>(), std::vector<double>(static_cast<size_t>(x.numel()), 0.0));
+    const Tensor empty_batch = Zeros({0, 3, 5, 4});
+    EXPECT_EQ(AdaptiveAvgPool2d(empty_batch, oh, ow).shape(), (Shape{0, 3, oh, ow}));
+  }
+  const Tensor x = Zeros({1, 1, 4, 4});
+  EXPECT_EQ(ErrorOf([&] { AdaptiveAvgPool2d(x, -1, 2); }),
+            "adaptive_avg_pool2d: output size must not be negative, got (-1, 2)");
+  EXPECT_EQ(ErrorOf([&] { AdaptiveAvgPool2d(x, 0, -3); }),
+            "adaptive_avg_pool2d: output size must not be negative, got (0, -3)");
+}
+
 TEST(GradCheckTest, BatchNormTrainingAndEval) {
   for (bool training : {true, false}) {
     for (const Shape& shape : {Shape{6, 3}, Shape{4, 3, 5}, Shape{2, 3, 4, 3}}) {
