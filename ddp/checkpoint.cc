@@ -97,22 +97,45 @@ const char* WhatOf(const std::exception_ptr& e) {
 // LoadCheckpoint whose exchange lasts as long as the reads. The group is
 // aborted with a reason naming the call, `path` (when not null), this
 // rank, `doing` and what threw, so that every rank's exchange fails at
-// once with it; the caller then rethrows. A group of one rank has nobody
-// waiting and stays usable. When the reason cannot be built (memory still
-// short), the group is aborted with a shorter one.
+// once with it; the caller then rethrows. The reason's code is
+// RESOURCE_EXHAUSTED for memory running out (std::bad_alloc, and
+// std::length_error: a size past what a container holds), ABORTED for
+// anything else. As ProcessGroup's own collectives, an argument error
+// (another std::logic_error) leaves the group as it is: every rank throws
+// it alike (a root outside the group), and nobody waits. A group of one
+// rank has nobody waiting and stays usable. When the reason cannot be
+// built (memory still short), the group is aborted with a shorter one.
 void AbortForThisRank(ProcessGroup& pg, const char* call, const std::string* path, const char* doing) noexcept {
   if (pg.size() == 1) return;
-  const char* what = WhatOf(std::current_exception());
+  const char* what = "an exception that is not a std::exception";
+  bool out_of_memory = false;
+  try {
+    throw;  // the exception being handled
+  } catch (const std::bad_alloc& e) {
+    out_of_memory = true;
+    what = e.what();
+  } catch (const std::length_error& e) {
+    out_of_memory = true;
+    what = e.what();
+  } catch (const std::logic_error&) {
+    return;
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  auto reason = [out_of_memory](std::string message) {
+    return out_of_memory ? transport::ResourceExhaustedError(std::move(message))
+                         : transport::AbortedError(std::move(message));
+  };
   try {
     if (!pg.aborted_reason().ok()) return;
     const std::string named = path == nullptr ? "" : " " + (path->empty() ? "''" : *path);
-    pg.Abort(transport::ResourceExhaustedError(std::string(call) + named + ": rank " +
-                                               std::to_string(pg.rank()) + " " + doing + ": " + what));
+    pg.Abort(reason(std::string(call) + named + ": rank " + std::to_string(pg.rank()) + " " + doing + ": " + what));
     return;
   } catch (...) {
   }
   try {
-    pg.Abort(transport::ResourceExhaustedError(call));
+    pg.Abort(reason(call));
   } catch (...) {
     // Nothing more can be done: the others wait until the group's timeout.
   }
@@ -639,12 +662,14 @@ std::string RefusedLoad(const LoadWaitOptions& wait, const nn::io::LoadOptions& 
 // for root past their deadline). A group that fails meanwhile leaves a
 // write going until the timeout (a checkpoint half written is worth
 // finishing) and stops a read at once (its bytes would be thrown away),
-// as `if_the_group_fails` says.
+// as `if_the_group_fails` says. `*exchanged` turns true once this rank's
+// last exchange of the call has ended (its caller's guard then aborts
+// nothing: nobody waits for this rank any more).
 std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork& work,
                       std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                       const std::string& task, const std::string& option,
                       const std::string& abort_reason, std::chrono::milliseconds stop_grace,
-                      internal::IfTheGroupFails if_the_group_fails) {
+                      internal::IfTheGroupFails if_the_group_fails, bool* exchanged) {
   // Each record is a collective bound by the group's timeout.
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
@@ -661,6 +686,7 @@ std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork&
     do {
       pg.Broadcast(record, root, what).Wait();  // overwrites the whole record
     } while (static_cast<const char*>(record.data_ptr())[0] == kStillGoing);
+    *exchanged = true;
     // Root aborts the group too, but it may be slow to get there (a busy
     // host): a next collective here must not wait for it and time out
     // with another reason.
@@ -707,6 +733,7 @@ std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork&
         }
         if (static_cast<const char*>(record.data_ptr())[0] != kStillGoing) break;
       }
+      *exchanged = true;
       if (timed_out && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
       // As Finish, knowing whether the work had to be stopped.
       const bool stop_now = group_error && if_the_group_fails == internal::IfTheGroupFails::kStopTheWork;
@@ -736,6 +763,7 @@ std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork&
       }
     }
   }
+  RunFault(internal::FaultPoint::kAfterTheLastExchange);
   if (pg.rank() == root) return root_outcome;
   const char* p = static_cast<const char*>(record.data_ptr());
   return p[0] == 1 ? std::string() : std::string(p + 1, strnlen(p + 1, kRecordBytes - 1));
@@ -743,13 +771,14 @@ std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork&
 
 // RunOnEveryRankWhileOthersWait's wait. `*every_rank_out_of_time`: the
 // ranks ran past `timeout` (its caller then throws, on every rank alike).
+// `*exchanged` as RootWorks'.
 std::string EveryRankWorks(ProcessGroup& pg, const internal::StoppableWork& work,
                            std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                            const std::string& option,
                            const std::string& abort_reason,
                            std::chrono::milliseconds stop_grace,
                            internal::IfTheGroupFails if_the_group_fails,
-                           bool* every_rank_out_of_time) {
+                           bool* every_rank_out_of_time, bool* exchanged) {
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
   // Each round's flag, the largest over the ranks: 0 done, 1 still going,
@@ -782,6 +811,7 @@ std::string EveryRankWorks(ProcessGroup& pg, const internal::StoppableWork& work
       // waits for theirs, at most a heartbeat away.
       outcome = *flag_value;
     }
+    *exchanged = true;
     // A rank still in its work: the others' next collective would wait for
     // it past their deadline; end the group now, with the reason.
     if (out_of_time && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
@@ -791,6 +821,7 @@ std::string EveryRankWorks(ProcessGroup& pg, const internal::StoppableWork& work
     background.Finish(stop_now ? Clock::now() : deadline);
   }  // the work ends here
   if (group_error) std::rethrow_exception(group_error);
+  RunFault(internal::FaultPoint::kAfterTheLastExchange);
   *every_rank_out_of_time = outcome == kOutOfTime;
   return error;
 }
@@ -802,40 +833,46 @@ namespace internal {
 // What throws on this rank alone in these (memory running out as it makes
 // its status buffer, its thread or a status) would leave the others
 // waiting for its next status until the group's timeout: it aborts the
-// group first. A DistributedError is the group's own failure.
+// group first (AbortForThisRank, with its rule: not for an argument error,
+// which every rank throws alike), naming `call` and this rank. A
+// DistributedError is the group's own failure; what throws once this
+// rank's last exchange has ended leaves no rank waiting, and aborts
+// nothing.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                                     const std::string& task, const std::string& option,
+                                     const std::string& call, const std::string& task, const std::string& option,
                                      const std::string& abort_reason, std::chrono::milliseconds stop_grace,
                                      IfTheGroupFails if_the_group_fails) {
+  bool exchanged = false;
   try {
     RunFault(FaultPoint::kPreparingAlone);
     return RootWorks(pg, root, work, timeout, heartbeat, task, option, abort_reason, stop_grace,
-                     if_the_group_fails);
+                     if_the_group_fails, &exchanged);
   } catch (const DistributedError&) {
     throw;
   } catch (...) {
-    AbortForThisRank(pg, abort_reason.c_str(), nullptr, kThrewAlone);
+    if (!exchanged) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
     throw;
   }
 }
 
 std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                                          const std::string& task, const std::string& option,
-                                          const std::string& abort_reason,
+                                          const std::string& call, const std::string& task,
+                                          const std::string& option, const std::string& abort_reason,
                                           std::chrono::milliseconds stop_grace,
                                           IfTheGroupFails if_the_group_fails) {
   std::string error;
   bool out_of_time = false;
+  bool exchanged = false;
   try {
     RunFault(FaultPoint::kPreparingAlone);
     error = EveryRankWorks(pg, work, timeout, heartbeat, option, abort_reason, stop_grace,
-                           if_the_group_fails, &out_of_time);
+                           if_the_group_fails, &out_of_time, &exchanged);
   } catch (const DistributedError&) {
     throw;
   } catch (...) {
-    AbortForThisRank(pg, abort_reason.c_str(), nullptr, kThrewAlone);
+    if (!exchanged) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
     throw;
   }
   // Every rank alike, after the last exchange.
@@ -880,10 +917,12 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
   // The work owns its copies (the checkpoint's tensors are shared, not
   // copied): a write stuck in the filesystem outlives this call.
   internal::StoppableWork write;
+  std::string call;
   std::string task;
   std::string option;
   std::string cannot_write;
   PrepareAlone(pg, "SaveCheckpoint", &path, [&] {
+    call = "SaveCheckpoint " + path;
     nn::io::Checkpoint saved = checkpoint;
     saved.metadata[kWorldSizeKey] = std::to_string(pg.size());
     write = [path, saved = std::move(saved)](const std::atomic<bool>& stop) {
@@ -894,7 +933,7 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
     cannot_write = "SaveCheckpoint: rank 0 could not write " + path;
   });
   const std::string error = internal::RunOnRootWhileOthersWait(pg, 0, write, options.timeout, options.heartbeat,
-                                                               task, option, cannot_write, options.stop_grace);
+                                                               call, task, option, cannot_write, options.stop_grace);
   if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
 }
 
@@ -1033,7 +1072,7 @@ nn::io::Checkpoint LoadCheckpoint(ProcessGroup& pg, const std::string& path,
   // others, hearing that they are still reading.
   std::string what;
   try {
-    what = internal::RunOnEveryRankWhileOthersWait(pg, work, wait.timeout, wait.heartbeat, task, option,
+    what = internal::RunOnEveryRankWhileOthersWait(pg, work, wait.timeout, wait.heartbeat, call, task, option,
                                                    cannot_read, wait.stop_grace,
                                                    internal::IfTheGroupFails::kStopTheWork);
   } catch (const DistributedError&) {
@@ -1119,8 +1158,8 @@ nn::io::Checkpoint LoadCheckpointFromRank(ProcessGroup& pg, const std::string& p
     cannot_read = "LoadCheckpointFromRank: " + from + " could not read '" + root_path + "'";
   });
   const std::string error =
-      internal::RunOnRootWhileOthersWait(pg, root, work, wait.timeout, wait.heartbeat, task, option, cannot_read,
-                                         wait.stop_grace, internal::IfTheGroupFails::kStopTheWork);
+      internal::RunOnRootWhileOthersWait(pg, root, work, wait.timeout, wait.heartbeat, call, task, option,
+                                         cannot_read, wait.stop_grace, internal::IfTheGroupFails::kStopTheWork);
   if (!error.empty()) throw std::runtime_error(call + " failed on " + from + ": " + error);
   // Root's bytes to the others, in three steps: their length; whether
   // every rank could make room for them (a checkpoint larger than the

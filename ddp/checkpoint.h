@@ -397,13 +397,20 @@ enum class IfTheGroupFails {
 /// asked to stop at once: its outcome is of no use once the group failed"). A `work` still going `stop_grace`
 /// after it was asked to stop is left running on a detached thread, with
 /// a line on stderr starting with `abort_reason` that says so. What
-/// throws on one rank alone, other than the group's DistributedError
-/// (memory running out as it makes its status buffer or thread), aborts
-/// the group with `abort_reason` naming that rank and what threw, then is
-/// rethrown: the others throw at once instead of at the group's timeout.
+/// throws on one rank alone before its last exchange, other than the
+/// group's DistributedError (memory running out as it makes its status
+/// buffer or thread), aborts the group with a reason of its own, then is
+/// rethrown: "<call>: rank R threw while it prepared its part, before the
+/// ranks' next exchange: <what>", RESOURCE_EXHAUSTED for memory running
+/// out (std::bad_alloc, std::length_error), ABORTED for anything else, so
+/// that the others throw at once instead of at the group's timeout. As
+/// ProcessGroup's collectives, an argument error (another
+/// std::logic_error, such as a `root` outside the group, which every rank
+/// throws alike) leaves the group usable, and so does what throws once the
+/// ranks' last exchange has ended (nobody waits then).
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                                     const std::string& task, const std::string& option,
+                                     const std::string& call, const std::string& task, const std::string& option,
                                      const std::string& abort_reason,
                                      std::chrono::milliseconds stop_grace = kMostTimeout,
                                      IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish);
@@ -420,10 +427,11 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
 /// When the group fails, a rank still in `work` lets it go on until
 /// `timeout` or stops it at once, as `if_the_group_fails` says, before it
 /// rethrows the group's DistributedError. What throws on one rank alone
-/// aborts the group, as in RunOnRootWhileOthersWait.
+/// aborts the group naming `call`, as in RunOnRootWhileOthersWait.
 std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                                          const std::string& task, const std::string& option,
+                                          const std::string& call, const std::string& task,
+                                          const std::string& option,
                                           const std::string& abort_reason,
                                           std::chrono::milliseconds stop_grace = kMostTimeout,
                                           IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish);
@@ -472,6 +480,9 @@ enum class FaultPoint {
   /// RunOnRootWhileOthersWait or RunOnEveryRankWhileOthersWait, the status
   /// buffer and the thread.
   kPreparingAlone = 9,
+  /// RunOnRootWhileOthersWait and RunOnEveryRankWhileOthersWait, once the
+  /// ranks' last exchange has ended, as this rank builds what it returns.
+  kAfterTheLastExchange = 10,
 };
 
 /// Test only: from now on, this process runs `fault` at `point`; what

@@ -1151,23 +1151,30 @@ TEST(DdpCheckpointTest, ARankWithNoMemoryForAFirstExchangesBuffersFailsEveryRank
 // root's path, then its messages and work, and the status buffer and
 // thread of the wait that follows) throws on rank DDP_TEST_RANK, at its
 // DDP_TEST_RUN'th such place in DDP_TEST_CASE's call, as when memory runs
-// out. Before, that rank left the call alone and the others waited for it
-// in the next exchange until the group's timeout (60 s here). Now it
-// aborts the group first: the others throw at once, naming it and what
-// threw, and a save writes nothing unless rank 0 had begun its write
-// (which a group failure lets finish).
+// out (DDP_TEST_THROW bad_alloc), or as another failure (runtime_error).
+// Before, that rank left the call alone and the others waited for it in
+// the next exchange until the group's timeout (60 s here). Now it aborts
+// the group first: the others throw at once, naming the call, that rank
+// and what threw, with RESOURCE_EXHAUSTED for memory and ABORTED
+// otherwise, and a save writes nothing unless rank 0 had begun its write
+// (which a group failure lets finish). No rank's error blames rank 0's
+// write or read, which did not fail (the wait's guard used to abort with
+// the text meant for that).
 DDP_TEST_WORKER(preparing_alone_throws) {
   auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
   const std::string which = std::getenv("DDP_TEST_CASE");
   const int failing_rank = std::atoi(std::getenv("DDP_TEST_RANK"));
   const int failing_run = std::atoi(std::getenv("DDP_TEST_RUN"));
+  const bool out_of_memory = std::string(std::getenv("DDP_TEST_THROW")) == "bad_alloc";
   const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
   const SavedMlp saved(/*trained=*/false);
   if (which != "save") SaveCheckpoint(*pg, path, saved.checkpoint);
   if (pg->rank() == failing_rank) {
     auto runs = std::make_shared<int>(0);
-    internal::SetFaultForTesting(internal::FaultPoint::kPreparingAlone, [runs, failing_run] {
-      if (++*runs == failing_run) throw std::bad_alloc();
+    internal::SetFaultForTesting(internal::FaultPoint::kPreparingAlone, [runs, failing_run, out_of_memory] {
+      if (++*runs != failing_run) return;
+      if (out_of_memory) throw std::bad_alloc();
+      throw std::runtime_error("the fault's failure");
     });
   }
   auto run = [&] {
@@ -1190,7 +1197,11 @@ DDP_TEST_WORKER(preparing_alone_throws) {
       outcome = std::string("another exception: ") + e.what();
     }
     internal::SetFaultForTesting(internal::FaultPoint::kPreparingAlone, {});
-    WORKER_EXPECT(outcome == "std::bad_alloc", who + " got: " + outcome);
+    // LoadCheckpoint puts its call before a std::runtime_error's message.
+    WORKER_EXPECT(out_of_memory ? outcome == "std::bad_alloc"
+                                : outcome.rfind("another exception: ", 0) == 0 &&
+                                      outcome.find("the fault's failure") != std::string::npos,
+                  who + " got: " + outcome);
     if (which == "save" && pg->rank() == 0) WORKER_EXPECT(access(path.c_str(), F_OK) != 0, who + ": written");
     testing::StayAliveUntilTheOtherRanksAreDone(*pg, std::chrono::seconds(90));
     return testing::WorkerExit();
@@ -1199,11 +1210,15 @@ DDP_TEST_WORKER(preparing_alone_throws) {
   testing::MarkThisRankDone(*pg);
   const std::string call = which == "save" ? "SaveCheckpoint" : which == "load" ? "LoadCheckpoint"
                                                                                  : "LoadCheckpointFromRank";
-  WORKER_EXPECT(failed.error.find(call) != std::string::npos &&
+  const std::string code = out_of_memory ? "RESOURCE_EXHAUSTED: " : "ABORTED: ";
+  WORKER_EXPECT(failed.error.rfind(code, 0) == 0 && failed.error.find(call + " ") != std::string::npos &&
                     failed.error.find("rank " + std::to_string(failing_rank) +
-                                      " threw while it prepared its part, before the ranks' next exchange: "
-                                      "std::bad_alloc") != std::string::npos,
+                                      " threw while it prepared its part, before the ranks' next exchange: " +
+                                      (out_of_memory ? "std::bad_alloc" : "the fault's failure")) != std::string::npos,
                 who + " got: " + failed.error);
+  WORKER_EXPECT(failed.error.find("could not write") == std::string::npos &&
+                    failed.error.find("could not read") == std::string::npos,
+                who + " blames a write or read that did not fail: " + failed.error);
   WORKER_EXPECT(failed.seconds < 20, who + ": the failure took " + std::to_string(failed.seconds) + " s");
   // Once the arguments agreed, rank 0 may have begun its write, which a
   // group failure lets finish.
@@ -1218,19 +1233,25 @@ TEST(DdpCheckpointTest, ARankThatThrowsWhilePreparingAloneFailsEveryRankPromptly
     const char* which;
     int rank;
     int runs;  // the places in the call, each tried in turn
+    const char* thrown = "bad_alloc";
+    bool only_the_wait = false;  // the last place alone: the wait's guard
   };
-  for (const Case c : {Case{"save", 1, 3}, Case{"save", 0, 3}, Case{"load", 1, 3}, Case{"from_rank", 1, 4}}) {
+  for (const Case c :
+       {Case{"save", 1, 3}, Case{"save", 0, 3, "bad_alloc", true}, Case{"load", 1, 3}, Case{"from_rank", 1, 4},
+        Case{"save", 1, 3, "runtime_error", true}, Case{"load", 1, 3, "runtime_error", true}}) {
     for (int run = 1; run <= c.runs; ++run) {
-      if (c.rank == 0 && run < c.runs) continue;  // rank 0 as the root, in its wait
+      if (c.only_the_wait && run < c.runs) continue;
       auto workers = RunWorkers("preparing_alone_throws", 3,
                                 {{"DDP_TEST_CASE", c.which},
                                  {"DDP_TEST_RANK", std::to_string(c.rank)},
                                  {"DDP_TEST_RUN", std::to_string(run)},
+                                 {"DDP_TEST_THROW", c.thrown},
                                  {"DDP_TEST_CKPT", TempDir()},
                                  {"DDP_TEST_TIMEOUT_MS", "60000"}},
                                 180000, /*stop_all_on_failure=*/false);
-      EXPECT_TRUE(workers.AllSucceeded()) << c.which << " run " << run << " on rank " << c.rank << ":\n"
-                                          << testing::AllOutput(workers);
+      EXPECT_TRUE(workers.AllSucceeded())
+          << c.which << " run " << run << " on rank " << c.rank << ", " << c.thrown << ":\n"
+          << testing::AllOutput(workers);
     }
   }
 }
@@ -1796,20 +1817,21 @@ DDP_TEST_WORKER(root_works_alone) {
   };
   for (int root : {0, 1}) {
     const auto start = std::chrono::steady_clock::now();
-    const std::string outcome = internal::RunOnRootWhileOthersWait(
-        *pg, root, nap, milliseconds(20000), milliseconds(1000), "the nap", "Nap::timeout", "the nap failed");
+    const std::string outcome =
+        internal::RunOnRootWhileOthersWait(*pg, root, nap, milliseconds(20000), milliseconds(1000), "the test's call",
+                                           "the nap", "Nap::timeout", "the nap failed");
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     WORKER_EXPECT(outcome.empty(), "root " + std::to_string(root) + ": " + outcome);
     WORKER_EXPECT(took > 1.9, "root " + std::to_string(root) + " took only " + std::to_string(took) + " s");
   }
   const std::string failed = internal::RunOnRootWhileOthersWait(
-      *pg, 1, [](const std::atomic<bool>&) { throw std::runtime_error("no luck"); }, milliseconds(20000), milliseconds(1000), "the nap",
-      "Nap::timeout", "the nap failed");
+      *pg, 1, [](const std::atomic<bool>&) { throw std::runtime_error("no luck"); }, milliseconds(20000),
+      milliseconds(1000), "the test's call", "the nap", "Nap::timeout", "the nap failed");
   WORKER_EXPECT(failed == "no luck", failed);
   const auto late_start = std::chrono::steady_clock::now();
-  const std::string late = internal::RunOnRootWhileOthersWait(*pg, 1, stoppable_nap, milliseconds(300),
-                                                              milliseconds(1000), "the nap", "Nap::timeout",
-                                                              "the nap failed");
+  const std::string late =
+      internal::RunOnRootWhileOthersWait(*pg, 1, stoppable_nap, milliseconds(300), milliseconds(1000),
+                                         "the test's call", "the nap", "Nap::timeout", "the nap failed");
   const double late_took = std::chrono::duration<double>(std::chrono::steady_clock::now() - late_start).count();
   WORKER_EXPECT(late == "the nap did not finish within Nap::timeout (300 ms)", late);
   // Root asked its work to stop at the timeout instead of waiting it out
@@ -1823,6 +1845,57 @@ DDP_TEST_WORKER(root_works_alone) {
 
 TEST(DdpCheckpointTest, TheOthersWaitForTheRootsLongWorkAndLearnItsOutcome) {
   auto run = RunWorkers("root_works_alone", 3, {}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// The waits' guards abort the group as ProcessGroup's collectives do, and
+// no more: a root outside the group, which every rank throws alike as a
+// std::invalid_argument, leaves the group usable (the guard used to abort
+// it), and so does a throw on one rank once the ranks' last exchange has
+// ended, as it builds what it returns (nobody waits for it then).
+DDP_TEST_WORKER(waits_leave_the_group_usable) {
+  auto pg = testing::WorkerGroup();
+  using std::chrono::milliseconds;
+  auto quick = [](const std::atomic<bool>&) {};
+  std::string error = "no error";
+  try {
+    internal::RunOnRootWhileOthersWait(*pg, 5, quick, milliseconds(20000), milliseconds(1000), "the test's call",
+                                       "the nap", "Nap::timeout", "the nap failed");
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  }
+  WORKER_EXPECT(error.find("root 5") != std::string::npos, "a root outside the group: " + error);
+  std::string next = NextCollectivesError(*pg);
+  WORKER_EXPECT(next.empty(), "after a root outside the group: " + next);
+  if (pg->rank() == 1) {
+    internal::SetFaultForTesting(internal::FaultPoint::kAfterTheLastExchange, [] { throw std::bad_alloc(); });
+  }
+  for (const bool every_rank : {false, true}) {
+    const std::string which = every_rank ? "RunOnEveryRankWhileOthersWait" : "RunOnRootWhileOthersWait";
+    std::string outcome = "no error";
+    try {
+      outcome = every_rank ? internal::RunOnEveryRankWhileOthersWait(*pg, quick, milliseconds(20000),
+                                                                     milliseconds(1000), "the test's call", "the read",
+                                                                     "Read::timeout", "the read failed")
+                           : internal::RunOnRootWhileOthersWait(*pg, 0, quick, milliseconds(20000), milliseconds(1000),
+                                                                "the test's call", "the nap", "Nap::timeout",
+                                                                "the nap failed");
+      outcome = outcome.empty() ? "no error" : "the outcome " + outcome;
+    } catch (const std::bad_alloc&) {
+      outcome = "std::bad_alloc";
+    } catch (const std::exception& e) {
+      outcome = std::string("another exception: ") + e.what();
+    }
+    WORKER_EXPECT(outcome == (pg->rank() == 1 ? "std::bad_alloc" : "no error"), which + ": " + outcome);
+    next = NextCollectivesError(*pg);
+    WORKER_EXPECT(next.empty(), which + ", after a throw past the last exchange: " + next);
+  }
+  internal::SetFaultForTesting(internal::FaultPoint::kAfterTheLastExchange, {});
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AnArgumentErrorOrAThrowPastTheLastExchangeLeavesTheGroupUsable) {
+  auto run = RunWorkers("waits_leave_the_group_usable", 2, {}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
@@ -1850,8 +1923,8 @@ DDP_TEST_WORKER(group_fails_while_root_works) {
   const milliseconds timeout(which == "stopped" ? 300 : 1000);
   std::string message;
   try {
-    internal::RunOnRootWhileOthersWait(*pg, 0, work, timeout, milliseconds(100), "the nap", "Nap::timeout",
-                                       "the nap failed");
+    internal::RunOnRootWhileOthersWait(*pg, 0, work, timeout, milliseconds(100), "the test's call", "the nap",
+                                       "Nap::timeout", "the nap failed");
   } catch (const DistributedError& e) {
     message = e.what();
   }
@@ -1898,12 +1971,12 @@ DDP_TEST_WORKER(group_fails_while_reading) {
   std::string message;
   try {
     if (which == "root") {
-      internal::RunOnRootWhileOthersWait(*pg, 0, read, milliseconds(20000), milliseconds(100), "the read",
-                                         "Read::timeout", "the read failed", kMostTimeout,
+      internal::RunOnRootWhileOthersWait(*pg, 0, read, milliseconds(20000), milliseconds(100), "the test's call",
+                                         "the read", "Read::timeout", "the read failed", kMostTimeout,
                                          internal::IfTheGroupFails::kStopTheWork);
     } else {
-      internal::RunOnEveryRankWhileOthersWait(*pg, read, milliseconds(20000), milliseconds(100), "the read",
-                                              "Read::timeout", "the read failed", kMostTimeout,
+      internal::RunOnEveryRankWhileOthersWait(*pg, read, milliseconds(20000), milliseconds(100), "the test's call",
+                                              "the read", "Read::timeout", "the read failed", kMostTimeout,
                                               internal::IfTheGroupFails::kStopTheWork);
     }
   } catch (const DistributedError& e) {
@@ -1948,8 +2021,9 @@ DDP_TEST_WORKER(every_rank_reads) {
     for (int i = 0; slow && i < 500 && !stop; ++i) std::this_thread::sleep_for(milliseconds(10));
   };
   const auto start = std::chrono::steady_clock::now();
-  const std::string outcome = internal::RunOnEveryRankWhileOthersWait(
-      *pg, read, milliseconds(20000), milliseconds(1000), "the read", "Read::timeout", "the read failed");
+  const std::string outcome =
+      internal::RunOnEveryRankWhileOthersWait(*pg, read, milliseconds(20000), milliseconds(1000), "the test's call",
+                                              "the read", "Read::timeout", "the read failed");
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   WORKER_EXPECT(outcome.empty(), outcome);
   WORKER_EXPECT(took > 1.9, "returned after " + std::to_string(took) + " s, before rank 2's read ended");
@@ -1958,13 +2032,13 @@ DDP_TEST_WORKER(every_rank_reads) {
       [&](const std::atomic<bool>&) {
         if (pg->rank() == 1) throw std::runtime_error("no luck");
       },
-      milliseconds(20000), milliseconds(1000), "the read", "Read::timeout", "the read failed");
+      milliseconds(20000), milliseconds(1000), "the test's call", "the read", "Read::timeout", "the read failed");
   WORKER_EXPECT(mine == (pg->rank() == 1 ? "no luck" : ""), mine);
   std::string late;
   const auto late_start = std::chrono::steady_clock::now();
   try {
-    internal::RunOnEveryRankWhileOthersWait(*pg, long_read, milliseconds(300), milliseconds(1000), "the read",
-                                            "Read::timeout", "the read failed");
+    internal::RunOnEveryRankWhileOthersWait(*pg, long_read, milliseconds(300), milliseconds(1000), "the test's call",
+                                            "the read", "Read::timeout", "the read failed");
   } catch (const std::runtime_error& e) {
     late = e.what();
   }
@@ -1993,13 +2067,13 @@ TEST(DdpCheckpointTest, AloneTheWorkKeepsItsDeadline) {
   };
   auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(internal::RunOnRootWhileOthersWait(*pg, 0, stoppable_nap, milliseconds(200), milliseconds(1000),
-                                               "the nap", "Nap::timeout", "the nap failed"),
+                                               "the test's call", "the nap", "Nap::timeout", "the nap failed"),
             "the nap did not finish within Nap::timeout (200 ms)");
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3.0);
   start = std::chrono::steady_clock::now();
   try {
-    internal::RunOnEveryRankWhileOthersWait(*pg, stoppable_nap, milliseconds(200), milliseconds(1000), "the read",
-                                            "Read::timeout", "the read failed");
+    internal::RunOnEveryRankWhileOthersWait(*pg, stoppable_nap, milliseconds(200), milliseconds(1000),
+                                            "the test's call", "the read", "Read::timeout", "the read failed");
     ADD_FAILURE() << "no error past the timeout";
   } catch (const std::runtime_error& e) {
     EXPECT_STREQ(e.what(), "the read did not finish on every rank within Read::timeout (200 ms)");
@@ -2027,8 +2101,8 @@ TEST(DdpCheckpointTest, AWriteAlreadyRenamingAtTheDeadlineIsNotReportedAsLeftAsI
   after.model.emplace_back("w", nn::Zeros({1}));
   nn::io::internal::SetPauseBeforeRenameForTesting(milliseconds(2000));
   const std::string outcome = internal::RunOnRootWhileOthersWait(
-      *pg, 0, [&](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, after, &stop); },
-      milliseconds(300), milliseconds(200), "the write", "SaveOptions::timeout", "the write failed");
+      *pg, 0, [&](const std::atomic<bool>& stop) { nn::io::SaveCheckpoint(path, after, &stop); }, milliseconds(300),
+      milliseconds(200), "the test's call", "the write", "SaveOptions::timeout", "the write failed");
   nn::io::internal::SetPauseBeforeRenameForTesting(milliseconds(0));
   // The work has ended: the rename went through.
   EXPECT_EQ(nn::io::LoadCheckpoint(path).model.at(0).second.Item(), 0.0);
@@ -2133,9 +2207,9 @@ DDP_TEST_WORKER(left_behind_at_exit) {
     gate.cv.wait_for(lock, std::chrono::seconds(30), [&gate] { return gate.exiting; });
   };
   owned.reset();  // the work owns it alone
-  const std::string outcome = internal::RunOnRootWhileOthersWait(
-      *pg, 0, stuck, milliseconds(100), milliseconds(50), "the write", "SaveOptions::timeout", "the write failed",
-      milliseconds(100));
+  const std::string outcome =
+      internal::RunOnRootWhileOthersWait(*pg, 0, stuck, milliseconds(100), milliseconds(50), "the test's call",
+                                         "the write", "SaveOptions::timeout", "the write failed", milliseconds(100));
   WORKER_EXPECT(outcome == "the write did not finish within SaveOptions::timeout (100 ms)", outcome);
   return testing::WorkerExit();
 }

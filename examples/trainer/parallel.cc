@@ -289,7 +289,7 @@ class DdpParallel : public Parallel {
     static const std::string kTask = "rank 0's part";
     const std::string outcome = Guarded("waiting for rank 0", [&] {
       return dist::internal::RunOnRootWhileOthersWait(*pg_, 0, work, timeout, std::chrono::seconds(1),
-                                                      kTask, "its deadline",
+                                                      "the trainer's wait for rank 0", kTask, "its deadline",
                                                       "rank 0 did not finish its part", stop_grace,
                                                       discardable ? dist::internal::IfTheGroupFails::kStopTheWork
                                                                   : dist::internal::IfTheGroupFails::kLetTheWorkFinish);
