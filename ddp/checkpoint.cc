@@ -274,14 +274,12 @@ std::string ErrorOf(const internal::StoppableWork& work, const std::atomic<bool>
 // it owns (the checkpoint's tensors, its streams): during the exit, that
 // would run while the process's static objects (an allocator, the CUDA
 // runtime) are destroyed under it. So once the exit has begun (the
-// handler below, registered when the first thread is left behind, has
-// run), such a thread parks instead, owning everything, and the exit ends
-// it. Never destroyed: the threads use it at any time.
+// handler below has run), such a thread parks instead, owning those, and
+// the exit ends it. Never destroyed: the threads use it at any time.
 struct LeftBehind {
   std::mutex mu;
   std::condition_variable cv;
   bool exiting = false;
-  bool handler_registered = false;
   int ending = 0;  // threads left behind that are freeing what they own
 };
 
@@ -290,26 +288,30 @@ LeftBehind& TheLeftBehind() {
   return *l;
 }
 
-// Run by std::exit (before the static objects made before the first thread
-// was left behind are destroyed): from now on such threads park; one
-// already freeing what it owns gets up to a second to finish.
+// Run by std::exit, registered once for each thread left behind (see
+// Background::LeaveBehind): from its first run on, such threads park; one
+// already freeing what it owns gets up to a second to finish, after which
+// the exit goes on whatever it does. Later runs find the exit begun and
+// return at once.
 void OnExitWithThreadsLeftBehind() {
   LeftBehind& l = TheLeftBehind();
   std::unique_lock lock(l.mu);
+  if (l.exiting) return;
   l.exiting = true;
   l.cv.wait_for(lock, std::chrono::seconds(1), [&l] { return l.ending == 0; });
 }
 
 // The end of a thread left behind, once its work returned: `state`, the
 // last owner of what the work used, is freed, unless the process is
-// exiting (see LeftBehind).
+// exiting (see LeftBehind) or `keep` (its exit handler could not be
+// registered).
 template <typename State>
-void EndLeftBehind(std::shared_ptr<State> state) {
+void EndLeftBehind(std::shared_ptr<State> state, bool keep) {
   LeftBehind& l = TheLeftBehind();
   std::unique_lock lock(l.mu);
-  if (l.exiting) {
+  if (l.exiting || keep) {
     lock.unlock();
-    // Owning everything until the exit, which ends this thread; nothing
+    // Owning the state until the exit, which ends this thread; nothing
     // waits for it.
     while (true) std::this_thread::sleep_for(std::chrono::hours(1));
   }
@@ -340,14 +342,16 @@ class Background {
         std::string error =
             ErrorOf([&s](const std::atomic<bool>& stop) { s->streams->Run([&] { s->work(stop); }); }, s->stop);
         bool left_behind = false;
+        bool keep = false;
         {
           std::lock_guard lock(s->mu);
           s->error = std::move(error);
           s->done = true;
           left_behind = s->left_behind;
+          keep = s->keep;
           s->cv.notify_all();
         }
-        if (left_behind) EndLeftBehind(std::move(s));
+        if (left_behind) EndLeftBehind(std::move(s), keep);
       });
     } catch (const std::exception& e) {
       // Not started (no thread to be had: std::system_error): a work that
@@ -366,7 +370,8 @@ class Background {
   // Its stop flag is set, so a writer that ever returns removes its
   // temporary file and leaves the target as it was, unless it had already
   // passed its last check before the rename. Should that happen during
-  // the process's exit, the thread frees nothing (see LeftBehind).
+  // the process's exit, the rest of the work and of its thread's function
+  // runs then, but the thread does not free its State (see LeftBehind).
   ~Background() {
     if (!WaitUntil(Clock::now())) {
       const bool renaming = Stop();
@@ -392,16 +397,19 @@ class Background {
 
   // Marks the work as left behind, unless it ended meanwhile (false: it
   // is joined); from then on its thread frees what it owns (see
-  // LeftBehind).
+  // LeftBehind). The exit handler is registered again for each thread:
+  // std::exit runs it before it destroys the static objects made before
+  // this point, among them those that what the thread owns was made with
+  // (an allocator, the CUDA runtime), while the statics made after a
+  // registration are destroyed before it runs. Registered once, at the
+  // first thread left behind, it let a later thread free into statics
+  // made in between. Should it not be registered (no memory), the thread
+  // never frees its State.
   bool LeaveBehind() {
-    LeftBehind& l = TheLeftBehind();
-    {
-      std::lock_guard lock(l.mu);
-      if (!l.handler_registered) l.handler_registered = std::atexit(OnExitWithThreadsLeftBehind) == 0;
-    }
     std::lock_guard lock(state_->mu);
     if (state_->done) return false;
     state_->left_behind = true;
+    state_->keep = std::atexit(OnExitWithThreadsLeftBehind) != 0;
     return true;
   }
   // Waits until the work ends or `until`; true when it ended.
@@ -431,6 +439,7 @@ class Background {
     std::condition_variable cv;
     bool done = false;
     bool left_behind = false;  // its thread was detached (see LeftBehind)
+    bool keep = false;         // left behind, never to be freed (see LeaveBehind)
     std::string error;
     std::atomic<bool> stop{false};
     nn::io::OrderedStop ordered_stop{stop};

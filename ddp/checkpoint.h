@@ -103,12 +103,19 @@ struct SaveOptions {
   /// its stop flag once more before renaming its temporary file into
   /// place, and removes that file if it ever returns (unless its rename
   /// had already begun at the stop, which the message then says). When
-  /// the process exits while that thread is still stuck, the exit ends it:
-  /// should its call return once the exit has begun, the work's own last
-  /// steps still run (its stop check, removing the temporary file), but
-  /// the thread then frees nothing (the checkpoint's tensors, its streams)
-  /// and waits for the exit, so that nothing is freed while the process's
-  /// static objects (allocators, the CUDA runtime) are destroyed.
+  /// the process exits while that thread is still stuck, the exit ends it.
+  /// Should its call return during the exit, the rest of the write still
+  /// runs then (its stop check, closing and removing the temporary file,
+  /// freeing its own buffers), and so do restoring the streams and
+  /// recording its outcome; then, once the exit has marked itself begun,
+  /// the thread keeps what it owns (the checkpoint's copy and tensors, its
+  /// streams) and waits for the exit to end it, instead of freeing them
+  /// while the process's static objects (allocators, the CUDA runtime) are
+  /// destroyed. The exit marks itself begun before it destroys any static
+  /// object made before the thread was left behind (those that what it
+  /// owns was made with); statics made later may be destroyed before. A
+  /// thread already freeing what it owns when the exit begins gets up to
+  /// 1 s more, after which the exit goes on while it frees.
   std::chrono::milliseconds stop_grace{internal::kStopGrace};
 };
 

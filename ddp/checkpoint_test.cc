@@ -2161,64 +2161,115 @@ TEST(DdpCheckpointTest, AWriteStuckInTheFilesystemIsLeftBehindAfterTheGraceAndSa
 // call returns at last while the process exits: before, its thread then
 // freed what it owned (the checkpoint's tensors, its streams) while the
 // process's static objects were being destroyed under it. Now a thread
-// left behind parks once the exit has begun, freeing nothing. Here the
-// work waits until a static object made before it was left behind is
-// destroyed by the exit, then returns; that object's destructor then
-// waits up to 2 s for what the work owns to be freed, and says whether it
-// was.
+// left behind does not free its state once the exit has begun. Here the
+// work waits until a static object (ExitMarker) is destroyed by the exit,
+// then returns; the marker's destructor then waits up to 2 s for what the
+// work owns to be freed, and says whether it was. DDP_TEST_CASE
+// made_before: the marker is made before the work is left behind;
+// made_later: a first work is left behind and ends (which registered the
+// exit's handler once, before), then the marker is made, then the work
+// above is left behind: with one registration, at the first thread left
+// behind, the exit destroyed the marker before it marked the exit begun.
+
+// What the works and the marker share. Never destroyed (a leaked heap
+// object): a work kept off the CPU may touch it at any time of the exit.
 struct ExitGate {
   std::mutex mu;
   std::condition_variable cv;
-  bool exiting = false;
-  bool owned_freed = false;
-  ~ExitGate() {
-    std::unique_lock lock(mu);
-    exiting = true;
-    cv.notify_all();
-    const bool freed = cv.wait_for(lock, std::chrono::seconds(2), [this] { return owned_freed; });
-    std::fprintf(stderr, "%s\n", freed ? "what the work owned was freed during the exit"
-                                       : "what the work owned was kept during the exit");
-  }
+  bool release_first = false;  // the first work (made_later) may return
+  bool first_freed = false;    // what the first work owned was freed
+  bool exiting = false;        // the marker is being destroyed
+  bool returned = false;       // the work stuck until the exit returned
+  bool owned_freed = false;    // what that work owned was freed
 };
 
 ExitGate& TheExitGate() {
-  static ExitGate gate;
-  return gate;
+  static auto* gate = new ExitGate;  // never destroyed
+  return *gate;
 }
 
-// Owned by the work: says when it is freed.
+// Sets `flag` of the gate when freed.
 struct OwnedByTheWork {
+  explicit OwnedByTheWork(bool ExitGate::*flag) : flag(flag) {}
   ~OwnedByTheWork() {
     ExitGate& gate = TheExitGate();
     std::lock_guard lock(gate.mu);
-    gate.owned_freed = true;
+    gate.*flag = true;
     gate.cv.notify_all();
+  }
+  bool ExitGate::*flag;
+};
+
+struct ExitMarker {
+  ~ExitMarker() {
+    ExitGate& gate = TheExitGate();
+    std::unique_lock lock(gate.mu);
+    gate.exiting = true;
+    gate.cv.notify_all();
+    // The work returns at once, unless its thread is kept off the CPU.
+    const bool returned = gate.cv.wait_for(lock, std::chrono::seconds(30), [&gate] { return gate.returned; });
+    const bool freed =
+        returned && gate.cv.wait_for(lock, std::chrono::seconds(2), [&gate] { return gate.owned_freed; });
+    std::fprintf(stderr, "%s\n",
+                 !returned ? "the work did not return during the exit"
+                 : freed   ? "what the work owned was freed during the exit"
+                           : "what the work owned was kept during the exit");
   }
 };
 
+// Makes the marker, a static object, at its first call.
+void MakeTheExitMarker() { static ExitMarker marker; }
+
 DDP_TEST_WORKER(left_behind_at_exit) {
   using std::chrono::milliseconds;
-  TheExitGate();  // made before the work is left behind
+  const bool made_later = std::string(std::getenv("DDP_TEST_CASE")) == "made_later";
   auto pg = ProcessGroup::Single();
-  auto owned = std::make_shared<OwnedByTheWork>();
-  auto stuck = [owned](const std::atomic<bool>&) {
+  ExitGate& gate = TheExitGate();
+  auto leave_behind = [&pg](const internal::StoppableWork& work) {
+    const std::string outcome =
+        internal::RunOnRootWhileOthersWait(*pg, 0, work, milliseconds(100), milliseconds(50), "the test's call",
+                                           "the write", "SaveOptions::timeout", "the write failed", milliseconds(100));
+    WORKER_EXPECT(outcome == "the write did not finish within SaveOptions::timeout (100 ms)", outcome);
+  };
+  if (made_later) {
+    auto owned = std::make_shared<OwnedByTheWork>(&ExitGate::first_freed);
+    internal::StoppableWork first = [owned](const std::atomic<bool>&) {
+      ExitGate& gate = TheExitGate();
+      std::unique_lock lock(gate.mu);
+      gate.cv.wait_for(lock, std::chrono::seconds(30), [&gate] { return gate.release_first; });
+    };
+    owned.reset();  // the work owns it alone
+    leave_behind(first);
+    first = nullptr;
+    std::unique_lock lock(gate.mu);
+    gate.release_first = true;
+    gate.cv.notify_all();
+    WORKER_EXPECT(gate.cv.wait_for(lock, std::chrono::seconds(30), [&gate] { return gate.first_freed; }),
+                  "the first work left behind did not end");
+  }
+  MakeTheExitMarker();
+  auto owned = std::make_shared<OwnedByTheWork>(&ExitGate::owned_freed);
+  internal::StoppableWork stuck = [owned](const std::atomic<bool>&) {
     ExitGate& gate = TheExitGate();
     std::unique_lock lock(gate.mu);
     gate.cv.wait_for(lock, std::chrono::seconds(30), [&gate] { return gate.exiting; });
+    gate.returned = true;
+    gate.cv.notify_all();
   };
   owned.reset();  // the work owns it alone
-  const std::string outcome =
-      internal::RunOnRootWhileOthersWait(*pg, 0, stuck, milliseconds(100), milliseconds(50), "the test's call",
-                                         "the write", "SaveOptions::timeout", "the write failed", milliseconds(100));
-  WORKER_EXPECT(outcome == "the write did not finish within SaveOptions::timeout (100 ms)", outcome);
+  leave_behind(stuck);
+  stuck = nullptr;
   return testing::WorkerExit();
 }
 
 TEST(DdpCheckpointTest, AWorkLeftBehindFreesNothingOnceTheProcessExits) {
-  auto run = RunWorkers("left_behind_at_exit", 1, {});
-  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
-  EXPECT_THAT(run.Output(0), AllOf(HasSubstr("the work did not end within 100 ms of being asked to stop"),
-                                   HasSubstr("what the work owned was kept during the exit")));
+  for (const char* which : {"made_before", "made_later"}) {
+    auto run = RunWorkers("left_behind_at_exit", 1, {{"DDP_TEST_CASE", which}});
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+    EXPECT_THAT(run.Output(0), AllOf(HasSubstr("the work did not end within 100 ms of being asked to stop"),
+                                     HasSubstr("what the work owned was kept during the exit")))
+        << which;
+  }
 }
 
 TEST(DdpCheckpointTest, LoadFromRankZeroNeedsTheFileOnlyThere) {
