@@ -73,6 +73,9 @@ std::atomic<bool> fail_next_bookkeeping{false};
 // same), and the transport calls its tasks made, for the tests.
 std::atomic<size_t> object_all_gather_padded_bytes{internal::kObjectAllGatherPaddedBytes};
 std::atomic<uint64_t> object_all_gather_calls{0};
+// Set by internal::FailNextPostForTesting: the next post on a caller's
+// thread (Impl::PostHere) throws std::bad_alloc before its messages go.
+std::atomic<bool> fail_next_post{false};
 // Set by internal::FailNextNewGroupAfterSplitForTesting.
 std::atomic<bool> fail_next_new_group_after_split{false};
 
@@ -616,8 +619,13 @@ class ProcessGroup::Impl {
     if (post_here && trace != nullptr) trace_name = description.ToString();
     if (post_here) {
       posted = PostHere(task, state);
-      wake = in_flight_.empty();
-      if (posted.ok()) in_flight_.push_back(state);  // room reserved above
+      // Listed in in_flight_ (where the thread polls it) only by
+      // FinishPostedHere, once its bookkeeping is done: until then nothing
+      // but this call can finish the Work, so that a failure there is what
+      // the Work reports (the thread's poll finished it OK, or with the
+      // abort's text, first). Its room stays reserved meanwhile.
+      if (posted.ok()) ++p2p_pending_;
+      wake = false;
     } else if (run_here) {
       // running_ keeps the thread from starting anything issued meanwhile.
       Item item{std::move(description), std::move(task), state, mode, own_ms};
@@ -906,6 +914,7 @@ class ProcessGroup::Impl {
     }
     Status status;
     try {
+      if (fail_next_post.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
       status = aborted_reason();
       // Worded as Run words it for messages queued behind other work.
       if (!status.ok()) return Status(status.code(), "not run: the group was aborted: " + status.message());
@@ -917,8 +926,16 @@ class ProcessGroup::Impl {
         status = transport::InternalError("posting a message threw an exception that is not a std::exception");
       }
     } catch (...) {
-      // No memory to say why (FinishPostedHere names the call).
-      return Status(transport::StatusCode::kResourceExhausted, "");
+      // No memory to say why in full. The reason is the peers' too
+      // (FinishPostedHere aborts the group with it): it names this rank
+      // when there is memory for that, else it says "out of memory", short
+      // enough to be held in the string itself (no allocation).
+      try {
+        return transport::ResourceExhaustedError("rank " + std::to_string(rank_) +
+                                                 " ran out of memory while posting a point-to-point message");
+      } catch (...) {
+        return Status(transport::StatusCode::kResourceExhausted, "out of memory");
+      }
     }
     if (status.ok()) {
       std::lock_guard state_lock(state->mu);
@@ -928,24 +945,39 @@ class ProcessGroup::Impl {
   }
 
   // After PostHere, with mu_ released: records the trace event (named
-  // `trace_name`) and, when the post failed, aborts the group and fails
-  // the Work. Never throws, as RunGuarded: the messages may be in flight
-  // and the caller gets the Work. Bookkeeping that runs out of memory
+  // `trace_name`); then lists posted messages in in_flight_ for the thread
+  // to poll, or, when the post failed, aborts the group and fails the Work.
+  // Never throws, as RunGuarded: the messages may be in flight and the
+  // caller gets the Work. Bookkeeping that runs out of memory
   // (internal::FailNextBookkeepingForTesting stands for that) fails the
-  // Work with RESOURCE_EXHAUSTED naming it and aborts the group, so that
-  // the peer does not wait for what this rank cannot follow.
+  // Work with RESOURCE_EXHAUSTED naming it, or, when the post had failed
+  // already, with the post's failure and a note of its own, and aborts the
+  // group (with that first failure), so that the peer does not wait for
+  // what this rank cannot follow. The Work is not listed then: nothing
+  // else finishes it first.
   void FinishPostedHere(const std::shared_ptr<Work::State>& state, Status posted, const Traces& trace,
                         const std::string& trace_name) noexcept {
     const Clock::time_point end = Clock::now();
+    bool listed = false;
     try {
       if (fail_next_bookkeeping.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
       Record(trace, trace_name, state->started, end, posted.ok());
-      if (!posted.ok()) {
-        if (aborted_reason().ok()) Abort(posted);
-        state->Finish(transport::Status(posted.code(), state->what + ": " + posted.message()), end);
+      if (posted.ok()) {
+        ListPostedHere(state, /*list=*/true);
+        listed = true;
+        return;
       }
+      if (aborted_reason().ok()) Abort(posted);
+      state->Finish(transport::Status(posted.code(), state->what + ": " + posted.message()), end);
     } catch (...) {
-      Status reason(transport::StatusCode::kResourceExhausted, "");
+      const bool post_failed = !posted.ok();
+      if (!post_failed && !listed) ListPostedHere(state, /*list=*/false);
+      // The first failure counts: a post that failed already (the group
+      // aborted before it, the transport's refusal) keeps its own reason.
+      // Held in the string itself (no allocation) when there is no memory
+      // for more.
+      Status reason(transport::StatusCode::kResourceExhausted, "out of memory");
+      bool named = false;
       try {
         std::string text;
         try {
@@ -955,17 +987,38 @@ class ProcessGroup::Impl {
         } catch (...) {
           text = "an exception not derived from std::exception";
         }
-        reason = transport::ResourceExhaustedError("could not post " + state->what + ": its bookkeeping failed: " +
-                                                   text);
-        Abort(reason);
+        reason = post_failed ? Status(posted.code(), state->what + ": " + posted.message() +
+                                                         " (and its bookkeeping failed: " + text + ")")
+                             : transport::ResourceExhaustedError("could not post " + state->what +
+                                                                 ": its bookkeeping failed: " + text);
+        named = true;
       } catch (...) {
-        try {
-          Abort(reason);
-        } catch (...) {
-        }
       }
+      try {
+        if (!post_failed) {
+          Abort(reason);
+        } else if (aborted_reason().ok()) {
+          Abort(posted);
+        }
+      } catch (...) {
+      }
+      if (post_failed && !named) reason = std::move(posted);  // its own text, without the call's name
       state->Finish(std::move(reason), end);
     }
+  }
+
+  // FinishPostedHere, for messages that were posted: the room Enqueue kept
+  // for them (p2p_pending_) is theirs in in_flight_ (`list`, waking the
+  // thread when nothing else was listed: it sleeps without a timeout then),
+  // or is given up (their Work failed).
+  void ListPostedHere(const std::shared_ptr<Work::State>& state, bool list) {
+    std::unique_lock lock(mu_);
+    --p2p_pending_;
+    if (!list) return;
+    const bool wake = in_flight_.empty();
+    in_flight_.push_back(state);  // never allocates: room reserved (ReserveInFlight)
+    lock.unlock();
+    if (wake) cv_.notify_one();
   }
 
   // Under mu_, before a point-to-point item is queued or posted: room in
@@ -1222,7 +1275,8 @@ class ProcessGroup::Impl {
   std::deque<Item> queue_;
   // Point-to-point Works posted and not yet finished.
   std::vector<std::shared_ptr<Work::State>> in_flight_;
-  // Point-to-point items queued or running on the communication thread:
+  // Point-to-point items queued or running on the communication thread, or
+  // posted on a caller's thread and not yet listed (FinishPostedHere):
   // in_flight_ has room for them (ReserveInFlight).
   size_t p2p_pending_ = 0;
   size_t running_ = 0;  // items running, on the thread or on a caller's
@@ -2094,6 +2148,8 @@ void internal::FailNextNewGroupAfterSplitForTesting() {
 }
 
 void internal::FailNextBookkeepingForTesting() { fail_next_bookkeeping.store(true, std::memory_order_relaxed); }
+
+void internal::FailNextPostForTesting() { fail_next_post.store(true, std::memory_order_relaxed); }
 
 void internal::SetObjectAllGatherPaddedBytesForTesting(size_t bytes) {
   object_all_gather_padded_bytes.store(bytes, std::memory_order_relaxed);

@@ -52,8 +52,10 @@
 // it was issued: std::bad_alloc"). Past that point (messages posted in the
 // call, a collective run on the caller's thread) the call returns its Work,
 // and a failure of its bookkeeping fails that Work with RESOURCE_EXHAUSTED
-// naming it ("could not post send to rank 0 ...: its bookkeeping failed")
-// and aborts the group the same way. A collective
+// naming it ("could not post send to rank 0 ...: its bookkeeping failed";
+// a post that had failed already keeps its own reason, with a note) and
+// aborts the group the same way; nothing else (a message that went)
+// completes that Work first. A collective
 // that fails (a peer died, a deadline passed, ranks disagreed) completes its
 // Work with the transport's Status code, its message prefixed with the
 // collective ("all_reduce bucket 3(sum, f32 [4]) (collective #5 on rank 0):
@@ -140,6 +142,12 @@ void FailNextNewGroupAfterSplitForTesting();
 /// std::bad_alloc, as when memory runs out there. Armed inside a task, it
 /// is that task's.
 void FailNextBookkeepingForTesting();
+
+/// Test only: the next messages posted in the call that issues them (a
+/// Send, Recv or BatchIsendIrecv with nothing queued or running ahead), in
+/// this process, fail before they are posted with std::bad_alloc, as when
+/// memory runs out there.
+void FailNextPostForTesting();
 
 /// ProcessGroup::AllGatherObject gathers the objects padded to the longest
 /// in one all-gather while size() x the longest object is at most this many

@@ -870,7 +870,13 @@ TEST(ProcessGroupTest, NoMemoryForACallsBookkeepingFailsItAndAbortsTheGroup) {
 // the group is aborted: the next collective fails at once on both ranks
 // with that reason. Before, nothing there was guarded: a std::bad_alloc
 // after the post left Send throwing, with its message in flight and no
-// Work, and the abort said that it failed before it was issued.
+// Work, and the abort said that it failed before it was issued. The
+// message was listed for the communication thread to poll before its
+// bookkeeping ran, so that thread could finish it first, OK or with the
+// abort's text (about one run in twenty of this test as it was); it is
+// listed only once its bookkeeping succeeded. Here that thread polls (a
+// receive never matched is in flight) while the abort takes milliseconds
+// (it aborts 48 subgroups too): the old listing failed every run.
 DDP_TEST_WORKER(pg_posted_here_bookkeeping_out_of_memory) {
   auto pg = testing::WorkerGroup();  // a 20 s timeout
   const int me = pg->rank();
@@ -878,8 +884,13 @@ DDP_TEST_WORKER(pg_posted_here_bookkeeping_out_of_memory) {
   const std::string want =
       "could not post send to rank 0 tag 0(f32 [4]) on rank 1: its bookkeeping failed: std::bad_alloc";
   Tensor t = nn::Full({4}, me + 1);
+  std::vector<std::shared_ptr<ProcessGroup>> subgroups;
+  for (int k = 0; k < 48; ++k) subgroups.push_back(pg->NewGroup({0, 1}));
   pg->Barrier().Wait();
   if (me == 1) {
+    // Never sent: it keeps the communication thread polling what is listed.
+    Tensor never = nn::Zeros({1});
+    const Work pending = pg->Recv(never, 0, 7);
     std::string sent = "succeeded";
     try {
       internal::FailNextBookkeepingForTesting();
@@ -913,6 +924,77 @@ DDP_TEST_WORKER(pg_posted_here_bookkeeping_out_of_memory) {
 
 TEST(ProcessGroupTest, NoMemoryAfterPostingAMessageFailsItsWorkAndAbortsTheGroup) {
   auto run = RunWorkers("pg_posted_here_bookkeeping_out_of_memory", 2, {{"DDP_COLLECTIVE_THREAD", "caller"}}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A message posted in the call after the group was aborted (it says "not
+// run: the group was aborted: ...") whose bookkeeping then runs out of
+// memory keeps that first reason, with a note of the bookkeeping's failure;
+// before, the note replaced it ("could not post ...: its bookkeeping
+// failed"), naming the wrong problem.
+DDP_TEST_WORKER(pg_posted_after_abort_bookkeeping_out_of_memory) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  Tensor t = nn::Ones({4});
+  pg->Barrier().Wait();
+  if (me == 0) {
+    pg->Abort(transport::AbortedError("stopped by the test"));
+    internal::FailNextBookkeepingForTesting();
+  }
+  std::string what = "succeeded";
+  try {
+    (me == 0 ? pg->Send(t, 1) : pg->Recv(t, 0)).Wait();
+  } catch (const DistributedError& e) {
+    what = e.what();
+  }
+  if (me == 0) {
+    const std::string want =
+        "send to rank 1 tag 0(f32 [4]) on rank 0: not run: the group was aborted: stopped by the test (and its "
+        "bookkeeping failed: std::bad_alloc)";
+    WORKER_EXPECT(what.find(want) != std::string::npos, "the Send: " + what + on);
+  } else {
+    WORKER_EXPECT(what.find("stopped by the test") != std::string::npos, "the Recv: " + what + on);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, ABookkeepingFailureAfterAFailedPostKeepsThePostsReason) {
+  auto run = RunWorkers("pg_posted_after_abort_bookkeeping_out_of_memory", 2, {{"DDP_COLLECTIVE_THREAD", "caller"}},
+                        30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A post in the call that runs out of memory before its messages go
+// (internal::FailNextPostForTesting) fails its Work and aborts the group
+// with a reason that names the rank; the peers were told a bare
+// "RESOURCE_EXHAUSTED: " (an empty reason).
+DDP_TEST_WORKER(pg_post_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  const std::string reason = "rank 1 ran out of memory while posting a point-to-point message";
+  Tensor t = nn::Ones({4});
+  pg->Barrier().Wait();
+  if (me == 1) {
+    internal::FailNextPostForTesting();
+    const transport::Status sent = pg->Send(t, 0).WaitFor(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    WORKER_EXPECT(sent.code() == transport::StatusCode::kResourceExhausted &&
+                      sent.message() == "send to rank 0 tag 0(f32 [4]) on rank 1: " + reason,
+                  "the Send: " + sent.ToString() + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  const transport::Status received = pg->Recv(t, 1).WaitFor(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(received.code() == transport::StatusCode::kResourceExhausted &&
+                    received.message().find(reason) != std::string::npos,
+                "the Recv: " + received.ToString() + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NoMemoryToPostAMessageTellsThePeersWhichRank) {
+  auto run = RunWorkers("pg_post_out_of_memory", 2, {{"DDP_COLLECTIVE_THREAD", "caller"}}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
