@@ -2193,7 +2193,7 @@ void ProcessGroup::BroadcastObject(std::string* object, int root) {
     // Not issued: the caller's object comes back as it was (the header
     // promises it; a call refused from inside a task left it empty).
     if (bytes != nullptr) *object = std::move(*bytes);
-    AbortBeforeIssued(*this, "BroadcastObject");
+    AbortUnlessArgumentError(*this, "BroadcastObject");
     throw;
   }
   work.Wait();
@@ -2276,7 +2276,7 @@ std::vector<std::string> ProcessGroup::AllGatherObject(const std::string& object
         },
         nullptr);
   } catch (...) {
-    AbortBeforeIssued(*this, "AllGatherObject");
+    AbortUnlessArgumentError(*this, "AllGatherObject");
     throw;
   }
   work.Wait();
@@ -2330,7 +2330,7 @@ std::vector<std::string> ProcessGroup::GatherObject(const std::string& object, i
         },
         nullptr);
   } catch (...) {
-    AbortBeforeIssued(*this, "GatherObject");
+    AbortUnlessArgumentError(*this, "GatherObject");
     throw;
   }
   work.Wait();
@@ -2403,7 +2403,7 @@ std::string ProcessGroup::ScatterObject(const std::vector<std::string>& objects,
         },
         nullptr);
   } catch (...) {
-    AbortBeforeIssued(*this, "ScatterObject");
+    AbortUnlessArgumentError(*this, "ScatterObject");
     throw;
   }
   work.Wait();

@@ -488,7 +488,9 @@ class ProcessGroup {
   // that fails (no memory for a peer's object, or for the copy of its own
   // that the call keeps) aborts the group, so every rank fails at once
   // naming it instead of waiting out the timeout; a buffer it has no memory
-  // for is named with its size in bytes (RESOURCE_EXHAUSTED).
+  // for is named with its size in bytes (RESOURCE_EXHAUSTED). A call from
+  // inside a task of the same group throws std::logic_error on that rank
+  // and leaves the group as it is, as the other collectives do.
 
   /// `*object` on every rank becomes root's (moved, not copied, in and
   /// out; after a failure in the collective it is empty, after one before

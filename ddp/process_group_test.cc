@@ -1398,6 +1398,59 @@ TEST(ProcessGroupTest, ABroadcastObjectRefusedBeforeItIsIssuedLeavesTheObject) {
   EXPECT_EQ(*object, "the caller's object, long enough to live on the heap");
 }
 
+// On two ranks, an object collective called from inside a task of the same
+// group is refused on that rank (std::logic_error) and leaves the group as
+// it is, as AllReduce in the same place does: the header says such a rank
+// does not take part. The object collectives aborted the group ("...
+// failed on rank R before it was issued"), which a one-rank group, where
+// nobody waits, never showed.
+DDP_TEST_WORKER(pg_object_collective_inside_a_task) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  ProcessGroup* group = pg.get();  // outlives the task, which is waited for
+  for (const std::string call : {"all_reduce", "broadcast_object", "all_gather_object", "gather_object",
+                                 "scatter_object"}) {
+    auto refused = std::make_shared<std::string>("not refused");
+    pg->Run({"calls_" + call, DType::kFloat32, {0}},
+            [group, call, refused](transport::Communicator*, transport::Deadline) {
+              try {
+                if (call == "all_reduce") {
+                  Tensor t = nn::Ones({2});
+                  group->AllReduce(t).Wait();
+                } else if (call == "broadcast_object") {
+                  std::string object = "an object";
+                  group->BroadcastObject(&object, 0);
+                } else if (call == "all_gather_object") {
+                  (void)group->AllGatherObject("an object");
+                } else if (call == "gather_object") {
+                  (void)group->GatherObject("an object", 0);
+                } else {
+                  (void)group->ScatterObject(std::vector<std::string>(2, "an object"), 0);
+                }
+              } catch (const std::logic_error& e) {
+                *refused = e.what();
+              }
+              return transport::Status::Ok();
+            })
+        .Wait();
+    WORKER_EXPECT(refused->find(call + "(") != std::string::npos &&
+                      refused->find("from inside a task of the same process group") != std::string::npos,
+                  call + ": " + *refused + on);
+    WORKER_EXPECT(pg->aborted_reason().ok(), call + ": the group was aborted: " + pg->aborted_reason().ToString() + on);
+  }
+  // The group still runs collectives.
+  Tensor t = nn::Ones({2});
+  pg->AllReduce(t).Wait();
+  WORKER_EXPECT(t.ToVector<float>() == std::vector<float>(2, 2.0f), "the all-reduce after" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, AnObjectCollectiveInsideATaskIsRefusedAndLeavesTheGroup) {
+  auto run = RunWorkers("pg_object_collective_inside_a_task", 2, {}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(ProcessGroupTest, NewGroupOfAnEmptyListIsRefused) {
   auto pg = ProcessGroup::Single();
   std::string error;
