@@ -731,18 +731,21 @@ class ProcessGroup::Impl {
     std::deque<Item> queued = std::move(queue_);
     queue_.clear();
     for (const Item& item : queued) p2p_pending_ -= item.mode == Mode::kPointToPoint ? 1 : 0;
-    // Copied, not moved: in_flight_ keeps the room reserved for the running
-    // item, should it be messages the thread adds there when it returns.
-    std::vector<std::shared_ptr<Work::State>> flying(in_flight_.begin(), in_flight_.end());
+    Status reason = aborted_reason();
+    if (reason.ok()) reason = transport::AbortedError("process group destroyed");
+    // Finished where they are, under mu_ (the thread, should the task
+    // return, waits for it), then cleared: in_flight_ keeps the room
+    // reserved for the running item, should it be messages the thread adds
+    // there when it returns, and no copy of the list is made (this runs in
+    // the destructor). Lock order: mu_, then a Work's own locks, as in
+    // Enqueue.
+    for (const std::shared_ptr<Work::State>& state : in_flight_) {
+      if (!state->Drive()) state->Finish(reason, Clock::now());
+    }
     in_flight_.clear();
     stopping_ = true;
     lock.unlock();
-    Status reason = aborted_reason();
-    if (reason.ok()) reason = transport::AbortedError("process group destroyed");
     for (Item& item : queued) item.state->Finish(reason, Clock::now());
-    for (const std::shared_ptr<Work::State>& state : flying) {
-      if (!state->Drive()) state->Finish(reason, Clock::now());
-    }
     std::fprintf(stderr,
                  "[ddp] process group of rank %d destroyed while a task still runs %lld ms past the abort "
                  "(it ignores its deadline and the abort): its thread is left running and the group's "

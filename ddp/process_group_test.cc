@@ -1139,6 +1139,54 @@ TEST(ProcessGroupTest, DestructionGivesUpOnATaskThatIgnoresTheAbort) {
   EXPECT_EQ(ended_future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
 }
 
+// The same with a message in flight (a receive that no send matches, on
+// each of two ranks): when the destructor gives up on the task, the
+// message's Work fails too, by the time the destructor returns (it is
+// finished in the list, which is not copied there).
+DDP_TEST_WORKER(pg_destroyed_with_a_stuck_task_and_a_message_in_flight) {
+  auto pg = ProcessGroup::CreateFromEnvironment({.timeout = std::chrono::milliseconds(500),
+                                                 .collective_thread = CollectiveThread::kCommThread,
+                                                 .wait_margin = std::chrono::milliseconds(200)});
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  Tensor never = nn::Zeros({4});
+  const Work message = pg->Recv(never, 1 - me, 9);
+  auto release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> released = release->get_future().share();
+  auto started = std::make_shared<std::promise<void>>();
+  auto ended = std::make_shared<std::promise<void>>();
+  std::future<void> ended_future = ended->get_future();
+  const Work stuck = pg->Run({"ignores_the_abort", DType::kFloat32, {0}},
+                             [released, started, ended](transport::Communicator*, transport::Deadline) {
+                               started->set_value();
+                               released.wait_for(std::chrono::seconds(30));
+                               ended->set_value();
+                               return transport::Status::Ok();
+                             });
+  WORKER_EXPECT(started->get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready,
+                "the task did not start" + on);
+  std::future<void> destroyed = std::async(std::launch::async, [&pg] { pg.reset(); });
+  const bool returned = destroyed.wait_for(std::chrono::seconds(8)) == std::future_status::ready;
+  const bool completed = returned && message.IsCompleted();
+  release->set_value();
+  destroyed.wait();
+  WORKER_EXPECT(returned, "the destructor was still waiting for the task after 8 s" + on);
+  WORKER_EXPECT(completed, "the message in flight was not finished by the destructor" + on);
+  Work waited = message;
+  const transport::Status status = waited.WaitFor(std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  // Failed with the abort, or with its own deadline, which has passed.
+  WORKER_EXPECT(!status.ok() && status.message().find("waiter's deadline") == std::string::npos,
+                "the message in flight: " + status.ToString() + on);
+  WORKER_EXPECT(ended_future.wait_for(std::chrono::seconds(10)) == std::future_status::ready,
+                "the task did not end on the thread left to it" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, DestructionGivesUpOnATaskAndFailsTheMessagesInFlight) {
+  auto run = RunWorkers("pg_destroyed_with_a_stuck_task_and_a_message_in_flight", 2, {}, 60000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(ProcessGroupTest, DefaultGroupMustBeInitialized) {
   DestroyProcessGroup();
   EXPECT_THROW(DefaultProcessGroup(), std::logic_error);
