@@ -124,6 +124,11 @@ std::string DescribeHeader(const P2pHeader& h) {
   return s + " (" + std::to_string(h[1] * static_cast<int64_t>(nn::ElementSize(dtype))) + " bytes)";
 }
 
+// RESOURCE_EXHAUSTED "out of memory": the reason where there is no memory
+// to say more. Short enough to be held in the string itself, so that
+// making it allocates nothing; peers learn it with the rank that aborted.
+Status OutOfMemory() noexcept { return Status(transport::StatusCode::kResourceExhausted, "out of memory"); }
+
 // A collective or a receive wrote into the caller's `t` (undefined: nothing
 // was written). Its storage's version moves, as after an in-place op, so
 // that what keeps a copy made from it notices: autograd's saved tensors,
@@ -932,12 +937,12 @@ class ProcessGroup::Impl {
       // No memory to say why in full. The reason is the peers' too
       // (FinishPostedHere aborts the group with it): it names this rank
       // when there is memory for that, else it says "out of memory", short
-      // enough to be held in the string itself (no allocation).
+      // enough to be held in the string itself (OutOfMemory).
       try {
         return transport::ResourceExhaustedError("rank " + std::to_string(rank_) +
                                                  " ran out of memory while posting a point-to-point message");
       } catch (...) {
-        return Status(transport::StatusCode::kResourceExhausted, "out of memory");
+        return OutOfMemory();
       }
     }
     if (status.ok()) {
@@ -977,9 +982,8 @@ class ProcessGroup::Impl {
       if (!post_failed && !listed) ListPostedHere(state, /*list=*/false);
       // The first failure counts: a post that failed already (the group
       // aborted before it, the transport's refusal) keeps its own reason.
-      // Held in the string itself (no allocation) when there is no memory
-      // for more.
-      Status reason(transport::StatusCode::kResourceExhausted, "out of memory");
+      // OutOfMemory when there is no memory for more.
+      Status reason = OutOfMemory();
       bool named = false;
       try {
         std::string text;
@@ -1065,7 +1069,7 @@ class ProcessGroup::Impl {
         // No memory to report a mismatch or the abort's reason (out of
         // this thread it ended the process): the messages fail, and so
         // does the group, so that the peer does not wait for them.
-        Status reason(transport::StatusCode::kResourceExhausted, "");
+        Status reason = OutOfMemory();
         try {
           reason = transport::ResourceExhaustedError(state->what + ": no memory to follow its messages");
         } catch (...) {
@@ -1177,7 +1181,7 @@ class ProcessGroup::Impl {
     try {
       return Run(item, trace);
     } catch (...) {
-      Status reason(transport::StatusCode::kResourceExhausted, "");
+      Status reason = OutOfMemory();
       try {
         std::string text;
         try {
@@ -1192,7 +1196,8 @@ class ProcessGroup::Impl {
                                                    ": its bookkeeping failed: " + text);
         if (!gone->load(std::memory_order_acquire)) Abort(reason);
       } catch (...) {
-        // No memory for the reason either: the item fails without one.
+        // No memory for the reason either: the item fails, and the peers
+        // learn, that this rank ran out of memory (OutOfMemory).
         if (!gone->load(std::memory_order_acquire)) {
           try {
             Abort(reason);

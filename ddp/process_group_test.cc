@@ -862,6 +862,56 @@ TEST(ProcessGroupTest, NoMemoryForACallsBookkeepingFailsItAndAbortsTheGroup) {
   }
 }
 
+// The same, where the memory runs out again while the failure's reason is
+// being written (the test's operator new fails the next allocation of the
+// thread that runs the task, armed inside it: the reason's text is that
+// allocation). The item fails, and the group is aborted, with
+// RESOURCE_EXHAUSTED "out of memory", which takes no allocation; before,
+// the reason was empty, and rank 0 learnt only that rank 1 had aborted.
+DDP_TEST_WORKER(pg_run_bookkeeping_and_its_reason_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  pg->Barrier().Wait();
+  std::string ran = "succeeded";
+  try {
+    pg->Run({"custom_bookkeeping", DType::kFloat32, {4}}, [me](transport::Communicator*, transport::Deadline) {
+        if (me == 1) {
+          internal::FailNextBookkeepingForTesting();
+          fail_next_allocation = true;
+        }
+        return transport::Status::Ok();
+      }).Wait();
+  } catch (const DistributedError& e) {
+    ran = std::string("DistributedError: ") + e.what();
+  } catch (const std::exception& e) {
+    ran = std::string("another exception: ") + e.what();
+  }
+  WORKER_EXPECT(me == 1 ? ran == "DistributedError: RESOURCE_EXHAUSTED: out of memory" : ran == "succeeded",
+                "the task's call: " + ran + on);
+  const auto start = std::chrono::steady_clock::now();
+  std::string next = "succeeded";
+  try {
+    Tensor t = nn::Full({4}, me + 1);
+    pg->AllReduce(t).Wait();
+  } catch (const DistributedError& e) {
+    next = e.what();
+  }
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10),
+                "the next collective waited for its budget" + on);
+  WORKER_EXPECT(next.rfind("RESOURCE_EXHAUSTED: ", 0) == 0 && next.find("out of memory") != std::string::npos,
+                "the next collective: " + next + on);
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, NoMemoryForABookkeepingFailuresReasonStillTellsThePeers) {
+  for (const char* thread : {"comm", "caller"}) {
+    auto run = RunWorkers("pg_run_bookkeeping_and_its_reason_out_of_memory", 2, {{"DDP_COLLECTIVE_THREAD", thread}},
+                          60000);
+    EXPECT_TRUE(run.AllSucceeded()) << thread << "\n" << testing::AllOutput(run);
+  }
+}
+
 // A Send whose messages are posted in the call (nothing queued or running
 // ahead: DDP_COLLECTIVE_THREAD=caller ran the barrier before it on this
 // thread) and whose bookkeeping after the post runs out of memory on rank 1
