@@ -627,8 +627,9 @@ class ProcessGroup::Impl {
       // Listed in in_flight_ (where the thread polls it) only by
       // FinishPostedHere, once its bookkeeping is done: until then nothing
       // but this call can finish the Work, so that a failure there is what
-      // the Work reports (the thread's poll finished it OK, or with the
-      // abort's text, first). Its room stays reserved meanwhile.
+      // the Work reports (listed at once, it could be finished by the
+      // thread's poll first: OK, or with the abort's text). Its room stays
+      // reserved meanwhile.
       if (posted.ok()) ++p2p_pending_;
       wake = false;
     } else if (run_here) {
