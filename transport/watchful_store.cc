@@ -77,14 +77,23 @@ Status WatchfulStore::NameMissing(const Status& timed_out, std::span<const std::
   // The budget runs from the wait's deadline, not from now, so that the
   // topology exchange's own look for the rank behind the key
   // (ExchangeTopology), which runs from the same deadline, shares it
-  // instead of adding as much again.
-  const Deadline budget = DeadlineAfter(std::min(deadline, Clock::now()), kNameMissingBudget);
+  // instead of adding as much again. A look that starts after that window
+  // (a read that overran the deadline by more, a caller whose deadline was
+  // long past) still gets kNameMissingQuickLook from its start, so that a
+  // store that answers at once has the missing key named, not "no key read".
+  const Clock::time_point now = Clock::now();
+  const Deadline window = DeadlineAfter(std::min(deadline, now), kNameMissingBudget);
+  const bool quick = window < now + kNameMissingQuickLook;
+  const Deadline budget = quick ? now + kNameMissingQuickLook : window;
   size_t looked = 0;
   Status stopped;
   for (const std::string& key : keys) {
     if (Clock::now() >= budget) {
-      stopped = TimedOutError("its " + std::to_string(kNameMissingBudget.count()) +
-                              " ms past the deadline were spent");
+      stopped = TimedOutError(
+          quick ? "its " + std::to_string(kNameMissingQuickLook.count()) + " ms, begun " +
+                      std::to_string(std::chrono::duration_cast<milliseconds>(now - deadline).count()) +
+                      " ms past the deadline, were spent"
+                : "its " + std::to_string(kNameMissingBudget.count()) + " ms past the deadline were spent");
       break;
     }
     StatusOr<std::optional<std::string>> there = inner_.TryGet(key, budget);

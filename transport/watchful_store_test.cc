@@ -97,6 +97,20 @@ TEST(WatchfulStore, ATimedOutReadNamesTheMissingKey) {
   EXPECT_NE(got.status().message().find("key 'rank/1' is not set"), std::string::npos) << got.status();
 }
 
+// A look for the missing key that starts more than its window past the
+// deadline (a caller whose deadline was long past, a read that overran it)
+// still reads the keys and names the missing one: it read none and said
+// "no key of 2 could be read", though no read was tried.
+TEST(WatchfulStore, ALookBegunLongAfterTheDeadlineStillNamesTheMissingKey) {
+  InMemoryStore inner;
+  WatchfulStore store(inner, "job/abort", 50ms);
+  ASSERT_TRUE(inner.Set("rank/0", "x", DeadlineIn(1s)).ok());
+  const std::vector<std::string> keys = {"rank/0", "rank/1"};
+  Status waited = store.Wait(keys, Clock::now() - 3s);
+  EXPECT_EQ(waited.code(), StatusCode::kTimedOut) << waited;
+  EXPECT_NE(waited.message().find("key 'rank/1' is not set"), std::string::npos) << waited;
+}
+
 // An in-memory store whose TryGet of a "rank/" key takes `delay`, as a
 // look at one key of thousands from a busy server.
 class SlowLookStore final : public testing::ForwardingStore {
@@ -196,7 +210,8 @@ TEST(WatchfulStore, ALookCutShortSaysWhatWasAndWasNotRead) {
 // A communicator's creation that times out on a stalled store looks for the
 // missing rank twice, in the creation store's wait and in the topology
 // exchange: the two looks share one window of kMissingRankLookBudget past
-// the deadline, instead of running one after the other (4 s past it).
+// the deadline (the second, begun after it, has only its quick look),
+// instead of running one after the other (4 s past it).
 TEST(WatchfulStore, TheTwoLooksForAMissingRankShareOneWindowPastTheDeadline) {
   StalledStore inner;
   WatchfulStore store(inner, "job/abort", 50ms);
@@ -206,7 +221,9 @@ TEST(WatchfulStore, TheTwoLooksForAMissingRankShareOneWindowPastTheDeadline) {
   auto result = topology::ExchangeTopology(store, "job/", 0, 3, view, DeadlineIn(300ms));
   const auto took = Clock::now() - start;
   EXPECT_EQ(result.status().code(), StatusCode::kTimedOut) << result.status();
-  EXPECT_LT(took, 300ms + topology::kMissingRankLookBudget + 500ms) << result.status();
+  // The exchange's look starts after the window and gets its quick look.
+  EXPECT_LT(took, 300ms + topology::kMissingRankLookBudget + topology::kMissingRankQuickLook + 500ms)
+      << result.status();
 }
 
 // Get waits in slices until the key is set, and returns its value.

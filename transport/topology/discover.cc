@@ -442,10 +442,13 @@ StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key
     // The budget runs from the deadline, not from now: a store that looked
     // for the missing key itself (the communicator's WatchfulStore) has
     // spent part of the same window, and a stalled store no longer gets
-    // two windows one after the other.
+    // two windows one after the other. A look that starts after that
+    // window still gets kMissingRankQuickLook from its start, so that a
+    // store that answers has the rank named.
     if (texts.status().code() == StatusCode::kTimedOut) {
-      const Deadline looks_until =
-          DeadlineAfter(std::min(deadline, Clock::now()), kMissingRankLookBudget);
+      const Clock::time_point now = Clock::now();
+      const Deadline looks_until = std::max(DeadlineAfter(std::min(deadline, now), kMissingRankLookBudget),
+                                            now + kMissingRankQuickLook);
       for (int r = 0; r < size; ++r) {
         StatusOr<std::optional<std::string>> there = store.TryGet(keys[r], looks_until);
         if (!there.ok()) break;

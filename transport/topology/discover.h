@@ -109,8 +109,12 @@ std::string DescribeSettingsMismatch(const std::string& mine, int my_rank, const
 /// rank's key after `deadline`, all the looks together by `deadline` +
 /// kMissingRankLookBudget: a window past the deadline that a store's own
 /// look for the missing key (the communicator's) shares, so that the
-/// exchange fails within its deadline and this budget.
+/// exchange fails within its deadline and this budget; a look that starts
+/// after that window (a read that overran it) gets kMissingRankQuickLook
+/// from its start instead, so that a store that answers still has the
+/// rank named.
 inline constexpr std::chrono::milliseconds kMissingRankLookBudget{2000};
+inline constexpr std::chrono::milliseconds kMissingRankQuickLook{200};
 StatusOr<Exchanged> ExchangeTopology(store::Store& store, const std::string& key_prefix,
                                      int rank, int size, const LocalView& local,
                                      Deadline deadline);

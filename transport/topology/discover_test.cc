@@ -703,5 +703,30 @@ TEST(ExchangeTopology, LookingForTheMissingRankStaysWithinItsBudget) {
       << result.status();
 }
 
+// An in-memory store whose look at a key fails TIMED_OUT once its deadline
+// has passed, as the TCP store's does.
+class DeadlineKeepingStore final : public testing::ForwardingStore {
+ public:
+  StatusOr<std::optional<std::string>> TryGet(std::string_view key, Deadline deadline) override {
+    if (std::chrono::steady_clock::now() >= deadline) return TimedOutError("TryGet " + std::string(key));
+    return inner_.TryGet(key, deadline);
+  }
+};
+
+// A look for the missing rank that starts more than its window past the
+// deadline (here the caller's deadline was 3 s past) still names the rank:
+// every look was given a deadline already past, and no rank was named.
+TEST(ExchangeTopology, ALookBegunLongAfterTheDeadlineStillNamesTheMissingRank) {
+  DeadlineKeepingStore store;
+  ASSERT_TRUE(store.Set("job/topology/1", "{}", DeadlineIn(std::chrono::seconds(1))).ok());
+  LocalView view;
+  view.host.name = "a";
+  auto result = ExchangeTopology(store, "job/", 0, 3, view,
+                                 std::chrono::steady_clock::now() - std::chrono::seconds(3));
+  EXPECT_EQ(result.status().code(), StatusCode::kTimedOut) << result.status();
+  EXPECT_NE(result.status().message().find("rank 2 has not posted its record"), std::string::npos)
+      << result.status();
+}
+
 }  // namespace
 }  // namespace ddp::transport::topology
