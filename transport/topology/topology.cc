@@ -1,8 +1,12 @@
 #include "transport/topology/topology.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <set>
@@ -389,37 +393,75 @@ StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view ori
   return topology;
 }
 
+namespace {
+
+// What a file that is not a regular one is, for the refusal.
+std::string FileTypeName(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+}  // namespace
+
 StatusOr<Topology> LoadTopologyFile(const std::string& path) {
-  // stdio, for errno: a path that is not there and one that may not be read
-  // need different fixes, and a directory opens but fails at the first read
-  // (an ifstream read it as an empty file: "not valid JSON").
-  // Close-on-exec ("e"): another thread may fork and exec meanwhile.
-  std::FILE* file = std::fopen(path.c_str(), "rbe");
-  if (file == nullptr) {
+  // open(2), for errno: a path that is not there and one that may not be
+  // read need different fixes. Close-on-exec: another thread may fork and
+  // exec meanwhile. Non-blocking: a FIFO without a writer would block the
+  // open itself; it is refused below without waiting.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
     const int error = errno;
     return NotFoundError("topology file " + path + " cannot be opened: " + std::strerror(error));
   }
-  std::string text;
-  char block[4096];
-  size_t got = 0;
-  bool too_big = false;
-  while ((got = std::fread(block, 1, sizeof(block), file)) > 0) {
-    if (text.size() + got > kMaxTopologyFileBytes) {
-      too_big = true;
-      break;
-    }
-    text.append(block, got);
-  }
-  const int error = std::ferror(file) ? errno : 0;
-  std::fclose(file);
-  if (too_big) {
-    return InvalidArgumentError("topology file " + path + " holds more than " +
-                                std::to_string(kMaxTopologyFileBytes) +
-                                " bytes, the most a topology file may hold (is it a topology file?)");
-  }
-  if (error != 0) {
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) {
+    const int error = errno;
+    ::close(fd);
     return InvalidArgumentError("topology file " + path + " cannot be read: " + std::strerror(error));
   }
+  // Only a regular file has an end and a size known before reading: a
+  // device (/dev/zero) or a FIFO could be read until memory ran out, or
+  // forever, on every rank of the host.
+  if (S_ISDIR(info.st_mode)) {
+    ::close(fd);
+    return InvalidArgumentError("topology file " + path + " cannot be read: " + std::strerror(EISDIR));
+  }
+  if (!S_ISREG(info.st_mode)) {
+    ::close(fd);
+    return InvalidArgumentError("topology file " + path + " is " + FileTypeName(info.st_mode) +
+                                ", not a regular file");
+  }
+  const std::string limit = std::to_string(kMaxTopologyFileBytes) +
+                            " bytes, the most a topology file may hold (is it a topology file?)";
+  if (static_cast<uint64_t>(info.st_size) > kMaxTopologyFileBytes) {
+    ::close(fd);
+    return InvalidArgumentError("topology file " + path + " holds " + std::to_string(info.st_size) +
+                                " bytes, more than " + limit);
+  }
+  // Read to the end, the limit still a guard: the file may grow meanwhile.
+  std::string text;
+  text.reserve(static_cast<size_t>(info.st_size));
+  char block[65536];
+  while (true) {
+    const ssize_t got = ::read(fd, block, sizeof(block));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      const int error = errno;
+      ::close(fd);
+      return InvalidArgumentError("topology file " + path + " cannot be read: " + std::strerror(error));
+    }
+    if (got == 0) break;
+    if (text.size() + static_cast<size_t>(got) > kMaxTopologyFileBytes) {
+      ::close(fd);
+      return InvalidArgumentError("topology file " + path + " grew while it was read past " + limit);
+    }
+    text.append(block, static_cast<size_t>(got));
+  }
+  ::close(fd);
   return ParseTopologyJson(text, path);
 }
 

@@ -122,10 +122,12 @@ Status CheckDescribedHostsSplitReal(const Topology& described, const Topology& r
 /// which name the offending field: "t.json: ranks[2].host: 5 is not a host
 /// index (2 hosts)".
 StatusOr<Topology> ParseTopologyJson(std::string_view text, std::string_view origin);
-/// Reads and parses a topology file. INVALID_ARGUMENT naming the path when
-/// it holds more than kMaxTopologyFileBytes (a description of a million
-/// ranks takes about 50 MB; a path such as /dev/zero would be read until
-/// memory ran out).
+/// Reads and parses a topology file. INVALID_ARGUMENT naming the path and
+/// its type, before anything is read, when it is not a regular file (a
+/// device such as /dev/zero would be read until memory ran out, a FIFO
+/// could block forever); naming the path and its size, before anything is
+/// read, when it holds more than kMaxTopologyFileBytes (a description of a
+/// million ranks takes about 50 MB), or when it grows past that while read.
 inline constexpr size_t kMaxTopologyFileBytes = size_t{256} << 20;
 StatusOr<Topology> LoadTopologyFile(const std::string& path);
 /// The file format for `topology` (round-trips through ParseTopologyJson).

@@ -1,18 +1,53 @@
 #include "transport/topology/topology.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
 
-#include "transport/testing/reader_descriptor_flags.h"
+
+// This binary's fstat notes the descriptor flags (FD_CLOEXEC) of the
+// descriptor it is asked about when that is open on `watched_path`, then
+// asks the real one.
+namespace {
+std::atomic<bool> watching{false};
+std::string watched_path;
+std::atomic<int> watched_fd_flags{-1};
+
+void NoteFlags(int fd) {
+  if (!watching.load()) return;
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  char target[4096];
+  const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+  if (n <= 0) return;
+  if (std::string(target, static_cast<size_t>(n)) == watched_path) watched_fd_flags = ::fcntl(fd, F_GETFD);
+}
+}  // namespace
+
+extern "C" int fstat(int fd, struct stat* buf) noexcept {
+  NoteFlags(fd);
+  using Real = int (*)(int, struct stat*);
+  static const Real real = reinterpret_cast<Real>(::dlsym(RTLD_NEXT, "fstat"));
+  return real(fd, buf);
+}
+
+extern "C" int fstat64(int fd, struct stat64* buf) noexcept {
+  NoteFlags(fd);
+  using Real = int (*)(int, struct stat64*);
+  static const Real real = reinterpret_cast<Real>(::dlsym(RTLD_NEXT, "fstat64"));
+  return real(fd, buf);
+}
 
 namespace ddp::transport::topology {
 namespace {
@@ -118,24 +153,94 @@ TEST(LoadTopologyFile, DirectoryIsNamedAsOne) {
       << t.status();
 }
 
-// A path that never ends (DDP_TOPOLOGY_FILE=/dev/zero, a device, a log
-// still being written) was read until memory ran out: past
-// kMaxTopologyFileBytes it is refused, naming the path and the limit.
-TEST(LoadTopologyFile, AFileThatNeverEndsIsRefusedAtTheLimit) {
+// The bytes this process has read so far (/proc/self/io's rchar), or -1.
+long long BytesReadSoFar() {
+  std::ifstream io("/proc/self/io");
+  std::string name;
+  long long value = 0;
+  while (io >> name >> value) {
+    if (name == "rchar:") return value;
+  }
+  return -1;
+}
+
+// A path that never ends (DDP_TOPOLOGY_FILE=/dev/zero, a device) is refused
+// naming the path and its type, before anything is read: it was read up to
+// kMaxTopologyFileBytes, on every rank of the host, before its refusal.
+TEST(LoadTopologyFile, ADeviceIsRefusedNamingItsTypeBeforeItIsRead) {
+  const long long before = BytesReadSoFar();
+  ASSERT_GE(before, 0) << "/proc/self/io has no rchar";
   auto t = LoadTopologyFile("/dev/zero");
+  const long long read = BytesReadSoFar() - before;
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status();
-  EXPECT_NE(t.status().message().find("topology file /dev/zero"), std::string::npos) << t.status();
-  EXPECT_NE(t.status().message().find(std::to_string(kMaxTopologyFileBytes) + " bytes"), std::string::npos)
+  EXPECT_NE(t.status().message().find("topology file /dev/zero is a character device, not a regular file"),
+            std::string::npos)
+      << t.status();
+  EXPECT_LT(read, 1 << 20);
+}
+
+// A FIFO (a pipe's path, or one left by some tool) is refused naming it,
+// without waiting for a writer: the open blocked until one came.
+TEST(LoadTopologyFile, AFifoIsRefusedWithoutWaitingForAWriter) {
+  const std::string path = ::testing::TempDir() + "/topology_never_written.fifo";
+  std::remove(path.c_str());
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  auto loaded = std::async(std::launch::async, [&] { return LoadTopologyFile(path); });
+  const bool returned = loaded.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  if (!returned) {
+    // Let the blocked reader go: a writer that writes nothing.
+    const int writer = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (writer >= 0) ::close(writer);
+  }
+  auto t = loaded.get();
+  std::remove(path.c_str());
+  ASSERT_TRUE(returned) << "LoadTopologyFile waited 10 s for a writer";
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find("topology file " + path + " is a FIFO, not a regular file"),
+            std::string::npos)
       << t.status();
 }
 
+// A file over kMaxTopologyFileBytes is refused naming the path, its size
+// and the limit, before anything is read (here a sparse file, which costs
+// no disk): it was read up to the limit first.
+TEST(LoadTopologyFile, AFileOverTheLimitIsRefusedBeforeItIsRead) {
+  const std::string path = ::testing::TempDir() + "/topology_too_big.json";
+  {
+    std::ofstream(path) << "{}";
+  }
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(kMaxTopologyFileBytes) + 1), 0) << std::strerror(errno);
+  const long long before = BytesReadSoFar();
+  ASSERT_GE(before, 0) << "/proc/self/io has no rchar";
+  auto t = LoadTopologyFile(path);
+  const long long read = BytesReadSoFar() - before;
+  std::remove(path.c_str());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status();
+  EXPECT_NE(t.status().message().find("topology file " + path + " holds " +
+                                      std::to_string(kMaxTopologyFileBytes + 1) + " bytes, more than " +
+                                      std::to_string(kMaxTopologyFileBytes) + " bytes"),
+            std::string::npos)
+      << t.status();
+  EXPECT_LT(read, 1 << 20);
+}
+
 // The file is opened close-on-exec: a fork and exec on another thread of
-// the host program meanwhile must not inherit it.
+// the host program meanwhile must not inherit it. Its descriptor's flags
+// are taken when LoadTopologyFile asks its type (this binary's fstat).
 TEST(LoadTopologyFile, OpensTheFileCloseOnExec) {
-  const std::string path = ::testing::TempDir() + "/topology_fifo.json";
-  const int flags = testing::FlagsOfTheReadersDescriptor(path, [&] { LoadTopologyFile(path).status().IgnoreError(); });
+  const std::string path = ::testing::TempDir() + "/topology_cloexec.json";
+  {
+    std::ofstream(path) << "{}";
+  }
+  watched_path = std::filesystem::canonical(path).string();
+  watched_fd_flags = -1;
+  watching = true;
+  LoadTopologyFile(path).status().IgnoreError();
+  watching = false;
+  std::remove(path.c_str());
+  const int flags = watched_fd_flags.load();
   ASSERT_GE(flags, 0) << "the reader's descriptor was not seen";
-  EXPECT_NE(flags & O_CLOEXEC, 0) << std::oct << flags;
+  EXPECT_NE(flags & FD_CLOEXEC, 0) << flags;
 }
 
 TEST(LoadTopologyFile, RoundTripsThroughJson) {
