@@ -5,13 +5,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -157,7 +160,10 @@ std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
   // Stepped with error codes: a device unplugged or unbound while its
   // folder is listed fails the listing (ENODEV, EIO), which the range-for's
   // step threw out of discovery and the communicator's creation. A folder
-  // whose listing fails is used as far as it was listed.
+  // whose listing fails is used as far as it was listed, and a warning
+  // says so: ranks of one host may then see different ports and spread
+  // over them differently.
+  std::vector<std::pair<fs::path, std::error_code>> failed;
   for (fs::directory_iterator it(root, error), end; !error && it != end; it.increment(error)) {
     const fs::directory_entry& entry = *it;
     const std::string name = entry.path().filename().string();
@@ -190,6 +196,23 @@ std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
       device.active = name_of_state == "ACTIVE";
       devices.push_back(std::move(device));
     }
+    if (port_error) failed.emplace_back(ports, port_error);
+  }
+  if (error) failed.emplace_back(root, error);
+  // Once a process: a job that makes many communicators on such a host
+  // would repeat it at each.
+  static std::atomic<bool> warned{false};
+  if (!failed.empty() && !warned.exchange(true)) {
+    std::string folders;
+    for (const auto& [folder, why] : failed) {
+      folders += (folders.empty() ? "" : "; ") + folder.string() + " (" + why.message() + ", errno " +
+                 std::to_string(why.value()) + ")";
+    }
+    std::fprintf(stderr,
+                 "[ddp] pid %d: warning: RDMA port discovery: the listing of %s stopped on an error; the ports "
+                 "not listed are left out of this rank's topology (ranks of this host may see different "
+                 "ports)\n",
+                 static_cast<int>(::getpid()), folders.c_str());
   }
   std::sort(devices.begin(), devices.end(), [](const NetDevice& a, const NetDevice& b) {
     return std::tie(a.name, a.port) < std::tie(b.name, b.port);

@@ -47,7 +47,10 @@ struct LocalView {
 std::string NamespaceIds();
 
 /// RDMA ports under `<sysfs_root>/class/infiniband`, sorted by name and port;
-/// none when the folder does not exist.
+/// none when the folder does not exist. A folder whose listing stops on an
+/// error (a device unplugged meanwhile: ENODEV, EIO) gives the ports listed
+/// before it, and a warning on stderr names the folder and the error (once
+/// a process).
 std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root);
 
 /// A host's NUMA node count (one more than the highest node number, nodes

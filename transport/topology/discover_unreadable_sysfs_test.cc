@@ -76,7 +76,9 @@ void Write(const fs::path& path, const std::string& text) {
 
 // A listing that fails part way ended discovery (and so the communicator's
 // creation) with a filesystem_error thrown out of ReadNetDevices. What was
-// listed before the failure is kept; the rest of that folder is skipped.
+// listed before the failure is kept; the rest of that folder is skipped,
+// and a warning names the folder and its error (the list was cut short
+// without a word).
 TEST(ReadNetDevices, AFolderWhoseListingFailsPartWayIsSkippedFromThere) {
   const fs::path root = fs::path(::testing::TempDir()) / "fail_sys";
   fs::remove_all(root);
@@ -87,12 +89,18 @@ TEST(ReadNetDevices, AFolderWhoseListingFailsPartWayIsSkippedFromThere) {
   Write(ib / "mlx5_1" / "ports" / "1" / "state", "4: ACTIVE");
   std::vector<NetDevice> devices;
   failing_on = true;
+  ::testing::internal::CaptureStderr();
   try {
     devices = ReadNetDevices(root.string());
   } catch (const std::exception& e) {
     ADD_FAILURE() << "ReadNetDevices threw: " << e.what();
   }
+  const std::string warned = ::testing::internal::GetCapturedStderr();
   failing_on = false;
+  const std::string eio = std::string("(") + std::strerror(EIO) + ", errno " + std::to_string(EIO) + ")";
+  EXPECT_NE(warned.find("warning: RDMA port discovery: the listing of " + ib.string()), std::string::npos)
+      << warned;
+  EXPECT_NE(warned.find(eio), std::string::npos) << warned;
   // The interposed readdir failed the listings (else this test tests nothing).
   EXPECT_GE(failures.load(), 1);
   // One device was listed before its folder's listing failed, and one of
