@@ -74,11 +74,11 @@ class WatchfulStore final : public store::Store {
   // each, all by `deadline` + kNameMissingBudget (the same window as
   // topology::kMissingRankLookBudget, which the topology exchange's look
   // after this one shares: a creation's timeout ends within its deadline
-  // and 2 s, not 4 s); a look that starts later than that gets
-  // kNameMissingQuickLook from its start instead (one or a few reads of a
-  // store that answers, so the key is still named). When that runs out
-  // (or a look fails) first, the message says how many keys were read, all
-  // set, and how many were not.
+  // and 2 s, and a quick look of the exchange's, not 4 s); a look that
+  // starts later than that gets kNameMissingQuickLook from its start
+  // instead (one or a few reads of a store that answers, so the key is
+  // still named). When that runs out (or a look fails) first, the message
+  // says how many keys were read, all set, and how many were not.
   static constexpr std::chrono::milliseconds kNameMissingBudget{2000};
   static constexpr std::chrono::milliseconds kNameMissingQuickLook{200};
   Status NameMissing(const Status& timed_out, std::span<const std::string> keys, Deadline deadline);
