@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
@@ -185,6 +187,84 @@ bool ConnectedToItself(int fd) {
          FormatAddress(reinterpret_cast<sockaddr*>(&peer), peer_len);
 }
 
+// 127.0.0.0/8, ::1, or an IPv4-mapped 127.x.
+bool IsLoopbackAddress(const sockaddr* addr) {
+  if (addr->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (addr->sa_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(&a) || (IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127);
+  }
+  return false;
+}
+
+// Why `addr`, refused by bind() with EADDRNOTAVAIL, cannot be bound here,
+// and whether that is the caller's to fix: only an address of none of this
+// host's interfaces, and not a loopback one, is. A loopback address is
+// chosen by the program as often as by the user, and fails for the host's
+// sake (loopback down in a fresh network namespace, ::1 with IPv6 off); an
+// address the host has but cannot use yet (an IPv6 address still tentative,
+// in duplicate address detection) is a passing state; a family of which
+// the host has no address at all is turned off (IPv6 disabled by sysctl,
+// as socket(AF_INET6) still works there).
+std::string NotBindableReason(const sockaddr* addr, bool* callers) {
+  *callers = false;
+  if (IsLoopbackAddress(addr)) {
+    return "a loopback address this host cannot use now (loopback down, or IPv6 off)";
+  }
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) {
+    return "this host's addresses could not be listed (getifaddrs: " + ErrnoString(errno) + ")";
+  }
+  bool family_seen = false;
+  bool found = false;
+  for (const ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != addr->sa_family) continue;
+    family_seen = true;
+    if (addr->sa_family == AF_INET) {
+      found = found || reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr ==
+                           reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr;
+    } else {
+      found = found || IN6_ARE_ADDR_EQUAL(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                                          &reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr);
+    }
+  }
+  freeifaddrs(list);
+  const char* family = addr->sa_family == AF_INET ? "IPv4" : "IPv6";
+  if (found) return "an address of this host not usable yet (an IPv6 address still in duplicate address detection)";
+  if (!family_seen) return std::string("this host has no ") + family + " address at all (" + family + " off)";
+  *callers = true;
+  return "not an address of this host";
+}
+
+// The net.ipv4.ip_unprivileged_port_start sysctl (which IPv6 obeys too):
+// ports below it need CAP_NET_BIND_SERVICE. 1024, the kernel's default,
+// when it cannot be read.
+int UnprivilegedPortStart() {
+  int start = 1024;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_unprivileged_port_start", "re")) {
+    if (std::fscanf(f, "%d", &start) != 1) start = 1024;
+    std::fclose(f);
+  }
+  return start;
+}
+
+// What to tell about EACCES from bind() of `port`: privileges only for a
+// port the kernel holds privileged; any other refusal comes from a
+// security policy (SELinux, AppArmor, a seccomp or BPF filter).
+std::string BindDeniedHint(int port) {
+  const int start = UnprivilegedPortStart();
+  if (port > 0 && port < start) {
+    return " (port " + std::to_string(port) + " is privileged: ports below " + std::to_string(start) +
+           " need privileges (net.ipv4.ip_unprivileged_port_start); give a port of " + std::to_string(start) +
+           " or above)";
+  }
+  return " (port " + std::to_string(port) + " is not a privileged one here (ports below " +
+         std::to_string(start) + " are); a security policy such as SELinux or AppArmor may forbid this "
+         "process to bind it)";
+}
+
 void SetPort(sockaddr_storage& addr, int port) {
   if (addr.ss_family == AF_INET6) {
     reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port = htons(static_cast<uint16_t>(port));
@@ -201,8 +281,8 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
                                             bool ipv6_only, int backlog, bool* port_taken) {
   *port_taken = false;
   std::vector<UniqueFd> fds;
-  std::string skipped;  // why the addresses this host cannot use were skipped
-  bool not_here_only = true;  // every one skipped was not this host's (EADDRNOTAVAIL)
+  std::string skipped;  // why the addresses this host cannot use were skipped, each
+  bool not_here_only = true;  // every one skipped is not this host's, the caller's to fix
   int chosen = port;
   for (const addrinfo* ai : addrs) {
     sockaddr_storage addr{};
@@ -225,7 +305,9 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
             "); check RANK and MASTER_PORT");
       }
       if (err == EACCES) {
-        return PermissionDeniedError(text + " (ports below 1024 need privileges; give a higher port)");
+        return PermissionDeniedError(text + (step.empty() ? BindDeniedHint(chosen)
+                                                          : " (a security policy such as SELinux or AppArmor "
+                                                            "may forbid this process to do it)"));
       }
       if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
         return ResourceExhaustedError(text + " (this process or host is out of descriptors or memory)");
@@ -237,7 +319,7 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
     if (!fd.valid()) {
       const int err = errno;
       if (err == EAFNOSUPPORT || err == EPROTONOSUPPORT) {
-        skipped = where + ": " + ErrnoString(err);
+        skipped += (skipped.empty() ? "" : "; ") + where + ": " + ErrnoString(err);
         not_here_only = false;
         continue;
       }
@@ -255,7 +337,10 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
     if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), ai->ai_addrlen) != 0) {
       const int err = errno;
       if (err == EADDRNOTAVAIL) {
-        skipped = where + ": " + ErrnoString(err);
+        bool callers = false;
+        const std::string why = NotBindableReason(reinterpret_cast<sockaddr*>(&addr), &callers);
+        skipped += (skipped.empty() ? "" : "; ") + where + ": " + ErrnoString(err) + " (" + why + ")";
+        not_here_only = not_here_only && callers;
         continue;
       }
       *port_taken = err == EADDRINUSE && port == 0 && !fds.empty();
@@ -271,10 +356,11 @@ StatusOr<std::vector<UniqueFd>> ListenOnAll(const std::string& host, int port,
     fds.push_back(std::move(fd));
   }
   if (fds.empty()) {
-    // Not one address of this host (EADDRNOTAVAIL), the caller's to fix;
-    // an address family this host cannot use (IPv6 off) is the host's.
+    // Not one address of this host, the caller's to fix; loopback down, a
+    // family this host cannot use (IPv6 off) or an address not usable yet
+    // is the host's.
     const std::string text = "cannot listen on " + HostPort(host, port) + ": " + skipped;
-    return not_here_only ? InvalidArgumentError(text + " (not an address of this host)") : UnavailableError(text);
+    return not_here_only ? InvalidArgumentError(text) : UnavailableError(text);
   }
   return fds;
 }
@@ -330,22 +416,6 @@ StatusOr<int> LocalPort(int fd) {
   if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
   return InternalError("socket is neither IPv4 nor IPv6");
 }
-
-namespace {
-
-// 127.0.0.0/8, ::1, or an IPv4-mapped 127.x.
-bool IsLoopbackAddress(const sockaddr* addr) {
-  if (addr->sa_family == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr) >> 24) == 127;
-  }
-  if (addr->sa_family == AF_INET6) {
-    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
-    return IN6_IS_ADDR_LOOPBACK(&a) || (IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127);
-  }
-  return false;
-}
-
-}  // namespace
 
 bool BoundToLoopback(int fd) {
   sockaddr_storage addr{};

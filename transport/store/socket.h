@@ -58,11 +58,15 @@ std::string PeerAddress(int fd);
 /// address and the reason: FAILED_PRECONDITION for a port another process
 /// listens on (EADDRINUSE, with the likely causes: a second rank 0, a store
 /// left from an earlier job, another program on MASTER_PORT),
-/// PERMISSION_DENIED for a privileged port, RESOURCE_EXHAUSTED when
-/// descriptors or memory ran out, INVALID_ARGUMENT for an empty host, a
-/// port out of range or a host none of whose addresses is this host's,
-/// UNAVAILABLE for a name that does not resolve or addresses this host
-/// cannot use (IPv6 off), INTERNAL for any other failure.
+/// PERMISSION_DENIED when binding is refused (said to be a privileged port
+/// only below net.ipv4.ip_unprivileged_port_start, else a security policy
+/// is named), RESOURCE_EXHAUSTED when descriptors or memory ran out,
+/// INVALID_ARGUMENT for an empty host, a port out of range or a host none
+/// of whose addresses is on any interface of this host (loopback ones
+/// aside), each address named; UNAVAILABLE for a name that does not
+/// resolve, or addresses this host cannot use now (a loopback address with
+/// loopback down or IPv6 off, a family turned off, an address still in
+/// IPv6 duplicate address detection), INTERNAL for any other failure.
 StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int backlog,
                                           Deadline deadline);
 

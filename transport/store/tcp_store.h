@@ -150,11 +150,18 @@ struct TcpStoreServerStats {
 /// nothing open), so clients fail promptly instead of hanging.
 class TcpStoreServer {
  public:
-  /// Binds and starts serving. UNAVAILABLE names the address when it cannot
-  /// bind (for instance "Address already in use"); TIMED_OUT when the name
-  /// service did not answer by options.start_deadline; INVALID_ARGUMENT
-  /// naming the option for a timeout that is not positive, or a limit of 0
-  /// that would turn every client away (max_connections, ...).
+  /// Binds and starts serving. When it cannot bind, the error names the
+  /// address and the reason, with ListenTcp's codes (socket.h):
+  /// FAILED_PRECONDITION for a port another process listens on ("Address
+  /// already in use", with its likely causes), PERMISSION_DENIED for a bind
+  /// refused (a privileged port, or a security policy), INVALID_ARGUMENT
+  /// for an empty address or one that is not this host's, RESOURCE_EXHAUSTED
+  /// when descriptors or memory ran out, UNAVAILABLE for a name that does
+  /// not resolve or addresses this host cannot use now (loopback down, IPv6
+  /// off), INTERNAL for any other failure; TIMED_OUT when the name service
+  /// did not answer by options.start_deadline. INVALID_ARGUMENT naming the
+  /// option for a timeout that is not positive, or a limit of 0 that would
+  /// turn every client away (max_connections, ...).
   static StatusOr<std::unique_ptr<TcpStoreServer>> Start(TcpStoreServerOptions options);
 
   ~TcpStoreServer();
