@@ -285,7 +285,16 @@ std::string PeerMonitor::EncodeAbort(int rank, const Status& reason) {
   const std::string note = " [... cut: the reason had " + std::to_string(message.size()) +
                            " bytes, more than the rendezvous store's value limit of " +
                            std::to_string(store::kMaxValueBytes) + "]";
-  return head + message.substr(0, store::kMaxValueBytes - head.size() - note.size()) + note;
+  size_t keep = store::kMaxValueBytes - head.size() - note.size();
+  // Cut between UTF-8 characters: a continuation byte (10xxxxxx) at the
+  // cut belongs to a character begun before it, which goes whole (peers
+  // write the reason into JSON error files, which must be UTF-8). At most
+  // three steps back: a reason that is not UTF-8 is cut where it falls.
+  for (int back = 0; back < 3 && keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80;
+       ++back) {
+    --keep;
+  }
+  return head + message.substr(0, keep) + note;
 }
 
 Status PeerMonitor::DecodeAbort(const std::string& value) {

@@ -132,8 +132,8 @@ class PeerMonitor {
 
   /// Encoding of an abort reason in the store, and back. Decoding a posted
   /// reason keeps its code and says which rank posted it. A reason past the
-  /// store's value limit (store::kMaxValueBytes) is cut to fit, ending with
-  /// a note that says so and how long it was.
+  /// store's value limit (store::kMaxValueBytes) is cut to fit, between
+  /// UTF-8 characters, ending with a note that says so and how long it was.
   static std::string EncodeAbort(int rank, const Status& reason);
   static Status DecodeAbort(const std::string& value);
 

@@ -516,6 +516,43 @@ TEST(PeerMonitor, AnAbortReasonPastTheStoresValueLimitIsPostedCut) {
   EXPECT_EQ(PeerMonitor::EncodeAbort(1, TimedOutError("short")), "2\n1\nshort");
 }
 
+// True when `text` is well-formed UTF-8 (no cut or stray sequence).
+bool IsUtf8(const std::string& text) {
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char lead = static_cast<unsigned char>(text[i]);
+    const size_t length = lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xE ? 3 : (lead >> 3) == 0x1E ? 4 : 0;
+    if (length == 0 || i + length > text.size()) return false;
+    for (size_t k = 1; k < length; ++k) {
+      if ((static_cast<unsigned char>(text[i + k]) & 0xC0) != 0x80) return false;
+    }
+    i += length;
+  }
+  return true;
+}
+
+// A long reason in non-ASCII text (a path, a user's string) is cut between
+// characters, never inside one: the peers print it and write it to their
+// error files as JSON, which a strict reader refuses when it is not UTF-8.
+// Each lead-in length moves the cut to another byte of the characters.
+TEST(PeerMonitor, ALongReasonIsCutBetweenCharacters) {
+  for (const std::string character : {"\u00e9", "\u20ac", "\U0001F600"}) {
+    for (size_t lead_in = 0; lead_in < 4; ++lead_in) {
+      SCOPED_TRACE(std::to_string(character.size()) + "-byte characters after " + std::to_string(lead_in) + " bytes");
+      std::string reason(lead_in, 'a');
+      while (reason.size() < store::kMaxValueBytes + 100) reason += character;
+      const std::string posted = PeerMonitor::EncodeAbort(3, InternalError(reason));
+      EXPECT_LE(posted.size(), store::kMaxValueBytes);
+      const size_t note = posted.find(" [... cut: ");
+      ASSERT_NE(note, std::string::npos);
+      EXPECT_TRUE(IsUtf8(posted)) << "the cut ends in bytes " << std::hex
+                                  << static_cast<int>(static_cast<unsigned char>(posted[note - 2])) << " "
+                                  << static_cast<int>(static_cast<unsigned char>(posted[note - 1]));
+      // No more than one character's bytes were left out for it.
+      EXPECT_GT(posted.size() + character.size(), store::kMaxValueBytes);
+    }
+  }
+}
+
 TEST(PeerMonitor, GarbledAbortValueIsStillAnError) {
   EXPECT_EQ(PeerMonitor::DecodeAbort("garbage").code(), StatusCode::kInternal);
   EXPECT_EQ(PeerMonitor::DecodeAbort("99\n1\nx").code(), StatusCode::kInternal);
