@@ -513,6 +513,12 @@ std::function<void()>& BeforePollGateCloses() {
   static auto* hook = new std::function<void()>();
   return *hook;
 }
+// Run by a failed creation after it posted its reason, before it leaves;
+// tests only.
+std::function<void()>& AfterCreationFailurePosted() {
+  static auto* hook = new std::function<void()>();
+  return *hook;
+}
 // Run by Split just before it creates the new communicator; tests only.
 std::function<void()>& BeforeSplitCreates() {
   static auto* hook = new std::function<void()>();
@@ -523,6 +529,11 @@ std::function<void()>& BeforeSplitCreates() {
 // split's exchange and the new communicator's creation.
 void SetBeforeSplitCreatesForTesting(std::function<void()> hook) {
   BeforeSplitCreates() = std::move(hook);
+}
+// For tests (declared where used): lets a test hold a failed creation
+// between its reason's post and its marks of leaving, as a slow store would.
+void SetAfterCreationFailurePostedForTesting(std::function<void()> hook) {
+  AfterCreationFailurePosted() = std::move(hook);
 }
 // For tests (declared where used): lets a test poll a handle at the moment
 // Shutdown has joined its threads and not yet closed the poll gate.
@@ -718,15 +729,18 @@ class Communicator::Impl {
     const Status reason(status.code(), "creating its communicator: " + status.message());
     if (monitor_ != nullptr) {
       Abort(reason, std::nullopt).IgnoreError();
-      return;
+    } else if (store_ != nullptr && !fails_alone_) {
+      // Only where no reason is yet, in one call (as PeerMonitor::PostAbort):
+      // ranks that fail creation together must not overwrite each other's.
+      abort_posted_ = store_->CompareSet(prefix_ + "abort", std::nullopt,
+                                         fault::PeerMonitor::EncodeAbort(options_.rank, reason),
+                                         *failure_store_by_)
+                          .ok();
     }
-    if (store_ == nullptr || fails_alone_) return;
-    // Only where no reason is yet, in one call (as PeerMonitor::PostAbort):
-    // ranks that fail creation together must not overwrite each other's.
-    abort_posted_ = store_->CompareSet(prefix_ + "abort", std::nullopt,
-                                       fault::PeerMonitor::EncodeAbort(options_.rank, reason),
-                                       *failure_store_by_)
-                        .ok();
+    // A store that answered within the shared time is slow at worst, not
+    // stalled: the marks of leaving then get their floor (Shutdown).
+    failure_store_answered_ = Clock::now() < *failure_store_by_;
+    if (internal::AfterCreationFailurePosted()) internal::AfterCreationFailurePosted()();
   }
 
   // This thread is inside a call of this communicator, holding run_mu_:
@@ -1202,6 +1216,10 @@ class Communicator::Impl {
   // sets it; the post and the marks each had one, so with a stalled store
   // Create or Split returned up to twice that after the failure).
   std::optional<Deadline> failure_store_by_;
+  // The post of a failed creation's reason was over before
+  // failure_store_by_ (answered, or failed at once): the store is not
+  // stalled, and the marks of leaving get kLeaveMarkTime each at least.
+  bool failure_store_answered_ = false;
   // Init found this process no member: its rank claimed by another process
   // (the job's member), or outside [0, world_size). Shutdown marks nothing
   // as this rank's leaving, which would count a member as left (and let the
@@ -2114,12 +2132,14 @@ void Communicator::Impl::Shutdown() {
     // Each gets kLeaveMarkTime at least, however late it is: steps before
     // (a queued call run to the deadline, its abort's post) may have used
     // up close_by, and a mark not sent left the rank serving the store
-    // waiting for this one, then warning that it had not left. Not after a
-    // failed creation, whose post keeps what it needs of their shared time:
-    // the rank serving the store waits for its ranks no longer than the
-    // creation deadline then.
+    // waiting for this one, then warning that it had not left. After a
+    // failed creation only when its post was over within their shared
+    // time: a store that answers slowly still gets the marks (so a failed
+    // Create or Split returns at most 2 * kLeaveMarkTime past that time),
+    // while one that stalled, having taken all of it, gets no more.
     const auto leave_mark_by = [&] {
-      return failure_store_by_ ? leave_by : std::max(leave_by, DeadlineIn(kLeaveMarkTime));
+      return failure_store_by_ && !failure_store_answered_ ? leave_by
+                                                           : std::max(leave_by, DeadlineIn(kLeaveMarkTime));
     };
     if (store_rank_ != -1 && !not_a_member_) {
       store_->Set(prefix_ + "left/" + std::to_string(options_.rank), "", leave_mark_by()).IgnoreError();

@@ -98,8 +98,10 @@ struct CommunicatorOptions {
   std::chrono::milliseconds timeout{300000};
   /// How long posting or reading the job's abort reason may take outside a
   /// call: an explicit Abort, a failed creation (its reason's post and its
-  /// marks of leaving share one), a failed call's reason (posted in the
-  /// background: the call itself returns by its deadline), and leaving
+  /// marks of leaving share one; when the post was over within it, the
+  /// marks get 0.2 s each at least, so that a slow store still has them),
+  /// a failed call's reason (posted in the background: the call itself
+  /// returns by its deadline), and leaving
   /// (this rank's closed mark; after an abort, its count of the ranks that
   /// left).
   std::chrono::milliseconds abort_store_time{1000};
