@@ -226,14 +226,41 @@ std::string HeldLauncher::ReadStderr(std::chrono::milliseconds timeout) {
   return output;
 }
 
-bool HeldLauncher::HeldAtStderr() const {
-  if (stderr_fd_ < 0) return false;
+namespace {
+
+// The whole of the small /proc file `path`, or an error naming it and the
+// reason (a read may fail where the open did not: access to another
+// process's syscall and mem is checked at the read).
+StatusOr<std::string> ReadProcFile(const std::string& path, const char* why) {
+  const auto refused = [&](int err) {
+    return FailedPreconditionError("cannot read " + path + ": " + std::strerror(err) + " (" + why + ")");
+  };
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return refused(errno);
+  char buffer[512];
+  const ssize_t n = read(fd, buffer, sizeof(buffer) - 1);
+  const int err = errno;
+  close(fd);
+  if (n < 0) return refused(err);
+  return std::string(buffer, static_cast<size_t>(n));
+}
+
+constexpr char kNeedsPtrace[] =
+    "HeldAtStderr needs ptrace access to the launcher, refused under Yama ptrace_scope 2 or 3, for a "
+    "launcher that is not dumpable, or where /proc has no such file (gVisor)";
+
+}  // namespace
+
+StatusOr<bool> HeldLauncher::HeldAtStderr() const {
+  if (stderr_fd_ < 0) return FailedPreconditionError("its stderr was read to its end: it holds nothing");
   const std::string proc = "/proc/" + std::to_string(pid_);
-  // "NR ARG0 ARG1 ...": the system call the main thread is in.
-  std::ifstream syscall_file(proc + "/syscall");
+  // "NR ARG0 ARG1 ...": the system call the main thread is in ("running"
+  // when in none).
+  DDP_ASSIGN_OR_RETURN(const std::string syscall_text, ReadProcFile(proc + "/syscall", kNeedsPtrace));
+  std::istringstream syscall_fields(syscall_text);
   long number = -1;
   std::string fds_text, count_text;
-  if (!(syscall_file >> number >> fds_text >> count_text)) return false;
+  if (!(syscall_fields >> number >> fds_text >> count_text)) return false;
   bool polls = false;
 #ifdef SYS_poll
   polls = polls || number == SYS_poll;
@@ -242,12 +269,22 @@ bool HeldLauncher::HeldAtStderr() const {
   polls = polls || number == SYS_ppoll;
 #endif
   if (!polls || std::strtoull(count_text.c_str(), nullptr, 16) != 1) return false;
-  const int mem = open((proc + "/mem").c_str(), O_RDONLY | O_CLOEXEC);
-  if (mem < 0) return false;
+  const std::string mem_path = proc + "/mem";
+  const int mem = open(mem_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (mem < 0) {
+    return FailedPreconditionError("cannot read " + mem_path + ": " + std::strerror(errno) + " (" + kNeedsPtrace +
+                                   ")");
+  }
   pollfd waited{};
   const ssize_t got = pread(mem, &waited, sizeof(waited),
                             static_cast<off_t>(std::strtoull(fds_text.c_str(), nullptr, 16)));
+  const int err = errno;
   close(mem);
+  // A short read: the poll returned, and its stack went, meanwhile.
+  if (got < 0 && (err == EACCES || err == EPERM)) {
+    return FailedPreconditionError("cannot read " + mem_path + ": " + std::strerror(err) + " (" + kNeedsPtrace +
+                                   ")");
+  }
   if (got != static_cast<ssize_t>(sizeof(waited)) || (waited.events & POLLOUT) == 0) return false;
   // The same pipe ("pipe:[inode]") as the read end here.
   char theirs[64] = {}, ours[64] = {};
@@ -256,6 +293,19 @@ bool HeldLauncher::HeldAtStderr() const {
   const ssize_t a = readlink(their_fd.c_str(), theirs, sizeof(theirs) - 1);
   const ssize_t b = readlink(our_fd.c_str(), ours, sizeof(ours) - 1);
   return a > 0 && a == b && std::strcmp(theirs, ours) == 0;
+}
+
+Status HeldLauncher::AwaitHeldAtStderr(std::chrono::milliseconds timeout) const {
+  const auto give_up = Clock::now() + timeout;
+  while (true) {
+    DDP_ASSIGN_OR_RETURN(const bool held, HeldAtStderr());
+    if (held) return Status::Ok();
+    if (Clock::now() >= give_up) {
+      return TimedOutError("the launcher (pid " + std::to_string(pid_) + ") was not seen waiting for room in " +
+                           "its stderr pipe within " + std::to_string(timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 int HeldLauncher::Reap(std::chrono::milliseconds timeout) {

@@ -96,8 +96,14 @@ class HeldLauncher {
   int Reap(std::chrono::milliseconds timeout);
   /// Whether its main thread waits now for room in the full stderr pipe
   /// (poll for POLLOUT on that pipe alone): a line of its own is held
-  /// there. Reads /proc/<pid>/syscall and /proc/<pid>/mem.
-  bool HeldAtStderr() const;
+  /// there. Reads /proc/<pid>/syscall and /proc/<pid>/mem, which need
+  /// ptrace access to it: FAILED_PRECONDITION naming the file and the reason
+  /// where either cannot be read (Yama ptrace_scope 2 or 3, a launcher that
+  /// is not dumpable, gVisor), or once its stderr was read to its end.
+  StatusOr<bool> HeldAtStderr() const;
+  /// Polls HeldAtStderr every millisecond: OK once it holds, its error at
+  /// once, TIMED_OUT when `timeout` passes first.
+  Status AwaitHeldAtStderr(std::chrono::milliseconds timeout) const;
 
  private:
   HeldLauncher(pid_t pid, int stderr_fd) : pid_(pid), stderr_fd_(stderr_fd) {}

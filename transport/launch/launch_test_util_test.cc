@@ -1,11 +1,20 @@
 #include "transport/launch/launch_test_util.h"
 
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -18,6 +27,74 @@ namespace ddp::transport::launch::testing {
 namespace {
 
 using namespace std::chrono_literals;
+
+// Started with DDP_TEST_NOT_DUMPABLE set, this test binary makes itself not
+// dumpable and waits to be killed: a launcher whose /proc/<pid>/syscall
+// and mem only a process with CAP_SYS_PTRACE may read.
+const bool kRunsAsNotDumpableProgram = [] {
+  if (std::getenv("DDP_TEST_NOT_DUMPABLE") == nullptr) return false;
+  prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  while (true) pause();
+}();
+
+// Where /proc/<pid>/syscall cannot be read (no ptrace access: here a
+// launcher that is not dumpable, read by a process without CAP_SYS_PTRACE,
+// as under Yama ptrace_scope 2), HeldAtStderr says so, naming the file and
+// the reason, at once. Before, it answered "not held" every time, and the
+// interrupt tests failed 10 s later at a bare ASSERT_TRUE(Within(...)).
+TEST(LaunchTestUtilTest, HeldAtStderrNamesAProcFileItCannotRead) {
+  char self[PATH_MAX] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0) << std::strerror(errno);
+  const std::string stdout_path = std::string(std::getenv("TEST_TMPDIR")) + "/not_dumpable_stdout";
+  int out[2];
+  ASSERT_EQ(pipe2(out, O_CLOEXEC), 0) << std::strerror(errno);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    close(out[0]);
+    setenv("DDP_TEST_NOT_DUMPABLE", "1", 1);
+    auto launcher = HeldLauncher::Start({self}, stdout_path);
+    std::string said;
+    if (!launcher.ok()) {
+      said = "start: " + launcher.status().ToString();
+    } else {
+      __user_cap_header_struct header{.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+      __user_cap_data_struct none[2] = {};
+      if (syscall(SYS_capset, &header, none) != 0) {
+        said = std::string("capset: ") + std::strerror(errno);
+      } else {
+        const auto start = Clock::now();
+        const Status held = (*launcher)->AwaitHeldAtStderr(10s);
+        said = held.ToString() + (Clock::now() - start < 5s ? "" : " (after 5 s or more)") + "\npid " +
+               std::to_string((*launcher)->pid());
+      }
+    }
+    const bool sent = write(out[1], said.data(), said.size()) == static_cast<ssize_t>(said.size());
+    launcher = InternalError("killed and reaped");
+    _exit(sent ? 0 : 1);
+  }
+  close(out[1]);
+  std::string said;
+  pollfd readable{.fd = out[0], .events = POLLIN, .revents = 0};
+  char buffer[1024];
+  const auto give_up = Clock::now() + 30s;
+  ssize_t n = 1;
+  while (n > 0 && Clock::now() < give_up && poll(&readable, 1, 1000) >= 0) {
+    if (readable.revents == 0) continue;
+    n = read(out[0], buffer, sizeof(buffer));
+    if (n > 0) said.append(buffer, static_cast<size_t>(n));
+  }
+  close(out[0]);
+  if (n != 0) kill(child, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_EQ(n, 0) << "the child did not finish within 30 s: " << said;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  const std::string pid = said.substr(said.rfind("pid ") + 4);
+  EXPECT_EQ(said.find("FAILED_PRECONDITION: cannot read /proc/" + pid + "/syscall: "), 0u) << said;
+  EXPECT_NE(said.find("(HeldAtStderr needs ptrace access to the launcher"), std::string::npos) << said;
+  EXPECT_EQ(said.find("after 5 s"), std::string::npos) << said;
+}
 
 // A program reaped from under its group (here by the test itself, before
 // the group looked) ends without an exit status the group could see: its

@@ -315,7 +315,8 @@ TEST(SelfLaunchTest, InterruptBetweenAttemptsIsReportedAndStartsNoRestart) {
   // The group's end is not yet the gap: the launcher still looks for a
   // signal caught meanwhile before its line about the restart, which it
   // then writes into the full pipe, where it is held.
-  ASSERT_TRUE(testing::Within(10s, [&] { return (*launcher)->HeldAtStderr(); }));
+  const Status held = (*launcher)->AwaitHeldAtStderr(10s);
+  ASSERT_TRUE(held.ok()) << held;
   kill(pid, SIGTERM);
 
   const std::string output = (*launcher)->ReadStderr(20s);
