@@ -131,6 +131,19 @@ constexpr size_t kMostNameBytes = store::kMaxKeyBytes - 64;
 // length the user never passed).
 constexpr size_t kMostCreateNameBytes = kMostNameBytes - 64;
 
+// At most `most` bytes of `text`, cut between UTF-8 characters: a
+// character the cut would split goes whole (at most 3 bytes back; text that
+// is not UTF-8 is cut where it falls). Quoted in messages that reach logs
+// and JSON error files, which must be UTF-8.
+std::string Utf8Prefix(const std::string& text, size_t most) {
+  if (text.size() <= most) return text;
+  size_t keep = most;
+  for (int back = 0; back < 3 && keep > 0 && (static_cast<unsigned char>(text[keep]) & 0xC0) == 0x80; ++back) {
+    --keep;
+  }
+  return text.substr(0, keep);
+}
+
 // Staging slot per chunk of a device-buffer collective. Two slots are
 // pinned per device in use. Large enough that a chunk's host collective
 // runs at full speed, small enough that copying the first chunk in and the
@@ -193,7 +206,7 @@ Status CheckStoreOptions(const CommunicatorOptions& o) {
   if (o.name.size() > kMostNameBytes) {
     return InvalidArgumentError("name of " + std::to_string(o.name.size()) + " bytes is longer than " +
                                 std::to_string(kMostNameBytes) + ", the most a communicator's name may have (\"" +
-                                o.name.substr(0, 32) + "...\")");
+                                Utf8Prefix(o.name, 32) + "...\")");
   }
   // One rank that serves its own store needs no agreed port (as an MPI
   // program of one process needs no setup): 0 takes any free one.
@@ -3468,7 +3481,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const CommunicatorO
                                 std::to_string(kMostCreateNameBytes) + ", the most a communicator's name may have "
                                 "(the store's keys leave " + std::to_string(kMostNameBytes) +
                                 " bytes, 64 of them kept for the suffixes of Splits and of names made again: \"" +
-                                options.name.substr(0, 32) + "...\")");
+                                Utf8Prefix(options.name, 32) + "...\")");
   }
   if (Status refused = CheckStoreOptions(options); !refused.ok()) {
     return Status(refused.code(),
@@ -3655,7 +3668,7 @@ StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key,
       }
       registered = impl_->RegisterSplit(users, rest());
     }
-    std::string reason = registered.message().substr(0, kMostSplitReasonBytes);
+    std::string reason = Utf8Prefix(registered.message(), kMostSplitReasonBytes);
     int64_t outcome[2] = {static_cast<int64_t>(registered.code()), static_cast<int64_t>(reason.size())};
     // The outcome's broadcasts wait for rank 0's registration, which may
     // run to rank 0's own deadline, later than that of a rank that came to

@@ -3605,6 +3605,21 @@ TEST(CommunicatorCreate, ANameTooLongForTheStoresKeysIsRefused) {
   EXPECT_LT(took, milliseconds(1000)) << comm.status();
 }
 
+// The refusal of a long name quotes its start cut between UTF-8
+// characters: cut at 32 bytes, a name in non-ASCII text gave a message
+// ending a character half-way (invalid UTF-8 in logs and error files).
+TEST(CommunicatorCreate, ALongNameIsQuotedCutBetweenCharacters) {
+  CommunicatorOptions options;
+  options.name = "a";
+  while (options.name.size() < 2000) options.name += "\u00e9";  // 2 bytes each: byte 32 is inside one
+  auto comm = Communicator::Create(options);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kInvalidArgument) << comm.status();
+  std::string quoted = "a";
+  for (int i = 0; i < 15; ++i) quoted += "\u00e9";  // the 31 bytes of whole characters
+  EXPECT_NE(comm.status().message().find(": \"" + quoted + "...\")"), std::string::npos) << comm.status();
+}
+
 // A name that leaves no room for a Split's suffix in the store's keys is
 // refused by Create, naming its length; one that does splits, and a split
 // past the keys' room is refused naming its own name's length and the
