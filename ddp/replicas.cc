@@ -94,49 +94,92 @@ constexpr size_t kMostNameBytes = 1024;
 constexpr size_t kMostValueBytes = 512;
 constexpr size_t kMostGroups = 8;
 
-// `text` with its control bytes written as \xNN: the message is read
-// through what(), which ends at a NUL, and other control bytes in a name
-// garble a log line or a terminal.
+// The length of the valid UTF-8 character that starts at `at` (2 to 4
+// bytes), or 0 when none does there (no overlong form, surrogate or code
+// point past U+10FFFF).
+size_t Utf8Length(const std::string& text, size_t at) {
+  const unsigned char c = static_cast<unsigned char>(text[at]);
+  size_t length = 0;
+  unsigned char low = 0x80, high = 0xbf;  // the second byte's range
+  if (c >= 0xc2 && c <= 0xdf) {
+    length = 2;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    length = 3;
+    if (c == 0xe0) low = 0xa0;
+    if (c == 0xed) high = 0x9f;
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    length = 4;
+    if (c == 0xf0) low = 0x90;
+    if (c == 0xf4) high = 0x8f;
+  } else {
+    return 0;
+  }
+  if (length > text.size() - at) return 0;
+  for (size_t k = 1; k < length; ++k) {
+    const unsigned char b = static_cast<unsigned char>(text[at + k]);
+    if (k == 1 ? (b < low || b > high) : (b & 0xc0) != 0x80) return 0;
+  }
+  return length;
+}
+
+// `text` as valid UTF-8 without control bytes: a control byte, a byte that
+// is not part of a valid UTF-8 character, and the backslash itself written
+// as \xNN. The message is read through what(), which ends at a NUL;
+// control bytes garble a log line or a terminal, and invalid UTF-8 breaks
+// readers that expect text. With the backslash escaped too, every
+// backslash of the result begins a 4-byte escape, which Cut relies on.
 std::string Printable(const std::string& text) {
   std::string out;
-  for (const char c : text) {
-    const unsigned char u = static_cast<unsigned char>(c);
-    if (u >= 0x20 && u != 0x7f) {
-      out += c;
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char u = static_cast<unsigned char>(text[i]);
+    if (u >= 0x20 && u < 0x7f && u != '\\') {
+      out += text[i++];
+      continue;
+    }
+    if (const size_t length = u >= 0x80 ? Utf8Length(text, i) : 0; length > 0) {
+      out.append(text, i, length);
+      i += length;
       continue;
     }
     constexpr char kHex[] = "0123456789abcdef";
     out += "\\x";
     out += kHex[u >> 4];
     out += kHex[u & 15];
+    ++i;
   }
   return out;
 }
 
+// The most bytes a cut of Printable's output moves to reach a character's
+// boundary: 3, inside a 4-byte UTF-8 character or a \xNN escape.
+constexpr size_t kMostCutSteps = 3;
+
 // Whether `at` falls inside a character of `text` (Printable's output):
-// on a UTF-8 continuation byte, or after the first byte of a \xNN escape.
-// The start of a character that begins there, if it does not: where a cut
-// may fall.
+// on a UTF-8 continuation byte, or after the backslash of a \xNN escape
+// (every backslash there begins one). The start of a character that
+// begins there, if it does not: where a cut may fall.
 bool SplitsACharacter(const std::string& text, size_t at) {
   if (at == 0 || at >= text.size()) return false;
   if ((static_cast<unsigned char>(text[at]) & 0xc0) == 0x80) return true;
-  for (size_t back = 1; back <= 3 && back <= at; ++back) {
-    const size_t p = at - back;
-    if (text[p] == '\\' && p + 1 < text.size() && text[p + 1] == 'x') return true;
+  for (size_t back = 1; back <= kMostCutSteps && back <= at; ++back) {
+    if (text[at - back] == '\\') return true;
   }
   return false;
 }
 
-// `text`, or its start and end around "..." when longer than `most`, each
-// cut on a character's boundary (a multi-byte UTF-8 character or a \xNN
-// escape is kept whole or left out), so the message stays valid text.
+// `text` (Printable's output), or its start and end around "..." when
+// longer than `most`, each cut on a character's boundary (a multi-byte
+// UTF-8 character or a \xNN escape is kept whole or left out), so the
+// message stays valid text. Each cut moves at most kMostCutSteps bytes,
+// all a cut of Printable's output needs: a text that is not Printable's
+// cannot make it walk further.
 std::string Cut(const std::string& text, size_t most) {
   if (text.size() <= most) return text;
   const size_t tail = most / 4;
   size_t head_end = most - tail - 3;
-  while (SplitsACharacter(text, head_end)) --head_end;
+  for (size_t step = 0; step < kMostCutSteps && SplitsACharacter(text, head_end); ++step) --head_end;
   size_t tail_start = text.size() - tail;
-  while (SplitsACharacter(text, tail_start)) ++tail_start;
+  for (size_t step = 0; step < kMostCutSteps && SplitsACharacter(text, tail_start); ++step) ++tail_start;
   return text.substr(0, head_end) + "..." + text.substr(tail_start);
 }
 

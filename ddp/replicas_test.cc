@@ -290,6 +290,96 @@ TEST(ExplainReplicaDifferenceTest, ALongNameIsCutBetweenCharacters) {
   }
 }
 
+// Whether `text` is valid UTF-8 (no overlong form, surrogate or code
+// point past U+10FFFF).
+bool IsUtf8(const std::string& text) {
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    size_t more = 0;
+    unsigned char low = 0x80, high = 0xbf;  // the second byte's range
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xc2 && c <= 0xdf) {
+      more = 1;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      more = 2;
+      if (c == 0xe0) low = 0xa0;
+      if (c == 0xed) high = 0x9f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      more = 3;
+      if (c == 0xf0) low = 0x90;
+      if (c == 0xf4) high = 0x8f;
+    } else {
+      return false;
+    }
+    if (i + more >= text.size()) return false;
+    for (size_t k = 1; k <= more; ++k) {
+      const unsigned char b = static_cast<unsigned char>(text[i + k]);
+      if (k == 1 ? (b < low || b > high) : (b & 0xc0) != 0x80) return false;
+    }
+    i += more + 1;
+  }
+  return true;
+}
+
+// A name of bytes that are not UTF-8 (Latin-1 0xa0, here) is shown as
+// \xNN escapes and still cut to about 1 KB at both ends, and the message
+// is valid UTF-8. Such bytes passed through unescaped (invalid text), and
+// the cut, which stepped back over every byte it took for the inside of a
+// character, walked to both ends of the name: it was shown as "..." alone.
+TEST(ExplainReplicaDifferenceTest, ANameOfBytesThatAreNotUtf8IsEscapedAndCut) {
+  std::vector<std::vector<ReplicaEntry>> ranks(2, {{"parameter", std::string(1100, '\xa0'), "f32 [2] strides [1]"}});
+  ranks[1][0].value = "f32 [3] strides [1]";
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_TRUE(IsUtf8(m)) << m;
+  const std::string shown = FirstShownName(m);
+  const size_t dots = shown.find("...");
+  ASSERT_NE(dots, std::string::npos) << shown;
+  EXPECT_GE(shown.size(), 1000u) << shown;
+  EXPECT_LE(shown.size(), 1024u) << shown;
+  EXPECT_TRUE(Repeats(shown.substr(0, dots), "", "\\xa0", "")) << shown.substr(0, dots);
+  EXPECT_TRUE(Repeats(shown.substr(dots + 3), "", "\\xa0", "")) << shown.substr(dots + 3);
+}
+
+// Invalid UTF-8 of every kind is escaped byte by byte (a lone continuation
+// byte, a lead byte without its continuation, an overlong form, a
+// surrogate, 0xff) and valid characters of 2, 3 and 4 bytes pass.
+TEST(ExplainReplicaDifferenceTest, BytesThatAreNotUtf8AreEscaped) {
+  const std::string name = std::string("a\x80") + "b\xc3" + "c\xc0\xaf" + "d\xed\xa0\x80" + "e\xff" +
+                           "\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80";
+  std::vector<std::vector<ReplicaEntry>> ranks(2, {{"parameter", name, "f32 [2] strides [1]"}});
+  ranks[1][0].value = "f32 [3] strides [1]";
+  const std::string m = ExplainReplicaDifference(ranks, "Models differ.");
+  EXPECT_TRUE(IsUtf8(m)) << m;
+  EXPECT_EQ(FirstShownName(m),
+            "a\\x80b\\xc3c\\xc0\\xafd\\xed\\xa0\\x80e\\xff\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80");
+}
+
+// A backslash in a name is escaped too (\x5c), so that every backslash the
+// message shows begins an escape: a name of literal "\x" repeated is cut
+// to about 1 KB, not around every byte of it (it was shown as "..."), and
+// each end is the start, or the end, of the name as shown.
+TEST(ExplainReplicaDifferenceTest, ANameOfLiteralBackslashXIsCutToItsBound) {
+  std::string name;
+  for (int i = 0; i < 600; ++i) name += "\\x";
+  std::vector<std::vector<ReplicaEntry>> ranks(2, {{"parameter", name, "f32 [2] strides [1]"}});
+  ranks[1][0].value = "f32 [3] strides [1]";
+  const std::string shown = FirstShownName(ExplainReplicaDifference(ranks, "Models differ."));
+  std::string whole;  // the name as the message shows it, uncut
+  for (int i = 0; i < 600; ++i) whole += "\\x5cx";
+  const size_t dots = shown.find("...");
+  ASSERT_NE(dots, std::string::npos) << shown;
+  EXPECT_GE(shown.size(), 1000u) << shown;
+  EXPECT_LE(shown.size(), 1024u) << shown;
+  const std::string head = shown.substr(0, dots), tail = shown.substr(dots + 3);
+  EXPECT_EQ(whole.compare(0, head.size(), head), 0) << head;
+  EXPECT_EQ(whole.compare(whole.size() - tail.size(), tail.size(), tail), 0) << tail;
+  // Neither end splits an escape.
+  EXPECT_EQ(head.find('\\', head.size() >= 3 ? head.size() - 3 : 0), std::string::npos) << head;
+  EXPECT_TRUE(tail.empty() || tail[0] == '\\' || tail[0] == 'x') << tail;
+}
+
 // Ranks whose names at the first difference are more than the check looks
 // for on every rank (64; 1 here, through the test knob): the message counts
 // the names it did not check, each distinct name once. It said nothing of
