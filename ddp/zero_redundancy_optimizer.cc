@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ddp/debug_mode.h"
 #include "ddp/replicas.h"
 #include "ddp/zero_groups.h"
 
@@ -61,6 +62,120 @@ std::string HandledExceptionText() {
     return e.what();
   } catch (...) {
     return "an exception that is not a std::exception";
+  }
+}
+
+// What the exception `e` says, valid while `e` lives; nothing is
+// allocated.
+const char* WhatOf(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "an exception that is not a std::exception";
+}
+
+// LoadStateDict's record of a rank's check of its shard, the same size on
+// every rank: its verdict (byte 0), whether its reason was cut (byte 1),
+// a 64-bit digest of the whole reason (bytes 8-15: ranks with the same
+// reason are listed together), then the reason's first bytes,
+// NUL-terminated. The message on the ranks that accept the state thus
+// holds at most kMostListed reasons of about 1 KB each, whatever the
+// number of ranks and the length of their reasons (a refusal lists every
+// entry it refuses, with its key).
+constexpr int64_t kOutcomeHead = 16;
+constexpr int64_t kReasonBytes = 1024;
+constexpr int64_t kOutcomeBytes = kOutcomeHead + kReasonBytes;
+constexpr size_t kMostListed = 8;
+constexpr char kLoadable = 0, kRefused = 'R', kFailed = 'F';
+
+// Writes `verdict` and `reason` into `record` in place: nothing is
+// allocated, since memory may be what ran out. The reason is cut before a
+// UTF-8 character that would not fit whole.
+void WriteOutcome(Tensor& record, char verdict, const char* reason) noexcept {
+  char* out = static_cast<char*>(record.data_ptr());
+  uint64_t digest = 1469598103934665603ull;
+  size_t length = 0;
+  for (; reason[length] != '\0'; ++length) {
+    digest ^= static_cast<unsigned char>(reason[length]);
+    digest *= 1099511628211ull;
+  }
+  size_t kept = std::min(length, static_cast<size_t>(kReasonBytes - 1));
+  for (int step = 0; step < 3 && kept < length && kept > 0 &&
+                     (static_cast<unsigned char>(reason[kept]) & 0xc0) == 0x80;
+       ++step) {
+    --kept;
+  }
+  out[0] = verdict;
+  out[1] = kept < length ? 1 : 0;
+  std::memcpy(out + 8, &digest, sizeof(digest));
+  std::memcpy(out + kOutcomeHead, reason, kept);
+  out[kOutcomeHead + kept] = '\0';
+}
+
+// "rank 1: <reason>; ranks 2-7: <reason>" for the ranks whose record in
+// `all` has `verdict`, those with the same reason together, in the order
+// of their first rank; at most kMostListed reasons, then how many more
+// and on which ranks. Empty when no rank has it.
+std::string ListOutcomes(const Tensor& all, int size, char verdict) {
+  struct Group {
+    uint64_t digest;
+    std::string reason;
+    std::vector<int> ranks;
+  };
+  std::vector<Group> groups;
+  std::vector<int> rest;  // the ranks of the groups not shown
+  for (int r = 0; r < size; ++r) {
+    const char* record = static_cast<const char*>(all.data_ptr()) + r * kOutcomeBytes;
+    if (record[0] != verdict) continue;
+    uint64_t digest;
+    std::memcpy(&digest, record + 8, sizeof(digest));
+    const auto same = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.digest == digest; });
+    if (same != groups.end()) {
+      same->ranks.push_back(r);
+    } else if (groups.size() < kMostListed) {
+      const char* reason = record + kOutcomeHead;
+      groups.push_back({digest, std::string(reason, strnlen(reason, kReasonBytes - 1)) + (record[1] ? "..." : ""),
+                        {r}});
+    } else {
+      rest.push_back(r);
+    }
+  }
+  std::string out;
+  for (const Group& g : groups) out += (out.empty() ? "" : "; ") + RankSet(g.ranks) + ": " + g.reason;
+  if (!rest.empty()) {
+    // The distinct reasons among them, counted once each.
+    std::vector<uint64_t> more;
+    for (const int r : rest) {
+      uint64_t digest;
+      std::memcpy(&digest, static_cast<const char*>(all.data_ptr()) + r * kOutcomeBytes + 8, sizeof(digest));
+      if (std::find(more.begin(), more.end(), digest) == more.end()) more.push_back(digest);
+    }
+    out += "; and " + std::to_string(more.size()) + (more.size() == 1 ? " other reason on " : " other reasons on ") +
+           RankSet(rest);
+  }
+  return out;
+}
+
+// Aborts the group, from the handler of what threw on this rank alone
+// before it could take part in the next exchange, so that the others fail
+// at once instead of waiting for it until the group's timeout; with a
+// shorter reason when the full one cannot be built (memory still short).
+void AbortNamingThisRank(ProcessGroup& pg, const char* doing) noexcept {
+  if (pg.size() == 1) return;
+  const char* what = WhatOf(std::current_exception());
+  try {
+    pg.Abort(transport::AbortedError("ZeroRedundancyOptimizer::LoadStateDict: rank " + std::to_string(pg.rank()) +
+                                     " " + doing + ": " + what));
+    return;
+  } catch (...) {
+  }
+  try {
+    pg.Abort(transport::AbortedError("ZeroRedundancyOptimizer::LoadStateDict"));
+  } catch (...) {
+    // Nothing more can be done: the others wait until the group's timeout.
   }
 }
 
@@ -723,10 +838,21 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
   // Only a refusal of the state's content is std::invalid_argument; any
   // other failure here (out of memory, a broken optimizer) is this rank's
   // own and is rethrown as it came, once the peers have been told.
-  enum Verdict : int32_t { kLoadable = 0, kRefused = 1, kFailed = 2 };
-  Verdict verdict = kLoadable;
-  std::string error;
-  std::exception_ptr failure;
+  //
+  // The buffers of the exchange of verdicts are made before the check, and
+  // the verdict is written into them in place: a check that failed for
+  // lack of memory must not fail again while this rank tells the others,
+  // which would leave them waiting for it until the group's timeout.
+  Tensor record, all;
+  try {
+    record = nn::Zeros({kOutcomeBytes}, {.dtype = nn::DType::kUInt8});
+    all = nn::Empty({kOutcomeBytes * pg_->size()}, {.dtype = nn::DType::kUInt8});
+  } catch (...) {
+    AbortNamingThisRank(*pg_, "could not make the buffers to compare the ranks' checks of the state");
+    throw;
+  }
+  char verdict = kLoadable;
+  std::exception_ptr thrown;
   NamedTensors shard;
   try {
     CheckLocal("LoadStateDict");
@@ -734,33 +860,24 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
     local_->CheckStateDict(shard);
   } catch (const std::invalid_argument& e) {
     verdict = kRefused;
-    error = e.what();
+    thrown = std::current_exception();
+    WriteOutcome(record, verdict, e.what());
   } catch (...) {
     verdict = kFailed;
-    failure = std::current_exception();
+    thrown = std::current_exception();
+    WriteOutcome(record, verdict, WhatOf(thrown));
   }
-  // Each rank's verdict with its reason, so that every rank throws naming
-  // the rank that refused and why (and a peer's failure is not taken for a
-  // refusal of the state): "R<reason>" for a refusal, "F<what>" for a
-  // failure, "" for a shard that loads.
-  std::string outcome;
-  if (verdict == kRefused) outcome = "R" + error;
-  if (verdict == kFailed) {
+  pg_->AllGather(all, record, "ZeroRedundancyOptimizer::LoadStateDict verdicts").Wait();
+  if (verdict == kFailed) std::rethrow_exception(thrown);
+  if (verdict == kRefused) {
     try {
-      std::rethrow_exception(failure);
-    } catch (...) {
-      outcome = "F" + HandledExceptionText();
+      std::rethrow_exception(thrown);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("ZeroRedundancyOptimizer::LoadStateDict: ") + e.what());
     }
   }
-  const std::vector<std::string> outcomes = pg_->AllGatherObject(outcome);
-  if (failure) std::rethrow_exception(failure);
-  if (verdict == kRefused) throw std::invalid_argument("ZeroRedundancyOptimizer::LoadStateDict: " + error);
-  std::string refused, failed;
-  for (size_t r = 0; r < outcomes.size(); ++r) {
-    if (outcomes[r].empty()) continue;
-    std::string& list = outcomes[r][0] == 'F' ? failed : refused;
-    list += (list.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + outcomes[r].substr(1);
-  }
+  const std::string refused = ListOutcomes(all, pg_->size(), kRefused);
+  const std::string failed = ListOutcomes(all, pg_->size(), kFailed);
   if (!failed.empty()) {
     throw DistributedError(transport::AbortedError(
         "ZeroRedundancyOptimizer::LoadStateDict failed on " + failed +

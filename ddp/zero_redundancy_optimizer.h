@@ -200,12 +200,17 @@ class ZeroRedundancyOptimizer {
   /// state that lists every parameter (see ShardOf), or an entry the shard's
   /// optimizer refuses, fails on every rank (std::invalid_argument naming it on the
   /// rank that found it, naming that rank and its reason on the others:
-  /// "failed on rank 1: state entry ..."), and then no rank
+  /// "failed on rank 1: state entry ..."; ranks with the same reason are
+  /// named together, each reason is cut to about 1 KB and at most 8 are
+  /// listed), and then no rank
   /// loads anything: every shard is checked before any is loaded. Any
   /// other failure of a rank's check (std::bad_alloc, say) is not a
   /// refusal: that rank rethrows it as it came, the others throw
   /// DistributedError (ABORTED) naming the rank and what it threw, and no
-  /// rank loads anything. A
+  /// rank loads anything. The buffers in which the ranks tell each other
+  /// their verdicts (1 KB per rank) are made before the check, so that a
+  /// check that ran out of memory is still told; a rank that cannot make
+  /// them aborts the group and rethrows. A
   /// failed agreement between the ranks throws DistributedError. A rank
   /// whose load fails after every check passed rethrows the failure and
   /// ends the group, so that the others' next collective fails at once.

@@ -42,6 +42,25 @@
 #include "nn/optim/sgd.h"
 #include "nn/tensor/allocator.h"
 
+// While a thread's flag is set, its allocations of kBigAllocation bytes or
+// more fail, as when memory has run out for all but small blocks
+// (replacing the global operator new is the seam; it reaches the library
+// too).
+namespace {
+thread_local bool big_allocations_fail = false;
+constexpr std::size_t kBigAllocation = 4096;
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  if (big_allocations_fail && bytes >= kBigAllocation) throw std::bad_alloc();
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+// Not inlined: GCC would take a free() of what a new expression returned
+// for a mismatch.
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
 namespace ddp::dist {
 namespace {
 
@@ -974,6 +993,143 @@ DDP_TEST_WORKER(shard_check_out_of_memory) {
 
 TEST(ZeroRedundancyOptimizerTest, AShardCheckOutOfMemoryKeepsItsTypeAndFailsEveryRank) {
   auto run = RunWorkers("shard_check_out_of_memory", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Rank 1's check of its shard fails with a long reason (16 KB) while
+// memory runs short: allocations of 4 KB or more fail from the throw on.
+// Rank 1 still tells rank 0, which fails at once naming it, its reason
+// cut to about 1 KB, and rank 1 gets its own exception as it came. Rank 1
+// copied the reason into a string before the exchange, which threw a
+// second std::bad_alloc there: rank 1 left without the exchange and rank 0
+// waited for it until the timeout.
+bool fail_name_at_length = false;
+class SgdFailingLong : public nn::optim::Sgd {
+ public:
+  using nn::optim::Sgd::Sgd;
+  const char* Name() const override {
+    if (fail_name_at_length) {
+      const std::runtime_error failure("device out of memory: " + std::string(16000, 'm'));
+      big_allocations_fail = true;
+      throw failure;
+    }
+    return nn::optim::Sgd::Name();
+  }
+};
+
+DDP_TEST_WORKER(shard_check_fails_again_while_telling) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(7);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  ZeroRedundancyOptimizer zero(ab, pg, [&](NamedParameters p) {
+    return std::make_unique<SgdFailingLong>(std::move(p), options);
+  });
+  const NamedTensors saved = nn::optim::Sgd(ab, options).StateDict();
+  const NamedTensors before = zero.local().StateDict();
+  fail_name_at_length = pg->rank() == 1;
+  const auto start = std::chrono::steady_clock::now();
+  std::exception_ptr thrown;
+  try {
+    zero.LoadStateDict(saved);
+  } catch (...) {
+    big_allocations_fail = false;
+    thrown = std::current_exception();
+  }
+  big_allocations_fail = false;
+  fail_name_at_length = false;
+  std::string outcome = "loaded";
+  try {
+    if (thrown) std::rethrow_exception(thrown);
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::runtime_error& e) {
+    outcome = std::string("std::runtime_error: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  if (pg->rank() == 1) {
+    WORKER_EXPECT(outcome.rfind("std::runtime_error: device out of memory: mmm", 0) == 0, outcome.substr(0, 200) + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 &&
+                    outcome.find("failed on rank 1: device out of memory: mmm") != std::string::npos &&
+                    outcome.find("m... (not a refusal of the state") != std::string::npos && outcome.size() < 2048,
+                outcome.substr(0, 300) + on);
+  WorkerExpectSameState(zero.local().StateDict(), before, "the state" + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AShardCheckFailingAgainWhileTellingThePeersStillTellsThem) {
+  auto run = RunWorkers("shard_check_fails_again_while_telling", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Ranks 1 and 2, which hold a piece each of a parameter whose name is
+// 100 KB long, refuse a state for a momentum of the wrong shape: rank 0,
+// which accepts its shard, names them once, together, with the reason
+// cut to about 1 KB. Its message held each refusing rank's whole reason,
+// about 200 KB here, growing with the number of ranks that refused.
+DDP_TEST_WORKER(long_refusals) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(11);
+  const std::string long_name = "L" + std::string(100000, 'x');
+  const NamedParameters params = {{"a", nn::Randn({64}, {}, gen).set_requires_grad(true)},
+                                  {long_name, nn::Randn({128}, {}, gen).set_requires_grad(true)}};
+  const nn::optim::SgdOptions options{.lr = 0.05, .momentum = 0.9};
+  auto sgd = [&](NamedParameters p) { return std::make_unique<nn::optim::Sgd>(std::move(p), options); };
+  ZeroRedundancyOptimizer zero(params, pg, sgd);
+  WORKER_EXPECT(zero.shard(0).size() == 1 && zero.shard(0)[0].param == 0 && zero.shard(1).size() == 1 &&
+                    zero.shard(1)[0].param == 1 && zero.shard(2).size() == 1 && zero.shard(2)[0].param == 1,
+                "rank 0 does not own `a` alone, or ranks 1 and 2 not a piece each of the long name");
+  NamedTensors saved;
+  {
+    const NamedParameters copies = {{"a", nn::Randn({64}, {}, gen).set_requires_grad(true)},
+                                    {long_name, nn::Randn({128}, {}, gen).set_requires_grad(true)}};
+    for (const auto& [name, p] : copies) p.set_grad(nn::Randn(p.shape(), {}, gen));
+    auto opt = sgd(copies);
+    opt->Step();
+    saved = opt->StateDict();
+  }
+  const std::string key = "state." + long_name + ".momentum_buffer";
+  bool replaced = false;
+  for (auto& [k, t] : saved) {
+    if (k == key) {
+      t = nn::Zeros({3});
+      replaced = true;
+    }
+  }
+  WORKER_EXPECT(replaced, "the state has no momentum for the long name");
+  std::string message = "loaded";
+  try {
+    zero.LoadStateDict(saved);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  const std::string reason = "state entry `" + key + "` is [3]; parameter `" + long_name + "` is [128]";
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(message.rfind("ZeroRedundancyOptimizer::LoadStateDict failed on ranks 1-2: state entry "
+                                "`state.Lxxx",
+                                0) == 0 &&
+                      message.size() < 1200 && message.compare(message.size() - 6, 6, "xxx...") == 0,
+                  message.substr(0, 200) + " (" + std::to_string(message.size()) + " bytes)" + on);
+  } else {
+    WORKER_EXPECT(message == "ZeroRedundancyOptimizer::LoadStateDict: " + reason,
+                  message.substr(0, 200) + " (" + std::to_string(message.size()) + " bytes)" + on);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, RefusalsWithLongReasonsAreGroupedAndCut) {
+  auto run = RunWorkers("long_refusals", 3);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
