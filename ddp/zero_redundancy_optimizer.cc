@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -159,21 +160,31 @@ std::string ListOutcomes(const Tensor& all, int size, char verdict) {
   return out;
 }
 
-// Aborts the group, from the handler of what threw on this rank alone
-// before it could take part in the next exchange, so that the others fail
-// at once instead of waiting for it until the group's timeout; with a
-// shorter reason when the full one cannot be built (memory still short).
-void AbortNamingThisRank(ProcessGroup& pg, const char* doing) noexcept {
-  if (pg.size() == 1) return;
-  const char* what = WhatOf(std::current_exception());
+// From the handler of what threw on this rank alone while the others are
+// in, or on their way to, the call's next exchange: aborts the group, so
+// that they fail at once instead of waiting for this rank until the
+// group's timeout, with "<call> failed on rank N<doing>: <what threw>"
+// (its first 512 bytes). Built in a fixed buffer, since memory may be what
+// ran out (a string built from what() could throw again, and this rank
+// would leave without telling them); when even the reason's Status cannot
+// be made, the call's name alone. Nothing is done where the group was
+// aborted already (a failed collective aborts it with its own reason).
+void AbortForThisRank(ProcessGroup& pg, const char* call, const char* doing = "") noexcept {
   try {
-    pg.Abort(transport::AbortedError("ZeroRedundancyOptimizer::LoadStateDict: rank " + std::to_string(pg.rank()) +
-                                     " " + doing + ": " + what));
+    if (!pg.aborted_reason().ok()) return;
+  } catch (...) {
+    // Not known: abort it (an aborted group keeps its first reason).
+  }
+  char reason[768];
+  std::snprintf(reason, sizeof(reason), "%s failed on rank %d%s: %.512s", call, pg.rank(), doing,
+                WhatOf(std::current_exception()));
+  try {
+    pg.Abort(transport::AbortedError(reason));
     return;
   } catch (...) {
   }
   try {
-    pg.Abort(transport::AbortedError("ZeroRedundancyOptimizer::LoadStateDict"));
+    pg.Abort(transport::AbortedError(call));
   } catch (...) {
     // Nothing more can be done: the others wait until the group's timeout.
   }
@@ -636,10 +647,7 @@ void ZeroRedundancyOptimizer::Step() {
   } catch (...) {
     clear_pieces();
     // A failed broadcast has aborted the group already, with its reason.
-    if (pg_->aborted_reason().ok()) {
-      pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::Step failed on rank " +
-                                         std::to_string(pg_->rank()) + ": " + HandledExceptionText()));
-    }
+    AbortForThisRank(*pg_, "ZeroRedundancyOptimizer::Step");
     throw;
   }
 }
@@ -697,10 +705,7 @@ NamedTensors ZeroRedundancyOptimizer::ConsolidatedStateDict(int to) {
     // theirs (a peer's tensors it had no memory for): tell them, as Step
     // does, instead of letting them wait out the timeout. A failed
     // broadcast has aborted the group already, with its reason.
-    if (pg_->aborted_reason().ok()) {
-      pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::ConsolidatedStateDict failed on rank " +
-                                         std::to_string(pg_->rank()) + ": " + HandledExceptionText()));
-    }
+    AbortForThisRank(*pg_, "ZeroRedundancyOptimizer::ConsolidatedStateDict");
     throw;
   }
   if (pg_->rank() != to) return {};
@@ -848,7 +853,10 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
     record = nn::Zeros({kOutcomeBytes}, {.dtype = nn::DType::kUInt8});
     all = nn::Empty({kOutcomeBytes * pg_->size()}, {.dtype = nn::DType::kUInt8});
   } catch (...) {
-    AbortNamingThisRank(*pg_, "could not make the buffers to compare the ranks' checks of the state");
+    if (pg_->size() > 1) {
+      AbortForThisRank(*pg_, "ZeroRedundancyOptimizer::LoadStateDict",
+                       " (making the buffers to compare the ranks' checks of the state)");
+    }
     throw;
   }
   char verdict = kLoadable;
@@ -894,8 +902,7 @@ void ZeroRedundancyOptimizer::LoadStateDict(const NamedTensors& state) {
     // here, after the peers have loaded: end the group so that their next
     // collective fails at once with the reason, instead of waiting for
     // this rank until the timeout.
-    pg_->Abort(transport::AbortedError("ZeroRedundancyOptimizer::LoadStateDict failed on rank " +
-                                       std::to_string(pg_->rank()) + ": " + HandledExceptionText()));
+    AbortForThisRank(*pg_, "ZeroRedundancyOptimizer::LoadStateDict");
     throw;
   }
 }

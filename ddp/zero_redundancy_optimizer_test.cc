@@ -1521,6 +1521,84 @@ TEST(ZeroRedundancyOptimizerTest, AStepFailingOnOneRankFailsTheOthersAtOnce) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rank 1's shard optimizer fails in its update with a long reason (16 KB)
+// while memory runs short: allocations of 4 KB or more fail from the
+// throw on. Rank 1 still ends the group, so that rank 0 fails at once
+// naming it, with the reason's start, and rank 1 gets its own exception as
+// it came. Rank 1 built the abort's reason from the whole what(), which
+// threw a second std::bad_alloc before the group was aborted: rank 0
+// waited in the broadcast of rank 1's shard until the timeout.
+bool fail_update_at_length = false;
+class SgdUpdateFailingLong : public nn::optim::Sgd {
+ public:
+  using nn::optim::Sgd::Sgd;
+
+ protected:
+  void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
+              float grad_scale) override {
+    if (fail_update_at_length) {
+      const std::runtime_error failure("device out of memory: " + std::string(16000, 'm'));
+      big_allocations_fail = true;
+      throw failure;
+    }
+    nn::optim::Sgd::Update(group, p, g, slots, n, step, fresh, grad_scale);
+  }
+  using nn::optim::Sgd::Update;
+};
+
+DDP_TEST_WORKER(step_fails_again_while_telling) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(5);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  for (const auto& [name, p] : ab) p.set_grad(nn::Randn({32}, {}, gen));
+  ZeroRedundancyOptimizer zero(ab, pg, [](NamedParameters p) {
+    return std::make_unique<SgdUpdateFailingLong>(std::move(p), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+  });
+  fail_update_at_length = pg->rank() == 1;
+  const auto start = std::chrono::steady_clock::now();
+  std::exception_ptr thrown;
+  try {
+    zero.Step();
+  } catch (...) {
+    big_allocations_fail = false;
+    thrown = std::current_exception();
+  }
+  big_allocations_fail = false;
+  fail_update_at_length = false;
+  std::string outcome = "stepped";
+  try {
+    if (thrown) std::rethrow_exception(thrown);
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const std::runtime_error& e) {
+    outcome = std::string("std::runtime_error: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  if (pg->rank() == 1) {
+    WORKER_EXPECT(outcome.rfind("std::runtime_error: device out of memory: mmm", 0) == 0, outcome.substr(0, 200) + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 &&
+                    outcome.find("ZeroRedundancyOptimizer::Step failed on rank 1: device out of memory: mmm") !=
+                        std::string::npos &&
+                    outcome.size() < 2048,
+                outcome.substr(0, 300) + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AStepFailingAgainWhileAbortingStillFailsTheOthersAtOnce) {
+  auto run = RunWorkers("step_fails_again_while_telling", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // A gradient of an integer dtype (SetData on the gradient) for `b`, which
 // rank 1 owns alone, on every rank: every rank refuses the step naming it
 // before any shard is stepped, so rank 0's `a` keeps its value. Only rank
