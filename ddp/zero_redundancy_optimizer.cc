@@ -190,6 +190,45 @@ void AbortForThisRank(ProcessGroup& pg, const char* call, const char* doing = ""
   }
 }
 
+// The size reserved beforehand for the text of a failure this rank sends
+// its peers (ReserveFailureText), so that a short form of it can still be
+// written when memory runs short.
+constexpr size_t kShortFailureBytes = 320;
+
+void ReserveFailureText(std::string& text) noexcept {
+  try {
+    text.reserve(kShortFailureBytes);
+  } catch (...) {
+    // DescribeFailure falls back to a text that fits any string.
+  }
+}
+
+// Inside a catch handler, where this rank describes its failure to the
+// peers before an exchange they wait in: `describe()`'s text into `out`.
+// When describing throws (memory short, and the text holds the whole
+// what()), "<call> failed on rank N: <what, cut>" written within the
+// capacity ReserveFailureText gave `out`, or "out of memory" (within any
+// string's own capacity) when even that failed: a throw here would take
+// this rank out of the exchange and leave the others waiting for it until
+// the group's timeout.
+template <typename Describe>
+void DescribeFailure(std::string& out, const char* call, int rank, Describe describe) noexcept {
+  const std::exception_ptr thrown = std::current_exception();
+  try {
+    out = describe();
+    return;
+  } catch (...) {
+  }
+  char text[kShortFailureBytes];
+  std::snprintf(text, sizeof(text), "%s failed on rank %d: %.200s (cut: memory ran short)", call, rank,
+                WhatOf(thrown));
+  try {
+    out.assign(text);
+  } catch (...) {
+    out.assign("out of memory");
+  }
+}
+
 std::atomic<bool> fail_next_add_param_group{false};
 
 // FailNextAddParamGroupForTesting's failure, where AddParamGroup makes its
@@ -336,6 +375,7 @@ void ZeroRedundancyOptimizer::Init(
   // above, so a list may be refused on some ranks only, and the ranks that
   // passed would otherwise wait in the agreement until the group's timeout.
   std::string failure;
+  ReserveFailureText(failure);
   bool listed = false;  // the list passed; a failure from here on is the factory's
   std::vector<internal::ReplicaEntry> built;  // the shard optimizer's kind, rates and options
   try {
@@ -396,9 +436,11 @@ void ZeroRedundancyOptimizer::Init(
       built.push_back({"option", key, value});
     }
   } catch (...) {
-    failure = listed ? "ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(pg_->rank()) +
-                           "'s shard failed: " + HandledExceptionText()
-                     : HandledExceptionText();
+    DescribeFailure(failure, "ZeroRedundancyOptimizer", pg_->rank(), [&] {
+      return listed ? "ZeroRedundancyOptimizer: building the optimizer of rank " + std::to_string(pg_->rank()) +
+                          "'s shard failed: " + HandledExceptionText()
+                    : HandledExceptionText();
+    });
   }
   const std::vector<std::string> outcomes = pg_->AllGatherObject(failure);
   for (const std::string& outcome : outcomes) {
@@ -446,10 +488,12 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
   // the ranks agree on it first, so that none waits for a rank that
   // refused alone in the comparison below until the group's timeout.
   std::string unusable;
+  ReserveFailureText(unusable);
   try {
     CheckLocal("AddParamGroup");
   } catch (...) {
-    unusable = HandledExceptionText() + " (on rank " + std::to_string(pg_->rank()) + ")";
+    DescribeFailure(unusable, who.c_str(), pg_->rank(),
+                    [&] { return HandledExceptionText() + " (on rank " + std::to_string(pg_->rank()) + ")"; });
   }
   for (const std::string& outcome : pg_->AllGatherObject(unusable)) {
     if (!outcome.empty()) throw std::logic_error(outcome);
@@ -480,6 +524,7 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
   std::vector<std::vector<Slice>> all_shards;
   std::vector<std::vector<Tensor>> all_pieces;
   std::string failure;
+  ReserveFailureText(failure);
   try {
     all = params_;
     all.insert(all.end(), group.params.begin(), group.params.end());
@@ -504,10 +549,17 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
         all_pieces[r].push_back(added_pieces[r][j]);
       }
     }
-  } catch (const std::invalid_argument& e) {
-    failure = e.what();  // the list's checks name the call and the rank
   } catch (...) {
-    failure = who + " on rank " + std::to_string(pg_->rank()) + ": " + HandledExceptionText();
+    // The list's checks (std::invalid_argument) name the call and the rank.
+    DescribeFailure(failure, who.c_str(), pg_->rank(), [&] {
+      try {
+        throw;
+      } catch (const std::invalid_argument& e) {
+        return std::string(e.what());
+      } catch (...) {
+        return who + " on rank " + std::to_string(pg_->rank()) + ": " + HandledExceptionText();
+      }
+    });
   }
   for (const std::string& outcome : pg_->AllGatherObject(failure)) {
     if (!outcome.empty()) throw std::invalid_argument(outcome);
@@ -523,7 +575,8 @@ void ZeroRedundancyOptimizer::AddParamGroup(nn::optim::ParamGroup group) {
     }
     local_->AddParamGroup(std::move(shard));
   } catch (...) {
-    failure = who + " on rank " + std::to_string(pg_->rank()) + ": " + HandledExceptionText();
+    DescribeFailure(failure, who.c_str(), pg_->rank(),
+                    [&] { return who + " on rank " + std::to_string(pg_->rank()) + ": " + HandledExceptionText(); });
   }
   const std::vector<std::string> outcomes = pg_->AllGatherObject(failure);
   std::string failed;  // the first rank that failed

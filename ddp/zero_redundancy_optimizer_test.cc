@@ -1421,6 +1421,61 @@ TEST(ZeroRedundancyOptimizerTest, AFactoryFailingOnOneRankFailsEveryRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rank 1's factory fails with a long reason (16 KB) while memory runs
+// short: allocations of 4 KB or more fail from the throw on. Rank 1 still
+// tells rank 0, with the reason's start, and every rank fails at once.
+// Rank 1 built the text it sends from the whole what(), which threw a
+// second std::bad_alloc before the exchange: rank 1 left the constructor
+// alone and rank 0 waited for it until the timeout.
+DDP_TEST_WORKER(factory_fails_again_while_telling) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  auto model = Mlp(1);
+  const int rank = pg->rank();
+  const auto start = std::chrono::steady_clock::now();
+  std::exception_ptr thrown;
+  try {
+    ZeroRedundancyOptimizer zero(model->NamedParameters(), pg, [rank](NamedParameters shard) {
+      if (rank == 1) {
+        const std::runtime_error failure("device out of memory: " + std::string(16000, 'm'));
+        big_allocations_fail = true;
+        throw failure;
+      }
+      return MakeOptimizer(std::move(shard));
+    });
+  } catch (...) {
+    big_allocations_fail = false;
+    thrown = std::current_exception();
+  }
+  big_allocations_fail = false;
+  std::string outcome = "built";
+  try {
+    if (thrown) std::rethrow_exception(thrown);
+  } catch (const std::invalid_argument& e) {
+    outcome = std::string("std::invalid_argument: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  const bool told = outcome.rfind("std::invalid_argument: ZeroRedundancyOptimizer failed on rank 1: device out of "
+                                  "memory: mmm",
+                                  0) == 0 &&
+                    outcome.find("m (cut: memory ran short)") != std::string::npos;
+  if (rank == 1) {
+    WORKER_EXPECT(told, outcome.substr(0, 300) + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(told, outcome.substr(0, 300) + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, AFactoryFailingAgainWhileTellingThePeersStillFailsEveryRankAtOnce) {
+  auto run = RunWorkers("factory_fails_again_while_telling", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // Factories that build another optimizer on the last rank (another rate,
 // another kind) would step its shard unlike the others' and hand every
 // replica the result: refused on every rank, naming the option and each
