@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <stdexcept>
 #include <string_view>
@@ -597,6 +599,25 @@ std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Ten
   return groups;
 }
 
+namespace {
+
+// What the exception `e` says, valid while `e` lives; nothing is
+// allocated.
+const char* WhatOf(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "an exception that is not a std::exception";
+}
+
+void BroadcastBuckets(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root, const std::string& label,
+                      size_t bucket_bytes);
+
+}  // namespace
+
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label, size_t bucket_bytes) {
   if (pg.size() == 1) return;
@@ -607,6 +628,36 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
   // the model (one flat buffer of the whole model, on its device, ran a
   // large model out of memory at wrapping).
   nn::NoGradGuard guard;
+  try {
+    BroadcastBuckets(pg, tensors, root, label, bucket_bytes);
+  } catch (const DistributedError&) {
+    throw;  // a collective failed: the group holds that reason already
+  } catch (const std::logic_error&) {
+    throw;  // arguments refused alike on every rank; the group stays usable
+  } catch (...) {
+    // This rank failed alone (no memory for a bucket's flat buffer, say)
+    // while the others are in, or on their way to, the bucket's
+    // broadcast: abort the group so that they fail at once with the
+    // cause, instead of waiting for this rank until the group's timeout.
+    // The reason is built in a fixed buffer, since memory may be what ran
+    // out.
+    char reason[768];
+    std::snprintf(reason, sizeof(reason), "broadcasting the %.128s failed on rank %d: %.512s", label.c_str(),
+                  pg.rank(), WhatOf(std::current_exception()));
+    try {
+      pg.Abort(transport::AbortedError(reason));
+    } catch (...) {
+      // Nothing more can be done: the others wait until the group's timeout.
+    }
+    throw;
+  }
+}
+
+namespace {
+
+// BroadcastCoalesced's work, once the arguments passed.
+void BroadcastBuckets(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root, const std::string& label,
+                      size_t bucket_bytes) {
   for (const std::vector<size_t>& members : GroupByDtypeAndDevice(tensors)) {
     const nn::DType dtype = tensors[members.front()].dtype();
     const nn::Device device = tensors[members.front()].device();
@@ -658,6 +709,8 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
     }
   }
 }
+
+}  // namespace
 
 void SetNamesCheckedForTesting(size_t most) {
   names_checked.store(most == 0 ? kNamesChecked : std::min(most, kNamesChecked), std::memory_order_relaxed);

@@ -90,6 +90,9 @@ inline constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
 /// `bucket_bytes` is a bucket of its own). The temporary memory is thus at
 /// most `bucket_bytes`, or one non-contiguous tensor, whatever the model's
 /// size. Every rank must pass tensors of the same dtypes, devices and sizes.
+/// A rank that fails alone (no memory for a bucket's flat buffer, say)
+/// aborts the group with "broadcasting the <label> failed on rank N: ...",
+/// so that the others fail at once, and rethrows.
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label, size_t bucket_bytes = kBroadcastBucketBytes);
 

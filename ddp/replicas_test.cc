@@ -8,11 +8,15 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "ddp/testing/ddp_test_util.h"
+#include "nn/tensor/allocator.h"
 
 namespace ddp::dist::internal {
 namespace {
@@ -404,6 +408,53 @@ DDP_TEST_WORKER(names_beyond_the_checked_ones) {
 
 TEST(VerifyReplicasTest, NamesBeyondTheCheckedOnesAreCounted) {
   auto run = testing::RunWorkers("names_beyond_the_checked_ones", 4);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Rank 1 has no memory for the flat buffer of a bucket of two 16 MiB
+// tensors (its address space is capped a little above what it maps): it
+// aborts the group, so that rank 0, the root, fails at once naming it,
+// and rank 1 gets its std::bad_alloc. Rank 1 threw alone and rank 0
+// waited in the bucket's broadcast until the group's timeout.
+DDP_TEST_WORKER(flat_buffer_out_of_memory) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  constexpr int64_t kElements = int64_t{4} << 20;
+  const std::vector<nn::Tensor> tensors = {nn::Ones({kElements}), nn::Ones({kElements})};
+  nn::CpuAllocator().EmptyCache();  // no cached block to take the 32 MiB from
+  pg->Barrier().Wait();              // the communication thread runs before the limit
+  std::optional<testing::AddressSpaceLimit> limit;
+  if (pg->rank() == 1) {
+    limit.emplace(8 << 20);
+    WORKER_EXPECT(limit->ok(), "no VmSize in /proc/self/status");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "broadcast";
+  try {
+    BroadcastCoalesced(*pg, tensors, 0, "test tensors");
+  } catch (const std::bad_alloc&) {
+    outcome = "std::bad_alloc";
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  limit.reset();
+  if (pg->rank() == 1) {
+    WORKER_EXPECT(outcome == "std::bad_alloc", outcome + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 &&
+                    outcome.find("broadcasting the test tensors failed on rank 1: std::bad_alloc") != std::string::npos,
+                outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(BroadcastCoalescedTest, ARankWithoutMemoryForTheFlatBufferFailsTheOthersAtOnce) {
+  auto run = testing::RunWorkers("flat_buffer_out_of_memory", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
