@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
+#include <typeinfo>
 
 #include "nn/modules/init.h"
 #include "nn/ops/functional.h"
@@ -92,16 +93,22 @@ std::string PyTuple(const Shape& sizes) {
 
 // Runs an op, rethrowing its refusal with the layer and its path in front,
 // as the same exception type: an index out of range stays std::out_of_range
-// (PyTorch's IndexError), a missing kernel std::runtime_error.
+// (PyTorch's IndexError), a missing kernel std::runtime_error. Only these
+// exact types are rebuilt; a subclass (a kernel's cuda::CudaError with its
+// status code) goes through untouched, as from Conv2d, since a copy of the
+// base would lose its type.
 template <typename Fn>
 Tensor NamingTheLayer(const Module& layer, Fn fn) {
   try {
     return fn();
   } catch (const std::out_of_range& e) {
+    if (typeid(e) != typeid(std::out_of_range)) throw;
     throw std::out_of_range(layer.Describe() + ": " + e.what());
   } catch (const std::invalid_argument& e) {
+    if (typeid(e) != typeid(std::invalid_argument)) throw;
     throw std::invalid_argument(layer.Describe() + ": " + e.what());
   } catch (const std::runtime_error& e) {
+    if (typeid(e) != typeid(std::runtime_error)) throw;
     throw std::runtime_error(layer.Describe() + ": " + e.what());
   }
 }

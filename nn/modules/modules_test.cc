@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -11,6 +12,7 @@
 #include "nn/modules/init.h"
 #include "nn/modules/layers.h"
 #include "nn/modules/models.h"
+#include "nn/ops/dispatch.h"
 #include "nn/ops/functional.h"
 #include "nn/ops/gradcheck.h"
 #include "nn/tensor/testing/host_as_device.h"
@@ -501,6 +503,63 @@ TEST(ModuleTest, Conv1dNamesEachBadArgument) {
             "dilation 1");
   EXPECT_EQ(ErrorOf([&] { conv.Forward(Zeros({2, 4, 5}, {.dtype = DType::kInt64})); }),
             "Conv1d(4->8, 3): conv1d: input must be floating, got i64");
+}
+
+// A failure of the device's kernel, as nn/cuda's CudaError (a runtime_error
+// with the library's status code), which needs the CUDA headers.
+class KernelFailure : public std::runtime_error {
+ public:
+  KernelFailure(const std::string& message, int code) : std::runtime_error(message), code_(code) {}
+  int code() const { return code_; }
+
+ private:
+  int code_;
+};
+
+void FailingConv2d(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const ops::Conv2dParams&) {
+  throw KernelFailure("conv kernel failed", 700);
+}
+
+// Conv1d and Conv2d on a device whose conv2d kernel fails, printing the
+// type and code that reach the caller (in a child process: the device stays
+// registered).
+void TryConvsWithAFailingKernel() {
+  nn::testing::RegisterHostAsCuda();  // tensors "on cuda:0" without a GPU
+  ops::KernelTable table = ops::KernelsFor(DeviceType::kCPU);
+  table.conv2d_forward = &FailingConv2d;
+  ops::RegisterKernels(DeviceType::kCUDA, table);
+  const Device cuda(DeviceType::kCUDA, 0);
+  Conv1d conv1(4, 8, 3);
+  conv1.To(cuda);
+  Conv2d conv2(4, 8, 3);
+  conv2.To(cuda);
+  const std::pair<const char*, std::function<void()>> calls[] = {
+      {"conv1d", [&] { conv1.Forward(Zeros({2, 4, 9}).To(cuda)); }},
+      {"conv2d", [&] { conv2.Forward(Zeros({2, 4, 9, 9}).To(cuda)); }}};
+  for (const auto& [name, call] : calls) {
+    try {
+      call();
+      std::fprintf(stderr, "%s: no error\n", name);
+    } catch (const KernelFailure& e) {
+      std::fprintf(stderr, "%s: code %d [%s]\n", name, e.code(), e.what());
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: another type [%s]\n", name, e.what());
+    }
+  }
+}
+
+// A kernel's own exception type reaches the caller of Conv1d as it reaches
+// the caller of Conv2d (before, Conv1d rethrew every runtime_error as a
+// plain one, and a CudaError's code was lost).
+TEST(ModuleTest, Conv1dLetsAKernelsExceptionThroughWithItsType) {
+  EXPECT_EXIT(
+      {
+        TryConvsWithAFailingKernel();
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0),
+      "conv1d: code 700 \\[conv kernel failed\\]\n"
+      "conv2d: code 700 \\[conv kernel failed\\]");
 }
 
 TEST(ModuleTest, ResNetNamesCountsAndShapes) {
