@@ -5,14 +5,15 @@
 //   nn::Tensor loss = nn::loss::CrossEntropy(logits, y);  // f32
 //
 // Inside the guard:
-//   - Matmul, Linear and Conv2d cast their floating operands (input, weight,
-//     bias; f32, f16 or bf16, never f64) to the autocast dtype and return
-//     that dtype. The casts are recorded by autograd, so an f32 weight gets
-//     an f32 gradient: the parameters stay f32 master weights. f64 is not
-//     eligible, as in PyTorch: all-f64 operands run in f64, and an f64
-//     operand next to one that autocast casts is an error (Matmul's dtype
-//     mismatch; Linear and Conv2d name the input's and the weight's dtypes),
-//     never a silent cast of the f64 input to 16 bits.
+//   - Matmul, Linear, Conv2d and Conv1d cast their floating operands
+//     (input, weight, bias; f32, f16 or bf16, never f64) to the autocast
+//     dtype and return that dtype. The casts are recorded by autograd, so an
+//     f32 weight gets an f32 gradient: the parameters stay f32 master
+//     weights. f64 is not eligible, as in PyTorch: all-f64 operands run in
+//     f64, and an f64 operand next to one that autocast casts is an error
+//     (Matmul's dtype mismatch; Linear and the convolutions name the input's
+//     and the weight's dtypes), never a silent cast of the f64 input to 16
+//     bits.
 //   - Ops that need range compute in f32: LogSoftmax and Softmax, Sum and
 //     Mean, MseLoss promote 16-bit inputs to f32 (CrossEntropy always
 //     computes in f32). BatchNorm keeps the input's dtype for its output,

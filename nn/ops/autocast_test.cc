@@ -308,6 +308,27 @@ TEST(AutocastTest, CastOfAParameterIsCachedUntilItChanges) {
   EXPECT_EQ(ops::autocast::CachedCasts(), 0u);
 }
 
+// Conv1d casts its parameters themselves, not the views of height 1 it
+// hands to Conv2d, so their casts are cached as Linear's and Conv2d's are
+// (before, the weight's view was no leaf and was cast again on every call).
+TEST(AutocastTest, Conv1dsParameterCastsAreCached) {
+  ManualSeed(8);
+  const Tensor w = Randn({4, 2, 3}).set_requires_grad(true);
+  const Tensor b = Randn({4}).set_requires_grad(true);
+  const Tensor x = Randn({2, 2, 9});
+  {
+    AutocastGuard guard(DType::kBFloat16);
+    const Tensor y1 = ops::Conv1d(x, w, b);
+    const Tensor y2 = ops::Conv1d(x, w, b);
+    EXPECT_EQ(ops::autocast::CachedCasts(), 2u);  // the weight and the bias
+    EXPECT_EQ(y1.dtype(), DType::kBFloat16);
+    Backward(ops::Sum(ops::Add(y1, y2)));
+  }
+  EXPECT_EQ(w.grad().dtype(), DType::kFloat32);
+  EXPECT_EQ(w.grad().shape(), w.shape());
+  EXPECT_EQ(b.grad().dtype(), DType::kFloat32);
+}
+
 // SetData onto another view of the same storage, with no write between:
 // the storage and its version are unchanged, yet the cached cast is of the
 // old view's values and shape.

@@ -213,8 +213,14 @@ Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1d
   }
   const Conv2dParams p2{.stride_h = 1, .stride_w = p.stride, .pad_h = 0, .pad_w = p.pad, .dilation_h = 1,
                         .dilation_w = p.dilation, .groups = p.groups};
+  // Autocast casts the parameters here, before the views: the view of a
+  // parameter is no leaf, and its cast would not be cached (Conv2d then
+  // finds its operands in the low dtype already).
+  autocast::CheckNoF64Mix("conv1d", x, w);
+  const Tensor w_low = autocast::ToLowPrecision(w);
+  const Tensor bias_low = autocast::ToLowPrecision(bias);
   try {
-    return Squeeze(Conv2d(Unsqueeze(x, 2), Unsqueeze(w, 2), bias, p2), 2);
+    return Squeeze(Conv2d(Unsqueeze(x, 2), Unsqueeze(w_low, 2), bias_low, p2), 2);
   } catch (const std::invalid_argument& e) {
     // What is left (groups against channels, the bias's shape, devices)
     // names no height; it is reported as conv1d's.
