@@ -441,13 +441,12 @@ Embedding::Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optiona
     throw std::invalid_argument(where + "embedding_dim must be >= 0, got " + std::to_string(embedding_dim));
   }
   if (padding_idx.has_value()) {
-    // As PyTorch: -num_embeddings <= padding_idx < num_embeddings, a
-    // negative one counting from the end.
-    if (*padding_idx >= num_embeddings || *padding_idx < -num_embeddings) {
-      throw std::invalid_argument(where + "padding_idx must be in [-" + std::to_string(num_embeddings) + ", " +
-                                  std::to_string(num_embeddings) + "), got " + std::to_string(*padding_idx));
+    // Kept as the row (-1 is num_embeddings - 1), as PyTorch's module does.
+    try {
+      padding_idx_ = ops::EmbeddingPaddingRow(*padding_idx, num_embeddings);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(where + e.what());
     }
-    padding_idx_ = *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
   }
   weight_ = RegisterParameter("weight", Empty({num_embeddings, embedding_dim}));
   NormalFill(weight_, 0.0, 1.0, gen);

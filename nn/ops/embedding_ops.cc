@@ -14,6 +14,15 @@ namespace ddp::nn::ops {
 
 using detail::LambdaNode;
 
+int64_t EmbeddingPaddingRow(int64_t padding_idx, int64_t num_embeddings) {
+  // As PyTorch: -num_embeddings <= padding_idx < num_embeddings.
+  if (padding_idx >= num_embeddings || padding_idx < -num_embeddings) {
+    throw std::invalid_argument("padding_idx must be in [-" + std::to_string(num_embeddings) + ", " +
+                                std::to_string(num_embeddings) + "), got " + std::to_string(padding_idx));
+  }
+  return padding_idx < 0 ? padding_idx + num_embeddings : padding_idx;
+}
+
 Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int64_t> padding_idx) {
   detail::CheckFloatingOperand("embedding", "weight", weight);
   detail::CheckDefinedOperand("embedding", "indices", indices);
@@ -26,9 +35,13 @@ Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int6
                                 ShapeToString(weight.shape()));
   }
   const int64_t v = weight.size(0), d = weight.size(1);
-  if (padding_idx.has_value() && (*padding_idx < 0 || *padding_idx >= v)) {
-    throw std::invalid_argument("embedding: padding_idx " + std::to_string(*padding_idx) + " is out of range [0, " +
-                                std::to_string(v) + ")");
+  int64_t pad = -1;  // no row is padding
+  if (padding_idx.has_value()) {
+    try {
+      pad = EmbeddingPaddingRow(*padding_idx, v);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("embedding: ") + e.what());
+    }
   }
   detail::CheckSameDevice("embedding", weight, indices);
   // The kernels are the CPU's alone (outside the per-device table).
@@ -42,7 +55,6 @@ Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int6
   out = out.View(out_shape);
   if (!detail::AnyRequiresGrad({&weight})) return out;
   const Shape w_shape = weight.shape();
-  const int64_t pad = padding_idx.value_or(-1);
   auto node = std::make_shared<LambdaNode>("EmbeddingBackward", [w_shape, pad, d](LambdaNode& n,
                                                                                  std::vector<Tensor>& g) {
     const Tensor idx = n.saved[0].Get();

@@ -208,11 +208,16 @@ Tensor LayerNorm(const Tensor& x, const Shape& normalized_shape, const Tensor& w
 /// Rows of weight [V, D] picked by indices (i64 or i32, any shape S):
 /// out [S..., D], as torch.nn.functional.embedding. Throws
 /// std::out_of_range naming the index, its position and [0, V) when an
-/// index is outside the table. padding_idx (in [0, V), or nullopt) names a
-/// row whose gradient stays zero. weight's gradient is dense, a repeated
-/// index summing its rows. CPU only: another device is refused
-/// (std::invalid_argument) naming it.
+/// index is outside the table. padding_idx (in [-V, V), a negative one
+/// counting from the end, or nullopt) names a row whose gradient stays
+/// zero. weight's gradient is dense, a repeated index summing its rows. CPU
+/// only: another device is refused (std::invalid_argument) naming it.
 Tensor Embedding(const Tensor& weight, const Tensor& indices, std::optional<int64_t> padding_idx = std::nullopt);
+/// The row padding_idx names in a table of num_embeddings rows, as the
+/// Embedding op and module read it: padding_idx + num_embeddings for a
+/// negative one. Throws std::invalid_argument "padding_idx must be in
+/// [-V, V), got P" (the caller puts its name in front) outside that range.
+int64_t EmbeddingPaddingRow(int64_t padding_idx, int64_t num_embeddings);
 
 // --- batch-norm building blocks (no autograd) ---
 // SyncBatchNorm computes statistics over the global batch: each rank makes

@@ -545,6 +545,19 @@ TEST(GradCheckTest, Embedding) {
   EXPECT_TRUE(GradCheck([&idx](const V& in) { return Embedding(in[0], idx, 4); }, {RandomLeaf({5, 3}, 2)}));
 }
 
+// A negative padding_idx counts from the table's end, as in
+// torch.nn.functional.embedding and the Embedding module: -1 is the last
+// row, whose gradient stays zero (before, the op refused it as out of
+// range).
+TEST(GradCheckTest, EmbeddingsNegativePaddingIdxCountsFromTheEnd) {
+  const Tensor weight = FromVector({0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, {5, 2}, {.dtype = DType::kFloat64, .requires_grad = true});
+  const Tensor idx = FromVectorOf<int64_t>({4, 1, 4}, {3});
+  const Tensor out = Embedding(weight, idx, -1);
+  EXPECT_EQ(out.ToVector<double>(), (std::vector<double>{8, 9, 2, 3, 8, 9}));
+  Backward(Sum(out));
+  EXPECT_EQ(weight.grad().ToVector<double>(), (std::vector<double>{0, 0, 1, 1, 0, 0, 0, 0, 0, 0}));
+}
+
 TEST(GradCheckTest, Conv1dGeometries) {
   const Conv1dParams geometries[] = {{}, {.stride = 2, .pad = 1}, {.stride = 1, .pad = 2, .dilation = 2},
                                      {.stride = 3, .pad = 0, .dilation = 1, .groups = 2}};
@@ -573,7 +586,8 @@ TEST(GradCheckTest, LayerNormEmbeddingAndConv1dRefusalsNameTheOp) {
   EXPECT_EQ(ErrorOf([&] { LayerNorm(x, {4}, Tensor(), Tensor(), std::nan("")); }),
             "layer_norm: eps must be finite and > 0, got nan");
   const Tensor table = Zeros({5, 2}), idx = FromVectorOf<int64_t>({1}, {1});
-  EXPECT_EQ(ErrorOf([&] { Embedding(table, idx, 5); }), "embedding: padding_idx 5 is out of range [0, 5)");
+  EXPECT_EQ(ErrorOf([&] { Embedding(table, idx, 5); }), "embedding: padding_idx must be in [-5, 5), got 5");
+  EXPECT_EQ(ErrorOf([&] { Embedding(table, idx, -6); }), "embedding: padding_idx must be in [-5, 5), got -6");
   EXPECT_EQ(ErrorOf([&] { Embedding(Zeros({5}), idx); }),
             "embedding: weight must be [num_embeddings, embedding_dim], got [5]");
   EXPECT_EQ(ErrorOf([&] { Embedding(Zeros({5, 2}, {.dtype = DType::kInt64}), idx); }),
