@@ -262,8 +262,9 @@ std::string Conv1d::ShortRepr() const {
 
 Tensor Conv1d::Forward(const Tensor& x) {
   CheckDefinedInput(*this, x);
-  if (x.dim() == 2 && x.size(0) == in_) return RunUnbatched(*this, x);
-  if (x.dim() != 3 || x.size(1) != in_) {
+  // An unbatched [C, L] input goes to the op as it is (the op runs it as a
+  // batch of one), so that its errors show the shape as given.
+  if ((x.dim() != 3 && x.dim() != 2) || x.size(-2) != in_) {
     Fail("expected input [N, " + std::to_string(in_) + ", L] or [" + std::to_string(in_) + ", L], got " +
          ShapeToString(x.shape()));
   }

@@ -82,7 +82,8 @@ struct Conv1dOptions {
 };
 
 /// x [N, in, L] -> [N, out, OL]; weight [out, in/groups, k]. An unbatched x
-/// [in, L] gives [out, OL], as PyTorch 1.13. Runs as Conv2d over a plane of
+/// [in, L] gives [out, OL], as PyTorch 1.13 (errors show it as given, not
+/// as the batch of one it runs as). Runs as Conv2d over a plane of
 /// height 1 (ops::Conv1d), so on every device Conv2d runs on. Arguments
 /// are checked as Conv2d's, naming the layer and the argument;
 /// initialization as PyTorch's (kaiming-uniform, a = sqrt(5)).

@@ -503,6 +503,13 @@ TEST(ModuleTest, Conv1dNamesEachBadArgument) {
             "dilation 1");
   EXPECT_EQ(ErrorOf([&] { conv.Forward(Zeros({2, 4, 5}, {.dtype = DType::kInt64})); }),
             "Conv1d(4->8, 3): conv1d: input must be floating, got i64");
+  // An unbatched input is shown as given, without the batch of one it runs
+  // as (before: [1, 4, 2] and [1, 4, 0]).
+  EXPECT_EQ(ErrorOf([&] { conv.Forward(Zeros({4, 2})); }),
+            "Conv1d(4->8, 3): conv1d: input [4, 2] is shorter than the kernel [8, 4, 3] with stride 1, padding 0, "
+            "dilation 1");
+  EXPECT_EQ(ErrorOf([&] { conv.Forward(Zeros({4, 0})); }),
+            "Conv1d(4->8, 3): conv1d: only a zero batch or zero channels may be empty, got input [4, 0]");
 }
 
 // A failure of the device's kernel, as nn/cuda's CudaError (a runtime_error

@@ -188,11 +188,14 @@ Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1d
     throw std::invalid_argument("conv1d: groups " + std::to_string(p.groups) + " times the weight's " +
                                 std::to_string(w.size(1)) + " channels per group overflows int64");
   }
-  if (x.dim() != 3 || x.size(1) != cin) {
-    throw std::invalid_argument("conv1d: expected input [N, " + std::to_string(cin) + ", L], got " +
-                                ShapeToString(x.shape()));
+  // [C, L] is an unbatched input (PyTorch 1.13 takes it): it runs as a
+  // batch of one, checked and shown here as given.
+  const bool unbatched = x.dim() == 2;
+  if ((x.dim() != 3 && !unbatched) || x.size(-2) != cin) {
+    throw std::invalid_argument("conv1d: expected input [N, " + std::to_string(cin) + ", L] or [" +
+                                std::to_string(cin) + ", L], got " + ShapeToString(x.shape()));
   }
-  if (x.size(2) == 0) {
+  if (x.size(-1) == 0) {
     throw std::invalid_argument("conv1d: only a zero batch or zero channels may be empty, got input " +
                                 ShapeToString(x.shape()));
   }
@@ -205,7 +208,7 @@ Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1d
     throw std::invalid_argument("conv1d: " + std::to_string(w.size(0)) + " output channels are not divisible by " +
                                 std::to_string(p.groups) + " groups");
   }
-  const int64_t ol = OutputSize("conv1d", "", x.size(2), w.size(2), p.stride, p.pad, p.dilation, false);
+  const int64_t ol = OutputSize("conv1d", "", x.size(-1), w.size(2), p.stride, p.pad, p.dilation, false);
   if (ol < 1) {
     throw std::invalid_argument("conv1d: input " + ShapeToString(x.shape()) + " is shorter than the kernel " +
                                 ShapeToString(w.shape()) + " with stride " + std::to_string(p.stride) +
@@ -219,8 +222,10 @@ Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1d
   autocast::CheckNoF64Mix("conv1d", x, w);
   const Tensor w_low = autocast::ToLowPrecision(w);
   const Tensor bias_low = autocast::ToLowPrecision(bias);
+  const Tensor batched = unbatched ? Unsqueeze(x, 0) : x;
   try {
-    return Squeeze(Conv2d(Unsqueeze(x, 2), Unsqueeze(w_low, 2), bias_low, p2), 2);
+    const Tensor y = Squeeze(Conv2d(Unsqueeze(batched, 2), Unsqueeze(w_low, 2), bias_low, p2), 2);
+    return unbatched ? Squeeze(y, 0) : y;
   } catch (const std::invalid_argument& e) {
     // What is left (groups against channels, the bias's shape, devices)
     // names no height; it is reported as conv1d's.

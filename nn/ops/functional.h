@@ -168,7 +168,8 @@ struct Conv1dParams {
 };
 /// y [N, O, OL] from x [N, C, L], w [O, C/groups, K], bias [O] (may be
 /// undefined): Conv2d on a plane of height 1, so it runs wherever Conv2d
-/// does; errors name conv1d and the shapes as given.
+/// does; errors name conv1d and the shapes as given. An unbatched x [C, L]
+/// gives y [O, OL], as PyTorch 1.13's F.conv1d.
 Tensor Conv1d(const Tensor& x, const Tensor& w, const Tensor& bias, const Conv1dParams& p = {});
 Tensor MaxPool2d(const Tensor& x, const Pool2dParams& p);
 Tensor AvgPool2d(const Tensor& x, const Pool2dParams& p);

@@ -568,6 +568,18 @@ TEST(GradCheckTest, Conv1dGeometries) {
   }
 }
 
+// An unbatched [C, L] input, which PyTorch 1.13's F.conv1d takes: the
+// values of a batch of one without its batch dimension, and its gradients
+// (before, the op refused a 2-D input).
+TEST(GradCheckTest, Conv1dOfAnUnbatchedInput) {
+  const Conv1dParams p{.stride = 2, .pad = 1, .dilation = 1, .groups = 2};
+  const Tensor x = RandomLeaf({4, 9}, 1), w = RandomLeaf({6, 2, 3}, 2), b = RandomLeaf({6}, 3);
+  const Tensor y = Conv1d(x, w, b, p);
+  EXPECT_EQ(y.shape(), (Shape{6, 5}));
+  EXPECT_EQ(y.ToVector<double>(), Conv1d(Unsqueeze(x, 0), w, b, p).ToVector<double>());
+  EXPECT_TRUE(GradCheck([&p](const V& in) { return Conv1d(in[0], in[1], in[2], p); }, {x, w, b}));
+}
+
 // The functional forms' refusals, each naming the op and what is wrong.
 TEST(GradCheckTest, LayerNormEmbeddingAndConv1dRefusalsNameTheOp) {
   const Tensor x = Zeros({2, 3, 4});
@@ -596,7 +608,11 @@ TEST(GradCheckTest, LayerNormEmbeddingAndConv1dRefusalsNameTheOp) {
   EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 4, 3, 1}), Tensor()); }),
             "conv1d: weight must be [O, C/groups, K], got [8, 4, 3, 1]");
   EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 3, 3}), Tensor()); }),
-            "conv1d: expected input [N, 3, L], got [2, 4, 6]");
+            "conv1d: expected input [N, 3, L] or [3, L], got [2, 4, 6]");
+  EXPECT_EQ(ErrorOf([&] { Conv1d(Zeros({6}), Zeros({8, 4, 3}), Tensor()); }),
+            "conv1d: expected input [N, 4, L] or [4, L], got [6]");
+  EXPECT_EQ(ErrorOf([&] { Conv1d(Zeros({4, 2}), Zeros({8, 4, 3}), Tensor()); }),
+            "conv1d: input [4, 2] is shorter than the kernel [8, 4, 3] with stride 1, padding 0, dilation 1");
   EXPECT_EQ(ErrorOf([&] { Conv1d(seq, Zeros({8, 4, 3}), Zeros({7})); }),
             "conv1d: bias of shape [7] for 8 output channels");
   EXPECT_EQ(ErrorOf([&] { Conv1d(Zeros({2, 4, 6}), Zeros({0, 2, 3}), Tensor(), {.groups = 2}); }),
