@@ -922,11 +922,24 @@ class ProcessGroup::Impl {
       state->started = start;
     }
     Status status;
+    // Consumed by this post even on an aborted group, so that it never
+    // fires later on another; loaded first, so that a post when it is not
+    // armed does not write the shared flag.
+    const bool fail_post =
+        fail_next_post.load(std::memory_order_relaxed) && fail_next_post.exchange(false, std::memory_order_relaxed);
     try {
-      if (fail_next_post.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
       status = aborted_reason();
-      // Worded as Run words it for messages queued behind other work.
-      if (!status.ok()) return Status(status.code(), "not run: the group was aborted: " + status.message());
+      if (!status.ok()) {
+        // Worded as Run words it for messages queued behind other work; the
+        // abort's own reason when there is no memory for that. The abort
+        // comes before a failure of this post: it is why nothing went.
+        try {
+          return Status(status.code(), "not run: the group was aborted: " + status.message());
+        } catch (...) {
+          return status;
+        }
+      }
+      if (fail_post) throw std::bad_alloc();
       try {
         status = task(comm_.get(), start + options_.timeout);
       } catch (const std::exception& e) {

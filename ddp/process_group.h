@@ -146,7 +146,9 @@ void FailNextBookkeepingForTesting();
 /// Test only: the next messages posted in the call that issues them (a
 /// Send, Recv or BatchIsendIrecv with nothing queued or running ahead), in
 /// this process, fail before they are posted with std::bad_alloc, as when
-/// memory runs out there.
+/// memory runs out there. On a group aborted already that post reports the
+/// abort (its code, "not run: the group was aborted: ...") and uses the
+/// failure up.
 void FailNextPostForTesting();
 
 /// ProcessGroup::AllGatherObject gathers the objects padded to the longest

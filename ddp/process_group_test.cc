@@ -1048,6 +1048,39 @@ TEST(ProcessGroupTest, NoMemoryToPostAMessageTellsThePeersWhichRank) {
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// A message posted in the call on a group aborted already reports the
+// abort's code and reason ("not run: the group was aborted: ..."), even when
+// memory runs out as it is posted (internal::FailNextPostForTesting): the
+// abort is looked at first. Before, the injected failure came first and the
+// Work said RESOURCE_EXHAUSTED "rank 0 ran out of memory while posting".
+DDP_TEST_WORKER(pg_post_out_of_memory_after_abort) {
+  auto pg = testing::WorkerGroup();
+  const int me = pg->rank();
+  const std::string on = " on rank " + std::to_string(me);
+  Tensor t = nn::Ones({4});
+  pg->Barrier().Wait();
+  if (me == 0) {
+    pg->Abort(transport::AbortedError("stopped by the test"));
+    internal::FailNextPostForTesting();
+    const transport::Status sent = pg->Send(t, 1).WaitFor(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    WORKER_EXPECT(sent.code() == transport::StatusCode::kAborted &&
+                      sent.message() ==
+                          "send to rank 1 tag 0(f32 [4]) on rank 0: not run: the group was aborted: stopped by the test",
+                  "the Send: " + sent.ToString() + on);
+  } else {
+    const transport::Status received =
+        pg->Recv(t, 0).WaitFor(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    WORKER_EXPECT(received.message().find("stopped by the test") != std::string::npos,
+                  "the Recv: " + received.ToString() + on);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(ProcessGroupTest, APostOnAnAbortedGroupReportsTheAbortEvenWhenMemoryRunsOut) {
+  auto run = RunWorkers("pg_post_out_of_memory_after_abort", 2, {{"DDP_COLLECTIVE_THREAD", "caller"}}, 30000);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 TEST(ProcessGroupTest, BadArgumentsNameTheProblem) {
   auto pg = ProcessGroup::Single();
   Tensor m = nn::Zeros({4, 3});
