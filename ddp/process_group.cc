@@ -65,7 +65,10 @@ std::string CollectiveDescription::ToString() const {
 namespace {
 
 // Set by internal::FailNextBookkeepingForTesting: the next item's
-// bookkeeping after its task throws std::bad_alloc.
+// bookkeeping after its task throws std::bad_alloc. This hook and
+// fail_next_post are read before they are exchanged: every item passes
+// them, and an exchange is a write to a line shared by every group's
+// threads.
 std::atomic<bool> fail_next_bookkeeping{false};
 
 // AllGatherObject's choice between one padded all-gather and a broadcast
@@ -982,7 +985,10 @@ class ProcessGroup::Impl {
     const Clock::time_point end = Clock::now();
     bool listed = false;
     try {
-      if (fail_next_bookkeeping.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
+      if (fail_next_bookkeeping.load(std::memory_order_relaxed) &&
+          fail_next_bookkeeping.exchange(false, std::memory_order_relaxed)) {
+        throw std::bad_alloc();
+      }
       Record(trace, trace_name, state->started, end, posted.ok());
       if (posted.ok()) {
         ListPostedHere(state, /*list=*/true);
@@ -1168,7 +1174,10 @@ class ProcessGroup::Impl {
         status = Status(status.code(), named + status.message());
       }
     }
-    if (fail_next_bookkeeping.exchange(false, std::memory_order_relaxed)) throw std::bad_alloc();
+    if (fail_next_bookkeeping.load(std::memory_order_relaxed) &&
+        fail_next_bookkeeping.exchange(false, std::memory_order_relaxed)) {
+      throw std::bad_alloc();
+    }
     const Clock::time_point end = Clock::now();
     Record(trace, item.description.ToString(), start, end, status.ok());
     const bool posted = status.ok() && item.mode == Mode::kPointToPoint;

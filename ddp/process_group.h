@@ -148,7 +148,10 @@ void FailNextBookkeepingForTesting();
 /// this process, fail before they are posted with std::bad_alloc, as when
 /// memory runs out there. On a group aborted already that post reports the
 /// abort (its code, "not run: the group was aborted: ...") and uses the
-/// failure up.
+/// failure up. Only such a post uses it: messages that go through the
+/// communication thread (something queued or running ahead on their group,
+/// a CUDA tensor, a group of one) leave it armed, and it then fails the
+/// next post made in the call, on any group of this process.
 void FailNextPostForTesting();
 
 /// ProcessGroup::AllGatherObject gathers the objects padded to the longest
