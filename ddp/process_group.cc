@@ -1038,12 +1038,19 @@ class ProcessGroup::Impl {
   // for them (p2p_pending_) is theirs in in_flight_ (`list`, waking the
   // thread when nothing else was listed: it sleeps without a timeout then),
   // or is given up (their Work failed).
+  // The count goes down only once the Work is listed: should the listing
+  // throw, FinishPostedHere gives the room up (`list` false), and the count
+  // is taken down once, never twice (a size_t below 0 would make every later
+  // reservation fail).
   void ListPostedHere(const std::shared_ptr<Work::State>& state, bool list) {
     std::unique_lock lock(mu_);
-    --p2p_pending_;
-    if (!list) return;
+    if (!list) {
+      --p2p_pending_;
+      return;
+    }
     const bool wake = in_flight_.empty();
     in_flight_.push_back(state);  // never allocates: room reserved (ReserveInFlight)
+    --p2p_pending_;
     lock.unlock();
     if (wake) cv_.notify_one();
   }
