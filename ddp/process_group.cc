@@ -66,9 +66,9 @@ namespace {
 
 // Set by internal::FailNextBookkeepingForTesting: the next item's
 // bookkeeping after its task throws std::bad_alloc. This hook and
-// fail_next_post are read before they are exchanged: every item passes
-// them, and an exchange is a write to a line shared by every group's
-// threads.
+// fail_next_post are read before they are exchanged: every item (this one)
+// and every post in the call (both) reach them, and an exchange is a write
+// to a line shared by every group's threads.
 std::atomic<bool> fail_next_bookkeeping{false};
 
 // AllGatherObject's choice between one padded all-gather and a broadcast
