@@ -813,7 +813,7 @@ int64_t BatchesInEpoch(int64_t train_size, int world_size, int64_t batch_size,
                        int64_t epoch_start) {
   // The sampler itself counts: its padding decides how many are left.
   nn::data::DistributedSampler sampler(train_size, {.num_replicas = world_size, .rank = 0});
-  sampler.set_start(epoch_start);
+  sampler.set_start(epoch_start, 0);
   const int64_t n = sampler.Size();
   return n / batch_size + (n % batch_size != 0);
 }

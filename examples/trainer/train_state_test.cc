@@ -471,7 +471,7 @@ TEST(TrainStateTest, MidEpochCheckpointOnOtherRanksTrainsTheRestOfTheEpoch) {
   std::multiset<int64_t> rest;
   for (int64_t r = 0; r < 2; ++r) {
     nn::data::DistributedSampler s(n, {.num_replicas = 2, .rank = r, .seed = config.seed});
-    s.set_start(pos.epoch_start);
+    s.set_start(pos.epoch_start, pos.epoch);
     s.SetEpoch(pos.epoch);
     const std::vector<int64_t> mine = s.Indices();
     EXPECT_EQ(mine.size(), 102u) << "rank " << r;

@@ -1343,7 +1343,10 @@ void Run::Setup() {
   }
   if (c_.resume) {
     if (!resume_note.empty()) Say("  note: " + resume_note);
-    train_sampler_->set_start(pos_.epoch_start);
+    // The sampler on the resumed epoch, so that its size (below) counts
+    // the start.
+    train_sampler_->set_start(pos_.epoch_start, pos_.epoch);
+    train_sampler_->SetEpoch(pos_.epoch);
     Say(StringPrintf("  resumed at epoch %lld, step %lld (%lld of the epoch's %lld steps done)",
                      static_cast<long long>(pos_.epoch + 1), static_cast<long long>(pos_.step),
                      static_cast<long long>(StepsBeforeStart() +
@@ -1788,7 +1791,7 @@ RunResult Run::Go() {
       const int64_t epoch_number = pos_.epoch + 1;
       // Every rank sets the same start: the ranks' shards stay disjoint and
       // equal in length, so every rank takes the same number of steps.
-      train_sampler_->set_start(pos_.epoch_start);
+      train_sampler_->set_start(pos_.epoch_start, pos_.epoch);
       train_loader_->StartEpoch(pos_.epoch, pos_.batch_in_epoch);
       const int64_t steps_before = StepsBeforeStart();
       const int64_t done_at_start = steps_before + pos_.batch_in_epoch / c_.grad_accum_steps;

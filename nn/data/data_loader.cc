@@ -56,18 +56,20 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<S
   }
   o.timeout = std::min(o.timeout, kLongestTimeout);
   o.shutdown_grace = std::min(o.shutdown_grace, kLongestTimeout);
-  // A DistributedSampler resumed part way (set_start) is measured by its
-  // whole epoch: the resumed epoch may hold less than a batch (it is then
-  // empty, as in StartEpoch), but a batch larger than the whole epoch would
-  // leave every later epoch empty too.
-  const auto* distributed = dynamic_cast<const DistributedSampler*>(sampler_.get());
-  const int64_t epoch_size = distributed != nullptr ? distributed->UnresumedSize() : sampler_->Size();
+  // The sampler's epoch taken whole, through its own virtual count (a
+  // subclass's, not its base's): a DistributedSampler's resumed epoch
+  // (set_start) may hold less than a batch and is then empty, as in
+  // StartEpoch; every other epoch holds UnresumedSize().
+  const int64_t epoch_size = sampler_->UnresumedSize();
   if (o.drop_last && o.batch_size > epoch_size) {
     // Every batch would be dropped: an epoch with no step at all.
-    const std::string resumed = distributed != nullptr && distributed->start() > 0
-                                    ? " (from an epoch's start; it is resumed at set_start(" +
-                                          std::to_string(distributed->start()) + "))"
-                                    : "";
+    const auto* distributed = dynamic_cast<const DistributedSampler*>(sampler_.get());
+    const std::string resumed =
+        distributed != nullptr && distributed->start() > 0
+            ? " (in an epoch taken whole; set_start(" + std::to_string(distributed->start()) + ", " +
+                  std::to_string(distributed->start_epoch()) + ") resumes epoch " +
+                  std::to_string(distributed->start_epoch()) + " only)"
+            : "";
     throw std::invalid_argument(
         "DataLoader: batch size " + std::to_string(o.batch_size) + " is larger than the " +
         std::to_string(epoch_size) + " samples this sampler yields per epoch" + resumed + " from " +

@@ -71,9 +71,10 @@ class DataLoader {
   /// std::invalid_argument for no dataset, a batch size < 1, negative
   /// workers, a prefetch_factor < 1, a timeout or shutdown grace that is not
   /// positive, or, with drop_last, a batch larger than the sampler's epoch
-  /// (no batch at all). A DistributedSampler's epoch is counted without its
-  /// start() (UnresumedSize): resumed late in an epoch, it may hold less
-  /// than a batch, and that epoch alone is then empty.
+  /// (no batch at all). The epoch is counted by the sampler's
+  /// UnresumedSize(): a DistributedSampler resumed late in one epoch
+  /// (set_start) may hold less than a batch there, and that epoch alone is
+  /// then empty; the others are whole.
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              TransformOptions transform, DataLoaderOptions options);
   /// Stops and joins the workers. A batch being built is finished first,

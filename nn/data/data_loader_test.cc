@@ -574,20 +574,19 @@ TEST(DataLoader, DropLastEpochAfterSetStartPastTheLastBatchIsEmpty) {
   auto ds = FashionTest();
   auto sampler = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{2, 0, false, 0, false});
   for (int workers : {0, 2}) {
-    sampler->set_start(0);
+    sampler->set_start(0, 0);
     DataLoader loader(ds, sampler, {}, {.batch_size = 100, .drop_last = true, .num_workers = workers});
     loader.StartEpoch(0);
     EXPECT_EQ(loader.NumBatches(), ds->Size() / 2 / 100);
-    sampler->set_start(ds->Size() - 20);
+    sampler->set_start(ds->Size() - 20, 1);
     loader.StartEpoch(1);
     EXPECT_EQ(loader.NumBatches(), 0);
     EXPECT_FALSE(loader.Next().has_value()) << "a batch from the 10 samples left, with " << workers << " workers";
-    sampler->set_start(0);
     loader.StartEpoch(2);
     EXPECT_EQ(loader.NumBatches(), ds->Size() / 2 / 100);
     ASSERT_TRUE(loader.Next().has_value());
   }
-  sampler->set_start(ds->Size() - 20);
+  sampler->set_start(ds->Size() - 20, 1);
   DataLoader resumed(ds, sampler, {}, {.batch_size = 100, .drop_last = true});
   resumed.StartEpoch(1);
   EXPECT_FALSE(resumed.Next().has_value());
@@ -598,28 +597,78 @@ TEST(DataLoader, DropLastEpochAfterSetStartPastTheLastBatchIsEmpty) {
 }
 
 // A batch larger than a resumed DistributedSampler's whole epoch (without
-// its start) is refused as for one never resumed: only the resumed epoch
-// may be empty, and such a loader made every later epoch empty too, from
-// the list's start again, without a word (a run that trains nothing). A
-// batch that fits the whole epoch is accepted, with the resumed epoch empty.
+// its start) is refused as for one never resumed: such a loader made every
+// other epoch empty, without a word (a run that trains nothing). A batch
+// that fits the whole epoch is accepted, with the resumed epoch empty.
 TEST(DataLoader, DropLastBatchLargerThanAResumedSamplersWholeEpochIsRefused) {
   auto ds = std::make_shared<SyntheticDataset>(SyntheticOptions{.size = 100, .shape = {1, 2, 2}});
   auto sampler = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{2, 0, false, 0, false});
-  sampler->set_start(10);
+  sampler->set_start(10, 0);
   try {
     DataLoader loader(ds, sampler, {}, {.batch_size = 100, .drop_last = true});
     FAIL() << "a batch of 100 accepted for 50 samples per rank per epoch";
   } catch (const std::invalid_argument& e) {
     EXPECT_THAT(e.what(), HasSubstr("batch size 100 is larger than the 50 samples"));
-    EXPECT_THAT(e.what(), HasSubstr("set_start(10)"));
+    EXPECT_THAT(e.what(), HasSubstr("set_start(10, 0) resumes epoch 0 only"));
   }
-  DataLoader fits(ds, sampler, {}, {.batch_size = 50, .drop_last = true});
-  fits.StartEpoch(0);
-  EXPECT_EQ(fits.NumBatches(), 0) << "45 samples left after the start";
-  sampler->set_start(0);
-  fits.StartEpoch(1);
-  EXPECT_EQ(fits.NumBatches(), 1);
-  ASSERT_TRUE(fits.Next().has_value());
+}
+
+// The start applies to the epoch it was set for: with a batch that fits a
+// whole epoch but not the resumed one, only that epoch is empty, and the
+// next ones are whole without the caller clearing the start (it applied to
+// every epoch until set_start(0), and each was empty, without a word).
+TEST(DataLoader, DropLastOnlyTheResumedEpochIsShortOfABatch) {
+  auto ds = std::make_shared<SyntheticDataset>(SyntheticOptions{.size = 100, .shape = {1, 2, 2}});
+  auto sampler = std::make_shared<DistributedSampler>(ds->Size(), DistributedSamplerOptions{2, 0, false, 0, false});
+  sampler->set_start(10, 0);
+  DataLoader loader(ds, sampler, {}, {.batch_size = 50, .drop_last = true});
+  loader.StartEpoch(0);
+  EXPECT_EQ(loader.NumBatches(), 0) << "45 samples left after the start";
+  for (int64_t epoch : {1, 2}) {
+    loader.StartEpoch(epoch);
+    EXPECT_EQ(loader.NumBatches(), 1) << "epoch " << epoch;
+    ASSERT_TRUE(loader.Next().has_value()) << "epoch " << epoch;
+  }
+  // Started again, the resumed epoch is resumed again.
+  loader.StartEpoch(0);
+  EXPECT_EQ(loader.NumBatches(), 0);
+}
+
+// A DistributedSampler subclass that yields fewer or more indices than its
+// base is measured by its own Size(), not by the base's count (the check
+// used the base's count for every DistributedSampler).
+TEST(DataLoader, DropLastMeasuresADistributedSamplerSubclassByItsOwnSize) {
+  struct Capped : DistributedSampler {
+    using DistributedSampler::DistributedSampler;
+    int64_t Size() const override { return 10; }
+    std::vector<int64_t> Indices() const override {
+      std::vector<int64_t> all = DistributedSampler::Indices();
+      all.resize(10);
+      return all;
+    }
+  };
+  struct Twice : DistributedSampler {
+    using DistributedSampler::DistributedSampler;
+    int64_t Size() const override { return 2 * DistributedSampler::Size(); }
+    std::vector<int64_t> Indices() const override {
+      std::vector<int64_t> all = DistributedSampler::Indices();
+      std::vector<int64_t> both = all;
+      both.insert(both.end(), all.begin(), all.end());
+      return both;
+    }
+  };
+  auto ds = std::make_shared<SyntheticDataset>(SyntheticOptions{.size = 100, .shape = {1, 2, 2}});
+  try {
+    DataLoader loader(ds, std::make_shared<Capped>(100, DistributedSamplerOptions{}), {},
+                      {.batch_size = 20, .drop_last = true});
+    ADD_FAILURE() << "a batch of 20 accepted for a sampler of 10 per epoch";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("batch size 20 is larger than the 10 samples"));
+  }
+  DataLoader twice(ds, std::make_shared<Twice>(100, DistributedSamplerOptions{}), {},
+                   {.batch_size = 150, .drop_last = true});
+  twice.StartEpoch(0);
+  EXPECT_EQ(twice.NumBatches(), 1);
 }
 
 // A StartEpoch that fails leaves the sampler on the epoch the loader still

@@ -96,15 +96,23 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, DistributedSamplerO
                                 " is outside [0, " + std::to_string(options_.num_replicas - 1) +
                                 "]");
   }
-  set_start(0);
+  whole_ = PerRank(n_);
+  set_start(0, 0);
 }
 
-void DistributedSampler::set_start(int64_t start) {
+void DistributedSampler::set_start(int64_t start, int64_t epoch) {
   if (start < 0) {
     throw std::invalid_argument("DistributedSampler: start " + std::to_string(start) + " < 0");
   }
   start_ = start;
+  start_epoch_ = epoch;
   num_samples_ = PerRank(start_ < n_ ? n_ - start_ : 0);
+}
+
+int64_t DistributedSampler::UnresumedSize() const {
+  // PerRank is non-decreasing, so what the start skipped is >= 0.
+  const int64_t skipped = epoch_ == start_epoch_ ? whole_ - num_samples_ : 0;
+  return Size() + skipped;
 }
 
 int64_t DistributedSampler::PerRank(int64_t left) const {
@@ -133,11 +141,14 @@ std::vector<int64_t> DistributedSampler::Indices() const {
   // `all` out of bounds. rank + k * num_replicas stays below the total,
   // and start < n whenever Size() > 0, so the sum of remainders is < 2n.
   const int64_t r = options_.num_replicas;
+  const bool resumed = epoch_ == start_epoch_;
+  const int64_t start = resumed ? start_ : 0;
+  const int64_t count = resumed ? num_samples_ : whole_;
   std::vector<int64_t> mine;
-  mine.reserve(num_samples_);
-  for (int64_t k = 0; k < num_samples_; ++k) {
+  mine.reserve(count);
+  for (int64_t k = 0; k < count; ++k) {
     const int64_t p = options_.rank + k * r;
-    mine.push_back(all[(start_ + p % n_) % n_]);
+    mine.push_back(all[(start + p % n_) % n_]);
   }
   return mine;
 }

@@ -33,6 +33,10 @@ class Sampler {
   /// can set it back; nullopt where the sampler does not keep it (one whose
   /// indices do not depend on the epoch).
   virtual std::optional<int64_t> epoch() const { return std::nullopt; }
+  /// Size() of an epoch taken whole: a sampler resumed part way through
+  /// one epoch (DistributedSampler::set_start) counts every other epoch's
+  /// indices here. Size() unless a subclass is resumed that way.
+  virtual int64_t UnresumedSize() const { return Size(); }
 };
 
 /// 0, 1, ..., n-1 every epoch.
@@ -98,20 +102,24 @@ struct DistributedSamplerOptions {
 /// tail that does not divide evenly is dropped. Rank r takes positions
 /// r, r + num_replicas, ... of the (shuffled) list.
 ///
-/// set_start(s) makes the epochs begin after the list's first s positions
-/// (not in PyTorch): a job that trained part of an epoch on another number
-/// of ranks or another batch size took exactly those positions (each of its
-/// ranks the first b * batch_size of its own), so the rest of that epoch is
-/// split across the new ranks with no sample trained twice or left out.
-/// Rank r then takes positions s + r, s + r + num_replicas, ...; the
+/// set_start(s, e) makes epoch e begin after the list's first s positions
+/// (not in PyTorch): a job that trained part of that epoch on another
+/// number of ranks or another batch size took exactly those positions (each
+/// of its ranks the first b * batch_size of its own), so the rest of the
+/// epoch is split across the new ranks with no sample trained twice or left
+/// out. Rank r then takes positions s + r, s + r + num_replicas, ...; the
 /// padding still repeats the list's start (samples trained early in the
-/// epoch, as in every epoch).
+/// epoch, as in every epoch). Every other epoch is whole, as after a resume
+/// from a PyTorch sampler's state, which skips samples in the resumed epoch
+/// only: the start need not be cleared after it.
 class DistributedSampler : public Sampler {
  public:
   /// Throws std::invalid_argument for a negative size, num_replicas < 1 or
   /// rank outside [0, num_replicas).
   DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options);
-  int64_t Size() const override { return num_samples_; }
+  /// This rank's indices in the current epoch: fewer in the epoch given
+  /// to set_start.
+  int64_t Size() const override { return epoch_ == start_epoch_ ? num_samples_ : whole_; }
   /// Must be called with the same epoch on every rank before each epoch,
   /// or every epoch uses the same order (as in PyTorch).
   void SetEpoch(int64_t epoch) override { epoch_ = epoch; }
@@ -122,16 +130,21 @@ class DistributedSampler : public Sampler {
   /// passes INT64_MAX (a dataset near 2^63 on 2 ranks pads it to 2^63).
   int64_t TotalSize() const;
   const DistributedSamplerOptions& options() const { return options_; }
-  /// Positions of each epoch's list skipped before rank 0's first (0 by
-  /// default; see above); Size() counts what is left. Set it to the same
-  /// value on every rank, or the ranks' shards overlap. Throws
-  /// std::invalid_argument for a negative start; one past the dataset
-  /// leaves nothing.
-  void set_start(int64_t start);
+  /// Resumes epoch `epoch` after `start` positions of its list (see above;
+  /// no epoch is resumed by default); Size() and Indices() skip them while
+  /// SetEpoch has selected that epoch, and no other. A later call replaces
+  /// the earlier one; a start of 0 resumes nothing. Set the same on every
+  /// rank, or the ranks' shards overlap. Throws std::invalid_argument for a
+  /// negative start; one past the dataset leaves that epoch nothing.
+  void set_start(int64_t start, int64_t epoch);
+  /// The start and the epoch it applies to, as last given to set_start.
   int64_t start() const { return start_; }
-  /// Size() with start() 0: this rank's indices in an epoch that is not
-  /// resumed (every epoch's, once set_start(0) is called again).
-  int64_t UnresumedSize() const { return PerRank(n_); }
+  int64_t start_epoch() const { return start_epoch_; }
+  /// Size() plus what the start skipped of this rank's share, where the
+  /// current epoch is the resumed one: this rank's indices in an epoch
+  /// taken whole, counted through Size(), so a subclass that changes it is
+  /// counted by its own.
+  int64_t UnresumedSize() const override;
 
  private:
   /// This rank's share of `left` positions of the list.
@@ -140,7 +153,9 @@ class DistributedSampler : public Sampler {
   int64_t n_;
   DistributedSamplerOptions options_;
   int64_t start_ = 0;
-  int64_t num_samples_;
+  int64_t start_epoch_ = 0;
+  int64_t num_samples_;  // this rank's share in the resumed epoch
+  int64_t whole_;        // and in any other
   int64_t epoch_ = 0;
 };
 

@@ -105,7 +105,7 @@ TEST(DistributedSampler, StartContinuesAnEpochPartlyTrainedOnOtherRanks) {
     const int64_t size = (n - start + world - 1) / world;
     for (int64_t r = 0; r < world; ++r) {
       DistributedSampler s(n, {world, r, true, 11, false});
-      s.set_start(start);
+      s.set_start(start, 2);
       s.SetEpoch(2);
       const std::vector<int64_t> mine = s.Indices();
       EXPECT_EQ(s.Size(), size) << "rank " << r << " of " << world;
@@ -125,21 +125,45 @@ TEST(DistributedSampler, StartContinuesAnEpochPartlyTrainedOnOtherRanks) {
 
 TEST(DistributedSampler, StartPastTheEndLeavesNothingAndNegativeIsRefused) {
   DistributedSampler s(10, {2, 1, true, 0, false});
-  s.set_start(10);
+  s.set_start(10, 0);
   EXPECT_EQ(s.Size(), 0);
   EXPECT_TRUE(s.Indices().empty());
   EXPECT_EQ(s.UnresumedSize(), 5) << "the epoch without its start";
-  s.set_start(0);
+  s.set_start(0, 0);
   EXPECT_EQ(s.Size(), 5);
   DistributedSampler dropping(11, {2, 1, true, 0, true});
-  dropping.set_start(3);
+  dropping.set_start(3, 0);
   EXPECT_EQ(dropping.Size(), 4);
   EXPECT_EQ(dropping.UnresumedSize(), 5);
   try {
-    s.set_start(-1);
+    s.set_start(-1, 0);
     FAIL() << "a negative start was taken";
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(), "DistributedSampler: start -1 < 0");
+  }
+}
+
+// set_start resumes the one epoch it names: every other epoch, before or
+// after it, is whole and in the order of a sampler never resumed, and the
+// resumed epoch selected again is resumed again (it used to apply to every
+// epoch until set_start(0)).
+TEST(DistributedSampler, StartAppliesToItsEpochOnly) {
+  DistributedSampler s(10, {2, 1, true, 4, false});
+  DistributedSampler whole(10, {2, 1, true, 4, false});
+  s.set_start(4, 1);
+  EXPECT_EQ(s.Size(), 5) << "epoch 0 is not the resumed one";
+  for (int64_t epoch : {1, 2, 0, 1}) {
+    s.SetEpoch(epoch);
+    whole.SetEpoch(epoch);
+    if (epoch == 1) {
+      EXPECT_EQ(s.Size(), 3);
+      EXPECT_EQ(s.UnresumedSize(), 5);
+      const std::vector<int64_t> all = whole.Indices();
+      EXPECT_EQ(s.Indices(), (std::vector<int64_t>{all[2], all[3], all[4]}));
+    } else {
+      EXPECT_EQ(s.Size(), 5) << "epoch " << epoch;
+      EXPECT_EQ(s.Indices(), whole.Indices()) << "epoch " << epoch;
+    }
   }
 }
 
@@ -152,7 +176,7 @@ TEST(Samplers, SizesNearInt64MaxDoNotOverflow) {
   EXPECT_EQ(DistributedSampler(max, {3, 0, false, 0, false}).Size(), max / 3 + (max % 3 != 0));
   EXPECT_EQ(DistributedSampler(max, {1, 0, false, 0, false}).Size(), max);
   DistributedSampler started(max, {2, 0, false, 0, false});
-  started.set_start(1);  // max - 1 left, even
+  started.set_start(1, 0);  // max - 1 left, even
   EXPECT_EQ(started.Size(), max / 2);
   EXPECT_EQ(StridedSampler(max, 2, 0).Size(), max / 2 + 1);
   EXPECT_EQ(StridedSampler(max, 2, 1).Size(), max / 2);
@@ -196,7 +220,7 @@ TEST(DistributedSampler, PositionsPastInt64MaxStayInTheList) {
   DistributedSampler s(10, {.num_replicas = max, .rank = max - 1, .shuffle = false});
   EXPECT_EQ(s.Size(), 1);
   EXPECT_EQ(s.Indices(), (std::vector<int64_t>{6}));
-  s.set_start(5);
+  s.set_start(5, 0);
   EXPECT_EQ(s.Size(), 1);
   EXPECT_EQ(s.Indices(), (std::vector<int64_t>{1}));
   DistributedSampler shuffled(10, {.num_replicas = max, .rank = max - 1, .shuffle = true, .seed = 3});
