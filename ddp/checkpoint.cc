@@ -844,14 +844,15 @@ namespace internal {
 // waiting for its next status until the group's timeout: it aborts the
 // group first (AbortForThisRank, with its rule: not for an argument error,
 // which every rank throws alike), naming `call` and this rank. A
-// DistributedError is the group's own failure; what throws once this
-// rank's last exchange has ended leaves no rank waiting, and aborts
-// nothing.
+// DistributedError is the group's own failure. What throws once this
+// rank's last exchange of the wait has ended aborts nothing only when that
+// was the call's last exchange (`after`): otherwise the others go on to
+// the call's next one and would wait there for this rank.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& call, const std::string& task, const std::string& option,
                                      const std::string& abort_reason, std::chrono::milliseconds stop_grace,
-                                     IfTheGroupFails if_the_group_fails) {
+                                     IfTheGroupFails if_the_group_fails, AfterTheWait after) {
   bool exchanged = false;
   try {
     RunFault(FaultPoint::kPreparingAlone);
@@ -860,7 +861,7 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
   } catch (const DistributedError&) {
     throw;
   } catch (...) {
-    if (!exchanged) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
+    if (!exchanged || after != AfterTheWait::kTheCallEnds) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
     throw;
   }
 }
@@ -870,7 +871,7 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
                                           const std::string& call, const std::string& task,
                                           const std::string& option, const std::string& abort_reason,
                                           std::chrono::milliseconds stop_grace,
-                                          IfTheGroupFails if_the_group_fails) {
+                                          IfTheGroupFails if_the_group_fails, AfterTheWait after) {
   std::string error;
   bool out_of_time = false;
   bool exchanged = false;
@@ -881,7 +882,7 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
   } catch (const DistributedError&) {
     throw;
   } catch (...) {
-    if (!exchanged) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
+    if (!exchanged || after != AfterTheWait::kTheCallEnds) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
     throw;
   }
   // Every rank alike, after the last exchange.
@@ -942,7 +943,9 @@ void SaveCheckpoint(ProcessGroup& pg, const std::string& path, const nn::io::Che
     cannot_write = "SaveCheckpoint: rank 0 could not write " + path;
   });
   const std::string error = internal::RunOnRootWhileOthersWait(pg, 0, write, options.timeout, options.heartbeat,
-                                                               call, task, option, cannot_write, options.stop_grace);
+                                                               call, task, option, cannot_write, options.stop_grace,
+                                                               internal::IfTheGroupFails::kLetTheWorkFinish,
+                                                               internal::AfterTheWait::kTheCallEnds);
   if (!error.empty()) throw std::runtime_error("SaveCheckpoint: rank 0 could not write " + path + ": " + error);
 }
 

@@ -384,6 +384,21 @@ enum class IfTheGroupFails {
   kStopTheWork = 1,
 };
 
+/// What the caller of RunOnRootWhileOthersWait or
+/// RunOnEveryRankWhileOthersWait does once the wait's last exchange has
+/// ended, which decides whether a throw on one rank past it aborts the
+/// group.
+enum class AfterTheWait {
+  /// The ranks exchange more in the same call (LoadCheckpoint's agreement
+  /// on what was read, LoadCheckpointFromRank's sending of the bytes): a
+  /// rank that throws past the wait's last exchange would leave the others
+  /// waiting for it there, so it aborts the group.
+  kTheCallExchangesMore = 0,
+  /// The wait is the call's last exchange (SaveCheckpoint): nobody waits
+  /// for a rank that throws past it, and the group stays usable.
+  kTheCallEnds = 1,
+};
+
 /// What SaveCheckpoint's writer and LoadCheckpointFromRank's reader share
 /// (exposed for tests): collective; `root` runs `work` on a thread of its
 /// own and tells the others every `heartbeat` (at most a quarter of the
@@ -414,13 +429,16 @@ enum class IfTheGroupFails {
 /// ProcessGroup's collectives, an argument error (another
 /// std::logic_error, such as a `root` outside the group, which every rank
 /// throws alike) leaves the group usable, and so does what throws once the
-/// ranks' last exchange has ended (nobody waits then).
+/// ranks' last exchange has ended when `after` is kTheCallEnds (nobody
+/// waits then); with kTheCallExchangesMore it aborts the group as above,
+/// since the others go on to the call's next exchange.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& call, const std::string& task, const std::string& option,
                                      const std::string& abort_reason,
                                      std::chrono::milliseconds stop_grace = kMostTimeout,
-                                     IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish);
+                                     IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish,
+                                     AfterTheWait after = AfterTheWait::kTheCallExchangesMore);
 
 /// LoadCheckpoint's wait (exposed for tests): collective; every rank runs
 /// `work` on a thread of its own, and the ranks tell each other every
@@ -434,14 +452,16 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
 /// When the group fails, a rank still in `work` lets it go on until
 /// `timeout` or stops it at once, as `if_the_group_fails` says, before it
 /// rethrows the group's DistributedError. What throws on one rank alone
-/// aborts the group naming `call`, as in RunOnRootWhileOthersWait.
+/// aborts the group naming `call`, as in RunOnRootWhileOthersWait (past
+/// the last exchange only when `after` is kTheCallExchangesMore).
 std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork& work,
                                           std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                           const std::string& call, const std::string& task,
                                           const std::string& option,
                                           const std::string& abort_reason,
                                           std::chrono::milliseconds stop_grace = kMostTimeout,
-                                          IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish);
+                                          IfTheGroupFails if_the_group_fails = IfTheGroupFails::kLetTheWorkFinish,
+                                          AfterTheWait after = AfterTheWait::kTheCallExchangesMore);
 
 /// Test only: where SetFaultForTesting's function runs.
 enum class FaultPoint {

@@ -1852,7 +1852,8 @@ TEST(DdpCheckpointTest, TheOthersWaitForTheRootsLongWorkAndLearnItsOutcome) {
 // no more: a root outside the group, which every rank throws alike as a
 // std::invalid_argument, leaves the group usable (the guard used to abort
 // it), and so does a throw on one rank once the ranks' last exchange has
-// ended, as it builds what it returns (nobody waits for it then).
+// ended, as it builds what it returns, when the caller says that the wait
+// is its call's last exchange (nobody waits for it then).
 DDP_TEST_WORKER(waits_leave_the_group_usable) {
   auto pg = testing::WorkerGroup();
   using std::chrono::milliseconds;
@@ -1874,12 +1875,14 @@ DDP_TEST_WORKER(waits_leave_the_group_usable) {
     const std::string which = every_rank ? "RunOnEveryRankWhileOthersWait" : "RunOnRootWhileOthersWait";
     std::string outcome = "no error";
     try {
-      outcome = every_rank ? internal::RunOnEveryRankWhileOthersWait(*pg, quick, milliseconds(20000),
-                                                                     milliseconds(1000), "the test's call", "the read",
-                                                                     "Read::timeout", "the read failed")
-                           : internal::RunOnRootWhileOthersWait(*pg, 0, quick, milliseconds(20000), milliseconds(1000),
-                                                                "the test's call", "the nap", "Nap::timeout",
-                                                                "the nap failed");
+      outcome = every_rank ? internal::RunOnEveryRankWhileOthersWait(
+                                 *pg, quick, milliseconds(20000), milliseconds(1000), "the test's call", "the read",
+                                 "Read::timeout", "the read failed", kMostTimeout,
+                                 internal::IfTheGroupFails::kLetTheWorkFinish, internal::AfterTheWait::kTheCallEnds)
+                           : internal::RunOnRootWhileOthersWait(
+                                 *pg, 0, quick, milliseconds(20000), milliseconds(1000), "the test's call", "the nap",
+                                 "Nap::timeout", "the nap failed", kMostTimeout,
+                                 internal::IfTheGroupFails::kLetTheWorkFinish, internal::AfterTheWait::kTheCallEnds);
       outcome = outcome.empty() ? "no error" : "the outcome " + outcome;
     } catch (const std::bad_alloc&) {
       outcome = "std::bad_alloc";
@@ -1897,6 +1900,63 @@ DDP_TEST_WORKER(waits_leave_the_group_usable) {
 TEST(DdpCheckpointTest, AnArgumentErrorOrAThrowPastTheLastExchangeLeavesTheGroupUsable) {
   auto run = RunWorkers("waits_leave_the_group_usable", 2, {}, 60000);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Rank 1 throws (memory running out) once the wait inside LoadCheckpoint
+// (DDP_TEST_CASE every_rank) or LoadCheckpointFromRank (from_rank) has
+// ended, which is not the call's last exchange: the others go on to the
+// agreement on what was read, or to the broadcast of the bytes' length.
+// Before, the guard took the wait's last exchange for the call's, rank 1
+// left without aborting the group, and rank 0 waited for it there until
+// the group's timeout (60 s here) or lost it as a peer. Now rank 1 aborts
+// the group, and rank 0 throws at once naming rank 1 and what it threw.
+DDP_TEST_WORKER(throw_past_the_wait_inside_a_load) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 60 s
+  const std::string which = std::getenv("DDP_TEST_CASE");
+  const std::string path = std::string(std::getenv("DDP_TEST_CKPT")) + "/c.safetensors";
+  SaveCheckpoint(*pg, path, MakeCheckpoint(*Mlp(1), nullptr));
+  if (pg->rank() == 1) {
+    internal::SetFaultForTesting(internal::FaultPoint::kAfterTheLastExchange, [] { throw std::bad_alloc(); });
+  }
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    if (which == "every_rank") {
+      LoadCheckpoint(*pg, path);
+    } else {
+      LoadCheckpointFromRank(*pg, path, 0);
+    }
+  } catch (const std::bad_alloc&) {
+    error = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  internal::SetFaultForTesting(internal::FaultPoint::kAfterTheLastExchange, {});
+  const std::string who = which + ", rank " + std::to_string(pg->rank());
+  if (pg->rank() == 1) {
+    WORKER_EXPECT(error == "std::bad_alloc", who + " got: " + error);
+  } else {
+    WORKER_EXPECT(error.find("rank 1 threw while it prepared its part") != std::string::npos &&
+                      error.find("std::bad_alloc") != std::string::npos,
+                  who + " got: " + error);
+    // Well within the group's 60 s, which a rank left waiting would spend.
+    WORKER_EXPECT(took < 20, who + ": the failure took " + std::to_string(took) + " s");
+  }
+  // Rank 1 aborted the group: the next collective fails on every rank.
+  const std::string next = NextCollectivesError(*pg);
+  WORKER_EXPECT(next.find("rank 1 threw while it prepared its part") != std::string::npos,
+                who + ": the next collective: " + next);
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, AThrowPastTheWaitInsideALoadAbortsTheGroupNamingTheRank) {
+  for (const char* which : {"every_rank", "from_rank"}) {
+    auto run = RunWorkers("throw_past_the_wait_inside_a_load", 2,
+                          {{"DDP_TEST_CASE", which}, {"DDP_TEST_CKPT", TempDir()}, {"DDP_TEST_TIMEOUT_MS", "60000"}},
+                          180000, /*stop_all_on_failure=*/false);
+    EXPECT_TRUE(run.AllSucceeded()) << which << ":\n" << testing::AllOutput(run);
+  }
 }
 
 // The group fails while root's work goes on (the work aborts it, as a rank
