@@ -660,6 +660,17 @@ std::string RefusedLoad(const LoadWaitOptions& wait, const nn::io::LoadOptions& 
   return "";
 }
 
+// Called while a throw on this rank alone in a wait is handled: aborts the
+// group (AbortForThisRank) unless nobody waits for this rank any more,
+// which is once the wait's last exchange has ended (`exchanged`) and the
+// wait was the call's last exchange (`after`).
+void AbortIfOthersWait(ProcessGroup& pg, const std::string& call, internal::AfterTheWait after,
+                       bool exchanged) noexcept {
+  if (!exchanged || after != internal::AfterTheWait::kTheCallEnds) {
+    AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
+  }
+}
+
 // What `root` does alone while the others wait: a write or read that may
 // take longer than the group's timeout. `root` runs `work` on a thread and
 // broadcasts a status record every `heartbeat` ("still going", then the
@@ -672,13 +683,16 @@ std::string RefusedLoad(const LoadWaitOptions& wait, const nn::io::LoadOptions& 
 // write going until the timeout (a checkpoint half written is worth
 // finishing) and stops a read at once (its bytes would be thrown away),
 // as `if_the_group_fails` says. `*exchanged` turns true once this rank's
-// last exchange of the call has ended (its caller's guard then aborts
-// nothing: nobody waits for this rank any more).
+// last exchange of the wait has ended (then its caller's guard aborts
+// nothing when `after` says that it was the call's last). A throw while
+// the work may still go on aborts the group (as the guard does, naming
+// `call`) before the work is waited for.
 std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork& work,
                       std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                      const std::string& task, const std::string& option,
+                      const std::string& call, const std::string& task, const std::string& option,
                       const std::string& abort_reason, std::chrono::milliseconds stop_grace,
-                      internal::IfTheGroupFails if_the_group_fails, bool* exchanged) {
+                      internal::IfTheGroupFails if_the_group_fails, internal::AfterTheWait after,
+                      bool* exchanged) {
   // Each record is a collective bound by the group's timeout.
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
@@ -709,59 +723,69 @@ std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork&
     std::string work_outcome;  // how `work` ended, once the group failed
     {
       Background background(work, abort_reason, stop_grace);
-      while (true) {
-        if (background.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
-          root_outcome = background.error();
-          Rewrite(record, root_outcome.empty() ? 1 : 0, root_outcome.c_str());
-        } else if (Clock::now() >= deadline) {
-          // Stopped before the others hear that the file is as it was, in
-          // step with the writer's last check before its rename; a writer
-          // past it gets a heartbeat more (a rename is quick) to say how it
-          // ended.
-          const bool renaming = background.Stop();
-          if (renaming && background.WaitUntil(Clock::now() + heartbeat)) {
+      try {
+        while (true) {
+          if (background.WaitUntil(std::min(deadline, Clock::now() + heartbeat))) {
             root_outcome = background.error();
             Rewrite(record, root_outcome.empty() ? 1 : 0, root_outcome.c_str());
+          } else if (Clock::now() >= deadline) {
+            // Stopped before the others hear that the file is as it was, in
+            // step with the writer's last check before its rename; a writer
+            // past it gets a heartbeat more (a rename is quick) to say how it
+            // ended.
+            const bool renaming = background.Stop();
+            if (renaming && background.WaitUntil(Clock::now() + heartbeat)) {
+              root_outcome = background.error();
+              Rewrite(record, root_outcome.empty() ? 1 : 0, root_outcome.c_str());
+            } else {
+              RunFault(internal::FaultPoint::kRootOutOfTime);
+              root_outcome = task + " did not finish within " + limit +
+                             (renaming ? "; it was renaming the new file into place, which may have happened or "
+                                         "may yet happen"
+                                       : "");
+              Rewrite(record, kOutOfTime, root_outcome.c_str());
+              timed_out = true;
+            }
           } else {
-            root_outcome = task + " did not finish within " + limit +
-                           (renaming ? "; it was renaming the new file into place, which may have happened or "
-                                       "may yet happen"
-                                     : "");
-            Rewrite(record, kOutOfTime, root_outcome.c_str());
-            timed_out = true;
+            Rewrite(record, kStillGoing, "");
           }
-        } else {
-          Rewrite(record, kStillGoing, "");
+          try {
+            // Alone, nobody waits: only the outcome matters.
+            if (pg.size() > 1) pg.Broadcast(record, root, what).Wait();
+          } catch (...) {
+            group_error = std::current_exception();
+            break;
+          }
+          if (static_cast<const char*>(record.data_ptr())[0] != kStillGoing) break;
         }
-        try {
-          // Alone, nobody waits: only the outcome matters.
-          if (pg.size() > 1) pg.Broadcast(record, root, what).Wait();
-        } catch (...) {
-          group_error = std::current_exception();
-          break;
+        *exchanged = true;
+        if (timed_out && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+        // As Finish, knowing whether the work had to be stopped.
+        const bool stop_now = group_error && if_the_group_fails == internal::IfTheGroupFails::kStopTheWork;
+        const bool stopped = !background.WaitUntil(stop_now ? Clock::now() : deadline);
+        if (stopped) background.Stop();
+        if (group_error) {
+          // The group's error alone would leave root's caller guessing
+          // whether the work it let go on (a write: is the new file in
+          // place?) completed.
+          const std::string went_on =
+              "meanwhile rank " + std::to_string(root) + " went on with " + task + ", which ";
+          if (stopped && stop_now) {
+            work_outcome = went_on + "was asked to stop at once: its outcome is of no use once the group failed";
+          } else if (stopped) {
+            work_outcome = went_on + "did not finish within " + limit + " and was asked to stop";
+          } else {
+            const std::string error = background.error();
+            work_outcome = went_on + (error.empty() ? "completed" : "failed: " + error);
+          }
         }
-        if (static_cast<const char*>(record.data_ptr())[0] != kStillGoing) break;
-      }
-      *exchanged = true;
-      if (timed_out && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
-      // As Finish, knowing whether the work had to be stopped.
-      const bool stop_now = group_error && if_the_group_fails == internal::IfTheGroupFails::kStopTheWork;
-      const bool stopped = !background.WaitUntil(stop_now ? Clock::now() : deadline);
-      if (stopped) background.Stop();
-      if (group_error) {
-        // The group's error alone would leave root's caller guessing
-        // whether the work it let go on (a write: is the new file in
-        // place?) completed.
-        const std::string went_on =
-            "meanwhile rank " + std::to_string(root) + " went on with " + task + ", which ";
-        if (stopped && stop_now) {
-          work_outcome = went_on + "was asked to stop at once: its outcome is of no use once the group failed";
-        } else if (stopped) {
-          work_outcome = went_on + "did not finish within " + limit + " and was asked to stop";
-        } else {
-          const std::string error = background.error();
-          work_outcome = went_on + (error.empty() ? "completed" : "failed: " + error);
-        }
+      } catch (const DistributedError&) {
+        throw;
+      } catch (...) {
+        // Before ~Background waits for the work (up to `stop_grace`), so
+        // that the others hear of it now, not at their timeout.
+        AbortIfOthersWait(pg, call, after, *exchanged);
+        throw;
       }
     }  // the work ends here
     if (group_error) {
@@ -780,13 +804,13 @@ std::string RootWorks(ProcessGroup& pg, int root, const internal::StoppableWork&
 
 // RunOnEveryRankWhileOthersWait's wait. `*every_rank_out_of_time`: the
 // ranks ran past `timeout` (its caller then throws, on every rank alike).
-// `*exchanged` as RootWorks'.
+// `call`, `after` and `*exchanged` as RootWorks'.
 std::string EveryRankWorks(ProcessGroup& pg, const internal::StoppableWork& work,
                            std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
-                           const std::string& option,
+                           const std::string& call, const std::string& option,
                            const std::string& abort_reason,
                            std::chrono::milliseconds stop_grace,
-                           internal::IfTheGroupFails if_the_group_fails,
+                           internal::IfTheGroupFails if_the_group_fails, internal::AfterTheWait after,
                            bool* every_rank_out_of_time, bool* exchanged) {
   heartbeat = std::min(heartbeat, std::max(pg.options().timeout / 4, std::chrono::milliseconds(1)));
   const std::string limit = option + " (" + std::to_string(timeout.count()) + " ms)";
@@ -804,30 +828,39 @@ std::string EveryRankWorks(ProcessGroup& pg, const internal::StoppableWork& work
   int32_t* const flag_value = static_cast<int32_t*>(flag.data_ptr());
   {
     Background background(work, abort_reason, stop_grace);
-    bool done = false;
-    while (outcome == kGoing) {
-      if (!done) done = background.WaitUntil(std::min(deadline, Clock::now() + heartbeat));
-      if (done) error = background.error();
-      out_of_time = !done && Clock::now() >= deadline;
-      *flag_value = done ? kDone : out_of_time ? kOutOfTime : kGoing;
-      try {
-        if (pg.size() > 1) pg.AllReduce(flag, transport::ReduceOp::kMax, "checkpoint read status").Wait();
-      } catch (...) {
-        group_error = std::current_exception();
-        break;
+    try {
+      bool done = false;
+      while (outcome == kGoing) {
+        if (!done) done = background.WaitUntil(std::min(deadline, Clock::now() + heartbeat));
+        if (done) error = background.error();
+        out_of_time = !done && Clock::now() >= deadline;
+        *flag_value = done ? kDone : out_of_time ? kOutOfTime : kGoing;
+        try {
+          if (pg.size() > 1) pg.AllReduce(flag, transport::ReduceOp::kMax, "checkpoint read status").Wait();
+        } catch (...) {
+          group_error = std::current_exception();
+          break;
+        }
+        // Done here and others still going: the next round's all-reduce
+        // waits for theirs, at most a heartbeat away.
+        outcome = *flag_value;
       }
-      // Done here and others still going: the next round's all-reduce
-      // waits for theirs, at most a heartbeat away.
-      outcome = *flag_value;
+      *exchanged = true;
+      // A rank still in its work: the others' next collective would wait for
+      // it past their deadline; end the group now, with the reason.
+      if (out_of_time && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
+      // A work whose outcome the group's error makes useless (a read) is
+      // stopped at once rather than waited for.
+      const bool stop_now = group_error && if_the_group_fails == internal::IfTheGroupFails::kStopTheWork;
+      background.Finish(stop_now ? Clock::now() : deadline);
+    } catch (const DistributedError&) {
+      throw;
+    } catch (...) {
+      // Before ~Background waits for the work (up to `stop_grace`), so
+      // that the others hear of it now, not at their timeout.
+      AbortIfOthersWait(pg, call, after, *exchanged);
+      throw;
     }
-    *exchanged = true;
-    // A rank still in its work: the others' next collective would wait for
-    // it past their deadline; end the group now, with the reason.
-    if (out_of_time && pg.size() > 1) pg.Abort(transport::TimedOutError(abort_reason + " within " + limit));
-    // A work whose outcome the group's error makes useless (a read) is
-    // stopped at once rather than waited for.
-    const bool stop_now = group_error && if_the_group_fails == internal::IfTheGroupFails::kStopTheWork;
-    background.Finish(stop_now ? Clock::now() : deadline);
   }  // the work ends here
   if (group_error) std::rethrow_exception(group_error);
   RunFault(internal::FaultPoint::kAfterTheLastExchange);
@@ -856,12 +889,12 @@ std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const Stoppable
   bool exchanged = false;
   try {
     RunFault(FaultPoint::kPreparingAlone);
-    return RootWorks(pg, root, work, timeout, heartbeat, task, option, abort_reason, stop_grace,
-                     if_the_group_fails, &exchanged);
+    return RootWorks(pg, root, work, timeout, heartbeat, call, task, option, abort_reason, stop_grace,
+                     if_the_group_fails, after, &exchanged);
   } catch (const DistributedError&) {
     throw;
   } catch (...) {
-    if (!exchanged || after != AfterTheWait::kTheCallEnds) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
+    AbortIfOthersWait(pg, call, after, exchanged);
     throw;
   }
 }
@@ -877,12 +910,12 @@ std::string RunOnEveryRankWhileOthersWait(ProcessGroup& pg, const StoppableWork&
   bool exchanged = false;
   try {
     RunFault(FaultPoint::kPreparingAlone);
-    error = EveryRankWorks(pg, work, timeout, heartbeat, option, abort_reason, stop_grace,
-                           if_the_group_fails, &out_of_time, &exchanged);
+    error = EveryRankWorks(pg, work, timeout, heartbeat, call, option, abort_reason, stop_grace,
+                           if_the_group_fails, after, &out_of_time, &exchanged);
   } catch (const DistributedError&) {
     throw;
   } catch (...) {
-    if (!exchanged || after != AfterTheWait::kTheCallEnds) AbortForThisRank(pg, call.c_str(), nullptr, kThrewAlone);
+    AbortIfOthersWait(pg, call, after, exchanged);
     throw;
   }
   // Every rank alike, after the last exchange.

@@ -431,7 +431,9 @@ enum class AfterTheWait {
 /// throws alike) leaves the group usable, and so does what throws once the
 /// ranks' last exchange has ended when `after` is kTheCallEnds (nobody
 /// waits then); with kTheCallExchangesMore it aborts the group as above,
-/// since the others go on to the call's next exchange.
+/// since the others go on to the call's next exchange. Root aborts the
+/// group before it waits for a work that such a throw leaves behind, so
+/// that the others do not wait for that `stop_grace` first.
 std::string RunOnRootWhileOthersWait(ProcessGroup& pg, int root, const StoppableWork& work,
                                      std::chrono::milliseconds timeout, std::chrono::milliseconds heartbeat,
                                      const std::string& call, const std::string& task, const std::string& option,
@@ -510,6 +512,9 @@ enum class FaultPoint {
   /// RunOnRootWhileOthersWait and RunOnEveryRankWhileOthersWait, once the
   /// ranks' last exchange has ended, as this rank builds what it returns.
   kAfterTheLastExchange = 10,
+  /// RunOnRootWhileOthersWait, on root, once `timeout` has passed and the
+  /// work was asked to stop, as root words what it tells the others.
+  kRootOutOfTime = 11,
 };
 
 /// Test only: from now on, this process runs `fault` at `point`; what

@@ -1959,6 +1959,52 @@ TEST(DdpCheckpointTest, AThrowPastTheWaitInsideALoadAbortsTheGroupNamingTheRank)
   }
 }
 
+// Root throws (memory running out) in its heartbeat loop, as it words
+// that its work ran out of time (timeout 200 ms), while the work ignores
+// the stop (stop_grace 20 s). Before, the throw unwound root's wait for the
+// work (up to the 20 s) before the guard aborted the group, and rank 1
+// waited in its status broadcast until the group's timeout (3 s here),
+// failing with the broadcast's own reason. Now root aborts the group
+// before it waits for the work, and rank 1 throws at once naming rank 0.
+// The work ends once the group is aborted (at most 10 s).
+DDP_TEST_WORKER(root_throws_while_its_work_goes_on) {
+  auto pg = testing::WorkerGroup();  // DDP_TEST_TIMEOUT_MS: 3 s
+  using std::chrono::milliseconds;
+  auto work = [&pg](const std::atomic<bool>&) {
+    for (int i = 0; i < 1000 && pg->aborted_reason().ok(); ++i) std::this_thread::sleep_for(milliseconds(10));
+  };
+  if (pg->rank() == 0) {
+    internal::SetFaultForTesting(internal::FaultPoint::kRootOutOfTime, [] { throw std::bad_alloc(); });
+  }
+  std::string error = "no error";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    internal::RunOnRootWhileOthersWait(*pg, 0, work, milliseconds(200), milliseconds(100), "the test's call",
+                                       "the nap", "Nap::timeout", "the nap failed", milliseconds(20000));
+  } catch (const std::bad_alloc&) {
+    error = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  internal::SetFaultForTesting(internal::FaultPoint::kRootOutOfTime, {});
+  const std::string who = "rank " + std::to_string(pg->rank()) + " (after " + std::to_string(took) + " s)";
+  if (pg->rank() == 0) {
+    WORKER_EXPECT(error == "std::bad_alloc", who + " got: " + error);
+  } else {
+    WORKER_EXPECT(error.find("the test's call: rank 0 threw while it prepared its part") != std::string::npos &&
+                      error.find("std::bad_alloc") != std::string::npos,
+                  who + " got: " + error);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(DdpCheckpointTest, RootThrowingWhileItsWorkGoesOnAbortsTheGroupBeforeWaitingForTheWork) {
+  auto run = RunWorkers("root_throws_while_its_work_goes_on", 2, {{"DDP_TEST_TIMEOUT_MS", "3000"}}, 60000,
+                        /*stop_all_on_failure=*/false);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
 // The group fails while root's work goes on (the work aborts it, as a rank
 // failing meanwhile would): root lets the work go on, then throws the
 // group's error saying how the work ended, so that a SaveCheckpoint caller
