@@ -13,8 +13,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -23,6 +25,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -5828,6 +5831,161 @@ TEST(DdpFeaturesTest, AForwardOfAnyModeBeforeThePreparedBackwardIsForwardTime) {
     }
     EXPECT_GE(backwards, 1);
   }
+}
+
+// model->Eval(); ddp(x) with grad enabled prepares a backward that is
+// optional, and an evaluation never runs it. The NoGradGuard forwards of the
+// evaluation loop after it belong to no iteration: forward_ms counts none of
+// them (no training forward ran in the window). They were taken as forwards
+// run before a prepared backward: each was counted in forward_ms, over 0
+// iterations, and kept its span until the next training forward.
+TEST(DdpFeaturesTest, ForwardsAfterAnEvalModeForwardWhoseBackwardNeverComesAreNoIterationsTime) {
+  auto model = std::make_shared<SlowWhenAsked>();
+  DistributedDataParallel ddp(model, {.process_group = ProcessGroup::Single()});
+  ddp.RegisterCommHook(hooks::AllReduceHook());  // one process synchronizes (and is timed) through it
+  auto [x, y] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+  model->Eval();
+  (void)ddp(x);  // grad enabled: its backward may come, and does not
+  ddp.ResetStats();
+  for (int i = 0; i < 1000; ++i) {
+    nn::NoGradGuard no_grad;
+    (void)ddp(x);
+  }
+  const DdpStats stats = ddp.Stats();
+  EXPECT_EQ(stats.iterations, 0) << stats.ToString();
+  EXPECT_EQ(stats.forward_ms, 0) << stats.ToString();
+  // Training goes on as before.
+  model->Train();
+  nn::Backward(nn::ops::Sum(ddp(x)));
+  EXPECT_EQ(ddp.Stats().iterations, 1);
+}
+
+// a = ddp(x); 1000 forwards under NoGradGuard; Backward(a). The trace cuts
+// that backward's "backward compute" event around the first few forwards
+// only (Reducer::kTracedGapForwards holes at most, the last covering the
+// later forwards), so a loop of them neither grows the reducer's memory nor
+// spends the trace's event cap; no piece overlaps a forward, and the
+// statistics still leave every forward's time out of backward compute (the
+// last, 300 ms, lies in the widened hole). Each forward cut a piece before.
+TEST(DdpFeaturesTest, ALoopOfForwardsBeforeThePreparedBackwardCutsItsTraceEventAFewTimes) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string prefix =
+      std::string(tmp != nullptr ? tmp : "/tmp") + "/ddp_gap_loop_" + std::to_string(getpid()) + "_";
+  constexpr int kLoop = 1000;
+  auto model = std::make_shared<SlowWhenAsked>();
+  {
+    DistributedDataParallel ddp(model, {.process_group = ProcessGroup::Single(), .trace_prefix = prefix});
+    ddp.RegisterCommHook(hooks::AllReduceHook());
+    auto [x, y] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+    nn::Backward(nn::ops::Sum(ddp(x)));  // warm-up, out of the window
+    ddp.ResetStats();
+    const Tensor loss = nn::ops::Sum(ddp(x));
+    for (int i = 0; i < kLoop; ++i) {
+      model->slow_ = i == kLoop - 1;
+      nn::NoGradGuard no_grad;
+      (void)ddp(x);
+    }
+    model->slow_ = false;
+    nn::Backward(loss);
+    const DdpStats stats = ddp.Stats();
+    ASSERT_EQ(stats.iterations, 1) << stats.ToString();
+    EXPECT_LT(stats.backward_compute_ms, 200) << stats.ToString();
+  }
+  std::ifstream in(prefix + "rank0.json");
+  ASSERT_TRUE(in.good()) << prefix << "rank0.json";
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  std::vector<std::pair<int64_t, int64_t>> forwards, computes;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const int64_t ts = e["ts"].get<int64_t>(), end = ts + e["dur"].get<int64_t>();
+    if (e["name"] == "forward") forwards.emplace_back(ts, end);
+    if (e["name"] == "backward compute") computes.emplace_back(ts, end);
+  }
+  EXPECT_EQ(forwards.size(), static_cast<size_t>(kLoop + 2));
+  // The warm-up's one, and this backward's pieces.
+  EXPECT_GE(computes.size(), 2u);
+  EXPECT_LE(computes.size(), 1 + internal::Reducer::kTracedGapForwards + 1);
+  for (const auto& [ts, end] : computes) {
+    for (const auto& [fs, fe] : forwards) {
+      EXPECT_TRUE(end <= fs || ts >= fe) << "backward compute [" << ts << ", " << end
+                                         << "] us overlaps a forward [" << fs << ", " << fe << "]";
+    }
+  }
+}
+
+// A layer whose forward, once `hold_` is set, says it has entered, waits
+// (up to 10 s) until released, and then takes 300 ms.
+class HeldWhenAsked : public Module {
+ public:
+  HeldWhenAsked() {
+    nn::Generator gen(5);
+    fc_ = RegisterModule("fc", std::make_shared<nn::modules::Linear>(784, 4, true, gen));
+  }
+  Tensor Forward(const Tensor& x) override {
+    if (hold_.exchange(false)) {
+      std::unique_lock lock(mu_);
+      entered_ = true;
+      cv_.notify_all();
+      cv_.wait_for(lock, std::chrono::seconds(10), [&] { return released_; });
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+    return (*fc_)(nn::ops::Flatten(x, 1));
+  }
+  using Module::Forward;
+  std::string TypeName() const override { return "HeldWhenAsked"; }
+  bool WaitEntered() {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(10), [&] { return entered_; });
+  }
+  void Release() {
+    std::lock_guard lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  std::atomic<bool> hold_{false};
+
+ private:
+  std::shared_ptr<nn::modules::Linear> fc_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false;
+  bool released_ = false;
+};
+
+// a = ddp(x); then, before Backward(a), an eval-mode NoGradGuard forward on
+// another thread (300 ms) and, inside it, one on this thread: each is
+// forward time, and neither is backward compute. The reducer kept one start
+// for them: this thread's forward took the other's place, and the other's
+// 300 ms went to backward compute, not to forward_ms.
+TEST(DdpFeaturesTest, OverlappingForwardsBeforeThePreparedBackwardAreEachForwardTime) {
+  auto model = std::make_shared<HeldWhenAsked>();
+  DistributedDataParallel ddp(model, {.process_group = ProcessGroup::Single()});
+  ddp.RegisterCommHook(hooks::AllReduceHook());
+  auto [x, y] = testing::Batch(testing::FashionMnist(), 0, kBatch);
+  nn::Backward(nn::ops::Sum(ddp(x)));  // warm-up, out of the window
+  ddp.ResetStats();
+  const Tensor loss = nn::ops::Sum(ddp(x));
+  model->Eval();  // counted in forward_ms only as forwards before the backward
+  model->hold_ = true;
+  std::thread other([&ddp, &x] {
+    nn::NoGradGuard no_grad;
+    (void)ddp(x);
+  });
+  const bool entered = model->WaitEntered();
+  if (entered) {
+    nn::NoGradGuard no_grad;
+    (void)ddp(x);
+  }
+  model->Release();
+  other.join();
+  ASSERT_TRUE(entered) << "the other thread's forward did not start within 10 s";
+  model->Train();
+  nn::Backward(loss);
+  const DdpStats stats = ddp.Stats();
+  ASSERT_EQ(stats.iterations, 1) << stats.ToString();
+  EXPECT_GE(stats.forward_ms, 100) << stats.ToString();  // (fast + fast + 300 ms) / 3 forwards
+  EXPECT_LT(stats.backward_compute_ms, 200) << stats.ToString();
 }
 
 // An earlier run's complete trace that cannot be removed (here a directory

@@ -163,7 +163,7 @@ class DistributedDataParallel::Impl {
     std::chrono::nanoseconds wait{0};  // pg's PeerWaitTime then
   };
   // Training forwards, and those of any mode that ran between a
-  // synchronizing forward and its backward (Reducer::ForwardEnded), ever.
+  // synchronizing training forward and its backward (Reducer::ForwardEnded), ever.
   int64_t forward_count = 0;
   double forward_seconds = 0;
   StatsSnapshot user_since;
@@ -653,7 +653,8 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
     s.log_since = TakeStatsSnapshot(s, *pg_);
   }
   const Clock::time_point start = Clock::now();
-  if (s.reducer != nullptr) s.reducer->ForwardStarted(start);
+  const internal::Reducer::GapForward gap =
+      s.reducer != nullptr ? s.reducer->ForwardStarted(start) : internal::Reducer::GapForward{};
   const int size = pg_->size();
   // The mode is the wrapped module's, as PyTorch reads self.module.training:
   // users keep the inner handle and call model->Eval() / model->Train() on
@@ -945,11 +946,12 @@ std::vector<nn::Tensor> DistributedDataParallel::Forward(const std::vector<nn::T
   // Forward's time ends here, and backward's compute starts: the graph walk
   // in PrepareForBackward is counted once, as forward.
   if (sync) s.reducer->StartBackwardClock(end);
-  // A forward between a synchronizing forward and its backward, in any
-  // mode (an evaluation there, in eval mode or under NoGradGuard; one under
-  // NoSync that joins that backward), is forward time: counted here, and
-  // left out of that backward's compute.
-  const bool before_prepared_backward = s.reducer != nullptr && s.reducer->ForwardEnded(end);
+  // A forward between a synchronizing training forward and its backward
+  // (an evaluation there under NoGradGuard; one under NoSync, which joins
+  // that backward), in either mode, is forward time: counted here, and
+  // left out of that backward's compute. Not after an eval-mode forward,
+  // whose backward may never come.
+  const bool before_prepared_backward = s.reducer != nullptr && s.reducer->ForwardEnded(gap, end);
   if (training || before_prepared_backward) {
     ++s.forward_count;
     s.forward_seconds += std::chrono::duration<double>(end - start).count();

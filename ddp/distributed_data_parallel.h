@@ -162,8 +162,10 @@ struct DdpOptions {
 struct DdpStats {
   int64_t iterations = 0;           ///< Synchronizing iterations in the window.
   /// DDP forward (buffer broadcast included): training-mode forwards, and
-  /// forwards of any mode and grad state run between a synchronizing
-  /// forward and its backward (an evaluation there, a NoSync forward).
+  /// the forwards run between a synchronizing training forward and its
+  /// backward's first gradient (under NoGradGuard or NoSync, in either
+  /// mode). Not those after an eval-mode forward with grad enabled, whose
+  /// backward may never come: an evaluation is no iteration's time.
   double forward_ms = 0;
   double backward_compute_ms = 0;   ///< End of forward to the last gradient, less the forwards run between.
   double backward_comm_ms = 0;      ///< First bucket launched to last bucket reduced.

@@ -389,17 +389,44 @@ bool Reducer::AnyParameterRequiresGrad() const {
   return std::any_of(params_.begin(), params_.end(), [](const nn::Tensor& p) { return p.requires_grad(); });
 }
 
-void Reducer::ForwardStarted(Clock::time_point start) {
-  gap_forward_start_ = armed_ && unfinished_ && !finalize_queued_ ? start : Clock::time_point{};
+void Reducer::StartBackwardClock(Clock::time_point forward_end) {
+  prepared_at_ = forward_end;
+  last_grad_at_ = forward_end;
+  if (!gap_open_.load(std::memory_order_relaxed)) return;
+  std::lock_guard lock(gap_mu_);
+  gap_from_ = forward_end;
 }
 
-bool Reducer::ForwardEnded(Clock::time_point end) {
-  const Clock::time_point start = gap_forward_start_;
-  gap_forward_start_ = Clock::time_point{};
-  // Still awaiting the same backward: PrepareForBackward clears the start,
-  // and a Disarm that let go of that backward clears armed_.
-  if (start == Clock::time_point{} || !(armed_ && unfinished_ && !finalize_queued_)) return false;
-  joined_spans_.emplace_back(std::max(start, prepared_at_), std::max(end, prepared_at_));
+Reducer::GapForward Reducer::ForwardStarted(Clock::time_point start) {
+  if (!gap_open_.load(std::memory_order_relaxed)) return {};
+  std::lock_guard lock(gap_mu_);
+  if (!gap_open_.load(std::memory_order_relaxed)) return {};
+  return {.backward = gap_backward_, .start = start};
+}
+
+bool Reducer::ForwardEnded(const GapForward& forward, Clock::time_point end) {
+  if (forward.backward == 0) return false;
+  std::lock_guard lock(gap_mu_);
+  // Still awaiting the same backward: PrepareForBackward counts a new one,
+  // and its first gradient closes the gap.
+  if (!gap_open_.load(std::memory_order_relaxed) || forward.backward != gap_backward_) return false;
+  const Clock::time_point from = std::max(forward.start, gap_from_);
+  const Clock::time_point to = std::max(end, from);
+  // Forwards run one after another on the training thread: each adds its
+  // span. One on another thread that overlaps an earlier one adds only
+  // what ends past those, so that the sum never exceeds the wall time (the
+  // compute left is then an upper bound, never negative).
+  gap_forwards_ += to - std::clamp(gap_covered_, from, to);
+  gap_covered_ = std::max(gap_covered_, to);
+  if (gap_span_count_ < gap_spans_.size()) {
+    gap_spans_[gap_span_count_++] = {from, to};
+  } else {
+    // The trace keeps a bounded number of pieces per backward: the last
+    // kept span widens to this forward (the compute between them shows as
+    // forward there; the statistics have the exact sum).
+    auto& last = gap_spans_.back();
+    last = {std::min(last.first, from), std::max(last.second, to)};
+  }
   return true;
 }
 
@@ -649,8 +676,18 @@ void Reducer::PrepareForBackward(const std::vector<nn::Tensor>& outputs, double 
   for (Bucket& b : buckets_) b.pending = b.params.size();
   prepared_at_ = Clock::now();
   last_grad_at_ = prepared_at_;
-  gap_forward_start_ = Clock::time_point{};
-  joined_spans_.clear();
+  {
+    std::lock_guard lock(gap_mu_);
+    ++gap_backward_;
+    gap_from_ = prepared_at_;
+    gap_forwards_ = Clock::duration::zero();
+    gap_covered_ = Clock::time_point{};
+    gap_span_count_ = 0;
+    // Only an awaited backward (a training forward's) makes a gap: an
+    // eval-mode forward's may never come, and the evaluations after it are
+    // no iteration's.
+    gap_open_.store(!backward_optional, std::memory_order_relaxed);
+  }
 
   for (size_t i : unused_) {
     is_unused_[i] = 0;
@@ -815,6 +852,10 @@ void Reducer::OnGradReady(size_t index) {
   if (!finalize_queued_) {
     // The first gradient of backward.
     finalize_queued_ = true;
+    if (gap_open_.load(std::memory_order_relaxed)) {
+      std::lock_guard lock(gap_mu_);
+      gap_open_.store(false, std::memory_order_relaxed);
+    }
     comm_hook_locked_ = true;
     // Queued already on the pass that reached forward's outputs (their
     // gradient hook), this backward's. Otherwise (no output was reached, or
@@ -1249,7 +1290,15 @@ void Reducer::Finalize() {
   }
 
   IterationTiming timing{.prepared = prepared_at_, .last_grad = last_grad_at_};
-  for (const auto& [start, end] : joined_spans_) timing.joined_forwards += end - start;
+  // The gap closed at the first gradient: no forward adds to these now.
+  std::array<std::pair<Clock::time_point, Clock::time_point>, kTracedGapForwards> gap_spans;
+  size_t gap_span_count = 0;
+  {
+    std::lock_guard lock(gap_mu_);
+    timing.joined_forwards = gap_forwards_;
+    gap_spans = gap_spans_;
+    gap_span_count = gap_span_count_;
+  }
   // One thread runs the collectives in launch order: once the last bucket
   // is done the others are too, so waiting on it first sleeps once. A
   // failed wait throws out of backward, and the iteration cannot end: the
@@ -1340,7 +1389,15 @@ void Reducer::Finalize() {
     // Around the forwards that ran before the first gradient (each has its
     // own "forward" event): their time is not this backward's compute.
     Clock::time_point from = prepared_at_;
-    for (const auto& [start, forward_end] : joined_spans_) {
+    // In start order (forwards on two threads may end out of it): an
+    // insertion sort of the few kept.
+    for (size_t i = 1; i < gap_span_count; ++i) {
+      for (size_t j = i; j > 0 && gap_spans[j].first < gap_spans[j - 1].first; --j) {
+        std::swap(gap_spans[j], gap_spans[j - 1]);
+      }
+    }
+    for (size_t i = 0; i < gap_span_count; ++i) {
+      const auto& [start, forward_end] = gap_spans[i];
       if (start > from) trace_->Complete("backward compute", "compute", from, start);
       from = std::max(from, forward_end);
     }

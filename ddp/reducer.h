@@ -7,15 +7,20 @@
 // handling, the one-time bucket rebuild and the timing statistics.
 //
 // Everything here runs on the thread that runs forward and backward, except
-// the collectives themselves (the process group's thread). A bucket's
+// the collectives themselves (the process group's thread) and the timing of
+// forwards run before a backward (ForwardStarted / ForwardEnded, which may
+// run on another thread, and have a lock of their own). A bucket's
 // memory is handed to the communication thread when it is launched and not
 // touched by this thread again until its Work completed.
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -99,8 +104,8 @@ struct IterationTiming {
   TimePoint prepared;   ///< forward's end (Prepare)
   TimePoint last_grad;  ///< the last gradient hook's end
   /// The wrapper's forwards run between `prepared` and the first gradient
-  /// (under NoSync, NoGradGuard, in eval mode): forward's time, in
-  /// forward_ms, not backward compute.
+  /// of an awaited backward (under NoSync or NoGradGuard, in either mode):
+  /// forward's time, in forward_ms, not backward compute.
   std::chrono::steady_clock::duration joined_forwards{};
   TimePoint end;        ///< Finalize's end
   std::vector<Collective> buckets;  ///< in launch order
@@ -201,22 +206,34 @@ class Reducer {
   /// Backward's compute time is counted from `forward_end`, the end of the
   /// forward that called PrepareForBackward (whose graph walk is forward's
   /// time); call it before backward starts.
-  void StartBackwardClock(std::chrono::steady_clock::time_point forward_end) {
-    prepared_at_ = forward_end;
-    last_grad_at_ = forward_end;
-  }
+  void StartBackwardClock(std::chrono::steady_clock::time_point forward_end);
+  /// Where a forward began, when a backward was awaited then (see
+  /// ForwardStarted); `backward` is 0 otherwise.
+  struct GapForward {
+    uint64_t backward = 0;  ///< which awaited backward (PrepareForBackward's count)
+    std::chrono::steady_clock::time_point start{};
+  };
   /// The wrapper's forward begins at `start` (before anything else of it,
-  /// on every forward): one that begins while a prepared backward awaits
-  /// its first gradient is timed by ForwardEnded.
-  void ForwardStarted(std::chrono::steady_clock::time_point start);
-  /// That forward returned at `end`. When it began while a prepared
-  /// backward awaited its first gradient, and that backward still does
-  /// (the forward prepared none of its own), it is forward time whatever
-  /// its mode and grad state (under NoSync, NoGradGuard, in eval mode): its
-  /// span is left out of that backward's compute time and trace event, and
-  /// true is returned, for the wrapper to count it in forward_ms. A forward
-  /// that throws gets no ForwardEnded: its time stays in backward compute.
-  bool ForwardEnded(std::chrono::steady_clock::time_point end);
+  /// on every forward). Returns what ForwardEnded takes: which awaited
+  /// backward (see awaiting_backward(): a training forward's, not an
+  /// eval-mode forward's optional one) was waiting for its first gradient
+  /// then, if any. One relaxed atomic load when none was.
+  GapForward ForwardStarted(std::chrono::steady_clock::time_point start);
+  /// That forward returned at `end`. When it began while an awaited
+  /// backward waited for its first gradient, and the same backward still
+  /// does (the forward prepared none of its own), it is forward time
+  /// whatever its mode and grad state (under NoSync, NoGradGuard, in eval
+  /// mode): its span is left out of that backward's compute time and trace
+  /// event, and true is returned, for the wrapper to count it in
+  /// forward_ms. Memory stays bounded however many such forwards run: the
+  /// spans are summed, and only the first kTracedGapForwards are kept for
+  /// the trace (later ones widen the last kept one). A forward that throws
+  /// gets no ForwardEnded: its time stays in backward compute. Both may be
+  /// called on another thread than backward's (their state has a lock).
+  bool ForwardEnded(const GapForward& forward, std::chrono::steady_clock::time_point end);
+  /// Holes cut in a backward's "backward compute" trace event by forwards
+  /// run before its first gradient: at most this many plus one pieces.
+  static constexpr size_t kTracedGapForwards = 4;
   /// A forward that will not synchronize but may be backpropagated (NoSync):
   /// hooks only accumulate until the next PrepareForBackward. An iteration
   /// prepared before and not finalized stays unfinished. `reject_gradients`
@@ -474,12 +491,21 @@ class Reducer {
   using Clock = std::chrono::steady_clock;
   Clock::time_point prepared_at_{};
   Clock::time_point last_grad_at_{};
-  // ForwardStarted's `start` when a prepared backward awaited its first
-  // gradient then; time_point{} otherwise, and once a forward prepared one.
-  Clock::time_point gap_forward_start_{};
-  // The forwards that ForwardEnded took out of this backward's compute
-  // (see IterationTiming::joined_forwards): start and end of each.
-  std::vector<std::pair<Clock::time_point, Clock::time_point>> joined_spans_;
+  // Forwards run while an awaited backward waits for its first gradient
+  // (ForwardStarted / ForwardEnded). Those may run on another thread than
+  // backward, which closes the gap at its first gradient and reads the
+  // spans in Finalize: gap_mu_ guards the fields below it; gap_open_ is
+  // also read without it, so that a forward outside a gap takes no lock.
+  std::atomic<bool> gap_open_{false};  // awaiting_backward(), as of the last change under gap_mu_
+  std::mutex gap_mu_;
+  uint64_t gap_backward_ = 0;          // PrepareForBackward calls so far
+  Clock::time_point gap_from_{};       // the awaited backward's prepared_at_
+  Clock::duration gap_forwards_{};     // see IterationTiming::joined_forwards
+  Clock::time_point gap_covered_{};    // the latest end of a span summed into gap_forwards_
+  // The first kTracedGapForwards spans (start, end) for the trace; a later
+  // forward widens the last one.
+  std::array<std::pair<Clock::time_point, Clock::time_point>, kTracedGapForwards> gap_spans_{};
+  size_t gap_span_count_ = 0;
   ReducerTimes times_;
 };
 
