@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <map>
+#include <new>
 #include <stdexcept>
 #include <string_view>
 #include <tuple>
@@ -599,6 +601,18 @@ std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Ten
   return groups;
 }
 
+int Utf8PrefixBytes(const char* text, int most) noexcept {
+  if (most <= 0) return 0;
+  int kept = static_cast<int>(strnlen(text, static_cast<size_t>(most)));
+  if (kept < most) return kept;  // all of it
+  // text[most] is readable (the text is longer than `most`, or ends there);
+  // a continuation byte there means a character starts before the cut.
+  for (int step = 0; step < 3 && kept > 0 && (static_cast<unsigned char>(text[kept]) & 0xc0) == 0x80; ++step) {
+    --kept;
+  }
+  return kept;
+}
+
 namespace {
 
 // What the exception `e` says, valid while `e` lives; nothing is
@@ -613,10 +627,25 @@ const char* WhatOf(const std::exception_ptr& e) {
   return "an exception that is not a std::exception";
 }
 
-void BroadcastBuckets(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root, const std::string& label,
+bool IsOutOfMemory(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::bad_alloc&) {
+    return true;
+  } catch (...) {
+  }
+  return false;
+}
+
+std::function<void(int)> bucket_fault;  // SetBucketFaultForTesting's
+
+void BroadcastBuckets(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors,
+                      const std::vector<std::vector<size_t>>& groups, int root, const std::string& label,
                       size_t bucket_bytes);
 
 }  // namespace
+
+void SetBucketFaultForTesting(std::function<void(int bucket)> fault) { bucket_fault = std::move(fault); }
 
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label, size_t bucket_bytes) {
@@ -628,22 +657,37 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
   // the model (one flat buffer of the whole model, on its device, ran a
   // large model out of memory at wrapping).
   nn::NoGradGuard guard;
+  // Where it threw decides whether to abort, not what threw: the checks
+  // below run alike on every rank before the first exchange, so a refusal
+  // there (a device with no backend, say) leaves the group usable; from
+  // the first bucket on, the ranks diverge (the root fills the flat
+  // buffer, the others copy out of it, each allocates on its own), and a
+  // failure, of whatever type, may be this rank's alone while the others
+  // are in, or on their way to, a bucket's broadcast.
+  bool checked = false;
   try {
-    BroadcastBuckets(pg, tensors, root, label, bucket_bytes);
-  } catch (const DistributedError&) {
-    throw;  // a collective failed: the group holds that reason already
-  } catch (const std::logic_error&) {
-    throw;  // arguments refused alike on every rank; the group stays usable
+    const std::vector<std::vector<size_t>> groups = GroupByDtypeAndDevice(tensors);
+    for (const std::vector<size_t>& members : groups) nn::GetDeviceBackend(tensors[members.front()].device());
+    checked = true;
+    BroadcastBuckets(pg, tensors, groups, root, label, bucket_bytes);
   } catch (...) {
-    // This rank failed alone (no memory for a bucket's flat buffer, say)
-    // while the others are in, or on their way to, the bucket's
-    // broadcast: abort the group so that they fail at once with the
-    // cause, instead of waiting for this rank until the group's timeout.
-    // The reason is built in a fixed buffer, since memory may be what ran
+    // Memory running short is this rank's own, wherever it happened.
+    if (!checked && !IsOutOfMemory(std::current_exception())) throw;
+    bool aborted = false;  // a failed collective aborts the group with its own reason
+    try {
+      aborted = !pg.aborted_reason().ok();
+    } catch (...) {
+      // Not known: abort it (an aborted group keeps its first reason).
+    }
+    if (aborted) throw;
+    // Abort the group so that the others fail at once with the cause,
+    // instead of waiting for this rank until the group's timeout. The
+    // reason is built in a fixed buffer, since memory may be what ran
     // out.
     char reason[768];
-    std::snprintf(reason, sizeof(reason), "broadcasting the %.128s failed on rank %d: %.512s", label.c_str(),
-                  pg.rank(), WhatOf(std::current_exception()));
+    const char* what = WhatOf(std::current_exception());
+    std::snprintf(reason, sizeof(reason), "broadcasting the %.*s failed on rank %d: %.*s",
+                  Utf8PrefixBytes(label.c_str(), 128), label.c_str(), pg.rank(), Utf8PrefixBytes(what, 512), what);
     try {
       pg.Abort(transport::AbortedError(reason));
     } catch (...) {
@@ -656,9 +700,11 @@ void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors
 namespace {
 
 // BroadcastCoalesced's work, once the arguments passed.
-void BroadcastBuckets(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root, const std::string& label,
+void BroadcastBuckets(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors,
+                      const std::vector<std::vector<size_t>>& groups, int root, const std::string& label,
                       size_t bucket_bytes) {
-  for (const std::vector<size_t>& members : GroupByDtypeAndDevice(tensors)) {
+  int bucket = 0;
+  for (const std::vector<size_t>& members : groups) {
     const nn::DType dtype = tensors[members.front()].dtype();
     const nn::Device device = tensors[members.front()].device();
     const size_t elem = nn::ElementSize(dtype);
@@ -678,6 +724,8 @@ void BroadcastBuckets(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, 
       std::vector<nn::Tensor> list;
       for (size_t i = first; i < end; ++i) list.push_back(tensors[members[i]]);
       first = end;
+      if (bucket_fault) bucket_fault(bucket);
+      ++bucket;
       if (list.size() == 1 && list.front().is_contiguous()) {
         // One contiguous tensor: broadcast in place, no flat copy (the
         // broadcast bumps its version where it writes it).

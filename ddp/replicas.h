@@ -6,6 +6,7 @@
 // coalesced broadcasts of parameters and buffers.
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,13 @@ std::string ExplainReplicaDifference(const std::vector<std::vector<ReplicaEntry>
 /// cuda:3 part must both come first.
 std::vector<std::vector<size_t>> GroupByDtypeAndDevice(const std::vector<nn::Tensor>& tensors);
 
+/// How many of `text`'s first `most` bytes to keep so that the kept text
+/// ends on a UTF-8 character boundary: the text's length where it is
+/// shorter, else `most` less the bytes of a character it would cut (at
+/// most 3). Allocates nothing: for "%.*s" in the fixed buffers of abort
+/// reasons, which go to every rank's stderr and error files.
+int Utf8PrefixBytes(const char* text, int most) noexcept;
+
 /// PyTorch's broadcast bucket size for the initial and buffer broadcasts.
 inline constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
 
@@ -90,11 +98,24 @@ inline constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
 /// `bucket_bytes` is a bucket of its own). The temporary memory is thus at
 /// most `bucket_bytes`, or one non-contiguous tensor, whatever the model's
 /// size. Every rank must pass tensors of the same dtypes, devices and sizes.
-/// A rank that fails alone (no memory for a bucket's flat buffer, say)
-/// aborts the group with "broadcasting the <label> failed on rank N: ...",
-/// so that the others fail at once, and rethrows.
+/// Where a rank fails decides whether the group is aborted, not the
+/// exception's type: a refusal by the checks every rank runs alike before
+/// the first exchange (bucket_bytes 0; a device with no backend, "device
+/// cuda:0 is not available") is thrown on every rank and leaves the group
+/// usable. A failure from the first bucket on (no memory for a bucket's
+/// flat buffer, a copy refused on one rank), or out of memory anywhere,
+/// may be this rank's alone: it aborts the group with "broadcasting the
+/// <label> failed on rank N: <what()>" (label and what() cut on a UTF-8
+/// character boundary), so that the others fail at once instead of at
+/// the group's timeout, and rethrows.
 void BroadcastCoalesced(ProcessGroup& pg, const std::vector<nn::Tensor>& tensors, int root,
                         const std::string& label, size_t bucket_bytes = kBroadcastBucketBytes);
+
+/// Test only: BroadcastCoalesced calls `fault(bucket)` (0, 1, ... across
+/// its groups) before each bucket's exchange, where a throw stands for
+/// this rank failing alone; empty to stop. Not synchronised: set it while
+/// no BroadcastCoalesced runs.
+void SetBucketFaultForTesting(std::function<void(int bucket)> fault);
 
 }  // namespace ddp::dist::internal
 

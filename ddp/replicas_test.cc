@@ -458,5 +458,117 @@ TEST(BroadcastCoalescedTest, ARankWithoutMemoryForTheFlatBufferFailsTheOthersAtO
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
+// Rank 1 throws `thrown` before bucket 1 of 2 (each of two 4-element
+// tensors is a bucket of its own): rank 0, the root, must fail at once
+// with a DistributedError naming rank 1 and a reason of whole UTF-8
+// characters; rank 1 gets what it threw.
+template <typename Thrown>
+int OneRankThrowsInTheSecondBucket(const std::string& what) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  const std::vector<nn::Tensor> tensors = {nn::Ones({4}), nn::Ones({4})};
+  if (pg->rank() == 1) {
+    SetBucketFaultForTesting([what](int bucket) {
+      if (bucket == 1) throw Thrown(what);
+    });
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string outcome = "broadcast";
+  try {
+    BroadcastCoalesced(*pg, tensors, 0, "test tensors", 4 * sizeof(float));
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const Thrown& e) {
+    outcome = std::string("thrown: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  SetBucketFaultForTesting({});
+  if (pg->rank() == 1) {
+    WORKER_EXPECT(outcome == "thrown: " + what, outcome + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  WORKER_EXPECT(std::chrono::steady_clock::now() - start < std::chrono::seconds(10), "waited for the timeout" + on);
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 &&
+                    outcome.find("broadcasting the test tensors failed on rank 1: x\xc3\xa9") != std::string::npos,
+                outcome + on);
+  WORKER_EXPECT(IsUtf8(outcome), "a character cut short in: " + outcome + on);
+  return testing::WorkerExit();
+}
+
+// "x" then 300 two-byte characters: a cut at 512 bytes falls inside one.
+std::string XThenAccents() {
+  std::string what = "x";
+  for (int i = 0; i < 300; ++i) what += "\xc3\xa9";
+  return what;
+}
+
+DDP_TEST_WORKER(runtime_error_in_a_bucket_on_one_rank) {
+  return OneRankThrowsInTheSecondBucket<std::runtime_error>(XThenAccents());
+}
+
+DDP_TEST_WORKER(logic_error_in_a_bucket_on_one_rank) {
+  return OneRankThrowsInTheSecondBucket<std::invalid_argument>("x\xc3\xa9 refused on this rank only");
+}
+
+// The abort's reason holds what() up to 512 bytes, cut on a character
+// boundary: it ended in half a character (a lone 0xC3).
+TEST(BroadcastCoalescedTest, TheAbortsReasonEndsOnACharacterBoundary) {
+  auto run = testing::RunWorkers("runtime_error_in_a_bucket_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// A logic_error thrown on one rank once the buckets started aborts the
+// group too: it was rethrown without an abort, and the root waited in the
+// next bucket's broadcast until the group's timeout.
+TEST(BroadcastCoalescedTest, ALogicErrorOnOneRankInABucketFailsTheOthersAtOnce) {
+  auto run = testing::RunWorkers("logic_error_in_a_bucket_on_one_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Two CUDA tensors in a build with no CUDA backend: every rank refuses
+// them alike before any exchange, and the group stays usable (a barrier
+// gets through). Every rank aborted the group, at the flat buffer.
+DDP_TEST_WORKER(a_device_without_a_backend_on_every_rank) {
+  auto pg = testing::WorkerGroup();
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  WORKER_EXPECT(!nn::HasDeviceBackend(nn::DeviceType::kCUDA), "this test needs a build with no CUDA backend" + on);
+  float a[2] = {1, 2}, b[2] = {3, 4};
+  const nn::Device cuda(nn::DeviceType::kCUDA, 0);
+  const std::vector<nn::Tensor> tensors = {nn::Tensor::FromBlob(a, {2}, nn::DType::kFloat32, cuda, [](void*) {}),
+                                           nn::Tensor::FromBlob(b, {2}, nn::DType::kFloat32, cuda, [](void*) {})};
+  std::string outcome = "broadcast";
+  try {
+    BroadcastCoalesced(*pg, tensors, 0, "test tensors");
+  } catch (const std::exception& e) {
+    outcome = e.what();
+  }
+  WORKER_EXPECT(outcome.find("device cuda:0 is not available") != std::string::npos, outcome + on);
+  try {
+    pg->Barrier().Wait();
+  } catch (const std::exception& e) {
+    WORKER_EXPECT(false, std::string("the barrier after the refusal failed: ") + e.what() + on);
+  }
+  return testing::WorkerExit();
+}
+
+TEST(BroadcastCoalescedTest, ARefusalOnEveryRankBeforeTheFirstExchangeLeavesTheGroupUsable) {
+  auto run = testing::RunWorkers("a_device_without_a_backend_on_every_rank", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+TEST(Utf8PrefixBytesTest, KeepsWholeCharactersOnly) {
+  EXPECT_EQ(Utf8PrefixBytes("abc", 8), 3);
+  EXPECT_EQ(Utf8PrefixBytes("abc", 2), 2);
+  EXPECT_EQ(Utf8PrefixBytes("abc", 0), 0);
+  EXPECT_EQ(Utf8PrefixBytes("a\xc3\xa9", 2), 1);          // é cut after its first byte
+  EXPECT_EQ(Utf8PrefixBytes("a\xc3\xa9", 3), 3);          // whole
+  EXPECT_EQ(Utf8PrefixBytes("a\xe2\x82\xac", 3), 1);      // € cut after 2 of 3
+  EXPECT_EQ(Utf8PrefixBytes("a\xf0\x9f\x98\x80", 4), 1);  // an emoji cut after 3 of 4
+  EXPECT_EQ(Utf8PrefixBytes("\xf0\x9f\x98\x80z", 4), 4);
+}
+
 }  // namespace
 }  // namespace ddp::dist::internal
