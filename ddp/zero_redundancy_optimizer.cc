@@ -19,6 +19,7 @@
 namespace ddp::dist {
 namespace {
 
+using internal::Utf8PrefixBytes;
 using nn::Tensor;
 using nn::optim::NamedTensors;
 
@@ -164,10 +165,11 @@ std::string ListOutcomes(const Tensor& all, int size, char verdict) {
 // in, or on their way to, the call's next exchange: aborts the group, so
 // that they fail at once instead of waiting for this rank until the
 // group's timeout, with "<call> failed on rank N<doing>: <what threw>"
-// (its first 512 bytes). Built in a fixed buffer, since memory may be what
-// ran out (a string built from what() could throw again, and this rank
-// would leave without telling them); when even the reason's Status cannot
-// be made, the call's name alone. Nothing is done where the group was
+// (its first 512 bytes or less, cut on a UTF-8 character boundary). Built
+// in a fixed buffer, since memory may be what ran out (a string built from
+// what() could throw again, and this rank would leave without telling
+// them); when even the reason's Status cannot be made, the call's name
+// alone. Nothing is done where the group was
 // aborted already (a failed collective aborts it with its own reason).
 void AbortForThisRank(ProcessGroup& pg, const char* call, const char* doing = "") noexcept {
   try {
@@ -176,8 +178,9 @@ void AbortForThisRank(ProcessGroup& pg, const char* call, const char* doing = ""
     // Not known: abort it (an aborted group keeps its first reason).
   }
   char reason[768];
-  std::snprintf(reason, sizeof(reason), "%s failed on rank %d%s: %.512s", call, pg.rank(), doing,
-                WhatOf(std::current_exception()));
+  const char* what = WhatOf(std::current_exception());
+  std::snprintf(reason, sizeof(reason), "%.*s failed on rank %d%.*s: %.*s", Utf8PrefixBytes(call, 96), call,
+                pg.rank(), Utf8PrefixBytes(doing, 96), doing, Utf8PrefixBytes(what, 512), what);
   try {
     pg.Abort(transport::AbortedError(reason));
     return;
@@ -220,8 +223,9 @@ void DescribeFailure(std::string& out, const char* call, int rank, Describe desc
   } catch (...) {
   }
   char text[kShortFailureBytes];
-  std::snprintf(text, sizeof(text), "%s failed on rank %d: %.200s (cut: memory ran short)", call, rank,
-                WhatOf(thrown));
+  const char* what = WhatOf(thrown);
+  std::snprintf(text, sizeof(text), "%.*s failed on rank %d: %.*s (cut: memory ran short)",
+                Utf8PrefixBytes(call, 64), call, rank, Utf8PrefixBytes(what, 200), what);
   try {
     out.assign(text);
   } catch (...) {

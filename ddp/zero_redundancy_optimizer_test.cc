@@ -1584,6 +1584,7 @@ TEST(ZeroRedundancyOptimizerTest, AStepFailingOnOneRankFailsTheOthersAtOnce) {
 // threw a second std::bad_alloc before the group was aborted: rank 0
 // waited in the broadcast of rank 1's shard until the timeout.
 bool fail_update_at_length = false;
+std::string update_failure;  // when not empty, what Update throws, memory left as it is
 class SgdUpdateFailingLong : public nn::optim::Sgd {
  public:
   using nn::optim::Sgd::Sgd;
@@ -1591,6 +1592,7 @@ class SgdUpdateFailingLong : public nn::optim::Sgd {
  protected:
   void Update(size_t group, float* p, const float* g, float* const* slots, int64_t n, int64_t step, bool fresh,
               float grad_scale) override {
+    if (!update_failure.empty()) throw std::runtime_error(update_failure);
     if (fail_update_at_length) {
       const std::runtime_error failure("device out of memory: " + std::string(16000, 'm'));
       big_allocations_fail = true;
@@ -1651,6 +1653,64 @@ DDP_TEST_WORKER(step_fails_again_while_telling) {
 
 TEST(ZeroRedundancyOptimizerTest, AStepFailingAgainWhileAbortingStillFailsTheOthersAtOnce) {
   auto run = RunWorkers("step_fails_again_while_telling", 2);
+  EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
+}
+
+// Whether `text` is whole UTF-8 characters (none cut short at its end or
+// elsewhere).
+bool IsWholeUtf8(const std::string& text) {
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    const size_t n = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+    if (n == 0 || i + n > text.size()) return false;
+    for (size_t k = 1; k < n; ++k) {
+      if ((static_cast<unsigned char>(text[i + k]) & 0xc0) != 0x80) return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
+// Rank 1's shard optimizer fails with "x" then 300 two-byte characters
+// (601 bytes): the reason rank 0 gets holds its first 512 bytes or less,
+// ending on a character boundary. The cut at 512 bytes left half a
+// character (a lone 0xC3) at its end.
+DDP_TEST_WORKER(step_fails_with_a_long_accented_reason) {
+  auto pg = testing::WorkerGroup();  // a 20 s timeout
+  const std::string on = " on rank " + std::to_string(pg->rank());
+  nn::Generator gen(5);
+  const NamedParameters ab = {{"a", nn::Randn({32}, {}, gen).set_requires_grad(true)},
+                              {"b", nn::Randn({32}, {}, gen).set_requires_grad(true)}};
+  for (const auto& [name, p] : ab) p.set_grad(nn::Randn({32}, {}, gen));
+  ZeroRedundancyOptimizer zero(ab, pg, [](NamedParameters p) {
+    return std::make_unique<SgdUpdateFailingLong>(std::move(p), nn::optim::SgdOptions{.lr = 0.05, .momentum = 0.9});
+  });
+  std::string accented = "x";
+  for (int i = 0; i < 300; ++i) accented += "\xc3\xa9";
+  if (pg->rank() == 1) update_failure = accented;
+  std::string outcome = "stepped";
+  try {
+    zero.Step();
+  } catch (const DistributedError& e) {
+    outcome = std::string("DistributedError: ") + e.what();
+  } catch (const std::exception& e) {
+    outcome = std::string("another exception: ") + e.what();
+  }
+  update_failure.clear();
+  if (pg->rank() == 1) {
+    WORKER_EXPECT(outcome == "another exception: " + accented, outcome.substr(0, 200) + on);
+    testing::StayAliveUntilTheOtherRanksAreDone(*pg);
+    return testing::WorkerExit();
+  }
+  testing::MarkThisRankDone(*pg);
+  const std::string told = "ZeroRedundancyOptimizer::Step failed on rank 1: x\xc3\xa9";
+  WORKER_EXPECT(outcome.rfind("DistributedError: ", 0) == 0 && outcome.find(told) != std::string::npos, outcome + on);
+  WORKER_EXPECT(IsWholeUtf8(outcome), "a character cut short in: " + outcome + on);
+  return testing::WorkerExit();
+}
+
+TEST(ZeroRedundancyOptimizerTest, TheAbortsReasonForAStepFailingOnOneRankEndsOnACharacterBoundary) {
+  auto run = RunWorkers("step_fails_with_a_long_accented_reason", 2);
   EXPECT_TRUE(run.AllSucceeded()) << testing::AllOutput(run);
 }
 
