@@ -2,10 +2,13 @@
 
 #include <fcntl.h>
 #include <linux/capability.h>
+#include <net/if.h>
 #include <poll.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -100,6 +103,29 @@ std::string ListenFails(const std::string& host, int port, StatusCode code, cons
   return "";
 }
 
+// Brings the loopback interface of this network namespace up, as root of
+// it. A new namespace's lo is down and has no 127.0.0.1 until it comes up,
+// and some kernels check that the address is local before the port's
+// privilege (EADDRNOTAVAIL before EACCES), so a test of the port's refusal
+// needs it up.
+std::string BringLoopbackUp() {
+  const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::string("socket for SIOCSIFFLAGS: ") + std::strerror(errno) + "\n";
+  ifreq request{};
+  std::strncpy(request.ifr_name, "lo", IFNAMSIZ - 1);
+  std::string failed;
+  if (ioctl(fd, SIOCGIFFLAGS, &request) != 0) {
+    failed = std::string("SIOCGIFFLAGS lo: ") + std::strerror(errno) + "\n";
+  } else {
+    request.ifr_flags = static_cast<short>(request.ifr_flags | IFF_UP);
+    if (ioctl(fd, SIOCSIFFLAGS, &request) != 0) {
+      failed = std::string("SIOCSIFFLAGS lo up: ") + std::strerror(errno) + "\n";
+    }
+  }
+  close(fd);
+  return failed;
+}
+
 // Drops every capability this process has (in its user namespace).
 std::string DropCapabilities() {
   __user_cap_header_struct header{.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
@@ -149,7 +175,8 @@ TEST(SocketTest, APortBelowTheUnprivilegedStartIsNamedPrivileged) {
     if (!WriteFile("/proc/sys/net/ipv4/ip_unprivileged_port_start", "5000")) {
       return std::string("setting ip_unprivileged_port_start: ") + std::strerror(errno);
     }
-    std::string failed = DropCapabilities();
+    std::string failed = BringLoopbackUp();
+    if (failed.empty()) failed = DropCapabilities();
     if (!failed.empty()) return failed;
     return ListenFails("127.0.0.1", 3000, StatusCode::kPermissionDenied,
                        "cannot listen on 127.0.0.1:3000: Permission denied (port 3000 is privileged: ports below "
@@ -175,7 +202,8 @@ TEST(SocketTest, APortRefusedAboveTheUnprivilegedStartNamesAPolicy) {
     if (!written || !WriteFile(sysctl, "5000") || mount(fake.c_str(), sysctl, nullptr, MS_BIND, nullptr) != 0) {
       return std::string("setting ip_unprivileged_port_start: ") + std::strerror(errno);
     }
-    std::string failed = DropCapabilities();
+    std::string failed = BringLoopbackUp();
+    if (failed.empty()) failed = DropCapabilities();
     if (!failed.empty()) return failed;
     failed = ListenFails("127.0.0.1", 3000, StatusCode::kPermissionDenied,
                          "cannot listen on 127.0.0.1:3000: Permission denied (port 3000 is not a privileged one "
