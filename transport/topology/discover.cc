@@ -5,14 +5,16 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -199,15 +201,21 @@ std::vector<NetDevice> ReadNetDevices(const std::string& sysfs_root) {
     if (port_error) failed.emplace_back(ports, port_error);
   }
   if (error) failed.emplace_back(root, error);
-  // Once a process: a job that makes many communicators on such a host
-  // would repeat it at each.
-  static std::atomic<bool> warned{false};
-  if (!failed.empty() && !warned.exchange(true)) {
-    std::string folders;
+  // Once per folder in a process: a job that makes many communicators on
+  // such a host would repeat it at each, but a failure in another folder
+  // (another device, another sysfs root) is news and is told too.
+  static std::mutex warned_mutex;
+  static auto* const warned = new std::set<std::string>();  // folders told of; never freed
+  std::string folders;
+  if (!failed.empty()) {
+    std::lock_guard<std::mutex> lock(warned_mutex);
     for (const auto& [folder, why] : failed) {
+      if (!warned->insert(folder.string()).second) continue;
       folders += (folders.empty() ? "" : "; ") + folder.string() + " (" + why.message() + ", errno " +
                  std::to_string(why.value()) + ")";
     }
+  }
+  if (!folders.empty()) {
     std::fprintf(stderr,
                  "[ddp] pid %d: warning: RDMA port discovery: the listing of %s stopped on an error; the ports "
                  "not listed are left out of this rank's topology (ranks of this host may see different "

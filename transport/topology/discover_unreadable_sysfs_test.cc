@@ -79,24 +79,46 @@ void Write(const fs::path& path, const std::string& text) {
 // listed before the failure is kept; the rest of that folder is skipped,
 // and a warning names the folder and its error (the list was cut short
 // without a word).
-TEST(ReadNetDevices, AFolderWhoseListingFailsPartWayIsSkippedFromThere) {
-  const fs::path root = fs::path(::testing::TempDir()) / "fail_sys";
+// A sysfs root of its own (the warning is given once per folder, and the
+// tests may run again in this process), with two ports of mlx5_0 and one
+// of mlx5_1, all active.
+fs::path FailingRoot() {
+  static int count = 0;
+  const fs::path root = fs::path(::testing::TempDir()) / ("run" + std::to_string(count++)) / "fail_sys";
   fs::remove_all(root);
   const fs::path ib = root / "class" / "infiniband";
   for (const char* port : {"1", "2"}) {
     Write(ib / "mlx5_0" / "ports" / port / "state", "4: ACTIVE");
   }
   Write(ib / "mlx5_1" / "ports" / "1" / "state", "4: ACTIVE");
-  std::vector<NetDevice> devices;
+  return root;
+}
+
+// ReadNetDevices(root) with the listings failing; what it wrote to stderr.
+std::string ReadFailing(const fs::path& root, std::vector<NetDevice>* devices) {
+  {
+    // A DIR* of an earlier call may be handed out again for another folder.
+    std::lock_guard<std::mutex> lock(listed_mutex);
+    listed.clear();
+  }
+  failures = 0;
   failing_on = true;
   ::testing::internal::CaptureStderr();
   try {
-    devices = ReadNetDevices(root.string());
+    *devices = ReadNetDevices(root.string());
   } catch (const std::exception& e) {
     ADD_FAILURE() << "ReadNetDevices threw: " << e.what();
   }
   const std::string warned = ::testing::internal::GetCapturedStderr();
   failing_on = false;
+  return warned;
+}
+
+TEST(ReadNetDevices, AFolderWhoseListingFailsPartWayIsSkippedFromThere) {
+  const fs::path root = FailingRoot();
+  const fs::path ib = root / "class" / "infiniband";
+  std::vector<NetDevice> devices;
+  const std::string warned = ReadFailing(root, &devices);
   const std::string eio = std::string("(") + std::strerror(EIO) + ", errno " + std::to_string(EIO) + ")";
   EXPECT_NE(warned.find("warning: RDMA port discovery: the listing of " + ib.string()), std::string::npos)
       << warned;
@@ -109,7 +131,28 @@ TEST(ReadNetDevices, AFolderWhoseListingFailsPartWayIsSkippedFromThere) {
   ASSERT_GE(devices.size(), 1u);
   EXPECT_LE(devices.size(), 2u);
   for (const NetDevice& d : devices) EXPECT_TRUE(d.active) << d.UcxName();
-  fs::remove_all(root);
+  fs::remove_all(root.parent_path());
+}
+
+// The warning is given once per folder, not once per process: a failure
+// in another folder after the first was told is told too (the first one
+// hid every later one), while the same folder failing again is not
+// repeated.
+TEST(ReadNetDevices, EachFailingFolderIsWarnedOfOnce) {
+  const fs::path first = FailingRoot();
+  const fs::path second = FailingRoot();
+  const std::string told = "warning: RDMA port discovery: the listing of ";
+  std::vector<NetDevice> devices;
+  const std::string warned_first = ReadFailing(first, &devices);
+  EXPECT_NE(warned_first.find(told + (first / "class" / "infiniband").string()), std::string::npos)
+      << warned_first;
+  const std::string warned_second = ReadFailing(second, &devices);
+  EXPECT_NE(warned_second.find(told + (second / "class" / "infiniband").string()), std::string::npos)
+      << warned_second;
+  const std::string warned_again = ReadFailing(first, &devices);
+  EXPECT_EQ(warned_again, "");
+  fs::remove_all(first.parent_path());
+  fs::remove_all(second.parent_path());
 }
 
 }  // namespace
