@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -204,10 +205,13 @@ bool IsLoopbackAddress(const sockaddr* addr) {
 // host's interfaces, and not a loopback one, is. A loopback address is
 // chosen by the program as often as by the user, and fails for the host's
 // sake (loopback down in a fresh network namespace, ::1 with IPv6 off); an
-// address the host has but cannot use yet (an IPv6 address still tentative,
-// in duplicate address detection) is a passing state; a family of which
-// the host has no address at all is turned off (IPv6 disabled by sysctl,
-// as socket(AF_INET6) still works there).
+// address configured on an interface of this host that cannot be bound now
+// is the host's state too (the interface down, an IPv6 address tentative in
+// duplicate address detection, a link-local one with another interface's
+// scope, as IN6_ARE_ADDR_EQUAL ignores scopes; one without a scope is
+// refused with EINVAL before this), named by what is known of it; a family
+// of which the host has no address at all is turned off (IPv6 disabled by
+// sysctl, as socket(AF_INET6) still works there).
 std::string NotBindableReason(const sockaddr* addr, bool* callers) {
   *callers = false;
   if (IsLoopbackAddress(addr)) {
@@ -218,21 +222,34 @@ std::string NotBindableReason(const sockaddr* addr, bool* callers) {
     return "this host's addresses could not be listed (getifaddrs: " + ErrnoString(errno) + ")";
   }
   bool family_seen = false;
-  bool found = false;
+  // The interface holding the address (one that is up first), and whether
+  // it is up.
+  std::string interface;
+  bool up = false;
   for (const ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
     if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != addr->sa_family) continue;
     family_seen = true;
-    if (addr->sa_family == AF_INET) {
-      found = found || reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr ==
-                           reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr;
-    } else {
-      found = found || IN6_ARE_ADDR_EQUAL(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
-                                          &reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr);
+    const bool same =
+        addr->sa_family == AF_INET
+            ? reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr ==
+                  reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr
+            : IN6_ARE_ADDR_EQUAL(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                                 &reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr);
+    if (same && (interface.empty() || (!up && (i->ifa_flags & IFF_UP) != 0))) {
+      interface = i->ifa_name;
+      up = (i->ifa_flags & IFF_UP) != 0;
     }
   }
   freeifaddrs(list);
   const char* family = addr->sa_family == AF_INET ? "IPv4" : "IPv6";
-  if (found) return "an address of this host not usable yet (an IPv6 address still in duplicate address detection)";
+  if (!interface.empty()) {
+    // Configured here, but not bindable now: what is known is the
+    // interface's state; past that, the likely causes.
+    if (!up) return "an address of this host's interface " + interface + ", which is down";
+    return "an address of this host's interface " + interface +
+           " that cannot be bound now (an IPv6 address still tentative in duplicate address detection, or "
+           "a link-local one given with another interface's scope)";
+  }
   if (!family_seen) return std::string("this host has no ") + family + " address at all (" + family + " off)";
   *callers = true;
   return "not an address of this host";

@@ -65,8 +65,10 @@ std::string PeerAddress(int fd);
 /// of whose addresses is on any interface of this host (loopback ones
 /// aside), each address named; UNAVAILABLE for a name that does not
 /// resolve, or addresses this host cannot use now (a loopback address with
-/// loopback down or IPv6 off, a family turned off, an address still in
-/// IPv6 duplicate address detection), INTERNAL for any other failure.
+/// loopback down or IPv6 off, a family turned off, an address of an
+/// interface of this host that cannot be bound now: the interface down,
+/// named, or an IPv6 address still tentative), INTERNAL for any other
+/// failure.
 StatusOr<std::vector<UniqueFd>> ListenTcp(const std::string& host, int port, int backlog,
                                           Deadline deadline);
 
