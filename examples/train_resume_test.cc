@@ -52,6 +52,23 @@ int64_t WaitForCheckpoint(const std::string& path, int64_t step, Subprocess& p) 
       [&p] { return p.Wait(std::chrono::milliseconds(10)) == -1; }, std::chrono::seconds(120));
 }
 
+// Kills the launcher with no warning and waits until its ranks are gone
+// too (they die with it, but a moment later): a run started right after
+// must not find the last one's rank 0 still holding the checkpoint's claim.
+void KillLauncherAndItsRanks(Subprocess& run) {
+  const std::vector<pid_t> workers = run.Children();
+  ASSERT_EQ(workers.size(), 2u) << run.Stdout() << run.Stderr();
+  run.Signal(SIGKILL);
+  ASSERT_EQ(run.Wait(std::chrono::seconds(30)), 128 + SIGKILL);
+  for (pid_t w : workers) {
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    while (!testing::ProcessGone(w) && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(testing::ProcessGone(w)) << "rank process " << w << " outlived the launcher";
+  }
+}
+
 // The step of the last training row in `log_dir`/metrics.csv (a row with a
 // training loss; evaluation rows leave it empty), or -1 while there is none.
 // With --log_every=1 the trainer (rank 0) appends and flushes one such row
@@ -141,18 +158,7 @@ TEST(TrainResumeTest, KilledAndResumedEqualsUninterrupted) {
     killed_at = WaitForCheckpoint(resumed, 8, run);
     ASSERT_GT(killed_at, 0) << "the run ended before its first checkpoints: " << run.Stdout()
                             << run.Stderr();
-    // Kill the launcher with no warning; the ranks die with it.
-    const std::vector<pid_t> workers = run.Children();
-    ASSERT_EQ(workers.size(), 2u) << run.Stdout() << run.Stderr();
-    run.Signal(SIGKILL);
-    ASSERT_EQ(run.Wait(std::chrono::seconds(30)), 128 + SIGKILL);
-    for (pid_t w : workers) {
-      const auto until = Clock::now() + std::chrono::seconds(10);
-      while (!testing::ProcessGone(w) && Clock::now() < until) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      EXPECT_TRUE(testing::ProcessGone(w)) << "rank process " << w << " outlived the launcher";
-    }
+    ASSERT_NO_FATAL_FAILURE(KillLauncherAndItsRanks(run));
   }
   const int64_t on_disk = CheckpointStep(resumed);
   ASSERT_GE(on_disk, killed_at);
@@ -298,8 +304,7 @@ void ExpectShardedTrainsAndResumesLikeTheUnsharded(const std::string& name, cons
     killed_at = WaitForCheckpoint(sharded, 8, run);
     ASSERT_GT(killed_at, 0) << "the run ended before its first checkpoints: " << run.Stdout()
                             << run.Stderr();
-    run.Signal(SIGKILL);
-    ASSERT_EQ(run.Wait(std::chrono::seconds(30)), 128 + SIGKILL);
+    ASSERT_NO_FATAL_FAILURE(KillLauncherAndItsRanks(run));
   }
   const int64_t on_disk = CheckpointStep(sharded);
   ASSERT_GE(on_disk, killed_at);
@@ -388,7 +393,12 @@ TEST(TrainResumeTest, KilledRankWithNoRestartLeftSaysContinueWithResume) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   ASSERT_NE(run.Stdout().find(resuming), std::string::npos) << run.Stdout() << run.Stderr();
-  ASSERT_GT(WaitForCheckpoint(ckpt, CheckpointStep(ckpt) + 1, run), 0)
+  // Past the restarted run's second save: rank 0 counts a save as made only
+  // once every rank has heard it succeeded, which is after the file is in
+  // place, so a kill as soon as the first save's file appears could leave
+  // rank 0 with no save of its own to name. The second save starts after
+  // the first one's exchange ended.
+  ASSERT_GT(WaitForCheckpoint(ckpt, CheckpointStep(ckpt) + 5, run), 0)
       << run.Stdout() << run.Stderr();
   const std::vector<pid_t> second = run.Children();
   ASSERT_EQ(second.size(), 2u);
