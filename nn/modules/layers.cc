@@ -154,11 +154,15 @@ Tensor Linear::Forward(const Tensor& x) {
 
 // ---------------------------------------------------------------- Conv2d
 
-Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv2dOptions options, Generator& gen)
-    : in_(in_channels), out_(out_channels), kernel_(kernel_size), options_(options) {
-  // As PyTorch's _ConvNd: groups must be positive and divide both channel
-  // counts; zero channels are allowed (an empty weight), negative ones not.
-  const std::string where = "Conv2d(" + std::to_string(in_channels) + ", " + std::to_string(out_channels) + "): ";
+namespace {
+
+// The constructor checks of Conv1d and Conv2d, as PyTorch's _ConvNd makes
+// them: groups must be positive and divide both channel counts; zero
+// channels are allowed (an empty weight), negative ones not.
+void CheckConvArguments(const char* layer, int64_t in_channels, int64_t out_channels, int64_t kernel_size,
+                        int64_t stride, int64_t dilation, int64_t padding, int64_t groups) {
+  const std::string where =
+      std::string(layer) + "(" + std::to_string(in_channels) + ", " + std::to_string(out_channels) + "): ";
   auto at_least = [&where](const char* what, int64_t v, int64_t lowest) {
     if (v < lowest) {
       throw std::invalid_argument(where + what + " must be >= " + std::to_string(lowest) + ", got " +
@@ -167,18 +171,26 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, C
   };
   at_least("in_channels", in_channels, 0);
   at_least("out_channels", out_channels, 0);
-  at_least("groups", options.groups, 1);
+  at_least("groups", groups, 1);
   for (const auto& [what, count] : {std::pair<const char*, int64_t>{"in_channels", in_channels},
                                     std::pair<const char*, int64_t>{"out_channels", out_channels}}) {
-    if (count % options.groups != 0) {
+    if (count % groups != 0) {
       throw std::invalid_argument(where + what + " (" + std::to_string(count) + ") must be divisible by groups (" +
-                                  std::to_string(options.groups) + ")");
+                                  std::to_string(groups) + ")");
     }
   }
   at_least("kernel_size", kernel_size, 1);
-  at_least("stride", options.stride, 1);
-  at_least("dilation", options.dilation, 1);
-  at_least("padding", options.padding, 0);
+  at_least("stride", stride, 1);
+  at_least("dilation", dilation, 1);
+  at_least("padding", padding, 0);
+}
+
+}  // namespace
+
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv2dOptions options, Generator& gen)
+    : in_(in_channels), out_(out_channels), kernel_(kernel_size), options_(options) {
+  CheckConvArguments("Conv2d", in_channels, out_channels, kernel_size, options.stride, options.dilation,
+                     options.padding, options.groups);
   weight_ = RegisterParameter("weight", Empty({out_channels, in_channels / options.groups, kernel_size, kernel_size}));
   if (options.bias) bias_ = RegisterParameter("bias", Empty({out_channels}));
   ResetLikePyTorch(weight_, bias_, gen);
@@ -219,28 +231,8 @@ Tensor Conv2d::Forward(const Tensor& x) {
 
 Conv1d::Conv1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size, Conv1dOptions options, Generator& gen)
     : in_(in_channels), out_(out_channels), kernel_(kernel_size), options_(options) {
-  // The checks of Conv2d's constructor, in the same order.
-  const std::string where = "Conv1d(" + std::to_string(in_channels) + ", " + std::to_string(out_channels) + "): ";
-  auto at_least = [&where](const char* what, int64_t v, int64_t lowest) {
-    if (v < lowest) {
-      throw std::invalid_argument(where + what + " must be >= " + std::to_string(lowest) + ", got " +
-                                  std::to_string(v));
-    }
-  };
-  at_least("in_channels", in_channels, 0);
-  at_least("out_channels", out_channels, 0);
-  at_least("groups", options.groups, 1);
-  for (const auto& [what, count] : {std::pair<const char*, int64_t>{"in_channels", in_channels},
-                                    std::pair<const char*, int64_t>{"out_channels", out_channels}}) {
-    if (count % options.groups != 0) {
-      throw std::invalid_argument(where + what + " (" + std::to_string(count) + ") must be divisible by groups (" +
-                                  std::to_string(options.groups) + ")");
-    }
-  }
-  at_least("kernel_size", kernel_size, 1);
-  at_least("stride", options.stride, 1);
-  at_least("dilation", options.dilation, 1);
-  at_least("padding", options.padding, 0);
+  CheckConvArguments("Conv1d", in_channels, out_channels, kernel_size, options.stride, options.dilation,
+                     options.padding, options.groups);
   weight_ = RegisterParameter("weight", Empty({out_channels, in_channels / options.groups, kernel_size}));
   if (options.bias) bias_ = RegisterParameter("bias", Empty({out_channels}));
   ResetLikePyTorch(weight_, bias_, gen);
